@@ -1,0 +1,215 @@
+"""The data types every layer shares: sampling requests, generation outputs, trajectories and the
+packed training batch.
+
+Legend for tensor names (STYLE.md 5):
+    B = sequences in a batch, T = packed tokens (all sequences concatenated, no padding),
+    V = vocabulary, D = hidden size.
+
+Alignment convention for per-token tensors of a packed batch: the value at position ``t`` is about
+token ``input_ids_T[t]`` *as a prediction target*, i.e. ``logprobs_T[t] = log p(input_ids_T[t] |
+tokens before t in the same sequence)``. The first token of every sequence is never a target, so
+its ``loss_mask_T`` entry is always False and its log-prob is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How one request is sampled. Validated at construction."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy. Log-probs are reported under the scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 disables."""
+    min_new_tokens: int = 0
+    """EOS and stop tokens are suppressed until this many tokens were generated."""
+    max_new_tokens: int = 128
+    """Hard cap on generated tokens (finish reason ``length``)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end generation (the tokenizer's EOS always does unless ignore_eos)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, checked on the decoded output."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens (benchmarks)."""
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same tokens."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop = tuple(self.stop)
+
+
+@dataclass(kw_only=True)
+class GenerationOutput:
+    """What the rollout engine returns for one request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    """Log-prob of each output token under the temperature-scaled sampling distribution."""
+    output_versions: list[int]
+    """Policy version that produced each output token (changes mid-request after a weight swap)."""
+    finish_reason: str
+    """``stop`` (EOS / stop token / stop string), ``length`` or ``abort``."""
+    text: str = ""
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """One sequence to train on: a prompt and what the policy produced after it.
+
+    ``completion_mask`` lets multi-turn workflows exclude environment/tool tokens that sit inside
+    the completion from the loss (1 = model-generated, trained).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    """Behaviour log-probs of completion tokens (0 where completion_mask is 0)."""
+    versions: list[int]
+    """Policy version per completion token (-1 where completion_mask is 0)."""
+    reward: float
+    completion_mask: list[int] | None = None
+    group_id: str = ""
+    """Trajectories of one prompt share a group id (GRPO groups)."""
+    finish_reason: str = "stop"
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form metadata: the sample, the answer, turn count, store keys of large observations."""
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"trajectory lengths differ: completion {n}, logprobs {len(self.logprobs)}, "
+                f"versions {len(self.versions)}"
+            )
+        if self.completion_mask is None:
+            self.completion_mask = [1] * n
+        elif len(self.completion_mask) != n:
+            raise ValueError(f"completion_mask has {len(self.completion_mask)} entries, expected {n}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass(kw_only=True)
+class TokenBatch:
+    """A packed batch of B sequences (T tokens in all, no padding): the only training input format.
+
+    Per-token tensors follow the alignment convention in this module's docstring. ``extra`` holds
+    role-specific per-token or per-sequence tensors (``ref_logprobs_T``, ``values_T``, …) whose
+    names end in their shape letter.
+    """
+
+    input_ids_T: torch.Tensor
+    """int64 [T] token ids of all sequences, concatenated."""
+    cu_seqlens_B1: torch.Tensor
+    """int64 [B+1] sequence boundaries: sequence b is input_ids_T[cu[b]:cu[b+1]]."""
+    loss_mask_T: torch.Tensor
+    """bool [T] tokens trained on (model-generated completion tokens)."""
+    logprobs_T: torch.Tensor
+    """float32 [T] behaviour log-probs (0 where not in the loss)."""
+    versions_T: torch.Tensor
+    """int64 [T] policy version that produced each token (-1 for prompt/environment tokens)."""
+    advantages_T: torch.Tensor
+    """float32 [T] per-token advantages (0 outside the loss mask)."""
+    rewards_B: torch.Tensor
+    """float32 [B] scalar reward per sequence."""
+    group_ids: list[str] = field(default_factory=list)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.cu_seqlens_B1.numel() - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_T.numel())
+
+    @property
+    def seqlens_B(self) -> torch.Tensor:
+        return self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]
+
+    def position_ids_T(self) -> torch.Tensor:
+        """Positions restarting at 0 for each packed sequence."""
+        seqlens_B = self.seqlens_B
+        starts_T = torch.repeat_interleave(self.cu_seqlens_B1[:-1], seqlens_B)
+        return torch.arange(self.num_tokens, dtype=torch.long) - starts_T
+
+    def select(self, seq_indices: list[int]) -> "TokenBatch":
+        """A new packed batch holding the given sequences, in the given order."""
+        cu = self.cu_seqlens_B1.tolist()
+        token_idx = [torch.arange(cu[i], cu[i + 1]) for i in seq_indices]
+        idx_T = torch.cat(token_idx) if token_idx else torch.zeros(0, dtype=torch.long)
+        seqlens = torch.tensor([cu[i + 1] - cu[i] for i in seq_indices], dtype=torch.long)
+        new_cu = torch.zeros(len(seq_indices) + 1, dtype=torch.long)
+        new_cu[1:] = torch.cumsum(seqlens, 0)
+        seq_idx_B = torch.tensor(seq_indices, dtype=torch.long)
+        extra = {}
+        for key, value in self.extra.items():
+            extra[key] = value[idx_T] if key.endswith("_T") else value[seq_idx_B]
+        return dataclasses.replace(
+            self,
+            input_ids_T=self.input_ids_T[idx_T],
+            cu_seqlens_B1=new_cu,
+            loss_mask_T=self.loss_mask_T[idx_T],
+            logprobs_T=self.logprobs_T[idx_T],
+            versions_T=self.versions_T[idx_T],
+            advantages_T=self.advantages_T[idx_T],
+            rewards_B=self.rewards_B[seq_idx_B],
+            group_ids=[self.group_ids[i] for i in seq_indices] if self.group_ids else [],
+            extra=extra,
+        )
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[Trajectory]) -> "TokenBatch":
+        """Pack trajectories (advantages left at 0; a specialization fills them)."""
+        if not trajectories:
+            raise ValueError("cannot build a TokenBatch from zero trajectories")
+        ids, mask, logp, vers, cu = [], [], [], [], [0]
+        for traj in trajectories:
+            n_prompt = len(traj.prompt_ids)
+            ids.extend(traj.prompt_ids)
+            ids.extend(traj.completion_ids)
+            mask.extend([0] * n_prompt)
+            mask.extend(traj.completion_mask)
+            logp.extend([0.0] * n_prompt)
+            logp.extend(lp if m else 0.0 for lp, m in zip(traj.logprobs, traj.completion_mask))
+            vers.extend([-1] * n_prompt)
+            vers.extend(v if m else -1 for v, m in zip(traj.versions, traj.completion_mask))
+            cu.append(cu[-1] + traj.num_tokens)
+        loss_mask_T = torch.tensor(mask, dtype=torch.bool)
+        # The first token of a sequence is never a target (nothing predicts it).
+        loss_mask_T[torch.tensor(cu[:-1])] = False
+        return cls(
+            input_ids_T=torch.tensor(ids, dtype=torch.long),
+            cu_seqlens_B1=torch.tensor(cu, dtype=torch.long),
+            loss_mask_T=loss_mask_T,
+            logprobs_T=torch.tensor(logp, dtype=torch.float32),
+            versions_T=torch.tensor(vers, dtype=torch.long),
+            advantages_T=torch.zeros(len(ids), dtype=torch.float32),
+            rewards_B=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            group_ids=[t.group_id for t in trajectories],
+        )

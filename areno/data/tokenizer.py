@@ -1,0 +1,57 @@
+"""Tiny local tokenizers for tests, the demo and benchmarks: no download, no training data.
+
+``build_char_tokenizer`` makes a character-level ``PreTrainedTokenizerFast`` (one token per
+printable ASCII character plus special tokens and a simple chat template), saved with
+``save_pretrained`` next to the model it belongs to, so ``transformers.AutoTokenizer`` loads it.
+"""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)
+
+# Qwen-style template; the tiny task models are trained on raw prompts, chat is for the server.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_char_tokenizer(
+    alphabet: str = string.printable, *, extra_tokens: tuple[str, ...] = (), vocab_padding: int = 0
+) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over ``alphabet``.
+
+    Args:
+        alphabet: characters that get one token each (order fixes the ids after the specials).
+        extra_tokens: additional whole-word tokens (e.g. ``"<tool_call>"``).
+        vocab_padding: unused ids appended as ``<unused{i}>`` tokens, to give a model the vocabulary
+            size of a real checkpoint in benchmarks.
+    """
+    vocab: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS + tuple(extra_tokens):
+        vocab.setdefault(tok, len(vocab))
+    for ch in alphabet:
+        vocab.setdefault(ch, len(vocab))
+    for i in range(vocab_padding):
+        vocab.setdefault(f"<unused{i}>", len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    special = list(SPECIAL_TOKENS) + list(extra_tokens)
+    tok.add_special_tokens(special)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        additional_special_tokens=[IM_START, IM_END, *extra_tokens],
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
