@@ -1,0 +1,389 @@
+"""Training metrics: one logger, several sinks (metrics.jsonl, console, TensorBoard, W&B).
+
+Names are namespaced so that every sink and the run report group them the same way:
+
+    rollout/…      what the rollout produced   (rollout/reward_mean, rollout/staleness_mean, …)
+    train/…        the optimisation step       (train/loss, train/kl, train/clip_frac, …)
+    eval/…         held-out evaluation          (eval/accuracy, …)
+    timing/…       wall-clock split, throughput (timing/rollout_s, timing/train_s, timing/sync_s,
+                                                 timing/step_s, timing/tokens_per_s)
+    system/…       memory, utilisation
+    policy_sync_*  policy sync, spelled exactly as seed 000 does, with no namespace:
+                   policy_sync_time_s, policy_sync_transfer_time_s, policy_sync_bytes,
+                   policy_sync_tensors, policy_sync_throughput_gbps
+
+``MetricsLogger.log`` is thread-safe: evaluation threads may log between training steps (with the
+step of the policy they evaluated). In a distributed run only one process (rank 0) should own a
+logger; other ranks reduce their numbers to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TextIO
+
+NAMESPACES: tuple[str, ...] = ("rollout/", "train/", "eval/", "timing/", "system/")
+"""Allowed name prefixes (besides ``policy_sync_``)."""
+POLICY_SYNC_PREFIX = "policy_sync_"
+POLICY_SYNC_KEYS: tuple[str, ...] = (
+    "policy_sync_time_s",
+    "policy_sync_transfer_time_s",
+    "policy_sync_bytes",
+    "policy_sync_tensors",
+    "policy_sync_throughput_gbps",
+)
+"""The policy-sync metrics of seed 000, in its spelling."""
+
+REWARD_KEY = "rollout/reward_mean"
+STALENESS_KEY = "rollout/staleness_mean"
+"""Mean (current version - token version) over the trained tokens of a step."""
+TOKENS_PER_S_KEY = "timing/tokens_per_s"
+NUM_TOKENS_KEY = "rollout/num_tokens"
+"""Tokens (prompt + completion) in the step's batch; the console derives tokens/s from it when
+``timing/tokens_per_s`` is not logged."""
+
+METRICS_FILENAME = "metrics.jsonl"
+
+Number = int | float
+
+
+class MissingDependencyError(ImportError):
+    """An optional feature was enabled but the package it needs is not installed."""
+
+
+def check_metric_name(name: str) -> None:
+    """Raise ValueError unless ``name`` is in one of the known namespaces."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"metric names must be non-empty strings, got {name!r}")
+    if name.startswith(POLICY_SYNC_PREFIX):
+        return
+    if not name.startswith(NAMESPACES) or name.endswith("/"):
+        raise ValueError(
+            f"metric {name!r} has no namespace: prefix it with one of {', '.join(NAMESPACES)} "
+            f"(or name it {POLICY_SYNC_PREFIX}* for policy sync)"
+        )
+
+
+def to_number(name: str, value: Any) -> Number:
+    """A plain Python int/float from an int, float, bool, numpy scalar or 0-d tensor."""
+    if hasattr(value, "item") and not isinstance(value, numbers.Number):
+        value = value.item()  # torch / numpy scalars; raises on tensors with several elements
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise ValueError(f"metric {name!r} must be a real number, got {type(value).__name__}: {value!r}")
+
+
+class MetricSink(ABC):
+    """Where metrics go. ``MetricsLogger`` calls sinks under one lock, so sinks need none."""
+
+    @abstractmethod
+    def write(self, metrics: Mapping[str, Number], step: int) -> None:
+        """Record ``metrics`` (validated, plain numbers) at training step ``step``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush and release resources. Called once."""
+
+
+class JsonlSink(MetricSink):
+    """``run_dir/metrics.jsonl``: one JSON object per ``log`` call with ``step``, wall ``time``
+    (Unix seconds) and the metrics. Non-finite floats are written as ``null`` (strict JSON)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / METRICS_FILENAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, metrics: Mapping[str, Number], step: int) -> None:
+        record: dict[str, Any] = {"step": step, "time": time.time()}
+        for key, value in metrics.items():
+            record[key] = value if math.isfinite(value) else None
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl`` in file order (a torn last line is skipped)."""
+    path = Path(run_dir) / METRICS_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # the writer was killed mid-line
+                break
+            raise ValueError(f"{path}:{i + 1} is not valid JSON: {line[:80]!r}") from None
+    return records
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def _format_number(value: float) -> str:
+    if value != value:  # NaN
+        return "nan"
+    magnitude = abs(value)
+    if magnitude >= 1e4:
+        return f"{value:.3g}" if magnitude >= 1e7 else f"{value:.0f}"
+    return f"{value:.3g}" if magnitude < 1e-3 and value != 0 else f"{value:.3f}".rstrip("0").rstrip(".")
+
+
+class ConsoleSink(MetricSink):
+    """A progress line: step/total, reward, tokens/s, staleness, ETA.
+
+    On a terminal it is a tqdm bar; otherwise (CI, log files) a plain line per step, and eval
+    results as their own line. Tokens/s is ``timing/tokens_per_s`` when logged, else
+    ``rollout/num_tokens`` divided by the wall time since the previous step.
+    """
+
+    def __init__(
+        self,
+        *,
+        total_steps: int | None,
+        start_step: int = 0,
+        stream: TextIO | None = None,
+        use_tqdm: bool | None = None,
+    ) -> None:
+        self.total_steps = total_steps
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", lambda: False)()
+        self.use_tqdm = isatty if use_tqdm is None else use_tqdm
+        self._start_step = start_step
+        self._last_step = start_step
+        self._t_start = time.monotonic()
+        self._t_last_step = self._t_start
+        self._bar = None
+        if self.use_tqdm:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, file=self.stream, dynamic_ncols=True,
+                unit="step", desc="train",
+            )
+
+    def summary(self, metrics: Mapping[str, Number], step: int) -> dict[str, str]:
+        """The short fields shown for a step (reward, tok/s, staleness, eta)."""
+        now = time.monotonic()
+        fields: dict[str, str] = {}
+        if REWARD_KEY in metrics:
+            fields["reward"] = _format_number(metrics[REWARD_KEY])
+        tokens_per_s = metrics.get(TOKENS_PER_S_KEY)
+        if tokens_per_s is None and NUM_TOKENS_KEY in metrics and step > self._last_step:
+            elapsed = now - self._t_last_step
+            if elapsed > 0:
+                tokens_per_s = metrics[NUM_TOKENS_KEY] / elapsed
+        if tokens_per_s is not None:
+            fields["tok/s"] = _format_number(tokens_per_s)
+        if STALENESS_KEY in metrics:
+            fields["stale"] = _format_number(metrics[STALENESS_KEY])
+        done = step - self._start_step
+        if self.total_steps is not None and done > 0 and step <= self.total_steps:
+            eta = (now - self._t_start) / done * (self.total_steps - step)
+            fields["eta"] = _format_duration(eta)
+        return fields
+
+    def write(self, metrics: Mapping[str, Number], step: int) -> None:
+        is_step = step > self._last_step or any(not k.startswith("eval/") for k in metrics)
+        fields = self.summary(metrics, step)
+        eval_fields = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if self._bar is not None:
+            if step > self._last_step:
+                self._bar.update(step - self._last_step)
+            if eval_fields:
+                self._bar.write(self._eval_line(eval_fields, step), file=self.stream)
+            if is_step and fields:
+                fields.pop("eta", None)  # tqdm shows its own
+                self._bar.set_postfix(fields, refresh=True)
+        else:
+            if is_step:
+                total = f"/{self.total_steps}" if self.total_steps is not None else ""
+                parts = [f"step {step}{total}"] + [f"{k} {v}" for k, v in fields.items()]
+                print(" | ".join(parts), file=self.stream, flush=True)
+            if eval_fields:
+                print(self._eval_line(eval_fields, step), file=self.stream, flush=True)
+        if step > self._last_step:
+            self._last_step = step
+            self._t_last_step = time.monotonic()
+
+    @staticmethod
+    def _eval_line(eval_fields: Mapping[str, Number], step: int) -> str:
+        body = " ".join(f"{k}={_format_number(v)}" for k, v in sorted(eval_fields.items()))
+        return f"eval @ step {step}: {body}"
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class TensorBoardSink(MetricSink):
+    """Scalars to ``run_dir/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise MissingDependencyError(
+                f"TensorBoard logging is enabled but cannot be imported ({e}): "
+                "pip install tensorboard, or turn tensorboard off"
+            ) from e
+        self.log_dir = Path(run_dir) / "tensorboard"
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def write(self, metrics: Mapping[str, Number], step: int) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, global_step=step)
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    """Weights & Biases logging. Needs ``pip install 'areno[wandb]'``."""
+
+    project: str = "areno"
+    """W&B project name."""
+    entity: str | None = None
+    """W&B team or user; None uses the account default."""
+    name: str | None = None
+    """Run name; None uses the run directory's name."""
+    mode: str = "offline"
+    """``online`` (needs network and a login), ``offline`` (writes under run_dir/wandb, sync later
+    with ``wandb sync``) or ``disabled``."""
+    tags: tuple[str, ...] = ()
+    """Run tags."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The run's configuration, shown in the W&B UI."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"wandb.mode must be online, offline or disabled, got {self.mode!r}")
+        if not self.project:
+            raise ValueError("wandb.project must be a non-empty string")
+        self.tags = tuple(self.tags)
+
+
+class WandbSink(MetricSink):
+    """Metrics to a W&B run. Steps go in a ``step`` field used as every metric's x axis, so
+    results logged late (background evaluation) are kept rather than dropped as out of order."""
+
+    def __init__(self, run_dir: Path, config: WandbConfig) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise MissingDependencyError(
+                "W&B logging is enabled but wandb is not installed: "
+                "pip install 'areno[wandb]', or set wandb to None"
+            ) from e
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            project=config.project,
+            entity=config.entity,
+            name=config.name or run_dir.name,
+            dir=str(run_dir),
+            mode=config.mode,
+            tags=list(config.tags),
+            config=dict(config.config),
+        )
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+
+    def write(self, metrics: Mapping[str, Number], step: int) -> None:
+        self._run.log({**metrics, "step": step})
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MetricsLogger:
+    """Validates metric names and values once and hands the same record to every sink.
+
+    Thread-safe. ``log`` after ``close`` raises. Usable as a context manager.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int | None,
+        console: bool = True,
+        tensorboard: bool = False,
+        wandb: WandbConfig | None = None,
+        start_step: int = 0,
+        extra_sinks: Sequence[MetricSink] = (),
+    ) -> None:
+        if total_steps is not None and total_steps < 0:
+            raise ValueError(f"total_steps must be >= 0 or None, got {total_steps}")
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.sinks: list[MetricSink] = [JsonlSink(self.run_dir)]
+        try:
+            if console:
+                self.sinks.append(ConsoleSink(total_steps=total_steps, start_step=start_step))
+            if tensorboard:
+                self.sinks.append(TensorBoardSink(self.run_dir))
+            if wandb is not None and wandb.mode != "disabled":
+                self.sinks.append(WandbSink(self.run_dir, wandb))
+        except BaseException:
+            for sink in self.sinks:
+                sink.close()
+            raise
+        self.sinks.extend(extra_sinks)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record ``metrics`` at training step ``step`` in every sink."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        clean: dict[str, Number] = {}
+        for name, value in metrics.items():
+            check_metric_name(name)
+            clean[name] = to_number(name, value)
+        if not clean:
+            return
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("MetricsLogger.log called after close()")
+            for sink in self.sinks:
+                sink.write(clean, int(step))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for sink in self.sinks:
+                sink.close()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,205 @@
+"""MetricsLogger and its sinks: every sink receives the same validated metrics."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+from areno.observe.metrics import (
+    ConsoleSink,
+    JsonlSink,
+    MetricsLogger,
+    MetricSink,
+    MissingDependencyError,
+    WandbConfig,
+    read_metrics,
+)
+
+STEPS = [
+    {"rollout/reward_mean": 0.25, "train/loss": 1.5, "timing/tokens_per_s": 1200.0,
+     "rollout/staleness_mean": 0.5, "policy_sync_bytes": 4096, "policy_sync_throughput_gbps": 1.25},
+    {"rollout/reward_mean": 0.5, "train/loss": 1.25, "timing/tokens_per_s": 1300.0,
+     "rollout/staleness_mean": 1.0, "policy_sync_bytes": 4096, "policy_sync_throughput_gbps": 2.5},
+]
+
+
+class RecordingSink(MetricSink):
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict]] = []
+        self.closed = False
+
+    def write(self, metrics, step):
+        self.records.append((step, dict(metrics)))
+
+    def close(self):
+        self.closed = True
+
+
+class FakeWandbRun:
+    def __init__(self, **kwargs):
+        self.init_kwargs = kwargs
+        self.logged: list[dict] = []
+        self.defined: list[tuple] = []
+        self.finished = False
+
+    def define_metric(self, name, **kwargs):
+        self.defined.append((name, kwargs))
+
+    def log(self, data):
+        self.logged.append(dict(data))
+
+    def finish(self):
+        self.finished = True
+
+
+def fake_wandb_module() -> types.ModuleType:
+    module = types.ModuleType("wandb")
+    module.runs = []
+
+    def init(**kwargs):
+        run = FakeWandbRun(**kwargs)
+        module.runs.append(run)
+        return run
+
+    module.init = init
+    return module
+
+
+def read_tensorboard(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_every_sink_receives_the_same_metrics(tmp_path, monkeypatch, capsys):
+    wandb = fake_wandb_module()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    recorder = RecordingSink()
+    with MetricsLogger(
+        tmp_path, total_steps=2, console=True, tensorboard=True,
+        wandb=WandbConfig(project="p", mode="offline"), extra_sinks=[recorder],
+    ) as logger:
+        for step, metrics in enumerate(STEPS, start=1):
+            logger.log(metrics, step=step)
+    assert recorder.closed
+
+    expected = [(step, metrics) for step, metrics in enumerate(STEPS, start=1)]
+    assert recorder.records == expected
+
+    records = read_metrics(tmp_path)
+    assert [(r.pop("step"), r) for r in records if r.pop("time") > 0] == expected
+    assert isinstance(records[0]["policy_sync_bytes"], int)
+
+    scalars = read_tensorboard(tmp_path / "tensorboard")
+    for key in STEPS[0]:
+        assert scalars[key] == [(s, pytest.approx(m[key])) for s, m in expected]
+
+    (run,) = wandb.runs
+    assert run.init_kwargs["mode"] == "offline" and run.init_kwargs["name"] == tmp_path.name
+    assert ("*", {"step_metric": "step"}) in run.defined
+    assert run.logged == [{**m, "step": s} for s, m in expected]
+    assert run.finished
+
+    err = capsys.readouterr().err  # not a TTY under pytest: plain lines
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert lines[0].startswith("step 1/2 | reward 0.25 | tok/s 1200 | stale 0.5 | eta ")
+    assert lines[1].startswith("step 2/2 | reward 0.5 | tok/s 1300 | stale 1 | eta 00:00")
+
+
+def test_values_are_converted_and_validated(tmp_path):
+    import numpy as np
+    import torch
+
+    sink = RecordingSink()
+    logger = MetricsLogger(tmp_path, total_steps=None, console=False, extra_sinks=[sink])
+    logger.log({"train/loss": torch.tensor(0.5), "train/n": np.int64(3), "eval/ok": True}, step=0)
+    assert sink.records == [(0, {"train/loss": 0.5, "train/n": 3, "eval/ok": 1})]
+    assert type(sink.records[0][1]["train/n"]) is int
+    with pytest.raises(ValueError, match="no namespace"):
+        logger.log({"loss": 1.0}, step=1)
+    with pytest.raises(ValueError, match="must be a real number"):
+        logger.log({"train/loss": "high"}, step=1)
+    with pytest.raises(ValueError, match="step must be"):
+        logger.log({"train/loss": 1.0}, step=-1)
+    logger.log({"train/loss": float("nan"), "policy_sync_time_s": 0.1}, step=1)
+    logger.close()
+    assert read_metrics(tmp_path)[-1]["train/loss"] is None  # strict JSON
+    with pytest.raises(RuntimeError, match="after close"):
+        logger.log({"train/loss": 1.0}, step=2)
+
+
+def test_missing_wandb_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(MissingDependencyError, match=r"pip install 'areno\[wandb\]'"):
+        MetricsLogger(tmp_path, total_steps=1, console=False, wandb=WandbConfig())
+    # the JSONL sink opened before the failure was closed again; disabled mode never imports wandb
+    MetricsLogger(tmp_path, total_steps=1, console=False, wandb=WandbConfig(mode="disabled")).close()
+    with pytest.raises(ValueError, match="wandb.mode"):
+        WandbConfig(mode="cloud")
+
+
+def test_logging_from_threads_keeps_every_record(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=None, console=False)
+
+    def train_loop():
+        for step in range(200):
+            logger.log({"train/loss": step * 0.5, "rollout/reward_mean": 0.1}, step=step)
+
+    def eval_loop():
+        for step in range(0, 200, 2):
+            logger.log({"eval/accuracy": step / 200}, step=step)
+
+    threads = [threading.Thread(target=train_loop), threading.Thread(target=eval_loop)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    logger.close()
+    records = read_metrics(tmp_path)
+    assert len(records) == 300
+    assert sorted(r["step"] for r in records if "train/loss" in r) == list(range(200))
+    assert sorted(r["step"] for r in records if "eval/accuracy" in r) == list(range(0, 200, 2))
+
+
+def test_console_derives_tokens_per_s_and_prints_eval_lines():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=None, stream=stream)
+    assert not sink.use_tqdm
+    sink.write({"rollout/num_tokens": 1000, "rollout/reward_mean": 1.0}, step=1)
+    sink.write({"eval/accuracy": 0.75}, step=1)
+    sink.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("step 1 | reward 1 | tok/s ")
+    assert float(lines[0].split("tok/s ")[1].split()[0]) > 0
+    assert lines[1] == "eval @ step 1: eval/accuracy=0.75"
+    assert len(lines) == 2
+
+
+def test_console_tqdm_bar_shows_progress_and_postfix():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=4, stream=stream, use_tqdm=True)
+    sink.write({"rollout/reward_mean": 0.5, "timing/tokens_per_s": 2000.0,
+                "rollout/staleness_mean": 0.25}, step=1)
+    sink.write({"rollout/reward_mean": 0.75}, step=2)
+    sink.close()
+    out = stream.getvalue()
+    assert "2/4" in out and "reward=0.75" in out and "tok/s=2000" in out and "stale=0.25" in out
+
+
+def test_read_metrics_skips_a_torn_last_line(tmp_path):
+    sink = JsonlSink(tmp_path)
+    sink.write({"train/loss": 1.0}, step=1)
+    sink.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "train/lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    with pytest.raises(FileNotFoundError, match="run directory"):
+        read_metrics(tmp_path / "nope")
