@@ -1,0 +1,41 @@
+"""Pure, shape-annotated loss and advantage functions (no model, no distributed code).
+
+Modules: ``advantages`` (GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE), ``policy_loss`` (clipped PPO,
+clip-higher, dual clip, decoupled PPO, GSPO, CISPO), ``kl`` (k1/k2/k3), ``losses`` (value,
+entropy, NLL, DPO, Bradley–Terry), ``filters`` (dynamic sampling, overlong penalty),
+``aggregation`` (token / sequence / constant loss normalisation as weights + denominator).
+"""
+
+from areno.algo.advantages import (
+    broadcast_to_tokens_T,
+    gae_T,
+    group_index_B,
+    group_mean_std_B,
+    grpo_advantages_B,
+    masked_whiten_T,
+    reinforce_pp_advantages_T,
+    rloo_advantages_B,
+    sequence_returns_T,
+)
+from areno.algo.aggregation import LOSS_AGGREGATIONS, aggregation_denominator, aggregation_weights_T
+from areno.algo.filters import dynamic_sampling_keep_B, overlong_penalty_B
+from areno.algo.kl import KL_ESTIMATORS, kl_estimate_T, kl_reward_penalty_T
+from areno.algo.losses import (
+    bradley_terry_loss_B,
+    dpo_loss_B,
+    entropy_bonus_T,
+    nll_loss_T,
+    sequence_sum_B,
+    value_loss_T,
+)
+from areno.algo.policy_loss import (
+    behaviour_importance_weight_T,
+    cispo_loss_T,
+    decoupled_ppo_loss_T,
+    gspo_loss_T,
+    loglinear_prox_logprobs_T,
+    ppo_clip_loss_T,
+    sequence_mean_B,
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

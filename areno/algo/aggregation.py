@@ -1,0 +1,50 @@
+"""Loss aggregation expressed as per-token weights plus an additive global denominator, so that
+``(loss_T * weight_T * mask_T).sum() / denominator`` — the backend's Reducer — reproduces each
+aggregation exactly for any micro-batching or data-parallel split.
+
+Legend: B = sequences, T = packed tokens.
+    token               sum_t loss_t / (number of loss tokens)     (DAPO token-level; GRPO in TRL)
+    seq_mean_token_mean mean_b (mean_{t in b} loss_t)               (original GRPO, GSPO)
+    constant            sum_t loss_t / (B * L)                      (Dr.GRPO, L a fixed constant)
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGGREGATIONS = ("token", "seq_mean_token_mean", "constant")
+
+
+def _check(mode: str) -> None:
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+
+
+def aggregation_weights_T(
+    loss_mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, mode: str
+) -> torch.Tensor:
+    """float32 [T] weight of each token under ``mode`` (0 off the mask)."""
+    _check(mode)
+    mask_T = loss_mask_T.to(torch.float32)
+    if mode != "seq_mean_token_mean":
+        return mask_T
+    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
+    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel()), seqlens_B)
+    count_B = torch.zeros(seqlens_B.numel()).index_add(0, seq_T, mask_T)
+    return mask_T / count_B.clamp(min=1)[seq_T]
+
+
+def aggregation_denominator(
+    loss_mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, mode: str, *, constant: float = 1.0
+) -> float:
+    """This batch's share of the global denominator (additive over micro-batches and ranks):
+    loss tokens, sequences with at least one loss token, or ``B * constant``."""
+    _check(mode)
+    if mode == "token":
+        return float(loss_mask_T.sum())
+    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
+    if mode == "constant":
+        return float(seqlens_B.numel()) * constant
+    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel()), seqlens_B)
+    count_B = torch.zeros(seqlens_B.numel()).index_add(0, seq_T, loss_mask_T.to(torch.float32))
+    return float((count_B > 0).sum())

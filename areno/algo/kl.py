@@ -1,0 +1,56 @@
+"""KL estimators between the policy and a reference policy, per token (Schulman 2020,
+"Approximating KL divergence"), usable as a loss term or as a reward penalty.
+
+Legend: T = packed tokens. With ``log_ratio = logp - ref_logp`` and samples drawn from the policy:
+    k1 = log_ratio                          (unbiased, high variance, can be negative)
+    k2 = 0.5 * log_ratio**2                 (biased, low variance; its gradient is the KL's)
+    k3 = exp(-log_ratio) + log_ratio - 1    (unbiased, low variance, always >= 0)
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate_T(
+    logprobs_T: torch.Tensor,
+    ref_logprobs_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    estimator: str = "k3",
+    clamp: float | None = 20.0,
+) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate, 0 outside the loss mask.
+
+    ``clamp`` bounds ``log_ratio`` to ``[-clamp, clamp]`` before the exponential of k3 (a
+    departure from the plain estimator that keeps a far-off reference from producing inf).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ratio_T = logprobs_T - ref_logprobs_T.detach()
+    if clamp is not None:
+        log_ratio_T = log_ratio_T.clamp(-clamp, clamp)
+    if estimator == "k1":
+        kl_T = log_ratio_T
+    elif estimator == "k2":
+        kl_T = 0.5 * log_ratio_T**2
+    else:
+        kl_T = torch.exp(-log_ratio_T) + log_ratio_T - 1.0
+    return torch.where(loss_mask_T.bool(), kl_T, torch.zeros_like(kl_T))
+
+
+def kl_reward_penalty_T(
+    logprobs_T: torch.Tensor,
+    ref_logprobs_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    coef: float,
+    estimator: str = "k1",
+) -> torch.Tensor:
+    """KL as a reward: the per-token reward ``-coef * k`` (detached) that REINFORCE++ / PPO add
+    to the sequence reward before computing returns (InstructGPT uses k1)."""
+    return -coef * kl_estimate_T(
+        logprobs_T.detach(), ref_logprobs_T, loss_mask_T, estimator=estimator
+    )

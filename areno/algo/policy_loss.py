@@ -1,0 +1,226 @@
+"""Policy-gradient losses, per token: clipped PPO (with clip-higher and dual clip), the decoupled
+PPO objective for off-policy data, GSPO's sequence-level ratio and CISPO's clipped IS weight.
+
+Legend: B = sequences, T = packed tokens. Every function returns ``(loss_T, stats)`` where
+``loss_T`` is the per-token loss (0 outside ``loss_mask_T``) and ``stats`` maps a metric name to
+a detached per-token float tensor (e.g. a 0/1 clip indicator). Reduction over tokens is left to
+the caller's ``Reducer`` so the same numbers are produced for any micro-batching.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Stats = dict[str, torch.Tensor]
+
+
+def _masked(x_T: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask_T.bool(), x_T, torch.zeros_like(x_T))
+
+
+def ppo_clip_loss_T(
+    logprobs_T: torch.Tensor,
+    old_logprobs_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """Clipped surrogate (Schulman et al. 2017), token-level:
+
+    ``r = exp(logp - old_logp)``, ``loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``.
+
+    ``eps_high`` different from ``eps_low`` is DAPO's clip-higher (Yu et al. 2025; 0.2 / 0.28);
+    ``None`` means symmetric. ``dual_clip_c`` (> 1, Ye et al. 2020) additionally bounds the loss
+    of negative-advantage tokens by ``-c A``. Stats: ``clip_frac`` (token was clipped),
+    ``dual_clip_frac``, ``approx_kl`` (``old_logp - logp``, the k1 estimate) and ``ratio``.
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    log_ratio_T = _masked(logprobs_T - old_logprobs_T.detach(), loss_mask_T)
+    ratio_T = torch.exp(log_ratio_T)
+    pg1_T = -advantages_T * ratio_T
+    pg2_T = -advantages_T * torch.clamp(ratio_T, 1.0 - eps_low, 1.0 + eps_high)
+    loss_T = torch.maximum(pg1_T, pg2_T)
+    clipped_T = pg2_T > pg1_T
+    dual_T = torch.zeros_like(clipped_T)
+    if dual_clip_c is not None:
+        if dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+        pg3_T = -advantages_T * dual_clip_c
+        dual_T = (advantages_T < 0) & (loss_T > pg3_T)
+        loss_T = torch.where(advantages_T < 0, torch.minimum(loss_T, pg3_T), loss_T)
+    stats = {
+        "clip_frac": _masked(clipped_T.float(), loss_mask_T).detach(),
+        "dual_clip_frac": _masked(dual_T.float(), loss_mask_T).detach(),
+        "approx_kl": (-log_ratio_T).detach(),
+        "ratio": _masked(ratio_T, loss_mask_T).detach(),
+    }
+    return _masked(loss_T, loss_mask_T), stats
+
+
+def behaviour_importance_weight_T(
+    prox_logprobs_T: torch.Tensor,
+    behave_logprobs_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    cap: float | None = None,
+    mode: str = "mask",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The staleness factor of decoupled PPO, ``w = pi_prox / pi_behave`` (no gradient).
+
+    ``cap`` bounds it: ``mode="mask"`` drops tokens whose weight exceeds ``cap`` from the loss
+    (AReaL's behaviour), ``mode="truncate"`` clamps the weight to ``cap`` (truncated IS as in
+    IMPALA/TIS). Returns ``(weight_T, over_cap_T)``; both 0 off-mask.
+    """
+    if mode not in ("mask", "truncate"):
+        raise ValueError(f"behaviour weight mode must be 'mask' or 'truncate', got {mode!r}")
+    w_T = torch.exp(_masked(prox_logprobs_T - behave_logprobs_T, loss_mask_T)).detach()
+    over_T = torch.zeros_like(w_T, dtype=torch.bool)
+    if cap is not None:
+        if cap <= 0:
+            raise ValueError(f"behav_imp_weight_cap must be > 0, got {cap}")
+        over_T = w_T > cap
+        w_T = torch.where(over_T, torch.zeros_like(w_T), w_T) if mode == "mask" else w_T.clamp(max=cap)
+    return _masked(w_T, loss_mask_T), _masked(over_T.float(), loss_mask_T)
+
+
+def decoupled_ppo_loss_T(
+    logprobs_T: torch.Tensor,
+    prox_logprobs_T: torch.Tensor,
+    behave_logprobs_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    behav_weight_mode: str = "mask",
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """Decoupled PPO for off-policy (asynchronous) data (Hilton et al. 2022; AReaL):
+
+    ``loss = w * -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with the unclipped behaviour
+    weight ``w = pi_prox / pi_behave`` (capped or masked, see ``behaviour_importance_weight_T``)
+    and the clipped trust-region ratio ``r = pi_theta / pi_prox``. ``pi_prox`` is the policy at the
+    start of this train step (recomputed, or approximated by ``loglinear_prox_logprobs_T``).
+
+    Stats add to ``ppo_clip_loss_T``'s: ``behave_over_cap_frac`` (tokens the cap touched),
+    ``behave_weight`` and ``coupled_clip_frac`` — the fraction the *coupled* ratio
+    ``pi_theta / pi_behave`` would have clipped, logged for comparison with ``clip_frac``.
+    """
+    loss_T, stats = ppo_clip_loss_T(
+        logprobs_T, prox_logprobs_T, advantages_T, loss_mask_T,
+        eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c,
+    )
+    w_T, over_T = behaviour_importance_weight_T(
+        prox_logprobs_T, behave_logprobs_T, loss_mask_T, cap=behav_imp_weight_cap, mode=behav_weight_mode
+    )
+    _, coupled = ppo_clip_loss_T(
+        logprobs_T.detach(), behave_logprobs_T, advantages_T, loss_mask_T,
+        eps_low=eps_low, eps_high=eps_high,
+    )
+    stats["behave_over_cap_frac"] = over_T
+    stats["behave_weight"] = w_T
+    stats["coupled_clip_frac"] = coupled["clip_frac"]
+    return loss_T * w_T, stats
+
+
+def loglinear_prox_logprobs_T(
+    behave_logprobs_T: torch.Tensor,
+    logprobs_T: torch.Tensor,
+    versions_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    prox_version: int,
+) -> torch.Tensor:
+    """Approximate ``log pi_prox`` without a forward pass (AReaL's ``loglinear`` method):
+
+    ``log pi_prox ≈ log pi_behave + alpha (log pi_theta - log pi_behave)`` with
+    ``alpha = (v_prox - v_behave) / (v_theta - v_behave)`` and ``v_theta = v_prox + 1`` (the
+    version this step produces). ``logprobs_T`` is the training forward pass, used detached.
+    A token generated by the current weights (``v_behave = v_prox``) gets ``alpha = 0``.
+    """
+    v_behave_T = versions_T.to(torch.float32)
+    alpha_T = (prox_version - v_behave_T) / (prox_version + 1 - v_behave_T)
+    alpha_T = alpha_T.clamp(min=0.0, max=1.0)
+    out_T = behave_logprobs_T + alpha_T * (logprobs_T.detach() - behave_logprobs_T)
+    return _masked(out_T, loss_mask_T)
+
+
+def sequence_mean_B(
+    values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
+) -> torch.Tensor:
+    """Mean of ``values_T`` over the loss tokens of each sequence (0 for a sequence without any)."""
+    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
+    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel()), seqlens_B)
+    mask_T = loss_mask_T.to(values_T.dtype)
+    sum_B = torch.zeros(seqlens_B.numel(), dtype=values_T.dtype).index_add(0, seq_T, values_T * mask_T)
+    count_B = torch.zeros(seqlens_B.numel(), dtype=values_T.dtype).index_add(0, seq_T, mask_T)
+    return sum_B / count_B.clamp(min=1)
+
+
+def gspo_loss_T(
+    logprobs_T: torch.Tensor,
+    old_logprobs_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    cu_seqlens_B1: torch.Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> tuple[torch.Tensor, Stats]:
+    """GSPO (Zheng et al. 2025), the GSPO-token form:
+
+    ``s_i = exp(mean_t (logp_t - old_logp_t))`` (length-normalised sequence ratio) and per token
+    ``s_it = sg[s_i] * pi_theta(t) / sg[pi_theta(t)]`` (value s_i, gradient of a token-level
+    ratio); ``loss_t = -min(s_it A_t, clip(s_it, 1 - eps_low, 1 + eps_high) A_t)``. With a
+    sequence-constant advantage this equals sequence-level GSPO. The paper averages tokens within
+    a sequence then over sequences: use ``loss_aggregation="seq_mean_token_mean"``.
+    """
+    mask_T = loss_mask_T.bool()
+    log_ratio_T = _masked(logprobs_T - old_logprobs_T.detach(), mask_T)
+    seq_log_ratio_B = sequence_mean_B(log_ratio_T, cu_seqlens_B1, mask_T)
+    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
+    seq_log_ratio_T = torch.repeat_interleave(seq_log_ratio_B, seqlens_B)
+    log_s_T = seq_log_ratio_T.detach() + logprobs_T - logprobs_T.detach()
+    s_T = torch.exp(log_s_T)
+    pg1_T = -advantages_T * s_T
+    pg2_T = -advantages_T * torch.clamp(s_T, 1.0 - eps_low, 1.0 + eps_high)
+    loss_T = torch.maximum(pg1_T, pg2_T)
+    stats = {
+        "clip_frac": _masked((pg2_T > pg1_T).float(), mask_T).detach(),
+        "approx_kl": (-log_ratio_T).detach(),
+        "ratio": _masked(s_T, mask_T).detach(),
+    }
+    return _masked(loss_T, mask_T), stats
+
+
+def cispo_loss_T(
+    logprobs_T: torch.Tensor,
+    old_logprobs_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    eps_low: float | None = None,
+    eps_high: float = 0.28,
+) -> tuple[torch.Tensor, Stats]:
+    """CISPO (MiniMax-M1, 2025): clip the importance-sampling weight, not the update:
+
+    ``loss = -sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * logp`` with ``r = exp(logp - old_logp)``.
+    Every token keeps a gradient (through ``logp``); the weight is a constant. The paper sets no
+    lower bound in practice (``eps_low=None`` means none). Stats: ``clip_frac`` (weight clipped),
+    ``approx_kl``, ``ratio``.
+    """
+    log_ratio_T = _masked(logprobs_T - old_logprobs_T.detach(), loss_mask_T)
+    ratio_T = torch.exp(log_ratio_T).detach()
+    lo = 0.0 if eps_low is None else 1.0 - eps_low
+    weight_T = ratio_T.clamp(min=lo, max=1.0 + eps_high)
+    loss_T = -weight_T * advantages_T * logprobs_T
+    stats = {
+        "clip_frac": _masked((weight_T != ratio_T).float(), loss_mask_T),
+        "approx_kl": (-log_ratio_T).detach(),
+        "ratio": _masked(ratio_T, loss_mask_T),
+    }
+    return _masked(loss_T, loss_mask_T), stats

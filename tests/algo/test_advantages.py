@@ -1,0 +1,109 @@
+"""Advantage estimators against hand-computed examples."""
+
+import math
+
+import pytest
+import torch
+
+from areno.algo import (
+    broadcast_to_tokens_T,
+    dynamic_sampling_keep_B,
+    gae_T,
+    group_index_B,
+    grpo_advantages_B,
+    masked_whiten_T,
+    overlong_penalty_B,
+    reinforce_pp_advantages_T,
+    rloo_advantages_B,
+    sequence_returns_T,
+)
+
+
+def test_group_index_first_seen_order_and_singletons():
+    assert group_index_B(["b", "a", "b", "", ""]).tolist() == [0, 1, 0, 2, 3]
+
+
+def test_grpo_advantages_std_and_dr_grpo():
+    rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    group_B = torch.tensor([0, 0, 0, 1, 1, 1])
+    # group 0: mean 1/3, unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3)
+    std0 = math.sqrt(1 / 3)
+    adv = grpo_advantages_B(rewards_B, group_B, eps=0.0)
+    expected = [2 / 3 / std0, -1 / 3 / std0, -1 / 3 / std0]
+    assert adv[:3].tolist() == pytest.approx(expected, rel=1e-5)
+    assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # zero-variance group
+    dr = grpo_advantages_B(rewards_B, group_B, scale_by_std=False)
+    assert dr.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
+
+
+def test_rloo_leave_one_out():
+    rewards_B = torch.tensor([1.0, 0.0, 0.5, 3.0])
+    group_B = torch.tensor([0, 0, 0, 1])
+    adv = rloo_advantages_B(rewards_B, group_B)
+    # 1 - mean(0, .5) = .75; 0 - mean(1, .5) = -.75; .5 - mean(1, 0) = 0; singleton -> 0
+    assert adv.tolist() == pytest.approx([0.75, -0.75, 0.0, 0.0])
+
+
+def _two_seq_batch():
+    # seq 0: 5 tokens, prompt 2 (mask F F T T T); seq 1: 4 tokens (F F T T)
+    cu = torch.tensor([0, 5, 9])
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1], dtype=torch.bool)
+    return cu, mask
+
+
+def test_broadcast_and_returns():
+    cu, mask = _two_seq_batch()
+    out = broadcast_to_tokens_T(torch.tensor([2.0, -1.0]), cu, mask)
+    assert out.tolist() == [0, 0, 2, 2, 2, 0, 0, -1, -1]
+    kl = torch.tensor([0, 0, -0.1, -0.2, -0.3, 0, 0, -0.1, -0.1])
+    ret = sequence_returns_T(torch.tensor([1.0, 0.0]), cu, mask, token_rewards_T=kl, gamma=0.5)
+    # seq 0 rewards (-.1, -.2, .7): G2 = .7, G1 = -.2 + .35 = .15, G0 = -.1 + .075 = -.025
+    assert ret.tolist() == pytest.approx([0, 0, -0.025, 0.15, 0.7, 0, 0, -0.15, -0.1], abs=1e-6)
+
+
+def test_masked_whiten_uses_only_masked_tokens():
+    x = torch.tensor([100.0, 1.0, 2.0, 3.0])
+    m = torch.tensor([False, True, True, True])
+    assert masked_whiten_T(x, m, eps=0).tolist() == pytest.approx([0, -1, 0, 1])
+
+
+def test_reinforce_pp_and_baseline():
+    cu, mask = _two_seq_batch()
+    rewards = torch.tensor([1.0, 0.0])
+    adv = reinforce_pp_advantages_T(rewards, cu, mask, eps=0.0)
+    # returns on loss tokens: 1,1,1,0,0 -> mean .6, unbiased std sqrt(1.2/4) = sqrt(.3)
+    s = math.sqrt(0.3)
+    assert adv.tolist() == pytest.approx([0, 0, 0.4 / s, 0.4 / s, 0.4 / s, 0, 0, -0.6 / s, -0.6 / s], rel=1e-5)
+    # baseline variant, both in one group: rewards become .5, -.5 -> returns .5 x3, -.5 x2
+    adv_b = reinforce_pp_advantages_T(rewards, cu, mask, group_B=torch.tensor([0, 0]), eps=0.0)
+    assert adv_b.tolist() == pytest.approx(adv.tolist(), rel=1e-5)  # a shift does not change whitening
+    adv_c = reinforce_pp_advantages_T(
+        torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 2, 4, 6]), torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.bool),
+        group_B=torch.tensor([0, 0, 1]), eps=0.0,
+    )
+    # centred rewards .5, -.5, 0 -> mean 0, std sqrt(.5 / 2) = .5
+    assert adv_c.tolist() == pytest.approx([0, 1, 0, -1, 0, 0], abs=1e-6)
+
+
+def test_gae_per_sequence():
+    cu, mask = _two_seq_batch()
+    values = torch.tensor([9.0, 9.0, 0.5, 0.2, 0.4, 9.0, 9.0, 0.1, 0.3])
+    adv, ret = gae_T(torch.tensor([1.0, 0.0]), values, cu, mask, gamma=0.9, lam=0.5)
+    # seq 0: d2 = 1 - .4 = .6; d1 = 0 + .9*.4 - .2 = .16; d0 = .9*.2 - .5 = -.32
+    a2 = 0.6
+    a1 = 0.16 + 0.45 * a2
+    a0 = -0.32 + 0.45 * a1
+    # seq 1: d1 = 0 - .3; d0 = .9*.3 - .1 = .17
+    b1 = -0.3
+    b0 = 0.17 + 0.45 * b1
+    assert adv.tolist() == pytest.approx([0, 0, a0, a1, a2, 0, 0, b0, b1], abs=1e-6)
+    assert ret.tolist() == pytest.approx([0, 0, a0 + 0.5, a1 + 0.2, a2 + 0.4, 0, 0, b0 + 0.1, b1 + 0.3], abs=1e-6)
+
+
+def test_dynamic_sampling_and_overlong():
+    keep = dynamic_sampling_keep_B(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert keep.tolist() == [False, False, True, True, False, False]
+    pen = overlong_penalty_B(torch.tensor([10, 16, 18, 20, 21]), max_length=20, buffer_length=4)
+    assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+    with pytest.raises(ValueError, match="buffer_length"):
+        overlong_penalty_B(torch.tensor([1]), max_length=4, buffer_length=0)
