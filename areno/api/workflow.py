@@ -1,0 +1,95 @@
+"""The rollout workflow contract: how one dataset sample becomes trajectories.
+
+A workflow talks to the rollout engine only through a ``RolloutClient`` (``await
+client.agenerate(prompt_ids, sampling_params)``), so the same workflow runs colocated, partitioned,
+in process or against a remote server. Users write their own workflow by subclassing
+``RolloutWorkflow`` and naming it by dotted path in the config (``load_workflow``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from areno.api.types import Trajectory
+
+if TYPE_CHECKING:
+    from areno.rollout.client import RolloutClient
+
+EpisodeResult = Trajectory | list[Trajectory] | None
+"""What ``run_episode`` returns: one trajectory, a group (GRPO: n samples of one prompt), or None
+to reject the sample (it is not trained on and does not count towards a batch)."""
+
+
+class RolloutWorkflow(ABC):
+    """Turns one dataset sample into trajectories by talking to the rollout engine.
+
+    ``run_episode`` runs on the executor's event loop, concurrently with many other episodes, so it
+    must not block: await the client, keep CPU work (reward functions) short. An exception raised
+    here counts the episode as failed; the executor retries the sample a bounded number of times.
+    """
+
+    @abstractmethod
+    async def run_episode(self, client: "RolloutClient", sample: dict[str, Any]) -> EpisodeResult:
+        """Run one episode for ``sample``; return a trajectory, a group of them, or None to reject."""
+
+
+def as_group(result: EpisodeResult) -> list[Trajectory] | None:
+    """Normalise an episode result to a non-empty group, or None for a rejected sample."""
+    if result is None:
+        return None
+    if isinstance(result, Trajectory):
+        return [result]
+    group = list(result)
+    for item in group:
+        if not isinstance(item, Trajectory):
+            raise TypeError(f"run_episode returned a list holding {type(item).__name__}, expected Trajectory")
+    return group or None
+
+
+def _import_dotted(dotted_path: str) -> Any:
+    """Import ``pkg.module.Name`` or ``pkg.module:Name``; a clear ValueError when it does not resolve."""
+    if ":" in dotted_path:
+        module_name, _, attr_path = dotted_path.partition(":")
+    else:
+        module_name, _, attr_path = dotted_path.rpartition(".")
+    if not module_name or not attr_path:
+        raise ValueError(
+            f"workflow path {dotted_path!r} is not a dotted path; write 'package.module.ClassName' "
+            "or 'package.module:ClassName'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(
+            f"workflow path {dotted_path!r}: cannot import module {module_name!r} ({exc}); "
+            "check the spelling and that the module is on PYTHONPATH"
+        ) from exc
+    obj: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"workflow path {dotted_path!r}: module {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
+    """Build the workflow named by ``dotted_path`` (a ``RolloutWorkflow`` subclass, or a factory
+    function returning an instance) with ``kwargs``."""
+    obj = _import_dotted(dotted_path)
+    if isinstance(obj, type):
+        if not issubclass(obj, RolloutWorkflow):
+            raise ValueError(
+                f"workflow path {dotted_path!r} names class {obj.__name__}, which is not a subclass of "
+                "areno.api.workflow.RolloutWorkflow"
+            )
+        return obj(**kwargs)
+    if callable(obj):
+        workflow = obj(**kwargs)
+        if not isinstance(workflow, RolloutWorkflow):
+            raise ValueError(
+                f"workflow factory {dotted_path!r} returned {type(workflow).__name__}, expected a RolloutWorkflow"
+            )
+        return workflow
+    raise ValueError(f"workflow path {dotted_path!r} names a {type(obj).__name__}, expected a RolloutWorkflow class")

@@ -1,0 +1,54 @@
+"""Helpers shared by the shipped workflows: field lookup with clear errors, safe reward calls."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable
+
+logger = logging.getLogger("areno.workflows")
+
+RewardFn = Callable[..., float]
+"""``reward_fn(prompt: str, completion: str, answer, **sample_fields) -> float`` (may be async)."""
+
+
+def describe_sample(sample: dict[str, Any], limit: int = 80) -> str:
+    """A short name for a dataset row in messages: its id when it has one, else a truncated repr."""
+    for key in ("id", "uid", "index", "idx"):
+        if key in sample:
+            return f"row {key}={sample[key]!r}"
+    text = repr(sample)
+    return f"row {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def require_field(sample: dict[str, Any], key: str) -> Any:
+    """``sample[key]``, or a ValueError naming the missing field, the row and the fix."""
+    if not isinstance(sample, dict):
+        raise ValueError(f"dataset rows must be dicts, got {type(sample).__name__}: {sample!r:.80}")
+    if key not in sample:
+        raise ValueError(
+            f"dataset {describe_sample(sample)} has no field {key!r} (fields: {sorted(sample)}); "
+            f"set prompt_key to the field that holds the prompt"
+        )
+    return sample[key]
+
+
+async def acall_reward(
+    reward_fn: RewardFn, prompt: str, completion: str, answer: Any, fields: dict[str, Any]
+) -> tuple[float, str | None]:
+    """Call the user's reward function; a raising reward gives ``(0.0, error)`` and a warning that
+    names the prompt, so one bad row never kills a run but is never silent either."""
+    try:
+        value = reward_fn(prompt, completion, answer, **fields)
+        if inspect.isawaitable(value):
+            value = await value
+        return float(value), None
+    except Exception as exc:  # user code: counted (info["reward_error"]) and warned, not hidden
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning("reward function raised for prompt %r: %s; reward set to 0", prompt[:200], error)
+        return 0.0, error
+
+
+def sample_fields(sample: dict[str, Any], *exclude: str) -> dict[str, Any]:
+    """The row's other fields, passed to the reward function as keyword arguments."""
+    return {k: v for k, v in sample.items() if k not in exclude}

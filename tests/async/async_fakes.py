@@ -1,0 +1,64 @@
+"""A test double of the rollout engine + client: tokens appear one per ``step_s`` of asyncio time,
+each tagged with the engine's current policy version; ``pause()`` holds every request at a token
+boundary without losing what it generated (the contract of the real RolloutEngine)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from typing import Callable
+
+from areno.api.types import GenerationOutput, SamplingParams
+
+Respond = Callable[[list[int], SamplingParams], list[int]]
+
+
+class FakeEngine:
+    def __init__(self, respond: Respond, step_s: float = 0.0) -> None:
+        self.respond = respond
+        self.step_s = step_s
+        self.version = 0
+        self._running = threading.Event()
+        self._running.set()
+        self.requests = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def update_weights(self, version: int) -> None:
+        assert not self._running.is_set(), "weights swapped while the engine runs"
+        self.version = version
+
+    async def agenerate(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
+    ) -> GenerationOutput:
+        with self._lock:
+            self.requests += 1
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            tokens = self.respond(list(prompt_ids), sampling_params)[: sampling_params.max_new_tokens]
+            versions = []
+            for _ in tokens:
+                while not self._running.is_set():
+                    await asyncio.sleep(0.001)
+                await asyncio.sleep(self.step_s)
+                versions.append(self.version)
+            return GenerationOutput(
+                request_id=request_id or uuid.uuid4().hex,
+                prompt_ids=list(prompt_ids),
+                output_ids=list(tokens),
+                output_logprobs=[-0.5] * len(tokens),
+                output_versions=versions,
+                finish_reason="stop",
+            )
+        finally:
+            with self._lock:
+                self.in_flight -= 1
