@@ -1,0 +1,269 @@
+"""Typed run configuration: keyword-only dataclasses, one docstring per field, validated at
+construction. A YAML file plus dotted command-line overrides (``optim.lr=1e-5``) are merged by
+OmegaConf against these structured schemas, so an unknown key, a wrong type or an out-of-range
+value is a one-line :class:`ConfigError` naming the key before anything expensive starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; printed as one line by the CLI."""
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    path: str = MISSING
+    """Local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)."""
+    dtype: str = "float32"
+    """Training parameter dtype: float32 or bfloat16 (GPU runs keep fp32 master weights)."""
+    rollout_dtype: str = "auto"
+    """Rollout engine dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16."""
+    init_tiny: Optional[dict[str, Any]] = None
+    """Demo/tests only: when set and model.path does not exist, create a random model there from
+    these `areno.models.hf_io.tiny_config` arguments with a character tokenizer."""
+
+    def __post_init__(self) -> None:
+        for key in ("dtype", "rollout_dtype"):
+            allowed = ("float32", "bfloat16") + (("auto",) if key == "rollout_dtype" else ())
+            _check(getattr(self, key) in allowed, f"model.{key}", f"must be one of {allowed}")
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    task: Optional[str] = "arithmetic"
+    """Shipped synthetic task (see `areno.data.tasks.TASKS`), or null to read train_path."""
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task generator (e.g. max_digits)."""
+    train_path: Optional[str] = None
+    """JSONL or Parquet file of training rows (used when task is null)."""
+    eval_path: Optional[str] = None
+    """JSONL or Parquet file of held-out rows (used when task is null)."""
+    prompt_key: str = "prompt"
+    """Field of a data row holding the prompt text."""
+    answer_key: str = "answer"
+    """Field of a data row holding the reference answer passed to the reward function."""
+    num_eval: int = 200
+    """Held-out prompts evaluated (greedy) at each evaluation."""
+    seed: int = 0
+    """Seed of the task generator and of the dataloader shuffle."""
+
+    def __post_init__(self) -> None:
+        _check(self.task is not None or self.train_path is not None, "data",
+               "set data.task to a shipped task or data.train_path to a JSONL/Parquet file")
+        _check(self.num_eval >= 0, "data.num_eval", f"must be >= 0, got {self.num_eval}")
+
+
+@dataclass(kw_only=True)
+class RewardSection:
+    fn: str = "areno.rewards.tasks:exact_match"
+    """Dotted path `module:function` of the reward: fn(prompt, completion, answer, **row) -> float."""
+    timeout_s: float = 10.0
+    """Wall-clock limit of one reward call; a timeout or exception gives reward 0 and is counted."""
+
+    def __post_init__(self) -> None:
+        _check(":" in self.fn or "." in self.fn, "reward.fn", "must be a dotted path like 'pkg.mod:func'")
+        _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
+
+
+@dataclass(kw_only=True)
+class RolloutSection:
+    batch_size: int = 16
+    """Prompts per training step (each expands into n_samples trajectories)."""
+    n_samples: int = 8
+    """Samples per prompt (one GRPO group)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling mass of training rollouts."""
+    top_k: int = -1
+    """Top-k of training rollouts (-1 disables)."""
+    max_new_tokens: int = 32
+    """Generation limit per completion."""
+    workflow: str = "areno.workflows.rlvr:RLVRWorkflow"
+    """Dotted path of the RolloutWorkflow class."""
+    max_head_offpolicyness: int = 0
+    """Staleness bound η: trajectories at most η policy versions behind; 0 is synchronous."""
+    max_concurrent: int = 256
+    """Episodes in flight at once in the rollout pool."""
+    max_retries: int = 1
+    """Retries of a sample whose workflow raised, before it is dropped with a warning."""
+    kv_blocks: int = 0
+    """Rollout engine KV-cache blocks (0 = sized automatically)."""
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "n_samples", "max_new_tokens", "max_concurrent"):
+            _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness",
+               f"must be >= 0, got {self.max_head_offpolicyness}")
+
+
+@dataclass(kw_only=True)
+class OptimSection:
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Max global grad norm (0 disables clipping)."""
+    schedule: str = "constant"
+    """constant, linear_warmup or cosine."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {self.grad_clip}")
+        allowed = ("constant", "linear_warmup", "cosine")
+        _check(self.schedule in allowed, "optim.schedule", f"must be one of {allowed}, got {self.schedule!r}")
+
+
+@dataclass(kw_only=True)
+class WarmStartSection:
+    steps: int = 0
+    """Supervised (sft recipe) steps on the task's reference answers before RL; 0 skips."""
+    batch_size: int = 64
+    """Sequences per supervised step."""
+    lr: float = 1e-3
+    """Learning rate of the supervised stage."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 0, "warm_start.steps", f"must be >= 0, got {self.steps}")
+        _check(self.batch_size >= 1, "warm_start.batch_size", f"must be >= 1, got {self.batch_size}")
+        _check(self.lr > 0, "warm_start.lr", f"must be > 0, got {self.lr}")
+
+
+@dataclass(kw_only=True)
+class ClusterSection:
+    allocation_mode: Optional[str] = None
+    """Placement string, e.g. `areno[rollout]:d1+fsdp[actor]:d1`; null = colocated on one device."""
+    train_devices: Optional[list[int]] = None
+    """Logical device indices of training workers (alternative to allocation_mode)."""
+    rollout_devices: Optional[list[int]] = None
+    """Logical device indices of rollout workers (alternative to allocation_mode)."""
+    device: str = "auto"
+    """auto (cuda if available), cpu or cuda."""
+    scheduler: str = "local"
+    """local, ray or slurm."""
+
+    def __post_init__(self) -> None:
+        _check(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
+        _check(self.scheduler in ("local", "ray", "slurm"), "cluster.scheduler", "must be local, ray or slurm")
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    algorithm: str = "grpo"
+    """Registered recipe name (`areno recipes` lists them)."""
+    algorithm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the recipe's policy-role specialization arguments (e.g. clip_eps, kl_coef)."""
+    steps: int = 100
+    """Rollout/train iterations (num_rollout)."""
+    num_train_passes: int = 1
+    """Optimizer passes over each rollout batch; passes after the first reshuffle the data."""
+    max_tokens_per_mb: Optional[int] = None
+    """Token budget of one packed micro-batch; null = estimated from memory."""
+    eval_interval: int = 10
+    """Evaluate held-out accuracy every this many steps (0 = only before and after)."""
+    save_interval: int = 0
+    """Checkpoint every this many steps (0 = only at the end)."""
+    seed: int = 0
+    """Global seed (model init, sampling, data order)."""
+    backend: str = "areno"
+    """Registered Backend implementation."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
+        _check(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
+        _check(self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0, "train.max_tokens_per_mb",
+               f"must be > 0 or null, got {self.max_tokens_per_mb}")
+        _check(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
+        _check(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
+
+
+@dataclass(kw_only=True)
+class ObserveSection:
+    tensorboard: bool = False
+    """Also write TensorBoard event files to run_dir/tb."""
+    wandb_project: Optional[str] = None
+    """Log to Weights & Biases under this project (offline when WANDB_MODE=offline)."""
+    trace: bool = False
+    """Record Chrome/Perfetto performance traces under run_dir/traces."""
+    console: bool = True
+    """Show the progress bar."""
+
+
+@dataclass(kw_only=True)
+class ArenoConfig:
+    """A whole run. `areno train CONFIG key=value ...`."""
+
+    run_dir: str = "runs/areno"
+    """Output directory: resolved config, metrics.jsonl, checkpoints, curves."""
+    resume: bool = False
+    """Continue from the newest completed checkpoint in run_dir."""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    observe: ObserveSection = field(default_factory=ObserveSection)
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or ""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{key}: {first}" if key else first
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ArenoConfig:
+    """Merge the YAML file at ``path`` and dotted ``overrides`` into an :class:`ArenoConfig`.
+
+    Raises:
+        ConfigError: missing file, YAML syntax, unknown key, wrong type, bad value, missing field.
+    """
+    schema = OmegaConf.structured(ArenoConfig)
+    layers = [schema]
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist: pass the path of a YAML config")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as exc:  # yaml.YAMLError and friends: report the file and the parse error
+            raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from exc
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} must look like key=value (e.g. optim.lr=1e-5)")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, ConfigError):
+            raise ConfigError(str(cause)) from None
+        raise ConfigError(_describe(exc)) from None
+
+
+def to_yaml(config: ArenoConfig) -> str:
+    """The resolved config as YAML (written into the run directory)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

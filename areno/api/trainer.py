@@ -1,0 +1,129 @@
+"""Trainer: the public coordinator (seed 000) and the outer loop of seed 004.
+
+    for rollout_id in range(start, steps):
+        rollout = backend.rollout_batch(rollout_id)
+        for pass_idx in range(num_train_passes):        # passes after the first reshuffle
+            train(rollout_id, rollout or reshuffle(rollout, base + rollout_id + pass_idx * 100003))
+        backend.update_weights()                         # sync_to_rollout roles -> rollout engine
+        evaluate / save at their intervals
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
+from areno.api.config import ArenoConfig, to_yaml
+from areno.observe.metrics import MetricsLogger
+
+PASS_SEED_STRIDE = 100003  # prime stride: pass seeds of different rollouts never collide early
+
+
+def pass_seed(base: int, rollout_id: int, pass_idx: int) -> int:
+    """Seed of the reshuffle before pass ``pass_idx`` of rollout ``rollout_id`` (seed 004)."""
+    return base + rollout_id + pass_idx * PASS_SEED_STRIDE
+
+
+def reshuffle(rollout: RolloutBatch, seed: int) -> RolloutBatch:
+    """The same sequences in a new order drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(rollout.batch.num_seqs, generator=gen).tolist()
+    return RolloutBatch(
+        trajectories=[rollout.trajectories[i] for i in order],
+        batch=rollout.batch.select(order),
+        metrics=rollout.metrics,
+    )
+
+
+class Trainer:
+    """Resolves the backend, runs the loop, writes the run directory."""
+
+    # set in __init__
+    config: ArenoConfig
+    run_dir: Path
+    # set in init()
+    backend: Backend
+    logger: MetricsLogger
+    start_rollout_id: int = 0
+
+    def __init__(self, config: ArenoConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+
+    @classmethod
+    def init(cls, config: ArenoConfig) -> "Trainer":
+        """Resolve the registered backend named by ``config.train.backend`` and initialise it."""
+        backend_cls = resolve_backend(config.train.backend)  # fails fast, before any model loads
+        trainer = cls(config)
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        (trainer.run_dir / "config.yaml").write_text(to_yaml(config))
+        trainer.backend = backend_cls()
+        trainer.backend.initialize(config, trainer.run_dir)
+        trainer.logger = MetricsLogger(
+            trainer.run_dir,
+            total_steps=config.train.steps,
+            console=config.observe.console,
+            tensorboard=config.observe.tensorboard,
+        )
+        if config.resume:
+            trainer._resume()
+        return trainer
+
+    def rollout_token_batch(self, rollout_id: int) -> RolloutBatch:
+        return self.backend.rollout_batch(rollout_id)
+
+    def train(self, rollout_id: int, rollout: RolloutBatch) -> dict[str, float]:
+        return self.backend.train(rollout_id, rollout)
+
+    def run(self) -> dict[str, float]:
+        """The outer loop; returns the last evaluation metrics."""
+        cfg = self.config.train
+        last_eval: dict[str, float] = {}
+        for rollout_id in range(self.start_rollout_id, cfg.steps):
+            t0 = time.perf_counter()
+            rollout = self.rollout_token_batch(rollout_id)
+            t1 = time.perf_counter()
+            for pass_idx in range(cfg.num_train_passes):
+                data = rollout if pass_idx == 0 else reshuffle(rollout, pass_seed(cfg.seed, rollout_id, pass_idx))
+                train_metrics = self.train(rollout_id, data)
+            t2 = time.perf_counter()
+            sync_metrics = self.backend.update_weights()
+            t3 = time.perf_counter()
+            step = rollout_id + 1
+            timing = {"timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
+                      "timing/tokens_per_s": rollout.batch.num_tokens / max(t3 - t0, 1e-9)}
+            self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
+            if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
+                last_eval = self._evaluate(step)
+            if step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0):
+                self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
+        return last_eval
+
+    def evaluate_now(self) -> dict[str, float]:
+        """Evaluate the current policy and log it at the current step."""
+        return self._evaluate(self.start_rollout_id)
+
+    def shutdown(self) -> None:
+        self.logger.close()
+        self.backend.shutdown()
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        metrics = self.backend.evaluate()
+        if metrics:
+            self.logger.log(metrics, step=step)
+        return metrics
+
+    def _checkpoint_dir(self, step: int) -> Path:
+        return self.run_dir / "checkpoints" / f"step_{step:08d}"
+
+    def _resume(self) -> None:
+        done = sorted(p.parent for p in (self.run_dir / "checkpoints").glob("step_*/COMPLETE"))
+        if not done:
+            return
+        state = self.backend.load(done[-1])
+        self.start_rollout_id = int(state["rollout_id"]) + 1
+        print(json.dumps({"resumed_from": str(done[-1]), "next_rollout_id": self.start_rollout_id}))

@@ -1,0 +1,100 @@
+"""`areno` command line: train, serve, recipes, report, doctor, bench, demo.
+
+User mistakes (config, paths, data) are printed as one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import areno
+
+USAGE_ERROR = 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from areno.api.config import load_config
+    from areno.api.pipeline import run_pipeline
+
+    overrides = list(args.overrides)
+    if args.algorithm:
+        overrides.append(f"train.algorithm={args.algorithm}")
+    config = load_config(args.config, overrides)
+    run_pipeline(config)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from areno.api.pipeline import run_demo
+
+    run_demo(run_dir=args.run_dir, overrides=list(args.overrides))
+    return 0
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    from areno.recipes import list_recipes
+
+    for name, description in list_recipes():
+        print(f"{name:<24} {description}")
+    return 0
+
+
+def _delegate(module: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(list(args.rest)) or 0)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="areno", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"areno {areno.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train with a YAML config and dotted overrides (optim.lr=1e-5)")
+    train.add_argument("config", nargs="?", help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="dotted overrides key=value")
+    train.add_argument("--algorithm", help="recipe name (same as train.algorithm=NAME)")
+    train.set_defaults(func=_train)
+
+    demo = sub.add_parser("demo", help="the CPU demo: a tiny model learns arithmetic with RL")
+    demo.add_argument("--run-dir", default="runs/demo")
+    demo.add_argument("overrides", nargs="*", help="dotted overrides key=value")
+    demo.set_defaults(func=_demo)
+
+    recipes = sub.add_parser("recipes", help="list the registered recipes")
+    recipes.set_defaults(func=_recipes)
+
+    for name, module, help_text in (
+        ("serve", "areno.rollout.server", "serve a model with the rollout engine (OpenAI-compatible HTTP)"),
+        ("report", "areno.observe.report", "HTML report with plots of one or more run directories"),
+        ("doctor", "areno.observe.doctor", "versions, devices and optional components"),
+    ):
+        p = sub.add_parser(name, help=help_text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_delegate(module))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # user mistakes (ConfigError is a ValueError): one line, exit 2
+        print(f"areno: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except FileNotFoundError as exc:
+        print(f"areno: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("areno: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

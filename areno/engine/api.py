@@ -1,0 +1,269 @@
+"""ArenoEngine: owns the workers used by both rollout and training (seed 000).
+
+Colocated (the default) means one process per device holds the training backends of the recipe's
+roles and the embedded rollout engine; the rollout engine gets the new policy through the in-place
+transport (a dtype cast at most) when ``update_weights`` is called, i.e. before the next rollout.
+
+    generate_rollout(rollout_id)  prompts -> WorkflowExecutor -> RolloutWorkflow.run_episode
+                                   -> RolloutClient -> RolloutEngine; trajectories -> TokenBatch
+    step(rollout)                  RecipeRunner: inject syncs, then each trainable role trains
+    update_weights()               sync_to_rollout roles -> rollout engine, version + 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from areno.api.backend.base import RolloutBatch
+from areno.api.config import ArenoConfig
+from areno.api.types import SamplingParams, TokenBatch, Trajectory
+from areno.data.datasets import build_splits
+from areno.data.tasks import PromptStream
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
+    return torch.device(name)
+
+
+def prepare_model_dir(config: ArenoConfig) -> Path:
+    """The checkpoint directory, created from ``model.init_tiny`` when asked to; else it must exist."""
+    path = Path(config.model.path)
+    if not (path / "config.json").is_file() and config.model.init_tiny is not None:
+        from areno.data.tokenizer import build_char_tokenizer
+        from areno.models.hf_io import init_model_dir, tiny_config
+
+        tokenizer = build_char_tokenizer()
+        init_model_dir(path, tiny_config(len(tokenizer), **config.model.init_tiny), tokenizer,
+                       seed=config.train.seed)
+    if not path.is_dir():
+        raise ValueError(f"model.path: directory {path} does not exist: point it at a local Hugging Face checkpoint")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.path: {path} has no config.json: is it a Hugging Face checkpoint directory?")
+    return path
+
+
+def sft_trajectories(rows: list[dict], tokenizer, prompt_key: str, answer_key: str) -> list[Trajectory]:
+    """Offline data for supervised recipes: prompt, then the reference answer and EOS as completion."""
+    out = []
+    for row in rows:
+        prompt_ids = tokenizer.encode(row[prompt_key])
+        completion_ids = tokenizer.encode(str(row[answer_key])) + [tokenizer.eos_token_id]
+        n = len(completion_ids)
+        out.append(Trajectory(prompt_ids=prompt_ids, completion_ids=completion_ids, logprobs=[0.0] * n,
+                              versions=[0] * n, reward=0.0, info={"prompt": row[prompt_key]}))
+    return out
+
+
+def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
+    rewards = torch.tensor([t.reward for t in trajectories])
+    lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
+    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m]
+    staleness = torch.tensor([version - v for v in versions], dtype=torch.float32) if versions else torch.zeros(1)
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if len(trajectories) > 1 else 0.0,
+        "rollout/completion_len_mean": lengths.mean().item(),
+        "rollout/num_seqs": float(len(trajectories)),
+        "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
+        "rollout/truncated_frac": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),
+        "rollout/reward_errors": float(sum("reward_error" in t.info for t in trajectories)),
+        "rollout/staleness_mean": staleness.mean().item(),
+        "rollout/staleness_max": staleness.max().item(),
+    }
+
+
+class ArenoEngine:
+    """Coordinates the colocated worker: training backends, rollout engine, rollout pool."""
+
+    # set in __init__
+    config: ArenoConfig
+    run_dir: Path
+    # set in initialize()
+    device: torch.device
+    tokenizer: object
+    recipe: object
+    runner: object
+    rollout_engine: object
+    executor: object
+    train_stream: PromptStream
+    eval_rows: list[dict]
+    version: int = 0
+    _pending_sync_metrics: dict[str, float]
+
+    def __init__(self, config: ArenoConfig, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self._pending_sync_metrics = {}
+
+    # ----------------------------------------------------------------------------- set-up
+    def initialize(self) -> None:
+        from transformers import AutoTokenizer
+
+        from areno.recipes import get_recipe
+
+        cfg = self.config
+        self.recipe = get_recipe(cfg.train.algorithm)  # unknown recipe: error before any model loads
+        train_rows, self.eval_rows = build_splits(cfg.data)  # malformed rows: error before models load
+        self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
+        self.device = resolve_device(cfg.cluster.device)
+        model_dir = prepare_model_dir(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json")
+        torch.manual_seed(cfg.train.seed)
+        self.runner = self._build_runner(model_dir)
+        self.rollout_engine = self._build_rollout_engine(model_dir)
+        self.executor = self._build_executor() if self.recipe.online else None
+
+    def _build_runner(self, model_dir: Path):
+        from areno.recipes.runner import RecipeRunner
+        from areno.train import LocalTrainBackend, TrainBackendConfig
+
+        cfg = self.config
+        backends = {}
+        for role in self.recipe.roles:
+            role_dir = Path(role.init_kwargs.get("model_path", model_dir))
+            backend = LocalTrainBackend(TrainBackendConfig(
+                lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                grad_clip=cfg.optim.grad_clip or None, lr_schedule=cfg.optim.schedule,
+                warmup_steps=cfg.optim.warmup_steps,
+                total_steps=max(cfg.train.steps * cfg.train.num_train_passes, cfg.optim.warmup_steps, 1),
+                max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
+                trainable=role.trainable, seed=cfg.train.seed, device=self.device.type,
+            ))
+            backend.initialize(role_dir)
+            backends[role.name] = backend
+        return RecipeRunner(self.recipe, backends, policy_kwargs=dict(cfg.train.algorithm_kwargs))
+
+    def _build_rollout_engine(self, model_dir: Path):
+        from areno.models.hf_io import load_model
+        from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+        dtype_name = self.config.model.rollout_dtype
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
+        dtype = getattr(torch, dtype_name)
+        model, model_config = load_model(model_dir, dtype=dtype, device=str(self.device))
+        engine_cfg = RolloutEngineConfig(device=str(self.device), dtype=dtype_name,
+                                         **({"num_blocks": self.config.rollout.kv_blocks} if self.config.rollout.kv_blocks else {}))
+        return RolloutEngine(model, model_config, config=engine_cfg,
+                             eos_token_ids=[self.tokenizer.eos_token_id], tokenizer=self.tokenizer)
+
+    def _sampling_params(self, *, greedy: bool) -> SamplingParams:
+        r = self.config.rollout
+        if greedy:
+            return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+
+    def _build_executor(self):
+        from areno.api.workflow import load_workflow
+        from areno.rewards.loader import import_object
+        from areno.rollout.client import InProcessRolloutClient
+        from areno.rollout.executor import WorkflowExecutor
+        from areno.rollout.staleness import StalenessManager
+
+        cfg = self.config
+        reward_fn = import_object(cfg.reward.fn, what="reward.fn")
+        workflow = load_workflow(cfg.rollout.workflow, tokenizer=self.tokenizer, reward_fn=reward_fn,
+                                 n_samples=cfg.rollout.n_samples, sampling_params=self._sampling_params(greedy=False),
+                                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+        self.client = InProcessRolloutClient(self.rollout_engine)
+        staleness = StalenessManager(max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+                                     batch_size=cfg.rollout.batch_size, max_concurrent=cfg.rollout.max_concurrent)
+        return WorkflowExecutor(self.client, workflow, iter(self.train_stream), staleness,
+                                num_workers=cfg.rollout.max_concurrent, max_retries=cfg.rollout.max_retries)
+
+    # ----------------------------------------------------------------------------- the loop
+    def generate_rollout(self, rollout_id: int) -> RolloutBatch:
+        cfg = self.config
+        if self.recipe.online:
+            samples = self.train_stream.take(cfg.rollout.batch_size)
+            trajectories = self.executor.rollout_batch(samples)
+            metrics = rollout_metrics(trajectories, self.version)
+        else:
+            rows = self.train_stream.take(cfg.rollout.batch_size)
+            trajectories = sft_trajectories(rows, self.tokenizer, cfg.data.prompt_key, cfg.data.answer_key)
+            metrics = {"rollout/num_seqs": float(len(trajectories)),
+                       "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories))}
+        return RolloutBatch(trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics)
+
+    def step(self, rollout: RolloutBatch) -> dict[str, float]:
+        metrics = self.runner.step(rollout.batch)
+        metrics.update(self._pending_sync_metrics)  # the previous sync's figures ride with the next step
+        self._pending_sync_metrics = {}
+        return metrics
+
+    def update_weights(self) -> dict[str, float]:
+        from areno.sync.inplace import InPlaceTransport
+
+        stats = None
+        for role_name in self.runner.roles_to_sync():
+            transport = InPlaceTransport(self.runner.backends[role_name], self.rollout_engine)
+            stats = transport.sync(self.version + 1)
+        if stats is None:
+            return {}
+        self.version += 1
+        self._pending_sync_metrics = stats.as_metrics()
+        return {}
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy held-out accuracy (mean reward) of the current rollout policy."""
+        if not self.eval_rows:
+            return {}
+        from areno.rewards.loader import import_object
+
+        cfg = self.config
+        reward_fn = import_object(cfg.reward.fn, what="reward.fn")
+        t0 = time.perf_counter()
+        prompts = [self.tokenizer.encode(r[cfg.data.prompt_key]) for r in self.eval_rows]
+        outputs = self.rollout_engine.generate(prompts, self._sampling_params(greedy=True))
+        scores = []
+        for row, out in zip(self.eval_rows, outputs):
+            completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            fields = {k: v for k, v in row.items() if k not in (cfg.data.prompt_key, cfg.data.answer_key)}
+            scores.append(float(reward_fn(row[cfg.data.prompt_key], completion, row.get(cfg.data.answer_key), **fields)))
+        return {"eval/accuracy": sum(scores) / len(scores), "eval/num_prompts": float(len(scores)),
+                "eval/time_s": time.perf_counter() - t0}
+
+    # ----------------------------------------------------------------------------- state
+    def save(self, path: Path, trainer_state: dict) -> None:
+        state = {**trainer_state, "data": self.train_stream.state_dict(), "version": self.version}
+        tmp = path.with_name(path.name + ".tmp")
+        for role_name, backend in self.runner.backends.items():
+            if backend.config.trainable:
+                backend.save_checkpoint(tmp / role_name, extra_state=state)
+        tmp.rename(path)
+        (path / "COMPLETE").write_text("ok")
+
+    def load(self, path: Path) -> dict:
+        state = {}
+        for role_name, backend in self.runner.backends.items():
+            if backend.config.trainable:
+                state = backend.load_checkpoint(path / role_name)
+        self.train_stream.load_state_dict(state["data"])
+        self.version = int(state["version"])
+        self.update_weights()
+        self.version = int(state["version"])
+        return state
+
+    def export_policy(self, path: Path) -> None:
+        policy = self.runner.roles_to_sync()[0] if self.runner.roles_to_sync() else self.recipe.roles[0].name
+        self.runner.backends[policy].export_hf(path)
+        self.tokenizer.save_pretrained(path)
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+        for backend in self.runner.backends.values():
+            backend.shutdown()

@@ -1,0 +1,14 @@
+"""Rewards of the shipped tasks.
+
+A reward function has the signature ``fn(prompt: str, completion: str, answer, **row) -> float``
+(``row`` holds the other fields of the data row). Users replace it with ``reward.fn=pkg.mod:func``.
+"""
+
+from __future__ import annotations
+
+from areno.data.tasks import extract_answer
+
+
+def exact_match(prompt: str, completion: str, answer, **row) -> float:
+    """1.0 when the completion's first line equals the reference answer, else 0.0."""
+    return float(extract_answer(completion) == str(answer).strip())

@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny local checkpoints and tokenizers (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores on CI: keep intra-op threads small so multi-process tests do not oversubscribe.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    from areno.data.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, char_tokenizer):
+    """A random tiny Qwen2-style checkpoint with a character tokenizer, saved like a HF model."""
+    from areno.models.hf_io import init_model_dir, tiny_config
+
+    out = tmp_path_factory.mktemp("tiny_model")
+    init_model_dir(out, tiny_config(len(char_tokenizer), hidden_size=64, layers=2), char_tokenizer, seed=0)
+    return out
