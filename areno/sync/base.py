@@ -1,0 +1,297 @@
+"""The policy-sync contract: a sender that enumerates weights, a receiver that keeps one slice of
+each, a transport that moves one to the other and bumps the policy version only when it completes.
+
+Three narrow pieces keep the transports independent of the trainer and the rollout engine:
+
+- ``WeightSource`` (train side): ``meta()`` lists ``(name, shape, dtype)`` in a fixed order that is
+  the same on every training rank; ``iter_tensors()`` yields ``(name, tensor)`` in that order. A
+  tensor may be a full tensor or a ``DTensor`` (FSDP2 / TP shard): ``full_tensor`` gathers it, and
+  every training rank iterates so that such gathers stay collective.
+- ``ShardSpec`` (rollout side): for one Hugging Face name, which dimension this receiver splits and
+  which slice ``[start, start + length)`` of it the receiver keeps (``dim=None``: all of it).
+- ``ShardReceiver``: ``begin(version)``, ``stage(name) -> destination tensor``, ``commit(version)``,
+  ``abort()``. Transports write slices only into staged tensors; ``commit`` applies them all at once,
+  so a sync that fails midway leaves the engine on the old version, intact.
+
+Every completed sync logs one line and returns ``SyncStats``; ``as_metrics()`` gives the names the
+trainer emits with its next training metrics.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("areno.sync")
+
+METRIC_NAMES = (
+    "policy_sync_time_s",
+    "policy_sync_transfer_time_s",
+    "policy_sync_bytes",
+    "policy_sync_tensors",
+    "policy_sync_throughput_gbps",
+)
+
+
+class PolicySyncError(RuntimeError):
+    """A policy sync did not complete; the receivers kept their previous version."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncStats:
+    """What one completed policy sync cost."""
+
+    version: int
+    """The policy version the receivers hold after the sync."""
+    total_time_s: float
+    """Wall time of ``sync()`` on this rank, from the call to the commit."""
+    transfer_time_s: float
+    """Time this rank spent inside collectives (or copies, for the in-place transport)."""
+    bytes: int
+    """Bytes of the policy moved (the sum over all tensors as sent, not per receiver)."""
+    tensors: int
+    """Number of named tensors in the policy."""
+
+    @property
+    def throughput_gbps(self) -> float:
+        """Effective throughput in GB/s (1e9 bytes): policy bytes over total sync time."""
+        return self.bytes / self.total_time_s / 1e9 if self.total_time_s > 0 else 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "policy_sync_time_s": self.total_time_s,
+            "policy_sync_transfer_time_s": self.transfer_time_s,
+            "policy_sync_bytes": float(self.bytes),
+            "policy_sync_tensors": float(self.tensors),
+            "policy_sync_throughput_gbps": self.throughput_gbps,
+        }
+
+    def log(self, transport: str) -> None:
+        logger.info(
+            "policy sync v%d (%s): %.4f s total, %.4f s transfer, %d bytes, %d tensors, %.3f GB/s",
+            self.version, transport, self.total_time_s, self.transfer_time_s, self.bytes,
+            self.tensors, self.throughput_gbps,
+        )
+
+
+class PolicySyncTransport(abc.ABC):
+    """Moves the trained policy into the rollout engine and bumps its version.
+
+    ``sync`` is called on every participating rank with the same ``version``; it returns only once
+    the receivers committed ``version`` and raises ``PolicySyncError`` otherwise.
+    """
+
+    name: str = "transport"
+    last_stats: SyncStats | None = None
+    _pending_metrics: dict[str, float] | None = None
+
+    @abc.abstractmethod
+    def _sync(self, version: int) -> SyncStats:
+        """Run one sync; implemented by each transport."""
+
+    def sync(self, version: int) -> SyncStats:
+        stats = self._sync(version)
+        stats.log(self.name)
+        self.last_stats = stats
+        self._pending_metrics = stats.as_metrics()
+        return stats
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The metrics of the last completed sync, once (to go out with the next training step)."""
+        metrics, self._pending_metrics = self._pending_metrics or {}, None
+        return metrics
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSpec:
+    """Which slice of one full (Hugging Face) tensor a receiver keeps."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    """Shape of the full tensor as the trainer holds it."""
+    dtype: torch.dtype
+    """dtype of the receiver's tensor (a cast happens on write)."""
+    dim: int | None = None
+    """Dimension split across tensor-parallel ranks; None when the receiver keeps it all."""
+    start: int = 0
+    """First index this receiver keeps along ``dim``."""
+    length: int = 0
+    """How many indices along ``dim`` this receiver keeps (ignored when ``dim`` is None)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "full_shape", tuple(int(s) for s in self.full_shape))
+        if self.dim is not None:
+            if not 0 <= self.dim < len(self.full_shape):
+                raise ValueError(f"{self.name}: shard dim {self.dim} out of range for shape {self.full_shape}")
+            if self.start < 0 or self.length <= 0 or self.start + self.length > self.full_shape[self.dim]:
+                raise ValueError(
+                    f"{self.name}: slice [{self.start}, {self.start + self.length}) does not fit dim "
+                    f"{self.dim} of shape {self.full_shape}"
+                )
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] = self.length
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This receiver's slice of the full tensor (a view)."""
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.length)
+
+
+def write_rows(spec: ShardSpec, dest: torch.Tensor, rows: torch.Tensor, row_start: int) -> None:
+    """Write rows ``[row_start, row_start + len(rows))`` (dim 0) of the full tensor into ``dest``,
+    the receiver's local shard, keeping only the receiver's slice. Casts to ``dest.dtype``."""
+    row_end = row_start + rows.shape[0]
+    if spec.dim == 0:
+        lo, hi = max(row_start, spec.start), min(row_end, spec.start + spec.length)
+        if lo < hi:
+            dest[lo - spec.start : hi - spec.start].copy_(rows[lo - row_start : hi - row_start])
+    elif spec.dim is None:
+        dest[row_start:row_end].copy_(rows)
+    else:
+        dest[row_start:row_end].copy_(rows.narrow(spec.dim, spec.start, spec.length))
+
+
+class WeightSource(abc.ABC):
+    """Train side: the policy as named tensors, in the same order on every training rank."""
+
+    @abc.abstractmethod
+    def meta(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """``(name, full shape, dtype)`` of every tensor, in iteration order, without gathering."""
+
+    @abc.abstractmethod
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` in ``meta()`` order; DTensors are allowed (see ``full_tensor``)."""
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of a tensor that may be a DTensor shard (a collective over its mesh)."""
+    if hasattr(tensor, "full_tensor"):
+        return tensor.full_tensor()
+    return tensor
+
+
+class NamedTensorSource(WeightSource):
+    """A ``WeightSource`` over a callable returning ``(name, tensor)`` pairs (a state dict's items,
+    ``TrainBackend.named_weights``, a model's ``named_parameters``)."""
+
+    def __init__(self, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+        self._named_tensors = named_tensors
+
+    def meta(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return [(name, tuple(t.shape), t.dtype) for name, t in self._named_tensors()]
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._named_tensors():
+            yield name, t.detach()
+
+
+class ShardReceiver(abc.ABC):
+    """Rollout side: where the received slices go."""
+
+    @abc.abstractmethod
+    def shard_specs(self) -> Mapping[str, ShardSpec]:
+        """One spec per tensor name this receiver keeps."""
+
+    @abc.abstractmethod
+    def begin(self, version: int) -> None:
+        """A sync to ``version`` starts; staging tensors must be writable after this."""
+
+    @abc.abstractmethod
+    def stage(self, name: str) -> torch.Tensor:
+        """The staging tensor (``spec.local_shape``, receiver dtype) that ``name`` is written into."""
+
+    @abc.abstractmethod
+    def commit(self, version: int) -> None:
+        """Every staged tensor is complete: apply them all and switch to ``version``."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """The sync failed: drop what was staged; the previous version stays live."""
+
+
+class StagedReceiver(ShardReceiver):
+    """Double-buffered receiver: slices land in a staging copy (allocated once, reused), and
+    ``commit`` hands the complete set to ``apply(named_tensors, version)`` — e.g. the rollout
+    engine's all-or-nothing ``update_weights``, or an in-place ``copy_`` into live tensors.
+
+    Memory: one extra copy of this receiver's local shard of the policy, the price of a sync that
+    can fail midway without touching the live weights.
+    """
+
+    def __init__(
+        self,
+        specs: Mapping[str, ShardSpec],
+        apply: Callable[[list[tuple[str, torch.Tensor]], int], None],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self._specs = dict(specs)
+        self._apply = apply
+        self._device = torch.device(device)
+        self._staging: dict[str, torch.Tensor] = {}
+        self._written: set[str] = set()
+        self.version: int | None = None
+        """Version of the last commit, None before the first."""
+
+    def shard_specs(self) -> Mapping[str, ShardSpec]:
+        return self._specs
+
+    def begin(self, version: int) -> None:
+        if not self._staging:
+            self._staging = {
+                n: torch.empty(s.local_shape, dtype=s.dtype, device=self._device) for n, s in self._specs.items()
+            }
+        self._written = set()
+
+    def stage(self, name: str) -> torch.Tensor:
+        self._written.add(name)
+        return self._staging[name]
+
+    def commit(self, version: int) -> None:
+        missing = set(self._specs) - self._written
+        if missing:
+            raise PolicySyncError(f"sync v{version}: {len(missing)} tensors never arrived, e.g. {sorted(missing)[:3]}")
+        self._apply(list(self._staging.items()), version)
+        self.version = version
+
+    def abort(self) -> None:
+        self._written = set()
+
+
+def copy_into(live: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, torch.Tensor]], int], None]:
+    """An ``apply`` for ``StagedReceiver`` that copies staged tensors into ``live`` in place."""
+
+    def apply(named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        for name, t in named:
+            assert live[name].shape == t.shape, (name, live[name].shape, t.shape)
+        dst = [live[name] for name, _ in named]
+        torch._foreach_copy_(dst, [t for _, t in named])
+
+    return apply
+
+
+class Timer:
+    """Accumulates seconds spent in ``with timer:`` blocks (synchronising CUDA when asked)."""
+
+    def __init__(self, cuda_sync: bool = False) -> None:
+        self.seconds = 0.0
+        self._cuda_sync = cuda_sync
+        self._t0 = 0.0
+
+    def __enter__(self) -> Timer:
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cuda_sync:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - self._t0

@@ -1,0 +1,164 @@
+"""Disk policy sync: the policy as Hugging Face safetensors, published atomically, for the
+test-rollout group and for remote inference servers.
+
+A version is written into ``<root>/.tmp-policy-v<N>-<pid>/`` (safetensors shards of at most
+``max_shard_bytes``, ``model.safetensors.index.json``, the model directory's JSON files such as
+``config.json``), fsynced, marked ``COMPLETE`` and renamed to ``<root>/policy-v<N>/``; readers only
+ever see complete directories (``latest_policy``). Then every receiver is called with the path and
+version — e.g. ``RolloutEngine.update_weights_from_disk`` or a client that tells a remote server to
+load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from areno.sync.base import PolicySyncTransport, SyncStats, WeightSource, full_tensor
+
+COMPLETE = "COMPLETE"
+_DIR_RE = re.compile(r"^policy-v(\d+)$")
+
+
+def policy_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / f"policy-v{version:08d}"
+
+
+def latest_policy(root: str | Path) -> tuple[Path, int] | None:
+    """The newest complete policy directory under ``root`` and its version, or None."""
+    best = None
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for p in root.iterdir():
+        m = _DIR_RE.match(p.name)
+        if m and (p / COMPLETE).exists() and (best is None or int(m.group(1)) > best[1]):
+            best = (p, int(m.group(1)))
+    return best
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DiskTransport(PolicySyncTransport):
+    """Write the policy as HF safetensors atomically, then notify receivers.
+
+    Every training rank calls ``sync`` (sharded weights are gathered collectively); only the rank
+    with ``is_writer=True`` writes and notifies. ``receivers`` are callables ``(path, version)``.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        source: WeightSource,
+        root: str | Path,
+        receivers: Sequence[Callable[[str, int], None]] = (),
+        *,
+        is_writer: bool = True,
+        model_dir: str | Path | None = None,
+        keep_last: int = 2,
+        max_shard_bytes: int = 4 << 30,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+        self.source = source
+        self.root = Path(root)
+        self.receivers = list(receivers)
+        self.is_writer = is_writer
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.keep_last = keep_last
+        self.max_shard_bytes = max_shard_bytes
+
+    def _sync(self, version: int) -> SyncStats:
+        t0 = time.perf_counter()
+        tmp = self.root / f".tmp-policy-v{version:08d}-{os.getpid()}"
+        if self.is_writer:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        fill = 0
+        nbytes = 0
+        ntensors = 0
+        files: list[str] = []
+        weight_map: dict[str, str] = {}
+
+        def flush() -> None:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shards[-1]})
+            shards.append({})
+
+        t_io = time.perf_counter()
+        for name, tensor in self.source.iter_tensors():
+            full = full_tensor(tensor)
+            if not self.is_writer:
+                continue
+            size = full.numel() * full.element_size()
+            if shards[-1] and fill + size > self.max_shard_bytes:
+                flush()
+                fill = 0
+            # A private contiguous CPU copy: safetensors refuses shared storage (tied weights).
+            shards[-1][name] = full.detach().to("cpu", copy=True).contiguous()
+            fill += size
+            nbytes += size
+            ntensors += 1
+        if self.is_writer:
+            if shards[-1] or not files:
+                flush()
+            # Rename shards to the HF "-of-" convention now that the count is known.
+            total = len(files)
+            renamed = {}
+            for i, f in enumerate(files):
+                new = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+                (tmp / f).rename(tmp / new)
+                renamed[f] = new
+            index = {"metadata": {"total_size": nbytes, "policy_version": version},
+                     "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+            if self.model_dir is not None:
+                for p in self.model_dir.iterdir():
+                    if p.is_file() and p.suffix in (".json", ".txt", ".model") and p.name != "model.safetensors.index.json":
+                        shutil.copy2(p, tmp / p.name)
+            for p in tmp.iterdir():
+                with open(p, "rb+") as fh:
+                    os.fsync(fh.fileno())
+            (tmp / COMPLETE).write_text(str(version))
+            _fsync_dir(tmp)
+            final = policy_dir(self.root, version)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            io_time = time.perf_counter() - t_io
+            for receiver in self.receivers:
+                receiver(str(final), version)
+            self._prune()
+        else:
+            io_time = time.perf_counter() - t_io
+        return SyncStats(version=version, total_time_s=time.perf_counter() - t0, transfer_time_s=io_time,
+                         bytes=nbytes, tensors=ntensors)
+
+    def _prune(self) -> None:
+        versions = sorted(
+            (int(m.group(1)), p) for p in self.root.iterdir() if (m := _DIR_RE.match(p.name))
+        )
+        for _, p in versions[: -self.keep_last]:
+            shutil.rmtree(p, ignore_errors=True)

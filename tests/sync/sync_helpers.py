@@ -1,0 +1,138 @@
+"""Multi-process helpers for the policy-sync tests: a free port, a spawned gloo world, a tiny
+Llama-shaped weight set and its TP plan."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TP_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.embed_tokens": "vocab",
+    "lm_head": "colwise",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_weights(seed: int, d: int = 32, v: int = 64, layers: int = 2) -> dict[str, torch.Tensor]:
+    """fp32 tensors with Hugging Face Qwen2 names (q/k/v biases, untied head)."""
+    g = torch.Generator().manual_seed(seed)
+    w = {"model.embed_tokens.weight": torch.randn(v, d, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj.weight": (d, d), "self_attn.q_proj.bias": (d,),
+            "self_attn.k_proj.weight": (d // 2, d), "self_attn.k_proj.bias": (d // 2,),
+            "self_attn.v_proj.weight": (d // 2, d), "self_attn.v_proj.bias": (d // 2,),
+            "self_attn.o_proj.weight": (d, d),
+            "mlp.gate_proj.weight": (2 * d, d), "mlp.up_proj.weight": (2 * d, d),
+            "mlp.down_proj.weight": (d, 2 * d),
+            "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        }
+        for k, s in shapes.items():
+            w[p + k] = torch.randn(*s, generator=g)
+    w["model.norm.weight"] = torch.randn(d, generator=g)
+    w["lm_head.weight"] = torch.randn(v, d, generator=g)
+    return w
+
+
+def init_world(rank: int, world: int, port: int, timeout_s: float = 60.0) -> dist.Store:
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return store
+
+
+def spawn(fn, world: int, *args) -> None:
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+# ------------------------------------------------------------------ workers (run in spawned ranks)
+import os
+import time
+import traceback
+from pathlib import Path
+
+from areno.sync.base import NamedTensorSource, PolicySyncError, StagedReceiver, copy_into
+from areno.sync.plan import shard_specs_from_tp_plan
+from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
+
+TRAIN, ROLLOUT = (0, 1), (2, 3)
+# Overlapping device lists: train on dev0, dev1; rollout TP 2 also on dev0, dev1.
+DEVICES = {0: "dev0", 1: "dev1", 2: "dev0", 3: "dev1"}
+
+
+def _build(rank: int, weights: dict, bucket_bytes: int, timeout_s: float):
+    topo = StreamTopology(train_ranks=TRAIN, sender_ranks=TRAIN, rollout_ranks=ROLLOUT, devices=DEVICES)
+    cfg = StreamSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    live, receiver = None, None
+    if rank in ROLLOUT:
+        meta = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
+        specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - ROLLOUT[0], tp_size=len(ROLLOUT))
+        live = {n: torch.zeros(s.local_shape, dtype=s.dtype) for n, s in specs.items()}
+        receiver = StagedReceiver(specs, copy_into(live))
+    source = NamedTensorSource(lambda: weights.items()) if rank in TRAIN else None
+    transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver)
+    return transport, receiver, live
+
+
+def worker_roundtrip(rank: int, world: int, port: int, out: str, bucket_bytes: int) -> None:
+    """Two syncs (v1, v2 with new weights); each rank saves what it holds after each."""
+    init_world(rank, world, port)
+    weights = tiny_weights(seed=1)
+    transport, receiver, live = _build(rank, weights, bucket_bytes, timeout_s=30.0)
+    result = {"relays": transport.relays, "plan_rows": dict(transport.plan.owner),
+              "peak_buffer_bytes": transport.peak_buffer_bytes, "max_bucket": transport.plan.max_bucket_bytes}
+    for version, seed in ((1, 1), (2, 2)):
+        weights.update(tiny_weights(seed=seed))  # same dict object: the source sees new values
+        stats = transport.sync(version)
+        result[f"v{version}"] = {
+            "metrics": stats.as_metrics(),
+            "live": {n: t.clone() for n, t in live.items()} if live is not None else None,
+            "receiver_version": receiver.version if receiver is not None else None,
+        }
+    result["pop"] = transport.pop_metrics()
+    result["pop_again"] = transport.pop_metrics()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker_hang(rank: int, world: int, port: int, out: str, timeout_s: float) -> None:
+    """v1 completes; for v2, rank 3 never joins: everyone else must raise within the timeout, the
+    error naming rank 3, and rollout rank 2 must keep v1 intact."""
+    init_world(rank, world, port, timeout_s=60.0)
+    weights = tiny_weights(seed=1)
+    transport, receiver, live = _build(rank, weights, bucket_bytes=1024, timeout_s=timeout_s)
+    transport.sync(1)
+    result = {"v1": {n: t.clone() for n, t in live.items()} if live is not None else None}
+    weights.update(tiny_weights(seed=2))
+    if rank == 3:
+        time.sleep(3 * timeout_s + 2)
+    else:
+        t0 = time.perf_counter()
+        try:
+            transport.sync(2)
+            result["error"] = None
+        except PolicySyncError as e:
+            result["error"] = str(e)
+        result["elapsed"] = time.perf_counter() - t0
+        result["after"] = {n: t.clone() for n, t in live.items()} if live is not None else None
+        result["receiver_version"] = receiver.version if receiver is not None else None
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    os._exit(0)  # the groups are broken after a timeout; do not try to tear them down
