@@ -1,0 +1,18 @@
+"""One Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) shared by training and rollout."""
+
+from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from areno.models.decoder import AttentionBackend, Decoder, PackedCausalAttention
+from areno.models.hf_io import init_model_dir, load_model, read_config, save_model, tiny_config
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionBackend",
+    "Decoder",
+    "ModelConfig",
+    "PackedCausalAttention",
+    "init_model_dir",
+    "load_model",
+    "read_config",
+    "save_model",
+    "tiny_config",
+]

@@ -1,0 +1,322 @@
+"""``ModelConfig``: the one description of a Llama-family decoder, read from and written to a Hugging
+Face ``config.json``.
+
+Supported architectures (``architectures[0]`` in ``config.json``) and what sets them apart:
+
+- ``LlamaForCausalLM``   optional bias on q/k/v/o (``attention_bias``), optional MLP bias, Llama 3
+  RoPE scaling (``rope_scaling.rope_type == "llama3"``) or linear scaling.
+- ``Qwen2ForCausalLM``   bias on q/k/v (always), none on o_proj.
+- ``Qwen3ForCausalLM``   RMSNorm over head_dim on q and k before RoPE (``qk_norm``); optional q/k/v/o bias.
+- ``MistralForCausalLM`` no bias; an optional sliding attention window applied in every layer.
+
+Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
+transformers 5 are read; ``to_hf`` writes the legacy keys, which every transformers version and
+inference server reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# architecture -> HF model_type
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and flags of a Llama-family decoder. Build it with ``from_hf`` or ``tiny_config``."""
+
+    vocab_size: int
+    """Rows of the embedding and of the output projection."""
+    hidden_size: int
+    """Model width D."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_hidden_layers: int
+    """Number of decoder layers."""
+    num_attention_heads: int
+    """Query heads Hq."""
+    num_key_value_heads: int
+    """Key/value heads Hkv (GQA when < Hq); must divide Hq."""
+    head_dim: int
+    """Per-head width Dh (Qwen3 sets it independently of hidden_size / Hq)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: dict[str, Any] | None = None
+    """None, or a dict with ``rope_type`` in ("default", "llama3", "linear") and its parameters
+    (llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings;
+    linear: factor)."""
+    max_position_embeddings: int = 2048
+    """Longest position the model was built for; RoPE tables are sized to it."""
+    tie_word_embeddings: bool = False
+    """Output projection shares the embedding matrix (no ``lm_head`` tensor)."""
+    attention_bias: bool = False
+    """Bias on q_proj, k_proj, v_proj (Qwen2 always; Llama/Qwen3 when ``attention_bias``)."""
+    attention_out_bias: bool = False
+    """Bias on o_proj (Llama/Qwen3 with ``attention_bias``; never Qwen2/Mistral)."""
+    mlp_bias: bool = False
+    """Bias on gate/up/down projections (Llama ``mlp_bias``)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Mistral sliding attention window (a query sees the last ``sliding_window`` keys), or None."""
+    initializer_range: float = 0.02
+    """Std of the normal init of linear and embedding weights."""
+    architecture: str = "Qwen2ForCausalLM"
+    """Hugging Face ``architectures[0]``; one of ``SUPPORTED_ARCHITECTURES``."""
+    model_type: str = "qwen2"
+    """Hugging Face ``model_type`` matching ``architecture``."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id, if any."""
+    eos_token_id: int | tuple[int, ...] | None = None
+    """End-of-sequence token id(s) (Llama 3 lists several)."""
+    pad_token_id: int | None = None
+    """Padding token id, if any."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"ModelConfig.num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0 or self.initializer_range <= 0:
+            raise ValueError("ModelConfig.rms_norm_eps, rope_theta and initializer_range must be > 0")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"ModelConfig.sliding_window must be > 0 or None, got {self.sliding_window}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(_unknown_arch_message(self.architecture))
+        if SUPPORTED_ARCHITECTURES[self.architecture] != self.model_type:
+            raise ValueError(
+                f"ModelConfig.model_type={self.model_type!r} does not match architecture "
+                f"{self.architecture} (expected {SUPPORTED_ARCHITECTURES[self.architecture]!r})"
+            )
+        self._check_arch_flags()
+        if self.rope_scaling is not None:
+            scaling = dict(self.rope_scaling)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+                )
+            scaling.pop("type", None)
+            scaling["rope_type"] = rope_type
+            need = {
+                "default": (),
+                "linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            }[rope_type]
+            missing = [k for k in need if k not in scaling]
+            if missing:
+                raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
+            scaling.pop("rope_theta", None)  # transformers 5 keeps it inside rope_parameters
+            object.__setattr__(self, "rope_scaling", None if rope_type == "default" else scaling)
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    def _check_arch_flags(self) -> None:
+        """Only flag combinations that transformers' class for ``architecture`` can express."""
+        arch = self.architecture
+        if self.qk_norm != (arch == "Qwen3ForCausalLM"):
+            raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 has q/k norms)")
+        if arch == "Qwen2ForCausalLM" and (not self.attention_bias or self.attention_out_bias):
+            raise ValueError("Qwen2ForCausalLM has q/k/v bias and no o_proj bias: set attention_bias=True, "
+                             "attention_out_bias=False")
+        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and self.attention_bias != self.attention_out_bias:
+            raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
+        if arch == "MistralForCausalLM" and (self.attention_bias or self.attention_out_bias):
+            raise ValueError("MistralForCausalLM has no attention bias")
+        if self.mlp_bias and arch != "LlamaForCausalLM":
+            raise ValueError(f"mlp_bias=True is only expressible for LlamaForCausalLM, not {arch}")
+        if self.sliding_window is not None and arch != "MistralForCausalLM":
+            raise ValueError(f"sliding_window is only supported for MistralForCausalLM, not {arch}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """All end-of-sequence ids as a tuple (empty when none)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence this decoder computes as transformers does (positions < this)."""
+        return self.max_position_embeddings
+
+    def num_params(self) -> int:
+        """Parameter count (the tied output projection counted once)."""
+        d, hq, hkv, dh, inter = (
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.intermediate_size,
+        )
+        attn = d * hq * dh + 2 * d * hkv * dh + hq * dh * d
+        if self.attention_bias:
+            attn += hq * dh + 2 * hkv * dh
+        if self.attention_out_bias:
+            attn += d
+        if self.qk_norm:
+            attn += 2 * dh
+        mlp = 3 * d * inter + ((2 * inter + d) if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * d
+        total = self.vocab_size * d + self.num_hidden_layers * layer + d
+        if not self.tie_word_embeddings:
+            total += self.vocab_size * d
+        return total
+
+    # ------------------------------------------------------------------ HF conversion
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from the dict of a Hugging Face ``config.json``.
+
+        Raises ValueError naming the architecture when it is not supported, and for features this
+        decoder does not implement (non-SiLU activation, per-layer sliding windows, other RoPE types).
+        """
+        archs = d.get("architectures") or []
+        if not archs:
+            model_type = d.get("model_type")
+            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            if model_type not in by_type:
+                raise ValueError(
+                    f"config.json has no 'architectures' and model_type {model_type!r} is not one of "
+                    f"{sorted(by_type)}"
+                )
+            archs = [by_type[model_type]]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(_unknown_arch_message(arch))
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+        if d.get("use_sliding_window"):
+            raise ValueError(
+                f"{arch} with use_sliding_window=true (per-layer windows) is not supported; "
+                "set use_sliding_window=false in config.json"
+            )
+        rope_theta, rope_scaling = _read_rope(d)
+        heads = d["num_attention_heads"]
+        attn_bias = bool(d.get("attention_bias", False))
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, out_bias = True, False
+        elif arch == "MistralForCausalLM":
+            qkv_bias = out_bias = False
+        else:
+            qkv_bias = out_bias = attn_bias
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            attention_out_bias=out_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=d.get("sliding_window") if arch == "MistralForCausalLM" else None,
+            initializer_range=float(d.get("initializer_range", 0.02)),
+            architecture=arch,
+            model_type=SUPPORTED_ARCHITECTURES[arch],
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``config.json`` dict; ``transformers.AutoConfig`` reads it back to the same model."""
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+            d["attention_bias"] = self.attention_bias
+        if self.architecture == "LlamaForCausalLM":
+            d["mlp_bias"] = self.mlp_bias
+        if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            d["use_sliding_window"] = False
+            d["sliding_window"] = None
+        if self.architecture == "MistralForCausalLM":
+            d["sliding_window"] = self.sliding_window
+        return d
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _unknown_arch_message(arch: str) -> str:
+    return (
+        f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from legacy keys or transformers 5 ``rope_parameters``."""
+    params = d.get("rope_parameters")
+    scaling = d.get("rope_scaling")
+    theta = d.get("rope_theta")
+    if params and not scaling:
+        scaling = dict(params)
+    if theta is None:
+        theta = (params or {}).get("rope_theta", (scaling or {}).get("rope_theta", 10000.0))
+    if scaling:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            scaling = None
+    return float(theta), scaling or None
+

@@ -1,0 +1,323 @@
+"""The one Llama-family decoder used by training and rollout (plain PyTorch, no torch.distributed).
+
+Module names equal the Hugging Face names (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
+``model.norm``, ``lm_head`` …), so ``Decoder.state_dict()`` *is* the HF state dict; the tied output
+projection has no ``lm_head`` module.
+
+Inputs are packed and 1-D: ``input_ids_T`` holds all sequences concatenated and ``position_ids_T``
+restarts at 0 for each. Attention is delegated to an ``AttentionBackend`` called in every layer as
+``attn(layer_idx, q_THD, k_THD, v_THD)`` after RoPE (and Qwen3 q/k norms); ``PackedCausalAttention``
+is the training/scoring backend, the rollout engine supplies a paged-KV one.
+
+Legend: T = packed tokens, D = hidden size, H = heads (Hq query, Hkv key/value), Dh = head dim,
+V = vocabulary, B = sequences, P = positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from areno.models.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    """Computes attention for one layer of a packed batch.
+
+    ``q_THD``: [T, Hq, Dh]; ``k_THD``, ``v_THD``: [T, Hkv, Dh] (after RoPE). Returns [T, Hq, Dh].
+    The backend handles GQA (Hq a multiple of Hkv) and uses the scale 1/sqrt(Dh).
+    """
+
+    def __call__(
+        self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+# ----------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 [Dh/2] inverse frequencies, with linear / Llama 3 scaling, computed as transformers does."""
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    factor = scaling["factor"]
+    low_ff, high_ff = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_ctx / low_ff, old_ctx / high_ff
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryCache:
+    """cos/sin tables [P, Dh/2] for every position < max_position_embeddings, one per (device, dtype).
+
+    Tables are computed in float32 (as transformers does) and then cast, so bf16 models see the
+    same rounded cos/sin as the reference. Not a buffer: it never enters the state dict.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (torch.device(device), dtype)
+        if key not in self._tables:
+            inv_freq = rope_inv_freq(self.config, device)
+            pos_P = torch.arange(self.config.max_position_embeddings, device=device, dtype=torch.float32)
+            freqs = pos_P[:, None] * inv_freq[None, :]
+            self._tables[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+        return self._tables[key]
+
+
+def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, Dh/2]."""
+    half = x_THD.shape[-1] // 2
+    x1, x2 = x_THD[..., :half], x_THD[..., half:]
+    cos, sin = cos_TF[:, None, :], sin_TF[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ------------------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, output cast back, then scaled (transformers' order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d, dh = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(d, self.num_heads * dh, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(dh, config.rms_norm_eps)
+            self.k_norm = RMSNorm(dh, config.rms_norm_eps)
+
+    def forward(
+        self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        T = x_TD.shape[0]
+        # Head counts come from the weights, so a TP-sharded projection works unchanged.
+        q_THD = self.q_proj(x_TD).view(T, -1, self.head_dim)
+        k_THD = self.k_proj(x_TD).view(T, -1, self.head_dim)
+        v_THD = self.v_proj(x_TD).view(T, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q_THD = self.q_norm(q_THD)
+            k_THD = self.k_norm(k_THD)
+        q_THD = apply_rope(q_THD, cos_TF, sin_TF)
+        k_THD = apply_rope(k_THD, cos_TF, sin_TF)
+        out_THD = attn(self.layer_idx, q_THD, k_THD, v_THD)
+        return self.o_proj(out_THD.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(d, i, bias=b)
+        self.up_proj = nn.Linear(d, i, bias=b)
+        self.down_proj = nn.Linear(i, d, bias=b)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_TF, sin_TF, attn)
+        return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+
+
+class DecoderModel(nn.Module):
+    """The ``model.`` prefix of HF checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    """Llama / Qwen2 / Qwen3 / Mistral decoder over packed 1-D token streams."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = RotaryCache(config)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """transformers' init: normal(0, initializer_range) for linear/embedding weights, zero
+        biases, ones for norms, and a zero row for the pad token embedding."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        pad = self.config.pad_token_id
+        if pad is not None and 0 <= pad < self.config.vocab_size:
+            self.model.embed_tokens.weight[pad].zero_()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[V, D] output projection (the embedding when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids_T: torch.Tensor,
+        position_ids_T: torch.Tensor,
+        attn: AttentionBackend | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, D]. ``attn=None`` treats the input as one sequence."""
+        if attn is None:
+            cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
+            attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
+        x_TD = self.model.embed_tokens(input_ids_T)
+        cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
+        cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
+        for layer in self.model.layers:
+            x_TD = layer(x_TD, cos_TF, sin_TF, attn)
+        return self.model.norm(x_TD)
+
+    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """[T, V] logits in the model dtype (use ``logprobs.py`` for chunked fp32 log-probs)."""
+        return F.linear(hidden_TD, self.output_weight)
+
+
+# ------------------------------------------------------------------------------ packed attention
+class PackedCausalAttention:
+    """Causal attention inside each packed sequence (no attention across sequence boundaries).
+
+    ``cu_seqlens_B1``: int [B+1] boundaries. ``sliding_window``: Mistral's window (a query sees
+    itself and the previous ``sliding_window - 1`` tokens), or None. ``impl``:
+    - ``"sdpa"``: SDPA with a block-diagonal causal boolean mask [T, T] (the CPU default).
+    - ``"flex"``: FlexAttention with a document block mask, compiled (the CUDA default).
+    - ``"auto"``: flex on CUDA, sdpa elsewhere.
+    The mask is built at the first call and reused by every layer.
+    """
+
+    IMPLS = ("auto", "sdpa", "flex")
+
+    def __init__(
+        self, cu_seqlens_B1: torch.Tensor, *, sliding_window: int | None = None, impl: str = "auto"
+    ) -> None:
+        if impl not in self.IMPLS:
+            raise ValueError(f"PackedCausalAttention impl must be one of {self.IMPLS}, got {impl!r}")
+        self.cu_seqlens_B1 = cu_seqlens_B1
+        self.sliding_window = sliding_window
+        self.impl = impl
+        self._mask = None
+        self._mask_key: tuple | None = None
+
+    def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
+        cu = self.cu_seqlens_B1.to(device)
+        seqlens_B = cu[1:] - cu[:-1]
+        return torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=device), seqlens_B)
+
+    def _sdpa_mask(self, T: int, device: torch.device) -> torch.Tensor:
+        doc_T = self._doc_ids_T(device)
+        assert doc_T.numel() == T, f"cu_seqlens covers {doc_T.numel()} tokens, got {T}"
+        idx_T = torch.arange(T, device=device)
+        mask_TT = (doc_T[:, None] == doc_T[None, :]) & (idx_T[None, :] <= idx_T[:, None])
+        if self.sliding_window is not None:
+            mask_TT &= (idx_T[:, None] - idx_T[None, :]) < self.sliding_window
+        return mask_TT
+
+    def _flex_mask(self, T: int, device: torch.device):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc_T = self._doc_ids_T(device)
+        assert doc_T.numel() == T, f"cu_seqlens covers {doc_T.numel()} tokens, got {T}"
+        window = self.sliding_window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
+            if window is not None:
+                keep = keep & (q_idx - kv_idx < window)
+            return keep
+
+        return create_block_mask(mask_mod, None, None, T, T, device=device)
+
+    def __call__(
+        self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
+    ) -> torch.Tensor:
+        T, device = q_THD.shape[0], q_THD.device
+        impl = self.impl
+        if impl == "auto":
+            impl = "flex" if q_THD.is_cuda else "sdpa"
+        key = (impl, T, device)
+        if self._mask_key != key:
+            self._mask = self._flex_mask(T, device) if impl == "flex" else self._sdpa_mask(T, device)
+            self._mask_key = key
+        q = q_THD.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, Dh]
+        k = k_THD.transpose(0, 1).unsqueeze(0)
+        v = v_THD.transpose(0, 1).unsqueeze(0)
+        if impl == "flex":
+            out = _compiled_flex_attention()(q, k, v, block_mask=self._mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+_FLEX = None
+
+
+def _compiled_flex_attention():
+    """flex_attention compiled once per process (eager flex materialises the full score matrix)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=None)
+    return _FLEX

@@ -1,0 +1,184 @@
+"""Hugging Face checkpoint I/O: ``config.json`` + ``*.safetensors`` (single or sharded) <-> ``Decoder``.
+
+Tensor names need no mapping: ``Decoder`` module names equal the HF names. ``save_model`` writes a
+directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from areno.models.decoder import Decoder
+
+# Non-parameter tensors that some HF checkpoints carry and we recompute.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_TINY_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    """``ModelConfig`` from ``model_dir/config.json`` (one-line errors naming the path)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: a model directory needs a Hugging Face config.json")
+    try:
+        d = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    return ModelConfig.from_hf(d)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} is listed in {index} but does not exist")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[Decoder, ModelConfig]:
+    """Build the decoder described by ``model_dir/config.json`` and load its safetensors weights.
+
+    Raises a one-line error naming the path for a missing directory/config/weights, and naming the
+    first tensor that is missing, unexpected, or of the wrong shape.
+    """
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    with torch.device("meta"):
+        model = Decoder(config).to(dtype)
+    model.to_empty(device=device)
+    expected = model.state_dict()
+    seen: set[str] = set()
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue  # some tied checkpoints store the duplicate; the embedding is the source
+                if name not in expected:
+                    raise ValueError(
+                        f"unexpected tensor {name!r} in {path} for {config.architecture} "
+                        f"(the checkpoint does not match config.json)"
+                    )
+                tensor = f.get_tensor(name)
+                target = expected[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
+                        f"config.json implies {tuple(target.shape)}"
+                    )
+                with torch.no_grad():
+                    target.copy_(tensor)
+                seen.add(name)
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir} "
+                         f"({len(missing)} missing in all)")
+    model.eval()
+    return model, config
+
+
+def save_model(
+    model: Decoder, config: ModelConfig, out_dir: str | Path, *, tokenizer: Any | None = None
+) -> Path:
+    """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` (HF names), and
+    the tokenizer if given. ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    dtype = next(iter(state.values())).dtype
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf = config.to_hf()
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf[k] is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def init_model_dir(out_dir: str | Path, config: ModelConfig, tokenizer: Any, *, seed: int = 0) -> Path:
+    """A randomly initialised checkpoint (model + tokenizer + generation config) in ``out_dir``.
+
+    Token ids left None in ``config`` are taken from the tokenizer.
+    """
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {config.vocab_size}")
+    fill = {}
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(config, field) is None and getattr(tokenizer, field, None) is not None:
+            fill[field] = getattr(tokenizer, field)
+    config = config.replace(**fill) if fill else config
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        model = Decoder(config)
+    return save_model(model, config, out_dir, tokenizer=tokenizer)
+
+
+def tiny_config(
+    vocab_size: int,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    **kw: Any,
+) -> ModelConfig:
+    """A small ``ModelConfig`` of the given family for tests and demos.
+
+    ``arch``: llama, qwen2, qwen3 or mistral. ``kw`` overrides any other ModelConfig field
+    (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
+    tokenizer's (pad 0, bos 1, eos 2).
+    """
+    if arch not in _TINY_ARCHS:
+        raise ValueError(f"tiny_config arch must be one of {sorted(_TINY_ARCHS)}, got {arch!r}")
+    architecture = _TINY_ARCHS[arch]
+    qkv_bias = arch == "qwen2"
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden_size // heads,
+        max_position_embeddings=2048,
+        attention_bias=qkv_bias,
+        attention_out_bias=False,
+        qk_norm=arch == "qwen3",
+        architecture=architecture,
+        model_type=SUPPORTED_ARCHITECTURES[architecture],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    fields.update(kw)
+    return ModelConfig(**fields)

@@ -1,0 +1,200 @@
+"""Parity of areno's decoder with transformers on tiny random checkpoints (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areno.models import Decoder, ModelConfig, PackedCausalAttention, load_model, save_model, tiny_config
+
+VOCAB = 61
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+CASES = {
+    "llama": dict(arch="llama"),
+    "llama_tied_bias": dict(arch="llama", tie_word_embeddings=True, attention_bias=True,
+                            attention_out_bias=True, mlp_bias=True),
+    "llama3_rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+    "qwen2": dict(arch="qwen2"),
+    "qwen2_tied": dict(arch="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(arch="qwen3", head_dim=24),
+    "qwen3_tied": dict(arch="qwen3", tie_word_embeddings=True),
+    "mistral_window": dict(arch="mistral", sliding_window=6),
+    "mha": dict(arch="qwen2", kv_heads=4),
+}
+
+
+def _build(case: str, tmp_path) -> tuple[Decoder, ModelConfig, torch.nn.Module]:
+    """Our random model, saved and reloaded by transformers (eager attention, fp32)."""
+    kw = dict(CASES[case])
+    torch.manual_seed(0)
+    # A wide init so logits are far from uniform and a mismatch cannot hide in tiny numbers.
+    config = tiny_config(VOCAB, initializer_range=0.2, **kw)
+    model = Decoder(config)
+    save_model(model, config, tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval(), config, ref.eval()
+
+
+def _ref_logprobs(ref: torch.nn.Module, ids_T: torch.Tensor) -> torch.Tensor:
+    """logprobs_T[t] = log p(ids[t] | ids[:t]) from transformers, 0 at t=0."""
+    with torch.no_grad():
+        logits = ref(ids_T[None]).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids_T[1:, None])[:, 0]
+    return torch.cat([torch.zeros(1), lp])
+
+
+def _our_logprobs(model: Decoder, ids_T: torch.Tensor, cu_B1: torch.Tensor) -> torch.Tensor:
+    seqlens = (cu_B1[1:] - cu_B1[:-1]).tolist()
+    pos_T = torch.cat([torch.arange(n) for n in seqlens])
+    with torch.no_grad():
+        hidden = model(ids_T, pos_T, PackedCausalAttention(cu_B1, sliding_window=model.config.sliding_window))
+        logp_TV = torch.log_softmax(model.logits(hidden).float(), -1)
+    out = torch.zeros(ids_T.numel())
+    out[1:] = logp_TV[:-1].gather(-1, ids_T[1:, None])[:, 0]
+    out[cu_B1[:-1]] = 0.0
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logprob_parity_with_transformers(case, tmp_path):
+    model, config, ref = _build(case, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    lens = [9, 14, 5]
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
+    cu_B1 = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    ours = _our_logprobs(model, torch.cat(seqs), cu_B1)
+    expected = torch.cat([_ref_logprobs(ref, s) for s in seqs])
+    assert expected.abs().max() > 1.0  # meaningful log-probs, not ~log(1/V) everywhere equal
+    assert (ours - expected).abs().max().item() <= 1e-4
+    # The state dict is the HF state dict (names and shapes), minus the tied duplicate.
+    ref_sd = {k: v for k, v in ref.state_dict().items()
+              if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    ours_sd = model.state_dict()
+    assert sorted(ours_sd) == sorted(ref_sd)
+    assert all(ours_sd[k].shape == ref_sd[k].shape for k in ours_sd)
+
+
+def test_packed_forward_equals_per_sequence():
+    torch.manual_seed(0)
+    model = Decoder(tiny_config(VOCAB, arch="qwen3", initializer_range=0.2)).eval()
+    lens = [7, 1, 12, 4]
+    seqs = [torch.randint(0, VOCAB, (n,)) for n in lens]
+    cu_B1 = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    pos_T = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        packed = model(torch.cat(seqs), pos_T, PackedCausalAttention(cu_B1))
+        single = torch.cat([model(s, torch.arange(s.numel())) for s in seqs])
+    torch.testing.assert_close(packed, single, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_matches_sdpa_on_cpu():
+    """The CUDA default (FlexAttention document mask) agrees with the SDPA mask; run eagerly here."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    cu_B1 = torch.tensor([0, 5, 6, 19])
+    q, k, v = torch.randn(19, 4, 8), torch.randn(19, 2, 8), torch.randn(19, 2, 8)
+    for window in (None, 3):
+        attn = PackedCausalAttention(cu_B1, sliding_window=window, impl="sdpa")
+        expected = attn(0, q, k, v)
+        mask = PackedCausalAttention(cu_B1, sliding_window=window)._flex_mask(19, torch.device("cpu"))
+        assert create_block_mask is not None
+        got = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                             block_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_save_load_roundtrip_and_transformers_logits(tmp_path):
+    model, config, ref = _build("qwen2_tied", tmp_path)
+    loaded, config2 = load_model(tmp_path)
+    assert config2 == config
+    ids_T = torch.randint(0, VOCAB, (10,))
+    with torch.no_grad():
+        ours = loaded.logits(loaded(ids_T, torch.arange(10)))
+        theirs = ref(ids_T[None]).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, loaded.state_dict()[name]), name
+    # bf16 load keeps the dtype.
+    bf16, _ = load_model(tmp_path, dtype=torch.bfloat16)
+    assert bf16.output_weight.dtype == torch.bfloat16
+
+
+def test_config_roundtrip_all_archs():
+    for case, kw in CASES.items():
+        config = tiny_config(VOCAB, **kw)
+        assert ModelConfig.from_hf(json.loads(json.dumps(config.to_hf()))) == config, case
+    n = tiny_config(VOCAB, arch="qwen3", tie_word_embeddings=False)
+    assert n.num_params() == sum(p.numel() for p in Decoder(n).parameters())
+    t = tiny_config(VOCAB, arch="llama", tie_word_embeddings=True, attention_bias=True,
+                    attention_out_bias=True, mlp_bias=True)
+    assert t.num_params() == sum(p.numel() for p in Decoder(t).parameters())
+
+
+def test_config_reads_transformers5_rope_parameters():
+    d = tiny_config(VOCAB, arch="llama").to_hf()
+    del d["rope_theta"], d["rope_scaling"]
+    d["rope_parameters"] = dict(LLAMA3_ROPE, rope_theta=123.0)
+    config = ModelConfig.from_hf(d)
+    assert config.rope_theta == 123.0 and config.rope_scaling == LLAMA3_ROPE
+
+
+def test_load_errors(tmp_path, char_tokenizer):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+    config = tiny_config(VOCAB)
+    save_model(Decoder(config), config, tmp_path / "m")
+    bad = config.to_hf() | {"architectures": ["GPT2LMHeadModel"]}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*Qwen2ForCausalLM"):
+        load_model(tmp_path / "m")
+    # config says a wider vocabulary than the tensors have: the error names the first tensor.
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config.to_hf() | {"vocab_size": VOCAB + 3}))
+    with pytest.raises(ValueError, match=r"tensor '(lm_head|model\.embed_tokens)\.weight' .* has shape"):
+        load_model(tmp_path / "m")
+    # config has one layer more than the checkpoint: a missing tensor is named.
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config.to_hf() | {"num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.2\..*' is missing"):
+        load_model(tmp_path / "m")
+    # an untied config against a checkpoint without lm_head: missing lm_head named.
+    tied = tiny_config(VOCAB, tie_word_embeddings=True)
+    save_model(Decoder(tied), tied, tmp_path / "t")
+    (tmp_path / "t" / "config.json").write_text(json.dumps(tied.to_hf() | {"tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        load_model(tmp_path / "t")
+
+
+def test_config_validation_errors():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_config(VOCAB, heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="yarn"):
+        tiny_config(VOCAB, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf(tiny_config(VOCAB).to_hf() | {"hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf(tiny_config(VOCAB).to_hf() | {"use_sliding_window": True})
+
+
+def test_init_model_dir_fixture_loads(tiny_model_dir, char_tokenizer):
+    model, config = load_model(tiny_model_dir)
+    assert config.vocab_size == len(char_tokenizer)
+    assert config.eos_token_id == char_tokenizer.eos_token_id
+    assert (tiny_model_dir / "tokenizer.json").is_file()
+    assert (tiny_model_dir / "generation_config.json").is_file()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids_T = torch.tensor(char_tokenizer("hello world")["input_ids"])
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(model(ids_T, torch.arange(ids_T.numel()))),
+                                   ref(ids_T[None]).logits[0], atol=1e-4, rtol=1e-4)
