@@ -1,0 +1,398 @@
+"""WorkflowExecutor: the everlasting rollout pool.
+
+Long-lived asyncio workers live on an event loop owned by one background thread. Each worker
+loops forever: wait for admission (not paused, staleness capacity > 0), take the next sample, run
+``workflow.run_episode`` against the rollout client, put the finished group on the results
+queue, and start the next sample at once. Nothing is rebuilt between trainer steps: a step takes
+the oldest ``batch_size`` finished groups (``wait_batch``) while the workers keep generating for
+the steps after it, as far ahead as ``StalenessManager`` allows.
+
+Weight updates: ``pause()`` stops admission (episodes in flight keep running; the rollout engine's
+own pause interrupts their requests without losing tokens), the caller swaps weights into the
+engine, ``set_version(v)`` records the new policy version, ``resume()`` re-opens admission.
+Groups whose oldest token is more than η versions behind the current policy are dropped when the
+trainer collects them (``rollout/dropped_stale``) and a replacement sample is admitted.
+
+Faults: a workflow that raises counts as a failed episode and its sample is retried (at the front
+of the queue) up to ``max_retries`` times, then dropped with a warning that names it.
+
+``rollout_batch(samples)`` is the synchronous (colocated) path: run all episodes of the given
+samples concurrently on the same loop and return when every one has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+from areno.api.types import Trajectory
+from areno.api.workflow import RolloutWorkflow, as_group
+from areno.rollout.staleness import StalenessManager
+from areno.workflows.common import describe_sample
+
+if TYPE_CHECKING:
+    from areno.rollout.client import RolloutClient
+    from areno.rollout.store import ObservationStore
+
+logger = logging.getLogger("areno.rollout.executor")
+
+
+class DatasetExhausted(RuntimeError):
+    """The dataset iterator ended and every admitted sample has been collected."""
+
+
+@dataclass
+class _Task:
+    index: int
+    """Position of the sample in the stream (unique per sample, kept across retries)."""
+    sample: dict[str, Any]
+    attempts: int = 0
+
+
+@dataclass
+class _Finished:
+    index: int
+    group: list[Trajectory]
+    submit_version: int
+    finished_at: float = field(default_factory=time.monotonic)
+
+
+def trained_versions(traj: Trajectory) -> list[int]:
+    """Policy versions of the model-generated tokens of a trajectory."""
+    return [v for v, m in zip(traj.versions, traj.completion_mask) if m and v >= 0]
+
+
+def group_min_version(group: list[Trajectory]) -> int | None:
+    """Oldest policy version that produced any token of the group (None: no generated tokens)."""
+    versions = [min(vs) for vs in map(trained_versions, group) if vs]
+    return min(versions) if versions else None
+
+
+class WorkflowExecutor:
+    """The everlasting pool (``start``/``wait_batch``) and the colocated path (``rollout_batch``)."""
+
+    # set in __init__
+    client: "RolloutClient"
+    workflow: RolloutWorkflow
+    staleness: StalenessManager | None
+    num_workers: int
+    max_retries: int
+    # set when the loop starts
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _wake: asyncio.Event | None = None
+    _worker_tasks: list[asyncio.Task] | None = None
+
+    def __init__(
+        self,
+        client: "RolloutClient",
+        workflow: RolloutWorkflow,
+        dataset_iter: Iterator[dict[str, Any]] | None = None,
+        staleness: StalenessManager | None = None,
+        *,
+        num_workers: int | None = None,
+        max_retries: int = 2,
+        store: "ObservationStore | None" = None,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.client = client
+        self.workflow = workflow
+        self.staleness = staleness
+        self.num_workers = num_workers if num_workers is not None else (staleness.max_concurrent if staleness else 1)
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        self.max_retries = max_retries
+        self.store = store
+        self._dataset_iter = iter(dataset_iter) if dataset_iter is not None else None
+        self._next_index = 0
+        self._exhausted = False
+        self._pending: collections.deque[_Task] = collections.deque()  # retries first, then prefetched
+        self._paused = False
+        self._stopping = False
+        self._version = staleness.version if staleness else 0
+        self._results: collections.deque[_Finished] = collections.deque()
+        self._results_cond = threading.Condition()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._last_batch: dict[str, float] = {}
+        self._busy_s = 0.0
+        self._started_at: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                self._wake = asyncio.Event()
+                ready.set()
+                loop.run_forever()
+
+            self._thread = threading.Thread(target=run, name="areno-rollout-loop", daemon=True)
+            self._thread.start()
+            ready.wait()
+            self._loop = loop
+        return self._loop
+
+    def start(self) -> None:
+        """Start the workers of the everlasting pool (idempotent)."""
+        if self._worker_tasks is not None:
+            return
+        if self._dataset_iter is None or self.staleness is None:
+            raise ValueError("the everlasting pool needs dataset_iter and staleness; use rollout_batch() otherwise")
+        loop = self._ensure_loop()
+
+        async def aspawn() -> list[asyncio.Task]:
+            return [loop.create_task(self._aworker(i), name=f"rollout-worker-{i}") for i in range(self.num_workers)]
+
+        self._started_at = time.monotonic()
+        self._worker_tasks = asyncio.run_coroutine_threadsafe(aspawn(), loop).result()
+
+    def stop(self) -> None:
+        """Cancel the workers and stop the loop thread. Episodes in flight are abandoned."""
+        if self._loop is None:
+            return
+        self._stopping = True
+        loop = self._loop
+
+        async def acancel() -> None:
+            tasks = self._worker_tasks or []
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(acancel(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        assert self._thread is not None
+        self._thread.join()
+        loop.close()
+        self._loop = None
+        self._worker_tasks = None
+
+    def __enter__(self) -> "WorkflowExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ control (any thread)
+    def pause(self) -> None:
+        """Stop admitting new episodes (in-flight episodes continue)."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._notify_loop()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Record the policy version the rollout engine now serves (after a weight update)."""
+        if self.staleness is not None:
+            self.staleness.set_version(version)
+        self._version = version
+        self._notify_loop()
+        with self._results_cond:
+            self._results_cond.notify_all()
+
+    def _notify_loop(self) -> None:
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # ------------------------------------------------------------------ workers (loop thread)
+    def _take_task(self) -> _Task | None:
+        """Admit the next task if allowed now; None when it must wait."""
+        assert self.staleness is not None and self._dataset_iter is not None
+        if self._paused or self._stopping:
+            return None
+        if not self._pending and not self._exhausted:
+            try:
+                sample = next(self._dataset_iter)
+            except StopIteration:
+                self._exhausted = True
+            else:
+                self._pending.append(_Task(self._next_index, sample))
+                self._next_index += 1
+        if not self._pending or not self.staleness.try_submit():
+            return None
+        return self._pending.popleft()
+
+    async def _aworker(self, worker_idx: int) -> None:
+        assert self._wake is not None
+        while True:
+            task = self._take_task()
+            if task is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            submit_version = self._version
+            t0 = time.monotonic()
+            try:
+                status, group = await self._aattempt(task)
+            finally:
+                self._busy_s += time.monotonic() - t0
+            assert self.staleness is not None
+            if status == "ok":
+                assert group is not None
+                self.staleness.on_accept()
+                with self._results_cond:
+                    self._results.append(_Finished(task.index, group, submit_version))
+            else:
+                self.staleness.on_reject()
+                if status == "retry":
+                    self._pending.appendleft(task)
+            with self._results_cond:
+                self._results_cond.notify_all()
+            self._wake.set()
+
+    async def _aattempt(self, task: _Task) -> tuple[str, list[Trajectory] | None]:
+        """One attempt at one sample: ``ok`` (group), ``rejected``, ``retry`` or ``dropped``."""
+        self._counts["episodes_started"] += 1
+        try:
+            group = as_group(await self.workflow.run_episode(self.client, task.sample))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # user workflow code: counted, retried, then dropped with a warning
+            task.attempts += 1
+            self._counts["failed_episodes"] += 1
+            what = f"{type(exc).__name__}: {exc}"
+            if task.attempts <= self.max_retries:
+                logger.warning(
+                    "episode failed for dataset %s (attempt %d of %d), retrying: %s",
+                    describe_sample(task.sample), task.attempts, self.max_retries + 1, what,
+                )
+                return "retry", None
+            self._counts["dropped_failed"] += 1
+            logger.warning(
+                "dropping dataset %s after %d failed attempts: %s",
+                describe_sample(task.sample), task.attempts, what, exc_info=exc,
+            )
+            return "dropped", None
+        if group is None:
+            self._counts["rejected"] += 1
+            return "rejected", None
+        self._counts["accepted"] += 1
+        self._counts["trajectories"] += len(group)
+        self._counts["reward_errors"] += sum("reward_error" in t.info for t in group)
+        return "ok", group
+
+    # ------------------------------------------------------------------ collection (trainer thread)
+    def _drop_stale_locked(self) -> None:
+        if self.staleness is None:
+            return
+        oldest_allowed = self._version - self.staleness.max_head_offpolicyness
+        kept: collections.deque[_Finished] = collections.deque()
+        for finished in self._results:
+            min_version = group_min_version(finished.group)
+            if min_version is not None and min_version < oldest_allowed:
+                self._counts["dropped_stale"] += 1
+                self._counts["dropped_stale_trajectories"] += len(finished.group)
+                self.staleness.on_drop_accepted()
+                if self.store is not None:
+                    from areno.rollout.store import release_refs
+
+                    release_refs([t.info for t in finished.group], self.store)
+            else:
+                kept.append(finished)
+        if len(kept) != len(self._results):
+            self._results = kept
+            self._notify_loop()
+
+    def _drained_locked(self) -> bool:
+        assert self.staleness is not None
+        return self._exhausted and not self._pending and self.staleness.running == 0
+
+    def wait_batch(self, batch_size: int, timeout: float | None = None) -> list[list[Trajectory]]:
+        """The oldest ``batch_size`` finished groups, waiting up to ``timeout`` seconds.
+
+        Starts the pool on first use. When the dataset is exhausted, returns what is left (fewer
+        groups) and then raises ``DatasetExhausted``. Raises ``TimeoutError`` naming the counts.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.start()
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        with self._results_cond:
+            while True:
+                self._drop_stale_locked()
+                if len(self._results) >= batch_size or (self._results and self._drained_locked()):
+                    break
+                if self._drained_locked():
+                    raise DatasetExhausted("the dataset iterator is exhausted and every sample was collected")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    assert self.staleness is not None
+                    raise TimeoutError(
+                        f"wait_batch: {len(self._results)} of {batch_size} groups ready after {timeout}s "
+                        f"(staleness {self.staleness.snapshot()}, paused={self._paused})"
+                    )
+                self._results_cond.wait(remaining)
+            batch = [self._results.popleft() for _ in range(min(batch_size, len(self._results)))]
+        self._record_batch(batch, wait_s=time.monotonic() - t0)
+        return [f.group for f in batch]
+
+    def _record_batch(self, batch: list[_Finished], wait_s: float) -> None:
+        lags = []
+        multi_version = 0
+        for finished in batch:
+            for traj in finished.group:
+                versions = trained_versions(traj)
+                if versions:
+                    lags.append(self._version - min(versions))
+                    multi_version += len(set(versions)) > 1
+        self._last_batch = {
+            "rollout/wait_s": wait_s,
+            "rollout/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+            "rollout/staleness_max": float(max(lags)) if lags else 0.0,
+            "rollout/multi_version_frac": multi_version / len(lags) if lags else 0.0,
+        }
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters (``rollout/<name>``), staleness of the last batch, pool state."""
+        out = {f"rollout/{name}": float(value) for name, value in sorted(self._counts.items())}
+        for name in ("dropped_stale", "failed_episodes", "dropped_failed", "rejected", "reward_errors"):
+            out.setdefault(f"rollout/{name}", 0.0)
+        out.update(self._last_batch)
+        out["rollout/version"] = float(self._version)
+        if self.staleness is not None:
+            snap = self.staleness.snapshot()
+            out["rollout/running"] = float(snap["running"])
+            out["rollout/ready"] = float(len(self._results))
+        if self._started_at is not None:
+            elapsed = max(time.monotonic() - self._started_at, 1e-9)
+            out["rollout/worker_busy_frac"] = min(1.0, self._busy_s / (elapsed * self.num_workers))
+        return out
+
+    # ------------------------------------------------------------------ colocated path
+    def rollout_batch(self, samples: list[dict[str, Any]]) -> list[Trajectory]:
+        """Run every sample's episode concurrently and return all trajectories (groups adjacent,
+        in sample order). Failed episodes are retried up to ``max_retries``; rejected and finally
+        failed samples contribute nothing."""
+        loop = self._ensure_loop()
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("rollout_batch() is synchronous; call it from outside the rollout loop")
+        groups = asyncio.run_coroutine_threadsafe(self._arollout_batch(samples), loop).result()
+        return [traj for group in groups if group for traj in group]
+
+    async def _arollout_batch(self, samples: list[dict[str, Any]]) -> list[list[Trajectory] | None]:
+        async def arun(task: _Task) -> list[Trajectory] | None:
+            while True:
+                t0 = time.monotonic()
+                status, group = await self._aattempt(task)
+                self._busy_s += time.monotonic() - t0
+                if status != "retry":
+                    return group
+
+        tasks = [_Task(self._next_index + i, sample) for i, sample in enumerate(samples)]
+        self._next_index += len(samples)
+        return list(await asyncio.gather(*(arun(t) for t in tasks)))

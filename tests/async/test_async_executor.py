@@ -1,0 +1,172 @@
+import logging
+import time
+
+import pytest
+from async_fakes import FakeEngine
+
+from areno.api.types import SamplingParams, Trajectory
+from areno.api.workflow import RolloutWorkflow
+from areno.rollout.executor import DatasetExhausted, WorkflowExecutor
+from areno.rollout.staleness import StalenessManager
+
+
+def length_from_prompt(prompt_ids, params):
+    return [5] * prompt_ids[0]  # prompt [n] -> n tokens
+
+
+class CountingWorkflow(RolloutWorkflow):
+    """Sample {"id", "len"} -> one trajectory of `len` tokens; `fail` raises that many times;
+    `reject` returns None."""
+
+    def __init__(self):
+        self.calls: dict[int, int] = {}
+
+    async def run_episode(self, client, sample):
+        self.calls[sample["id"]] = self.calls.get(sample["id"], 0) + 1
+        if self.calls[sample["id"]] <= sample.get("fail", 0):
+            raise RuntimeError(f"env crashed on {sample['id']}")
+        if sample.get("reject"):
+            return None
+        out = await client.agenerate([sample["len"]], SamplingParams(max_new_tokens=1000))
+        return Trajectory(prompt_ids=[1], completion_ids=out.output_ids, logprobs=out.output_logprobs,
+                          versions=out.output_versions, reward=float(sample["id"]), group_id=str(sample["id"]),
+                          info={"id": sample["id"]})
+
+
+def rows(n, length=3, **extra):
+    return [{"id": i, "len": length, **extra} for i in range(n)]
+
+
+def sync_weights(executor, engine, version):
+    executor.pause()
+    engine.pause()
+    engine.update_weights(version)
+    executor.set_version(version)
+    engine.resume()
+    executor.resume()
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+def test_everlasting_pool_delivers_every_sample_once_in_version_bounds(eta):
+    engine = FakeEngine(length_from_prompt, step_s=0.001)
+    staleness = StalenessManager(max_head_offpolicyness=eta, batch_size=4, max_concurrent=8)
+    seen = []
+    with WorkflowExecutor(engine, CountingWorkflow(), iter(rows(40)), staleness) as ex:
+        for step in range(10):
+            batch = ex.wait_batch(4, timeout=10)
+            assert len(batch) == 4
+            for (traj,) in batch:
+                assert min(traj.versions) >= step - eta
+                seen.append(traj.info["id"])
+            assert ex.metrics()["rollout/staleness_max"] <= eta
+            sync_weights(ex, engine, step + 1)
+    assert sorted(seen) == list(range(40))
+    assert ex.metrics()["rollout/dropped_stale"] == 0
+
+
+def test_pool_keeps_generating_across_steps_bounded_by_eta():
+    engine = FakeEngine(length_from_prompt)
+    for eta, expected in [(0, 2), (2, 6)]:
+        staleness = StalenessManager(max_head_offpolicyness=eta, batch_size=2, max_concurrent=16)
+        with WorkflowExecutor(engine, CountingWorkflow(), iter(rows(100)), staleness, num_workers=16) as ex:
+            ex.wait_batch(2, timeout=10)
+            # "training": the pool runs ahead, but only (eta+1)*bs samples per version
+            deadline = time.monotonic() + 10
+            while ex.metrics()["rollout/accepted"] < expected and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            m = ex.metrics()
+            assert m["rollout/accepted"] == expected, eta
+            assert m["rollout/running"] == 0 and m["rollout/ready"] == expected - 2
+
+
+def test_pause_resume_around_sync_keeps_in_flight_work():
+    engine = FakeEngine(length_from_prompt, step_s=0.005)
+    staleness = StalenessManager(max_head_offpolicyness=1, batch_size=2, max_concurrent=2)
+    wf = CountingWorkflow()
+    with WorkflowExecutor(engine, wf, iter(rows(4, length=40)), staleness) as ex:
+        ex.start()
+        while engine.in_flight < 2:
+            time.sleep(0.005)
+        time.sleep(0.05)  # some tokens at version 0
+        sync_weights(ex, engine, 1)
+        batch = ex.wait_batch(2, timeout=10)
+    for (traj,) in batch:
+        assert len(traj.completion_ids) == 40  # nothing thrown away
+        assert traj.versions[0] == 0 and traj.versions[-1] == 1
+        assert traj.versions == sorted(traj.versions)
+    assert sorted(g[0].info["id"] for g in batch) == [0, 1]
+    assert wf.calls[0] == wf.calls[1] == 1  # continued, not restarted
+    assert ex.metrics()["rollout/multi_version_frac"] == 1.0
+
+
+def test_stale_groups_dropped_at_collection_and_replaced():
+    engine = FakeEngine(length_from_prompt)
+    staleness = StalenessManager(max_head_offpolicyness=0, batch_size=1, max_concurrent=1)
+    with WorkflowExecutor(engine, CountingWorkflow(), iter(rows(10)), staleness) as ex:
+        ex.start()
+        while ex.metrics()["rollout/ready"] < 1:
+            time.sleep(0.005)
+        # The trainer moved on twice without collecting (e.g. it trained on other data).
+        ex.pause()
+        engine.pause()
+        for version in (1, 2):
+            engine.update_weights(version)
+            ex.set_version(version)
+        engine.resume()
+        ex.resume()
+        ((traj,),) = ex.wait_batch(1, timeout=10)
+        m = ex.metrics()
+    assert traj.info["id"] == 1 and set(traj.versions) == {2}
+    assert m["rollout/dropped_stale"] == 1 and m["rollout/staleness_max"] == 0
+
+
+def test_failing_workflow_retried_then_dropped_with_warning(caplog):
+    data = rows(6)
+    data[2]["fail"] = 2   # succeeds on the 3rd attempt (max_retries=2)
+    data[4]["fail"] = 99  # never succeeds: dropped after 3 attempts
+    data[5]["reject"] = True
+    wf = CountingWorkflow()
+    staleness = StalenessManager(max_head_offpolicyness=10, batch_size=4, max_concurrent=4)
+    with caplog.at_level(logging.WARNING, logger="areno.rollout.executor"):
+        with WorkflowExecutor(FakeEngine(length_from_prompt), wf, iter(data), staleness, max_retries=2) as ex:
+            batch = ex.wait_batch(4, timeout=10)
+            with pytest.raises(DatasetExhausted):
+                ex.wait_batch(4, timeout=10)
+            m = ex.metrics()
+    assert sorted(g[0].info["id"] for g in batch) == [0, 1, 2, 3]
+    assert wf.calls[2] == 3 and wf.calls[4] == 3
+    assert m["rollout/failed_episodes"] == 5 and m["rollout/dropped_failed"] == 1 and m["rollout/rejected"] == 1
+    assert "dropping dataset row id=4 after 3 failed attempts" in caplog.text
+    assert "env crashed on 4" in caplog.text
+
+
+def test_exhausted_dataset_returns_the_rest_then_raises():
+    staleness = StalenessManager(max_head_offpolicyness=5, batch_size=4, max_concurrent=4)
+    with WorkflowExecutor(FakeEngine(length_from_prompt), CountingWorkflow(), iter(rows(6)), staleness) as ex:
+        assert len(ex.wait_batch(4, timeout=10)) == 4
+        assert len(ex.wait_batch(4, timeout=10)) == 2
+        with pytest.raises(DatasetExhausted):
+            ex.wait_batch(4, timeout=10)
+
+
+def test_wait_batch_timeout_names_the_state():
+    engine = FakeEngine(length_from_prompt)
+    staleness = StalenessManager(max_head_offpolicyness=0, batch_size=1, max_concurrent=1)
+    with WorkflowExecutor(engine, CountingWorkflow(), iter(rows(10)), staleness) as ex:
+        ex.pause()
+        with pytest.raises(TimeoutError, match=r"0 of 1 groups ready.*paused=True"):
+            ex.wait_batch(1, timeout=0.1)
+
+
+def test_rollout_batch_runs_all_episodes_concurrently():
+    engine = FakeEngine(length_from_prompt, step_s=0.002)
+    data = rows(8, length=10)
+    data[3]["reject"] = True
+    data[5]["fail"] = 1
+    with WorkflowExecutor(engine, CountingWorkflow(), max_retries=1) as ex:
+        trajs = ex.rollout_batch(data)
+        m = ex.metrics()
+    assert [t.info["id"] for t in trajs] == [0, 1, 2, 4, 5, 6, 7]
+    assert engine.max_in_flight == 7
+    assert m["rollout/failed_episodes"] == 1 and m["rollout/rejected"] == 1
