@@ -1,0 +1,168 @@
+"""The run report renders every known panel from metrics.jsonl files, overlays several runs."""
+
+from __future__ import annotations
+
+import base64
+import math
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from areno.observe import report
+from areno.observe.metrics import MetricsLogger
+from areno.observe.session import SessionRecorder
+from areno.observe.trace import configure_tracing, merge_traces, span
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(run_dir: Path, *, steps: int, reward_slope: float, with_extras: bool) -> None:
+    with MetricsLogger(run_dir, total_steps=steps, console=False) as logger:
+        for step in range(1, steps + 1):
+            metrics = {
+                "rollout/reward_mean": min(1.0, 0.1 + reward_slope * step),
+                "rollout/staleness_mean": 0.5 * (step % 3),
+                "rollout/num_tokens": 4000.0,
+                "train/loss": 2.0 / step,
+                "train/approx_kl": 0.01 * math.sin(step) ** 2,
+                "train/clip_frac": 0.05,
+                "timing/rollout_s": 1.0,
+                "timing/train_s": 0.5,
+                "timing/sync_s": 0.1,
+                "timing/tokens_per_s": 4000 / 1.6,
+                "policy_sync_time_s": 0.1,
+                "policy_sync_transfer_time_s": 0.08,
+                "policy_sync_bytes": 2**30,
+                "policy_sync_tensors": 290,
+                "policy_sync_throughput_gbps": 10.7,
+            }
+            if with_extras:
+                metrics["rollout/worker_busy_frac"] = 0.9
+            logger.log(metrics, step=step)
+            if step % 5 == 0:
+                logger.log({"eval/accuracy": step / (2 * steps), "eval/time_s": 3.0}, step=step)
+
+
+class ImageCollector(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: list[tuple[str, bytes]] = []
+        self.headings: list[str] = []
+        self._in_h2 = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img":
+            prefix = "data:image/png;base64,"
+            assert attrs["src"].startswith(prefix)
+            self.images.append((attrs["alt"], base64.b64decode(attrs["src"][len(prefix):])))
+        self._in_h2 = tag == "h2"
+
+    def handle_data(self, data):
+        if self._in_h2:
+            self.headings.append(data)
+            self._in_h2 = False
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    a, b = tmp_path / "runs" / "grpo", tmp_path / "runs" / "ppo"
+    write_run(a, steps=20, reward_slope=0.04, with_extras=True)
+    write_run(b, steps=15, reward_slope=0.02, with_extras=False)
+    recorder = SessionRecorder(a)
+    with recorder.session(sample_id=3) as s:
+        s.turn("user", "2+3=<b>?</b>")
+        with s.tool_call("calculator", {"expr": "2+3"}) as call:
+            call.result = 5
+        s.set_reward(1.0)
+    recorder.close()
+    configure_tracing(b, True)
+    with span("train_step", "train"):
+        pass
+    merge_traces(b)
+    configure_tracing(None, False)
+    return a, b
+
+
+def test_report_renders_all_panels_for_two_runs(two_runs, tmp_path):
+    a, b = two_runs
+    out = tmp_path / "cmp.html"
+    assert report.main([str(a), str(b), "-o", str(out), "--png-dir", str(tmp_path / "png")]) == 0
+    text = out.read_text()
+    parser = ImageCollector()
+    parser.feed(text)
+    alts = [alt for alt, _ in parser.images]
+    assert alts == [p.title for p in report.PANELS] + ["other metrics"]
+    for _, png in parser.images:
+        assert png.startswith(PNG_MAGIC) and len(png) > 5000
+    assert "Agent sessions" in parser.headings and "Performance traces" in parser.headings
+    assert "&lt;b&gt;?&lt;/b&gt;" in text  # session text is escaped
+    assert "tool calculator" in text
+    assert str(b / "trace.json") in text
+    # summary row per run: 20 and 15 steps, best eval accuracy 0.5
+    rows = re.findall(r"<tr><td>(grpo|ppo)</td><td>(\d+)</td>", text)
+    assert rows == [("grpo", "20"), ("ppo", "15")]
+    pngs = sorted(p.name for p in (tmp_path / "png").iterdir())
+    assert "reward.png" in pngs and "policy-sync_bandwidth.png" in pngs and len(pngs) == 11
+
+
+def test_panels_select_the_right_metrics(two_runs):
+    a, _ = two_runs
+    run = report.load_run(a)
+    chosen = {p.title: p.select(run.keys()) for p in report.PANELS}
+    assert chosen["Reward"] == ["rollout/reward_mean"]
+    assert chosen["Held-out accuracy"] == ["eval/accuracy"]
+    assert chosen["KL"] == ["train/approx_kl"]
+    assert chosen["Time split per step"] == ["timing/rollout_s", "timing/sync_s", "timing/train_s"]
+    assert chosen["Policy-sync time"] == ["policy_sync_time_s", "policy_sync_transfer_time_s"]
+    steps, values = run.series("eval/accuracy")
+    assert steps == [5, 10, 15, 20] and values == [0.125, 0.25, 0.375, 0.5]
+    summary = report.summarize(run)
+    assert summary["steps"] == 20 and summary["best eval/accuracy"] == 0.5
+    assert summary["first reward"] == pytest.approx(0.14) and summary["sessions"] == 1
+
+
+def test_single_run_default_output_and_missing_metrics(tmp_path):
+    run = tmp_path / "only_reward"
+    with MetricsLogger(run, total_steps=3, console=False) as logger:
+        for step in (1, 2, 3):
+            logger.log({"rollout/reward_mean": step / 3}, step=step)
+    assert report.main([str(run), "--smooth", "0.5"]) == 0
+    parser = ImageCollector()
+    parser.feed((run / "report.html").read_text())
+    assert [alt for alt, _ in parser.images] == ["Reward"]
+    with pytest.raises(FileNotFoundError, match="pass a run directory"):
+        report.main([str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="--smooth"):
+        report.main([str(run), "--smooth", "1.5"])
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable",
+                 "chrome", "headless_shell"):
+        if path := shutil.which(name):
+            return path
+    return None
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium/Chrome binary on PATH")
+def test_report_renders_in_headless_chromium(two_runs, tmp_path):
+    a, b = two_runs
+    out = report.write_report([a, b], tmp_path / "r.html")
+    # dump-dom runs the page (scripts included) and prints the DOM after load
+    dom = subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", out.as_uri()],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    assert dom.count("data:image/png;base64,") == len(report.PANELS) + 1
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+         "--window-size=1400,3000", out.as_uri()],
+        capture_output=True, timeout=120, check=True,
+    )
+    assert shot.read_bytes().startswith(PNG_MAGIC)
