@@ -110,7 +110,7 @@ def broadcast_to_tokens_T(
     values_B: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
 ) -> torch.Tensor:
     """Repeat a per-sequence value over that sequence's tokens, 0 outside the loss mask."""
-    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
+    seqlens_B = (cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).to(values_B.device)
     out_T = torch.repeat_interleave(values_B, seqlens_B)
     return torch.where(loss_mask_T.bool(), out_T, torch.zeros_like(out_T))
 

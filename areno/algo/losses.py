@@ -52,10 +52,10 @@ def sequence_sum_B(
     values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
 ) -> torch.Tensor:
     """Sum of ``values_T`` over the loss tokens of each sequence (e.g. a sequence log-prob)."""
-    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
-    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel()), seqlens_B)
+    seqlens_B = (cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).to(values_T.device)
+    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=values_T.device), seqlens_B)
     masked_T = torch.where(loss_mask_T.bool(), values_T, torch.zeros_like(values_T))
-    return torch.zeros(seqlens_B.numel(), dtype=values_T.dtype).index_add(0, seq_T, masked_T)
+    return torch.zeros(seqlens_B.numel(), dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, masked_T)
 
 
 def dpo_loss_B(

@@ -1,0 +1,32 @@
+"""Model specializations: what each model role computes (see ``base.py`` for the contract)."""
+
+from areno.specializations.actor import ActorSpecialization
+from areno.specializations.base import ModelSpecialization
+from areno.specializations.critic import CriticSpecialization
+from areno.specializations.forward import ScalarHeadModel, token_logprobs_T
+from areno.specializations.preference import DPOSpecialization, RewardModelSpecialization, preference_pairs
+from areno.specializations.supervised import (
+    AggrevateSpecialization,
+    DaggerSpecialization,
+    DistillSpecialization,
+    LogProbSpecialization,
+    MixedLossDaggerOPDSpecialization,
+    SFTSpecialization,
+)
+
+__all__ = [
+    "ActorSpecialization",
+    "AggrevateSpecialization",
+    "CriticSpecialization",
+    "DPOSpecialization",
+    "DaggerSpecialization",
+    "DistillSpecialization",
+    "LogProbSpecialization",
+    "MixedLossDaggerOPDSpecialization",
+    "ModelSpecialization",
+    "RewardModelSpecialization",
+    "SFTSpecialization",
+    "ScalarHeadModel",
+    "preference_pairs",
+    "token_logprobs_T",
+]

@@ -1,0 +1,341 @@
+"""The built-in recipes. Each factory's docstring opens with a one-line description (shown by
+``areno recipes``) and states the objective and where it departs from its paper.
+
+Notation: r = pi_theta / pi_old per token, A advantage, eps clip range, sg stop-gradient,
+G a group of completions of one prompt, |o| completion length, k3 the KL estimator
+exp(t - s) + (s - t) - 1.
+"""
+
+from __future__ import annotations
+
+from areno.recipes.config import DataSync, ModelRole, TrainingConfig
+from areno.recipes.registry import recipe
+from areno.specializations import (
+    ActorSpecialization,
+    AggrevateSpecialization,
+    CriticSpecialization,
+    DaggerSpecialization,
+    DistillSpecialization,
+    DPOSpecialization,
+    LogProbSpecialization,
+    MixedLossDaggerOPDSpecialization,
+    RewardModelSpecialization,
+    SFTSpecialization,
+)
+
+
+def _policy(**kwargs) -> ModelRole:
+    return ModelRole(name="policy", specialization_cls=ActorSpecialization, sync_to_rollout=True, init_kwargs=kwargs)
+
+
+def _reference() -> ModelRole:
+    return ModelRole(name="reference", specialization_cls=LogProbSpecialization, trainable=False)
+
+
+def _teacher(path: str | None) -> ModelRole:
+    return ModelRole(name="teacher", specialization_cls=LogProbSpecialization, trainable=False,
+                     model_path=path, requires_model_path=True)
+
+
+_REF_SYNC = DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",))
+
+
+def _teacher_sync(key: str = "logprobs_T", target_key: str = "teacher_logprobs_T") -> DataSync:
+    return DataSync(source="teacher", target="policy", keys=(key,), target_keys=(target_key,))
+
+
+def _single(name: str, doc: str | None, policy: ModelRole, *, online: bool = True) -> TrainingConfig:
+    return TrainingConfig(name=name, roles=(policy,), description=_first_line(doc), online=online)
+
+
+def _first_line(doc: str | None) -> str:
+    return (doc or "").strip().splitlines()[0]
+
+
+# ------------------------------------------------------------------------------ RL, critic-free
+@recipe("grpo")
+def grpo() -> TrainingConfig:
+    """GRPO: group-normalised advantages, clipped ratio, k3 KL to a frozen reference.
+
+    A_i = (R_i - mean_G R) / (std_G R + 1e-4);  loss = mean_i mean_{t in o_i}
+    [-min(r A_i, clip(r, 1-0.2, 1+0.2) A_i) + 0.04 k3(pi_theta, pi_ref)]  (DeepSeekMath, Shao et al. 2024).
+    Departures: std is unbiased (n-1) and eps is added to it, as in TRL; one gradient step per
+    rollout by default, so r = 1 unless train.num_train_passes > 1 or the data is stale.
+    """
+    return TrainingConfig(
+        name="grpo",
+        roles=(_policy(advantage_estimator="grpo", clip_eps=0.2, loss_aggregation="seq_mean_token_mean",
+                       kl_coef=0.04, kl_estimator="k3"), _reference()),
+        syncs=(_REF_SYNC,),
+        description=_first_line(grpo.__doc__),
+    )
+
+
+@recipe("dr_grpo")
+def dr_grpo(max_completion_length: int = 1024) -> TrainingConfig:
+    """Dr.GRPO: GRPO without the std and length normalisations (unbiased), no KL.
+
+    A_i = R_i - mean_G R;  loss = sum_i sum_{t in o_i} -min(r A_i, clip(r, 0.8, 1.2) A_i) / (|G| * L)
+    with L = max_completion_length a constant (Liu et al. 2025, "Understanding R1-Zero-like
+    training"); the constant divides the sum so long and short answers weigh alike per token.
+    """
+    return _single("dr_grpo", dr_grpo.__doc__, _policy(
+        advantage_estimator="dr_grpo", clip_eps=0.2, loss_aggregation="constant",
+        loss_agg_constant=float(max_completion_length)))
+
+
+@recipe("dapo")
+def dapo(max_completion_length: int = 1024, overlong_buffer_length: int = 256) -> TrainingConfig:
+    """DAPO: clip-higher (0.2/0.28), token-level loss, dynamic sampling, soft overlong penalty.
+
+    A_i = (R_i - mean_G R) / std_G R with R_i including the overlong penalty
+    (L_max - L_buf - |o|)/L_buf inside the buffer and -1 beyond L_max; groups with all-equal
+    rewards are dropped; loss = sum_{i,t} -min(r A, clip(r, 1-0.2, 1+0.28) A) / sum_i |o_i|; no KL
+    (Yu et al. 2025). Departure: dropped groups are not re-sampled, the step trains on fewer.
+    """
+    return _single("dapo", dapo.__doc__, _policy(
+        advantage_estimator="grpo", clip_eps=0.2, clip_eps_high=0.28, loss_aggregation="token",
+        dynamic_sampling=True, overlong_max_length=max_completion_length,
+        overlong_buffer_length=overlong_buffer_length))
+
+
+@recipe("gspo")
+def gspo() -> TrainingConfig:
+    """GSPO: sequence-level, length-normalised importance ratio with a tight clip.
+
+    s_i = exp(mean_{t in o_i} log r_t); loss = mean_i -min(s_i A_i, clip(s_i, 1-3e-4, 1+4e-4) A_i)
+    with GRPO advantages (Zheng et al. 2025); implemented in the GSPO-token form (value s_i,
+    gradient through each token), identical for sequence-level advantages.
+    """
+    return _single("gspo", gspo.__doc__, _policy(
+        advantage_estimator="grpo", policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4,
+        loss_aggregation="seq_mean_token_mean"))
+
+
+@recipe("rloo")
+def rloo() -> TrainingConfig:
+    """RLOO: REINFORCE with a leave-one-out baseline over the group.
+
+    A_i = R_i - mean_{j != i} R_j;  loss = sum_{i,t} -min(r A_i, clip(r, 0.8, 1.2) A_i) / #tokens
+    (Ahmadian et al. 2024). Departure: the paper's plain REINFORCE gradient is the r = 1 case of
+    this clipped form, which only differs on stale data or repeated passes.
+    """
+    return _single("rloo", rloo.__doc__, _policy(advantage_estimator="rloo", clip_eps=0.2, loss_aggregation="token"))
+
+
+@recipe("reinforce_pp")
+def reinforce_pp(kl_coef: float = 0.01) -> TrainingConfig:
+    """REINFORCE++: critic-free returns with a per-token KL reward, normalised over the batch.
+
+    r_t = -beta k1(pi_theta, pi_ref)_t (+ R on the last token); G_t = sum_{k>=t} r_k;
+    A_t = (G_t - mean_batch G) / std_batch G; loss = clipped surrogate (eps 0.2), token mean
+    (Hu 2025). Normalisation is over the global batch (all loss tokens), not per group.
+    """
+    return TrainingConfig(
+        name="reinforce_pp",
+        roles=(_policy(advantage_estimator="reinforce_pp", clip_eps=0.2, loss_aggregation="token",
+                       kl_coef=kl_coef, kl_estimator="k1", kl_in_reward=True), _reference()),
+        syncs=(_REF_SYNC,),
+        description=_first_line(reinforce_pp.__doc__),
+    )
+
+
+@recipe("reinforce_pp_baseline")
+def reinforce_pp_baseline(kl_coef: float = 0.01) -> TrainingConfig:
+    """REINFORCE++-baseline: REINFORCE++ with the group mean reward subtracted before batch normalisation.
+
+    R'_i = R_i - mean_G R; G_t and A_t as in reinforce_pp from R'; the KL enters the loss as k3
+    (coef 0.01) rather than the reward, as in the paper's baseline variant (Hu 2025).
+    """
+    return TrainingConfig(
+        name="reinforce_pp_baseline",
+        roles=(_policy(advantage_estimator="reinforce_pp_baseline", clip_eps=0.2, loss_aggregation="token",
+                       kl_coef=kl_coef, kl_estimator="k3"), _reference()),
+        syncs=(_REF_SYNC,),
+        description=_first_line(reinforce_pp_baseline.__doc__),
+    )
+
+
+@recipe("cispo")
+def cispo() -> TrainingConfig:
+    """CISPO: clip the importance-sampling weight (stop-grad), keep every token's gradient.
+
+    loss = sum_{i,t} -sg[min(r, 1 + eps_high)] A_i log pi_theta / #tokens, GRPO advantages
+    (MiniMax-M1, 2025). eps_high = 4 (weight <= 5) as TRL recommends; no lower clip.
+    """
+    return _single("cispo", cispo.__doc__, _policy(
+        advantage_estimator="grpo", policy_loss="cispo", clip_eps=0.2, clip_eps_high=4.0, loss_aggregation="token"))
+
+
+@recipe("grpo_async")
+def grpo_async() -> TrainingConfig:
+    """GRPO for stale (asynchronous) data: decoupled PPO with a recomputed proximal policy.
+
+    loss = w * -min(r' A, clip(r', 0.8, 1.2) A), w = pi_prox / pi_behave (tokens with w > 5
+    masked), r' = pi_theta / pi_prox, pi_prox from a no-grad forward at the start of the step
+    (Hilton et al. 2022; AReaL). Token-level mean, GRPO advantages, no KL.
+    """
+    return _single("grpo_async", grpo_async.__doc__, _policy(
+        advantage_estimator="grpo", clip_eps=0.2, loss_aggregation="token", use_decoupled_loss=True,
+        prox_logp_method="recompute", behav_imp_weight_cap=5.0, behav_weight_mode="mask"))
+
+
+@recipe("grpo_async_loglinear")
+def grpo_async_loglinear() -> TrainingConfig:
+    """GRPO for stale data, decoupled PPO with pi_prox interpolated from policy versions (no extra forward).
+
+    As grpo_async, but log pi_prox = log pi_behave + alpha (log pi_theta - log pi_behave),
+    alpha = (v_prox - v_behave) / (v_prox + 1 - v_behave) (AReaL's loglinear approximation).
+    """
+    return _single("grpo_async_loglinear", grpo_async_loglinear.__doc__, _policy(
+        advantage_estimator="grpo", clip_eps=0.2, loss_aggregation="token", use_decoupled_loss=True,
+        prox_logp_method="loglinear", behav_imp_weight_cap=5.0, behav_weight_mode="mask"))
+
+
+# ------------------------------------------------------------------------------ RL with a critic
+@recipe("ppo")
+def ppo(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
+    """PPO: actor + value critic, GAE advantages, clipped policy and value losses.
+
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lambda)^l delta_{t+l}, R_t = A_t + V_t;
+    policy: -min(r A, clip(r, 0.8, 1.2) A) token mean; value: 0.5 max((V-R)^2, (clip(V, V_old
+    +- 0.2) - R)^2) (Schulman et al. 2017; Ouyang et al. 2022). The critic is the same decoder with
+    a scalar head, trained as its own role; no KL term by default.
+    """
+    return TrainingConfig(
+        name="ppo",
+        roles=(
+            _policy(advantage_estimator="gae", gamma=gamma, gae_lambda=gae_lambda, clip_eps=0.2, loss_aggregation="token"),
+            ModelRole(name="value", specialization_cls=CriticSpecialization,
+                      init_kwargs={"gamma": gamma, "gae_lambda": gae_lambda, "value_clip_eps": 0.2}),
+        ),
+        syncs=(DataSync(source="value", target="policy", keys=("values_T",), target_keys=("values_T",)),),
+        description=_first_line(ppo.__doc__),
+    )
+
+
+# ------------------------------------------------------------------------------ supervised / preference
+@recipe("sft")
+def sft() -> TrainingConfig:
+    """SFT: next-token cross-entropy on completion tokens of an offline dataset.
+
+    loss = sum_t -log pi_theta(x_t | x_<t) / #completion tokens (token-level mean over the batch).
+    """
+    return TrainingConfig(name="sft", roles=(ModelRole(name="policy", specialization_cls=SFTSpecialization,
+                                                       sync_to_rollout=True),),
+                          description=_first_line(sft.__doc__), online=False)
+
+
+@recipe("dpo")
+def dpo(beta: float = 0.1) -> TrainingConfig:
+    """DPO with reference log-probs recorded in the data (TRL's precomputed reference).
+
+    loss = -log sigmoid(beta ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)))), mean
+    over pairs (Rafailov et al. 2023); ref = the batch's logprobs_T. Pairs = two sequences sharing a
+    group_id, the higher reward chosen.
+    """
+    return TrainingConfig(
+        name="dpo",
+        roles=(ModelRole(name="policy", specialization_cls=DPOSpecialization, sync_to_rollout=True,
+                         init_kwargs={"beta": beta, "ref_key": "logprobs_T"}),),
+        description=_first_line(dpo.__doc__), online=False,
+    )
+
+
+@recipe("dpo_distributed")
+def dpo_distributed(beta: float = 0.1) -> TrainingConfig:
+    """DPO with a frozen reference role whose log-probs are injected into the policy batch.
+
+    Same loss as dpo; the reference is a second model (seed 004): DataSync reference.logprobs_T ->
+    policy.ref_logprobs_T before each step.
+    """
+    return TrainingConfig(
+        name="dpo_distributed",
+        roles=(ModelRole(name="policy", specialization_cls=DPOSpecialization, sync_to_rollout=True,
+                         init_kwargs={"beta": beta, "ref_key": "ref_logprobs_T"}), _reference()),
+        syncs=(_REF_SYNC,),
+        description=_first_line(dpo_distributed.__doc__), online=False,
+    )
+
+
+@recipe("reward_model")
+def reward_model() -> TrainingConfig:
+    """Reward model: Bradley–Terry loss on a scalar head over the last token of each sequence.
+
+    loss = -log sigmoid(s(y_c) - s(y_r)) mean over pairs (Ouyang et al. 2022). Offline data;
+    the model is not synced to rollout.
+    """
+    return TrainingConfig(
+        name="reward_model",
+        roles=(ModelRole(name="reward", specialization_cls=RewardModelSpecialization),),
+        description=_first_line(reward_model.__doc__), online=False,
+    )
+
+
+# ------------------------------------------------------------------------------ distillation / imitation
+@recipe("opd")
+def opd(teacher_path: str | None = None) -> TrainingConfig:
+    """On-policy distillation: the student samples, a frozen teacher scores; reverse-KL k3 loss.
+
+    loss = sum_t k3(pi_student, pi_teacher)_t / #tokens on the student's own completions
+    (Agarwal et al. 2024; Thinking Machines 2025). Uses the k3 estimator's gradient, not the
+    sequence-level score-function gradient. Needs teacher_path.
+    """
+    return TrainingConfig(
+        name="opd",
+        roles=(ModelRole(name="policy", specialization_cls=DistillSpecialization, sync_to_rollout=True),
+               _teacher(teacher_path)),
+        syncs=(_teacher_sync(),),
+        description=_first_line(opd.__doc__),
+    )
+
+
+@recipe("dagger")
+def dagger(teacher_path: str | None = None) -> TrainingConfig:
+    """DAgger: the teacher labels each state the student visits; cross-entropy toward its action.
+
+    a*_t = argmax_a pi_teacher(a | s_t) on the student's trajectory; loss = sum_t -log pi(a*_t | s_t)
+    / #tokens (Ross et al. 2011). The beta-mixture rollout policy is a workflow concern; here
+    beta = 0 (student executes). Needs teacher_path.
+    """
+    return TrainingConfig(
+        name="dagger",
+        roles=(ModelRole(name="policy", specialization_cls=DaggerSpecialization, sync_to_rollout=True),
+               _teacher(teacher_path)),
+        syncs=(_teacher_sync("argmax_T", "teacher_action_T"),),
+        description=_first_line(dagger.__doc__),
+    )
+
+
+@recipe("aggrevate")
+def aggrevate(teacher_path: str | None = None) -> TrainingConfig:
+    """AggreVaTe: weight the student's actions by the teacher's (whitened) action value.
+
+    A_t = whiten(Q*_t) with Q*_t = teacher_q_T from the workflow, else log pi_teacher(a_t|s_t) as a
+    proxy; loss = sum_t -A_t log pi(a_t | s_t) / #tokens (Ross & Bagnell 2014). Needs teacher_path.
+    """
+    return TrainingConfig(
+        name="aggrevate",
+        roles=(ModelRole(name="policy", specialization_cls=AggrevateSpecialization, sync_to_rollout=True),
+               _teacher(teacher_path)),
+        syncs=(_teacher_sync(),),
+        description=_first_line(aggrevate.__doc__),
+    )
+
+
+@recipe("mixed_loss_dagger_opd")
+def mixed_loss_dagger_opd(teacher_path: str | None = None, beta_decay_steps: int = 100) -> TrainingConfig:
+    """Mixed DAgger/OPD: CE on teacher-executed tokens, k3 reverse-KL on student tokens, beta schedule.
+
+    loss = sum_t [beta CE_t 1(teacher-executed) + (1 - beta) k3_t 1(student-executed)] / #tokens,
+    beta linear from 1 (pure CE) to 0 (pure k3) over beta_decay_steps policy versions. Needs
+    teacher_path; teacher-executed tokens come from the workflow (teacher_executed_T).
+    """
+    return TrainingConfig(
+        name="mixed_loss_dagger_opd",
+        roles=(ModelRole(name="policy", specialization_cls=MixedLossDaggerOPDSpecialization, sync_to_rollout=True,
+                         init_kwargs={"beta_start": 1.0, "beta_end": 0.0, "beta_decay_steps": beta_decay_steps}),
+               _teacher(teacher_path)),
+        syncs=(_teacher_sync(),),
+        description=_first_line(mixed_loss_dagger_opd.__doc__),
+    )

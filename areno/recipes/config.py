@@ -1,0 +1,178 @@
+"""Recipes as data (seed 004): an algorithm is a frozen ``TrainingConfig`` of model roles and the
+data they exchange. Everything is validated at construction, before any model loads: role names,
+specialization arguments, DataSync roles and keys, teacher checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from areno.specializations.base import ModelSpecialization
+
+SYNC_STAGES = ("inject",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRole:
+    """One model of a recipe (policy, value, reference, teacher, reward, …)."""
+
+    name: str
+    """Role name in RL words; also the key of its training backend."""
+    specialization_cls: type[ModelSpecialization]
+    """What the role computes; chosen by class, never by a switch on ``name``."""
+    trainable: bool = True
+    """False: a frozen role (reference, teacher) that only runs forward passes and holds no
+    optimizer state."""
+    sync_to_rollout: bool = False
+    """Publish this role's weights to the rollout engine after each step (the policy)."""
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of ``specialization_cls``."""
+    model_path: str | None = None
+    """Hugging Face checkpoint directory of this role; None = the run's ``model.path``."""
+    requires_model_path: bool = False
+    """The role is a different model than the policy (a teacher): ``model_path`` must be set."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.isidentifier():
+            raise ValueError(f"ModelRole name must be a non-empty identifier, got {self.name!r}")
+        if not (isinstance(self.specialization_cls, type) and issubclass(self.specialization_cls, ModelSpecialization)):
+            raise ValueError(
+                f"role {self.name!r}: specialization_cls must be a ModelSpecialization subclass, "
+                f"got {self.specialization_cls!r}"
+            )
+        if self.sync_to_rollout and not self.trainable:
+            raise ValueError(f"role {self.name!r}: sync_to_rollout=True needs trainable=True (a frozen role never changes)")
+        if self.requires_model_path and not self.model_path:
+            raise ValueError(
+                f"role {self.name!r} needs a checkpoint: set its model_path (for built-in recipes pass "
+                f"teacher_path=DIR, e.g. train.algorithm_kwargs.teacher_path=DIR)"
+            )
+
+    def build(self, **overrides: Any) -> ModelSpecialization:
+        """The role's specialization with ``init_kwargs`` updated by ``overrides``; a bad argument
+        is a ValueError naming the role."""
+        kwargs = {**self.init_kwargs, **overrides}
+        try:
+            return self.specialization_cls(**kwargs)
+        except TypeError as err:
+            raise ValueError(
+                f"role {self.name!r}: bad arguments for {self.specialization_cls.__name__}: {err}"
+            ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSync:
+    """Tensors one role computes for another within a step. ``stage="inject"``: before training,
+    ``source`` runs a no-grad forward on the step's batch and its output ``keys[i]`` becomes the
+    target batch's ``extra[target_keys[i]]`` (e.g. reference ``logprobs_T`` -> ``ref_logprobs_T``)."""
+
+    source: str
+    """Role that computes the tensors."""
+    target: str
+    """Role whose batch receives them."""
+    keys: tuple[str, ...]
+    """Output keys of the source's ``extract_model_output``."""
+    target_keys: tuple[str, ...] = ()
+    """Names in the target batch's ``extra``; empty = the same as ``keys``."""
+    stage: str = "inject"
+    """When the sync runs; only ``inject`` (before training) exists."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", tuple(self.keys))
+        object.__setattr__(self, "target_keys", tuple(self.target_keys) or tuple(self.keys))
+        if not self.keys:
+            raise ValueError(f"DataSync {self.source}->{self.target}: keys must name at least one tensor")
+        if len(self.target_keys) != len(self.keys):
+            raise ValueError(
+                f"DataSync {self.source}->{self.target}: {len(self.keys)} keys but "
+                f"{len(self.target_keys)} target_keys; give one target key per key"
+            )
+        if self.stage not in SYNC_STAGES:
+            raise ValueError(f"DataSync {self.source}->{self.target}: stage must be one of {SYNC_STAGES}, got {self.stage!r}")
+        if self.source == self.target:
+            raise ValueError(f"DataSync {self.source}->{self.target}: source and target must differ")
+        for key in self.target_keys:
+            if not (key.endswith("_T") or key.endswith("_B")):
+                raise ValueError(f"DataSync target key {key!r} must end in its shape letter (_T or _B)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """An algorithm: its roles, the data they exchange and a description."""
+
+    name: str
+    """Registry name (``areno train --algorithm NAME``)."""
+    roles: tuple[ModelRole, ...]
+    """The model roles; role names are unique."""
+    syncs: tuple[DataSync, ...] = ()
+    """Cross-role tensors, run in order before training."""
+    description: str = ""
+    """One line for ``areno recipes``."""
+    online: bool = True
+    """True: trains on rollouts of the policy (RL, on-policy distillation). False: on an offline
+    dataset (SFT, DPO, reward modelling)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "roles", tuple(self.roles))
+        object.__setattr__(self, "syncs", tuple(self.syncs))
+        where = f"recipe {self.name!r}"
+        if not self.roles:
+            raise ValueError(f"{where}: needs at least one role")
+        names = [r.name for r in self.roles]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"{where}: duplicate role names {dupes}; give every role a unique name")
+        if not any(r.trainable for r in self.roles):
+            raise ValueError(f"{where}: no trainable role; set trainable=True on the role to train")
+        specs = {r.name: r.build() for r in self.roles}  # bad specialization arguments fail here
+        provided: dict[str, set[str]] = {n: set() for n in names}
+        for sync in self.syncs:
+            for role in (sync.source, sync.target):
+                if role not in specs:
+                    raise ValueError(f"{where}: DataSync {sync.source}->{sync.target} names a missing role {role!r}; roles are {names}")
+            missing = [k for k in sync.keys if k not in specs[sync.source].output_keys]
+            if missing:
+                raise ValueError(
+                    f"{where}: DataSync {sync.source}->{sync.target} asks for {missing}, which "
+                    f"{type(specs[sync.source]).__name__} does not output (it outputs {list(specs[sync.source].output_keys)})"
+                )
+            provided[sync.target].update(sync.target_keys)
+        for role in self.roles:
+            spec = specs[role.name]
+            for key in spec.self_forward_keys:
+                if key not in spec.output_keys:
+                    raise ValueError(f"{where}: role {role.name!r} self-forward key {key!r} is not an output of {type(spec).__name__}")
+            if not role.trainable:
+                continue
+            need = set(spec.required_extra_keys) - provided[role.name] - set(spec.self_forward_keys.values())
+            if need:
+                raise ValueError(
+                    f"{where}: role {role.name!r} ({type(spec).__name__}) needs batch keys "
+                    f"{sorted(need)}; add a DataSync that provides them"
+                )
+
+    def role(self, name: str) -> ModelRole:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        raise ValueError(f"recipe {self.name!r} has no role {name!r}; roles are {[r.name for r in self.roles]}")
+
+    @property
+    def policy_role(self) -> ModelRole:
+        """The role ``algorithm_kwargs`` apply to: the first sync_to_rollout role, else the first
+        trainable one."""
+        for role in self.roles:
+            if role.sync_to_rollout:
+                return role
+        return next(r for r in self.roles if r.trainable)
+
+    def with_policy_kwargs(self, **kwargs: Any) -> "TrainingConfig":
+        """A validated copy whose policy role has ``init_kwargs`` updated by ``kwargs``."""
+        if not kwargs:
+            return self
+        policy = self.policy_role
+        new_role = dataclasses.replace(policy, init_kwargs={**policy.init_kwargs, **kwargs})
+        roles = tuple(new_role if r.name == policy.name else r for r in self.roles)
+        return dataclasses.replace(self, roles=roles)

@@ -1,0 +1,98 @@
+"""The recipe registry: ``@recipe("name")`` registers a factory returning a ``TrainingConfig``."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Callable
+
+from areno.recipes.config import TrainingConfig
+
+RecipeFactory = Callable[..., TrainingConfig]
+TRAINING_CONFIGS: dict[str, RecipeFactory] = {}
+"""Recipe name -> factory. Factories may take keyword options (e.g. ``teacher_path``)."""
+
+
+def recipe(name: str) -> Callable[[RecipeFactory], RecipeFactory]:
+    """Register ``factory`` under ``name`` (a duplicate name is an error)."""
+
+    def register(factory: RecipeFactory) -> RecipeFactory:
+        if name in TRAINING_CONFIGS:
+            raise ValueError(f"recipe {name!r} is already registered by {TRAINING_CONFIGS[name].__qualname__}")
+        TRAINING_CONFIGS[name] = factory
+        return factory
+
+    return register
+
+
+def _unknown(name: str) -> ValueError:
+    close = difflib.get_close_matches(name, list(TRAINING_CONFIGS), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    return ValueError(f"unknown recipe {name!r}: {hint}`areno recipes` lists the {len(TRAINING_CONFIGS)} registered ones")
+
+
+def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **options: Any) -> TrainingConfig:
+    """The validated ``TrainingConfig`` of recipe ``name``.
+
+    ``options`` go to the recipe factory (e.g. ``teacher_path`` for distillation recipes);
+    ``policy_kwargs`` override the policy role's specialization arguments. A key of
+    ``policy_kwargs`` that is a factory option is passed to the factory instead, so
+    ``train.algorithm_kwargs`` can carry both. Unknown name: ValueError with the closest names.
+    """
+    if name not in TRAINING_CONFIGS:
+        raise _unknown(name)
+    factory = TRAINING_CONFIGS[name]
+    params = inspect.signature(factory).parameters
+    policy_kwargs = dict(policy_kwargs or {})
+    for key in list(policy_kwargs):
+        if key in params:
+            options.setdefault(key, policy_kwargs.pop(key))
+    bad = [k for k in options if k not in params]
+    if bad:
+        raise ValueError(f"recipe {name!r} has no option(s) {bad}; it accepts {list(params) or 'none'}")
+    return factory(**options).with_policy_kwargs(**policy_kwargs)
+
+
+def describe(name: str) -> str:
+    """First line of the recipe factory's docstring."""
+    if name not in TRAINING_CONFIGS:
+        raise _unknown(name)
+    doc = inspect.getdoc(TRAINING_CONFIGS[name]) or ""
+    return doc.splitlines()[0] if doc else ""
+
+
+def list_recipes() -> list[tuple[str, str]]:
+    """(name, one-line description) of every registered recipe, sorted by name."""
+    return [(name, describe(name)) for name in sorted(TRAINING_CONFIGS)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``areno recipes [NAME]``: list the recipes, or print one recipe's formula and roles."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="areno recipes", description="List the registered recipes.")
+    parser.add_argument("name", nargs="?", help="print this recipe's formula, roles and syncs")
+    args = parser.parse_args(argv)
+    if args.name is None:
+        rows = list_recipes()
+        width = max(len(n) for n, _ in rows)
+        for name, desc in rows:
+            print(f"{name:<{width}}  {desc}")
+        return 0
+    try:
+        factory = TRAINING_CONFIGS[args.name] if args.name in TRAINING_CONFIGS else None
+        if factory is None:
+            raise _unknown(args.name)
+    except ValueError as err:
+        print(f"error: {err}")
+        return 2
+    print(inspect.getdoc(factory) or "")
+    params = inspect.signature(factory).parameters
+    options = {k: "<path>" for k, p in params.items() if p.default is None}
+    cfg = factory(**options)
+    for role in cfg.roles:
+        flags = ", ".join(f for f, on in (("trainable", role.trainable), ("sync_to_rollout", role.sync_to_rollout)) if on)
+        print(f"  role {role.name}: {role.specialization_cls.__name__}({role.init_kwargs}) [{flags or 'frozen'}]")
+    for sync in cfg.syncs:
+        print(f"  sync {sync.source}.{','.join(sync.keys)} -> {sync.target}.{','.join(sync.target_keys)} ({sync.stage})")
+    return 0

@@ -1,0 +1,118 @@
+"""``RecipeRunner``: one training step of a recipe over its roles' training backends (seed 004's
+``StacxTrainer.train_step``).
+
+    step(rollout_data):
+        1. no-grad forwards: every DataSync source and every role with self-forward keys runs
+           ``forward_only`` once on the step's batch (cached per role);
+        2. inject: source outputs become target batch ``extra`` tensors;
+        3. each trainable role: ``prepare_batch`` then ``train_step`` — concurrently in threads
+           for roles on different backends, serialised for roles sharing one backend;
+        4. every trained role's weight version + 1.
+
+``roles_to_sync()`` names the roles whose weights the caller then publishes to rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from areno.api.types import TokenBatch
+from areno.recipes.config import TrainingConfig
+from areno.specializations.actor import POLICY_VERSION_KEY
+from areno.specializations.base import ModelSpecialization
+
+
+class RecipeRunner:
+    """Dispatches a recipe's roles onto their ``TrainBackend``s (one per role name; two roles may
+    share a backend object, which serialises them)."""
+
+    # set in __init__
+    config: TrainingConfig
+    backends: dict[str, Any]
+    specs: dict[str, ModelSpecialization]
+    versions: dict[str, int]
+
+    def __init__(
+        self,
+        training_config: TrainingConfig,
+        backends: dict[str, Any],
+        *,
+        policy_kwargs: dict[str, Any] | None = None,
+        initial_version: int = 0,
+    ) -> None:
+        if policy_kwargs:
+            training_config = training_config.with_policy_kwargs(**policy_kwargs)
+        names = [r.name for r in training_config.roles]
+        missing = [n for n in names if n not in backends]
+        if missing:
+            raise ValueError(f"recipe {training_config.name!r}: no training backend for role(s) {missing}; got {sorted(backends)}")
+        for role in training_config.roles:
+            cfg = getattr(backends[role.name], "config", None)
+            if cfg is not None and getattr(cfg, "trainable", True) is False and role.trainable:
+                raise ValueError(f"role {role.name!r} is trainable but its backend was built with trainable=False")
+        self.config = training_config
+        self.backends = {n: backends[n] for n in names}
+        self.specs = {r.name: r.build() for r in training_config.roles}
+        self.versions = {n: initial_version for n in names}
+
+    def roles_to_sync(self) -> list[str]:
+        """Roles whose weights go to the rollout engine after a step."""
+        return [r.name for r in self.config.roles if r.sync_to_rollout]
+
+    def step(self, rollout_data: TokenBatch) -> dict[str, float]:
+        """Inject syncs, then train every trainable role once; metrics are ``role/name``."""
+        outputs: dict[str, dict[str, torch.Tensor]] = {}
+
+        def forward(role: str) -> dict[str, torch.Tensor]:
+            if role not in outputs:
+                spec = self.specs[role]
+                outputs[role] = self.backends[role].forward_only(rollout_data, forward_fn=spec.extract_model_output)
+            return outputs[role]
+
+        data = {
+            r.name: dataclasses.replace(rollout_data, extra={
+                **rollout_data.extra,
+                POLICY_VERSION_KEY: torch.full((rollout_data.num_seqs,), self.versions[r.name], dtype=torch.long),
+            })
+            for r in self.config.roles
+        }
+        for sync in self.config.syncs:
+            out = forward(sync.source)
+            for key, target_key in zip(sync.keys, sync.target_keys):
+                data[sync.target].extra[target_key] = out[key]
+        trainable = [r.name for r in self.config.roles if r.trainable]
+        for name in trainable:
+            for key, target_key in self.specs[name].self_forward_keys.items():
+                data[name].extra[target_key] = forward(name)[key]
+        prepared = {name: self.specs[name].prepare_batch(data[name]) for name in trainable}
+
+        # group roles by backend object: roles in one group run one after another
+        groups: dict[int, list[str]] = {}
+        for name in trainable:
+            groups.setdefault(id(self.backends[name]), []).append(name)
+
+        def run_group(names: list[str]) -> dict[str, float]:
+            metrics: dict[str, float] = {}
+            for name in names:
+                spec = self.specs[name]
+                result = self.backends[name].train_step(
+                    prepared[name], forward_fn=spec.extract_model_output,
+                    loss_fn=spec.compute_loss, denominator_fn=spec.denominator,
+                )
+                metrics.update({f"{name}/{k}": float(v) for k, v in result.items()})
+            return metrics
+
+        metrics: dict[str, float] = {}
+        if len(groups) == 1:
+            metrics.update(run_group(next(iter(groups.values()))))
+        else:
+            with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="role") as pool:
+                for result in pool.map(run_group, groups.values()):
+                    metrics.update(result)
+        for name in trainable:
+            self.versions[name] += 1
+        return metrics

@@ -1,0 +1,108 @@
+"""The ``ModelSpecialization`` contract: everything algorithm-specific about one model role.
+
+The training backend (``areno/train``) is identical for every algorithm; a role's specialization
+tells it what to compute. One training step of a role is:
+
+    batch = spec.prepare_batch(rollout_data)            # whole batch: advantages, filters, targets
+    backend.train_step(batch, forward_fn=spec.extract_model_output,
+                       loss_fn=spec.compute_loss, denominator_fn=spec.denominator)
+
+and a frozen role only ever runs ``backend.forward_only(batch, forward_fn=spec.extract_model_output)``
+to supply tensors to another role (a ``DataSync``).
+
+Departure from seed 004: there ``prepare_batch`` returns a list of micro-batch dicts. Here it
+returns one packed ``TokenBatch`` for the whole step and the *backend* cuts it into token-budget
+micro-batches (``areno/train/packing.py``), because only the backend knows the memory budget and
+the data-parallel layout. Anything that needs the whole batch (group advantages, batch
+normalisation, dynamic sampling) therefore happens in ``prepare_batch``; ``compute_loss`` sees one
+micro-batch and returns a loss already divided by the *global* denominator through the
+``reducer``, so gradients do not depend on how the batch was cut.
+
+Legend: B = sequences, T = packed tokens, V = vocabulary, D = hidden size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+from torch import nn
+
+from areno.api.types import TokenBatch
+
+Reducer = Callable[..., torch.Tensor]
+"""``reducer(values, mask=None) -> (values * mask).sum() / global_denominator`` (a 0-dim tensor)."""
+
+Metrics = dict[str, torch.Tensor]
+"""Metric name -> 0-dim tensor already divided by the global denominator (through the reducer), so
+the backend sums it over micro-batches and ranks to get the step's value."""
+
+
+class ModelSpecialization(ABC):
+    """What one model role computes. Subclasses are named by function (``ActorSpecialization``,
+    ``CriticSpecialization``, …) and chosen by ``ModelRole.specialization_cls``.
+
+    Class attributes declare the data flow so a recipe is validated before any model loads:
+    ``output_keys`` are the keys ``extract_model_output`` returns (what a ``DataSync`` may send),
+    ``self_forward_keys`` maps an output key to the batch ``extra`` key it fills from a no-grad
+    forward pass of this role's own model at the start of the step (e.g. the proximal log-probs
+    of decoupled PPO), and ``required_extra_keys`` lists the ``extra`` keys that
+    ``prepare_batch`` needs from other roles.
+    """
+
+    output_keys: tuple[str, ...] = ()
+    required_extra_keys: tuple[str, ...] = ()
+
+    @property
+    def self_forward_keys(self) -> dict[str, str]:
+        """Output key -> batch extra key filled from this role's own forward before training."""
+        return {}
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """The module the backend trains, built around the loaded decoder before the optimizer
+        exists (a value or reward head is added here). Default: the decoder itself."""
+        return model
+
+    def compute_advantages(self, rollout_data: TokenBatch) -> TokenBatch:
+        """Fill ``advantages_T`` (RL actors); the base class returns the batch unchanged."""
+        return rollout_data
+
+    def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
+        """Everything the loss needs, computed on the whole batch (default: the advantages)."""
+        self._check_extra(rollout_data)
+        return self.compute_advantages(rollout_data)
+
+    @abstractmethod
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Run the model on one packed micro-batch; keys end in their shape letter."""
+
+    @abstractmethod
+    def compute_loss(
+        self, model_output: dict[str, torch.Tensor], batch: TokenBatch, reducer: Reducer
+    ) -> tuple[torch.Tensor, Metrics]:
+        """``(loss, metrics)`` of one micro-batch, the loss already reduced by ``reducer``."""
+
+    def denominator(self, batch: TokenBatch) -> float:
+        """This micro-batch's additive share of the global loss denominator (default: loss tokens)."""
+        return float(batch.loss_mask_T.sum())
+
+    def _check_extra(self, batch: TokenBatch) -> None:
+        missing = [k for k in self.required_extra_keys if k not in batch.extra]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__} needs batch.extra keys {missing}: add a DataSync that "
+                f"provides them (have: {sorted(batch.extra)})"
+            )
+
+
+def with_extra(batch: TokenBatch, **tensors: torch.Tensor) -> TokenBatch:
+    """A shallow copy of ``batch`` whose ``extra`` has the given tensors added."""
+    import dataclasses
+
+    return dataclasses.replace(batch, extra={**batch.extra, **tensors})
+
+
+def reduce_stats(stats: dict[str, torch.Tensor], mask_T: torch.Tensor, reducer: Reducer, prefix: str) -> Metrics:
+    """Reduce detached per-token statistics with the loss reducer under ``prefix/``."""
+    return {f"{prefix}/{k}": reducer(v.detach(), mask_T).detach() for k, v in stats.items()}

@@ -1,0 +1,123 @@
+"""Model forward passes shared by the specializations, on packed batches.
+
+Alignment (``areno/api/types.py``): the value at position ``t`` is about token ``t`` as a target,
+so it comes from the hidden state at ``t - 1`` of the same sequence; the first token of every
+sequence gets 0. Log-probs are computed in float32 over chunks of tokens so ``[T, V]`` fp32 logits
+are never materialised at once.
+
+Legend: B = sequences, T = packed tokens, V = vocabulary, D = hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from areno.api.types import TokenBatch
+
+
+def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """Final-normed hidden states [T, D] of a ``Decoder`` under packed causal attention."""
+    from areno.models.decoder import PackedCausalAttention
+
+    device = model.output_weight.device
+    attn = PackedCausalAttention(
+        batch.cu_seqlens_B1.to(device), sliding_window=getattr(model.config, "sliding_window", None)
+    )
+    return model(batch.input_ids_T.to(device), batch.position_ids_T().to(device), attn)
+
+
+def _predictor_index_T(batch: TokenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the hidden state that predicts each token, bool mask of tokens that have one)."""
+    T = batch.num_tokens
+    is_start_T = torch.zeros(T, dtype=torch.bool)
+    is_start_T[batch.cu_seqlens_B1[:-1][batch.seqlens_B > 0]] = True
+    idx_T = (torch.arange(T) - 1).clamp(min=0)
+    return idx_T.to(device), (~is_start_T).to(device)
+
+
+def token_logprobs_T(
+    model: nn.Module,
+    batch: TokenBatch,
+    *,
+    hidden_TD: torch.Tensor | None = None,
+    targets_T: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    with_argmax: bool = False,
+    chunk_size: int = 1024,
+) -> dict[str, torch.Tensor]:
+    """Per-token ``logprobs_T`` of ``targets_T`` (default: the batch's own tokens) under the
+    temperature-scaled distribution, optionally ``entropy_T`` and the greedy action
+    ``argmax_T`` (the token the model would emit at each position). 0 at sequence starts."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    if hidden_TD is None:
+        hidden_TD = hidden_states_TD(model, batch)
+    device = hidden_TD.device
+    weight_VD = model.output_weight
+    targets_T = (batch.input_ids_T if targets_T is None else targets_T).to(device)
+    src_T, valid_T = _predictor_index_T(batch, device)
+    logp_parts, ent_parts, arg_parts = [], [], []
+    for start in range(0, batch.num_tokens, chunk_size):
+        sl = slice(start, start + chunk_size)
+        logits_CV = F.linear(hidden_TD[src_T[sl]], weight_VD).float() / temperature
+        logz_C = torch.logsumexp(logits_CV, dim=-1)
+        logp_parts.append(logits_CV.gather(1, targets_T[sl, None]).squeeze(1) - logz_C)
+        if with_entropy:
+            probs_CV = torch.softmax(logits_CV, dim=-1)
+            ent_parts.append(logz_C - (probs_CV * logits_CV).sum(-1))
+        if with_argmax:
+            arg_parts.append(logits_CV.argmax(-1))
+    zero = torch.zeros((), device=device)
+    out = {"logprobs_T": torch.where(valid_T, torch.cat(logp_parts), zero)}
+    if with_entropy:
+        out["entropy_T"] = torch.where(valid_T, torch.cat(ent_parts), zero)
+    if with_argmax:
+        out["argmax_T"] = torch.where(valid_T, torch.cat(arg_parts), torch.zeros((), dtype=torch.long, device=device))
+    return out
+
+
+class ScalarHeadModel(nn.Module):
+    """A decoder with a scalar linear head on its hidden states (critic value head, reward-model
+    score head). ``state_dict`` keys are the decoder's under ``decoder.`` plus ``score.weight``
+    and ``score.bias``; the head is zero-initialised so a fresh head predicts 0."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        hidden = decoder.output_weight.shape[1]
+        self.score = nn.Linear(hidden, 1, device=decoder.output_weight.device, dtype=torch.float32)
+        nn.init.zeros_(self.score.weight)
+        nn.init.zeros_(self.score.bias)
+
+    @property
+    def config(self):
+        return self.decoder.config
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.decoder.output_weight
+
+    def forward(self, input_ids_T, position_ids_T, attn=None) -> torch.Tensor:
+        return self.decoder(input_ids_T, position_ids_T, attn)
+
+    def scores_T(self, batch: TokenBatch) -> torch.Tensor:
+        """Head output at every position [T] (float32): the score *after* reading token t."""
+        hidden_TD = hidden_states_TD(self, batch)
+        return self.score(hidden_TD.float()).squeeze(-1)
+
+
+def values_T(model: ScalarHeadModel, batch: TokenBatch) -> torch.Tensor:
+    """Critic values aligned like log-probs: ``values_T[t]`` = V(state before token t) = head at
+    ``t - 1``; 0 at sequence starts."""
+    raw_T = model.scores_T(batch)
+    src_T, valid_T = _predictor_index_T(batch, raw_T.device)
+    return torch.where(valid_T, raw_T[src_T], torch.zeros((), device=raw_T.device))
+
+
+def last_token_scores_B(model: ScalarHeadModel, batch: TokenBatch) -> torch.Tensor:
+    """Reward-model score of each sequence: the head at its last token [B]."""
+    raw_T = model.scores_T(batch)
+    return raw_T[(batch.cu_seqlens_B1[1:] - 1).to(raw_T.device)]

@@ -1,0 +1,175 @@
+"""Pairwise-preference specializations: DPO and the Bradley–Terry reward model.
+
+Batch layout: a preference pair is two sequences sharing a ``group_id``; the one with the larger
+``rewards_B`` is chosen (e.g. 1 vs 0). Pairs may sit anywhere in the batch (reshuffles keep them).
+
+Micro-batch independence. A pairwise loss couples two sequences that the backend may put in
+different micro-batches, so these specializations use an exact first-order surrogate: a no-grad
+forward of the current weights at the start of the step (``self_forward_keys``) gives every
+pair's loss ``L_p`` and its derivatives ``c_b = dL_p / d s_b`` with respect to each sequence's
+score ``s_b`` (the summed completion log-prob for DPO, the head's score for the reward model).
+Per sequence the micro-batch then computes
+
+    loss_b = L_p / 2 + c_b * (s_b - sg[s_b])
+
+whose value is the pair loss and whose gradient is exactly dL/dθ at the current weights, wherever
+the two sequences land. The step takes one optimizer update, so this is the DPO / BT gradient.
+
+Legend: B = sequences, P = pairs, T = packed tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from areno.algo import bradley_terry_loss_B, dpo_loss_B, sequence_sum_B
+from areno.api.types import TokenBatch
+from areno.specializations.base import Metrics, ModelSpecialization, Reducer
+from areno.specializations.forward import ScalarHeadModel, last_token_scores_B, token_logprobs_T
+
+
+def preference_pairs(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen_idx_P, rejected_idx_P) from ``group_ids`` and ``rewards_B``; ValueError unless every
+    group holds exactly two sequences with different rewards."""
+    groups: dict[str, list[int]] = {}
+    for i, gid in enumerate(batch.group_ids):
+        groups.setdefault(gid, []).append(i)
+    if not batch.group_ids or any(len(v) != 2 for v in groups.values()):
+        raise ValueError(
+            "preference batch: every group_id must hold exactly 2 sequences (chosen, rejected); "
+            f"got group sizes {sorted({len(v) for v in groups.values()}) if groups else 'no group_ids'}"
+        )
+    chosen, rejected = [], []
+    for gid, (i, j) in groups.items():
+        ri, rj = float(batch.rewards_B[i]), float(batch.rewards_B[j])
+        if ri == rj:
+            raise ValueError(f"preference pair {gid!r}: both sequences have reward {ri}; the chosen one needs the larger")
+        chosen.append(i if ri > rj else j)
+        rejected.append(j if ri > rj else i)
+    return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
+
+
+def _pair_surrogate_extra(
+    batch: TokenBatch, loss_P: torch.Tensor, score_grad_chosen_P: torch.Tensor, chosen_P, rejected_P
+) -> dict[str, torch.Tensor]:
+    """Per-sequence half pair loss and score coefficient (dL/ds_b)."""
+    half_B = torch.zeros(batch.num_seqs)
+    coef_B = torch.zeros(batch.num_seqs)
+    half_B[chosen_P] = loss_P / 2
+    half_B[rejected_P] = loss_P / 2
+    coef_B[chosen_P] = score_grad_chosen_P
+    coef_B[rejected_P] = -score_grad_chosen_P
+    return {"pair_half_loss_B": half_B.detach(), "pair_coef_B": coef_B.detach()}
+
+
+def _surrogate_loss(score_B: torch.Tensor, batch: TokenBatch, reducer: Reducer) -> torch.Tensor:
+    dev = score_B.device
+    loss_B = batch.extra["pair_half_loss_B"].to(dev) + batch.extra["pair_coef_B"].to(dev) * (score_B - score_B.detach())
+    return reducer(loss_B)
+
+
+class DPOSpecialization(ModelSpecialization):
+    """DPO (Rafailov et al. 2023): ``L = -log sigmoid(beta ((s_c - r_c) - (s_r - r_r)))`` with
+    ``s`` the policy's and ``r`` the reference's summed completion log-probs. ``ref_key`` names
+    the batch tensor of reference log-probs: ``ref_logprobs_T`` (from a reference role through a
+    DataSync) or ``logprobs_T`` (log-probs recorded with the data, TRL's precomputed reference).
+    ``label_smoothing`` > 0 is cDPO. The denominator is the number of pairs."""
+
+    output_keys = ("logprobs_T",)
+
+    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0, ref_key: str = "ref_logprobs_T",
+                 logprob_chunk_size: int = 1024) -> None:
+        if beta <= 0:
+            raise ValueError(f"DPOSpecialization beta: must be > 0, got {beta}")
+        if not 0 <= label_smoothing < 0.5:
+            raise ValueError(f"DPOSpecialization label_smoothing: must be in [0, 0.5), got {label_smoothing}")
+        self.beta = beta
+        self.label_smoothing = label_smoothing
+        self.ref_key = ref_key
+        self.logprob_chunk_size = logprob_chunk_size
+
+    @property
+    def self_forward_keys(self) -> dict[str, str]:
+        return {"logprobs_T": "current_logprobs_T"}
+
+    def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
+        b = rollout_data
+        ref_T = b.logprobs_T if self.ref_key == "logprobs_T" else b.extra.get(self.ref_key)
+        if ref_T is None:
+            raise ValueError(f"DPOSpecialization needs batch.extra[{self.ref_key!r}]: add a DataSync from a reference role")
+        chosen_P, rejected_P = preference_pairs(b)
+        pol_B = sequence_sum_B(b.extra["current_logprobs_T"].float(), b.cu_seqlens_B1, b.loss_mask_T)
+        ref_B = sequence_sum_B(ref_T.float(), b.cu_seqlens_B1, b.loss_mask_T)
+        pc = pol_B[chosen_P].clone().requires_grad_(True)
+        loss_P, stats = dpo_loss_B(pc, pol_B[rejected_P], ref_B[chosen_P], ref_B[rejected_P],
+                                   beta=self.beta, label_smoothing=self.label_smoothing)
+        (grad_P,) = torch.autograd.grad(loss_P.sum(), pc)
+        extra = _pair_surrogate_extra(b, loss_P.detach(), grad_P, chosen_P, rejected_P)
+        acc_B = torch.zeros(b.num_seqs)
+        acc_B[chosen_P] = stats["reward_accuracy"] / 2
+        acc_B[rejected_P] = stats["reward_accuracy"] / 2
+        margin_B = torch.zeros(b.num_seqs)
+        margin_B[chosen_P] = (stats["chosen_reward"] - stats["rejected_reward"]) / 2
+        margin_B[rejected_P] = margin_B[chosen_P]
+        extra.update(dpo_accuracy_B=acc_B, dpo_margin_B=margin_B)
+        return dataclasses.replace(b, extra={**b.extra, **extra})
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return token_logprobs_T(model, batch, chunk_size=self.logprob_chunk_size)
+
+    def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
+        logp_T = model_output["logprobs_T"]
+        score_B = sequence_sum_B(logp_T, batch.cu_seqlens_B1.to(logp_T.device), batch.loss_mask_T.to(logp_T.device))
+        metrics = {
+            "dpo/accuracy": reducer(batch.extra["dpo_accuracy_B"]).detach(),
+            "dpo/reward_margin": reducer(batch.extra["dpo_margin_B"]).detach(),
+        }
+        return _surrogate_loss(score_B, batch, reducer), metrics
+
+    def denominator(self, batch: TokenBatch) -> float:
+        return batch.num_seqs / 2
+
+
+class RewardModelSpecialization(ModelSpecialization):
+    """Bradley–Terry reward model (Ouyang et al. 2022): a scalar head on the last token of each
+    sequence, ``L = -log sigmoid(s_c - s_r - margin)`` per pair; the denominator is the number of
+    pairs."""
+
+    output_keys = ("scores_B",)
+
+    def __init__(self, *, margin: float = 0.0) -> None:
+        self.margin = margin
+
+    @property
+    def self_forward_keys(self) -> dict[str, str]:
+        return {"scores_B": "current_scores_B"}
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return ScalarHeadModel(model)
+
+    def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
+        b = rollout_data
+        chosen_P, rejected_P = preference_pairs(b)
+        s_B = b.extra["current_scores_B"].float()
+        sc = s_B[chosen_P].clone().requires_grad_(True)
+        loss_P, stats = bradley_terry_loss_B(sc, s_B[rejected_P], margin=self.margin)
+        (grad_P,) = torch.autograd.grad(loss_P.sum(), sc)
+        extra = _pair_surrogate_extra(b, loss_P.detach(), grad_P, chosen_P, rejected_P)
+        acc_B = torch.zeros(b.num_seqs)
+        acc_B[chosen_P] = stats["accuracy"] / 2
+        acc_B[rejected_P] = stats["accuracy"] / 2
+        extra["rm_accuracy_B"] = acc_B
+        return dataclasses.replace(b, extra={**b.extra, **extra})
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return {"scores_B": last_token_scores_B(model, batch)}
+
+    def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
+        loss = _surrogate_loss(model_output["scores_B"], batch, reducer)
+        return loss, {"reward_model/accuracy": reducer(batch.extra["rm_accuracy_B"]).detach()}
+
+    def denominator(self, batch: TokenBatch) -> float:
+        return batch.num_seqs / 2

@@ -1,0 +1,212 @@
+"""Supervised and distillation specializations: SFT, frozen log-prob scorers (reference, teacher),
+on-policy distillation (reverse KL), DAgger, AggreVaTe and the mixed DAgger/OPD loss.
+
+Legend: B = sequences, T = packed tokens. All token losses use token-level aggregation: the sum
+over loss tokens divided by the global number of loss tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from areno.algo import KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
+from areno.api.types import TokenBatch
+from areno.specializations.base import Metrics, ModelSpecialization, Reducer, reduce_stats
+from areno.specializations.forward import token_logprobs_T
+
+POLICY_VERSION_KEY = "policy_version_B"
+
+
+def _mask(batch: TokenBatch, device: torch.device) -> torch.Tensor:
+    return batch.loss_mask_T.to(device)
+
+
+class LogProbSpecialization(ModelSpecialization):
+    """A frozen scorer (reference or teacher role): reports ``logprobs_T`` of the batch's tokens
+    and ``argmax_T``, the token it would emit at each position (the teacher's action label).
+    It never trains; ``compute_loss`` raises."""
+
+    output_keys = ("logprobs_T", "argmax_T")
+
+    def __init__(self, *, temperature: float = 1.0, logprob_chunk_size: int = 1024) -> None:
+        if temperature <= 0:
+            raise ValueError(f"LogProbSpecialization temperature: must be > 0, got {temperature}")
+        self.temperature = temperature
+        self.logprob_chunk_size = logprob_chunk_size
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return token_logprobs_T(
+            model, batch, temperature=self.temperature, with_argmax=True, chunk_size=self.logprob_chunk_size
+        )
+
+    def compute_loss(self, model_output, batch, reducer):
+        raise ValueError("LogProbSpecialization is for frozen roles (reference, teacher): set trainable=False")
+
+
+class SFTSpecialization(ModelSpecialization):
+    """Supervised fine-tuning: ``loss = sum_t -log p(x_t) / #loss tokens`` over completion tokens."""
+
+    output_keys = ("logprobs_T",)
+
+    def __init__(self, *, logprob_chunk_size: int = 1024) -> None:
+        self.logprob_chunk_size = logprob_chunk_size
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return token_logprobs_T(model, batch, chunk_size=self.logprob_chunk_size)
+
+    def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
+        logp_T = model_output["logprobs_T"]
+        mask_T = _mask(batch, logp_T.device)
+        loss_T = nll_loss_T(logp_T, mask_T)
+        return reducer(loss_T, mask_T), reduce_stats({"nll": loss_T}, mask_T, reducer, "sft")
+
+
+class DistillSpecialization(ModelSpecialization):
+    """On-policy distillation (Agarwal et al. 2024 GKD with a reverse KL; Thinking Machines' OPD):
+    the student samples, a frozen teacher scores the same tokens (``teacher_logprobs_T``), and
+
+        loss_t = k(pi_student, pi_teacher)_t,   k3 = exp(t - s) + (s - t) - 1
+
+    with ``s, t`` the student and teacher log-probs of the sampled token: a per-token estimate of
+    the reverse KL(student || teacher) on the student's own samples. Departure: the estimator's
+    own gradient ``(1 - exp(t - s)) grad s`` is used (as for GRPO's KL loss), not the
+    score-function gradient of the sequence-level reverse KL."""
+
+    output_keys = ("logprobs_T",)
+    required_extra_keys = ("teacher_logprobs_T",)
+
+    def __init__(self, *, kl_estimator: str = "k3", temperature: float = 1.0, logprob_chunk_size: int = 1024) -> None:
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"DistillSpecialization kl_estimator: must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+        self.kl_estimator = kl_estimator
+        self.temperature = temperature
+        self.logprob_chunk_size = logprob_chunk_size
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return token_logprobs_T(model, batch, temperature=self.temperature, chunk_size=self.logprob_chunk_size)
+
+    def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
+        logp_T = model_output["logprobs_T"]
+        mask_T = _mask(batch, logp_T.device)
+        kl_T = kl_estimate_T(logp_T, batch.extra["teacher_logprobs_T"].to(logp_T.device), mask_T,
+                             estimator=self.kl_estimator)
+        return reducer(kl_T, mask_T), reduce_stats({"reverse_kl": kl_T}, mask_T, reducer, "distill")
+
+
+class DaggerSpecialization(ModelSpecialization):
+    """DAgger (Ross et al. 2011) at token level: at every state the student visited, the teacher
+    labels the action it would take (``teacher_action_T``, its greedy token) and the student is
+    trained by cross-entropy toward that label:
+
+        loss_t = -log pi_student(a*_t | s_t)
+
+    The β-mixture of the paper (executing the teacher with probability β) belongs to the rollout
+    workflow; this loss is the aggregated-dataset classification step."""
+
+    output_keys = ("logprobs_T",)
+    required_extra_keys = ("teacher_action_T",)
+
+    def __init__(self, *, logprob_chunk_size: int = 1024) -> None:
+        self.logprob_chunk_size = logprob_chunk_size
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        targets_T = batch.extra["teacher_action_T"].long()
+        out = token_logprobs_T(model, batch, targets_T=targets_T, with_argmax=True,
+                               chunk_size=self.logprob_chunk_size)
+        return {"label_logprobs_T": out["logprobs_T"], "argmax_T": out["argmax_T"]}
+
+    def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
+        logp_T = model_output["label_logprobs_T"]
+        mask_T = _mask(batch, logp_T.device)
+        loss_T = nll_loss_T(logp_T, mask_T)
+        agree_T = (model_output["argmax_T"] == batch.extra["teacher_action_T"].to(logp_T.device)).float()
+        return reducer(loss_T, mask_T), reduce_stats({"ce": loss_T, "agree": agree_T}, mask_T, reducer, "dagger")
+
+
+class AggrevateSpecialization(ModelSpecialization):
+    """AggreVaTe (Ross & Bagnell 2014) at token level: instead of imitating the teacher's action,
+    weight the student's own action by the teacher's cost-to-go estimate of it. The action value
+    is ``teacher_q_T`` when the workflow measured it (teacher roll-outs after the action), else the
+    teacher's log-prob of the action (``teacher_logprobs_T``) as a proxy (a departure: no
+    roll-outs). With ``A_t`` that value whitened over the batch's loss tokens:
+
+        loss_t = -A_t log pi_student(a_t | s_t)
+    """
+
+    output_keys = ("logprobs_T",)
+    required_extra_keys = ("teacher_logprobs_T",)
+
+    def __init__(self, *, logprob_chunk_size: int = 1024) -> None:
+        self.logprob_chunk_size = logprob_chunk_size
+
+    def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
+        import dataclasses
+
+        b = rollout_data
+        if "teacher_q_T" not in b.extra:
+            self._check_extra(b)
+        q_T = b.extra.get("teacher_q_T", b.extra.get("teacher_logprobs_T"))
+        return dataclasses.replace(b, advantages_T=masked_whiten_T(q_T.float(), b.loss_mask_T))
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return token_logprobs_T(model, batch, chunk_size=self.logprob_chunk_size)
+
+    def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
+        logp_T = model_output["logprobs_T"]
+        mask_T = _mask(batch, logp_T.device)
+        loss_T = torch.where(mask_T, -batch.advantages_T.to(logp_T.device) * logp_T, torch.zeros_like(logp_T))
+        return reducer(loss_T, mask_T), reduce_stats({"pg_loss": loss_T}, mask_T, reducer, "aggrevate")
+
+
+class MixedLossDaggerOPDSpecialization(ModelSpecialization):
+    """Per-token mix of DAgger and on-policy distillation on trajectories where some tokens were
+    executed by the teacher (``teacher_executed_T`` True) and the rest by the student:
+
+        loss_t = beta * CE_t * [teacher-executed] + (1 - beta) * k3_t * [student-executed]
+        CE_t = -log pi_student(x_t),   k3_t = exp(t - s) + (s - t) - 1
+
+    β=1 is pure cross-entropy on teacher tokens, β=0 pure reverse-KL k3 on student tokens. β
+    follows a linear schedule from ``beta_start`` to ``beta_end`` over ``beta_decay_steps`` policy
+    versions (read from the batch's ``policy_version_B``). Without ``teacher_executed_T`` every
+    token counts as student-executed."""
+
+    output_keys = ("logprobs_T",)
+    required_extra_keys = ("teacher_logprobs_T",)
+
+    def __init__(
+        self, *, beta_start: float = 1.0, beta_end: float = 0.0, beta_decay_steps: int = 100,
+        logprob_chunk_size: int = 1024,
+    ) -> None:
+        if not (0 <= beta_start <= 1 and 0 <= beta_end <= 1):
+            raise ValueError(f"MixedLossDaggerOPDSpecialization beta_start/beta_end: must be in [0, 1]")
+        if beta_decay_steps < 0:
+            raise ValueError(f"MixedLossDaggerOPDSpecialization beta_decay_steps: must be >= 0, got {beta_decay_steps}")
+        self.beta_start = beta_start
+        self.beta_end = beta_end
+        self.beta_decay_steps = beta_decay_steps
+        self.logprob_chunk_size = logprob_chunk_size
+
+    def beta(self, step: int) -> float:
+        """β at policy version ``step`` (linear, then constant)."""
+        if self.beta_decay_steps == 0:
+            return self.beta_end
+        frac = min(max(step, 0) / self.beta_decay_steps, 1.0)
+        return self.beta_start + frac * (self.beta_end - self.beta_start)
+
+    def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        return token_logprobs_T(model, batch, chunk_size=self.logprob_chunk_size)
+
+    def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
+        logp_T = model_output["logprobs_T"]
+        dev = logp_T.device
+        mask_T = _mask(batch, dev)
+        teacher_T = batch.extra.get("teacher_executed_T", torch.zeros_like(batch.loss_mask_T)).to(dev).bool()
+        step = int(batch.extra[POLICY_VERSION_KEY][0]) if POLICY_VERSION_KEY in batch.extra else 0
+        beta = self.beta(step)
+        ce_T = nll_loss_T(logp_T, mask_T & teacher_T)
+        k3_T = kl_estimate_T(logp_T, batch.extra["teacher_logprobs_T"].to(dev), mask_T & ~teacher_T, estimator="k3")
+        loss_T = beta * ce_T + (1 - beta) * k3_T
+        metrics = reduce_stats({"ce": ce_T, "k3": k3_T}, mask_T, reducer, "mixed")
+        metrics["mixed/beta"] = torch.tensor(beta) * reducer(torch.ones_like(logp_T), mask_T).detach()
+        return reducer(loss_T, mask_T), metrics
