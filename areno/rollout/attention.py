@@ -1,0 +1,150 @@
+"""Paged-KV attention backend that plugs into ``Decoder.forward(..., attn=...)``.
+
+One engine step packs every scheduled sequence's new tokens into ``T`` tokens: first the *decode*
+group (sequences with exactly one new token), then the *prefill* group (chunks of several tokens).
+For each layer the backend (1) writes the new K/V into their cache slots, then (2) attends every
+query to its sequence's cached keys ``0..position``. Because all writes of a layer precede all reads
+of that layer, a sequence may read prefix blocks another sequence writes in the same step.
+
+Kernels: keys are gathered from the slot tensors through the block tables and fed to
+``scaled_dot_product_attention`` with a boolean mask (GQA via ``enable_gqa``); on CUDA this runs the
+memory-efficient SDPA kernel, on CPU the fused CPU kernel. Decode queries form a ``[Bd, Hq, 1, Dh]``
+batch, prefill chunks a padded ``[Bp, Hq, Qmax, Dh]`` batch, so a long prefill chunk never pads the
+decode rows.
+
+Legend: T = packed new tokens, B = sequences, L = key positions (padded), Q = query positions
+(padded), N = blocks per sequence (padded), Hq/Hkv = query/KV heads, Dh = head dim, S = KV slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from areno.rollout.kv_cache import KVCache
+
+
+@dataclass
+class _Group:
+    """Key gather indices and mask of one query group."""
+
+    kv_slots_BL: torch.Tensor
+    """long [B, L] cache slot of each key position (padding points at slot 0, masked out)."""
+    mask_B1QL: torch.Tensor
+    """bool [B, 1, Q, L] True where the query may attend the key."""
+    q_index_BQ: torch.Tensor | None = None
+    """long [B, Q] row of each padded query in the group's packed tokens (prefill only)."""
+    q_valid_BQ: torch.Tensor | None = None
+    """bool [B, Q] real (not padding) queries (prefill only)."""
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: its block table and the token range computed now."""
+
+    block_table: list[int]
+    start: int
+    """Tokens already in the cache before this step (the chunk's first position)."""
+    num_new: int
+
+
+def _block_tables_BN(chunks: list[SeqChunk]) -> torch.Tensor:
+    n_max = max(len(c.block_table) for c in chunks)
+    return torch.tensor([c.block_table + [0] * (n_max - len(c.block_table)) for c in chunks], dtype=torch.long)
+
+
+class PagedAttention:
+    """Per-step attention backend; build with ``PagedAttention.build`` then pass as ``attn``."""
+
+    def __init__(self, cache: KVCache, slot_mapping_T: torch.Tensor, num_decode: int,
+                 decode: _Group | None, prefill: _Group | None) -> None:
+        self.cache = cache
+        self.slot_mapping_T = slot_mapping_T
+        self.num_decode = num_decode
+        self.decode = decode
+        self.prefill = prefill
+
+    @classmethod
+    def build(
+        cls, cache: KVCache, chunks: list[SeqChunk], device: torch.device, sliding_window: int | None = None
+    ) -> "PagedAttention":
+        """``chunks`` must list the decode sequences (``num_new == 1``) first. With
+        ``sliding_window`` a query at position p sees keys p - sliding_window < j <= p (Mistral)."""
+        bs = cache.block_size
+        num_decode = 0
+        while num_decode < len(chunks) and chunks[num_decode].num_new == 1:
+            num_decode += 1
+        assert all(c.num_new > 1 for c in chunks[num_decode:]), "decode chunks must come first"
+        bt_BN = _block_tables_BN(chunks)
+        starts_B = torch.tensor([c.start for c in chunks], dtype=torch.long)
+        new_B = torch.tensor([c.num_new for c in chunks], dtype=torch.long)
+        # Position of every new token and its cache slot.
+        seq_T = torch.repeat_interleave(torch.arange(len(chunks)), new_B)
+        first_T = torch.repeat_interleave(torch.cumsum(new_B, 0) - new_B, new_B)
+        pos_T = starts_B[seq_T] + torch.arange(int(new_B.sum())) - first_T
+        slot_T = bt_BN[seq_T, pos_T // bs] * bs + pos_T % bs
+
+        decode = prefill = None
+        if num_decode:
+            ctx_B = starts_B[:num_decode] + 1
+            decode = cls._group(bt_BN[:num_decode], ctx_B, (ctx_B - 1)[:, None], bs, sliding_window)
+        if num_decode < len(chunks):
+            p_new_B = new_B[num_decode:]
+            q_max = int(p_new_B.max())
+            q_pos_Q = torch.arange(q_max)
+            q_valid_BQ = q_pos_Q[None, :] < p_new_B[:, None]
+            p_first_B = torch.cumsum(p_new_B, 0) - p_new_B
+            q_index_BQ = torch.where(q_valid_BQ, p_first_B[:, None] + q_pos_Q[None, :], 0)
+            # Padding queries sit at position 0: they attend key 0 only (never a fully masked row).
+            qpos_BQ = torch.where(q_valid_BQ, starts_B[num_decode:, None] + q_pos_Q[None, :], 0)
+            prefill = cls._group(bt_BN[num_decode:], starts_B[num_decode:] + p_new_B, qpos_BQ, bs, sliding_window)
+            prefill.q_index_BQ, prefill.q_valid_BQ = q_index_BQ, q_valid_BQ
+        to = dict(device=device, non_blocking=True)
+        for g in (decode, prefill):
+            if g is not None:
+                g.kv_slots_BL, g.mask_B1QL = g.kv_slots_BL.to(**to), g.mask_B1QL.to(**to)
+                if g.q_index_BQ is not None:
+                    g.q_index_BQ, g.q_valid_BQ = g.q_index_BQ.to(**to), g.q_valid_BQ.to(**to)
+        return cls(cache, slot_T.to(**to), num_decode, decode, prefill)
+
+    @staticmethod
+    def _group(
+        bt_BN: torch.Tensor, ctx_B: torch.Tensor, qpos_BQ: torch.Tensor, bs: int, window: int | None
+    ) -> _Group:
+        L = int(ctx_B.max())
+        key_L = torch.arange(L)
+        kv_slots_BL = bt_BN[:, key_L // bs] * bs + key_L % bs
+        kv_slots_BL = torch.where(key_L[None, :] < ctx_B[:, None], kv_slots_BL, 0)
+        mask_BQL = key_L[None, None, :] <= qpos_BQ[:, :, None]
+        if window is not None:
+            mask_BQL &= key_L[None, None, :] > qpos_BQ[:, :, None] - window
+        return _Group(kv_slots_BL=kv_slots_BL, mask_B1QL=mask_BQL[:, None])
+
+    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
+        k_S.index_copy_(0, self.slot_mapping_T, k_THD.to(k_S.dtype))
+        v_S.index_copy_(0, self.slot_mapping_T, v_THD.to(v_S.dtype))
+        nd = self.num_decode
+        outs = []
+        if self.decode is not None:
+            g = self.decode
+            q_BH1D = q_THD[:nd].unsqueeze(2)  # [Bd, Hq, 1, Dh]
+            out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g)
+            outs.append(out_BH1D.squeeze(2))
+        if self.prefill is not None:
+            g = self.prefill
+            q_BQHD = q_THD[nd:][g.q_index_BQ]
+            out_BHQD = self._sdpa(q_BQHD.transpose(1, 2), k_S, v_S, g)
+            outs.append(out_BHQD.transpose(1, 2)[g.q_valid_BQ])
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    @staticmethod
+    def _sdpa(q_BHQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group) -> torch.Tensor:
+        k_BHLD = k_S[g.kv_slots_BL].transpose(1, 2)
+        v_BHLD = v_S[g.kv_slots_BL].transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q_BHQD, k_BHLD.to(q_BHQD.dtype), v_BHLD.to(q_BHQD.dtype), attn_mask=g.mask_B1QL,
+            enable_gqa=q_BHQD.shape[1] != k_BHLD.shape[1],
+        )

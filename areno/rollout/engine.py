@@ -1,0 +1,437 @@
+"""``RolloutEngine``: the embedded inference engine every rollout goes through.
+
+One ``step()`` = schedule (``scheduler.py``) → one packed forward of the shared ``Decoder`` with the
+paged-KV attention backend (``attention.py``) → sample (``sampling.py``) → stop checks. Requests
+join and leave at every step (continuous batching); long prompts are prefilled in chunks; blocks of
+identical prefixes are shared; when the pool runs out the youngest request is preempted and later
+recomputed. Nothing here blocks: drive it with ``step()`` (``InProcessRolloutClient`` does so from a
+background thread) or use ``generate()``.
+
+Weight updates happen between steps (every public method takes the engine lock). In-flight requests
+keep their tokens and continue under the new weights; each output token records the policy version
+that sampled it (``GenerationOutput.output_versions``). By default their K/V is recomputed under the
+new weights (``recompute_kv_on_weight_update``), so every token after the switch is sampled exactly
+from the new policy given its context; the prefix cache is always cleared.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areno.api.types import GenerationOutput, SamplingParams
+from areno.rollout.attention import PagedAttention
+from areno.rollout.kv_cache import BlockAllocator, KVCache
+from areno.rollout.sampling import SampleRequest, Sampler, check_stop, make_generator, suppressed_ids
+from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
+
+
+class UnknownRequestError(KeyError):
+    """``abort`` got a request id the engine does not hold (never added, or already finished)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class WeightUpdateError(ValueError):
+    """A weight update was rejected as a whole; the engine still serves the previous version."""
+
+
+@dataclass(kw_only=True)
+class RolloutEngineConfig:
+    """How the rollout engine lays out its KV cache and batches requests."""
+
+    block_size: int = 16
+    """Tokens per KV block (the unit of allocation and of prefix sharing)."""
+    num_blocks: int | None = None
+    """KV blocks in the pool. None: sized from ``kv_memory_fraction`` on CUDA, from
+    ``cpu_kv_cache_bytes`` on CPU."""
+    kv_memory_fraction: float = 0.8
+    """CUDA only: fraction of the device memory free when the engine starts that the KV pool takes."""
+    cpu_kv_cache_bytes: int = 1 << 29
+    """CPU only: bytes of the KV pool when ``num_blocks`` is None."""
+    max_num_seqs: int = 256
+    """Most sequences in the running batch."""
+    max_tokens_per_step: int = 4096
+    """Token budget of one forward pass (decode tokens + prefill chunk tokens)."""
+    prefill_chunk_size: int = 1024
+    """Most prompt tokens of one sequence prefilled in one step (chunked prefill)."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output). None: the model's ``max_position_embeddings``."""
+    dtype: str | None = None
+    """KV cache dtype ("float32", "bfloat16", "float16"). None: the model's parameter dtype."""
+    device: str | None = None
+    """Device of the KV cache. None: the model's device."""
+    enable_prefix_sharing: bool = True
+    """Share full KV blocks of identical prefixes between requests (GRPO groups, multi-turn)."""
+    recompute_kv_on_weight_update: bool = True
+    """After a weight update, recompute the K/V of in-flight requests under the new weights (their
+    tokens are kept). False keeps the old K/V (cheaper, slightly off-policy context)."""
+    cast_weights: bool = True
+    """``update_weights`` accepts floating tensors of another floating dtype and casts them (a
+    bf16 engine fed by an fp32 trainer). Non-floating mismatches are always rejected."""
+    cuda_graphs: bool = True
+    """CUDA only: replay captured graphs for pure-decode steps (see ``cuda_graph.py``)."""
+    cuda_graph_max_batch: int = 256
+    """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, 8, then
+    multiples of 8)."""
+    seed: int = 0
+    """Seed of the generator shared by requests without their own seed."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
+                     "cpu_kv_cache_bytes", "cuda_graph_max_batch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RolloutEngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"RolloutEngineConfig.num_blocks must be > 0 or None, got {self.num_blocks}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"RolloutEngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"RolloutEngineConfig.max_model_len must be > 1, got {self.max_model_len}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"RolloutEngineConfig.dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RolloutEngine:
+    """Continuous-batching generation with a paged KV cache and hot weight swap."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        *,
+        config: RolloutEngineConfig,
+        eos_token_ids: Iterable[int] = (),
+        tokenizer: Any = None,
+    ) -> None:
+        self.model = model.eval()
+        self.model_config = model_config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        param = next(model.parameters())
+        self.device = torch.device(config.device) if config.device else param.device
+        self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.vocab_size = model_config.vocab_size
+        self.sliding_window = getattr(model_config, "sliding_window", None)
+
+        layer0 = model.model.layers[0].self_attn
+        # Local head counts come from the (possibly TP-sharded) weights.
+        num_kv_heads = layer0.k_proj.weight.shape[0] // model_config.head_dim
+        num_blocks = config.num_blocks or self._auto_num_blocks(num_kv_heads)
+        self.cache = KVCache(
+            num_layers=model_config.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
+            num_kv_heads=num_kv_heads, head_dim=model_config.head_dim, dtype=self.kv_dtype, device=self.device,
+        )
+        self.allocator = BlockAllocator(num_blocks, config.block_size, enable_prefix_sharing=config.enable_prefix_sharing)
+        self.scheduler = Scheduler(
+            self.allocator, max_num_seqs=config.max_num_seqs, max_tokens_per_step=config.max_tokens_per_step,
+            prefill_chunk_size=config.prefill_chunk_size,
+        )
+        self.sampler = Sampler(device=self.device, seed=config.seed)
+        self._params = dict(model.state_dict(keep_vars=True))
+        self._lock = threading.RLock()
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = 0
+        self._version = 0
+        self._paused = False
+        self._sleeping = False
+        self._steps = 0
+        self._generated_tokens = 0
+        self._prefill_tokens = 0
+        self._started = time.monotonic()
+        self._graphs = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            from areno.rollout.cuda_graph import DecodeGraphRunner
+
+            self._graphs = DecodeGraphRunner(self, max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs))
+
+    def _auto_num_blocks(self, num_kv_heads: int) -> int:
+        per_block = KVCache.bytes_per_block(
+            num_layers=self.model_config.num_hidden_layers, block_size=self.config.block_size,
+            num_kv_heads=num_kv_heads, head_dim=self.model_config.head_dim, dtype=self.kv_dtype,
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.kv_memory_fraction)
+        else:
+            budget = self.config.cpu_kv_cache_bytes
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget of {budget} bytes holds no block of {per_block} bytes: "
+                             "raise kv_memory_fraction / cpu_kv_cache_bytes or set num_blocks")
+        return num_blocks
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def version(self) -> int:
+        """Policy version of the current weights (set by ``update_weights``)."""
+        return self._version
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; it joins the running batch at the next step. Returns its id."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens but the context is max_model_len="
+                             f"{self.max_model_len}: shorten the prompt")
+        longest = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
+        if -(-longest // self.config.block_size) > self.allocator.num_blocks:
+            raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the KV pool of "
+                             f"{self.allocator.num_blocks * self.config.block_size} tokens: lower max_new_tokens "
+                             "or give the engine more KV memory")
+        with self._lock:
+            request_id = request_id or uuid.uuid4().hex
+            if request_id in self._seqs:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            generator = make_generator(params.seed, self.device) if params.seed is not None else None
+            seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params,
+                           arrival=self._arrivals, generator=generator)
+            self._arrivals += 1
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> GenerationOutput:
+        """Stop a request now; returns what it generated so far (finish reason ``abort``)."""
+        with self._lock:
+            seq = self._seqs.pop(request_id, None)
+            if seq is None:
+                raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
+            self.scheduler.remove(seq)
+            return self._output(seq, "abort")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
+        """Run ``prompts`` to completion (in order of ``prompts``). The engine must not be driven
+        by anything else meanwhile (e.g. an ``InProcessRolloutClient``)."""
+        if self._paused or self._sleeping:
+            raise RuntimeError("generate() on a paused or sleeping engine would never finish: resume()/wake() first")
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        done: dict[str, GenerationOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def step(self) -> list[GenerationOutput]:
+        """Run one forward pass over the scheduled tokens; returns the requests that finished."""
+        with self._lock:
+            if self._paused or self._sleeping or not self.scheduler.has_unfinished():
+                return []
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                return []
+            logits_BV = self._forward(batch)
+            self.scheduler.after_step(batch)
+            self._steps += 1
+            sampling = [s for s, do in zip(batch.seqs, batch.samples) if do]
+            self._prefill_tokens += batch.num_tokens - len(sampling)
+            if not sampling:
+                return []
+            requests = [
+                SampleRequest(params=s.params, num_generated=s.num_generated, generator=s.generator,
+                              suppress_ids=suppressed_ids(s.params, s.num_generated, self.eos_token_ids))
+                for s in sampling
+            ]
+            tokens, logprobs = self.sampler.sample(logits_BV, requests)
+            finished = []
+            for seq, token, logprob in zip(sampling, tokens, logprobs):
+                seq.token_ids.append(token)
+                seq.output_logprobs.append(logprob)
+                seq.output_versions.append(self._version)
+                self._generated_tokens += 1
+                text = self._decode(seq.output_ids) if seq.params.stop else None
+                reason, seq.text = check_stop(seq.params, seq.output_ids, self.eos_token_ids, text)
+                if reason is None and len(seq.token_ids) >= self.max_model_len:
+                    reason = "length"
+                if reason is not None:
+                    del self._seqs[seq.request_id]
+                    self.scheduler.remove(seq)
+                    finished.append(self._output(seq, reason))
+            return finished
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [B, V] of the sequences that sample this step (in batch order)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        last: list[int] = []
+        for seq, chunk, samples in zip(batch.seqs, batch.chunks, batch.samples):
+            ids.extend(seq.token_ids[chunk.start : chunk.start + chunk.num_new])
+            pos.extend(range(chunk.start, chunk.start + chunk.num_new))
+            if samples:
+                last.append(len(ids) - 1)
+        if self._graphs is not None and self._graphs.can_run(batch):
+            return self._graphs.run(batch, ids, pos)
+        to = dict(device=self.device, non_blocking=True)
+        input_ids_T = torch.tensor(ids, dtype=torch.long).to(**to)
+        position_ids_T = torch.tensor(pos, dtype=torch.long).to(**to)
+        attn = PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window)
+        hidden_TD = self.model(input_ids_T, position_ids_T, attn)
+        if not last:
+            return hidden_TD.new_empty(0, self.vocab_size)
+        return self.model.logits(hidden_TD[torch.tensor(last, device=self.device)]).float()
+
+    def _decode(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _output(self, seq: Sequence, reason: str) -> GenerationOutput:
+        if reason == "stop" and seq.text is not None:
+            text = seq.text  # cut before the stop string
+        else:
+            text = self._decode(seq.output_ids) or ""
+        return GenerationOutput(
+            request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
+            output_logprobs=list(seq.output_logprobs), output_versions=list(seq.output_versions),
+            finish_reason=reason, text=text,
+        )
+
+    # ------------------------------------------------------------------ control
+    def pause(self) -> None:
+        """Stop at the step boundary; in-flight requests keep their tokens and K/V."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def sleep(self) -> None:
+        """Free the KV pool (for a colocated trainer). In-flight requests are kept and recomputed
+        after ``wake()``; ``step()`` does nothing while asleep."""
+        with self._lock:
+            if self._sleeping:
+                return
+            self.scheduler.preempt_all()
+            self.allocator.clear_prefix_cache()
+            if self._graphs is not None:
+                self._graphs.clear()
+            self.cache.release()
+            self._sleeping = True
+
+    def wake(self) -> None:
+        """Re-allocate the KV pool released by ``sleep()``."""
+        with self._lock:
+            if not self._sleeping:
+                return
+            self.cache.allocate()
+            self._sleeping = False
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace weights by name (Hugging Face names) and set the policy version.
+
+        The whole set is validated first — unknown or repeated name, wrong shape, wrong dtype — and
+        rejected as a whole with a ``WeightUpdateError`` naming the tensor; the engine then keeps
+        serving the previous weights. Any subset of the parameters may be sent.
+        """
+        items = list(named_tensors)
+        with self._lock:
+            targets = self._validate_weights(items)
+            with torch.no_grad():
+                for param, tensor in targets:
+                    param.copy_(tensor, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._weights_changed(version)
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load Hugging Face safetensors from ``path`` (a directory or one file) as ``update_weights``."""
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+        if not files or not all(os.path.isfile(f) for f in files):
+            raise WeightUpdateError(f"no .safetensors file at {path!r}")
+        tied = getattr(self.model_config, "tie_word_embeddings", False)
+        items = []
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if tied and name == "lm_head.weight":
+                        continue  # tied checkpoints may store the shared matrix twice
+                    items.append((name, f.get_tensor(name)))
+        self.update_weights(items, version)
+
+    def _validate_weights(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        seen: set[str] = set()
+        targets = []
+        for name, tensor in items:
+            param = self._params.get(name)
+            if param is None:
+                raise WeightUpdateError(f"weight update rejected: unknown tensor {name!r} (expected Hugging Face names)")
+            if name in seen:
+                raise WeightUpdateError(f"weight update rejected: tensor {name!r} appears twice")
+            seen.add(name)
+            tensor = self._shard_for_update(name, tensor)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise WeightUpdateError(f"weight update rejected: {name!r} has shape {tuple(tensor.shape)}, "
+                                        f"expected {tuple(param.shape)}")
+            same = tensor.dtype == param.dtype
+            castable = self.config.cast_weights and tensor.dtype.is_floating_point and param.dtype.is_floating_point
+            if not (same or castable):
+                raise WeightUpdateError(f"weight update rejected: {name!r} has dtype {tensor.dtype}, expected {param.dtype}")
+            targets.append((param, tensor))
+        return targets
+
+    def _shard_for_update(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Hook for tensor parallelism: the local shard of a full tensor (identity at TP=1)."""
+        return tensor
+
+    def _weights_changed(self, version: int) -> None:
+        if self.config.recompute_kv_on_weight_update:
+            self.scheduler.preempt_all()
+        self.allocator.clear_prefix_cache()
+        self._version = int(version)
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            elapsed = time.monotonic() - self._started
+            a = self.allocator
+            return {
+                "version": self._version,
+                "paused": self._paused,
+                "sleeping": self._sleeping,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_total": a.num_blocks,
+                "kv_blocks_used": a.num_used,
+                "kv_usage": a.num_used / a.num_blocks,
+                "prefix_hit_rate": a.prefix_hit_tokens / max(a.prefix_query_tokens, 1),
+                "num_preemptions": self.scheduler.num_preemptions,
+                "steps": self._steps,
+                "generated_tokens": self._generated_tokens,
+                "prefill_tokens": self._prefill_tokens,
+                "generated_tokens_per_s": self._generated_tokens / max(elapsed, 1e-9),
+            }

@@ -1,0 +1,200 @@
+"""Continuous-batching scheduler: which tokens of which sequences run in the next step.
+
+Policy (first come, first served, by arrival):
+1. Running sequences, oldest first, each get their next chunk: one token when decoding, up to
+   ``prefill_chunk_size`` prompt tokens when still prefilling, all within the step's token budget.
+   When the KV pool has no block for a sequence, the *youngest* running sequence is preempted
+   (recompute: its blocks are released and it goes back to the waiting queue with every token it
+   has; it is prefilled again later, through the prefix cache when its blocks survived). The oldest
+   sequence is never preempted for a younger one, so generation always progresses.
+2. Waiting sequences are admitted, oldest first, while the budget, ``max_num_seqs`` and free blocks
+   allow; on admission the longest cached prefix is reused (``BlockAllocator.match_prefix``).
+
+Full blocks are registered in the prefix cache at scheduling time (see ``kv_cache``), so the n
+samples of one prompt admitted in the same step already share its blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from areno.api.types import SamplingParams
+from areno.rollout.attention import SeqChunk
+from areno.rollout.kv_cache import ROOT_KEY, BlockAllocator
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state inside the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    """Prompt followed by every generated token."""
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Leading tokens whose K/V is in the cache."""
+    num_registered_blocks: int = 0
+    last_key: int = ROOT_KEY
+    num_preemptions: int = 0
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: decode chunks first, then prefill chunks."""
+
+    seqs: list[Sequence]
+    chunks: list[SeqChunk]
+    samples: list[bool]
+    """Whether the sequence's last known token is computed this step (so a new token is sampled)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        max_num_seqs: int,
+        max_tokens_per_step: int,
+        prefill_chunk_size: int,
+    ) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_tokens_per_step = max_tokens_per_step
+        self.prefill_chunk_size = prefill_chunk_size
+        self.waiting: list[Sequence] = []
+        """Sorted by arrival (preempted sequences keep their place)."""
+        self.running: list[Sequence] = []
+        """Sorted by arrival."""
+        self.num_preemptions = 0
+
+    # ---- queue management ----
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def preempt_all(self) -> None:
+        """Send every running sequence back to waiting (its K/V will be recomputed)."""
+        for seq in list(self.running):
+            self._preempt(seq)
+
+    # ---- one step ----
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_tokens_per_step
+        picked: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(self._chunk_len(seq), budget)
+            while not self._reserve(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                picked.append((seq, n))
+                budget -= n
+                i += 1
+        # After a preemption the pool is full: admitting now would only evict again next step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self._match_prefix(seq)
+            n = min(self._chunk_len(seq), budget)
+            if not self._reserve(seq, seq.num_computed + n):
+                self._release(seq)
+                break
+            self.waiting.pop(0)
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            picked.append((seq, n))
+            budget -= n
+        # Decode chunks (one token) first: the attention backend batches them separately.
+        picked.sort(key=lambda sn: sn[1] != 1)
+        chunks, samples = [], []
+        for seq, n in picked:
+            chunks.append(SeqChunk(block_table=list(seq.block_table), start=seq.num_computed, num_new=n))
+            samples.append(seq.num_computed + n == len(seq.token_ids))
+        return ScheduledBatch(seqs=[s for s, _ in picked], chunks=chunks, samples=samples)
+
+    def _chunk_len(self, seq: Sequence) -> int:
+        remaining = len(seq.token_ids) - seq.num_computed
+        assert remaining >= 1
+        return 1 if remaining == 1 else min(remaining, self.prefill_chunk_size)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        # The last known token is always computed: its logits give the next token.
+        blocks, key = self.allocator.match_prefix(seq.token_ids, len(seq.token_ids) - 1)
+        seq.block_table = blocks
+        seq.num_computed = len(blocks) * self.allocator.block_size
+        seq.num_registered_blocks = len(blocks)
+        seq.last_key = key
+
+    def _reserve(self, seq: Sequence, upto: int) -> bool:
+        """Give ``seq`` blocks for its first ``upto`` tokens and register the ones that become full."""
+        bs = self.allocator.block_size
+        needed = -(-upto // bs) - len(seq.block_table)
+        if needed > self.allocator.num_available:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self.allocator.allocate())
+        while seq.num_registered_blocks < upto // bs:
+            b = seq.num_registered_blocks
+            tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
+            seq.last_key = self.allocator.register(seq.block_table[b], seq.last_key, tokens)
+            seq.num_registered_blocks += 1
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free_all(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_registered_blocks = 0
+        seq.last_key = ROOT_KEY
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            seq.num_computed += chunk.num_new
