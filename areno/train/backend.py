@@ -1,0 +1,324 @@
+"""The logic both training backends share: micro-batch loop with global loss normalisation,
+grad clipping and skip-on-non-finite, forward-only scoring, weight export, checkpoints and
+sleep/wake. Subclasses only say how processes and parameters are laid out (``_setup``,
+``_parallelize``, collectives, ``_full``).
+
+Legend: B = sequences, T = packed tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import shutil
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from areno.api.types import TokenBatch
+from areno.models.config import ModelConfig
+from areno.models.decoder import Decoder
+from areno.models.hf_io import load_model, save_model
+from areno.train import checkpoint
+from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
+from areno.train.config import TrainBackendConfig
+from areno.train.lora import apply_lora, merged_named_weights
+from areno.train.offload import StorageOffloader, collect_tensors
+from areno.train.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
+from areno.train.packing import MicroBatchPlan, MicroBatchSpec, dummy_batch, estimate_max_tokens_per_mb, plan_micro_batches
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CPU_DEFAULT_TOKENS_PER_MB = 4096
+# Files copied from the source model directory into an HF export (tokenizer and friends).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+def batch_to_device(batch: TokenBatch, device: torch.device | str) -> TokenBatch:
+    """The same batch with every tensor on ``device``."""
+    moved = {
+        f.name: getattr(batch, f.name).to(device)
+        for f in dataclasses.fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(batch, **moved, extra={k: v.to(device) for k, v in batch.extra.items()})
+
+
+class PackedTrainBackend(TrainBackend):
+    """Shared implementation of ``TrainBackend``; see ``LocalTrainBackend`` / ``FSDP2TrainBackend``."""
+
+    # set in __init__
+    cfg: TrainBackendConfig
+    # set in initialize()
+    model: nn.Module
+    model_config: ModelConfig
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    device: torch.device
+    max_tokens_per_mb: int
+    _model_dir: Path
+    _dp_rank: int
+    _dp_size: int
+    # training progress (checkpointed)
+    _step: int
+    _skipped_steps: int
+
+    def __init__(self, cfg: TrainBackendConfig) -> None:
+        self.cfg = cfg
+        self.optimizer = None
+        self.scheduler = None
+        self._step = 0
+        self._skipped_steps = 0
+        self._offloader = StorageOffloader()
+        self._initialized = False
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _setup(self) -> None:
+        """Set ``device``, ``_dp_rank``, ``_dp_size`` (and any process group / mesh)."""
+        raise NotImplementedError
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks (each DP rank counted once)."""
+        return tensor
+
+    def _gather_dp(self, obj: Any) -> list[Any]:
+        """``obj`` of every data-parallel rank, in DP-rank order."""
+        return [obj]
+
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The full (unsharded) value of a possibly sharded tensor."""
+        return tensor
+
+    def _loss_scale(self) -> float:
+        """Factor on each micro-batch loss before backward (undoes DP gradient averaging)."""
+        return 1.0
+
+    def _autocast(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def _after_forward_only(self) -> None:
+        """Free anything forward-only left gathered (FSDP's unsharded root)."""
+
+    @property
+    def is_rank0(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ life cycle
+    def initialize(self, model_dir: str | Path) -> None:
+        cfg = self.cfg
+        self._model_dir = Path(model_dir)
+        self._setup()
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        model, self.model_config = load_model(model_dir, dtype=_DTYPES[cfg.dtype], device="cpu")
+        if cfg.lora is not None:
+            if cfg.tp_size > 1:
+                raise ValueError("LoRA with tp_size > 1 is not supported; set tp_size=1 or lora=None")
+            apply_lora(model, cfg.lora)
+        if not cfg.trainable:
+            model.requires_grad_(False)
+        model.train()
+        self.model = self._parallelize(model)
+        if cfg.trainable:
+            self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device.type)
+            self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.max_tokens_per_mb = cfg.max_tokens_per_mb or self._default_tokens_per_mb()
+        self._initialized = True
+
+    def _default_tokens_per_mb(self) -> int:
+        if self.device.type != "cuda":
+            return _CPU_DEFAULT_TOKENS_PER_MB
+        mc = self.model_config
+        free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        if self.optimizer is not None:  # Adam moments and grads are allocated lazily: reserve them
+            trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+            free_bytes -= 3 * trainable // max(self._dp_size, 1)
+        return estimate_max_tokens_per_mb(
+            hidden_size=mc.hidden_size,
+            intermediate_size=mc.intermediate_size,
+            num_layers=mc.num_hidden_layers,
+            vocab_size=mc.vocab_size,
+            q_kv_dim=(mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim,
+            free_bytes=max(free_bytes, 0),
+            compute_bytes=2 if self.cfg.resolved_param_dtype("cuda") == "bfloat16" else 4,
+            activation_checkpointing=self.cfg.activation_checkpointing,
+        )
+
+    def _check_ready(self) -> None:
+        if not self._initialized:
+            raise RuntimeError("call initialize(model_dir) first")
+        if self._offloader.asleep:
+            raise RuntimeError("the backend is asleep; call wake() before using it")
+
+    # ------------------------------------------------------------------ micro-batches
+    def plan(self, batch: TokenBatch) -> MicroBatchPlan:
+        spec = MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb, dp_size=self._dp_size)
+        return plan_micro_batches(batch.seqlens_B, spec)
+
+    def _micro_batches(self, batch: TokenBatch, plan: MicroBatchPlan) -> Iterator[tuple[list[int], TokenBatch]]:
+        for seq_idx in plan.per_rank[self._dp_rank]:
+            mb = batch.select(seq_idx) if seq_idx else dummy_batch(batch)
+            yield seq_idx, batch_to_device(mb, self.device)
+
+    # ------------------------------------------------------------------ training
+    def train_step(
+        self, batch: TokenBatch, *, forward_fn: ForwardFn, loss_fn: LossFn, denominator_fn: DenominatorFn
+    ) -> dict[str, float]:
+        self._check_ready()
+        if self.optimizer is None:
+            raise ValueError("train_step on a frozen role (trainable=False); use forward_only")
+        plan = self.plan(batch)
+        denominator = sum(float(denominator_fn(batch.select(idx))) for idx in plan.all_micro_batches())
+        reducer = Reducer(denominator)
+        self.model.train()
+        loss_scale = self._loss_scale()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        metric_sums: dict[str, float] = {}
+        tokens = 0
+        for seq_idx, mb in self._micro_batches(batch, plan):
+            with self._autocast():
+                output = forward_fn(self.model, mb)
+                loss, metrics = loss_fn(output, mb, reducer)
+            if not seq_idx:  # dummy micro-batch: keeps collectives in step, contributes nothing
+                loss = loss * 0.0
+                metrics = {}
+            (loss * loss_scale).backward()
+            loss_sum += loss.detach().double().cpu()
+            tokens += mb.num_tokens if seq_idx else 0
+            for key, value in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+        keys = sorted(metric_sums)
+        stats = torch.tensor([float(loss_sum), tokens] + [metric_sums[k] for k in keys], dtype=torch.float64)
+        stats = self._all_reduce_sum(stats)
+
+        grad_norm, grad_groups = global_grad_norm(self.model.parameters())
+        if math.isfinite(grad_norm):
+            if self.cfg.grad_clip is not None:
+                clip_grads(grad_groups, grad_norm, self.cfg.grad_clip)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            lr = 0.0
+            self._skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step += 1
+        out = {
+            "loss": float(stats[0]),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped_steps": float(self._skipped_steps),
+            "tokens": float(stats[1]),
+            "mbs": float(plan.n_mbs),
+            "step": float(self._step),
+            "loss_denominator": reducer.global_denominator,
+        }
+        out.update({k: float(v) for k, v in zip(keys, stats[2:].tolist())})
+        return out
+
+    @torch.no_grad()
+    def forward_only(self, batch: TokenBatch, *, forward_fn: ForwardFn) -> dict[str, torch.Tensor]:
+        self._check_ready()
+        plan = self.plan(batch)
+        local: list[tuple[list[int], dict[str, torch.Tensor]]] = []
+        for seq_idx, mb in self._micro_batches(batch, plan):
+            with self._autocast():
+                output = forward_fn(self.model, mb)
+            if seq_idx:
+                local.append((seq_idx, {k: v.detach().cpu() for k, v in output.items()}))
+        self._after_forward_only()
+        results = [item for rank_items in self._gather_dp(local) for item in rank_items]
+        return _assemble(results, batch)
+
+    # ------------------------------------------------------------------ weights
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._check_ready()
+        yield from merged_named_weights(self.model, self._full)
+
+    def export_hf(self, path: str | Path) -> None:
+        self._check_ready()
+        state = {name: t.detach().cpu() for name, t in self.named_weights()}
+        if self.is_rank0:
+            with torch.device("meta"):
+                decoder = Decoder(self.model_config)
+            decoder.to_empty(device="cpu")
+            decoder.load_state_dict(state, strict=True)
+            out = save_model(decoder.to(next(iter(state.values())).dtype), self.model_config, path)
+            for name in _TOKENIZER_FILES:
+                if (self._model_dir / name).is_file():
+                    shutil.copy2(self._model_dir / name, out / name)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        """Wait for every rank (no-op in one process)."""
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | Path, extra_state: dict[str, Any]) -> None:
+        self._check_ready()
+        trainer_state = {
+            "step": self._step,
+            "skipped_steps": self._skipped_steps,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "extra": extra_state,
+        }
+        checkpoint.save(path, self.model, self.optimizer, trainer_state)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        self._check_ready()
+        state = checkpoint.load(path, self.model, self.optimizer)
+        self._step = state["step"]
+        self._skipped_steps = state["skipped_steps"]
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        return state["extra"]
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> int:
+        self._check_ready()
+        return self._offloader.sleep(collect_tensors(self.model, self.optimizer))
+
+    def wake(self) -> int:
+        return self._offloader.wake()
+
+    def shutdown(self) -> None:
+        if self._offloader.asleep:
+            self._offloader.wake()
+        self.optimizer = None
+        self.scheduler = None
+        self._initialized = False
+
+
+def _assemble(results: list[tuple[list[int], dict[str, torch.Tensor]]], batch: TokenBatch) -> dict[str, torch.Tensor]:
+    """Put per-micro-batch outputs back in batch order (``_T`` keys per token, ``_B`` per sequence)."""
+    if not results:
+        return {}
+    cu = batch.cu_seqlens_B1.tolist()
+    merged: dict[str, torch.Tensor] = {}
+    for key, first in results[0][1].items():
+        if key.endswith("_T"):
+            out = torch.empty((batch.num_tokens, *first.shape[1:]), dtype=first.dtype)
+            for seq_idx, outputs in results:
+                offset = 0
+                for i in seq_idx:
+                    n = cu[i + 1] - cu[i]
+                    out[cu[i] : cu[i + 1]] = outputs[key][offset : offset + n]
+                    offset += n
+        elif key.endswith("_B"):
+            out = torch.empty((batch.num_seqs, *first.shape[1:]), dtype=first.dtype)
+            for seq_idx, outputs in results:
+                out[torch.tensor(seq_idx)] = outputs[key]
+        else:
+            raise ValueError(
+                f"forward_fn output {key!r} must end in _T (per token) or _B (per sequence) so "
+                f"forward_only can restore batch order"
+            )
+        merged[key] = out
+    return merged

@@ -1,0 +1,105 @@
+"""``FSDP2TrainBackend``: PyTorch FSDP2 (``fully_shard``) over a DeviceMesh.
+
+Mesh dimensions ("dp_replicate", "dp_shard", "tp"): FSDP shards parameters, gradients and
+optimizer state over dp_shard, replicates over dp_replicate (HSDP) and tensor-parallelizes over tp
+(DTensor, the model's TP plan). gloo on CPU, NCCL on GPU; the process group is created from the
+usual torchrun environment variables when none exists yet.
+
+Loss normalisation: each rank's micro-batch losses are divided by the *global* denominator, so the
+true gradient is the *sum* over data-parallel ranks; FSDP averages gradients over them, so the loss
+is multiplied by the DP size before backward.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from areno.train.backend import PackedTrainBackend
+from areno.train.parallelize import parallelize
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+class FSDP2TrainBackend(PackedTrainBackend):
+    """Data-parallel (FSDP / HSDP) and tensor-parallel training backend."""
+
+    mesh: DeviceMesh
+    _owns_process_group: bool = False
+
+    def _setup(self) -> None:
+        device_type = self.cfg.resolved_device()
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise ValueError(
+                    "FSDP2TrainBackend needs a process group or torchrun's RANK/WORLD_SIZE/"
+                    "MASTER_ADDR/MASTER_PORT environment; launch with torchrun or use LocalTrainBackend"
+                )
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+            self._owns_process_group = True
+        world = dist.get_world_size()
+        shape = self.cfg.mesh_shape(world)
+        if device_type == "cuda":
+            local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        rep, shard = self.mesh["dp_replicate"], self.mesh["dp_shard"]
+        self._dp_rank = rep.get_local_rank() * shard.size() + shard.get_local_rank()
+        self._dp_size = rep.size() * shard.size()
+        self._tp_size = self.mesh["tp"].size()
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        compute = _DTYPES[self.cfg.resolved_param_dtype(self.device.type)]
+        return parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=_DTYPES[self.cfg.dtype])
+
+    @property
+    def is_rank0(self) -> bool:
+        return dist.get_rank() == 0
+
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Over the whole world, then divided by tp: the TP ranks of one DP rank hold equal values.
+        backend_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        reduced = tensor.to(backend_device)
+        dist.all_reduce(reduced)
+        return (reduced / self._tp_size).to(tensor.device)
+
+    def _gather_dp(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self._dp_rank, obj))
+        by_rank = dict(gathered)  # TP ranks of one DP rank sent identical outputs
+        return [by_rank[r] for r in range(self._dp_size)]
+
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    def _loss_scale(self) -> float:
+        return float(self._dp_size)
+
+    def _after_forward_only(self) -> None:
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def _barrier(self) -> None:
+        dist.barrier()
+
+    def sleep(self) -> int:
+        self._after_forward_only()  # only sharded storage may be live when it is moved away
+        return super().sleep()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False

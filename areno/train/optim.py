@@ -1,0 +1,99 @@
+"""AdamW, learning-rate schedules and global grad-norm clipping (DTensor-aware)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from areno.train.config import TrainBackendConfig
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: TrainBackendConfig, device: str
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: fused kernel on CUDA, foreach on CPU."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters: set trainable=False for a frozen role")
+    fused = device == "cuda"
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=fused,
+        foreach=None if fused else True,
+    )
+
+
+def lr_factor(step: int, cfg: TrainBackendConfig) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based: the first step uses step=0).
+
+    linear_warmup: (step + 1) / warmup_steps during warm-up, then 1. cosine: the same warm-up, then
+    ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with progress from 0 at the end of warm-up to 1
+    at total_steps (held at the minimum afterwards).
+    """
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "linear_warmup":
+        return 1.0
+    assert cfg.total_steps is not None
+    decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+
+class _LrLambda:
+    """Picklable schedule (LambdaLR stores callable objects' state in its state_dict)."""
+
+    def __init__(self, cfg: TrainBackendConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(self, step: int) -> float:
+        return lr_factor(step, self.cfg)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainBackendConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _LrLambda(cfg))
+
+
+def _group_key(grad: torch.Tensor) -> tuple:
+    if isinstance(grad, DTensor):
+        return (id(grad.device_mesh), grad.placements, grad.device.type)
+    return (None, None, grad.device.type)
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> tuple[float, list[list[torch.Tensor]]]:
+    """L2 norm of all gradients (full, unsharded) and the gradients grouped for foreach ops.
+
+    Gradients on different device meshes (FSDP-only vs FSDP x TP parameters) cannot share one
+    foreach kernel, so the norm is taken per group, each DTensor group's norm reduced over its mesh.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(_group_key(p.grad), []).append(p.grad)
+    total_sq = 0.0
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq += float(norm.float()) ** 2
+    return math.sqrt(total_sq), list(groups.values())
+
+
+def clip_grads(grad_groups: list[list[torch.Tensor]], total_norm: float, max_norm: float) -> None:
+    """Scale gradients in place so that their global norm is at most ``max_norm``."""
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for grads in grad_groups:
+            torch._foreach_mul_(grads, coef)

@@ -1,0 +1,176 @@
+"""Token-budget micro-batching of packed batches.
+
+A global ``TokenBatch`` of B sequences is split in two stages, the same way on every rank (each
+rank computes the whole plan from the whole batch, so no communication is needed):
+
+1. sequences go to data-parallel ranks longest-first, each to the rank with the fewest tokens so
+   far (LPT), which balances tokens (the work) across ranks;
+2. each rank's sequences are packed first-fit-decreasing into micro-batches of at most
+   ``max_tokens_per_mb`` tokens.
+
+FSDP runs collectives in every forward and backward, so all ranks must run the same number of
+micro-batches: ranks with fewer split their fullest micro-batch until the counts agree, and a rank
+with fewer sequences than micro-batches runs empty ones (the backend feeds them a one-token dummy
+whose loss is multiplied by zero).
+
+Document masking comes from ``PackedCausalAttention(cu_seqlens_B1)``: attention never crosses a
+sequence boundary and positions restart at 0, so packing costs no FLOPs on padding and gives the
+same result as running each sequence alone.
+
+Legend: B = sequences, T = packed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from areno.api.types import TokenBatch
+
+
+@dataclass(kw_only=True)
+class MicroBatchSpec:
+    """How a batch is cut into micro-batches."""
+
+    max_tokens_per_mb: int
+    """Token budget of one packed micro-batch (> 0); a sequence longer than this is an error."""
+    dp_size: int = 1
+    """Number of data-parallel ranks the batch is balanced over (>= 1)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_mb <= 0:
+            raise ValueError(f"max_tokens_per_mb must be > 0, got {self.max_tokens_per_mb}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+
+
+@dataclass(kw_only=True)
+class MicroBatchPlan:
+    """Sequence indices of every micro-batch of every data-parallel rank.
+
+    ``per_rank[r][m]`` lists the sequences (indices into the global batch, ascending) of
+    micro-batch m of rank r; every rank has ``n_mbs`` micro-batches, some possibly empty.
+    """
+
+    per_rank: list[list[list[int]]]
+
+    @property
+    def n_mbs(self) -> int:
+        return len(self.per_rank[0])
+
+    def all_micro_batches(self) -> list[list[int]]:
+        """Every non-empty micro-batch of every rank, rank-major."""
+        return [mb for rank in self.per_rank for mb in rank if mb]
+
+
+def _first_fit_decreasing(seq_indices: list[int], seqlens: list[int], budget: int) -> list[list[int]]:
+    order = sorted(seq_indices, key=lambda i: (-seqlens[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + seqlens[i] <= budget:
+                bins[b].append(i)
+                loads[b] += seqlens[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(seqlens[i])
+    return bins
+
+
+def _split_to_count(bins: list[list[int]], seqlens: list[int], n: int) -> list[list[int]]:
+    """Split the fullest multi-sequence bins until there are n bins (empty ones if impossible)."""
+    bins = [list(b) for b in bins]
+    while len(bins) < n:
+        splittable = [b for b in bins if len(b) >= 2]
+        if not splittable:
+            bins.append([])
+            continue
+        fullest = max(splittable, key=lambda b: sum(seqlens[i] for i in b))
+        bins.remove(fullest)
+        halves: list[list[int]] = [[], []]
+        loads = [0, 0]
+        for i in sorted(fullest, key=lambda i: (-seqlens[i], i)):
+            side = 0 if loads[0] <= loads[1] else 1
+            halves[side].append(i)
+            loads[side] += seqlens[i]
+        bins.extend(halves)
+    return bins
+
+
+def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec) -> MicroBatchPlan:
+    """Balance sequences over ``spec.dp_size`` ranks and pack each rank's share into micro-batches.
+
+    Raises ValueError when a sequence is longer than the token budget.
+    """
+    seqlens = [int(n) for n in (seqlens_B.tolist() if isinstance(seqlens_B, torch.Tensor) else seqlens_B)]
+    if not seqlens:
+        raise ValueError("cannot plan micro-batches for an empty batch")
+    longest = max(seqlens)
+    if longest > spec.max_tokens_per_mb:
+        raise ValueError(
+            f"sequence {seqlens.index(longest)} has {longest} tokens, more than "
+            f"max_tokens_per_mb={spec.max_tokens_per_mb}; raise max_tokens_per_mb to at least "
+            f"{longest} or shorten the sequences"
+        )
+    rank_seqs: list[list[int]] = [[] for _ in range(spec.dp_size)]
+    rank_load = [0] * spec.dp_size
+    for i in sorted(range(len(seqlens)), key=lambda i: (-seqlens[i], i)):
+        r = min(range(spec.dp_size), key=lambda r: (rank_load[r], r))
+        rank_seqs[r].append(i)
+        rank_load[r] += seqlens[i]
+    rank_bins = [_first_fit_decreasing(s, seqlens, spec.max_tokens_per_mb) for s in rank_seqs]
+    n_mbs = max(1, max(len(b) for b in rank_bins))
+    per_rank = [
+        [sorted(b) for b in _split_to_count(bins, seqlens, n_mbs)] for bins in rank_bins
+    ]
+    return MicroBatchPlan(per_rank=per_rank)
+
+
+def dummy_batch(like: TokenBatch) -> TokenBatch:
+    """A one-token batch (its first token, nothing in the loss) for ranks without real work."""
+    batch = like.select([0])
+    return TokenBatch(
+        input_ids_T=batch.input_ids_T[:1],
+        cu_seqlens_B1=torch.tensor([0, 1], dtype=torch.long),
+        loss_mask_T=torch.zeros(1, dtype=torch.bool),
+        logprobs_T=batch.logprobs_T[:1] * 0,
+        versions_T=batch.versions_T[:1],
+        advantages_T=batch.advantages_T[:1] * 0,
+        rewards_B=batch.rewards_B[:1] * 0,
+        group_ids=batch.group_ids[:1],
+        extra={k: (v[:1] * 0 if v.is_floating_point() else v[:1]) for k, v in batch.extra.items()},
+    )
+
+
+def estimate_max_tokens_per_mb(
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    vocab_size: int,
+    q_kv_dim: int,
+    free_bytes: int,
+    compute_bytes: int = 2,
+    activation_checkpointing: bool = False,
+    safety: float = 0.7,
+) -> int:
+    """Largest micro-batch token budget whose activations fit in ``free_bytes`` (coarse).
+
+    Per token and layer the backward keeps the layer's inputs, the attention projections
+    (``q_kv_dim`` = (Hq + 2 Hkv) * Dh), attention output and the SwiGLU intermediates (about
+    ``8 D + 2 q_kv_dim + 5 I`` elements; flash/varlen attention keeps no T x T scores). With
+    activation checkpointing only each layer's input (D) is kept, plus one layer recomputed at a
+    time. The LM head adds ``V`` compute-dtype logits plus fp32 log-softmax for the chunk in flight,
+    counted for every token to stay on the safe side. Rounded down to a multiple of 256, at least 256.
+    """
+    per_layer = 8 * hidden_size + 2 * q_kv_dim + 5 * intermediate_size
+    if activation_checkpointing:
+        per_token = compute_bytes * (num_layers * hidden_size + per_layer)
+    else:
+        per_token = compute_bytes * num_layers * per_layer
+    per_token += vocab_size * (compute_bytes + 4)
+    tokens = int(free_bytes * safety) // max(per_token, 1)
+    return max(256, (tokens // 256) * 256)

@@ -1,0 +1,99 @@
+"""Turn a plain ``Decoder`` into a trainable, parallel one: TP, activation checkpointing, compile,
+FSDP2 — in that fixed order (as torchtitan does), each step optional:
+
+1. **Tensor parallelism** first, on the "tp" mesh dimension, with the model's own plan
+   (``areno.models.tp_plan``): it turns weights into DTensors sharded over TP ranks, which FSDP2
+   then shards again over the data-parallel dimensions (2-D FSDP x TP).
+2. **Activation checkpointing** per decoder layer: recompute the layer in backward. The layer's
+   ``forward`` is wrapped in place instead of wrapping the module, so parameter names (and thus
+   checkpoints and policy sync) are the same with and without it.
+3. **torch.compile** per decoder layer (``Module.compile`` compiles in place, names unchanged);
+   per layer rather than whole-model so FSDP's per-layer hooks stay outside the graph.
+4. **FSDP2** (``fully_shard``) per decoder layer, then the root (embeddings, final norm, LM head).
+   Mixed precision: parameters are all-gathered in ``param_dtype`` for compute while the sharded
+   master weights, gradients reductions and optimizer state stay in the master dtype (fp32).
+   The root keeps its parameters unsharded after forward (FSDP2's default for the root), so the
+   LM head / tied embedding can be used outside ``forward`` by the chunked log-prob code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from areno.train.config import TrainBackendConfig
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.model.layers)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from areno.models.tp_plan import tp_plan
+
+    cfg = model.config
+    tp = tp_mesh.size()
+    for name, value in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)):
+        if value % tp != 0:
+            raise ValueError(f"tp_size={tp} must divide {name}={value}; pick a tp_size that divides it")
+    parallelize_module(model, tp_mesh, tp_plan(model))
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    for layer in _layers(model):
+        layer.forward = _checkpointed(layer.forward)
+
+
+def apply_compile(model: nn.Module) -> None:
+    for layer in _layers(model):
+        layer.compile(dynamic=True)
+
+
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> None:
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in _layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    cfg: TrainBackendConfig,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Apply TP, activation checkpointing, compile and FSDP2 in that order; returns ``model``.
+
+    ``mesh``: None for one process (checkpointing and compile only), else a mesh with dimensions
+    ("dp_replicate", "dp_shard", "tp"); FSDP shards over dp_shard and replicates over
+    dp_replicate (HSDP when that is > 1).
+    """
+    if mesh is not None and mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"])
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.compile:
+        apply_compile(model)
+    if mesh is not None:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+        apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return model

@@ -1,0 +1,104 @@
+"""Shared pieces of the training-backend tests: a token-level NLL loss, random packed batches,
+tiny checkpoints and a 2-process gloo launcher.
+
+Legend: B = sequences, T = packed tokens, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from areno.api.types import TokenBatch
+from areno.models.decoder import PackedCausalAttention
+
+
+def nll_forward(model, mb: TokenBatch) -> dict[str, torch.Tensor]:
+    """Per-token log-probs aligned to their targets (logprobs_T[t] = log p(ids[t] | ids[<t]))."""
+    position_ids_T = mb.position_ids_T()
+    hidden_TD = model(mb.input_ids_T, position_ids_T, attn=PackedCausalAttention(mb.cu_seqlens_B1))
+    logits_TV = model.logits(hidden_TD).float()
+    logprobs_T = torch.zeros_like(mb.input_ids_T, dtype=torch.float32)
+    logprobs_T[1:] = torch.log_softmax(logits_TV[:-1], -1).gather(-1, mb.input_ids_T[1:, None])[:, 0]
+    # the first token of each sequence has no prediction (log-prob 0 by convention)
+    return {"logprobs_T": torch.where(position_ids_T == 0, 0.0, logprobs_T)}
+
+
+def nll_loss(output, mb: TokenBatch, reducer):
+    loss = reducer(-output["logprobs_T"], mb.loss_mask_T)
+    return loss, {"nll_sum_check": reducer(torch.ones_like(output["logprobs_T"]), mb.loss_mask_T).detach()}
+
+
+def token_denominator(mb: TokenBatch) -> float:
+    return float(mb.loss_mask_T.sum())
+
+
+def random_batch(lengths: list[int], vocab: int, seed: int) -> TokenBatch:
+    gen = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    loss_mask_T = torch.ones(T, dtype=torch.bool)
+    loss_mask_T[torch.tensor(cu[:-1])] = False
+    # prompt-like prefix of 2 tokens out of the loss, so masks are not trivial
+    loss_mask_T[torch.tensor([c + 1 for c, n in zip(cu[:-1], lengths) if n > 2])] = False
+    return TokenBatch(
+        input_ids_T=torch.randint(3, vocab, (T,), generator=gen),
+        cu_seqlens_B1=torch.tensor(cu, dtype=torch.long),
+        loss_mask_T=loss_mask_T,
+        logprobs_T=torch.zeros(T),
+        versions_T=torch.zeros(T, dtype=torch.long),
+        advantages_T=torch.zeros(T),
+        rewards_B=torch.zeros(len(lengths)),
+    )
+
+
+def make_model_dir(out: Path, *, hidden: int = 32, layers: int = 2, seed: int = 0, **kw) -> Path:
+    from areno.data.tokenizer import build_char_tokenizer
+    from areno.models.hf_io import init_model_dir, tiny_config
+
+    tok = build_char_tokenizer()
+    init_model_dir(out, tiny_config(len(tok), hidden_size=hidden, layers=layers, **kw), tok, seed=seed)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args, err_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        fn(rank, world, *args)
+    except BaseException:
+        Path(err_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, tmp: Path) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; re-raise a worker's traceback."""
+    import torch.multiprocessing as mp
+
+    err_dir = tmp / "errors"
+    err_dir.mkdir(exist_ok=True)
+    try:
+        mp.spawn(_entry, args=(world, free_port(), fn, args, str(err_dir)), nprocs=world, join=True)
+    except Exception as e:
+        msgs = [p.read_text() for p in sorted(err_dir.glob("*.err"))]
+        raise AssertionError("worker failed:\n" + "\n".join(msgs)) from e

@@ -1,0 +1,90 @@
+"""Token-budget packing, DP balancing, schedules and config validation."""
+
+import math
+
+import pytest
+import torch
+
+from areno.train.config import TrainBackendConfig
+from areno.train.optim import lr_factor
+from areno.train.packing import MicroBatchSpec, estimate_max_tokens_per_mb, plan_micro_batches
+
+
+def test_ffd_respects_budget_and_covers_every_sequence_once():
+    seqlens = [7, 3, 9, 2, 2, 5, 8, 1]
+    plan = plan_micro_batches(seqlens, MicroBatchSpec(max_tokens_per_mb=10))
+    mbs = plan.per_rank[0]
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(seqlens)))
+    assert all(sum(seqlens[i] for i in mb) <= 10 for mb in mbs)
+    # 37 tokens need at least 4 bins of 10; FFD finds 4 here (9+1, 8+2, 7+3, 5+2).
+    assert len(mbs) == 4
+
+
+def test_budget_smaller_than_longest_sequence_names_both_numbers():
+    with pytest.raises(ValueError, match=r"sequence 1 has 12 tokens.*max_tokens_per_mb=8"):
+        plan_micro_batches([3, 12, 4], MicroBatchSpec(max_tokens_per_mb=8))
+
+
+def test_dp_balance_equal_micro_batch_counts_and_token_balance():
+    seqlens = [100, 90, 10, 10, 10, 10, 10, 10, 40, 50]
+    plan = plan_micro_batches(seqlens, MicroBatchSpec(max_tokens_per_mb=100, dp_size=2))
+    loads = [sum(seqlens[i] for mb in rank for i in mb) for rank in plan.per_rank]
+    assert sum(loads) == sum(seqlens) and abs(loads[0] - loads[1]) <= 10
+    assert len(plan.per_rank[0]) == len(plan.per_rank[1]) == plan.n_mbs
+    assert sorted(i for r in plan.per_rank for mb in r for i in mb) == list(range(len(seqlens)))
+
+
+def test_fewer_sequences_than_ranks_gives_empty_micro_batches():
+    plan = plan_micro_batches([5, 60], MicroBatchSpec(max_tokens_per_mb=64, dp_size=3))
+    assert plan.n_mbs == 1
+    assert sorted(len(r[0]) for r in plan.per_rank) == [0, 1, 1]
+    # a rank with one long sequence and a rank with many short ones still agree on the count
+    plan = plan_micro_batches([64, 20, 20, 20, 20], MicroBatchSpec(max_tokens_per_mb=64, dp_size=2))
+    assert len(plan.per_rank[0]) == len(plan.per_rank[1])
+
+
+def test_memory_estimate_scales_with_free_memory_and_checkpointing():
+    kw = dict(hidden_size=896, intermediate_size=4864, num_layers=24, vocab_size=151936, q_kv_dim=1152)
+    small = estimate_max_tokens_per_mb(free_bytes=10 * 2**30, **kw)
+    big = estimate_max_tokens_per_mb(free_bytes=40 * 2**30, **kw)
+    ac = estimate_max_tokens_per_mb(free_bytes=10 * 2**30, activation_checkpointing=True, **kw)
+    assert 256 <= small < big and ac > small and small % 256 == 0
+    # hand count: per layer 8*896 + 2*1152 + 5*4864 = 33792 elements; 24 layers bf16 + 151936*6
+    per_token = 2 * 24 * 33792 + 151936 * 6
+    assert small == (int(10 * 2**30 * 0.7) // per_token) // 256 * 256
+
+
+def test_schedules_hand_computed():
+    c = TrainBackendConfig(lr=1.0, lr_schedule="linear_warmup", warmup_steps=4)
+    assert [lr_factor(s, c) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    c = TrainBackendConfig(lr=1.0, lr_schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    got = [lr_factor(s, c) for s in range(8)]
+    assert got[:2] == [0.5, 1.0]
+    assert math.isclose(got[2], 1.0) and math.isclose(got[4], 0.1 + 0.9 * 0.5)
+    assert math.isclose(got[6], 0.1) and math.isclose(got[7], 0.1)
+    assert lr_factor(3, TrainBackendConfig()) == 1.0
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(lr_schedule="cosine"), "total_steps"),
+        (dict(lr_schedule="poly"), "lr_schedule"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(max_tokens_per_mb=0), "max_tokens_per_mb"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(tp_size=0), "tp_size"),
+    ],
+)
+def test_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainBackendConfig(**kw)
+
+
+def test_mesh_that_does_not_divide_world_size():
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        TrainBackendConfig(tp_size=3).mesh_shape(4)
+    with pytest.raises(ValueError, match="world size is 4"):
+        TrainBackendConfig(dp_shard_size=3).mesh_shape(4)
+    assert TrainBackendConfig(tp_size=2, dp_replicate_size=2).mesh_shape(8) == (2, 2, 2)
+    assert torch.Size(TrainBackendConfig().mesh_shape(2)) == (1, 2, 1)
