@@ -1,0 +1,314 @@
+"""``allocation_mode``: a one-line description of where every role runs.
+
+Grammar (``allocation.lark``)::
+
+    areno[rollout]:d4t2 + fsdp[actor]:d8        # disaggregated: 8 rollout devices, then 8 train devices
+    areno:d1t2 | fsdp:d2                        # colocated: both roles share the same 2 devices
+
+A *component* is ``backend[role]:dims``. ``dims`` are counts of data (``d``), tensor (``t``) and
+pipeline (``p``) parallelism in any order, each at most once, missing ones meaning 1; the
+component's world size is ``d * t * p``. ``p`` is reserved on backends without pipeline
+parallelism (``p1`` is accepted there, more is an error). The role defaults to ``rollout`` for
+inference backends and ``actor`` for training backends.
+
+``+`` *disaggregates*: each ``+``-separated group gets its own consecutive device indices.
+``|`` *colocates*: the components of a group share one device list, so they must have the same
+world size. Device indices are logical: positions within the parent's ``CUDA_VISIBLE_DEVICES``,
+exactly like the ``train_devices`` / ``rollout_devices`` lists of the partitioned topology, which
+remain the explicit alternative to an allocation string.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import lark
+
+__all__ = [
+    "BACKENDS",
+    "AllocationMode",
+    "AllocationModeError",
+    "BackendSpec",
+    "Component",
+    "map_roles",
+    "parse_allocation_mode",
+]
+
+
+class AllocationModeError(ValueError):
+    """An allocation string that does not parse or does not fit; the message points at the position."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendSpec:
+    """What the allocation grammar knows about one backend name."""
+
+    kind: Literal["inference", "train"]
+    """Inference backends serve rollouts; train backends hold optimizer state."""
+    dims: frozenset[str]
+    """Parallel dimensions the backend implements; others are reserved (count 1 only)."""
+
+    @property
+    def default_role(self) -> str:
+        return "rollout" if self.kind == "inference" else "actor"
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    "areno": BackendSpec(kind="inference", dims=frozenset("dt")),
+    "sglang": BackendSpec(kind="inference", dims=frozenset("dtp")),
+    "vllm": BackendSpec(kind="inference", dims=frozenset("dtp")),
+    "fsdp": BackendSpec(kind="train", dims=frozenset("dt")),
+    "megatron": BackendSpec(kind="train", dims=frozenset("dtp")),
+}
+"""Backend names accepted in allocation strings. areno's own engines are ``areno`` and ``fsdp``;
+the others are accepted so that an allocation written for a peer system parses and places."""
+
+_DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Component:
+    """One ``backend[role]:dims`` term."""
+
+    backend: str
+    """Backend name (a key of ``BACKENDS``)."""
+    role: str
+    """Role name; defaults to ``rollout`` (inference) or ``actor`` (train)."""
+    dp: int = 1
+    """Data-parallel size."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    column: int = field(default=1, compare=False)
+    """1-based column of the component in the source string (for error messages)."""
+
+    @property
+    def kind(self) -> Literal["inference", "train"]:
+        return BACKENDS[self.backend].kind
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        dims = "".join(f"{d}{n}" for d, n in (("d", self.dp), ("t", self.tp), ("p", self.pp)) if n > 1)
+        return f"{self.backend}[{self.role}]:{dims or 'd1'}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllocationMode:
+    """A parsed allocation string: groups of colocated components, the groups disaggregated."""
+
+    source: str
+    """The string as written."""
+    groups: tuple[tuple[Component, ...], ...]
+    """``+``-separated groups; the components of one group share devices (``|``)."""
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        return tuple(c for g in self.groups for c in g)
+
+    @property
+    def world_size(self) -> int:
+        """Devices needed: the sum over disaggregated groups of the group's world size."""
+        return sum(g[0].world_size for g in self.groups)
+
+    def component(self, role: str) -> Component:
+        for c in self.components:
+            if c.role == role:
+                return c
+        raise AllocationModeError(
+            f"allocation_mode {self.source!r} has no role {role!r}; roles: {[c.role for c in self.components]}"
+        )
+
+    def device_lists(self, num_devices: int) -> dict[str, list[int]]:
+        """Logical device indices per role: ``+`` groups consecutive, ``|`` members the same list."""
+        if self.world_size > num_devices:
+            raise AllocationModeError(
+                f"allocation_mode {self.source!r} needs {self.world_size} devices but only "
+                f"{num_devices} are available; shrink the d/t/p counts or add devices"
+            )
+        out: dict[str, list[int]] = {}
+        start = 0
+        for group in self.groups:
+            devices = list(range(start, start + group[0].world_size))
+            for c in group:
+                out[c.role] = list(devices)
+            start += group[0].world_size
+        return out
+
+    def train_rollout_devices(self, num_devices: int) -> tuple[list[int], list[int]]:
+        """``(train_devices, rollout_devices)`` of the partitioned topology.
+
+        Train devices are those of every train-backend component, rollout devices those of the
+        inference components named ``rollout`` (other inference roles such as ``test-rollout``
+        are placed by ``device_lists`` only). Colocated strings give equal lists."""
+        lists = self.device_lists(num_devices)
+        train = sorted({d for c in self.components if c.kind == "train" for d in lists[c.role]})
+        rollout = sorted(
+            {d for c in self.components if c.kind == "inference" and c.role == "rollout" for d in lists[c.role]}
+        )
+        if not train or not rollout:
+            raise AllocationModeError(
+                f"allocation_mode {self.source!r} must name a train backend (fsdp, megatron) and an "
+                f"inference backend with role 'rollout' (areno, sglang, vllm) to give train/rollout devices"
+            )
+        return train, rollout
+
+    @property
+    def colocated(self) -> bool:
+        """True when some train component shares its devices with an inference component."""
+        return any(len({c.kind for c in g}) > 1 for g in self.groups)
+
+    def __str__(self) -> str:
+        return "+".join("|".join(str(c) for c in g) for g in self.groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+
+
+@functools.cache
+def _parser() -> lark.Lark:
+    grammar = (Path(__file__).with_name("allocation.lark")).read_text()
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+_TERMINAL_WORDS = {
+    "PLUS": "'+'",
+    "VBAR": "'|'",
+    "COLON": "':'",
+    "LSQB": "'['",
+    "RSQB": "']'",
+    "DIM": "a dimension such as d2, t2 or p2",
+    "BACKEND": "a backend name",
+    "ROLE": "a role name",
+    "$END": "end of string",
+}
+
+
+def _error(source: str, column: int, message: str) -> AllocationModeError:
+    caret = " " * (column - 1) + "^"
+    return AllocationModeError(
+        f"invalid allocation_mode at column {column}: {message}\n  {source}\n  {caret}"
+    )
+
+
+def _expected(names: set[str] | frozenset[str]) -> str:
+    words = sorted({_TERMINAL_WORDS.get(n, n) for n in names})
+    return " or ".join(words) if words else "nothing"
+
+
+def parse_allocation_mode(source: str) -> AllocationMode:
+    """Parse and validate an allocation string; errors are ``AllocationModeError`` with a caret."""
+    if not source.strip():
+        raise AllocationModeError("allocation_mode is empty; write e.g. 'areno[rollout]:d2+fsdp[actor]:d2'")
+    try:
+        tree = _parser().parse(source)
+    except lark.UnexpectedCharacters as e:
+        raise _error(source, e.column, f"unexpected {source[e.pos_in_stream]!r}, expected {_expected(e.allowed)}") from None
+    except lark.UnexpectedEOF as e:
+        raise _error(source, len(source) + 1, f"unexpected end, expected {_expected(e.expected)}") from None
+    except lark.UnexpectedToken as e:
+        if e.token.type == "$END":
+            raise _error(source, len(source) + 1, f"unexpected end, expected {_expected(e.expected)}") from None
+        raise _error(source, e.column, f"unexpected {e.token.value!r}, expected {_expected(e.expected)}") from None
+
+    groups = tuple(tuple(_component(source, comp) for comp in group.children) for group in tree.children)
+    _check(source, groups)
+    return AllocationMode(source=source, groups=groups)
+
+
+def _component(source: str, tree: lark.Tree) -> Component:
+    backend_tok = tree.children[0]
+    backend = str(backend_tok)
+    if backend not in BACKENDS:
+        raise _error(source, backend_tok.column, f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    spec = BACKENDS[backend]
+    role = spec.default_role
+    counts: dict[str, int] = {}
+    for child in tree.children[1:]:
+        if isinstance(child, lark.Tree) and child.data == "role":
+            role = str(child.children[0])
+            continue
+        tok = child  # a DIM token such as "t2"
+        dim, count = tok[0], int(tok[1:])
+        if dim in counts:
+            raise _error(source, tok.column, f"dimension {dim!r} given twice in {backend}[{role}]")
+        if count < 1:
+            raise _error(source, tok.column, f"{_DIM_NAMES[dim]} size must be >= 1, got {tok}")
+        if dim not in spec.dims and count > 1:
+            raise _error(
+                source, tok.column,
+                f"{_DIM_NAMES[dim]} parallelism ({tok}) is reserved: backend {backend!r} does not implement it",
+            )
+        counts[dim] = count
+    return Component(
+        backend=backend, role=role, dp=counts.get("d", 1), tp=counts.get("t", 1), pp=counts.get("p", 1),
+        column=backend_tok.column,
+    )
+
+
+def _check(source: str, groups: tuple[tuple[Component, ...], ...]) -> None:
+    seen: set[str] = set()
+    for group in groups:
+        for c in group:
+            if c.role in seen:
+                raise _error(source, c.column, f"role {c.role!r} appears twice; name roles with backend[role]")
+            seen.add(c.role)
+        first = group[0]
+        for c in group[1:]:
+            if c.world_size != first.world_size:
+                raise _error(
+                    source, c.column,
+                    f"colocated components must have the same world size: {first} has {first.world_size}, "
+                    f"{c} has {c.world_size}",
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles of a recipe
+
+_ROLE_ALIASES = {"actor": "policy", "critic": "value", "ref": "reference", "rm": "reward"}
+"""Allocation role name (scheduler terminology) -> recipe role name (RL terminology)."""
+
+
+def map_roles(alloc: AllocationMode, recipe_role_names: list[str] | tuple[str, ...]) -> dict[str, Component]:
+    """Place each recipe role on an allocation component.
+
+    A train component's role matches a recipe role by name or by alias (``actor`` -> ``policy``,
+    ``critic`` -> ``value``, ``ref`` -> ``reference``, ``rm`` -> ``reward``). Recipe roles the
+    string does not name share the devices of the policy's component (``actor`` / ``policy``),
+    because all roles of a recipe train on one shared ``TrainBackend`` unless placed apart.
+    Inference components are not recipe roles and are not in the result.
+    """
+    train = [c for c in alloc.components if c.kind == "train"]
+    if not train:
+        raise AllocationModeError(
+            f"allocation_mode {alloc.source!r} has no train backend (fsdp, megatron) for recipe roles "
+            f"{list(recipe_role_names)}"
+        )
+    placed: dict[str, Component] = {}
+    for c in train:
+        name = c.role if c.role in recipe_role_names else _ROLE_ALIASES.get(c.role, c.role)
+        if name not in recipe_role_names:
+            raise AllocationModeError(
+                f"allocation_mode role {c.role!r} ({c}) is not a role of the recipe; recipe roles: "
+                f"{list(recipe_role_names)} (aliases: {_ROLE_ALIASES})"
+            )
+        placed[name] = c
+    default = placed.get("policy") or next((c for c in train if c.role in ("actor", "policy")), None)
+    for name in recipe_role_names:
+        if name in placed:
+            continue
+        if default is None:
+            raise AllocationModeError(
+                f"recipe role {name!r} is not placed by allocation_mode {alloc.source!r} and there is no "
+                f"actor/policy component to share; add e.g. '+fsdp[{name}]:d1'"
+            )
+        placed[name] = default
+    return {name: placed[name] for name in recipe_role_names}

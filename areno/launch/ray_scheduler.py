@@ -1,0 +1,286 @@
+"""``RayScheduler``: one placement group per role, one Ray actor per worker.
+
+Works with ``ray.init()`` in-process (``address=None``), a cluster started on this machine with
+``ray start --head`` (``address="auto"``) and any other cluster (``host:port`` or
+``ray://host:port``). An address that does not answer fails with one line before any worker
+starts (a TCP probe with a short timeout; ``ray.init`` itself would wait for a minute).
+
+Each actor runs the same ``WorkerRuntime`` as the subprocess workers. The rendezvous of a world
+is the node IP of its rank-0 actor and a port that is free there; Ray assigns GPUs
+(``CUDA_VISIBLE_DEVICES``) from the bundle, so a role's ``devices`` only sets how many GPUs
+each worker reserves (``len(devices) // n``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from areno.launch.scheduler import (
+    RoleSpec,
+    Scheduler,
+    SchedulerError,
+    WorkerDiedError,
+    WorkerHandle,
+    _gather,
+    _raise_reply,
+    _target_name,
+    assign_ranks,
+    free_port,
+    python_path_env,
+)
+from areno.launch.worker import WorkerRuntime
+
+__all__ = ["RayScheduler", "check_ray_address"]
+
+
+class _RayWorkerActor:
+    """Hosts one worker object inside a Ray actor process."""
+
+    def __init__(self) -> None:
+        self.runtime = WorkerRuntime()
+
+    def node_info(self) -> tuple[str, str, int, int]:
+        return socket.gethostname(), ray.util.get_node_ip_address(), free_port(), os.getpid()
+
+    def setup(self, env: dict[str, str], cls_path: str, args: tuple, kwargs: dict) -> tuple:
+        os.environ.update(env)
+        return self.runtime.handle(("init", cls_path, args, kwargs))
+
+    def run(self, target: str | Callable, args: tuple, kwargs: dict) -> tuple:
+        return self.runtime.handle(("call", target, args, kwargs))
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"scheduler.ray_address {address!r} must be 'auto', 'host:port' or 'ray://host:port'")
+    return host, int(port)
+
+
+def check_ray_address(address: str, timeout_s: float) -> str:
+    """Resolve ``auto`` and check that the address accepts TCP connections; returns the address."""
+    if address == "auto":
+        current = "/tmp/ray/ray_current_cluster"
+        if os.environ.get("RAY_ADDRESS"):
+            address = os.environ["RAY_ADDRESS"]
+        elif os.path.exists(current):
+            address = open(current).read().strip()
+        else:
+            raise SchedulerError(
+                "scheduler.ray_address='auto' but no Ray cluster runs on this machine; start one with "
+                "`ray start --head` or give host:port"
+            )
+    host, port = _host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise SchedulerError(
+            f"Ray address {address!r} does not answer ({type(e).__name__}: {e} within {timeout_s:g}s); "
+            f"start the cluster (`ray start --head`) or fix scheduler.ray_address"
+        ) from None
+    return address
+
+
+@dataclass(kw_only=True)
+class _RayWorker:
+    spec: RoleSpec
+    handle: WorkerHandle
+    bundle: int
+    env: dict[str, str] = field(default_factory=dict)
+    actor: Any = None
+    executor: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    )
+
+
+class RayScheduler(Scheduler):
+    """Workers as Ray actors, one placement group per role."""
+
+    def __init__(
+        self,
+        *,
+        address: str | None = None,
+        connect_timeout_s: float = 10.0,
+        placement_strategy: str = "PACK",
+        cpus_per_worker: float = 1.0,
+        placement_timeout_s: float = 60.0,
+        num_cpus: int | None = None,
+    ) -> None:
+        """``num_cpus`` only applies when Ray is started in-process (``address=None``)."""
+        self.placement_strategy = placement_strategy
+        self.cpus_per_worker = cpus_per_worker
+        self.placement_timeout_s = placement_timeout_s
+        self._owns_ray = False
+        runtime_env = {"env_vars": {"PYTHONPATH": python_path_env()}}
+        if address is not None:
+            address = check_ray_address(address, connect_timeout_s)
+        if not ray.is_initialized():
+            ray.init(
+                address=address, num_cpus=num_cpus if address is None else None, runtime_env=runtime_env,
+                include_dashboard=False, log_to_driver=False, configure_logging=False,
+            )
+            self._owns_ray = True
+        self._actor_cls = ray.remote(_RayWorkerActor)
+        self._workers: dict[str, list[_RayWorker]] = {}
+        self._pgs: dict[str, PlacementGroup] = {}
+        self._closed = False
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self._workers)
+
+    def workers(self, role: str) -> list[WorkerHandle]:
+        return [w.handle for w in self._role(role)]
+
+    def _role(self, role: str) -> list[_RayWorker]:
+        if role not in self._workers:
+            raise KeyError(f"no role {role!r}; created roles: {list(self._workers)}")
+        return self._workers[role]
+
+    def _bundle(self, spec: RoleSpec) -> dict[str, float]:
+        bundle = {"CPU": self.cpus_per_worker}
+        if spec.devices is not None:
+            bundle["GPU"] = len(spec.devices) // spec.n
+        return {k: v for k, v in bundle.items() if v}
+
+    def _placement_group(self, spec: RoleSpec) -> PlacementGroup:
+        bundles = [self._bundle(spec) for _ in range(spec.n)]
+        pg = placement_group(bundles, strategy=self.placement_strategy, name=f"areno-{spec.role}-{time.time_ns()}")
+        try:
+            ray.get(pg.ready(), timeout=self.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise SchedulerError(
+                f"placement group of role {spec.role!r} ({spec.n} x {bundles[0]}) not ready within "
+                f"{self.placement_timeout_s:g}s; the cluster has {ray.available_resources()} free"
+            ) from None
+        return pg
+
+    def _new_actor(self, w: _RayWorker) -> Any:
+        bundle = self._bundle(w.spec)
+        return self._actor_cls.options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pgs[w.spec.role], placement_group_bundle_index=w.bundle
+            ),
+        ).remote()
+
+    def create_roles(self, specs: Sequence[RoleSpec]) -> dict[str, list[WorkerHandle]]:
+        for spec in specs:
+            if spec.role in self._workers:
+                raise ValueError(f"role {spec.role!r} already exists; shut it down or pick another name")
+        ranks = assign_ranks(specs)
+        new: list[_RayWorker] = []
+        try:
+            for spec in specs:
+                self._pgs[spec.role] = self._placement_group(spec)
+                self._workers[spec.role] = []
+                for i in range(spec.n):
+                    rank, world_size, _ = ranks[(spec.role, i)]
+                    devices = spec.worker_devices(i)
+                    handle = WorkerHandle(
+                        role=spec.role, index=i, rank=rank, world_size=world_size, pid=None, host="",
+                        devices=tuple(devices) if devices is not None else None,
+                    )
+                    w = _RayWorker(spec=spec, handle=handle, bundle=i)
+                    w.actor = self._new_actor(w)
+                    self._workers[spec.role].append(w)
+                    new.append(w)
+            infos = ray.get([w.actor.node_info.remote() for w in new])
+            self._prepare_env(new, infos, ranks)
+            self._setup(new)
+        except BaseException:
+            for spec in specs:
+                self._remove_role(spec.role)
+            raise
+        return {spec.role: self.workers(spec.role) for spec in specs}
+
+    def _prepare_env(self, workers: list[_RayWorker], infos: list[tuple], ranks: dict) -> None:
+        by_world: dict[str, list[tuple[int, _RayWorker, tuple]]] = {}
+        for w, info in zip(workers, infos):
+            rank, _, world = ranks[(w.handle.role, w.handle.index)]
+            by_world.setdefault(world, []).append((rank, w, info))
+        for members in by_world.values():
+            members.sort(key=lambda m: m[0])
+            _, _, (_, master_ip, master_port, _) = members[0]
+            per_node: dict[str, int] = {}
+            for rank, w, (host, ip, _, pid) in members:
+                local_rank = per_node.get(ip, 0)
+                per_node[ip] = local_rank + 1
+                w.env = {
+                    **w.spec.env,
+                    "MASTER_ADDR": master_ip,
+                    "MASTER_PORT": str(master_port),
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(w.handle.world_size),
+                    "LOCAL_RANK": str(local_rank),
+                    "ARENO_ROLE": w.handle.role,
+                    "ARENO_ROLE_INDEX": str(w.handle.index),
+                }
+                w.handle = replace(w.handle, pid=pid, host=host)
+            for _, w, (_, ip, _, _) in members:
+                w.env["LOCAL_WORLD_SIZE"] = str(per_node[ip])
+
+    def _setup(self, workers: list[_RayWorker]) -> None:
+        futures = [w.executor.submit(self._setup_one, w) for w in workers]
+        _gather(futures)
+
+    def _setup_one(self, w: _RayWorker) -> None:
+        ref = w.actor.setup.remote(w.env, w.spec.worker_cls, w.spec.args, w.spec.kwargs)
+        self._get(w, ref, "constructor")
+
+    def _get(self, w: _RayWorker, ref: Any, what: str) -> Any:
+        try:
+            reply = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            raise WorkerDiedError(
+                f"{w.handle.name} (pid {w.handle.pid} on {w.handle.host}) died during {what} ({type(e).__name__})"
+            ) from None
+        return _raise_reply(w.handle, what, reply)
+
+    def submit_one(self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        w = self._role(role)[index]
+        return w.executor.submit(lambda: self._get(w, w.actor.run.remote(target, args, kwargs), _target_name(target)))
+
+    def restart_worker(self, role: str, index: int) -> WorkerHandle:
+        old = self._role(role)[index]
+        ray.kill(old.actor, no_restart=True)
+        old.executor.shutdown(wait=False, cancel_futures=True)
+        w = _RayWorker(spec=old.spec, handle=old.handle, bundle=old.bundle, env=old.env)
+        w.actor = self._new_actor(w)
+        host, _, _, pid = ray.get(w.actor.node_info.remote())
+        w.handle = replace(w.handle, pid=pid, host=host)
+        self._workers[role][index] = w
+        self._setup_one(w)
+        return w.handle
+
+    def _remove_role(self, role: str) -> None:
+        for w in self._workers.pop(role, []):
+            if w.actor is not None:
+                ray.kill(w.actor, no_restart=True)
+            w.executor.shutdown(wait=False, cancel_futures=True)
+        pg = self._pgs.pop(role, None)
+        if pg is not None:
+            remove_placement_group(pg)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for role in list(self._workers):
+            self._remove_role(role)
+        if self._owns_ray:
+            ray.shutdown()
+

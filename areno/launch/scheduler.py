@@ -1,0 +1,623 @@
+"""The Scheduler API: create the workers of each role, call them, restart one, tear down.
+
+A *role* is a set of ``n`` workers, each an instance of one user class (``"pkg.mod:Class"``) in
+its own process, with a torch.distributed rendezvous in its environment (``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; ``CUDA_VISIBLE_DEVICES`` from the
+role's device list). Roles created together with the same ``world`` key share one rendezvous
+(ranks follow creation order), which is how the partitioned topology puts train and rollout
+workers in one distributed world.
+
+Calls address a method by name (or a module-level function) with pickled arguments:
+``call`` blocks and returns one result per worker in rank order, ``submit`` returns
+``concurrent.futures.Future``s, ``acall`` is the coroutine form. Calls to one worker run in
+order; calls to different workers run concurrently (so collectives across workers work).
+
+Implementations: ``LocalScheduler`` (subprocesses on this machine, the default),
+``RayScheduler`` (``areno.launch.ray_scheduler``) and ``SlurmScheduler``
+(``areno.launch.slurm``). Pick one from config with ``scheduler_from_config``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any, Literal
+
+from areno.launch.worker import AUTHKEY_ENV
+
+__all__ = [
+    "LocalScheduler",
+    "RoleSpec",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerHandle",
+    "free_port",
+    "scheduler_from_config",
+]
+
+
+class SchedulerError(RuntimeError):
+    """A launch that cannot proceed (bad address, missing tool, worker never connected)."""
+
+
+class WorkerError(RuntimeError):
+    """A worker call raised; the message names the worker, the remote traceback is attached."""
+
+    def __init__(self, message: str, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+        if remote_traceback:
+            self.add_note("remote traceback:\n" + remote_traceback)
+
+
+class WorkerDiedError(WorkerError):
+    """The worker process went away (crash, kill, lost node) before answering."""
+
+
+@dataclass(kw_only=True)
+class RoleSpec:
+    """What to start for one role."""
+
+    role: str
+    """Role name (``actor``, ``rollout``, ...); unique within a scheduler."""
+    worker_cls: str
+    """``"package.module:Class"`` instantiated in each worker process."""
+    n: int
+    """Number of workers."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every worker of the role."""
+    args: tuple = ()
+    """Positional constructor arguments (pickled)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword constructor arguments (pickled)."""
+    devices: list[int] | None = None
+    """Logical device indices (within the parent's CUDA_VISIBLE_DEVICES); its length must be a
+    multiple of ``n`` and each worker gets a consecutive slice. None leaves devices alone."""
+    world: str | None = None
+    """Roles with the same key share one torch.distributed world; None gives the role its own."""
+
+    def __post_init__(self) -> None:
+        if not self.role or any(c in self.role for c in " /:"):
+            raise ValueError(f"role name {self.role!r} must be non-empty without spaces, '/' or ':'")
+        if self.n < 1:
+            raise ValueError(f"role {self.role!r}: n must be >= 1, got {self.n}")
+        if self.devices is not None and (not self.devices or len(self.devices) % self.n):
+            raise ValueError(
+                f"role {self.role!r}: {len(self.devices)} devices cannot be split over {self.n} workers; "
+                f"give a multiple of n"
+            )
+        self.args = tuple(self.args)
+
+    def worker_devices(self, index: int) -> list[int] | None:
+        if self.devices is None:
+            return None
+        per = len(self.devices) // self.n
+        return self.devices[index * per : (index + 1) * per]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerHandle:
+    """Where one worker lives."""
+
+    role: str
+    index: int
+    """Position within its role (0..n-1)."""
+    rank: int
+    """Rank in its torch.distributed world."""
+    world_size: int
+    pid: int | None
+    host: str
+    devices: tuple[int, ...] | None = None
+    """Logical device indices of the worker (None when not assigned)."""
+    log_path: str | None = None
+    """File with the worker's stdout/stderr, when the scheduler keeps one."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}[{self.index}]"
+
+
+def free_port() -> int:
+    """A TCP port free on this machine right now (the usual small race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def assign_ranks(specs: Sequence[RoleSpec]) -> dict[tuple[str, int], tuple[int, int, str]]:
+    """``(role, index) -> (rank, world_size, world_key)``: ranks follow spec order within a world."""
+    worlds: dict[str, list[tuple[str, int]]] = {}
+    for spec in specs:
+        key = spec.world if spec.world is not None else f"role:{spec.role}"
+        worlds.setdefault(key, []).extend((spec.role, i) for i in range(spec.n))
+    return {
+        member: (rank, len(members), key)
+        for key, members in worlds.items()
+        for rank, member in enumerate(members)
+    }
+
+
+def python_path_env() -> str:
+    """PYTHONPATH for workers: areno's root, then this interpreter's sys.path, then the old value."""
+    areno_root = str(Path(__file__).resolve().parents[2])
+    parts = [areno_root, *(p for p in sys.path if p), os.environ.get("PYTHONPATH", "")]
+    seen: list[str] = []
+    for p in parts:
+        for q in p.split(os.pathsep):
+            if q and q not in seen:
+                seen.append(q)
+    return os.pathsep.join(seen)
+
+
+def _gather(futures: list[concurrent.futures.Future]) -> list[Any]:
+    concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
+
+
+def _raise_reply(worker: WorkerHandle, what: str, reply: tuple) -> Any:
+    if reply[0] == "ok":
+        return reply[1]
+    _, exc_type, message, tb = reply
+    raise WorkerError(f"{worker.name} (pid {worker.pid} on {worker.host}) {what} raised {exc_type}: {message}", tb)
+
+
+def _target_name(target: str | Callable) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}.{target.__qualname__}"
+
+
+class Scheduler(abc.ABC):
+    """Creates the workers of each role and calls them. Use as a context manager or call shutdown()."""
+
+    # -- creation -------------------------------------------------------------------------------
+    def create_workers(
+        self,
+        role: str,
+        worker_cls_path: str,
+        n: int,
+        env: dict[str, str] | None = None,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        devices: list[int] | None = None,
+    ) -> list[WorkerHandle]:
+        """Start ``n`` workers of ``worker_cls_path`` as ``role`` (its own distributed world)."""
+        spec = RoleSpec(
+            role=role, worker_cls=worker_cls_path, n=n, env=dict(env or {}), args=tuple(args),
+            kwargs=dict(kwargs or {}), devices=devices,
+        )
+        return self.create_roles([spec])[role]
+
+    @abc.abstractmethod
+    def create_roles(self, specs: Sequence[RoleSpec]) -> dict[str, list[WorkerHandle]]:
+        """Start several roles at once (roles sharing a ``world`` key form one world)."""
+
+    # -- calls ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def submit_one(self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """Call ``target`` (method name or module-level function) on one worker; a future of its result."""
+
+    @abc.abstractmethod
+    def workers(self, role: str) -> list[WorkerHandle]:
+        """The current handles of a role, in index order."""
+
+    @property
+    @abc.abstractmethod
+    def roles(self) -> list[str]:
+        """Roles created so far."""
+
+    def submit(self, role: str, target: str | Callable, *args: Any, **kwargs: Any) -> list[concurrent.futures.Future]:
+        """The same call on every worker of ``role``; futures in index order."""
+        return [self.submit_one(role, i, target, *args, **kwargs) for i in range(len(self.workers(role)))]
+
+    def call(self, role: str, target: str | Callable, *args: Any, **kwargs: Any) -> list[Any]:
+        """The same call on every worker of ``role``; blocks, results in index order."""
+        return _gather(self.submit(role, target, *args, **kwargs))
+
+    async def acall(self, role: str, target: str | Callable, *args: Any, **kwargs: Any) -> list[Any]:
+        """Coroutine form of ``call``."""
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in self.submit(role, target, *args, **kwargs))))
+
+    def call_each(self, role: str, target: str | Callable, args_per_worker: Sequence[tuple]) -> list[Any]:
+        """Worker ``i`` gets ``target(*args_per_worker[i])`` (scatter a batch, say)."""
+        n = len(self.workers(role))
+        if len(args_per_worker) != n:
+            raise ValueError(f"call_each({role!r}, ...): {len(args_per_worker)} argument tuples for {n} workers")
+        return _gather([self.submit_one(role, i, target, *a) for i, a in enumerate(args_per_worker)])
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def restart_worker(self, role: str, index: int) -> WorkerHandle:
+        """Replace one worker by a fresh process with the same spec and rendezvous env.
+
+        Collectives of the old world are not re-formed: callers re-initialise process groups."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker; idempotent."""
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# RPC over multiprocessing.connection: workers dial back to the controller (local and SLURM)
+
+
+@dataclass(kw_only=True)
+class _RpcWorker:
+    spec: RoleSpec
+    handle: WorkerHandle
+    env: dict[str, str]
+    conn: Connection | None = None
+    proc: subprocess.Popen | None = None
+    executor: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    )
+
+
+class _Hub:
+    """A listener that accepts worker connections and files them by (role, index)."""
+
+    def __init__(self, bind_host: str) -> None:
+        self.authkey = secrets.token_bytes(32)
+        self.listener = Listener((bind_host, 0), authkey=self.authkey)
+        self.port = self.listener.address[1]
+        self._arrived: dict[tuple[str, int], tuple[Connection, int, str]] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="areno-rpc-accept")
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+                _, role, index, pid, host = conn.recv()
+            except (OSError, EOFError):
+                if self._closed:
+                    return
+                continue  # a stray or failed connection: keep accepting
+            with self._cond:
+                self._arrived[(role, index)] = (conn, pid, host)
+                self._cond.notify_all()
+
+    def wait(self, keys: list[tuple[str, int]], timeout_s: float, check: Callable[[], None]) -> dict:
+        """Wait until every key connected; ``check()`` raises early when a worker died."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                missing = [k for k in keys if k not in self._arrived]
+                if not missing:
+                    return {k: self._arrived.pop(k) for k in keys}
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    names = ", ".join(f"{r}[{i}]" for r, i in missing)
+                    raise SchedulerError(f"workers {names} did not connect within {timeout_s:.0f}s")
+                self._cond.wait(min(left, 0.2))
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+
+
+class _RpcScheduler(Scheduler):
+    """Shared machinery of schedulers whose workers run ``python -m areno.launch.worker``."""
+
+    connect_timeout_s: float
+
+    def __init__(self, *, bind_host: str, connect_timeout_s: float, log_dir: str | None) -> None:
+        self._hub = _Hub(bind_host)
+        self.connect_timeout_s = connect_timeout_s
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="areno-workers-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._workers: dict[str, list[_RpcWorker]] = {}
+        self._closed = False
+
+    # subclasses: start processes for (spec, index) pairs; check that none died; stop one
+    @abc.abstractmethod
+    def _start(self, workers: list[_RpcWorker]) -> None: ...
+
+    @abc.abstractmethod
+    def _check_alive(self, workers: list[_RpcWorker]) -> None: ...
+
+    @abc.abstractmethod
+    def _stop_process(self, worker: _RpcWorker) -> None: ...
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self._workers)
+
+    def workers(self, role: str) -> list[WorkerHandle]:
+        return [w.handle for w in self._role(role)]
+
+    def _role(self, role: str) -> list[_RpcWorker]:
+        if role not in self._workers:
+            raise KeyError(f"no role {role!r}; created roles: {list(self._workers)}")
+        return self._workers[role]
+
+    def _connect(self, workers: list[_RpcWorker]) -> None:
+        arrived = self._hub.wait(
+            [(w.handle.role, w.handle.index) for w in workers], self.connect_timeout_s,
+            lambda: self._check_alive(workers),
+        )
+        for w in workers:
+            conn, pid, host = arrived[(w.handle.role, w.handle.index)]
+            w.conn = conn
+            w.handle = _replace(w.handle, pid=pid, host=host)
+        futures = [
+            w.executor.submit(self._roundtrip, w, ("init", w.spec.worker_cls, w.spec.args, w.spec.kwargs), "constructor")
+            for w in workers
+        ]
+        _gather(futures)
+
+    def _roundtrip(self, w: _RpcWorker, msg: tuple, what: str) -> Any:
+        assert w.conn is not None
+        try:
+            w.conn.send(msg)
+            reply = w.conn.recv()
+        except (EOFError, OSError) as e:
+            raise WorkerDiedError(self._died_message(w, what, e)) from None
+        return _raise_reply(w.handle, what, reply)
+
+    def _died_message(self, w: _RpcWorker, what: str, err: BaseException) -> str:
+        code = ""
+        if w.proc is not None:
+            try:
+                code = f", exit code {w.proc.wait(timeout=2)}"
+            except subprocess.TimeoutExpired:
+                code = ", still running"
+        log = f"; log: {w.handle.log_path}" if w.handle.log_path else ""
+        return f"{w.handle.name} (pid {w.handle.pid} on {w.handle.host}) died during {what} ({type(err).__name__}{code}){log}"
+
+    def submit_one(self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        w = self._role(role)[index]
+        return w.executor.submit(self._roundtrip, w, ("call", target, args, kwargs), _target_name(target))
+
+    def create_roles(self, specs: Sequence[RoleSpec]) -> dict[str, list[WorkerHandle]]:
+        for spec in specs:
+            if spec.role in self._workers:
+                raise ValueError(f"role {spec.role!r} already exists; shut it down or pick another name")
+        ranks = assign_ranks(specs)
+        new: list[_RpcWorker] = []
+        for spec in specs:
+            for i in range(spec.n):
+                rank, world_size, world = ranks[(spec.role, i)]
+                devices = spec.worker_devices(i)
+                handle = WorkerHandle(
+                    role=spec.role, index=i, rank=rank, world_size=world_size, pid=None, host="",
+                    devices=tuple(devices) if devices is not None else None,
+                    log_path=str(self.log_dir / f"{spec.role}-{i}.log"),
+                )
+                new.append(_RpcWorker(spec=spec, handle=handle, env={}))
+        self._prepare_env(new, ranks)
+        for spec in specs:
+            self._workers[spec.role] = [w for w in new if w.spec is spec]
+        try:
+            self._start(new)
+            self._connect(new)
+        except BaseException:
+            for spec in specs:
+                for w in self._workers.pop(spec.role):
+                    self._stop_worker(w)
+            raise
+        return {spec.role: self.workers(spec.role) for spec in specs}
+
+    @abc.abstractmethod
+    def _prepare_env(self, workers: list[_RpcWorker], ranks: dict) -> None: ...
+
+    def restart_worker(self, role: str, index: int) -> WorkerHandle:
+        old = self._role(role)[index]
+        self._stop_worker(old)
+        w = _RpcWorker(spec=old.spec, handle=_replace(old.handle, pid=None), env=old.env)
+        self._workers[role][index] = w
+        self._start([w])
+        self._connect([w])
+        return w.handle
+
+    def _stop_worker(self, w: _RpcWorker, graceful: bool = False) -> None:
+        if graceful and w.conn is not None:
+            try:
+                w.executor.submit(self._roundtrip, w, ("stop",), "stop").result(timeout=5)
+            except (WorkerError, concurrent.futures.TimeoutError):
+                pass  # stopping anyway: the process is killed below
+        if w.conn is not None:
+            w.conn.close()
+        self._stop_process(w)
+        w.executor.shutdown(wait=False, cancel_futures=True)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ws in self._workers.values():
+            for w in ws:
+                self._stop_worker(w, graceful=True)
+        self._workers.clear()
+        self._hub.close()
+
+
+def _replace(handle: WorkerHandle, **changes: Any) -> WorkerHandle:
+    from dataclasses import replace
+
+    return replace(handle, **changes)
+
+
+def _visible_devices() -> list[str] | None:
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d for d in value.split(",") if d.strip()]
+
+
+class LocalScheduler(_RpcScheduler):
+    """Workers as subprocesses of this machine (``python -m areno.launch.worker``).
+
+    Each role gets ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (one per world); a worker's
+    ``CUDA_VISIBLE_DEVICES`` holds the physical ids of its logical devices. Worker output goes to
+    ``<log_dir>/<role>-<index>.log``."""
+
+    def __init__(self, *, connect_timeout_s: float = 120.0, log_dir: str | None = None) -> None:
+        super().__init__(bind_host="127.0.0.1", connect_timeout_s=connect_timeout_s, log_dir=log_dir)
+
+    def _prepare_env(self, workers: list[_RpcWorker], ranks: dict) -> None:
+        ports = {world: free_port() for (_, _, world) in ranks.values()}
+        visible = _visible_devices()
+        pythonpath = python_path_env()
+        for w in workers:
+            rank, world_size, world = ranks[(w.handle.role, w.handle.index)]
+            env = {
+                **w.spec.env,
+                "PYTHONPATH": pythonpath,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(ports[world]),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "ARENO_ROLE": w.handle.role,
+                "ARENO_ROLE_INDEX": str(w.handle.index),
+            }
+            if w.handle.devices is not None:
+                if visible is not None and max(w.handle.devices) >= len(visible):
+                    raise ValueError(
+                        f"role {w.handle.role!r} asks for logical device {max(w.handle.devices)} but "
+                        f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} has {len(visible)} devices"
+                    )
+                physical = [visible[d] if visible is not None else str(d) for d in w.handle.devices]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
+            w.env = env
+
+    def _start(self, workers: list[_RpcWorker]) -> None:
+        for w in workers:
+            cmd = [
+                sys.executable, "-m", "areno.launch.worker", "--connect", f"127.0.0.1:{self._hub.port}",
+                "--role", w.handle.role, "--rank", str(w.handle.index),
+            ]
+            env = {**os.environ, **w.env, AUTHKEY_ENV: self._hub.authkey.hex()}
+            assert w.handle.log_path is not None
+            with open(w.handle.log_path, "ab") as log:
+                w.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            w.handle = _replace(w.handle, pid=w.proc.pid, host=socket.gethostname())
+
+    def _check_alive(self, workers: list[_RpcWorker]) -> None:
+        for w in workers:
+            if w.proc is not None and w.proc.poll() is not None and w.conn is None:
+                tail = _tail(w.handle.log_path)
+                raise SchedulerError(
+                    f"{w.handle.name} exited with code {w.proc.returncode} before connecting; "
+                    f"log {w.handle.log_path}: {tail}"
+                )
+
+    def _stop_process(self, w: _RpcWorker) -> None:
+        if w.proc is None or w.proc.poll() is not None:
+            return
+        w.proc.terminate()
+        try:
+            w.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+
+
+def _tail(path: str | None, n_chars: int = 400) -> str:
+    if not path or not os.path.exists(path):
+        return "(no log)"
+    text = Path(path).read_text(errors="replace").strip()
+    return text[-n_chars:].replace("\n", " | ") or "(empty)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """``scheduler.*``: which scheduler starts the workers, and its settings."""
+
+    type: Literal["local", "ray", "slurm"] = "local"
+    """``local`` (subprocesses here), ``ray`` (a Ray cluster) or ``slurm`` (sbatch)."""
+    connect_timeout_s: float = 120.0
+    """How long to wait for started workers to report in (local, slurm)."""
+    log_dir: str | None = None
+    """Worker logs and generated scripts; a temporary directory when None."""
+    ray_address: str | None = None
+    """``None`` starts Ray in-process (``ray.init()``); ``auto`` joins the cluster of ``ray start
+    --head`` on this machine; ``host:port`` or ``ray://host:port`` any other cluster."""
+    ray_connect_timeout_s: float = 10.0
+    """How long a Ray address may take to answer before the launch fails."""
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy of each role."""
+    ray_cpus_per_worker: float = 1.0
+    """CPUs reserved per worker in its placement-group bundle."""
+    ray_placement_timeout_s: float = 60.0
+    """How long a role's placement group may wait for resources."""
+    slurm_partition: str | None = None
+    """``#SBATCH --partition``."""
+    slurm_account: str | None = None
+    """``#SBATCH --account``."""
+    slurm_time: str = "01:00:00"
+    """``#SBATCH --time`` (``HH:MM:SS`` or ``D-HH:MM:SS``)."""
+    slurm_job_name: str = "areno"
+    """``#SBATCH --job-name``."""
+    slurm_cpus_per_task: int = 1
+    """``--cpus-per-task`` of every worker."""
+    slurm_extra_sbatch_lines: tuple[str, ...] = ()
+    """Extra ``#SBATCH`` lines (e.g. ``--qos=high``), written after the generated ones."""
+    slurm_setup_lines: tuple[str, ...] = ()
+    """Shell lines run before the steps (``module load``, ``source venv/bin/activate``)."""
+    slurm_controller_addr: str | None = None
+    """Address workers dial back to; this host's name when None."""
+    slurm_poll_interval_s: float = 2.0
+    """How often squeue/sacct are polled while waiting."""
+
+    def __post_init__(self) -> None:
+        if self.type not in ("local", "ray", "slurm"):
+            raise ValueError(f"scheduler.type must be one of local, ray, slurm; got {self.type!r}")
+        for key in ("connect_timeout_s", "ray_connect_timeout_s", "ray_placement_timeout_s", "slurm_poll_interval_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"scheduler.{key} must be > 0, got {getattr(self, key)}")
+        if self.ray_cpus_per_worker < 0:
+            raise ValueError(f"scheduler.ray_cpus_per_worker must be >= 0, got {self.ray_cpus_per_worker}")
+        if self.slurm_cpus_per_task < 1:
+            raise ValueError(f"scheduler.slurm_cpus_per_task must be >= 1, got {self.slurm_cpus_per_task}")
+        self.slurm_extra_sbatch_lines = tuple(self.slurm_extra_sbatch_lines)
+        self.slurm_setup_lines = tuple(self.slurm_setup_lines)
+
+
+def scheduler_from_config(cfg: SchedulerConfig | dict[str, Any]) -> Scheduler:
+    """Build the scheduler named by ``cfg.type`` (a ``SchedulerConfig`` or a plain mapping)."""
+    if not isinstance(cfg, SchedulerConfig):
+        cfg = SchedulerConfig(**dict(cfg))
+    if cfg.type == "local":
+        return LocalScheduler(connect_timeout_s=cfg.connect_timeout_s, log_dir=cfg.log_dir)
+    if cfg.type == "ray":
+        from areno.launch.ray_scheduler import RayScheduler
+
+        return RayScheduler(
+            address=cfg.ray_address, connect_timeout_s=cfg.ray_connect_timeout_s,
+            placement_strategy=cfg.ray_placement_strategy, cpus_per_worker=cfg.ray_cpus_per_worker,
+            placement_timeout_s=cfg.ray_placement_timeout_s,
+        )
+    from areno.launch.slurm import SlurmScheduler
+
+    return SlurmScheduler(cfg)

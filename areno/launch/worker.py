@@ -1,0 +1,125 @@
+"""The worker side of the scheduler protocol.
+
+A worker process holds one instance of a user class (``"package.module:Class"``), built from
+pickled constructor arguments, and executes calls by method name with pickled arguments. A call
+target may also be a module-level function (pickled by reference), which lets the launcher run
+its own checks (e.g. the storage probe) on any worker without the user class knowing.
+
+Messages controller -> worker (tuples):
+    ("init", cls_path, args, kwargs)     build the worker object (rendezvous env already set)
+    ("call", target, args, kwargs)       target: method name (str) or module-level function
+    ("stop",)                            reply, then exit
+Replies: ("ok", value) or ("err", exc_type_name, message, traceback_text).
+
+The same ``WorkerRuntime`` runs in a subprocess that dialled back to the controller
+(``python -m areno.launch.worker``: local and SLURM schedulers) and inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pickle
+import socket
+import sys
+import traceback
+from multiprocessing.connection import Client
+from typing import Any
+
+AUTHKEY_ENV = "ARENO_RPC_AUTHKEY"
+"""Env var holding the hex authkey of the controller's listener."""
+
+
+def import_object(path: str) -> Any:
+    """``"pkg.mod:Name"`` (or ``"pkg.mod.Name"``) -> the object."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"worker class path {path!r} must look like 'package.module:Class'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class WorkerRuntime:
+    """Executes protocol messages against the worker object of this process."""
+
+    def __init__(self) -> None:
+        self.obj: Any = None
+
+    def handle(self, msg: tuple) -> tuple:
+        try:
+            kind = msg[0]
+            if kind == "init":
+                _, cls_path, args, kwargs = msg
+                self.obj = import_object(cls_path)(*args, **kwargs)
+                return ("ok", None)
+            if kind == "call":
+                _, target, args, kwargs = msg
+                if callable(target):
+                    return ("ok", target(*args, **kwargs))
+                if self.obj is None:
+                    raise RuntimeError("worker object not initialised")
+                method = getattr(self.obj, target, None)
+                if method is None:
+                    raise AttributeError(f"{type(self.obj).__name__} has no method {target!r}")
+                return ("ok", method(*args, **kwargs))
+            if kind == "stop":
+                return ("ok", None)
+            raise ValueError(f"unknown message kind {kind!r}")
+        except BaseException as e:  # noqa: BLE001 - every worker failure is returned to the caller
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return ("err", type(e).__name__, str(e), traceback.format_exc())
+
+
+def serve(address: tuple[str, int], authkey: bytes, role: str, rank: int) -> None:
+    """Dial the controller, introduce ourselves, then serve messages until ``stop`` or EOF."""
+    conn = Client(address, authkey=authkey)
+    conn.send(("hello", role, rank, os.getpid(), socket.gethostname()))
+    runtime = WorkerRuntime()
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        reply = runtime.handle(msg)
+        try:
+            conn.send(reply)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            conn.send(("err", type(e).__name__, f"result of {msg[1]!r} cannot be pickled: {e}", ""))
+        if msg[0] == "stop":
+            conn.close()
+            return
+
+
+def _slurm_rendezvous_env() -> None:
+    """Derive torch.distributed env from SLURM's per-task variables (``srun`` steps)."""
+    offset = int(os.environ.get("ARENO_RANK_OFFSET", "0"))
+    rank = offset + int(os.environ["SLURM_PROCID"])
+    os.environ["RANK"] = str(rank)
+    os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="areno scheduler worker (started by a Scheduler)")
+    parser.add_argument("--connect", required=True, help="controller host:port")
+    parser.add_argument("--role", required=True)
+    parser.add_argument("--rank", type=int, default=None, help="worker index in its role (default: SLURM_PROCID)")
+    parser.add_argument("--slurm", action="store_true", help="derive RANK/LOCAL_RANK from SLURM variables")
+    ns = parser.parse_args(argv)
+    if ns.slurm:
+        _slurm_rendezvous_env()
+    rank = ns.rank if ns.rank is not None else int(os.environ.get("SLURM_PROCID", "0"))
+    host, _, port = ns.connect.rpartition(":")
+    authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    serve((host, int(port)), authkey, ns.role, rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

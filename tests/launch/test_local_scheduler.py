@@ -1,0 +1,123 @@
+"""LocalScheduler: 2 CPU workers, gloo all-reduce, errors, restart, storage probe (one scheduler)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from areno.launch.scheduler import (
+    LocalScheduler,
+    SchedulerConfig,
+    SchedulerError,
+    WorkerDiedError,
+    WorkerError,
+    scheduler_from_config,
+)
+from areno.launch.storage import StorageCheckError, check_shared_storage
+from tests.launch._workers import local_gradient
+
+WORKER = "tests.launch._workers:GradWorker"
+ENV_WORKER = "tests.launch._workers:EnvWorker"
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def sched(tmp_path_factory):
+    s = scheduler_from_config({"type": "local", "log_dir": str(tmp_path_factory.mktemp("logs"))})
+    assert isinstance(s, LocalScheduler)
+    s.create_workers("actor", WORKER, 2, env=ENV, args=(7,))
+    yield s
+    s.shutdown()
+
+
+def test_rendezvous_env(sched):
+    ports = sched.call("actor", "env", "MASTER_PORT")
+    assert ports[0] == ports[1] and ports[0].isdigit()
+    assert sched.call("actor", "env", "MASTER_ADDR") == ["127.0.0.1"] * 2
+    assert sched.call("actor", "env", "RANK") == ["0", "1"]
+    assert sched.call("actor", "env", "WORLD_SIZE") == ["2", "2"]
+    assert sched.call("actor", "env", "LOCAL_RANK") == ["0", "1"]
+    assert [h.rank for h in sched.workers("actor")] == [0, 1]
+
+
+def test_gloo_allreduce_matches_in_process_sum(sched):
+    assert sched.call("actor", "init_dist") == [(0, 2), (1, 2)]
+    expected_D = local_gradient(7, 0) + local_gradient(7, 1)
+    futures = sched.submit("actor", "allreduced_gradient")
+    got = [f.result(timeout=60) for f in futures]
+    assert got[0] == got[1]
+    torch.testing.assert_close(torch.tensor(got[0], dtype=torch.float64), expected_D, rtol=1e-12, atol=1e-12)
+    # the coroutine form gives the same answer
+    assert asyncio.run(sched.acall("actor", "allreduced_gradient")) == got
+
+
+def test_calls_are_ordered_per_worker(sched):
+    before = sched.call("actor", "count")
+    assert sched.call_each("actor", "count", [(), ()]) == [before[0] + 1, before[1] + 1]
+
+
+def test_remote_error_names_worker(sched):
+    with pytest.raises(WorkerError, match=r"actor\[0\] \(pid \d+ on .*\) fail raised ValueError: boom") as info:
+        sched.call("actor", "fail", "boom")
+    assert "ValueError: boom" in info.value.remote_traceback
+
+
+def test_storage_probe_ok_and_failures(sched, tmp_path):
+    check_shared_storage([str(tmp_path / "ckpt"), str(tmp_path / "data")], sched)
+    assert not (tmp_path / "ckpt" / ".areno-storage-probe").exists() or not any(
+        (tmp_path / "ckpt" / ".areno-storage-probe").iterdir()
+    )
+    # fsspec's memory:// lives in each process: exactly what a node-local path looks like
+    with pytest.raises(StorageCheckError) as info:
+        check_shared_storage(["memory://bucket/ckpt"], sched)
+    msg = str(info.value)
+    assert "node " in msg and "(actor[0]) cannot read 'memory://bucket/ckpt/.areno-storage-probe/" in msg
+    assert "(actor[1])" in msg
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageCheckError, match=r"\(controller\) cannot write under '.*/file/ckpt'"):
+        check_shared_storage([str(tmp_path / "file" / "ckpt")], sched)
+
+
+def test_restart_worker(sched):
+    pids = sched.call("actor", "pid")
+    counts = sched.call("actor", "count")
+    with pytest.raises(WorkerDiedError, match=r"actor\[1\] \(pid \d+ on .*\) died during crash .*exit code 3"):
+        sched.submit_one("actor", 1, "crash").result(timeout=30)
+    handle = sched.restart_worker("actor", 1)
+    assert handle.pid != pids[1] and handle.rank == 1
+    assert sched.call("actor", "pid") == [pids[0], handle.pid]
+    assert sched.call("actor", "count") == [counts[0] + 1, 1]  # fresh object on the restarted worker
+    assert sched.submit_one("actor", 1, "env", "RANK").result() == "1"
+
+
+def test_construction_failures_leave_no_role(tmp_path, monkeypatch):
+    with LocalScheduler(log_dir=str(tmp_path)) as s:
+        with pytest.raises(WorkerError, match=r"broken\[0\] .*constructor raised RuntimeError: constructor refuses"):
+            s.create_workers("broken", "tests.launch._workers:BrokenWorker", 1, env=ENV)
+        assert s.roles == []
+        # a worker interpreter that cannot import areno exits before connecting
+        from areno.launch import scheduler as mod
+
+        monkeypatch.setattr(mod, "python_path_env", lambda: "/nonexistent")
+        monkeypatch.chdir("/")
+        with pytest.raises(SchedulerError, match=r"bad\[0\] exited with code 1 before connecting; .*No module"):
+            s.create_workers("bad", ENV_WORKER, 1, env=ENV)
+        assert s.roles == []
+
+
+def test_device_env_uses_parent_visible_devices(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with LocalScheduler(log_dir=str(tmp_path)) as s:
+        with pytest.raises(ValueError, match="logical device 4 but CUDA_VISIBLE_DEVICES='4,5,6,7' has 4"):
+            s.create_workers("x", ENV_WORKER, 2, env=ENV, devices=[4, 5])
+        s.create_workers("rollout", ENV_WORKER, 1, env=ENV, devices=[2, 3])
+        assert s.call("rollout", "env", "CUDA_VISIBLE_DEVICES") == ["6,7"]
+
+
+def test_scheduler_config_validation():
+    with pytest.raises(ValueError, match="scheduler.type must be one of local, ray, slurm"):
+        SchedulerConfig(type="k8s")
+    with pytest.raises(ValueError, match="scheduler.connect_timeout_s must be > 0"):
+        SchedulerConfig(connect_timeout_s=0)
+    with pytest.raises(TypeError):
+        SchedulerConfig("local")  # keyword-only
