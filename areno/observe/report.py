@@ -16,6 +16,7 @@ import base64
 import html
 import io
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -417,3 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     out = write_report(ns.run_dirs, ns.out, smooth=ns.smooth, png_dir=ns.png_dir)
     print(f"wrote {out}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -382,3 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if os.environ.get(ENV_VAR):
     configure_sessions(Path(os.environ[ENV_VAR]), True, propagate=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -378,3 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if os.environ.get(ENV_VAR):
     configure_tracing(Path(os.environ[ENV_VAR]), True, propagate=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
