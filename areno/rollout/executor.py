@@ -122,6 +122,7 @@ class WorkflowExecutor:
         self._last_batch: dict[str, float] = {}
         self._busy_s = 0.0
         self._started_at: float | None = None
+        self._worker_error: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
@@ -149,8 +150,18 @@ class WorkflowExecutor:
             raise ValueError("the everlasting pool needs dataset_iter and staleness; use rollout_batch() otherwise")
         loop = self._ensure_loop()
 
+        def on_done(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:  # e.g. the dataset iterator raised
+                logger.error("rollout worker %s died: %r", task.get_name(), task.exception())
+                self._worker_error = task.exception()
+                with self._results_cond:
+                    self._results_cond.notify_all()
+
         async def aspawn() -> list[asyncio.Task]:
-            return [loop.create_task(self._aworker(i), name=f"rollout-worker-{i}") for i in range(self.num_workers)]
+            tasks = [loop.create_task(self._aworker(i), name=f"rollout-worker-{i}") for i in range(self.num_workers)]
+            for task in tasks:
+                task.add_done_callback(on_done)
+            return tasks
 
         self._started_at = time.monotonic()
         self._worker_tasks = asyncio.run_coroutine_threadsafe(aspawn(), loop).result()
@@ -175,6 +186,8 @@ class WorkflowExecutor:
         loop.close()
         self._loop = None
         self._worker_tasks = None
+
+    shutdown = stop
 
     def __enter__(self) -> "WorkflowExecutor":
         return self
@@ -324,6 +337,9 @@ class WorkflowExecutor:
         deadline = None if timeout is None else t0 + timeout
         with self._results_cond:
             while True:
+                if self._worker_error is not None:
+                    raise RuntimeError(f"the rollout pool stopped: a worker died with {self._worker_error!r}") \
+                        from self._worker_error
                 self._drop_stale_locked()
                 if len(self._results) >= batch_size or (self._results and self._drained_locked()):
                     break

@@ -170,3 +170,14 @@ def test_rollout_batch_runs_all_episodes_concurrently():
     assert [t.info["id"] for t in trajs] == [0, 1, 2, 4, 5, 6, 7]
     assert engine.max_in_flight == 7
     assert m["rollout/failed_episodes"] == 1 and m["rollout/rejected"] == 1
+
+
+def test_dataset_iterator_error_surfaces_in_wait_batch():
+    def broken_rows():
+        yield {"id": 0, "len": 2}
+        raise OSError("disk gone")
+
+    staleness = StalenessManager(max_head_offpolicyness=0, batch_size=2, max_concurrent=2)
+    with WorkflowExecutor(FakeEngine(length_from_prompt), CountingWorkflow(), broken_rows(), staleness) as ex:
+        with pytest.raises(RuntimeError, match="disk gone"):
+            ex.wait_batch(2, timeout=10)
