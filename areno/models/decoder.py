@@ -15,6 +15,7 @@ V = vocabulary, B = sequences, P = positions.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol
 
@@ -243,11 +244,13 @@ class PackedCausalAttention:
     itself and the previous ``sliding_window - 1`` tokens), or None. ``impl``:
     - ``"sdpa"``: SDPA with a block-diagonal causal boolean mask [T, T] (the CPU default).
     - ``"flex"``: FlexAttention with a document block mask, compiled (the CUDA default).
+    - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash, CUDA bf16/fp16 only; torch
+      versions whose varlen lacks GQA get k/v repeated, and lack sliding windows fall back to flex).
     - ``"auto"``: flex on CUDA, sdpa elsewhere.
     The mask is built at the first call and reused by every layer.
     """
 
-    IMPLS = ("auto", "sdpa", "flex")
+    IMPLS = ("auto", "sdpa", "flex", "varlen")
 
     def __init__(
         self, cu_seqlens_B1: torch.Tensor, *, sliding_window: int | None = None, impl: str = "auto"
@@ -287,7 +290,27 @@ class PackedCausalAttention:
                 keep = keep & (q_idx - kv_idx < window)
             return keep
 
-        return create_block_mask(mask_mod, None, None, T, T, device=device)
+        # Compiled mask construction never materialises a [T, T] mask on the GPU.
+        return create_block_mask(mask_mod, None, None, T, T, device=device, _compile=device.type == "cuda")
+
+    def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        if self._mask_key is None or self._mask_key[0] != "varlen":
+            cu = self.cu_seqlens_B1.to(device=q_THD.device, dtype=torch.int32)
+            max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max())
+            self._mask, self._mask_key = (cu, max_len), ("varlen",)
+        cu, max_len = self._mask
+        params = _varlen_params()
+        if "window_size" in params:  # torch >= 2.12: causal window and GQA built in
+            left = -1 if self.sliding_window is None else self.sliding_window - 1
+            return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len,
+                               window_size=(left, 0), enable_gqa=True)
+        groups = q_THD.shape[1] // k_THD.shape[1]
+        if groups > 1:
+            k_THD = k_THD.repeat_interleave(groups, dim=1)
+            v_THD = v_THD.repeat_interleave(groups, dim=1)
+        return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, is_causal=True)
 
     def __call__(
         self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
@@ -296,6 +319,10 @@ class PackedCausalAttention:
         impl = self.impl
         if impl == "auto":
             impl = "flex" if q_THD.is_cuda else "sdpa"
+        if impl == "varlen":
+            if self.sliding_window is None or "window_size" in _varlen_params():
+                return self._varlen(q_THD, k_THD, v_THD)
+            impl = "flex"
         key = (impl, T, device)
         if self._mask_key != key:
             self._mask = self._flex_mask(T, device) if impl == "flex" else self._sdpa_mask(T, device)
@@ -311,6 +338,16 @@ class PackedCausalAttention:
 
 
 _FLEX = None
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_params() -> frozenset[str]:
+    """Parameter names of this torch's varlen_attn (its signature changed between releases)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _compiled_flex_attention():

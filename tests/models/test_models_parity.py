@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areno.models import Decoder, ModelConfig, PackedCausalAttention, load_model, save_model, tiny_config
+from areno.models.logprobs import packed_logprobs
 
 VOCAB = 61
 LLAMA3_ROPE = {
@@ -53,15 +54,9 @@ def _ref_logprobs(ref: torch.nn.Module, ids_T: torch.Tensor) -> torch.Tensor:
 
 
 def _our_logprobs(model: Decoder, ids_T: torch.Tensor, cu_B1: torch.Tensor) -> torch.Tensor:
-    seqlens = (cu_B1[1:] - cu_B1[:-1]).tolist()
-    pos_T = torch.cat([torch.arange(n) for n in seqlens])
     with torch.no_grad():
-        hidden = model(ids_T, pos_T, PackedCausalAttention(cu_B1, sliding_window=model.config.sliding_window))
-        logp_TV = torch.log_softmax(model.logits(hidden).float(), -1)
-    out = torch.zeros(ids_T.numel())
-    out[1:] = logp_TV[:-1].gather(-1, ids_T[1:, None])[:, 0]
-    out[cu_B1[:-1]] = 0.0
-    return out
+        logprobs_T, _ = packed_logprobs(model, ids_T, cu_B1, chunk_size=7)
+    return logprobs_T
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -1,0 +1,144 @@
+"""Per-token log-probs (and entropies) of packed sequences without materialising [T, V] fp32 logits.
+
+Alignment (areno/api/types.py): ``logprobs_T[t] = log p(input_ids_T[t] | earlier tokens of the same
+sequence)`` under the temperature-scaled distribution, and 0 at each sequence's first token; the
+same for ``entropy_T[t]`` (the entropy of the distribution that predicts token t).
+
+Logits are computed chunk by chunk from the final hidden states: forward keeps only the per-token
+log-sum-exp, and backward recomputes each chunk's logits, so peak memory is one chunk of
+``[chunk_size, V]`` fp32 logits in both passes. The matmul runs in the model dtype and the softmax
+in fp32, as ``Decoder.logits(...).float()`` would.
+
+Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = tokens of a chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areno.models.decoder import Decoder, PackedCausalAttention
+
+
+def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
+    z_CV = (h_CD @ weight_VD.t()).float()
+    return z_CV / temperature if temperature != 1.0 else z_CV
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """(hidden_TD, weight_VD, targets_T) -> (logprobs_T, entropy_T), chunked in both passes."""
+
+    @staticmethod
+    def forward(ctx, hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy):
+        T = hidden_TD.shape[0]
+        logprobs_T = hidden_TD.new_empty(T, dtype=torch.float32)
+        lse_T = hidden_TD.new_empty(T, dtype=torch.float32)
+        entropy_T = hidden_TD.new_empty(T if with_entropy else 0, dtype=torch.float32)
+        for s in range(0, T, chunk_size):
+            e = min(s + chunk_size, T)
+            z_CV = _chunk_logits(hidden_TD[s:e], weight_VD, temperature)
+            lse_C = torch.logsumexp(z_CV, dim=-1)
+            lse_T[s:e] = lse_C
+            logprobs_T[s:e] = z_CV.gather(-1, targets_T[s:e, None])[:, 0] - lse_C
+            if with_entropy:
+                logp_CV = z_CV - lse_C[:, None]
+                entropy_T[s:e] = -(logp_CV.exp() * logp_CV).sum(-1)
+        ctx.save_for_backward(hidden_TD, weight_VD, targets_T, lse_T, entropy_T)
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.mark_non_differentiable(lse_T)
+        return logprobs_T, entropy_T
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_T, grad_entropy_T):
+        hidden_TD, weight_VD, targets_T, lse_T, entropy_T = ctx.saved_tensors
+        tau, chunk_size = ctx.temperature, ctx.chunk_size
+        use_entropy = ctx.with_entropy and grad_entropy_T is not None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h_TD = torch.empty_like(hidden_TD) if need_h else None
+        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
+        T = hidden_TD.shape[0]
+        for s in range(0, T, chunk_size):
+            e = min(s + chunk_size, T)
+            z_CV = _chunk_logits(hidden_TD[s:e], weight_VD, tau)
+            p_CV = torch.exp(z_CV - lse_T[s:e, None])
+            # d logp[target] / dz = onehot(target) - p
+            g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else torch.zeros_like(lse_T[s:e])
+            grad_z_CV = -p_CV * g_C[:, None]
+            grad_z_CV.scatter_add_(-1, targets_T[s:e, None], g_C[:, None])
+            if use_entropy:
+                # H = -sum p log p;  dH/dz_j = -p_j (log p_j + H)
+                logp_CV = z_CV - lse_T[s:e, None]
+                grad_z_CV -= grad_entropy_T[s:e, None] * p_CV * (logp_CV + entropy_T[s:e, None])
+            if tau != 1.0:
+                grad_z_CV /= tau
+            grad_z_CV = grad_z_CV.to(hidden_TD.dtype)
+            if need_h:
+                grad_h_TD[s:e] = grad_z_CV @ weight_VD
+            if need_w:
+                grad_w_VD += (grad_z_CV.t() @ hidden_TD[s:e]).float()
+        if need_w:
+            grad_w_VD = grad_w_VD.to(weight_VD.dtype)
+        return grad_h_TD, grad_w_VD, None, None, None, None
+
+
+def logprobs_from_hidden(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    targets_T: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 2048,
+    *,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row-wise ``log softmax(hidden_TD[t] @ weight_VD.T / temperature)[targets_T[t]]`` (fp32 [T]),
+    and the entropy of each row's distribution when ``with_entropy``. Differentiable w.r.t.
+    hidden and weight; no alignment shift is applied here."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    logprobs_T, entropy_T = _ChunkedLogprobs.apply(
+        hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy)
+    )
+    return logprobs_T, (entropy_T if with_entropy else None)
+
+
+def position_ids_from_cu_seqlens(cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
+    """int64 [T] positions restarting at 0 for each packed sequence (on cu_seqlens' device)."""
+    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
+    T = int(cu_seqlens_B1[-1])
+    starts_T = torch.repeat_interleave(cu_seqlens_B1[:-1], seqlens_B, output_size=T)
+    return torch.arange(T, device=cu_seqlens_B1.device, dtype=torch.long) - starts_T
+
+
+def packed_logprobs(
+    model: Decoder,
+    input_ids_T: torch.Tensor,
+    cu_seqlens_B1: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 2048,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (fp32 [T]) of every packed token given the earlier tokens of its sequence, 0 at
+    each sequence's first token; entropies (fp32 [T], same alignment) when ``with_entropy``.
+
+    Differentiable w.r.t. the model's parameters. Under FSDP the output projection must be
+    unsharded when this runs (it is read after ``model(...)`` returns).
+    """
+    T = input_ids_T.numel()
+    if int(cu_seqlens_B1[-1]) != T or int(cu_seqlens_B1[0]) != 0:
+        raise ValueError(f"cu_seqlens_B1 must start at 0 and end at T={T}, got {cu_seqlens_B1.tolist()}")
+    device = input_ids_T.device
+    cu_B1 = cu_seqlens_B1.to(device)
+    attn = PackedCausalAttention(cu_B1, sliding_window=model.config.sliding_window)
+    position_ids_T = position_ids_from_cu_seqlens(cu_B1)
+    hidden_TD = model(input_ids_T, position_ids_T, attn)
+    # hidden[t] predicts token t+1; the prediction across a sequence boundary is zeroed below.
+    lp, ent = logprobs_from_hidden(
+        hidden_TD[:-1], model.output_weight, input_ids_T[1:], temperature, chunk_size, with_entropy=with_entropy
+    )
+    zero = lp.new_zeros(1)
+    is_first_T = position_ids_T == 0
+    logprobs_T = torch.where(is_first_T, 0.0, torch.cat([zero, lp]))
+    entropy_T = torch.where(is_first_T, 0.0, torch.cat([zero, ent])) if ent is not None else None
+    return logprobs_T, entropy_T

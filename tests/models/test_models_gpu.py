@@ -1,0 +1,89 @@
+"""CUDA checks (run by the lead on the GPU machine): bf16 parity with transformers, and the flex /
+varlen attention paths against SDPA, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areno.models import Decoder, PackedCausalAttention, load_model, save_model, tiny_config
+from areno.models.logprobs import packed_logprobs
+
+pytestmark = pytest.mark.gpu
+VOCAB = 512
+
+
+def _ref_logprobs(ref, seqs):
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            logits = ref(s[None]).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, s[1:, None])[:, 0]
+            out.append(torch.cat([lp.new_zeros(1), lp]))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_bf16_logprob_parity_with_transformers(arch, tmp_path):
+    torch.manual_seed(0)
+    config = tiny_config(VOCAB, arch=arch, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05)
+    save_model(Decoder(config), config, tmp_path)
+    lens = [100, 37, 300]
+    seqs = [torch.randint(0, VOCAB, (n,), device="cuda") for n in lens]
+    ids_T = torch.cat(seqs)
+    cu_B1 = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+
+    ref32 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()
+    expected = _ref_logprobs(ref32, seqs)
+    del ref32
+    ref16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+    hf_bf16_err = (_ref_logprobs(ref16, seqs) - expected).abs()
+    del ref16
+
+    model, _ = load_model(tmp_path, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        ours, _ = packed_logprobs(model, ids_T, cu_B1, chunk_size=128)
+    err = (ours - expected).abs()
+    # bf16 error of the same order as transformers' own bf16 error against fp32.
+    assert err.mean() <= 2 * hf_bf16_err.mean() + 1e-3, (err.mean(), hf_bf16_err.mean())
+    assert err.max() <= 2 * hf_bf16_err.max() + 0.05, (err.max(), hf_bf16_err.max())
+
+
+@pytest.mark.parametrize("impl", ["flex", "varlen"])
+@pytest.mark.parametrize("window", [None, 64])
+def test_cuda_attention_impls_match_sdpa(impl, window):
+    if impl == "varlen":
+        pytest.importorskip("torch.nn.attention.varlen")
+    torch.manual_seed(0)
+    cu_B1 = torch.tensor([0, 130, 131, 400, 512], device="cuda")
+    q = torch.randn(512, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(512, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(512, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(512, 8, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run(name):
+        q.grad = k.grad = v.grad = None
+        out = PackedCausalAttention(cu_B1, sliding_window=window, impl=name)(0, q, k, v)
+        out.backward(grad)
+        return out.float(), q.grad.float(), k.grad.float(), v.grad.float()
+
+    for got, exp in zip(run(impl), run("sdpa")):
+        torch.testing.assert_close(got, exp, atol=3e-2, rtol=3e-2)
+
+
+def test_cuda_packed_logprobs_backward_runs_chunked():
+    torch.manual_seed(0)
+    config = tiny_config(VOCAB, arch="qwen2", hidden_size=256, layers=2, heads=8, kv_heads=2)
+    model = Decoder(config).cuda().to(torch.bfloat16)
+    ids_T = torch.randint(0, VOCAB, (1000,), device="cuda")
+    cu_B1 = torch.tensor([0, 500, 1000], device="cuda")
+    lp_a, ent_a = packed_logprobs(model, ids_T, cu_B1, chunk_size=64, with_entropy=True)
+    (lp_a.sum() + ent_a.sum()).backward()
+    g_a = model.model.layers[0].self_attn.q_proj.weight.grad.float().clone()
+    model.zero_grad()
+    lp_b, ent_b = packed_logprobs(model, ids_T, cu_B1, chunk_size=4096, with_entropy=True)
+    (lp_b.sum() + ent_b.sum()).backward()
+    g_b = model.model.layers[0].self_attn.q_proj.weight.grad.float()
+    torch.testing.assert_close(lp_a, lp_b, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(g_a, g_b, atol=1e-2, rtol=5e-2)
