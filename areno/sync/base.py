@@ -182,13 +182,24 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 class NamedTensorSource(WeightSource):
     """A ``WeightSource`` over a callable returning ``(name, tensor)`` pairs (a state dict's items,
-    ``TrainBackend.named_weights``, a model's ``named_parameters``)."""
+    ``TrainBackend.named_weights``, a model's ``named_parameters``).
 
-    def __init__(self, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+    ``meta()`` iterates the callable once (shapes and dtypes; a DTensor reports its global shape)
+    and caches the result; pass ``meta`` to skip that pass when the list is known.
+    """
+
+    def __init__(
+        self,
+        named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        meta: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None,
+    ) -> None:
         self._named_tensors = named_tensors
+        self._meta = meta
 
     def meta(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return [(name, tuple(t.shape), t.dtype) for name, t in self._named_tensors()]
+        if self._meta is None:
+            self._meta = [(name, tuple(t.shape), t.dtype) for name, t in self._named_tensors()]
+        return self._meta
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._named_tensors():
@@ -295,3 +306,32 @@ class Timer:
         if self._cuda_sync:
             torch.cuda.synchronize()
         self.seconds += time.perf_counter() - self._t0
+
+
+def engine_receiver(engine: object, specs: Mapping[str, ShardSpec]) -> StagedReceiver:
+    """A ``StagedReceiver`` for a rollout engine exposing ``weight_tensors()`` (its live, possibly
+    TP-sharded tensors by HF name) and ``commit_weights(version)``: slices are staged in the live
+    tensors' dtype and device and copied in place at commit. Pause generation around the sync.
+
+    Only names present on both sides are kept; a live tensor whose shape differs from its spec's
+    slice is a ValueError naming it.
+    """
+    live = engine.weight_tensors()  # type: ignore[attr-defined]
+    kept = {}
+    for name, spec in specs.items():
+        if name not in live:
+            continue
+        if tuple(live[name].shape) != spec.local_shape:
+            raise ValueError(f"{name}: engine tensor {tuple(live[name].shape)} != shard {spec.local_shape}; "
+                             "check the rollout TP rank/size given to the shard specs")
+        kept[name] = ShardSpec(name=name, full_shape=spec.full_shape, dtype=live[name].dtype, dim=spec.dim,
+                               start=spec.start, length=spec.length)
+    device = next(iter(live.values())).device
+    copy = copy_into(live)
+
+    def apply(named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        with torch.no_grad():
+            copy(named, version)
+        engine.commit_weights(version)  # type: ignore[attr-defined]
+
+    return StagedReceiver(kept, apply, device=device)

@@ -74,7 +74,8 @@ class InPlaceTransport(PolicySyncTransport):
             srcs.append(part)
             copied += dst.numel() * dst.element_size()
         if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            with torch.no_grad():  # engine tensors may be leaf parameters that require grad
+                torch._foreach_copy_(dsts, srcs)
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0

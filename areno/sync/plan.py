@@ -15,9 +15,9 @@ each rollout rank keeps. No torch.distributed here; everything is unit-tested on
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import torch
 
@@ -186,8 +186,9 @@ def choose_relays(sender_devices: Sequence[str], rollout_devices: Sequence[str])
     return relays
 
 
-def _pattern_regex(pattern: str) -> re.Pattern[str]:
-    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + r"(\.[^.]+)?$")
+def _matches(name: str, pattern: str) -> bool:
+    """``fnmatch`` on the parameter name, or on its module (``pattern`` naming a module)."""
+    return fnmatchcase(name, pattern) or fnmatchcase(name, pattern + ".*")
 
 
 def shard_specs_from_tp_plan(
@@ -199,18 +200,17 @@ def shard_specs_from_tp_plan(
 ) -> dict[str, ShardSpec]:
     """``ShardSpec`` of every tensor for one rollout TP rank.
 
-    ``tp_plan`` maps Hugging Face name patterns (``*`` = one dotted component; a pattern names a
-    module or a parameter) to a style: ``colwise*`` splits the output dim (weight and bias dim 0),
+    ``tp_plan`` maps Hugging Face name patterns (``fnmatch``; a pattern names a parameter or a
+    module, as ``areno.models.tp_plan.tp_plan`` and HF's ``base_model_tp_plan`` do) to a style: ``colwise*`` splits the output dim (weight and bias dim 0),
     ``rowwise*`` splits the input dim (weight dim 1; bias replicated), ``vocab``/``embedding*``
     splits dim 0, ``replicate`` keeps everything. Unmatched tensors are replicated. The first
     matching pattern wins. ``dtype`` overrides the receiver dtype (default: the source dtype).
     """
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
-    compiled = [(_pattern_regex(p), style) for p, style in tp_plan.items()]
     specs = {}
     for name, shape, src_dtype in meta:
-        style = next((s for rx, s in compiled if rx.match(name)), "replicate")
+        style = tp_plan.get(name) or next((s for p, s in tp_plan.items() if _matches(name, p)), "replicate")
         is_bias = name.endswith(".bias")
         if style.startswith("colwise") or style == "vocab" or style.startswith("embedding"):
             dim = 0

@@ -142,9 +142,12 @@ class StreamTransport(PolicySyncTransport):
             if len(topology.rollout_ranks) > 1 else None
         )
 
-        # The plan needs the same tensor list everywhere: the first sender publishes it.
-        if self.rank == topology.sender_ranks[0]:
-            self.store.set("meta", pickle.dumps(source.meta()))
+        # The plan needs the same tensor list everywhere: the first sender publishes it. Every
+        # training rank asks its source (listing a sharded source may be collective).
+        if self.is_train:
+            meta = source.meta()
+            if self.rank == topology.sender_ranks[0]:
+                self.store.set("meta", pickle.dumps(meta))
         self.store.wait(["meta"], self._timeout)
         self.meta = pickle.loads(self.store.get("meta"))
         self.plan: SyncPlan = plan_buckets(

@@ -91,11 +91,14 @@ def _build(rank: int, weights: dict, bucket_bytes: int, timeout_s: float):
     return transport, receiver, live
 
 
-def worker_roundtrip(rank: int, world: int, port: int, out: str, bucket_bytes: int) -> None:
-    """Two syncs (v1, v2 with new weights); each rank saves what it holds after each."""
+def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: int, timeout_s: float) -> None:
+    """v1 and v2 (new weights) complete; for v3, rank 3 never joins: everyone else must raise
+    within the timeout, naming rank 3, and rollout rank 2 must keep v2 intact. Each rank saves
+    what it holds after each step to ``out/rank{rank}.pt``."""
     init_world(rank, world, port)
     weights = tiny_weights(seed=1)
-    transport, receiver, live = _build(rank, weights, bucket_bytes, timeout_s=30.0)
+    transport, receiver, live = _build(rank, weights, bucket_bytes, timeout_s=timeout_s)
+    snapshot = lambda: {n: t.clone() for n, t in live.items()} if live is not None else None  # noqa: E731
     result = {"relays": transport.relays, "plan_rows": dict(transport.plan.owner),
               "peak_buffer_bytes": transport.peak_buffer_bytes, "max_bucket": transport.plan.max_bucket_bytes}
     for version, seed in ((1, 1), (2, 2)):
@@ -103,36 +106,29 @@ def worker_roundtrip(rank: int, world: int, port: int, out: str, bucket_bytes: i
         stats = transport.sync(version)
         result[f"v{version}"] = {
             "metrics": stats.as_metrics(),
-            "live": {n: t.clone() for n, t in live.items()} if live is not None else None,
+            "live": snapshot(),
             "receiver_version": receiver.version if receiver is not None else None,
         }
+    result["peak_buffer_bytes"] = transport.peak_buffer_bytes
     result["pop"] = transport.pop_metrics()
     result["pop_again"] = transport.pop_metrics()
-    torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
 
-
-def worker_hang(rank: int, world: int, port: int, out: str, timeout_s: float) -> None:
-    """v1 completes; for v2, rank 3 never joins: everyone else must raise within the timeout, the
-    error naming rank 3, and rollout rank 2 must keep v1 intact."""
-    init_world(rank, world, port, timeout_s=60.0)
-    weights = tiny_weights(seed=1)
-    transport, receiver, live = _build(rank, weights, bucket_bytes=1024, timeout_s=timeout_s)
-    transport.sync(1)
-    result = {"v1": {n: t.clone() for n, t in live.items()} if live is not None else None}
-    weights.update(tiny_weights(seed=2))
-    if rank == 3:
-        time.sleep(3 * timeout_s + 2)
+    weights.update(tiny_weights(seed=3))
+    if rank == 3:  # hang: stay alive (sockets open) until the others have given up
+        deadline = time.time() + 60
+        while time.time() < deadline and not all((Path(out) / f"rank{r}.pt").exists() for r in (0, 1, 2)):
+            time.sleep(0.1)
     else:
         t0 = time.perf_counter()
         try:
-            transport.sync(2)
+            transport.sync(3)
             result["error"] = None
         except PolicySyncError as e:
             result["error"] = str(e)
         result["elapsed"] = time.perf_counter() - t0
-        result["after"] = {n: t.clone() for n, t in live.items()} if live is not None else None
+        result["after"] = snapshot()
         result["receiver_version"] = receiver.version if receiver is not None else None
-    torch.save(result, Path(out) / f"rank{rank}.pt")
+    tmp = Path(out) / f".rank{rank}.pt"
+    torch.save(result, tmp)
+    tmp.rename(Path(out) / f"rank{rank}.pt")
     os._exit(0)  # the groups are broken after a timeout; do not try to tear them down

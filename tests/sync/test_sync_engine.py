@@ -1,0 +1,123 @@
+"""In-place and disk transports against the real trainer and rollout engine: after a sync the
+engine's log-probs of a fixed sequence match the trainer's; failed updates keep the old version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from areno.api.types import SamplingParams
+from areno.models.hf_io import load_model
+from areno.models.logprobs import packed_logprobs
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.sync.base import METRIC_NAMES, NamedTensorSource, PolicySyncError, ShardSpec, StagedReceiver, copy_into
+from areno.sync.disk import COMPLETE, DiskTransport, latest_policy
+from areno.sync.inplace import InPlaceTransport
+from areno.train import LocalTrainBackend, TrainBackendConfig
+
+PROMPT = [5, 9, 12, 7, 3, 11]
+
+
+@pytest.fixture()
+def trainer(tiny_model_dir):
+    torch.set_num_threads(1)
+    b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", grad_clip=None))
+    b.initialize(tiny_model_dir)
+    with torch.no_grad():  # stands in for an optimizer step: the trained policy differs from the checkpoint
+        g = torch.Generator().manual_seed(7)
+        for p in b.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return b
+
+
+@pytest.fixture()
+def engine(tiny_model_dir):
+    model, cfg = load_model(tiny_model_dir, dtype=torch.float32, device="cpu")
+    return RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64))
+
+
+def engine_logprobs(engine) -> tuple[list[int], torch.Tensor]:
+    out = engine.generate([PROMPT], SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=3))[0]
+    return out.output_ids, torch.tensor(out.output_logprobs)
+
+
+def trainer_logprobs(trainer, output_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor(PROMPT + output_ids)
+    with torch.no_grad():
+        lp, _ = packed_logprobs(trainer.model, ids, torch.tensor([0, ids.numel()]))
+    return lp[len(PROMPT):]
+
+
+def test_inplace_sync_then_engine_logprobs_match_trainer(trainer, engine):
+    ids, before = engine_logprobs(engine)
+    assert not torch.allclose(before, trainer_logprobs(trainer, ids), atol=1e-3)  # the test can fail
+
+    transport = InPlaceTransport(NamedTensorSource(trainer.named_weights), engine.weight_tensors(),
+                                 on_commit=engine.commit_weights)
+    stats = transport.sync(1)
+    assert engine.version == 1 and transport.version == 1
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in engine.weight_tensors().values())
+    assert set(stats.as_metrics()) == set(METRIC_NAMES)
+    ids, after = engine_logprobs(engine)
+    torch.testing.assert_close(after, trainer_logprobs(trainer, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_inplace_aliased_tensors_move_nothing():
+    w = {"a": torch.randn(4, 4), "b": torch.randn(3)}
+    committed = []
+    transport = InPlaceTransport(NamedTensorSource(lambda: w.items()), dict(w), on_commit=committed.append)
+    stats = transport.sync(5)
+    assert stats.bytes == 0 and committed == [5]
+    # A cast: fp32 trained -> bf16 engine, one copy.
+    dst = {"a": torch.zeros(4, 4, dtype=torch.bfloat16)}
+    stats = InPlaceTransport(NamedTensorSource(lambda: w.items()), dst).sync(6)
+    assert torch.equal(dst["a"], w["a"].to(torch.bfloat16)) and stats.bytes == 32
+    with pytest.raises(ValueError, match="engine shape"):
+        InPlaceTransport(NamedTensorSource(lambda: w.items()), {"a": torch.zeros(2, 4)})
+
+
+def test_disk_sync_is_atomic_and_engine_logprobs_match_trainer(trainer, engine, tiny_model_dir, tmp_path):
+    root = tmp_path / "policies"
+    seen = []
+    transport = DiskTransport(
+        NamedTensorSource(trainer.named_weights), root,
+        receivers=[engine.update_weights_from_disk, lambda path, v: seen.append((path, v))],
+        model_dir=tiny_model_dir, keep_last=1,
+    )
+    stats = transport.sync(3)
+    path, version = latest_policy(root)
+    assert version == 3 and seen == [(str(path), 3)] and engine.version == 3
+    assert (path / COMPLETE).read_text() == "3" and (path / "config.json").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp")]
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {n for n, _ in trainer.named_weights()}
+    assert stats.tensors == len(index["weight_map"])
+    ids, after = engine_logprobs(engine)
+    torch.testing.assert_close(after, trainer_logprobs(trainer, ids), atol=1e-4, rtol=1e-4)
+    # The published directory is a Hugging Face checkpoint that transformers loads.
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    ref = dict(trainer.named_weights())["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(hf.state_dict()["model.layers.0.mlp.up_proj.weight"], ref)
+    transport.sync(4)  # keep_last=1 prunes v3
+    assert [p.name for p in root.iterdir()] == ["policy-v00000004"]
+
+
+def test_staged_receiver_is_all_or_nothing():
+    live = {"a": torch.zeros(2, 2), "b": torch.zeros(2)}
+    specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in live.items()}
+    r = StagedReceiver(specs, copy_into(live))
+    r.begin(1)
+    r.stage("a").fill_(1.0)
+    with pytest.raises(PolicySyncError, match="never arrived"):
+        r.commit(1)  # "b" is missing: nothing is applied
+    assert torch.equal(live["a"], torch.zeros(2, 2)) and r.version is None
+    r.abort()
+    r.begin(1)
+    r.stage("a").fill_(1.0)
+    r.stage("b").fill_(2.0)
+    r.commit(1)
+    assert r.version == 1 and torch.equal(live["b"], torch.full((2,), 2.0))
