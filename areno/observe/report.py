@@ -110,13 +110,30 @@ class Panel:
     """Stack the series (a time split); only with a single run."""
 
 
+def _leaf(k: str) -> str:
+    return k.rsplit("/", 1)[-1]
+
+
+def _loss_key(k: str) -> bool:
+    leaf = _leaf(k)
+    return k.startswith("train/") and (leaf in ("loss", "nll") or leaf.endswith("_loss"))
+
+
+def _kl_key(k: str) -> bool:
+    words = _leaf(k).split("_")
+    return k.startswith("train/") and "kl" in words and "coef" not in words
+
+
 PANELS: tuple[Panel, ...] = (
-    Panel("Reward", "reward", _match(lambda k: k.startswith("rollout/") and "reward" in k
-                                     and not k.endswith(("_std", "_errors")))),
+    Panel("Reward", "reward", _match(lambda k: k.startswith("rollout/") and "reward" in _leaf(k)
+                                     and not _leaf(k).endswith(("_std", "_errors")))),
     Panel("Held-out accuracy", "accuracy", _match(_eval_key)),
-    Panel("Loss", "loss", _match(lambda k: k.startswith("train/") and "loss" in k)),
-    Panel("KL", "KL", _match(lambda k: k.startswith("train/") and "kl" in k.split("/", 1)[1])),
-    Panel("Clip fractions", "fraction", _match(lambda k: k.startswith("train/") and "clip" in k)),
+    Panel("Loss", "loss", _match(_loss_key)),
+    Panel("KL", "KL", _match(_kl_key)),
+    Panel("Clip fractions", "fraction", _match(lambda k: k.startswith("train/")
+                                               and "clip" in _leaf(k) and "frac" in _leaf(k))),
+    Panel("Gradient norm", "norm", _match(lambda k: k.startswith("train/")
+                                          and _leaf(k) == "grad_norm")),
     Panel("Staleness", "versions behind", _match(lambda k: k.startswith("rollout/staleness"))),
     Panel("Throughput", "tokens / s", _match(lambda k: k.endswith("tokens_per_s"))),
     Panel("Time split per step", "seconds", _match(_time_split_key), stacked=True),

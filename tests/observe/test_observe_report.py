@@ -27,9 +27,12 @@ def write_run(run_dir: Path, *, steps: int, reward_slope: float, with_extras: bo
                 "rollout/reward_mean": min(1.0, 0.1 + reward_slope * step),
                 "rollout/staleness_mean": 0.5 * (step % 3),
                 "rollout/num_tokens": 4000.0,
-                "train/loss": 2.0 / step,
-                "train/approx_kl": 0.01 * math.sin(step) ** 2,
-                "train/clip_frac": 0.05,
+                "train/policy/loss": 2.0 / step,
+                "train/policy/loss_denominator": 100.0,
+                "train/policy/grad_norm": 1.0 / step,
+                "train/policy/approx_kl": 0.01 * math.sin(step) ** 2,
+                "train/policy/kl_coef": 0.1,
+                "train/policy/clip_frac": 0.05,
                 "timing/rollout_s": 1.0,
                 "timing/train_s": 0.5,
                 "timing/sync_s": 0.1,
@@ -107,7 +110,7 @@ def test_report_renders_all_panels_for_two_runs(two_runs, tmp_path):
     rows = re.findall(r"<tr><td>(grpo|ppo)</td><td>(\d+)</td>", text)
     assert rows == [("grpo", "20"), ("ppo", "15")]
     pngs = sorted(p.name for p in (tmp_path / "png").iterdir())
-    assert "reward.png" in pngs and "policy-sync_bandwidth.png" in pngs and len(pngs) == 11
+    assert "reward.png" in pngs and "policy-sync_bandwidth.png" in pngs and len(pngs) == 12
 
 
 def test_panels_select_the_right_metrics(two_runs):
@@ -116,7 +119,9 @@ def test_panels_select_the_right_metrics(two_runs):
     chosen = {p.title: p.select(run.keys()) for p in report.PANELS}
     assert chosen["Reward"] == ["rollout/reward_mean"]
     assert chosen["Held-out accuracy"] == ["eval/accuracy"]
-    assert chosen["KL"] == ["train/approx_kl"]
+    assert chosen["KL"] == ["train/policy/approx_kl"]
+    assert chosen["Loss"] == ["train/policy/loss"]
+    assert chosen["Clip fractions"] == ["train/policy/clip_frac"]
     assert chosen["Time split per step"] == ["timing/rollout_s", "timing/sync_s", "timing/train_s"]
     assert chosen["Policy-sync time"] == ["policy_sync_time_s", "policy_sync_transfer_time_s"]
     steps, values = run.series("eval/accuracy")
@@ -166,3 +171,24 @@ def test_report_renders_in_headless_chromium(two_runs, tmp_path):
         capture_output=True, timeout=120, check=True,
     )
     assert shot.read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.slow
+def test_report_from_a_real_tiny_run(tmp_path):
+    """A few GRPO steps of the CPU demo with a 2-layer model, then the report of that run."""
+    from areno.api.pipeline import run_demo
+
+    run_dir = tmp_path / "demo"
+    run_demo(run_dir=str(run_dir), overrides=[
+        f"model.path={tmp_path / 'init_model'}", "model.init_tiny.hidden_size=32",
+        "model.init_tiny.layers=2", "model.init_tiny.intermediate_size=64",
+        "warm_start.steps=0", "train.steps=3", "train.eval_interval=2", "data.num_eval=8",
+        "rollout.batch_size=4", "rollout.n_samples=2",
+    ])
+    out = report.write_report([run_dir])
+    parser = ImageCollector()
+    parser.feed(out.read_text())
+    alts = [alt for alt, _ in parser.images]
+    for title in ("Reward", "Held-out accuracy", "Loss", "Throughput", "Time split per step"):
+        assert title in alts
+    assert report.summarize(report.load_run(run_dir))["steps"] == 3
