@@ -3,6 +3,8 @@
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import AttentionBackend, Decoder, PackedCausalAttention
 from areno.models.hf_io import init_model_dir, load_model, read_config, save_model, tiny_config
+from areno.models.logprobs import logprobs_from_hidden, packed_logprobs
+from areno.models.tp_plan import check_tp_size, tp_plan
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -10,9 +12,13 @@ __all__ = [
     "Decoder",
     "ModelConfig",
     "PackedCausalAttention",
+    "check_tp_size",
     "init_model_dir",
     "load_model",
+    "logprobs_from_hidden",
+    "packed_logprobs",
     "read_config",
     "save_model",
     "tiny_config",
+    "tp_plan",
 ]

@@ -38,10 +38,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             z_CV = _chunk_logits(hidden_TD[s:e], weight_VD, temperature)
             lse_C = torch.logsumexp(z_CV, dim=-1)
             lse_T[s:e] = lse_C
-            logprobs_T[s:e] = z_CV.gather(-1, targets_T[s:e, None])[:, 0] - lse_C
+            logp_CV = z_CV.sub_(lse_C[:, None])  # in place: at most two [C, V] fp32 buffers live
+            logprobs_T[s:e] = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
             if with_entropy:
-                logp_CV = z_CV - lse_C[:, None]
-                entropy_T[s:e] = -(logp_CV.exp() * logp_CV).sum(-1)
+                entropy_T[s:e] = -(logp_CV.exp().mul_(logp_CV)).sum(-1)
         ctx.save_for_backward(hidden_TD, weight_VD, targets_T, lse_T, entropy_T)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.mark_non_differentiable(lse_T)
@@ -58,16 +58,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         T = hidden_TD.shape[0]
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            z_CV = _chunk_logits(hidden_TD[s:e], weight_VD, tau)
-            p_CV = torch.exp(z_CV - lse_T[s:e, None])
-            # d logp[target] / dz = onehot(target) - p
-            g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else torch.zeros_like(lse_T[s:e])
-            grad_z_CV = -p_CV * g_C[:, None]
-            grad_z_CV.scatter_add_(-1, targets_T[s:e, None], g_C[:, None])
+            logp_CV = _chunk_logits(hidden_TD[s:e], weight_VD, tau).sub_(lse_T[s:e, None])
+            p_CV = logp_CV.exp()
+            g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
+            # d logp[target]/dz_j = onehot_j - p_j;  d H/dz_j = -p_j (logp_j + H)   (H = -sum p logp)
+            # so dL/dz_j = g * onehot_j - p_j * (g + g_H * (logp_j + H)), built in place.
             if use_entropy:
-                # H = -sum p log p;  dH/dz_j = -p_j (log p_j + H)
-                logp_CV = z_CV - lse_T[s:e, None]
-                grad_z_CV -= grad_entropy_T[s:e, None] * p_CV * (logp_CV + entropy_T[s:e, None])
+                coef_CV = logp_CV.add_(entropy_T[s:e, None]).mul_(grad_entropy_T[s:e, None]).add_(g_C[:, None])
+                grad_z_CV = p_CV.mul_(coef_CV).neg_()
+            else:
+                grad_z_CV = p_CV.mul_(g_C[:, None]).neg_()
+            grad_z_CV.scatter_add_(-1, targets_T[s:e, None], g_C[:, None])
             if tau != 1.0:
                 grad_z_CV /= tau
             grad_z_CV = grad_z_CV.to(hidden_TD.dtype)
