@@ -28,9 +28,10 @@ def aggregation_weights_T(
     mask_T = loss_mask_T.to(torch.float32)
     if mode != "seq_mean_token_mean":
         return mask_T
-    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
-    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel()), seqlens_B)
-    count_B = torch.zeros(seqlens_B.numel()).index_add(0, seq_T, mask_T)
+    device = mask_T.device
+    seqlens_B = (cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).to(device)
+    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=device), seqlens_B)
+    count_B = torch.zeros(seqlens_B.numel(), device=device).index_add(0, seq_T, mask_T)
     return mask_T / count_B.clamp(min=1)[seq_T]
 
 
@@ -42,6 +43,7 @@ def aggregation_denominator(
     _check(mode)
     if mode == "token":
         return float(loss_mask_T.sum())
+    loss_mask_T, cu_seqlens_B1 = loss_mask_T.cpu(), cu_seqlens_B1.cpu()
     seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
     if mode == "constant":
         return float(seqlens_B.numel()) * constant

@@ -20,19 +20,20 @@ from areno.api.types import TokenBatch
 def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     """Final-normed hidden states [T, D] of a ``Decoder`` under packed causal attention."""
     from areno.models.decoder import PackedCausalAttention
+    from areno.models.logprobs import position_ids_from_cu_seqlens
 
     device = model.output_weight.device
-    attn = PackedCausalAttention(
-        batch.cu_seqlens_B1.to(device), sliding_window=getattr(model.config, "sliding_window", None)
-    )
-    return model(batch.input_ids_T.to(device), batch.position_ids_T().to(device), attn)
+    cu_B1 = batch.cu_seqlens_B1.to(device)
+    attn = PackedCausalAttention(cu_B1, sliding_window=getattr(model.config, "sliding_window", None))
+    return model(batch.input_ids_T.to(device), position_ids_from_cu_seqlens(cu_B1), attn)
 
 
 def _predictor_index_T(batch: TokenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(index of the hidden state that predicts each token, bool mask of tokens that have one)."""
     T = batch.num_tokens
+    cu_B1 = batch.cu_seqlens_B1.cpu()
     is_start_T = torch.zeros(T, dtype=torch.bool)
-    is_start_T[batch.cu_seqlens_B1[:-1][batch.seqlens_B > 0]] = True
+    is_start_T[cu_B1[:-1][(cu_B1[1:] - cu_B1[:-1]) > 0]] = True
     idx_T = (torch.arange(T) - 1).clamp(min=0)
     return idx_T.to(device), (~is_start_T).to(device)
 
@@ -50,7 +51,11 @@ def token_logprobs_T(
 ) -> dict[str, torch.Tensor]:
     """Per-token ``logprobs_T`` of ``targets_T`` (default: the batch's own tokens) under the
     temperature-scaled distribution, optionally ``entropy_T`` and the greedy action
-    ``argmax_T`` (the token the model would emit at each position). 0 at sequence starts."""
+    ``argmax_T`` (the token the model would emit at each position, no gradient). 0 at sequence
+    starts. The log-probs use ``areno.models.logprobs.logprobs_from_hidden``, which recomputes
+    chunk logits in backward instead of keeping [T, V] fp32 logits alive."""
+    from areno.models.logprobs import logprobs_from_hidden
+
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if hidden_TD is None:
@@ -59,23 +64,20 @@ def token_logprobs_T(
     weight_VD = model.output_weight
     targets_T = (batch.input_ids_T if targets_T is None else targets_T).to(device)
     src_T, valid_T = _predictor_index_T(batch, device)
-    logp_parts, ent_parts, arg_parts = [], [], []
-    for start in range(0, batch.num_tokens, chunk_size):
-        sl = slice(start, start + chunk_size)
-        logits_CV = F.linear(hidden_TD[src_T[sl]], weight_VD).float() / temperature
-        logz_C = torch.logsumexp(logits_CV, dim=-1)
-        logp_parts.append(logits_CV.gather(1, targets_T[sl, None]).squeeze(1) - logz_C)
-        if with_entropy:
-            probs_CV = torch.softmax(logits_CV, dim=-1)
-            ent_parts.append(logz_C - (probs_CV * logits_CV).sum(-1))
-        if with_argmax:
-            arg_parts.append(logits_CV.argmax(-1))
+    pred_TD = hidden_TD[src_T]
+    logp_T, ent_T = logprobs_from_hidden(
+        pred_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy=with_entropy
+    )
     zero = torch.zeros((), device=device)
-    out = {"logprobs_T": torch.where(valid_T, torch.cat(logp_parts), zero)}
+    out = {"logprobs_T": torch.where(valid_T, logp_T, zero)}
     if with_entropy:
-        out["entropy_T"] = torch.where(valid_T, torch.cat(ent_parts), zero)
+        out["entropy_T"] = torch.where(valid_T, ent_T, zero)
     if with_argmax:
-        out["argmax_T"] = torch.where(valid_T, torch.cat(arg_parts), torch.zeros((), dtype=torch.long, device=device))
+        with torch.no_grad():
+            parts = [F.linear(pred_TD[i : i + chunk_size], weight_VD).argmax(-1)
+                     for i in range(0, batch.num_tokens, chunk_size)]
+        arg_T = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+        out["argmax_T"] = torch.where(valid_T, arg_T, torch.zeros((), dtype=torch.long, device=device))
     return out
 
 

@@ -1,0 +1,132 @@
+"""Recipe registry and validation: built-ins, closest-name suggestions, bad DataSyncs, duplicate
+roles, missing teacher checkpoints, bad specialization arguments — all before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from areno.recipes import TRAINING_CONFIGS, DataSync, ModelRole, TrainingConfig, get_recipe, list_recipes, main, recipe
+from areno.recipes.runner import RecipeRunner
+from areno.specializations import ActorSpecialization, DistillSpecialization, DPOSpecialization, LogProbSpecialization
+
+REQUIRED = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "cispo", "ppo", "sft",
+            "dpo", "dpo_distributed", "opd", "dagger", "aggrevate", "mixed_loss_dagger_opd", "reward_model"]
+TEACHER = {"opd", "dagger", "aggrevate", "mixed_loss_dagger_opd"}
+
+
+def test_builtins_registered_with_descriptions_and_formulas():
+    listed = dict(list_recipes())
+    assert set(REQUIRED) <= set(listed) and len(listed) >= 16
+    for name in REQUIRED:
+        assert listed[name], name
+        doc = TRAINING_CONFIGS[name].__doc__
+        assert "loss" in doc or "A_i" in doc, f"{name} docstring states no formula"
+        cfg = get_recipe(name, teacher_path="/ckpt/teacher") if name in TEACHER else get_recipe(name)
+        assert cfg.name == name and cfg.description == listed[name]
+        assert any(r.trainable for r in cfg.roles)
+
+
+def test_recipe_shapes():
+    ppo = get_recipe("ppo")
+    assert [r.name for r in ppo.roles] == ["policy", "value"]
+    assert ppo.syncs[0].source == "value" and ppo.syncs[0].target_keys == ("values_T",)
+    dd = get_recipe("dpo_distributed")
+    assert dd.role("reference").trainable is False
+    assert dd.syncs == (DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",)),)
+    assert get_recipe("sft").online is False and get_recipe("grpo").online is True
+    assert get_recipe("opd", teacher_path="/t").role("teacher").model_path == "/t"
+
+
+def test_unknown_name_suggests_closest():
+    with pytest.raises(ValueError, match="did you mean grpo"):
+        get_recipe("grop")
+    with pytest.raises(ValueError, match="dapo"):
+        get_recipe("dappo")
+    with pytest.raises(ValueError, match="unknown recipe 'zzzz'"):
+        get_recipe("zzzz")
+
+
+def test_options_and_policy_kwargs():
+    cfg = get_recipe("grpo", policy_kwargs={"clip_eps": 0.1, "kl_coef": 0.0})
+    assert cfg.policy_role.init_kwargs["clip_eps"] == 0.1
+    # a factory option inside policy_kwargs goes to the factory (train.algorithm_kwargs carries both)
+    cfg = get_recipe("opd", policy_kwargs={"teacher_path": "/t", "kl_estimator": "k2"})
+    assert cfg.role("teacher").model_path == "/t" and cfg.policy_role.init_kwargs == {"kl_estimator": "k2"}
+    with pytest.raises(ValueError, match="has no option"):
+        get_recipe("grpo", temperature_of_moon=1)
+    with pytest.raises(ValueError, match="clip_eps"):
+        get_recipe("grpo", policy_kwargs={"clip_eps": -1})
+    with pytest.raises(ValueError, match="bad arguments for ActorSpecialization"):
+        get_recipe("grpo", policy_kwargs={"clip_epsilon": 0.2})
+
+
+def test_teacher_without_checkpoint():
+    with pytest.raises(ValueError, match="role 'teacher' needs a checkpoint"):
+        get_recipe("opd")
+
+
+def _policy(**kw):
+    return ModelRole(name="policy", specialization_cls=ActorSpecialization, sync_to_rollout=True, init_kwargs=kw)
+
+
+def _ref(name="reference"):
+    return ModelRole(name=name, specialization_cls=LogProbSpecialization, trainable=False)
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="duplicate role names"):
+        TrainingConfig(name="x", roles=(_policy(), _policy()))
+    with pytest.raises(ValueError, match="missing role 'reference'"):
+        TrainingConfig(name="x", roles=(_policy(),), syncs=(DataSync(source="reference", target="policy", keys=("logprobs_T",)),))
+    with pytest.raises(ValueError, match="does not output"):
+        TrainingConfig(name="x", roles=(_policy(), _ref()),
+                       syncs=(DataSync(source="reference", target="policy", keys=("values_T",)),))
+    with pytest.raises(ValueError, match=r"needs batch keys \['ref_logprobs_T'\]"):
+        TrainingConfig(name="x", roles=(_policy(kl_coef=0.1), _ref()))
+    with pytest.raises(ValueError, match="no trainable role"):
+        TrainingConfig(name="x", roles=(_ref(),))
+    with pytest.raises(ValueError, match="target_keys"):
+        DataSync(source="a", target="b", keys=("logprobs_T",), target_keys=("x_T", "y_T"))
+    with pytest.raises(ValueError, match="stage"):
+        DataSync(source="a", target="b", keys=("logprobs_T",), stage="after")
+    with pytest.raises(ValueError, match="sync_to_rollout=True needs trainable"):
+        ModelRole(name="p", specialization_cls=ActorSpecialization, trainable=False, sync_to_rollout=True)
+    with pytest.raises(ValueError, match="ModelSpecialization subclass"):
+        ModelRole(name="p", specialization_cls=dict)
+    # a valid custom recipe: KL to a frozen reference through an inject sync
+    cfg = TrainingConfig(name="x", roles=(_policy(kl_coef=0.1), _ref()),
+                         syncs=(DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",)),))
+    assert cfg.policy_role.name == "policy"
+
+
+def test_register_custom_recipe_and_duplicate():
+    @recipe("test_only_distill")
+    def _custom(teacher_path: str | None = "/t"):
+        """Custom distillation for the test."""
+        return TrainingConfig(name="test_only_distill", roles=(
+            ModelRole(name="student", specialization_cls=DistillSpecialization, sync_to_rollout=True),
+            ModelRole(name="teacher", specialization_cls=LogProbSpecialization, trainable=False, model_path=teacher_path)),
+            syncs=(DataSync(source="teacher", target="student", keys=("logprobs_T",), target_keys=("teacher_logprobs_T",)),))
+
+    try:
+        assert get_recipe("test_only_distill").policy_role.name == "student"
+        with pytest.raises(ValueError, match="already registered"):
+            recipe("test_only_distill")(_custom)
+    finally:
+        del TRAINING_CONFIGS["test_only_distill"]
+
+
+def test_runner_needs_a_backend_per_role():
+    with pytest.raises(ValueError, match=r"no training backend for role\(s\) \['reference'\]"):
+        RecipeRunner(get_recipe("dpo_distributed"), {"policy": object()})
+    assert DPOSpecialization  # imported for the registry
+
+
+def test_cli_main(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "grpo" in out and "Bradley" in out
+    assert main(["ppo"]) == 0
+    assert "role value: CriticSpecialization" in capsys.readouterr().out
+    assert main(["grop"]) == 2
+    assert "did you mean grpo" in capsys.readouterr().out

@@ -1,0 +1,215 @@
+"""One RecipeRunner step of each built-in recipe on tiny checkpoints with LocalTrainBackend, micro-
+batches small enough that the batch is cut into several. The step's loss (computed at the initial
+weights) is checked against a hand-computed value from naive log-probs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from areno.api.types import TokenBatch
+from areno.recipes import get_recipe
+from areno.recipes.runner import RecipeRunner
+
+from conftest import naive_logprobs, rl_batch, with_behaviour_logprobs
+from test_specializations import completion_positions, grpo_adv, preference_batch
+
+train = pytest.importorskip("areno.train")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from areno.data.tokenizer import build_char_tokenizer
+    from areno.models.hf_io import init_model_dir, tiny_config
+
+    tok = build_char_tokenizer()
+    root = tmp_path_factory.mktemp("models")
+    cfg = tiny_config(len(tok), hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3)
+    return {name: str(init_model_dir(root / name, cfg, tok, seed=seed)) for name, seed in (("policy", 0), ("teacher", 1))}
+
+
+def load(path):
+    from areno.models.hf_io import load_model
+
+    return load_model(path, dtype=torch.float32, device="cpu")[0]
+
+
+def run_step(recipe, dirs, batch: TokenBatch, initial_version=0):
+    backends = {}
+    for role in recipe.roles:
+        backend = train.LocalTrainBackend(train.TrainBackendConfig(
+            lr=1e-2, trainable=role.trainable, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None))
+        backend.initialize(role.model_path or dirs["policy"])
+        backends[role.name] = backend
+    runner = RecipeRunner(recipe, backends, initial_version=initial_version)
+    before = {n: [p.detach().clone() for p in b.model.parameters()] for n, b in backends.items()}
+    metrics = runner.step(batch)
+    for role in recipe.roles:
+        moved = any(not torch.equal(p0, p1) for p0, p1 in zip(before[role.name], backends[role.name].model.parameters()))
+        assert moved == role.trainable, f"role {role.name}: parameters moved={moved}, trainable={role.trainable}"
+        if not role.trainable:
+            assert backends[role.name].optimizer is None  # frozen roles hold no optimizer state
+    assert metrics[f"{recipe.policy_role.name}/mbs"] > 1
+    assert runner.versions[recipe.policy_role.name] == initial_version + 1
+    return metrics
+
+
+def rl_setup(dirs, noise=0.3):
+    policy = load(dirs["policy"])
+    base = rl_batch()
+    logp = naive_logprobs(policy, base)
+    batch = with_behaviour_logprobs(base, logp, scale=noise)
+    return policy, batch, logp
+
+
+def clipped(r, a, lo, hi):
+    return -min(r * a, min(max(r, lo), hi) * a)
+
+
+def token_mean(batch, fn, seqs=range(6)):
+    terms = [fn(b, t) for b in seqs for t in completion_positions(batch, b)]
+    return sum(terms) / len(terms)
+
+
+def seq_mean(batch, fn, seqs=range(6)):
+    per = []
+    for b in seqs:
+        pos = completion_positions(batch, b)
+        per.append(sum(fn(b, t) for t in pos) / len(pos))
+    return sum(per) / len(per)
+
+
+def test_grpo(dirs):
+    _, batch, logp = rl_setup(dirs)
+    adv = grpo_adv(batch.rewards_B.tolist())
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    # grpo: reference = initial policy, so k3 = 0 at the first step
+    m = run_step(get_recipe("grpo"), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(seq_mean(batch, lambda b, t: clipped(r(t), adv[b], 0.8, 1.2)), rel=1e-4)
+    assert m["policy/actor/kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_dr_grpo_dapo_cispo(dirs):
+    _, batch, logp = rl_setup(dirs)
+    adv = grpo_adv(batch.rewards_B.tolist())
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    dr = grpo_adv(batch.rewards_B.tolist(), std=False)
+    m = run_step(get_recipe("dr_grpo", max_completion_length=16), dirs, batch)
+    total = sum(clipped(r(t), dr[b], 0.8, 1.2) for b in range(6) for t in completion_positions(batch, b))
+    assert m["policy/loss"] == pytest.approx(total / (6 * 16), rel=1e-4)
+    m = run_step(get_recipe("dapo"), dirs, batch)  # group c (rewards 1, 1) dropped
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: clipped(r(t), adv[b], 0.8, 1.28), range(4)), rel=1e-4)
+    m = run_step(get_recipe("cispo"), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: -min(r(t), 5.0) * adv[b] * float(logp[t])), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_gspo_rloo(dirs):
+    _, batch, logp = rl_setup(dirs, noise=0.01)
+    adv = grpo_adv(batch.rewards_B.tolist())
+    m = run_step(get_recipe("gspo"), dirs, batch)
+    def gspo_term(b, t):
+        pos = completion_positions(batch, b)
+        s = math.exp(sum(float(logp[u] - batch.logprobs_T[u]) for u in pos) / len(pos))
+        return clipped(s, adv[b], 1 - 3e-4, 1 + 4e-4)
+    assert m["policy/loss"] == pytest.approx(seq_mean(batch, gspo_term), rel=1e-4, abs=1e-6)
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    rewards = batch.rewards_B.tolist()
+    loo = [rewards[b] - rewards[b ^ 1] for b in range(6)]  # groups of two: the other one is the baseline
+    m = run_step(get_recipe("rloo"), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: clipped(r(t), loo[b], 0.8, 1.2)), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_reinforce_pp_recipes(dirs):
+    _, batch, logp = rl_setup(dirs)
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    rewards = batch.rewards_B.tolist()
+    baseline = [rewards[b] - (rewards[b] + rewards[b ^ 1]) / 2 for b in range(6)]
+    for name, centred, kl_reward in (("reinforce_pp", rewards, True), ("reinforce_pp_baseline", baseline, False)):
+        # returns-to-go: sequence reward plus, for reinforce_pp, the per-token k1 KL reward
+        # -0.01 (log pi_behave - log pi_ref) with pi_ref = the initial policy
+        returns = {}
+        for b in range(6):
+            running = centred[b]
+            for t in reversed(completion_positions(batch, b)):
+                running += -0.01 * float(batch.logprobs_T[t] - logp[t]) if kl_reward else 0.0
+                returns[t] = running
+        vals = torch.tensor(list(returns.values()), dtype=torch.float64)
+        mean, std = vals.mean().item(), vals.std().item()
+        m = run_step(get_recipe(name), dirs, batch)
+        expected = token_mean(batch, lambda b, t: clipped(r(t), (returns[t] - mean) / (std + 1e-8), 0.8, 1.2))
+        assert m["policy/loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6), name
+
+
+@pytest.mark.slow
+def test_decoupled_recipes(dirs):
+    _, batch, logp = rl_setup(dirs, noise=0.8)
+    adv = grpo_adv(batch.rewards_B.tolist())
+    # recompute: pi_prox = current weights, so r' = 1 and the loss is -w A with w masked above 5
+    def w_term(b, t):
+        w = math.exp(logp[t] - batch.logprobs_T[t])
+        return 0.0 if w > 5.0 else -w * adv[b]
+    m = run_step(get_recipe("grpo_async"), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, w_term), rel=1e-4)
+    # loglinear: versions 3, prox version 5 -> alpha 2/3
+    def ll_term(b, t):
+        p = batch.logprobs_T[t] + (2 / 3) * (logp[t] - batch.logprobs_T[t])
+        w = math.exp(p - batch.logprobs_T[t])
+        return 0.0 if w > 5.0 else w * clipped(math.exp(logp[t] - p), adv[b], 0.8, 1.2)
+    m = run_step(get_recipe("grpo_async_loglinear"), dirs, batch, initial_version=5)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, ll_term), rel=1e-4)
+    assert "policy/actor/coupled_clip_frac" in m
+
+
+@pytest.mark.slow
+def test_sft_and_distillation(dirs):
+    policy, batch, logp = rl_setup(dirs)
+    m = run_step(get_recipe("sft"), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: -float(logp[t])), rel=1e-5)
+    teacher = load(dirs["teacher"])
+    tl = naive_logprobs(teacher, batch)
+    k3 = lambda t: math.exp(tl[t] - logp[t]) - float(tl[t] - logp[t]) - 1  # noqa: E731
+    m = run_step(get_recipe("opd", teacher_path=dirs["teacher"]), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: k3(t)), rel=1e-4)
+    # dagger: labels are the teacher's greedy tokens
+    with torch.no_grad():
+        from areno.specializations import LogProbSpecialization
+
+        actions = LogProbSpecialization().extract_model_output(teacher, batch)["argmax_T"]
+    on_labels = naive_logprobs(policy, batch, targets_T=actions)
+    m = run_step(get_recipe("dagger", teacher_path=dirs["teacher"]), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: -float(on_labels[t])), rel=1e-4)
+    pos = [t for b in range(6) for t in completion_positions(batch, b)]
+    qs = torch.tensor([float(tl[t]) for t in pos], dtype=torch.float64)
+    m = run_step(get_recipe("aggrevate", teacher_path=dirs["teacher"]), dirs, batch)
+    expected = token_mean(batch, lambda b, t: -float((tl[t] - qs.mean()) / (qs.std() + 1e-8)) * float(logp[t]))
+    assert m["policy/loss"] == pytest.approx(expected, rel=1e-4)
+    executed = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    executed[pos[::3]] = True
+    batch.extra["teacher_executed_T"] = executed
+    m = run_step(get_recipe("mixed_loss_dagger_opd", teacher_path=dirs["teacher"], beta_decay_steps=100), dirs, batch,
+                 initial_version=25)  # beta = 0.75
+    expected = token_mean(batch, lambda b, t: 0.75 * -float(logp[t]) if executed[t] else 0.25 * k3(t))
+    assert m["policy/loss"] == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_dpo(dirs):
+    policy = load(dirs["policy"])
+    batch = preference_batch()
+    logp = naive_logprobs(policy, batch)
+    s = [sum(float(logp[t]) for t in completion_positions(batch, b)) for b in range(4)]
+    r = [sum(float(batch.logprobs_T[t]) for t in completion_positions(batch, b)) for b in range(4)]
+    expected = sum(math.log1p(math.exp(-0.5 * ((s[c] - r[c]) - (s[j] - r[j])))) for c, j in ((0, 2), (3, 1))) / 2
+    m = run_step(get_recipe("dpo", beta=0.5), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(expected, rel=1e-5)
+    assert 0.0 <= m["policy/dpo/accuracy"] <= 1.0
+
+
+def test_dpo_distributed_reference_inject(dirs):
+    m = run_step(get_recipe("dpo_distributed", beta=0.5), dirs, preference_batch())
+    assert m["policy/loss"] == pytest.approx(math.log(2), rel=1e-5)  # reference = initial policy: h = 0
