@@ -252,6 +252,8 @@ class StagedReceiver(ShardReceiver):
         self._written: set[str] = set()
         self.version: int | None = None
         """Version of the last commit, None before the first."""
+        self.last_apply_s = 0.0
+        """Seconds the last ``commit`` spent applying (the only time generation must pause)."""
 
     def shard_specs(self) -> Mapping[str, ShardSpec]:
         return self._specs
@@ -271,7 +273,11 @@ class StagedReceiver(ShardReceiver):
         missing = set(self._specs) - self._written
         if missing:
             raise PolicySyncError(f"sync v{version}: {len(missing)} tensors never arrived, e.g. {sorted(missing)[:3]}")
+        t0 = time.perf_counter()
         self._apply(list(self._staging.items()), version)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self.last_apply_s = time.perf_counter() - t0
         self.version = version
 
     def abort(self) -> None:
@@ -311,7 +317,9 @@ class Timer:
 def engine_receiver(engine: object, specs: Mapping[str, ShardSpec]) -> StagedReceiver:
     """A ``StagedReceiver`` for a rollout engine exposing ``weight_tensors()`` (its live, possibly
     TP-sharded tensors by HF name) and ``commit_weights(version)``: slices are staged in the live
-    tensors' dtype and device and copied in place at commit. Pause generation around the sync.
+    tensors' dtype and device, while the engine keeps generating; at commit the engine is paused
+    (at a step boundary), the staged tensors are copied in place, the version bumps, and generation
+    resumes (unless it was paused before).
 
     Only names present on both sides are kept; a live tensor whose shape differs from its spec's
     slice is a ValueError naming it.
@@ -330,8 +338,14 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec]) -> StagedRec
     copy = copy_into(live)
 
     def apply(named: list[tuple[str, torch.Tensor]], version: int) -> None:
-        with torch.no_grad():
-            copy(named, version)
-        engine.commit_weights(version)  # type: ignore[attr-defined]
+        was_paused = engine.is_paused  # type: ignore[attr-defined]
+        engine.pause()  # type: ignore[attr-defined]
+        try:
+            with torch.no_grad():
+                copy(named, version)
+            engine.commit_weights(version)  # type: ignore[attr-defined]
+        finally:
+            if not was_paused:
+                engine.resume()  # type: ignore[attr-defined]
 
     return StagedReceiver(kept, apply, device=device)

@@ -10,12 +10,14 @@ Each training rank iterates the ``WeightSource`` (so DTensor gathers stay collec
 packs its tensors into one of two bucket buffers and sends it as soon as the plan says the bucket
 is complete, so packing bucket k+1 overlaps sending bucket k. Extra memory per rank is two buckets.
 
-Commit protocol (a small control plane over the distributed store): each rollout rank reports its
-progress per bucket and ``staged`` at the end; the coordinator (first sender) waits for all of
-them, then writes the decision; rollout ranks commit (``ShardReceiver.commit``) only on ``commit``.
-Every wait has the configured timeout; a failure raises ``PolicySyncError`` naming the rollout
-ranks that fell behind, and the receivers abort, keeping the old version. After a failure the
-process groups may be broken: rebuild the transport (and the world) before the next sync.
+Commit (all-or-nothing across ranks): when its part is done, every participant joins one vote,
+an all-reduce over a gloo control group (done flags, buckets staged); rollout ranks apply their
+staged tensors (``ShardReceiver.commit``) only when every participant succeeded, so the TP shards
+of one engine never mix versions. A rank that fails still votes (``0``), so the others abort at
+once; one that hangs or dies makes the vote time out. Every wait has the configured timeout and a
+failure raises ``PolicySyncError`` naming the failed or unresponsive ranks; receivers abort and
+keep the old version. After a timeout the process groups may be broken: rebuild the transport
+(and the world) before the next sync.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -141,6 +143,10 @@ class StreamTransport(PolicySyncTransport):
             dist.new_group(list(topology.rollout_ranks), timeout=self._timeout)
             if len(topology.rollout_ranks) > 1 else None
         )
+        # Control plane: the commit vote, always gloo (CPU), so it may span shared devices.
+        self.control_group = dist.new_group(
+            sorted(topology.train_ranks + topology.rollout_ranks), timeout=self._timeout, backend="gloo"
+        )
 
         # The plan needs the same tensor list everywhere: the first sender publishes it. Every
         # training rank asks its source (listing a sharded source may be collective).
@@ -185,43 +191,50 @@ class StreamTransport(PolicySyncTransport):
         except RuntimeError as e:
             raise PolicySyncError(f"{what}: {e}") from e
 
-    def _laggards(self) -> str:
-        """Describe how far each rollout rank got, naming the ones furthest behind."""
-        progress = {}
-        for r in self.topology.rollout_ranks:
-            if not self.store.check([self._key("start", r)]):
-                progress[r] = -2
-            elif self.store.check([self._key("progress", r)]):
-                progress[r] = int(self.store.get(self._key("progress", r)))
-            else:
-                progress[r] = -1
-            if self.store.check([self._key("staged", r)]):
-                progress[r] = len(self.plan.buckets)
-        worst = min(progress.values())
-        lagging = [r for r, p in progress.items() if p == worst]
-        n = len(self.plan.buckets)
-        desc = ", ".join(
-            f"rank {r}: " + ("never joined" if p == -2 else f"{p + 1}/{n} buckets") for r, p in progress.items()
-        )
-        return f"lagging rollout rank(s) {lagging} ({desc})"
-
-    def _fail(self, version: int, cause: str) -> PolicySyncError:
+    def _missing(self) -> str:
+        """After a vote timed out: the ranks that never reached it (from the store)."""
         try:
-            where = self._laggards()
-        except RuntimeError as e:  # the store itself may be gone with a dead peer
-            where = f"store unreachable: {e}"
-        return PolicySyncError(f"policy sync v{version} failed on rank {self.rank}: {cause}; {where}")
+            participants = sorted(self.topology.train_ranks + self.topology.rollout_ranks)
+            missing = [r for r in participants if not self.store.check([self._key("arrived", r)])]
+            never = [r for r in missing if r in self.topology.rollout_ranks
+                     and not self.store.check([self._key("start", r)])]
+        except RuntimeError as e:  # the store may be gone with a dead peer
+            return f"store unreachable: {e}"
+        return (f"unresponsive rank(s) {missing}"
+                + "".join(f" (rank {r}: never joined)" for r in never))
 
     # ---------------------------------------------------------------- sync
     def _sync(self, version: int) -> SyncStats:
+        assert self.is_train or self.is_rollout, f"rank {self.rank} takes no part in this policy sync"
         self._attempt += 1
         t0 = time.perf_counter()
-        if self.is_train:
-            transfer = self._send(version)
-        elif self.is_rollout:
-            transfer = self._receive(version)
-        else:
-            transfer = 0.0
+        progress, error = 0, None
+        try:
+            if self.is_train:
+                transfer = self._send()
+            else:
+                self.store.set(self._key("start", self.rank), b"1")
+                self.receiver.begin(version)
+                transfer = self._receive()
+            progress = len(self.plan.buckets)
+        except PolicySyncError as e:
+            transfer, error = 0.0, str(e)
+            progress = getattr(e, "buckets_done", 0)
+        except Exception:
+            self._vote(ok=False, progress=0)  # let the others abort at once, then surface the bug
+            if self.is_rollout:
+                self.receiver.abort()
+            raise
+        t = time.perf_counter()
+        ok, detail = self._vote(ok=error is None, progress=progress)
+        transfer += time.perf_counter() - t
+        if not ok:
+            if self.is_rollout:
+                self.receiver.abort()
+            cause = f"{error}; " if error else ""
+            raise PolicySyncError(f"policy sync v{version} failed on rank {self.rank}: {cause}{detail}")
+        if self.is_rollout:
+            self.receiver.commit(version)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return SyncStats(
@@ -232,7 +245,28 @@ class StreamTransport(PolicySyncTransport):
             tensors=self.plan.num_tensors,
         )
 
-    def _send(self, version: int) -> float:
+    def _vote(self, *, ok: bool, progress: int) -> tuple[bool, str]:
+        """All participants agree whether every one of them has its part (all-or-nothing commit).
+
+        One all-reduce over a gloo control group of all participants (CPU tensors, so it may hold
+        a GPU twice): row 0 = done flags, row 1 = buckets each rollout rank staged."""
+        self.store.set(self._key("arrived", self.rank), b"1")
+        status = torch.zeros(2, dist.get_world_size(), dtype=torch.int64)
+        status[0, self.rank] = int(ok)
+        status[1, self.rank] = progress
+        try:
+            self._wait(dist.all_reduce(status, group=self.control_group, async_op=True), "commit vote")
+        except PolicySyncError as e:
+            return False, f"{e}; {self._missing()}"
+        participants = sorted(self.topology.train_ranks + self.topology.rollout_ranks)
+        failed = [r for r in participants if status[0, r] == 0]
+        if not failed:
+            return True, ""
+        n = len(self.plan.buckets)
+        desc = ", ".join(f"rank {r}: {int(status[1, r])}/{n} buckets" for r in failed if r in self.topology.rollout_ranks)
+        return False, f"failed rank(s) {failed}" + (f" ({desc})" if desc else "")
+
+    def _send(self) -> float:
         """Training rank: iterate the source; if a sender, pack and send this row's buckets."""
         row = self.topology.sender_ranks.index(self.rank) if self.rank in self.topology.sender_ranks else -1
         my_buckets = [b for b in self.plan.buckets if b.row == row]
@@ -242,92 +276,106 @@ class StreamTransport(PolicySyncTransport):
                 items_by_tensor.setdefault(item.tensor_index, []).append((pos, item))
         works: dict[int, dist.Work] = {}
         transfer = 0.0
-        try:
-            for idx, (name, tensor) in enumerate(self.source.iter_tensors()):
-                if idx >= len(self.meta) or name != self.meta[idx][0]:
-                    raise ValueError(f"weight source order changed at {idx} ({name!r}); rebuild the transport")
-                full = full_tensor(tensor)
-                for pos, item in items_by_tensor.get(idx, ()):
-                    buf = self._buffer(pos)
-                    if item is my_buckets[pos].items[0] and pos - 2 in works:
+        for idx, (name, tensor) in enumerate(self.source.iter_tensors()):
+            if idx >= len(self.meta) or name != self.meta[idx][0]:
+                raise ValueError(f"weight source order changed at {idx} ({name!r}); rebuild the transport")
+            full = full_tensor(tensor)
+            for pos, item in items_by_tensor.get(idx, ()):
+                bucket = my_buckets[pos]
+                chunk = full.reshape(item.shape)[item.row_start : item.row_end]
+                if item is bucket.items[0]:  # at most two buckets in flight (buffers reused)
+                    for prev in [p for p in works if p <= pos - 2]:
                         t = time.perf_counter()
-                        self._wait(works.pop(pos - 2), f"sending bucket {my_buckets[pos - 2].index}")
+                        self._wait(works.pop(prev), f"sending bucket {my_buckets[prev].index} to relay rank "
+                                                    f"{self.relays[row]}")
                         transfer += time.perf_counter() - t
-                    chunk = full.reshape(item.shape)[item.row_start : item.row_end]
-                    buf[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.chunk_shape).copy_(chunk)
-                    if item is my_buckets[pos].items[-1]:
-                        t = time.perf_counter()
-                        works[pos] = dist.broadcast(
-                            buf[: my_buckets[pos].nbytes], src=self.rank, group=self.pair_groups[row], async_op=True
-                        )
-                        transfer += time.perf_counter() - t
-                del full
-            for pos in sorted(works):
-                t = time.perf_counter()
-                self._wait(works.pop(pos), f"sending bucket {my_buckets[pos].index}")
-                transfer += time.perf_counter() - t
-        except PolicySyncError as e:
-            if self.rank == self.topology.sender_ranks[0]:
-                self.store.set(self._key("decision"), b"abort")
-            raise self._fail(version, str(e)) from e
-
-        # Commit: the coordinator waits for every rollout rank to have staged everything.
-        if self.rank == self.topology.sender_ranks[0]:
-            staged = [self._key("staged", r) for r in self.topology.rollout_ranks]
-            try:
-                self.store.wait(staged, self._timeout)
-            except RuntimeError as e:
-                self.store.set(self._key("decision"), b"abort")
-                raise self._fail(version, "rollout ranks did not stage the whole policy in time") from e
-            self.store.set(self._key("decision"), b"commit")
-            done = [self._key("done", r) for r in self.topology.rollout_ranks]
-            try:
-                self.store.wait(done, self._timeout)
-            except RuntimeError as e:
-                raise self._fail(version, "rollout ranks did not confirm the commit in time") from e
-            self.store.set(self._key("finished"), b"1")
-        else:
-            try:
-                self.store.wait([self._key("finished")], self._timeout)
-            except RuntimeError as e:
-                raise self._fail(version, "the coordinator did not confirm the commit in time") from e
+                if len(bucket.items) == 1 and chunk.dtype == item.dtype and chunk.is_contiguous():
+                    # A bucket of one contiguous chunk goes out as it is: no packing copy.
+                    t = time.perf_counter()
+                    works[pos] = dist.broadcast(chunk.reshape(-1).view(torch.uint8), src=self.rank,
+                                                group=self.pair_groups[row], async_op=True)
+                    transfer += time.perf_counter() - t
+                    continue
+                buf = self._buffer(pos)
+                buf[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.chunk_shape).copy_(chunk)
+                if item is bucket.items[-1]:
+                    t = time.perf_counter()
+                    works[pos] = dist.broadcast(
+                        buf[: bucket.nbytes], src=self.rank, group=self.pair_groups[row], async_op=True
+                    )
+                    transfer += time.perf_counter() - t
+            del full
+        for pos in sorted(works):
+            t = time.perf_counter()
+            self._wait(works.pop(pos), f"sending bucket {my_buckets[pos].index} to relay rank {self.relays[row]}")
+            transfer += time.perf_counter() - t
         return transfer
 
-    def _receive(self, version: int) -> float:
-        """Rollout rank: receive every bucket (as relay, then through the fan-out), stage own slices."""
-        self.store.set(self._key("start", self.rank), b"1")
+    def _receive(self) -> float:
+        """Rollout rank: receive every bucket (as relay, then through the fan-out), stage own slices.
+
+        One bucket of lookahead: bucket k's collectives are posted (into the other buffer) before
+        bucket k-1 is staged, so copying slices overlaps the transfer; two buffers in all."""
         specs = self.receiver.shard_specs()
-        self.receiver.begin(version)
         transfer = 0.0
-        try:
-            for bucket in self.plan.buckets:
-                buf = self._buffer(bucket.index)[: bucket.nbytes]
-                relay = self.relays[bucket.row]
-                t = time.perf_counter()
-                if self.rank == relay:
-                    sender = self.topology.sender_ranks[bucket.row]
-                    work = dist.broadcast(buf, src=sender, group=self.pair_groups[bucket.row], async_op=True)
-                    self._wait(work, f"receiving bucket {bucket.index} from training rank {sender}")
-                if self.rollout_group is not None:
-                    work = dist.broadcast(buf, src=relay, group=self.rollout_group, async_op=True)
-                    self._wait(work, f"fan-out of bucket {bucket.index} from relay rank {relay}")
-                transfer += time.perf_counter() - t
-                self._stage(bucket, buf, specs)
-                self.store.set(self._key("progress", self.rank), str(bucket.index).encode())
-            self.store.set(self._key("staged", self.rank), b"1")
+        buckets = self.plan.buckets
+        fanout: dict[int, dist.Work] = {}
+        direct = False  # whether bucket k-1 was received straight into its staging tensor
+        for k in range(len(buckets) + 1):
             try:
-                self.store.wait([self._key("decision")], self._timeout)
-            except RuntimeError as e:
-                raise PolicySyncError("no commit decision from the coordinator in time") from e
-            decision = self.store.get(self._key("decision"))
-            if decision != b"commit":
-                raise PolicySyncError("the coordinator aborted the sync")
-            self.receiver.commit(version)
-            self.store.set(self._key("done", self.rank), b"1")
-        except PolicySyncError as e:
-            self.receiver.abort()
-            raise self._fail(version, str(e)) from e
+                t = time.perf_counter()
+                recv = None
+                direct_prev, direct = direct, False
+                if k < len(buckets):
+                    bucket = buckets[k]
+                    buf = self._direct_dest(bucket, specs)
+                    direct = buf is not None
+                    if buf is None:
+                        buf = self._buffer(k)[: bucket.nbytes]
+                    relay = self.relays[bucket.row]
+                    if self.rank == relay:
+                        sender = self.topology.sender_ranks[bucket.row]
+                        recv = (dist.broadcast(buf, src=sender, group=self.pair_groups[bucket.row], async_op=True),
+                                f"receiving bucket {k} from training rank {sender}")
+                    elif self.rollout_group is not None:
+                        fanout[k] = dist.broadcast(buf, src=relay, group=self.rollout_group, async_op=True)
+                if k > 0:
+                    if k - 1 in fanout:
+                        self._wait(fanout.pop(k - 1), f"fan-out of bucket {k - 1} from relay rank "
+                                                      f"{self.relays[buckets[k - 1].row]}")
+                    transfer += time.perf_counter() - t
+                    if not direct_prev:
+                        self._stage(buckets[k - 1], self._buffer(k - 1)[: buckets[k - 1].nbytes], specs)
+                    t = time.perf_counter()
+                if recv is not None:
+                    self._wait(*recv)
+                    if self.rollout_group is not None:
+                        fanout[k] = dist.broadcast(buf, src=self.rank, group=self.rollout_group, async_op=True)
+                transfer += time.perf_counter() - t
+            except PolicySyncError as e:
+                e.buckets_done = max(k - 1, 0)
+                raise
         return transfer
+
+    def _direct_dest(self, bucket: Bucket, specs: Mapping) -> torch.Tensor | None:
+        """For a bucket of one chunk that this rank keeps whole (replicated, or inside its dim-0
+        slice) in the wire dtype: the staging rows themselves, as bytes, so it is received in place."""
+        if len(bucket.items) != 1:
+            return None
+        item = bucket.items[0]
+        spec = specs.get(item.name)
+        if spec is None or spec.dtype != item.dtype:
+            return None
+        if spec.dim is None:
+            lo = item.row_start
+        elif spec.dim == 0 and spec.start <= item.row_start and item.row_end <= spec.start + spec.length:
+            lo = item.row_start - spec.start
+        else:
+            return None
+        dest = self.receiver.stage(item.name)
+        dest = dest if dest.dim() else dest.view(1)
+        rows = dest[lo : lo + item.row_end - item.row_start]
+        return rows.reshape(-1).view(torch.uint8) if rows.is_contiguous() else None
 
     def _stage(self, bucket: Bucket, buf: torch.Tensor, specs: Mapping) -> None:
         for item in bucket.items:
@@ -337,22 +385,3 @@ class StreamTransport(PolicySyncTransport):
             rows = buf[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.chunk_shape)
             dest = self.receiver.stage(item.name)
             write_rows(spec, dest if dest.dim() else dest.view(1), rows, item.row_start)
-
-
-def raw_transfer(
-    topology: StreamTopology, relays: Sequence[int], pair_groups: Sequence, rollout_group, row_bytes: Sequence[int],
-    device: torch.device | str = "cpu",
-) -> float:
-    """Baseline for benchmarks: move each row's bytes as one message over the same route (sender ->
-    relay -> rollout fan-out), no plan, no packing, no slicing. Returns seconds on this rank."""
-    rank = dist.get_rank()
-    t0 = time.perf_counter()
-    for row, (sender, relay) in enumerate(zip(topology.sender_ranks, relays)):
-        buf = torch.empty(row_bytes[row], dtype=torch.uint8, device=device)
-        if rank in (sender, relay):
-            dist.broadcast(buf, src=sender, group=pair_groups[row])
-        if rank in topology.rollout_ranks and rollout_group is not None:
-            dist.broadcast(buf, src=relay, group=rollout_group)
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
