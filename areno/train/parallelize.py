@@ -42,16 +42,32 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
+    """Shard the linear layers the model's plan marks colwise/rowwise over ``tp_mesh``.
 
-    from areno.models.tp_plan import tp_plan
+    Between blocks activations are replicated over TP ranks (no sequence parallelism): q/k/v and
+    gate/up compute their own heads / columns, o_proj and down_proj all-reduce. Norms and the
+    embedding stay replicated plain tensors, as in the plan. The LM head is kept replicated here
+    too (the plan allows vocab-parallel): ``packed_logprobs`` reads the output projection directly
+    for its chunked log-softmax, which would need a distributed log-sum-exp over vocab shards.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 
     cfg = model.config
     tp = tp_mesh.size()
-    for name, value in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)):
-        if value % tp != 0:
-            raise ValueError(f"tp_size={tp} must divide {name}={value}; pick a tp_size that divides it")
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(cfg, name) % tp != 0:
+            raise ValueError(f"tp_size={tp} does not divide {name}={getattr(cfg, name)}; pick a divisor of it")
+    plan = tp_plan(cfg)
+    styles = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
+    module_plan = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            style = tp_style(plan, f"{name}.weight")
+            if style in styles:
+                module_plan[name] = styles[style]()
+    parallelize_module(model, tp_mesh, module_plan)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -12,21 +12,15 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from areno.api.types import TokenBatch
-from areno.models.decoder import PackedCausalAttention
+from areno.models.logprobs import packed_logprobs
 
 
 def nll_forward(model, mb: TokenBatch) -> dict[str, torch.Tensor]:
-    """Per-token log-probs aligned to their targets (logprobs_T[t] = log p(ids[t] | ids[<t]))."""
-    position_ids_T = mb.position_ids_T()
-    hidden_TD = model(mb.input_ids_T, position_ids_T, attn=PackedCausalAttention(mb.cu_seqlens_B1))
-    logits_TV = model.logits(hidden_TD).float()
-    logprobs_T = torch.zeros_like(mb.input_ids_T, dtype=torch.float32)
-    logprobs_T[1:] = torch.log_softmax(logits_TV[:-1], -1).gather(-1, mb.input_ids_T[1:, None])[:, 0]
-    # the first token of each sequence has no prediction (log-prob 0 by convention)
-    return {"logprobs_T": torch.where(position_ids_T == 0, 0.0, logprobs_T)}
+    """Per-token log-probs aligned to their targets, through the chunked packed log-prob path."""
+    logprobs_T, _ = packed_logprobs(model, mb.input_ids_T, mb.cu_seqlens_B1, chunk_size=16)
+    return {"logprobs_T": logprobs_T}
 
 
 def nll_loss(output, mb: TokenBatch, reducer):

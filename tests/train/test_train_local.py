@@ -107,7 +107,24 @@ def _resume_worker(model_dir, ckpt, out):
     torch.save(losses, out)
 
 
+def test_resume_same_process_is_bit_for_bit(model_dir, tmp_path):
+    def run(b, steps):
+        return [step(b, random_batch(LENGTHS, VOCAB, 200 + s))["loss"] for s in steps]
+
+    kw = dict(lr_schedule="linear_warmup", warmup_steps=3, weight_decay=0.1, grad_clip=0.1)
+    straight = run(backend(model_dir, **kw), range(4))
+    b = backend(model_dir, **kw)
+    first = run(b, range(2))
+    b.save_checkpoint(tmp_path / "ck", {"next": 2})
+    torch.manual_seed(1234)  # clobber the RNG: load must restore it
+    resumed = backend(model_dir, **kw)
+    assert resumed.load_checkpoint(tmp_path / "ck") == {"next": 2}
+    assert first + run(resumed, range(2, 4)) == straight
+
+
+@pytest.mark.slow
 def test_resume_is_bit_for_bit(model_dir, tmp_path):
+    """6 steps straight == 3 steps, checkpoint, a new process, 3 more (spawn: slow tier)."""
     def fresh():
         return backend(model_dir, lr_schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1)
 
