@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from areno.models.config import ModelConfig
+from areno.models.tp_plan import check_tp_size
 
 
 class AttentionBackend(Protocol):
@@ -107,13 +108,26 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+TPReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over the tensor-parallel group and returns the sum (e.g. an all-reduce)."""
+
+
+def _rowwise(linear: nn.Linear, x: torch.Tensor, tp_reduce: TPReduce | None) -> torch.Tensor:
+    """A row-parallel projection: partial product, reduce over TP ranks, then the bias once."""
+    if tp_reduce is None:
+        return linear(x)
+    y = tp_reduce(F.linear(x, linear.weight))
+    return y + linear.bias if linear.bias is not None else y
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.num_key_value_heads // tp_size
         self.head_dim = config.head_dim
+        self.tp_reduce = tp_reduce
         d, dh = config.hidden_size, config.head_dim
         self.q_proj = nn.Linear(d, self.num_heads * dh, bias=config.attention_bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=config.attention_bias)
@@ -137,26 +151,27 @@ class Attention(nn.Module):
         q_THD = apply_rope(q_THD, cos_TF, sin_TF)
         k_THD = apply_rope(k_THD, cos_TF, sin_TF)
         out_THD = attn(self.layer_idx, q_THD, k_THD, v_THD)
-        return self.o_proj(out_THD.reshape(T, -1))
+        return _rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
         super().__init__()
-        d, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+        d, i, b = config.hidden_size, config.intermediate_size // tp_size, config.mlp_bias
+        self.tp_reduce = tp_reduce
         self.gate_proj = nn.Linear(d, i, bias=b)
         self.up_proj = nn.Linear(d, i, bias=b)
         self.down_proj = nn.Linear(i, d, bias=b)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        return _rowwise(self.down_proj, F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD), self.tp_reduce)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, tp_size, tp_reduce)
+        self.mlp = MLP(config, tp_size, tp_reduce)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -170,22 +185,38 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The ``model.`` prefix of HF checkpoints: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tp_size, tp_reduce) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral decoder over packed 1-D token streams."""
+    """Llama / Qwen2 / Qwen3 / Mistral decoder over packed 1-D token streams.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
+    holds one rank's shards as laid out by ``tp_plan`` (1/tp of the heads, the MLP columns and,
+    untied, the ``lm_head`` vocabulary rows; norms and embedding whole) under the HF names, and
+    calls ``tp_reduce`` (the caller's all-reduce over the TP group) after o_proj and down_proj.
+    ``logits`` then returns this rank's vocabulary shard when untied. Use ``hf_io.load_model(...,
+    tp_rank=, tp_size=)`` to load shards. The reduce is not differentiable: this path is for
+    inference; training TP applies DTensor styles from ``tp_plan`` to a ``tp_size=1`` model.
+    """
+
+    def __init__(self, config: ModelConfig, *, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
         super().__init__()
+        if tp_size > 1:
+            check_tp_size(config, tp_size)
+            if tp_reduce is None:
+                raise ValueError(f"Decoder with tp_size={tp_size} needs tp_reduce (an all-reduce over the TP group)")
         self.config = config
-        self.model = DecoderModel(config)
+        self.tp_size = tp_size
+        self.model = DecoderModel(config, tp_size, tp_reduce if tp_size > 1 else None)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp_size, bias=False)
         self.rope = RotaryCache(config)
         self.reset_parameters()
 

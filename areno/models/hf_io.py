@@ -15,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from areno.models.decoder import Decoder
+from areno.models.decoder import Decoder, TPReduce
+from areno.models.tp_plan import shard_dim, tp_plan, tp_style
 
 # Non-parameter tensors that some HF checkpoints carry and we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,19 +60,30 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_reduce: TPReduce | None = None,
 ) -> tuple[Decoder, ModelConfig]:
     """Build the decoder described by ``model_dir/config.json`` and load its safetensors weights.
 
+    With ``tp_size > 1`` only this rank's shards (``tp_plan``) are read and the decoder calls
+    ``tp_reduce`` after its row-parallel projections (see ``Decoder``).
     Raises a one-line error naming the path for a missing directory/config/weights, and naming the
     first tensor that is missing, unexpected, or of the wrong shape.
     """
     model_dir = Path(model_dir)
     config = read_config(model_dir)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
     with torch.device("meta"):
-        model = Decoder(config).to(dtype)
+        model = Decoder(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
     model.to_empty(device=device)
     expected = model.state_dict()
+    plan = tp_plan(config)
     seen: set[str] = set()
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -85,13 +97,22 @@ def load_model(
                         f"unexpected tensor {name!r} in {path} for {config.architecture} "
                         f"(the checkpoint does not match config.json)"
                     )
-                tensor = f.get_tensor(name)
                 target = expected[name]
-                if tuple(tensor.shape) != tuple(target.shape):
+                full_shape = tuple(f.get_slice(name).get_shape())
+                want = list(target.shape)
+                dim = shard_dim(tp_style(plan, name)) if tp_size > 1 else None
+                if dim is not None and dim < len(want):
+                    want[dim] *= tp_size
+                if full_shape != tuple(want):
                     raise ValueError(
-                        f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(target.shape)}"
+                        f"tensor {name!r} in {path} has shape {full_shape}, config.json implies {tuple(want)}"
                     )
+                if dim is None or dim >= len(want):
+                    tensor = f.get_tensor(name)
+                else:  # read only this rank's slice
+                    n = target.shape[dim]
+                    index = (slice(None),) * dim + (slice(tp_rank * n, (tp_rank + 1) * n),)
+                    tensor = f.get_slice(name)[index]
                 with torch.no_grad():
                     target.copy_(tensor)
                 seen.add(name)
@@ -108,6 +129,8 @@ def save_model(
 ) -> Path:
     """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` (HF names), and
     the tokenizer if given. ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads it."""
+    if model.tp_size > 1:
+        raise ValueError(f"save_model needs the full model; this Decoder holds a tp_size={model.tp_size} shard")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}

@@ -129,6 +129,12 @@ def packed_logprobs(
     T = input_ids_T.numel()
     if int(cu_seqlens_B1[-1]) != T or int(cu_seqlens_B1[0]) != 0:
         raise ValueError(f"cu_seqlens_B1 must start at 0 and end at T={T}, got {cu_seqlens_B1.tolist()}")
+    max_len = int((cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).max()) if T else 0
+    if max_len > model.config.max_seq_len:
+        raise ValueError(
+            f"a packed sequence has {max_len} tokens, more than the model's "
+            f"max_position_embeddings={model.config.max_seq_len}"
+        )
     device = input_ids_T.device
     cu_B1 = cu_seqlens_B1.to(device)
     attn = PackedCausalAttention(cu_B1, sliding_window=model.config.sliding_window)

@@ -95,5 +95,8 @@ def test_packed_logprobs_bad_input():
     model = Decoder(tiny_config(VOCAB, hidden_size=32))
     with pytest.raises(ValueError, match="cu_seqlens"):
         packed_logprobs(model, torch.zeros(5, dtype=torch.long), torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="max_position_embeddings=8"):
+        small = Decoder(tiny_config(VOCAB, hidden_size=32, max_position_embeddings=8))
+        packed_logprobs(small, torch.zeros(12, dtype=torch.long), torch.tensor([0, 3, 12]))
     with pytest.raises(ValueError, match="temperature"):
         packed_logprobs(model, torch.zeros(5, dtype=torch.long), torch.tensor([0, 5]), temperature=0.0)

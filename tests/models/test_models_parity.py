@@ -193,3 +193,23 @@ def test_init_model_dir_fixture_loads(tiny_model_dir, char_tokenizer):
     with torch.no_grad():
         torch.testing.assert_close(model.logits(model(ids_T, torch.arange(ids_T.numel()))),
                                    ref(ids_T[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_load_sharded_checkpoint_written_by_transformers(tmp_path):
+    model, config, ref = _build("llama", tmp_path / "single")
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    loaded, _ = load_model(tmp_path / "sharded")
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, loaded.state_dict()[name]), name
+
+
+def test_init_model_dir_is_seeded(tmp_path, char_tokenizer):
+    from areno.models import init_model_dir
+
+    config = tiny_config(len(char_tokenizer), hidden_size=32)
+    a, _ = load_model(init_model_dir(tmp_path / "a", config, char_tokenizer, seed=3))
+    b, _ = load_model(init_model_dir(tmp_path / "b", config, char_tokenizer, seed=3))
+    c, _ = load_model(init_model_dir(tmp_path / "c", config, char_tokenizer, seed=4))
+    assert torch.equal(a.output_weight, b.output_weight)
+    assert not torch.equal(a.output_weight, c.output_weight)

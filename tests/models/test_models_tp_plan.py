@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from areno.models import Decoder, PackedCausalAttention, tiny_config
+from areno.models import Decoder, load_model, save_model, tiny_config
 from areno.models.tp_plan import check_tp_size, shard_tensor, tp_plan, tp_style
 
 VOCAB = 40
@@ -27,43 +29,74 @@ def test_plan_covers_every_parameter(kw):
         tp_style(plan, "model.layers.0.self_attn.rotary.weight")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_tp2_split_by_plan_equals_full_model(arch):
-    """Each rank holds its shards in a Decoder of 1/tp heads and MLP width; summing the rowwise
-    partial outputs (the all-reduce) and concatenating vocab shards reproduces the full logits."""
+class _ThreadAllReduce:
+    """An in-process stand-in for dist.all_reduce: ``tp`` threads each call it with their partial
+    tensor and all get the sum (the real engine passes a torch.distributed all-reduce)."""
+
+    def __init__(self, tp: int) -> None:
+        self.parts: list = [None] * tp
+        self.barrier = threading.Barrier(tp, timeout=60)  # a dead peer breaks it, no hang
+
+    def for_rank(self, rank: int):
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0].clone())
+            self.barrier.wait()
+            return total
+
+        return reduce
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(arch="qwen2"), dict(arch="qwen3", tie_word_embeddings=True),
+     dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True)],
+)
+def test_tp2_shards_loaded_by_plan_equal_full_model(kw, tmp_path):
+    """Each rank loads its shards by the plan; with the all-reduce after the row-parallel
+    projections and the vocab shards concatenated, the logits equal the full model's."""
     torch.manual_seed(0)
     tp = 2
-    full_cfg = tiny_config(VOCAB, arch=arch, heads=4, kv_heads=2, initializer_range=0.2)
-    check_tp_size(full_cfg, tp)
-    full = Decoder(full_cfg).eval()
-    plan = tp_plan(full_cfg)
-    shard_cfg = full_cfg.replace(num_attention_heads=2, num_key_value_heads=1,
-                                 intermediate_size=full_cfg.intermediate_size // tp)
-    ranks = []
-    for r in range(tp):
-        m = Decoder(shard_cfg).eval()
-        m.lm_head = torch.nn.Linear(full_cfg.hidden_size, VOCAB // tp, bias=False)  # vocab-parallel
-        sd = {n: shard_tensor(t, tp_style(plan, n), r, tp) for n, t in full.state_dict().items()}
-        m.load_state_dict(sd)
-        ranks.append(m)
-
+    config = tiny_config(VOCAB, heads=4, kv_heads=2, initializer_range=0.2, **kw)
+    save_model(Decoder(config), config, tmp_path)
+    full, _ = load_model(tmp_path)
     ids_T = torch.randint(0, VOCAB, (11,))
     pos_T = torch.arange(11)
-    attn = PackedCausalAttention(torch.tensor([0, 11]))
     with torch.no_grad():
-        expected = full.logits(full(ids_T, pos_T, attn))
-        cos, sin = full.rope.get(torch.device("cpu"), torch.float32)
-        cos_T, sin_T = cos[pos_T], sin[pos_T]
-        x = full.model.embed_tokens(ids_T)
-        for i in range(full_cfg.num_hidden_layers):
-            layers = [m.model.layers[i] for m in ranks]
-            h = layers[0].input_layernorm(x)
-            x = x + sum(layer.self_attn(h, cos_T, sin_T, attn) for layer in layers)
-            h = layers[0].post_attention_layernorm(x)
-            x = x + sum(layer.mlp(h) for layer in layers)
-        hidden = ranks[0].model.norm(x)
-        got = torch.cat([m.logits(hidden) for m in ranks], dim=-1)
+        expected = full.logits(full(ids_T, pos_T))
+
+    reducer = _ThreadAllReduce(tp)
+    results: list = [None] * tp
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            _run(rank)
+        except BaseException as e:  # re-raised in the main thread below
+            errors.append(e)
+            reducer.barrier.abort()
+
+    def _run(rank: int) -> None:
+        model, _ = load_model(tmp_path, tp_rank=rank, tp_size=tp, tp_reduce=reducer.for_rank(rank))
+        assert model.model.layers[0].self_attn.q_proj.weight.shape[0] == 2 * config.head_dim
+        plan, full_sd = tp_plan(config), full.state_dict()
+        for name, t in model.state_dict().items():  # loader and shard_tensor cut alike
+            assert torch.equal(t, shard_tensor(full_sd[name], tp_style(plan, name), rank, tp)), name
+        with torch.no_grad():
+            results[rank] = model.logits(model(ids_T, pos_T))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    got = results[0] if config.tie_word_embeddings else torch.cat(results, dim=-1)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="tp_reduce"):
+        Decoder(config, tp_size=2)
 
 
 def test_check_tp_size_errors():
