@@ -54,7 +54,7 @@ def test_pool_with_real_engine_records_versions_and_keeps_in_flight_work(engine_
     with WorkflowExecutor(client, workflow, rows, staleness) as ex:
         ex.start()
         deadline = time.monotonic() + 30
-        while client.num_pending == 0 and time.monotonic() < deadline:
+        while engine.stats()["generated_tokens"] == 0 and time.monotonic() < deadline:
             time.sleep(0.002)
         for step in range(3):
             sync_weights(ex, engine, client, step + 1)  # lands while requests are in flight
