@@ -25,10 +25,14 @@ from areno.algo import (
 )
 
 pytestmark = pytest.mark.slow
-trl = pytest.importorskip("trl")
-from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
-from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import nanstd  # noqa: E402
+
+
+def _trl():
+    """TRL's modules, imported on first use so collecting this file stays cheap."""
+    pytest.importorskip("trl")
+    from trl.trainer import dpo_trainer, grpo_trainer, utils
+
+    return SimpleNamespace(DPOTrainer=dpo_trainer.DPOTrainer, GRPOTrainer=grpo_trainer.GRPOTrainer, nanstd=utils.nanstd)
 
 
 class _Accelerator:
@@ -74,7 +78,7 @@ def _trl_grpo_advantages(rewards_B, n, scale=True):
     mean = rewards_B.view(-1, n).mean(dim=1).repeat_interleave(n)
     adv = rewards_B - mean
     if scale:
-        std = nanstd(rewards_B.view(-1, n), dim=1).repeat_interleave(n)
+        std = _trl().nanstd(rewards_B.view(-1, n), dim=1).repeat_interleave(n)
         adv = adv / (std + 1e-4)
     return adv
 
@@ -95,7 +99,7 @@ def _trl_grpo_loss(case, adv_B, *, loss_type, eps_low, eps_high, beta=0.0, level
         "advantages": adv_B, "old_per_token_logps": case.old_BL, "ref_per_token_logps": case.ref_BL,
         "num_items_in_batch": case.mask_BL.sum(),
     }
-    return GRPOTrainer._compute_loss(stand_in, None, inputs)
+    return _trl().GRPOTrainer._compute_loss(stand_in, None, inputs)
 
 
 def _areno_loss(case, adv_B, loss_fn, aggregation, *, constant=1.0, kl_coef=0.0):
@@ -183,7 +187,7 @@ def test_dpo_matches_trl():
                           is_top1=torch.zeros(2 * P, L, dtype=torch.bool))
     inputs = {"input_ids": torch.zeros(2 * P, L + 1, dtype=torch.long), "attention_mask": torch.ones(2 * P, L + 1),
               "completion_mask": mask, "ref_chosen_logps": ref[:P], "ref_rejected_logps": ref[P:]}
-    trl_loss = DPOTrainer._compute_loss(stand_in, lambda **kw: out, inputs, return_outputs=False)
+    trl_loss = _trl().DPOTrainer._compute_loss(stand_in, lambda **kw: out, inputs, return_outputs=False)
     # areno: packed [T] log-probs of the same 2P sequences, summed per sequence
     cu = torch.arange(0, 2 * P * (L + 1) + 1, L + 1)
     logp_T = torch.cat([torch.cat([logp.new_zeros(1), logp[b]]) for b in range(2 * P)])
