@@ -3,7 +3,8 @@
 Works with ``ray.init()`` in-process (``address=None``), a cluster started on this machine with
 ``ray start --head`` (``address="auto"``) and any other cluster (``host:port`` or
 ``ray://host:port``). An address that does not answer fails with one line before any worker
-starts (a TCP probe with a short timeout; ``ray.init`` itself would wait for a minute).
+starts: one Ray RPC with a short deadline (``ray.init`` itself would retry for a minute, and a
+bare TCP connect proves nothing where a proxy accepts every connection).
 
 Each actor runs the same ``WorkerRuntime`` as the subprocess workers. The rendezvous of a world
 is the node IP of its rank-0 actor and a port that is free there; Ray assigns GPUs
@@ -81,16 +82,37 @@ def check_ray_address(address: str, timeout_s: float) -> str:
                 "scheduler.ray_address='auto' but no Ray cluster runs on this machine; start one with "
                 "`ray start --head` or give host:port"
             )
-    host, port = _host_port(address)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as e:
-        raise SchedulerError(
-            f"Ray address {address!r} does not answer ({type(e).__name__}: {e} within {timeout_s:g}s); "
-            f"start the cluster (`ray start --head`) or fix scheduler.ray_address"
-        ) from None
+    _host_port(address)
+    _ping(address, timeout_s)
     return address
+
+
+def _ping(address: str, timeout_s: float) -> None:
+    """One Ray RPC with a deadline: ``ClusterInfo(PING)`` for Ray Client addresses, ``GetClusterId``
+    for GCS addresses. A bare TCP connect is not enough: proxies accept any connection."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, ray_client_pb2, ray_client_pb2_grpc
+
+    target = address.removeprefix("ray://")
+    answered = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)  # a Ray server, token auth
+    with grpc.insecure_channel(target) as channel:
+        try:
+            if address.startswith("ray://"):
+                ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(
+                    ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING), timeout=timeout_s
+                )
+            else:
+                gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                    gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s
+                )
+        except grpc.RpcError as e:
+            if e.code() in answered:
+                return
+            detail = (e.details() or "").splitlines()[0] if e.details() else ""
+            raise SchedulerError(
+                f"Ray address {address!r} does not answer ({e.code().name}: {detail[:120]} within {timeout_s:g}s); "
+                f"start the cluster (`ray start --head`) or fix scheduler.ray_address"
+            ) from None
 
 
 @dataclass(kw_only=True)
@@ -127,10 +149,16 @@ class RayScheduler(Scheduler):
         if address is not None:
             address = check_ray_address(address, connect_timeout_s)
         if not ray.is_initialized():
-            ray.init(
-                address=address, num_cpus=num_cpus if address is None else None, runtime_env=runtime_env,
-                include_dashboard=False, log_to_driver=False, configure_logging=False,
-            )
+            try:
+                ray.init(
+                    address=address, num_cpus=num_cpus if address is None else None, runtime_env=runtime_env,
+                    include_dashboard=False, log_to_driver=False, configure_logging=False,
+                )
+            except ConnectionError as e:
+                raise SchedulerError(
+                    f"cannot join the Ray cluster at {address!r}: {str(e).splitlines()[0]}; a cluster with token "
+                    f"authentication needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+                ) from None
             self._owns_ray = True
         self._actor_cls = ray.remote(_RayWorkerActor)
         self._workers: dict[str, list[_RayWorker]] = {}
