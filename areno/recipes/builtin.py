@@ -54,21 +54,24 @@ def _first_line(doc: str | None) -> str:
 
 # ------------------------------------------------------------------------------ RL, critic-free
 @recipe("grpo")
-def grpo() -> TrainingConfig:
-    """GRPO: group-normalised advantages, clipped ratio, k3 KL to a frozen reference.
+def grpo(kl_coef: float = 0.0) -> TrainingConfig:
+    """GRPO: group-normalised advantages, clipped ratio, optional k3 KL to a frozen reference.
 
     A_i = (R_i - mean_G R) / (std_G R + 1e-4);  loss = mean_i mean_{t in o_i}
-    [-min(r A_i, clip(r, 1-0.2, 1+0.2) A_i) + 0.04 k3(pi_theta, pi_ref)]  (DeepSeekMath, Shao et al. 2024).
-    Departures: std is unbiased (n-1) and eps is added to it, as in TRL; one gradient step per
-    rollout by default, so r = 1 unless train.num_train_passes > 1 or the data is stale.
+    [-min(r A_i, clip(r, 1-0.2, 1+0.2) A_i) + beta k3(pi_theta, pi_ref)]  (DeepSeekMath, Shao et al. 2024).
+    Departures: beta = kl_coef defaults to 0 (TRL's default; the paper used 0.04) and a reference
+    role exists only when kl_coef > 0; std is unbiased (n-1) with eps added to it, as in TRL.
     """
-    return TrainingConfig(
-        name="grpo",
-        roles=(_policy(advantage_estimator="grpo", clip_eps=0.2, loss_aggregation="seq_mean_token_mean",
-                       kl_coef=0.04, kl_estimator="k3"), _reference()),
-        syncs=(_REF_SYNC,),
-        description=_first_line(grpo.__doc__),
-    )
+    return _with_optional_reference("grpo", grpo.__doc__, kl_coef, advantage_estimator="grpo", clip_eps=0.2,
+                                    loss_aggregation="seq_mean_token_mean", kl_estimator="k3")
+
+
+def _with_optional_reference(name: str, doc: str | None, kl_coef: float, **policy_kwargs) -> TrainingConfig:
+    """A one-policy recipe, plus a frozen reference role and its inject sync when kl_coef > 0."""
+    policy = _policy(kl_coef=kl_coef, **policy_kwargs)
+    if kl_coef <= 0:
+        return TrainingConfig(name=name, roles=(policy,), description=_first_line(doc))
+    return TrainingConfig(name=name, roles=(policy, _reference()), syncs=(_REF_SYNC,), description=_first_line(doc))
 
 
 @recipe("dr_grpo")
@@ -127,33 +130,26 @@ def rloo() -> TrainingConfig:
 def reinforce_pp(kl_coef: float = 0.01) -> TrainingConfig:
     """REINFORCE++: critic-free returns with a per-token KL reward, normalised over the batch.
 
-    r_t = -beta k1(pi_theta, pi_ref)_t (+ R on the last token); G_t = sum_{k>=t} r_k;
+    r_t = -beta k1(pi_behave, pi_ref)_t (+ R on the last token); G_t = sum_{k>=t} r_k;
     A_t = (G_t - mean_batch G) / std_batch G; loss = clipped surrogate (eps 0.2), token mean
-    (Hu 2025). Normalisation is over the global batch (all loss tokens), not per group.
+    (Hu 2025). Normalisation is over the global batch (all loss tokens), not per group; beta =
+    kl_coef, and kl_coef = 0 drops the reference role.
     """
-    return TrainingConfig(
-        name="reinforce_pp",
-        roles=(_policy(advantage_estimator="reinforce_pp", clip_eps=0.2, loss_aggregation="token",
-                       kl_coef=kl_coef, kl_estimator="k1", kl_in_reward=True), _reference()),
-        syncs=(_REF_SYNC,),
-        description=_first_line(reinforce_pp.__doc__),
-    )
+    return _with_optional_reference("reinforce_pp", reinforce_pp.__doc__, kl_coef, advantage_estimator="reinforce_pp",
+                                    clip_eps=0.2, loss_aggregation="token", kl_estimator="k1", kl_in_reward=True)
 
 
 @recipe("reinforce_pp_baseline")
 def reinforce_pp_baseline(kl_coef: float = 0.01) -> TrainingConfig:
     """REINFORCE++-baseline: REINFORCE++ with the group mean reward subtracted before batch normalisation.
 
-    R'_i = R_i - mean_G R; G_t and A_t as in reinforce_pp from R'; the KL enters the loss as k3
-    (coef 0.01) rather than the reward, as in the paper's baseline variant (Hu 2025).
+    R'_i = R_i - mean_G R; G_t and A_t as in reinforce_pp from R'; the KL enters the loss as
+    beta k3 (beta = kl_coef, 0 drops the reference) rather than the reward, as in the paper's
+    baseline variant (Hu 2025).
     """
-    return TrainingConfig(
-        name="reinforce_pp_baseline",
-        roles=(_policy(advantage_estimator="reinforce_pp_baseline", clip_eps=0.2, loss_aggregation="token",
-                       kl_coef=kl_coef, kl_estimator="k3"), _reference()),
-        syncs=(_REF_SYNC,),
-        description=_first_line(reinforce_pp_baseline.__doc__),
-    )
+    return _with_optional_reference("reinforce_pp_baseline", reinforce_pp_baseline.__doc__, kl_coef,
+                                    advantage_estimator="reinforce_pp_baseline", clip_eps=0.2,
+                                    loss_aggregation="token", kl_estimator="k3")
 
 
 @recipe("cispo")

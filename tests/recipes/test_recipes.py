@@ -34,6 +34,8 @@ def test_recipe_shapes():
     assert dd.role("reference").trainable is False
     assert dd.syncs == (DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",)),)
     assert get_recipe("sft").online is False and get_recipe("grpo").online is True
+    assert [r.name for r in get_recipe("grpo").roles] == ["policy"]  # kl_coef 0: no reference
+    assert [r.name for r in get_recipe("grpo", policy_kwargs={"kl_coef": 0.04}).roles] == ["policy", "reference"]
     assert get_recipe("opd", teacher_path="/t").role("teacher").model_path == "/t"
 
 

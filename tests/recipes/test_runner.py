@@ -86,7 +86,7 @@ def test_grpo(dirs):
     adv = grpo_adv(batch.rewards_B.tolist())
     r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
     # grpo: reference = initial policy, so k3 = 0 at the first step
-    m = run_step(get_recipe("grpo"), dirs, batch)
+    m = run_step(get_recipe("grpo", kl_coef=0.04), dirs, batch)
     assert m["policy/loss"] == pytest.approx(seq_mean(batch, lambda b, t: clipped(r(t), adv[b], 0.8, 1.2)), rel=1e-4)
     assert m["policy/actor/kl"] == pytest.approx(0.0, abs=1e-6)
 
