@@ -52,6 +52,9 @@ class _Task:
     """Position of the sample in the stream (unique per sample, kept across retries)."""
     sample: dict[str, Any]
     attempts: int = 0
+    """Attempts whose workflow raised."""
+    lost: int = 0
+    """Attempts lost because the rollout worker process running them died."""
 
 
 @dataclass
@@ -98,7 +101,21 @@ class WorkflowExecutor:
         num_workers: int | None = None,
         max_retries: int = 2,
         store: "ObservationStore | None" = None,
+        runner: "ProcessEpisodeRunner | None" = None,
     ) -> None:
+        """
+        Args:
+            client: the ``RolloutClient`` episodes generate with (unused with ``runner``).
+            workflow: turns a sample into trajectories (unused with ``runner``: its processes
+                build their own from a ``WorkerSpec``).
+            dataset_iter: samples for the everlasting pool (``start``/``wait_batch``).
+            staleness: admission control for the everlasting pool.
+            num_workers: concurrent episodes (default ``staleness.max_concurrent``).
+            max_retries: a sample whose workflow raises (or whose worker process dies) is run at
+                most ``max_retries + 1`` times, then dropped with a warning.
+            store: observation store whose entries referenced by dropped groups are released.
+            runner: run episodes in rollout worker processes instead of this process.
+        """
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.client = client
@@ -109,6 +126,7 @@ class WorkflowExecutor:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         self.max_retries = max_retries
         self.store = store
+        self.runner = runner
         self._dataset_iter = iter(dataset_iter) if dataset_iter is not None else None
         self._next_index = 0
         self._exhausted = False
@@ -140,6 +158,8 @@ class WorkflowExecutor:
             self._thread.start()
             ready.wait()
             self._loop = loop
+            if self.runner is not None:
+                self.runner.attach(loop)
         return self._loop
 
     def start(self) -> None:
@@ -180,6 +200,8 @@ class WorkflowExecutor:
             await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(acancel(), loop).result()
+        if self.runner is not None:
+            self.runner.stop()
         loop.call_soon_threadsafe(loop.stop)
         assert self._thread is not None
         self._thread.join()
@@ -271,9 +293,21 @@ class WorkflowExecutor:
         """One attempt at one sample: ``ok`` (group), ``rejected``, ``retry`` or ``dropped``."""
         self._counts["episodes_started"] += 1
         try:
-            group = as_group(await self.workflow.run_episode(self.client, task.sample))
+            if self.runner is not None:
+                group = await self.runner.arun(task.sample)
+            else:
+                group = as_group(await self.workflow.run_episode(self.client, task.sample))
         except asyncio.CancelledError:
             raise
+        except WorkerLost as exc:  # the process running it died: re-queue, bounded like failures
+            task.lost += 1
+            self._counts["requeued"] += 1
+            if task.lost <= self.max_retries:
+                return "retry", None
+            self._counts["dropped_failed"] += 1
+            logger.warning("dropping dataset %s: %d rollout worker processes died running it (%s)",
+                           describe_sample(task.sample), task.lost, exc)
+            return "dropped", None
         except Exception as exc:  # user workflow code: counted, retried, then dropped with a warning
             task.attempts += 1
             self._counts["failed_episodes"] += 1
@@ -412,3 +446,234 @@ class WorkflowExecutor:
         tasks = [_Task(self._next_index + i, sample) for i, sample in enumerate(samples)]
         self._next_index += len(samples)
         return list(await asyncio.gather(*(arun(t) for t in tasks)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout worker processes: episodes run in child processes that are restarted when they die.
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerLost(RuntimeError):
+    """The rollout worker process running an episode died before returning it."""
+
+
+class RemoteEpisodeError(RuntimeError):
+    """The workflow raised inside a rollout worker process (the message carries its error)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """How a rollout worker process builds its workflow and client (everything by dotted path, so
+    the spec pickles into a fresh process)."""
+
+    workflow: str
+    """Dotted path of a ``RolloutWorkflow`` class or factory (see ``load_workflow``)."""
+    workflow_kwargs: dict[str, Any] = field(default_factory=dict)
+    client: str = "areno.rollout.client.HTTPRolloutClient"
+    """Dotted path of a ``RolloutClient`` class or factory, e.g. an HTTP client of ``areno serve``."""
+    client_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _worker_main(spec: WorkerSpec, conn: Any) -> None:
+    """Child process: receive ``(dispatch_id, sample)``, run episodes concurrently, send
+    ``(dispatch_id, status, payload)`` back; ``None`` ends the process."""
+    from areno.api.workflow import _import_dotted, load_workflow
+
+    async def amain() -> None:
+        workflow = load_workflow(spec.workflow, **spec.workflow_kwargs)
+        client = _import_dotted(spec.client)(**spec.client_kwargs)
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(_recv_or_none(conn)))
+        running: set[asyncio.Task] = set()
+
+        async def arun(dispatch_id: int, sample: dict[str, Any]) -> None:
+            try:
+                group = as_group(await workflow.run_episode(client, sample))
+                conn.send((dispatch_id, "ok", group))
+            except Exception as exc:  # sent to the parent, which counts and retries it
+                conn.send((dispatch_id, "error", f"{type(exc).__name__}: {exc}"))
+
+        while (msg := await inbox.get()) is not None:
+            task = loop.create_task(arun(*msg))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        loop.remove_reader(conn.fileno())
+
+    asyncio.run(amain())
+
+
+def _recv_or_none(conn: Any) -> Any:
+    try:
+        return conn.recv()
+    except (EOFError, OSError):  # the parent went away: end the worker
+        return None
+
+
+@dataclass
+class _Slot:
+    proc: Any
+    conn: Any
+    generation: int
+    inflight: dict[int, asyncio.Future] = field(default_factory=dict)
+    alive: bool = True
+
+
+class ProcessEpisodeRunner:
+    """Runs episodes in ``num_procs`` child processes, each with up to ``episodes_per_proc`` in
+    flight. A process that dies is restarted and every episode it held fails with ``WorkerLost``,
+    which the executor re-queues: each sample still yields exactly one group (a result that arrives
+    from a process already declared dead is ignored, so nothing is counted twice).
+
+    Pass it to ``WorkflowExecutor(runner=...)``; the executor attaches it to its event loop.
+    """
+
+    def __init__(
+        self, spec: WorkerSpec, *, num_procs: int, episodes_per_proc: int = 8, mp_context: str = "forkserver"
+    ) -> None:
+        import multiprocessing as mp
+
+        if num_procs < 1 or episodes_per_proc < 1:
+            raise ValueError(f"num_procs and episodes_per_proc must be >= 1, got {num_procs}, {episodes_per_proc}")
+        self.spec = spec
+        self.num_procs = num_procs
+        self.episodes_per_proc = episodes_per_proc
+        self._ctx = mp.get_context(mp_context)
+        if mp_context == "forkserver":
+            self._ctx.set_forkserver_preload(["areno.rollout.executor"])  # restarts fork a warm process
+        self._slots: list[_Slot] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._free: asyncio.Event | None = None
+        self._next_dispatch = 0
+        self._reader: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._slots_lock = threading.Lock()
+        self.restarts = 0
+
+    def _spawn(self, generation: int) -> _Slot:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(target=_worker_main, args=(self.spec, child_conn), daemon=True,
+                                 name="areno-rollout-worker")
+        proc.start()
+        child_conn.close()  # so the parent sees EOF when the child dies
+        return _Slot(proc, parent_conn, generation)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the processes and the result reader; futures resolve on ``loop``."""
+        if self._loop is not None:
+            return
+        self._loop = loop
+        self._slots = [self._spawn(0) for _ in range(self.num_procs)]
+        self._free = asyncio.Event()
+        loop.call_soon_threadsafe(self._free.set)
+        self._reader = threading.Thread(target=self._read, name="areno-rollout-results", daemon=True)
+        self._reader.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [slot.proc.pid for slot in self._slots]
+
+    def inflight_per_proc(self) -> list[int]:
+        return [len(slot.inflight) for slot in self._slots]
+
+    async def arun(self, sample: dict[str, Any]) -> list[Trajectory] | None:
+        """Run one episode in a worker process; raises ``RemoteEpisodeError`` or ``WorkerLost``."""
+        assert self._loop is not None and self._free is not None, "attach() the runner to a loop first"
+        while True:
+            candidates = [i for i, s in enumerate(self._slots) if s.alive and len(s.inflight) < self.episodes_per_proc]
+            if candidates:
+                break
+            self._free.clear()
+            await self._free.wait()
+        idx = min(candidates, key=lambda i: len(self._slots[i].inflight))
+        slot = self._slots[idx]
+        dispatch_id = self._next_dispatch
+        self._next_dispatch += 1
+        future = self._loop.create_future()
+        slot.inflight[dispatch_id] = future
+        try:
+            slot.conn.send((dispatch_id, sample))
+        except (BrokenPipeError, OSError):
+            pass  # the process just died; the reader declares it and fails this future
+        try:
+            status, payload = await future
+        finally:
+            slot.inflight.pop(dispatch_id, None)
+            self._free.set()
+        if status == "ok":
+            return payload
+        if status == "lost":
+            raise WorkerLost(payload)
+        raise RemoteEpisodeError(payload)
+
+    # ---- reader thread: results and deaths ----
+    def _read(self) -> None:
+        from multiprocessing.connection import wait
+
+        assert self._loop is not None
+        while not self._stopping.is_set():
+            with self._slots_lock:
+                by_conn = {slot.conn: (i, slot) for i, slot in enumerate(self._slots) if slot.alive}
+            ready = wait(list(by_conn), timeout=0.1)
+            for conn in ready:
+                idx, slot = by_conn[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    slot.alive = False
+                    self._loop.call_soon_threadsafe(self._on_death, idx, slot.generation)
+                    continue
+                self._loop.call_soon_threadsafe(self._on_result, slot, *msg)
+            # a process killed before it ever wrote may still be caught by EOF above; poll too
+            with self._slots_lock:
+                for idx, slot in enumerate(self._slots):
+                    if slot.alive and not slot.proc.is_alive():
+                        slot.alive = False
+                        self._loop.call_soon_threadsafe(self._on_death, idx, slot.generation)
+
+    def _on_result(self, slot: _Slot, dispatch_id: int, status: str, payload: Any) -> None:
+        future = slot.inflight.get(dispatch_id)
+        if future is not None and not future.done():
+            future.set_result((status, payload))
+
+    def _on_death(self, idx: int, generation: int) -> None:
+        slot = self._slots[idx]
+        if slot.generation != generation or self._stopping.is_set():
+            return
+        exitcode = slot.proc.exitcode
+        logger.warning("rollout worker process %d (pid %s) died with exit code %s; restarting it and "
+                       "re-queueing its %d in-flight samples", idx, slot.proc.pid, exitcode, len(slot.inflight))
+        for future in list(slot.inflight.values()):
+            if not future.done():
+                future.set_result(("lost", f"worker process pid {slot.proc.pid} exited with code {exitcode}"))
+        slot.inflight.clear()
+        slot.conn.close()
+        with self._slots_lock:
+            self._slots[idx] = self._spawn(generation + 1)
+        self.restarts += 1
+        assert self._free is not None
+        self._free.set()
+
+    def kill(self, idx: int) -> None:
+        """SIGKILL one worker process (fault injection for tests)."""
+        import os
+        import signal
+
+        os.kill(self._slots[idx].proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._reader is not None:
+            self._reader.join()
+        for slot in self._slots:
+            try:
+                slot.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for slot in self._slots:
+            slot.proc.join(timeout=5)
+            if slot.proc.is_alive():
+                slot.proc.kill()
+                slot.proc.join()
+            slot.conn.close()
+        self._slots = []

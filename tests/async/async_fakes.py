@@ -62,3 +62,30 @@ class FakeEngine:
         finally:
             with self._lock:
                 self.in_flight -= 1
+
+
+# ---- for rollout worker processes (importable by dotted path) ----
+from areno.api.types import Trajectory  # noqa: E402
+from areno.api.workflow import RolloutWorkflow  # noqa: E402
+
+
+def fixed_length(prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    return [5] * prompt_ids[0]  # prompt [n] -> n tokens
+
+
+def make_engine(step_s: float = 0.0) -> FakeEngine:
+    return FakeEngine(fixed_length, step_s=step_s)
+
+
+class LengthWorkflow(RolloutWorkflow):
+    """Sample {"id", "len"} -> one trajectory of `len` tokens, tagged with the sample id and pid."""
+
+    async def run_episode(self, client, sample):
+        import os
+
+        if sample.get("raise"):
+            raise RuntimeError(f"env crashed on {sample['id']}")
+        out = await client.agenerate([sample["len"]], SamplingParams(max_new_tokens=1000))
+        return Trajectory(prompt_ids=[1], completion_ids=out.output_ids, logprobs=out.output_logprobs,
+                          versions=out.output_versions, reward=float(sample["id"]), group_id=str(sample["id"]),
+                          info={"id": sample["id"], "pid": os.getpid()})
