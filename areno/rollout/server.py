@@ -1,0 +1,390 @@
+"""``areno serve MODEL_DIR``: the rollout engine behind an HTTP server.
+
+Endpoints
+- OpenAI-compatible: ``POST /v1/completions``, ``POST /v1/chat/completions`` (chat template from the
+  tokenizer), ``GET /v1/models``. ``logprobs`` is supported (the sampled token's log-prob; top
+  alternatives are not computed and come back empty). Every choice also carries ``token_ids`` and
+  ``prompt_token_ids`` so RL clients never re-tokenise.
+- Token level: ``POST /generate`` ``{prompt_ids, sampling_params, request_id}`` → ``GenerationOutput``
+  (what ``HTTPRolloutClient`` uses).
+- Admin: ``GET /health``, ``GET /version``, ``POST /pause``, ``POST /resume``, ``POST /abort``
+  ``{request_id}``, ``POST /update_weights_from_disk`` ``{path, version}``, ``GET /metrics``
+  (Prometheus text).
+
+It binds 127.0.0.1 unless ``--host`` says otherwise. With an API key every endpoint but ``/health``
+needs ``Authorization: Bearer KEY`` (401 otherwise). Bad input gets a 400 whose message names the
+field, in OpenAI's error shape; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from areno.api.types import GenerationOutput, SamplingParams
+from areno.rollout.client import InProcessRolloutClient
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
+
+
+# ---------------------------------------------------------------------------------- request bodies
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, description="new tokens; > 0")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def sampling_params(self, default_max: int, index: int) -> SamplingParams:
+        max_tokens = default_max if self.max_tokens is None else self.max_tokens
+        if max_tokens <= 0:
+            raise _BadRequest("max_tokens", f"max_tokens must be > 0, got {max_tokens}")
+        if isinstance(self.stop, str):
+            stop = (self.stop,)
+        else:
+            stop = tuple(self.stop or ())
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_new_tokens=self.min_tokens,
+                max_new_tokens=max_tokens, stop_token_ids=tuple(self.stop_token_ids or ()), stop=stop,
+                ignore_eos=self.ignore_eos, seed=None if self.seed is None else self.seed + index,
+            )
+        except ValueError as e:
+            raise _BadRequest(_param_of(str(e)), str(e)) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | None = ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+
+class GenerateRequest(BaseModel):
+    prompt_ids: list[int]
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = None
+
+
+class AbortRequest(BaseModel):
+    request_id: str
+
+
+class UpdateFromDiskRequest(BaseModel):
+    path: str
+    version: int
+
+
+class _BadRequest(Exception):
+    def __init__(self, param: str | None, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.message, self.status = param, message, status
+
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_new_tokens", "max_new_tokens", "seed"}
+
+
+def _param_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0]
+    return {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}.get(word, word if word in _SAMPLING_FIELDS else None)
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+# ---------------------------------------------------------------------------------------- the app
+def create_app(
+    engine: RolloutEngine,
+    *,
+    tokenizer: Any = None,
+    model_name: str = "areno",
+    api_key: str | None = None,
+    default_max_tokens: int = 16,
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` (one ``InProcessRolloutClient`` drives it)."""
+    client = InProcessRolloutClient(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="areno rollout server", lifespan=lifespan)
+    app.state.client = client
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", kind="authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return _error(400, f"request body is not valid JSON: {err.get('msg')}", "body")
+        field = ".".join(loc) or "body"
+        return _error(400, f"invalid field '{field}': {err.get('msg')}", field)
+
+    @app.exception_handler(_BadRequest)
+    async def _bad(request: Request, exc: _BadRequest) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param)
+
+    async def run(prompt_ids: list[int], params: SamplingParams, field: str) -> GenerationOutput:
+        try:
+            return await client.agenerate(prompt_ids, params)
+        except ValueError as e:
+            raise _BadRequest(field, f"{field}: {e}") from None
+
+    def encode(text: str) -> list[int]:
+        if tokenizer is None:
+            raise _BadRequest("prompt", "this server has no tokenizer: send token ids")
+        return list(tokenizer(text)["input_ids"])
+
+    def decode_token(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    def usage(prompt_tokens: int, outs: list[GenerationOutput]) -> dict[str, int]:
+        completion = sum(len(o.output_ids) for o in outs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+    # ---- OpenAI-compatible ----
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "areno", "created": 0}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> dict:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [encode(prompt)]
+        elif prompt and isinstance(prompt[0], str):
+            prompts = [encode(p) for p in prompt]
+        elif prompt and isinstance(prompt[0], list):
+            prompts = [list(p) for p in prompt]
+        else:
+            prompts = [list(prompt)]
+        if any(len(p) == 0 for p in prompts):
+            raise _BadRequest("prompt", "prompt is empty: send at least one token")
+        jobs = [(p, req.sampling_params(default_max_tokens, i)) for p in prompts for i in range(req.n)]
+        outs = await asyncio.gather(*(run(p, sp, "prompt") for p, sp in jobs))
+        choices = []
+        for index, ((prompt_ids, _), out) in enumerate(zip(jobs, outs)):
+            choice: dict[str, Any] = {
+                "index": index, "text": out.text, "finish_reason": out.finish_reason,
+                "logprobs": None, "token_ids": out.output_ids, "prompt_token_ids": prompt_ids,
+            }
+            if req.logprobs is not None:
+                tokens = [decode_token(t) for t in out.output_ids]
+                offsets, pos = [], 0
+                for t in tokens:
+                    offsets.append(pos)
+                    pos += len(t)
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": out.output_logprobs,
+                                      "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
+            choices.append(choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": req.model or model_name, "choices": choices,
+                "usage": usage(sum(len(p) for p, _ in jobs), outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest) -> dict:
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise _BadRequest("messages", "this server's tokenizer has no chat template: use /v1/completions")
+        if not req.messages:
+            raise _BadRequest("messages", "messages is empty: send at least one message")
+        if req.max_completion_tokens is not None and req.max_tokens is None:
+            req.max_tokens = req.max_completion_tokens
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):  # BatchEncoding in transformers 5
+            prompt_ids = prompt_ids["input_ids"]
+        prompt_ids = list(prompt_ids)
+        jobs = [req.sampling_params(default_max_tokens, i) for i in range(req.n)]
+        outs = await asyncio.gather(*(run(prompt_ids, sp, "messages") for sp in jobs))
+        choices = []
+        for index, out in enumerate(outs):
+            logprobs = None
+            if req.logprobs:
+                content = []
+                for t, lp in zip(out.output_ids, out.output_logprobs):
+                    s = decode_token(t)
+                    content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
+                logprobs = {"content": content}
+            choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
+                            "finish_reason": out.finish_reason, "logprobs": logprobs,
+                            "token_ids": out.output_ids, "prompt_token_ids": prompt_ids})
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": req.model or model_name, "choices": choices,
+                "usage": usage(len(prompt_ids) * len(jobs), outs)}
+
+    # ---- token level ----
+    @app.post("/generate")
+    async def generate(req: GenerateRequest) -> dict:
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(set(req.sampling_params) - known)
+        if unknown:
+            raise _BadRequest(f"sampling_params.{unknown[0]}", f"sampling_params: unknown parameter {unknown[0]!r}")
+        try:
+            params = SamplingParams(**req.sampling_params)
+        except (ValueError, TypeError) as e:
+            raise _BadRequest("sampling_params", f"sampling_params: {e}") from None
+        try:
+            out = await client.agenerate(req.prompt_ids, params, request_id=req.request_id)
+        except ValueError as e:
+            raise _BadRequest("prompt_ids", f"prompt_ids: {e}") from None
+        return dataclasses.asdict(out)
+
+    # ---- admin ----
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": engine.version}
+
+    @app.post("/pause")
+    async def pause() -> dict:
+        await asyncio.to_thread(engine.pause)
+        return {"paused": True}
+
+    @app.post("/resume")
+    async def resume() -> dict:
+        await asyncio.to_thread(engine.resume)
+        client.wake()
+        return {"paused": False}
+
+    @app.post("/abort")
+    async def abort(req: AbortRequest) -> dict:
+        try:
+            out = await asyncio.to_thread(client.abort, req.request_id)
+        except UnknownRequestError as e:
+            raise _BadRequest("request_id", str(e), status=404) from None
+        return dataclasses.asdict(out)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateFromDiskRequest) -> dict:
+        try:
+            await asyncio.to_thread(engine.update_weights_from_disk, req.path, req.version)
+        except WeightUpdateError as e:
+            raise _BadRequest("path", str(e)) from None
+        return {"version": engine.version}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        lines = []
+        for key, value in engine.stats().items():
+            lines.append(f"# TYPE areno_{key} gauge")
+            lines.append(f"areno_{key} {float(value)}")
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------- the CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="areno serve", description="Serve a Hugging Face checkpoint with the areno rollout engine.")
+    p.add_argument("model_dir", help="directory with config.json, *.safetensors and a tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("ARENO_API_KEY"), help="require 'Authorization: Bearer KEY' (env ARENO_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models (default: the directory name)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-memory-fraction", type=float, default=0.8)
+    p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request omits it")
+    return p
+
+
+def build_engine(model_dir: str, *, device: str | None = None, dtype: str | None = None, **engine_kw: Any) -> tuple[RolloutEngine, Any]:
+    """Load ``model_dir`` (weights + tokenizer) into a ``RolloutEngine``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from areno.models.hf_io import load_model
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    model, model_config = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = RolloutEngine(model, model_config, config=RolloutEngineConfig(**engine_kw),
+                           eos_token_ids=_eos_ids(model_dir, model_config, tokenizer), tokenizer=tokenizer)
+    return engine, tokenizer
+
+
+def _eos_ids(model_dir: str, model_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and v not in ids:
+                ids.append(int(v))
+
+    add(model_config.eos_token_id)
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            add(json.load(f).get("eos_token_id"))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``areno serve MODEL_DIR [--host --port --api-key ...]``."""
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    try:
+        engine, tokenizer = build_engine(
+            args.model_dir, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, block_size=args.block_size, kv_memory_fraction=args.kv_memory_fraction,
+        )
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"areno serve: {e}")
+        return 2
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
+    app = create_app(engine, tokenizer=tokenizer, model_name=name, api_key=args.api_key,
+                     default_max_tokens=args.default_max_tokens)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

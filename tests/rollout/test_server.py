@@ -1,0 +1,163 @@
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from areno.rollout.server import build_engine, create_app, main
+
+KEY = "sekret"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    engine, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=256, block_size=8, max_model_len=64)
+    app = create_app(engine, tokenizer=tokenizer, model_name="tiny", api_key=KEY)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", engine, tokenizer
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _oa(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+
+
+def test_openai_completions_with_logprobs(server):
+    base, engine, tokenizer = server
+    res = _oa(base).completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, logprobs=1,
+                                       extra_body={"ignore_eos": True})
+    choice = res.choices[0]
+    assert len(choice.logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    ids = choice.model_extra["token_ids"]
+    expected = httpx.post(f"{base}/generate", headers={"Authorization": f"Bearer {KEY}"}, json={
+        "prompt_ids": tokenizer("hello")["input_ids"],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}).json()
+    assert ids == expected["output_ids"] and res.usage.completion_tokens == 6
+    assert choice.logprobs.token_logprobs == pytest.approx(expected["output_logprobs"], abs=1e-5)
+
+
+def test_openai_chat_with_n(server):
+    base, _, tokenizer = server
+    res = _oa(base).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                            temperature=1.0, n=3, seed=5, logprobs=True)
+    assert len(res.choices) == 3
+    for c in res.choices:
+        assert c.message.role == "assistant" and len(c.logprobs.content) == len(c.model_extra["token_ids"])
+    prompt_ids = res.choices[0].model_extra["prompt_token_ids"]
+    assert tokenizer.decode(prompt_ids).rstrip().endswith("<|im_start|>assistant")
+
+
+def test_admin_endpoints(server, tiny_model_dir):
+    base, engine, _ = server
+    h = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert httpx.post(f"{base}/pause", headers=h).json() == {"paused": True}
+    assert engine.is_paused
+    assert httpx.post(f"{base}/resume", headers=h).json() == {"paused": False}
+    r = httpx.post(f"{base}/update_weights_from_disk", headers=h, json={"path": str(tiny_model_dir), "version": 7})
+    assert r.status_code == 200 and httpx.get(f"{base}/version", headers=h).json() == {"version": 7}
+    assert "areno_version 7.0" in httpx.get(f"{base}/metrics", headers=h).text
+    assert httpx.post(f"{base}/abort", headers=h, json={"request_id": "nope"}).status_code == 404
+
+
+def test_abort_in_flight_request(server):
+    base, engine, _ = server
+    h = {"Authorization": f"Bearer {KEY}"}
+    httpx.post(f"{base}/pause", headers=h)
+    result = {}
+
+    def call():
+        result["r"] = httpx.post(f"{base}/generate", headers=h, timeout=30, json={
+            "prompt_ids": [5, 6, 7], "request_id": "req-1",
+            "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}})
+
+    t = threading.Thread(target=call)
+    t.start()
+    while engine.stats()["num_waiting"] == 0:
+        time.sleep(0.01)
+    aborted = httpx.post(f"{base}/abort", headers=h, json={"request_id": "req-1"})
+    t.join(timeout=30)
+    httpx.post(f"{base}/resume", headers=h)
+    assert aborted.json()["finish_reason"] == "abort" and result["r"].json()["finish_reason"] == "abort"
+
+
+def test_http_rollout_client(server):
+    import asyncio
+
+    from areno.api.types import SamplingParams
+    from areno.rollout.client import HTTPRolloutClient
+
+    base, _, _ = server
+
+    async def go():
+        client = HTTPRolloutClient(base, api_key=KEY)
+        try:
+            outs = await asyncio.gather(*(client.agenerate([5, 6, 7 + i], SamplingParams(max_new_tokens=5, ignore_eos=True))
+                                          for i in range(4)))
+            with pytest.raises(RuntimeError, match="empty"):
+                await client.agenerate([], SamplingParams(max_new_tokens=5))
+            return outs
+        finally:
+            await client.aclose()
+
+    outs = asyncio.run(go())
+    assert [len(o.output_ids) for o in outs] == [5] * 4 and all(len(o.output_versions) == 5 for o in outs)
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"model": "tiny", "prompt": "x" * 80, "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": -3}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "", "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [], "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": "tiny"}, "prompt"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 80}]}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, "max_tokens"),
+    ("/generate", {"prompt_ids": [], "sampling_params": {}}, "prompt_ids"),
+    ("/generate", {"prompt_ids": [5], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ("/generate", {"prompt_ids": [5], "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
+])
+def test_bad_input_is_400_naming_the_field(server, path, body, field):
+    base, _, _ = server
+    r = httpx.post(f"{base}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field.split(".")[0] in err["message"]
+
+
+def test_malformed_json_and_auth(server):
+    base, _, _ = server
+    r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}",
+                                                                            "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}).status_code == 401
+    assert httpx.get(f"{base}/version", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).completions.create(model="tiny", prompt="hi")
+    # Still serving after all of the above.
+    assert _oa(base).completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_main_reports_bad_model_dir(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    assert main([str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("areno serve:") and out.count("\n") == 1
