@@ -1,0 +1,260 @@
+"""Training-backend throughput: tokens/s and MFU of forward + backward + optimizer step.
+
+GPU (default when CUDA is present): random-init models of Qwen2.5-0.5B and 1.5B shape (HF config
+dicts below), packed 4,096-token micro-batches of mixed-length sequences (document-masked
+attention), bf16 compute with fp32 master weights, AdamW (fused). MFU is reported against both the
+dense bf16 matmul rate measured in the same run (8192^3 GEMMs) and the datasheet peak
+(H200: 989 TFLOP/s dense bf16). Peak memory is torch.cuda.max_memory_allocated.
+
+CPU: a tiny model, report only, plus packed vs padded tokens/s on a length-skewed batch (padding
+emulated by extending every sequence to the longest one with out-of-loss pad tokens, which costs the
+FLOPs a padded batch costs).
+
+Model FLOPs per token: 6 x (matmul parameters incl. the LM head) + causal attention
+3 x 4 x layers x Hq x Dh x mean context (mean over tokens of their position + 1). The chunked
+log-prob recomputation in backward is not counted (MFU counts model FLOPs only).
+
+Usage:
+    python bench/train.py                       # GPU shapes if CUDA, else the CPU report
+    python bench/train.py --device cpu
+    python bench/train.py --models qwen2.5-0.5b --steps 10 --backend local
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from areno.api.types import TokenBatch  # noqa: E402
+from areno.data.tokenizer import build_char_tokenizer  # noqa: E402
+from areno.models.config import ModelConfig  # noqa: E402
+from areno.models.hf_io import init_model_dir, tiny_config  # noqa: E402
+from areno.models.logprobs import packed_logprobs  # noqa: E402
+from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig  # noqa: E402
+
+H200_PEAK_BF16 = 989e12
+
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
+}
+QWEN25_15B = {
+    **QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2,
+}
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B}
+
+
+# ----------------------------------------------------------------------------- batches and FLOPs
+def make_batch(lengths: list[int], vocab: int, seed: int, pad_to: int | None = None) -> TokenBatch:
+    """Random tokens; ``pad_to`` extends each sequence with pad (id 0) tokens outside the loss."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, mask, cu = [], [], [0]
+    for n in lengths:
+        total = pad_to or n
+        seq = torch.randint(3, vocab, (n,), generator=gen)
+        ids.append(torch.cat([seq, torch.zeros(total - n, dtype=torch.long)]))
+        m = torch.zeros(total, dtype=torch.bool)
+        m[1:n] = True
+        mask.append(m)
+        cu.append(cu[-1] + total)
+    T = cu[-1]
+    return TokenBatch(
+        input_ids_T=torch.cat(ids), cu_seqlens_B1=torch.tensor(cu), loss_mask_T=torch.cat(mask),
+        logprobs_T=torch.zeros(T), versions_T=torch.zeros(T, dtype=torch.long),
+        advantages_T=torch.zeros(T), rewards_B=torch.zeros(len(lengths)),
+    )
+
+
+def packable_lengths(n_mbs: int, mb_tokens: int, rng: random.Random) -> list[int]:
+    """Mixed lengths (powers of two from mb_tokens/8 to mb_tokens/2) that fill n_mbs bins exactly."""
+    sizes = [mb_tokens // 8, mb_tokens // 4, mb_tokens // 2]
+    lengths: list[int] = []
+    for _ in range(n_mbs):
+        left = mb_tokens
+        while left:
+            n = rng.choice([s for s in sizes if s <= left])
+            lengths.append(n)
+            left -= n
+    rng.shuffle(lengths)
+    return lengths
+
+
+def flops_per_token(cfg: ModelConfig, batch: TokenBatch) -> float:
+    d, dh, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    per_layer = d * (hq + 2 * hkv) * dh + hq * dh * d + 3 * d * cfg.intermediate_size
+    matmul_params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * d
+    seqlens = batch.seqlens_B.double()
+    mean_ctx = float((seqlens * (seqlens + 1) / 2).sum() / seqlens.sum())
+    attn = 3 * 4 * cfg.num_hidden_layers * hq * dh * mean_ctx
+    return 6 * matmul_params + attn
+
+
+def measured_matmul_tflops(device: str, n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+# ----------------------------------------------------------------------------- one training run
+def _nll_forward(model, mb):
+    logprobs_T, _ = packed_logprobs(model, mb.input_ids_T, mb.cu_seqlens_B1, chunk_size=4096)
+    return {"logprobs_T": logprobs_T}
+
+
+def _nll_loss(output, mb, reducer):
+    return reducer(-output["logprobs_T"], mb.loss_mask_T), {}
+
+
+def _denominator(mb):
+    return float(mb.loss_mask_T.sum())
+
+
+def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, **kw):
+    cfg = TrainBackendConfig(lr=1e-5, device=device, max_tokens_per_mb=mb_tokens, **kw)
+    if kind == "fsdp2":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        backend = FSDP2TrainBackend(cfg)
+    else:
+        backend = LocalTrainBackend(cfg)
+    backend.initialize(model_dir)
+    return backend
+
+
+def time_steps(backend, batches: list[TokenBatch], warmup: int, device: str) -> tuple[float, list[dict]]:
+    """Seconds for the timed steps (after ``warmup`` untimed ones) and their metrics."""
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    metrics = []
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            sync()
+            t0 = time.perf_counter()
+        metrics.append(backend.train_step(batch, forward_fn=_nll_forward, loss_fn=_nll_loss,
+                                          denominator_fn=_denominator))
+    sync()
+    return time.perf_counter() - t0, metrics[warmup:]
+
+
+def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> dict:
+    config = ModelConfig.from_hf(hf)
+    tok = build_char_tokenizer()
+    model_dir = init_model_dir(workdir / name, config, tok, seed=0)
+    torch.cuda.reset_peak_memory_stats()
+    backend = build_backend(model_dir, "cuda", args.backend, args.mb_tokens,
+                            activation_checkpointing=args.ac, compile=args.compile)
+    rng = random.Random(0)
+    batches = [make_batch(packable_lengths(args.mbs_per_step, args.mb_tokens, rng), config.vocab_size, s)
+               for s in range(args.warmup + args.steps)]
+    seconds, metrics = time_steps(backend, batches, args.warmup, "cuda")
+    tokens = sum(b.num_tokens for b in batches[args.warmup:])
+    fpt = sum(flops_per_token(config, b) * b.num_tokens for b in batches[args.warmup:]) / tokens
+    achieved = fpt * tokens / seconds
+    result = {
+        "model": name, "backend": args.backend, "params_M": round(sum(p.numel() for p in backend.model.parameters()) / 1e6, 1),
+        "mb_tokens": args.mb_tokens, "mbs_per_step": int(metrics[-1]["mbs"]), "steps": args.steps,
+        "tokens_per_s": round(tokens / seconds), "step_s": round(seconds / args.steps, 4),
+        "model_tflops_per_s": round(achieved / 1e12, 1),
+        "mfu_vs_datasheet": round(achieved / H200_PEAK_BF16, 4),
+        "mfu_vs_measured_matmul": round(achieved / (matmul_tflops * 1e12), 4),
+        "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "activation_checkpointing": args.ac, "compile": args.compile,
+        "final_loss": round(metrics[-1]["loss"], 4),
+    }
+    # sleep/wake bytes on the real shape
+    freed = backend.sleep()
+    result["sleep_freed_GiB"] = round(freed / 2**30, 2)
+    result["wake_restored_GiB"] = round(backend.wake() / 2**30, 2)
+    backend.shutdown()
+    del backend
+    torch.cuda.empty_cache()
+    return result
+
+
+def cpu_run(args, workdir: Path) -> dict:
+    tok = build_char_tokenizer()
+    config = tiny_config(len(tok), hidden_size=64, layers=2)
+    model_dir = init_model_dir(workdir / "tiny", config, tok, seed=0)
+    rng = random.Random(0)
+    out: dict = {"model": "tiny qwen2 (hidden 64, 2 layers)", "threads": torch.get_num_threads()}
+    # plain throughput on packed 512-token micro-batches
+    backend = build_backend(model_dir, "cpu", "local", 512)
+    batches = [make_batch(packable_lengths(4, 512, rng), config.vocab_size, s) for s in range(args.warmup + args.steps)]
+    seconds, _ = time_steps(backend, batches, args.warmup, "cpu")
+    out["packed_512_tokens_per_s"] = round(sum(b.num_tokens for b in batches[args.warmup:]) / seconds)
+    # length-skewed batch: most sequences short, a few long
+    skew = [rng.choice([24, 32, 48, 64]) for _ in range(60)] + [512, 480, 400, 300]
+    real_tokens = sum(skew)
+    packed = [make_batch(skew, config.vocab_size, s) for s in range(args.warmup + args.steps)]
+    padded = [make_batch(skew, config.vocab_size, s, pad_to=max(skew)) for s in range(args.warmup + args.steps)]
+    res = {}
+    for label, data, budget in (("packed", packed, 1024), ("padded", padded, 1024)):
+        backend = build_backend(model_dir, "cpu", "local", budget)
+        seconds, metrics = time_steps(backend, data, args.warmup, "cpu")
+        res[label] = {"real_tokens_per_s": round(real_tokens * args.steps / seconds),
+                      "computed_tokens_per_step": data[0].num_tokens, "mbs": int(metrics[-1]["mbs"]),
+                      "loss": round(metrics[-1]["loss"], 4)}
+    out["skewed_batch"] = {"lengths": f"60 of 24-64 + [512, 480, 400, 300] ({real_tokens} real tokens)", **res,
+                           "packed_speedup": round(res["packed"]["real_tokens_per_s"] / res["padded"]["real_tokens_per_s"], 2)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--backend", choices=("fsdp2", "local"), default="fsdp2")
+    p.add_argument("--mb-tokens", type=int, default=4096)
+    p.add_argument("--mbs-per-step", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ac", action="store_true", help="activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU intra-op threads (1: on a shared machine more threads contend)")
+    args = p.parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
+    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        if device == "cuda":
+            report["matmul_bf16_tflops_measured"] = round(measured_matmul_tflops("cuda"), 1)
+            report["datasheet_bf16_tflops"] = H200_PEAK_BF16 / 1e12
+            report["runs"] = [gpu_run(m, SHAPES[m], args, Path(tmp), report["matmul_bf16_tflops_measured"])
+                              for m in args.models]
+        else:
+            report["cpu"] = cpu_run(args, Path(tmp))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
