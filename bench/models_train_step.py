@@ -1,8 +1,8 @@
 """Training-side cost of areno's decoder: forward+backward of packed log-probs on one GPU.
 
 Compares, in one run on a random-init model of Qwen2.5-0.5B's shape (or --tiny on CPU):
-- attention paths of ``PackedCausalAttention``: sdpa (block-diagonal mask), flex (document block
-  mask, compiled), varlen (flash varlen);
+- attention paths of ``PackedCausalAttention``: sdpa (per sequence), sdpa_mask (block-diagonal
+  mask), flex (document block mask, compiled), varlen (flash varlen);
 - chunked ``packed_logprobs`` against the naive full-logits ``log_softmax`` (peak memory);
 - the baseline: ``transformers`` forward+backward on the same sequences, padded into a batch.
 
@@ -90,8 +90,8 @@ def main() -> None:
     }
 
     # 1. attention paths, full step (forward + backward of chunked packed log-probs)
-    for impl in ("sdpa", "flex", "varlen"):
-        if device == "cpu" and impl != "sdpa":
+    for impl in ("sdpa", "sdpa_mask", "flex", "varlen"):
+        if device == "cpu" and impl not in ("sdpa", "sdpa_mask"):
             continue
 
         def step(impl=impl):

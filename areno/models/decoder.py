@@ -273,7 +273,8 @@ class PackedCausalAttention:
 
     ``cu_seqlens_B1``: int [B+1] boundaries. ``sliding_window``: Mistral's window (a query sees
     itself and the previous ``sliding_window - 1`` tokens), or None. ``impl``:
-    - ``"sdpa"``: SDPA with a block-diagonal causal boolean mask [T, T] (the CPU default).
+    - ``"sdpa"``: SDPA per sequence with ``is_causal`` (the CPU default: no work across sequences).
+    - ``"sdpa_mask"``: one SDPA call with a block-diagonal causal boolean mask [T, T].
     - ``"flex"``: FlexAttention with a document block mask, compiled (the CUDA default).
     - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash, CUDA bf16/fp16 only; torch
       versions whose varlen lacks GQA get k/v repeated, and lack sliding windows fall back to flex).
@@ -281,7 +282,7 @@ class PackedCausalAttention:
     The mask is built at the first call and reused by every layer.
     """
 
-    IMPLS = ("auto", "sdpa", "flex", "varlen")
+    IMPLS = ("auto", "sdpa", "sdpa_mask", "flex", "varlen")
 
     def __init__(
         self, cu_seqlens_B1: torch.Tensor, *, sliding_window: int | None = None, impl: str = "auto"
@@ -307,6 +308,26 @@ class PackedCausalAttention:
         if self.sliding_window is not None:
             mask_TT &= (idx_T[:, None] - idx_T[None, :]) < self.sliding_window
         return mask_TT
+
+    def _sdpa_per_sequence(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        bounds = self.cu_seqlens_B1.tolist()
+        assert bounds[-1] == q_THD.shape[0], f"cu_seqlens covers {bounds[-1]} tokens, got {q_THD.shape[0]}"
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            if e == s:
+                continue
+            q, k, v = (x[s:e].transpose(0, 1) for x in (q_THD, k_THD, v_THD))  # [H, n, Dh]
+            if self.sliding_window is not None and e - s > self.sliding_window:
+                idx = torch.arange(e - s, device=q.device)
+                diff = idx[:, None] - idx[None, :]
+                mask = (diff >= 0) & (diff < self.sliding_window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            outs.append(out.transpose(0, 1))
+        if not outs:
+            return torch.empty_like(q_THD)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _flex_mask(self, T: int, device: torch.device):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -354,6 +375,8 @@ class PackedCausalAttention:
             if self.sliding_window is None or "window_size" in _varlen_params():
                 return self._varlen(q_THD, k_THD, v_THD)
             impl = "flex"
+        if impl == "sdpa":
+            return self._sdpa_per_sequence(q_THD, k_THD, v_THD)
         key = (impl, T, device)
         if self._mask_key != key:
             self._mask = self._flex_mask(T, device) if impl == "flex" else self._sdpa_mask(T, device)

@@ -50,7 +50,7 @@ def test_bf16_logprob_parity_with_transformers(arch, tmp_path):
     assert err.max() <= 2 * hf_bf16_err.max() + 0.05, (err.max(), hf_bf16_err.max())
 
 
-@pytest.mark.parametrize("impl", ["flex", "varlen"])
+@pytest.mark.parametrize("impl", ["flex", "varlen", "sdpa"])
 @pytest.mark.parametrize("window", [None, 64])
 def test_cuda_attention_impls_match_sdpa(impl, window):
     if impl == "varlen":
@@ -68,7 +68,7 @@ def test_cuda_attention_impls_match_sdpa(impl, window):
         out.backward(grad)
         return out.float(), q.grad.float(), k.grad.float(), v.grad.float()
 
-    for got, exp in zip(run(impl), run("sdpa")):
+    for got, exp in zip(run(impl), run("sdpa_mask")):
         torch.testing.assert_close(got, exp, atol=3e-2, rtol=3e-2)
 
 

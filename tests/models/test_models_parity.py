@@ -78,7 +78,8 @@ def test_logprob_parity_with_transformers(case, tmp_path):
     assert all(ours_sd[k].shape == ref_sd[k].shape for k in ours_sd)
 
 
-def test_packed_forward_equals_per_sequence():
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_mask"])
+def test_packed_forward_equals_per_sequence(impl):
     torch.manual_seed(0)
     model = Decoder(tiny_config(VOCAB, arch="qwen3", initializer_range=0.2)).eval()
     lens = [7, 1, 12, 4]
@@ -86,22 +87,25 @@ def test_packed_forward_equals_per_sequence():
     cu_B1 = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     pos_T = torch.cat([torch.arange(n) for n in lens])
     with torch.no_grad():
-        packed = model(torch.cat(seqs), pos_T, PackedCausalAttention(cu_B1))
-        single = torch.cat([model(s, torch.arange(s.numel())) for s in seqs])
+        packed = model(torch.cat(seqs), pos_T, PackedCausalAttention(cu_B1, impl=impl))
+        single = torch.cat([model(s, torch.arange(s.numel()), PackedCausalAttention(
+            torch.tensor([0, s.numel()]), impl="sdpa_mask")) for s in seqs])
     torch.testing.assert_close(packed, single, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_matches_sdpa_on_cpu():
-    """The CUDA default (FlexAttention document mask) agrees with the SDPA mask; run eagerly here."""
+def test_attention_impls_agree_on_cpu():
+    """Per-sequence SDPA, the block-diagonal SDPA mask and the FlexAttention document mask (the
+    CUDA default, run eagerly here) agree, with and without a sliding window."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch.manual_seed(0)
     cu_B1 = torch.tensor([0, 5, 6, 19])
     q, k, v = torch.randn(19, 4, 8), torch.randn(19, 2, 8), torch.randn(19, 2, 8)
     for window in (None, 3):
-        attn = PackedCausalAttention(cu_B1, sliding_window=window, impl="sdpa")
-        expected = attn(0, q, k, v)
+        expected = PackedCausalAttention(cu_B1, sliding_window=window, impl="sdpa_mask")(0, q, k, v)
+        per_seq = PackedCausalAttention(cu_B1, sliding_window=window, impl="sdpa")(0, q, k, v)
+        torch.testing.assert_close(per_seq, expected, atol=1e-5, rtol=1e-5)
         mask = PackedCausalAttention(cu_B1, sliding_window=window)._flex_mask(19, torch.device("cpu"))
         assert create_block_mask is not None
         got = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
