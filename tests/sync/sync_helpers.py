@@ -131,4 +131,7 @@ def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: in
     tmp = Path(out) / f".rank{rank}.pt"
     torch.save(result, tmp)
     tmp.rename(Path(out) / f"rank{rank}.pt")
+    deadline = time.time() + 60  # rank 0 hosts the store: keep it up until everyone has reported
+    while time.time() < deadline and not all((Path(out) / f"rank{r}.pt").exists() for r in range(world)):
+        time.sleep(0.1)
     os._exit(0)  # the groups are broken after a timeout; do not try to tear them down
