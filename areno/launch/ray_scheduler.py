@@ -54,8 +54,7 @@ class _RayWorkerActor:
         return socket.gethostname(), ray.util.get_node_ip_address(), free_port(), os.getpid()
 
     def setup(self, env: dict[str, str], cls_path: str, args: tuple, kwargs: dict) -> tuple:
-        os.environ.update(env)
-        return self.runtime.handle(("init", cls_path, args, kwargs))
+        return self.runtime.handle(("init", cls_path, args, kwargs, env))
 
     def run(self, target: str | Callable, args: tuple, kwargs: dict) -> tuple:
         return self.runtime.handle(("call", target, args, kwargs))

@@ -365,10 +365,17 @@ class _RpcScheduler(Scheduler):
             w.conn = conn
             w.handle = _replace(w.handle, pid=pid, host=host)
         futures = [
-            w.executor.submit(self._roundtrip, w, ("init", w.spec.worker_cls, w.spec.args, w.spec.kwargs), "constructor")
+            w.executor.submit(
+                self._roundtrip, w, ("init", w.spec.worker_cls, w.spec.args, w.spec.kwargs, self._init_env(w)),
+                "constructor",
+            )
             for w in workers
         ]
         _gather(futures)
+
+    def _init_env(self, w: _RpcWorker) -> dict[str, str]:
+        """Env a worker receives just before its object is built (after every worker connected)."""
+        return {}
 
     def _roundtrip(self, w: _RpcWorker, msg: tuple, what: str) -> Any:
         assert w.conn is not None

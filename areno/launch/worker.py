@@ -6,7 +6,8 @@ target may also be a module-level function (pickled by reference), which lets th
 its own checks (e.g. the storage probe) on any worker without the user class knowing.
 
 Messages controller -> worker (tuples):
-    ("init", cls_path, args, kwargs)     build the worker object (rendezvous env already set)
+    ("init", cls_path, args, kwargs, env) set env (e.g. MASTER_ADDR once the controller knows the
+                                         host of rank 0), then build the worker object
     ("call", target, args, kwargs)       target: method name (str) or module-level function
     ("stop",)                            reply, then exit
 Replies: ("ok", value) or ("err", exc_type_name, message, traceback_text).
@@ -54,7 +55,8 @@ class WorkerRuntime:
         try:
             kind = msg[0]
             if kind == "init":
-                _, cls_path, args, kwargs = msg
+                _, cls_path, args, kwargs, env = msg
+                os.environ.update(env)
                 self.obj = import_object(cls_path)(*args, **kwargs)
                 return ("ok", None)
             if kind == "call":
