@@ -144,12 +144,13 @@ def _format_duration(seconds: float) -> str:
 
 
 def _format_number(value: float) -> str:
+    """Three significant digits, no exponent between 1e-3 and 1e7 (0.25, 12.3, 2470, 1.2e+07)."""
     if value != value:  # NaN
         return "nan"
     magnitude = abs(value)
-    if magnitude >= 1e4:
-        return f"{value:.3g}" if magnitude >= 1e7 else f"{value:.0f}"
-    return f"{value:.3g}" if magnitude < 1e-3 and value != 0 else f"{value:.3f}".rstrip("0").rstrip(".")
+    if 100 <= magnitude < 1e7:
+        return f"{value:.0f}"
+    return f"{value:.3g}"
 
 
 class ConsoleSink(MetricSink):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import re
 import shutil
 import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -173,18 +175,29 @@ def test_report_renders_in_headless_chromium(two_runs, tmp_path):
     assert shot.read_bytes().startswith(PNG_MAGIC)
 
 
+DEMO = """
+import sys
+from areno.api.pipeline import run_demo
+run_demo(run_dir=sys.argv[1], overrides=sys.argv[2:])
+"""
+
+
 @pytest.mark.slow
 def test_report_from_a_real_tiny_run(tmp_path):
-    """A few GRPO steps of the CPU demo with a 2-layer model, then the report of that run."""
-    from areno.api.pipeline import run_demo
+    """A few GRPO steps of the CPU demo with a 2-layer model, then the report of that run.
 
+    The run is a subprocess with a deadline so that a hang in training fails this test instead
+    of stalling the suite."""
     run_dir = tmp_path / "demo"
-    run_demo(run_dir=str(run_dir), overrides=[
+    overrides = [
         f"model.path={tmp_path / 'init_model'}", "model.init_tiny.hidden_size=32",
         "model.init_tiny.layers=2", "model.init_tiny.intermediate_size=64",
         "warm_start.steps=0", "train.steps=3", "train.eval_interval=2", "data.num_eval=8",
-        "rollout.batch_size=4", "rollout.n_samples=2",
-    ])
+        "rollout.batch_size=4", "rollout.n_samples=2", "observe.console=false",
+    ]
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", DEMO, str(run_dir), *overrides], cwd=repo,
+                   env={**os.environ, "PYTHONPATH": str(repo)}, check=True, timeout=600)
     out = report.write_report([run_dir])
     parser = ImageCollector()
     parser.feed(out.read_text())
