@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -134,11 +135,11 @@ def _denominator(mb):
 def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, **kw):
     cfg = TrainBackendConfig(lr=1e-5, device=device, max_tokens_per_mb=mb_tokens, **kw)
     if kind == "fsdp2":
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
+        if not dist.is_initialized():  # one rank; the process group outlives each backend
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
+            os.environ.setdefault("LOCAL_RANK", "0")
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
         backend = FSDP2TrainBackend(cfg)
     else:
         backend = LocalTrainBackend(cfg)

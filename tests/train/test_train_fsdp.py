@@ -52,6 +52,9 @@ def _worker(rank, world, model_dir, out_dir):
     result["dp_grads"] = grads
     result["dp_scores"] = b.forward_only(random_batch(LENGTHS, VOCAB, 7), forward_fn=nll_forward)["logprobs_T"]
     result["dp_weights"] = {k: v.clone() for k, v in b.named_weights()}
+    # one sequence on two ranks: rank 1 runs an empty (dummy) micro-batch that adds nothing
+    result["one_seq_loss"] = b.train_step(random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss,
+                                          denominator_fn=token_denominator)["loss"]
     # sleep / wake round trip on sharded parameters and optimizer state
     local_before = [p.to_local().clone() for p in b.model.parameters()]
     freed = b.sleep()
@@ -101,6 +104,8 @@ def fsdp_result(tmp_path_factory):
         "scores": local.forward_only(random_batch(LENGTHS, VOCAB, 7), forward_fn=nll_forward)["logprobs_T"],
         "weights": dict(local.named_weights()),
     }
+    ref["one_seq_loss"] = local.train_step(random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss,
+                                           denominator_fn=token_denominator)["loss"]
     return torch.load(tmp / "result.pt", weights_only=False), ref, tmp, model_dir
 
 
@@ -112,6 +117,7 @@ def test_fsdp_two_ranks_equal_single_process(fsdp_result):
         err = (got["dp_grads"][name] - g).norm() / g.norm().clamp_min(1e-12)
         assert err < 1e-5, (name, float(err))
     torch.testing.assert_close(got["dp_scores"], ref["scores"], rtol=1e-5, atol=1e-5)
+    assert abs(got["one_seq_loss"] - ref["one_seq_loss"]) < 1e-5
     assert list(got["dp_weights"]) == list(ref["weights"])
     for name, w in ref["weights"].items():
         # after 3 AdamW steps (lr 1e-2): within 1% of one step; Adam magnifies 1e-7 gradient noise
