@@ -255,6 +255,8 @@ class Decoder(nn.Module):
         if attn is None:
             cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
             attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
+        if isinstance(attn, PackedCausalAttention):
+            attn.prepare(input_ids_T.shape[0], input_ids_T.device)
         x_TD = self.model.embed_tokens(input_ids_T)
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
@@ -279,7 +281,8 @@ class PackedCausalAttention:
     - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash, CUDA bf16/fp16 only; torch
       versions whose varlen lacks GQA get k/v repeated, and lack sliding windows fall back to flex).
     - ``"auto"``: flex on CUDA, sdpa elsewhere.
-    The mask is built at the first call and reused by every layer.
+    ``prepare`` builds the mask (or boundaries) once; ``Decoder.forward`` calls it before the
+    layers, so compiled layers only read it (no host sync or mask construction inside them).
     """
 
     IMPLS = ("auto", "sdpa", "sdpa_mask", "flex", "varlen")
@@ -292,8 +295,36 @@ class PackedCausalAttention:
         self.cu_seqlens_B1 = cu_seqlens_B1
         self.sliding_window = sliding_window
         self.impl = impl
-        self._mask = None
-        self._mask_key: tuple | None = None
+        self._prepared_for: tuple[int, torch.device] | None = None
+        self._impl = impl
+        self._state = None
+
+    def prepare(self, num_tokens: int, device: torch.device) -> None:
+        """Resolve ``auto`` and build what every layer reuses: sequence bounds (sdpa), the mask
+        (sdpa_mask, flex) or int32 boundaries and the longest length (varlen)."""
+        device = torch.device(device)
+        if self._prepared_for == (num_tokens, device):
+            return
+        impl = self.impl
+        if impl == "auto":
+            impl = "flex" if device.type == "cuda" else "sdpa"
+        if impl == "varlen" and self.sliding_window is not None and "window_size" not in _varlen_params():
+            impl = "flex"
+        covered = int(self.cu_seqlens_B1[-1])
+        if covered != num_tokens:
+            raise ValueError(f"cu_seqlens_B1 covers {covered} tokens but the batch has {num_tokens}")
+        if impl == "sdpa":
+            self._state = self.cu_seqlens_B1.tolist()
+        elif impl == "sdpa_mask":
+            self._state = self._sdpa_mask(num_tokens, device)
+        elif impl == "flex":
+            self._state = self._flex_mask(num_tokens, device)
+        else:
+            cu = self.cu_seqlens_B1.to(device=device, dtype=torch.int32)
+            max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max()) if num_tokens else 0
+            self._state = (cu, max_len)
+        self._impl = impl
+        self._prepared_for = (num_tokens, device)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         cu = self.cu_seqlens_B1.to(device)
@@ -302,16 +333,29 @@ class PackedCausalAttention:
 
     def _sdpa_mask(self, T: int, device: torch.device) -> torch.Tensor:
         doc_T = self._doc_ids_T(device)
-        assert doc_T.numel() == T, f"cu_seqlens covers {doc_T.numel()} tokens, got {T}"
         idx_T = torch.arange(T, device=device)
         mask_TT = (doc_T[:, None] == doc_T[None, :]) & (idx_T[None, :] <= idx_T[:, None])
         if self.sliding_window is not None:
             mask_TT &= (idx_T[:, None] - idx_T[None, :]) < self.sliding_window
         return mask_TT
 
+    def _flex_mask(self, T: int, device: torch.device):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc_T = self._doc_ids_T(device)
+        window = self.sliding_window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
+            if window is not None:
+                keep = keep & (q_idx - kv_idx < window)
+            return keep
+
+        # Compiled mask construction never materialises a [T, T] mask on the GPU.
+        return create_block_mask(mask_mod, None, None, T, T, device=device, _compile=device.type == "cuda")
+
     def _sdpa_per_sequence(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
-        bounds = self.cu_seqlens_B1.tolist()
-        assert bounds[-1] == q_THD.shape[0], f"cu_seqlens covers {bounds[-1]} tokens, got {q_THD.shape[0]}"
+        bounds = self._state
         outs = []
         for s, e in zip(bounds[:-1], bounds[1:]):
             if e == s:
@@ -329,32 +373,11 @@ class PackedCausalAttention:
             return torch.empty_like(q_THD)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _flex_mask(self, T: int, device: torch.device):
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        doc_T = self._doc_ids_T(device)
-        assert doc_T.numel() == T, f"cu_seqlens covers {doc_T.numel()} tokens, got {T}"
-        window = self.sliding_window
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            keep = (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
-            if window is not None:
-                keep = keep & (q_idx - kv_idx < window)
-            return keep
-
-        # Compiled mask construction never materialises a [T, T] mask on the GPU.
-        return create_block_mask(mask_mod, None, None, T, T, device=device, _compile=device.type == "cuda")
-
     def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
-        if self._mask_key is None or self._mask_key[0] != "varlen":
-            cu = self.cu_seqlens_B1.to(device=q_THD.device, dtype=torch.int32)
-            max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max())
-            self._mask, self._mask_key = (cu, max_len), ("varlen",)
-        cu, max_len = self._mask
-        params = _varlen_params()
-        if "window_size" in params:  # torch >= 2.12: causal window and GQA built in
+        cu, max_len = self._state
+        if "window_size" in _varlen_params():  # newer torch: causal window and GQA built in
             left = -1 if self.sliding_window is None else self.sliding_window - 1
             return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len,
                                window_size=(left, 0), enable_gqa=True)
@@ -367,27 +390,19 @@ class PackedCausalAttention:
     def __call__(
         self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     ) -> torch.Tensor:
-        T, device = q_THD.shape[0], q_THD.device
-        impl = self.impl
-        if impl == "auto":
-            impl = "flex" if q_THD.is_cuda else "sdpa"
-        if impl == "varlen":
-            if self.sliding_window is None or "window_size" in _varlen_params():
-                return self._varlen(q_THD, k_THD, v_THD)
-            impl = "flex"
+        self.prepare(q_THD.shape[0], q_THD.device)
+        impl = self._impl
         if impl == "sdpa":
             return self._sdpa_per_sequence(q_THD, k_THD, v_THD)
-        key = (impl, T, device)
-        if self._mask_key != key:
-            self._mask = self._flex_mask(T, device) if impl == "flex" else self._sdpa_mask(T, device)
-            self._mask_key = key
+        if impl == "varlen":
+            return self._varlen(q_THD, k_THD, v_THD)
         q = q_THD.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, Dh]
         k = k_THD.transpose(0, 1).unsqueeze(0)
         v = v_THD.transpose(0, 1).unsqueeze(0)
         if impl == "flex":
-            out = _compiled_flex_attention()(q, k, v, block_mask=self._mask, enable_gqa=True)
+            out = _compiled_flex_attention()(q, k, v, block_mask=self._state, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._state, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
 

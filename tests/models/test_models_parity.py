@@ -91,6 +91,8 @@ def test_packed_forward_equals_per_sequence(impl):
         single = torch.cat([model(s, torch.arange(s.numel()), PackedCausalAttention(
             torch.tensor([0, s.numel()]), impl="sdpa_mask")) for s in seqs])
     torch.testing.assert_close(packed, single, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="covers 24 tokens but the batch has 23"):
+        model(torch.cat(seqs)[:-1], pos_T[:-1], PackedCausalAttention(cu_B1, impl=impl))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
