@@ -131,7 +131,7 @@ class RolloutEngine:
         layer0 = model.model.layers[0].self_attn
         # Local head counts come from the (possibly TP-sharded) weights.
         num_kv_heads = layer0.k_proj.weight.shape[0] // model_config.head_dim
-        num_blocks = config.num_blocks or self._auto_num_blocks(num_kv_heads)
+        num_blocks = config.num_blocks or self._agree_num_blocks(self._auto_num_blocks(num_kv_heads))
         self.cache = KVCache(
             num_layers=model_config.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
             num_kv_heads=num_kv_heads, head_dim=model_config.head_dim, dtype=self.kv_dtype, device=self.device,
@@ -259,7 +259,7 @@ class RolloutEngine:
                               suppress_ids=suppressed_ids(s.params, s.num_generated, self.eos_token_ids))
                 for s in sampling
             ]
-            tokens, logprobs = self.sampler.sample(logits_BV, requests)
+            tokens, logprobs = self._sample(logits_BV, requests)
             finished = []
             for seq, token, logprob in zip(sampling, tokens, logprobs):
                 seq.token_ids.append(token)
@@ -295,7 +295,19 @@ class RolloutEngine:
         hidden_TD = self.model(input_ids_T, position_ids_T, attn)
         if not last:
             return hidden_TD.new_empty(0, self.vocab_size)
-        return self.model.logits(hidden_TD[torch.tensor(last, device=self.device)]).float()
+        return self._logits(hidden_TD[torch.tensor(last, device=self.device)])
+
+    # Hooks that tensor parallelism overrides (``tp.py``).
+    def _agree_num_blocks(self, num_blocks: int) -> int:
+        """The pool size every rank uses (ranks must schedule identically)."""
+        return num_blocks
+
+    def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary fp32 logits [B, V]."""
+        return self.model.logits(hidden_BD).float()
+
+    def _sample(self, logits_BV: torch.Tensor, requests: list[SampleRequest]) -> tuple[list[int], list[float]]:
+        return self.sampler.sample(logits_BV, requests)
 
     def _decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -364,6 +376,16 @@ class RolloutEngine:
                     param.copy_(tensor, non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            self._weights_changed(version)
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's live weight tensors by Hugging Face name, for in-place (colocated) policy
+        sync: a transport writes them, then calls :meth:`commit_weights`."""
+        return dict(self._params)
+
+    def commit_weights(self, version: int) -> None:
+        """Declare that the tensors of :meth:`weight_tensors` now hold policy ``version``."""
+        with self._lock:
             self._weights_changed(version)
 
     def update_weights_from_disk(self, path: str, version: int) -> None:

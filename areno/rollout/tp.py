@@ -1,0 +1,100 @@
+"""Tensor-parallel rollout: one ``TensorParallelRolloutEngine`` per rank of a TP group, run SPMD.
+
+Every rank holds its shards of the decoder (``areno.models.tp_plan``: q/k/v, gate/up and an untied
+``lm_head`` split by output rows, o_proj/down_proj by input columns and all-reduced, norms and the
+embedding whole) and a KV cache of its own KV heads. All ranks must receive the same calls in the
+same order (``add_request``, ``step``, ``update_weights`` …); the scheduler is deterministic, so the
+batches agree. Logits of a vocabulary-split ``lm_head`` are all-gathered; rank 0 samples and
+broadcasts the tokens and log-probs, so the ranks can never drift apart.
+
+The process group is gloo on CPU (tests spawn two processes) and NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, WeightUpdateError
+from areno.rollout.sampling import SampleRequest
+
+
+def make_tp_reduce(group: dist.ProcessGroup | None) -> Any:
+    """The all-reduce (sum) the decoder calls after its row-parallel projections."""
+
+    def tp_reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x
+
+    return tp_reduce
+
+
+def load_tp_model(
+    model_dir: str, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.nn.Module, Any]:
+    """This rank's shards of the checkpoint in ``model_dir`` (``hf_io.load_model`` with TP)."""
+    from areno.models.hf_io import load_model
+
+    return load_model(model_dir, dtype=dtype, device=device, tp_rank=dist.get_rank(group),
+                      tp_size=dist.get_world_size(group), tp_reduce=make_tp_reduce(group))
+
+
+class TensorParallelRolloutEngine(RolloutEngine):
+    """A ``RolloutEngine`` over a TP-sharded ``Decoder``; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        *,
+        config: RolloutEngineConfig,
+        group: dist.ProcessGroup | None = None,
+        eos_token_ids=(),
+        tokenizer: Any = None,
+    ) -> None:
+        self.group = group
+        self.tp_rank = dist.get_rank(group)
+        self.tp_size = dist.get_world_size(group)
+        if getattr(model, "tp_size", 1) != self.tp_size:
+            raise ValueError(f"the model is sharded for tp_size={getattr(model, 'tp_size', 1)} but the process "
+                             f"group has {self.tp_size} ranks: load it with load_tp_model")
+        self._plan = tp_plan(model_config)
+        super().__init__(model, model_config, config=config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
+
+    def _comm_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    def _agree_num_blocks(self, num_blocks: int) -> int:
+        n = torch.tensor([num_blocks], device=self._comm_device())
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.group)
+        return int(n.item())
+
+    def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
+        local_BV = self.model.logits(hidden_BD).float()
+        if self.model_config.tie_word_embeddings:
+            return local_BV  # the embedding is replicated: full logits already
+        parts = [torch.empty_like(local_BV) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local_BV.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def _sample(self, logits_BV: torch.Tensor, requests: list[SampleRequest]) -> tuple[list[int], list[float]]:
+        # Every rank samples (keeping per-request generators in step); rank 0's choice is broadcast.
+        tokens, logprobs = self.sampler.sample(logits_BV, requests)
+        dev = self._comm_device()
+        t = torch.tensor(tokens, dtype=torch.long, device=dev)
+        lp = torch.tensor(logprobs, dtype=torch.float64, device=dev)
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(t, src=src, group=self.group)
+        dist.broadcast(lp, src=src, group=self.group)
+        return t.tolist(), lp.tolist()
+
+    def _shard_for_update(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Full (Hugging Face shaped) tensors in, this rank's shard out."""
+        try:
+            return shard_tensor(tensor, tp_style(self._plan, name), self.tp_rank, self.tp_size)
+        except ValueError as e:
+            raise WeightUpdateError(f"weight update rejected: {name!r}: {e}") from None

@@ -1,0 +1,64 @@
+"""TP=2 over gloo (two spawned processes) generates the same tokens as TP=1."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from areno.api.types import SamplingParams
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from tests.rollout.conftest import make_model, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True, seed=3)
+
+
+def _worker(rank: int, port: int, model_dir: str, new_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from areno.rollout.tp import TensorParallelRolloutEngine, load_tp_model
+        from safetensors.torch import load_file
+
+        model, cfg = load_tp_model(model_dir)
+        eng = TensorParallelRolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4), eos_token_ids=())
+        prompts = random_prompts(4, seed=30)
+        greedy = eng.generate(prompts, GREEDY)
+        seeded = eng.generate(prompts[:2], SEEDED)
+        eng.update_weights(load_file(os.path.join(new_dir, "model.safetensors")).items(), version=1)
+        after = eng.generate(prompts[:2], GREEDY)
+        torch.save({"greedy": [o.output_ids for o in greedy], "seeded": [o.output_ids for o in seeded],
+                    "after": [o.output_ids for o in after], "kv_heads": eng.cache.num_kv_heads},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_equals_tp1(tmp_path):
+    from areno.models.hf_io import save_model
+
+    model, cfg = make_model(0)
+    new_model, _ = make_model(1)
+    save_model(model, cfg, tmp_path / "m")
+    save_model(new_model, cfg, tmp_path / "n")
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path / "m"), str(tmp_path / "n"), str(tmp_path)), nprocs=2)
+    prompts = random_prompts(4, seed=30)
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4), eos_token_ids=())
+    greedy = [o.output_ids for o in eng.generate(prompts, GREEDY)]
+    seeded = [o.output_ids for o in eng.generate(prompts[:2], SEEDED)]
+    eng.update_weights(new_model.state_dict().items(), version=1)
+    after = [o.output_ids for o in eng.generate(prompts[:2], GREEDY)]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["greedy"] == greedy and got["seeded"] == seeded and got["after"] == after
+        assert got["kv_heads"] == cfg.num_key_value_heads // 2
