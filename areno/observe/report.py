@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from areno.observe.metrics import METRICS_FILENAME, POLICY_SYNC_PREFIX, read_metrics
 from areno.observe.session import format_session, load_sessions
-from areno.observe.trace import MERGED_FILENAME, TRACES_DIRNAME
+from areno.observe.trace import MERGED_FILENAME, TRACES_DIRNAME, load_trace_events, span_stats
 
 MAX_OTHER_PANELS = 60
 MAX_SESSIONS_SHOWN = 100
@@ -345,6 +345,17 @@ def _sessions_html(runs: list[Run]) -> str:
             "oninput='filterSessions(this)' size='40'>" + "".join(parts))
 
 
+def _span_table(run: Run, top: int = 20) -> str:
+    rows = span_stats(load_trace_events(run.path))[:top]
+    if not rows:
+        return ""
+    cols = ("cat", "name", "count", "total_ms", "mean_ms", "max_ms")
+    return (f"<h3>{html.escape(run.name)}: where traced time went (top {len(rows)} spans)</h3>"
+            "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>"
+            + "".join("<tr>" + "".join(f"<td>{_fmt(r[c])}</td>" for c in cols) + "</tr>"
+                      for r in rows) + "</table>")
+
+
 def build_report(runs: list[Run], *, smooth: float = 0.0, png_dir: Path | None = None) -> str:
     """The report's HTML for ``runs`` (and PNG files in ``png_dir`` when given)."""
     if not runs:
@@ -396,6 +407,7 @@ def build_report(runs: list[Run], *, smooth: float = 0.0, png_dir: Path | None =
         body += ["<h2>Performance traces</h2><p>Open in "
                  "<a href='https://ui.perfetto.dev'>ui.perfetto.dev</a> or chrome://tracing:</p>",
                  "<ul>" + "".join(traces) + "</ul>"]
+        body += [_span_table(r) for r in runs if r.trace is not None]
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{CSS}</style>"
             f"<script>{SESSION_FILTER_JS}</script></head><body>"

@@ -61,7 +61,7 @@ class _TraceState:
         self.path: Path | None = None
         self.process_name: str | None = None
         self._file = None
-        self._buffer: list[str] = []
+        self._buffer: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._epoch_offset_ns = time.time_ns() - time.perf_counter_ns()
         self._last_flush = time.monotonic()
@@ -86,25 +86,24 @@ class _TraceState:
         self.enabled = True
 
     def emit(self, event: dict[str, Any]) -> None:
+        """Buffer one event; serialisation happens at flush, off the traced code's path."""
         tid = event.get("tid")
-        line = json.dumps(event, default=str, separators=(",", ":"))
         with self._lock:
             if self._file is None:
                 return
             if tid and tid not in self._named_threads:
                 self._named_threads.add(tid)
-                name = threading.current_thread().name
-                self._buffer.append(json.dumps(
-                    {"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid,
-                     "args": {"name": name}}))
-            self._buffer.append(line)
+                self._buffer.append({"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid,
+                                     "args": {"name": threading.current_thread().name}})
+            self._buffer.append(event)
             if (len(self._buffer) >= _FLUSH_EVERY_EVENTS
                     or time.monotonic() - self._last_flush > _FLUSH_EVERY_S):
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
         if self._file is not None and self._buffer:
-            self._file.write("\n".join(self._buffer) + "\n")
+            dumps = json.JSONEncoder(default=str, separators=(",", ":")).encode
+            self._file.write("".join(dumps(e) + "\n" for e in self._buffer))
             self._file.flush()
         self._buffer.clear()
         self._last_flush = time.monotonic()
@@ -361,6 +360,31 @@ def merge_traces(run_dir: Path, out: Path | None = None) -> Path:
     tmp.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}), encoding="utf-8")
     tmp.replace(out)
     return out
+
+
+def load_trace_events(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's events: the merged ``trace.json`` when present, else every per-process file."""
+    run_dir = Path(run_dir)
+    merged = run_dir / MERGED_FILENAME
+    if merged.is_file():
+        return json.loads(merged.read_text(encoding="utf-8"))["traceEvents"]
+    events: list[dict[str, Any]] = []
+    for path in sorted((run_dir / TRACES_DIRNAME).glob("*.jsonl")):
+        events.extend(_read_events(path))
+    return events
+
+
+def span_stats(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Complete spans grouped by (category, name): count, total and mean duration in ms,
+    largest total first. Nested spans count in full at every level."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            groups.setdefault((e.get("cat", ""), e["name"]), []).append(float(e["dur"]))
+    rows = [{"cat": cat, "name": name, "count": len(durs), "total_ms": sum(durs) / 1000,
+             "mean_ms": sum(durs) / len(durs) / 1000, "max_ms": max(durs) / 1000}
+            for (cat, name), durs in groups.items()]
+    return sorted(rows, key=lambda r: -r["total_ms"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,7 @@ def test_report_renders_all_panels_for_two_runs(two_runs, tmp_path):
     assert "&lt;b&gt;?&lt;/b&gt;" in text  # session text is escaped
     assert "tool calculator" in text
     assert str(b / "trace.json") in text
+    assert "<td>train</td><td>train_step</td><td>1</td>" in text  # span table of run b
     # summary row per run: 20 and 15 steps, best eval accuracy 0.5
     rows = re.findall(r"<tr><td>(grpo|ppo)</td><td>(\d+)</td>", text)
     assert rows == [("grpo", "20"), ("ppo", "15")]

@@ -100,6 +100,9 @@ def test_spans_from_several_processes_merge_into_one_trace(tracing):
     assert "trainer" in names and len(names) >= 3
     assert [e["ph"] for e in events if e.get("id") == "7"] == ["b", "n", "e"]
     assert any(e["ph"] == "C" and e["args"] == {"used": 3, "free": 9} for e in events)
+    stats = {(r["cat"], r["name"]): r for r in trace.span_stats(trace.load_trace_events(run_dir))}
+    assert stats[("train", "forward")]["count"] == 2 and stats[("train", "forward")]["mean_ms"] >= 2
+    assert stats[("sync", "policy_sync")]["total_ms"] == pytest.approx(sync["dur"] / 1000)
 
 
 def test_decorator_applied_while_disabled_traces_once_enabled(tracing):
