@@ -51,7 +51,7 @@ class RecipeRunner:
         if missing:
             raise ValueError(f"recipe {training_config.name!r}: no training backend for role(s) {missing}; got {sorted(backends)}")
         for role in training_config.roles:
-            cfg = getattr(backends[role.name], "config", None)
+            cfg = getattr(backends[role.name], "cfg", None)
             if cfg is not None and getattr(cfg, "trainable", True) is False and role.trainable:
                 raise ValueError(f"role {role.name!r} is trainable but its backend was built with trainable=False")
         self.config = training_config

@@ -1,0 +1,102 @@
+"""Learning check (issue 5): held-out accuracy before and after each RL recipe, same step budget.
+
+On the shipped task (``examples/demo.yaml``: 1-2 digit addition, a tiny character-level model):
+
+1. one supervised warm start (the ``sft`` recipe) gives the common starting checkpoint;
+2. for ``opd``, a stronger teacher: the same warm start run ``--teacher-steps`` steps;
+3. every recipe in ``--algorithms`` trains ``--steps`` steps from the start checkpoint with the
+   demo's rollout and optimizer settings; greedy held-out accuracy is measured before and after.
+
+A recipe passes when its accuracy after is above its accuracy before. Prints one JSON object:
+``{"config", "steps", "start_accuracy", "teacher_accuracy", "results": {name: {"before", "after",
+"improved", "wall_s"} | {"error"}}, "all_improved"}``.
+
+Usage:
+    python bench/recipes.py                                   # the 7 recipes of the issue, CPU
+    python bench/recipes.py --algorithms grpo,rloo --steps 20 --num-eval 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from areno.api.config import load_config  # noqa: E402
+from areno.api.pipeline import run_warm_start  # noqa: E402
+from areno.api.trainer import Trainer  # noqa: E402
+
+DEFAULT_ALGORITHMS = "grpo,dr_grpo,dapo,rloo,reinforce_pp,ppo,opd"
+
+
+def _warm_start(config_path: str, run_dir: Path, steps: int, common: list[str]) -> tuple[Path, float]:
+    cfg = load_config(config_path, [f"run_dir={run_dir}", f"warm_start.steps={steps}", *common])
+    export_dir = run_warm_start(cfg)
+    metrics = json.loads((export_dir / "COMPLETE").read_text())
+    return export_dir, float(metrics.get("eval/accuracy", float("nan")))
+
+
+def _run_recipe(config_path: str, run_dir: Path, start: Path, name: str, steps: int, extra: list[str]) -> dict:
+    overrides = [f"run_dir={run_dir}", f"model.path={start}", "warm_start.steps=0", f"train.algorithm={name}",
+                 f"train.steps={steps}", "train.eval_interval=0", "train.save_interval=0", *extra]
+    trainer = Trainer.init(load_config(config_path, overrides))
+    t0 = time.perf_counter()
+    try:
+        before = trainer.evaluate_now()["eval/accuracy"]
+        after = trainer.run()["eval/accuracy"]
+    finally:
+        trainer.shutdown()
+    return {"before": before, "after": after, "improved": after > before, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "examples" / "demo.yaml"))
+    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="comma-separated recipe names")
+    parser.add_argument("--steps", type=int, default=40, help="RL steps per recipe (the same budget for all)")
+    parser.add_argument("--warm-start-steps", type=int, default=60)
+    parser.add_argument("--teacher-steps", type=int, default=240, help="sft steps of the opd teacher")
+    parser.add_argument("--num-eval", type=int, default=200, help="held-out prompts")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    parser.add_argument("--run-root", default=str(ROOT / "runs" / "bench_recipes"))
+    parser.add_argument("--fresh", action="store_true", help="delete --run-root first (no reuse of warm starts)")
+    args = parser.parse_args(argv)
+
+    root = Path(args.run_root)
+    if args.fresh and root.exists():
+        shutil.rmtree(root)
+    common = [f"data.num_eval={args.num_eval}", f"cluster.device={args.device}", "observe.console=false"]
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    start, start_acc = _warm_start(args.config, root / "start", args.warm_start_steps, common)
+    teacher, teacher_acc = None, None
+    if "opd" in algorithms:
+        teacher, teacher_acc = _warm_start(args.config, root / "teacher", args.teacher_steps, common)
+    results = {}
+    for name in algorithms:
+        extra = list(common)
+        if teacher is not None and name in ("opd", "dagger", "aggrevate", "mixed_loss_dagger_opd"):
+            extra.append(f"train.algorithm_kwargs.teacher_path={teacher}")
+        run_dir = root / name
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        try:
+            results[name] = _run_recipe(args.config, run_dir, start, name, args.steps, extra)
+        except (ValueError, RuntimeError, AttributeError, KeyError) as err:  # reported, not hidden
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+        print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
+    print(json.dumps({
+        "config": args.config, "steps": args.steps, "warm_start_steps": args.warm_start_steps,
+        "start_accuracy": start_acc, "teacher_accuracy": teacher_acc, "results": results,
+        "all_improved": all(r.get("improved", False) for r in results.values()),
+    }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
