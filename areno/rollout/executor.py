@@ -11,7 +11,11 @@ Weight updates: ``pause()`` stops admission (episodes in flight keep running; th
 own pause interrupts their requests without losing tokens), the caller swaps weights into the
 engine, ``set_version(v)`` records the new policy version, ``resume()`` re-opens admission.
 Groups whose oldest token is more than η versions behind the current policy are dropped when the
-trainer collects them (``rollout/dropped_stale``) and a replacement sample is admitted.
+trainer collects them (``rollout/dropped_stale``) and a replacement sample is admitted. Episodes
+still running when they fall behind are cancelled at ``set_version`` (``rollout/aborted_stale``),
+so no compute is spent finishing a group that would be dropped. Note the consequence for
+long-tailed lengths: an episode that needs more than η trainer steps to generate is never trained
+on (``bench/async.py`` reports ``long_seqs_trained``); choose η against the longest generations.
 
 Faults: a workflow that raises counts as a failed episode and its sample is retried (at the front
 of the queue) up to ``max_retries`` times, then dropped with a warning that names it.
@@ -102,6 +106,7 @@ class WorkflowExecutor:
         max_retries: int = 2,
         store: "ObservationStore | None" = None,
         runner: "ProcessEpisodeRunner | None" = None,
+        abort_stale: bool = True,
     ) -> None:
         """
         Args:
@@ -115,6 +120,8 @@ class WorkflowExecutor:
                 most ``max_retries + 1`` times, then dropped with a warning.
             store: observation store whose entries referenced by dropped groups are released.
             runner: run episodes in rollout worker processes instead of this process.
+            abort_stale: on ``set_version``, cancel running episodes admitted more than η versions
+                ago (``rollout/aborted_stale``): their result would be dropped as stale anyway.
         """
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
@@ -141,6 +148,9 @@ class WorkflowExecutor:
         self._busy_s = 0.0
         self._started_at: float | None = None
         self._worker_error: BaseException | None = None
+        self.abort_stale = abort_stale
+        self._in_flight: dict[int, tuple[asyncio.Future, int]] = {}
+        self._aborted: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
@@ -235,9 +245,24 @@ class WorkflowExecutor:
         if self.staleness is not None:
             self.staleness.set_version(version)
         self._version = version
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._abort_doomed)
         self._notify_loop()
         with self._results_cond:
             self._results_cond.notify_all()
+
+    def _abort_doomed(self) -> None:
+        """Loop thread: cancel running episodes admitted more than η versions ago. Their first token
+        is no older than their admission, so they would most likely be dropped at collection;
+        cancelling aborts their requests (the client aborts on cancellation) and frees the slot."""
+        if self.staleness is None or not self.abort_stale:
+            return
+        oldest_allowed = self._version - self.staleness.max_head_offpolicyness
+        for index, (attempt, submit_version) in list(self._in_flight.items()):
+            if submit_version < oldest_allowed and not attempt.done():
+                self._aborted.add(index)
+                self._counts["aborted_stale"] += 1
+                attempt.cancel()
 
     def _notify_loop(self) -> None:
         if self._loop is not None and self._wake is not None:
@@ -271,9 +296,17 @@ class WorkflowExecutor:
                 continue
             submit_version = self._version
             t0 = time.monotonic()
+            attempt = asyncio.ensure_future(self._aattempt(task))
+            self._in_flight[task.index] = (attempt, submit_version)
             try:
-                status, group = await self._aattempt(task)
+                status, group = await attempt
+            except asyncio.CancelledError:
+                if task.index not in self._aborted:
+                    raise  # the pool is stopping
+                self._aborted.discard(task.index)
+                status, group = "aborted_stale", None
             finally:
+                self._in_flight.pop(task.index, None)
                 self._busy_s += time.monotonic() - t0
             assert self.staleness is not None
             if status == "ok":
@@ -410,7 +443,7 @@ class WorkflowExecutor:
     def metrics(self) -> dict[str, float]:
         """Cumulative counters (``rollout/<name>``), staleness of the last batch, pool state."""
         out = {f"rollout/{name}": float(value) for name, value in sorted(self._counts.items())}
-        for name in ("dropped_stale", "failed_episodes", "dropped_failed", "rejected", "reward_errors"):
+        for name in ("dropped_stale", "aborted_stale", "failed_episodes", "dropped_failed", "rejected", "reward_errors"):
             out.setdefault(f"rollout/{name}", 0.0)
         out.update(self._last_batch)
         out["rollout/version"] = float(self._version)

@@ -24,6 +24,7 @@ class FakeEngine:
         self.requests = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.cancelled = 0
         self._lock = threading.Lock()
 
     def pause(self) -> None:
@@ -59,6 +60,9 @@ class FakeEngine:
                 output_versions=versions,
                 finish_reason="stop",
             )
+        except asyncio.CancelledError:
+            self.cancelled += 1  # the caller aborted the request
+            raise
         finally:
             with self._lock:
                 self.in_flight -= 1

@@ -181,3 +181,21 @@ def test_dataset_iterator_error_surfaces_in_wait_batch():
     with WorkflowExecutor(FakeEngine(length_from_prompt), CountingWorkflow(), broken_rows(), staleness) as ex:
         with pytest.raises(RuntimeError, match="disk gone"):
             ex.wait_batch(2, timeout=10)
+
+
+def test_running_episodes_that_fall_behind_are_aborted_and_replaced():
+    engine = FakeEngine(length_from_prompt, step_s=0.002)
+    data = rows(10, length=2)
+    data[0]["len"] = 10_000  # would run for ~20 s
+    staleness = StalenessManager(max_head_offpolicyness=1, batch_size=1, max_concurrent=2)
+    seen = []
+    with WorkflowExecutor(engine, CountingWorkflow(), iter(data), staleness) as ex:
+        for step in range(4):
+            seen += [g[0].info["id"] for g in ex.wait_batch(1, timeout=10)]
+            sync_weights(ex, engine, step + 1)
+        deadline = time.monotonic() + 10
+        while engine.cancelled == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert engine.cancelled == 1  # the long request was aborted (it would have run for 20 s)
+        m = ex.metrics()
+    assert 0 not in seen and m["rollout/aborted_stale"] == 1
