@@ -105,6 +105,7 @@ class ArenoEngine:
         self.config = config
         self.run_dir = run_dir
         self._pending_sync_metrics = {}
+        self._transports = {}
 
     # ----------------------------------------------------------------------------- set-up
     def initialize(self) -> None:
@@ -199,18 +200,22 @@ class ArenoEngine:
         return RolloutBatch(trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics)
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
-        metrics = self.runner.step(rollout.batch)
+        metrics = {f"train/{k}": v for k, v in self.runner.step(rollout.batch).items()}
         metrics.update(self._pending_sync_metrics)  # the previous sync's figures ride with the next step
         self._pending_sync_metrics = {}
         return metrics
 
     def update_weights(self) -> dict[str, float]:
+        from areno.sync.base import NamedTensorSource
         from areno.sync.inplace import InPlaceTransport
 
         stats = None
         for role_name in self.runner.roles_to_sync():
-            transport = InPlaceTransport(self.runner.backends[role_name], self.rollout_engine)
-            stats = transport.sync(self.version + 1)
+            if role_name not in self._transports:
+                source = NamedTensorSource(self.runner.backends[role_name].named_weights)
+                self._transports[role_name] = InPlaceTransport(
+                    source, self.rollout_engine.weight_tensors(), on_commit=self.rollout_engine.commit_weights)
+            stats = self._transports[role_name].sync(self.version + 1)
         if stats is None:
             return {}
         self.version += 1
@@ -241,15 +246,16 @@ class ArenoEngine:
         state = {**trainer_state, "data": self.train_stream.state_dict(), "version": self.version}
         tmp = path.with_name(path.name + ".tmp")
         for role_name, backend in self.runner.backends.items():
-            if backend.config.trainable:
+            if backend.cfg.trainable:
                 backend.save_checkpoint(tmp / role_name, extra_state=state)
+        self.export_policy(tmp / "hf")  # what `transformers` and `areno serve` load
         tmp.rename(path)
         (path / "COMPLETE").write_text("ok")
 
     def load(self, path: Path) -> dict:
         state = {}
         for role_name, backend in self.runner.backends.items():
-            if backend.config.trainable:
+            if backend.cfg.trainable:
                 state = backend.load_checkpoint(path / role_name)
         self.train_stream.load_state_dict(state["data"])
         self.version = int(state["version"])

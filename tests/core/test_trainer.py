@@ -1,0 +1,138 @@
+"""The SDK topology and the outer loop, end to end on a tiny CPU model."""
+
+import json
+
+import pytest
+import torch
+
+from areno.api.backend.base import BACKENDS, Backend, register_backend, resolve_backend
+from areno.api.config import load_config
+from areno.api.pipeline import run_pipeline
+from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
+from areno.api.backend.base import RolloutBatch
+from areno.api.types import TokenBatch, Trajectory
+
+
+def sevens(prompt, completion, answer, **row):
+    """Easy reward for the learning test: the fraction of '7' characters in the completion."""
+    return completion.count("7") / max(len(completion), 1)
+
+
+def exploding(prompt, completion, answer, **row):
+    raise RuntimeError("reward bug")
+
+
+def test_backend_registry():
+    from areno.api.backend.areno.backend import ArenoBackend
+
+    assert resolve_backend("areno") is ArenoBackend
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'; registered backends: \['areno'"):
+        resolve_backend("nope")
+
+    @register_backend("test-dummy")
+    class Dummy(ArenoBackend):
+        pass
+
+    try:
+        assert resolve_backend("test-dummy") is Dummy
+        with pytest.raises(ValueError, match="already registered"):
+            register_backend("test-dummy")(ArenoBackend)
+    finally:
+        BACKENDS.pop("test-dummy")
+
+
+def test_pass_seed_formula():
+    assert PASS_SEED_STRIDE == 100003
+    assert pass_seed(7, 5, 0) == 12
+    assert pass_seed(7, 5, 2) == 7 + 5 + 2 * 100003
+
+
+def test_reshuffle_is_a_seeded_permutation():
+    trajs = [Trajectory(prompt_ids=[1, i], completion_ids=[i + 2] * (i + 1), logprobs=[0.0] * (i + 1),
+                        versions=[0] * (i + 1), reward=float(i)) for i in range(6)]
+    rollout = RolloutBatch(trajectories=trajs, batch=TokenBatch.from_trajectories(trajs))
+    a, b = reshuffle(rollout, 123), reshuffle(rollout, 123)
+    assert [t.reward for t in a.trajectories] == [t.reward for t in b.trajectories]
+    assert sorted(t.reward for t in a.trajectories) == list(range(6))
+    assert a.batch.rewards_B.tolist() == [t.reward for t in a.trajectories]
+    assert [t.reward for t in reshuffle(rollout, 124).trajectories] != [t.reward for t in a.trajectories]
+    torch.testing.assert_close(a.batch.input_ids_T, TokenBatch.from_trajectories(a.trajectories).input_ids_T)
+
+
+def _config(tmp_path, *extra):
+    return load_config(None, [
+        f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+        "data.task=arithmetic", "data.num_eval=8", "rollout.batch_size=4", "rollout.n_samples=8",
+        "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false", *extra,
+    ])
+
+
+def test_grpo_reward_goes_up(tmp_path):
+    cfg = _config(tmp_path, "reward.fn=test_trainer:sevens", "optim.lr=0.02", "train.steps=12",
+                  "train.eval_interval=0", "train.seed=1")
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
+    assert len(rewards) == 12
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    # run directory: resolved config, metrics with the documented keys, an HF checkpoint at the end
+    assert (tmp_path / "run" / "config.yaml").exists()
+    step_rows = [r for r in rows if "rollout/reward_mean" in r]
+    for key in ("train/policy/loss", "train/policy/actor/clip_frac", "train/policy/actor/kl", "timing/rollout_s",
+                "timing/train_s", "timing/sync_s", "rollout/num_tokens"):
+        assert key in step_rows[-1], key
+    assert any("policy_sync_time_s" in r for r in rows)
+    assert (tmp_path / "run" / "checkpoints" / "step_00000012" / "COMPLETE").exists()
+
+
+def test_pipeline_warm_start_and_export_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(tmp_path, "warm_start.steps=2", "warm_start.batch_size=8", "train.steps=1")
+    summary = run_pipeline(cfg)
+    assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "warm_start" / "final_model")
+    assert model.config.num_hidden_layers == 1
+    assert (tmp_path / "run" / "curve.png").stat().st_size > 1000
+
+
+def test_reward_that_raises_is_counted_not_fatal(tmp_path, caplog):
+    cfg = _config(tmp_path, "reward.fn=test_trainer:exploding", "train.steps=1", "train.eval_interval=0")
+    trainer = Trainer.init(cfg)
+    try:
+        rollout = trainer.rollout_token_batch(0)
+    finally:
+        trainer.shutdown()
+    assert rollout.metrics["rollout/reward_errors"] == 32
+    assert rollout.metrics["rollout/reward_mean"] == 0.0
+    assert "reward bug" in caplog.text
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.init_tiny=null", "model.path: directory"),
+    ("train.algorithm=grpoo", "grpo"),
+    ("reward.fn=areno.rewards.tasks:nope", "reward.fn"),
+])
+def test_bad_input_is_one_line(tmp_path, override, message):
+    cfg = _config(tmp_path, override)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")) as info:
+        Trainer.init(cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    from areno.cli import main
+
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo" in out and "sft" in out
