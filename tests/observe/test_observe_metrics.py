@@ -203,3 +203,14 @@ def test_read_metrics_skips_a_torn_last_line(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     with pytest.raises(FileNotFoundError, match="run directory"):
         read_metrics(tmp_path / "nope")
+
+
+def test_wandb_offline_run_without_network(tmp_path, monkeypatch):
+    """The real W&B client in offline mode (runs only where wandb is installed)."""
+    pytest.importorskip("wandb", reason="wandb is optional: pip install 'areno[wandb]'")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with MetricsLogger(tmp_path, total_steps=2, console=False,
+                       wandb=WandbConfig(project="areno-test", mode="offline")) as logger:
+        for step, metrics in enumerate(STEPS, start=1):
+            logger.log(metrics, step=step)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
