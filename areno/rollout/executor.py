@@ -673,6 +673,7 @@ class ProcessEpisodeRunner:
         slot = self._slots[idx]
         if slot.generation != generation or self._stopping.is_set():
             return
+        slot.proc.join(timeout=5)  # EOF can arrive before the process is reaped
         exitcode = slot.proc.exitcode
         logger.warning("rollout worker process %d (pid %s) died with exit code %s; restarting it and "
                        "re-queueing its %d in-flight samples", idx, slot.proc.pid, exitcode, len(slot.inflight))
