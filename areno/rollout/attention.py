@@ -109,6 +109,25 @@ class PagedAttention:
                     g.q_index_BQ, g.q_valid_BQ = g.q_index_BQ.to(**to), g.q_valid_BQ.to(**to)
         return cls(cache, slot_T.to(**to), num_decode, decode, prefill)
 
+    @classmethod
+    def for_decode(
+        cls, cache: KVCache, bt_BN: torch.Tensor, ctx_B: torch.Tensor, sliding_window: int | None = None
+    ) -> "PagedAttention":
+        """A pure-decode step from device tensors only (static shapes: usable inside a CUDA graph).
+
+        ``bt_BN``: block tables padded with any block id (padding keys are masked); ``ctx_B``: context
+        length including the new token (its position is ``ctx - 1``)."""
+        bs = cache.block_size
+        pos_B = ctx_B - 1
+        slot_B = bt_BN.gather(1, (pos_B // bs)[:, None]).squeeze(1) * bs + pos_B % bs
+        key_L = torch.arange(bt_BN.shape[1] * bs, device=bt_BN.device)
+        kv_slots_BL = bt_BN[:, key_L // bs] * bs + key_L % bs
+        mask_BL = key_L[None, :] <= pos_B[:, None]
+        if sliding_window is not None:
+            mask_BL &= key_L[None, :] > pos_B[:, None] - sliding_window
+        group = _Group(kv_slots_BL=kv_slots_BL, mask_B1QL=mask_BL[:, None, None, :])
+        return cls(cache, slot_B, bt_BN.shape[0], group, None)
+
     @staticmethod
     def _group(
         bt_BN: torch.Tensor, ctx_B: torch.Tensor, qpos_BQ: torch.Tensor, bs: int, window: int | None

@@ -1,7 +1,7 @@
 """Paged KV cache: fixed-size blocks, ref-counted, with a content-addressed prefix cache.
 
 Layout. Each layer owns two flat slot tensors ``k_S`` and ``v_S`` of shape ``[S, Hkv, Dh]`` with
-``S = num_blocks * block_size``; token ``i`` of a sequence lives in slot
+``S = (num_blocks + 1) * block_size`` (the last block is scratch space for padding); token ``i`` of a sequence lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``.
 
 Prefix sharing. A block whose ``block_size`` tokens are all known is *full*; full blocks are
@@ -195,7 +195,13 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
+        # One extra scratch block at the end: padding rows of CUDA-graph batches write there.
+        return (self.num_blocks + 1) * self.block_size
+
+    @property
+    def scratch_block(self) -> int:
+        """A block no sequence owns (written by padding tokens, never read unmasked)."""
+        return self.num_blocks
 
     @property
     def is_allocated(self) -> bool:

@@ -1,0 +1,108 @@
+"""CUDA graphs for pure-decode steps.
+
+A decode step of B sequences is replayed from a graph captured for ``(B_pad, N_pad)``: the batch size
+padded to 1, 2, 4, then multiples of 8, and the block-table width padded to a power of two (so the
+attention's gathered key length is bounded by twice the longest context, not by ``max_model_len``).
+Graphs are captured lazily at first use and share one memory pool. The graph's inputs are three
+static tensors — token ids, context lengths, block tables — and everything else (positions, cache
+slots, masks, the forward pass and the logits) is computed inside the graph. Padding rows use the KV
+cache's scratch block, so they never touch a live sequence's K/V.
+
+Weights are updated in place (same addresses), so graphs survive ``update_weights``; ``sleep()``
+frees the KV tensors and therefore drops every graph (they are re-captured after ``wake()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from areno.rollout.attention import PagedAttention
+
+if TYPE_CHECKING:
+    from areno.rollout.engine import RolloutEngine
+    from areno.rollout.scheduler import ScheduledBatch
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids_B: torch.Tensor
+    ctx_B: torch.Tensor
+    bt_BN: torch.Tensor
+    logits_BV: torch.Tensor
+
+
+def padded_batch_size(n: int) -> int:
+    if n <= 4:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 8) * 8
+
+
+def padded_num_blocks(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class DecodeGraphRunner:
+    def __init__(self, engine: "RolloutEngine", *, max_batch: int) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self.max_blocks = -(-engine.max_model_len // engine.config.block_size)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+
+    def can_run(self, batch: "ScheduledBatch") -> bool:
+        return (len(batch.chunks) <= self.max_batch and all(c.num_new == 1 for c in batch.chunks)
+                and all(batch.samples))
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    def run(self, batch: "ScheduledBatch", ids: list[int], pos: list[int]) -> torch.Tensor:
+        B = len(batch.chunks)
+        n_blocks = max(len(c.block_table) for c in batch.chunks)
+        key = (padded_batch_size(B), min(padded_num_blocks(n_blocks), padded_num_blocks(self.max_blocks)))
+        g = self._graphs.get(key) or self._capture(*key)
+        scratch = self.engine.cache.scratch_block
+        bt = torch.full(key, scratch, dtype=torch.long)
+        for i, c in enumerate(batch.chunks):
+            bt[i, : len(c.block_table)] = torch.tensor(c.block_table)
+        ctx = torch.ones(key[0], dtype=torch.long)
+        ctx[:B] = torch.tensor(pos) + 1
+        tok = torch.zeros(key[0], dtype=torch.long)
+        tok[:B] = torch.tensor(ids)
+        g.ids_B.copy_(tok, non_blocking=True)
+        g.ctx_B.copy_(ctx, non_blocking=True)
+        g.bt_BN.copy_(bt, non_blocking=True)
+        g.graph.replay()
+        return g.logits_BV[:B].clone()
+
+    def _forward(self, ids_B: torch.Tensor, ctx_B: torch.Tensor, bt_BN: torch.Tensor) -> torch.Tensor:
+        e = self.engine
+        attn = PagedAttention.for_decode(e.cache, bt_BN, ctx_B, e.sliding_window)
+        hidden_BD = e.model(ids_B, ctx_B - 1, attn)
+        return e._logits(hidden_BD)
+
+    @torch.no_grad()
+    def _capture(self, B: int, N: int) -> _Graph:
+        dev = self.engine.device
+        ids_B = torch.zeros(B, dtype=torch.long, device=dev)
+        ctx_B = torch.ones(B, dtype=torch.long, device=dev)
+        bt_BN = torch.full((B, N), self.engine.cache.scratch_block, dtype=torch.long, device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up (lazy tables, kernel selection) outside the graph
+            for _ in range(2):
+                self._forward(ids_B, ctx_B, bt_BN)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits_BV = self._forward(ids_B, ctx_B, bt_BN)
+        g = _Graph(graph=graph, ids_B=ids_B, ctx_B=ctx_B, bt_BN=bt_BN, logits_BV=logits_BV)
+        self._graphs[(B, N)] = g
+        return g

@@ -1,0 +1,197 @@
+"""Rollout throughput: areno's RolloutEngine vs transformers ``generate`` on the same model, prompts
+and lengths, measured side by side in one run. Prints one JSON object.
+
+    python bench/rollout.py --shape cpu20m                       # CPU: ~20M params, 32 x 128
+    python bench/rollout.py --shape qwen0.5b                     # GPU: Qwen2.5-0.5B shape, 64 x 512
+    python bench/rollout.py --shape qwen0.5b --prompts 256 --skip-hf   # GPU: 256 concurrent sequences
+
+Both sides decode greedily to exactly ``--new-tokens`` tokens (EOS ignored). On CUDA it also reports
+the fraction of the decode roofline: a decode step must read every weight once plus the K/V of every
+running sequence, so at copy bandwidth ``bw`` (measured here with a device-to-device copy) the step
+takes at least ``(weight_bytes + kv_bytes) / bw``; ``roofline_fraction`` = measured decode tokens/s
+over that bound, with the average context length of the run. Peak GPU memory is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+# Qwen2.5-0.5B's config.json (shape only; weights are random).
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "vocab_size": 151936,
+    "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
+}
+# ~20M parameters: 8 layers of width 256 and a 32k vocabulary (untied).
+CPU_20M = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 1024,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "vocab_size": 32000,
+    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+}
+SHAPES = {"cpu20m": (CPU_20M, 32, 128), "qwen0.5b": (QWEN25_05B, 64, 512)}
+
+
+def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):
+    import transformers
+
+    from areno.models.config import ModelConfig
+    from areno.models.decoder import Decoder
+
+    cfg = ModelConfig.from_hf(hf_dict)
+    torch.manual_seed(0)
+    ours = Decoder(cfg).to(dtype=dtype, device=device).eval()
+    hf = None
+    if with_hf:
+        hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf_dict.items() if k != "architectures"})
+        hf_cfg.pad_token_id = 0
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).to(device).eval()
+        missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+        assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+        hf.tie_weights()
+    return ours, cfg, hf
+
+
+def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[float, list[list[int]]]:
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as generate expects
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    hf.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+    sync(device)
+    t0 = time.perf_counter()
+    out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
+    sync(device)
+    return time.perf_counter() - t0, out[:, L:].tolist()
+
+
+def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args) -> tuple[float, list[list[int]], dict]:
+    from areno.api.types import SamplingParams
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    ecfg = RolloutEngineConfig(
+        block_size=args.block_size, max_num_seqs=max(len(prompts), 1), max_tokens_per_step=args.max_tokens_per_step,
+        prefill_chunk_size=args.prefill_chunk_size, max_model_len=max(len(p) for p in prompts) + new_tokens + 1,
+        kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
+        cpu_kv_cache_bytes=args.cpu_kv_gb << 30,
+    )
+    engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate([p[:8] for p in prompts[: min(8, len(prompts))]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    sync(device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    return elapsed, [o.output_ids for o in outs], engine.stats()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    x = torch.empty(1 << 28, dtype=torch.float32, device=device)  # 1 GiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * 4 * reps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu20m")
+    ap.add_argument("--prompts", type=int, default=None, help="number of prompts (default: per shape)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens per prompt (default: per shape)")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default bf16 on cuda, fp32 on cpu")
+    ap.add_argument("--skip-hf", action="store_true", help="engine only (e.g. the 256-concurrency run)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-tokens-per-step", type=int, default=8192)
+    ap.add_argument("--prefill-chunk-size", type=int, default=2048)
+    ap.add_argument("--kv-memory-fraction", type=float, default=0.5)
+    ap.add_argument("--cpu-kv-gb", type=int, default=1)
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_dict, n_default, new_default = SHAPES[args.shape]
+    n = args.prompts or n_default
+    new_tokens = args.new_tokens or new_default
+    device = args.device
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+
+    ours, cfg, hf = build_models(hf_dict, device, dtype, with_hf=not args.skip_hf)
+    prompts = make_prompts(n, cfg.vocab_size, *args.prompt_len, seed=0)
+    n_params = sum(p.numel() for p in ours.parameters())
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    eng_s, eng_out, stats = run_engine(ours, cfg, prompts, new_tokens, device, args)
+    result: dict = {
+        "bench": "rollout", "shape": args.shape, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "params_M": round(n_params / 1e6, 2), "prompts": n, "new_tokens": new_tokens,
+        "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
+        "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),
+        "engine_steps": stats["steps"], "engine_preemptions": stats["num_preemptions"],
+    }
+    if device.startswith("cuda"):
+        result["engine_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        bw = copy_bandwidth(device)
+        weight_bytes = n_params * ours.output_weight.element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        avg_ctx = sum(len(p) for p in prompts) / n + new_tokens / 2
+        step_bytes = weight_bytes + n * avg_ctx * kv_per_token
+        roofline_tok_s = n * bw / step_bytes
+        result.update(copy_bw_GBs=round(bw / 1e9, 1), decode_roofline_tok_s=round(roofline_tok_s, 1),
+                      roofline_fraction=round(n * new_tokens / eng_s / roofline_tok_s, 3),
+                      gpu=torch.cuda.get_device_name())
+    if hf is not None:
+        del ours
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        hf_s, hf_out = run_hf(hf, prompts, new_tokens, device)
+        same = sum(a == b for a, b in zip(eng_out, hf_out))
+        first_tok = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))
+        result.update(hf_generate_s=round(hf_s, 3), hf_generate_tok_s=round(n * new_tokens / hf_s, 1),
+                      speedup=round(hf_s / eng_s, 2), identical_sequences=f"{same}/{n}",
+                      identical_first_token=f"{first_tok}/{n}")
+        if device.startswith("cuda"):
+            result["hf_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    result["host"] = platform.node()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
