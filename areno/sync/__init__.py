@@ -1,0 +1,34 @@
+"""Policy sync: move the trained policy into the rollout engine and bump its version.
+
+Transports (``PolicySyncTransport.sync(version) -> SyncStats``):
+- ``InPlaceTransport`` (colocated: the engine reads the trained tensors; a cast copy at most),
+- ``StreamTransport`` (bucketed device-to-device over torch.distributed: NCCL on GPU, gloo on CPU),
+- ``DiskTransport`` (HF safetensors published atomically; receivers load from disk).
+The contract between trainer and engine is narrow: a ``WeightSource`` on the train side, a
+``ShardReceiver`` described by one ``ShardSpec`` per tensor on the rollout side.
+"""
+
+from areno.sync.base import (
+    METRIC_NAMES,
+    NamedTensorSource,
+    PolicySyncError,
+    PolicySyncTransport,
+    ShardReceiver,
+    ShardSpec,
+    StagedReceiver,
+    SyncStats,
+    WeightSource,
+    copy_into,
+    engine_receiver,
+)
+from areno.sync.disk import DiskTransport, latest_policy
+from areno.sync.inplace import InPlaceTransport
+from areno.sync.plan import SyncPlan, assign_rows, choose_relays, plan_buckets, shard_specs_from_tp_plan
+from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
+
+__all__ = [
+    "METRIC_NAMES", "DiskTransport", "InPlaceTransport", "NamedTensorSource", "PolicySyncError",
+    "PolicySyncTransport", "ShardReceiver", "ShardSpec", "StagedReceiver", "StreamSyncConfig", "StreamTopology",
+    "StreamTransport", "SyncPlan", "SyncStats", "WeightSource", "assign_rows", "choose_relays", "copy_into",
+    "engine_receiver", "latest_policy", "plan_buckets", "shard_specs_from_tp_plan",
+]

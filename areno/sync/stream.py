@@ -51,6 +51,8 @@ class StreamSyncConfig:
     """Bytes per bucket; each rank holds at most two bucket buffers."""
     timeout_s: float = 600.0
     """Seconds any wait (collective or control message) may take before the sync raises."""
+    connect_timeout_s: float = 300.0
+    """Seconds to wait for every rank while the transport's process groups are created."""
     wire_dtype: torch.dtype | None = None
     """Cast floating tensors to this dtype before sending (e.g. bf16 when rollout runs bf16)."""
 
@@ -59,6 +61,8 @@ class StreamSyncConfig:
             raise ValueError(f"bucket_bytes must be >= 1024, got {self.bucket_bytes}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +132,9 @@ class StreamTransport(PolicySyncTransport):
         base_store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.store = dist.PrefixStore(f"areno_sync/{tag}", base_store)
         self._timeout = datetime.timedelta(seconds=config.timeout_s)
+        # Groups get the longer of the two: their own timeout bounds creation; every sync wait is
+        # bounded separately by ``timeout_s`` (Work.wait).
+        group_timeout = datetime.timedelta(seconds=max(config.timeout_s, config.connect_timeout_s))
 
         # Relays: each row's rollout rank on another physical device than its sender.
         rollout_devices = [topology.device(r) for r in topology.rollout_ranks]
@@ -136,16 +143,16 @@ class StreamTransport(PolicySyncTransport):
 
         # Process groups, created in the same order on every rank.
         self.pair_groups = [
-            dist.new_group(sorted({s, r}), timeout=self._timeout)
+            dist.new_group(sorted({s, r}), timeout=group_timeout)
             for s, r in zip(topology.sender_ranks, self.relays)
         ]
         self.rollout_group = (
-            dist.new_group(list(topology.rollout_ranks), timeout=self._timeout)
+            dist.new_group(list(topology.rollout_ranks), timeout=group_timeout)
             if len(topology.rollout_ranks) > 1 else None
         )
         # Control plane: the commit vote, always gloo (CPU), so it may span shared devices.
         self.control_group = dist.new_group(
-            sorted(topology.train_ranks + topology.rollout_ranks), timeout=self._timeout, backend="gloo"
+            sorted(topology.train_ranks + topology.rollout_ranks), timeout=group_timeout, backend="gloo"
         )
 
         # The plan needs the same tensor list everywhere: the first sender publishes it. Every
@@ -154,7 +161,7 @@ class StreamTransport(PolicySyncTransport):
             meta = source.meta()
             if self.rank == topology.sender_ranks[0]:
                 self.store.set("meta", pickle.dumps(meta))
-        self.store.wait(["meta"], self._timeout)
+        self.store.wait(["meta"], group_timeout)
         self.meta = pickle.loads(self.store.get("meta"))
         self.plan: SyncPlan = plan_buckets(
             self.meta, len(topology.sender_ranks), config.bucket_bytes, config.wire_dtype

@@ -68,7 +68,7 @@ import time
 import traceback
 from pathlib import Path
 
-from areno.sync.base import NamedTensorSource, PolicySyncError, StagedReceiver, copy_into
+from areno.sync.base import NamedTensorSource, PolicySyncError, ShardSpec, StagedReceiver, copy_into
 from areno.sync.plan import shard_specs_from_tp_plan
 from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
 
@@ -135,3 +135,51 @@ def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: in
     while time.time() < deadline and not all((Path(out) / f"rank{r}.pt").exists() for r in range(world)):
         time.sleep(0.1)
     os._exit(0)  # the groups are broken after a timeout; do not try to tear them down
+
+
+def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
+    """Rank 0 trains (LocalTrainBackend, weights moved as by a step), rank 1 serves a RolloutEngine
+    from the original checkpoint; a stream sync carries the trained policy over; both save what
+    they need to compare log-probs of one fixed sequence."""
+    from areno.api.types import SamplingParams
+    from areno.models.hf_io import load_model
+    from areno.models.logprobs import packed_logprobs
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from areno.sync.base import engine_receiver
+    from areno.train import LocalTrainBackend, TrainBackendConfig
+
+    torch.set_num_threads(1)
+    init_world(rank, world, port)
+    topo = StreamTopology(train_ranks=(0,), sender_ranks=(0,), rollout_ranks=(1,))
+    cfg = StreamSyncConfig(bucket_bytes=8192, timeout_s=60)
+    prompt = [5, 9, 12, 7, 3, 11]
+    if rank == 0:
+        b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", grad_clip=None))
+        b.initialize(model_dir)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(7)
+            for p in b.model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        transport = StreamTransport(topology=topo, config=cfg, source=NamedTensorSource(b.named_weights))
+        transport.sync(1)
+        dist.barrier()  # rank 1 generated and saved its output ids
+        ids_T = torch.tensor(prompt + torch.load(Path(out) / "engine.pt")["ids"])
+        with torch.no_grad():
+            lp, _ = packed_logprobs(b.model, ids_T, torch.tensor([0, ids_T.numel()]))
+        torch.save({"logprobs": lp[len(prompt):]}, Path(out) / "trainer.pt")
+    else:
+        model, mcfg = load_model(model_dir, dtype=torch.float32, device="cpu")
+        engine = RolloutEngine(model, mcfg, config=RolloutEngineConfig(block_size=4, num_blocks=64))
+        meta_shapes = {n: tuple(t.shape) for n, t in engine.weight_tensors().items()}
+        specs = {n: ShardSpec(name=n, full_shape=s, dtype=torch.float32) for n, s in meta_shapes.items()}
+        transport = StreamTransport(topology=topo, config=cfg, receiver=engine_receiver(engine, specs))
+        params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=3)
+        before = engine.generate([prompt], params)[0]
+        transport.sync(1)
+        after = engine.generate([prompt], params)[0]
+        torch.save({"ids": after.output_ids, "logprobs": torch.tensor(after.output_logprobs),
+                    "version": engine.version, "before_version": before.output_versions[0]},
+                   Path(out) / "engine.pt")
+        dist.barrier()
+    dist.barrier()
+    dist.destroy_process_group()

@@ -121,3 +121,14 @@ def test_staged_receiver_is_all_or_nothing():
     r.stage("b").fill_(2.0)
     r.commit(1)
     assert r.version == 1 and torch.equal(live["b"], torch.full((2,), 2.0))
+
+
+@pytest.mark.slow
+def test_stream_sync_into_rollout_engine_logprobs_match_trainer(tiny_model_dir, tmp_path):
+    from sync_helpers import spawn, worker_engine
+
+    spawn(worker_engine, 2, str(tmp_path), str(tiny_model_dir))
+    eng = torch.load(tmp_path / "engine.pt", weights_only=False)
+    trn = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    assert eng["before_version"] == 0 and eng["version"] == 1
+    torch.testing.assert_close(eng["logprobs"], trn["logprobs"], atol=1e-4, rtol=1e-4)
