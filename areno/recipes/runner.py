@@ -22,8 +22,7 @@ import torch
 
 from areno.api.types import TokenBatch
 from areno.recipes.config import TrainingConfig
-from areno.specializations.actor import POLICY_VERSION_KEY
-from areno.specializations.base import ModelSpecialization
+from areno.specializations.base import POLICY_VERSION_KEY, ModelSpecialization
 
 
 class RecipeRunner:

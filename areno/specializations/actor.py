@@ -40,15 +40,13 @@ from areno.algo import (
     rloo_advantages_B,
 )
 from areno.api.types import TokenBatch
-from areno.specializations.base import Metrics, ModelSpecialization, Reducer, reduce_stats, with_extra
+from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, Reducer, reduce_stats
 from areno.specializations.forward import token_logprobs_T
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "given")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 BEHAV_WEIGHT_MODES = ("mask", "truncate")
-POLICY_VERSION_KEY = "policy_version_B"
-"""Batch extra key the RecipeRunner fills with the role's weight version before the step."""
 
 
 class ActorSpecialization(ModelSpecialization):
@@ -299,4 +297,3 @@ def _to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
     )
 
 
-__all__ = ["ActorSpecialization", "ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "POLICY_VERSION_KEY", "with_extra"]

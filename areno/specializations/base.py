@@ -34,6 +34,10 @@ from areno.api.types import TokenBatch
 Reducer = Callable[..., torch.Tensor]
 """``reducer(values, mask=None) -> (values * mask).sum() / global_denominator`` (a 0-dim tensor)."""
 
+POLICY_VERSION_KEY = "policy_version_B"
+"""Batch extra key the RecipeRunner fills with the role's weight version before the step (the
+proximal version of decoupled PPO's loglinear method, the step of a beta schedule)."""
+
 Metrics = dict[str, torch.Tensor]
 """Metric name -> 0-dim tensor already divided by the global denominator (through the reducer), so
 the backend sums it over micro-batches and ranks to get the step's value."""

@@ -12,10 +12,8 @@ from torch import nn
 
 from areno.algo import KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
 from areno.api.types import TokenBatch
-from areno.specializations.base import Metrics, ModelSpecialization, Reducer, reduce_stats
+from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, Reducer, reduce_stats
 from areno.specializations.forward import token_logprobs_T
-
-POLICY_VERSION_KEY = "policy_version_B"
 
 
 def _mask(batch: TokenBatch, device: torch.device) -> torch.Tensor:
