@@ -67,9 +67,9 @@ class DecodeGraphRunner:
         key = (padded_batch_size(B), min(padded_num_blocks(n_blocks), padded_num_blocks(self.max_blocks)))
         g = self._graphs.get(key) or self._capture(*key)
         scratch = self.engine.cache.scratch_block
-        bt = torch.full(key, scratch, dtype=torch.long)
-        for i, c in enumerate(batch.chunks):
-            bt[i, : len(c.block_table)] = torch.tensor(c.block_table)
+        Bp, Np = key
+        rows = [c.block_table + [scratch] * (Np - len(c.block_table)) for c in batch.chunks]
+        bt = torch.tensor(rows + [[scratch] * Np] * (Bp - B), dtype=torch.long)
         ctx = torch.ones(key[0], dtype=torch.long)
         ctx[:B] = torch.tensor(pos) + 1
         tok = torch.zeros(key[0], dtype=torch.long)
