@@ -145,11 +145,12 @@ def bench_cpu(bucket_mb: int, iters: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ GPU colocated
-def bench_gpu_colocated(shape_names: list[str], iters: int) -> dict:
-    if not torch.cuda.is_available():
-        raise SystemExit("--mode gpu-colocated needs CUDA")
-    dev = torch.device("cuda")
-    results = {"mode": "gpu-colocated", "device": torch.cuda.get_device_name(dev), "shapes": {}}
+def bench_gpu_colocated(shape_names: list[str], iters: int, device: str) -> dict:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--mode gpu-colocated needs CUDA (or --device cpu for a smoke run)")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    results = {"mode": "gpu-colocated", "device": name, "shapes": {}}
     for name in shape_names:
         shapes = qwen2_shapes(**SHAPES[name])
         trained = {n: torch.randn(s, device=dev) for n, s in shapes.items()}  # fp32 master weights
@@ -163,10 +164,12 @@ def bench_gpu_colocated(shape_names: list[str], iters: int) -> dict:
         cast.sync(0), alias.sync(0)
 
         def raw() -> float:
-            torch.cuda.synchronize()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             flat_dst.copy_(flat_src)
-            torch.cuda.synchronize()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             return time.perf_counter() - t0
 
         raw()
@@ -183,21 +186,23 @@ def bench_gpu_colocated(shape_names: list[str], iters: int) -> dict:
             "target_ms": 50.0,
         }
         del trained, engine, trained_bf16, flat_src, flat_dst, cast, alias
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["cpu", "gpu-colocated"], default="cpu")
-    ap.add_argument("--bucket-mb", type=int, default=32, help="bucket size for the cpu mode")
+    ap.add_argument("--bucket-mb", type=int, default=16, help="bucket size for the cpu mode")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b")
+    ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b (cpu: a small one)")
+    ap.add_argument("--device", default="cuda", help="gpu-colocated device (cpu for a smoke run)")
     args = ap.parse_args(argv)
     if args.mode == "cpu":
         result = bench_cpu(args.bucket_mb, args.iters)
     else:
-        result = bench_gpu_colocated(args.shapes.split(","), args.iters)
+        result = bench_gpu_colocated(args.shapes.split(","), args.iters, args.device)
     result["torch"] = torch.__version__
     print(json.dumps(result, indent=1))
     return 0
