@@ -15,6 +15,7 @@ over that bound, with the average context length of the run. Peak GPU memory is 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -107,7 +108,11 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args) -> tuple[
     outs = engine.generate(prompts, params)
     sync(device)
     elapsed = time.perf_counter() - t0
-    return elapsed, [o.output_ids for o in outs], engine.stats()
+    stats = engine.stats()
+    c = engine.cache
+    stats["kv_pool_GiB"] = round(2 * c.num_layers * c.num_slots * c.num_kv_heads * c.head_dim
+                                 * torch.empty((), dtype=c.dtype).element_size() / 2**30, 2)
+    return elapsed, [o.output_ids for o in outs], stats
 
 
 def copy_bandwidth(device: str) -> float:
@@ -164,6 +169,7 @@ def main() -> None:
     }
     if device.startswith("cuda"):
         result["engine_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        result["engine_kv_pool_GiB"] = stats["kv_pool_GiB"]  # reserved up front, part of the peak
         bw = copy_bandwidth(device)
         weight_bytes = n_params * ours.output_weight.element_size()
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -176,6 +182,7 @@ def main() -> None:
                       gpu=torch.cuda.get_device_name())
     if hf is not None:
         del ours
+        gc.collect()  # the engine (KV pool, graphs) holds a reference cycle
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

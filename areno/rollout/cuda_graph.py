@@ -1,8 +1,9 @@
 """CUDA graphs for pure-decode steps.
 
 A decode step of B sequences is replayed from a graph captured for ``(B_pad, N_pad)``: the batch size
-padded to 1, 2, 4, then multiples of 8, and the block-table width padded to a power of two (so the
-attention's gathered key length is bounded by twice the longest context, not by ``max_model_len``).
+padded to 1, 2, 4, then multiples of 8, and the block-table width padded to a power of two up to 16
+blocks and to a multiple of 16 blocks beyond (so the attention gathers keys for about the longest
+context of the batch, not for ``max_model_len``).
 Graphs are captured lazily at first use and share one memory pool. The graph's inputs are three
 static tensors — token ids, context lengths, block tables — and everything else (positions, cache
 slots, masks, the forward pass and the logits) is computed inside the graph. Padding rows use the KV
@@ -42,7 +43,11 @@ def padded_batch_size(n: int) -> int:
 
 
 def padded_num_blocks(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+    # Powers of two up to 16 blocks, then multiples of 16: the gathered keys exceed the longest
+    # context by at most 2x for short contexts and by 16 blocks for long ones.
+    if n <= 16:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 16) * 16
 
 
 class DecodeGraphRunner:

@@ -37,7 +37,7 @@ def test_static_decode_metadata_matches_eager_builder():
 
 def test_padding_buckets():
     assert [padded_batch_size(n) for n in (1, 2, 3, 4, 5, 9, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 24]
-    assert [padded_num_blocks(n) for n in (1, 2, 3, 5, 33)] == [1, 2, 4, 8, 64]
+    assert [padded_num_blocks(n) for n in (1, 2, 3, 5, 16, 17, 33)] == [1, 2, 4, 8, 16, 32, 48]
 
 
 @pytest.mark.gpu

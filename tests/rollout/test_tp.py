@@ -44,6 +44,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two spawned processes: ~15 s idle, ~2 min on the loaded 2-core CI box
 def test_tp2_equals_tp1(tmp_path):
     from areno.models.hf_io import save_model
 
