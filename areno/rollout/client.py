@@ -95,7 +95,7 @@ class InProcessRolloutClient(RolloutClient):
 
     def _drive(self) -> None:
         while not self._stop.is_set():
-            if not self.engine.has_unfinished() or self.engine.is_paused:
+            if not self.engine.has_unfinished() or self.engine.is_paused or self.engine.is_sleeping:
                 self._wakeup.wait(self.idle_wait_s)
                 self._wakeup.clear()
                 continue

@@ -339,6 +339,10 @@ class RolloutEngine:
     def is_paused(self) -> bool:
         return self._paused
 
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
     def sleep(self) -> None:
         """Free the KV pool (for a colocated trainer). In-flight requests are kept and recomputed
         after ``wake()``; ``step()`` does nothing while asleep."""
