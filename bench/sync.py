@@ -123,6 +123,7 @@ def _cpu_worker(rank: int, world: int, port: int, out: str, bucket_bytes: int, i
             "sync_s_median": sync_med, "raw_s_median": raw_med,
             "sync_gbps": nbytes / sync_med / 1e9, "raw_gbps": nbytes / raw_med / 1e9,
             "ratio_sync_over_raw": raw_med / sync_med,
+            "ratio_best_of": min(raw_s) / min(sync_s),
             "transfer_s_median": statistics.median(transfer_s),
             "generation_paused_s_median": statistics.median(paused_s),
             "sync_s_all": sync_s, "raw_s_all": raw_s,
