@@ -63,3 +63,45 @@ def test_bad_request_raises_in_caller(tiny):
             asyncio.run(client.agenerate([], GREEDY))
     finally:
         client.close()
+
+
+def test_weight_updates_from_another_thread_during_generation():
+    """A trainer thread swaps weights while the driver thread generates: every output's versions
+    are non-decreasing and end at most at the last published version."""
+    import threading
+
+    from tests.rollout.conftest import make_model
+
+    model, cfg = make_model(0)
+    other, _ = make_model(1)
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=())
+    client = InProcessRolloutClient(eng)
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True)
+    states = [other.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}]
+
+    def trainer():
+        for version in range(1, 5):
+            while eng.stats()["generated_tokens"] < 24 * version:  # swap mid-generation
+                time.sleep(0.002)
+            eng.pause()
+            eng.update_weights(states[version % 2].items(), version=version)
+            eng.resume()
+            client.wake()
+
+    import time
+
+    async def main():
+        t = threading.Thread(target=trainer)
+        t.start()
+        outs = await asyncio.gather(*(client.agenerate([5, 6, 7, i + 8], params) for i in range(6)))
+        t.join()
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        client.close()
+    for out in outs:
+        assert len(out.output_ids) == 30
+        assert out.output_versions == sorted(out.output_versions) and out.output_versions[-1] <= 4
+    assert eng.version == 4 and all(len(set(o.output_versions)) > 1 for o in outs)
