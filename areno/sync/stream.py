@@ -95,6 +95,10 @@ class StreamTopology:
         return self.devices.get(rank, f"rank{rank}")
 
 
+_DONE, _TIMED_OUT, _RAISED = 1, 2, 3
+"""Commit-vote states: finished its part / a wait on a peer timed out / raised an error itself."""
+
+
 class StreamTransport(PolicySyncTransport):
     """Streams the policy from training DP rows into rollout TP shards.
 
@@ -228,12 +232,12 @@ class StreamTransport(PolicySyncTransport):
             transfer, error = 0.0, str(e)
             progress = getattr(e, "buckets_done", 0)
         except Exception:
-            self._vote(ok=False, progress=0)  # let the others abort at once, then surface the bug
+            self._vote(state=_RAISED, progress=0)  # the others learn who failed; then surface the bug
             if self.is_rollout:
                 self.receiver.abort()
             raise
         t = time.perf_counter()
-        ok, detail = self._vote(ok=error is None, progress=progress)
+        ok, detail = self._vote(state=_DONE if error is None else _TIMED_OUT, progress=progress)
         transfer += time.perf_counter() - t
         if not ok:
             if self.is_rollout:
@@ -252,26 +256,30 @@ class StreamTransport(PolicySyncTransport):
             tensors=self.plan.num_tensors,
         )
 
-    def _vote(self, *, ok: bool, progress: int) -> tuple[bool, str]:
+    def _vote(self, *, state: int, progress: int) -> tuple[bool, str]:
         """All participants agree whether every one of them has its part (all-or-nothing commit).
 
         One all-reduce over a gloo control group of all participants (CPU tensors, so it may hold
-        a GPU twice): row 0 = done flags, row 1 = buckets each rollout rank staged."""
+        a GPU twice): row 0 = each rank's state (done / a wait timed out / raised), row 1 = buckets
+        each rollout rank staged. Ranks that raised are the cause; timed-out ones waited on them."""
         self.store.set(self._key("arrived", self.rank), b"1")
         status = torch.zeros(2, dist.get_world_size(), dtype=torch.int64)
-        status[0, self.rank] = int(ok)
+        status[0, self.rank] = state
         status[1, self.rank] = progress
         try:
             self._wait(dist.all_reduce(status, group=self.control_group, async_op=True), "commit vote")
         except PolicySyncError as e:
             return False, f"{e}; {self._missing()}"
         participants = sorted(self.topology.train_ranks + self.topology.rollout_ranks)
-        failed = [r for r in participants if status[0, r] == 0]
-        if not failed:
+        raised = [r for r in participants if status[0, r] == _RAISED]
+        waited = [r for r in participants if status[0, r] == _TIMED_OUT]
+        if not raised and not waited:
             return True, ""
         n = len(self.plan.buckets)
-        desc = ", ".join(f"rank {r}: {int(status[1, r])}/{n} buckets" for r in failed if r in self.topology.rollout_ranks)
-        return False, f"failed rank(s) {failed}" + (f" ({desc})" if desc else "")
+        desc = ", ".join(f"rank {r}: {int(status[1, r])}/{n} buckets"
+                         for r in raised + waited if r in self.topology.rollout_ranks)
+        parts = ([f"failed rank(s) {raised}"] if raised else []) + ([f"timed out: {waited}"] if waited else [])
+        return False, "; ".join(parts) + (f" ({desc})" if desc else "")
 
     def _send(self) -> float:
         """Training rank: iterate the source; if a sender, pack and send this row's buckets."""

@@ -183,3 +183,38 @@ def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) ->
         dist.barrier()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def worker_source_error(rank: int, world: int, port: int, out: str, timeout_s: float) -> None:
+    """v1 completes; during v2 training rank 1's source raises midway: rank 1 surfaces its own
+    error, every other rank raises PolicySyncError naming rank 1, the rollout ranks keep v1."""
+    init_world(rank, world, port)
+    weights = tiny_weights(seed=1)
+    transport, receiver, live = _build(rank, weights, bucket_bytes=1024, timeout_s=timeout_s)
+    transport.sync(1)
+    v1 = {n: t.clone() for n, t in live.items()} if live is not None else None
+    weights.update(tiny_weights(seed=2))
+    if rank == 1:
+        def broken():
+            for i, item in enumerate(weights.items()):
+                if i == 10:
+                    raise ValueError("source broke")
+                yield item
+        transport.source = NamedTensorSource(broken)
+    result = {}
+    t0 = time.perf_counter()
+    try:
+        transport.sync(2)
+        result["error"] = None
+    except (PolicySyncError, ValueError) as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    result["elapsed"] = time.perf_counter() - t0
+    if live is not None:
+        result["intact"] = all(torch.equal(live[n], v1[n]) for n in live)
+        result["version"] = receiver.version
+    torch.save(result, Path(out) / f".rank{rank}.pt")
+    (Path(out) / f".rank{rank}.pt").rename(Path(out) / f"rank{rank}.pt")
+    deadline = time.time() + 60
+    while time.time() < deadline and not all((Path(out) / f"rank{r}.pt").exists() for r in range(world)):
+        time.sleep(0.1)
+    os._exit(0)

@@ -132,3 +132,15 @@ def test_stream_sync_into_rollout_engine_logprobs_match_trainer(tiny_model_dir, 
     trn = torch.load(tmp_path / "trainer.pt", weights_only=False)
     assert eng["before_version"] == 0 and eng["version"] == 1
     torch.testing.assert_close(eng["logprobs"], trn["logprobs"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_inplace_cast_on_gpu_is_exact_and_fast():
+    dev = torch.device("cuda")
+    trained = {f"w{i}": torch.randn(1024, 1024, device=dev) for i in range(32)}
+    engine = {n: torch.empty_like(t, dtype=torch.bfloat16) for n, t in trained.items()}
+    transport = InPlaceTransport(NamedTensorSource(lambda: trained.items()), engine)
+    transport.sync(0)
+    stats = transport.sync(1)
+    assert all(torch.equal(engine[n], t.to(torch.bfloat16)) for n, t in trained.items())
+    assert stats.bytes == 32 * 1024 * 1024 * 2 and stats.total_time_s < 0.05

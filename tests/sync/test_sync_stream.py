@@ -78,3 +78,18 @@ def test_failed_sync_keeps_the_old_version_intact(results):
     assert results[2]["receiver_version"] == 2
     for name, t in results[2]["after"].items():
         assert torch.equal(t, results[2]["v2"]["live"][name]), name
+
+
+@pytest.mark.slow
+def test_source_error_midway_aborts_everywhere_and_keeps_old_version(tmp_path):
+    from sync_helpers import worker_source_error
+
+    spawn(worker_source_error, 4, str(tmp_path), TIMEOUT_S)
+    res = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)}
+    assert res[1]["error"] == "ValueError: source broke"
+    for r in (0, 2, 3):
+        assert res[r]["error"].startswith("PolicySyncError: policy sync v2 failed"), res[r]["error"]
+        assert res[r]["elapsed"] < 3 * TIMEOUT_S
+    assert "failed rank(s) [1" in res[0]["error"], res[0]["error"]
+    for r in ROLLOUT:
+        assert res[r]["intact"] and res[r]["version"] == 1
