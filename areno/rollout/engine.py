@@ -325,6 +325,14 @@ class RolloutEngine:
             finish_reason=reason, text=text,
         )
 
+    def warmup_cuda_graphs(self, batch_sizes: list[int], max_len: int) -> int:
+        """Capture the decode CUDA graphs for these batch sizes and contexts up to ``max_len``
+        now rather than at first use. Returns the number of graphs held (0 without CUDA graphs)."""
+        if self._graphs is None:
+            return 0
+        with self._lock:
+            return self._graphs.capture(batch_sizes, max_len)
+
     # ------------------------------------------------------------------ control
     def pause(self) -> None:
         """Stop at the step boundary; in-flight requests keep their tokens and K/V."""

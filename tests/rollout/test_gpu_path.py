@@ -64,3 +64,15 @@ def test_cuda_graphs_match_eager_on_gpu(dtype):
         cpu_model, _ = make_model(0)
         for p, o in zip(prompts, outs[True]):
             assert o.output_ids == naive_greedy(cpu_model, p, 20)[0]
+
+
+@pytest.mark.gpu
+def test_warmup_captures_every_bucket_then_generation_reuses_them():
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    eng = RolloutEngine(model.cuda(), cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=())
+    n = eng.warmup_cuda_graphs([5], max_len=40)  # batch bucket 8; 10 blocks -> widths 1, 2, 4, 8, 16
+    assert n == 5
+    eng.generate(random_prompts(5, seed=41, lo=4, hi=10), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    assert len(eng._graphs._graphs) == 5
