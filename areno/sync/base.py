@@ -72,10 +72,12 @@ class SyncStats:
         }
 
     def log(self, transport: str) -> None:
+        m = self.as_metrics()
         logger.info(
-            "policy sync v%d (%s): %.4f s total, %.4f s transfer, %d bytes, %d tensors, %.3f GB/s",
-            self.version, transport, self.total_time_s, self.transfer_time_s, self.bytes,
-            self.tensors, self.throughput_gbps,
+            "policy sync v%d (%s): policy_sync_time_s=%.4f policy_sync_transfer_time_s=%.4f "
+            "policy_sync_bytes=%d policy_sync_tensors=%d policy_sync_throughput_gbps=%.3f",
+            self.version, transport, m["policy_sync_time_s"], m["policy_sync_transfer_time_s"],
+            self.bytes, self.tensors, m["policy_sync_throughput_gbps"],
         )
 
 

@@ -105,7 +105,7 @@ class StreamTransport(PolicySyncTransport):
     Construct on every rank of the world (it creates process groups, a collective): training ranks
     pass ``source``, rollout ranks pass ``receiver``. ``device`` is where bucket buffers live (the
     rank's CUDA device under NCCL, CPU under gloo). ``store`` is the distributed store shared by all
-    ranks (default: the default process group's).
+    ranks (default: the default process group's). Call ``sync`` on every training and rollout rank.
     """
 
     name = "stream"
@@ -159,14 +159,17 @@ class StreamTransport(PolicySyncTransport):
             sorted(topology.train_ranks + topology.rollout_ranks), timeout=group_timeout, backend="gloo"
         )
 
+        # Every construction (e.g. a rebuild after a failed sync) gets its own store keys.
+        self._gen = (self.store.add("constructed", 1) - 1) // dist.get_world_size()
+        self._attempt = 0
         # The plan needs the same tensor list everywhere: the first sender publishes it. Every
         # training rank asks its source (listing a sharded source may be collective).
         if self.is_train:
             meta = source.meta()
             if self.rank == topology.sender_ranks[0]:
-                self.store.set("meta", pickle.dumps(meta))
-        self.store.wait(["meta"], group_timeout)
-        self.meta = pickle.loads(self.store.get("meta"))
+                self.store.set(self._key("meta"), pickle.dumps(meta))
+        self.store.wait([self._key("meta")], group_timeout)
+        self.meta = pickle.loads(self.store.get(self._key("meta")))
         self.plan: SyncPlan = plan_buckets(
             self.meta, len(topology.sender_ranks), config.bucket_bytes, config.wire_dtype
         )
@@ -175,7 +178,6 @@ class StreamTransport(PolicySyncTransport):
         self._buffers: list[torch.Tensor] = []
         self.peak_buffer_bytes = 0
         """Largest total bucket-buffer memory this rank held (at most two buckets)."""
-        self._attempt = 0
 
     # ---------------------------------------------------------------- helpers
     def _check_specs(self) -> None:
@@ -194,7 +196,7 @@ class StreamTransport(PolicySyncTransport):
         return self._buffers[slot % 2]
 
     def _key(self, what: str, rank: int | None = None) -> str:
-        return f"{self._attempt}/{what}" + ("" if rank is None else f"/{rank}")
+        return f"{self._gen}/{self._attempt}/{what}" + ("" if rank is None else f"/{rank}")
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:

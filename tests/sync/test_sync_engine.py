@@ -64,12 +64,16 @@ def test_inplace_sync_then_engine_logprobs_match_trainer(trainer, engine):
     torch.testing.assert_close(after, trainer_logprobs(trainer, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_inplace_aliased_tensors_move_nothing():
+def test_inplace_aliased_tensors_move_nothing(caplog):
     w = {"a": torch.randn(4, 4), "b": torch.randn(3)}
     committed = []
     transport = InPlaceTransport(NamedTensorSource(lambda: w.items()), dict(w), on_commit=committed.append)
-    stats = transport.sync(5)
+    with caplog.at_level("INFO", logger="areno.sync"):
+        stats = transport.sync(5)
     assert stats.bytes == 0 and committed == [5]
+    # Every completed sync logs one line carrying each metric by name.
+    line = [r.getMessage() for r in caplog.records if r.name == "areno.sync"][-1]
+    assert line.startswith("policy sync v5 (inplace)") and all(f"{name}=" in line for name in METRIC_NAMES)
     # A cast: fp32 trained -> bf16 engine, one copy.
     dst = {"a": torch.zeros(4, 4, dtype=torch.bfloat16)}
     stats = InPlaceTransport(NamedTensorSource(lambda: w.items()), dst).sync(6)
