@@ -7,12 +7,16 @@
   engine must stop generating: only the commit (staged -> live copy); receiving happens while it
   keeps generating. Target: ratio >= 0.8.
 
+--mode gpu-stream (multi-GPU issue): the same, NCCL data plane, bf16 Qwen2.5 shape (--shapes 1.5b),
+  train DP 2 on GPUs 0-1 -> rollout TP on the remaining GPUs, or --overlap: rollout TP 2 on GPUs 0-1 too.
+
 --mode gpu-colocated: one GPU, InPlaceTransport from fp32 trained tensors into a bf16 engine for
   Qwen2.5 0.5B / 1.5B shapes (a cast copy), and the aliased case (engine reads the trained bf16
   tensors: nothing moves). Baseline: one flat device copy of the same bytes. Target: < 50 ms 1.5B.
 
     python bench/sync.py --mode cpu
     python bench/sync.py --mode gpu-colocated --shapes 0.5b,1.5b
+    python bench/sync.py --mode gpu-stream --gpus 4 --shapes 1.5b --bucket-mb 256
 """
 
 from __future__ import annotations
@@ -72,8 +76,10 @@ def qwen2_shapes(hidden, layers, inter, heads, kv_heads, vocab, tied) -> dict[st
     return s
 
 
-# ---------------------------------------------------------------------------------------- CPU / gloo
-def _cpu_worker(rank: int, world: int, port: int, out: str, bucket_bytes: int, iters: int) -> None:
+# ------------------------------------------------------------------------- stream (CPU or GPUs)
+def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> None:
+    """One rank of train DP 2 -> rollout TP (world - 2). The world is gloo (barriers, timing
+    reductions); on GPU the transport's data plane is NCCL."""
     import torch.distributed as dist
 
     from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
@@ -81,31 +87,39 @@ def _cpu_worker(rank: int, world: int, port: int, out: str, bucket_bytes: int, i
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    shapes = qwen2_shapes(**SHAPES["cpu"])
-    train, rollout = (0, 1), (2, 3)
-    topo = StreamTopology(train_ranks=train, sender_ranks=train, rollout_ranks=rollout)
+    gpu = opts["gpu"]
+    train, rollout = (0, 1), tuple(range(2, world))
+    # Overlap: rollout rank i shares GPU i with training rank i (relays then cross GPUs).
+    gpu_of = {r: (r if r < 2 else (r - 2 if opts["overlap"] else r)) for r in range(world)}
+    device = torch.device(f"cuda:{gpu_of[rank]}") if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    shapes = qwen2_shapes(**SHAPES[opts["shape"]])
+    topo = StreamTopology(train_ranks=train, sender_ranks=train, rollout_ranks=rollout,
+                          devices={r: f"gpu{gpu_of[r]}" if gpu else f"cpu{r}" for r in range(world)})
     source = receiver = None
     if rank in train:
-        g = torch.Generator().manual_seed(0)
-        weights = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        g = torch.Generator(device=device).manual_seed(0)
+        weights = {n: torch.randn(s, generator=g, device=device).to(dtype) for n, s in shapes.items()}
         source = NamedTensorSource(lambda: weights.items())
     else:
-        meta = [(n, s, torch.float32) for n, s in shapes.items()]
-        specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - 2, tp_size=2)
-        live = {n: torch.zeros(sp.local_shape) for n, sp in specs.items()}
-        receiver = StagedReceiver(specs, copy_into(live))
-    transport = StreamTransport(topology=topo, config=StreamSyncConfig(bucket_bytes=bucket_bytes, timeout_s=300),
-                                source=source, receiver=receiver)
+        meta = [(n, s, dtype) for n, s in shapes.items()]
+        specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - 2, tp_size=len(rollout))
+        live = {n: torch.zeros(sp.local_shape, dtype=dtype, device=device) for n, sp in specs.items()}
+        receiver = StagedReceiver(specs, copy_into(live), device=device)
+    transport = StreamTransport(topology=topo, config=StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300),
+                                source=source, receiver=receiver, device=device, backend="nccl" if gpu else None)
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    transport.sync(0)  # warm-up: allocates buffers and staging
+    transport.sync(0)  # warm-up: allocates buffers and staging, creates communicators
     transport.raw_transfer()
     sync_s, raw_s, paused_s, transfer_s = [], [], [], []
-    for it in range(iters):  # interleaved, so load on the shared machine hits both alike
+    for it in range(opts["iters"]):  # interleaved, so load on a shared machine hits both alike
         dist.barrier()
         stats = transport.sync(it + 1)
         sync_s.append(slowest(stats.total_time_s))
@@ -117,9 +131,12 @@ def _cpu_worker(rank: int, world: int, port: int, out: str, bucket_bytes: int, i
         nbytes = transport.plan.total_bytes
         sync_med, raw_med = statistics.median(sync_s), statistics.median(raw_s)
         result = {
-            "mode": "cpu", "topology": "train DP 2 -> rollout TP 2 (gloo, 4 processes)",
+            "mode": "gpu-stream" if gpu else "cpu",
+            "topology": f"train DP 2 -> rollout TP {len(rollout)} ({'nccl' if gpu else 'gloo'}, {world} processes"
+                        + (", overlapping GPUs" if gpu and opts["overlap"] else "") + ")",
+            "shape": opts["shape"], "dtype": str(dtype).removeprefix("torch."),
             "bytes": nbytes, "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
-            "bucket_bytes": bucket_bytes, "iters": iters,
+            "bucket_bytes": opts["bucket_bytes"], "iters": opts["iters"],
             "sync_s_median": sync_med, "raw_s_median": raw_med,
             "sync_gbps": nbytes / sync_med / 1e9, "raw_gbps": nbytes / raw_med / 1e9,
             "ratio_sync_over_raw": raw_med / sync_med,
@@ -134,14 +151,14 @@ def _cpu_worker(rank: int, world: int, port: int, out: str, bucket_bytes: int, i
     dist.destroy_process_group()
 
 
-def bench_cpu(bucket_mb: int, iters: int) -> dict:
+def bench_stream(world: int, opts: dict) -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_cpu_worker, args=(4, port, out, bucket_mb << 20, iters), nprocs=4, join=True)
+        mp.spawn(_stream_worker, args=(world, port, out, opts), nprocs=world, join=True)
         return json.loads(Path(out, "result.json").read_text())
 
 
@@ -194,14 +211,25 @@ def bench_gpu_colocated(shape_names: list[str], iters: int, device: str) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["cpu", "gpu-colocated"], default="cpu")
-    ap.add_argument("--bucket-mb", type=int, default=16, help="bucket size for the cpu mode")
+    ap.add_argument("--mode", choices=["cpu", "gpu-colocated", "gpu-stream"], default="cpu")
+    ap.add_argument("--gpus", type=int, default=4, help="gpu-stream: GPUs used (2 train, the rest rollout TP)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="gpu-stream: rollout TP 2 on the two training GPUs (4 processes on 2 GPUs)")
+    ap.add_argument("--bucket-mb", type=int, default=32, help="bucket size for the stream modes")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b (cpu: a small one)")
     ap.add_argument("--device", default="cuda", help="gpu-colocated device (cpu for a smoke run)")
     args = ap.parse_args(argv)
     if args.mode == "cpu":
-        result = bench_cpu(args.bucket_mb, args.iters)
+        opts = dict(gpu=False, overlap=False, shape="cpu", bucket_bytes=args.bucket_mb << 20, iters=args.iters)
+        result = bench_stream(4, opts)
+    elif args.mode == "gpu-stream":
+        if args.gpus < 2 or (not args.overlap and args.gpus < 3):
+            raise SystemExit("--mode gpu-stream needs --gpus >= 3 (2 train + rollout), or >= 2 with --overlap")
+        world = 2 + (2 if args.overlap else args.gpus - 2)
+        opts = dict(gpu=True, overlap=args.overlap, shape=args.shapes.split(",")[-1],
+                    bucket_bytes=args.bucket_mb << 20, iters=args.iters)
+        result = bench_stream(world, opts)
     else:
         result = bench_gpu_colocated(args.shapes.split(","), args.iters, args.device)
     result["torch"] = torch.__version__

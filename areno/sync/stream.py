@@ -105,7 +105,8 @@ class StreamTransport(PolicySyncTransport):
     Construct on every rank of the world (it creates process groups, a collective): training ranks
     pass ``source``, rollout ranks pass ``receiver``. ``device`` is where bucket buffers live (the
     rank's CUDA device under NCCL, CPU under gloo). ``store`` is the distributed store shared by all
-    ranks (default: the default process group's). Call ``sync`` on every training and rollout rank.
+    ranks (default: the default process group's). ``backend`` is the data-plane backend (default:
+    the world's; e.g. ``nccl`` in a gloo world). Call ``sync`` on every training and rollout rank.
     """
 
     name = "stream"
@@ -120,6 +121,7 @@ class StreamTransport(PolicySyncTransport):
         device: torch.device | str = "cpu",
         store: dist.Store | None = None,
         tag: str = "policy",
+        backend: str | None = None,
     ) -> None:
         self.topology = topology
         self.config = config
@@ -147,11 +149,11 @@ class StreamTransport(PolicySyncTransport):
 
         # Process groups, created in the same order on every rank.
         self.pair_groups = [
-            dist.new_group(sorted({s, r}), timeout=group_timeout)
+            dist.new_group(sorted({s, r}), timeout=group_timeout, backend=backend)
             for s, r in zip(topology.sender_ranks, self.relays)
         ]
         self.rollout_group = (
-            dist.new_group(list(topology.rollout_ranks), timeout=group_timeout)
+            dist.new_group(list(topology.rollout_ranks), timeout=group_timeout, backend=backend)
             if len(topology.rollout_ranks) > 1 else None
         )
         # Control plane: the commit vote, always gloo (CPU), so it may span shared devices.
