@@ -76,7 +76,12 @@ def _remove_tree(path: str) -> None:
         return
     import shutil
 
-    shutil.rmtree(path.removeprefix("file://"), ignore_errors=True)
+    local = path.removeprefix("file://")
+    shutil.rmtree(local, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(local))  # .areno-storage-probe, when no other probe runs
+    except OSError:
+        pass  # not empty (a concurrent probe) or already gone
 
 
 def probe_path(probe_dir: str, token: str, label: str) -> tuple[str, str, str | None]:

@@ -86,6 +86,14 @@ def slurm_cluster(root: Path, cpus: int = 8) -> Iterator[dict[str, str]]:
             time.sleep(0.5)
         yield {"SLURM_CONF": str(conf)}
     finally:
+        # cancel what is left and let slurmstepd finish before the daemons go
+        subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=env, capture_output=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            out = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True)
+            if out.returncode != 0 or not out.stdout.strip():
+                break
+            time.sleep(0.5)
         for p in (slurmd, ctld):
             p.terminate()
         for p in (slurmd, ctld):
