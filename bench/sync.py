@@ -108,8 +108,9 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - 2, tp_size=len(rollout))
         live = {n: torch.zeros(sp.local_shape, dtype=dtype, device=device) for n, sp in specs.items()}
         receiver = StagedReceiver(specs, copy_into(live), device=device)
-    transport = StreamTransport(topology=topo, config=StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300),
-                                source=source, receiver=receiver, device=device, backend="nccl" if gpu else None)
+    cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300)
+    transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, device=device,
+                                backend="nccl" if gpu else None)
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64)

@@ -135,7 +135,8 @@ class DiskTransport(PolicySyncTransport):
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
             if self.model_dir is not None:
                 for p in self.model_dir.iterdir():
-                    if p.is_file() and p.suffix in (".json", ".txt", ".model") and p.name != "model.safetensors.index.json":
+                    meta_file = p.suffix in (".json", ".txt", ".model") and p.name != "model.safetensors.index.json"
+                    if p.is_file() and meta_file:
                         shutil.copy2(p, tmp / p.name)
             for p in tmp.iterdir():
                 with open(p, "rb+") as fh:

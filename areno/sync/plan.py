@@ -201,7 +201,8 @@ def shard_specs_from_tp_plan(
     """``ShardSpec`` of every tensor for one rollout TP rank.
 
     ``tp_plan`` maps Hugging Face name patterns (``fnmatch``; a pattern names a parameter or a
-    module, as ``areno.models.tp_plan.tp_plan`` and HF's ``base_model_tp_plan`` do) to a style: ``colwise*`` splits the output dim (weight and bias dim 0),
+    module, as ``areno.models.tp_plan.tp_plan`` and HF's ``base_model_tp_plan`` do) to a style:
+    ``colwise*`` splits the output dim (weight and bias dim 0),
     ``rowwise*`` splits the input dim (weight dim 1; bias replicated), ``vocab``/``embedding*``
     splits dim 0, ``replicate`` keeps everything. Unmatched tensors are replicated. The first
     matching pattern wins. ``dtype`` overrides the receiver dtype (default: the source dtype).

@@ -65,7 +65,6 @@ def spawn(fn, world: int, *args) -> None:
 # ------------------------------------------------------------------ workers (run in spawned ranks)
 import os
 import time
-import traceback
 from pathlib import Path
 
 from areno.sync.base import NamedTensorSource, PolicySyncError, ShardSpec, StagedReceiver, copy_into

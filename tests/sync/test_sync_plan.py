@@ -98,3 +98,21 @@ def test_write_rows_assembles_the_slice_from_chunks(dim):
     for r0, r1 in [(0, 3), (3, 5), (5, 6)]:
         write_rows(spec, dest, full[r0:r1], r0)
     assert torch.equal(dest, spec.take(full).to(torch.bfloat16))
+
+
+def test_shard_specs_agree_with_the_models_tp_plan():
+    """The rollout slices the planner computes from ``areno.models.tp_plan`` are exactly the ones
+    the model package cuts (``shard_tensor``), for every parameter of a tiny Qwen2."""
+    from areno.models.decoder import Decoder
+    from areno.models.hf_io import tiny_config
+    from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
+
+    cfg = tiny_config(64, hidden_size=32, layers=2, heads=4, kv_heads=2)
+    state = Decoder(cfg).state_dict()
+    meta = [(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    plan = tp_plan(cfg)
+    for rank in range(2):
+        specs = shard_specs_from_tp_plan(meta, plan, tp_rank=rank, tp_size=2)
+        for name, full in state.items():
+            expected = shard_tensor(full, tp_style(plan, name), rank, 2)
+            assert torch.equal(specs[name].take(full), expected), name
