@@ -30,9 +30,14 @@ from areno.train.config import TrainBackendConfig
 from areno.train.lora import apply_lora, merged_named_weights
 from areno.train.offload import StorageOffloader, collect_tensors
 from areno.train.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
-from areno.train.packing import MicroBatchPlan, MicroBatchSpec, dummy_batch, estimate_max_tokens_per_mb, plan_micro_batches
+from areno.train.packing import (
+    MicroBatchPlan,
+    MicroBatchSpec,
+    dummy_batch,
+    estimate_max_tokens_per_mb,
+    plan_micro_batches,
+)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
 # Files copied from the source model directory into an HF export (tokenizer and friends).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -118,7 +123,7 @@ class PackedTrainBackend(TrainBackend):
         self._setup()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        model, self.model_config = load_model(model_dir, dtype=_DTYPES[cfg.dtype], device="cpu")
+        model, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
         if cfg.lora is not None:
             if cfg.tp_size > 1:
                 raise ValueError("LoRA with tp_size > 1 is not supported; set tp_size=1 or lora=None")
@@ -189,7 +194,7 @@ class PackedTrainBackend(TrainBackend):
                 loss, metrics = loss_fn(output, mb, reducer)
             if not seq_idx:  # dummy micro-batch: keeps collectives in step, contributes nothing
                 loss = loss * 0.0
-                metrics = {}
+                metrics = {key: 0.0 for key in metrics}  # same keys on every rank for the all-reduce
             (loss * loss_scale).backward()
             loss_sum += loss.detach().double().cpu()
             tokens += mb.num_tokens if seq_idx else 0

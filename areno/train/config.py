@@ -138,6 +138,18 @@ class TrainBackendConfig:
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def torch_dtype(self) -> "torch.dtype":
+        """Master-weight dtype as a torch dtype."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def torch_param_dtype(self, device: str) -> "torch.dtype":
+        """Compute dtype as a torch dtype (see ``param_dtype``)."""
+        import torch
+
+        return getattr(torch, self.resolved_param_dtype(device))
+
     def resolved_param_dtype(self, device: str) -> str:
         if self.param_dtype is not None:
             return self.param_dtype

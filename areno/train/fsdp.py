@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from areno.train.backend import PackedTrainBackend
 from areno.train.parallelize import parallelize
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
@@ -60,8 +59,8 @@ class FSDP2TrainBackend(PackedTrainBackend):
         self._tp_size = self.mesh["tp"].size()
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
-        compute = _DTYPES[self.cfg.resolved_param_dtype(self.device.type)]
-        return parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=_DTYPES[self.cfg.dtype])
+        compute = self.cfg.torch_param_dtype(self.device.type)
+        return parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=self.cfg.torch_dtype())
 
     @property
     def is_rank0(self) -> bool:

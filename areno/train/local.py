@@ -15,8 +15,6 @@ from torch import nn
 from areno.train.backend import PackedTrainBackend
 from areno.train.parallelize import parallelize
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 class LocalTrainBackend(PackedTrainBackend):
     """Single-process training backend (CPU or one GPU)."""
@@ -31,7 +29,7 @@ class LocalTrainBackend(PackedTrainBackend):
         self._dp_rank, self._dp_size = 0, 1
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
-        compute = _DTYPES[self.cfg.resolved_param_dtype(self.device.type)]
+        compute = self.cfg.torch_param_dtype(self.device.type)
         return parallelize(model, None, self.cfg, param_dtype=compute).to(self.device)
 
     def _autocast(self) -> AbstractContextManager:

@@ -6,6 +6,7 @@ Legend: B = sequences, T = packed tokens, V = vocabulary.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -74,6 +75,7 @@ def _entry(rank: int, world: int, port: int, fn, args, err_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(900, exit=True)  # a collective mismatch fails instead of hanging
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)

@@ -225,3 +225,27 @@ def test_forward_output_without_shape_suffix_is_an_error(model_dir):
     b = backend(model_dir)
     with pytest.raises(ValueError, match="must end in _T"):
         b.forward_only(random_batch(LENGTHS, VOCAB, 1), forward_fn=lambda m, mb: {"x": mb.input_ids_T})
+
+
+def test_sequence_level_denominator_independent_of_split(model_dir):
+    """A per-sequence mean (denominator = number of sequences) is also split-invariant."""
+
+    def seq_loss(output, mb, reducer):
+        seq_id_T = torch.repeat_interleave(torch.arange(mb.num_seqs), mb.seqlens_B)
+        nll_B = torch.zeros(mb.num_seqs).index_add(0, seq_id_T, -output["logprobs_T"] * mb.loss_mask_T)
+        count_B = torch.zeros(mb.num_seqs).index_add(0, seq_id_T, mb.loss_mask_T.float())
+        return reducer(nll_B / count_B), {}
+
+    batch = random_batch(LENGTHS, VOCAB, seed=11)
+    results = []
+    for budget in (sum(LENGTHS), 22):
+        b = backend(model_dir, max_tokens_per_mb=budget)
+        grads = {}
+        b.optimizer.register_step_pre_hook(
+            lambda opt, a, k: grads.update({n: p.grad.clone() for n, p in b.model.named_parameters()})
+        )
+        m = b.train_step(batch, forward_fn=nll_forward, loss_fn=seq_loss, denominator_fn=lambda mb: mb.num_seqs)
+        results.append((grads, m))
+    assert results[1][1]["mbs"] == 4 and results[1][1]["loss_denominator"] == len(LENGTHS)
+    assert_grads_close(results[1][0], results[0][0])
+    assert math.isclose(results[0][1]["loss"], results[1][1]["loss"], rel_tol=1e-6)

@@ -1,0 +1,35 @@
+"""CUDA paths of the training backends (run on a GPU machine: pytest -m gpu tests/train)."""
+
+import math
+
+import pytest
+import torch
+
+from areno.train import LocalTrainBackend, TrainBackendConfig
+from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+
+pytestmark = pytest.mark.gpu
+LENGTHS = [130, 70, 210, 50, 90, 160, 30, 110]
+
+
+def _step(b, seed):
+    return b.train_step(random_batch(LENGTHS, 100, seed), forward_fn=nll_forward, loss_fn=nll_loss,
+                        denominator_fn=token_denominator)
+
+
+def test_cuda_bf16_training_matches_fp32_cpu_and_sleep_frees_memory(tmp_path):
+    model_dir = make_model_dir(tmp_path / "m", hidden=64)
+    gpu = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda"))  # bf16 compute, fp32 master
+    gpu.initialize(model_dir)
+    cpu = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cpu"))
+    cpu.initialize(model_dir)
+    assert gpu.max_tokens_per_mb >= 256  # memory estimate
+    for s in range(3):
+        lg, lc = _step(gpu, s)["loss"], _step(cpu, s)["loss"]
+        assert math.isclose(lg, lc, rel_tol=2e-2), (lg, lc)
+    assert next(gpu.model.parameters()).dtype == torch.float32
+    before = torch.cuda.memory_allocated()
+    freed = gpu.sleep()
+    assert before - torch.cuda.memory_allocated() >= freed * 0.99
+    assert gpu.wake() == freed
+    assert math.isfinite(_step(gpu, 5)["loss"])
