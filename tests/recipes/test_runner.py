@@ -285,3 +285,22 @@ def test_ppo_critic_with_local_backend(dirs):
     assert m["value/loss"] == pytest.approx(sum(sq) / len(sq), rel=1e-5)
     r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
     assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: clipped(r(t), adv[t], 0.8, 1.2)), rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", "cispo"])
+def test_rl_recipes_move_logprobs_toward_reward(dirs, name):
+    """Three on-policy steps: completions with an above-group reward become more likely and those
+    below become less likely (groups a and b of rl_batch; group c has no signal)."""
+    backend = train.LocalTrainBackend(train.TrainBackendConfig(lr=1e-3, device="cpu", seed=0))
+    backend.initialize(dirs["policy"])
+    batch = rl_batch()
+    lp0 = naive_logprobs(backend.model, batch)
+    batch = with_behaviour_logprobs(batch, lp0, scale=0.0)
+    recipe = get_recipe(name, kl_coef=0.0) if name.startswith("reinforce") else get_recipe(name)
+    runner = RecipeRunner(recipe, {"policy": backend})
+    for _ in range(3):
+        runner.step(batch)
+    lp1 = naive_logprobs(backend.model, batch)
+    delta = [sum(float(lp1[t] - lp0[t]) for t in completion_positions(batch, b)) for b in range(4)]
+    assert delta[0] > 0 > delta[1] and delta[3] > 0 > delta[2], delta  # a: 1 vs 0, b: 0.2 vs 1
