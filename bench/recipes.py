@@ -42,17 +42,42 @@ def _warm_start(config_path: str, run_dir: Path, steps: int, common: list[str]) 
     return export_dir, float(metrics.get("eval/accuracy", float("nan")))
 
 
-def _run_recipe(config_path: str, run_dir: Path, start: Path, name: str, steps: int, extra: list[str]) -> dict:
+def _accuracy(config_path: str, run_dir: Path, model_dir: Path, common: list[str]) -> float:
+    """Greedy held-out accuracy of the checkpoint in ``model_dir`` (a fresh engine, no training)."""
+    cfg = load_config(config_path, [f"run_dir={run_dir}", f"model.path={model_dir}", "warm_start.steps=0",
+                                    "train.algorithm=sft", "train.steps=0", *common])
+    trainer = Trainer.init(cfg)
+    try:
+        return trainer.evaluate_now()["eval/accuracy"]
+    finally:
+        trainer.shutdown()
+
+
+def _run_recipe(config_path: str, run_dir: Path, start: Path, name: str, steps: int, extra: list[str],
+                common: list[str]) -> dict:
+    """Train ``steps`` steps of ``name`` from ``start``; accuracy after is measured on the exported
+    policy by a fresh engine. (The steps are driven here rather than by ``Trainer.run`` because, at
+    this commit, ``ArenoEngine.evaluate`` after online rollouts started never returns: see the
+    report of issue 5.)"""
     overrides = [f"run_dir={run_dir}", f"model.path={start}", "warm_start.steps=0", f"train.algorithm={name}",
                  f"train.steps={steps}", "train.eval_interval=0", "train.save_interval=0", *extra]
     trainer = Trainer.init(load_config(config_path, overrides))
     t0 = time.perf_counter()
+    rewards = []
     try:
-        before = trainer.evaluate_now()["eval/accuracy"]
-        after = trainer.run()["eval/accuracy"]
+        for rollout_id in range(steps):
+            rollout = trainer.rollout_token_batch(rollout_id)
+            rewards.append(rollout.metrics.get("rollout/reward_mean"))
+            trainer.train(rollout_id, rollout)
+            trainer.backend.update_weights()
+        trainer.backend.engine.export_policy(run_dir / "final_model")
     finally:
         trainer.shutdown()
-    return {"before": before, "after": after, "improved": after > before, "wall_s": round(time.perf_counter() - t0, 1)}
+    wall = time.perf_counter() - t0
+    after = _accuracy(config_path, run_dir / "eval", run_dir / "final_model", common)
+    first, last = rewards[: max(1, steps // 4)], rewards[-max(1, steps // 4):]
+    return {"after": after, "train_reward_first_quarter": sum(first) / len(first),
+            "train_reward_last_quarter": sum(last) / len(last), "wall_s": round(wall, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root)
     common = [f"data.num_eval={args.num_eval}", f"cluster.device={args.device}", "observe.console=false"]
     algorithms = [a for a in args.algorithms.split(",") if a]
-    start, start_acc = _warm_start(args.config, root / "start", args.warm_start_steps, common)
+    start, _ = _warm_start(args.config, root / "start", args.warm_start_steps, common)
+    start_acc = _accuracy(args.config, root / "start_eval", start, common)
     teacher, teacher_acc = None, None
     if "opd" in algorithms:
         teacher, teacher_acc = _warm_start(args.config, root / "teacher", args.teacher_steps, common)
@@ -92,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         if run_dir.exists():
             shutil.rmtree(run_dir)
         try:
-            results[name] = _run_recipe(args.config, run_dir, start, name, args.steps, extra)
+            results[name] = _run_recipe(args.config, run_dir, start, name, args.steps, extra, common)
+            results[name]["before"] = start_acc
+            results[name]["improved"] = results[name]["after"] > start_acc
         except (ValueError, RuntimeError, AttributeError, KeyError) as err:  # reported, not hidden
             results[name] = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
