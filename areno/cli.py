@@ -19,9 +19,13 @@ def _train(args: argparse.Namespace) -> int:
     from areno.api.pipeline import run_pipeline
 
     overrides = list(args.overrides)
+    config_path = args.config
+    if config_path is not None and "=" in config_path:  # no YAML file, overrides only
+        overrides.insert(0, config_path)
+        config_path = None
     if args.algorithm:
         overrides.append(f"train.algorithm={args.algorithm}")
-    config = load_config(args.config, overrides)
+    config = load_config(config_path, overrides)
     run_pipeline(config)
     return 0
 

@@ -12,7 +12,7 @@ transport (a dtype cast at most) when ``update_weights`` is called, i.e. before 
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -125,6 +125,10 @@ class ArenoEngine:
         torch.manual_seed(cfg.train.seed)
         self.runner = self._build_runner(model_dir)
         self.rollout_engine = self._build_rollout_engine(model_dir)
+        from areno.rollout.client import InProcessRolloutClient
+
+        # The one driver of the rollout engine: rollouts and evaluation both go through it.
+        self.client = InProcessRolloutClient(self.rollout_engine)
         self.executor = self._build_executor() if self.recipe.online else None
 
     def _build_runner(self, model_dir: Path):
@@ -170,7 +174,6 @@ class ArenoEngine:
     def _build_executor(self):
         from areno.api.workflow import load_workflow
         from areno.rewards.loader import import_object
-        from areno.rollout.client import InProcessRolloutClient
         from areno.rollout.executor import WorkflowExecutor
         from areno.rollout.staleness import StalenessManager
 
@@ -179,7 +182,6 @@ class ArenoEngine:
         workflow = load_workflow(cfg.rollout.workflow, tokenizer=self.tokenizer, reward_fn=reward_fn,
                                  n_samples=cfg.rollout.n_samples, sampling_params=self._sampling_params(greedy=False),
                                  prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
-        self.client = InProcessRolloutClient(self.rollout_engine)
         staleness = StalenessManager(max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                                      batch_size=cfg.rollout.batch_size, max_concurrent=cfg.rollout.max_concurrent)
         return WorkflowExecutor(self.client, workflow, iter(self.train_stream), staleness,
@@ -232,7 +234,12 @@ class ArenoEngine:
         reward_fn = import_object(cfg.reward.fn, what="reward.fn")
         t0 = time.perf_counter()
         prompts = [self.tokenizer.encode(r[cfg.data.prompt_key]) for r in self.eval_rows]
-        outputs = self.rollout_engine.generate(prompts, self._sampling_params(greedy=True))
+        params = self._sampling_params(greedy=True)
+
+        async def agenerate_all():
+            return await asyncio.gather(*(self.client.agenerate(p, params) for p in prompts))
+
+        outputs = asyncio.run(agenerate_all())
         scores = []
         for row, out in zip(self.eval_rows, outputs):
             completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
@@ -270,6 +277,7 @@ class ArenoEngine:
 
     def shutdown(self) -> None:
         if self.executor is not None:
-            self.executor.shutdown()
+            self.executor.stop()
+        self.client.close()
         for backend in self.runner.backends.values():
             backend.shutdown()

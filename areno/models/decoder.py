@@ -377,15 +377,16 @@ class PackedCausalAttention:
         from torch.nn.attention.varlen import varlen_attn
 
         cu, max_len = self._state
-        if "window_size" in _varlen_params():  # newer torch: causal window and GQA built in
-            left = -1 if self.sliding_window is None else self.sliding_window - 1
-            return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len,
-                               window_size=(left, 0), enable_gqa=True)
+        params = _varlen_params()
         groups = q_THD.shape[1] // k_THD.shape[1]
-        if groups > 1:
+        if groups > 1 and "enable_gqa" not in params:  # torch 2.11: no GQA inside the kernel
             k_THD = k_THD.repeat_interleave(groups, dim=1)
             v_THD = v_THD.repeat_interleave(groups, dim=1)
-        return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, is_causal=True)
+        gqa = {"enable_gqa": True} if groups > 1 and "enable_gqa" in params else {}
+        if "window_size" in params:  # newer torch: causal (sliding) window as (left, right)
+            left = -1 if self.sliding_window is None else self.sliding_window - 1
+            return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, window_size=(left, 0), **gqa)
+        return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, is_causal=True, **gqa)
 
     def __call__(
         self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
