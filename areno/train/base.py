@@ -82,7 +82,8 @@ class TrainBackend(ABC):
     @abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) HF-named weights, one at a time, adapters merged under LoRA.
-        Collective: every rank must iterate it to the end."""
+        Collective: every rank must iterate it to the end. Tensors may alias the live parameters
+        (one process, no LoRA): copy them to keep them past the next step."""
 
     @abstractmethod
     def save_checkpoint(self, path: str | Path, extra_state: dict[str, Any]) -> None:

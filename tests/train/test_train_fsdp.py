@@ -51,10 +51,10 @@ def _worker(rank, world, model_dir, out_dir):
     result["dp_losses"] = _run(b, grads)
     result["dp_grads"] = grads
     result["dp_scores"] = b.forward_only(random_batch(LENGTHS, VOCAB, 7), forward_fn=nll_forward)["logprobs_T"]
-    result["dp_weights"] = {k: v.clone() for k, v in b.named_weights()}
     # one sequence on two ranks: rank 1 runs an empty (dummy) micro-batch that adds nothing
     result["one_seq_loss"] = b.train_step(random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss,
                                           denominator_fn=token_denominator)["loss"]
+    result["dp_weights"] = {k: v.clone() for k, v in b.named_weights()}
     # sleep / wake round trip on sharded parameters and optimizer state
     local_before = [p.to_local().clone() for p in b.model.parameters()]
     freed = b.sleep()
@@ -102,10 +102,10 @@ def fsdp_result(tmp_path_factory):
         "losses": losses,
         "grads": grads,
         "scores": local.forward_only(random_batch(LENGTHS, VOCAB, 7), forward_fn=nll_forward)["logprobs_T"],
-        "weights": dict(local.named_weights()),
     }
     ref["one_seq_loss"] = local.train_step(random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss,
                                            denominator_fn=token_denominator)["loss"]
+    ref["weights"] = {k: v.clone() for k, v in local.named_weights()}  # named_weights may alias live params
     return torch.load(tmp / "result.pt", weights_only=False), ref, tmp, model_dir
 
 
