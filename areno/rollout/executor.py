@@ -301,8 +301,9 @@ class WorkflowExecutor:
             try:
                 status, group = await attempt
             except asyncio.CancelledError:
-                if task.index not in self._aborted:
-                    raise  # the pool is stopping
+                me = asyncio.current_task()
+                if self._stopping or (me is not None and me.cancelling()) or task.index not in self._aborted:
+                    raise  # this worker is cancelled (the pool is stopping), not only its episode
                 self._aborted.discard(task.index)
                 status, group = "aborted_stale", None
             finally:

@@ -199,3 +199,17 @@ def test_running_episodes_that_fall_behind_are_aborted_and_replaced():
         assert engine.cancelled == 1  # the long request was aborted (it would have run for 20 s)
         m = ex.metrics()
     assert 0 not in seen and m["rollout/aborted_stale"] == 1
+
+
+def test_stop_right_after_an_abort_does_not_hang():
+    # Regression: an episode aborted as stale at the same moment as stop() swallowed the worker's
+    # own cancellation and stop() waited forever.
+    for _ in range(20):
+        engine = FakeEngine(length_from_prompt, step_s=0.001)
+        staleness = StalenessManager(max_head_offpolicyness=0, batch_size=2, max_concurrent=4)
+        ex = WorkflowExecutor(engine, CountingWorkflow(), iter(rows(100, length=500)), staleness)
+        ex.start()
+        while engine.in_flight == 0:
+            time.sleep(0.001)
+        ex.set_version(1)  # dooms every running episode...
+        ex.stop()  # ...while the pool stops: must return
