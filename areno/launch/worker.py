@@ -85,9 +85,14 @@ def serve(address: tuple[str, int], authkey: bytes, role: str, rank: int) -> Non
     runtime = WorkerRuntime()
     while True:
         try:
-            msg = conn.recv()
+            data = conn.recv_bytes()
         except EOFError:
             return
+        try:
+            msg = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - an argument that does not unpickle here is the caller's error
+            conn.send(("err", type(e).__name__, f"cannot unpickle the call on this worker: {e}", traceback.format_exc()))
+            continue
         reply = runtime.handle(msg)
         try:
             conn.send(reply)

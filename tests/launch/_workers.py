@@ -67,3 +67,43 @@ class EnvWorker:
 
     def env(self, key: str) -> str | None:
         return os.environ.get(key)
+
+
+class TrainerWorker:
+    """Runs a whole areno Trainer (a tiny GRPO) inside a scheduler worker; returns metrics.jsonl rows."""
+
+    def __init__(self, overrides: list[str]) -> None:
+        import torch
+
+        from areno.api.config import load_config
+
+        torch.set_num_threads(1)
+        self.cfg = load_config(None, overrides)
+
+    def run(self) -> list[dict]:
+        import json
+        from pathlib import Path
+
+        from areno.api.trainer import Trainer
+
+        trainer = Trainer.init(self.cfg)
+        try:
+            trainer.run()
+        finally:
+            trainer.shutdown()
+        return [json.loads(line) for line in (Path(self.cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def digits(prompt, completion, answer, **row):
+    """A dense reward for the tiny GRPO runs: the fraction of digit characters in the completion."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def runtime_info() -> dict:
+    """Thread settings and numerics-relevant env of the calling worker process."""
+    import torch
+
+    keys = ("THREAD", "OMP", "MKL", "KMP", "CUDA", "TORCH")
+    return {"threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "env": {k: v for k, v in os.environ.items() if any(w in k for w in keys)}}

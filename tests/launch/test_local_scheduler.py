@@ -90,18 +90,14 @@ def test_restart_worker(sched):
     assert sched.submit_one("actor", 1, "env", "RANK").result() == "1"
 
 
-def test_construction_failures_leave_no_role(tmp_path, monkeypatch):
+def test_construction_failures_leave_no_role(tmp_path):
     with LocalScheduler(log_dir=str(tmp_path)) as s:
         with pytest.raises(WorkerError, match=r"broken\[0\] .*constructor raised RuntimeError: constructor refuses"):
             s.create_workers("broken", "tests.launch._workers:BrokenWorker", 1, env=ENV)
         assert s.roles == []
-        # a worker interpreter that cannot import areno exits before connecting
-        from areno.launch import scheduler as mod
-
-        monkeypatch.setattr(mod, "python_path_env", lambda: "/nonexistent")
-        monkeypatch.chdir("/")
-        with pytest.raises(SchedulerError, match=r"bad\[0\] exited with code 1 before connecting; .*No module"):
-            s.create_workers("bad", ENV_WORKER, 1, env=ENV)
+        # a worker interpreter that cannot start exits before connecting
+        with pytest.raises(SchedulerError, match=r"bad\[0\] exited with code 1 before connecting; log .*Fatal Python error"):
+            s.create_workers("bad", ENV_WORKER, 1, env={**ENV, "PYTHONIOENCODING": "no-such-codec"})
         assert s.roles == []
 
 
