@@ -1,0 +1,199 @@
+"""``AgentWorkflow``: run any agent written against the OpenAI client as an areno rollout workflow.
+
+An agent is ``async def agent(client, sample) -> float | None``: it talks to ``client`` (an
+``ArenoAsyncOpenAI``, a drop-in for ``openai.AsyncOpenAI``) as it would to OpenAI, and either
+returns the episode's final reward (given to its last completion) or sets rewards itself with
+``client.set_reward(completion_id, r)`` / ``client.set_last_reward(r)``. Every completion is
+recorded; the episode is exported with discounting (``gamma``) as individual interactions or one
+concatenated multi-turn sequence per branch (``export_style``).
+
+``n_samples`` episodes run per row as one group. An agent that raises or runs past ``timeout_s``
+loses only its own episode (warned with the row named; the rest of the group and batch go on);
+a row whose every episode failed is rejected (None). Each episode is traced with
+``areno.observe.session``.
+
+Shipped: ``calculator_agent`` (the model must call the ``calc`` tool; the tool's result is its
+answer; a malformed call is answered with the error and the model tries again) with its workflow
+factory ``calculator_workflow`` and data writer ``write_calculator_rows``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import random
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from areno.api.types import SamplingParams, Trajectory
+from areno.api.workflow import RolloutWorkflow, _import_dotted
+from areno.observe.session import session
+from areno.workflows.interaction import ExportStyle
+from areno.workflows.openai_client import ArenoAsyncOpenAI
+from areno.workflows.tools import ToolSet, calculator_tool, parse_tool_calls
+
+if TYPE_CHECKING:
+    from areno.rollout.client import RolloutClient
+
+logger = logging.getLogger("areno.workflows")
+
+AgentFn = Callable[[ArenoAsyncOpenAI, dict[str, Any]], Awaitable[float | None]]
+
+
+def describe_row(sample: dict[str, Any]) -> str:
+    for key in ("id", "uid", "index", "prompt"):
+        if key in sample:
+            return f"{key}={str(sample[key])[:60]!r}"
+    return repr(sample)[:60]
+
+
+class AgentWorkflow(RolloutWorkflow):
+    """Runs ``agent`` ``n_samples`` times per row against a recording OpenAI-compatible client.
+
+    Accepts the keyword arguments the engine passes to every workflow (``tokenizer``,
+    ``reward_fn``, ``n_samples``, ``sampling_params``, ``prompt_key``, ``answer_key``); the agent may
+    use ``client.reward_fn`` (the configured reward) and ``client.prompt_key`` / ``answer_key``.
+    """
+
+    def __init__(self, tokenizer: Any, sampling_params: SamplingParams, *, agent: AgentFn | str,
+                 reward_fn: Callable[..., float] | None = None, n_samples: int = 1, gamma: float = 1.0,
+                 export_style: ExportStyle = "concat", timeout_s: float = 300.0, prompt_key: str = "prompt",
+                 answer_key: str = "answer") -> None:
+        if isinstance(agent, str):
+            agent = _import_dotted(agent)
+        if not callable(agent):
+            raise ValueError(f"agent must be an async function agent(client, sample), got {type(agent).__name__}")
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        if not 0 <= gamma <= 1:
+            raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+        if export_style not in ("individual", "concat"):
+            raise ValueError(f"export_style must be 'individual' or 'concat', got {export_style!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.tokenizer = tokenizer
+        self.sampling_params = sampling_params
+        self.agent = agent
+        self.reward_fn = reward_fn
+        self.n_samples = n_samples
+        self.gamma = gamma
+        self.export_style = export_style
+        self.timeout_s = timeout_s
+        self.prompt_key = prompt_key
+        self.answer_key = answer_key
+
+    async def run_episode(self, client: "RolloutClient", sample: dict[str, Any]) -> list[Trajectory] | None:
+        group_id = uuid.uuid4().hex
+        results = await asyncio.gather(*(self._aepisode(client, sample, group_id, i) for i in range(self.n_samples)))
+        group = [t for trajs in results if trajs is not None for t in trajs]
+        if not group:
+            logger.warning("every agent episode of row %s failed; the row is skipped", describe_row(sample))
+            return None
+        return group
+
+    def _client(self, rollout_client: "RolloutClient", index: int, recorder: Any) -> ArenoAsyncOpenAI:
+        params = self.sampling_params
+        if params.seed is not None:  # episodes of one group must not be copies of each other
+            import dataclasses
+
+            params = dataclasses.replace(params, seed=params.seed + 1000 * index)
+        oai = ArenoAsyncOpenAI(rollout_client, self.tokenizer, default_sampling=params, session=recorder)
+        oai.reward_fn = self.reward_fn
+        oai.prompt_key, oai.answer_key = self.prompt_key, self.answer_key
+        return oai
+
+    async def _aepisode(self, rollout_client: "RolloutClient", sample: dict[str, Any], group_id: str,
+                        index: int) -> list[Trajectory] | None:
+        with session(sample=describe_row(sample), group_id=group_id, episode=index, workflow="agent") as rec:
+            oai = self._client(rollout_client, index, rec)
+            try:
+                value = self.agent(oai, sample)
+                if not inspect.isawaitable(value):
+                    raise TypeError(f"agent {getattr(self.agent, '__name__', self.agent)!r} is not async: "
+                                    "define it with 'async def agent(client, sample)'")
+                reward = await asyncio.wait_for(value, self.timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("agent episode %d of row %s did not return within timeout_s=%gs; dropped "
+                               "(raise timeout_s if episodes are legitimately long)", index, describe_row(sample),
+                               self.timeout_s)
+                rec.event("dropped", reason="timeout")
+                return None
+            except Exception as exc:  # user agent code: warned with the row named, the group goes on
+                logger.warning("agent episode %d of row %s raised %s: %s; dropped", index, describe_row(sample),
+                               type(exc).__name__, exc)
+                rec.event("dropped", reason=f"{type(exc).__name__}: {exc}")
+                return None
+            if len(oai.cache) == 0:
+                logger.warning("agent episode %d of row %s made no completion call; dropped", index, describe_row(sample))
+                return None
+            if reward is not None:
+                if oai.cache.last.reward is None:
+                    oai.set_last_reward(float(reward))
+            trajs = oai.export(self.export_style, gamma=self.gamma, group_id=group_id,
+                               info={"sample": describe_row(sample)})
+            rec.set_reward(sum(t.reward for t in trajs) / len(trajs), num_interactions=len(oai.cache))
+            return trajs
+
+
+# ------------------------------------------------------------------------------ the calculator task
+TOOLS = ToolSet([calculator_tool()])
+
+
+def _call_text(expr: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expr": expr}}, separators=(",", ":")) + "</tool_call>"
+
+
+def calculator_rows(num: int, seed: int, *, digits: int = 2) -> list[dict[str, Any]]:
+    """Rows ``{"prompt": "37*48=", "answer": <the reference tool call>, "result": "1776"}``: products
+    too hard for a tiny model to compute, easy to get through the tool."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num):
+        a, b = rng.randint(10 ** (digits - 1), 10**digits - 1), rng.randint(10 ** (digits - 1), 10**digits - 1)
+        expr = f"{a}*{b}"
+        rows.append({"prompt": f"{expr}=", "answer": _call_text(expr), "result": str(a * b)})
+    return rows
+
+
+def write_calculator_rows(path: str | Path, num: int, seed: int) -> None:
+    """Write ``calculator_rows`` as JSONL (the shipped example's data)."""
+    with open(path, "w") as f:
+        for row in calculator_rows(num, seed):
+            f.write(json.dumps(row) + "\n")
+
+
+async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, max_attempts: int = 2) -> float:
+    """The model writes a ``calc`` tool call; the tool's result is the answer (reward 1 when right).
+
+    A malformed or failing call is answered with the tool error and the model tries again (up to
+    ``max_attempts``), continuing the same token sequence, so the tree and concat export see one
+    multi-turn episode.
+    """
+    prompt_ids = list(client.tokenizer.encode(sample["prompt"], add_special_tokens=False))
+    for _ in range(max_attempts):
+        resp = await client.completions.create(model="policy", prompt=prompt_ids)
+        choice = resp.choices[0]
+        _, calls = parse_tool_calls(choice.text)
+        if not calls:
+            feedback = "\n<tool_response>Error: no tool call; answer with <tool_call>{...}</tool_call></tool_response>\n"
+        else:
+            result = await TOOLS.aexecute(calls[0])
+            if client.session is not None:
+                client.session.add_tool_call(getattr(calls[0], "name", "?"), getattr(calls[0], "arguments", choice.text),
+                                             result=result.content, error=None if result.ok else result.content,
+                                             duration_s=result.duration_s)
+            if result.ok:
+                return float(result.content.strip() == str(sample["result"]))
+            feedback = f"\n<tool_response>{result.content}</tool_response>\n"
+        client.set_last_reward(0.0)
+        prompt_ids = list(choice.prompt_token_ids) + list(choice.token_ids) + list(
+            client.tokenizer.encode(feedback + sample["prompt"], add_special_tokens=False))
+    return 0.0
+
+
+def calculator_workflow(**kwargs: Any) -> AgentWorkflow:
+    """``rollout.workflow: areno.workflows.agent:calculator_workflow`` (concat export, gamma 1)."""
+    return AgentWorkflow(agent=calculator_agent, gamma=1.0, export_style="concat", timeout_s=120.0, **kwargs)

@@ -1,0 +1,461 @@
+"""``ArenoAsyncOpenAI``: an ``openai.AsyncOpenAI`` look-alike that generates with areno and records.
+
+Agent code written for the official client runs unchanged::
+
+    client = ArenoAsyncOpenAI(rollout_client, tokenizer)
+    resp = await client.chat.completions.create(model="x", messages=[...], tools=[...])
+    client.set_last_reward(1.0)
+    trajectories = client.export("concat", gamma=0.9)
+
+Every call goes to an areno ``RolloutClient`` (in process or over HTTP) and is recorded in an
+``InteractionCache``: exact prompt/output token ids, per-token log-probs and policy versions, the
+messages, and the parsed tool calls. Responses are real ``openai.types`` objects; each choice also
+carries ``token_ids`` and ``prompt_token_ids`` like areno's server. Prompts are built the way
+``areno serve`` builds them (the tokenizer's chat template, tokenised without extra specials), so
+the same request gives the same tokens through either path.
+
+Multi-turn prompts stay token-exact: when a chat call extends an earlier call's messages and reply,
+its prompt is that call's prompt and output ids followed by the tokens of the new messages only
+(never a re-tokenisation of text the model produced), so ``export("concat")`` rebuilds the
+episode exactly as the model saw it.
+
+``AgentProxy`` serves the same over HTTP on 127.0.0.1 (one base URL per episode) for agents in
+other processes or languages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from areno.api.types import GenerationOutput, SamplingParams, Trajectory
+from areno.workflows.interaction import ExportStyle, Interaction, InteractionCache
+from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validate_tool_schema
+
+logger = logging.getLogger("areno.workflows")
+
+# Parameters of the official client that change nothing here (accepted and ignored, as vLLM does).
+_IGNORED = {"frequency_penalty", "presence_penalty", "logit_bias", "user", "metadata", "store",
+            "parallel_tool_calls", "response_format", "service_tier", "stream_options", "timeout",
+            "extra_headers", "extra_query", "best_of", "suffix", "reasoning_effort"}
+
+
+class AgentRequestError(ValueError):
+    """A request the recording client cannot serve; the message names the field."""
+
+
+def _plain(obj: Any) -> Any:
+    """pydantic objects / TypedDicts → plain dicts and lists."""
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(exclude_none=True)
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _normalise_message(message: Any, index: int) -> dict[str, Any]:
+    msg = _plain(message)
+    if not isinstance(msg, dict) or "role" not in msg:
+        raise AgentRequestError(f"messages[{index}] must be a dict with a 'role', got {msg!r:.80}")
+    content = msg.get("content")
+    if isinstance(content, list):  # content parts: keep the text parts
+        msg["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    elif content is None:
+        msg["content"] = ""
+    return msg
+
+
+class _NotGiven:
+    pass
+
+
+class ArenoAsyncOpenAI:
+    """Recording OpenAI-compatible client over an areno ``RolloutClient``.
+
+    Args:
+        rollout_client: where generation happens (``InProcessRolloutClient`` / ``HTTPRolloutClient``).
+        tokenizer: the policy's tokenizer (chat template, encode/decode).
+        default_sampling: values for parameters a request leaves out (temperature, max_tokens, …).
+        cache: where interactions are recorded (a fresh one by default).
+        session: an ``areno.observe.session`` recorder; turns are appended to it.
+        render_tools: how to show tools to a template that does not take ``tools``: ``"system"``
+            prepends a Qwen/Hermes-style system message; ``"template"`` passes them to the template.
+    """
+
+    def __init__(self, rollout_client: Any, tokenizer: Any, *, default_sampling: SamplingParams | None = None,
+                 cache: InteractionCache | None = None, session: Any = None, render_tools: str = "auto") -> None:
+        if render_tools not in ("auto", "system", "template"):
+            raise ValueError(f"render_tools must be 'auto', 'system' or 'template', got {render_tools!r}")
+        self.rollout_client = rollout_client
+        self.tokenizer = tokenizer
+        self.default_sampling = default_sampling or SamplingParams(max_new_tokens=16)
+        self.cache = cache if cache is not None else InteractionCache()
+        self.session = session
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.render_tools = render_tools if render_tools != "auto" else ("template" if "tools" in template else "system")
+        self.chat = _Chat(self)
+        self.completions = _Completions(self)
+
+    # ---- rewards and export
+    def set_reward(self, interaction_id: str, reward: float) -> None:
+        """Reward one completion (its response ``id``; for n > 1 the id rewards every choice)."""
+        ids = [i.id for i in self.cache.ordered() if i.id == interaction_id or i.info.get("response_id") == interaction_id]
+        if not ids:
+            raise KeyError(f"no completion {interaction_id!r} was recorded by this client")
+        for i in ids:
+            self.cache.set_reward(i, reward)
+
+    def set_last_reward(self, reward: float) -> None:
+        self.cache.set_last_reward(reward)
+
+    def export(self, style: ExportStyle = "individual", *, gamma: float = 1.0, group_id: str = "",
+               info: dict[str, Any] | None = None) -> list[Trajectory]:
+        return self.cache.export(style, gamma=gamma, group_id=group_id, info=info)
+
+    # ---- prompt building
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool) -> str:
+        kwargs: dict[str, Any] = {}
+        if tools and self.render_tools == "template":
+            kwargs["tools"] = tools
+        elif tools:  # Qwen/Hermes style: the tool list joins (or becomes) the system message
+            tools_text = render_tools_prompt(tools)
+            if messages[0]["role"] == "system":
+                messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + tools_text}] + messages[1:]
+            else:
+                messages = [{"role": "system", "content": tools_text}] + messages
+        rendered = []
+        for m in messages:  # templates without tool support still show the calls the model made
+            if m.get("tool_calls") and self.render_tools != "template":
+                calls = "".join(f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': json.loads(c['function']['arguments'] or '{}')})}</tool_call>"
+                                for c in m["tool_calls"])
+                m = {**m, "content": (m.get("content") or "") + calls}
+            rendered.append(m)
+        return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=generation, **kwargs)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], Interaction | None]:
+        parent = self.cache.find_chat_parent(messages)
+        text = self._render(messages, tools, generation=True)
+        if parent is not None:
+            k = len(parent.messages) + 1
+            base = self._render(messages[:k], tools, generation=False)
+            if text.startswith(base):
+                return parent.full_ids + self._encode(text[len(base):]), parent
+            logger.warning("chat template renders the history of turn %s differently once extended; "
+                           "re-tokenising the whole prompt (concat export splits here)", parent.id)
+        return self._encode(text), parent
+
+    def _sampling(self, req: dict[str, Any], index: int) -> SamplingParams:
+        d = self.default_sampling
+        max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or d.max_new_tokens
+        stop = req.get("stop")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or d.stop)
+        seed = req.get("seed", d.seed)
+        extra = req.get("extra_body") or {}
+        try:
+            return SamplingParams(
+                temperature=req.get("temperature", d.temperature), top_p=req.get("top_p", d.top_p),
+                top_k=extra.get("top_k", d.top_k), min_new_tokens=extra.get("min_tokens", d.min_new_tokens),
+                max_new_tokens=max_tokens, stop=stop,
+                stop_token_ids=tuple(extra.get("stop_token_ids", d.stop_token_ids)),
+                ignore_eos=extra.get("ignore_eos", d.ignore_eos), seed=None if seed is None else seed + index,
+            )
+        except ValueError as exc:
+            raise AgentRequestError(f"sampling parameters: {exc}") from None
+
+    def _text(self, out: GenerationOutput) -> str:
+        if out.text or not out.output_ids:
+            return out.text
+        return self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+
+    async def _agenerate_n(self, prompt_ids: list[int], req: dict[str, Any]) -> tuple[list[GenerationOutput], float]:
+        n = req.get("n") or 1
+        if n < 1:
+            raise AgentRequestError(f"n must be >= 1, got {n}")
+        params = [self._sampling(req, i) for i in range(n)]
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(self.rollout_client.agenerate(prompt_ids, p) for p in params))
+        return list(outs), time.perf_counter() - t0
+
+    # ---- the two endpoints
+    async def acreate_chat(self, **req: Any) -> ChatCompletion:
+        _check_kwargs(req, {"messages", "model", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
+                            "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs", "stream",
+                            "extra_body", "functions", "function_call"}, "chat.completions.create")
+        if req.get("stream"):
+            raise AgentRequestError("stream=True is not supported by the recording client; call without streaming")
+        if not req.get("messages"):
+            raise AgentRequestError("messages is empty: send at least one message")
+        messages = [_normalise_message(m, i) for i, m in enumerate(req["messages"])]
+        tools = [validate_tool_schema(_plain(t)) for t in req.get("tools") or []] or None
+        if req.get("tool_choice") == "none":
+            tools = None
+        prompt_ids, parent = self._chat_prompt(messages, tools)
+        outs, duration = await self._agenerate_n(prompt_ids, req)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = []
+        for index, out in enumerate(outs):
+            text = self._text(out)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            calls, errors = [], []
+            if tools:
+                content, parsed = parse_tool_calls(text)
+                calls = [c.to_openai() for c in parsed if not hasattr(c, "message")]
+                errors = [c.message for c in parsed if hasattr(c, "message")]
+                if calls or errors:
+                    message["content"] = content if not errors else text
+                if calls:
+                    message["tool_calls"] = calls
+                if errors:
+                    message["tool_call_errors"] = errors
+            finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+            interaction_id = response_id if len(outs) == 1 else f"{response_id}-{index}"
+            inter = Interaction(id=interaction_id, messages=messages, prompt_ids=prompt_ids,
+                                output_ids=list(out.output_ids), output_logprobs=list(out.output_logprobs),
+                                output_versions=list(out.output_versions), finish_reason=out.finish_reason,
+                                response={k: v for k, v in message.items() if k in ("role", "content", "tool_calls")},
+                                tool_calls=calls, info={"response_id": response_id, "tool_call_errors": errors})
+            self.cache.add(inter, parent)
+            self._record_turns(messages, parent, message, out, duration)
+            logprobs = None
+            if req.get("logprobs"):
+                logprobs = {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp,
+                                         "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
+                                        for t, lp in zip(out.output_ids, out.output_logprobs)]}
+            choices.append({"index": index, "message": message, "finish_reason": _openai_finish(finish),
+                            "logprobs": logprobs, "token_ids": list(out.output_ids),
+                            "prompt_token_ids": prompt_ids})
+        return ChatCompletion.model_validate({
+            "id": response_id, "object": "chat.completion", "created": int(time.time()),
+            "model": req.get("model") or "areno", "choices": choices, "usage": _usage(prompt_ids, outs)})
+
+    async def acreate_completion(self, **req: Any) -> Completion:
+        _check_kwargs(req, {"prompt", "model", "temperature", "top_p", "max_tokens", "n", "stop", "seed",
+                            "logprobs", "echo", "stream", "extra_body"}, "completions.create")
+        if req.get("stream"):
+            raise AgentRequestError("stream=True is not supported by the recording client; call without streaming")
+        prompt = req.get("prompt")
+        if isinstance(prompt, str):
+            prompt_ids = self._encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            raise AgentRequestError("prompt must be a string or a list of token ids (one prompt per call)")
+        if not prompt_ids:
+            raise AgentRequestError("prompt is empty: send at least one token")
+        outs, _ = await self._agenerate_n(prompt_ids, req)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        parent = self.cache.find_token_parent(prompt_ids)
+        choices = []
+        for index, out in enumerate(outs):
+            text = self._text(out)
+            inter = Interaction(id=response_id if len(outs) == 1 else f"{response_id}-{index}", messages=None,
+                                prompt_ids=prompt_ids, output_ids=list(out.output_ids),
+                                output_logprobs=list(out.output_logprobs), output_versions=list(out.output_versions),
+                                finish_reason=out.finish_reason, response={"text": text},
+                                info={"response_id": response_id})
+            self.cache.add(inter, parent)
+            if self.session is not None:
+                self.session.turn("assistant", text, num_tokens=len(out.output_ids))
+            logprobs = None
+            if req.get("logprobs") is not None:
+                tokens = [self.tokenizer.decode([t]) for t in out.output_ids]
+                offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+                logprobs = {"tokens": tokens, "token_logprobs": list(out.output_logprobs),
+                            "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
+            choices.append({"index": index, "text": text, "finish_reason": _openai_finish(out.finish_reason),
+                            "logprobs": logprobs, "token_ids": list(out.output_ids), "prompt_token_ids": prompt_ids})
+        return Completion.model_validate({
+            "id": response_id, "object": "text_completion", "created": int(time.time()),
+            "model": req.get("model") or "areno", "choices": choices, "usage": _usage(prompt_ids, outs)})
+
+    def _record_turns(self, messages: list[dict[str, Any]], parent: Interaction | None, message: dict[str, Any],
+                      out: GenerationOutput, duration: float) -> None:
+        if self.session is None:
+            return
+        start = len(parent.messages) + 1 if parent is not None else 0
+        for m in messages[start:]:
+            self.session.turn(m["role"], m.get("content") or "")
+        self.session.turn("assistant", message.get("content") or "", num_tokens=len(out.output_ids),
+                          duration_s=duration, tool_calls=len(message.get("tool_calls", [])))
+
+
+def _check_kwargs(req: dict[str, Any], known: set[str], where: str) -> None:
+    for key in list(req):
+        if key in _IGNORED:
+            req.pop(key)
+        elif key not in known:
+            raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+    for key in [k for k, v in req.items() if v is None or isinstance(v, _NotGiven) or type(v).__name__ == "NotGiven"]:
+        req.pop(key)
+
+
+def _openai_finish(reason: str) -> str:
+    # OpenAI has no 'abort'; an aborted request (weights swapped with abort policy) reads as 'length'.
+    return {"abort": "length"}.get(reason, reason)
+
+
+def _usage(prompt_ids: list[int], outs: list[GenerationOutput]) -> dict[str, int]:
+    completion = sum(len(o.output_ids) for o in outs)
+    prompt = len(prompt_ids) * len(outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _ChatCompletions:
+    def __init__(self, owner: ArenoAsyncOpenAI) -> None:
+        self._owner = owner
+
+    async def create(self, **kwargs: Any) -> ChatCompletion:
+        return await self._owner.acreate_chat(**kwargs)
+
+
+class _Chat:
+    def __init__(self, owner: ArenoAsyncOpenAI) -> None:
+        self.completions = _ChatCompletions(owner)
+
+
+class _Completions:
+    def __init__(self, owner: ArenoAsyncOpenAI) -> None:
+        self._owner = owner
+
+    async def create(self, **kwargs: Any) -> Completion:
+        return await self._owner.acreate_completion(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------ proxy
+class AgentProxy:
+    """The recording client over HTTP on 127.0.0.1, one base URL per episode.
+
+    ``sid, base_url = proxy.start_session()`` → the agent uses ``openai.AsyncOpenAI(base_url=base_url,
+    api_key="areno")``; it may ``POST {base_url}/reward`` ``{"reward": r, "id": optional}`` (no id:
+    the newest completion); ``proxy.end_session(sid)`` returns the ``ArenoAsyncOpenAI`` holding the
+    recorded interactions. Serving starts with ``start()`` (a uvicorn thread) or use ``app`` in tests.
+    """
+
+    def __init__(self, rollout_client: Any, tokenizer: Any, *, default_sampling: SamplingParams | None = None,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        self.rollout_client = rollout_client
+        self.tokenizer = tokenizer
+        self.default_sampling = default_sampling
+        self.host = host
+        self.port = port
+        self.sessions: dict[str, ArenoAsyncOpenAI] = {}
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    def start_session(self, session: Any = None) -> tuple[str, str]:
+        sid = uuid.uuid4().hex[:16]
+        self.sessions[sid] = ArenoAsyncOpenAI(self.rollout_client, self.tokenizer,
+                                              default_sampling=self.default_sampling, session=session)
+        return sid, f"{self.base_url}/sessions/{sid}/v1"
+
+    def end_session(self, sid: str) -> ArenoAsyncOpenAI:
+        try:
+            return self.sessions.pop(sid)
+        except KeyError:
+            raise KeyError(f"no proxy session {sid!r} (already ended?)") from None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _build_app(self) -> Any:
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+
+        app = FastAPI(title="areno agent proxy")
+
+        def error(status: int, message: str) -> JSONResponse:
+            return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error",
+                                                                       "param": None, "code": None}})
+
+        async def call(sid: str, request: Request, chat: bool) -> Any:
+            client = self.sessions.get(sid)
+            if client is None:
+                return error(404, f"no agent session {sid!r}: start one with AgentProxy.start_session()")
+            try:
+                body = await request.json()
+            except json.JSONDecodeError as exc:
+                return error(400, f"request body is not valid JSON: {exc}")
+            extra = {k: body.pop(k) for k in ("top_k", "min_tokens", "stop_token_ids", "ignore_eos") if k in body}
+            if extra:
+                body["extra_body"] = extra
+            try:
+                resp = await (client.acreate_chat(**body) if chat else client.acreate_completion(**body))
+            except (AgentRequestError, TypeError) as exc:
+                return error(400, str(exc))
+            return resp.model_dump(exclude_none=False)
+
+        @app.post("/sessions/{sid}/v1/chat/completions")
+        async def chat(sid: str, request: Request) -> Any:
+            return await call(sid, request, True)
+
+        @app.post("/sessions/{sid}/v1/completions")
+        async def completions(sid: str, request: Request) -> Any:
+            return await call(sid, request, False)
+
+        @app.get("/sessions/{sid}/v1/models")
+        async def models(sid: str) -> dict:
+            return {"object": "list", "data": [{"id": "areno", "object": "model", "owned_by": "areno", "created": 0}]}
+
+        @app.post("/sessions/{sid}/v1/reward")
+        async def reward(sid: str, request: Request) -> Any:
+            client = self.sessions.get(sid)
+            if client is None:
+                return error(404, f"no agent session {sid!r}")
+            body = await request.json()
+            if not isinstance(body.get("reward"), (int, float)):
+                return error(400, "reward must be a number: POST {\"reward\": 1.0, \"id\": optional completion id}")
+            try:
+                if body.get("id"):
+                    client.set_reward(body["id"], body["reward"])
+                else:
+                    client.set_last_reward(body["reward"])
+            except (KeyError, ValueError) as exc:
+                return error(400, str(exc))
+            return {"ok": True}
+
+        return app
+
+    def start(self) -> "AgentProxy":
+        """Serve on ``host:port`` (port 0 picks a free one) from a background thread."""
+        import socket
+
+        import uvicorn
+
+        if self.port == 0:
+            with socket.socket() as s:
+                s.bind((self.host, 0))
+                self.port = s.getsockname()[1]
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="areno-agent-proxy", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"agent proxy did not start on {self.base_url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+
+__all__ = ["AgentProxy", "AgentRequestError", "ArenoAsyncOpenAI"]
