@@ -117,3 +117,23 @@ def test_scheduler_config_validation():
         SchedulerConfig(connect_timeout_s=0)
     with pytest.raises(TypeError):
         SchedulerConfig("local")  # keyword-only
+
+
+def test_call_that_does_not_unpickle_on_the_worker(sched):
+    import sys
+    import types
+
+    ghost = types.ModuleType("areno_ghost_module")  # exists only in this process
+
+    def hello():
+        return "hi"
+
+    hello.__module__, hello.__qualname__ = ghost.__name__, "hello"
+    ghost.hello = hello
+    sys.modules[ghost.__name__] = ghost
+    try:
+        with pytest.raises(WorkerError, match=r"actor\[0\] .* raised ModuleNotFoundError: cannot unpickle the call"):
+            sched.submit_one("actor", 0, hello).result(timeout=30)
+    finally:
+        del sys.modules[ghost.__name__]
+    assert sched.submit_one("actor", 0, "env", "RANK").result(timeout=30) == "0"  # the worker lives on
