@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     parser.add_argument("--run-root", default=str(ROOT / "runs" / "bench_recipes"))
     parser.add_argument("--fresh", action="store_true", help="delete --run-root first (no reuse of warm starts)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for every stage (e.g. warm_start.lr=1e-3)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (1 is ~50x faster for this tiny model on a loaded CPU)")
     args = parser.parse_args(argv)
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.run_root)
     if args.fresh and root.exists():
         shutil.rmtree(root)
-    common = [f"data.num_eval={args.num_eval}", f"cluster.device={args.device}", "observe.console=false"]
+    common = [f"data.num_eval={args.num_eval}", f"cluster.device={args.device}", "observe.console=false", *args.set]
     algorithms = [a for a in args.algorithms.split(",") if a]
     start, _ = _warm_start(args.config, root / "start", args.warm_start_steps, common)
     start_acc = _accuracy(args.config, root / "start_eval", start, common)
