@@ -161,8 +161,12 @@ class PagedAttention:
 
     @staticmethod
     def _sdpa(q_BHQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group) -> torch.Tensor:
-        k_BHLD = k_S[g.kv_slots_BL].transpose(1, 2)
-        v_BHLD = v_S[g.kv_slots_BL].transpose(1, 2)
+        # index_select over the flattened slots: same values as k_S[kv_slots_BL], about 2x faster
+        # on CPU than advanced indexing (and a single gather kernel on CUDA).
+        B, L = g.kv_slots_BL.shape
+        flat_slots = g.kv_slots_BL.reshape(-1)
+        k_BHLD = k_S.index_select(0, flat_slots).view(B, L, *k_S.shape[1:]).transpose(1, 2)
+        v_BHLD = v_S.index_select(0, flat_slots).view(B, L, *v_S.shape[1:]).transpose(1, 2)
         return F.scaled_dot_product_attention(
             q_BHQD, k_BHLD.to(q_BHQD.dtype), v_BHLD.to(q_BHQD.dtype), attn_mask=g.mask_B1QL,
             enable_gqa=q_BHQD.shape[1] != k_BHLD.shape[1],
