@@ -33,6 +33,8 @@ import time
 import uuid
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
@@ -373,9 +375,6 @@ class AgentProxy:
         return f"http://{self.host}:{self.port}"
 
     def _build_app(self) -> Any:
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-
         app = FastAPI(title="areno agent proxy")
 
         def error(status: int, message: str) -> JSONResponse:
