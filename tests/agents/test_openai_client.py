@@ -1,0 +1,184 @@
+"""The recording client against the official ``openai`` client: same requests, same handling."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from areno.api.types import SamplingParams
+from areno.workflows.openai_client import AgentProxy, AgentRequestError, ArenoAsyncOpenAI
+from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSchemaError
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3="}]
+
+
+def official(app, base_url="http://areno/v1"):
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base_url)
+    return openai.AsyncOpenAI(base_url=base_url, api_key="x", http_client=http, max_retries=0)
+
+
+def _same_choice(a, b):
+    ea, eb = a.model_extra, b.model_extra
+    assert ea["token_ids"] == eb["token_ids"] and ea["prompt_token_ids"] == eb["prompt_token_ids"]
+    assert a.finish_reason == b.finish_reason
+
+
+def test_chat_identical_to_official_client_on_areno_server(served):
+    app, rollout_client, tokenizer = served
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11, n=2, logprobs=True)
+
+    async def go():
+        ref = await official(app).chat.completions.create(**kwargs)
+        rec = ArenoAsyncOpenAI(rollout_client, tokenizer)
+        mine = await rec.chat.completions.create(**kwargs)
+        return ref, mine, rec
+
+    ref, mine, rec = asyncio.run(go())
+    assert type(mine) is type(ref) and mine.object == "chat.completion" and len(mine.choices) == 2
+    for a, b in zip(ref.choices, mine.choices):
+        _same_choice(a, b)
+        assert a.message.content == b.message.content and a.message.role == b.message.role == "assistant"
+        assert [t.logprob for t in a.logprobs.content] == pytest.approx([t.logprob for t in b.logprobs.content], abs=1e-5)
+    assert mine.usage == ref.usage
+    # recorded: exact ids, log-probs, versions and messages of both choices
+    inters = rec.cache.ordered()
+    assert len(inters) == 2 and inters[0].messages == MESSAGES
+    assert inters[1].output_ids == mine.choices[1].model_extra["token_ids"]
+    assert inters[1].output_logprobs == pytest.approx([t.logprob for t in mine.choices[1].logprobs.content])
+    assert inters[0].output_versions == [0] * len(inters[0].output_ids)
+    assert inters[0].prompt_ids == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                 tokenize=True, return_dict=False)
+
+
+def test_completions_identical_to_official_client(served):
+    app, rollout_client, tokenizer = served
+    kwargs = dict(model="tiny", prompt="12+7=", max_tokens=6, temperature=0, logprobs=1)
+
+    async def go():
+        return (await official(app).completions.create(**kwargs),
+                await ArenoAsyncOpenAI(rollout_client, tokenizer).completions.create(**kwargs))
+
+    ref, mine = asyncio.run(go())
+    _same_choice(ref.choices[0], mine.choices[0])
+    assert mine.choices[0].text == ref.choices[0].text
+    assert mine.choices[0].logprobs.tokens == ref.choices[0].logprobs.tokens
+    assert mine.choices[0].logprobs.text_offset == ref.choices[0].logprobs.text_offset
+
+
+def test_official_client_through_the_proxy_matches_in_process(served):
+    app, rollout_client, tokenizer = served
+    proxy = AgentProxy(rollout_client, tokenizer)
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=3)
+
+    async def go():
+        sid, _ = proxy.start_session()
+        via_proxy = await official(proxy.app, f"http://areno/sessions/{sid}/v1").chat.completions.create(**kwargs)
+        direct = await ArenoAsyncOpenAI(rollout_client, tokenizer).chat.completions.create(**kwargs)
+        return sid, via_proxy, direct
+
+    sid, via_proxy, direct = asyncio.run(go())
+    _same_choice(via_proxy.choices[0], direct.choices[0])
+    recorded = proxy.end_session(sid)
+    assert recorded.cache.last.id == via_proxy.id
+    assert recorded.cache.last.output_ids == via_proxy.choices[0].model_extra["token_ids"]
+
+
+def test_proxy_over_http_on_localhost(served):
+    """A real socket on 127.0.0.1: an agent in another process would do exactly this."""
+    app, rollout_client, tokenizer = served
+    proxy = AgentProxy(rollout_client, tokenizer, default_sampling=SamplingParams(max_new_tokens=4)).start()
+    try:
+        assert proxy.base_url.startswith("http://127.0.0.1:")
+        sid, base_url = proxy.start_session()
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        second = client.chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "again"}])
+        assert httpx.post(f"{base_url}/reward", json={"reward": 1.0}).json() == {"ok": True}
+        assert httpx.post(f"{base_url}/reward", json={"id": first.id, "reward": 0.25}).status_code == 200
+        bad = httpx.post(f"{base_url}/reward", json={"id": "nope", "reward": 1})
+        assert bad.status_code == 400 and "no completion 'nope'" in bad.json()["error"]["message"]
+        with pytest.raises(openai.BadRequestError, match="messages is empty"):
+            client.chat.completions.create(model="tiny", messages=[])
+        with pytest.raises(openai.NotFoundError, match="no agent session"):
+            openai.OpenAI(base_url=f"{proxy.base_url}/sessions/zzz/v1", api_key="x", max_retries=0).completions.create(
+                model="tiny", prompt="a")
+        rec = proxy.end_session(sid)
+        a, b = rec.cache.ordered()
+        assert b.parent is a and a.reward == 0.25 and b.reward == 1.0
+        # token continuity: the second prompt extends the first prompt and output exactly
+        assert b.prompt_ids[: len(a.full_ids)] == a.full_ids
+        (traj,) = rec.export("concat", gamma=1.0)
+        assert traj.reward == pytest.approx(1.25) and traj.prompt_ids == a.prompt_ids
+    finally:
+        proxy.stop()
+
+
+def test_bad_requests_raise_clear_errors(scripted):
+    client = ArenoAsyncOpenAI(scripted(["x"] * 5), scripted([]).tokenizer)
+
+    async def go(**kw):
+        return await client.chat.completions.create(model="m", **kw)
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        asyncio.run(go(messages=MESSAGES, temprature=1.0))
+    with pytest.raises(AgentRequestError, match="messages is empty"):
+        asyncio.run(go(messages=[]))
+    with pytest.raises(AgentRequestError, match="stream=True is not supported"):
+        asyncio.run(go(messages=MESSAGES, stream=True))
+    with pytest.raises(AgentRequestError, match="sampling parameters: top_p must be in"):
+        asyncio.run(go(messages=MESSAGES, top_p=0))
+    with pytest.raises(ToolSchemaError, match="not a valid JSON Schema"):
+        asyncio.run(go(messages=MESSAGES, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "required": "x"}}}]))
+    # parameters that change nothing here are accepted, as the official server does
+    out = asyncio.run(go(messages=MESSAGES, presence_penalty=0.0, user="u"))
+    assert out.choices[0].message.content == "x"
+
+
+def test_tool_calls_and_multi_turn_token_continuity(scripted):
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
+    rollout = scripted([call, "42", '<tool_call>{"name": "calc", "arguments": {"expr": </tool_call>'])
+    tok = rollout.tokenizer
+    client = ArenoAsyncOpenAI(rollout, tok, default_sampling=SamplingParams(max_new_tokens=64, temperature=0.5))
+    messages = [{"role": "user", "content": "6*7?"}]
+
+    async def go():
+        first = await client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR_SCHEMA])
+        msg = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls"
+        assert msg.content == "" and msg.tool_calls[0].function.name == "calc"
+        assert json.loads(msg.tool_calls[0].function.arguments) == {"expr": "6*7"}
+        history = messages + [msg.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "42"}]
+        second = await client.chat.completions.create(model="m", messages=history, tools=[CALCULATOR_SCHEMA])
+        third = await client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR_SCHEMA])
+        return first, second, third
+
+    first, second, third = asyncio.run(go())
+    # the tools are declared to the model in a Qwen/Hermes-style system message
+    first_prompt = tok.decode(rollout.prompts[0])
+    assert first_prompt.startswith("<|im_start|>system\n# Tools") and '"name": "calc"' in first_prompt
+    assert rollout.params[0].temperature == 0.5 and rollout.params[0].max_new_tokens == 64
+    # the second prompt is the first prompt + the exact output tokens + only the new tool turn
+    a, b, c = client.cache.ordered()
+    assert b.parent is a and b.prompt_ids[: len(a.full_ids)] == a.full_ids
+    assert tok.decode(b.prompt_ids[len(a.full_ids):]) == "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert second.choices[0].message.content == "42" and second.choices[0].finish_reason == "stop"
+    # a malformed call: no tool_calls, the raw text kept, the error reported for the agent to feed back
+    msg3 = third.choices[0].message
+    assert msg3.tool_calls is None and "not valid JSON" in msg3.model_extra["tool_call_errors"][0]
+    assert c.parent is None  # same first message, but a sibling of a (a new sample of turn one)
+    client.set_reward(second.id, 1.0)
+    client.set_reward(first.id, 0.0)
+    client.set_reward(third.id, 0.0)
+    trajs = client.export("concat", gamma=0.9)
+    assert len(trajs) == 2 and trajs[0].reward == pytest.approx(0.9)
+    mask = trajs[0].completion_mask
+    n_a = len(a.output_ids)
+    assert mask[:n_a] == [1] * n_a and 0 in mask and mask[-len(b.output_ids):] == [1] * len(b.output_ids)
+    with pytest.raises(KeyError, match="no completion 'zzz'"):
+        client.set_reward("zzz", 1.0)
