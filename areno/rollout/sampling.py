@@ -55,6 +55,12 @@ class Sampler:
         B, V = logits_BV.shape
         assert len(requests) == B
         temps = [r.params.temperature for r in requests]
+        if not any(temps) and not any(r.suppress_ids for r in requests):
+            # All greedy, nothing suppressed (the common evaluation / benchmark batch): no scaling
+            # (T = 1 leaves the logits unchanged), no copies, one host sync.
+            tokens_B = logits_BV.argmax(dim=-1)
+            chosen_lp_B = torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
+            return _to_lists(tokens_B, chosen_lp_B)
         scale_B = torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits_BV.device)
         scaled_BV = logits_BV / scale_B[:, None]
         logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
@@ -80,7 +86,7 @@ class Sampler:
             noise_RV = self._noise(len(random_rows), V, [requests[i].generator for i in random_rows])
             tokens_B[idx] = (probs_RV / noise_RV).argmax(dim=-1)
         chosen_lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
-        return tokens_B.tolist(), chosen_lp_B.tolist()
+        return _to_lists(tokens_B, chosen_lp_B)
 
     def _noise(self, R: int, V: int, generators: list[torch.Generator | None]) -> torch.Tensor:
         noise_RV = torch.empty(R, V, device=self.device)
@@ -94,6 +100,13 @@ class Sampler:
                 noise_RV[i].exponential_(generator=g)
         # exponential_ can return exactly 0 in float32; keep the division finite.
         return noise_RV.clamp_min_(torch.finfo(noise_RV.dtype).tiny)
+
+
+def _to_lists(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Token ids and log-probs as Python lists with one device-to-host copy (float64 holds both
+    the ids, < 2**53, and the float32 log-probs exactly)."""
+    both_2B = torch.stack((tokens_B.double(), logprobs_B.double())).tolist()
+    return [int(t) for t in both_2B[0]], both_2B[1]
 
 
 def _truncate(scaled_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
