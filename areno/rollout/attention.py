@@ -68,16 +68,20 @@ class PagedAttention:
 
     @classmethod
     def build(
-        cls, cache: KVCache, chunks: list[SeqChunk], device: torch.device, sliding_window: int | None = None
+        cls, cache: KVCache, chunks: list[SeqChunk], device: torch.device, sliding_window: int | None = None,
+        bt_BN: torch.Tensor | None = None,
     ) -> "PagedAttention":
         """``chunks`` must list the decode sequences (``num_new == 1``) first. With
-        ``sliding_window`` a query at position p sees keys p - sliding_window < j <= p (Mistral)."""
+        ``sliding_window`` a query at position p sees keys p - sliding_window < j <= p (Mistral).
+        ``bt_BN``: the chunks' block tables as a CPU tensor (any padding id; built from the chunks
+        when None)."""
         bs = cache.block_size
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].num_new == 1:
             num_decode += 1
         assert all(c.num_new > 1 for c in chunks[num_decode:]), "decode chunks must come first"
-        bt_BN = _block_tables_BN(chunks)
+        if bt_BN is None:
+            bt_BN = _block_tables_BN(chunks)
         starts_B = torch.tensor([c.start for c in chunks], dtype=torch.long)
         new_B = torch.tensor([c.num_new for c in chunks], dtype=torch.long)
         # Position of every new token and its cache slot.

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids_B: torch.Tensor
-    ctx_B: torch.Tensor
+    ids_ctx_2B: torch.Tensor
+    """Static input: row 0 the token ids, row 1 the context lengths."""
     bt_BN: torch.Tensor
     logits_BV: torch.Tensor
 
@@ -83,19 +83,17 @@ class DecodeGraphRunner:
         n_blocks = max(len(c.block_table) for c in batch.chunks)
         key = (padded_batch_size(B), min(padded_num_blocks(n_blocks), padded_num_blocks(self.max_blocks)))
         g = self._graphs.get(key) or self._capture(*key)
-        scratch = self.engine.cache.scratch_block
         Bp, Np = key
-        rows = [c.block_table + [scratch] * (Np - len(c.block_table)) for c in batch.chunks]
-        bt = torch.tensor(rows + [[scratch] * Np] * (Bp - B), dtype=torch.long)
-        ctx = torch.ones(key[0], dtype=torch.long)
-        ctx[:B] = torch.tensor(pos) + 1
-        tok = torch.zeros(key[0], dtype=torch.long)
-        tok[:B] = torch.tensor(ids)
-        g.ids_B.copy_(tok, non_blocking=True)
-        g.ctx_B.copy_(ctx, non_blocking=True)
+        # Block tables come from the scheduler's persistent tensor (padded with the scratch block,
+        # padding rows all scratch); token ids and context lengths travel as one [2, Bp] copy.
+        bt = self.engine.scheduler.block_tables_for(batch.rows, batch.chunks, width=Np, batch_size=Bp)
+        pad = Bp - B
+        inputs = torch.tensor([ids + [0] * pad, [p + 1 for p in pos] + [1] * pad], dtype=torch.long)
+        g.ids_ctx_2B.copy_(inputs, non_blocking=True)
         g.bt_BN.copy_(bt, non_blocking=True)
         g.graph.replay()
-        return g.logits_BV[:B].clone()
+        # No copy: the logits are consumed (sampled) before the next replay overwrites them.
+        return g.logits_BV[:B]
 
     def _forward(self, ids_B: torch.Tensor, ctx_B: torch.Tensor, bt_BN: torch.Tensor) -> torch.Tensor:
         e = self.engine
@@ -106,8 +104,8 @@ class DecodeGraphRunner:
     @torch.no_grad()
     def _capture(self, B: int, N: int) -> _Graph:
         dev = self.engine.device
-        ids_B = torch.zeros(B, dtype=torch.long, device=dev)
-        ctx_B = torch.ones(B, dtype=torch.long, device=dev)
+        ids_ctx_2B = torch.ones(2, B, dtype=torch.long, device=dev)
+        ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
         bt_BN = torch.full((B, N), self.engine.cache.scratch_block, dtype=torch.long, device=dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -120,6 +118,6 @@ class DecodeGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits_BV = self._forward(ids_B, ctx_B, bt_BN)
-        g = _Graph(graph=graph, ids_B=ids_B, ctx_B=ctx_B, bt_BN=bt_BN, logits_BV=logits_BV)
+        g = _Graph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, logits_BV=logits_BV)
         self._graphs[(B, N)] = g
         return g

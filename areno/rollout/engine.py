@@ -140,6 +140,7 @@ class RolloutEngine:
         self.scheduler = Scheduler(
             self.allocator, max_num_seqs=config.max_num_seqs, max_tokens_per_step=config.max_tokens_per_step,
             prefill_chunk_size=config.prefill_chunk_size,
+            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
         self.sampler = Sampler(device=self.device, seed=config.seed)
         self._params = dict(model.state_dict(keep_vars=True))
@@ -254,21 +255,33 @@ class RolloutEngine:
             self._prefill_tokens += batch.num_tokens - len(sampling)
             if not sampling:
                 return []
-            requests = [
-                SampleRequest(params=s.params, num_generated=s.num_generated, generator=s.generator,
-                              suppress_ids=suppressed_ids(s.params, s.num_generated, self.eos_token_ids))
-                for s in sampling
-            ]
+            eos = self.eos_token_ids
+            requests = []
+            for s in sampling:
+                n_gen = len(s.token_ids) - len(s.prompt_ids)
+                suppress = suppressed_ids(s.params, n_gen, eos) if n_gen < s.params.min_new_tokens else ()
+                requests.append(SampleRequest(params=s.params, num_generated=n_gen, generator=s.generator,
+                                              suppress_ids=suppress))
             tokens, logprobs = self._sample(logits_BV, requests)
             finished = []
+            version = self._version
+            max_len = self.max_model_len
+            self._generated_tokens += len(sampling)
             for seq, token, logprob in zip(sampling, tokens, logprobs):
                 seq.token_ids.append(token)
                 seq.output_logprobs.append(logprob)
-                seq.output_versions.append(self._version)
-                self._generated_tokens += 1
-                text = self._decode(seq.output_ids) if seq.params.stop else None
-                reason, seq.text = check_stop(seq.params, seq.output_ids, self.eos_token_ids, text)
-                if reason is None and len(seq.token_ids) >= self.max_model_len:
+                seq.output_versions.append(version)
+                p = seq.params
+                n_gen = len(seq.token_ids) - len(seq.prompt_ids)
+                # check_stop can only end the request on a stop string, a stop/EOS token or the
+                # length limit; skip the call (and its copy of the output ids) otherwise.
+                if (p.stop or n_gen >= p.max_new_tokens or token in p.stop_token_ids
+                        or (not p.ignore_eos and token in eos)):
+                    text = self._decode(seq.output_ids) if p.stop else None
+                    reason, seq.text = check_stop(p, seq.output_ids, eos, text)
+                else:
+                    reason, seq.text = None, None
+                if reason is None and len(seq.token_ids) >= max_len:
                     reason = "length"
                 if reason is not None:
                     del self._seqs[seq.request_id]
@@ -291,7 +304,8 @@ class RolloutEngine:
         to = dict(device=self.device, non_blocking=True)
         input_ids_T = torch.tensor(ids, dtype=torch.long).to(**to)
         position_ids_T = torch.tensor(pos, dtype=torch.long).to(**to)
-        attn = PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window)
+        attn = PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window,
+                                    bt_BN=self.scheduler.block_tables_for(batch.rows, batch.chunks))
         hidden_TD = self.model(input_ids_T, position_ids_T, attn)
         if not last:
             return hidden_TD.new_empty(0, self.vocab_size)

@@ -46,6 +46,8 @@ class Sequence:
     last_key: int = ROOT_KEY
     num_preemptions: int = 0
     text: str | None = None
+    row: int | None = None
+    """Row of ``Scheduler.block_tables_RN`` mirroring ``block_table`` while the sequence runs."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -68,6 +70,8 @@ class ScheduledBatch:
     chunks: list[SeqChunk]
     samples: list[bool]
     """Whether the sequence's last known token is computed this step (so a new token is sampled)."""
+    rows: list[int] = field(default_factory=list)
+    """Each sequence's row of ``Scheduler.block_tables_RN`` (its block table as a tensor)."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,11 +86,21 @@ class Scheduler:
         max_num_seqs: int,
         max_tokens_per_step: int,
         prefill_chunk_size: int,
+        max_blocks_per_seq: int,
     ) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_tokens_per_step = max_tokens_per_step
         self.prefill_chunk_size = prefill_chunk_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        # Block tables of the running sequences as one CPU tensor, updated incrementally (a row is
+        # written on admission, one entry per new block), so a step gathers its rows instead of
+        # rebuilding [B, N] from Python lists. Unused entries hold the scratch block (the pool's
+        # extra block, id ``num_blocks``); the last row is all scratch (padding rows of a batch).
+        self.scratch_block = allocator.num_blocks
+        self.block_tables_RN = torch.full((max_num_seqs + 1, max_blocks_per_seq), self.scratch_block, dtype=torch.long)
+        self.scratch_row = max_num_seqs
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.waiting: list[Sequence] = []
         """Sorted by arrival (preempted sequences keep their place)."""
         self.running: list[Sequence] = []
@@ -143,15 +157,16 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            self._assign_row(seq)
             picked.append((seq, n))
             budget -= n
         # Decode chunks (one token) first: the attention backend batches them separately.
         picked.sort(key=lambda sn: sn[1] != 1)
-        chunks, samples = [], []
-        for seq, n in picked:
-            chunks.append(SeqChunk(block_table=list(seq.block_table), start=seq.num_computed, num_new=n))
-            samples.append(seq.num_computed + n == len(seq.token_ids))
-        return ScheduledBatch(seqs=[s for s, _ in picked], chunks=chunks, samples=samples)
+        # The chunks alias the sequences' block tables: a batch is consumed within its step.
+        chunks = [SeqChunk(block_table=seq.block_table, start=seq.num_computed, num_new=n) for seq, n in picked]
+        samples = [seq.num_computed + n == len(seq.token_ids) for seq, n in picked]
+        seqs = [s for s, _ in picked]
+        return ScheduledBatch(seqs=seqs, chunks=chunks, samples=samples, rows=[s.row for s in seqs])
 
     def _chunk_len(self, seq: Sequence) -> int:
         remaining = len(seq.token_ids) - seq.num_computed
@@ -172,8 +187,11 @@ class Scheduler:
         needed = -(-upto // bs) - len(seq.block_table)
         if needed > self.allocator.num_available:
             return False
+        table = seq.block_table
         for _ in range(needed):
-            seq.block_table.append(self.allocator.allocate())
+            table.append(self.allocator.allocate())
+            if seq.row is not None:
+                self.block_tables_RN[seq.row, len(table) - 1] = table[-1]
         while seq.num_registered_blocks < upto // bs:
             b = seq.num_registered_blocks
             tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
@@ -188,7 +206,26 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
+    def block_tables_for(self, rows: list[int], chunks: list[SeqChunk], width: int | None = None,
+                         batch_size: int | None = None) -> torch.Tensor:
+        """long [B, N] block tables of a batch's rows (N = ``width`` or the longest table), padded
+        with the scratch block; ``batch_size`` > B appends all-scratch padding rows."""
+        if width is None:
+            width = max(len(c.block_table) for c in chunks)
+        if batch_size is not None and batch_size > len(rows):
+            rows = rows + [self.scratch_row] * (batch_size - len(rows))
+        return self.block_tables_RN[:, :width].index_select(0, torch.tensor(rows, dtype=torch.long))
+
+    def _assign_row(self, seq: Sequence) -> None:
+        seq.row = self._free_rows.pop()
+        if seq.block_table:
+            self.block_tables_RN[seq.row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+
     def _release(self, seq: Sequence) -> None:
+        if seq.row is not None:
+            self.block_tables_RN[seq.row, : len(seq.block_table)] = self.scratch_block
+            self._free_rows.append(seq.row)
+            seq.row = None
         self.allocator.free_all(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
