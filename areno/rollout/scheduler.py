@@ -98,7 +98,9 @@ class Scheduler:
         # rebuilding [B, N] from Python lists. Unused entries hold the scratch block (the pool's
         # extra block, id ``num_blocks``); the last row is all scratch (padding rows of a batch).
         self.scratch_block = allocator.num_blocks
-        self.block_tables_RN = torch.full((max_num_seqs + 1, max_blocks_per_seq), self.scratch_block, dtype=torch.long)
+        # Width rounded up to a multiple of 16 blocks: CUDA-graph block-table widths pad up to that.
+        width = -(-max_blocks_per_seq // 16) * 16
+        self.block_tables_RN = torch.full((max_num_seqs + 1, width), self.scratch_block, dtype=torch.long)
         self.scratch_row = max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.waiting: list[Sequence] = []
@@ -212,6 +214,8 @@ class Scheduler:
         with the scratch block; ``batch_size`` > B appends all-scratch padding rows."""
         if width is None:
             width = max(len(c.block_table) for c in chunks)
+        if width > self.block_tables_RN.shape[1]:
+            raise ValueError(f"block-table width {width} exceeds the scheduler's {self.block_tables_RN.shape[1]}")
         if batch_size is not None and batch_size > len(rows):
             rows = rows + [self.scratch_row] * (batch_size - len(rows))
         return self.block_tables_RN[:, :width].index_select(0, torch.tensor(rows, dtype=torch.long))

@@ -76,3 +76,49 @@ def test_warmup_captures_every_bucket_then_generation_reuses_them():
     assert n == 5
     eng.generate(random_prompts(5, seed=41, lo=4, hi=10), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
     assert len(eng._graphs._graphs) == 5
+
+
+class _EagerReplay:
+    """Stands in for a CUDA graph on CPU: ``replay()`` runs the captured function on the static inputs."""
+
+    def __init__(self, fn, out) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+def test_graph_runner_inputs_on_cpu():
+    """The graph runner's per-step inputs (block-table rows from the scheduler's tensor, padding
+    rows, ids and context lengths) give the eager engine's tokens, with requests joining and leaving."""
+    from areno.rollout.cuda_graph import DecodeGraphRunner, _Graph
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    class EagerRunner(DecodeGraphRunner):
+        def _capture(self, B, N):
+            e = self.engine
+            ids_ctx_2B = torch.ones(2, B, dtype=torch.long)
+            bt_BN = torch.full((B, N), e.cache.scratch_block, dtype=torch.long)
+            logits_BV = torch.empty(B, e.vocab_size)
+            fn = lambda: self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN)  # noqa: E731
+            g = _Graph(graph=_EagerReplay(fn, logits_BV), ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, logits_BV=logits_BV)
+            self._graphs[(B, N)] = g
+            return g
+
+    model, cfg = make_model(0)
+    prompts = random_prompts(13, seed=42)
+    lengths = [5 + 3 * i for i in range(13)]  # requests finish at different steps
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+    outs = {}
+    for graphs in (False, True):
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, max_num_seqs=6,
+                                                                   max_model_len=70), eos_token_ids=())
+        if graphs:
+            eng._graphs = EagerRunner(eng, max_batch=6)
+        outs[graphs] = eng.generate(prompts, params)
+        if graphs:
+            assert eng._graphs._graphs, "the graph path was never taken"
+            assert eng.scheduler.block_tables_RN.eq(eng.cache.scratch_block).all()  # every row released
+    assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
