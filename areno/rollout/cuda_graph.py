@@ -59,8 +59,7 @@ class DecodeGraphRunner:
         self._pool = None
 
     def can_run(self, batch: "ScheduledBatch") -> bool:
-        return (len(batch.chunks) <= self.max_batch and all(c.num_new == 1 for c in batch.chunks)
-                and all(batch.samples))
+        return len(batch.seqs) <= self.max_batch and batch.num_decode == len(batch.seqs) and all(batch.samples)
 
     def capture(self, batch_sizes: list[int], max_len: int) -> int:
         """Capture ahead of time every graph that decode batches of these sizes with contexts up
@@ -79,14 +78,14 @@ class DecodeGraphRunner:
         self._pool = None
 
     def run(self, batch: "ScheduledBatch", ids: list[int], pos: list[int]) -> torch.Tensor:
-        B = len(batch.chunks)
-        n_blocks = max(len(c.block_table) for c in batch.chunks)
+        B = len(batch.seqs)
+        n_blocks = batch.max_blocks
         key = (padded_batch_size(B), min(padded_num_blocks(n_blocks), padded_num_blocks(self.max_blocks)))
         g = self._graphs.get(key) or self._capture(*key)
         Bp, Np = key
         # Block tables come from the scheduler's persistent tensor (padded with the scratch block,
         # padding rows all scratch); token ids and context lengths travel as one [2, Bp] copy.
-        bt = self.engine.scheduler.block_tables_for(batch.rows, batch.chunks, width=Np, batch_size=Bp)
+        bt = self.engine.scheduler.block_tables_for(batch.rows, width=Np, batch_size=Bp)
         pad = Bp - B
         inputs = torch.tensor([ids + [0] * pad, [p + 1 for p in pos] + [1] * pad], dtype=torch.long)
         g.ids_ctx_2B.copy_(inputs, non_blocking=True)

@@ -291,24 +291,29 @@ class RolloutEngine:
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [B, V] of the sequences that sample this step (in batch order)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        last: list[int] = []
-        for seq, chunk, samples in zip(batch.seqs, batch.chunks, batch.samples):
-            ids.extend(seq.token_ids[chunk.start : chunk.start + chunk.num_new])
-            pos.extend(range(chunk.start, chunk.start + chunk.num_new))
-            if samples:
-                last.append(len(ids) - 1)
+        if batch.num_decode == len(batch.seqs):  # pure decode: the one new token of each sequence
+            pos = batch.starts
+            ids = [s.token_ids[c] for s, c in zip(batch.seqs, pos)]
+            last = [i for i, do in enumerate(batch.samples) if do]
+        else:
+            ids, pos, last = [], [], []
+            for seq, start, n, samples in zip(batch.seqs, batch.starts, batch.num_new, batch.samples):
+                ids.extend(seq.token_ids[start : start + n])
+                pos.extend(range(start, start + n))
+                if samples:
+                    last.append(len(ids) - 1)
         if self._graphs is not None and self._graphs.can_run(batch):
             return self._graphs.run(batch, ids, pos)
         to = dict(device=self.device, non_blocking=True)
         input_ids_T = torch.tensor(ids, dtype=torch.long).to(**to)
         position_ids_T = torch.tensor(pos, dtype=torch.long).to(**to)
         attn = PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window,
-                                    bt_BN=self.scheduler.block_tables_for(batch.rows, batch.chunks))
+                                    bt_BN=self.scheduler.block_tables_for(batch.rows, batch.max_blocks))
         hidden_TD = self.model(input_ids_T, position_ids_T, attn)
         if not last:
             return hidden_TD.new_empty(0, self.vocab_size)
+        if len(last) == hidden_TD.shape[0]:
+            return self._logits(hidden_TD)
         return self._logits(hidden_TD[torch.tensor(last, device=self.device)])
 
     # Hooks that tensor parallelism overrides (``tp.py``).

@@ -64,18 +64,37 @@ class Sequence:
 
 @dataclass
 class ScheduledBatch:
-    """The work of one step: decode chunks first, then prefill chunks."""
+    """The work of one step: decode chunks (one token) first, then prefill chunks.
+
+    Plain per-sequence lists (no per-sequence objects), so a large decode batch costs little to
+    build; ``chunks`` materialises ``SeqChunk``s for the eager attention builder."""
 
     seqs: list[Sequence]
-    chunks: list[SeqChunk]
+    starts: list[int]
+    """Tokens of each sequence already in the cache (the chunk's first position)."""
+    num_new: list[int]
+    """Tokens of each sequence computed this step."""
     samples: list[bool]
     """Whether the sequence's last known token is computed this step (so a new token is sampled)."""
-    rows: list[int] = field(default_factory=list)
+    rows: list[int]
     """Each sequence's row of ``Scheduler.block_tables_RN`` (its block table as a tensor)."""
+    num_decode: int
+    """Leading sequences with exactly one new token."""
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_new for c in self.chunks)
+        return sum(self.num_new)
+
+    @property
+    def chunks(self) -> list[SeqChunk]:
+        # The chunks alias the sequences' block tables: a batch is consumed within its step.
+        return [SeqChunk(block_table=s.block_table, start=c, num_new=n)
+                for s, c, n in zip(self.seqs, self.starts, self.num_new)]
+
+    @property
+    def max_blocks(self) -> int:
+        """Longest block table of the batch."""
+        return max(len(s.block_table) for s in self.seqs)
 
 
 class Scheduler:
@@ -135,8 +154,17 @@ class Scheduler:
         picked: list[tuple[Sequence, int]] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        bs = self.allocator.block_size
+        running = self.running
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            c = seq.num_computed
+            if len(seq.token_ids) - c == 1 and c < len(seq.block_table) * bs and (c + 1) // bs <= seq.num_registered_blocks:
+                # Decoding into a block it owns without filling one: ``_reserve`` would do nothing.
+                picked.append((seq, 1))
+                budget -= 1
+                i += 1
+                continue
             n = min(self._chunk_len(seq), budget)
             while not self._reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]
@@ -164,11 +192,15 @@ class Scheduler:
             budget -= n
         # Decode chunks (one token) first: the attention backend batches them separately.
         picked.sort(key=lambda sn: sn[1] != 1)
-        # The chunks alias the sequences' block tables: a batch is consumed within its step.
-        chunks = [SeqChunk(block_table=seq.block_table, start=seq.num_computed, num_new=n) for seq, n in picked]
-        samples = [seq.num_computed + n == len(seq.token_ids) for seq, n in picked]
         seqs = [s for s, _ in picked]
-        return ScheduledBatch(seqs=seqs, chunks=chunks, samples=samples, rows=[s.row for s in seqs])
+        num_new = [n for _, n in picked]
+        starts = [s.num_computed for s in seqs]
+        samples = [c + n == len(s.token_ids) for s, c, n in zip(seqs, starts, num_new)]
+        num_decode = 0
+        while num_decode < len(num_new) and num_new[num_decode] == 1:
+            num_decode += 1
+        return ScheduledBatch(seqs=seqs, starts=starts, num_new=num_new, samples=samples,
+                              rows=[s.row for s in seqs], num_decode=num_decode)
 
     def _chunk_len(self, seq: Sequence) -> int:
         remaining = len(seq.token_ids) - seq.num_computed
@@ -208,12 +240,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def block_tables_for(self, rows: list[int], chunks: list[SeqChunk], width: int | None = None,
-                         batch_size: int | None = None) -> torch.Tensor:
-        """long [B, N] block tables of a batch's rows (N = ``width`` or the longest table), padded
-        with the scratch block; ``batch_size`` > B appends all-scratch padding rows."""
-        if width is None:
-            width = max(len(c.block_table) for c in chunks)
+    def block_tables_for(self, rows: list[int], width: int, batch_size: int | None = None) -> torch.Tensor:
+        """long [B, width] block tables of a batch's rows, padded with the scratch block;
+        ``batch_size`` > B appends all-scratch padding rows."""
         if width > self.block_tables_RN.shape[1]:
             raise ValueError(f"block-table width {width} exceeds the scheduler's {self.block_tables_RN.shape[1]}")
         if batch_size is not None and batch_size > len(rows):
@@ -237,5 +266,5 @@ class Scheduler:
         seq.last_key = ROOT_KEY
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        for seq, chunk in zip(batch.seqs, batch.chunks):
-            seq.num_computed += chunk.num_new
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
