@@ -146,13 +146,15 @@ def _call_text(expr: str) -> str:
     return "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expr": expr}}, separators=(",", ":")) + "</tool_call>"
 
 
-def calculator_rows(num: int, seed: int, *, digits: int = 2) -> list[dict[str, Any]]:
-    """Rows ``{"prompt": "37*48=", "answer": <the reference tool call>, "result": "1776"}``: products
-    too hard for a tiny model to compute, easy to get through the tool."""
+def calculator_rows(num: int, seed: int, *, digits: int = 1) -> list[dict[str, Any]]:
+    """Rows ``{"prompt": "7*8=", "answer": <the reference tool call>, "result": "56"}``.
+
+    The reward comes only from the tool's result, so the model must learn to copy the operands
+    into a well-formed call (with ``digits=2`` the copy is too hard for the shipped tiny model)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(num):
-        a, b = rng.randint(10 ** (digits - 1), 10**digits - 1), rng.randint(10 ** (digits - 1), 10**digits - 1)
+        a, b = rng.randint(1, 10**digits - 1), rng.randint(1, 10**digits - 1)
         expr = f"{a}*{b}"
         rows.append({"prompt": f"{expr}=", "answer": _call_text(expr), "result": str(a * b)})
     return rows

@@ -1,0 +1,95 @@
+"""Environment episodes: horizon, rewards, discounting, masks and observations by reference."""
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from areno.api.types import SamplingParams
+from areno.rollout.store import InProcessStore, StoreRef, fetch_refs, release_refs
+from areno.workflows.env import ArithmeticRetryEnv, Environment, EnvWorkflow, Observation, StepResult, arithmetic_retry_workflow
+
+PARAMS = SamplingParams(max_new_tokens=8)
+
+
+def test_retry_env_episode_text_mode(scripted, char_tokenizer):
+    rollout = scripted(["5", "7"])  # wrong, then right
+    wf = arithmetic_retry_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1,
+                                   reward_fn=None, prompt_key="prompt", answer_key="answer")
+    (traj,) = asyncio.run(wf.run_episode(rollout, {"prompt": "3+4=", "answer": "7"}))
+    assert traj.info["env_steps"] == 2 and traj.info["env_return"] == 1.0 and traj.info["num_turns"] == 2
+    assert traj.reward == pytest.approx(0.5)  # right on the second turn: gamma^1
+    eos = char_tokenizer.eos_token_id
+    enc = lambda s: char_tokenizer.encode(s, add_special_tokens=False)
+    feedback = enc(ArithmeticRetryEnv.FEEDBACK + "3+4=")
+    assert traj.prompt_ids == enc("3+4=")
+    assert traj.completion_ids == enc("5") + [eos] + feedback + enc("7") + [eos]
+    assert traj.completion_mask == [1, 1] + [0] * len(feedback) + [1, 1]
+    assert traj.versions == [3, 3] + [-1] * len(feedback) + [3, 3]
+    # the second prompt the engine saw is exactly the first turn continued
+    assert rollout.prompts[1] == enc("3+4=") + enc("5") + [eos] + feedback
+
+
+def test_horizon_caps_the_episode(scripted, char_tokenizer):
+    wf = EnvWorkflow(char_tokenizer, PARAMS, env_factory=ArithmeticRetryEnv, horizon=3, n_samples=2, gamma=0.9)
+    group = asyncio.run(wf.run_episode(scripted(["1"] * 6), {"prompt": "3+4=", "answer": "7"}))
+    assert len(group) == 2 and len({t.group_id for t in group}) == 1
+    assert all(t.info["env_steps"] == 3 and t.reward == 0.0 for t in group)
+
+
+class GridEnv(Environment):
+    """Returns a big board tensor (by reference) and a small one (inline) each step; done after 2."""
+
+    def __init__(self, sample):
+        self.t = 0
+
+    async def reset(self, sample):
+        return Observation(text="start", tensors={"board": torch.arange(1024, dtype=torch.float32),
+                                                  "pos": torch.tensor([0, 0])})
+
+    def step(self, action):
+        self.t += 1
+        obs = Observation(text=f"obs{self.t}", tensors={"board": torch.full((512,), float(self.t))})
+        return StepResult(observation=obs, reward=float(action == "go"), done=self.t >= 2)
+
+
+def test_large_observations_travel_by_reference(scripted, char_tokenizer):
+    store = InProcessStore()
+    wf = EnvWorkflow(char_tokenizer, PARAMS, env_factory=GridEnv, horizon=4, mode="chat", store=store,
+                     ref_threshold_bytes=1024, gamma=1.0)
+    rollout = scripted(["go", "stop"])
+    (traj,) = asyncio.run(wf.run_episode(rollout, {"prompt": "p"}))
+    refs = traj.info["observation_refs"]
+    assert [(r["step"], r["name"]) for r in refs] == [(0, "board"), (0, "pos"), (1, "board")]
+    assert isinstance(refs[0]["ref"], StoreRef) and refs[0]["ref"].nbytes == 4096 and "value" in refs[1]
+    assert len(store) == 2  # only the large tensors are stored
+    fetched = fetch_refs(traj.info, store)["observation_refs"]
+    torch.testing.assert_close(fetched[0]["ref"], torch.arange(1024, dtype=torch.float32))
+    torch.testing.assert_close(fetched[2]["ref"], torch.ones(512))
+    assert traj.reward == 1.0 and traj.info["turn_rewards"] == [1.0, 0.0]
+    # chat mode: the observation text is the user turn, rendered by the chat template
+    second_prompt = char_tokenizer.decode(rollout.prompts[1])
+    assert second_prompt.endswith("<|im_start|>user\nobs1<|im_end|>\n<|im_start|>assistant\n")
+    assert release_refs(traj.info, store) == 2 and len(store) == 0
+
+
+class ExplodingEnv(ArithmeticRetryEnv):
+    def step(self, action):
+        raise RuntimeError("env crashed")
+
+
+def test_failing_env_episode_is_dropped_with_a_message(scripted, char_tokenizer, caplog):
+    wf = EnvWorkflow(char_tokenizer, PARAMS, env_factory=ExplodingEnv, horizon=2)
+    with caplog.at_level(logging.WARNING, logger="areno.workflows"):
+        assert asyncio.run(wf.run_episode(scripted(["1"]), {"prompt": "3+4=", "answer": "7"})) is None
+    assert "environment episode 0 of row prompt='3+4=' raised RuntimeError: env crashed; dropped" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"horizon": 0}, "horizon must be >= 1"), ({"mode": "voice"}, "mode must be"), ({"gamma": 2.0}, "gamma"),
+    ({"env_factory": 3}, "env_factory must be a callable"),
+])
+def test_bad_env_config(char_tokenizer, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EnvWorkflow(char_tokenizer, PARAMS, **{"env_factory": ArithmeticRetryEnv, **kwargs})
