@@ -58,6 +58,10 @@ def _block_tables_BN(chunks: list[SeqChunk]) -> torch.Tensor:
 class PagedAttention:
     """Per-step attention backend; build with ``PagedAttention.build`` then pass as ``attn``."""
 
+    GROUPED_DECODE: bool | None = None
+    """Decode queries of one KV head as one group (see ``__call__``). None: on CUDA only (on CPU
+    the fused kernel handles ``enable_gqa`` itself and the plain call keeps outputs bit-stable)."""
+
     def __init__(self, cache: KVCache, slot_mapping_T: torch.Tensor, num_decode: int,
                  decode: _Group | None, prefill: _Group | None) -> None:
         self.cache = cache
@@ -153,9 +157,20 @@ class PagedAttention:
         outs = []
         if self.decode is not None:
             g = self.decode
-            q_BH1D = q_THD[:nd].unsqueeze(2)  # [Bd, Hq, 1, Dh]
-            out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g)
-            outs.append(out_BH1D.squeeze(2))
+            Hq, Hkv = q_THD.shape[1], k_S.shape[1]
+            grouped = self.GROUPED_DECODE if self.GROUPED_DECODE is not None else q_THD.is_cuda
+            if grouped and Hq != Hkv:
+                # GQA decode as Hkv heads of G = Hq / Hkv queries each (query head h reads KV head
+                # h // G): no enable_gqa, so CUDA's memory-efficient kernel takes the masked call
+                # (it rejects GQA and flash rejects masks: enable_gqa with a mask runs the math
+                # kernel, which expands K/V G-fold). Same attention up to summation order.
+                q_BKGD = q_THD[:nd].reshape(nd, Hkv, Hq // Hkv, -1)
+                out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g)
+                outs.append(out_BKGD.reshape(nd, Hq, -1))
+            else:
+                q_BH1D = q_THD[:nd].unsqueeze(2)  # [Bd, Hq, 1, Dh]
+                out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g)
+                outs.append(out_BH1D.squeeze(2))
         if self.prefill is not None:
             g = self.prefill
             q_BQHD = q_THD[nd:][g.q_index_BQ]

@@ -122,3 +122,36 @@ def test_graph_runner_inputs_on_cpu():
     assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
     for a, b in zip(outs[True], outs[False]):
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
+
+
+def test_grouped_gqa_decode_matches_enable_gqa(monkeypatch):
+    """The CUDA decode layout (KV heads x query groups, no enable_gqa) computes the same attention."""
+    torch.manual_seed(1)
+    cache = KVCache(num_layers=1, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    cache.k_S[0].normal_()
+    cache.v_S[0].normal_()
+    chunks = [SeqChunk(block_table=[3, 1, 7], start=9, num_new=1), SeqChunk(block_table=[2], start=0, num_new=1),
+              SeqChunk(block_table=[5, 6], start=3, num_new=4)]
+    q, k, v = torch.randn(6, 6, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)  # 3 query heads per KV head
+    outs = {}
+    for grouped in (False, True):
+        monkeypatch.setattr(PagedAttention, "GROUPED_DECODE", grouped)
+        k0, v0 = cache.k_S[0].clone(), cache.v_S[0].clone()
+        outs[grouped] = PagedAttention.build(cache, chunks, torch.device("cpu"))(0, q, k, v)
+        cache.k_S[0].copy_(k0), cache.v_S[0].copy_(v0)
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=1e-6)
+
+    model, cfg = make_model(0)
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    prompts = random_prompts(7, seed=43)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    res = {}
+    for grouped in (False, True):
+        monkeypatch.setattr(PagedAttention, "GROUPED_DECODE", grouped)
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=128), eos_token_ids=())
+        res[grouped] = eng.generate(prompts, params)
+    assert [o.output_ids for o in res[True]] == [o.output_ids for o in res[False]]
+    for a, b in zip(res[True], res[False]):
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
