@@ -5,6 +5,10 @@ optimizer state over dp_shard, replicates over dp_replicate (HSDP) and tensor-pa
 (DTensor, the model's TP plan). gloo on CPU, NCCL on GPU; the process group is created from the
 usual torchrun environment variables when none exists yet.
 
+In a world shared with other workers (the partitioned topology: training and rollout ranks in one
+world), pass ``mesh`` (a 3-d DeviceMesh over the training ranks, dims ``MESH_DIMS``) and ``group``
+(a process group of exactly those ranks); every collective of the backend then stays inside them.
+
 Loss normalisation: each rank's micro-batch losses are divided by the *global* denominator, so the
 true gradient is the *sum* over data-parallel ranks; FSDP averages gradients over them, so the loss
 is multiplied by the DP size before backward.
@@ -33,6 +37,15 @@ class FSDP2TrainBackend(PackedTrainBackend):
 
     mesh: DeviceMesh
     _owns_process_group: bool = False
+    _group: dist.ProcessGroup | None = None
+    """The training ranks (None: the whole world)."""
+
+    def __init__(self, cfg, *, mesh: DeviceMesh | None = None, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(cfg)
+        if (mesh is None) != (group is None):
+            raise ValueError("FSDP2TrainBackend: pass both mesh= and group= (the training ranks) or neither")
+        self._given_mesh = mesh
+        self._group = group
 
     def _setup(self) -> None:
         device_type = self.cfg.resolved_device()
@@ -44,15 +57,23 @@ class FSDP2TrainBackend(PackedTrainBackend):
                 )
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
             self._owns_process_group = True
-        world = dist.get_world_size()
+        world = dist.get_world_size(self._group)
         shape = self.cfg.mesh_shape(world)
-        if device_type == "cuda":
+        if device_type == "cuda" and self._given_mesh is not None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # the worker picked it
+        elif device_type == "cuda":
             local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
         else:
             self.device = torch.device("cpu")
-        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        if self._given_mesh is not None:
+            if tuple(self._given_mesh.mesh.shape) != tuple(shape) or self._given_mesh.mesh_dim_names != MESH_DIMS:
+                raise ValueError(f"FSDP2TrainBackend: mesh {tuple(self._given_mesh.mesh.shape)} "
+                                 f"{self._given_mesh.mesh_dim_names} != config mesh {shape} {MESH_DIMS}")
+            self.mesh = self._given_mesh
+        else:
+            self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         rep, shard = self.mesh["dp_replicate"], self.mesh["dp_shard"]
         self._dp_rank = rep.get_local_rank() * shard.size() + shard.get_local_rank()
         self._dp_size = rep.size() * shard.size()
@@ -64,18 +85,18 @@ class FSDP2TrainBackend(PackedTrainBackend):
 
     @property
     def is_rank0(self) -> bool:
-        return dist.get_rank() == 0
+        return dist.get_rank(self._group) == 0
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         # Over the whole world, then divided by tp: the TP ranks of one DP rank hold equal values.
-        backend_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        backend_device = self.device if dist.get_backend(self._group) == "nccl" else torch.device("cpu")
         reduced = tensor.to(backend_device)
-        dist.all_reduce(reduced)
+        dist.all_reduce(reduced, group=self._group)
         return (reduced / self._tp_size).to(tensor.device)
 
     def _gather_dp(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self._dp_rank, obj))
+        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(gathered, (self._dp_rank, obj), group=self._group)
         by_rank = dict(gathered)  # TP ranks of one DP rank sent identical outputs
         return [by_rank[r] for r in range(self._dp_size)]
 
@@ -91,7 +112,7 @@ class FSDP2TrainBackend(PackedTrainBackend):
                 module.reshard()
 
     def _barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self._group)
 
     def sleep(self) -> int:
         self._after_forward_only()  # only sharded storage may be live when it is moved away

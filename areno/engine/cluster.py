@@ -1,0 +1,317 @@
+"""The partitioned topology (seed 000): device lists, ranks, process groups, relays, memory check.
+
+Training and rollout workers join ONE torch.distributed world; ranks follow creation order, so
+training ranks come first (``0 .. n_train-1``), then rollout ranks. Device lists hold logical
+indices within the parent's ``CUDA_VISIBLE_DEVICES`` and may overlap; an overlapping device holds
+a training and a rollout worker, so ``validate_memory`` checks before launch that their model,
+optimizer, KV-cache and CUDA-context memory fit on it together.
+
+Groups (created by ``build_groups`` on every rank, in the same order, since ``new_group`` is
+collective over the world):
+
+- the training mesh ``(dp_replicate, dp_shard, tp)`` over the training ranks, and a group of all
+  training ranks (``FSDP2TrainBackend(mesh=, group=)``);
+- one rollout TP group per rollout DP replica (consecutive rollout ranks), and one rollout DP
+  group per TP position;
+- the policy-sync groups belong to ``StreamTransport`` (one pair group per training DP row, a
+  rollout fan-out group, a gloo control group); its relays come from ``areno.sync.plan``.
+
+On CPU (gloo) the device lists only count processes: every rank is its own "device".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ClusterLayout", "LayoutError", "MemoryEstimate", "build_groups", "estimate_memory",
+           "layout_from_config", "validate_memory"]
+
+GIB = 1 << 30
+CONTEXT_BYTES = 768 << 20
+"""CUDA context + allocator slack per process (what a process holds before its first tensor)."""
+
+
+class LayoutError(ValueError):
+    """A partitioned layout that cannot run (bad lists, does not fit in memory)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterLayout:
+    """Where every worker of the partitioned topology lives and how it is grouped."""
+
+    train_devices: tuple[int, ...]
+    """Logical device index of each training rank (one rank per device)."""
+    rollout_devices: tuple[int, ...]
+    """Logical device index of each rollout rank (one rank per device)."""
+    train_tp: int = 1
+    """Tensor-parallel size of training (FSDP shards over the rest)."""
+    train_dp_replicate: int = 1
+    """HSDP replicas of training."""
+    rollout_tp: int = 1
+    """Tensor-parallel size of one rollout replica; rollout DP = len(rollout_devices) / rollout_tp."""
+    cuda: bool = False
+    """True: devices are GPUs (overlap shares memory); False: CPU processes under gloo."""
+    device_ids: tuple[str, ...] = ()
+    """Physical id of each logical device (the parent's CUDA_VISIBLE_DEVICES), for reporting."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "train_devices", tuple(int(d) for d in self.train_devices))
+        object.__setattr__(self, "rollout_devices", tuple(int(d) for d in self.rollout_devices))
+        object.__setattr__(self, "device_ids", tuple(str(d) for d in self.device_ids))
+        for what, devs in (("train_devices", self.train_devices), ("rollout_devices", self.rollout_devices)):
+            if not devs:
+                raise LayoutError(f"cluster.{what} is empty: give at least one logical device index")
+            if any(d < 0 for d in devs):
+                raise LayoutError(f"cluster.{what} {list(devs)} has a negative index; use indices >= 0")
+            if len(set(devs)) != len(devs):
+                raise LayoutError(f"cluster.{what} {list(devs)} repeats a device; one worker per device")
+            if self.device_ids and max(devs) >= len(self.device_ids):
+                raise LayoutError(f"cluster.{what} {list(devs)} names device {max(devs)} but only "
+                                  f"{len(self.device_ids)} are visible (CUDA_VISIBLE_DEVICES); use smaller indices")
+        n_train = len(self.train_devices)
+        if self.train_tp < 1 or self.train_dp_replicate < 1 or n_train % (self.train_tp * self.train_dp_replicate):
+            raise LayoutError(f"{n_train} training devices cannot form train TP {self.train_tp} x replicate "
+                              f"{self.train_dp_replicate}; make the device count a multiple of their product")
+        if self.rollout_tp < 1 or len(self.rollout_devices) % self.rollout_tp:
+            raise LayoutError(f"{len(self.rollout_devices)} rollout devices cannot form rollout TP "
+                              f"{self.rollout_tp} replicas; make the count a multiple of rollout TP")
+
+    # ------------------------------------------------------------------ ranks
+    @property
+    def n_train(self) -> int:
+        return len(self.train_devices)
+
+    @property
+    def n_rollout(self) -> int:
+        return len(self.rollout_devices)
+
+    @property
+    def world_size(self) -> int:
+        return self.n_train + self.n_rollout
+
+    @property
+    def train_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.n_train))
+
+    @property
+    def rollout_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.n_train, self.world_size))
+
+    @property
+    def train_dp_shard(self) -> int:
+        return self.n_train // (self.train_tp * self.train_dp_replicate)
+
+    @property
+    def train_mesh_shape(self) -> tuple[int, int, int]:
+        """(dp_replicate, dp_shard, tp) of the training mesh."""
+        return self.train_dp_replicate, self.train_dp_shard, self.train_tp
+
+    def train_mesh_ranks(self) -> list[list[list[int]]]:
+        """Training ranks laid out as the mesh (tp fastest, as ``init_device_mesh`` does)."""
+        rep, shard, tp = self.train_mesh_shape
+        return [[[(r * shard + s) * tp + t for t in range(tp)] for s in range(shard)] for r in range(rep)]
+
+    @property
+    def sender_ranks(self) -> tuple[int, ...]:
+        """One rank per training DP row (its TP rank 0): the policy-sync senders."""
+        return tuple(r for r in self.train_ranks if r % self.train_tp == 0)
+
+    @property
+    def rollout_dp(self) -> int:
+        return self.n_rollout // self.rollout_tp
+
+    def rollout_tp_groups(self) -> list[tuple[int, ...]]:
+        """Rollout ranks of each replica (a TP group), replica by replica."""
+        ranks = self.rollout_ranks
+        return [tuple(ranks[i * self.rollout_tp : (i + 1) * self.rollout_tp]) for i in range(self.rollout_dp)]
+
+    def rollout_dp_groups(self) -> list[tuple[int, ...]]:
+        """Rollout ranks of one TP position across replicas (a DP group)."""
+        return [tuple(g[t] for g in self.rollout_tp_groups()) for t in range(self.rollout_tp)]
+
+    def replica_leaders(self) -> list[int]:
+        """The rollout rank that serves each replica's requests (its TP rank 0)."""
+        return [g[0] for g in self.rollout_tp_groups()]
+
+    def device_of(self, rank: int) -> str:
+        """Physical-device key of a rank: ``cuda:<logical>`` on GPU (shared when lists overlap),
+        ``rank<r>`` on CPU (every process on its own)."""
+        if not self.cuda:
+            return f"rank{rank}"
+        if rank < self.n_train:
+            return f"cuda:{self.train_devices[rank]}"
+        return f"cuda:{self.rollout_devices[rank - self.n_train]}"
+
+    def devices_map(self) -> dict[int, str]:
+        return {r: self.device_of(r) for r in range(self.world_size)}
+
+    @property
+    def overlapping(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.train_devices) & set(self.rollout_devices))) if self.cuda else ()
+
+    def relays(self) -> list[int]:
+        """Rollout rank receiving each training row's buckets: on another physical device than the
+        sender (``areno.sync.plan.choose_relays``). LayoutError when some row has none."""
+        from areno.sync.plan import choose_relays
+
+        try:
+            idx = choose_relays([self.device_of(r) for r in self.sender_ranks],
+                                [self.device_of(r) for r in self.rollout_ranks])
+        except ValueError as e:
+            raise LayoutError(f"policy sync cannot route: {e}") from None
+        return [self.rollout_ranks[j] for j in idx]
+
+    def stream_topology(self):
+        from areno.sync.stream import StreamTopology
+
+        return StreamTopology(train_ranks=self.train_ranks, sender_ranks=self.sender_ranks,
+                              rollout_ranks=self.rollout_ranks, devices=self.devices_map())
+
+    def describe(self) -> str:
+        return (f"train {list(self.train_devices)} (mesh rep x shard x tp = {self.train_mesh_shape}), "
+                f"rollout {list(self.rollout_devices)} (TP {self.rollout_tp} x DP {self.rollout_dp})"
+                + (f", shared devices {list(self.overlapping)}" if self.overlapping else ""))
+
+
+def layout_from_config(cluster: Any, *, num_devices: int, cuda: bool, device_ids: tuple[str, ...] = (),
+                       train_tp: int = 1, rollout_tp: int = 1) -> ClusterLayout | None:
+    """The partitioned layout the config asks for, or None when it asks for the colocated default.
+
+    ``cluster.allocation_mode`` with a ``+`` (e.g. ``areno[rollout]:d2+fsdp[actor]:t2``) gives
+    the lists, their TP and DP; otherwise ``cluster.train_devices`` and ``cluster.rollout_devices``
+    (both needed) do, with ``train_tp`` / ``rollout_tp``. ``num_devices``: visible devices (on
+    CPU: processes allowed, i.e. how many indices the lists may use)."""
+    mode = getattr(cluster, "allocation_mode", None)
+    train, rollout = getattr(cluster, "train_devices", None), getattr(cluster, "rollout_devices", None)
+    if mode and "+" in mode:
+        from areno.launch.allocation import parse_allocation_mode
+
+        if train is not None or rollout is not None:
+            raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
+        alloc = parse_allocation_mode(mode)
+        train, rollout = alloc.train_rollout_devices(num_devices)
+        trains = [c for c in alloc.components if c.kind == "train"]
+        ro = alloc.component("rollout")
+        train_tp, rollout_tp = trains[0].tp, ro.tp
+        for c in trains[1:]:
+            if c.tp != train_tp:
+                raise LayoutError(f"allocation_mode {mode!r}: train components differ in TP; use one TP size")
+    elif train is None and rollout is None:
+        return None
+    elif train is None or rollout is None:
+        raise LayoutError("cluster.train_devices and cluster.rollout_devices go together: set both "
+                          "(or cluster.allocation_mode with a '+')")
+    if num_devices and max([*train, *rollout]) >= num_devices:
+        raise LayoutError(f"cluster device lists {list(train)} / {list(rollout)} name device "
+                          f"{max([*train, *rollout])} but only {num_devices} are visible; use smaller indices")
+    return ClusterLayout(train_devices=tuple(train), rollout_devices=tuple(rollout), train_tp=train_tp,
+                         rollout_tp=rollout_tp, cuda=cuda, device_ids=device_ids)
+
+
+# ---------------------------------------------------------------------- memory
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes a layout needs on each logical device, by component."""
+
+    per_device: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def total(self, device: int) -> int:
+        return sum(self.per_device.get(device, {}).values())
+
+
+_DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+def _param_count(model_config: Any) -> int:
+    h, i, L = model_config.hidden_size, model_config.intermediate_size, model_config.num_hidden_layers
+    heads = model_config.num_attention_heads
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    hd = getattr(model_config, "head_dim", None) or h // heads
+    v = model_config.vocab_size
+    attn = h * heads * hd * 2 + h * kv * hd * 2
+    mlp = 3 * h * i
+    embed = v * h * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
+    return L * (attn + mlp + 2 * h) + embed + h
+
+
+def estimate_memory(layout: ClusterLayout, model_config: Any, *, train_dtype: str = "float32",
+                    rollout_dtype: str = "bfloat16", kv_tokens: int, context_bytes: int = CONTEXT_BYTES
+                    ) -> MemoryEstimate:
+    """Per-device bytes: training model + gradients + AdamW state (two fp32 moments, plus an fp32
+    master copy when training in 16-bit), sharded over the training mesh; rollout weights split
+    over rollout TP; the KV cache for ``kv_tokens`` tokens (split over TP by KV heads); one
+    CUDA context per process on the device."""
+    p = _param_count(model_config)
+    tb = _DTYPE_BYTES[train_dtype]
+    rb = _DTYPE_BYTES[rollout_dtype]
+    train_per_param = tb + tb + 8 + (4 if tb < 4 else 0)
+    train_bytes = math.ceil(p * train_per_param / layout.n_train)  # FSDP x TP shard everything
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    hd = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_per_token = 2 * model_config.num_hidden_layers * kv_heads * hd * rb
+    rollout_weights = math.ceil(p * rb / layout.rollout_tp)
+    kv_bytes = math.ceil(kv_tokens * kv_per_token / layout.rollout_tp)
+    out: dict[int, dict[str, int]] = {}
+    for d in layout.train_devices:
+        out.setdefault(d, {}).update({"train_model_grad_optim": train_bytes, "train_context": context_bytes})
+    for d in layout.rollout_devices:
+        out.setdefault(d, {}).update({"rollout_weights": rollout_weights, "rollout_kv": kv_bytes,
+                                      "rollout_context": context_bytes})
+    return MemoryEstimate(per_device=out)
+
+
+def validate_memory(layout: ClusterLayout, estimate: MemoryEstimate, capacity: dict[int, int] | int) -> None:
+    """LayoutError (one line) for the first device whose estimate exceeds its capacity."""
+    for d in sorted(estimate.per_device):
+        cap = capacity if isinstance(capacity, int) else capacity[d]
+        need = estimate.total(d)
+        if need > cap:
+            parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in estimate.per_device[d].items())
+            shared = " (shared by a training and a rollout worker)" if d in layout.overlapping else ""
+            raise LayoutError(
+                f"device {d}{shared} needs ~{need / GIB:.2f} GiB ({parts} GiB) but has {cap / GIB:.2f} GiB; "
+                f"use separate train/rollout devices, more training devices, or fewer KV blocks")
+
+
+# ---------------------------------------------------------------------- groups
+@dataclass
+class Groups:
+    """This rank's handles (None where it is not a member)."""
+
+    train_group: Any = None
+    train_mesh: Any = None
+    rollout_tp_group: Any = None
+    rollout_dp_group: Any = None
+    rollout_group: Any = None
+
+
+def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
+    """Create every process group of the layout; call on EVERY rank of the world, same order."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from areno.train.fsdp import MESH_DIMS
+
+    rank = dist.get_rank()
+    g = Groups()
+    train_group = dist.new_group(list(layout.train_ranks))
+    # DeviceMesh creates its per-dimension groups with new_group: every rank must take part.
+    mesh = DeviceMesh(device_type, torch.tensor(layout.train_mesh_ranks()), mesh_dim_names=MESH_DIMS)
+    if rank in layout.train_ranks:
+        g.train_group, g.train_mesh = train_group, mesh
+    rollout_group = dist.new_group(list(layout.rollout_ranks))
+    for ranks in layout.rollout_tp_groups():
+        pg = dist.new_group(list(ranks))
+        if rank in ranks:
+            g.rollout_tp_group = pg
+    for ranks in layout.rollout_dp_groups():
+        pg = dist.new_group(list(ranks))
+        if rank in ranks:
+            g.rollout_dp_group = pg
+    if rank in layout.rollout_ranks:
+        g.rollout_group = rollout_group
+    return g

@@ -1,0 +1,448 @@
+"""PartitionedArenoEngine: training and rollout on separate workers of one distributed world (seed 000).
+
+The controller (the Trainer's process) starts, through ``LocalScheduler``, ``n_train`` training
+workers (``TrainWorker``: the recipe's roles on ``FSDP2TrainBackend`` over the training sub-mesh)
+and ``n_rollout`` rollout workers (``RolloutWorker``: a ``RolloutEngine`` behind the token-level
+HTTP server on 127.0.0.1), all in ONE torch.distributed world (gloo on CPU, NCCL on GPU) with
+separate groups (``areno.engine.cluster``).
+
+    generate_rollout   WorkflowExecutor (here) -> ReplicaRolloutClient -> HTTP /generate on each
+                       rollout replica, round-robin; the rollout engines keep their policy until a
+                       sync completes
+    step               the TokenBatch goes to every training worker; RecipeRunner on each
+    update_weights     StreamTransport: training DP rows -> relay rollout rank -> every rollout rank,
+                       bucketed, all-or-nothing commit; bracketed by executor pause/resume; the
+                       version bumps only when the sync completed on every rank; its
+                       ``policy_sync_*`` figures ride with the next step's metrics
+
+η > 0 runs the everlasting pool (``executor.wait_batch``); η = 0 is synchronous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areno.api.backend.base import RolloutBatch
+from areno.api.config import ArenoConfig
+from areno.api.types import GenerationOutput, SamplingParams
+from areno.engine.api import ArenoEngine, prepare_model_dir
+from areno.engine.cluster import ClusterLayout, LayoutError, build_groups, estimate_memory, layout_from_config, validate_memory
+from areno.rollout.client import HTTPRolloutClient, RolloutClient
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PartitionedArenoEngine", "ReplicaRolloutClient", "RolloutWorker", "TrainWorker",
+           "is_partitioned", "kv_tokens_for"]
+
+PROMPT_TOKENS_EST = 256
+"""Prompt tokens per sequence assumed by the KV-cache estimate."""
+
+
+def is_partitioned(config: ArenoConfig) -> bool:
+    """True when the config asks for the partitioned topology (what ArenoBackend checks)."""
+    c = config.cluster
+    return c.train_devices is not None or c.rollout_devices is not None or "+" in (c.allocation_mode or "")
+
+
+def kv_tokens_for(config: ArenoConfig, block_size: int = 16) -> int:
+    """KV-cache tokens a rollout replica holds: the configured blocks, else every concurrent
+    sequence at a nominal prompt plus its full completion."""
+    r = config.rollout
+    if r.kv_blocks:
+        return r.kv_blocks * block_size
+    return r.max_concurrent * r.n_samples * (PROMPT_TOKENS_EST + r.max_new_tokens)
+
+
+def _device_type(config: ArenoConfig) -> str:
+    from areno.engine.api import resolve_device
+
+    return resolve_device(config.cluster.device).type
+
+
+def _init_world(config: ArenoConfig) -> str:
+    """Join the world (env from the scheduler); returns the device type."""
+    import torch.distributed as dist
+
+    device_type = _device_type(config)
+    if config.cluster.cpu_threads:
+        torch.set_num_threads(config.cluster.cpu_threads)
+    if device_type == "cuda":
+        torch.cuda.set_device(0)  # the scheduler gave this worker exactly its device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return device_type
+
+
+def _sync_config(config: ArenoConfig):
+    from areno.sync.stream import StreamSyncConfig
+
+    dtype_name = config.model.rollout_dtype
+    wire = getattr(torch, dtype_name) if dtype_name not in ("auto", "float32") else None
+    if dtype_name == "auto" and _device_type(config) == "cuda":
+        wire = torch.bfloat16
+    return StreamSyncConfig(bucket_bytes=64 << 20, timeout_s=600.0, wire_dtype=wire)
+
+
+# =========================================================================== workers
+class TrainWorker:
+    """One training rank: the recipe's roles on FSDP2 over the training sub-mesh, and the sender
+    side of the policy stream. Built by the scheduler in its own process."""
+
+    def __init__(self, config: ArenoConfig, layout: ClusterLayout, model_dir: str) -> None:
+        from areno.recipes import get_recipe
+        from areno.recipes.runner import RecipeRunner
+        from areno.sync.base import NamedTensorSource
+        from areno.sync.stream import StreamTransport
+        from areno.train import FSDP2TrainBackend, TrainBackendConfig
+
+        self.config = cfg = config
+        device_type = _init_world(cfg)
+        self.groups = build_groups(layout, device_type)  # collective: same order on every rank
+        torch.manual_seed(cfg.train.seed)
+        recipe = get_recipe(cfg.train.algorithm)
+        backends = {}
+        for role in recipe.roles:
+            role_dir = Path(role.init_kwargs.get("model_path", model_dir))
+            backend = FSDP2TrainBackend(TrainBackendConfig(
+                lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                grad_clip=cfg.optim.grad_clip or None, lr_schedule=cfg.optim.schedule,
+                warmup_steps=cfg.optim.warmup_steps,
+                total_steps=max(cfg.train.steps * cfg.train.num_train_passes, cfg.optim.warmup_steps, 1),
+                max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
+                trainable=role.trainable, seed=cfg.train.seed, device=device_type,
+                tp_size=layout.train_tp, dp_replicate_size=layout.train_dp_replicate,
+            ), mesh=self.groups.train_mesh, group=self.groups.train_group)
+            backend.initialize(role_dir)
+            backends[role.name] = backend
+        self.runner = RecipeRunner(recipe, backends, policy_kwargs=dict(cfg.train.algorithm_kwargs))
+        synced = self.runner.roles_to_sync()
+        self.policy = synced[0] if synced else recipe.roles[0].name
+        self.transport = StreamTransport(
+            topology=layout.stream_topology(), config=_sync_config(cfg),
+            source=NamedTensorSource(backends[self.policy].named_weights),
+            device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu")
+
+    def step(self, batch_bytes: bytes) -> dict[str, float]:
+        """``batch_bytes``: a pickled TokenBatch (plain pickle: the scheduler's connection would
+        otherwise pass tensors as shared-memory handles, which only work between relatives)."""
+        return self.runner.step(pickle.loads(batch_bytes))
+
+    def sync(self, version: int) -> dict[str, float]:
+        return self.transport.sync(version).as_metrics()
+
+    def export_hf(self, path: str) -> None:
+        self.runner.backends[self.policy].export_hf(path)
+
+    def save_role(self, path: str, role: str, extra_state: dict) -> None:
+        self.runner.backends[role].save_checkpoint(path, extra_state=extra_state)
+
+    def load_role(self, path: str, role: str) -> dict:
+        return self.runner.backends[role].load_checkpoint(path)
+
+    def trainable_roles(self) -> list[str]:
+        return [n for n, b in self.runner.backends.items() if b.cfg.trainable]
+
+    def shutdown(self) -> None:
+        for backend in self.runner.backends.values():
+            backend.shutdown()
+
+
+class RolloutWorker:
+    """One rollout rank: a RolloutEngine served over HTTP on 127.0.0.1 and the receiving side of
+    the policy stream (it keeps generating with its current policy until a sync commits)."""
+
+    def __init__(self, config: ArenoConfig, layout: ClusterLayout, model_dir: str) -> None:
+        import uvicorn
+        from transformers import AutoTokenizer
+
+        from areno.launch.scheduler import free_port
+        from areno.models.hf_io import load_model
+        from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+        from areno.rollout.server import create_app
+        from areno.sync.base import ShardSpec, engine_receiver
+        from areno.sync.stream import StreamTransport
+
+        self.config = cfg = config
+        device_type = _init_world(cfg)
+        self.groups = build_groups(layout, device_type)
+        device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
+        dtype_name = cfg.model.rollout_dtype
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if device_type == "cuda" else "float32"
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model, model_config = load_model(model_dir, dtype=getattr(torch, dtype_name), device=device)
+        blocks = cfg.rollout.kv_blocks
+        if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
+            blocks = -(-kv_tokens_for(cfg) // 16)
+        self.engine = RolloutEngine(model, model_config, config=RolloutEngineConfig(
+            device=device, dtype=dtype_name, **({"num_blocks": blocks} if blocks else {})),
+            eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
+        specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
+                 for n, t in self.engine.weight_tensors().items()}
+        self.transport = StreamTransport(topology=layout.stream_topology(), config=_sync_config(cfg),
+                                         receiver=engine_receiver(self.engine, specs), device=device)
+        self.app = create_app(self.engine, tokenizer=tokenizer)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self.server.run, name="areno-rollout-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"rollout worker: HTTP server on 127.0.0.1:{self.port} did not start")
+            time.sleep(0.02)
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def sync(self, version: int) -> dict[str, float]:
+        metrics = self.transport.sync(version).as_metrics()
+        self.app.state.client.wake()
+        return metrics
+
+    def join_checkpoint(self, path: str, load: bool) -> None:
+        """Take part in the training checkpoint's world collectives (DCP plans, barriers) with
+        nothing to write or read."""
+        from areno.train import checkpoint
+
+        if load:
+            checkpoint.load(path, torch.nn.Module(), None)
+        else:
+            checkpoint.save(path, torch.nn.Module(), None, {})
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+# =========================================================================== client
+class ReplicaRolloutClient(RolloutClient):
+    """Forwards ``agenerate`` to the rollout replicas over HTTP, round-robin; a replica that
+    cannot be reached is skipped (the request goes to the next one)."""
+
+    def __init__(self, urls: list[str], *, timeout_s: float = 3600.0) -> None:
+        if not urls:
+            raise ValueError("ReplicaRolloutClient needs at least one rollout replica URL")
+        self.urls = list(urls)
+        self.timeout_s = timeout_s
+        self._next = itertools.count()
+        self._per_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.requests_per_replica = [0] * len(urls)
+
+    def _clients(self) -> list[HTTPRolloutClient]:
+        loop = asyncio.get_running_loop()
+        clients = self._per_loop.get(loop)
+        if clients is None:  # httpx clients belong to one event loop
+            clients = [HTTPRolloutClient(u, timeout_s=self.timeout_s) for u in self.urls]
+            self._per_loop[loop] = clients
+        return clients
+
+    async def agenerate(self, prompt_ids: list[int], sampling_params: SamplingParams, *,
+                        request_id: str | None = None) -> GenerationOutput:
+        import httpx
+
+        clients = self._clients()
+        first = next(self._next) % len(clients)
+        err: Exception | None = None
+        for k in range(len(clients)):
+            i = (first + k) % len(clients)
+            try:
+                out = await clients[i].agenerate(prompt_ids, sampling_params, request_id=request_id)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+                err = e
+                logger.warning("rollout replica %s unreachable (%s); trying the next one", self.urls[i], e)
+                continue
+            self.requests_per_replica[i] += 1
+            return out
+        raise RuntimeError(f"no rollout replica reachable ({', '.join(self.urls)}): {err}")
+
+    def wake(self) -> None:
+        """Nothing to wake here: each worker's server wakes its own driver after a sync."""
+
+    def close(self) -> None:
+        self._per_loop = weakref.WeakKeyDictionary()
+
+    async def aclose(self) -> None:
+        clients = self._per_loop.pop(asyncio.get_running_loop(), [])
+        for c in clients:
+            await c.aclose()
+
+
+# =========================================================================== controller
+class PartitionedArenoEngine(ArenoEngine):
+    """ArenoEngine's public methods over separate training and rollout workers (see module doc)."""
+
+    layout: ClusterLayout
+    scheduler: Any
+
+    def __init__(self, config: ArenoConfig, run_dir: Path, *, scheduler: Any = None,
+                 device_capacity: dict[int, int] | int | None = None) -> None:
+        """``scheduler``: a started ``Scheduler`` (default: a ``LocalScheduler`` logging to
+        ``run_dir/workers``); ``device_capacity``: bytes per logical device for the memory check
+        (default: each visible GPU's total memory; no check on CPU)."""
+        super().__init__(config, run_dir)
+        self.scheduler = scheduler
+        self._device_capacity = device_capacity
+        self.runner = None
+
+    # ----------------------------------------------------------------------------- set-up
+    def plan_layout(self, model_dir: Path) -> ClusterLayout:
+        """The validated layout (lists, routing, memory) — raises before anything is launched."""
+        from areno.models.hf_io import read_config
+
+        cfg = self.config
+        cuda = _device_type(cfg) == "cuda"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if cuda:
+            ids = tuple(d for d in visible.split(",") if d.strip()) if visible is not None else tuple(
+                str(i) for i in range(torch.cuda.device_count()))
+        else:
+            ids = ()
+        layout = layout_from_config(cfg.cluster, num_devices=len(ids) if cuda else 0, cuda=cuda, device_ids=ids)
+        if layout is None:
+            raise LayoutError("PartitionedArenoEngine needs cluster.train_devices + cluster.rollout_devices "
+                              "or a '+' allocation_mode; without them use the colocated ArenoEngine")
+        if layout.rollout_tp != 1:
+            raise LayoutError(f"rollout TP {layout.rollout_tp}: the partitioned engine serves rollout TP 1 "
+                              "replicas (rollout DP = number of rollout devices); use rollout t1")
+        layout.relays()  # routing error (no relay on another device) before launch
+        capacity = self._device_capacity
+        if capacity is None and cuda:
+            capacity = {d: torch.cuda.get_device_properties(d).total_memory
+                        for d in set(layout.train_devices) | set(layout.rollout_devices)}
+        if capacity is not None:
+            model_config = read_config(model_dir)
+            rollout_dtype = cfg.model.rollout_dtype if cfg.model.rollout_dtype != "auto" else (
+                "bfloat16" if cuda else "float32")
+            est = estimate_memory(layout, model_config, train_dtype=cfg.model.dtype if cfg.model.dtype != "auto"
+                                  else "float32", rollout_dtype=rollout_dtype, kv_tokens=kv_tokens_for(cfg))
+            validate_memory(layout, est, capacity)
+        return layout
+
+    def initialize(self) -> None:
+        from transformers import AutoTokenizer
+
+        from areno.data.datasets import build_splits
+        from areno.data.tasks import PromptStream
+        from areno.launch.scheduler import LocalScheduler, RoleSpec
+        from areno.recipes import get_recipe
+
+        cfg = self.config
+        self.recipe = get_recipe(cfg.train.algorithm)
+        if not self.recipe.online:
+            raise ValueError(f"recipe {cfg.train.algorithm!r} trains offline: the partitioned topology is for online "
+                             "RL; unset cluster.train_devices/rollout_devices to run it colocated")
+        train_rows, self.eval_rows = build_splits(cfg.data)
+        self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
+        self.device = torch.device("cpu")  # the controller holds no model
+        model_dir = prepare_model_dir(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json")
+        self.layout = layout = self.plan_layout(model_dir)
+        logger.info("partitioned topology: %s", layout.describe())
+        if self.scheduler is None:
+            self.scheduler = LocalScheduler(log_dir=str(self.run_dir / "workers"))
+        args = (cfg, layout, str(model_dir))
+        self.scheduler.create_roles([
+            RoleSpec(role="train", worker_cls="areno.engine.partitioned:TrainWorker", n=layout.n_train, args=args,
+                     devices=list(layout.train_devices) if layout.cuda else None, world="areno"),
+            RoleSpec(role="rollout", worker_cls="areno.engine.partitioned:RolloutWorker", n=layout.n_rollout,
+                     args=args, devices=list(layout.rollout_devices) if layout.cuda else None, world="areno"),
+        ])
+        urls = self.scheduler.call("rollout", "url")
+        self.client = ReplicaRolloutClient([urls[r - layout.n_train] for r in layout.replica_leaders()])
+        self.executor = self._build_executor()
+        self.asynchronous = cfg.rollout.max_head_offpolicyness > 0
+
+    # ----------------------------------------------------------------------------- the loop
+    def step(self, rollout: RolloutBatch) -> dict[str, float]:
+        results = self.scheduler.call("train", "step", pickle.dumps(rollout.batch))
+        metrics = {f"train/{k}": v for k, v in results[0].items()}
+        metrics.update(self._pending_sync_metrics)
+        self._pending_sync_metrics = {}
+        return metrics
+
+    def update_weights(self) -> dict[str, float]:
+        from areno.launch.scheduler import _gather
+
+        version = self.version + 1
+        if self.asynchronous:
+            self.executor.pause()
+        try:
+            futures = self.scheduler.submit("train", "sync", version) + self.scheduler.submit("rollout", "sync", version)
+            results = _gather(futures)
+        finally:
+            if self.asynchronous:
+                # every rollout engine committed (all-or-nothing) or none did
+                self.executor.set_version(version if all(results_ok(futures)) else self.version)
+                self.executor.resume()
+        self.version = version
+        self._pending_sync_metrics = results[0]
+        return {}
+
+    # ----------------------------------------------------------------------------- state
+    def save(self, path: Path, trainer_state: dict) -> None:
+        from areno.launch.scheduler import _gather
+
+        state = {**trainer_state, "data": self.train_stream.state_dict(), "version": self.version}
+        tmp = path.with_name(path.name + ".tmp")
+        for role in self.scheduler.call("train", "trainable_roles")[0]:
+            # DCP's collectives span the world: rollout ranks join with nothing to write
+            _gather(self.scheduler.submit("train", "save_role", str(tmp / role), role, state)
+                    + self.scheduler.submit("rollout", "join_checkpoint", str(tmp / role), False))
+        self.export_policy(tmp / "hf")
+        tmp.rename(path)
+        (path / "COMPLETE").write_text("ok")
+
+    def load(self, path: Path) -> dict:
+        from areno.launch.scheduler import _gather
+
+        state = {}
+        for role in self.scheduler.call("train", "trainable_roles")[0]:
+            results = _gather(self.scheduler.submit("train", "load_role", str(path / role), role)
+                              + self.scheduler.submit("rollout", "join_checkpoint", str(path / role), True))
+            state = results[0]
+        self.train_stream.load_state_dict(state["data"])
+        self.version = int(state["version"])
+        self.update_weights()
+        self.version = int(state["version"])
+        return state
+
+    def export_policy(self, path: Path) -> None:
+        self.scheduler.call("train", "export_hf", str(path))
+        self.tokenizer.save_pretrained(path)
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.stop()
+        if self.scheduler is not None:
+            for role in ("rollout", "train"):
+                if role in self.scheduler.roles:
+                    try:
+                        self.scheduler.call(role, "shutdown")
+                    except Exception as e:  # noqa: BLE001 - tearing down anyway
+                        logger.warning("partitioned engine: %s shutdown failed: %s", role, e)
+            self.scheduler.shutdown()
+
+
+def results_ok(futures) -> list[bool]:
+    return [f.done() and f.exception() is None for f in futures]

@@ -1,0 +1,121 @@
+"""Device lists, ranks, groups, relays and the memory check of the partitioned topology."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from areno.engine.cluster import (
+    ClusterLayout,
+    LayoutError,
+    estimate_memory,
+    layout_from_config,
+    validate_memory,
+)
+from areno.models.config import ModelConfig
+
+GIB = 1 << 30
+
+
+def _cluster(**kw):
+    base = dict(allocation_mode=None, train_devices=None, rollout_devices=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_disjoint_gpu_layout_ranks_groups_and_relays():
+    # train TP 2 on devices 0,1; rollout TP 1 x DP 2 on devices 2,3
+    lay = ClusterLayout(train_devices=(0, 1), rollout_devices=(2, 3), train_tp=2, cuda=True,
+                        device_ids=("4", "5", "6", "7"))
+    assert lay.train_ranks == (0, 1) and lay.rollout_ranks == (2, 3) and lay.world_size == 4
+    assert lay.train_mesh_shape == (1, 1, 2) and lay.train_mesh_ranks() == [[[0, 1]]]
+    assert lay.sender_ranks == (0,)  # one training DP row
+    assert lay.rollout_tp_groups() == [(2,), (3,)] and lay.rollout_dp_groups() == [(2, 3)]
+    assert lay.replica_leaders() == [2, 3]
+    assert lay.device_of(1) == "cuda:1" and lay.device_of(3) == "cuda:3"
+    assert lay.overlapping == () and lay.relays() == [2]
+    topo = lay.stream_topology()
+    assert topo.train_ranks == (0, 1) and topo.sender_ranks == (0,) and topo.rollout_ranks == (2, 3)
+
+
+def test_dp_and_rollout_tp_groups():
+    lay = ClusterLayout(train_devices=(0, 1, 2, 3), rollout_devices=(4, 5, 6, 7), train_dp_replicate=2,
+                        rollout_tp=2, cuda=True)
+    assert lay.train_mesh_shape == (2, 2, 1)
+    assert lay.train_mesh_ranks() == [[[0], [1]], [[2], [3]]]
+    assert lay.sender_ranks == (0, 1, 2, 3)
+    assert lay.rollout_dp == 2 and lay.rollout_tp_groups() == [(4, 5), (6, 7)]
+    assert lay.rollout_dp_groups() == [(4, 6), (5, 7)] and lay.replica_leaders() == [4, 6]
+    # four rows spread evenly over the four rollout ranks
+    assert sorted(lay.relays()) == [4, 5, 6, 7]
+
+
+def test_overlapping_lists_pick_relays_on_other_devices():
+    lay = ClusterLayout(train_devices=(0, 1), rollout_devices=(0, 1), cuda=True)
+    assert lay.overlapping == (0, 1)
+    # rank 0 (train, cuda:0) relays to the rollout rank on cuda:1 and vice versa
+    assert lay.relays() == [3, 2]
+    one = ClusterLayout(train_devices=(0,), rollout_devices=(0,), cuda=True)
+    with pytest.raises(LayoutError, match="no rollout rank on another device"):
+        one.relays()
+    # on CPU every process is its own device: the same lists route fine
+    assert ClusterLayout(train_devices=(0,), rollout_devices=(0,)).relays() == [1]
+
+
+def test_bad_lists_are_one_line_errors():
+    with pytest.raises(LayoutError, match="repeats a device"):
+        ClusterLayout(train_devices=(0, 0), rollout_devices=(1,))
+    with pytest.raises(LayoutError, match="cannot form train TP 2"):
+        ClusterLayout(train_devices=(0, 1, 2), rollout_devices=(3,), train_tp=2)
+    with pytest.raises(LayoutError, match="only 2 are visible"):
+        ClusterLayout(train_devices=(0,), rollout_devices=(2,), cuda=True, device_ids=("0", "1"))
+    with pytest.raises(LayoutError, match="go together"):
+        layout_from_config(_cluster(train_devices=[0]), num_devices=2, cuda=False)
+
+
+def test_layout_from_config_lists_and_allocation_mode():
+    assert layout_from_config(_cluster(), num_devices=1, cuda=False) is None
+    assert layout_from_config(_cluster(allocation_mode="areno:d1"), num_devices=1, cuda=False) is None
+    lay = layout_from_config(_cluster(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
+    assert lay.train_devices == (0,) and lay.rollout_devices == (1,)
+    lay = layout_from_config(_cluster(allocation_mode="areno[rollout]:d2+fsdp[actor]:t2"), num_devices=4,
+                             cuda=True, device_ids=("0", "1", "2", "3"))
+    assert set(lay.train_devices).isdisjoint(lay.rollout_devices)
+    assert lay.train_tp == 2 and lay.rollout_tp == 1 and lay.rollout_dp == 2
+    with pytest.raises(LayoutError, match="not both"):
+        layout_from_config(_cluster(allocation_mode="areno[rollout]:d1+fsdp[actor]:d1", train_devices=[0],
+                                    rollout_devices=[1]), num_devices=2, cuda=False)
+
+
+def _qwen_7b_like() -> ModelConfig:
+    return ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                       architecture="LlamaForCausalLM", model_type="llama")
+
+
+def test_memory_estimate_hand_computed():
+    cfg = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                      architecture="LlamaForCausalLM", model_type="llama")
+    # params: attn 8*2*4*2 + 8*1*4*2 = 128 + 64 = 192; mlp 3*8*16 = 384; norms 2*8; embed+head 2*100*8; final norm 8
+    p = 192 + 384 + 16 + 1600 + 8
+    lay = ClusterLayout(train_devices=(0, 1), rollout_devices=(1,), cuda=True)
+    est = estimate_memory(lay, cfg, train_dtype="float32", rollout_dtype="bfloat16", kv_tokens=10, context_bytes=5)
+    train = -(-p * (4 + 4 + 8) // 2)
+    assert est.per_device[0] == {"train_model_grad_optim": train, "train_context": 5}
+    kv = 10 * 2 * 1 * 1 * 4 * 2  # tokens * (K,V) * layers * kv heads * head_dim * bf16
+    assert est.per_device[1] == {"train_model_grad_optim": train, "train_context": 5,
+                                 "rollout_weights": p * 2, "rollout_kv": kv, "rollout_context": 5}
+    assert est.total(1) == train + 5 + p * 2 + kv + 5
+
+
+def test_memory_check_refuses_an_overlapping_layout_that_cannot_fit():
+    model = _qwen_7b_like()
+    # 7B on one shared 80 GiB GPU: ~7.6e9 params * 16 bytes of training state alone is > 100 GiB
+    lay = ClusterLayout(train_devices=(0,), rollout_devices=(0,), cuda=True)
+    est = estimate_memory(lay, model, train_dtype="float32", rollout_dtype="bfloat16", kv_tokens=100_000)
+    with pytest.raises(LayoutError, match=r"device 0 \(shared by a training and a rollout worker\) needs ~\d+\.\d+ GiB"):
+        validate_memory(lay, est, 80 * GIB)
+    # eight shared 80 GiB GPUs: training state is sharded 8 ways and fits next to the rollout engine
+    lay8 = ClusterLayout(train_devices=tuple(range(8)), rollout_devices=tuple(range(8)), cuda=True)
+    est8 = estimate_memory(lay8, model, train_dtype="float32", rollout_dtype="bfloat16", kv_tokens=100_000)
+    validate_memory(lay8, est8, 80 * GIB)
+    assert max(est8.total(d) for d in range(8)) < 80 * GIB < est.total(0)
