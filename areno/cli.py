@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "areno.rollout.server", "serve a model with the rollout engine (OpenAI-compatible HTTP)"),
         ("report", "areno.observe.report", "HTML report with plots of one or more run directories"),
         ("doctor", "areno.observe.doctor", "versions, devices and optional components"),
+        ("trace", "areno.observe.trace", "merge a run's per-process traces into trace.json"),
+        ("sessions", "areno.observe.session", "browse recorded agent sessions"),
     ):
         p = sub.add_parser(name, help=help_text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)

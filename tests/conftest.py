@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-# Two cores on CI: keep intra-op threads small so multi-process tests do not oversubscribe.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tiny models: one intra-op thread is fastest and never oversubscribes the 2 CI cores.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -156,7 +156,7 @@ class TokenBatch:
         """Positions restarting at 0 for each packed sequence."""
         seqlens_B = self.seqlens_B
         starts_T = torch.repeat_interleave(self.cu_seqlens_B1[:-1], seqlens_B)
-        return torch.arange(self.num_tokens, dtype=torch.long) - starts_T
+        return torch.arange(self.num_tokens, dtype=torch.long, device=starts_T.device) - starts_T
 
     def select(self, seq_indices: list[int]) -> "TokenBatch":
         """A new packed batch holding the given sequences, in the given order."""

@@ -99,6 +99,8 @@ class ArenoEngine:
     train_stream: PromptStream
     eval_rows: list[dict]
     version: int = 0
+    asynchronous: bool = False
+    """True when max_head_offpolicyness > 0: the rollout pool runs ahead of training."""
     _pending_sync_metrics: dict[str, float]
 
     def __init__(self, config: ArenoConfig, run_dir: Path) -> None:
@@ -114,10 +116,18 @@ class ArenoEngine:
         from areno.recipes import get_recipe
 
         cfg = self.config
-        self.recipe = get_recipe(cfg.train.algorithm)  # unknown recipe: error before any model loads
+        # unknown recipe, bad algorithm_kwargs, a teacher role without checkpoint: errors before any model loads
+        policy_kwargs = dict(cfg.train.algorithm_kwargs)
+        self.recipe = get_recipe(cfg.train.algorithm, policy_kwargs=policy_kwargs)
+        if self.recipe.online and "temperature" not in policy_kwargs and cfg.rollout.temperature > 0:
+            # the trainer recomputes log-probs under the sampling temperature of the rollouts
+            self.recipe = get_recipe(cfg.train.algorithm,
+                                     policy_kwargs={**policy_kwargs, "temperature": cfg.rollout.temperature})
         train_rows, self.eval_rows = build_splits(cfg.data)  # malformed rows: error before models load
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
         self.device = resolve_device(cfg.cluster.device)
+        if cfg.cluster.cpu_threads:
+            torch.set_num_threads(cfg.cluster.cpu_threads)
         model_dir = prepare_model_dir(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.eos_token_id is None:
@@ -130,6 +140,7 @@ class ArenoEngine:
         # The one driver of the rollout engine: rollouts and evaluation both go through it.
         self.client = InProcessRolloutClient(self.rollout_engine)
         self.executor = self._build_executor() if self.recipe.online else None
+        self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
 
     def _build_runner(self, model_dir: Path):
         from areno.recipes.runner import RecipeRunner
@@ -138,7 +149,7 @@ class ArenoEngine:
         cfg = self.config
         backends = {}
         for role in self.recipe.roles:
-            role_dir = Path(role.init_kwargs.get("model_path", model_dir))
+            role_dir = Path(role.model_path or model_dir)
             backend = LocalTrainBackend(TrainBackendConfig(
                 lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                 grad_clip=cfg.optim.grad_clip or None, lr_schedule=cfg.optim.schedule,
@@ -147,9 +158,9 @@ class ArenoEngine:
                 max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
                 trainable=role.trainable, seed=cfg.train.seed, device=self.device.type,
             ))
-            backend.initialize(role_dir)
+            backend.initialize(role_dir, wrap_model=role.build().wrap_model)
             backends[role.name] = backend
-        return RecipeRunner(self.recipe, backends, policy_kwargs=dict(cfg.train.algorithm_kwargs))
+        return RecipeRunner(self.recipe, backends)
 
     def _build_rollout_engine(self, model_dir: Path):
         from areno.models.hf_io import load_model
@@ -190,7 +201,12 @@ class ArenoEngine:
     # ----------------------------------------------------------------------------- the loop
     def generate_rollout(self, rollout_id: int) -> RolloutBatch:
         cfg = self.config
-        if self.recipe.online:
+        if self.recipe.online and self.asynchronous:
+            # everlasting pool: the oldest finished groups, generated up to η versions ago
+            groups = self.executor.wait_batch(cfg.rollout.batch_size)
+            trajectories = [t for group in groups for t in group]
+            metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version)}
+        elif self.recipe.online:
             samples = self.train_stream.take(cfg.rollout.batch_size)
             trajectories = self.executor.rollout_batch(samples)
             metrics = rollout_metrics(trajectories, self.version)
@@ -202,6 +218,8 @@ class ArenoEngine:
         return RolloutBatch(trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics)
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
+        for role_name in self.runner.roles_to_sync():  # the version the rollout policy carries (loglinear π_prox)
+            self.runner.versions[role_name] = self.version
         metrics = {f"train/{k}": v for k, v in self.runner.step(rollout.batch).items()}
         metrics.update(self._pending_sync_metrics)  # the previous sync's figures ride with the next step
         self._pending_sync_metrics = {}
@@ -217,7 +235,17 @@ class ArenoEngine:
                 source = NamedTensorSource(self.runner.backends[role_name].named_weights)
                 self._transports[role_name] = InPlaceTransport(
                     source, self.rollout_engine.weight_tensors(), on_commit=self.rollout_engine.commit_weights)
-            stats = self._transports[role_name].sync(self.version + 1)
+            if self.asynchronous:  # bracket the swap: in-flight requests pause, then continue
+                self.executor.pause()
+                self.rollout_engine.pause()
+            try:
+                stats = self._transports[role_name].sync(self.version + 1)
+            finally:
+                if self.asynchronous:
+                    self.executor.set_version(self.rollout_engine.version)
+                    self.rollout_engine.resume()
+                    self.client.wake()
+                    self.executor.resume()
         if stats is None:
             return {}
         self.version += 1

@@ -270,6 +270,9 @@ class Decoder(nn.Module):
 
 
 # ------------------------------------------------------------------------------ packed attention
+SDPA_MASK_MAX_TOKENS = 2048
+
+
 class PackedCausalAttention:
     """Causal attention inside each packed sequence (no attention across sequence boundaries).
 
@@ -280,7 +283,7 @@ class PackedCausalAttention:
     - ``"flex"``: FlexAttention with a document block mask, compiled (the CUDA default).
     - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash, CUDA bf16/fp16 only; torch
       versions whose varlen lacks GQA get k/v repeated, and lack sliding windows fall back to flex).
-    - ``"auto"``: flex on CUDA, sdpa elsewhere.
+    - ``"auto"``: flex on CUDA; elsewhere sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens, else sdpa.
     ``prepare`` builds the mask (or boundaries) once; ``Decoder.forward`` calls it before the
     layers, so compiled layers only read it (no host sync or mask construction inside them).
     """
@@ -307,7 +310,12 @@ class PackedCausalAttention:
             return
         impl = self.impl
         if impl == "auto":
-            impl = "flex" if device.type == "cuda" else "sdpa"
+            # CPU: many short sequences cost one SDPA call each, so below a few thousand tokens
+            # one masked call per layer is cheaper (the T x T mask stays small).
+            if device.type == "cuda":
+                impl = "flex"
+            else:
+                impl = "sdpa_mask" if num_tokens <= SDPA_MASK_MAX_TOKENS else "sdpa"
         if impl == "varlen" and self.sliding_window is not None and "window_size" not in _varlen_params():
             impl = "flex"
         covered = int(self.cu_seqlens_B1[-1])

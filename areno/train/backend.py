@@ -12,7 +12,7 @@ import dataclasses
 import math
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -117,13 +117,17 @@ class PackedTrainBackend(TrainBackend):
         return True
 
     # ------------------------------------------------------------------ life cycle
-    def initialize(self, model_dir: str | Path) -> None:
+    def initialize(self, model_dir: str | Path, *, wrap_model: Callable[[nn.Module], nn.Module] | None = None) -> None:
+        """Load ``model_dir``; ``wrap_model`` (e.g. adding a value head) runs right after loading,
+        before LoRA, parallelisation and the optimizer, so what it adds is trained."""
         cfg = self.cfg
         self._model_dir = Path(model_dir)
         self._setup()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         model, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
+        if wrap_model is not None:
+            model = wrap_model(model)
         if cfg.lora is not None:
             if cfg.tp_size > 1:
                 raise ValueError("LoRA with tp_size > 1 is not supported; set tp_size=1 or lora=None")

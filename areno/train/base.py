@@ -57,8 +57,9 @@ class TrainBackend(ABC):
     """The (possibly wrapped) ``Decoder``; set by ``initialize``."""
 
     @abstractmethod
-    def initialize(self, model_dir: str | Path) -> None:
-        """Load the HF checkpoint in ``model_dir``, parallelize it, build optimizer and schedule."""
+    def initialize(self, model_dir: str | Path, *, wrap_model: Callable[[nn.Module], nn.Module] | None = None) -> None:
+        """Load the HF checkpoint in ``model_dir``, apply ``wrap_model`` (a recipe's head), parallelize
+        it, build optimizer and schedule."""
 
     @abstractmethod
     def train_step(

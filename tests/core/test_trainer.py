@@ -83,7 +83,7 @@ def test_grpo_reward_goes_up(tmp_path):
     # run directory: resolved config, metrics with the documented keys, an HF checkpoint at the end
     assert (tmp_path / "run" / "config.yaml").exists()
     step_rows = [r for r in rows if "rollout/reward_mean" in r]
-    for key in ("train/policy/loss", "train/policy/actor/clip_frac", "train/policy/actor/kl", "timing/rollout_s",
+    for key in ("train/policy/loss", "train/policy/actor/clip_frac", "train/policy/actor/approx_kl", "timing/rollout_s",
                 "timing/train_s", "timing/sync_s", "rollout/num_tokens"):
         assert key in step_rows[-1], key
     assert any("policy_sync_time_s" in r for r in rows)
