@@ -35,6 +35,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from openai._models import construct_type  # how the official client builds its response objects
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
@@ -239,7 +240,7 @@ class ArenoAsyncOpenAI:
             choices.append({"index": index, "message": message, "finish_reason": _openai_finish(finish),
                             "logprobs": logprobs, "token_ids": list(out.output_ids),
                             "prompt_token_ids": prompt_ids})
-        return ChatCompletion.model_validate({
+        return construct_type(type_=ChatCompletion, value={
             "id": response_id, "object": "chat.completion", "created": int(time.time()),
             "model": req.get("model") or "areno", "choices": choices, "usage": _usage(prompt_ids, outs)})
 
@@ -279,7 +280,7 @@ class ArenoAsyncOpenAI:
                             "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
             choices.append({"index": index, "text": text, "finish_reason": _openai_finish(out.finish_reason),
                             "logprobs": logprobs, "token_ids": list(out.output_ids), "prompt_token_ids": prompt_ids})
-        return Completion.model_validate({
+        return construct_type(type_=Completion, value={
             "id": response_id, "object": "text_completion", "created": int(time.time()),
             "model": req.get("model") or "areno", "choices": choices, "usage": _usage(prompt_ids, outs)})
 
