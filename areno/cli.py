@@ -37,14 +37,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipes(args: argparse.Namespace) -> int:
-    from areno.recipes import list_recipes
-
-    for name, description in list_recipes():
-        print(f"{name:<24} {description}")
-    return 0
-
-
 def _delegate(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
@@ -70,10 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("overrides", nargs="*", help="dotted overrides key=value")
     demo.set_defaults(func=_demo)
 
-    recipes = sub.add_parser("recipes", help="list the registered recipes")
-    recipes.set_defaults(func=_recipes)
-
     for name, module, help_text in (
+        ("recipes", "areno.recipes", "list the registered recipes (NAME: its formula, roles and syncs)"),
+        ("launch", "areno.launch", "check an allocation_mode string or shared storage paths"),
         ("serve", "areno.rollout.server", "serve a model with the rollout engine (OpenAI-compatible HTTP)"),
         ("report", "areno.observe.report", "HTML report with plots of one or more run directories"),
         ("doctor", "areno.observe.doctor", "versions, devices and optional components"),

@@ -166,6 +166,15 @@ class ClusterSection:
         _check(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
         _check(self.scheduler in ("local", "ray", "slurm"), "cluster.scheduler", "must be local, ray or slurm")
         _check(self.cpu_threads >= 0, "cluster.cpu_threads", f"must be >= 0, got {self.cpu_threads}")
+        if self.allocation_mode is not None:
+            from areno.launch.allocation import AllocationModeError, parse_allocation_mode
+
+            try:
+                parse_allocation_mode(self.allocation_mode)
+            except AllocationModeError as exc:
+                raise ConfigError(f"cluster.allocation_mode: {exc}") from None
+        if (self.train_devices is None) != (self.rollout_devices is None):
+            raise ConfigError("cluster.train_devices and cluster.rollout_devices must be set together")
 
 
 @dataclass(kw_only=True)
@@ -201,13 +210,15 @@ class TrainSection:
 @dataclass(kw_only=True)
 class ObserveSection:
     tensorboard: bool = False
-    """Also write TensorBoard event files to run_dir/tb."""
+    """Also write TensorBoard event files to run_dir/tensorboard."""
     wandb_project: Optional[str] = None
     """Log to Weights & Biases under this project (offline when WANDB_MODE=offline)."""
     trace: bool = False
     """Record Chrome/Perfetto performance traces under run_dir/traces."""
     console: bool = True
     """Show the progress bar."""
+    sessions: bool = False
+    """Record agent episodes (turns, tool calls, rewards) to run_dir/sessions.jsonl."""
 
 
 @dataclass(kw_only=True)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -18,7 +19,9 @@ import torch
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_yaml
-from areno.observe.metrics import MetricsLogger
+from areno.observe.metrics import MetricsLogger, WandbConfig
+from areno.observe.session import configure_sessions
+from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span
 
 PASS_SEED_STRIDE = 100003  # prime stride: pass seeds of different rollouts never collide early
 
@@ -61,13 +64,18 @@ class Trainer:
         trainer = cls(config)
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         (trainer.run_dir / "config.yaml").write_text(to_yaml(config))
+        observe = config.observe
+        configure_tracing(trainer.run_dir, observe.trace)
+        configure_sessions(trainer.run_dir, observe.sessions)
         trainer.backend = backend_cls()
         trainer.backend.initialize(config, trainer.run_dir)
         trainer.logger = MetricsLogger(
             trainer.run_dir,
             total_steps=config.train.steps,
-            console=config.observe.console,
-            tensorboard=config.observe.tensorboard,
+            console=observe.console,
+            tensorboard=observe.tensorboard,
+            wandb=WandbConfig(project=observe.wandb_project, mode=os.environ.get("WANDB_MODE", "offline"))
+            if observe.wandb_project else None,
         )
         if config.resume:
             trainer._resume()
@@ -85,13 +93,16 @@ class Trainer:
         last_eval: dict[str, float] = {}
         for rollout_id in range(self.start_rollout_id, cfg.steps):
             t0 = time.perf_counter()
-            rollout = self.rollout_token_batch(rollout_id)
+            with span("rollout", "trainer", rollout_id=rollout_id):
+                rollout = self.rollout_token_batch(rollout_id)
             t1 = time.perf_counter()
             for pass_idx in range(cfg.num_train_passes):
                 data = rollout if pass_idx == 0 else reshuffle(rollout, pass_seed(cfg.seed, rollout_id, pass_idx))
-                train_metrics = self.train(rollout_id, data)
+                with span("train", "trainer", rollout_id=rollout_id, pass_idx=pass_idx):
+                    train_metrics = self.train(rollout_id, data)
             t2 = time.perf_counter()
-            sync_metrics = self.backend.update_weights()
+            with span("policy_sync", "trainer", rollout_id=rollout_id):
+                sync_metrics = self.backend.update_weights()
             t3 = time.perf_counter()
             step = rollout_id + 1
             timing = {"timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
@@ -100,7 +111,8 @@ class Trainer:
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 last_eval = self._evaluate(step)
             if step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0):
-                self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
+                with span("checkpoint", "trainer", step=step):
+                    self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
         return last_eval
 
     def evaluate_now(self) -> dict[str, float]:
@@ -110,9 +122,13 @@ class Trainer:
     def shutdown(self) -> None:
         self.logger.close()
         self.backend.shutdown()
+        if self.config.observe.trace:
+            flush_tracing()
+            merge_traces(self.run_dir)
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        metrics = self.backend.evaluate()
+        with span("evaluate", "trainer", step=step):
+            metrics = self.backend.evaluate()
         if metrics:
             self.logger.log(metrics, step=step)
         return metrics
