@@ -20,10 +20,12 @@ factory ``calculator_workflow`` and data writer ``write_calculator_rows``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
 import random
+import re
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -167,13 +169,22 @@ def write_calculator_rows(path: str | Path, num: int, seed: int) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, max_attempts: int = 2) -> float:
+def _operands(expr: str) -> list[str]:
+    return [part.strip() for part in re.split(r"[*+/-]", expr)]
+
+
+async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, max_attempts: int = 2,
+                           operand_credit: float = 0.0) -> float:
     """The model writes a ``calc`` tool call; the tool's result is the answer (reward 1 when right).
 
     A malformed or failing call is answered with the tool error and the model tries again (up to
     ``max_attempts``), continuing the same token sequence, so the tree and concat export see one
-    multi-turn episode.
+    multi-turn episode. ``operand_credit`` > 0 shapes the reward of a call that ran but gave the
+    wrong result: ``operand_credit`` × the fraction of operands copied right from the question.
     """
+    if not 0 <= operand_credit < 1:
+        raise ValueError(f"operand_credit must be in [0, 1), got {operand_credit}")
+    expected = _operands(sample["prompt"].rstrip("="))
     prompt_ids = list(client.tokenizer.encode(sample["prompt"], add_special_tokens=False))
     for _ in range(max_attempts):
         resp = await client.completions.create(model="policy", prompt=prompt_ids)
@@ -188,7 +199,11 @@ async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, 
                                              result=result.content, error=None if result.ok else result.content,
                                              duration_s=result.duration_s)
             if result.ok:
-                return float(result.content.strip() == str(sample["result"]))
+                if result.content.strip() == str(sample["result"]):
+                    return 1.0
+                got = _operands(str(calls[0].arguments.get("expr", "")))
+                right = sum(g == e for g, e in zip(got, expected)) if len(got) == len(expected) else 0
+                return operand_credit * right / len(expected)
             feedback = f"\n<tool_response>{result.content}</tool_response>\n"
         client.set_last_reward(0.0)
         prompt_ids = list(choice.prompt_token_ids) + list(choice.token_ids) + list(
@@ -197,5 +212,6 @@ async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, 
 
 
 def calculator_workflow(**kwargs: Any) -> AgentWorkflow:
-    """``rollout.workflow: areno.workflows.agent:calculator_workflow`` (concat export, gamma 1)."""
-    return AgentWorkflow(agent=calculator_agent, gamma=1.0, export_style="concat", timeout_s=120.0, **kwargs)
+    """``rollout.workflow: areno.workflows.agent:calculator_workflow`` (concat export, gamma 1,
+    operand credit 0.5)."""
+    return AgentWorkflow(agent=functools.partial(calculator_agent, operand_credit=0.5), gamma=1.0, export_style="concat", timeout_s=120.0, **kwargs)

@@ -205,29 +205,38 @@ class EnvWorkflow(RolloutWorkflow):
 class ArithmeticRetryEnv(Environment):
     """Answer an arithmetic prompt; a wrong answer is told so and the prompt is asked again.
 
-    Reward 1 for the right answer (ending the episode), 0 otherwise. With discounting, an early
-    wrong turn that led to a later right one is credited ``gamma``.
+    Reward 1 for the right answer (ending the episode). A wrong answer earns ``format_reward`` ×
+    the fraction of digit characters in its first line (0 disables the shaping), which gives a
+    model trained from scratch a signal long before its first right sum. With discounting, an
+    early wrong turn that led to a later right one is credited ``gamma``.
     """
 
     FEEDBACK = "\nwrong, try again\n"
 
-    def __init__(self, sample: dict[str, Any]) -> None:
+    def __init__(self, sample: dict[str, Any], *, format_reward: float = 0.0) -> None:
+        if not 0 <= format_reward < 1:
+            raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
         self.prompt = sample["prompt"]
         self.answer = str(sample["answer"]).strip()
+        self.format_reward = format_reward
 
     def reset(self, sample: dict[str, Any]) -> str:
         return self.prompt
 
     def step(self, action: str) -> StepResult:
-        if extract_answer(action) == self.answer:
+        line = extract_answer(action)
+        if line == self.answer:
             return StepResult(observation="", reward=1.0, done=True)
-        return StepResult(observation=self.FEEDBACK + self.prompt, reward=0.0, done=False)
+        digits = sum(ch.isdigit() for ch in line) / len(line) if line else 0.0
+        return StepResult(observation=self.FEEDBACK + self.prompt, reward=self.format_reward * digits, done=False)
 
 
 def arithmetic_retry_workflow(**kwargs: Any) -> EnvWorkflow:
-    """``rollout.workflow: areno.workflows.env:arithmetic_retry_workflow`` (horizon 3, gamma 0.5)."""
+    """``rollout.workflow: areno.workflows.env:arithmetic_retry_workflow``: horizon 3, gamma 0.5,
+    format_reward 0.5 (learns from a random model; see ``examples/agent_multiturn.yaml``)."""
     kwargs.pop("reward_fn", None)
-    return EnvWorkflow(env_factory=ArithmeticRetryEnv, horizon=3, gamma=0.5, mode="text", **kwargs)
+    return EnvWorkflow(env_factory=lambda sample: ArithmeticRetryEnv(sample, format_reward=0.5), horizon=3,
+                       gamma=0.5, mode="text", **kwargs)
 
 
 __all__ = ["ArithmeticRetryEnv", "EnvWorkflow", "Environment", "Observation", "StepResult", "StoreRef"]

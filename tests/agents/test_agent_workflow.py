@@ -65,8 +65,11 @@ def test_calculator_agent_right_call(scripted, char_tokenizer):
     (traj,) = asyncio.run(wf.run_episode(scripted([CALL]), ROW))
     assert traj.reward == 1.0 and traj.info["num_turns"] == 1
     assert traj.completion_ids[:-1] == char_tokenizer.encode(CALL, add_special_tokens=False)
-    wrong = asyncio.run(wf.run_episode(scripted([CALL.replace("34", "35"), CALL.replace("34", "35")]), ROW))
-    assert wrong[0].reward == 0.0 and wrong[0].info["num_turns"] == 1  # a valid call ends the episode
+    wrong = asyncio.run(wf.run_episode(scripted([CALL.replace("34", "35")]), ROW))
+    # a valid call ends the episode; one operand of two copied right earns 0.5 x 1/2
+    assert wrong[0].reward == 0.25 and wrong[0].info["num_turns"] == 1
+    plain = AgentWorkflow(char_tokenizer, PARAMS, agent=calculator_agent)
+    assert asyncio.run(plain.run_episode(scripted([CALL.replace("34", "35")]), ROW))[0].reward == 0.0
 
 
 def test_calculator_agent_feeds_malformed_call_back(scripted, char_tokenizer, tmp_path):

@@ -18,8 +18,10 @@ def test_retry_env_episode_text_mode(scripted, char_tokenizer):
     wf = arithmetic_retry_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1,
                                    reward_fn=None, prompt_key="prompt", answer_key="answer")
     (traj,) = asyncio.run(wf.run_episode(rollout, {"prompt": "3+4=", "answer": "7"}))
-    assert traj.info["env_steps"] == 2 and traj.info["env_return"] == 1.0 and traj.info["num_turns"] == 2
-    assert traj.reward == pytest.approx(0.5)  # right on the second turn: gamma^1
+    assert traj.info["env_steps"] == 2 and traj.info["num_turns"] == 2
+    # turn 1: wrong but all digits (format reward 0.5 x 1.0); turn 2: right
+    assert traj.info["turn_rewards"] == [0.5, 1.0] and traj.info["env_return"] == 1.5
+    assert traj.reward == pytest.approx(0.5 + 0.5 * 1.0)  # gamma = 0.5
     eos = char_tokenizer.eos_token_id
     enc = lambda s: char_tokenizer.encode(s, add_special_tokens=False)
     feedback = enc(ArithmeticRetryEnv.FEEDBACK + "3+4=")
@@ -29,6 +31,15 @@ def test_retry_env_episode_text_mode(scripted, char_tokenizer):
     assert traj.versions == [3, 3] + [-1] * len(feedback) + [3, 3]
     # the second prompt the engine saw is exactly the first turn continued
     assert rollout.prompts[1] == enc("3+4=") + enc("5") + [eos] + feedback
+
+
+def test_format_reward_shaping():
+    env = ArithmeticRetryEnv({"prompt": "3+4=", "answer": "7"}, format_reward=0.5)
+    assert env.step("7").reward == 1.0 and env.step("7").done
+    assert env.step("1x").reward == pytest.approx(0.25) and not env.step("1x").done
+    assert env.step("").reward == 0.0 and env.step("ab\n7").reward == 0.0
+    with pytest.raises(ValueError, match="format_reward"):
+        ArithmeticRetryEnv({"prompt": "p", "answer": "a"}, format_reward=1.0)
 
 
 def test_horizon_caps_the_episode(scripted, char_tokenizer):
