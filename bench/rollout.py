@@ -169,7 +169,8 @@ def main() -> None:
         "params_M": round(n_params / 1e6, 2), "prompts": n, "new_tokens": new_tokens,
         "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
         "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),
-        "engine_steps": stats["steps"], "engine_preemptions": stats["num_preemptions"],
+        "engine_steps": stats["steps"], "engine_ms_per_step": round(1e3 * eng_s / max(stats["steps"], 1), 2),
+        "engine_preemptions": stats["num_preemptions"],
     }
     if device.startswith("cuda"):
         result["engine_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
