@@ -257,30 +257,34 @@ class RolloutEngine:
                 return []
             eos = self.eos_token_ids
             requests = []
+            n_gens = []
             for s in sampling:
+                p = s.params
                 n_gen = len(s.token_ids) - len(s.prompt_ids)
-                suppress = suppressed_ids(s.params, n_gen, eos) if n_gen < s.params.min_new_tokens else ()
-                requests.append(SampleRequest(params=s.params, num_generated=n_gen, generator=s.generator,
-                                              suppress_ids=suppress))
+                n_gens.append(n_gen)
+                suppress = suppressed_ids(p, n_gen, eos) if n_gen < p.min_new_tokens else ()
+                requests.append(SampleRequest(p, n_gen, s.generator, suppress))
             tokens, logprobs = self._sample(logits_BV, requests)
             finished = []
             version = self._version
             max_len = self.max_model_len
             self._generated_tokens += len(sampling)
-            for seq, token, logprob in zip(sampling, tokens, logprobs):
+            for seq, token, logprob, n_gen in zip(sampling, tokens, logprobs, n_gens):
                 seq.token_ids.append(token)
                 seq.output_logprobs.append(logprob)
                 seq.output_versions.append(version)
                 p = seq.params
-                n_gen = len(seq.token_ids) - len(seq.prompt_ids)
+                n_gen += 1
                 # check_stop can only end the request on a stop string, a stop/EOS token or the
                 # length limit; skip the call (and its copy of the output ids) otherwise.
                 if (p.stop or n_gen >= p.max_new_tokens or token in p.stop_token_ids
                         or (not p.ignore_eos and token in eos)):
                     text = self._decode(seq.output_ids) if p.stop else None
                     reason, seq.text = check_stop(p, seq.output_ids, eos, text)
-                else:
+                elif seq.text is not None:
                     reason, seq.text = None, None
+                else:
+                    reason = None
                 if reason is None and len(seq.token_ids) >= max_len:
                     reason = "length"
                 if reason is not None:
