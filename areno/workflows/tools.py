@@ -202,6 +202,36 @@ class ToolSet:
         return ToolResult(call=call, content=content, ok=True, duration_s=loop.time() - t0)
 
 
+    async def arespond(self, message: Any, session: Any = None) -> list[dict[str, Any]]:
+        """The tool messages answering an assistant message (an ``openai`` ChatCompletionMessage or
+        its dict): one per call, in order, then one per malformed call (``tool_call_errors``) telling
+        the model what was wrong. Calls run concurrently; each is recorded on ``session`` if given."""
+        msg = message.model_dump() if hasattr(message, "model_dump") else dict(message)
+        calls: list[ToolCall | ToolCallError] = []
+        for tc in msg.get("tool_calls") or []:
+            fn = tc["function"]
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except json.JSONDecodeError as exc:
+                calls.append(ToolCallError(raw=fn.get("arguments", ""), message=f"arguments of tool {fn['name']!r} are not valid JSON ({exc.msg})"))
+                continue
+            calls.append(ToolCall(name=fn["name"], arguments=args, id=tc.get("id") or f"call_{uuid.uuid4().hex[:24]}"))
+        calls += [ToolCallError(raw="", message=m) for m in msg.get("tool_call_errors") or []]
+        results = await asyncio.gather(*(self.aexecute(c) for c in calls))
+        out = []
+        for r in results:
+            entry: dict[str, Any] = {"role": "tool", "content": r.content}
+            if isinstance(r.call, ToolCall):
+                entry["tool_call_id"] = r.call.id
+                entry["name"] = r.call.name
+            if session is not None:
+                session.add_tool_call(getattr(r.call, "name", "(malformed)"), getattr(r.call, "arguments", r.call.raw if isinstance(r.call, ToolCallError) else None),
+                                      result=r.content if r.ok else None, error=None if r.ok else r.content,
+                                      duration_s=r.duration_s)
+            out.append(entry)
+        return out
+
+
 def render_tools_prompt(schemas: list[dict[str, Any]]) -> str:
     """Qwen/Hermes-style system text declaring the tools, for templates without tool support."""
     lines = ["# Tools", "", "You may call one or more functions to assist with the user query.", "",

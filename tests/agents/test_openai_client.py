@@ -9,7 +9,7 @@ import pytest
 
 from areno.api.types import SamplingParams
 from areno.workflows.openai_client import AgentProxy, AgentRequestError, ArenoAsyncOpenAI
-from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSchemaError
+from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSchemaError, ToolSet, calculator_tool
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3="}]
 
@@ -172,6 +172,13 @@ def test_tool_calls_and_multi_turn_token_continuity(scripted):
     msg3 = third.choices[0].message
     assert msg3.tool_calls is None and "not valid JSON" in msg3.model_extra["tool_call_errors"][0]
     assert c.parent is None  # same first message, but a sibling of a (a new sample of turn one)
+    # ToolSet.arespond turns both kinds into tool messages for the next turn
+    tools = ToolSet([calculator_tool()])
+    answer = asyncio.run(tools.arespond(first.choices[0].message))
+    assert answer == [{"role": "tool", "content": "42", "tool_call_id": first.choices[0].message.tool_calls[0].id,
+                       "name": "calc"}]
+    (err,) = asyncio.run(tools.arespond(msg3))
+    assert err["role"] == "tool" and err["content"].startswith("Error: tool call is not valid JSON")
     client.set_reward(second.id, 1.0)
     client.set_reward(first.id, 0.0)
     client.set_reward(third.id, 0.0)
