@@ -7,6 +7,10 @@ returns the episode's final reward (given to its last completion) or sets reward
 recorded; the episode is exported with discounting (``gamma``) as individual interactions or one
 concatenated multi-turn sequence per branch (``export_style``).
 
+With ``proxy=True`` the agent is called as ``agent(base_url, sample)`` instead: an HTTP base URL
+on 127.0.0.1 (``AgentProxy``) for the official ``openai`` client or any other process or language;
+it may POST ``{base_url}/reward``.
+
 ``n_samples`` episodes run per row as one group. An agent that raises or runs past ``timeout_s``
 loses only its own episode (warned with the row named; the rest of the group and batch go on);
 a row whose every episode failed is rejected (None). Each episode is traced with
@@ -34,7 +38,7 @@ from areno.api.types import SamplingParams, Trajectory
 from areno.api.workflow import RolloutWorkflow, _import_dotted
 from areno.observe.session import session
 from areno.workflows.interaction import ExportStyle
-from areno.workflows.openai_client import ArenoAsyncOpenAI
+from areno.workflows.openai_client import AgentProxy, ArenoAsyncOpenAI
 from areno.workflows.tools import ToolSet, calculator_tool, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -62,8 +66,8 @@ class AgentWorkflow(RolloutWorkflow):
 
     def __init__(self, tokenizer: Any, sampling_params: SamplingParams, *, agent: AgentFn | str,
                  reward_fn: Callable[..., float] | None = None, n_samples: int = 1, gamma: float = 1.0,
-                 export_style: ExportStyle = "concat", timeout_s: float = 300.0, prompt_key: str = "prompt",
-                 answer_key: str = "answer") -> None:
+                 export_style: ExportStyle = "concat", timeout_s: float = 300.0, proxy: bool = False,
+                 prompt_key: str = "prompt", answer_key: str = "answer") -> None:
         if isinstance(agent, str):
             agent = _import_dotted(agent)
         if not callable(agent):
@@ -84,6 +88,8 @@ class AgentWorkflow(RolloutWorkflow):
         self.gamma = gamma
         self.export_style = export_style
         self.timeout_s = timeout_s
+        self.proxy = proxy
+        self._proxy: AgentProxy | None = None
         self.prompt_key = prompt_key
         self.answer_key = answer_key
 
@@ -95,6 +101,12 @@ class AgentWorkflow(RolloutWorkflow):
             logger.warning("every agent episode of row %s failed; the row is skipped", describe_row(sample))
             return None
         return group
+
+    def close(self) -> None:
+        """Stop the proxy server (proxy mode)."""
+        if self._proxy is not None:
+            self._proxy.stop()
+            self._proxy = None
 
     def _client(self, rollout_client: "RolloutClient", index: int, recorder: Any) -> ArenoAsyncOpenAI:
         params = self.sampling_params
@@ -110,9 +122,15 @@ class AgentWorkflow(RolloutWorkflow):
     async def _aepisode(self, rollout_client: "RolloutClient", sample: dict[str, Any], group_id: str,
                         index: int) -> list[Trajectory] | None:
         with session(sample=describe_row(sample), group_id=group_id, episode=index, workflow="agent") as rec:
-            oai = self._client(rollout_client, index, rec)
+            if self.proxy:  # the agent gets a base URL on 127.0.0.1 and may use any HTTP client
+                if self._proxy is None:
+                    self._proxy = AgentProxy(rollout_client, self.tokenizer, default_sampling=self.sampling_params).start()
+                sid, base_url = self._proxy.start_session(session=rec)
+                oai = self._proxy.sessions[sid]
+            else:
+                oai = self._client(rollout_client, index, rec)
             try:
-                value = self.agent(oai, sample)
+                value = self.agent(base_url if self.proxy else oai, sample)
                 if not inspect.isawaitable(value):
                     raise TypeError(f"agent {getattr(self.agent, '__name__', self.agent)!r} is not async: "
                                     "define it with 'async def agent(client, sample)'")
@@ -128,6 +146,9 @@ class AgentWorkflow(RolloutWorkflow):
                                type(exc).__name__, exc)
                 rec.event("dropped", reason=f"{type(exc).__name__}: {exc}")
                 return None
+            finally:
+                if self.proxy:
+                    self._proxy.end_session(sid)
             if len(oai.cache) == 0:
                 logger.warning("agent episode %d of row %s made no completion call; dropped", index, describe_row(sample))
                 return None

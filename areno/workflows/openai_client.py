@@ -395,7 +395,7 @@ class AgentProxy:
                 body["extra_body"] = extra
             try:
                 resp = await (client.acreate_chat(**body) if chat else client.acreate_completion(**body))
-            except (AgentRequestError, TypeError) as exc:
+            except (ValueError, TypeError) as exc:  # AgentRequestError, ToolSchemaError, engine limits
                 return error(400, str(exc))
             return resp.model_dump(exclude_none=False)
 

@@ -10,6 +10,7 @@ from areno.api.types import SamplingParams
 from areno.api.workflow import load_workflow
 from areno.observe.session import configure_sessions, load_sessions
 from areno.workflows.agent import AgentWorkflow, calculator_agent, calculator_rows, calculator_workflow
+from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSet, calculator_tool
 
 PARAMS = SamplingParams(max_new_tokens=80)
 ROW = {"prompt": "12*34=", "answer": "x", "result": "408"}
@@ -108,3 +109,32 @@ def test_calculator_rows():
     for r in rows:
         a, b = r["prompt"].rstrip("=").split("*")
         assert r["result"] == str(int(a) * int(b)) and r["answer"].startswith("<tool_call>")
+
+
+def test_proxy_mode_runs_an_official_openai_agent(scripted, char_tokenizer):
+    import httpx
+    import openai
+
+    async def http_agent(base_url, sample):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": sample["prompt"]}]
+        first = await client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR_SCHEMA])
+        tool_msgs = await ToolSet([calculator_tool()]).arespond(first.choices[0].message)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), *tool_msgs]
+        second = await client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR_SCHEMA])
+        async with httpx.AsyncClient() as http:
+            await http.post(f"{base_url}/reward", json={"reward": float(second.choices[0].message.content == "408")})
+        return None
+
+    wf = AgentWorkflow(char_tokenizer, PARAMS, agent=http_agent, proxy=True, gamma=0.5, n_samples=2)
+    try:
+        rollout = scripted(lambda prompt: "408" if "<|im_start|>tool" in prompt else CALL)
+        group = asyncio.run(wf.run_episode(rollout, ROW))
+        assert wf._proxy.base_url.startswith("http://127.0.0.1:") and wf._proxy.sessions == {}
+    finally:
+        wf.close()
+    assert len(group) == 2
+    for traj in group:
+        assert traj.info["num_turns"] == 2 and traj.info["turn_rewards"] == [0.0, 1.0]
+        assert traj.reward == 0.5  # gamma x the second turn's reward
+        assert 0 in traj.completion_mask  # the tool turn is masked out
