@@ -1,0 +1,448 @@
+"""End-to-end GRPO step time: areno (colocated, and asynchronous on the same GPU) vs TRL's GRPOTrainer.
+
+One process, same hardware, same random-init model directory, same batch: 8 prompts x 8 samples,
+``--prompt-len``-token prompts, fixed-length completions of ``--completion-len`` tokens (EOS never
+ends a sequence: areno through ``ignore_eos`` + ``min_new_tokens`` in a workflow subclass, TRL through
+``generation_kwargs={"min_new_tokens": ...}``), one optimizer step per 64 sequences, small lr.
+
+Systems:
+- ``areno``: the real stack, ``Trainer.init(load_config(None, overrides))`` with the ``grpo`` recipe;
+  a step is ``Trainer.rollout_token_batch`` + ``Trainer.train`` + ``backend.update_weights``.
+- ``areno_async``: the same with ``rollout.max_head_offpolicyness=1``: the everlasting rollout pool
+  (its own thread) keeps generating while the trainer trains, one GPU ("areno async (colocated, one GPU)").
+- ``trl``: ``trl.GRPOTrainer`` with its default ``transformers`` ``generate`` path (no vLLM); a step is
+  one optimizer step (timed between ``on_step_end`` callbacks), which generates the 64 completions
+  and trains on them with gradient accumulation.
+
+Master weights: ``--param-dtype`` (default bfloat16 on CUDA for both systems: TRL's default loads a
+bf16 checkpoint as bf16 parameters; areno ``model.dtype=bfloat16``). The rollout engine runs bf16.
+
+Physical floor (measured in the same run): generation = sum over the decode steps of (weight bytes +
+KV bytes of all sequences at that step) / copy bandwidth (read + write bytes of a large
+device-to-device copy over its time); training = 6 * params * tokens / bf16 matmul rate (8192^3
+GEMMs). ``gap`` = measured step time / (generation floor + training floor).
+
+    python bench/e2e.py                                   # CUDA: 0.5b,1.5b x areno,areno_async,trl
+    python bench/e2e.py --shapes tiny --device cpu        # CPU smoke (seconds per system)
+    python bench/e2e.py --shapes 0.5b --systems areno,trl --steps 3 --warmup 2
+
+Prints one JSON line per (system, shape) as it finishes, then a summary line {"summary": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `bench.e2e:reward` and `bench.e2e:FixedLengthWorkflow` resolve by import
+
+from areno.workflows.rlvr import RLVRWorkflow  # noqa: E402
+
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+QWEN25_15B = {
+    **QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2,
+}
+TINY = {
+    **QWEN25_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": None, "max_position_embeddings": 2048,
+}
+# shape -> (HF config dict, default prompt length, default completion length)
+SHAPES = {"0.5b": (QWEN25_05B, 64, 512), "1.5b": (QWEN25_15B, 64, 512), "tiny": (TINY, 16, 32)}
+SYSTEMS = ("areno", "areno_async", "trl")
+LABELS = {"areno": "areno (colocated)", "areno_async": "areno async (colocated, one GPU)",
+          "trl": "TRL GRPOTrainer (transformers generate)"}
+PROMPT_ALPHABET = string.ascii_letters + string.digits
+
+
+# ----------------------------------------------------------------------------- reward and workflow
+def reward(prompt: str, completion: str, answer=None, **fields) -> float:
+    """Cheap deterministic reward: fraction of the completion's characters that are vowels."""
+    if not completion:
+        return 0.0
+    return sum(c in "aeiouAEIOU" for c in completion) / len(completion)
+
+
+def trl_reward(prompts, completions, **kwargs) -> list[float]:
+    """The same reward in TRL's reward-function signature."""
+    return [reward(p, c) for p, c in zip(prompts, completions)]
+
+
+class FixedLengthWorkflow(RLVRWorkflow):
+    """RLVR whose completions are exactly ``max_new_tokens`` long (EOS ignored, min_new_tokens = max)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        sp = self.sampling_params
+        self.sampling_params = dataclasses.replace(sp, ignore_eos=True, min_new_tokens=sp.max_new_tokens)
+
+
+# ----------------------------------------------------------------------------- setup
+def build_tokenizer(vocab_size: int | None):
+    """Char tokenizer padded with unused tokens to ``vocab_size`` (None: unpadded)."""
+    from areno.data.tokenizer import build_char_tokenizer
+
+    base = len(build_char_tokenizer())
+    if vocab_size is not None and vocab_size < base:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the char tokenizer ({base} tokens)")
+    return build_char_tokenizer(vocab_padding=0 if vocab_size is None else vocab_size - base)
+
+
+def make_prompts(tokenizer, num: int, prompt_len: int, seed: int = 0) -> list[str]:
+    """``num`` random alphanumeric prompts, each exactly ``prompt_len`` tokens under ``tokenizer``."""
+    rng = random.Random(seed)
+    prompts = ["".join(rng.choice(PROMPT_ALPHABET) for _ in range(prompt_len)) for _ in range(num)]
+    for p in prompts[:4]:
+        n = len(tokenizer(p)["input_ids"])
+        if n != prompt_len:
+            raise ValueError(f"prompt tokenizes to {n} tokens, expected {prompt_len}: check the tokenizer")
+    return prompts
+
+
+def make_model_dir(shape: str, workdir: Path):
+    """Random-init checkpoint of ``shape`` (with its tokenizer) under ``workdir``; returns (dir, ModelConfig)."""
+    from areno.models.config import ModelConfig
+    from areno.models.hf_io import init_model_dir
+
+    hf, _, _ = SHAPES[shape]
+    tok = build_tokenizer(hf["vocab_size"])
+    hf = {**hf, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+          "pad_token_id": tok.pad_token_id}
+    config = ModelConfig.from_hf(hf)
+    return init_model_dir(workdir / shape, config, tok, seed=0), config, tok
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+
+# ----------------------------------------------------------------------------- the physical floor
+def measure_copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device copy, counting bytes read + written."""
+    n = (1 << 30) if device == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    reps = 20 if device == "cuda" else 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    del src, dst
+    return 2 * n * reps / seconds
+
+
+def measure_matmul_rate(device: str) -> float:
+    """FLOP/s of square GEMMs: bf16 8192^3 on CUDA, fp32 512^3 on CPU."""
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 20 if device == "cuda" else 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    seconds = time.perf_counter() - t0
+    del a, b
+    return 2 * n**3 * reps / seconds
+
+
+def physical_floor(config, num_seqs: int, prompt_len: int, completion_len: int, rollout_elt: int,
+                   copy_bw: float, matmul_rate: float) -> dict:
+    """Lower bounds of one step's seconds: decode (bandwidth-bound) and training (compute-bound)."""
+    params = config.num_params()
+    weight_bytes = params * rollout_elt
+    kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * rollout_elt
+    gen_bytes = sum(weight_bytes + num_seqs * (prompt_len + i) * kv_bytes_per_token for i in range(completion_len))
+    tokens = num_seqs * (prompt_len + completion_len)
+    gen_s = gen_bytes / copy_bw
+    train_s = 6 * params * tokens / matmul_rate
+    return {"params": params, "gen_floor_s": gen_s, "train_floor_s": train_s, "floor_s": gen_s + train_s}
+
+
+# ----------------------------------------------------------------------------- areno
+def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: int, param_dtype: str,
+                 prompt_len: int, completion_len: int):
+    from areno.api.config import load_config
+
+    seq_blocks = math.ceil((prompt_len + completion_len + 16) / 16)
+    kv_blocks = seq_blocks * args.prompts * args.samples * (eta + 1) + 64  # the batch (and η batches ahead)
+    overrides = [
+        f"run_dir={run_dir}",
+        f"model.path={model_dir}",
+        f"model.dtype={param_dtype}",
+        "data.task=null",
+        f"data.train_path={data_path}",
+        "data.num_eval=0",
+        "reward.fn=bench.e2e:reward",
+        "rollout.workflow=bench.e2e:FixedLengthWorkflow",
+        f"rollout.batch_size={args.prompts}",
+        f"rollout.n_samples={args.samples}",
+        f"rollout.max_new_tokens={completion_len}",
+        f"rollout.max_head_offpolicyness={eta}",
+        f"rollout.kv_blocks={kv_blocks}",
+        "train.algorithm=grpo",
+        f"train.steps={args.warmup + args.steps}",
+        "train.eval_interval=0",
+        "train.save_interval=0",
+        f"optim.lr={args.lr}",
+        f"cluster.device={args.device}",
+        "observe.console=false",
+    ]
+    return load_config(None, overrides)
+
+
+def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path, *, eta: int,
+              param_dtype: str, prompt_len: int, completion_len: int) -> dict:
+    from areno.api.trainer import Trainer
+
+    config = areno_config(args, model_dir, data_path, workdir / f"run-{shape}-eta{eta}", eta=eta,
+                          param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len)
+    free_memory(args.device)
+    trainer = Trainer.init(config)
+    steps, phases, lengths, num_tokens = [], [], [], []
+    try:
+        sync(args.device)
+        last = time.perf_counter()
+        for rollout_id in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            rollout = trainer.rollout_token_batch(rollout_id)
+            sync(args.device)
+            t1 = time.perf_counter()
+            trainer.train(rollout_id, rollout)
+            sync(args.device)
+            t2 = time.perf_counter()
+            trainer.backend.update_weights()
+            sync(args.device)
+            t3 = time.perf_counter()
+            steps.append(t3 - last)  # between consecutive step ends: nothing outside the loop is missed
+            last = t3
+            phases.append((t1 - t0, t2 - t1, t3 - t2))
+            lengths.extend(len(t.completion_ids) for t in rollout.trajectories)
+            num_tokens.append(rollout.batch.num_tokens)
+        peak = peak_gib(args.device)
+    finally:
+        trainer.shutdown()
+    timed = slice(args.warmup, None)
+    if set(lengths) != {completion_len}:
+        raise RuntimeError(f"areno completions were not fixed-length: lengths {sorted(set(lengths))}")
+    return {
+        "step_s": steps[timed],
+        "phases_s": {name: statistics.median(p[i] for p in phases[timed])
+                     for i, name in enumerate(("rollout", "train", "sync"))},
+        "tokens_per_step": statistics.median(num_tokens[timed]),
+        "peak_gib": peak,
+    }
+
+
+# ----------------------------------------------------------------------------- TRL
+def run_trl(args, shape: str, model_dir: Path, prompts: list[str], tokenizer, workdir: Path, *,
+            param_dtype: str, completion_len: int) -> dict:
+    from datasets import Dataset
+    from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    num_seqs = args.prompts * args.samples
+    mb = min(args.trl_micro_batch, num_seqs)
+    if num_seqs % mb:
+        raise ValueError(f"--trl-micro-batch {mb} must divide {num_seqs} sequences per step")
+    cuda = args.device == "cuda"
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.start: float | None = None
+
+        def on_step_begin(self, a, state, control, **kw):
+            if self.start is None:
+                sync(args.device)
+                self.start = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            sync(args.device)
+            self.ends.append(time.perf_counter())
+
+    cfg = GRPOConfig(
+        output_dir=str(workdir / f"trl-{shape}"),
+        per_device_train_batch_size=mb,
+        gradient_accumulation_steps=num_seqs // mb,  # one optimizer step = prompts x samples sequences
+        num_generations=args.samples,
+        max_completion_length=completion_len,
+        generation_kwargs={"min_new_tokens": completion_len},  # fixed length: EOS suppressed until the max
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        max_steps=args.warmup + args.steps,
+        bf16=cuda,
+        use_cpu=not cuda,
+        model_init_kwargs={"dtype": getattr(torch, param_dtype)},
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        gradient_checkpointing=args.trl_gradient_checkpointing == "on",
+    )
+    free_memory(args.device)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=trl_reward, args=cfg,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                          callbacks=[timer])
+    for cb in (PrinterCallback, ProgressCallback):  # stdout carries only this script's JSON lines
+        trainer.remove_callback(cb)
+    trainer.train()
+    peak = peak_gib(args.device)
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    mean_lengths = [h["completions/mean_length"] for h in logs]
+    trl_step_time = [h["step_time"] for h in logs if "step_time" in h]
+    del trainer
+    free_memory(args.device)
+    ends = [timer.start, *timer.ends]
+    steps = [b - a for a, b in zip(ends, ends[1:])]
+    if mean_lengths and any(abs(m - completion_len) > 1e-6 for m in mean_lengths):
+        raise RuntimeError(f"TRL completions were not fixed-length: mean lengths {mean_lengths}")
+    return {"step_s": steps[args.warmup:], "peak_gib": peak, "trl_logged_step_time_s": trl_step_time[args.warmup:],
+            "trl_gradient_checkpointing": cfg.gradient_checkpointing,
+            "tokens_per_step": num_seqs * (len(tokenizer(prompts[0])["input_ids"]) + completion_len)}
+
+
+# ----------------------------------------------------------------------------- driver
+def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, completion_len: int) -> dict:
+    med = statistics.median(res["step_s"])
+    out = {
+        "system": system, "label": LABELS[system], "shape": shape,
+        "step_s_median": med, "step_s": res["step_s"],
+        "gen_tokens_per_s": num_seqs * completion_len / med,
+        "total_tokens_per_s": res["tokens_per_step"] / med,
+        "peak_gpu_gib": res["peak_gib"],
+        "floor_s": floor["floor_s"], "gen_floor_s": floor["gen_floor_s"], "train_floor_s": floor["train_floor_s"],
+        "gap_to_floor": med / floor["floor_s"],
+    }
+    if "phases_s" in res:
+        out["phases_s_median"] = res["phases_s"]
+    for key in ("trl_logged_step_time_s", "trl_gradient_checkpointing"):
+        if key in res:
+            out[key] = res[key]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=None, help="comma list of 0.5b,1.5b,tiny (default: 0.5b,1.5b on CUDA, tiny on CPU)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per system")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per system")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: 64; tiny 16)")
+    p.add_argument("--completion-len", type=int, default=None, help="completion tokens (default: 512; tiny 32)")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--param-dtype", default=None, help="master weights of both systems (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
+    p.add_argument("--trl-gradient-checkpointing", choices=("on", "off"), default="on",
+                   help="TRL's activation checkpointing (on: GRPOConfig's default; areno does not checkpoint)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--workdir", default=None, help="where models and runs go (default: a temporary directory)")
+    args = p.parse_args(argv)
+
+    shapes = (args.shapes or ("0.5b,1.5b" if args.device == "cuda" else "tiny")).split(",")
+    systems = args.systems.split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            raise ValueError(f"--shapes: unknown shape {s!r}; choose from {sorted(SHAPES)}")
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"--systems: unknown system {s!r}; choose from {list(SYSTEMS)}")
+    if args.warmup < 1 or args.steps < 1:
+        raise ValueError("--warmup and --steps must be >= 1 (the first step allocates and compiles)")
+    param_dtype = args.param_dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    rollout_elt = 2 if args.device == "cuda" else 4
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-e2e-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    num_seqs = args.prompts * args.samples
+
+    copy_bw = measure_copy_bandwidth(args.device)
+    matmul_rate = measure_matmul_rate(args.device)
+    hw = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+          "copy_bw_GBps": copy_bw / 1e9, "matmul_TFLOPs": matmul_rate / 1e12,
+          "torch": torch.__version__, "param_dtype": param_dtype}
+    print(json.dumps({"hardware": hw}), flush=True)
+
+    results = []
+    for shape in shapes:
+        _, default_p, default_c = SHAPES[shape]
+        prompt_len, completion_len = args.prompt_len or default_p, args.completion_len or default_c
+        model_dir, config, tokenizer = make_model_dir(shape, workdir)
+        # enough distinct prompts for every step, the async pool's look-ahead included
+        prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + 4), prompt_len)
+        data_path = workdir / f"prompts-{shape}.jsonl"
+        data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
+        floor = physical_floor(config, num_seqs, prompt_len, completion_len, rollout_elt, copy_bw, matmul_rate)
+        for system in systems:
+            if system == "trl":
+                res = run_trl(args, shape, model_dir, prompts, tokenizer, workdir, param_dtype=param_dtype,
+                              completion_len=completion_len)
+            else:
+                res = run_areno(args, shape, model_dir, data_path, workdir, eta=int(system == "areno_async"),
+                                param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len)
+            row = report(system, shape, res, floor, num_seqs, completion_len)
+            row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs,
+                       params=floor["params"])
+            results.append(row)
+            print(json.dumps(row), flush=True)
+
+    summary: dict = {"hardware": hw, "shapes": {}}
+    for shape in shapes:
+        rows = {r["system"]: r for r in results if r["shape"] == shape}
+        entry = {s: {"step_s": r["step_s_median"], "gen_tokens_per_s": r["gen_tokens_per_s"],
+                     "peak_gpu_gib": r["peak_gpu_gib"], "gap_to_floor": r["gap_to_floor"]} for s, r in rows.items()}
+        if "trl" in rows:
+            for s in ("areno", "areno_async"):
+                if s in rows:
+                    entry[f"speedup_{s}_vs_trl"] = rows["trl"]["step_s_median"] / rows[s]["step_s_median"]
+        summary["shapes"][shape] = entry
+    print(json.dumps({"summary": summary}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

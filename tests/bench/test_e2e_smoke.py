@@ -1,0 +1,61 @@
+"""bench/e2e.py: the physical floor by hand, the fixed-length workflow, and a tiny CPU run of areno (slow)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from areno.api.types import SamplingParams  # noqa: E402
+from areno.models.hf_io import tiny_config  # noqa: E402
+from bench import e2e  # noqa: E402
+
+
+def test_physical_floor_by_hand():
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2)
+    params = cfg.num_params()
+    # 2 seqs, prompt 3, 2 decode steps, 2-byte elements, 1e6 B/s copy, 1e9 FLOP/s matmul
+    kv_per_token = 2 * 2 * 2 * 8 * 2  # layers * (K, V) * kv_heads * head_dim * bytes
+    gen_bytes = (params * 2 + 2 * 3 * kv_per_token) + (params * 2 + 2 * 4 * kv_per_token)
+    floor = e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9)
+    assert floor["params"] == params
+    assert floor["gen_floor_s"] == pytest.approx(gen_bytes / 1e6)
+    assert floor["train_floor_s"] == pytest.approx(6 * params * 2 * 5 / 1e9)
+    assert floor["floor_s"] == pytest.approx(floor["gen_floor_s"] + floor["train_floor_s"])
+
+
+def test_fixed_length_workflow_ignores_eos():
+    tok = e2e.build_tokenizer(None)
+    wf = e2e.FixedLengthWorkflow(tok, e2e.reward, 2, SamplingParams(temperature=1.0, max_new_tokens=7))
+    assert wf.sampling_params.ignore_eos and wf.sampling_params.min_new_tokens == 7
+    assert e2e.reward("p", "aab") == pytest.approx(2 / 3)
+    assert e2e.trl_reward(["p", "q"], ["", "xy"]) == [0.0, 0.0]
+
+
+def test_prompts_have_the_token_length():
+    tok = e2e.build_tokenizer(None)
+    prompts = e2e.make_prompts(tok, 5, 16)
+    assert len(prompts) == 5 and all(len(tok(p)["input_ids"]) == 16 for p in prompts)
+
+
+@pytest.mark.slow
+def test_tiny_areno_run(tmp_path, capsys):
+    assert e2e.main(["--shapes", "tiny", "--device", "cpu", "--systems", "areno", "--warmup", "1",
+                     "--steps", "2", "--workdir", str(tmp_path)]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    rows = [x for x in lines if x.get("system") == "areno"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["shape"] == "tiny" and len(row["step_s"]) == 2 and row["step_s_median"] > 0
+    # 8 x 8 sequences of 16 prompt + 32 completion tokens per step
+    assert row["num_seqs"] == 64
+    assert row["total_tokens_per_s"] * row["step_s_median"] == pytest.approx(64 * 48)
+    assert row["gen_tokens_per_s"] * row["step_s_median"] == pytest.approx(64 * 32)
+    assert row["gap_to_floor"] == pytest.approx(row["step_s_median"] / row["floor_s"])
+    assert set(row["phases_s_median"]) == {"rollout", "train", "sync"}
+    summary = lines[-1]["summary"]
+    assert "areno" in summary["shapes"]["tiny"]
