@@ -220,6 +220,7 @@ def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: 
         f"rollout.max_head_offpolicyness={eta}",
         f"rollout.kv_blocks={kv_blocks}",
         "train.algorithm=grpo",
+        f"train.max_tokens_per_mb={args.areno_mb_tokens or 'null'}",
         f"train.steps={args.warmup + args.steps}",
         "train.eval_interval=0",
         "train.save_interval=0",
@@ -237,7 +238,9 @@ def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path,
     config = areno_config(args, model_dir, data_path, workdir / f"run-{shape}-eta{eta}", eta=eta,
                           param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len)
     free_memory(args.device)
+    t_setup = time.perf_counter()
     trainer = Trainer.init(config)
+    setup_s = time.perf_counter() - t_setup
     steps, phases, lengths, num_tokens = [], [], [], []
     try:
         sync(args.device)
@@ -270,6 +273,7 @@ def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path,
                      for i, name in enumerate(("rollout", "train", "sync"))},
         "tokens_per_step": statistics.median(num_tokens[timed]),
         "peak_gib": peak,
+        "setup_s": setup_s,
     }
 
 
@@ -324,9 +328,11 @@ def run_trl(args, shape: str, model_dir: Path, prompts: list[str], tokenizer, wo
     )
     free_memory(args.device)
     timer = StepTimer()
+    t_setup = time.perf_counter()
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=trl_reward, args=cfg,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                           callbacks=[timer])
+    setup_s = time.perf_counter() - t_setup
     for cb in (PrinterCallback, ProgressCallback):  # stdout carries only this script's JSON lines
         trainer.remove_callback(cb)
     trainer.train()
@@ -341,7 +347,7 @@ def run_trl(args, shape: str, model_dir: Path, prompts: list[str], tokenizer, wo
     if mean_lengths and any(abs(m - completion_len) > 1e-6 for m in mean_lengths):
         raise RuntimeError(f"TRL completions were not fixed-length: mean lengths {mean_lengths}")
     return {"step_s": steps[args.warmup:], "peak_gib": peak, "trl_logged_step_time_s": trl_step_time[args.warmup:],
-            "trl_gradient_checkpointing": cfg.gradient_checkpointing,
+            "trl_gradient_checkpointing": cfg.gradient_checkpointing, "setup_s": setup_s,
             "tokens_per_step": num_seqs * (len(tokenizer(prompts[0])["input_ids"]) + completion_len)}
 
 
@@ -359,7 +365,7 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
     }
     if "phases_s" in res:
         out["phases_s_median"] = res["phases_s"]
-    for key in ("trl_logged_step_time_s", "trl_gradient_checkpointing"):
+    for key in ("setup_s", "trl_logged_step_time_s", "trl_gradient_checkpointing"):
         if key in res:
             out[key] = res[key]
     return out
@@ -378,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--param-dtype", default=None, help="master weights of both systems (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
+    p.add_argument("--areno-mb-tokens", type=int, default=None,
+                   help="areno train.max_tokens_per_mb (default: areno's estimate from free memory)")
     p.add_argument("--trl-gradient-checkpointing", choices=("on", "off"), default="on",
                    help="TRL's activation checkpointing (on: GRPOConfig's default; areno does not checkpoint)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -411,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         _, default_p, default_c = SHAPES[shape]
         prompt_len, completion_len = args.prompt_len or default_p, args.completion_len or default_c
+        t0 = time.perf_counter()
         model_dir, config, tokenizer = make_model_dir(shape, workdir)
+        print(json.dumps({"shape": shape, "model_init_s": time.perf_counter() - t0}), flush=True)
         # enough distinct prompts for every step, the async pool's look-ahead included
         prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + 4), prompt_len)
         data_path = workdir / f"prompts-{shape}.jsonl"
