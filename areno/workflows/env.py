@@ -233,9 +233,9 @@ class ArithmeticRetryEnv(Environment):
 
 def arithmetic_retry_workflow(**kwargs: Any) -> EnvWorkflow:
     """``rollout.workflow: areno.workflows.env:arithmetic_retry_workflow``: horizon 3, gamma 0.5,
-    format_reward 0.5 (learns from a random model; see ``examples/agent_multiturn.yaml``)."""
+    format_reward 0.1 (learns from a random model; see ``examples/agent_multiturn.yaml``)."""
     kwargs.pop("reward_fn", None)
-    return EnvWorkflow(env_factory=lambda sample: ArithmeticRetryEnv(sample, format_reward=0.5), horizon=3,
+    return EnvWorkflow(env_factory=lambda sample: ArithmeticRetryEnv(sample, format_reward=0.1), horizon=3,
                        gamma=0.5, mode="text", **kwargs)
 
 

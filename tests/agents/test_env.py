@@ -19,9 +19,9 @@ def test_retry_env_episode_text_mode(scripted, char_tokenizer):
                                    reward_fn=None, prompt_key="prompt", answer_key="answer")
     (traj,) = asyncio.run(wf.run_episode(rollout, {"prompt": "3+4=", "answer": "7"}))
     assert traj.info["env_steps"] == 2 and traj.info["num_turns"] == 2
-    # turn 1: wrong but all digits (format reward 0.5 x 1.0); turn 2: right
-    assert traj.info["turn_rewards"] == [0.5, 1.0] and traj.info["env_return"] == 1.5
-    assert traj.reward == pytest.approx(0.5 + 0.5 * 1.0)  # gamma = 0.5
+    # turn 1: wrong but all digits (format reward 0.1 x 1.0); turn 2: right
+    assert traj.info["turn_rewards"] == [0.1, 1.0] and traj.info["env_return"] == pytest.approx(1.1)
+    assert traj.reward == pytest.approx(0.1 + 0.5 * 1.0)  # gamma = 0.5
     eos = char_tokenizer.eos_token_id
     enc = lambda s: char_tokenizer.encode(s, add_special_tokens=False)
     feedback = enc(ArithmeticRetryEnv.FEEDBACK + "3+4=")
