@@ -40,7 +40,7 @@ def build(args):
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = Decoder(cfg).to(device=args.device, dtype=dtype).eval()
-    max_len = 64 + args.turns * (args.new_tokens + 32)
+    max_len = 64 + args.turns * (args.new_tokens + 32) + (1024 if args.tools else 0)  # tools: a long system prompt
     ecfg = RolloutEngineConfig(device=args.device, dtype=str(dtype).removeprefix("torch."),
                                max_num_seqs=args.episodes, max_model_len=max_len)
     engine = RolloutEngine(model, cfg, config=ecfg, eos_token_ids=(tok.eos_token_id,), tokenizer=tok)
