@@ -235,4 +235,5 @@ async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, 
 def calculator_workflow(**kwargs: Any) -> AgentWorkflow:
     """``rollout.workflow: areno.workflows.agent:calculator_workflow`` (concat export, gamma 1,
     operand credit 0.5)."""
-    return AgentWorkflow(agent=functools.partial(calculator_agent, operand_credit=0.5), gamma=1.0, export_style="concat", timeout_s=120.0, **kwargs)
+    agent = functools.partial(calculator_agent, operand_credit=0.5)
+    return AgentWorkflow(agent=agent, gamma=1.0, export_style="concat", timeout_s=120.0, **kwargs)

@@ -139,8 +139,10 @@ class ArenoAsyncOpenAI:
         rendered = []
         for m in messages:  # templates without tool support still show the calls the model made
             if m.get("tool_calls") and self.render_tools != "template":
-                calls = "".join(f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': json.loads(c['function']['arguments'] or '{}')})}</tool_call>"
-                                for c in m["tool_calls"])
+                calls = "".join(
+                    "<tool_call>" + json.dumps({"name": c["function"]["name"],
+                                                "arguments": json.loads(c["function"]["arguments"] or "{}")})
+                    + "</tool_call>" for c in m["tool_calls"])
                 m = {**m, "content": (m.get("content") or "") + calls}
             rendered.append(m)
         return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=generation, **kwargs)

@@ -213,7 +213,8 @@ class ToolSet:
             try:
                 args = json.loads(fn.get("arguments") or "{}")
             except json.JSONDecodeError as exc:
-                calls.append(ToolCallError(raw=fn.get("arguments", ""), message=f"arguments of tool {fn['name']!r} are not valid JSON ({exc.msg})"))
+                calls.append(ToolCallError(raw=fn.get("arguments", ""),
+                                           message=f"arguments of tool {fn['name']!r} are not valid JSON ({exc.msg})"))
                 continue
             calls.append(ToolCall(name=fn["name"], arguments=args, id=tc.get("id") or f"call_{uuid.uuid4().hex[:24]}"))
         calls += [ToolCallError(raw="", message=m) for m in msg.get("tool_call_errors") or []]
@@ -225,9 +226,9 @@ class ToolSet:
                 entry["tool_call_id"] = r.call.id
                 entry["name"] = r.call.name
             if session is not None:
-                session.add_tool_call(getattr(r.call, "name", "(malformed)"), getattr(r.call, "arguments", r.call.raw if isinstance(r.call, ToolCallError) else None),
-                                      result=r.content if r.ok else None, error=None if r.ok else r.content,
-                                      duration_s=r.duration_s)
+                args = r.call.arguments if isinstance(r.call, ToolCall) else r.call.raw
+                session.add_tool_call(getattr(r.call, "name", "(malformed)"), args, result=r.content if r.ok else None,
+                                      error=None if r.ok else r.content, duration_s=r.duration_s)
             out.append(entry)
         return out
 
