@@ -13,7 +13,7 @@ from areno.api.types import TokenBatch
 from areno.recipes import get_recipe
 from areno.recipes.runner import RecipeRunner
 
-from conftest import naive_logprobs, rl_batch, with_behaviour_logprobs
+from recipes_testlib import naive_logprobs, rl_batch, with_behaviour_logprobs
 from test_specializations import completion_positions, grpo_adv, preference_batch
 
 train = pytest.importorskip("areno.train")

@@ -25,7 +25,7 @@ from areno.specializations import (
 )
 from areno.specializations.base import with_extra
 
-from conftest import loss_of, make_decoder, naive_logprobs, rl_batch, with_behaviour_logprobs
+from recipes_testlib import loss_of, make_decoder, naive_logprobs, rl_batch, with_behaviour_logprobs
 
 SEQ = [(0, 7), (7, 12), (12, 19), (19, 24), (24, 30), (30, 37)]  # rl_batch() boundaries
 
@@ -327,7 +327,7 @@ def test_dpo_surrogate_value_and_gradient(model):
 
 
 def _reducer(denominator):
-    from conftest import PlainReducer
+    from recipes_testlib import PlainReducer
 
     return PlainReducer(denominator)
 

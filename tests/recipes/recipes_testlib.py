@@ -1,0 +1,79 @@
+"""Fixtures for recipe tests: a tiny decoder, a fixed packed batch, a naive (unpacked, full-logits)
+log-prob reference and a plain Reducer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areno.api.types import TokenBatch, Trajectory
+from areno.models.decoder import Decoder
+from areno.models.hf_io import tiny_config
+
+VOCAB = 24
+
+# Tiny matmuls are slower with many intra-op threads on a shared, loaded CPU.
+torch.set_num_threads(1)
+
+
+def make_decoder(seed: int) -> Decoder:
+    torch.manual_seed(seed)
+    # a large init std makes the next-token distributions far from uniform, so ratios, clips and
+    # KL terms are exercised with non-trivial values
+    return Decoder(tiny_config(VOCAB, hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3))
+
+
+def model_fixture() -> Decoder:
+    return make_decoder(0)
+
+
+def rl_batch() -> TokenBatch:
+    """6 sequences in 3 groups; group c has equal rewards (dynamic sampling drops it)."""
+    gen = torch.Generator().manual_seed(1)
+    specs = [("a", 1.0, 3, 4), ("a", 0.0, 3, 2), ("b", 0.2, 2, 5), ("b", 1.0, 2, 3), ("c", 1.0, 4, 2), ("c", 1.0, 4, 3)]
+    trajs = []
+    for gid, reward, n_prompt, n_comp in specs:
+        ids = torch.randint(3, VOCAB, (n_prompt + n_comp,), generator=gen).tolist()
+        trajs.append(Trajectory(prompt_ids=ids[:n_prompt], completion_ids=ids[n_prompt:],
+                                logprobs=[0.0] * n_comp, versions=[3] * n_comp, reward=reward, group_id=gid))
+    return TokenBatch.from_trajectories(trajs)
+
+
+def with_behaviour_logprobs(batch: TokenBatch, logp_T: torch.Tensor, seed: int = 2, scale: float = 0.3) -> TokenBatch:
+    """Behaviour log-probs = the model's own plus noise (so ratios differ from 1 and some clip)."""
+    gen = torch.Generator().manual_seed(seed)
+    noise_T = scale * torch.randn(batch.num_tokens, generator=gen)
+    batch.logprobs_T = torch.where(batch.loss_mask_T, logp_T.detach() + noise_T, torch.zeros(()))
+    return batch
+
+
+@torch.no_grad()
+def naive_logprobs(model: Decoder, batch: TokenBatch, targets_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference log-probs: each sequence alone, full fp32 log-softmax, aligned like TokenBatch."""
+    targets_T = batch.input_ids_T if targets_T is None else targets_T
+    out = torch.zeros(batch.num_tokens)
+    cu = batch.cu_seqlens_B1.tolist()
+    for b in range(batch.num_seqs):
+        ids = batch.input_ids_T[cu[b] : cu[b + 1]]
+        hidden = model(ids, torch.arange(ids.numel()))
+        logp = torch.log_softmax(model.logits(hidden).float(), -1)
+        for t in range(1, ids.numel()):
+            out[cu[b] + t] = logp[t - 1, targets_T[cu[b] + t]]
+    return out
+
+
+class PlainReducer:
+    def __init__(self, denominator: float) -> None:
+        self.denominator = denominator
+
+    def __call__(self, values, mask=None):
+        if mask is not None:
+            values = values * mask.to(values.dtype)
+        return values.sum() / self.denominator
+
+
+def loss_of(spec, model, batch):
+    """compute_loss of one whole-batch micro-batch, as the backend would call it."""
+    reducer = PlainReducer(spec.denominator(batch))
+    out = spec.extract_model_output(model, batch)
+    return spec.compute_loss(out, batch, reducer)
