@@ -74,6 +74,10 @@ def _init_world(config: ArenoConfig) -> str:
     """Join the world (env from the scheduler); returns the device type."""
     import torch.distributed as dist
 
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: stacks to the worker log
     device_type = _device_type(config)
     if config.cluster.cpu_threads:
         torch.set_num_threads(config.cluster.cpu_threads)
@@ -219,14 +223,18 @@ class RolloutWorker:
         return metrics
 
     def join_checkpoint(self, path: str, load: bool) -> None:
-        """Take part in the training checkpoint's world collectives (DCP plans, barriers) with
-        nothing to write or read."""
-        from areno.train import checkpoint
+        """Take part in the training checkpoint's world collectives with nothing to write or read:
+        the same sequence as ``areno.train.checkpoint.save`` (barrier, DCP save, barrier) / ``load``
+        (DCP load), whose DCP plans and barriers span the default group."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
 
         if load:
-            checkpoint.load(path, torch.nn.Module(), None)
+            dcp.load({}, checkpoint_id=path)
         else:
-            checkpoint.save(path, torch.nn.Module(), None, {})
+            dist.barrier()
+            dcp.save({}, checkpoint_id=path)
+            dist.barrier()
 
     def shutdown(self) -> None:
         self.server.should_exit = True
@@ -304,10 +312,8 @@ class PartitionedArenoEngine(ArenoEngine):
         self.runner = None
 
     # ----------------------------------------------------------------------------- set-up
-    def plan_layout(self, model_dir: Path) -> ClusterLayout:
-        """The validated layout (lists, routing, memory) — raises before anything is launched."""
-        from areno.models.hf_io import read_config
-
+    def plan_layout(self) -> ClusterLayout:
+        """The validated layout (lists, TP, routing) — raises before anything is loaded."""
         cfg = self.config
         cuda = _device_type(cfg) == "cuda"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -324,6 +330,15 @@ class PartitionedArenoEngine(ArenoEngine):
             raise LayoutError(f"rollout TP {layout.rollout_tp}: the partitioned engine serves rollout TP 1 "
                               "replicas (rollout DP = number of rollout devices); use rollout t1")
         layout.relays()  # routing error (no relay on another device) before launch
+        return layout
+
+    def check_memory(self, layout: ClusterLayout, model_dir: Path) -> None:
+        """LayoutError when some device cannot hold what the layout puts on it (``estimate_memory``
+        against ``device_capacity``, default each GPU's total memory; nothing checked on CPU)."""
+        from areno.models.hf_io import read_config
+
+        cfg = self.config
+        cuda = layout.cuda
         capacity = self._device_capacity
         if capacity is None and cuda:
             capacity = {d: torch.cuda.get_device_properties(d).total_memory
@@ -335,7 +350,6 @@ class PartitionedArenoEngine(ArenoEngine):
             est = estimate_memory(layout, model_config, train_dtype=cfg.model.dtype if cfg.model.dtype != "auto"
                                   else "float32", rollout_dtype=rollout_dtype, kv_tokens=kv_tokens_for(cfg))
             validate_memory(layout, est, capacity)
-        return layout
 
     def initialize(self) -> None:
         from transformers import AutoTokenizer
@@ -350,6 +364,7 @@ class PartitionedArenoEngine(ArenoEngine):
         if not self.recipe.online:
             raise ValueError(f"recipe {cfg.train.algorithm!r} trains offline: the partitioned topology is for online "
                              "RL; unset cluster.train_devices/rollout_devices to run it colocated")
+        self.layout = layout = self.plan_layout()
         train_rows, self.eval_rows = build_splits(cfg.data)
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
         self.device = torch.device("cpu")  # the controller holds no model
@@ -357,7 +372,7 @@ class PartitionedArenoEngine(ArenoEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json")
-        self.layout = layout = self.plan_layout(model_dir)
+        self.check_memory(layout, model_dir)
         logger.info("partitioned topology: %s", layout.describe())
         if self.scheduler is None:
             self.scheduler = LocalScheduler(log_dir=str(self.run_dir / "workers"))
@@ -382,14 +397,12 @@ class PartitionedArenoEngine(ArenoEngine):
         return metrics
 
     def update_weights(self) -> dict[str, float]:
-        from areno.launch.scheduler import _gather
-
         version = self.version + 1
         if self.asynchronous:
             self.executor.pause()
         try:
             futures = self.scheduler.submit("train", "sync", version) + self.scheduler.submit("rollout", "sync", version)
-            results = _gather(futures)
+            results = gather_fail_fast(futures)
         finally:
             if self.asynchronous:
                 # every rollout engine committed (all-or-nothing) or none did
@@ -401,24 +414,20 @@ class PartitionedArenoEngine(ArenoEngine):
 
     # ----------------------------------------------------------------------------- state
     def save(self, path: Path, trainer_state: dict) -> None:
-        from areno.launch.scheduler import _gather
-
         state = {**trainer_state, "data": self.train_stream.state_dict(), "version": self.version}
         tmp = path.with_name(path.name + ".tmp")
         for role in self.scheduler.call("train", "trainable_roles")[0]:
             # DCP's collectives span the world: rollout ranks join with nothing to write
-            _gather(self.scheduler.submit("train", "save_role", str(tmp / role), role, state)
+            gather_fail_fast(self.scheduler.submit("train", "save_role", str(tmp / role), role, state)
                     + self.scheduler.submit("rollout", "join_checkpoint", str(tmp / role), False))
         self.export_policy(tmp / "hf")
         tmp.rename(path)
         (path / "COMPLETE").write_text("ok")
 
     def load(self, path: Path) -> dict:
-        from areno.launch.scheduler import _gather
-
         state = {}
         for role in self.scheduler.call("train", "trainable_roles")[0]:
-            results = _gather(self.scheduler.submit("train", "load_role", str(path / role), role)
+            results = gather_fail_fast(self.scheduler.submit("train", "load_role", str(path / role), role)
                               + self.scheduler.submit("rollout", "join_checkpoint", str(path / role), True))
             state = results[0]
         self.train_stream.load_state_dict(state["data"])
@@ -446,3 +455,15 @@ class PartitionedArenoEngine(ArenoEngine):
 
 def results_ok(futures) -> list[bool]:
     return [f.done() and f.exception() is None for f in futures]
+
+
+def gather_fail_fast(futures: list) -> list:
+    """Results of worker futures in order; the first worker error is raised at once (the other
+    workers may then be stuck in a collective with it: the engine must be shut down)."""
+    import concurrent.futures
+
+    done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    for f in futures:
+        if f in done and f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]

@@ -1,12 +1,13 @@
 """A partitioned run on CPU: 1 training + 1 rollout worker process in one gloo world."""
 
-import json
+import concurrent.futures
 
 import pytest
 import torch
+from transformers import AutoTokenizer  # noqa: F401 - imported before two threads race to import it
 
 from areno.api.config import load_config
-from areno.engine.api import ArenoEngine
+from areno.engine.api import ArenoEngine, prepare_model_dir
 from areno.engine.cluster import LayoutError
 from areno.engine.partitioned import PartitionedArenoEngine, is_partitioned
 
@@ -27,10 +28,8 @@ def _config(tmp_path, *extra):
 
 
 def _two_steps(engine):
-    import time
     rows = []
     for i in range(2):
-        print("step", i, time.time())
         rollout = engine.generate_rollout(i)
         rows.append((rollout, engine.step(rollout)))
         engine.update_weights()
@@ -38,6 +37,12 @@ def _two_steps(engine):
 
 
 def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
+    cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
+    assert is_partitioned(cfg)
+    prepare_model_dir(cfg)  # once, before the two engines start side by side
+    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    # the workers start (processes, imports) while the colocated reference runs here
+    starting = concurrent.futures.ThreadPoolExecutor(1).submit(engine.initialize)
     colocated_cfg = _config(tmp_path)
     assert not is_partitioned(colocated_cfg)
     colocated = ArenoEngine(colocated_cfg, tmp_path / "run")
@@ -46,15 +51,8 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
         ref = _two_steps(colocated)
     finally:
         colocated.shutdown()
-
-    cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
-    assert is_partitioned(cfg)
-    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
-    import time
-    t0 = time.time()
-    engine.initialize()
-    print("init", time.time() - t0)
     try:
+        starting.result()
         assert [(h.rank, h.role) for h in engine.scheduler.workers("train") + engine.scheduler.workers("rollout")] \
             == [(0, "train"), (1, "rollout")]
         got = _two_steps(engine)
@@ -85,9 +83,49 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
 
 
+def test_memory_check_refuses_an_overlapping_layout_before_launch(tmp_path):
+    # both workers on logical device 0 of 1 MiB: the tiny model's training state alone does not fit
+    engine = PartitionedArenoEngine(_config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[0]"),
+                                    tmp_path / "run", device_capacity=1 << 20)
+    with pytest.raises(LayoutError, match=r"^device 0 needs ~\d+\.\d+ GiB \(train_model_grad_optim .* but has 0\.00 GiB"):
+        engine.initialize()
+    assert engine.scheduler is None  # nothing was launched
+
+
 def test_partitioned_engine_refuses_colocated_config_and_offline_recipe(tmp_path):
     with pytest.raises(LayoutError, match="needs cluster.train_devices"):
         PartitionedArenoEngine(_config(tmp_path), tmp_path / "run").initialize()
     with pytest.raises(ValueError, match="trains offline"):
         PartitionedArenoEngine(_config(tmp_path, "train.algorithm=sft", "cluster.train_devices=[0]",
                                        "cluster.rollout_devices=[1]"), tmp_path / "run").initialize()
+
+
+@pytest.mark.slow
+def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
+    """η = 1 (everlasting pool), FSDP over 2 training ranks, 2 rollout replicas; a checkpoint
+    saved mid-run loads back (version, data position) and the policy streams again."""
+    cfg = _config(tmp_path, "cluster.train_devices=[0, 1]", "cluster.rollout_devices=[2, 3]",
+                  "rollout.max_head_offpolicyness=1", "rollout.max_concurrent=4")
+    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine.initialize()
+    try:
+        assert engine.layout.train_mesh_shape == (1, 2, 1) and engine.layout.sender_ranks == (0, 1)
+        assert [h.rank for h in engine.scheduler.workers("rollout")] == [2, 3]
+        rows = _two_steps(engine)
+        for rollout, metrics in rows:
+            assert "rollout/staleness_max" in rollout.metrics and rollout.metrics["rollout/staleness_max"] <= 1
+            assert "train/policy/loss" in metrics
+        assert rows[1][1]["policy_sync_bytes"] > 0
+        # both replicas served requests (round-robin)
+        assert all(n > 0 for n in engine.client.requests_per_replica)
+        ckpt = tmp_path / "ckpt"
+        engine.save(ckpt, {"step": 2})
+        assert (ckpt / "COMPLETE").exists() and (ckpt / "hf" / "config.json").exists()
+        data_state = engine.train_stream.state_dict()
+        engine.version = 7  # load restores the saved version
+        state = engine.load(ckpt)
+        assert state["step"] == 2 and engine.version == 2
+        assert engine.train_stream.state_dict() == data_state
+        assert engine.scheduler.call("rollout", "version") == [3, 3]  # re-synced after load
+    finally:
+        engine.shutdown()
