@@ -43,7 +43,11 @@ from areno.rollout.client import HTTPRolloutClient, RolloutClient
 logger = logging.getLogger(__name__)
 
 __all__ = ["PartitionedArenoEngine", "ReplicaRolloutClient", "RolloutWorker", "TrainWorker",
-           "is_partitioned", "kv_tokens_for"]
+           "WorkerLostError", "is_partitioned", "kv_tokens_for"]
+
+class WorkerLostError(RuntimeError):
+    """A worker of the partitioned world died; its world cannot be re-formed in place."""
+
 
 PROMPT_TOKENS_EST = 256
 """Prompt tokens per sequence assumed by the KV-cache estimate."""
@@ -136,6 +140,9 @@ class TrainWorker:
             topology=layout.stream_topology(), config=_sync_config(cfg),
             source=NamedTensorSource(backends[self.policy].named_weights),
             device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu")
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def step(self, batch_bytes: bytes) -> dict[str, float]:
         """``batch_bytes``: a pickled TokenBatch (plain pickle: the scheduler's connection would
@@ -397,6 +404,7 @@ class PartitionedArenoEngine(ArenoEngine):
         return metrics
 
     def update_weights(self) -> dict[str, float]:
+        self.check_workers()
         version = self.version + 1
         if self.asynchronous:
             self.executor.pause()
@@ -412,8 +420,25 @@ class PartitionedArenoEngine(ArenoEngine):
         self._pending_sync_metrics = results[0]
         return {}
 
+    def check_workers(self) -> None:
+        """WorkerLostError (one line) naming the first dead worker. A dead rollout replica only
+        loses its in-flight HTTP requests, which the client re-sends to another replica (the
+        episode, run here, is neither lost nor duplicated); but the policy sync needs every rank
+        of the world, which cannot be re-formed around a new process in place."""
+        from areno.launch.scheduler import WorkerDiedError
+
+        for role in ("train", "rollout"):
+            for handle, future in zip(self.scheduler.workers(role), self.scheduler.submit(role, "pid")):
+                try:
+                    future.result(timeout=60)
+                except WorkerDiedError:
+                    raise WorkerLostError(
+                        f"{handle.name} (pid {handle.pid}) died; the distributed world cannot be re-formed in "
+                        f"place: restart the run from its last checkpoint (log: {handle.log_path})") from None
+
     # ----------------------------------------------------------------------------- state
     def save(self, path: Path, trainer_state: dict) -> None:
+        self.check_workers()
         state = {**trainer_state, "data": self.train_stream.state_dict(), "version": self.version}
         tmp = path.with_name(path.name + ".tmp")
         for role in self.scheduler.call("train", "trainable_roles")[0]:

@@ -129,3 +129,31 @@ def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
         assert engine.scheduler.call("rollout", "version") == [3, 3]  # re-synced after load
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_dead_rollout_replica_requests_rerouted_then_sync_refused(tmp_path):
+    """rollout[1] dies: the batch still completes on rollout[0] (no trajectory lost or
+    duplicated); the next policy sync is refused with a one-line error naming the worker."""
+    import os
+    import signal
+
+    from areno.engine.partitioned import WorkerLostError
+
+    cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1, 2]")
+    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine.initialize()
+    try:
+        dead = engine.scheduler.workers("rollout")[1]
+        os.kill(dead.pid, signal.SIGKILL)
+        rollout = engine.generate_rollout(0)
+        assert len(rollout.trajectories) == 2 * 4
+        prompts = [t.info.get("prompt") for t in rollout.trajectories]
+        assert all(prompts.count(p) == 4 for p in prompts)  # two groups of 4, nothing duplicated
+        assert engine.client.requests_per_replica[1] == 0 and engine.client.requests_per_replica[0] == 8
+        engine.step(rollout)
+        with pytest.raises(WorkerLostError, match=r"^rollout\[1\] \(pid \d+\) died"):
+            engine.update_weights()
+        assert engine.version == 0
+    finally:
+        engine.shutdown()
