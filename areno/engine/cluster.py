@@ -297,19 +297,30 @@ def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
     from areno.train.fsdp import MESH_DIMS
 
     rank = dist.get_rank()
+    # NCCL subgroups in a gloo world on GPU (members of each group sit on distinct GPUs)
+    backend = "nccl" if device_type == "cuda" else None
     g = Groups()
-    train_group = dist.new_group(list(layout.train_ranks))
+    train_group = dist.new_group(list(layout.train_ranks), backend=backend)
     # DeviceMesh creates its per-dimension groups with new_group: every rank must take part.
-    mesh = DeviceMesh(device_type, torch.tensor(layout.train_mesh_ranks()), mesh_dim_names=MESH_DIMS)
+    mesh_ranks = torch.tensor(layout.train_mesh_ranks())
+    if backend is None:
+        mesh = DeviceMesh(device_type, mesh_ranks, mesh_dim_names=MESH_DIMS)
+    else:
+        try:
+            mesh = DeviceMesh(device_type, mesh_ranks, mesh_dim_names=MESH_DIMS,
+                              backend_override=tuple((backend, None) for _ in MESH_DIMS))
+        except TypeError:
+            raise LayoutError(f"torch {torch.__version__}: DeviceMesh has no backend_override, which the "
+                              "partitioned topology needs on GPU (NCCL mesh in a gloo world); upgrade torch") from None
     if rank in layout.train_ranks:
         g.train_group, g.train_mesh = train_group, mesh
-    rollout_group = dist.new_group(list(layout.rollout_ranks))
+    rollout_group = dist.new_group(list(layout.rollout_ranks), backend=backend)
     for ranks in layout.rollout_tp_groups():
-        pg = dist.new_group(list(ranks))
+        pg = dist.new_group(list(ranks), backend=backend)
         if rank in ranks:
             g.rollout_tp_group = pg
     for ranks in layout.rollout_dp_groups():
-        pg = dist.new_group(list(ranks))
+        pg = dist.new_group(list(ranks), backend=backend)
         if rank in ranks:
             g.rollout_dp_group = pg
     if rank in layout.rollout_ranks:

@@ -88,7 +88,10 @@ def _init_world(config: ArenoConfig) -> str:
     if device_type == "cuda":
         torch.cuda.set_device(0)  # the scheduler gave this worker exactly its device
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        # The world is gloo even on GPU: overlapping device lists put two ranks on one GPU, which
+        # an NCCL communicator must never hold. NCCL lives in the subgroups (build_groups and the
+        # stream transport's data plane), whose members are on distinct GPUs by construction.
+        dist.init_process_group("gloo")
     return device_type
 
 
@@ -139,7 +142,8 @@ class TrainWorker:
         self.transport = StreamTransport(
             topology=layout.stream_topology(), config=_sync_config(cfg),
             source=NamedTensorSource(backends[self.policy].named_weights),
-            device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu")
+            device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu",
+            backend="nccl" if device_type == "cuda" else None)
 
     def pid(self) -> int:
         return os.getpid()
@@ -202,7 +206,8 @@ class RolloutWorker:
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
                  for n, t in self.engine.weight_tensors().items()}
         self.transport = StreamTransport(topology=layout.stream_topology(), config=_sync_config(cfg),
-                                         receiver=engine_receiver(self.engine, specs), device=device)
+                                         receiver=engine_receiver(self.engine, specs), device=device,
+                                         backend="nccl" if device_type == "cuda" else None)
         self.app = create_app(self.engine, tokenizer=tokenizer)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,

@@ -157,3 +157,22 @@ def test_dead_rollout_replica_requests_rerouted_then_sync_refused(tmp_path):
         assert engine.version == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_partitioned_on_two_gpus_overlapping_lists(tmp_path):
+    """Both lists [0, 1]: each GPU holds a training and a rollout worker; NCCL subgroups in a gloo
+    world, relays on the other GPU. Same metric keys as the CPU run, finite values."""
+    cfg = _config(tmp_path, "cluster.device=cuda", "cluster.train_devices=[0, 1]", "cluster.rollout_devices=[0, 1]",
+                  "rollout.kv_blocks=256")
+    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine.initialize()
+    try:
+        assert engine.layout.overlapping == (0, 1) and engine.layout.relays() == [3, 2]
+        rows = _two_steps(engine)
+        assert rows[1][1]["policy_sync_bytes"] > 0 and "train/policy/loss" in rows[1][1]
+        assert all(v == v for v in rows[1][1].values())
+        assert engine.scheduler.call("rollout", "version") == [2, 2]
+    finally:
+        engine.shutdown()
