@@ -283,12 +283,16 @@ class PackedCausalAttention:
     - ``"flex"``: FlexAttention with a document block mask, compiled (the CUDA default).
     - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash, CUDA bf16/fp16 only; torch
       versions whose varlen lacks GQA get k/v repeated, and lack sliding windows fall back to flex).
-    - ``"auto"``: flex on CUDA; elsewhere sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens, else sdpa.
+    - ``"sdpa_padded"``: scatter the sequences into a right-padded [B, H, S_max, Dh] batch and run
+      one causal SDPA call (padding sits after every real token, so causality hides it); costs
+      B * S_max^2 instead of T^2, the fast path for many short sequences on CPU.
+    - ``"auto"``: flex on CUDA; elsewhere sdpa_padded when padding wastes at most half the tokens,
+      else sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens, else per-sequence sdpa.
     ``prepare`` builds the mask (or boundaries) once; ``Decoder.forward`` calls it before the
     layers, so compiled layers only read it (no host sync or mask construction inside them).
     """
 
-    IMPLS = ("auto", "sdpa", "sdpa_mask", "flex", "varlen")
+    IMPLS = ("auto", "sdpa", "sdpa_mask", "sdpa_padded", "flex", "varlen")
 
     def __init__(
         self, cu_seqlens_B1: torch.Tensor, *, sliding_window: int | None = None, impl: str = "auto"
@@ -312,8 +316,12 @@ class PackedCausalAttention:
         if impl == "auto":
             # CPU: many short sequences cost one SDPA call each, so below a few thousand tokens
             # one masked call per layer is cheaper (the T x T mask stays small).
+            seqlens_B = self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]
+            padded_tokens = int(seqlens_B.max()) * seqlens_B.numel() if num_tokens else 0
             if device.type == "cuda":
                 impl = "flex"
+            elif self.sliding_window is None and padded_tokens <= 2 * num_tokens:
+                impl = "sdpa_padded"
             else:
                 impl = "sdpa_mask" if num_tokens <= SDPA_MASK_MAX_TOKENS else "sdpa"
         if impl == "varlen" and self.sliding_window is not None and "window_size" not in _varlen_params():
@@ -325,6 +333,16 @@ class PackedCausalAttention:
             self._state = self.cu_seqlens_B1.tolist()
         elif impl == "sdpa_mask":
             self._state = self._sdpa_mask(num_tokens, device)
+        elif impl == "sdpa_padded":
+            if self.sliding_window is not None:
+                raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
+            cu = self.cu_seqlens_B1.to(device)
+            seqlens_B = cu[1:] - cu[:-1]
+            max_len = int(seqlens_B.max()) if num_tokens else 0
+            starts_T = torch.repeat_interleave(cu[:-1], seqlens_B)
+            pos_T = torch.arange(num_tokens, device=device) - starts_T
+            seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=device), seqlens_B)
+            self._state = (seq_T * max_len + pos_T, seqlens_B.numel(), max_len)  # flat padded index
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
         else:
@@ -381,6 +399,18 @@ class PackedCausalAttention:
             return torch.empty_like(q_THD)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def _sdpa_padded(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        flat_T, num_seqs, max_len = self._state
+
+        def pad(x_THD: torch.Tensor) -> torch.Tensor:  # [T, H, Dh] -> [B, H, S, Dh]
+            out = x_THD.new_zeros(num_seqs * max_len, *x_THD.shape[1:])
+            out = out.index_copy(0, flat_T, x_THD)
+            return out.view(num_seqs, max_len, *x_THD.shape[1:]).transpose(1, 2)
+
+        out_BHSD = F.scaled_dot_product_attention(pad(q_THD), pad(k_THD), pad(v_THD), is_causal=True, enable_gqa=True)
+        out_flat = out_BHSD.transpose(1, 2).reshape(num_seqs * max_len, *q_THD.shape[1:])
+        return out_flat.index_select(0, flat_T)
+
     def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -405,6 +435,8 @@ class PackedCausalAttention:
             return self._sdpa_per_sequence(q_THD, k_THD, v_THD)
         if impl == "varlen":
             return self._varlen(q_THD, k_THD, v_THD)
+        if impl == "sdpa_padded":
+            return self._sdpa_padded(q_THD, k_THD, v_THD)
         q = q_THD.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, Dh]
         k = k_THD.transpose(0, 1).unsqueeze(0)
         v = v_THD.transpose(0, 1).unsqueeze(0)

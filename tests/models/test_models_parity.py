@@ -78,7 +78,7 @@ def test_logprob_parity_with_transformers(case, tmp_path):
     assert all(ours_sd[k].shape == ref_sd[k].shape for k in ours_sd)
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "sdpa_mask"])
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_mask", "sdpa_padded", "auto"])
 def test_packed_forward_equals_per_sequence(impl):
     torch.manual_seed(0)
     model = Decoder(tiny_config(VOCAB, arch="qwen3", initializer_range=0.2)).eval()
