@@ -54,9 +54,14 @@ PROMPT_TOKENS_EST = 256
 
 
 def is_partitioned(config: ArenoConfig) -> bool:
-    """True when the config asks for the partitioned topology (what ArenoBackend checks)."""
+    """True when the config asks for the partitioned topology (what ArenoBackend checks):
+    device lists or a ``+`` allocation_mode, and an online recipe (offline recipes such as the
+    pipeline's sft warm start have no rollout side and run colocated)."""
+    from areno.recipes import get_recipe
+
     c = config.cluster
-    return c.train_devices is not None or c.rollout_devices is not None or "+" in (c.allocation_mode or "")
+    asked = c.train_devices is not None or c.rollout_devices is not None or "+" in (c.allocation_mode or "")
+    return asked and get_recipe(config.train.algorithm).online
 
 
 def kv_tokens_for(config: ArenoConfig, block_size: int = 16) -> int:

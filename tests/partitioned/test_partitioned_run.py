@@ -95,9 +95,10 @@ def test_memory_check_refuses_an_overlapping_layout_before_launch(tmp_path):
 def test_partitioned_engine_refuses_colocated_config_and_offline_recipe(tmp_path):
     with pytest.raises(LayoutError, match="needs cluster.train_devices"):
         PartitionedArenoEngine(_config(tmp_path), tmp_path / "run").initialize()
+    sft = _config(tmp_path, "train.algorithm=sft", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
+    assert not is_partitioned(sft)  # ArenoBackend runs it colocated
     with pytest.raises(ValueError, match="trains offline"):
-        PartitionedArenoEngine(_config(tmp_path, "train.algorithm=sft", "cluster.train_devices=[0]",
-                                       "cluster.rollout_devices=[1]"), tmp_path / "run").initialize()
+        PartitionedArenoEngine(sft, tmp_path / "run").initialize()
 
 
 @pytest.mark.slow
