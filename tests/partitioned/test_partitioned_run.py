@@ -177,3 +177,40 @@ def test_partitioned_on_two_gpus_overlapping_lists(tmp_path):
         assert engine.scheduler.call("rollout", "version") == [2, 2]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_trainer_loop_through_the_proposed_backend_switch(tmp_path):
+    """The Trainer's loop (rollout, train, sync, checkpoint) on ArenoBackend with the one-line
+    switch applied: metrics.jsonl has the colocated run's keys; the final checkpoint completes."""
+    import json
+
+    from areno.api.backend.areno.backend import ArenoBackend
+    from areno.api.backend.base import BACKENDS, register_backend
+    from areno.api.trainer import Trainer
+
+    @register_backend("areno-partitioned-test")
+    class Switched(ArenoBackend):
+        def initialize(self, config, run_dir):
+            self.engine = (PartitionedArenoEngine if is_partitioned(config) else ArenoEngine)(config, run_dir)
+            self.engine.initialize()
+
+    def run(name, *extra):
+        cfg = _config(tmp_path / name, "train.steps=2", "train.eval_interval=0",
+                      "train.backend=areno-partitioned-test", *extra)
+        trainer = Trainer.init(cfg)
+        try:
+            trainer.run()
+        finally:
+            trainer.shutdown()
+        rows = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
+        return rows, tmp_path / name / "run"
+
+    try:
+        ref, _ = run("colocated")
+        got, run_dir = run("partitioned", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
+    finally:
+        BACKENDS.pop("areno-partitioned-test")
+    keys = lambda rows: set().union(*(r.keys() for r in rows)) - {"time", "wall_time"}  # noqa: E731
+    assert keys(got) == keys(ref), keys(got) ^ keys(ref)
+    assert (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists()
