@@ -12,6 +12,7 @@ from pathlib import Path
 from areno.api.backend.base import Backend, RolloutBatch, register_backend
 from areno.api.config import ArenoConfig
 from areno.engine.api import ArenoEngine
+from areno.engine.partitioned import PartitionedArenoEngine, is_partitioned
 
 
 @register_backend("areno")
@@ -19,7 +20,8 @@ class ArenoBackend(Backend):
     engine: ArenoEngine
 
     def initialize(self, config: ArenoConfig, run_dir: Path) -> None:
-        self.engine = ArenoEngine(config, run_dir)
+        engine_cls = PartitionedArenoEngine if is_partitioned(config) else ArenoEngine
+        self.engine = engine_cls(config, run_dir)
         self.engine.initialize()
 
     def rollout_batch(self, rollout_id: int) -> RolloutBatch:
