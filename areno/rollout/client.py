@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from areno.api.types import GenerationOutput, SamplingParams
+from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
 
 
@@ -56,7 +57,8 @@ class InProcessRolloutClient(RolloutClient):
             self._pending[request_id] = (loop, future)
         self._wakeup.set()
         try:
-            return await future
+            with async_span("rollout_request", "rollout", request_id, prompt_tokens=len(prompt_ids)):
+                return await future
         except asyncio.CancelledError:
             self._abort_quietly(request_id)
             raise

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from areno.api.types import GenerationOutput, SamplingParams
+from areno.observe.trace import instant, span
 from areno.rollout.attention import PagedAttention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
 from areno.rollout.sampling import SampleRequest, Sampler, check_stop, make_generator, suppressed_ids
@@ -242,6 +243,10 @@ class RolloutEngine:
     @torch.no_grad()
     def step(self) -> list[GenerationOutput]:
         """Run one forward pass over the scheduled tokens; returns the requests that finished."""
+        with span("engine_step", "rollout"):
+            return self._step()
+
+    def _step(self) -> list[GenerationOutput]:
         with self._lock:
             if self._paused or self._sleeping or not self.scheduler.has_unfinished():
                 return []
@@ -359,10 +364,12 @@ class RolloutEngine:
     # ------------------------------------------------------------------ control
     def pause(self) -> None:
         """Stop at the step boundary; in-flight requests keep their tokens and K/V."""
+        instant("engine_pause", "rollout", version=self._version)
         with self._lock:
             self._paused = True
 
     def resume(self) -> None:
+        instant("engine_resume", "rollout", version=self._version)
         with self._lock:
             self._paused = False
 

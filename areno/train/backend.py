@@ -24,6 +24,7 @@ from areno.api.types import TokenBatch
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import load_model, save_model
+from areno.observe.trace import span
 from areno.train import checkpoint
 from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
 from areno.train.config import TrainBackendConfig
@@ -193,13 +194,14 @@ class PackedTrainBackend(TrainBackend):
         metric_sums: dict[str, float] = {}
         tokens = 0
         for seq_idx, mb in self._micro_batches(batch, plan):
-            with self._autocast():
+            with span("micro_batch", "train", tokens=mb.num_tokens), self._autocast():
                 output = forward_fn(self.model, mb)
                 loss, metrics = loss_fn(output, mb, reducer)
             if not seq_idx:  # dummy micro-batch: keeps collectives in step, contributes nothing
                 loss = loss * 0.0
                 metrics = {key: 0.0 for key in metrics}  # same keys on every rank for the all-reduce
-            (loss * loss_scale).backward()
+            with span("backward", "train", tokens=mb.num_tokens):
+                (loss * loss_scale).backward()
             loss_sum += loss.detach().double().cpu()
             tokens += mb.num_tokens if seq_idx else 0
             for key, value in metrics.items():
@@ -213,7 +215,8 @@ class PackedTrainBackend(TrainBackend):
             if self.cfg.grad_clip is not None:
                 clip_grads(grad_groups, grad_norm, self.cfg.grad_clip)
             lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
+            with span("optimizer_step", "train"):
+                self.optimizer.step()
             self.scheduler.step()
         else:
             lr = 0.0

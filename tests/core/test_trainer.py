@@ -70,7 +70,7 @@ def _config(tmp_path, *extra):
 
 def test_grpo_reward_goes_up(tmp_path):
     cfg = _config(tmp_path, "reward.fn=test_trainer:sevens", "optim.lr=0.02", "train.steps=12",
-                  "train.eval_interval=0", "train.seed=1")
+                  "train.eval_interval=0", "train.seed=1", "observe.trace=true")
     trainer = Trainer.init(cfg)
     try:
         trainer.run()
@@ -88,6 +88,12 @@ def test_grpo_reward_goes_up(tmp_path):
         assert key in step_rows[-1], key
     assert any("policy_sync_time_s" in r for r in rows)
     assert (tmp_path / "run" / "checkpoints" / "step_00000012" / "COMPLETE").exists()
+    assert (tmp_path / "run" / "checkpoints" / "step_00000012" / "hf" / "model.safetensors").exists()
+    # performance trace: spans from the loop, the rollout engine and the training backend
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    names = {e["name"] for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)}
+    assert {"rollout", "train", "policy_sync", "checkpoint", "rollout_request", "engine_step", "micro_batch",
+            "backward", "optimizer_step"} <= names
 
 
 def test_pipeline_warm_start_and_export_loads_in_transformers(tmp_path):
