@@ -142,3 +142,16 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out
     assert "grpo" in out and "sft" in out
+
+
+def test_demo_config_first_step_runs(tmp_path):
+    """examples/demo.yaml as shipped, cut to one warm-start and one GRPO step."""
+    from areno.api.pipeline import DEMO_CONFIG
+
+    cfg = load_config(DEMO_CONFIG, [f"run_dir={tmp_path / 'demo'}", f"model.path={tmp_path / 'demo' / 'init'}",
+                                    "warm_start.steps=1", "train.steps=1", "data.num_eval=4",
+                                    "observe.console=false"])
+    summary = run_pipeline(cfg)
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    rows = [json.loads(l) for l in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-2]["rollout/num_seqs"] == cfg.rollout.batch_size * cfg.rollout.n_samples
