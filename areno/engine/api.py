@@ -292,11 +292,14 @@ class ArenoEngine:
         for role_name, backend in self.runner.backends.items():
             if backend.cfg.trainable:
                 state = backend.load_checkpoint(path / role_name)
-        self.train_stream.load_state_dict(state["data"])
-        self.version = int(state["version"])
-        self.update_weights()
-        self.version = int(state["version"])
+        self._restore(state)
         return state
+
+    def _restore(self, state: dict) -> None:
+        """Data cursor and policy version of a checkpoint; the loaded weights go to the rollout side."""
+        self.train_stream.load_state_dict(state["data"])
+        self.version = int(state["version"]) - 1  # update_weights publishes them as that version
+        self.update_weights()
 
     def export_policy(self, path: Path) -> None:
         policy = self.runner.roles_to_sync()[0] if self.runner.roles_to_sync() else self.recipe.roles[0].name

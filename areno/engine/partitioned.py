@@ -465,10 +465,7 @@ class PartitionedArenoEngine(ArenoEngine):
             results = gather_fail_fast(self.scheduler.submit("train", "load_role", str(path / role), role)
                               + self.scheduler.submit("rollout", "join_checkpoint", str(path / role), True))
             state = results[0]
-        self.train_stream.load_state_dict(state["data"])
-        self.version = int(state["version"])
-        self.update_weights()
-        self.version = int(state["version"])
+        self._restore(state)
         return state
 
     def export_policy(self, path: Path) -> None:
