@@ -183,7 +183,6 @@ run_demo(run_dir=sys.argv[1], overrides=sys.argv[2:])
 """
 
 
-@pytest.mark.slow
 def test_report_from_a_real_tiny_run(tmp_path):
     """A few GRPO steps of the CPU demo with a 2-layer model, then the report of that run.
 
