@@ -94,6 +94,8 @@ class RolloutSection:
     """Generation limit per completion."""
     workflow: str = "areno.workflows.rlvr:RLVRWorkflow"
     """Dotted path of the RolloutWorkflow class."""
+    workflow_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the workflow (e.g. max_turns, horizon, gamma)."""
     max_head_offpolicyness: int = 0
     """Staleness bound η: trajectories at most η policy versions behind; 0 is synchronous."""
     max_concurrent: int = 256

@@ -8,6 +8,8 @@ in process or against a remote server. Users write their own workflow by subclas
 
 from __future__ import annotations
 
+import inspect
+
 import importlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
@@ -78,6 +80,11 @@ def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
     """Build the workflow named by ``dotted_path`` (a ``RolloutWorkflow`` subclass, or a factory
     function returning an instance) with ``kwargs``."""
     obj = _import_dotted(dotted_path)
+    if isinstance(obj, type) and issubclass(obj, RolloutWorkflow) or callable(obj) and not isinstance(obj, type):
+        try:
+            inspect.signature(obj).bind(**kwargs)
+        except TypeError as exc:  # an unknown or missing argument: name it before building anything
+            raise ValueError(f"workflow {dotted_path!r}: {exc} (check rollout.workflow_kwargs)") from None
     if isinstance(obj, type):
         if not issubclass(obj, RolloutWorkflow):
             raise ValueError(

@@ -192,7 +192,8 @@ class ArenoEngine:
         reward_fn = import_object(cfg.reward.fn, what="reward.fn")
         workflow = load_workflow(cfg.rollout.workflow, tokenizer=self.tokenizer, reward_fn=reward_fn,
                                  n_samples=cfg.rollout.n_samples, sampling_params=self._sampling_params(greedy=False),
-                                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+                                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                                 **cfg.rollout.workflow_kwargs)
         staleness = StalenessManager(max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                                      batch_size=cfg.rollout.batch_size, max_concurrent=cfg.rollout.max_concurrent)
         return WorkflowExecutor(self.client, workflow, iter(self.train_stream), staleness,

@@ -155,3 +155,10 @@ def test_demo_config_first_step_runs(tmp_path):
     assert 0.0 <= summary["accuracy_after"] <= 1.0
     rows = [json.loads(l) for l in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-2]["rollout/num_seqs"] == cfg.rollout.batch_size * cfg.rollout.n_samples
+
+
+def test_unknown_workflow_kwarg_is_one_line(tmp_path):
+    cfg = _config(tmp_path, "rollout.workflow_kwargs={max_turnz: 3}")
+    with pytest.raises(ValueError, match=r"workflow 'areno.workflows.rlvr:RLVRWorkflow': .*max_turnz") as info:
+        Trainer.init(cfg)
+    assert "\n" not in str(info.value)
