@@ -162,3 +162,13 @@ def test_unknown_workflow_kwarg_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"workflow 'areno.workflows.rlvr:RLVRWorkflow': .*max_turnz") as info:
         Trainer.init(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_python_m_areno_train_selects_the_algorithm(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "areno.train", "--algorithm", "grpoo", f"model.path={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown recipe 'grpoo': did you mean grpo" in proc.stderr
