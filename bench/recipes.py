@@ -1,6 +1,6 @@
 """Learning check (issue 5): held-out accuracy before and after each RL recipe, same step budget.
 
-On the shipped task (``examples/demo.yaml``: 1-2 digit addition, a tiny character-level model):
+On the shipped task (``examples/demo.yaml``: digit sorting, a tiny character-level model):
 
 1. one supervised warm start (the ``sft`` recipe) gives the common starting checkpoint;
 2. for ``opd``, a stronger teacher: the same warm start run ``--teacher-steps`` steps;
