@@ -53,6 +53,20 @@ def prepare_model_dir(config: ArenoConfig) -> Path:
     return path
 
 
+def resolve_recipe(config: ArenoConfig):
+    """The recipe of ``train.algorithm`` with ``train.algorithm_kwargs`` applied; online recipes
+    recompute log-probs under the rollouts' sampling temperature. Unknown recipe, bad kwargs, a
+    teacher role without checkpoint: a ValueError here, before any model loads."""
+    from areno.recipes import get_recipe
+
+    policy_kwargs = dict(config.train.algorithm_kwargs)
+    recipe = get_recipe(config.train.algorithm, policy_kwargs=policy_kwargs)
+    if recipe.online and "temperature" not in policy_kwargs and config.rollout.temperature > 0:
+        recipe = get_recipe(config.train.algorithm,
+                            policy_kwargs={**policy_kwargs, "temperature": config.rollout.temperature})
+    return recipe
+
+
 def sft_trajectories(rows: list[dict], tokenizer, prompt_key: str, answer_key: str) -> list[Trajectory]:
     """Offline data for supervised recipes: prompt, then the reference answer and EOS as completion."""
     out = []
@@ -113,16 +127,8 @@ class ArenoEngine:
     def initialize(self) -> None:
         from transformers import AutoTokenizer
 
-        from areno.recipes import get_recipe
-
         cfg = self.config
-        # unknown recipe, bad algorithm_kwargs, a teacher role without checkpoint: errors before any model loads
-        policy_kwargs = dict(cfg.train.algorithm_kwargs)
-        self.recipe = get_recipe(cfg.train.algorithm, policy_kwargs=policy_kwargs)
-        if self.recipe.online and "temperature" not in policy_kwargs and cfg.rollout.temperature > 0:
-            # the trainer recomputes log-probs under the sampling temperature of the rollouts
-            self.recipe = get_recipe(cfg.train.algorithm,
-                                     policy_kwargs={**policy_kwargs, "temperature": cfg.rollout.temperature})
+        self.recipe = resolve_recipe(cfg)  # errors before any model loads
         train_rows, self.eval_rows = build_splits(cfg.data)  # malformed rows: error before models load
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
         self.device = resolve_device(cfg.cluster.device)

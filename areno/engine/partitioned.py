@@ -36,7 +36,7 @@ import torch
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
 from areno.api.types import GenerationOutput, SamplingParams
-from areno.engine.api import ArenoEngine, prepare_model_dir
+from areno.engine.api import ArenoEngine, prepare_model_dir, resolve_recipe
 from areno.engine.cluster import ClusterLayout, LayoutError, build_groups, estimate_memory, layout_from_config, validate_memory
 from areno.rollout.client import HTTPRolloutClient, RolloutClient
 
@@ -116,7 +116,6 @@ class TrainWorker:
     side of the policy stream. Built by the scheduler in its own process."""
 
     def __init__(self, config: ArenoConfig, layout: ClusterLayout, model_dir: str) -> None:
-        from areno.recipes import get_recipe
         from areno.recipes.runner import RecipeRunner
         from areno.sync.base import NamedTensorSource
         from areno.sync.stream import StreamTransport
@@ -126,7 +125,7 @@ class TrainWorker:
         device_type = _init_world(cfg)
         self.groups = build_groups(layout, device_type)  # collective: same order on every rank
         torch.manual_seed(cfg.train.seed)
-        recipe = get_recipe(cfg.train.algorithm)
+        recipe = resolve_recipe(cfg)
         backends = {}
         for role in recipe.roles:
             role_dir = Path(role.init_kwargs.get("model_path", model_dir))
@@ -141,7 +140,7 @@ class TrainWorker:
             ), mesh=self.groups.train_mesh, group=self.groups.train_group)
             backend.initialize(role_dir)
             backends[role.name] = backend
-        self.runner = RecipeRunner(recipe, backends, policy_kwargs=dict(cfg.train.algorithm_kwargs))
+        self.runner = RecipeRunner(recipe, backends)
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else recipe.roles[0].name
         self.transport = StreamTransport(
@@ -374,10 +373,9 @@ class PartitionedArenoEngine(ArenoEngine):
         from areno.data.datasets import build_splits
         from areno.data.tasks import PromptStream
         from areno.launch.scheduler import LocalScheduler, RoleSpec
-        from areno.recipes import get_recipe
 
         cfg = self.config
-        self.recipe = get_recipe(cfg.train.algorithm)
+        self.recipe = resolve_recipe(cfg)
         if not self.recipe.online:
             raise ValueError(f"recipe {cfg.train.algorithm!r} trains offline: the partitioned topology is for online "
                              "RL; unset cluster.train_devices/rollout_devices to run it colocated")
