@@ -14,6 +14,7 @@ from pathlib import Path
 
 from areno.api.config import ArenoConfig, load_config
 from areno.api.trainer import Trainer
+from areno.observe.metrics import METRICS_FILENAME, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +77,14 @@ def run_pipeline(config: ArenoConfig) -> dict[str, float]:
 
 def plot_curve(run_dir: Path) -> Path | None:
     """Reward and held-out accuracy over steps, from metrics.jsonl, as run_dir/curve.png."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    if not (run_dir / METRICS_FILENAME).exists():
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, label in (("rollout/reward_mean", "train reward"), ("eval/accuracy", "held-out accuracy")):
         pts = [(r["step"], r[key]) for r in rows if key in r]

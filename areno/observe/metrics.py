@@ -122,17 +122,24 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILENAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    return read_jsonl_records(path, what="valid JSON")
+
+
+def read_jsonl_records(path: Path, *, what: str) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` in file order. A torn last line (the writer was killed mid-line)
+    is skipped; any other bad line is a ValueError naming the file, the line and ``what`` it
+    should have been."""
     records = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            if i == len(lines) - 1:  # the writer was killed mid-line
+            if i == len(lines) - 1:
                 break
-            raise ValueError(f"{path}:{i + 1} is not valid JSON: {line[:80]!r}") from None
+            raise ValueError(f"{path}:{i + 1} is not {what}: {line[:80]!r}") from None
     return records
 
 

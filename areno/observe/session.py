@@ -276,18 +276,9 @@ def load_sessions(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / SESSIONS_FILENAME
     if not path.is_file():
         return []
-    records = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:  # torn last line of a killed run
-                break
-            raise ValueError(f"{path}:{i + 1} is not a session record: {line[:80]!r}") from None
-    return records
+    from areno.observe.metrics import read_jsonl_records
+
+    return read_jsonl_records(path, what="a session record")
 
 
 def filter_sessions(records: Iterable[dict[str, Any]], *, min_reward: float | None = None,
