@@ -264,22 +264,26 @@ class ArenoEngine:
         if not self.eval_rows:
             return {}
         from areno.rewards.loader import import_object
+        from areno.workflows.common import acall_reward, sample_fields
 
         cfg = self.config
         reward_fn = import_object(cfg.reward.fn, what="reward.fn")
-        t0 = time.perf_counter()
-        prompts = [self.tokenizer.encode(r[cfg.data.prompt_key]) for r in self.eval_rows]
+        prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
         params = self._sampling_params(greedy=True)
+        t0 = time.perf_counter()
 
-        async def agenerate_all():
-            return await asyncio.gather(*(self.client.agenerate(p, params) for p in prompts))
-
-        outputs = asyncio.run(agenerate_all())
-        scores = []
-        for row, out in zip(self.eval_rows, outputs):
+        async def ascore(row: dict) -> float:
+            out = await self.client.agenerate(self.tokenizer.encode(row[prompt_key]), params)
             completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
-            fields = {k: v for k, v in row.items() if k not in (cfg.data.prompt_key, cfg.data.answer_key)}
-            scores.append(float(reward_fn(row[cfg.data.prompt_key], completion, row.get(cfg.data.answer_key), **fields)))
+            # the rollouts' failure policy: a raising reward scores 0 and is warned about
+            reward, _ = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key),
+                                           sample_fields(row, prompt_key, answer_key))
+            return reward
+
+        async def ascore_all() -> list[float]:
+            return await asyncio.gather(*(ascore(row) for row in self.eval_rows))
+
+        scores = asyncio.run(ascore_all())
         return {"eval/accuracy": sum(scores) / len(scores), "eval/num_prompts": float(len(scores)),
                 "eval/time_s": time.perf_counter() - t0}
 

@@ -112,8 +112,10 @@ def test_reward_that_raises_is_counted_not_fatal(tmp_path, caplog):
     trainer = Trainer.init(cfg)
     try:
         rollout = trainer.rollout_token_batch(0)
+        evaluation = trainer.backend.evaluate()  # the same policy holds for held-out evaluation
     finally:
         trainer.shutdown()
+    assert evaluation["eval/accuracy"] == 0.0
     assert rollout.metrics["rollout/reward_errors"] == 32
     assert rollout.metrics["rollout/reward_mean"] == 0.0
     assert "reward bug" in caplog.text
