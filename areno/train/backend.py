@@ -28,7 +28,7 @@ from areno.observe.trace import span
 from areno.train import checkpoint
 from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
 from areno.train.config import TrainBackendConfig
-from areno.train.lora import apply_lora, merged_named_weights
+from areno.train.lora import adapter_named_weights, apply_lora, merged_named_weights, save_adapter
 from areno.train.offload import StorageOffloader, collect_tensors
 from areno.train.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
 from areno.train.packing import (
@@ -37,6 +37,8 @@ from areno.train.packing import (
     dummy_batch,
     estimate_max_tokens_per_mb,
     plan_micro_batches,
+    truncate_long_sequences,
+    untruncate_outputs,
 )
 
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
@@ -185,6 +187,8 @@ class PackedTrainBackend(TrainBackend):
         self._check_ready()
         if self.optimizer is None:
             raise ValueError("train_step on a frozen role (trainable=False); use forward_only")
+        full_tokens = batch.num_tokens
+        batch, _ = self._fit_long_sequences(batch)
         plan = self.plan(batch)
         denominator = sum(float(denominator_fn(batch.select(idx))) for idx in plan.all_micro_batches())
         reducer = Reducer(denominator)
@@ -230,6 +234,7 @@ class PackedTrainBackend(TrainBackend):
             "skipped_steps": float(self._skipped_steps),
             "tokens": float(stats[1]),
             "mbs": float(plan.n_mbs),
+            "truncated_tokens": float(full_tokens - batch.num_tokens),
             "step": float(self._step),
             "loss_denominator": reducer.global_denominator,
         }
@@ -239,6 +244,7 @@ class PackedTrainBackend(TrainBackend):
     @torch.no_grad()
     def forward_only(self, batch: TokenBatch, *, forward_fn: ForwardFn) -> dict[str, torch.Tensor]:
         self._check_ready()
+        batch, keep_T = self._fit_long_sequences(batch)
         plan = self.plan(batch)
         local: list[tuple[list[int], dict[str, torch.Tensor]]] = []
         for seq_idx, mb in self._micro_batches(batch, plan):
@@ -248,12 +254,38 @@ class PackedTrainBackend(TrainBackend):
                 local.append((seq_idx, {k: v.detach().cpu() for k, v in output.items()}))
         self._after_forward_only()
         results = [item for rank_items in self._gather_dp(local) for item in rank_items]
-        return _assemble(results, batch)
+        outputs = _assemble(results, batch)
+        return untruncate_outputs(outputs, keep_T) if keep_T is not None else outputs
+
+    def _fit_long_sequences(self, batch: TokenBatch) -> tuple[TokenBatch, torch.Tensor | None]:
+        """Apply ``cfg.long_sequences``: truncate to the token budget, or leave the batch for
+        ``plan`` to reject (returns the batch and the kept-token mask, None if nothing was cut)."""
+        if self.cfg.long_sequences == "truncate":
+            return truncate_long_sequences(batch, self.max_tokens_per_mb)
+        return batch, None
 
     # ------------------------------------------------------------------ weights
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._check_ready()
         yield from merged_named_weights(self.model, self._full)
+
+    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA only: the full adapter tensors under PEFT's names (``base_model.model.<module>.lora_A.weight``,
+        ``...lora_B.weight``; merged weight = W0 + ``cfg.lora.alpha / cfg.lora.rank`` * B @ A) — the
+        adapter-only policy-sync payload. Collective like ``named_weights``."""
+        self._check_ready()
+        if self.cfg.lora is None:
+            raise ValueError("named_adapter_weights needs LoRA (set lora=LoraConfig(...)); use named_weights")
+        yield from adapter_named_weights(self.model, self._full)
+
+    def export_adapter(self, path: str | Path) -> None:
+        """LoRA only: write the adapters in PEFT's layout (``adapter_model.safetensors`` +
+        ``adapter_config.json``, base model = the loaded model directory); ``peft.PeftModel.from_pretrained``
+        loads it on the base model. Collective; rank 0 writes."""
+        state = {name: t.cpu() for name, t in self.named_adapter_weights()}
+        if self.is_rank0:
+            save_adapter(path, state, self.cfg.lora, self._model_dir)
+        self._barrier()
 
     def export_hf(self, path: str | Path) -> None:
         self._check_ready()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16")
 _SCHEDULES = ("constant", "linear_warmup", "cosine")
+_LONG_SEQUENCES = ("error", "truncate")
 
 
 @dataclass(kw_only=True)
@@ -59,6 +60,14 @@ class TrainBackendConfig:
     max_tokens_per_mb: int | None = None
     """Token budget of one packed micro-batch. None: on CUDA, a memory estimate from the model
     shape and free device memory; on CPU, 4096."""
+    long_sequences: str = "error"
+    """What a sequence longer than ``max_tokens_per_mb`` does: ``error`` (a ValueError naming its
+    length and the budget) or ``truncate`` (its first ``max_tokens_per_mb`` tokens are trained on,
+    the tail is dropped from the loss and counted in ``truncated_tokens``; forward-only outputs
+    are 0 there). Splitting one sequence over micro-batches is not offered: the later part would
+    have to attend to the earlier part's keys/values across backward passes (context
+    parallelism), and per-sequence losses (sequence means, GSPO ratios, DPO sums) do not
+    decompose over parts."""
     dtype: str = "float32"
     """Master weights, gradients reductions and optimizer state: ``float32`` or ``bfloat16``."""
     param_dtype: str | None = None
@@ -83,6 +92,11 @@ class TrainBackendConfig:
     """Seed of torch / python RNGs on every rank."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs/entropy from hidden states."""
+    tp_vocab_parallel: bool = True
+    """Under tensor parallelism, shard an untied LM head over the vocabulary and compute
+    log-probs/entropy with a distributed log-sum-exp (no rank holds full-vocabulary logits).
+    False keeps the head replicated on every TP rank. A tied head (the embedding) is always
+    replicated."""
     device: str | None = None
     """``cpu`` or ``cuda``; None picks cuda when available."""
 
@@ -114,6 +128,8 @@ class TrainBackendConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_tokens_per_mb is not None and self.max_tokens_per_mb <= 0:
             raise ValueError(f"max_tokens_per_mb must be > 0 or None, got {self.max_tokens_per_mb}")
+        if self.long_sequences not in _LONG_SEQUENCES:
+            raise ValueError(f"long_sequences must be one of {_LONG_SEQUENCES}, got {self.long_sequences!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.param_dtype is not None and self.param_dtype not in _DTYPES:

@@ -2,15 +2,24 @@
 
 ``peft.inject_adapter_in_model`` replaces each targeted ``nn.Linear`` with a LoRA layer in place
 (its weight moves to ``<name>.base_layer.weight``) and freezes everything but the adapters, so the
-optimizer only ever sees adapter parameters. Policy sync and HF export need the merged weights
-under the original HF names: ``W = W0 + (alpha / r) * B @ A``.
+optimizer only ever sees adapter parameters (so its state is adapter-only). Two exports:
+
+- **merged**: the full weights under the original HF names, ``W = W0 + (alpha / r) * B @ A``, for a
+  rollout engine that knows nothing about adapters and for HF export;
+- **adapter-only**: just the A/B matrices under PEFT's names (``base_model.model.<module>.lora_A.weight``),
+  a few MB instead of the whole model, for policy sync to an engine that keeps the base weights and
+  applies ``(alpha / r) * B @ A`` itself, and for ``PeftModel.from_pretrained`` on disk.
+
+Legend: R = adapter rank, D = input features, O = output features.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from peft import LoraConfig as PeftLoraConfig
 from peft import inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
@@ -65,3 +74,35 @@ def merged_named_weights(
             yield f"{owner}.{leaf}", full(tensor.detach())
         else:
             yield name, full(tensor.detach())
+
+
+def adapter_scaling(cfg: LoraConfig) -> float:
+    """The factor on ``B @ A`` in the merged weight: ``alpha / rank``."""
+    return cfg.alpha / cfg.rank
+
+
+def adapter_named_weights(
+    model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full (unsharded) adapter tensors under PEFT's saved names, in state-dict order:
+    ``base_model.model.<HF module>.lora_A.weight`` [R, D] and ``...lora_B.weight`` [O, R]
+    (unscaled; the merged weight is ``W0 + adapter_scaling * B @ A``)."""
+    marker = f".{ADAPTER}."
+    for name, tensor in model.state_dict().items():
+        if ".lora_A." in name or ".lora_B." in name:
+            yield "base_model.model." + name.replace(marker, "."), full(tensor.detach())
+
+
+def save_adapter(
+    path: str | Path, weights: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str | Path
+) -> Path:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's layout) under ``path``."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / "adapter_model.safetensors"))
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM", base_model_name_or_path=str(base_model),
+    )
+    peft_cfg.save_pretrained(str(out))
+    return out

@@ -22,6 +22,7 @@ Legend: B = sequences, T = packed tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,8 @@ class MicroBatchSpec:
     """How a batch is cut into micro-batches."""
 
     max_tokens_per_mb: int
-    """Token budget of one packed micro-batch (> 0); a sequence longer than this is an error."""
+    """Token budget of one packed micro-batch (> 0); a sequence longer than this is an error (the
+    backend truncates such sequences first when ``long_sequences='truncate'``)."""
     dp_size: int = 1
     """Number of data-parallel ranks the batch is balanced over (>= 1)."""
 
@@ -113,7 +115,7 @@ def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec
         raise ValueError(
             f"sequence {seqlens.index(longest)} has {longest} tokens, more than "
             f"max_tokens_per_mb={spec.max_tokens_per_mb}; raise max_tokens_per_mb to at least "
-            f"{longest} or shorten the sequences"
+            f"{longest}, shorten the sequences, or set long_sequences='truncate'"
         )
     rank_seqs: list[list[int]] = [[] for _ in range(spec.dp_size)]
     rank_load = [0] * spec.dp_size
@@ -127,6 +129,45 @@ def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec
         [sorted(b) for b in _split_to_count(bins, seqlens, n_mbs)] for bins in rank_bins
     ]
     return MicroBatchPlan(per_rank=per_rank)
+
+
+def truncate_long_sequences(batch: TokenBatch, max_len: int) -> tuple[TokenBatch, torch.Tensor | None]:
+    """Keep the first ``max_len`` tokens of every sequence (the ``long_sequences='truncate'`` policy).
+
+    Returns the truncated batch and the bool [T] mask of kept tokens in the original batch, or
+    ``(batch, None)`` when no sequence is longer. Per-token tensors (and ``extra`` keys ending in
+    ``_T``) are cut; per-sequence ones are kept whole.
+    """
+    seqlens_B = batch.seqlens_B
+    if batch.num_seqs == 0 or int(seqlens_B.max()) <= max_len:
+        return batch, None
+    keep_T = batch.position_ids_T() < max_len
+    new_cu = torch.zeros_like(batch.cu_seqlens_B1)
+    new_cu[1:] = torch.cumsum(seqlens_B.clamp(max=max_len), 0)
+    cut = dataclasses.replace(
+        batch,
+        input_ids_T=batch.input_ids_T[keep_T],
+        cu_seqlens_B1=new_cu,
+        loss_mask_T=batch.loss_mask_T[keep_T],
+        logprobs_T=batch.logprobs_T[keep_T],
+        versions_T=batch.versions_T[keep_T],
+        advantages_T=batch.advantages_T[keep_T],
+        extra={k: (v[keep_T] if k.endswith("_T") else v) for k, v in batch.extra.items()},
+    )
+    return cut, keep_T
+
+
+def untruncate_outputs(outputs: dict[str, torch.Tensor], keep_T: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token outputs of a truncated batch put back on the original tokens (0 on dropped ones)."""
+    full: dict[str, torch.Tensor] = {}
+    for key, value in outputs.items():
+        if key.endswith("_T"):
+            out = value.new_zeros((keep_T.numel(), *value.shape[1:]))
+            out[keep_T] = value
+            full[key] = out
+        else:
+            full[key] = value
+    return full
 
 
 def dummy_batch(like: TokenBatch) -> TokenBatch:

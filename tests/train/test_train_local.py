@@ -1,5 +1,6 @@
 """LocalTrainBackend: loss normalisation, packing, checkpoints, sleep/wake, LoRA, export."""
 
+import dataclasses
 import math
 import multiprocessing as mp
 
@@ -249,3 +250,66 @@ def test_sequence_level_denominator_independent_of_split(model_dir):
     assert results[1][1]["mbs"] == 4 and results[1][1]["loss_denominator"] == len(LENGTHS)
     assert_grads_close(results[1][0], results[0][0])
     assert math.isclose(results[0][1]["loss"], results[1][1]["loss"], rel_tol=1e-6)
+
+
+def test_over_long_sequence_is_an_error_naming_both_numbers(model_dir):
+    b = backend(model_dir, max_tokens_per_mb=16)
+    with pytest.raises(ValueError, match=r"has 21 tokens, more than max_tokens_per_mb=16.*long_sequences='truncate'"):
+        step(b, random_batch(LENGTHS, VOCAB, 3))
+    with pytest.raises(ValueError, match="long_sequences must be one of"):
+        TrainBackendConfig(long_sequences="split")
+
+
+def test_truncate_trains_on_the_first_tokens_and_scores_zero_after(model_dir):
+    batch = random_batch(LENGTHS, VOCAB, 3)
+    keep_T = batch.position_ids_T() < 16
+    # Causal attention: a sequence's first 16 tokens score the same with or without its tail.
+    full = backend(model_dir, max_tokens_per_mb=64).forward_only(batch, forward_fn=nll_forward)["logprobs_T"]
+    cut = backend(model_dir, max_tokens_per_mb=16, long_sequences="truncate")
+    scores = cut.forward_only(batch, forward_fn=nll_forward)["logprobs_T"]
+    assert scores.shape == full.shape and bool((scores[~keep_T] == 0).all())
+    torch.testing.assert_close(scores[keep_T], full[keep_T], rtol=1e-5, atol=1e-6)
+    # Training: the same loss and gradient as masking the tail out of the loss of the whole batch.
+    ref = backend(model_dir, max_tokens_per_mb=64)
+    grads_ref, m_ref = captured_grads(ref, dataclasses.replace(batch, loss_mask_T=batch.loss_mask_T & keep_T))
+    grads_cut, m_cut = captured_grads(cut, batch)
+    assert m_cut["truncated_tokens"] == (~keep_T).sum() == 21 - 16 and m_ref["truncated_tokens"] == 0
+    assert abs(m_cut["loss"] - m_ref["loss"]) < 1e-6
+    assert_grads_close(grads_cut, grads_ref)
+
+
+def test_lora_adapter_only_export_loads_in_peft(model_dir, tmp_path):
+    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
+    b = backend(model_dir, lora=lora, lr=0.05)
+    for s in range(2):
+        step(b, random_batch(LENGTHS, VOCAB, 20 + s))
+    # adapter-only optimizer state: every parameter with Adam moments is an adapter
+    names = {id(p): n for n, p in b.model.named_parameters()}
+    assert b.optimizer.state and all(".lora_" in names[id(p)] for p in b.optimizer.state)
+    adapters = dict(b.named_adapter_weights())
+    expected = {f"base_model.model.model.layers.{i}.{m}.lora_{ab}.weight"
+                for i in range(2) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj") for ab in "AB"}
+    assert set(adapters) == expected
+    live = b.model.state_dict()
+    q = "model.layers.1.self_attn.q_proj"
+    assert torch.equal(adapters[f"base_model.model.{q}.lora_B.weight"], live[f"{q}.lora_B.default.weight"])
+    merged = dict(b.named_weights())
+    torch.testing.assert_close(
+        merged[f"{q}.weight"],
+        live[f"{q}.base_layer.weight"] + 2.0 * adapters[f"base_model.model.{q}.lora_B.weight"]
+        @ adapters[f"base_model.model.{q}.lora_A.weight"])
+    # PEFT loads the adapter-only export on the untouched base model and matches the merged weights
+    b.export_adapter(tmp_path / "adapter")
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    ours = backend(model_dir).model
+    ours.load_state_dict(merged)
+    ids = torch.randint(3, VOCAB, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(ours(ids[0], torch.arange(12))), peft_model(ids).logits[0],
+                                   rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="needs LoRA"):
+        next(backend(model_dir).named_adapter_weights())

@@ -88,3 +88,23 @@ def test_mesh_that_does_not_divide_world_size():
         TrainBackendConfig(dp_shard_size=3).mesh_shape(4)
     assert TrainBackendConfig(tp_size=2, dp_replicate_size=2).mesh_shape(8) == (2, 2, 2)
     assert torch.Size(TrainBackendConfig().mesh_shape(2)) == (1, 2, 1)
+
+
+def test_truncate_long_sequences_hand_values():
+    from areno.api.types import TokenBatch
+    from areno.train.packing import truncate_long_sequences, untruncate_outputs
+
+    batch = TokenBatch(
+        input_ids_T=torch.tensor([10, 11, 12, 20, 21, 22, 23, 24]), cu_seqlens_B1=torch.tensor([0, 3, 8]),
+        loss_mask_T=torch.tensor([0, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool), logprobs_T=torch.arange(8.0),
+        versions_T=torch.arange(8), advantages_T=torch.arange(8.0) * 2, rewards_B=torch.tensor([1.0, 2.0]),
+        extra={"ref_logprobs_T": torch.arange(8.0) * 3, "values_B": torch.tensor([5.0, 6.0])},
+    )
+    assert truncate_long_sequences(batch, 5) == (batch, None)
+    cut, keep_T = truncate_long_sequences(batch, 4)
+    assert keep_T.tolist() == [True] * 7 + [False]
+    assert cut.cu_seqlens_B1.tolist() == [0, 3, 7] and cut.input_ids_T.tolist() == [10, 11, 12, 20, 21, 22, 23]
+    assert cut.advantages_T.tolist() == [0, 2, 4, 6, 8, 10, 12] and cut.rewards_B.tolist() == [1.0, 2.0]
+    assert cut.extra["ref_logprobs_T"].tolist() == [0, 3, 6, 9, 12, 15, 18] and cut.extra["values_B"].tolist() == [5, 6]
+    back = untruncate_outputs({"logprobs_T": torch.ones(7), "score_B": torch.ones(2)}, keep_T)
+    assert back["logprobs_T"].tolist() == [1.0] * 7 + [0.0] and back["score_B"].tolist() == [1.0, 1.0]
