@@ -70,12 +70,32 @@ class DataSection:
 class RewardSection:
     fn: str = "areno.rewards.tasks:exact_match"
     """Dotted path `module:function` of the reward: fn(prompt, completion, answer, **row) -> float."""
+    sandbox: Optional[bool] = None
+    """Run the reward in worker subprocesses (killed at timeout_s, rlimits, failures scored 0 and
+    counted as reward/failures_<kind>). null = auto: on, except for shipped rewards marked safe
+    in-process (exact_match: a string compare, ~100x cheaper in-process; bench/rewards.py).
+    User code, code execution and math-verify can hang or crash, and only a process bounds that."""
     timeout_s: float = 10.0
-    """Wall-clock limit of one reward call; a timeout or exception gives reward 0 and is counted."""
+    """Wall-clock limit of one sandboxed reward call (the worker is killed and replaced); a timeout
+    or exception gives reward 0 and is counted. In-process rewards cannot be interrupted."""
+    memory_mb: int = 2048
+    """Address-space limit (RLIMIT_AS) of each reward worker, in MiB; 0 = unlimited."""
+    cpu_s: Optional[float] = None
+    """CPU-seconds limit (RLIMIT_CPU) of one sandboxed call; null = timeout_s. Raise it for
+    multi-threaded rewards."""
+    workers: int = 4
+    """Reward worker processes (started on first use, reused across calls)."""
+    allow_network: bool = True
+    """Let reward workers open sockets (LLM-judge rewards need it); false cuts them off (network
+    namespace where the kernel allows it). Candidate programs of code execution never have network."""
 
     def __post_init__(self) -> None:
         _check(":" in self.fn or "." in self.fn, "reward.fn", "must be a dotted path like 'pkg.mod:func'")
         _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
+        _check(self.memory_mb == 0 or self.memory_mb >= 128, "reward.memory_mb",
+               f"must be 0 (unlimited) or >= 128 (a Python worker needs that much), got {self.memory_mb}")
+        _check(self.cpu_s is None or self.cpu_s > 0, "reward.cpu_s", f"must be > 0 or null, got {self.cpu_s}")
+        _check(self.workers >= 1, "reward.workers", f"must be >= 1, got {self.workers}")
 
 
 @dataclass(kw_only=True)

@@ -21,3 +21,27 @@ def import_object(path: str, *, what: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"{what}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def wants_sandbox(fn: Any, sandbox: bool | None) -> bool:
+    """``reward.sandbox`` resolved: an explicit bool wins; auto (None) sandboxes everything except a
+    function marked ``fn.areno_sandbox = False`` (shipped rewards that are cheap, bounded string ops)."""
+    if sandbox is not None:
+        return sandbox
+    return bool(getattr(fn, "areno_sandbox", True))
+
+
+def load_reward(section: Any) -> Any:
+    """The reward function of a ``RewardSection``: the imported function itself when it runs
+    in-process, else the shared :class:`~areno.rewards.sandbox.RewardSandbox` for it (an async
+    callable with the same signature). Either way the workflows call it through ``acall_reward``;
+    sandbox failures raise ``RewardFailure`` there and score 0."""
+    fn = import_object(section.fn, what="reward.fn")
+    if not callable(fn):
+        raise ValueError(f"reward.fn: {section.fn!r} is a {type(fn).__name__}, not a function")
+    if not wants_sandbox(fn, section.sandbox):
+        return fn
+    from areno.rewards.sandbox import shared_sandbox
+
+    return shared_sandbox(section.fn, workers=section.workers, timeout_s=section.timeout_s,
+                          memory_mb=section.memory_mb, cpu_s=section.cpu_s, allow_network=section.allow_network)

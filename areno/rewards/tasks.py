@@ -12,3 +12,6 @@ from areno.data.tasks import extract_answer
 def exact_match(prompt: str, completion: str, answer, **row) -> float:
     """1.0 when the completion's first line equals the reference answer, else 0.0."""
     return float(extract_answer(completion) == str(answer).strip())
+
+
+exact_match.areno_sandbox = False  # pure string comparison: bounded, safe in-process (reward.sandbox auto)

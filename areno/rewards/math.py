@@ -1,0 +1,37 @@
+"""Math answers checked with Hugging Face ``math-verify`` (LaTeX / expression parsing + sympy).
+
+sympy can take unbounded time on adversarial expressions, and math-verify's own timeouts use
+``signal.alarm``, which only works in a process's main thread. So this reward runs in the reward
+sandbox by default (its workers call it in their main thread, with math-verify's timeouts on, and
+``reward.timeout_s`` kills anything longer); called in-process off the main thread, math-verify's
+timeouts are switched off and nothing bounds it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+PARSE_TIMEOUT_S = 5
+"""math-verify's own parsing and comparison timeouts (main thread only)."""
+
+
+def math_verify(prompt: str, completion: str, answer: Any = None, **row: Any) -> float:
+    """1.0 when the completion's final answer (``\\boxed{}`` first, else the last expression) equals
+    the reference ``answer`` mathematically (``1/2`` = ``0.5`` = ``\\frac{1}{2}``), else 0.0."""
+    from math_verify import parse, verify
+
+    if answer is None:
+        raise ValueError("math_verify: the row has no answer: set data.answer_key to the reference answer field")
+    timeout = PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold_text = str(answer)
+    if "$" not in gold_text and "\\boxed" not in gold_text:
+        gold_text = f"${gold_text}$"
+    gold = parse(gold_text, parsing_timeout=timeout)
+    if not gold:
+        raise ValueError(f"math_verify: cannot parse the reference answer {str(answer)[:80]!r}")
+    pred = parse(completion, parsing_timeout=timeout)
+    return float(bool(pred) and verify(gold, pred, timeout_seconds=timeout))
+
+
+math_verify.areno_sandbox = True  # type: ignore[attr-defined]

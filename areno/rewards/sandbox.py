@@ -1,0 +1,329 @@
+"""Reward functions in a pool of worker subprocesses: a timeout that really bounds time, rlimits,
+optional network isolation, and every failure scored 0 and counted by name.
+
+Why processes: a synchronous Python function cannot be interrupted from another thread, so an
+in-process ``reward.timeout_s`` cannot stop a hung reward (and a segfault or ``os._exit`` in it takes
+the whole run down). Here each call goes to an idle worker; when it does not answer within
+``timeout_s`` its process group gets SIGKILL and a fresh worker takes its slot.
+
+Workers are started with ``subprocess`` (``python -m areno.rewards._worker``), never forked from the
+trainer, so they are safe whatever the parent holds (CUDA contexts, threads) and whatever the
+multiprocessing start method is. They import the reward by its dotted path, with the parent's
+``sys.path``. Limits of one worker:
+- wall clock: ``timeout_s`` per call (kill + replace);
+- CPU: RLIMIT_CPU re-armed before every call to ``cpu_s`` more seconds (SIGXCPU kills the worker);
+- memory: RLIMIT_AS of ``memory_mb`` (allocations beyond raise MemoryError, scored 0; the worker
+  is then replaced, in case the error left it half-initialised);
+- network: with ``allow_network=False`` the worker enters a fresh network namespace when the kernel
+  allows it, else Python sockets are refused (bypassable: see :mod:`areno.rewards._exec`);
+- a worker dies with its parent (PR_SET_PDEATHSIG), so a ``kill -9`` of the trainer leaves none behind.
+
+Failures raise :class:`RewardFailure`, whose message names the reward and the fix; the workflows'
+``acall_reward`` turns it into reward 0, ``info["reward_error"]`` and one warning line. The counts
+are in :meth:`RewardSandbox.metrics` / :func:`reward_metrics` as ``reward/failures_<kind>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+FAILURE_KINDS = ("timeout", "crash", "error", "memory", "cpu")
+"""Named failures, counted as ``reward/failures_<kind>``."""
+
+STARTUP_TIMEOUT_S = 120.0
+"""How long a new worker may take to import the reward module (slow on a loaded machine)."""
+
+
+class RewardFailure(RuntimeError):
+    """A sandboxed reward call failed (``kind`` in FAILURE_KINDS); the reward is scored 0."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        assert kind in FAILURE_KINDS, kind
+        super().__init__(message)
+        self.kind = kind
+
+
+def _child_env() -> dict[str, str]:
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [package_root] + [os.getcwd() if p == "" else p for p in sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+class _Worker:
+    """One worker process and its two pipe ends; restarted in place after a failure."""
+
+    def __init__(self, init: tuple, starter: ThreadPoolExecutor) -> None:
+        self._init = init
+        self._starter = starter
+        self.proc: subprocess.Popen | None = None
+        self.isolation = "none"
+        self._requests: Connection | None = None
+        self._replies: Connection | None = None
+        self._ready = False
+
+    def start(self) -> None:
+        # PR_SET_PDEATHSIG fires when the *thread* that started a worker exits: start them all from
+        # one thread that lives as long as the pool, whichever thread asked
+        self._starter.submit(self._popen).result()
+
+    def _popen(self) -> None:
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "areno.rewards._worker", str(req_r), str(resp_w)],
+                pass_fds=(req_r, resp_w), start_new_session=True, env=_child_env(), stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(req_r)
+            os.close(resp_w)
+        self._requests = Connection(req_w, readable=False)
+        self._replies = Connection(resp_r, writable=False)
+        self._requests.send(self._init)
+        self._ready = False
+
+    def ensure_ready(self) -> None:
+        if self.proc is None:
+            self.start()
+        if self._ready:
+            return
+        if not self._replies.poll(STARTUP_TIMEOUT_S):
+            self.stop()
+            raise RewardFailure("crash", f"reward worker for {self._init[0]} did not start within "
+                                         f"{STARTUP_TIMEOUT_S:.0f} s: check that its module imports quickly")
+        try:
+            status, payload = self._replies.recv()
+        except EOFError:
+            code = self.stop()
+            raise RewardFailure("crash", f"reward worker for {self._init[0]} died while starting "
+                                         f"({_describe_exit(code)}): run `python -c 'import ...'` on its module") from None
+        if status == "fatal":
+            self.stop()
+            raise RewardFailure("crash", f"reward worker could not load {payload}")
+        self.isolation, self._ready = payload, True
+
+    def call(self, args: tuple, timeout_s: float) -> tuple[str, Any]:
+        """``("ok", value)``, ``("error", (kind, message))``, ``("timeout", None)``,
+        ``("died", exit description)`` or ``("gone", None)`` when the idle worker had already died."""
+        try:
+            self._requests.send(args)
+        except (BrokenPipeError, OSError):
+            return "gone", None
+        if not self._replies.poll(timeout_s):
+            return "timeout", None
+        try:
+            return self._replies.recv()
+        except (EOFError, OSError):
+            return "died", self.stop()
+
+    def stop(self) -> int | None:
+        """Kill the worker's whole process group (its children too) and reap it; the exit code."""
+        if self.proc is None:
+            return None
+        proc, self.proc, self._ready = self.proc, None, False
+        for conn in (self._requests, self._replies):
+            conn.close()
+        try:  # a dead leader is a zombie until reaped: its exit code survives the kill
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return proc.wait()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "unknown exit"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RewardSandbox:
+    """A pool of ``workers`` reward processes for the reward at ``fn_path``.
+
+    ``await sandbox(prompt, completion, answer, **fields)`` (the RewardFn signature) or the blocking
+    ``sandbox.score(...)`` returns the float reward or raises :class:`RewardFailure`. Workers start
+    on the first call and are reused; any number of threads and event loops may call at once.
+    """
+
+    def __init__(self, fn_path: str, *, workers: int = 4, timeout_s: float = 10.0, memory_mb: int = 2048,
+                 cpu_s: float | None = None, allow_network: bool = True) -> None:
+        if workers < 1:
+            raise ValueError(f"reward.workers must be >= 1, got {workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        self.fn_path = fn_path
+        self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+        self.cpu_s = timeout_s if cpu_s is None else cpu_s
+        self.allow_network = allow_network
+        init = (fn_path, memory_mb, self.cpu_s, allow_network)
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areno-reward-start")
+        self._slots: list[_Worker] = [_Worker(init, self._starter) for _ in range(workers)]
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        for slot in self._slots:
+            self._idle.put(slot)
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="areno-reward")
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._busy_s = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------------------------ calling
+    async def __call__(self, prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, lambda: self.score(prompt, completion, answer, **fields))
+
+    def score(self, prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
+        """The reward, computed in a worker; raises RewardFailure (counted) when the call fails."""
+        if self._closed:
+            raise RuntimeError(f"reward sandbox for {self.fn_path} is closed")
+        worker = self._idle.get()
+        t0 = time.perf_counter()
+        try:
+            status, payload = self._call(worker, (prompt, completion, answer, fields))
+            failure = None if status == "ok" else self._failure(worker, status, payload)
+        except RewardFailure as exc:  # the worker could not start
+            failure = exc
+        finally:  # back to the pool only once a failed worker has been stopped (it restarts lazily)
+            self._idle.put(worker)
+        self._count(None if failure is None else failure.kind, time.perf_counter() - t0)
+        if failure is not None:
+            raise failure
+        return payload
+
+    def _call(self, worker: _Worker, args: tuple) -> tuple[str, Any]:
+        worker.ensure_ready()
+        status, payload = worker.call(args, self.timeout_s)
+        if status == "gone":  # died while idle (killed from outside): not this call's fault, retry once
+            worker.stop()
+            self._count_restart()
+            worker.ensure_ready()
+            status, payload = worker.call(args, self.timeout_s)
+        return status, payload
+
+    def _failure(self, worker: _Worker, status: str, payload: Any) -> RewardFailure:
+        name = f"reward {self.fn_path}"
+        if status == "timeout":
+            worker.stop()
+            self._count_restart()
+            return RewardFailure("timeout", f"{name} did not return within reward.timeout_s={self.timeout_s:g} s "
+                                            f"(worker killed and replaced): make it faster or raise reward.timeout_s")
+        if status in ("died", "gone"):
+            self._count_restart()
+            if payload == -signal.SIGXCPU:
+                return RewardFailure("cpu", f"{name} used more than {self.cpu_s:g} CPU-seconds (SIGXCPU; worker "
+                                            f"replaced): make it cheaper or raise reward.cpu_s")
+            return RewardFailure("crash", f"{name} crashed the reward worker ({_describe_exit(payload)}; replaced): "
+                                          f"fix the native code or exit call in the reward function")
+        kind, message = payload
+        if kind == "memory":
+            worker.stop()  # a MemoryError can leave module state half-built: start clean
+            self._count_restart()
+            return RewardFailure("memory", f"{name} exceeded reward.memory_mb={self.memory_mb} ({message}): "
+                                           f"reduce its memory use or raise reward.memory_mb")
+        return RewardFailure("error", f"{name} raised {message}: fix the reward function")
+
+    def _count(self, kind: str | None, elapsed: float) -> None:
+        with self._lock:
+            self._counts["calls"] += 1
+            self._busy_s += elapsed
+            if kind is not None:
+                self._counts[f"failures_{kind}"] += 1
+
+    def _count_restart(self) -> None:
+        with self._lock:
+            self._counts["worker_restarts"] += 1
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    def network_isolation(self) -> str:
+        """How started workers are cut off the network: none, netns or socket-patch."""
+        return next((w.isolation for w in self._slots if w.proc is not None), "none" if self.allow_network else "unknown")
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative ``reward/calls``, ``reward/failures_<kind>``, ``reward/worker_restarts`` and
+        ``reward/call_time_mean_s``."""
+        with self._lock:
+            counts, busy = dict(self._counts), self._busy_s
+        out = {"reward/calls": float(counts.get("calls", 0))}
+        for kind in FAILURE_KINDS:
+            out[f"reward/failures_{kind}"] = float(counts.get(f"failures_{kind}", 0))
+        out["reward/worker_restarts"] = float(counts.get("worker_restarts", 0))
+        out["reward/call_time_mean_s"] = busy / max(counts.get("calls", 0), 1)
+        return out
+
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self._slots if w.proc is not None]
+
+    def close(self) -> None:
+        """Stop every worker (idempotent). Calls in flight finish first."""
+        if self._closed:
+            return
+        self._closed = True
+        self._threads.shutdown(wait=True)
+        for slot in self._slots:
+            slot.stop()
+        self._starter.shutdown(wait=True)
+
+    def __enter__(self) -> "RewardSandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------- shared pools
+_POOLS: dict[tuple, RewardSandbox] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_sandbox(fn_path: str, **settings: Any) -> RewardSandbox:
+    """The process-wide pool for ``fn_path`` with these settings (created on first use), so the
+    rollout workflows and evaluation share workers instead of starting a pool each."""
+    key = (fn_path, tuple(sorted(settings.items())))
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None or pool._closed:
+            pool = _POOLS[key] = RewardSandbox(fn_path, **settings)
+        return pool
+
+
+def reward_metrics() -> dict[str, float]:
+    """The ``reward/*`` counters summed over every shared pool (empty when no reward is sandboxed)."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+    if not pools:
+        return {}
+    per_pool = [p.metrics() for p in pools]
+    out = {k: sum(m[k] for m in per_pool) for k in per_pool[0] if k != "reward/call_time_mean_s"}
+    busy = sum(m["reward/call_time_mean_s"] * m["reward/calls"] for m in per_pool)
+    out["reward/call_time_mean_s"] = busy / max(out["reward/calls"], 1.0)
+    return out
+
+
+def close_all() -> None:
+    """Stop every shared pool (also run at interpreter exit)."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.close()
+
+
+atexit.register(close_all)

@@ -1,0 +1,310 @@
+"""Fault tests of the reward sandbox: hangs, crashes, exceptions, memory and CPU hogs and network
+access in reward code score 0 as named, counted failures, and the pool keeps scoring afterwards.
+
+The reward functions below are imported by the sandbox workers by dotted path (``test_sandbox:…``),
+so this module keeps its top-level imports light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import socket
+import time
+
+import pytest
+
+from areno.rewards.sandbox import RewardFailure, RewardSandbox
+
+TIMEOUT_S = 1.5
+SLACK_S = 3.0  # kill + reap on a loaded 2-core machine
+
+
+# ------------------------------------------------------------------- rewards run inside workers
+def misbehave(prompt: str, completion: str, answer=None, **row) -> float:
+    """Does what the completion says: ok, hang, segfault, exit, raise, hog, spin or connect:PORT."""
+    if completion == "ok":
+        return 1.0
+    if completion == "hang":
+        while True:
+            time.sleep(0.1)
+    if completion == "segfault":
+        ctypes.string_at(0)
+    if completion == "exit":
+        os._exit(3)
+    if completion == "raise":
+        raise KeyError("no such field")
+    if completion == "hog":
+        block = bytearray(8 << 30)
+        return float(len(block))
+    if completion == "spin":
+        while True:
+            pass
+    if completion.startswith("connect:"):
+        socket.create_connection(("127.0.0.1", int(completion.split(":")[1])), timeout=2).close()
+        return 1.0
+    return 0.0
+
+
+async def async_reward(prompt: str, completion: str, answer=None, **row) -> float:
+    await asyncio.sleep(0)
+    return float(completion == answer)
+
+
+# -------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def sandbox():
+    with RewardSandbox("test_sandbox:misbehave", workers=2, timeout_s=TIMEOUT_S, memory_mb=512,
+                       cpu_s=1.0) as pool:
+        yield pool
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after if k.startswith("reward/failures_") or k == "reward/calls"
+            if after[k] != before[k]}
+
+
+def _fails(pool: RewardSandbox, completion: str) -> tuple[RewardFailure, float, dict]:
+    before = pool.metrics()
+    t0 = time.perf_counter()
+    with pytest.raises(RewardFailure) as info:
+        pool.score("prompt", completion)
+    return info.value, time.perf_counter() - t0, _delta(before, pool.metrics())
+
+
+# ----------------------------------------------------------------------------------------- tests
+def test_ok_scores_in_a_worker(sandbox):
+    assert sandbox.score("p", "ok") == 1.0
+    assert sandbox.score("p", "other") == 0.0
+
+
+def test_hang_is_killed_within_timeout(sandbox):
+    sandbox.score("p", "ok")  # both workers warm is not needed: the timeout counts from the request
+    pids = set(sandbox.worker_pids())
+    failure, elapsed, delta = _fails(sandbox, "hang")
+    assert failure.kind == "timeout"
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + SLACK_S
+    assert "test_sandbox:misbehave" in str(failure) and "reward.timeout_s" in str(failure)
+    assert delta == {"reward/calls": 1.0, "reward/failures_timeout": 1.0}
+    for pid in pids - set(sandbox.worker_pids()):  # the hung worker is gone, not left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("completion, described", [("segfault", "SIGSEGV"), ("exit", "exited with code 3")])
+def test_crash_is_counted_and_worker_replaced(sandbox, completion, described):
+    failure, _, delta = _fails(sandbox, completion)
+    assert failure.kind == "crash" and described in str(failure)
+    assert delta == {"reward/calls": 1.0, "reward/failures_crash": 1.0}
+    assert sandbox.score("p", "ok") == 1.0
+
+
+def test_exception_names_function_and_fix(sandbox):
+    failure, _, delta = _fails(sandbox, "raise")
+    assert failure.kind == "error"
+    assert str(failure) == ("reward test_sandbox:misbehave raised KeyError: 'no such field': "
+                            "fix the reward function")
+    assert delta == {"reward/calls": 1.0, "reward/failures_error": 1.0}
+
+
+def test_memory_hog_hits_rlimit(sandbox):
+    failure, _, delta = _fails(sandbox, "hog")
+    assert failure.kind == "memory" and "reward.memory_mb=512" in str(failure)
+    assert delta == {"reward/calls": 1.0, "reward/failures_memory": 1.0}
+
+
+def test_cpu_spin_hits_rlimit():
+    with RewardSandbox("test_sandbox:misbehave", workers=1, timeout_s=20.0, cpu_s=0.5) as pool:
+        failure, elapsed, delta = _fails(pool, "spin")
+    assert failure.kind == "cpu" and "reward.cpu_s" in str(failure)
+    assert elapsed < 15.0  # the CPU limit (1 CPU-second at most), not the 20 s wall clock, stopped it
+    assert delta == {"reward/calls": 1.0, "reward/failures_cpu": 1.0}
+
+
+def test_pool_survives_every_failure_and_keeps_scoring(sandbox):
+    async def burst() -> list:
+        calls = [sandbox("p", c) for c in ("hang", "ok", "segfault", "ok", "raise", "ok", "exit", "ok")]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(burst())
+    assert [r for r in results if not isinstance(r, RewardFailure)] == [1.0] * 4
+    assert sorted(r.kind for r in results if isinstance(r, RewardFailure)) == ["crash", "crash", "error", "timeout"]
+    assert [sandbox.score("p", "ok") for _ in range(6)] == [1.0] * 6
+    metrics = sandbox.metrics()
+    assert metrics["reward/worker_restarts"] >= 3
+
+
+def test_worker_killed_from_outside_while_idle_is_replaced(sandbox):
+    sandbox.score("p", "ok")
+    for pid in sandbox.worker_pids():
+        os.kill(pid, 9)
+    time.sleep(0.2)
+    assert [sandbox.score("p", "ok") for _ in range(3)] == [1.0] * 3  # not this call's fault: retried
+
+
+def test_network_blocked_when_disallowed():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    with server:
+        with RewardSandbox("test_sandbox:misbehave", workers=1, timeout_s=10.0, allow_network=True) as open_pool:
+            assert open_pool.score("p", f"connect:{port}") == 1.0  # the probe does reach the listener
+            server.accept()[0].close()
+        with RewardSandbox("test_sandbox:misbehave", workers=1, timeout_s=10.0, allow_network=False) as closed:
+            with pytest.raises(RewardFailure) as info:
+                closed.score("p", f"connect:{port}")
+            assert closed.network_isolation in ("netns", "socket-patch")
+        assert info.value.kind == "error"
+        with pytest.raises(socket.timeout):  # nothing got through
+            server.accept()
+
+
+def test_async_reward_and_acall_reward_integration(caplog):
+    from areno.workflows.common import acall_reward
+
+    with RewardSandbox("test_sandbox:async_reward", workers=1, timeout_s=5.0) as pool:
+        assert asyncio.run(acall_reward(pool, "p", "7", "7", {})) == (1.0, None)
+    with RewardSandbox("test_sandbox:misbehave", workers=1, timeout_s=5.0) as pool:
+        with caplog.at_level(logging.WARNING, logger="areno.workflows"):
+            reward, error = asyncio.run(acall_reward(pool, "p", "raise", None, {}))
+    assert reward == 0.0 and error.startswith("RewardFailure: reward test_sandbox:misbehave raised KeyError")
+    assert len(caplog.records) == 1 and "test_sandbox:misbehave" in caplog.records[0].getMessage()
+
+
+def test_load_reward_auto_sandbox_and_shared_metrics():
+    from areno.api.config import RewardSection
+    from areno.rewards.loader import load_reward
+    from areno.rewards.sandbox import close_all, reward_metrics
+    from areno.rewards.tasks import exact_match
+
+    assert load_reward(RewardSection()) is exact_match  # shipped, marked safe in-process
+    assert isinstance(load_reward(RewardSection(sandbox=True)), RewardSandbox)
+    assert load_reward(RewardSection(fn="test_sandbox:misbehave", sandbox=False)) is misbehave
+    try:
+        pool = load_reward(RewardSection(fn="test_sandbox:misbehave", timeout_s=5.0, workers=1))
+        assert isinstance(pool, RewardSandbox)  # user code: sandboxed by default
+        assert load_reward(RewardSection(fn="test_sandbox:misbehave", timeout_s=5.0, workers=1)) is pool
+        with pytest.raises(RewardFailure):
+            pool.score("p", "raise")
+        assert pool.score("p", "ok") == 1.0
+        metrics = reward_metrics()
+        assert metrics["reward/calls"] == 2.0 and metrics["reward/failures_error"] == 1.0
+    finally:
+        close_all()
+    assert reward_metrics() == {}
+
+
+@pytest.mark.parametrize("override, key", [
+    ("reward.workers=0", "reward.workers"),
+    ("reward.memory_mb=64", "reward.memory_mb"),
+    ("reward.cpu_s=0", "reward.cpu_s"),
+    ("reward.timeout_s=-1", "reward.timeout_s"),
+])
+def test_config_validation(override, key):
+    from areno.api.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, ["model.path=unused", override])
+
+
+def test_load_reward_rejects_non_callable():
+    from areno.api.config import RewardSection
+    from areno.rewards.loader import load_reward
+
+    with pytest.raises(ValueError, match="reward.fn: 'test_sandbox:TIMEOUT_S' is a float, not a function"):
+        load_reward(RewardSection(fn="test_sandbox:TIMEOUT_S"))
+
+
+# ------------------------------------------------------------------------------- code execution
+SUM_PROGRAM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+
+
+def test_code_execution_scores_stdin_stdout_and_asserts():
+    from areno.rewards.code import code_execution
+
+    cases = [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2", "output": "4"}]
+    assert code_execution("p", SUM_PROGRAM, None, tests=cases) == 1.0
+    assert code_execution("p", SUM_PROGRAM, None, tests={"inputs": ["1 1", "5 5"], "outputs": ["2", "11"]}) == 0.5
+    assert code_execution("p", "def f(x):\n    return 2 * x", "assert f(2) == 4\nassert f(3) == 6") == 1.0
+    assert code_execution("p", "def f(x):\n    return x", "assert f(2) == 4") == 0.0
+
+
+def test_candidate_program_is_confined(monkeypatch):
+    from areno.rewards.code import run_program
+
+    monkeypatch.setenv("ARENO_TEST_SECRET", "hunter2")
+    hung = run_program("while True:\n    pass", time_limit_s=1.0)
+    assert hung.timed_out and hung.wall_s < 1.0 + SLACK_S
+    hog = run_program("x = bytearray(2 << 30)", memory_mb=256)
+    assert hog.returncode == 1 and "MemoryError" in hog.stderr
+    env = run_program("import os\nprint(os.environ.get('ARENO_TEST_SECRET'))")
+    assert env.stdout.strip() == "None"  # the trainer's environment does not leak into candidates
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    with server:
+        net = run_program(f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}), 2)")
+    assert net.returncode == 1 and ("unreachable" in net.stderr or "disabled" in net.stderr)
+
+
+def test_code_execution_bad_tests_is_a_named_error():
+    from areno.rewards.code import code_execution
+
+    with pytest.raises(ValueError, match="put them in the row's 'tests' field"):
+        code_execution("p", SUM_PROGRAM, None, tests=[1, 2])
+
+
+@pytest.mark.slow
+def test_code_execution_and_math_verify_in_the_sandbox():
+    """The shipped heavy rewards through the pool (math-verify imports sympy: seconds)."""
+    with RewardSandbox("areno.rewards.code:code_execution", workers=1, timeout_s=30.0) as pool:
+        assert pool.score("p", SUM_PROGRAM, None, tests=[{"input": "3 4", "output": "7"}]) == 1.0
+        assert pool.score("p", "while True: pass", None, tests=[{"input": "", "output": ""}], time_limit_s=1) == 0.0
+    with RewardSandbox("areno.rewards.math:math_verify", workers=1, timeout_s=60.0) as pool:
+        assert pool.score("p", "so the answer is \\boxed{0.5}", "1/2") == 1.0
+        assert pool.score("p", "the answer is 3", "4") == 0.0
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path):
+    """PR_SET_PDEATHSIG: a hung worker dies with its parent."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from areno.rewards.sandbox import RewardSandbox\n"
+        "pool = RewardSandbox('test_sandbox:misbehave', workers=2, timeout_s=600)\n"
+        "threading.Thread(target=pool.score, args=('p', 'hang'), daemon=True).start()\n"
+        "pool.score('p', 'ok')\n"
+        "print(*pool.worker_pids(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": repo})
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in pids if _alive(p)]
+    assert alive == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie awaiting its (dead) parent's reaper counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
