@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -124,6 +124,9 @@ class RolloutSection:
     """Retries of a sample whose workflow raised, before it is dropped with a warning."""
     kv_blocks: int = 0
     """Rollout engine KV-cache blocks (0 = sized automatically)."""
+    request_timeout_s: float = 600.0
+    """Deadline of one generation request (in process or to a rollout server); a request past it
+    is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""
 
     def __post_init__(self) -> None:
         for key in ("batch_size", "n_samples", "max_new_tokens", "max_concurrent"):
@@ -132,6 +135,8 @@ class RolloutSection:
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness",
                f"must be >= 0, got {self.max_head_offpolicyness}")
+        _check(self.request_timeout_s >= 0, "rollout.request_timeout_s",
+               f"must be >= 0 (0 = no deadline), got {self.request_timeout_s}")
 
 
 @dataclass(kw_only=True)
@@ -180,13 +185,29 @@ class ClusterSection:
     device: str = "auto"
     """auto (cuda if available), cpu or cuda."""
     scheduler: str = "local"
-    """local, ray or slurm."""
+    """Who starts the workers of a partitioned placement: local (subprocesses on this machine),
+    ray (Ray actors, one placement group per role) or slurm (one sbatch job, a step per role).
+    Colocated runs are one process: they need local."""
+    scheduler_options: dict[str, Any] = field(default_factory=dict)
+    """Settings of that scheduler: `areno.launch.SchedulerConfig` fields other than `type`, e.g.
+    `{ray_address: auto}` (the `ray start --head` cluster here) or `{slurm_partition: gpu}`."""
     cpu_threads: int = 0
     """torch intra-op threads on CPU (0 = torch's default). Tiny models run fastest with 1."""
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
-        _check(self.scheduler in ("local", "ray", "slurm"), "cluster.scheduler", "must be local, ray or slurm")
+        _check(self.scheduler in ("local", "ray", "slurm"), "cluster.scheduler",
+               f"must be one of local, ray, slurm; got {self.scheduler!r}")
+        from areno.launch.scheduler import scheduler_config
+
+        try:
+            scheduler_config(self.scheduler, self.scheduler_options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        partitioned = self.train_devices is not None or "+" in (self.allocation_mode or "")
+        _check(self.scheduler == "local" or partitioned, "cluster.scheduler",
+               f"{self.scheduler} starts the workers of a partitioned placement, but this run is colocated "
+               "(one process): set cluster.train_devices/rollout_devices or a '+' allocation_mode, or use local")
         _check(self.cpu_threads >= 0, "cluster.cpu_threads", f"must be >= 0, got {self.cpu_threads}")
         if self.allocation_mode is not None:
             from areno.launch.allocation import AllocationModeError, parse_allocation_mode
@@ -219,6 +240,9 @@ class TrainSection:
     """Global seed (model init, sampling, data order)."""
     backend: str = "areno"
     """Registered Backend implementation."""
+    max_consecutive_skips: int = 5
+    """Stop the run with a one-line error after this many optimizer steps in a row were skipped
+    for a non-finite loss or grad norm (0 = never stop; skips are still counted)."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
@@ -227,6 +251,8 @@ class TrainSection:
                f"must be > 0 or null, got {self.max_tokens_per_mb}")
         _check(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
         _check(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
+        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips",
+               f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}")
 
 
 @dataclass(kw_only=True)
@@ -249,8 +275,11 @@ class ArenoConfig:
 
     run_dir: str = "runs/areno"
     """Output directory: resolved config, metrics.jsonl, checkpoints, curves."""
-    resume: bool = False
-    """Continue from the newest completed checkpoint in run_dir."""
+    resume: Union[bool, str] = False
+    """Continue from the newest completed checkpoint in run_dir/checkpoints: ``auto`` resumes when
+    one exists and starts fresh otherwise; ``true`` requires one (an error when there is none);
+    ``false`` starts fresh. Rows of metrics.jsonl after the resumed step are dropped, since those
+    steps are trained again."""
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)
@@ -260,6 +289,12 @@ class ArenoConfig:
     train: TrainSection = field(default_factory=TrainSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     observe: ObserveSection = field(default_factory=ObserveSection)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.resume, str) and self.resume.lower() in ("true", "false"):
+            self.resume = self.resume.lower() == "true"
+        _check(isinstance(self.resume, bool) or self.resume == "auto", "resume",
+               f"must be auto, true or false, got {self.resume!r}")
 
 
 def _describe(exc: OmegaConfBaseException) -> str:

@@ -30,7 +30,14 @@ from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBac
 from areno.train.config import TrainBackendConfig
 from areno.train.lora import adapter_named_weights, apply_lora, merged_named_weights, save_adapter
 from areno.train.offload import StorageOffloader, collect_tensors
-from areno.train.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
+from areno.train.optim import (
+    DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    NonFiniteStepError,
+    build_optimizer,
+    build_scheduler,
+    clip_grads,
+    global_grad_norm,
+)
 from areno.train.packing import (
     MicroBatchPlan,
     MicroBatchSpec,
@@ -75,6 +82,13 @@ class PackedTrainBackend(TrainBackend):
     # training progress (checkpointed)
     _step: int
     _skipped_steps: int
+    _consecutive_skips: int
+    # guard (set by the owner after construction; see NonFiniteStepError)
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
+    """Raise ``NonFiniteStepError`` when this many optimizer steps in a row were skipped for a
+    non-finite loss or grad norm (0 never raises). ``train.max_consecutive_skips`` of a run."""
+    role_name: str = ""
+    """The model role this backend trains, named in the guard's error (set by its owner)."""
 
     def __init__(self, cfg: TrainBackendConfig) -> None:
         self.cfg = cfg
@@ -82,6 +96,7 @@ class PackedTrainBackend(TrainBackend):
         self.scheduler = None
         self._step = 0
         self._skipped_steps = 0
+        self._consecutive_skips = 0
         self._offloader = StorageOffloader()
         self._initialized = False
 
@@ -215,23 +230,33 @@ class PackedTrainBackend(TrainBackend):
         stats = self._all_reduce_sum(stats)
 
         grad_norm, grad_groups = global_grad_norm(self.model.parameters())
-        if math.isfinite(grad_norm):
+        # The loss is all-reduced and the norm global, so every rank takes the same decision.
+        loss_finite = math.isfinite(float(stats[0]))
+        if loss_finite and math.isfinite(grad_norm):
             if self.cfg.grad_clip is not None:
                 clip_grads(grad_groups, grad_norm, self.cfg.grad_clip)
             lr = self.scheduler.get_last_lr()[0]
             with span("optimizer_step", "train"):
                 self.optimizer.step()
             self.scheduler.step()
-        else:
+            self._consecutive_skips = 0
+        else:  # gradients of a NaN/inf loss (or a NaN/inf norm) are garbage: drop them
             lr = 0.0
             self._skipped_steps += 1
+            self._consecutive_skips += 1
         self.optimizer.zero_grad(set_to_none=True)
         self._step += 1
+        if 0 < self.max_consecutive_skips <= self._consecutive_skips:
+            raise NonFiniteStepError(
+                role=self.role_name, step=self._step, consecutive=self._consecutive_skips,
+                loss=float(stats[0]), grad_norm=grad_norm,
+            )
         out = {
             "loss": float(stats[0]),
             "grad_norm": grad_norm,
             "lr": lr,
             "skipped_steps": float(self._skipped_steps),
+            "consecutive_skips": float(self._consecutive_skips),
             "tokens": float(stats[1]),
             "mbs": float(plan.n_mbs),
             "truncated_tokens": float(full_tokens - batch.num_tokens),
@@ -310,6 +335,7 @@ class PackedTrainBackend(TrainBackend):
         trainer_state = {
             "step": self._step,
             "skipped_steps": self._skipped_steps,
+            "consecutive_skips": self._consecutive_skips,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "extra": extra_state,
         }
@@ -320,6 +346,7 @@ class PackedTrainBackend(TrainBackend):
         state = checkpoint.load(path, self.model, self.optimizer)
         self._step = state["step"]
         self._skipped_steps = state["skipped_steps"]
+        self._consecutive_skips = state.get("consecutive_skips", 0)  # absent in older checkpoints
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         return state["extra"]

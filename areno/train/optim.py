@@ -1,4 +1,5 @@
-"""AdamW, learning-rate schedules and global grad-norm clipping (DTensor-aware)."""
+"""AdamW, learning-rate schedules, global grad-norm clipping (DTensor-aware) and the non-finite
+step guard."""
 
 from __future__ import annotations
 
@@ -9,6 +10,28 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from areno.train.config import TrainBackendConfig
+
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 5
+"""Consecutive skipped (non-finite) optimizer steps after which a run stops (``train.max_consecutive_skips``)."""
+
+
+class NonFiniteStepError(ValueError):
+    """Too many optimizer steps in a row had a non-finite loss or grad norm and were skipped.
+
+    A ``ValueError`` so that the CLI prints it as one line: the usual causes are a learning rate
+    that is too high, a broken reward/advantage (NaN), or bad data, and training on would only
+    waste compute on a diverged model.
+    """
+
+    def __init__(self, *, role: str, step: int, consecutive: int, loss: float, grad_norm: float) -> None:
+        who = f"role {role!r}" if role else "the training backend"
+        super().__init__(
+            f"{who} skipped {consecutive} optimizer steps in a row (last: step {step}, loss={loss:g}, "
+            f"grad_norm={grad_norm:g}) because the loss or gradient norm was NaN/inf; stopping instead of "
+            f"training on garbage: lower optim.lr, check the reward/advantages and data for NaN, or raise "
+            f"train.max_consecutive_skips (0 never stops)"
+        )
+        self.role, self.step, self.consecutive = role, step, consecutive
 
 
 def build_optimizer(

@@ -1,0 +1,129 @@
+"""Guards: a non-finite loss or grad norm skips the optimizer step and is counted; a run stops with
+one line after ``max_consecutive_skips`` skipped steps in a row instead of training on garbage."""
+
+import math
+
+import pytest
+import torch
+
+from areno.api.config import ConfigError, load_config
+from areno.train import LocalTrainBackend, TrainBackendConfig
+from areno.train.optim import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteStepError
+from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+
+VOCAB = 40
+LENGTHS = [5, 7, 3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("guards"), hidden=32, layers=1)
+
+
+def _backend(model_dir, **kw) -> LocalTrainBackend:
+    b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", **kw))
+    b.initialize(model_dir)
+    return b
+
+
+def _nan_constant_loss(output, mb, reducer):
+    """Finite gradients, non-finite loss: the grad-norm check alone would let this step through."""
+    loss, metrics = nll_loss(output, mb, reducer)
+    return loss + torch.tensor(float("nan")), metrics
+
+
+def _nan_loss(output, mb, reducer):
+    return reducer(-output["logprobs_T"] * float("nan"), mb.loss_mask_T), {}
+
+
+def _step(b, loss_fn=nll_loss, seed=0):
+    return b.train_step(random_batch(LENGTHS, VOCAB, seed), forward_fn=nll_forward, loss_fn=loss_fn,
+                        denominator_fn=token_denominator)
+
+
+def test_non_finite_loss_with_finite_grads_skips_the_step(model_dir):
+    torch.set_num_threads(1)
+    b = _backend(model_dir)
+    before = {k: v.clone() for k, v in b.model.state_dict().items()}
+    m = _step(b, _nan_constant_loss)
+    assert math.isfinite(m["grad_norm"]) and not math.isfinite(m["loss"])
+    assert m["skipped_steps"] == 1 and m["consecutive_skips"] == 1 and m["lr"] == 0.0
+    for k, v in b.model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # no optimizer step, not even weight decay / moments
+    assert all(p.grad is None for p in b.model.parameters())
+    assert b.optimizer.state == {}  # Adam moments never saw the garbage step
+    # a good step afterwards trains and resets the consecutive count, keeps the total
+    m = _step(b, seed=1)
+    assert m["skipped_steps"] == 1 and m["consecutive_skips"] == 0 and m["lr"] > 0
+
+
+def test_consecutive_skips_stop_with_one_line(model_dir):
+    b = _backend(model_dir)
+    b.max_consecutive_skips, b.role_name = 3, "actor"
+    _step(b, _nan_loss)
+    _step(b, _nan_loss)
+    _step(b, seed=2)  # a finite step in between resets the streak
+    _step(b, _nan_loss)
+    _step(b, _nan_loss)
+    with pytest.raises(NonFiniteStepError) as info:
+        _step(b, _nan_constant_loss)
+    message = str(info.value)
+    assert "\n" not in message and isinstance(info.value, ValueError)  # the CLI prints it as one line
+    assert "role 'actor' skipped 3 optimizer steps in a row" in message and "step 6" in message
+    assert "train.max_consecutive_skips" in message and "optim.lr" in message
+    assert b._skipped_steps == 5
+
+
+def test_zero_never_stops_and_default(model_dir):
+    b = _backend(model_dir)
+    assert b.max_consecutive_skips == DEFAULT_MAX_CONSECUTIVE_SKIPS == 5
+    b.max_consecutive_skips = 0
+    for _ in range(6):
+        m = _step(b, _nan_loss)
+    assert m["skipped_steps"] == 6 and m["consecutive_skips"] == 6
+
+
+def test_consecutive_count_survives_a_checkpoint(model_dir, tmp_path):
+    b = _backend(model_dir)
+    b.max_consecutive_skips = 3
+    _step(b, _nan_loss)
+    _step(b, _nan_loss)
+    b.save_checkpoint(tmp_path / "ckpt", extra_state={})
+    fresh = _backend(model_dir)
+    fresh.max_consecutive_skips = 3
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(NonFiniteStepError, match="3 optimizer steps in a row"):
+        _step(fresh, _nan_loss)
+
+
+def test_config_field():
+    assert load_config(None, ["model.path=x"]).train.max_consecutive_skips == 5
+    assert load_config(None, ["model.path=x", "train.max_consecutive_skips=0"]).train.max_consecutive_skips == 0
+    with pytest.raises(ConfigError, match="train.max_consecutive_skips: must be >= 0"):
+        load_config(None, ["model.path=x", "train.max_consecutive_skips=-1"])
+
+
+def digit_reward(prompt, completion, answer, **row):
+    """Varies across a group, so GRPO advantages (and gradients) are non-zero."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+@pytest.mark.slow
+def test_diverged_run_stops_with_one_line(tmp_path, capsys):
+    """optim.lr=1e30 blows the weights up after one step; every later loss is NaN. The run must
+    stop after the default 5 skipped steps with exit code 2 and one line, not run to the end."""
+    from areno.cli import main
+
+    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+               "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+               "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=8",
+               "rollout.max_new_tokens=8", "cluster.device=cpu", "observe.console=false",
+               "reward.fn=test_guards:digit_reward", "optim.lr=1e30", "optim.grad_clip=0",
+               "train.steps=20", "train.eval_interval=0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("areno: error: ") and "5 optimizer steps in a row" in err[-1]
+    import json
+
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [s for s in steps if "train/policy/skipped_steps" in s]
+    assert trained[-1]["train/policy/skipped_steps"] == 4 and len(trained) < 20  # the 5th raised before logging
