@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ClusterLayout", "LayoutError", "MemoryEstimate", "build_groups", "estimate_memory",
-           "layout_from_config", "validate_memory"]
+           "layout_from_config", "scheduler_for", "validate_memory"]
 
 GIB = 1 << 30
 CONTEXT_BYTES = 768 << 20
@@ -208,6 +208,23 @@ def layout_from_config(cluster: Any, *, num_devices: int, cuda: bool, device_ids
                           f"{max([*train, *rollout])} but only {num_devices} are visible; use smaller indices")
     return ClusterLayout(train_devices=tuple(train), rollout_devices=tuple(rollout), train_tp=train_tp,
                          rollout_tp=rollout_tp, cuda=cuda, device_ids=device_ids)
+
+
+def scheduler_for(cluster: Any, layout: ClusterLayout, *, log_dir: str) -> Any:
+    """The ``Scheduler`` that ``cluster.scheduler`` names (local, ray, slurm) with
+    ``cluster.scheduler_options``; worker logs and job files go to ``log_dir`` unless the options
+    name one. One-line errors before any worker starts: Ray not installed or its address silent,
+    SLURM tools or controller missing, and overlapping device lists outside ``local`` (Ray and
+    SLURM give every worker GPUs of its own, so one GPU cannot hold a training and a rollout rank)."""
+    from areno.launch.scheduler import scheduler_config, scheduler_from_config
+
+    options = {"log_dir": log_dir, **dict(cluster.scheduler_options or {})}
+    cfg = scheduler_config(cluster.scheduler, options)
+    if cfg.type != "local" and layout.overlapping:
+        raise LayoutError(f"cluster.scheduler={cfg.type} gives each worker GPUs of its own, but train and rollout "
+                          f"share devices {list(layout.overlapping)}: use disjoint device lists or "
+                          "cluster.scheduler=local")
+    return scheduler_from_config(cfg)
 
 
 # ---------------------------------------------------------------------- memory

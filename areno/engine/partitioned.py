@@ -1,6 +1,7 @@
 """PartitionedArenoEngine: training and rollout on separate workers of one distributed world (seed 000).
 
-The controller (the Trainer's process) starts, through ``LocalScheduler``, ``n_train`` training
+The controller (the Trainer's process) starts, through the scheduler ``cluster.scheduler`` names
+(local subprocesses, Ray actors or a SLURM job: ``areno.engine.cluster.scheduler_for``), ``n_train`` training
 workers (``TrainWorker``: the recipe's roles on ``FSDP2TrainBackend`` over the training sub-mesh)
 and ``n_rollout`` rollout workers (``RolloutWorker``: a ``RolloutEngine`` behind the token-level
 HTTP server on 127.0.0.1), all in ONE torch.distributed world (gloo on CPU, NCCL on GPU) with
@@ -319,8 +320,8 @@ class PartitionedArenoEngine(ArenoEngine):
 
     def __init__(self, config: ArenoConfig, run_dir: Path, *, scheduler: Any = None,
                  device_capacity: dict[int, int] | int | None = None) -> None:
-        """``scheduler``: a started ``Scheduler`` (default: a ``LocalScheduler`` logging to
-        ``run_dir/workers``); ``device_capacity``: bytes per logical device for the memory check
+        """``scheduler``: a started ``Scheduler`` (default: the one ``cluster.scheduler`` names,
+        logging to ``run_dir/workers``); ``device_capacity``: bytes per logical device for the memory check
         (default: each visible GPU's total memory; no check on CPU)."""
         super().__init__(config, run_dir)
         self.scheduler = scheduler
@@ -372,7 +373,8 @@ class PartitionedArenoEngine(ArenoEngine):
 
         from areno.data.datasets import build_splits
         from areno.data.tasks import PromptStream
-        from areno.launch.scheduler import LocalScheduler, RoleSpec
+        from areno.engine.cluster import scheduler_for
+        from areno.launch.scheduler import RoleSpec
 
         cfg = self.config
         self.recipe = resolve_recipe(cfg)
@@ -390,7 +392,7 @@ class PartitionedArenoEngine(ArenoEngine):
         self.check_memory(layout, model_dir)
         logger.info("partitioned topology: %s", layout.describe())
         if self.scheduler is None:
-            self.scheduler = LocalScheduler(log_dir=str(self.run_dir / "workers"))
+            self.scheduler = scheduler_for(cfg.cluster, layout, log_dir=str(self.run_dir / "workers"))
         args = (cfg, layout, str(model_dir))
         self.scheduler.create_roles([
             RoleSpec(role="train", worker_cls="areno.engine.partitioned:TrainWorker", n=layout.n_train, args=args,

@@ -64,7 +64,7 @@ def _host_port(address: str) -> tuple[str, int]:
     hostport = address.removeprefix("ray://")
     host, sep, port = hostport.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"scheduler.ray_address {address!r} must be 'auto', 'host:port' or 'ray://host:port'")
+        raise ValueError(f"cluster.scheduler_options.ray_address {address!r} must be 'auto', 'host:port' or 'ray://host:port'")
     return host, int(port)
 
 
@@ -78,7 +78,7 @@ def check_ray_address(address: str, timeout_s: float) -> str:
             address = open(current).read().strip()
         else:
             raise SchedulerError(
-                "scheduler.ray_address='auto' but no Ray cluster runs on this machine; start one with "
+                "cluster.scheduler_options.ray_address='auto' but no Ray cluster runs on this machine; start one with "
                 "`ray start --head` or give host:port"
             )
     _host_port(address)
@@ -110,7 +110,7 @@ def _ping(address: str, timeout_s: float) -> None:
             detail = (e.details() or "").splitlines()[0] if e.details() else ""
             raise SchedulerError(
                 f"Ray address {address!r} does not answer ({e.code().name}: {detail[:120]} within {timeout_s:g}s); "
-                f"start the cluster (`ray start --head`) or fix scheduler.ray_address"
+                f"start the cluster (`ray start --head`) or fix cluster.scheduler_options.ray_address"
             ) from None
 
 

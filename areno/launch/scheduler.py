@@ -30,8 +30,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Literal
@@ -48,12 +48,18 @@ __all__ = [
     "WorkerError",
     "WorkerHandle",
     "free_port",
+    "scheduler_config",
     "scheduler_from_config",
 ]
 
+OPTIONS_KEY = "cluster.scheduler_options"
+"""Where the run config holds the ``SchedulerConfig`` fields (``cluster.scheduler`` holds ``type``)."""
 
-class SchedulerError(RuntimeError):
-    """A launch that cannot proceed (bad address, missing tool, worker never connected)."""
+
+class SchedulerError(RuntimeError, ValueError):
+    """A launch that cannot proceed (bad address, missing tool or package, worker never connected).
+
+    Also a ``ValueError``: the CLI prints it as one line, like every user-facing mistake."""
 
 
 class WorkerError(RuntimeError):
@@ -559,7 +565,8 @@ def _tail(path: str | None, n_chars: int = 400) -> str:
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
-    """``scheduler.*``: which scheduler starts the workers, and its settings."""
+    """Which scheduler starts the workers, and its settings: ``cluster.scheduler`` is ``type``,
+    ``cluster.scheduler_options`` holds the other fields."""
 
     type: Literal["local", "ray", "slurm"] = "local"
     """``local`` (subprocesses here), ``ray`` (a Ray cluster) or ``slurm`` (sbatch)."""
@@ -599,26 +606,51 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.type not in ("local", "ray", "slurm"):
-            raise ValueError(f"scheduler.type must be one of local, ray, slurm; got {self.type!r}")
+            raise ValueError(f"cluster.scheduler must be one of local, ray, slurm; got {self.type!r}")
         for key in ("connect_timeout_s", "ray_connect_timeout_s", "ray_placement_timeout_s", "slurm_poll_interval_s"):
             if getattr(self, key) <= 0:
-                raise ValueError(f"scheduler.{key} must be > 0, got {getattr(self, key)}")
+                raise ValueError(f"{OPTIONS_KEY}.{key} must be > 0, got {getattr(self, key)}")
         if self.ray_cpus_per_worker < 0:
-            raise ValueError(f"scheduler.ray_cpus_per_worker must be >= 0, got {self.ray_cpus_per_worker}")
+            raise ValueError(f"{OPTIONS_KEY}.ray_cpus_per_worker must be >= 0, got {self.ray_cpus_per_worker}")
         if self.slurm_cpus_per_task < 1:
-            raise ValueError(f"scheduler.slurm_cpus_per_task must be >= 1, got {self.slurm_cpus_per_task}")
+            raise ValueError(f"{OPTIONS_KEY}.slurm_cpus_per_task must be >= 1, got {self.slurm_cpus_per_task}")
+        if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"{OPTIONS_KEY}.ray_placement_strategy must be one of PACK, SPREAD, STRICT_PACK, "
+                             f"STRICT_SPREAD; got {self.ray_placement_strategy!r}")
         self.slurm_extra_sbatch_lines = tuple(self.slurm_extra_sbatch_lines)
         self.slurm_setup_lines = tuple(self.slurm_setup_lines)
 
 
+def scheduler_config(scheduler: str, options: Mapping[str, Any] | None = None) -> SchedulerConfig:
+    """``cluster.scheduler`` + ``cluster.scheduler_options`` as a validated ``SchedulerConfig``;
+    a ValueError (one line) names an unknown option and lists the known ones."""
+    options = dict(options or {})
+    known = [f.name for f in fields(SchedulerConfig) if f.name != "type"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"{OPTIONS_KEY}.{unknown[0]} is not a scheduler option; known: {', '.join(known)}")
+    return SchedulerConfig(type=scheduler, **options)
+
+
 def scheduler_from_config(cfg: SchedulerConfig | dict[str, Any]) -> Scheduler:
-    """Build the scheduler named by ``cfg.type`` (a ``SchedulerConfig`` or a plain mapping)."""
+    """Build the scheduler named by ``cfg.type`` (a ``SchedulerConfig`` or a plain mapping with
+    ``type`` and options). SchedulerError (one line) when Ray or the SLURM tools are missing, a
+    Ray address does not answer or no SLURM controller does."""
     if not isinstance(cfg, SchedulerConfig):
-        cfg = SchedulerConfig(**dict(cfg))
+        cfg = dict(cfg)
+        cfg = scheduler_config(cfg.pop("type", "local"), cfg)
     if cfg.type == "local":
         return LocalScheduler(connect_timeout_s=cfg.connect_timeout_s, log_dir=cfg.log_dir)
     if cfg.type == "ray":
-        from areno.launch.ray_scheduler import RayScheduler
+        try:
+            from areno.launch.ray_scheduler import RayScheduler
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "ray":
+                raise
+            raise SchedulerError(
+                f"cluster.scheduler=ray needs the ray package, which does not import here ({e}); "
+                f"pip install 'ray[default]' or use cluster.scheduler=local"
+            ) from None
 
         return RayScheduler(
             address=cfg.ray_address, connect_timeout_s=cfg.ray_connect_timeout_s,

@@ -16,6 +16,7 @@ cluster); steps of one allocation run anywhere, and ``--exact`` keeps them from 
 
 from __future__ import annotations
 
+import getpass
 import os
 import shlex
 import shutil
@@ -39,9 +40,25 @@ from areno.launch.scheduler import (
 )
 from areno.launch.worker import AUTHKEY_ENV
 
-__all__ = ["SlurmScheduler", "render_sbatch"]
+__all__ = ["SlurmScheduler", "check_slurm_controller", "render_sbatch"]
 
 _ALIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
+
+
+def check_slurm_controller(timeout_s: float = 60.0) -> None:
+    """SchedulerError (one line) unless a SLURM controller answers ``squeue`` from here: without
+    one (no slurm.conf, slurmctld down) ``sbatch`` could not allocate the job's nodes."""
+    try:
+        out = subprocess.run(["squeue", "--noheader", "--format=%i", f"--user={getpass.getuser()}"],
+                             capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"no SLURM controller answered squeue within {timeout_s:g}s: check that slurmctld "
+                             f"runs (scontrol ping) or use cluster.scheduler=local|ray") from None
+    if out.returncode != 0:
+        lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()] or [f"exit code {out.returncode}"]
+        raise SchedulerError(f"no SLURM controller answers from this host (squeue: {lines[-1]}): cluster.scheduler="
+                             f"slurm needs slurm.conf (SLURM_CONF) and a running slurmctld; or use "
+                             f"cluster.scheduler=local|ray")
 
 
 def render_sbatch(
@@ -101,9 +118,10 @@ class SlurmScheduler(_RpcScheduler):
         for tool in ("sbatch", "squeue", "srun", "scancel"):
             if shutil.which(tool) is None:
                 raise SchedulerError(
-                    f"{tool!r} not found on PATH: scheduler.type=slurm needs the SLURM client tools; "
-                    f"install them or use scheduler.type=local|ray"
+                    f"{tool!r} not found on PATH: cluster.scheduler=slurm needs the SLURM client tools; "
+                    f"install them or use cluster.scheduler=local|ray"
                 )
+        check_slurm_controller()
         super().__init__(bind_host="0.0.0.0", connect_timeout_s=cfg.connect_timeout_s, log_dir=cfg.log_dir)
         self.controller = f"{cfg.slurm_controller_addr or socket.gethostname()}:{self._hub.port}"
         self.job_ids: list[str] = []

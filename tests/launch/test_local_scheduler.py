@@ -111,9 +111,9 @@ def test_device_env_uses_parent_visible_devices(tmp_path, monkeypatch):
 
 
 def test_scheduler_config_validation():
-    with pytest.raises(ValueError, match="scheduler.type must be one of local, ray, slurm"):
+    with pytest.raises(ValueError, match="cluster.scheduler must be one of local, ray, slurm"):
         SchedulerConfig(type="k8s")
-    with pytest.raises(ValueError, match="scheduler.connect_timeout_s must be > 0"):
+    with pytest.raises(ValueError, match="cluster.scheduler_options.connect_timeout_s must be > 0"):
         SchedulerConfig(connect_timeout_s=0)
     with pytest.raises(TypeError):
         SchedulerConfig("local")  # keyword-only

@@ -68,7 +68,7 @@ def test_render_minimal():
 
 def test_sbatch_missing_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(SchedulerError, match=r"^'sbatch' not found on PATH: scheduler.type=slurm needs") as info:
+    with pytest.raises(SchedulerError, match=r"^'sbatch' not found on PATH: cluster.scheduler=slurm needs") as info:
         scheduler_from_config({"type": "slurm"})
     assert "\n" not in str(info.value)
 
