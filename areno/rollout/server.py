@@ -11,9 +11,12 @@ Endpoints
   ``{request_id}``, ``POST /update_weights_from_disk`` ``{path, version}``, ``GET /metrics``
   (Prometheus text).
 
-It binds 127.0.0.1 unless ``--host`` says otherwise. With an API key every endpoint but ``/health``
-needs ``Authorization: Bearer KEY`` (401 otherwise). Bad input gets a 400 whose message names the
-field, in OpenAI's error shape; the server keeps serving.
+Security: it binds 127.0.0.1 unless ``--host`` says otherwise. With an API key every endpoint but
+``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise; compared in constant time). A server
+that listens beyond loopback refuses to start without a key, since its admin endpoints (pause,
+resume, abort, weight updates) would otherwise be open to the network. Weight updates read
+safetensors only (never pickle). Bad input gets a 400 whose message names the field, in OpenAI's
+error shape; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hmac
+import ipaddress
 import json
 import os
 import time
@@ -143,10 +148,12 @@ def create_app(
     app = FastAPI(title="areno rollout server", lifespan=lifespan)
     app.state.client = client
 
+    expected = f"Bearer {api_key}".encode() if api_key else b""
+
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
                 return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", kind="authentication_error")
         return await call_next(request)
 
@@ -298,10 +305,14 @@ def create_app(
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateFromDiskRequest) -> dict:
+        from safetensors import SafetensorError
+
         try:
             await asyncio.to_thread(engine.update_weights_from_disk, req.path, req.version)
         except WeightUpdateError as e:
             raise _BadRequest("path", str(e)) from None
+        except SafetensorError as e:  # a pickle or a truncated file: refused, never unpickled
+            raise _BadRequest("path", f"{req.path} is not a valid safetensors file ({e})") from None
         return {"version": engine.version}
 
     @app.get("/metrics")
@@ -316,6 +327,29 @@ def create_app(
 
 
 # ---------------------------------------------------------------------------------------- the CLI
+ADMIN_ENDPOINTS = ("/pause", "/resume", "/abort", "/update_weights_from_disk")
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine reaches (127.0.0.0/8, ::1, localhost); a wildcard
+    (0.0.0.0, ::) or any other name or address is treated as reachable from the network."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """A one-line ValueError when ``host`` listens beyond loopback without an API key."""
+    if not api_key and not is_loopback(host):
+        raise ValueError(
+            f"--host {host} listens beyond loopback, so the admin endpoints ({', '.join(ADMIN_ENDPOINTS)}) "
+            f"need a key: pass --api-key KEY or set ARENO_API_KEY (or bind 127.0.0.1)"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="areno serve", description="Serve a Hugging Face checkpoint with the areno rollout engine.")
     p.add_argument("model_dir", help="directory with config.json, *.safetensors and a tokenizer")
@@ -372,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        check_bind(args.host, args.api_key)
         engine, tokenizer = build_engine(
             args.model_dir, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, block_size=args.block_size, kv_memory_fraction=args.kv_memory_fraction,

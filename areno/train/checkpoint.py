@@ -105,5 +105,5 @@ def load(
     )
     rng_path = path / f"rng_rank{_rank()}.pt"
     if rng_path.is_file():  # absent when resuming on more ranks than saved: RNG is then re-seeded
-        set_rng_state(torch.load(rng_path, weights_only=False))
-    return torch.load(path / TRAINER_STATE, weights_only=False)
+        set_rng_state(torch.load(rng_path, weights_only=True))
+    return torch.load(path / TRAINER_STATE, weights_only=True)  # never arbitrary pickle

@@ -3,6 +3,7 @@ step guard."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -73,20 +74,12 @@ def lr_factor(step: int, cfg: TrainBackendConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
-class _LrLambda:
-    """Picklable schedule (LambdaLR stores callable objects' state in its state_dict)."""
-
-    def __init__(self, cfg: TrainBackendConfig) -> None:
-        self.cfg = cfg
-
-    def __call__(self, step: int) -> float:
-        return lr_factor(step, self.cfg)
-
-
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainBackendConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, _LrLambda(cfg))
+    # a partial, not a callable object: LambdaLR saves an object's __dict__ (here the config) in its
+    # state_dict, which checkpoints must not carry (they load with torch.load(weights_only=True))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))
 
 
 def _group_key(grad: torch.Tensor) -> tuple:

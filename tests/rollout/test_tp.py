@@ -60,6 +60,6 @@ def test_tp2_equals_tp1(tmp_path):
     eng.update_weights(new_model.state_dict().items(), version=1)
     after = [o.output_ids for o in eng.generate(prompts[:2], GREEDY)]
     for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert got["greedy"] == greedy and got["seeded"] == seeded and got["after"] == after
         assert got["kv_heads"] == cfg.num_key_value_heads // 2

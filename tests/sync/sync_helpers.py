@@ -162,7 +162,7 @@ def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) ->
         transport = StreamTransport(topology=topo, config=cfg, source=NamedTensorSource(b.named_weights))
         transport.sync(1)
         dist.barrier()  # rank 1 generated and saved its output ids
-        ids_T = torch.tensor(prompt + torch.load(Path(out) / "engine.pt")["ids"])
+        ids_T = torch.tensor(prompt + torch.load(Path(out) / "engine.pt", weights_only=True)["ids"])
         with torch.no_grad():
             lp, _ = packed_logprobs(b.model, ids_T, torch.tensor([0, ids_T.numel()]))
         torch.save({"logprobs": lp[len(prompt):]}, Path(out) / "trainer.pt")

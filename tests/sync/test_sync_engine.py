@@ -132,8 +132,8 @@ def test_stream_sync_into_rollout_engine_logprobs_match_trainer(tiny_model_dir, 
     from sync_helpers import spawn, worker_engine
 
     spawn(worker_engine, 2, str(tmp_path), str(tiny_model_dir))
-    eng = torch.load(tmp_path / "engine.pt", weights_only=False)
-    trn = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    eng = torch.load(tmp_path / "engine.pt", weights_only=True)
+    trn = torch.load(tmp_path / "trainer.pt", weights_only=True)
     assert eng["before_version"] == 0 and eng["version"] == 1
     torch.testing.assert_close(eng["logprobs"], trn["logprobs"], atol=1e-4, rtol=1e-4)
 

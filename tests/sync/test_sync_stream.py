@@ -21,7 +21,7 @@ TIMEOUT_S = 2.0
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("stream")
     spawn(worker_scenario, 4, str(out), BUCKET, TIMEOUT_S)
-    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)}
+    return {r: torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(4)}
 
 
 def test_every_rollout_shard_equals_its_slice_bit_for_bit(results):
@@ -85,7 +85,7 @@ def test_source_error_midway_aborts_everywhere_and_keeps_old_version(tmp_path):
     from sync_helpers import worker_source_error
 
     spawn(worker_source_error, 4, str(tmp_path), TIMEOUT_S)
-    res = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)}
+    res = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)}
     assert res[1]["error"] == "ValueError: source broke"
     for r in (0, 2, 3):
         assert res[r]["error"].startswith("PolicySyncError: policy sync v2 failed"), res[r]["error"]

@@ -139,7 +139,7 @@ def test_resume_is_bit_for_bit(model_dir, tmp_path):
     p.start()
     p.join()
     assert p.exitcode == 0
-    assert first + torch.load(tmp_path / "l.pt") == straight
+    assert first + torch.load(tmp_path / "l.pt", weights_only=True) == straight
 
 
 def test_checkpoint_from_other_shape_names_tensor(model_dir, tmp_path):
