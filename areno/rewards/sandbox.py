@@ -175,7 +175,8 @@ class RewardSandbox:
         init = (fn_path, memory_mb, self.cpu_s, allow_network)
         self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areno-reward-start")
         self._slots: list[_Worker] = [_Worker(init, self._starter) for _ in range(workers)]
-        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        # LIFO: the warmest worker serves next, so a pool only starts as many workers as calls overlap
+        self._idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
         for slot in self._slots:
             self._idle.put(slot)
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="areno-reward")
