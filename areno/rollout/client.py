@@ -3,7 +3,13 @@
 ``InProcessRolloutClient`` owns a background thread that calls ``engine.step()`` while requests are
 unfinished, so many concurrent ``agenerate`` coroutines (from one or several event loops) land in
 the same running batch. ``HTTPRolloutClient`` talks to ``areno serve`` (``server.py``) through its
-token-level ``/generate`` endpoint.
+token-level ``/generate`` endpoint. ``MultiServerRolloutClient`` spreads requests round-robin over
+several servers and, given a ``HealthMonitor`` (``health.py``), routes only to healthy ones.
+
+Hangs: every request has a deadline (``request_timeout_s``, from ``rollout.request_timeout_s``).
+A request past it is aborted (in the engine, or by ``POST /abort`` on the server) and raises
+``RolloutRequestTimeout`` naming the server, the request and the fix, so a stalled engine or
+server never hangs a rollout worker forever; the workflow executor counts and retries the episode.
 """
 
 from __future__ import annotations
@@ -11,12 +17,53 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import itertools
+import logging
 import threading
-from typing import Any
+import uuid
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from areno.api.types import GenerationOutput, SamplingParams
 from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
+
+if TYPE_CHECKING:
+    from areno.rollout.health import HealthMonitor
+
+logger = logging.getLogger("areno.rollout.client")
+
+
+class RolloutRequestTimeout(TimeoutError):
+    """A generation request did not finish within its deadline; it was aborted."""
+
+    def __init__(self, *, server: str, request_id: str | None, timeout_s: float, prompt_tokens: int,
+                 max_new_tokens: int) -> None:
+        super().__init__(
+            f"rollout request {request_id or '(unnamed)'} to {server} did not finish within {timeout_s:g}s "
+            f"(prompt {prompt_tokens} tokens, max_new_tokens {max_new_tokens}) and was aborted: check that "
+            f"the server is alive (its /health and log); if generations are legitimately this long, raise "
+            f"rollout.request_timeout_s"
+        )
+        self.server, self.request_id, self.timeout_s = server, request_id, timeout_s
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server answered with an error status or could not be reached."""
+
+    def __init__(self, message: str, *, server: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.server, self.status = server, status
+        """HTTP status of the answer; None when there was none (connection refused or reset)."""
+
+
+class NoHealthyServerError(RuntimeError):
+    """Every rollout server of a ``MultiServerRolloutClient`` is unhealthy or unreachable."""
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    """``None`` / 0 mean no deadline."""
+    return timeout_s if timeout_s else None
 
 
 class RolloutClient(abc.ABC):
@@ -35,9 +82,15 @@ class RolloutClient(abc.ABC):
 class InProcessRolloutClient(RolloutClient):
     """Drives a ``RolloutEngine`` of this process from a background thread."""
 
-    def __init__(self, engine: RolloutEngine, *, idle_wait_s: float = 0.01) -> None:
+    def __init__(self, engine: RolloutEngine, *, idle_wait_s: float = 0.01,
+                 request_timeout_s: float | None = None) -> None:
+        """``request_timeout_s``: deadline of one ``agenerate`` (None or 0: none); past it the
+        request is aborted in the engine and ``RolloutRequestTimeout`` raised."""
+        if request_timeout_s is not None and request_timeout_s < 0:
+            raise ValueError(f"request_timeout_s must be >= 0 or None, got {request_timeout_s}")
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.request_timeout_s = _deadline(request_timeout_s)
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._pending_lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -58,10 +111,17 @@ class InProcessRolloutClient(RolloutClient):
         self._wakeup.set()
         try:
             with async_span("rollout_request", "rollout", request_id, prompt_tokens=len(prompt_ids)):
-                return await future
+                return await asyncio.wait_for(future, self.request_timeout_s)
         except asyncio.CancelledError:
             self._abort_quietly(request_id)
             raise
+        except TimeoutError:
+            self._abort_quietly(request_id)
+            assert self.request_timeout_s is not None
+            raise RolloutRequestTimeout(
+                server="the in-process rollout engine", request_id=request_id, timeout_s=self.request_timeout_s,
+                prompt_tokens=len(prompt_ids), max_new_tokens=sampling_params.max_new_tokens,
+            ) from None
 
     def abort(self, request_id: str) -> GenerationOutput:
         """Abort a request; its ``agenerate`` returns the partial output (finish reason ``abort``)."""
@@ -149,28 +209,155 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
 class HTTPRolloutClient(RolloutClient):
     """Talks to an ``areno serve`` server (token ids in, ``GenerationOutput`` out)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, timeout_s: float = 3600.0) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None, *, timeout_s: float | None = 3600.0,
+                 connect_timeout_s: float = 10.0) -> None:
+        """``timeout_s``: deadline of one whole request (None or 0: none), enforced end to end, not
+        per read; past it the request is aborted on the server and ``RolloutRequestTimeout`` raised.
+        ``connect_timeout_s``: how long to wait for a TCP connection."""
         import httpx
 
+        if timeout_s is not None and timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0 or None, got {timeout_s}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self.timeout_s = _deadline(timeout_s)
+        # httpx's own limits are per phase; the end-to-end deadline is asyncio.wait_for below.
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers,
+                                         timeout=httpx.Timeout(None, connect=connect_timeout_s))
 
     async def agenerate(
         self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
     ) -> GenerationOutput:
+        import httpx
+
+        request_id = request_id or f"req-{uuid.uuid4().hex}"  # named, so a timed-out one can be aborted
         body = {
             "prompt_ids": list(prompt_ids),
             "sampling_params": dataclasses.asdict(sampling_params),
             "request_id": request_id,
         }
-        response = await self._client.post("/generate", json=body)
+        try:
+            response = await asyncio.wait_for(self._client.post("/generate", json=body), self.timeout_s)
+        except TimeoutError:
+            await self._abort_quietly(request_id)
+            assert self.timeout_s is not None
+            raise RolloutRequestTimeout(
+                server=self.base_url, request_id=request_id, timeout_s=self.timeout_s,
+                prompt_tokens=len(prompt_ids), max_new_tokens=sampling_params.max_new_tokens,
+            ) from None
+        # httpx.TransportError (refused, reset) propagates as is: callers that fail over catch it
         if response.status_code != 200:
-            raise RuntimeError(f"{self.base_url}/generate answered {response.status_code}: {_error_message(response)}")
+            raise RolloutServerError(f"{self.base_url}/generate answered {response.status_code}: "
+                                     f"{_error_message(response)}", server=self.base_url,
+                                     status=response.status_code)
         return GenerationOutput(**response.json())
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        """Best effort: a stalled server may not answer this either."""
+        import httpx
+
+        try:
+            await asyncio.wait_for(self._client.post("/abort", json={"request_id": request_id}),
+                                   min(5.0, self.timeout_s or 5.0))
+        except (TimeoutError, httpx.HTTPError):
+            pass
+
+    async def ahealth(self, timeout_s: float) -> None:
+        """``GET /health`` within ``timeout_s``; raises ``RolloutServerError`` or ``TimeoutError``."""
+        import httpx
+
+        try:
+            response = await asyncio.wait_for(self._client.get("/health"), timeout_s)
+        except httpx.TransportError as exc:
+            raise RolloutServerError(f"{type(exc).__name__}: {exc}", server=self.base_url) from None
+        if response.status_code != 200:
+            raise RolloutServerError(f"/health answered {response.status_code}: {_error_message(response)}",
+                                     server=self.base_url, status=response.status_code)
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+class MultiServerRolloutClient(RolloutClient):
+    """Round-robin over several ``areno serve`` servers.
+
+    With a ``HealthMonitor`` only servers it holds healthy get requests; one marked unhealthy is
+    skipped until its ``/health`` answers again. A server that cannot be reached is reported to the
+    monitor and the request goes to the next one; a 4xx (a bad request) is raised at once. When no
+    server is healthy the request waits for one to recover, up to its deadline, then raises
+    ``NoHealthyServerError`` naming every server.
+    """
+
+    def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float | None = 600.0,
+                 health: "HealthMonitor | None" = None) -> None:
+        if not urls:
+            raise ValueError("MultiServerRolloutClient needs at least one rollout server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.api_key = api_key
+        self.request_timeout_s = _deadline(request_timeout_s)
+        self.health = health
+        self._next = itertools.count()
+        self._per_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.requests_per_server = [0] * len(self.urls)
+
+    def _clients(self) -> list[HTTPRolloutClient]:
+        loop = asyncio.get_running_loop()
+        clients = self._per_loop.get(loop)
+        if clients is None:  # httpx clients belong to one event loop
+            clients = [HTTPRolloutClient(u, self.api_key, timeout_s=self.request_timeout_s) for u in self.urls]
+            self._per_loop[loop] = clients
+        return clients
+
+    def _routable(self) -> list[int]:
+        first = next(self._next) % len(self.urls)
+        order = [(first + k) % len(self.urls) for k in range(len(self.urls))]
+        if self.health is None:
+            return order
+        return [i for i in order if self.health.is_healthy(self.urls[i])]
+
+    async def agenerate(self, prompt_ids: list[int], sampling_params: SamplingParams, *,
+                        request_id: str | None = None) -> GenerationOutput:
+        import httpx
+
+        clients = self._clients()
+        loop = asyncio.get_running_loop()
+        deadline = None if self.request_timeout_s is None else loop.time() + self.request_timeout_s
+        errors: dict[str, str] = {}
+        while True:
+            for i in self._routable():
+                try:
+                    out = await clients[i].agenerate(prompt_ids, sampling_params, request_id=request_id)
+                except (RolloutServerError, httpx.TransportError) as exc:
+                    if isinstance(exc, RolloutServerError) and exc.status is not None and exc.status < 500:
+                        raise  # the request is bad, not the server
+                    exc = RolloutServerError(f"unreachable ({type(exc).__name__}: {exc})", server=self.urls[i]) \
+                        if isinstance(exc, httpx.TransportError) else exc
+                    errors[self.urls[i]] = str(exc)
+                    if self.health is not None:
+                        self.health.report_failure(self.urls[i], str(exc))
+                    logger.warning("rollout server %s failed a request (%s); trying the next server", self.urls[i], exc)
+                    continue
+                except RolloutRequestTimeout as exc:
+                    if self.health is not None:
+                        self.health.report_failure(self.urls[i], str(exc))
+                    raise
+                self.requests_per_server[i] += 1
+                return out
+            # nothing routable (or every server failed this round): wait for a recovery
+            left = None if deadline is None else deadline - loop.time()
+            if self.health is None or (left is not None and left <= 0):
+                break
+            if not await self.health.await_healthy(min(left, 1.0) if left is not None else 1.0):
+                continue
+        states = self.health.describe() if self.health is not None else errors
+        raise NoHealthyServerError(
+            f"no rollout server could take the request ({'; '.join(f'{u}: {e}' for u, e in states.items())}): "
+            f"start or fix the servers (see their logs)"
+        )
+
+    async def aclose(self) -> None:
+        for client in self._per_loop.pop(asyncio.get_running_loop(), []):
+            await client.aclose()
 
 
 def _error_message(response: Any) -> str:

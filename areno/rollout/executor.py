@@ -18,7 +18,13 @@ long-tailed lengths: an episode that needs more than η trainer steps to generat
 on (``bench/async.py`` reports ``long_seqs_trained``); choose η against the longest generations.
 
 Faults: a workflow that raises counts as a failed episode and its sample is retried (at the front
-of the queue) up to ``max_retries`` times, then dropped with a warning that names it.
+of the queue) up to ``max_retries`` times, then dropped with a warning that names it. Hangs: a
+generation request past its deadline (``RolloutRequestTimeout``), an unreachable rollout server and
+an episode past ``episode_timeout_s`` are infrastructure faults, not the sample's: they are counted
+(``rollout/request_timeouts``, ``rollout/server_errors``, ``rollout/episode_timeouts``) and the
+sample re-queued like one whose worker process died. ``ProcessEpisodeRunner(episode_timeout_s=...)``
+is the watchdog of rollout worker processes: one holding an episode past the deadline is reported
+by name, killed and restarted, and its episodes re-queued.
 
 ``rollout_batch(samples)`` is the synchronous (colocated) path: run all episodes of the given
 samples concurrently on the same loop and return when every one has finished.
@@ -107,6 +113,7 @@ class WorkflowExecutor:
         store: "ObservationStore | None" = None,
         runner: "ProcessEpisodeRunner | None" = None,
         abort_stale: bool = True,
+        episode_timeout_s: float | None = None,
     ) -> None:
         """
         Args:
@@ -122,9 +129,16 @@ class WorkflowExecutor:
             runner: run episodes in rollout worker processes instead of this process.
             abort_stale: on ``set_version``, cancel running episodes admitted more than η versions
                 ago (``rollout/aborted_stale``): their result would be dropped as stale anyway.
+            episode_timeout_s: in-process episodes running longer are cancelled (their requests
+                aborted), counted in ``rollout/episode_timeouts`` and re-queued (None: no limit).
+                With ``runner``, set the runner's own ``episode_timeout_s`` instead: a process
+                cannot be interrupted from here, only killed and restarted.
         """
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if episode_timeout_s is not None and episode_timeout_s <= 0:
+            raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
+        self.episode_timeout_s = episode_timeout_s
         self.client = client
         self.workflow = workflow
         self.staleness = staleness
@@ -325,39 +339,43 @@ class WorkflowExecutor:
 
     async def _aattempt(self, task: _Task) -> tuple[str, list[Trajectory] | None]:
         """One attempt at one sample: ``ok`` (group), ``rejected``, ``retry`` or ``dropped``."""
+        from httpx import TransportError
+
+        from areno.rollout.client import NoHealthyServerError, RolloutRequestTimeout, RolloutServerError
+
         self._counts["episodes_started"] += 1
         try:
             if self.runner is not None:
                 group = await self.runner.arun(task.sample)
             else:
-                group = as_group(await self.workflow.run_episode(self.client, task.sample))
+                episode = self.workflow.run_episode(self.client, task.sample)
+                try:
+                    group = as_group(await asyncio.wait_for(episode, self.episode_timeout_s))
+                except TimeoutError as exc:
+                    if isinstance(exc, RolloutRequestTimeout):
+                        raise
+                    raise EpisodeTimeout(f"episode ran past episode_timeout_s={self.episode_timeout_s:g}s") from None
         except asyncio.CancelledError:
             raise
-        except WorkerLost as exc:  # the process running it died: re-queue, bounded like failures
+        except (WorkerLost, EpisodeTimeout, RolloutRequestTimeout, RolloutServerError, NoHealthyServerError,
+                TransportError) as exc:
+            if isinstance(exc, RolloutServerError) and exc.status is not None and exc.status < 500:
+                return self._failed(task, exc)  # the server rejected the request: the sample's fault
+            # infrastructure, not the sample: re-queue, bounded like failures
+            counter = {EpisodeTimeout: "episode_timeouts", RolloutRequestTimeout: "request_timeouts",
+                       WorkerLost: "worker_lost"}.get(type(exc), "server_errors")
+            self._counts[counter] += 1
             task.lost += 1
             self._counts["requeued"] += 1
             if task.lost <= self.max_retries:
+                logger.warning("re-queueing dataset %s (%s): %s", describe_sample(task.sample), counter, exc)
                 return "retry", None
             self._counts["dropped_failed"] += 1
-            logger.warning("dropping dataset %s: %d rollout worker processes died running it (%s)",
-                           describe_sample(task.sample), task.lost, exc)
+            logger.warning("dropping dataset %s after %d infrastructure failures (last, %s): %s",
+                           describe_sample(task.sample), task.lost, counter, exc)
             return "dropped", None
         except Exception as exc:  # user workflow code: counted, retried, then dropped with a warning
-            task.attempts += 1
-            self._counts["failed_episodes"] += 1
-            what = f"{type(exc).__name__}: {exc}"
-            if task.attempts <= self.max_retries:
-                logger.warning(
-                    "episode failed for dataset %s (attempt %d of %d), retrying: %s",
-                    describe_sample(task.sample), task.attempts, self.max_retries + 1, what,
-                )
-                return "retry", None
-            self._counts["dropped_failed"] += 1
-            logger.warning(
-                "dropping dataset %s after %d failed attempts: %s",
-                describe_sample(task.sample), task.attempts, what, exc_info=exc,
-            )
-            return "dropped", None
+            return self._failed(task, exc)
         if group is None:
             self._counts["rejected"] += 1
             return "rejected", None
@@ -365,6 +383,24 @@ class WorkflowExecutor:
         self._counts["trajectories"] += len(group)
         self._counts["reward_errors"] += sum("reward_error" in t.info for t in group)
         return "ok", group
+
+    def _failed(self, task: _Task, exc: BaseException) -> tuple[str, None]:
+        """The workflow raised: count, retry up to ``max_retries`` times, then drop with a warning."""
+        task.attempts += 1
+        self._counts["failed_episodes"] += 1
+        what = f"{type(exc).__name__}: {exc}"
+        if task.attempts <= self.max_retries:
+            logger.warning(
+                "episode failed for dataset %s (attempt %d of %d), retrying: %s",
+                describe_sample(task.sample), task.attempts, self.max_retries + 1, what,
+            )
+            return "retry", None
+        self._counts["dropped_failed"] += 1
+        logger.warning(
+            "dropping dataset %s after %d failed attempts: %s",
+            describe_sample(task.sample), task.attempts, what, exc_info=exc,
+        )
+        return "dropped", None
 
     # ------------------------------------------------------------------ collection (trainer thread)
     def _drop_stale_locked(self) -> None:
@@ -488,7 +524,11 @@ class WorkflowExecutor:
 
 
 class WorkerLost(RuntimeError):
-    """The rollout worker process running an episode died before returning it."""
+    """The rollout worker process running an episode died (or was killed as stalled) before returning it."""
+
+
+class EpisodeTimeout(TimeoutError):
+    """An in-process episode ran past the executor's ``episode_timeout_s`` and was cancelled."""
 
 
 class RemoteEpisodeError(RuntimeError):
@@ -516,6 +556,7 @@ def _worker_main(spec: WorkerSpec, conn: Any) -> None:
     async def amain() -> None:
         workflow = load_workflow(spec.workflow, **spec.workflow_kwargs)
         client = _import_dotted(spec.client)(**spec.client_kwargs)
+        conn.send((_READY, "ready", None))  # the watchdog's clock starts here, not at the (slow) import
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(_recv_or_none(conn)))
@@ -537,6 +578,10 @@ def _worker_main(spec: WorkerSpec, conn: Any) -> None:
     asyncio.run(amain())
 
 
+_READY = -1
+"""Dispatch id of the message a worker process sends once its workflow and client are built."""
+
+
 def _recv_or_none(conn: Any) -> Any:
     try:
         return conn.recv()
@@ -550,7 +595,13 @@ class _Slot:
     conn: Any
     generation: int
     inflight: dict[int, asyncio.Future] = field(default_factory=dict)
+    started: dict[int, tuple[float, str]] = field(default_factory=dict)
+    """dispatch id -> (time.monotonic() when sent, the sample's description), for the watchdog."""
     alive: bool = True
+    ready_at: float | None = None
+    """When the process reported its workflow and client built (episodes queue until then)."""
+    stalled: str | None = None
+    """Why the watchdog killed it (None: it died by itself)."""
 
 
 class ProcessEpisodeRunner:
@@ -559,16 +610,25 @@ class ProcessEpisodeRunner:
     which the executor re-queues: each sample still yields exactly one group (a result that arrives
     from a process already declared dead is ignored, so nothing is counted twice).
 
+    Watchdog: with ``episode_timeout_s`` a process holding an episode longer than that is stalled
+    (a hung tool, a blocked event loop, a deadlock): it is reported by name (index, pid, the
+    sample), killed and restarted like a dead one, so its episodes are re-queued.
+
     Pass it to ``WorkflowExecutor(runner=...)``; the executor attaches it to its event loop.
     """
 
     def __init__(
-        self, spec: WorkerSpec, *, num_procs: int, episodes_per_proc: int = 8, mp_context: str = "forkserver"
+        self, spec: WorkerSpec, *, num_procs: int, episodes_per_proc: int = 8, mp_context: str = "forkserver",
+        episode_timeout_s: float | None = None,
     ) -> None:
         import multiprocessing as mp
 
         if num_procs < 1 or episodes_per_proc < 1:
             raise ValueError(f"num_procs and episodes_per_proc must be >= 1, got {num_procs}, {episodes_per_proc}")
+        if episode_timeout_s is not None and episode_timeout_s <= 0:
+            raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
+        self.episode_timeout_s = episode_timeout_s
+        self.stalls = 0
         self.spec = spec
         self.num_procs = num_procs
         self.episodes_per_proc = episodes_per_proc
@@ -625,6 +685,7 @@ class ProcessEpisodeRunner:
         self._next_dispatch += 1
         future = self._loop.create_future()
         slot.inflight[dispatch_id] = future
+        slot.started[dispatch_id] = (time.monotonic(), describe_sample(sample))
         try:
             slot.conn.send((dispatch_id, sample))
         except (BrokenPipeError, OSError):
@@ -633,6 +694,7 @@ class ProcessEpisodeRunner:
             status, payload = await future
         finally:
             slot.inflight.pop(dispatch_id, None)
+            slot.started.pop(dispatch_id, None)
             self._free.set()
         if status == "ok":
             return payload
@@ -657,6 +719,9 @@ class ProcessEpisodeRunner:
                     slot.alive = False
                     self._loop.call_soon_threadsafe(self._on_death, idx, slot.generation)
                     continue
+                if msg[0] == _READY:
+                    slot.ready_at = time.monotonic()
+                    continue
                 self._loop.call_soon_threadsafe(self._on_result, slot, *msg)
             # a process killed before it ever wrote may still be caught by EOF above; poll too
             with self._slots_lock:
@@ -664,6 +729,26 @@ class ProcessEpisodeRunner:
                     if slot.alive and not slot.proc.is_alive():
                         slot.alive = False
                         self._loop.call_soon_threadsafe(self._on_death, idx, slot.generation)
+                    elif slot.alive and slot.stalled is None:
+                        self._check_stalled(idx, slot)
+
+    def _check_stalled(self, idx: int, slot: _Slot) -> None:
+        """Reader thread: kill a process holding an episode past ``episode_timeout_s``; its death
+        is then handled like any other (restart, episodes re-queued)."""
+        if self.episode_timeout_s is None or slot.ready_at is None:
+            return
+        now = time.monotonic()
+        ages = [(now - max(t0, slot.ready_at), what) for t0, what in list(slot.started.values())]
+        overdue = [(age, what) for age, what in ages if age > self.episode_timeout_s]
+        if not overdue:
+            return
+        age, what = max(overdue)
+        slot.stalled = (f"stalled: an episode of dataset {what} ran {age:.1f}s, past episode_timeout_s="
+                        f"{self.episode_timeout_s:g}s")
+        logger.warning("rollout worker process %d (pid %s) %s; killing and restarting it", idx, slot.proc.pid,
+                       slot.stalled)
+        self.stalls += 1
+        slot.proc.kill()
 
     def _on_result(self, slot: _Slot, dispatch_id: int, status: str, payload: Any) -> None:
         future = slot.inflight.get(dispatch_id)
@@ -676,12 +761,14 @@ class ProcessEpisodeRunner:
             return
         slot.proc.join(timeout=5)  # EOF can arrive before the process is reaped
         exitcode = slot.proc.exitcode
-        logger.warning("rollout worker process %d (pid %s) died with exit code %s; restarting it and "
-                       "re-queueing its %d in-flight samples", idx, slot.proc.pid, exitcode, len(slot.inflight))
+        why = slot.stalled or f"died with exit code {exitcode}"
+        logger.warning("rollout worker process %d (pid %s) %s; restarting it and re-queueing its %d in-flight "
+                       "samples", idx, slot.proc.pid, why, len(slot.inflight))
         for future in list(slot.inflight.values()):
             if not future.done():
-                future.set_result(("lost", f"worker process pid {slot.proc.pid} exited with code {exitcode}"))
+                future.set_result(("lost", f"rollout worker process {idx} (pid {slot.proc.pid}) {why}"))
         slot.inflight.clear()
+        slot.started.clear()
         slot.conn.close()
         with self._slots_lock:
             self._slots[idx] = self._spawn(generation + 1)
