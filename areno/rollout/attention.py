@@ -119,22 +119,36 @@ class PagedAttention:
 
     @classmethod
     def for_decode(
-        cls, cache: KVCache, bt_BN: torch.Tensor, ctx_B: torch.Tensor, sliding_window: int | None = None
+        cls, cache: KVCache, bt_BN: torch.Tensor, ctx_B: torch.Tensor, sliding_window: int | None = None,
+        kv_slots_BL: torch.Tensor | None = None,
     ) -> "PagedAttention":
         """A pure-decode step from device tensors only (static shapes: usable inside a CUDA graph).
 
         ``bt_BN``: block tables padded with any block id (padding keys are masked); ``ctx_B``: context
-        length including the new token (its position is ``ctx - 1``)."""
+        length including the new token (its position is ``ctx - 1``). A position past the table's
+        ``N`` blocks writes its K/V to the scratch block (rows the engine runs past their end in a
+        multi-step decode). ``kv_slots_BL``: the slots of every key (``decode_kv_slots``), when the
+        caller reuses them across steps."""
         bs = cache.block_size
+        N = bt_BN.shape[1]
         pos_B = ctx_B - 1
-        slot_B = bt_BN.gather(1, (pos_B // bs)[:, None]).squeeze(1) * bs + pos_B % bs
-        key_L = torch.arange(bt_BN.shape[1] * bs, device=bt_BN.device)
-        kv_slots_BL = bt_BN[:, key_L // bs] * bs + key_L % bs
+        col_B = pos_B // bs
+        slot_B = bt_BN.gather(1, col_B.clamp(max=N - 1)[:, None]).squeeze(1) * bs + pos_B % bs
+        slot_B = torch.where(col_B < N, slot_B, cache.scratch_block * bs)
+        key_L = torch.arange(N * bs, device=bt_BN.device)
+        if kv_slots_BL is None:
+            kv_slots_BL = cls.decode_kv_slots(bt_BN, bs)
         mask_BL = key_L[None, :] <= pos_B[:, None]
         if sliding_window is not None:
             mask_BL &= key_L[None, :] > pos_B[:, None] - sliding_window
         group = _Group(kv_slots_BL=kv_slots_BL, mask_B1QL=mask_BL[:, None, None, :])
         return cls(cache, slot_B, bt_BN.shape[0], group, None)
+
+    @staticmethod
+    def decode_kv_slots(bt_BN: torch.Tensor, block_size: int) -> torch.Tensor:
+        """long [B, N * block_size]: the cache slot of every key position of the block tables."""
+        key_L = torch.arange(bt_BN.shape[1] * block_size, device=bt_BN.device)
+        return bt_BN[:, key_L // block_size] * block_size + key_L % block_size
 
     @staticmethod
     def _group(

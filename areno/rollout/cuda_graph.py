@@ -6,7 +6,10 @@ blocks and to a multiple of 16 blocks beyond (so the attention gathers keys for 
 context of the batch, not for ``max_model_len``).
 Graphs are captured lazily at first use and share one memory pool. The graph's inputs are three
 static tensors — token ids, context lengths, block tables — and everything else (positions, cache
-slots, masks, the forward pass and the logits) is computed inside the graph. Padding rows use the KV
+slots, masks, the forward pass and the logits) is computed inside the graph. A multi-step decode
+(``RolloutEngineConfig.decode_steps``) replays the graph k times, writing each step's sampled tokens
+into the static ids and advancing the context lengths on the device between replays (sampling runs
+eagerly on the device between replays: no host round trip until the k steps are done). Padding rows use the KV
 cache's scratch block, so they never touch a live sequence's K/V.
 
 Weights are updated in place (same addresses), so graphs survive ``update_weights``; ``sleep()``
@@ -77,7 +80,10 @@ class DecodeGraphRunner:
         self._graphs.clear()
         self._pool = None
 
-    def run(self, batch: "ScheduledBatch", ids: list[int], pos: list[int]) -> torch.Tensor:
+    def prepare(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int]) -> tuple[_Graph, torch.Tensor, torch.Tensor]:
+        """Load a decode batch into its graph's static inputs. Returns the graph and views of its
+        token ids and context lengths for the batch's rows (the engine advances them in place
+        between replays of a multi-step decode); ``replay`` returns the logits."""
         B = len(batch.seqs)
         n_blocks = batch.max_blocks
         key = (padded_batch_size(B), min(padded_num_blocks(n_blocks), padded_num_blocks(self.max_blocks)))
@@ -87,17 +93,28 @@ class DecodeGraphRunner:
         # padding rows all scratch); token ids and context lengths travel as one [2, Bp] copy.
         bt = self.engine.scheduler.block_tables_for(batch.rows, width=Np, batch_size=Bp)
         pad = Bp - B
-        inputs = torch.tensor([ids + [0] * pad, [p + 1 for p in pos] + [1] * pad], dtype=torch.long)
+        inputs = torch.tensor([ids + [0] * pad, ctx + [1] * pad], dtype=torch.long)
         g.ids_ctx_2B.copy_(inputs, non_blocking=True)
         g.bt_BN.copy_(bt, non_blocking=True)
+        return g, g.ids_ctx_2B[0, :B], g.ids_ctx_2B[1, :B]
+
+    @staticmethod
+    def replay(g: _Graph, B: int) -> torch.Tensor:
         g.graph.replay()
         # No copy: the logits are consumed (sampled) before the next replay overwrites them.
         return g.logits_BV[:B]
 
+    def run(self, batch: "ScheduledBatch", ids: list[int], pos: list[int]) -> torch.Tensor:
+        """One decode step: logits [B, V] of the batch (``pos``: each token's position)."""
+        g, _, _ = self.prepare(batch, ids, [p + 1 for p in pos])
+        return self.replay(g, len(batch.seqs))
+
     def _forward(self, ids_B: torch.Tensor, ctx_B: torch.Tensor, bt_BN: torch.Tensor) -> torch.Tensor:
         e = self.engine
         attn = PagedAttention.for_decode(e.cache, bt_BN, ctx_B, e.sliding_window)
-        hidden_BD = e.model(ids_B, ctx_B - 1, attn)
+        # Rows run past their end (multi-step decode) may pass the RoPE table: clamp (their K/V
+        # goes to the scratch block and their tokens are discarded).
+        hidden_BD = e.model(ids_B, (ctx_B - 1).clamp(max=e.max_position - 1), attn)
         return e._logits(hidden_BD)
 
     @torch.no_grad()

@@ -31,7 +31,7 @@ from areno.api.types import GenerationOutput, SamplingParams
 from areno.observe.trace import instant, span
 from areno.rollout.attention import PagedAttention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
-from areno.rollout.sampling import SampleRequest, Sampler, check_stop, make_generator, suppressed_ids
+from areno.rollout.sampling import RowParams, Sampler, check_stop
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
 
 
@@ -84,6 +84,13 @@ class RolloutEngineConfig:
     cuda_graph_max_batch: int = 256
     """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, 8, then
     multiples of 8)."""
+    decode_steps: int | None = None
+    """Decode steps a pure-decode batch runs back to back on the device per host round trip: tokens
+    are sampled, fed back and checked for stop ids / length on the device, and copied to the host
+    once at the end (tokens past a request's end are discarded; requests join at the next round
+    trip, so with waiting requests k is capped by the batch's shortest remaining length). The
+    per-step host cost (scheduling, block tables, output bookkeeping) is divided by k. None: 8 on
+    CUDA, 1 elsewhere (where host overhead is small next to the forward pass)."""
     seed: int = 0
     """Seed of the generator shared by requests without their own seed."""
 
@@ -92,6 +99,8 @@ class RolloutEngineConfig:
                      "cpu_kv_cache_bytes", "cuda_graph_max_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutEngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.decode_steps is not None and self.decode_steps <= 0:
+            raise ValueError(f"RolloutEngineConfig.decode_steps must be > 0 or None, got {self.decode_steps}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"RolloutEngineConfig.num_blocks must be > 0 or None, got {self.num_blocks}")
         if not 0 < self.kv_memory_fraction <= 1:
@@ -126,6 +135,8 @@ class RolloutEngine:
         self.device = torch.device(config.device) if config.device else param.device
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.max_position = model_config.max_position_embeddings
+        self.decode_steps = config.decode_steps or (8 if self.device.type == "cuda" else 1)
         self.vocab_size = model_config.vocab_size
         self.sliding_window = getattr(model_config, "sliding_window", None)
 
@@ -152,6 +163,7 @@ class RolloutEngine:
         self._paused = False
         self._sleeping = False
         self._steps = 0
+        self._round_trips = 0
         self._generated_tokens = 0
         self._prefill_tokens = 0
         self._started = time.monotonic()
@@ -203,9 +215,7 @@ class RolloutEngine:
             request_id = request_id or uuid.uuid4().hex
             if request_id in self._seqs:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            generator = make_generator(params.seed, self.device) if params.seed is not None else None
-            seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params,
-                           arrival=self._arrivals, generator=generator)
+            seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params, arrival=self._arrivals)
             self._arrivals += 1
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
@@ -242,7 +252,8 @@ class RolloutEngine:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self) -> list[GenerationOutput]:
-        """Run one forward pass over the scheduled tokens; returns the requests that finished."""
+        """Run one forward pass over the scheduled tokens (a pure-decode batch: up to
+        ``decode_steps`` of them back to back); returns the requests that finished."""
         with span("engine_step", "rollout"):
             return self._step()
 
@@ -253,66 +264,149 @@ class RolloutEngine:
             batch = self.scheduler.schedule()
             if not batch.seqs:
                 return []
-            logits_BV = self._forward(batch)
-            self.scheduler.after_step(batch)
-            self._steps += 1
-            sampling = [s for s, do in zip(batch.seqs, batch.samples) if do]
+            pure_decode = batch.num_decode == len(batch.seqs) and all(batch.samples)
+            sampling = batch.seqs if pure_decode else [s for s, do in zip(batch.seqs, batch.samples) if do]
             self._prefill_tokens += batch.num_tokens - len(sampling)
             if not sampling:
+                logits_BV = self._forward(batch)
+                self.scheduler.after_step(batch)
+                self._steps += 1
                 return []
-            eos = self.eos_token_ids
-            requests = []
-            n_gens = []
-            for s in sampling:
-                p = s.params
-                n_gen = len(s.token_ids) - len(s.prompt_ids)
-                n_gens.append(n_gen)
-                suppress = suppressed_ids(p, n_gen, eos) if n_gen < p.min_new_tokens else ()
-                requests.append(SampleRequest(p, n_gen, s.generator, suppress))
-            tokens, logprobs = self._sample(logits_BV, requests)
-            finished = []
-            version = self._version
-            max_len = self.max_model_len
-            self._generated_tokens += len(sampling)
-            for seq, token, logprob, n_gen in zip(sampling, tokens, logprobs, n_gens):
-                seq.token_ids.append(token)
-                seq.output_logprobs.append(logprob)
-                seq.output_versions.append(version)
-                p = seq.params
-                n_gen += 1
-                # check_stop can only end the request on a stop string, a stop/EOS token or the
-                # length limit; skip the call (and its copy of the output ids) otherwise.
-                if (p.stop or n_gen >= p.max_new_tokens or token in p.stop_token_ids
+            rp = RowParams.build(
+                [s.params for s in sampling], [len(s.token_ids) - len(s.prompt_ids) for s in sampling],
+                [len(s.token_ids) for s in sampling], self.eos_token_ids, self.vocab_size, self.max_model_len,
+                self.device,
+            )
+            if pure_decode:
+                k = self._plan_decode_steps(batch)
+                tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp)
+            else:
+                k = 1
+                logits_BV = self._forward(batch)
+                tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)
+                tokens_KB, logprobs_KB, keep_B = tokens_B[None], logprobs_B[None], None
+            self.scheduler.after_step(batch, k)
+            self._steps += k
+            self._round_trips += 1
+            # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
+            parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
+            host_BX = torch.cat(parts).T.tolist()
+            return self._commit_tokens(sampling, host_BX, k)
+
+    def _commit_tokens(self, sampling: list[Sequence], host_BX: list[list[float]], k: int) -> list[GenerationOutput]:
+        """Append each row's new tokens (up to its end), apply the stop rules, finish requests."""
+        finished = []
+        eos = self.eos_token_ids
+        version = self._version
+        max_len = self.max_model_len
+        generated = 0
+        for seq, row in zip(sampling, host_BX):
+            n = int(row[2 * k]) if k > 1 else 1
+            p = seq.params
+            generated += n
+            if p.stop:  # stop strings need the decoded text after every token
+                reason = None
+                for t, lp in zip(row[:n], row[k : k + n]):
+                    seq.token_ids.append(int(t))
+                    seq.output_logprobs.append(lp)
+                    seq.output_versions.append(version)
+                    reason, seq.text = check_stop(p, seq.output_ids, eos, self._decode(seq.output_ids))
+                    if reason is None and len(seq.token_ids) >= max_len:
+                        reason = "length"
+                    if reason is not None:
+                        break
+            else:
+                if n == 1:
+                    token = int(row[0])
+                    seq.token_ids.append(token)
+                    seq.output_logprobs.append(row[k])
+                    seq.output_versions.append(version)
+                else:
+                    seq.token_ids.extend(int(t) for t in row[:n])
+                    seq.output_logprobs.extend(row[k : k + n])
+                    seq.output_versions.extend([version] * n)
+                    token = seq.token_ids[-1]
+                # check_stop can only end the request on a stop/EOS token or the length limit;
+                # skip the call (and its copy of the output ids) otherwise.
+                if (len(seq.token_ids) - len(seq.prompt_ids) >= p.max_new_tokens or token in p.stop_token_ids
                         or (not p.ignore_eos and token in eos)):
-                    text = self._decode(seq.output_ids) if p.stop else None
-                    reason, seq.text = check_stop(p, seq.output_ids, eos, text)
-                elif seq.text is not None:
-                    reason, seq.text = None, None
+                    reason, seq.text = check_stop(p, seq.output_ids, eos, None)
                 else:
                     reason = None
                 if reason is None and len(seq.token_ids) >= max_len:
                     reason = "length"
-                if reason is not None:
-                    del self._seqs[seq.request_id]
-                    self.scheduler.remove(seq)
-                    finished.append(self._output(seq, reason))
-            return finished
+            if reason is not None:
+                del self._seqs[seq.request_id]
+                self.scheduler.remove(seq)
+                finished.append(self._output(seq, reason))
+        self._generated_tokens += generated
+        return finished
+
+    def _plan_decode_steps(self, batch: ScheduledBatch) -> int:
+        """How many decode steps this pure-decode batch runs before the next host round trip (its
+        blocks for them are reserved here; 1 when the pool cannot hold them)."""
+        k = self.decode_steps
+        if k <= 1:
+            return 1
+        remaining = [min(s.params.max_new_tokens - (len(s.token_ids) - len(s.prompt_ids)),
+                         self.max_model_len - len(s.token_ids)) for s in batch.seqs]
+        k = min(k, max(remaining))
+        if self.scheduler.waiting:  # let them join as soon as a running request can end by length
+            k = min(k, min(remaining))
+        if k <= 1:
+            return 1
+        # Step j writes the K/V of position len - 1 + j; a row stops needing blocks at its end.
+        upto = [s.num_computed + min(k, r) for s, r in zip(batch.seqs, remaining)]
+        return k if self.scheduler.reserve_ahead(batch.seqs, upto) else 1
+
+    def _run_decode(self, batch: ScheduledBatch, k: int, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``k`` decode steps of a pure-decode batch without a host round trip. Returns token ids
+        and log-probs [k, B] and, for k > 1, how many of each row's tokens are real (a row that
+        hits a stop id or its length limit keeps running; its later tokens are discarded)."""
+        seqs = batch.seqs
+        B = len(seqs)
+        ids = [s.token_ids[-1] for s in seqs]
+        ctx = [len(s.token_ids) for s in seqs]
+        graph = None
+        if self._graphs is not None and self._graphs.can_run(batch):
+            graph, ids_B, ctx_B = self._graphs.prepare(batch, ids, ctx)
+        else:
+            ids_ctx_2B = torch.tensor([ids, ctx], dtype=torch.long).to(self.device, non_blocking=True)
+            ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
+            bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks).to(self.device, non_blocking=True)
+            kv_slots_BL = PagedAttention.decode_kv_slots(bt_BN, self.config.block_size)
+        tokens, logprobs = [], []
+        keep_B = alive_B = None
+        if k > 1:
+            keep_B = torch.full((B,), k, dtype=torch.long, device=self.device)
+            alive_B = torch.ones(B, dtype=torch.bool, device=self.device)
+        for j in range(k):
+            if graph is not None:
+                logits_BV = self._graphs.replay(graph, B)
+            else:
+                attn = PagedAttention.for_decode(self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL)
+                hidden_BD = self.model(ids_B, (ctx_B - 1).clamp(max=self.max_position - 1), attn)
+                logits_BV = self._logits(hidden_BD)
+            tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)
+            tokens.append(tokens_B)
+            logprobs.append(logprobs_B)
+            if k > 1:
+                done_B = rp.advance(tokens_B)
+                keep_B = torch.where(done_B & alive_B, j + 1, keep_B)
+                alive_B &= ~done_B
+                if j + 1 < k:
+                    ids_B.copy_(tokens_B)
+                    ctx_B.add_(1)
+        return torch.stack(tokens), torch.stack(logprobs), keep_B
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [B, V] of the sequences that sample this step (in batch order)."""
-        if batch.num_decode == len(batch.seqs):  # pure decode: the one new token of each sequence
-            pos = batch.starts
-            ids = [s.token_ids[c] for s, c in zip(batch.seqs, pos)]
-            last = [i for i, do in enumerate(batch.samples) if do]
-        else:
-            ids, pos, last = [], [], []
-            for seq, start, n, samples in zip(batch.seqs, batch.starts, batch.num_new, batch.samples):
-                ids.extend(seq.token_ids[start : start + n])
-                pos.extend(range(start, start + n))
-                if samples:
-                    last.append(len(ids) - 1)
-        if self._graphs is not None and self._graphs.can_run(batch):
-            return self._graphs.run(batch, ids, pos)
+        ids, pos, last = [], [], []
+        for seq, start, n, samples in zip(batch.seqs, batch.starts, batch.num_new, batch.samples):
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            if samples:
+                last.append(len(ids) - 1)
         to = dict(device=self.device, non_blocking=True)
         input_ids_T = torch.tensor(ids, dtype=torch.long).to(**to)
         position_ids_T = torch.tensor(pos, dtype=torch.long).to(**to)
@@ -334,8 +428,9 @@ class RolloutEngine:
         """Full-vocabulary fp32 logits [B, V]."""
         return self.model.logits(hidden_BD).float()
 
-    def _sample(self, logits_BV: torch.Tensor, requests: list[SampleRequest]) -> tuple[list[int], list[float]]:
-        return self.sampler.sample(logits_BV, requests)
+    def _sample_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and log-probs [B] on the device (no host synchronisation)."""
+        return self.sampler.sample_rows(logits_BV, rp)
 
     def _decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -495,6 +590,7 @@ class RolloutEngine:
                 "prefix_hit_rate": a.prefix_hit_tokens / max(a.prefix_query_tokens, 1),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "steps": self._steps,
+                "sampling_round_trips": self._round_trips,
                 "generated_tokens": self._generated_tokens,
                 "prefill_tokens": self._prefill_tokens,
                 "generated_tokens_per_s": self._generated_tokens / max(elapsed, 1e-9),

@@ -233,6 +233,20 @@ class Scheduler:
             seq.num_registered_blocks += 1
         return True
 
+    def reserve_ahead(self, seqs: list[Sequence], upto: list[int]) -> bool:
+        """Give each sequence blocks for its first ``upto`` tokens (tokens not sampled yet: nothing
+        is registered in the prefix cache) — all of them or, when the pool is short, none."""
+        bs = self.allocator.block_size
+        needed = [-(-u // bs) - len(s.block_table) for s, u in zip(seqs, upto)]
+        if sum(n for n in needed if n > 0) > self.allocator.num_available:
+            return False
+        for seq, n in zip(seqs, needed):
+            table = seq.block_table
+            for _ in range(n):
+                table.append(self.allocator.allocate())
+                self.block_tables_RN[seq.row, len(table) - 1] = table[-1]
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
@@ -265,6 +279,12 @@ class Scheduler:
         seq.num_registered_blocks = 0
         seq.last_key = ROOT_KEY
 
-    def after_step(self, batch: ScheduledBatch) -> None:
+    def after_step(self, batch: ScheduledBatch, decode_steps: int = 1) -> None:
+        """Count the computed tokens; ``decode_steps`` > 1: a pure-decode batch ran that many
+        decode steps (one token each)."""
+        if decode_steps > 1:
+            for seq in batch.seqs:
+                seq.num_computed += decode_steps
+            return
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, WeightUpdateError
-from areno.rollout.sampling import SampleRequest
+from areno.rollout.sampling import RowParams
 
 
 def make_tp_reduce(group: dist.ProcessGroup | None) -> Any:
@@ -81,16 +81,16 @@ class TensorParallelRolloutEngine(RolloutEngine):
         dist.all_gather(parts, local_BV.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
-    def _sample(self, logits_BV: torch.Tensor, requests: list[SampleRequest]) -> tuple[list[int], list[float]]:
-        # Every rank samples (keeping per-request generators in step); rank 0's choice is broadcast.
-        tokens, logprobs = self.sampler.sample(logits_BV, requests)
+    def _sample_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every rank samples (keeping the shared generator in step); rank 0's choice is broadcast.
+        tokens_B, logprobs_B = self.sampler.sample_rows(logits_BV, rp)
         dev = self._comm_device()
-        t = torch.tensor(tokens, dtype=torch.long, device=dev)
-        lp = torch.tensor(logprobs, dtype=torch.float64, device=dev)
+        t = tokens_B.to(dev).contiguous()
+        lp = logprobs_B.to(dev).contiguous()
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast(t, src=src, group=self.group)
         dist.broadcast(lp, src=src, group=self.group)
-        return t.tolist(), lp.tolist()
+        return t.to(self.device), lp.to(self.device)
 
     def _shard_for_update(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Full (Hugging Face shaped) tensors in, this rank's shard out."""

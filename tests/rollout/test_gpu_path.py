@@ -50,13 +50,17 @@ def test_cuda_graphs_match_eager_on_gpu(dtype):
     prompts = random_prompts(11, seed=40)
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
     outs = {}
-    for graphs in (False, True):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256, cuda_graphs=graphs),
-                            eos_token_ids=())
+    for graphs, k in ((False, 1), (False, None), (True, None)):  # None: the CUDA default, multi-step
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256, cuda_graphs=graphs,
+                                                                   decode_steps=k), eos_token_ids=())
+        if k == 1:
+            one_step = eng.generate(prompts, params)
+            continue
         outs[graphs] = eng.generate(prompts, params)
         seeded = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=5)
         outs[(graphs, "seeded")] = eng.generate(prompts[:3], seeded)
     assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
+    assert [o.output_ids for o in outs[False]] == [o.output_ids for o in one_step]
     assert [o.output_ids for o in outs[(True, "seeded")]] == [o.output_ids for o in outs[(False, "seeded")]]
     if dtype == torch.float32:
         from tests.rollout.conftest import naive_greedy
@@ -88,9 +92,11 @@ class _EagerReplay:
         self.out.copy_(self.fn())
 
 
-def test_graph_runner_inputs_on_cpu():
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_graph_runner_inputs_on_cpu(decode_steps):
     """The graph runner's per-step inputs (block-table rows from the scheduler's tensor, padding
-    rows, ids and context lengths) give the eager engine's tokens, with requests joining and leaving."""
+    rows, ids and context lengths, advanced in place by a multi-step decode) give the eager
+    one-step engine's tokens, with requests joining and leaving."""
     from areno.rollout.cuda_graph import DecodeGraphRunner, _Graph
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
@@ -111,8 +117,9 @@ def test_graph_runner_inputs_on_cpu():
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lengths]
     outs = {}
     for graphs in (False, True):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, max_num_seqs=6,
-                                                                   max_model_len=70), eos_token_ids=())
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
+            block_size=4, num_blocks=64, max_num_seqs=6, max_model_len=70, decode_steps=decode_steps if graphs else 1),
+            eos_token_ids=())
         if graphs:
             eng._graphs = EagerRunner(eng, max_batch=6)
         outs[graphs] = eng.generate(prompts, params)

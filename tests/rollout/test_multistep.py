@@ -1,0 +1,150 @@
+"""Multi-step decode (``decode_steps`` > 1): k decode steps per host round trip give exactly the
+tokens, log-probs and finish reasons of the one-step engine."""
+
+import pytest
+import torch
+
+from areno.api.types import SamplingParams
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.rollout.sampling import RowParams, Sampler, hash_exponential
+from tests.rollout.conftest import EOS, make_model, naive_greedy, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+
+
+def engine(model_cfg, decode_steps: int, eos=(EOS,), tokenizer=None, **kw) -> RolloutEngine:
+    model, cfg = model_cfg
+    defaults = dict(block_size=4, num_blocks=128, max_tokens_per_step=64, prefill_chunk_size=8)
+    defaults.update(kw)
+    return RolloutEngine(model, cfg, config=RolloutEngineConfig(decode_steps=decode_steps, **defaults),
+                         eos_token_ids=eos, tokenizer=tokenizer)
+
+
+def summary(outs):
+    return [(o.output_ids, o.finish_reason, o.output_versions) for o in outs]
+
+
+def test_multistep_matches_reference_and_runs_fewer_round_trips(tiny):
+    model, _ = tiny
+    prompts = random_prompts(6, seed=1)
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (10, 3, 7, 1, 10, 5)]
+    eng = engine(tiny, 4)
+    outs = eng.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        ref_ids, ref_lp = naive_greedy(model, prompt, p.max_new_tokens)
+        assert out.output_ids == ref_ids and out.finish_reason == "length"
+        assert out.output_logprobs == pytest.approx(ref_lp, abs=1e-4)
+    one = engine(tiny, 1)
+    assert summary(one.generate(prompts, params)) == summary(outs)
+    # Same forward passes; the one-step engine copies tokens to the host after each, this one
+    # after each group of up to 4 decode steps.
+    assert eng.allocator.num_used == 0 and eng.stats()["steps"] == one.stats()["steps"]
+    assert eng.stats()["sampling_round_trips"] <= one.stats()["sampling_round_trips"] - 5
+
+
+def test_multistep_stops_eos_stop_ids_min_tokens(tiny):
+    prompt = random_prompts(1, seed=9)[0]
+    free = engine(tiny, 1).generate([prompt], GREEDY)[0].output_ids
+    stop_tok = free[3]
+    cases = [
+        SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop_tok,)),
+        SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=free.index(stop_tok) + 2,
+                       stop_token_ids=(stop_tok,)),
+        SamplingParams(temperature=0, max_new_tokens=10),
+        SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True),
+    ]
+    for eos in ((EOS,), (stop_tok,)):
+        ref = engine(tiny, 1, eos=eos).generate([prompt] * 4, cases)
+        got = engine(tiny, 5, eos=eos).generate([prompt] * 4, cases)
+        assert summary(got) == summary(ref)
+        for g, r in zip(got, ref):
+            assert g.output_logprobs == pytest.approx(r.output_logprobs, abs=1e-5)
+    assert ref[0].finish_reason == "stop" and ref[0].output_ids == free[: free.index(stop_tok) + 1]
+
+
+def test_multistep_stop_strings_and_context_limit(tiny):
+    from areno.data.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz")
+    prompt = tok.encode("hello")
+    text = engine(tiny, 1, tokenizer=tok, eos=()).generate([prompt], GREEDY)[0].text
+    p = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, stop=(text[3:5],))
+    ref = engine(tiny, 1, tokenizer=tok, eos=()).generate([prompt], p)[0]
+    got = engine(tiny, 4, tokenizer=tok, eos=()).generate([prompt], p)[0]
+    assert (got.output_ids, got.text, got.finish_reason) == (ref.output_ids, ref.text, "stop")
+    long = SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True)
+    outs = engine(tiny, 8, max_model_len=12).generate([[5] * 8, [6] * 3], long)
+    assert [len(o.output_ids) for o in outs] == [4, 9] and {o.finish_reason for o in outs} == {"length"}
+
+
+def test_multistep_seeded_sampling_independent_of_batch_and_k(tiny):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_new_tokens=12, ignore_eos=True, seed=123)
+    prompt = random_prompts(1, seed=5)[0]
+    others = random_prompts(5, seed=6)
+    alone = engine(tiny, 1).generate([prompt], p)[0]
+    mixed = engine(tiny, 4).generate(
+        others[:2] + [prompt] + others[2:],
+        [SamplingParams(temperature=1.0)] * 2 + [p] + [SamplingParams(temperature=0.7, min_new_tokens=3)] * 3)[2]
+    assert alone.output_ids == mixed.output_ids
+    assert alone.output_logprobs == pytest.approx(mixed.output_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_multistep_preemption_prefix_sharing_and_families(arch):
+    kw = {"sliding_window": 6} if arch == "mistral" else {}
+    model, cfg = make_model(0, arch=arch, **kw)
+    base = random_prompts(1, seed=3, lo=10, hi=11)[0]
+    prompts = [base] * 3 + random_prompts(5, seed=4, lo=8, hi=16)
+    eng = engine((model, cfg), 4, num_blocks=14)  # tight pool: preemption and lookahead fallbacks
+    outs = eng.generate(prompts, GREEDY)
+    assert eng.stats()["num_preemptions"] > 0 and eng.allocator.num_used == 0
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == naive_greedy(model, prompt, 10)[0]
+
+
+def test_multistep_join_midway_pause_and_weight_swap(tiny):
+    model, cfg = make_model(0)
+    new_model, _ = make_model(1)
+    prompts = random_prompts(3, seed=2)
+    eng = engine((model, cfg), 3)
+    ids = [eng.add_request(prompts[0], GREEDY)]
+    eng.step()
+    eng.step()  # prefill + 3 decode steps in one round trip
+    ids.append(eng.add_request(prompts[1], GREEDY))
+    eng.step()
+    eng.pause()
+    assert eng.step() == []
+    eng.update_weights(new_model.state_dict().items(), version=1)
+    eng.resume()
+    ids.append(eng.add_request(prompts[2], GREEDY))
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step()})
+    first = done[ids[0]]
+    n_old = first.output_versions.count(0)
+    assert n_old >= 4 and first.output_versions == [0] * n_old + [1] * (10 - n_old)
+    old_model, _ = make_model(0)  # the engine's model now holds the new weights
+    assert first.output_ids[:n_old] == naive_greedy(old_model, prompts[0], n_old)[0]
+    assert first.output_ids[n_old:] == naive_greedy(new_model, prompts[0] + first.output_ids[:n_old], 10 - n_old)[0]
+    assert done[ids[2]].output_ids == naive_greedy(new_model, prompts[2], 10)[0]
+
+
+def test_row_params_advance_and_suppression_on_device():
+    params = [SamplingParams(temperature=0, max_new_tokens=3, min_new_tokens=2, stop_token_ids=(1,)),
+              SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_new_tokens=9)]
+    rp = RowParams.build(params, [0, 0, 0], [4, 4, 4], (2,), vocab_size=5, max_len=7, device=torch.device("cpu"))
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0, 0.0], [0.0, 5.0, 4.0, 1.0, 0.0], [0.0, 1.0, 5.0, 0.0, 0.0]])
+    tokens, _ = Sampler(device=torch.device("cpu"), seed=0).sample_rows(logits, rp)
+    # Row 0 may not stop before 2 tokens: its stop id 1 and EOS 2 are suppressed; rows 1-2 are not.
+    assert tokens.tolist() == [3, 1, 2]
+    assert rp.advance(tokens).tolist() == [False, False, True]  # row 2 sampled EOS
+    assert rp.advance(torch.tensor([1, 2, 0])).tolist() == [True, False, False]  # stop id at n = 2
+    assert rp.advance(torch.tensor([0, 0, 0])).tolist() == [True, True, True]  # max_new 3; context 7 for all
+
+
+def test_hash_noise_is_a_function_of_seed_and_counter():
+    a = hash_exponential(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]), 4000)
+    b = hash_exponential(torch.tensor([6, 5]), torch.tensor([0, 0]), 4000)
+    assert torch.equal(a[0], b[1]) and torch.equal(a[2], b[0]) and not torch.equal(a[0], a[1])
+    assert (a > 0).all() and abs(float(a.mean()) - 1.0) < 0.05 and abs(float(a.std()) - 1.0) < 0.05
