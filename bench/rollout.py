@@ -5,7 +5,8 @@ and lengths, measured side by side in one run. Prints one JSON object.
     python bench/rollout.py --shape qwen0.5b                     # GPU: Qwen2.5-0.5B shape, 64 x 512
     python bench/rollout.py --shape qwen0.5b --prompts 256 --skip-hf   # GPU: 256 concurrent sequences
 
-Both sides decode greedily to exactly ``--new-tokens`` tokens (EOS ignored). On CUDA it also reports
+Both sides decode greedily to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
+reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is the steadier figure. On CUDA it also reports
 the fraction of the decode roofline: a decode step must read every weight once plus the K/V of every
 running sequence, so at copy bandwidth ``bw`` (measured here with a device-to-device copy) the step
 takes at least ``(weight_bytes + kv_bytes) / bw``; ``roofline_fraction`` = measured decode tokens/s
@@ -86,9 +87,10 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[
               use_cache=True)
     hf.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     sync(device)
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
     sync(device)
+    run_hf.cpu_s = time.process_time() - cpu0
     return time.perf_counter() - t0, out[:, L:].tolist()
 
 
@@ -100,7 +102,7 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args) -> tuple[
         block_size=args.block_size, max_num_seqs=max(len(prompts), 1), max_tokens_per_step=args.max_tokens_per_step,
         prefill_chunk_size=args.prefill_chunk_size, max_model_len=max(len(p) for p in prompts) + new_tokens + 1,
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
-        cpu_kv_cache_bytes=args.cpu_kv_gb << 30,
+        cpu_kv_cache_bytes=args.cpu_kv_gb << 30, decode_steps=args.decode_steps,
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
@@ -108,11 +110,12 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args) -> tuple[
     # Like a server at start-up: capture the decode graphs this run needs outside the timed region.
     engine.warmup_cuda_graphs([len(prompts)], max(len(p) for p in prompts) + new_tokens)
     sync(device)
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     outs = engine.generate(prompts, params)
     sync(device)
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
+    stats["cpu_s"] = time.process_time() - cpu0
     c = engine.cache
     stats["kv_pool_GiB"] = round(2 * c.num_layers * c.num_slots * c.num_kv_heads * c.head_dim
                                  * torch.empty((), dtype=c.dtype).element_size() / 2**30, 2)
@@ -149,6 +152,8 @@ def main() -> None:
     ap.add_argument("--kv-memory-fraction", type=float, default=0.5)
     ap.add_argument("--cpu-kv-gb", type=int, default=1)
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="engine decode steps per host round trip (default: 8 on CUDA, 1 on CPU)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,7 +175,8 @@ def main() -> None:
         "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
         "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),
         "engine_steps": stats["steps"], "engine_ms_per_step": round(1e3 * eng_s / max(stats["steps"], 1), 2),
-        "engine_preemptions": stats["num_preemptions"],
+        "engine_preemptions": stats["num_preemptions"], "engine_decode_steps": args.decode_steps,
+        "engine_round_trips": stats["sampling_round_trips"], "engine_cpu_s": round(stats["cpu_s"], 3),
     }
     if device.startswith("cuda"):
         result["engine_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -196,7 +202,8 @@ def main() -> None:
         first_tok = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))
         result.update(hf_attn=getattr(hf.config, "_attn_implementation", None), hf_cache="dynamic")
         result.update(hf_generate_s=round(hf_s, 3), hf_generate_tok_s=round(n * new_tokens / hf_s, 1),
-                      speedup=round(hf_s / eng_s, 2), identical_sequences=f"{same}/{n}",
+                      speedup=round(hf_s / eng_s, 2), hf_generate_cpu_s=round(run_hf.cpu_s, 3),
+                      speedup_cpu_time=round(run_hf.cpu_s / stats["cpu_s"], 2), identical_sequences=f"{same}/{n}",
                       identical_first_token=f"{first_tok}/{n}")
         if device.startswith("cuda"):
             result["hf_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

