@@ -73,7 +73,7 @@ def bench_case(name: str, args) -> dict:
         "overhead_us_per_call": (sb_s - in_s) / calls * 1e6,
         "sandbox_startup_s": startup_s, "mean_reward": sum(in_rewards) / calls,
         "errors_in_process": in_errors, "errors_sandbox": sb_errors,
-        "sandbox_failures": sum(v for k, v in metrics.items() if k.startswith("reward/failures_")),
+        "sandbox_failures": sum(v for k, v in metrics.items() if k.startswith("rollout/reward_failures_")),
     }
 
 

@@ -20,7 +20,7 @@ multiprocessing start method is. They import the reward by its dotted path, with
 
 Failures raise :class:`RewardFailure`, whose message names the reward and the fix; the workflows'
 ``acall_reward`` turns it into reward 0, ``info["reward_error"]`` and one warning line. The counts
-are in :meth:`RewardSandbox.metrics` / :func:`reward_metrics` as ``reward/failures_<kind>``.
+are in :meth:`RewardSandbox.metrics` / :func:`reward_metrics` as ``rollout/reward_failures_<kind>``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 FAILURE_KINDS = ("timeout", "crash", "error", "memory", "cpu")
-"""Named failures, counted as ``reward/failures_<kind>``."""
+"""Named failures, counted as ``rollout/reward_failures_<kind>``."""
 
 STARTUP_TIMEOUT_S = 120.0
 """How long a new worker may take to import the reward module (slow on a loaded machine)."""
@@ -258,15 +258,15 @@ class RewardSandbox:
         return next((w.isolation for w in self._slots if w.proc is not None), "none" if self.allow_network else "unknown")
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative ``reward/calls``, ``reward/failures_<kind>``, ``reward/worker_restarts`` and
-        ``reward/call_time_mean_s``."""
+        """Cumulative ``rollout/reward_calls``, ``rollout/reward_failures_<kind>``, ``rollout/reward_worker_restarts`` and
+        ``rollout/reward_call_time_mean_s``."""
         with self._lock:
             counts, busy = dict(self._counts), self._busy_s
-        out = {"reward/calls": float(counts.get("calls", 0))}
+        out = {"rollout/reward_calls": float(counts.get("calls", 0))}
         for kind in FAILURE_KINDS:
-            out[f"reward/failures_{kind}"] = float(counts.get(f"failures_{kind}", 0))
-        out["reward/worker_restarts"] = float(counts.get("worker_restarts", 0))
-        out["reward/call_time_mean_s"] = busy / max(counts.get("calls", 0), 1)
+            out[f"rollout/reward_failures_{kind}"] = float(counts.get(f"failures_{kind}", 0))
+        out["rollout/reward_worker_restarts"] = float(counts.get("worker_restarts", 0))
+        out["rollout/reward_call_time_mean_s"] = busy / max(counts.get("calls", 0), 1)
         return out
 
     def worker_pids(self) -> list[int]:
@@ -306,15 +306,15 @@ def shared_sandbox(fn_path: str, **settings: Any) -> RewardSandbox:
 
 
 def reward_metrics() -> dict[str, float]:
-    """The ``reward/*`` counters summed over every shared pool (empty when no reward is sandboxed)."""
+    """The ``rollout/reward_*`` counters summed over every shared pool (empty when no reward is sandboxed)."""
     with _POOLS_LOCK:
         pools = list(_POOLS.values())
     if not pools:
         return {}
     per_pool = [p.metrics() for p in pools]
-    out = {k: sum(m[k] for m in per_pool) for k in per_pool[0] if k != "reward/call_time_mean_s"}
-    busy = sum(m["reward/call_time_mean_s"] * m["reward/calls"] for m in per_pool)
-    out["reward/call_time_mean_s"] = busy / max(out["reward/calls"], 1.0)
+    out = {k: sum(m[k] for m in per_pool) for k in per_pool[0] if k != "rollout/reward_call_time_mean_s"}
+    busy = sum(m["rollout/reward_call_time_mean_s"] * m["rollout/reward_calls"] for m in per_pool)
+    out["rollout/reward_call_time_mean_s"] = busy / max(out["rollout/reward_calls"], 1.0)
     return out
 
 

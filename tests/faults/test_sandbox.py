@@ -62,7 +62,7 @@ def sandbox():
 
 
 def _delta(before: dict, after: dict) -> dict:
-    return {k: after[k] - before[k] for k in after if k.startswith("reward/failures_") or k == "reward/calls"
+    return {k: after[k] - before[k] for k in after if k.startswith("rollout/reward_failures_") or k == "rollout/reward_calls"
             if after[k] != before[k]}
 
 
@@ -87,7 +87,7 @@ def test_hang_is_killed_within_timeout(sandbox):
     assert failure.kind == "timeout"
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + SLACK_S
     assert "test_sandbox:misbehave" in str(failure) and "reward.timeout_s" in str(failure)
-    assert delta == {"reward/calls": 1.0, "reward/failures_timeout": 1.0}
+    assert delta == {"rollout/reward_calls": 1.0, "rollout/reward_failures_timeout": 1.0}
     for pid in pids - set(sandbox.worker_pids()):  # the hung worker is gone, not left running
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -97,7 +97,7 @@ def test_hang_is_killed_within_timeout(sandbox):
 def test_crash_is_counted_and_worker_replaced(sandbox, completion, described):
     failure, _, delta = _fails(sandbox, completion)
     assert failure.kind == "crash" and described in str(failure)
-    assert delta == {"reward/calls": 1.0, "reward/failures_crash": 1.0}
+    assert delta == {"rollout/reward_calls": 1.0, "rollout/reward_failures_crash": 1.0}
     assert sandbox.score("p", "ok") == 1.0
 
 
@@ -106,13 +106,13 @@ def test_exception_names_function_and_fix(sandbox):
     assert failure.kind == "error"
     assert str(failure) == ("reward test_sandbox:misbehave raised KeyError: 'no such field': "
                             "fix the reward function")
-    assert delta == {"reward/calls": 1.0, "reward/failures_error": 1.0}
+    assert delta == {"rollout/reward_calls": 1.0, "rollout/reward_failures_error": 1.0}
 
 
 def test_memory_hog_hits_rlimit(sandbox):
     failure, _, delta = _fails(sandbox, "hog")
     assert failure.kind == "memory" and "reward.memory_mb=512" in str(failure)
-    assert delta == {"reward/calls": 1.0, "reward/failures_memory": 1.0}
+    assert delta == {"rollout/reward_calls": 1.0, "rollout/reward_failures_memory": 1.0}
 
 
 def test_cpu_spin_hits_rlimit():
@@ -120,7 +120,7 @@ def test_cpu_spin_hits_rlimit():
         failure, elapsed, delta = _fails(pool, "spin")
     assert failure.kind == "cpu" and "reward.cpu_s" in str(failure)
     assert elapsed < 15.0  # the CPU limit (1 CPU-second at most), not the 20 s wall clock, stopped it
-    assert delta == {"reward/calls": 1.0, "reward/failures_cpu": 1.0}
+    assert delta == {"rollout/reward_calls": 1.0, "rollout/reward_failures_cpu": 1.0}
 
 
 def test_pool_survives_every_failure_and_keeps_scoring(sandbox):
@@ -133,7 +133,7 @@ def test_pool_survives_every_failure_and_keeps_scoring(sandbox):
     assert sorted(r.kind for r in results if isinstance(r, RewardFailure)) == ["crash", "crash", "error", "timeout"]
     assert [sandbox.score("p", "ok") for _ in range(6)] == [1.0] * 6
     metrics = sandbox.metrics()
-    assert metrics["reward/worker_restarts"] >= 3
+    assert metrics["rollout/reward_worker_restarts"] >= 3
 
 
 def test_worker_killed_from_outside_while_idle_is_replaced(sandbox):
@@ -192,7 +192,7 @@ def test_load_reward_auto_sandbox_and_shared_metrics():
             pool.score("p", "raise")
         assert pool.score("p", "ok") == 1.0
         metrics = reward_metrics()
-        assert metrics["reward/calls"] == 2.0 and metrics["reward/failures_error"] == 1.0
+        assert metrics["rollout/reward_calls"] == 2.0 and metrics["rollout/reward_failures_error"] == 1.0
     finally:
         close_all()
     assert reward_metrics() == {}
