@@ -72,7 +72,7 @@ class RewardSection:
     """Dotted path `module:function` of the reward: fn(prompt, completion, answer, **row) -> float."""
     sandbox: Optional[bool] = None
     """Run the reward in worker subprocesses (killed at timeout_s, rlimits, failures scored 0 and
-    counted as reward/failures_<kind>). null = auto: on, except for shipped rewards marked safe
+    counted as rollout/reward_failures_<kind>). null = auto: on, except for shipped rewards marked safe
     in-process (exact_match: a string compare, ~100x cheaper in-process; bench/rewards.py).
     User code, code execution and math-verify can hang or crash, and only a process bounds that."""
     timeout_s: float = 10.0
