@@ -267,6 +267,12 @@ def test_code_execution_and_math_verify_in_the_sandbox():
     with RewardSandbox("areno.rewards.math:math_verify", workers=1, timeout_s=60.0) as pool:
         assert pool.score("p", "so the answer is \\boxed{0.5}", "1/2") == 1.0
         assert pool.score("p", "the answer is 3", "4") == 0.0
+    from concurrent.futures import ThreadPoolExecutor
+
+    from areno.rewards.math import math_verify
+
+    with ThreadPoolExecutor(1) as thread:  # in-process off the main thread: math-verify's alarms are off
+        assert thread.submit(math_verify, "p", "\\boxed{\\frac{1}{2}}", "0.5").result() == 1.0
 
 
 @pytest.mark.slow
