@@ -1,0 +1,304 @@
+"""Bad input: malformed dataset rows fail in one line naming the file before any model loads;
+malformed HTTP requests get a 4xx naming the field while other requests keep being served; a
+corrupted checkpoint gives a named error (or is skipped), never a silent partial load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from areno.api.config import load_config
+from areno.api.types import SamplingParams
+
+# ------------------------------------------------------------------------------------- datasets
+ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+
+
+def _trainer_init(tmp_path: Path, train_path: Path, eval_path: Path | None = None):
+    """Trainer.init with a model directory that does not exist: any model load would fail with a
+    model.path error, so the data error proves the data is checked first."""
+    from areno.api.trainer import Trainer
+
+    overrides = [f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'no-model'}", "model.init_tiny=null",
+                 "data.task=null", f"data.train_path={train_path}", "cluster.device=cpu", "observe.console=false"]
+    if eval_path is not None:
+        overrides.append(f"data.eval_path={eval_path}")
+    return Trainer.init(load_config(None, overrides))
+
+
+@pytest.mark.parametrize("lines, pattern", [
+    ([json.dumps(ROWS[0]), "{oops", json.dumps(ROWS[1])], r"line 2: not valid JSON"),
+    ([json.dumps(ROWS[0]), json.dumps({"question": "3+3=", "answer": "6"})], r"row 1: no string field 'prompt'"),
+    ([json.dumps(ROWS[0]), json.dumps({"prompt": 123, "answer": "6"})], r"row 1: no string field 'prompt'"),
+    ([json.dumps(ROWS[0]), json.dumps(["prompt", "answer"])], r"row 1: no string field 'prompt'"),
+    ([json.dumps({"prompt": None})], r"row 0: no string field 'prompt'"),
+])
+def test_malformed_rows_fail_in_one_line_before_any_model_loads(tmp_path, lines, pattern):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=pattern) as info:
+        _trainer_init(tmp_path, path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert "model.path" not in message  # the data was checked before the model
+
+
+def test_missing_field_names_the_fix(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"set data\.prompt_key to the field that holds the prompt"):
+        _trainer_init(tmp_path, path)
+
+
+def test_malformed_eval_file_is_named(tmp_path):
+    good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    bad.write_text(json.dumps(ROWS[0]) + "\n" + "not json at all\n")
+    with pytest.raises(ValueError, match=rf"{bad}.*line 2: not valid JSON"):
+        _trainer_init(tmp_path, good, bad)
+
+
+def test_cli_prints_a_bad_dataset_in_one_line(tmp_path, capsys):
+    from areno.cli import main
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n{\"prompt\": \n")
+    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'no-model'}", "data.task=null",
+               f"data.train_path={path}", "cluster.device=cpu", "observe.console=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("areno: error: ") and "line 2" in err[0]
+
+
+# ------------------------------------------------------------------------------------- HTTP
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from areno.rollout.server import build_engine, create_app
+
+    engine, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=256, block_size=8, max_model_len=64)
+    app = create_app(engine, tokenizer=tokenizer, model_name="tiny")
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+# (path, body or raw bytes, the field the 4xx must name). Cases already in tests/rollout/test_server.py
+# (empty prompt, max_tokens 0/-3, prompt too long, bad temperature/top_p, unknown sampling param) are
+# not repeated one by one; a few are mixed in below to run concurrently with a good request.
+BAD_REQUESTS = [
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 100000}, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x" * 500, "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": {"text": "hi"}}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hello"}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "no role"}]}, "messages.0.role"),
+    ("/generate", {"sampling_params": {}}, "prompt_ids"),
+    ("/generate", {"prompt_ids": "abc"}, "prompt_ids"),
+    ("/generate", {"prompt_ids": [1.5, 2]}, "prompt_ids.0"),
+    ("/generate", {"prompt_ids": [10 ** 6]}, "prompt_ids"),
+    ("/generate", {"prompt_ids": [-1, 5]}, "prompt_ids"),
+    ("/generate", {"prompt_ids": [5], "sampling_params": {"max_new_tokens": -5}}, "sampling_params"),
+    ("/generate", {"prompt_ids": [5], "sampling_params": {"temperature": "x"}}, "sampling_params"),
+    ("/generate", {"prompt_ids": [5], "sampling_params": [1, 2]}, "sampling_params"),
+    ("/generate", b"{not json", "body"),
+    ("/generate", b"[1, 2, 3]", "body"),
+    ("/generate", b"", "body"),
+]
+
+
+def _post(client: httpx.Client, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return client.post(path, content=body, headers={"Content-Type": "application/json"})
+    return client.post(path, json=body)
+
+
+@pytest.mark.parametrize("path, body, field", BAD_REQUESTS, ids=[f"{p}:{f}" for p, _, f in BAD_REQUESTS])
+def test_bad_request_is_4xx_naming_the_field(server, path, body, field):
+    base, _ = server
+    with httpx.Client(base_url=base, timeout=30) as client:
+        r = _post(client, path, body)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    # a union-typed field reports the member it tried last (``prompt.str``): the field still leads
+    assert err["param"] == field or err["param"].startswith(field + "."), err
+    assert field.split(".")[0] in err["message"] or field == "body", err
+
+
+def test_bad_requests_do_not_disturb_requests_in_flight(server):
+    """A long good request runs while every bad request above hits the server concurrently: each
+    bad one gets its 4xx, the good one finishes whole, and the server keeps serving afterwards."""
+    base, engine = server
+    good_body = {"prompt_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True,
+                                                               "temperature": 0.0}}
+    results: dict[str, object] = {}
+
+    def good() -> None:
+        with httpx.Client(base_url=base, timeout=120) as client:
+            results["good"] = client.post("/generate", json=good_body)
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not engine.has_unfinished() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)  # the good request is in the engine
+    with httpx.Client(base_url=base, timeout=30) as client:
+        codes = [_post(client, path, body).status_code for path, body, _ in BAD_REQUESTS * 2]
+    thread.join(timeout=120)
+    assert all(400 <= c < 500 for c in codes), codes
+    good_response = results["good"]
+    assert good_response.status_code == 200, good_response.text
+    out = good_response.json()
+    assert len(out["output_ids"]) == 40 and out["finish_reason"] == "length"
+    with httpx.Client(base_url=base, timeout=30) as client:
+        again = client.post("/generate", json=good_body).json()
+    assert again["output_ids"] == out["output_ids"]  # greedy: the same answer, the engine is intact
+
+
+def test_multi_server_client_raises_a_4xx_at_once(server):
+    """A bad request is the caller's fault: no fail-over, no server marked unhealthy."""
+    from areno.rollout.client import MultiServerRolloutClient, RolloutServerError
+    from areno.rollout.health import HealthMonitor
+
+    base, _ = server
+    monitor = HealthMonitor([base], max_misses=1)
+    client = MultiServerRolloutClient([base], request_timeout_s=30, health=monitor)
+
+    async def go():
+        try:
+            await client.agenerate([10 ** 6], SamplingParams(max_new_tokens=2))
+        finally:
+            await client.aclose()
+
+    with pytest.raises(RolloutServerError, match=rf"{base}/generate answered 400: prompt_ids") as info:
+        asyncio.run(go())
+    assert info.value.status == 400 and monitor.is_healthy(base)
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+def _copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_missing_shard_is_named(tiny_model_dir, tmp_path):
+    """A sharded checkpoint whose index lists a shard that is not there."""
+    from areno.models.hf_io import load_model
+
+    model_dir = _copy_model(tiny_model_dir, tmp_path / "m")
+    (model_dir / "model.safetensors").rename(model_dir / "model-00001-of-00002.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model-00001-of-00002.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in names}
+    weight_map[names[-1]] = "model-00002-of-00002.safetensors"
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors is listed in .* but does not exist"):
+        load_model(model_dir)
+
+
+def test_garbage_complete_checkpoint_is_named(tiny_model_dir, tmp_path):
+    """A step directory with a COMPLETE marker but no checkpoint in it (e.g. copied by hand)."""
+    from areno.train import LocalTrainBackend, TrainBackendConfig
+
+    backend = LocalTrainBackend(TrainBackendConfig(device="cpu"))
+    backend.initialize(tiny_model_dir)
+    step = tmp_path / "checkpoints" / "step_00000002"
+    (step / "policy").mkdir(parents=True)
+    (step / "COMPLETE").write_text("ok")
+    (step / "policy" / "junk.bin").write_bytes(b"\x00" * 64)
+    with pytest.raises(FileNotFoundError, match=r"step_00000002/policy is not an areno checkpoint"):
+        backend.load_checkpoint(step / "policy")
+
+
+@pytest.mark.xfail(strict=True, raises=Exception, reason=(
+    "areno/models/hf_io.py load_model: safetensors' SafetensorError ('incomplete metadata') does not "
+    "name the file; wrap safe_open in a ValueError naming the path. Remove this marker once it does."))
+def test_truncated_safetensors_is_named(tiny_model_dir, tmp_path):
+    from areno.models.hf_io import load_model
+
+    model_dir = _copy_model(tiny_model_dir, tmp_path / "m")
+    _truncate(model_dir / "model.safetensors")
+    with pytest.raises((ValueError, OSError), match="model.safetensors"):
+        load_model(model_dir)
+
+
+@pytest.mark.xfail(strict=True, raises=Exception, reason=(
+    "areno/rollout/engine.py update_weights_from_disk: a truncated file raises SafetensorError (not a "
+    "WeightUpdateError), which escapes TestRolloutManager.poll_once's (OSError, ValueError) handler and "
+    "kills its thread. Raise WeightUpdateError naming the file. Remove this marker once it does."))
+def test_test_rollout_skips_a_truncated_checkpoint(tiny_model_dir, tmp_path, caplog):
+    from areno.engine.test_rollout import TestRolloutManager
+    from areno.rollout.client import InProcessRolloutClient
+    from areno.rollout.server import build_engine
+
+    from areno.api.types import Trajectory
+    from areno.api.workflow import RolloutWorkflow
+
+    class Score(RolloutWorkflow):
+        async def run_episode(self, client, sample):
+            out = await client.agenerate([5, 6], SamplingParams(max_new_tokens=2, temperature=0.0))
+            return Trajectory(prompt_ids=[5, 6], completion_ids=out.output_ids, logprobs=out.output_logprobs,
+                              versions=out.output_versions, reward=1.0)
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        _copy_model(tiny_model_dir, root / f"step_{step:08d}" / "hf")
+        (root / f"step_{step:08d}" / "COMPLETE").write_text("ok")
+    _truncate(root / "step_00000002" / "hf" / "model.safetensors")
+    engine, _ = build_engine(str(tiny_model_dir), device="cpu", num_blocks=64, block_size=8, max_model_len=64)
+    client = InProcessRolloutClient(engine)
+    manager = TestRolloutManager(root, engine, client, Score(), [{"prompt": "x"}])
+    try:
+        with caplog.at_level(logging.ERROR, logger="areno.engine.test_rollout"):
+            assert manager.poll_once() is None  # the newest is corrupt: skipped with a named error
+        assert "step_00000002" in caplog.text and engine.version == 0
+    finally:
+        manager.stop()
+        client.close()
+
+
+@pytest.mark.xfail(strict=True, raises=BaseException, reason=(
+    "areno/train/checkpoint.py load: a truncated DCP shard raises torch's CheckpointException, a "
+    "BaseException with a multi-line message, which the CLI does not catch. Catch it and raise one "
+    "line naming the checkpoint (or fall back to the previous COMPLETE one). Remove this marker then."))
+def test_truncated_dcp_shard_is_named(tiny_model_dir, tmp_path):
+    from areno.train import LocalTrainBackend, TrainBackendConfig
+
+    backend = LocalTrainBackend(TrainBackendConfig(device="cpu"))
+    backend.initialize(tiny_model_dir)
+    path = tmp_path / "ckpt"
+    backend.save_checkpoint(path, extra_state={})
+    _truncate(next(path.glob("*.distcp")))
+    with pytest.raises((ValueError, OSError), match="ckpt") as info:
+        backend.load_checkpoint(path)
+    assert "\n" not in str(info.value)
