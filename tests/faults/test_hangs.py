@@ -342,3 +342,29 @@ def test_request_timeouts_in_a_rollout_are_requeued_not_dropped(tiny_model_dir):
         ex.stop()
         client.close()
     assert len(trajs) == 4 and m["rollout/request_timeouts"] >= 1 and m["rollout/dropped_failed"] == 0
+
+
+# ---------------------------------------------------------------------------------- scheduler calls
+@pytest.mark.slow
+def test_stalled_scheduler_worker_is_named_and_restarted_where_alone(tmp_path):
+    from areno.launch.scheduler import LocalScheduler
+    from areno.launch.watchdog import WorkerTimeoutError, call_with_timeout
+
+    worker = "tests.launch._workers:GradWorker"
+    with LocalScheduler(log_dir=str(tmp_path)) as sched:
+        sched.create_workers("solo", worker, 1, env={"OMP_NUM_THREADS": "1"}, args=(0,))
+        sched.create_workers("pair", worker, 2, env={"OMP_NUM_THREADS": "1"}, args=(0,))
+        assert call_with_timeout(sched, "solo", "count", timeout_s=30) == [1]
+        old_pid = sched.workers("solo")[0].pid
+
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as info:
+            call_with_timeout(sched, "solo", time.sleep, 600, timeout_s=1.0, restart=True)
+        assert time.monotonic() - t0 < 30
+        message = str(info.value)
+        assert f"solo[0] (pid {old_pid} on " in message and "within 1s (stalled)" in message
+        assert "restarted 1 worker(s)" in message and info.value.restarted[0].pid != old_pid
+        assert call_with_timeout(sched, "solo", "count", timeout_s=30) == [1]  # a fresh worker answers
+
+        with pytest.raises(WorkerTimeoutError, match=r"pair\[0\].*pair\[1\].*share a torch.distributed world of 2"):
+            call_with_timeout(sched, "pair", time.sleep, 600, timeout_s=1.0, restart=True)

@@ -1,0 +1,88 @@
+"""Deadlines for scheduler calls: a stalled worker is named within the deadline, and restarted
+when the topology allows it.
+
+``Scheduler.call`` waits for as long as a worker takes; a worker stuck in a deadlock, a hung
+collective or an infinite loop would hang the controller forever. ``call_with_timeout`` makes the
+same call with a deadline and raises ``WorkerTimeoutError`` naming every worker that did not answer
+(role[index], pid, host, log file). With ``restart=True`` the stalled workers that are alone in
+their torch.distributed world are replaced by fresh processes (``Scheduler.restart_worker``); a
+worker that shares a world with others cannot be replaced on its own (the process group would have
+to be re-formed on every rank), so the error says to restart the run, which resumes from the last
+complete checkpoint.
+
+The worker-side stack of a stalled worker: ``kill -USR1 <pid>`` writes it to the worker's log when
+the worker registered ``faulthandler`` (the partitioned engine's workers do).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from areno.launch.scheduler import Scheduler, WorkerError, WorkerHandle
+
+logger = logging.getLogger("areno.launch.watchdog")
+
+
+class WorkerTimeoutError(WorkerError):
+    """Workers did not answer a call within its deadline."""
+
+    def __init__(self, message: str, *, stalled: list[WorkerHandle], restarted: list[WorkerHandle]) -> None:
+        super().__init__(message)
+        self.stalled = stalled
+        """The handles of the workers that did not answer (as they were when called)."""
+        self.restarted = restarted
+        """The handles of their replacements (empty unless ``restart=True`` allowed it)."""
+
+
+def _describe(h: WorkerHandle) -> str:
+    log = f", log {h.log_path}" if h.log_path else ""
+    return f"{h.name} (pid {h.pid} on {h.host}{log})"
+
+
+def call_with_timeout(
+    scheduler: Scheduler,
+    role: str,
+    target: str | Callable,
+    *args: Any,
+    timeout_s: float,
+    restart: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
+    """``scheduler.call(role, target, *args, **kwargs)`` with a deadline; results in index order.
+
+    Raises:
+        WorkerTimeoutError: some workers did not answer within ``timeout_s``; they are named, and
+            with ``restart=True`` the ones alone in their distributed world are restarted first.
+        WorkerError: a worker raised (as ``Scheduler.call``).
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    handles = scheduler.workers(role)
+    futures = scheduler.submit(role, target, *args, **kwargs)
+    _, pending = concurrent.futures.wait(futures, timeout=timeout_s)
+    if not pending:
+        return [f.result() for f in futures]
+    stalled = [i for i, f in enumerate(futures) if f in pending]
+    what = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
+    names = ", ".join(_describe(handles[i]) for i in stalled)
+    logger.error("%s did not return from %s within %gs: stalled", names, what, timeout_s)
+    restarted: list[WorkerHandle] = []
+    shared = [i for i in stalled if handles[i].world_size > 1]
+    if restart:
+        for i in stalled:
+            if handles[i].world_size == 1:
+                restarted.append(scheduler.restart_worker(role, i))
+                logger.warning("restarted stalled worker %s as pid %s", handles[i].name, restarted[-1].pid)
+    if restart and not shared:
+        fix = f"restarted {len(restarted)} worker(s); their state is fresh, so re-initialise them"
+    elif restart:
+        fix = (f"{', '.join(handles[i].name for i in shared)} share a torch.distributed world of "
+               f"{handles[shared[0]].world_size} ranks and cannot be restarted alone: restart the run "
+               f"(resume=auto continues from the last complete checkpoint)")
+    else:
+        fix = "see the worker log (kill -USR1 <pid> dumps its stacks there) or pass restart=True"
+    raise WorkerTimeoutError(f"{names} did not return from {what} within {timeout_s:g}s (stalled); {fix}",
+                             stalled=[handles[i] for i in stalled], restarted=restarted)
