@@ -234,13 +234,15 @@ def test_code_execution_scores_stdin_stdout_and_asserts():
 
 
 def test_candidate_program_is_confined(monkeypatch):
-    from areno.rewards.code import run_program
+    from areno.rewards.code import OUTPUT_LIMIT_MB, run_program
 
     monkeypatch.setenv("ARENO_TEST_SECRET", "hunter2")
     hung = run_program("while True:\n    pass", time_limit_s=1.0)
     assert hung.timed_out and hung.wall_s < 1.0 + SLACK_S
     hog = run_program("x = bytearray(2 << 30)", memory_mb=256)
     assert hog.returncode == 1 and "MemoryError" in hog.stderr
+    flood = run_program("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", time_limit_s=10.0)
+    assert flood.returncode == 1 and len(flood.stdout) == OUTPUT_LIMIT_MB << 20  # RLIMIT_FSIZE, not the clock
     env = run_program("import os\nprint(os.environ.get('ARENO_TEST_SECRET'))")
     assert env.stdout.strip() == "None"  # the trainer's environment does not leak into candidates
     server = socket.socket()
