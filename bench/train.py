@@ -14,10 +14,17 @@ Model FLOPs per token: 6 x (matmul parameters incl. the LM head) + causal attent
 3 x 4 x layers x Hq x Dh x mean context (mean over tokens of their position + 1). The chunked
 log-prob recomputation in backward is not counted (MFU counts model FLOPs only).
 
+Speed levers are compared side by side in one run (``--variants``, each a fresh backend on the
+same batches): ``eager`` (the baseline), ``compile`` (torch.compile of each decoder layer plus the
+fused log-prob head kernels), either with ``+varlen`` (flash varlen attention instead of the
+compiled FlexAttention default on CUDA). ``--compile`` is short for ``--variants eager compile``.
+``--profile`` adds the top CUDA kernels of one step of the first variant.
+
 Usage:
     python bench/train.py                       # GPU shapes if CUDA, else the CPU report
     python bench/train.py --device cpu
     python bench/train.py --models qwen2.5-0.5b --steps 10 --backend local
+    python bench/train.py --device cuda --variants eager compile eager+varlen compile+varlen --profile
 Prints one JSON object.
 """
 
@@ -39,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from areno.api.types import TokenBatch  # noqa: E402
 from areno.data.tokenizer import build_char_tokenizer  # noqa: E402
+from areno.models import decoder as decoder_module  # noqa: E402
 from areno.models.config import ModelConfig  # noqa: E402
 from areno.models.hf_io import init_model_dir, tiny_config  # noqa: E402
 from areno.models.logprobs import packed_logprobs  # noqa: E402
@@ -164,31 +172,93 @@ def time_steps(backend, batches: list[TokenBatch], warmup: int, device: str) -> 
     return time.perf_counter() - t0, metrics[warmup:]
 
 
-def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> dict:
+VARIANT_BASES = ("eager", "compile")
+VARIANT_ATTN = ("flex", "varlen")
+
+
+def parse_variant(name: str) -> tuple[bool, str]:
+    """``eager`` / ``compile`` with an optional ``+flex`` / ``+varlen``: (compile, CUDA attention)."""
+    base, _, attn = name.partition("+")
+    attn = attn or "flex"
+    if base not in VARIANT_BASES or attn not in VARIANT_ATTN:
+        raise ValueError(f"--variants: {name!r} is not one of {VARIANT_BASES} "
+                         f"with an optional +{'/+'.join(VARIANT_ATTN)}")
+    return base == "compile", attn
+
+
+def dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def profile_step(backend, batch: TokenBatch, top: int = 15) -> list[dict]:
+    """The ``top`` CUDA kernels / ops of one training step by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.train_step(batch, forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    total = sum(device_us(e) for e in events) or 1.0
+    rows = sorted(events, key=device_us, reverse=True)[:top]
+    return [{"op": e.key[:80], "calls": e.count, "self_device_ms": round(device_us(e) / 1e3, 2),
+             "share": round(device_us(e) / total, 3)} for e in rows]
+
+
+def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> list[dict]:
+    """One result per variant, each on a fresh backend and the same batches."""
     config = ModelConfig.from_hf(hf)
     tok = build_char_tokenizer()
     model_dir = init_model_dir(workdir / name, config, tok, seed=0)
-    torch.cuda.reset_peak_memory_stats()
-    backend = build_backend(model_dir, "cuda", args.backend, args.mb_tokens,
-                            activation_checkpointing=args.ac, compile=args.compile)
     rng = random.Random(0)
     batches = [make_batch(packable_lengths(args.mbs_per_step, args.mb_tokens, rng), config.vocab_size, s)
                for s in range(args.warmup + args.steps)]
-    seconds, metrics = time_steps(backend, batches, args.warmup, "cuda")
-    tokens = sum(b.num_tokens for b in batches[args.warmup:])
-    fpt = sum(flops_per_token(config, b) * b.num_tokens for b in batches[args.warmup:]) / tokens
+    results = []
+    for i, variant in enumerate(args.variants):
+        results.append(gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops,
+                                       profile=args.profile and i == 0))
+    base = results[0]["tokens_per_s"]
+    for r in results:
+        r["speedup_vs_first_variant"] = round(r["tokens_per_s"] / base, 3)
+    return results
+
+
+def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops, *, profile: bool) -> dict:
+    compile_, attn = parse_variant(variant)
+    decoder_module.CUDA_AUTO_IMPL = attn
+    torch.cuda.reset_peak_memory_stats()
+    graphs_before = dynamo_graphs()
+    backend = build_backend(model_dir, "cuda", args.backend, args.mb_tokens,
+                            activation_checkpointing=args.ac, compile=compile_)
+    t0 = time.perf_counter()
+    backend.train_step(batches[0], forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
+    torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - t0  # includes compilation for the compiled variants
+    seconds, metrics = time_steps(backend, batches[1:], args.warmup - 1, "cuda")
+    timed = batches[args.warmup:]
+    tokens = sum(b.num_tokens for b in timed)
+    fpt = sum(flops_per_token(config, b) * b.num_tokens for b in timed) / tokens
     achieved = fpt * tokens / seconds
     result = {
-        "model": name, "backend": args.backend, "params_M": round(sum(p.numel() for p in backend.model.parameters()) / 1e6, 1),
+        "model": name, "variant": variant, "attention": attn, "backend": args.backend,
+        "params_M": round(sum(p.numel() for p in backend.model.parameters()) / 1e6, 1),
         "mb_tokens": args.mb_tokens, "mbs_per_step": int(metrics[-1]["mbs"]), "steps": args.steps,
         "tokens_per_s": round(tokens / seconds), "step_s": round(seconds / args.steps, 4),
         "model_tflops_per_s": round(achieved / 1e12, 1),
         "mfu_vs_datasheet": round(achieved / H200_PEAK_BF16, 4),
         "mfu_vs_measured_matmul": round(achieved / (matmul_tflops * 1e12), 4),
         "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "activation_checkpointing": args.ac, "compile": args.compile,
+        "activation_checkpointing": args.ac, "compile": compile_,
+        "first_step_s": round(first_step_s, 2), "dynamo_graphs": dynamo_graphs() - graphs_before,
         "final_loss": round(metrics[-1]["loss"], 4),
     }
+    if profile:
+        result["profile_top_ops"] = profile_step(backend, batches[-1])
     # sleep/wake bytes on the real shape
     freed = backend.sleep()
     result["sleep_freed_GiB"] = round(freed / 2**30, 2)
@@ -237,10 +307,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--compile", action="store_true", help="short for --variants eager compile")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="eager | compile, optionally +flex / +varlen (CUDA attention); default: eager")
+    p.add_argument("--profile", action="store_true", help="top CUDA ops of one step of the first variant")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads (1: on a shared machine more threads contend)")
     args = p.parse_args(argv)
+    if args.variants is None:
+        args.variants = ["eager", "compile"] if args.compile else ["eager"]
+    for v in args.variants:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            p.error(str(e))
+    if args.warmup < 1:
+        p.error("--warmup must be >= 1 (the first step is timed separately: it compiles)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cpu":
         torch.set_num_threads(args.threads)
@@ -249,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         if device == "cuda":
             report["matmul_bf16_tflops_measured"] = round(measured_matmul_tflops("cuda"), 1)
             report["datasheet_bf16_tflops"] = H200_PEAK_BF16 / 1e12
-            report["runs"] = [gpu_run(m, SHAPES[m], args, Path(tmp), report["matmul_bf16_tflops_measured"])
-                              for m in args.models]
+            report["runs"] = [r for m in args.models
+                              for r in gpu_run(m, SHAPES[m], args, Path(tmp), report["matmul_bf16_tflops_measured"])]
         else:
             report["cpu"] = cpu_run(args, Path(tmp))
     print(json.dumps(report, indent=2))

@@ -271,6 +271,9 @@ class Decoder(nn.Module):
 
 # ------------------------------------------------------------------------------ packed attention
 SDPA_MASK_MAX_TOKENS = 2048
+CUDA_AUTO_IMPL = "flex"
+"""What ``impl="auto"`` picks on CUDA (``flex`` or ``varlen``); a process-wide knob for benchmarks
+(``bench/train.py --variants``) that compare attention kernels."""
 
 
 class PackedCausalAttention:
@@ -319,7 +322,7 @@ class PackedCausalAttention:
             seqlens_B = self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]
             padded_tokens = int(seqlens_B.max()) * seqlens_B.numel() if num_tokens else 0
             if device.type == "cuda":
-                impl = "flex"
+                impl = CUDA_AUTO_IMPL
             elif self.sliding_window is None and padded_tokens <= 2 * num_tokens:
                 impl = "sdpa_padded"
             else:

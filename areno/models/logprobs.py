@@ -14,6 +14,10 @@ Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = t
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 
 from areno.models.decoder import Decoder, PackedCausalAttention
@@ -22,6 +26,67 @@ from areno.models.decoder import Decoder, PackedCausalAttention
 def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
     z_CV = (h_CD @ weight_VD.t()).float()
     return z_CV / temperature if temperature != 1.0 else z_CV
+
+
+def _fused_forward_stats(
+    zraw_CV: torch.Tensor, targets_C: torch.Tensor, inv_tau: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse_C, logprob_C, entropy_C) of one chunk's model-dtype logits, written for torch.compile
+    to fuse into one or two passes over ``zraw_CV`` (no fp32 [C, V] copy is kept)."""
+    z_CV = zraw_CV.float() * inv_tau
+    m_C = z_CV.amax(dim=-1)
+    shifted_CV = z_CV - m_C[:, None]
+    exp_CV = torch.exp(shifted_CV)
+    a_C = exp_CV.sum(-1)
+    lse_C = m_C + torch.log(a_C)
+    logp_C = z_CV.gather(-1, targets_C[:, None])[:, 0] - lse_C
+    if with_entropy:  # H = log a - sum e (z - m) / a: no cancellation against a large lse
+        entropy_C = torch.log(a_C) - (exp_CV * shifted_CV).sum(-1) / a_C
+    else:
+        entropy_C = lse_C.new_zeros(0)
+    return lse_C, logp_C, entropy_C
+
+
+def _fused_grad_logits(
+    zraw_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tensor,
+    g_C: torch.Tensor, g_ent_C: torch.Tensor, inv_tau: float, use_entropy: bool,
+) -> torch.Tensor:
+    """dL/d(zraw) [C, V] in the logits' dtype: ``(g [v = target] - p (g + g_H (log p + H))) / tau``,
+    one fused pass for torch.compile (the one-hot is a comparison, not a scatter)."""
+    logp_CV = zraw_CV.float() * inv_tau - lse_C[:, None]
+    p_CV = torch.exp(logp_CV)
+    if use_entropy:
+        coef_CV = g_C[:, None] + g_ent_C[:, None] * (logp_CV + entropy_C[:, None])
+    else:
+        coef_CV = g_C[:, None]
+    vocab_V = torch.arange(zraw_CV.shape[-1], device=zraw_CV.device)
+    onehot_CV = (vocab_V[None, :] == targets_C[:, None]).to(p_CV.dtype)
+    return ((onehot_CV * g_C[:, None] - p_CV * coef_CV) * inv_tau).to(zraw_CV.dtype)
+
+
+_KERNELS: tuple | None = None
+"""The two compiled kernels, built once per process on first use."""
+_ACTIVE = threading.local()
+
+
+@contextmanager
+def compiled_logprob_kernels(enabled: bool = True) -> Iterator[None]:
+    """Inside this context (in this thread) the element-wise part of every chunk — fp32 cast,
+    log-sum-exp, target gather, entropy, and in backward the softmax gradient — runs as
+    ``torch.compile``d kernels fused over the model-dtype logits, instead of several eager passes
+    over an fp32 [C, V] copy. The matmuls are unchanged. Off by default (the eager path is the
+    numerical reference; the fused one agrees to fp32 rounding); the training backend enters it
+    around every forward when ``compile=True``. The choice made at forward is kept for backward."""
+    global _KERNELS
+    if enabled and _KERNELS is None:
+        _KERNELS = (torch.compile(_fused_forward_stats, dynamic=True),
+                    torch.compile(_fused_grad_logits, dynamic=True))
+    before = getattr(_ACTIVE, "enabled", False)
+    _ACTIVE.enabled = enabled
+    try:
+        yield
+    finally:
+        _ACTIVE.enabled = before
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -33,8 +98,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs_T = hidden_TD.new_empty(T, dtype=torch.float32)
         lse_T = hidden_TD.new_empty(T, dtype=torch.float32)
         entropy_T = hidden_TD.new_empty(T if with_entropy else 0, dtype=torch.float32)
+        fused = _KERNELS if getattr(_ACTIVE, "enabled", False) else None
+        ctx.fused = fused
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
+            if fused is not None:
+                lse_T[s:e], logprobs_T[s:e], ent_C = fused[0](
+                    hidden_TD[s:e] @ weight_VD.t(), targets_T[s:e], 1.0 / temperature, with_entropy)
+                if with_entropy:
+                    entropy_T[s:e] = ent_C
+                continue
             z_CV = _chunk_logits(hidden_TD[s:e], weight_VD, temperature)
             lse_C = torch.logsumexp(z_CV, dim=-1)
             lse_T[s:e] = lse_C
@@ -56,8 +129,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_h_TD = torch.empty_like(hidden_TD) if need_h else None
         grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
         T = hidden_TD.shape[0]
+        fused = ctx.fused
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
+            if fused is not None:
+                g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
+                g_ent_C = grad_entropy_T[s:e] if use_entropy else g_C
+                grad_z_CV = fused[1](hidden_TD[s:e] @ weight_VD.t(), targets_T[s:e], lse_T[s:e],
+                                     entropy_T[s:e] if use_entropy else g_C, g_C, g_ent_C, 1.0 / tau, use_entropy)
+                if need_h:
+                    grad_h_TD[s:e] = grad_z_CV @ weight_VD
+                if need_w:
+                    grad_w_VD += (grad_z_CV.t() @ hidden_TD[s:e]).float()
+                continue
             logp_CV = _chunk_logits(hidden_TD[s:e], weight_VD, tau).sub_(lse_T[s:e, None])
             p_CV = logp_CV.exp()
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
@@ -81,6 +165,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return grad_h_TD, grad_w_VD, None, None, None, None
 
 
+ShardedLogprobsFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, int, bool], tuple[torch.Tensor, torch.Tensor | None]
+]
+"""``(hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy) -> (logprobs_T, entropy_T)``."""
+
+_SHARDED_WEIGHT_IMPLS: dict[type, ShardedLogprobsFn] = {}
+
+
+def register_sharded_weight(weight_type: type, logprobs_fn: ShardedLogprobsFn) -> None:
+    """Route ``logprobs_from_hidden`` calls whose output projection is a ``weight_type`` (a
+    distributed tensor, e.g. a vocabulary-sharded DTensor under tensor parallelism) to
+    ``logprobs_fn``. The training layer registers its implementation, so this module never
+    imports torch.distributed; plain tensors always take the local path below."""
+    _SHARDED_WEIGHT_IMPLS[weight_type] = logprobs_fn
+
+
 def logprobs_from_hidden(
     hidden_TD: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -97,6 +197,10 @@ def logprobs_from_hidden(
         raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    for weight_type, sharded_fn in _SHARDED_WEIGHT_IMPLS.items():
+        if isinstance(weight_VD, weight_type):
+            return sharded_fn(hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size),
+                              bool(with_entropy))
     logprobs_T, entropy_T = _ChunkedLogprobs.apply(
         hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy)
     )

@@ -24,6 +24,7 @@ from areno.api.types import TokenBatch
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import load_model, save_model
+from areno.models.logprobs import compiled_logprob_kernels
 from areno.observe.trace import span
 from areno.train import checkpoint
 from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
@@ -125,7 +126,9 @@ class PackedTrainBackend(TrainBackend):
         return 1.0
 
     def _autocast(self) -> AbstractContextManager:
-        return nullcontext()
+        """Context of every forward: the compiled log-prob head kernels under ``compile`` (a subclass
+        adds autocast on top)."""
+        return compiled_logprob_kernels() if self.cfg.compile else nullcontext()
 
     def _after_forward_only(self) -> None:
         """Free anything forward-only left gathered (FSDP's unsharded root)."""

@@ -7,7 +7,7 @@ backend (``PackedTrainBackend``); parameters are plain tensors on one device. On
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 
 import torch
 from torch import nn
@@ -33,7 +33,9 @@ class LocalTrainBackend(PackedTrainBackend):
         return parallelize(model, None, self.cfg, param_dtype=compute).to(self.device)
 
     def _autocast(self) -> AbstractContextManager:
+        stack = ExitStack()
+        stack.enter_context(super()._autocast())
         compute = self.cfg.resolved_param_dtype(self.device.type)
         if compute != self.cfg.dtype and compute == "bfloat16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        return stack

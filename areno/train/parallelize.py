@@ -8,7 +8,10 @@ FSDP2 — in that fixed order (as torchtitan does), each step optional:
    ``forward`` is wrapped in place instead of wrapping the module, so parameter names (and thus
    checkpoints and policy sync) are the same with and without it.
 3. **torch.compile** per decoder layer (``Module.compile`` compiles in place, names unchanged);
-   per layer rather than whole-model so FSDP's per-layer hooks stay outside the graph.
+   per layer rather than whole-model so FSDP's per-layer hooks stay outside the graph (dynamo skips
+   FSDP2's hooks). All layers share one graph (their code is the same; parameters are graph
+   inputs), so compile time does not grow with depth. The backend also runs every forward inside
+   ``compiled_logprob_kernels()`` (fused element-wise kernels of the chunked log-prob head).
 4. **FSDP2** (``fully_shard``) per decoder layer, then the root (embeddings, final norm, LM head).
    Mixed precision: parameters are all-gathered in ``param_dtype`` for compute while the sharded
    master weights, gradients reductions and optimizer state stay in the master dtype (fp32).
@@ -26,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+import areno.train.vocab_parallel  # noqa: F401  (routes DTensor LM heads to the vocab-parallel log-probs)
 from areno.train.config import TrainBackendConfig
 
 
@@ -41,14 +45,15 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = True) -> None:
     """Shard the linear layers the model's plan marks colwise/rowwise over ``tp_mesh``.
 
     Between blocks activations are replicated over TP ranks (no sequence parallelism): q/k/v and
     gate/up compute their own heads / columns, o_proj and down_proj all-reduce. Norms and the
-    embedding stay replicated plain tensors, as in the plan. The LM head is kept replicated here
-    too (the plan allows vocab-parallel): ``packed_logprobs`` reads the output projection directly
-    for its chunked log-softmax, which would need a distributed log-sum-exp over vocab shards.
+    embedding stay replicated plain tensors, as in the plan. An untied LM head is sharded over the
+    vocabulary when ``vocab_parallel`` (the plan's colwise): the log-prob code reads the output
+    projection directly, and ``areno.train.vocab_parallel`` computes the log-softmax with a
+    distributed log-sum-exp over the shards. A tied head is the (replicated) embedding.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -67,6 +72,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             style = tp_style(plan, f"{name}.weight")
             if style in styles:
                 module_plan[name] = styles[style]()
+    if vocab_parallel and not cfg.tie_word_embeddings:
+        # Only the weight's layout matters: the log-prob code reads it, lm_head.forward never runs.
+        module_plan["lm_head"] = ColwiseParallel(use_local_output=False)
     parallelize_module(model, tp_mesh, module_plan)
 
 
@@ -75,9 +83,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layer.forward = _checkpointed(layer.forward)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
+    """Compile each decoder layer in place (dynamic shapes: micro-batch lengths vary)."""
     for layer in _layers(model):
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
 
 
 def apply_fsdp(
@@ -104,7 +113,7 @@ def parallelize(
     dp_replicate (HSDP when that is > 1).
     """
     if mesh is not None and mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], vocab_parallel=cfg.tp_vocab_parallel)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.compile:

@@ -66,6 +66,8 @@ def _worker(rank, world, model_dir, out_dir):
     # tensor parallel (TP=2, no data parallelism)
     t = FSDP2TrainBackend(TrainBackendConfig(**CFG, tp_size=2))
     t.initialize(model_dir)
+    # the untied LM head is vocab-parallel: this rank holds ceil(105 / 2) = 53 of the char vocabulary's rows
+    result["tp_head_rows"] = t.model.lm_head.weight.to_local().shape[0]
     result["tp_losses"] = _run(t)
     t.shutdown()
     # HSDP: 2 replicas of a 1-way shard
@@ -126,6 +128,7 @@ def test_fsdp_two_ranks_equal_single_process(fsdp_result):
 
 def test_tp2_equals_tp1(fsdp_result):
     got, ref, _, _ = fsdp_result
+    assert got["tp_head_rows"] == 53
     for (l_tp, _), (l_ref, _) in zip(got["tp_losses"], ref["losses"]):
         assert abs(l_tp - l_ref) < 1e-5
 

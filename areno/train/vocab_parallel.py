@@ -1,0 +1,146 @@
+"""Log-probs and entropy from a vocabulary-sharded LM head (tensor parallelism) without any rank
+ever holding full-vocabulary logits.
+
+Under TP the untied ``lm_head.weight`` is a DTensor sharded on dim 0 over the TP ranks: rank r
+holds rows ``[r Vs, (r+1) Vs)`` with ``Vs = ceil(V / tp)`` (the last shard shorter when tp does not
+divide V). ``areno.models.logprobs.logprobs_from_hidden`` routes a DTensor weight here
+(``register_sharded_weight`` below). Per chunk of C tokens each rank computes its logit slice
+``z`` [C, Vs] in fp32 (temperature applied) and the TP group combines:
+
+    m   = all_reduce_max(max_v z)                                 (for a stable exp)
+    a   = all_reduce_sum(sum_v exp(z - m))
+    b   = all_reduce_sum(sum_v exp(z - m) * (z - m))
+    z_t = all_reduce_sum(z[target] if the target lies in this shard else 0)
+    lse = m + log a,   logprob = z_t - lse,   entropy = log a - b / a
+
+(the shifted entropy has no cancellation against a large lse when it is small). a, b and z_t go
+in one all-reduce: two collectives per chunk. Backward recomputes the slice and
+uses ``dL/dz_j = g [j = target] - p_j (g + g_H (log p_j + H))`` on the shard, so the weight
+gradient of this rank's rows is exact locally and the hidden-state gradient is the sum over ranks
+of ``dz @ W_shard`` (one all-reduce per micro-batch). The hidden states are replicated over the TP
+ranks (no sequence parallelism), as ``parallelize.apply_tp`` lays the model out.
+
+Legend: T = packed tokens, D = hidden size, V = vocabulary, C = tokens of a chunk, Vs = ceil(V / tp).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from areno.models.logprobs import _ChunkedLogprobs, register_sharded_weight
+
+
+def _slice_logits(h_CD: torch.Tensor, w_VsD: torch.Tensor, temperature: float) -> torch.Tensor:
+    z_CVs = (h_CD @ w_VsD.t()).float()
+    return z_CVs / temperature if temperature != 1.0 else z_CVs
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """(hidden_TD, shard_VsD, targets_T) -> (logprobs_T, entropy_T) over a vocab-sharded head."""
+
+    @staticmethod
+    def forward(ctx, hidden_TD, w_VsD, targets_T, vocab_start, group, temperature, chunk_size, with_entropy):
+        T, Vs = hidden_TD.shape[0], w_VsD.shape[0]
+        local_T = targets_T - vocab_start
+        in_shard_T = (local_T >= 0) & (local_T < Vs)
+        local_T = torch.where(in_shard_T, local_T, 0)
+        logprobs_T = hidden_TD.new_empty(T, dtype=torch.float32)
+        lse_T = hidden_TD.new_empty(T, dtype=torch.float32)
+        entropy_T = hidden_TD.new_empty(T, dtype=torch.float32)
+        for s in range(0, T, chunk_size):
+            e = min(s + chunk_size, T)
+            z_CVs = _slice_logits(hidden_TD[s:e], w_VsD, temperature)
+            m_C = z_CVs.amax(dim=-1)
+            dist.all_reduce(m_C, op=dist.ReduceOp.MAX, group=group)
+            z_t_C = z_CVs.gather(-1, local_T[s:e, None])[:, 0] * in_shard_T[s:e]
+            shifted_CVs = z_CVs.sub_(m_C[:, None])  # z is not needed unshifted any more
+            exp_CVs = shifted_CVs.exp()
+            sums_3C = torch.stack([exp_CVs.sum(-1), exp_CVs.mul_(shifted_CVs).sum(-1), z_t_C])
+            dist.all_reduce(sums_3C, group=group)
+            a_C, b_C, z_t_C = sums_3C.unbind(0)
+            lse_C = m_C + a_C.log()
+            lse_T[s:e] = lse_C
+            logprobs_T[s:e] = z_t_C - lse_C
+            entropy_T[s:e] = a_C.log() - b_C / a_C
+        ctx.save_for_backward(hidden_TD, w_VsD, local_T, in_shard_T, lse_T, entropy_T)
+        ctx.group, ctx.temperature, ctx.chunk_size, ctx.with_entropy = group, temperature, chunk_size, with_entropy
+        if not with_entropy:
+            entropy_T = entropy_T[:0]
+        return logprobs_T, entropy_T
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_T, grad_entropy_T):
+        hidden_TD, w_VsD, local_T, in_shard_T, lse_T, entropy_T = ctx.saved_tensors
+        tau, chunk_size = ctx.temperature, ctx.chunk_size
+        use_entropy = ctx.with_entropy and grad_entropy_T is not None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        T = hidden_TD.shape[0]
+        grad_h_TD = hidden_TD.new_zeros(hidden_TD.shape, dtype=torch.float32) if need_h else None
+        grad_w_VsD = torch.zeros_like(w_VsD, dtype=torch.float32) if need_w else None
+        for s in range(0, T, chunk_size):
+            e = min(s + chunk_size, T)
+            logp_CVs = _slice_logits(hidden_TD[s:e], w_VsD, tau).sub_(lse_T[s:e, None])
+            p_CVs = logp_CVs.exp()
+            g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
+            if use_entropy:
+                coef_CVs = logp_CVs.add_(entropy_T[s:e, None]).mul_(grad_entropy_T[s:e, None]).add_(g_C[:, None])
+                grad_z_CVs = p_CVs.mul_(coef_CVs).neg_()
+            else:
+                grad_z_CVs = p_CVs.mul_(g_C[:, None]).neg_()
+            grad_z_CVs.scatter_add_(-1, local_T[s:e, None], (g_C * in_shard_T[s:e])[:, None])
+            if tau != 1.0:
+                grad_z_CVs /= tau
+            grad_z_CVs = grad_z_CVs.to(hidden_TD.dtype)
+            if need_h:
+                grad_h_TD[s:e] = (grad_z_CVs @ w_VsD).float()
+            if need_w:
+                grad_w_VsD += (grad_z_CVs.t() @ hidden_TD[s:e]).float()
+        if need_h:
+            dist.all_reduce(grad_h_TD, group=ctx.group)  # each rank saw only its vocabulary rows
+            grad_h_TD = grad_h_TD.to(hidden_TD.dtype)
+        if need_w:
+            grad_w_VsD = grad_w_VsD.to(w_VsD.dtype)
+        return grad_h_TD, grad_w_VsD, None, None, None, None, None, None
+
+
+def dtensor_logprobs(
+    hidden_TD: torch.Tensor,
+    weight_VD: DTensor,
+    targets_T: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logprobs_from_hidden`` for a DTensor output projection: vocab-parallel when it is sharded
+    on dim 0 over one mesh dimension (replicated over any others), else on the local full copy."""
+    if isinstance(hidden_TD, DTensor):
+        hidden_TD = hidden_TD.full_tensor()
+    placements = weight_VD.placements
+    shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if any(not isinstance(p, (Shard, Replicate)) for p in placements) or any(
+        placements[i].dim != 0 for i in shard_dims
+    ) or len(shard_dims) > 1:
+        raise ValueError(
+            f"log-probs need the LM head replicated or sharded over the vocabulary (dim 0) on one mesh "
+            f"dimension; got placements {placements}"
+        )
+    w_local = weight_VD.to_local()  # gradient flows back with the same placements
+    if not shard_dims:
+        lp, ent = _ChunkedLogprobs.apply(hidden_TD, w_local, targets_T, temperature, chunk_size, with_entropy)
+        return lp, (ent if with_entropy else None)
+    mesh_dim = shard_dims[0]
+    vocab, shards = weight_VD.shape[0], weight_VD.device_mesh.size(mesh_dim)
+    # DTensor shards like torch.chunk: ceil(V / shards) rows per rank, the last ones shorter (or empty).
+    rows = -(-vocab // shards)
+    vocab_start = weight_VD.device_mesh.get_local_rank(mesh_dim) * rows
+    assert w_local.shape[0] == max(0, min(rows, vocab - vocab_start)), (w_local.shape, vocab, shards)
+    group = weight_VD.device_mesh.get_group(mesh_dim)
+    lp, ent = _VocabParallelLogprobs.apply(
+        hidden_TD, w_local, targets_T, vocab_start, group, temperature, chunk_size, with_entropy
+    )
+    return lp, (ent if with_entropy else None)
+
+
+register_sharded_weight(DTensor, dtensor_logprobs)

@@ -1,0 +1,57 @@
+"""torch.compile of the training step: the fused log-prob head kernels and compiled decoder layers
+give the eager numbers (fp32, CPU).
+
+Legend: T = tokens, D = hidden size, V = vocabulary.
+"""
+
+import pytest
+import torch
+
+from areno.models import logprobs as lp_mod
+from areno.models.logprobs import compiled_logprob_kernels, logprobs_from_hidden
+from areno.train import LocalTrainBackend, TrainBackendConfig
+from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+
+T, D, V = 13, 8, 29
+
+
+def _head(fused: bool, tau: float, with_entropy: bool):
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(T, D, generator=gen).requires_grad_(True)
+    w = (torch.randn(V, D, generator=gen) * 2).requires_grad_(True)
+    targets_T = torch.randint(0, V, (T,), generator=gen)
+    coef_T, coef_ent_T = torch.randn(T, generator=gen), torch.randn(T, generator=gen)
+    with compiled_logprob_kernels(fused):
+        logp_T, ent_T = logprobs_from_hidden(h, w, targets_T, tau, 5, with_entropy=with_entropy)
+    loss = (coef_T * logp_T).sum() + ((coef_ent_T * ent_T).sum() if with_entropy else 0.0)
+    loss.backward()  # outside the context: the forward's choice holds for backward
+    return logp_T.detach(), ent_T.detach() if with_entropy else None, h.grad, w.grad
+
+
+def _assert_head_close(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    if a[1] is not None:
+        torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-5)
+    for got, ref in zip(a[2:], b[2:]):
+        assert float((got - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("tau,with_entropy", [(1.0, False), (0.7, True)])
+def test_fused_head_math_equals_eager(monkeypatch, tau, with_entropy):
+    # the fused kernels' math run eagerly (fast); the compiled run is the slow test below
+    monkeypatch.setattr(lp_mod, "_KERNELS", (lp_mod._fused_forward_stats, lp_mod._fused_grad_logits))
+    _assert_head_close(_head(True, tau, with_entropy), _head(False, tau, with_entropy))
+
+
+@pytest.mark.slow
+def test_compiled_head_and_layers_equal_eager(tmp_path):
+    _assert_head_close(_head(True, 0.7, True), _head(False, 0.7, True))
+    model_dir = make_model_dir(tmp_path / "model")
+    losses = {}
+    for compile_ in (False, True):
+        b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=24, compile=compile_))
+        b.initialize(model_dir)
+        losses[compile_] = [
+            b.train_step(random_batch([13, 7, 21, 5, 9], 100, 50 + s), forward_fn=nll_forward, loss_fn=nll_loss,
+                         denominator_fn=token_denominator)["loss"] for s in range(2)]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(losses[True], losses[False])), losses
