@@ -215,7 +215,8 @@ class RolloutEngine:
             request_id = request_id or uuid.uuid4().hex
             if request_id in self._seqs:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params, arrival=self._arrivals)
+            seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params, arrival=self._arrivals,
+                           sample_row=RowParams.row_of(params, self.eos_token_ids, self.vocab_size))
             self._arrivals += 1
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
@@ -273,9 +274,9 @@ class RolloutEngine:
                 self._steps += 1
                 return []
             rp = RowParams.build(
-                [s.params for s in sampling], [len(s.token_ids) - len(s.prompt_ids) for s in sampling],
-                [len(s.token_ids) for s in sampling], self.eos_token_ids, self.vocab_size, self.max_model_len,
-                self.device,
+                None, [len(s.token_ids) - len(s.prompt_ids) for s in sampling], [len(s.token_ids) for s in sampling],
+                self.eos_token_ids, self.vocab_size, self.max_model_len, self.device,
+                rows=[s.sample_row for s in sampling],
             )
             if pure_decode:
                 k = self._plan_decode_steps(batch)

@@ -106,47 +106,57 @@ class RowParams:
     all_unseeded: bool
     """Every row is random without a seed (noise for the whole batch in one draw)."""
 
+    @staticmethod
+    def row_of(params: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int) -> tuple:
+        """A request's static row (cache it per request): temperature scale, greedy, top-k, top-p,
+        seed, seeded, min/max new tokens, truncating, then the tuple of its stop/EOS ids."""
+        p = params
+        random = p.temperature > 0
+        return (p.temperature if random else 1.0, float(not random), float(p.top_k if p.top_k > 0 else vocab_size),
+                p.top_p, float(p.seed if p.seed is not None else 0), float(p.seed is not None and random),
+                float(p.min_new_tokens), float(p.max_new_tokens),
+                float(random and (p.top_k > 0 or p.top_p < 1.0)),
+                ((() if p.ignore_eos else tuple(eos_token_ids)) + tuple(p.stop_token_ids)))
+
     @classmethod
     def build(
-        cls, params: list[SamplingParams], n_gen: list[int], lengths: list[int], eos_token_ids: tuple[int, ...],
-        vocab_size: int, max_len: int, device: torch.device,
+        cls, params: list[SamplingParams] | None, n_gen: list[int], lengths: list[int], eos_token_ids: tuple[int, ...],
+        vocab_size: int, max_len: int, device: torch.device, rows: list[tuple] | None = None,
     ) -> "RowParams":
-        B = len(params)
-        stops = [((() if p.ignore_eos else eos_token_ids) + p.stop_token_ids) for p in params]
-        S = max(1, max(map(len, stops), default=1))
-        # One float64 [9 + 2S, B] host tensor -> one copy (float64 holds every id and seed below 2**53).
-        rows = [
-            [p.temperature if p.temperature > 0 else 1.0 for p in params],
-            [float(p.temperature == 0) for p in params],
-            [float(p.top_k if p.top_k > 0 else vocab_size) for p in params],
-            [p.top_p for p in params],
-            [float(p.seed if p.seed is not None else 0) for p in params],
-            [float(p.min_new_tokens) for p in params],
-            [float(p.max_new_tokens) for p in params],
-            [float(n) for n in n_gen],
-            [float(n) for n in lengths],
-        ]
-        for s in range(S):
-            rows.append([float(st[s] if s < len(st) else (st[0] if st else 0)) for st in stops])
-        for s in range(S):
-            rows.append([float(s < len(st)) for st in stops])
-        host = torch.tensor(rows, dtype=torch.float64)
-        dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
-        long_ = dev[[2, 4, 5, 6, 7, 8]].long()
-        ids = dev[9:].long()
-        greedy = [p.temperature == 0 for p in params]
-        seeded = [i for i, p in enumerate(params) if p.seed is not None and p.temperature > 0]
-        unseeded = [i for i, p in enumerate(params) if p.seed is None and p.temperature > 0]
-        to_idx = lambda ix: torch.tensor(ix, dtype=torch.long).to(device) if ix else None  # noqa: E731
+        """From each row's ``SamplingParams`` (or its cached ``row_of`` tuple in ``rows``), tokens
+        generated so far and tokens known. One host-to-device copy."""
+        if rows is None:
+            rows = [cls.row_of(p, eos_token_ids, vocab_size) for p in params]
+        B = len(rows)
+        S = max(1, max((len(r[9]) for r in rows), default=1))
+        # One float64 [B, 11 + 2S] host tensor (float64 holds every id and seed below 2**53).
+        table = []
+        for r, g, n in zip(rows, n_gen, lengths):
+            stops = r[9]
+            k = len(stops)
+            if k == S:
+                table.append(r[:9] + (g, n) + stops + (1.0,) * S)
+            else:
+                pad = stops[0] if k else 0
+                table.append(r[:9] + (g, n) + stops + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k))
+        host_BF = torch.tensor(table, dtype=torch.float64).reshape(B, 11 + 2 * S)
+        greedy, seeded, truncate = host_BF[:, 1] > 0, host_BF[:, 5] > 0, host_BF[:, 8] > 0
+        unseeded = ~greedy & ~seeded
+        any_min_new = bool((host_BF[:, 6] > host_BF[:, 9]).any())
+        n_seeded, n_unseeded = int(seeded.sum()), int(unseeded.sum())
+        seeded_idx = seeded.nonzero().squeeze(1).to(device) if n_seeded else None
+        unseeded_idx = unseeded.nonzero().squeeze(1).to(device) if 0 < n_unseeded < B else None
+        dev_FB = host_BF.T.contiguous()
+        if device.type != "cpu":
+            dev_FB = dev_FB.to(device, non_blocking=True)
+        long_FB = dev_FB.long()
         return cls(
-            scale_B=dev[0].float(), greedy_B=dev[1] > 0, top_k_B=long_[0], top_p_B=dev[3].float(), seed_B=long_[1],
-            stop_ids_BS=ids[:S].T.contiguous(), stop_valid_BS=(ids[S:] > 0).T.contiguous(),
-            min_new_B=long_[2], max_new_B=long_[3], n_gen_B=long_[4].clone(), len_B=long_[5].clone(),
-            max_len=max_len, all_greedy=all(greedy), any_greedy=any(greedy),
-            any_truncate=any((p.top_k > 0 or p.top_p < 1.0) and p.temperature > 0 for p in params),
-            any_min_new=any(p.min_new_tokens > n for p, n in zip(params, n_gen)) and B > 0,
-            seeded_idx=to_idx(seeded), unseeded_idx=to_idx(unseeded) if len(unseeded) < B else None,
-            all_unseeded=len(unseeded) == B,
+            scale_B=dev_FB[0].float(), greedy_B=dev_FB[1] > 0, top_k_B=long_FB[2], top_p_B=dev_FB[3].float(),
+            seed_B=long_FB[4], stop_ids_BS=long_FB[11 : 11 + S].T, stop_valid_BS=(dev_FB[11 + S :] > 0).T,
+            min_new_B=long_FB[6], max_new_B=long_FB[7], n_gen_B=long_FB[9].clone(), len_B=long_FB[10].clone(),
+            max_len=max_len, all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
+            any_truncate=bool(truncate.any()), any_min_new=any_min_new and B > 0,
+            seeded_idx=seeded_idx, unseeded_idx=unseeded_idx, all_unseeded=n_unseeded == B and B > 0,
         )
 
     def advance(self, tokens_B: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,8 @@ class Sequence:
     last_key: int = ROOT_KEY
     num_preemptions: int = 0
     text: str | None = None
+    sample_row: tuple | None = None
+    """``RowParams.row_of(params)``, computed once at admission."""
     row: int | None = None
     """Row of ``Scheduler.block_tables_RN`` mirroring ``block_table`` while the sequence runs."""
 
@@ -240,11 +242,16 @@ class Scheduler:
         needed = [-(-u // bs) - len(s.block_table) for s, u in zip(seqs, upto)]
         if sum(n for n in needed if n > 0) > self.allocator.num_available:
             return False
+        rows, cols, blocks = [], [], []
         for seq, n in zip(seqs, needed):
             table = seq.block_table
             for _ in range(n):
-                table.append(self.allocator.allocate())
-                self.block_tables_RN[seq.row, len(table) - 1] = table[-1]
+                rows.append(seq.row)
+                cols.append(len(table))
+                blocks.append(self.allocator.allocate())
+                table.append(blocks[-1])
+        if blocks:  # one indexed write instead of one per block
+            self.block_tables_RN[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(blocks)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
