@@ -6,11 +6,19 @@
             train(rollout_id, rollout or reshuffle(rollout, base + rollout_id + pass_idx * 100003))
         backend.update_weights()                         # sync_to_rollout roles -> rollout engine
         evaluate / save at their intervals
+
+Resume (``resume=auto|true``): the newest ``checkpoints/step_N`` holding ``COMPLETE`` is loaded
+(checkpoints are published by one rename, so a killed write is never loaded; its staging
+directory is removed with a warning) and the loop continues at step N + 1. metrics.jsonl is cut
+back to the rows of steps <= N first: the steps after N are trained again and log again, so the
+file holds every step once. ``ARENO_FAULT`` (``areno.api.faults``) kills the run at a phase of a
+step, for the tests that prove it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -19,9 +27,13 @@ import torch
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_yaml
-from areno.observe.metrics import MetricsLogger, WandbConfig
+from areno.api.faults import fault_point
+from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.session import configure_sessions
 from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span
+from areno.train import checkpoint
+
+logger = logging.getLogger(__name__)
 
 PASS_SEED_STRIDE = 100003  # prime stride: pass seeds of different rollouts never collide early
 
@@ -67,6 +79,7 @@ class Trainer:
         observe = config.observe
         configure_tracing(trainer.run_dir, observe.trace)
         configure_sessions(trainer.run_dir, observe.sessions)
+        resume_from = trainer._prepare_resume()  # before the logger opens metrics.jsonl for appending
         trainer.backend = backend_cls()
         trainer.backend.initialize(config, trainer.run_dir)
         trainer.logger = MetricsLogger(
@@ -77,8 +90,8 @@ class Trainer:
             wandb=WandbConfig(project=observe.wandb_project, mode=os.environ.get("WANDB_MODE", "offline"))
             if observe.wandb_project else None,
         )
-        if config.resume:
-            trainer._resume()
+        if resume_from is not None:
+            trainer._resume(resume_from)
         return trainer
 
     def rollout_token_batch(self, rollout_id: int) -> RolloutBatch:
@@ -93,18 +106,21 @@ class Trainer:
         last_eval: dict[str, float] = {}
         for rollout_id in range(self.start_rollout_id, cfg.steps):
             t0 = time.perf_counter()
+            step = rollout_id + 1
             with span("rollout", "trainer", rollout_id=rollout_id):
                 rollout = self.rollout_token_batch(rollout_id)
+            fault_point("rollout", step)
             t1 = time.perf_counter()
             for pass_idx in range(cfg.num_train_passes):
                 data = rollout if pass_idx == 0 else reshuffle(rollout, pass_seed(cfg.seed, rollout_id, pass_idx))
                 with span("train", "trainer", rollout_id=rollout_id, pass_idx=pass_idx):
                     train_metrics = self.train(rollout_id, data)
+            fault_point("train", step)
             t2 = time.perf_counter()
             with span("policy_sync", "trainer", rollout_id=rollout_id):
                 sync_metrics = self.backend.update_weights()
+            fault_point("policy_sync", step)
             t3 = time.perf_counter()
-            step = rollout_id + 1
             timing = {"timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
                       "timing/tokens_per_s": rollout.batch.num_tokens / max(t3 - t0, 1e-9)}
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
@@ -136,10 +152,55 @@ class Trainer:
     def _checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step:08d}"
 
-    def _resume(self) -> None:
-        done = sorted(p.parent for p in (self.run_dir / "checkpoints").glob("step_*/COMPLETE"))
-        if not done:
-            return
-        state = self.backend.load(done[-1])
+    def _prepare_resume(self) -> Path | None:
+        """The checkpoint to resume from under ``config.resume`` (None: start fresh). Removes what
+        killed checkpoint writes left and cuts metrics.jsonl back to the steps that will not run
+        again: those <= N when resuming at step N, none when a resumable run starts over."""
+        checkpoints_dir = self.run_dir / "checkpoints"
+        if self.config.resume is False:
+            if checkpoint.complete_checkpoints(checkpoints_dir):
+                logger.warning("resume=false: starting over in %s, whose checkpoints will be overwritten "
+                               "(resume=auto continues from the newest)", self.run_dir)
+            return None
+        checkpoint.remove_stale(checkpoints_dir)
+        latest = checkpoint.latest_complete(checkpoints_dir)
+        if latest is None and self.config.resume is True:
+            raise ValueError(f"resume=true but {checkpoints_dir} holds no completed checkpoint "
+                             "(step_N/COMPLETE): use resume=auto to start fresh when there is none")
+        truncate_metrics(self.run_dir / METRICS_FILENAME, after_step=checkpoint_step(latest) if latest else -1)
+        return latest
+
+    def _resume(self, path: Path) -> None:
+        state = self.backend.load(path)
         self.start_rollout_id = int(state["rollout_id"]) + 1
-        print(json.dumps({"resumed_from": str(done[-1]), "next_rollout_id": self.start_rollout_id}))
+        print(json.dumps({"resumed_from": str(path), "next_rollout_id": self.start_rollout_id}), flush=True)
+
+
+def checkpoint_step(path: Path) -> int:
+    """N of a ``step_N`` checkpoint directory."""
+    return int(Path(path).name.removeprefix("step_"))
+
+
+def truncate_metrics(path: Path, *, after_step: int) -> int:
+    """Drop the rows of ``path`` logged for steps > ``after_step`` (and a torn last line), atomically.
+    Returns the number of rows dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the process was killed while writing this line
+            dropped += 1
+            continue
+        if int(row.get("step", 0)) > after_step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        logger.info("resume: dropped %d rows of %s logged after step %d (those steps run again)",
+                    dropped, path, after_step)
+    return dropped

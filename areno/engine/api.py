@@ -21,9 +21,12 @@ import torch
 
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
+from areno.api.faults import fault_point
 from areno.api.types import SamplingParams, TokenBatch, Trajectory
 from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
+from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
+from areno.train import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,8 @@ class ArenoEngine:
     rollout_engine: object
     executor: object
     train_stream: PromptStream
+    ledger: SampleLedger | None = None
+    """Asynchronous runs: samples handed to the rollout pool and not yet trained (the data cursor)."""
     eval_rows: list[dict]
     version: int = 0
     asynchronous: bool = False
@@ -192,7 +197,6 @@ class ArenoEngine:
         from areno.api.workflow import load_workflow
         from areno.rewards.loader import import_object
         from areno.rollout.executor import WorkflowExecutor
-        from areno.rollout.staleness import StalenessManager
 
         cfg = self.config
         reward_fn = import_object(cfg.reward.fn, what="reward.fn")
@@ -200,9 +204,13 @@ class ArenoEngine:
                                  n_samples=cfg.rollout.n_samples, sampling_params=self._sampling_params(greedy=False),
                                  prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                                  **cfg.rollout.workflow_kwargs)
-        staleness = StalenessManager(max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+        staleness = ResumableStaleness(max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                                      batch_size=cfg.rollout.batch_size, max_concurrent=cfg.rollout.max_concurrent)
-        return WorkflowExecutor(self.client, workflow, iter(self.train_stream), staleness,
+        # The ledger hands out the prompts and keeps the cursor of what was trained (the pool reads
+        # ahead of training); episodes sample with seeds from their place in the data order.
+        self.ledger = SampleLedger(self.train_stream)
+        workflow = LedgerWorkflow(workflow, self.ledger, max_retries=cfg.rollout.max_retries, seed=cfg.train.seed)
+        return WorkflowExecutor(SeedingClient(self.client), workflow, self.ledger, staleness,
                                 num_workers=cfg.rollout.max_concurrent, max_retries=cfg.rollout.max_retries)
 
     # ----------------------------------------------------------------------------- the loop
@@ -211,11 +219,14 @@ class ArenoEngine:
         if self.recipe.online and self.asynchronous:
             # everlasting pool: the oldest finished groups, generated up to η versions ago
             groups = self.executor.wait_batch(cfg.rollout.batch_size)
+            self.ledger.trained([group[0].info.get(SEQ_KEY) for group in groups])
             trajectories = [t for group in groups for t in group]
             metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version)}
         elif self.recipe.online:
-            samples = self.train_stream.take(cfg.rollout.batch_size)
+            samples = self.ledger.take(cfg.rollout.batch_size)
+            seqs = [self.ledger.lookup(s)[0] for s in samples]
             trajectories = self.executor.rollout_batch(samples)
+            self.ledger.trained(seqs)
             metrics = rollout_metrics(trajectories, self.version)
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)
@@ -289,14 +300,27 @@ class ArenoEngine:
 
     # ----------------------------------------------------------------------------- state
     def save(self, path: Path, trainer_state: dict) -> None:
-        state = {**trainer_state, "data": self.train_stream.state_dict(), "version": self.version}
-        tmp = path.with_name(path.name + ".tmp")
+        """Write the checkpoint into a staging directory, then publish it with one rename
+        (``checkpoint.commit``): ``path`` exists only once it is whole."""
+        state = {**trainer_state, **self.resume_state()}
+        tmp = checkpoint.staging_dir(path)
         for role_name, backend in self.runner.backends.items():
             if backend.cfg.trainable:
                 backend.save_checkpoint(tmp / role_name, extra_state=state)
         self.export_policy(tmp / "hf")  # what `transformers` and `areno serve` load
-        tmp.rename(path)
-        (path / "COMPLETE").write_text("ok")
+        fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
+        checkpoint.commit(tmp, path)
+
+    def resume_state(self) -> dict:
+        """What a checkpoint needs beyond the training backends' state: the data cursor (the
+        stream's, plus the untrained samples of an asynchronous pool), the policy version and the
+        rollout sampler's generator (a synchronous run then samples the same tokens after resume)."""
+        state: dict = {"data": self.ledger.state_dict() if self.ledger is not None else self.train_stream.state_dict(),
+                       "version": self.version}
+        sampler = getattr(getattr(self, "rollout_engine", None), "sampler", None)
+        if sampler is not None:
+            state["rollout_rng"] = sampler.generator.get_state()
+        return state
 
     def load(self, path: Path) -> dict:
         state = {}
@@ -307,10 +331,28 @@ class ArenoEngine:
         return state
 
     def _restore(self, state: dict) -> None:
-        """Data cursor and policy version of a checkpoint; the loaded weights go to the rollout side."""
-        self.train_stream.load_state_dict(state["data"])
+        """Data cursor, policy version and sampler state of a checkpoint (``resume_state``); the
+        loaded weights go to the rollout side."""
+        data = state["data"]
+        if "stream" in data:  # written by an asynchronous run: stream cursor + untrained samples
+            if self.ledger is not None:
+                self.ledger.load_state_dict(data)
+                # The staleness bound counts every group ever accepted: credit the ones trained
+                # before the checkpoint (the untrained ones are regenerated and counted again).
+                self.executor.staleness.credit_accepted(self.ledger.trained_groups)
+            elif data["pending"]:
+                raise ValueError(
+                    f"the checkpoint holds {len(data['pending'])} untrained samples of an asynchronous run "
+                    "(rollout.max_head_offpolicyness > 0): resume it with an online recipe")
+            else:
+                self.train_stream.load_state_dict(data["stream"])
+        else:
+            self.train_stream.load_state_dict(data)
         self.version = int(state["version"]) - 1  # update_weights publishes them as that version
         self.update_weights()
+        sampler = getattr(getattr(self, "rollout_engine", None), "sampler", None)
+        if sampler is not None and "rollout_rng" in state:
+            sampler.generator.set_state(state["rollout_rng"])
 
     def export_policy(self, path: Path) -> None:
         policy = self.runner.roles_to_sync()[0] if self.runner.roles_to_sync() else self.recipe.roles[0].name

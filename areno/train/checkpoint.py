@@ -4,12 +4,21 @@ Layout of a checkpoint directory:
 - DCP files (``.metadata``, ``__*.distcp``): ``model`` and ``optim`` state, sharded as trained
   (each rank writes its shards; a different world size can load them, DCP reshards);
 - ``trainer_state.pt`` (rank 0): step, scheduler state, skipped-step count, caller's ``extra``;
-- ``rng_rank{r}.pt``: every rank's torch / CUDA / python RNG states, for bit-for-bit resume.
+- ``rng_rank{r}.pt``: every rank's torch / CUDA / python / numpy RNG states, for bit-for-bit resume.
+
+A run's checkpoints (``run_dir/checkpoints/step_N``) are published atomically: everything is written
+into ``step_N.tmp`` (:func:`staging_dir`), then :func:`commit` writes the ``COMPLETE`` marker there
+and renames the directory into place. A ``step_N`` directory therefore always holds a whole
+checkpoint; a killed write leaves only a ``.tmp`` directory, which :func:`latest_complete` ignores
+and :func:`remove_stale` deletes with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +29,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TRAINER_STATE = "trainer_state.pt"
+COMPLETE_MARKER = "COMPLETE"
+STAGING_SUFFIX = ".tmp"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+logger = logging.getLogger(__name__)
 
 
 def _rank() -> int:
@@ -32,17 +46,104 @@ def _barrier() -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """This process's torch / CUDA / python / numpy RNG states, in types ``weights_only`` loads."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "numpy" in state:  # absent in checkpoints written before numpy was recorded
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+# ------------------------------------------------------------------ atomic publication of a run's checkpoints
+def staging_dir(path: str | Path) -> Path:
+    """The empty directory to write the checkpoint ``path`` into before :func:`commit`; a staging
+    directory left by a killed write is removed first."""
+    tmp = Path(path).with_name(Path(path).name + STAGING_SUFFIX)
+    if tmp.exists():
+        logger.warning("removing %s: a checkpoint write that never completed", tmp)
+        shutil.rmtree(tmp)
+    return tmp
+
+
+def commit(tmp: str | Path, path: str | Path, *, marker_text: str = "ok") -> None:
+    """Publish the checkpoint written into ``tmp`` as ``path``: the ``COMPLETE`` marker goes in
+    first, then one rename, so ``path`` never exists half-written. An older ``path`` (a run
+    restarted without resume over the same run_dir) is replaced."""
+    tmp, path = Path(tmp), Path(path)
+    (tmp / COMPLETE_MARKER).write_text(marker_text)
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def complete_checkpoints(checkpoints_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every completed ``step_N`` directory, oldest first."""
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_complete(checkpoints_dir: str | Path) -> Path | None:
+    """The newest completed checkpoint under ``checkpoints_dir``, or None."""
+    found = complete_checkpoints(checkpoints_dir)
+    return found[-1][1] if found else None
+
+
+def remove_stale(checkpoints_dir: str | Path) -> list[Path]:
+    """Delete, with a warning each, what killed writes left: staging directories (``*.tmp``; one
+    that already holds ``COMPLETE`` is renamed into place instead),
+    replaced-checkpoint leftovers (``*.old``) and ``step_N`` directories without ``COMPLETE``
+    (written by versions that renamed before marking). Returns the removed paths."""
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return []
+    removed = []
+    for child in sorted(root.iterdir()):
+        if not child.is_dir() or not child.name.startswith("step_"):
+            continue
+        final = child.with_name(child.name[: -len(STAGING_SUFFIX)])
+        if child.name.endswith(STAGING_SUFFIX) and is_complete(child) and not final.exists():
+            child.rename(final)  # killed between the marker and the rename: the checkpoint is whole
+            continue
+        stale = child.name.endswith((STAGING_SUFFIX, ".old")) or (
+            _STEP_DIR.match(child.name) is not None and not is_complete(child))
+        if stale:
+            logger.warning("removing %s: an incomplete checkpoint (the write was interrupted); it is never loaded",
+                           child)
+            shutil.rmtree(child)
+            removed.append(child)
+    return removed
 
 
 def save(

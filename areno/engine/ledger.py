@@ -1,0 +1,212 @@
+"""The data cursor of an asynchronous run: which prompts were handed out and not yet trained.
+
+The everlasting rollout pool reads the prompt stream ahead of training: a prefetched sample,
+episodes in flight, finished groups waiting for a trainer step. The stream's own cursor therefore
+runs ahead of what was trained, and a checkpoint that stored only it would skip those prompts on
+resume. ``SampleLedger`` sits between the stream and the pool: every sample it hands out is
+pending until the trainer takes its group (``trained``), or the workflow rejects it, or it fails
+more often than the pool retries it (``LedgerWorkflow`` sees both). A checkpoint stores the stream
+cursor together with the pending samples; after resume they are handed out first — regenerated
+under the restored policy — and the stream continues where it stopped. No prompt is skipped and
+none is trained twice.
+
+Reproducible sampling: every hand-out has a key, the stream position it came from (epoch,
+position), kept across replay. ``LedgerWorkflow`` derives the episode's sampling seed from it and
+``SeedingClient`` gives each request of the episode ``episode_seed + k`` (k-th request of the
+episode), so the tokens sampled for a prompt depend on the policy, the seed and the prompt's place
+in the data order only — not on which other requests share the engine's batch, which depends on
+thread timing. A synchronous run therefore samples the same tokens after a resume as without one.
+
+A group the pool drops as too stale (``rollout/dropped_stale``) is not seen here: its sample stays
+pending and, if a checkpoint is written before the ledger is told otherwise, it is regenerated after
+resume instead of being lost. With the admission bound of ``StalenessManager`` drops only happen
+after a batch-size change or an aborted episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import dataclasses
+import random
+import threading
+from typing import Any
+
+from areno.api.workflow import RolloutWorkflow, as_group
+from areno.data.tasks import PromptStream
+from areno.rollout.client import RolloutClient
+from areno.rollout.staleness import StalenessManager
+
+SEQ_KEY = "ledger_seq"
+"""``Trajectory.info`` key holding the ledger number of the sample the trajectory came from."""
+
+
+def episode_seed(base_seed: int, key: tuple[int, int]) -> int:
+    """Sampling seed of the episode of the sample at stream position ``key`` = (epoch, position)."""
+    # 52 bits: the engine carries seeds through float64 (exact below 2**53), with room for + k
+    return random.Random(f"areno/{base_seed}/{key[0]}/{key[1]}").getrandbits(52)
+
+
+class _EpisodeSeeds:
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.calls = 0
+
+    def next(self) -> int:
+        self.calls += 1
+        return self.seed + self.calls - 1
+
+
+_EPISODE: contextvars.ContextVar[_EpisodeSeeds] = contextvars.ContextVar("areno_episode_seeds")
+
+
+class SampleLedger:
+    """An iterator of samples (replayed ones first, then the stream) that remembers what is pending."""
+
+    def __init__(self, stream: PromptStream) -> None:
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._replay: collections.deque[tuple[dict[str, Any], tuple[int, int]]] = collections.deque()
+        self._pending: dict[int, tuple[dict[str, Any], tuple[int, int]]] = {}  # seq -> (sample, key), hand-out order
+        self._seq_by_id: dict[int, int] = {}  # id(sample object handed out) -> seq
+        self._failures: collections.Counter[int] = collections.Counter()
+        self._next_seq = 0
+        self.trained_groups = 0
+        """Groups the trainer took since the run began (restored on resume)."""
+
+    def __iter__(self) -> "SampleLedger":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        with self._lock:
+            if self._replay:
+                row, key = self._replay.popleft()
+            else:
+                row = self.stream.take(1)[0]
+                key = (self.stream.epoch, self.stream.position)
+            sample = dict(row)  # a new object per hand-out: its identity names this hand-out
+            seq = self._next_seq
+            self._next_seq += 1
+            self._pending[seq] = (sample, key)
+            self._seq_by_id[id(sample)] = seq
+        return sample
+
+    def take(self, n: int) -> list[dict[str, Any]]:
+        """The next ``n`` samples (the synchronous path)."""
+        return [next(self) for _ in range(n)]
+
+    def lookup(self, sample: dict[str, Any]) -> tuple[int, tuple[int, int]] | None:
+        """(ledger number, stream key) of a handed-out sample; None for samples not from here."""
+        with self._lock:
+            seq = self._seq_by_id.get(id(sample))
+            return None if seq is None else (seq, self._pending[seq][1])
+
+    def _forget_locked(self, seq: int) -> None:
+        entry = self._pending.pop(seq, None)
+        if entry is not None:
+            del self._seq_by_id[id(entry[0])]
+        self._failures.pop(seq, None)
+
+    def trained(self, seqs: list[int | None]) -> None:
+        """The trainer took these samples' groups."""
+        with self._lock:
+            for seq in seqs:
+                if seq is not None:
+                    self._forget_locked(seq)
+            self.trained_groups += len(seqs)
+
+    def finished_without_group(self, seq: int) -> None:
+        """The workflow rejected the sample: it is done, untrained, as in an uninterrupted run."""
+        with self._lock:
+            self._forget_locked(seq)
+
+    def failed(self, seq: int, max_retries: int) -> None:
+        """The workflow raised; after ``max_retries + 1`` failures the pool drops the sample."""
+        with self._lock:
+            self._failures[seq] += 1
+            if self._failures[seq] > max_retries:
+                self._forget_locked(seq)
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending) + len(self._replay)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stream cursor, untrained samples (hand-out order, then not yet replayed ones) and the
+        trained-group count, taken atomically with respect to the pool's reads."""
+        with self._lock:
+            untrained = list(self._pending.values()) + list(self._replay)
+            return {"stream": self.stream.state_dict(),
+                    "pending": [{"row": dict(row), "key": list(key)} for row, key in untrained],
+                    "trained_groups": self.trained_groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            assert not self._pending, "load the ledger before the rollout pool starts"
+            self.stream.load_state_dict(state["stream"])
+            self._replay = collections.deque((dict(p["row"]), (int(p["key"][0]), int(p["key"][1])))
+                                             for p in state["pending"])
+            self.trained_groups = int(state["trained_groups"])
+
+
+class LedgerWorkflow(RolloutWorkflow):
+    """Runs the user's workflow under the episode's sampling seed and reports each sample's fate
+    to the ledger; trajectories carry their sample's ledger number in ``info[SEQ_KEY]``."""
+
+    def __init__(self, inner: RolloutWorkflow, ledger: SampleLedger, *, max_retries: int, seed: int) -> None:
+        self.inner = inner
+        self.ledger = ledger
+        self.max_retries = max_retries
+        self.seed = seed
+
+    async def run_episode(self, client: Any, sample: dict[str, Any]):
+        found = self.ledger.lookup(sample)
+        seq = found[0] if found is not None else None
+        # a retry starts its seeds over, as the first attempt of the same sample would
+        token = _EPISODE.set(_EpisodeSeeds(episode_seed(self.seed, found[1]))) if found is not None else None
+        try:
+            group = as_group(await self.inner.run_episode(client, sample))
+        except asyncio.CancelledError:
+            raise  # the pool stops or aborts a stale episode: the sample stays pending
+        except Exception:
+            if seq is not None:
+                self.ledger.failed(seq, self.max_retries)
+            raise
+        finally:
+            if token is not None:
+                _EPISODE.reset(token)
+        if seq is not None:
+            if group is None:
+                self.ledger.finished_without_group(seq)
+            else:
+                for traj in group:
+                    traj.info[SEQ_KEY] = seq
+        return group
+
+
+class SeedingClient(RolloutClient):
+    """A ``RolloutClient`` wrapper: a request without a seed made inside an episode of
+    ``LedgerWorkflow`` gets the episode's next seed. Everything else is the wrapped client's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def agenerate(self, prompt_ids: list[int], sampling_params: Any, **kwargs: Any):
+        seeds = _EPISODE.get(None)
+        if seeds is not None and sampling_params.seed is None and sampling_params.temperature > 0:
+            sampling_params = dataclasses.replace(sampling_params, seed=seeds.next())
+        return await self.inner.agenerate(prompt_ids, sampling_params, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class ResumableStaleness(StalenessManager):
+    """``StalenessManager`` whose accepted count can be restored from a checkpoint."""
+
+    def credit_accepted(self, n: int) -> None:
+        """Count ``n`` groups accepted before a resume, so the restored pool stays within η."""
+        with self._lock:
+            self._accepted += n

@@ -1,0 +1,105 @@
+"""Whole-run resume after kill -9: `areno train … resume=auto` continues from the last completed
+checkpoint, with the losses of the uninterrupted run (synchronous) and the same trained prompts
+(asynchronous). The runs are real CLI processes on a tiny CPU model; ``ARENO_FAULT`` kills them."""
+
+from collections import Counter
+
+import pytest
+
+from areno.api.config import load_config
+from areno.engine.api import prepare_model_dir
+from tests.faults._resume_helpers import losses, overrides, resumed_step, run_areno, train_rows, trained_prompts
+
+ASYNC = ("rollout.max_head_offpolicyness=1", "rollout.max_concurrent=1")
+"""η = 1 with one rollout worker: the pool runs a step ahead of training, and the uninterrupted
+run's trained prompts are deterministic (episodes finish in the order they start)."""
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    """A directory holding the tiny model every run of this module loads."""
+    tmp = tmp_path_factory.mktemp("resume")
+    prepare_model_dir(load_config(None, overrides(tmp, tmp / "unused")))
+    return tmp
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _killed(proc):
+    assert proc.returncode == -9, f"expected SIGKILL, got {proc.returncode}: {proc.stderr[-3000:]}"
+    return proc
+
+
+def test_kill_during_checkpoint_write_resumes_bit_for_bit(tmp):
+    run_dir = tmp / "ckpt_write"
+    ckpts = run_dir / "checkpoints"
+    args = overrides(tmp, run_dir, steps=3, save_interval=2)
+    _killed(run_areno(args, fault="kill:checkpoint_write:3"))
+    # the killed write left only a staging directory without its marker; step 2 is whole
+    assert (ckpts / "step_00000002" / "COMPLETE").is_file()
+    assert not (ckpts / "step_00000003").exists()
+    assert (ckpts / "step_00000003.tmp" / "policy").is_dir()
+    assert not (ckpts / "step_00000003.tmp" / "COMPLETE").exists()
+    before = train_rows(run_dir)
+    assert sorted(before) == [1, 2, 3]  # step 3 was trained and logged before its checkpoint write died
+    prompts_before = trained_prompts(run_dir)
+
+    resumed = _ok(run_areno(args))
+    assert resumed_step(resumed) == 2
+    assert "step_00000003.tmp" in resumed.stderr  # the stale staging directory is removed with a warning
+    after = train_rows(run_dir)  # every step once: the redone step 3 replaced the killed run's row
+    assert sorted(after) == [1, 2, 3]
+    assert after[3]["time"] > before[3]["time"] and after[2]["time"] == before[2]["time"]
+    assert losses(after) == losses(before)  # step 3 trained again, bit for bit
+    assert trained_prompts(run_dir) == prompts_before  # the cursor was the trained one: same prompts
+    assert (ckpts / "step_00000003" / "COMPLETE").is_file()
+    assert not list(ckpts.glob("*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def references(tmp):
+    """Uninterrupted runs, synchronous and asynchronous, of the configuration the matrix kills."""
+    out = {}
+    for mode, extra in (("sync", ()), ("async", ASYNC)):
+        run_dir = tmp / f"reference_{mode}"
+        _ok(run_areno(overrides(tmp, run_dir, *extra)))
+        out[mode] = (train_rows(run_dir), trained_prompts(run_dir))
+    return out
+
+
+def _kill_and_resume(tmp, name, extra, phase):
+    """Kill at ``phase`` of step 3 (checkpoints every 2 of 4 steps), resume; returns the run dir."""
+    run_dir = tmp / name
+    args = overrides(tmp, run_dir, *extra)
+    _killed(run_areno(args, fault=f"kill:{phase}:3"))
+    resumed = _ok(run_areno(args))
+    assert resumed_step(resumed) == 2, resumed.stdout[-2000:]
+    return run_dir
+
+
+PHASES = ["rollout", "train", "policy_sync", "checkpoint_write"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", PHASES)
+def test_sync_kill_matrix_matches_uninterrupted_run(tmp, references, phase):
+    ref_rows, ref_prompts = references["sync"]
+    run_dir = _kill_and_resume(tmp, f"sync_{phase}", (), phase)
+    rows = train_rows(run_dir)  # raises if a step was logged twice
+    assert sorted(rows) == sorted(ref_rows) == [1, 2, 3, 4]
+    assert losses(rows) == losses(ref_rows)
+    assert trained_prompts(run_dir) == ref_prompts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", PHASES)
+def test_async_kill_matrix_trains_the_same_prompts(tmp, references, phase):
+    ref_rows, ref_prompts = references["async"]
+    run_dir = _kill_and_resume(tmp, f"async_{phase}", ASYNC, phase)
+    assert sorted(train_rows(run_dir)) == sorted(ref_rows) == [1, 2, 3, 4]
+    trained = trained_prompts(run_dir)
+    assert Counter(p for _, p in trained) == Counter(p for _, p in ref_prompts)
+    assert trained == ref_prompts  # one rollout worker: even the order and the steps match
