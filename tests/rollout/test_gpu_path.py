@@ -115,6 +115,9 @@ def test_graph_runner_inputs_on_cpu(decode_steps):
     prompts = random_prompts(13, seed=42)
     lengths = [5 + 3 * i for i in range(13)]  # requests finish at different steps
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+    # Seeded sampling rows too: their noise depends on (seed, tokens generated) only.
+    params[1::3] = [SamplingParams(temperature=0.8, top_k=10, max_new_tokens=n, ignore_eos=True, seed=n)
+                    for n in lengths[1::3]]
     outs = {}
     for graphs in (False, True):
         eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
