@@ -1,4 +1,15 @@
-"""The same tiny GRPO run through the LocalScheduler and the RayScheduler gives the same metrics."""
+"""The same tiny GRPO run through the LocalScheduler and the RayScheduler gives identical metrics.
+
+Why the run serialises its generation requests (``serial_rlvr_workflow``): with the stock
+workflow the rollout engine's driver thread admits requests as they arrive, so which requests
+share an engine step depends on thread timing. Requests without a seed share one sampling
+generator (their draws depend on the batch), and on CPU the log-probs of a row change in their
+last bits with the batch it sits in. Two runs then differ from the second rollout on, on the SAME
+scheduler: measured, two LocalScheduler runs had step-2 batches of 16, 15, 15, 15 sequences
+against 2, 2, 2, 16, 13, ... and step-2 reward means 0.208 vs 0.172 (bench/RESULTS.md). Nothing
+in the schedulers differs (threads, env, CPU capability are checked equal below); with a fixed
+batch sequence the runs agree bit for bit.
+"""
 
 import pytest
 
@@ -10,9 +21,10 @@ def _overrides(root):
     return [
         f"run_dir={root / 'run'}", f"model.path={root / 'model'}",
         "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-        "data.task=arithmetic", "data.num_eval=8", "rollout.batch_size=4", "rollout.n_samples=4",
-        "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false", "train.steps=2",
-        "train.eval_interval=0", "train.seed=3", "optim.lr=0.02", "reward.fn=tests.launch._workers:digits",
+        "data.task=arithmetic", "data.num_eval=1", "rollout.batch_size=4", "rollout.n_samples=4",
+        "rollout.max_new_tokens=4", "rollout.workflow=tests.launch._workers:serial_rlvr_workflow",
+        "cluster.device=cpu", "observe.console=false", "train.steps=3", "train.eval_interval=0", "train.seed=3",
+        "optim.lr=0.02", "reward.fn=tests.launch._workers:digits",
     ]
 
 
@@ -24,38 +36,31 @@ def _deterministic(rows):
     ]
 
 
+def _run(sched, root):
+    from areno.launch.storage import check_shared_storage
+    from tests.launch._workers import runtime_info
+
+    sched.create_workers("trainer", WORKER, 1, env=ENV, args=(_overrides(root),))
+    check_shared_storage([str(root)], sched)
+    info = sched.call("trainer", runtime_info)[0]
+    return info, _deterministic(sched.call("trainer", "run")[0])
+
+
 @pytest.mark.slow
 def test_same_grpo_through_local_and_ray(tmp_path):
     from areno.launch.ray_scheduler import RayScheduler
     from areno.launch.scheduler import LocalScheduler
-    from areno.launch.storage import check_shared_storage
 
-    results = {}
     with LocalScheduler(log_dir=str(tmp_path / "logs")) as sched:
-        sched.create_workers("trainer", WORKER, 1, env=ENV, args=(_overrides(tmp_path / "local"),))
-        check_shared_storage([str(tmp_path / "local")], sched)
-        results["local"] = sched.call("trainer", "run")[0]
+        local_info, local = _run(sched, tmp_path / "local")
     with RayScheduler(cpus_per_worker=1, num_cpus=2) as sched:
-        sched.create_workers("trainer", WORKER, 1, env=ENV, args=(_overrides(tmp_path / "ray"),))
-        check_shared_storage([str(tmp_path / "ray")], sched)
-        results["ray"] = sched.call("trainer", "run")[0]
+        ray_info, ray_rows = _run(sched, tmp_path / "ray")
 
-    local, ray_rows = _deterministic(results["local"]), _deterministic(results["ray"])
+    assert local_info == ray_info  # same intra/inter-op threads, OMP/MKL env, CPU kernels
     steps = [r for r in local if "rollout/reward_mean" in r]
-    assert len(steps) == 2 and "train/policy/loss" in steps[-1]
-    assert len(local) == len(ray_rows)
-    # Step 1 and every rollout are bit-identical. From step 2 on the training metrics drift between
-    # the two schedulers (pg_loss ~1e-8 apart, grad_norm and the final eval differ; two
-    # LocalScheduler runs are identical). Not yet explained; most likely the behaviour log-probs of
-    # the rollout engine differ in their last bits (approx_kl did in an earlier run). So the first
-    # step and the rollout metrics are compared exactly, the step-2 losses within 1e-6.
-    assert local[0] == ray_rows[0]
-    for a, b in zip(local, ray_rows):
-        assert {k: v for k, v in a.items() if k.startswith("rollout/")} == {
-            k: v for k, v in b.items() if k.startswith("rollout/")
-        }
-    for a, b in zip(local[1:], ray_rows[1:]):
-        for k in ("train/policy/loss", "train/policy/actor/pg_loss"):
-            if k in a:
-                assert abs(a[k] - b[k]) < 1e-6, (k, a[k], b[k])
-    assert any(r["rollout/reward_mean"] > 0 for r in steps)  # a real learning signal went through
+    assert len(steps) == 3 and all("train/policy/loss" in r for r in steps)
+    assert "eval/accuracy" in local[-1]
+    assert local == ray_rows  # every step, every metric, bit for bit
+    # the runs learned something (otherwise identical metrics would prove little)
+    assert len({r["rollout/reward_mean"] for r in steps}) > 1
+    assert all(r["train/policy/grad_norm"] > 0 for r in steps)
