@@ -228,8 +228,6 @@ class HTTPRolloutClient(RolloutClient):
     async def agenerate(
         self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
     ) -> GenerationOutput:
-        import httpx
-
         request_id = request_id or f"req-{uuid.uuid4().hex}"  # named, so a timed-out one can be aborted
         body = {
             "prompt_ids": list(prompt_ids),
