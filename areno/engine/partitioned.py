@@ -375,6 +375,7 @@ class PartitionedArenoEngine(ArenoEngine):
         from areno.data.tasks import PromptStream
         from areno.engine.cluster import scheduler_for
         from areno.launch.scheduler import RoleSpec
+        from areno.launch.storage import check_shared_storage
 
         cfg = self.config
         self.recipe = resolve_recipe(cfg)
@@ -400,6 +401,8 @@ class PartitionedArenoEngine(ArenoEngine):
             RoleSpec(role="rollout", worker_cls="areno.engine.partitioned:RolloutWorker", n=layout.n_rollout,
                      args=args, devices=list(layout.rollout_devices) if layout.cuda else None, world="areno"),
         ])
+        # checkpoints (DCP, written by the training ranks) and exports go under run_dir: every node must see it
+        check_shared_storage([str(self.run_dir)], self.scheduler)
         urls = self.scheduler.call("rollout", "url")
         self.client = ReplicaRolloutClient([urls[r - layout.n_train] for r in layout.replica_leaders()])
         self.executor = self._build_executor()
