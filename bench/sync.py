@@ -17,6 +17,7 @@
     python bench/sync.py --mode cpu
     python bench/sync.py --mode gpu-colocated --shapes 0.5b,1.5b
     python bench/sync.py --mode gpu-stream --gpus 4 --shapes 1.5b --bucket-mb 256
+    python bench/sync.py --mode gpu-stream --gpus 2 --train-dp 1 --shapes 1.5b   # train GPU 0 -> rollout GPU 1
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def qwen2_shapes(hidden, layers, inter, heads, kv_heads, vocab, tied) -> dict[st
 
 # ------------------------------------------------------------------------- stream (CPU or GPUs)
 def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> None:
-    """One rank of train DP 2 -> rollout TP (world - 2). The world is gloo (barriers, timing
-    reductions); on GPU the transport's data plane is NCCL."""
+    """One rank of train DP ``train_dp`` -> rollout TP (world - train_dp). The world is gloo
+    (barriers, timing reductions); on GPU the transport's data plane is NCCL."""
     import torch.distributed as dist
 
     from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
@@ -88,9 +89,10 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     gpu = opts["gpu"]
-    train, rollout = (0, 1), tuple(range(2, world))
+    n_train = opts["train_dp"]
+    train, rollout = tuple(range(n_train)), tuple(range(n_train, world))
     # Overlap: rollout rank i shares GPU i with training rank i (relays then cross GPUs).
-    gpu_of = {r: (r if r < 2 else (r - 2 if opts["overlap"] else r)) for r in range(world)}
+    gpu_of = {r: (r if r < n_train else (r - n_train if opts["overlap"] else r)) for r in range(world)}
     device = torch.device(f"cuda:{gpu_of[rank]}") if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
@@ -105,7 +107,7 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         source = NamedTensorSource(lambda: weights.items())
     else:
         meta = [(n, s, dtype) for n, s in shapes.items()]
-        specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - 2, tp_size=len(rollout))
+        specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - n_train, tp_size=len(rollout))
         live = {n: torch.zeros(sp.local_shape, dtype=dtype, device=device) for n, sp in specs.items()}
         receiver = StagedReceiver(specs, copy_into(live), device=device)
     cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300)
@@ -133,7 +135,7 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         sync_med, raw_med = statistics.median(sync_s), statistics.median(raw_s)
         result = {
             "mode": "gpu-stream" if gpu else "cpu",
-            "topology": f"train DP 2 -> rollout TP {len(rollout)} ({'nccl' if gpu else 'gloo'}, {world} processes"
+            "topology": f"train DP {n_train} -> rollout TP {len(rollout)} ({'nccl' if gpu else 'gloo'}, {world} processes"
                         + (", overlapping GPUs" if gpu and opts["overlap"] else "") + ")",
             "shape": opts["shape"], "dtype": str(dtype).removeprefix("torch."),
             "bytes": nbytes, "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
@@ -213,7 +215,8 @@ def bench_gpu_colocated(shape_names: list[str], iters: int, device: str) -> dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["cpu", "gpu-colocated", "gpu-stream"], default="cpu")
-    ap.add_argument("--gpus", type=int, default=4, help="gpu-stream: GPUs used (2 train, the rest rollout TP)")
+    ap.add_argument("--gpus", type=int, default=4, help="gpu-stream: GPUs used (--train-dp train, the rest rollout TP)")
+    ap.add_argument("--train-dp", type=int, default=2, help="stream modes: training (sending) ranks")
     ap.add_argument("--overlap", action="store_true",
                     help="gpu-stream: rollout TP 2 on the two training GPUs (4 processes on 2 GPUs)")
     ap.add_argument("--bucket-mb", type=int, default=32, help="bucket size for the stream modes")
@@ -222,14 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="gpu-colocated device (cpu for a smoke run)")
     args = ap.parse_args(argv)
     if args.mode == "cpu":
-        opts = dict(gpu=False, overlap=False, shape="cpu", bucket_bytes=args.bucket_mb << 20, iters=args.iters)
-        result = bench_stream(4, opts)
+        opts = dict(gpu=False, overlap=False, shape="cpu", bucket_bytes=args.bucket_mb << 20, iters=args.iters,
+                    train_dp=args.train_dp)
+        result = bench_stream(args.train_dp + 2, opts)
     elif args.mode == "gpu-stream":
-        if args.gpus < 2 or (not args.overlap and args.gpus < 3):
-            raise SystemExit("--mode gpu-stream needs --gpus >= 3 (2 train + rollout), or >= 2 with --overlap")
-        world = 2 + (2 if args.overlap else args.gpus - 2)
+        n = args.train_dp
+        if n < 1 or args.gpus < n or (not args.overlap and args.gpus < n + 1):
+            raise SystemExit(f"--mode gpu-stream needs --gpus >= {n + 1} ({n} train + rollout), or >= {n} with --overlap")
+        world = n + (n if args.overlap else args.gpus - n)
         opts = dict(gpu=True, overlap=args.overlap, shape=args.shapes.split(",")[-1],
-                    bucket_bytes=args.bucket_mb << 20, iters=args.iters)
+                    bucket_bytes=args.bucket_mb << 20, iters=args.iters, train_dp=n)
         result = bench_stream(world, opts)
     else:
         result = bench_gpu_colocated(args.shapes.split(","), args.iters, args.device)

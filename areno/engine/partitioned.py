@@ -430,7 +430,10 @@ class PartitionedArenoEngine(ArenoEngine):
                 self.executor.set_version(version if all(results_ok(futures)) else self.version)
                 self.executor.resume()
         self.version = version
-        self._pending_sync_metrics = results[0]
+        n_train = len(self.scheduler.workers("train"))
+        # a training rank's figures, but generation stopped as long as the slowest rollout commit
+        self._pending_sync_metrics = {**results[0], "policy_sync_generation_paused_s": max(
+            r["policy_sync_generation_paused_s"] for r in results[n_train:])}
         return {}
 
     def check_workers(self) -> None:

@@ -172,7 +172,12 @@ def python_path_env() -> str:
 
 
 def _gather(futures: list[concurrent.futures.Future]) -> list[Any]:
-    concurrent.futures.wait(futures)
+    """Results in order; the first failure is raised at once (the other workers may be blocked in
+    a rendezvous or collective with the failed one and would never answer)."""
+    done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    for f in futures:
+        if f in done and f.exception() is not None:
+            raise f.exception()
     return [f.result() for f in futures]
 
 

@@ -35,6 +35,7 @@ METRIC_NAMES = (
     "policy_sync_bytes",
     "policy_sync_tensors",
     "policy_sync_throughput_gbps",
+    "policy_sync_generation_paused_s",
 )
 
 
@@ -56,6 +57,9 @@ class SyncStats:
     """Bytes of the policy moved (the sum over all tensors as sent, not per receiver)."""
     tensors: int
     """Number of named tensors in the policy."""
+    generation_paused_s: float | None = None
+    """Time the rollout engine stopped generating for this sync (a staged receiver: the commit's
+    copy alone); None = the whole sync (the in-place transport copies into a paused engine)."""
 
     @property
     def throughput_gbps(self) -> float:
@@ -69,15 +73,18 @@ class SyncStats:
             "policy_sync_bytes": float(self.bytes),
             "policy_sync_tensors": float(self.tensors),
             "policy_sync_throughput_gbps": self.throughput_gbps,
+            "policy_sync_generation_paused_s": (self.total_time_s if self.generation_paused_s is None
+                                                else self.generation_paused_s),
         }
 
     def log(self, transport: str) -> None:
         m = self.as_metrics()
         logger.info(
             "policy sync v%d (%s): policy_sync_time_s=%.4f policy_sync_transfer_time_s=%.4f "
-            "policy_sync_bytes=%d policy_sync_tensors=%d policy_sync_throughput_gbps=%.3f",
+            "policy_sync_bytes=%d policy_sync_tensors=%d policy_sync_throughput_gbps=%.3f "
+            "policy_sync_generation_paused_s=%.4f",
             self.version, transport, m["policy_sync_time_s"], m["policy_sync_transfer_time_s"],
-            self.bytes, self.tensors, m["policy_sync_throughput_gbps"],
+            self.bytes, self.tensors, m["policy_sync_throughput_gbps"], m["policy_sync_generation_paused_s"],
         )
 
 

@@ -258,6 +258,8 @@ class StreamTransport(PolicySyncTransport):
             transfer_time_s=transfer,
             bytes=self.plan.total_bytes,
             tensors=self.plan.num_tensors,
+            # a training rank does not pause generation; a rollout rank pauses only to commit
+            generation_paused_s=getattr(self.receiver, "last_apply_s", None) if self.is_rollout else 0.0,
         )
 
     def _vote(self, *, state: int, progress: int) -> tuple[bool, str]:

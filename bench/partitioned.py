@@ -1,0 +1,185 @@
+"""Partitioned topology, end to end: synchronous (η = 0) vs asynchronous (η = 2, 4) RL through the
+real ``Trainer`` → ``ArenoBackend`` → ``PartitionedArenoEngine`` (training workers on some devices,
+rollout workers on others, policy sync over the stream transport). Prints one JSON object.
+
+Every arm is one ``Trainer`` run with the same model, data, recipe (``grpo_async``: the decoupled
+PPO objective) and seed; only ``rollout.max_head_offpolicyness`` changes. Completion lengths are
+long-tailed per prompt (a fraction ``--long-frac`` of prompts generate ``--long-len`` tokens, the
+others ``--short-len``; EOS ignored; ``LongTailWorkflow`` below), so a synchronous step waits for its
+slowest group while the training device idles, and the training step leaves the rollout device idle.
+
+Reported per arm, from the run's own ``metrics.jsonl``: trained tokens/s over the steps after the
+first (warm-up), median seconds per step, the reward curve (the learning curve: the reward is the
+parity of the number of digits in the completion, learnable by any model), the ``policy_sync_*``
+metrics of the real run (bytes, seconds, GB/s, generation-paused seconds), staleness.
+
+    python bench/partitioned.py                                     # CPU smoke: gloo, 1 + 1 processes
+    python bench/partitioned.py --device cuda --train-devices 0 --rollout-devices 1 \\
+        --hidden 1024 --layers 12 --heads 16 --kv-heads 4 --batch-size 16 --n-samples 8 \\
+        --short-len 64 --long-len 512 --steps 10                     # 2 GPUs: train GPU 0, rollout GPU 1
+    ... --train-devices 0,1 --rollout-devices 0,1 --etas 2          # overlapping device lists
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from areno.workflows.rlvr import RLVRWorkflow  # noqa: E402
+
+
+class LongTailWorkflow(RLVRWorkflow):
+    """RLVR with the completion length fixed per row (``row["len"]`` tokens, EOS ignored)."""
+
+    async def run_episode(self, client, sample):
+        params = dataclasses.replace(self.sampling_params, max_new_tokens=int(sample["len"]), ignore_eos=True)
+        clone = dataclasses.replace(self) if dataclasses.is_dataclass(self) else None
+        if clone is None:  # a per-episode copy: episodes run concurrently on one workflow object
+            clone = object.__new__(type(self))
+            clone.__dict__.update(self.__dict__)
+        clone.sampling_params = params
+        return await RLVRWorkflow.run_episode(clone, client, sample)
+
+
+def parity_reward(prompt: str, completion: str, answer, **fields) -> float:
+    """A cheap verifiable signal any model can learn: 1 when the completion holds an even number of digits."""
+    return float(sum(c.isdigit() for c in completion) % 2 == 0)
+
+
+def write_rows(path: Path, n: int, args, seed: int) -> None:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            a, b = rng.randrange(1000), rng.randrange(1000)
+            length = args.long_len if rng.random() < args.long_frac else args.short_len
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": a + b, "len": length}) + "\n")
+
+
+def arm_config(eta: int, args, work: Path):
+    from areno.api.config import load_config
+
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    overrides = [
+        f"run_dir={work / f'eta{eta}'}",
+        f"model.path={work / 'model'}",
+        "model.init_tiny={hidden_size: %d, layers: %d, heads: %d, kv_heads: %d}"
+        % (args.hidden, args.layers, args.heads, args.kv_heads),
+        f"model.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
+        "data.task=null", f"data.train_path={work / 'train.jsonl'}", f"data.eval_path={work / 'eval.jsonl'}",
+        "reward.fn=bench.partitioned:parity_reward",
+        "rollout.workflow=bench.partitioned:LongTailWorkflow",
+        f"rollout.batch_size={args.batch_size}", f"rollout.n_samples={args.n_samples}",
+        f"rollout.max_new_tokens={args.long_len}", f"rollout.max_head_offpolicyness={eta}",
+        f"rollout.max_concurrent={args.max_concurrent}",
+        f"optim.lr={args.lr}", "optim.grad_clip=1.0",
+        f"train.algorithm={args.recipe}", f"train.steps={args.steps + args.warmup}", "train.eval_interval=0",
+        "train.save_interval=0", "train.seed=0",
+        f"cluster.device={args.device}", f"cluster.train_devices={ints(args.train_devices)}",
+        f"cluster.rollout_devices={ints(args.rollout_devices)}",
+        "observe.console=false",
+    ]
+    if args.max_tokens_per_mb:
+        overrides.append(f"train.max_tokens_per_mb={args.max_tokens_per_mb}")
+    if args.device == "cpu":
+        overrides.append("cluster.cpu_threads=1")
+    return load_config(None, overrides)
+
+
+def run_arm(eta: int, args, work: Path) -> dict:
+    from areno.api.trainer import Trainer
+    from areno.observe.metrics import read_jsonl_records
+
+    config = arm_config(eta, args, work)
+    t0 = time.perf_counter()
+    trainer = Trainer.init(config)
+    init_s = time.perf_counter() - t0
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    rows = [r for r in read_jsonl_records(Path(config.run_dir) / "metrics.jsonl", what="metrics") if "timing/rollout_s" in r]
+    # the first steps warm up (allocation, kernels, communicators) and let the asynchronous pool
+    # reach its steady state (it starts ahead by the batches generated during start-up)
+    timed = rows[args.warmup:]
+    step_s = [r["timing/rollout_s"] + r["timing/train_s"] + r["timing/sync_s"] for r in timed]
+    tokens = [r["timing/tokens_per_s"] * s for r, s in zip(timed, step_s)]
+    sync_keys = sorted({k for r in rows for k in r if k.startswith("policy_sync")})
+    sync = {k: statistics.median([r[k] for r in rows if k in r]) for k in sync_keys}
+    reward_key = next((k for k in ("rollout/reward_mean", "reward/mean") if k in rows[0]), None)
+    return {
+        "eta": eta,
+        "init_s": round(init_s, 2),
+        "steps_timed": len(timed),
+        "wall_s": round(sum(step_s), 3),
+        "trained_tokens_per_s": round(sum(tokens) / sum(step_s), 1),
+        "step_s_median": round(statistics.median(step_s), 3),
+        "rollout_wait_s_median": round(statistics.median(r["timing/rollout_s"] for r in timed), 3),
+        "train_s_median": round(statistics.median(r["timing/train_s"] for r in timed), 3),
+        "reward_curve": [round(r[reward_key], 4) for r in rows] if reward_key else None,
+        "staleness_mean": round(statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in timed), 3),
+        "policy_sync_medians": sync,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--train-devices", default="0")
+    p.add_argument("--rollout-devices", default="1")
+    p.add_argument("--etas", default="0,2,4")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per arm")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first, per arm")
+    p.add_argument("--batch-size", type=int, default=4, help="prompts per step")
+    p.add_argument("--n-samples", type=int, default=4)
+    p.add_argument("--short-len", type=int, default=8)
+    p.add_argument("--long-len", type=int, default=64)
+    p.add_argument("--long-frac", type=float, default=0.15)
+    p.add_argument("--max-concurrent", type=int, default=64, help="prompts in flight")
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--max-tokens-per-mb", type=int, default=None)
+    p.add_argument("--recipe", default="grpo_async")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("ARENO_STACKS_AFTER_S"):  # diagnose a stall: the controller's stacks to stderr
+        faulthandler.dump_traceback_later(float(os.environ["ARENO_STACKS_AFTER_S"]), repeat=True)
+    work = Path(tempfile.mkdtemp(prefix="areno-bench-partitioned-"))
+    write_rows(work / "train.jsonl", 4000, args, seed=1)
+    write_rows(work / "eval.jsonl", 16, args, seed=2)
+    arms = [run_arm(int(e), args, work) for e in args.etas.split(",")]
+    base = arms[0]["trained_tokens_per_s"]
+    for arm in arms:
+        arm["speedup_vs_first"] = round(arm["trained_tokens_per_s"] / base, 3)
+    if args.device == "cuda":
+        hw = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
+    else:
+        hw = "cpu (gloo), 1 thread per worker"
+    result = {"bench": "partitioned", "hardware": hw, "torch": torch.__version__, "config": vars(args), "arms": arms}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
