@@ -8,7 +8,8 @@ ms per engine step, generated tokens/s, and the same for ``generate`` on the sam
     python bench/rollout_overhead.py                                    # CPU, 64 and 256 sequences, greedy
     python bench/rollout_overhead.py --mode sampled                     # temperature/top-p/top-k, per-request seeds
     python bench/rollout_overhead.py --profile 20                       # + cProfile top 20 (by tottime), 256 seqs
-    python bench/rollout_overhead.py --device cuda --seqs 64 256 --skip-hf   # GPU: host cost of graph decode steps
+    python bench/rollout_overhead.py --fake-graph                       # graph decode path, no-op replay: host cost only
+    python bench/rollout_overhead.py --device cuda --seqs 64 256 --skip-hf   # GPU: tiny model, graph decode steps
 
 With ``--decode-steps K`` the engine runs K decode steps per host round trip (``RolloutEngineConfig.
 decode_steps``); ``--decode-steps 1`` is the one-step-at-a-time engine.
@@ -63,6 +64,8 @@ def run_engine(model, cfg, prompts, params, device: str, args, profile: int = 0)
                                max_num_seqs=len(prompts), max_tokens_per_step=8192, prefill_chunk_size=2048,
                                max_model_len=64 + new_tokens + 8, **kw)
     engine = RolloutEngine(model, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
+    if args.fake_graph:
+        engine._graphs = _fake_graph_runner(engine, len(prompts))
     engine.generate([p[:4] for p in prompts[:8]], params[:8])  # warm-up (lazy tables, kernels)
     engine.warmup_cuda_graphs([len(prompts)], 64 + new_tokens)
     steps0 = engine.stats()["steps"]
@@ -71,22 +74,54 @@ def run_engine(model, cfg, prompts, params, device: str, args, profile: int = 0)
     cpu0, t0 = time.process_time(), time.perf_counter()
     if prof:
         prof.enable()
-    outs = engine.generate(prompts, params)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {o.request_id: o for o in engine.step()}  # the prefill of every prompt (one step)
+    sync(device)
+    cpu1, t1, steps1 = time.process_time(), time.perf_counter(), engine.stats()["steps"]
+    while len(done) < len(ids):
+        done.update({o.request_id: o for o in engine.step()})
     if prof:
         prof.disable()
     sync(device)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    t2, cpu2 = time.perf_counter(), time.process_time()
+    outs = [done[i] for i in ids]
+    wall, cpu = t2 - t0, cpu2 - cpu0
     steps = engine.stats()["steps"] - steps0
+    dec_steps = engine.stats()["steps"] - steps1
     n_tok = sum(len(o.output_ids) for o in outs)
-    out = {"engine_s": round(wall, 4), "engine_tok_s": round(n_tok / wall, 1), "engine_steps": steps,
+    out = {"engine_s": round(wall, 4), "engine_cpu_s": round(cpu, 4), "engine_tok_s": round(n_tok / wall, 1), "engine_steps": steps,
            "engine_ms_per_step": round(1e3 * wall / steps, 3), "engine_cpu_ms_per_step": round(1e3 * cpu / steps, 3),
-           "engine_ms_per_token_step": round(1e3 * wall / new_tokens, 3)}
+           "engine_ms_per_token_step": round(1e3 * wall / new_tokens, 3),
+           "decode_ms_per_step": round(1e3 * (t2 - t1) / dec_steps, 3),
+           "decode_cpu_ms_per_step": round(1e3 * (cpu2 - cpu1) / dec_steps, 3)}
     if prof:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(profile)
         out["profile_top"] = [line.strip() for line in s.getvalue().splitlines() if line.strip()][-profile - 1:]
     out["_outputs"] = [o.output_ids for o in outs]
     return out
+
+
+def _fake_graph_runner(engine, max_batch: int):
+    """The CUDA-graph decode path with a replay that does no work (fixed logits): what is left of a
+    decode step is the engine's host work — scheduling, block tables, input copies, sampling and
+    stop checks on [B, V] logits, output bookkeeping."""
+    from areno.rollout.cuda_graph import DecodeGraphRunner, _Graph
+
+    class _NoReplay:
+        def replay(self) -> None:
+            pass
+
+    class FakeRunner(DecodeGraphRunner):
+        def _capture(self, B: int, N: int) -> _Graph:
+            e = self.engine
+            logits_BV = torch.randn(B, e.vocab_size, generator=torch.Generator().manual_seed(B)).to(e.device)
+            g = _Graph(graph=_NoReplay(), ids_ctx_2B=torch.ones(2, B, dtype=torch.long, device=e.device),
+                       bt_BN=torch.zeros(B, N, dtype=torch.long, device=e.device), logits_BV=logits_BV)
+            self._graphs[(B, N)] = g
+            return g
+
+    return FakeRunner(engine, max_batch=max_batch)
 
 
 @torch.no_grad()
@@ -102,11 +137,11 @@ def run_hf(hf, prompts, new_tokens: int, device: str) -> dict:
               eos_token_id=None, use_cache=True)
     hf.generate(input_ids=ids[:, -4:], attention_mask=mask[:, -4:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     sync(device)
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
     sync(device)
-    wall = time.perf_counter() - t0
-    return {"hf_s": round(wall, 4), "hf_tok_s": round(B * new_tokens / wall, 1),
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"hf_s": round(wall, 4), "hf_cpu_s": round(cpu, 4), "hf_tok_s": round(B * new_tokens / wall, 1),
             "hf_ms_per_token_step": round(1e3 * wall / new_tokens, 3), "_outputs": out[:, L:].tolist()}
 
 
@@ -119,6 +154,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode-steps", type=int, default=None, help="engine decode steps per host round trip")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--fake-graph", action="store_true",
+                    help="decode through the CUDA-graph runner with a no-op replay: host cost only (implies --skip-hf)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the largest run, print the top N functions")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -131,7 +168,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = Decoder(cfg).to(args.device).eval()
     hf = None
-    if not args.skip_hf:
+    if not (args.skip_hf or args.fake_graph):
         hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in TINY.items() if k != "architectures"})
         hf_cfg.pad_token_id = 0
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(args.device).eval()
@@ -149,6 +186,7 @@ def main() -> None:
             ref = run_hf(hf, prompts, args.new_tokens, args.device)
             row.update({k: v for k, v in ref.items() if not k.startswith("_")})
             row["speedup_vs_generate"] = round(ref["hf_s"] / eng["engine_s"], 2)
+            row["speedup_cpu_time"] = round(ref["hf_cpu_s"] / eng["engine_cpu_s"], 2)
             if args.mode == "greedy":
                 row["identical_sequences"] = f"{sum(a == b for a, b in zip(eng['_outputs'], ref['_outputs']))}/{n}"
         runs.append(row)
@@ -156,7 +194,7 @@ def main() -> None:
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     print(json.dumps({"bench": "rollout_overhead", "device": args.device, "mode": args.mode,
                       "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
-                      "decode_steps": args.decode_steps, "runs": runs, "commit": commit, "host": platform.node(),
+                      "decode_steps": args.decode_steps, "fake_graph": args.fake_graph, "runs": runs, "commit": commit, "host": platform.node(),
                       "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}))
 
 
