@@ -1,0 +1,177 @@
+"""The pieces of whole-run resume, without a run: atomic checkpoint publication, the metrics cut,
+the resume setting, the fault spec, the asynchronous data ledger and per-episode sampling seeds."""
+
+import asyncio
+import json
+
+import pytest
+
+from areno.api.config import ConfigError, load_config
+from areno.api.faults import parse_faults
+from areno.api.trainer import Trainer, truncate_metrics
+from areno.api.types import GenerationOutput, SamplingParams, Trajectory
+from areno.api.workflow import RolloutWorkflow
+from areno.data.tasks import PromptStream
+from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, SampleLedger, SeedingClient, episode_seed
+from areno.train import checkpoint
+
+
+def _write_ckpt(tmp_path, step: int) -> tuple:
+    path = tmp_path / "checkpoints" / f"step_{step:08d}"
+    tmp = checkpoint.staging_dir(path)
+    (tmp / "policy").mkdir(parents=True)
+    (tmp / "policy" / "shard").write_text(str(step))
+    return path, tmp
+
+
+def test_checkpoint_is_published_whole_and_stale_writes_are_removed(tmp_path):
+    root = tmp_path / "checkpoints"
+    path1, tmp1 = _write_ckpt(tmp_path, 1)
+    assert not path1.exists() and tmp1.name == "step_00000001.tmp"
+    checkpoint.commit(tmp1, path1)
+    assert checkpoint.is_complete(path1) and not tmp1.exists()
+    path2, tmp2 = _write_ckpt(tmp_path, 2)  # killed before commit: a staging directory only
+    path3 = root / "step_00000003"  # renamed without a marker (the layout before COMPLETE-first)
+    (path3 / "policy").mkdir(parents=True)
+    assert checkpoint.latest_complete(root) == path1
+    assert checkpoint.complete_checkpoints(root) == [(1, path1)]
+    removed = checkpoint.remove_stale(root)
+    assert removed == [tmp2, path3]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
+    # a new write over a stale staging directory starts empty
+    _, tmp2 = _write_ckpt(tmp_path, 2)
+    (tmp2 / "junk").write_text("x")
+    _, tmp2 = _write_ckpt(tmp_path, 2)
+    assert not (tmp2 / "junk").exists()
+
+
+def test_committed_staging_directory_is_moved_into_place(tmp_path):
+    """Killed after the marker but before the rename: the checkpoint is whole, so it is kept."""
+    root = tmp_path / "checkpoints"
+    path, tmp = _write_ckpt(tmp_path, 4)
+    (tmp / checkpoint.COMPLETE_MARKER).write_text("ok")
+    assert checkpoint.remove_stale(root) == []
+    assert checkpoint.latest_complete(root) == path and (path / "policy" / "shard").read_text() == "4"
+
+
+def test_commit_replaces_an_older_checkpoint_of_the_same_step(tmp_path):
+    path, tmp = _write_ckpt(tmp_path, 5)
+    checkpoint.commit(tmp, path)
+    _, tmp = _write_ckpt(tmp_path, 5)
+    (tmp / "policy" / "shard").write_text("new")
+    checkpoint.commit(tmp, path)
+    assert (path / "policy" / "shard").read_text() == "new"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_00000005"]
+
+
+def test_truncate_metrics_keeps_steps_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "a": 1}, {"step": 2, "a": 2}, {"step": 3, "a": 3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "a"')  # torn last line
+    assert truncate_metrics(path, after_step=2) == 2  # step 3 and the torn line
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
+    assert truncate_metrics(path, after_step=2) == 0
+    assert truncate_metrics(path, after_step=-1) == 3 and path.read_text() == ""
+    assert truncate_metrics(tmp_path / "absent.jsonl", after_step=1) == 0
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("true", True), ("false", False), ("True", True)])
+def test_resume_setting(value, expected):
+    assert load_config(None, ["model.path=m", f"resume={value}"]).resume == expected
+
+
+def test_resume_setting_rejects_other_values():
+    with pytest.raises(ConfigError, match=r"^resume: must be auto, true or false, got 'sometimes'$"):
+        load_config(None, ["model.path=m", "resume=sometimes"])
+
+
+def test_resume_true_without_a_checkpoint_is_one_line(tmp_path):
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'm'}", "resume=true"])
+    with pytest.raises(ValueError, match="resume=true but .* holds no completed checkpoint .* use resume=auto") as info:
+        Trainer.init(cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_fault_spec():
+    assert parse_faults("") == frozenset()
+    assert parse_faults("kill:train:3, kill:checkpoint_write:10") == {("train", 3), ("checkpoint_write", 10)}
+    for bad in ("kill:train", "stall:train:3", "kill:eval:3", "kill:train:x"):
+        with pytest.raises(ValueError, match=f"ARENO_FAULT: '{bad}' must look like kill:<phase>:<step>"):
+            parse_faults(bad)
+
+
+def _rows(n):
+    return [{"prompt": f"p{i}", "answer": str(i)} for i in range(n)]
+
+
+def test_ledger_saves_untrained_samples_and_replays_them_first():
+    ledger = SampleLedger(PromptStream(_rows(10), seed=1))
+    handed = [next(ledger) for _ in range(5)]
+    seqs = [ledger.lookup(s)[0] for s in handed]
+    assert seqs == [0, 1, 2, 3, 4]
+    ledger.trained([seqs[0], seqs[2]])
+    ledger.finished_without_group(seqs[3])  # rejected by the workflow: done, as without a resume
+    state = json.loads(json.dumps(ledger.state_dict()))  # plain data (it goes into trainer_state.pt)
+    assert [p["row"]["prompt"] for p in state["pending"]] == [handed[1]["prompt"], handed[4]["prompt"]]
+    assert state["trained_groups"] == 2 and state["stream"] == {"epoch": 0, "position": 5}
+
+    uninterrupted = [next(ledger)["prompt"] for _ in range(3)]
+    restored = SampleLedger(PromptStream(_rows(10), seed=1))
+    restored.load_state_dict(state)
+    replay = [next(restored) for _ in range(5)]
+    # the untrained ones again, with their original stream keys (so their original seeds), then the stream
+    assert [s["prompt"] for s in replay] == [handed[1]["prompt"], handed[4]["prompt"], *uninterrupted]
+    assert restored.lookup(replay[0])[1] == ledger.lookup(handed[1])[1] == (0, 2)
+    assert restored.num_pending == 5 and restored.trained_groups == 2
+
+
+def test_ledger_forgets_a_sample_after_its_last_retry():
+    ledger = SampleLedger(PromptStream(_rows(3), seed=0))
+    seq = ledger.lookup(next(ledger))[0]
+    ledger.failed(seq, max_retries=1)
+    assert ledger.num_pending == 1
+    ledger.failed(seq, max_retries=1)
+    assert ledger.num_pending == 0
+
+
+class _RecordingClient:
+    def __init__(self):
+        self.seeds = []
+
+    async def agenerate(self, prompt_ids, sampling_params, *, request_id=None):
+        await asyncio.sleep(0)
+        self.seeds.append(sampling_params.seed)
+        return GenerationOutput(request_id="r", prompt_ids=prompt_ids, output_ids=[1], output_logprobs=[0.0],
+                                output_versions=[0], finish_reason="stop")
+
+
+class _GroupOf3(RolloutWorkflow):
+    """Three concurrent requests per episode; rejects the prompt named ``reject``."""
+
+    def __init__(self, reject: str) -> None:
+        self.reject = reject
+
+    async def run_episode(self, client, sample):
+        params = SamplingParams(temperature=1.0, max_new_tokens=1)
+        outs = await asyncio.gather(*(client.agenerate([1], params) for _ in range(3)))
+        if sample["prompt"] == self.reject:
+            return None
+        return [Trajectory(prompt_ids=[1], completion_ids=o.output_ids, logprobs=o.output_logprobs,
+                           versions=o.output_versions, reward=0.0) for o in outs]
+
+
+def test_episodes_sample_with_seeds_from_their_place_in_the_data():
+    ledger = SampleLedger(PromptStream(_rows(4), seed=0))
+    samples = [next(ledger) for _ in range(2)]
+    workflow = LedgerWorkflow(_GroupOf3(reject=samples[1]["prompt"]), ledger, max_retries=0, seed=7)
+    inner = _RecordingClient()
+
+    async def arun():
+        return await asyncio.gather(*(workflow.run_episode(SeedingClient(inner), s) for s in samples))
+
+    kept, rejected = asyncio.run(arun())
+    # three requests per episode, interleaved: seeds are episode_seed(key) + k, distinct
+    expected = {episode_seed(7, key) + k for key in [(0, 1), (0, 2)] for k in range(3)}
+    assert sorted(inner.seeds) == sorted(expected) and len(expected) == 6
+    assert [t.info[SEQ_KEY] for t in kept] == [0, 0, 0]
+    assert rejected is None and ledger.num_pending == 1  # the rejected sample is done, untrained
