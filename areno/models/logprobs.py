@@ -170,15 +170,33 @@ ShardedLogprobsFn = Callable[
 ]
 """``(hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy) -> (logprobs_T, entropy_T)``."""
 
+ShardedArgmaxFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``(hidden_TD, weight_VD, chunk_size) -> argmax_T``."""
+
 _SHARDED_WEIGHT_IMPLS: dict[type, ShardedLogprobsFn] = {}
+_SHARDED_ARGMAX_IMPLS: dict[type, ShardedArgmaxFn] = {}
 
 
-def register_sharded_weight(weight_type: type, logprobs_fn: ShardedLogprobsFn) -> None:
-    """Route ``logprobs_from_hidden`` calls whose output projection is a ``weight_type`` (a
-    distributed tensor, e.g. a vocabulary-sharded DTensor under tensor parallelism) to
-    ``logprobs_fn``. The training layer registers its implementation, so this module never
-    imports torch.distributed; plain tensors always take the local path below."""
+def register_sharded_weight(weight_type: type, logprobs_fn: ShardedLogprobsFn, argmax_fn: ShardedArgmaxFn) -> None:
+    """Route ``logprobs_from_hidden`` / ``argmax_from_hidden`` calls whose output projection is a
+    ``weight_type`` (a distributed tensor, e.g. a vocabulary-sharded DTensor under tensor
+    parallelism) to these functions. The training layer registers its implementation, so this
+    module never imports torch.distributed; plain tensors always take the local path."""
     _SHARDED_WEIGHT_IMPLS[weight_type] = logprobs_fn
+    _SHARDED_ARGMAX_IMPLS[weight_type] = argmax_fn
+
+
+@torch.no_grad()
+def argmax_from_hidden(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+    """Greedy token ids (int64 [T]) of ``hidden_TD @ weight_VD.T`` computed chunk by chunk (the first
+    maximal id on ties, as ``torch.argmax``); no alignment shift, no gradient."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    for weight_type, sharded_fn in _SHARDED_ARGMAX_IMPLS.items():
+        if isinstance(weight_VD, weight_type):
+            return sharded_fn(hidden_TD, weight_VD, int(chunk_size))
+    parts = [(hidden_TD[s : s + chunk_size] @ weight_VD.t()).argmax(-1) for s in range(0, hidden_TD.shape[0], chunk_size)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=hidden_TD.device)
 
 
 def logprobs_from_hidden(

@@ -84,9 +84,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
-    """Compile each decoder layer in place (dynamic shapes: micro-batch lengths vary)."""
+    """Compile each decoder layer in place. ``dynamic=None``: the first graph is specialised to the
+    first micro-batch's token count (fixed-size packed micro-batches keep it), and the first
+    different count recompiles once with a symbolic one."""
     for layer in _layers(model):
-        layer.compile(dynamic=True, backend=backend)
+        layer.compile(dynamic=None, backend=backend)
 
 
 def apply_fsdp(

@@ -117,6 +117,44 @@ def dtensor_logprobs(
     on dim 0 over one mesh dimension (replicated over any others), else on the local full copy."""
     if isinstance(hidden_TD, DTensor):
         hidden_TD = hidden_TD.full_tensor()
+    w_local, vocab_start, group = _vocab_shard(weight_VD)
+    if group is None:
+        lp, ent = _ChunkedLogprobs.apply(hidden_TD, w_local, targets_T, temperature, chunk_size, with_entropy)
+        return lp, (ent if with_entropy else None)
+    lp, ent = _VocabParallelLogprobs.apply(
+        hidden_TD, w_local, targets_T, vocab_start, group, temperature, chunk_size, with_entropy
+    )
+    return lp, (ent if with_entropy else None)
+
+
+@torch.no_grad()
+def dtensor_argmax(hidden_TD: torch.Tensor, weight_VD: DTensor, chunk_size: int) -> torch.Tensor:
+    """``argmax_from_hidden`` for a DTensor output projection: each rank's best id in its shard,
+    then the largest value over ranks (all-reduce max) and, among ranks that hold it, the smallest
+    id (all-reduce min) — ``torch.argmax``'s first-maximum rule."""
+    if isinstance(hidden_TD, DTensor):
+        hidden_TD = hidden_TD.full_tensor()
+    w_local, vocab_start, group = _vocab_shard(weight_VD)
+    T, vocab = hidden_TD.shape[0], weight_VD.shape[0]
+    out_T = torch.empty(T, dtype=torch.long, device=hidden_TD.device)
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        best, idx_C = (hidden_TD[s:e] @ w_local.t()).max(-1)
+        best_C, idx_C = best.float(), idx_C + vocab_start
+        if group is None:
+            out_T[s:e] = idx_C
+            continue
+        top_C = best_C.clone()
+        dist.all_reduce(top_C, op=dist.ReduceOp.MAX, group=group)
+        cand_C = torch.where(best_C == top_C, idx_C, vocab)
+        dist.all_reduce(cand_C, op=dist.ReduceOp.MIN, group=group)
+        out_T[s:e] = cand_C
+    return out_T
+
+
+def _vocab_shard(weight_VD: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
+    """(local rows, first vocabulary id of them, group of the sharded mesh dimension or None when
+    the weight is replicated); ValueError for any other layout."""
     placements = weight_VD.placements
     shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
     if any(not isinstance(p, (Shard, Replicate)) for p in placements) or any(
@@ -126,21 +164,19 @@ def dtensor_logprobs(
             f"log-probs need the LM head replicated or sharded over the vocabulary (dim 0) on one mesh "
             f"dimension; got placements {placements}"
         )
-    w_local = weight_VD.to_local()  # gradient flows back with the same placements
+    w_local = weight_VD.to_local()  # differentiable: the gradient comes back with the same placements
     if not shard_dims:
-        lp, ent = _ChunkedLogprobs.apply(hidden_TD, w_local, targets_T, temperature, chunk_size, with_entropy)
-        return lp, (ent if with_entropy else None)
+        return w_local, 0, None
     mesh_dim = shard_dims[0]
     vocab, shards = weight_VD.shape[0], weight_VD.device_mesh.size(mesh_dim)
-    # DTensor shards like torch.chunk: ceil(V / shards) rows per rank, the last ones shorter (or empty).
+    # DTensor shards like torch.chunk: ceil(V / shards) rows per rank, the last one shorter.
     rows = -(-vocab // shards)
+    if rows * (shards - 1) >= vocab:
+        raise ValueError(f"vocab_size={vocab} leaves an empty LM-head shard over {shards} ranks; "
+                         f"set tp_vocab_parallel=False")
     vocab_start = weight_VD.device_mesh.get_local_rank(mesh_dim) * rows
     assert w_local.shape[0] == max(0, min(rows, vocab - vocab_start)), (w_local.shape, vocab, shards)
-    group = weight_VD.device_mesh.get_group(mesh_dim)
-    lp, ent = _VocabParallelLogprobs.apply(
-        hidden_TD, w_local, targets_T, vocab_start, group, temperature, chunk_size, with_entropy
-    )
-    return lp, (ent if with_entropy else None)
+    return w_local, vocab_start, weight_VD.device_mesh.get_group(mesh_dim)
 
 
-register_sharded_weight(DTensor, dtensor_logprobs)
+register_sharded_weight(DTensor, dtensor_logprobs, dtensor_argmax)

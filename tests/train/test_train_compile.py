@@ -55,3 +55,12 @@ def test_compiled_head_and_layers_equal_eager(tmp_path):
             b.train_step(random_batch([13, 7, 21, 5, 9], 100, 50 + s), forward_fn=nll_forward, loss_fn=nll_loss,
                          denominator_fn=token_denominator)["loss"] for s in range(2)]
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses[True], losses[False])), losses
+
+
+def test_chunked_argmax_equals_full_argmax():
+    from areno.models.logprobs import argmax_from_hidden
+
+    gen = torch.Generator().manual_seed(1)
+    h, w = torch.randn(T, D, generator=gen), torch.randn(V, D, generator=gen)
+    assert torch.equal(argmax_from_hidden(h, w, 4), (h @ w.t()).argmax(-1))
+    assert argmax_from_hidden(h[:0], w, 4).shape == (0,)

@@ -1,4 +1,4 @@
-"""Vocab-parallel log-probs/entropy (TP=2, gloo, 2 processes) equal the single-process chunked path.
+"""Vocab-parallel log-probs/entropy/argmax (TP=2, gloo, 2 processes) equal the single-process path.
 
 Legend: T = tokens, D = hidden size, V = vocabulary.
 """
@@ -45,6 +45,7 @@ def _worker(rank, world, out_dir):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import areno.train.vocab_parallel  # noqa: F401  (registers the DTensor path)
+    from areno.models.logprobs import argmax_from_hidden
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     results = []
@@ -54,7 +55,8 @@ def _worker(rank, world, out_dir):
         for label, placement in (("sharded", Shard(0)), ("replicated", Replicate())):
             w = distribute_tensor(weight_VD, mesh, [placement]).requires_grad_(True)
             lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy)
-            case[label] = (lp, ent, grad_h, w.grad.full_tensor(), tuple(w.to_local().shape))
+            case[label] = (lp, ent, grad_h, w.grad.full_tensor(), tuple(w.to_local().shape),
+                           argmax_from_hidden(hidden_TD, w.detach(), chunk))
         results.append(case)
     if rank == 0:
         torch.save(results, Path(out_dir) / "vp.pt")
@@ -62,7 +64,7 @@ def _worker(rank, world, out_dir):
 
 def test_vocab_parallel_tp2_equals_tp1(tmp_path):
     spawn(_worker, 2, str(tmp_path), tmp=tmp_path)
-    results = torch.load(tmp_path / "vp.pt")
+    results = torch.load(tmp_path / "vp.pt", weights_only=True)
     for (vocab, tau, chunk, with_entropy), case in zip(CASES, results):
         hidden_TD, weight_VD, targets_T, coef_T, coef_ent_T = _inputs(vocab)
         w = weight_VD.clone().requires_grad_(True)
@@ -72,7 +74,8 @@ def test_vocab_parallel_tp2_equals_tp1(tmp_path):
         torch.testing.assert_close(lp.double(), ref_logp.gather(-1, targets_T[:, None])[:, 0], rtol=0, atol=1e-5)
         assert case["sharded"][4] == (-(-vocab // 2), D)  # rank 0 holds only its rows
         for label in ("sharded", "replicated"):
-            got_lp, got_ent, got_grad_h, got_grad_w, _ = case[label]
+            got_lp, got_ent, got_grad_h, got_grad_w, _, got_argmax = case[label]
+            assert torch.equal(got_argmax, (hidden_TD @ weight_VD.t()).argmax(-1))
             torch.testing.assert_close(got_lp, lp, rtol=1e-5, atol=1e-5)
             if with_entropy:
                 torch.testing.assert_close(got_ent, ent, rtol=1e-5, atol=1e-5)
