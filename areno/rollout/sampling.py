@@ -76,8 +76,9 @@ def hash_exponential(seed_R: torch.Tensor, counter_R: torch.Tensor, V: int) -> t
 class RowParams:
     """Per-row sampling parameters and counters of one engine step, as device tensors.
 
-    ``n_gen_B`` (tokens generated before the one being sampled) and ``len_B`` (tokens known,
-    prompt included) advance with every sampled token (``advance``)."""
+    ``n_gen_B`` (tokens generated before the one being sampled) advances with every sampled token
+    (``advance``); ``room_B`` is how many tokens each row may still sample before its length limit
+    (``max_new_tokens`` or the context)."""
 
     scale_B: torch.Tensor
     """float32 temperature (1 for greedy rows)."""
@@ -93,7 +94,10 @@ class RowParams:
     min_new_B: torch.Tensor
     max_new_B: torch.Tensor
     n_gen_B: torch.Tensor
-    len_B: torch.Tensor
+    room_B: torch.Tensor
+    steps_done: int
+    """Tokens sampled since ``build`` (``advance`` calls)."""
+    any_stop_ids: bool
     max_len: int
     all_greedy: bool
     any_greedy: bool
@@ -153,8 +157,9 @@ class RowParams:
         return cls(
             scale_B=dev_FB[0].float(), greedy_B=dev_FB[1] > 0, top_k_B=long_FB[2], top_p_B=dev_FB[3].float(),
             seed_B=long_FB[4], stop_ids_BS=long_FB[11 : 11 + S].T, stop_valid_BS=(dev_FB[11 + S :] > 0).T,
-            min_new_B=long_FB[6], max_new_B=long_FB[7], n_gen_B=long_FB[9].clone(), len_B=long_FB[10].clone(),
-            max_len=max_len, all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
+            min_new_B=long_FB[6], max_new_B=long_FB[7], n_gen_B=long_FB[9].clone(),
+            room_B=torch.minimum(long_FB[7] - long_FB[9], max_len - long_FB[10]), steps_done=0,
+            any_stop_ids=any(r[9] for r in rows), max_len=max_len, all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
             any_truncate=bool(truncate.any()), any_min_new=any_min_new and B > 0,
             seeded_idx=seeded_idx, unseeded_idx=unseeded_idx, all_unseeded=n_unseeded == B and B > 0,
         )
@@ -163,10 +168,14 @@ class RowParams:
         """Count the sampled tokens; returns bool [B]: the row just finished (a stop/EOS id once
         ``min_new_tokens`` are reached, ``max_new_tokens``, or the context limit)."""
         self.n_gen_B += 1
-        self.len_B += 1
-        hit_BS = (tokens_B[:, None] == self.stop_ids_BS) & self.stop_valid_BS
-        stop_B = hit_BS.any(dim=1) & (self.n_gen_B >= self.min_new_B)
-        return stop_B | (self.n_gen_B >= self.max_new_B) | (self.len_B >= self.max_len)
+        self.steps_done += 1
+        done_B = self.room_B <= self.steps_done
+        if self.any_stop_ids:
+            hit_B = ((tokens_B[:, None] == self.stop_ids_BS) & self.stop_valid_BS).any(dim=1)
+            if self.any_min_new:
+                hit_B &= self.n_gen_B >= self.min_new_B
+            done_B |= hit_B
+        return done_B
 
 
 class Sampler:
