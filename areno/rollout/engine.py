@@ -1,7 +1,10 @@
 """``RolloutEngine``: the embedded inference engine every rollout goes through.
 
 One ``step()`` = schedule (``scheduler.py``) → one packed forward of the shared ``Decoder`` with the
-paged-KV attention backend (``attention.py``) → sample (``sampling.py``) → stop checks. Requests
+paged-KV attention backend (``attention.py``) → sample (``sampling.py``) → stop checks. A pure-decode
+batch runs ``decode_steps`` forwards back to back instead: sampling, feeding the tokens back and the
+stop/length checks stay on the device, and one small tensor is copied to the host at the end (on a
+GPU the per-step host work — scheduling, block tables, bookkeeping — is what bounds decode speed). Requests
 join and leave at every step (continuous batching); long prompts are prefilled in chunks; blocks of
 identical prefixes are shared; when the pool runs out the youngest request is preempted and later
 recomputed. Nothing here blocks: drive it with ``step()`` (``InProcessRolloutClient`` does so from a
@@ -323,7 +326,7 @@ class RolloutEngine:
                     seq.output_logprobs.append(row[k])
                     seq.output_versions.append(version)
                 else:
-                    seq.token_ids.extend(int(t) for t in row[:n])
+                    seq.token_ids.extend(map(int, row[:n]))
                     seq.output_logprobs.extend(row[k : k + n])
                     seq.output_versions.extend([version] * n)
                     token = seq.token_ids[-1]
