@@ -80,6 +80,7 @@ def _worker(rank, world, model_dir, out_dir):
     lo.initialize(model_dir)
     result["lora_losses"] = _run(lo)
     result["lora_weights"] = {k: v.clone() for k, v in lo.named_weights()}
+    result["lora_adapters"] = {k: v.clone() for k, v in lo.named_adapter_weights()}  # gathered from the shards
     lo.shutdown()
     # a mesh that does not divide the world size
     try:
@@ -147,6 +148,10 @@ def test_lora_under_fsdp_equals_single_process(fsdp_result):
         assert abs(l_dp - l_ref) < 1e-5
     for name, w in local.named_weights():
         torch.testing.assert_close(got["lora_weights"][name], w, rtol=0, atol=1e-4)
+    adapters = dict(local.named_adapter_weights())
+    assert list(got["lora_adapters"]) == list(adapters) and len(adapters) == 2 * 2 * 2  # 2 layers x 2 modules x A/B
+    for name, w in adapters.items():
+        torch.testing.assert_close(got["lora_adapters"][name], w, rtol=0, atol=1e-4)
 
 
 def test_fsdp_sleep_wake_and_mesh_error(fsdp_result):
