@@ -307,7 +307,7 @@ class RolloutEngine:
         for seq, row in zip(sampling, host_BX):
             n = int(row[2 * k]) if k > 1 else 1
             p = seq.params
-            generated += n
+            known = len(seq.token_ids)
             if p.stop:  # stop strings need the decoded text after every token
                 reason = None
                 for t, lp in zip(row[:n], row[k : k + n]):
@@ -339,6 +339,7 @@ class RolloutEngine:
                     reason = None
                 if reason is None and len(seq.token_ids) >= max_len:
                     reason = "length"
+            generated += len(seq.token_ids) - known
             if reason is not None:
                 del self._seqs[seq.request_id]
                 self.scheduler.remove(seq)
