@@ -3,7 +3,9 @@
 Compares, in one run on a random-init model of Qwen2.5-0.5B's shape (or --tiny on CPU):
 - attention paths of ``PackedCausalAttention``: sdpa (per sequence), sdpa_mask (block-diagonal
   mask), flex (document block mask, compiled), varlen (flash varlen);
-- chunked ``packed_logprobs`` against the naive full-logits ``log_softmax`` (peak memory);
+- the same with each decoder layer ``torch.compile``d (``areno.train.parallelize.apply_compile``; GPU);
+- chunked ``packed_logprobs`` against the naive full-logits ``log_softmax`` (peak memory), and
+  with the compiled element-wise head kernels (``compiled_logprob_kernels``);
 - the baseline: ``transformers`` forward+backward on the same sequences, padded into a batch.
 
 Prints one JSON object. Usage:
@@ -14,6 +16,7 @@ Prints one JSON object. Usage:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
@@ -21,7 +24,13 @@ import time
 import torch
 
 from areno.models import Decoder, PackedCausalAttention, save_model, tiny_config
-from areno.models.logprobs import logprobs_from_hidden, packed_logprobs, position_ids_from_cu_seqlens
+from areno.models.logprobs import (
+    compiled_logprob_kernels,
+    logprobs_from_hidden,
+    packed_logprobs,
+    position_ids_from_cu_seqlens,
+)
+from areno.train.parallelize import apply_compile
 
 QWEN25_05B = dict(
     hidden_size=896,
@@ -89,24 +98,37 @@ def main() -> None:
         "dtype": str(dtype),
     }
 
-    # 1. attention paths, full step (forward + backward of chunked packed log-probs)
-    for impl in ("sdpa", "sdpa_mask", "flex", "varlen"):
-        if device == "cpu" and impl not in ("sdpa", "sdpa_mask"):
+    # 1. attention paths, full step (forward + backward of chunked packed log-probs), eager and
+    # (GPU) with compiled decoder layers plus the compiled head kernels
+    compiled_model = None
+    if device == "cuda":
+        compiled_model = copy.deepcopy(model)
+        apply_compile(compiled_model)
+    variants = [(impl, False) for impl in ("sdpa", "sdpa_mask", "flex", "varlen")]
+    variants += [(impl, True) for impl in ("flex", "varlen")]
+    for impl, compiled in variants:
+        if device == "cpu" and (compiled or impl not in ("sdpa", "sdpa_mask")):
             continue
 
-        def step(impl=impl):
-            model.zero_grad(set_to_none=True)
+        def step(impl=impl, m=compiled_model if compiled else model, compiled=compiled):
+            m.zero_grad(set_to_none=True)
             attn = PackedCausalAttention(cu_dev, impl=impl)
-            hidden = model(ids_T, position_ids_from_cu_seqlens(cu_dev), attn)
-            lp, _ = logprobs_from_hidden(hidden[:-1], model.output_weight, ids_T[1:], 1.0, 2048)
+            with compiled_logprob_kernels(compiled):
+                hidden = m(ids_T, position_ids_from_cu_seqlens(cu_dev), attn)
+                lp, _ = logprobs_from_hidden(hidden[:-1], m.output_weight, ids_T[1:], 1.0, 2048)
             lp.sum().backward()
 
         # A bench records a failing variant and goes on to the next, rather than losing the run.
+        name = f"attn_{impl}" + ("_compiled" if compiled else "")
         try:
+            t0 = time.perf_counter()
             dt, peak = _timeit(step, args.steps, device)
-            result[f"attn_{impl}"] = {"step_s": round(dt, 4), "tokens_per_s": round(T / dt), "peak_gib": None if peak is None else round(peak, 2)}
+            result[name] = {"step_s": round(dt, 4), "tokens_per_s": round(T / dt),
+                            "peak_gib": None if peak is None else round(peak, 2),
+                            "first_plus_timed_s": round(time.perf_counter() - t0, 1)}
         except Exception as e:  # noqa: BLE001
-            result[f"attn_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    del compiled_model
 
     # 2. chunked vs naive log-probs (model forward shared, default attention)
     def chunked():
@@ -120,7 +142,14 @@ def main() -> None:
         logp_TV = torch.log_softmax(model.logits(hidden).float(), -1)
         logp_TV[:-1].gather(-1, ids_T[1:, None]).sum().backward()
 
-    for name, fn in (("logprobs_chunked", chunked), ("logprobs_naive", naive)):
+    def chunked_fused():
+        with compiled_logprob_kernels():
+            chunked()
+
+    for name, fn in (("logprobs_chunked", chunked), ("logprobs_chunked_fused_head", chunked_fused),
+                     ("logprobs_naive", naive)):
+        if device == "cpu" and fn is chunked_fused:
+            continue
         try:
             dt, peak = _timeit(fn, args.steps, device)
             result[name] = {"step_s": round(dt, 4), "tokens_per_s": round(T / dt), "peak_gib": None if peak is None else round(peak, 2)}
