@@ -212,8 +212,10 @@ class PackedTrainBackend(TrainBackend):
         reducer = Reducer(denominator)
         self.model.train()
         loss_scale = self._loss_scale()
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        metric_sums: dict[str, float] = {}
+        # Losses and metrics stay on the device until every micro-batch is queued: no host sync
+        # inside the loop, so the CPU prepares micro-batch i+1 while the GPU runs micro-batch i.
+        loss_parts: list[torch.Tensor] = []
+        metric_parts: dict[str, list[Any]] = {}
         tokens = 0
         for seq_idx, mb in self._micro_batches(batch, plan):
             with span("micro_batch", "train", tokens=mb.num_tokens), self._autocast():
@@ -224,12 +226,16 @@ class PackedTrainBackend(TrainBackend):
                 metrics = {key: 0.0 for key in metrics}  # same keys on every rank for the all-reduce
             with span("backward", "train", tokens=mb.num_tokens):
                 (loss * loss_scale).backward()
-            loss_sum += loss.detach().double().cpu()
+            loss_parts.append(loss.detach())
             tokens += mb.num_tokens if seq_idx else 0
             for key, value in metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+                metric_parts.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
+        loss_sum = 0.0
+        for part in loss_parts:  # float64 sums in micro-batch order (the first float() waits for the GPU)
+            loss_sum += float(part)
+        metric_sums = {key: sum(float(v) for v in values) for key, values in metric_parts.items()}
         keys = sorted(metric_sums)
-        stats = torch.tensor([float(loss_sum), tokens] + [metric_sums[k] for k in keys], dtype=torch.float64)
+        stats = torch.tensor([loss_sum, tokens] + [metric_sums[k] for k in keys], dtype=torch.float64)
         stats = self._all_reduce_sum(stats)
 
         grad_norm, grad_groups = global_grad_norm(self.model.parameters())
