@@ -33,3 +33,21 @@ def test_cuda_bf16_training_matches_fp32_cpu_and_sleep_frees_memory(tmp_path):
     assert before - torch.cuda.memory_allocated() >= freed * 0.99
     assert gpu.wake() == freed
     assert math.isfinite(_step(gpu, 5)["loss"])
+
+
+@pytest.mark.parametrize("attn", ["flex", "varlen"])
+def test_cuda_compiled_step_matches_eager(tmp_path, attn, monkeypatch):
+    """compile=True (compiled decoder layers + fused log-prob head) trains like eager in bf16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from areno.models import decoder
+
+    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", attn)
+    model_dir = make_model_dir(tmp_path / "m", hidden=64)
+    losses = {}
+    for compile_ in (False, True):
+        b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", compile=compile_, max_tokens_per_mb=512))
+        b.initialize(model_dir)
+        losses[compile_] = [_step(b, s)["loss"] for s in range(3)]
+    for le, lc in zip(losses[False], losses[True]):
+        assert math.isclose(le, lc, rel_tol=1e-2), losses
