@@ -16,9 +16,10 @@ loses only its own episode (warned with the row named; the rest of the group and
 a row whose every episode failed is rejected (None). Each episode is traced with
 ``areno.observe.session``.
 
-Shipped: ``calculator_agent`` (the model must call the ``calc`` tool; the tool's result is its
-answer; a malformed call is answered with the error and the model tries again) with its workflow
-factory ``calculator_workflow`` and data writer ``write_calculator_rows``.
+Shipped: ``calculator_agent`` (answer "47*8=" directly or through the ``calc`` tool, whose result
+is then the answer; reward 1 when right; a malformed call is answered with the error and the model
+tries again), its workflow factory ``calculator_workflow``, the held-out metric ``calculator_reward``
+and the data writer ``write_calculator_rows`` (see ``examples/agent_calculator.yaml``).
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ import random
 import re
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection
 
 from areno.api.types import SamplingParams, Trajectory
 from areno.api.workflow import RolloutWorkflow, _import_dotted
 from areno.observe.session import session
 from areno.workflows.interaction import ExportStyle
 from areno.workflows.openai_client import AgentProxy, ArenoAsyncOpenAI
-from areno.workflows.tools import ToolSet, calculator_tool, parse_tool_calls
+from areno.workflows.tools import ToolCall, ToolSet, calculator, calculator_tool, parse_tool_calls
 
 if TYPE_CHECKING:
     from areno.rollout.client import RolloutClient
@@ -169,71 +170,119 @@ def _call_text(expr: str) -> str:
     return "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expr": expr}}, separators=(",", ":")) + "</tool_call>"
 
 
-def calculator_rows(num: int, seed: int, *, digits: int = 1) -> list[dict[str, Any]]:
-    """Rows ``{"prompt": "7*8=", "answer": <the reference tool call>, "result": "56"}``.
+def calculator_rows(num: int, seed: int, *, a_range: tuple[int, int] = (10, 99), b_range: tuple[int, int] = (2, 9),
+                    tool_fraction: float = 1.0, exclude: Collection[str] = ()) -> list[dict[str, Any]]:
+    """Rows ``{"prompt": "47*8=", "answer": <a demonstration>, "result": "376"}``.
 
-    The reward comes only from the tool's result, so the model must learn to copy the operands
-    into a well-formed call (with ``digits=2`` the copy is too hard for the shipped tiny model)."""
+    The demonstration (what a supervised warm start imitates) is the reference tool call
+    ``<tool_call>{"name":"calc","arguments":{"expr":"47*8"}}</tool_call>`` for a ``tool_fraction``
+    share of the rows and the product stated directly for the rest: a mixed demonstrator. A tiny
+    model can learn to copy the operands into a call but not to multiply two-digit numbers in its
+    head, so the direct answers it imitates are mostly wrong and RL has to teach it to use the tool.
+    The reward never looks at ``answer``, only at ``result``. Prompts in ``exclude`` (a held-out
+    set) are skipped.
+    """
+    if not 0 <= tool_fraction <= 1:
+        raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
+    for name, (lo, hi) in (("a_range", a_range), ("b_range", b_range)):
+        if not 0 <= lo <= hi:
+            raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {(lo, hi)}")
+    exclude = set(exclude)
+    if (a_range[1] - a_range[0] + 1) * (b_range[1] - b_range[0] + 1) <= len(exclude):
+        raise ValueError(f"every prompt of a_range={a_range}, b_range={b_range} is excluded")
     rng = random.Random(seed)
     rows = []
-    for _ in range(num):
-        a, b = rng.randint(1, 10**digits - 1), rng.randint(1, 10**digits - 1)
+    while len(rows) < num:
+        a, b = rng.randint(*a_range), rng.randint(*b_range)
         expr = f"{a}*{b}"
-        rows.append({"prompt": f"{expr}=", "answer": _call_text(expr), "result": str(a * b)})
+        if f"{expr}=" in exclude:
+            continue
+        answer = _call_text(expr) if rng.random() < tool_fraction else str(a * b)
+        rows.append({"prompt": f"{expr}=", "answer": answer, "result": str(a * b)})
     return rows
 
 
-def write_calculator_rows(path: str | Path, num: int, seed: int) -> None:
-    """Write ``calculator_rows`` as JSONL (the shipped example's data)."""
+def write_calculator_rows(path: str | Path, num: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """Write ``calculator_rows(num, seed, **kwargs)`` as JSONL and return them. The shipped example's
+    data: ``eval = write_calculator_rows(eval_path, 64, 1)``, then
+    ``write_calculator_rows(train_path, 2000, 0, tool_fraction=0.3, exclude={r["prompt"] for r in eval})``."""
+    rows = calculator_rows(num, seed, **kwargs)
     with open(path, "w") as f:
-        for row in calculator_rows(num, seed):
+        for row in rows:
             f.write(json.dumps(row) + "\n")
+    return rows
 
 
 def _operands(expr: str) -> list[str]:
     return [part.strip() for part in re.split(r"[*+/-]", expr)]
 
 
+def _direct_answer(text: str) -> str:
+    return text.strip().split("\n", 1)[0].strip()
+
+
 async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, max_attempts: int = 2,
                            operand_credit: float = 0.0) -> float:
-    """The model writes a ``calc`` tool call; the tool's result is the answer (reward 1 when right).
+    """Answer ``sample["prompt"]`` ("47*8="), with or without the ``calc`` tool; reward 1 when right.
 
-    A malformed or failing call is answered with the tool error and the model tries again (up to
-    ``max_attempts``), continuing the same token sequence, so the tree and concat export see one
-    multi-turn episode. ``operand_credit`` > 0 shapes the reward of a call that ran but gave the
-    wrong result: ``operand_credit`` × the fraction of operands copied right from the question.
+    A reply with a tool call is run, and the tool's result is the answer. A reply without one is a
+    direct answer (its first line). A malformed or failing call is answered with the tool error and
+    the model tries again (up to ``max_attempts``), continuing the same token sequence, so the tree
+    and concat export see one multi-turn episode. ``operand_credit`` > 0 shapes the reward of a
+    call that ran but gave the wrong result: ``operand_credit`` x the fraction of operands copied
+    right from the question (off in the shipped example: its reward is answer correctness only).
     """
     if not 0 <= operand_credit < 1:
         raise ValueError(f"operand_credit must be in [0, 1), got {operand_credit}")
     expected = _operands(sample["prompt"].rstrip("="))
+    target = str(sample["result"]).strip()
     prompt_ids = list(client.tokenizer.encode(sample["prompt"], add_special_tokens=False))
     for _ in range(max_attempts):
         resp = await client.completions.create(model="policy", prompt=prompt_ids)
         choice = resp.choices[0]
         _, calls = parse_tool_calls(choice.text)
-        if not calls:
-            feedback = "\n<tool_response>Error: no tool call; answer with <tool_call>{...}</tool_call></tool_response>\n"
-        else:
-            result = await TOOLS.aexecute(calls[0])
+        if not calls:  # a direct answer is final
             if client.session is not None:
-                client.session.add_tool_call(getattr(calls[0], "name", "?"), getattr(calls[0], "arguments", choice.text),
-                                             result=result.content, error=None if result.ok else result.content,
-                                             duration_s=result.duration_s)
-            if result.ok:
-                if result.content.strip() == str(sample["result"]):
-                    return 1.0
-                got = _operands(str(calls[0].arguments.get("expr", "")))
-                right = sum(g == e for g, e in zip(got, expected)) if len(got) == len(expected) else 0
-                return operand_credit * right / len(expected)
-            feedback = f"\n<tool_response>{result.content}</tool_response>\n"
+                client.session.event("direct_answer", text=_direct_answer(choice.text)[:40])
+            return float(_direct_answer(choice.text) == target)
+        result = await TOOLS.aexecute(calls[0])
+        if client.session is not None:
+            client.session.add_tool_call(getattr(calls[0], "name", "?"), getattr(calls[0], "arguments", choice.text),
+                                         result=result.content, error=None if result.ok else result.content,
+                                         duration_s=result.duration_s)
+        if result.ok:
+            if result.content.strip() == target:
+                return 1.0
+            got = _operands(str(calls[0].arguments.get("expr", "")))
+            right = sum(g == e for g, e in zip(got, expected)) if len(got) == len(expected) else 0
+            return operand_credit * right / len(expected)
         client.set_last_reward(0.0)
+        feedback = f"\n<tool_response>{result.content}</tool_response>\n"
         prompt_ids = list(choice.prompt_token_ids) + list(choice.token_ids) + list(
             client.tokenizer.encode(feedback + sample["prompt"], add_special_tokens=False))
     return 0.0
 
 
+def calculator_reward(prompt: str, completion: str, answer: Any = None, *, result: Any = None, **_: Any) -> float:
+    """1.0 when one reply answers the row right: its first tool call runs and ``calc`` returns the
+    row's ``result``, or (no tool call) its first line is ``result``. The calculator example's
+    ``reward.fn``, i.e. its held-out accuracy (greedy, one attempt)."""
+    if result is None:
+        raise ValueError("calculator_reward needs the row's 'result' field (the value of the expression)")
+    target = str(result).strip()
+    _, calls = parse_tool_calls(completion)
+    if not calls:
+        return float(_direct_answer(completion) == target)
+    call = calls[0]
+    if not isinstance(call, ToolCall) or call.name != "calc" or not isinstance(call.arguments.get("expr"), str):
+        return 0.0
+    try:
+        return float(calculator(call.arguments["expr"]) == target)
+    except (ValueError, SyntaxError, ZeroDivisionError, RecursionError):
+        return 0.0
+
+
 def calculator_workflow(**kwargs: Any) -> AgentWorkflow:
     """``rollout.workflow: areno.workflows.agent:calculator_workflow`` (concat export, gamma 1,
-    operand credit 0.5)."""
-    agent = functools.partial(calculator_agent, operand_credit=0.5)
-    return AgentWorkflow(agent=agent, gamma=1.0, export_style="concat", timeout_s=120.0, **kwargs)
+    reward = answer correct, two attempts when a call is malformed)."""
+    return AgentWorkflow(agent=calculator_agent, gamma=1.0, export_style="concat", timeout_s=120.0, **kwargs)

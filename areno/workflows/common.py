@@ -52,3 +52,33 @@ async def acall_reward(
 def sample_fields(sample: dict[str, Any], *exclude: str) -> dict[str, Any]:
     """The row's other fields, passed to the reward function as keyword arguments."""
     return {k: v for k, v in sample.items() if k not in exclude}
+
+
+def takes_store(workflow: Any) -> bool:
+    """Whether a workflow class or factory (or its dotted path) declares a ``store`` parameter.
+
+    Only an explicitly named ``store`` counts: a factory taking ``**kwargs`` is not assumed to
+    forward it (``store`` would reach a constructor that rejects it)."""
+    if isinstance(workflow, str):
+        from areno.api.workflow import _import_dotted
+
+        workflow = _import_dotted(workflow)
+    target = workflow.__init__ if isinstance(workflow, type) else workflow
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    p = params.get("store")
+    return p is not None and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def store_kwargs(workflow: Any, store: Any, workflow_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"store": store}`` when the workflow (class, factory or dotted path) takes ``store=`` and
+    ``workflow_kwargs`` does not set it already, else ``{}``; for the engine building the workflow
+    that its ``WorkflowExecutor`` (which releases the references of dropped groups) shares::
+
+        load_workflow(path, **engine_kwargs, **store_kwargs(path, store, workflow_kwargs), **workflow_kwargs)
+    """
+    if store is None or (workflow_kwargs and "store" in workflow_kwargs) or not takes_store(workflow):
+        return {}
+    return {"store": store}

@@ -20,6 +20,7 @@ Shipped: ``ArithmeticRetryEnv`` (answer, hear "wrong" and retry) and its workflo
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import uuid
@@ -231,12 +232,15 @@ class ArithmeticRetryEnv(Environment):
         return StepResult(observation=self.FEEDBACK + self.prompt, reward=self.format_reward * digits, done=False)
 
 
-def arithmetic_retry_workflow(**kwargs: Any) -> EnvWorkflow:
-    """``rollout.workflow: areno.workflows.env:arithmetic_retry_workflow``: horizon 3, gamma 0.5,
-    format_reward 0.1 (learns from a random model; see ``examples/agent_multiturn.yaml``)."""
+def arithmetic_retry_workflow(*, store: ObservationStore | None = None, horizon: int = 3, gamma: float = 0.5,
+                              format_reward: float = 0.1, **kwargs: Any) -> EnvWorkflow:
+    """``rollout.workflow: areno.workflows.env:arithmetic_retry_workflow``: ``ArithmeticRetryEnv`` on
+    the rows' prompt/answer (any task with exact answers), text mode; ``horizon``, ``gamma`` and
+    ``format_reward`` can be set with ``rollout.workflow_kwargs`` (see ``examples/agent_multiturn.yaml``)."""
     kwargs.pop("reward_fn", None)
-    return EnvWorkflow(env_factory=lambda sample: ArithmeticRetryEnv(sample, format_reward=0.1), horizon=3,
-                       gamma=0.5, mode="text", **kwargs)
+    ArithmeticRetryEnv({"prompt": "", "answer": ""}, format_reward=format_reward)  # validates format_reward now
+    return EnvWorkflow(env_factory=functools.partial(ArithmeticRetryEnv, format_reward=format_reward),
+                       horizon=horizon, gamma=gamma, mode="text", store=store, **kwargs)
 
 
 __all__ = ["ArithmeticRetryEnv", "EnvWorkflow", "Environment", "Observation", "StepResult", "StoreRef"]

@@ -1,6 +1,7 @@
 """AgentWorkflow: bad agents lose only their own episode; the calculator agent end to end (scripted)."""
 
 import asyncio
+import functools
 import json
 import logging
 
@@ -9,7 +10,8 @@ import pytest
 from areno.api.types import SamplingParams
 from areno.api.workflow import load_workflow
 from areno.observe.session import configure_sessions, load_sessions
-from areno.workflows.agent import AgentWorkflow, calculator_agent, calculator_rows, calculator_workflow
+from areno.workflows.agent import (AgentWorkflow, calculator_agent, calculator_reward, calculator_rows,
+                                  calculator_workflow, write_calculator_rows)
 from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSet, calculator_tool
 
 PARAMS = SamplingParams(max_new_tokens=80)
@@ -66,11 +68,35 @@ def test_calculator_agent_right_call(scripted, char_tokenizer):
     (traj,) = asyncio.run(wf.run_episode(scripted([CALL]), ROW))
     assert traj.reward == 1.0 and traj.info["num_turns"] == 1
     assert traj.completion_ids[:-1] == char_tokenizer.encode(CALL, add_special_tokens=False)
+    # a valid call ends the episode; the shipped reward is answer correctness only
     wrong = asyncio.run(wf.run_episode(scripted([CALL.replace("34", "35")]), ROW))
-    # a valid call ends the episode; one operand of two copied right earns 0.5 x 1/2
-    assert wrong[0].reward == 0.25 and wrong[0].info["num_turns"] == 1
-    plain = AgentWorkflow(char_tokenizer, PARAMS, agent=calculator_agent)
-    assert asyncio.run(plain.run_episode(scripted([CALL.replace("34", "35")]), ROW))[0].reward == 0.0
+    assert wrong[0].reward == 0.0 and wrong[0].info["num_turns"] == 1
+    # operand shaping, when asked for: one operand of two copied right earns 0.5 x 1/2
+    shaped = AgentWorkflow(char_tokenizer, PARAMS, agent=functools.partial(calculator_agent, operand_credit=0.5))
+    assert asyncio.run(shaped.run_episode(scripted([CALL.replace("34", "35")]), ROW))[0].reward == 0.25
+    with pytest.raises(ValueError, match="operand_credit must be in"):
+        asyncio.run(calculator_agent(None, ROW, operand_credit=1.0))
+
+
+def test_calculator_agent_direct_answer_is_final(scripted, char_tokenizer):
+    wf = calculator_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1, reward_fn=None)
+    for reply, reward in (("408", 1.0), ("408\nsome more", 1.0), ("418", 0.0), ("", 0.0)):
+        rollout = scripted([reply])
+        (traj,) = asyncio.run(wf.run_episode(rollout, ROW))
+        assert (traj.reward, traj.info["num_turns"], len(rollout.prompts)) == (reward, 1, 1), reply
+
+
+def test_calculator_reward_matches_the_agent():
+    r = functools.partial(calculator_reward, "12*34=", answer="ignored", result="408")
+    assert r(CALL) == 1.0 and r(CALL.replace("12*34", "34*12")) == 1.0 and r(CALL.replace("34", "35")) == 0.0
+    assert r("408") == 1.0 and r(" 408 \nx") == 1.0 and r("48") == 0.0
+    assert r('<tool_call>{"name":"calc","arguments":{"expr":"12*"}}</tool_call>') == 0.0  # tool error
+    assert r('<tool_call>{"name":"calc","arguments":{"expr":"import os"}}</tool_call>') == 0.0
+    assert r('<tool_call>{"name":"other","arguments":{"expr":"12*34"}}</tool_call>') == 0.0
+    assert r('<tool_call>{"name":"calc","arguments":{"x":1}}</tool_call>') == 0.0
+    assert r("<tool_call>not json</tool_call>") == 0.0
+    with pytest.raises(ValueError, match="needs the row's 'result' field"):
+        calculator_reward("12*34=", CALL, "x")
 
 
 def test_calculator_agent_feeds_malformed_call_back(scripted, char_tokenizer, tmp_path):
@@ -103,12 +129,37 @@ def test_loads_by_dotted_path_with_engine_kwargs(char_tokenizer):
     assert wf.horizon == 3
 
 
-def test_calculator_rows():
-    rows = calculator_rows(3, seed=0)
-    assert rows == calculator_rows(3, seed=0)
+def test_calculator_rows(tmp_path):
+    rows = calculator_rows(400, seed=0, tool_fraction=0.3)
+    assert rows == calculator_rows(400, seed=0, tool_fraction=0.3)
+    tools = 0
     for r in rows:
         a, b = r["prompt"].rstrip("=").split("*")
-        assert r["result"] == str(int(a) * int(b)) and r["answer"].startswith("<tool_call>")
+        assert 10 <= int(a) <= 99 and 2 <= int(b) <= 9 and r["result"] == str(int(a) * int(b))
+        if r["answer"].startswith("<tool_call>"):
+            tools += 1
+            assert calculator_reward(r["prompt"], r["answer"], result=r["result"]) == 1.0
+        else:
+            assert r["answer"] == r["result"]
+    assert 0.2 < tools / len(rows) < 0.4
+    held_out = write_calculator_rows(tmp_path / "eval.jsonl", 16, seed=1)
+    assert [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == held_out
+    train = calculator_rows(200, seed=0, exclude={r["prompt"] for r in held_out})
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    with pytest.raises(ValueError, match="tool_fraction must be in"):
+        calculator_rows(1, seed=0, tool_fraction=1.5)
+    with pytest.raises(ValueError, match="every prompt"):
+        calculator_rows(1, seed=0, a_range=(2, 2), b_range=(3, 3), exclude={"2*3="})
+
+
+def test_shipped_calculator_data_is_held_out():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "examples"
+    train = [json.loads(line) for line in (root / "agent_calculator_train.jsonl").read_text().splitlines()]
+    held_out = [json.loads(line) for line in (root / "agent_calculator_eval.jsonl").read_text().splitlines()]
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert all(calculator_reward(r["prompt"], r["answer"], **{"result": r["result"]}) == 1.0 for r in train + held_out)
 
 
 def test_proxy_mode_runs_an_official_openai_agent(scripted, char_tokenizer):

@@ -104,3 +104,30 @@ def test_failing_env_episode_is_dropped_with_a_message(scripted, char_tokenizer,
 def test_bad_env_config(char_tokenizer, kwargs, message):
     with pytest.raises(ValueError, match=message):
         EnvWorkflow(char_tokenizer, PARAMS, **{"env_factory": ArithmeticRetryEnv, **kwargs})
+
+
+def test_the_executor_store_reaches_workflows_that_take_one(scripted, char_tokenizer):
+    from areno.api.workflow import load_workflow
+    from areno.rollout.executor import WorkflowExecutor
+    from areno.workflows import RLVRWorkflow, calculator_workflow, store_kwargs, takes_store
+
+    assert takes_store(EnvWorkflow) and takes_store("areno.workflows.env:arithmetic_retry_workflow")
+    # a factory that only forwards **kwargs, and workflows without the parameter, get nothing
+    assert not takes_store(calculator_workflow) and not takes_store(RLVRWorkflow)
+    assert not takes_store(lambda **kwargs: None)
+    store = InProcessStore()
+    assert store_kwargs("areno.workflows.agent:calculator_workflow", store) == {}
+    assert store_kwargs(EnvWorkflow, None) == {}
+    assert store_kwargs(EnvWorkflow, store, {"store": "mine"}) == {}  # the user's workflow_kwargs win
+    path = "areno.workflows.env:arithmetic_retry_workflow"
+    wf = load_workflow(path, tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1, reward_fn=None,
+                       prompt_key="prompt", answer_key="answer", **store_kwargs(path, store))
+    assert wf.store is store
+    # end to end: the episode's large observation lands in the executor's store, by reference
+    wf = EnvWorkflow(char_tokenizer, PARAMS, env_factory=GridEnv, horizon=2, mode="text",
+                     **store_kwargs(EnvWorkflow, store))
+    executor = WorkflowExecutor(scripted(lambda prompt: "go"), wf, store=store)
+    (traj,) = executor.rollout_batch([{"prompt": "p"}])
+    ref = traj.info["observation_refs"][0]["ref"]
+    assert executor.store is wf.store is store and len(store) == 2
+    torch.testing.assert_close(ref.fetch(store), torch.arange(1024, dtype=torch.float32))
