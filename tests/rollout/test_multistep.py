@@ -148,3 +148,14 @@ def test_hash_noise_is_a_function_of_seed_and_counter():
     b = hash_exponential(torch.tensor([6, 5]), torch.tensor([0, 0]), 4000)
     assert torch.equal(a[0], b[1]) and torch.equal(a[2], b[0]) and not torch.equal(a[0], a[1])
     assert (a > 0).all() and abs(float(a.mean()) - 1.0) < 0.05 and abs(float(a.std()) - 1.0) < 0.05
+
+
+def test_seeded_rows_sample_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=4) for s in range(n)]
+    rp = RowParams.build(params, [0] * n, [1] * n, (), vocab_size=4, max_len=64, device=torch.device("cpu"))
+    tokens, logprobs = Sampler(device=torch.device("cpu"), seed=0).sample_rows(probs.log().repeat(n, 1), rp)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.03)
+    assert torch.allclose(logprobs, probs.log()[tokens], atol=1e-6)
