@@ -213,9 +213,13 @@ class ClusterSection:
             from areno.launch.allocation import AllocationModeError, parse_allocation_mode
 
             try:
-                parse_allocation_mode(self.allocation_mode)
+                alloc = parse_allocation_mode(self.allocation_mode)
             except AllocationModeError as exc:
                 raise ConfigError(f"cluster.allocation_mode: {exc}") from None
+            _check(len(alloc.groups) > 1 or alloc.world_size == 1, "cluster.allocation_mode",
+                   f"{self.allocation_mode!r} asks for {alloc.world_size} devices without a '+', but a colocated run "
+                   "is one process on one device: use d1 (e.g. 'areno:d1|fsdp:d1') or '+' to give rollout and "
+                   "training devices of their own")
         if (self.train_devices is None) != (self.rollout_devices is None):
             raise ConfigError("cluster.train_devices and cluster.rollout_devices must be set together")
 

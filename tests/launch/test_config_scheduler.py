@@ -1,4 +1,5 @@
-"""`cluster.scheduler` / `cluster.scheduler_options` pick the partitioned engine's scheduler."""
+"""`cluster.scheduler` / `cluster.scheduler_options` pick the partitioned engine's scheduler; the cluster
+section's launch checks."""
 
 import sys
 
@@ -35,9 +36,12 @@ def _one_line(exc_info) -> str:
         (["cluster.scheduler=ray", *PARTITIONED, "cluster.scheduler_options={ray_placement_strategy: FILL}"],
          r"^cluster.scheduler_options.ray_placement_strategy must be one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD; "
          r"got 'FILL'$"),
+        (["cluster.allocation_mode=areno:d2|fsdp:d2"],
+         r"^cluster.allocation_mode: 'areno:d2\|fsdp:d2' asks for 2 devices without a '\+', but a colocated run is "
+         r"one process on one device: use d1"),
     ],
 )
-def test_bad_scheduler_config_is_one_line(overrides, message):
+def test_bad_cluster_config_is_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
         _cluster(*overrides)
     _one_line(info)

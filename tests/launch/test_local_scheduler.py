@@ -57,7 +57,8 @@ def test_calls_are_ordered_per_worker(sched):
 
 
 def test_remote_error_names_worker(sched):
-    with pytest.raises(WorkerError, match=r"actor\[0\] \(pid \d+ on .*\) fail raised ValueError: boom") as info:
+    # both workers raise; call() raises the first failure to arrive (fail-fast gather)
+    with pytest.raises(WorkerError, match=r"actor\[[01]\] \(pid \d+ on .*\) fail raised ValueError: boom") as info:
         sched.call("actor", "fail", "boom")
     assert "ValueError: boom" in info.value.remote_traceback
 
