@@ -31,6 +31,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -220,11 +221,18 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
                for s in range(args.warmup + args.steps)]
     results = []
     for i, variant in enumerate(args.variants):
-        results.append(gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops,
-                                       profile=args.profile and i == 0))
-    base = results[0]["tokens_per_s"]
-    for r in results:
-        r["speedup_vs_first_variant"] = round(r["tokens_per_s"] / base, 3)
+        # A failing variant (e.g. a compiler error) is recorded and the run goes on to the next one.
+        try:
+            results.append(gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops,
+                                           profile=args.profile and i == 0))
+        except Exception as e:  # noqa: BLE001
+            results.append({"model": name, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            gc.collect()
+            torch.cuda.empty_cache()
+    if "tokens_per_s" in results[0]:
+        for r in results:
+            if "tokens_per_s" in r:
+                r["speedup_vs_first_variant"] = round(r["tokens_per_s"] / results[0]["tokens_per_s"], 3)
     return results
 
 
