@@ -1,4 +1,4 @@
-"""TP=2 over gloo (two spawned processes) generates the same tokens as TP=1."""
+"""TP=2 over gloo (two spawned processes, multi-step decode) generates the same tokens as TP=1."""
 
 import os
 import socket
@@ -25,7 +25,9 @@ def _worker(rank: int, port: int, model_dir: str, new_dir: str, out_dir: str) ->
         from safetensors.torch import load_file
 
         model, cfg = load_tp_model(model_dir)
-        eng = TensorParallelRolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4), eos_token_ids=())
+        # Multi-step decode on the TP ranks (the TP=1 reference below runs one step per round trip).
+        eng = TensorParallelRolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, decode_steps=4),
+                                          eos_token_ids=())
         prompts = random_prompts(4, seed=30)
         greedy = eng.generate(prompts, GREEDY)
         seeded = eng.generate(prompts[:2], SEEDED)
