@@ -239,6 +239,7 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
 def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops, *, profile: bool) -> dict:
     compile_, attn = parse_variant(variant)
     decoder_module.CUDA_AUTO_IMPL = attn
+    torch._dynamo.reset()  # each variant compiles for itself: first_step_s and dynamo_graphs are its own
     torch.cuda.reset_peak_memory_stats()
     graphs_before = dynamo_graphs()
     backend = build_backend(model_dir, "cuda", args.backend, args.mb_tokens,
