@@ -225,7 +225,12 @@ class ArenoEngine:
         elif self.recipe.online:
             samples = self.ledger.take(cfg.rollout.batch_size)
             seqs = [self.ledger.lookup(s)[0] for s in samples]
+            engine = getattr(self, "rollout_engine", None)  # the partitioned engine's lives elsewhere
+            if engine is not None:  # start the engine on the whole first burst (see SeedingClient)
+                engine.pause()
+                self.executor.client.hold(lambda: (engine.resume(), self.client.wake()))
             trajectories = self.executor.rollout_batch(samples)
+            self.executor.client.release_now()
             self.ledger.trained(seqs)
             metrics = rollout_metrics(trajectories, self.version)
         else:

@@ -186,18 +186,53 @@ class LedgerWorkflow(RolloutWorkflow):
         return group
 
 
+SETTLE_TURNS = 3
+"""Event-loop turns without a new request after which a held burst of requests is released."""
+
+
 class SeedingClient(RolloutClient):
     """A ``RolloutClient`` wrapper: a request without a seed made inside an episode of
-    ``LedgerWorkflow`` gets the episode's next seed. Everything else is the wrapped client's."""
+    ``LedgerWorkflow`` gets the episode's next seed. Everything else is the wrapped client's.
+
+    ``hold(release)``: the caller has paused the engine; the next burst of requests queues up and
+    ``release`` runs once no new request arrived for ``SETTLE_TURNS`` turns of the event loop.
+    The engine then starts on the whole burst in arrival order, which asyncio makes deterministic,
+    instead of on whatever part of it had arrived when its driver thread woke: on CPU the rounding
+    of a forward pass depends on what shares its batch, so this makes the log-probs of a
+    synchronous single-turn rollout reproducible bit for bit."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self._release: Any = None
+        self._settler: asyncio.Task | None = None
+        self._arrivals = 0
+
+    def hold(self, release: Any) -> None:
+        self._release = release
+
+    def release_now(self) -> None:
+        """Release a held burst that never came (every episode ended without a request)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     async def agenerate(self, prompt_ids: list[int], sampling_params: Any, **kwargs: Any):
         seeds = _EPISODE.get(None)
         if seeds is not None and sampling_params.seed is None and sampling_params.temperature > 0:
             sampling_params = dataclasses.replace(sampling_params, seed=seeds.next())
+        self._arrivals += 1
+        if self._release is not None and self._settler is None:
+            self._settler = asyncio.get_running_loop().create_task(self._asettle())
         return await self.inner.agenerate(prompt_ids, sampling_params, **kwargs)
+
+    async def _asettle(self) -> None:
+        seen, quiet = self._arrivals, 0
+        while quiet < SETTLE_TURNS:
+            await asyncio.sleep(0)
+            quiet = quiet + 1 if self._arrivals == seen else 0
+            seen = self._arrivals
+        self._settler = None
+        self.release_now()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -20,8 +20,8 @@ TRAINED_PROMPTS = "trained_prompts.jsonl"
 
 
 def digit_reward(prompt: str, completion: str, answer, **row) -> float:
-    """A reward that varies inside a group from the first step: the fraction of digits."""
-    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+    """A reward that varies inside almost every group of a random model: a hash of the characters."""
+    return (sum(map(ord, completion)) % 7) / 6
 
 
 def overrides(tmp: Path, run_dir: Path, *extra: str, steps: int = 4, save_interval: int = 2) -> list[str]:
