@@ -193,9 +193,14 @@ class ClusterSection:
     `{ray_address: auto}` (the `ray start --head` cluster here) or `{slurm_partition: gpu}`."""
     cpu_threads: int = 0
     """torch intra-op threads on CPU (0 = torch's default). Tiny models run fastest with 1."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'
+    world: a rank that stalls longer fails the collective with an error instead of hanging the run."""
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
+        _check(self.collective_timeout_s > 0, "cluster.collective_timeout_s",
+               f"must be > 0 seconds, got {self.collective_timeout_s}")
         _check(self.scheduler in ("local", "ray", "slurm"), "cluster.scheduler",
                f"must be one of local, ray, slurm; got {self.scheduler!r}")
         from areno.launch.scheduler import scheduler_config

@@ -7,9 +7,11 @@ and ``n_rollout`` rollout workers (``RolloutWorker``: a ``RolloutEngine`` behind
 HTTP server on 127.0.0.1), all in ONE torch.distributed world (gloo on CPU, NCCL on GPU) with
 separate groups (``areno.engine.cluster``).
 
-    generate_rollout   WorkflowExecutor (here) -> ReplicaRolloutClient -> HTTP /generate on each
-                       rollout replica, round-robin; the rollout engines keep their policy until a
-                       sync completes
+    generate_rollout   WorkflowExecutor (here) -> MultiServerRolloutClient -> HTTP /generate on each
+                       rollout replica, round-robin over those a HealthMonitor holds healthy (a dead
+                       replica's requests go to the others), each request under
+                       rollout.request_timeout_s; the rollout engines keep their policy until a sync
+                       completes
     step               the TokenBatch goes to every training worker; RecipeRunner on each
     update_weights     StreamTransport: training DP rows -> relay rollout rank -> every rollout rank,
                        bucketed, all-or-nothing commit; bracketed by executor pause/resume; the
@@ -21,14 +23,12 @@ separate groups (``areno.engine.cluster``).
 
 from __future__ import annotations
 
-import asyncio
-import itertools
+import datetime
 import logging
 import os
 import pickle
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +36,14 @@ import torch
 
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
-from areno.api.types import GenerationOutput, SamplingParams
 from areno.engine.api import ArenoEngine, prepare_model_dir, resolve_recipe
 from areno.engine.cluster import ClusterLayout, LayoutError, build_groups, estimate_memory, layout_from_config, validate_memory
-from areno.rollout.client import HTTPRolloutClient, RolloutClient
+from areno.rollout.client import MultiServerRolloutClient
+from areno.rollout.health import HealthMonitor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PartitionedArenoEngine", "ReplicaRolloutClient", "RolloutWorker", "TrainWorker",
+__all__ = ["PartitionedArenoEngine", "RolloutWorker", "TrainWorker",
            "WorkerLostError", "is_partitioned", "kv_tokens_for"]
 
 class WorkerLostError(RuntimeError):
@@ -97,7 +97,7 @@ def _init_world(config: ArenoConfig) -> str:
         # The world is gloo even on GPU: overlapping device lists put two ranks on one GPU, which
         # an NCCL communicator must never hold. NCCL lives in the subgroups (build_groups and the
         # stream transport's data plane), whose members are on distinct GPUs by construction.
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.cluster.collective_timeout_s))
     return device_type
 
 
@@ -140,6 +140,8 @@ class TrainWorker:
                 tp_size=layout.train_tp, dp_replicate_size=layout.train_dp_replicate,
             ), mesh=self.groups.train_mesh, group=self.groups.train_group)
             backend.initialize(role_dir)
+            backend.max_consecutive_skips = cfg.train.max_consecutive_skips
+            backend.role_name = role.name
             backends[role.name] = backend
         self.runner = RecipeRunner(recipe, backends)
         synced = self.runner.roles_to_sync()
@@ -259,58 +261,6 @@ class RolloutWorker:
 
 
 # =========================================================================== client
-class ReplicaRolloutClient(RolloutClient):
-    """Forwards ``agenerate`` to the rollout replicas over HTTP, round-robin; a replica that
-    cannot be reached is skipped (the request goes to the next one)."""
-
-    def __init__(self, urls: list[str], *, timeout_s: float = 3600.0) -> None:
-        if not urls:
-            raise ValueError("ReplicaRolloutClient needs at least one rollout replica URL")
-        self.urls = list(urls)
-        self.timeout_s = timeout_s
-        self._next = itertools.count()
-        self._per_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.requests_per_replica = [0] * len(urls)
-
-    def _clients(self) -> list[HTTPRolloutClient]:
-        loop = asyncio.get_running_loop()
-        clients = self._per_loop.get(loop)
-        if clients is None:  # httpx clients belong to one event loop
-            clients = [HTTPRolloutClient(u, timeout_s=self.timeout_s) for u in self.urls]
-            self._per_loop[loop] = clients
-        return clients
-
-    async def agenerate(self, prompt_ids: list[int], sampling_params: SamplingParams, *,
-                        request_id: str | None = None) -> GenerationOutput:
-        import httpx
-
-        clients = self._clients()
-        first = next(self._next) % len(clients)
-        err: Exception | None = None
-        for k in range(len(clients)):
-            i = (first + k) % len(clients)
-            try:
-                out = await clients[i].agenerate(prompt_ids, sampling_params, request_id=request_id)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
-                err = e
-                logger.warning("rollout replica %s unreachable (%s); trying the next one", self.urls[i], e)
-                continue
-            self.requests_per_replica[i] += 1
-            return out
-        raise RuntimeError(f"no rollout replica reachable ({', '.join(self.urls)}): {err}")
-
-    def wake(self) -> None:
-        """Nothing to wake here: each worker's server wakes its own driver after a sync."""
-
-    def close(self) -> None:
-        self._per_loop = weakref.WeakKeyDictionary()
-
-    async def aclose(self) -> None:
-        clients = self._per_loop.pop(asyncio.get_running_loop(), [])
-        for c in clients:
-            await c.aclose()
-
-
 # =========================================================================== controller
 class PartitionedArenoEngine(ArenoEngine):
     """ArenoEngine's public methods over separate training and rollout workers (see module doc)."""
@@ -404,11 +354,19 @@ class PartitionedArenoEngine(ArenoEngine):
         # checkpoints (DCP, written by the training ranks) and exports go under run_dir: every node must see it
         check_shared_storage([str(self.run_dir)], self.scheduler)
         urls = self.scheduler.call("rollout", "url")
-        self.client = ReplicaRolloutClient([urls[r - layout.n_train] for r in layout.replica_leaders()])
+        replica_urls = [urls[r - layout.n_train] for r in layout.replica_leaders()]
+        self.health = HealthMonitor(replica_urls).start()
+        self.client = MultiServerRolloutClient(replica_urls, request_timeout_s=cfg.rollout.request_timeout_s,
+                                               health=self.health)
         self.executor = self._build_executor()
         self.asynchronous = cfg.rollout.max_head_offpolicyness > 0
 
     # ----------------------------------------------------------------------------- the loop
+    def generate_rollout(self, rollout_id: int) -> RolloutBatch:
+        rollout = super().generate_rollout(rollout_id)
+        rollout.metrics.update(self.health.metrics())
+        return rollout
+
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
         results = self.scheduler.call("train", "step", pickle.dumps(rollout.batch))
         metrics = {f"train/{k}": v for k, v in results[0].items()}
@@ -481,6 +439,8 @@ class PartitionedArenoEngine(ArenoEngine):
     def shutdown(self) -> None:
         if self.executor is not None:
             self.executor.stop()
+        if getattr(self, "health", None) is not None:
+            self.health.stop()
         if self.scheduler is not None:
             for role in ("rollout", "train"):
                 if role in self.scheduler.roles:

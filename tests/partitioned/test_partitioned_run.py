@@ -63,7 +63,10 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
         engine.shutdown()
 
     for (r_ref, m_ref), (r_got, m_got) in zip(ref, got):
-        assert set(r_got.metrics) == set(r_ref.metrics)
+        # the same keys, plus the health monitor's view of the rollout replicas
+        health = {"rollout/healthy_servers", "rollout/unhealthy_servers", "rollout/server_0_healthy"}
+        assert set(r_got.metrics) == set(r_ref.metrics) | health
+        assert r_got.metrics["rollout/healthy_servers"] == 1.0 and r_got.metrics["rollout/unhealthy_servers"] == 0.0
         assert set(m_got) == set(m_ref), set(m_got) ^ set(m_ref)
         assert all(isinstance(v, float) and v == v for v in m_got.values())  # finite floats, no NaN
         assert r_got.batch.input_ids_T.numel() > 0 and len(r_got.trajectories) == 2 * 4
@@ -118,7 +121,7 @@ def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
             assert "train/policy/loss" in metrics
         assert rows[1][1]["policy_sync_bytes"] > 0
         # both replicas served requests (round-robin)
-        assert all(n > 0 for n in engine.client.requests_per_replica)
+        assert all(n > 0 for n in engine.client.requests_per_server)
         ckpt = tmp_path / "ckpt"
         engine.save(ckpt, {"step": 2})
         assert (ckpt / "COMPLETE").exists() and (ckpt / "hf" / "config.json").exists()
@@ -151,7 +154,7 @@ def test_dead_rollout_replica_requests_rerouted_then_sync_refused(tmp_path):
         assert len(rollout.trajectories) == 2 * 4
         prompts = [t.info.get("prompt") for t in rollout.trajectories]
         assert all(prompts.count(p) == 4 for p in prompts)  # two groups of 4, nothing duplicated
-        assert engine.client.requests_per_replica[1] == 0 and engine.client.requests_per_replica[0] == 8
+        assert engine.client.requests_per_server[1] == 0 and engine.client.requests_per_server[0] == 8
         engine.step(rollout)
         with pytest.raises(WorkerLostError, match=r"^rollout\[1\] \(pid \d+\) died"):
             engine.update_weights()
