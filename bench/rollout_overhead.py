@@ -113,6 +113,12 @@ def _fake_graph_runner(engine, max_batch: int):
             pass
 
     class FakeRunner(DecodeGraphRunner):
+        def can_loop(self, *args) -> bool:
+            return False  # the greedy k-step loop graph would also hide the per-step sampling launches
+
+        def _record(self, fn):
+            return _NoReplay(), fn()
+
         def _capture(self, B: int, N: int) -> _Graph:
             e = self.engine
             logits_BV = torch.randn(B, e.vocab_size, generator=torch.Generator().manual_seed(B)).to(e.device)

@@ -9,8 +9,11 @@ static tensors — token ids, context lengths, block tables — and everything e
 slots, masks, the forward pass and the logits) is computed inside the graph. A multi-step decode
 (``RolloutEngineConfig.decode_steps``) replays the graph k times, writing each step's sampled tokens
 into the static ids and advancing the context lengths on the device between replays (sampling runs
-eagerly on the device between replays: no host round trip until the k steps are done). Padding rows use the KV
-cache's scratch block, so they never touch a live sequence's K/V.
+eagerly on the device between replays: no host round trip until the k steps are done). When every
+row is greedy and no ``min_new_tokens`` suppression is pending (benchmarks, evaluation), the whole
+k-step loop — forwards, argmax, log-probs, stop-id / length checks, feeding tokens back — is one
+graph keyed ``(B_pad, N_pad, k, S)`` (S: stop ids per row): one replay per host round trip. Padding
+rows use the KV cache's scratch block, so they never touch a live sequence's K/V.
 
 Weights are updated in place (same addresses), so graphs survive ``update_weights``; ``sleep()``
 frees the KV tensors and therefore drops every graph (they are re-captured after ``wake()``).
@@ -19,7 +22,7 @@ frees the KV tensors and therefore drops every graph (they are re-captured after
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -32,11 +35,29 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: Any
+    """A ``torch.cuda.CUDAGraph`` (anything with ``replay()``)."""
     ids_ctx_2B: torch.Tensor
     """Static input: row 0 the token ids, row 1 the context lengths."""
     bt_BN: torch.Tensor
     logits_BV: torch.Tensor
+
+
+@dataclass
+class _LoopGraph:
+    """k greedy decode steps in one graph."""
+
+    graph: Any
+    ids_ctx_2B: torch.Tensor
+    bt_BN: torch.Tensor
+    room_B: torch.Tensor
+    """Static input: tokens each row may still sample before its length limit."""
+    stop_ids_BS: torch.Tensor
+    stop_valid_BS: torch.Tensor
+    tokens_KB: torch.Tensor
+    logprobs_KB: torch.Tensor
+    keep_B: torch.Tensor
+    """Outputs: each step's tokens and log-probs, and how many of each row's tokens are real."""
 
 
 def padded_batch_size(n: int) -> int:
@@ -59,6 +80,7 @@ class DecodeGraphRunner:
         self.max_batch = max_batch
         self.max_blocks = -(-engine.max_model_len // engine.config.block_size)
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._loops: dict[tuple[int, int, int, int], _LoopGraph] = {}
         self._pool = None
 
     def can_run(self, batch: "ScheduledBatch") -> bool:
@@ -66,36 +88,72 @@ class DecodeGraphRunner:
 
     def capture(self, batch_sizes: list[int], max_len: int) -> int:
         """Capture ahead of time every graph that decode batches of these sizes with contexts up
-        to ``max_len`` tokens can need (as a server does at start-up). Returns the graph count."""
+        to ``max_len`` tokens can need (as a server does at start-up): the one-step graphs and,
+        with ``decode_steps`` > 1, the greedy k-step loops for rows with at most one stop id.
+        Returns the graph count."""
         bs = self.engine.config.block_size
         n_max = padded_num_blocks(min(-(-max_len // bs), self.max_blocks))
         widths = sorted({padded_num_blocks(n) for n in range(1, n_max + 1)})
+        k = self.engine.decode_steps
         for b in sorted({padded_batch_size(min(b, self.max_batch)) for b in batch_sizes}):
             for n in widths:
                 if (b, n) not in self._graphs:
                     self._capture(b, n)
-        return len(self._graphs)
+                if k > 1 and (b, n, k, 1) not in self._loops:  # greedy loops with <= 1 stop id per row
+                    self._capture_loop(b, n, k, 1)
+        return len(self._graphs) + len(self._loops)
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._loops.clear()
         self._pool = None
+
+    def can_loop(self, batch: "ScheduledBatch", greedy_without_suppression: bool, k: int) -> bool:
+        """Whether ``run_loop`` can do this round trip: every row greedy, no ``min_new_tokens``
+        pending, the engine's full ``decode_steps`` and its own (not a TP-overridden) sampler."""
+        from areno.rollout.engine import RolloutEngine
+
+        e = self.engine
+        return (greedy_without_suppression and k == e.decode_steps and k > 1 and self.can_run(batch)
+                and type(e)._sample_rows is RolloutEngine._sample_rows)
+
+    def run_loop(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int], room: torch.Tensor,
+                 stop_ids_BS: torch.Tensor, stop_valid_BS: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+        """k greedy decode steps in one replay. Returns token ids and log-probs [k, B] and the
+        number of real tokens per row [B] (views of the graph's outputs: copy them before the next
+        replay)."""
+        B, S = len(batch.seqs), stop_ids_BS.shape[1]
+        Bp, Np = self._key(batch)
+        g = self._loops.get((Bp, Np, k, S)) or self._capture_loop(Bp, Np, k, S)
+        self._load(g, batch, ids, ctx, Bp, Np)
+        g.room_B[:B].copy_(room, non_blocking=True)
+        g.stop_ids_BS[:B].copy_(stop_ids_BS, non_blocking=True)
+        g.stop_valid_BS[:B].copy_(stop_valid_BS, non_blocking=True)
+        g.graph.replay()
+        return g.tokens_KB[:, :B], g.logprobs_KB[:, :B], g.keep_B[:B]
+
+    def _key(self, batch: "ScheduledBatch") -> tuple[int, int]:
+        return (padded_batch_size(len(batch.seqs)),
+                min(padded_num_blocks(batch.max_blocks), padded_num_blocks(self.max_blocks)))
+
+    def _load(self, g: "_Graph | _LoopGraph", batch: "ScheduledBatch", ids: list[int], ctx: list[int],
+              Bp: int, Np: int) -> None:
+        # Block tables come from the scheduler's persistent tensor (padded with the scratch block,
+        # padding rows all scratch); token ids and context lengths travel as one [2, Bp] copy.
+        bt = self.engine.scheduler.block_tables_for(batch.rows, width=Np, batch_size=Bp)
+        pad = Bp - len(ids)
+        inputs = torch.tensor([ids + [0] * pad, ctx + [1] * pad], dtype=torch.long)
+        g.ids_ctx_2B.copy_(inputs, non_blocking=True)
+        g.bt_BN.copy_(bt, non_blocking=True)
 
     def prepare(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int]) -> tuple[_Graph, torch.Tensor, torch.Tensor]:
         """Load a decode batch into its graph's static inputs. Returns the graph and views of its
         token ids and context lengths for the batch's rows (the engine advances them in place
         between replays of a multi-step decode); ``replay`` returns the logits."""
         B = len(batch.seqs)
-        n_blocks = batch.max_blocks
-        key = (padded_batch_size(B), min(padded_num_blocks(n_blocks), padded_num_blocks(self.max_blocks)))
+        key = self._key(batch)
         g = self._graphs.get(key) or self._capture(*key)
-        Bp, Np = key
-        # Block tables come from the scheduler's persistent tensor (padded with the scratch block,
-        # padding rows all scratch); token ids and context lengths travel as one [2, Bp] copy.
-        bt = self.engine.scheduler.block_tables_for(batch.rows, width=Np, batch_size=Bp)
-        pad = Bp - B
-        inputs = torch.tensor([ids + [0] * pad, ctx + [1] * pad], dtype=torch.long)
-        g.ids_ctx_2B.copy_(inputs, non_blocking=True)
-        g.bt_BN.copy_(bt, non_blocking=True)
+        self._load(g, batch, ids, ctx, *key)
         return g, g.ids_ctx_2B[0, :B], g.ids_ctx_2B[1, :B]
 
     @staticmethod
@@ -117,26 +175,68 @@ class DecodeGraphRunner:
         hidden_BD = e.model(ids_B, (ctx_B - 1).clamp(max=e.max_position - 1), attn)
         return e._logits(hidden_BD)
 
-    @torch.no_grad()
-    def _capture(self, B: int, N: int) -> _Graph:
+    def _record(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        """Capture ``fn`` (reading and writing static tensors only) as a CUDA graph in the shared
+        pool, after two warm-up runs (lazy tables, kernel selection). Returns (graph, outputs)."""
         dev = self.engine.device
-        ids_ctx_2B = torch.ones(2, B, dtype=torch.long, device=dev)
-        ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
-        bt_BN = torch.full((B, N), self.engine.cache.scratch_block, dtype=torch.long, device=dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up (lazy tables, kernel selection) outside the graph
+        with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(ids_B, ctx_B, bt_BN)
+                fn()
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the engine's driver thread captures while, colocated and asynchronous, the
-        # trainer's thread keeps launching work on the same GPU; the default (global) mode would
-        # let that work invalidate the capture (cudaErrorStreamCaptureInvalidated)
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits_BV = self._forward(ids_B, ctx_B, bt_BN)
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = fn()
+        return graph, out
+
+    def _static_inputs(self, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.engine.device
+        ids_ctx_2B = torch.ones(2, B, dtype=torch.long, device=dev)
+        bt_BN = torch.full((B, N), self.engine.cache.scratch_block, dtype=torch.long, device=dev)
+        return ids_ctx_2B, bt_BN
+
+    @torch.no_grad()
+    def _capture(self, B: int, N: int) -> _Graph:
+        ids_ctx_2B, bt_BN = self._static_inputs(B, N)
+        graph, logits_BV = self._record(lambda: self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN))
         g = _Graph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, logits_BV=logits_BV)
         self._graphs[(B, N)] = g
+        return g
+
+    @torch.no_grad()
+    def _capture_loop(self, B: int, N: int, k: int, S: int) -> _LoopGraph:
+        dev = self.engine.device
+        ids_ctx_2B, bt_BN = self._static_inputs(B, N)
+        room_B = torch.ones(B, dtype=torch.long, device=dev)  # padding rows: done after one step
+        stop_ids_BS = torch.zeros(B, S, dtype=torch.long, device=dev)
+        stop_valid_BS = torch.zeros(B, S, dtype=torch.bool, device=dev)
+
+        def loop() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
+            keep_B = torch.full((B,), k, dtype=torch.long, device=dev)
+            alive_B = torch.ones(B, dtype=torch.bool, device=dev)
+            tokens, logprobs = [], []
+            for j in range(k):
+                logits_BV = self._forward(ids_B, ctx_B, bt_BN).float()
+                tokens_B = logits_BV.argmax(dim=-1)
+                # As ``Sampler.sample_rows`` for greedy rows (T = 1, nothing suppressed).
+                logprobs_B = torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
+                tokens.append(tokens_B)
+                logprobs.append(logprobs_B)
+                hit_B = ((tokens_B[:, None] == stop_ids_BS) & stop_valid_BS).any(dim=1)
+                done_B = hit_B | (room_B <= j + 1)
+                keep_B = torch.where(done_B & alive_B, j + 1, keep_B)
+                alive_B = alive_B & ~done_B
+                if j + 1 < k:
+                    ids_B.copy_(tokens_B)
+                    ctx_B.add_(1)
+            return torch.stack(tokens), torch.stack(logprobs), keep_B
+
+        graph, (tokens_KB, logprobs_KB, keep_B) = self._record(loop)
+        g = _LoopGraph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, room_B=room_B, stop_ids_BS=stop_ids_BS,
+                       stop_valid_BS=stop_valid_BS, tokens_KB=tokens_KB, logprobs_KB=logprobs_KB, keep_B=keep_B)
+        self._loops[(B, N, k, S)] = g
         return g

@@ -373,6 +373,9 @@ class RolloutEngine:
         ids = [s.token_ids[-1] for s in seqs]
         ctx = [len(s.token_ids) for s in seqs]
         graph = None
+        if self._graphs is not None and self._graphs.can_loop(batch, rp.all_greedy and not rp.any_min_new, k):
+            # The whole k-step greedy loop is one graph replay.
+            return self._graphs.run_loop(batch, ids, ctx, rp.room_B, rp.stop_ids_BS, rp.stop_valid_BS, k)
         if self._graphs is not None and self._graphs.can_run(batch):
             graph, ids_B, ctx_B = self._graphs.prepare(batch, ids, ctx)
         else:

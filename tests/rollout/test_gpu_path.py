@@ -77,60 +77,66 @@ def test_warmup_captures_every_bucket_then_generation_reuses_them():
 
     model, cfg = make_model(0)
     eng = RolloutEngine(model.cuda(), cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=())
-    n = eng.warmup_cuda_graphs([5], max_len=40)  # batch bucket 8; 10 blocks -> widths 1, 2, 4, 8, 16
-    assert n == 5
+    # Batch bucket 8; 10 blocks -> widths 1, 2, 4, 8, 16; one-step graphs and 8-step greedy loops.
+    n = eng.warmup_cuda_graphs([5], max_len=40)
+    assert n == 10
     eng.generate(random_prompts(5, seed=41, lo=4, hi=10), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
-    assert len(eng._graphs._graphs) == 5
+    assert len(eng._graphs._graphs) == 5 and len(eng._graphs._loops) == 5
 
 
 class _EagerReplay:
-    """Stands in for a CUDA graph on CPU: ``replay()`` runs the captured function on the static inputs."""
+    """Stands in for a CUDA graph on CPU: ``replay()`` runs the captured function again and copies
+    its results into the outputs the capture returned."""
 
     def __init__(self, fn, out) -> None:
         self.fn, self.out = fn, out
 
     def replay(self) -> None:
-        self.out.copy_(self.fn())
+        new = self.fn()
+        for dst, src in zip(*((self.out, new) if isinstance(self.out, tuple) else ((self.out,), (new,)))):
+            dst.copy_(src)
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
-def test_graph_runner_inputs_on_cpu(decode_steps):
-    """The graph runner's per-step inputs (block-table rows from the scheduler's tensor, padding
-    rows, ids and context lengths, advanced in place by a multi-step decode) give the eager
-    one-step engine's tokens, with requests joining and leaving."""
-    from areno.rollout.cuda_graph import DecodeGraphRunner, _Graph
+@pytest.mark.parametrize("decode_steps,mode", [(1, "mixed"), (4, "mixed"), (4, "greedy_eos")])
+def test_graph_runner_inputs_on_cpu(decode_steps, mode):
+    """The graph runner's static inputs (block-table rows from the scheduler's tensor, padding rows,
+    ids and context lengths, advanced in place by a multi-step decode; the greedy k-step loop with
+    its stop ids and length limits) give the eager one-step engine's tokens, with requests joining
+    and leaving. Capture is emulated by re-running the recorded function."""
+    from areno.rollout.cuda_graph import DecodeGraphRunner
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
     class EagerRunner(DecodeGraphRunner):
-        def _capture(self, B, N):
-            e = self.engine
-            ids_ctx_2B = torch.ones(2, B, dtype=torch.long)
-            bt_BN = torch.full((B, N), e.cache.scratch_block, dtype=torch.long)
-            logits_BV = torch.empty(B, e.vocab_size)
-            fn = lambda: self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN)  # noqa: E731
-            g = _Graph(graph=_EagerReplay(fn, logits_BV), ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, logits_BV=logits_BV)
-            self._graphs[(B, N)] = g
-            return g
+        def _record(self, fn):
+            out = fn()
+            return _EagerReplay(fn, out), out
 
     model, cfg = make_model(0)
     prompts = random_prompts(13, seed=42)
     lengths = [5 + 3 * i for i in range(13)]  # requests finish at different steps
-    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lengths]
-    # Seeded sampling rows too: their noise depends on (seed, tokens generated) only.
-    params[1::3] = [SamplingParams(temperature=0.8, top_k=10, max_new_tokens=n, ignore_eos=True, seed=n)
-                    for n in lengths[1::3]]
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=mode == "mixed") for n in lengths]
+    eos = ()
+    if mode == "mixed":  # seeded sampling rows too: their noise depends on (seed, tokens generated) only
+        params[1::3] = [SamplingParams(temperature=0.8, top_k=10, max_new_tokens=n, ignore_eos=True, seed=n)
+                        for n in lengths[1::3]]
+    else:  # all greedy: the k-step loop graph, with an EOS that ends some requests early
+        eos = (17,)
     outs = {}
     for graphs in (False, True):
         eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
             block_size=4, num_blocks=64, max_num_seqs=6, max_model_len=70, decode_steps=decode_steps if graphs else 1),
-            eos_token_ids=())
+            eos_token_ids=eos)
         if graphs:
             eng._graphs = EagerRunner(eng, max_batch=6)
         outs[graphs] = eng.generate(prompts, params)
         if graphs:
-            assert eng._graphs._graphs, "the graph path was never taken"
+            assert eng._graphs._graphs or eng._graphs._loops, "the graph path was never taken"
+            assert mode != "greedy_eos" or eng._graphs._loops, "the k-step loop graph was never taken"
             assert eng.scheduler.block_tables_RN.eq(eng.cache.scratch_block).all()  # every row released
     assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
+    assert [o.finish_reason for o in outs[True]] == [o.finish_reason for o in outs[False]]
+    if mode == "greedy_eos":
+        assert {o.finish_reason for o in outs[True]} == {"stop", "length"}
     for a, b in zip(outs[True], outs[False]):
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
 
