@@ -89,18 +89,19 @@ class DecodeGraphRunner:
     def capture(self, batch_sizes: list[int], max_len: int) -> int:
         """Capture ahead of time every graph that decode batches of these sizes with contexts up
         to ``max_len`` tokens can need (as a server does at start-up): the one-step graphs and,
-        with ``decode_steps`` > 1, the greedy k-step loops for rows with at most one stop id.
+        with ``decode_steps`` > 1, the greedy k-step loops for rows whose stop ids are the EOS ids.
         Returns the graph count."""
         bs = self.engine.config.block_size
         n_max = padded_num_blocks(min(-(-max_len // bs), self.max_blocks))
         widths = sorted({padded_num_blocks(n) for n in range(1, n_max + 1)})
         k = self.engine.decode_steps
+        S = max(1, len(self.engine.eos_token_ids))  # rows whose only stop ids are the EOS ids
         for b in sorted({padded_batch_size(min(b, self.max_batch)) for b in batch_sizes}):
             for n in widths:
                 if (b, n) not in self._graphs:
                     self._capture(b, n)
-                if k > 1 and (b, n, k, 1) not in self._loops:  # greedy loops with <= 1 stop id per row
-                    self._capture_loop(b, n, k, 1)
+                if k > 1 and (b, n, k, S) not in self._loops:
+                    self._capture_loop(b, n, k, S)
         return len(self._graphs) + len(self._loops)
 
     def clear(self) -> None:
