@@ -189,7 +189,10 @@ class DecodeGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the engine's driver thread captures while, colocated and asynchronous, the
+        # trainer's thread keeps launching work on the same GPU; the default (global) mode would
+        # let that work invalidate the capture (cudaErrorStreamCaptureInvalidated)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn()
         return graph, out
 
