@@ -69,7 +69,7 @@ def _config(tmp_path, *extra):
 
 
 def test_grpo_reward_goes_up(tmp_path):
-    cfg = _config(tmp_path, "reward.fn=test_trainer:sevens", "optim.lr=0.02", "train.steps=12",
+    cfg = _config(tmp_path, "reward.fn=test_trainer:sevens", "reward.sandbox=false", "optim.lr=0.02", "train.steps=12",
                   "train.eval_interval=0", "train.seed=1", "observe.trace=true")
     trainer = Trainer.init(cfg)
     try:
@@ -108,7 +108,7 @@ def test_pipeline_warm_start_and_export_loads_in_transformers(tmp_path):
 
 
 def test_reward_that_raises_is_counted_not_fatal(tmp_path, caplog):
-    cfg = _config(tmp_path, "reward.fn=test_trainer:exploding", "train.steps=1", "train.eval_interval=0")
+    cfg = _config(tmp_path, "reward.fn=test_trainer:exploding", "reward.workers=1", "train.steps=1", "train.eval_interval=0")
     trainer = Trainer.init(cfg)
     try:
         rollout = trainer.rollout_token_batch(0)
