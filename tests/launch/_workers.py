@@ -94,36 +94,6 @@ class TrainerWorker:
         return [json.loads(line) for line in (Path(self.cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def serial_rlvr_workflow(**kwargs):
-    """``RLVRWorkflow`` whose generation requests reach the rollout engine one at a time, in the
-    order the episodes issue them, so every engine step sees the same batch whatever the thread
-    timing. The stock workflow sends all requests at once and the engine's driver thread admits
-    them as they come: the batch composition of each step then depends on timing, and so do the
-    shared sampling generator's draws and, on CPU, the last bits of the log-probs (the forward is
-    not batch-invariant). That makes two runs on the same scheduler differ, not only two schedulers.
-    (A factory: the areno import waits until a worker builds the workflow.)"""
-    import asyncio
-
-    from areno.workflows.rlvr import RLVRWorkflow
-
-    class SerialRLVRWorkflow(RLVRWorkflow):
-        async def run_episode(self, client, sample):
-            if getattr(self, "_lock", None) is None:
-                self._lock = asyncio.Lock()  # FIFO: requests are served in the order they were issued
-            return await super().run_episode(_SerialClient(client, self._lock), sample)
-
-    return SerialRLVRWorkflow(**kwargs)
-
-
-class _SerialClient:
-    def __init__(self, client, lock) -> None:
-        self.client, self.lock = client, lock
-
-    async def agenerate(self, prompt_ids, sampling_params, *, request_id=None):
-        async with self.lock:
-            return await self.client.agenerate(prompt_ids, sampling_params, request_id=request_id)
-
-
 def digits(prompt, completion, answer, **row):
     """A dense reward for the tiny GRPO runs: the fraction of digit characters in the completion."""
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)

@@ -1,14 +1,13 @@
 """The same tiny GRPO run through the LocalScheduler and the RayScheduler gives identical metrics.
 
-Why the run serialises its generation requests (``serial_rlvr_workflow``): with the stock
-workflow the rollout engine's driver thread admits requests as they arrive, so which requests
-share an engine step depends on thread timing. Requests without a seed share one sampling
-generator (their draws depend on the batch), and on CPU the log-probs of a row change in their
-last bits with the batch it sits in. Two runs then differ from the second rollout on, on the SAME
-scheduler: measured, two LocalScheduler runs had step-2 batches of 16, 15, 15, 15 sequences
-against 2, 2, 2, 16, 13, ... and step-2 reward means 0.208 vs 0.172 (bench/RESULTS.md). Nothing
-in the schedulers differs (threads, env, CPU capability are checked equal below); with a fixed
-batch sequence the runs agree bit for bit.
+The drift this test once allowed (step-2 losses ~1e-8 apart, grad_norm a few % apart) was not the
+scheduler: which requests shared a rollout-engine step depended on thread timing (the engine's
+driver thread admitted requests as they arrived), requests without a seed shared one sampling
+generator, and on CPU a row's log-probs change in their last bits with the batch it sits in, so
+two LocalScheduler runs differed as much (bench/RESULTS.md). Synchronous rollouts now start the
+engine on the whole burst with per-episode seeds (``areno.engine.ledger.SeedingClient``), and the
+runs agree bit for bit. Evaluation still sends its greedy requests unheld (timing-dependent
+batches), hence one evaluation prompt here.
 """
 
 import pytest
@@ -22,9 +21,8 @@ def _overrides(root):
         f"run_dir={root / 'run'}", f"model.path={root / 'model'}",
         "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
         "data.task=arithmetic", "data.num_eval=1", "rollout.batch_size=4", "rollout.n_samples=4",
-        "rollout.max_new_tokens=4", "rollout.workflow=tests.launch._workers:serial_rlvr_workflow",
-        "cluster.device=cpu", "observe.console=false", "train.steps=3", "train.eval_interval=0", "train.seed=3",
-        "optim.lr=0.02", "reward.fn=tests.launch._workers:digits",
+        "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false", "train.steps=3",
+        "train.eval_interval=0", "train.seed=3", "optim.lr=0.02", "reward.fn=tests.launch._workers:digits",
     ]
 
 
