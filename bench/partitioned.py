@@ -81,7 +81,7 @@ def arm_config(eta: int, args, work: Path):
         % (args.hidden, args.layers, args.heads, args.kv_heads),
         f"model.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
         "data.task=null", f"data.train_path={work / 'train.jsonl'}", f"data.eval_path={work / 'eval.jsonl'}",
-        "reward.fn=bench.partitioned:parity_reward",
+        "reward.fn=bench.partitioned:parity_reward", "reward.sandbox=false",
         "rollout.workflow=bench.partitioned:LongTailWorkflow",
         f"rollout.batch_size={args.batch_size}", f"rollout.n_samples={args.n_samples}",
         f"rollout.max_new_tokens={args.long_len}", f"rollout.max_head_offpolicyness={eta}",

@@ -124,6 +124,10 @@ class RolloutSection:
     """Retries of a sample whose workflow raised, before it is dropped with a warning."""
     kv_blocks: int = 0
     """Rollout engine KV-cache blocks (0 = sized automatically)."""
+    decode_steps: int = 0
+    """Decode steps the rollout engine runs per host round trip when every sequence is decoding
+    (sampling, stop checks and feedback stay on the device); 0 = the engine's default (8 on CUDA, 1 on
+    CPU). 1 returns to the host after every token."""
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""
@@ -135,6 +139,7 @@ class RolloutSection:
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness",
                f"must be >= 0, got {self.max_head_offpolicyness}")
+        _check(self.decode_steps >= 0, "rollout.decode_steps", f"must be >= 0 (0 = engine default), got {self.decode_steps}")
         _check(self.request_timeout_s >= 0, "rollout.request_timeout_s",
                f"must be >= 0 (0 = no deadline), got {self.request_timeout_s}")
 

@@ -26,6 +26,7 @@ from areno.api.types import SamplingParams, TokenBatch, Trajectory
 from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
+from areno.rewards.sandbox import reward_metrics
 from areno.train import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class ArenoEngine:
         from areno.rollout.client import InProcessRolloutClient
 
         # The one driver of the rollout engine: rollouts and evaluation both go through it.
-        self.client = InProcessRolloutClient(self.rollout_engine)
+        self.client = InProcessRolloutClient(self.rollout_engine, request_timeout_s=cfg.rollout.request_timeout_s)
         self.executor = self._build_executor() if self.recipe.online else None
         self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
 
@@ -170,6 +171,8 @@ class ArenoEngine:
                 trainable=role.trainable, seed=cfg.train.seed, device=self.device.type,
             ))
             backend.initialize(role_dir, wrap_model=role.build().wrap_model)
+            backend.max_consecutive_skips = cfg.train.max_consecutive_skips
+            backend.role_name = role.name
             backends[role.name] = backend
         return RecipeRunner(self.recipe, backends)
 
@@ -182,8 +185,9 @@ class ArenoEngine:
             dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
         dtype = getattr(torch, dtype_name)
         model, model_config = load_model(model_dir, dtype=dtype, device=str(self.device))
-        engine_cfg = RolloutEngineConfig(device=str(self.device), dtype=dtype_name,
-                                         **({"num_blocks": self.config.rollout.kv_blocks} if self.config.rollout.kv_blocks else {}))
+        r = self.config.rollout
+        engine_cfg = RolloutEngineConfig(device=str(self.device), dtype=dtype_name, decode_steps=r.decode_steps or None,
+                                         **({"num_blocks": r.kv_blocks} if r.kv_blocks else {}))
         return RolloutEngine(model, model_config, config=engine_cfg,
                              eos_token_ids=[self.tokenizer.eos_token_id], tokenizer=self.tokenizer)
 
@@ -195,11 +199,11 @@ class ArenoEngine:
 
     def _build_executor(self):
         from areno.api.workflow import load_workflow
-        from areno.rewards.loader import import_object
+        from areno.rewards.loader import load_reward
         from areno.rollout.executor import WorkflowExecutor
 
         cfg = self.config
-        reward_fn = import_object(cfg.reward.fn, what="reward.fn")
+        reward_fn = load_reward(cfg.reward)
         workflow = load_workflow(cfg.rollout.workflow, tokenizer=self.tokenizer, reward_fn=reward_fn,
                                  n_samples=cfg.rollout.n_samples, sampling_params=self._sampling_params(greedy=False),
                                  prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
@@ -238,6 +242,7 @@ class ArenoEngine:
             trajectories = sft_trajectories(rows, self.tokenizer, cfg.data.prompt_key, cfg.data.answer_key)
             metrics = {"rollout/num_seqs": float(len(trajectories)),
                        "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories))}
+        metrics.update(reward_metrics())  # sandboxed rewards: calls, failures by kind, worker restarts
         return RolloutBatch(trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics)
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
@@ -279,11 +284,11 @@ class ArenoEngine:
         """Greedy held-out accuracy (mean reward) of the current rollout policy."""
         if not self.eval_rows:
             return {}
-        from areno.rewards.loader import import_object
+        from areno.rewards.loader import load_reward
         from areno.workflows.common import acall_reward, sample_fields
 
         cfg = self.config
-        reward_fn = import_object(cfg.reward.fn, what="reward.fn")
+        reward_fn = load_reward(cfg.reward)
         prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
         params = self._sampling_params(greedy=True)
         t0 = time.perf_counter()

@@ -208,7 +208,8 @@ class RolloutWorker:
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
             blocks = -(-kv_tokens_for(cfg) // 16)
         self.engine = RolloutEngine(model, model_config, config=RolloutEngineConfig(
-            device=device, dtype=dtype_name, **({"num_blocks": blocks} if blocks else {})),
+            device=device, dtype=dtype_name, decode_steps=cfg.rollout.decode_steps or None,
+            **({"num_blocks": blocks} if blocks else {})),
             eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
                  for n, t in self.engine.weight_tensors().items()}
