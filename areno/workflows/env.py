@@ -209,16 +209,21 @@ class ArithmeticRetryEnv(Environment):
     Reward 1 for the right answer (ending the episode). A wrong answer earns ``format_reward`` ×
     the fraction of digit characters in its first line (0 disables the shaping), which gives a
     model trained from scratch a signal long before its first right sum. With discounting, an
-    early wrong turn that led to a later right one is credited ``gamma``.
+    early wrong turn that led to a later right one is credited ``gamma``. Works for any task with
+    exact answers; ``target_key`` names the row field holding the right answer (e.g. ``"target"``
+    when ``"answer"`` holds a demonstration for the warm start that may be wrong).
     """
 
     FEEDBACK = "\nwrong, try again\n"
 
-    def __init__(self, sample: dict[str, Any], *, format_reward: float = 0.0) -> None:
+    def __init__(self, sample: dict[str, Any], *, format_reward: float = 0.0, target_key: str = "answer") -> None:
         if not 0 <= format_reward < 1:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
+        if target_key not in sample:
+            raise ValueError(f"ArithmeticRetryEnv: row {describe_row(sample)} has no field {target_key!r} "
+                             f"(fields: {sorted(sample)}); set target_key to the field with the right answer")
         self.prompt = sample["prompt"]
-        self.answer = str(sample["answer"]).strip()
+        self.answer = str(sample[target_key]).strip()
         self.format_reward = format_reward
 
     def reset(self, sample: dict[str, Any]) -> str:
@@ -233,14 +238,40 @@ class ArithmeticRetryEnv(Environment):
 
 
 def arithmetic_retry_workflow(*, store: ObservationStore | None = None, horizon: int = 3, gamma: float = 0.5,
-                              format_reward: float = 0.1, **kwargs: Any) -> EnvWorkflow:
+                              format_reward: float = 0.1, target_key: str = "answer", **kwargs: Any) -> EnvWorkflow:
     """``rollout.workflow: areno.workflows.env:arithmetic_retry_workflow``: ``ArithmeticRetryEnv`` on
     the rows' prompt/answer (any task with exact answers), text mode; ``horizon``, ``gamma`` and
-    ``format_reward`` can be set with ``rollout.workflow_kwargs`` (see ``examples/agent_multiturn.yaml``)."""
+    ``format_reward`` and ``target_key`` can be set with ``rollout.workflow_kwargs`` (see
+    ``examples/agent_multiturn.yaml``)."""
     kwargs.pop("reward_fn", None)
-    ArithmeticRetryEnv({"prompt": "", "answer": ""}, format_reward=format_reward)  # validates format_reward now
-    return EnvWorkflow(env_factory=functools.partial(ArithmeticRetryEnv, format_reward=format_reward),
+    ArithmeticRetryEnv({"prompt": "", target_key: ""}, format_reward=format_reward, target_key=target_key)  # validates now
+    env_factory = functools.partial(ArithmeticRetryEnv, format_reward=format_reward, target_key=target_key)
+    return EnvWorkflow(env_factory=env_factory,
                        horizon=horizon, gamma=gamma, mode="text", store=store, **kwargs)
 
 
-__all__ = ["ArithmeticRetryEnv", "EnvWorkflow", "Environment", "Observation", "StepResult", "StoreRef"]
+def sort_retry_rows(num: int, seed: int, *, split: str = "train", min_len: int = 3, max_len: int = 3,
+                    lazy_fraction: float = 0.0) -> list[dict[str, Any]]:
+    """Rows of the shipped sort task (``"sort 627:"``) for ``ArithmeticRetryEnv`` with
+    ``target_key="target"``: ``target`` is the sorted digits; ``answer`` (what a warm start imitates)
+    is the target, or for a ``lazy_fraction`` share of the rows a lazy demonstrator's answer, the
+    digits as given. Train and eval prompts never overlap (``areno.data.tasks.generate_rows``)."""
+    from areno.data.tasks import TaskSpec, generate_rows
+
+    if not 0 <= lazy_fraction <= 1:
+        raise ValueError(f"lazy_fraction must be in [0, 1], got {lazy_fraction}")
+    import random
+
+    rng = random.Random(f"sort_retry/{seed}")
+    rows = generate_rows(TaskSpec(name="sort", kwargs={"min_len": min_len, "max_len": max_len}), split=split,
+                         num=num, seed=seed)
+    out = []
+    for row in rows:
+        given = row["prompt"].removeprefix("sort ").rstrip(":")
+        lazy = rng.random() < lazy_fraction
+        out.append({"prompt": row["prompt"], "answer": given if lazy else row["answer"], "target": row["answer"]})
+    return out
+
+
+__all__ = ["ArithmeticRetryEnv", "EnvWorkflow", "Environment", "Observation", "StepResult", "StoreRef",
+           "arithmetic_retry_workflow", "sort_retry_rows"]

@@ -131,3 +131,30 @@ def test_the_executor_store_reaches_workflows_that_take_one(scripted, char_token
     ref = traj.info["observation_refs"][0]["ref"]
     assert executor.store is wf.store is store and len(store) == 2
     torch.testing.assert_close(ref.fetch(store), torch.arange(1024, dtype=torch.float32))
+
+
+def test_sort_retry_rows_and_target_key(scripted, char_tokenizer):
+    from areno.workflows.env import sort_retry_rows
+
+    rows = sort_retry_rows(200, 0, lazy_fraction=0.6)
+    assert rows == sort_retry_rows(200, 0, lazy_fraction=0.6)
+    for r in rows:
+        given = r["prompt"].removeprefix("sort ").rstrip(":")
+        assert r["target"] == "".join(sorted(given)) and r["answer"] in (given, r["target"])
+    lazy = sum(r["answer"] != r["target"] for r in rows) / len(rows)
+    assert 0.4 < lazy < 0.7  # 0.6 minus the prompts that were already sorted
+    held_out = sort_retry_rows(64, 0, split="eval")
+    assert all(r["answer"] == r["target"] for r in held_out)
+    assert not {r["prompt"] for r in rows} & {r["prompt"] for r in held_out}
+    with pytest.raises(ValueError, match="lazy_fraction"):
+        sort_retry_rows(1, 0, lazy_fraction=2.0)
+    # the environment grades against the target, not the (lazy) demonstration
+    row = {"prompt": "sort 627:", "answer": "627", "target": "267"}
+    wf = arithmetic_retry_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1, reward_fn=None,
+                                   target_key="target", format_reward=0.0, gamma=0.5)
+    (traj,) = asyncio.run(wf.run_episode(scripted(["627", "267"]), row))
+    assert traj.info["turn_rewards"] == [0.0, 1.0] and traj.reward == 0.5
+    with pytest.raises(ValueError, match="has no field 'target'"):
+        ArithmeticRetryEnv({"prompt": "p", "answer": "a"}, target_key="target")
+    with pytest.raises(ValueError, match="format_reward"):
+        arithmetic_retry_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, format_reward=1.5)
