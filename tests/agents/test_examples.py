@@ -20,8 +20,9 @@ def _config(name, tmp_path, *extra):
     return load_config(ROOT / "examples" / f"{name}.yaml", overrides + list(extra))
 
 
-# One example's first step in the default tier (~25 s: Trainer.init dominates), the other in slow.
-@pytest.mark.parametrize("name", ["agent_calculator", pytest.param("agent_multiturn", marks=pytest.mark.slow)])
+# Each example's first GRPO step in the default tier (a few seconds each: imports and Trainer.init
+# dominate); the warm start is skipped (see the slow tests below for whole runs).
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_example_first_step(name, tmp_path):
     cfg = _config(name, tmp_path, "rollout.batch_size=2", "rollout.n_samples=2", "data.num_eval=2",
                   "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}")
