@@ -158,3 +158,16 @@ def test_sort_retry_rows_and_target_key(scripted, char_tokenizer):
         ArithmeticRetryEnv({"prompt": "p", "answer": "a"}, target_key="target")
     with pytest.raises(ValueError, match="format_reward"):
         arithmetic_retry_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, format_reward=1.5)
+
+
+def test_shipped_multiturn_data_is_held_out():
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "examples"
+    train = [json.loads(line) for line in (root / "agent_multiturn_train.jsonl").read_text().splitlines()]
+    held_out = [json.loads(line) for line in (root / "agent_multiturn_eval.jsonl").read_text().splitlines()]
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    for r in train + held_out:
+        assert r["target"] == "".join(sorted(r["prompt"].removeprefix("sort ").rstrip(":")))
+    assert all(r["answer"] == r["target"] for r in held_out)  # the eval reward grades `answer`
