@@ -1,7 +1,7 @@
 """Loading prompts: shipped synthetic tasks or a user's JSONL / Parquet file.
 
 Every row is checked for the prompt field before training starts, so a malformed file fails with
-one line naming the file, the row and the field.
+one line naming the file, the line (JSONL) or row (JSON list, Parquet) and the field.
 """
 
 from __future__ import annotations
@@ -13,36 +13,65 @@ from areno.data.tasks import TaskSpec, generate_rows
 
 
 def load_rows(path: str | Path, *, prompt_key: str) -> list[dict]:
-    """Rows of a ``.jsonl`` / ``.json`` (list) / ``.parquet`` file, validated."""
+    """Rows of a ``.jsonl`` / ``.json`` (list) / ``.parquet`` file, validated.
+
+    A bad row is named by its 1-based line number in a ``.jsonl`` file (``file line N: ...``, blank
+    lines counted, as an editor shows them) and by its 0-based index in a ``.json`` list or a
+    ``.parquet`` table (``file row i: ...``).
+    """
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"dataset file {path} does not exist: set data.train_path / data.eval_path")
+    where: list[str]  # how each row is named in an error
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        text = path.read_text()
-        if path.suffix == ".json":
-            rows = json.loads(text)
-        else:
-            rows = []
-            for lineno, line in enumerate(text.splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
+        where = [f"row {i}" for i in range(len(rows))]
+    elif path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json dataset must be a list of objects, got a {type(rows).__name__} "
+                             f"(or write one object per line as .jsonl)")
+        where = [f"row {i}" for i in range(len(rows))]
+    elif path.suffix == ".jsonl":
+        rows, where = [], []
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
+            where.append(f"line {lineno}")
     else:
         raise ValueError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl, .json or .parquet")
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
-            raise ValueError(
-                f"{path} row {i}: no string field {prompt_key!r} "
-                f"(set data.prompt_key to the field that holds the prompt)"
-            )
+    for row, name in zip(rows, where):
+        if not isinstance(row, dict):
+            problem = f"the row is a JSON {_json_type(row)}, not an object"
+        elif prompt_key not in row:
+            problem = f"fields are {', '.join(map(repr, list(row)[:8])) or 'none'}"
+        elif not isinstance(row[prompt_key], str):
+            problem = f"{prompt_key!r} is {_json_type(row[prompt_key])}, not a string"
+        else:
+            continue
+        raise ValueError(f"{path} {name}: no string field {prompt_key!r} ({problem}; "
+                         f"set data.prompt_key to the field that holds the prompt)")
     return rows
+
+
+def _json_type(value: object) -> str:
+    """JSON's name for ``value``'s type (``null``, ``number``, ``array`` ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
 def build_splits(data_cfg) -> tuple[list[dict], list[dict]]:

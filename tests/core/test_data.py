@@ -71,13 +71,50 @@ def test_jsonl_and_parquet(tmp_path):
 def test_malformed_rows_are_named(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(ValueError, match=r"row 1: no string field 'prompt'"):
+    with pytest.raises(ValueError, match=r"d\.jsonl line 2: no string field 'prompt' \(fields are 'text';"):
         load_rows(path, prompt_key="prompt")
     path.write_text('{"prompt": "a"}\n{oops\n')
     with pytest.raises(ValueError, match="line 2: not valid JSON"):
         load_rows(path, prompt_key="prompt")
     with pytest.raises(ValueError, match="does not exist"):
         load_rows(tmp_path / "missing.jsonl", prompt_key="prompt")
+
+
+def test_jsonl_errors_name_the_line_blank_lines_counted(tmp_path):
+    """JSONL: the 1-based line an editor shows (blank lines count), whatever is wrong with the row."""
+    path = tmp_path / "d.jsonl"
+    for bad, problem in [('{"prompt": 7}', "'prompt' is number, not a string"),
+                         ('{"prompt": null}', "'prompt' is null, not a string"),
+                         ('["prompt", "b"]', "the row is a JSON array, not an object"),
+                         ('"just a string"', "the row is a JSON string, not an object")]:
+        path.write_text('{"prompt": "a"}\n\n\n' + bad + "\n")
+        with pytest.raises(ValueError) as info:
+            load_rows(path, prompt_key="prompt")
+        assert str(info.value) == (f"{path} line 4: no string field 'prompt' ({problem}; "
+                                   "set data.prompt_key to the field that holds the prompt)")
+
+
+def test_json_list_and_parquet_errors_name_the_row_index(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "a"}, {"prompt": "b"}, {"text": "c"}]
+    (tmp_path / "d.json").write_text(json.dumps(rows, indent=2))  # row 2 sits on line 9: the index is named
+    with pytest.raises(ValueError, match=r"d\.json row 2: no string field 'prompt' \(fields are 'text';"):
+        load_rows(tmp_path / "d.json", prompt_key="prompt")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "n": 1}, {"prompt": None, "n": 2}]), tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=r"d\.parquet row 1: no string field 'prompt' \('prompt' is null"):
+        load_rows(tmp_path / "d.parquet", prompt_key="prompt")
+
+
+def test_json_that_is_not_a_list_or_not_json_is_named(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"prompt": "a"}))
+    with pytest.raises(ValueError, match=r"d\.json: a \.json dataset must be a list of objects, got a dict"):
+        load_rows(path, prompt_key="prompt")
+    path.write_text('[{"prompt": "a"},\n oops]')
+    with pytest.raises(ValueError, match=r"d\.json line 2: not valid JSON"):
+        load_rows(path, prompt_key="prompt")
 
 
 def test_build_splits_from_files(tmp_path):

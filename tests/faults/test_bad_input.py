@@ -38,10 +38,14 @@ def _trainer_init(tmp_path: Path, train_path: Path, eval_path: Path | None = Non
 
 @pytest.mark.parametrize("lines, pattern", [
     ([json.dumps(ROWS[0]), "{oops", json.dumps(ROWS[1])], r"line 2: not valid JSON"),
-    ([json.dumps(ROWS[0]), json.dumps({"question": "3+3=", "answer": "6"})], r"row 1: no string field 'prompt'"),
-    ([json.dumps(ROWS[0]), json.dumps({"prompt": 123, "answer": "6"})], r"row 1: no string field 'prompt'"),
-    ([json.dumps(ROWS[0]), json.dumps(["prompt", "answer"])], r"row 1: no string field 'prompt'"),
-    ([json.dumps({"prompt": None})], r"row 0: no string field 'prompt'"),
+    ([json.dumps(ROWS[0]), json.dumps({"question": "3+3=", "answer": "6"})],
+     r"line 2: no string field 'prompt' \(fields are 'question', 'answer';"),
+    ([json.dumps(ROWS[0]), json.dumps({"prompt": 123, "answer": "6"})],
+     r"line 2: no string field 'prompt' \('prompt' is number, not a string;"),
+    ([json.dumps(ROWS[0]), json.dumps(["prompt", "answer"])],
+     r"line 2: no string field 'prompt' \(the row is a JSON array, not an object;"),
+    ([json.dumps({"prompt": None})], r"line 1: no string field 'prompt' \('prompt' is null"),
+    ([json.dumps(ROWS[0]), "", "  ", json.dumps({"answer": "6"})], r"line 4: no string field 'prompt'"),
 ])
 def test_malformed_rows_fail_in_one_line_before_any_model_loads(tmp_path, lines, pattern):
     path = tmp_path / "train.jsonl"
