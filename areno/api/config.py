@@ -257,6 +257,13 @@ class TrainSection:
     max_consecutive_skips: int = 5
     """Stop the run with a one-line error after this many optimizer steps in a row were skipped
     for a non-finite loss or grad norm (0 = never stop; skips are still counted)."""
+    long_sequences: str = "error"
+    """A sequence longer than max_tokens_per_mb: `error` (one line naming both numbers) or
+    `truncate` (train on its first max_tokens_per_mb tokens; the rest leave the loss and are
+    counted as train/<role>/truncated_tokens)."""
+    compile: bool = False
+    """torch.compile each decoder layer of the trained models (and the fused log-prob kernels);
+    the first step pays the compilation."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
@@ -265,6 +272,8 @@ class TrainSection:
                f"must be > 0 or null, got {self.max_tokens_per_mb}")
         _check(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
         _check(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
+        _check(self.long_sequences in ("error", "truncate"), "train.long_sequences",
+               f"must be error or truncate, got {self.long_sequences!r}")
         _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips",
                f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}")
 

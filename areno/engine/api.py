@@ -116,7 +116,8 @@ class ArenoEngine:
     executor: object
     train_stream: PromptStream
     ledger: SampleLedger | None = None
-    """Asynchronous runs: samples handed to the rollout pool and not yet trained (the data cursor)."""
+    """Online recipes: hands out the prompts, keeps those not yet trained (the data cursor an
+    asynchronous pool runs ahead of) and their stream keys (the episodes' sampling seeds)."""
     eval_rows: list[dict]
     version: int = 0
     asynchronous: bool = False
@@ -168,6 +169,7 @@ class ArenoEngine:
                 warmup_steps=cfg.optim.warmup_steps,
                 total_steps=max(cfg.train.steps * cfg.train.num_train_passes, cfg.optim.warmup_steps, 1),
                 max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
+                long_sequences=cfg.train.long_sequences, compile=cfg.train.compile,
                 trainable=role.trainable, seed=cfg.train.seed, device=self.device.type,
             ))
             backend.initialize(role_dir, wrap_model=role.build().wrap_model)

@@ -136,6 +136,7 @@ class TrainWorker:
                 warmup_steps=cfg.optim.warmup_steps,
                 total_steps=max(cfg.train.steps * cfg.train.num_train_passes, cfg.optim.warmup_steps, 1),
                 max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
+                long_sequences=cfg.train.long_sequences, compile=cfg.train.compile,
                 trainable=role.trainable, seed=cfg.train.seed, device=device_type,
                 tp_size=layout.train_tp, dp_replicate_size=layout.train_dp_replicate,
             ), mesh=self.groups.train_mesh, group=self.groups.train_group)

@@ -11,7 +11,6 @@ Legend: B = sequences, T = packed tokens, V = vocabulary, D = hidden size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from areno.api.types import TokenBatch
@@ -54,7 +53,7 @@ def token_logprobs_T(
     ``argmax_T`` (the token the model would emit at each position, no gradient). 0 at sequence
     starts. The log-probs use ``areno.models.logprobs.logprobs_from_hidden``, which recomputes
     chunk logits in backward instead of keeping [T, V] fp32 logits alive."""
-    from areno.models.logprobs import logprobs_from_hidden
+    from areno.models.logprobs import argmax_from_hidden, logprobs_from_hidden
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -73,10 +72,8 @@ def token_logprobs_T(
     if with_entropy:
         out["entropy_T"] = torch.where(valid_T, ent_T, zero)
     if with_argmax:
-        with torch.no_grad():
-            parts = [F.linear(pred_TD[i : i + chunk_size], weight_VD).argmax(-1)
-                     for i in range(0, batch.num_tokens, chunk_size)]
-        arg_T = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+        with torch.no_grad():  # a vocab-sharded (TP) head takes the distributed path
+            arg_T = argmax_from_hidden(pred_TD, weight_VD, chunk_size)
         out["argmax_T"] = torch.where(valid_T, arg_T, torch.zeros((), dtype=torch.long, device=device))
     return out
 

@@ -28,6 +28,11 @@ def test_defaults_and_overrides(tmp_path):
         (["train.steps=1.5"], "train.steps"),
         (["cluster.device=tpu"], "cluster.device"),
         (["noequals"], "must look like key=value"),
+        (["train.long_sequences=split"], "train.long_sequences: must be error or truncate"),
+        (["train.max_consecutive_skips=-1"], "train.max_consecutive_skips: must be >= 0"),
+        (["rollout.decode_steps=-2"], "rollout.decode_steps: must be >= 0"),
+        (["rollout.request_timeout_s=-1"], "rollout.request_timeout_s: must be >= 0"),
+        (["cluster.collective_timeout_s=0"], "cluster.collective_timeout_s: must be > 0"),
     ],
 )
 def test_errors_name_the_key(overrides, fragment):

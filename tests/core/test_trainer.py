@@ -174,3 +174,23 @@ def test_python_m_areno_train_selects_the_algorithm(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown recipe 'grpoo': did you mean grpo" in proc.stderr
+
+
+def test_long_sequences_error_or_truncate_from_config(tmp_path):
+    """train.long_sequences reaches the training backend: `error` names both lengths, `truncate`
+    trains and counts the dropped tokens."""
+    overrides = ("train.max_tokens_per_mb=6", "train.steps=1", "train.eval_interval=0")
+    trainer = Trainer.init(_config(tmp_path, *overrides))
+    try:
+        rollout = trainer.rollout_token_batch(0)
+        with pytest.raises(ValueError, match=r"max_tokens_per_mb=6.*raise max_tokens_per_mb"):
+            trainer.train(0, rollout)
+    finally:
+        trainer.shutdown()
+    trainer = Trainer.init(_config(tmp_path, *overrides, "train.long_sequences=truncate", "run_dir=" + str(tmp_path / "t")))
+    try:
+        metrics = trainer.train(0, trainer.rollout_token_batch(0))
+    finally:
+        trainer.shutdown()
+    truncated = [v for k, v in metrics.items() if k.endswith("truncated_tokens")]
+    assert truncated and truncated[0] > 0, metrics
