@@ -188,7 +188,9 @@ def calculator_rows(num: int, seed: int, *, a_range: tuple[int, int] = (10, 99),
         if not 0 <= lo <= hi:
             raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {(lo, hi)}")
     exclude = set(exclude)
-    if (a_range[1] - a_range[0] + 1) * (b_range[1] - b_range[0] + 1) <= len(exclude):
+    space = (a_range[1] - a_range[0] + 1) * (b_range[1] - b_range[0] + 1)
+    if space <= len(exclude) and all(f"{a}*{b}=" in exclude for a in range(a_range[0], a_range[1] + 1)
+                                     for b in range(b_range[0], b_range[1] + 1)):
         raise ValueError(f"every prompt of a_range={a_range}, b_range={b_range} is excluded")
     rng = random.Random(seed)
     rows = []
