@@ -37,14 +37,24 @@ def overrides(tmp: Path, run_dir: Path, *extra: str, steps: int = 4, save_interv
     ]
 
 
-def run_areno(args: list[str], *, fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """This file as a script in a fresh process (ARENO_FAULT=fault when given)."""
+def _env(fault: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "ARENO_FAULT"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     if fault is not None:
         env["ARENO_FAULT"] = fault
-    return subprocess.run([sys.executable, str(HERE / "_resume_helpers.py"), *args], env=env, cwd=REPO,
+    return env
+
+
+def start_areno(args: list[str]) -> subprocess.Popen:
+    """This file as a script in a fresh process, not waited for (the caller kills it)."""
+    return subprocess.Popen([sys.executable, str(HERE / "_resume_helpers.py"), *args], env=_env(None), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def run_areno(args: list[str], *, fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """This file as a script in a fresh process (ARENO_FAULT=fault when given)."""
+    return subprocess.run([sys.executable, str(HERE / "_resume_helpers.py"), *args], env=_env(fault), cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -80,7 +90,10 @@ def trained_prompts(run_dir: Path) -> list[tuple[int, str]]:
     path = run_dir / TRAINED_PROMPTS
     last_pid = None
     for line in path.read_text().splitlines() if path.exists() else []:
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # torn by a kill while being written; its step runs again
+            continue
         if row["pid"] != last_pid:  # a new process: it redoes the steps from its first one
             out = [r for r in out if r[0] < row["step"]]
             last_pid = row["pid"]

@@ -8,7 +8,9 @@ import pytest
 
 from areno.api.config import load_config
 from areno.engine.api import prepare_model_dir
-from tests.faults._resume_helpers import losses, overrides, resumed_step, run_areno, train_rows, trained_prompts
+from tests.faults._resume_helpers import (
+    losses, overrides, resumed_step, run_areno, start_areno, train_rows, trained_prompts,
+)
 
 ASYNC = ("rollout.max_head_offpolicyness=1", "rollout.max_concurrent=1")
 """η = 1 with one rollout worker: the pool runs a step ahead of training, and the uninterrupted
@@ -71,10 +73,11 @@ def references(tmp):
 
 
 def _kill_and_resume(tmp, name, extra, phase):
-    """Kill at ``phase`` of step 3 (checkpoints every 2 of 4 steps), resume; returns the run dir."""
+    """Kill at ``phase`` of step 3 (checkpoint writes: of step 4; checkpoints every 2 of 4 steps),
+    resume; returns the run dir."""
     run_dir = tmp / name
     args = overrides(tmp, run_dir, *extra)
-    _killed(run_areno(args, fault=f"kill:{phase}:3"))
+    _killed(run_areno(args, fault=f"kill:{phase}:{4 if phase == 'checkpoint_write' else 3}"))
     resumed = _ok(run_areno(args))
     assert resumed_step(resumed) == 2, resumed.stdout[-2000:]
     return run_dir
@@ -103,3 +106,48 @@ def test_async_kill_matrix_trains_the_same_prompts(tmp, references, phase):
     trained = trained_prompts(run_dir)
     assert Counter(p for _, p in trained) == Counter(p for _, p in ref_prompts)
     assert trained == ref_prompts  # one rollout worker: even the order and the steps match
+
+
+def _kill_at_a_random_moment(args, run_dir, rng):
+    """Start the run, wait until it has trained a random number of steps (0-3), wait a random
+    fraction of a step more, then SIGKILL it wherever it is."""
+    import signal
+    import time
+
+    proc = start_areno(args)
+    target = rng.randint(0, 3)
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            path = run_dir / "trained_prompts.jsonl"
+            done = len(path.read_text().splitlines()) if path.exists() else 0
+            if done > target:
+                time.sleep(rng.uniform(0.0, 1.5))
+                break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_random_kills_lose_nothing(tmp, references, mode):
+    """Three kills at random moments (seeded), then a resume to the end: the same losses (sync) and
+    the same trained prompts (both) as the uninterrupted run."""
+    import random
+
+    ref_rows, ref_prompts = references[mode]
+    extra = ASYNC if mode == "async" else ()
+    run_dir = tmp / f"random_{mode}"
+    args = overrides(tmp, run_dir, *extra, save_interval=1)
+    rng = random.Random(13)
+    for _ in range(3):
+        _kill_at_a_random_moment(args, run_dir, rng)
+    _ok(run_areno(args))
+    rows = train_rows(run_dir)
+    assert sorted(rows) == [1, 2, 3, 4]
+    if mode == "sync":
+        assert losses(rows) == losses(ref_rows)
+    assert trained_prompts(run_dir) == ref_prompts
