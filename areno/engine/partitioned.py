@@ -27,6 +27,7 @@ import datetime
 import logging
 import os
 import pickle
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -72,6 +73,26 @@ def kv_tokens_for(config: ArenoConfig, block_size: int = 16) -> int:
     if r.kv_blocks:
         return r.kv_blocks * block_size
     return r.max_concurrent * r.n_samples * (PROMPT_TOKENS_EST + r.max_new_tokens)
+
+
+def bind_host(config: ArenoConfig) -> str:
+    """Where a rollout worker's server listens: loopback when the local scheduler runs every worker
+    on the controller's machine, all interfaces (with an API key) when Ray or SLURM may place it on
+    another node."""
+    return "127.0.0.1" if config.cluster.scheduler == "local" else "0.0.0.0"
+
+
+def advertised_address(host: str) -> str:
+    """The address the controller dials: loopback for a loopback server, else this node's address
+    on the route to the world's rendezvous host (``MASTER_ADDR``, set by every scheduler)."""
+    if host == "127.0.0.1":
+        return host
+    import socket
+
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # UDP: no packet is sent
+        return probe.getsockname()[0]
 
 
 def _device_type(config: ArenoConfig) -> str:
@@ -185,7 +206,10 @@ class RolloutWorker:
     """One rollout rank: a RolloutEngine served over HTTP on 127.0.0.1 and the receiving side of
     the policy stream (it keeps generating with its current policy until a sync commits)."""
 
-    def __init__(self, config: ArenoConfig, layout: ClusterLayout, model_dir: str) -> None:
+    def __init__(self, config: ArenoConfig, layout: ClusterLayout, model_dir: str, *,
+                 api_key: str | None = None) -> None:
+        """``api_key``: required by the server for every request but /health; a worker that may sit
+        on another node than the controller (Ray, SLURM) binds all interfaces and must have one."""
         import uvicorn
         from transformers import AutoTokenizer
 
@@ -217,9 +241,14 @@ class RolloutWorker:
         self.transport = StreamTransport(topology=layout.stream_topology(), config=_sync_config(cfg),
                                          receiver=engine_receiver(self.engine, specs), device=device,
                                          backend="nccl" if device_type == "cuda" else None)
-        self.app = create_app(self.engine, tokenizer=tokenizer)
+        from areno.rollout.server import check_bind
+
+        self.host = bind_host(cfg)
+        check_bind(self.host, api_key)  # beyond loopback only with a key
+        self.advertised = advertised_address(self.host)
+        self.app = create_app(self.engine, tokenizer=tokenizer, api_key=api_key)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=self.host, port=self.port,
                                                     log_level="warning", lifespan="on"))
         self._thread = threading.Thread(target=self.server.run, name="areno-rollout-http", daemon=True)
         self._thread.start()
@@ -230,7 +259,7 @@ class RolloutWorker:
             time.sleep(0.02)
 
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.advertised}:{self.port}"
 
     def pid(self) -> int:
         return os.getpid()
@@ -347,19 +376,21 @@ class PartitionedArenoEngine(ArenoEngine):
         if self.scheduler is None:
             self.scheduler = scheduler_for(cfg.cluster, layout, log_dir=str(self.run_dir / "workers"))
         args = (cfg, layout, str(model_dir))
+        # workers on other nodes (ray, slurm) serve beyond loopback: every request carries this key
+        api_key = secrets.token_urlsafe(32) if bind_host(cfg) != "127.0.0.1" else None
         self.scheduler.create_roles([
             RoleSpec(role="train", worker_cls="areno.engine.partitioned:TrainWorker", n=layout.n_train, args=args,
                      devices=list(layout.train_devices) if layout.cuda else None, world="areno"),
             RoleSpec(role="rollout", worker_cls="areno.engine.partitioned:RolloutWorker", n=layout.n_rollout,
-                     args=args, devices=list(layout.rollout_devices) if layout.cuda else None, world="areno"),
+                     args=args, kwargs={"api_key": api_key}, devices=list(layout.rollout_devices) if layout.cuda else None, world="areno"),
         ])
         # checkpoints (DCP, written by the training ranks) and exports go under run_dir: every node must see it
         check_shared_storage([str(self.run_dir)], self.scheduler)
         urls = self.scheduler.call("rollout", "url")
         replica_urls = [urls[r - layout.n_train] for r in layout.replica_leaders()]
-        self.health = HealthMonitor(replica_urls).start()
-        self.client = MultiServerRolloutClient(replica_urls, request_timeout_s=cfg.rollout.request_timeout_s,
-                                               health=self.health)
+        self.health = HealthMonitor(replica_urls, api_key=api_key).start()
+        self.client = MultiServerRolloutClient(replica_urls, api_key=api_key,
+                                               request_timeout_s=cfg.rollout.request_timeout_s, health=self.health)
         self.executor = self._build_executor()
         self.asynchronous = cfg.rollout.max_head_offpolicyness > 0
 
