@@ -7,7 +7,9 @@ writes last — hot-loads its weights into a separate rollout engine with
 publishes metrics tagged with that checkpoint's step. It never joins the training process groups
 and the trainer never waits for it: results are picked up with ``pop_results()`` (non-blocking)
 or an ``on_metrics`` callback. A directory without ``COMPLETE`` is never read, so a checkpoint
-that is still being written is never loaded.
+that is still being written is never loaded. A checkpoint that cannot be loaded (truncated or
+missing weights) is logged once by step and skipped (``failed_steps``); an evaluation that raises is
+logged; neither stops the thread.
 """
 
 from __future__ import annotations
@@ -118,8 +120,17 @@ class TestRolloutManager:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.poll_once()
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - an evaluation failure is reported; the thread lives on
+                logger.exception("test rollout: evaluating checkpoint step %s failed; waiting for the next one",
+                                 self.last_step)
             self._stop.wait(self.poll_interval_s)
+
+    @property
+    def failed_steps(self) -> list[int]:
+        """Checkpoint steps that could not be loaded (each reported once, then skipped for good)."""
+        return sorted(self._failed_steps)
 
     # ------------------------------------------------------------------ work
     def poll_once(self) -> dict[str, float] | None:
@@ -134,9 +145,10 @@ class TestRolloutManager:
         t0 = time.perf_counter()
         try:
             self.engine.update_weights_from_disk(str(weights), version=step)
-        except (OSError, ValueError) as exc:  # a bad checkpoint: reported once, training goes on
+        except Exception as exc:  # noqa: BLE001 - a bad checkpoint: reported once, skipped, training goes on
             self._failed_steps.add(step)
-            logger.error("test rollout: cannot load checkpoint %s (%s); skipping it", weights, exc)
+            logger.error("test rollout: cannot load checkpoint step %d at %s (%s: %s); skipping it, the eval "
+                         "engine keeps its previous weights", step, weights, type(exc).__name__, exc)
             return None
         load_s = time.perf_counter() - t0
         self.last_step = step

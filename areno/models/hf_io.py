@@ -7,11 +7,13 @@ directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -44,19 +46,45 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(d)
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of a Hugging Face model directory: those ``model.safetensors.index.json``
+    lists when it exists (every one must be there), else every ``*.safetensors`` in it.
+    One-line ``FileNotFoundError`` / ``ValueError`` naming the path otherwise."""
+    model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = set(weight_map.values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (needs a 'weight_map' of tensor -> file; "
+                             f"{type(e).__name__}: {e}): re-export the checkpoint or delete the stray index") from None
+        if not names or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{index} has an empty or malformed 'weight_map': re-export the checkpoint")
+        files = sorted(model_dir / n for n in names)
         for f in files:
             if not f.is_file():
-                raise FileNotFoundError(f"{f} is listed in {index} but does not exist")
+                raise FileNotFoundError(f"{f} is listed in {index} but does not exist: copy the missing shard "
+                                        f"or re-export the checkpoint")
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     return files
+
+
+@contextmanager
+def open_safetensors(
+    path: str | Path, *, fix: str = "re-export the checkpoint, or point model.path at a complete one"
+) -> Iterator[Any]:
+    """``safe_open(path)`` on the CPU; a truncated or corrupt file, found on opening or while reading
+    in the ``with`` body, raises a one-line ``ValueError`` naming it, ending with ``fix``."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as e:
+        reason = str(e).removeprefix("Error while deserializing header: ")
+        raise ValueError(f"{path} is truncated or not a safetensors file ({reason}): {fix}") from None
 
 
 def load_model(
@@ -85,8 +113,8 @@ def load_model(
     expected = model.state_dict()
     plan = tp_plan(config)
     seen: set[str] = set()
-    for path in _safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+    for path in safetensors_files(model_dir):
+        with open_safetensors(path) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue

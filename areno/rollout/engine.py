@@ -19,7 +19,7 @@ from the new policy given its context; the prefix cache is always cleared.
 
 from __future__ import annotations
 
-import glob
+import json
 import os
 import threading
 import time
@@ -547,20 +547,46 @@ class RolloutEngine:
             self._weights_changed(version)
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
-        """Load Hugging Face safetensors from ``path`` (a directory or one file) as ``update_weights``."""
-        from safetensors import safe_open
+        """Load Hugging Face safetensors from ``path`` as ``update_weights``: one file, or a directory
+        — the shards its ``model.safetensors.index.json`` lists when it has one, else every
+        ``*.safetensors`` in it.
 
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
-        if not files or not all(os.path.isfile(f) for f in files):
-            raise WeightUpdateError(f"no .safetensors file at {path!r}")
-        tied = getattr(self.model_config, "tie_word_embeddings", False)
-        items = []
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if tied and name == "lm_head.weight":
-                        continue  # tied checkpoints may store the shared matrix twice
-                    items.append((name, f.get_tensor(name)))
+        Everything is read before any weight changes: a shard the index lists that is missing, a
+        tensor the index lists that its shard lacks, or a truncated/corrupt file rejects the update
+        as a whole with a one-line ``WeightUpdateError`` naming it (never a partial update); the
+        engine keeps serving the previous version.
+        """
+        from areno.models.hf_io import open_safetensors, safetensors_files
+
+        fix = f"this engine keeps serving version {self._version}; re-export the checkpoint"
+        index: dict[str, str] = {}
+        try:
+            if os.path.isdir(path):
+                files = safetensors_files(path)
+                index_path = os.path.join(path, "model.safetensors.index.json")
+                if os.path.isfile(index_path):  # valid: safetensors_files checked it
+                    with open(index_path) as fh:
+                        index = json.load(fh)["weight_map"]
+            elif os.path.isfile(path):
+                files = [path]
+            else:
+                raise FileNotFoundError(f"no .safetensors file or directory at {path!r}")
+            tied = getattr(self.model_config, "tie_word_embeddings", False)
+            items, found = [], set()
+            for file in files:
+                with open_safetensors(file, fix=fix) as f:
+                    for name in f.keys():
+                        found.add(name)
+                        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                            continue  # recomputed / tied checkpoints may store the shared matrix twice
+                        items.append((name, f.get_tensor(name)))
+        except (OSError, ValueError) as exc:
+            raise WeightUpdateError(f"weight update rejected: {exc}") from None
+        lost = [name for name in index if name not in found]
+        if lost:
+            raise WeightUpdateError(f"weight update rejected: tensor {lost[0]!r} is listed in {path}/model.safetensors"
+                                    f".index.json in {index[lost[0]]} but that shard does not hold it "
+                                    f"({len(lost)} such tensors); {fix}")
         self.update_weights(items, version)
 
     def _validate_weights(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
