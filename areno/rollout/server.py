@@ -7,7 +7,8 @@ Endpoints
   ``prompt_token_ids`` so RL clients never re-tokenise.
 - Token level: ``POST /generate`` ``{prompt_ids, sampling_params, request_id}`` → ``GenerationOutput``
   (what ``HTTPRolloutClient`` uses).
-- Admin: ``GET /health``, ``GET /version``, ``POST /pause``, ``POST /resume``, ``POST /abort``
+- Admin: ``GET /health`` (200, or 503 with a reason when the engine's driver thread died or is
+  stuck: see ``EngineWatchdog``), ``GET /version``, ``POST /pause``, ``POST /resume``, ``POST /abort``
   ``{request_id}``, ``POST /update_weights_from_disk`` ``{path, version}``, ``GET /metrics``
   (Prometheus text).
 
@@ -28,6 +29,7 @@ import hmac
 import ipaddress
 import json
 import os
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -124,8 +126,71 @@ def _param_of(message: str) -> str | None:
     return {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}.get(word, word if word in _SAMPLING_FIELDS else None)
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|bytes|none|list|dict|tuple|set)(\[.*\])?$")
+
+
+def _union_members(loc: tuple) -> list[str]:
+    """The union member tags pydantic puts in an error location (``('prompt', 'list[int]', 0)``)."""
+    return [x for x in loc if isinstance(x, str) and _UNION_MEMBER.match(x)]
+
+
+def _field_loc(loc: tuple) -> list[str]:
+    """An error location as the request spells it: no ``body`` prefix, no union member tags."""
+    return [str(x) for x in loc if x != "body" and not (isinstance(x, str) and _UNION_MEMBER.match(x))]
+
+
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+# ------------------------------------------------------------------------------------- health
+class _ServedClient(InProcessRolloutClient):
+    """The server's client, which also says whether its driver thread is alive."""
+
+    @property
+    def driver_state(self) -> str:
+        """``"idle"`` (not started yet), ``"alive"`` or ``"dead"``."""
+        thread = self._thread
+        if thread is None:
+            return "idle"
+        return "alive" if thread.is_alive() else "dead"
+
+
+class EngineWatchdog:
+    """Whether the engine behind a server makes progress, for ``GET /health``.
+
+    ``check()`` gives None when healthy, else a one-line reason: the driver thread died while
+    requests are pending (they would never finish), or the engine took no step for longer than
+    ``stall_timeout_s`` while requests are pending and it is neither paused nor asleep (a hung
+    forward, a deadlock). A stall is measured between checks, so it is seen at the first check at
+    least ``stall_timeout_s`` after the last step. No lock is taken: a hung step holds the engine's.
+    """
+
+    def __init__(self, engine: RolloutEngine, client: _ServedClient, *, stall_timeout_s: float,
+                 clock: Any = time.monotonic) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        self.engine, self.client = engine, client
+        self.stall_timeout_s = stall_timeout_s
+        self._clock = clock
+        self._state: tuple[int, bool] | None = None  # (engine steps, requests pending) at the last change
+        self._since = clock()
+
+    def check(self) -> str | None:
+        now = self._clock()
+        pending = self.client.num_pending
+        steps = int(getattr(self.engine, "_steps", 0))  # a plain int: read without the engine lock
+        waiting = pending > 0 and not (self.engine.is_paused or self.engine.is_sleeping)
+        state = (steps, waiting)
+        if state != self._state:
+            self._state, self._since = state, now
+        if pending and self.client.driver_state == "dead":
+            return (f"the engine's driver thread died with {pending} request(s) pending (see the server log "
+                    f"for its traceback): restart the server")
+        if waiting and now - self._since > self.stall_timeout_s:
+            return (f"the engine is stuck: no step for {now - self._since:.1f}s with {pending} request(s) "
+                    f"pending (stall_timeout_s={self.stall_timeout_s:g}): restart the server")
+        return None
 
 
 # ---------------------------------------------------------------------------------------- the app
@@ -136,9 +201,15 @@ def create_app(
     model_name: str = "areno",
     api_key: str | None = None,
     default_max_tokens: int = 16,
+    stall_timeout_s: float = 300.0,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` (one ``InProcessRolloutClient`` drives it)."""
-    client = InProcessRolloutClient(engine)
+    """The FastAPI app serving ``engine`` (one ``InProcessRolloutClient`` drives it).
+
+    ``stall_timeout_s``: ``/health`` answers 503 once the engine took no step for this long while
+    requests are pending (``EngineWatchdog``); keep it above the slowest single step.
+    """
+    client = _ServedClient(engine)
+    watchdog = EngineWatchdog(engine, client, stall_timeout_s=stall_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -147,6 +218,7 @@ def create_app(
 
     app = FastAPI(title="areno rollout server", lifespan=lifespan)
     app.state.client = client
+    app.state.watchdog = watchdog
 
     expected = f"Bearer {api_key}".encode() if api_key else b""
 
@@ -159,12 +231,18 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        errors = exc.errors()
+        err = errors[0]
         if err.get("type") == "json_invalid":
             return _error(400, f"request body is not valid JSON: {err.get('msg')}", "body")
+        loc = _field_loc(err.get("loc", ()))
         field = ".".join(loc) or "body"
-        return _error(400, f"invalid field '{field}': {err.get('msg')}", field)
+        # a union-typed field fails once per member type (``prompt.str``, ``prompt.list[int]``): name
+        # the field itself and list the types it accepts
+        members = list(dict.fromkeys(m for e in errors if _field_loc(e.get("loc", ()))[:1] == loc[:1]
+                                     for m in _union_members(e.get("loc", ()))))
+        accepts = f" (it accepts {', '.join(members)})" if len(members) > 1 else ""
+        return _error(400, f"invalid field '{field}': {err.get('msg')}{accepts}", field)
 
     @app.exception_handler(_BadRequest)
     async def _bad(request: Request, exc: _BadRequest) -> JSONResponse:
@@ -276,9 +354,14 @@ def create_app(
         return dataclasses.asdict(out)
 
     # ---- admin ----
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    @app.get("/health", response_model=None)
+    async def health() -> dict | JSONResponse:
+        reason = watchdog.check()
+        if reason is None:
+            return {"status": "ok"}
+        return JSONResponse(status_code=503, content={
+            "status": "unhealthy", "reason": reason,
+            "error": {"message": reason, "type": "engine_unhealthy", "param": None, "code": None}})
 
     @app.get("/version")
     async def version() -> dict:
@@ -305,14 +388,10 @@ def create_app(
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateFromDiskRequest) -> dict:
-        from safetensors import SafetensorError
-
-        try:
+        try:  # a pickle, a truncated file or a missing shard: refused as a whole, never unpickled
             await asyncio.to_thread(engine.update_weights_from_disk, req.path, req.version)
         except WeightUpdateError as e:
             raise _BadRequest("path", str(e)) from None
-        except SafetensorError as e:  # a pickle or a truncated file: refused, never unpickled
-            raise _BadRequest("path", f"{req.path} is not a valid safetensors file ({e})") from None
         return {"version": engine.version}
 
     @app.get("/metrics")
@@ -364,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-memory-fraction", type=float, default=0.8)
     p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request omits it")
+    p.add_argument("--stall-timeout-s", type=float, default=300.0,
+                   help="/health answers 503 after this long without an engine step while requests are pending")
     return p
 
 
@@ -407,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_bind(args.host, args.api_key)
+        if not args.stall_timeout_s > 0:
+            raise ValueError(f"--stall-timeout-s must be > 0, got {args.stall_timeout_s}")
         engine, tokenizer = build_engine(
             args.model_dir, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, block_size=args.block_size, kv_memory_fraction=args.kv_memory_fraction,
@@ -416,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
     app = create_app(engine, tokenizer=tokenizer, model_name=name, api_key=args.api_key,
-                     default_max_tokens=args.default_max_tokens)
+                     default_max_tokens=args.default_max_tokens, stall_timeout_s=args.stall_timeout_s)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
