@@ -25,9 +25,7 @@ the rollout engine's idle fraction (wall time not inside ``engine.step``), stale
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import random
 import sys
 import tempfile
 import time
@@ -40,34 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areno.api.types import SamplingParams, TokenBatch  # noqa: E402
 from areno.rollout.executor import WorkflowExecutor  # noqa: E402
 from areno.rollout.staleness import StalenessManager  # noqa: E402
-from areno.workflows.rlvr import RLVRWorkflow  # noqa: E402
-
-
-class LongTailWorkflow(RLVRWorkflow):
-    """RLVR with the completion length fixed per row (``row["len"]`` tokens, EOS ignored)."""
-
-    async def run_episode(self, client, sample):
-        base = self.sampling_params
-        self.sampling_params = dataclasses.replace(base, max_new_tokens=sample["len"], ignore_eos=True)
-        try:
-            return await super().run_episode(client, sample)
-        finally:
-            self.sampling_params = base
-
-
-def parity_reward(prompt: str, completion: str, answer, **fields) -> float:
-    """Any cheap verifiable signal: 1 when the completion holds an even number of digits."""
-    return float(sum(c.isdigit() for c in completion) % 2 == 0)
-
-
-def long_tail_rows(args, seed: int):
-    rng = random.Random(seed)
-    i = 0
-    while True:
-        a, b = rng.randrange(100), rng.randrange(100)
-        length = args.long_len if rng.random() < args.long_frac else args.short_len
-        yield {"id": i, "prompt": f"{a}+{b}=", "answer": a + b, "len": length}
-        i += 1
+from bench.longtail import LongTailWorkflow, long_tail_rows, parity_reward  # noqa: E402
 
 
 def make_model_dir(args, tokenizer) -> Path:
@@ -118,7 +89,7 @@ def run_arm(eta: int, args, model_dir: Path, tokenizer) -> dict:
     workflow = LongTailWorkflow(tokenizer, parity_reward, args.n_samples, params)
     staleness = StalenessManager(max_head_offpolicyness=eta, batch_size=args.batch_size,
                                  max_concurrent=args.max_concurrent)
-    ex = WorkflowExecutor(client, workflow, long_tail_rows(args, seed=1), staleness)
+    ex = WorkflowExecutor(client, workflow, long_tail_rows(short_len=args.short_len, long_len=args.long_len, long_frac=args.long_frac, seed=1), staleness)
 
     trained_tokens = long_trained = 0
     wait_s = 0.0

@@ -5,7 +5,7 @@ rollout workers on others, policy sync over the stream transport). Prints one JS
 Every arm is one ``Trainer`` run with the same model, data, recipe (``grpo_async``: the decoupled
 PPO objective) and seed; only ``rollout.max_head_offpolicyness`` changes. Completion lengths are
 long-tailed per prompt (a fraction ``--long-frac`` of prompts generate ``--long-len`` tokens, the
-others ``--short-len``; EOS ignored; ``LongTailWorkflow`` below), so a synchronous step waits for its
+others ``--short-len``; EOS ignored; ``bench/longtail.py``), so a synchronous step waits for its
 slowest group while the training device idles, and the training step leaves the rollout device idle.
 
 Reported per arm, from the run's own ``metrics.jsonl``: trained tokens/s over the steps after the
@@ -23,12 +23,10 @@ metrics of the real run (bytes, seconds, GB/s, generation-paused seconds), stale
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import faulthandler
 import json
 import logging
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -40,34 +38,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from areno.workflows.rlvr import RLVRWorkflow  # noqa: E402
-
-
-class LongTailWorkflow(RLVRWorkflow):
-    """RLVR with the completion length fixed per row (``row["len"]`` tokens, EOS ignored)."""
-
-    async def run_episode(self, client, sample):
-        params = dataclasses.replace(self.sampling_params, max_new_tokens=int(sample["len"]), ignore_eos=True)
-        clone = dataclasses.replace(self) if dataclasses.is_dataclass(self) else None
-        if clone is None:  # a per-episode copy: episodes run concurrently on one workflow object
-            clone = object.__new__(type(self))
-            clone.__dict__.update(self.__dict__)
-        clone.sampling_params = params
-        return await RLVRWorkflow.run_episode(clone, client, sample)
-
-
-def parity_reward(prompt: str, completion: str, answer, **fields) -> float:
-    """A cheap verifiable signal any model can learn: 1 when the completion holds an even number of digits."""
-    return float(sum(c.isdigit() for c in completion) % 2 == 0)
+from bench.longtail import long_tail_rows  # noqa: E402
 
 
 def write_rows(path: Path, n: int, args, seed: int) -> None:
-    rng = random.Random(seed)
+    rows = long_tail_rows(short_len=args.short_len, long_len=args.long_len, long_frac=args.long_frac, seed=seed)
     with path.open("w") as f:
-        for i in range(n):
-            a, b = rng.randrange(1000), rng.randrange(1000)
-            length = args.long_len if rng.random() < args.long_frac else args.short_len
-            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": a + b, "len": length}) + "\n")
+        for _, row in zip(range(n), rows):
+            f.write(json.dumps(row) + "\n")
 
 
 def arm_config(eta: int, args, work: Path):
@@ -81,8 +59,8 @@ def arm_config(eta: int, args, work: Path):
         % (args.hidden, args.layers, args.heads, args.kv_heads),
         f"model.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
         "data.task=null", f"data.train_path={work / 'train.jsonl'}", f"data.eval_path={work / 'eval.jsonl'}",
-        "reward.fn=bench.partitioned:parity_reward", "reward.sandbox=false",
-        "rollout.workflow=bench.partitioned:LongTailWorkflow",
+        "reward.fn=bench.longtail:parity_reward", "reward.sandbox=false",
+        "rollout.workflow=bench.longtail:LongTailWorkflow",
         f"rollout.batch_size={args.batch_size}", f"rollout.n_samples={args.n_samples}",
         f"rollout.max_new_tokens={args.long_len}", f"rollout.max_head_offpolicyness={eta}",
         f"rollout.max_concurrent={args.max_concurrent}",
