@@ -277,6 +277,20 @@ def test_truncated_safetensors_is_named(tiny_model_dir, tmp_path, damage):
     assert message.endswith("re-export the checkpoint, or point model.path at a complete one"), message
 
 
+def test_cli_prints_a_truncated_model_in_one_line(tiny_model_dir, tmp_path, capsys):
+    from areno.cli import main
+
+    model_dir = _copy_model(tiny_model_dir, tmp_path / "m")
+    _truncate(model_dir / "model.safetensors")
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "model.init_tiny=null",
+               "data.task=null", f"data.train_path={data}", "cluster.device=cpu", "observe.console=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"areno: error: {model_dir}/model.safetensors is truncated") and "model.path" in err[0]
+
+
 def test_truncated_shard_of_a_sharded_checkpoint_is_named(tiny_model_dir, tmp_path):
     from areno.models.hf_io import load_model
 
@@ -294,7 +308,8 @@ def test_malformed_index_is_named(tiny_model_dir, tmp_path, index_text):
 
     model_dir = _copy_model(tiny_model_dir, tmp_path / "m")
     (model_dir / "model.safetensors.index.json").write_text(index_text)
-    with pytest.raises(ValueError, match=r"m/model\.safetensors\.index\.json (is not a safetensors index|has an empty)") as info:
+    pattern = r"m/model\.safetensors\.index\.json (is not a safetensors index|has an empty)"
+    with pytest.raises(ValueError, match=pattern) as info:
         load_model(model_dir)
     assert "\n" not in str(info.value) and "re-export the checkpoint" in str(info.value)
 
@@ -338,10 +353,12 @@ def test_engine_rejects_a_damaged_checkpoint_as_a_whole(engine_and_new_weights, 
     first, second = new_dir / "model-00001-of-00002.safetensors", new_dir / "model-00002-of-00002.safetensors"
     if damage == "truncated":
         _truncate(second)
-        pattern = rf"^weight update rejected: {second} is truncated or not a safetensors file \(.*\): this engine keeps serving version 0; re-export the checkpoint$"
+        pattern = (rf"^weight update rejected: {second} is truncated or not a safetensors file \(.*\): "
+                   r"this engine keeps serving version 0; re-export the checkpoint$")
     elif damage == "missing_shard":
         second.unlink()
-        pattern = rf"^weight update rejected: {second} is listed in {new_dir}/model\.safetensors\.index\.json but does not exist"
+        pattern = (rf"^weight update rejected: {second} is listed in {new_dir}/model\.safetensors\.index\.json "
+                   r"but does not exist: copy the missing shard")
     else:
         tensors = load_file(str(second))
         dropped = sorted(tensors)[0]
