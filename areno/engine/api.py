@@ -27,6 +27,7 @@ from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
 from areno.rewards.sandbox import reward_metrics
+from areno.rollout.store import release_refs
 from areno.train import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -203,12 +204,18 @@ class ArenoEngine:
         from areno.api.workflow import load_workflow
         from areno.rewards.loader import load_reward
         from areno.rollout.executor import WorkflowExecutor
+        from areno.rollout.store import InProcessStore
+        from areno.workflows.common import store_kwargs
 
         cfg = self.config
         reward_fn = load_reward(cfg.reward)
+        # one observation store: workflows taking `store=` put large observations there; the
+        # executor frees those of dropped groups, step() those of trained ones
+        self.store = InProcessStore()
         workflow = load_workflow(cfg.rollout.workflow, tokenizer=self.tokenizer, reward_fn=reward_fn,
                                  n_samples=cfg.rollout.n_samples, sampling_params=self._sampling_params(greedy=False),
                                  prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                                 **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
                                  **cfg.rollout.workflow_kwargs)
         staleness = ResumableStaleness(max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                                      batch_size=cfg.rollout.batch_size, max_concurrent=cfg.rollout.max_concurrent)
@@ -217,7 +224,8 @@ class ArenoEngine:
         self.ledger = SampleLedger(self.train_stream)
         workflow = LedgerWorkflow(workflow, self.ledger, max_retries=cfg.rollout.max_retries, seed=cfg.train.seed)
         return WorkflowExecutor(SeedingClient(self.client), workflow, self.ledger, staleness,
-                                num_workers=cfg.rollout.max_concurrent, max_retries=cfg.rollout.max_retries)
+                                num_workers=cfg.rollout.max_concurrent, max_retries=cfg.rollout.max_retries,
+                                store=self.store)
 
     # ----------------------------------------------------------------------------- the loop
     def generate_rollout(self, rollout_id: int) -> RolloutBatch:
@@ -251,6 +259,8 @@ class ArenoEngine:
         for role_name in self.runner.roles_to_sync():  # the version the rollout policy carries (loglinear π_prox)
             self.runner.versions[role_name] = self.version
         metrics = {f"train/{k}": v for k, v in self.runner.step(rollout.batch).items()}
+        if getattr(self, "store", None) is not None:  # trained: their stored observations are done with
+            release_refs([t.info for t in rollout.trajectories], self.store)
         metrics.update(self._pending_sync_metrics)  # the previous sync's figures ride with the next step
         self._pending_sync_metrics = {}
         return metrics

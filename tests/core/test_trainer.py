@@ -11,6 +11,7 @@ from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
 from areno.api.backend.base import RolloutBatch
 from areno.api.types import TokenBatch, Trajectory
+from areno.workflows.rlvr import RLVRWorkflow
 
 
 def sevens(prompt, completion, answer, **row):
@@ -20,6 +21,21 @@ def sevens(prompt, completion, answer, **row):
 
 def exploding(prompt, completion, answer, **row):
     raise RuntimeError("reward bug")
+
+
+class StoringWorkflow(RLVRWorkflow):
+    """Puts a 64 KiB observation per episode into the engine's store and keeps only its reference."""
+
+    def __init__(self, *args, store=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store = store
+
+    async def run_episode(self, client, sample):
+        trajectories = await super().run_episode(client, sample)
+        ref = self.store.put(torch.zeros(16, 1024))
+        for t in trajectories:
+            t.info["observation"] = ref
+        return trajectories
 
 
 def test_backend_registry():
@@ -194,3 +210,17 @@ def test_long_sequences_error_or_truncate_from_config(tmp_path):
         trainer.shutdown()
     truncated = [v for k, v in metrics.items() if k.endswith("truncated_tokens")]
     assert truncated and truncated[0] > 0, metrics
+
+
+def test_workflow_store_is_the_engines_and_trained_observations_are_freed(tmp_path):
+    cfg = _config(tmp_path, "rollout.workflow=test_trainer:StoringWorkflow", "train.steps=1", "train.eval_interval=0")
+    trainer = Trainer.init(cfg)
+    try:
+        engine = trainer.backend.engine
+        rollout = trainer.rollout_token_batch(0)
+        assert rollout.trajectories[0].info["observation"].fetch(engine.store).shape == (16, 1024)
+        assert len(engine.store) == 4  # one per prompt, shared by its group
+        trainer.train(0, rollout)
+        assert len(engine.store) == 0
+    finally:
+        trainer.shutdown()
