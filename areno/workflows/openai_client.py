@@ -350,7 +350,13 @@ class AgentProxy:
     """
 
     def __init__(self, rollout_client: Any, tokenizer: Any, *, default_sampling: SamplingParams | None = None,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+        """``api_key``: every request must carry ``Authorization: Bearer <key>`` (the ``openai``
+        client's ``api_key``); required when ``host`` is not a loopback address."""
+        from areno.rollout.server import check_bind
+
+        check_bind(host, api_key)
+        self.api_key = api_key
         self.rollout_client = rollout_client
         self.tokenizer = tokenizer
         self.default_sampling = default_sampling
@@ -378,7 +384,18 @@ class AgentProxy:
         return f"http://{self.host}:{self.port}"
 
     def _build_app(self) -> Any:
+        import hmac
+
         app = FastAPI(title="areno agent proxy")
+        expected = f"Bearer {self.api_key}".encode() if self.api_key else b""
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if self.api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+                return JSONResponse(status_code=401, content={"error": {
+                    "message": "missing or wrong API key: pass the proxy's api_key to the openai client",
+                    "type": "authentication_error", "param": None, "code": None}})
+            return await call_next(request)
 
         def error(status: int, message: str) -> JSONResponse:
             return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error",

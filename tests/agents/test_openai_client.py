@@ -189,3 +189,22 @@ def test_tool_calls_and_multi_turn_token_continuity(scripted):
     assert mask[:n_a] == [1] * n_a and 0 in mask and mask[-len(b.output_ids):] == [1] * len(b.output_ids)
     with pytest.raises(KeyError, match="no completion 'zzz'"):
         client.set_reward("zzz", 1.0)
+
+
+def test_proxy_api_key(served):
+    """With a key every request needs it (the openai client sends its api_key as a bearer token);
+    beyond loopback the proxy refuses to start without one."""
+    app, rollout_client, tokenizer = served
+    with pytest.raises(ValueError, match="0.0.0.0"):
+        AgentProxy(rollout_client, tokenizer, host="0.0.0.0")
+    proxy = AgentProxy(rollout_client, tokenizer, api_key="s3cret", default_sampling=SamplingParams(max_new_tokens=2))
+    proxy.start()
+    try:
+        sid, base_url = proxy.start_session()
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).completions.create(model="t", prompt="a")
+        assert httpx.post(f"{base_url}/reward", json={"reward": 1.0}).status_code == 401
+        out = openai.OpenAI(base_url=base_url, api_key="s3cret", max_retries=0).completions.create(model="t", prompt="a")
+        assert out.choices[0].text is not None
+    finally:
+        proxy.stop()
