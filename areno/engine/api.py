@@ -218,7 +218,7 @@ class ArenoEngine:
                                  **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
                                  **cfg.rollout.workflow_kwargs)
         staleness = ResumableStaleness(max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                                     batch_size=cfg.rollout.batch_size, max_concurrent=cfg.rollout.max_concurrent)
+                                       batch_size=cfg.rollout.batch_size, max_concurrent=cfg.rollout.max_concurrent)
         # The ledger hands out the prompts and keeps the cursor of what was trained (the pool reads
         # ahead of training); episodes sample with seeds from their place in the data order.
         self.ledger = SampleLedger(self.train_stream)
