@@ -60,7 +60,7 @@ def run_warm_start(config: ArenoConfig) -> Path:
 
 def run_pipeline(config: ArenoConfig) -> dict[str, float]:
     """Warm start (if configured), then the main recipe; returns before/after metrics."""
-    if config.warm_start.steps > 0 and not config.resume:
+    if config.warm_start.steps > 0:  # a finished warm start is reused (resume runs too)
         config = _stage(config, model={"path": str(run_warm_start(config))})
     trainer = Trainer.init(config)
     try:

@@ -382,8 +382,11 @@ class ArenoEngine:
         self.tokenizer.save_pretrained(path)
 
     def shutdown(self) -> None:
+        from areno.rewards.sandbox import close_all
+
         if self.executor is not None:
             self.executor.stop()
         self.client.close()
         for backend in self.runner.backends.values():
             backend.shutdown()
+        close_all()  # the reward sandbox's worker processes and counters end with the run

@@ -37,10 +37,12 @@ import torch
 
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
+from areno.api.faults import fault_point
 from areno.engine.api import ArenoEngine, prepare_model_dir, resolve_recipe
 from areno.engine.cluster import ClusterLayout, LayoutError, build_groups, estimate_memory, layout_from_config, validate_memory
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
+from areno.train import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -446,15 +448,15 @@ class PartitionedArenoEngine(ArenoEngine):
     # ----------------------------------------------------------------------------- state
     def save(self, path: Path, trainer_state: dict) -> None:
         self.check_workers()
-        state = {**trainer_state, "data": self.train_stream.state_dict(), "version": self.version}
-        tmp = path.with_name(path.name + ".tmp")
+        state = {**trainer_state, **self.resume_state()}  # data cursor incl. the async pool's untrained samples
+        tmp = checkpoint.staging_dir(path)
         for role in self.scheduler.call("train", "trainable_roles")[0]:
             # DCP's collectives span the world: rollout ranks join with nothing to write
             gather_fail_fast(self.scheduler.submit("train", "save_role", str(tmp / role), role, state)
                     + self.scheduler.submit("rollout", "join_checkpoint", str(tmp / role), False))
         self.export_policy(tmp / "hf")
-        tmp.rename(path)
-        (path / "COMPLETE").write_text("ok")
+        fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
+        checkpoint.commit(tmp, path)  # COMPLETE inside, then one rename: path exists only when whole
 
     def load(self, path: Path) -> dict:
         state = {}
@@ -482,6 +484,9 @@ class PartitionedArenoEngine(ArenoEngine):
                     except Exception as e:  # noqa: BLE001 - tearing down anyway
                         logger.warning("partitioned engine: %s shutdown failed: %s", role, e)
             self.scheduler.shutdown()
+        from areno.rewards.sandbox import close_all
+
+        close_all()  # the reward sandbox's worker processes and counters end with the run
 
 
 def results_ok(futures) -> list[bool]:

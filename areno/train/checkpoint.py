@@ -197,7 +197,14 @@ def load(
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except BaseException as exc:  # torch's CheckpointException is a BaseException with a per-rank report
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        first = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"checkpoint {path} is damaged or incomplete ({type(exc).__name__}: {first}); resume from an "
+                         "earlier step_N directory or delete this one") from None
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],

@@ -522,10 +522,6 @@ def test_test_rollout_thread_survives_an_evaluation_error(tiny_model_dir, tmp_pa
     assert "evaluating checkpoint step 1 failed" in caplog.text and "metrics sink is down" in caplog.text
 
 
-@pytest.mark.xfail(strict=True, raises=BaseException, reason=(
-    "areno/train/checkpoint.py load: a truncated DCP shard raises torch's CheckpointException, a "
-    "BaseException with a multi-line message, which the CLI does not catch. Catch it and raise one "
-    "line naming the checkpoint (or fall back to the previous COMPLETE one). Remove this marker then."))
 def test_truncated_dcp_shard_is_named(tiny_model_dir, tmp_path):
     from areno.train import LocalTrainBackend, TrainBackendConfig
 

@@ -181,6 +181,7 @@ def test_load_reward_auto_sandbox_and_shared_metrics():
     from areno.rewards.sandbox import close_all, reward_metrics
     from areno.rewards.tasks import exact_match
 
+    close_all()  # pools (and their counters) other tests of this process left open
     assert load_reward(RewardSection()) is exact_match  # shipped, marked safe in-process
     assert isinstance(load_reward(RewardSection(sandbox=True)), RewardSandbox)
     assert load_reward(RewardSection(fn="test_sandbox:misbehave", sandbox=False)) is misbehave
