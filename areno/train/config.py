@@ -77,6 +77,9 @@ class TrainBackendConfig:
     """Recompute each decoder layer's activations in backward (saves memory, costs ~1/3 compute)."""
     compile: bool = False
     """``torch.compile`` each decoder layer."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of the process group this backend creates itself (torchrun launches): a rank that
+    stalls longer fails the collective with an error instead of hanging the job."""
     dp_shard_size: int = -1
     """FSDP sharding group size; -1 fills what dp_replicate_size and tp_size leave of the world."""
     dp_replicate_size: int = 1
@@ -142,6 +145,8 @@ class TrainBackendConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.logprob_chunk_size <= 0:
             raise ValueError(f"logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
 

@@ -16,6 +16,7 @@ is multiplied by the DP size before backward.
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
@@ -55,7 +56,8 @@ class FSDP2TrainBackend(PackedTrainBackend):
                     "FSDP2TrainBackend needs a process group or torchrun's RANK/WORLD_SIZE/"
                     "MASTER_ADDR/MASTER_PORT environment; launch with torchrun or use LocalTrainBackend"
                 )
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s))
             self._owns_process_group = True
         world = dist.get_world_size(self._group)
         shape = self.cfg.mesh_shape(world)
