@@ -26,7 +26,7 @@ from areno.api.types import SamplingParams, TokenBatch, Trajectory
 from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
-from areno.rewards.sandbox import reward_metrics
+from areno.rewards.sandbox import RewardSandbox
 from areno.rollout.store import release_refs
 from areno.train import checkpoint
 
@@ -208,7 +208,7 @@ class ArenoEngine:
         from areno.workflows.common import store_kwargs
 
         cfg = self.config
-        reward_fn = load_reward(cfg.reward)
+        reward_fn = self.reward_fn = load_reward(cfg.reward)
         # one observation store: workflows taking `store=` put large observations there; the
         # executor frees those of dropped groups, step() those of trained ones
         self.store = InProcessStore()
@@ -252,7 +252,8 @@ class ArenoEngine:
             trajectories = sft_trajectories(rows, self.tokenizer, cfg.data.prompt_key, cfg.data.answer_key)
             metrics = {"rollout/num_seqs": float(len(trajectories)),
                        "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories))}
-        metrics.update(reward_metrics())  # sandboxed rewards: calls, failures by kind, worker restarts
+        if isinstance(getattr(self, "reward_fn", None), RewardSandbox):  # calls, failures by kind, restarts
+            metrics.update(self.reward_fn.metrics())
         return RolloutBatch(trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics)
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
@@ -382,11 +383,14 @@ class ArenoEngine:
         self.tokenizer.save_pretrained(path)
 
     def shutdown(self) -> None:
-        from areno.rewards.sandbox import close_all
-
         if self.executor is not None:
             self.executor.stop()
         self.client.close()
         for backend in self.runner.backends.values():
             backend.shutdown()
-        close_all()  # the reward sandbox's worker processes and counters end with the run
+        self.close_reward()
+
+    def close_reward(self) -> None:
+        """Stop this run's reward sandbox workers (a later run starts a fresh pool)."""
+        if isinstance(getattr(self, "reward_fn", None), RewardSandbox):
+            self.reward_fn.close()

@@ -484,9 +484,7 @@ class PartitionedArenoEngine(ArenoEngine):
                     except Exception as e:  # noqa: BLE001 - tearing down anyway
                         logger.warning("partitioned engine: %s shutdown failed: %s", role, e)
             self.scheduler.shutdown()
-        from areno.rewards.sandbox import close_all
-
-        close_all()  # the reward sandbox's worker processes and counters end with the run
+        self.close_reward()
 
 
 def results_ok(futures) -> list[bool]:

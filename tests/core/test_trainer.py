@@ -133,6 +133,7 @@ def test_reward_that_raises_is_counted_not_fatal(tmp_path, caplog):
         trainer.shutdown()
     assert evaluation["eval/accuracy"] == 0.0
     assert rollout.metrics["rollout/reward_errors"] == 32
+    assert rollout.metrics["rollout/reward_failures_error"] == 32  # counted by the run's own reward sandbox
     assert rollout.metrics["rollout/reward_mean"] == 0.0
     assert "reward bug" in caplog.text
 

@@ -175,7 +175,7 @@ def test_concurrent_async_pool_neither_skips_nor_repeats_a_prompt(tmp):
     assert sorted(train_rows(run_dir)) == [1, 2, 3, 4]
 
     state = torch.load(run_dir / "checkpoints" / "step_00000004" / "policy" / "trainer_state.pt",
-                       weights_only=False)["extra"]["data"]
+                       weights_only=True)["extra"]["data"]
     cfg = load_config(None, args)
     stream = PromptStream(build_splits(cfg.data)[0], seed=cfg.data.seed)
     handed_out = []
