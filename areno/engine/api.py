@@ -306,8 +306,16 @@ class ArenoEngine:
         params = self._sampling_params(greedy=True)
         t0 = time.perf_counter()
 
+        client = self.client
+        engine = getattr(self, "rollout_engine", None)
+        held = engine is not None and not self.asynchronous
+        if held:  # start the engine on the whole burst: the same batches, hence the same scores, every run
+            client = SeedingClient(self.client)
+            engine.pause()
+            client.hold(lambda: (engine.resume(), self.client.wake()))
+
         async def ascore(row: dict) -> float:
-            out = await self.client.agenerate(self.tokenizer.encode(row[prompt_key]), params)
+            out = await client.agenerate(self.tokenizer.encode(row[prompt_key]), params)
             completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
             # the rollouts' failure policy: a raising reward scores 0 and is warned about
             reward, _ = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key),
@@ -317,7 +325,11 @@ class ArenoEngine:
         async def ascore_all() -> list[float]:
             return await asyncio.gather(*(ascore(row) for row in self.eval_rows))
 
-        scores = asyncio.run(ascore_all())
+        try:
+            scores = asyncio.run(ascore_all())
+        finally:
+            if held:
+                client.release_now()  # a no-op once the burst was released
         return {"eval/accuracy": sum(scores) / len(scores), "eval/num_prompts": float(len(scores)),
                 "eval/time_s": time.perf_counter() - t0}
 

@@ -6,8 +6,7 @@ driver thread admitted requests as they arrived), requests without a seed shared
 generator, and on CPU a row's log-probs change in their last bits with the batch it sits in, so
 two LocalScheduler runs differed as much (bench/RESULTS.md). Synchronous rollouts now start the
 engine on the whole burst with per-episode seeds (``areno.engine.ledger.SeedingClient``), and the
-runs agree bit for bit. Evaluation still sends its greedy requests unheld (timing-dependent
-batches), hence one evaluation prompt here.
+runs agree bit for bit. Evaluation holds its burst the same way.
 """
 
 import pytest
@@ -20,7 +19,7 @@ def _overrides(root):
     return [
         f"run_dir={root / 'run'}", f"model.path={root / 'model'}",
         "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-        "data.task=arithmetic", "data.num_eval=1", "rollout.batch_size=4", "rollout.n_samples=4",
+        "data.task=arithmetic", "data.num_eval=16", "rollout.batch_size=4", "rollout.n_samples=4",
         "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false", "train.steps=3",
         "train.eval_interval=0", "train.seed=3", "optim.lr=0.02", "reward.fn=tests.launch._workers:digits",
     ]
