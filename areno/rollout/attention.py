@@ -11,6 +11,8 @@ Kernels: keys are gathered from the slot tensors through the block tables and fe
 memory-efficient SDPA kernel, on CPU the fused CPU kernel. Decode queries form a ``[Bd, Hq, 1, Dh]``
 batch, prefill chunks a padded ``[Bp, Hq, Qmax, Dh]`` batch, so a long prefill chunk never pads the
 decode rows.
+Pure-decode steps built by ``for_decode(..., decode_attention="paged")`` skip the gather: they
+attend over the pool directly through the block tables (``paged_decode.py``).
 
 Legend: T = packed new tokens, B = sequences, L = key positions (padded), Q = query positions
 (padded), N = blocks per sequence (padded), Hq/Hkv = query/KV heads, Dh = head dim, S = KV slots.
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from areno.rollout.kv_cache import KVCache
+from areno.rollout.paged_decode import paged_decode
 
 
 @dataclass
@@ -38,6 +41,21 @@ class _Group:
     """long [B, Q] row of each padded query in the group's packed tokens (prefill only)."""
     q_valid_BQ: torch.Tensor | None = None
     """bool [B, Q] real (not padding) queries (prefill only)."""
+
+
+@dataclass
+class _PagedDecode:
+    """What the paged decode path reads per layer (device tensors, static shapes)."""
+
+    bt_BN: torch.Tensor
+    """long [B, N] block tables (padding: any valid block id)."""
+    ctx_B: torch.Tensor
+    """long [B] context length including the new token."""
+    sliding_window: int | None = None
+
+
+DECODE_ATTENTION = ("gather", "paged")
+"""Decode attention implementations (``RolloutEngineConfig.decode_attention``)."""
 
 
 @dataclass
@@ -63,12 +81,14 @@ class PagedAttention:
     kernel then takes the masked call; on CPU it is 15-30% faster than ``enable_gqa`` (measured)."""
 
     def __init__(self, cache: KVCache, slot_mapping_T: torch.Tensor, num_decode: int,
-                 decode: _Group | None, prefill: _Group | None) -> None:
+                 decode: _Group | None, prefill: _Group | None, paged: _PagedDecode | None = None) -> None:
         self.cache = cache
         self.slot_mapping_T = slot_mapping_T
         self.num_decode = num_decode
         self.decode = decode
         self.prefill = prefill
+        self.paged = paged
+        """Set (pure decode, ``decode_attention="paged"``): decode attends over the pool directly."""
 
     @classmethod
     def build(
@@ -120,7 +140,7 @@ class PagedAttention:
     @classmethod
     def for_decode(
         cls, cache: KVCache, bt_BN: torch.Tensor, ctx_B: torch.Tensor, sliding_window: int | None = None,
-        kv_slots_BL: torch.Tensor | None = None,
+        kv_slots_BL: torch.Tensor | None = None, decode_attention: str = "gather",
     ) -> "PagedAttention":
         """A pure-decode step from device tensors only (static shapes: usable inside a CUDA graph).
 
@@ -128,13 +148,20 @@ class PagedAttention:
         length including the new token (its position is ``ctx - 1``). A position past the table's
         ``N`` blocks writes its K/V to the scratch block (rows the engine runs past their end in a
         multi-step decode). ``kv_slots_BL``: the slots of every key (``decode_kv_slots``), when the
-        caller reuses them across steps."""
+        caller reuses them across steps. ``decode_attention``: ``"gather"`` copies every key into a
+        dense [B, L] batch for SDPA; ``"paged"`` reads K/V straight from the pool
+        (``paged_decode.py``: Triton on CUDA, a chunked torch loop elsewhere)."""
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         bs = cache.block_size
         N = bt_BN.shape[1]
         pos_B = ctx_B - 1
         col_B = pos_B // bs
         slot_B = bt_BN.gather(1, col_B.clamp(max=N - 1)[:, None]).squeeze(1) * bs + pos_B % bs
         slot_B = torch.where(col_B < N, slot_B, cache.scratch_block * bs)
+        if decode_attention == "paged":
+            paged = _PagedDecode(bt_BN=bt_BN, ctx_B=ctx_B, sliding_window=sliding_window)
+            return cls(cache, slot_B, bt_BN.shape[0], None, None, paged)
         key_L = torch.arange(N * bs, device=bt_BN.device)
         if kv_slots_BL is None:
             kv_slots_BL = cls.decode_kv_slots(bt_BN, bs)
@@ -168,6 +195,9 @@ class PagedAttention:
         k_S.index_copy_(0, self.slot_mapping_T, k_THD.to(k_S.dtype))
         v_S.index_copy_(0, self.slot_mapping_T, v_THD.to(v_S.dtype))
         nd = self.num_decode
+        if self.paged is not None:
+            p = self.paged
+            return paged_decode(q_THD, k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window)
         outs = []
         if self.decode is not None:
             g = self.decode

@@ -32,7 +32,7 @@ import torch
 
 from areno.api.types import GenerationOutput, SamplingParams
 from areno.observe.trace import instant, span
-from areno.rollout.attention import PagedAttention
+from areno.rollout.attention import DECODE_ATTENTION, PagedAttention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
 from areno.rollout.sampling import RowParams, Sampler, check_stop
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -96,6 +96,10 @@ class RolloutEngineConfig:
     CUDA, 1 elsewhere (where host overhead is small next to the forward pass)."""
     seed: int = 0
     """Seed of the generator shared by requests without their own seed."""
+    decode_attention: str = "gather"
+    """Decode-step attention: "gather" copies each sequence's K/V out of the block pool into a dense
+    batch for SDPA; "paged" reads them straight from the pool (a Triton kernel on CUDA, a chunked
+    online-softmax loop elsewhere; ``paged_decode.py``). Prefill and mixed steps always gather."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
@@ -110,6 +114,9 @@ class RolloutEngineConfig:
             raise ValueError(f"RolloutEngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"RolloutEngineConfig.max_model_len must be > 1, got {self.max_model_len}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"RolloutEngineConfig.decode_attention must be one of {list(DECODE_ATTENTION)}, "
+                             f"got {self.decode_attention!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"RolloutEngineConfig.dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
 
@@ -382,7 +389,8 @@ class RolloutEngine:
             ids_ctx_2B = torch.tensor([ids, ctx], dtype=torch.long).to(self.device, non_blocking=True)
             ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
             bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks).to(self.device, non_blocking=True)
-            kv_slots_BL = PagedAttention.decode_kv_slots(bt_BN, self.config.block_size)
+            kv_slots_BL = (PagedAttention.decode_kv_slots(bt_BN, self.config.block_size)
+                           if self.config.decode_attention == "gather" else None)
         tokens, logprobs = [], []
         keep_B = alive_B = None
         if k > 1:
@@ -392,7 +400,8 @@ class RolloutEngine:
             if graph is not None:
                 logits_BV = self._graphs.replay(graph, B)
             else:
-                attn = PagedAttention.for_decode(self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL)
+                attn = PagedAttention.for_decode(self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL,
+                                                 self.config.decode_attention)
                 hidden_BD = self.model(ids_B, (ctx_B - 1).clamp(max=self.max_position - 1), attn)
                 logits_BV = self._logits(hidden_BD)
             tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)

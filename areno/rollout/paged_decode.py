@@ -1,0 +1,188 @@
+"""Decode attention read straight from the paged KV pool (``RolloutEngineConfig.decode_attention="paged"``).
+
+The ``"gather"`` decode path copies every sequence's keys and values out of the block pool into a
+dense ``[B, L, Hkv, Dh]`` tensor per layer and step before attending. This module attends one query
+token per sequence directly over the pool, walking the block table:
+
+- ``paged_decode_triton`` (CUDA, Triton importable): one program per (sequence, KV head) holding the
+  ``G = Hq / Hkv`` query heads of that KV head; it loops over the sequence's keys ``TILE`` positions
+  at a time (a tile may span several blocks: each key's block id is read from the table), with an
+  online softmax and fp32 accumulation. Only keys ``lo .. ctx - 1`` are read (``lo`` > 0 with a
+  sliding window), so the work follows each row's real context, not the padded table width. Shapes
+  are static and bounds are read on the device: it runs inside CUDA-graph capture.
+- ``paged_decode_torch`` (everywhere else; the reference the Triton kernel is tested against): the
+  same online softmax over chunks of block-table columns, so the temporary copy is one chunk
+  ``[B, C, Hkv, Dh]`` (C ≈ 128 keys) rather than the whole context.
+
+Semantics are those of ``PagedAttention.for_decode``'s gather path: the query at position
+``p = ctx - 1`` sees keys ``j <= p`` (and ``j > p - sliding_window``) among the table's
+``N * block_size`` positions; scale 1/sqrt(Dh).
+
+Legend: B = sequences, N = block-table width, Hq/Hkv = query/KV heads, G = Hq / Hkv, Dh = head dim,
+S = KV slots (``(num_blocks + 1) * block_size``), C = keys per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+TORCH_CHUNK_KEYS = 128
+"""``paged_decode_torch``: keys gathered per iteration (rounded to whole blocks)."""
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def paged_decode(
+    q_BHD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, bt_BN: torch.Tensor, ctx_B: torch.Tensor,
+    block_size: int, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged pool: Triton on CUDA when available, else the torch loop.
+
+    ``q_BHD``: [B, Hq, Dh] one query per sequence; ``k_S``/``v_S``: [S, Hkv, Dh] the layer's pool;
+    ``bt_BN``: long [B, N] block tables (padding: any valid block id); ``ctx_B``: long [B] context
+    length including the new token. Returns [B, Hq, Dh] in ``q_BHD``'s dtype."""
+    if q_BHD.is_cuda and triton is not None:
+        return paged_decode_triton(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window)
+    return paged_decode_torch(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window)
+
+
+def paged_decode_torch(
+    q_BHD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, bt_BN: torch.Tensor, ctx_B: torch.Tensor,
+    block_size: int, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Online-softmax decode attention over chunks of block-table columns (fp32 accumulation)."""
+    B, Hq, Dh = q_BHD.shape
+    Hkv = k_S.shape[1]
+    G = Hq // Hkv
+    N = bt_BN.shape[1]
+    bs = block_size
+    cols = max(1, TORCH_CHUNK_KEYS // bs)
+    q_BKGD = q_BHD.reshape(B, Hkv, G, Dh).float() * (1.0 / math.sqrt(Dh))
+    pos_B1 = (ctx_B - 1)[:, None]
+    m_BKG = q_BKGD.new_full((B, Hkv, G), -math.inf)
+    l_BKG = q_BKGD.new_zeros((B, Hkv, G))
+    acc_BKGD = q_BKGD.new_zeros((B, Hkv, G, Dh))
+    offs_C = torch.arange(cols * bs, device=bt_BN.device)
+    for n0 in range(0, N, cols):
+        nc = min(cols, N - n0)
+        key_C = n0 * bs + offs_C[: nc * bs]
+        slots_BC = (bt_BN[:, n0 : n0 + nc, None] * bs + torch.arange(bs, device=bt_BN.device)).reshape(B, nc * bs)
+        flat = slots_BC.reshape(-1)
+        k_BCKD = k_S.index_select(0, flat).view(B, nc * bs, Hkv, Dh).float()
+        v_BCKD = v_S.index_select(0, flat).view(B, nc * bs, Hkv, Dh).float()
+        valid_BC = key_C[None, :] <= pos_B1
+        if sliding_window is not None:
+            valid_BC &= key_C[None, :] > pos_B1 - sliding_window
+        s_BKGC = torch.einsum("bkgd,bckd->bkgc", q_BKGD, k_BCKD)
+        s_BKGC = s_BKGC.masked_fill(~valid_BC[:, None, None, :], -math.inf)
+        m_new = torch.maximum(m_BKG, s_BKGC.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # a row with no valid key yet
+        alpha = torch.exp(m_BKG - m_safe)
+        p_BKGC = torch.exp(s_BKGC - m_safe[..., None])
+        l_BKG = l_BKG * alpha + p_BKGC.sum(dim=-1)
+        acc_BKGD = acc_BKGD * alpha[..., None] + torch.einsum("bkgc,bckd->bkgd", p_BKGC, v_BCKD)
+        m_BKG = m_new
+    out_BKGD = acc_BKGD / torch.where(l_BKG == 0, 1.0, l_BKG)[..., None]
+    return out_BKGD.reshape(B, Hq, Dh).to(q_BHD.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_btb, stride_btn, stride_ctx,
+        stride_ob, stride_oh,
+        scale, num_cols, window,
+        BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+        BLOCK_D: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_t = tl.arange(0, TILE)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        q = tl.load(q_ptr + b * stride_qb + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
+        pos = ctx - 1
+        hi = tl.minimum(ctx, num_cols * BLOCK_SIZE)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(pos - window + 1, 0)
+        lo = (lo // TILE) * TILE
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + b * stride_btb
+        for start in range(lo, hi, TILE):
+            t = start + offs_t
+            ok = t < hi
+            if HAS_WINDOW:
+                ok = ok & (t > pos - window)
+            blk = tl.load(bt_row + (t // BLOCK_SIZE) * stride_btn, mask=ok, other=0).to(tl.int64)
+            slot = blk * BLOCK_SIZE + (t % BLOCK_SIZE)
+            kv_ok = ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_decode_triton(
+    q_BHD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, bt_BN: torch.Tensor, ctx_B: torch.Tensor,
+    block_size: int, sliding_window: int | None = None, tile: int = 64,
+) -> torch.Tensor:
+    """The Triton kernel (CUDA tensors). ``tile``: keys per loop iteration (a power of two >= 16)."""
+    if triton is None:
+        raise RuntimeError("decode_attention='paged' on CUDA needs triton: install triton or use 'gather'")
+    B, Hq, Dh = q_BHD.shape
+    Hkv = k_S.shape[1]
+    G = Hq // Hkv
+    if k_S.stride(2) != 1 or v_S.stride(2) != 1:
+        raise ValueError("paged_decode_triton needs K/V pools contiguous in the head dim")
+    q_BHD = q_BHD if q_BHD.stride(2) == 1 else q_BHD.contiguous()
+    if q_BHD.dtype != k_S.dtype:
+        q_BHD = q_BHD.to(k_S.dtype)
+    out_BHD = torch.empty(B, Hq, Dh, dtype=q_BHD.dtype, device=q_BHD.device)
+    ieee = k_S.dtype == torch.float32  # no TF32 for fp32 pools: parity with the gather path
+    _paged_decode_kernel[(B, Hkv)](
+        q_BHD, k_S, v_S, bt_BN, ctx_B, out_BHD,
+        q_BHD.stride(0), q_BHD.stride(1), k_S.stride(0), k_S.stride(1), v_S.stride(0), v_S.stride(1),
+        bt_BN.stride(0), bt_BN.stride(1), ctx_B.stride(0), out_BHD.stride(0), out_BHD.stride(1),
+        1.0 / math.sqrt(Dh), bt_BN.shape[1], sliding_window or 0,
+        BLOCK_SIZE=block_size, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=Dh,
+        BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE=max(16, tile), HAS_WINDOW=sliding_window is not None,
+        IEEE=ieee, num_warps=4,
+    )
+    return out_BHD
