@@ -170,7 +170,8 @@ class DecodeGraphRunner:
 
     def _forward(self, ids_B: torch.Tensor, ctx_B: torch.Tensor, bt_BN: torch.Tensor) -> torch.Tensor:
         e = self.engine
-        attn = PagedAttention.for_decode(e.cache, bt_BN, ctx_B, e.sliding_window)
+        attn = PagedAttention.for_decode(e.cache, bt_BN, ctx_B, e.sliding_window,
+                                         decode_attention=e.config.decode_attention)
         # Rows run past their end (multi-step decode) may pass the RoPE table: clamp (their K/V
         # goes to the scratch block and their tokens are discarded).
         hidden_BD = e.model(ids_B, (ctx_B - 1).clamp(max=e.max_position - 1), attn)
