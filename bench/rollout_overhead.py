@@ -32,6 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import rollout as rollout_bench  # noqa: E402
+
 TINY = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
@@ -40,9 +42,7 @@ TINY = {
 }
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+sync = rollout_bench.sync
 
 
 def params_for(mode: str, n: int, new_tokens: int):
@@ -130,25 +130,12 @@ def _fake_graph_runner(engine, max_batch: int):
     return FakeRunner(engine, max_batch=max_batch)
 
 
-@torch.no_grad()
 def run_hf(hf, prompts, new_tokens: int, device: str) -> dict:
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding, as generate expects
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-              eos_token_id=None, use_cache=True)
-    hf.generate(input_ids=ids[:, -4:], attention_mask=mask[:, -4:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-    sync(device)
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
-    sync(device)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"hf_s": round(wall, 4), "hf_cpu_s": round(cpu, 4), "hf_tok_s": round(B * new_tokens / wall, 1),
-            "hf_ms_per_token_step": round(1e3 * wall / new_tokens, 3), "_outputs": out[:, L:].tolist()}
+    """``transformers.generate`` on the same prompts (bench/rollout.py's harness), as this bench's fields."""
+    wall, outputs = rollout_bench.run_hf(hf, prompts, new_tokens, device)
+    return {"hf_s": round(wall, 4), "hf_cpu_s": round(rollout_bench.run_hf.cpu_s, 4),
+            "hf_tok_s": round(len(prompts) * new_tokens / wall, 1),
+            "hf_ms_per_token_step": round(1e3 * wall / new_tokens, 3), "_outputs": outputs}
 
 
 def main() -> None:
