@@ -4,6 +4,12 @@ and lengths, measured side by side in one run. Prints one JSON object.
     python bench/rollout.py --shape cpu20m                       # CPU: ~20M params, 32 x 128
     python bench/rollout.py --shape qwen0.5b                     # GPU: Qwen2.5-0.5B shape, 64 x 512
     python bench/rollout.py --shape qwen0.5b --prompts 256 --skip-hf   # GPU: 256 concurrent sequences
+    python bench/rollout.py --shape qwen0.5b --prompts 256 --skip-hf --decode-attention gather paged
+
+``--decode-attention`` takes one or more of ``gather`` / ``paged`` (``RolloutEngineConfig.decode_attention``):
+with several, the engine runs once per value on the same model and prompts, one after the other in this
+process; the top-level figures are the first value's, ``by_decode_attention`` holds each one's, and
+``identical_to_first`` counts the sequences equal to the first value's.
 
 Both sides decode greedily to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
 reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is the steadier figure. On CUDA it also reports
@@ -94,7 +100,8 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[
     return time.perf_counter() - t0, out[:, L:].tolist()
 
 
-def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args) -> tuple[float, list[list[int]], dict]:
+def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args,
+               decode_attention: str = "gather") -> tuple[float, list[list[int]], dict]:
     from areno.api.types import SamplingParams
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
@@ -102,7 +109,7 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args) -> tuple[
         block_size=args.block_size, max_num_seqs=max(len(prompts), 1), max_tokens_per_step=args.max_tokens_per_step,
         prefill_chunk_size=args.prefill_chunk_size, max_model_len=max(len(p) for p in prompts) + new_tokens + 1,
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
-        cpu_kv_cache_bytes=args.cpu_kv_gb << 30, decode_steps=args.decode_steps,
+        cpu_kv_cache_bytes=args.cpu_kv_gb << 30, decode_steps=args.decode_steps, decode_attention=decode_attention,
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
@@ -152,6 +159,8 @@ def main() -> None:
     ap.add_argument("--kv-memory-fraction", type=float, default=0.5)
     ap.add_argument("--cpu-kv-gb", type=int, default=1)
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--decode-attention", nargs="+", choices=["gather", "paged"], default=["gather"],
+                    help="engine decode attention; several values: one engine run each, side by side")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="engine decode steps per host round trip (default: 8 on CUDA, 1 on CPU)")
     args = ap.parse_args()
@@ -166,11 +175,20 @@ def main() -> None:
     ours, cfg, hf = build_models(hf_dict, device, dtype, with_hf=not args.skip_hf)
     prompts = make_prompts(n, cfg.vocab_size, *args.prompt_len, seed=0)
     n_params = sum(p.numel() for p in ours.parameters())
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    eng_s, eng_out, stats = run_engine(ours, cfg, prompts, new_tokens, device, args)
+    runs = {}
+    for mode in args.decode_attention:
+        gc.collect()  # the previous engine (KV pool, graphs) holds a reference cycle
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode)
+        if device.startswith("cuda"):
+            st_["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        runs[mode] = (s_, out_, st_)
+    eng_s, eng_out, stats = runs[args.decode_attention[0]]
     result: dict = {
         "bench": "rollout", "shape": args.shape, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "decode_attention": args.decode_attention[0],
         "params_M": round(n_params / 1e6, 2), "prompts": n, "new_tokens": new_tokens,
         "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
         "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),
@@ -178,8 +196,16 @@ def main() -> None:
         "engine_preemptions": stats["num_preemptions"], "engine_decode_steps": args.decode_steps,
         "engine_round_trips": stats["sampling_round_trips"], "engine_cpu_s": round(stats["cpu_s"], 3),
     }
+    if len(runs) > 1:
+        result["by_decode_attention"] = {
+            mode: {"engine_s": round(s_, 3), "engine_tok_s": round(n * new_tokens / s_, 1),
+                   "engine_ms_per_step": round(1e3 * s_ / max(st_["steps"], 1), 2), "engine_steps": st_["steps"],
+                   "engine_round_trips": st_["sampling_round_trips"], "engine_cpu_s": round(st_["cpu_s"], 3),
+                   "identical_to_first": f"{sum(a == b for a, b in zip(out_, eng_out))}/{n}",
+                   **({"engine_peak_mem_GiB": st_["peak_mem_GiB"]} if "peak_mem_GiB" in st_ else {})}
+            for mode, (s_, out_, st_) in runs.items()}
     if device.startswith("cuda"):
-        result["engine_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        result["engine_peak_mem_GiB"] = stats["peak_mem_GiB"]
         result["engine_kv_pool_GiB"] = stats["kv_pool_GiB"]  # reserved up front, part of the peak
         bw = copy_bandwidth(device)
         weight_bytes = n_params * ours.output_weight.element_size()
