@@ -9,7 +9,9 @@ and lengths, measured side by side in one run. Prints one JSON object.
 ``--decode-attention`` takes one or more of ``gather`` / ``paged`` (``RolloutEngineConfig.decode_attention``):
 with several, the engine runs once per value on the same model and prompts, one after the other in this
 process; the top-level figures are the first value's, ``by_decode_attention`` holds each one's, and
-``identical_to_first`` counts the sequences equal to the first value's.
+``identical_to_first`` counts the sequences equal to the first value's. A value given twice runs
+twice and keeps its last run: the first engine run of a process is slower on CPU (measured: ~1.8x,
+whichever value goes first), so ``--decode-attention gather paged gather`` compares warm runs.
 
 Both sides decode greedily to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
 reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is the steadier figure. On CUDA it also reports
@@ -188,7 +190,7 @@ def main() -> None:
     eng_s, eng_out, stats = runs[args.decode_attention[0]]
     result: dict = {
         "bench": "rollout", "shape": args.shape, "device": device, "dtype": str(dtype).removeprefix("torch."),
-        "decode_attention": args.decode_attention[0],
+        "decode_attention": args.decode_attention[0], "decode_attention_runs": args.decode_attention,
         "params_M": round(n_params / 1e6, 2), "prompts": n, "new_tokens": new_tokens,
         "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
         "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),
