@@ -166,21 +166,27 @@ class TokenBatch:
         seqlens = torch.tensor([cu[i + 1] - cu[i] for i in seq_indices], dtype=torch.long)
         new_cu = torch.zeros(len(seq_indices) + 1, dtype=torch.long)
         new_cu[1:] = torch.cumsum(seqlens, 0)
-        seq_idx_B = torch.tensor(seq_indices, dtype=torch.long)
-        extra = {}
-        for key, value in self.extra.items():
-            extra[key] = value[idx_T] if key.endswith("_T") else value[seq_idx_B]
+        return self.gather(idx_T, new_cu, seq_indices)
+
+    def gather(self, idx_T: torch.Tensor, cu_seqlens_B1: torch.Tensor,
+               seq_indices: list[int] | None = None) -> "TokenBatch":
+        """A new batch of the tokens ``idx_T`` (an index or a bool mask [T]) packed by
+        ``cu_seqlens_B1``: every per-token field (and ``extra`` key ending in ``_T``) is indexed; the
+        per-sequence ones follow ``seq_indices`` (None keeps them as they are)."""
+        seq_idx_B = None if seq_indices is None else torch.tensor(seq_indices, dtype=torch.long)
+        per_seq = (lambda v: v) if seq_idx_B is None else (lambda v: v[seq_idx_B])  # noqa: E731
         return dataclasses.replace(
             self,
             input_ids_T=self.input_ids_T[idx_T],
-            cu_seqlens_B1=new_cu,
+            cu_seqlens_B1=cu_seqlens_B1,
             loss_mask_T=self.loss_mask_T[idx_T],
             logprobs_T=self.logprobs_T[idx_T],
             versions_T=self.versions_T[idx_T],
             advantages_T=self.advantages_T[idx_T],
-            rewards_B=self.rewards_B[seq_idx_B],
-            group_ids=[self.group_ids[i] for i in seq_indices] if self.group_ids else [],
-            extra=extra,
+            rewards_B=per_seq(self.rewards_B),
+            group_ids=self.group_ids if seq_indices is None or not self.group_ids
+            else [self.group_ids[i] for i in seq_indices],
+            extra={k: (v[idx_T] if k.endswith("_T") else per_seq(v)) for k, v in self.extra.items()},
         )
 
     @classmethod

@@ -22,7 +22,6 @@ Legend: B = sequences, T = packed tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -144,17 +143,7 @@ def truncate_long_sequences(batch: TokenBatch, max_len: int) -> tuple[TokenBatch
     keep_T = batch.position_ids_T() < max_len
     new_cu = torch.zeros_like(batch.cu_seqlens_B1)
     new_cu[1:] = torch.cumsum(seqlens_B.clamp(max=max_len), 0)
-    cut = dataclasses.replace(
-        batch,
-        input_ids_T=batch.input_ids_T[keep_T],
-        cu_seqlens_B1=new_cu,
-        loss_mask_T=batch.loss_mask_T[keep_T],
-        logprobs_T=batch.logprobs_T[keep_T],
-        versions_T=batch.versions_T[keep_T],
-        advantages_T=batch.advantages_T[keep_T],
-        extra={k: (v[keep_T] if k.endswith("_T") else v) for k, v in batch.extra.items()},
-    )
-    return cut, keep_T
+    return batch.gather(keep_T, new_cu), keep_T
 
 
 def untruncate_outputs(outputs: dict[str, torch.Tensor], keep_T: torch.Tensor) -> dict[str, torch.Tensor]:
