@@ -171,6 +171,7 @@ def paged_decode_triton(
     G = Hq // Hkv
     if k_S.stride(2) != 1 or v_S.stride(2) != 1:
         raise ValueError("paged_decode_triton needs K/V pools contiguous in the head dim")
+    out_dtype = q_BHD.dtype  # a KV cache dtype other than the model's: compute in the cache's, return the model's
     q_BHD = q_BHD if q_BHD.stride(2) == 1 else q_BHD.contiguous()
     if q_BHD.dtype != k_S.dtype:
         q_BHD = q_BHD.to(k_S.dtype)
@@ -185,4 +186,4 @@ def paged_decode_triton(
         BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE=max(16, tile), HAS_WINDOW=sliding_window is not None,
         IEEE=ieee, num_warps=4,
     )
-    return out_BHD
+    return out_BHD.to(out_dtype)

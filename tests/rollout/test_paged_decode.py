@@ -310,7 +310,13 @@ def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, 
     ref = paged_decode_torch(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.double()[:-1], _naive(q_BHD, cache, bt_BN, ctx_B, window)[:-1], rtol=0, atol=1e-5)
-    # Strided query (a view) and bf16 pools take the same code.
+    # A bf16 pool under an fp32 model: computed in bf16, returned in the query's dtype.
+    c16 = _random_pool(num_blocks=80, bs=bs, hkv=hkv, dh=8, dtype=torch.bfloat16)
+    out16 = emulated_kernel_module.paged_decode_triton(q_BHD, c16.k_S[0], c16.v_S[0], bt_BN, ctx_B, bs, window)
+    assert out16.dtype == torch.float32
+    torch.testing.assert_close(out16, paged_decode_torch(q_BHD, c16.k_S[0], c16.v_S[0], bt_BN, ctx_B, bs, window),
+                               rtol=0, atol=2e-2)
+    # A strided query (a view) takes the same code.
     q_wide = torch.randn(len(ctx), hq, 16)[:, :, :8]
     torch.testing.assert_close(
         emulated_kernel_module.paged_decode_triton(q_wide, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window),
