@@ -15,42 +15,27 @@ logged; neither stops the thread.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from areno.api.workflow import RolloutWorkflow
+from areno.train.checkpoint import complete_checkpoints
 
 if TYPE_CHECKING:
     from areno.rollout.client import RolloutClient
 
 logger = logging.getLogger("areno.engine.test_rollout")
 
-COMPLETE_MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class HotLoadable(Protocol):
     def update_weights_from_disk(self, path: str, version: int) -> None: ...
 
 
-def completed_checkpoints(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``step_N`` directory that holds the ``COMPLETE`` marker, by step."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / COMPLETE_MARKER).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
 def latest_completed_checkpoint(checkpoint_dir: str | Path) -> tuple[int, Path] | None:
-    done = completed_checkpoints(checkpoint_dir)
+    done = complete_checkpoints(checkpoint_dir)
     return done[-1] if done else None
 
 

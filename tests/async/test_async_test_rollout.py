@@ -9,7 +9,8 @@ import torch
 
 from areno.api.types import SamplingParams, Trajectory
 from areno.api.workflow import RolloutWorkflow
-from areno.engine.test_rollout import COMPLETE_MARKER, TestRolloutManager, completed_checkpoints
+from areno.engine.test_rollout import TestRolloutManager
+from areno.train.checkpoint import COMPLETE_MARKER, complete_checkpoints
 
 PAYLOAD = 64 * 1024
 
@@ -75,8 +76,8 @@ def test_only_completed_checkpoints_are_listed(tmp_path):
     write_checkpoint(tmp_path, 10, complete=True)
     (tmp_path / "step_00000011.tmp").mkdir()
     (tmp_path / "step_00000011.tmp" / COMPLETE_MARKER).write_text("ok")
-    assert [s for s, _ in completed_checkpoints(tmp_path)] == [1, 10]
-    assert completed_checkpoints(tmp_path / "missing") == []
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [1, 10]
+    assert complete_checkpoints(tmp_path / "missing") == []
 
 
 def test_poll_loads_newest_completed_and_tags_metrics(tmp_path):
