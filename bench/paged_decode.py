@@ -117,7 +117,8 @@ def main() -> None:
             "gather_ms": round(ms["gather"], 3), "paged_ms": round(ms["paged"], 3),
             "speedup": round(ms["gather"] / ms["paged"], 2),
             "max_abs_diff": float((outs["gather"] - outs["paged"]).abs().max()),
-            "gather_kv_GBs": round(kv_bytes / ms["gather"] / 1e6, 1), "paged_kv_GBs": round(kv_bytes / ms["paged"] / 1e6, 1),
+            "gather_kv_GBs": round(kv_bytes / ms["gather"] / 1e6, 1),
+            "paged_kv_GBs": round(kv_bytes / ms["paged"] / 1e6, 1),
         })
     if device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name()
