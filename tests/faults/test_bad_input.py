@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import uvicorn
 
 from areno.api.config import load_config
 from areno.api.types import SamplingParams
+from areno.launch.scheduler import free_port
 
 # ------------------------------------------------------------------------------------- datasets
 ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
@@ -84,10 +84,6 @@ def test_cli_prints_a_bad_dataset_in_one_line(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------- HTTP
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +92,7 @@ def server(tiny_model_dir):
 
     engine, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=256, block_size=8, max_model_len=64)
     app = create_app(engine, tokenizer=tokenizer, model_name="tiny")
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

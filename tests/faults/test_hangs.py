@@ -27,19 +27,13 @@ from areno.rollout.server import build_engine, create_app
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """``areno serve``'s app on a real port in a thread; stop() and start() again on the same port."""
 
     def __init__(self, model_dir, port: int | None = None) -> None:
         self.engine, self.tokenizer = build_engine(str(model_dir), device="cpu", num_blocks=128, block_size=8,
                                                    max_model_len=64)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start()
 
@@ -199,7 +193,7 @@ def test_request_to_dead_server_fails_over_without_waiting_for_a_ping(tiny_model
     """Without a ping in between, a refused connection is reported, and the request is served by
     the next server; with every server down the error names each of them."""
     a = Server(tiny_model_dir)
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     monitor = HealthMonitor([dead, a.url], interval_s=60, timeout_s=0.5, max_misses=1)  # never started
     client = MultiServerRolloutClient([dead, a.url], request_timeout_s=2, health=monitor)
 
@@ -237,6 +231,7 @@ from areno.rollout.executor import (  # noqa: E402
     WorkflowExecutor,
 )
 from areno.rollout.staleness import StalenessManager  # noqa: E402
+from areno.launch.scheduler import free_port
 
 
 class EchoClient:

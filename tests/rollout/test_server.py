@@ -1,4 +1,3 @@
-import socket
 import threading
 import time
 
@@ -7,22 +6,17 @@ import openai
 import pytest
 import uvicorn
 
+from areno.launch.scheduler import free_port
 from areno.rollout.server import build_engine, create_app, main
 
 KEY = "sekret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     engine, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=256, block_size=8, max_model_len=64)
     app = create_app(engine, tokenizer=tokenizer, model_name="tiny", api_key=KEY)
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

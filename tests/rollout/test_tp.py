@@ -1,7 +1,6 @@
 """TP=2 over gloo (two spawned processes, multi-step decode) generates the same tokens as TP=1."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 from areno.api.types import SamplingParams
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from tests.rollout.conftest import make_model, random_prompts
+from areno.launch.scheduler import free_port
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True, seed=3)
@@ -40,12 +40,6 @@ def _worker(rank: int, port: int, model_dir: str, new_dir: str, out_dir: str) ->
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # two spawned processes: ~15 s idle, ~2 min on the loaded 2-core CI box
 def test_tp2_equals_tp1(tmp_path):
     from areno.models.hf_io import save_model
@@ -54,7 +48,7 @@ def test_tp2_equals_tp1(tmp_path):
     new_model, _ = make_model(1)
     save_model(model, cfg, tmp_path / "m")
     save_model(new_model, cfg, tmp_path / "n")
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path / "m"), str(tmp_path / "n"), str(tmp_path)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path / "m"), str(tmp_path / "n"), str(tmp_path)), nprocs=2)
     prompts = random_prompts(4, seed=30)
     eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4), eos_token_ids=())
     greedy = [o.output_ids for o in eng.generate(prompts, GREEDY)]
