@@ -9,7 +9,9 @@ to 16 blocks, then multiples of 16). One call = ``PagedAttention.for_decode(...)
 the new K/V write plus attention, as the engine runs it per layer per decode step. Reports ms per
 call (median of ``--reps``), the max abs difference between the two paths, and the K/V bytes per
 call over the time (``kv_GBs``: the bytes of the real contexts, read once). On CUDA the calls run
-inside a captured CUDA graph (as in the engine). Prints one JSON object.
+inside a captured CUDA graph (as in the engine), and ``paged_ms_by_splits`` times the Triton kernel alone
+(no K/V write) for each ``--splits`` value (split-K programs per sequence and KV head; the engine uses
+the automatic choice, reported as ``auto_splits``). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=None, help="default 200 on cuda, 10 on cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], help="CUDA: split-K values to time")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,7 +115,19 @@ def main() -> None:
             outs[mode] = fn().float()
             ms[mode] = 1e3 * time_calls(fn, device, reps)
         kv_bytes = 2 * total_ctx * args.kv_heads * args.head_dim * itemsize
-        result["runs"].append({
+        extra = {}
+        if device.startswith("cuda"):
+            from areno.rollout import paged_decode as pd
+
+            k_S, v_S, bs = cache.k_S[0], cache.v_S[0], args.block_size
+            by = {}
+            for sp in args.splits:
+                fn = (lambda sp=sp: pd.paged_decode_triton(q, k_S, v_S, bt_BN, ctx_B, bs, num_splits=sp))
+                diff = float((fn().float() - outs["gather"]).abs().max())
+                by[sp] = {"ms": round(1e3 * time_calls(fn, device, reps), 4), "max_abs_diff": diff}
+            extra = {"paged_ms_by_splits": by,
+                     "auto_splits": pd.auto_num_splits(B, args.kv_heads, bt_BN.shape[1] * bs, 64, q.device)}
+        result["runs"].append({**extra,
             "batch": B, "table_blocks": bt_BN.shape[1], "mean_ctx": round(total_ctx / B, 1),
             "gather_ms": round(ms["gather"], 3), "paged_ms": round(ms["paged"], 3),
             "speedup": round(ms["gather"] / ms["paged"], 2),

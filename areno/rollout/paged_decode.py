@@ -9,7 +9,10 @@ token per sequence directly over the pool, walking the block table:
   at a time (a tile may span several blocks: each key's block id is read from the table), with an
   online softmax and fp32 accumulation. Only keys ``lo .. ctx - 1`` are read (``lo`` > 0 with a
   sliding window), so the work follows each row's real context, not the padded table width. Shapes
-  are static and bounds are read on the device: it runs inside CUDA-graph capture.
+  are static and bounds are read on the device: it runs inside CUDA-graph capture. When
+  ``B * Hkv`` programs are too few to fill the GPU, each (sequence, KV head) is split over up to
+  ``MAX_SPLITS`` programs sharing its key tiles (split-K, "flash decoding"); a second kernel merges
+  their partial softmaxes.
 - ``paged_decode_torch`` (everywhere else; the reference the Triton kernel is tested against): the
   same online softmax over chunks of block-table columns, so the temporary copy is one chunk
   ``[B, C, Hkv, Dh]`` (C ≈ 128 keys) rather than the whole context.
@@ -36,6 +39,10 @@ except ImportError:  # pragma: no cover - depends on the install
 
 TORCH_CHUNK_KEYS = 128
 """``paged_decode_torch``: keys gathered per iteration (rounded to whole blocks)."""
+SPLIT_TARGET_PROGRAMS_PER_SM = 4
+"""Triton: split each (sequence, KV head) until about this many programs per SM (small batches)."""
+MAX_SPLITS = 8
+"""Triton: most split-K programs per (sequence, KV head)."""
 
 
 def triton_available() -> bool:
@@ -100,15 +107,20 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_btb, stride_btn, stride_ctx,
         stride_ob, stride_oh,
-        scale, num_cols, window,
+        scale, num_cols, window, num_q_heads,
         BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         BLOCK_D: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
     ):
+        # Program (b, kvh, split): the query heads of KV head kvh of sequence b over split-th share
+        # of its key tiles. NUM_SPLITS == 1 writes the output; otherwise the unnormalised partial
+        # (acc, running max, sum) for _combine_kernel.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         offs_t = tl.arange(0, TILE)
@@ -123,11 +135,15 @@ if triton is not None:
         if HAS_WINDOW:
             lo = tl.maximum(pos - window + 1, 0)
         lo = (lo // TILE) * TILE
+        n_tiles = (hi - lo + TILE - 1) // TILE
+        per = ((n_tiles + NUM_SPLITS - 1) // NUM_SPLITS) * TILE
+        s_lo = lo + split * per
+        s_hi = tl.minimum(hi, s_lo + per)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         bt_row = bt_ptr + b * stride_btb
-        for start in range(lo, hi, TILE):
+        for start in range(s_lo, s_hi, TILE):
             t = start + offs_t
             ok = t < hi
             if HAS_WINDOW:
@@ -153,17 +169,61 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        if NUM_SPLITS == 1:
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            row_g = (b * num_q_heads + kvh * G + offs_g) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS] layout
+            tl.store(part_m_ptr + row_g, m_i, mask=g_ok)
+            tl.store(part_l_ptr + row_g, l_i, mask=g_ok)
+            tl.store(part_acc_ptr + row_g[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(
+        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_q_heads,
+        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # Program (b, h): merge the NUM_SPLITS partial softmaxes of query head h of sequence b.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < NUM_SPLITS
+        d_ok = offs_d < D
+        row_s = (b * num_q_heads + h) * NUM_SPLITS + offs_s
+        m = tl.load(part_m_ptr + row_s, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + row_s, mask=s_ok, other=0.0)
+        acc = tl.load(part_acc_ptr + row_s[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp(m - m_max)  # an empty split (m = -inf) weighs 0
+        denom = tl.sum(w * l_s, 0)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        out = tl.sum(acc * w[:, None], 0) / denom
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def auto_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, tile: int, device: torch.device) -> int:
+    """Split-K programs per (sequence, KV head): about ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per
+    SM, at most ``MAX_SPLITS``, at least one tile of ``max_keys`` (the table width) each."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-SPLIT_TARGET_PROGRAMS_PER_SM * sms // (num_seqs * num_kv_heads))
+    return max(1, min(MAX_SPLITS, -(-max_keys // tile), want))
 
 
 def paged_decode_triton(
     q_BHD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, bt_BN: torch.Tensor, ctx_B: torch.Tensor,
-    block_size: int, sliding_window: int | None = None, tile: int = 64,
+    block_size: int, sliding_window: int | None = None, tile: int = 64, num_splits: int | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel (CUDA tensors). ``tile``: keys per loop iteration (a power of two >= 16)."""
+    """The Triton kernel (CUDA tensors). ``tile``: keys per loop iteration (a power of two >= 16).
+    ``num_splits``: programs per (sequence, KV head), each over a share of the key tiles, merged by a
+    second kernel (split-K, for batches too small to fill the GPU). None: enough for about
+    ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, at most ``MAX_SPLITS`` and one tile each."""
     if triton is None:
         raise RuntimeError("decode_attention='paged' on CUDA needs triton: install triton or use 'gather'")
     B, Hq, Dh = q_BHD.shape
@@ -177,13 +237,28 @@ def paged_decode_triton(
         q_BHD = q_BHD.to(k_S.dtype)
     out_BHD = torch.empty(B, Hq, Dh, dtype=q_BHD.dtype, device=q_BHD.device)
     ieee = k_S.dtype == torch.float32  # no TF32 for fp32 pools: parity with the gather path
-    _paged_decode_kernel[(B, Hkv)](
-        q_BHD, k_S, v_S, bt_BN, ctx_B, out_BHD,
+    tile = max(16, tile)
+    if num_splits is None:
+        num_splits = auto_num_splits(B, Hkv, bt_BN.shape[1] * block_size, tile, q_BHD.device)
+    if num_splits > 1:
+        part_acc = torch.empty(B, Hq, num_splits, Dh, dtype=torch.float32, device=q_BHD.device)
+        part_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q_BHD.device)
+        part_l = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q_BHD.device)
+    else:
+        part_acc = part_m = part_l = out_BHD  # unused
+    _paged_decode_kernel[(B, Hkv, num_splits)](
+        q_BHD, k_S, v_S, bt_BN, ctx_B, out_BHD, part_acc, part_m, part_l,
         q_BHD.stride(0), q_BHD.stride(1), k_S.stride(0), k_S.stride(1), v_S.stride(0), v_S.stride(1),
         bt_BN.stride(0), bt_BN.stride(1), ctx_B.stride(0), out_BHD.stride(0), out_BHD.stride(1),
-        1.0 / math.sqrt(Dh), bt_BN.shape[1], sliding_window or 0,
+        1.0 / math.sqrt(Dh), bt_BN.shape[1], sliding_window or 0, Hq,
         BLOCK_SIZE=block_size, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=Dh,
-        BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE=max(16, tile), HAS_WINDOW=sliding_window is not None,
-        IEEE=ieee, num_warps=4,
+        BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE=tile, HAS_WINDOW=sliding_window is not None,
+        IEEE=ieee, NUM_SPLITS=num_splits, num_warps=4,
     )
+    if num_splits > 1:
+        _combine_kernel[(B, Hq)](
+            part_acc, part_m, part_l, out_BHD, out_BHD.stride(0), out_BHD.stride(1), Hq,
+            NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), D=Dh,
+            BLOCK_D=max(16, triton.next_power_of_2(Dh)), num_warps=1,
+        )
     return out_BHD.to(out_dtype)

@@ -264,10 +264,11 @@ def _fake_triton():
                 # A tensor becomes a flat view of its memory span: the kernel addresses it by its strides.
                 ptrs = [_Ptr(a.as_strided((1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())),), (1,)))
                         if isinstance(a, torch.Tensor) else a for a in args]
-                for p0 in range(grid[0]):
-                    for p1 in range(grid[1]):
-                        state["pid"] = (p0, p1)
-                        self.fn(*ptrs, **kw)
+                import itertools
+
+                for pid in itertools.product(*(range(g) for g in grid)):
+                    state["pid"] = pid
+                    self.fn(*ptrs, **kw)
             return launch
 
     triton_mod = types.ModuleType("triton")
@@ -297,16 +298,18 @@ def emulated_kernel_module(monkeypatch):
 
 
 @pytest.mark.parametrize("window", [None, 5, 21])
-@pytest.mark.parametrize("hq,hkv,bs,tile", [(6, 2, 4, 16), (4, 4, 16, 16), (8, 1, 4, 64), (6, 2, 16, 64)])
-def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, hkv, bs, tile):
+@pytest.mark.parametrize("hq,hkv,bs,tile,splits", [(6, 2, 4, 16, 1), (4, 4, 16, 16, 3), (8, 1, 4, 64, 1),
+                                                   (6, 2, 16, 64, 2), (6, 2, 4, 16, 5)])
+def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, hkv, bs, tile, splits):
     cache = _random_pool(num_blocks=80, bs=bs, hkv=hkv, dh=8)
     ctx = [1, 4, 16, 17, 45, 33, 70]
     N = -(-max(ctx) // bs) + 1  # one padding column
     bt_BN, ctx_B = _random_batch(cache, ctx, N=N, seed=4)
     ctx_B[-1] = N * bs + 3  # a row past its table (multi-step decode past a row's end)
     q_BHD = torch.randn(len(ctx), hq, 8, generator=torch.Generator().manual_seed(5))
+    # splits > 1: split-K partials merged by the combine kernel (some splits empty for short rows).
     out = emulated_kernel_module.paged_decode_triton(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window,
-                                                      tile=tile)
+                                                      tile=tile, num_splits=splits)
     ref = paged_decode_torch(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.double()[:-1], _naive(q_BHD, cache, bt_BN, ctx_B, window)[:-1], rtol=0, atol=1e-5)
