@@ -168,6 +168,11 @@ def test_triton_kernel_matches_gather_on_gpu(dtype, atol, window):
     cache.k_S[0].copy_(k0), cache.v_S[0].copy_(v0)
     paged = PagedAttention.for_decode(cache, bt_BN, ctx_B, window, decode_attention="paged")(0, q_BHD, z, z)
     torch.testing.assert_close(paged.float(), gather.float(), rtol=0, atol=atol)
+    from areno.rollout.paged_decode import paged_decode_triton
+
+    for splits in (1, 3):  # auto picks 8 here (8 sequences): the single-program and another split count
+        out = paged_decode_triton(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, 16, window, num_splits=splits)
+        torch.testing.assert_close(out.float(), paged.float(), rtol=0, atol=atol)
     # Inside a CUDA graph: static inputs changed between replays.
     cache.k_S[0].copy_(k0), cache.v_S[0].copy_(v0)
     static_ctx = ctx_B.clone()
