@@ -26,7 +26,7 @@ from areno.api.types import SamplingParams, TokenBatch, Trajectory
 from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
-from areno.rewards.sandbox import RewardSandbox
+from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import release_refs
 from areno.train import checkpoint
 
@@ -302,7 +302,9 @@ class ArenoEngine:
         from areno.workflows.common import acall_reward, sample_fields
 
         cfg = self.config
-        reward_fn = load_reward(cfg.reward)
+        if getattr(self, "reward_fn", None) is None:  # offline recipes build no executor
+            self.reward_fn = load_reward(cfg.reward)
+        reward_fn = self.reward_fn
         prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
         params = self._sampling_params(greedy=True)
         t0 = time.perf_counter()
@@ -406,4 +408,5 @@ class ArenoEngine:
     def close_reward(self) -> None:
         """Stop this run's reward sandbox workers (a later run starts a fresh pool)."""
         if isinstance(getattr(self, "reward_fn", None), RewardSandbox):
-            self.reward_fn.close()
+            release_shared(self.reward_fn)  # closed once no other run of this process scores with it
+        self.reward_fn = None

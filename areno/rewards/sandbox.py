@@ -291,18 +291,36 @@ class RewardSandbox:
 
 # ---------------------------------------------------------------------------------- shared pools
 _POOLS: dict[tuple, RewardSandbox] = {}
+_USERS: dict[int, int] = {}  # id(pool) -> holders that have not released it
 _POOLS_LOCK = threading.Lock()
 
 
 def shared_sandbox(fn_path: str, **settings: Any) -> RewardSandbox:
     """The process-wide pool for ``fn_path`` with these settings (created on first use), so the
-    rollout workflows and evaluation share workers instead of starting a pool each."""
+    rollout workflows and evaluation share workers instead of starting a pool each. Each call
+    counts one holder; ``release_shared`` gives it back and the last holder's release closes it."""
     key = (fn_path, tuple(sorted(settings.items())))
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None or pool._closed:
             pool = _POOLS[key] = RewardSandbox(fn_path, **settings)
+        _USERS[id(pool)] = _USERS.get(id(pool), 0) + 1
         return pool
+
+
+def release_shared(pool: RewardSandbox) -> None:
+    """One holder is done with ``pool`` (from ``shared_sandbox``); the last one closes it, so a run
+    that ends never stops the workers another run in this process still scores with."""
+    with _POOLS_LOCK:
+        left = _USERS.get(id(pool), 1) - 1
+        if left > 0:
+            _USERS[id(pool)] = left
+            return
+        _USERS.pop(id(pool), None)
+        for key, held in list(_POOLS.items()):
+            if held is pool:
+                del _POOLS[key]
+    pool.close()
 
 
 def reward_metrics() -> dict[str, float]:
@@ -323,6 +341,7 @@ def close_all() -> None:
     with _POOLS_LOCK:
         pools = list(_POOLS.values())
         _POOLS.clear()
+        _USERS.clear()
     for pool in pools:
         pool.close()
 

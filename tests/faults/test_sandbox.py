@@ -317,3 +317,22 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie awaiting its (dead) parent's reaper counts as gone
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_shared_pool_closes_with_its_last_holder():
+    """Two runs of one process share a pool: the first to end must not stop the other's workers."""
+    from areno.rewards.sandbox import close_all, release_shared, shared_sandbox
+
+    close_all()
+    first = shared_sandbox("test_sandbox:misbehave", workers=1, timeout_s=5.0)
+    second = shared_sandbox("test_sandbox:misbehave", workers=1, timeout_s=5.0)
+    assert first is second
+    try:
+        release_shared(first)
+        assert second.score("p", "ok") == 1.0  # still serving the other holder
+        release_shared(second)
+        assert second._closed
+        third = shared_sandbox("test_sandbox:misbehave", workers=1, timeout_s=5.0)
+        assert third is not second and third.score("p", "ok") == 1.0  # a fresh pool after the last release
+    finally:
+        close_all()
