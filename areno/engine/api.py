@@ -13,6 +13,7 @@ transport (a dtype cast at most) when ``update_weights`` is called, i.e. before 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -39,6 +40,31 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
     return torch.device(name)
+
+
+def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) -> dict:
+    """One initialised training backend per recipe role, configured alike colocated and
+    partitioned: ``new_backend(TrainBackendConfig)`` makes it (one process, or FSDP2 over a training
+    sub-mesh); each role loads its own checkpoint (``role.model_path``, else ``model_dir``) and its
+    specialization may wrap the model (value and reward heads)."""
+    from areno.train import TrainBackendConfig
+
+    backends = {}
+    for role in recipe.roles:
+        backend = new_backend(TrainBackendConfig(
+            lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+            grad_clip=cfg.optim.grad_clip or None, lr_schedule=cfg.optim.schedule,
+            warmup_steps=cfg.optim.warmup_steps,
+            total_steps=max(cfg.train.steps * cfg.train.num_train_passes, cfg.optim.warmup_steps, 1),
+            max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
+            long_sequences=cfg.train.long_sequences, compile=cfg.train.compile,
+            trainable=role.trainable, seed=cfg.train.seed,
+        ))
+        backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
+        backend.max_consecutive_skips = cfg.train.max_consecutive_skips
+        backend.role_name = role.name
+        backends[role.name] = backend
+    return backends
 
 
 def prepare_model_dir(config: ArenoConfig) -> Path:
@@ -158,25 +184,11 @@ class ArenoEngine:
 
     def _build_runner(self, model_dir: Path):
         from areno.recipes.runner import RecipeRunner
-        from areno.train import LocalTrainBackend, TrainBackendConfig
+        from areno.train import LocalTrainBackend
 
-        cfg = self.config
-        backends = {}
-        for role in self.recipe.roles:
-            role_dir = Path(role.model_path or model_dir)
-            backend = LocalTrainBackend(TrainBackendConfig(
-                lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                grad_clip=cfg.optim.grad_clip or None, lr_schedule=cfg.optim.schedule,
-                warmup_steps=cfg.optim.warmup_steps,
-                total_steps=max(cfg.train.steps * cfg.train.num_train_passes, cfg.optim.warmup_steps, 1),
-                max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
-                long_sequences=cfg.train.long_sequences, compile=cfg.train.compile,
-                trainable=role.trainable, seed=cfg.train.seed, device=self.device.type,
-            ))
-            backend.initialize(role_dir, wrap_model=role.build().wrap_model)
-            backend.max_consecutive_skips = cfg.train.max_consecutive_skips
-            backend.role_name = role.name
-            backends[role.name] = backend
+        device = self.device.type
+        backends = build_role_backends(self.config, self.recipe, model_dir,
+                                       lambda c: LocalTrainBackend(dataclasses.replace(c, device=device)))
         return RecipeRunner(self.recipe, backends)
 
     def _build_rollout_engine(self, model_dir: Path):

@@ -23,6 +23,7 @@ separate groups (``areno.engine.cluster``).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -38,7 +39,7 @@ import torch
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
 from areno.api.faults import fault_point
-from areno.engine.api import ArenoEngine, prepare_model_dir, resolve_recipe
+from areno.engine.api import ArenoEngine, build_role_backends, prepare_model_dir, resolve_recipe
 from areno.engine.cluster import ClusterLayout, LayoutError, build_groups, estimate_memory, layout_from_config, validate_memory
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
@@ -143,30 +144,17 @@ class TrainWorker:
         from areno.recipes.runner import RecipeRunner
         from areno.sync.base import NamedTensorSource
         from areno.sync.stream import StreamTransport
-        from areno.train import FSDP2TrainBackend, TrainBackendConfig
+        from areno.train import FSDP2TrainBackend
 
         self.config = cfg = config
         device_type = _init_world(cfg)
         self.groups = build_groups(layout, device_type)  # collective: same order on every rank
         torch.manual_seed(cfg.train.seed)
         recipe = resolve_recipe(cfg)
-        backends = {}
-        for role in recipe.roles:
-            role_dir = Path(role.init_kwargs.get("model_path", model_dir))
-            backend = FSDP2TrainBackend(TrainBackendConfig(
-                lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                grad_clip=cfg.optim.grad_clip or None, lr_schedule=cfg.optim.schedule,
-                warmup_steps=cfg.optim.warmup_steps,
-                total_steps=max(cfg.train.steps * cfg.train.num_train_passes, cfg.optim.warmup_steps, 1),
-                max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
-                long_sequences=cfg.train.long_sequences, compile=cfg.train.compile,
-                trainable=role.trainable, seed=cfg.train.seed, device=device_type,
-                tp_size=layout.train_tp, dp_replicate_size=layout.train_dp_replicate,
-            ), mesh=self.groups.train_mesh, group=self.groups.train_group)
-            backend.initialize(role_dir)
-            backend.max_consecutive_skips = cfg.train.max_consecutive_skips
-            backend.role_name = role.name
-            backends[role.name] = backend
+        backends = build_role_backends(cfg, recipe, Path(model_dir), lambda c: FSDP2TrainBackend(
+            dataclasses.replace(c, device=device_type, tp_size=layout.train_tp,
+                                dp_replicate_size=layout.train_dp_replicate),
+            mesh=self.groups.train_mesh, group=self.groups.train_group))
         self.runner = RecipeRunner(recipe, backends)
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else recipe.roles[0].name
