@@ -5,18 +5,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from areno.api.types import GenerationOutput, SamplingParams
 from areno.rollout.client import RolloutClient
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 class ScriptedClient(RolloutClient):

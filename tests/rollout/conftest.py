@@ -12,15 +12,6 @@ VOCAB = 64
 EOS = 2
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine run ~20x faster without OpenMP contention.
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def make_model(seed: int = 0, **kw) -> tuple[Decoder, object]:
     cfg = tiny_config(VOCAB, hidden_size=32, layers=2, heads=4, kv_heads=2, max_position_embeddings=256, **kw)
     with torch.random.fork_rng(devices=[]):
