@@ -215,6 +215,7 @@ def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: 
         "reward.fn=bench.e2e:reward",
         "reward.sandbox=false",  # in-process, as TRL scores it
         f"rollout.decode_steps={args.decode_steps}",
+        f"rollout.decode_attention={args.decode_attention}",
         "rollout.workflow=bench.e2e:FixedLengthWorkflow",
         f"rollout.batch_size={args.prompts}",
         f"rollout.n_samples={args.samples}",
@@ -385,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--completion-len", type=int, default=None, help="completion tokens (default: 512; tiny 32)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--decode-steps", type=int, default=0, help="areno: decode steps per host round trip (0 = engine default)")
+    p.add_argument("--decode-attention", choices=("gather", "paged"), default="gather",
+                   help="areno: rollout.decode_attention (gather: SDPA over a dense K/V copy; paged: the Triton kernel)")
     p.add_argument("--param-dtype", default=None, help="master weights of both systems (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
     p.add_argument("--areno-mb-tokens", type=int, default=None,
