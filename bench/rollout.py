@@ -131,6 +131,15 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args,
     return elapsed, [o.output_ids for o in outs], stats
 
 
+def mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean number of leading tokens two runs' outputs share (bf16 near-ties make greedy runs part
+    ways somewhere; how far they agree first separates rounding from a bug)."""
+    def common(x: list[int], y: list[int]) -> int:
+        return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+
+    return round(sum(common(x, y) for x, y in zip(a, b)) / max(len(a), 1), 1)
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes/s of a device-to-device copy (read + write counted)."""
     x = torch.empty(1 << 28, dtype=torch.float32, device=device)  # 1 GiB
@@ -204,6 +213,7 @@ def main() -> None:
                    "engine_ms_per_step": round(1e3 * s_ / max(st_["steps"], 1), 2), "engine_steps": st_["steps"],
                    "engine_round_trips": st_["sampling_round_trips"], "engine_cpu_s": round(st_["cpu_s"], 3),
                    "identical_to_first": f"{sum(a == b for a, b in zip(out_, eng_out))}/{n}",
+                   "mean_common_prefix_with_first": mean_common_prefix(out_, eng_out),
                    **({"engine_peak_mem_GiB": st_["peak_mem_GiB"]} if "peak_mem_GiB" in st_ else {})}
             for mode, (s_, out_, st_) in runs.items()}
     if device.startswith("cuda"):
@@ -232,7 +242,8 @@ def main() -> None:
         result.update(hf_generate_s=round(hf_s, 3), hf_generate_tok_s=round(n * new_tokens / hf_s, 1),
                       speedup=round(hf_s / eng_s, 2), hf_generate_cpu_s=round(run_hf.cpu_s, 3),
                       speedup_cpu_time=round(run_hf.cpu_s / stats["cpu_s"], 2), identical_sequences=f"{same}/{n}",
-                      identical_first_token=f"{first_tok}/{n}")
+                      identical_first_token=f"{first_tok}/{n}",
+                      mean_common_prefix_tokens=mean_common_prefix(eng_out, hf_out))
         if device.startswith("cuda"):
             result["hf_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
