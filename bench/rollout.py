@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--kv-memory-fraction", type=float, default=0.5)
     ap.add_argument("--cpu-kv-gb", type=int, default=1)
     ap.add_argument("--no-cuda-graphs", action="store_true")
-    ap.add_argument("--decode-attention", nargs="+", choices=["gather", "paged"], default=["gather"],
+    ap.add_argument("--decode-attention", nargs="+", choices=["auto", "gather", "paged"], default=["auto"],
                     help="engine decode attention; several values: one engine run each, side by side")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="engine decode steps per host round trip (default: 8 on CUDA, 1 on CPU)")

@@ -128,10 +128,10 @@ class RolloutSection:
     """Decode steps the rollout engine runs per host round trip when every sequence is decoding
     (sampling, stop checks and feedback stay on the device); 0 = the engine's default (8 on CUDA, 1 on
     CPU). 1 returns to the host after every token."""
-    decode_attention: str = "gather"
+    decode_attention: str = "auto"
     """Decode attention of the rollout engine: `gather` (copy each sequence's K/V out of the paged
-    pool, then SDPA) or `paged` (read the pool directly: a Triton kernel on CUDA, a chunked
-    online-softmax fallback elsewhere)."""
+    pool, then SDPA), `paged` (read the pool directly: a Triton kernel on CUDA, a chunked
+    online-softmax fallback elsewhere) or `auto` (paged on CUDA with Triton, gather elsewhere)."""
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""
@@ -143,8 +143,8 @@ class RolloutSection:
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness",
                f"must be >= 0, got {self.max_head_offpolicyness}")
-        _check(self.decode_attention in ("gather", "paged"), "rollout.decode_attention",
-               f"must be gather or paged, got {self.decode_attention!r}")
+        _check(self.decode_attention in ("auto", "gather", "paged"), "rollout.decode_attention",
+               f"must be auto, gather or paged, got {self.decode_attention!r}")
         _check(self.decode_steps >= 0, "rollout.decode_steps", f"must be >= 0 (0 = engine default), got {self.decode_steps}")
         _check(self.request_timeout_s >= 0, "rollout.request_timeout_s",
                f"must be >= 0 (0 = no deadline), got {self.request_timeout_s}")

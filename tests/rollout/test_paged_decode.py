@@ -109,6 +109,19 @@ def test_config_validation():
                                   decode_attention="dense")
 
 
+def test_auto_resolves_per_device():
+    from areno.rollout.engine import resolve_decode_attention
+    from areno.rollout.paged_decode import triton_available
+
+    assert resolve_decode_attention("auto", torch.device("cpu")) == "gather"
+    assert resolve_decode_attention("auto", torch.device("cuda", 0)) == ("paged" if triton_available() else "gather")
+    assert resolve_decode_attention("paged", torch.device("cpu")) == "paged"
+    model, cfg = make_model(0)
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=16), eos_token_ids=())
+    assert RolloutEngineConfig().decode_attention == "auto"
+    assert eng.config.decode_attention == "gather"  # CPU
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_engine_greedy_paged_equals_gather(arch):
     kw = {"sliding_window": 6} if arch == "mistral" else {}
