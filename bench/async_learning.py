@@ -8,8 +8,14 @@ and eval schedule (the demo's task unless overridden):
 Reported per arm: the held-out accuracy curve, steps to reach the η = 0 arm's final accuracy
 (target: η = 4 decoupled within 10% more steps than η = 0), wall time, staleness. Prints one JSON object.
 
+One seed's final accuracy moves by a few points between evaluations, so a verdict needs several
+seeds: ``--seeds 0 1 2 3 --jobs 12`` runs every (seed, arm) pair in its own process (each repeats
+its seed's deterministic warm start) and adds ``aggregate``: each arm's accuracy curve averaged
+over the seeds, and the steps each mean curve needs to reach the η = 0 mean curve's final accuracy.
+
     python bench/async_learning.py                     # examples/demo.yaml, CPU, ~10-15 min on 2 cores
     python bench/async_learning.py --steps 60 --eval-interval 10 -- rollout.batch_size=16
+    python bench/async_learning.py --seeds 0 1 2 3 4 --jobs 15   # 15 processes, one core each
 """
 
 from __future__ import annotations
@@ -25,6 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ARMS = (("grpo_async", 0), ("grpo_async", 4), ("grpo", 4))
+
+
+def parse_arm(text: str) -> tuple[str, int]:
+    algorithm, _, eta = text.partition(":")
+    if not eta.isdigit():
+        raise argparse.ArgumentTypeError(f"--arms: {text!r} is not ALGORITHM:ETA (e.g. grpo_async:4)")
+    return algorithm, int(eta)
 
 
 def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
@@ -60,36 +73,115 @@ def run_arm(config_path: Path, work: Path, algorithm: str, eta: int, warm_model:
             "staleness_mean": round(sum(stale) / len(stale), 3) if stale else 0.0}
 
 
+def with_ratios(arms: list[dict]) -> None:
+    """Steps of each arm to the first arm's (η = 0) final accuracy, and the ratio to the first arm's."""
+    target = arms[0]["final_accuracy"]
+    ref_steps = steps_to_reach(arms[0]["curve"], target)
+    for arm in arms:
+        s = arm["steps_to_reference_final"] = steps_to_reach(arm["curve"], target)
+        arm["steps_ratio_vs_eta0"] = round(s / ref_steps, 3) if s is not None and ref_steps else None
+
+
+def aggregate(per_seed: dict[int, list[dict]]) -> dict:
+    """Mean accuracy curve of each arm over the seeds (steps every seed evaluated), and steps ratios
+    of the mean curves; plus each arm's per-seed ratios and mean final accuracy."""
+    n_arms = len(next(iter(per_seed.values())))
+    arms = []
+    for i in range(n_arms):
+        runs = [arms_[i] for arms_ in per_seed.values()]
+        steps = sorted(set.intersection(*(set(step for step, _ in r["curve"]) for r in runs)))
+        curve = [(step, round(sum(dict(r["curve"])[step] for r in runs) / len(runs), 4)) for step in steps]
+        arms.append({"algorithm": runs[0]["algorithm"], "eta": runs[0]["eta"], "seeds": len(runs), "curve": curve,
+                     "final_accuracy": curve[-1][1],
+                     "per_seed_steps_ratio": [r.get("steps_ratio_vs_eta0") for r in runs]})
+    with_ratios(arms)
+    return {"arms": arms, "reference_final_accuracy": arms[0]["final_accuracy"]}
+
+
+def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[dict], float]:
+    from areno.api.config import load_config
+    from areno.api.pipeline import run_warm_start
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-async-learning-")) / f"seed{seed}"
+    overrides = [*args.overrides, f"train.seed={seed}"] if seed is not None else list(args.overrides)
+    base = load_config(args.config, [f"run_dir={work / 'shared'}", f"model.path={work / 'init_model'}",
+                                     "observe.console=false", *overrides])
+    if base.warm_start.steps <= 0:
+        raise SystemExit(f"{args.config}: warm_start.steps must be > 0 (the arms share one warm start)")
+    t0 = time.perf_counter()
+    warm_model = run_warm_start(base)
+    warm_s = time.perf_counter() - t0
+    args_seed = argparse.Namespace(**{**vars(args), "overrides": overrides})
+    return [run_arm(Path(args.config), work, algo, eta, warm_model, args_seed) for algo, eta in arms_spec], warm_s
+
+
+def run_parallel(args, argv: list[str]) -> dict[int, list[dict]]:
+    """Every (seed, arm) in its own process, ``--jobs`` at a time; {seed: [arm results in --arms order]}."""
+    import os
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-async-learning-"))
+    jobs = [(seed, arm) for seed in args.seeds for arm in args.arms]
+
+    def one(job) -> tuple[int, int, dict]:
+        seed, (algo, eta) = job
+        out = work / f"seed{seed}-{algo}-eta{eta}.json"
+        cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
+               "--eval-interval", str(args.eval_interval), "--workdir", str(work / f"{algo}-eta{eta}"),
+               "--seeds", str(seed), "--arms", f"{algo}:{eta}", "--out", str(out), *args.overrides]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"seed {seed} arm {algo}:{eta} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        result = json.loads(out.read_text())
+        return seed, args.arms.index((algo, eta)), result["per_seed"][str(seed)][0]
+
+    per_seed: dict[int, list] = {seed: [None] * len(args.arms) for seed in args.seeds}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for seed, i, arm in pool.map(one, jobs):
+            per_seed[seed][i] = arm
+    return per_seed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "examples" / "demo.yaml"))
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="train.seed values (default: the config's); several give the aggregate")
+    p.add_argument("--arms", type=parse_arm, nargs="+", default=list(ARMS),
+                   help="ALGORITHM:ETA each; the first is the reference (default: grpo_async:0 grpo_async:4 grpo:4)")
+    p.add_argument("--jobs", type=int, default=1, help="(seed, arm) runs in parallel processes (1: one process)")
+    p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", help="dotted config overrides applied to every arm")
     args = p.parse_args(argv)
-    from areno.api.config import load_config
-    from areno.api.pipeline import run_warm_start
-
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-async-learning-"))
-    base = load_config(args.config, [f"run_dir={work / 'shared'}", f"model.path={work / 'init_model'}",
-                                     "observe.console=false", *args.overrides])
-    if base.warm_start.steps <= 0:
-        raise SystemExit(f"{args.config}: warm_start.steps must be > 0 (the arms share one warm start)")
+    seeds = args.seeds or [None]
     t0 = time.perf_counter()
-    warm_model = run_warm_start(base)
-    warm_s = time.perf_counter() - t0
-    arms = [run_arm(Path(args.config), work, algo, eta, warm_model, args) for algo, eta in ARMS]
-    target = arms[0]["final_accuracy"]
-    ref_steps = steps_to_reach(arms[0]["curve"], target)
-    for arm in arms:
-        arm["steps_to_reference_final"] = steps_to_reach(arm["curve"], target)
-        s = arm["steps_to_reference_final"]
-        arm["steps_ratio_vs_eta0"] = round(s / ref_steps, 3) if s is not None and ref_steps else None
+    warm = {}
+    if args.jobs > 1 and len(seeds) * len(args.arms) > 1:
+        if args.seeds is None:
+            raise SystemExit("--jobs > 1 needs --seeds")
+        per_seed = run_parallel(args, argv)
+    else:
+        per_seed = {}
+        for seed in seeds:
+            per_seed[seed], warm[seed] = run_seed(args, seed, args.arms)
+    for arms in per_seed.values():
+        with_ratios(arms)
     result = {"bench": "async_learning", "config": args.config, "overrides": args.overrides, "steps": args.steps,
-              "warm_start_s": round(warm_s, 1), "reference_final_accuracy": target,
-              "target": "decoupled eta=4 steps_ratio_vs_eta0 <= 1.10", "arms": arms}
-    print(json.dumps(result, indent=1))
+              "arms_spec": [f"{a}:{e}" for a, e in args.arms], "wall_s": round(time.perf_counter() - t0, 1),
+              "warm_start_s": {str(k): round(v, 1) for k, v in warm.items()},
+              "target": "decoupled eta=4 steps_ratio_vs_eta0 <= 1.10",
+              "per_seed": {str(k): v for k, v in per_seed.items()}}
+    if len(per_seed) > 1:
+        result["aggregate"] = aggregate(per_seed)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
     return 0
 
 

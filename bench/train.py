@@ -243,7 +243,7 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
         # A failing variant (e.g. a compiler error) is recorded and the run goes on to the next one.
         try:
             results.append(gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops,
-                                           profile=args.profile and i == 0))
+                                           profile=args.profile))
         except Exception as e:  # noqa: BLE001
             results.append({"model": name, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             gc.collect()
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="short for --variants eager compile")
     p.add_argument("--variants", nargs="+", default=None,
                    help="eager | compile, optionally +flex / +varlen (CUDA attention); default: eager")
-    p.add_argument("--profile", action="store_true", help="top CUDA ops of one step of the first variant")
+    p.add_argument("--profile", action="store_true", help="after timing, profile one step of every variant (wall vs kernel time, top kernels, host ops)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads (1: on a shared machine more threads contend)")
     args = p.parse_args(argv)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from areno.algo.aggregation import repeat_per_sequence
+
 
 def group_index_B(group_ids: list[str]) -> torch.Tensor:
     """int64 [B] dense group index (0..G-1, first-seen order) from the string group ids.
@@ -110,8 +112,7 @@ def broadcast_to_tokens_T(
     values_B: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
 ) -> torch.Tensor:
     """Repeat a per-sequence value over that sequence's tokens, 0 outside the loss mask."""
-    seqlens_B = (cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).to(values_B.device)
-    out_T = torch.repeat_interleave(values_B, seqlens_B)
+    out_T = repeat_per_sequence(values_B, cu_seqlens_B1)
     return torch.where(loss_mask_T.bool(), out_T, torch.zeros_like(out_T))
 
 

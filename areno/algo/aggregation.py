@@ -20,6 +20,19 @@ def _check(mode: str) -> None:
         raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
 
 
+def sequence_index_T(cu_seqlens_B1: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """int64 [T] index of the sequence each packed token belongs to, on ``device``. The token count
+    is read from ``cu_seqlens_B1`` (host bounds, as the training backend passes them: no GPU stall)."""
+    return repeat_per_sequence(torch.arange(cu_seqlens_B1.numel() - 1, device=device), cu_seqlens_B1)
+
+
+def repeat_per_sequence(values_B: torch.Tensor, cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
+    """``values_B[b]`` repeated over sequence b's tokens ([T], on values' device)."""
+    T = int(cu_seqlens_B1[-1])
+    cu = cu_seqlens_B1.to(values_B.device, non_blocking=True)
+    return torch.repeat_interleave(values_B, cu[1:] - cu[:-1], output_size=T)
+
+
 def aggregation_weights_T(
     loss_mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, mode: str
 ) -> torch.Tensor:
@@ -29,9 +42,8 @@ def aggregation_weights_T(
     if mode != "seq_mean_token_mean":
         return mask_T
     device = mask_T.device
-    seqlens_B = (cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).to(device)
-    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=device), seqlens_B)
-    count_B = torch.zeros(seqlens_B.numel(), device=device).index_add(0, seq_T, mask_T)
+    seq_T = sequence_index_T(cu_seqlens_B1, device)
+    count_B = torch.zeros(cu_seqlens_B1.numel() - 1, device=device).index_add(0, seq_T, mask_T)
     return mask_T / count_B.clamp(min=1)[seq_T]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from areno.algo.aggregation import sequence_index_T
+
 
 def value_loss_T(
     values_T: torch.Tensor,
@@ -52,10 +54,9 @@ def sequence_sum_B(
     values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
 ) -> torch.Tensor:
     """Sum of ``values_T`` over the loss tokens of each sequence (e.g. a sequence log-prob)."""
-    seqlens_B = (cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).to(values_T.device)
-    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=values_T.device), seqlens_B)
+    seq_T = sequence_index_T(cu_seqlens_B1, values_T.device)
     masked_T = torch.where(loss_mask_T.bool(), values_T, torch.zeros_like(values_T))
-    return torch.zeros(seqlens_B.numel(), dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, masked_T)
+    return torch.zeros(cu_seqlens_B1.numel() - 1, dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, masked_T)
 
 
 def dpo_loss_B(

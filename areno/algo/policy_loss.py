@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from areno.algo.aggregation import repeat_per_sequence, sequence_index_T
+
 Stats = dict[str, torch.Tensor]
 
 
@@ -153,11 +155,11 @@ def sequence_mean_B(
     values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
 ) -> torch.Tensor:
     """Mean of ``values_T`` over the loss tokens of each sequence (0 for a sequence without any)."""
-    seqlens_B = (cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).to(values_T.device)
-    seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=values_T.device), seqlens_B)
+    B = cu_seqlens_B1.numel() - 1
+    seq_T = sequence_index_T(cu_seqlens_B1, values_T.device)
     mask_T = loss_mask_T.to(values_T.dtype)
-    sum_B = torch.zeros(seqlens_B.numel(), dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, values_T * mask_T)
-    count_B = torch.zeros(seqlens_B.numel(), dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, mask_T)
+    sum_B = torch.zeros(B, dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, values_T * mask_T)
+    count_B = torch.zeros(B, dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, mask_T)
     return sum_B / count_B.clamp(min=1)
 
 
@@ -182,8 +184,7 @@ def gspo_loss_T(
     mask_T = loss_mask_T.bool()
     log_ratio_T = _masked(logprobs_T - old_logprobs_T.detach(), mask_T)
     seq_log_ratio_B = sequence_mean_B(log_ratio_T, cu_seqlens_B1, mask_T)
-    seqlens_B = (cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).to(logprobs_T.device)
-    seq_log_ratio_T = torch.repeat_interleave(seq_log_ratio_B, seqlens_B)
+    seq_log_ratio_T = repeat_per_sequence(seq_log_ratio_B, cu_seqlens_B1)
     log_s_T = seq_log_ratio_T.detach() + logprobs_T - logprobs_T.detach()
     s_T = torch.exp(log_s_T)
     pg1_T = -advantages_T * s_T

@@ -356,9 +356,10 @@ class PackedCausalAttention:
         self._prepared_for = (num_tokens, device)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
-        cu = self.cu_seqlens_B1.to(device)
+        T = int(self.cu_seqlens_B1[-1])  # with host cu_seqlens: no wait on the device
+        cu = self.cu_seqlens_B1.to(device, non_blocking=True)
         seqlens_B = cu[1:] - cu[:-1]
-        return torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=device), seqlens_B)
+        return torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=device), seqlens_B, output_size=T)
 
     def _sdpa_mask(self, T: int, device: torch.device) -> torch.Tensor:
         doc_T = self._doc_ids_T(device)

@@ -225,12 +225,14 @@ def logprobs_from_hidden(
     return logprobs_T, (entropy_T if with_entropy else None)
 
 
-def position_ids_from_cu_seqlens(cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
-    """int64 [T] positions restarting at 0 for each packed sequence (on cu_seqlens' device)."""
-    seqlens_B = cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]
+def position_ids_from_cu_seqlens(cu_seqlens_B1: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 [T] positions restarting at 0 for each packed sequence, on ``device`` (default:
+    cu_seqlens' device). With host ``cu_seqlens_B1`` and a CUDA ``device`` nothing waits on the GPU."""
     T = int(cu_seqlens_B1[-1])
-    starts_T = torch.repeat_interleave(cu_seqlens_B1[:-1], seqlens_B, output_size=T)
-    return torch.arange(T, device=cu_seqlens_B1.device, dtype=torch.long) - starts_T
+    cu = cu_seqlens_B1.to(device if device is not None else cu_seqlens_B1.device, non_blocking=True)
+    seqlens_B = cu[1:] - cu[:-1]
+    starts_T = torch.repeat_interleave(cu[:-1], seqlens_B, output_size=T)
+    return torch.arange(T, device=cu.device, dtype=torch.long) - starts_T
 
 
 def packed_logprobs(
@@ -249,18 +251,19 @@ def packed_logprobs(
     unsharded when this runs (it is read after ``model(...)`` returns).
     """
     T = input_ids_T.numel()
-    if int(cu_seqlens_B1[-1]) != T or int(cu_seqlens_B1[0]) != 0:
-        raise ValueError(f"cu_seqlens_B1 must start at 0 and end at T={T}, got {cu_seqlens_B1.tolist()}")
-    max_len = int((cu_seqlens_B1[1:] - cu_seqlens_B1[:-1]).max()) if T else 0
+    # Bounds are checked on a host copy (the backend passes host cu_seqlens: no GPU stall here).
+    cu_host_B1 = cu_seqlens_B1.cpu()
+    if int(cu_host_B1[-1]) != T or int(cu_host_B1[0]) != 0:
+        raise ValueError(f"cu_seqlens_B1 must start at 0 and end at T={T}, got {cu_host_B1.tolist()}")
+    max_len = int((cu_host_B1[1:] - cu_host_B1[:-1]).max()) if T else 0
     if max_len > model.config.max_seq_len:
         raise ValueError(
             f"a packed sequence has {max_len} tokens, more than the model's "
             f"max_position_embeddings={model.config.max_seq_len}"
         )
     device = input_ids_T.device
-    cu_B1 = cu_seqlens_B1.to(device)
-    attn = PackedCausalAttention(cu_B1, sliding_window=model.config.sliding_window)
-    position_ids_T = position_ids_from_cu_seqlens(cu_B1)
+    attn = PackedCausalAttention(cu_host_B1, sliding_window=model.config.sliding_window)
+    position_ids_T = position_ids_from_cu_seqlens(cu_host_B1, device)
     hidden_TD = model(input_ids_T, position_ids_T, attn)
     # hidden[t] predicts token t+1; the prediction across a sequence boundary is zeroed below.
     lp, ent = logprobs_from_hidden(

@@ -56,11 +56,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def batch_to_device(batch: TokenBatch, device: torch.device | str) -> TokenBatch:
-    """The same batch with every tensor on ``device``."""
+    """The same batch with every tensor on ``device``, except ``cu_seqlens_B1``, which stays on the
+    host: sequence bounds are read as Python ints (token counts, longest length, output sizes), and
+    reading them from a device tensor would stall the host on the GPU once per micro-batch. Code
+    that needs them on the device moves them (``.to(device)``, as every user does)."""
     moved = {
-        f.name: getattr(batch, f.name).to(device)
+        f.name: getattr(batch, f.name).to(device, non_blocking=True)
         for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
+        if isinstance(getattr(batch, f.name), torch.Tensor) and f.name != "cu_seqlens_B1"
     }
     return dataclasses.replace(batch, **moved, extra={k: v.to(device) for k, v in batch.extra.items()})
 
@@ -120,6 +123,10 @@ class PackedTrainBackend(TrainBackend):
     def _full(self, tensor: torch.Tensor) -> torch.Tensor:
         """The full (unsharded) value of a possibly sharded tensor."""
         return tensor
+
+    def _before_backward(self, last: bool) -> None:
+        """Called before each micro-batch's backward; ``last`` for this rank's last one of the step
+        (FSDP reduces gradients only then when nothing is sharded)."""
 
     def _loss_scale(self) -> float:
         """Factor on each micro-batch loss before backward (undoes DP gradient averaging)."""
@@ -217,13 +224,15 @@ class PackedTrainBackend(TrainBackend):
         loss_parts: list[torch.Tensor] = []
         metric_parts: dict[str, list[Any]] = {}
         tokens = 0
-        for seq_idx, mb in self._micro_batches(batch, plan):
+        n_local = len(plan.per_rank[self._dp_rank])
+        for i, (seq_idx, mb) in enumerate(self._micro_batches(batch, plan)):
             with span("micro_batch", "train", tokens=mb.num_tokens), self._autocast():
                 output = forward_fn(self.model, mb)
                 loss, metrics = loss_fn(output, mb, reducer)
             if not seq_idx:  # dummy micro-batch: keeps collectives in step, contributes nothing
                 loss = loss * 0.0
                 metrics = {key: 0.0 for key in metrics}  # same keys on every rank for the all-reduce
+            self._before_backward(last=i == n_local - 1)
             with span("backward", "train", tokens=mb.num_tokens):
                 (loss * loss_scale).backward()
             loss_parts.append(loss.detach())

@@ -86,6 +86,21 @@ class FSDP2TrainBackend(PackedTrainBackend):
         return parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=self.cfg.torch_dtype())
 
     @property
+    def _unsharded(self) -> bool:
+        """No parameter sharding (one data-parallel shard: one rank, or replication only)."""
+        return self.mesh["dp_shard"].size() == 1
+
+    def _before_backward(self, last: bool) -> None:
+        # Unsharded, the accumulated gradient is full-size either way, so micro-batches before the
+        # last accumulate locally (in the reduce dtype) and the reduction runs once per step; the
+        # compute-dtype weights stay gathered until the last backward frees them (the optimizer
+        # then updates the master and the next forward casts afresh). Sharded, every micro-batch
+        # reduce-scatters (keeping only a shard of the gradient) and reshards.
+        if self._unsharded:
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
+
+    @property
     def is_rank0(self) -> bool:
         return dist.get_rank(self._group) == 0
 

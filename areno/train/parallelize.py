@@ -92,11 +92,16 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    sharded: bool = True,
 ) -> None:
+    """``sharded=False`` (one shard: one rank or pure replication): nothing is gathered from peers,
+    so layers keep their compute-dtype copy from forward to backward instead of casting it again
+    (memory: one compute-dtype copy of the weights; the backend also keeps it across the step's
+    micro-batches and frees it after the last backward, before the optimizer updates the master)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in _layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=sharded)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
@@ -122,5 +127,6 @@ def parallelize(
         apply_compile(model)
     if mesh is not None:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   sharded=mesh["dp_shard"].size() > 1)
     return model
