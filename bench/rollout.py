@@ -124,11 +124,42 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args,
     sync(device)
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
+    if getattr(args, "profile", False) and device.startswith("cuda"):
+        stats["profile"] = profile_decode(engine, prompts, min(new_tokens, 64))
     stats["cpu_s"] = time.process_time() - cpu0
     c = engine.cache
     stats["kv_pool_GiB"] = round(2 * c.num_layers * c.num_slots * c.num_kv_heads * c.head_dim
                                  * torch.empty((), dtype=c.dtype).element_size() / 2**30, 2)
     return elapsed, [o.output_ids for o in outs], stats
+
+
+def profile_decode(engine, prompts, new_tokens: int, top: int = 20) -> dict:
+    """Where the GPU time of a generate call goes (after the timed run, same engine and prompts,
+    ``new_tokens`` tokens): wall vs summed kernel time and the top kernels (CUDA-graph replays
+    included: the profiler records the kernels inside them)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from areno.api.types import SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+
+    def dev_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    kernel_ms = sum(dev_us(e) for e in kernels) / 1e3
+    return {"new_tokens": new_tokens, "wall_ms": round(wall_ms, 1), "kernel_ms": round(kernel_ms, 1),
+            "gpu_busy": round(kernel_ms / wall_ms, 3), "kernel_launches": int(sum(e.count for e in kernels)),
+            "top_kernels": [{"kernel": e.key[:90], "calls": e.count, "ms": round(dev_us(e) / 1e3, 2),
+                             "share": round(dev_us(e) / 1e3 / max(kernel_ms, 1e-9), 3)}
+                            for e in sorted(kernels, key=dev_us, reverse=True)[:top]]}
 
 
 def mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
@@ -172,6 +203,8 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--decode-attention", nargs="+", choices=["auto", "gather", "paged"], default=["auto"],
                     help="engine decode attention; several values: one engine run each, side by side")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="engine decode steps per host round trip (default: 8 on CUDA, 1 on CPU)")
     args = ap.parse_args()
@@ -207,6 +240,8 @@ def main() -> None:
         "engine_preemptions": stats["num_preemptions"], "engine_decode_steps": args.decode_steps,
         "engine_round_trips": stats["sampling_round_trips"], "engine_cpu_s": round(stats["cpu_s"], 3),
     }
+    if "profile" in stats:
+        result["profile"] = stats["profile"]
     if len(runs) > 1:
         result["by_decode_attention"] = {
             mode: {"engine_s": round(s_, 3), "engine_tok_s": round(n * new_tokens / s_, 1),
@@ -214,6 +249,7 @@ def main() -> None:
                    "engine_round_trips": st_["sampling_round_trips"], "engine_cpu_s": round(st_["cpu_s"], 3),
                    "identical_to_first": f"{sum(a == b for a, b in zip(out_, eng_out))}/{n}",
                    "mean_common_prefix_with_first": mean_common_prefix(out_, eng_out),
+                   **({"profile": st_["profile"]} if "profile" in st_ else {}),
                    **({"engine_peak_mem_GiB": st_["peak_mem_GiB"]} if "peak_mem_GiB" in st_ else {})}
             for mode, (s_, out_, st_) in runs.items()}
     if device.startswith("cuda"):
