@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.sync.base import NamedTensorSource, StagedReceiver, copy_into  # noqa: E402
+from areno.sync.base import NamedTensorSource, StagedReceiver, copy_into, swap_into  # noqa: E402
 from areno.sync.inplace import InPlaceTransport  # noqa: E402
 from areno.sync.plan import shard_specs_from_tp_plan  # noqa: E402
 
@@ -109,27 +109,62 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         meta = [(n, s, dtype) for n, s in shapes.items()]
         specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - n_train, tp_size=len(rollout))
         live = {n: torch.zeros(sp.local_shape, dtype=dtype, device=device) for n, sp in specs.items()}
-        receiver = StagedReceiver(specs, copy_into(live), device=device)
-    cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300)
+        apply = swap_into(live) if opts["commit"] == "swap" else copy_into(live)
+        receiver = StagedReceiver(specs, apply, device=device)
+    cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300, direct_bytes=opts["direct_bytes"])
     transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, device=device,
                                 backend="nccl" if gpu else None)
 
-    def slowest(seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64)
+    def slowest(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return t.tolist()
 
+    phase_names = ("pack", "post", "wait", "stage", "vote", "commit")
     transport.sync(0)  # warm-up: allocates buffers and staging, creates communicators
     transport.raw_transfer()
-    sync_s, raw_s, paused_s, transfer_s = [], [], [], []
-    for it in range(opts["iters"]):  # interleaved, so load on a shared machine hits both alike
-        dist.barrier()
-        stats = transport.sync(it + 1)
-        sync_s.append(slowest(stats.total_time_s))
-        transfer_s.append(slowest(stats.transfer_time_s))
-        paused_s.append(slowest(receiver.last_apply_s if receiver is not None else 0.0))
-        dist.barrier()
-        raw_s.append(slowest(transport.raw_transfer()))
+    sync_s, raw_s, paused_s, transfer_s, ratios = [], [], [], [], []
+    phases: dict[str, list[float]] = {f"{role}_{p}": [] for role in ("train", "rollout") for p in phase_names}
+    version = 0
+    profiler = None
+    if opts.get("profile_rank") == rank:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    for rep in range(opts["repeats"]):
+        block_sync, block_raw = [], []
+        for it in range(opts["iters"]):
+            # Interleaved, alternating which goes first, so load on a shared machine hits both alike.
+            for which in (("sync", "raw") if (rep * opts["iters"] + it) % 2 == 0 else ("raw", "sync")):
+                dist.barrier()
+                if which == "raw":
+                    block_raw.append(slowest([transport.raw_transfer()])[0])
+                    continue
+                version += 1
+                stats = transport.sync(version)
+                ph = [transport.last_phases[p] for p in phase_names]
+                role = [ph if rank in train else [0.0] * len(ph), ph if rank in rollout else [0.0] * len(ph)]
+                total, transfer, paused, *per_role = slowest(
+                    [stats.total_time_s, stats.transfer_time_s,
+                     receiver.last_apply_s if receiver is not None else 0.0, *role[0], *role[1]])
+                block_sync.append(total)
+                transfer_s.append(transfer)
+                paused_s.append(paused)
+                for i, key in enumerate(phases):
+                    phases[key].append(per_role[i])
+        sync_s += block_sync
+        raw_s += block_raw
+        ratios.append(statistics.median(block_raw) / statistics.median(block_sync))
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+        print(f"--- cProfile of rank {rank} (syncs and raw transfers), by own time ---\n{text.getvalue()}",
+              file=sys.stderr)
     if rank == 0:
         nbytes = transport.plan.total_bytes
         sync_med, raw_med = statistics.median(sync_s), statistics.median(raw_s)
@@ -139,13 +174,17 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
                         + (", overlapping GPUs" if gpu and opts["overlap"] else "") + ")",
             "shape": opts["shape"], "dtype": str(dtype).removeprefix("torch."),
             "bytes": nbytes, "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
-            "bucket_bytes": opts["bucket_bytes"], "iters": opts["iters"],
+            "bucket_bytes": opts["bucket_bytes"], "direct_bytes": opts["direct_bytes"] or opts["bucket_bytes"] // 4, "commit": opts["commit"],
+            "iters": opts["iters"], "repeats": opts["repeats"],
             "sync_s_median": sync_med, "raw_s_median": raw_med,
             "sync_gbps": nbytes / sync_med / 1e9, "raw_gbps": nbytes / raw_med / 1e9,
             "ratio_sync_over_raw": raw_med / sync_med,
             "ratio_best_of": min(raw_s) / min(sync_s),
+            "ratio_per_repeat": ratios,
+            "ratio_median_of_repeats": statistics.median(ratios),
             "transfer_s_median": statistics.median(transfer_s),
             "generation_paused_s_median": statistics.median(paused_s),
+            "phases_s_median_slowest_rank": {k: statistics.median(v) for k, v in phases.items()},
             "sync_s_all": sync_s, "raw_s_all": raw_s,
             "peak_bucket_buffer_bytes": transport.peak_buffer_bytes,
         }
@@ -220,13 +259,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap", action="store_true",
                     help="gpu-stream: rollout TP 2 on the two training GPUs (4 processes on 2 GPUs)")
     ap.add_argument("--bucket-mb", type=int, default=32, help="bucket size for the stream modes")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=9, help="stream modes: sync/raw pairs per repeat")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="stream modes: blocks of --iters pairs; the ratio is also reported per block (median)")
+    ap.add_argument("--direct-mb", type=float, default=None,
+                    help="stream modes: chunks of at least this many MiB travel unpacked (default: a quarter bucket)")
+    ap.add_argument("--profile-rank", type=int, default=None,
+                    help="stream modes: cProfile this rank's loop and print its top functions to stderr")
+    ap.add_argument("--commit", choices=["swap", "copy"], default="swap",
+                    help="stream modes: the receiver's commit: storage swap (eager engine) or copy into live tensors")
     ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b (cpu: a small one)")
     ap.add_argument("--device", default="cuda", help="gpu-colocated device (cpu for a smoke run)")
     args = ap.parse_args(argv)
+    stream_opts = dict(repeats=args.repeats, commit=args.commit, profile_rank=args.profile_rank,
+                       direct_bytes=int(args.direct_mb * (1 << 20)) if args.direct_mb is not None else None)
+    load = os.getloadavg()
+    t0 = time.perf_counter()
     if args.mode == "cpu":
         opts = dict(gpu=False, overlap=False, shape="cpu", bucket_bytes=args.bucket_mb << 20, iters=args.iters,
-                    train_dp=args.train_dp)
+                    train_dp=args.train_dp, **stream_opts)
         result = bench_stream(args.train_dp + 2, opts)
     elif args.mode == "gpu-stream":
         n = args.train_dp
@@ -234,11 +285,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--mode gpu-stream needs --gpus >= {n + 1} ({n} train + rollout), or >= {n} with --overlap")
         world = n + (n if args.overlap else args.gpus - n)
         opts = dict(gpu=True, overlap=args.overlap, shape=args.shapes.split(",")[-1],
-                    bucket_bytes=args.bucket_mb << 20, iters=args.iters, train_dp=n)
+                    bucket_bytes=args.bucket_mb << 20, iters=args.iters, train_dp=n, **stream_opts)
         result = bench_stream(world, opts)
     else:
         result = bench_gpu_colocated(args.shapes.split(","), args.iters, args.device)
     result["torch"] = torch.__version__
+    result["cpus"] = os.cpu_count()
+    result["load_avg_1m_before_after"] = [round(load[0], 2), round(os.getloadavg()[0], 2)]
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result, indent=1))
     return 0
 

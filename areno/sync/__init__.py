@@ -20,6 +20,7 @@ from areno.sync.base import (
     WeightSource,
     copy_into,
     engine_receiver,
+    swap_into,
 )
 from areno.sync.disk import DiskTransport, latest_policy
 from areno.sync.inplace import InPlaceTransport
@@ -30,5 +31,5 @@ __all__ = [
     "METRIC_NAMES", "DiskTransport", "InPlaceTransport", "NamedTensorSource", "PolicySyncError",
     "PolicySyncTransport", "ShardReceiver", "ShardSpec", "StagedReceiver", "StreamSyncConfig", "StreamTopology",
     "StreamTransport", "SyncPlan", "SyncStats", "WeightSource", "assign_rows", "choose_relays", "copy_into",
-    "engine_receiver", "latest_policy", "plan_buckets", "shard_specs_from_tp_plan",
+    "engine_receiver", "latest_policy", "plan_buckets", "shard_specs_from_tp_plan", "swap_into",
 ]

@@ -305,6 +305,40 @@ def copy_into(live: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, tor
     return apply
 
 
+def swap_into(live: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, torch.Tensor]], int], None]:
+    """An ``apply`` for ``StagedReceiver`` that swaps storages instead of copying: each live tensor
+    object takes the staged storage and the staging tensor takes the old live one (reused by the
+    next sync, which overwrites it). No bytes move, so the commit pauses generation for
+    microseconds. Only valid when the consumer reads its weights through these tensor objects at
+    every step (eager modules, parameters); never under captured CUDA graphs or kernels holding
+    raw pointers. Copied instead: a pair whose dtype, device or strides differ, and live tensors
+    that share storage with another live tensor object (views of a fused weight); one object
+    under two names (tied weights) is swapped once."""
+    owners: dict[int, set[int]] = {}
+    for t in live.values():
+        owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
+    shared = {id(t) for t in live.values() if len(owners[t.untyped_storage().data_ptr()]) > 1}
+
+    def apply(named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        done: set[int] = set()
+        with torch.no_grad():
+            for name, staged in named:
+                dst = live[name]
+                assert dst.shape == staged.shape, (name, dst.shape, staged.shape)
+                if id(dst) in done:
+                    continue
+                if (dst.dtype == staged.dtype and dst.device == staged.device and dst.is_contiguous()
+                        and staged.is_contiguous() and id(dst) not in shared):
+                    old = dst.data
+                    dst.data = staged.data
+                    staged.data = old
+                    done.add(id(dst))
+                else:
+                    dst.copy_(staged)
+
+    return apply
+
+
 class Timer:
     """Accumulates seconds spent in ``with timer:`` blocks (synchronising CUDA when asked)."""
 
@@ -323,7 +357,7 @@ class Timer:
         self.seconds += time.perf_counter() - self._t0
 
 
-def engine_receiver(engine: object, specs: Mapping[str, ShardSpec]) -> StagedReceiver:
+def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, swap: bool = False) -> StagedReceiver:
     """A ``StagedReceiver`` for a rollout engine exposing ``weight_tensors()`` (its live, possibly
     TP-sharded tensors by HF name) and ``commit_weights(version)``: slices are staged in the live
     tensors' dtype and device, while the engine keeps generating; at commit the engine is paused
@@ -331,7 +365,9 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec]) -> StagedRec
     resumes (unless it was paused before).
 
     Only names present on both sides are kept; a live tensor whose shape differs from its spec's
-    slice is a ValueError naming it.
+    slice is a ValueError naming it. ``swap=True`` commits by swapping storages (``swap_into``)
+    instead of copying: only for an engine that reads its weights through these tensor objects at
+    every step (no captured CUDA graphs).
     """
     live = engine.weight_tensors()  # type: ignore[attr-defined]
     kept = {}
@@ -344,7 +380,7 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec]) -> StagedRec
         kept[name] = ShardSpec(name=name, full_shape=spec.full_shape, dtype=live[name].dtype, dim=spec.dim,
                                start=spec.start, length=spec.length)
     device = next(iter(live.values())).device
-    copy = copy_into(live)
+    copy = swap_into(live) if swap else copy_into(live)
 
     def apply(named: list[tuple[str, torch.Tensor]], version: int) -> None:
         was_paused = engine.is_paused  # type: ignore[attr-defined]

@@ -112,19 +112,34 @@ def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.
 
 
 def plan_buckets(
-    meta: Sequence[TensorMeta], num_rows: int, bucket_bytes: int, wire_dtype: torch.dtype | None = None
+    meta: Sequence[TensorMeta],
+    num_rows: int,
+    bucket_bytes: int,
+    wire_dtype: torch.dtype | None = None,
+    *,
+    cuts: Mapping[str, Sequence[int]] | None = None,
+    direct_bytes: int | None = None,
 ) -> SyncPlan:
-    """Assign tensors to rows (``assign_rows``) and pack each row's share into bounded buckets."""
+    """Assign tensors to rows (``assign_rows``) and pack each row's share into bounded buckets.
+
+    ``cuts``: per tensor name, dim-0 indices where a chunk must end (the receivers' dim-0 shard
+    boundaries), so no chunk straddles two receivers' slices and each receiver can take a chunk
+    it keeps straight into its staging tensor. ``direct_bytes``: a chunk of at least this many
+    bytes gets a bucket of its own (sent from the trained tensor and received in place, no
+    packing); smaller ones are packed together. None: chunks are packed as they come.
+    """
     if bucket_bytes < ALIGN_BYTES:
         raise ValueError(f"bucket_bytes must be >= {ALIGN_BYTES}, got {bucket_bytes}")
     names = [m[0] for m in meta]
     if len(set(names)) != len(names):
         raise ValueError("weight source yields duplicate tensor names")
+    cuts = cuts or {}
     metas = [(n, tuple(s) or (1,), wire_dtype_for(d, wire_dtype)) for n, s, d in meta]
     owner = assign_rows([(n, _nbytes(s, d)) for n, s, d in metas], num_rows)
 
-    # Per row: bucket contents in source order; a too-large tensor becomes dim-0 chunks.
-    row_buckets: list[list[list[BucketItem]]] = [[[]] for _ in range(num_rows)]
+    # Per row: closed buckets in the order they complete, and the bucket being packed.
+    closed: list[list[list[BucketItem]]] = [[] for _ in range(num_rows)]
+    packing: list[list[BucketItem]] = [[] for _ in range(num_rows)]
     row_fill = [0] * num_rows
     row_bytes = [0] * num_rows
     for idx, (name, shape, dtype) in enumerate(metas):
@@ -132,27 +147,31 @@ def plan_buckets(
         row_nbytes = _nbytes(shape[1:], dtype)
         total = row_nbytes * shape[0]
         row_bytes[row] += total
-        if total <= bucket_bytes:
-            chunks = [(0, shape[0])]
-        else:
-            if row_nbytes > bucket_bytes:
-                raise ValueError(
-                    f"bucket_bytes={bucket_bytes} is smaller than one row ({row_nbytes} bytes) of {name} "
-                    f"{tuple(shape)}; raise bucket_bytes"
-                )
-            step = bucket_bytes // row_nbytes
-            chunks = [(r, min(r + step, shape[0])) for r in range(0, shape[0], step)]
+        if row_nbytes > bucket_bytes:
+            raise ValueError(
+                f"bucket_bytes={bucket_bytes} is smaller than one row ({row_nbytes} bytes) of {name} "
+                f"{tuple(shape)}; raise bucket_bytes"
+            )
+        bounds = sorted({0, shape[0], *(c for c in cuts.get(name, ()) if 0 < c < shape[0])})
+        step = max(bucket_bytes // row_nbytes, 1) if row_nbytes else shape[0]
+        chunks = [(r, min(r + step, hi)) for lo, hi in zip(bounds, bounds[1:]) for r in range(lo, hi, step)]
         for r0, r1 in chunks:
             nbytes = row_nbytes * (r1 - r0)
-            if row_buckets[row][-1] and row_fill[row] + nbytes > bucket_bytes:
-                row_buckets[row].append([])
-                row_fill[row] = 0
-            row_buckets[row][-1].append(BucketItem(name, idx, r0, r1, row_fill[row], nbytes, shape, dtype))
+            if direct_bytes is not None and nbytes >= direct_bytes:
+                closed[row].append([BucketItem(name, idx, r0, r1, 0, nbytes, shape, dtype)])
+                continue
+            if packing[row] and row_fill[row] + nbytes > bucket_bytes:
+                closed[row].append(packing[row])
+                packing[row], row_fill[row] = [], 0
+            packing[row].append(BucketItem(name, idx, r0, r1, row_fill[row], nbytes, shape, dtype))
             row_fill[row] = _align(row_fill[row] + nbytes)
+    for row in range(num_rows):
+        if packing[row]:
+            closed[row].append(packing[row])
 
     # Global order: the order in which buckets become complete while the source is iterated.
     flat = [(items[-1].tensor_index, row, seq, items)
-            for row in range(num_rows) for seq, items in enumerate(row_buckets[row]) if items]
+            for row in range(num_rows) for seq, items in enumerate(closed[row])]
     flat.sort(key=lambda x: x[:3])
     buckets = tuple(
         Bucket(k, row, tuple(items), items[-1].offset + items[-1].nbytes) for k, (_, row, _, items) in enumerate(flat)

@@ -55,6 +55,12 @@ class StreamSyncConfig:
     """Seconds to wait for every rank while the transport's process groups are created."""
     wire_dtype: torch.dtype | None = None
     """Cast floating tensors to this dtype before sending (e.g. bf16 when rollout runs bf16)."""
+    direct_bytes: int | None = None
+    """A chunk of at least this many bytes travels as its own message: sent from the trained
+    tensor without packing and, where a receiver keeps it whole, received straight into its
+    staging tensor. Smaller chunks are packed together (fewer messages: on a loaded CPU host each
+    gloo message costs ~1-2 ms of hand-offs, more than packing a few MB). None: a quarter of
+    ``bucket_bytes``; above ``bucket_bytes``: pack everything."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1024:
@@ -63,6 +69,8 @@ class StreamSyncConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.connect_timeout_s <= 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+        if self.direct_bytes is not None and self.direct_bytes <= 0:
+            raise ValueError(f"direct_bytes must be > 0 or None, got {self.direct_bytes}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,16 +178,30 @@ class StreamTransport(PolicySyncTransport):
             meta = source.meta()
             if self.rank == topology.sender_ranks[0]:
                 self.store.set(self._key("meta"), pickle.dumps(meta))
-        self.store.wait([self._key("meta")], group_timeout)
+        # Chunks end at the receivers' dim-0 shard boundaries: every rollout rank publishes its own.
+        if self.is_rollout:
+            bounds = {n: (sp.start, sp.start + sp.length) for n, sp in receiver.shard_specs().items() if sp.dim == 0}
+            self.store.set(self._key("cuts", self.rank), pickle.dumps(bounds))
+        self.store.wait([self._key("meta")] + [self._key("cuts", r) for r in topology.rollout_ranks], group_timeout)
         self.meta = pickle.loads(self.store.get(self._key("meta")))
+        cuts: dict[str, set[int]] = {}
+        for r in topology.rollout_ranks:
+            for name, edges in pickle.loads(self.store.get(self._key("cuts", r))).items():
+                cuts.setdefault(name, set()).update(edges)
         self.plan: SyncPlan = plan_buckets(
-            self.meta, len(topology.sender_ranks), config.bucket_bytes, config.wire_dtype
+            self.meta, len(topology.sender_ranks), config.bucket_bytes, config.wire_dtype,
+            cuts={n: sorted(c) for n, c in cuts.items()},
+            direct_bytes=config.direct_bytes if config.direct_bytes is not None else config.bucket_bytes // 4,
         )
         if self.is_rollout:
             self._check_specs()
         self._buffers: list[torch.Tensor] = []
         self.peak_buffer_bytes = 0
         """Largest total bucket-buffer memory this rank held (at most two buckets)."""
+        self.last_phases: dict[str, float] = {}
+        """Seconds of the last sync by phase on this rank: ``pack`` (copies into bucket buffers),
+        ``post`` (posting collectives), ``wait`` (waiting on them), ``stage`` (copying received
+        slices into staging), ``vote`` (the commit vote), ``commit`` (the receiver's apply)."""
 
     # ---------------------------------------------------------------- helpers
     def _check_specs(self) -> None:
@@ -222,6 +244,7 @@ class StreamTransport(PolicySyncTransport):
     def _sync(self, version: int) -> SyncStats:
         assert self.is_train or self.is_rollout, f"rank {self.rank} takes no part in this policy sync"
         self._attempt += 1
+        self.last_phases = dict.fromkeys(("pack", "post", "wait", "stage", "vote", "commit"), 0.0)
         t0 = time.perf_counter()
         progress, error = 0, None
         try:
@@ -242,14 +265,17 @@ class StreamTransport(PolicySyncTransport):
             raise
         t = time.perf_counter()
         ok, detail = self._vote(state=_DONE if error is None else _TIMED_OUT, progress=progress)
-        transfer += time.perf_counter() - t
+        self.last_phases["vote"] = time.perf_counter() - t
+        transfer += self.last_phases["vote"]
         if not ok:
             if self.is_rollout:
                 self.receiver.abort()
             cause = f"{error}; " if error else ""
             raise PolicySyncError(f"policy sync v{version} failed on rank {self.rank}: {cause}{detail}")
         if self.is_rollout:
+            t = time.perf_counter()
             self.receiver.commit(version)
+            self.last_phases["commit"] = time.perf_counter() - t
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return SyncStats(
@@ -287,8 +313,27 @@ class StreamTransport(PolicySyncTransport):
         parts = ([f"failed rank(s) {raised}"] if raised else []) + ([f"timed out: {waited}"] if waited else [])
         return False, "; ".join(parts) + (f" ({desc})" if desc else "")
 
+    def _timed_wait(self, work: dist.Work, what: str) -> float:
+        t = time.perf_counter()
+        self._wait(work, what)
+        dt = time.perf_counter() - t
+        self.last_phases["wait"] += dt
+        return dt
+
+    def _post(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> tuple[dist.Work, float]:
+        t = time.perf_counter()
+        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+        dt = time.perf_counter() - t
+        self.last_phases["post"] += dt
+        return work, dt
+
     def _send(self) -> float:
-        """Training rank: iterate the source; if a sender, pack and send this row's buckets."""
+        """Training rank: iterate the source; if a sender, send this row's buckets in plan order.
+
+        A bucket of one contiguous chunk in the wire dtype goes out as a view of the trained tensor
+        (no copy); any other is packed into one of two buffers while earlier sends are in flight.
+        A buffer is reused only after its previous send completed; at most two sends in flight."""
+        ph = self.last_phases
         row = self.topology.sender_ranks.index(self.rank) if self.rank in self.topology.sender_ranks else -1
         my_buckets = [b for b in self.plan.buckets if b.row == row]
         items_by_tensor: dict[int, list[tuple[int, BucketItem]]] = {}
@@ -296,7 +341,13 @@ class StreamTransport(PolicySyncTransport):
             for item in bucket.items:
                 items_by_tensor.setdefault(item.tensor_index, []).append((pos, item))
         works: dict[int, dist.Work] = {}
+        owner: list[int | None] = [None, None]  # per buffer slot: the bucket packed in it last
+        slot_of: dict[int, int] = {}
         transfer = 0.0
+
+        def what(pos: int) -> str:
+            return f"sending bucket {my_buckets[pos].index} to relay rank {self.relays[row]}"
+
         for idx, (name, tensor) in enumerate(self.source.iter_tensors()):
             if idx >= len(self.meta) or name != self.meta[idx][0]:
                 raise ValueError(f"weight source order changed at {idx} ({name!r}); rebuild the transport")
@@ -304,47 +355,49 @@ class StreamTransport(PolicySyncTransport):
             for pos, item in items_by_tensor.get(idx, ()):
                 bucket = my_buckets[pos]
                 chunk = full.reshape(item.shape)[item.row_start : item.row_end]
-                if item is bucket.items[0]:  # at most two buckets in flight (buffers reused)
+                if item is bucket.items[0]:  # at most two sends in flight
                     for prev in [p for p in works if p <= pos - 2]:
-                        t = time.perf_counter()
-                        self._wait(works.pop(prev), f"sending bucket {my_buckets[prev].index} to relay rank "
-                                                    f"{self.relays[row]}")
-                        transfer += time.perf_counter() - t
+                        transfer += self._timed_wait(works.pop(prev), what(prev))
                 if len(bucket.items) == 1 and chunk.dtype == item.dtype and chunk.is_contiguous():
                     # A bucket of one contiguous chunk goes out as it is: no packing copy.
-                    t = time.perf_counter()
-                    works[pos] = dist.broadcast(chunk.reshape(-1).view(torch.uint8), src=self.rank,
-                                                group=self.pair_groups[row], async_op=True)
-                    transfer += time.perf_counter() - t
+                    works[pos], dt = self._post(chunk.reshape(-1).view(torch.uint8), self.rank, self.pair_groups[row])
+                    transfer += dt
                     continue
-                buf = self._buffer(pos)
+                if item is bucket.items[0]:
+                    # A slot not held by a bucket still being packed; wait for its send if in flight.
+                    free = [s for s in (0, 1) if owner[s] is None or owner[s] in works or owner[s] not in slot_of]
+                    slot = min(free, key=lambda s: (owner[s] in works, owner[s] or -1))
+                    if owner[slot] in works:
+                        transfer += self._timed_wait(works.pop(owner[slot]), what(owner[slot]))
+                    owner[slot] = pos
+                    slot_of[pos] = slot
+                buf = self._buffer(slot_of[pos])
+                t = time.perf_counter()
                 buf[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.chunk_shape).copy_(chunk)
+                ph["pack"] += time.perf_counter() - t
                 if item is bucket.items[-1]:
-                    t = time.perf_counter()
-                    works[pos] = dist.broadcast(
-                        buf[: bucket.nbytes], src=self.rank, group=self.pair_groups[row], async_op=True
-                    )
-                    transfer += time.perf_counter() - t
+                    works[pos], dt = self._post(buf[: bucket.nbytes], self.rank, self.pair_groups[row])
+                    transfer += dt
+                    del slot_of[pos]  # sent: the slot is free once its work completes
             del full
         for pos in sorted(works):
-            t = time.perf_counter()
-            self._wait(works.pop(pos), f"sending bucket {my_buckets[pos].index} to relay rank {self.relays[row]}")
-            transfer += time.perf_counter() - t
+            transfer += self._timed_wait(works.pop(pos), what(pos))
         return transfer
 
     def _receive(self) -> float:
         """Rollout rank: receive every bucket (as relay, then through the fan-out), stage own slices.
 
-        One bucket of lookahead: bucket k's collectives are posted (into the other buffer) before
-        bucket k-1 is staged, so copying slices overlaps the transfer; two buffers in all."""
+        A bucket of one chunk this rank keeps whole is received straight into its staging tensor
+        (no copy); others land in one of two buffers. One bucket of lookahead: bucket k's
+        collectives are posted before bucket k-1 is staged, so staging overlaps the transfer."""
         specs = self.receiver.shard_specs()
+        ph = self.last_phases
         transfer = 0.0
         buckets = self.plan.buckets
         fanout: dict[int, dist.Work] = {}
         direct = False  # whether bucket k-1 was received straight into its staging tensor
         for k in range(len(buckets) + 1):
             try:
-                t = time.perf_counter()
                 recv = None
                 direct_prev, direct = direct, False
                 if k < len(buckets):
@@ -356,23 +409,25 @@ class StreamTransport(PolicySyncTransport):
                     relay = self.relays[bucket.row]
                     if self.rank == relay:
                         sender = self.topology.sender_ranks[bucket.row]
-                        recv = (dist.broadcast(buf, src=sender, group=self.pair_groups[bucket.row], async_op=True),
-                                f"receiving bucket {k} from training rank {sender}")
+                        work, dt = self._post(buf, sender, self.pair_groups[bucket.row])
+                        recv = (work, f"receiving bucket {k} from training rank {sender}")
+                        transfer += dt
                     elif self.rollout_group is not None:
-                        fanout[k] = dist.broadcast(buf, src=relay, group=self.rollout_group, async_op=True)
+                        fanout[k], dt = self._post(buf, relay, self.rollout_group)
+                        transfer += dt
                 if k > 0:
                     if k - 1 in fanout:
-                        self._wait(fanout.pop(k - 1), f"fan-out of bucket {k - 1} from relay rank "
-                                                      f"{self.relays[buckets[k - 1].row]}")
-                    transfer += time.perf_counter() - t
+                        transfer += self._timed_wait(fanout.pop(k - 1), f"fan-out of bucket {k - 1} from relay rank "
+                                                                         f"{self.relays[buckets[k - 1].row]}")
                     if not direct_prev:
+                        t = time.perf_counter()
                         self._stage(buckets[k - 1], self._buffer(k - 1)[: buckets[k - 1].nbytes], specs)
-                    t = time.perf_counter()
+                        ph["stage"] += time.perf_counter() - t
                 if recv is not None:
-                    self._wait(*recv)
+                    transfer += self._timed_wait(*recv)
                     if self.rollout_group is not None:
-                        fanout[k] = dist.broadcast(buf, src=self.rank, group=self.rollout_group, async_op=True)
-                transfer += time.perf_counter() - t
+                        fanout[k], dt = self._post(buf, self.rank, self.rollout_group)
+                        transfer += dt
             except PolicySyncError as e:
                 e.buckets_done = max(k - 1, 0)
                 raise

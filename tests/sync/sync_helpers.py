@@ -217,3 +217,40 @@ def worker_source_error(rank: int, world: int, port: int, out: str, timeout_s: f
     while time.time() < deadline and not all((Path(out) / f"rank{r}.pt").exists() for r in range(world)):
         time.sleep(0.1)
     os._exit(0)
+
+
+def worker_exact(rank: int, world: int, port: int, out: str) -> None:
+    """Two transports in one world, each syncing v1 then v2 (new weights):
+    "direct": fp32, chunks >= 1 KiB unpacked (cut at the TP boundaries, received in place),
+    committed by storage swap; "cast": bf16 on the wire and in the receivers, chunks >= 512 B
+    unpacked, so cast chunks are packed into a buffer while another bucket is still open.
+    Saves each rollout rank's live tensors after each version to ``out/exact{rank}.pt``."""
+    from areno.sync.base import swap_into
+
+    init_world(rank, world, port)
+    weights = tiny_weights(seed=1)
+    topo = StreamTopology(train_ranks=TRAIN, sender_ranks=TRAIN, rollout_ranks=ROLLOUT, devices=DEVICES)
+    meta = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
+    result = {}
+    for tag, direct, wire, apply in (("direct", 1024, None, swap_into), ("cast", 512, torch.bfloat16, copy_into)):
+        live, receiver = None, None
+        if rank in ROLLOUT:
+            specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - ROLLOUT[0], tp_size=len(ROLLOUT),
+                                             dtype=wire)
+            live = {n: torch.zeros(s.local_shape, dtype=s.dtype) for n, s in specs.items()}
+            receiver = StagedReceiver(specs, apply(live))
+        source = NamedTensorSource(lambda: weights.items()) if rank in TRAIN else None
+        cfg = StreamSyncConfig(bucket_bytes=2048, timeout_s=30, wire_dtype=wire, direct_bytes=direct)
+        transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, tag=tag)
+        sizes = [len(b.items) for b in transport.plan.buckets]
+        result[tag] = {"single": sum(n == 1 for n in sizes), "packed": sum(n > 1 for n in sizes),
+                       "peak_buffer_bytes": transport.peak_buffer_bytes}
+        for version, seed in ((1, 1), (2, 2)):
+            weights.update(tiny_weights(seed=seed))
+            transport.sync(version)
+            if live is not None:
+                result[tag][f"v{version}"] = {n: t.clone() for n, t in live.items()}
+        result[tag]["phases"] = dict(transport.last_phases)
+    torch.save(result, Path(out) / f"exact{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()

@@ -148,3 +148,37 @@ def test_inplace_cast_on_gpu_is_exact_and_fast():
     stats = transport.sync(1)
     assert all(torch.equal(engine[n], t.to(torch.bfloat16)) for n, t in trained.items())
     assert stats.bytes == 32 * 1024 * 1024 * 2 and stats.total_time_s < 0.05
+
+
+def test_swap_commit_moves_no_bytes_and_keeps_old_version_on_failure():
+    from areno.sync.base import swap_into
+
+    tied = torch.zeros(4, 2)
+    fused = torch.zeros(6)
+    live = {"a": torch.zeros(3), "emb": tied, "head": tied, "q": fused[:3], "k": fused[3:]}
+    specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in live.items()}
+    r = StagedReceiver(specs, swap_into(live))
+    a_obj = live["a"]
+    r.begin(1)
+    staged_a = r.stage("a")
+    staged_ptr = staged_a.data_ptr()
+    staged_a.fill_(1.0)
+    r.stage("emb").fill_(2.0)
+    r.stage("head").fill_(2.0)
+    r.stage("q").fill_(3.0)
+    r.stage("k").fill_(4.0)
+    r.commit(1)
+    # Swapped: the live object now holds the staged storage, the staging tensor the old one.
+    assert live["a"] is a_obj and live["a"].data_ptr() == staged_ptr and torch.equal(live["a"], torch.ones(3))
+    assert torch.equal(r.stage("a"), torch.zeros(3))
+    # One object under two names (tied) is swapped once; views of a fused tensor are copied.
+    assert live["emb"] is live["head"] and torch.equal(tied, torch.full((4, 2), 2.0))
+    assert torch.equal(fused, torch.tensor([3.0, 3, 3, 4, 4, 4]))
+    # A failed sync writes staging only: the live version stays intact.
+    r.abort()
+    r.begin(2)
+    r.stage("a").fill_(9.0)
+    with pytest.raises(PolicySyncError, match="never arrived"):
+        r.commit(2)
+    r.abort()
+    assert torch.equal(live["a"], torch.ones(3)) and r.version == 1

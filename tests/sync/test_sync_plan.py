@@ -116,3 +116,24 @@ def test_shard_specs_agree_with_the_models_tp_plan():
         for name, full in state.items():
             expected = shard_tensor(full, tp_style(plan, name), rank, 2)
             assert torch.equal(specs[name].take(full), expected), name
+
+
+def test_plan_cuts_at_shard_boundaries_and_sends_large_chunks_unpacked():
+    meta = [("big", (64, 8), torch.float32), ("b1", (8,), torch.float32), ("mid", (24, 8), torch.float32),
+            ("b2", (8,), torch.float32)]
+    # big: 2 KiB, cut at row 32 (a TP-2 boundary) -> two 1 KiB chunks; mid: 768 B, cuts at 6/12/18.
+    plan = plan_buckets(meta, 1, 4096, cuts={"big": [0, 32, 64], "mid": [6, 12, 18]}, direct_bytes=1024)
+    spans = [[(i.name, i.row_start, i.row_end, i.offset) for i in b.items] for b in plan.buckets]
+    assert spans == [
+        [("big", 0, 32, 0)], [("big", 32, 64, 0)],  # each chunk on its own, from offset 0
+        # small chunks packed, aligned, in source order, cut at every boundary
+        [("b1", 0, 8, 0), ("mid", 0, 6, 64), ("mid", 6, 12, 256), ("mid", 12, 18, 448), ("mid", 18, 24, 640),
+         ("b2", 0, 8, 832)],
+    ]
+    assert [b.ready_after for b in plan.buckets] == [0, 0, 3]
+    # Cuts combine with the bucket bound: a 2 KiB bucket splits the 1 KiB halves no further, a
+    # 512 B one splits each half in two; no chunk straddles row 32.
+    small = plan_buckets(meta[:1], 1, 512, cuts={"big": [32]})
+    assert [(i.row_start, i.row_end) for b in small.buckets for i in b.items] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    # direct_bytes None: everything is packed as it comes.
+    assert len(plan_buckets(meta, 1, 4096, cuts={"big": [32]}).buckets) == 1
