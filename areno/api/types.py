@@ -20,6 +20,17 @@ from typing import Any
 import torch
 
 
+
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device`` without stalling the host: a CUDA copy from pageable host memory
+    first waits for the stream's queued work, so a host tensor bound for CUDA is pinned and sent
+    asynchronously (the copy is ordered on the stream before any kernel that reads it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     """How one request is sampled. Validated at construction."""

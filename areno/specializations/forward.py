@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from areno.api.types import TokenBatch
+from areno.api.types import TokenBatch, host_to_device
 
 
 def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
@@ -22,9 +22,9 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     from areno.models.logprobs import position_ids_from_cu_seqlens
 
     device = model.output_weight.device
-    cu_B1 = batch.cu_seqlens_B1.to(device)
-    attn = PackedCausalAttention(cu_B1, sliding_window=getattr(model.config, "sliding_window", None))
-    return model(batch.input_ids_T.to(device), position_ids_from_cu_seqlens(cu_B1), attn)
+    cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
+    attn = PackedCausalAttention(cu_host_B1, sliding_window=getattr(model.config, "sliding_window", None))
+    return model(host_to_device(batch.input_ids_T, device), position_ids_from_cu_seqlens(cu_host_B1, device), attn)
 
 
 def _predictor_index_T(batch: TokenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def _predictor_index_T(batch: TokenBatch, device: torch.device) -> tuple[torch.T
     is_start_T = torch.zeros(T, dtype=torch.bool)
     is_start_T[cu_B1[:-1][(cu_B1[1:] - cu_B1[:-1]) > 0]] = True
     idx_T = (torch.arange(T) - 1).clamp(min=0)
-    return idx_T.to(device), (~is_start_T).to(device)
+    return host_to_device(idx_T, device), host_to_device(~is_start_T, device)
 
 
 def token_logprobs_T(

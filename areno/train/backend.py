@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from areno.api.types import TokenBatch
+from areno.api.types import TokenBatch, host_to_device
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import load_model, save_model
@@ -57,15 +57,20 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 def batch_to_device(batch: TokenBatch, device: torch.device | str) -> TokenBatch:
     """The same batch with every tensor on ``device``, except ``cu_seqlens_B1``, which stays on the
-    host: sequence bounds are read as Python ints (token counts, longest length, output sizes), and
-    reading them from a device tensor would stall the host on the GPU once per micro-batch. Code
-    that needs them on the device moves them (``.to(device)``, as every user does)."""
+    host (pinned for a CUDA device): sequence bounds are read as Python ints (token counts, longest
+    length, output sizes), and reading them from a device tensor would stall the host on the GPU
+    once per micro-batch. Code that needs them on the device moves them (``.to(device,
+    non_blocking=True)``). No copy here waits for the GPU, so the host prepares micro-batch i+1
+    while the GPU still runs micro-batch i."""
+    device = torch.device(device)
     moved = {
-        f.name: getattr(batch, f.name).to(device, non_blocking=True)
+        f.name: host_to_device(getattr(batch, f.name), device)
         for f in dataclasses.fields(batch)
         if isinstance(getattr(batch, f.name), torch.Tensor) and f.name != "cu_seqlens_B1"
     }
-    return dataclasses.replace(batch, **moved, extra={k: v.to(device) for k, v in batch.extra.items()})
+    if device.type == "cuda":
+        moved["cu_seqlens_B1"] = batch.cu_seqlens_B1.pin_memory()
+    return dataclasses.replace(batch, **moved, extra={k: host_to_device(v, device) for k, v in batch.extra.items()})
 
 
 class PackedTrainBackend(TrainBackend):

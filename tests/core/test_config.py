@@ -31,7 +31,7 @@ def test_defaults_and_overrides(tmp_path):
         (["train.long_sequences=split"], "train.long_sequences: must be error or truncate"),
         (["train.max_consecutive_skips=-1"], "train.max_consecutive_skips: must be >= 0"),
         (["rollout.decode_steps=-2"], "rollout.decode_steps: must be >= 0"),
-        (["rollout.decode_attention=flash"], "rollout.decode_attention: must be gather or paged"),
+        (["rollout.decode_attention=flash"], "rollout.decode_attention: must be auto, gather or paged"),
         (["rollout.request_timeout_s=-1"], "rollout.request_timeout_s: must be >= 0"),
         (["cluster.collective_timeout_s=0"], "cluster.collective_timeout_s: must be > 0"),
     ],
