@@ -4,8 +4,11 @@
   policy sync (StreamTransport: plan, bounded buckets, relay + fan-out, slicing, staging, commit)
   against a raw collective moving the same bytes over the same route as one message per row,
   measured in the same run on the same process groups. ``generation_paused_s`` is the time the
-  engine must stop generating: only the commit (staged -> live copy); receiving happens while it
-  keeps generating. Target: ratio >= 0.8.
+  engine must stop generating: only the commit (``--commit swap``: a storage swap, as an eager
+  engine allows; ``--commit copy``: staged -> live copy, as under CUDA graphs); receiving happens
+  while it keeps generating. Sync and raw alternate which goes first, pair by pair, over
+  ``--repeats`` blocks of ``--iters`` pairs; the JSON gives the ratio of medians over all pairs,
+  per block (and their median), best-of, and per-phase times of the slowest rank. Target: ratio >= 0.8.
 
 --mode gpu-stream (multi-GPU issue): the same, NCCL data plane, bf16 Qwen2.5 shape (--shapes 1.5b),
   train DP 2 on GPUs 0-1 -> rollout TP on the remaining GPUs, or --overlap: rollout TP 2 on GPUs 0-1 too.
@@ -14,7 +17,7 @@
   Qwen2.5 0.5B / 1.5B shapes (a cast copy), and the aliased case (engine reads the trained bf16
   tensors: nothing moves). Baseline: one flat device copy of the same bytes. Target: < 50 ms 1.5B.
 
-    python bench/sync.py --mode cpu
+    python bench/sync.py --mode cpu                      # ~15-20 s on 2 cores; add --profile-rank 2 for cProfile
     python bench/sync.py --mode gpu-colocated --shapes 0.5b,1.5b
     python bench/sync.py --mode gpu-stream --gpus 4 --shapes 1.5b --bucket-mb 256
     python bench/sync.py --mode gpu-stream --gpus 2 --train-dp 1 --shapes 1.5b   # train GPU 0 -> rollout GPU 1
@@ -173,7 +176,8 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
             "topology": f"train DP {n_train} -> rollout TP {len(rollout)} ({'nccl' if gpu else 'gloo'}, {world} processes"
                         + (", overlapping GPUs" if gpu and opts["overlap"] else "") + ")",
             "shape": opts["shape"], "dtype": str(dtype).removeprefix("torch."),
-            "bytes": nbytes, "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
+            "bytes": nbytes, "sync_wire_bytes": transport.wire_bytes,
+            "raw_wire_bytes": nbytes * (2 if len(rollout) > 1 else 1), "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
             "bucket_bytes": opts["bucket_bytes"], "direct_bytes": opts["direct_bytes"] or opts["bucket_bytes"] // 4, "commit": opts["commit"],
             "iters": opts["iters"], "repeats": opts["repeats"],
             "sync_s_median": sync_med, "raw_s_median": raw_med,

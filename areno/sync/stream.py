@@ -9,6 +9,10 @@ Data path, for every bucket in the plan's global order (``plan.plan_buckets``):
 Each training rank iterates the ``WeightSource`` (so DTensor gathers stay collective); the owner row
 packs its tensors into one of two bucket buffers and sends it as soon as the plan says the bucket
 is complete, so packing bucket k+1 overlaps sending bucket k. Extra memory per rank is two buckets.
+Chunks end at the receivers' dim-0 shard boundaries (each rollout rank publishes its own), and a
+chunk of at least ``direct_bytes`` travels alone: sent as a view of the trained tensor, received
+straight into the staging tensor of the rank that keeps it (no pack or stage copy); only small
+tensors and dim-1 (rowwise) slices are copied out of a buffer.
 
 Commit (all-or-nothing across ranks): when its part is done, every participant joins one vote,
 an all-reduce over a gloo control group (done flags, buckets staged); rollout ranks apply their
@@ -103,6 +107,20 @@ class StreamTopology:
         return self.devices.get(rank, f"rank{rank}")
 
 
+def _keepers(bucket: Bucket, kept_by: Mapping[int, Mapping[str, tuple[int | None, int, int]]]) -> set[int]:
+    """Rollout ranks that keep any part of ``bucket`` (``kept_by``: rank -> name -> (dim, start, length))."""
+    ranks = set()
+    for rank, kept in kept_by.items():
+        for item in bucket.items:
+            if item.name not in kept:
+                continue
+            dim, start, length = kept[item.name]
+            if dim != 0 or (item.row_start < start + length and start < item.row_end):
+                ranks.add(rank)
+                break
+    return ranks
+
+
 _DONE, _TIMED_OUT, _RAISED = 1, 2, 3
 """Commit-vote states: finished its part / a wait on a peer timed out / raised an error itself."""
 
@@ -178,21 +196,32 @@ class StreamTransport(PolicySyncTransport):
             meta = source.meta()
             if self.rank == topology.sender_ranks[0]:
                 self.store.set(self._key("meta"), pickle.dumps(meta))
-        # Chunks end at the receivers' dim-0 shard boundaries: every rollout rank publishes its own.
+        # Every rollout rank publishes which slice of each tensor it keeps: chunks end at the dim-0
+        # shard boundaries, and a bucket only its relay keeps needs no fan-out.
         if self.is_rollout:
-            bounds = {n: (sp.start, sp.start + sp.length) for n, sp in receiver.shard_specs().items() if sp.dim == 0}
-            self.store.set(self._key("cuts", self.rank), pickle.dumps(bounds))
-        self.store.wait([self._key("meta")] + [self._key("cuts", r) for r in topology.rollout_ranks], group_timeout)
+            kept = {n: (sp.dim, sp.start, sp.length) for n, sp in receiver.shard_specs().items()}
+            self.store.set(self._key("kept", self.rank), pickle.dumps(kept))
+        self.store.wait([self._key("meta")] + [self._key("kept", r) for r in topology.rollout_ranks], group_timeout)
         self.meta = pickle.loads(self.store.get(self._key("meta")))
+        kept_by = {r: pickle.loads(self.store.get(self._key("kept", r))) for r in topology.rollout_ranks}
         cuts: dict[str, set[int]] = {}
-        for r in topology.rollout_ranks:
-            for name, edges in pickle.loads(self.store.get(self._key("cuts", r))).items():
-                cuts.setdefault(name, set()).update(edges)
+        for kept in kept_by.values():
+            for name, (dim, start, length) in kept.items():
+                if dim == 0:
+                    cuts.setdefault(name, set()).update((start, start + length))
         self.plan: SyncPlan = plan_buckets(
             self.meta, len(topology.sender_ranks), config.bucket_bytes, config.wire_dtype,
             cuts={n: sorted(c) for n, c in cuts.items()},
             direct_bytes=config.direct_bytes if config.direct_bytes is not None else config.bucket_bytes // 4,
         )
+        self.fanout = tuple(
+            bool(_keepers(b, kept_by) - {self.relays[b.row]}) and self.rollout_group is not None
+            for b in self.plan.buckets
+        )
+        """Per bucket: whether it fans out from its relay (False when no other rollout rank keeps
+        any of it, e.g. a dim-0 shard chunk of the relay's own slice)."""
+        self.wire_bytes = sum(b.nbytes * (1 + f) for b, f in zip(self.plan.buckets, self.fanout))
+        """Bytes one sync puts on the data plane: every bucket once to its relay, plus its fan-out."""
         if self.is_rollout:
             self._check_specs()
         self._buffers: list[torch.Tensor] = []
@@ -400,7 +429,9 @@ class StreamTransport(PolicySyncTransport):
             try:
                 recv = None
                 direct_prev, direct = direct, False
-                if k < len(buckets):
+                if k < len(buckets) and self.rank != self.relays[buckets[k].row] and not self.fanout[k]:
+                    direct = True  # bucket k does not come to this rank: nothing to receive or stage
+                elif k < len(buckets):
                     bucket = buckets[k]
                     buf = self._direct_dest(bucket, specs)
                     direct = buf is not None
@@ -412,7 +443,7 @@ class StreamTransport(PolicySyncTransport):
                         work, dt = self._post(buf, sender, self.pair_groups[bucket.row])
                         recv = (work, f"receiving bucket {k} from training rank {sender}")
                         transfer += dt
-                    elif self.rollout_group is not None:
+                    else:
                         fanout[k], dt = self._post(buf, relay, self.rollout_group)
                         transfer += dt
                 if k > 0:
@@ -425,7 +456,7 @@ class StreamTransport(PolicySyncTransport):
                         ph["stage"] += time.perf_counter() - t
                 if recv is not None:
                     transfer += self._timed_wait(*recv)
-                    if self.rollout_group is not None:
+                    if self.fanout[k]:
                         fanout[k], dt = self._post(buf, self.rank, self.rollout_group)
                         transfer += dt
             except PolicySyncError as e:

@@ -244,7 +244,8 @@ def worker_exact(rank: int, world: int, port: int, out: str) -> None:
         transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, tag=tag)
         sizes = [len(b.items) for b in transport.plan.buckets]
         result[tag] = {"single": sum(n == 1 for n in sizes), "packed": sum(n > 1 for n in sizes),
-                       "peak_buffer_bytes": transport.peak_buffer_bytes}
+                       "peak_buffer_bytes": transport.peak_buffer_bytes, "fanout": list(transport.fanout),
+                       "wire_bytes": transport.wire_bytes, "total_bytes": transport.plan.total_bytes}
         for version, seed in ((1, 1), (2, 2)):
             weights.update(tiny_weights(seed=seed))
             transport.sync(version)

@@ -95,7 +95,7 @@ def test_source_error_midway_aborts_everywhere_and_keeps_old_version(tmp_path):
         assert res[r]["intact"] and res[r]["version"] == 1
 
 
-def test_unpacked_chunks_cast_and_swap_commit_are_bit_exact(tmp_path):
+def test_unpacked_chunks_cast_skipped_fanout_and_swap_commit_are_bit_exact(tmp_path):
     from sync_helpers import worker_exact
 
     spawn(worker_exact, 4, str(tmp_path))
@@ -115,6 +115,11 @@ def test_unpacked_chunks_cast_and_swap_commit_are_bit_exact(tmp_path):
                     assert t.dtype == dtype and torch.equal(t, want), (tag, version, rank, name)
         for r in range(4):
             assert res[r][tag]["peak_buffer_bytes"] <= 2 * 2048
+            assert res[r][tag]["fanout"] == res[0][tag]["fanout"]
+        # A chunk of the relay's own dim-0 slice is not fanned out; everything else is.
+        fanout, total = res[0][tag]["fanout"], res[0][tag]["total_bytes"]
+        assert any(fanout) and not all(fanout)
+        assert total < res[0][tag]["wire_bytes"] < 2 * total
     # The swap commit moves no bytes; the rollout ranks report the phases they spent time in.
     assert set(res[2]["direct"]["phases"]) == {"pack", "post", "wait", "stage", "vote", "commit"}
     assert res[0]["direct"]["phases"]["stage"] == 0.0 and res[2]["direct"]["phases"]["pack"] == 0.0
