@@ -114,7 +114,8 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         live = {n: torch.zeros(sp.local_shape, dtype=dtype, device=device) for n, sp in specs.items()}
         apply = swap_into(live) if opts["commit"] == "swap" else copy_into(live)
         receiver = StagedReceiver(specs, apply, device=device)
-    cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300, direct_bytes=opts["direct_bytes"])
+    cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300, direct_bytes=opts["direct_bytes"],
+                           fanout_all=opts["fanout_all"])
     transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, device=device,
                                 backend="nccl" if gpu else None)
 
@@ -177,8 +178,10 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
                         + (", overlapping GPUs" if gpu and opts["overlap"] else "") + ")",
             "shape": opts["shape"], "dtype": str(dtype).removeprefix("torch."),
             "bytes": nbytes, "sync_wire_bytes": transport.wire_bytes,
-            "raw_wire_bytes": nbytes * (2 if len(rollout) > 1 else 1), "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
-            "bucket_bytes": opts["bucket_bytes"], "direct_bytes": opts["direct_bytes"] or opts["bucket_bytes"] // 4, "commit": opts["commit"],
+            "raw_wire_bytes": nbytes * (2 if len(rollout) > 1 else 1),
+            "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
+            "bucket_bytes": opts["bucket_bytes"], "direct_bytes": opts["direct_bytes"] or opts["bucket_bytes"] // 4,
+            "commit": opts["commit"], "fanout_all": opts["fanout_all"],
             "iters": opts["iters"], "repeats": opts["repeats"],
             "sync_s_median": sync_med, "raw_s_median": raw_med,
             "sync_gbps": nbytes / sync_med / 1e9, "raw_gbps": nbytes / raw_med / 1e9,
@@ -268,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="stream modes: blocks of --iters pairs; the ratio is also reported per block (median)")
     ap.add_argument("--direct-mb", type=float, default=None,
                     help="stream modes: chunks of at least this many MiB travel unpacked (default: a quarter bucket)")
+    ap.add_argument("--fanout-all", action="store_true",
+                    help="stream modes: fan out every bucket, even those only the relay keeps (same wire bytes as raw)")
     ap.add_argument("--profile-rank", type=int, default=None,
                     help="stream modes: cProfile this rank's loop and print its top functions to stderr")
     ap.add_argument("--commit", choices=["swap", "copy"], default="swap",
@@ -276,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="gpu-colocated device (cpu for a smoke run)")
     args = ap.parse_args(argv)
     stream_opts = dict(repeats=args.repeats, commit=args.commit, profile_rank=args.profile_rank,
+                       fanout_all=args.fanout_all,
                        direct_bytes=int(args.direct_mb * (1 << 20)) if args.direct_mb is not None else None)
     load = os.getloadavg()
     t0 = time.perf_counter()

@@ -66,6 +66,10 @@ class StreamSyncConfig:
     gloo message costs ~1-2 ms of hand-offs, more than packing a few MB). None: a quarter of
     ``bucket_bytes``; above ``bucket_bytes``: pack everything."""
 
+    fanout_all: bool = False
+    """Fan every bucket out to all rollout ranks, even one that only its relay keeps (moves the
+    same bytes as a plain relay + broadcast; for benchmarks)."""
+
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1024:
             raise ValueError(f"bucket_bytes must be >= 1024, got {self.bucket_bytes}")
@@ -215,7 +219,7 @@ class StreamTransport(PolicySyncTransport):
             direct_bytes=config.direct_bytes if config.direct_bytes is not None else config.bucket_bytes // 4,
         )
         self.fanout = tuple(
-            bool(_keepers(b, kept_by) - {self.relays[b.row]}) and self.rollout_group is not None
+            (config.fanout_all or bool(_keepers(b, kept_by) - {self.relays[b.row]})) and self.rollout_group is not None
             for b in self.plan.buckets
         )
         """Per bucket: whether it fans out from its relay (False when no other rollout rank keeps
