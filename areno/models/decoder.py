@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from areno.models import fused_ops
 from areno.models.config import ModelConfig
 from areno.models.tp_plan import check_tp_size
 
@@ -86,6 +87,8 @@ class RotaryCache:
 
 def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, Dh/2]."""
+    if fused_ops.active(x_THD):
+        return fused_ops.rope(x_THD, cos_TF, sin_TF)
     half = x_THD.shape[-1] // 2
     x1, x2 = x_THD[..., :half], x_THD[..., half:]
     cos, sin = cos_TF[:, None, :], sin_TF[:, None, :]
@@ -102,6 +105,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.active(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -164,7 +169,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, d, bias=b)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return _rowwise(self.down_proj, F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD), self.tp_reduce)
+        if fused_ops.active(x_TD):
+            act = fused_ops.silu_mul(self.gate_proj(x_TD), self.up_proj(x_TD))
+        else:
+            act = F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD)
+        return _rowwise(self.down_proj, act, self.tp_reduce)
 
 
 class DecoderLayer(nn.Module):

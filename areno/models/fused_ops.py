@@ -1,0 +1,186 @@
+"""Fused inference kernels for the decoder's element-wise ops (CUDA + Triton, no-grad forwards).
+
+A decode step of a small model is a few thousand tiny kernels: eager RMSNorm is eight of them
+(cast, square, mean, add, rsqrt, multiply, cast, scale), rotate-half RoPE seven per tensor, SiLU-
+and-multiply two. Inside a CUDA graph each still costs its launch slot and a few microseconds of
+GPU time, which is most of the step at 64 sequences (bench/rollout.py --profile). Here each is one
+Triton kernel that reproduces the eager op's roundings: the value is computed in fp32 and rounded
+to the model dtype exactly where the eager code rounds (after the normalisation, before the
+weight; after each product of RoPE; after SiLU), so outputs agree with the eager path to within
+the last bit of the reductions' order (RMSNorm's mean of squares is summed in another order).
+
+``enable()`` turns them on for the process after a self-check against the eager ops on random
+inputs (a failure leaves them off and says why); ``areno.models.decoder`` routes ``RMSNorm``,
+``apply_rope`` and the MLP's activation here only for CUDA tensors with gradients disabled and
+outside ``torch.compile`` tracing, so training and every CPU path keep the eager reference ops.
+
+Legend: N = rows (tokens), D = features, T = tokens, H = heads, Dh = head dim, F = Dh / 2.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+log = logging.getLogger(__name__)
+
+_ENABLED = False
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+def active(x: torch.Tensor) -> bool:
+    """Whether the fused kernels serve an op on ``x`` (enabled, CUDA, no grad, not compiling)."""
+    return (_ENABLED and x.is_cuda and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        var = tl.sum(x * x, axis=0) / D
+        xn = (x * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)  # eager: x32 * rsqrt(...), cast
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        y = w.to(tl.float32) * xn.to(tl.float32)  # eager: weight * x (rounded once, to Y's dtype)
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh, H, F,
+                     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        f = tl.arange(0, BLOCK_F)[None, :]
+        mask = (h < H) & (f < F)
+        dt = Y.dtype.element_ty
+        x1 = tl.load(X + t * stride_xt + h * stride_xh + f, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + t * stride_xt + h * stride_xh + F + f, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(COS + t * stride_ct + f, mask=f < F, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t * stride_ct + f, mask=f < F, other=0.0).to(tl.float32)
+        # eager (model dtype): cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), every product rounded
+        a = (x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)
+        b = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
+        tl.store(Y + t * stride_yt + h * stride_yh + f, a.to(dt), mask=mask)
+        tl.store(Y + t * stride_yt + h * stride_yh + F + f, b.to(dt), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)  # eager: silu rounded
+        tl.store(Y + offs, (act * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` over the last dim, one kernel."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps,
+                                         BLOCK_D=triton.next_power_of_2(D))
+    return out.view(*x.shape[:-1], D)
+
+
+def rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x_THD`` with per-token ``cos_TF``/``sin_TF`` [T, Dh/2], one kernel."""
+    T, H, Dh = x_THD.shape
+    F = Dh // 2
+    if x_THD.stride(-1) != 1:
+        x_THD = x_THD.contiguous()
+    cos_TF, sin_TF = cos_TF.contiguous(), sin_TF.contiguous()
+    out = torch.empty((T, H, Dh), dtype=torch.promote_types(x_THD.dtype, cos_TF.dtype), device=x_THD.device)
+    if T:
+        _rope_kernel[(T,)](x_THD, cos_TF, sin_TF, out, x_THD.stride(0), x_THD.stride(1), cos_TF.stride(0),
+                           out.stride(0), out.stride(1), H, F,
+                           BLOCK_H=triton.next_power_of_2(H), BLOCK_F=triton.next_power_of_2(F))
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (SiLU rounded to the dtype first, as eager), one kernel."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+    return out
+
+
+def _eager_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _eager_rope(x_THD, cos_TF, sin_TF):
+    half = x_THD.shape[-1] // 2
+    x1, x2 = x_THD[..., :half], x_THD[..., half:]
+    cos, sin = cos_TF[:, None, :], sin_TF[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Compare each kernel with the eager op on random inputs; None when all agree, else what failed.
+    RMSNorm and SiLU-mul may differ by one rounding step (the sum runs in another order; exp may
+    differ by an ulp before rounding); RoPE must be identical."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    try:
+        with torch.no_grad():
+            x, w = rand(37, 896), rand(896)
+            got, ref = rms_norm(x, w, 1e-6), _eager_rms_norm(x, w, 1e-6)
+            ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
+            if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):
+                return f"rms_norm differs from eager by {(got.float() - ref.float()).abs().max().item():.3g}"
+            q, cos, sin = rand(5, 14, 64), rand(5, 32), rand(5, 32)
+            if not torch.equal(rope(q, cos, sin), _eager_rope(q, cos, sin)):
+                return "rope differs from eager"
+            g, u = rand(7, 4864), rand(7, 4864)
+            got, ref = silu_mul(g, u), torch.nn.functional.silu(g) * u
+            ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
+            if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):  # exp may differ by an ulp
+                return f"silu_mul differs from eager by {(got.float() - ref.float()).abs().max().item():.3g}"
+    except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernels
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def enable() -> bool:
+    """Turn the fused kernels on for this process if Triton and CUDA are here and the self-check
+    passes (idempotent); returns whether they are on."""
+    global _ENABLED
+    if _ENABLED:
+        return True
+    if not available():
+        return False
+    problem = self_check()
+    if problem is not None:
+        log.warning("fused inference kernels stay off (eager ops are used): %s", problem)
+        return False
+    _ENABLED = True
+    return True
+
+
+def disable() -> None:
+    global _ENABLED
+    _ENABLED = False

@@ -1,0 +1,76 @@
+"""Fused inference kernels (areno/models/fused_ops.py): off everywhere but CUDA no-grad forwards;
+on CUDA (gpu tests) each kernel equals the eager op and a decoder forward is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areno.models import Decoder, fused_ops, tiny_config
+from areno.models.decoder import PackedCausalAttention
+
+
+def test_inactive_on_cpu_and_with_grad():
+    x = torch.randn(3, 8)
+    assert not fused_ops.active(x)  # CPU tensors never take the fused path, enabled or not
+    if not fused_ops.available():
+        assert fused_ops.enable() is False  # no Triton or no CUDA: stays off, eager ops used
+        assert not fused_ops._ENABLED
+
+
+def test_cpu_decoder_forward_unaffected_by_enable():
+    """``enable()`` is a no-op here (no CUDA); the CPU forward is the eager reference either way."""
+    config = tiny_config(64, hidden_size=32, layers=2, heads=4, kv_heads=2)
+    model = Decoder(config).eval()
+    ids = torch.randint(0, 64, (10,))
+    pos = torch.arange(10)
+    with torch.no_grad():
+        before = model(ids, pos)
+        fused_ops.enable()
+        after = model(ids, pos)
+    fused_ops.disable()
+    assert torch.equal(before, after)
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_self_check_and_kernels_match_eager():
+    assert fused_ops.self_check() is None
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(33, 1536, device="cuda", dtype=dtype)
+        w = torch.randn(1536, device="cuda", dtype=dtype)
+        ref = fused_ops._eager_rms_norm(x, w, 1e-6)
+        torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+        q = torch.randn(9, 12, 128, device="cuda", dtype=dtype)[:, :, :]  # Qwen2.5-1.5B heads
+        cos, sin = torch.randn(9, 64, device="cuda", dtype=dtype), torch.randn(9, 64, device="cuda", dtype=dtype)
+        assert torch.equal(fused_ops.rope(q, cos, sin), fused_ops._eager_rope(q, cos, sin))
+        # a strided view, as q/k come out of the projections
+        qkv = torch.randn(9, 3 * 12 * 128, device="cuda", dtype=dtype)
+        k_view = qkv[:, 12 * 128: 24 * 128].view(9, 12, 128)
+        assert torch.equal(fused_ops.rope(k_view, cos, sin), fused_ops._eager_rope(k_view, cos, sin))
+        g, u = torch.randn(5, 8960, device="cuda", dtype=dtype), torch.randn(5, 8960, device="cuda", dtype=dtype)
+        torch.testing.assert_close(fused_ops.silu_mul(g, u), torch.nn.functional.silu(g) * u,
+                                   rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+
+
+@gpu
+def test_decoder_forward_fused_equals_eager():
+    torch.manual_seed(0)
+    config = tiny_config(512, hidden_size=256, layers=4, heads=8, kv_heads=2, initializer_range=0.05)
+    model = Decoder(config).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (300,), device="cuda")
+    cu = torch.tensor([0, 100, 300])
+    pos = torch.cat([torch.arange(100), torch.arange(200)]).cuda()
+    with torch.no_grad():
+        fused_ops.disable()
+        eager = model.logits(model(ids, pos, PackedCausalAttention(cu))).float()
+        assert fused_ops.enable()
+        fused = model.logits(model(ids, pos, PackedCausalAttention(cu))).float()
+    assert (fused - eager).abs().max().item() < 0.05  # bf16: RMSNorm's sum order may move a rounding
+    assert (fused.argmax(-1) == eager.argmax(-1)).float().mean().item() > 0.98
+    with torch.enable_grad():  # training keeps the eager ops
+        x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        assert not fused_ops.active(x)
