@@ -275,12 +275,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="stream modes: fan out every bucket, even those only the relay keeps (same wire bytes as raw)")
     ap.add_argument("--profile-rank", type=int, default=None,
                     help="stream modes: cProfile this rank's loop and print its top functions to stderr")
-    ap.add_argument("--commit", choices=["swap", "copy"], default="swap",
-                    help="stream modes: the receiver's commit: storage swap (eager engine) or copy into live tensors")
+    ap.add_argument("--commit", choices=["swap", "copy"], default=None,
+                    help="stream modes: the receiver's commit: storage swap (an eager engine; cpu default) or "
+                         "copy into live tensors (an engine under CUDA graphs; gpu-stream default)")
     ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b (cpu: a small one)")
     ap.add_argument("--device", default="cuda", help="gpu-colocated device (cpu for a smoke run)")
     args = ap.parse_args(argv)
-    stream_opts = dict(repeats=args.repeats, commit=args.commit, profile_rank=args.profile_rank,
+    commit = args.commit or ("swap" if args.mode == "cpu" else "copy")
+    stream_opts = dict(repeats=args.repeats, commit=commit, profile_rank=args.profile_rank,
                        fanout_all=args.fanout_all,
                        direct_bytes=int(args.direct_mb * (1 << 20)) if args.direct_mb is not None else None)
     load = os.getloadavg()
