@@ -132,9 +132,10 @@ class RolloutSection:
     """Decode attention of the rollout engine: `gather` (copy each sequence's K/V out of the paged
     pool, then SDPA), `paged` (read the pool directly: a Triton kernel on CUDA, a chunked
     online-softmax fallback elsewhere) or `auto` (paged on CUDA with Triton, gather elsewhere)."""
-    fused_kernels: bool = True
+    fused_kernels: bool = False
     """CUDA: fused Triton kernels for RMSNorm, RoPE and SiLU-and-multiply in the rollout engine's
-    (and every no-grad) forward; same roundings as the eager ops. false keeps the eager ops."""
+    (and every no-grad) forward, after a self-check against the eager ops (experimental: opt-in
+    until measured on a GPU)."""
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""

@@ -105,11 +105,11 @@ class RolloutEngineConfig:
     importable (measured 1.2-1.8x faster decode on an H200, bench/RESULTS.md) and "gather" elsewhere
     (faster on CPU). Prefill and mixed steps always gather."""
 
-    fused_kernels: bool = True
+    fused_kernels: bool = False
     """CUDA with Triton: RMSNorm, RoPE and SiLU-and-multiply of no-grad forwards run as one fused
-    kernel each (``areno.models.fused_ops``; same roundings as the eager ops, enabled after a
-    self-check) instead of 2-8 eager kernels, which dominate a small model's decode step. Process
-    wide once on; False leaves the eager ops."""
+    kernel each (``areno.models.fused_ops``; same roundings as the eager ops, enabled only after a
+    self-check against them) instead of 2-8 eager kernels, which dominate a small model's decode
+    step. Process wide once on. Opt-in until measured on a GPU (bench/RESULTS.md)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
