@@ -219,6 +219,7 @@ def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: 
         "reward.sandbox=false",  # in-process, as TRL scores it
         f"rollout.decode_steps={args.decode_steps}",
         f"rollout.decode_attention={args.decode_attention}",
+        f"rollout.fused_kernels={str(args.fused_kernels).lower()}",
         "rollout.workflow=bench.e2e:FixedLengthWorkflow",
         f"rollout.batch_size={args.prompts}",
         f"rollout.n_samples={args.samples}",
@@ -394,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=0, help="areno: decode steps per host round trip (0 = engine default)")
     p.add_argument("--decode-attention", choices=("auto", "gather", "paged"), default="auto",
                    help="areno: rollout.decode_attention (auto: paged on CUDA; gather: SDPA over a dense K/V copy; paged: the Triton kernel)")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="areno: rollout.fused_kernels (fused RMSNorm/RoPE/SiLU-mul Triton kernels, CUDA)")
     p.add_argument("--param-dtype", default=None, help="master weights of both systems (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
     p.add_argument("--areno-mb-tokens", type=int, default=None,

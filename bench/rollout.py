@@ -112,6 +112,7 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args,
         prefill_chunk_size=args.prefill_chunk_size, max_model_len=max(len(p) for p in prompts) + new_tokens + 1,
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
         cpu_kv_cache_bytes=args.cpu_kv_gb << 30, decode_steps=args.decode_steps, decode_attention=decode_attention,
+        fused_kernels=args.fused_kernels,
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
@@ -203,6 +204,8 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--decode-attention", nargs="+", choices=["auto", "gather", "paged"], default=["auto"],
                     help="engine decode attention; several values: one engine run each, side by side")
+    ap.add_argument("--fused-kernels", action="store_true",
+                    help="CUDA: fused RMSNorm/RoPE/SiLU-mul Triton kernels (RolloutEngineConfig.fused_kernels)")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)")
     ap.add_argument("--decode-steps", type=int, default=None,
