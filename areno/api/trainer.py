@@ -44,13 +44,16 @@ def pass_seed(base: int, rollout_id: int, pass_idx: int) -> int:
 
 
 def reshuffle(rollout: RolloutBatch, seed: int) -> RolloutBatch:
-    """The same sequences in a new order drawn from ``seed``."""
+    """The same sequences in a new order drawn from ``seed``: a later pass over ``rollout``
+    (``pass_order`` = the order, relative to the rollout as generated)."""
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(rollout.batch.num_seqs, generator=gen).tolist()
+    base = rollout.pass_order or list(range(rollout.batch.num_seqs))
     return RolloutBatch(
         trajectories=[rollout.trajectories[i] for i in order],
         batch=rollout.batch.select(order),
         metrics=rollout.metrics,
+        pass_order=[base[i] for i in order],
     )
 
 

@@ -272,8 +272,9 @@ class ArenoEngine:
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
         for role_name in self.runner.roles_to_sync():  # the version the rollout policy carries (loglinear π_prox)
             self.runner.versions[role_name] = self.version
-        metrics = {f"train/{k}": v for k, v in self.runner.step(rollout.batch).items()}
-        if getattr(self, "store", None) is not None:  # trained: their stored observations are done with
+        metrics = {f"train/{k}": v for k, v in self.runner.step(rollout.batch, pass_order=rollout.pass_order).items()}
+        if getattr(self, "store", None) is not None and rollout.pass_order is None:
+            # trained (later passes reuse the prepared batch): their stored observations are done with
             release_refs([t.info for t in rollout.trajectories], self.store)
         metrics.update(self._pending_sync_metrics)  # the previous sync's figures ride with the next step
         self._pending_sync_metrics = {}

@@ -167,10 +167,11 @@ class TrainWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def step(self, batch_bytes: bytes) -> dict[str, float]:
+    def step(self, batch_bytes: bytes, pass_order: list[int] | None = None) -> dict[str, float]:
         """``batch_bytes``: a pickled TokenBatch (plain pickle: the scheduler's connection would
-        otherwise pass tensors as shared-memory handles, which only work between relatives)."""
-        return self.runner.step(pickle.loads(batch_bytes))
+        otherwise pass tensors as shared-memory handles, which only work between relatives);
+        ``pass_order``: a later pass over the previous rollout (``RecipeRunner.step``)."""
+        return self.runner.step(pickle.loads(batch_bytes), pass_order=pass_order)
 
     def sync(self, version: int) -> dict[str, float]:
         return self.transport.sync(version).as_metrics()
@@ -392,7 +393,7 @@ class PartitionedArenoEngine(ArenoEngine):
         return rollout
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
-        results = self.scheduler.call("train", "step", pickle.dumps(rollout.batch))
+        results = self.scheduler.call("train", "step", pickle.dumps(rollout.batch), rollout.pass_order)
         metrics = {f"train/{k}": v for k, v in results[0].items()}
         metrics.update(self._pending_sync_metrics)
         self._pending_sync_metrics = {}

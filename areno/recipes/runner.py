@@ -9,6 +9,12 @@
            for roles on different backends, serialised for roles sharing one backend;
         4. every trained role's weight version + 1.
 
+    step(rollout_data, pass_order=order): a later optimizer pass (``train.num_train_passes``) over
+    the previous first pass's rollout, its sequences in ``order``: steps 1-3's forwards and
+    prepared batches are reused, so proximal / old / reference log-probs stay those of the
+    iteration's start (as PPO's epochs: the trust region of a decoupled or recomputed-old-logprob
+    loss acts from the second pass on; recomputing them every pass would keep the ratio at 1).
+
 ``roles_to_sync()`` names the roles whose weights the caller then publishes to rollout.
 """
 
@@ -57,13 +63,35 @@ class RecipeRunner:
         self.backends = {n: backends[n] for n in names}
         self.specs = {r.name: r.build() for r in training_config.roles}
         self.versions = {n: initial_version for n in names}
+        self._first_pass: dict[str, TokenBatch] | None = None
+        """The last first pass's prepared batches (per trainable role), reused by later passes."""
 
     def roles_to_sync(self) -> list[str]:
         """Roles whose weights go to the rollout engine after a step."""
         return [r.name for r in self.config.roles if r.sync_to_rollout]
 
-    def step(self, rollout_data: TokenBatch) -> dict[str, float]:
-        """Inject syncs, then train every trainable role once; metrics are ``role/name``."""
+    def step(self, rollout_data: TokenBatch, *, pass_order: list[int] | None = None) -> dict[str, float]:
+        """Inject syncs, then train every trainable role once; metrics are ``role/name``.
+        ``pass_order``: a later pass over the previous first pass's batch (see the module doc);
+        ``rollout_data`` must then be that batch in this order."""
+        trainable = [r.name for r in self.config.roles if r.trainable]
+        if pass_order is not None:
+            prepared = self._later_pass(rollout_data, pass_order)
+        else:
+            prepared = self._prepare(rollout_data, trainable)
+            self._first_pass = prepared
+        return self._train(prepared, trainable)
+
+    def _later_pass(self, rollout_data: TokenBatch, pass_order: list[int]) -> dict[str, TokenBatch]:
+        if self._first_pass is None:
+            raise ValueError("RecipeRunner.step(pass_order=...) needs a first pass (pass_order=None) on this rollout")
+        n = next(iter(self._first_pass.values())).num_seqs
+        if sorted(pass_order) != list(range(n)) or rollout_data.num_seqs != n:
+            raise ValueError(f"pass_order must be a permutation of the first pass's {n} sequences; "
+                             f"got {len(pass_order)} indices for a batch of {rollout_data.num_seqs}")
+        return {name: batch.select(list(pass_order)) for name, batch in self._first_pass.items()}
+
+    def _prepare(self, rollout_data: TokenBatch, trainable: list[str]) -> dict[str, TokenBatch]:
         outputs: dict[str, dict[str, torch.Tensor]] = {}
 
         def forward(role: str) -> dict[str, torch.Tensor]:
@@ -83,12 +111,12 @@ class RecipeRunner:
             out = forward(sync.source)
             for key, target_key in zip(sync.keys, sync.target_keys):
                 data[sync.target].extra[target_key] = out[key]
-        trainable = [r.name for r in self.config.roles if r.trainable]
         for name in trainable:
             for key, target_key in self.specs[name].self_forward_keys.items():
                 data[name].extra[target_key] = forward(name)[key]
-        prepared = {name: self.specs[name].prepare_batch(data[name]) for name in trainable}
+        return {name: self.specs[name].prepare_batch(data[name]) for name in trainable}
 
+    def _train(self, prepared: dict[str, TokenBatch], trainable: list[str]) -> dict[str, float]:
         # group roles by backend object: roles in one group run one after another
         groups: dict[int, list[str]] = {}
         for name in trainable:

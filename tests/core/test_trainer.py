@@ -23,6 +23,11 @@ def exploding(prompt, completion, answer, **row):
     raise RuntimeError("reward bug")
 
 
+def first_char(prompt, completion, answer, **row):
+    """A reward that varies within every group of a random model: the first character's code."""
+    return (ord(completion[0]) % 7) / 7.0 if completion else 0.0
+
+
 class StoringWorkflow(RLVRWorkflow):
     """Puts a 64 KiB observation per episode into the engine's store and keeps only its reference."""
 
@@ -73,6 +78,11 @@ def test_reshuffle_is_a_seeded_permutation():
     assert a.batch.rewards_B.tolist() == [t.reward for t in a.trajectories]
     assert [t.reward for t in reshuffle(rollout, 124).trajectories] != [t.reward for t in a.trajectories]
     torch.testing.assert_close(a.batch.input_ids_T, TokenBatch.from_trajectories(a.trajectories).input_ids_T)
+    # a later pass names its order relative to the rollout as generated (composed when reshuffled again)
+    assert rollout.pass_order is None
+    assert [trajs[i].reward for i in a.pass_order] == [t.reward for t in a.trajectories]
+    c = reshuffle(a, 5)
+    assert [trajs[i].reward for i in c.pass_order] == [t.reward for t in c.trajectories]
 
 
 def _config(tmp_path, *extra):
@@ -225,3 +235,27 @@ def test_workflow_store_is_the_engines_and_trained_observations_are_freed(tmp_pa
         assert len(engine.store) == 0
     finally:
         trainer.shutdown()
+
+
+def test_two_passes_decoupled_clip_acts(tmp_path):
+    """train.num_train_passes=2 with grpo_async: one pi_prox forward per rollout, and the second
+    pass's ratio pi_theta / pi_prox moves off 1 (the clip can act), as in PPO's epochs."""
+    cfg = _config(tmp_path, "reward.fn=test_trainer:first_char", "reward.sandbox=false", "optim.lr=0.05",
+                  "train.steps=2", "train.eval_interval=0", "train.algorithm=grpo_async", "train.num_train_passes=2",
+                  "rollout.temperature=1.5")
+    trainer = Trainer.init(cfg)
+    engine = trainer.backend.engine
+    backend = engine.runner.backends["policy"]
+    calls = []
+    real = backend.forward_only
+    backend.forward_only = lambda batch, **kw: calls.append(batch.num_seqs) or real(batch, **kw)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    assert len(calls) == 2  # one per rollout, not per pass
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_rows = [r for r in rows if "train/policy/loss" in r]
+    assert len(step_rows) == 2
+    # logged metrics are the last (second) pass's: its importance ratio is no longer exactly 1
+    assert any(r["train/policy/actor/approx_kl"] != 0.0 and r["train/policy/actor/clip_frac"] > 0 for r in step_rows), step_rows

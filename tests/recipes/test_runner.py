@@ -304,3 +304,41 @@ def test_rl_recipes_move_logprobs_toward_reward(dirs, name):
     lp1 = naive_logprobs(backend.model, batch)
     delta = [sum(float(lp1[t] - lp0[t]) for t in completion_positions(batch, b)) for b in range(4)]
     assert delta[0] > 0 > delta[1] and delta[3] > 0 > delta[2], delta  # a: 1 vs 0, b: 0.2 vs 1
+
+
+def test_later_pass_reuses_first_pass_forwards(dirs):
+    """A second optimizer pass (``pass_order``) trains on the first pass's prepared batch, reordered:
+    pi_prox is not recomputed (so the decoupled clip acts from the second pass), no forward runs."""
+    recipe = get_recipe("grpo_async")
+    backend = train.LocalTrainBackend(train.TrainBackendConfig(
+        lr=1e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None))
+    backend.initialize(dirs["policy"])
+    forwards, trained = [], []
+    real_forward, real_train = backend.forward_only, backend.train_step
+
+    def counting_forward(batch, **kw):
+        forwards.append(batch.num_seqs)
+        return real_forward(batch, **kw)
+
+    def recording_train(batch, **kw):
+        trained.append(batch)
+        return real_train(batch, **kw)
+
+    backend.forward_only, backend.train_step = counting_forward, recording_train
+    runner = RecipeRunner(recipe, {"policy": backend})
+    _, batch, _ = rl_setup(dirs)
+    with pytest.raises(ValueError, match="needs a first pass"):
+        runner.step(batch, pass_order=list(range(batch.num_seqs)))
+    runner.step(batch)
+    assert len(forwards) == 1  # pi_prox of the first pass
+    order = list(reversed(range(batch.num_seqs)))
+    m2 = runner.step(batch.select(order), pass_order=order)
+    assert len(forwards) == 1  # reused, not recomputed after the first pass moved the weights
+    first, second = trained
+    torch.testing.assert_close(second.extra["prox_logprobs_T"], first.select(order).extra["prox_logprobs_T"], rtol=0, atol=0)
+    torch.testing.assert_close(second.advantages_T, first.select(order).advantages_T, rtol=0, atol=0)
+    recomputed = real_forward(batch.select(order), forward_fn=runner.specs["policy"].extract_model_output)["logprobs_T"]
+    assert not torch.allclose(recomputed, second.extra["prox_logprobs_T"])  # the weights did move
+    assert math.isfinite(m2["policy/loss"])
+    with pytest.raises(ValueError, match="permutation"):
+        runner.step(batch, pass_order=[0] * batch.num_seqs)

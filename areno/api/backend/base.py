@@ -24,6 +24,10 @@ class RolloutBatch:
     trajectories: list[Trajectory]
     batch: TokenBatch
     metrics: dict[str, float] = field(default_factory=dict)
+    pass_order: list[int] | None = None
+    """Set on a later optimizer pass (``reshuffle``): this batch is the rollout's sequences in this
+    order, and the backend reuses the first pass's no-grad forwards (proximal / old / reference
+    log-probs of the iteration's start). None: the rollout as generated, a first pass."""
 
 
 class Backend(ABC):
