@@ -253,7 +253,12 @@ class TrainSection:
     steps: int = 100
     """Rollout/train iterations (num_rollout)."""
     num_train_passes: int = 1
-    """Optimizer passes over each rollout batch; passes after the first reshuffle the data."""
+    """Optimizer passes over each rollout batch; passes after the first reshuffle the data and reuse
+    the first pass's proximal / old / reference log-probs."""
+    num_minibatches: int = 1
+    """Optimizer steps per pass: the batch is cut into this many minibatches of whole sequences,
+    all scored by one no-grad forward at the iteration's start (AReaL's ppo_n_minibatches; with the
+    decoupled loss the clip against pi_prox acts from the second minibatch)."""
     max_tokens_per_mb: Optional[int] = None
     """Token budget of one packed micro-batch; null = estimated from memory."""
     eval_interval: int = 10
@@ -278,6 +283,7 @@ class TrainSection:
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
         _check(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
+        _check(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
         _check(self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0, "train.max_tokens_per_mb",
                f"must be > 0 or null, got {self.max_tokens_per_mb}")
         _check(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")

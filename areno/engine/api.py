@@ -55,7 +55,8 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) 
             lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
             grad_clip=cfg.optim.grad_clip or None, lr_schedule=cfg.optim.schedule,
             warmup_steps=cfg.optim.warmup_steps,
-            total_steps=max(cfg.train.steps * cfg.train.num_train_passes, cfg.optim.warmup_steps, 1),
+            total_steps=max(cfg.train.steps * cfg.train.num_train_passes * cfg.train.num_minibatches,
+                            cfg.optim.warmup_steps, 1),
             max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
             long_sequences=cfg.train.long_sequences, compile=cfg.train.compile,
             trainable=role.trainable, seed=cfg.train.seed,
@@ -189,7 +190,7 @@ class ArenoEngine:
         device = self.device.type
         backends = build_role_backends(self.config, self.recipe, model_dir,
                                        lambda c: LocalTrainBackend(dataclasses.replace(c, device=device)))
-        return RecipeRunner(self.recipe, backends)
+        return RecipeRunner(self.recipe, backends, num_minibatches=self.config.train.num_minibatches)
 
     def _build_rollout_engine(self, model_dir: Path):
         from areno.models.hf_io import load_model

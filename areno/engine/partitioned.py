@@ -155,7 +155,7 @@ class TrainWorker:
             dataclasses.replace(c, device=device_type, tp_size=layout.train_tp,
                                 dp_replicate_size=layout.train_dp_replicate),
             mesh=self.groups.train_mesh, group=self.groups.train_group))
-        self.runner = RecipeRunner(recipe, backends)
+        self.runner = RecipeRunner(recipe, backends, num_minibatches=cfg.train.num_minibatches)
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else recipe.roles[0].name
         self.transport = StreamTransport(

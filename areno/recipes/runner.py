@@ -9,6 +9,9 @@
            for roles on different backends, serialised for roles sharing one backend;
         4. every trained role's weight version + 1.
 
+    With ``num_minibatches = k > 1`` step 3 runs k times, on consecutive slices of the prepared
+    batch (each one optimizer step) — all on the forwards of step 1.
+
     step(rollout_data, pass_order=order): a later optimizer pass (``train.num_train_passes``) over
     the previous first pass's rollout, its sequences in ``order``: steps 1-3's forwards and
     prepared batches are reused, so proximal / old / reference log-probs stay those of the
@@ -48,7 +51,10 @@ class RecipeRunner:
         *,
         policy_kwargs: dict[str, Any] | None = None,
         initial_version: int = 0,
+        num_minibatches: int = 1,
     ) -> None:
+        if num_minibatches < 1:
+            raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
         if policy_kwargs:
             training_config = training_config.with_policy_kwargs(**policy_kwargs)
         names = [r.name for r in training_config.roles]
@@ -63,6 +69,10 @@ class RecipeRunner:
         self.backends = {n: backends[n] for n in names}
         self.specs = {r.name: r.build() for r in training_config.roles}
         self.versions = {n: initial_version for n in names}
+        self.num_minibatches = num_minibatches
+        """Optimizer steps per ``step`` call: the prepared batch is cut into this many consecutive
+        minibatches of whole sequences, each one optimizer step, all on the same no-grad forwards
+        (AReaL's ppo_n_minibatches: the decoupled clip against pi_prox acts from the second one)."""
         self._first_pass: dict[str, TokenBatch] | None = None
         """The last first pass's prepared batches (per trainable role), reused by later passes."""
 
@@ -80,7 +90,19 @@ class RecipeRunner:
         else:
             prepared = self._prepare(rollout_data, trainable)
             self._first_pass = prepared
-        return self._train(prepared, trainable)
+        metrics: dict[str, float] = {}
+        for part in self._minibatches(prepared):  # logged: the last minibatch's metrics
+            metrics = self._train(part, trainable)
+        return metrics
+
+    def _minibatches(self, prepared: dict[str, TokenBatch]) -> list[dict[str, TokenBatch]]:
+        n = next(iter(prepared.values())).num_seqs
+        k = min(self.num_minibatches, n)
+        if k <= 1:
+            return [prepared]
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        return [{name: batch.select(list(range(lo, hi))) for name, batch in prepared.items()}
+                for lo, hi in zip(bounds[:-1], bounds[1:])]
 
     def _later_pass(self, rollout_data: TokenBatch, pass_order: list[int]) -> dict[str, TokenBatch]:
         if self._first_pass is None:

@@ -342,3 +342,32 @@ def test_later_pass_reuses_first_pass_forwards(dirs):
     assert math.isfinite(m2["policy/loss"])
     with pytest.raises(ValueError, match="permutation"):
         runner.step(batch, pass_order=[0] * batch.num_seqs)
+
+
+def test_minibatches_share_one_forward(dirs):
+    """num_minibatches=2: one pi_prox forward, two optimizer steps on consecutive halves of the
+    prepared batch; the second half's ratio pi_theta / pi_prox is off 1 (the clip can act)."""
+    backend = train.LocalTrainBackend(train.TrainBackendConfig(
+        lr=5e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None))
+    backend.initialize(dirs["policy"])
+    forwards, trained, results = [], [], []
+    real_forward, real_train = backend.forward_only, backend.train_step
+    backend.forward_only = lambda batch, **kw: forwards.append(1) or real_forward(batch, **kw)
+
+    def recording_train(batch, **kw):
+        trained.append(batch)
+        results.append(real_train(batch, **kw))
+        return results[-1]
+
+    backend.train_step = recording_train
+    runner = RecipeRunner(get_recipe("grpo_async"), {"policy": backend}, num_minibatches=2)
+    _, batch, _ = rl_setup(dirs)
+    runner.step(batch)
+    assert len(forwards) == 1 and len(trained) == 2
+    n = batch.num_seqs
+    assert [b.num_seqs for b in trained] == [n // 2, n - n // 2]
+    assert runner.versions["policy"] == 2  # two optimizer steps
+    assert results[0]["actor/ratio"] == pytest.approx(1.0, abs=1e-6)  # first minibatch: pi_theta = pi_prox
+    assert results[1]["actor/ratio"] != pytest.approx(1.0, abs=1e-6)  # second: the weights moved since pi_prox
+    with pytest.raises(ValueError, match="num_minibatches"):
+        RecipeRunner(get_recipe("grpo_async"), {"policy": backend}, num_minibatches=0)
