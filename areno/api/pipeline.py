@@ -42,8 +42,8 @@ def run_warm_start(config: ArenoConfig) -> Path:
         config,
         run_dir=str(out_dir),
         resume=False,
-        train={"algorithm": "sft", "algorithm_kwargs": {}, "steps": ws.steps, "num_train_passes": 1, "num_minibatches": 1,
-               "eval_interval": 0, "save_interval": 0},
+        train={"algorithm": "sft", "algorithm_kwargs": {}, "steps": ws.steps, "num_train_passes": 1,
+               "num_minibatches": 1, "eval_interval": 0, "save_interval": 0},
         optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0},
         rollout={"batch_size": ws.batch_size, "max_head_offpolicyness": 0},
     )
