@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 
-
 def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``tensor`` on ``device`` without stalling the host: a CUDA copy from pageable host memory
     first waits for the stream's queued work, so a host tensor bound for CUDA is pinned and sent
