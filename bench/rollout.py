@@ -29,9 +29,13 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.profiling
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 QWEN25_05B = {
@@ -134,33 +138,14 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args,
     return elapsed, [o.output_ids for o in outs], stats
 
 
-def profile_decode(engine, prompts, new_tokens: int, top: int = 20) -> dict:
+def profile_decode(engine, prompts, new_tokens: int) -> dict:
     """Where the GPU time of a generate call goes (after the timed run, same engine and prompts,
-    ``new_tokens`` tokens): wall vs summed kernel time and the top kernels (CUDA-graph replays
-    included: the profiler records the kernels inside them)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
+    ``new_tokens`` tokens; ``bench/profiling.py``)."""
     from areno.api.types import SamplingParams
+    from bench.profiling import profile_cuda
 
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        engine.generate(prompts, params)
-        torch.cuda.synchronize()
-        wall_ms = 1e3 * (time.perf_counter() - t0)
-
-    def dev_us(e) -> float:
-        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
-
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    kernel_ms = sum(dev_us(e) for e in kernels) / 1e3
-    return {"new_tokens": new_tokens, "wall_ms": round(wall_ms, 1), "kernel_ms": round(kernel_ms, 1),
-            "gpu_busy": round(kernel_ms / wall_ms, 3), "kernel_launches": int(sum(e.count for e in kernels)),
-            "top_kernels": [{"kernel": e.key[:90], "calls": e.count, "ms": round(dev_us(e) / 1e3, 2),
-                             "share": round(dev_us(e) / 1e3 / max(kernel_ms, 1e-9), 3)}
-                            for e in sorted(kernels, key=dev_us, reverse=True)[:top]]}
+    return {"new_tokens": new_tokens, **profile_cuda(lambda: engine.generate(prompts, params), top=20)}
 
 
 def mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
