@@ -89,6 +89,11 @@ def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) 
     """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, Dh/2]."""
     if fused_ops.active(x_THD):
         return fused_ops.rope(x_THD, cos_TF, sin_TF)
+    return eager_rope(x_THD, cos_TF, sin_TF)
+
+
+def eager_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` in eager ops (the reference the fused kernel is checked against)."""
     half = x_THD.shape[-1] // 2
     x1, x2 = x_THD[..., :half], x_THD[..., half:]
     cos, sin = cos_TF[:, None, :], sin_TF[:, None, :]
@@ -107,10 +112,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_ops.active(x):
             return fused_ops.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return eager_rms_norm(x, self.weight, self.eps)
+
+
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm`` in eager ops (the reference the fused kernel is checked against)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 TPReduce = Callable[[torch.Tensor], torch.Tensor]

@@ -138,22 +138,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _eager_rms_norm(x, weight, eps):
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _eager_rope(x_THD, cos_TF, sin_TF):
-    half = x_THD.shape[-1] // 2
-    x1, x2 = x_THD[..., :half], x_THD[..., half:]
-    cos, sin = cos_TF[:, None, :], sin_TF[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Compare each kernel with the eager op on random inputs; None when all agree (within two
     roundings of the model dtype: RMSNorm's sum runs in another order, exp may differ by an ulp,
     and the compiler may contract a product into the following add), else what failed."""
+    from areno.models.decoder import eager_rms_norm, eager_rope  # decoder imports this module
+
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape):
@@ -162,12 +152,12 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
     try:
         with torch.no_grad():
             x, w = rand(37, 896), rand(896)
-            got, ref = rms_norm(x, w, 1e-6), _eager_rms_norm(x, w, 1e-6)
+            got, ref = rms_norm(x, w, 1e-6), eager_rms_norm(x, w, 1e-6)
             ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
             if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):
                 return f"rms_norm differs from eager by {(got.float() - ref.float()).abs().max().item():.3g}"
             q, cos, sin = rand(5, 14, 64), rand(5, 32), rand(5, 32)
-            got, ref = rope(q, cos, sin), _eager_rope(q, cos, sin)
+            got, ref = rope(q, cos, sin), eager_rope(q, cos, sin)
             ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
             if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):
                 return (f"rope differs from eager by {(got.float() - ref.float()).abs().max().item():.3g} "
