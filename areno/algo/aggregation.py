@@ -12,25 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from areno.models.decoder import sequence_index_T
+
 LOSS_AGGREGATIONS = ("token", "seq_mean_token_mean", "constant")
 
 
 def _check(mode: str) -> None:
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
-
-
-def sequence_index_T(cu_seqlens_B1: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """int64 [T] index of the sequence each packed token belongs to, on ``device``. The token count
-    is read from ``cu_seqlens_B1`` (host bounds, as the training backend passes them: no GPU stall)."""
-    return repeat_per_sequence(torch.arange(cu_seqlens_B1.numel() - 1, device=device), cu_seqlens_B1)
-
-
-def repeat_per_sequence(values_B: torch.Tensor, cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
-    """``values_B[b]`` repeated over sequence b's tokens ([T], on values' device)."""
-    T = int(cu_seqlens_B1[-1])
-    cu = cu_seqlens_B1.to(values_B.device, non_blocking=True)
-    return torch.repeat_interleave(values_B, cu[1:] - cu[:-1], output_size=T)
 
 
 def aggregation_weights_T(

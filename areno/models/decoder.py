@@ -286,6 +286,21 @@ class Decoder(nn.Module):
         return F.linear(hidden_TD, self.output_weight)
 
 
+# ------------------------------------------------------------------------------ packed sequences
+def repeat_per_sequence(values_B: torch.Tensor, cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
+    """``values_B[b]`` repeated over sequence b's tokens ([T], on values' device). The token count
+    is read from ``cu_seqlens_B1``: pass host bounds (as the training backend does) and nothing
+    waits on the GPU."""
+    T = int(cu_seqlens_B1[-1])
+    cu = cu_seqlens_B1.to(values_B.device, non_blocking=True)
+    return torch.repeat_interleave(values_B, cu[1:] - cu[:-1], output_size=T)
+
+
+def sequence_index_T(cu_seqlens_B1: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """int64 [T] index of the sequence each packed token belongs to, on ``device``."""
+    return repeat_per_sequence(torch.arange(cu_seqlens_B1.numel() - 1, device=device), cu_seqlens_B1)
+
+
 # ------------------------------------------------------------------------------ packed attention
 SDPA_MASK_MAX_TOKENS = 2048
 CUDA_AUTO_IMPL = "flex"
@@ -373,10 +388,7 @@ class PackedCausalAttention:
         self._prepared_for = (num_tokens, device)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
-        T = int(self.cu_seqlens_B1[-1])  # with host cu_seqlens: no wait on the device
-        cu = self.cu_seqlens_B1.to(device, non_blocking=True)
-        seqlens_B = cu[1:] - cu[:-1]
-        return torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=device), seqlens_B, output_size=T)
+        return sequence_index_T(self.cu_seqlens_B1, device)
 
     def _sdpa_mask(self, T: int, device: torch.device) -> torch.Tensor:
         doc_T = self._doc_ids_T(device)

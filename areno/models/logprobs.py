@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from areno.models.decoder import Decoder, PackedCausalAttention
+from areno.models.decoder import Decoder, PackedCausalAttention, repeat_per_sequence
 
 
 def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -228,11 +228,9 @@ def logprobs_from_hidden(
 def position_ids_from_cu_seqlens(cu_seqlens_B1: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """int64 [T] positions restarting at 0 for each packed sequence, on ``device`` (default:
     cu_seqlens' device). With host ``cu_seqlens_B1`` and a CUDA ``device`` nothing waits on the GPU."""
-    T = int(cu_seqlens_B1[-1])
-    cu = cu_seqlens_B1.to(device if device is not None else cu_seqlens_B1.device, non_blocking=True)
-    seqlens_B = cu[1:] - cu[:-1]
-    starts_T = torch.repeat_interleave(cu[:-1], seqlens_B, output_size=T)
-    return torch.arange(T, device=cu.device, dtype=torch.long) - starts_T
+    device = device if device is not None else cu_seqlens_B1.device
+    starts_T = repeat_per_sequence(cu_seqlens_B1[:-1].to(device, non_blocking=True), cu_seqlens_B1)
+    return torch.arange(starts_T.numel(), device=device, dtype=torch.long) - starts_T
 
 
 def packed_logprobs(
