@@ -374,9 +374,8 @@ class PackedCausalAttention:
             cu = self.cu_seqlens_B1.to(device)
             seqlens_B = cu[1:] - cu[:-1]
             max_len = int(seqlens_B.max()) if num_tokens else 0
-            starts_T = torch.repeat_interleave(cu[:-1], seqlens_B)
-            pos_T = torch.arange(num_tokens, device=device) - starts_T
-            seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel(), device=device), seqlens_B)
+            pos_T = torch.arange(num_tokens, device=device) - repeat_per_sequence(cu[:-1], self.cu_seqlens_B1)
+            seq_T = sequence_index_T(self.cu_seqlens_B1, device)
             self._state = (seq_T * max_len + pos_T, seqlens_B.numel(), max_len)  # flat padded index
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
