@@ -115,7 +115,7 @@ def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[di
     return [run_arm(Path(args.config), work, algo, eta, warm_model, args_seed) for algo, eta in arms_spec], warm_s
 
 
-def run_parallel(args, argv: list[str]) -> dict[int, list[dict]]:
+def run_parallel(args) -> dict[int, list[dict]]:
     """Every (seed, arm) in its own process, ``--jobs`` at a time; {seed: [arm results in --arms order]}."""
     import os
     import subprocess
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs > 1 and len(seeds) * len(args.arms) > 1:
         if args.seeds is None:
             raise SystemExit("--jobs > 1 needs --seeds")
-        per_seed = run_parallel(args, argv)
+        per_seed = run_parallel(args)
     else:
         per_seed = {}
         for seed in seeds:
