@@ -136,14 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens-per-mb", type=int, default=None)
     p.add_argument("--recipe", default="grpo_async")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--work-dir", default=None, help="keep the arms' run directories (metrics.jsonl) here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if os.environ.get("ARENO_STACKS_AFTER_S"):  # diagnose a stall: the controller's stacks to stderr
         faulthandler.dump_traceback_later(float(os.environ["ARENO_STACKS_AFTER_S"]), repeat=True)
-    work = Path(tempfile.mkdtemp(prefix="areno-bench-partitioned-"))
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="areno-bench-partitioned-"))
+    work.mkdir(parents=True, exist_ok=True)
     write_rows(work / "train.jsonl", 4000, args, seed=1)
     write_rows(work / "eval.jsonl", 16, args, seed=2)
-    arms = [run_arm(int(e), args, work) for e in args.etas.split(",")]
+    arms = []
+    for eta in args.etas.split(","):
+        arms.append(run_arm(int(eta), args, work))
+        # one line per finished arm, so a run cut short by a time limit still reports what it measured
+        print(f"partitioned arm: {json.dumps(arms[-1])}", file=sys.stderr, flush=True)
     base = arms[0]["trained_tokens_per_s"]
     for arm in arms:
         arm["speedup_vs_first"] = round(arm["trained_tokens_per_s"] / base, 3)
