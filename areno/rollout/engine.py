@@ -192,6 +192,9 @@ class RolloutEngine:
         self._params = dict(model.state_dict(keep_vars=True))
         self._lock = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
+        self._inbox: dict[str, Sequence] = {}
+        """Requests added since the last step (``add_request`` takes only ``_inbox_lock``)."""
+        self._inbox_lock = threading.Lock()
         self._arrivals = 0
         self._version = 0
         self._paused = False
@@ -245,24 +248,39 @@ class RolloutEngine:
             raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the KV pool of "
                              f"{self.allocator.num_blocks * self.config.block_size} tokens: lower max_new_tokens "
                              "or give the engine more KV memory")
-        with self._lock:
+        sample_row = RowParams.row_of(params, self.eos_token_ids, self.vocab_size)
+        # Only the inbox lock: a request arriving from a server's event loop must not wait for a
+        # running step (the step lock is held through a whole decode round trip).
+        with self._inbox_lock:
             request_id = request_id or uuid.uuid4().hex
-            if request_id in self._seqs:
+            if request_id in self._seqs or request_id in self._inbox:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params, arrival=self._arrivals,
-                           sample_row=RowParams.row_of(params, self.eos_token_ids, self.vocab_size))
+            self._inbox[request_id] = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params,
+                                               arrival=0, sample_row=sample_row)
+        return request_id
+
+    def _admit(self) -> None:
+        """Move the inbox's requests, in arrival order, into the scheduler. Call holding ``_lock``."""
+        if not self._inbox:
+            return
+        with self._inbox_lock:
+            arrived, self._inbox = self._inbox, {}
+        for request_id, seq in arrived.items():
+            seq.arrival = self._arrivals
             self._arrivals += 1
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
-        return request_id
 
     def has_unfinished(self) -> bool:
+        if self._inbox:
+            return True
         with self._lock:
             return self.scheduler.has_unfinished()
 
     def abort(self, request_id: str) -> GenerationOutput:
         """Stop a request now; returns what it generated so far (finish reason ``abort``)."""
         with self._lock:
+            self._admit()
             seq = self._seqs.pop(request_id, None)
             if seq is None:
                 raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
@@ -294,6 +312,7 @@ class RolloutEngine:
 
     def _step(self) -> list[GenerationOutput]:
         with self._lock:
+            self._admit()
             if self._paused or self._sleeping or not self.scheduler.has_unfinished():
                 return []
             batch = self.scheduler.schedule()
@@ -656,6 +675,7 @@ class RolloutEngine:
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:
         with self._lock:
+            self._admit()
             elapsed = time.monotonic() - self._started
             a = self.allocator
             return {

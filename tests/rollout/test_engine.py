@@ -202,6 +202,48 @@ def test_update_weights_from_disk(tmp_path):
         eng.update_weights_from_disk(str(tmp_path / "missing"), version=3)
 
 
+def test_add_request_does_not_wait_for_a_running_step(tiny):
+    """A server's event loop adds requests while the driver thread holds the step lock through a
+    whole decode round trip: add_request must return at once, and the request joins at the next step."""
+    import threading
+
+    model, _ = tiny
+    eng = engine(tiny)
+    prompts = random_prompts(3, seed=21)
+    first = eng.add_request(prompts[0], GREEDY)
+    eng.step()
+    held, release = threading.Event(), threading.Event()
+
+    def long_step():
+        with eng._lock:  # what a running step holds
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=long_step)
+    t.start()
+    held.wait(5)
+    added = []
+    adder = threading.Thread(target=lambda: added.extend(eng.add_request(p, GREEDY) for p in prompts[1:]))
+    adder.start()
+    adder.join(2)
+    try:
+        assert not adder.is_alive() and len(added) == 2, "add_request blocked behind the step lock"
+        assert eng.has_unfinished()
+    finally:
+        release.set()
+        t.join()
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request(prompts[1], GREEDY, request_id=added[0])  # still in the inbox: the id is taken
+    aborted = eng.abort(added[1])  # from the inbox: nothing generated yet
+    assert aborted.finish_reason == "abort" and aborted.output_ids == []
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step()})
+    assert sorted(done) == sorted([first, added[0]])
+    assert done[added[0]].output_ids == naive_greedy(model, prompts[1], 10)[0]
+    assert eng.allocator.num_used == 0
+
+
 def test_pause_resume_abort(tiny):
     model, _ = tiny
     eng = engine(tiny)
