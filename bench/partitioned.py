@@ -111,7 +111,17 @@ def run_arm(eta: int, args, work: Path) -> dict:
         "reward_curve": [round(r[reward_key], 4) for r in rows] if reward_key else None,
         "staleness_mean": round(statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in timed), 3),
         "policy_sync_medians": sync,
+        # idle fraction of each worker kind: the training workers are busy only in train + sync
+        "train_idle_frac": round(1 - sum(r["timing/train_s"] + r["timing/sync_s"] for r in timed) / sum(step_s), 3),
+        "rollout_idle_frac": _median_of(timed, "rollout/engine_busy_frac", lambda v: round(1 - v, 3)),
+        "rollout_engine_tokens_per_s": _median_of(timed, "rollout/engine_generated_tokens_per_s", lambda v: round(v, 1)),
+        "rollout_preemptions": sum(r.get("rollout/engine_preemptions", 0) for r in timed),
     }
+
+
+def _median_of(rows: list[dict], key: str, fmt) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return fmt(statistics.median(values)) if values else None
 
 
 def main(argv: list[str] | None = None) -> int:

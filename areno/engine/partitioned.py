@@ -259,6 +259,13 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's counters (``RolloutEngine.stats``) and this worker's clock, for the
+        controller's per-step rollout-engine metrics."""
+        stats = {k: float(v) for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
+        stats["clock_s"] = time.monotonic()
+        return stats
+
     def sync(self, version: int) -> dict[str, float]:
         metrics = self.transport.sync(version).as_metrics()
         self.app.state.client.wake()
@@ -390,7 +397,36 @@ class PartitionedArenoEngine(ArenoEngine):
     def generate_rollout(self, rollout_id: int) -> RolloutBatch:
         rollout = super().generate_rollout(rollout_id)
         rollout.metrics.update(self.health.metrics())
+        rollout.metrics.update(self._engine_metrics())
         return rollout
+
+    def _engine_metrics(self) -> dict[str, float]:
+        """Per step, from every rollout worker's engine counters since the previous step: busy
+        fraction (time in steps that ran a batch over wall time; 1 - its idle fraction), generated
+        tokens/s, preemptions, KV usage."""
+        try:
+            now = self.scheduler.call("rollout", "engine_stats")
+        except Exception as exc:  # noqa: BLE001 - a lost replica is handled by check_workers / the client
+            logger.debug("rollout engine stats unavailable: %s", exc)
+            self._last_engine_stats = None
+            return {}
+        last, self._last_engine_stats = getattr(self, "_last_engine_stats", None), now
+        if last is None or len(last) != len(now):
+            return {}
+        busy, tokens, wall = [], 0.0, []
+        for a, b in zip(last, now):
+            dt = max(b["clock_s"] - a["clock_s"], 1e-9)
+            wall.append(dt)
+            busy.append((b["busy_s"] - a["busy_s"]) / dt)
+            tokens += b["generated_tokens"] - a["generated_tokens"]
+        out = {f"rollout/engine_{i}_busy_frac": v for i, v in enumerate(busy)}
+        out.update({
+            "rollout/engine_busy_frac": sum(busy) / len(busy),
+            "rollout/engine_generated_tokens_per_s": tokens / (sum(wall) / len(wall)),
+            "rollout/engine_preemptions": sum(b["num_preemptions"] - a["num_preemptions"] for a, b in zip(last, now)),
+            "rollout/engine_kv_usage_max": max(b["kv_usage"] for b in now),
+        })
+        return out
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
         results = self.scheduler.call("train", "step", pickle.dumps(rollout.batch), rollout.pass_order)

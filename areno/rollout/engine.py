@@ -195,6 +195,9 @@ class RolloutEngine:
         self._inbox: dict[str, Sequence] = {}
         """Requests added since the last step (``add_request`` takes only ``_inbox_lock``)."""
         self._inbox_lock = threading.Lock()
+        self._busy_s = 0.0
+        """Seconds spent in steps that ran a batch (``stats()["busy_s"]``: busy fraction over time)."""
+        self._last_step_ran = False
         self._arrivals = 0
         self._version = 0
         self._paused = False
@@ -307,17 +310,23 @@ class RolloutEngine:
     def step(self) -> list[GenerationOutput]:
         """Run one forward pass over the scheduled tokens (a pure-decode batch: up to
         ``decode_steps`` of them back to back); returns the requests that finished."""
+        t0 = time.perf_counter()
         with span("engine_step", "rollout"):
-            return self._step()
+            outputs = self._step()
+        if self._last_step_ran:
+            self._busy_s += time.perf_counter() - t0
+        return outputs
 
     def _step(self) -> list[GenerationOutput]:
         with self._lock:
             self._admit()
+            self._last_step_ran = False
             if self._paused or self._sleeping or not self.scheduler.has_unfinished():
                 return []
             batch = self.scheduler.schedule()
             if not batch.seqs:
                 return []
+            self._last_step_ran = True
             pure_decode = batch.num_decode == len(batch.seqs) and all(batch.samples)
             sampling = batch.seqs if pure_decode else [s for s, do in zip(batch.seqs, batch.samples) if do]
             self._prefill_tokens += batch.num_tokens - len(sampling)
@@ -423,9 +432,9 @@ class RolloutEngine:
         ids = [s.token_ids[-1] for s in seqs]
         ctx = [len(s.token_ids) for s in seqs]
         graph = None
-        if self._graphs is not None and self._graphs.can_loop(batch, rp.all_greedy and not rp.any_min_new, k):
-            # The whole k-step greedy loop is one graph replay.
-            return self._graphs.run_loop(batch, ids, ctx, rp.room_B, rp.stop_ids_BS, rp.stop_valid_BS, k)
+        if self._graphs is not None and self._graphs.can_loop(batch, rp, k):
+            # The whole k-step loop (forwards, sampling, stop and length checks) is one graph replay.
+            return self._graphs.run_loop(batch, ids, ctx, rp, k)
         if self._graphs is not None and self._graphs.can_run(batch):
             graph, ids_B, ctx_B = self._graphs.prepare(batch, ids, ctx)
         else:
@@ -521,13 +530,16 @@ class RolloutEngine:
             finish_reason=reason, text=text,
         )
 
-    def warmup_cuda_graphs(self, batch_sizes: list[int], max_len: int) -> int:
+    def warmup_cuda_graphs(self, batch_sizes: list[int], max_len: int,
+                           params: list[SamplingParams] | None = None) -> int:
         """Capture the decode CUDA graphs for these batch sizes and contexts up to ``max_len``
-        now rather than at first use. Returns the number of graphs held (0 without CUDA graphs)."""
+        now rather than at first use: the one-step graphs and the multi-step loops for batches of
+        requests sampled with one of ``params`` (None: greedy). Returns the number of graphs held
+        (0 without CUDA graphs)."""
         if self._graphs is None:
             return 0
         with self._lock:
-            return self._graphs.capture(batch_sizes, max_len)
+            return self._graphs.capture(batch_sizes, max_len, params)
 
     # ------------------------------------------------------------------ control
     def pause(self) -> None:
@@ -690,6 +702,7 @@ class RolloutEngine:
                 "prefix_hit_rate": a.prefix_hit_tokens / max(a.prefix_query_tokens, 1),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "steps": self._steps,
+                "busy_s": self._busy_s,
                 "sampling_round_trips": self._round_trips,
                 "generated_tokens": self._generated_tokens,
                 "prefill_tokens": self._prefill_tokens,

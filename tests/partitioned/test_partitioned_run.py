@@ -62,15 +62,20 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
     finally:
         engine.shutdown()
 
-    for (r_ref, m_ref), (r_got, m_got) in zip(ref, got):
-        # the same keys, plus the health monitor's view of the rollout replicas
+    engine_keys = {"rollout/engine_0_busy_frac", "rollout/engine_busy_frac", "rollout/engine_generated_tokens_per_s",
+                   "rollout/engine_preemptions", "rollout/engine_kv_usage_max"}
+    for step, ((r_ref, m_ref), (r_got, m_got)) in enumerate(zip(ref, got)):
+        # the same keys, plus the health monitor's view of the rollout replicas and, from the
+        # second step (a difference of counters), the rollout engines' own figures
         health = {"rollout/healthy_servers", "rollout/unhealthy_servers", "rollout/server_0_healthy"}
-        assert set(r_got.metrics) == set(r_ref.metrics) | health
+        assert set(r_got.metrics) == set(r_ref.metrics) | health | (engine_keys if step else set())
         # (a /health miss on a loaded machine may briefly mark the one replica unhealthy)
         assert r_got.metrics["rollout/healthy_servers"] + r_got.metrics["rollout/unhealthy_servers"] == 1.0
         assert set(m_got) == set(m_ref), set(m_got) ^ set(m_ref)
         assert all(isinstance(v, float) and v == v for v in m_got.values())  # finite floats, no NaN
         assert r_got.batch.input_ids_T.numel() > 0 and len(r_got.trajectories) == 2 * 4
+    busy = got[1][0].metrics["rollout/engine_busy_frac"]
+    assert 0.0 < busy <= 1.0 and got[1][0].metrics["rollout/engine_generated_tokens_per_s"] > 0
     first, second = got[0][1], got[1][1]
     assert "policy_sync_time_s" not in first and second["policy_sync_bytes"] > 0
     assert second["policy_sync_tensors"] == got[0][1].get("policy_sync_tensors", second["policy_sync_tensors"])

@@ -240,6 +240,8 @@ def test_add_request_does_not_wait_for_a_running_step(tiny):
     while eng.has_unfinished():
         done.update({o.request_id: o for o in eng.step()})
     assert sorted(done) == sorted([first, added[0]])
+    busy = eng.stats()["busy_s"]
+    assert busy > 0 and eng.step() == [] and eng.stats()["busy_s"] == busy  # an empty step is idle time
     assert done[added[0]].output_ids == naive_greedy(model, prompts[1], 10)[0]
     assert eng.allocator.num_used == 0
 
