@@ -166,9 +166,22 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
 
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(15)
         print(f"--- cProfile of rank {rank} (syncs and raw transfers), by own time ---\n{text.getvalue()}",
               file=sys.stderr)
+        # Python-level copy calls per sync (the raw transfers make none): each is one dispatch
+        # (and, on GPU, at least one kernel launch) the host issues.
+        calls: dict[str, int] = {}
+        for (_, _, func), (_, ncalls, *_rest) in stats.stats.items():  # type: ignore[attr-defined]
+            for key in ("copy_", "_foreach_copy_", "write_rows", "view", "narrow"):
+                if func in (key, f"<method '{key}' of 'torch._C.TensorBase' objects>",
+                            f"<built-in method torch.{key}>"):
+                    calls[key] = calls.get(key, 0) + ncalls
+        n_syncs = opts["repeats"] * opts["iters"]
+        Path(out, "profile.json").write_text(json.dumps(
+            {"rank": rank, "syncs": n_syncs, "calls_per_sync": {k: v / n_syncs for k, v in sorted(calls.items())}}))
+    dist.barrier()  # the profiled rank has written its counts
     if rank == 0:
         nbytes = transport.plan.total_bytes
         sync_med, raw_med = statistics.median(sync_s), statistics.median(raw_s)
@@ -195,6 +208,8 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
             "sync_s_all": sync_s, "raw_s_all": raw_s,
             "peak_bucket_buffer_bytes": transport.peak_buffer_bytes,
         }
+        if Path(out, "profile.json").exists():
+            result["profile"] = json.loads(Path(out, "profile.json").read_text())
         Path(out, "result.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

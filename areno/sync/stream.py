@@ -14,6 +14,14 @@ chunk of at least ``direct_bytes`` travels alone: sent as a view of the trained 
 straight into the staging tensor of the rank that keeps it (no pack or stage copy); only small
 tensors and dim-1 (rowwise) slices are copied out of a buffer.
 
+Host cost: packing and staging issue one ``torch._foreach_copy_`` per bucket (per dtype pair),
+not one ``copy_`` per tensor; the buffer-slot views of every bucket are built once per transport
+(``BucketPacker``, ``BucketStager``). On NCCL the per-bucket waits are stream-ordered
+(``Work.wait()`` without a timeout: the current stream waits, the host keeps enqueuing), so packing
+bucket k+1 is not serialised behind bucket k on the wire; a buffer slot is still reused only after
+its collective (the reusing copies are ordered after it on the stream). Before voting, every rank
+host-waits on its collectives with the timeout, so a hung peer still ends in ``PolicySyncError``.
+
 Commit (all-or-nothing across ranks): when its part is done, every participant joins one vote,
 an all-reduce over a gloo control group (done flags, buckets staged); rollout ranks apply their
 staged tensors (``ShardReceiver.commit``) only when every participant succeeded, so the TP shards
@@ -39,10 +47,10 @@ from areno.sync.base import (
     PolicySyncError,
     PolicySyncTransport,
     ShardReceiver,
+    ShardSpec,
     SyncStats,
     WeightSource,
     full_tensor,
-    write_rows,
 )
 from areno.sync.plan import Bucket, BucketItem, SyncPlan, choose_relays, plan_buckets
 
@@ -123,6 +131,113 @@ def _keepers(bucket: Bucket, kept_by: Mapping[int, Mapping[str, tuple[int | None
                 ranks.add(rank)
                 break
     return ranks
+
+
+def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> int:
+    """``dst.copy_(src)`` for every pair, as one ``torch._foreach_copy_`` per (dst dtype, src dtype)
+    group (a group of one dtype pair and equal dense layouts takes the fused multi-tensor kernel on
+    CUDA; any other pair is still copied, one by one in C++). Returns the number of calls made."""
+    if not dsts:
+        return 0
+    d0, s0 = dsts[0].dtype, srcs[0].dtype
+    if all(d.dtype == d0 for d in dsts) and all(s.dtype == s0 for s in srcs):
+        torch._foreach_copy_(dsts, srcs)
+        return 1
+    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dsts, srcs):
+        g = groups.setdefault((d.dtype, s.dtype), ([], []))
+        g[0].append(d)
+        g[1].append(s)
+    for gd, gs in groups.values():
+        torch._foreach_copy_(gd, gs)
+    return len(groups)
+
+
+class BucketPacker:
+    """Sender side: per (bucket, buffer slot), the view of every item's place in the slot's buffer
+    (``chunk_shape``, wire dtype), built on first use and kept for the transport's life (the
+    buffers are allocated once). ``pack`` copies a list of source chunks into them at once."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def views(self, bucket: Bucket, slot: int, buf: torch.Tensor) -> list[torch.Tensor]:
+        key = (bucket.index, slot)
+        views = self._views.get(key)
+        if views is None:
+            views = [buf[i.offset : i.offset + i.nbytes].view(i.dtype).view(i.chunk_shape) for i in bucket.items]
+            self._views[key] = views
+        return views
+
+    def pack(self, bucket: Bucket, slot: int, buf: torch.Tensor, first: int, chunks: list[torch.Tensor]) -> int:
+        """Copy ``chunks`` (items ``first, first + 1, ...`` of ``bucket``, each its rows as sent)
+        into the slot's buffer; returns the number of copy calls."""
+        return foreach_copy(self.views(bucket, slot, buf)[first : first + len(chunks)], chunks)
+
+
+class BucketStager:
+    """Receiver side: copies the slices this rank keeps out of a received bucket into the
+    receiver's staging tensors, one ``torch._foreach_copy_`` per dtype pair per bucket (dim-0
+    slices, replicated tensors and dim-1 (rowwise) slices alike).
+
+    The source views (a bucket always lands in the same buffer) are built once per bucket. The
+    destination views depend on the staging tensors' storage, which a swap commit trades every
+    sync: they are cached per bucket under the staging tensors' data pointers (a cached view keeps
+    its storage alive, so an equal pointer is the same memory), at most ``keep`` sets per bucket.
+    ``receiver.stage(name)`` is still called for every item each sync (it marks the name written)."""
+
+    def __init__(self, receiver: ShardReceiver, specs: Mapping[str, ShardSpec], keep: int = 2) -> None:
+        self.receiver = receiver
+        self.specs = specs
+        self.keep = keep
+        # bucket index -> (names to stage, per name: (source view or None, dest row lo, hi))
+        self._src: dict[int, tuple[list[str], list[tuple[torch.Tensor | None, int, int]]]] = {}
+        self._dst: dict[int, dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+
+    def _sources(self, bucket: Bucket, buf: torch.Tensor) -> tuple[list[str], list[tuple[torch.Tensor | None, int, int]]]:
+        cached = self._src.get(bucket.index)
+        if cached is not None:
+            return cached
+        names, srcs = [], []
+        for item in bucket.items:
+            spec = self.specs.get(item.name)
+            if spec is None:
+                continue
+            rows = buf[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.chunk_shape)
+            r0, r1 = item.row_start, item.row_end
+            if spec.dim == 0:
+                lo, hi = max(r0, spec.start), min(r1, spec.start + spec.length)
+                src = (rows[lo - r0 : hi - r0], lo - spec.start, hi - spec.start) if lo < hi else (None, 0, 0)
+            elif spec.dim is None:
+                src = (rows, r0, r1)
+            else:
+                src = (rows.narrow(spec.dim, spec.start, spec.length), r0, r1)
+            names.append(item.name)
+            srcs.append(src)
+        self._src[bucket.index] = (names, srcs)
+        return names, srcs
+
+    def stage(self, bucket: Bucket, buf: torch.Tensor) -> int:
+        """Copy this rank's slices of ``bucket`` (received in ``buf``) into staging; returns the
+        number of copy calls."""
+        names, srcs = self._sources(bucket, buf)
+        stage = self.receiver.stage
+        dests = [stage(n) for n in names]
+        key = tuple(d.data_ptr() for d in dests)
+        cache = self._dst.setdefault(bucket.index, {})
+        pairs = cache.get(key)
+        if pairs is None:
+            dst_views, src_views = [], []
+            for dest, (src, lo, hi) in zip(dests, srcs):
+                if src is None:
+                    continue
+                dst_views.append((dest if dest.dim() else dest.view(1))[lo:hi])
+                src_views.append(src)
+            pairs = (dst_views, src_views)
+            if len(cache) >= self.keep:
+                del cache[next(iter(cache))]
+            cache[key] = pairs
+        return foreach_copy(*pairs)
 
 
 _DONE, _TIMED_OUT, _RAISED = 1, 2, 3
@@ -228,6 +343,14 @@ class StreamTransport(PolicySyncTransport):
         """Bytes one sync puts on the data plane: every bucket once to its relay, plus its fan-out."""
         if self.is_rollout:
             self._check_specs()
+        data_backend = str(backend if backend is not None else dist.get_backend()).lower()
+        self.stream_ordered = "nccl" in data_backend and self.device.type == "cuda"
+        """Per-bucket waits only order the current CUDA stream after the collective (NCCL); the host
+        waits (with the timeout) once, on all of them, before the vote. Off (gloo): every wait blocks."""
+        self._inflight: list[tuple[dist.Work, str, int]] = []
+        self._packer = BucketPacker()
+        self._stager = BucketStager(receiver, receiver.shard_specs()) if self.is_rollout else None
+        self._send_items: dict[int, list[tuple[int, BucketItem, bool]]] | None = None
         self._buffers: list[torch.Tensor] = []
         self.peak_buffer_bytes = 0
         """Largest total bucket-buffer memory this rank held (at most two buckets)."""
@@ -256,10 +379,39 @@ class StreamTransport(PolicySyncTransport):
         return f"{self._gen}/{self._attempt}/{what}" + ("" if rank is None else f"/{rank}")
 
     def _wait(self, work: dist.Work, what: str) -> None:
+        """Block the host until ``work`` completes, at most ``timeout_s``."""
         try:
             work.wait(self._timeout)
         except RuntimeError as e:
             raise PolicySyncError(f"{what}: {e}") from e
+
+    def _order(self, work: dist.Work, what: str, bucket: int) -> None:
+        """What comes after this call (buffer reuse, staging, the fan-out) needs ``work`` done.
+        Stream-ordered: the current CUDA stream waits for it and the host goes on (checked later by
+        ``_drain``); otherwise the host waits, at most ``timeout_s``."""
+        if not self.stream_ordered:
+            self._wait(work, what)
+            return
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise PolicySyncError(f"{what}: {e}") from e
+        self._inflight.append((work, what, bucket))
+
+    def _drain(self) -> float:
+        """Stream-ordered: host-wait (each at most ``timeout_s``) on every collective of this sync,
+        so a rank votes "done" only once its data really moved. Returns the seconds waited."""
+        t = time.perf_counter()
+        inflight, self._inflight = self._inflight, []
+        for work, what, bucket in inflight:
+            try:
+                self._wait(work, what)
+            except PolicySyncError as e:
+                e.buckets_done = bucket
+                raise
+        dt = time.perf_counter() - t
+        self.last_phases["wait"] += dt
+        return dt
 
     def _missing(self) -> str:
         """After a vote timed out: the ranks that never reached it (from the store)."""
@@ -277,6 +429,7 @@ class StreamTransport(PolicySyncTransport):
     def _sync(self, version: int) -> SyncStats:
         assert self.is_train or self.is_rollout, f"rank {self.rank} takes no part in this policy sync"
         self._attempt += 1
+        self._inflight = []
         self.last_phases = dict.fromkeys(("pack", "post", "wait", "stage", "vote", "commit"), 0.0)
         t0 = time.perf_counter()
         progress, error = 0, None
@@ -346,9 +499,9 @@ class StreamTransport(PolicySyncTransport):
         parts = ([f"failed rank(s) {raised}"] if raised else []) + ([f"timed out: {waited}"] if waited else [])
         return False, "; ".join(parts) + (f" ({desc})" if desc else "")
 
-    def _timed_wait(self, work: dist.Work, what: str) -> float:
+    def _timed_wait(self, work: dist.Work, what: str, bucket: int) -> float:
         t = time.perf_counter()
-        self._wait(work, what)
+        self._order(work, what, bucket)
         dt = time.perf_counter() - t
         self.last_phases["wait"] += dt
         return dt
@@ -364,57 +517,85 @@ class StreamTransport(PolicySyncTransport):
         """Training rank: iterate the source; if a sender, send this row's buckets in plan order.
 
         A bucket of one contiguous chunk in the wire dtype goes out as a view of the trained tensor
-        (no copy); any other is packed into one of two buffers while earlier sends are in flight.
-        A buffer is reused only after its previous send completed; at most two sends in flight."""
+        (no copy); any other is packed into one of two buffers while earlier sends are in flight,
+        with one multi-tensor copy when its last item was read (a gathered DTensor is copied out at
+        once, so it can be freed). A buffer is reused only after its previous send completed (on
+        the stream when stream-ordered); at most two sends in flight."""
         ph = self.last_phases
         row = self.topology.sender_ranks.index(self.rank) if self.rank in self.topology.sender_ranks else -1
         my_buckets = [b for b in self.plan.buckets if b.row == row]
-        items_by_tensor: dict[int, list[tuple[int, BucketItem]]] = {}
-        for pos, bucket in enumerate(my_buckets):
-            for item in bucket.items:
-                items_by_tensor.setdefault(item.tensor_index, []).append((pos, item))
+        if self._send_items is None:
+            items: dict[int, list[tuple[int, BucketItem, bool]]] = {}
+            for pos, bucket in enumerate(my_buckets):
+                for item in bucket.items:
+                    whole = item.row_start == 0 and item.row_end == item.shape[0]
+                    items.setdefault(item.tensor_index, []).append((pos, item, whole))
+            self._send_items = items
+        items_by_tensor = self._send_items
         works: dict[int, dist.Work] = {}
         owner: list[int | None] = [None, None]  # per buffer slot: the bucket packed in it last
         slot_of: dict[int, int] = {}
+        pending: dict[int, list[torch.Tensor]] = {}  # bucket pos -> chunks read, not yet packed
+        packed: dict[int, int] = {}  # bucket pos -> items already packed
         transfer = 0.0
 
         def what(pos: int) -> str:
             return f"sending bucket {my_buckets[pos].index} to relay rank {self.relays[row]}"
 
+        def flush(pos: int) -> None:
+            chunks = pending.pop(pos, None)
+            if not chunks:
+                return
+            t = time.perf_counter()
+            slot, first = slot_of[pos], packed.get(pos, 0)
+            self._packer.pack(my_buckets[pos], slot, self._buffer(slot), first, chunks)
+            packed[pos] = first + len(chunks)
+            ph["pack"] += time.perf_counter() - t
+
         for idx, (name, tensor) in enumerate(self.source.iter_tensors()):
             if idx >= len(self.meta) or name != self.meta[idx][0]:
                 raise ValueError(f"weight source order changed at {idx} ({name!r}); rebuild the transport")
             full = full_tensor(tensor)
-            for pos, item in items_by_tensor.get(idx, ()):
+            for pos, item, whole in items_by_tensor.get(idx, ()):
                 bucket = my_buckets[pos]
-                chunk = full.reshape(item.shape)[item.row_start : item.row_end]
-                if item is bucket.items[0]:  # at most two sends in flight
+                if whole and full.shape == item.shape:
+                    chunk = full
+                else:
+                    chunk = full.reshape(item.shape)[item.row_start : item.row_end]
+                first = item is bucket.items[0]
+                if first:  # at most two sends in flight
                     for prev in [p for p in works if p <= pos - 2]:
-                        transfer += self._timed_wait(works.pop(prev), what(prev))
+                        transfer += self._timed_wait(works.pop(prev), what(prev), my_buckets[prev].index)
                 if len(bucket.items) == 1 and chunk.dtype == item.dtype and chunk.is_contiguous():
                     # A bucket of one contiguous chunk goes out as it is: no packing copy.
                     works[pos], dt = self._post(chunk.reshape(-1).view(torch.uint8), self.rank, self.pair_groups[row])
                     transfer += dt
                     continue
-                if item is bucket.items[0]:
+                if first:
                     # A slot not held by a bucket still being packed; wait for its send if in flight.
                     free = [s for s in (0, 1) if owner[s] is None or owner[s] in works or owner[s] not in slot_of]
                     slot = min(free, key=lambda s: (owner[s] in works, owner[s] or -1))
                     if owner[slot] in works:
-                        transfer += self._timed_wait(works.pop(owner[slot]), what(owner[slot]))
+                        transfer += self._timed_wait(works.pop(owner[slot]), what(owner[slot]),
+                                                     my_buckets[owner[slot]].index)
                     owner[slot] = pos
                     slot_of[pos] = slot
-                buf = self._buffer(slot_of[pos])
-                t = time.perf_counter()
-                buf[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.chunk_shape).copy_(chunk)
-                ph["pack"] += time.perf_counter() - t
+                pending.setdefault(pos, []).append(chunk)
                 if item is bucket.items[-1]:
-                    works[pos], dt = self._post(buf[: bucket.nbytes], self.rank, self.pair_groups[row])
+                    flush(pos)
+                    works[pos], dt = self._post(self._buffer(slot_of[pos])[: bucket.nbytes], self.rank,
+                                                self.pair_groups[row])
                     transfer += dt
                     del slot_of[pos]  # sent: the slot is free once its work completes
+                    packed.pop(pos, None)
+            if full is not tensor:  # a gathered copy: pack what it holds now and let it go
+                for pos in list(pending):
+                    flush(pos)
             del full
         for pos in sorted(works):
-            transfer += self._timed_wait(works.pop(pos), what(pos))
+            transfer += self._timed_wait(works.pop(pos), what(pos), my_buckets[pos].index)
+        if self.stream_ordered:
+            transfer += self._drain()
         return transfer
 
     def _receive(self) -> float:
@@ -453,19 +634,21 @@ class StreamTransport(PolicySyncTransport):
                 if k > 0:
                     if k - 1 in fanout:
                         transfer += self._timed_wait(fanout.pop(k - 1), f"fan-out of bucket {k - 1} from relay rank "
-                                                                         f"{self.relays[buckets[k - 1].row]}")
+                                                     f"{self.relays[buckets[k - 1].row]}", k - 1)
                     if not direct_prev:
                         t = time.perf_counter()
-                        self._stage(buckets[k - 1], self._buffer(k - 1)[: buckets[k - 1].nbytes], specs)
+                        self._stager.stage(buckets[k - 1], self._buffer(k - 1)[: buckets[k - 1].nbytes])
                         ph["stage"] += time.perf_counter() - t
                 if recv is not None:
-                    transfer += self._timed_wait(*recv)
+                    transfer += self._timed_wait(*recv, k)
                     if self.fanout[k]:
                         fanout[k], dt = self._post(buf, self.rank, self.rollout_group)
                         transfer += dt
             except PolicySyncError as e:
                 e.buckets_done = max(k - 1, 0)
                 raise
+        if self.stream_ordered:
+            transfer += self._drain()
         return transfer
 
     def raw_transfer(self) -> float:
@@ -504,12 +687,3 @@ class StreamTransport(PolicySyncTransport):
         dest = dest if dest.dim() else dest.view(1)
         rows = dest[lo : lo + item.row_end - item.row_start]
         return rows.reshape(-1).view(torch.uint8) if rows.is_contiguous() else None
-
-    def _stage(self, bucket: Bucket, buf: torch.Tensor, specs: Mapping) -> None:
-        for item in bucket.items:
-            spec = specs.get(item.name)
-            if spec is None:
-                continue
-            rows = buf[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.chunk_shape)
-            dest = self.receiver.stage(item.name)
-            write_rows(spec, dest if dest.dim() else dest.view(1), rows, item.row_start)
