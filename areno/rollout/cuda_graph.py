@@ -6,19 +6,28 @@ blocks and to a multiple of 16 blocks beyond (so the attention gathers keys for 
 context of the batch, not for ``max_model_len``).
 Graphs are captured lazily at first use and share one memory pool. The graph's inputs are three
 static tensors — token ids, context lengths, block tables — and everything else (positions, cache
-slots, masks, the forward pass and the logits) is computed inside the graph. A multi-step decode
-(``RolloutEngineConfig.decode_steps``) replays the graph k times, writing each step's sampled tokens
-into the static ids and advancing the context lengths on the device between replays (sampling runs
-eagerly on the device between replays: no host round trip until the k steps are done). When every
-row is greedy and no ``min_new_tokens`` suppression is pending (benchmarks, evaluation), the whole
-k-step loop — forwards, argmax, log-probs, stop-id / length checks, feeding tokens back — is one
-graph keyed ``(B_pad, N_pad, k, S)`` (S: stop ids per row): one replay per host round trip. Padding
-rows use the KV cache's scratch block, so they never touch a live sequence's K/V.
+slots, masks, the forward pass and the logits) is computed inside the graph.
+
+A multi-step decode (``RolloutEngineConfig.decode_steps`` = k) is one replay of a loop graph keyed
+``(B_pad, N_pad, k, S, mode)`` (S: stop ids per row; mode: ``sampling.SampleMode``): k forwards,
+each followed by the sampler (``Sampler.sample_static``), the stop-id / ``min_new_tokens`` / length
+checks, and feeding the tokens back — no host round trip until the k steps are done. Its per-row
+sampling state is one more static input, the packed table of ``RowParams`` (temperature, top-k,
+top-p, seed, min/max new tokens, tokens generated, stop ids), decoded inside the graph; the step
+counter advances inside the graph, so ``min_new_tokens`` suppression and the seeded rows' hash noise
+(a function of seed and tokens generated) follow each step. Greedy rows inside a sampling batch are a
+per-row ``where``; the mode only decides which kernels exist at all: all greedy (an argmax), and for
+sampling batches whether some row truncates (top-k/top-p sort), has a seed (hash noise) or has none
+(noise from the engine's generator, registered with the graph so each replay advances it) — at most
+7 loop variants per shape, 1-2 for a given workload. Tokens and log-probs equal the one-step path's
+for greedy and seeded rows. Padding rows use the KV cache's scratch block, so they never touch a live
+sequence's K/V, and a padding sampling column (greedy, done after one token). Batches the loop cannot
+serve (tensor-parallel sampling, a k cut short by waiting requests) replay the one-step graph k times
+with eager sampling between replays.
 
 Weights are updated in place (same addresses), so graphs survive ``update_weights``; ``sleep()``
 frees the KV tensors and therefore drops every graph (they are re-captured after ``wake()``).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +35,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from areno.api.types import SamplingParams
 from areno.rollout.attention import PagedAttention
+from areno.rollout.sampling import GREEDY, RowParams, RowTensors, SampleMode
 
 if TYPE_CHECKING:
     from areno.rollout.engine import RolloutEngine
@@ -45,15 +56,15 @@ class _Graph:
 
 @dataclass
 class _LoopGraph:
-    """k greedy decode steps in one graph."""
+    """k decode steps, sampling included, in one graph."""
 
     graph: Any
     ids_ctx_2B: torch.Tensor
     bt_BN: torch.Tensor
-    room_B: torch.Tensor
-    """Static input: tokens each row may still sample before its length limit."""
-    stop_ids_BS: torch.Tensor
-    stop_valid_BS: torch.Tensor
+    rows_FB: torch.Tensor
+    """Static input: the rows' packed sampling table (``RowParams.table_FB``), padding columns after."""
+    pad_FB: torch.Tensor
+    """Padding columns (``RowTensors.padding_table``) copied over the unused columns of ``rows_FB``."""
     tokens_KB: torch.Tensor
     logprobs_KB: torch.Tensor
     keep_B: torch.Tensor
@@ -80,28 +91,34 @@ class DecodeGraphRunner:
         self.max_batch = max_batch
         self.max_blocks = -(-engine.max_model_len // engine.config.block_size)
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._loops: dict[tuple[int, int, int, int], _LoopGraph] = {}
+        self._loops: dict[tuple[int, int, int, int, SampleMode], _LoopGraph] = {}
         self._pool = None
 
     def can_run(self, batch: "ScheduledBatch") -> bool:
         return len(batch.seqs) <= self.max_batch and batch.num_decode == len(batch.seqs) and all(batch.samples)
 
-    def capture(self, batch_sizes: list[int], max_len: int) -> int:
+    def capture(self, batch_sizes: list[int], max_len: int, params: list[SamplingParams] | None = None) -> int:
         """Capture ahead of time every graph that decode batches of these sizes with contexts up
         to ``max_len`` tokens can need (as a server does at start-up): the one-step graphs and,
-        with ``decode_steps`` > 1, the greedy k-step loops for rows whose stop ids are the EOS ids.
-        Returns the graph count."""
+        with ``decode_steps`` > 1, the k-step loops for batches whose rows all use one of
+        ``params`` (None: greedy rows whose stop ids are the EOS ids). Returns the graph count."""
         bs = self.engine.config.block_size
         n_max = padded_num_blocks(min(-(-max_len // bs), self.max_blocks))
         widths = sorted({padded_num_blocks(n) for n in range(1, n_max + 1)})
         k = self.engine.decode_steps
-        S = max(1, len(self.engine.eos_token_ids))  # rows whose only stop ids are the EOS ids
+        eos = self.engine.eos_token_ids
+        if params is None:
+            variants = {(max(1, len(eos)), GREEDY)}
+        else:
+            variants = {(max(1, len((() if p.ignore_eos else eos) + p.stop_token_ids)), SampleMode.of(p))
+                        for p in params}
         for b in sorted({padded_batch_size(min(b, self.max_batch)) for b in batch_sizes}):
             for n in widths:
                 if (b, n) not in self._graphs:
                     self._capture(b, n)
-                if k > 1 and (b, n, k, S) not in self._loops:
-                    self._capture_loop(b, n, k, S)
+                for S, mode in sorted(variants) if k > 1 else ():
+                    if (b, n, k, S, mode) not in self._loops and self._mode_capturable(mode):
+                        self._capture_loop(b, n, k, S, mode)
         return len(self._graphs) + len(self._loops)
 
     def clear(self) -> None:
@@ -109,27 +126,33 @@ class DecodeGraphRunner:
         self._loops.clear()
         self._pool = None
 
-    def can_loop(self, batch: "ScheduledBatch", greedy_without_suppression: bool, k: int) -> bool:
-        """Whether ``run_loop`` can do this round trip: every row greedy, no ``min_new_tokens``
-        pending, the engine's full ``decode_steps`` and its own (not a TP-overridden) sampler."""
+    def can_loop(self, batch: "ScheduledBatch", rp: RowParams, k: int) -> bool:
+        """Whether ``run_loop`` can do this round trip: the engine's full ``decode_steps``, its
+        own (not a TP-overridden) sampler, and generator noise only where graphs can hold it."""
         from areno.rollout.engine import RolloutEngine
 
         e = self.engine
-        return (greedy_without_suppression and k == e.decode_steps and k > 1 and self.can_run(batch)
-                and type(e)._sample_rows is RolloutEngine._sample_rows)
+        return (k == e.decode_steps and k > 1 and self.can_run(batch)
+                and type(e)._sample_rows is RolloutEngine._sample_rows and self._mode_capturable(rp.mode))
 
-    def run_loop(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int], room: torch.Tensor,
-                 stop_ids_BS: torch.Tensor, stop_valid_BS: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-        """k greedy decode steps in one replay. Returns token ids and log-probs [k, B] and the
-        number of real tokens per row [B] (views of the graph's outputs: copy them before the next
-        replay)."""
-        B, S = len(batch.seqs), stop_ids_BS.shape[1]
+    def _mode_capturable(self, mode: SampleMode) -> bool:
+        # Generator noise inside a CUDA graph needs the generator registered with it (torch >= 2.4).
+        return not mode.rng_noise or self.engine.device.type != "cuda" or hasattr(torch.cuda.CUDAGraph,
+                                                                                   "register_generator_state")
+
+    def run_loop(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int], rp: RowParams,
+                 k: int) -> tuple[torch.Tensor, ...]:
+        """k decode steps in one replay, sampled under ``rp``. Returns token ids and log-probs
+        [k, B] and the number of real tokens per row [B] (views of the graph's outputs: copy them
+        before the next replay)."""
+        B, S = len(batch.seqs), rp.stop_ids_BS.shape[1]
         Bp, Np = self._key(batch)
-        g = self._loops.get((Bp, Np, k, S)) or self._capture_loop(Bp, Np, k, S)
+        key = (Bp, Np, k, S, rp.mode)
+        g = self._loops.get(key) or self._capture_loop(*key)
         self._load(g, batch, ids, ctx, Bp, Np)
-        g.room_B[:B].copy_(room, non_blocking=True)
-        g.stop_ids_BS[:B].copy_(stop_ids_BS, non_blocking=True)
-        g.stop_valid_BS[:B].copy_(stop_valid_BS, non_blocking=True)
+        g.rows_FB[:, :B].copy_(rp.table_FB, non_blocking=True)
+        if B < Bp:
+            g.rows_FB[:, B:].copy_(g.pad_FB[:, B:])
         g.graph.replay()
         return g.tokens_KB[:, :B], g.logprobs_KB[:, :B], g.keep_B[:B]
 
@@ -177,9 +200,10 @@ class DecodeGraphRunner:
         hidden_BD = e.model(ids_B, (ctx_B - 1).clamp(max=e.max_position - 1), attn)
         return e._logits(hidden_BD)
 
-    def _record(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+    def _record(self, fn: Callable[[], Any], generator: torch.Generator | None = None) -> tuple[Any, Any]:
         """Capture ``fn`` (reading and writing static tensors only) as a CUDA graph in the shared
-        pool, after two warm-up runs (lazy tables, kernel selection). Returns (graph, outputs)."""
+        pool, after two warm-up runs (lazy tables, kernel selection). ``generator``: a generator
+        ``fn`` draws from (registered with the graph: each replay advances it). Returns (graph, outputs)."""
         dev = self.engine.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -190,6 +214,8 @@ class DecodeGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
         # thread_local: the engine's driver thread captures while, colocated and asynchronous, the
         # trainer's thread keeps launching work on the same GPU; the default (global) mode would
         # let that work invalidate the capture (cudaErrorStreamCaptureInvalidated)
@@ -212,27 +238,29 @@ class DecodeGraphRunner:
         return g
 
     @torch.no_grad()
-    def _capture_loop(self, B: int, N: int, k: int, S: int) -> _LoopGraph:
-        dev = self.engine.device
+    def _capture_loop(self, B: int, N: int, k: int, S: int, mode: SampleMode) -> _LoopGraph:
+        e = self.engine
+        dev = e.device
         ids_ctx_2B, bt_BN = self._static_inputs(B, N)
-        room_B = torch.ones(B, dtype=torch.long, device=dev)  # padding rows: done after one step
-        stop_ids_BS = torch.zeros(B, S, dtype=torch.long, device=dev)
-        stop_valid_BS = torch.zeros(B, S, dtype=torch.bool, device=dev)
+        pad_FB = RowTensors.padding_table(S, B, e.vocab_size, dev)
+        rows_FB = pad_FB.clone()
+        sampler, max_len = e.sampler, e.max_model_len
 
         def loop() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
+            rows = RowTensors.from_table(rows_FB, max_len)
             keep_B = torch.full((B,), k, dtype=torch.long, device=dev)
             alive_B = torch.ones(B, dtype=torch.bool, device=dev)
             tokens, logprobs = [], []
             for j in range(k):
-                logits_BV = self._forward(ids_B, ctx_B, bt_BN).float()
-                tokens_B = logits_BV.argmax(dim=-1)
-                # As ``Sampler.sample_rows`` for greedy rows (T = 1, nothing suppressed).
-                logprobs_B = torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
+                logits_BV = self._forward(ids_B, ctx_B, bt_BN)
+                n_gen_B = rows.n_gen_B + j  # as ``RowParams.advance`` counts between one-step samples
+                tokens_B, logprobs_B = sampler.sample_static(logits_BV, rows, n_gen_B, mode)
                 tokens.append(tokens_B)
                 logprobs.append(logprobs_B)
-                hit_B = ((tokens_B[:, None] == stop_ids_BS) & stop_valid_BS).any(dim=1)
-                done_B = hit_B | (room_B <= j + 1)
+                # As ``RowParams.advance``: a stop id counts once min_new_tokens are reached.
+                hit_B = ((tokens_B[:, None] == rows.stop_ids_BS) & rows.stop_valid_BS).any(dim=1)
+                done_B = (hit_B & (n_gen_B + 1 >= rows.min_new_B)) | (rows.room_B <= j + 1)
                 keep_B = torch.where(done_B & alive_B, j + 1, keep_B)
                 alive_B = alive_B & ~done_B
                 if j + 1 < k:
@@ -240,8 +268,9 @@ class DecodeGraphRunner:
                     ctx_B.add_(1)
             return torch.stack(tokens), torch.stack(logprobs), keep_B
 
-        graph, (tokens_KB, logprobs_KB, keep_B) = self._record(loop)
-        g = _LoopGraph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, room_B=room_B, stop_ids_BS=stop_ids_BS,
-                       stop_valid_BS=stop_valid_BS, tokens_KB=tokens_KB, logprobs_KB=logprobs_KB, keep_B=keep_B)
-        self._loops[(B, N, k, S)] = g
+        graph, (tokens_KB, logprobs_KB, keep_B) = (self._record(loop, generator=sampler.generator) if mode.rng_noise
+                                                   else self._record(loop))
+        g = _LoopGraph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, rows_FB=rows_FB, pad_FB=pad_FB,
+                       tokens_KB=tokens_KB, logprobs_KB=logprobs_KB, keep_B=keep_B)
+        self._loops[(B, N, k, S, mode)] = g
         return g

@@ -20,11 +20,20 @@ from ``p`` exactly like ``multinomial``. A request with ``seed`` draws its noise
 hash of (seed, number of tokens generated so far, vocabulary index), so the same seed and prompt
 give the same tokens whatever else is in the batch and however the engine groups its decode steps;
 rows without a seed share the engine's ``torch.Generator``.
+
+Capture-safe form (the CUDA-graph decode loop, ``cuda_graph.py``): ``RowParams.table_FB`` is the packed
+per-row table (one column per row) that ``RowTensors.from_table`` decodes on the device, and
+``Sampler.sample_static`` samples one step from it with no host read and no data-dependent shape:
+per-row choices become masks (``where``) instead of row subsets, and the batch-level choices form a
+``SampleMode`` (all greedy; truncation; hash and/or generator noise) that keys the graph. For the same
+rows it returns exactly the tokens and log-probs of ``Sampler.sample_rows`` (seeded and greedy rows;
+unseeded rows draw from the same generator, in another order).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -72,6 +81,74 @@ def hash_exponential(seed_R: torch.Tensor, counter_R: torch.Tensor, V: int) -> t
     return -torch.log(u_RV)
 
 
+class SampleMode(NamedTuple):
+    """The batch-level choices of a sampling step (``Sampler.sample_static``; part of a decode-loop
+    graph's key). Per-row parameters are tensors; these decide which kernels run at all."""
+
+    sample: bool
+    """Some row samples (temperature > 0); False: every row is greedy, a plain argmax."""
+    truncate: bool
+    """Some sampling row uses top-k or top-p (a sort over the vocabulary)."""
+    hash_noise: bool
+    """Some sampling row has its own seed (counter-based hash noise)."""
+    rng_noise: bool
+    """Some sampling row has no seed (noise from the engine's generator)."""
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "SampleMode":
+        """The mode of a batch whose rows all use ``params``."""
+        if params.temperature <= 0:
+            return GREEDY
+        return cls(True, params.top_k > 0 or params.top_p < 1.0, params.seed is not None, params.seed is None)
+
+
+GREEDY = SampleMode(False, False, False, False)
+
+
+# Rows of the packed table (``RowParams.table_FB``; then S stop ids and S validity flags).
+_SCALE, _GREEDY, _TOP_K, _TOP_P, _SEED, _SEEDED, _MIN_NEW, _MAX_NEW, _TRUNCATE, _N_GEN, _LENGTH = range(11)
+_FIXED = 11
+
+
+@dataclass
+class RowTensors:
+    """Each row's sampling parameters as device tensors, decoded from the packed float64 table
+    ``table_FB`` [11 + 2S, B] (``RowParams.table_FB``; a decode-loop graph holds one as a static
+    input and decodes it inside the graph)."""
+
+    scale_B: torch.Tensor
+    greedy_B: torch.Tensor
+    top_k_B: torch.Tensor
+    top_p_B: torch.Tensor
+    seed_B: torch.Tensor
+    seeded_B: torch.Tensor
+    stop_ids_BS: torch.Tensor
+    stop_valid_BS: torch.Tensor
+    min_new_B: torch.Tensor
+    max_new_B: torch.Tensor
+    n_gen_B: torch.Tensor
+    """Tokens generated before the one sampled next (a view of the table: clone before advancing)."""
+    room_B: torch.Tensor
+
+    @classmethod
+    def from_table(cls, table_FB: torch.Tensor, max_len: int) -> "RowTensors":
+        S = (table_FB.shape[0] - _FIXED) // 2
+        long_FB = table_FB.long()
+        return cls(
+            scale_B=table_FB[_SCALE].float(), greedy_B=table_FB[_GREEDY] > 0, top_k_B=long_FB[_TOP_K],
+            top_p_B=table_FB[_TOP_P].float(), seed_B=long_FB[_SEED], seeded_B=table_FB[_SEEDED] > 0,
+            stop_ids_BS=long_FB[_FIXED : _FIXED + S].T, stop_valid_BS=(table_FB[_FIXED + S :] > 0).T,
+            min_new_B=long_FB[_MIN_NEW], max_new_B=long_FB[_MAX_NEW], n_gen_B=long_FB[_N_GEN],
+            room_B=torch.minimum(long_FB[_MAX_NEW] - long_FB[_N_GEN], max_len - long_FB[_LENGTH]),
+        )
+
+    @staticmethod
+    def padding_table(S: int, B: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """A table of B padding rows: greedy, no stop ids, done after one token."""
+        col = [1.0, 1.0, float(vocab_size), 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0] + [0.0] * (2 * S)
+        return torch.tensor(col, dtype=torch.float64, device=device)[:, None].repeat(1, B)
+
+
 @dataclass
 class RowParams:
     """Per-row sampling parameters and counters of one engine step, as device tensors.
@@ -88,6 +165,8 @@ class RowParams:
     top_p_B: torch.Tensor
     seed_B: torch.Tensor
     """long; meaningful where ``seeded_idx`` points."""
+    seeded_B: torch.Tensor
+    """bool: a sampling row with its own seed."""
     stop_ids_BS: torch.Tensor
     """long stop/EOS ids per row, padded by repeating the row's first id (0 in rows without any)."""
     stop_valid_BS: torch.Tensor
@@ -109,6 +188,17 @@ class RowParams:
     """Random rows without a seed, when only some rows are (None otherwise)."""
     all_unseeded: bool
     """Every row is random without a seed (noise for the whole batch in one draw)."""
+    table_FB: torch.Tensor
+    """The packed float64 table [11 + 2S, B] on the device that the tensors above were decoded
+    from (``RowTensors.from_table``); a decode-loop graph copies it into its static input."""
+
+    @property
+    def mode(self) -> SampleMode:
+        """The batch-level choices of this batch (``Sampler.sample_static``)."""
+        if self.all_greedy:
+            return GREEDY
+        return SampleMode(True, self.any_truncate, self.seeded_idx is not None,
+                          self.all_unseeded or self.unseeded_idx is not None)
 
     @staticmethod
     def row_of(params: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int) -> tuple:
@@ -153,15 +243,15 @@ class RowParams:
         dev_FB = host_BF.T.contiguous()
         if device.type != "cpu":
             dev_FB = dev_FB.to(device, non_blocking=True)
-        long_FB = dev_FB.long()
+        t = RowTensors.from_table(dev_FB, max_len)
         return cls(
-            scale_B=dev_FB[0].float(), greedy_B=dev_FB[1] > 0, top_k_B=long_FB[2], top_p_B=dev_FB[3].float(),
-            seed_B=long_FB[4], stop_ids_BS=long_FB[11 : 11 + S].T, stop_valid_BS=(dev_FB[11 + S :] > 0).T,
-            min_new_B=long_FB[6], max_new_B=long_FB[7], n_gen_B=long_FB[9].clone(),
-            room_B=torch.minimum(long_FB[7] - long_FB[9], max_len - long_FB[10]), steps_done=0,
+            scale_B=t.scale_B, greedy_B=t.greedy_B, top_k_B=t.top_k_B, top_p_B=t.top_p_B, seed_B=t.seed_B,
+            seeded_B=t.seeded_B, stop_ids_BS=t.stop_ids_BS, stop_valid_BS=t.stop_valid_BS, min_new_B=t.min_new_B,
+            max_new_B=t.max_new_B, n_gen_B=t.n_gen_B.clone(), room_B=t.room_B, steps_done=0,
             any_stop_ids=any(r[9] for r in rows), max_len=max_len, all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
             any_truncate=bool(truncate.any()), any_min_new=any_min_new and B > 0,
             seeded_idx=seeded_idx, unseeded_idx=unseeded_idx, all_unseeded=n_unseeded == B and B > 0,
+            table_FB=dev_FB,
         )
 
     def advance(self, tokens_B: torch.Tensor) -> torch.Tensor:
@@ -222,6 +312,36 @@ class Sampler:
         # log_softmax rather than gather - logsumexp: the same rounding as the trainer's recompute.
         chosen_lp_B = torch.log_softmax(scaled_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
         return tokens_B, chosen_lp_B
+
+    def sample_static(self, logits_BV: torch.Tensor, rows: RowTensors, n_gen_B: torch.Tensor,
+                      mode: SampleMode) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample_rows`` in capture-safe form: no host read, no data-dependent shape, every step
+        of a CUDA graph the same kernels. ``n_gen_B``: tokens generated before this one (the
+        table's count plus the loop step); ``mode``: the batch-level choices (``RowParams.mode``).
+        Gives the tokens and log-probs of ``sample_rows`` for greedy and seeded rows (unseeded rows
+        draw the generator's noise for the whole batch)."""
+        logits_BV = logits_BV.float()
+        V = logits_BV.shape[1]
+        scaled_BV = logits_BV / rows.scale_B[:, None] if mode.sample else logits_BV
+        # The log-probs are of the distribution before suppression; taken first, the stop ids can
+        # then be suppressed in place (below min_new_tokens: set to -inf, as in sample_rows).
+        logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+        pending_BS = (rows.stop_valid_BS[:, :1] & (n_gen_B < rows.min_new_B)[:, None]).expand_as(rows.stop_ids_BS)
+        kept_BS = scaled_BV.gather(1, rows.stop_ids_BS)
+        masked_BV = scaled_BV.scatter_(1, rows.stop_ids_BS, kept_BS.masked_fill(pending_BS, float("-inf")))
+        if not mode.sample:
+            tokens_B = masked_BV.argmax(dim=-1)
+        else:
+            race_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B) if mode.truncate else masked_BV
+            if mode.rng_noise:
+                noise_BV = torch.empty_like(race_BV).exponential_(generator=self.generator)
+                if mode.hash_noise:
+                    noise_BV = torch.where(rows.seeded_B[:, None], hash_exponential(rows.seed_B, n_gen_B, V), noise_BV)
+            else:
+                noise_BV = hash_exponential(rows.seed_B, n_gen_B, V)
+            sampled_B = (race_BV - noise_BV.clamp_min_(torch.finfo(torch.float32).tiny).log_()).argmax(dim=-1)
+            tokens_B = torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B)
+        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
     @torch.no_grad()
     def sample(self, logits_BV: torch.Tensor, requests: list[SampleRequest],

@@ -1,5 +1,7 @@
 """The CUDA-graph decode path: its metadata builder on CPU, and the full path on a GPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from areno.api.types import SamplingParams
 from areno.rollout.attention import PagedAttention, SeqChunk
 from areno.rollout.cuda_graph import padded_batch_size, padded_num_blocks
 from areno.rollout.kv_cache import KVCache
+from areno.rollout.sampling import SampleMode
 from tests.rollout.conftest import make_model, random_prompts
 
 
@@ -84,6 +87,62 @@ def test_warmup_captures_every_bucket_then_generation_reuses_them():
     assert len(eng._graphs._graphs) == 5 and len(eng._graphs._loops) == 5
 
 
+@pytest.mark.gpu
+def test_sampled_loop_graph_matches_eager_on_gpu():
+    """On CUDA: the captured k-step loop serves sampled batches (top-p / top-k, seeds, greedy rows,
+    min_new_tokens, stop ids) with the tokens and log-probs of the eager k-step path (one-step
+    graph + eager sampling) and of the eager one-step engine; unseeded rows draw the engine's
+    generator inside the graph (registered with it) and the eager path keeps working after."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    model = model.cuda()
+    prompts = random_prompts(14, seed=44)
+    eos = (9, 17, 23)
+    params = _sampled_mix(14, eos)
+    outs, engines = {}, {}
+    for name, k, graphs in (("one_step", 1, False), ("k_eager", 8, False), ("k_graph", 8, True)):
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256, decode_steps=k,
+                                                                   cuda_graphs=graphs), eos_token_ids=eos)
+        outs[name], engines[name] = eng.generate(prompts, params), eng
+    eng = engines["k_graph"]
+    assert any(key[4].sample for key in eng._graphs._loops), "the sampled loop graph was never taken"
+    for name in ("k_eager", "k_graph"):
+        assert [o.output_ids for o in outs[name]] == [o.output_ids for o in outs["one_step"]], name
+        assert [o.finish_reason for o in outs[name]] == [o.finish_reason for o in outs["one_step"]], name
+        for a, b in zip(outs[name], outs["one_step"]):
+            torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-4)
+    # Unseeded rows: the generator's noise inside the graph (a sampled loop, then eager steps).
+    unseeded = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, ignore_eos=True)
+    first = eng.generate(prompts[:6], unseeded)
+    assert any(key[4].rng_noise for key in eng._graphs._loops)
+    second = eng.generate(prompts[:6], unseeded)
+    assert [o.output_ids for o in first] != [o.output_ids for o in second]  # the generator advanced
+    with torch.no_grad():
+        for o, prompt in zip(first[:3], prompts):
+            ids = torch.tensor(prompt + o.output_ids, device="cuda")
+            logits = model.logits(model(ids, torch.arange(len(ids), device="cuda")))[len(prompt) - 1 : -1].float()
+            ref = torch.log_softmax(logits, -1).gather(1, ids[len(prompt):, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(o.output_logprobs, device="cuda"), ref, rtol=0, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_warmup_captures_sampled_loops():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    eng = RolloutEngine(model.cuda(), cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=(2,))
+    rl = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, min_new_tokens=4, seed=1)
+    # Batch bucket 8, widths 1, 2, 4, 8, 16: one-step graphs and one sampled loop per width.
+    assert eng.warmup_cuda_graphs([5], max_len=40, params=[rl]) == 10
+    eng.generate(random_prompts(5, seed=41, lo=4, hi=10), [dataclasses.replace(rl, seed=i) for i in range(5)])
+    assert len(eng._graphs._loops) == 5 and {key[4] for key in eng._graphs._loops} == {SampleMode.of(rl)}
+
+
 class _EagerReplay:
     """Stands in for a CUDA graph on CPU: ``replay()`` runs the captured function again and copies
     its results into the outputs the capture returned."""
@@ -97,19 +156,25 @@ class _EagerReplay:
             dst.copy_(src)
 
 
+def eager_runner(engine, max_batch: int):
+    """A ``DecodeGraphRunner`` whose capture is emulated on CPU by re-running the recorded function."""
+    from areno.rollout.cuda_graph import DecodeGraphRunner
+
+    class EagerRunner(DecodeGraphRunner):
+        def _record(self, fn, generator=None):
+            out = fn()
+            return _EagerReplay(fn, out), out
+
+    return EagerRunner(engine, max_batch=max_batch)
+
+
 @pytest.mark.parametrize("decode_steps,mode", [(1, "mixed"), (4, "mixed"), (4, "greedy_eos")])
 def test_graph_runner_inputs_on_cpu(decode_steps, mode):
     """The graph runner's static inputs (block-table rows from the scheduler's tensor, padding rows,
-    ids and context lengths, advanced in place by a multi-step decode; the greedy k-step loop with
-    its stop ids and length limits) give the eager one-step engine's tokens, with requests joining
+    ids and context lengths, advanced in place by a multi-step decode; the k-step loop with its
+    stop ids and length limits) give the eager one-step engine's tokens, with requests joining
     and leaving. Capture is emulated by re-running the recorded function."""
-    from areno.rollout.cuda_graph import DecodeGraphRunner
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-
-    class EagerRunner(DecodeGraphRunner):
-        def _record(self, fn):
-            out = fn()
-            return _EagerReplay(fn, out), out
 
     model, cfg = make_model(0)
     prompts = random_prompts(13, seed=42)
@@ -127,11 +192,11 @@ def test_graph_runner_inputs_on_cpu(decode_steps, mode):
             block_size=4, num_blocks=64, max_num_seqs=6, max_model_len=70, decode_steps=decode_steps if graphs else 1),
             eos_token_ids=eos)
         if graphs:
-            eng._graphs = EagerRunner(eng, max_batch=6)
+            eng._graphs = eager_runner(eng, max_batch=6)
         outs[graphs] = eng.generate(prompts, params)
         if graphs:
             assert eng._graphs._graphs or eng._graphs._loops, "the graph path was never taken"
-            assert mode != "greedy_eos" or eng._graphs._loops, "the k-step loop graph was never taken"
+            assert decode_steps == 1 or eng._graphs._loops, "the k-step loop graph was never taken"
             assert eng.scheduler.block_tables_RN.eq(eng.cache.scratch_block).all()  # every row released
     assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
     assert [o.finish_reason for o in outs[True]] == [o.finish_reason for o in outs[False]]
@@ -139,6 +204,86 @@ def test_graph_runner_inputs_on_cpu(decode_steps, mode):
         assert {o.finish_reason for o in outs[True]} == {"stop", "length"}
     for a, b in zip(outs[True], outs[False]):
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
+
+
+def _sampled_mix(n: int, eos: tuple[int, ...]) -> list[SamplingParams]:
+    """Greedy and seeded sampling rows with top-p / top-k, min_new_tokens and extra stop ids."""
+    kinds = [
+        lambda i: SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=9 + i, min_new_tokens=6, seed=100 + i),
+        lambda i: SamplingParams(temperature=0, max_new_tokens=7 + i, min_new_tokens=4),
+        lambda i: SamplingParams(temperature=0.7, top_k=12, max_new_tokens=14, stop_token_ids=(30, 41), seed=7 * i),
+        lambda i: SamplingParams(temperature=1.3, max_new_tokens=5 + i, seed=i),
+        lambda i: SamplingParams(temperature=1.0, top_p=0.8, top_k=20, max_new_tokens=12, min_new_tokens=9,
+                                 stop_token_ids=(30,), seed=50 + i),
+    ]
+    return [kinds[i % len(kinds)](i) for i in range(n)]
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_sampled_loop_graph_matches_eager_per_step_on_cpu(uniform):
+    """The k-step loop graph serves sampled rows (temperature, top-p, top-k, per-request seeds),
+    greedy rows and pending min_new_tokens in one replay, with the tokens, log-probs and finish
+    reasons of the eager one-step engine and of the eager k-step path (capture emulated on CPU)."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from areno.rollout.sampling import GREEDY
+
+    model, cfg = make_model(0)
+    prompts = random_prompts(14, seed=44)
+    eos = (9, 17, 23)
+    if uniform:  # one mode for every row: RL rollouts (temperature 1, top-p, seeds, min_new_tokens)
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, min_new_tokens=5, seed=i)
+                  for i in range(14)]
+    else:
+        params = _sampled_mix(14, eos)
+    outs, engines = {}, {}
+    for name, k, graphs in (("one_step", 1, False), ("k_eager", 4, False), ("k_graph", 4, True)):
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
+            block_size=4, num_blocks=96, max_num_seqs=6, max_model_len=60, decode_steps=k), eos_token_ids=eos)
+        if graphs:
+            eng._graphs = eager_runner(eng, max_batch=6)
+        outs[name], engines[name] = eng.generate(prompts, params), eng
+    runner = engines["k_graph"]._graphs
+    modes = {key[4] for key in runner._loops}
+    assert modes and (uniform or GREEDY not in modes) and all(m.sample for m in modes)
+    assert len(modes) <= 2 and all(m.hash_noise and not m.rng_noise for m in modes)
+    ref = outs["one_step"]
+    for name in ("k_eager", "k_graph"):
+        assert [o.output_ids for o in outs[name]] == [o.output_ids for o in ref], name
+        assert [o.finish_reason for o in outs[name]] == [o.finish_reason for o in ref], name
+        for a, b in zip(outs[name], ref):
+            torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
+    # The rules held: EOS / stop ids only from min_new_tokens on, and some requests did stop.
+    assert {o.finish_reason for o in ref} == {"stop", "length"}
+    for p, o in zip(params, ref):
+        stops = set(eos) | set(p.stop_token_ids)
+        assert not stops & set(o.output_ids[: p.min_new_tokens - 1])
+        assert (o.finish_reason == "stop") == (o.output_ids[-1] in stops)
+
+
+def test_unseeded_rows_in_the_loop_graph_sample_from_the_policy():
+    """Rows without a seed draw the engine generator's noise inside the loop: their log-probs are
+    the model's (recomputed without a cache) and different requests of one prompt part ways."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    prompt = random_prompts(1, seed=45)[0]
+    p = SamplingParams(temperature=0.9, max_new_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4),
+                        eos_token_ids=())
+    eng._graphs = eager_runner(eng, max_batch=8)
+    outs = eng.generate([prompt] * 6, [p] * 5 + [greedy])
+    assert {key[4] for key in eng._graphs._loops} == {SampleMode(True, False, False, True)}
+    assert len({tuple(o.output_ids) for o in outs[:5]}) > 1
+    from tests.rollout.conftest import naive_greedy
+
+    assert outs[5].output_ids == naive_greedy(model, prompt, 12)[0]
+    with torch.no_grad():
+        for o in outs[:2]:
+            ids = prompt + o.output_ids
+            logits = model.logits(model(torch.tensor(ids), torch.arange(len(ids))))[len(prompt) - 1 : -1].float()
+            ref = torch.log_softmax(logits / 0.9, -1).gather(1, torch.tensor(o.output_ids)[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, rtol=0, atol=1e-4)
 
 
 def test_grouped_gqa_decode_matches_enable_gqa(monkeypatch):

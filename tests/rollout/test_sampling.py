@@ -53,3 +53,75 @@ def test_stop_rules():
     assert check_stop(p, [5, 6], (2,), "xaby") == ("stop", "x")
     assert check_stop(p, [5, 6, 8], (2,), "xyz") == ("length", "xyz")
     assert check_stop(SamplingParams(ignore_eos=True), [2], (2,), None) == (None, None)
+
+
+def _rows(params, n_gen, V, eos=(2,)):
+    from areno.rollout.sampling import RowParams
+
+    return RowParams.build(params, n_gen, [10] * len(params), eos, V, max_len=64, device=torch.device("cpu"))
+
+
+def test_static_sampler_matches_sample_rows():
+    """The capture-safe sampler (masks instead of row subsets, step counter as a tensor) gives
+    sample_rows' tokens and log-probs for greedy and seeded rows, min_new_tokens suppression included."""
+    from areno.rollout.sampling import RowTensors
+
+    V = 50
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, V, generator=g) * 3
+    logits[[0, 1, 4, 5], 2] = 20.0  # EOS is these rows' favourite by far: suppression decides
+    params = [SamplingParams(temperature=0, min_new_tokens=3, max_new_tokens=9),
+              SamplingParams(temperature=1.0, top_p=0.7, min_new_tokens=5, max_new_tokens=9, seed=4),
+              SamplingParams(temperature=0.6, top_k=5, stop_token_ids=(7,), max_new_tokens=9, seed=11),
+              SamplingParams(temperature=1.4, max_new_tokens=9, seed=2**40 + 3),
+              SamplingParams(temperature=0, max_new_tokens=9),
+              SamplingParams(temperature=1.0, min_new_tokens=2, max_new_tokens=9, seed=5)]
+    n_gen = [1, 2, 0, 3, 4, 1]
+    sampler = Sampler(device=torch.device("cpu"), seed=0)
+    for rows in (slice(0, 6), slice(0, 1), slice(1, 4), slice(3, 6)):
+        p, n = params[rows], n_gen[rows]
+        rp = _rows(p, n, V)
+        want_tok, want_lp = sampler.sample_rows(logits[rows], rp)
+        t = RowTensors.from_table(rp.table_FB, 64)
+        got_tok, got_lp = sampler.sample_static(logits[rows].clone(), t, t.n_gen_B, rp.mode)
+        assert torch.equal(got_tok, want_tok) and torch.equal(got_lp, want_lp)
+    # Rows 0, 1 and 5 are below min_new_tokens: EOS suppressed; row 4 (greedy, none pending) takes it.
+    rp = _rows(params, n_gen, V)
+    tok, _ = sampler.sample_static(logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B, rp.mode)
+    assert 2 not in tok[[0, 1, 5]].tolist() and tok[4] == 2
+    # One step later row 5 reaches min_new_tokens (2): the counter passed in decides.
+    tok, _ = sampler.sample_static(logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B + 1, rp.mode)
+    assert tok[5] == 2
+
+
+def test_static_sampler_unseeded_rows_use_the_generator():
+    from areno.rollout.sampling import RowTensors, SampleMode
+
+    V = 40
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0, max_new_tokens=4), SamplingParams(temperature=1.0, seed=3, max_new_tokens=4),
+              SamplingParams(temperature=0, max_new_tokens=4), SamplingParams(temperature=0.5, top_k=3, max_new_tokens=4)]
+    rp = _rows(params, [0] * 4, V)
+    assert rp.mode == SampleMode(True, True, True, True)
+    eager = Sampler(device=torch.device("cpu"), seed=0).sample_rows(logits, rp)
+    static = Sampler(device=torch.device("cpu"), seed=0).sample_static(
+        logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B, rp.mode)
+    assert torch.equal(static[0][1:3], eager[0][1:3]) and torch.equal(static[1][1:3], eager[1][1:3])
+    draws = {tuple(Sampler(device=torch.device("cpu"), seed=s).sample_static(
+        logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B, rp.mode)[0].tolist()) for s in range(20)}
+    assert len(draws) > 1  # unseeded rows follow the generator's seed
+    assert all(t[3] in logits[3].topk(3).indices.tolist() for t in draws)  # top-k holds for generator rows too
+
+
+def test_sample_modes_and_padding_rows():
+    from areno.rollout.sampling import GREEDY, RowTensors, SampleMode
+
+    assert SampleMode.of(SamplingParams(temperature=0, top_p=0.5)) == GREEDY
+    assert SampleMode.of(SamplingParams(temperature=1.0, top_p=0.95, seed=1)) == SampleMode(True, True, True, False)
+    assert SampleMode.of(SamplingParams(temperature=1.0)) == SampleMode(True, False, False, True)
+    assert _rows([SamplingParams(temperature=0, min_new_tokens=2)], [0], 10).mode == GREEDY
+    assert _rows([SamplingParams(temperature=0), SamplingParams(top_k=3, seed=1)], [0, 0], 10).mode == \
+        SampleMode(True, True, True, False)
+    pad = RowTensors.from_table(RowTensors.padding_table(2, 3, 10, torch.device("cpu")), max_len=64)
+    assert pad.greedy_B.all() and pad.room_B.tolist() == [1, 1, 1] and not pad.stop_valid_BS.any()
+    assert pad.top_k_B.tolist() == [10] * 3 and pad.scale_B.tolist() == [1.0] * 3
