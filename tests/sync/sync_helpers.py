@@ -219,38 +219,62 @@ def worker_source_error(rank: int, world: int, port: int, out: str, timeout_s: f
     os._exit(0)
 
 
-def worker_exact(rank: int, world: int, port: int, out: str) -> None:
-    """Two transports in one world, each syncing v1 then v2 (new weights):
+def mixed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Matrices bf16, vectors fp32: packed buckets mix source dtypes."""
+    return {n: (t if t.dim() == 1 else t.to(torch.bfloat16)) for n, t in weights.items()}
+
+
+EXACT_CONFIGS = (  # tag, direct_bytes, wire dtype, commit, mixed source dtypes, stream-ordered waits
+    ("direct", 1024, None, "swap", False, False),
+    ("cast", 512, torch.bfloat16, "copy", False, False),
+    ("mixed", 1024, None, "swap", True, True),
+)
+
+
+def worker_exact(rank: int, world: int, port: int, out: str, gpu: bool = False) -> None:
+    """Several transports in one world, each syncing v1 then v2 (new weights):
     "direct": fp32, chunks >= 1 KiB unpacked (cut at the TP boundaries, received in place),
     committed by storage swap; "cast": bf16 on the wire and in the receivers, chunks >= 512 B
-    unpacked, so cast chunks are packed into a buffer while another bucket is still open.
+    unpacked, so cast chunks are packed into a buffer while another bucket is still open;
+    "mixed": bf16 matrices and fp32 vectors in the same buckets, swap commit, waits forced
+    stream-ordered (on gloo they still block; this runs the deferred host check's bookkeeping).
+    ``gpu``: ranks on cuda:0/cuda:1 (train and rollout overlapping), NCCL data plane.
     Saves each rollout rank's live tensors after each version to ``out/exact{rank}.pt``."""
     from areno.sync.base import swap_into
 
     init_world(rank, world, port)
-    weights = tiny_weights(seed=1)
+    device = torch.device(f"cuda:{rank % 2}") if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
     topo = StreamTopology(train_ranks=TRAIN, sender_ranks=TRAIN, rollout_ranks=ROLLOUT, devices=DEVICES)
-    meta = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
     result = {}
-    for tag, direct, wire, apply in (("direct", 1024, None, swap_into), ("cast", 512, torch.bfloat16, copy_into)):
+    for tag, direct, wire, commit, mix, ordered in EXACT_CONFIGS:
+        convert = (lambda w: {n: t.to(device) for n, t in mixed(w).items()}) if mix else \
+            (lambda w: {n: t.to(device) for n, t in w.items()})
+        weights = convert(tiny_weights(seed=1))
+        meta = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
         live, receiver = None, None
         if rank in ROLLOUT:
             specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - ROLLOUT[0], tp_size=len(ROLLOUT),
                                              dtype=wire)
-            live = {n: torch.zeros(s.local_shape, dtype=s.dtype) for n, s in specs.items()}
-            receiver = StagedReceiver(specs, apply(live))
+            live = {n: torch.zeros(s.local_shape, dtype=s.dtype, device=device) for n, s in specs.items()}
+            receiver = StagedReceiver(specs, (swap_into if commit == "swap" else copy_into)(live), device=device)
         source = NamedTensorSource(lambda: weights.items()) if rank in TRAIN else None
         cfg = StreamSyncConfig(bucket_bytes=2048, timeout_s=30, wire_dtype=wire, direct_bytes=direct)
-        transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, tag=tag)
+        transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, tag=tag,
+                                    device=device, backend="nccl" if gpu else None)
         sizes = [len(b.items) for b in transport.plan.buckets]
         result[tag] = {"single": sum(n == 1 for n in sizes), "packed": sum(n > 1 for n in sizes),
                        "peak_buffer_bytes": transport.peak_buffer_bytes, "fanout": list(transport.fanout),
-                       "wire_bytes": transport.wire_bytes, "total_bytes": transport.plan.total_bytes}
+                       "wire_bytes": transport.wire_bytes, "total_bytes": transport.plan.total_bytes,
+                       "stream_ordered": transport.stream_ordered}
+        if ordered:
+            transport.stream_ordered = True
         for version, seed in ((1, 1), (2, 2)):
-            weights.update(tiny_weights(seed=seed))
+            weights.update(convert(tiny_weights(seed=seed)))
             transport.sync(version)
             if live is not None:
-                result[tag][f"v{version}"] = {n: t.clone() for n, t in live.items()}
+                result[tag][f"v{version}"] = {n: t.cpu().clone() for n, t in live.items()}
         result[tag]["phases"] = dict(transport.last_phases)
     torch.save(result, Path(out) / f"exact{rank}.pt")
     dist.barrier()

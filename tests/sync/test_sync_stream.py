@@ -95,24 +95,22 @@ def test_source_error_midway_aborts_everywhere_and_keeps_old_version(tmp_path):
         assert res[r]["intact"] and res[r]["version"] == 1
 
 
-def test_unpacked_chunks_cast_skipped_fanout_and_swap_commit_are_bit_exact(tmp_path):
-    from sync_helpers import worker_exact
+def check_exact(res: dict) -> None:
+    from sync_helpers import EXACT_CONFIGS, mixed
 
-    spawn(worker_exact, 4, str(tmp_path))
-    res = {r: torch.load(tmp_path / f"exact{r}.pt", weights_only=True) for r in range(4)}
-    for tag, dtype in (("direct", torch.float32), ("cast", torch.bfloat16)):
+    for tag, _, wire, _, mix, _ in EXACT_CONFIGS:
         # Both kinds of bucket occur: chunks on their own and packed small tensors.
         assert res[0][tag]["single"] > 0 and res[0][tag]["packed"] > 0, res[0][tag]
         for version in (1, 2):
-            full = tiny_weights(seed=version)
+            full = mixed(tiny_weights(seed=version)) if mix else tiny_weights(seed=version)
             meta = [(n, tuple(t.shape), t.dtype) for n, t in full.items()]
             for rank in ROLLOUT:
                 specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - ROLLOUT[0], tp_size=2)
                 got = res[rank][tag][f"v{version}"]
                 assert set(got) == set(full)
                 for name, t in got.items():
-                    want = specs[name].take(full[name]).to(dtype)
-                    assert t.dtype == dtype and torch.equal(t, want), (tag, version, rank, name)
+                    want = specs[name].take(full[name]).to(wire or full[name].dtype)
+                    assert t.dtype == want.dtype and torch.equal(t, want), (tag, version, rank, name)
         for r in range(4):
             assert res[r][tag]["peak_buffer_bytes"] <= 2 * 2048
             assert res[r][tag]["fanout"] == res[0][tag]["fanout"]
@@ -123,3 +121,26 @@ def test_unpacked_chunks_cast_skipped_fanout_and_swap_commit_are_bit_exact(tmp_p
     # The swap commit moves no bytes; the rollout ranks report the phases they spent time in.
     assert set(res[2]["direct"]["phases"]) == {"pack", "post", "wait", "stage", "vote", "commit"}
     assert res[0]["direct"]["phases"]["stage"] == 0.0 and res[2]["direct"]["phases"]["pack"] == 0.0
+
+
+def test_unpacked_chunks_cast_mixed_dtypes_skipped_fanout_and_swap_commit_are_bit_exact(tmp_path):
+    from sync_helpers import worker_exact
+
+    spawn(worker_exact, 4, str(tmp_path))
+    res = {r: torch.load(tmp_path / f"exact{r}.pt", weights_only=True) for r in range(4)}
+    check_exact(res)
+    assert not any(res[r][tag]["stream_ordered"] for r in range(4) for tag in res[r])  # gloo: host waits
+
+
+@pytest.mark.gpu
+def test_nccl_stream_ordered_sync_is_bit_exact_on_two_gpus(tmp_path):
+    """Train DP 2 -> rollout TP 2 on 2 GPUs (overlapping), NCCL data plane: stream-ordered waits,
+    one multi-tensor copy per bucket, same bytes as the CPU path."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from sync_helpers import worker_exact
+
+    spawn(worker_exact, 4, str(tmp_path), True)
+    res = {r: torch.load(tmp_path / f"exact{r}.pt", weights_only=True) for r in range(4)}
+    check_exact(res)
+    assert all(res[r][tag]["stream_ordered"] for r in range(4) for tag in res[r])
