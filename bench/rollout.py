@@ -8,12 +8,24 @@ and lengths, measured side by side in one run. Prints one JSON object.
 
 ``--decode-attention`` takes one or more of ``gather`` / ``paged`` (``RolloutEngineConfig.decode_attention``):
 with several, the engine runs once per value on the same model and prompts, one after the other in this
-process; the top-level figures are the first value's, ``by_decode_attention`` holds each one's, and
-``identical_to_first`` counts the sequences equal to the first value's. A value given twice runs
+process; the top-level figures are the first value's, ``by_run`` holds each one's, and
+``identical_to`` counts the sequences equal to the first run's at the same temperature. A value given twice runs
 twice and keeps its last run: the first engine run of a process is slower on CPU (measured: ~1.8x,
 whichever value goes first), so ``--decode-attention gather paged gather`` compares warm runs.
 
-Both sides decode greedily to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
+Sampling: ``--temperature`` takes one or more values (0 = greedy, the default), each run side by side
+like the decode-attention values (one engine run per attention value x temperature); sampled runs use
+``--top-p`` / ``--top-k`` and, as RL rollouts do (the ledger seeds every request), per-request seeds
+``--seed + i`` (``--unseeded``: the engine's generator instead). ``--compare-eager-sampling`` adds, for
+each sampled run, one where only all-greedy batches use the k-step loop graph and sampled batches replay
+the one-step graph with eager sampling between replays (the engine before the sampled loop graph); with
+seeds its tokens must equal the loop's (``identical_to``). Several runs: ``by_run`` holds each one's
+figures under a label such as ``paged T=1.0`` or ``paged T=1.0 no-loop``; the top-level figures are the
+first run's. ``transformers`` generate uses the first temperature's sampling (do_sample when > 0).
+
+    python bench/rollout.py --shape qwen0.5b --skip-hf --temperature 0 1.0 --top-p 0.95 --compare-eager-sampling
+
+Both sides decode to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
 reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is the steadier figure. On CUDA it also reports
 the fraction of the decode roofline: a decode step must read every weight once plus the K/V of every
 running sequence, so at copy bandwidth ``bw`` (measured here with a device-to-device copy) the step
@@ -24,6 +36,7 @@ over that bound, with the average context length of the run. Peak GPU memory is 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -86,7 +99,8 @@ def sync(device: str) -> None:
 
 
 @torch.no_grad()
-def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[float, list[list[int]]]:
+def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str,
+           sampling: dict | None = None) -> tuple[float, list[list[int]]]:
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.long)
@@ -97,6 +111,9 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[
     # Batched, same dtype and device, KV cache on (transformers' default dynamic cache).
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
               use_cache=True)
+    if sampling and sampling["temperature"] > 0:
+        kw.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                  top_k=sampling["top_k"] if sampling["top_k"] > 0 else None)
     hf.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     sync(device)
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -106,8 +123,19 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[
     return time.perf_counter() - t0, out[:, L:].tolist()
 
 
-def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args,
-               decode_attention: str = "gather") -> tuple[float, list[list[int]], dict]:
+def request_params(args, temperature: float, new_tokens: int, n: int) -> list:
+    """One ``SamplingParams`` per prompt: greedy at temperature 0, else ``--top-p`` / ``--top-k``
+    and the per-request seed ``--seed + i`` (none with ``--unseeded``)."""
+    from areno.api.types import SamplingParams
+
+    if temperature <= 0:
+        return [SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)] * n
+    return [SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=new_tokens,
+                           ignore_eos=True, seed=None if args.unseeded else args.seed + i) for i in range(n)]
+
+
+def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_attention: str = "gather",
+               temperature: float = 0.0, loop: bool = True) -> tuple[float, list[list[int]], dict]:
     from areno.api.types import SamplingParams
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
@@ -119,10 +147,17 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args,
         fused_kernels=args.fused_kernels,
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate([p[:8] for p in prompts[: min(8, len(prompts))]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    params = request_params(args, temperature, new_tokens, len(prompts))
+    if not loop and engine._graphs is not None:
+        # The engine before sampled loop graphs: only all-greedy batches without pending
+        # min_new_tokens run the k-step loop; the others replay the one-step graph k times.
+        can_loop = engine._graphs.can_loop
+        engine._graphs.can_loop = lambda batch, rp, k: rp.all_greedy and not rp.any_min_new and can_loop(batch, rp, k)
+    engine.generate([p[:8] for p in prompts[: min(8, len(prompts))]],
+                    [dataclasses.replace(q, max_new_tokens=4) for q in params[:8]])
     # Like a server at start-up: capture the decode graphs this run needs outside the timed region.
-    engine.warmup_cuda_graphs([len(prompts)], max(len(p) for p in prompts) + new_tokens)
+    loop_params = [params[0]] if loop or temperature <= 0 else []
+    engine.warmup_cuda_graphs([len(prompts)], max(len(p) for p in prompts) + new_tokens, params=loop_params)
     sync(device)
     cpu0, t0 = time.process_time(), time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -130,21 +165,21 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args,
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
     if getattr(args, "profile", False) and device.startswith("cuda"):
-        stats["profile"] = profile_decode(engine, prompts, min(new_tokens, 64))
+        stats["profile"] = profile_decode(engine, prompts, min(new_tokens, 64), params)
     stats["cpu_s"] = time.process_time() - cpu0
+    stats["loop_graphs"] = len(engine._graphs._loops) if engine._graphs is not None else 0
     c = engine.cache
     stats["kv_pool_GiB"] = round(2 * c.num_layers * c.num_slots * c.num_kv_heads * c.head_dim
                                  * torch.empty((), dtype=c.dtype).element_size() / 2**30, 2)
     return elapsed, [o.output_ids for o in outs], stats
 
 
-def profile_decode(engine, prompts, new_tokens: int) -> dict:
-    """Where the GPU time of a generate call goes (after the timed run, same engine and prompts,
-    ``new_tokens`` tokens; ``bench/profiling.py``)."""
-    from areno.api.types import SamplingParams
+def profile_decode(engine, prompts, new_tokens: int, params: list) -> dict:
+    """Where the GPU time of a generate call goes (after the timed run, same engine, prompts and
+    sampling, ``new_tokens`` tokens; ``bench/profiling.py``)."""
     from bench.profiling import profile_cuda
 
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    params = [dataclasses.replace(p, max_new_tokens=new_tokens) for p in params]
     return {"new_tokens": new_tokens, **profile_cuda(lambda: engine.generate(prompts, params), top=20)}
 
 
@@ -171,7 +206,7 @@ def copy_bandwidth(device: str) -> float:
     return 2 * x.numel() * 4 * reps / (time.perf_counter() - t0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu20m")
     ap.add_argument("--prompts", type=int, default=None, help="number of prompts (default: per shape)")
@@ -195,7 +230,17 @@ def main() -> None:
                     help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="engine decode steps per host round trip (default: 8 on CUDA, 1 on CPU)")
-    args = ap.parse_args()
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                    help="0 = greedy; several values: one engine run each, side by side")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampled runs: nucleus mass")
+    ap.add_argument("--top-k", type=int, default=-1, help="sampled runs: top-k (-1: off)")
+    ap.add_argument("--seed", type=int, default=0, help="sampled runs: request i has seed SEED + i")
+    ap.add_argument("--unseeded", action="store_true", help="sampled runs: no per-request seeds (engine generator)")
+    ap.add_argument("--compare-eager-sampling", action="store_true",
+                    help="each sampled run also runs with sampled batches kept off the k-step loop graph")
+    args = ap.parse_args(argv)
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_dict, n_default, new_default = SHAPES[args.shape]
@@ -207,20 +252,33 @@ def main() -> None:
     ours, cfg, hf = build_models(hf_dict, device, dtype, with_hf=not args.skip_hf)
     prompts = make_prompts(n, cfg.vocab_size, *args.prompt_len, seed=0)
     n_params = sum(p.numel() for p in ours.parameters())
-    runs = {}
-    for mode in args.decode_attention:
+    runs = {}  # label -> (seconds, outputs, stats, label of the run to compare tokens with)
+    plan = [(mode, t, True) for mode in args.decode_attention for t in args.temperature]
+    if args.compare_eager_sampling:
+        plan = [r for m, t, lp in plan for r in ([(m, t, lp), (m, t, False)] if t > 0 else [(m, t, lp)])]
+    many_t = len(args.temperature) > 1 or args.temperature[0] > 0
+    first, first_at = None, {}  # the first run, and the first run of each temperature
+    for mode, temperature, loop in plan:
+        label = mode + (f" T={temperature:g}" if many_t else "") + ("" if loop else " no-loop")
         gc.collect()  # the previous engine (KV pool, graphs) holds a reference cycle
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode)
+        s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode, temperature, loop)
         if device.startswith("cuda"):
             st_["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        runs[mode] = (s_, out_, st_)
-    eng_s, eng_out, stats = runs[args.decode_attention[0]]
+        first = first or label
+        first_at.setdefault(temperature, label)
+        # no-loop runs against the same run with the loop; others against the first at their temperature
+        ref = label.removesuffix(" no-loop") if not loop else first_at[temperature]
+        runs.pop(label, None)  # a value given twice keeps its last run, listed last
+        runs[label] = (s_, out_, st_, ref)
+    eng_s, eng_out, stats, _ = runs[first]
     result: dict = {
         "bench": "rollout", "shape": args.shape, "device": device, "dtype": str(dtype).removeprefix("torch."),
         "decode_attention": args.decode_attention[0], "decode_attention_runs": args.decode_attention,
+        "temperature": args.temperature[0], "temperature_runs": args.temperature,
+        "top_p": args.top_p, "top_k": args.top_k, "seeded": not args.unseeded,
         "params_M": round(n_params / 1e6, 2), "prompts": n, "new_tokens": new_tokens,
         "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
         "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),
@@ -231,15 +289,16 @@ def main() -> None:
     if "profile" in stats:
         result["profile"] = stats["profile"]
     if len(runs) > 1:
-        result["by_decode_attention"] = {
-            mode: {"engine_s": round(s_, 3), "engine_tok_s": round(n * new_tokens / s_, 1),
-                   "engine_ms_per_step": round(1e3 * s_ / max(st_["steps"], 1), 2), "engine_steps": st_["steps"],
-                   "engine_round_trips": st_["sampling_round_trips"], "engine_cpu_s": round(st_["cpu_s"], 3),
-                   "identical_to_first": f"{sum(a == b for a, b in zip(out_, eng_out))}/{n}",
-                   "mean_common_prefix_with_first": mean_common_prefix(out_, eng_out),
-                   **({"profile": st_["profile"]} if "profile" in st_ else {}),
-                   **({"engine_peak_mem_GiB": st_["peak_mem_GiB"]} if "peak_mem_GiB" in st_ else {})}
-            for mode, (s_, out_, st_) in runs.items()}
+        result["by_run"] = {
+            label: {"engine_s": round(s_, 3), "engine_tok_s": round(n * new_tokens / s_, 1),
+                    "engine_ms_per_step": round(1e3 * s_ / max(st_["steps"], 1), 2), "engine_steps": st_["steps"],
+                    "engine_round_trips": st_["sampling_round_trips"], "engine_cpu_s": round(st_["cpu_s"], 3),
+                    "loop_graphs": st_["loop_graphs"],
+                    "identical_to": {ref: f"{sum(a == b for a, b in zip(out_, runs[ref][1]))}/{n}"},
+                    "mean_common_prefix_with_it": mean_common_prefix(out_, runs[ref][1]),
+                    **({"profile": st_["profile"]} if "profile" in st_ else {}),
+                    **({"engine_peak_mem_GiB": st_["peak_mem_GiB"]} if "peak_mem_GiB" in st_ else {})}
+            for label, (s_, out_, st_, ref) in runs.items()}
     if device.startswith("cuda"):
         result["engine_peak_mem_GiB"] = stats["peak_mem_GiB"]
         result["engine_kv_pool_GiB"] = stats["kv_pool_GiB"]  # reserved up front, part of the peak
@@ -259,7 +318,8 @@ def main() -> None:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        hf_s, hf_out = run_hf(hf, prompts, new_tokens, device)
+        sampling = {"temperature": args.temperature[0], "top_p": args.top_p, "top_k": args.top_k}
+        hf_s, hf_out = run_hf(hf, prompts, new_tokens, device, sampling)
         same = sum(a == b for a, b in zip(eng_out, hf_out))
         first_tok = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))
         result.update(hf_attn=getattr(hf.config, "_attn_implementation", None), hf_cache="dynamic")

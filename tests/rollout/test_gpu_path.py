@@ -136,7 +136,8 @@ def test_warmup_captures_sampled_loops():
 
     model, cfg = make_model(0)
     eng = RolloutEngine(model.cuda(), cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=(2,))
-    rl = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, min_new_tokens=4, seed=1)
+    # ignore_eos: the 5 requests end together, so the batch stays in one bucket.
+    rl = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, min_new_tokens=4, ignore_eos=True, seed=1)
     # Batch bucket 8, widths 1, 2, 4, 8, 16: one-step graphs and one sampled loop per width.
     assert eng.warmup_cuda_graphs([5], max_len=40, params=[rl]) == 10
     eng.generate(random_prompts(5, seed=41, lo=4, hi=10), [dataclasses.replace(rl, seed=i) for i in range(5)])
