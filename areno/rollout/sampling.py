@@ -71,12 +71,38 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def _mix32_i32(h: torch.Tensor) -> torch.Tensor:
+    """``_mix32`` on int32 tensors holding the same 32 bits: multiplication wraps modulo 2**32 and
+    the shifted-in sign bits are masked off (a logical shift), so the bits agree with the int64 form
+    at half the memory traffic."""
+    for i, m in enumerate(_MULS):
+        s = 16 if i % 2 == 0 else 15
+        h = h ^ ((h >> s) & ((1 << (32 - s)) - 1))
+        h = h * m
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as the int32 tensor with the same 32 bits."""
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
 def hash_exponential(seed_R: torch.Tensor, counter_R: torch.Tensor, V: int) -> torch.Tensor:
     """float32 [R, V] Exp(1) noise, a pure function of (seed, counter, vocabulary index)."""
     key_R = _mix32((seed_R & _MASK32) ^ _mix32(((seed_R >> 32) & _MASK32) ^ _mix32(counter_R & _MASK32)))
+    # The [R, V] part in int32 (32-bit arithmetic mod 2**32): the same bits as in int64.
+    idx_V = torch.arange(V, device=seed_R.device, dtype=torch.int32)
+    h_RV = _mix32_i32(_as_int32(key_R)[:, None] + idx_V[None, :] * (0x9E3779B1 - (1 << 32)))
+    # 23 random bits, centred: u in (0, 1) exactly representable in float32, so E = -log(u) > 0.
+    u_RV = (((h_RV >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0 ** -23)
+    return -torch.log(u_RV)
+
+
+def hash_exponential_reference(seed_R: torch.Tensor, counter_R: torch.Tensor, V: int) -> torch.Tensor:
+    """``hash_exponential`` computed in int64 throughout (the definition; tests compare the two)."""
+    key_R = _mix32((seed_R & _MASK32) ^ _mix32(((seed_R >> 32) & _MASK32) ^ _mix32(counter_R & _MASK32)))
     idx_V = torch.arange(V, device=seed_R.device, dtype=torch.long)
     h_RV = _mix32((key_R[:, None] + idx_V[None, :] * 0x9E3779B1) & _MASK32)
-    # 23 random bits, centred: u in (0, 1) exactly representable in float32, so E = -log(u) > 0.
     u_RV = ((h_RV >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
     return -torch.log(u_RV)
 

@@ -159,3 +159,24 @@ def test_seeded_rows_sample_the_distribution():
     freq = torch.bincount(tokens, minlength=4).float() / n
     assert torch.allclose(freq, probs, atol=0.03)
     assert torch.allclose(logprobs, probs.log()[tokens], atol=1e-6)
+
+
+def test_int32_hash_noise_equals_the_int64_definition():
+    from areno.rollout.sampling import hash_exponential_reference
+
+    g = torch.Generator().manual_seed(0)
+    seed = torch.cat([torch.randint(0, 2**62, (14,), generator=g), torch.tensor([0, 2**32 - 1, 2**53])])
+    counter = torch.randint(0, 100_000, (17,), generator=g)
+    assert torch.equal(hash_exponential(seed, counter, 5000), hash_exponential_reference(seed, counter, 5000))
+
+
+@pytest.mark.gpu
+def test_int32_hash_noise_on_gpu():
+    """On CUDA too the int32 hash (wrap-around multiplication) equals the int64 definition."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from areno.rollout.sampling import hash_exponential_reference
+
+    seed = torch.tensor([0, 5, 2**40 + 7, 2**53, 2**62 + 11], device="cuda")
+    counter = torch.tensor([0, 3, 17, 99_999, 2**31], device="cuda")
+    assert torch.equal(hash_exponential(seed, counter, 151_936), hash_exponential_reference(seed, counter, 151_936))
