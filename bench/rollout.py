@@ -113,7 +113,7 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str,
               use_cache=True)
     if sampling and sampling["temperature"] > 0:
         kw.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
-                  top_k=sampling["top_k"] if sampling["top_k"] > 0 else None)
+                  top_k=max(sampling["top_k"], 0))  # 0: no top-k (the generation config's default is 50)
     hf.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     sync(device)
     cpu0, t0 = time.process_time(), time.perf_counter()
