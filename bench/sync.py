@@ -21,6 +21,11 @@
     python bench/sync.py --mode gpu-colocated --shapes 0.5b,1.5b
     python bench/sync.py --mode gpu-stream --gpus 4 --shapes 1.5b --bucket-mb 256
     python bench/sync.py --mode gpu-stream --gpus 2 --train-dp 1 --shapes 1.5b   # train GPU 0 -> rollout GPU 1
+
+--mode host-copies: host time to issue one sync's pack and stage copies, per-item copy_ vs one
+  foreach copy per bucket (no collectives; --device meta: dispatch only, runs anywhere).
+
+    python bench/sync.py --mode host-copies --device meta --shapes 1.5b --bucket-mb 256 --tp 2
 """
 
 from __future__ import annotations
@@ -226,6 +231,89 @@ def bench_stream(world: int, opts: dict) -> dict:
         return json.loads(Path(out, "result.json").read_text())
 
 
+# ------------------------------------------------------------------------------ host copies
+def bench_host_copies(shape: str, bucket_bytes: int, tp: int, iters: int, device: str) -> dict:
+    """Host time to issue one sync's pack (sender) and stage (receiver) copies: the per-item path
+    (one ``copy_`` per tensor, views built every sync, as before issue #10's fix) against
+    ``BucketPacker`` / ``BucketStager`` (one ``torch._foreach_copy_`` per bucket, cached views).
+    No collectives: the same buffer is packed, then staged. ``--device meta`` measures dispatch
+    alone (no memory, no kernels); on ``cuda`` it is the enqueue time (kernels run after it)."""
+    from areno.sync.base import write_rows
+    from areno.sync.plan import plan_buckets
+    from areno.sync.stream import BucketPacker, BucketStager, chunk_views, tensor_chunks
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16
+    shapes = qwen2_shapes(**SHAPES[shape])
+    meta = [(n, s, dtype) for n, s in shapes.items()]
+    weights = {n: torch.empty(s, dtype=dtype, device=dev) for n, s in shapes.items()}
+    specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=0, tp_size=tp)
+    cuts = {n: sorted({sp.start, sp.start + sp.length}) for n, sp in specs.items() if sp.dim == 0}
+    plan = plan_buckets(meta, 1, bucket_bytes, cuts=cuts, direct_bytes=bucket_bytes // 4)
+    packed = [b for b in plan.buckets if len(b.items) > 1]  # single chunks travel unpacked
+    bufs = [torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+    receiver = StagedReceiver(specs, lambda named, v: None, device=dev)
+    receiver.begin(0)
+    packer, stager = BucketPacker(), BucketStager(receiver, specs)
+
+    def sync_dev() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def pack_old() -> None:
+        for k, b in enumerate(packed):
+            for i in b.items:
+                chunk = weights[i.name].reshape(i.shape)[i.row_start : i.row_end]
+                bufs[k % 2][i.offset : i.offset + i.nbytes].view(i.dtype).view(i.chunk_shape).copy_(chunk)
+
+    by_tensor = tensor_chunks(packed)  # as StreamTransport._send: one split per tensor, one copy per bucket
+
+    def pack_new() -> None:
+        pending: dict[int, list[torch.Tensor]] = {}
+        for idx, full in enumerate(weights.values()):
+            chunks = by_tensor.get(idx)
+            if chunks is None:
+                continue
+            for (k, item), chunk in zip(chunks[0], chunk_views(full, chunks)):
+                pending.setdefault(k, []).append(chunk)
+                if item is packed[k].items[-1]:
+                    packer.pack(packed[k], k % 2, bufs[k % 2], 0, pending.pop(k))
+
+    def stage_old() -> None:
+        for k, b in enumerate(packed):
+            buf = bufs[k % 2][: b.nbytes]
+            for i in b.items:
+                rows = buf[i.offset : i.offset + i.nbytes].view(i.dtype).view(i.chunk_shape)
+                dest = receiver.stage(i.name)
+                write_rows(specs[i.name], dest if dest.dim() else dest.view(1), rows, i.row_start)
+
+    def stage_new() -> None:
+        for k, b in enumerate(packed):
+            stager.stage(b, bufs[k % 2][: b.nbytes])
+
+    def timed(fn) -> float:
+        sync_dev()
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        sync_dev()
+        return dt
+
+    out: dict[str, float] = {}
+    for name, fn in (("pack_old", pack_old), ("pack_new", pack_new), ("stage_old", stage_old),
+                     ("stage_new", stage_new)):
+        fn()  # warm-up (builds the cached views)
+        out[f"{name}_ms_median"] = 1e3 * statistics.median(timed(fn) for _ in range(iters))
+    items = sum(len(b.items) for b in packed)
+    return {
+        "mode": "host-copies", "device": str(dev), "shape": shape, "rollout_tp": tp,
+        "tensors": len(meta), "buckets": len(plan.buckets), "packed_buckets": len(packed), "packed_items": items,
+        "bucket_bytes": bucket_bytes, **out,
+        "copy_calls_per_sync_old": {"pack": items, "stage": items},
+        "copy_calls_per_sync_new": {"pack": len(packed), "stage": len(packed)},
+    }
+
+
 # ------------------------------------------------------------------------------ GPU colocated
 def bench_gpu_colocated(shape_names: list[str], iters: int, device: str) -> dict:
     dev = torch.device(device)
@@ -275,7 +363,7 @@ def bench_gpu_colocated(shape_names: list[str], iters: int, device: str) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["cpu", "gpu-colocated", "gpu-stream"], default="cpu")
+    ap.add_argument("--mode", choices=["cpu", "gpu-colocated", "gpu-stream", "host-copies"], default="cpu")
     ap.add_argument("--gpus", type=int, default=4, help="gpu-stream: GPUs used (--train-dp train, the rest rollout TP)")
     ap.add_argument("--train-dp", type=int, default=2, help="stream modes: training (sending) ranks")
     ap.add_argument("--overlap", action="store_true",
@@ -294,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="stream modes: the receiver's commit: storage swap (an eager engine; cpu default) or "
                          "copy into live tensors (an engine under CUDA graphs; gpu-stream default)")
     ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b (cpu: a small one)")
-    ap.add_argument("--device", default="cuda", help="gpu-colocated device (cpu for a smoke run)")
+    ap.add_argument("--device", default="cuda",
+                    help="gpu-colocated device (cpu for a smoke run); host-copies: cuda or meta (dispatch only)")
+    ap.add_argument("--tp", type=int, default=1, help="host-copies: rollout TP size of the staging side")
     args = ap.parse_args(argv)
     commit = args.commit or ("swap" if args.mode == "cpu" else "copy")
     stream_opts = dict(repeats=args.repeats, commit=commit, profile_rank=args.profile_rank,
@@ -314,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = dict(gpu=True, overlap=args.overlap, shape=args.shapes.split(",")[-1],
                     bucket_bytes=args.bucket_mb << 20, iters=args.iters, train_dp=n, **stream_opts)
         result = bench_stream(world, opts)
+    elif args.mode == "host-copies":
+        result = bench_host_copies(args.shapes.split(",")[-1], args.bucket_mb << 20, args.tp, args.iters, args.device)
     else:
         result = bench_gpu_colocated(args.shapes.split(","), args.iters, args.device)
     result["torch"] = torch.__version__

@@ -37,7 +37,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -153,6 +153,38 @@ def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> int:
     return len(groups)
 
 
+TensorChunks = tuple[list[tuple[int, BucketItem]], tuple[int, ...], tuple[int, ...] | None]
+"""One source tensor's items as ``(position in the buckets, item)`` in row order, its shape as sent,
+and the rows of each chunk when they cover the tensor back to back (None otherwise)."""
+
+
+def tensor_chunks(buckets: list[Bucket]) -> dict[int, TensorChunks]:
+    """``TensorChunks`` per source tensor index of the items in ``buckets``."""
+    by_tensor: dict[int, list[tuple[int, BucketItem]]] = {}
+    for pos, bucket in enumerate(buckets):
+        for item in bucket.items:
+            by_tensor.setdefault(item.tensor_index, []).append((pos, item))
+    out = {}
+    for idx, entries in by_tensor.items():
+        entries.sort(key=lambda e: e[1].row_start)
+        items = [i for _, i in entries]
+        covers = (items[0].row_start == 0 and items[-1].row_end == items[0].shape[0]
+                  and all(a.row_end == b.row_start for a, b in zip(items, items[1:])))
+        out[idx] = (entries, items[0].shape, tuple(i.row_end - i.row_start for i in items) if covers else None)
+    return out
+
+
+def chunk_views(full: torch.Tensor, chunks: TensorChunks) -> Sequence[torch.Tensor]:
+    """The rows of each item of ``chunks`` in ``full`` (viewed as the shape sent): views, one
+    ``split`` call for a tensor its items cover (one per item otherwise)."""
+    entries, shape, sizes = chunks
+    if full.shape != shape:
+        full = full.reshape(shape)
+    if sizes is None:
+        return [full[i.row_start : i.row_end] for _, i in entries]
+    return (full,) if len(sizes) == 1 else full.split_with_sizes(sizes)
+
+
 class BucketPacker:
     """Sender side: per (bucket, buffer slot), the view of every item's place in the slot's buffer
     (``chunk_shape``, wire dtype), built on first use and kept for the transport's life (the
@@ -175,6 +207,11 @@ class BucketPacker:
         return foreach_copy(self.views(bucket, slot, buf)[first : first + len(chunks)], chunks)
 
 
+_Src = tuple[torch.Tensor | None, int, int]
+"""A staged item: its rows in the received buffer (None: none kept here), and the rows [lo, hi)
+of the staging tensor they go to."""
+
+
 class BucketStager:
     """Receiver side: copies the slices this rank keeps out of a received bucket into the
     receiver's staging tensors, one ``torch._foreach_copy_`` per dtype pair per bucket (dim-0
@@ -191,10 +228,10 @@ class BucketStager:
         self.specs = specs
         self.keep = keep
         # bucket index -> (names to stage, per name: (source view or None, dest row lo, hi))
-        self._src: dict[int, tuple[list[str], list[tuple[torch.Tensor | None, int, int]]]] = {}
+        self._src: dict[int, tuple[list[str], list[_Src]]] = {}
         self._dst: dict[int, dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
 
-    def _sources(self, bucket: Bucket, buf: torch.Tensor) -> tuple[list[str], list[tuple[torch.Tensor | None, int, int]]]:
+    def _sources(self, bucket: Bucket, buf: torch.Tensor) -> tuple[list[str], list[_Src]]:
         cached = self._src.get(bucket.index)
         if cached is not None:
             return cached
@@ -350,7 +387,7 @@ class StreamTransport(PolicySyncTransport):
         self._inflight: list[tuple[dist.Work, str, int]] = []
         self._packer = BucketPacker()
         self._stager = BucketStager(receiver, receiver.shard_specs()) if self.is_rollout else None
-        self._send_items: dict[int, list[tuple[int, BucketItem, bool]]] | None = None
+        self._send_items: dict | None = None  # tensor_chunks of this rank's buckets, built on first send
         self._buffers: list[torch.Tensor] = []
         self.peak_buffer_bytes = 0
         """Largest total bucket-buffer memory this rank held (at most two buckets)."""
@@ -525,12 +562,7 @@ class StreamTransport(PolicySyncTransport):
         row = self.topology.sender_ranks.index(self.rank) if self.rank in self.topology.sender_ranks else -1
         my_buckets = [b for b in self.plan.buckets if b.row == row]
         if self._send_items is None:
-            items: dict[int, list[tuple[int, BucketItem, bool]]] = {}
-            for pos, bucket in enumerate(my_buckets):
-                for item in bucket.items:
-                    whole = item.row_start == 0 and item.row_end == item.shape[0]
-                    items.setdefault(item.tensor_index, []).append((pos, item, whole))
-            self._send_items = items
+            self._send_items = tensor_chunks(my_buckets)
         items_by_tensor = self._send_items
         works: dict[int, dist.Work] = {}
         owner: list[int | None] = [None, None]  # per buffer slot: the bucket packed in it last
@@ -556,12 +588,10 @@ class StreamTransport(PolicySyncTransport):
             if idx >= len(self.meta) or name != self.meta[idx][0]:
                 raise ValueError(f"weight source order changed at {idx} ({name!r}); rebuild the transport")
             full = full_tensor(tensor)
-            for pos, item, whole in items_by_tensor.get(idx, ()):
+            entry = items_by_tensor.get(idx)
+            pairs = zip(entry[0], chunk_views(full, entry)) if entry is not None else ()
+            for (pos, item), chunk in pairs:
                 bucket = my_buckets[pos]
-                if whole and full.shape == item.shape:
-                    chunk = full
-                else:
-                    chunk = full.reshape(item.shape)[item.row_start : item.row_end]
                 first = item is bucket.items[0]
                 if first:  # at most two sends in flight
                     for prev in [p for p in works if p <= pos - 2]:

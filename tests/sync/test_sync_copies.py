@@ -10,7 +10,7 @@ import torch
 
 from areno.sync.base import StagedReceiver, copy_into, swap_into, write_rows
 from areno.sync.plan import plan_buckets, shard_specs_from_tp_plan
-from areno.sync.stream import BucketPacker, BucketStager, foreach_copy
+from areno.sync.stream import BucketPacker, BucketStager, chunk_views, foreach_copy, tensor_chunks
 from sync_helpers import TP_PLAN, tiny_weights
 
 
@@ -152,3 +152,24 @@ def test_stager_keeps_at_most_keep_view_sets_per_bucket():
             assert torch.equal(receiver.stage(item.name).reshape(item.shape)[rows],
                                weights[item.name].reshape(item.shape)[rows]), item.name
     assert len(stager._dst[bucket.index]) == 2
+
+
+def test_chunk_views_are_the_item_rows_as_views():
+    weights = mixed_weights(3)
+    _, plan = plan_for(weights, None)
+    buckets = list(plan.buckets)
+    names = list(weights)
+    for subset in (buckets, buckets[1::2]):  # all of one row's buckets (cover every tensor), or some
+        for idx, chunks in tensor_chunks(subset).items():
+            full = weights[names[idx]]
+            entries, shape, sizes = chunks
+            covered = sum(i.row_end - i.row_start for _, i in entries) == shape[0]
+            assert (sizes is not None) == covered
+            views = chunk_views(full, chunks)
+            assert len(views) == len(entries)
+            for (pos, item), view in zip(entries, views):
+                assert item in subset[pos].items
+                assert torch.equal(view, full.reshape(item.shape)[item.row_start : item.row_end])
+                assert view.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()  # no copy
+    scalar = tensor_chunks(buckets)[names.index("model.logit_scale")]
+    assert scalar[1] == (1,) and chunk_views(weights["model.logit_scale"], scalar)[0].shape == (1,)
