@@ -246,12 +246,12 @@ def bench_host_copies(shape: str, bucket_bytes: int, tp: int, iters: int, device
     dtype = torch.bfloat16
     shapes = qwen2_shapes(**SHAPES[shape])
     meta = [(n, s, dtype) for n, s in shapes.items()]
-    weights = {n: torch.empty(s, dtype=dtype, device=dev) for n, s in shapes.items()}
+    weights = {n: torch.zeros(s, dtype=dtype, device=dev) for n, s in shapes.items()}  # touched: no page faults
     specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=0, tp_size=tp)
     cuts = {n: sorted({sp.start, sp.start + sp.length}) for n, sp in specs.items() if sp.dim == 0}
     plan = plan_buckets(meta, 1, bucket_bytes, cuts=cuts, direct_bytes=bucket_bytes // 4)
     packed = [b for b in plan.buckets if len(b.items) > 1]  # single chunks travel unpacked
-    bufs = [torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+    bufs = [torch.zeros(plan.max_bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
     receiver = StagedReceiver(specs, lambda named, v: None, device=dev)
     receiver.begin(0)
     packer, stager = BucketPacker(), BucketStager(receiver, specs)
@@ -291,24 +291,34 @@ def bench_host_copies(shape: str, bucket_bytes: int, tp: int, iters: int, device
         for k, b in enumerate(packed):
             stager.stage(b, bufs[k % 2][: b.nbytes])
 
-    def timed(fn) -> float:
+    def timed(fn) -> tuple[float, float]:
+        """(host seconds to issue ``fn``, seconds until its kernels finished)."""
         sync_dev()
         t = time.perf_counter()
         fn()
-        dt = time.perf_counter() - t
+        host = time.perf_counter() - t
         sync_dev()
-        return dt
+        return host, time.perf_counter() - t
+
+    flat = torch.zeros(sum(b.nbytes for b in packed), dtype=torch.uint8, device=dev)
+    flat_dst = torch.zeros_like(flat)
+
+    def flat_copy() -> None:  # the same bytes as one copy: the device-time floor
+        flat_dst.copy_(flat)
 
     out: dict[str, float] = {}
     for name, fn in (("pack_old", pack_old), ("pack_new", pack_new), ("stage_old", stage_old),
-                     ("stage_new", stage_new)):
+                     ("stage_new", stage_new), ("flat_copy", flat_copy)):
         fn()  # warm-up (builds the cached views)
-        out[f"{name}_ms_median"] = 1e3 * statistics.median(timed(fn) for _ in range(iters))
+        runs = [timed(fn) for _ in range(iters)]
+        out[f"{name}_ms_median"] = 1e3 * statistics.median(h for h, _ in runs)
+        if dev.type == "cuda":
+            out[f"{name}_device_ms_median"] = 1e3 * statistics.median(d for _, d in runs)
     items = sum(len(b.items) for b in packed)
     return {
         "mode": "host-copies", "device": str(dev), "shape": shape, "rollout_tp": tp,
         "tensors": len(meta), "buckets": len(plan.buckets), "packed_buckets": len(packed), "packed_items": items,
-        "bucket_bytes": bucket_bytes, **out,
+        "bucket_bytes": bucket_bytes, "packed_bytes": flat.numel(), **out,
         "copy_calls_per_sync_old": {"pack": items, "stage": items},
         "copy_calls_per_sync_new": {"pack": len(packed), "stage": len(packed)},
     }
