@@ -345,7 +345,8 @@ class Sampler:
         of a CUDA graph the same kernels. ``n_gen_B``: tokens generated before this one (the
         table's count plus the loop step); ``mode``: the batch-level choices (``RowParams.mode``).
         Gives the tokens and log-probs of ``sample_rows`` for greedy and seeded rows (unseeded rows
-        draw the generator's noise for the whole batch)."""
+        draw the generator's noise for the whole batch). Float32 ``logits_BV`` of an all-greedy
+        batch are overwritten (suppressed ids set to -inf in place, saving a [B, V] copy)."""
         logits_BV = logits_BV.float()
         V = logits_BV.shape[1]
         scaled_BV = logits_BV / rows.scale_B[:, None] if mode.sample else logits_BV
