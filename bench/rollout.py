@@ -136,7 +136,6 @@ def request_params(args, temperature: float, new_tokens: int, n: int) -> list:
 
 def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_attention: str = "gather",
                temperature: float = 0.0, loop: bool = True) -> tuple[float, list[list[int]], dict]:
-    from areno.api.types import SamplingParams
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
     ecfg = RolloutEngineConfig(

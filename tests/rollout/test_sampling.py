@@ -99,8 +99,10 @@ def test_static_sampler_unseeded_rows_use_the_generator():
 
     V = 40
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=1.0, max_new_tokens=4), SamplingParams(temperature=1.0, seed=3, max_new_tokens=4),
-              SamplingParams(temperature=0, max_new_tokens=4), SamplingParams(temperature=0.5, top_k=3, max_new_tokens=4)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=4),
+              SamplingParams(temperature=1.0, seed=3, max_new_tokens=4),
+              SamplingParams(temperature=0, max_new_tokens=4),
+              SamplingParams(temperature=0.5, top_k=3, max_new_tokens=4)]
     rp = _rows(params, [0] * 4, V)
     assert rp.mode == SampleMode(True, True, True, True)
     eager = Sampler(device=torch.device("cpu"), seed=0).sample_rows(logits, rp)
