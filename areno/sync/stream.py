@@ -16,7 +16,9 @@ tensors and dim-1 (rowwise) slices are copied out of a buffer.
 
 Host cost: packing and staging issue one ``torch._foreach_copy_`` per bucket (per dtype pair),
 not one ``copy_`` per tensor; the buffer-slot views of every bucket are built once per transport
-(``BucketPacker``, ``BucketStager``). On NCCL the per-bucket waits are stream-ordered
+(``BucketPacker``, ``BucketStager``); a bucket's chunks are copied together once its last one was
+read, so a source that yields fresh tensors (not views of live ones) has those of the bucket being
+packed held until then, at most a bucket's worth (a gathered DTensor is copied out at once). On NCCL the per-bucket waits are stream-ordered
 (``Work.wait()`` without a timeout: the current stream waits, the host keeps enqueuing), so packing
 bucket k+1 is not serialised behind bucket k on the wire; a buffer slot is still reused only after
 its collective (the reusing copies are ordered after it on the stream). Before voting, every rank
