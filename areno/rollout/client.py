@@ -283,13 +283,19 @@ class MultiServerRolloutClient(RolloutClient):
     skipped until its ``/health`` answers again. A server that cannot be reached is reported to the
     monitor and the request goes to the next one; a 4xx (a bad request) is raised at once. When no
     server is healthy the request waits for one to recover, up to its deadline, then raises
-    ``NoHealthyServerError`` naming every server.
+    ``NoHealthyServerError`` naming every server. A request that every server has failed
+    ``max_failures_per_server`` times (a 5xx from an engine whose steps raise, while its ``/health``
+    still answers) raises ``NoHealthyServerError`` with the servers' errors at once, instead of
+    going round until the deadline.
     """
 
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float | None = 600.0,
-                 health: "HealthMonitor | None" = None) -> None:
+                 health: "HealthMonitor | None" = None, max_failures_per_server: int = 3) -> None:
         if not urls:
             raise ValueError("MultiServerRolloutClient needs at least one rollout server URL")
+        if max_failures_per_server < 1:
+            raise ValueError(f"max_failures_per_server must be >= 1, got {max_failures_per_server}")
+        self.max_failures_per_server = max_failures_per_server
         self.urls = [u.rstrip("/") for u in urls]
         self.api_key = api_key
         self.request_timeout_s = _deadline(request_timeout_s)
@@ -321,7 +327,8 @@ class MultiServerRolloutClient(RolloutClient):
         loop = asyncio.get_running_loop()
         deadline = None if self.request_timeout_s is None else loop.time() + self.request_timeout_s
         errors: dict[str, str] = {}
-        while True:
+        failures = [0] * len(self.urls)
+        while min(failures) < self.max_failures_per_server:
             for i in self._routable():
                 try:
                     out = await clients[i].agenerate(prompt_ids, sampling_params, request_id=request_id)
@@ -331,6 +338,7 @@ class MultiServerRolloutClient(RolloutClient):
                     exc = RolloutServerError(f"unreachable ({type(exc).__name__}: {exc})", server=self.urls[i]) \
                         if isinstance(exc, httpx.TransportError) else exc
                     errors[self.urls[i]] = str(exc)
+                    failures[i] += 1
                     if self.health is not None:
                         self.health.report_failure(self.urls[i], str(exc))
                     logger.warning("rollout server %s failed a request (%s); trying the next server", self.urls[i], exc)
@@ -347,6 +355,10 @@ class MultiServerRolloutClient(RolloutClient):
                 break
             if not await self.health.await_healthy(min(left, 1.0) if left is not None else 1.0):
                 continue
+        if min(failures) >= self.max_failures_per_server:
+            raise NoHealthyServerError(
+                f"every rollout server failed this request {self.max_failures_per_server} times "
+                f"({'; '.join(f'{u}: {e}' for u, e in errors.items())}): fix the servers (see their logs)")
         states = self.health.describe() if self.health is not None else errors
         raise NoHealthyServerError(
             f"no rollout server could take the request ({'; '.join(f'{u}: {e}' for u, e in states.items())}): "

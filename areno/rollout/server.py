@@ -28,6 +28,7 @@ import dataclasses
 import hmac
 import ipaddress
 import json
+import logging
 import os
 import re
 import time
@@ -41,8 +42,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from areno.api.types import GenerationOutput, SamplingParams
-from areno.rollout.client import InProcessRolloutClient
+from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------- request bodies
@@ -116,6 +119,12 @@ class _BadRequest(Exception):
     def __init__(self, param: str | None, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.param, self.message, self.status = param, message, status
+
+
+def _engine_error(exc: BaseException) -> _BadRequest:
+    """A 500 naming the engine's exception (the full traceback is in the server log)."""
+    logger.error("rollout engine failed a request: %s: %s", type(exc).__name__, exc)
+    return _BadRequest(None, f"the rollout engine failed: {type(exc).__name__}: {exc}", status=500)
 
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_new_tokens", "max_new_tokens", "seed"}
@@ -253,6 +262,10 @@ def create_app(
             return await client.agenerate(prompt_ids, params)
         except ValueError as e:
             raise _BadRequest(field, f"{field}: {e}") from None
+        except RolloutRequestTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine failed: a 500 that says why
+            raise _engine_error(e) from None
 
     def encode(text: str) -> list[int]:
         if tokenizer is None:
@@ -351,6 +364,10 @@ def create_app(
             out = await client.agenerate(req.prompt_ids, params, request_id=req.request_id)
         except ValueError as e:
             raise _BadRequest("prompt_ids", f"prompt_ids: {e}") from None
+        except RolloutRequestTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine failed: a 500 that says why
+            raise _engine_error(e) from None
         return dataclasses.asdict(out)
 
     # ---- admin ----

@@ -214,6 +214,28 @@ def test_request_to_dead_server_fails_over_without_waiting_for_a_ping(tiny_model
     assert dead in str(info.value) and a.url in str(info.value) and "unhealthy after" in str(info.value)
 
 
+def test_server_whose_engine_raises_fails_the_request_fast(tiny_model_dir):
+    """An engine whose steps raise answers every request 500 while /health still answers: the
+    client stops after max_failures_per_server rounds with the engine's error, not at the deadline."""
+    a = Server(tiny_model_dir)
+
+    def broken_step():
+        raise RuntimeError("decode kernel exploded")
+
+    a.engine.step = broken_step
+    monitor = HealthMonitor([a.url], interval_s=60, timeout_s=0.5, max_misses=100)
+    client = MultiServerRolloutClient([a.url], request_timeout_s=60, health=monitor, max_failures_per_server=2)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(NoHealthyServerError, match="failed this request 2 times") as info:
+            asyncio.run(client.agenerate([5, 6, 7], PARAMS))
+    finally:
+        a.stop()
+    assert time.monotonic() - t0 < 20.0 and "decode kernel exploded" in str(info.value)
+    with pytest.raises(ValueError, match="max_failures_per_server"):
+        MultiServerRolloutClient([a.url], max_failures_per_server=0)
+
+
 def test_health_monitor_validation():
     with pytest.raises(ValueError, match="max_misses must be >= 1"):
         HealthMonitor(["http://x"], max_misses=0)
