@@ -71,6 +71,7 @@ def arm_config(eta: int, args, work: Path):
         f"cluster.rollout_devices={ints(args.rollout_devices)}",
         "observe.console=false",
     ]
+    overrides += args.set
     if args.max_tokens_per_mb:
         overrides.append(f"train.max_tokens_per_mb={args.max_tokens_per_mb}")
     if args.device == "cpu":
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens-per-mb", type=int, default=None)
     p.add_argument("--recipe", default="grpo_async")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more config override for every arm (repeatable), e.g. rollout.decode_steps=1")
     p.add_argument("--work-dir", default=None, help="keep the arms' run directories (metrics.jsonl) here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
