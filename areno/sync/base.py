@@ -320,20 +320,22 @@ def swap_into(live: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, tor
     shared = {id(t) for t in live.values() if len(owners[t.untyped_storage().data_ptr()]) > 1}
 
     def apply(named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        # Per tensor on the commit's pause: the cheapest checks first, three ``.data`` operations
+        # per swap (~1 us each: this loop is most of a swap commit's pause for ~300 tensors).
         done: set[int] = set()
         with torch.no_grad():
             for name, staged in named:
                 dst = live[name]
-                assert dst.shape == staged.shape, (name, dst.shape, staged.shape)
                 if id(dst) in done:
                     continue
-                if (dst.dtype == staged.dtype and dst.device == staged.device and dst.is_contiguous()
-                        and staged.is_contiguous() and id(dst) not in shared):
+                if (dst.dtype is staged.dtype and id(dst) not in shared and dst.is_contiguous()
+                        and staged.is_contiguous() and dst.shape == staged.shape and dst.device == staged.device):
                     old = dst.data
-                    dst.data = staged.data
+                    dst.data = staged
                     staged.data = old
                     done.add(id(dst))
                 else:
+                    assert dst.shape == staged.shape, (name, dst.shape, staged.shape)
                     dst.copy_(staged)
 
     return apply
