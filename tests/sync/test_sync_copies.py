@@ -173,3 +173,49 @@ def test_chunk_views_are_the_item_rows_as_views():
                 assert view.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()  # no copy
     scalar = tensor_chunks(buckets)[names.index("model.logit_scale")]
     assert scalar[1] == (1,) and chunk_views(weights["model.logit_scale"], scalar)[0].shape == (1,)
+
+
+class FakeWork:
+    """Records how it was waited on; ``fail``: a wait with a timeout raises as a timed-out NCCL work."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[object] = []
+        self.fail = fail
+
+    def wait(self, timeout=None):
+        self.calls.append(timeout)
+        if timeout is not None and self.fail:
+            raise RuntimeError("Watchdog caught collective operation timeout")
+        return True
+
+
+def stream_ordered_transport(ordered: bool):
+    import datetime
+
+    from areno.sync.stream import StreamTransport
+
+    t = StreamTransport.__new__(StreamTransport)  # the wait logic alone, no process groups
+    t.stream_ordered, t._inflight = ordered, []
+    t._timeout = datetime.timedelta(seconds=5)
+    t.last_phases = {"wait": 0.0}
+    return t
+
+
+def test_stream_ordered_waits_defer_the_timed_host_wait_to_the_drain():
+    from areno.sync.base import PolicySyncError
+
+    t = stream_ordered_transport(True)
+    works = [FakeWork(), FakeWork(fail=True), FakeWork()]
+    for k, w in enumerate(works):
+        t._order(w, f"receiving bucket {k} from training rank 0", k)
+    assert [w.calls for w in works] == [[None], [None], [None]]  # stream-ordered: no host block yet
+    with pytest.raises(PolicySyncError, match="receiving bucket 1 from training rank 0: Watchdog") as e:
+        t._drain()
+    assert e.value.buckets_done == 1
+    assert works[0].calls == [None, t._timeout] and works[1].calls == [None, t._timeout]
+    assert t._inflight == []
+    # gloo: every wait blocks at once, with the timeout, and nothing is left for a drain.
+    t = stream_ordered_transport(False)
+    w = FakeWork()
+    t._order(w, "fan-out of bucket 0", 0)
+    assert w.calls == [t._timeout] and t._inflight == []
