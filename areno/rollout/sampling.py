@@ -176,30 +176,16 @@ class RowTensors:
 
 
 @dataclass
-class RowParams:
-    """Per-row sampling parameters and counters of one engine step, as device tensors.
+class RowParams(RowTensors):
+    """Per-row sampling parameters and counters of one engine step, as device tensors (the fields
+    of ``RowTensors``: ``scale_B`` float32 temperature, 1 for greedy rows; ``top_k_B`` V where
+    disabled; ``seed_B`` meaningful where ``seeded_idx`` points; ``stop_ids_BS`` padded by
+    repeating the row's first id, 0 in rows without any), plus batch-level flags.
 
     ``n_gen_B`` (tokens generated before the one being sampled) advances with every sampled token
     (``advance``); ``room_B`` is how many tokens each row may still sample before its length limit
     (``max_new_tokens`` or the context)."""
 
-    scale_B: torch.Tensor
-    """float32 temperature (1 for greedy rows)."""
-    greedy_B: torch.Tensor
-    top_k_B: torch.Tensor
-    """long; V where disabled."""
-    top_p_B: torch.Tensor
-    seed_B: torch.Tensor
-    """long; meaningful where ``seeded_idx`` points."""
-    seeded_B: torch.Tensor
-    """bool: a sampling row with its own seed."""
-    stop_ids_BS: torch.Tensor
-    """long stop/EOS ids per row, padded by repeating the row's first id (0 in rows without any)."""
-    stop_valid_BS: torch.Tensor
-    min_new_B: torch.Tensor
-    max_new_B: torch.Tensor
-    n_gen_B: torch.Tensor
-    room_B: torch.Tensor
     steps_done: int
     """Tokens sampled since ``build`` (``advance`` calls)."""
     any_stop_ids: bool
@@ -271,9 +257,7 @@ class RowParams:
             dev_FB = dev_FB.to(device, non_blocking=True)
         t = RowTensors.from_table(dev_FB, max_len)
         return cls(
-            scale_B=t.scale_B, greedy_B=t.greedy_B, top_k_B=t.top_k_B, top_p_B=t.top_p_B, seed_B=t.seed_B,
-            seeded_B=t.seeded_B, stop_ids_BS=t.stop_ids_BS, stop_valid_BS=t.stop_valid_BS, min_new_B=t.min_new_B,
-            max_new_B=t.max_new_B, n_gen_B=t.n_gen_B.clone(), room_B=t.room_B, steps_done=0,
+            **{**vars(t), "n_gen_B": t.n_gen_B.clone()}, steps_done=0,
             any_stop_ids=any(r[9] for r in rows), max_len=max_len, all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
             any_truncate=bool(truncate.any()), any_min_new=any_min_new and B > 0,
             seeded_idx=seeded_idx, unseeded_idx=unseeded_idx, all_unseeded=n_unseeded == B and B > 0,
