@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=0, help="areno: decode steps per host round trip (0 = engine default)")
     p.add_argument("--decode-attention", choices=("auto", "gather", "paged"), default="auto",
                    help="areno: rollout.decode_attention (auto: paged on CUDA; gather: SDPA over a dense K/V copy; paged: the Triton kernel)")
-    p.add_argument("--fused-kernels", action="store_true",
+    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="areno: rollout.fused_kernels (fused RMSNorm/RoPE/SiLU-mul Triton kernels, CUDA)")
     p.add_argument("--param-dtype", default=None, help="master weights of both systems (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")

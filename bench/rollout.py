@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--decode-attention", nargs="+", choices=["auto", "gather", "paged"], default=["auto"],
                     help="engine decode attention; several values: one engine run each, side by side")
-    ap.add_argument("--fused-kernels", action="store_true",
+    ap.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                     help="CUDA: fused RMSNorm/RoPE/SiLU-mul Triton kernels (RolloutEngineConfig.fused_kernels)")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)")

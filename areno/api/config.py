@@ -132,10 +132,10 @@ class RolloutSection:
     """Decode attention of the rollout engine: `gather` (copy each sequence's K/V out of the paged
     pool, then SDPA), `paged` (read the pool directly: a Triton kernel on CUDA, a chunked
     online-softmax fallback elsewhere) or `auto` (paged on CUDA with Triton, gather elsewhere)."""
-    fused_kernels: bool = False
+    fused_kernels: bool = True
     """CUDA: fused Triton kernels for RMSNorm, RoPE and SiLU-and-multiply in the rollout engine's
-    (and every no-grad) forward, after a self-check against the eager ops (experimental: opt-in
-    until measured on a GPU)."""
+    forwards (a decode step is bound by its kernel count), after a self-check against the eager ops
+    at start-up (a mismatch keeps the eager ops and says why). No effect on CPU or in training."""
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""

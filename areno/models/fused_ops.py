@@ -11,15 +11,21 @@ a rounding step of the model dtype (RMSNorm's mean of squares is summed in anoth
 
 ``enable()`` turns them on for the process after a self-check against the eager ops on random
 inputs (a failure leaves them off and says why); ``areno.models.decoder`` routes ``RMSNorm``,
-``apply_rope`` and the MLP's activation here only for CUDA tensors with gradients disabled and
-outside ``torch.compile`` tracing, so training and every CPU path keep the eager reference ops.
+``apply_rope`` and the MLP's activation here only inside ``with inference():`` on the calling
+thread (the rollout engine's steps and graph captures), for CUDA tensors with gradients disabled
+and outside ``torch.compile`` tracing. Training, the trainer's no-grad forwards (pi_prox, reference
+log-probs: the same kernels as its gradient forward, so a fresh PPO ratio is exactly 1) and every
+CPU path keep the eager reference ops.
 
 Legend: N = rows (tokens), D = features, T = tokens, H = heads, Dh = head dim, F = Dh / 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -32,15 +38,29 @@ except ImportError:  # pragma: no cover - depends on the install
 log = logging.getLogger(__name__)
 
 _ENABLED = False
+_LOCAL = threading.local()
 
 
 def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+@contextlib.contextmanager
+def inference(on: bool = True) -> Iterator[None]:
+    """Let (``on``) or forbid the fused kernels in forwards run by this thread inside the block
+    (they also need ``enable()``); the rollout engine wraps its steps and graph captures in it."""
+    prev = getattr(_LOCAL, "on", False)
+    _LOCAL.on = on
+    try:
+        yield
+    finally:
+        _LOCAL.on = prev
+
+
 def active(x: torch.Tensor) -> bool:
-    """Whether the fused kernels serve an op on ``x`` (enabled, CUDA, no grad, not compiling)."""
-    return (_ENABLED and x.is_cuda and not torch.is_grad_enabled()
+    """Whether the fused kernels serve an op on ``x`` (enabled, inside ``inference()`` on this
+    thread, CUDA, no grad, not compiling)."""
+    return (_ENABLED and getattr(_LOCAL, "on", False) and x.is_cuda and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling())
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from areno.api.types import GenerationOutput, SamplingParams
+from areno.models import fused_ops
 from areno.observe.trace import instant, span
 from areno.rollout.attention import DECODE_ATTENTION, PagedAttention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
@@ -105,11 +106,11 @@ class RolloutEngineConfig:
     importable (measured 1.2-1.8x faster decode on an H200, bench/RESULTS.md) and "gather" elsewhere
     (faster on CPU). Prefill and mixed steps always gather."""
 
-    fused_kernels: bool = False
-    """CUDA with Triton: RMSNorm, RoPE and SiLU-and-multiply of no-grad forwards run as one fused
-    kernel each (``areno.models.fused_ops``; same roundings as the eager ops, enabled only after a
-    self-check against them) instead of 2-8 eager kernels, which dominate a small model's decode
-    step. Process wide once on. Opt-in until measured on a GPU (bench/RESULTS.md)."""
+    fused_kernels: bool = True
+    """CUDA with Triton: RMSNorm, RoPE and SiLU-and-multiply in this engine's forwards run as one
+    fused kernel each (``areno.models.fused_ops``; same roundings as the eager ops, enabled only
+    after a self-check against them) instead of 2-8 eager kernels, which dominate a small model's
+    decode step. Only this engine's steps and graph captures use them (``fused_ops.inference``)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
@@ -163,10 +164,9 @@ class RolloutEngine:
         self.device = torch.device(config.device) if config.device else param.device
         self.config = config = dataclasses.replace(
             config, decode_attention=resolve_decode_attention(config.decode_attention, self.device))
-        if config.fused_kernels and self.device.type == "cuda":
-            from areno.models import fused_ops
-
-            fused_ops.enable()
+        # Fused inference kernels serve this engine's steps only (``fused_ops.inference``): a
+        # trainer in the same process keeps the eager ops in all its forwards.
+        self._fused = bool(config.fused_kernels and self.device.type == "cuda" and fused_ops.enable())
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_position = model_config.max_position_embeddings
@@ -311,7 +311,7 @@ class RolloutEngine:
         """Run one forward pass over the scheduled tokens (a pure-decode batch: up to
         ``decode_steps`` of them back to back); returns the requests that finished."""
         t0 = time.perf_counter()
-        with span("engine_step", "rollout"):
+        with span("engine_step", "rollout"), fused_ops.inference(self._fused):
             outputs = self._step()
         if self._last_step_ran:
             self._busy_s += time.perf_counter() - t0
@@ -538,7 +538,7 @@ class RolloutEngine:
         (0 without CUDA graphs)."""
         if self._graphs is None:
             return 0
-        with self._lock:
+        with self._lock, fused_ops.inference(self._fused):
             return self._graphs.capture(batch_sizes, max_len, params)
 
     # ------------------------------------------------------------------ control

@@ -10,6 +10,23 @@ from areno.models import Decoder, fused_ops, tiny_config
 from areno.models.decoder import PackedCausalAttention, eager_rms_norm, eager_rope
 
 
+def test_inference_scope_is_per_thread_and_nests():
+    """Only forwards inside ``inference()`` on the same thread may take the fused path (a colocated
+    trainer's thread keeps the eager ops while the rollout thread decodes)."""
+    import threading
+
+    seen = []
+    with fused_ops.inference():
+        assert fused_ops._LOCAL.on
+        t = threading.Thread(target=lambda: seen.append(getattr(fused_ops._LOCAL, "on", False)))
+        t.start()
+        t.join()
+        with fused_ops.inference(False):
+            assert not fused_ops._LOCAL.on
+        assert fused_ops._LOCAL.on
+    assert not fused_ops._LOCAL.on and seen == [False]
+
+
 def test_inactive_on_cpu_and_with_grad():
     x = torch.randn(3, 8)
     assert not fused_ops.active(x)  # CPU tensors never take the fused path, enabled or not
@@ -27,7 +44,8 @@ def test_cpu_decoder_forward_unaffected_by_enable():
     with torch.no_grad():
         before = model(ids, pos)
         fused_ops.enable()
-        after = model(ids, pos)
+        with fused_ops.inference():
+            after = model(ids, pos)
     fused_ops.disable()
     assert torch.equal(before, after)
 
@@ -69,7 +87,10 @@ def test_decoder_forward_fused_equals_eager():
         fused_ops.disable()
         eager = model.logits(model(ids, pos, PackedCausalAttention(cu))).float()
         assert fused_ops.enable()
-        fused = model.logits(model(ids, pos, PackedCausalAttention(cu))).float()
+        outside = model.logits(model(ids, pos, PackedCausalAttention(cu))).float()
+        assert torch.equal(outside, eager)  # enabled, but not inside inference(): the eager ops
+        with fused_ops.inference():
+            fused = model.logits(model(ids, pos, PackedCausalAttention(cu))).float()
     assert (fused - eager).abs().max().item() < 0.05  # bf16: RMSNorm's sum order may move a rounding
     assert (fused.argmax(-1) == eager.argmax(-1)).float().mean().item() > 0.98
     with torch.enable_grad():  # training keeps the eager ops
