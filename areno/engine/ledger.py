@@ -217,13 +217,22 @@ class SeedingClient(RolloutClient):
             release()
 
     async def agenerate(self, prompt_ids: list[int], sampling_params: Any, **kwargs: Any):
+        sampling_params = self._arrive([sampling_params])[0]
+        return await self.inner.agenerate(prompt_ids, sampling_params, **kwargs)
+
+    async def agenerate_many(self, prompt_ids: list[int], params: list[Any]):
+        return await self.inner.agenerate_many(prompt_ids, self._arrive(params))
+
+    def _arrive(self, params: list[Any]) -> list[Any]:
+        """Seed the unseeded sampled requests from the episode's seeds (in order) and count them."""
         seeds = _EPISODE.get(None)
-        if seeds is not None and sampling_params.seed is None and sampling_params.temperature > 0:
-            sampling_params = dataclasses.replace(sampling_params, seed=seeds.next())
-        self._arrivals += 1
+        if seeds is not None:
+            params = [dataclasses.replace(p, seed=seeds.next()) if p.seed is None and p.temperature > 0 else p
+                      for p in params]
+        self._arrivals += len(params)
         if self._release is not None and self._settler is None:
             self._settler = asyncio.get_running_loop().create_task(self._asettle())
-        return await self.inner.agenerate(prompt_ids, sampling_params, **kwargs)
+        return params
 
     async def _asettle(self) -> None:
         seen, quiet = self._arrivals, 0

@@ -75,8 +75,23 @@ class RolloutClient(abc.ABC):
     ) -> GenerationOutput:
         """Generate a completion of ``prompt_ids``; returns when the request finishes or is aborted."""
 
+    async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """One completion of ``prompt_ids`` per entry of ``params`` (a GRPO group: the same prompt,
+        per-sample seeds), in order. Clients over HTTP send them as one request to one server, so
+        the group shares its prompt's KV blocks there; this default runs ``agenerate`` per entry."""
+        return list(await asyncio.gather(*(self.agenerate(prompt_ids, p) for p in params)))
+
     async def aclose(self) -> None:
         """Release background resources (threads, connections)."""
+
+
+async def agenerate_many(client: Any, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
+    """``client.agenerate_many`` when the client has it, else one ``agenerate`` per entry: workflows
+    call this so any object with an ``agenerate`` coroutine keeps working as a client."""
+    many = getattr(client, "agenerate_many", None)
+    if many is not None:
+        return await many(prompt_ids, params)
+    return list(await asyncio.gather(*(client.agenerate(prompt_ids, p) for p in params)))
 
 
 class InProcessRolloutClient(RolloutClient):
@@ -250,6 +265,29 @@ class HTTPRolloutClient(RolloutClient):
                                      status=response.status_code)
         return GenerationOutput(**response.json())
 
+    async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """All of ``params`` in one ``POST /generate_many`` (one HTTP round trip per group)."""
+        if not params:
+            return []
+        request_ids = [f"req-{uuid.uuid4().hex}" for _ in params]
+        body = {"prompt_ids": list(prompt_ids), "sampling_params": [dataclasses.asdict(p) for p in params],
+                "request_ids": request_ids}
+        try:
+            response = await asyncio.wait_for(self._client.post("/generate_many", json=body), self.timeout_s)
+        except TimeoutError:
+            for request_id in request_ids:
+                await self._abort_quietly(request_id)
+            assert self.timeout_s is not None
+            raise RolloutRequestTimeout(
+                server=self.base_url, request_id=request_ids[0], timeout_s=self.timeout_s,
+                prompt_tokens=len(prompt_ids), max_new_tokens=max(p.max_new_tokens for p in params),
+            ) from None
+        if response.status_code != 200:
+            raise RolloutServerError(f"{self.base_url}/generate_many answered {response.status_code}: "
+                                     f"{_error_message(response)}", server=self.base_url,
+                                     status=response.status_code)
+        return [GenerationOutput(**o) for o in response.json()["outputs"]]
+
     async def _abort_quietly(self, request_id: str) -> None:
         """Best effort: a stalled server may not answer this either."""
         import httpx
@@ -321,6 +359,16 @@ class MultiServerRolloutClient(RolloutClient):
 
     async def agenerate(self, prompt_ids: list[int], sampling_params: SamplingParams, *,
                         request_id: str | None = None) -> GenerationOutput:
+        return await self._route(lambda c: c.agenerate(prompt_ids, sampling_params, request_id=request_id))
+
+    async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """The whole group to one server (its samples share the prompt's KV blocks there)."""
+        if not params:
+            return []
+        return await self._route(lambda c: c.agenerate_many(prompt_ids, params))
+
+    async def _route(self, call: Any) -> Any:
+        """``call(client)`` on the next healthy server, failing over as the class docstring says."""
         import httpx
 
         clients = self._clients()
@@ -331,7 +379,7 @@ class MultiServerRolloutClient(RolloutClient):
         while min(failures) < self.max_failures_per_server:
             for i in self._routable():
                 try:
-                    out = await clients[i].agenerate(prompt_ids, sampling_params, request_id=request_id)
+                    out = await call(clients[i])
                 except (RolloutServerError, httpx.TransportError) as exc:
                     if isinstance(exc, RolloutServerError) and exc.status is not None and exc.status < 500:
                         raise  # the request is bad, not the server

@@ -106,6 +106,14 @@ class GenerateRequest(BaseModel):
     request_id: str | None = None
 
 
+class GenerateManyRequest(BaseModel):
+    """Several completions of one prompt (a GRPO group) in one request."""
+
+    prompt_ids: list[int]
+    sampling_params: list[dict[str, Any]] = Field(min_length=1)
+    request_ids: list[str] | None = None
+
+
 class AbortRequest(BaseModel):
     request_id: str
 
@@ -350,25 +358,46 @@ def create_app(
                 "usage": usage(len(prompt_ids) * len(jobs), outs)}
 
     # ---- token level ----
-    @app.post("/generate")
-    async def generate(req: GenerateRequest) -> dict:
+    def sampling_params(raw: dict[str, Any], field: str) -> SamplingParams:
         known = {f.name for f in dataclasses.fields(SamplingParams)}
-        unknown = sorted(set(req.sampling_params) - known)
+        unknown = sorted(set(raw) - known)
         if unknown:
-            raise _BadRequest(f"sampling_params.{unknown[0]}", f"sampling_params: unknown parameter {unknown[0]!r}")
+            raise _BadRequest(f"{field}.{unknown[0]}", f"{field}: unknown parameter {unknown[0]!r}")
         try:
-            params = SamplingParams(**req.sampling_params)
+            return SamplingParams(**raw)
         except (ValueError, TypeError) as e:
-            raise _BadRequest("sampling_params", f"sampling_params: {e}") from None
+            raise _BadRequest(field, f"{field}: {e}") from None
+
+    async def generate_one(prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> GenerationOutput:
         try:
-            out = await client.agenerate(req.prompt_ids, params, request_id=req.request_id)
+            return await client.agenerate(prompt_ids, params, request_id=request_id)
         except ValueError as e:
             raise _BadRequest("prompt_ids", f"prompt_ids: {e}") from None
         except RolloutRequestTimeout:
             raise
         except Exception as e:  # noqa: BLE001 - the engine failed: a 500 that says why
             raise _engine_error(e) from None
-        return dataclasses.asdict(out)
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest) -> dict:
+        params = sampling_params(req.sampling_params, "sampling_params")
+        return dataclasses.asdict(await generate_one(req.prompt_ids, params, req.request_id))
+
+    @app.post("/generate_many")
+    async def generate_many(req: GenerateManyRequest) -> dict:
+        """One completion of ``prompt_ids`` per entry of ``sampling_params``, in order; every
+        entry is validated before any is queued, and if one fails the others are aborted."""
+        params = [sampling_params(raw, f"sampling_params[{i}]") for i, raw in enumerate(req.sampling_params)]
+        ids = req.request_ids or [None] * len(params)
+        if len(ids) != len(params):
+            raise _BadRequest("request_ids", f"request_ids: {len(ids)} ids for {len(params)} sampling_params")
+        tasks = [asyncio.ensure_future(generate_one(req.prompt_ids, p, rid)) for p, rid in zip(params, ids)]
+        try:
+            outs = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # on an error (or a dropped connection) abort the rest
+                task.cancel()
+        return {"outputs": [dataclasses.asdict(o) for o in outs]}
 
     # ---- admin ----
     @app.get("/health", response_model=None)

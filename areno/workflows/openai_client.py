@@ -25,7 +25,6 @@ other processes or languages.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
@@ -40,6 +39,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from areno.api.types import GenerationOutput, SamplingParams, Trajectory
+from areno.rollout.client import agenerate_many
 from areno.workflows.interaction import ExportStyle, Interaction, InteractionCache
 from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validate_tool_schema
 
@@ -191,8 +191,8 @@ class ArenoAsyncOpenAI:
             raise AgentRequestError(f"n must be >= 1, got {n}")
         params = [self._sampling(req, i) for i in range(n)]
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(self.rollout_client.agenerate(prompt_ids, p) for p in params))
-        return list(outs), time.perf_counter() - t0
+        outs = await agenerate_many(self.rollout_client, prompt_ids, params)
+        return outs, time.perf_counter() - t0
 
     # ---- the two endpoints
     async def acreate_chat(self, **req: Any) -> ChatCompletion:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
 from typing import TYPE_CHECKING, Any
 
 from areno.api.types import GenerationOutput, SamplingParams, Trajectory
 from areno.api.workflow import RolloutWorkflow
+from areno.rollout.client import agenerate_many
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
 
 if TYPE_CHECKING:
@@ -54,9 +54,8 @@ class RLVRWorkflow(RolloutWorkflow):
         answer = sample.get(self.answer_key)
         fields = sample_fields(sample, self.prompt_key, self.answer_key)
         prompt_ids = list(self.tokenizer.encode(prompt))
-        outputs: list[GenerationOutput] = await asyncio.gather(
-            *(client.agenerate(prompt_ids, seeded(self.sampling_params, i)) for i in range(self.n_samples))
-        )
+        outputs: list[GenerationOutput] = await agenerate_many(
+            client, prompt_ids, [seeded(self.sampling_params, i) for i in range(self.n_samples)])
         group_id = uuid.uuid4().hex
         group = []
         for out in outputs:

@@ -156,3 +156,50 @@ def test_main_reports_bad_model_dir(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     out = capsys.readouterr().out
     assert out.startswith("areno serve:") and out.count("\n") == 1
+
+
+def test_generate_many_one_request_per_group(server):
+    """A GRPO group in one POST /generate_many: the same tokens as one /generate per sample (same
+    seeds), in order; every entry validated first; a group through MultiServerRolloutClient is one
+    request to one server."""
+    import asyncio
+
+    from areno.api.types import SamplingParams
+    from areno.rollout.client import HTTPRolloutClient, MultiServerRolloutClient
+
+    base, _, tokenizer = server
+    prompt = tokenizer("hello")["input_ids"]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=5, seed=100 + i, ignore_eos=True) for i in range(4)]
+
+    async def go():
+        client = HTTPRolloutClient(base, KEY)
+        try:
+            many = await client.agenerate_many(prompt, params)
+            one_by_one = [await client.agenerate(prompt, p) for p in params]
+        finally:
+            await client.aclose()
+        multi = MultiServerRolloutClient([base, base], api_key=KEY)
+        try:
+            grouped = await multi.agenerate_many(prompt, params)
+            counts = list(multi.requests_per_server)
+        finally:
+            await multi.aclose()
+        return many, one_by_one, grouped, counts
+
+    many, one_by_one, grouped, counts = asyncio.run(go())
+    assert [o.output_ids for o in many] == [o.output_ids for o in one_by_one] == [o.output_ids for o in grouped]
+    for a, b in zip(many, one_by_one):
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+    assert len({tuple(o.output_ids) for o in many}) > 1  # per-sample seeds, not one sample four times
+    assert sum(counts) == 1  # the whole group was one request to one server
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    ok = {"temperature": 0, "max_new_tokens": 2}
+    r = httpx.post(f"{base}/generate_many", headers=h, json={"prompt_ids": prompt,
+                                                            "sampling_params": [ok, {**ok, "temprature": 1}]})
+    assert r.status_code == 400 and "sampling_params[1]: unknown parameter 'temprature'" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/generate_many", headers=h, json={"prompt_ids": prompt, "sampling_params": [ok, ok],
+                                                            "request_ids": ["a"]})
+    assert r.status_code == 400 and "request_ids: 1 ids for 2 sampling_params" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/generate_many", headers=h, json={"prompt_ids": prompt, "sampling_params": []})
+    assert r.status_code == 400
