@@ -122,6 +122,9 @@ class RolloutSection:
     """Episodes in flight at once in the rollout pool."""
     max_retries: int = 1
     """Retries of a sample whose workflow raised, before it is dropped with a warning."""
+    max_consecutive_dropped: int = 16
+    """This many samples in a row dropped after all their retries stop the run with the last error
+    (a broken rollout engine or server, a workflow that always raises); 0 = never stop."""
     kv_blocks: int = 0
     """Rollout engine KV-cache blocks (0 = sized automatically)."""
     decode_steps: int = 0
@@ -152,6 +155,8 @@ class RolloutSection:
         _check(self.decode_steps >= 0, "rollout.decode_steps", f"must be >= 0 (0 = engine default), got {self.decode_steps}")
         _check(self.request_timeout_s >= 0, "rollout.request_timeout_s",
                f"must be >= 0 (0 = no deadline), got {self.request_timeout_s}")
+        _check(self.max_consecutive_dropped >= 0, "rollout.max_consecutive_dropped",
+               f"must be >= 0 (0 = never stop), got {self.max_consecutive_dropped}")
 
 
 @dataclass(kw_only=True)

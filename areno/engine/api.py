@@ -239,7 +239,7 @@ class ArenoEngine:
         workflow = LedgerWorkflow(workflow, self.ledger, max_retries=cfg.rollout.max_retries, seed=cfg.train.seed)
         return WorkflowExecutor(SeedingClient(self.client), workflow, self.ledger, staleness,
                                 num_workers=cfg.rollout.max_concurrent, max_retries=cfg.rollout.max_retries,
-                                store=self.store)
+                                max_consecutive_dropped=cfg.rollout.max_consecutive_dropped, store=self.store)
 
     # ----------------------------------------------------------------------------- the loop
     def generate_rollout(self, rollout_id: int) -> RolloutBatch:

@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("areno.rollout.executor")
 
 
+class RolloutPoolBroken(RuntimeError):
+    """Every recent sample failed all its attempts (``max_consecutive_dropped``): the pool stopped."""
+
+
 class DatasetExhausted(RuntimeError):
     """The dataset iterator ended and every admitted sample has been collected."""
 
@@ -114,6 +118,7 @@ class WorkflowExecutor:
         runner: "ProcessEpisodeRunner | None" = None,
         abort_stale: bool = True,
         episode_timeout_s: float | None = None,
+        max_consecutive_dropped: int = 16,
     ) -> None:
         """
         Args:
@@ -133,9 +138,18 @@ class WorkflowExecutor:
                 aborted), counted in ``rollout/episode_timeouts`` and re-queued (None: no limit).
                 With ``runner``, set the runner's own ``episode_timeout_s`` instead: a process
                 cannot be interrupted from here, only killed and restarted.
+            max_consecutive_dropped: this many samples in a row dropped after all their attempts
+                (a broken rollout engine or server, a workflow that always raises) stop the pool:
+                ``wait_batch`` raises at once with the last error instead of waiting for groups
+                that will never come (0: never stop).
         """
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if max_consecutive_dropped < 0:
+            raise ValueError(f"max_consecutive_dropped must be >= 0 (0: never stop), got {max_consecutive_dropped}")
+        self.max_consecutive_dropped = max_consecutive_dropped
+        self._dropped_in_a_row = 0
+        self._last_drop: str = ""
         if episode_timeout_s is not None and episode_timeout_s <= 0:
             raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
         self.episode_timeout_s = episode_timeout_s
@@ -286,8 +300,8 @@ class WorkflowExecutor:
     def _take_task(self) -> _Task | None:
         """Admit the next task if allowed now; None when it must wait."""
         assert self.staleness is not None and self._dataset_iter is not None
-        if self._paused or self._stopping:
-            return None
+        if self._paused or self._stopping or isinstance(self._worker_error, RolloutPoolBroken):
+            return None  # a broken pool admits nothing more: the samples stay unread for a fixed run
         if not self._pending and not self._exhausted:
             try:
                 sample = next(self._dataset_iter)
@@ -324,6 +338,16 @@ class WorkflowExecutor:
                 self._in_flight.pop(task.index, None)
                 self._busy_s += time.monotonic() - t0
             assert self.staleness is not None
+            if status == "dropped":
+                self._dropped_in_a_row += 1
+                if 0 < self.max_consecutive_dropped <= self._dropped_in_a_row and self._worker_error is None:
+                    self._worker_error = RolloutPoolBroken(
+                        f"the last {self._dropped_in_a_row} samples were all dropped after {self.max_retries + 1} "
+                        f"attempts each (last: {self._last_drop}): the rollout side is failing, not the data; fix "
+                        "the error above (the rollout engine or server log has the cause)")
+                    logger.error("%s", self._worker_error)
+            elif status in ("ok", "rejected"):
+                self._dropped_in_a_row = 0
             if status == "ok":
                 assert group is not None
                 self.staleness.on_accept()
@@ -371,6 +395,7 @@ class WorkflowExecutor:
                 logger.warning("re-queueing dataset %s (%s): %s", describe_sample(task.sample), counter, exc)
                 return "retry", None
             self._counts["dropped_failed"] += 1
+            self._last_drop = f"{type(exc).__name__}: {exc}"
             logger.warning("dropping dataset %s after %d infrastructure failures (last, %s): %s",
                            describe_sample(task.sample), task.lost, counter, exc)
             return "dropped", None
@@ -396,6 +421,7 @@ class WorkflowExecutor:
             )
             return "retry", None
         self._counts["dropped_failed"] += 1
+        self._last_drop = what
         logger.warning(
             "dropping dataset %s after %d failed attempts: %s",
             describe_sample(task.sample), task.attempts, what, exc_info=exc,
@@ -441,6 +467,8 @@ class WorkflowExecutor:
         deadline = None if timeout is None else t0 + timeout
         with self._results_cond:
             while True:
+                if isinstance(self._worker_error, RolloutPoolBroken):
+                    raise RolloutPoolBroken(str(self._worker_error))
                 if self._worker_error is not None:
                     raise RuntimeError(f"the rollout pool stopped: a worker died with {self._worker_error!r}") \
                         from self._worker_error

@@ -6,7 +6,7 @@ from async_fakes import FakeEngine
 
 from areno.api.types import SamplingParams, Trajectory
 from areno.api.workflow import RolloutWorkflow
-from areno.rollout.executor import DatasetExhausted, WorkflowExecutor
+from areno.rollout.executor import DatasetExhausted, RolloutPoolBroken, WorkflowExecutor
 from areno.rollout.staleness import StalenessManager
 
 
@@ -139,6 +139,27 @@ def test_failing_workflow_retried_then_dropped_with_warning(caplog):
     assert m["rollout/failed_episodes"] == 5 and m["rollout/dropped_failed"] == 1 and m["rollout/rejected"] == 1
     assert "dropping dataset row id=4 after 3 failed attempts" in caplog.text
     assert "env crashed on 4" in caplog.text
+
+
+def test_pool_stops_when_every_sample_keeps_failing():
+    """A broken rollout side (every episode raises): after max_consecutive_dropped samples in a row
+    are dropped, wait_batch raises at once with the last error instead of waiting forever; a
+    success in between resets the count."""
+    data = rows(200, fail=99)
+    for i in (1, 3):
+        data[i] = {"id": i, "len": 3}  # two good samples early on: the count restarts after each
+    wf = CountingWorkflow()
+    staleness = StalenessManager(max_head_offpolicyness=10, batch_size=4, max_concurrent=1)
+    t0 = time.monotonic()
+    with WorkflowExecutor(FakeEngine(length_from_prompt), wf, iter(data), staleness, max_retries=1,
+                          max_consecutive_dropped=5) as ex:
+        with pytest.raises(RolloutPoolBroken, match=r"last 5 samples were all dropped after 2 attempts each "
+                                                    r"\(last: RuntimeError: env crashed on 8\)"):
+            ex.wait_batch(4, timeout=30)
+    assert time.monotonic() - t0 < 20
+    assert max(wf.calls) == 8  # nothing admitted once the pool is broken
+    with pytest.raises(ValueError, match="max_consecutive_dropped"):
+        WorkflowExecutor(FakeEngine(length_from_prompt), wf, iter(data), staleness, max_consecutive_dropped=-1)
 
 
 def test_exhausted_dataset_returns_the_rest_then_raises():
