@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -45,6 +46,11 @@ def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((step for step, acc in curve if step > 0 and acc >= target - 1e-9), None)
 
 
+def total_steps(args) -> int:
+    """Steps every arm runs: the budget plus ``--slack`` of it (the same schedule for all arms)."""
+    return math.ceil(args.steps * (1 + args.slack))
+
+
 def run_arm(config_path: Path, work: Path, algorithm: str, eta: int, warm_model: Path, args) -> dict:
     from areno.api.config import load_config
     from areno.api.trainer import Trainer
@@ -54,7 +60,7 @@ def run_arm(config_path: Path, work: Path, algorithm: str, eta: int, warm_model:
     cfg = load_config(config_path, [
         f"run_dir={run_dir}", f"model.path={warm_model}", "warm_start.steps=0",
         f"train.algorithm={algorithm}", f"rollout.max_head_offpolicyness={eta}",
-        f"train.steps={args.steps}", f"train.eval_interval={args.eval_interval}", "observe.console=false",
+        f"train.steps={total_steps(args)}", f"train.eval_interval={args.eval_interval}", "observe.console=false",
         *args.overrides,
     ])
     t0 = time.perf_counter()
@@ -73,16 +79,20 @@ def run_arm(config_path: Path, work: Path, algorithm: str, eta: int, warm_model:
             "staleness_mean": round(sum(stale) / len(stale), 3) if stale else 0.0}
 
 
-def with_ratios(arms: list[dict]) -> None:
-    """Steps of each arm to the first arm's (η = 0) final accuracy, and the ratio to the first arm's."""
-    target = arms[0]["final_accuracy"]
-    ref_steps = steps_to_reach(arms[0]["curve"], target)
+def with_ratios(arms: list[dict], budget: int | None = None) -> None:
+    """Steps of each arm to the first arm's (η = 0) accuracy at ``budget`` steps (None: its final
+    one), and the ratio to the first arm's steps. With ``--slack`` every arm runs past ``budget``,
+    so the others can show whether they reach it within that many more steps."""
+    ref_curve = [(s, a) for s, a in arms[0]["curve"] if budget is None or s <= budget]
+    target = ref_curve[-1][1]
+    ref_steps = steps_to_reach(ref_curve, target)
+    arms[0]["reference_accuracy"] = target
     for arm in arms:
         s = arm["steps_to_reference_final"] = steps_to_reach(arm["curve"], target)
         arm["steps_ratio_vs_eta0"] = round(s / ref_steps, 3) if s is not None and ref_steps else None
 
 
-def aggregate(per_seed: dict[int, list[dict]]) -> dict:
+def aggregate(per_seed: dict[int, list[dict]], budget: int | None = None) -> dict:
     """Mean accuracy curve of each arm over the seeds (steps every seed evaluated), and steps ratios
     of the mean curves; plus each arm's per-seed ratios and mean final accuracy."""
     n_arms = len(next(iter(per_seed.values())))
@@ -94,8 +104,9 @@ def aggregate(per_seed: dict[int, list[dict]]) -> dict:
         arms.append({"algorithm": runs[0]["algorithm"], "eta": runs[0]["eta"], "seeds": len(runs), "curve": curve,
                      "final_accuracy": curve[-1][1],
                      "per_seed_steps_ratio": [r.get("steps_ratio_vs_eta0") for r in runs]})
-    with_ratios(arms)
-    return {"arms": arms, "reference_final_accuracy": arms[0]["final_accuracy"]}
+    with_ratios(arms, budget)
+    return {"arms": arms, "reference_final_accuracy": arms[0]["final_accuracy"],
+            "reference_accuracy": arms[0]["reference_accuracy"]}
 
 
 def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[dict], float]:
@@ -127,7 +138,7 @@ def run_parallel(args) -> dict[int, list[dict]]:
     def one(job) -> tuple[int, int, dict]:
         seed, (algo, eta) = job
         out = work / f"seed{seed}-{algo}-eta{eta}.json"
-        cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
+        cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(args.steps), "--slack", str(args.slack),
                "--eval-interval", str(args.eval_interval), "--workdir", str(work / f"{algo}-eta{eta}"),
                "--seeds", str(seed), "--arms", f"{algo}:{eta}", "--out", str(out), *args.overrides]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -148,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "examples" / "demo.yaml"))
     p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--slack", type=float, default=0.0,
+                   help="every arm runs this fraction more steps than --steps (the same schedule), and the "
+                        "target is the reference arm's accuracy at --steps: 0.1 tests 'within 10%% more steps'")
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--workdir", default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=None,
@@ -169,15 +183,17 @@ def main(argv: list[str] | None = None) -> int:
         per_seed = {}
         for seed in seeds:
             per_seed[seed], warm[seed] = run_seed(args, seed, args.arms)
+    budget = args.steps if args.slack > 0 else None
     for arms in per_seed.values():
-        with_ratios(arms)
+        with_ratios(arms, budget)
     result = {"bench": "async_learning", "config": args.config, "overrides": args.overrides, "steps": args.steps,
+              "slack": args.slack, "steps_run": total_steps(args),
               "arms_spec": [f"{a}:{e}" for a, e in args.arms], "wall_s": round(time.perf_counter() - t0, 1),
               "warm_start_s": {str(k): round(v, 1) for k, v in warm.items()},
               "target": "decoupled eta=4 steps_ratio_vs_eta0 <= 1.10",
               "per_seed": {str(k): v for k, v in per_seed.items()}}
     if len(per_seed) > 1:
-        result["aggregate"] = aggregate(per_seed)
+        result["aggregate"] = aggregate(per_seed, budget)
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text)

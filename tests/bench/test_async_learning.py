@@ -1,0 +1,38 @@
+"""bench/async_learning.py's verdict: steps to the reference arm's accuracy, with and without slack."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.async_learning import aggregate, with_ratios  # noqa: E402
+
+
+def arm(eta, curve):
+    return {"algorithm": "grpo_async", "eta": eta, "curve": curve, "final_accuracy": curve[-1][1]}
+
+
+def test_ratios_against_the_final_or_the_budget():
+    ref = arm(0, [(0, .3), (10, .4), (20, .5), (30, .5), (40, .6)])
+    late = arm(4, [(0, .3), (10, .35), (20, .45), (30, .5), (40, .55)])
+    arms = [dict(ref), dict(late)]
+    with_ratios(arms)  # target: the reference's final .6, never reached by eta 4
+    assert arms[0]["steps_to_reference_final"] == 40 and arms[1]["steps_to_reference_final"] is None
+    arms = [dict(ref), dict(late)]
+    with_ratios(arms, budget=30)  # target: the reference at step 30 (.5, first at 20); eta 4 at 30
+    assert arms[0]["reference_accuracy"] == .5
+    assert arms[1]["steps_to_reference_final"] == 30 and arms[1]["steps_ratio_vs_eta0"] == 1.5
+
+
+def test_aggregate_means_seeds_then_compares_mean_curves():
+    per_seed = {0: [arm(0, [(0, .2), (10, .4), (20, .6)]), arm(4, [(0, .2), (10, .3), (20, .6)])],
+                1: [arm(0, [(0, .4), (10, .6), (20, .6)]), arm(4, [(0, .4), (10, .5), (20, .6)])]}
+    for arms in per_seed.values():
+        with_ratios(arms, budget=10)
+    agg = aggregate(per_seed, budget=10)
+    ref, other = agg["arms"]
+    assert ref["curve"] == [(0, .3), (10, .5), (20, .6)] and agg["reference_accuracy"] == .5
+    assert other["steps_to_reference_final"] == 20 and other["steps_ratio_vs_eta0"] == 2.0
+    assert other["per_seed_steps_ratio"] == [2.0, 2.0]
