@@ -46,15 +46,21 @@ def available() -> bool:
 
 
 @contextlib.contextmanager
-def inference(on: bool = True) -> Iterator[None]:
-    """Let (``on``) or forbid the fused kernels in forwards run by this thread inside the block
-    (they also need ``enable()``); the rollout engine wraps its steps and graph captures in it."""
-    prev = getattr(_LOCAL, "on", False)
-    _LOCAL.on = on
+def thread_flag(local: threading.local, name: str, value: bool) -> Iterator[None]:
+    """``local.<name> = value`` for this thread inside the block; the previous value (default
+    False) is restored after it."""
+    prev = getattr(local, name, False)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _LOCAL.on = prev
+        setattr(local, name, prev)
+
+
+def inference(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Let (``on``) or forbid the fused kernels in forwards run by this thread inside the block
+    (they also need ``enable()``); the rollout engine wraps its steps and graph captures in it."""
+    return thread_flag(_LOCAL, "on", on)
 
 
 def active(x: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from areno.models.decoder import Decoder, PackedCausalAttention, repeat_per_sequence
+from areno.models.fused_ops import thread_flag
 
 
 def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -81,12 +82,8 @@ def compiled_logprob_kernels(enabled: bool = True) -> Iterator[None]:
     if enabled and _KERNELS is None:
         _KERNELS = (torch.compile(_fused_forward_stats, dynamic=True),
                     torch.compile(_fused_grad_logits, dynamic=True))
-    before = getattr(_ACTIVE, "enabled", False)
-    _ACTIVE.enabled = enabled
-    try:
+    with thread_flag(_ACTIVE, "enabled", enabled):
         yield
-    finally:
-        _ACTIVE.enabled = before
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
