@@ -12,6 +12,27 @@ import sys
 import areno
 
 USAGE_ERROR = 2
+RUN_FAILED = 1
+
+# Failures of a running job that carry a complete one-line message (what broke, and the fix): the
+# CLI prints them as one line; the log above has the details. Checked only in modules already
+# imported, so the check itself imports nothing.
+_RUN_FAILURES = {
+    "areno.rollout.executor": ("RolloutPoolBroken",),
+    "areno.rollout.client": ("NoHealthyServerError",),
+    "areno.engine.partitioned": ("WorkerLostError",),
+    "areno.sync.base": ("PolicySyncError",),
+    "areno.launch.scheduler": ("WorkerError",),
+}
+
+
+def is_run_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of the run failures the CLI reports in one line."""
+    for module_name, names in _RUN_FAILURES.items():
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(exc, tuple(getattr(module, n) for n in names)):
+            return True
+    return False
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -89,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"areno: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    except RuntimeError as exc:
+        if not is_run_failure(exc):
+            raise
+        logging.getLogger("areno").debug("run failed", exc_info=exc)
+        print(f"areno: error: {exc}", file=sys.stderr)
+        return RUN_FAILED
     except KeyboardInterrupt:
         print("areno: interrupted", file=sys.stderr)
         return 130

@@ -529,8 +529,18 @@ class WorkflowExecutor:
         loop = self._ensure_loop()
         if threading.current_thread() is self._thread:
             raise RuntimeError("rollout_batch() is synchronous; call it from outside the rollout loop")
+        before = dict(self._counts)
         groups = asyncio.run_coroutine_threadsafe(self._arollout_batch(samples), loop).result()
-        return [traj for group in groups if group for traj in group]
+        trajectories = [traj for group in groups if group for traj in group]
+        if samples and not trajectories:
+            dropped = self._counts["dropped_failed"] - before.get("dropped_failed", 0)
+            rejected = self._counts["rejected"] - before.get("rejected", 0)
+            last = f" (last: {self._last_drop})" if dropped else ""
+            raise RolloutPoolBroken(
+                f"no trajectories from a rollout batch of {len(samples)} samples: {dropped} dropped after "
+                f"{self.max_retries + 1} attempts each{last}, {rejected} rejected by the workflow; fix the error "
+                "above (the rollout engine or server log has the cause)")
+        return trajectories
 
     async def _arollout_batch(self, samples: list[dict[str, Any]]) -> list[list[Trajectory] | None]:
         async def arun(task: _Task) -> list[Trajectory] | None:

@@ -127,3 +127,49 @@ def test_diverged_run_stops_with_one_line(tmp_path, capsys):
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [s for s in steps if "train/policy/skipped_steps" in s]
     assert trained[-1]["train/policy/skipped_steps"] == 4 and len(trained) < 20  # the 5th raised before logging
+
+
+from areno.api.workflow import RolloutWorkflow  # noqa: E402
+
+
+class AlwaysFailingWorkflow(RolloutWorkflow):
+    """Every episode raises, as with a broken rollout engine or environment."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    async def run_episode(self, client, sample):
+        raise RuntimeError("environment unreachable")
+
+
+def test_broken_rollout_side_stops_the_run_with_one_line(tmp_path, capsys):
+    """Every episode fails: after rollout.max_consecutive_dropped samples are dropped the run stops
+    with exit code 1 and one line naming the last error, instead of waiting for batches forever."""
+    from areno.cli import main
+
+    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+               "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+               "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=2",
+               "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false",
+               "rollout.workflow=tests.faults.test_guards:AlwaysFailingWorkflow", "rollout.max_retries=0",
+               "rollout.max_consecutive_dropped=3", "train.steps=5", "train.eval_interval=0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err[-1].startswith("areno: error: no trajectories from a rollout batch of 2 samples: "
+                                          "2 dropped after 1 attempts each")
+    assert "RuntimeError: environment unreachable" in err[-1] and "rollout engine or server log" in err[-1]
+
+
+def test_broken_rollout_side_stops_an_asynchronous_run_with_one_line(tmp_path, capsys):
+    """The same with the everlasting pool (eta 1): rollout.max_consecutive_dropped samples in a row."""
+    from areno.cli import main
+
+    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+               "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+               "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=2",
+               "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false",
+               "rollout.workflow=tests.faults.test_guards:AlwaysFailingWorkflow", "rollout.max_retries=0",
+               "rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async",
+               "rollout.max_consecutive_dropped=3", "train.steps=5", "train.eval_interval=0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err[-1].startswith("areno: error: the last 3 samples were all dropped after 1 attempts each")
+    assert "RuntimeError: environment unreachable" in err[-1]
