@@ -142,9 +142,8 @@ class AlwaysFailingWorkflow(RolloutWorkflow):
         raise RuntimeError("environment unreachable")
 
 
-def test_broken_rollout_side_stops_the_run_with_one_line(tmp_path, capsys):
-    """Every episode fails: after rollout.max_consecutive_dropped samples are dropped the run stops
-    with exit code 1 and one line naming the last error, instead of waiting for batches forever."""
+def _broken_run(tmp_path, capsys, *extra: str) -> tuple[int, list[str]]:
+    """A tiny CLI run whose every episode raises; returns the exit code and stderr's lines."""
     from areno.cli import main
 
     rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
@@ -152,8 +151,14 @@ def test_broken_rollout_side_stops_the_run_with_one_line(tmp_path, capsys):
                "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=2",
                "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false",
                "rollout.workflow=tests.faults.test_guards:AlwaysFailingWorkflow", "rollout.max_retries=0",
-               "rollout.max_consecutive_dropped=3", "train.steps=5", "train.eval_interval=0"])
-    err = capsys.readouterr().err.strip().splitlines()
+               "rollout.max_consecutive_dropped=3", "train.steps=5", "train.eval_interval=0", *extra])
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+def test_broken_rollout_side_stops_the_run_with_one_line(tmp_path, capsys):
+    """Every episode fails: a synchronous rollout batch without any trajectory stops the run with
+    exit code 1 and one line naming the last error, instead of failing later in the metrics."""
+    rc, err = _broken_run(tmp_path, capsys)
     assert rc == 1 and err[-1].startswith("areno: error: no trajectories from a rollout batch of 2 samples: "
                                           "2 dropped after 1 attempts each")
     assert "RuntimeError: environment unreachable" in err[-1] and "rollout engine or server log" in err[-1]
@@ -161,15 +166,6 @@ def test_broken_rollout_side_stops_the_run_with_one_line(tmp_path, capsys):
 
 def test_broken_rollout_side_stops_an_asynchronous_run_with_one_line(tmp_path, capsys):
     """The same with the everlasting pool (eta 1): rollout.max_consecutive_dropped samples in a row."""
-    from areno.cli import main
-
-    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
-               "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-               "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=2",
-               "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false",
-               "rollout.workflow=tests.faults.test_guards:AlwaysFailingWorkflow", "rollout.max_retries=0",
-               "rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async",
-               "rollout.max_consecutive_dropped=3", "train.steps=5", "train.eval_interval=0"])
-    err = capsys.readouterr().err.strip().splitlines()
+    rc, err = _broken_run(tmp_path, capsys, "rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async")
     assert rc == 1 and err[-1].startswith("areno: error: the last 3 samples were all dropped after 1 attempts each")
     assert "RuntimeError: environment unreachable" in err[-1]
