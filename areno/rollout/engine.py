@@ -48,6 +48,10 @@ class UnknownRequestError(KeyError):
         return str(self.args[0])
 
 
+class TornWeightsError(RuntimeError):
+    """An in-place policy sync failed midway: the live weights are half-written (``mark_torn``)."""
+
+
 class WeightUpdateError(ValueError):
     """A weight update was rejected as a whole; the engine still serves the previous version."""
 
@@ -202,6 +206,8 @@ class RolloutEngine:
         self._version = 0
         self._paused = False
         self._sleeping = False
+        self._torn: str | None = None
+        """Set by ``mark_torn`` (the reason); cleared when weights are committed or loaded."""
         self._steps = 0
         self._round_trips = 0
         self._generated_tokens = 0
@@ -237,6 +243,8 @@ class RolloutEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a request; it joins the running batch at the next step. Returns its id."""
+        if self._torn is not None:
+            raise TornWeightsError(self._torn)
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
@@ -293,6 +301,8 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
         """Run ``prompts`` to completion (in order of ``prompts``). The engine must not be driven
         by anything else meanwhile (e.g. an ``InProcessRolloutClient``)."""
+        if self._torn is not None:
+            raise TornWeightsError(self._torn)
         if self._paused or self._sleeping:
             raise RuntimeError("generate() on a paused or sleeping engine would never finish: resume()/wake() first")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -321,7 +331,7 @@ class RolloutEngine:
         with self._lock:
             self._admit()
             self._last_step_ran = False
-            if self._paused or self._sleeping or not self.scheduler.has_unfinished():
+            if self._paused or self._sleeping or self._torn is not None or not self.scheduler.has_unfinished():
                 return []
             batch = self.scheduler.schedule()
             if not batch.seqs:
@@ -605,6 +615,12 @@ class RolloutEngine:
         sync: a transport writes them, then calls :meth:`commit_weights`."""
         return dict(self._params)
 
+    def mark_torn(self, reason: str) -> None:
+        """The live weights are half-written (an in-place sync failed): refuse requests with
+        ``TornWeightsError(reason)`` and take no step until weights are committed or loaded again."""
+        with self._lock:
+            self._torn = reason
+
     def commit_weights(self, version: int) -> None:
         """Declare that the tensors of :meth:`weight_tensors` now hold policy ``version``."""
         with self._lock:
@@ -683,6 +699,7 @@ class RolloutEngine:
             self.scheduler.preempt_all()
         self.allocator.clear_prefix_cache()
         self._version = int(version)
+        self._torn = None
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:
@@ -707,4 +724,6 @@ class RolloutEngine:
                 "generated_tokens": self._generated_tokens,
                 "prefill_tokens": self._prefill_tokens,
                 "generated_tokens_per_s": self._generated_tokens / max(elapsed, 1e-9),
+                "cuda_graphs_captured": self._graphs.captures if self._graphs is not None else 0,
+                "cuda_graph_capture_s": self._graphs.capture_s if self._graphs is not None else 0.0,
             }
