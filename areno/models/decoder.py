@@ -303,6 +303,8 @@ def sequence_index_T(cu_seqlens_B1: torch.Tensor, device: torch.device | str) ->
 
 # ------------------------------------------------------------------------------ packed attention
 SDPA_MASK_MAX_TOKENS = 2048
+FLEX_MIN_HEAD_DIM = 16
+"""FlexAttention's compiled kernels need head dims of at least this (``auto`` picks sdpa below)."""
 CUDA_AUTO_IMPL = "flex"
 """What ``impl="auto"`` picks on CUDA (``flex`` or ``varlen``); a process-wide knob for benchmarks
 (``bench/train.py --variants``) that compare attention kernels."""
@@ -337,15 +339,17 @@ class PackedCausalAttention:
         self.cu_seqlens_B1 = cu_seqlens_B1
         self.sliding_window = sliding_window
         self.impl = impl
-        self._prepared_for: tuple[int, torch.device] | None = None
+        self._prepared_for: tuple[int, torch.device, bool] | None = None
         self._impl = impl
         self._state = None
 
-    def prepare(self, num_tokens: int, device: torch.device) -> None:
+    def prepare(self, num_tokens: int, device: torch.device, head_dim: int | None = None) -> None:
         """Resolve ``auto`` and build what every layer reuses: sequence bounds (sdpa), the mask
-        (sdpa_mask, flex) or int32 boundaries and the longest length (varlen)."""
+        (sdpa_mask, flex) or int32 boundaries and the longest length (varlen). ``head_dim``: when
+        known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM`` (its kernels need 16)."""
         device = torch.device(device)
-        if self._prepared_for == (num_tokens, device):
+        small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
+        if self._prepared_for == (num_tokens, device, small_heads):
             return
         impl = self.impl
         if impl == "auto":
@@ -355,6 +359,8 @@ class PackedCausalAttention:
             padded_tokens = int(seqlens_B.max()) * seqlens_B.numel() if num_tokens else 0
             if device.type == "cuda":
                 impl = CUDA_AUTO_IMPL
+                if impl == "flex" and small_heads:
+                    impl = "sdpa"  # tiny test models: flex's kernels need a head dim of at least 16
             elif self.sliding_window is None and padded_tokens <= 2 * num_tokens:
                 impl = "sdpa_padded"
             else:
@@ -384,7 +390,7 @@ class PackedCausalAttention:
             max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max()) if num_tokens else 0
             self._state = (cu, max_len)
         self._impl = impl
-        self._prepared_for = (num_tokens, device)
+        self._prepared_for = (num_tokens, device, small_heads)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)
@@ -461,7 +467,7 @@ class PackedCausalAttention:
     def __call__(
         self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     ) -> torch.Tensor:
-        self.prepare(q_THD.shape[0], q_THD.device)
+        self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1])
         impl = self._impl
         if impl == "sdpa":
             return self._sdpa_per_sequence(q_THD, k_THD, v_THD)

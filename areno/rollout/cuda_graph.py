@@ -1,9 +1,13 @@
 """CUDA graphs for pure-decode steps.
 
 A decode step of B sequences is replayed from a graph captured for ``(B_pad, N_pad)``: the batch size
-padded to 1, 2, 4, then multiples of 8, and the block-table width padded to a power of two up to 16
-blocks and to a multiple of 16 blocks beyond (so the attention gathers keys for about the longest
-context of the batch, not for ``max_model_len``).
+padded to 1, 2, 4, then multiples of 8 up to 64, of 32 up to 256 and of 64 beyond
+(``padded_batch_size``); the block-table width, under the gather attention, padded to a power of two
+up to 16 blocks and to a multiple of 16 beyond (so it gathers keys for about the longest context of
+the batch, not for ``max_model_len``), and under the paged kernel (which reads only each row's real
+context) a power of two of at least 64 blocks (``graph_num_blocks``). An asynchronous run with
+long-tailed lengths sweeps through most batch sizes and context widths, so these steps bound how
+many graphs it captures (``captures`` / ``capture_s``, in ``RolloutEngine.stats``).
 Graphs are captured lazily at first use and share one memory pool. The graph's inputs are three
 static tensors — token ids, context lengths, block tables — and everything else (positions, cache
 slots, masks, the forward pass and the logits) is computed inside the graph.
@@ -30,6 +34,7 @@ frees the KV tensors and therefore drops every graph (they are re-captured after
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -72,9 +77,14 @@ class _LoopGraph:
 
 
 def padded_batch_size(n: int) -> int:
+    """The captured batch size serving ``n`` sequences: 1, 2, 4, then multiples of 8 up to 64, of 32
+    up to 256 and of 64 beyond. Coarser steps for large batches bound the number of graphs (an
+    asynchronous run with long-tailed lengths sweeps through every batch size) while a decode step,
+    latency-bound at these sizes, costs about the same for a few padding rows more."""
     if n <= 4:
         return 1 << (n - 1).bit_length()
-    return -(-n // 8) * 8
+    step = 8 if n <= 64 else 32 if n <= 256 else 64
+    return -(-n // step) * step
 
 
 def padded_num_blocks(n: int) -> int:
@@ -85,14 +95,37 @@ def padded_num_blocks(n: int) -> int:
     return -(-n // 16) * 16
 
 
+PAGED_MIN_BLOCKS = 64
+"""Narrowest block table of a graph under paged decode attention (1,024 tokens at block size 16)."""
+
+
+def graph_num_blocks(n: int, paged: bool) -> int:
+    """The captured block-table width for a batch whose longest sequence spans ``n`` blocks. The
+    gather path attends over every column, so its width follows ``padded_num_blocks``; the paged
+    kernel reads only each row's real context, so there the width is a power of two of at least
+    ``PAGED_MIN_BLOCKS``: one graph width for most RL lengths instead of one per context bucket."""
+    if not paged:
+        return padded_num_blocks(n)
+    return max(PAGED_MIN_BLOCKS, 1 << (n - 1).bit_length())
+
+
 class DecodeGraphRunner:
     def __init__(self, engine: "RolloutEngine", *, max_batch: int) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.max_blocks = -(-engine.max_model_len // engine.config.block_size)
+        self.paged = engine.config.decode_attention == "paged"
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._loops: dict[tuple[int, int, int, int, SampleMode], _LoopGraph] = {}
         self._pool = None
+        self.captures = 0
+        """Graphs captured so far (one-step and loops, counting re-captures after ``clear``)."""
+        self.capture_s = 0.0
+        """Seconds spent capturing them (warm-up runs included)."""
+
+    def width(self, n: int) -> int:
+        """Block-table width of the graph serving a longest sequence of ``n`` blocks."""
+        return min(graph_num_blocks(n, self.paged), graph_num_blocks(self.max_blocks, self.paged))
 
     def can_run(self, batch: "ScheduledBatch") -> bool:
         return len(batch.seqs) <= self.max_batch and batch.num_decode == len(batch.seqs) and all(batch.samples)
@@ -103,8 +136,8 @@ class DecodeGraphRunner:
         with ``decode_steps`` > 1, the k-step loops for batches whose rows all use one of
         ``params`` (None: greedy rows whose stop ids are the EOS ids). Returns the graph count."""
         bs = self.engine.config.block_size
-        n_max = padded_num_blocks(min(-(-max_len // bs), self.max_blocks))
-        widths = sorted({padded_num_blocks(n) for n in range(1, n_max + 1)})
+        n_max = min(-(-max_len // bs), self.max_blocks)
+        widths = sorted({self.width(n) for n in range(1, n_max + 1)})
         k = self.engine.decode_steps
         eos = self.engine.eos_token_ids
         if params is None:
@@ -157,8 +190,7 @@ class DecodeGraphRunner:
         return g.tokens_KB[:, :B], g.logprobs_KB[:, :B], g.keep_B[:B]
 
     def _key(self, batch: "ScheduledBatch") -> tuple[int, int]:
-        return (padded_batch_size(len(batch.seqs)),
-                min(padded_num_blocks(batch.max_blocks), padded_num_blocks(self.max_blocks)))
+        return padded_batch_size(len(batch.seqs)), self.width(batch.max_blocks)
 
     def _load(self, g: "_Graph | _LoopGraph", batch: "ScheduledBatch", ids: list[int], ctx: list[int],
               Bp: int, Np: int) -> None:
@@ -204,6 +236,7 @@ class DecodeGraphRunner:
         """Capture ``fn`` (reading and writing static tensors only) as a CUDA graph in the shared
         pool, after two warm-up runs (lazy tables, kernel selection). ``generator``: a generator
         ``fn`` draws from (registered with the graph: each replay advances it). Returns (graph, outputs)."""
+        t0 = time.perf_counter()
         dev = self.engine.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -221,6 +254,8 @@ class DecodeGraphRunner:
         # let that work invalidate the capture (cudaErrorStreamCaptureInvalidated)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = fn()
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
         return graph, out
 
     def _static_inputs(self, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 from areno.api.types import SamplingParams
 from areno.rollout.attention import SeqChunk
 from areno.rollout.kv_cache import ROOT_KEY, BlockAllocator
+from areno.rollout.cuda_graph import graph_num_blocks
 
 
 @dataclass(eq=False)
@@ -119,8 +120,8 @@ class Scheduler:
         # rebuilding [B, N] from Python lists. Unused entries hold the scratch block (the pool's
         # extra block, id ``num_blocks``); the last row is all scratch (padding rows of a batch).
         self.scratch_block = allocator.num_blocks
-        # Width rounded up to a multiple of 16 blocks: CUDA-graph block-table widths pad up to that.
-        width = -(-max_blocks_per_seq // 16) * 16
+        # Wide enough for every CUDA-graph block-table width (``cuda_graph.graph_num_blocks``).
+        width = max(graph_num_blocks(max_blocks_per_seq, paged) for paged in (False, True))
         self.block_tables_RN = torch.full((max_num_seqs + 1, width), self.scratch_block, dtype=torch.long)
         self.scratch_row = max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))

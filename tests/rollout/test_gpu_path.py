@@ -7,7 +7,7 @@ import torch
 
 from areno.api.types import SamplingParams
 from areno.rollout.attention import PagedAttention, SeqChunk
-from areno.rollout.cuda_graph import padded_batch_size, padded_num_blocks
+from areno.rollout.cuda_graph import graph_num_blocks, padded_batch_size, padded_num_blocks
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.sampling import SampleMode
 from tests.rollout.conftest import make_model, random_prompts
@@ -39,8 +39,11 @@ def test_static_decode_metadata_matches_eager_builder():
 
 
 def test_padding_buckets():
-    assert [padded_batch_size(n) for n in (1, 2, 3, 4, 5, 9, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 24]
+    assert [padded_batch_size(n) for n in (1, 2, 3, 4, 5, 9, 16, 17, 64, 65, 97, 256, 257, 300)] == [
+        1, 2, 4, 4, 8, 16, 16, 24, 64, 96, 128, 256, 320, 320]
     assert [padded_num_blocks(n) for n in (1, 2, 3, 5, 16, 17, 33)] == [1, 2, 4, 8, 16, 32, 48]
+    assert [graph_num_blocks(n, paged=False) for n in (3, 17)] == [4, 32]
+    assert [graph_num_blocks(n, paged=True) for n in (1, 17, 64, 65, 200)] == [64, 64, 64, 128, 256]
 
 
 @pytest.mark.gpu

@@ -161,6 +161,8 @@ def test_graph_runner_paged_on_cpu():
         eng._graphs = EagerRunner(eng, max_batch=5)
         outs[mode] = eng.generate(prompts, params)
         assert eng._graphs._loops, "the k-step loop graph was never taken"
+        if mode == "paged":  # one table width (at least 64 blocks) for every context length
+            assert {key[1] for key in [*eng._graphs._loops, *eng._graphs._graphs]} == {64}
     assert [o.output_ids for o in outs["paged"]] == [o.output_ids for o in outs["gather"]]
 
 
