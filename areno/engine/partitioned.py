@@ -425,6 +425,11 @@ class PartitionedArenoEngine(ArenoEngine):
             "rollout/engine_generated_tokens_per_s": tokens / (sum(wall) / len(wall)),
             "rollout/engine_preemptions": sum(b["num_preemptions"] - a["num_preemptions"] for a, b in zip(last, now)),
             "rollout/engine_kv_usage_max": max(b["kv_usage"] for b in now),
+            # CUDA graphs captured during the step (each a pause of the engine's decode loop)
+            "rollout/engine_graph_captures": sum(b.get("cuda_graphs_captured", 0) - a.get("cuda_graphs_captured", 0)
+                                                 for a, b in zip(last, now)),
+            "rollout/engine_graph_capture_s": max(b.get("cuda_graph_capture_s", 0) - a.get("cuda_graph_capture_s", 0)
+                                                  for a, b in zip(last, now)),
         })
         return out
 
