@@ -216,6 +216,12 @@ class ClusterSection:
     collective_timeout_s: float = 1800.0
     """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'
     world: a rank that stalls longer fails the collective with an error instead of hanging the run."""
+    sync_commit: str = "staged"
+    """How a partitioned run's rollout workers take a policy sync: `staged` (received into a
+    staging copy while generation continues, then copied in; atomic: a failed sync keeps the old
+    weights serving; one extra copy of the weights in memory) or `inplace` (received straight into
+    the paused engine's weights: the fastest sync and no extra memory, but generation stops for the
+    whole sync and a failed sync leaves the engine refusing to generate until the next one)."""
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
@@ -234,6 +240,8 @@ class ClusterSection:
                f"{self.scheduler} starts the workers of a partitioned placement, but this run is colocated "
                "(one process): set cluster.train_devices/rollout_devices or a '+' allocation_mode, or use local")
         _check(self.cpu_threads >= 0, "cluster.cpu_threads", f"must be >= 0, got {self.cpu_threads}")
+        _check(self.sync_commit in ("staged", "inplace"), "cluster.sync_commit",
+               f"must be staged or inplace, got {self.sync_commit!r}")
         if self.allocation_mode is not None:
             from areno.launch.allocation import AllocationModeError, parse_allocation_mode
 

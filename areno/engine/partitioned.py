@@ -231,7 +231,8 @@ class RolloutWorker:
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
                  for n, t in self.engine.weight_tensors().items()}
         self.transport = StreamTransport(topology=layout.stream_topology(), config=_sync_config(cfg),
-                                         receiver=engine_receiver(self.engine, specs), device=device,
+                                         receiver=engine_receiver(self.engine, specs, commit=cfg.cluster.sync_commit),
+                                         device=device,
                                          backend="nccl" if device_type == "cuda" else None)
         from areno.rollout.server import check_bind
 

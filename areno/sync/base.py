@@ -10,8 +10,21 @@ Three narrow pieces keep the transports independent of the trainer and the rollo
 - ``ShardSpec`` (rollout side): for one Hugging Face name, which dimension this receiver splits and
   which slice ``[start, start + length)`` of it the receiver keeps (``dim=None``: all of it).
 - ``ShardReceiver``: ``begin(version)``, ``stage(name) -> destination tensor``, ``commit(version)``,
-  ``abort()``. Transports write slices only into staged tensors; ``commit`` applies them all at once,
-  so a sync that fails midway leaves the engine on the old version, intact.
+  ``abort(reason)``. Transports write slices only into the tensors ``stage`` hands out.
+
+Two receivers for a rollout engine (``engine_receiver(engine, specs, commit=...)``), a trade-off:
+
+- ``StagedReceiver`` (``commit="staged"``: a copy into the live tensors, or ``"swap"``: a storage
+  swap for eager engines): slices land in a staging copy while the engine keeps generating;
+  ``commit`` applies them all at once (generation pauses only for that), so a sync that fails
+  midway leaves the engine serving the old version, intact. Costs one extra copy of the policy
+  shard in memory and the commit's copy.
+- ``LiveReceiver`` (``commit="inplace"``): the fastest and leanest. ``begin`` pauses the engine
+  and ``stage`` hands out its live tensors, so buckets are received straight into the weights (no
+  staging memory, no commit copy); generation is paused for the whole sync. A sync that fails
+  after the first write leaves the weights half-written: the engine stays paused and refuses to
+  generate (``RolloutEngine.mark_torn``, a one-line error naming the failed sync) until the next
+  sync completes or the weights are reloaded from disk.
 
 Every completed sync logs one line and returns ``SyncStats``; ``as_metrics()`` gives the names the
 trainer emits with its next training metrics.
@@ -235,8 +248,13 @@ class ShardReceiver(abc.ABC):
         """Every staged tensor is complete: apply them all and switch to ``version``."""
 
     @abc.abstractmethod
-    def abort(self) -> None:
-        """The sync failed: drop what was staged; the previous version stays live."""
+    def abort(self, reason: str = "") -> None:
+        """The sync failed (``reason`` says why): drop what was staged (a staged receiver: the
+        previous version stays live)."""
+
+    last_paused_s: float | None = None
+    """Seconds the last completed sync stopped generation on this receiver (None: unknown, count
+    the whole sync)."""
 
 
 class StagedReceiver(ShardReceiver):
@@ -286,10 +304,10 @@ class StagedReceiver(ShardReceiver):
         self._apply(list(self._staging.items()), version)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        self.last_apply_s = time.perf_counter() - t0
+        self.last_apply_s = self.last_paused_s = time.perf_counter() - t0
         self.version = version
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "") -> None:
         self._written = set()
 
 
@@ -359,30 +377,48 @@ class Timer:
         self.seconds += time.perf_counter() - self._t0
 
 
-def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, swap: bool = False) -> StagedReceiver:
-    """A ``StagedReceiver`` for a rollout engine exposing ``weight_tensors()`` (its live, possibly
-    TP-sharded tensors by HF name) and ``commit_weights(version)``: slices are staged in the live
-    tensors' dtype and device, while the engine keeps generating; at commit the engine is paused
-    (at a step boundary), the staged tensors are copied in place, the version bumps, and generation
-    resumes (unless it was paused before).
+COMMIT_MODES = ("staged", "swap", "inplace")
+"""How ``engine_receiver`` commits a sync: copy from staging, swap storages with staging, or none
+(written in place into a paused engine)."""
 
-    Only names present on both sides are kept; a live tensor whose shape differs from its spec's
-    slice is a ValueError naming it. ``swap=True`` commits by swapping storages (``swap_into``)
-    instead of copying: only for an engine that reads its weights through these tensor objects at
-    every step (no captured CUDA graphs).
+
+def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: str = "staged") -> ShardReceiver:
+    """A receiver for a rollout engine exposing ``weight_tensors()`` (its live, possibly
+    TP-sharded tensors by HF name), ``commit_weights(version)``, ``pause()``, ``resume()``,
+    ``is_paused`` and, for ``commit="inplace"``, ``mark_torn(reason)``.
+
+    ``commit="staged"`` (default): slices are staged in the live tensors' dtype and device while
+    the engine keeps generating; at commit the engine is paused (at a step boundary), the staged
+    tensors are copied in place, the version bumps and generation resumes (unless it was paused
+    before). ``"swap"``: the same, but the commit swaps storages (``swap_into``): only for an
+    engine that reads its weights through these tensor objects at every step (no captured CUDA
+    graphs). ``"inplace"``: a ``LiveReceiver`` (no staging; the engine paused for the whole sync;
+    a failed sync leaves it refusing to generate until the next one).
+
+    Everything is validated here, before any byte moves: only names present on both sides are
+    kept; a live tensor whose shape differs from its spec's slice, or whose dtype the sync cannot
+    cast into, is a ValueError naming it.
     """
+    if commit not in COMMIT_MODES:
+        raise ValueError(f"commit={commit!r}: must be one of {', '.join(COMMIT_MODES)}")
     live = engine.weight_tensors()  # type: ignore[attr-defined]
     kept = {}
     for name, spec in specs.items():
         if name not in live:
             continue
-        if tuple(live[name].shape) != spec.local_shape:
-            raise ValueError(f"{name}: engine tensor {tuple(live[name].shape)} != shard {spec.local_shape}; "
+        t = live[name]
+        if tuple(t.shape) != spec.local_shape:
+            raise ValueError(f"{name}: engine tensor {tuple(t.shape)} != shard {spec.local_shape}; "
                              "check the rollout TP rank/size given to the shard specs")
-        kept[name] = ShardSpec(name=name, full_shape=spec.full_shape, dtype=live[name].dtype, dim=spec.dim,
+        if t.dtype != spec.dtype and not (t.dtype.is_floating_point and spec.dtype.is_floating_point):
+            raise ValueError(f"{name}: engine tensor dtype {t.dtype} cannot take {spec.dtype} (only floating "
+                             "dtypes are cast); fix the shard spec's dtype")
+        kept[name] = ShardSpec(name=name, full_shape=spec.full_shape, dtype=t.dtype, dim=spec.dim,
                                start=spec.start, length=spec.length)
+    if commit == "inplace":
+        return LiveReceiver(engine, kept)
     device = next(iter(live.values())).device
-    copy = swap_into(live) if swap else copy_into(live)
+    copy = swap_into(live) if commit == "swap" else copy_into(live)
 
     def apply(named: list[tuple[str, torch.Tensor]], version: int) -> None:
         was_paused = engine.is_paused  # type: ignore[attr-defined]
@@ -396,3 +432,92 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, swap: boo
                 engine.resume()  # type: ignore[attr-defined]
 
     return StagedReceiver(kept, apply, device=device)
+
+
+class LiveReceiver(ShardReceiver):
+    """In-place receiver: the sync writes the rollout engine's live tensors while it is paused.
+
+    ``begin`` pauses the engine at a step boundary (remembering whether it ran) and, on CUDA,
+    waits for its last kernels; ``stage(name)`` returns the live tensor itself, so a transport
+    receives buckets straight into the weights and its copies write into them: no staging memory
+    and no commit copy, the fastest sync. ``commit`` bumps the engine's version and resumes it.
+    Generation is paused for the whole sync (``last_paused_s``: from the pause to the resume).
+
+    ``abort`` after the first ``stage`` (the weights may be half-written) keeps the engine paused
+    and marks it torn (``mark_torn``): it refuses to generate with a one-line error naming the
+    failed sync, until a later sync commits (it then resumes as the first sync would have) or the
+    weights are reloaded from disk. A sync that aborts before any ``stage`` left the weights
+    intact and resumes the engine as it was.
+    """
+
+    def __init__(self, engine: object, specs: Mapping[str, ShardSpec]) -> None:
+        live = engine.weight_tensors()  # type: ignore[attr-defined]
+        self._engine = engine
+        self._specs = dict(specs)
+        self._live = {n: live[n].detach() for n in self._specs}  # the same memory, writable without autograd
+        self._device = next(iter(live.values())).device
+        self._written: set[str] = set()
+        self._resume = False
+        """Whether ``commit`` resumes generation (the engine ran before the sync that paused it)."""
+        self._torn = False
+        """An aborted sync of this receiver left the live weights half-written."""
+        self._pending: int | None = None
+        """The version of the sync under way (between ``begin`` and its commit or abort)."""
+        self._paused_at = 0.0
+        self.version: int | None = None
+        """Version of the last commit, None before the first."""
+        self.last_paused_s = 0.0
+
+    def shard_specs(self) -> Mapping[str, ShardSpec]:
+        return self._specs
+
+    @property
+    def torn(self) -> bool:
+        return self._torn
+
+    def begin(self, version: int) -> None:
+        if not self._torn:  # after our own failed sync the pause is ours: keep the earlier state
+            self._resume = not self._engine.is_paused  # type: ignore[attr-defined]
+        self._paused_at = time.perf_counter()
+        self._engine.pause()  # type: ignore[attr-defined]
+        if self._device.type == "cuda":  # the last step's kernels may still read the weights
+            torch.cuda.synchronize(self._device)
+        self._written = set()
+        self._pending = version
+
+    def stage(self, name: str) -> torch.Tensor:
+        self._written.add(name)
+        return self._live[name]
+
+    def commit(self, version: int) -> None:
+        missing = set(self._specs) - self._written
+        if missing:
+            msg = f"sync v{version}: {len(missing)} tensors never arrived, e.g. {sorted(missing)[:3]}"
+            self.abort(msg)
+            raise PolicySyncError(msg)
+        if self._device.type == "cuda":  # every write landed before the engine reads them
+            torch.cuda.synchronize(self._device)
+        self._engine.commit_weights(version)  # type: ignore[attr-defined]
+        self._torn = False
+        if self._resume:
+            self._engine.resume()  # type: ignore[attr-defined]
+        self.last_paused_s = time.perf_counter() - self._paused_at
+        self.version = version
+        self._pending = None
+
+    def abort(self, reason: str = "") -> None:
+        version, self._pending = self._pending, None
+        if version is None:  # no sync under way (it failed before ``begin``): nothing paused
+            return
+        if not self._written and not self._torn:  # nothing handed out: the weights are intact
+            if self._resume:
+                self._engine.resume()  # type: ignore[attr-defined]
+            return
+        self._torn = True
+        why = " ".join(reason.split()).removeprefix(f"policy sync v{version} failed ")  # one line
+        why = why if len(why) <= 300 else why[:297] + "..."
+        self._engine.mark_torn(  # type: ignore[attr-defined]
+            f"the rollout weights are half-written: in-place policy sync v{version} failed midway"
+            + (f" ({why})" if why else "") + "; this engine refuses to generate until the next policy sync "
+            "completes or the weights are reloaded from disk (update_weights_from_disk); "
+            "cluster.sync_commit=staged keeps serving the old weights through a failed sync")

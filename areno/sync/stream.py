@@ -25,13 +25,22 @@ its collective (the reusing copies are ordered after it on the stream). Before v
 host-waits on its collectives with the timeout, so a hung peer still ends in ``PolicySyncError``.
 
 Commit (all-or-nothing across ranks): when its part is done, every participant joins one vote,
-an all-reduce over a gloo control group (done flags, buckets staged); rollout ranks apply their
-staged tensors (``ShardReceiver.commit``) only when every participant succeeded, so the TP shards
-of one engine never mix versions. A rank that fails still votes (``0``), so the others abort at
+a tiny all-reduce (done flags, buckets staged) over a control group of all participants: NCCL
+when the data plane is NCCL and no two participants share a GPU (``vote_backend``; tens of
+microseconds, on a side stream so that a data collective stuck on the current stream cannot hold
+it back), gloo otherwise (CPU tensors, so it may span a shared GPU; about a millisecond on a GPU
+host). Rollout ranks commit (``ShardReceiver.commit``) only when every participant succeeded, so
+the TP shards of one engine never mix versions. A rank that fails still votes (``0``), so the others abort at
 once; one that hangs or dies makes the vote time out. Every wait has the configured timeout and a
 failure raises ``PolicySyncError`` naming the failed or unresponsive ranks; receivers abort and
-keep the old version. After a timeout the process groups may be broken: rebuild the transport
-(and the world) before the next sync.
+keep the old version (a staged receiver; an in-place one is left torn, see ``areno.sync.base``).
+After a timeout the process groups may be broken: rebuild the transport (and the world) before
+the next sync.
+
+Receivers (``engine_receiver(..., commit=)``): a staged one lets the engine generate during the
+whole transfer and pauses it only for the commit's copy (or storage swap); an in-place one
+(``LiveReceiver``) pauses it for the whole sync but receives straight into the weights, with no
+staging memory and no commit copy. ``SyncStats.generation_paused_s`` reports either honestly.
 """
 
 from __future__ import annotations
@@ -119,6 +128,19 @@ class StreamTopology:
 
     def device(self, rank: int) -> str:
         return self.devices.get(rank, f"rank{rank}")
+
+    @property
+    def participants(self) -> list[int]:
+        """Every training and rollout rank, sorted."""
+        return sorted(self.train_ranks + self.rollout_ranks)
+
+
+def vote_backend(topology: StreamTopology, data_backend: str) -> str:
+    """Backend of the commit vote's group: ``nccl`` when the data plane is NCCL and no two
+    participants share a physical device (an NCCL communicator must never hold a GPU twice),
+    ``gloo`` otherwise. A pure function of what every rank knows, so all create the same group."""
+    devices = [topology.device(r) for r in topology.participants]
+    return "nccl" if "nccl" in data_backend.lower() and len(set(devices)) == len(devices) else "gloo"
 
 
 def _keepers(bucket: Bucket, kept_by: Mapping[int, Mapping[str, tuple[int | None, int, int]]]) -> set[int]:
@@ -340,10 +362,11 @@ class StreamTransport(PolicySyncTransport):
             dist.new_group(list(topology.rollout_ranks), timeout=group_timeout, backend=backend)
             if len(topology.rollout_ranks) > 1 else None
         )
-        # Control plane: the commit vote, always gloo (CPU), so it may span shared devices.
-        self.control_group = dist.new_group(
-            sorted(topology.train_ranks + topology.rollout_ranks), timeout=group_timeout, backend="gloo"
-        )
+        # Control plane: the commit vote (``vote_backend``: NCCL on distinct GPUs, else gloo).
+        data_backend = str(backend if backend is not None else dist.get_backend()).lower()
+        self.vote_backend = vote_backend(topology, data_backend)
+        self.control_group = dist.new_group(topology.participants, timeout=group_timeout, backend=self.vote_backend)
+        self._vote_stream: torch.cuda.Stream | None = None  # NCCL vote: its own stream, made on first use
 
         # Every construction (e.g. a rebuild after a failed sync) gets its own store keys.
         self._gen = (self.store.add("constructed", 1) - 1) // dist.get_world_size()
@@ -382,7 +405,6 @@ class StreamTransport(PolicySyncTransport):
         """Bytes one sync puts on the data plane: every bucket once to its relay, plus its fan-out."""
         if self.is_rollout:
             self._check_specs()
-        data_backend = str(backend if backend is not None else dist.get_backend()).lower()
         self.stream_ordered = "nccl" in data_backend and self.device.type == "cuda"
         """Per-bucket waits only order the current CUDA stream after the collective (NCCL); the host
         waits (with the timeout) once, on all of them, before the vote. Off (gloo): every wait blocks."""
@@ -455,7 +477,7 @@ class StreamTransport(PolicySyncTransport):
     def _missing(self) -> str:
         """After a vote timed out: the ranks that never reached it (from the store)."""
         try:
-            participants = sorted(self.topology.train_ranks + self.topology.rollout_ranks)
+            participants = self.topology.participants
             missing = [r for r in participants if not self.store.check([self._key("arrived", r)])]
             never = [r for r in missing if r in self.topology.rollout_ranks
                      and not self.store.check([self._key("start", r)])]
@@ -483,20 +505,21 @@ class StreamTransport(PolicySyncTransport):
         except PolicySyncError as e:
             transfer, error = 0.0, str(e)
             progress = getattr(e, "buckets_done", 0)
-        except Exception:
+        except Exception as e:
             self._vote(state=_RAISED, progress=0)  # the others learn who failed; then surface the bug
             if self.is_rollout:
-                self.receiver.abort()
+                self.receiver.abort(f"policy sync v{version}: rank {self.rank} raised {type(e).__name__}: {e}")
             raise
         t = time.perf_counter()
         ok, detail = self._vote(state=_DONE if error is None else _TIMED_OUT, progress=progress)
         self.last_phases["vote"] = time.perf_counter() - t
         transfer += self.last_phases["vote"]
         if not ok:
-            if self.is_rollout:
-                self.receiver.abort()
             cause = f"{error}; " if error else ""
-            raise PolicySyncError(f"policy sync v{version} failed on rank {self.rank}: {cause}{detail}")
+            message = f"policy sync v{version} failed on rank {self.rank}: {cause}{detail}"
+            if self.is_rollout:
+                self.receiver.abort(message)
+            raise PolicySyncError(message)
         if self.is_rollout:
             t = time.perf_counter()
             self.receiver.commit(version)
@@ -509,25 +532,36 @@ class StreamTransport(PolicySyncTransport):
             transfer_time_s=transfer,
             bytes=self.plan.total_bytes,
             tensors=self.plan.num_tensors,
-            # a training rank does not pause generation; a rollout rank pauses only to commit
-            generation_paused_s=getattr(self.receiver, "last_apply_s", None) if self.is_rollout else 0.0,
+            # a training rank does not pause generation; a rollout rank as long as its receiver
+            # says (a staged one: the commit; an in-place one: the whole sync)
+            generation_paused_s=self.receiver.last_paused_s if self.is_rollout else 0.0,
         )
 
     def _vote(self, *, state: int, progress: int) -> tuple[bool, str]:
         """All participants agree whether every one of them has its part (all-or-nothing commit).
 
-        One all-reduce over a gloo control group of all participants (CPU tensors, so it may hold
-        a GPU twice): row 0 = each rank's state (done / a wait timed out / raised), row 1 = buckets
-        each rollout rank staged. Ranks that raised are the cause; timed-out ones waited on them."""
+        One all-reduce over the control group of all participants (``vote_backend``): row 0 =
+        each rank's state (done / a wait timed out / raised), row 1 = buckets each rollout rank
+        staged. Ranks that raised are the cause; timed-out ones waited on them. On NCCL the vote
+        runs on its own stream (the current one may wait on a data collective that never ends)
+        and is host-waited with the timeout like every other wait."""
         self.store.set(self._key("arrived", self.rank), b"1")
         status = torch.zeros(2, dist.get_world_size(), dtype=torch.int64)
         status[0, self.rank] = state
         status[1, self.rank] = progress
         try:
-            self._wait(dist.all_reduce(status, group=self.control_group, async_op=True), "commit vote")
+            if self.vote_backend == "nccl":
+                if self._vote_stream is None:
+                    self._vote_stream = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(self._vote_stream):
+                    status_dev = status.to(self.device)
+                    self._wait(dist.all_reduce(status_dev, group=self.control_group, async_op=True), "commit vote")
+                    status = status_dev.cpu()
+            else:
+                self._wait(dist.all_reduce(status, group=self.control_group, async_op=True), "commit vote")
         except PolicySyncError as e:
             return False, f"{e}; {self._missing()}"
-        participants = sorted(self.topology.train_ranks + self.topology.rollout_ranks)
+        participants = self.topology.participants
         raised = [r for r in participants if status[0, r] == _RAISED]
         waited = [r for r in participants if status[0, r] == _TIMED_OUT]
         if not raised and not waited:

@@ -279,3 +279,141 @@ def worker_exact(rank: int, world: int, port: int, out: str, gpu: bool = False) 
     torch.save(result, Path(out) / f"exact{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+class PauseProbe:
+    """A ``ShardReceiver`` that delegates to ``inner`` and records, at every ``stage``, whether
+    ``engine`` was paused (what generation could do while the sync wrote that tensor)."""
+
+    def __init__(self, inner, engine) -> None:
+        self.inner, self.engine = inner, engine
+        self.paused_at_stage: list[bool] = []
+
+    def shard_specs(self):
+        return self.inner.shard_specs()
+
+    def begin(self, version: int) -> None:
+        self.inner.begin(version)
+
+    def stage(self, name: str) -> torch.Tensor:
+        self.paused_at_stage.append(self.engine.is_paused)
+        return self.inner.stage(name)
+
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+
+    def abort(self, reason: str = "") -> None:
+        self.inner.abort(reason)
+
+    @property
+    def last_paused_s(self):
+        return self.inner.last_paused_s
+
+
+def trained_weights(model_dir: str, seed: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors moved as by a training step (seeded), by Hugging Face name."""
+    from areno.models.hf_io import load_model
+
+    model, _ = load_model(model_dir, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    return {n: (t + 0.05 * torch.randn(t.shape, generator=g)).detach() for n, t in model.state_dict().items()}
+
+
+def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, timeout_s: float) -> None:
+    """Rank 0 trains (a dict of weights), rank 1 serves two RolloutEngines from the checkpoint:
+    one takes syncs through a staged receiver, the other in place. v1: both; v2: in place into an
+    engine paused beforehand; v3: in place, the source raises after some buckets; v4: in place
+    over a rebuilt transport (the failed one's groups may be broken), same receiver. Rank 1 saves
+    engine weights, pause records, stats and errors to ``out/inplace1.pt``."""
+    from areno.api.types import SamplingParams
+    from areno.models.hf_io import load_model
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, TornWeightsError
+    from areno.sync.base import engine_receiver
+
+    torch.set_num_threads(1)
+    init_world(rank, world, port)
+    topo = StreamTopology(train_ranks=(0,), sender_ranks=(0,), rollout_ranks=(1,))
+    cfg = StreamSyncConfig(bucket_bytes=16384, direct_bytes=4096, timeout_s=timeout_s)
+    weights = trained_weights(model_dir, seed=1)
+    res: dict = {}
+
+    def transport(tag: str, receiver=None) -> StreamTransport:
+        source = NamedTensorSource(lambda: weights.items()) if rank == 0 else None
+        return StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, tag=tag)
+
+    if rank == 0:
+        staged, live = transport("staged"), transport("inplace")
+        staged.sync(1)
+        live.sync(1)
+        weights.update(trained_weights(model_dir, seed=2))
+        live.sync(2)
+        weights.update(trained_weights(model_dir, seed=3))
+
+        def broken():
+            for i, item in enumerate(weights.items()):
+                if i == len(weights) // 2:
+                    raise ValueError("source broke")
+                yield item
+        live.source = NamedTensorSource(broken)
+        try:
+            live.sync(3)
+        except ValueError as e:
+            res["error"] = str(e)
+        weights.update(trained_weights(model_dir, seed=4))
+        transport("inplace-retry").sync(4)
+        res["v4"] = weights
+    else:
+        def engine() -> RolloutEngine:
+            model, mcfg = load_model(model_dir, dtype=torch.float32, device="cpu")
+            return RolloutEngine(model, mcfg, config=RolloutEngineConfig(block_size=4, num_blocks=64))
+
+        def snapshot(e: RolloutEngine) -> dict[str, torch.Tensor]:
+            return {n: t.detach().clone() for n, t in e.weight_tensors().items()}
+
+        params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=3)
+        e_staged, e_live = engine(), engine()
+        specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
+                 for n, t in e_live.weight_tensors().items()}
+        probe = PauseProbe(engine_receiver(e_live, specs, commit="inplace"), e_live)
+        staged = transport("staged", engine_receiver(e_staged, specs, commit="staged"))
+        live = transport("inplace", probe)
+        s_staged = staged.sync(1)
+        s_live = live.sync(1)
+        res["v1"] = {"staged": snapshot(e_staged), "inplace": snapshot(e_live), "version": e_live.version,
+                     "paused_at_stage": list(probe.paused_at_stage), "paused_after": e_live.is_paused,
+                     "stats": {"staged": s_staged.as_metrics(), "inplace": s_live.as_metrics()}}
+        e_live.pause()  # paused beforehand: the sync leaves it paused
+        probe.paused_at_stage.clear()
+        live.sync(2)
+        res["v2"] = {"paused_after": e_live.is_paused, "version": e_live.version,
+                     "paused_at_stage": list(probe.paused_at_stage), "weights": snapshot(e_live)}
+        e_live.resume()
+        res["v2"]["serves"] = len(e_live.generate([[5, 9, 12]], params)[0].output_ids)
+        try:
+            live.sync(3)
+            res["v3"] = {"error": None}
+        except PolicySyncError as e:
+            res["v3"] = {"error": str(e)}
+        res["v3"]["paused_after"] = e_live.is_paused
+        res["v3"]["version"] = e_live.version
+        v2 = res["v2"]["weights"]
+        res["v3"]["changed"] = sorted(n for n, t in snapshot(e_live).items() if not torch.equal(t, v2[n]))
+        for what, call in (("generate", lambda: e_live.generate([[5, 9, 12]], params)),
+                           ("add_request", lambda: e_live.add_request([5, 9, 12], params))):
+            try:
+                call()
+                res["v3"][what] = None
+            except TornWeightsError as e:
+                res["v3"][what] = str(e)
+        retry = transport("inplace-retry", probe)
+        stats = retry.sync(4)
+        res["v4"] = {"weights": snapshot(e_live), "paused_after": e_live.is_paused, "version": e_live.version,
+                     "paused_s": stats.generation_paused_s,
+                     "serves": len(e_live.generate([[5, 9, 12]], params)[0].output_ids)}
+    tmp = Path(out) / f".inplace{rank}.pt"
+    torch.save(res, tmp)
+    tmp.rename(Path(out) / f"inplace{rank}.pt")
+    deadline = time.time() + 60  # rank 0 hosts the store: keep it up until everyone has reported
+    while time.time() < deadline and not all((Path(out) / f"inplace{r}.pt").exists() for r in range(world)):
+        time.sleep(0.1)
+    os._exit(0)  # the failed transport's groups may be broken; do not tear them down
