@@ -4,14 +4,19 @@
   policy sync (StreamTransport: plan, bounded buckets, relay + fan-out, slicing, staging, commit)
   against a raw collective moving the same bytes over the same route as one message per row,
   measured in the same run on the same process groups. ``generation_paused_s`` is the time the
-  engine must stop generating: only the commit (``--commit swap``: a storage swap, as an eager
-  engine allows; ``--commit copy``: staged -> live copy, as under CUDA graphs); receiving happens
-  while it keeps generating. Sync and raw alternate which goes first, pair by pair, over
-  ``--repeats`` blocks of ``--iters`` pairs; the JSON gives the ratio of medians over all pairs,
-  per block (and their median), best-of, and per-phase times of the slowest rank. Target: ratio >= 0.8.
+  engine must stop generating: for a staged receiver only the commit (``--commit swap``: a storage
+  swap, as an eager engine allows; ``--commit copy``: staged -> live copy, as under CUDA graphs;
+  receiving happens while it keeps generating), for ``--commit inplace`` the whole sync (received
+  straight into the paused engine's tensors: no staging, no commit copy). ``--commit all`` runs one
+  transport per commit, interleaved with the raw baseline (rotating which goes first), and reports
+  each under ``by_commit``. Over ``--repeats`` blocks of ``--iters`` rounds the JSON gives the ratio
+  of medians over all rounds, per block (and their median), best-of, and per-phase times of the
+  slowest rank. Target: ratio >= 0.8. ``vote_backend``: the commit vote's group (nccl on distinct
+  GPUs, else gloo).
 
 --mode gpu-stream (multi-GPU issue): the same, NCCL data plane, bf16 Qwen2.5 shape (--shapes 1.5b),
   train DP 2 on GPUs 0-1 -> rollout TP on the remaining GPUs, or --overlap: rollout TP 2 on GPUs 0-1 too.
+  Default: all three commits side by side (--commit copy|swap|inplace for one).
 
 --mode gpu-colocated: one GPU, InPlaceTransport from fp32 trained tensors into a bf16 engine for
   Qwen2.5 0.5B / 1.5B shapes (a cast copy), and the aliased case (engine reads the trained bf16
@@ -20,7 +25,7 @@
     python bench/sync.py --mode cpu                      # ~15-20 s on 2 cores; add --profile-rank 2 for cProfile
     python bench/sync.py --mode gpu-colocated --shapes 0.5b,1.5b
     python bench/sync.py --mode gpu-stream --gpus 4 --shapes 1.5b --bucket-mb 256
-    python bench/sync.py --mode gpu-stream --gpus 2 --train-dp 1 --shapes 1.5b   # train GPU 0 -> rollout GPU 1
+    python bench/sync.py --mode gpu-stream --gpus 2 --train-dp 1 --shapes 1.5b --bucket-mb 256  # GPU 0 -> GPU 1
 
 --mode host-copies: host time to issue one sync's pack and stage copies, per-item copy_ vs one
   foreach copy per bucket (no collectives; --device meta: dispatch only, runs anywhere).
@@ -45,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.sync.base import NamedTensorSource, StagedReceiver, copy_into, swap_into  # noqa: E402
+from areno.sync.base import NamedTensorSource, StagedReceiver  # noqa: E402
 from areno.sync.inplace import InPlaceTransport  # noqa: E402
 from areno.sync.plan import shard_specs_from_tp_plan  # noqa: E402
 
@@ -86,11 +91,44 @@ def qwen2_shapes(hidden, layers, inter, heads, kv_heads, vocab, tied) -> dict[st
 
 
 # ------------------------------------------------------------------------- stream (CPU or GPUs)
+COMMITS = {"copy": "staged", "swap": "swap", "inplace": "inplace"}
+"""Bench name of a receiver's commit -> ``engine_receiver(commit=)``."""
+
+
+class _BenchEngine:
+    """The rollout-engine surface ``engine_receiver`` drives (live tensors, pause/resume, version,
+    torn flag) over plain tensors: the receivers run their real commit paths, nothing generates."""
+
+    def __init__(self, live: dict[str, torch.Tensor]) -> None:
+        self._live = live
+        self.is_paused = False
+        self.version = 0
+        self.torn: str | None = None
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._live)
+
+    def pause(self) -> None:
+        self.is_paused = True
+
+    def resume(self) -> None:
+        self.is_paused = False
+
+    def commit_weights(self, version: int) -> None:
+        self.version, self.torn = version, None
+
+    def mark_torn(self, reason: str) -> None:
+        self.torn = reason
+
+
 def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> None:
     """One rank of train DP ``train_dp`` -> rollout TP (world - train_dp). The world is gloo
-    (barriers, timing reductions); on GPU the transport's data plane is NCCL."""
+    (barriers, timing reductions); on GPU the transport's data plane is NCCL. One transport per
+    commit in ``opts["commits"]`` (same source, each receiver its own live tensors), measured
+    interleaved with the raw baseline."""
     import torch.distributed as dist
 
+    from areno.sync.base import engine_receiver
     from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
 
     torch.set_num_threads(1)
@@ -98,6 +136,7 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     gpu = opts["gpu"]
     n_train = opts["train_dp"]
+    commits = opts["commits"]
     train, rollout = tuple(range(n_train)), tuple(range(n_train, world))
     # Overlap: rollout rank i shares GPU i with training rank i (relays then cross GPUs).
     gpu_of = {r: (r if r < n_train else (r - n_train if opts["overlap"] else r)) for r in range(world)}
@@ -108,7 +147,8 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
     shapes = qwen2_shapes(**SHAPES[opts["shape"]])
     topo = StreamTopology(train_ranks=train, sender_ranks=train, rollout_ranks=rollout,
                           devices={r: f"gpu{gpu_of[r]}" if gpu else f"cpu{r}" for r in range(world)})
-    source = receiver = None
+    source = None
+    receivers = dict.fromkeys(commits)
     if rank in train:
         g = torch.Generator(device=device).manual_seed(0)
         weights = {n: torch.randn(s, generator=g, device=device).to(dtype) for n, s in shapes.items()}
@@ -116,13 +156,15 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
     else:
         meta = [(n, s, dtype) for n, s in shapes.items()]
         specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - n_train, tp_size=len(rollout))
-        live = {n: torch.zeros(sp.local_shape, dtype=dtype, device=device) for n, sp in specs.items()}
-        apply = swap_into(live) if opts["commit"] == "swap" else copy_into(live)
-        receiver = StagedReceiver(specs, apply, device=device)
+        for commit in commits:
+            engine = _BenchEngine({n: torch.zeros(sp.local_shape, dtype=dtype, device=device)
+                                   for n, sp in specs.items()})
+            receivers[commit] = engine_receiver(engine, specs, commit=COMMITS[commit])
     cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300, direct_bytes=opts["direct_bytes"],
                            fanout_all=opts["fanout_all"])
-    transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, device=device,
-                                backend="nccl" if gpu else None)
+    transports = {c: StreamTransport(topology=topo, config=cfg, source=source, receiver=receivers[c], device=device,
+                                     backend="nccl" if gpu else None, tag=f"bench-{c}") for c in commits}
+    transport = transports[commits[0]]  # raw baseline: the same process groups as the first
 
     def slowest(values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -130,10 +172,12 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         return t.tolist()
 
     phase_names = ("pack", "post", "wait", "stage", "vote", "commit")
-    transport.sync(0)  # warm-up: allocates buffers and staging, creates communicators
+    for t in transports.values():
+        t.sync(0)  # warm-up: allocates buffers (and staging), creates communicators
     transport.raw_transfer()
-    sync_s, raw_s, paused_s, transfer_s, ratios = [], [], [], [], []
-    phases: dict[str, list[float]] = {f"{role}_{p}": [] for role in ("train", "rollout") for p in phase_names}
+    raw_s: list[float] = []
+    per = {c: {"sync_s": [], "paused_s": [], "transfer_s": [], "ratios": [],
+               "phases": {f"{role}_{p}": [] for role in ("train", "rollout") for p in phase_names}} for c in commits}
     version = 0
     profiler = None
     if opts.get("profile_rank") == rank:
@@ -141,30 +185,34 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
 
         profiler = cProfile.Profile()
         profiler.enable()
+    arms = ["raw", *commits]
     for rep in range(opts["repeats"]):
-        block_sync, block_raw = [], []
+        block_raw: list[float] = []
+        block_sync: dict[str, list[float]] = {c: [] for c in commits}
         for it in range(opts["iters"]):
-            # Interleaved, alternating which goes first, so load on a shared machine hits both alike.
-            for which in (("sync", "raw") if (rep * opts["iters"] + it) % 2 == 0 else ("raw", "sync")):
+            # Interleaved, rotating which goes first, so load on a shared machine hits all alike.
+            shift = (rep * opts["iters"] + it) % len(arms)
+            for which in arms[shift:] + arms[:shift]:
                 dist.barrier()
                 if which == "raw":
                     block_raw.append(slowest([transport.raw_transfer()])[0])
                     continue
                 version += 1
-                stats = transport.sync(version)
-                ph = [transport.last_phases[p] for p in phase_names]
+                stats = transports[which].sync(version)
+                ph = [transports[which].last_phases[p] for p in phase_names]
                 role = [ph if rank in train else [0.0] * len(ph), ph if rank in rollout else [0.0] * len(ph)]
                 total, transfer, paused, *per_role = slowest(
-                    [stats.total_time_s, stats.transfer_time_s,
-                     receiver.last_apply_s if receiver is not None else 0.0, *role[0], *role[1]])
-                block_sync.append(total)
-                transfer_s.append(transfer)
-                paused_s.append(paused)
-                for i, key in enumerate(phases):
-                    phases[key].append(per_role[i])
-        sync_s += block_sync
+                    [stats.total_time_s, stats.transfer_time_s, stats.as_metrics()["policy_sync_generation_paused_s"]
+                     if rank in rollout else 0.0, *role[0], *role[1]])
+                block_sync[which].append(total)
+                per[which]["transfer_s"].append(transfer)
+                per[which]["paused_s"].append(paused)
+                for i, key in enumerate(per[which]["phases"]):
+                    per[which]["phases"][key].append(per_role[i])
         raw_s += block_raw
-        ratios.append(statistics.median(block_raw) / statistics.median(block_sync))
+        for c in commits:
+            per[c]["sync_s"] += block_sync[c]
+            per[c]["ratios"].append(statistics.median(block_raw) / statistics.median(block_sync[c]))
     if profiler is not None:
         import io
         import pstats
@@ -183,13 +231,28 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
                 if func in (key, f"<method '{key}' of 'torch._C.TensorBase' objects>",
                             f"<built-in method torch.{key}>"):
                     calls[key] = calls.get(key, 0) + ncalls
-        n_syncs = opts["repeats"] * opts["iters"]
+        n_syncs = opts["repeats"] * opts["iters"] * len(commits)
         Path(out, "profile.json").write_text(json.dumps(
             {"rank": rank, "syncs": n_syncs, "calls_per_sync": {k: v / n_syncs for k, v in sorted(calls.items())}}))
     dist.barrier()  # the profiled rank has written its counts
     if rank == 0:
         nbytes = transport.plan.total_bytes
-        sync_med, raw_med = statistics.median(sync_s), statistics.median(raw_s)
+        raw_med = statistics.median(raw_s)
+        by_commit = {}
+        for c in commits:
+            sync_s = per[c]["sync_s"]
+            sync_med = statistics.median(sync_s)
+            by_commit[c] = {
+                "sync_s_median": sync_med, "sync_gbps": nbytes / sync_med / 1e9,
+                "ratio_sync_over_raw": raw_med / sync_med,
+                "ratio_best_of": min(raw_s) / min(sync_s),
+                "ratio_per_repeat": per[c]["ratios"],
+                "ratio_median_of_repeats": statistics.median(per[c]["ratios"]),
+                "transfer_s_median": statistics.median(per[c]["transfer_s"]),
+                "generation_paused_s_median": statistics.median(per[c]["paused_s"]),
+                "phases_s_median_slowest_rank": {k: statistics.median(v) for k, v in per[c]["phases"].items()},
+                "sync_s_all": sync_s,
+            }
         result = {
             "mode": "gpu-stream" if gpu else "cpu",
             "topology": f"train DP {n_train} -> rollout TP {len(rollout)} ({'nccl' if gpu else 'gloo'}, {world} processes"
@@ -199,20 +262,18 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
             "raw_wire_bytes": nbytes * (2 if len(rollout) > 1 else 1),
             "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
             "bucket_bytes": opts["bucket_bytes"], "direct_bytes": opts["direct_bytes"] or opts["bucket_bytes"] // 4,
-            "commit": opts["commit"], "fanout_all": opts["fanout_all"],
+            "vote_backend": transport.vote_backend, "fanout_all": opts["fanout_all"],
             "iters": opts["iters"], "repeats": opts["repeats"],
-            "sync_s_median": sync_med, "raw_s_median": raw_med,
-            "sync_gbps": nbytes / sync_med / 1e9, "raw_gbps": nbytes / raw_med / 1e9,
-            "ratio_sync_over_raw": raw_med / sync_med,
-            "ratio_best_of": min(raw_s) / min(sync_s),
-            "ratio_per_repeat": ratios,
-            "ratio_median_of_repeats": statistics.median(ratios),
-            "transfer_s_median": statistics.median(transfer_s),
-            "generation_paused_s_median": statistics.median(paused_s),
-            "phases_s_median_slowest_rank": {k: statistics.median(v) for k, v in phases.items()},
-            "sync_s_all": sync_s, "raw_s_all": raw_s,
+            "raw_s_median": raw_med, "raw_gbps": nbytes / raw_med / 1e9,
+            "ratio_sync_over_raw_by_commit": {c: by_commit[c]["ratio_sync_over_raw"] for c in commits},
+            "generation_paused_s_median_by_commit": {c: by_commit[c]["generation_paused_s_median"] for c in commits},
+            "raw_s_all": raw_s,
             "peak_bucket_buffer_bytes": transport.peak_buffer_bytes,
         }
+        if len(commits) == 1:
+            result |= {"commit": commits[0], **by_commit[commits[0]]}
+        else:
+            result["by_commit"] = by_commit
         if Path(out, "profile.json").exists():
             result["profile"] = json.loads(Path(out, "profile.json").read_text())
         Path(out, "result.json").write_text(json.dumps(result))
@@ -388,16 +449,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="stream modes: fan out every bucket, even those only the relay keeps (same wire bytes as raw)")
     ap.add_argument("--profile-rank", type=int, default=None,
                     help="stream modes: cProfile this rank's loop and print its top functions to stderr")
-    ap.add_argument("--commit", choices=["swap", "copy"], default=None,
-                    help="stream modes: the receiver's commit: storage swap (an eager engine; cpu default) or "
-                         "copy into live tensors (an engine under CUDA graphs; gpu-stream default)")
+    ap.add_argument("--commit", choices=["swap", "copy", "inplace", "all"], default=None,
+                    help="stream modes: the receiver's commit: storage swap (an eager engine; cpu default), copy "
+                         "from staging into live tensors (an engine under CUDA graphs), inplace (received straight "
+                         "into the paused engine's tensors) or all three side by side (gpu-stream default)")
     ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b (cpu: a small one)")
     ap.add_argument("--device", default="cuda",
                     help="gpu-colocated device (cpu for a smoke run); host-copies: cuda or meta (dispatch only)")
     ap.add_argument("--tp", type=int, default=1, help="host-copies: rollout TP size of the staging side")
     args = ap.parse_args(argv)
-    commit = args.commit or ("swap" if args.mode == "cpu" else "copy")
-    stream_opts = dict(repeats=args.repeats, commit=commit, profile_rank=args.profile_rank,
+    commit = args.commit or ("swap" if args.mode == "cpu" else "all")
+    commits = ["copy", "swap", "inplace"] if commit == "all" else [commit]
+    stream_opts = dict(repeats=args.repeats, commits=commits, profile_rank=args.profile_rank,
                        fanout_all=args.fanout_all,
                        direct_bytes=int(args.direct_mb * (1 << 20)) if args.direct_mb is not None else None)
     load = os.getloadavg()

@@ -417,3 +417,81 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
     while time.time() < deadline and not all((Path(out) / f"inplace{r}.pt").exists() for r in range(world)):
         time.sleep(0.1)
     os._exit(0)  # the failed transport's groups may be broken; do not tear them down
+
+
+class LiveTensors:
+    """The rollout-engine surface ``engine_receiver`` drives, over plain tensors (no generation)."""
+
+    def __init__(self, live: dict[str, torch.Tensor]) -> None:
+        self._live = live
+        self.is_paused = False
+        self.version = 0
+        self.torn: str | None = None
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._live)
+
+    def pause(self) -> None:
+        self.is_paused = True
+
+    def resume(self) -> None:
+        self.is_paused = False
+
+    def commit_weights(self, version: int) -> None:
+        self.version, self.torn = version, None
+
+    def mark_torn(self, reason: str) -> None:
+        self.torn = reason
+
+
+def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
+    """Rank 0 trains, rank 1 receives in place; ``gpu``: on cuda:0 and cuda:1 with an NCCL data
+    plane (distinct GPUs: the vote runs on NCCL), else on CPU over gloo. v1 completes; in v2 the source raises after its last tensor
+    (every byte moved, so nothing hangs): the vote must fail naming rank 0 and leave the engine
+    torn; v3 on the same transport completes. Saves what rank 1 saw to ``out/vote1.pt``."""
+    from areno.sync.base import engine_receiver
+
+    init_world(rank, world, port)
+    device = torch.device(f"cuda:{rank}" if gpu else "cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    topo = StreamTopology(train_ranks=(0,), sender_ranks=(0,), rollout_ranks=(1,),
+                          devices={0: f"{device.type}:0", 1: f"{device.type}:1"})
+    cfg = StreamSyncConfig(bucket_bytes=2048, direct_bytes=1024, timeout_s=30)
+    weights = {n: t.to(device) for n, t in tiny_weights(seed=1).items()}
+    engine = receiver = source = None
+    if rank == 0:
+        source = NamedTensorSource(lambda: weights.items())
+    else:
+        engine = LiveTensors({n: torch.zeros_like(t) for n, t in weights.items()})
+        specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in weights.items()}
+        receiver = engine_receiver(engine, specs, commit="inplace")
+    transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, device=device,
+                                backend="nccl" if gpu else None)
+    res = {"vote_backend": transport.vote_backend}
+    transport.sync(1)
+    if rank == 1:
+        res["v1"] = {n: t.cpu().clone() for n, t in engine.weight_tensors().items()}
+    weights.update({n: t.to(device) for n, t in tiny_weights(seed=2).items()})
+    if rank == 0:
+        def raises_at_the_end():
+            yield from weights.items()
+            raise ValueError("source broke after its last tensor")
+        transport.source = NamedTensorSource(raises_at_the_end)
+    try:
+        transport.sync(2)
+        res["v2_error"] = None
+    except (PolicySyncError, ValueError) as e:
+        res["v2_error"] = f"{type(e).__name__}: {e}"
+    if rank == 1:
+        res["v2_torn"], res["v2_paused"] = engine.torn, engine.is_paused
+    else:
+        transport.source = NamedTensorSource(lambda: weights.items())
+    weights.update({n: t.to(device) for n, t in tiny_weights(seed=3).items()})
+    transport.sync(3)
+    if rank == 1:
+        res["v3"] = {n: t.cpu().clone() for n, t in engine.weight_tensors().items()}
+        res["v3_torn"], res["v3_paused"], res["v3_version"] = engine.torn, engine.is_paused, engine.version
+    torch.save(res, Path(out) / f"vote{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()

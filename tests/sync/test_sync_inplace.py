@@ -146,3 +146,33 @@ def test_vote_backend_is_nccl_only_on_distinct_gpus_under_an_nccl_data_plane():
     # Ranks without a device entry count as distinct devices.
     assert vote_backend(topo({}), "NCCL") == "nccl"
     assert vote_backend(topo({0: "cuda:0", 3: "cuda:0"}), "nccl") == "gloo"
+
+
+def check_vote(res: dict, backend: str) -> None:
+    from sync_helpers import tiny_weights
+
+    assert res[0]["vote_backend"] == res[1]["vote_backend"] == backend
+    assert all(torch.equal(t.cpu(), tiny_weights(seed=1)[n]) for n, t in res[1]["v1"].items())
+    assert res[0]["v2_error"] == "ValueError: source broke after its last tensor"
+    assert res[1]["v2_error"].startswith("PolicySyncError: policy sync v2 failed on rank 1: failed rank(s) [0]")
+    assert "in-place policy sync v2 failed midway" in res[1]["v2_torn"] and res[1]["v2_paused"]
+    assert all(torch.equal(t.cpu(), tiny_weights(seed=3)[n]) for n, t in res[1]["v3"].items())
+    assert res[1]["v3_torn"] is None and not res[1]["v3_paused"] and res[1]["v3_version"] == 3
+
+
+def test_a_rank_that_raised_fails_the_vote_and_the_same_transport_recovers(tmp_path):
+    """No timeout involved: every byte moved before the sender raised, so the groups stay usable."""
+    from sync_helpers import spawn, worker_vote
+
+    spawn(worker_vote, 2, str(tmp_path), False)
+    check_vote({r: torch.load(tmp_path / f"vote{r}.pt", weights_only=True) for r in range(2)}, "gloo")
+
+
+@pytest.mark.gpu
+def test_nccl_vote_on_two_gpus_names_the_failed_rank_and_inplace_recovers(tmp_path):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from sync_helpers import spawn, worker_vote
+
+    spawn(worker_vote, 2, str(tmp_path), True)
+    check_vote({r: torch.load(tmp_path / f"vote{r}.pt", weights_only=True) for r in range(2)}, "nccl")
