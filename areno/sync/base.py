@@ -446,8 +446,9 @@ class LiveReceiver(ShardReceiver):
     ``abort`` after the first ``stage`` (the weights may be half-written) keeps the engine paused
     and marks it torn (``mark_torn``): it refuses to generate with a one-line error naming the
     failed sync, until a later sync commits (it then resumes as the first sync would have) or the
-    weights are reloaded from disk. A sync that aborts before any ``stage`` left the weights
-    intact and resumes the engine as it was.
+    weights are reloaded from disk (``update_weights_from_disk`` clears the mark; the engine stays
+    paused until ``resume``). A sync that aborts before any ``stage`` left the weights intact and
+    resumes the engine as it was.
     """
 
     def __init__(self, engine: object, specs: Mapping[str, ShardSpec]) -> None:
@@ -519,5 +520,5 @@ class LiveReceiver(ShardReceiver):
         self._engine.mark_torn(  # type: ignore[attr-defined]
             f"the rollout weights are half-written: in-place policy sync v{version} failed midway"
             + (f" ({why})" if why else "") + "; this engine refuses to generate until the next policy sync "
-            "completes or the weights are reloaded from disk (update_weights_from_disk); "
+            "completes or the weights are reloaded from disk (update_weights_from_disk, then resume); "
             "cluster.sync_commit=staged keeps serving the old weights through a failed sync")

@@ -30,8 +30,8 @@ when the data plane is NCCL and no two participants share a GPU (``vote_backend`
 microseconds, on a side stream so that a data collective stuck on the current stream cannot hold
 it back), gloo otherwise (CPU tensors, so it may span a shared GPU; about a millisecond on a GPU
 host). Rollout ranks commit (``ShardReceiver.commit``) only when every participant succeeded, so
-the TP shards of one engine never mix versions. A rank that fails still votes (``0``), so the others abort at
-once; one that hangs or dies makes the vote time out. Every wait has the configured timeout and a
+the TP shards of one engine never mix versions. A rank that fails still votes (``0``), so the
+others abort at once; one that hangs or dies makes the vote time out. Every wait has the configured timeout and a
 failure raises ``PolicySyncError`` naming the failed or unresponsive ranks; receivers abort and
 keep the old version (a staged receiver; an in-place one is left torn, see ``areno.sync.base``).
 After a timeout the process groups may be broken: rebuild the transport (and the world) before

@@ -446,9 +446,10 @@ class LiveTensors:
 
 def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
     """Rank 0 trains, rank 1 receives in place; ``gpu``: on cuda:0 and cuda:1 with an NCCL data
-    plane (distinct GPUs: the vote runs on NCCL), else on CPU over gloo. v1 completes; in v2 the source raises after its last tensor
-    (every byte moved, so nothing hangs): the vote must fail naming rank 0 and leave the engine
-    torn; v3 on the same transport completes. Saves what rank 1 saw to ``out/vote1.pt``."""
+    plane (distinct GPUs: the vote runs on NCCL), else on CPU over gloo. v1 completes; in v2 the
+    source raises after its last tensor (every byte moved, so nothing hangs): the vote must fail
+    naming rank 0 and leave the engine torn; v3 on the same transport completes. Saves what each
+    rank saw to ``out/vote{rank}.pt``."""
     from areno.sync.base import engine_receiver
 
     init_world(rank, world, port)

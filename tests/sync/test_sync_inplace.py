@@ -70,7 +70,8 @@ def test_failed_inplace_sync_leaves_engine_refusing_until_the_next_sync(results,
     for what in ("generate", "add_request"):
         msg = v3[what]
         assert msg is not None and "\n" not in msg, (what, msg)
-        assert "in-place policy sync v3 failed midway" in msg and "refuses to generate until the next policy sync" in msg
+        assert "in-place policy sync v3 failed midway" in msg
+        assert "refuses to generate until the next policy sync" in msg
     # The next sync (rebuilt transport, same receiver) commits, resumes and serves the new policy.
     v4 = results[1]["v4"]
     assert v4["version"] == 4 and v4["paused_after"] is False and v4["serves"] == PARAMS.max_new_tokens
