@@ -135,6 +135,9 @@ class RolloutSection:
     """Decode attention of the rollout engine: `gather` (copy each sequence's K/V out of the paged
     pool, then SDPA), `paged` (read the pool directly: a Triton kernel on CUDA, a chunked
     online-softmax fallback elsewhere) or `auto` (paged on CUDA with Triton, gather elsewhere)."""
+    cuda_graphs: bool = True
+    """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
+    every decode step eagerly (slower; for debugging and A/B runs)."""
     fused_kernels: bool = True
     """CUDA: fused Triton kernels for RMSNorm, RoPE and SiLU-and-multiply in the rollout engine's
     forwards (a decode step is bound by its kernel count), after a self-check against the eager ops
