@@ -1,0 +1,63 @@
+"""``cluster.sync_commit=inplace`` end to end: a partitioned CPU run (1 training + 1 rollout worker
+process) whose policy syncs write the rollout engine's weights in place repeats the staged run."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer  # noqa: F401 - imported before worker threads race to import it
+
+from areno.api.config import ConfigError, load_config
+
+
+def reward(prompt, completion, answer, **row):
+    """Varies between samples of a random tiny model (so GRPO has a gradient)."""
+    return completion.count("7") / max(len(completion), 1) + 0.1 * len(completion)
+
+
+def _config(tmp_path, commit: str):
+    return load_config(None, [
+        f"run_dir={tmp_path / commit}", f"model.path={tmp_path / 'model'}",
+        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+        "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=4",
+        "rollout.max_new_tokens=4", "cluster.device=cpu", "cluster.cpu_threads=1", "observe.console=false",
+        "train.seed=3", "optim.lr=0.01", "reward.fn=test_sync_partitioned:reward",
+        "cluster.train_devices=[0]", "cluster.rollout_devices=[1]", f"cluster.sync_commit={commit}",
+    ])
+
+
+def test_sync_commit_is_validated(tmp_path):
+    with pytest.raises(ConfigError, match="cluster.sync_commit: must be staged or inplace, got 'swap'"):
+        _config(tmp_path, "swap")
+
+
+@pytest.mark.slow
+def test_inplace_sync_commit_repeats_the_staged_run(tmp_path):
+    from areno.engine.api import prepare_model_dir
+    from areno.engine.partitioned import PartitionedArenoEngine
+
+    runs = {}
+    for commit in ("staged", "inplace"):
+        cfg = _config(tmp_path, commit)
+        prepare_model_dir(cfg)
+        engine = PartitionedArenoEngine(cfg, tmp_path / commit)
+        engine.initialize()
+        try:
+            steps = []
+            for i in range(3):
+                rollout = engine.generate_rollout(i)
+                metrics = engine.step(rollout)
+                engine.update_weights()
+                samples = sorted((t.prompt_ids, t.completion_ids, t.logprobs, t.versions) for t in rollout.trajectories)
+                steps.append((samples, metrics))
+            runs[commit] = (steps, engine.scheduler.call("rollout", "version"))
+        finally:
+            engine.shutdown()
+    (staged, v_staged), (inplace, v_inplace) = runs["staged"], runs["inplace"]
+    assert v_staged == v_inplace == [3]
+    for (samples_s, m_s), (samples_i, m_i) in zip(staged, inplace):
+        assert samples_s == samples_i  # the same policy reached the engine at every step, bit for bit
+        numerics = [k for k in m_s if k.startswith(("policy/", "train/")) and "time" not in k and "_s" not in k[-2:]]
+        assert numerics and all(m_s[k] == m_i[k] for k in numerics), {k: (m_s[k], m_i[k]) for k in numerics}
+    # the in-place engine stopped generating for its whole sync; the staged one only to commit
+    m_s, m_i = staged[-1][1], inplace[-1][1]
+    assert m_i["policy_sync_generation_paused_s"] > m_s["policy_sync_generation_paused_s"]
