@@ -83,11 +83,14 @@ def test_warmup_captures_every_bucket_then_generation_reuses_them():
 
     model, cfg = make_model(0)
     eng = RolloutEngine(model.cuda(), cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=())
-    # Batch bucket 8; 10 blocks -> widths 1, 2, 4, 8, 16; one-step graphs and 8-step greedy loops.
+    # Batch bucket 8; 10 blocks -> one width under the paged kernel (the CUDA default), widths
+    # 1, 2, 4, 8, 16 under gather; one-step graphs and 8-step greedy loops for each.
+    widths = {eng._graphs.width(n) for n in range(1, 11)}
+    assert len(widths) == (1 if eng._graphs.paged else 5)
     n = eng.warmup_cuda_graphs([5], max_len=40)
-    assert n == 10
+    assert n == 2 * len(widths)
     eng.generate(random_prompts(5, seed=41, lo=4, hi=10), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
-    assert len(eng._graphs._graphs) == 5 and len(eng._graphs._loops) == 5
+    assert len(eng._graphs._graphs) == len(widths) and len(eng._graphs._loops) == len(widths)  # nothing new
 
 
 @pytest.mark.gpu
@@ -141,10 +144,11 @@ def test_warmup_captures_sampled_loops():
     eng = RolloutEngine(model.cuda(), cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=(2,))
     # ignore_eos: the 5 requests end together, so the batch stays in one bucket.
     rl = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, min_new_tokens=4, ignore_eos=True, seed=1)
-    # Batch bucket 8, widths 1, 2, 4, 8, 16: one-step graphs and one sampled loop per width.
-    assert eng.warmup_cuda_graphs([5], max_len=40, params=[rl]) == 10
+    # Batch bucket 8, every table width of 10 blocks: one-step graphs and one sampled loop per width.
+    widths = {eng._graphs.width(n) for n in range(1, 11)}
+    assert eng.warmup_cuda_graphs([5], max_len=40, params=[rl]) == 2 * len(widths)
     eng.generate(random_prompts(5, seed=41, lo=4, hi=10), [dataclasses.replace(rl, seed=i) for i in range(5)])
-    assert len(eng._graphs._loops) == 5 and {key[4] for key in eng._graphs._loops} == {SampleMode.of(rl)}
+    assert len(eng._graphs._loops) == len(widths) and {key[4] for key in eng._graphs._loops} == {SampleMode.of(rl)}
 
 
 class _EagerReplay:
