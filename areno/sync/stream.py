@@ -22,7 +22,9 @@ packed held until then, at most a bucket's worth (a gathered DTensor is copied o
 (``Work.wait()`` without a timeout: the current stream waits, the host keeps enqueuing), so packing
 bucket k+1 is not serialised behind bucket k on the wire; a buffer slot is still reused only after
 its collective (the reusing copies are ordered after it on the stream). Before voting, every rank
-host-waits on its collectives with the timeout, so a hung peer still ends in ``PolicySyncError``.
+host-waits on its collectives with the timeout, so a hung peer still ends in ``PolicySyncError``
+(polling ``is_completed`` every ~50 us first: NCCL's ``Work.wait(timeout)`` polls once per
+millisecond, which would add up to a millisecond to the drain and to an NCCL vote).
 
 Commit (all-or-nothing across ranks): when its part is done, every participant joins one vote,
 a tiny all-reduce (done flags, buckets staged) over a control group of all participants: NCCL
@@ -301,6 +303,11 @@ class BucketStager:
         return foreach_copy(*pairs)
 
 
+POLL_S = 1.0
+"""Host waits on NCCL works poll ``is_completed`` for up to this long (then ``Work.wait(timeout)``)."""
+POLL_INTERVAL_S = 5e-5
+"""Sleep between two polls (~50-100 us on Linux; releases the GIL to a generating engine thread)."""
+
 _DONE, _TIMED_OUT, _RAISED = 1, 2, 3
 """Commit-vote states: finished its part / a wait on a peer timed out / raised an error itself."""
 
@@ -439,10 +446,25 @@ class StreamTransport(PolicySyncTransport):
     def _key(self, what: str, rank: int | None = None) -> str:
         return f"{self._gen}/{self._attempt}/{what}" + ("" if rank is None else f"/{rank}")
 
-    def _wait(self, work: dist.Work, what: str) -> None:
-        """Block the host until ``work`` completes, at most ``timeout_s``."""
+    def _wait(self, work: dist.Work, what: str, *, poll: bool = False) -> None:
+        """Block the host until ``work`` completes, at most ``timeout_s``.
+
+        ``poll`` (NCCL works): ``Work.wait(timeout)`` checks completion once per millisecond
+        (ProcessGroupNCCL), so a collective that ends microseconds after the call (the vote, the
+        last bucket) would cost up to a millisecond; poll ``is_completed`` every ~50 us first (the
+        sleep releases the GIL), for at most ``POLL_S``, then hand the rest of the timeout to it."""
+        timeout = self._timeout
         try:
-            work.wait(self._timeout)
+            if poll:
+                t0 = time.perf_counter()
+                end = t0 + min(POLL_S, timeout.total_seconds())
+                while not work.is_completed():
+                    if time.perf_counter() >= end:  # still running: the rest of the timeout
+                        timeout = max(timeout - datetime.timedelta(seconds=time.perf_counter() - t0),
+                                      datetime.timedelta(milliseconds=1))
+                        break
+                    time.sleep(POLL_INTERVAL_S)
+            work.wait(timeout)
         except RuntimeError as e:
             raise PolicySyncError(f"{what}: {e}") from e
 
@@ -466,7 +488,7 @@ class StreamTransport(PolicySyncTransport):
         inflight, self._inflight = self._inflight, []
         for work, what, bucket in inflight:
             try:
-                self._wait(work, what)
+                self._wait(work, what, poll=True)
             except PolicySyncError as e:
                 e.buckets_done = bucket
                 raise
@@ -555,7 +577,8 @@ class StreamTransport(PolicySyncTransport):
                     self._vote_stream = torch.cuda.Stream(self.device)
                 with torch.cuda.stream(self._vote_stream):
                     status_dev = status.to(self.device)
-                    self._wait(dist.all_reduce(status_dev, group=self.control_group, async_op=True), "commit vote")
+                    work = dist.all_reduce(status_dev, group=self.control_group, async_op=True)
+                    self._wait(work, "commit vote", poll=True)
                     status = status_dev.cpu()
             else:
                 self._wait(dist.all_reduce(status, group=self.control_group, async_op=True), "commit vote")

@@ -176,11 +176,18 @@ def test_chunk_views_are_the_item_rows_as_views():
 
 
 class FakeWork:
-    """Records how it was waited on; ``fail``: a wait with a timeout raises as a timed-out NCCL work."""
+    """Records how it was waited on; ``fail``: a wait with a timeout raises as a timed-out NCCL work;
+    ``polls``: ``is_completed`` answers False that many times first (None: never True)."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, polls: int | None = 0) -> None:
         self.calls: list[object] = []
         self.fail = fail
+        self.polls = polls
+        self.polled = 0
+
+    def is_completed(self) -> bool:
+        self.polled += 1
+        return self.polls is not None and self.polled > self.polls
 
     def wait(self, timeout=None):
         self.calls.append(timeout)
@@ -219,3 +226,24 @@ def test_stream_ordered_waits_defer_the_timed_host_wait_to_the_drain():
     w = FakeWork()
     t._order(w, "fan-out of bucket 0", 0)
     assert w.calls == [t._timeout] and t._inflight == []
+
+
+def test_nccl_host_waits_poll_before_the_millisecond_granular_timed_wait(monkeypatch):
+    import datetime
+    import time
+
+    import areno.sync.stream as stream
+
+    t = stream_ordered_transport(True)
+    w = FakeWork(polls=3)  # done after a few polls: waited at once with the whole timeout
+    t0 = time.perf_counter()
+    t._wait(w, "commit vote", poll=True)
+    assert w.polled == 4 and w.calls == [t._timeout] and time.perf_counter() - t0 < 0.5
+    monkeypatch.setattr(stream, "POLL_S", 0.05)
+    w = FakeWork(polls=None)  # still running after POLL_S: Work.wait gets the rest of the timeout
+    t._wait(w, "commit vote", poll=True)
+    assert w.polled > 1 and len(w.calls) == 1
+    assert t._timeout - datetime.timedelta(seconds=1) < w.calls[0] <= t._timeout - datetime.timedelta(seconds=0.05)
+    w = FakeWork(polls=None)  # gloo works are not polled
+    t._wait(w, "commit vote")
+    assert w.polled == 0 and w.calls == [t._timeout]
