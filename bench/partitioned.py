@@ -79,18 +79,60 @@ def arm_config(eta: int, args, work: Path):
     return load_config(None, overrides)
 
 
+class ArmTimeout:
+    """``--arm-timeout``: when an arm runs past its deadline, dump the stall (controller stacks, the
+    workers' thread states and stacks, ``areno.launch.watchdog.dump_hang``) to stderr, then kill the
+    workers so the arm fails with an error and the next arm runs."""
+
+    def __init__(self, seconds: float | None, log_dir: Path) -> None:
+        import threading
+
+        self.fired = False
+        self._log_dir = log_dir
+        self._timer = threading.Timer(seconds, self._fire) if seconds else None
+        if self._timer is not None:
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        import signal
+
+        from areno.launch.watchdog import child_pids, dump_hang
+
+        self.fired = True
+        pids = child_pids(os.getpid())
+        dump_hang(pids, log_paths=sorted(str(p) for p in self._log_dir.glob("*.log")))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 def run_arm(eta: int, args, work: Path) -> dict:
     from areno.api.trainer import Trainer
     from areno.observe.metrics import read_jsonl_records
 
     config = arm_config(eta, args, work)
     t0 = time.perf_counter()
-    trainer = Trainer.init(config)
-    init_s = time.perf_counter() - t0
+    deadline = ArmTimeout(args.arm_timeout, Path(config.run_dir) / "workers")
     try:
-        trainer.run()
+        trainer = Trainer.init(config)
+        init_s = time.perf_counter() - t0
+        try:
+            trainer.run()
+        finally:
+            trainer.shutdown()
+    except Exception as e:  # noqa: BLE001 - an arm that stalled (killed by its deadline) is reported, not fatal
+        if not deadline.fired:
+            raise
+        return {"eta": eta, "error": f"stalled: no result within --arm-timeout {args.arm_timeout:g} s ({e})"}
     finally:
-        trainer.shutdown()
+        deadline.cancel()
     rows = [r for r in read_jsonl_records(Path(config.run_dir) / "metrics.jsonl", what="metrics") if "timing/rollout_s" in r]
     # the first steps warm up (allocation, kernels, communicators) and let the asynchronous pool
     # reach its steady state (it starts ahead by the batches generated during start-up)
@@ -152,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more config override for every arm (repeatable), e.g. rollout.decode_steps=1")
     p.add_argument("--work-dir", default=None, help="keep the arms' run directories (metrics.jsonl) here")
+    p.add_argument("--arm-timeout", type=float, default=None, metavar="S",
+                   help="an arm still running after S seconds: dump controller/worker stacks and thread states "
+                        "to stderr, kill its workers, report it as an error and go on")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -166,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         arms.append(run_arm(int(eta), args, work))
         # one line per finished arm, so a run cut short by a time limit still reports what it measured
         print(f"partitioned arm: {json.dumps(arms[-1])}", file=sys.stderr, flush=True)
-    base = arms[0]["trained_tokens_per_s"]
+    base = next((a["trained_tokens_per_s"] for a in arms if "error" not in a), None)
     for arm in arms:
-        arm["speedup_vs_first"] = round(arm["trained_tokens_per_s"] / base, 3)
+        if base and "error" not in arm:
+            arm["speedup_vs_first"] = round(arm["trained_tokens_per_s"] / base, 3)
     if args.device == "cuda":
         hw = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
     else:

@@ -10,13 +10,17 @@ worker that shares a world with others cannot be replaced on its own (the proces
 to be re-formed on every rank), so the error says to restart the run, which resumes from the last
 complete checkpoint.
 
-The worker-side stack of a stalled worker: ``kill -USR1 <pid>`` writes it to the worker's log when
-the worker registered ``faulthandler`` (the partitioned engine's workers do).
+The worker-side stack of a stalled worker: ``kill -USR1 <pid>`` writes it to the worker's log (every
+``areno.launch.worker`` process registers ``faulthandler`` at start). ``dump_hang`` gathers a stall's
+evidence in one place: the controller's stacks, each worker's thread states and kernel wait channels
+(``thread_states``: a thread blocked in the GPU driver cannot run the signal handler), then the
+workers' own stacks from the tails of their logs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -86,3 +90,84 @@ def call_with_timeout(
         fix = "see the worker log (kill -USR1 <pid> dumps its stacks there) or pass restart=True"
     raise WorkerTimeoutError(f"{names} did not return from {what} within {timeout_s:g}s (stalled); {fix}",
                              stalled=[handles[i] for i in stalled], restarted=restarted)
+
+
+# ----------------------------------------------------------------------------- hang diagnosis
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux ``/proc``; empty elsewhere): a local scheduler's workers."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(name))
+    return sorted(out)
+
+
+def thread_states(pid: int) -> str:
+    """One line per thread of ``pid``: id, name, scheduler state and kernel wait channel (Linux).
+
+    A hung process whose threads sit in ``D`` (uninterruptible, e.g. inside the GPU driver) does not
+    run its ``faulthandler`` signal handler, so this is the only view of where it waits."""
+    lines = []
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except FileNotFoundError:
+        return f"pid {pid}: no such process"
+    except OSError as e:
+        return f"pid {pid}: {e.strerror}"
+    for tid in tids:
+        base = f"/proc/{pid}/task/{tid}"
+        try:
+            with open(f"{base}/stat") as f:
+                stat = f.read()
+            with open(f"{base}/wchan") as f:
+                wchan = f.read().strip() or "-"
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        state = stat.rsplit(")", 1)[1].split()[0]
+        lines.append(f"pid {pid} tid {tid} {comm!r} state {state} wchan {wchan}")
+    return "\n".join(lines)
+
+
+def dump_hang(pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 60, settle_s: float = 3.0,
+              file=None) -> None:
+    """Everything known about a stall, to ``file`` (default stderr): this process's Python stacks,
+    each pid's thread states, then ``SIGUSR1`` to each (workers that registered ``faulthandler``
+    write their stacks to their logs) and, after ``settle_s``, the tail of each log."""
+    import signal
+    import sys
+    import threading
+    import time
+    import traceback
+
+    file = file or sys.stderr
+    names = {t.ident: t.name for t in threading.enumerate()}
+    print("=== stall: controller stacks", file=file, flush=True)
+    for ident, frame in sys._current_frames().items():
+        print(f"--- thread {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}", file=file, flush=True)
+    for pid in pids:
+        print(f"=== stall: threads of pid {pid}\n{thread_states(pid)}", file=file, flush=True)
+        if hasattr(signal, "SIGUSR1"):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(settle_s)
+    for path in log_paths:
+        try:
+            with open(path, errors="replace") as f:
+                tail = f.readlines()[-tail_lines:]
+        except OSError as e:
+            tail = [f"({e.strerror})\n"]
+        print(f"=== stall: tail of {path}\n{''.join(tail)}", file=file, flush=True)

@@ -113,6 +113,11 @@ def _slurm_rendezvous_env() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack to the worker log, from the start
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser(description="areno scheduler worker (started by a Scheduler)")
     parser.add_argument("--connect", required=True, help="controller host:port")
     parser.add_argument("--role", required=True)

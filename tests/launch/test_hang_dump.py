@@ -1,0 +1,55 @@
+"""Stall diagnosis: thread states from /proc, children of a process, and ``dump_hang``'s report."""
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from areno.launch.watchdog import child_pids, dump_hang, thread_states
+
+linux = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+
+
+@linux
+def test_thread_states_lists_every_thread_with_state_and_wait_channel():
+    text = thread_states(os.getpid())
+    lines = text.splitlines()
+    assert len(lines) == len(os.listdir(f"/proc/{os.getpid()}/task"))
+    assert all(" state " in line and " wchan " in line for line in lines)
+    assert f"tid {os.getpid()} " in text  # the main thread
+    assert "no such process" in thread_states(2**22 + 12345)  # beyond pid_max: named, not raised
+
+
+@linux
+def test_dump_hang_reports_controller_stacks_worker_threads_and_worker_stack(tmp_path):
+    log = tmp_path / "worker.log"
+    code = textwrap.dedent("""
+        import faulthandler, signal, sys, time
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        print("ready", flush=True)
+        def stuck_in_here():
+            time.sleep(60)
+        stuck_in_here()
+    """)
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while "ready" not in log.read_text():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        assert proc.pid in child_pids(os.getpid())
+        out = io.StringIO()
+        dump_hang([proc.pid], log_paths=[str(log)], settle_s=1.0, file=out)
+        report = out.getvalue()
+        assert "=== stall: controller stacks" in report
+        assert "test_dump_hang_reports_controller_stacks" in report  # this (the controller's) stack
+        assert f"=== stall: threads of pid {proc.pid}" in report and f"pid {proc.pid} tid {proc.pid}" in report
+        assert "stuck_in_here" in report  # the worker's own stack, from the tail of its log
+    finally:
+        proc.kill()
+        proc.wait()
