@@ -426,8 +426,34 @@ class StreamTransport(PolicySyncTransport):
         """Seconds of the last sync by phase on this rank: ``pack`` (copies into bucket buffers),
         ``post`` (posting collectives), ``wait`` (waiting on them), ``stage`` (copying received
         slices into staging), ``vote`` (the commit vote), ``commit`` (the receiver's apply)."""
+        self._connect()
 
     # ---------------------------------------------------------------- helpers
+    def _connect(self) -> None:
+        """CUDA: build every NCCL communicator this rank belongs to, and its peer connections, now —
+        one tiny collective per group, in creation order (the same on every rank, so no two ranks
+        wait on each other's later group) — instead of lazily inside the first sync. In an
+        asynchronous run that first sync overlaps generation, and communicator set-up (device
+        allocations, peer mappings) would then run beside the engine's CUDA-graph captures and
+        replays on the same GPU. All participants are past the constructor's rendezvous here."""
+        if self.device.type != "cuda":
+            return
+        groups = [*self.pair_groups, self.rollout_group]
+        if self.vote_backend == "nccl":
+            groups.append(self.control_group)
+        for group in groups:
+            if group is None:
+                continue
+            ranks = dist.get_process_group_ranks(group)
+            if self.rank not in ranks or dist.get_backend(group) != "nccl":
+                continue
+            probe = torch.zeros(1, device=self.device)
+            if group is self.control_group:
+                work = dist.all_reduce(probe, group=group, async_op=True)
+            else:
+                work = dist.broadcast(probe, src=min(ranks), group=group, async_op=True)
+            self._wait(work, f"connecting NCCL group {ranks}")
+        torch.cuda.synchronize(self.device)
     def _check_specs(self) -> None:
         shapes = {n: tuple(s) for n, s, _ in self.meta}
         for name, spec in self.receiver.shard_specs().items():
