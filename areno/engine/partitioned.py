@@ -269,7 +269,10 @@ class RolloutWorker:
         return stats
 
     def sync(self, version: int) -> dict[str, float]:
-        metrics = self.transport.sync(version).as_metrics()
+        # No CUDA-graph capture beside the sync's NCCL work on this GPU (steps needing a new graph
+        # meanwhile run eagerly); an asynchronous run syncs while the engine generates.
+        with self.engine.hold_graph_captures():
+            metrics = self.transport.sync(version).as_metrics()
         self.app.state.client.wake()
         return metrics
 

@@ -8,7 +8,8 @@ the batch, not for ``max_model_len``), and under the paged kernel (which reads o
 context) a power of two of at least 64 blocks (``graph_num_blocks``). An asynchronous run with
 long-tailed lengths sweeps through most batch sizes and context widths, so these steps bound how
 many graphs it captures (``captures`` / ``capture_s``, in ``RolloutEngine.stats``).
-Graphs are captured lazily at first use and share one memory pool. The graph's inputs are three
+Graphs are captured lazily at first use and share one memory pool; ``hold_captures`` (a policy sync on a
+rollout worker) defers captures, and a step whose graph is missing meanwhile runs eagerly. The graph's inputs are three
 static tensors — token ids, context lengths, block tables — and everything else (positions, cache
 slots, masks, the forward pass and the logits) is computed inside the graph.
 
@@ -34,7 +35,10 @@ frees the KV tensors and therefore drops every graph (they are re-captured after
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -118,10 +122,32 @@ class DecodeGraphRunner:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._loops: dict[tuple[int, int, int, int, SampleMode], _LoopGraph] = {}
         self._pool = None
+        self.capture_lock = threading.Lock()
+        """Held while a graph is captured; ``hold_captures`` takes it (e.g. for a policy sync) so no
+        capture runs beside it: a decode step that would need a new graph meanwhile runs eagerly."""
         self.captures = 0
         """Graphs captured so far (one-step and loops, counting re-captures after ``clear``)."""
+        self.deferred = 0
+        """Decode steps run eagerly because their graph was missing while captures were held."""
         self.capture_s = 0.0
         """Seconds spent capturing them (warm-up runs included)."""
+
+    @contextlib.contextmanager
+    def hold_captures(self) -> Iterator[None]:
+        """No graph is captured inside this block (an ongoing capture finishes first); decode steps
+        whose graph exists still replay it, the others run eagerly."""
+        with self.capture_lock:
+            yield
+
+    def _try_capture(self, capture: Callable[..., Any], *key: Any) -> Any:
+        """``capture(*key)`` unless captures are held (then None: the caller runs eagerly)."""
+        if not self.capture_lock.acquire(blocking=False):
+            self.deferred += 1
+            return None
+        try:
+            return capture(*key)
+        finally:
+            self.capture_lock.release()
 
     def width(self, n: int) -> int:
         """Block-table width of the graph serving a longest sequence of ``n`` blocks."""
@@ -145,6 +171,11 @@ class DecodeGraphRunner:
         else:
             variants = {(max(1, len((() if p.ignore_eos else eos) + p.stop_token_ids)), SampleMode.of(p))
                         for p in params}
+        with self.capture_lock:
+            self._capture_all(batch_sizes, widths, k, variants)
+        return len(self._graphs) + len(self._loops)
+
+    def _capture_all(self, batch_sizes: list[int], widths: list[int], k: int, variants: set) -> None:
         for b in sorted({padded_batch_size(min(b, self.max_batch)) for b in batch_sizes}):
             for n in widths:
                 if (b, n) not in self._graphs:
@@ -152,7 +183,6 @@ class DecodeGraphRunner:
                 for S, mode in sorted(variants) if k > 1 else ():
                     if (b, n, k, S, mode) not in self._loops and self._mode_capturable(mode):
                         self._capture_loop(b, n, k, S, mode)
-        return len(self._graphs) + len(self._loops)
 
     def clear(self) -> None:
         self._graphs.clear()
@@ -174,14 +204,16 @@ class DecodeGraphRunner:
                                                                                    "register_generator_state")
 
     def run_loop(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int], rp: RowParams,
-                 k: int) -> tuple[torch.Tensor, ...]:
+                 k: int) -> tuple[torch.Tensor, ...] | None:
         """k decode steps in one replay, sampled under ``rp``. Returns token ids and log-probs
         [k, B] and the number of real tokens per row [B] (views of the graph's outputs: copy them
-        before the next replay)."""
+        before the next replay); None when the graph is missing and captures are held."""
         B, S = len(batch.seqs), rp.stop_ids_BS.shape[1]
         Bp, Np = self._key(batch)
         key = (Bp, Np, k, S, rp.mode)
-        g = self._loops.get(key) or self._capture_loop(*key)
+        g = self._loops.get(key) or self._try_capture(self._capture_loop, *key)
+        if g is None:
+            return None
         self._load(g, batch, ids, ctx, Bp, Np)
         g.rows_FB[:, :B].copy_(rp.table_FB, non_blocking=True)
         if B < Bp:
@@ -202,13 +234,17 @@ class DecodeGraphRunner:
         g.ids_ctx_2B.copy_(inputs, non_blocking=True)
         g.bt_BN.copy_(bt, non_blocking=True)
 
-    def prepare(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int]) -> tuple[_Graph, torch.Tensor, torch.Tensor]:
+    def prepare(self, batch: "ScheduledBatch", ids: list[int],
+                ctx: list[int]) -> tuple[_Graph, torch.Tensor, torch.Tensor] | None:
         """Load a decode batch into its graph's static inputs. Returns the graph and views of its
         token ids and context lengths for the batch's rows (the engine advances them in place
-        between replays of a multi-step decode); ``replay`` returns the logits."""
+        between replays of a multi-step decode); ``replay`` returns the logits. None when the graph
+        is missing and captures are held."""
         B = len(batch.seqs)
         key = self._key(batch)
-        g = self._graphs.get(key) or self._capture(*key)
+        g = self._graphs.get(key) or self._try_capture(self._capture, *key)
+        if g is None:
+            return None
         self._load(g, batch, ids, ctx, *key)
         return g, g.ids_ctx_2B[0, :B], g.ids_ctx_2B[1, :B]
 
@@ -217,11 +253,6 @@ class DecodeGraphRunner:
         g.graph.replay()
         # No copy: the logits are consumed (sampled) before the next replay overwrites them.
         return g.logits_BV[:B]
-
-    def run(self, batch: "ScheduledBatch", ids: list[int], pos: list[int]) -> torch.Tensor:
-        """One decode step: logits [B, V] of the batch (``pos``: each token's position)."""
-        g, _, _ = self.prepare(batch, ids, [p + 1 for p in pos])
-        return self.replay(g, len(batch.seqs))
 
     def _forward(self, ids_B: torch.Tensor, ctx_B: torch.Tensor, bt_BN: torch.Tensor) -> torch.Tensor:
         e = self.engine

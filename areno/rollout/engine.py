@@ -19,6 +19,7 @@ from the new policy given its context; the prefix cache is always cleared.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import json
@@ -444,10 +445,14 @@ class RolloutEngine:
         graph = None
         if self._graphs is not None and self._graphs.can_loop(batch, rp, k):
             # The whole k-step loop (forwards, sampling, stop and length checks) is one graph replay.
-            return self._graphs.run_loop(batch, ids, ctx, rp, k)
+            out = self._graphs.run_loop(batch, ids, ctx, rp, k)
+            if out is not None:
+                return out
         if self._graphs is not None and self._graphs.can_run(batch):
-            graph, ids_B, ctx_B = self._graphs.prepare(batch, ids, ctx)
-        else:
+            prepared = self._graphs.prepare(batch, ids, ctx)
+            if prepared is not None:
+                graph, ids_B, ctx_B = prepared
+        if graph is None:  # eager (no graphs, a batch graphs cannot serve, or captures held)
             ids_ctx_2B = torch.tensor([ids, ctx], dtype=torch.long).to(self.device, non_blocking=True)
             ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
             bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks).to(self.device, non_blocking=True)
@@ -550,6 +555,12 @@ class RolloutEngine:
             return 0
         with self._lock, fused_ops.inference(self._fused):
             return self._graphs.capture(batch_sizes, max_len, params)
+
+    def hold_graph_captures(self) -> contextlib.AbstractContextManager:
+        """A block in which no decode CUDA graph is captured (an ongoing capture finishes first);
+        steps needing a new graph meanwhile run eagerly. The rollout worker holds it through a policy
+        sync, so the sync's NCCL work never runs beside a capture on the same GPU."""
+        return self._graphs.hold_captures() if self._graphs is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ control
     def pause(self) -> None:
@@ -726,4 +737,5 @@ class RolloutEngine:
                 "generated_tokens_per_s": self._generated_tokens / max(elapsed, 1e-9),
                 "cuda_graphs_captured": self._graphs.captures if self._graphs is not None else 0,
                 "cuda_graph_capture_s": self._graphs.capture_s if self._graphs is not None else 0.0,
+                "cuda_graph_deferred_steps": self._graphs.deferred if self._graphs is not None else 0,
             }

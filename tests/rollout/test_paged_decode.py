@@ -344,3 +344,32 @@ def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, 
     torch.testing.assert_close(
         emulated_kernel_module.paged_decode_triton(q_wide, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window),
         paged_decode_torch(q_wide, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window), rtol=0, atol=1e-5)
+
+
+def test_held_graph_captures_run_eagerly_with_the_same_tokens():
+    """While captures are held (a policy sync on the rollout worker), a decode step whose graph is
+    missing runs eagerly: same tokens, nothing captured, the deferral counted; afterwards graphs are
+    captured again (capture emulated on CPU)."""
+    from areno.rollout.cuda_graph import DecodeGraphRunner
+    from tests.rollout.test_gpu_path import _EagerReplay
+
+    class EagerRunner(DecodeGraphRunner):
+        def _record(self, fn):
+            out = fn()
+            return _EagerReplay(fn, out), out
+
+    model, cfg = make_model(0)
+    prompts = random_prompts(6, seed=54)
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    ref = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4),
+                        eos_token_ids=()).generate(prompts, params)
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4),
+                        eos_token_ids=())
+    eng._graphs = EagerRunner(eng, max_batch=8)
+    with eng.hold_graph_captures():
+        held = eng.generate(prompts, params)
+    assert not eng._graphs._graphs and not eng._graphs._loops
+    assert eng.stats()["cuda_graph_deferred_steps"] > 0
+    after = eng.generate(prompts, params)
+    assert eng._graphs._loops, "captures resume once released"
+    assert [o.output_ids for o in held] == [o.output_ids for o in after] == [o.output_ids for o in ref]
