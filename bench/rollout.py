@@ -25,6 +25,14 @@ first run's. ``transformers`` generate uses the first temperature's sampling (do
 
     python bench/rollout.py --shape qwen0.5b --skip-hf --temperature 0 1.0 --top-p 0.95 --compare-eager-sampling
 
+Projections: ``--fused-projections`` (default) / ``--no-fused-projections`` sets
+``RolloutEngineConfig.fused_projections`` (one GEMM for each layer's q/k/v and one for gate/up);
+``--compare-fused-projections`` adds, after each run, one with the other setting on the same model and
+prompts (label suffix `` unfused-proj`` / `` fused-proj``; ``identical_to`` the run it follows): the
+A/B of the kernel count of a decode step in one process.
+
+    python bench/rollout.py --shape qwen0.5b --skip-hf --compare-fused-projections --profile
+
 Both sides decode to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
 reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is the steadier figure. On CUDA it also reports
 the fraction of the decode roofline: a decode step must read every weight once plus the K/V of every
@@ -135,7 +143,8 @@ def request_params(args, temperature: float, new_tokens: int, n: int) -> list:
 
 
 def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_attention: str = "gather",
-               temperature: float = 0.0, loop: bool = True) -> tuple[float, list[list[int]], dict]:
+               temperature: float = 0.0, loop: bool = True,
+               fused_projections: bool = True) -> tuple[float, list[list[int]], dict]:
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
     ecfg = RolloutEngineConfig(
@@ -143,7 +152,7 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_at
         prefill_chunk_size=args.prefill_chunk_size, max_model_len=max(len(p) for p in prompts) + new_tokens + 1,
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
         cpu_kv_cache_bytes=args.cpu_kv_gb << 30, decode_steps=args.decode_steps, decode_attention=decode_attention,
-        fused_kernels=args.fused_kernels,
+        fused_kernels=args.fused_kernels, fused_projections=fused_projections,
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = request_params(args, temperature, new_tokens, len(prompts))
@@ -225,6 +234,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="engine decode attention; several values: one engine run each, side by side")
     ap.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                     help="CUDA: fused RMSNorm/RoPE/SiLU-mul Triton kernels (RolloutEngineConfig.fused_kernels)")
+    ap.add_argument("--fused-projections", action=argparse.BooleanOptionalAction, default=True,
+                    help="one GEMM for q/k/v and one for gate/up per layer (RolloutEngineConfig.fused_projections)")
+    ap.add_argument("--compare-fused-projections", action="store_true",
+                    help="each run also runs with the other --fused-projections setting, side by side")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)")
     ap.add_argument("--decode-steps", type=int, default=None,
@@ -252,24 +265,34 @@ def main(argv: list[str] | None = None) -> None:
     prompts = make_prompts(n, cfg.vocab_size, *args.prompt_len, seed=0)
     n_params = sum(p.numel() for p in ours.parameters())
     runs = {}  # label -> (seconds, outputs, stats, label of the run to compare tokens with)
-    plan = [(mode, t, True) for mode in args.decode_attention for t in args.temperature]
+    fp = args.fused_projections
+    plan = [(mode, t, True, fp) for mode in args.decode_attention for t in args.temperature]
     if args.compare_eager_sampling:
-        plan = [r for m, t, lp in plan for r in ([(m, t, lp), (m, t, False)] if t > 0 else [(m, t, lp)])]
+        plan = [r for m, t, lp, f in plan for r in ([(m, t, lp, f), (m, t, False, f)] if t > 0 else [(m, t, lp, f)])]
+    if args.compare_fused_projections:
+        plan = [r for m, t, lp, f in plan for r in ((m, t, lp, f), (m, t, lp, not f))]
     many_t = len(args.temperature) > 1 or args.temperature[0] > 0
+    other_proj = " unfused-proj" if fp else " fused-proj"
     first, first_at = None, {}  # the first run, and the first run of each temperature
-    for mode, temperature, loop in plan:
-        label = mode + (f" T={temperature:g}" if many_t else "") + ("" if loop else " no-loop")
+    for mode, temperature, loop, fused_proj in plan:
+        base = mode + (f" T={temperature:g}" if many_t else "") + ("" if loop else " no-loop")
+        label = base + ("" if fused_proj == fp else other_proj)
         gc.collect()  # the previous engine (KV pool, graphs) holds a reference cycle
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode, temperature, loop)
+        s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode, temperature, loop, fused_proj)
         if device.startswith("cuda"):
             st_["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        st_["fused_projections"] = fused_proj
         first = first or label
         first_at.setdefault(temperature, label)
-        # no-loop runs against the same run with the loop; others against the first at their temperature
-        ref = label.removesuffix(" no-loop") if not loop else first_at[temperature]
+        # the other projection setting against the run it follows; no-loop runs against the same
+        # run with the loop; others against the first at their temperature
+        if fused_proj != fp:
+            ref = base
+        else:
+            ref = label.removesuffix(" no-loop") if not loop else first_at[temperature]
         runs.pop(label, None)  # a value given twice keeps its last run, listed last
         runs[label] = (s_, out_, st_, ref)
     eng_s, eng_out, stats, _ = runs[first]
@@ -278,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         "decode_attention": args.decode_attention[0], "decode_attention_runs": args.decode_attention,
         "temperature": args.temperature[0], "temperature_runs": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k, "seeded": not args.unseeded,
+        "fused_projections": args.fused_projections, "compare_fused_projections": args.compare_fused_projections,
+        "fused_kernels": args.fused_kernels,
         "params_M": round(n_params / 1e6, 2), "prompts": n, "new_tokens": new_tokens,
         "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
         "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),
@@ -292,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
             label: {"engine_s": round(s_, 3), "engine_tok_s": round(n * new_tokens / s_, 1),
                     "engine_ms_per_step": round(1e3 * s_ / max(st_["steps"], 1), 2), "engine_steps": st_["steps"],
                     "engine_round_trips": st_["sampling_round_trips"], "engine_cpu_s": round(st_["cpu_s"], 3),
-                    "loop_graphs": st_["loop_graphs"],
+                    "loop_graphs": st_["loop_graphs"], "fused_projections": st_["fused_projections"],
                     "identical_to": {ref: f"{sum(a == b for a, b in zip(out_, runs[ref][1]))}/{n}"},
                     "mean_common_prefix_with_it": mean_common_prefix(out_, runs[ref][1]),
                     **({"profile": st_["profile"]} if "profile" in st_ else {}),

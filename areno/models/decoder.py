@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models import fused_ops
+from areno.models import fused_linear, fused_ops
 from areno.models.config import ModelConfig
 from areno.models.tp_plan import check_tp_size
 
@@ -149,15 +149,21 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(dh, config.rms_norm_eps)
             self.k_norm = RMSNorm(dh, config.rms_norm_eps)
+        self.qkv: fused_linear.FusedRows | None = None
+        """Set by ``Decoder.fuse_projections``: q/k/v weights as row slices of one tensor."""
 
     def forward(
         self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         T = x_TD.shape[0]
         # Head counts come from the weights, so a TP-sharded projection works unchanged.
-        q_THD = self.q_proj(x_TD).view(T, -1, self.head_dim)
-        k_THD = self.k_proj(x_TD).view(T, -1, self.head_dim)
-        v_THD = self.v_proj(x_TD).view(T, -1, self.head_dim)
+        if self.qkv is not None and self.qkv.usable():
+            q_TN, k_TN, v_TN = self.qkv.split(self.qkv(x_TD))  # one GEMM, column views
+        else:
+            q_TN, k_TN, v_TN = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+        q_THD = q_TN.view(T, -1, self.head_dim)
+        k_THD = k_TN.view(T, -1, self.head_dim)
+        v_THD = v_TN.view(T, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q_THD = self.q_norm(q_THD)
             k_THD = self.k_norm(k_THD)
@@ -175,9 +181,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, i, bias=b)
         self.up_proj = nn.Linear(d, i, bias=b)
         self.down_proj = nn.Linear(i, d, bias=b)
+        self.gate_up: fused_linear.FusedRows | None = None
+        """Set by ``Decoder.fuse_projections``: gate/up weights as the two halves of one tensor."""
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if fused_ops.active(x_TD):
+        if self.gate_up is not None and self.gate_up.usable():
+            gate_up_TN = self.gate_up(x_TD)  # one GEMM: [T, 2I], gate then up
+            if fused_ops.active(x_TD):
+                act = fused_linear.silu_mul_halves(gate_up_TN)
+            else:
+                gate_TI, up_TI = self.gate_up.split(gate_up_TN)
+                act = F.silu(gate_TI) * up_TI
+        elif fused_ops.active(x_TD):
             act = fused_ops.silu_mul(self.gate_proj(x_TD), self.up_proj(x_TD))
         else:
             act = F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD)
@@ -261,6 +276,46 @@ class Decoder(nn.Module):
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Inference only (the rollout engine): per layer, stack the q/k/v projections' weights (and
+        biases) into one [Dq + 2 Dkv, D] tensor and gate/up into one [2I, D] tensor, and make each
+        projection's ``weight`` / ``bias`` a row slice of it (``fused_linear.FusedRows``), so no-grad
+        forwards run one GEMM for each group instead of three and two. Names, ``state_dict()`` and
+        the parameter objects are unchanged, and in-place writes to them (``update_weights``, policy
+        sync, ``load_state_dict``) land in the fused tensors. Call it after the weights have their
+        final device, dtype and (TP) shard; idempotent. Forwards with gradients enabled keep the
+        per-projection GEMMs (gradients reach the parameters as before); a module never fused
+        behaves exactly as before. The parameters then share storage: save with
+        ``hf_io.save_model`` (it writes each tensor on its own), not ``torch.save(state_dict)``."""
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            if a.qkv is None or not a.qkv.intact():
+                a.qkv = fused_linear.FusedRows([a.q_proj, a.k_proj, a.v_proj])
+            if m.gate_up is None or not m.gate_up.intact():
+                m.gate_up = fused_linear.FusedRows([m.gate_proj, m.up_proj])
+
+    @torch.no_grad()
+    def unfuse_projections(self) -> None:
+        """Undo ``fuse_projections``: every projection gets its own storage again (a copy of its
+        current values) and forwards run one GEMM per projection; a no-op on a model never fused."""
+        for layer in self.model.layers:
+            for owner, attr in ((layer.self_attn, "qkv"), (layer.mlp, "gate_up")):
+                group = getattr(owner, attr)
+                if group is None:
+                    continue
+                for lin in group.members:
+                    lin.weight.data = lin.weight.detach().clone()
+                    if lin.bias is not None:
+                        lin.bias.data = lin.bias.detach().clone()
+                setattr(owner, attr, None)
+
+    @property
+    def projections_fused(self) -> bool:
+        """Whether every layer's q/k/v and gate/up run as one GEMM each in no-grad forwards."""
+        return all(layer.self_attn.qkv is not None and layer.self_attn.qkv.intact()
+                   and layer.mlp.gate_up is not None and layer.mlp.gate_up.intact() for layer in self.model.layers)
 
     def forward(
         self,

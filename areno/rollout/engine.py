@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from areno.api.types import GenerationOutput, SamplingParams
-from areno.models import fused_ops
+from areno.models import fused_linear, fused_ops
 from areno.observe.trace import instant, span
 from areno.rollout.attention import DECODE_ATTENTION, PagedAttention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
@@ -117,6 +117,14 @@ class RolloutEngineConfig:
     after a self-check against them) instead of 2-8 eager kernels, which dominate a small model's
     decode step. Only this engine's steps and graph captures use them (``fused_ops.inference``)."""
 
+    fused_projections: bool = True
+    """Run each layer's q/k/v and gate/up projections as one GEMM each (``Decoder.fuse_projections``:
+    the weights become row slices of one tensor per group, under the same names, so weight updates
+    and policy syncs still write them in place) instead of five GEMMs: fewer kernels per decode
+    step, which bounds a small model's decode. Applied to the engine's model once, at construction,
+    on any device (TP engines fuse their local shards); False unfuses a model fused before (the
+    model belongs to the engine either way). A model without ``fuse_projections`` is run as given."""
+
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
                      "cpu_kv_cache_bytes", "cuda_graph_max_batch"):
@@ -133,6 +141,8 @@ class RolloutEngineConfig:
         if self.decode_attention not in ("auto", *DECODE_ATTENTION):
             raise ValueError(f"RolloutEngineConfig.decode_attention must be one of {['auto', *DECODE_ATTENTION]}, "
                              f"got {self.decode_attention!r}")
+        if not isinstance(self.fused_projections, bool):
+            raise ValueError(f"RolloutEngineConfig.fused_projections must be True or False, got {self.fused_projections!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"RolloutEngineConfig.dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
 
@@ -172,6 +182,15 @@ class RolloutEngine:
         # Fused inference kernels serve this engine's steps only (``fused_ops.inference``): a
         # trainer in the same process keeps the eager ops in all its forwards.
         self._fused = bool(config.fused_kernels and self.device.type == "cuda" and fused_ops.enable())
+        if self._fused:
+            fused_linear.enable(self.device)  # SiLU-and-multiply straight off the fused gate/up product
+        if hasattr(model, "fuse_projections"):
+            # Before ``_params`` and any CUDA graph: the parameters become views of the fused
+            # weights (same objects and names), so the graphs read and the syncs write one storage.
+            if config.fused_projections:
+                model.fuse_projections()
+            else:
+                model.unfuse_projections()
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_position = model_config.max_position_embeddings
