@@ -287,8 +287,8 @@ class Decoder(nn.Module):
         sync, ``load_state_dict``) land in the fused tensors. Call it after the weights have their
         final device, dtype and (TP) shard; idempotent. Forwards with gradients enabled keep the
         per-projection GEMMs (gradients reach the parameters as before); a module never fused
-        behaves exactly as before. The parameters then share storage: save with
-        ``hf_io.save_model`` (it writes each tensor on its own), not ``torch.save(state_dict)``."""
+        behaves exactly as before. On CUDA the replaced per-projection storages go back to
+        PyTorch's cache (still used memory to ``torch.cuda.mem_get_info`` until reused)."""
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             if a.qkv is None or not a.qkv.intact():

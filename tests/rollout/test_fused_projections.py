@@ -187,8 +187,11 @@ def test_fused_engine_equals_unfused_engine_bf16_on_gpu(arch):
         res[fused] = (outs, after)
         assert model.projections_fused == fused
     for a_list, b_list in zip(res[True], res[False]):
+        same = sum(a.output_ids == b.output_ids for a, b in zip(a_list, b_list))
+        assert same >= 12, f"only {same}/16 sequences identical"  # a bf16 near-tie may part a few
         for a, b in zip(a_list, b_list):
             n = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), len(a.output_ids))
-            assert n >= 8, (a.output_ids, b.output_ids)  # agree well past the first tokens
-            torch.testing.assert_close(torch.tensor(a.output_logprobs[:n]), torch.tensor(b.output_logprobs[:n]),
+            # Up to where they part (inclusive: same context), the log-probs agree to bf16 rounding.
+            m = min(n + 1, len(a.output_ids))
+            torch.testing.assert_close(torch.tensor(a.output_logprobs[:m]), torch.tensor(b.output_logprobs[:m]),
                                        rtol=0, atol=5e-2)
