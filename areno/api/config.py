@@ -135,6 +135,9 @@ class RolloutSection:
     """Decode attention of the rollout engine: `gather` (copy each sequence's K/V out of the paged
     pool, then SDPA), `paged` (read the pool directly: a Triton kernel on CUDA, a chunked
     online-softmax fallback elsewhere) or `auto` (paged on CUDA with Triton, gather elsewhere)."""
+    fused_projections: bool = True
+    """Run each layer's q/k/v and gate/up projections of the rollout engine as one GEMM each (the
+    parameters become views of one fused weight per group, names unchanged); false keeps five GEMMs."""
     cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
     every decode step eagerly (slower; for debugging and A/B runs)."""

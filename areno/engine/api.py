@@ -204,7 +204,8 @@ class ArenoEngine:
         r = self.config.rollout
         engine_cfg = RolloutEngineConfig(device=str(self.device), dtype=dtype_name, decode_steps=r.decode_steps or None,
                                          decode_attention=r.decode_attention, fused_kernels=r.fused_kernels,
-                                         cuda_graphs=r.cuda_graphs, **({"num_blocks": r.kv_blocks} if r.kv_blocks else {}))
+                                         cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
+                                         **({"num_blocks": r.kv_blocks} if r.kv_blocks else {}))
         return RolloutEngine(model, model_config, config=engine_cfg,
                              eos_token_ids=[self.tokenizer.eos_token_id], tokenizer=self.tokenizer)
 

@@ -226,7 +226,7 @@ class RolloutWorker:
         self.engine = RolloutEngine(model, model_config, config=RolloutEngineConfig(
             device=device, dtype=dtype_name, decode_steps=cfg.rollout.decode_steps or None,
             decode_attention=cfg.rollout.decode_attention, fused_kernels=cfg.rollout.fused_kernels,
-            cuda_graphs=cfg.rollout.cuda_graphs,
+            cuda_graphs=cfg.rollout.cuda_graphs, fused_projections=cfg.rollout.fused_projections,
             **({"num_blocks": blocks} if blocks else {})),
             eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)

@@ -189,6 +189,8 @@ class RolloutEngine:
             # weights (same objects and names), so the graphs read and the syncs write one storage.
             if config.fused_projections:
                 model.fuse_projections()
+                if self.device.type == "cuda":  # the per-projection weights just freed: back to the
+                    torch.cuda.empty_cache()     # driver, so the KV pool sized below can use them
             else:
                 model.unfuse_projections()
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype

@@ -1,0 +1,24 @@
+"""The rollout config keys that shape the colocated engine reach it (``ArenoEngine._build_rollout_engine``)."""
+
+import pytest
+
+from areno.api.config import load_config
+from areno.engine.api import ArenoEngine
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
+                             f"rollout.fused_projections={str(fused).lower()}", "rollout.cuda_graphs=false",
+                             "rollout.decode_steps=3", "rollout.kv_blocks=32"])
+    from transformers import AutoTokenizer
+
+    from areno.engine.api import resolve_device
+
+    colocated = ArenoEngine(cfg, tmp_path / "run")
+    colocated.device = resolve_device("cpu")  # what initialize() sets before building the engine
+    colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = colocated._build_rollout_engine(tiny_model_dir)
+    assert engine.model.projections_fused is fused
+    assert engine.config.fused_projections is fused and engine.config.cuda_graphs is False
+    assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
