@@ -38,7 +38,6 @@ from areno.models.fused_ops import triton
 
 log = logging.getLogger(__name__)
 
-_ENABLED = False
 _WARNED = False
 
 
@@ -113,7 +112,7 @@ def silu_mul_halves(gate_up_TN: torch.Tensor) -> torch.Tensor:
     the SiLU rounded to the dtype first as eager does; for CUDA tensors where ``fused_ops.active``.
     One Triton kernel reading the halves in place when ``enable()`` passed, else
     ``fused_ops.silu_mul`` on the two halves (which copies each first)."""
-    if _ENABLED:
+    if _SWITCH.on:
         return _silu_mul_halves_triton(gate_up_TN)
     half = gate_up_TN.shape[-1] // 2
     return fused_ops.silu_mul(gate_up_TN[..., :half], gate_up_TN[..., half:])
@@ -168,22 +167,15 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
     return None
 
 
+_SWITCH = fused_ops.KernelSwitch("fused silu_mul over the gate/up halves (two-copy fallback)",
+                                 lambda device: self_check(device))
+
+
 def enable(device: torch.device | str = "cuda") -> bool:
     """Turn the halves kernel on for this process if Triton and CUDA are here and the self-check
     passes (idempotent); returns whether it is on. Off, CUDA forwards use ``fused_ops.silu_mul``."""
-    global _ENABLED
-    if _ENABLED:
-        return True
-    if not fused_ops.available():
-        return False
-    problem = self_check(device)
-    if problem is not None:
-        log.warning("fused silu_mul over the gate/up halves stays off (two-copy fallback): %s", problem)
-        return False
-    _ENABLED = True
-    return True
+    return _SWITCH.enable(device)
 
 
 def disable() -> None:
-    global _ENABLED
-    _ENABLED = False
+    _SWITCH.disable()

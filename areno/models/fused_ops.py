@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,8 +37,33 @@ except ImportError:  # pragma: no cover - depends on the install
 
 log = logging.getLogger(__name__)
 
-_ENABLED = False
 _LOCAL = threading.local()
+
+
+class KernelSwitch:
+    """A process-wide on/off for Triton kernels that turn on only once their self-check (a function
+    returning None, or what is wrong) passes on this machine; ``what`` names them in the warning."""
+
+    def __init__(self, what: str, check: Callable[..., str | None]) -> None:
+        self.what = what
+        self._check = check
+        self.on = False
+
+    def enable(self, *args: object) -> bool:
+        """Idempotent; returns whether the kernels are on (never without Triton and CUDA)."""
+        if self.on:
+            return True
+        if not available():
+            return False
+        problem = self._check(*args)
+        if problem is not None:
+            log.warning("%s stay off: %s", self.what, problem)
+            return False
+        self.on = True
+        return True
+
+    def disable(self) -> None:
+        self.on = False
 
 
 def available() -> bool:
@@ -66,7 +91,7 @@ def inference(on: bool = True) -> contextlib.AbstractContextManager[None]:
 def active(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve an op on ``x`` (enabled, inside ``inference()`` on this
     thread, CUDA, no grad, not compiling)."""
-    return (_ENABLED and getattr(_LOCAL, "on", False) and x.is_cuda and not torch.is_grad_enabled()
+    return (_SWITCH.on and getattr(_LOCAL, "on", False) and x.is_cuda and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling())
 
 
@@ -198,22 +223,14 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
     return None
 
 
+_SWITCH = KernelSwitch("fused inference kernels (eager ops are used)", lambda: self_check())
+
+
 def enable() -> bool:
     """Turn the fused kernels on for this process if Triton and CUDA are here and the self-check
     passes (idempotent); returns whether they are on."""
-    global _ENABLED
-    if _ENABLED:
-        return True
-    if not available():
-        return False
-    problem = self_check()
-    if problem is not None:
-        log.warning("fused inference kernels stay off (eager ops are used): %s", problem)
-        return False
-    _ENABLED = True
-    return True
+    return _SWITCH.enable()
 
 
 def disable() -> None:
-    global _ENABLED
-    _ENABLED = False
+    _SWITCH.disable()

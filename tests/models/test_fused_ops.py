@@ -32,7 +32,7 @@ def test_inactive_on_cpu_and_with_grad():
     assert not fused_ops.active(x)  # CPU tensors never take the fused path, enabled or not
     if not fused_ops.available():
         assert fused_ops.enable() is False  # no Triton or no CUDA: stays off, eager ops used
-        assert not fused_ops._ENABLED
+        assert not fused_ops._SWITCH.on
 
 
 def test_cpu_decoder_forward_unaffected_by_enable():
@@ -96,3 +96,23 @@ def test_decoder_forward_fused_equals_eager():
     with torch.enable_grad():  # training keeps the eager ops
         x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         assert not fused_ops.active(x)
+
+
+def test_kernel_switch_turns_on_only_after_its_self_check(monkeypatch, caplog):
+    calls = []
+
+    def check(arg):
+        calls.append(arg)
+        return None if arg == "good" else "off by 1 ulp"
+
+    monkeypatch.setattr(fused_ops, "available", lambda: False)
+    switch = fused_ops.KernelSwitch("test kernels", check)
+    assert switch.enable("good") is False and calls == []  # no Triton/CUDA: not even checked
+    monkeypatch.setattr(fused_ops, "available", lambda: True)
+    with caplog.at_level("WARNING", logger=fused_ops.log.name):
+        assert switch.enable("bad") is False
+    assert "test kernels stay off: off by 1 ulp" in caplog.text and not switch.on
+    assert switch.enable("good") is True and switch.on
+    assert switch.enable("bad") is True and calls == ["bad", "good"]  # on stays on, unchecked
+    switch.disable()
+    assert not switch.on
