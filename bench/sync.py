@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.sync.base import NamedTensorSource, StagedReceiver  # noqa: E402
+from areno.sync.base import NamedTensorSource, StagedReceiver, TensorEngine  # noqa: E402
 from areno.sync.inplace import InPlaceTransport  # noqa: E402
 from areno.sync.plan import shard_specs_from_tp_plan  # noqa: E402
 
@@ -95,32 +95,6 @@ COMMITS = {"copy": "staged", "swap": "swap", "inplace": "inplace"}
 """Bench name of a receiver's commit -> ``engine_receiver(commit=)``."""
 
 
-class _BenchEngine:
-    """The rollout-engine surface ``engine_receiver`` drives (live tensors, pause/resume, version,
-    torn flag) over plain tensors: the receivers run their real commit paths, nothing generates."""
-
-    def __init__(self, live: dict[str, torch.Tensor]) -> None:
-        self._live = live
-        self.is_paused = False
-        self.version = 0
-        self.torn: str | None = None
-
-    def weight_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self._live)
-
-    def pause(self) -> None:
-        self.is_paused = True
-
-    def resume(self) -> None:
-        self.is_paused = False
-
-    def commit_weights(self, version: int) -> None:
-        self.version, self.torn = version, None
-
-    def mark_torn(self, reason: str) -> None:
-        self.torn = reason
-
-
 def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> None:
     """One rank of train DP ``train_dp`` -> rollout TP (world - train_dp). The world is gloo
     (barriers, timing reductions); on GPU the transport's data plane is NCCL. One transport per
@@ -157,7 +131,7 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         meta = [(n, s, dtype) for n, s in shapes.items()]
         specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - n_train, tp_size=len(rollout))
         for commit in commits:
-            engine = _BenchEngine({n: torch.zeros(sp.local_shape, dtype=dtype, device=device)
+            engine = TensorEngine({n: torch.zeros(sp.local_shape, dtype=dtype, device=device)
                                    for n, sp in specs.items()})
             receivers[commit] = engine_receiver(engine, specs, commit=COMMITS[commit])
     cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300, direct_bytes=opts["direct_bytes"],

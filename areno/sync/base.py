@@ -382,6 +382,33 @@ COMMIT_MODES = ("staged", "swap", "inplace")
 (written in place into a paused engine)."""
 
 
+class TensorEngine:
+    """The rollout-engine surface ``engine_receiver`` drives (live tensors by name, pause/resume,
+    version, torn flag) over plain tensors, for benchmarks and tests of the receivers' real commit
+    paths without generating."""
+
+    def __init__(self, live: Mapping[str, torch.Tensor]) -> None:
+        self._live = dict(live)
+        self.is_paused = False
+        self.version = 0
+        self.torn: str | None = None
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._live)
+
+    def pause(self) -> None:
+        self.is_paused = True
+
+    def resume(self) -> None:
+        self.is_paused = False
+
+    def commit_weights(self, version: int) -> None:
+        self.version, self.torn = version, None
+
+    def mark_torn(self, reason: str) -> None:
+        self.torn = reason
+
+
 def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: str = "staged") -> ShardReceiver:
     """A receiver for a rollout engine exposing ``weight_tensors()`` (its live, possibly
     TP-sharded tensors by HF name), ``commit_weights(version)``, ``pause()``, ``resume()``,

@@ -67,7 +67,7 @@ import os
 import time
 from pathlib import Path
 
-from areno.sync.base import NamedTensorSource, PolicySyncError, ShardSpec, StagedReceiver, copy_into
+from areno.sync.base import NamedTensorSource, PolicySyncError, ShardSpec, StagedReceiver, TensorEngine, copy_into
 from areno.sync.plan import shard_specs_from_tp_plan
 from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
 
@@ -419,31 +419,6 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
     os._exit(0)  # the failed transport's groups may be broken; do not tear them down
 
 
-class LiveTensors:
-    """The rollout-engine surface ``engine_receiver`` drives, over plain tensors (no generation)."""
-
-    def __init__(self, live: dict[str, torch.Tensor]) -> None:
-        self._live = live
-        self.is_paused = False
-        self.version = 0
-        self.torn: str | None = None
-
-    def weight_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self._live)
-
-    def pause(self) -> None:
-        self.is_paused = True
-
-    def resume(self) -> None:
-        self.is_paused = False
-
-    def commit_weights(self, version: int) -> None:
-        self.version, self.torn = version, None
-
-    def mark_torn(self, reason: str) -> None:
-        self.torn = reason
-
-
 def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
     """Rank 0 trains, rank 1 receives in place; ``gpu``: on cuda:0 and cuda:1 with an NCCL data
     plane (distinct GPUs: the vote runs on NCCL), else on CPU over gloo. v1 completes; in v2 the
@@ -464,7 +439,7 @@ def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
     if rank == 0:
         source = NamedTensorSource(lambda: weights.items())
     else:
-        engine = LiveTensors({n: torch.zeros_like(t) for n, t in weights.items()})
+        engine = TensorEngine({n: torch.zeros_like(t) for n, t in weights.items()})
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in weights.items()}
         receiver = engine_receiver(engine, specs, commit="inplace")
     transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, device=device,
