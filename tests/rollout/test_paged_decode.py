@@ -142,13 +142,7 @@ def test_engine_greedy_paged_equals_gather(arch):
 def test_graph_runner_paged_on_cpu():
     """The CUDA-graph runner's static-shape path (padded batch and table width, k-step greedy loop)
     with decode_attention="paged", capture emulated by re-running the recorded function."""
-    from areno.rollout.cuda_graph import DecodeGraphRunner
-    from tests.rollout.test_gpu_path import _EagerReplay
-
-    class EagerRunner(DecodeGraphRunner):
-        def _record(self, fn):
-            out = fn()
-            return _EagerReplay(fn, out), out
+    from tests.rollout.test_gpu_path import eager_runner
 
     model, cfg = make_model(0)
     prompts = random_prompts(9, seed=52)
@@ -158,7 +152,7 @@ def test_graph_runner_paged_on_cpu():
         eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
             block_size=4, num_blocks=64, max_num_seqs=5, max_model_len=60, decode_steps=4, decode_attention=mode),
             eos_token_ids=())
-        eng._graphs = EagerRunner(eng, max_batch=5)
+        eng._graphs = eager_runner(eng, max_batch=5)
         outs[mode] = eng.generate(prompts, params)
         assert eng._graphs._loops, "the k-step loop graph was never taken"
         if mode == "paged":  # one table width (at least 64 blocks) for every context length
@@ -350,13 +344,7 @@ def test_held_graph_captures_run_eagerly_with_the_same_tokens():
     """While captures are held (a policy sync on the rollout worker), a decode step whose graph is
     missing runs eagerly: same tokens, nothing captured, the deferral counted; afterwards graphs are
     captured again (capture emulated on CPU)."""
-    from areno.rollout.cuda_graph import DecodeGraphRunner
-    from tests.rollout.test_gpu_path import _EagerReplay
-
-    class EagerRunner(DecodeGraphRunner):
-        def _record(self, fn):
-            out = fn()
-            return _EagerReplay(fn, out), out
+    from tests.rollout.test_gpu_path import eager_runner
 
     model, cfg = make_model(0)
     prompts = random_prompts(6, seed=54)
@@ -365,7 +353,7 @@ def test_held_graph_captures_run_eagerly_with_the_same_tokens():
                         eos_token_ids=()).generate(prompts, params)
     eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4),
                         eos_token_ids=())
-    eng._graphs = EagerRunner(eng, max_batch=8)
+    eng._graphs = eager_runner(eng, max_batch=8)
     with eng.hold_graph_captures():
         held = eng.generate(prompts, params)
     assert not eng._graphs._graphs and not eng._graphs._loops
