@@ -298,9 +298,15 @@ class TrainSection:
     compile: bool = False
     """torch.compile each decoder layer of the trained models (and the fused log-prob kernels);
     the first step pays the compilation."""
+    attention: str = "auto"
+    """CUDA attention of the training forwards over packed sequences: `flex` (FlexAttention with a
+    document mask, compiled at the first step), `varlen` (torch's variable-length kernel, nothing to
+    compile) or `auto` (flex). CPU forwards pick their SDPA variant either way."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
+        _check(self.attention in ("auto", "flex", "varlen"), "train.attention",
+               f"must be auto, flex or varlen, got {self.attention!r}")
         _check(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         _check(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
         _check(self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0, "train.max_tokens_per_mb",

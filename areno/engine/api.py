@@ -47,8 +47,11 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) 
     partitioned: ``new_backend(TrainBackendConfig)`` makes it (one process, or FSDP2 over a training
     sub-mesh); each role loads its own checkpoint (``role.model_path``, else ``model_dir``) and its
     specialization may wrap the model (value and reward heads)."""
+    from areno.models import decoder
     from areno.train import TrainBackendConfig
 
+    # what impl="auto" picks on CUDA in this process's training forwards (the engine's are paged)
+    decoder.CUDA_AUTO_IMPL = "flex" if cfg.train.attention == "auto" else cfg.train.attention
     backends = {}
     for role in recipe.roles:
         backend = new_backend(TrainBackendConfig(

@@ -361,8 +361,8 @@ SDPA_MASK_MAX_TOKENS = 2048
 FLEX_MIN_HEAD_DIM = 16
 """FlexAttention's compiled kernels need head dims of at least this (``auto`` picks sdpa below)."""
 CUDA_AUTO_IMPL = "flex"
-"""What ``impl="auto"`` picks on CUDA (``flex`` or ``varlen``); a process-wide knob for benchmarks
-(``bench/train.py --variants``) that compare attention kernels."""
+"""What ``impl="auto"`` picks on CUDA (``flex`` or ``varlen``); a process-wide knob set from
+``train.attention`` when the training backends are built, and by ``bench/train.py --variants``."""
 
 
 class PackedCausalAttention:

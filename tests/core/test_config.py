@@ -34,6 +34,8 @@ def test_defaults_and_overrides(tmp_path):
         (["rollout.decode_attention=flash"], "rollout.decode_attention: must be auto, gather or paged"),
         (["rollout.request_timeout_s=-1"], "rollout.request_timeout_s: must be >= 0"),
         (["cluster.collective_timeout_s=0"], "cluster.collective_timeout_s: must be > 0"),
+        (["train.attention=flash"], "train.attention: must be auto, flex or varlen"),
+        (["rollout.fused_projections=maybe"], "rollout.fused_projections"),
     ],
 )
 def test_errors_name_the_key(overrides, fragment):

@@ -1,4 +1,5 @@
-"""The rollout config keys that shape the colocated engine reach it (``ArenoEngine._build_rollout_engine``)."""
+"""Config keys reach what they shape: the colocated rollout engine (``ArenoEngine._build_rollout_engine``)
+and the training forwards' CUDA attention (``build_role_backends``)."""
 
 import pytest
 
@@ -22,3 +23,16 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     assert engine.model.projections_fused is fused
     assert engine.config.fused_projections is fused and engine.config.cuda_graphs is False
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
+
+
+@pytest.mark.parametrize("choice, impl", [("varlen", "varlen"), ("auto", "flex")])
+def test_train_attention_sets_the_cuda_training_attention(tiny_model_dir, tmp_path, monkeypatch, choice, impl):
+    from areno.engine.api import build_role_backends, resolve_recipe
+    from areno.models import decoder
+    from areno.train import LocalTrainBackend
+
+    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "flex")  # restored after the test
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
+                             f"train.attention={choice}"])
+    build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
+    assert decoder.CUDA_AUTO_IMPL == impl
