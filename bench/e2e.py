@@ -26,7 +26,8 @@ GEMMs). ``gap`` = measured step time / (generation floor + training floor).
     python bench/e2e.py --shapes tiny --device cpu        # CPU smoke (seconds per system)
     python bench/e2e.py --shapes 0.5b --systems areno,trl --steps 3 --warmup 2
 
-Step time = timed wall / timed steps (``step_s_mean``; the asynchronous pool makes consecutive step
+Step time = timed wall / timed steps (``step_s_mean``; ``areno_async`` times an even number of steps,
+``--steps`` rounded up; the asynchronous pool makes consecutive step
 times alternate, so a median would be misleading); ``step_s`` lists each step.
 
 Prints one JSON line per (system, shape) as it finishes, then a summary line {"summary": ...}.
@@ -202,6 +203,13 @@ def physical_floor(config, num_seqs: int, prompt_len: int, completion_len: int, 
 
 
 # ----------------------------------------------------------------------------- areno
+def timed_steps(args, eta: int) -> int:
+    """Timed steps of an areno run: ``--steps``, rounded up to even when asynchronous, whose steps
+    alternate between one that finds its batch ready and one that waits for the next pair (a mean
+    over an odd count would over- or under-count one kind)."""
+    return args.steps + (args.steps % 2 if eta > 0 else 0)
+
+
 def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: int, param_dtype: str,
                  prompt_len: int, completion_len: int):
     from areno.api.config import load_config
@@ -228,7 +236,7 @@ def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: 
         f"rollout.kv_blocks={kv_blocks}",
         "train.algorithm=grpo",
         f"train.max_tokens_per_mb={args.areno_mb_tokens or 'null'}",
-        f"train.steps={args.warmup + args.steps}",
+        f"train.steps={args.warmup + timed_steps(args, eta)}",
         "train.eval_interval=0",
         "train.save_interval=0",
         f"optim.lr={args.lr}",
@@ -252,7 +260,7 @@ def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path,
     try:
         sync(args.device)
         last = time.perf_counter()
-        for rollout_id in range(args.warmup + args.steps):
+        for rollout_id in range(args.warmup + timed_steps(args, eta)):
             t0 = time.perf_counter()
             rollout = trainer.rollout_token_batch(rollout_id)
             sync(args.device)
@@ -438,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, config, tokenizer = make_model_dir(shape, workdir)
         print(json.dumps({"shape": shape, "model_init_s": time.perf_counter() - t0}), flush=True)
         # enough distinct prompts for every step, the async pool's look-ahead included
-        prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + 4), prompt_len)
+        prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + 5), prompt_len)
         data_path = workdir / f"prompts-{shape}.jsonl"
         data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
         floor = physical_floor(config, num_seqs, prompt_len, completion_len, rollout_elt, copy_bw, matmul_rate)

@@ -59,3 +59,10 @@ def test_tiny_areno_run(tmp_path, capsys):
     assert set(row["phases_s_median"]) == {"rollout", "train", "sync"}
     summary = lines[-1]["summary"]
     assert "areno" in summary["shapes"]["tiny"]
+
+
+def test_async_runs_time_an_even_number_of_steps():
+    from argparse import Namespace
+
+    assert [e2e.timed_steps(Namespace(steps=n), eta=1) for n in (1, 2, 3)] == [2, 2, 4]
+    assert [e2e.timed_steps(Namespace(steps=n), eta=0) for n in (1, 2, 3)] == [1, 2, 3]
