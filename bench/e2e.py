@@ -243,6 +243,7 @@ def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: 
         f"cluster.device={args.device}",
         "observe.console=false",
     ]
+    overrides += args.areno_set + (args.areno_async_set if eta > 0 else [])
     return load_config(None, overrides)
 
 
@@ -389,7 +390,7 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=None, help="comma list of 0.5b,1.5b,tiny (default: 0.5b,1.5b on CUDA, tiny on CPU)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
@@ -413,6 +414,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="TRL's activation checkpointing (on: GRPOConfig's default; areno does not checkpoint)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workdir", default=None, help="where models and runs go (default: a temporary directory)")
+    p.add_argument("--areno-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more config override for both areno systems (repeatable)")
+    p.add_argument("--areno-async-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more config override for areno_async only (repeatable), e.g. rollout.max_concurrent=8 "
+                        "to generate one batch at a time beside the trainer")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     shapes = (args.shapes or ("0.5b,1.5b" if args.device == "cuda" else "tiny")).split(",")

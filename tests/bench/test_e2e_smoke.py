@@ -66,3 +66,13 @@ def test_async_runs_time_an_even_number_of_steps():
 
     assert [e2e.timed_steps(Namespace(steps=n), eta=1) for n in (1, 2, 3)] == [2, 2, 4]
     assert [e2e.timed_steps(Namespace(steps=n), eta=0) for n in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_areno_overrides_reach_their_systems(tmp_path):
+    args = e2e.build_parser().parse_args(["--device", "cpu", "--areno-set", "optim.lr=3e-6",
+                                          "--areno-async-set", "rollout.max_concurrent=8"])
+    kw = dict(param_dtype="float32", prompt_len=16, completion_len=32)
+    sync_cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r0", eta=0, **kw)
+    async_cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r1", eta=1, **kw)
+    assert sync_cfg.optim.lr == async_cfg.optim.lr == 3e-6
+    assert async_cfg.rollout.max_concurrent == 8 and sync_cfg.rollout.max_concurrent != 8
