@@ -257,6 +257,12 @@ class ShardReceiver(abc.ABC):
     the whole sync)."""
 
 
+def _never_arrived(specs: Mapping[str, ShardSpec], written: set[str], version: int) -> str:
+    """A receiver's commit check: the one-line error naming tensors no bucket wrote, or ''."""
+    missing = set(specs) - written
+    return f"sync v{version}: {len(missing)} tensors never arrived, e.g. {sorted(missing)[:3]}" if missing else ""
+
+
 class StagedReceiver(ShardReceiver):
     """Double-buffered receiver: slices land in a staging copy (allocated once, reused), and
     ``commit`` hands the complete set to ``apply(named_tensors, version)`` — e.g. the rollout
@@ -297,9 +303,9 @@ class StagedReceiver(ShardReceiver):
         return self._staging[name]
 
     def commit(self, version: int) -> None:
-        missing = set(self._specs) - self._written
+        missing = _never_arrived(self._specs, self._written, version)
         if missing:
-            raise PolicySyncError(f"sync v{version}: {len(missing)} tensors never arrived, e.g. {sorted(missing)[:3]}")
+            raise PolicySyncError(missing)
         t0 = time.perf_counter()
         self._apply(list(self._staging.items()), version)
         if self._device.type == "cuda":
@@ -518,9 +524,8 @@ class LiveReceiver(ShardReceiver):
         return self._live[name]
 
     def commit(self, version: int) -> None:
-        missing = set(self._specs) - self._written
-        if missing:
-            msg = f"sync v{version}: {len(missing)} tensors never arrived, e.g. {sorted(missing)[:3]}"
+        msg = _never_arrived(self._specs, self._written, version)
+        if msg:
             self.abort(msg)
             raise PolicySyncError(msg)
         if self._device.type == "cuda":  # every write landed before the engine reads them

@@ -90,6 +90,18 @@ def _build(rank: int, weights: dict, bucket_bytes: int, timeout_s: float):
     return transport, receiver, live
 
 
+def report_and_exit(out: str, prefix: str, rank: int, world: int, result: dict) -> None:
+    """Write this rank's ``result`` to ``out/<prefix><rank>.pt`` (atomically), wait until every rank
+    has reported (rank 0 hosts the store: keep it up until then), then exit without tearing the
+    process groups down (after a timeout or a failed sync they may be broken)."""
+    tmp = Path(out) / f".{prefix}{rank}.pt"
+    torch.save(result, tmp)
+    tmp.rename(Path(out) / f"{prefix}{rank}.pt")
+    deadline = time.time() + 60
+    while time.time() < deadline and not all((Path(out) / f"{prefix}{r}.pt").exists() for r in range(world)):
+        time.sleep(0.1)
+    os._exit(0)
+
 def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: int, timeout_s: float) -> None:
     """v1 and v2 (new weights) complete; for v3, rank 3 never joins: everyone else must raise
     within the timeout, naming rank 3, and rollout rank 2 must keep v2 intact. Each rank saves
@@ -127,13 +139,7 @@ def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: in
         result["elapsed"] = time.perf_counter() - t0
         result["after"] = snapshot()
         result["receiver_version"] = receiver.version if receiver is not None else None
-    tmp = Path(out) / f".rank{rank}.pt"
-    torch.save(result, tmp)
-    tmp.rename(Path(out) / f"rank{rank}.pt")
-    deadline = time.time() + 60  # rank 0 hosts the store: keep it up until everyone has reported
-    while time.time() < deadline and not all((Path(out) / f"rank{r}.pt").exists() for r in range(world)):
-        time.sleep(0.1)
-    os._exit(0)  # the groups are broken after a timeout; do not try to tear them down
+    report_and_exit(out, "rank", rank, world, result)
 
 
 def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
@@ -410,13 +416,7 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
         res["v4"] = {"weights": snapshot(e_live), "paused_after": e_live.is_paused, "version": e_live.version,
                      "paused_s": stats.generation_paused_s,
                      "serves": len(e_live.generate([[5, 9, 12]], params)[0].output_ids)}
-    tmp = Path(out) / f".inplace{rank}.pt"
-    torch.save(res, tmp)
-    tmp.rename(Path(out) / f"inplace{rank}.pt")
-    deadline = time.time() + 60  # rank 0 hosts the store: keep it up until everyone has reported
-    while time.time() < deadline and not all((Path(out) / f"inplace{r}.pt").exists() for r in range(world)):
-        time.sleep(0.1)
-    os._exit(0)  # the failed transport's groups may be broken; do not tear them down
+    report_and_exit(out, "inplace", rank, world, res)
 
 
 def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
