@@ -160,7 +160,8 @@ class DecodeGraphRunner:
         """Capture ahead of time every graph that decode batches of these sizes with contexts up
         to ``max_len`` tokens can need (as a server does at start-up): the one-step graphs and,
         with ``decode_steps`` > 1, the k-step loops for batches whose rows all use one of
-        ``params`` (None: greedy rows whose stop ids are the EOS ids). Returns the graph count."""
+        ``params`` (None: greedy rows whose stop ids are the EOS ids). Returns the graph count.
+        The caller holds ``capture_lock`` (``RolloutEngine.warmup_cuda_graphs`` does)."""
         bs = self.engine.config.block_size
         n_max = min(-(-max_len // bs), self.max_blocks)
         widths = sorted({self.width(n) for n in range(1, n_max + 1)})
@@ -171,11 +172,6 @@ class DecodeGraphRunner:
         else:
             variants = {(max(1, len((() if p.ignore_eos else eos) + p.stop_token_ids)), SampleMode.of(p))
                         for p in params}
-        with self.capture_lock:
-            self._capture_all(batch_sizes, widths, k, variants)
-        return len(self._graphs) + len(self._loops)
-
-    def _capture_all(self, batch_sizes: list[int], widths: list[int], k: int, variants: set) -> None:
         for b in sorted({padded_batch_size(min(b, self.max_batch)) for b in batch_sizes}):
             for n in widths:
                 if (b, n) not in self._graphs:
@@ -183,6 +179,7 @@ class DecodeGraphRunner:
                 for S, mode in sorted(variants) if k > 1 else ():
                     if (b, n, k, S, mode) not in self._loops and self._mode_capturable(mode):
                         self._capture_loop(b, n, k, S, mode)
+        return len(self._graphs) + len(self._loops)
 
     def clear(self) -> None:
         self._graphs.clear()

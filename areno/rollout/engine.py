@@ -574,7 +574,9 @@ class RolloutEngine:
         (0 without CUDA graphs)."""
         if self._graphs is None:
             return 0
-        with self._lock, fused_ops.inference(self._fused):
+        # The capture lock before the engine lock, as a policy sync takes them (hold_graph_captures,
+        # then pause): the one order, so a warm-up beside a sync cannot deadlock.
+        with self._graphs.capture_lock, self._lock, fused_ops.inference(self._fused):
             return self._graphs.capture(batch_sizes, max_len, params)
 
     def hold_graph_captures(self) -> contextlib.AbstractContextManager:
