@@ -143,9 +143,13 @@ def thread_states(pid: int) -> str:
 def dump_hang(pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 60, settle_s: float = 3.0,
               file=None) -> None:
     """Everything known about a stall, to ``file`` (default stderr): this process's Python stacks,
-    each pid's thread states, then ``SIGUSR1`` to each (workers that registered ``faulthandler``
-    write their stacks to their logs) and, after ``settle_s``, the tail of each log."""
+    each pid's thread states and, where ``py-spy`` is installed, its Python and native stacks (which it
+    reads from outside, so also of threads blocked in C), then ``SIGUSR1`` to each (workers that
+    registered ``faulthandler`` write their stacks to their logs) and, after ``settle_s``, the tail of
+    each log."""
+    import shutil
     import signal
+    import subprocess
     import sys
     import threading
     import time
@@ -158,6 +162,15 @@ def dump_hang(pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 6
         print(f"--- thread {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}", file=file, flush=True)
     for pid in pids:
         print(f"=== stall: threads of pid {pid}\n{thread_states(pid)}", file=file, flush=True)
+        spy = shutil.which("py-spy")
+        if spy:
+            try:
+                out = subprocess.run([spy, "dump", "--pid", str(pid), "--native"], capture_output=True,
+                                     text=True, timeout=30)
+                text = out.stdout + out.stderr
+            except (OSError, subprocess.TimeoutExpired) as e:
+                text = f"(py-spy failed: {e})"
+            print(f"=== stall: py-spy dump of pid {pid}\n{text}", file=file, flush=True)
         if hasattr(signal, "SIGUSR1"):
             try:
                 os.kill(pid, signal.SIGUSR1)

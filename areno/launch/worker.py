@@ -24,6 +24,7 @@ import os
 import pickle
 import socket
 import sys
+import time
 import traceback
 from multiprocessing.connection import Client
 from typing import Any
@@ -45,11 +46,22 @@ def import_object(path: str) -> Any:
     return obj
 
 
+LOG_CALLS_ENV = "ARENO_WORKER_LOG_CALLS"
+"""When set (to anything but ``0``), each call's start and end are written to the worker's stderr (its
+log) with a wall-clock time: after a stall, the last unfinished call of each worker is in its log."""
+
+
 class WorkerRuntime:
     """Executes protocol messages against the worker object of this process."""
 
     def __init__(self) -> None:
         self.obj: Any = None
+        self.log_calls = os.environ.get(LOG_CALLS_ENV, "0") not in ("", "0")
+
+    def _log(self, text: str) -> None:
+        now = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+        print(f"[areno worker {os.getpid()} {stamp}] {text}", file=sys.stderr, flush=True)
 
     def handle(self, msg: tuple) -> tuple:
         try:
@@ -62,13 +74,22 @@ class WorkerRuntime:
             if kind == "call":
                 _, target, args, kwargs = msg
                 if callable(target):
-                    return ("ok", target(*args, **kwargs))
-                if self.obj is None:
+                    method = target
+                elif self.obj is None:
                     raise RuntimeError("worker object not initialised")
-                method = getattr(self.obj, target, None)
-                if method is None:
-                    raise AttributeError(f"{type(self.obj).__name__} has no method {target!r}")
-                return ("ok", method(*args, **kwargs))
+                else:
+                    method = getattr(self.obj, target, None)
+                    if method is None:
+                        raise AttributeError(f"{type(self.obj).__name__} has no method {target!r}")
+                if not self.log_calls:
+                    return ("ok", method(*args, **kwargs))
+                name = getattr(target, "__qualname__", target)
+                self._log(f"call {name} started")
+                t0 = time.perf_counter()
+                try:
+                    return ("ok", method(*args, **kwargs))
+                finally:
+                    self._log(f"call {name} ended after {time.perf_counter() - t0:.3f} s")
             if kind == "stop":
                 return ("ok", None)
             raise ValueError(f"unknown message kind {kind!r}")

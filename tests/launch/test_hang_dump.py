@@ -53,3 +53,20 @@ def test_dump_hang_reports_controller_stacks_worker_threads_and_worker_stack(tmp
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_worker_call_log_names_each_call_and_its_end(monkeypatch, capsys):
+    from areno.launch import worker
+
+    monkeypatch.setenv(worker.LOG_CALLS_ENV, "1")
+    runtime = worker.WorkerRuntime()
+    assert runtime.handle(("call", divmod, (7, 2), {})) == ("ok", (3, 1))
+    reply = runtime.handle(("call", "missing", (), {}))
+    assert reply[0] == "err" and "not initialised" in reply[2]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith("call divmod started")
+    assert "call divmod ended after" in lines[1]
+    monkeypatch.setenv(worker.LOG_CALLS_ENV, "0")
+    assert worker.WorkerRuntime().handle(("call", divmod, (7, 2), {})) == ("ok", (3, 1))
+    assert capsys.readouterr().err == ""
