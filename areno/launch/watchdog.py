@@ -113,6 +113,36 @@ def child_pids(pid: int) -> list[int]:
     return sorted(out)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...), parents before children (Linux)."""
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [c for p in frontier for c in child_pids(p)]
+        out.extend(kids)
+        frontier = kids
+    return out
+
+
+def process_line(pid: int) -> str:
+    """``pid``'s parent, state, kernel wait channel, CPU seconds, resident memory and command line:
+    a child stuck on a pipe (``pipe_write``) reads differently from one spinning (CPU seconds grow)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip() or "-"
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError as e:
+        return f"pid {pid}: {e.strerror}"
+    fields = stat.rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu_s = (int(fields[11]) + int(fields[12])) / tick
+    rss_mib = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return (f"pid {pid} ppid {fields[1]} state {fields[0]} wchan {wchan} cpu {cpu_s:.1f}s rss {rss_mib:.0f}MiB "
+            f"{cmd[:300]}")
+
+
 def thread_states(pid: int) -> str:
     """One line per thread of ``pid``: id, name, scheduler state and kernel wait channel (Linux).
 
@@ -162,6 +192,10 @@ def dump_hang(pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 6
         print(f"--- thread {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}", file=file, flush=True)
     for pid in pids:
         print(f"=== stall: threads of pid {pid}\n{thread_states(pid)}", file=file, flush=True)
+        below = descendants(pid)
+        if below:
+            print(f"=== stall: processes below pid {pid}\n" + "\n".join(process_line(c) for c in below),
+                  file=file, flush=True)
         spy = shutil.which("py-spy")
         if spy:
             try:

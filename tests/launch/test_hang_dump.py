@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from areno.launch.watchdog import child_pids, dump_hang, thread_states
+from areno.launch.watchdog import child_pids, descendants, dump_hang, thread_states
 
 linux = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 
@@ -28,8 +28,9 @@ def test_thread_states_lists_every_thread_with_state_and_wait_channel():
 def test_dump_hang_reports_controller_stacks_worker_threads_and_worker_stack(tmp_path):
     log = tmp_path / "worker.log"
     code = textwrap.dedent("""
-        import faulthandler, signal, sys, time
+        import faulthandler, signal, subprocess, sys, time
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        grandchild = subprocess.Popen(["sleep", "60"])
         print("ready", flush=True)
         def stuck_in_here():
             time.sleep(60)
@@ -50,7 +51,13 @@ def test_dump_hang_reports_controller_stacks_worker_threads_and_worker_stack(tmp
         assert "test_dump_hang_reports_controller_stacks" in report  # this (the controller's) stack
         assert f"=== stall: threads of pid {proc.pid}" in report and f"pid {proc.pid} tid {proc.pid}" in report
         assert "stuck_in_here" in report  # the worker's own stack, from the tail of its log
+        # the worker's own children (a compiler it waits for, say), with state and command line
+        assert f"=== stall: processes below pid {proc.pid}" in report
+        below = report.split(f"=== stall: processes below pid {proc.pid}")[1]
+        assert f"ppid {proc.pid} state S" in below and "sleep 60" in below and " cpu " in below
     finally:
+        for pid in descendants(proc.pid):
+            os.kill(pid, 9)
         proc.kill()
         proc.wait()
 
