@@ -97,14 +97,11 @@ class ArmTimeout:
     def _fire(self) -> None:
         import signal
 
-        from areno.launch.watchdog import child_pids, descendants, dump_hang, process_line
+        from areno.launch.watchdog import child_pids, dump_hang
 
         self.fired = True
         pids = child_pids(os.getpid())
         dump_hang(pids, log_paths=sorted(str(p) for p in self._log_dir.glob("*.log")))
-        time.sleep(15)  # a second look: do the workers' children (compilers, say) still use CPU?
-        below = [c for pid in pids for c in descendants(pid)]
-        print("=== stall: 15 s later\n" + "\n".join(process_line(c) for c in pids + below), file=sys.stderr, flush=True)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

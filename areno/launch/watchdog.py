@@ -211,6 +211,10 @@ def dump_hang(pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 6
             except OSError:
                 pass
     time.sleep(settle_s)
+    below = [c for pid in pids for c in descendants(pid)]
+    if below:  # a second look: do the workers' children (compilers, say) still use CPU?
+        print(f"=== stall: processes below the workers, {settle_s:g} s later\n"
+              + "\n".join(process_line(c) for c in below), file=file, flush=True)
     for path in log_paths:
         try:
             with open(path, errors="replace") as f:

@@ -55,6 +55,7 @@ def test_dump_hang_reports_controller_stacks_worker_threads_and_worker_stack(tmp
         assert f"=== stall: processes below pid {proc.pid}" in report
         below = report.split(f"=== stall: processes below pid {proc.pid}")[1]
         assert f"ppid {proc.pid} state S" in below and "sleep 60" in below and " cpu " in below
+        assert "=== stall: processes below the workers, 1 s later" in report
     finally:
         for pid in descendants(proc.pid):
             os.kill(pid, 9)
