@@ -159,6 +159,9 @@ def run_arm(eta: int, args, work: Path) -> dict:
         "rollout_idle_frac": _median_of(timed, "rollout/engine_busy_frac", lambda v: round(1 - v, 3)),
         "rollout_engine_tokens_per_s": _median_of(timed, "rollout/engine_generated_tokens_per_s", lambda v: round(v, 1)),
         "rollout_preemptions": sum(r.get("rollout/engine_preemptions", 0) for r in timed),
+        "rollout_prefill_tokens": sum(r.get("rollout/engine_prefill_tokens", 0) for r in timed),
+        "rollout_mixed_steps": sum(r.get("rollout/engine_mixed_steps", 0) for r in timed),
+        "rollout_steps": sum(r.get("rollout/engine_steps", 0) for r in timed),
         "rollout_graph_captures": sum(r.get("rollout/engine_graph_captures", 0) for r in rows),
         "rollout_graph_capture_s": round(sum(r.get("rollout/engine_graph_capture_s", 0) for r in rows), 2),
     }

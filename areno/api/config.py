@@ -138,6 +138,12 @@ class RolloutSection:
     fused_projections: bool = True
     """Run each layer's q/k/v and gate/up projections of the rollout engine as one GEMM each (the
     parameters become views of one fused weight per group, names unchanged); false keeps five GEMMs."""
+    recompute_kv_on_weight_update: bool = True
+    """After a policy sync, recompute the K/V of the rollout engine's in-flight requests under the
+    new weights (their tokens are kept; every later token is sampled exactly from the new policy).
+    False keeps the old K/V: no re-prefill after each sync (cheaper in asynchronous runs), the context
+    of a request interrupted by a sync was encoded by the previous policy (the decoupled loss's
+    behaviour log-probs record what was sampled either way)."""
     cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
     every decode step eagerly (slower; for debugging and A/B runs)."""
@@ -299,9 +305,11 @@ class TrainSection:
     """torch.compile each decoder layer of the trained models (and the fused log-prob kernels);
     the first step pays the compilation."""
     attention: str = "auto"
-    """CUDA attention of the training forwards over packed sequences: `flex` (FlexAttention with a
-    document mask, compiled at the first step), `varlen` (torch's variable-length kernel, nothing to
-    compile) or `auto` (flex). CPU forwards pick their SDPA variant either way."""
+    """CUDA attention of the training forwards over packed sequences: `varlen` (torch's
+    variable-length flash kernel, nothing to compile), `flex` (FlexAttention with a document mask,
+    compiled at the first step; on the GPU that compile took minutes in a partitioned run beside a
+    generating engine) or `auto` (varlen; flex for fp32 or where this torch lacks varlen). CPU
+    forwards pick their SDPA variant either way."""
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")

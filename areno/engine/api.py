@@ -42,6 +42,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_blocks: int = 0):
+    """The ``RolloutEngineConfig`` of a rollout engine from the ``rollout`` section (colocated and
+    partitioned alike); ``num_blocks`` 0 sizes the KV pool automatically."""
+    from areno.rollout.engine import RolloutEngineConfig
+
+    r = cfg.rollout
+    return RolloutEngineConfig(
+        device=device, dtype=dtype, decode_steps=r.decode_steps or None, decode_attention=r.decode_attention,
+        fused_kernels=r.fused_kernels, cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
+        recompute_kv_on_weight_update=r.recompute_kv_on_weight_update,
+        **({"num_blocks": num_blocks} if num_blocks else {}))
+
+
 def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) -> dict:
     """One initialised training backend per recipe role, configured alike colocated and
     partitioned: ``new_backend(TrainBackendConfig)`` makes it (one process, or FSDP2 over a training
@@ -51,7 +64,7 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) 
     from areno.train import TrainBackendConfig
 
     # what impl="auto" picks on CUDA in this process's training forwards (the engine's are paged)
-    decoder.CUDA_AUTO_IMPL = "flex" if cfg.train.attention == "auto" else cfg.train.attention
+    decoder.CUDA_AUTO_IMPL = "varlen" if cfg.train.attention == "auto" else cfg.train.attention
     backends = {}
     for role in recipe.roles:
         backend = new_backend(TrainBackendConfig(
@@ -197,18 +210,15 @@ class ArenoEngine:
 
     def _build_rollout_engine(self, model_dir: Path):
         from areno.models.hf_io import load_model
-        from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+        from areno.rollout.engine import RolloutEngine
 
         dtype_name = self.config.model.rollout_dtype
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
         dtype = getattr(torch, dtype_name)
         model, model_config = load_model(model_dir, dtype=dtype, device=str(self.device))
-        r = self.config.rollout
-        engine_cfg = RolloutEngineConfig(device=str(self.device), dtype=dtype_name, decode_steps=r.decode_steps or None,
-                                         decode_attention=r.decode_attention, fused_kernels=r.fused_kernels,
-                                         cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
-                                         **({"num_blocks": r.kv_blocks} if r.kv_blocks else {}))
+        engine_cfg = rollout_engine_config(self.config, device=str(self.device), dtype=dtype_name,
+                                           num_blocks=self.config.rollout.kv_blocks)
         return RolloutEngine(model, model_config, config=engine_cfg,
                              eos_token_ids=[self.tokenizer.eos_token_id], tokenizer=self.tokenizer)
 

@@ -39,7 +39,7 @@ import torch
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
 from areno.api.faults import fault_point
-from areno.engine.api import ArenoEngine, build_role_backends, prepare_model_dir, resolve_recipe
+from areno.engine.api import ArenoEngine, build_role_backends, prepare_model_dir, resolve_recipe, rollout_engine_config
 from areno.engine.cluster import ClusterLayout, LayoutError, build_groups, estimate_memory, layout_from_config, validate_memory
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
@@ -206,7 +206,7 @@ class RolloutWorker:
 
         from areno.launch.scheduler import free_port
         from areno.models.hf_io import load_model
-        from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+        from areno.rollout.engine import RolloutEngine
         from areno.rollout.server import create_app
         from areno.sync.base import ShardSpec, engine_receiver
         from areno.sync.stream import StreamTransport
@@ -223,12 +223,9 @@ class RolloutWorker:
         blocks = cfg.rollout.kv_blocks
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
             blocks = -(-kv_tokens_for(cfg) // 16)
-        self.engine = RolloutEngine(model, model_config, config=RolloutEngineConfig(
-            device=device, dtype=dtype_name, decode_steps=cfg.rollout.decode_steps or None,
-            decode_attention=cfg.rollout.decode_attention, fused_kernels=cfg.rollout.fused_kernels,
-            cuda_graphs=cfg.rollout.cuda_graphs, fused_projections=cfg.rollout.fused_projections,
-            **({"num_blocks": blocks} if blocks else {})),
-            eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
+        self.engine = RolloutEngine(model, model_config,
+                                    config=rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks),
+                                    eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
                  for n, t in self.engine.weight_tensors().items()}
         self.transport = StreamTransport(topology=layout.stream_topology(), config=_sync_config(cfg),
@@ -429,6 +426,12 @@ class PartitionedArenoEngine(ArenoEngine):
             "rollout/engine_busy_frac": sum(busy) / len(busy),
             "rollout/engine_generated_tokens_per_s": tokens / (sum(wall) / len(wall)),
             "rollout/engine_preemptions": sum(b["num_preemptions"] - a["num_preemptions"] for a, b in zip(last, now)),
+            # prefill work (prompts, and re-prefill of requests recomputed after a sync) and the
+            # engine steps that carried it (prefill and mixed steps run without CUDA graphs)
+            "rollout/engine_prefill_tokens": sum(b.get("prefill_tokens", 0) - a.get("prefill_tokens", 0)
+                                                 for a, b in zip(last, now)),
+            "rollout/engine_mixed_steps": sum(b.get("mixed_steps", 0) - a.get("mixed_steps", 0) for a, b in zip(last, now)),
+            "rollout/engine_steps": sum(b.get("steps", 0) - a.get("steps", 0) for a, b in zip(last, now)),
             "rollout/engine_kv_usage_max": max(b["kv_usage"] for b in now),
             # CUDA graphs captured during the step (each a pause of the engine's decode loop)
             "rollout/engine_graph_captures": sum(b.get("cuda_graphs_captured", 0) - a.get("cuda_graphs_captured", 0)

@@ -360,9 +360,10 @@ def sequence_index_T(cu_seqlens_B1: torch.Tensor, device: torch.device | str) ->
 SDPA_MASK_MAX_TOKENS = 2048
 FLEX_MIN_HEAD_DIM = 16
 """FlexAttention's compiled kernels need head dims of at least this (``auto`` picks sdpa below)."""
-CUDA_AUTO_IMPL = "flex"
-"""What ``impl="auto"`` picks on CUDA (``flex`` or ``varlen``); a process-wide knob set from
-``train.attention`` when the training backends are built, and by ``bench/train.py --variants``."""
+CUDA_AUTO_IMPL = "varlen"
+"""What ``impl="auto"`` picks on CUDA (``varlen`` or ``flex``); a process-wide knob set from
+``train.attention`` when the training backends are built, and by ``bench/train.py --variants``.
+``varlen`` falls back to flex for fp32 inputs and where this torch has no varlen kernel."""
 
 
 class PackedCausalAttention:
@@ -378,7 +379,7 @@ class PackedCausalAttention:
     - ``"sdpa_padded"``: scatter the sequences into a right-padded [B, H, S_max, Dh] batch and run
       one causal SDPA call (padding sits after every real token, so causality hides it); costs
       B * S_max^2 instead of T^2, the fast path for many short sequences on CPU.
-    - ``"auto"``: flex on CUDA; elsewhere sdpa_padded when padding wastes at most half the tokens,
+    - ``"auto"``: ``CUDA_AUTO_IMPL`` on CUDA (varlen; flex for fp32); elsewhere sdpa_padded when padding wastes at most half the tokens,
       else sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens, else per-sequence sdpa.
     ``prepare`` builds the mask (or boundaries) once; ``Decoder.forward`` calls it before the
     layers, so compiled layers only read it (no host sync or mask construction inside them).
@@ -398,13 +399,16 @@ class PackedCausalAttention:
         self._impl = impl
         self._state = None
 
-    def prepare(self, num_tokens: int, device: torch.device, head_dim: int | None = None) -> None:
+    def prepare(self, num_tokens: int, device: torch.device, head_dim: int | None = None,
+                dtype: torch.dtype | None = None) -> None:
         """Resolve ``auto`` and build what every layer reuses: sequence bounds (sdpa), the mask
         (sdpa_mask, flex) or int32 boundaries and the longest length (varlen). ``head_dim``: when
-        known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM`` (its kernels need 16)."""
+        known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM`` (its kernels need 16).
+        ``dtype`` (of q): when known, ``auto`` on CUDA avoids varlen for fp32 (flash is 16-bit)."""
         device = torch.device(device)
         small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
-        if self._prepared_for == (num_tokens, device, small_heads):
+        half = dtype is None or dtype in (torch.bfloat16, torch.float16)
+        if self._prepared_for == (num_tokens, device, small_heads, half):
             return
         impl = self.impl
         if impl == "auto":
@@ -414,6 +418,8 @@ class PackedCausalAttention:
             padded_tokens = int(seqlens_B.max()) * seqlens_B.numel() if num_tokens else 0
             if device.type == "cuda":
                 impl = CUDA_AUTO_IMPL
+                if impl == "varlen" and not (half and varlen_available()):
+                    impl = "flex"
                 if impl == "flex" and small_heads:
                     impl = "sdpa"  # tiny test models: flex's kernels need a head dim of at least 16
             elif self.sliding_window is None and padded_tokens <= 2 * num_tokens:
@@ -445,7 +451,7 @@ class PackedCausalAttention:
             max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max()) if num_tokens else 0
             self._state = (cu, max_len)
         self._impl = impl
-        self._prepared_for = (num_tokens, device, small_heads)
+        self._prepared_for = (num_tokens, device, small_heads, half)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)
@@ -522,7 +528,7 @@ class PackedCausalAttention:
     def __call__(
         self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     ) -> torch.Tensor:
-        self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1])
+        self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype)
         impl = self._impl
         if impl == "sdpa":
             return self._sdpa_per_sequence(q_THD, k_THD, v_THD)
@@ -541,6 +547,16 @@ class PackedCausalAttention:
 
 
 _FLEX = None
+
+
+@functools.lru_cache(maxsize=1)
+def varlen_available() -> bool:
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=1)

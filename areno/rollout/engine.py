@@ -234,6 +234,7 @@ class RolloutEngine:
         self._round_trips = 0
         self._generated_tokens = 0
         self._prefill_tokens = 0
+        self._mixed_steps = 0
         self._started = time.monotonic()
         self._graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
@@ -362,6 +363,7 @@ class RolloutEngine:
             pure_decode = batch.num_decode == len(batch.seqs) and all(batch.samples)
             sampling = batch.seqs if pure_decode else [s for s, do in zip(batch.seqs, batch.samples) if do]
             self._prefill_tokens += batch.num_tokens - len(sampling)
+            self._mixed_steps += not pure_decode
             if not sampling:
                 logits_BV = self._forward(batch)
                 self.scheduler.after_step(batch)
@@ -757,6 +759,7 @@ class RolloutEngine:
                 "sampling_round_trips": self._round_trips,
                 "generated_tokens": self._generated_tokens,
                 "prefill_tokens": self._prefill_tokens,
+                "mixed_steps": self._mixed_steps,
                 "generated_tokens_per_s": self._generated_tokens / max(elapsed, 1e-9),
                 "cuda_graphs_captured": self._graphs.captures if self._graphs is not None else 0,
                 "cuda_graph_capture_s": self._graphs.capture_s if self._graphs is not None else 0.0,

@@ -87,3 +87,19 @@ def test_cuda_packed_logprobs_backward_runs_chunked():
     g_b = model.model.layers[0].self_attn.q_proj.weight.grad.float()
     torch.testing.assert_close(lp_a, lp_b, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(g_a, g_b, atol=1e-2, rtol=5e-2)
+
+
+def test_cuda_auto_attention_picks_varlen_for_16_bit_and_flex_for_fp32(monkeypatch):
+    from areno.models import decoder
+
+    pytest.importorskip("torch.nn.attention.varlen")
+    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "varlen")
+    cu_B1 = torch.tensor([0, 100, 256], device="cuda")
+    for dtype, expected in ((torch.bfloat16, "varlen"), (torch.float32, "flex")):
+        q = torch.randn(256, 4, 32, device="cuda", dtype=dtype)
+        k = torch.randn(256, 2, 32, device="cuda", dtype=dtype)
+        attn = PackedCausalAttention(cu_B1)
+        out = attn(0, q, k, k)
+        assert attn._impl == expected
+        ref = PackedCausalAttention(cu_B1, impl="sdpa_mask")(0, q, k, k)
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)

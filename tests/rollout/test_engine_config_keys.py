@@ -11,7 +11,8 @@ from areno.engine.api import ArenoEngine
 def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
                              f"rollout.fused_projections={str(fused).lower()}", "rollout.cuda_graphs=false",
-                             "rollout.decode_steps=3", "rollout.kv_blocks=32"])
+                             "rollout.decode_steps=3", "rollout.kv_blocks=32",
+                             f"rollout.recompute_kv_on_weight_update={str(not fused).lower()}"])
     from transformers import AutoTokenizer
 
     from areno.engine.api import resolve_device
@@ -23,9 +24,10 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     assert engine.model.projections_fused is fused
     assert engine.config.fused_projections is fused and engine.config.cuda_graphs is False
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
+    assert engine.config.recompute_kv_on_weight_update is (not fused)
 
 
-@pytest.mark.parametrize("choice, impl", [("varlen", "varlen"), ("auto", "flex")])
+@pytest.mark.parametrize("choice, impl", [("varlen", "varlen"), ("flex", "flex"), ("auto", "varlen")])
 def test_train_attention_sets_the_cuda_training_attention(tiny_model_dir, tmp_path, monkeypatch, choice, impl):
     from areno.engine.api import build_role_backends, resolve_recipe
     from areno.models import decoder

@@ -40,6 +40,10 @@ def test_multistep_matches_reference_and_runs_fewer_round_trips(tiny):
     # after each group of up to 4 decode steps.
     assert eng.allocator.num_used == 0 and eng.stats()["steps"] == one.stats()["steps"]
     assert eng.stats()["sampling_round_trips"] <= one.stats()["sampling_round_trips"] - 5
+    # prompts are prefilled in a few non-decode (graph-less) steps, as admissions allow; the rest decode
+    stats = eng.stats()
+    assert 1 <= stats["mixed_steps"] <= len(prompts) and stats["mixed_steps"] < stats["steps"] / 2
+    assert stats["prefill_tokens"] == sum(len(p) for p in prompts) - len(prompts)
 
 
 def test_multistep_stops_eos_stop_ids_min_tokens(tiny):
