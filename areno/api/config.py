@@ -138,12 +138,14 @@ class RolloutSection:
     fused_projections: bool = True
     """Run each layer's q/k/v and gate/up projections of the rollout engine as one GEMM each (the
     parameters become views of one fused weight per group, names unchanged); false keeps five GEMMs."""
-    recompute_kv_on_weight_update: bool = True
+    recompute_kv_on_weight_update: bool = False
     """After a policy sync, recompute the K/V of the rollout engine's in-flight requests under the
     new weights (their tokens are kept; every later token is sampled exactly from the new policy).
-    False keeps the old K/V: no re-prefill after each sync (cheaper in asynchronous runs), the context
-    of a request interrupted by a sync was encoded by the previous policy (the decoupled loss's
-    behaviour log-probs record what was sampled either way)."""
+    False (the default) keeps the old K/V: the context of a request interrupted by a sync stays
+    encoded by the previous policy, and the decoupled loss's behaviour log-probs record what was
+    sampled either way. Synchronous runs (eta = 0) have nothing in flight at a sync; in asynchronous
+    ones recomputing re-prefilled ~15k tokens per sync and cost 25-40% of the trained tokens/s on
+    an H200 pair (bench/RESULTS.md)."""
     cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
     every decode step eagerly (slower; for debugging and A/B runs)."""

@@ -57,6 +57,13 @@ class WeightUpdateError(ValueError):
     """A weight update was rejected as a whole; the engine still serves the previous version."""
 
 
+WAITING_CLAMP_MAX_ROWS = 32
+"""With requests waiting for a slot, a pure-decode batch of fewer rows runs only until its first row
+can end by length (so a waiting request joins at once); a larger batch runs its full ``decode_steps``:
+one freed slot idle for a few steps costs little there, while a host round trip per token (most
+rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/RESULTS.md)."""
+
+
 @dataclass(kw_only=True)
 class RolloutEngineConfig:
     """How the rollout engine lays out its KV cache and batches requests."""
@@ -449,7 +456,8 @@ class RolloutEngine:
         remaining = [min(s.params.max_new_tokens - (len(s.token_ids) - len(s.prompt_ids)),
                          self.max_model_len - len(s.token_ids)) for s in batch.seqs]
         k = min(k, max(remaining))
-        if self.scheduler.waiting:  # let them join as soon as a running request can end by length
+        if self.scheduler.waiting and len(batch.seqs) < WAITING_CLAMP_MAX_ROWS:
+            # a small full batch: let a waiting request take the first slot a length limit frees
             k = min(k, min(remaining))
         if k <= 1:
             return 1

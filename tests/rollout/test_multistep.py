@@ -184,3 +184,23 @@ def test_int32_hash_noise_on_gpu():
     seed = torch.tensor([0, 5, 2**40 + 7, 2**53, 2**62 + 11], device="cuda")
     counter = torch.tensor([0, 3, 17, 99_999, 2**31], device="cuda")
     assert torch.equal(hash_exponential(seed, counter, 151_936), hash_exponential_reference(seed, counter, 151_936))
+
+
+def test_full_batch_with_waiting_requests_keeps_k_steps_per_round_trip(tiny, monkeypatch):
+    """Requests waiting for a slot: a full batch of at least WAITING_CLAMP_MAX_ROWS rows still runs
+    decode_steps per round trip, rather than stopping at its first row's length limit; a smaller one
+    stops there (the waiting request joins sooner). Tokens are the same either way."""
+    from areno.rollout import engine as engine_module
+
+    prompts = random_prompts(12, seed=3)
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+              for n in (9, 3, 14, 5, 11, 2, 16, 7, 4, 13, 6, 10)]
+    reference = summary(engine(tiny, 1, num_blocks=256).generate(prompts, params))
+    trips = {}
+    for clamp_rows in (0, 1000):  # 6 running rows: never clamped / always clamped
+        monkeypatch.setattr(engine_module, "WAITING_CLAMP_MAX_ROWS", clamp_rows)
+        eng = engine(tiny, 8, num_blocks=256, max_num_seqs=6)  # 6 running, the rest waiting
+        assert summary(eng.generate(prompts, params)) == reference
+        trips[clamp_rows] = eng.stats()["sampling_round_trips"]
+    assert trips[0] < trips[1000], trips
+    assert trips[0] <= sum(p.max_new_tokens for p in params) / 8 + len(prompts), trips
