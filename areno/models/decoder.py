@@ -404,11 +404,13 @@ class PackedCausalAttention:
         """Resolve ``auto`` and build what every layer reuses: sequence bounds (sdpa), the mask
         (sdpa_mask, flex) or int32 boundaries and the longest length (varlen). ``head_dim``: when
         known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM`` (its kernels need 16).
-        ``dtype`` (of q): when known, ``auto`` on CUDA avoids varlen for fp32 (flash is 16-bit)."""
+        ``dtype`` (of q): when known, ``auto`` on CUDA avoids varlen for fp32 (flash is 16-bit); it
+        also does for head dims flash lacks (not a multiple of 8, or above 256)."""
         device = torch.device(device)
         small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
-        half = dtype is None or dtype in (torch.bfloat16, torch.float16)
-        if self._prepared_for == (num_tokens, device, small_heads, half):
+        flash_ok = ((dtype is None or dtype in (torch.bfloat16, torch.float16))
+                    and (head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)))
+        if self._prepared_for == (num_tokens, device, small_heads, flash_ok):
             return
         impl = self.impl
         if impl == "auto":
@@ -418,7 +420,7 @@ class PackedCausalAttention:
             padded_tokens = int(seqlens_B.max()) * seqlens_B.numel() if num_tokens else 0
             if device.type == "cuda":
                 impl = CUDA_AUTO_IMPL
-                if impl == "varlen" and not (half and varlen_available()):
+                if impl == "varlen" and not (flash_ok and varlen_available()):
                     impl = "flex"
                 if impl == "flex" and small_heads:
                     impl = "sdpa"  # tiny test models: flex's kernels need a head dim of at least 16
@@ -451,7 +453,7 @@ class PackedCausalAttention:
             max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max()) if num_tokens else 0
             self._state = (cu, max_len)
         self._impl = impl
-        self._prepared_for = (num_tokens, device, small_heads, half)
+        self._prepared_for = (num_tokens, device, small_heads, flash_ok)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)

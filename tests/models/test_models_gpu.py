@@ -89,15 +89,16 @@ def test_cuda_packed_logprobs_backward_runs_chunked():
     torch.testing.assert_close(g_a, g_b, atol=1e-2, rtol=5e-2)
 
 
-def test_cuda_auto_attention_picks_varlen_for_16_bit_and_flex_for_fp32(monkeypatch):
+def test_cuda_auto_attention_picks_varlen_where_flash_runs_else_flex_or_sdpa(monkeypatch):
     from areno.models import decoder
 
     pytest.importorskip("torch.nn.attention.varlen")
     monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "varlen")
     cu_B1 = torch.tensor([0, 100, 256], device="cuda")
-    for dtype, expected in ((torch.bfloat16, "varlen"), (torch.float32, "flex")):
-        q = torch.randn(256, 4, 32, device="cuda", dtype=dtype)
-        k = torch.randn(256, 2, 32, device="cuda", dtype=dtype)
+    for dtype, head_dim, expected in ((torch.bfloat16, 32, "varlen"), (torch.float32, 32, "flex"),
+                                      (torch.bfloat16, 20, "flex"), (torch.bfloat16, 12, "sdpa")):
+        q = torch.randn(256, 4, head_dim, device="cuda", dtype=dtype)
+        k = torch.randn(256, 2, head_dim, device="cuda", dtype=dtype)
         attn = PackedCausalAttention(cu_B1)
         out = attn(0, q, k, k)
         assert attn._impl == expected
