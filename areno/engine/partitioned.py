@@ -259,11 +259,9 @@ class RolloutWorker:
         return self.engine.version
 
     def engine_stats(self) -> dict[str, float]:
-        """The engine's counters (``RolloutEngine.stats``) and this worker's clock, for the
-        controller's per-step rollout-engine metrics."""
-        stats = {k: float(v) for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
-        stats["clock_s"] = time.monotonic()
-        return stats
+        """The engine's counters (``RolloutEngine.stats``, with the clock its ``busy_s`` was read
+        on), for the controller's per-step rollout-engine metrics."""
+        return {k: float(v) for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
 
     def sync(self, version: int) -> dict[str, float]:
         # No CUDA-graph capture beside the sync's NCCL work on this GPU (steps needing a new graph

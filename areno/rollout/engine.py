@@ -350,52 +350,58 @@ class RolloutEngine:
     def step(self) -> list[GenerationOutput]:
         """Run one forward pass over the scheduled tokens (a pure-decode batch: up to
         ``decode_steps`` of them back to back); returns the requests that finished."""
-        t0 = time.perf_counter()
         with span("engine_step", "rollout"), fused_ops.inference(self._fused):
-            outputs = self._step()
-        if self._last_step_ran:
-            self._busy_s += time.perf_counter() - t0
-        return outputs
+            return self._step()
 
     def _step(self) -> list[GenerationOutput]:
         with self._lock:
-            self._admit()
-            self._last_step_ran = False
-            if self._paused or self._sleeping or self._torn is not None or not self.scheduler.has_unfinished():
-                return []
-            batch = self.scheduler.schedule()
-            if not batch.seqs:
-                return []
-            self._last_step_ran = True
-            pure_decode = batch.num_decode == len(batch.seqs) and all(batch.samples)
-            sampling = batch.seqs if pure_decode else [s for s, do in zip(batch.seqs, batch.samples) if do]
-            self._prefill_tokens += batch.num_tokens - len(sampling)
-            self._mixed_steps += not pure_decode
-            if not sampling:
-                logits_BV = self._forward(batch)
-                self.scheduler.after_step(batch)
-                self._steps += 1
-                return []
-            rp = RowParams.build(
-                None, [len(s.token_ids) - len(s.prompt_ids) for s in sampling], [len(s.token_ids) for s in sampling],
-                self.eos_token_ids, self.vocab_size, self.max_model_len, self.device,
-                rows=[s.sample_row for s in sampling],
-            )
-            if pure_decode:
-                k = self._plan_decode_steps(batch)
-                tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp)
-            else:
-                k = 1
-                logits_BV = self._forward(batch)
-                tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)
-                tokens_KB, logprobs_KB, keep_B = tokens_B[None], logprobs_B[None], None
-            self.scheduler.after_step(batch, k)
-            self._steps += k
-            self._round_trips += 1
-            # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
-            parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
-            host_BX = torch.cat(parts).T.tolist()
-            return self._commit_tokens(sampling, host_BX, k)
+            t0 = time.perf_counter()
+            try:
+                return self._step_locked()
+            finally:
+                # counted under the lock: a stats() snapshot sees whole steps (its busy_s and
+                # clock_s are read together, so busy_s / elapsed stays within [0, 1] per window)
+                if self._last_step_ran:
+                    self._busy_s += time.perf_counter() - t0
+
+    def _step_locked(self) -> list[GenerationOutput]:
+        self._admit()
+        self._last_step_ran = False
+        if self._paused or self._sleeping or self._torn is not None or not self.scheduler.has_unfinished():
+            return []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        self._last_step_ran = True
+        pure_decode = batch.num_decode == len(batch.seqs) and all(batch.samples)
+        sampling = batch.seqs if pure_decode else [s for s, do in zip(batch.seqs, batch.samples) if do]
+        self._prefill_tokens += batch.num_tokens - len(sampling)
+        self._mixed_steps += not pure_decode
+        if not sampling:
+            logits_BV = self._forward(batch)
+            self.scheduler.after_step(batch)
+            self._steps += 1
+            return []
+        rp = RowParams.build(
+            None, [len(s.token_ids) - len(s.prompt_ids) for s in sampling], [len(s.token_ids) for s in sampling],
+            self.eos_token_ids, self.vocab_size, self.max_model_len, self.device,
+            rows=[s.sample_row for s in sampling],
+        )
+        if pure_decode:
+            k = self._plan_decode_steps(batch)
+            tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp)
+        else:
+            k = 1
+            logits_BV = self._forward(batch)
+            tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)
+            tokens_KB, logprobs_KB, keep_B = tokens_B[None], logprobs_B[None], None
+        self.scheduler.after_step(batch, k)
+        self._steps += k
+        self._round_trips += 1
+        # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
+        parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
+        host_BX = torch.cat(parts).T.tolist()
+        return self._commit_tokens(sampling, host_BX, k)
 
     def _commit_tokens(self, sampling: list[Sequence], host_BX: list[list[float]], k: int) -> list[GenerationOutput]:
         """Append each row's new tokens (up to its end), apply the stop rules, finish requests."""
@@ -764,6 +770,7 @@ class RolloutEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "steps": self._steps,
                 "busy_s": self._busy_s,
+                "clock_s": time.perf_counter(),  # busy_s's clock, read with it
                 "sampling_round_trips": self._round_trips,
                 "generated_tokens": self._generated_tokens,
                 "prefill_tokens": self._prefill_tokens,

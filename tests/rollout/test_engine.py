@@ -316,3 +316,23 @@ def test_other_families(arch):
     outs = engine((model, cfg)).generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs):
         assert out.output_ids == naive_greedy(model, prompt, 10)[0]
+
+
+def test_busy_time_snapshots_never_exceed_their_window(tiny):
+    """stats()' busy_s and clock_s are read together and a step's time is counted under the engine
+    lock, so busy / elapsed between two snapshots lies in [0, 1] even while another thread steps."""
+    import threading
+
+    eng = engine(tiny)
+    for i, prompt in enumerate(random_prompts(8, seed=5)):
+        eng.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True), request_id=f"r{i}")
+    snaps = [eng.stats()]
+    stepping = threading.Thread(target=lambda: [eng.step() for _ in range(60)])
+    stepping.start()
+    while stepping.is_alive():
+        snaps.append(eng.stats())
+    stepping.join()
+    snaps.append(eng.stats())
+    assert snaps[-1]["busy_s"] > 0 and len(snaps) > 3
+    for a, b in zip(snaps, snaps[1:]):
+        assert 0 <= b["busy_s"] - a["busy_s"] <= b["clock_s"] - a["clock_s"]
