@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import logging
 import os
 import secrets
 import socket
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from areno.launch.worker import AUTHKEY_ENV
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LocalScheduler",
@@ -171,10 +174,25 @@ def python_path_env() -> str:
     return os.pathsep.join(seen)
 
 
-def _gather(futures: list[concurrent.futures.Future]) -> list[Any]:
+SLOW_CALL_WARN_S = float(os.environ.get("ARENO_SLOW_CALL_WARN_S", "300"))
+"""A blocking ``Scheduler.call`` still waiting after this many seconds logs a warning naming the
+workers it waits for and how to see where they are (again after 2x, 4x, ... as long as it waits);
+0 turns the warning off. Env ``ARENO_SLOW_CALL_WARN_S``."""
+
+
+def _gather(futures: list[concurrent.futures.Future], on_slow: Callable[[list[int], float], None] | None = None,
+            warn_s: float = 0.0) -> list[Any]:
     """Results in order; the first failure is raised at once (the other workers may be blocked in
-    a rendezvous or collective with the failed one and would never answer)."""
-    done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    a rendezvous or collective with the failed one and would never answer). ``on_slow(pending
+    indices, seconds waited)`` is called after ``warn_s`` seconds and then at doubling intervals."""
+    t0 = time.monotonic()
+    wait_s = warn_s if on_slow is not None and warn_s > 0 else None
+    while True:
+        done, pending = concurrent.futures.wait(futures, timeout=wait_s, return_when=concurrent.futures.FIRST_EXCEPTION)
+        if not pending or any(f.exception() is not None for f in done):
+            break
+        on_slow([i for i, f in enumerate(futures) if f in pending], time.monotonic() - t0)
+        wait_s *= 2
     for f in futures:
         if f in done and f.exception() is not None:
             raise f.exception()
@@ -237,8 +255,19 @@ class Scheduler(abc.ABC):
         return [self.submit_one(role, i, target, *args, **kwargs) for i in range(len(self.workers(role)))]
 
     def call(self, role: str, target: str | Callable, *args: Any, **kwargs: Any) -> list[Any]:
-        """The same call on every worker of ``role``; blocks, results in index order."""
-        return _gather(self.submit(role, target, *args, **kwargs))
+        """The same call on every worker of ``role``; blocks, results in index order. A call still
+        running after ``SLOW_CALL_WARN_S`` is logged (not stopped) with the workers it waits for."""
+        handles = self.workers(role)
+
+        def on_slow(pending: list[int], waited_s: float) -> None:
+            busy = ", ".join(f"{handles[i].name} (pid {handles[i].pid} on {handles[i].host}"
+                             + (f", log {handles[i].log_path}" if handles[i].log_path else "") + ")" for i in pending)
+            logger.warning(
+                "%s still running after %.0f s on %s; to see where: kill -USR1 <pid> writes its stacks to its log, "
+                "ARENO_WORKER_LOG_CALLS=1 logs each call's start and end (a first step may also be compiling)",
+                _target_name(target), waited_s, busy)
+
+        return _gather(self.submit(role, target, *args, **kwargs), on_slow, SLOW_CALL_WARN_S)
 
     async def acall(self, role: str, target: str | Callable, *args: Any, **kwargs: Any) -> list[Any]:
         """Coroutine form of ``call``."""

@@ -138,3 +138,23 @@ def test_call_that_does_not_unpickle_on_the_worker(sched):
     finally:
         del sys.modules[ghost.__name__]
     assert sched.submit_one("actor", 0, "env", "RANK").result(timeout=30) == "0"  # the worker lives on
+
+
+def test_slow_call_is_logged_with_the_workers_it_waits_for(sched, monkeypatch, caplog):
+    import logging
+    import time
+
+    from areno.launch import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "SLOW_CALL_WARN_S", 0.4)
+    with caplog.at_level(logging.WARNING, logger="areno.launch.scheduler"):
+        assert sched.call("actor", time.sleep, 1.5) == [None, None]
+    slow = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert 1 <= len(slow) <= 3  # after 0.4 s and 1.2 s (doubling), not every poll
+    pids = sched.call("actor", "pid")
+    assert slow[0].startswith("time.sleep still running after")
+    assert all(f"pid {p}" in slow[0] for p in pids) and "kill -USR1" in slow[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="areno.launch.scheduler"):
+        assert sched.call("actor", "count")  # a quick call logs nothing
+    assert not [r for r in caplog.records if "still running" in r.getMessage()]
