@@ -747,6 +747,8 @@ class RolloutEngine:
     def _weights_changed(self, version: int) -> None:
         if self.config.recompute_kv_on_weight_update:
             self.scheduler.preempt_all()
+        else:
+            self.scheduler.mark_stale()
         self.allocator.clear_prefix_cache()
         self._version = int(version)
         self._torn = None

@@ -44,7 +44,11 @@ class Sequence:
     num_computed: int = 0
     """Leading tokens whose K/V is in the cache."""
     num_registered_blocks: int = 0
+    """Leading full blocks registered in the prefix cache (or passed over, when not ``cache_ok``)."""
     last_key: int = ROOT_KEY
+    cache_ok: bool = True
+    """Whether this sequence's K/V may enter the prefix cache: false once a weight update left it
+    encoded by the previous policy (until it is released and recomputed)."""
     num_preemptions: int = 0
     text: str | None = None
     sample_row: tuple | None = None
@@ -162,8 +166,10 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             c = seq.num_computed
-            if len(seq.token_ids) - c == 1 and c < len(seq.block_table) * bs and (c + 1) // bs <= seq.num_registered_blocks:
-                # Decoding into a block it owns without filling one: ``_reserve`` would do nothing.
+            if len(seq.token_ids) - c == 1 and c < len(seq.block_table) * bs:
+                # Decoding into a block it owns: nothing to allocate. The blocks its generated tokens
+                # fill are registered in the prefix cache when it is released (``_release``), not
+                # during decoding (one hash per block per sequence on the host's critical path).
                 picked.append((seq, 1))
                 budget -= 1
                 i += 1
@@ -229,12 +235,24 @@ class Scheduler:
             table.append(self.allocator.allocate())
             if seq.row is not None:
                 self.block_tables_RN[seq.row, len(table) - 1] = table[-1]
+        self._register_full_blocks(seq, upto)
+        return True
+
+    def _register_full_blocks(self, seq: Sequence, upto: int) -> None:
+        """Register ``seq``'s full blocks among its first ``upto`` tokens in the prefix cache (a
+        sequence whose K/V predates a weight update only advances its count)."""
+        bs = self.allocator.block_size
         while seq.num_registered_blocks < upto // bs:
             b = seq.num_registered_blocks
-            tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
-            seq.last_key = self.allocator.register(seq.block_table[b], seq.last_key, tokens)
+            if seq.cache_ok:
+                tokens = tuple(seq.token_ids[b * bs : (b + 1) * bs])
+                seq.last_key = self.allocator.register(seq.block_table[b], seq.last_key, tokens)
             seq.num_registered_blocks += 1
-        return True
+
+    def mark_stale(self) -> None:
+        """A weight update kept the running sequences' K/V: keep it out of the prefix cache."""
+        for seq in self.running:
+            seq.cache_ok = False
 
     def reserve_ahead(self, seqs: list[Sequence], upto: list[int]) -> bool:
         """Give each sequence blocks for its first ``upto`` tokens (tokens not sampled yet: nothing
@@ -277,6 +295,9 @@ class Scheduler:
             self.block_tables_RN[seq.row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
 
     def _release(self, seq: Sequence) -> None:
+        # Publish the full blocks of computed tokens (a finished turn's continuation, a preempted
+        # request's recompute find them); positions past the known tokens hold discarded K/V.
+        self._register_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
         if seq.row is not None:
             self.block_tables_RN[seq.row, : len(seq.block_table)] = self.scratch_block
             self._free_rows.append(seq.row)
@@ -286,6 +307,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_registered_blocks = 0
         seq.last_key = ROOT_KEY
+        seq.cache_ok = True
 
     def after_step(self, batch: ScheduledBatch, decode_steps: int = 1) -> None:
         """Count the computed tokens; ``decode_steps`` > 1: a pure-decode batch ran that many

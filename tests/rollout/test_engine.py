@@ -155,13 +155,22 @@ def test_weight_swap_keeping_old_kv(tiny):
     new_model, _ = make_model(1)
     eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64,
                         recompute_kv_on_weight_update=False), eos_token_ids=())
-    eng.add_request(random_prompts(1, seed=10)[0], GREEDY)
+    prompt = random_prompts(1, seed=10)[0]
+    eng.add_request(prompt, GREEDY)
     eng.step()
     eng.update_weights(new_model.state_dict().items(), version=1)
     outs = []
     while eng.has_unfinished():
         outs += eng.step()
     assert outs[0].output_versions == [0] + [1] * 9 and eng.stats()["num_preemptions"] == 0
+    # its K/V mixes both policies, so none of it entered the prefix cache: a continuation recomputes
+    hits = eng.allocator.prefix_hit_tokens
+    eng.generate([prompt + outs[0].output_ids + [3]], GREEDY)
+    assert eng.allocator.prefix_hit_tokens == hits
+    # ... while a request run wholly under version 1 publishes its blocks when it finishes
+    again = eng.generate([prompt], GREEDY)[0]
+    eng.generate([prompt + again.output_ids + [3]], GREEDY)
+    assert eng.allocator.prefix_hit_tokens - hits >= 4 * ((len(prompt) + 9) // 4) - 4
 
 
 @pytest.mark.parametrize("bad", ["name", "shape", "dtype", "duplicate"])
