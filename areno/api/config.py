@@ -149,6 +149,10 @@ class RolloutSection:
     cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
     every decode step eagerly (slower; for debugging and A/B runs)."""
+    cuda_stream: bool = False
+    """CUDA: the rollout engine runs its steps on a CUDA stream of its own, so that a colocated
+    asynchronous trainer's kernels can run beside them instead of queueing behind them on the default
+    stream. Experimental (off): not yet measured on a GPU."""
     fused_kernels: bool = True
     """CUDA: fused Triton kernels for RMSNorm, RoPE and SiLU-and-multiply in the rollout engine's
     forwards (a decode step is bound by its kernel count), after a self-check against the eager ops

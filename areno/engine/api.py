@@ -51,7 +51,7 @@ def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_bloc
     return RolloutEngineConfig(
         device=device, dtype=dtype, decode_steps=r.decode_steps or None, decode_attention=r.decode_attention,
         fused_kernels=r.fused_kernels, cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
-        recompute_kv_on_weight_update=r.recompute_kv_on_weight_update,
+        recompute_kv_on_weight_update=r.recompute_kv_on_weight_update, cuda_stream=r.cuda_stream,
         **({"num_blocks": num_blocks} if num_blocks else {}))
 
 

@@ -99,6 +99,12 @@ class RolloutEngineConfig:
     bf16 engine fed by an fp32 trainer). Non-floating mismatches are always rejected."""
     cuda_graphs: bool = True
     """CUDA only: replay captured graphs for pure-decode steps (see ``cuda_graph.py``)."""
+    cuda_stream: bool = False
+    """CUDA only: run the engine's steps on a CUDA stream of its own instead of the default one, so
+    that a trainer in the same process (colocated asynchronous RL) can run its kernels beside the
+    engine's rather than after them. Weights written on the default stream are waited for after
+    every weight update and wake; ``pause``/``sleep`` wait for the engine's stream. Experimental:
+    not yet measured on a GPU (bench/RESULTS.md)."""
     cuda_graph_max_batch: int = 256
     """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, 8, then
     multiples of 8)."""
@@ -106,7 +112,8 @@ class RolloutEngineConfig:
     """Decode steps a pure-decode batch runs back to back on the device per host round trip: tokens
     are sampled, fed back and checked for stop ids / length on the device, and copied to the host
     once at the end (tokens past a request's end are discarded; requests join at the next round
-    trip, so with waiting requests k is capped by the batch's shortest remaining length). The
+    trip, so with requests waiting for a slot a batch of fewer than ``WAITING_CLAMP_MAX_ROWS`` rows
+    caps k by its shortest remaining length). The
     per-step host cost (scheduling, block tables, output bookkeeping) is divided by k. None: 8 on
     CUDA, 1 elsewhere (where host overhead is small next to the forward pass)."""
     seed: int = 0
@@ -243,6 +250,9 @@ class RolloutEngine:
         self._prefill_tokens = 0
         self._mixed_steps = 0
         self._started = time.monotonic()
+        self._stream = torch.cuda.Stream(self.device) if config.cuda_stream and self.device.type == "cuda" else None
+        self._stream_waits_default = True
+        """The next step first waits for the default stream (weights or KV written there)."""
         self._graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
             from areno.rollout.cuda_graph import DecodeGraphRunner
@@ -357,7 +367,13 @@ class RolloutEngine:
         with self._lock:
             t0 = time.perf_counter()
             try:
-                return self._step_locked()
+                if self._stream is None:
+                    return self._step_locked()
+                if self._stream_waits_default:
+                    self._stream.wait_stream(torch.cuda.default_stream(self.device))
+                    self._stream_waits_default = False
+                with torch.cuda.stream(self._stream):
+                    return self._step_locked()
             finally:
                 # counted under the lock: a stats() snapshot sees whole steps (its busy_s and
                 # clock_s are read together, so busy_s / elapsed stays within [0, 1] per window)
@@ -607,6 +623,13 @@ class RolloutEngine:
         instant("engine_pause", "rollout", version=self._version)
         with self._lock:
             self._paused = True
+            self._drain_stream()
+
+    def _drain_stream(self) -> None:
+        """Wait for the engine's own CUDA stream (a step without sampling returns before its kernels
+        end): weights or KV written or freed after this see no engine kernel still reading them."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def resume(self) -> None:
         instant("engine_resume", "rollout", version=self._version)
@@ -629,6 +652,7 @@ class RolloutEngine:
                 return
             self.scheduler.preempt_all()
             self.allocator.clear_prefix_cache()
+            self._drain_stream()
             if self._graphs is not None:
                 self._graphs.clear()
             self.cache.release()
@@ -641,6 +665,7 @@ class RolloutEngine:
                 return
             self.cache.allocate()
             self._sleeping = False
+            self._stream_waits_default = True
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -653,6 +678,7 @@ class RolloutEngine:
         items = list(named_tensors)
         with self._lock:
             targets = self._validate_weights(items)
+            self._drain_stream()
             with torch.no_grad():
                 for param, tensor in targets:
                     param.copy_(tensor, non_blocking=True)
@@ -745,6 +771,7 @@ class RolloutEngine:
         return tensor
 
     def _weights_changed(self, version: int) -> None:
+        self._stream_waits_default = True
         if self.config.recompute_kv_on_weight_update:
             self.scheduler.preempt_all()
         else:

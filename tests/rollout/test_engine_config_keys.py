@@ -12,7 +12,8 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
                              f"rollout.fused_projections={str(fused).lower()}", "rollout.cuda_graphs=false",
                              "rollout.decode_steps=3", "rollout.kv_blocks=32",
-                             f"rollout.recompute_kv_on_weight_update={str(not fused).lower()}"])
+                             f"rollout.recompute_kv_on_weight_update={str(not fused).lower()}",
+                             f"rollout.cuda_stream={str(fused).lower()}"])
     from transformers import AutoTokenizer
 
     from areno.engine.api import resolve_device
@@ -25,6 +26,7 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     assert engine.config.fused_projections is fused and engine.config.cuda_graphs is False
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
     assert engine.config.recompute_kv_on_weight_update is (not fused)
+    assert engine.config.cuda_stream is fused and engine._stream is None  # CPU: no stream either way
 
 
 @pytest.mark.parametrize("choice, impl", [("varlen", "varlen"), ("flex", "flex"), ("auto", "varlen")])

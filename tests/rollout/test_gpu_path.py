@@ -325,3 +325,53 @@ def test_grouped_gqa_decode_matches_enable_gqa(monkeypatch):
     assert [o.output_ids for o in res[True]] == [o.output_ids for o in res[False]]
     for a, b in zip(res[True], res[False]):
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
+    """``cuda_stream=True``: the engine steps on its own stream while another thread keeps the default
+    stream busy (a colocated trainer), and a weight update lands mid-generation; the tokens, versions
+    and log-probs equal those of the engine on the default stream."""
+    import threading
+
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    new_model, _ = make_model(1)
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    new_weights = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in new_model.state_dict().items()}
+    prompts = random_prompts(16, seed=41)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    results = {}
+    for own in (False, True):
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=512, cuda_stream=own,
+                                                                   recompute_kv_on_weight_update=False),
+                            eos_token_ids=())
+        assert (eng._stream is not None) is own
+        stop = threading.Event()
+        a = torch.randn(2048, 2048, device="cuda")
+
+        def busy():  # default-stream work from another thread, as a trainer's would be
+            while not stop.is_set():
+                a.copy_(torch.tanh(a @ a * 1e-3))
+                torch.cuda.synchronize()
+
+        trainer = threading.Thread(target=busy)
+        trainer.start()
+        try:
+            ids = [eng.add_request(p, params) for p in prompts]
+            for _ in range(6):
+                eng.step()
+            eng.update_weights(new_weights.items(), version=1)
+            outs = []
+            while eng.has_unfinished():
+                outs += eng.step()
+        finally:
+            stop.set()
+            trainer.join()
+        model.load_state_dict(make_model(0)[0].state_dict())  # the next engine starts from version 0 again
+        by_id = {o.request_id: o for o in outs}
+        results[own] = [(by_id[i].output_ids, by_id[i].output_versions) for i in ids]
+        results[own, "lp"] = [lp for i in ids for lp in by_id[i].output_logprobs]
+    assert results[True] == results[False]
+    torch.testing.assert_close(torch.tensor(results[True, "lp"]), torch.tensor(results[False, "lp"]), atol=1e-3, rtol=0)
