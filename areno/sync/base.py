@@ -269,13 +269,15 @@ class StagedReceiver(ShardReceiver):
     engine's all-or-nothing ``update_weights``, or an in-place ``copy_`` into live tensors.
 
     Memory: one extra copy of this receiver's local shard of the policy, the price of a sync that
-    can fail midway without touching the live weights.
+    can fail midway without touching the live weights. ``apply`` may return the seconds it actually
+    stopped generation (from the engine's pause taking effect to its resume: not the wait for the
+    running step to end, during which generation goes on); else the whole apply counts as paused.
     """
 
     def __init__(
         self,
         specs: Mapping[str, ShardSpec],
-        apply: Callable[[list[tuple[str, torch.Tensor]], int], None],
+        apply: Callable[[list[tuple[str, torch.Tensor]], int], float | None],
         device: torch.device | str = "cpu",
     ) -> None:
         self._specs = dict(specs)
@@ -307,10 +309,11 @@ class StagedReceiver(ShardReceiver):
         if missing:
             raise PolicySyncError(missing)
         t0 = time.perf_counter()
-        self._apply(list(self._staging.items()), version)
+        paused_s = self._apply(list(self._staging.items()), version)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        self.last_apply_s = self.last_paused_s = time.perf_counter() - t0
+        self.last_apply_s = time.perf_counter() - t0
+        self.last_paused_s = self.last_apply_s if paused_s is None else paused_s
         self.version = version
 
     def abort(self, reason: str = "") -> None:
@@ -453,16 +456,20 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: s
     device = next(iter(live.values())).device
     copy = swap_into(live) if commit == "swap" else copy_into(live)
 
-    def apply(named: list[tuple[str, torch.Tensor]], version: int) -> None:
+    def apply(named: list[tuple[str, torch.Tensor]], version: int) -> float:
         was_paused = engine.is_paused  # type: ignore[attr-defined]
-        engine.pause()  # type: ignore[attr-defined]
+        engine.pause()  # type: ignore[attr-defined]  (returns at the step boundary)
+        stopped = time.perf_counter()
         try:
             with torch.no_grad():
                 copy(named, version)
+            if device.type == "cuda":  # the copy ends before generation goes on (its time is paused time)
+                torch.cuda.synchronize(device)
             engine.commit_weights(version)  # type: ignore[attr-defined]
         finally:
             if not was_paused:
                 engine.resume()  # type: ignore[attr-defined]
+        return time.perf_counter() - stopped
 
     return StagedReceiver(kept, apply, device=device)
 

@@ -182,3 +182,27 @@ def test_swap_commit_moves_no_bytes_and_keeps_old_version_on_failure():
         r.commit(2)
     r.abort()
     assert torch.equal(live["a"], torch.ones(3)) and r.version == 1
+
+
+def test_staged_commit_counts_paused_time_from_the_step_boundary():
+    """An engine's pause() returns at its step boundary (here after 0.3 s of a running step, during
+    which generation goes on): the commit's paused time starts there, not when the commit began."""
+    import time
+
+    from areno.sync.base import TensorEngine, engine_receiver
+
+    class SlowToPause(TensorEngine):
+        def pause(self) -> None:
+            time.sleep(0.3)  # the step in progress ends first
+            super().pause()
+
+    live = {"a": torch.zeros(64, 64), "b": torch.zeros(64)}
+    specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in live.items()}
+    engine = SlowToPause(live)
+    r = engine_receiver(engine, specs, commit="staged")
+    r.begin(1)
+    r.stage("a").fill_(1.0)
+    r.stage("b").fill_(2.0)
+    r.commit(1)
+    assert engine.version == 1 and not engine.is_paused and torch.equal(live["b"], torch.full((64,), 2.0))
+    assert r.last_apply_s >= 0.3 and r.last_paused_s < 0.1, (r.last_apply_s, r.last_paused_s)
