@@ -23,11 +23,14 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.stamp import stamp  # noqa: E402
 
 QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "layers": 24, "heads": 14, "kv_heads": 2}
 TINY = {"hidden_size": 64, "intermediate_size": 192, "layers": 2, "heads": 4, "kv_heads": 2}
@@ -189,12 +192,11 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def main_learn(args) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     results = []
     for name in args.learn.split(","):
         if name not in ("calculator", "multiturn"):
             raise SystemExit(f"--learn: unknown example {name!r}; choose calculator and/or multiturn")
-        res = {**learn(name, args), "commit": commit, "host": platform.node(), "cpus": os.cpu_count(),
+        res = {**learn(name, args), **stamp(), "cpus": os.cpu_count(),
                "load_avg_1m": round(os.getloadavg()[0], 1)}
         print(json.dumps(res), flush=True)
         results.append(res)
@@ -231,14 +233,12 @@ def main() -> None:
     client.close()
     raw_s, raw_tok = min(raw)
     rec_s, rec_tok = min(rec)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(json.dumps({
         "bench": "agents", "device": args.device, "shape": args.shape, "episodes": args.episodes,
         "turns": args.turns, "new_tokens": args.new_tokens, "tools": args.tools,
         "raw_s": round(raw_s, 3), "recorded_s": round(rec_s, 3), "raw_tokens": raw_tok, "recorded_tokens": rec_tok,
         "raw_tok_per_s": round(raw_tok / raw_s, 1), "recorded_tok_per_s": round(rec_tok / rec_s, 1),
-        "overhead_pct": round(100 * (rec_s / raw_s - 1), 1), "commit": commit,
-        "host": platform.node(), "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "overhead_pct": round(100 * (rec_s / raw_s - 1), 1), **stamp(), "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
     }))
 
 

@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from areno.data.tokenizer import build_char_tokenizer  # noqa: E402
 from areno.models.hf_io import init_model_dir, tiny_config  # noqa: E402
 from areno.train import LocalTrainBackend, TrainBackendConfig, checkpoint  # noqa: E402
+from bench.stamp import git_commit  # noqa: E402
 
 
 def _backend(model_dir: Path, device: str) -> LocalTrainBackend:
@@ -93,9 +93,8 @@ def main() -> None:
             rows["baseline_load_s"].append(_timed(lambda: torch.load(plain, map_location=args.device, weights_only=True)))
         best = {k: min(v) for k, v in rows.items()}
         size = sum(f.stat().st_size for f in (work / "checkpoints" / f"step_{0:08d}").rglob("*") if f.is_file())
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         print(json.dumps({
-            "bench": "checkpoint", "commit": commit, "device": args.device,
+            "bench": "checkpoint", "commit": git_commit(), "device": args.device,
             "hardware": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
             "params": n_params, "checkpoint_bytes": size, "repeats": args.repeats, "best_of_repeats": best,
             "commit_share_of_save": best["areno_commit_s"] / (best["areno_save_s"] + best["areno_export_hf_s"]

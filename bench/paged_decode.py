@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from areno.rollout.attention import PagedAttention  # noqa: E402
 from areno.rollout.cuda_graph import padded_num_blocks  # noqa: E402
 from areno.rollout.kv_cache import KVCache  # noqa: E402
+from bench.stamp import stamp  # noqa: E402
 
 
 def setup(B: int, args, device: str, dtype: torch.dtype):
@@ -137,9 +136,7 @@ def main() -> None:
         })
     if device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name()
-    result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    result["host"] = platform.node()
+    result.update(stamp())
     print(json.dumps(result))
 
 

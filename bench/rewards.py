@@ -20,11 +20,15 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
+import sys
 import time
 
 from areno.rewards.sandbox import RewardSandbox
 from areno.workflows.common import acall_reward
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.stamp import git_commit  # noqa: E402
 
 CASES = {
     "exact_match": ("areno.rewards.tasks:exact_match", lambda i: ("q", f"{i % 7}\n", str(i % 5), {})),
@@ -85,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64, help="reward calls in flight (the rollout pool's)")
     p.add_argument("--rewards", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     args = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = [bench_case(name, args) for name in args.rewards.split(",")]
-    print(json.dumps({"bench": "rewards", "commit": commit, "cpus": os.cpu_count(), "machine": platform.processor()
+    print(json.dumps({"bench": "rewards", "commit": git_commit(), "cpus": os.cpu_count(), "machine": platform.processor()
                       or platform.machine(), "results": rows}, indent=1))
     return 0
 

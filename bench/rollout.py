@@ -47,16 +47,15 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.profiling
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.profiling, bench.stamp
+
+from bench.stamp import stamp  # noqa: E402
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 QWEN25_05B = {
@@ -354,9 +353,7 @@ def main(argv: list[str] | None = None) -> None:
                       mean_common_prefix_tokens=mean_common_prefix(eng_out, hf_out))
         if device.startswith("cuda"):
             result["hf_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    result["host"] = platform.node()
+    result.update(stamp())
     print(json.dumps(result))
 
 

@@ -22,9 +22,7 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
-import subprocess
 import sys
 import time
 
@@ -33,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import rollout as rollout_bench  # noqa: E402
+from bench.stamp import stamp  # noqa: E402
 
 TINY = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
@@ -183,11 +182,9 @@ def main() -> None:
             if args.mode == "greedy":
                 row["identical_sequences"] = f"{sum(a == b for a, b in zip(eng['_outputs'], ref['_outputs']))}/{n}"
         runs.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     print(json.dumps({"bench": "rollout_overhead", "device": args.device, "mode": args.mode,
                       "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
-                      "decode_steps": args.decode_steps, "fake_graph": args.fake_graph, "runs": runs, "commit": commit, "host": platform.node(),
+                      "decode_steps": args.decode_steps, "fake_graph": args.fake_graph, "runs": runs, **stamp(),
                       "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}))
 
 
