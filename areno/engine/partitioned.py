@@ -419,23 +419,23 @@ class PartitionedArenoEngine(ArenoEngine):
             wall.append(dt)
             busy.append((b["busy_s"] - a["busy_s"]) / dt)
             tokens += b["generated_tokens"] - a["generated_tokens"]
+        def deltas(key: str) -> list[float]:  # each replica's counter since the previous step
+            return [b.get(key, 0) - a.get(key, 0) for a, b in zip(last, now)]
+
         out = {f"rollout/engine_{i}_busy_frac": v for i, v in enumerate(busy)}
         out.update({
             "rollout/engine_busy_frac": sum(busy) / len(busy),
             "rollout/engine_generated_tokens_per_s": tokens / (sum(wall) / len(wall)),
-            "rollout/engine_preemptions": sum(b["num_preemptions"] - a["num_preemptions"] for a, b in zip(last, now)),
+            "rollout/engine_preemptions": sum(deltas("num_preemptions")),
             # prefill work (prompts, and re-prefill of requests recomputed after a sync) and the
             # engine steps that carried it (prefill and mixed steps run without CUDA graphs)
-            "rollout/engine_prefill_tokens": sum(b.get("prefill_tokens", 0) - a.get("prefill_tokens", 0)
-                                                 for a, b in zip(last, now)),
-            "rollout/engine_mixed_steps": sum(b.get("mixed_steps", 0) - a.get("mixed_steps", 0) for a, b in zip(last, now)),
-            "rollout/engine_steps": sum(b.get("steps", 0) - a.get("steps", 0) for a, b in zip(last, now)),
+            "rollout/engine_prefill_tokens": sum(deltas("prefill_tokens")),
+            "rollout/engine_mixed_steps": sum(deltas("mixed_steps")),
+            "rollout/engine_steps": sum(deltas("steps")),
             "rollout/engine_kv_usage_max": max(b["kv_usage"] for b in now),
             # CUDA graphs captured during the step (each a pause of the engine's decode loop)
-            "rollout/engine_graph_captures": sum(b.get("cuda_graphs_captured", 0) - a.get("cuda_graphs_captured", 0)
-                                                 for a, b in zip(last, now)),
-            "rollout/engine_graph_capture_s": max(b.get("cuda_graph_capture_s", 0) - a.get("cuda_graph_capture_s", 0)
-                                                  for a, b in zip(last, now)),
+            "rollout/engine_graph_captures": sum(deltas("cuda_graphs_captured")),
+            "rollout/engine_graph_capture_s": max(deltas("cuda_graph_capture_s")),
         })
         return out
 
