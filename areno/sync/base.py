@@ -271,7 +271,8 @@ class StagedReceiver(ShardReceiver):
     Memory: one extra copy of this receiver's local shard of the policy, the price of a sync that
     can fail midway without touching the live weights. ``apply`` may return the seconds it actually
     stopped generation (from the engine's pause taking effect to its resume: not the wait for the
-    running step to end, during which generation goes on); else the whole apply counts as paused.
+    running step to end, during which generation goes on), its device copies waited for; else the
+    commit waits for the device and the whole apply counts as paused.
     """
 
     def __init__(
@@ -310,7 +311,7 @@ class StagedReceiver(ShardReceiver):
             raise PolicySyncError(missing)
         t0 = time.perf_counter()
         paused_s = self._apply(list(self._staging.items()), version)
-        if self._device.type == "cuda":
+        if paused_s is None and self._device.type == "cuda":  # (a timed apply waited for its copies)
             torch.cuda.synchronize(self._device)
         self.last_apply_s = time.perf_counter() - t0
         self.last_paused_s = self.last_apply_s if paused_s is None else paused_s
