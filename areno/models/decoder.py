@@ -363,7 +363,8 @@ FLEX_MIN_HEAD_DIM = 16
 CUDA_AUTO_IMPL = "varlen"
 """What ``impl="auto"`` picks on CUDA (``varlen`` or ``flex``); a process-wide knob set from
 ``train.attention`` when the training backends are built, and by ``bench/train.py --variants``.
-``varlen`` falls back to flex for fp32 inputs and where this torch has no varlen kernel."""
+``varlen`` falls back to flex (or sdpa below ``FLEX_MIN_HEAD_DIM``) where flash does not run: fp32
+inputs, head dims that are not a multiple of 8 or exceed 256, a torch without a varlen kernel."""
 
 
 class PackedCausalAttention:
@@ -379,8 +380,9 @@ class PackedCausalAttention:
     - ``"sdpa_padded"``: scatter the sequences into a right-padded [B, H, S_max, Dh] batch and run
       one causal SDPA call (padding sits after every real token, so causality hides it); costs
       B * S_max^2 instead of T^2, the fast path for many short sequences on CPU.
-    - ``"auto"``: ``CUDA_AUTO_IMPL`` on CUDA (varlen; flex for fp32); elsewhere sdpa_padded when padding wastes at most half the tokens,
-      else sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens, else per-sequence sdpa.
+    - ``"auto"``: ``CUDA_AUTO_IMPL`` on CUDA (varlen where flash runs); elsewhere sdpa_padded when
+      padding wastes at most half the tokens, else sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens,
+      else per-sequence sdpa.
     ``prepare`` builds the mask (or boundaries) once; ``Decoder.forward`` calls it before the
     layers, so compiled layers only read it (no host sync or mask construction inside them).
     """
