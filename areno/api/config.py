@@ -149,6 +149,12 @@ class RolloutSection:
     cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
     every decode step eagerly (slower; for debugging and A/B runs)."""
+    cuda_graph_warmup: bool = True
+    """CUDA: capture the decode CUDA graphs of every batch size the run can reach (up to
+    ``max_concurrent`` x ``n_samples`` sequences) when the rollout engine starts, for the training
+    rollouts' sampling and, when held-out evaluation runs, greedy decoding. Otherwise each graph is
+    captured when first needed, in the middle of a run: a capture takes ~0.4 s, during which a
+    policy sync waits (bench/RESULTS.md: 0.5-1.2 s syncs in asynchronous runs)."""
     cuda_stream: bool = False
     """CUDA: the rollout engine runs its steps on a CUDA stream of its own, so that a colocated
     asynchronous trainer's kernels can run beside them instead of queueing behind them on the default

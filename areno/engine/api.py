@@ -55,6 +55,34 @@ def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_bloc
         **({"num_blocks": num_blocks} if num_blocks else {}))
 
 
+def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
+    """Capture the rollout engine's decode CUDA graphs now (``rollout.cuda_graph_warmup``): batch
+    sizes up to the run's concurrency in sequences, contexts up to ``max_new_tokens`` + 256 prompt
+    tokens (longer contexts capture their graphs at first use), the training rollouts' sampling and
+    greedy evaluation. Returns the graphs held; 0 without CUDA graphs (CPU, or turned off)."""
+    r = cfg.rollout
+    if not r.cuda_graph_warmup or not r.cuda_graphs or engine.device.type != "cuda":
+        return 0
+    t0 = time.perf_counter()
+    params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)]
+    if cfg.data.num_eval and cfg.train.eval_interval:
+        params.append(SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens))
+    # sequences in flight: at most eta + 1 batches of episodes (the staleness capacity) of n samples
+    in_flight = min(r.max_concurrent, r.batch_size * (r.max_head_offpolicyness + 1)) * r.n_samples
+    if cfg.data.num_eval and cfg.train.eval_interval:
+        in_flight = max(in_flight, cfg.data.num_eval)
+    try:
+        held = engine.warmup_cuda_graphs(list(range(1, in_flight + 1)), r.max_new_tokens + 256, params)
+    except (RuntimeError, torch.OutOfMemoryError) as exc:  # graphs are then captured at first use
+        logger.warning("rollout engine: CUDA graph warm-up failed after %.1f s (%s: %s); graphs are captured "
+                       "when first needed instead (rollout.cuda_graph_warmup=false skips the warm-up)",
+                       time.perf_counter() - t0, type(exc).__name__, exc)
+        return 0
+    logger.info("rollout engine: %d decode CUDA graphs captured in %.1f s (rollout.cuda_graph_warmup)",
+                held, time.perf_counter() - t0)
+    return held
+
+
 def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) -> dict:
     """One initialised training backend per recipe role, configured alike colocated and
     partitioned: ``new_backend(TrainBackendConfig)`` makes it (one process, or FSDP2 over a training
@@ -192,6 +220,7 @@ class ArenoEngine:
         torch.manual_seed(cfg.train.seed)
         self.runner = self._build_runner(model_dir)
         self.rollout_engine = self._build_rollout_engine(model_dir)
+        warm_up_rollout_engine(self.rollout_engine, cfg)
         from areno.rollout.client import InProcessRolloutClient
 
         # The one driver of the rollout engine: rollouts and evaluation both go through it.

@@ -39,7 +39,8 @@ import torch
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
 from areno.api.faults import fault_point
-from areno.engine.api import ArenoEngine, build_role_backends, prepare_model_dir, resolve_recipe, rollout_engine_config
+from areno.engine.api import (ArenoEngine, build_role_backends, prepare_model_dir, resolve_recipe, rollout_engine_config,
+                              warm_up_rollout_engine)
 from areno.engine.cluster import ClusterLayout, LayoutError, build_groups, estimate_memory, layout_from_config, validate_memory
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
@@ -226,6 +227,7 @@ class RolloutWorker:
         self.engine = RolloutEngine(model, model_config,
                                     config=rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks),
                                     eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
+        warm_up_rollout_engine(self.engine, cfg)
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
                  for n, t in self.engine.weight_tensors().items()}
         self.transport = StreamTransport(topology=layout.stream_topology(), config=_sync_config(cfg),

@@ -1,0 +1,61 @@
+"""``warm_up_rollout_engine``: which decode CUDA graphs a run captures at start-up."""
+
+from __future__ import annotations
+
+import torch
+
+from areno.api.config import load_config
+from areno.engine.api import warm_up_rollout_engine
+
+
+class RecordingEngine:
+    """Stands in for a CUDA rollout engine: records the warm-up request."""
+
+    def __init__(self, device: str = "cuda") -> None:
+        self.device = torch.device(device)
+        self.calls: list[tuple[list[int], int, list]] = []
+
+    def warmup_cuda_graphs(self, batch_sizes, max_len, params=None) -> int:
+        self.calls.append((list(batch_sizes), max_len, list(params)))
+        return 7
+
+
+def _config(*extra: str):
+    return load_config(None, ["model.path=m", "rollout.batch_size=4", "rollout.n_samples=8",
+                              "rollout.max_new_tokens=100", "rollout.temperature=0.7", "rollout.top_p=0.9",
+                              *extra])
+
+
+def test_sizes_cover_eta_plus_one_batches_and_both_samplers():
+    engine = RecordingEngine()
+    assert warm_up_rollout_engine(engine, _config("rollout.max_head_offpolicyness=2", "data.num_eval=10")) == 7
+    (sizes, max_len, params), = engine.calls
+    assert sizes == list(range(1, 3 * 4 * 8 + 1))  # (eta + 1) batches of 4 prompts x 8 samples
+    assert max_len == 356
+    assert [(p.temperature, p.top_p, p.max_new_tokens) for p in params] == [(0.7, 0.9, 100), (0.0, 1.0, 100)]
+
+
+def test_no_eval_no_greedy_graphs_and_max_concurrent_bounds_the_sizes():
+    engine = RecordingEngine()
+    warm_up_rollout_engine(engine, _config("rollout.max_head_offpolicyness=8", "rollout.max_concurrent=5",
+                                           "data.num_eval=0"))
+    (sizes, _, params), = engine.calls
+    assert sizes == list(range(1, 5 * 8 + 1))
+    assert [p.temperature for p in params] == [0.7]
+
+
+def test_nothing_captured_on_cpu_or_when_turned_off():
+    for engine, extra in ((RecordingEngine("cpu"), ()), (RecordingEngine(), ("rollout.cuda_graph_warmup=false",)),
+                          (RecordingEngine(), ("rollout.cuda_graphs=false",))):
+        assert warm_up_rollout_engine(engine, _config(*extra)) == 0
+        assert engine.calls == []
+
+
+def test_a_failed_warm_up_warns_and_leaves_capture_to_first_use(caplog):
+    class FailingEngine(RecordingEngine):
+        def warmup_cuda_graphs(self, batch_sizes, max_len, params=None) -> int:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    with caplog.at_level("WARNING"):
+        assert warm_up_rollout_engine(FailingEngine(), _config()) == 0
+    assert "warm-up failed" in caplog.text and "rollout.cuda_graph_warmup=false" in caplog.text
