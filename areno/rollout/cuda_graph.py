@@ -201,17 +201,18 @@ class DecodeGraphRunner:
                                                                                    "register_generator_state")
 
     def run_loop(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int], rp: RowParams,
-                 k: int) -> tuple[torch.Tensor, ...] | None:
+                 k: int, ids_B: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
         """k decode steps in one replay, sampled under ``rp``. Returns token ids and log-probs
         [k, B] and the number of real tokens per row [B] (views of the graph's outputs: copy them
-        before the next replay); None when the graph is missing and captures are held."""
+        before the next replay); None when the graph is missing and captures are held. ``ids_B``:
+        the input tokens as a device tensor (then ``ids`` is ignored)."""
         B, S = len(batch.seqs), rp.stop_ids_BS.shape[1]
         Bp, Np = self._key(batch)
         key = (Bp, Np, k, S, rp.mode)
         g = self._loops.get(key) or self._try_capture(self._capture_loop, *key)
         if g is None:
             return None
-        self._load(g, batch, ids, ctx, Bp, Np)
+        self._load(g, batch, ids, ctx, Bp, Np, ids_B)
         g.rows_FB[:, :B].copy_(rp.table_FB, non_blocking=True)
         if B < Bp:
             g.rows_FB[:, B:].copy_(g.pad_FB[:, B:])
@@ -222,17 +223,20 @@ class DecodeGraphRunner:
         return padded_batch_size(len(batch.seqs)), self.width(batch.max_blocks)
 
     def _load(self, g: "_Graph | _LoopGraph", batch: "ScheduledBatch", ids: list[int], ctx: list[int],
-              Bp: int, Np: int) -> None:
+              Bp: int, Np: int, ids_B: torch.Tensor | None = None) -> None:
         # Block tables come from the scheduler's persistent tensor (padded with the scratch block,
-        # padding rows all scratch); token ids and context lengths travel as one [2, Bp] copy.
+        # padding rows all scratch); token ids and context lengths travel as one [2, Bp] copy
+        # (token ids already on the device, ``ids_B``, as a device copy after it).
         bt = self.engine.scheduler.block_tables_for(batch.rows, width=Np, batch_size=Bp)
         pad = Bp - len(ids)
         inputs = torch.tensor([ids + [0] * pad, ctx + [1] * pad], dtype=torch.long)
         g.ids_ctx_2B.copy_(inputs, non_blocking=True)
+        if ids_B is not None:
+            g.ids_ctx_2B[0, : ids_B.shape[0]].copy_(ids_B)
         g.bt_BN.copy_(bt, non_blocking=True)
 
-    def prepare(self, batch: "ScheduledBatch", ids: list[int],
-                ctx: list[int]) -> tuple[_Graph, torch.Tensor, torch.Tensor] | None:
+    def prepare(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int],
+                ids_B: torch.Tensor | None = None) -> tuple[_Graph, torch.Tensor, torch.Tensor] | None:
         """Load a decode batch into its graph's static inputs. Returns the graph and views of its
         token ids and context lengths for the batch's rows (the engine advances them in place
         between replays of a multi-step decode); ``replay`` returns the logits. None when the graph
@@ -242,7 +246,7 @@ class DecodeGraphRunner:
         g = self._graphs.get(key) or self._try_capture(self._capture, *key)
         if g is None:
             return None
-        self._load(g, batch, ids, ctx, *key)
+        self._load(g, batch, ids, ctx, *key, ids_B)
         return g, g.ids_ctx_2B[0, :B], g.ids_ctx_2B[1, :B]
 
     @staticmethod

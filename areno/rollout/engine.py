@@ -38,7 +38,7 @@ from areno.models import fused_linear, fused_ops
 from areno.observe.trace import instant, span
 from areno.rollout.attention import DECODE_ATTENTION, PagedAttention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
-from areno.rollout.sampling import RowParams, Sampler, check_stop
+from areno.rollout.sampling import RowParams, RowTable, Sampler, check_stop
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
 
 
@@ -116,6 +116,15 @@ class RolloutEngineConfig:
     caps k by its shortest remaining length). The
     per-step host cost (scheduling, block tables, output bookkeeping) is divided by k. None: 8 on
     CUDA, 1 elsewhere (where host overhead is small next to the forward pass)."""
+    mixed_decode_min_rows: int | None = 32
+    """With ``decode_steps`` k > 1, a mixed step (prefill chunks of newly admitted requests beside
+    decoding rows; graph-less) in which at least this many rows sample is followed, in the same
+    round trip, by k decode steps of those rows, as a pure-decode batch runs them (the same k-step
+    loop graph): each decoding row gets up to k + 1 tokens per round trip instead of 1. In an
+    asynchronous run requests arrive all the time, so most round trips are mixed (bench/RESULTS.md).
+    Tokens are those of the one-step engine for greedy and seeded rows; requests that arrive
+    meanwhile join at the next round trip, and a long prompt's next prefill chunk waits k decode
+    steps (hence the row minimum: small batches keep one token per mixed step). None: never."""
     seed: int = 0
     """Seed of the generator shared by requests without their own seed."""
     decode_attention: str = "auto"
@@ -144,6 +153,8 @@ class RolloutEngineConfig:
                      "cpu_kv_cache_bytes", "cuda_graph_max_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutEngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.mixed_decode_min_rows is not None and self.mixed_decode_min_rows < 1:
+            raise ValueError(f"RolloutEngineConfig.mixed_decode_min_rows must be >= 1 or None, got {self.mixed_decode_min_rows}")
         if self.decode_steps is not None and self.decode_steps <= 0:
             raise ValueError(f"RolloutEngineConfig.decode_steps must be > 0 or None, got {self.decode_steps}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -229,6 +240,8 @@ class RolloutEngine:
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
         self.sampler = Sampler(device=self.device, seed=config.seed)
+        self._row_table = RowTable(config.max_num_seqs + 1)
+        """Static sampling rows of the running requests by slot (``Sequence.row``)."""
         self._params = dict(model.state_dict(keep_vars=True))
         self._lock = threading.RLock()
         self._seqs: dict[str, Sequence] = {}
@@ -398,26 +411,48 @@ class RolloutEngine:
             self.scheduler.after_step(batch)
             self._steps += 1
             return []
-        rp = RowParams.build(
-            None, [len(s.token_ids) - len(s.prompt_ids) for s in sampling], [len(s.token_ids) for s in sampling],
-            self.eos_token_ids, self.vocab_size, self.max_model_len, self.device,
-            rows=[s.sample_row for s in sampling],
-        )
+        slots = [s.row for s in sampling]
+        self._row_table.sync(slots, [s.sample_row for s in sampling])
+        lengths = [len(s.token_ids) for s in sampling]
+        rp = RowParams.gather(self._row_table, slots, [n - len(s.prompt_ids) for s, n in zip(sampling, lengths)],
+                              lengths, self.max_model_len, self.device)
         if pure_decode:
-            k = self._plan_decode_steps(batch)
+            k = self._plan_decode_steps(batch.seqs)
             tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp)
+            self.scheduler.after_step(batch, k)
+            self._steps += k
         else:
-            k = 1
             logits_BV = self._forward(batch)
+            self.scheduler.after_step(batch)
             tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)
-            tokens_KB, logprobs_KB, keep_B = tokens_B[None], logprobs_B[None], None
-        self.scheduler.after_step(batch, k)
-        self._steps += k
+            self._steps += 1
+            k, tokens_KB, logprobs_KB, keep_B = self._decode_after_mixed(sampling, tokens_B, logprobs_B, rp)
         self._round_trips += 1
         # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
         parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
         host_BX = torch.cat(parts).T.tolist()
         return self._commit_tokens(sampling, host_BX, k)
+
+    def _decode_after_mixed(self, sampling: list[Sequence], tokens_B: torch.Tensor, logprobs_B: torch.Tensor,
+                            rp: RowParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """After a mixed step sampled each row's next token (``tokens_B``, on the device, not yet in
+        ``token_ids``): up to ``decode_steps`` decode steps of these rows in the same round trip
+        (``mixed_decode_min_rows``). Returns (K, token ids and log-probs [K, B], real tokens per row
+        [B] or None when K = 1): the first token, then the decode steps' (none for a row the first
+        token ended: a stop id, or its length limit)."""
+        m = self.config.mixed_decode_min_rows
+        k = self._plan_decode_steps(sampling, sampled=1) if m is not None and len(sampling) >= m else 1
+        if k <= 1:
+            return 1, tokens_B[None], logprobs_B[None], None
+        B = len(sampling)
+        batch = ScheduledBatch(seqs=sampling, starts=[s.num_computed for s in sampling], num_new=[1] * B,
+                               samples=[True] * B, rows=[s.row for s in sampling], num_decode=B)
+        first_done_B = rp.advance(tokens_B)
+        tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp.shifted(1), ids_B=tokens_B)
+        self.scheduler.after_step(batch, k)
+        self._steps += k
+        keep_B = torch.where(first_done_B, 0, keep_B) + 1
+        return k + 1, torch.cat((tokens_B[None], tokens_KB)), torch.cat((logprobs_B[None], logprobs_KB)), keep_B
 
     def _commit_tokens(self, sampling: list[Sequence], host_BX: list[list[float]], k: int) -> list[GenerationOutput]:
         """Append each row's new tokens (up to its end), apply the stop rules, finish requests."""
@@ -469,44 +504,52 @@ class RolloutEngine:
         self._generated_tokens += generated
         return finished
 
-    def _plan_decode_steps(self, batch: ScheduledBatch) -> int:
-        """How many decode steps this pure-decode batch runs before the next host round trip (its
-        blocks for them are reserved here; 1 when the pool cannot hold them)."""
+    def _plan_decode_steps(self, seqs: list[Sequence], sampled: int = 0) -> int:
+        """How many decode steps these rows run before the next host round trip (their blocks for
+        them are reserved here; 1 when the pool cannot hold them). ``sampled``: tokens each row
+        sampled earlier in this round trip, not yet in its ``token_ids`` (1 after a mixed step)."""
         k = self.decode_steps
         if k <= 1:
             return 1
+        max_len = self.max_model_len
         remaining = [min(s.params.max_new_tokens - (len(s.token_ids) - len(s.prompt_ids)),
-                         self.max_model_len - len(s.token_ids)) for s in batch.seqs]
+                         max_len - len(s.token_ids)) - sampled for s in seqs]
         k = min(k, max(remaining))
-        if self.scheduler.waiting and len(batch.seqs) < WAITING_CLAMP_MAX_ROWS:
+        if self.scheduler.waiting and len(seqs) < WAITING_CLAMP_MAX_ROWS:
             # a small full batch: let a waiting request take the first slot a length limit frees
             k = min(k, min(remaining))
         if k <= 1:
             return 1
-        # Step j writes the K/V of position len - 1 + j; a row stops needing blocks at its end.
-        upto = [s.num_computed + min(k, r) for s, r in zip(batch.seqs, remaining)]
-        return k if self.scheduler.reserve_ahead(batch.seqs, upto) else 1
+        # Step j writes the K/V of position num_computed + j; a row stops needing blocks at its end.
+        upto = [s.num_computed + (k if r >= k else r) for s, r in zip(seqs, remaining)]
+        return k if self.scheduler.reserve_ahead(seqs, upto) else 1
 
-    def _run_decode(self, batch: ScheduledBatch, k: int, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _run_decode(self, batch: ScheduledBatch, k: int, rp: RowParams,
+                    ids_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``k`` decode steps of a pure-decode batch without a host round trip. Returns token ids
         and log-probs [k, B] and, for k > 1, how many of each row's tokens are real (a row that
-        hits a stop id or its length limit keeps running; its later tokens are discarded)."""
+        hits a stop id or its length limit keeps running; its later tokens are discarded).
+        ``ids_B``: the rows' input tokens on the device (tokens sampled earlier in this round trip,
+        at position ``num_computed``); None: each row's last token."""
         seqs = batch.seqs
         B = len(seqs)
-        ids = [s.token_ids[-1] for s in seqs]
-        ctx = [len(s.token_ids) for s in seqs]
+        first_B = ids_B
+        ids = [0] * B if first_B is not None else [s.token_ids[-1] for s in seqs]
+        ctx = [s.num_computed + 1 for s in seqs]
         graph = None
         if self._graphs is not None and self._graphs.can_loop(batch, rp, k):
             # The whole k-step loop (forwards, sampling, stop and length checks) is one graph replay.
-            out = self._graphs.run_loop(batch, ids, ctx, rp, k)
+            out = self._graphs.run_loop(batch, ids, ctx, rp, k, ids_B=first_B)
             if out is not None:
                 return out
         if self._graphs is not None and self._graphs.can_run(batch):
-            prepared = self._graphs.prepare(batch, ids, ctx)
+            prepared = self._graphs.prepare(batch, ids, ctx, ids_B=first_B)
             if prepared is not None:
                 graph, ids_B, ctx_B = prepared
         if graph is None:  # eager (no graphs, a batch graphs cannot serve, or captures held)
             ids_ctx_2B = torch.tensor([ids, ctx], dtype=torch.long).to(self.device, non_blocking=True)
+            if first_B is not None:
+                ids_ctx_2B[0].copy_(first_B)
             ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
             bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks).to(self.device, non_blocking=True)
             kv_slots_BL = (PagedAttention.decode_kv_slots(bt_BN, self.config.block_size)
@@ -538,23 +581,29 @@ class RolloutEngine:
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [B, V] of the sequences that sample this step (in batch order)."""
-        ids, pos, last = [], [], []
-        for seq, start, n, samples in zip(batch.seqs, batch.starts, batch.num_new, batch.samples):
+        nd = batch.num_decode
+        seqs, starts, samples = batch.seqs, batch.starts, batch.samples
+        # Decode rows: one token each at its start; then each prefill chunk's tokens.
+        ids = [s.token_ids[c] for s, c in zip(seqs[:nd], starts)]
+        pos = starts[:nd]
+        last = list(range(nd)) if all(samples[:nd]) else [i for i in range(nd) if samples[i]]
+        for seq, start, n, do in zip(seqs[nd:], starts[nd:], batch.num_new[nd:], samples[nd:]):
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
-            if samples:
+            if do:
                 last.append(len(ids) - 1)
-        to = dict(device=self.device, non_blocking=True)
-        input_ids_T = torch.tensor(ids, dtype=torch.long).to(**to)
-        position_ids_T = torch.tensor(pos, dtype=torch.long).to(**to)
+        T = len(ids)
+        # token ids, positions and the rows to sample in one host-to-device copy
+        packed = torch.tensor(ids + pos + (last if len(last) < T else []), dtype=torch.long)
+        packed = packed.to(self.device, non_blocking=True)
         attn = PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window,
                                     bt_BN=self.scheduler.block_tables_for(batch.rows, batch.max_blocks))
-        hidden_TD = self.model(input_ids_T, position_ids_T, attn)
+        hidden_TD = self.model(packed[:T], packed[T : 2 * T], attn)
         if not last:
             return hidden_TD.new_empty(0, self.vocab_size)
-        if len(last) == hidden_TD.shape[0]:
+        if len(last) == T:
             return self._logits(hidden_TD)
-        return self._logits(hidden_TD[torch.tensor(last, device=self.device)])
+        return self._logits(hidden_TD[packed[2 * T :]])
 
     # Hooks that tensor parallelism overrides (``tp.py``).
     def _agree_num_blocks(self, num_blocks: int) -> int:

@@ -32,6 +32,7 @@ unseeded rows draw from the same generator, in another order).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -246,23 +247,52 @@ class RowParams(RowTensors):
                 pad = stops[0] if k else 0
                 table.append(r[:9] + (g, n) + stops + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k))
         host_BF = torch.tensor(table, dtype=torch.float64).reshape(B, 11 + 2 * S)
-        greedy, seeded, truncate = host_BF[:, 1] > 0, host_BF[:, 5] > 0, host_BF[:, 8] > 0
+        return cls._from_host(host_BF.T.contiguous(), any(r[9] for r in rows), max_len, device)
+
+    @classmethod
+    def gather(cls, table: "RowTable", slots: list[int], n_gen: list[int], lengths: list[int], max_len: int,
+               device: torch.device) -> "RowParams":
+        """``build`` from the static rows ``table`` holds for these slots (written when their
+        requests took them), with tokens generated so far and tokens known: the same tensors as
+        ``build`` from the requests' ``row_of`` tuples, without re-encoding them. One host-to-device copy."""
+        ns = table.num_stops
+        s_real = max([ns[i] for i in slots], default=0)
+        host_FB = table.table_FR.index_select(1, torch.tensor(slots, dtype=torch.long))
+        if max(1, s_real) < table.max_stops:
+            host_FB = host_FB.index_select(0, table.columns(max(1, s_real)))
+        host_FB[_N_GEN : _LENGTH + 1] = torch.tensor([n_gen, lengths], dtype=torch.float64)
+        return cls._from_host(host_FB, s_real > 0, max_len, device)
+
+    @classmethod
+    def _from_host(cls, host_FB: torch.Tensor, any_stop_ids: bool, max_len: int, device: torch.device) -> "RowParams":
+        """From the packed host table [11 + 2S, B] (contiguous): its device copy and the batch flags."""
+        B = host_FB.shape[1]
+        greedy, seeded, truncate = host_FB[_GREEDY] > 0, host_FB[_SEEDED] > 0, host_FB[_TRUNCATE] > 0
         unseeded = ~greedy & ~seeded
-        any_min_new = bool((host_BF[:, 6] > host_BF[:, 9]).any())
+        any_min_new = bool((host_FB[_MIN_NEW] > host_FB[_N_GEN]).any())
         n_seeded, n_unseeded = int(seeded.sum()), int(unseeded.sum())
         seeded_idx = seeded.nonzero().squeeze(1).to(device) if n_seeded else None
         unseeded_idx = unseeded.nonzero().squeeze(1).to(device) if 0 < n_unseeded < B else None
-        dev_FB = host_BF.T.contiguous()
+        dev_FB = host_FB
         if device.type != "cpu":
             dev_FB = dev_FB.to(device, non_blocking=True)
         t = RowTensors.from_table(dev_FB, max_len)
         return cls(
             **{**vars(t), "n_gen_B": t.n_gen_B.clone()}, steps_done=0,
-            any_stop_ids=any(r[9] for r in rows), max_len=max_len, all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
+            any_stop_ids=any_stop_ids, max_len=max_len, all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
             any_truncate=bool(truncate.any()), any_min_new=any_min_new and B > 0,
             seeded_idx=seeded_idx, unseeded_idx=unseeded_idx, all_unseeded=n_unseeded == B and B > 0,
             table_FB=dev_FB,
         )
+
+    def shifted(self, n: int) -> "RowParams":
+        """These rows' parameters after each sampled ``n`` more tokens (the table's counts of tokens
+        generated and known advanced by ``n``; ``steps_done`` 0): for decode steps that follow, in
+        the same round trip, the tokens this batch sampled first."""
+        table_FB = self.table_FB.clone()
+        table_FB[_N_GEN : _LENGTH + 1] += n
+        t = RowTensors.from_table(table_FB, self.max_len)
+        return dataclasses.replace(self, **{**vars(t), "n_gen_B": t.n_gen_B.clone()}, steps_done=0, table_FB=table_FB)
 
     def advance(self, tokens_B: torch.Tensor) -> torch.Tensor:
         """Count the sampled tokens; returns bool [B]: the row just finished (a stop/EOS id once
@@ -276,6 +306,62 @@ class RowParams(RowTensors):
                 hit_B &= self.n_gen_B >= self.min_new_B
             done_B |= hit_B
         return done_B
+
+
+class RowTable:
+    """The static sampling row (``RowParams.row_of``) of the request in each engine slot
+    (``Sequence.row``), kept in one host tensor in ``RowParams.table_FB``'s layout with
+    ``max_stops`` stop-id columns (the counts of tokens generated and known left 0). A slot's column
+    is written when a request takes it (``sync``), so a step gathers its rows' columns
+    (``RowParams.gather``) instead of re-encoding every request's parameters."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.max_stops = 1
+        self.table_FR = torch.zeros(_FIXED + 2, num_slots, dtype=torch.float64)
+        self.num_stops = [0] * num_slots
+        """Stop/EOS ids of each slot's row."""
+        self._rows: list[tuple | None] = [None] * num_slots
+        """The ``row_of`` tuple each column was written from (identity: one per request)."""
+        self._columns: dict[int, torch.Tensor] = {}
+
+    def sync(self, slots: list[int], rows: list[tuple]) -> None:
+        """Write the columns of the slots whose request changed since they were written."""
+        held = self._rows
+        for slot, row in zip(slots, rows):
+            if held[slot] is not row:
+                self._write(slot, row)
+
+    def _write(self, slot: int, row: tuple) -> None:
+        stops = row[9]
+        k = len(stops)
+        if k > self.max_stops:
+            self._grow(k)
+        S = self.max_stops
+        pad = stops[0] if k else 0
+        col = row[:9] + (0.0, 0.0) + stops + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k)
+        self.table_FR[:, slot] = torch.tensor(col, dtype=torch.float64)
+        self.num_stops[slot] = k
+        self._rows[slot] = row
+
+    def _grow(self, max_stops: int) -> None:
+        rows = self._rows
+        self.max_stops = max_stops
+        self.table_FR = torch.zeros(_FIXED + 2 * max_stops, self.num_slots, dtype=torch.float64)
+        self._rows = [None] * self.num_slots
+        self._columns.clear()
+        for slot, row in enumerate(rows):
+            if row is not None:
+                self._write(slot, row)
+
+    def columns(self, S: int) -> torch.Tensor:
+        """Indices of the table's rows (features) that form a table with S stop-id columns."""
+        cols = self._columns.get(S)
+        if cols is None:
+            M = self.max_stops
+            cols = self._columns[S] = torch.tensor(
+                [*range(_FIXED + S), *range(_FIXED + M, _FIXED + M + S)], dtype=torch.long)
+        return cols
 
 
 class Sampler:

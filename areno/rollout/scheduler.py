@@ -69,6 +69,10 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_ids)
 
 
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
 @dataclass
 class ScheduledBatch:
     """The work of one step: decode chunks (one token) first, then prefill chunks.
@@ -101,7 +105,7 @@ class ScheduledBatch:
     @property
     def max_blocks(self) -> int:
         """Longest block table of the batch."""
-        return max(len(s.block_table) for s in self.seqs)
+        return max([len(s.block_table) for s in self.seqs])
 
 
 class Scheduler:
@@ -137,7 +141,10 @@ class Scheduler:
 
     # ---- queue management ----
     def add(self, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+        if self.waiting and self.waiting[-1].arrival > seq.arrival:
+            bisect.insort(self.waiting, seq, key=_arrival)
+        else:  # a new arrival: the latest
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -158,7 +165,9 @@ class Scheduler:
     # ---- one step ----
     def schedule(self) -> ScheduledBatch:
         budget = self.max_tokens_per_step
-        picked: list[tuple[Sequence, int]] = []
+        decode: list[Sequence] = []
+        chunks: list[tuple[Sequence, int]] = []
+        # (sequence, tokens) of the step's chunks of more than one token
         preempted = False
         i = 0
         bs = self.allocator.block_size
@@ -170,7 +179,7 @@ class Scheduler:
                 # Decoding into a block it owns: nothing to allocate. The blocks its generated tokens
                 # fill are registered in the prefix cache when it is released (``_release``), not
                 # during decoding (one hash per block per sequence on the host's critical path).
-                picked.append((seq, 1))
+                decode.append(seq)
                 budget -= 1
                 i += 1
                 continue
@@ -182,10 +191,15 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                picked.append((seq, n))
+                if n == 1:
+                    decode.append(seq)
+                else:
+                    chunks.append((seq, n))
                 budget -= n
                 i += 1
         # After a preemption the pool is full: admitting now would only evict again next step.
+        last = self.running[-1].arrival if self.running else -1
+        unsorted = False
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -195,21 +209,26 @@ class Scheduler:
                 self._release(seq)
                 break
             self.waiting.pop(0)
-            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            self.running.append(seq)
+            unsorted |= seq.arrival < last
             self._assign_row(seq)
-            picked.append((seq, n))
+            if n == 1:
+                decode.append(seq)
+            else:
+                chunks.append((seq, n))
             budget -= n
+        if unsorted:  # a preempted sequence (an earlier arrival) came back: keep ``running`` in arrival order
+            self.running.sort(key=_arrival)
         # Decode chunks (one token) first: the attention backend batches them separately.
-        picked.sort(key=lambda sn: sn[1] != 1)
-        seqs = [s for s, _ in picked]
-        num_new = [n for _, n in picked]
+        nd = len(decode)
+        seqs = decode + [s for s, _ in chunks]
+        num_new = [1] * nd + [n for _, n in chunks]
         starts = [s.num_computed for s in seqs]
-        samples = [c + n == len(s.token_ids) for s, c, n in zip(seqs, starts, num_new)]
-        num_decode = 0
-        while num_decode < len(num_new) and num_new[num_decode] == 1:
-            num_decode += 1
+        # (a one-token chunk samples unless the budget cut a prompt's chunk to one token)
+        samples = [s.num_computed + 1 == len(s.token_ids) for s in decode] + [
+            s.num_computed + n == len(s.token_ids) for s, n in chunks]
         return ScheduledBatch(seqs=seqs, starts=starts, num_new=num_new, samples=samples,
-                              rows=[s.row for s in seqs], num_decode=num_decode)
+                              rows=[s.row for s in seqs], num_decode=nd)
 
     def _chunk_len(self, seq: Sequence) -> int:
         remaining = len(seq.token_ids) - seq.num_computed

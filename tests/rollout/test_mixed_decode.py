@@ -1,0 +1,149 @@
+"""Decode steps after a mixed step (``RolloutEngineConfig.mixed_decode_min_rows``): a round trip that
+prefills newly admitted requests beside decoding rows goes on with ``decode_steps`` decode steps of
+every row that sampled, and gives exactly the one-step engine's tokens, log-probs and finish reasons."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from areno.api.types import SamplingParams
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.rollout.sampling import RowParams
+from tests.rollout.conftest import EOS, make_model, random_prompts
+from tests.rollout.test_gpu_path import _sampled_mix, eager_runner
+
+
+def engine(model_cfg, decode_steps: int, *, graphs: bool = False, eos=(EOS,), tokenizer=None, **kw) -> RolloutEngine:
+    model, cfg = model_cfg
+    defaults = dict(block_size=4, num_blocks=160, max_num_seqs=8, max_tokens_per_step=48, prefill_chunk_size=8,
+                    max_model_len=80, mixed_decode_min_rows=1)
+    defaults.update(kw)
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(decode_steps=decode_steps, **defaults),
+                        eos_token_ids=eos, tokenizer=tokenizer)
+    if graphs:
+        eng._graphs = eager_runner(eng, max_batch=defaults["max_num_seqs"])
+    return eng
+
+
+def drive(eng: RolloutEngine, prompts, params, arrive_every: int = 2) -> tuple[list, list[int]]:
+    """Requests arrive two at a time every ``arrive_every`` steps (the others decode meanwhile), so
+    most steps are mixed. Returns the outputs in request order and the tokens each step produced."""
+    ids, done, per_step = [], {}, []
+    pending = list(zip(prompts, params))
+    step = 0
+    while pending or len(done) < len(ids):
+        if pending and step % arrive_every == 0:
+            for p, sp in pending[:2]:
+                ids.append(eng.add_request(p, sp))
+            pending = pending[2:]
+        before = eng.stats()["generated_tokens"]
+        done.update({o.request_id: o for o in eng.step()})
+        per_step.append(eng.stats()["generated_tokens"] - before)
+        step += 1
+    return [done[i] for i in ids], per_step
+
+
+def same(a, b):
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+    assert [o.output_versions for o in a] == [o.output_versions for o in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.output_logprobs, y.output_logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return make_model(0)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_mixed_steps_decode_on_with_the_one_step_engines_tokens(tiny_model, graphs):
+    """Greedy and seeded rows with top-p/top-k, min_new_tokens, stop ids and EOS, arriving while
+    others decode (capture emulated on CPU for ``graphs``)."""
+    prompts = random_prompts(14, seed=51, lo=3, hi=20)
+    eos = (9, 17, 23)
+    params = _sampled_mix(14, eos)
+    params[5] = SamplingParams(temperature=0, max_new_tokens=1)  # ends on its first token (length)
+    ref, ref_steps = drive(engine(tiny_model, 1, eos=eos), prompts, params)
+    eng = engine(tiny_model, 4, graphs=graphs, eos=eos)
+    got, got_steps = drive(eng, prompts, params)
+    same(got, ref)
+    assert {o.finish_reason for o in ref} == {"stop", "length"}
+    stats = eng.stats()
+    # mixed steps went on decoding: some step gave a row more than one token though requests were prefilling
+    assert stats["mixed_steps"] >= 5 and stats["steps"] > stats["sampling_round_trips"] + stats["mixed_steps"]
+    assert len(got_steps) < len(ref_steps) - 5
+    assert eng.allocator.num_used == 0 and eng.scheduler.block_tables_RN.eq(eng.cache.scratch_block).all()
+    if graphs:
+        assert eng._graphs._loops, "the k-step loop graph never served the steps after a mixed step"
+
+
+def test_mixed_decode_stop_strings_context_limit_and_abort(tiny_model):
+    from areno.data.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz")
+    prompts = [tok.encode(w) for w in ("hello", "world", "abc", "mixed", "steps", "zz")]
+    free = engine(tiny_model, 1, tokenizer=tok, eos=()).generate(
+        prompts[:1], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))[0].text
+    params = [SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True, stop=(free[3:5],)),
+              SamplingParams(temperature=0, max_new_tokens=70, ignore_eos=True)] * 3  # 70: the context ends first
+    ref, _ = drive(engine(tiny_model, 1, tokenizer=tok, eos=(), max_model_len=24), prompts, params)
+    eng = engine(tiny_model, 4, tokenizer=tok, eos=(), max_model_len=24)
+    got, _ = drive(eng, prompts, params)
+    same(got, ref)
+    assert [o.text for o in got] == [o.text for o in ref] and ref[0].finish_reason == "stop"
+    assert all(len(o.prompt_ids) + len(o.output_ids) == 24 for o in got[1::2])
+    # abort between round trips returns what was committed; its blocks come back
+    rid = eng.add_request(prompts[0], SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.add_request(prompts[1], SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True))
+    eng.step()
+    out = eng.abort(rid)
+    assert out.finish_reason == "abort" and 1 < len(out.output_ids) < 50
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.allocator.num_used == 0
+
+
+def test_small_mixed_steps_keep_one_token_below_the_row_minimum(tiny_model):
+    prompts = random_prompts(6, seed=52)
+    params = [SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)] * 6
+    on = engine(tiny_model, 4, mixed_decode_min_rows=2)
+    off = engine(tiny_model, 4, mixed_decode_min_rows=None)
+    wide = engine(tiny_model, 4, mixed_decode_min_rows=100)
+    outs = {name: drive(e, prompts, params) for name, e in (("on", on), ("off", off), ("wide", wide))}
+    same(outs["on"][0], outs["off"][0])
+    same(outs["wide"][0], outs["off"][0])
+    assert off.stats()["steps"] == wide.stats()["steps"]
+    # off: a mixed step samples one token per row; on: more round trips end with several tokens per row
+    assert off.stats()["sampling_round_trips"] == wide.stats()["sampling_round_trips"]
+    assert on.stats()["sampling_round_trips"] < off.stats()["sampling_round_trips"]
+
+
+def test_mixed_decode_when_the_pool_is_short_preempts_and_matches(tiny_model):
+    """Too few KV blocks for everyone: preemption and refused reservations, same tokens."""
+    prompts = random_prompts(10, seed=53, lo=6, hi=20)
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (20, 9, 14, 30, 5) * 2]
+    ref, _ = drive(engine(tiny_model, 1, num_blocks=24), prompts, params)
+    eng = engine(tiny_model, 4, num_blocks=24)
+    got, _ = drive(eng, prompts, params)
+    same(got, ref)
+    assert eng.stats()["num_preemptions"] > 0 and eng.allocator.num_used == 0
+
+
+def test_row_params_shifted_counts_the_first_token():
+    params = [SamplingParams(temperature=0.5, max_new_tokens=5, min_new_tokens=4, seed=3),
+              SamplingParams(temperature=0, max_new_tokens=9, stop_token_ids=(4, 6))]
+    rp = RowParams.build(params, [1, 0], [7, 30], (2,), 50, 32, torch.device("cpu"))
+    sh = rp.shifted(1)
+    assert sh.n_gen_B.tolist() == [2, 1] and sh.room_B.tolist() == [min(5 - 2, 32 - 8), min(9 - 1, 32 - 31)]
+    assert rp.n_gen_B.tolist() == [1, 0] and rp.table_FB is not sh.table_FB  # the original is untouched
+    assert sh.steps_done == 0 and sh.mode == rp.mode
+    assert torch.equal(sh.advance(torch.tensor([2, 4])), torch.tensor([False, True]))
+
+
+def test_mixed_decode_min_rows_is_validated():
+    with pytest.raises(ValueError, match="mixed_decode_min_rows"):
+        RolloutEngineConfig(mixed_decode_min_rows=0)
+    assert dataclasses.replace(RolloutEngineConfig(), mixed_decode_min_rows=None).mixed_decode_min_rows is None
