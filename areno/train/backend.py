@@ -50,6 +50,9 @@ from areno.train.packing import (
 )
 
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
+HOST_OPTIMIZATIONS: frozenset[str] = frozenset({"one_fsdp_group", "local_shards", "fsdp_flags", "micro_batch_setup"})
+"""Names of the host-side (CPU) optimisations of ``train_step``, each on by default; a backend's
+``host_optimizations`` picks a subset (``bench/train_host.py`` measures them against none)."""
 # Files copied from the source model directory into an HF export (tokenizer and friends).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
@@ -98,6 +101,9 @@ class PackedTrainBackend(TrainBackend):
     non-finite loss or grad norm (0 never raises). ``train.max_consecutive_skips`` of a run."""
     role_name: str = ""
     """The model role this backend trains, named in the guard's error (set by its owner)."""
+    host_optimizations: frozenset[str] = HOST_OPTIMIZATIONS
+    """Which of ``HOST_OPTIMIZATIONS`` run (all by default; a bench turns them off to compare).
+    None changes numerics: losses, gradients and updates are identical with and without them."""
 
     def __init__(self, cfg: TrainBackendConfig) -> None:
         self.cfg = cfg
@@ -170,7 +176,8 @@ class PackedTrainBackend(TrainBackend):
         model.train()
         self.model = self._parallelize(model)
         if cfg.trainable:
-            self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device.type)
+            self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device.type,
+                                             local_shards="local_shards" in self.host_optimizations)
             self.scheduler = build_scheduler(self.optimizer, cfg)
         self.max_tokens_per_mb = cfg.max_tokens_per_mb or self._default_tokens_per_mb()
         self._initialized = True
@@ -205,10 +212,14 @@ class PackedTrainBackend(TrainBackend):
         spec = MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb, dp_size=self._dp_size)
         return plan_micro_batches(batch.seqlens_B, spec)
 
-    def _micro_batches(self, batch: TokenBatch, plan: MicroBatchPlan) -> Iterator[tuple[list[int], TokenBatch]]:
-        for seq_idx in plan.per_rank[self._dp_rank]:
-            mb = batch.select(seq_idx) if seq_idx else dummy_batch(batch)
-            yield seq_idx, batch_to_device(mb, self.device)
+    def _micro_batches(
+        self, batch: TokenBatch, plan: MicroBatchPlan, selected: list[TokenBatch | None] | None = None
+    ) -> Iterator[tuple[list[int], TokenBatch]]:
+        """This rank's micro-batches on the device; ``selected``: the same ones already selected
+        on the host (None where empty)."""
+        for m, seq_idx in enumerate(plan.per_rank[self._dp_rank]):
+            mb = selected[m] if selected is not None else batch.select(seq_idx) if seq_idx else None
+            yield seq_idx, batch_to_device(mb if mb is not None else dummy_batch(batch), self.device)
 
     # ------------------------------------------------------------------ training
     def train_step(
@@ -220,7 +231,15 @@ class PackedTrainBackend(TrainBackend):
         full_tokens = batch.num_tokens
         batch, _ = self._fit_long_sequences(batch)
         plan = self.plan(batch)
-        denominator = sum(float(denominator_fn(batch.select(idx))) for idx in plan.all_micro_batches())
+        opts = self.host_optimizations
+        local_selected = None
+        if "micro_batch_setup" in opts:  # select every micro-batch once, for the denominator and the loop
+            selected = [[batch.select(idx) if idx else None for idx in rank] for rank in plan.per_rank]
+            denominator = sum(float(denominator_fn(mb)) for rank in selected for mb in rank if mb is not None)
+            local_selected = selected[self._dp_rank]
+            del selected
+        else:
+            denominator = sum(float(denominator_fn(batch.select(idx))) for idx in plan.all_micro_batches())
         reducer = Reducer(denominator)
         self.model.train()
         loss_scale = self._loss_scale()
@@ -230,7 +249,7 @@ class PackedTrainBackend(TrainBackend):
         metric_parts: dict[str, list[Any]] = {}
         tokens = 0
         n_local = len(plan.per_rank[self._dp_rank])
-        for i, (seq_idx, mb) in enumerate(self._micro_batches(batch, plan)):
+        for i, (seq_idx, mb) in enumerate(self._micro_batches(batch, plan, local_selected)):
             with span("micro_batch", "train", tokens=mb.num_tokens), self._autocast():
                 output = forward_fn(self.model, mb)
                 loss, metrics = loss_fn(output, mb, reducer)
@@ -244,15 +263,24 @@ class PackedTrainBackend(TrainBackend):
             tokens += mb.num_tokens if seq_idx else 0
             for key, value in metrics.items():
                 metric_parts.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
+        if "micro_batch_setup" in opts:  # one host read (per device and dtype) instead of one per value
+            keys = list(metric_parts)
+            flat = host_floats(loss_parts + [v for key in keys for v in metric_parts[key]])
+            loss_values, at = flat[: len(loss_parts)], len(loss_parts)
+            for key in keys:
+                metric_parts[key], at = flat[at : at + len(metric_parts[key])], at + len(metric_parts[key])
+        else:
+            loss_values = loss_parts
         loss_sum = 0.0
-        for part in loss_parts:  # float64 sums in micro-batch order (the first float() waits for the GPU)
+        for part in loss_values:  # float64 sums in micro-batch order (the first float() waits for the GPU)
             loss_sum += float(part)
         metric_sums = {key: sum(float(v) for v in values) for key, values in metric_parts.items()}
         keys = sorted(metric_sums)
         stats = torch.tensor([loss_sum, tokens] + [metric_sums[k] for k in keys], dtype=torch.float64)
         stats = self._all_reduce_sum(stats)
 
-        grad_norm, grad_groups = global_grad_norm(self.model.parameters())
+        grad_norm, grad_groups = global_grad_norm(self.model.parameters(),
+                                                  local_shards="local_shards" in self.host_optimizations)
         # The loss is all-reduced and the norm global, so every rank takes the same decision.
         loss_finite = math.isfinite(float(stats[0]))
         if loss_finite and math.isfinite(grad_norm):
@@ -388,6 +416,24 @@ class PackedTrainBackend(TrainBackend):
         self.optimizer = None
         self.scheduler = None
         self._initialized = False
+
+
+def host_floats(values: list[torch.Tensor | float]) -> list[float]:
+    """``[float(v) for v in values]`` (one-element tensors or numbers) with one device-to-host read
+    per (device, dtype) group of tensors instead of one per tensor; the same values."""
+    out: list[float | None] = [v if not isinstance(v, torch.Tensor) else None for v in values]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            groups.setdefault((v.device, v.dtype), []).append(i)
+    for idx in groups.values():
+        read = torch.cat([values[i].reshape(-1) for i in idx]).tolist()
+        if len(read) != len(idx):
+            raise ValueError(f"loss and metric values must be one-element tensors or numbers, got {len(read)} "
+                             f"elements for {len(idx)} tensors; reduce each metric to a scalar in loss_fn")
+        for i, value in zip(idx, read):
+            out[i] = value
+    return [float(v) for v in out]
 
 
 def _assemble(results: list[tuple[list[int], dict[str, torch.Tensor]]], batch: TokenBatch) -> dict[str, torch.Tensor]:

@@ -40,6 +40,13 @@ class FSDP2TrainBackend(PackedTrainBackend):
     _owns_process_group: bool = False
     _group: dist.ProcessGroup | None = None
     """The training ranks (None: the whole world)."""
+    # set in _setup / _parallelize (read once: slicing a DeviceMesh costs host time per call)
+    _shard_size: int
+    _world_size: int
+    _fsdp_modules: list[FSDPModule]
+    _grad_sync: bool = True
+    """What the FSDP modules' gradient-sync / reshard-after-backward flags were last set to
+    (FSDP's default: True)."""
 
     def __init__(self, cfg, *, mesh: DeviceMesh | None = None, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(cfg)
@@ -80,14 +87,21 @@ class FSDP2TrainBackend(PackedTrainBackend):
         self._dp_rank = rep.get_local_rank() * shard.size() + shard.get_local_rank()
         self._dp_size = rep.size() * shard.size()
         self._tp_size = self.mesh["tp"].size()
+        self._shard_size = shard.size()
+        self._world_size = world
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         compute = self.cfg.torch_param_dtype(self.device.type)
-        return parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=self.cfg.torch_dtype())
+        model = parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=self.cfg.torch_dtype(),
+                            one_group="one_fsdp_group" in self.host_optimizations)
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        return model
 
     @property
     def _unsharded(self) -> bool:
         """No parameter sharding (one data-parallel shard: one rank, or replication only)."""
+        if "fsdp_flags" in self.host_optimizations:
+            return self._shard_size == 1
         return self.mesh["dp_shard"].size() == 1
 
     def _before_backward(self, last: bool) -> None:
@@ -96,15 +110,24 @@ class FSDP2TrainBackend(PackedTrainBackend):
         # compute-dtype weights stay gathered until the last backward frees them (the optimizer
         # then updates the master and the next forward casts afresh). Sharded, every micro-batch
         # reduce-scatters (keeping only a shard of the gradient) and reshards.
-        if self._unsharded:
+        if not self._unsharded:
+            return
+        if "fsdp_flags" not in self.host_optimizations:
             self.model.set_requires_gradient_sync(last)
             self.model.set_reshard_after_backward(last)
+        elif self._grad_sync != last:  # flags change twice a step, not at every micro-batch
+            for module in self._fsdp_modules:
+                module.set_requires_gradient_sync(last, recurse=False)
+                module.set_reshard_after_backward(last, recurse=False)
+            self._grad_sync = last
 
     @property
     def is_rank0(self) -> bool:
         return dist.get_rank(self._group) == 0
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1 and "fsdp_flags" in self.host_optimizations:
+            return tensor  # the sum over one rank (and tp = 1): no device round trip
         # Over the whole world, then divided by tp: the TP ranks of one DP rank hold equal values.
         backend_device = self.device if dist.get_backend(self._group) == "nccl" else torch.device("cpu")
         reduced = tensor.to(backend_device)

@@ -17,6 +17,11 @@ FSDP2 — in that fixed order (as torchtitan does), each step optional:
    master weights, gradients reductions and optimizer state stay in the master dtype (fp32).
    The root keeps its parameters unsharded after forward (FSDP2's default for the root), so the
    LM head / tied embedding can be used outside ``forward`` by the chunked log-prob code.
+   On a mesh of one rank (``one_group``) the whole model is one FSDP group instead: per-layer
+   groups exist to overlap each layer's gathers / reductions with compute and to free a layer's
+   gathered weights early, neither of which one rank has, while every layer's hooks (gather,
+   input casts, post-backward accumulation, reduction) cost host time per micro-batch. Numerics
+   are the same (a one-rank gather is the ``param_dtype`` cast, its reduction the identity).
 """
 
 from __future__ import annotations
@@ -93,15 +98,17 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
 
 def apply_fsdp(
     model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-    sharded: bool = True,
+    sharded: bool = True, one_group: bool = False,
 ) -> None:
     """``sharded=False`` (one shard: one rank or pure replication): nothing is gathered from peers,
     so layers keep their compute-dtype copy from forward to backward instead of casting it again
     (memory: one compute-dtype copy of the weights; the backend also keeps it across the step's
-    micro-batches and frees it after the last backward, before the optimizer updates the master)."""
+    micro-batches and frees it after the last backward, before the optimizer updates the master).
+    ``one_group``: no per-layer groups, the root holds every parameter (for a mesh of one rank)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in _layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=sharded)
+    if not one_group:
+        for layer in _layers(model):
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=sharded)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
@@ -112,12 +119,14 @@ def parallelize(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
+    one_group: bool = False,
 ) -> nn.Module:
     """Apply TP, activation checkpointing, compile and FSDP2 in that order; returns ``model``.
 
     ``mesh``: None for one process (checkpointing and compile only), else a mesh with dimensions
     ("dp_replicate", "dp_shard", "tp"); FSDP shards over dp_shard and replicates over
-    dp_replicate (HSDP when that is > 1).
+    dp_replicate (HSDP when that is > 1). ``one_group``: one FSDP group for the whole model when
+    the mesh has one rank (ignored otherwise).
     """
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], vocab_parallel=cfg.tp_vocab_parallel)
@@ -128,5 +137,5 @@ def parallelize(
     if mesh is not None:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   sharded=mesh["dp_shard"].size() > 1)
+                   sharded=mesh["dp_shard"].size() > 1, one_group=one_group and mesh.size() == 1)
     return model
