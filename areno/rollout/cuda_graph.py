@@ -206,7 +206,7 @@ class DecodeGraphRunner:
         [k, B] and the number of real tokens per row [B] (views of the graph's outputs: copy them
         before the next replay); None when the graph is missing and captures are held. ``ids_B``:
         the input tokens as a device tensor (then ``ids`` is ignored)."""
-        B, S = len(batch.seqs), rp.stop_ids_BS.shape[1]
+        B, S = len(batch.seqs), rp.num_stop_columns
         Bp, Np = self._key(batch)
         key = (Bp, Np, k, S, rp.mode)
         g = self._loops.get(key) or self._try_capture(self._capture_loop, *key)

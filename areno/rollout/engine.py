@@ -298,11 +298,11 @@ class RolloutEngine:
         """Queue a request; it joins the running batch at the next step. Returns its id."""
         if self._torn is not None:
             raise TornWeightsError(self._torn)
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = list(map(int, prompt_ids))
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens but the context is max_model_len="
@@ -320,7 +320,7 @@ class RolloutEngine:
             if request_id in self._seqs or request_id in self._inbox:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox[request_id] = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params,
-                                               arrival=0, sample_row=sample_row)
+                                               arrival=0, sample_row=sample_row, limit=longest)
         return request_id
 
     def _admit(self) -> None:
@@ -430,8 +430,9 @@ class RolloutEngine:
         self._round_trips += 1
         # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
         parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
-        host_BX = torch.cat(parts).T.tolist()
-        return self._commit_tokens(sampling, host_BX, k)
+        host_XB = torch.cat(parts).cpu()
+        return self._commit_tokens(sampling, host_XB[:k].T.long().tolist(), host_XB[k : 2 * k].T.tolist(),
+                                   host_XB[2 * k].long().tolist() if keep_B is not None else None)
 
     def _decode_after_mixed(self, sampling: list[Sequence], tokens_B: torch.Tensor, logprobs_B: torch.Tensor,
                             rp: RowParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -454,49 +455,50 @@ class RolloutEngine:
         keep_B = torch.where(first_done_B, 0, keep_B) + 1
         return k + 1, torch.cat((tokens_B[None], tokens_KB)), torch.cat((logprobs_B[None], logprobs_KB)), keep_B
 
-    def _commit_tokens(self, sampling: list[Sequence], host_BX: list[list[float]], k: int) -> list[GenerationOutput]:
-        """Append each row's new tokens (up to its end), apply the stop rules, finish requests."""
+    def _commit_tokens(self, sampling: list[Sequence], tokens_BK: list[list[int]], logprobs_BK: list[list[float]],
+                       keep_B: list[int] | None) -> list[GenerationOutput]:
+        """Append each row's new tokens (its first ``keep_B`` of K; all K = 1 when None), apply the
+        stop rules, finish requests."""
         finished = []
         eos = self.eos_token_ids
         version = self._version
         max_len = self.max_model_len
         generated = 0
-        for seq, row in zip(sampling, host_BX):
-            n = int(row[2 * k]) if k > 1 else 1
+        for i, (seq, toks, lps) in enumerate(zip(sampling, tokens_BK, logprobs_BK)):
+            n = keep_B[i] if keep_B is not None else 1
             p = seq.params
-            known = len(seq.token_ids)
+            ids = seq.token_ids
             if p.stop:  # stop strings need the decoded text after every token
+                known = len(ids)
                 reason = None
-                for t, lp in zip(row[:n], row[k : k + n]):
-                    seq.token_ids.append(int(t))
+                for t, lp in zip(toks[:n], lps[:n]):
+                    ids.append(t)
                     seq.output_logprobs.append(lp)
                     seq.output_versions.append(version)
                     reason, seq.text = check_stop(p, seq.output_ids, eos, self._decode(seq.output_ids))
-                    if reason is None and len(seq.token_ids) >= max_len:
+                    if reason is None and len(ids) >= max_len:
                         reason = "length"
                     if reason is not None:
                         break
+                generated += len(ids) - known
             else:
                 if n == 1:
-                    token = int(row[0])
-                    seq.token_ids.append(token)
-                    seq.output_logprobs.append(row[k])
+                    ids.append(toks[0])
+                    seq.output_logprobs.append(lps[0])
                     seq.output_versions.append(version)
                 else:
-                    seq.token_ids.extend(map(int, row[:n]))
-                    seq.output_logprobs.extend(row[k : k + n])
+                    ids.extend(toks[:n])
+                    seq.output_logprobs.extend(lps[:n])
                     seq.output_versions.extend([version] * n)
-                    token = seq.token_ids[-1]
-                # check_stop can only end the request on a stop/EOS token or the length limit;
-                # skip the call (and its copy of the output ids) otherwise.
-                if (len(seq.token_ids) - len(seq.prompt_ids) >= p.max_new_tokens or token in p.stop_token_ids
-                        or (not p.ignore_eos and token in eos)):
+                generated += n
+                # check_stop can only end the request on a stop/EOS token (``sample_row[9]``) or at
+                # its length limit; skip the call (and its copy of the output ids) otherwise.
+                if len(ids) >= seq.limit or ids[-1] in seq.sample_row[9]:
                     reason, seq.text = check_stop(p, seq.output_ids, eos, None)
+                    if reason is None and len(ids) >= max_len:
+                        reason = "length"
                 else:
                     reason = None
-                if reason is None and len(seq.token_ids) >= max_len:
-                    reason = "length"
-            generated += len(seq.token_ids) - known
             if reason is not None:
                 del self._seqs[seq.request_id]
                 self.scheduler.remove(seq)
@@ -511,9 +513,7 @@ class RolloutEngine:
         k = self.decode_steps
         if k <= 1:
             return 1
-        max_len = self.max_model_len
-        remaining = [min(s.params.max_new_tokens - (len(s.token_ids) - len(s.prompt_ids)),
-                         max_len - len(s.token_ids)) - sampled for s in seqs]
+        remaining = [s.limit - len(s.token_ids) - sampled for s in seqs]
         k = min(k, max(remaining))
         if self.scheduler.waiting and len(seqs) < WAITING_CLAMP_MAX_ROWS:
             # a small full batch: let a waiting request take the first slot a length limit frees

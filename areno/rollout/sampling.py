@@ -176,42 +176,91 @@ class RowTensors:
         return torch.tensor(col, dtype=torch.float64, device=device)[:, None].repeat(1, B)
 
 
+_ROW_TENSOR_FIELDS = frozenset(f.name for f in dataclasses.fields(RowTensors))
+
+
 @dataclass
-class RowParams(RowTensors):
-    """Per-row sampling parameters and counters of one engine step, as device tensors (the fields
-    of ``RowTensors``: ``scale_B`` float32 temperature, 1 for greedy rows; ``top_k_B`` V where
-    disabled; ``seed_B`` meaningful where ``seeded_idx`` points; ``stop_ids_BS`` padded by
-    repeating the row's first id, 0 in rows without any), plus batch-level flags.
+class RowParams:
+    """Per-row sampling parameters and counters of one engine step: the packed table on the device,
+    batch-level flags, and the per-row tensors of ``RowTensors`` (``scale_B`` float32 temperature, 1
+    for greedy rows; ``top_k_B`` V where disabled; ``seed_B`` meaningful where ``seeded_idx`` points;
+    ``stop_ids_BS`` padded by repeating the row's first id, 0 in rows without any) read as
+    attributes. Those tensors are decoded from ``table_FB`` at first use (``tensors``): a batch that
+    the decode-loop graph serves never needs them (the graph decodes its copy of the table).
 
     ``n_gen_B`` (tokens generated before the one being sampled) advances with every sampled token
     (``advance``); ``room_B`` is how many tokens each row may still sample before its length limit
     (``max_new_tokens`` or the context)."""
 
-    steps_done: int
-    """Tokens sampled since ``build`` (``advance`` calls)."""
-    any_stop_ids: bool
+    table_FB: torch.Tensor
+    """The packed float64 table [11 + 2S, B] on the device (``RowTensors.from_table`` decodes it);
+    a decode-loop graph copies it into its static input."""
+    host_FB: torch.Tensor
+    """The same table on the host (row indices are taken from it without a device read)."""
     max_len: int
+    any_stop_ids: bool
     all_greedy: bool
     any_greedy: bool
     any_truncate: bool
     any_min_new: bool
-    seeded_idx: torch.Tensor | None
-    """Rows with their own seed (None: none)."""
-    unseeded_idx: torch.Tensor | None
-    """Random rows without a seed, when only some rows are (None otherwise)."""
     all_unseeded: bool
     """Every row is random without a seed (noise for the whole batch in one draw)."""
-    table_FB: torch.Tensor
-    """The packed float64 table [11 + 2S, B] on the device that the tensors above were decoded
-    from (``RowTensors.from_table``); a decode-loop graph copies it into its static input."""
+    num_seeded: int
+    """Random rows with their own seed."""
+    num_unseeded: int
+    """Random rows without a seed."""
+    steps_done: int = 0
+    """Tokens sampled since ``build`` (``advance`` calls)."""
+    _tensors: RowTensors | None = None
+    _index: dict | None = None
+
+    @property
+    def tensors(self) -> RowTensors:
+        """The per-row tensors, decoded from ``table_FB`` once (``n_gen_B`` is this object's own)."""
+        if self._tensors is None:
+            t = RowTensors.from_table(self.table_FB, self.max_len)
+            t.n_gen_B = t.n_gen_B.clone()
+            self._tensors = t
+        return self._tensors
+
+    @property
+    def num_stop_columns(self) -> int:
+        """S: stop-id columns of the table (part of a decode-loop graph's key)."""
+        return (self.table_FB.shape[0] - _FIXED) // 2
+
+    def _rows_where(self, name: str, mask_B: torch.Tensor) -> torch.Tensor:
+        if self._index is None:
+            self._index = {}
+        if name not in self._index:
+            self._index[name] = mask_B.nonzero().squeeze(1).to(self.table_FB.device)
+        return self._index[name]
+
+    @property
+    def seeded_idx(self) -> torch.Tensor | None:
+        """Rows with their own seed (None: none)."""
+        if not self.num_seeded:
+            return None
+        return self._rows_where("seeded", self.host_FB[_SEEDED] > 0)
+
+    @property
+    def unseeded_idx(self) -> torch.Tensor | None:
+        """Random rows without a seed, when only some rows are (None otherwise)."""
+        if not 0 < self.num_unseeded < self.host_FB.shape[1]:
+            return None
+        return self._rows_where("unseeded", (self.host_FB[_GREEDY] <= 0) & (self.host_FB[_SEEDED] <= 0))
 
     @property
     def mode(self) -> SampleMode:
         """The batch-level choices of this batch (``Sampler.sample_static``)."""
         if self.all_greedy:
             return GREEDY
-        return SampleMode(True, self.any_truncate, self.seeded_idx is not None,
-                          self.all_unseeded or self.unseeded_idx is not None)
+        return SampleMode(True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0)
+
+    def __getattr__(self, name: str):
+        # The per-row tensors (``RowTensors``' fields) read as attributes; decoded at first use.
+        if name in _ROW_TENSOR_FIELDS:
+            return getattr(self.tensors, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @staticmethod
     def row_of(params: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int) -> tuple:
@@ -268,21 +317,17 @@ class RowParams(RowTensors):
         """From the packed host table [11 + 2S, B] (contiguous): its device copy and the batch flags."""
         B = host_FB.shape[1]
         greedy, seeded, truncate = host_FB[_GREEDY] > 0, host_FB[_SEEDED] > 0, host_FB[_TRUNCATE] > 0
-        unseeded = ~greedy & ~seeded
+        n_greedy, n_seeded = int(greedy.sum()), int(seeded.sum())
+        n_unseeded = B - n_greedy - n_seeded  # seeded rows are random rows
         any_min_new = bool((host_FB[_MIN_NEW] > host_FB[_N_GEN]).any())
-        n_seeded, n_unseeded = int(seeded.sum()), int(unseeded.sum())
-        seeded_idx = seeded.nonzero().squeeze(1).to(device) if n_seeded else None
-        unseeded_idx = unseeded.nonzero().squeeze(1).to(device) if 0 < n_unseeded < B else None
         dev_FB = host_FB
         if device.type != "cpu":
             dev_FB = dev_FB.to(device, non_blocking=True)
-        t = RowTensors.from_table(dev_FB, max_len)
         return cls(
-            **{**vars(t), "n_gen_B": t.n_gen_B.clone()}, steps_done=0,
-            any_stop_ids=any_stop_ids, max_len=max_len, all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
-            any_truncate=bool(truncate.any()), any_min_new=any_min_new and B > 0,
-            seeded_idx=seeded_idx, unseeded_idx=unseeded_idx, all_unseeded=n_unseeded == B and B > 0,
-            table_FB=dev_FB,
+            table_FB=dev_FB, host_FB=host_FB, max_len=max_len, any_stop_ids=any_stop_ids,
+            all_greedy=n_greedy == B, any_greedy=n_greedy > 0, any_truncate=bool(truncate.any()),
+            any_min_new=any_min_new and B > 0, all_unseeded=n_unseeded == B and B > 0,
+            num_seeded=n_seeded, num_unseeded=n_unseeded,
         )
 
     def shifted(self, n: int) -> "RowParams":
@@ -291,13 +336,13 @@ class RowParams(RowTensors):
         the same round trip, the tokens this batch sampled first."""
         table_FB = self.table_FB.clone()
         table_FB[_N_GEN : _LENGTH + 1] += n
-        t = RowTensors.from_table(table_FB, self.max_len)
-        return dataclasses.replace(self, **{**vars(t), "n_gen_B": t.n_gen_B.clone()}, steps_done=0, table_FB=table_FB)
+        return dataclasses.replace(self, table_FB=table_FB, steps_done=0, _tensors=None)
 
     def advance(self, tokens_B: torch.Tensor) -> torch.Tensor:
         """Count the sampled tokens; returns bool [B]: the row just finished (a stop/EOS id once
         ``min_new_tokens`` are reached, ``max_new_tokens``, or the context limit)."""
-        self.n_gen_B += 1
+        t = self.tensors
+        t.n_gen_B += 1
         self.steps_done += 1
         done_B = self.room_B <= self.steps_done
         if self.any_stop_ids:

@@ -51,6 +51,9 @@ class Sequence:
     encoded by the previous policy (until it is released and recomputed)."""
     num_preemptions: int = 0
     text: str | None = None
+    limit: int = 0
+    """Tokens (prompt + output) at which the request ends by length: ``min(prompt + max_new_tokens,
+    max_model_len)`` (set by the engine)."""
     sample_row: tuple | None = None
     """``RowParams.row_of(params)``, computed once at admission."""
     row: int | None = None
@@ -200,6 +203,7 @@ class Scheduler:
         # After a preemption the pool is full: admitting now would only evict again next step.
         last = self.running[-1].arrival if self.running else -1
         unsorted = False
+        admitted: list[Sequence] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -211,12 +215,15 @@ class Scheduler:
             self.waiting.pop(0)
             self.running.append(seq)
             unsorted |= seq.arrival < last
-            self._assign_row(seq)
+            seq.row = self._free_rows.pop()
+            admitted.append(seq)
             if n == 1:
                 decode.append(seq)
             else:
                 chunks.append((seq, n))
             budget -= n
+        if admitted:
+            self._write_rows(admitted)
         if unsorted:  # a preempted sequence (an earlier arrival) came back: keep ``running`` in arrival order
             self.running.sort(key=_arrival)
         # Decode chunks (one token) first: the attention backend batches them separately.
@@ -308,10 +315,16 @@ class Scheduler:
             rows = rows + [self.scratch_row] * (batch_size - len(rows))
         return self.block_tables_RN[:, :width].index_select(0, torch.tensor(rows, dtype=torch.long))
 
-    def _assign_row(self, seq: Sequence) -> None:
-        seq.row = self._free_rows.pop()
-        if seq.block_table:
-            self.block_tables_RN[seq.row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+    def _write_rows(self, seqs: list[Sequence]) -> None:
+        """Write the block tables of sequences that just took their rows, in one indexed write."""
+        rows, cols, blocks = [], [], []
+        for seq in seqs:
+            n = len(seq.block_table)
+            rows += [seq.row] * n
+            cols += range(n)
+            blocks += seq.block_table
+        if blocks:
+            self.block_tables_RN[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(blocks)
 
     def _release(self, seq: Sequence) -> None:
         # Publish the full blocks of computed tokens (a finished turn's continuation, a preempted
