@@ -143,7 +143,8 @@ def fake_graph_runner(engine, max_batch: int):
     its (fixed, random) logits, the k-step loop graph writes token 0, log-prob 0 and, as the real
     loop does, ``min(k, room)`` real tokens per row (rows end by length only: EOS is ignored)."""
     from areno.rollout import cuda_graph
-    from areno.rollout.sampling import RowTensors
+
+    _MAX_NEW, _N_GEN, _LENGTH = 7, 9, 10  # rows of the packed sampling table (sampling.py)
 
     class _NoReplay:
         def replay(self) -> None:
@@ -154,8 +155,8 @@ def fake_graph_runner(engine, max_batch: int):
             self.g, self.k, self.max_len = g, k, max_len
 
         def replay(self) -> None:
-            rows = RowTensors.from_table(self.g.rows_FB, self.max_len)
-            self.g.keep_B.copy_(rows.room_B.clamp(1, self.k))
+            r_FB = self.g.rows_FB  # room = min(max_new - n_gen, max_len - length), as RowTensors.room_B
+            self.g.keep_B.copy_(torch.minimum(r_FB[_MAX_NEW] - r_FB[_N_GEN], self.max_len - r_FB[_LENGTH]).clamp_(1, self.k))
 
     class FakeRunner(cuda_graph.DecodeGraphRunner):
         def _record(self, fn, generator=None):
@@ -221,6 +222,7 @@ def run(args, extra: dict, label: str) -> dict:
     due: list[int] = []  # round trip at which each announced group arrives
     now = 0
 
+    kind: dict[bool, list[float]] = {False: [], True: []}  # step() CPU seconds of pure-decode / mixed round trips
     engine_cpu = [0.0]  # process CPU seconds inside engine calls (step, add_request): not the bench's own
 
     def top_up() -> None:
@@ -243,9 +245,11 @@ def run(args, extra: dict, label: str) -> dict:
 
     def trip() -> int:
         nonlocal in_flight, now
-        c0 = time.process_time()
+        c0, m0 = time.process_time(), engine._mixed_steps
         finished = engine.step()
-        engine_cpu[0] += time.process_time() - c0
+        dt = time.process_time() - c0
+        engine_cpu[0] += dt
+        kind[engine._mixed_steps > m0].append(dt)
         in_flight -= len(finished)
         now += 1
         top_up()
@@ -262,6 +266,8 @@ def run(args, extra: dict, label: str) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     cpu0, wall0, eng0 = time.process_time(), time.perf_counter(), engine_cpu[0]
+    kind[False].clear()
+    kind[True].clear()
     if prof:
         prof.enable()
     finished = 0
@@ -286,6 +292,8 @@ def run(args, extra: dict, label: str) -> dict:
         "host_cpu_ms_per_round_trip": round(1e3 * cpu / args.round_trips, 3),
         "host_cpu_ms_per_1k_tokens": round(1e6 * cpu / max(tokens, 1), 3),
         "wall_ms_per_round_trip": round(1e3 * wall / args.round_trips, 3),
+        "step_cpu_ms_pure_decode_round_trip": round(1e3 * sum(kind[False]) / max(len(kind[False]), 1), 3),
+        "step_cpu_ms_mixed_round_trip": round(1e3 * sum(kind[True]) / max(len(kind[True]), 1), 3),
         "tokens_per_s_wall": round(tokens / wall, 1),
         "mean_running": round(s1["num_running"], 1), "warmup_s": round(warm_s, 2),
     }

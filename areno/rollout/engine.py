@@ -596,14 +596,33 @@ class RolloutEngine:
         # token ids, positions and the rows to sample in one host-to-device copy
         packed = torch.tensor(ids + pos + (last if len(last) < T else []), dtype=torch.long)
         packed = packed.to(self.device, non_blocking=True)
-        attn = PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window,
-                                    bt_BN=self.scheduler.block_tables_for(batch.rows, batch.max_blocks))
+        attn = self._attention(batch, packed[T : T + nd])
         hidden_TD = self.model(packed[:T], packed[T : 2 * T], attn)
         if not last:
             return hidden_TD.new_empty(0, self.vocab_size)
         if len(last) == T:
             return self._logits(hidden_TD)
         return self._logits(hidden_TD[packed[2 * T :]])
+
+    def _attention(self, batch: ScheduledBatch, decode_pos_B: torch.Tensor) -> PagedAttention:
+        """The attention metadata of a graph-less step. Its decode rows' (key slots and masks over
+        their block tables, the large part at hundreds of rows) are computed on the device from the
+        block tables and positions (``PagedAttention.for_decode``, gather form) rather than on the
+        host and copied; the prefill chunks' on the host (``PagedAttention.build``).
+        ``decode_pos_B``: the decode rows' positions, on the device."""
+        nd = batch.num_decode
+        bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks)
+        if nd == 0:
+            return PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window, bt_BN=bt_BN)
+        width = max([len(s.block_table) for s in batch.seqs[:nd]])
+        dec_bt_BN = bt_BN[:nd, :width].to(self.device, non_blocking=True)
+        dec = PagedAttention.for_decode(self.cache, dec_bt_BN, decode_pos_B + 1, self.sliding_window,
+                                        decode_attention="gather")
+        if nd == len(batch.seqs):
+            return dec
+        pre = PagedAttention.build(self.cache, batch.chunks_from(nd), self.device, self.sliding_window, bt_BN=bt_BN[nd:])
+        return PagedAttention(self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode,
+                              pre.prefill)
 
     # Hooks that tensor parallelism overrides (``tp.py``).
     def _agree_num_blocks(self, num_blocks: int) -> int:

@@ -101,9 +101,13 @@ class ScheduledBatch:
 
     @property
     def chunks(self) -> list[SeqChunk]:
+        return self.chunks_from(0)
+
+    def chunks_from(self, i: int) -> list[SeqChunk]:
+        """``chunks[i:]`` (without building the first i)."""
         # The chunks alias the sequences' block tables: a batch is consumed within its step.
         return [SeqChunk(block_table=s.block_table, start=c, num_new=n)
-                for s, c, n in zip(self.seqs, self.starts, self.num_new)]
+                for s, c, n in zip(self.seqs[i:], self.starts[i:], self.num_new[i:])]
 
     @property
     def max_blocks(self) -> int:
