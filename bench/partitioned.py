@@ -162,6 +162,8 @@ def run_arm(eta: int, args, work: Path) -> dict:
         "rollout_prefill_tokens": sum(r.get("rollout/engine_prefill_tokens", 0) for r in timed),
         "rollout_mixed_steps": sum(r.get("rollout/engine_mixed_steps", 0) for r in timed),
         "rollout_steps": sum(r.get("rollout/engine_steps", 0) for r in timed),
+        "rollout_round_trips": sum(r.get("rollout/engine_round_trips", 0) for r in timed),
+        "rollout_graph_deferred_steps": sum(r.get("rollout/engine_graph_deferred_steps", 0) for r in timed),
         "rollout_graph_captures": sum(r.get("rollout/engine_graph_captures", 0) for r in rows),
         "rollout_graph_capture_s": round(sum(r.get("rollout/engine_graph_capture_s", 0) for r in rows), 2),
     }

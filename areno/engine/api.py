@@ -64,7 +64,9 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     if not r.cuda_graph_warmup or not r.cuda_graphs or engine.device.type != "cuda":
         return 0
     t0 = time.perf_counter()
-    params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)]
+    # training requests carry seeds (SeedingClient: counter-based hash noise, its own graph mode)
+    params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                             seed=0)]
     if cfg.data.num_eval and cfg.train.eval_interval:
         params.append(SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens))
     # sequences in flight: at most eta + 1 batches of episodes (the staleness capacity) of n samples

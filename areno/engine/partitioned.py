@@ -434,6 +434,10 @@ class PartitionedArenoEngine(ArenoEngine):
             "rollout/engine_prefill_tokens": sum(deltas("prefill_tokens")),
             "rollout/engine_mixed_steps": sum(deltas("mixed_steps")),
             "rollout/engine_steps": sum(deltas("steps")),
+            # host round trips (a k-step decode loop is one) and decode steps run eagerly because
+            # their graph was being captured or captures were held by a policy sync
+            "rollout/engine_round_trips": sum(deltas("sampling_round_trips")),
+            "rollout/engine_graph_deferred_steps": sum(deltas("cuda_graph_deferred_steps")),
             "rollout/engine_kv_usage_max": max(b["kv_usage"] for b in now),
             # CUDA graphs captured during the step (each a pause of the engine's decode loop)
             "rollout/engine_graph_captures": sum(deltas("cuda_graphs_captured")),

@@ -32,7 +32,7 @@ def test_sizes_cover_eta_plus_one_batches_and_both_samplers():
     (sizes, max_len, params), = engine.calls
     assert sizes == list(range(1, 3 * 4 * 8 + 1))  # (eta + 1) batches of 4 prompts x 8 samples
     assert max_len == 356
-    assert [(p.temperature, p.top_p, p.max_new_tokens) for p in params] == [(0.7, 0.9, 100), (0.0, 1.0, 100)]
+    assert [(p.temperature, p.top_p, p.max_new_tokens, p.seed) for p in params] == [(0.7, 0.9, 100, 0), (0.0, 1.0, 100, None)]
 
 
 def test_no_eval_no_greedy_graphs_and_max_concurrent_bounds_the_sizes():

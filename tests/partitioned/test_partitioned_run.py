@@ -65,7 +65,7 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
     engine_keys = {"rollout/engine_0_busy_frac", "rollout/engine_busy_frac", "rollout/engine_generated_tokens_per_s",
                    "rollout/engine_preemptions", "rollout/engine_kv_usage_max", "rollout/engine_graph_captures",
                    "rollout/engine_graph_capture_s", "rollout/engine_prefill_tokens", "rollout/engine_mixed_steps",
-                   "rollout/engine_steps"}
+                   "rollout/engine_steps", "rollout/engine_round_trips", "rollout/engine_graph_deferred_steps"}
     for step, ((r_ref, m_ref), (r_got, m_got)) in enumerate(zip(ref, got)):
         # the same keys, plus the health monitor's view of the rollout replicas and, from the
         # second step (a difference of counters), the rollout engines' own figures
