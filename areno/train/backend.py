@@ -151,6 +151,12 @@ class PackedTrainBackend(TrainBackend):
     def _after_forward_only(self) -> None:
         """Free anything forward-only left gathered (FSDP's unsharded root)."""
 
+    def _reduction_buffer_bytes(self, trainable_bytes: int) -> int:
+        """Device memory the gradient reduction holds beyond the gradients themselves, for
+        ``trainable_bytes`` of master-dtype trainable parameters (reserved by the token-budget
+        estimate)."""
+        return 0
+
     @property
     def is_rank0(self) -> bool:
         return True
@@ -189,7 +195,7 @@ class PackedTrainBackend(TrainBackend):
         free_bytes, _ = torch.cuda.mem_get_info(self.device)
         if self.optimizer is not None:  # Adam moments and grads are allocated lazily: reserve them
             trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-            free_bytes -= 3 * trainable // max(self._dp_size, 1)
+            free_bytes -= 3 * trainable // max(self._dp_size, 1) + self._reduction_buffer_bytes(trainable)
         return estimate_max_tokens_per_mb(
             hidden_size=mc.hidden_size,
             intermediate_size=mc.intermediate_size,

@@ -97,6 +97,12 @@ class FSDP2TrainBackend(PackedTrainBackend):
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         return model
 
+    def _reduction_buffer_bytes(self, trainable_bytes: int) -> int:
+        # One FSDP group: at the end of each backward the compute-dtype gradients of every layer
+        # (<= half the master bytes) and the master-dtype reduction input (the master bytes) are
+        # live at once; per-layer groups hold one layer's.
+        return trainable_bytes * 3 // 2 if len(self._fsdp_modules) == 1 else 0
+
     @property
     def _unsharded(self) -> bool:
         """No parameter sharding (one data-parallel shard: one rank, or replication only)."""
