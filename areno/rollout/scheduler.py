@@ -140,6 +140,8 @@ class Scheduler:
         self.block_tables_RN = torch.full((max_num_seqs + 1, width), self.scratch_block, dtype=torch.long)
         self.scratch_row = max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._pending: dict[int, list[tuple[int, int]]] = {}
+        """Block-table entries (column, block) of running rows that ``schedule`` writes at its end."""
         self.waiting: list[Sequence] = []
         """Sorted by arrival (preempted sequences keep their place)."""
         self.running: list[Sequence] = []
@@ -226,6 +228,8 @@ class Scheduler:
             else:
                 chunks.append((seq, n))
             budget -= n
+        if self._pending:
+            self._flush_pending()
         if admitted:
             self._write_rows(admitted)
         if unsorted:  # a preempted sequence (an earlier arrival) came back: keep ``running`` in arrival order
@@ -263,10 +267,21 @@ class Scheduler:
         table = seq.block_table
         for _ in range(needed):
             table.append(self.allocator.allocate())
-            if seq.row is not None:
-                self.block_tables_RN[seq.row, len(table) - 1] = table[-1]
+            if seq.row is not None:  # written into ``block_tables_RN`` at the end of ``schedule``
+                self._pending.setdefault(seq.row, []).append((len(table) - 1, table[-1]))
         self._register_full_blocks(seq, upto)
         return True
+
+    def _flush_pending(self) -> None:
+        """Write the block-table entries ``_reserve`` gave running rows, in one indexed write."""
+        rows, cols, blocks = [], [], []
+        for row, entries in self._pending.items():
+            for col, block in entries:
+                rows.append(row)
+                cols.append(col)
+                blocks.append(block)
+        self._pending.clear()
+        self.block_tables_RN[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(blocks)
 
     def _register_full_blocks(self, seq: Sequence, upto: int) -> None:
         """Register ``seq``'s full blocks among its first ``upto`` tokens in the prefix cache (a
@@ -335,6 +350,7 @@ class Scheduler:
         # request's recompute find them); positions past the known tokens hold discarded K/V.
         self._register_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
         if seq.row is not None:
+            self._pending.pop(seq.row, None)  # entries not written yet (preempted within ``schedule``)
             self.block_tables_RN[seq.row, : len(seq.block_table)] = self.scratch_block
             self._free_rows.append(seq.row)
             seq.row = None

@@ -2,6 +2,7 @@
 from the per-slot ``RowTable`` equal ``RowParams.build``; the scheduler keeps its running list in
 arrival order when preempted requests come back."""
 
+import pytest
 import torch
 
 from areno.api.types import SamplingParams
@@ -60,16 +61,19 @@ def test_row_table_gather_equals_build_for_any_subset_and_after_growth():
     _same(RowParams.gather(table, [slots[0]], [1], [4], 64, cpu), RowParams.build([params[2]], [1], [4], EOS, V, 64, cpu))
 
 
-def test_running_stays_in_arrival_order_through_preemption():
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_running_stays_in_arrival_order_through_preemption(decode_steps):
     """A tight KV pool preempts the youngest requests; when they return they take their arrival
-    place again (the oldest is never preempted for a younger one), and outputs match a roomy pool."""
+    place again (the oldest is never preempted for a younger one), the block-table tensor mirrors
+    the running tables after every step, and outputs match a roomy pool."""
     model, cfg = make_model(0)
     prompts = random_prompts(9, seed=61, lo=8, hi=20)
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (24, 10, 18, 6, 30, 12, 8, 20, 16)]
     outs = {}
     for blocks in (200, 26):
         eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=blocks, max_num_seqs=6,
-                                                                   max_tokens_per_step=40, prefill_chunk_size=8),
+                                                                   max_tokens_per_step=40, prefill_chunk_size=8,
+                                                                   decode_steps=decode_steps, mixed_decode_min_rows=1),
                             eos_token_ids=EOS)
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         done = {}
@@ -80,6 +84,12 @@ def test_running_stays_in_arrival_order_through_preemption():
             assert arrivals == sorted(arrivals)
             waiting = [s.arrival for s in eng.scheduler.waiting]
             assert waiting == sorted(waiting)
+            # the block-table tensor mirrors every running sequence's table (entries written in batches)
+            sched = eng.scheduler
+            expect = torch.full_like(sched.block_tables_RN, sched.scratch_block)
+            for seq in sched.running:
+                expect[seq.row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+            assert torch.equal(sched.block_tables_RN, expect)
         outs[blocks] = [done[i].output_ids for i in ids]
         if blocks == 26:
             assert eng.scheduler.num_preemptions > 0

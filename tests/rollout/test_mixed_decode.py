@@ -147,3 +147,34 @@ def test_mixed_decode_min_rows_is_validated():
     with pytest.raises(ValueError, match="mixed_decode_min_rows"):
         RolloutEngineConfig(mixed_decode_min_rows=0)
     assert dataclasses.replace(RolloutEngineConfig(), mixed_decode_min_rows=None).mixed_decode_min_rows is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_attention", ["gather", "paged"])
+def test_mixed_decode_with_cuda_graphs_matches_the_one_step_engine_on_gpu(decode_attention):
+    """On CUDA: the decode steps after a mixed step replay the captured k-step loop (first tokens
+    copied on the device into its static input) with the one-step engine's tokens and log-probs
+    (greedy and seeded rows arriving while others decode), and the device-built decode metadata of
+    the mixed step itself agrees with the host-built one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, cfg = make_model(0)
+    model = model.cuda()
+    prompts = random_prompts(14, seed=54, lo=3, hi=20)
+    eos = (9, 17, 23)
+    params = _sampled_mix(14, eos)
+    outs, engines = {}, {}
+    for name, k, graphs in (("one_step", 1, False), ("k_graph", 8, True)):
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
+            block_size=4, num_blocks=256, max_num_seqs=8, max_tokens_per_step=48, prefill_chunk_size=8,
+            decode_steps=k, cuda_graphs=graphs, decode_attention=decode_attention, mixed_decode_min_rows=1),
+            eos_token_ids=eos)
+        outs[name], _ = drive(eng, prompts, params)
+        engines[name] = eng
+    eng = engines["k_graph"]
+    assert eng._graphs._loops and eng.stats()["mixed_steps"] >= 5
+    assert eng.stats()["steps"] > eng.stats()["sampling_round_trips"] + eng.stats()["mixed_steps"]
+    assert [o.output_ids for o in outs["k_graph"]] == [o.output_ids for o in outs["one_step"]]
+    assert [o.finish_reason for o in outs["k_graph"]] == [o.finish_reason for o in outs["one_step"]]
+    for a, b in zip(outs["k_graph"], outs["one_step"]):
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-4)
