@@ -459,7 +459,7 @@ class RolloutEngine:
                        keep_B: list[int] | None) -> list[GenerationOutput]:
         """Append each row's new tokens (its first ``keep_B`` of K; all K = 1 when None), apply the
         stop rules, finish requests."""
-        finished = []
+        finished, done = [], []
         eos = self.eos_token_ids
         version = self._version
         max_len = self.max_model_len
@@ -501,8 +501,10 @@ class RolloutEngine:
                     reason = None
             if reason is not None:
                 del self._seqs[seq.request_id]
-                self.scheduler.remove(seq)
+                done.append(seq)
                 finished.append(self._output(seq, reason))
+        if done:
+            self.scheduler.remove_finished(done)
         self._generated_tokens += generated
         return finished
 

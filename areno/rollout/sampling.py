@@ -371,33 +371,36 @@ class RowTable:
         self._columns: dict[int, torch.Tensor] = {}
 
     def sync(self, slots: list[int], rows: list[tuple]) -> None:
-        """Write the columns of the slots whose request changed since they were written."""
+        """Write the columns of the slots whose request changed since they were written (one
+        indexed write)."""
         held = self._rows
-        for slot, row in zip(slots, rows):
-            if held[slot] is not row:
-                self._write(slot, row)
+        changed = [(slot, row) for slot, row in zip(slots, rows) if held[slot] is not row]
+        if changed:
+            self._write(changed)
 
-    def _write(self, slot: int, row: tuple) -> None:
-        stops = row[9]
-        k = len(stops)
-        if k > self.max_stops:
-            self._grow(k)
+    def _write(self, changed: list[tuple[int, tuple]]) -> None:
+        widest = max(len(row[9]) for _, row in changed)
+        if widest > self.max_stops:
+            self._grow(widest)
         S = self.max_stops
-        pad = stops[0] if k else 0
-        col = row[:9] + (0.0, 0.0) + stops + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k)
-        self.table_FR[:, slot] = torch.tensor(col, dtype=torch.float64)
-        self.num_stops[slot] = k
-        self._rows[slot] = row
+        cols = []
+        for slot, row in changed:
+            stops = row[9]
+            k = len(stops)
+            pad = stops[0] if k else 0
+            cols.append(row[:9] + (0.0, 0.0) + stops + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k))
+            self.num_stops[slot] = k
+            self._rows[slot] = row
+        self.table_FR[:, [slot for slot, _ in changed]] = torch.tensor(cols, dtype=torch.float64).T
 
     def _grow(self, max_stops: int) -> None:
-        rows = self._rows
+        held = [(slot, row) for slot, row in enumerate(self._rows) if row is not None]
         self.max_stops = max_stops
         self.table_FR = torch.zeros(_FIXED + 2 * max_stops, self.num_slots, dtype=torch.float64)
         self._rows = [None] * self.num_slots
         self._columns.clear()
-        for slot, row in enumerate(rows):
-            if row is not None:
-                self._write(slot, row)
+        if held:
+            self._write(held)
 
     def columns(self, S: int) -> torch.Tensor:
         """Indices of the table's rows (features) that form a table with S stop-id columns."""

@@ -166,6 +166,21 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
 
+    def remove_finished(self, seqs: list[Sequence]) -> None:
+        """``remove`` for running sequences that finished in one step: one pass over ``running``
+        and one write resetting their block-table rows."""
+        gone = set(seqs)
+        self.running[:] = [s for s in self.running if s not in gone]
+        rows, cols = [], []
+        for seq in seqs:
+            if seq.row is not None:
+                n = len(seq.block_table)
+                rows += [seq.row] * n
+                cols += range(n)
+            self._release(seq, reset_row=False)
+        if rows:
+            self.block_tables_RN[torch.tensor(rows), torch.tensor(cols)] = self.scratch_block
+
     def preempt_all(self) -> None:
         """Send every running sequence back to waiting (its K/V will be recomputed)."""
         for seq in list(self.running):
@@ -345,13 +360,16 @@ class Scheduler:
         if blocks:
             self.block_tables_RN[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(blocks)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, reset_row: bool = True) -> None:
+        """Release ``seq``'s blocks and row. ``reset_row`` False: the caller resets the row's
+        block-table entries to the scratch block (``remove_finished``, one write for many rows)."""
         # Publish the full blocks of computed tokens (a finished turn's continuation, a preempted
         # request's recompute find them); positions past the known tokens hold discarded K/V.
         self._register_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
         if seq.row is not None:
             self._pending.pop(seq.row, None)  # entries not written yet (preempted within ``schedule``)
-            self.block_tables_RN[seq.row, : len(seq.block_table)] = self.scratch_block
+            if reset_row:
+                self.block_tables_RN[seq.row, : len(seq.block_table)] = self.scratch_block
             self._free_rows.append(seq.row)
             seq.row = None
         self.allocator.free_all(seq.block_table)
