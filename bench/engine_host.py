@@ -3,25 +3,30 @@
 An asynchronous run keeps the rollout engine full: about ``--rows`` samples are in flight, and as
 groups finish new groups of ``--group`` samples sharing one prompt arrive, so many round trips admit
 and prefill new requests while ~256 rows decode. This bench drives the engine that way — a new group
-is added whenever ``--group`` slots are free, prompts ~``--prompt-len`` tokens, lengths long-tailed
+is announced whenever ``--group`` slots are free and arrives 0..``--arrival-jitter`` round trips later
+(the pool's turnaround; 0 keeps groups in lockstep), prompts ~``--prompt-len`` tokens, lengths long-tailed
 (``--long-frac`` of the groups generate ``--long-len`` tokens, the others ``--short-len``, EOS ignored),
 temperature 1 without seeds as in training rollouts — and reports the host CPU time per round trip
-(one ``engine.step()``) and per generated token, split by phase with cProfile.
+(one ``engine.step()``, plus ``add_request``) and per generated token; ``--phases`` splits it by
+phase (a process-time clock around each phase's methods), ``--profile N`` lists cProfile's top N.
 
-``--fake-graph`` (the default on CPU) decodes through the CUDA-graph runner with replays that do no
-work (the one-step graph leaves fixed logits, the k-step loop graph only writes how many tokens of
-each row are real), so what is left of a pure-decode round trip is the engine's host work; the
-mixed (prefill + decode) steps run the model eagerly: ``--forward noop`` replaces it by a no-op
-(hidden states of zeros) so that what is left there is host work too (attention metadata, input
-copies, sampling of [B, V] logits on the CPU), ``--forward tiny`` runs the tiny model (2 layers,
-hidden 32: on a GPU an eager forward's kernel launches are host cost as well).
+The fake graphs (the default; ``--no-fake-graph`` for real graphs on CUDA, eager decode on CPU)
+decode through the CUDA-graph runner with replays that do no work (the one-step graph leaves fixed
+logits, the k-step loop graph only writes how many tokens of each row are real), so what is left of
+a pure-decode round trip is the engine's host work. Mixed (prefill + decode) steps run the model
+eagerly: ``--forward noop`` (default) replaces it by a no-op (hidden states of zeros), so what is
+left there is host work too (attention metadata, input copies) plus the sampling of [B, V] logits,
+which is compute on a CPU; ``--forward model`` runs the model (``--layers``, ``--hidden``; on a GPU
+an eager forward's kernel launches are host cost as well). Each round trip's CPU time is also
+reported by kind: pure decode (the k-step loop only) or mixed. On CUDA the CPU time includes the
+host's (spinning) wait for the device at each round trip's copy: compare wall time and tokens/s there.
 
     python bench/engine_host.py                                  # CPU, fake graphs, no-op forward
-    python bench/engine_host.py --profile 25                     # + the top functions by own time
+    python bench/engine_host.py --phases --profile 25            # + phase split, top functions by own time
     python bench/engine_host.py --compare-mixed-decode           # mixed_decode_min_rows off vs 32, one run
     python bench/engine_host.py --areno-root /tmp/areno_base     # the same workload on another checkout
-    python bench/engine_host.py --device cuda --forward tiny --no-fake-graph --layers 12 --hidden 1024 \\
-        --compare-mixed-decode                                   # GPU: real graphs and forwards
+    python bench/engine_host.py --device cuda --forward model --no-fake-graph --hidden 1024 --layers 12 \\
+        --heads 16 --kv-heads 4 --vocab 512 --phases --compare-mixed-decode   # GPU: real graphs, 107M model
 
 Prints one JSON object: per configuration, host CPU ms per round trip and per 1,000 generated tokens,
 round trips, mixed round trips, tokens per round trip, and the phase split.
@@ -130,9 +135,10 @@ class NoOpModel(torch.nn.Module):
         super().__init__()
         self.real = real
         self.hidden = hidden
+        self.dtype = next(real.parameters()).dtype
 
     def forward(self, ids_T, pos_T, attn=None):
-        return torch.zeros(ids_T.shape[0], self.hidden, device=ids_T.device)
+        return torch.zeros(ids_T.shape[0], self.hidden, device=ids_T.device, dtype=self.dtype)
 
     def logits(self, hidden_BD):
         return self.real.logits(hidden_BD)
@@ -255,8 +261,11 @@ def run(args, extra: dict, label: str) -> dict:
         top_up()
         return len(finished)
 
-    top_up()
     t_warm = time.perf_counter()
+    if args.device.startswith("cuda") and not args.fake_graph:
+        # every graph a batch of up to --rows rows can need, before measuring (none captured mid-run)
+        engine.warmup_cuda_graphs(list(range(1, args.rows + 1)), engine.max_model_len, params=[sp[args.short_len]])
+    top_up()
     while engine.stats()["generated_tokens"] < args.warmup_tokens:  # reach the steady state (graphs captured)
         trip()
     warm_s = time.perf_counter() - t_warm
@@ -329,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=128)
-    ap.add_argument("--forward", choices=["noop", "tiny"], default="noop",
+    ap.add_argument("--forward", choices=["noop", "model"], default="noop",
                     help="eager (mixed-step) forwards: no-op or the model")
     ap.add_argument("--no-fake-graph", action="store_true", help="real graphs (CUDA) or eager decode (CPU)")
     ap.add_argument("--compare-mixed-decode", action="store_true",
