@@ -87,6 +87,20 @@ class BlockAllocator:
         meta.ref_count = 1
         return block
 
+    def allocate_many(self, n: int) -> list[int]:
+        """``n`` blocks, the ones (and in the order) that ``n`` calls of ``allocate`` return."""
+        free = self._free
+        take = min(n, len(free))
+        blocks = free[len(free) - take :][::-1]
+        del free[len(free) - take :]
+        meta = self._meta
+        for block in blocks:
+            assert meta[block].ref_count == 0
+            meta[block].ref_count = 1
+        for _ in range(n - take):  # then evictable blocks, oldest first
+            blocks.append(self.allocate())
+        return blocks
+
     def incref(self, block: int) -> None:
         meta = self._meta[block]
         if meta.ref_count == 0:

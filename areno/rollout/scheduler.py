@@ -319,16 +319,19 @@ class Scheduler:
         is registered in the prefix cache) — all of them or, when the pool is short, none."""
         bs = self.allocator.block_size
         needed = [-(-u // bs) - len(s.block_table) for s, u in zip(seqs, upto)]
-        if sum(n for n in needed if n > 0) > self.allocator.num_available:
+        total = sum(n for n in needed if n > 0)
+        if total > self.allocator.num_available:
             return False
-        rows, cols, blocks = [], [], []
+        blocks = self.allocator.allocate_many(total)
+        rows, cols = [], []
+        i = 0
         for seq, n in zip(seqs, needed):
-            table = seq.block_table
-            for _ in range(n):
-                rows.append(seq.row)
-                cols.append(len(table))
-                blocks.append(self.allocator.allocate())
-                table.append(blocks[-1])
+            if n > 0:
+                table = seq.block_table
+                rows += [seq.row] * n
+                cols += range(len(table), len(table) + n)
+                table += blocks[i : i + n]
+                i += n
         if blocks:  # one indexed write instead of one per block
             self.block_tables_RN[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(blocks)
         return True

@@ -94,3 +94,25 @@ def test_running_stays_in_arrival_order_through_preemption(decode_steps):
         if blocks == 26:
             assert eng.scheduler.num_preemptions > 0
     assert outs[26] == outs[200]
+
+
+def test_allocate_many_hands_out_what_single_allocations_would():
+    from areno.rollout.kv_cache import BlockAllocator, OutOfBlocksError
+
+    def pool():
+        a = BlockAllocator(12, 4, enable_prefix_sharing=True)
+        held = [a.allocate() for _ in range(6)]
+        # three registered blocks become evictable (LRU order), one plain block goes back to the free list
+        key = 0
+        for b, toks in zip(held[:3], ((1, 2, 3, 4), (5, 6, 7, 8), (9, 9, 9, 9))):
+            key = a.register(b, key, toks)
+        a.free_all(held[:4])
+        return a
+
+    one, many = pool(), pool()
+    singles = [one.allocate() for _ in range(10)]  # the 7 free blocks, then the 3 evictable ones
+    assert many.allocate_many(10) == singles
+    assert [many.ref_count(b) for b in singles] == [1] * 10 and many.num_available == one.num_available == 0
+    with pytest.raises(OutOfBlocksError):
+        many.allocate_many(1)
+    assert many.allocate_many(0) == []
