@@ -17,7 +17,9 @@ log-prob recomputation in backward is not counted (MFU counts model FLOPs only).
 Speed levers are compared side by side in one run (``--variants``, each a fresh backend on the
 same batches): ``eager`` (the baseline), ``compile`` (torch.compile of each decoder layer plus the
 fused log-prob head kernels), either with ``+varlen`` (flash varlen attention instead of the
-compiled FlexAttention default on CUDA). ``--compile`` is short for ``--variants eager compile``.
+compiled FlexAttention default on CUDA), and either with ``+nohostopts`` (the training backend's
+host-side step optimisations off, ``areno.train.backend.HOST_OPTIMIZATIONS``: the before of
+``bench/train_host.py``, same numerics). ``--compile`` is short for ``--variants eager compile``.
 ``--profile`` adds the top CUDA kernels of one step of the first variant.
 
 Usage:
@@ -25,6 +27,7 @@ Usage:
     python bench/train.py --device cpu
     python bench/train.py --models qwen2.5-0.5b --steps 10 --backend local
     python bench/train.py --device cuda --variants eager compile eager+varlen compile+varlen --profile
+    python bench/train.py --device cuda --models qwen2.5-0.5b --variants compile+nohostopts compile --profile
 Prints one JSON object.
 """
 
@@ -141,7 +144,9 @@ def _denominator(mb):
     return float(mb.loss_mask_T.sum())
 
 
-def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, **kw):
+def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, host_optimizations: bool = True, **kw):
+    """``host_optimizations=False``: the backend's host-side step optimisations off (the baseline
+    of ``bench/train_host.py``; same numerics)."""
     cfg = TrainBackendConfig(lr=1e-5, device=device, max_tokens_per_mb=mb_tokens, **kw)
     if kind == "fsdp2":
         if not dist.is_initialized():  # one rank; the process group outlives each backend
@@ -152,6 +157,8 @@ def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, **kw)
         backend = FSDP2TrainBackend(cfg)
     else:
         backend = LocalTrainBackend(cfg)
+    if not host_optimizations:
+        backend.host_optimizations = frozenset()
     backend.initialize(model_dir)
     return backend
 
@@ -177,14 +184,20 @@ VARIANT_BASES = ("eager", "compile")
 VARIANT_ATTN = ("flex", "varlen")
 
 
-def parse_variant(name: str) -> tuple[bool, str]:
-    """``eager`` / ``compile`` with an optional ``+flex`` / ``+varlen``: (compile, CUDA attention)."""
-    base, _, attn = name.partition("+")
-    attn = attn or "flex"
+VARIANT_NO_HOST_OPTS = "nohostopts"
+
+
+def parse_variant(name: str) -> tuple[bool, str, bool]:
+    """``eager`` / ``compile`` with an optional ``+flex`` / ``+varlen`` and an optional ``+nohostopts``
+    (the training backend's host-side step optimisations off): (compile, CUDA attention, host opts)."""
+    base, *extra = name.split("+")
+    host_opts = VARIANT_NO_HOST_OPTS not in extra
+    attns = [e for e in extra if e != VARIANT_NO_HOST_OPTS]
+    attn = attns[0] if len(attns) == 1 else "flex" if not attns else ""
     if base not in VARIANT_BASES or attn not in VARIANT_ATTN:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANT_BASES} "
-                         f"with an optional +{'/+'.join(VARIANT_ATTN)}")
-    return base == "compile", attn
+                         f"with an optional +{'/+'.join(VARIANT_ATTN)} and an optional +{VARIANT_NO_HOST_OPTS}")
+    return base == "compile", attn, host_opts
 
 
 def dynamo_graphs() -> int:
@@ -227,13 +240,13 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
 
 
 def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops, *, profile: bool) -> dict:
-    compile_, attn = parse_variant(variant)
+    compile_, attn, host_opts = parse_variant(variant)
     decoder_module.CUDA_AUTO_IMPL = attn
     torch._dynamo.reset()  # each variant compiles for itself: first_step_s and dynamo_graphs are its own
     torch.cuda.reset_peak_memory_stats()
     graphs_before = dynamo_graphs()
     backend = build_backend(model_dir, "cuda", args.backend, args.mb_tokens,
-                            activation_checkpointing=args.ac, compile=compile_)
+                            activation_checkpointing=args.ac, compile=compile_, host_optimizations=host_opts)
     t0 = time.perf_counter()
     backend.train_step(batches[0], forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
     torch.cuda.synchronize()
@@ -244,7 +257,7 @@ def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflo
     fpt = sum(flops_per_token(config, b) * b.num_tokens for b in timed) / tokens
     achieved = fpt * tokens / seconds
     result = {
-        "model": name, "variant": variant, "attention": attn, "backend": args.backend,
+        "model": name, "variant": variant, "attention": attn, "backend": args.backend, "host_optimizations": host_opts,
         "params_M": round(sum(p.numel() for p in backend.model.parameters()) / 1e6, 1),
         "mb_tokens": args.mb_tokens, "mbs_per_step": int(metrics[-1]["mbs"]), "steps": args.steps,
         "tokens_per_s": round(tokens / seconds), "step_s": round(seconds / args.steps, 4),
@@ -308,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="short for --variants eager compile")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="eager | compile, optionally +flex / +varlen (CUDA attention); default: eager")
+                   help="eager | compile, optionally +flex / +varlen (CUDA attention) and +nohostopts (the "
+                        "backend's host-side step optimisations off); default: eager")
     p.add_argument("--profile", action="store_true", help="after timing, profile one step of every variant (wall vs kernel time, top kernels, host ops)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads (1: on a shared machine more threads contend)")

@@ -52,7 +52,18 @@ from areno.train.packing import (
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
 HOST_OPTIMIZATIONS: frozenset[str] = frozenset({"one_fsdp_group", "local_shards", "fsdp_flags", "micro_batch_setup"})
 """Names of the host-side (CPU) optimisations of ``train_step``, each on by default; a backend's
-``host_optimizations`` picks a subset (``bench/train_host.py`` measures them against none)."""
+``host_optimizations`` picks a subset (``bench/train_host.py`` measures them against none):
+
+- ``one_fsdp_group``: on a mesh of one rank, one FSDP2 group for the whole model instead of one
+  per decoder layer (no per-layer hooks at every micro-batch; ``parallelize``);
+- ``local_shards``: AdamW and the grad-norm / clipping run foreach kernels on the DTensors' local
+  shards (no DTensor dispatch; ``optim.LocalShardAdamW``, ``optim.global_grad_norm``);
+- ``fsdp_flags``: FSDP's gradient-sync / reshard flags are set only when they change, on the
+  FSDP modules directly (not a walk over every module at every micro-batch); mesh sizes read
+  once; the all-reduce of the step's metrics is skipped on one rank;
+- ``micro_batch_setup``: every micro-batch is selected from the batch once (the denominator
+  and the loop used to select them twice) and the losses / metrics come back in one host read.
+"""
 # Files copied from the source model directory into an HF export (tokenizer and friends).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
