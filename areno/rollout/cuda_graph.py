@@ -24,7 +24,9 @@ counter advances inside the graph, so ``min_new_tokens`` suppression and the see
 per-row ``where``; the mode only decides which kernels exist at all: all greedy (an argmax), and for
 sampling batches whether some row truncates (top-k/top-p sort), has a seed (hash noise) or has none
 (noise from the engine's generator, registered with the graph so each replay advances it) — at most
-7 loop variants per shape, 1-2 for a given workload. Tokens and log-probs equal the one-step path's
+7 loop variants per shape, 1-2 for a given workload. The decode steps that follow a mixed step in
+its round trip (``RolloutEngineConfig.mixed_decode_min_rows``) replay the same loops, their input
+tokens copied on the device from the mixed step's samples. Tokens and log-probs equal the one-step path's
 for greedy and seeded rows. Padding rows use the KV cache's scratch block, so they never touch a live
 sequence's K/V, and a padding sampling column (greedy, done after one token). Batches the loop cannot
 serve (tensor-parallel sampling, a k cut short by waiting requests) replay the one-step graph k times

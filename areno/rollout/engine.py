@@ -4,7 +4,9 @@ One ``step()`` = schedule (``scheduler.py``) → one packed forward of the share
 paged-KV attention backend (``attention.py``) → sample (``sampling.py``) → stop checks. A pure-decode
 batch runs ``decode_steps`` forwards back to back instead: sampling, feeding the tokens back and the
 stop/length checks stay on the device, and one small tensor is copied to the host at the end (on a
-GPU the per-step host work — scheduling, block tables, bookkeeping — is what bounds decode speed). Requests
+GPU the per-step host work — scheduling, block tables, bookkeeping — is what bounds decode speed). A
+mixed step (new requests' prefill beside decoding rows) of a large batch goes on the same way with
+``decode_steps`` decode steps of every row that sampled in it (``mixed_decode_min_rows``). Requests
 join and leave at every step (continuous batching); long prompts are prefilled in chunks; blocks of
 identical prefixes are shared; when the pool runs out the youngest request is preempted and later
 recomputed. Nothing here blocks: drive it with ``step()`` (``InProcessRolloutClient`` does so from a
