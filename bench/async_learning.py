@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import sys
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -155,6 +156,42 @@ def run_parallel(args) -> dict[int, list[dict]]:
     return per_seed
 
 
+def plot(result: dict, path: Path) -> None:
+    """Held-out accuracy against training step: each arm's mean over seeds (thick) and each seed
+    (thin), with each arm's mean wall time per run and staleness in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    per_seed = result["per_seed"]
+    for i, spec in enumerate(result["arms_spec"]):
+        runs = [arms[i] for arms in per_seed.values() if arms[i] is not None]
+        color = f"C{i}"
+        for run in runs:
+            steps, acc = zip(*run["curve"])
+            ax.plot(steps, acc, color=color, alpha=0.25, linewidth=1)
+        curve = (result.get("aggregate") or {}).get("arms", [{}] * len(result["arms_spec"]))[i].get("curve")
+        if curve is None:
+            curve = runs[0]["curve"]
+        steps, acc = zip(*curve)
+        wall = statistics.mean(r["wall_s"] for r in runs)
+        stale = statistics.mean(r.get("staleness_mean", 0.0) for r in runs)
+        ax.plot(steps, acc, color=color, linewidth=2.2,
+                label=f"{spec} (mean of {len(runs)}; staleness {stale:.1f}; {wall:.0f} s/run)")
+    if result.get("slack"):
+        ax.axvline(result["steps"], color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_title(f"async_learning: {' '.join(result.get('overrides', []))}"[:110], fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "examples" / "demo.yaml"))
@@ -170,8 +207,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="ALGORITHM:ETA each; the first is the reference (default: grpo_async:0 grpo_async:4 grpo:4)")
     p.add_argument("--jobs", type=int, default=1, help="(seed, arm) runs in parallel processes (1: one process)")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--plot", default=None, metavar="PNG", help="plot the held-out accuracy curves here")
+    p.add_argument("--from-json", default=None, metavar="JSON",
+                   help="run nothing: plot (--plot) a result this script wrote before")
     p.add_argument("overrides", nargs="*", help="dotted config overrides applied to every arm")
     args = p.parse_args(argv)
+    if args.from_json:
+        if not args.plot:
+            raise SystemExit("--from-json needs --plot PNG")
+        plot(json.loads(Path(args.from_json).read_text()), Path(args.plot))
+        return 0
     seeds = args.seeds or [None]
     t0 = time.perf_counter()
     warm = {}
@@ -195,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(per_seed) > 1:
         result["aggregate"] = aggregate(per_seed, budget)
     text = json.dumps(result, indent=1)
+    if args.plot:
+        plot(result, Path(args.plot))
     if args.out:
         Path(args.out).write_text(text)
     print(text)
