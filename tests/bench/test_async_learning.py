@@ -36,3 +36,15 @@ def test_aggregate_means_seeds_then_compares_mean_curves():
     assert ref["curve"] == [(0, .3), (10, .5), (20, .6)] and agg["reference_accuracy"] == .5
     assert other["steps_to_reference_final"] == 20 and other["steps_ratio_vs_eta0"] == 2.0
     assert other["per_seed_steps_ratio"] == [2.0, 2.0]
+
+
+def test_plot_writes_a_png_of_every_arm(tmp_path):
+    from bench.async_learning import plot
+
+    per_seed = {"0": [dict(arm(0, [(0, .2), (10, .4)]), wall_s=3.0, staleness_mean=0.0),
+                      dict(arm(4, [(0, .2), (10, .3)]), wall_s=2.0, staleness_mean=3.5)]}
+    result = {"arms_spec": ["grpo_async:0", "grpo_async:4"], "per_seed": per_seed, "steps": 10, "slack": 0.0,
+              "overrides": ["cluster.device=cpu"]}
+    plot(result, tmp_path / "curves.png")
+    data = (tmp_path / "curves.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
