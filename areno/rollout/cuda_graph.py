@@ -14,7 +14,7 @@ static tensors — token ids, context lengths, block tables — and everything e
 slots, masks, the forward pass and the logits) is computed inside the graph.
 
 A multi-step decode (``RolloutEngineConfig.decode_steps`` = k) is one replay of a loop graph keyed
-``(B_pad, N_pad, k, S, mode)`` (S: stop ids per row; mode: ``sampling.SampleMode``): k forwards,
+``(B_pad, N_pad, k, S, mode)`` (k - 1 after a mixed step's first token) (S: stop ids per row; mode: ``sampling.SampleMode``): k forwards,
 each followed by the sampler (``Sampler.sample_static``), the stop-id / ``min_new_tokens`` / length
 checks, and feeding the tokens back — no host round trip until the k steps are done. Its per-row
 sampling state is one more static input, the packed table of ``RowParams`` (temperature, top-k,
@@ -24,9 +24,9 @@ counter advances inside the graph, so ``min_new_tokens`` suppression and the see
 per-row ``where``; the mode only decides which kernels exist at all: all greedy (an argmax), and for
 sampling batches whether some row truncates (top-k/top-p sort), has a seed (hash noise) or has none
 (noise from the engine's generator, registered with the graph so each replay advances it) — at most
-7 loop variants per shape, 1-2 for a given workload. The decode steps that follow a mixed step in
-its round trip (``RolloutEngineConfig.mixed_decode_min_rows``) replay the same loops, their input
-tokens copied on the device from the mixed step's samples. Tokens and log-probs equal the one-step path's
+7 loop variants per shape, 1-2 for a given workload. The k - 1 decode steps that follow a mixed step
+in its round trip (``RolloutEngineConfig.mixed_decode_min_rows``) replay a (k - 1)-step loop of the
+same kind, its input tokens copied on the device from the mixed step's samples. Tokens and log-probs equal the one-step path's
 for greedy and seeded rows. Padding rows use the KV cache's scratch block, so they never touch a live
 sequence's K/V, and a padding sampling column (greedy, done after one token). Batches the loop cannot
 serve (tensor-parallel sampling, a k cut short by waiting requests) replay the one-step graph k times
@@ -162,12 +162,14 @@ class DecodeGraphRunner:
         """Capture ahead of time every graph that decode batches of these sizes with contexts up
         to ``max_len`` tokens can need (as a server does at start-up): the one-step graphs and,
         with ``decode_steps`` > 1, the k-step loops for batches whose rows all use one of
-        ``params`` (None: greedy rows whose stop ids are the EOS ids). Returns the graph count.
+        ``params`` (None: greedy rows whose stop ids are the EOS ids), and for batches of at least
+        ``mixed_decode_min_rows`` the (k - 1)-step loops that follow mixed steps. Returns the graph count.
         The caller holds ``capture_lock`` (``RolloutEngine.warmup_cuda_graphs`` does)."""
         bs = self.engine.config.block_size
         n_max = min(-(-max_len // bs), self.max_blocks)
         widths = sorted({self.width(n) for n in range(1, n_max + 1)})
         k = self.engine.decode_steps
+        mixed_min = self.engine.config.mixed_decode_min_rows
         eos = self.engine.eos_token_ids
         if params is None:
             variants = {(max(1, len(eos)), GREEDY)}
@@ -178,9 +180,12 @@ class DecodeGraphRunner:
             for n in widths:
                 if (b, n) not in self._graphs:
                     self._capture(b, n)
+                # the k-step loop; and k - 1 steps after a mixed step, for batches that large
+                steps = [s for s in self.engine.loop_steps if s == k or (mixed_min is not None and b >= mixed_min)]
                 for S, mode in sorted(variants) if k > 1 else ():
-                    if (b, n, k, S, mode) not in self._loops and self._mode_capturable(mode):
-                        self._capture_loop(b, n, k, S, mode)
+                    for s in steps:
+                        if (b, n, s, S, mode) not in self._loops and self._mode_capturable(mode):
+                            self._capture_loop(b, n, s, S, mode)
         return len(self._graphs) + len(self._loops)
 
     def clear(self) -> None:
@@ -189,12 +194,13 @@ class DecodeGraphRunner:
         self._pool = None
 
     def can_loop(self, batch: "ScheduledBatch", rp: RowParams, k: int) -> bool:
-        """Whether ``run_loop`` can do this round trip: the engine's full ``decode_steps``, its
+        """Whether ``run_loop`` can do this round trip: one of the engine's ``loop_steps`` (its
+        full ``decode_steps``, or one less after a mixed step), its
         own (not a TP-overridden) sampler, and generator noise only where graphs can hold it."""
         from areno.rollout.engine import RolloutEngine
 
         e = self.engine
-        return (k == e.decode_steps and k > 1 and self.can_run(batch)
+        return (k in e.loop_steps and k > 1 and self.can_run(batch)
                 and type(e)._sample_rows is RolloutEngine._sample_rows and self._mode_capturable(rp.mode))
 
     def _mode_capturable(self, mode: SampleMode) -> bool:

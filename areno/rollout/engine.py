@@ -6,7 +6,7 @@ batch runs ``decode_steps`` forwards back to back instead: sampling, feeding the
 stop/length checks stay on the device, and one small tensor is copied to the host at the end (on a
 GPU the per-step host work — scheduling, block tables, bookkeeping — is what bounds decode speed). A
 mixed step (new requests' prefill beside decoding rows) of a large batch goes on the same way with
-``decode_steps`` decode steps of every row that sampled in it (``mixed_decode_min_rows``). Requests
+``decode_steps - 1`` decode steps of every row that sampled in it (``mixed_decode_min_rows``). Requests
 join and leave at every step (continuous batching); long prompts are prefilled in chunks; blocks of
 identical prefixes are shared; when the pool runs out the youngest request is preempted and later
 recomputed. Nothing here blocks: drive it with ``step()`` (``InProcessRolloutClient`` does so from a
@@ -119,14 +119,16 @@ class RolloutEngineConfig:
     per-step host cost (scheduling, block tables, output bookkeeping) is divided by k. None: 8 on
     CUDA, 1 elsewhere (where host overhead is small next to the forward pass)."""
     mixed_decode_min_rows: int | None = 32
-    """With ``decode_steps`` k > 1, a mixed step (prefill chunks of newly admitted requests beside
-    decoding rows; graph-less) in which at least this many rows sample is followed, in the same
-    round trip, by k decode steps of those rows, as a pure-decode batch runs them (the same k-step
-    loop graph): each decoding row gets up to k + 1 tokens per round trip instead of 1. In an
-    asynchronous run requests arrive all the time, so most round trips are mixed (bench/RESULTS.md).
-    Tokens are those of the one-step engine for greedy and seeded rows; requests that arrive
-    meanwhile join at the next round trip, and a long prompt's next prefill chunk waits k decode
-    steps (hence the row minimum: small batches keep one token per mixed step). None: never."""
+    """With ``decode_steps`` k > 2, a mixed step (prefill chunks of newly admitted requests beside
+    decoding rows; graph-less) in which at least this many rows sample, every scheduled sequence
+    samples (no prompt left half prefilled) and no waiting request could take a free slot, is
+    followed in the same round trip by k - 1 decode steps of those rows (a k - 1 step loop graph):
+    such a round trip gives each row k tokens, as a pure-decode one does, instead of 1. In an
+    asynchronous run requests arrive all the time, so most round trips are mixed; with k tokens per
+    round trip either way, rows that end together stay together and their replacements arrive
+    together (fewer mixed steps than k + 1 would give; bench/RESULTS.md). Tokens are those of the
+    one-step engine for greedy and seeded rows; requests that arrive meanwhile join at the next
+    round trip. Smaller batches keep one token per mixed step (latency of new requests). None: never."""
     seed: int = 0
     """Seed of the generator shared by requests without their own seed."""
     decode_attention: str = "auto"
@@ -224,6 +226,10 @@ class RolloutEngine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_position = model_config.max_position_embeddings
         self.decode_steps = config.decode_steps or (8 if self.device.type == "cuda" else 1)
+        mixed_k = self.decode_steps - 1 if config.mixed_decode_min_rows is not None else 0
+        self.loop_steps = (self.decode_steps,) + ((mixed_k,) if mixed_k > 1 else ())
+        """Decode steps of one round trip's device loop: ``decode_steps`` (pure decode) and, with
+        ``mixed_decode_min_rows``, ``decode_steps - 1`` (after a mixed step's first token)."""
         self.vocab_size = model_config.vocab_size
         self.sliding_window = getattr(model_config, "sliding_window", None)
 
@@ -428,7 +434,8 @@ class RolloutEngine:
             self.scheduler.after_step(batch)
             tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)
             self._steps += 1
-            k, tokens_KB, logprobs_KB, keep_B = self._decode_after_mixed(sampling, tokens_B, logprobs_B, rp)
+            k, tokens_KB, logprobs_KB, keep_B = self._decode_after_mixed(sampling, len(batch.seqs), tokens_B,
+                                                                         logprobs_B, rp)
         self._round_trips += 1
         # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
         parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
@@ -436,15 +443,21 @@ class RolloutEngine:
         return self._commit_tokens(sampling, host_XB[:k].T.long().tolist(), host_XB[k : 2 * k].T.tolist(),
                                    host_XB[2 * k].long().tolist() if keep_B is not None else None)
 
-    def _decode_after_mixed(self, sampling: list[Sequence], tokens_B: torch.Tensor, logprobs_B: torch.Tensor,
+    def _decode_after_mixed(self, sampling: list[Sequence], num_scheduled: int, tokens_B: torch.Tensor,
+                            logprobs_B: torch.Tensor,
                             rp: RowParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """After a mixed step sampled each row's next token (``tokens_B``, on the device, not yet in
-        ``token_ids``): up to ``decode_steps`` decode steps of these rows in the same round trip
-        (``mixed_decode_min_rows``). Returns (K, token ids and log-probs [K, B], real tokens per row
+        ``token_ids``): up to ``decode_steps - 1`` decode steps of these rows in the same round trip
+        (``mixed_decode_min_rows``; ``num_scheduled``: the step's sequences, sampling or not). Returns (K, token ids and log-probs [K, B], real tokens per row
         [B] or None when K = 1): the first token, then the decode steps' (none for a row the first
         token ended: a stop id, or its length limit)."""
         m = self.config.mixed_decode_min_rows
-        k = self._plan_decode_steps(sampling, sampled=1) if m is not None and len(sampling) >= m else 1
+        sched = self.scheduler
+        # Not while prefill work is left that the next round trip would start: a prompt partly
+        # prefilled, or waiting requests with free slots (the step's token budget ran out).
+        go_on = (m is not None and len(sampling) >= m and len(sampling) == num_scheduled
+                 and (not sched.waiting or len(sched.running) >= sched.max_num_seqs))
+        k = self._plan_decode_steps(sampling, sampled=1) if go_on else 1
         if k <= 1:
             return 1, tokens_B[None], logprobs_B[None], None
         B = len(sampling)
@@ -514,7 +527,7 @@ class RolloutEngine:
         """How many decode steps these rows run before the next host round trip (their blocks for
         them are reserved here; 1 when the pool cannot hold them). ``sampled``: tokens each row
         sampled earlier in this round trip, not yet in its ``token_ids`` (1 after a mixed step)."""
-        k = self.decode_steps
+        k = self.decode_steps - sampled  # k tokens per round trip in all (after a mixed step's first one)
         if k <= 1:
             return 1
         remaining = [s.limit - len(s.token_ids) - sampled for s in seqs]
