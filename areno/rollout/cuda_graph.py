@@ -14,7 +14,7 @@ static tensors — token ids, context lengths, block tables — and everything e
 slots, masks, the forward pass and the logits) is computed inside the graph.
 
 A multi-step decode (``RolloutEngineConfig.decode_steps`` = k) is one replay of a loop graph keyed
-``(B_pad, N_pad, k, S, mode)`` (k - 1 after a mixed step's first token) (S: stop ids per row; mode: ``sampling.SampleMode``): k forwards,
+``(B_pad, N_pad, k, S, mode)`` (S: stop ids per row; mode: ``sampling.SampleMode``): k forwards,
 each followed by the sampler (``Sampler.sample_static``), the stop-id / ``min_new_tokens`` / length
 checks, and feeding the tokens back — no host round trip until the k steps are done. Its per-row
 sampling state is one more static input, the packed table of ``RowParams`` (temperature, top-k,
@@ -26,8 +26,8 @@ sampling batches whether some row truncates (top-k/top-p sort), has a seed (hash
 (noise from the engine's generator, registered with the graph so each replay advances it) — at most
 7 loop variants per shape, 1-2 for a given workload. The k - 1 decode steps that follow a mixed step
 in its round trip (``RolloutEngineConfig.mixed_decode_min_rows``) replay a (k - 1)-step loop of the
-same kind, its input tokens copied on the device from the mixed step's samples. Tokens and log-probs equal the one-step path's
-for greedy and seeded rows. Padding rows use the KV cache's scratch block, so they never touch a live
+same kind, its input tokens copied on the device from the mixed step's samples. Tokens and log-probs
+equal the one-step path's for greedy and seeded rows. Padding rows use the KV cache's scratch block, so they never touch a live
 sequence's K/V, and a padding sampling column (greedy, done after one token). Batches the loop cannot
 serve (tensor-parallel sampling, a k cut short by waiting requests) replay the one-step graph k times
 with eager sampling between replays.
@@ -181,7 +181,8 @@ class DecodeGraphRunner:
                 if (b, n) not in self._graphs:
                     self._capture(b, n)
                 # the k-step loop; and k - 1 steps after a mixed step, for batches that large
-                steps = [s for s in self.engine.loop_steps if s == k or (mixed_min is not None and b >= mixed_min)]
+                steps = [s for s in self.engine.loop_steps
+                         if s == k or (mixed_min is not None and b >= mixed_min)]
                 for S, mode in sorted(variants) if k > 1 else ():
                     for s in steps:
                         if (b, n, s, S, mode) not in self._loops and self._mode_capturable(mode):

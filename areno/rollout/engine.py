@@ -158,7 +158,8 @@ class RolloutEngineConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutEngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.mixed_decode_min_rows is not None and self.mixed_decode_min_rows < 1:
-            raise ValueError(f"RolloutEngineConfig.mixed_decode_min_rows must be >= 1 or None, got {self.mixed_decode_min_rows}")
+            raise ValueError("RolloutEngineConfig.mixed_decode_min_rows must be >= 1 or None, "
+                             f"got {self.mixed_decode_min_rows}")
         if self.decode_steps is not None and self.decode_steps <= 0:
             raise ValueError(f"RolloutEngineConfig.decode_steps must be > 0 or None, got {self.decode_steps}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -448,9 +449,10 @@ class RolloutEngine:
                             rp: RowParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """After a mixed step sampled each row's next token (``tokens_B``, on the device, not yet in
         ``token_ids``): up to ``decode_steps - 1`` decode steps of these rows in the same round trip
-        (``mixed_decode_min_rows``; ``num_scheduled``: the step's sequences, sampling or not). Returns (K, token ids and log-probs [K, B], real tokens per row
-        [B] or None when K = 1): the first token, then the decode steps' (none for a row the first
-        token ended: a stop id, or its length limit)."""
+        (``mixed_decode_min_rows``; ``num_scheduled``: the step's sequences, sampling or not).
+        Returns (K, token ids and log-probs [K, B], real tokens per row [B] or None when K = 1): the
+        first token, then the decode steps' (none for a row the first token ended: a stop id, or its
+        length limit)."""
         m = self.config.mixed_decode_min_rows
         sched = self.scheduler
         # Not while prefill work is left that the next round trip would start: a prompt partly
@@ -637,7 +639,8 @@ class RolloutEngine:
                                         decode_attention="gather")
         if nd == len(batch.seqs):
             return dec
-        pre = PagedAttention.build(self.cache, batch.chunks_from(nd), self.device, self.sliding_window, bt_BN=bt_BN[nd:])
+        pre = PagedAttention.build(self.cache, batch.chunks_from(nd), self.device, self.sliding_window,
+                                   bt_BN=bt_BN[nd:])
         return PagedAttention(self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode,
                               pre.prefill)
 
