@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", action="store_true",
                    help="also time LocalTrainBackend (no FSDP, no DTensor) on the same steps: what the model's "
                         "own ops cost on the host")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count the aten ops of one step per arm (torch.profiler): a proxy for kernel launches")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
@@ -213,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         ref_weights = dict(backends[first].named_weights())
         report["identical_weights"] = {
             n: all(torch.equal(w, ref_weights[k]) for k, w in backends[n].named_weights()) for n in args.arms}
+        if args.count_ops:  # deterministic, unlike time on a shared machine
+            for name in args.arms:
+                arms_out[name]["aten_ops_per_step"] = profile_step(backends[name], batches[0], forward, 0)["op_calls"]
         if args.floor:
             report["floor_local_backend"] = local_floor(model_dir, args, batches, forward)
         if args.profile:
