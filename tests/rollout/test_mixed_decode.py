@@ -231,3 +231,15 @@ def test_mixed_decode_with_cuda_graphs_matches_the_one_step_engine_on_gpu(decode
     assert [o.finish_reason for o in outs["k_graph"]] == [o.finish_reason for o in outs["one_step"]]
     for a, b in zip(outs["k_graph"], outs["one_step"]):
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-4)
+
+
+def test_warmup_captures_the_loops_after_mixed_steps_for_large_batches_only(tiny_model):
+    """``warmup_cuda_graphs``: the (k - 1)-step loops that follow mixed steps for batch buckets of at
+    least ``mixed_decode_min_rows`` rows, besides the k-step loops for every bucket (capture
+    emulated on CPU); None: no (k - 1)-step loops."""
+    for min_rows, want in ((8, {(4, 4), (16, 4), (16, 3)}), (None, {(4, 4), (16, 4)})):
+        eng = engine(tiny_model, 4, max_num_seqs=16, mixed_decode_min_rows=min_rows)
+        eng._graphs = eager_runner(eng, max_batch=16)
+        eng.warmup_cuda_graphs([3, 12], max_len=16)
+        assert {(key[0], key[2]) for key in eng._graphs._loops} == want
+        assert eng.loop_steps == ((4, 3) if min_rows else (4,))
