@@ -1,24 +1,27 @@
 """Host (CPU-side) cost of one training step, measured where the model's compute is negligible.
 
-The real ``FSDP2TrainBackend.train_step`` path (one gloo rank, FSDP2 per decoder layer, fp32 master
-weights, forward + backward + AdamW + grad-norm clipping) on a model of the 0.5B *depth* but tiny
-width (24 layers, hidden 64, 4 / 2 heads, vocabulary 2,048, tied head) and micro-batches of a few
-short packed sequences: what remains of a step's time is Python, the dispatcher, FSDP2's hooks,
-DTensor dispatch and our own code — the per-kernel host cost that leaves the H200 idle on the real
-0.5B step (bench/RESULTS.md "Training (issue #4)").
+The real ``FSDP2TrainBackend.train_step`` path (one gloo rank, FSDP2, fp32 master weights,
+forward + backward + AdamW + grad-norm clipping) on a model of the 0.5B *depth* but tiny width
+(24 layers, hidden 64, 4 / 2 heads, vocabulary 2,048, tied head) and micro-batches of a few short
+packed sequences: what remains of a step's time is Python, the dispatcher, FSDP2's hooks, DTensor
+dispatch and our own code — the per-kernel host cost that leaves the H200 idle on the real 0.5B
+step (bench/RESULTS.md "Training (issue #4)").
 
-Time is *process CPU time* (``time.process_time``: robust to a shared, loaded machine), with one
-intra-op thread. ``--host-opts`` picks which host-side optimisations of ``areno.train`` run
-(``areno.train.backend.HOST_OPTIMIZATIONS``); the default compares ``none`` against ``all``
-side by side in one process, alternating rounds, each arm on its own backend from the same
-checkpoint, and checks that both produce identical losses and grad norms.
+Time is *process CPU time* (``time.process_time``: steadier than wall time on a shared, loaded
+machine), with one intra-op thread; on CUDA read ``wall_ms_per_step_rounds`` (synchronisation
+spins on the CPU). ``--arms`` picks which host-side optimisations of the backend run
+(``areno.train.backend.HOST_OPTIMIZATIONS``, ``none``, ``all`` or names joined by ``+``); the
+default compares ``none`` (before) against ``all`` side by side in one process, arms alternating
+within each round, each on its own backend from the same checkpoint and the same batches, and
+checks that every arm ends with identical losses, grad norms and weights.
 
 Usage:
     python bench/train_host.py                          # none vs all, 24 layers, 4 micro-batches
-    python bench/train_host.py --arms none all grad_norm --steps 10 --rounds 3
+    python bench/train_host.py --arms none one_fsdp_group local_shards+fsdp_flags all --floor
+    python bench/train_host.py --layers 12 --mbs 8 --count-ops
     python bench/train_host.py --profile all            # top host ops (torch.profiler, self CPU)
     python bench/train_host.py --cprofile none          # top Python functions (cProfile, tottime)
-    python bench/train_host.py --device cuda --param-dtype bfloat16   # the same on a GPU host
+    python bench/train_host.py --device cuda --floor    # the same on a GPU host (bf16 compute)
 Prints one JSON object.
 """
 
@@ -256,6 +259,8 @@ def local_floor(model_dir: Path, args, batches, forward) -> dict:
 def profile_step(backend, batch, forward, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    # a warm step first: a fresh backend's first step pays one-off costs (lazy optimizer state, caches)
+    backend.train_step(batch, forward_fn=forward, loss_fn=loss_fn, denominator_fn=denominator_fn)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         backend.train_step(batch, forward_fn=forward, loss_fn=loss_fn, denominator_fn=denominator_fn)
     events = [e for e in prof.key_averages()]
@@ -269,6 +274,7 @@ def profile_step(backend, batch, forward, top: int) -> dict:
 
 
 def cprofile_steps(backend, batches, forward, top: int) -> dict:
+    backend.train_step(batches[0], forward_fn=forward, loss_fn=loss_fn, denominator_fn=denominator_fn)  # warm
     prof = cProfile.Profile()
     prof.enable()
     for b in batches:
