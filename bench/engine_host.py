@@ -83,6 +83,7 @@ class PhaseClock:
         from areno.rollout import sampling
 
         self.spent = dict.fromkeys(PHASES, 0.0)
+        self.wall = dict.fromkeys(PHASES, 0.0)
         self._undo = []
         roots = {"engine": engine, "sampling": sampling}
         for phase, targets in PHASES.items():
@@ -98,21 +99,19 @@ class PhaseClock:
         is_class = isinstance(obj, type)
         original = obj.__dict__[name] if is_class else getattr(obj, name)
         fn = original.__func__ if isinstance(original, classmethod) else original
-        spent = self.spent
+        spent, wall = self.spent, self.wall
 
         def timed(*a, **kw):
-            t0 = time.process_time()
+            t0, w0 = time.process_time(), time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
                 spent[phase] += time.process_time() - t0
+                wall[phase] += time.perf_counter() - w0
 
         setattr(obj, name, classmethod(timed) if isinstance(original, classmethod) else timed)
         self._undo.append((obj, name, original, is_class))
 
-    def reset(self) -> None:
-        for k in self.spent:
-            self.spent[k] = 0.0
 
     def close(self) -> None:
         for obj, name, original, is_class in reversed(self._undo):
@@ -121,9 +120,12 @@ class PhaseClock:
             else:
                 delattr(obj, name)
 
-    def split(self, total_s: float, round_trips: int) -> dict[str, float]:
-        out = {k: round(1e3 * v / round_trips, 3) for k, v in self.spent.items()}
-        out["other (step glue, bookkeeping)"] = round(1e3 * (total_s - sum(self.spent.values())) / round_trips, 3)
+    def split(self, total_s: float, round_trips: int, wall: bool = False) -> dict[str, float]:
+        """ms per round trip of each phase: CPU time, or wall time (``wall``: on CUDA it includes
+        waits for the device, e.g. the copy at the end of a round trip, under "other")."""
+        spent = self.wall if wall else self.spent
+        out = {k: round(1e3 * v / round_trips, 3) for k, v in spent.items()}
+        out["other (step glue, bookkeeping)"] = round(1e3 * (total_s - sum(spent.values())) / round_trips, 3)
         out["total"] = round(1e3 * total_s / round_trips, 3)
         return out
 
@@ -229,7 +231,8 @@ def run(args, extra: dict, label: str) -> dict:
     now = 0
 
     kind: dict[bool, list[float]] = {False: [], True: []}  # step() CPU seconds of pure-decode / mixed round trips
-    engine_cpu = [0.0]  # process CPU seconds inside engine calls (step, add_request): not the bench's own
+    kind_wall: dict[bool, list[float]] = {False: [], True: []}
+    engine_cpu, engine_wall = [0.0], [0.0]  # inside engine calls  # process CPU seconds inside engine calls (step, add_request): not the bench's own
 
     def top_up() -> None:
         nonlocal in_flight
@@ -243,19 +246,22 @@ def run(args, extra: dict, label: str) -> dict:
             plen = rng.randint(args.prompt_len - 8, args.prompt_len + 8)
             prompt = [rng.randrange(3, args.vocab) for _ in range(plen)]
             n = args.long_len if rng.random() < args.long_frac else args.short_len
-            c0 = time.process_time()
+            c0, w0 = time.process_time(), time.perf_counter()
             for _ in range(args.group):
                 engine.add_request(prompt, sp[n])
             engine_cpu[0] += time.process_time() - c0
+            engine_wall[0] += time.perf_counter() - w0
             in_flight += args.group
 
     def trip() -> int:
         nonlocal in_flight, now
-        c0, m0 = time.process_time(), engine._mixed_steps
+        c0, w0, m0 = time.process_time(), time.perf_counter(), engine._mixed_steps
         finished = engine.step()
-        dt = time.process_time() - c0
+        dt, dw = time.process_time() - c0, time.perf_counter() - w0
         engine_cpu[0] += dt
+        engine_wall[0] += dw
         kind[engine._mixed_steps > m0].append(dt)
+        kind_wall[engine._mixed_steps > m0].append(dw)
         in_flight -= len(finished)
         now += 1
         top_up()
@@ -274,9 +280,10 @@ def run(args, extra: dict, label: str) -> dict:
     clock = PhaseClock(engine) if args.phases else None
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
-    cpu0, wall0, eng0 = time.process_time(), time.perf_counter(), engine_cpu[0]
-    kind[False].clear()
-    kind[True].clear()
+    cpu0, wall0, eng0, wall_eng0 = time.process_time(), time.perf_counter(), engine_cpu[0], engine_wall[0]
+    for d in (kind, kind_wall):
+        d[False].clear()
+        d[True].clear()
     if prof:
         prof.enable()
     finished = 0
@@ -303,11 +310,15 @@ def run(args, extra: dict, label: str) -> dict:
         "wall_ms_per_round_trip": round(1e3 * wall / args.round_trips, 3),
         "step_cpu_ms_pure_decode_round_trip": round(1e3 * sum(kind[False]) / max(len(kind[False]), 1), 3),
         "step_cpu_ms_mixed_round_trip": round(1e3 * sum(kind[True]) / max(len(kind[True]), 1), 3),
+        "step_wall_ms_pure_decode_round_trip": round(1e3 * sum(kind_wall[False]) / max(len(kind_wall[False]), 1), 3),
+        "step_wall_ms_mixed_round_trip": round(1e3 * sum(kind_wall[True]) / max(len(kind_wall[True]), 1), 3),
+        "step_wall_ms_max": round(1e3 * max(kind_wall[False] + kind_wall[True]), 3),
         "tokens_per_s_wall": round(tokens / wall, 1),
         "mean_running": round(s1["num_running"], 1), "warmup_s": round(warm_s, 2),
     }
     if clock is not None:
         out["phase_ms_per_round_trip"] = clock.split(cpu, args.round_trips)
+        out["phase_wall_ms_per_round_trip"] = clock.split(engine_wall[0] - wall_eng0, args.round_trips, wall=True)
         clock.close()
     if prof:
         s = io.StringIO()
