@@ -10,10 +10,6 @@ Systems:
   a step is ``Trainer.rollout_token_batch`` + ``Trainer.train`` + ``backend.update_weights``.
 - ``areno_async``: the same with ``rollout.max_head_offpolicyness=1``: the everlasting rollout pool
   (its own thread) keeps generating while the trainer trains, one GPU ("areno async (colocated, one GPU)").
-- ``areno_overlap``: asynchronous (eta 1) with the partitioned topology on one device: a training
-  worker process and a rollout worker process both on GPU 0 (``cluster.train_devices=[0]``,
-  ``cluster.rollout_devices=[0]``), so neither's host work (Python, the GIL) delays the other's;
-  peak memory is the device's used memory at the end (``torch.cuda.mem_get_info``: both processes).
 - ``trl``: ``trl.GRPOTrainer`` with its default ``transformers`` ``generate`` path (no vLLM); a step is
   one optimizer step (timed between ``on_step_end`` callbacks), which generates the 64 completions
   and trains on them with gradient accumulation.
@@ -77,9 +73,8 @@ TINY = {
 }
 # shape -> (HF config dict, default prompt length, default completion length)
 SHAPES = {"0.5b": (QWEN25_05B, 64, 512), "1.5b": (QWEN25_15B, 64, 512), "tiny": (TINY, 16, 32)}
-SYSTEMS = ("areno", "areno_async", "areno_overlap", "trl")
+SYSTEMS = ("areno", "areno_async", "trl")
 LABELS = {"areno": "areno (colocated)", "areno_async": "areno async (colocated, one GPU)",
-          "areno_overlap": "areno async (train and rollout worker processes sharing GPU 0)",
           "trl": "TRL GRPOTrainer (transformers generate)"}
 PROMPT_ALPHABET = string.ascii_letters + string.digits
 
@@ -216,7 +211,7 @@ def timed_steps(args, eta: int) -> int:
 
 
 def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: int, param_dtype: str,
-                 prompt_len: int, completion_len: int, overlap: bool = False):
+                 prompt_len: int, completion_len: int):
     from areno.api.config import load_config
 
     seq_blocks = math.ceil((prompt_len + completion_len + 16) / 16)
@@ -248,19 +243,16 @@ def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: 
         f"cluster.device={args.device}",
         "observe.console=false",
     ]
-    if overlap:  # partitioned: both worker processes on device 0
-        overrides += ["cluster.train_devices=[0]", "cluster.rollout_devices=[0]"]
     overrides += args.areno_set + (args.areno_async_set if eta > 0 else [])
     return load_config(None, overrides)
 
 
 def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path, *, eta: int,
-              param_dtype: str, prompt_len: int, completion_len: int, overlap: bool = False) -> dict:
+              param_dtype: str, prompt_len: int, completion_len: int) -> dict:
     from areno.api.trainer import Trainer
 
-    name = f"run-{shape}-eta{eta}" + ("-overlap" if overlap else "")
-    config = areno_config(args, model_dir, data_path, workdir / name, eta=eta, param_dtype=param_dtype,
-                          prompt_len=prompt_len, completion_len=completion_len, overlap=overlap)
+    config = areno_config(args, model_dir, data_path, workdir / f"run-{shape}-eta{eta}", eta=eta,
+                          param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len)
     free_memory(args.device)
     t_setup = time.perf_counter()
     trainer = Trainer.init(config)
@@ -285,11 +277,7 @@ def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path,
             phases.append((t1 - t0, t2 - t1, t3 - t2))
             lengths.extend(len(t.completion_ids) for t in rollout.trajectories)
             num_tokens.append(rollout.batch.num_tokens)
-        if overlap and args.device == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            peak = (total - free) / 2**30  # both worker processes' memory (and this one's)
-        else:
-            peak = peak_gib(args.device)
+        peak = peak_gib(args.device)
     finally:
         trainer.shutdown()
     timed = slice(args.warmup, None)
@@ -478,9 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_trl(args, shape, model_dir, prompts, tokenizer, workdir, param_dtype=param_dtype,
                               completion_len=completion_len)
             else:
-                res = run_areno(args, shape, model_dir, data_path, workdir, eta=int(system != "areno"),
-                                param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len,
-                                overlap=system == "areno_overlap")
+                res = run_areno(args, shape, model_dir, data_path, workdir, eta=int(system == "areno_async"),
+                                param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len)
             row = report(system, shape, res, floor, num_seqs, completion_len)
             row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs,
                        params=floor["params"])
@@ -493,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = {s: {"step_s": r["step_s_mean"], "gen_tokens_per_s": r["gen_tokens_per_s"],
                      "peak_gpu_gib": r["peak_gpu_gib"], "gap_to_floor": r["gap_to_floor"]} for s, r in rows.items()}
         if "trl" in rows:
-            for s in ("areno", "areno_async", "areno_overlap"):
+            for s in ("areno", "areno_async"):
                 if s in rows:
                     entry[f"speedup_{s}_vs_trl"] = rows["trl"]["step_s_mean"] / rows[s]["step_s_mean"]
         summary["shapes"][shape] = entry

@@ -76,13 +76,3 @@ def test_areno_overrides_reach_their_systems(tmp_path):
     async_cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r1", eta=1, **kw)
     assert sync_cfg.optim.lr == async_cfg.optim.lr == 3e-6
     assert async_cfg.rollout.max_concurrent == 8 and sync_cfg.rollout.max_concurrent != 8
-
-
-def test_overlap_system_puts_both_workers_on_device_0(tmp_path):
-    args = e2e.build_parser().parse_args(["--device", "cpu", "--systems", "areno_overlap"])
-    kw = dict(param_dtype="float32", prompt_len=16, completion_len=32)
-    cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r", eta=1, overlap=True, **kw)
-    assert list(cfg.cluster.train_devices) == [0] and list(cfg.cluster.rollout_devices) == [0]
-    assert cfg.rollout.max_head_offpolicyness == 1
-    plain = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r2", eta=1, **kw)
-    assert not plain.cluster.train_devices and not plain.cluster.rollout_devices
