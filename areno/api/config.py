@@ -149,6 +149,12 @@ class RolloutSection:
     cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
     every decode step eagerly (slower; for debugging and A/B runs)."""
+    mixed_decode_min_rows: Optional[int] = 32
+    """A mixed step (prefill chunks beside decode rows) with at least this many sampling rows, no
+    prompt half prefilled and no waiting request able to take a free slot goes on with
+    ``decode_steps`` - 1 decode steps in the same host round trip, so every round trip gives each
+    row ``decode_steps`` tokens even while requests keep arriving (an asynchronous pool); null = a
+    mixed step returns to the host after one token."""
     cuda_graph_warmup: bool = True
     """CUDA: capture the decode CUDA graphs of every batch size the run can reach (up to
     ``max_concurrent`` x ``n_samples`` sequences) when the rollout engine starts, for the training
@@ -177,6 +183,8 @@ class RolloutSection:
         _check(self.decode_attention in ("auto", "gather", "paged"), "rollout.decode_attention",
                f"must be auto, gather or paged, got {self.decode_attention!r}")
         _check(self.decode_steps >= 0, "rollout.decode_steps", f"must be >= 0 (0 = engine default), got {self.decode_steps}")
+        _check(self.mixed_decode_min_rows is None or self.mixed_decode_min_rows >= 1, "rollout.mixed_decode_min_rows",
+               f"must be >= 1 or null (off), got {self.mixed_decode_min_rows}")
         _check(self.request_timeout_s >= 0, "rollout.request_timeout_s",
                f"must be >= 0 (0 = no deadline), got {self.request_timeout_s}")
         _check(self.max_consecutive_dropped >= 0, "rollout.max_consecutive_dropped",

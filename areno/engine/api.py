@@ -52,6 +52,7 @@ def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_bloc
         device=device, dtype=dtype, decode_steps=r.decode_steps or None, decode_attention=r.decode_attention,
         fused_kernels=r.fused_kernels, cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
         recompute_kv_on_weight_update=r.recompute_kv_on_weight_update, cuda_stream=r.cuda_stream,
+        mixed_decode_min_rows=r.mixed_decode_min_rows,
         **({"num_blocks": num_blocks} if num_blocks else {}))
 
 

@@ -13,7 +13,8 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
                              f"rollout.fused_projections={str(fused).lower()}", "rollout.cuda_graphs=false",
                              "rollout.decode_steps=3", "rollout.kv_blocks=32",
                              f"rollout.recompute_kv_on_weight_update={str(not fused).lower()}",
-                             f"rollout.cuda_stream={str(fused).lower()}"])
+                             f"rollout.cuda_stream={str(fused).lower()}",
+                             f"rollout.mixed_decode_min_rows={4 if fused else 'null'}"])
     from transformers import AutoTokenizer
 
     from areno.engine.api import resolve_device
@@ -27,6 +28,12 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
     assert engine.config.recompute_kv_on_weight_update is (not fused)
     assert engine.config.cuda_stream is fused and engine._stream is None  # CPU: no stream either way
+    assert engine.config.mixed_decode_min_rows == (4 if fused else None)
+
+
+def test_mixed_decode_min_rows_is_validated():
+    with pytest.raises(ValueError, match="rollout.mixed_decode_min_rows"):
+        load_config(None, ["model.path=m", "rollout.mixed_decode_min_rows=0"])
 
 
 @pytest.mark.parametrize("choice, impl", [("varlen", "varlen"), ("flex", "flex"), ("auto", "varlen")])
