@@ -13,6 +13,7 @@ transport (a dtype cast at most) when ``update_weights`` is called, i.e. before 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -319,7 +320,13 @@ class ArenoEngine:
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
         for role_name in self.runner.roles_to_sync():  # the version the rollout policy carries (loglinear π_prox)
             self.runner.versions[role_name] = self.version
-        metrics = {f"train/{k}": v for k, v in self.runner.step(rollout.batch, pass_order=rollout.pass_order).items()}
+        # Asynchronous: the engine generates in its own thread meanwhile. No CUDA graph may be captured
+        # beside the training step's kernels and device synchronizations (they invalidate a capture:
+        # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
+        hold = self.rollout_engine.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
+        with hold:
+            out = self.runner.step(rollout.batch, pass_order=rollout.pass_order)
+        metrics = {f"train/{k}": v for k, v in out.items()}
         if getattr(self, "store", None) is not None and rollout.pass_order is None:
             # trained (later passes reuse the prepared batch): their stored observations are done with
             release_refs([t.info for t in rollout.trajectories], self.store)

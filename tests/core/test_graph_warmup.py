@@ -59,3 +59,39 @@ def test_a_failed_warm_up_warns_and_leaves_capture_to_first_use(caplog):
     with caplog.at_level("WARNING"):
         assert warm_up_rollout_engine(FailingEngine(), _config()) == 0
     assert "warm-up failed" in caplog.text and "rollout.cuda_graph_warmup=false" in caplog.text
+
+
+def test_async_colocated_training_step_holds_graph_captures(tmp_path):
+    """While the trainer's step runs beside the generating engine, no CUDA graph is captured (its
+    kernels and device synchronizations would invalidate the capture); synchronous steps hold nothing."""
+    import contextlib
+
+    from areno.api.backend.base import RolloutBatch
+    from areno.engine.api import ArenoEngine
+
+    events = []
+
+    class Engine:
+        @contextlib.contextmanager
+        def hold_graph_captures(self):
+            events.append("hold")
+            yield
+            events.append("release")
+
+    class Runner:
+        versions: dict = {}
+
+        def roles_to_sync(self):
+            return []
+
+        def step(self, batch, pass_order=None):
+            events.append("step")
+            return {"loss": 1.0}
+
+    for asynchronous, expected in ((True, ["hold", "step", "release"]), (False, ["step"])):
+        events.clear()
+        engine = ArenoEngine(_config(), tmp_path)
+        engine.rollout_engine, engine.runner, engine.asynchronous = Engine(), Runner(), asynchronous
+        engine._pending_sync_metrics = {}
+        metrics = engine.step(RolloutBatch(trajectories=[], batch=None))  # the fake runner ignores the batch
+        assert events == expected and metrics == {"train/loss": 1.0}

@@ -348,6 +348,11 @@ def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
                                                                    recompute_kv_on_weight_update=False),
                             eos_token_ids=())
         assert (eng._stream is not None) is own
+        # graphs are captured before the "trainer" starts, as a run's engine does at start-up
+        # (rollout.cuda_graph_warmup) and as a colocated asynchronous step guarantees
+        # (hold_graph_captures): the other thread's device synchronizations would invalidate a capture
+        assert eng.warmup_cuda_graphs([len(prompts)], max_len=64, params=[params]) > 0
+        captured = eng.stats()["cuda_graphs_captured"]
         stop = threading.Event()
         a = torch.randn(2048, 2048, device="cuda")
 
@@ -369,6 +374,7 @@ def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
         finally:
             stop.set()
             trainer.join()
+        assert eng.stats()["cuda_graphs_captured"] == captured  # nothing captured beside the busy thread
         model.load_state_dict(make_model(0)[0].state_dict())  # the next engine starts from version 0 again
         by_id = {o.request_id: o for o in outs}
         results[own] = [(by_id[i].output_ids, by_id[i].output_versions) for i in ids]
