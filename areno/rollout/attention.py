@@ -88,7 +88,9 @@ class PagedAttention:
         self.decode = decode
         self.prefill = prefill
         self.paged = paged
-        """Set (pure decode, ``decode_attention="paged"``): decode attends over the pool directly."""
+        """Set under ``decode_attention="paged"``: the decode rows (the first ``num_decode``; all of a
+        pure-decode step, or those of a mixed step beside its prefill chunks) attend over the pool
+        directly instead of through ``decode``'s gathered keys."""
 
     @classmethod
     def build(
@@ -195,11 +197,14 @@ class PagedAttention:
         k_S.index_copy_(0, self.slot_mapping_T, k_THD.to(k_S.dtype))
         v_S.index_copy_(0, self.slot_mapping_T, v_THD.to(v_S.dtype))
         nd = self.num_decode
-        if self.paged is not None:
-            p = self.paged
-            return paged_decode(q_THD, k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window)
         outs = []
-        if self.decode is not None:
+        if self.paged is not None:  # the decode rows (all rows of a pure-decode step) over the pool
+            p = self.paged
+            out_BHD = paged_decode(q_THD[:nd], k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window)
+            if self.prefill is None:
+                return out_BHD
+            outs.append(out_BHD)
+        elif self.decode is not None:
             g = self.decode
             Hq, Hkv = q_THD.shape[1], k_S.shape[1]
             if self.GROUPED_DECODE and Hq != Hkv:

@@ -626,7 +626,8 @@ class RolloutEngine:
     def _attention(self, batch: ScheduledBatch, decode_pos_B: torch.Tensor) -> PagedAttention:
         """The attention metadata of a graph-less step. Its decode rows' (key slots and masks over
         their block tables, the large part at hundreds of rows) are computed on the device from the
-        block tables and positions (``PagedAttention.for_decode``, gather form) rather than on the
+        block tables and positions (``PagedAttention.for_decode``, in the engine's decode attention: the
+        paged kernel, or the gathered form) rather than on the
         host and copied; the prefill chunks' on the host (``PagedAttention.build``).
         ``decode_pos_B``: the decode rows' positions, on the device."""
         nd = batch.num_decode
@@ -635,14 +636,16 @@ class RolloutEngine:
             return PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window, bt_BN=bt_BN)
         width = max([len(s.block_table) for s in batch.seqs[:nd]])
         dec_bt_BN = bt_BN[:nd, :width].to(self.device, non_blocking=True)
+        # decode rows as in a pure-decode step: the paged kernel where configured (on CUDA by default;
+        # the gathered form's SDPA over [rows, context] took most of a mixed step's time on an H200)
         dec = PagedAttention.for_decode(self.cache, dec_bt_BN, decode_pos_B + 1, self.sliding_window,
-                                        decode_attention="gather")
+                                        decode_attention=self.config.decode_attention)
         if nd == len(batch.seqs):
             return dec
         pre = PagedAttention.build(self.cache, batch.chunks_from(nd), self.device, self.sliding_window,
                                    bt_BN=bt_BN[nd:])
         return PagedAttention(self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode,
-                              pre.prefill)
+                              pre.prefill, dec.paged)
 
     # Hooks that tensor parallelism overrides (``tp.py``).
     def _agree_num_blocks(self, num_blocks: int) -> int:

@@ -134,6 +134,8 @@ def test_engine_greedy_paged_equals_gather(arch):
             block_size=4, num_blocks=128, max_tokens_per_step=64, prefill_chunk_size=8, decode_steps=3,
             decode_attention=mode), eos_token_ids=())
         res[mode] = eng.generate(prompts, params)
+        # chunked prefill beside decoding rows: mixed steps, whose decode rows use the paged kernel too
+        assert eng.stats()["mixed_steps"] > 0
     assert [o.output_ids for o in res["paged"]] == [o.output_ids for o in res["gather"]]
     for a, b in zip(res["paged"], res["gather"]):
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
