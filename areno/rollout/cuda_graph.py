@@ -19,10 +19,10 @@ each followed by the sampler (``Sampler.sample_static``), the stop-id / ``min_ne
 checks, and feeding the tokens back — no host round trip until the k steps are done. Its per-row
 sampling state is one more static input, the packed table of ``RowParams`` (temperature, top-k,
 top-p, seed, min/max new tokens, tokens generated, stop ids), decoded inside the graph; the step
-counter advances inside the graph, so ``min_new_tokens`` suppression and the seeded rows' hash noise
+counter advances inside the graph, so ``min_new_tokens`` suppression and the seeded rows' hashed uniforms
 (a function of seed and tokens generated) follow each step. Greedy rows inside a sampling batch are a
 per-row ``where``; the mode only decides which kernels exist at all: all greedy (an argmax), and for
-sampling batches whether some row truncates (top-k/top-p sort), has a seed (hash noise) or has none
+sampling batches whether some row truncates (top-k/top-p sort), has a seed (a hashed uniform) or has none
 (noise from the engine's generator, registered with the graph so each replay advances it) — at most
 7 loop variants per shape, 1-2 for a given workload. The k - 1 decode steps that follow a mixed step
 in its round trip (``RolloutEngineConfig.mixed_decode_min_rows``) replay a (k - 1)-step loop of the

@@ -15,11 +15,12 @@ copy per engine step), ``Sampler.sample_rows`` returns token ids and log-probs a
 and ``RowParams.advance`` marks the rows that just finished (stop id or length), so the engine can
 run several decode steps and copy one small tensor to the host at the end.
 
-Randomness: sampling uses the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws
-from ``p`` exactly like ``multinomial``. A request with ``seed`` draws its noise from a counter-based
-hash of (seed, number of tokens generated so far, vocabulary index), so the same seed and prompt
-give the same tokens whatever else is in the batch and however the engine groups its decode steps;
-rows without a seed share the engine's ``torch.Generator``.
+Randomness: a sampled row draws one uniform u in (0, 1) and takes the token whose interval of the
+cumulative distribution holds it (inverse transform sampling: an exact draw, in a softmax, a cumulative
+sum and a search over [B, V], where per-token noise took ~25 element-wise passes over the vocabulary).
+A request with ``seed`` gets u from a counter-based hash of (seed, number of tokens generated so far),
+so the same seed and prompt give the same tokens whatever else is in the batch and however the engine
+groups its decode steps; rows without a seed draw u from the engine's ``torch.Generator``.
 
 Capture-safe form (the CUDA-graph decode loop, ``cuda_graph.py``): ``RowParams.table_FB`` is the packed
 per-row table (one column per row) that ``RowTensors.from_table`` decodes on the device, and
@@ -48,7 +49,7 @@ class SampleRequest:
     params: SamplingParams
     num_generated: int
     generator: object = None
-    """Unused (kept for call compatibility): seeded rows draw hash noise from ``params.seed``."""
+    """Unused (kept for call compatibility): seeded rows draw their uniform from ``params.seed``."""
     suppress_ids: tuple[int, ...] = ()
     """Token ids to forbid for this row (EOS/stop ids while ``num_generated < min_new_tokens``)."""
 
@@ -72,40 +73,27 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _mix32_i32(h: torch.Tensor) -> torch.Tensor:
-    """``_mix32`` on int32 tensors holding the same 32 bits: multiplication wraps modulo 2**32 and
-    the shifted-in sign bits are masked off (a logical shift), so the bits agree with the int64 form
-    at half the memory traffic."""
-    for i, m in enumerate(_MULS):
-        s = 16 if i % 2 == 0 else 15
-        h = h ^ ((h >> s) & ((1 << (32 - s)) - 1))
-        h = h * m
-    return h ^ ((h >> 16) & 0xFFFF)
-
-
-def _as_int32(x: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 2**32) as the int32 tensor with the same 32 bits."""
-    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
-
-
-def hash_exponential(seed_R: torch.Tensor, counter_R: torch.Tensor, V: int) -> torch.Tensor:
-    """float32 [R, V] Exp(1) noise, a pure function of (seed, counter, vocabulary index)."""
+def hash_uniform(seed_R: torch.Tensor, counter_R: torch.Tensor) -> torch.Tensor:
+    """float32 [R] uniform in (0, 1), a pure function of (seed, counter): 23 bits of the row key,
+    centred (largest value 1 - 2**-24, exactly representable)."""
     key_R = _mix32((seed_R & _MASK32) ^ _mix32(((seed_R >> 32) & _MASK32) ^ _mix32(counter_R & _MASK32)))
-    # The [R, V] part in int32 (32-bit arithmetic mod 2**32): the same bits as in int64.
-    idx_V = torch.arange(V, device=seed_R.device, dtype=torch.int32)
-    h_RV = _mix32_i32(_as_int32(key_R)[:, None] + idx_V[None, :] * (0x9E3779B1 - (1 << 32)))
-    # 23 random bits, centred: u in (0, 1) exactly representable in float32, so E = -log(u) > 0.
-    u_RV = (((h_RV >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0 ** -23)
-    return -torch.log(u_RV)
+    return (((key_R >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0 ** -23)
 
 
-def hash_exponential_reference(seed_R: torch.Tensor, counter_R: torch.Tensor, V: int) -> torch.Tensor:
-    """``hash_exponential`` computed in int64 throughout (the definition; tests compare the two)."""
-    key_R = _mix32((seed_R & _MASK32) ^ _mix32(((seed_R >> 32) & _MASK32) ^ _mix32(counter_R & _MASK32)))
-    idx_V = torch.arange(V, device=seed_R.device, dtype=torch.long)
-    h_RV = _mix32((key_R[:, None] + idx_V[None, :] * 0x9E3779B1) & _MASK32)
-    u_RV = ((h_RV >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
-    return -torch.log(u_RV)
+def inverse_cdf_draw(race_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """long [B]: per row the token whose interval of the cumulative distribution ``softmax(race_BV)``
+    holds ``u_B`` (uniform in (0, 1)): an exact draw from that distribution (inverse transform
+    sampling), in four passes over [B, V] (softmax, cumulative sum, search) instead of the ~25 of
+    element-wise hash noise over the whole vocabulary. Tokens of zero probability (-inf in
+    ``race_BV``) are never drawn: their cumulative value equals their predecessor's."""
+    cdf_BV = torch.softmax(race_BV, dim=-1).cumsum_(dim=-1)
+    total_B1 = cdf_BV[:, -1:].contiguous()
+    target_B1 = u_B[:, None] * total_B1
+    tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
+    # u * total can round up to total itself: then the last token of non-zero probability (the
+    # first reaching the total)
+    last_B = torch.searchsorted(cdf_BV, total_B1, right=False).squeeze(1)
+    return torch.minimum(tokens_B, last_B)
 
 
 class SampleMode(NamedTuple):
@@ -117,7 +105,7 @@ class SampleMode(NamedTuple):
     truncate: bool
     """Some sampling row uses top-k or top-p (a sort over the vocabulary)."""
     hash_noise: bool
-    """Some sampling row has its own seed (counter-based hash noise)."""
+    """Some sampling row has its own seed (a uniform hashed from its seed and counter)."""
     rng_noise: bool
     """Some sampling row has no seed (noise from the engine's generator)."""
 
@@ -419,6 +407,12 @@ class Sampler:
         self.device = device
         self.generator = make_generator(seed, device)
 
+    def _uniform(self, n: int) -> torch.Tensor:
+        """float32 [n] uniform in (0, 1) from the engine's generator (unseeded rows). ``rand`` can
+        return exactly 0: moved to the smallest positive float (0 would pick the first token of
+        non-zero probability, a draw of probability ~2**-24 anyway)."""
+        return torch.rand(n, generator=self.generator, device=self.device).clamp_min_(torch.finfo(torch.float32).tiny)
+
     @torch.no_grad()
     def sample_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids long [B], log-probs float32 [B]) as device tensors; no host synchronisation."""
@@ -440,18 +434,14 @@ class Sampler:
             tokens_B = masked_BV.argmax(dim=-1)
         else:
             race_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B) if rp.any_truncate else masked_BV
-            # Exponential race in log space: argmax(log p - log E) = argmax(p / E).
+            # One uniform per row: seeded rows from the (seed, counter) hash, the others from the generator.
             if rp.all_unseeded:
-                noise_BV = torch.empty_like(race_BV).exponential_(generator=self.generator)
+                u_B = self._uniform(B)
             else:
-                noise_BV = torch.ones_like(race_BV)
-            if rp.unseeded_idx is not None:
-                noise_BV[rp.unseeded_idx] = torch.empty(
-                    rp.unseeded_idx.numel(), V, device=race_BV.device).exponential_(generator=self.generator)
-            if rp.seeded_idx is not None:
-                noise_BV[rp.seeded_idx] = hash_exponential(rp.seed_B[rp.seeded_idx], rp.n_gen_B[rp.seeded_idx], V)
-            # exponential_ can return exactly 0 in float32; keep the log finite.
-            sampled_B = (race_BV - noise_BV.clamp_min_(torch.finfo(torch.float32).tiny).log_()).argmax(dim=-1)
+                u_B = hash_uniform(rp.seed_B, rp.n_gen_B)
+                if rp.unseeded_idx is not None:
+                    u_B[rp.unseeded_idx] = self._uniform(rp.unseeded_idx.numel())
+            sampled_B = inverse_cdf_draw(race_BV, u_B)
             tokens_B = torch.where(rp.greedy_B, masked_BV.argmax(dim=-1), sampled_B) if rp.any_greedy else sampled_B
         # log_softmax rather than gather - logsumexp: the same rounding as the trainer's recompute.
         chosen_lp_B = torch.log_softmax(scaled_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
@@ -479,12 +469,12 @@ class Sampler:
         else:
             race_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B) if mode.truncate else masked_BV
             if mode.rng_noise:
-                noise_BV = torch.empty_like(race_BV).exponential_(generator=self.generator)
+                u_B = self._uniform(race_BV.shape[0])
                 if mode.hash_noise:
-                    noise_BV = torch.where(rows.seeded_B[:, None], hash_exponential(rows.seed_B, n_gen_B, V), noise_BV)
+                    u_B = torch.where(rows.seeded_B, hash_uniform(rows.seed_B, n_gen_B), u_B)
             else:
-                noise_BV = hash_exponential(rows.seed_B, n_gen_B, V)
-            sampled_B = (race_BV - noise_BV.clamp_min_(torch.finfo(torch.float32).tiny).log_()).argmax(dim=-1)
+                u_B = hash_uniform(rows.seed_B, n_gen_B)
+            sampled_B = inverse_cdf_draw(race_BV, u_B)
             tokens_B = torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B)
         return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 

@@ -6,7 +6,7 @@ import torch
 
 from areno.api.types import SamplingParams
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-from areno.rollout.sampling import RowParams, Sampler, hash_exponential
+from areno.rollout.sampling import RowParams, Sampler, hash_uniform, inverse_cdf_draw
 from tests.rollout.conftest import EOS, make_model, naive_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
@@ -147,11 +147,28 @@ def test_row_params_advance_and_suppression_on_device():
     assert rp.advance(torch.tensor([0, 0, 0])).tolist() == [True, True, True]  # max_new 3; context 7 for all
 
 
-def test_hash_noise_is_a_function_of_seed_and_counter():
-    a = hash_exponential(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]), 4000)
-    b = hash_exponential(torch.tensor([6, 5]), torch.tensor([0, 0]), 4000)
-    assert torch.equal(a[0], b[1]) and torch.equal(a[2], b[0]) and not torch.equal(a[0], a[1])
-    assert (a > 0).all() and abs(float(a.mean()) - 1.0) < 0.05 and abs(float(a.std()) - 1.0) < 0.05
+def test_hashed_uniform_is_a_function_of_seed_and_counter():
+    a = hash_uniform(torch.tensor([5, 5, 6, 2**40 + 5]), torch.tensor([0, 1, 0, 0]))
+    b = hash_uniform(torch.tensor([6, 5]), torch.tensor([0, 0]))
+    assert torch.equal(a[0], b[1]) and torch.equal(a[2], b[0]) and len(set(a.tolist())) == 4  # high seed bits count
+    u = hash_uniform(torch.arange(20_000), torch.zeros(20_000, dtype=torch.long))
+    assert (u > 0).all() and (u < 1).all()
+    # uniform: each tenth of (0, 1) holds a tenth of the values
+    assert torch.allclose(torch.histc(u, bins=10, min=0, max=1) / 20_000, torch.full((10,), 0.1), atol=0.01)
+
+
+def test_inverse_cdf_draw_gives_each_token_its_share_of_a_uniform_grid():
+    """With u on a grid of n points, token i is drawn for ~p_i * n of them (hand-computed shares)
+    and a token of zero probability (-inf) never, u at the top of (0, 1) included."""
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    n = 1000
+    u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    race = probs.log().repeat(n, 1)
+    tokens = inverse_cdf_draw(race, u)
+    counts = torch.bincount(tokens, minlength=6)
+    assert counts.tolist() == [500, 0, 300, 150, 50, 0]
+    top = inverse_cdf_draw(race[:2], torch.tensor([1 - 2**-24, 2**-149]))
+    assert top.tolist() == [4, 0]  # the last and the first token of non-zero probability
 
 
 def test_seeded_rows_sample_the_distribution():
@@ -163,27 +180,6 @@ def test_seeded_rows_sample_the_distribution():
     freq = torch.bincount(tokens, minlength=4).float() / n
     assert torch.allclose(freq, probs, atol=0.03)
     assert torch.allclose(logprobs, probs.log()[tokens], atol=1e-6)
-
-
-def test_int32_hash_noise_equals_the_int64_definition():
-    from areno.rollout.sampling import hash_exponential_reference
-
-    g = torch.Generator().manual_seed(0)
-    seed = torch.cat([torch.randint(0, 2**62, (14,), generator=g), torch.tensor([0, 2**32 - 1, 2**53])])
-    counter = torch.randint(0, 100_000, (17,), generator=g)
-    assert torch.equal(hash_exponential(seed, counter, 5000), hash_exponential_reference(seed, counter, 5000))
-
-
-@pytest.mark.gpu
-def test_int32_hash_noise_on_gpu():
-    """On CUDA too the int32 hash (wrap-around multiplication) equals the int64 definition."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from areno.rollout.sampling import hash_exponential_reference
-
-    seed = torch.tensor([0, 5, 2**40 + 7, 2**53, 2**62 + 11], device="cuda")
-    counter = torch.tensor([0, 3, 17, 99_999, 2**31], device="cuda")
-    assert torch.equal(hash_exponential(seed, counter, 151_936), hash_exponential_reference(seed, counter, 151_936))
 
 
 def test_full_batch_with_waiting_requests_keeps_k_steps_per_round_trip(tiny, monkeypatch):
