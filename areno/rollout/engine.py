@@ -624,12 +624,11 @@ class RolloutEngine:
         return self._logits(hidden_TD[packed[2 * T :]])
 
     def _attention(self, batch: ScheduledBatch, decode_pos_B: torch.Tensor) -> PagedAttention:
-        """The attention metadata of a graph-less step. Its decode rows' (key slots and masks over
-        their block tables, the large part at hundreds of rows) are computed on the device from the
-        block tables and positions (``PagedAttention.for_decode``, in the engine's decode attention: the
-        paged kernel, or the gathered form) rather than on the
-        host and copied; the prefill chunks' on the host (``PagedAttention.build``).
-        ``decode_pos_B``: the decode rows' positions, on the device."""
+        """The attention metadata of a graph-less step. Its decode rows' (the large part at hundreds
+        of rows) come from their block tables and positions on the device
+        (``PagedAttention.for_decode`` in the engine's decode attention: the paged kernel, or key
+        slots and masks for the gathered form) rather than from the host; the prefill chunks' from
+        the host (``PagedAttention.build``). ``decode_pos_B``: the decode rows' positions, on the device."""
         nd = batch.num_decode
         bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks)
         if nd == 0:
