@@ -57,6 +57,14 @@ def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_bloc
         **({"num_blocks": num_blocks} if num_blocks else {}))
 
 
+def rollout_sampling_params(cfg: ArenoConfig, *, greedy: bool) -> SamplingParams:
+    """The sampling of training rollouts (``rollout`` section), or greedy (evaluation)."""
+    r = cfg.rollout
+    if greedy:
+        return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+
+
 def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     """Capture the rollout engine's decode CUDA graphs now (``rollout.cuda_graph_warmup``): batch
     sizes up to the run's concurrency in sequences, contexts up to ``max_new_tokens`` + 256 prompt
@@ -66,11 +74,10 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     if not r.cuda_graph_warmup or not r.cuda_graphs or engine.device.type != "cuda":
         return 0
     t0 = time.perf_counter()
-    # training requests carry seeds (SeedingClient: counter-based hash noise, its own graph mode)
-    params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                             seed=0)]
+    # training requests carry seeds (SeedingClient: a hashed uniform per row, its own graph mode)
+    params = [dataclasses.replace(rollout_sampling_params(cfg, greedy=False), seed=0)]
     if cfg.data.num_eval and cfg.train.eval_interval:
-        params.append(SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens))
+        params.append(rollout_sampling_params(cfg, greedy=True))
     # sequences in flight: at most eta + 1 batches of episodes (the staleness capacity) of n samples
     in_flight = min(r.max_concurrent, r.batch_size * (r.max_head_offpolicyness + 1)) * r.n_samples
     if cfg.data.num_eval and cfg.train.eval_interval:
@@ -256,10 +263,7 @@ class ArenoEngine:
                              eos_token_ids=[self.tokenizer.eos_token_id], tokenizer=self.tokenizer)
 
     def _sampling_params(self, *, greedy: bool) -> SamplingParams:
-        r = self.config.rollout
-        if greedy:
-            return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+        return rollout_sampling_params(self.config, greedy=greedy)
 
     def _build_executor(self):
         from areno.api.workflow import load_workflow
