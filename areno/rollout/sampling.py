@@ -93,7 +93,8 @@ def inverse_cdf_draw(race_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
     # u * total can round up to total itself: then the last token of non-zero probability (the
     # first reaching the total)
     last_B = torch.searchsorted(cdf_BV, total_B1, right=False).squeeze(1)
-    return torch.minimum(tokens_B, last_B)
+    # (a row of NaN logits, from a broken policy, has no order: keep its index a valid token id)
+    return torch.minimum(tokens_B, last_B).clamp_(max=race_BV.shape[1] - 1)
 
 
 class SampleMode(NamedTuple):

@@ -169,6 +169,8 @@ def test_inverse_cdf_draw_gives_each_token_its_share_of_a_uniform_grid():
     assert counts.tolist() == [500, 0, 300, 150, 50, 0]
     top = inverse_cdf_draw(race[:2], torch.tensor([1 - 2**-24, 2**-149]))
     assert top.tolist() == [4, 0]  # the last and the first token of non-zero probability
+    nan = inverse_cdf_draw(torch.full((1, 6), float("nan")), torch.tensor([0.5]))
+    assert 0 <= int(nan) < 6  # a broken policy's NaN logits still give a valid token id
 
 
 def test_seeded_rows_sample_the_distribution():
