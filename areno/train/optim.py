@@ -51,7 +51,8 @@ class LocalShardAdamW(torch.optim.AdamW):
         # functional update on them: swap each DTensor for its local shard in between.
         has_complex = super()._init_group(group, *tensor_lists)
         for tensors in tensor_lists:
-            tensors[:] = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+            if isinstance(tensors, list):  # (torch versions before 2.6 also passed an amsgrad flag here)
+                tensors[:] = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
         return has_complex
 
 
