@@ -99,37 +99,32 @@ def test_a_mixed_round_trip_gives_each_row_decode_steps_tokens(tiny_model):
         eng.add_request(prompt, p)
     assert tokens_of_step() == 6 * 4 and eng.stats()["mixed_steps"] == 2
     assert eng.loop_steps == (4, 3)
+
+    def arrival_step(first, later, **kw) -> tuple[RolloutEngine, int]:
+        """An engine runs ``first`` for one round trip; ``later`` arrive; the tokens of the next one."""
+        eng_ = engine(tiny_model, 4, max_num_seqs=6, **kw)
+        for prompt in first:
+            eng_.add_request(prompt, p)
+        eng_.step()
+        for prompt in later:
+            eng_.add_request(prompt, p)
+        before = eng_.stats()["generated_tokens"]
+        eng_.step()
+        return eng_, eng_.stats()["generated_tokens"] - before
+
     # a long prompt prefilled in chunks of 8: its mixed steps keep one token per decoding row
-    eng2 = engine(tiny_model, 4, max_num_seqs=6)
-    for prompt in random_prompts(3, seed=58, lo=3, hi=8):
-        eng2.add_request(prompt, p)
-    eng2.step()
-    eng2.add_request(random_prompts(1, seed=57, lo=20, hi=21)[0], p)
-    before = eng2.stats()["generated_tokens"]
-    eng2.step()
-    assert eng2.stats()["generated_tokens"] - before == 3
+    _, n = arrival_step(random_prompts(3, seed=58, lo=3, hi=8), random_prompts(1, seed=57, lo=20, hi=21))
+    assert n == 3
     # the token budget prefills one of two arrivals and only starts the other: one token per row,
     # so the other's prefill goes on at the next round trip
-    eng3 = engine(tiny_model, 4, max_num_seqs=6, max_tokens_per_step=12)
-    for prompt in random_prompts(4, seed=59, lo=2, hi=4):
-        eng3.add_request(prompt, p)
-    eng3.step()
-    for prompt in random_prompts(2, seed=60, lo=6, hi=8):
-        eng3.add_request(prompt, p)
-    before = eng3.stats()["generated_tokens"]
-    eng3.step()
-    assert eng3.stats()["generated_tokens"] - before == 5
+    eng3, n = arrival_step(random_prompts(4, seed=59, lo=2, hi=4), random_prompts(2, seed=60, lo=6, hi=8),
+                           max_tokens_per_step=12)
+    assert n == 5
     assert sum(s.num_computed < len(s.token_ids) - 1 for s in eng3.scheduler.running) == 1
     # the budget is spent on the first arrival's whole prompt; the second waits with slots free
-    eng4 = engine(tiny_model, 4, max_num_seqs=6, max_tokens_per_step=12)
-    for prompt in random_prompts(4, seed=59, lo=2, hi=4):
-        eng4.add_request(prompt, p)
-    eng4.step()
-    for prompt in random_prompts(2, seed=61, lo=8, hi=9):
-        eng4.add_request(prompt, p)
-    before = eng4.stats()["generated_tokens"]
-    eng4.step()
-    assert eng4.stats()["generated_tokens"] - before == 5 and len(eng4.scheduler.waiting) == 1
+    eng4, n = arrival_step(random_prompts(4, seed=59, lo=2, hi=4), random_prompts(2, seed=61, lo=8, hi=9),
+                           max_tokens_per_step=12)
+    assert n == 5 and len(eng4.scheduler.waiting) == 1
 
 
 def test_mixed_decode_stop_strings_context_limit_and_abort(tiny_model):
