@@ -26,9 +26,9 @@ GEMMs). ``gap`` = measured step time / (generation floor + training floor).
     python bench/e2e.py --shapes tiny --device cpu        # CPU smoke (seconds per system)
     python bench/e2e.py --shapes 0.5b --systems areno,trl --steps 3 --warmup 2
 
-Step time = timed wall / timed steps (``step_s_mean``; ``areno_async`` times an even number of steps,
-``--steps`` rounded up; the asynchronous pool makes consecutive step
-times alternate, so a median would be misleading); ``step_s`` lists each step.
+Step time = timed wall / timed steps (``step_s_mean``; ``areno_async`` times a multiple of η + 1 steps
+(``--async-eta``, default 1), ``--steps`` rounded up; the asynchronous pool generates η + 1 batches
+together, so consecutive step times cycle and a median would be misleading); ``step_s`` lists each step.
 
 Prints one JSON line per (system, shape) as it finishes, then a summary line {"summary": ...}.
 """
@@ -204,10 +204,10 @@ def physical_floor(config, num_seqs: int, prompt_len: int, completion_len: int, 
 
 # ----------------------------------------------------------------------------- areno
 def timed_steps(args, eta: int) -> int:
-    """Timed steps of an areno run: ``--steps``, rounded up to even when asynchronous, whose steps
-    alternate between one that finds its batch ready and one that waits for the next pair (a mean
-    over an odd count would over- or under-count one kind)."""
-    return args.steps + (args.steps % 2 if eta > 0 else 0)
+    """Timed steps of an areno run: ``--steps``, rounded up to a multiple of η + 1 when asynchronous,
+    whose steps cycle between ones that find their batch ready and one that waits for the next
+    η + 1 batches generated together (a mean over a partial cycle would over- or under-count one kind)."""
+    return args.steps + (-args.steps) % (eta + 1)
 
 
 def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: int, param_dtype: str,
@@ -416,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where models and runs go (default: a temporary directory)")
     p.add_argument("--areno-set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more config override for both areno systems (repeatable)")
+    p.add_argument("--async-eta", type=int, default=1,
+                   help="areno_async: rollout.max_head_offpolicyness (eta); eta + 1 batches are generated together "
+                        "beside the trainer, and the timed steps are a multiple of eta + 1")
     p.add_argument("--areno-async-set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more config override for areno_async only (repeatable), e.g. rollout.max_concurrent=8 "
                         "to generate one batch at a time beside the trainer")
@@ -436,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--systems: unknown system {s!r}; choose from {list(SYSTEMS)}")
     if args.warmup < 1 or args.steps < 1:
         raise ValueError("--warmup and --steps must be >= 1 (the first step allocates and compiles)")
+    if args.async_eta < 1:
+        raise ValueError(f"--async-eta must be >= 1 (got {args.async_eta}); eta 0 is the colocated system 'areno'")
     param_dtype = args.param_dtype or ("bfloat16" if args.device == "cuda" else "float32")
     rollout_elt = 2 if args.device == "cuda" else 4
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-e2e-"))
@@ -457,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, config, tokenizer = make_model_dir(shape, workdir)
         print(json.dumps({"shape": shape, "model_init_s": time.perf_counter() - t0}), flush=True)
         # enough distinct prompts for every step, the async pool's look-ahead included
-        prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + 5), prompt_len)
+        prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + args.async_eta + 5), prompt_len)
         data_path = workdir / f"prompts-{shape}.jsonl"
         data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
         floor = physical_floor(config, num_seqs, prompt_len, completion_len, rollout_elt, copy_bw, matmul_rate)
@@ -466,9 +471,12 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_trl(args, shape, model_dir, prompts, tokenizer, workdir, param_dtype=param_dtype,
                               completion_len=completion_len)
             else:
-                res = run_areno(args, shape, model_dir, data_path, workdir, eta=int(system == "areno_async"),
+                res = run_areno(args, shape, model_dir, data_path, workdir,
+                                eta=args.async_eta if system == "areno_async" else 0,
                                 param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len)
             row = report(system, shape, res, floor, num_seqs, completion_len)
+            if system == "areno_async":
+                row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
             row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs,
                        params=floor["params"])
             results.append(row)

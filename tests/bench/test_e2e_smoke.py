@@ -76,3 +76,16 @@ def test_areno_overrides_reach_their_systems(tmp_path):
     async_cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r1", eta=1, **kw)
     assert sync_cfg.optim.lr == async_cfg.optim.lr == 3e-6
     assert async_cfg.rollout.max_concurrent == 8 and sync_cfg.rollout.max_concurrent != 8
+
+
+def test_async_steps_are_whole_cycles_of_eta_plus_one():
+    args = e2e.build_parser().parse_args(["--steps", "3", "--async-eta", "3"])
+    assert e2e.timed_steps(args, 0) == 3  # colocated: as asked
+    assert e2e.timed_steps(args, 1) == 4 and e2e.timed_steps(args, 3) == 4
+    args.steps = 5
+    assert e2e.timed_steps(args, 3) == 8 and e2e.timed_steps(args, 4) == 5
+
+
+def test_async_eta_zero_is_refused_naming_the_colocated_system():
+    with pytest.raises(ValueError, match="--async-eta must be >= 1.*'areno'"):
+        e2e.main(["--async-eta", "0", "--device", "cpu", "--shapes", "tiny"])
