@@ -268,9 +268,14 @@ class RolloutWorker:
     def sync(self, version: int) -> dict[str, float]:
         # No CUDA-graph capture beside the sync's NCCL work on this GPU (steps needing a new graph
         # meanwhile run eagerly); an asynchronous run syncs while the engine generates.
+        t0 = time.perf_counter()
         with self.engine.hold_graph_captures():
+            t1 = time.perf_counter()  # an ongoing capture finished
             metrics = self.transport.sync(version).as_metrics()
+        t2 = time.perf_counter()
         self.app.state.client.wake()
+        metrics["policy_sync_phase_hold_captures_s"] = t1 - t0
+        metrics["policy_sync_phase_wake_s"] = time.perf_counter() - t2
         return metrics
 
     def join_checkpoint(self, path: str, load: bool) -> None:
@@ -453,7 +458,9 @@ class PartitionedArenoEngine(ArenoEngine):
         return metrics
 
     def update_weights(self) -> dict[str, float]:
+        t0 = time.perf_counter()
         self.check_workers()
+        t_check = time.perf_counter() - t0
         version = self.version + 1
         if self.asynchronous:
             self.executor.pause()
@@ -467,9 +474,18 @@ class PartitionedArenoEngine(ArenoEngine):
                 self.executor.resume()
         self.version = version
         n_train = len(self.scheduler.workers("train"))
-        # a training rank's figures, but generation stopped as long as the slowest rollout commit
-        self._pending_sync_metrics = {**results[0], "policy_sync_generation_paused_s": max(
-            r["policy_sync_generation_paused_s"] for r in results[n_train:])}
+        # a training rank's figures, but generation stopped as long as the slowest rollout commit;
+        # where the time went: the training rank's phases, the slowest rollout rank's per phase
+        # (policy_sync_rollout_phase_*), and the controller's own (worker check, whole call)
+        rollout_phases = {k.replace("policy_sync_phase_", "policy_sync_rollout_phase_"):
+                          max(r.get(k, 0.0) for r in results[n_train:])
+                          for k in results[n_train] if k.startswith("policy_sync_phase_")}
+        self._pending_sync_metrics = {
+            **{k: v for k, v in results[0].items()}, **rollout_phases,
+            "policy_sync_generation_paused_s": max(r["policy_sync_generation_paused_s"] for r in results[n_train:]),
+            "policy_sync_controller_check_s": t_check,
+            "policy_sync_controller_s": time.perf_counter() - t0,
+        }
         return {}
 
     def check_workers(self) -> None:

@@ -36,7 +36,7 @@ import abc
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,6 +73,9 @@ class SyncStats:
     generation_paused_s: float | None = None
     """Time the rollout engine stopped generating for this sync (a staged receiver: the commit's
     copy alone); None = the whole sync (the in-place transport copies into a paused engine)."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Where this rank's ``total_time_s`` went, by phase (a transport's own names, e.g. pack, post,
+    wait, stage, vote, commit, device_sync); reported as ``policy_sync_phase_<name>_s``."""
 
     @property
     def throughput_gbps(self) -> float:
@@ -88,6 +91,7 @@ class SyncStats:
             "policy_sync_throughput_gbps": self.throughput_gbps,
             "policy_sync_generation_paused_s": (self.total_time_s if self.generation_paused_s is None
                                                 else self.generation_paused_s),
+            **{f"policy_sync_phase_{name}_s": float(v) for name, v in self.phases_s.items()},
         }
 
     def log(self, transport: str) -> None:

@@ -539,15 +539,17 @@ class StreamTransport(PolicySyncTransport):
         assert self.is_train or self.is_rollout, f"rank {self.rank} takes no part in this policy sync"
         self._attempt += 1
         self._inflight = []
-        self.last_phases = dict.fromkeys(("pack", "post", "wait", "stage", "vote", "commit"), 0.0)
+        self.last_phases = dict.fromkeys(("begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync"), 0.0)
         t0 = time.perf_counter()
         progress, error = 0, None
         try:
             if self.is_train:
                 transfer = self._send()
             else:
+                t = time.perf_counter()
                 self.store.set(self._key("start", self.rank), b"1")
                 self.receiver.begin(version)
+                self.last_phases["begin"] = time.perf_counter() - t
                 transfer = self._receive()
             progress = len(self.plan.buckets)
         except PolicySyncError as e:
@@ -573,7 +575,9 @@ class StreamTransport(PolicySyncTransport):
             self.receiver.commit(version)
             self.last_phases["commit"] = time.perf_counter() - t
         if self.device.type == "cuda":
+            t = time.perf_counter()
             torch.cuda.synchronize(self.device)
+            self.last_phases["device_sync"] = time.perf_counter() - t
         return SyncStats(
             version=version,
             total_time_s=time.perf_counter() - t0,
@@ -583,6 +587,7 @@ class StreamTransport(PolicySyncTransport):
             # a training rank does not pause generation; a rollout rank as long as its receiver
             # says (a staged one: the commit; an in-place one: the whole sync)
             generation_paused_s=self.receiver.last_paused_s if self.is_rollout else 0.0,
+            phases_s=dict(self.last_phases),
         )
 
     def _vote(self, *, state: int, progress: int) -> tuple[bool, str]:

@@ -73,7 +73,17 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
         assert set(r_got.metrics) == set(r_ref.metrics) | health | (engine_keys if step else set())
         # (a /health miss on a loaded machine may briefly mark the one replica unhealthy)
         assert r_got.metrics["rollout/healthy_servers"] + r_got.metrics["rollout/unhealthy_servers"] == 1.0
-        assert set(m_got) == set(m_ref), set(m_got) ^ set(m_ref)
+        # plus, once a sync ran, where the partitioned sync's time went: each phase on the training
+        # rank and the slowest rollout rank, and the controller's own share
+        breakdown = {k for k in m_got
+                     if k.startswith(("policy_sync_phase_", "policy_sync_rollout_phase_", "policy_sync_controller"))}
+        assert set(m_got) - breakdown == set(m_ref), (set(m_got) - breakdown) ^ set(m_ref)
+        if "policy_sync_time_s" in m_got:
+            assert {"policy_sync_phase_pack_s", "policy_sync_phase_device_sync_s", "policy_sync_rollout_phase_commit_s",
+                    "policy_sync_rollout_phase_hold_captures_s", "policy_sync_rollout_phase_wake_s",
+                    "policy_sync_controller_check_s", "policy_sync_controller_s"} <= breakdown
+            assert m_got["policy_sync_rollout_phase_commit_s"] > 0 and m_got["policy_sync_phase_commit_s"] == 0
+            assert m_got["policy_sync_controller_s"] >= m_got["policy_sync_controller_check_s"]
         assert all(isinstance(v, float) and v == v for v in m_got.values())  # finite floats, no NaN
         assert r_got.batch.input_ids_T.numel() > 0 and len(r_got.trajectories) == 2 * 4
     busy = got[1][0].metrics["rollout/engine_busy_frac"]

@@ -364,13 +364,18 @@ def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
         trainer = threading.Thread(target=busy)
         trainer.start()
         try:
-            ids = [eng.add_request(p, params) for p in prompts]
-            for _ in range(6):
-                eng.step()
-            eng.update_weights(new_weights.items(), version=1)
-            outs = []
-            while eng.has_unfinished():
-                outs += eng.step()
+            # Captures are held while the "trainer" runs, as ArenoEngine.step does: the warm-up
+            # covers the k-step loop of every batch size, but not a shorter last round trip (a 7-step
+            # loop here, on the H200), which then runs eagerly instead of being captured beside the
+            # other thread's device synchronizations (those invalidate a capture).
+            with eng.hold_graph_captures():
+                ids = [eng.add_request(p, params) for p in prompts]
+                for _ in range(6):
+                    eng.step()
+                eng.update_weights(new_weights.items(), version=1)
+                outs = []
+                while eng.has_unfinished():
+                    outs += eng.step()
         finally:
             stop.set()
             trainer.join()

@@ -56,7 +56,14 @@ def test_metrics_of_a_completed_sync(results):
     weights = tiny_weights(1)
     for r in range(4):
         m = results[r]["v2"]["metrics"]
-        assert set(m) == set(METRIC_NAMES)
+        phases = {k for k in m if k.startswith("policy_sync_phase_")}
+        assert set(m) - phases == set(METRIC_NAMES)
+        # where the time went, the same phases on every rank (zero where a rank has no part)
+        assert phases == {f"policy_sync_phase_{p}_s"
+                          for p in ("begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync")}
+        assert all(m[k] >= 0 for k in phases)
+        assert sum(m[k] for k in phases) <= m["policy_sync_time_s"] + 1e-6
+        assert (m["policy_sync_phase_commit_s"] > 0) == (r in ROLLOUT), r  # only receivers commit
         assert m["policy_sync_bytes"] == sum(t.numel() * 4 for t in weights.values())
         assert m["policy_sync_tensors"] == len(weights)
         assert m["policy_sync_time_s"] >= m["policy_sync_transfer_time_s"] > 0
@@ -119,7 +126,7 @@ def check_exact(res: dict) -> None:
         assert any(fanout) and not all(fanout)
         assert total < res[0][tag]["wire_bytes"] < 2 * total
     # The swap commit moves no bytes; the rollout ranks report the phases they spent time in.
-    assert set(res[2]["direct"]["phases"]) == {"pack", "post", "wait", "stage", "vote", "commit"}
+    assert set(res[2]["direct"]["phases"]) == {"begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync"}
     assert res[0]["direct"]["phases"]["stage"] == 0.0 and res[2]["direct"]["phases"]["pack"] == 0.0
 
 
