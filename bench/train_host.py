@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         "own ops cost on the host")
     p.add_argument("--count-ops", action="store_true",
                    help="count the aten ops of one step per arm (torch.profiler): a proxy for kernel launches")
+    p.add_argument("--named-weights", action="store_true",
+                   help="also time a policy sync's read of the weights (named_weights) against full_tensor per tensor")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
@@ -223,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                 arms_out[name]["aten_ops_per_step"] = profile_step(backends[name], batches[0], forward, 0)["op_calls"]
         if args.floor:
             report["floor_local_backend"] = local_floor(model_dir, args, batches, forward)
+        if args.named_weights:
+            report["named_weights"] = time_named_weights(backends[args.arms[-1]], args.rounds)
         if args.profile:
             report["profile"] = {"arm": args.profile, **profile_step(backends[args.profile], batches[0], forward,
                                                                      args.top)}
@@ -236,6 +240,33 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def time_named_weights(backend, rounds: int) -> dict:
+    """A policy sync's read of the trained weights (``named_weights``, what the transport iterates)
+    against the same read through ``DTensor.full_tensor`` for every tensor (the path before a one-rank
+    mesh used its local tensors), side by side; values must agree exactly."""
+    from torch.distributed.tensor import DTensor
+
+    from areno.train.lora import merged_named_weights
+
+    def gathered():
+        return list(merged_named_weights(backend.model, lambda t: t.full_tensor() if isinstance(t, DTensor) else t))
+
+    def current():
+        return list(backend.named_weights())
+
+    ms = {"full_tensor": [], "named_weights": []}
+    for _ in range(rounds):
+        for name, fn in (("full_tensor", gathered), ("named_weights", current)):
+            c0 = time.process_time()
+            fn()
+            ms[name].append(1e3 * (time.process_time() - c0))
+    med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
+    same = all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(gathered(), current()))
+    return {"tensors": len(current()), "host_ms_full_tensor": round(med["full_tensor"], 2),
+            "host_ms_named_weights": round(med["named_weights"], 2),
+            "speedup": round(med["full_tensor"] / max(med["named_weights"], 1e-6), 2), "identical": same}
 
 
 def local_floor(model_dir: Path, args, batches, forward) -> dict:

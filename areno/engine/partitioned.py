@@ -230,8 +230,13 @@ class RolloutWorker:
         warm_up_rollout_engine(self.engine, cfg)
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
                  for n, t in self.engine.weight_tensors().items()}
+        # Asynchronous: a staged commit is applied in the background at the engine's next step
+        # boundary, so the sync (and the trainer waiting on it) does not wait for a k-step decode loop.
+        self.receiver = engine_receiver(self.engine, specs, commit=cfg.cluster.sync_commit,
+                                        deferred=cfg.rollout.max_head_offpolicyness > 0
+                                        and cfg.cluster.sync_commit == "staged")
         self.transport = StreamTransport(topology=layout.stream_topology(), config=_sync_config(cfg),
-                                         receiver=engine_receiver(self.engine, specs, commit=cfg.cluster.sync_commit),
+                                         receiver=self.receiver,
                                          device=device,
                                          backend="nccl" if device_type == "cuda" else None)
         from areno.rollout.server import check_bind
@@ -258,6 +263,8 @@ class RolloutWorker:
         return os.getpid()
 
     def version(self) -> int:
+        if hasattr(self.receiver, "wait_committed"):  # a deferred commit still applying
+            self.receiver.wait_committed(timeout_s=self.transport.config.timeout_s)
         return self.engine.version
 
     def engine_stats(self) -> dict[str, float]:
@@ -293,6 +300,11 @@ class RolloutWorker:
             dist.barrier()
 
     def shutdown(self) -> None:
+        if hasattr(self.receiver, "wait_committed"):
+            try:
+                self.receiver.wait_committed(timeout_s=10)
+            except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the caller's error
+                logger.warning("rollout worker shutdown: %s", exc)
         self.server.should_exit = True
         self._thread.join(timeout=10)
 

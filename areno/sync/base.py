@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -277,6 +278,13 @@ class StagedReceiver(ShardReceiver):
     stopped generation (from the engine's pause taking effect to its resume: not the wait for the
     running step to end, during which generation goes on), its device copies waited for; else the
     commit waits for the device and the whole apply counts as paused.
+
+    ``deferred``: ``commit`` checks that every tensor arrived, then returns at once and applies on a
+    background thread (for an engine that is generating, the apply first waits for its running
+    step, up to one whole k-step decode loop: the sync need not wait with it). The engine's version
+    switches at that step boundary; the tokens generated until then carry the old one, as recorded.
+    ``wait_committed`` (and the next ``begin``, before the staging tensors are rewritten) waits for it;
+    ``last_paused_s`` is then the last *completed* apply's.
     """
 
     def __init__(
@@ -284,21 +292,43 @@ class StagedReceiver(ShardReceiver):
         specs: Mapping[str, ShardSpec],
         apply: Callable[[list[tuple[str, torch.Tensor]], int], float | None],
         device: torch.device | str = "cpu",
+        *,
+        deferred: bool = False,
     ) -> None:
         self._specs = dict(specs)
         self._apply = apply
         self._device = torch.device(device)
         self._staging: dict[str, torch.Tensor] = {}
         self._written: set[str] = set()
+        self.deferred = deferred
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
         self.version: int | None = None
         """Version of the last commit, None before the first."""
         self.last_apply_s = 0.0
         """Seconds the last ``commit`` spent applying (the only time generation must pause)."""
+        self.last_paused_s = 0.0 if deferred else None
 
     def shard_specs(self) -> Mapping[str, ShardSpec]:
         return self._specs
 
+    def wait_committed(self, timeout_s: float | None = None) -> None:
+        """Wait for a deferred commit still being applied; PolicySyncError if it failed (the engine
+        then still serves the version before it) or did not end within ``timeout_s``."""
+        pending = self._pending
+        if pending is not None:
+            pending.join(timeout_s)
+            if pending.is_alive():
+                raise PolicySyncError(f"the deferred commit of a policy sync did not end within {timeout_s} s "
+                                      "(the rollout engine's running step never ended)")
+            self._pending = None
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise PolicySyncError(f"the deferred commit of the previous policy sync failed: "
+                                  f"{type(error).__name__}: {error}") from error
+
     def begin(self, version: int) -> None:
+        self.wait_committed()
         if not self._staging:
             self._staging = {
                 n: torch.empty(s.local_shape, dtype=s.dtype, device=self._device) for n, s in self._specs.items()
@@ -313,6 +343,21 @@ class StagedReceiver(ShardReceiver):
         missing = _never_arrived(self._specs, self._written, version)
         if missing:
             raise PolicySyncError(missing)
+        if not self.deferred:
+            self._apply_now(version)
+            return
+        self.wait_committed()  # (begin waited already: a no-op unless commit is called twice)
+
+        def run() -> None:
+            try:
+                self._apply_now(version)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by wait_committed / the next sync
+                self._pending_error = exc
+
+        self._pending = threading.Thread(target=run, name=f"areno-commit-v{version}", daemon=True)
+        self._pending.start()
+
+    def _apply_now(self, version: int) -> None:
         t0 = time.perf_counter()
         paused_s = self._apply(list(self._staging.items()), version)
         if paused_s is None and self._device.type == "cuda":  # (a timed apply waited for its copies)
@@ -423,7 +468,8 @@ class TensorEngine:
         self.torn = reason
 
 
-def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: str = "staged") -> ShardReceiver:
+def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: str = "staged",
+                    deferred: bool = False) -> ShardReceiver:
     """A receiver for a rollout engine exposing ``weight_tensors()`` (its live, possibly
     TP-sharded tensors by HF name), ``commit_weights(version)``, ``pause()``, ``resume()``,
     ``is_paused`` and, for ``commit="inplace"``, ``mark_torn(reason)``.
@@ -435,6 +481,9 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: s
     engine that reads its weights through these tensor objects at every step (no captured CUDA
     graphs). ``"inplace"``: a ``LiveReceiver`` (no staging; the engine paused for the whole sync;
     a failed sync leaves it refusing to generate until the next one).
+
+    ``deferred`` (staged and swap only): the commit's apply runs in the background (see
+    ``StagedReceiver``), so a sync into a generating engine does not wait for its running step.
 
     Everything is validated here, before any byte moves: only names present on both sides are
     kept; a live tensor whose shape differs from its spec's slice, or whose dtype the sync cannot
@@ -457,6 +506,9 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: s
         kept[name] = ShardSpec(name=name, full_shape=spec.full_shape, dtype=t.dtype, dim=spec.dim,
                                start=spec.start, length=spec.length)
     if commit == "inplace":
+        if deferred:
+            raise ValueError("deferred=True needs a staged or swap commit: an in-place sync writes the paused "
+                             "engine's weights directly, so there is nothing to apply later")
         return LiveReceiver(engine, kept)
     device = next(iter(live.values())).device
     copy = swap_into(live) if commit == "swap" else copy_into(live)
@@ -476,7 +528,7 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: s
                 engine.resume()  # type: ignore[attr-defined]
         return time.perf_counter() - stopped
 
-    return StagedReceiver(kept, apply, device=device)
+    return StagedReceiver(kept, apply, device=device, deferred=deferred)
 
 
 class LiveReceiver(ShardReceiver):

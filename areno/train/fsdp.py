@@ -147,7 +147,13 @@ class FSDP2TrainBackend(PackedTrainBackend):
         return [by_rank[r] for r in range(self._dp_size)]
 
     def _full(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if not isinstance(tensor, DTensor):
+            return tensor
+        if tensor.device_mesh.size() == 1:
+            # one rank holds it all (a mesh of one never pads a shard): its local tensor is the full
+            # value, read without full_tensor's redistribute (host dispatch of a collective of one)
+            return tensor.to_local()
+        return tensor.full_tensor()
 
     def _loss_scale(self) -> float:
         return float(self._dp_size)

@@ -59,21 +59,23 @@ def merged_named_weights(
     Yields in state-dict order; adapter tensors themselves are not yielded.
     """
     lora_modules = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    for name, tensor in model.state_dict().items():
+    # keep_vars: the parameters themselves, detached once after ``full`` (a DTensor's detach is a
+    # dispatched op; two per tensor were most of a one-rank sync's read of the weights)
+    for name, tensor in model.state_dict(keep_vars=True).items():
         if ".lora_" in name:
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         if owner in lora_modules and leaf == "weight":
             layer = lora_modules[owner]
-            a_RD = full(layer.lora_A[ADAPTER].weight.detach())
-            b_OR = full(layer.lora_B[ADAPTER].weight.detach())
-            w0 = full(tensor.detach())
+            a_RD = full(layer.lora_A[ADAPTER].weight).detach()
+            b_OR = full(layer.lora_B[ADAPTER].weight).detach()
+            w0 = full(tensor).detach()
             delta = (b_OR.float() @ a_RD.float()) * layer.scaling[ADAPTER]
             yield f"{owner}.weight", (w0.float() + delta).to(w0.dtype)
         elif owner in lora_modules:
-            yield f"{owner}.{leaf}", full(tensor.detach())
+            yield f"{owner}.{leaf}", full(tensor).detach()
         else:
-            yield name, full(tensor.detach())
+            yield name, full(tensor).detach()
 
 
 def adapter_scaling(cfg: LoraConfig) -> float:

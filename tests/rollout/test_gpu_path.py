@@ -344,7 +344,7 @@ def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     results = {}
     for own in (False, True):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=512, cuda_stream=own,
+        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=512, cuda_stream=own, decode_steps=8,
                                                                    recompute_kv_on_weight_update=False),
                             eos_token_ids=())
         assert (eng._stream is not None) is own
@@ -370,10 +370,11 @@ def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
             # other thread's device synchronizations (those invalidate a capture).
             with eng.hold_graph_captures():
                 ids = [eng.add_request(p, params) for p in prompts]
-                for _ in range(6):
-                    eng.step()
-                eng.update_weights(new_weights.items(), version=1)
                 outs = []
+                for _ in range(2):  # the prefill, then one 8-step decode loop: 9 of 24 tokens
+                    outs += eng.step()
+                assert not outs  # the update lands mid-generation
+                eng.update_weights(new_weights.items(), version=1)
                 while eng.has_unfinished():
                     outs += eng.step()
         finally:
@@ -384,5 +385,6 @@ def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
         by_id = {o.request_id: o for o in outs}
         results[own] = [(by_id[i].output_ids, by_id[i].output_versions) for i in ids]
         results[own, "lp"] = [lp for i in ids for lp in by_id[i].output_logprobs]
+    assert all(set(versions) == {0, 1} for _, versions in results[True])  # every request saw the switch
     assert results[True] == results[False]
     torch.testing.assert_close(torch.tensor(results[True, "lp"]), torch.tensor(results[False, "lp"]), atol=1e-3, rtol=0)

@@ -127,6 +127,68 @@ def test_staged_receiver_is_all_or_nothing():
     assert r.version == 1 and torch.equal(live["b"], torch.full((2,), 2.0))
 
 
+def test_deferred_staged_commit_returns_before_the_apply_and_the_next_sync_waits_for_it():
+    import threading
+
+    live = {"a": torch.zeros(2)}
+    specs = {"a": ShardSpec(name="a", full_shape=(2,), dtype=torch.float32)}
+    boundary = threading.Event()  # the engine's running step ending
+    copy = copy_into(live)
+
+    def apply(named, version):
+        assert boundary.wait(10)
+        copy(named, version)
+        return 0.001  # seconds generation stopped
+
+    r = StagedReceiver(specs, apply, deferred=True)
+    r.begin(1)
+    r.stage("a").fill_(1.0)
+    r.commit(1)  # returns while the engine's step still runs
+    assert r.version is None and torch.equal(live["a"], torch.zeros(2))
+    with pytest.raises(PolicySyncError, match="did not end within 0.05 s"):
+        r.wait_committed(timeout_s=0.05)
+    boundary.set()
+    r.wait_committed()
+    assert r.version == 1 and torch.equal(live["a"], torch.ones(2)) and r.last_paused_s == 0.001
+    # the next sync's begin waits for a pending apply before its bytes overwrite the staging copy
+    boundary.clear()
+    r.begin(2)
+    r.stage("a").fill_(2.0)
+    r.commit(2)
+    threading.Timer(0.05, boundary.set).start()
+    r.begin(3)
+    assert r.version == 2 and torch.equal(live["a"], torch.full((2,), 2.0))
+
+
+def test_deferred_commit_that_fails_is_reported_by_the_next_sync_and_keeps_the_old_weights():
+    live = {"a": torch.zeros(2)}
+    specs = {"a": ShardSpec(name="a", full_shape=(2,), dtype=torch.float32)}
+
+    def apply(named, version):
+        raise RuntimeError("engine refused the update")
+
+    r = StagedReceiver(specs, apply, deferred=True)
+    r.begin(1)
+    r.stage("a").fill_(1.0)
+    r.commit(1)
+    with pytest.raises(PolicySyncError, match="previous policy sync failed: RuntimeError: engine refused the update"):
+        r.begin(2)
+    assert r.version is None and torch.equal(live["a"], torch.zeros(2))
+    r.begin(2)  # reported once; the receiver takes the next sync
+
+
+def test_engine_receiver_refuses_a_deferred_inplace_commit():
+    from areno.sync.base import engine_receiver
+
+    class Engine:
+        def weight_tensors(self):
+            return {"a": torch.zeros(2)}
+
+    specs = {"a": ShardSpec(name="a", full_shape=(2,), dtype=torch.float32)}
+    with pytest.raises(ValueError, match="deferred=True needs a staged or swap commit"):
+        engine_receiver(Engine(), specs, commit="inplace", deferred=True)
+
+
 @pytest.mark.slow
 def test_stream_sync_into_rollout_engine_logprobs_match_trainer(tiny_model_dir, tmp_path):
     from sync_helpers import spawn, worker_engine
