@@ -18,6 +18,10 @@ metrics of the real run (bytes, seconds, GB/s, generation-paused seconds), stale
         --hidden 1024 --layers 12 --heads 16 --kv-heads 4 --batch-size 16 --n-samples 8 \\
         --short-len 64 --long-len 512 --steps 10                     # 2 GPUs: train GPU 0, rollout GPU 1
     ... --train-devices 0,1 --rollout-devices 0,1 --etas 2          # overlapping device lists
+    ... --etas 0,4 --steps 30 --repeats 3                           # 0,4,0,4,0,4: paired ratios, medians
+
+The output's ``summary`` gives, per eta, the trained tokens/s of each repeat and its median, and the ratio
+to the first eta's arm of the same repeat (run just before it) with its median.
 """
 
 from __future__ import annotations
@@ -48,12 +52,12 @@ def write_rows(path: Path, n: int, args, seed: int) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def arm_config(eta: int, args, work: Path):
+def arm_config(eta: int, args, work: Path, repeat: int = 0):
     from areno.api.config import load_config
 
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     overrides = [
-        f"run_dir={work / f'eta{eta}'}",
+        f"run_dir={work / (f'eta{eta}' if repeat == 0 else f'eta{eta}-r{repeat}')}",
         f"model.path={work / 'model'}",
         "model.init_tiny={hidden_size: %d, layers: %d, heads: %d, kv_heads: %d}"
         % (args.hidden, args.layers, args.heads, args.kv_heads),
@@ -113,11 +117,11 @@ class ArmTimeout:
             self._timer.cancel()
 
 
-def run_arm(eta: int, args, work: Path) -> dict:
+def run_arm(eta: int, args, work: Path, repeat: int = 0) -> dict:
     from areno.api.trainer import Trainer
     from areno.observe.metrics import read_jsonl_records
 
-    config = arm_config(eta, args, work)
+    config = arm_config(eta, args, work, repeat)
     t0 = time.perf_counter()
     deadline = ArmTimeout(args.arm_timeout, Path(config.run_dir) / "workers")
     try:
@@ -130,7 +134,8 @@ def run_arm(eta: int, args, work: Path) -> dict:
     except Exception as e:  # noqa: BLE001 - an arm that stalled (killed by its deadline) is reported, not fatal
         if not deadline.fired:
             raise
-        return {"eta": eta, "error": f"stalled: no result within --arm-timeout {args.arm_timeout:g} s ({e})"}
+        return {"eta": eta, "repeat": repeat,
+                "error": f"stalled: no result within --arm-timeout {args.arm_timeout:g} s ({e})"}
     finally:
         deadline.cancel()
     rows = [r for r in read_jsonl_records(Path(config.run_dir) / "metrics.jsonl", what="metrics") if "timing/rollout_s" in r]
@@ -144,6 +149,7 @@ def run_arm(eta: int, args, work: Path) -> dict:
     reward_key = next((k for k in ("rollout/reward_mean", "reward/mean") if k in rows[0]), None)
     return {
         "eta": eta,
+        "repeat": repeat,
         "init_s": round(init_s, 2),
         "steps_timed": len(timed),
         "wall_s": round(sum(step_s), 3),
@@ -169,6 +175,26 @@ def run_arm(eta: int, args, work: Path) -> dict:
     }
 
 
+def paired_summary(arms: list[dict], etas: list[int]) -> dict:
+    """Per eta over the repeats: trained tokens/s (median and each), and its ratio to the first
+    eta's arm of the same repeat (arms of one repeat run back to back: the steadier comparison on a
+    shared machine), median and each. Arms that failed are left out (a repeat without its first eta's arm
+    gives no ratios)."""
+    out: dict = {}
+    base = {a["repeat"]: a["trained_tokens_per_s"] for a in arms if a["eta"] == etas[0] and "error" not in a}
+    for eta in etas:
+        ok = [a for a in arms if a["eta"] == eta and "error" not in a]
+        rates = [a["trained_tokens_per_s"] for a in ok]
+        ratios = [round(a["trained_tokens_per_s"] / base[a["repeat"]], 3) for a in ok if a["repeat"] in base]
+        out[str(eta)] = {
+            "trained_tokens_per_s": rates,
+            "trained_tokens_per_s_median": statistics.median(rates) if rates else None,
+            f"ratio_to_eta{etas[0]}": ratios,
+            f"ratio_to_eta{etas[0]}_median": statistics.median(ratios) if ratios else None,
+        }
+    return out
+
+
 def _median_of(rows: list[dict], key: str, fmt) -> float | None:
     values = [r[key] for r in rows if key in r]
     return fmt(statistics.median(values)) if values else None
@@ -181,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-devices", default="1")
     p.add_argument("--etas", default="0,2,4")
     p.add_argument("--steps", type=int, default=4, help="timed steps per arm")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the --etas sequence this many times, interleaved (0,4,0,4,...); the summary gives each "
+                        "eta's median and its ratio to the first eta within each repeat")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first, per arm")
     p.add_argument("--batch-size", type=int, default=4, help="prompts per step")
     p.add_argument("--n-samples", type=int, default=4)
@@ -211,20 +240,26 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     write_rows(work / "train.jsonl", 4000, args, seed=1)
     write_rows(work / "eval.jsonl", 16, args, seed=2)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    etas = [int(e) for e in args.etas.split(",")]
     arms = []
-    for eta in args.etas.split(","):
-        arms.append(run_arm(int(eta), args, work))
-        # one line per finished arm, so a run cut short by a time limit still reports what it measured
-        print(f"partitioned arm: {json.dumps(arms[-1])}", file=sys.stderr, flush=True)
-    base = next((a["trained_tokens_per_s"] for a in arms if "error" not in a), None)
-    for arm in arms:
+    for repeat in range(args.repeats):
+        for eta in etas:
+            arms.append(run_arm(eta, args, work, repeat))
+            # one line per finished arm, so a run cut short by a time limit still reports what it measured
+            print(f"partitioned arm: {json.dumps(arms[-1])}", file=sys.stderr, flush=True)
+    for arm in arms:  # against the first eta's arm of the same repeat
+        base = next((a["trained_tokens_per_s"] for a in arms
+                     if a["repeat"] == arm["repeat"] and a["eta"] == etas[0] and "error" not in a), None)
         if base and "error" not in arm:
             arm["speedup_vs_first"] = round(arm["trained_tokens_per_s"] / base, 3)
     if args.device == "cuda":
         hw = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
     else:
         hw = "cpu (gloo), 1 thread per worker"
-    result = {"bench": "partitioned", "hardware": hw, "torch": torch.__version__, "config": vars(args), "arms": arms}
+    result = {"bench": "partitioned", "hardware": hw, "torch": torch.__version__, "config": vars(args), "arms": arms,
+              "summary": paired_summary(arms, etas)}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -25,3 +25,18 @@ def test_arm_past_its_deadline_is_dumped_killed_and_reported(tmp_path):
     assert arm["eta"] == 0 and "stalled: no result within --arm-timeout 3 s" in arm["error"]
     assert "=== stall: controller stacks" in proc.stderr
     assert "run_arm" in proc.stderr  # the controller's own stack names where it waited
+
+
+def test_paired_summary_ratios_within_each_repeat():
+    sys.path.insert(0, str(ROOT))
+    from bench.partitioned import paired_summary
+
+    arms = [{"eta": 0, "repeat": 0, "trained_tokens_per_s": 100.0}, {"eta": 4, "repeat": 0, "trained_tokens_per_s": 250.0},
+            {"eta": 0, "repeat": 1, "trained_tokens_per_s": 200.0}, {"eta": 4, "repeat": 1, "trained_tokens_per_s": 300.0},
+            {"eta": 0, "repeat": 2, "error": "stalled"}, {"eta": 4, "repeat": 2, "trained_tokens_per_s": 400.0}]
+    s = paired_summary(arms, [0, 4])
+    assert s["0"]["trained_tokens_per_s"] == [100.0, 200.0] and s["0"]["trained_tokens_per_s_median"] == 150.0
+    assert s["0"]["ratio_to_eta0"] == [1.0, 1.0]
+    # repeat 2 has no eta 0 arm: its eta 4 rate counts, but gives no ratio
+    assert s["4"]["trained_tokens_per_s"] == [250.0, 300.0, 400.0] and s["4"]["trained_tokens_per_s_median"] == 300.0
+    assert s["4"]["ratio_to_eta0"] == [2.5, 1.5] and s["4"]["ratio_to_eta0_median"] == 2.0
