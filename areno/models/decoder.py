@@ -332,9 +332,25 @@ class Decoder(nn.Module):
         x_TD = self.model.embed_tokens(input_ids_T)
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
+        if fused_ops.add_norm_active(x_TD):
+            return self._forward_add_norm(x_TD, cos_TF, sin_TF, attn)
         for layer in self.model.layers:
             x_TD = layer(x_TD, cos_TF, sin_TF, attn)
         return self.model.norm(x_TD)
+
+    def _forward_add_norm(self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor,
+                          attn: AttentionBackend) -> torch.Tensor:
+        """The layers of ``forward`` with each residual add and the RMSNorm after it as one op
+        (``fused_ops.add_rms_norm``): the post-attention norm, the next layer's input norm, and the
+        final norm after the last layer. Same values as the layer-by-layer loop."""
+        layers = self.model.layers
+        h_TD = layers[0].input_layernorm(x_TD)
+        for i, layer in enumerate(layers):
+            post = layer.post_attention_layernorm
+            x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), post.weight, post.eps)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.mlp(h_TD), nxt.weight, nxt.eps)
+        return h_TD
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
         """[T, V] logits in the model dtype (use ``logprobs.py`` for chunked fp32 log-probs)."""

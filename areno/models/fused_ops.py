@@ -9,6 +9,10 @@ to the model dtype exactly where the eager code rounds (after the normalisation,
 weight; after each product of RoPE; after SiLU), so outputs agree with the eager path to within
 a rounding step of the model dtype (RMSNorm's mean of squares is summed in another order).
 
+``add_rms_norm`` also folds the residual add before each RMSNorm into it (two kernels fewer per
+layer; ``Decoder`` then runs its layers as attention, add+norm, MLP, add+norm); it has its own
+self-check and switch, so a failure there leaves only it off.
+
 ``enable()`` turns them on for the process after a self-check against the eager ops on random
 inputs (a failure leaves them off and says why); ``areno.models.decoder`` routes ``RMSNorm``,
 ``apply_rope`` and the MLP's activation here only inside ``with inference():`` on the calling
@@ -124,6 +128,21 @@ if triton is not None:
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _add_rms_norm_kernel(X, R, W, S, Y, stride_x, stride_r, stride_s, stride_y, D, eps, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        s = _round_to(x + r, S.dtype.element_ty)  # eager: the residual add, rounded to the model dtype
+        tl.store(S + row * stride_s + cols, s.to(S.dtype.element_ty), mask=mask)
+        var = tl.sum(s * s, axis=0) / D
+        sn = _round_to(s * tl.math.rsqrt(var + eps), S.dtype.element_ty)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        y = w.to(tl.float32) * sn
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh, H, F,
                      BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
         t = tl.program_id(0)
@@ -162,6 +181,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps,
                                          BLOCK_D=triton.next_power_of_2(D))
     return out.view(*x.shape[:-1], D)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + r`` (the residual add, in x's dtype) and ``rms_norm(s)``, in one kernel: the pair a
+    decoder layer computes between its blocks (``eager_add_rms_norm`` is the reference)."""
+    D = x.shape[-1]
+    x2, r2 = x.reshape(-1, D), r.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x2.shape[0]:
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, s, y, x2.stride(0), r2.stride(0), s.stride(0),
+                                             y.stride(0), D, eps, BLOCK_D=triton.next_power_of_2(D))
+    return s.view(*x.shape[:-1], D), y.view(*x.shape[:-1], D)
+
+
+def eager_add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` in eager ops: what a decoder layer does without the fused kernels."""
+    from areno.models.decoder import eager_rms_norm  # decoder imports this module
+
+    s = x + r
+    return s, eager_rms_norm(s, weight, eps)
 
 
 def rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
@@ -223,14 +269,48 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
     return None
 
 
+def add_norm_self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """``add_rms_norm`` against ``eager_add_rms_norm`` on random inputs: the sum exactly, the norm
+    within two roundings of the model dtype; None when they agree, else what failed."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    try:
+        with torch.no_grad():
+            x, r, w = rand(37, 896), rand(37, 896), rand(896)
+            (s, y), (s_ref, y_ref) = add_rms_norm(x, r, w, 1e-6), eager_add_rms_norm(x, r, w, 1e-6)
+            if not torch.equal(s, s_ref):
+                return f"add_rms_norm's sum differs from eager in {int((s != s_ref).sum())} of {s.numel()} values"
+            ulp = torch.finfo(dtype).eps * y_ref.abs().float().clamp(min=1e-3)
+            if not bool(((y.float() - y_ref.float()).abs() <= 2 * ulp).all()):
+                return f"add_rms_norm differs from eager by {(y.float() - y_ref.float()).abs().max().item():.3g}"
+    except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernel
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 _SWITCH = KernelSwitch("fused inference kernels (eager ops are used)", lambda: self_check())
+_ADD_NORM = KernelSwitch("the fused residual-add + RMSNorm kernel (an add and the RMSNorm kernel are used)",
+                         lambda: add_norm_self_check())
 
 
 def enable() -> bool:
     """Turn the fused kernels on for this process if Triton and CUDA are here and the self-check
-    passes (idempotent); returns whether they are on."""
-    return _SWITCH.enable()
+    passes (idempotent); returns whether they are on. The residual-add + RMSNorm kernel has its own
+    check: if it fails, only that kernel stays off."""
+    on = _SWITCH.enable()
+    if on:
+        _ADD_NORM.enable()
+    return on
 
 
 def disable() -> None:
     _SWITCH.disable()
+    _ADD_NORM.disable()
+
+
+def add_norm_active(x: torch.Tensor) -> bool:
+    """Whether a decoder forward on ``x`` fuses each residual add with the RMSNorm after it."""
+    return _ADD_NORM.on and active(x)

@@ -116,3 +116,55 @@ def test_kernel_switch_turns_on_only_after_its_self_check(monkeypatch, caplog):
     assert switch.enable("bad") is True and calls == ["bad", "good"]  # on stays on, unchecked
     switch.disable()
     assert not switch.on
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_norm_loop_equals_the_layer_loop(monkeypatch, dtype):
+    """The forward that fuses each residual add with the RMSNorm after it (taken on CUDA when the
+    add+RMSNorm kernel is on) gives exactly the layer-by-layer forward's values: run here with the
+    eager reference of the fused op, so the restructured loop itself is what is checked."""
+    torch.manual_seed(0)
+    config = tiny_config(64, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)
+    model = Decoder(config).to(dtype).eval()
+    ids = torch.randint(0, 64, (19,))
+    pos = torch.cat([torch.arange(7), torch.arange(12)])
+    cu = torch.tensor([0, 7, 19])
+    with torch.no_grad():
+        ref = model(ids, pos, PackedCausalAttention(cu))
+        calls = []
+
+        def add_rms_norm(x, r, w, eps):
+            calls.append(w)
+            return fused_ops.eager_add_rms_norm(x, r, w, eps)
+
+        monkeypatch.setattr(fused_ops, "add_norm_active", lambda x: True)
+        monkeypatch.setattr(fused_ops, "add_rms_norm", add_rms_norm)
+        got = model(ids, pos, PackedCausalAttention(cu))
+    assert torch.equal(got, ref)
+    # two per layer: its post-attention norm, then the next layer's input norm (the final norm last)
+    layers = model.model.layers
+    want = [n.weight for i, layer in enumerate(layers)
+            for n in (layer.post_attention_layernorm, layers[i + 1].input_layernorm if i + 1 < len(layers)
+                      else model.model.norm)]
+    assert len(calls) == 6 and all(a is b for a, b in zip(calls, want))
+
+
+def test_add_norm_stays_off_without_the_fused_kernels():
+    x = torch.randn(3, 8)
+    assert not fused_ops.add_norm_active(x)  # CPU, and (without CUDA) never enabled
+    fused_ops.disable()
+    assert not fused_ops._ADD_NORM.on
+
+
+@gpu
+def test_add_rms_norm_kernel_matches_eager():
+    assert fused_ops.add_norm_self_check() is None
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(33, 1536, device="cuda", dtype=dtype)
+        r = torch.randn(33, 1536, device="cuda", dtype=dtype)
+        w = torch.randn(1536, device="cuda", dtype=dtype)
+        (s, y), (s_ref, y_ref) = fused_ops.add_rms_norm(x, r, w, 1e-6), fused_ops.eager_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(s, s_ref)
+        torch.testing.assert_close(y, y_ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+    assert fused_ops.enable() and fused_ops._ADD_NORM.on
