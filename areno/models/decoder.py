@@ -158,7 +158,15 @@ class Attention(nn.Module):
         T = x_TD.shape[0]
         # Head counts come from the weights, so a TP-sharded projection works unchanged.
         if self.qkv is not None and self.qkv.usable():
-            q_TN, k_TN, v_TN = self.qkv.split(self.qkv(x_TD))  # one GEMM, column views
+            qkv_TN = self.qkv(x_TD)  # one GEMM
+            q_TN, k_TN, v_TN = self.qkv.split(qkv_TN)  # column views
+            if not hasattr(self, "q_norm") and fused_ops.active(qkv_TN):
+                # q and k are adjacent columns of one product: one RoPE kernel over their heads
+                hq, hk = q_TN.shape[1] // self.head_dim, k_TN.shape[1] // self.head_dim
+                qk_THD = fused_ops.rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim),
+                                        cos_TF, sin_TF)
+                out_THD = attn(self.layer_idx, qk_THD[:, :hq], qk_THD[:, hq:], v_TN.view(T, -1, self.head_dim))
+                return _rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
         else:
             q_TN, k_TN, v_TN = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
         q_THD = q_TN.view(T, -1, self.head_dim)

@@ -168,3 +168,56 @@ def test_add_rms_norm_kernel_matches_eager():
         assert torch.equal(s, s_ref)
         torch.testing.assert_close(y, y_ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
     assert fused_ops.enable() and fused_ops._ADD_NORM.on
+
+
+def emulate_fused_path_on_cpu(monkeypatch) -> None:
+    """Route every forward through the fused-kernel code paths (as on CUDA inside ``inference()``)
+    with the kernels replaced by their eager references: the routing (fused projections' single
+    RoPE over q and k, add+norm pairs, the MLP's halves) is then checked on the CPU."""
+    monkeypatch.setattr(fused_ops, "active", lambda x: not torch.is_grad_enabled())
+    monkeypatch.setattr(fused_ops, "add_norm_active", lambda x: not torch.is_grad_enabled())
+    monkeypatch.setattr(fused_ops, "rms_norm", eager_rms_norm)
+    monkeypatch.setattr(fused_ops, "rope", eager_rope)
+    monkeypatch.setattr(fused_ops, "add_rms_norm", fused_ops.eager_add_rms_norm)
+    monkeypatch.setattr(fused_ops, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused_projections", [True, False])
+def test_fused_kernel_routing_equals_the_eager_forward(monkeypatch, dtype, fused_projections):
+    torch.manual_seed(0)
+    config = tiny_config(64, hidden_size=32, layers=3, heads=4, kv_heads=2, initializer_range=0.2)
+    model = Decoder(config).to(dtype).eval()
+    if fused_projections:
+        model.fuse_projections()
+    ids = torch.randint(0, 64, (19,))
+    pos = torch.cat([torch.arange(7), torch.arange(12)])
+    cu = torch.tensor([0, 7, 19])
+    with torch.no_grad():
+        ref = model.logits(model(ids, pos, PackedCausalAttention(cu)))
+        emulate_fused_path_on_cpu(monkeypatch)
+        got = model.logits(model(ids, pos, PackedCausalAttention(cu)))
+    assert torch.equal(got, ref)
+
+
+def test_engine_generates_the_same_tokens_through_the_fused_routing(monkeypatch):
+    """The rollout engine (paged K/V, prefill and decode steps) on the fused routing: q and k reach
+    the attention as views of one RoPE output; greedy tokens and log-probs are unchanged."""
+    from areno.api.types import SamplingParams
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    torch.manual_seed(0)
+    config = tiny_config(64, hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3,
+                         max_position_embeddings=128)
+    model = Decoder(config).eval()
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20]]
+
+    def run():
+        eng = RolloutEngine(model, config, config=RolloutEngineConfig(block_size=4, num_blocks=64,
+                                                                      fused_projections=True), eos_token_ids=())
+        return [(o.output_ids, o.output_logprobs) for o in eng.generate(prompts, params)]
+
+    ref = run()
+    emulate_fused_path_on_cpu(monkeypatch)
+    assert run() == ref
