@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="CUDA: fused RMSNorm/RoPE/SiLU-mul Triton kernels (RolloutEngineConfig.fused_kernels)")
     ap.add_argument("--fused-projections", action=argparse.BooleanOptionalAction, default=True,
                     help="one GEMM for q/k/v and one for gate/up per layer (RolloutEngineConfig.fused_projections)")
+    ap.add_argument("--fused-add-norm", action=argparse.BooleanOptionalAction, default=True,
+                    help="CUDA: the residual add + RMSNorm kernel (fused_ops.add_rms_norm) where the fused kernels "
+                         "are on; --no-fused-add-norm keeps the add and the RMSNorm kernel apart (A/B)")
     ap.add_argument("--compare-fused-projections", action="store_true",
                     help="each run also runs with the other --fused-projections setting, side by side")
     ap.add_argument("--profile", action="store_true",
@@ -254,6 +257,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.fused_add_norm:
+        from areno.models import fused_ops
+
+        fused_ops._ADD_NORM.allowed = False
     hf_dict, n_default, new_default = SHAPES[args.shape]
     n = args.prompts or n_default
     new_tokens = args.new_tokens or new_default
@@ -301,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "temperature": args.temperature[0], "temperature_runs": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k, "seeded": not args.unseeded,
         "fused_projections": args.fused_projections, "compare_fused_projections": args.compare_fused_projections,
-        "fused_kernels": args.fused_kernels,
+        "fused_kernels": args.fused_kernels, "fused_add_norm": args.fused_add_norm,
         "params_M": round(n_params / 1e6, 2), "prompts": n, "new_tokens": new_tokens,
         "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
         "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),

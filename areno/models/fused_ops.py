@@ -52,12 +52,15 @@ class KernelSwitch:
         self.what = what
         self._check = check
         self.on = False
+        self.allowed = True
+        """False keeps the kernels off whatever ``enable`` is asked (benchmarks' A/B runs)."""
 
     def enable(self, *args: object) -> bool:
-        """Idempotent; returns whether the kernels are on (never without Triton and CUDA)."""
+        """Idempotent; returns whether the kernels are on (never without Triton and CUDA, or when
+        not ``allowed``)."""
         if self.on:
             return True
-        if not available():
+        if not available() or not self.allowed:
             return False
         problem = self._check(*args)
         if problem is not None:

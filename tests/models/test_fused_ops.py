@@ -116,6 +116,8 @@ def test_kernel_switch_turns_on_only_after_its_self_check(monkeypatch, caplog):
     assert switch.enable("bad") is True and calls == ["bad", "good"]  # on stays on, unchecked
     switch.disable()
     assert not switch.on
+    switch.allowed = False  # an A/B run keeps it off, checked or not
+    assert switch.enable("good") is False and not switch.on and calls == ["bad", "good"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
