@@ -55,13 +55,17 @@ gpu = pytest.mark.gpu
 
 @gpu
 def test_self_check_and_kernels_match_eager():
-    assert fused_ops.self_check() is None
+    assert fused_ops.self_check() is None and fused_ops.add_norm_self_check() is None
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(33, 1536, device="cuda", dtype=dtype)
         w = torch.randn(1536, device="cuda", dtype=dtype)
         ref = eager_rms_norm(x, w, 1e-6)
         torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+        r = torch.randn(33, 1536, device="cuda", dtype=dtype)  # the residual add + RMSNorm kernel
+        (s, y), (s_ref, y_ref) = fused_ops.add_rms_norm(x, r, w, 1e-6), fused_ops.eager_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(s, s_ref)
+        torch.testing.assert_close(y, y_ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
         q = torch.randn(9, 12, 128, device="cuda", dtype=dtype)[:, :, :]  # Qwen2.5-1.5B heads
         cos, sin = torch.randn(9, 64, device="cuda", dtype=dtype), torch.randn(9, 64, device="cuda", dtype=dtype)
         tol = dict(rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
@@ -156,20 +160,6 @@ def test_add_norm_stays_off_without_the_fused_kernels():
     assert not fused_ops.add_norm_active(x)  # CPU, and (without CUDA) never enabled
     fused_ops.disable()
     assert not fused_ops._ADD_NORM.on
-
-
-@gpu
-def test_add_rms_norm_kernel_matches_eager():
-    assert fused_ops.add_norm_self_check() is None
-    torch.manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(33, 1536, device="cuda", dtype=dtype)
-        r = torch.randn(33, 1536, device="cuda", dtype=dtype)
-        w = torch.randn(1536, device="cuda", dtype=dtype)
-        (s, y), (s_ref, y_ref) = fused_ops.add_rms_norm(x, r, w, 1e-6), fused_ops.eager_add_rms_norm(x, r, w, 1e-6)
-        assert torch.equal(s, s_ref)
-        torch.testing.assert_close(y, y_ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
-    assert fused_ops.enable() and fused_ops._ADD_NORM.on
 
 
 def emulate_fused_path_on_cpu(monkeypatch) -> None:
