@@ -263,8 +263,7 @@ class RolloutWorker:
         return os.getpid()
 
     def version(self) -> int:
-        if hasattr(self.receiver, "wait_committed"):  # a deferred commit still applying
-            self.receiver.wait_committed(timeout_s=self.transport.config.timeout_s)
+        self.receiver.wait_committed(timeout_s=self.transport.config.timeout_s)  # a deferred commit applying
         return self.engine.version
 
     def engine_stats(self) -> dict[str, float]:
@@ -300,11 +299,10 @@ class RolloutWorker:
             dist.barrier()
 
     def shutdown(self) -> None:
-        if hasattr(self.receiver, "wait_committed"):
-            try:
-                self.receiver.wait_committed(timeout_s=10)
-            except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the caller's error
-                logger.warning("rollout worker shutdown: %s", exc)
+        try:
+            self.receiver.wait_committed(timeout_s=10)
+        except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the caller's error
+            logger.warning("rollout worker shutdown: %s", exc)
         self.server.should_exit = True
         self._thread.join(timeout=10)
 
@@ -493,7 +491,7 @@ class PartitionedArenoEngine(ArenoEngine):
                           max(r.get(k, 0.0) for r in results[n_train:])
                           for k in results[n_train] if k.startswith("policy_sync_phase_")}
         self._pending_sync_metrics = {
-            **{k: v for k, v in results[0].items()}, **rollout_phases,
+            **results[0], **rollout_phases,
             "policy_sync_generation_paused_s": max(r["policy_sync_generation_paused_s"] for r in results[n_train:]),
             "policy_sync_controller_check_s": t_check,
             "policy_sync_controller_s": time.perf_counter() - t0,

@@ -261,6 +261,10 @@ class ShardReceiver(abc.ABC):
     """Seconds the last completed sync stopped generation on this receiver (None: unknown, count
     the whole sync)."""
 
+    def wait_committed(self, timeout_s: float | None = None) -> None:
+        """Return once the last commit is applied (a receiver that applies it within ``commit``:
+        at once; see ``StagedReceiver``'s deferred mode)."""
+
 
 def _never_arrived(specs: Mapping[str, ShardSpec], written: set[str], version: int) -> str:
     """A receiver's commit check: the one-line error naming tensors no bucket wrote, or ''."""
