@@ -443,6 +443,10 @@ class ArenoEngine:
         """Data cursor, policy version and sampler state of a checkpoint (``resume_state``); the
         loaded weights go to the rollout side."""
         data = state["data"]
+        if self.ledger is not None and self.ledger.num_pending:
+            raise RuntimeError(
+                f"load(): this asynchronous engine's rollout pool has started ({self.ledger.num_pending} samples "
+                "handed out); load a checkpoint into a new engine before its first rollout, as a resumed run does")
         if "stream" in data:  # written by an asynchronous run: stream cursor + untrained samples
             if self.ledger is not None:
                 self.ledger.load_state_dict(data)

@@ -142,6 +142,12 @@ class SampleLedger:
                     "pending": [{"row": dict(row), "key": list(key)} for row, key in untrained],
                     "trained_groups": self.trained_groups}
 
+    @property
+    def num_pending(self) -> int:
+        """Samples handed out to the rollout pool and not yet trained (0 before the pool starts)."""
+        with self._lock:
+            return len(self._pending)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
             assert not self._pending, "load the ledger before the rollout pool starts"

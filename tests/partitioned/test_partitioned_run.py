@@ -143,12 +143,24 @@ def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
         ckpt = tmp_path / "ckpt"
         engine.save(ckpt, {"step": 2})
         assert (ckpt / "COMPLETE").exists() and (ckpt / "hf" / "config.json").exists()
-        data_state = engine.train_stream.state_dict()
-        engine.version = 7  # load restores the saved version
+        # the running pool has samples in flight: a checkpoint loads only into a new engine
+        with pytest.raises(RuntimeError, match=r"rollout pool has started \(\d+ samples handed out\); load a "
+                                               "checkpoint into a new engine"):
+            engine.load(ckpt)
+    finally:
+        engine.shutdown()
+    # resume: a new engine loads the checkpoint before its first rollout
+    engine = PartitionedArenoEngine(cfg, tmp_path / "run2")
+    engine.initialize()
+    try:
         state = engine.load(ckpt)
         assert state["step"] == 2 and engine.version == 2
-        assert engine.train_stream.state_dict() == data_state
-        assert engine.scheduler.call("rollout", "version") == [3, 3]  # re-synced after load
+        assert engine.train_stream.state_dict() == state["data"]["stream"]
+        assert engine.ledger.num_pending == 0 and len(state["data"]["pending"]) > 0  # replayed first
+        assert engine.scheduler.call("rollout", "version") == [2, 2]  # the loaded policy, synced as v2
+        rollout, metrics = _two_steps(engine)[0]
+        assert "train/policy/loss" in metrics and rollout.metrics["rollout/staleness_max"] <= 1
+        assert engine.scheduler.call("rollout", "version") == [4, 4]
     finally:
         engine.shutdown()
 
