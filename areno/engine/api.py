@@ -431,7 +431,17 @@ class ArenoEngine:
             state["rollout_rng"] = sampler.generator.get_state()
         return state
 
+    def check_loadable(self) -> None:
+        """A checkpoint loads only before an asynchronous engine's rollout pool starts (its samples in
+        flight would be lost or trained twice): RuntimeError, before any weight is read, otherwise."""
+        handed_out = self.ledger.num_handed_out if getattr(self, "ledger", None) is not None else 0
+        if handed_out:
+            raise RuntimeError(
+                f"load(): this asynchronous engine's rollout pool has started ({handed_out} samples handed out); "
+                "load a checkpoint into a new engine before its first rollout, as a resumed run does")
+
     def load(self, path: Path) -> dict:
+        self.check_loadable()
         state = {}
         for role_name, backend in self.runner.backends.items():
             if backend.cfg.trainable:
@@ -443,10 +453,6 @@ class ArenoEngine:
         """Data cursor, policy version and sampler state of a checkpoint (``resume_state``); the
         loaded weights go to the rollout side."""
         data = state["data"]
-        if self.ledger is not None and self.ledger.num_pending:
-            raise RuntimeError(
-                f"load(): this asynchronous engine's rollout pool has started ({self.ledger.num_pending} samples "
-                "handed out); load a checkpoint into a new engine before its first rollout, as a resumed run does")
         if "stream" in data:  # written by an asynchronous run: stream cursor + untrained samples
             if self.ledger is not None:
                 self.ledger.load_state_dict(data)

@@ -143,8 +143,9 @@ class SampleLedger:
                     "trained_groups": self.trained_groups}
 
     @property
-    def num_pending(self) -> int:
-        """Samples handed out to the rollout pool and not yet trained (0 before the pool starts)."""
+    def num_handed_out(self) -> int:
+        """Samples handed out to the rollout pool and not yet trained (0 before the pool starts;
+        ``num_pending`` also counts the loaded ones not yet replayed)."""
         with self._lock:
             return len(self._pending)
 

@@ -528,6 +528,7 @@ class PartitionedArenoEngine(ArenoEngine):
         checkpoint.commit(tmp, path)  # COMPLETE inside, then one rename: path exists only when whole
 
     def load(self, path: Path) -> dict:
+        self.check_loadable()
         state = {}
         for role in self.scheduler.call("train", "trainable_roles")[0]:
             results = gather_fail_fast(self.scheduler.submit("train", "load_role", str(path / role), role)

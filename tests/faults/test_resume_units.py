@@ -175,3 +175,15 @@ def test_episodes_sample_with_seeds_from_their_place_in_the_data():
     assert sorted(inner.seeds) == sorted(expected) and len(expected) == 6
     assert [t.info[SEQ_KEY] for t in kept] == [0, 0, 0]
     assert rejected is None and ledger.num_pending == 1  # the rejected sample is done, untrained
+
+
+def test_load_into_a_started_asynchronous_pool_is_refused_before_any_weight_is_read(tmp_path):
+    from areno.engine.api import ArenoEngine
+
+    engine = object.__new__(ArenoEngine)  # only what load() reads first: no model, no backend
+    engine.ledger = SampleLedger(PromptStream(_rows(4), seed=0))
+    engine.check_loadable()  # the pool has not started: loadable
+    next(engine.ledger)
+    with pytest.raises(RuntimeError, match=r"^load\(\): this asynchronous engine's rollout pool has started \(1 samples "
+                                           r"handed out\); load a checkpoint into a new engine"):
+        engine.load(tmp_path / "absent")  # refused before the (absent) checkpoint is opened

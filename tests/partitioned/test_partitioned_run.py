@@ -161,7 +161,8 @@ def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
         state = engine.load(ckpt)
         assert state["step"] == 2 and engine.version == 2
         assert engine.train_stream.state_dict() == state["data"]["stream"]
-        assert engine.ledger.num_pending == 0 and len(state["data"]["pending"]) > 0  # replayed first
+        # the checkpoint's untrained samples are replayed first, none handed out yet
+        assert engine.ledger.num_handed_out == 0 and engine.ledger.num_pending == len(state["data"]["pending"]) > 0
         assert engine.scheduler.call("rollout", "version") == [2, 2]  # the loaded policy, synced as v2
         rollout, metrics = _two_steps(engine)[0]
         assert "train/policy/loss" in metrics and rollout.metrics["rollout/staleness_max"] <= 1
