@@ -262,9 +262,6 @@ class ArenoEngine:
         return RolloutEngine(model, model_config, config=engine_cfg,
                              eos_token_ids=[self.tokenizer.eos_token_id], tokenizer=self.tokenizer)
 
-    def _sampling_params(self, *, greedy: bool) -> SamplingParams:
-        return rollout_sampling_params(self.config, greedy=greedy)
-
     def _build_executor(self):
         from areno.api.workflow import load_workflow
         from areno.rewards.loader import load_reward
@@ -278,7 +275,7 @@ class ArenoEngine:
         # executor frees those of dropped groups, step() those of trained ones
         self.store = InProcessStore()
         workflow = load_workflow(cfg.rollout.workflow, tokenizer=self.tokenizer, reward_fn=reward_fn,
-                                 n_samples=cfg.rollout.n_samples, sampling_params=self._sampling_params(greedy=False),
+                                 n_samples=cfg.rollout.n_samples, sampling_params=rollout_sampling_params(cfg, greedy=False),
                                  prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                                  **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
                                  **cfg.rollout.workflow_kwargs)
@@ -377,7 +374,7 @@ class ArenoEngine:
             self.reward_fn = load_reward(cfg.reward)
         reward_fn = self.reward_fn
         prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
-        params = self._sampling_params(greedy=True)
+        params = rollout_sampling_params(cfg, greedy=True)
         t0 = time.perf_counter()
 
         client = self.client
@@ -434,7 +431,7 @@ class ArenoEngine:
     def check_loadable(self) -> None:
         """A checkpoint loads only before an asynchronous engine's rollout pool starts (its samples in
         flight would be lost or trained twice): RuntimeError, before any weight is read, otherwise."""
-        handed_out = self.ledger.num_handed_out if getattr(self, "ledger", None) is not None else 0
+        handed_out = self.ledger.num_handed_out if self.ledger is not None else 0
         if handed_out:
             raise RuntimeError(
                 f"load(): this asynchronous engine's rollout pool has started ({handed_out} samples handed out); "

@@ -157,26 +157,26 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x_TD.shape[0]
         # Head counts come from the weights, so a TP-sharded projection works unchanged.
-        if self.qkv is not None and self.qkv.usable():
-            qkv_TN = self.qkv(x_TD)  # one GEMM
+        qkv_TN = self.qkv(x_TD) if self.qkv is not None and self.qkv.usable() else None  # one GEMM
+        if qkv_TN is not None:
             q_TN, k_TN, v_TN = self.qkv.split(qkv_TN)  # column views
-            if not hasattr(self, "q_norm") and fused_ops.active(qkv_TN):
-                # q and k are adjacent columns of one product: one RoPE kernel over their heads
-                hq, hk = q_TN.shape[1] // self.head_dim, k_TN.shape[1] // self.head_dim
-                qk_THD = fused_ops.rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim),
-                                        cos_TF, sin_TF)
-                out_THD = attn(self.layer_idx, qk_THD[:, :hq], qk_THD[:, hq:], v_TN.view(T, -1, self.head_dim))
-                return _rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
         else:
             q_TN, k_TN, v_TN = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
         q_THD = q_TN.view(T, -1, self.head_dim)
         k_THD = k_TN.view(T, -1, self.head_dim)
         v_THD = v_TN.view(T, -1, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q_THD = self.q_norm(q_THD)
-            k_THD = self.k_norm(k_THD)
-        q_THD = apply_rope(q_THD, cos_TF, sin_TF)
-        k_THD = apply_rope(k_THD, cos_TF, sin_TF)
+        if qkv_TN is not None and not hasattr(self, "q_norm") and fused_ops.active(qkv_TN):
+            # q and k are adjacent columns of one product: one RoPE kernel over their heads
+            hq, hk = q_THD.shape[1], k_THD.shape[1]
+            qk_THD = fused_ops.rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim),
+                                    cos_TF, sin_TF)
+            q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
+        else:
+            if hasattr(self, "q_norm"):
+                q_THD = self.q_norm(q_THD)
+                k_THD = self.k_norm(k_THD)
+            q_THD = apply_rope(q_THD, cos_TF, sin_TF)
+            k_THD = apply_rope(k_THD, cos_TF, sin_TF)
         out_THD = attn(self.layer_idx, q_THD, k_THD, v_THD)
         return _rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
 
