@@ -127,6 +127,12 @@ class RolloutSection:
     (a broken rollout engine or server, a workflow that always raises); 0 = never stop."""
     kv_blocks: int = 0
     """Rollout engine KV-cache blocks (0 = sized automatically)."""
+    max_num_seqs: int = 0
+    """Most sequences the rollout engine decodes at once (its running batch; CUDA graphs are captured
+    up to this size). 0 = the run's sequences in flight, min(max_concurrent, batch_size x (eta + 1)) x
+    n_samples, at least 256 and at most 1024: an asynchronous run keeps several batches in flight, and
+    a running batch smaller than that leaves the rest waiting while a decode step of a small model
+    costs about the same for twice the rows (bench/RESULTS.md)."""
     decode_steps: int = 0
     """Decode steps the rollout engine runs per host round trip when every sequence is decoding
     (sampling, stop checks and feedback stay on the device); 0 = the engine's default (8 on CUDA, 1 on
@@ -182,6 +188,7 @@ class RolloutSection:
                f"must be >= 0, got {self.max_head_offpolicyness}")
         _check(self.decode_attention in ("auto", "gather", "paged"), "rollout.decode_attention",
                f"must be auto, gather or paged, got {self.decode_attention!r}")
+        _check(self.max_num_seqs >= 0, "rollout.max_num_seqs", f"must be >= 0 (0 = automatic), got {self.max_num_seqs}")
         _check(self.decode_steps >= 0, "rollout.decode_steps", f"must be >= 0 (0 = engine default), got {self.decode_steps}")
         _check(self.mixed_decode_min_rows is None or self.mixed_decode_min_rows >= 1, "rollout.mixed_decode_min_rows",
                f"must be >= 1 or null (off), got {self.mixed_decode_min_rows}")

@@ -49,12 +49,34 @@ def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_bloc
     from areno.rollout.engine import RolloutEngineConfig
 
     r = cfg.rollout
+    max_seqs = rollout_max_num_seqs(cfg)
     return RolloutEngineConfig(
-        device=device, dtype=dtype, decode_steps=r.decode_steps or None, decode_attention=r.decode_attention,
+        device=device, dtype=dtype, max_num_seqs=max_seqs, cuda_graph_max_batch=max_seqs,
+        decode_steps=r.decode_steps or None, decode_attention=r.decode_attention,
         fused_kernels=r.fused_kernels, cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
         recompute_kv_on_weight_update=r.recompute_kv_on_weight_update, cuda_stream=r.cuda_stream,
         mixed_decode_min_rows=r.mixed_decode_min_rows,
         **({"num_blocks": num_blocks} if num_blocks else {}))
+
+
+def rollout_sequences_in_flight(cfg: ArenoConfig) -> int:
+    """Sequences a run can have in flight at once: at most eta + 1 batches of episodes (the staleness
+    capacity), each of ``n_samples`` sequences, and no more than ``max_concurrent`` episodes."""
+    r = cfg.rollout
+    return min(r.max_concurrent, r.batch_size * (r.max_head_offpolicyness + 1)) * r.n_samples
+
+
+AUTO_MAX_NUM_SEQS = (256, 1024)
+"""Bounds of the rollout engine's running batch when ``rollout.max_num_seqs`` is 0 (automatic)."""
+
+
+def rollout_max_num_seqs(cfg: ArenoConfig) -> int:
+    """The rollout engine's running-batch limit: ``rollout.max_num_seqs``, or (0) the run's sequences
+    in flight within ``AUTO_MAX_NUM_SEQS``."""
+    if cfg.rollout.max_num_seqs:
+        return cfg.rollout.max_num_seqs
+    lo, hi = AUTO_MAX_NUM_SEQS
+    return max(lo, min(rollout_sequences_in_flight(cfg), hi))
 
 
 def rollout_sampling_params(cfg: ArenoConfig, *, greedy: bool) -> SamplingParams:
@@ -78,8 +100,7 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     params = [dataclasses.replace(rollout_sampling_params(cfg, greedy=False), seed=0)]
     if cfg.data.num_eval and cfg.train.eval_interval:
         params.append(rollout_sampling_params(cfg, greedy=True))
-    # sequences in flight: at most eta + 1 batches of episodes (the staleness capacity) of n samples
-    in_flight = min(r.max_concurrent, r.batch_size * (r.max_head_offpolicyness + 1)) * r.n_samples
+    in_flight = rollout_sequences_in_flight(cfg)
     if cfg.data.num_eval and cfg.train.eval_interval:
         in_flight = max(in_flight, cfg.data.num_eval)
     try:

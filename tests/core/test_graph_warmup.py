@@ -95,3 +95,27 @@ def test_async_colocated_training_step_holds_graph_captures(tmp_path):
         engine._pending_sync_metrics = {}
         metrics = engine.step(RolloutBatch(trajectories=[], batch=None))  # the fake runner ignores the batch
         assert events == expected and metrics == {"train/loss": 1.0}
+
+
+def test_engine_running_batch_follows_the_sequences_in_flight():
+    from areno.engine.api import rollout_engine_config
+
+    def engine_cfg(*extra: str):
+        return rollout_engine_config(_config(*extra), device="cpu", dtype="float32")
+
+    # eta 4: 5 batches of 4 prompts x 8 samples = 160 in flight -> the 256 floor
+    assert engine_cfg("rollout.max_head_offpolicyness=4").max_num_seqs == 256
+    # 20 prompts x 8 samples x 5 batches = 800 sequences in flight: the running batch and its graphs follow
+    c = engine_cfg("rollout.batch_size=20", "rollout.max_head_offpolicyness=4")
+    assert (c.max_num_seqs, c.cuda_graph_max_batch) == (800, 800)
+    assert engine_cfg("rollout.batch_size=64", "rollout.max_head_offpolicyness=4").max_num_seqs == 1024  # ceiling
+    assert engine_cfg("rollout.batch_size=20", "rollout.max_head_offpolicyness=4",
+                      "rollout.max_concurrent=40").max_num_seqs == 320
+    assert engine_cfg("rollout.max_num_seqs=96").max_num_seqs == 96  # explicit
+
+
+def test_negative_max_num_seqs_is_refused_naming_the_key():
+    import pytest
+
+    with pytest.raises(Exception, match=r"rollout\.max_num_seqs"):
+        _config("rollout.max_num_seqs=-1")
