@@ -321,6 +321,11 @@ def run(args, extra: dict, label: str) -> dict:
         out["phase_ms_per_round_trip"] = clock.split(cpu, args.round_trips)
         out["phase_wall_ms_per_round_trip"] = clock.split(engine_wall[0] - wall_eng0, args.round_trips, wall=True)
         clock.close()
+    if args.torch_profile and args.device.startswith("cuda"):
+        from bench.profiling import profile_cuda
+
+        out["torch_profile"] = profile_cuda(lambda: [trip() for _ in range(args.torch_profile)], top=20)
+        out["torch_profile"]["round_trips"] = args.torch_profile
     if prof:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)
@@ -359,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--phases", action="store_true", help="split the host time by phase (a clock around each)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile: the top N functions by own time")
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                    help="CUDA: after measuring, N more round trips under torch.profiler (kernels, host ops, syncs)")
     ap.add_argument("--areno-root", default=None, help="import areno from this checkout (before/after runs)")
     args = ap.parse_args(argv)
     args.fake_graph = not args.no_fake_graph

@@ -41,6 +41,10 @@ class _Group:
     """long [B, Q] row of each padded query in the group's packed tokens (prefill only)."""
     q_valid_BQ: torch.Tensor | None = None
     """bool [B, Q] real (not padding) queries (prefill only)."""
+    q_real_R: torch.Tensor | None = None
+    """long [R] flat index (into B * Q) of each real query, in packed-token order (prefill only):
+    picks the outputs with ``index_select`` (a boolean-mask index would sync the host with the device
+    at every layer)."""
 
 
 @dataclass
@@ -131,12 +135,14 @@ class PagedAttention:
             qpos_BQ = torch.where(q_valid_BQ, starts_B[num_decode:, None] + q_pos_Q[None, :], 0)
             prefill = cls._group(bt_BN[num_decode:], starts_B[num_decode:] + p_new_B, qpos_BQ, bs, sliding_window)
             prefill.q_index_BQ, prefill.q_valid_BQ = q_index_BQ, q_valid_BQ
+            prefill.q_real_R = torch.nonzero(q_valid_BQ.reshape(-1)).squeeze(1)
         to = dict(device=device, non_blocking=True)
         for g in (decode, prefill):
             if g is not None:
                 g.kv_slots_BL, g.mask_B1QL = g.kv_slots_BL.to(**to), g.mask_B1QL.to(**to)
                 if g.q_index_BQ is not None:
                     g.q_index_BQ, g.q_valid_BQ = g.q_index_BQ.to(**to), g.q_valid_BQ.to(**to)
+                    g.q_real_R = g.q_real_R.to(**to)
         return cls(cache, slot_T.to(**to), num_decode, decode, prefill)
 
     @classmethod
@@ -223,7 +229,8 @@ class PagedAttention:
             g = self.prefill
             q_BQHD = q_THD[nd:][g.q_index_BQ]
             out_BHQD = self._sdpa(q_BQHD.transpose(1, 2), k_S, v_S, g)
-            outs.append(out_BHQD.transpose(1, 2)[g.q_valid_BQ])
+            B, H, Q, D = out_BHQD.shape
+            outs.append(out_BHQD.transpose(1, 2).reshape(B * Q, H, D).index_select(0, g.q_real_R))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     @staticmethod
