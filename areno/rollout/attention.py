@@ -20,10 +20,12 @@ Legend: T = packed new tokens, B = sequences, L = key positions (padded), Q = qu
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode
@@ -41,6 +43,9 @@ class _Group:
     """long [B, Q] row of each padded query in the group's packed tokens (prefill only)."""
     q_valid_BQ: torch.Tensor | None = None
     """bool [B, Q] real (not padding) queries (prefill only)."""
+    grouped_mask_B1ML: torch.Tensor | None = None
+    """bool [B, 1, G * Q, L]: ``mask_B1QL`` repeated for the G query heads of one KV head (the grouped
+    prefill form; built at the step's first layer, reused by the others)."""
     q_real_R: torch.Tensor | None = None
     """long [R] flat index (into B * Q) of each real query, in packed-token order (prefill only):
     picks the outputs with ``index_select`` (a boolean-mask index would sync the host with the device
@@ -227,21 +232,45 @@ class PagedAttention:
                 outs.append(out_BH1D.squeeze(2))
         if self.prefill is not None:
             g = self.prefill
-            q_BQHD = q_THD[nd:][g.q_index_BQ]
-            out_BHQD = self._sdpa(q_BQHD.transpose(1, 2), k_S, v_S, g)
-            B, H, Q, D = out_BHQD.shape
+            q_BHQD = q_THD[nd:][g.q_index_BQ].transpose(1, 2)
+            B, H, Q, D = q_BHQD.shape
+            Hkv = k_S.shape[1]
+            if self.GROUPED_DECODE and H != Hkv:
+                # As for decode: the G query heads of one KV head as G x Q queries of that head, the
+                # mask repeated per head, so no enable_gqa (which, with a mask, leaves CUDA only the
+                # math kernel).
+                G = H // Hkv
+                if g.grouped_mask_B1ML is None:
+                    g.grouped_mask_B1ML = g.mask_B1QL.repeat(1, 1, G, 1)
+                out_BKMD = self._sdpa(q_BHQD.reshape(B, Hkv, G * Q, D), k_S, v_S, g, g.grouped_mask_B1ML)
+                out_BHQD = out_BKMD.reshape(B, H, Q, D)
+            else:
+                out_BHQD = self._sdpa(q_BHQD, k_S, v_S, g)
             outs.append(out_BHQD.transpose(1, 2).reshape(B * Q, H, D).index_select(0, g.q_real_R))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     @staticmethod
-    def _sdpa(q_BHQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group) -> torch.Tensor:
+    def _sdpa(q_BHQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group,
+              mask_B1QL: torch.Tensor | None = None) -> torch.Tensor:
         # index_select over the flattened slots: same values as k_S[kv_slots_BL], about 2x faster
         # on CPU than advanced indexing (and a single gather kernel on CUDA).
         B, L = g.kv_slots_BL.shape
         flat_slots = g.kv_slots_BL.reshape(-1)
         k_BHLD = k_S.index_select(0, flat_slots).view(B, L, *k_S.shape[1:]).transpose(1, 2)
         v_BHLD = v_S.index_select(0, flat_slots).view(B, L, *v_S.shape[1:]).transpose(1, 2)
-        return F.scaled_dot_product_attention(
-            q_BHQD, k_BHLD.to(q_BHQD.dtype), v_BHLD.to(q_BHQD.dtype), attn_mask=g.mask_B1QL,
-            enable_gqa=q_BHQD.shape[1] != k_BHLD.shape[1],
-        )
+        with _sdpa_backends(q_BHQD.device):
+            return F.scaled_dot_product_attention(
+                q_BHQD, k_BHLD.to(q_BHQD.dtype), v_BHLD.to(q_BHQD.dtype),
+                attn_mask=g.mask_B1QL if mask_B1QL is None else mask_B1QL,
+                enable_gqa=q_BHQD.shape[1] != k_BHLD.shape[1],
+            )
+
+
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA kernels of the engine's gathered attention on CUDA: not cuDNN's, which builds an execution
+plan per new shape (a mixed step's shapes are new nearly every step: ~2 ms of host time per layer
+on an H200, bench/RESULTS.md); the memory-efficient kernel takes these masked calls."""
+
+
+def _sdpa_backends(device: torch.device) -> AbstractContextManager:
+    return sdpa_kernel(_CUDA_SDPA_BACKENDS) if device.type == "cuda" else nullcontext()

@@ -295,7 +295,8 @@ def test_unseeded_rows_in_the_loop_graph_sample_from_the_policy():
 
 
 def test_grouped_gqa_decode_matches_enable_gqa(monkeypatch):
-    """The CUDA decode layout (KV heads x query groups, no enable_gqa) computes the same attention."""
+    """The CUDA layout of decode rows and prefill chunks (KV heads x query groups, no enable_gqa)
+    computes the same attention."""
     torch.manual_seed(1)
     cache = KVCache(num_layers=1, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8,
                     dtype=torch.float32, device=torch.device("cpu"))
