@@ -41,8 +41,6 @@ class _Group:
     """bool [B, 1, Q, L] True where the query may attend the key."""
     q_index_BQ: torch.Tensor | None = None
     """long [B, Q] row of each padded query in the group's packed tokens (prefill only)."""
-    q_valid_BQ: torch.Tensor | None = None
-    """bool [B, Q] real (not padding) queries (prefill only)."""
     grouped_mask_B1ML: torch.Tensor | None = None
     """bool [B, 1, G * Q, L]: ``mask_B1QL`` repeated for the G query heads of one KV head (the grouped
     prefill form; built at the step's first layer, reused by the others)."""
@@ -139,15 +137,14 @@ class PagedAttention:
             # Padding queries sit at position 0: they attend key 0 only (never a fully masked row).
             qpos_BQ = torch.where(q_valid_BQ, starts_B[num_decode:, None] + q_pos_Q[None, :], 0)
             prefill = cls._group(bt_BN[num_decode:], starts_B[num_decode:] + p_new_B, qpos_BQ, bs, sliding_window)
-            prefill.q_index_BQ, prefill.q_valid_BQ = q_index_BQ, q_valid_BQ
+            prefill.q_index_BQ = q_index_BQ
             prefill.q_real_R = torch.nonzero(q_valid_BQ.reshape(-1)).squeeze(1)
         to = dict(device=device, non_blocking=True)
         for g in (decode, prefill):
             if g is not None:
                 g.kv_slots_BL, g.mask_B1QL = g.kv_slots_BL.to(**to), g.mask_B1QL.to(**to)
                 if g.q_index_BQ is not None:
-                    g.q_index_BQ, g.q_valid_BQ = g.q_index_BQ.to(**to), g.q_valid_BQ.to(**to)
-                    g.q_real_R = g.q_real_R.to(**to)
+                    g.q_index_BQ, g.q_real_R = g.q_index_BQ.to(**to), g.q_real_R.to(**to)
         return cls(cache, slot_T.to(**to), num_decode, decode, prefill)
 
     @classmethod
