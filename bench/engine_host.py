@@ -208,7 +208,6 @@ def build_engine(args, extra: dict):
     max_len = args.prompt_len + 16 + args.long_len
     per_seq = -(-max_len // 16) + 1
     ecfg = RolloutEngineConfig(block_size=16, num_blocks=args.rows * per_seq + 64, max_num_seqs=args.rows,
-                               cuda_graph_max_batch=args.rows,
                                max_tokens_per_step=args.max_tokens_per_step, prefill_chunk_size=1024,
                                max_model_len=max_len, decode_steps=args.decode_steps,
                                cuda_graphs=not args.no_fake_graph or args.device.startswith("cuda"), **extra)

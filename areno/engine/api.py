@@ -49,9 +49,8 @@ def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_bloc
     from areno.rollout.engine import RolloutEngineConfig
 
     r = cfg.rollout
-    max_seqs = rollout_max_num_seqs(cfg)
     return RolloutEngineConfig(
-        device=device, dtype=dtype, max_num_seqs=max_seqs, cuda_graph_max_batch=max_seqs,
+        device=device, dtype=dtype, max_num_seqs=rollout_max_num_seqs(cfg),
         decode_steps=r.decode_steps or None, decode_attention=r.decode_attention,
         fused_kernels=r.fused_kernels, cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
         recompute_kv_on_weight_update=r.recompute_kv_on_weight_update, cuda_stream=r.cuda_stream,

@@ -107,9 +107,9 @@ class RolloutEngineConfig:
     engine's rather than after them. Weights written on the default stream are waited for after
     every weight update and wake; ``pause``/``sleep`` wait for the engine's stream. Experimental:
     not yet measured on a GPU (bench/RESULTS.md)."""
-    cuda_graph_max_batch: int = 256
-    """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, 8, then
-    multiples of 8)."""
+    cuda_graph_max_batch: int | None = None
+    """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, then multiples of
+    8, 32 and 64; ``cuda_graph.padded_batch_size``); larger batches decode eagerly. None: ``max_num_seqs``."""
     decode_steps: int | None = None
     """Decode steps a pure-decode batch runs back to back on the device per host round trip: tokens
     are sampled, fed back and checked for stop ids / length on the device, and copied to the host
@@ -155,7 +155,7 @@ class RolloutEngineConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
                      "cpu_kv_cache_bytes", "cuda_graph_max_batch"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"RolloutEngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.mixed_decode_min_rows is not None and self.mixed_decode_min_rows < 1:
             raise ValueError("RolloutEngineConfig.mixed_decode_min_rows must be >= 1 or None, "
@@ -279,7 +279,8 @@ class RolloutEngine:
         if config.cuda_graphs and self.device.type == "cuda":
             from areno.rollout.cuda_graph import DecodeGraphRunner
 
-            self._graphs = DecodeGraphRunner(self, max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs))
+            self._graphs = DecodeGraphRunner(self, max_batch=min(config.cuda_graph_max_batch or config.max_num_seqs,
+                                                                  config.max_num_seqs))
 
     def _auto_num_blocks(self, num_kv_heads: int) -> int:
         per_block = KVCache.bytes_per_block(

@@ -11,7 +11,7 @@ from areno.engine.api import ArenoEngine
 def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
                              f"rollout.fused_projections={str(fused).lower()}", "rollout.cuda_graphs=false",
-                             "rollout.decode_steps=3", "rollout.kv_blocks=32",
+                             "rollout.decode_steps=3", "rollout.kv_blocks=32", "rollout.max_num_seqs=40",
                              f"rollout.recompute_kv_on_weight_update={str(not fused).lower()}",
                              f"rollout.cuda_stream={str(fused).lower()}",
                              f"rollout.mixed_decode_min_rows={4 if fused else 'null'}"])
@@ -26,9 +26,18 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     assert engine.model.projections_fused is fused
     assert engine.config.fused_projections is fused and engine.config.cuda_graphs is False
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
+    assert engine.scheduler.max_num_seqs == 40 and engine.config.cuda_graph_max_batch is None  # graphs: up to 40
     assert engine.config.recompute_kv_on_weight_update is (not fused)
     assert engine.config.cuda_stream is fused and engine._stream is None  # CPU: no stream either way
     assert engine.config.mixed_decode_min_rows == (4 if fused else None)
+
+
+def test_cuda_graph_max_batch_defaults_to_the_running_batch_and_is_validated():
+    from areno.rollout.engine import RolloutEngineConfig
+
+    assert RolloutEngineConfig(max_num_seqs=512).cuda_graph_max_batch is None
+    with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+        RolloutEngineConfig(cuda_graph_max_batch=0)
 
 
 def test_mixed_decode_min_rows_is_validated():
