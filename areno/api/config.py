@@ -252,6 +252,11 @@ class ClusterSection:
     `{ray_address: auto}` (the `ray start --head` cluster here) or `{slurm_partition: gpu}`."""
     cpu_threads: int = 0
     """torch intra-op threads on CPU (0 = torch's default). Tiny models run fastest with 1."""
+    switch_interval_s: float = 0.0
+    """Python's thread switch interval (``sys.setswitchinterval``) in each partitioned worker process;
+    0 keeps Python's default (5 ms). A rollout worker's sync thread waits for the GIL, held by its
+    engine thread through a step's Python, for up to this long at every wake-up (bench/RESULTS.md:
+    an asynchronous run's transfer took 9-15 ms against 1.3 ms while the engine was idle). Experimental."""
     collective_timeout_s: float = 1800.0
     """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'
     world: a rank that stalls longer fails the collective with an error instead of hanging the run."""
@@ -279,6 +284,8 @@ class ClusterSection:
                f"{self.scheduler} starts the workers of a partitioned placement, but this run is colocated "
                "(one process): set cluster.train_devices/rollout_devices or a '+' allocation_mode, or use local")
         _check(self.cpu_threads >= 0, "cluster.cpu_threads", f"must be >= 0, got {self.cpu_threads}")
+        _check(0 <= self.switch_interval_s <= 1, "cluster.switch_interval_s",
+               f"must be in [0, 1] seconds (0 = Python's default), got {self.switch_interval_s}")
         _check(self.sync_commit in ("staged", "inplace"), "cluster.sync_commit",
                f"must be staged or inplace, got {self.sync_commit!r}")
         if self.allocation_mode is not None:

@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import secrets
+import sys
 import threading
 import time
 from pathlib import Path
@@ -105,6 +106,14 @@ def _device_type(config: ArenoConfig) -> str:
     return resolve_device(config.cluster.device).type
 
 
+def apply_process_settings(config: ArenoConfig) -> None:
+    """A worker process's own settings: torch's CPU threads and Python's thread switch interval."""
+    if config.cluster.cpu_threads:
+        torch.set_num_threads(config.cluster.cpu_threads)
+    if config.cluster.switch_interval_s:
+        sys.setswitchinterval(config.cluster.switch_interval_s)
+
+
 def _init_world(config: ArenoConfig) -> str:
     """Join the world (env from the scheduler); returns the device type."""
     import torch.distributed as dist
@@ -114,8 +123,7 @@ def _init_world(config: ArenoConfig) -> str:
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: stacks to the worker log
     device_type = _device_type(config)
-    if config.cluster.cpu_threads:
-        torch.set_num_threads(config.cluster.cpu_threads)
+    apply_process_settings(config)
     if device_type == "cuda":
         torch.cuda.set_device(0)  # the scheduler gave this worker exactly its device
     if not dist.is_initialized():
