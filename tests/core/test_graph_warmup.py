@@ -117,5 +117,7 @@ def test_engine_running_batch_follows_the_sequences_in_flight():
 def test_negative_max_num_seqs_is_refused_naming_the_key():
     import pytest
 
-    with pytest.raises(Exception, match=r"rollout\.max_num_seqs"):
+    from areno.api.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.max_num_seqs"):
         _config("rollout.max_num_seqs=-1")
