@@ -88,11 +88,17 @@ class ArmTimeout:
     workers' thread states and stacks, ``areno.launch.watchdog.dump_hang``) to stderr, then kill the
     workers so the arm fails with an error and the next arm runs."""
 
+    KILL_EVERY_S = 0.5
+    """After the deadline, child processes are killed again this often until the arm returns: a
+    worker the launcher starts after the first kill (a slow start-up) would otherwise hold the arm
+    in its rendezvous."""
+
     def __init__(self, seconds: float | None, log_dir: Path) -> None:
         import threading
 
         self.fired = False
         self._log_dir = log_dir
+        self._done = threading.Event()
         self._timer = threading.Timer(seconds, self._fire) if seconds else None
         if self._timer is not None:
             self._timer.daemon = True
@@ -106,13 +112,18 @@ class ArmTimeout:
         self.fired = True
         pids = child_pids(os.getpid())
         dump_hang(pids, log_paths=sorted(str(p) for p in self._log_dir.glob("*.log")))
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        while True:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if self._done.wait(self.KILL_EVERY_S):
+                return
+            pids = child_pids(os.getpid())
 
     def cancel(self) -> None:
+        self._done.set()
         if self._timer is not None:
             self._timer.cancel()
 
