@@ -100,3 +100,36 @@ def test_packed_logprobs_bad_input():
         packed_logprobs(small, torch.zeros(12, dtype=torch.long), torch.tensor([0, 3, 12]))
     with pytest.raises(ValueError, match="temperature"):
         packed_logprobs(model, torch.zeros(5, dtype=torch.long), torch.tensor([0, 5]), temperature=0.0)
+
+
+def test_logprobs_backward_keeps_forwards_autocast():
+    """fp32 weights under bf16 autocast (the one-GPU backend's mixed precision): the backward's
+    recomputed logits and both gradient matmuls run in bf16 like forward's, not as fp32 GEMMs, and
+    the gradients keep the inputs' dtypes and match plain autograd through the same autocast."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.seen.append({a.dtype for a in args if isinstance(a, torch.Tensor)})
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    h = torch.randn(24, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (24,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = logprobs_from_hidden(h, w, targets, chunk_size=10)
+        ref = torch.log_softmax((h @ w.t()).float(), -1).gather(-1, targets[:, None])[:, 0]
+    mode = MatmulDtypes()
+    with mode:
+        gh, gw = torch.autograd.grad(lp.sum(), (h, w))
+    assert mode.seen and all(s == {torch.bfloat16} for s in mode.seen), mode.seen
+    assert gh.dtype == torch.float32 and gw.dtype == torch.float32
+    rh, rw = torch.autograd.grad(ref.sum(), (h, w))
+    torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-2)
