@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
                          "are on; --no-fused-add-norm keeps the add and the RMSNorm kernel apart (A/B)")
     ap.add_argument("--compare-fused-projections", action="store_true",
                     help="each run also runs with the other --fused-projections setting, side by side")
+    ap.add_argument("--compare-cpu-decode-matmul", type=int, default=0, metavar="N",
+                    help="CPU: after the runs, N pairs of the first run with decode rows through SDPA over the "
+                         "gathered K/V, then through the head-major matmul form (attention.CPU_DECODE_MATMUL)")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)")
     ap.add_argument("--decode-steps", type=int, default=None,
@@ -301,6 +304,23 @@ def main(argv: list[str] | None = None) -> None:
             ref = label.removesuffix(" no-loop") if not loop else first_at[temperature]
         runs.pop(label, None)  # a value given twice keeps its last run, listed last
         runs[label] = (s_, out_, st_, ref)
+    if args.compare_cpu_decode_matmul and device == "cpu":
+        # The first run again with CPU decode rows on the other attention form (attention.py
+        # CPU_DECODE_MATMUL), then the first run once more: old / new / old / new ... in one process.
+        from areno.rollout import attention
+
+        mode, temperature, loop, fused_proj = plan[0]
+        for rep in range(args.compare_cpu_decode_matmul):
+            for flag in (not attention.CPU_DECODE_MATMUL, attention.CPU_DECODE_MATMUL):
+                saved, attention.CPU_DECODE_MATMUL = attention.CPU_DECODE_MATMUL, flag
+                try:
+                    s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode, temperature,
+                                               loop, fused_proj)
+                finally:
+                    attention.CPU_DECODE_MATMUL = saved
+                st_["fused_projections"] = fused_proj
+                label = f"{first} {'matmul' if flag else 'sdpa'}-decode #{rep + 1}"
+                runs[label] = (s_, out_, st_, first)
     eng_s, eng_out, stats, _ = runs[first]
     result: dict = {
         "bench": "rollout", "shape": args.shape, "device": device, "dtype": str(dtype).removeprefix("torch."),

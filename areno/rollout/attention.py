@@ -48,6 +48,10 @@ class _Group:
     """long [R] flat index (into B * Q) of each real query, in packed-token order (prefill only):
     picks the outputs with ``index_select`` (a boolean-mask index would sync the host with the device
     at every layer)."""
+    cpu_rows_R: torch.Tensor | None = None
+    """long [B * K * L]: row of ``k_S.reshape(-1, Dh)`` of each (sequence, KV head, key) (CPU decode)."""
+    cpu_bias_NQL: torch.Tensor | None = None
+    """[B * K, Q, L] additive mask (0 / -inf) of the CPU decode form."""
 
 
 @dataclass
@@ -221,11 +225,11 @@ class PagedAttention:
                 # (it rejects GQA and flash rejects masks: enable_gqa with a mask runs the math
                 # kernel, which expands K/V G-fold). Same attention up to summation order.
                 q_BKGD = q_THD[:nd].reshape(nd, Hkv, Hq // Hkv, -1)
-                out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g)
+                out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g, decode=True)
                 outs.append(out_BKGD.reshape(nd, Hq, -1))
             else:
                 q_BH1D = q_THD[:nd].unsqueeze(2)  # [Bd, Hq, 1, Dh]
-                out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g)
+                out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g, decode=True)
                 outs.append(out_BH1D.squeeze(2))
         if self.prefill is not None:
             g = self.prefill
@@ -248,19 +252,45 @@ class PagedAttention:
 
     @staticmethod
     def _sdpa(q_BHQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group,
-              mask_B1QL: torch.Tensor | None = None) -> torch.Tensor:
+              mask_B1QL: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
+        if decode and CPU_DECODE_MATMUL and q_BHQD.device.type == "cpu" and q_BHQD.shape[1] == k_S.shape[1]:
+            return _cpu_decode_attention(q_BHQD, k_S, v_S, g)
         # index_select over the flattened slots: same values as k_S[kv_slots_BL], about 2x faster
         # on CPU than advanced indexing (and a single gather kernel on CUDA).
         B, L = g.kv_slots_BL.shape
         flat_slots = g.kv_slots_BL.reshape(-1)
         k_BHLD = k_S.index_select(0, flat_slots).view(B, L, *k_S.shape[1:]).transpose(1, 2)
         v_BHLD = v_S.index_select(0, flat_slots).view(B, L, *v_S.shape[1:]).transpose(1, 2)
+        mask = g.mask_B1QL if mask_B1QL is None else mask_B1QL
         with _sdpa_backends(q_BHQD.device):
             return F.scaled_dot_product_attention(
                 q_BHQD, k_BHLD.to(q_BHQD.dtype), v_BHLD.to(q_BHQD.dtype),
-                attn_mask=g.mask_B1QL if mask_B1QL is None else mask_B1QL,
+                attn_mask=mask,
                 enable_gqa=q_BHQD.shape[1] != k_BHLD.shape[1],
             )
+
+
+CPU_DECODE_MATMUL = True
+"""CPU decode rows attend through ``_cpu_decode_attention`` (False: the gathered SDPA, for A/Bs)."""
+
+
+def _cpu_decode_attention(q_BKQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group) -> torch.Tensor:
+    """CPU decode rows (q and k/v with the same head count: the grouped form, or no GQA): K/V
+    gathered head-major, ``[B * K, L, Dh]`` contiguous (one row of ``Dh`` per slot and head), then
+    two batched matmuls around a softmax, the mask an additive bias. ``scaled_dot_product_attention``
+    over the slot-major gather's strided ``[B, K, L, Dh]`` view took ~1.6 ms per layer for 32 rows of 4
+    KV heads over 130 keys on two cores, this ~0.8 ms (bench/RESULTS.md); same attention up to fp32
+    summation order. The row indices and the bias are built at the step's first layer."""
+    B, K, Q, D = q_BKQD.shape
+    L = g.kv_slots_BL.shape[1]
+    if g.cpu_rows_R is None or g.cpu_bias_NQL.shape[1] != Q or g.cpu_bias_NQL.dtype != q_BKQD.dtype:
+        g.cpu_rows_R = (g.kv_slots_BL[:, None, :] * K + torch.arange(K)[None, :, None]).reshape(-1)
+        bias_B11L = torch.zeros(B, 1, 1, L, dtype=q_BKQD.dtype).masked_fill_(~g.mask_B1QL, float("-inf"))
+        g.cpu_bias_NQL = bias_B11L.expand(B, K, Q, L).reshape(B * K, Q, L)
+    k_NLD = k_S.reshape(-1, D).index_select(0, g.cpu_rows_R).view(B * K, L, D).to(q_BKQD.dtype)
+    v_NLD = v_S.reshape(-1, D).index_select(0, g.cpu_rows_R).view(B * K, L, D).to(q_BKQD.dtype)
+    scores_NQL = torch.baddbmm(g.cpu_bias_NQL, q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2), alpha=D ** -0.5)
+    return torch.bmm(torch.softmax(scores_NQL, dim=-1), v_NLD).view(B, K, Q, D)
 
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

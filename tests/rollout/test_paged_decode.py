@@ -52,12 +52,15 @@ def _naive(q_BHD, cache, bt_BN, ctx_B, window):
     return out
 
 
+@pytest.mark.parametrize("cpu_matmul", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4), (8, 1)])
-def test_paged_equals_gather_and_naive(window, hq, hkv, monkeypatch):
+def test_paged_equals_gather_and_naive(window, hq, hkv, cpu_matmul, monkeypatch):
     # Ragged contexts, several blocks per sequence, one row exactly on a block edge; chunks of 2
-    # blocks (8 keys) so the online softmax crosses chunk boundaries.
+    # blocks (8 keys) so the online softmax crosses chunk boundaries. The gathered form on CPU runs
+    # the head-major matmul decode (cpu_matmul) or SDPA over the slot-major gather.
     monkeypatch.setattr("areno.rollout.paged_decode.TORCH_CHUNK_KEYS", 8)
+    monkeypatch.setattr("areno.rollout.attention.CPU_DECODE_MATMUL", cpu_matmul)
     cache = _random_pool(hkv=hkv)
     ctx = [1, 4, 9, 17, 30, 23]
     bt_BN, ctx_B = _random_batch(cache, ctx, N=8)
