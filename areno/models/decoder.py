@@ -177,8 +177,20 @@ class Attention(nn.Module):
                 k_THD = self.k_norm(k_THD)
             q_THD = apply_rope(q_THD, cos_TF, sin_TF)
             k_THD = apply_rope(k_THD, cos_TF, sin_TF)
-        out_THD = attn(self.layer_idx, q_THD, k_THD, v_THD)
+        out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD))
         return _rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
+
+
+def _in_autocast_dtype(*xs_THD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in autocast's dtype when it is on (fp32 weights trained under bf16 autocast): RoPE's
+    fp32 cos/sin promote q and k back to fp32, and the packed attention kernels are not autocast ops,
+    so without this a one-GPU run attended in fp32 - flex instead of the flash varlen kernel, and a
+    second ``prepare`` (a graph break) inside the first compiled layer. Identity without autocast."""
+    dev = xs_THD[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return xs_THD
+    dtype = torch.get_autocast_dtype(dev)
+    return tuple(x.to(dtype) for x in xs_THD)
 
 
 class MLP(nn.Module):

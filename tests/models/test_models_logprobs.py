@@ -133,3 +133,27 @@ def test_logprobs_backward_keeps_forwards_autocast():
     rh, rw = torch.autograd.grad(ref.sum(), (h, w))
     torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-2)
+
+
+def test_attention_gets_autocast_dtype_inputs():
+    """fp32 weights under bf16 autocast: RoPE's fp32 tables would promote q and k to fp32 (and the
+    packed kernels are not autocast ops), so the attention layer hands q/k/v over in bf16; without
+    autocast they stay fp32."""
+    import torch.nn.functional as F
+
+    seen = []
+
+    def attention(layer_idx, q_THD, k_THD, v_THD):
+        seen.append({q_THD.dtype, k_THD.dtype, v_THD.dtype})
+        q, k, v = (x.transpose(0, 1)[None] for x in (q_THD, k_THD, v_THD))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+
+    model = Decoder(tiny_config(64, hidden_size=32, layers=2))
+    ids = torch.randint(0, 64, (10,))
+    pos = torch.arange(10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, pos, attention)
+    assert seen == [{torch.bfloat16}] * 2, seen
+    seen.clear()
+    model(ids, pos, attention)
+    assert seen == [{torch.float32}] * 2, seen
