@@ -118,15 +118,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # the two gradient matmuls run in the dtype forward's did (bf16 under the one-GPU backend's
         # autocast with fp32 weights; without this they ran as fp32 GEMMs, ~2x the step time).
         dev = hidden_TD.device.type
-        ctx.autocast_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        ctx.autocast = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
         ctx.mark_non_differentiable(lse_T)
         return logprobs_T, entropy_T
 
     @staticmethod
     def backward(ctx, grad_logprobs_T, grad_entropy_T):
-        if ctx.autocast_dtype is None:
+        if ctx.autocast is None:
             return _ChunkedLogprobs._backward(ctx, grad_logprobs_T, grad_entropy_T)
-        with torch.autocast(ctx.saved_tensors[0].device.type, dtype=ctx.autocast_dtype):
+        with torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]):
             return _ChunkedLogprobs._backward(ctx, grad_logprobs_T, grad_entropy_T)
 
     @staticmethod

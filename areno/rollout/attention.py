@@ -261,11 +261,10 @@ class PagedAttention:
         flat_slots = g.kv_slots_BL.reshape(-1)
         k_BHLD = k_S.index_select(0, flat_slots).view(B, L, *k_S.shape[1:]).transpose(1, 2)
         v_BHLD = v_S.index_select(0, flat_slots).view(B, L, *v_S.shape[1:]).transpose(1, 2)
-        mask = g.mask_B1QL if mask_B1QL is None else mask_B1QL
         with _sdpa_backends(q_BHQD.device):
             return F.scaled_dot_product_attention(
                 q_BHQD, k_BHLD.to(q_BHQD.dtype), v_BHLD.to(q_BHQD.dtype),
-                attn_mask=mask,
+                attn_mask=g.mask_B1QL if mask_B1QL is None else mask_B1QL,
                 enable_gqa=q_BHQD.shape[1] != k_BHLD.shape[1],
             )
 
@@ -283,7 +282,7 @@ def _cpu_decode_attention(q_BKQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Te
     summation order. The row indices and the bias are built at the step's first layer."""
     B, K, Q, D = q_BKQD.shape
     L = g.kv_slots_BL.shape[1]
-    if g.cpu_rows_R is None or g.cpu_bias_NQL.shape[1] != Q or g.cpu_bias_NQL.dtype != q_BKQD.dtype:
+    if g.cpu_rows_R is None:
         g.cpu_rows_R = (g.kv_slots_BL[:, None, :] * K + torch.arange(K)[None, :, None]).reshape(-1)
         bias_B11L = torch.zeros(B, 1, 1, L, dtype=q_BKQD.dtype).masked_fill_(~g.mask_B1QL, float("-inf"))
         g.cpu_bias_NQL = bias_B11L.expand(B, K, Q, L).reshape(B * K, Q, L)
