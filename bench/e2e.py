@@ -16,6 +16,8 @@ Systems:
 
 Master weights: ``--param-dtype`` (default bfloat16 on CUDA for both systems: TRL's default loads a
 bf16 checkpoint as bf16 parameters; areno ``model.dtype=bfloat16``). The rollout engine runs bf16.
+``--param-dtype float32`` runs areno's config default instead (fp32 master weights, bf16 compute under
+autocast): the path a default one-GPU run takes.
 
 Physical floor (measured in the same run): generation = sum over the decode steps of (weight bytes +
 KV bytes of all sequences at that step) / copy bandwidth (read + write bytes of a large
