@@ -51,3 +51,27 @@ def test_cuda_compiled_step_matches_eager(tmp_path, attn, monkeypatch):
         losses[compile_] = [_step(b, s)["loss"] for s in range(3)]
     for le, lc in zip(losses[False], losses[True]):
         assert math.isclose(le, lc, rel_tol=1e-2), losses
+
+
+def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
+    """The default one-GPU path (fp32 master weights, bf16 autocast): q/k/v reach the flash varlen
+    kernel in bf16. RoPE's fp32 tables used to promote them to fp32, which sent every training
+    attention to fp32 FlexAttention (half the step rate, bench/RESULTS.md "ninth")."""
+    from areno.models import decoder
+
+    if not decoder.varlen_available():
+        pytest.skip("this torch has no varlen attention")
+    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "varlen")
+    seen = []
+    varlen = decoder.PackedCausalAttention._varlen
+
+    def recording(self, q_THD, k_THD, v_THD):
+        seen.append({q_THD.dtype, k_THD.dtype, v_THD.dtype})
+        return varlen(self, q_THD, k_THD, v_THD)
+
+    monkeypatch.setattr(decoder.PackedCausalAttention, "_varlen", recording)
+    b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", max_tokens_per_mb=512))
+    b.initialize(make_model_dir(tmp_path / "m", hidden=64))
+    assert next(b.model.parameters()).dtype == torch.float32
+    assert math.isfinite(_step(b, 0)["loss"])
+    assert seen and all(s == {torch.bfloat16} for s in seen), seen
