@@ -19,7 +19,7 @@ RUN_FAILED = 1
 # imported, so the check itself imports nothing.
 _RUN_FAILURES = {
     "areno.rollout.executor": ("RolloutPoolBroken",),
-    "areno.rollout.client": ("NoHealthyServerError",),
+    "areno.rollout.client": ("NoHealthyServerError", "RolloutServersLost"),
     "areno.engine.partitioned": ("WorkerLostError",),
     "areno.sync.base": ("PolicySyncError",),
     "areno.launch.scheduler": ("WorkerError",),

@@ -413,8 +413,10 @@ class PartitionedArenoEngine(ArenoEngine):
         urls = self.scheduler.call("rollout", "url")
         replica_urls = [urls[r - layout.n_train] for r in layout.replica_leaders()]
         self.health = HealthMonitor(replica_urls, api_key=api_key).start()
+        self._lost_lock, self._lost_seen = threading.Lock(), (float("-inf"), {})
         self.client = MultiServerRolloutClient(replica_urls, api_key=api_key,
-                                               request_timeout_s=cfg.rollout.request_timeout_s, health=self.health)
+                                               request_timeout_s=cfg.rollout.request_timeout_s, health=self.health,
+                                               lost=self.lost_replicas)
         self.executor = self._build_executor()
         self.asynchronous = cfg.rollout.max_head_offpolicyness > 0
 
@@ -511,16 +513,49 @@ class PartitionedArenoEngine(ArenoEngine):
         loses its in-flight HTTP requests, which the client re-sends to another replica (the
         episode, run here, is neither lost nor duplicated); but the policy sync needs every rank
         of the world, which cannot be re-formed around a new process in place."""
+        for role in ("train", "rollout"):
+            dead = self._dead_workers(role, timeout_s=60)
+            if dead:
+                raise WorkerLostError(next(iter(dead.values())))
+
+    def _dead_workers(self, role: str, timeout_s: float) -> dict[int, str]:
+        """``index -> why`` for each worker of ``role`` whose process is gone (a worker too busy to
+        answer within ``timeout_s`` counts as alive)."""
+        import concurrent.futures
+
         from areno.launch.scheduler import WorkerDiedError
 
-        for role in ("train", "rollout"):
-            for handle, future in zip(self.scheduler.workers(role), self.scheduler.submit(role, "pid")):
-                try:
-                    future.result(timeout=60)
-                except WorkerDiedError:
-                    raise WorkerLostError(
-                        f"{handle.name} (pid {handle.pid}) died; the distributed world cannot be re-formed in "
-                        f"place: restart the run from its last checkpoint (log: {handle.log_path})") from None
+        dead = {}
+        for i, (handle, future) in enumerate(zip(self.scheduler.workers(role), self.scheduler.submit(role, "pid"))):
+            try:
+                future.result(timeout=timeout_s)
+            except WorkerDiedError:
+                dead[i] = (f"{handle.name} (pid {handle.pid}) died; the distributed world cannot be re-formed in "
+                           f"place: restart the run from its last checkpoint (log: {handle.log_path})")
+            except concurrent.futures.TimeoutError:
+                pass
+        return dead
+
+    LOST_CHECK_EVERY_S = 1.0
+    """``lost_replicas`` asks the workers at most this often (every waiting request calls it)."""
+
+    def lost_replicas(self) -> dict[str, str]:
+        """The rollout client's ``lost``: ``url -> why`` for each replica one of whose ranks died
+        (a TP replica cannot serve without all of them, and the world cannot take a new process),
+        so requests fail with the cause instead of waiting ``rollout.request_timeout_s`` for a
+        recovery that cannot come."""
+        with self._lost_lock:
+            checked_at, lost = self._lost_seen
+            if time.monotonic() - checked_at >= self.LOST_CHECK_EVERY_S:
+                dead = self._dead_workers("rollout", timeout_s=5)
+                n_train = self.layout.n_train
+                lost = {}
+                for url, group in zip(self.client.urls, self.layout.rollout_tp_groups()):
+                    why = next((dead[r - n_train] for r in group if r - n_train in dead), None)
+                    if why is not None:
+                        lost[url] = why
+                self._lost_seen = (time.monotonic(), lost)
+            return lost
 
     # ----------------------------------------------------------------------------- state
     def save(self, path: Path, trainer_state: dict) -> None:

@@ -4,7 +4,9 @@
 unfinished, so many concurrent ``agenerate`` coroutines (from one or several event loops) land in
 the same running batch. ``HTTPRolloutClient`` talks to ``areno serve`` (``server.py``) through its
 token-level ``/generate`` endpoint. ``MultiServerRolloutClient`` spreads requests round-robin over
-several servers and, given a ``HealthMonitor`` (``health.py``), routes only to healthy ones.
+several servers and, given a ``HealthMonitor`` (``health.py``), routes only to healthy ones; given
+``lost`` (what the partitioned engine knows of its workers' processes), a request that finds every
+server gone for good raises ``RolloutServersLost`` at once instead of waiting for a recovery.
 
 Hangs: every request has a deadline (``request_timeout_s``, from ``rollout.request_timeout_s``).
 A request past it is aborted (in the engine, or by ``POST /abort`` on the server) and raises
@@ -29,6 +31,8 @@ from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from areno.rollout.health import HealthMonitor
 
 logger = logging.getLogger("areno.rollout.client")
@@ -64,6 +68,11 @@ class NoHealthyServerError(RuntimeError):
 def _deadline(timeout_s: float | None) -> float | None:
     """``None`` / 0 mean no deadline."""
     return timeout_s if timeout_s else None
+
+
+class RolloutServersLost(RuntimeError):
+    """Every rollout server is gone for good (its worker process died): no recovery can come, so
+    the request fails at once; the rollout pool stops on it rather than re-queueing samples."""
 
 
 class RolloutClient(abc.ABC):
@@ -324,11 +333,15 @@ class MultiServerRolloutClient(RolloutClient):
     ``NoHealthyServerError`` naming every server. A request that every server has failed
     ``max_failures_per_server`` times (a 5xx from an engine whose steps raise, while its ``/health``
     still answers) raises ``NoHealthyServerError`` with the servers' errors at once, instead of
-    going round until the deadline.
+    going round until the deadline. With ``lost`` (``() -> {url: why}``, the servers that cannot come
+    back, e.g. because their worker process died), a request that finds no routable server asks it
+    (in a thread) before waiting, and raises ``RolloutServersLost`` with the reasons when every
+    server is lost.
     """
 
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float | None = 600.0,
-                 health: "HealthMonitor | None" = None, max_failures_per_server: int = 3) -> None:
+                 health: "HealthMonitor | None" = None, max_failures_per_server: int = 3,
+                 lost: "Callable[[], dict[str, str]] | None" = None) -> None:
         if not urls:
             raise ValueError("MultiServerRolloutClient needs at least one rollout server URL")
         if max_failures_per_server < 1:
@@ -338,6 +351,7 @@ class MultiServerRolloutClient(RolloutClient):
         self.api_key = api_key
         self.request_timeout_s = _deadline(request_timeout_s)
         self.health = health
+        self.lost = lost
         self._next = itertools.count()
         self._per_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.requests_per_server = [0] * len(self.urls)
@@ -401,6 +415,11 @@ class MultiServerRolloutClient(RolloutClient):
             left = None if deadline is None else deadline - loop.time()
             if self.health is None or (left is not None and left <= 0):
                 break
+            if self.lost is not None:
+                gone = await asyncio.to_thread(self.lost)
+                if all(u in gone for u in self.urls):
+                    raise RolloutServersLost("every rollout server is gone: " + "; ".join(
+                        f"{u}: {gone[u]}" for u in self.urls))
             if not await self.health.await_healthy(min(left, 1.0) if left is not None else 1.0):
                 continue
         if min(failures) >= self.max_failures_per_server:

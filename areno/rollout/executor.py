@@ -365,7 +365,12 @@ class WorkflowExecutor:
         """One attempt at one sample: ``ok`` (group), ``rejected``, ``retry`` or ``dropped``."""
         from httpx import TransportError
 
-        from areno.rollout.client import NoHealthyServerError, RolloutRequestTimeout, RolloutServerError
+        from areno.rollout.client import (
+            NoHealthyServerError,
+            RolloutRequestTimeout,
+            RolloutServerError,
+            RolloutServersLost,
+        )
 
         self._counts["episodes_started"] += 1
         try:
@@ -379,8 +384,8 @@ class WorkflowExecutor:
                     if isinstance(exc, RolloutRequestTimeout):
                         raise
                     raise EpisodeTimeout(f"episode ran past episode_timeout_s={self.episode_timeout_s:g}s") from None
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, RolloutServersLost):
+            raise  # RolloutServersLost: no server can come back, so no retry can succeed
         except (WorkerLost, EpisodeTimeout, RolloutRequestTimeout, RolloutServerError, NoHealthyServerError,
                 TransportError) as exc:
             if isinstance(exc, RolloutServerError) and exc.status is not None and exc.status < 500:
@@ -460,6 +465,8 @@ class WorkflowExecutor:
         Starts the pool on first use. When the dataset is exhausted, returns what is left (fewer
         groups) and then raises ``DatasetExhausted``. Raises ``TimeoutError`` naming the counts.
         """
+        from areno.rollout.client import RolloutServersLost
+
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.start()
@@ -467,8 +474,8 @@ class WorkflowExecutor:
         deadline = None if timeout is None else t0 + timeout
         with self._results_cond:
             while True:
-                if isinstance(self._worker_error, RolloutPoolBroken):
-                    raise RolloutPoolBroken(str(self._worker_error))
+                if isinstance(self._worker_error, (RolloutPoolBroken, RolloutServersLost)):
+                    raise type(self._worker_error)(str(self._worker_error))
                 if self._worker_error is not None:
                     raise RuntimeError(f"the rollout pool stopped: a worker died with {self._worker_error!r}") \
                         from self._worker_error

@@ -20,6 +20,7 @@ from areno.rollout.client import (
     MultiServerRolloutClient,
     NoHealthyServerError,
     RolloutRequestTimeout,
+    RolloutServersLost,
 )
 from areno.rollout.health import HealthMonitor
 from areno.rollout.server import build_engine, create_app
@@ -212,6 +213,52 @@ def test_request_to_dead_server_fails_over_without_waiting_for_a_ping(tiny_model
         asyncio.run(client.agenerate([5, 6, 7], PARAMS))
     assert time.monotonic() - t0 < 6.0  # waits for a recovery up to the 2 s deadline, then names them
     assert dead in str(info.value) and a.url in str(info.value) and "unhealthy after" in str(info.value)
+
+
+def test_request_fails_at_once_when_every_server_is_lost_for_good():
+    """``lost`` says which servers cannot come back (their worker process died): with every server
+    lost the request raises RolloutServersLost with the reasons at once; with one still expected
+    back it waits for a recovery up to its deadline as before."""
+    a, b = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    monitor = HealthMonitor([a, b], interval_s=60, timeout_s=0.5, max_misses=1)  # never started
+    gone = {a: "rollout[0] (pid 11) died", b: "rollout[1] (pid 12) died"}
+    asked = []
+
+    def lost():
+        asked.append(threading.current_thread() is threading.main_thread())
+        return dict(gone)
+
+    client = MultiServerRolloutClient([a, b], request_timeout_s=30, health=monitor, lost=lost)
+    t0 = time.monotonic()
+    with pytest.raises(RolloutServersLost) as info:
+        asyncio.run(client.agenerate([5, 6, 7], PARAMS))
+    assert time.monotonic() - t0 < 10
+    assert str(info.value) == f"every rollout server is gone: {a}: rollout[0] (pid 11) died; {b}: rollout[1] (pid 12) died"
+    assert asked and not any(asked)  # asked off the event loop's thread (it may block on the workers)
+    del gone[b]  # b may still come back: wait for it, up to the deadline
+    client = MultiServerRolloutClient([a, b], request_timeout_s=1.5, health=monitor, lost=lost)
+    t0 = time.monotonic()
+    with pytest.raises(NoHealthyServerError):
+        asyncio.run(client.agenerate([5, 6, 7], PARAMS))
+    assert time.monotonic() - t0 >= 1.4
+
+
+def test_pool_stops_on_lost_servers_without_retrying():
+    """RolloutServersLost is not an episode's failure: the pool stops and wait_batch raises it
+    (no retries, no samples dropped one by one)."""
+    class LostWorkflow:
+        calls = 0
+
+        async def run_episode(self, client, sample):
+            LostWorkflow.calls += 1
+            raise RolloutServersLost("every rollout server is gone: http://x: rollout[0] (pid 1) died")
+
+    staleness = StalenessManager(max_head_offpolicyness=1, batch_size=2, max_concurrent=2)
+    with WorkflowExecutor(None, LostWorkflow(), iter([{"id": i} for i in range(8)]), staleness, max_retries=3) as ex:
+        with pytest.raises(RolloutServersLost, match=r"^every rollout server is gone: http://x: rollout\[0\]"):
+            ex.wait_batch(2, timeout=30)
+        assert ex.metrics()["rollout/dropped_failed"] == 0
+    assert LostWorkflow.calls <= 2  # one attempt per pool worker, none retried
 
 
 def test_server_whose_engine_raises_fails_the_request_fast(tiny_model_dir):

@@ -200,6 +200,35 @@ def test_dead_rollout_replica_requests_rerouted_then_sync_refused(tmp_path):
         engine.shutdown()
 
 
+def test_every_rollout_replica_dead_fails_requests_at_once(tmp_path):
+    """The only rollout worker dies: a rollout (and the evaluation) fails at once with a one-line
+    error naming the worker, instead of waiting rollout.request_timeout_s (600 s by default) for a
+    recovery that cannot come (a world cannot take a new process)."""
+    import os
+    import signal
+    import time
+
+    from areno.rollout.client import RolloutServersLost
+
+    cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
+    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine.initialize()
+    try:
+        assert engine.lost_replicas() == {}
+        dead = engine.scheduler.workers("rollout")[0]
+        os.kill(dead.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RolloutServersLost, match=r"^every rollout server is gone: http://127\.0\.0\.1:\d+: "
+                                                     r"rollout\[0\] \(pid \d+\) died; .* restart the run from its last "
+                                                     r"checkpoint \(log: .*rollout-0\.log\)$"):
+            engine.generate_rollout(0)
+        with pytest.raises(RolloutServersLost, match=r"rollout\[0\] \(pid \d+\) died"):
+            engine.evaluate()
+        assert time.monotonic() - t0 < 60
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_partitioned_on_two_gpus_overlapping_lists(tmp_path):
