@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_arm_past_its_deadline_is_dumped_killed_and_reported(tmp_path):
     # A deadline far shorter than an arm's start-up (~10 s here): it fires while the workers start.
-    cmd = [sys.executable, str(ROOT / "bench" / "partitioned.py"), "--etas", "0", "--steps", "1",
+    # 1000 steps: the arm cannot finish on any machine before the workers are killed (after the dump).
+    cmd = [sys.executable, str(ROOT / "bench" / "partitioned.py"), "--etas", "0", "--steps", "1000",
            "--arm-timeout", "3", "--work-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
