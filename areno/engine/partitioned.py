@@ -332,6 +332,9 @@ class PartitionedArenoEngine(ArenoEngine):
         self.scheduler = scheduler
         self._device_capacity = device_capacity
         self.runner = None
+        self._lost_lock = threading.Lock()
+        self._lost_seen: tuple[float, dict[str, str]] = (float("-inf"), {})
+        """``lost_replicas``' last answer and when it was taken."""
 
     # ----------------------------------------------------------------------------- set-up
     def plan_layout(self) -> ClusterLayout:
@@ -413,7 +416,6 @@ class PartitionedArenoEngine(ArenoEngine):
         urls = self.scheduler.call("rollout", "url")
         replica_urls = [urls[r - layout.n_train] for r in layout.replica_leaders()]
         self.health = HealthMonitor(replica_urls, api_key=api_key).start()
-        self._lost_lock, self._lost_seen = threading.Lock(), (float("-inf"), {})
         self.client = MultiServerRolloutClient(replica_urls, api_key=api_key,
                                                request_timeout_s=cfg.rollout.request_timeout_s, health=self.health,
                                                lost=self.lost_replicas)
