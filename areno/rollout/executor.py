@@ -210,8 +210,11 @@ class WorkflowExecutor:
 
         def on_done(task: asyncio.Task) -> None:
             if not task.cancelled() and task.exception() is not None:  # e.g. the dataset iterator raised
-                logger.error("rollout worker %s died: %r", task.get_name(), task.exception())
-                self._worker_error = task.exception()
+                if self._worker_error is None:  # the others usually die of the same cause: logged once
+                    logger.error("rollout worker %s died: %r", task.get_name(), task.exception())
+                    self._worker_error = task.exception()
+                else:
+                    logger.debug("rollout worker %s died: %r", task.get_name(), task.exception())
                 with self._results_cond:
                     self._results_cond.notify_all()
 

@@ -169,3 +169,25 @@ def test_broken_rollout_side_stops_an_asynchronous_run_with_one_line(tmp_path, c
     rc, err = _broken_run(tmp_path, capsys, "rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async")
     assert rc == 1 and err[-1].startswith("areno: error: the last 3 samples were all dropped after 1 attempts each")
     assert "RuntimeError: environment unreachable" in err[-1]
+
+
+class ServersLostWorkflow(AlwaysFailingWorkflow):
+    """Every episode finds the rollout servers gone for good (what the partitioned engine's client
+    raises when every replica's worker died)."""
+
+    async def run_episode(self, client, sample):
+        from areno.rollout.client import RolloutServersLost
+
+        raise RolloutServersLost("every rollout server is gone: http://127.0.0.1:1: rollout[0] (pid 7) died")
+
+
+@pytest.mark.parametrize("extra", [(), ("rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async")],
+                         ids=["synchronous", "asynchronous"])
+def test_lost_rollout_servers_stop_the_run_at_once_with_one_line(tmp_path, capsys, extra):
+    """No retries (rollout.max_retries=3 here), no samples dropped one by one: the first episode's
+    RolloutServersLost ends the run with exit code 1 and its own message."""
+    rc, err = _broken_run(tmp_path, capsys, "rollout.workflow=tests.faults.test_guards:ServersLostWorkflow",
+                          "rollout.max_retries=3", *extra)
+    assert rc == 1 and err[-1] == ("areno: error: every rollout server is gone: http://127.0.0.1:1: "
+                                   "rollout[0] (pid 7) died")
+    assert not any("retrying" in line or "dropping dataset" in line for line in err)
