@@ -10,19 +10,20 @@ optimizer only ever sees adapter parameters (so its state is adapter-only). Two 
   a few MB instead of the whole model, for policy sync to an engine that keeps the base weights and
   applies ``(alpha / r) * B @ A`` itself, and for ``PeftModel.from_pretrained`` on disk.
 
+``peft`` is imported on first use (``apply_lora``, ``save_adapter``): it pulls in much of
+``transformers`` (~3 s on a laptop CPU), which every process without LoRA would otherwise pay at start.
+
 Legend: R = adapter rank, D = input features, O = output features.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from peft import LoraConfig as PeftLoraConfig
-from peft import inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
 
 from areno.train.config import LoraConfig
 
@@ -38,6 +39,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
             f"lora.target_modules {unknown} match no linear layer of the model; "
             f"choose from {sorted(names)}"
         )
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
     )
@@ -47,8 +51,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     return model
 
 
-def has_lora(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, LoraLayer) for m in model.modules())
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``name -> module`` of each peft LoRA layer in ``model`` (none while peft was never imported:
+    no LoRA layer can exist before it is)."""
+    lora = sys.modules.get("peft.tuners.lora")
+    if lora is None:
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, lora.LoraLayer)}
 
 
 def merged_named_weights(
@@ -58,7 +67,7 @@ def merged_named_weights(
 
     Yields in state-dict order; adapter tensors themselves are not yielded.
     """
-    lora_modules = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    lora_modules = lora_layers(model)
     # keep_vars: the parameters themselves, detached once after ``full`` (a DTensor's detach is a
     # dispatched op; two per tensor were most of a one-rank sync's read of the weights)
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -101,6 +110,8 @@ def save_adapter(
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's layout) under ``path``."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    from peft import LoraConfig as PeftLoraConfig
+
     save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / "adapter_model.safetensors"))
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
