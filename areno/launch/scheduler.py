@@ -37,9 +37,10 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Literal
 
-from areno.launch.worker import AUTHKEY_ENV
-
 logger = logging.getLogger(__name__)
+
+AUTHKEY_ENV = "ARENO_RPC_AUTHKEY"
+"""Env var holding the hex authkey of the controller's listener (read by ``areno.launch.worker``)."""
 
 __all__ = [
     "LocalScheduler",

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 
 from areno.launch.scheduler import (
+    AUTHKEY_ENV,
     RoleSpec,
     SchedulerConfig,
     SchedulerError,
@@ -38,7 +39,6 @@ from areno.launch.scheduler import (
     free_port,
     python_path_env,
 )
-from areno.launch.worker import AUTHKEY_ENV
 
 __all__ = ["SlurmScheduler", "check_slurm_controller", "render_sbatch"]
 

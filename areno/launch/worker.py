@@ -29,8 +29,9 @@ import traceback
 from multiprocessing.connection import Client
 from typing import Any
 
-AUTHKEY_ENV = "ARENO_RPC_AUTHKEY"
-"""Env var holding the hex authkey of the controller's listener."""
+# The scheduler owns the name and does not import this module: run as ``python -m``, it would
+# otherwise be loaded twice (as ``areno.launch.worker`` and as ``__main__``).
+from areno.launch.scheduler import AUTHKEY_ENV
 
 
 def import_object(path: str) -> Any:
