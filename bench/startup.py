@@ -38,8 +38,12 @@ def time_import(code: str, tree: Path) -> float:
     """Wall seconds of a fresh ``python -c code`` with ``tree`` first on the path."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=tree, capture_output=True)
-    return time.perf_counter() - t0
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"python -c {code!r} failed in {tree}: {last}")
+    return elapsed
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,3 +38,8 @@ def test_ratios_and_speedup_from_interleaved_rounds(tmp_path, monkeypatch, capsy
 def test_baseline_tree_without_areno_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"--baseline-tree .*: no areno/__init__.py there; export a checkout"):
         startup.main(["--baseline-tree", str(tmp_path)])
+
+
+def test_failing_import_names_the_code_tree_and_error(tmp_path):
+    with pytest.raises(SystemExit, match=r"python -c 'import no_such_module_here' failed in .*: ModuleNotFoundError"):
+        startup.time_import("import no_such_module_here", tmp_path)
