@@ -16,7 +16,7 @@ log-prob recomputation in backward is not counted (MFU counts model FLOPs only).
 
 Speed levers are compared side by side in one run (``--variants``, each a fresh backend on the
 same batches): ``eager`` (the baseline), ``compile`` (torch.compile of each decoder layer plus the
-fused log-prob head kernels), either with ``+varlen`` (flash varlen attention instead of the
+fused log-prob head kernels), ``compilemodel`` (the same with the whole layer stack as one graph), any with ``+varlen`` (flash varlen attention instead of the
 compiled FlexAttention default on CUDA), and either with ``+nohostopts`` (the training backend's
 host-side step optimisations off, ``areno.train.backend.HOST_OPTIMIZATIONS``: the before of
 ``bench/train_host.py``, same numerics). ``--compile`` is short for ``--variants eager compile``.
@@ -180,16 +180,17 @@ def time_steps(backend, batches: list[TokenBatch], warmup: int, device: str) -> 
     return time.perf_counter() - t0, metrics[warmup:]
 
 
-VARIANT_BASES = ("eager", "compile")
+VARIANT_BASES = ("eager", "compile", "compilemodel")
 VARIANT_ATTN = ("flex", "varlen")
 
 
 VARIANT_NO_HOST_OPTS = "nohostopts"
 
 
-def parse_variant(name: str) -> tuple[bool, str, bool]:
-    """``eager`` / ``compile`` with an optional ``+flex`` / ``+varlen`` and an optional ``+nohostopts``
-    (the training backend's host-side step optimisations off): (compile, CUDA attention, host opts)."""
+def parse_variant(name: str) -> tuple[bool, str, bool, str]:
+    """``eager`` / ``compile`` (each decoder layer) / ``compilemodel`` (the layer stack as one graph)
+    with an optional ``+flex`` / ``+varlen`` and an optional ``+nohostopts`` (the training backend's
+    host-side step optimisations off): (compile, CUDA attention, host opts, compile scope)."""
     base, *extra = name.split("+")
     host_opts = VARIANT_NO_HOST_OPTS not in extra
     attns = [e for e in extra if e != VARIANT_NO_HOST_OPTS]
@@ -197,7 +198,7 @@ def parse_variant(name: str) -> tuple[bool, str, bool]:
     if base not in VARIANT_BASES or attn not in VARIANT_ATTN:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANT_BASES} "
                          f"with an optional +{'/+'.join(VARIANT_ATTN)} and an optional +{VARIANT_NO_HOST_OPTS}")
-    return base == "compile", attn, host_opts
+    return base != "eager", attn, host_opts, "model" if base == "compilemodel" else "layers"
 
 
 def dynamo_graphs() -> int:
@@ -240,13 +241,14 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
 
 
 def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops, *, profile: bool) -> dict:
-    compile_, attn, host_opts = parse_variant(variant)
+    compile_, attn, host_opts, scope = parse_variant(variant)
     decoder_module.CUDA_AUTO_IMPL = attn
     torch._dynamo.reset()  # each variant compiles for itself: first_step_s and dynamo_graphs are its own
     torch.cuda.reset_peak_memory_stats()
     graphs_before = dynamo_graphs()
     backend = build_backend(model_dir, "cuda", args.backend, args.mb_tokens,
-                            activation_checkpointing=args.ac, compile=compile_, host_optimizations=host_opts)
+                            activation_checkpointing=args.ac, compile=compile_, compile_scope=scope,
+                            host_optimizations=host_opts)
     t0 = time.perf_counter()
     backend.train_step(batches[0], forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
     torch.cuda.synchronize()
@@ -265,7 +267,7 @@ def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflo
         "mfu_vs_datasheet": round(achieved / H200_PEAK_BF16, 4),
         "mfu_vs_measured_matmul": round(achieved / (matmul_tflops * 1e12), 4),
         "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "activation_checkpointing": args.ac, "compile": compile_,
+        "activation_checkpointing": args.ac, "compile": compile_, "compile_scope": scope if compile_ else None,
         "first_step_s": round(first_step_s, 2), "dynamo_graphs": dynamo_graphs() - graphs_before,
         "final_loss": round(metrics[-1]["loss"], 4),
     }
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="short for --variants eager compile")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="eager | compile, optionally +flex / +varlen (CUDA attention) and +nohostopts (the "
+                   help="eager | compile | compilemodel, optionally +flex / +varlen (CUDA attention) and +nohostopts (the "
                         "backend's host-side step optimisations off); default: eager")
     p.add_argument("--profile", action="store_true", help="after timing, profile one step of every variant (wall vs kernel time, top kernels, host ops)")
     p.add_argument("--threads", type=int, default=1,

@@ -336,8 +336,11 @@ class TrainSection:
     `truncate` (train on its first max_tokens_per_mb tokens; the rest leave the loss and are
     counted as train/<role>/truncated_tokens)."""
     compile: bool = False
-    """torch.compile each decoder layer of the trained models (and the fused log-prob kernels);
+    """torch.compile the decoder of the trained models (and the fused log-prob kernels);
     the first step pays the compilation."""
+    compile_scope: str = "layers"
+    """What `compile` compiles: `layers` (each decoder layer, one graph shared by all) or `model`
+    (the whole layer stack as one graph: fewer host calls per micro-batch, a longer first step)."""
     attention: str = "auto"
     """CUDA attention of the training forwards over packed sequences: `varlen` (torch's
     variable-length flash kernel, nothing to compile), `flex` (FlexAttention with a document mask,
@@ -349,6 +352,8 @@ class TrainSection:
         _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
         _check(self.attention in ("auto", "flex", "varlen"), "train.attention",
                f"must be auto, flex or varlen, got {self.attention!r}")
+        _check(self.compile_scope in ("layers", "model"), "train.compile_scope",
+               f"must be layers or model, got {self.compile_scope!r}")
         _check(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         _check(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
         _check(self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0, "train.max_tokens_per_mb",

@@ -134,6 +134,7 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) 
                             cfg.optim.warmup_steps, 1),
             max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
             long_sequences=cfg.train.long_sequences, compile=cfg.train.compile,
+            compile_scope=cfg.train.compile_scope,
             trainable=role.trainable, seed=cfg.train.seed,
         ))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)

@@ -347,13 +347,23 @@ class Decoder(nn.Module):
         if attn is None:
             cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
             attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
-        if isinstance(attn, PackedCausalAttention):
-            attn.prepare(input_ids_T.shape[0], input_ids_T.device)
         x_TD = self.model.embed_tokens(input_ids_T)
+        if isinstance(attn, PackedCausalAttention):
+            # with the head dim and q's dtype the layers will pass, so no layer prepares again
+            # (inside a compiled region that would be a graph break)
+            dev = x_TD.device.type
+            q_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
+            attn.prepare(input_ids_T.shape[0], input_ids_T.device, self.config.head_dim, q_dtype)
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
         if fused_ops.add_norm_active(x_TD):
             return self._forward_add_norm(x_TD, cos_TF, sin_TF, attn)
+        return self.forward_layers(x_TD, cos_TF, sin_TF, attn)
+
+    def forward_layers(self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor,
+                       attn: AttentionBackend) -> torch.Tensor:
+        """The decoder layers and the final norm over embedded tokens: the part of ``forward``
+        that ``areno.train.parallelize.apply_compile(scope="model")`` compiles as one graph."""
         for layer in self.model.layers:
             x_TD = layer(x_TD, cos_TF, sin_TF, attn)
         return self.model.norm(x_TD)

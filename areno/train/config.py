@@ -76,7 +76,11 @@ class TrainBackendConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (saves memory, costs ~1/3 compute)."""
     compile: bool = False
-    """``torch.compile`` each decoder layer."""
+    """``torch.compile`` the decoder (see ``compile_scope``)."""
+    compile_scope: str = "layers"
+    """What ``compile`` compiles: ``layers`` (each decoder layer; one graph shared by all) or
+    ``model`` (the whole layer stack as one graph: fewer host calls per micro-batch, longer first
+    compile)."""
     collective_timeout_s: float = 1800.0
     """Timeout of the process group this backend creates itself (torchrun launches): a rank that
     stalls longer fails the collective with an error instead of hanging the job."""
@@ -117,6 +121,8 @@ class TrainBackendConfig:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+        if self.compile_scope not in ("layers", "model"):
+            raise ValueError(f"compile_scope must be 'layers' or 'model', got {self.compile_scope!r}")
         if self.lr_schedule not in _SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {_SCHEDULES}, got {self.lr_schedule!r}")
         if self.warmup_steps < 0:

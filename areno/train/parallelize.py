@@ -10,7 +10,9 @@ FSDP2 — in that fixed order (as torchtitan does), each step optional:
 3. **torch.compile** per decoder layer (``Module.compile`` compiles in place, names unchanged);
    per layer rather than whole-model so FSDP's per-layer hooks stay outside the graph (dynamo skips
    FSDP2's hooks). All layers share one graph (their code is the same; parameters are graph
-   inputs), so compile time does not grow with depth. The backend also runs every forward inside
+   inputs), so compile time does not grow with depth. ``compile_scope="model"`` compiles the
+   whole layer stack as one graph instead (fewer host calls per micro-batch; meant for one FSDP
+   group or no FSDP, where no per-layer hook has to run between layers). The backend also runs every forward inside
    ``compiled_logprob_kernels()`` (fused element-wise kernels of the chunked log-prob head).
 4. **FSDP2** (``fully_shard``) per decoder layer, then the root (embeddings, final norm, LM head).
    Mixed precision: parameters are all-gathered in ``param_dtype`` for compute while the sharded
@@ -88,10 +90,35 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layer.forward = _checkpointed(layer.forward)
 
 
-def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
-    """Compile each decoder layer in place. ``dynamic=None``: the first graph is specialised to the
-    first micro-batch's token count (fixed-size packed micro-batches keep it), and the first
-    different count recompiles once with a symbolic one."""
+COMPILE_SCOPES = ("layers", "model")
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The module that owns ``forward_layers`` (the model itself, or the decoder inside a wrapper
+    such as a value head or LoRA)."""
+    for module in model.modules():
+        if callable(getattr(type(module), "forward_layers", None)):
+            return module
+    raise ValueError(f"compile_scope='model' needs an areno Decoder inside {type(model).__name__}; "
+                     f"use compile_scope='layers'")
+
+
+def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "layers") -> None:
+    """Compile in place. ``scope="layers"``: each decoder layer (one graph shared by all layers,
+    so compile time does not grow with depth). ``scope="model"``: the whole layer stack and the
+    final norm as one graph (``Decoder.forward_layers``): one compiled call per forward and one
+    autograd node per backward instead of one per layer (host time per micro-batch), and fusion
+    across layer boundaries; compile time grows with depth. Names and parameters are unchanged
+    either way. ``dynamic=None``: the first graph is specialised to the first micro-batch's token
+    count (fixed-size packed micro-batches keep it), and the first different count recompiles
+    once with a symbolic one."""
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {scope!r}")
+    if scope == "model":
+        decoder = _decoder(model)
+        # an instance attribute shadows the method: Decoder.forward calls the compiled stack
+        decoder.forward_layers = torch.compile(decoder.forward_layers, dynamic=None, backend=backend)
+        return
     for layer in _layers(model):
         layer.compile(dynamic=None, backend=backend)
 
@@ -133,7 +160,7 @@ def parallelize(
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.compile:
-        apply_compile(model)
+        apply_compile(model, scope=cfg.compile_scope)
     if mesh is not None:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

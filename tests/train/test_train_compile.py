@@ -44,17 +44,47 @@ def test_fused_head_math_equals_eager(monkeypatch, tau, with_entropy):
 
 
 @pytest.mark.slow
-def test_compiled_head_and_layers_equal_eager(tmp_path):
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_compiled_head_and_layers_equal_eager(tmp_path, scope):
     _assert_head_close(_head(True, 0.7, True), _head(False, 0.7, True))
     model_dir = make_model_dir(tmp_path / "model")
     losses = {}
     for compile_ in (False, True):
-        b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=24, compile=compile_))
+        b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=24, compile=compile_,
+                                                 compile_scope=scope))
         b.initialize(model_dir)
         losses[compile_] = [
             b.train_step(random_batch([13, 7, 21, 5, 9], 100, 50 + s), forward_fn=nll_forward, loss_fn=nll_loss,
                          denominator_fn=token_denominator)["loss"] for s in range(2)]
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses[True], losses[False])), losses
+
+
+def test_model_scope_compiles_the_layer_stack_once(tmp_path):
+    """compile_scope='model': one compiled callable runs every layer (the layers themselves stay
+    plain modules), and forward goes through it."""
+    from areno.train.parallelize import apply_compile
+
+    model_dir = make_model_dir(tmp_path / "model")
+    b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=24))
+    b.initialize(model_dir)
+    model = b.model
+    calls = []
+    apply_compile(model, backend=lambda gm, inputs: calls.append(gm) or gm.forward, scope="model")
+    assert "forward_layers" in vars(model)
+    assert all(not isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) and "_compiled_call_impl" not in
+               vars(layer) or vars(layer)["_compiled_call_impl"] is None for layer in model.model.layers)
+    ids = torch.randint(0, 100, (11,))
+    model(ids, torch.arange(11))
+    assert len(calls) >= 1
+
+
+def test_bad_compile_scope_is_named():
+    with pytest.raises(ValueError, match="compile_scope must be"):
+        TrainBackendConfig(compile_scope="whole")
+    from areno.train.parallelize import apply_compile
+
+    with pytest.raises(ValueError, match="needs an areno Decoder"):
+        apply_compile(torch.nn.Linear(2, 2), scope="model")
 
 
 def test_chunked_argmax_equals_full_argmax():
