@@ -499,7 +499,10 @@ class PackedCausalAttention:
         else:
             cu = self.cu_seqlens_B1.to(device=device, dtype=torch.int32)
             max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max()) if num_tokens else 0
-            self._state = (cu, max_len)
+            # this torch's varlen_attn keywords, read here (eagerly) so compiled layers do not trace
+            # inspect.signature
+            params = _varlen_params()
+            self._state = (cu, max_len, "enable_gqa" in params, "window_size" in params)
         self._impl = impl
         self._prepared_for = (num_tokens, device, small_heads, flash_ok)
 
@@ -563,14 +566,13 @@ class PackedCausalAttention:
     def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
-        cu, max_len = self._state
-        params = _varlen_params()
+        cu, max_len, has_gqa, has_window = self._state
         groups = q_THD.shape[1] // k_THD.shape[1]
-        if groups > 1 and "enable_gqa" not in params:  # torch 2.11: no GQA inside the kernel
+        if groups > 1 and not has_gqa:  # torch 2.11: no GQA inside the kernel
             k_THD = k_THD.repeat_interleave(groups, dim=1)
             v_THD = v_THD.repeat_interleave(groups, dim=1)
-        gqa = {"enable_gqa": True} if groups > 1 and "enable_gqa" in params else {}
-        if "window_size" in params:  # newer torch: causal (sliding) window as (left, right)
+        gqa = {"enable_gqa": True} if groups > 1 and has_gqa else {}
+        if has_window:  # newer torch: causal (sliding) window as (left, right)
             left = -1 if self.sliding_window is None else self.sliding_window - 1
             return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, window_size=(left, 0), **gqa)
         return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, is_causal=True, **gqa)

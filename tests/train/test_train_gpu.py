@@ -35,9 +35,10 @@ def test_cuda_bf16_training_matches_fp32_cpu_and_sleep_frees_memory(tmp_path):
     assert math.isfinite(_step(gpu, 5)["loss"])
 
 
-@pytest.mark.parametrize("attn", ["flex", "varlen"])
-def test_cuda_compiled_step_matches_eager(tmp_path, attn, monkeypatch):
-    """compile=True (compiled decoder layers + fused log-prob head) trains like eager in bf16."""
+@pytest.mark.parametrize("attn,scope", [("flex", "layers"), ("varlen", "layers"), ("varlen", "model")])
+def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope, monkeypatch):
+    """compile=True (compiled decoder layers or layer stack + fused log-prob head) trains like eager
+    in bf16."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from areno.models import decoder
@@ -46,7 +47,8 @@ def test_cuda_compiled_step_matches_eager(tmp_path, attn, monkeypatch):
     model_dir = make_model_dir(tmp_path / "m", hidden=64)
     losses = {}
     for compile_ in (False, True):
-        b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", compile=compile_, max_tokens_per_mb=512))
+        b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", compile=compile_, compile_scope=scope,
+                                                 max_tokens_per_mb=512))
         b.initialize(model_dir)
         losses[compile_] = [_step(b, s)["loss"] for s in range(3)]
     for le, lc in zip(losses[False], losses[True]):
