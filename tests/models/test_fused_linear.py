@@ -249,3 +249,41 @@ def test_fused_forward_bf16_on_gpu(case):
     with torch.no_grad(), fused_ops.inference():
         got, want = model(ids, pos), ref(ids, pos)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stacked_training_projections_equal_per_projection(case, monkeypatch):
+    """With gradients on, q/k/v and gate/up run as one GEMM each over concatenated weights
+    (``stacked_linear``): outputs and every parameter's gradient equal the per-projection path."""
+    ids, pos = packed_batch()
+    calls = []
+    stacked = fused_linear.stacked_linear
+    monkeypatch.setattr(fused_linear, "stacked_linear", lambda lins, x: calls.append(len(lins)) or stacked(lins, x))
+    results = {}
+    for stack in (True, False):
+        model = build(case).train()
+        if not stack:
+            monkeypatch.setattr(fused_linear, "stackable", lambda lins: False)
+        out = model.logits(model(ids, pos)).float()
+        out.logsumexp(-1).sum().backward()
+        results[stack] = (out.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert calls == [3, 2] * 2  # per layer: q/k/v, then gate/up
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_stacking_skips_hooked_or_wrapped_projections():
+    """A projection with forward hooks (a tensor-parallel style) or a subclass (a LoRA layer)
+    keeps the per-projection path, as do members that disagree on having a bias."""
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)
+    assert fused_linear.stackable((a, b))
+    handle = a.register_forward_pre_hook(lambda m, x: None)
+    assert not fused_linear.stackable((a, b))
+    handle.remove()
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    assert not fused_linear.stackable((Wrapped(4, 3), b))
+    assert not fused_linear.stackable((a, torch.nn.Linear(4, 2, bias=False)))
