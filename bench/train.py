@@ -51,7 +51,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areno.api.types import TokenBatch  # noqa: E402
 from areno.data.tokenizer import build_char_tokenizer  # noqa: E402
 from areno.models import decoder as decoder_module  # noqa: E402
-from areno.models import fused_linear  # noqa: E402
 from areno.models.config import ModelConfig  # noqa: E402
 from areno.models.hf_io import init_model_dir, tiny_config  # noqa: E402
 from areno.models.logprobs import packed_logprobs  # noqa: E402
@@ -186,25 +185,20 @@ VARIANT_ATTN = ("flex", "varlen")
 
 
 VARIANT_NO_HOST_OPTS = "nohostopts"
-VARIANT_NO_STACK = "nostack"
-FLAGS = (VARIANT_NO_HOST_OPTS, VARIANT_NO_STACK)
 
 
-def parse_variant(name: str) -> tuple[bool, str, bool, str, bool]:
+def parse_variant(name: str) -> tuple[bool, str, bool, str]:
     """``eager`` / ``compile`` (each decoder layer) / ``compilemodel`` (the layer stack as one graph)
-    with an optional ``+flex`` / ``+varlen``, an optional ``+nohostopts`` (the training backend's
-    host-side step optimisations off) and an optional ``+nostack`` (one GEMM per projection
-    instead of q/k/v and gate/up stacked, ``fused_linear.STACK_TRAINING``): (compile, CUDA
-    attention, host opts, compile scope, stacked projections)."""
+    with an optional ``+flex`` / ``+varlen`` and an optional ``+nohostopts`` (the training backend's
+    host-side step optimisations off): (compile, CUDA attention, host opts, compile scope)."""
     base, *extra = name.split("+")
     host_opts = VARIANT_NO_HOST_OPTS not in extra
-    attns = [e for e in extra if e not in FLAGS]
+    attns = [e for e in extra if e != VARIANT_NO_HOST_OPTS]
     attn = attns[0] if len(attns) == 1 else "flex" if not attns else ""
     if base not in VARIANT_BASES or attn not in VARIANT_ATTN:
         raise ValueError(f"--variants: {name!r} is not one of {VARIANT_BASES} "
-                         f"with an optional +{'/+'.join(VARIANT_ATTN)} and optional +{' / +'.join(FLAGS)}")
-    return (base != "eager", attn, host_opts, "model" if base == "compilemodel" else "layers",
-            VARIANT_NO_STACK not in extra)
+                         f"with an optional +{'/+'.join(VARIANT_ATTN)} and an optional +{VARIANT_NO_HOST_OPTS}")
+    return base != "eager", attn, host_opts, "model" if base == "compilemodel" else "layers"
 
 
 def dynamo_graphs() -> int:
@@ -247,9 +241,8 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
 
 
 def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops, *, profile: bool) -> dict:
-    compile_, attn, host_opts, scope, stack = parse_variant(variant)
+    compile_, attn, host_opts, scope = parse_variant(variant)
     decoder_module.CUDA_AUTO_IMPL = attn
-    fused_linear.STACK_TRAINING = stack
     torch._dynamo.reset()  # each variant compiles for itself: first_step_s and dynamo_graphs are its own
     torch.cuda.reset_peak_memory_stats()
     graphs_before = dynamo_graphs()
@@ -267,7 +260,6 @@ def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflo
     achieved = fpt * tokens / seconds
     result = {
         "model": name, "variant": variant, "attention": attn, "backend": args.backend, "host_optimizations": host_opts,
-        "stacked_projections": stack,
         "params_M": round(sum(p.numel() for p in backend.model.parameters()) / 1e6, 1),
         "mb_tokens": args.mb_tokens, "mbs_per_step": int(metrics[-1]["mbs"]), "steps": args.steps,
         "tokens_per_s": round(tokens / seconds), "step_s": round(seconds / args.steps, 4),
@@ -331,9 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="short for --variants eager compile")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="eager | compile | compilemodel, optionally +flex / +varlen (CUDA attention), +nohostopts (the "
-                        "backend's host-side step optimisations off) and +nostack (one GEMM per projection); "
-                        "default: eager")
+                   help="eager | compile | compilemodel, optionally +flex / +varlen (CUDA attention) and +nohostopts (the "
+                        "backend's host-side step optimisations off); default: eager")
     p.add_argument("--profile", action="store_true", help="after timing, profile one step of every variant (wall vs kernel time, top kernels, host ops)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads (1: on a shared machine more threads contend)")

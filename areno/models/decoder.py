@@ -160,11 +160,6 @@ class Attention(nn.Module):
         qkv_TN = self.qkv(x_TD) if self.qkv is not None and self.qkv.usable() else None  # one GEMM
         if qkv_TN is not None:
             q_TN, k_TN, v_TN = self.qkv.split(qkv_TN)  # column views
-        elif torch.is_grad_enabled() and self.tp_reduce is None and self._stackable():
-            # training: one GEMM over the three weights concatenated (fused_linear.stacked_linear)
-            projs = (self.q_proj, self.k_proj, self.v_proj)
-            q_TN, k_TN, v_TN = fused_linear.stacked_linear(projs, x_TD).split(
-                [p.out_features for p in projs], dim=-1)
         else:
             q_TN, k_TN, v_TN = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
         q_THD = q_TN.view(T, -1, self.head_dim)
@@ -184,9 +179,6 @@ class Attention(nn.Module):
             k_THD = apply_rope(k_THD, cos_TF, sin_TF)
         out_THD = attn(self.layer_idx, *_in_autocast_dtype(q_THD, k_THD, v_THD))
         return _rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
-
-    def _stackable(self) -> bool:
-        return fused_linear.stackable((self.q_proj, self.k_proj, self.v_proj))
 
 
 def _in_autocast_dtype(*xs_THD: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -222,11 +214,6 @@ class MLP(nn.Module):
                 act = F.silu(gate_TI) * up_TI
         elif fused_ops.active(x_TD):
             act = fused_ops.silu_mul(self.gate_proj(x_TD), self.up_proj(x_TD))
-        elif (torch.is_grad_enabled() and self.tp_reduce is None
-              and fused_linear.stackable((self.gate_proj, self.up_proj))):
-            # training: one GEMM for gate and up (fused_linear.stacked_linear)
-            gate_TI, up_TI = fused_linear.stacked_linear((self.gate_proj, self.up_proj), x_TD).chunk(2, dim=-1)
-            act = F.silu(gate_TI) * up_TI
         else:
             act = F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD)
         return _rowwise(self.down_proj, act, self.tp_reduce)

@@ -17,15 +17,6 @@ compiling, and every member still backed by the fused storage; something that re
 storage afterwards (``model.to(...)``, ``load_state_dict(assign=True)``, a storage swap) silently
 sends that layer back to the per-projection path (one warning), never to stale weights.
 
-Training forwards (gradients enabled) stack the projections differently: ``stacked_linear``
-concatenates the members' current weights inside the forward (``torch.cat``, differentiable: the
-backward splits the fused weight gradient into the members' gradients) and runs one GEMM, so a
-layer's forward runs two input GEMMs instead of five and its backward four instead of ten: fewer
-launches per micro-batch (the one-GPU training step is host-bound) and wider GEMMs (k/v alone have
-few output columns). Compiled, the concatenation fuses into the bf16 weight cast autocast does
-anyway. ``stackable`` says when it applies: plain ``nn.Linear`` members with no module hooks (a
-tensor-parallel style's hooks or a LoRA wrapper keep the per-projection path).
-
 ``silu_mul_halves`` is the MLP's SiLU-and-multiply over the fused [T, 2I] gate/up output: a Triton
 kernel reading both halves in place (``fused_ops.silu_mul`` would first copy each strided half),
 with the eager op's roundings; ``enable()`` turns it on after a self-check against the eager op.
@@ -188,24 +179,3 @@ def enable(device: torch.device | str = "cuda") -> bool:
 
 def disable() -> None:
     _SWITCH.disable()
-
-
-STACK_TRAINING = True
-"""Training forwards stack projections (``stackable``); False keeps one GEMM per projection
-(``bench/train.py``'s ``+nostack`` variant, the before of the A/B)."""
-
-
-def stackable(linears: Sequence[nn.Module]) -> bool:
-    """Whether ``stacked_linear`` computes exactly what calling each of ``linears`` would: plain
-    ``nn.Linear`` modules (not subclasses such as LoRA layers) without forward hooks (which
-    tensor-parallel styles install), all with a bias or all without."""
-    return STACK_TRAINING and (all(type(lin) is nn.Linear and not lin._forward_hooks and not lin._forward_pre_hooks for lin in linears)
-            and len({lin.bias is None for lin in linears}) == 1)
-
-
-def stacked_linear(linears: Sequence[nn.Linear], x: torch.Tensor) -> torch.Tensor:
-    """``torch.cat([lin(x) for lin in linears], -1)`` as one GEMM over the concatenated weights
-    (differentiable; see the module docstring). Members must be ``stackable``."""
-    weight = torch.cat([lin.weight for lin in linears])
-    bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-    return F.linear(x, weight, bias)
