@@ -35,6 +35,7 @@ def test_defaults_and_overrides(tmp_path):
         (["rollout.request_timeout_s=-1"], "rollout.request_timeout_s: must be >= 0"),
         (["cluster.collective_timeout_s=0"], "cluster.collective_timeout_s: must be > 0"),
         (["train.attention=flash"], "train.attention: must be auto, flex or varlen"),
+        (["train.compile_scope=whole"], "train.compile_scope: must be layers or model"),
         (["rollout.fused_projections=maybe"], "rollout.fused_projections"),
     ],
 )
