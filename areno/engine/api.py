@@ -141,6 +141,11 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) 
         backend.max_consecutive_skips = cfg.train.max_consecutive_skips
         backend.role_name = role.name
         backends[role.name] = backend
+    if cfg.train.compile and any(role.trainable for role in recipe.roles):
+        logger.info("training: train.compile=true compiles the decoder (train.compile_scope=%s) during the first "
+                    "training step%s; later runs reuse torch's compile cache", cfg.train.compile_scope,
+                    " (the whole layer stack as one graph: minutes on a GPU)" if cfg.train.compile_scope == "model"
+                    else "")
     return backends
 
 

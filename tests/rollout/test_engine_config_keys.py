@@ -58,15 +58,17 @@ def test_train_attention_sets_the_cuda_training_attention(tiny_model_dir, tmp_pa
     assert decoder.CUDA_AUTO_IMPL == impl
 
 
-def test_train_compile_scope_reaches_the_training_backend(tiny_model_dir, tmp_path):
+def test_train_compile_scope_reaches_the_training_backend(tiny_model_dir, tmp_path, caplog):
     """`train.compile_scope=model` compiles each trained role's layer stack as one callable (the
-    compile itself happens at the first forward)."""
+    compile itself happens at the first forward, which the log announces)."""
     from areno.engine.api import build_role_backends, resolve_recipe
     from areno.train import LocalTrainBackend
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
                              "train.compile=true", "train.compile_scope=model"])
-    backends = build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
+    with caplog.at_level("INFO", logger="areno.engine.api"):
+        backends = build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
+    assert "compile_scope=model) during the first training step" in caplog.text
     backend = next(iter(backends.values()))
     assert backend.cfg.compile_scope == "model"
     assert "forward_layers" in vars(backend.model)
