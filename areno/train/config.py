@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16")
 _SCHEDULES = ("constant", "linear_warmup", "cosine")
+COMPILE_SCOPES = ("layers", "model")
+"""``compile_scope`` values: each decoder layer, or the whole layer stack as one graph."""
 _LONG_SEQUENCES = ("error", "truncate")
 
 
@@ -121,8 +123,8 @@ class TrainBackendConfig:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
-        if self.compile_scope not in ("layers", "model"):
-            raise ValueError(f"compile_scope must be 'layers' or 'model', got {self.compile_scope!r}")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
         if self.lr_schedule not in _SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {_SCHEDULES}, got {self.lr_schedule!r}")
         if self.warmup_steps < 0:

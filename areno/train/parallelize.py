@@ -11,8 +11,8 @@ FSDP2 — in that fixed order (as torchtitan does), each step optional:
    per layer rather than whole-model so FSDP's per-layer hooks stay outside the graph (dynamo skips
    FSDP2's hooks). All layers share one graph (their code is the same; parameters are graph
    inputs), so compile time does not grow with depth. ``compile_scope="model"`` compiles the
-   whole layer stack as one graph instead (fewer host calls per micro-batch; meant for one FSDP
-   group or no FSDP, where no per-layer hook has to run between layers). The backend also runs every forward inside
+   whole layer stack as one graph instead (fewer host calls per micro-batch; measured with one
+   FSDP group or none, and equal to eager under per-layer FSDP groups too). The backend also runs every forward inside
    ``compiled_logprob_kernels()`` (fused element-wise kernels of the chunked log-prob head).
 4. **FSDP2** (``fully_shard``) per decoder layer, then the root (embeddings, final norm, LM head).
    Mixed precision: parameters are all-gathered in ``param_dtype`` for compute while the sharded
@@ -37,7 +37,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import areno.train.vocab_parallel  # noqa: F401  (routes DTensor LM heads to the vocab-parallel log-probs)
-from areno.train.config import TrainBackendConfig
+from areno.train.config import COMPILE_SCOPES, TrainBackendConfig
 
 
 def _checkpointed(forward):
@@ -88,9 +88,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = Tr
 def apply_activation_checkpointing(model: nn.Module) -> None:
     for layer in _layers(model):
         layer.forward = _checkpointed(layer.forward)
-
-
-COMPILE_SCOPES = ("layers", "model")
 
 
 def _decoder(model: nn.Module) -> nn.Module:
