@@ -186,11 +186,15 @@ def _in_autocast_dtype(*xs_THD: torch.Tensor) -> tuple[torch.Tensor, ...]:
     fp32 cos/sin promote q and k back to fp32, and the packed attention kernels are not autocast ops,
     so without this a one-GPU run attended in fp32 - flex instead of the flash varlen kernel, and a
     second ``prepare`` (a graph break) inside the first compiled layer. Identity without autocast."""
-    dev = xs_THD[0].device.type
-    if not torch.is_autocast_enabled(dev):
+    dtype = _autocast_dtype(xs_THD[0].device.type)
+    if dtype is None:
         return xs_THD
-    dtype = torch.get_autocast_dtype(dev)
     return tuple(x.to(dtype) for x in xs_THD)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """Autocast's dtype on ``device_type`` when autocast is on there, else None."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 class MLP(nn.Module):
@@ -351,8 +355,7 @@ class Decoder(nn.Module):
         if isinstance(attn, PackedCausalAttention):
             # with the head dim and q's dtype the layers will pass, so no layer prepares again
             # (inside a compiled region that would be a graph break)
-            dev = x_TD.device.type
-            q_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
+            q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype
             attn.prepare(input_ids_T.shape[0], input_ids_T.device, self.config.head_dim, q_dtype)
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]

@@ -71,11 +71,10 @@ def test_model_scope_compiles_the_layer_stack_once(tmp_path):
     calls = []
     apply_compile(model, backend=lambda gm, inputs: calls.append(gm) or gm.forward, scope="model")
     assert "forward_layers" in vars(model)
-    assert all(not isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) and "_compiled_call_impl" not in
-               vars(layer) or vars(layer)["_compiled_call_impl"] is None for layer in model.model.layers)
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)  # no per-layer compile
     ids = torch.randint(0, 100, (11,))
     model(ids, torch.arange(11))
-    assert len(calls) >= 1
+    assert len(calls) == 1  # the whole stack in one graph: no graph break between layers
 
 
 def test_bad_compile_scope_is_named():
