@@ -144,6 +144,11 @@ class RolloutSection:
     fused_projections: bool = True
     """Run each layer's q/k/v and gate/up projections of the rollout engine as one GEMM each (the
     parameters become views of one fused weight per group, names unchanged); false keeps five GEMMs."""
+    cpu_packed_gemm: bool = True
+    """CPU, fp32 rollout: the large GEMMs (fused q/k/v and gate/up, o_proj, down_proj, the output
+    projection) multiply with oneDNN-packed copies of their weights, re-packed after each policy
+    sync (~1.2-1.4x per decode step measured; one more copy of those weights' memory); false keeps
+    `F.linear`. Ignored on GPU."""
     recompute_kv_on_weight_update: bool = False
     """After a policy sync, recompute the K/V of the rollout engine's in-flight requests under the
     new weights (their tokens are kept; every later token is sampled exactly from the new policy).

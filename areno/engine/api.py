@@ -53,8 +53,8 @@ def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_bloc
         device=device, dtype=dtype, max_num_seqs=rollout_max_num_seqs(cfg),
         decode_steps=r.decode_steps or None, decode_attention=r.decode_attention,
         fused_kernels=r.fused_kernels, cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
-        recompute_kv_on_weight_update=r.recompute_kv_on_weight_update, cuda_stream=r.cuda_stream,
-        mixed_decode_min_rows=r.mixed_decode_min_rows,
+        cpu_packed_gemm=r.cpu_packed_gemm, recompute_kv_on_weight_update=r.recompute_kv_on_weight_update,
+        cuda_stream=r.cuda_stream, mixed_decode_min_rows=r.mixed_decode_min_rows,
         **({"num_blocks": num_blocks} if num_blocks else {}))
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models import fused_linear, fused_ops
+from areno.models import cpu_gemm, fused_linear, fused_ops
 from areno.models.config import ModelConfig
 from areno.models.tp_plan import check_tp_size
 
@@ -125,11 +125,19 @@ TPReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the tensor-parallel group and returns the sum (e.g. an all-reduce)."""
 
 
+def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``, through its oneDNN-packed copy where one applies (``Decoder.pack_cpu_gemms``)."""
+    pack = linear.__dict__.get("cpu_pack")
+    if pack is not None and pack.applies(x):
+        return pack(x, linear.bias)
+    return linear(x)
+
+
 def _rowwise(linear: nn.Linear, x: torch.Tensor, tp_reduce: TPReduce | None) -> torch.Tensor:
     """A row-parallel projection: partial product, reduce over TP ranks, then the bias once."""
     if tp_reduce is None:
-        return linear(x)
-    y = tp_reduce(F.linear(x, linear.weight))
+        return _linear(linear, x)
+    y = tp_reduce(cpu_gemm.linear(x, linear.weight, None, linear.__dict__.get("cpu_pack")))
     return y + linear.bias if linear.bias is not None else y
 
 
@@ -161,7 +169,7 @@ class Attention(nn.Module):
         if qkv_TN is not None:
             q_TN, k_TN, v_TN = self.qkv.split(qkv_TN)  # column views
         else:
-            q_TN, k_TN, v_TN = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+            q_TN, k_TN, v_TN = _linear(self.q_proj, x_TD), _linear(self.k_proj, x_TD), _linear(self.v_proj, x_TD)
         q_THD = q_TN.view(T, -1, self.head_dim)
         k_THD = k_TN.view(T, -1, self.head_dim)
         v_THD = v_TN.view(T, -1, self.head_dim)
@@ -217,9 +225,9 @@ class MLP(nn.Module):
                 gate_TI, up_TI = self.gate_up.split(gate_up_TN)
                 act = F.silu(gate_TI) * up_TI
         elif fused_ops.active(x_TD):
-            act = fused_ops.silu_mul(self.gate_proj(x_TD), self.up_proj(x_TD))
+            act = fused_ops.silu_mul(_linear(self.gate_proj, x_TD), _linear(self.up_proj, x_TD))
         else:
-            act = F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD)
+            act = F.silu(_linear(self.gate_proj, x_TD)) * _linear(self.up_proj, x_TD)
         return _rowwise(self.down_proj, act, self.tp_reduce)
 
 
@@ -335,6 +343,59 @@ class Decoder(nn.Module):
                         lin.bias.data = lin.bias.detach().clone()
                 setattr(owner, attr, None)
 
+    @torch.no_grad()
+    def pack_cpu_gemms(self, batch_hint: int = 32) -> int:
+        """Inference only (the rollout engine on CPU): give every fp32 CPU weight of at least
+        ``cpu_gemm.MIN_ELEMENTS`` elements a oneDNN-packed copy that no-grad forwards multiply with
+        (``cpu_gemm.PackedWeight``: the fused q/k/v and gate/up groups or their projections, o_proj,
+        down_proj, the output projection); values equal ``F.linear``'s up to fp32 summation order. A
+        copy re-packs itself when its parameters are written in place or get new storage; call
+        ``invalidate_cpu_gemms()`` after writes through ``.data``. Call it after ``fuse_projections``
+        (a group fused later has no copy). Costs one more copy of the packed weights' memory. Returns
+        the number of weights packed (0 where oneDNN is unavailable or off CPU)."""
+        self.unpack_cpu_gemms()
+        packs = []
+
+        def attach(owner: object, weight, watch: list[torch.Tensor]) -> None:
+            pack = cpu_gemm.pack(weight, watch, batch_hint)
+            owner.__dict__["cpu_pack"] = pack
+            if pack is not None:
+                packs.append(pack)
+
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for rows, lins in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj)), (m.gate_up, (m.gate_proj, m.up_proj))):
+                if rows is not None and rows.intact():  # one copy for the group's one GEMM
+                    attach(rows, lambda r=rows: r.weight, [rows.weight, *(lin.weight for lin in lins)])
+                else:
+                    for lin in lins:
+                        attach(lin, lambda w=lin.weight: w, [lin.weight])
+            for lin in (a.o_proj, m.down_proj):
+                attach(lin, lambda w=lin.weight: w, [lin.weight])
+        head = self.output_weight
+        attach(self, lambda: self.output_weight, [head])
+        self._cpu_packs = packs
+        return len(packs)
+
+    def unpack_cpu_gemms(self) -> None:
+        """Drop the packed copies of ``pack_cpu_gemms`` (forwards use ``F.linear`` again)."""
+        for owner in self._cpu_pack_owners():
+            owner.__dict__.pop("cpu_pack", None)
+        self._cpu_packs = []
+
+    def invalidate_cpu_gemms(self) -> None:
+        """Make every packed copy re-pack at its next use (the weights changed)."""
+        for pack in getattr(self, "_cpu_packs", ()):
+            pack.invalidate()
+
+    def _cpu_pack_owners(self) -> list[object]:
+        owners: list[object] = [self]
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            owners += [g for g in (a.qkv, m.gate_up) if g is not None]
+            owners += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+        return owners
+
     @property
     def projections_fused(self) -> bool:
         """Whether every layer's q/k/v and gate/up run as one GEMM each in no-grad forwards."""
@@ -387,7 +448,7 @@ class Decoder(nn.Module):
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
         """[T, V] logits in the model dtype (use ``logprobs.py`` for chunked fp32 log-probs)."""
-        return F.linear(hidden_TD, self.output_weight)
+        return cpu_gemm.linear(hidden_TD, self.output_weight, None, self.__dict__.get("cpu_pack"))
 
 
 # ------------------------------------------------------------------------------ packed sequences

@@ -100,6 +100,9 @@ class FusedRows:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The [..., N] product, one GEMM; member i's output is columns ``sizes[:i]`` on (``split``)."""
+        pack = self.__dict__.get("cpu_pack")  # Decoder.pack_cpu_gemms
+        if pack is not None and pack.applies(x):
+            return pack(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -152,6 +152,14 @@ class RolloutEngineConfig:
     on any device (TP engines fuse their local shards); False unfuses a model fused before (the
     model belongs to the engine either way). A model without ``fuse_projections`` is run as given."""
 
+    cpu_packed_gemm: bool = True
+    """CPU, fp32: the large inference GEMMs (the fused q/k/v and gate/up groups, o_proj, down_proj and
+    the output projection, every weight of ``cpu_gemm.MIN_ELEMENTS`` elements or more) multiply with a
+    oneDNN-packed copy of their weight (``Decoder.pack_cpu_gemms``) instead of ``F.linear``: measured
+    1.2-1.4x per decode step of a 24M-parameter model at 32 rows on two cores (bench/RESULTS.md),
+    values equal up to fp32 summation order. The copies are re-packed after every weight update and
+    cost the packed weights' memory once more; False keeps ``F.linear`` (and that memory)."""
+
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
                      "cpu_kv_cache_bytes", "cuda_graph_max_batch"):
@@ -171,8 +179,9 @@ class RolloutEngineConfig:
         if self.decode_attention not in ("auto", *DECODE_ATTENTION):
             raise ValueError(f"RolloutEngineConfig.decode_attention must be one of {['auto', *DECODE_ATTENTION]}, "
                              f"got {self.decode_attention!r}")
-        if not isinstance(self.fused_projections, bool):
-            raise ValueError(f"RolloutEngineConfig.fused_projections must be True or False, got {self.fused_projections!r}")
+        for name in ("fused_projections", "cpu_packed_gemm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RolloutEngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"RolloutEngineConfig.dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
 
@@ -223,6 +232,11 @@ class RolloutEngine:
                     torch.cuda.empty_cache()     # driver, so the KV pool sized below can use them
             else:
                 model.unfuse_projections()
+        if hasattr(model, "pack_cpu_gemms"):  # after fusing: the fused groups get the copies
+            if config.cpu_packed_gemm and self.device.type == "cpu":
+                model.pack_cpu_gemms(batch_hint=config.max_num_seqs)
+            else:
+                model.unpack_cpu_gemms()
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_position = model_config.max_position_embeddings
@@ -658,6 +672,9 @@ class RolloutEngine:
     def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits [B, V]."""
         weight_VD = getattr(self.model, "output_weight", None)
+        pack = self.model.__dict__.get("cpu_pack")  # RolloutEngineConfig.cpu_packed_gemm
+        if pack is not None and pack.applies(hidden_BD):
+            return pack(hidden_BD, None).float()
         if (self.device.type == "cpu" and weight_VD is not None and weight_VD.shape[0] > 4 * self.LOGITS_CHUNK
                 and weight_VD.dtype == hidden_BD.dtype):
             # One matmul per cache-sized slice of the output weight (same dot products, so the same
@@ -863,6 +880,8 @@ class RolloutEngine:
 
     def _weights_changed(self, version: int) -> None:
         self._stream_waits_default = True
+        if hasattr(self.model, "invalidate_cpu_gemms"):
+            self.model.invalidate_cpu_gemms()  # packed copies re-pack at their next use
         if self.config.recompute_kv_on_weight_update:
             self.scheduler.preempt_all()
         else:

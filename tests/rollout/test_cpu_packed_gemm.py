@@ -1,0 +1,214 @@
+"""oneDNN-packed CPU inference GEMMs (``areno.models.cpu_gemm``, ``RolloutEngineConfig.cpu_packed_gemm``):
+the packed product equals ``F.linear`` up to fp32 summation order, a packed copy never serves stale
+weights (in-place writes, replaced storage, ``update_weights``, from disk, every policy-sync commit),
+and an engine with packed copies generates what an engine without them generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from areno.api.types import SamplingParams
+from areno.models import cpu_gemm
+from areno.models.decoder import Decoder
+from areno.models.hf_io import save_model, tiny_config
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.sync.base import ShardSpec, engine_receiver
+from tests.rollout.test_fused_projections import ARCHS, GREEDY, SEEDED, model_of, random_prompts, run
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.supported(), reason="no oneDNN packed linear in this PyTorch build")
+
+
+def assert_close_runs(a, b) -> None:
+    """Same tokens; log-probs equal up to fp32 summation order (the packed GEMM sums in another order)."""
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1]):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-4)
+
+
+@pytest.fixture
+def pack_everything(monkeypatch):
+    """The tiny test models' weights and 5-row batches are below the speed thresholds: pack them all."""
+    monkeypatch.setattr(cpu_gemm, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(cpu_gemm, "MIN_ROWS", 1)
+
+
+def engine_of(model, cfg, packed: bool, **kw) -> RolloutEngine:
+    config = RolloutEngineConfig(block_size=4, num_blocks=96, max_num_seqs=5, max_model_len=80,
+                                 prefill_chunk_size=8, cpu_packed_gemm=packed, **kw)
+    return RolloutEngine(model, cfg, config=config, eos_token_ids=())
+
+
+def pack_of(weight: torch.Tensor) -> cpu_gemm.PackedWeight:
+    pack = cpu_gemm.pack(lambda: weight, [weight], batch_hint=8)
+    assert pack is not None
+    return pack
+
+
+@torch.no_grad()
+def test_packed_product_equals_linear(pack_everything):
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    pack = pack_of(w)
+    x = torch.randn(3, 7, 40, generator=g)  # leading dims kept; a non-contiguous input too
+    torch.testing.assert_close(pack(x, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    xt = torch.randn(40, 12, generator=g).t()
+    assert not xt.is_contiguous()
+    torch.testing.assert_close(pack(xt, None), F.linear(xt, w), rtol=1e-5, atol=1e-5)
+    assert pack.repacks == 1  # packed once, reused
+
+
+def test_packed_copy_is_read_only_where_it_pays():
+    """Real thresholds: not under autograd, not for bf16, not for few rows of a small weight; the
+    output-projection-sized weight at any row count."""
+    small = cpu_gemm.pack(lambda: torch.zeros(1024, 256), [torch.zeros(1)], 32)  # 2**18 elements
+    large = cpu_gemm.pack(lambda: torch.zeros(16384, 256), [torch.zeros(1)], 32)  # 2**22
+    assert cpu_gemm.pack(lambda: torch.zeros(512, 256), [torch.zeros(1)], 32) is None  # below MIN_ELEMENTS
+    assert cpu_gemm.pack(lambda: torch.zeros(1024, 256, dtype=torch.bfloat16), [torch.zeros(1)], 32) is None
+    assert small is not None and large is not None and large.large and not small.large
+    with torch.no_grad():
+        assert small.applies(torch.zeros(8, 256)) and not small.applies(torch.zeros(7, 256))
+        assert large.applies(torch.zeros(1, 256))
+        assert not small.applies(torch.zeros(8, 256, dtype=torch.bfloat16))
+    with torch.enable_grad():
+        assert not small.applies(torch.zeros(8, 256)) and not large.applies(torch.zeros(1, 256))
+
+
+@torch.no_grad()
+def test_packed_copy_follows_weight_writes(pack_everything):
+    lin = torch.nn.Linear(40, 96)
+    pack = cpu_gemm.pack(lambda: lin.weight, [lin.weight], 8)
+    x = torch.randn(9, 40)
+
+    def check() -> None:
+        torch.testing.assert_close(pack(x, lin.bias), lin(x), rtol=1e-5, atol=1e-5)
+
+    check()
+    lin.weight.copy_(torch.randn(96, 40))  # in place through the parameter: its version counter moves
+    check()
+    lin.weight.data = torch.randn(96, 40)  # replaced storage
+    check()
+    lin.bias.copy_(torch.randn(96))  # the bias is read live, never packed
+    check()
+    # A write through ``.data`` moves no version counter: the engine invalidates on every commit.
+    lin.weight.data.copy_(torch.randn(96, 40))
+    pack.invalidate()
+    check()
+    assert pack.repacks == 4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_engine_equals_unpacked_engine(arch, pack_everything):
+    """Greedy and seeded sampling, chunked prefill, continuous batching (5 slots, 9 requests)."""
+    prompts = random_prompts(9, seed=3, hi=30)
+    packed_model, cfg = model_of(arch)
+    plain_model, _ = model_of(arch)
+    packed, plain = engine_of(packed_model, cfg, True), engine_of(plain_model, cfg, False)
+    # fused q/k/v and gate/up (one copy per group), o_proj, down_proj and the output projection
+    assert len(packed_model._cpu_packs) == 4 * cfg.num_hidden_layers + 1 and not plain_model._cpu_packs
+    assert_close_runs(run(packed, prompts), run(plain, prompts))
+    assert_close_runs(run(packed, prompts[:4], SEEDED), run(plain, prompts[:4], SEEDED))
+    assert all(p.repacks == 1 for p in packed_model._cpu_packs)  # every copy was read, none re-packed
+
+
+def test_unfused_projections_get_their_own_copies(pack_everything):
+    model, cfg = model_of("qwen2")
+    engine = engine_of(model, cfg, True, fused_projections=False)
+    assert len(model._cpu_packs) == 7 * cfg.num_hidden_layers + 1
+    ref, _ = model_of("qwen2")
+    assert_close_runs(run(engine, random_prompts(4, seed=5)), run(engine_of(ref, cfg, False), random_prompts(4, seed=5)))
+
+
+def test_flag_validated_and_false_unpacks(pack_everything):
+    with pytest.raises(ValueError, match="cpu_packed_gemm must be True or False"):
+        RolloutEngineConfig(cpu_packed_gemm="yes")
+    model, cfg = model_of("qwen2")
+    engine_of(model, cfg, True)
+    assert model._cpu_packs
+    engine_of(model, cfg, False)
+    assert not model._cpu_packs and "cpu_pack" not in model.model.layers[0].mlp.down_proj.__dict__
+
+
+def test_real_thresholds_pick_the_large_weights():
+    """Without the test override: a 24M-parameter-like layer packs gate/up and down_proj (>= 2**18
+    elements) and the 32k-vocabulary output projection, not q/k/v (2**17) or o_proj (2**16)."""
+    cfg = tiny_config(32000, hidden_size=256, layers=1, heads=8, kv_heads=4, intermediate_size=1024)
+    model = Decoder(cfg).eval()
+    model.fuse_projections()
+    assert model.pack_cpu_gemms(batch_hint=32) == 3
+    layer = model.model.layers[0]
+    assert layer.mlp.gate_up.__dict__["cpu_pack"] is not None and layer.mlp.down_proj.__dict__["cpu_pack"] is not None
+    assert layer.self_attn.qkv.__dict__["cpu_pack"] is None and layer.self_attn.o_proj.__dict__["cpu_pack"] is None
+    assert model.__dict__["cpu_pack"].large
+    ids = torch.randint(3, 32000, (20,))
+    with torch.no_grad():
+        packed = model.logits(model(ids, torch.arange(20)))
+        model.unpack_cpu_gemms()
+        plain = model.logits(model(ids, torch.arange(20)))
+    torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_update_weights_repacks(arch, pack_everything):
+    """``update_weights`` (a subset, then all) on a packed engine serves what an unpacked engine
+    loaded with the same tensors serves."""
+    prompts = random_prompts(4, seed=8)
+    model, cfg = model_of(arch)
+    packed = engine_of(model, cfg, True)
+    run(packed, prompts)
+    new = model_of(arch, seed=7)[0].state_dict()
+    subset = [(n, t) for n, t in new.items() if ".self_attn.v_proj." in n or "mlp.up_proj" in n or "lm_head" in n]
+    packed.update_weights(subset, version=1)
+    partial, _ = model_of(arch)
+    partial.load_state_dict({**partial.state_dict(), **dict(subset)})
+    assert_close_runs(run(packed, prompts), run(engine_of(partial, cfg, False), prompts))
+    packed.update_weights(new.items(), version=2)
+    ref, _ = model_of(arch, seed=7)
+    assert_close_runs(run(packed, prompts), run(engine_of(ref, cfg, False), prompts))
+
+
+def test_update_weights_from_disk_repacks(tmp_path, pack_everything):
+    prompts = random_prompts(4, seed=9)
+    model, cfg = model_of("qwen2")
+    packed = engine_of(model, cfg, True)
+    run(packed, prompts)
+    save_model(model_of("qwen2", seed=4)[0], cfg, tmp_path / "new")
+    packed.update_weights_from_disk(str(tmp_path / "new"), version=3)
+    ref, _ = model_of("qwen2", seed=4)
+    assert_close_runs(run(packed, prompts), run(engine_of(ref, cfg, False), prompts))
+
+
+@pytest.mark.parametrize("commit", ["staged", "swap", "inplace"])
+def test_policy_sync_into_packed_engine(commit, pack_everything):
+    """The transports' receiving end (staged copies, swap, in-place writes) into a packed engine that
+    has already served the old weights: it then serves the new ones."""
+    prompts = random_prompts(4, seed=10)
+    model, cfg = model_of("qwen2")
+    packed = engine_of(model, cfg, True)
+    run(packed, prompts)
+    new = model_of("qwen2", seed=6)[0].state_dict()
+    specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in packed.weight_tensors().items()}
+    receiver = engine_receiver(packed, specs, commit=commit)
+    receiver.begin(1)
+    for name in receiver.shard_specs():
+        receiver.stage(name).data.copy_(new[name])  # through .data: no version counter moves
+    receiver.commit(1)
+    ref, _ = model_of("qwen2", seed=6)
+    assert_close_runs(run(packed, prompts), run(engine_of(ref, cfg, False), prompts))
+    assert all(p.repacks == 2 for p in model._cpu_packs)
+
+
+def test_rollout_key_reaches_the_engine(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from areno.api.config import load_config
+    from areno.engine.api import ArenoEngine, resolve_device
+
+    for value in (True, False):
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
+                                 f"rollout.cpu_packed_gemm={str(value).lower()}"])
+        colocated = ArenoEngine(cfg, tmp_path / "run")
+        colocated.device = resolve_device("cpu")
+        colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        assert colocated._build_rollout_engine(tiny_model_dir).config.cpu_packed_gemm is value
