@@ -152,6 +152,7 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_at
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
         cpu_kv_cache_bytes=args.cpu_kv_gb << 30, decode_steps=args.decode_steps, decode_attention=decode_attention,
         fused_kernels=args.fused_kernels, fused_projections=fused_projections,
+        cpu_packed_gemm=getattr(args, "cpu_packed_gemm", True),
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = request_params(args, temperature, new_tokens, len(prompts))
@@ -243,6 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compare-cpu-decode-matmul", type=int, default=0, metavar="N",
                     help="CPU: after the runs, N pairs of the first run with decode rows through SDPA over the "
                          "gathered K/V, then through the head-major matmul form (attention.CPU_DECODE_MATMUL)")
+    ap.add_argument("--cpu-packed-gemm", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU fp32: the large GEMMs through oneDNN-packed weights (RolloutEngineConfig.cpu_packed_gemm)")
+    ap.add_argument("--compare-cpu-packed-gemm", type=int, default=0, metavar="N",
+                    help="CPU: after the runs, N pairs of the first run with packed GEMMs off, then on")
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="with generate: R alternating (engine, generate) timings of the first run's setting; "
+                         "speedup_rounds lists each round's ratio, speedup_median their median (noisy hosts)")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)")
     ap.add_argument("--decode-steps", type=int, default=None,
@@ -321,6 +329,16 @@ def main(argv: list[str] | None = None) -> None:
                 st_["fused_projections"] = fused_proj
                 label = f"{first} {'matmul' if flag else 'sdpa'}-decode #{rep + 1}"
                 runs[label] = (s_, out_, st_, first)
+    if args.compare_cpu_packed_gemm and device == "cpu":
+        # The first run with the packed GEMMs off, then on: off / on / off / on ... in one process.
+        mode, temperature, loop, fused_proj = plan[0]
+        for rep in range(args.compare_cpu_packed_gemm):
+            for flag in (not args.cpu_packed_gemm, args.cpu_packed_gemm):
+                s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device,
+                                           argparse.Namespace(**{**vars(args), "cpu_packed_gemm": flag}),
+                                           mode, temperature, loop, fused_proj)
+                st_["fused_projections"] = fused_proj
+                runs[f"{first} {'packed' if flag else 'linear'}-gemm #{rep + 1}"] = (s_, out_, st_, first)
     eng_s, eng_out, stats, _ = runs[first]
     result: dict = {
         "bench": "rollout", "shape": args.shape, "device": device, "dtype": str(dtype).removeprefix("torch."),
@@ -363,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
                       roofline_fraction=round(n * new_tokens / eng_s / roofline_tok_s, 3),
                       gpu=torch.cuda.get_device_name())
     if hf is not None:
+        ours_again = ours if args.rounds > 1 else None  # more rounds run the engine again
         del ours
         gc.collect()  # the engine (KV pool, graphs) holds a reference cycle
         if device.startswith("cuda"):
@@ -380,6 +399,19 @@ def main(argv: list[str] | None = None) -> None:
                       mean_common_prefix_tokens=mean_common_prefix(eng_out, hf_out))
         if device.startswith("cuda"):
             result["hf_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if args.rounds > 1:
+            # More (engine, generate) pairs of the first run's setting, alternating, so that a slow
+            # spell of a shared host falls on both sides; the first pair is the one above.
+            mode, temperature, loop, fused_proj = plan[0]
+            ratios = [hf_s / eng_s]
+            for _ in range(args.rounds - 1):
+                gc.collect()
+                s_, _, _ = run_engine(ours_again, cfg, prompts, new_tokens, device, args, mode, temperature, loop,
+                                      fused_proj)
+                h_, _ = run_hf(hf, prompts, new_tokens, device, sampling)
+                ratios.append(h_ / s_)
+            result.update(speedup_rounds=[round(r, 2) for r in ratios],
+                          speedup_median=round(sorted(ratios)[len(ratios) // 2], 2))
     result.update(stamp())
     print(json.dumps(result))
 

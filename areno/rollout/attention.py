@@ -52,6 +52,74 @@ class _Group:
     """long [B * K * L]: row of ``k_S.reshape(-1, Dh)`` of each (sequence, KV head, key) (CPU decode)."""
     cpu_bias_NQL: torch.Tensor | None = None
     """[B * K, Q, L] additive mask (0 / -inf) of the CPU decode form."""
+    carry: "DecodeCarry | None" = None
+    """CPU pure-decode steps: the K/V gathered by the previous step, kept across steps (``DecodeCarry``)."""
+    extend: bool = False
+    """Whether this step extends ``carry`` (else it gathers afresh and keeps that)."""
+    pos_B: torch.Tensor | None = None
+    """long [B] position of each decode row's new token (``carry`` only)."""
+    carry_rows_N: torch.Tensor | None = None
+    """long [B * K]: row of the carried ``[B * K * L, Dh]`` K/V of each (sequence, KV head)'s new token."""
+
+
+class DecodeCarry:
+    """CPU decode attention across pure-decode steps: each layer's K/V of the decode rows as a
+    previous step gathered them from the pool (head-major ``[B * K, capacity, Dh]``, the first ``L``
+    keys in use), kept and extended by each step's new token instead of gathered again: measured
+    ~0.3 ms per layer and tensor for 32 rows of 4 KV heads over ~150 keys on two cores, ~10% of the
+    step (bench/RESULTS.md). A fresh gather happens when the batch's rows change.
+
+    Valid only while nothing but these steps wrote the rows' slots: ``begin`` extends only when the
+    batch has the same rows with the same blocks for every key already carried (a row may have
+    gained a block) and every context grew by exactly one token; any forward that does not extend
+    it (prefill chunks, a mixed step, the paged decode form) and the pool's ``allocate``/``release``
+    drop it. ``max_bytes`` bounds the copies (a batch beyond it gathers per step as before). The
+    values are the pool's: the same attention as the gathered form, bit for bit (test)."""
+
+    def __init__(self, num_layers: int, capacity: int, max_bytes: int) -> None:
+        self.num_layers = num_layers
+        self.capacity = capacity
+        """Keys per (row, KV head) of the copies: the engine's longest block table, in keys."""
+        self.max_bytes = max_bytes
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self._bt_BN: torch.Tensor | None = None
+        self._ctx_B: torch.Tensor | None = None
+        self.steps = {"extended": 0, "gathered": 0}
+        """Pure-decode steps that extended the copies, and that gathered afresh (observability, tests)."""
+
+    def invalidate(self) -> None:
+        self.k.clear()
+        self.v.clear()
+        self._bt_BN = self._ctx_B = None
+
+    def begin(self, bt_BN: torch.Tensor, ctx_B: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int,
+              itemsize: int) -> bool | None:
+        """Before a pure-decode step: True to extend the carried K/V, False to gather afresh and
+        carry that, None when this batch's copies would exceed ``max_bytes`` or its tables the
+        capacity (no carry)."""
+        B, N = bt_BN.shape
+        size = 2 * self.num_layers * B * num_kv_heads * self.capacity * head_dim * itemsize
+        if size > self.max_bytes or N * block_size > self.capacity:
+            self.invalidate()
+            return None
+        prev_bt, prev_ctx = self._bt_BN, self._ctx_B
+        extend = (prev_bt is not None and prev_bt.shape[0] == B and prev_bt.shape[1] <= N
+                  and torch.equal(prev_ctx + 1, ctx_B))
+        if extend:  # the blocks of every key carried so far are unchanged (new blocks may follow)
+            n_old = prev_bt.shape[1]
+            used_BN = torch.arange(n_old)[None, :] <= (prev_ctx - 1)[:, None] // block_size
+            extend = bool(((bt_BN[:, :n_old] == prev_bt) | ~used_BN).all())
+        if not extend:
+            self.k.clear()
+            self.v.clear()
+        self.steps["extended" if extend else "gathered"] += 1
+        self._bt_BN, self._ctx_B = bt_BN.clone(), ctx_B.clone()  # the engine advances ctx in place
+        return extend
+
+
+DECODE_CARRY_MAX_BYTES = 1 << 28
+"""Most bytes of carried K/V copies (``DecodeCarry``) over all layers: 256 MiB."""
 
 
 @dataclass
@@ -154,7 +222,7 @@ class PagedAttention:
     @classmethod
     def for_decode(
         cls, cache: KVCache, bt_BN: torch.Tensor, ctx_B: torch.Tensor, sliding_window: int | None = None,
-        kv_slots_BL: torch.Tensor | None = None, decode_attention: str = "gather",
+        kv_slots_BL: torch.Tensor | None = None, decode_attention: str = "gather", carry: bool = False,
     ) -> "PagedAttention":
         """A pure-decode step from device tensors only (static shapes: usable inside a CUDA graph).
 
@@ -164,7 +232,9 @@ class PagedAttention:
         multi-step decode). ``kv_slots_BL``: the slots of every key (``decode_kv_slots``), when the
         caller reuses them across steps. ``decode_attention``: ``"gather"`` copies every key into a
         dense [B, L] batch for SDPA; ``"paged"`` reads K/V straight from the pool
-        (``paged_decode.py``: Triton on CUDA, a chunked torch loop elsewhere)."""
+        (``paged_decode.py``: Triton on CUDA, a chunked torch loop elsewhere). ``carry``: a
+        pure-decode step of the gathered form on CPU may extend the keys gathered by the previous
+        step (``cache.decode_carry``, ``DecodeCarry``) instead of gathering them again."""
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         bs = cache.block_size
@@ -183,6 +253,12 @@ class PagedAttention:
         if sliding_window is not None:
             mask_BL &= key_L[None, :] > pos_B[:, None] - sliding_window
         group = _Group(kv_slots_BL=kv_slots_BL, mask_B1QL=mask_BL[:, None, None, :])
+        dc = cache.decode_carry
+        if carry and dc is not None and bt_BN.device.type == "cpu" and CPU_DECODE_MATMUL:
+            itemsize = torch.empty((), dtype=cache.dtype).element_size()
+            extend = dc.begin(bt_BN, ctx_B, cache.num_kv_heads, cache.head_dim, bs, itemsize)
+            if extend is not None:
+                group.carry, group.extend, group.pos_B = dc, extend, pos_B
         return cls(cache, slot_B, bt_BN.shape[0], group, None)
 
     @staticmethod
@@ -206,9 +282,13 @@ class PagedAttention:
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
-        k_S.index_copy_(0, self.slot_mapping_T, k_THD.to(k_S.dtype))
-        v_S.index_copy_(0, self.slot_mapping_T, v_THD.to(v_S.dtype))
+        k_TKD, v_TKD = k_THD.to(k_S.dtype), v_THD.to(v_S.dtype)
+        k_S.index_copy_(0, self.slot_mapping_T, k_TKD)
+        v_S.index_copy_(0, self.slot_mapping_T, v_TKD)
         nd = self.num_decode
+        dc = self.cache.decode_carry
+        if dc is not None and (self.decode is None or self.decode.carry is None or self.prefill is not None):
+            dc.invalidate()  # the pool changed under a step that does not extend the carried K/V
         outs = []
         if self.paged is not None:  # the decode rows (all rows of a pure-decode step) over the pool
             p = self.paged
@@ -225,11 +305,17 @@ class PagedAttention:
                 # (it rejects GQA and flash rejects masks: enable_gqa with a mask runs the math
                 # kernel, which expands K/V G-fold). Same attention up to summation order.
                 q_BKGD = q_THD[:nd].reshape(nd, Hkv, Hq // Hkv, -1)
-                out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g, decode=True)
+                if g.carry is not None:
+                    out_BKGD = _cpu_decode_attention(q_BKGD, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd])
+                else:
+                    out_BKGD = self._sdpa(q_BKGD, k_S, v_S, g, decode=True)
                 outs.append(out_BKGD.reshape(nd, Hq, -1))
             else:
                 q_BH1D = q_THD[:nd].unsqueeze(2)  # [Bd, Hq, 1, Dh]
-                out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g, decode=True)
+                if g.carry is not None and Hq == Hkv:
+                    out_BH1D = _cpu_decode_attention(q_BH1D, k_S, v_S, g, layer_idx, k_TKD[:nd], v_TKD[:nd])
+                else:
+                    out_BH1D = self._sdpa(q_BH1D, k_S, v_S, g, decode=True)
                 outs.append(out_BH1D.squeeze(2))
         if self.prefill is not None:
             g = self.prefill
@@ -273,21 +359,43 @@ CPU_DECODE_MATMUL = True
 """CPU decode rows attend through ``_cpu_decode_attention`` (False: the gathered SDPA, for A/Bs)."""
 
 
-def _cpu_decode_attention(q_BKQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group) -> torch.Tensor:
+def _cpu_decode_attention(q_BKQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group,
+                          layer_idx: int | None = None, k_new_BKD: torch.Tensor | None = None,
+                          v_new_BKD: torch.Tensor | None = None) -> torch.Tensor:
     """CPU decode rows (q and k/v with the same head count: the grouped form, or no GQA): K/V
     gathered head-major, ``[B * K, L, Dh]`` contiguous (one row of ``Dh`` per slot and head), then
     two batched matmuls around a softmax, the mask an additive bias. ``scaled_dot_product_attention``
     over the slot-major gather's strided ``[B, K, L, Dh]`` view took ~1.6 ms per layer for 32 rows of 4
     KV heads over 130 keys on two cores, this ~0.8 ms (bench/RESULTS.md); same attention up to fp32
-    summation order. The row indices and the bias are built at the step's first layer."""
+    summation order. The row indices and the bias are built at the step's first layer. With
+    ``g.carry`` (``DecodeCarry``: ``layer_idx`` and the step's new K/V ``[B, K, Dh]`` as written to
+    the pool), the previous step's gathered K/V of this layer, extended by the new token, when
+    ``g.extend``; else a fresh gather, kept for the next step."""
     B, K, Q, D = q_BKQD.shape
     L = g.kv_slots_BL.shape[1]
-    if g.cpu_rows_R is None:
-        g.cpu_rows_R = (g.kv_slots_BL[:, None, :] * K + torch.arange(K)[None, :, None]).reshape(-1)
+    if g.cpu_bias_NQL is None:
         bias_B11L = torch.zeros(B, 1, 1, L, dtype=q_BKQD.dtype).masked_fill_(~g.mask_B1QL, float("-inf"))
         g.cpu_bias_NQL = bias_B11L.expand(B, K, Q, L).reshape(B * K, Q, L)
-    k_NLD = k_S.reshape(-1, D).index_select(0, g.cpu_rows_R).view(B * K, L, D).to(q_BKQD.dtype)
-    v_NLD = v_S.reshape(-1, D).index_select(0, g.cpu_rows_R).view(B * K, L, D).to(q_BKQD.dtype)
+    carry = g.carry
+    if carry is not None and g.extend and layer_idx in carry.k:
+        k_NCD, v_NCD = carry.k[layer_idx], carry.v[layer_idx]
+        if g.carry_rows_N is None:  # a row past its table (discarded later) writes its last key
+            C = k_NCD.shape[1]
+            g.carry_rows_N = torch.arange(B * K) * C + g.pos_B.clamp(max=L - 1).repeat_interleave(K)
+        k_NCD.view(-1, D).index_copy_(0, g.carry_rows_N, k_new_BKD.reshape(B * K, D).to(k_NCD.dtype))
+        v_NCD.view(-1, D).index_copy_(0, g.carry_rows_N, v_new_BKD.reshape(B * K, D).to(v_NCD.dtype))
+        k_NLD, v_NLD = k_NCD[:, :L], v_NCD[:, :L]
+    else:
+        if g.cpu_rows_R is None:
+            g.cpu_rows_R = (g.kv_slots_BL[:, None, :] * K + torch.arange(K)[None, :, None]).reshape(-1)
+        k_NLD = k_S.reshape(-1, D).index_select(0, g.cpu_rows_R).view(B * K, L, D).to(q_BKQD.dtype)
+        v_NLD = v_S.reshape(-1, D).index_select(0, g.cpu_rows_R).view(B * K, L, D).to(q_BKQD.dtype)
+        if carry is not None:  # kept with room for the keys of later steps
+            for store, x_NLD in ((carry.k, k_NLD), (carry.v, v_NLD)):
+                # zeros, not empty: masked keys still multiply their (zero) weight with V
+                x_NCD = x_NLD.new_zeros(B * K, carry.capacity, D)
+                x_NCD[:, :L] = x_NLD
+                store[layer_idx] = x_NCD
     scores_NQL = torch.baddbmm(g.cpu_bias_NQL, q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2), alpha=D ** -0.5)
     return torch.bmm(torch.softmax(scores_NQL, dim=-1), v_NLD).view(B, K, Q, D)
 

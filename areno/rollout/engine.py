@@ -38,7 +38,7 @@ import torch
 from areno.api.types import GenerationOutput, SamplingParams
 from areno.models import fused_linear, fused_ops
 from areno.observe.trace import instant, span
-from areno.rollout.attention import DECODE_ATTENTION, PagedAttention
+from areno.rollout.attention import DECODE_ATTENTION, DECODE_CARRY_MAX_BYTES, DecodeCarry, PagedAttention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
 from areno.rollout.sampling import RowParams, RowTable, Sampler, check_stop
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -262,6 +262,10 @@ class RolloutEngine:
             prefill_chunk_size=config.prefill_chunk_size,
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
+        if self.device.type == "cpu" and config.decode_attention == "gather":
+            # pure-decode steps keep the gathered K/V across steps (attention.DecodeCarry)
+            self.cache.decode_carry = DecodeCarry(model_config.num_hidden_layers, self.scheduler.max_blocks_per_seq
+                                                  * config.block_size, DECODE_CARRY_MAX_BYTES)
         self.sampler = Sampler(device=self.device, seed=config.seed)
         self._row_table = RowTable(config.max_num_seqs + 1)
         """Static sampling rows of the running requests by slot (``Sequence.row``)."""
@@ -598,7 +602,7 @@ class RolloutEngine:
                 logits_BV = self._graphs.replay(graph, B)
             else:
                 attn = PagedAttention.for_decode(self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL,
-                                                 self.config.decode_attention)
+                                                 self.config.decode_attention, carry=True)
                 hidden_BD = self.model(ids_B, (ctx_B - 1).clamp(max=self.max_position - 1), attn)
                 logits_BV = self._logits(hidden_BD)
             tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)

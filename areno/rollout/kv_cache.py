@@ -205,6 +205,9 @@ class KVCache:
         self.device = device
         self.k_S: list[torch.Tensor] = []
         self.v_S: list[torch.Tensor] = []
+        self.decode_carry = None
+        """``attention.DecodeCarry`` of the engine's CPU decode steps (copies of pool contents):
+        dropped whenever the pool is allocated or released."""
         self.allocate()
 
     @property
@@ -224,11 +227,15 @@ class KVCache:
     def allocate(self) -> None:
         if self.is_allocated:
             return
+        if self.decode_carry is not None:
+            self.decode_carry.invalidate()
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
         self.k_S = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_S = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 
     def release(self) -> None:
+        if self.decode_carry is not None:
+            self.decode_carry.invalidate()
         self.k_S, self.v_S = [], []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

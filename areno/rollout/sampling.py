@@ -80,6 +80,34 @@ def hash_uniform(seed_R: torch.Tensor, counter_R: torch.Tensor) -> torch.Tensor:
     return (((key_R >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0 ** -23)
 
 
+ARGMAX_CHUNK = 2048
+"""CPU ``argmax_rows``: vocabulary entries per chunk of the two-level search."""
+
+
+def argmax_rows(x_BV: torch.Tensor) -> torch.Tensor:
+    """``x_BV.argmax(dim=-1)`` (the first index of each row's maximum; a NaN counts as the maximum).
+
+    On CPU over a large vocabulary as a two-level search: each chunk's ``amax`` (a vectorised
+    reduction), the first chunk holding the row's maximum, then ``argmax`` inside that chunk only;
+    PyTorch's CPU argmax is not vectorised (measured over [32, 32000] on two cores: 1.3-1.5 ms, this
+    ~0.45 ms). Same indices, ties and NaNs included (test). Elsewhere a plain ``argmax``."""
+    B, V = x_BV.shape
+    C = V // ARGMAX_CHUNK
+    if x_BV.device.type != "cpu" or C < 2:
+        return x_BV.argmax(dim=-1)
+    body_BCK = x_BV[:, : C * ARGMAX_CHUNK].unflatten(1, (C, ARGMAX_CHUNK))
+    chunk_max_BC = body_BCK.amax(dim=-1)
+    c_B = chunk_max_BC.argmax(dim=-1)  # the first chunk with the maximum (NaN: the first NaN's chunk)
+    rows_B = torch.arange(B, device=x_BV.device)
+    idx_B = body_BCK[rows_B, c_B].argmax(dim=-1) + c_B * ARGMAX_CHUNK
+    if V > C * ARGMAX_CHUNK:  # the remainder after the last whole chunk wins only when strictly larger
+        tail_BT = x_BV[:, C * ARGMAX_CHUNK :]
+        best_B, tail_best_B = chunk_max_BC[rows_B, c_B], tail_BT.amax(dim=-1)
+        tail_wins_B = (tail_best_B > best_B) | (tail_best_B.isnan() & ~best_B.isnan())
+        idx_B = torch.where(tail_wins_B, tail_BT.argmax(dim=-1) + C * ARGMAX_CHUNK, idx_B)
+    return idx_B
+
+
 def inverse_cdf_draw(race_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
     """long [B]: per row the token whose interval of the cumulative distribution ``softmax(race_BV)``
     holds ``u_B`` (uniform in (0, 1)): an exact draw from that distribution (inverse transform
@@ -432,7 +460,7 @@ class Sampler:
             kept_BS = scaled_BV.gather(1, rp.stop_ids_BS)
             masked_BV = scaled_BV.scatter(1, rp.stop_ids_BS, kept_BS.masked_fill(suppress_BS, float("-inf")))
         if rp.all_greedy:
-            tokens_B = masked_BV.argmax(dim=-1)
+            tokens_B = argmax_rows(masked_BV)
         else:
             race_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B) if rp.any_truncate else masked_BV
             # One uniform per row: seeded rows from the (seed, counter) hash, the others from the generator.
@@ -443,7 +471,7 @@ class Sampler:
                 if rp.unseeded_idx is not None:
                     u_B[rp.unseeded_idx] = self._uniform(rp.unseeded_idx.numel())
             sampled_B = inverse_cdf_draw(race_BV, u_B)
-            tokens_B = torch.where(rp.greedy_B, masked_BV.argmax(dim=-1), sampled_B) if rp.any_greedy else sampled_B
+            tokens_B = torch.where(rp.greedy_B, argmax_rows(masked_BV), sampled_B) if rp.any_greedy else sampled_B
         # log_softmax rather than gather - logsumexp: the same rounding as the trainer's recompute.
         chosen_lp_B = torch.log_softmax(scaled_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
         return tokens_B, chosen_lp_B

@@ -127,3 +127,24 @@ def test_sample_modes_and_padding_rows():
     pad = RowTensors.from_table(RowTensors.padding_table(2, 3, 10, torch.device("cpu")), max_len=64)
     assert pad.greedy_B.all() and pad.room_B.tolist() == [1, 1, 1] and not pad.stop_valid_BS.any()
     assert pad.top_k_B.tolist() == [10] * 3 and pad.scale_B.tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize("V", [5000, 4096, 8191, 32000, 100])
+def test_argmax_rows_equals_argmax(V):
+    """The CPU two-level search gives ``argmax``'s indices: ties (first index), a tie between the
+    chunks and the remainder, NaNs (first NaN wins), all -inf rows, vocabularies below two chunks."""
+    from areno.rollout.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(12, V, generator=g)
+    x[1, V // 3] = x[1, V - 1] = 50.0  # tie: the earlier index
+    x[2, V - 1] = 60.0  # maximum in the remainder after the last whole chunk
+    x[3, 1] = x[3, V - 2] = 70.0
+    x[4] = float("-inf")
+    x[5, V // 2] = float("nan")
+    x[6, V - 1] = float("nan")
+    x[7, 0] = float("nan")
+    x[7, V - 1] = float("nan")
+    x[8] = 1.0  # all equal: index 0
+    x[9, V // 2] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

@@ -16,6 +16,10 @@ VARIANTS = {
     "k4_mixed_paged": dict(decode_steps=4, mixed_decode_min_rows=1, decode_attention="paged"),
     "k3_mixed_graphs": dict(decode_steps=3, mixed_decode_min_rows=1, graphs=True),
     "k4_no_mixed_small_pool": dict(decode_steps=4, mixed_decode_min_rows=None, num_blocks=20),
+    # CPU gathered decode keeping the gathered K/V across steps (attention.DecodeCarry); the
+    # reference gathers at every step
+    "k1_carry": dict(decode_steps=1, mixed_decode_min_rows=None, decode_attention="gather"),
+    "k4_mixed_carry": dict(decode_steps=4, mixed_decode_min_rows=1, decode_attention="gather"),
 }
 
 
@@ -54,8 +58,9 @@ def tiny_model():
 @pytest.mark.parametrize("seed", [0, 1, 5])
 def test_every_configuration_gives_the_one_step_engines_outputs(tiny_model, seed):
     prompts, params, eos, arrivals = scenario(seed)
-    ref = drive(engine(tiny_model, 1, eos=eos, mixed_decode_min_rows=None, decode_attention="gather"),
-                prompts, params, arrivals)
+    ref_engine = engine(tiny_model, 1, eos=eos, mixed_decode_min_rows=None, decode_attention="gather")
+    ref_engine.cache.decode_carry = None
+    ref = drive(ref_engine, prompts, params, arrivals)
     for name, kw in VARIANTS.items():
         kw = dict(kw)
         eng = engine(tiny_model, kw.pop("decode_steps"), eos=eos, **kw)
@@ -63,5 +68,7 @@ def test_every_configuration_gives_the_one_step_engines_outputs(tiny_model, seed
         same(got, ref)
         assert eng.allocator.num_used == 0, name  # every block returned
         assert eng.stats()["mixed_steps"] > 0, name
+        if name.endswith("carry"):
+            assert eng.cache.decode_carry.steps["extended"] > 0, name
         if name == "k4_no_mixed_small_pool" and seed in (1, 5):
             assert eng.stats()["num_preemptions"] > 0  # the pool ran out: recomputed, same outputs

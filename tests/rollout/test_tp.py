@@ -16,8 +16,12 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True, seed=3)
 
 
-def _worker(rank: int, port: int, model_dir: str, new_dir: str, out_dir: str) -> None:
+def _worker(rank: int, port: int, model_dir: str, new_dir: str, out_dir: str, pack_all: bool) -> None:
     torch.set_num_threads(1)
+    if pack_all:  # every weight of the tiny model through oneDNN-packed copies (cpu_packed_gemm), at any rows
+        from areno.models import cpu_gemm
+
+        cpu_gemm.MIN_ELEMENTS, cpu_gemm.MIN_ROWS = 1, 1
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -34,21 +38,25 @@ def _worker(rank: int, port: int, model_dir: str, new_dir: str, out_dir: str) ->
         eng.update_weights(load_file(os.path.join(new_dir, "model.safetensors")).items(), version=1)
         after = eng.generate(prompts[:2], GREEDY)
         torch.save({"greedy": [o.output_ids for o in greedy], "seeded": [o.output_ids for o in seeded],
-                    "after": [o.output_ids for o in after], "kv_heads": eng.cache.num_kv_heads},
+                    "after": [o.output_ids for o in after], "kv_heads": eng.cache.num_kv_heads,
+                    "packs": len(model._cpu_packs)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two spawned processes: ~15 s idle, ~2 min on the loaded 2-core CI box
-def test_tp2_equals_tp1(tmp_path):
+@pytest.mark.parametrize("pack_all", [False, True], ids=["linear", "packed"])
+def test_tp2_equals_tp1(tmp_path, pack_all):
+    """``packed``: the TP ranks' sharded projections (column- and row-parallel, and the output
+    projection) through oneDNN-packed copies, the TP=1 reference through ``F.linear``."""
     from areno.models.hf_io import save_model
 
     model, cfg = make_model(0)
     new_model, _ = make_model(1)
     save_model(model, cfg, tmp_path / "m")
     save_model(new_model, cfg, tmp_path / "n")
-    mp.spawn(_worker, args=(free_port(), str(tmp_path / "m"), str(tmp_path / "n"), str(tmp_path)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path / "m"), str(tmp_path / "n"), str(tmp_path), pack_all), nprocs=2)
     prompts = random_prompts(4, seed=30)
     eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4), eos_token_ids=())
     greedy = [o.output_ids for o in eng.generate(prompts, GREEDY)]
@@ -59,3 +67,4 @@ def test_tp2_equals_tp1(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert got["greedy"] == greedy and got["seeded"] == seeded and got["after"] == after
         assert got["kv_heads"] == cfg.num_key_value_heads // 2
+        assert (got["packs"] > 0) is pack_all

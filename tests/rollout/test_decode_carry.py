@@ -1,0 +1,99 @@
+"""CPU decode attention keeping the gathered K/V across pure-decode steps (``attention.DecodeCarry``):
+bit-identical to gathering at every step through joins, leaves, new blocks, weight updates, sleep
+and abort; and ``begin`` extends only what is still the pool's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areno.api.types import SamplingParams
+from areno.rollout.attention import DecodeCarry
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from tests.rollout.conftest import make_model, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=23, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=17, ignore_eos=True, seed=5)
+
+
+def engine(model, cfg, carry: bool, recompute: bool = False) -> RolloutEngine:
+    config = RolloutEngineConfig(block_size=4, num_blocks=200, max_num_seqs=5, max_model_len=80,
+                                 prefill_chunk_size=8, decode_attention="gather",
+                                 recompute_kv_on_weight_update=recompute)
+    eng = RolloutEngine(model, cfg, config=config, eos_token_ids=())
+    if not carry:
+        eng.cache.decode_carry = None
+    return eng
+
+
+def drive(eng: RolloutEngine, new_state: dict) -> list:
+    """9 requests of different lengths through 5 slots; a weight update, a sleep/wake and an abort
+    on the way. Returns every output (the aborted one's partial output included)."""
+    prompts = random_prompts(9, seed=4, lo=2, hi=20)
+    ids = [eng.add_request(p, GREEDY if i % 3 else SEEDED) for i, p in enumerate(prompts)]
+    done, step = {}, 0
+    while len(done) < len(ids):
+        done.update({o.request_id: o for o in eng.step()})
+        step += 1
+        if step == 9:
+            eng.update_weights(new_state.items(), version=1)
+        if step == 15:
+            eng.sleep()
+            eng.wake()
+        if step == 20 and ids[7] not in done:
+            done[ids[7]] = eng.abort(ids[7])
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep-kv", "recompute-kv"])
+def test_carry_is_bit_identical_to_gathering_every_step(recompute):
+    model, cfg = make_model(2)
+    new_state = make_model(3)[0].state_dict()
+    carried = engine(model, cfg, True, recompute)
+    got = drive(carried, new_state)
+    model_b, _ = make_model(2)
+    ref = drive(engine(model_b, cfg, False, recompute), new_state)
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
+    assert [o.output_versions for o in got] == [o.output_versions for o in ref]
+    assert [o.output_logprobs for o in got] == [o.output_logprobs for o in ref]  # exactly
+    steps = carried.cache.decode_carry.steps
+    assert steps["extended"] > 3 * steps["gathered"] > 0
+
+
+def state(bt, ctx):
+    return torch.tensor(bt), torch.tensor(ctx)
+
+
+def test_begin_extends_only_what_is_still_the_pools():
+    c = DecodeCarry(num_layers=2, capacity=16, max_bytes=1 << 20)
+    args = dict(num_kv_heads=2, head_dim=4, block_size=4, itemsize=4)
+    assert c.begin(*state([[5, 6], [7, 0]], [6, 3]), **args) is False  # nothing carried yet
+    assert c.begin(*state([[5, 6], [7, 0]], [7, 4]), **args) is True  # one token more each
+    assert c.begin(*state([[5, 6, 0], [7, 8, 0]], [8, 5]), **args) is True  # row 1 gained block 8
+    assert c.begin(*state([[5, 6, 9], [7, 8, 0]], [9, 6]), **args) is True  # row 0 gained block 9
+    assert c.begin(*state([[5, 6, 9], [7, 8, 0]], [11, 8]), **args) is False  # two tokens: a step was missed
+    assert c.begin(*state([[5, 4, 9], [7, 8, 0]], [12, 9]), **args) is False  # a carried key's block changed
+    assert c.begin(*state([[5, 4, 9]], [13]), **args) is False  # rows left
+    c.invalidate()
+    assert c.begin(*state([[5, 4, 9]], [14]), **args) is False
+    assert c.begin(*state([[5, 4, 9, 1, 2]], [15]), **args) is None  # 20 keys > capacity 16: no carry
+    small = DecodeCarry(num_layers=2, capacity=16, max_bytes=1000)
+    assert small.begin(*state([[1]], [1]), **args) is None  # 2 * 2 * 2 * 16 * 4 * 4 bytes > 1000
+    assert c.steps == {"extended": 3, "gathered": 5}
+
+
+def test_prefill_and_pool_reallocation_drop_the_carry():
+    model, cfg = make_model(2)
+    eng = engine(model, cfg, True)
+    eng.add_request(random_prompts(1, seed=1)[0], GREEDY)
+    for _ in range(4):
+        eng.step()
+    carry = eng.cache.decode_carry
+    assert carry.k and carry.steps["extended"] > 0
+    eng.add_request(random_prompts(1, seed=2)[0], GREEDY)  # its prefill writes the pool
+    eng.step()
+    assert not carry.k
+    eng.step()
+    assert carry.k
+    eng.cache.release()
+    assert not carry.k
