@@ -33,6 +33,14 @@ A/B of the kernel count of a decode step in one process.
 
     python bench/rollout.py --shape qwen0.5b --skip-hf --compare-fused-projections --profile
 
+CPU options, A/B in one process: ``--compare-cpu-packed-gemm N`` and ``--compare-decode-carry N`` add N
+pairs of the first run with ``RolloutEngineConfig.cpu_packed_gemm`` / ``cpu_decode_carry`` flipped, then as
+set (labels `` linear-gemm #i`` / `` packed-gemm #i``, `` gather #i`` / `` carry #i``); ``--rounds R``
+times the first run's setting and ``generate`` R times, alternating (``speedup_rounds``,
+``speedup_median``): on a shared CPU host one run each is not a ratio to trust.
+
+    python bench/rollout.py --shape cpu20m --threads 2 --rounds 5 --compare-cpu-packed-gemm 2 --compare-decode-carry 2
+
 Both sides decode to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
 reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is the steadier figure. On CUDA it also reports
 the fraction of the decode roofline: a decode step must read every weight once plus the K/V of every
@@ -152,7 +160,7 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_at
         kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
         cpu_kv_cache_bytes=args.cpu_kv_gb << 30, decode_steps=args.decode_steps, decode_attention=decode_attention,
         fused_kernels=args.fused_kernels, fused_projections=fused_projections,
-        cpu_packed_gemm=getattr(args, "cpu_packed_gemm", True),
+        cpu_packed_gemm=getattr(args, "cpu_packed_gemm", True), cpu_decode_carry=getattr(args, "decode_carry", True),
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = request_params(args, temperature, new_tokens, len(prompts))
@@ -248,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="CPU fp32: the large GEMMs through oneDNN-packed weights (RolloutEngineConfig.cpu_packed_gemm)")
     ap.add_argument("--compare-cpu-packed-gemm", type=int, default=0, metavar="N",
                     help="CPU: after the runs, N pairs of the first run with packed GEMMs off, then on")
+    ap.add_argument("--decode-carry", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU: keep the gathered decode K/V across steps (RolloutEngineConfig.cpu_decode_carry)")
+    ap.add_argument("--compare-decode-carry", type=int, default=0, metavar="N",
+                    help="CPU: after the runs, N pairs of the first run with the decode carry off, then on")
     ap.add_argument("--rounds", type=int, default=1, metavar="R",
                     help="with generate: R alternating (engine, generate) timings of the first run's setting; "
                          "speedup_rounds lists each round's ratio, speedup_median their median (noisy hosts)")
@@ -329,16 +341,19 @@ def main(argv: list[str] | None = None) -> None:
                 st_["fused_projections"] = fused_proj
                 label = f"{first} {'matmul' if flag else 'sdpa'}-decode #{rep + 1}"
                 runs[label] = (s_, out_, st_, first)
-    if args.compare_cpu_packed_gemm and device == "cpu":
-        # The first run with the packed GEMMs off, then on: off / on / off / on ... in one process.
+    for option, pairs, names in (("cpu_packed_gemm", args.compare_cpu_packed_gemm, ("linear-gemm", "packed-gemm")),
+                                 ("decode_carry", args.compare_decode_carry, ("gather", "carry"))):
+        if not pairs or device != "cpu":
+            continue
+        # The first run with the option flipped, then as set: other / set / other / set ... in one process.
         mode, temperature, loop, fused_proj = plan[0]
-        for rep in range(args.compare_cpu_packed_gemm):
-            for flag in (not args.cpu_packed_gemm, args.cpu_packed_gemm):
+        for rep in range(pairs):
+            for flag in (not getattr(args, option), getattr(args, option)):
                 s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device,
-                                           argparse.Namespace(**{**vars(args), "cpu_packed_gemm": flag}),
+                                           argparse.Namespace(**{**vars(args), option: flag}),
                                            mode, temperature, loop, fused_proj)
                 st_["fused_projections"] = fused_proj
-                runs[f"{first} {'packed' if flag else 'linear'}-gemm #{rep + 1}"] = (s_, out_, st_, first)
+                runs[f"{first} {names[flag]} #{rep + 1}"] = (s_, out_, st_, first)
     eng_s, eng_out, stats, _ = runs[first]
     result: dict = {
         "bench": "rollout", "shape": args.shape, "device": device, "dtype": str(dtype).removeprefix("torch."),

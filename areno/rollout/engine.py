@@ -160,6 +160,11 @@ class RolloutEngineConfig:
     values equal up to fp32 summation order. The copies are re-packed after every weight update and
     cost the packed weights' memory once more; False keeps ``F.linear`` (and that memory)."""
 
+    cpu_decode_carry: bool = True
+    """CPU, gathered decode attention: pure-decode steps keep each layer's gathered K/V and extend it
+    by the new token instead of gathering it from the pool again (``attention.DecodeCarry``; bit for
+    bit the same attention, up to ``DECODE_CARRY_MAX_BYTES`` of copies). False gathers every step."""
+
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
                      "cpu_kv_cache_bytes", "cuda_graph_max_batch"):
@@ -179,7 +184,7 @@ class RolloutEngineConfig:
         if self.decode_attention not in ("auto", *DECODE_ATTENTION):
             raise ValueError(f"RolloutEngineConfig.decode_attention must be one of {['auto', *DECODE_ATTENTION]}, "
                              f"got {self.decode_attention!r}")
-        for name in ("fused_projections", "cpu_packed_gemm"):
+        for name in ("fused_projections", "cpu_packed_gemm", "cpu_decode_carry"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RolloutEngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -262,7 +267,7 @@ class RolloutEngine:
             prefill_chunk_size=config.prefill_chunk_size,
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
-        if self.device.type == "cpu" and config.decode_attention == "gather":
+        if self.device.type == "cpu" and config.decode_attention == "gather" and config.cpu_decode_carry:
             # pure-decode steps keep the gathered K/V across steps (attention.DecodeCarry)
             self.cache.decode_carry = DecodeCarry(model_config.num_hidden_layers, self.scheduler.max_blocks_per_seq
                                                   * config.block_size, DECODE_CARRY_MAX_BYTES)

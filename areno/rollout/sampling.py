@@ -226,6 +226,8 @@ class RowParams:
     """Random rows with their own seed."""
     num_unseeded: int
     """Random rows without a seed."""
+    any_scaled: bool = True
+    """Some row's temperature is not 1 (False: the logits are used unscaled, as ``x / 1`` equals ``x``)."""
     steps_done: int = 0
     """Tokens sampled since ``build`` (``advance`` calls)."""
     _tensors: RowTensors | None = None
@@ -344,7 +346,7 @@ class RowParams:
             table_FB=dev_FB, host_FB=host_FB, max_len=max_len, any_stop_ids=any_stop_ids,
             all_greedy=n_greedy == B, any_greedy=n_greedy > 0, any_truncate=bool(truncate.any()),
             any_min_new=any_min_new and B > 0, all_unseeded=n_unseeded == B and B > 0,
-            num_seeded=n_seeded, num_unseeded=n_unseeded,
+            num_seeded=n_seeded, num_unseeded=n_unseeded, any_scaled=bool((host_FB[_SCALE] != 1).any()),
         )
 
     def shifted(self, n: int) -> "RowParams":
@@ -447,8 +449,8 @@ class Sampler:
         """(token ids long [B], log-probs float32 [B]) as device tensors; no host synchronisation."""
         logits_BV = logits_BV.float()
         B, V = logits_BV.shape
-        if rp.all_greedy:
-            scaled_BV = logits_BV  # T = 1 leaves the logits unchanged: no copy
+        if rp.all_greedy or not rp.any_scaled:
+            scaled_BV = logits_BV  # T = 1 leaves the logits unchanged (x / 1 is x exactly): no copy
         else:
             scaled_BV = logits_BV / rp.scale_B[:, None]
         masked_BV = scaled_BV

@@ -19,10 +19,9 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=17, ignore_eo
 def engine(model, cfg, carry: bool, recompute: bool = False) -> RolloutEngine:
     config = RolloutEngineConfig(block_size=4, num_blocks=200, max_num_seqs=5, max_model_len=80,
                                  prefill_chunk_size=8, decode_attention="gather",
-                                 recompute_kv_on_weight_update=recompute)
+                                 recompute_kv_on_weight_update=recompute, cpu_decode_carry=carry)
     eng = RolloutEngine(model, cfg, config=config, eos_token_ids=())
-    if not carry:
-        eng.cache.decode_carry = None
+    assert (eng.cache.decode_carry is not None) is carry
     return eng
 
 
@@ -62,6 +61,14 @@ def test_carry_is_bit_identical_to_gathering_every_step(recompute):
 
 def state(bt, ctx):
     return torch.tensor(bt), torch.tensor(ctx)
+
+
+def test_flag_validated():
+    with pytest.raises(ValueError, match="cpu_decode_carry must be True or False"):
+        RolloutEngineConfig(cpu_decode_carry=1)
+    model, cfg = make_model(2)
+    paged = RolloutEngine(model, cfg, config=RolloutEngineConfig(decode_attention="paged"), eos_token_ids=())
+    assert paged.cache.decode_carry is None  # the paged form gathers nothing
 
 
 def test_begin_extends_only_what_is_still_the_pools():
