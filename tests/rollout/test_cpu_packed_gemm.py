@@ -14,8 +14,7 @@ from areno.models import cpu_gemm
 from areno.models.decoder import Decoder
 from areno.models.hf_io import save_model, tiny_config
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-from areno.sync.base import ShardSpec, engine_receiver
-from tests.rollout.test_fused_projections import ARCHS, GREEDY, SEEDED, model_of, random_prompts, run
+from tests.rollout.test_fused_projections import ARCHS, SEEDED, model_of, random_prompts, run, sync_into
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.supported(), reason="no oneDNN packed linear in this PyTorch build")
 
@@ -187,13 +186,7 @@ def test_policy_sync_into_packed_engine(commit, pack_everything):
     model, cfg = model_of("qwen2")
     packed = engine_of(model, cfg, True)
     run(packed, prompts)
-    new = model_of("qwen2", seed=6)[0].state_dict()
-    specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in packed.weight_tensors().items()}
-    receiver = engine_receiver(packed, specs, commit=commit)
-    receiver.begin(1)
-    for name in receiver.shard_specs():
-        receiver.stage(name).data.copy_(new[name])  # through .data: no version counter moves
-    receiver.commit(1)
+    sync_into(packed, model_of("qwen2", seed=6)[0].state_dict(), commit, through_data=True)
     ref, _ = model_of("qwen2", seed=6)
     assert_close_runs(run(packed, prompts), run(engine_of(ref, cfg, False), prompts))
     assert all(p.repacks == 2 for p in model._cpu_packs)

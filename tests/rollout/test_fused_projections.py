@@ -115,6 +115,19 @@ def test_update_weights_from_disk_on_fused_engine(tmp_path):
     assert_same(run(fused, prompts), run(engine_of(ref, cfg, False), prompts))
 
 
+def sync_into(engine: RolloutEngine, new: dict, commit: str, through_data: bool = False) -> None:
+    """Every tensor of ``new`` into ``engine`` through ``engine_receiver`` (the transports' receiving
+    end) with ``commit``, as policy version 1; ``through_data``: written through ``.data`` (no
+    parameter's version counter moves)."""
+    specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in engine.weight_tensors().items()}
+    receiver = engine_receiver(engine, specs, commit=commit)
+    receiver.begin(1)
+    for name in receiver.shard_specs():
+        target = receiver.stage(name)
+        (target.data if through_data else target).copy_(new[name])
+    receiver.commit(1)
+
+
 @pytest.mark.parametrize("commit", ["staged", "swap", "inplace"])
 def test_policy_sync_into_fused_engine(commit):
     """``engine_receiver`` (the transports' receiving end) into a fused engine: staged copies, swap
@@ -125,13 +138,8 @@ def test_policy_sync_into_fused_engine(commit):
     fused = engine_of(model, cfg, True)
     run(fused, prompts)
     new = model_of("qwen2", seed=6)[0].state_dict()
-    specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in fused.weight_tensors().items()}
-    receiver = engine_receiver(fused, specs, commit=commit)
     qkv_storage = model.model.layers[1].self_attn.qkv.weight.data_ptr()
-    receiver.begin(1)
-    for name in receiver.shard_specs():
-        receiver.stage(name).copy_(new[name])
-    receiver.commit(1)
+    sync_into(fused, new, commit)
     assert fused.version == 1 and not fused.is_paused
     assert model.projections_fused and model.model.layers[1].self_attn.qkv.weight.data_ptr() == qkv_storage
     for name, t in fused.weight_tensors().items():
