@@ -108,13 +108,16 @@ def argmax_rows(x_BV: torch.Tensor) -> torch.Tensor:
     return idx_B
 
 
-def inverse_cdf_draw(race_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+def inverse_cdf_draw(race_BV: torch.Tensor, u_B: torch.Tensor, weights_BV: torch.Tensor | None = None) -> torch.Tensor:
     """long [B]: per row the token whose interval of the cumulative distribution ``softmax(race_BV)``
     holds ``u_B`` (uniform in (0, 1)): an exact draw from that distribution (inverse transform
     sampling), in four passes over [B, V] (softmax, cumulative sum, search) instead of the ~25 of
     element-wise hash noise over the whole vocabulary. Tokens of zero probability (-inf in
-    ``race_BV``) are never drawn: their cumulative value equals their predecessor's."""
-    cdf_BV = torch.softmax(race_BV, dim=-1).cumsum_(dim=-1)
+    ``race_BV``) are never drawn: their cumulative value equals their predecessor's.
+    ``weights_BV``: non-negative weights proportional to that distribution, used (and overwritten)
+    instead of the softmax (the samplers pass ``exp(log_softmax)`` they already have, suppressed ids
+    zeroed: one pass over the vocabulary fewer); the draw scales ``u`` by each row's total."""
+    cdf_BV = torch.softmax(race_BV, dim=-1).cumsum_(dim=-1) if weights_BV is None else weights_BV.cumsum_(dim=-1)
     total_B1 = cdf_BV[:, -1:].contiguous()
     target_B1 = u_B[:, None] * total_B1
     tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
@@ -461,10 +464,18 @@ class Sampler:
             suppress_BS = (rp.stop_valid_BS[:, :1] & (rp.n_gen_B < rp.min_new_B)[:, None]).expand_as(rp.stop_ids_BS)
             kept_BS = scaled_BV.gather(1, rp.stop_ids_BS)
             masked_BV = scaled_BV.scatter(1, rp.stop_ids_BS, kept_BS.masked_fill(suppress_BS, float("-inf")))
+        logprobs_BV = None
         if rp.all_greedy:
             tokens_B = argmax_rows(masked_BV)
         else:
-            race_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B) if rp.any_truncate else masked_BV
+            race_BV, weights_BV = masked_BV, None
+            # log_softmax rather than gather - logsumexp: the same rounding as the trainer's recompute.
+            logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+            if rp.any_truncate:
+                race_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B)
+            else:  # the draw's weights from the log-probs: no softmax pass of its own
+                weights_BV = _suppressed_weights(logprobs_BV, rp.stop_ids_BS, suppress_BS) if rp.any_min_new \
+                    else logprobs_BV.exp()
             # One uniform per row: seeded rows from the (seed, counter) hash, the others from the generator.
             if rp.all_unseeded:
                 u_B = self._uniform(B)
@@ -472,10 +483,11 @@ class Sampler:
                 u_B = hash_uniform(rp.seed_B, rp.n_gen_B)
                 if rp.unseeded_idx is not None:
                     u_B[rp.unseeded_idx] = self._uniform(rp.unseeded_idx.numel())
-            sampled_B = inverse_cdf_draw(race_BV, u_B)
+            sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
             tokens_B = torch.where(rp.greedy_B, argmax_rows(masked_BV), sampled_B) if rp.any_greedy else sampled_B
-        # log_softmax rather than gather - logsumexp: the same rounding as the trainer's recompute.
-        chosen_lp_B = torch.log_softmax(scaled_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
+        if logprobs_BV is None:
+            logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+        chosen_lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
         return tokens_B, chosen_lp_B
 
     def sample_static(self, logits_BV: torch.Tensor, rows: RowTensors, n_gen_B: torch.Tensor,
@@ -498,14 +510,18 @@ class Sampler:
         if not mode.sample:
             tokens_B = masked_BV.argmax(dim=-1)
         else:
-            race_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B) if mode.truncate else masked_BV
+            race_BV, weights_BV = masked_BV, None
+            if mode.truncate:
+                race_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B)
+            else:  # as sample_rows: the draw's weights from the log-probs
+                weights_BV = _suppressed_weights(logprobs_BV, rows.stop_ids_BS, pending_BS)
             if mode.rng_noise:
                 u_B = self._uniform(race_BV.shape[0])
                 if mode.hash_noise:
                     u_B = torch.where(rows.seeded_B, hash_uniform(rows.seed_B, n_gen_B), u_B)
             else:
                 u_B = hash_uniform(rows.seed_B, n_gen_B)
-            sampled_B = inverse_cdf_draw(race_BV, u_B)
+            sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
             tokens_B = torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B)
         return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
@@ -535,6 +551,13 @@ def _to_lists(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> tuple[list[in
     the ids, < 2**53, and the float32 log-probs exactly)."""
     both_2B = torch.stack((tokens_B.double(), logprobs_B.double())).tolist()
     return [int(t) for t in both_2B[0]], both_2B[1]
+
+
+def _suppressed_weights(logprobs_BV: torch.Tensor, stop_ids_BS: torch.Tensor, suppress_BS: torch.Tensor) -> torch.Tensor:
+    """``exp(logprobs_BV)`` with the ids ``suppress_BS`` marks (stop ids below ``min_new_tokens``)
+    set to 0: weights proportional to ``softmax`` of the masked logits, for ``inverse_cdf_draw``."""
+    weights_BV = logprobs_BV.exp()
+    return weights_BV.scatter_(1, stop_ids_BS, weights_BV.gather(1, stop_ids_BS).masked_fill(suppress_BS, 0.0))
 
 
 def _truncate_rows(scaled_RV: torch.Tensor, k_R: torch.Tensor, p_R: torch.Tensor) -> torch.Tensor:

@@ -148,3 +148,22 @@ def test_argmax_rows_equals_argmax(V):
     x[8] = 1.0  # all equal: index 0
     x[9, V // 2] = float("inf")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_draw_from_log_softmax_weights_equals_draw_from_softmax():
+    """The samplers' draw from ``exp(log_softmax)`` with suppressed ids zeroed picks the tokens the
+    softmax of the masked logits picks (the two differ by an ulp, so only a uniform within ~1e-7 of a
+    boundary could differ), and never a suppressed id."""
+    from areno.rollout.sampling import _suppressed_weights, inverse_cdf_draw
+
+    g = torch.Generator().manual_seed(0)
+    B, V = 512, 300
+    scaled = torch.randn(B, V, generator=g) * 2
+    stop_ids = torch.randint(0, V, (B, 3), generator=g)
+    suppress = (torch.rand(B, generator=g) < 0.5)[:, None].expand(B, 3)
+    masked = scaled.scatter(1, stop_ids, scaled.gather(1, stop_ids).masked_fill(suppress, float("-inf")))
+    u = torch.rand(B, generator=g).clamp_min_(1e-9)
+    weights = _suppressed_weights(torch.log_softmax(scaled, dim=-1), stop_ids, suppress)
+    got = inverse_cdf_draw(masked, u, weights)
+    assert torch.equal(got, inverse_cdf_draw(masked, u))
+    assert not ((stop_ids == got[:, None]) & suppress).any()
