@@ -61,24 +61,31 @@ def supported() -> bool:
 
 
 class PackedWeight:
-    """A oneDNN-packed copy of ``weight`` [N, K] (fp32, CPU), re-packed when a watched tensor changes.
+    """A oneDNN-packed copy of a weight [N, K] (fp32, CPU), re-packed when a watched tensor changes.
 
-    ``weight``: a callable giving the current weight (re-read at every re-pack: a fused group's
-    storage, or the parameter); ``watch``: the tensors whose in-place writes change it (the parameters
-    a sync writes); ``batch_hint``: the row count oneDNN lays the copy out for (any count works)."""
+    ``weight``: ``(owner, attribute)`` of the weight the product reads (a fused group's storage, a
+    parameter); ``watch``: ``(owner, attribute)`` of every tensor whose in-place writes change it (the
+    parameters a sync writes; the weight itself is always watched). Both are read again at every use,
+    so a replaced parameter or storage re-packs, and a deep copy of the model packs its own weights.
+    ``batch_hint``: the row count oneDNN lays the copy out for (any count works)."""
 
-    def __init__(self, weight, watch: Sequence[torch.Tensor], batch_hint: int = 32) -> None:
-        self._weight = weight
-        self._watch = tuple(watch)
+    def __init__(self, weight: tuple[object, str], watch: Sequence[tuple[object, str]] = (),
+                 batch_hint: int = 32) -> None:
+        self._sources = (weight, *[w for w in watch if w != weight])
         self._batch_hint = max(int(batch_hint), 1)
         self._packed: torch.Tensor | None = None
         self._stamp: tuple[int, ...] | None = None
-        self.large = weight().numel() >= LARGE_ELEMENTS
+        self.large = self.weight().numel() >= LARGE_ELEMENTS
         self.repacks = 0
+
+    def weight(self) -> torch.Tensor:
+        owner, name = self._sources[0]
+        return getattr(owner, name)
 
     def _current_stamp(self) -> tuple[int, ...]:
         stamp = []
-        for t in self._watch:
+        for owner, name in self._sources:
+            t = getattr(owner, name)
             stamp += (t.data_ptr(), t._version)
         return tuple(stamp)
 
@@ -95,7 +102,7 @@ class PackedWeight:
         """The packed copy, re-packed first if any watched tensor changed since the last packing."""
         stamp = self._current_stamp()
         if stamp != self._stamp or self._packed is None:
-            w = self._weight().detach()
+            w = self.weight().detach()
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), self._batch_hint)
             self._stamp = stamp
             self.repacks += 1
@@ -112,10 +119,11 @@ class PackedWeight:
         return y_MN.view(*lead, y_MN.shape[-1])
 
 
-def pack(weight, watch: Sequence[torch.Tensor], batch_hint: int) -> PackedWeight | None:
+def pack(weight: tuple[object, str], watch: Sequence[tuple[object, str]] = (), batch_hint: int = 32
+         ) -> PackedWeight | None:
     """A ``PackedWeight`` for a CPU fp32 weight of at least ``MIN_ELEMENTS`` elements where oneDNN's
     packed linear is ``supported()``; else None (the product keeps ``F.linear``)."""
-    w = weight()
+    w = getattr(*weight)
     if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or w.numel() < MIN_ELEMENTS:
         return None
     if not supported():

@@ -356,7 +356,7 @@ class Decoder(nn.Module):
         self.unpack_cpu_gemms()
         packs = []
 
-        def attach(owner: object, weight, watch: list[torch.Tensor]) -> None:
+        def attach(owner: object, weight: tuple[object, str], watch: list[tuple[object, str]] = ()) -> None:
             pack = cpu_gemm.pack(weight, watch, batch_hint)
             owner.__dict__["cpu_pack"] = pack
             if pack is not None:
@@ -366,14 +366,13 @@ class Decoder(nn.Module):
             a, m = layer.self_attn, layer.mlp
             for rows, lins in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj)), (m.gate_up, (m.gate_proj, m.up_proj))):
                 if rows is not None and rows.intact():  # one copy for the group's one GEMM
-                    attach(rows, lambda r=rows: r.weight, [rows.weight, *(lin.weight for lin in lins)])
+                    attach(rows, (rows, "weight"), [(lin, "weight") for lin in lins])
                 else:
                     for lin in lins:
-                        attach(lin, lambda w=lin.weight: w, [lin.weight])
+                        attach(lin, (lin, "weight"))
             for lin in (a.o_proj, m.down_proj):
-                attach(lin, lambda w=lin.weight: w, [lin.weight])
-        head = self.output_weight
-        attach(self, lambda: self.output_weight, [head])
+                attach(lin, (lin, "weight"))
+        attach(self, (self, "output_weight"))
         self._cpu_packs = packs
         return len(packs)
 

@@ -39,10 +39,13 @@ def engine_of(model, cfg, packed: bool, **kw) -> RolloutEngine:
     return RolloutEngine(model, cfg, config=config, eos_token_ids=())
 
 
-def pack_of(weight: torch.Tensor) -> cpu_gemm.PackedWeight:
-    pack = cpu_gemm.pack(lambda: weight, [weight], batch_hint=8)
-    assert pack is not None
-    return pack
+class Holder:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+
+def pack_of(weight: torch.Tensor, batch_hint: int = 8) -> cpu_gemm.PackedWeight | None:
+    return cpu_gemm.pack((Holder(weight), "weight"), batch_hint=batch_hint)
 
 
 @torch.no_grad()
@@ -61,10 +64,10 @@ def test_packed_product_equals_linear(pack_everything):
 def test_packed_copy_is_read_only_where_it_pays():
     """Real thresholds: not under autograd, not for bf16, not for few rows of a small weight; the
     output-projection-sized weight at any row count."""
-    small = cpu_gemm.pack(lambda: torch.zeros(1024, 256), [torch.zeros(1)], 32)  # 2**18 elements
-    large = cpu_gemm.pack(lambda: torch.zeros(16384, 256), [torch.zeros(1)], 32)  # 2**22
-    assert cpu_gemm.pack(lambda: torch.zeros(512, 256), [torch.zeros(1)], 32) is None  # below MIN_ELEMENTS
-    assert cpu_gemm.pack(lambda: torch.zeros(1024, 256, dtype=torch.bfloat16), [torch.zeros(1)], 32) is None
+    small = pack_of(torch.zeros(1024, 256), 32)  # 2**18 elements
+    large = pack_of(torch.zeros(16384, 256), 32)  # 2**22
+    assert pack_of(torch.zeros(512, 256)) is None  # below MIN_ELEMENTS
+    assert pack_of(torch.zeros(1024, 256, dtype=torch.bfloat16)) is None
     assert small is not None and large is not None and large.large and not small.large
     with torch.no_grad():
         assert small.applies(torch.zeros(8, 256)) and not small.applies(torch.zeros(7, 256))
@@ -77,7 +80,7 @@ def test_packed_copy_is_read_only_where_it_pays():
 @torch.no_grad()
 def test_packed_copy_follows_weight_writes(pack_everything):
     lin = torch.nn.Linear(40, 96)
-    pack = cpu_gemm.pack(lambda: lin.weight, [lin.weight], 8)
+    pack = cpu_gemm.pack((lin, "weight"), batch_hint=8)
     x = torch.randn(9, 40)
 
     def check() -> None:
@@ -88,13 +91,15 @@ def test_packed_copy_follows_weight_writes(pack_everything):
     check()
     lin.weight.data = torch.randn(96, 40)  # replaced storage
     check()
+    lin.weight = torch.nn.Parameter(torch.randn(96, 40))  # a replaced parameter (load_state_dict(assign=True))
+    check()
     lin.bias.copy_(torch.randn(96))  # the bias is read live, never packed
     check()
     # A write through ``.data`` moves no version counter: the engine invalidates on every commit.
     lin.weight.data.copy_(torch.randn(96, 40))
     pack.invalidate()
     check()
-    assert pack.repacks == 4
+    assert pack.repacks == 5
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -109,6 +114,25 @@ def test_packed_engine_equals_unpacked_engine(arch, pack_everything):
     assert_close_runs(run(packed, prompts), run(plain, prompts))
     assert_close_runs(run(packed, prompts[:4], SEEDED), run(plain, prompts[:4], SEEDED))
     assert all(p.repacks == 1 for p in packed_model._cpu_packs)  # every copy was read, none re-packed
+
+
+def test_a_deep_copy_multiplies_its_own_weights(pack_everything):
+    """``copy.deepcopy`` of a packed model: the copy's products read the copy's weights, also after
+    they change (a copy re-packs from its own parameters)."""
+    import copy
+
+    model, cfg = model_of("qwen2")
+    engine_of(model, cfg, True)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    ids, pos = torch.tensor([5, 9, 11, 3, 7, 8, 20, 4, 6]), torch.arange(9)
+    with torch.no_grad():
+        got = twin.logits(twin(ids, pos))
+        twin.unpack_cpu_gemms()
+        want = twin.logits(twin(ids, pos))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_unfused_projections_get_their_own_copies(pack_everything):
