@@ -15,7 +15,9 @@ Pure-decode steps built by ``for_decode(..., decode_attention="paged")`` skip th
 attend over the pool directly through the block tables (``paged_decode.py``).
 
 Legend: T = packed new tokens, B = sequences, L = key positions (padded), Q = query positions
-(padded), N = blocks per sequence (padded), Hq/Hkv = query/KV heads, Dh = head dim, S = KV slots.
+(padded), N = blocks per sequence (padded), Hq/Hkv = query/KV heads, Dh = head dim, S = KV slots,
+K = KV heads and C = key capacity of ``DecodeCarry``'s copies (in the CPU decode form, ``N``-prefixed
+names there count B * K rows).
 """
 
 from __future__ import annotations
