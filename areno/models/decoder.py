@@ -282,6 +282,10 @@ class Decoder(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp_size, bias=False)
         self.rope = RotaryCache(config)
+        self._cpu_packs: list[cpu_gemm.PackedWeight] = []
+        """Set by ``pack_cpu_gemms``: the oneDNN-packed weight copies (inference on CPU)."""
+        self._cpu_pack_holders: list[object] = []
+        """The modules and fused groups ``pack_cpu_gemms`` gave a ``cpu_pack`` attribute."""
         self.reset_parameters()
 
     @torch.no_grad()
@@ -354,13 +358,14 @@ class Decoder(nn.Module):
         (a group fused later has no copy). Costs one more copy of the packed weights' memory. Returns
         the number of weights packed (0 where oneDNN is unavailable or off CPU)."""
         self.unpack_cpu_gemms()
-        packs = []
+        packs, holders = [], []
 
         def attach(owner: object, weight: tuple[object, str], watch: list[tuple[object, str]] = ()) -> None:
             pack = cpu_gemm.pack(weight, watch, batch_hint)
-            owner.__dict__["cpu_pack"] = pack
             if pack is not None:
+                owner.__dict__["cpu_pack"] = pack
                 packs.append(pack)
+                holders.append(owner)
 
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -373,27 +378,19 @@ class Decoder(nn.Module):
             for lin in (a.o_proj, m.down_proj):
                 attach(lin, (lin, "weight"))
         attach(self, (self, "output_weight"))
-        self._cpu_packs = packs
+        self._cpu_packs, self._cpu_pack_holders = packs, holders
         return len(packs)
 
     def unpack_cpu_gemms(self) -> None:
         """Drop the packed copies of ``pack_cpu_gemms`` (forwards use ``F.linear`` again)."""
-        for owner in self._cpu_pack_owners():
+        for owner in self._cpu_pack_holders:
             owner.__dict__.pop("cpu_pack", None)
-        self._cpu_packs = []
+        self._cpu_packs, self._cpu_pack_holders = [], []
 
     def invalidate_cpu_gemms(self) -> None:
         """Make every packed copy re-pack at its next use (the weights changed)."""
-        for pack in getattr(self, "_cpu_packs", ()):
+        for pack in self._cpu_packs:
             pack.invalidate()
-
-    def _cpu_pack_owners(self) -> list[object]:
-        owners: list[object] = [self]
-        for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            owners += [g for g in (a.qkv, m.gate_up) if g is not None]
-            owners += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
-        return owners
 
     @property
     def projections_fused(self) -> bool:

@@ -161,8 +161,8 @@ def test_real_thresholds_pick_the_large_weights():
     model.fuse_projections()
     assert model.pack_cpu_gemms(batch_hint=32) == 3
     layer = model.model.layers[0]
-    assert layer.mlp.gate_up.__dict__["cpu_pack"] is not None and layer.mlp.down_proj.__dict__["cpu_pack"] is not None
-    assert layer.self_attn.qkv.__dict__["cpu_pack"] is None and layer.self_attn.o_proj.__dict__["cpu_pack"] is None
+    assert "cpu_pack" in layer.mlp.gate_up.__dict__ and "cpu_pack" in layer.mlp.down_proj.__dict__
+    assert "cpu_pack" not in layer.self_attn.qkv.__dict__ and "cpu_pack" not in layer.self_attn.o_proj.__dict__
     assert model.__dict__["cpu_pack"].large
     ids = torch.randint(3, 32000, (20,))
     with torch.no_grad():
