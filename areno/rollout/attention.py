@@ -257,8 +257,7 @@ class PagedAttention:
         group = _Group(kv_slots_BL=kv_slots_BL, mask_B1QL=mask_BL[:, None, None, :])
         dc = cache.decode_carry
         if carry and dc is not None and bt_BN.device.type == "cpu" and CPU_DECODE_MATMUL:
-            itemsize = torch.empty((), dtype=cache.dtype).element_size()
-            extend = dc.begin(bt_BN, ctx_B, cache.num_kv_heads, cache.head_dim, bs, itemsize)
+            extend = dc.begin(bt_BN, ctx_B, cache.num_kv_heads, cache.head_dim, bs, cache.dtype.itemsize)
             if extend is not None:
                 group.carry, group.extend, group.pos_B = dc, extend, pos_B
         return cls(cache, slot_B, bt_BN.shape[0], group, None)
@@ -378,7 +377,7 @@ def _cpu_decode_attention(q_BKQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Te
     if g.cpu_bias_NQL is None:
         bias_B11L = torch.zeros(B, 1, 1, L, dtype=q_BKQD.dtype).masked_fill_(~g.mask_B1QL, float("-inf"))
         g.cpu_bias_NQL = bias_B11L.expand(B, K, Q, L).reshape(B * K, Q, L)
-    carry = g.carry
+    carry = g.carry if layer_idx is not None else None
     if carry is not None and g.extend and layer_idx in carry.k:
         k_NCD, v_NCD = carry.k[layer_idx], carry.v[layer_idx]
         if g.carry_rows_N is None:  # a row past its table (discarded later) writes its last key
