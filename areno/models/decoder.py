@@ -387,6 +387,11 @@ class Decoder(nn.Module):
             owner.__dict__.pop("cpu_pack", None)
         self._cpu_packs, self._cpu_pack_holders = [], []
 
+    @property
+    def cpu_packed_bytes(self) -> int:
+        """Memory the packed copies of ``pack_cpu_gemms`` take (once packed: at first use)."""
+        return sum(p.weight().numel() * p.weight().element_size() for p in self._cpu_packs)
+
     def invalidate_cpu_gemms(self) -> None:
         """Make every packed copy re-pack at its next use (the weights changed)."""
         for pack in self._cpu_packs:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-
 import json
+import logging
 import os
 import threading
 import time
@@ -42,6 +42,8 @@ from areno.rollout.attention import DECODE_ATTENTION, DECODE_CARRY_MAX_BYTES, De
 from areno.rollout.kv_cache import BlockAllocator, KVCache
 from areno.rollout.sampling import RowParams, RowTable, Sampler, check_stop
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class UnknownRequestError(KeyError):
@@ -238,8 +240,10 @@ class RolloutEngine:
             else:
                 model.unfuse_projections()
         if hasattr(model, "pack_cpu_gemms"):  # after fusing: the fused groups get the copies
-            if config.cpu_packed_gemm and self.device.type == "cpu":
-                model.pack_cpu_gemms(batch_hint=config.max_num_seqs)
+            if config.cpu_packed_gemm and self.device.type == "cpu" and model.pack_cpu_gemms(config.max_num_seqs):
+                log.info("rollout engine: the large CPU weights multiply through oneDNN-packed copies (%.2f GB more "
+                         "memory from the first step; rollout.cpu_packed_gemm=false keeps F.linear)",
+                         model.cpu_packed_bytes / 1e9)
             else:
                 model.unpack_cpu_gemms()
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype

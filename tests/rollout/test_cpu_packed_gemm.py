@@ -160,6 +160,7 @@ def test_real_thresholds_pick_the_large_weights():
     model = Decoder(cfg).eval()
     model.fuse_projections()
     assert model.pack_cpu_gemms(batch_hint=32) == 3
+    assert model.cpu_packed_bytes == 4 * (2048 * 256 + 256 * 1024 + 32000 * 256)
     layer = model.model.layers[0]
     assert "cpu_pack" in layer.mlp.gate_up.__dict__ and "cpu_pack" in layer.mlp.down_proj.__dict__
     assert "cpu_pack" not in layer.self_attn.qkv.__dict__ and "cpu_pack" not in layer.self_attn.o_proj.__dict__
