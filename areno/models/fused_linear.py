@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models import fused_ops
+from areno.models import cpu_gemm, fused_ops
 from areno.models.fused_ops import triton
 
 log = logging.getLogger(__name__)
@@ -100,10 +100,7 @@ class FusedRows:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The [..., N] product, one GEMM; member i's output is columns ``sizes[:i]`` on (``split``)."""
-        pack = self.__dict__.get("cpu_pack")  # Decoder.pack_cpu_gemms
-        if pack is not None and pack.applies(x):
-            return pack(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.__dict__.get("cpu_pack"))  # Decoder.pack_cpu_gemms
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each member's output: column views of the product ``y``, in member order."""

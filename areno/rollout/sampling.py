@@ -452,7 +452,7 @@ class Sampler:
         """(token ids long [B], log-probs float32 [B]) as device tensors; no host synchronisation."""
         logits_BV = logits_BV.float()
         B, V = logits_BV.shape
-        if rp.all_greedy or not rp.any_scaled:
+        if not rp.any_scaled:  # greedy rows have scale 1 too
             scaled_BV = logits_BV  # T = 1 leaves the logits unchanged (x / 1 is x exactly): no copy
         else:
             scaled_BV = logits_BV / rp.scale_B[:, None]
