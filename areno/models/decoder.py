@@ -117,6 +117,8 @@ class RMSNorm(nn.Module):
 
 def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``RMSNorm`` in eager ops (the reference the fused kernel is checked against)."""
+    if x.dtype == torch.float32:  # no casts to dispatch (a decode step runs this twice per layer)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -173,11 +175,12 @@ class Attention(nn.Module):
         q_THD = q_TN.view(T, -1, self.head_dim)
         k_THD = k_TN.view(T, -1, self.head_dim)
         v_THD = v_TN.view(T, -1, self.head_dim)
-        if qkv_TN is not None and not hasattr(self, "q_norm") and fused_ops.active(qkv_TN):
-            # q and k are adjacent columns of one product: one RoPE kernel over their heads
+        if qkv_TN is not None and not hasattr(self, "q_norm"):
+            # q and k are adjacent columns of one product: one RoPE over their heads (one kernel;
+            # eager, half the ops of two calls: the same products per element)
             hq, hk = q_THD.shape[1], k_THD.shape[1]
-            qk_THD = fused_ops.rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim),
-                                    cos_TF, sin_TF)
+            qk_THD = apply_rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim),
+                                cos_TF, sin_TF)
             q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
         else:
             if hasattr(self, "q_norm"):
