@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rollout import SHAPES, build_models, make_prompts, run_hf  # noqa: E402
+from bench.rollout import SHAPES, add_workload_args, build_models, copy_bandwidth, make_prompts, run_hf  # noqa: E402
 from bench.stamp import stamp  # noqa: E402
 
 GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm"}
@@ -76,14 +76,6 @@ def gemm_floor_ms(cfg, rows: int, reps: int) -> dict[str, float]:
             ms = min(ms, best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), reps))
         out[name] = round(ms * count, 3)
     return out
-
-
-def copy_gbps(mib: int = 256) -> float:
-    """GB/s of a large CPU copy (bytes read + written)."""
-    x = torch.ones(mib << 18)
-    y = torch.empty_like(x)
-    ms = best_ms(lambda: y.copy_(x), 5)
-    return 2 * x.numel() * 4 / ms / 1e6
 
 
 def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
@@ -138,10 +130,7 @@ def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu20m")
-    ap.add_argument("--prompts", type=int, default=None, help="number of prompts (default: per shape)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens per prompt (default: per shape)")
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+    add_workload_args(ap)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--reps", type=int, default=30, help="timed calls per GEMM shape")
     ap.add_argument("--profile-steps", type=int, default=16, help="decode steps under the profiler")
@@ -166,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     head_ms = best_ms(lambda: torch.log_softmax(logits, -1).gather(1, argmax_rows(logits)[:, None]), args.reps)
     mean_ctx = sum(map(len, prompts)) / n + (new_tokens + 1) / 2
     kv_bytes = 2 * cfg.num_hidden_layers * n * cfg.num_key_value_heads * cfg.head_dim * 4 * mean_ctx
-    bw = copy_gbps()
+    bw = copy_bandwidth("cpu") / 1e9  # GB/s
     parts = {"gemm": round(sum(gemm.values()), 2), "head_sampling": round(head_ms, 2),
              "attention_kv_read": round(kv_bytes / bw / 1e6, 2)}
     floor = sum(parts.values())

@@ -222,12 +222,17 @@ def copy_bandwidth(device: str) -> float:
     return 2 * x.numel() * 4 * reps / (time.perf_counter() - t0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The model shape and the prompts: ``--shape``, ``--prompts``, ``--new-tokens``, ``--prompt-len``."""
     ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu20m")
     ap.add_argument("--prompts", type=int, default=None, help="number of prompts (default: per shape)")
     ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens per prompt (default: per shape)")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default bf16 on cuda, fp32 on cpu")
     ap.add_argument("--skip-hf", action="store_true", help="engine only (e.g. the 256-concurrency run)")
