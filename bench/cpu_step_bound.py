@@ -93,7 +93,7 @@ def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
     engine.generate([p[:8] for p in prompts[:8]], [params] * min(8, len(prompts)))  # warm-up
     for p in prompts:
         engine.add_request(p, params)
-    engine.step()  # the prompts' prefill: every prompt fits one step's token budget
+    engine.step()  # the prompts' prefill (one step when they fit its token budget, as 32 x 64 do)
     times = []
     while engine.has_unfinished():
         t0 = time.perf_counter()
@@ -101,8 +101,7 @@ def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
         times.append(time.perf_counter() - t0)
     for p in prompts:
         engine.add_request(p, params)
-    engine.step()
-    for _ in range(2):
+    for _ in range(3):  # the prefill, then two decode steps before the profiled ones
         engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -114,9 +113,9 @@ def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
     events = prof.events()
     main = [e for e in events if e.cpu_parent is None and e.thread == events[0].thread]
     covered, end = 0.0, float("-inf")  # union of the top-level ops' intervals
-    for s, e in sorted((e.time_range.start, e.time_range.end) for e in main):
-        covered += max(0.0, e - max(s, end))
-        end = max(end, e)
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in main):
+        covered += max(0.0, stop - max(start, end))
+        end = max(end, stop)
     parts = {"gemm": 0.0, "attention": 0.0, "head_sampling": 0.0, "other_ops": 0.0}
     for e in prof.key_averages():
         key = ("gemm" if e.key in GEMM_OPS else "attention" if e.key in ATTENTION_OPS
