@@ -164,6 +164,17 @@ if triton is not None:
         tl.store(Y + t * stride_yt + h * stride_yh + F + f, b.to(dt), mask=mask)
 
     @triton.jit
+    def _kv_write_kernel(K, V, KS, VS, SLOT, stride_k, stride_v, n, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(SLOT + t).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        k = tl.load(K + t * stride_k + offs, mask=mask)
+        v = tl.load(V + t * stride_v + offs, mask=mask)
+        tl.store(KS + slot * n + offs, k, mask=mask)
+        tl.store(VS + slot * n + offs, v, mask=mask)
+
+    @triton.jit
     def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -238,6 +249,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def write_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor,
+             slots_T: torch.Tensor) -> None:
+    """``k_S.index_copy_(0, slots_T, k_TKD)`` and the same for V (a paged pool's K/V write) in one
+    kernel; call only where ``write_kv_fits``."""
+    n = k_TKD.shape[1] * k_TKD.shape[2]
+    if k_TKD.shape[0]:
+        _kv_write_kernel[(k_TKD.shape[0],)](k_TKD, v_TKD, k_S, v_S, slots_T, k_TKD.stride(0), v_TKD.stride(0), n,
+                                            BLOCK=triton.next_power_of_2(n))
+
+
+def write_kv_fits(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor) -> bool:
+    """Whether ``write_kv`` serves this write: the fused kernels ``active``, K/V in the pools' dtypes,
+    each token's ``K x Dh`` values one contiguous run (the views of a fused q/k/v product are; any row
+    stride), contiguous pools."""
+    def rows_contiguous(x_TKD: torch.Tensor) -> bool:
+        return x_TKD.stride(2) == 1 and x_TKD.stride(1) == x_TKD.shape[2]
+
+    return (active(k_TKD) and k_TKD.dtype == k_S.dtype and v_TKD.dtype == v_S.dtype and rows_contiguous(k_TKD)
+            and rows_contiguous(v_TKD) and k_S.is_contiguous() and v_S.is_contiguous())
+
+
 def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Compare each kernel with the eager op on random inputs; None when all agree (within two
     roundings of the model dtype: RMSNorm's sum runs in another order, exp may differ by an ulp,
@@ -267,6 +299,14 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
             ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
             if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):  # exp may differ by an ulp
                 return f"silu_mul differs from eager by {(got.float() - ref.float()).abs().max().item():.3g}"
+            qkv, slots = rand(6, (14 + 2 * 2) * 64), torch.randperm(40, generator=gen)[:6].to(device)
+            k, v = qkv[:, 14 * 64 : 16 * 64].view(6, 2, 64), qkv[:, 16 * 64 :].view(6, 2, 64)  # views, as in a layer
+            pools = [rand(40, 2, 64) for _ in range(4)]
+            write_kv(k, v, pools[0], pools[1], slots)
+            pools[2].index_copy_(0, slots, k)
+            pools[3].index_copy_(0, slots, v)
+            if not (torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])):
+                return "write_kv differs from index_copy_"
     except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernels
         return f"{type(e).__name__}: {e}"
     return None

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from areno.models import fused_ops
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode
 
@@ -284,8 +285,11 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         k_TKD, v_TKD = k_THD.to(k_S.dtype), v_THD.to(v_S.dtype)
-        k_S.index_copy_(0, self.slot_mapping_T, k_TKD)
-        v_S.index_copy_(0, self.slot_mapping_T, v_TKD)
+        if fused_ops.write_kv_fits(k_TKD, v_TKD, k_S, v_S):
+            fused_ops.write_kv(k_TKD, v_TKD, k_S, v_S, self.slot_mapping_T)  # one kernel for both
+        else:
+            k_S.index_copy_(0, self.slot_mapping_T, k_TKD)
+            v_S.index_copy_(0, self.slot_mapping_T, v_TKD)
         nd = self.num_decode
         dc = self.cache.decode_carry
         if dc is not None and (self.decode is None or self.decode.carry is None or self.prefill is not None):

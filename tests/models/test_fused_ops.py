@@ -50,7 +50,36 @@ def test_cpu_decoder_forward_unaffected_by_enable():
     assert torch.equal(before, after)
 
 
+def test_kv_write_keeps_index_copy_off_the_gpu():
+    """On CPU (or with the kernels off) the pool write is the two ``index_copy_``: ``write_kv_fits`` says no."""
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    assert not fused_ops.write_kv_fits(k, v, torch.zeros(8, 2, 4), torch.zeros(8, 2, 4))
+
+
 gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_write_kernel_equals_index_copy(dtype):
+    """One kernel writes K and V into the pools exactly as two ``index_copy_`` do: views of a fused q/k/v
+    product (row stride wider than K x Dh), slots in any order, no tokens; it serves only fitting layouts."""
+    g = torch.Generator().manual_seed(0)
+    for T in (0, 1, 37):
+        qkv = torch.randn(T, (14 + 2 * 2) * 64, generator=g).to("cuda", dtype)
+        k, v = qkv[:, 14 * 64 : 16 * 64].view(T, 2, 64), qkv[:, 16 * 64 :].view(T, 2, 64)
+        slots = torch.randperm(300, generator=g)[:T].cuda()
+        pools = [torch.randn(300, 2, 64, generator=g).to("cuda", dtype) for _ in range(2)]
+        ref = [p.clone() for p in pools]
+        fused_ops.write_kv(k, v, pools[0], pools[1], slots)
+        ref[0].index_copy_(0, slots, k)
+        ref[1].index_copy_(0, slots, v)
+        assert torch.equal(pools[0], ref[0]) and torch.equal(pools[1], ref[1])
+    if fused_ops.enable():
+        with fused_ops.inference(), torch.no_grad():
+            assert fused_ops.write_kv_fits(k, v, pools[0], pools[1])
+            assert not fused_ops.write_kv_fits(k.transpose(1, 2), v, pools[0], pools[1])  # not one run per token
+            assert not fused_ops.write_kv_fits(k.float() if dtype != torch.float32 else k.half(), v, *pools)
 
 
 @gpu
@@ -172,6 +201,8 @@ def emulate_fused_path_on_cpu(monkeypatch) -> None:
     monkeypatch.setattr(fused_ops, "rope", eager_rope)
     monkeypatch.setattr(fused_ops, "add_rms_norm", fused_ops.eager_add_rms_norm)
     monkeypatch.setattr(fused_ops, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)
+    monkeypatch.setattr(fused_ops, "write_kv", lambda k, v, k_S, v_S, slots: (k_S.index_copy_(0, slots, k),
+                                                                             v_S.index_copy_(0, slots, v)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -194,7 +225,8 @@ def test_fused_kernel_routing_equals_the_eager_forward(monkeypatch, dtype, fused
 
 def test_engine_generates_the_same_tokens_through_the_fused_routing(monkeypatch):
     """The rollout engine (paged K/V, prefill and decode steps) on the fused routing: q and k reach
-    the attention as views of one RoPE output; greedy tokens and log-probs are unchanged."""
+    the attention as views of one RoPE output, and their K/V reach the pool through ``write_kv``'s
+    routing; greedy tokens and log-probs are unchanged."""
     from areno.api.types import SamplingParams
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
@@ -212,4 +244,8 @@ def test_engine_generates_the_same_tokens_through_the_fused_routing(monkeypatch)
 
     ref = run()
     emulate_fused_path_on_cpu(monkeypatch)
+    writes = []
+    eager_write = fused_ops.write_kv
+    monkeypatch.setattr(fused_ops, "write_kv", lambda *a: writes.append(a[0].shape[0]) or eager_write(*a))
     assert run() == ref
+    assert len(writes) > 0 and sum(writes) > 0  # the layers' K/V writes took the one-kernel routing
