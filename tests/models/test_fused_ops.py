@@ -249,3 +249,11 @@ def test_engine_generates_the_same_tokens_through_the_fused_routing(monkeypatch)
     monkeypatch.setattr(fused_ops, "write_kv", lambda *a: writes.append(a[0].shape[0]) or eager_write(*a))
     assert run() == ref
     assert len(writes) > 0 and sum(writes) > 0  # the layers' K/V writes took the one-kernel routing
+
+
+def test_self_checks_pass_with_the_eager_references_on_cpu(monkeypatch):
+    """The self-checks' own comparisons (what they build as the reference) hold when each kernel is its
+    eager reference: a self-check that fails there would keep every fused kernel off on a GPU."""
+    emulate_fused_path_on_cpu(monkeypatch)
+    assert fused_ops.self_check(device="cpu") is None
+    assert fused_ops.add_norm_self_check(device="cpu") is None
