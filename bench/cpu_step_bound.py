@@ -41,7 +41,7 @@ ATTENTION_OPS = {"aten::bmm", "aten::baddbmm", "aten::_softmax"}
 HEAD_OPS = {"aten::_log_softmax", "aten::amax", "aten::argmax"}
 
 
-def best_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int) -> float:
     """Median ms of ``fn`` over ``reps`` calls, after warm-up."""
     for _ in range(3):
         fn()
@@ -70,10 +70,10 @@ def gemm_floor_ms(cfg, rows: int, reps: int) -> dict[str, float]:
     out = {}
     for name, (k, n, count) in shapes.items():
         x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) * 0.02
-        ms = best_ms(lambda: F.linear(x, w), reps)
+        ms = median_ms(lambda: F.linear(x, w), reps)
         if cpu_gemm.supported():
             packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-            ms = min(ms, best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), reps))
+            ms = min(ms, median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), reps))
         out[name] = round(ms * count, 3)
     return out
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     from areno.rollout.sampling import argmax_rows
 
     logits = torch.randn(n, cfg.vocab_size)
-    head_ms = best_ms(lambda: torch.log_softmax(logits, -1).gather(1, argmax_rows(logits)[:, None]), args.reps)
+    head_ms = median_ms(lambda: torch.log_softmax(logits, -1).gather(1, argmax_rows(logits)[:, None]), args.reps)
     mean_ctx = sum(map(len, prompts)) / n + (new_tokens + 1) / 2
     kv_bytes = 2 * cfg.num_hidden_layers * n * cfg.num_key_value_heads * cfg.head_dim * 4 * mean_ctx
     bw = copy_bandwidth("cpu") / 1e9  # GB/s
