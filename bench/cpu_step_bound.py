@@ -14,6 +14,11 @@ is from what this machine can do. One process, one run, prints one JSON object:
   reading the attention's K/V once at the copy bandwidth measured here (``floor_parts_ms``).
   Elementwise ops (norms, RoPE, SiLU, residuals), cache writes and Python are left out, so a real
   step is slower than the floor;
+- ``gemm_sequence_ms``: the engine model's own GEMMs (its weights, its packed copies and fused groups,
+  as the engine set them up) back to back in a step's order, nothing between them. Unlike the floor's
+  GEMMs, each weight is read once per pass, as in a step: the step's weights (~64 MB at cpu20m) do not
+  fit the cache, so this is what the GEMMs cost inside a step with zero other work.
+  ``sequence_floor_ms`` = that + the floor's head and K/V parts, and ``speedup_at_sequence_floor``;
 - ``target_ms`` = ``generate_step_ms / 3`` and ``speedup_at_floor`` = ``generate_step_ms / floor_ms``.
 
     python bench/cpu_step_bound.py --threads 2                # cpu20m, 32 x 128
@@ -127,6 +132,35 @@ def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
     return statistics.median(times) * 1e3, per_step
 
 
+def gemm_sequence_ms(model, rows: int, reps: int) -> float:
+    """Median ms of one pass over ``model``'s decode-step GEMMs in layer order (the fused q/k/v and
+    gate/up groups where the engine fused them, each through its packed copy where one applies, as
+    ``areno.models.cpu_gemm.linear`` runs them), on random inputs of ``rows`` rows."""
+    from areno.models import cpu_gemm
+
+    def products(holder, linears):
+        return [(holder.weight, holder.bias, holder.__dict__.get("cpu_pack"))] if holder is not None and \
+            holder.intact() else [(lin.weight, lin.bias, lin.__dict__.get("cpu_pack")) for lin in linears]
+
+    seq = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        seq += products(a.qkv, (a.q_proj, a.k_proj, a.v_proj))
+        seq.append((a.o_proj.weight, a.o_proj.bias, a.o_proj.__dict__.get("cpu_pack")))
+        seq += products(m.gate_up, (m.gate_proj, m.up_proj))
+        seq.append((m.down_proj.weight, m.down_proj.bias, m.down_proj.__dict__.get("cpu_pack")))
+    seq.append((model.output_weight, None, model.__dict__.get("cpu_pack")))
+    g = torch.Generator().manual_seed(0)
+    inputs = {k: torch.randn(rows, k, generator=g) for k in {w.shape[1] for w, _, _ in seq}}
+
+    def one_pass():
+        for w, b, pack in seq:
+            cpu_gemm.linear(inputs[w.shape[1]], w, b, pack)
+
+    with torch.no_grad():
+        return median_ms(one_pass, reps)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
@@ -148,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     generate_ms = 1e3 * hf_s / new_tokens
 
     gemm = gemm_floor_ms(cfg, n, args.reps)
+    sequence_ms = gemm_sequence_ms(ours, n, args.reps)  # the engine fused and packed ``ours`` in place
     from areno.rollout.sampling import argmax_rows
 
     logits = torch.randn(n, cfg.vocab_size)
@@ -158,13 +193,16 @@ def main(argv: list[str] | None = None) -> None:
     parts = {"gemm": round(sum(gemm.values()), 2), "head_sampling": round(head_ms, 2),
              "attention_kv_read": round(kv_bytes / bw / 1e6, 2)}
     floor = sum(parts.values())
+    sequence_floor = sequence_ms + parts["head_sampling"] + parts["attention_kv_read"]
     print(json.dumps({
         "bench": "cpu_step_bound", "shape": args.shape, "prompts": n, "new_tokens": new_tokens,
         "threads": torch.get_num_threads(), "engine_step_ms": round(engine_ms, 2), "engine_profile_ms": profile_ms,
         "generate_step_ms": round(generate_ms, 2), "speedup": round(generate_ms / engine_ms, 2),
         "target_ms": round(generate_ms / 3, 2), "floor_ms": round(floor, 2), "floor_parts_ms": parts,
         "gemm_floor_ms": gemm, "copy_GBps": round(bw, 1), "mean_context": round(mean_ctx, 1),
-        "speedup_at_floor": round(generate_ms / floor, 2), **stamp(),
+        "speedup_at_floor": round(generate_ms / floor, 2), "gemm_sequence_ms": round(sequence_ms, 2),
+        "sequence_floor_ms": round(sequence_floor, 2), "speedup_at_sequence_floor": round(generate_ms / sequence_floor, 2),
+        **stamp(),
     }))
 
 

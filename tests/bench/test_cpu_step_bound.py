@@ -18,6 +18,10 @@ def test_floor_breakdown_and_ratios(capsys):
     assert all(v > 0 for v in r["floor_parts_ms"].values())
     assert r["floor_ms"] == pytest.approx(sum(r["floor_parts_ms"].values()), abs=0.02)
     assert r["speedup_at_floor"] == pytest.approx(r["generate_step_ms"] / r["floor_ms"], rel=0.02)
+    assert r["gemm_sequence_ms"] > 0
+    assert r["sequence_floor_ms"] == pytest.approx(
+        r["gemm_sequence_ms"] + r["floor_parts_ms"]["head_sampling"] + r["floor_parts_ms"]["attention_kv_read"], abs=0.02)
+    assert r["speedup_at_sequence_floor"] == pytest.approx(r["generate_step_ms"] / r["sequence_floor_ms"], rel=0.02)
     assert r["target_ms"] == pytest.approx(r["generate_step_ms"] / 3, abs=0.01)
     prof = r["engine_profile_ms"]
     assert prof["gemm"] > 0 and prof["attention"] > 0 and prof["wall"] > prof["gemm"]
