@@ -1,4 +1,4 @@
-"""`areno` command line: train, serve, recipes, report, doctor, bench, demo.
+"""`areno` command line: train, demo, recipes, launch, serve, report, doctor, trace, sessions.
 
 User mistakes (config, paths, data) are printed as one line and exit with code 2.
 """
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--algorithm", help="recipe name (same as train.algorithm=NAME)")
     train.set_defaults(func=_train)
 
-    demo = sub.add_parser("demo", help="the CPU demo: a tiny model learns arithmetic with RL")
+    demo = sub.add_parser("demo", help="the CPU demo: a tiny model learns to sort digits with RL (GRPO)")
     demo.add_argument("--run-dir", default="runs/demo")
     demo.add_argument("overrides", nargs="*", help="dotted overrides key=value")
     demo.set_defaults(func=_demo)

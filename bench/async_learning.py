@@ -13,7 +13,7 @@ seeds: ``--seeds 0 1 2 3 --jobs 12`` runs every (seed, arm) pair in its own proc
 its seed's deterministic warm start) and adds ``aggregate``: each arm's accuracy curve averaged
 over the seeds, and the steps each mean curve needs to reach the η = 0 mean curve's final accuracy.
 
-    python bench/async_learning.py                     # examples/demo.yaml, CPU, ~10-15 min on 2 cores
+    python bench/async_learning.py                     # areno/configs/demo.yaml, CPU, ~10-15 min on 2 cores
     python bench/async_learning.py --steps 60 --eval-interval 10 -- rollout.batch_size=16
     python bench/async_learning.py --seeds 0 1 2 3 4 --jobs 15   # 15 processes, one core each
 """
@@ -194,7 +194,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "examples" / "demo.yaml"))
+    p.add_argument("--config", default=str(ROOT / "areno" / "configs" / "demo.yaml"))
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--slack", type=float, default=0.0,
                    help="every arm runs this fraction more steps than --steps (the same schedule), and the "

@@ -1,6 +1,6 @@
 """Learning check (issue 5): held-out accuracy before and after each RL recipe, same step budget.
 
-On the shipped task (``examples/demo.yaml``: digit sorting, a tiny character-level model):
+On the shipped task (``areno/configs/demo.yaml``: digit sorting, a tiny character-level model):
 
 1. one supervised warm start (the ``sft`` recipe) gives the common starting checkpoint;
 2. for ``opd``, a stronger teacher: the same warm start run ``--teacher-steps`` steps;
@@ -82,7 +82,7 @@ def _run_recipe(config_path: str, run_dir: Path, start: Path, name: str, steps: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "examples" / "demo.yaml"))
+    parser.add_argument("--config", default=str(ROOT / "areno" / "configs" / "demo.yaml"))
     parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="comma-separated recipe names")
     parser.add_argument("--steps", type=int, default=40, help="RL steps per recipe (the same budget for all)")
     parser.add_argument("--warm-start-steps", type=int, default=60)

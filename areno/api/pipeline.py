@@ -18,7 +18,8 @@ from areno.observe.metrics import METRICS_FILENAME, read_metrics
 
 logger = logging.getLogger(__name__)
 
-DEMO_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+"""The demo's config, shipped in the package (package data), so ``areno demo`` runs from any install."""
 
 
 def _stage(config: ArenoConfig, **changes) -> ArenoConfig:
@@ -102,9 +103,9 @@ def plot_curve(run_dir: Path) -> Path | None:
 
 
 def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[str, float]:
-    """The CPU demo: examples/demo.yaml (a tiny model learns arithmetic with GRPO)."""
+    """The CPU demo: ``areno/configs/demo.yaml`` (a tiny model learns to sort digits with GRPO)."""
     if not DEMO_CONFIG.exists():
-        raise ValueError(f"{DEMO_CONFIG} not found: run `areno demo` from an areno source checkout")
+        raise ValueError(f"{DEMO_CONFIG} not found: this areno install is incomplete; reinstall it (pip install areno)")
     config = load_config(DEMO_CONFIG, [f"run_dir={run_dir}", *overrides])
     summary = run_pipeline(config)
     before, after = summary["accuracy_before"] or 0.0, summary["accuracy_after"] or 0.0

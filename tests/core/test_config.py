@@ -64,3 +64,19 @@ def test_demo_config_parses():
     cfg = load_config(DEMO_CONFIG, ["run_dir=/tmp/x"])
     assert cfg.train.algorithm == "grpo"
     assert cfg.warm_start.steps > 0
+
+
+def test_demo_config_ships_inside_the_package():
+    """``areno demo`` after a plain (non-editable) ``pip install``: its config is package data of a
+    package setuptools finds, not a file of the source checkout."""
+    import tomllib
+    from pathlib import Path
+
+    import areno
+    from areno.api.pipeline import DEMO_CONFIG
+
+    pkg = Path(areno.__file__).resolve().parent
+    assert DEMO_CONFIG.is_relative_to(pkg) and DEMO_CONFIG.exists()
+    assert (DEMO_CONFIG.parent / "__init__.py").exists()  # a regular package: packages.find includes it
+    pyproject = tomllib.loads((pkg.parent / "pyproject.toml").read_text())
+    assert "*.yaml" in pyproject["tool"]["setuptools"]["package-data"]["*"]

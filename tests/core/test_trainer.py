@@ -174,7 +174,7 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 
 def test_demo_config_first_step_runs(tmp_path):
-    """examples/demo.yaml as shipped, cut to one warm-start and one GRPO step."""
+    """areno/configs/demo.yaml as shipped, cut to one warm-start and one GRPO step."""
     from areno.api.pipeline import DEMO_CONFIG
 
     cfg = load_config(DEMO_CONFIG, [f"run_dir={tmp_path / 'demo'}", f"model.path={tmp_path / 'demo' / 'init'}",
