@@ -138,17 +138,15 @@ def gemm_sequence_ms(model, rows: int, reps: int) -> float:
     ``areno.models.cpu_gemm.linear`` runs them), on random inputs of ``rows`` rows."""
     from areno.models import cpu_gemm
 
-    def products(holder, linears):
-        return [(holder.weight, holder.bias, holder.__dict__.get("cpu_pack"))] if holder is not None and \
-            holder.intact() else [(lin.weight, lin.bias, lin.__dict__.get("cpu_pack")) for lin in linears]
+    def products(group, linears):  # one GEMM for an intact fused group, else one per projection
+        owners = [group] if group is not None and group.intact() else list(linears)
+        return [(o.weight, o.bias, o.__dict__.get("cpu_pack")) for o in owners]
 
     seq = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        seq += products(a.qkv, (a.q_proj, a.k_proj, a.v_proj))
-        seq.append((a.o_proj.weight, a.o_proj.bias, a.o_proj.__dict__.get("cpu_pack")))
-        seq += products(m.gate_up, (m.gate_proj, m.up_proj))
-        seq.append((m.down_proj.weight, m.down_proj.bias, m.down_proj.__dict__.get("cpu_pack")))
+        seq += products(a.qkv, (a.q_proj, a.k_proj, a.v_proj)) + products(None, [a.o_proj])
+        seq += products(m.gate_up, (m.gate_proj, m.up_proj)) + products(None, [m.down_proj])
     seq.append((model.output_weight, None, model.__dict__.get("cpu_pack")))
     g = torch.Generator().manual_seed(0)
     inputs = {k: torch.randn(rows, k, generator=g) for k in {w.shape[1] for w, _, _ in seq}}
