@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.stamp import stamp  # noqa: E402
+from bench.stamp import stamp
 
 QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "layers": 24, "heads": 14, "kv_heads": 2}
 TINY = {"hidden_size": 64, "intermediate_size": 192, "layers": 2, "heads": 4, "kv_heads": 2}
@@ -45,15 +45,22 @@ def build(args):
 
     shape = QWEN25_05B if args.shape == "qwen0.5b" else TINY
     tok = build_char_tokenizer()
-    cfg = tiny_config(len(tok), hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-                      layers=shape["layers"], heads=shape["heads"], kv_heads=shape["kv_heads"],
-                      max_position_embeddings=8192)
+    cfg = tiny_config(
+        len(tok),
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        layers=shape["layers"],
+        heads=shape["heads"],
+        kv_heads=shape["kv_heads"],
+        max_position_embeddings=8192,
+    )
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = Decoder(cfg).to(device=args.device, dtype=dtype).eval()
     max_len = 64 + args.turns * (args.new_tokens + 32) + (1024 if args.tools else 0)  # tools: a long system prompt
-    ecfg = RolloutEngineConfig(device=args.device, dtype=str(dtype).removeprefix("torch."),
-                               max_num_seqs=args.episodes, max_model_len=max_len)
+    ecfg = RolloutEngineConfig(
+        device=args.device, dtype=str(dtype).removeprefix("torch."), max_num_seqs=args.episodes, max_model_len=max_len
+    )
     engine = RolloutEngine(model, cfg, config=ecfg, eos_token_ids=(tok.eos_token_id,), tokenizer=tok)
     return InProcessRolloutClient(engine), tok
 
@@ -62,15 +69,23 @@ async def raw_episodes(client, tok, args):
     from areno.api.types import SamplingParams
 
     async def episode(i):
-        ids = tok.apply_chat_template([{"role": "user", "content": f"question {i}"}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": f"question {i}"}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ntok = 0
         for t in range(args.turns):
-            out = await client.agenerate(ids, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True,
-                                                             seed=i * 100 + t))
+            out = await client.agenerate(
+                ids, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=i * 100 + t)
+            )
             ntok += len(out.output_ids)
-            ids = ids + out.output_ids + tok.encode(f"<|im_end|>\n<|im_start|>user\nfeedback {t}<|im_end|>\n"
-                                                    "<|im_start|>assistant\n", add_special_tokens=False)
+            ids = (
+                ids
+                + out.output_ids
+                + tok.encode(
+                    f"<|im_end|>\n<|im_start|>user\nfeedback {t}<|im_end|>\n<|im_start|>assistant\n",
+                    add_special_tokens=False,
+                )
+            )
         return ntok
 
     return sum(await asyncio.gather(*(episode(i) for i in range(args.episodes))))
@@ -85,12 +100,18 @@ async def recorded_episodes(client, tok, args):
         oai = ArenoAsyncOpenAI(client, tok, default_sampling=SamplingParams(max_new_tokens=args.new_tokens))
         messages = [{"role": "user", "content": f"question {i}"}]
         for t in range(args.turns):
-            resp = await oai.chat.completions.create(model="m", messages=messages, seed=i * 100 + t,
-                                                     tools=[CALCULATOR_SCHEMA] if args.tools else None,
-                                                     extra_body={"ignore_eos": True})
+            resp = await oai.chat.completions.create(
+                model="m",
+                messages=messages,
+                seed=i * 100 + t,
+                tools=[CALCULATOR_SCHEMA] if args.tools else None,
+                extra_body={"ignore_eos": True},
+            )
             oai.set_last_reward(1.0)
-            messages = messages + [{"role": "assistant", "content": resp.choices[0].message.content},
-                                   {"role": "user", "content": f"feedback {t}"}]
+            messages = messages + [
+                {"role": "assistant", "content": resp.choices[0].message.content},
+                {"role": "user", "content": f"feedback {t}"},
+            ]
         trajs = oai.export("concat", gamma=0.9)
         return sum(sum(t.completion_mask) for t in trajs)
 
@@ -116,9 +137,14 @@ def _greedy_replies(model_dir, prompts: list[str], max_new_tokens: int) -> list[
     for prompt in prompts:  # one at a time: no padding questions, and the model is tiny
         ids = torch.tensor([tok.encode(prompt)])
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)
-        replies.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+            out = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        replies.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
     return replies
 
 
@@ -135,8 +161,13 @@ def learn(name: str, args) -> dict:
     run_dir = Path(args.run_root) / f"agent_{name}"
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
-    overrides = [f"run_dir={run_dir}", f"model.path={run_dir / 'init_model'}", "observe.console=false",
-                 f"cluster.cpu_threads={args.threads}", *args.set]
+    overrides = [
+        f"run_dir={run_dir}",
+        f"model.path={run_dir / 'init_model'}",
+        "observe.console=false",
+        f"cluster.cpu_threads={args.threads}",
+        *args.set,
+    ]
     cfg = load_config(root / "examples" / f"agent_{name}.yaml", overrides)
     if cfg.data.train_path:  # the shipped data sits next to the config
         overrides += [f"data.train_path={root / cfg.data.train_path}", f"data.eval_path={root / cfg.data.eval_path}"]
@@ -146,9 +177,13 @@ def learn(name: str, args) -> dict:
     wall_s = time.perf_counter() - t0
     rows = read_metrics(run_dir)
     result = {
-        "bench": "agents_learning", "example": f"examples/agent_{name}.yaml", "overrides": list(args.set),
-        "warm_start_steps": cfg.warm_start.steps, "grpo_steps": cfg.train.steps,
-        "accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
+        "bench": "agents_learning",
+        "example": f"examples/agent_{name}.yaml",
+        "overrides": list(args.set),
+        "warm_start_steps": cfg.warm_start.steps,
+        "grpo_steps": cfg.train.steps,
+        "accuracy_before": summary["accuracy_before"],
+        "accuracy_after": summary["accuracy_after"],
         "eval_accuracy": [[r["step"], round(r["eval/accuracy"], 4)] for r in rows if "eval/accuracy" in r],
         "train_reward": [round(r["rollout/reward_mean"], 4) for r in rows if "rollout/reward_mean" in r],
         "wall_s": round(wall_s, 1),
@@ -165,9 +200,15 @@ def learn(name: str, args) -> dict:
         for label, model_dir in (("before", run_dir / "warm_start" / "final_model"), ("after", final)):
             replies = _greedy_replies(model_dir, [r["prompt"] for r in held_out], cfg.rollout.max_new_tokens)
             result[f"tool_call_rate_{label}"] = round(sum("<tool_call>" in t for t in replies) / len(replies), 4)
-            result[f"direct_answer_accuracy_{label}"] = round(sum(
-                calculator_reward(r["prompt"], t, result=r["result"]) for r, t in zip(held_out, replies)
-                if "<tool_call>" not in t) / max(sum("<tool_call>" not in t for t in replies), 1), 4)
+            result[f"direct_answer_accuracy_{label}"] = round(
+                sum(
+                    calculator_reward(r["prompt"], t, result=r["result"])
+                    for r, t in zip(held_out, replies)
+                    if "<tool_call>" not in t
+                )
+                / max(sum("<tool_call>" not in t for t in replies), 1),
+                4,
+            )
     return result
 
 
@@ -196,8 +237,7 @@ def main_learn(args) -> None:
     for name in args.learn.split(","):
         if name not in ("calculator", "multiturn"):
             raise SystemExit(f"--learn: unknown example {name!r}; choose calculator and/or multiturn")
-        res = {**learn(name, args), **stamp(), "cpus": os.cpu_count(),
-               "load_avg_1m": round(os.getloadavg()[0], 1)}
+        res = {**learn(name, args), **stamp(), "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 1)}
         print(json.dumps(res), flush=True)
         results.append(res)
     if args.plot:
@@ -206,7 +246,9 @@ def main_learn(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--learn", default=None, help="comma-separated shipped agent examples to train: calculator,multiturn")
+    ap.add_argument(
+        "--learn", default=None, help="comma-separated shipped agent examples to train: calculator,multiturn"
+    )
     ap.add_argument("--run-root", default="runs/bench_agents", help="--learn: where the runs go")
     ap.add_argument("--fresh", action="store_true", help="--learn: delete earlier runs (else warm starts are reused)")
     ap.add_argument("--threads", type=int, default=1, help="--learn: cluster.cpu_threads")
@@ -233,13 +275,28 @@ def main() -> None:
     client.close()
     raw_s, raw_tok = min(raw)
     rec_s, rec_tok = min(rec)
-    print(json.dumps({
-        "bench": "agents", "device": args.device, "shape": args.shape, "episodes": args.episodes,
-        "turns": args.turns, "new_tokens": args.new_tokens, "tools": args.tools,
-        "raw_s": round(raw_s, 3), "recorded_s": round(rec_s, 3), "raw_tokens": raw_tok, "recorded_tokens": rec_tok,
-        "raw_tok_per_s": round(raw_tok / raw_s, 1), "recorded_tok_per_s": round(rec_tok / rec_s, 1),
-        "overhead_pct": round(100 * (rec_s / raw_s - 1), 1), **stamp(), "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "agents",
+                "device": args.device,
+                "shape": args.shape,
+                "episodes": args.episodes,
+                "turns": args.turns,
+                "new_tokens": args.new_tokens,
+                "tools": args.tools,
+                "raw_s": round(raw_s, 3),
+                "recorded_s": round(rec_s, 3),
+                "raw_tokens": raw_tok,
+                "recorded_tokens": rec_tok,
+                "raw_tok_per_s": round(raw_tok / raw_s, 1),
+                "recorded_tok_per_s": round(rec_tok / rec_s, 1),
+                "overhead_pct": round(100 * (rec_s / raw_s - 1), 1),
+                **stamp(),
+                "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

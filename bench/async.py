@@ -35,18 +35,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.api.types import SamplingParams, TokenBatch  # noqa: E402
-from areno.rollout.executor import WorkflowExecutor  # noqa: E402
-from areno.rollout.staleness import StalenessManager  # noqa: E402
-from bench.longtail import LongTailWorkflow, long_tail_rows, parity_reward  # noqa: E402
+from areno.api.types import SamplingParams, TokenBatch
+from areno.rollout.executor import WorkflowExecutor
+from areno.rollout.staleness import StalenessManager
+from bench.longtail import LongTailWorkflow, long_tail_rows, parity_reward
 
 
 def make_model_dir(args, tokenizer) -> Path:
     from areno.models.hf_io import init_model_dir, tiny_config
 
     out = Path(tempfile.mkdtemp(prefix="areno-bench-async-"))
-    cfg = tiny_config(len(tokenizer), hidden_size=args.hidden, layers=args.layers, heads=args.heads,
-                      kv_heads=args.kv_heads)
+    cfg = tiny_config(
+        len(tokenizer), hidden_size=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads
+    )
     return init_model_dir(out, cfg, tokenizer, seed=0)
 
 
@@ -62,10 +63,12 @@ def run_arm(eta: int, args, model_dir: Path, tokenizer) -> dict:
     dev = args.device
     rollout_dtype = "bfloat16" if dev == "cuda" else "float32"
     model, model_cfg = load_model(model_dir, dtype=getattr(torch, rollout_dtype), device=dev)
-    engine_cfg = RolloutEngineConfig(device=dev, dtype=rollout_dtype,
-                                     **({"kv_memory_fraction": 0.3} if dev == "cuda" else {"num_blocks": 2048}))
-    engine = RolloutEngine(model, model_cfg, config=engine_cfg, eos_token_ids=[tokenizer.eos_token_id],
-                           tokenizer=tokenizer)
+    engine_cfg = RolloutEngineConfig(
+        device=dev, dtype=rollout_dtype, **({"kv_memory_fraction": 0.3} if dev == "cuda" else {"num_blocks": 2048})
+    )
+    engine = RolloutEngine(
+        model, model_cfg, config=engine_cfg, eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer
+    )
     busy = {"s": 0.0}
     step_fn = engine.step
 
@@ -79,17 +82,30 @@ def run_arm(eta: int, args, model_dir: Path, tokenizer) -> dict:
     engine.step = timed_step  # the client's driver thread calls engine.step(): count its busy time
     client = InProcessRolloutClient(engine)
 
-    backend = LocalTrainBackend(TrainBackendConfig(lr=1e-5, device=dev, dtype="bfloat16" if dev == "cuda" else "float32",
-                                                   max_tokens_per_mb=args.max_tokens_per_mb, seed=0))
+    backend = LocalTrainBackend(
+        TrainBackendConfig(
+            lr=1e-5,
+            device=dev,
+            dtype="bfloat16" if dev == "cuda" else "float32",
+            max_tokens_per_mb=args.max_tokens_per_mb,
+            seed=0,
+        )
+    )
     backend.initialize(model_dir)
     recipe = get_recipe(args.recipe)
     runner = RecipeRunner(recipe, {recipe.roles[0].name: backend})
 
     params = SamplingParams(temperature=1.0, max_new_tokens=args.long_len)
     workflow = LongTailWorkflow(tokenizer, parity_reward, args.n_samples, params)
-    staleness = StalenessManager(max_head_offpolicyness=eta, batch_size=args.batch_size,
-                                 max_concurrent=args.max_concurrent)
-    ex = WorkflowExecutor(client, workflow, long_tail_rows(short_len=args.short_len, long_len=args.long_len, long_frac=args.long_frac, seed=1), staleness)
+    staleness = StalenessManager(
+        max_head_offpolicyness=eta, batch_size=args.batch_size, max_concurrent=args.max_concurrent
+    )
+    ex = WorkflowExecutor(
+        client,
+        workflow,
+        long_tail_rows(short_len=args.short_len, long_len=args.long_len, long_frac=args.long_frac, seed=1),
+        staleness,
+    )
 
     trained_tokens = long_trained = 0
     wait_s = 0.0

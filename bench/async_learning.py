@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,12 +58,20 @@ def run_arm(config_path: Path, work: Path, algorithm: str, eta: int, warm_model:
     from areno.observe.metrics import read_jsonl_records
 
     run_dir = work / f"{algorithm}_eta{eta}"
-    cfg = load_config(config_path, [
-        f"run_dir={run_dir}", f"model.path={warm_model}", "warm_start.steps=0",
-        f"train.algorithm={algorithm}", f"rollout.max_head_offpolicyness={eta}",
-        f"train.steps={total_steps(args)}", f"train.eval_interval={args.eval_interval}", "observe.console=false",
-        *args.overrides,
-    ])
+    cfg = load_config(
+        config_path,
+        [
+            f"run_dir={run_dir}",
+            f"model.path={warm_model}",
+            "warm_start.steps=0",
+            f"train.algorithm={algorithm}",
+            f"rollout.max_head_offpolicyness={eta}",
+            f"train.steps={total_steps(args)}",
+            f"train.eval_interval={args.eval_interval}",
+            "observe.console=false",
+            *args.overrides,
+        ],
+    )
     t0 = time.perf_counter()
     trainer = Trainer.init(cfg)
     try:
@@ -75,9 +83,15 @@ def run_arm(config_path: Path, work: Path, algorithm: str, eta: int, warm_model:
     rows = read_jsonl_records(run_dir / "metrics.jsonl", what="metrics")
     curve = [(int(r["step"]), float(r["eval/accuracy"])) for r in rows if "eval/accuracy" in r]
     stale = [r["rollout/staleness_mean"] for r in rows if "rollout/staleness_mean" in r]
-    return {"algorithm": algorithm, "eta": eta, "wall_s": round(wall, 1), "curve": curve,
-            "final_accuracy": curve[-1][1], "best_accuracy": max(a for _, a in curve),
-            "staleness_mean": round(sum(stale) / len(stale), 3) if stale else 0.0}
+    return {
+        "algorithm": algorithm,
+        "eta": eta,
+        "wall_s": round(wall, 1),
+        "curve": curve,
+        "final_accuracy": curve[-1][1],
+        "best_accuracy": max(a for _, a in curve),
+        "staleness_mean": round(sum(stale) / len(stale), 3) if stale else 0.0,
+    }
 
 
 def with_ratios(arms: list[dict], budget: int | None = None) -> None:
@@ -102,12 +116,22 @@ def aggregate(per_seed: dict[int, list[dict]], budget: int | None = None) -> dic
         runs = [arms_[i] for arms_ in per_seed.values()]
         steps = sorted(set.intersection(*(set(step for step, _ in r["curve"]) for r in runs)))
         curve = [(step, round(sum(dict(r["curve"])[step] for r in runs) / len(runs), 4)) for step in steps]
-        arms.append({"algorithm": runs[0]["algorithm"], "eta": runs[0]["eta"], "seeds": len(runs), "curve": curve,
-                     "final_accuracy": curve[-1][1],
-                     "per_seed_steps_ratio": [r.get("steps_ratio_vs_eta0") for r in runs]})
+        arms.append(
+            {
+                "algorithm": runs[0]["algorithm"],
+                "eta": runs[0]["eta"],
+                "seeds": len(runs),
+                "curve": curve,
+                "final_accuracy": curve[-1][1],
+                "per_seed_steps_ratio": [r.get("steps_ratio_vs_eta0") for r in runs],
+            }
+        )
     with_ratios(arms, budget)
-    return {"arms": arms, "reference_final_accuracy": arms[0]["final_accuracy"],
-            "reference_accuracy": arms[0]["reference_accuracy"]}
+    return {
+        "arms": arms,
+        "reference_final_accuracy": arms[0]["final_accuracy"],
+        "reference_accuracy": arms[0]["reference_accuracy"],
+    }
 
 
 def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[dict], float]:
@@ -116,8 +140,10 @@ def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[di
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-async-learning-")) / f"seed{seed}"
     overrides = [*args.overrides, f"train.seed={seed}"] if seed is not None else list(args.overrides)
-    base = load_config(args.config, [f"run_dir={work / 'shared'}", f"model.path={work / 'init_model'}",
-                                     "observe.console=false", *overrides])
+    base = load_config(
+        args.config,
+        [f"run_dir={work / 'shared'}", f"model.path={work / 'init_model'}", "observe.console=false", *overrides],
+    )
     if base.warm_start.steps <= 0:
         raise SystemExit(f"{args.config}: warm_start.steps must be > 0 (the arms share one warm start)")
     t0 = time.perf_counter()
@@ -139,9 +165,27 @@ def run_parallel(args) -> dict[int, list[dict]]:
     def one(job) -> tuple[int, int, dict]:
         seed, (algo, eta) = job
         out = work / f"seed{seed}-{algo}-eta{eta}.json"
-        cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(args.steps), "--slack", str(args.slack),
-               "--eval-interval", str(args.eval_interval), "--workdir", str(work / f"{algo}-eta{eta}"),
-               "--seeds", str(seed), "--arms", f"{algo}:{eta}", "--out", str(out), *args.overrides]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--config",
+            args.config,
+            "--steps",
+            str(args.steps),
+            "--slack",
+            str(args.slack),
+            "--eval-interval",
+            str(args.eval_interval),
+            "--workdir",
+            str(work / f"{algo}-eta{eta}"),
+            "--seeds",
+            str(seed),
+            "--arms",
+            f"{algo}:{eta}",
+            "--out",
+            str(out),
+            *args.overrides,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -178,8 +222,13 @@ def plot(result: dict, path: Path) -> None:
         steps, acc = zip(*curve)
         wall = statistics.mean(r["wall_s"] for r in runs)
         stale = statistics.mean(r.get("staleness_mean", 0.0) for r in runs)
-        ax.plot(steps, acc, color=color, linewidth=2.2,
-                label=f"{spec} (mean of {len(runs)}; staleness {stale:.1f}; {wall:.0f} s/run)")
+        ax.plot(
+            steps,
+            acc,
+            color=color,
+            linewidth=2.2,
+            label=f"{spec} (mean of {len(runs)}; staleness {stale:.1f}; {wall:.0f} s/run)",
+        )
     if result.get("slack"):
         ax.axvline(result["steps"], color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("training step")
@@ -196,20 +245,35 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "areno" / "configs" / "demo.yaml"))
     p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--slack", type=float, default=0.0,
-                   help="every arm runs this fraction more steps than --steps (the same schedule), and the "
-                        "target is the reference arm's accuracy at --steps: 0.1 tests 'within 10%% more steps'")
+    p.add_argument(
+        "--slack",
+        type=float,
+        default=0.0,
+        help="every arm runs this fraction more steps than --steps (the same schedule), and the "
+        "target is the reference arm's accuracy at --steps: 0.1 tests 'within 10%% more steps'",
+    )
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--workdir", default=None)
-    p.add_argument("--seeds", type=int, nargs="+", default=None,
-                   help="train.seed values (default: the config's); several give the aggregate")
-    p.add_argument("--arms", type=parse_arm, nargs="+", default=list(ARMS),
-                   help="ALGORITHM:ETA each; the first is the reference (default: grpo_async:0 grpo_async:4 grpo:4)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="train.seed values (default: the config's); several give the aggregate",
+    )
+    p.add_argument(
+        "--arms",
+        type=parse_arm,
+        nargs="+",
+        default=list(ARMS),
+        help="ALGORITHM:ETA each; the first is the reference (default: grpo_async:0 grpo_async:4 grpo:4)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="(seed, arm) runs in parallel processes (1: one process)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--plot", default=None, metavar="PNG", help="plot the held-out accuracy curves here")
-    p.add_argument("--from-json", default=None, metavar="JSON",
-                   help="run nothing: plot (--plot) a result this script wrote before")
+    p.add_argument(
+        "--from-json", default=None, metavar="JSON", help="run nothing: plot (--plot) a result this script wrote before"
+    )
     p.add_argument("overrides", nargs="*", help="dotted config overrides applied to every arm")
     args = p.parse_args(argv)
     if args.from_json:
@@ -231,12 +295,19 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.steps if args.slack > 0 else None
     for arms in per_seed.values():
         with_ratios(arms, budget)
-    result = {"bench": "async_learning", "config": args.config, "overrides": args.overrides, "steps": args.steps,
-              "slack": args.slack, "steps_run": total_steps(args),
-              "arms_spec": [f"{a}:{e}" for a, e in args.arms], "wall_s": round(time.perf_counter() - t0, 1),
-              "warm_start_s": {str(k): round(v, 1) for k, v in warm.items()},
-              "target": "decoupled eta=4 steps_ratio_vs_eta0 <= 1.10",
-              "per_seed": {str(k): v for k, v in per_seed.items()}}
+    result = {
+        "bench": "async_learning",
+        "config": args.config,
+        "overrides": args.overrides,
+        "steps": args.steps,
+        "slack": args.slack,
+        "steps_run": total_steps(args),
+        "arms_spec": [f"{a}:{e}" for a, e in args.arms],
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "warm_start_s": {str(k): round(v, 1) for k, v in warm.items()},
+        "target": "decoupled eta=4 steps_ratio_vs_eta0 <= 1.10",
+        "per_seed": {str(k): v for k, v in per_seed.items()},
+    }
     if len(per_seed) > 1:
         result["aggregate"] = aggregate(per_seed, budget)
     text = json.dumps(result, indent=1)

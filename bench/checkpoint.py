@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from areno.data.tokenizer import build_char_tokenizer  # noqa: E402
-from areno.models.hf_io import init_model_dir, tiny_config  # noqa: E402
-from areno.train import LocalTrainBackend, TrainBackendConfig, checkpoint  # noqa: E402
-from bench.stamp import git_commit  # noqa: E402
+from areno.data.tokenizer import build_char_tokenizer
+from areno.models.hf_io import init_model_dir, tiny_config
+from areno.train import LocalTrainBackend, TrainBackendConfig, checkpoint
+from bench.stamp import git_commit
 
 
 def _backend(model_dir: Path, device: str) -> LocalTrainBackend:
@@ -70,14 +70,29 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="areno_ckpt_bench_"))
     try:
         tokenizer = build_char_tokenizer()
-        config = tiny_config(args.vocab, hidden_size=args.hidden, layers=args.layers, heads=max(args.hidden // 64, 1),
-                             kv_heads=max(args.hidden // 128, 1), intermediate_size=4 * args.hidden)
+        config = tiny_config(
+            args.vocab,
+            hidden_size=args.hidden,
+            layers=args.layers,
+            heads=max(args.hidden // 64, 1),
+            kv_heads=max(args.hidden // 128, 1),
+            intermediate_size=4 * args.hidden,
+        )
         model_dir = init_model_dir(work / "model", config, tokenizer)
         backend = _backend(model_dir, args.device)
         _one_step(backend)
         n_params = sum(p.numel() for p in backend.model.parameters())
-        rows: dict[str, list[float]] = {k: [] for k in ("areno_save_s", "areno_export_hf_s", "areno_commit_s",
-                                                        "areno_resume_load_s", "baseline_save_s", "baseline_load_s")}
+        rows: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "areno_save_s",
+                "areno_export_hf_s",
+                "areno_commit_s",
+                "areno_resume_load_s",
+                "baseline_save_s",
+                "baseline_load_s",
+            )
+        }
         for i in range(args.repeats):
             path = work / "checkpoints" / f"step_{i:08d}"
             tmp = checkpoint.staging_dir(path)
@@ -88,18 +103,37 @@ def main() -> None:
             rows["areno_resume_load_s"].append(_timed(lambda: fresh.load_checkpoint(path / "policy")))
             fresh.shutdown()
             plain = work / f"plain_{i}.pt"
-            rows["baseline_save_s"].append(_timed(lambda: torch.save(
-                {"model": backend.model.state_dict(), "optim": backend.optimizer.state_dict()}, plain)))
-            rows["baseline_load_s"].append(_timed(lambda: torch.load(plain, map_location=args.device, weights_only=True)))
+            rows["baseline_save_s"].append(
+                _timed(
+                    lambda: torch.save(
+                        {"model": backend.model.state_dict(), "optim": backend.optimizer.state_dict()}, plain
+                    )
+                )
+            )
+            rows["baseline_load_s"].append(
+                _timed(lambda: torch.load(plain, map_location=args.device, weights_only=True))
+            )
         best = {k: min(v) for k, v in rows.items()}
         size = sum(f.stat().st_size for f in (work / "checkpoints" / f"step_{0:08d}").rglob("*") if f.is_file())
-        print(json.dumps({
-            "bench": "checkpoint", "commit": git_commit(), "device": args.device,
-            "hardware": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
-            "params": n_params, "checkpoint_bytes": size, "repeats": args.repeats, "best_of_repeats": best,
-            "commit_share_of_save": best["areno_commit_s"] / (best["areno_save_s"] + best["areno_export_hf_s"]
-                                                              + best["areno_commit_s"]),
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "bench": "checkpoint",
+                    "commit": git_commit(),
+                    "device": args.device,
+                    "hardware": torch.cuda.get_device_name()
+                    if args.device == "cuda"
+                    else platform.processor() or platform.machine(),
+                    "params": n_params,
+                    "checkpoint_bytes": size,
+                    "repeats": args.repeats,
+                    "best_of_repeats": best,
+                    "commit_share_of_save": best["areno_commit_s"]
+                    / (best["areno_save_s"] + best["areno_export_hf_s"] + best["areno_commit_s"]),
+                },
+                indent=1,
+            )
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

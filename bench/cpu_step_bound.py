@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rollout import SHAPES, add_workload_args, build_models, copy_bandwidth, make_prompts, run_hf  # noqa: E402
-from bench.stamp import stamp  # noqa: E402
+from bench.rollout import SHAPES, add_workload_args, build_models, copy_bandwidth, make_prompts, run_hf
+from bench.stamp import stamp
 
 GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm"}
 ATTENTION_OPS = {"aten::bmm", "aten::baddbmm", "aten::_softmax"}
@@ -91,8 +91,9 @@ def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
     from areno.api.types import SamplingParams
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-    ecfg = RolloutEngineConfig(max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + new_tokens + 1,
-                               cpu_kv_cache_bytes=1 << 30)
+    ecfg = RolloutEngineConfig(
+        max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + new_tokens + 1, cpu_kv_cache_bytes=1 << 30
+    )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate([p[:8] for p in prompts[:8]], [params] * min(8, len(prompts)))  # warm-up
@@ -123,8 +124,15 @@ def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
         end = max(end, stop)
     parts = {"gemm": 0.0, "attention": 0.0, "head_sampling": 0.0, "other_ops": 0.0}
     for e in prof.key_averages():
-        key = ("gemm" if e.key in GEMM_OPS else "attention" if e.key in ATTENTION_OPS
-               else "head_sampling" if e.key in HEAD_OPS else "other_ops")
+        key = (
+            "gemm"
+            if e.key in GEMM_OPS
+            else "attention"
+            if e.key in ATTENTION_OPS
+            else "head_sampling"
+            if e.key in HEAD_OPS
+            else "other_ops"
+        )
         parts[key] += e.self_cpu_time_total / 1e3
     parts["outside_ops"] = wall_ms - covered / 1e3
     per_step = {k: round(v / profile_steps, 2) for k, v in parts.items()}
@@ -188,20 +196,39 @@ def main(argv: list[str] | None = None) -> None:
     mean_ctx = sum(map(len, prompts)) / n + (new_tokens + 1) / 2
     kv_bytes = 2 * cfg.num_hidden_layers * n * cfg.num_key_value_heads * cfg.head_dim * 4 * mean_ctx
     bw = copy_bandwidth("cpu") / 1e9  # GB/s
-    parts = {"gemm": round(sum(gemm.values()), 2), "head_sampling": round(head_ms, 2),
-             "attention_kv_read": round(kv_bytes / bw / 1e6, 2)}
+    parts = {
+        "gemm": round(sum(gemm.values()), 2),
+        "head_sampling": round(head_ms, 2),
+        "attention_kv_read": round(kv_bytes / bw / 1e6, 2),
+    }
     floor = sum(parts.values())
     sequence_floor = sequence_ms + parts["head_sampling"] + parts["attention_kv_read"]
-    print(json.dumps({
-        "bench": "cpu_step_bound", "shape": args.shape, "prompts": n, "new_tokens": new_tokens,
-        "threads": torch.get_num_threads(), "engine_step_ms": round(engine_ms, 2), "engine_profile_ms": profile_ms,
-        "generate_step_ms": round(generate_ms, 2), "speedup": round(generate_ms / engine_ms, 2),
-        "target_ms": round(generate_ms / 3, 2), "floor_ms": round(floor, 2), "floor_parts_ms": parts,
-        "gemm_floor_ms": gemm, "copy_GBps": round(bw, 1), "mean_context": round(mean_ctx, 1),
-        "speedup_at_floor": round(generate_ms / floor, 2), "gemm_sequence_ms": round(sequence_ms, 2),
-        "sequence_floor_ms": round(sequence_floor, 2), "speedup_at_sequence_floor": round(generate_ms / sequence_floor, 2),
-        **stamp(),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "cpu_step_bound",
+                "shape": args.shape,
+                "prompts": n,
+                "new_tokens": new_tokens,
+                "threads": torch.get_num_threads(),
+                "engine_step_ms": round(engine_ms, 2),
+                "engine_profile_ms": profile_ms,
+                "generate_step_ms": round(generate_ms, 2),
+                "speedup": round(generate_ms / engine_ms, 2),
+                "target_ms": round(generate_ms / 3, 2),
+                "floor_ms": round(floor, 2),
+                "floor_parts_ms": parts,
+                "gemm_floor_ms": gemm,
+                "copy_GBps": round(bw, 1),
+                "mean_context": round(mean_ctx, 1),
+                "speedup_at_floor": round(generate_ms / floor, 2),
+                "gemm_sequence_ms": round(sequence_ms, 2),
+                "sequence_floor_ms": round(sequence_floor, 2),
+                "speedup_at_sequence_floor": round(generate_ms / sequence_floor, 2),
+                **stamp(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

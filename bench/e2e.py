@@ -59,25 +59,47 @@ if str(ROOT) not in sys.path:
 from areno.workflows.rlvr import RLVRWorkflow  # noqa: E402
 
 QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-    "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
-    "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
 }
 QWEN25_15B = {
-    **QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-    "num_attention_heads": 12, "num_key_value_heads": 2,
+    **QWEN25_05B,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
 }
 TINY = {
-    **QWEN25_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": None, "max_position_embeddings": 2048,
+    **QWEN25_05B,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": None,
+    "max_position_embeddings": 2048,
 }
 # shape -> (HF config dict, default prompt length, default completion length)
 SHAPES = {"0.5b": (QWEN25_05B, 64, 512), "1.5b": (QWEN25_15B, 64, 512), "tiny": (TINY, 16, 32)}
 SYSTEMS = ("areno", "areno_async", "trl")
-LABELS = {"areno": "areno (colocated)", "areno_async": "areno async (colocated, one GPU)",
-          "trl": "TRL GRPOTrainer (transformers generate)"}
+LABELS = {
+    "areno": "areno (colocated)",
+    "areno_async": "areno async (colocated, one GPU)",
+    "trl": "TRL GRPOTrainer (transformers generate)",
+}
 PROMPT_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -132,8 +154,13 @@ def make_model_dir(shape: str, workdir: Path):
 
     hf, _, _ = SHAPES[shape]
     tok = build_tokenizer(hf["vocab_size"])
-    hf = {**hf, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-          "pad_token_id": tok.pad_token_id}
+    hf = {
+        **hf,
+        "vocab_size": len(tok),
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
     config = ModelConfig.from_hf(hf)
     return init_model_dir(workdir / shape, config, tok, seed=0), config, tok
 
@@ -191,8 +218,9 @@ def measure_matmul_rate(device: str) -> float:
     return 2 * n**3 * reps / seconds
 
 
-def physical_floor(config, num_seqs: int, prompt_len: int, completion_len: int, rollout_elt: int,
-                   copy_bw: float, matmul_rate: float) -> dict:
+def physical_floor(
+    config, num_seqs: int, prompt_len: int, completion_len: int, rollout_elt: int, copy_bw: float, matmul_rate: float
+) -> dict:
     """Lower bounds of one step's seconds: decode (bandwidth-bound) and training (compute-bound)."""
     params = config.num_params()
     weight_bytes = params * rollout_elt
@@ -212,8 +240,17 @@ def timed_steps(args, eta: int) -> int:
     return args.steps + (-args.steps) % (eta + 1)
 
 
-def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: int, param_dtype: str,
-                 prompt_len: int, completion_len: int):
+def areno_config(
+    args,
+    model_dir: Path,
+    data_path: Path,
+    run_dir: Path,
+    *,
+    eta: int,
+    param_dtype: str,
+    prompt_len: int,
+    completion_len: int,
+):
     from areno.api.config import load_config
 
     seq_blocks = math.ceil((prompt_len + completion_len + 16) / 16)
@@ -249,12 +286,30 @@ def areno_config(args, model_dir: Path, data_path: Path, run_dir: Path, *, eta: 
     return load_config(None, overrides)
 
 
-def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path, *, eta: int,
-              param_dtype: str, prompt_len: int, completion_len: int) -> dict:
+def run_areno(
+    args,
+    shape: str,
+    model_dir: Path,
+    data_path: Path,
+    workdir: Path,
+    *,
+    eta: int,
+    param_dtype: str,
+    prompt_len: int,
+    completion_len: int,
+) -> dict:
     from areno.api.trainer import Trainer
 
-    config = areno_config(args, model_dir, data_path, workdir / f"run-{shape}-eta{eta}", eta=eta,
-                          param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len)
+    config = areno_config(
+        args,
+        model_dir,
+        data_path,
+        workdir / f"run-{shape}-eta{eta}",
+        eta=eta,
+        param_dtype=param_dtype,
+        prompt_len=prompt_len,
+        completion_len=completion_len,
+    )
     free_memory(args.device)
     t_setup = time.perf_counter()
     trainer = Trainer.init(config)
@@ -287,8 +342,9 @@ def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path,
         raise RuntimeError(f"areno completions were not fixed-length: lengths {sorted(set(lengths))}")
     return {
         "step_s": steps[timed],
-        "phases_s": {name: statistics.median(p[i] for p in phases[timed])
-                     for i, name in enumerate(("rollout", "train", "sync"))},
+        "phases_s": {
+            name: statistics.median(p[i] for p in phases[timed]) for i, name in enumerate(("rollout", "train", "sync"))
+        },
         "tokens_per_step": statistics.median(num_tokens[timed]),
         "peak_gib": peak,
         "setup_s": setup_s,
@@ -296,8 +352,17 @@ def run_areno(args, shape: str, model_dir: Path, data_path: Path, workdir: Path,
 
 
 # ----------------------------------------------------------------------------- TRL
-def run_trl(args, shape: str, model_dir: Path, prompts: list[str], tokenizer, workdir: Path, *,
-            param_dtype: str, completion_len: int) -> dict:
+def run_trl(
+    args,
+    shape: str,
+    model_dir: Path,
+    prompts: list[str],
+    tokenizer,
+    workdir: Path,
+    *,
+    param_dtype: str,
+    completion_len: int,
+) -> dict:
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -347,9 +412,14 @@ def run_trl(args, shape: str, model_dir: Path, prompts: list[str], tokenizer, wo
     free_memory(args.device)
     timer = StepTimer()
     t_setup = time.perf_counter()
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=trl_reward, args=cfg,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
-                          callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=trl_reward,
+        args=cfg,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     setup_s = time.perf_counter() - t_setup
     for cb in (PrinterCallback, ProgressCallback):  # stdout carries only this script's JSON lines
         trainer.remove_callback(cb)
@@ -364,9 +434,14 @@ def run_trl(args, shape: str, model_dir: Path, prompts: list[str], tokenizer, wo
     steps = [b - a for a, b in zip(ends, ends[1:])]
     if mean_lengths and any(abs(m - completion_len) > 1e-6 for m in mean_lengths):
         raise RuntimeError(f"TRL completions were not fixed-length: mean lengths {mean_lengths}")
-    return {"step_s": steps[args.warmup:], "peak_gib": peak, "trl_logged_step_time_s": trl_step_time[args.warmup:],
-            "trl_gradient_checkpointing": cfg.gradient_checkpointing, "setup_s": setup_s,
-            "tokens_per_step": num_seqs * (len(tokenizer(prompts[0])["input_ids"]) + completion_len)}
+    return {
+        "step_s": steps[args.warmup :],
+        "peak_gib": peak,
+        "trl_logged_step_time_s": trl_step_time[args.warmup :],
+        "trl_gradient_checkpointing": cfg.gradient_checkpointing,
+        "setup_s": setup_s,
+        "tokens_per_step": num_seqs * (len(tokenizer(prompts[0])["input_ids"]) + completion_len),
+    }
 
 
 # ----------------------------------------------------------------------------- driver
@@ -376,12 +451,18 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
     # median of a few steps would report the fast half only.
     mean = statistics.fmean(res["step_s"])
     out = {
-        "system": system, "label": LABELS[system], "shape": shape,
-        "step_s_mean": mean, "step_s_median": statistics.median(res["step_s"]), "step_s": res["step_s"],
+        "system": system,
+        "label": LABELS[system],
+        "shape": shape,
+        "step_s_mean": mean,
+        "step_s_median": statistics.median(res["step_s"]),
+        "step_s": res["step_s"],
         "gen_tokens_per_s": num_seqs * completion_len / mean,
         "total_tokens_per_s": res["tokens_per_step"] / mean,
         "peak_gpu_gib": res["peak_gib"],
-        "floor_s": floor["floor_s"], "gen_floor_s": floor["gen_floor_s"], "train_floor_s": floor["train_floor_s"],
+        "floor_s": floor["floor_s"],
+        "gen_floor_s": floor["gen_floor_s"],
+        "train_floor_s": floor["train_floor_s"],
         "gap_to_floor": mean / floor["floor_s"],
     }
     if "phases_s" in res:
@@ -394,7 +475,9 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default=None, help="comma list of 0.5b,1.5b,tiny (default: 0.5b,1.5b on CUDA, tiny on CPU)")
+    p.add_argument(
+        "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny (default: 0.5b,1.5b on CUDA, tiny on CPU)"
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per system")
@@ -403,27 +486,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: 64; tiny 16)")
     p.add_argument("--completion-len", type=int, default=None, help="completion tokens (default: 512; tiny 32)")
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--decode-steps", type=int, default=0, help="areno: decode steps per host round trip (0 = engine default)")
-    p.add_argument("--decode-attention", choices=("auto", "gather", "paged"), default="auto",
-                   help="areno: rollout.decode_attention (auto: paged on CUDA; gather: SDPA over a dense K/V copy; paged: the Triton kernel)")
-    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
-                   help="areno: rollout.fused_kernels (fused RMSNorm/RoPE/SiLU-mul Triton kernels, CUDA)")
-    p.add_argument("--param-dtype", default=None, help="master weights of both systems (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument(
+        "--decode-steps", type=int, default=0, help="areno: decode steps per host round trip (0 = engine default)"
+    )
+    p.add_argument(
+        "--decode-attention",
+        choices=("auto", "gather", "paged"),
+        default="auto",
+        help="areno: rollout.decode_attention (auto: paged on CUDA; gather: SDPA over a dense K/V copy; paged: the Triton kernel)",
+    )
+    p.add_argument(
+        "--fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="areno: rollout.fused_kernels (fused RMSNorm/RoPE/SiLU-mul Triton kernels, CUDA)",
+    )
+    p.add_argument(
+        "--param-dtype", default=None, help="master weights of both systems (default: bfloat16 on CUDA, float32 on CPU)"
+    )
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
-    p.add_argument("--areno-mb-tokens", type=int, default=None,
-                   help="areno train.max_tokens_per_mb (default: areno's estimate from free memory)")
-    p.add_argument("--trl-gradient-checkpointing", choices=("on", "off"), default="on",
-                   help="TRL's activation checkpointing (on: GRPOConfig's default; areno does not checkpoint)")
+    p.add_argument(
+        "--areno-mb-tokens",
+        type=int,
+        default=None,
+        help="areno train.max_tokens_per_mb (default: areno's estimate from free memory)",
+    )
+    p.add_argument(
+        "--trl-gradient-checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="TRL's activation checkpointing (on: GRPOConfig's default; areno does not checkpoint)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workdir", default=None, help="where models and runs go (default: a temporary directory)")
-    p.add_argument("--areno-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="one more config override for both areno systems (repeatable)")
-    p.add_argument("--async-eta", type=int, default=1,
-                   help="areno_async: rollout.max_head_offpolicyness (eta); eta + 1 batches are generated together "
-                        "beside the trainer, and the timed steps are a multiple of eta + 1")
-    p.add_argument("--areno-async-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="one more config override for areno_async only (repeatable), e.g. rollout.max_concurrent=8 "
-                        "to generate one batch at a time beside the trainer")
+    p.add_argument(
+        "--areno-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more config override for both areno systems (repeatable)",
+    )
+    p.add_argument(
+        "--async-eta",
+        type=int,
+        default=1,
+        help="areno_async: rollout.max_head_offpolicyness (eta); eta + 1 batches are generated together "
+        "beside the trainer, and the timed steps are a multiple of eta + 1",
+    )
+    p.add_argument(
+        "--areno-async-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more config override for areno_async only (repeatable), e.g. rollout.max_concurrent=8 "
+        "to generate one batch at a time beside the trainer",
+    )
     return p
 
 
@@ -451,9 +568,13 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_bw = measure_copy_bandwidth(args.device)
     matmul_rate = measure_matmul_rate(args.device)
-    hw = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-          "copy_bw_GBps": copy_bw / 1e9, "matmul_TFLOPs": matmul_rate / 1e12,
-          "torch": torch.__version__, "param_dtype": param_dtype}
+    hw = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "copy_bw_GBps": copy_bw / 1e9,
+        "matmul_TFLOPs": matmul_rate / 1e12,
+        "torch": torch.__version__,
+        "param_dtype": param_dtype,
+    }
     print(json.dumps({"hardware": hw}), flush=True)
 
     results = []
@@ -470,25 +591,47 @@ def main(argv: list[str] | None = None) -> int:
         floor = physical_floor(config, num_seqs, prompt_len, completion_len, rollout_elt, copy_bw, matmul_rate)
         for system in systems:
             if system == "trl":
-                res = run_trl(args, shape, model_dir, prompts, tokenizer, workdir, param_dtype=param_dtype,
-                              completion_len=completion_len)
+                res = run_trl(
+                    args,
+                    shape,
+                    model_dir,
+                    prompts,
+                    tokenizer,
+                    workdir,
+                    param_dtype=param_dtype,
+                    completion_len=completion_len,
+                )
             else:
-                res = run_areno(args, shape, model_dir, data_path, workdir,
-                                eta=args.async_eta if system == "areno_async" else 0,
-                                param_dtype=param_dtype, prompt_len=prompt_len, completion_len=completion_len)
+                res = run_areno(
+                    args,
+                    shape,
+                    model_dir,
+                    data_path,
+                    workdir,
+                    eta=args.async_eta if system == "areno_async" else 0,
+                    param_dtype=param_dtype,
+                    prompt_len=prompt_len,
+                    completion_len=completion_len,
+                )
             row = report(system, shape, res, floor, num_seqs, completion_len)
             if system == "areno_async":
                 row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
-            row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs,
-                       params=floor["params"])
+            row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs, params=floor["params"])
             results.append(row)
             print(json.dumps(row), flush=True)
 
     summary: dict = {"hardware": hw, "shapes": {}}
     for shape in shapes:
         rows = {r["system"]: r for r in results if r["shape"] == shape}
-        entry = {s: {"step_s": r["step_s_mean"], "gen_tokens_per_s": r["gen_tokens_per_s"],
-                     "peak_gpu_gib": r["peak_gpu_gib"], "gap_to_floor": r["gap_to_floor"]} for s, r in rows.items()}
+        entry = {
+            s: {
+                "step_s": r["step_s_mean"],
+                "gen_tokens_per_s": r["gen_tokens_per_s"],
+                "peak_gpu_gib": r["peak_gpu_gib"],
+                "gap_to_floor": r["gap_to_floor"],
+            }
+            for s, r in rows.items()
+        }
         if "trl" in rows:
             for s in ("areno", "areno_async"):
                 if s in rows:

@@ -66,10 +66,16 @@ PHASES = {
     "admit (add_request, inbox -> scheduler)": [("engine", "add_request"), ("engine", "_admit")],
     "schedule": [("engine.scheduler", "schedule")],
     "plan k + reserve blocks": [("engine", "_plan_decode_steps")],
-    "sampling rows (RowParams)": [("sampling.RowParams", "gather"), ("sampling.RowParams", "build"),
-                                  ("sampling.RowParams", "shifted")],
-    "graph inputs + replay": [("engine._graphs", "run_loop"), ("engine._graphs", "prepare"),
-                              ("engine._graphs", "replay")],
+    "sampling rows (RowParams)": [
+        ("sampling.RowParams", "gather"),
+        ("sampling.RowParams", "build"),
+        ("sampling.RowParams", "shifted"),
+    ],
+    "graph inputs + replay": [
+        ("engine._graphs", "run_loop"),
+        ("engine._graphs", "prepare"),
+        ("engine._graphs", "replay"),
+    ],
     "eager forward (attention metadata + model)": [("engine", "_forward")],
     "eager sampling": [("engine", "_sample_rows")],
     "commit tokens + finish": [("engine", "_commit_tokens")],
@@ -111,7 +117,6 @@ class PhaseClock:
 
         setattr(obj, name, classmethod(timed) if isinstance(original, classmethod) else timed)
         self._undo.append((obj, name, original, is_class))
-
 
     def close(self) -> None:
         for obj, name, original, is_class in reversed(self._undo):
@@ -164,7 +169,9 @@ def fake_graph_runner(engine, max_batch: int):
 
         def replay(self) -> None:
             r_FB = self.g.rows_FB  # room = min(max_new - n_gen, max_len - length), as RowTensors.room_B
-            self.g.keep_B.copy_(torch.minimum(r_FB[_MAX_NEW] - r_FB[_N_GEN], self.max_len - r_FB[_LENGTH]).clamp_(1, self.k))
+            self.g.keep_B.copy_(
+                torch.minimum(r_FB[_MAX_NEW] - r_FB[_N_GEN], self.max_len - r_FB[_LENGTH]).clamp_(1, self.k)
+            )
 
     class FakeRunner(cuda_graph.DecodeGraphRunner):
         def _record(self, fn, generator=None):
@@ -173,8 +180,12 @@ def fake_graph_runner(engine, max_batch: int):
         def _capture(self, B: int, N: int):
             e = self.engine
             logits_BV = torch.randn(B, e.vocab_size, generator=torch.Generator().manual_seed(B)).to(e.device)
-            g = cuda_graph._Graph(graph=_NoReplay(), ids_ctx_2B=torch.ones(2, B, dtype=torch.long, device=e.device),
-                                  bt_BN=torch.zeros(B, N, dtype=torch.long, device=e.device), logits_BV=logits_BV)
+            g = cuda_graph._Graph(
+                graph=_NoReplay(),
+                ids_ctx_2B=torch.ones(2, B, dtype=torch.long, device=e.device),
+                bt_BN=torch.zeros(B, N, dtype=torch.long, device=e.device),
+                logits_BV=logits_BV,
+            )
             self._graphs[(B, N)] = g
             return g
 
@@ -196,21 +207,40 @@ def build_engine(args, extra: dict):
     from areno.models.decoder import Decoder
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": args.hidden,
-          "intermediate_size": 2 * args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-          "num_key_value_heads": args.kv_heads, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-          "rope_theta": 10000.0, "tie_word_embeddings": False, "vocab_size": args.vocab, "hidden_act": "silu",
-          "bos_token_id": 1, "eos_token_id": 2}
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": args.hidden,
+        "intermediate_size": 2 * args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": args.vocab,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     cfg = ModelConfig.from_hf(hf)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = Decoder(cfg).to(device=args.device, dtype=dtype).eval()
     max_len = args.prompt_len + 16 + args.long_len
     per_seq = -(-max_len // 16) + 1
-    ecfg = RolloutEngineConfig(block_size=16, num_blocks=args.rows * per_seq + 64, max_num_seqs=args.rows,
-                               max_tokens_per_step=args.max_tokens_per_step, prefill_chunk_size=1024,
-                               max_model_len=max_len, decode_steps=args.decode_steps,
-                               cuda_graphs=not args.no_fake_graph or args.device.startswith("cuda"), **extra)
+    ecfg = RolloutEngineConfig(
+        block_size=16,
+        num_blocks=args.rows * per_seq + 64,
+        max_num_seqs=args.rows,
+        max_tokens_per_step=args.max_tokens_per_step,
+        prefill_chunk_size=1024,
+        max_model_len=max_len,
+        decode_steps=args.decode_steps,
+        cuda_graphs=not args.no_fake_graph or args.device.startswith("cuda"),
+        **extra,
+    )
     engine = RolloutEngine(model, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     if args.fake_graph:
         engine._graphs = fake_graph_runner(engine, args.rows)
@@ -224,15 +254,20 @@ def run(args, extra: dict, label: str) -> dict:
 
     engine = build_engine(args, extra)
     rng = random.Random(args.seed)
-    sp = {n: SamplingParams(temperature=args.temperature, max_new_tokens=n, ignore_eos=True)
-          for n in (args.short_len, args.long_len)}
+    sp = {
+        n: SamplingParams(temperature=args.temperature, max_new_tokens=n, ignore_eos=True)
+        for n in (args.short_len, args.long_len)
+    }
     in_flight = 0  # samples added and not finished (queued in the engine or running)
     due: list[int] = []  # round trip at which each announced group arrives
     now = 0
 
     kind: dict[bool, list[float]] = {False: [], True: []}  # step() CPU seconds of pure-decode / mixed round trips
     kind_wall: dict[bool, list[float]] = {False: [], True: []}
-    engine_cpu, engine_wall = [0.0], [0.0]  # inside engine calls  # process CPU seconds inside engine calls (step, add_request): not the bench's own
+    engine_cpu, engine_wall = (
+        [0.0],
+        [0.0],
+    )  # inside engine calls  # process CPU seconds inside engine calls (step, add_request): not the bench's own
 
     def top_up() -> None:
         nonlocal in_flight
@@ -300,9 +335,14 @@ def run(args, extra: dict, label: str) -> dict:
     # round trips without sampling (a prefill chunk only) are steps too: count every step() that ran
     tokens = s1["generated_tokens"] - s0["generated_tokens"]
     out = {
-        "label": label, "config": extra, "round_trips": args.round_trips, "sampling_round_trips": rt,
-        "mixed_steps": s1["mixed_steps"] - s0["mixed_steps"], "decode_steps_run": steps,
-        "generated_tokens": tokens, "finished_requests": finished,
+        "label": label,
+        "config": extra,
+        "round_trips": args.round_trips,
+        "sampling_round_trips": rt,
+        "mixed_steps": s1["mixed_steps"] - s0["mixed_steps"],
+        "decode_steps_run": steps,
+        "generated_tokens": tokens,
+        "finished_requests": finished,
         "prefill_tokens": s1["prefill_tokens"] - s0["prefill_tokens"],
         "tokens_per_round_trip": round(tokens / args.round_trips, 1),
         "host_cpu_ms_per_round_trip": round(1e3 * cpu / args.round_trips, 3),
@@ -314,7 +354,8 @@ def run(args, extra: dict, label: str) -> dict:
         "step_wall_ms_mixed_round_trip": round(1e3 * sum(kind_wall[True]) / max(len(kind_wall[True]), 1), 3),
         "step_wall_ms_max": round(1e3 * max(kind_wall[False] + kind_wall[True]), 3),
         "tokens_per_s_wall": round(tokens / wall, 1),
-        "mean_running": round(s1["num_running"], 1), "warmup_s": round(warm_s, 2),
+        "mean_running": round(s1["num_running"], 1),
+        "warmup_s": round(warm_s, 2),
     }
     if clock is not None:
         out["phase_ms_per_round_trip"] = clock.split(cpu, args.round_trips)
@@ -328,7 +369,7 @@ def run(args, extra: dict, label: str) -> dict:
     if prof:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)
-        out["profile_top"] = [line.strip() for line in s.getvalue().splitlines() if line.strip()][-args.profile - 1:]
+        out["profile_top"] = [line.strip() for line in s.getvalue().splitlines() if line.strip()][-args.profile - 1 :]
     return out
 
 
@@ -341,8 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-len", type=int, default=64)
     ap.add_argument("--long-len", type=int, default=384)
     ap.add_argument("--long-frac", type=float, default=0.1)
-    ap.add_argument("--arrival-jitter", type=int, default=4,
-                    help="a group arrives 0..J round trips after its slots free (0: at once, groups stay in lockstep)")
+    ap.add_argument(
+        "--arrival-jitter",
+        type=int,
+        default=4,
+        help="a group arrives 0..J round trips after its slots free (0: at once, groups stay in lockstep)",
+    )
     ap.add_argument("--queue", type=int, default=0, help="samples queued beyond --rows (waiting in the engine)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--decode-steps", type=int, default=8)
@@ -354,29 +399,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=128)
-    ap.add_argument("--forward", choices=["noop", "model"], default="noop",
-                    help="eager (mixed-step) forwards: no-op or the model")
+    ap.add_argument(
+        "--forward", choices=["noop", "model"], default="noop", help="eager (mixed-step) forwards: no-op or the model"
+    )
     ap.add_argument("--no-fake-graph", action="store_true", help="real graphs (CUDA) or eager decode (CPU)")
-    ap.add_argument("--compare-mixed-decode", action="store_true",
-                    help="run with RolloutEngineConfig.mixed_decode_min_rows None (off) then 32")
+    ap.add_argument(
+        "--compare-mixed-decode",
+        action="store_true",
+        help="run with RolloutEngineConfig.mixed_decode_min_rows None (off) then 32",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--phases", action="store_true", help="split the host time by phase (a clock around each)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile: the top N functions by own time")
-    ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
-                    help="CUDA: after measuring, N more round trips under torch.profiler (kernels, host ops, syncs)")
+    ap.add_argument(
+        "--torch-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CUDA: after measuring, N more round trips under torch.profiler (kernels, host ops, syncs)",
+    )
     ap.add_argument("--areno-root", default=None, help="import areno from this checkout (before/after runs)")
     args = ap.parse_args(argv)
     args.fake_graph = not args.no_fake_graph
     torch.set_num_threads(args.threads)
     import areno
 
-    configs = [({"mixed_decode_min_rows": None}, "mixed_decode_min_rows=None"),
-               ({"mixed_decode_min_rows": 32}, "mixed_decode_min_rows=32")] if args.compare_mixed_decode else [({}, "default")]
+    configs = (
+        [
+            ({"mixed_decode_min_rows": None}, "mixed_decode_min_rows=None"),
+            ({"mixed_decode_min_rows": 32}, "mixed_decode_min_rows=32"),
+        ]
+        if args.compare_mixed_decode
+        else [({}, "default")]
+    )
     runs = [run(args, extra, label) for extra, label in configs]
-    print(json.dumps({"bench": "engine_host", "device": args.device, "areno": os.path.dirname(areno.__file__),
-                      "args": {k: v for k, v in vars(args).items() if k not in ("profile",)}, "runs": runs,
-                      **stamp(), "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}))
+    print(
+        json.dumps(
+            {
+                "bench": "engine_host",
+                "device": args.device,
+                "areno": os.path.dirname(areno.__file__),
+                "args": {k: v for k, v in vars(args).items() if k not in ("profile",)},
+                "runs": runs,
+                **stamp(),
+                "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+            }
+        )
+    )
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 from areno.workflows.rlvr import RLVRWorkflow
 
@@ -18,8 +18,9 @@ class LongTailWorkflow(RLVRWorkflow):
         # a per-episode copy: episodes run concurrently on one workflow object
         episode = object.__new__(type(self))
         episode.__dict__.update(self.__dict__)
-        episode.sampling_params = dataclasses.replace(self.sampling_params, max_new_tokens=int(sample["len"]),
-                                                      ignore_eos=True)
+        episode.sampling_params = dataclasses.replace(
+            self.sampling_params, max_new_tokens=int(sample["len"]), ignore_eos=True
+        )
         return await RLVRWorkflow.run_episode(episode, client, sample)
 
 

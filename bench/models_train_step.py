@@ -123,9 +123,12 @@ def main() -> None:
         try:
             t0 = time.perf_counter()
             dt, peak = _timeit(step, args.steps, device)
-            result[name] = {"step_s": round(dt, 4), "tokens_per_s": round(T / dt),
-                            "peak_gib": None if peak is None else round(peak, 2),
-                            "first_plus_timed_s": round(time.perf_counter() - t0, 1)}
+            result[name] = {
+                "step_s": round(dt, 4),
+                "tokens_per_s": round(T / dt),
+                "peak_gib": None if peak is None else round(peak, 2),
+                "first_plus_timed_s": round(time.perf_counter() - t0, 1),
+            }
         except Exception as e:  # noqa: BLE001
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     del compiled_model
@@ -146,13 +149,20 @@ def main() -> None:
         with compiled_logprob_kernels():
             chunked()
 
-    for name, fn in (("logprobs_chunked", chunked), ("logprobs_chunked_fused_head", chunked_fused),
-                     ("logprobs_naive", naive)):
+    for name, fn in (
+        ("logprobs_chunked", chunked),
+        ("logprobs_chunked_fused_head", chunked_fused),
+        ("logprobs_naive", naive),
+    ):
         if device == "cpu" and fn is chunked_fused:
             continue
         try:
             dt, peak = _timeit(fn, args.steps, device)
-            result[name] = {"step_s": round(dt, 4), "tokens_per_s": round(T / dt), "peak_gib": None if peak is None else round(peak, 2)}
+            result[name] = {
+                "step_s": round(dt, 4),
+                "tokens_per_s": round(T / dt),
+                "peak_gib": None if peak is None else round(peak, 2),
+            }
         except Exception as e:  # noqa: BLE001
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
@@ -180,7 +190,11 @@ def main() -> None:
 
     try:
         dt, peak = _timeit(hf_step, args.steps, device)
-        result["transformers_padded"] = {"step_s": round(dt, 4), "tokens_per_s": round(T / dt), "peak_gib": None if peak is None else round(peak, 2)}
+        result["transformers_padded"] = {
+            "step_s": round(dt, 4),
+            "tokens_per_s": round(T / dt),
+            "peak_gib": None if peak is None else round(peak, 2),
+        }
     except Exception as e:  # noqa: BLE001
         result["transformers_padded"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     print(json.dumps(result, indent=2))

@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from areno.rollout.attention import PagedAttention  # noqa: E402
-from areno.rollout.cuda_graph import padded_num_blocks  # noqa: E402
-from areno.rollout.kv_cache import KVCache  # noqa: E402
-from bench.stamp import stamp  # noqa: E402
+from areno.rollout.attention import PagedAttention
+from areno.rollout.cuda_graph import padded_num_blocks
+from areno.rollout.kv_cache import KVCache
+from bench.stamp import stamp
 
 
 def setup(B: int, args, device: str, dtype: torch.dtype):
@@ -39,8 +39,15 @@ def setup(B: int, args, device: str, dtype: torch.dtype):
     ctx = torch.randint(args.ctx[0], args.ctx[1] + 1, (B,), generator=g)
     need = (-(-ctx // bs)).tolist()
     N = padded_num_blocks(max(need))
-    cache = KVCache(num_layers=1, num_blocks=sum(need) + 1, block_size=bs, num_kv_heads=args.kv_heads,
-                    head_dim=args.head_dim, dtype=dtype, device=torch.device(device))
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=sum(need) + 1,
+        block_size=bs,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=dtype,
+        device=torch.device(device),
+    )
     cache.k_S[0].normal_()
     cache.v_S[0].normal_()
     perm = torch.randperm(sum(need), generator=g).tolist()
@@ -86,8 +93,14 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default bf16 on cuda, fp32 on cpu")
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--ctx", type=int, nargs=2, default=(272, 576), metavar=("MIN", "MAX"),
-                    help="context lengths (default: bench/rollout.py qwen0.5b prompts 16-64 + 256-512 generated)")
+    ap.add_argument(
+        "--ctx",
+        type=int,
+        nargs=2,
+        default=(272, 576),
+        metavar=("MIN", "MAX"),
+        help="context lengths (default: bench/rollout.py qwen0.5b prompts 16-64 + 256-512 generated)",
+    )
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -101,16 +114,24 @@ def main() -> None:
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     reps = args.reps or (200 if device.startswith("cuda") else 10)
-    result: dict = {"bench": "paged_decode", "device": device, "dtype": str(dtype).removeprefix("torch."),
-                    "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                    "block_size": args.block_size, "ctx": list(args.ctx), "threads": torch.get_num_threads(),
-                    "runs": []}
+    result: dict = {
+        "bench": "paged_decode",
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "block_size": args.block_size,
+        "ctx": list(args.ctx),
+        "threads": torch.get_num_threads(),
+        "runs": [],
+    }
     itemsize = torch.empty((), dtype=dtype).element_size()
     for B in args.batch:
         cache, bt_BN, ctx_B, q, kv, total_ctx = setup(B, args, device, dtype)
         outs, ms = {}, {}
         for mode in ("gather", "paged"):
-            fn = (lambda m=mode: PagedAttention.for_decode(cache, bt_BN, ctx_B, None, decode_attention=m)(0, q, kv, kv))
+            fn = lambda m=mode: PagedAttention.for_decode(cache, bt_BN, ctx_B, None, decode_attention=m)(0, q, kv, kv)
             outs[mode] = fn().float()
             ms[mode] = 1e3 * time_calls(fn, device, reps)
         kv_bytes = 2 * total_ctx * args.kv_heads * args.head_dim * itemsize
@@ -121,19 +142,27 @@ def main() -> None:
             k_S, v_S, bs = cache.k_S[0], cache.v_S[0], args.block_size
             by = {}
             for sp in args.splits:
-                fn = (lambda sp=sp: pd.paged_decode_triton(q, k_S, v_S, bt_BN, ctx_B, bs, num_splits=sp))
+                fn = lambda sp=sp: pd.paged_decode_triton(q, k_S, v_S, bt_BN, ctx_B, bs, num_splits=sp)
                 diff = float((fn().float() - outs["gather"]).abs().max())
                 by[sp] = {"ms": round(1e3 * time_calls(fn, device, reps), 4), "max_abs_diff": diff}
-            extra = {"paged_ms_by_splits": by,
-                     "auto_splits": pd.auto_num_splits(B, args.kv_heads, bt_BN.shape[1] * bs, 64, q.device)}
-        result["runs"].append({**extra,
-            "batch": B, "table_blocks": bt_BN.shape[1], "mean_ctx": round(total_ctx / B, 1),
-            "gather_ms": round(ms["gather"], 3), "paged_ms": round(ms["paged"], 3),
-            "speedup": round(ms["gather"] / ms["paged"], 2),
-            "max_abs_diff": float((outs["gather"] - outs["paged"]).abs().max()),
-            "gather_kv_GBs": round(kv_bytes / ms["gather"] / 1e6, 1),
-            "paged_kv_GBs": round(kv_bytes / ms["paged"] / 1e6, 1),
-        })
+            extra = {
+                "paged_ms_by_splits": by,
+                "auto_splits": pd.auto_num_splits(B, args.kv_heads, bt_BN.shape[1] * bs, 64, q.device),
+            }
+        result["runs"].append(
+            {
+                **extra,
+                "batch": B,
+                "table_blocks": bt_BN.shape[1],
+                "mean_ctx": round(total_ctx / B, 1),
+                "gather_ms": round(ms["gather"], 3),
+                "paged_ms": round(ms["paged"], 3),
+                "speedup": round(ms["gather"] / ms["paged"], 2),
+                "max_abs_diff": float((outs["gather"] - outs["paged"]).abs().max()),
+                "gather_kv_GBs": round(kv_bytes / ms["gather"] / 1e6, 1),
+                "paged_kv_GBs": round(kv_bytes / ms["paged"] / 1e6, 1),
+            }
+        )
     if device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name()
     result.update(stamp())

@@ -55,23 +55,33 @@ def write_rows(path: Path, n: int, args, seed: int) -> None:
 def arm_config(eta: int, args, work: Path, repeat: int = 0):
     from areno.api.config import load_config
 
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",")]
     overrides = [
         f"run_dir={work / (f'eta{eta}' if repeat == 0 else f'eta{eta}-r{repeat}')}",
         f"model.path={work / 'model'}",
         "model.init_tiny={hidden_size: %d, layers: %d, heads: %d, kv_heads: %d}"
         % (args.hidden, args.layers, args.heads, args.kv_heads),
         f"model.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
-        "data.task=null", f"data.train_path={work / 'train.jsonl'}", f"data.eval_path={work / 'eval.jsonl'}",
-        "reward.fn=bench.longtail:parity_reward", "reward.sandbox=false",
+        "data.task=null",
+        f"data.train_path={work / 'train.jsonl'}",
+        f"data.eval_path={work / 'eval.jsonl'}",
+        "reward.fn=bench.longtail:parity_reward",
+        "reward.sandbox=false",
         "rollout.workflow=bench.longtail:LongTailWorkflow",
-        f"rollout.batch_size={args.batch_size}", f"rollout.n_samples={args.n_samples}",
-        f"rollout.max_new_tokens={args.long_len}", f"rollout.max_head_offpolicyness={eta}",
+        f"rollout.batch_size={args.batch_size}",
+        f"rollout.n_samples={args.n_samples}",
+        f"rollout.max_new_tokens={args.long_len}",
+        f"rollout.max_head_offpolicyness={eta}",
         f"rollout.max_concurrent={args.max_concurrent}",
-        f"optim.lr={args.lr}", "optim.grad_clip=1.0",
-        f"train.algorithm={args.recipe}", f"train.steps={args.steps + args.warmup}", "train.eval_interval=0",
-        "train.save_interval=0", "train.seed=0",
-        f"cluster.device={args.device}", f"cluster.train_devices={ints(args.train_devices)}",
+        f"optim.lr={args.lr}",
+        "optim.grad_clip=1.0",
+        f"train.algorithm={args.recipe}",
+        f"train.steps={args.steps + args.warmup}",
+        "train.eval_interval=0",
+        "train.save_interval=0",
+        "train.seed=0",
+        f"cluster.device={args.device}",
+        f"cluster.train_devices={ints(args.train_devices)}",
         f"cluster.rollout_devices={ints(args.rollout_devices)}",
         "observe.console=false",
     ]
@@ -142,17 +152,22 @@ def run_arm(eta: int, args, work: Path, repeat: int = 0) -> dict:
             trainer.run()
         finally:
             trainer.shutdown()
-    except Exception as e:  # noqa: BLE001 - an arm that stalled (killed by its deadline) is reported, not fatal
+    except Exception as e:
         if not deadline.fired:
             raise
-        return {"eta": eta, "repeat": repeat,
-                "error": f"stalled: no result within --arm-timeout {args.arm_timeout:g} s ({e})"}
+        return {
+            "eta": eta,
+            "repeat": repeat,
+            "error": f"stalled: no result within --arm-timeout {args.arm_timeout:g} s ({e})",
+        }
     finally:
         deadline.cancel()
-    rows = [r for r in read_jsonl_records(Path(config.run_dir) / "metrics.jsonl", what="metrics") if "timing/rollout_s" in r]
+    rows = [
+        r for r in read_jsonl_records(Path(config.run_dir) / "metrics.jsonl", what="metrics") if "timing/rollout_s" in r
+    ]
     # the first steps warm up (allocation, kernels, communicators) and let the asynchronous pool
     # reach its steady state (it starts ahead by the batches generated during start-up)
-    timed = rows[args.warmup:]
+    timed = rows[args.warmup :]
     step_s = [r["timing/rollout_s"] + r["timing/train_s"] + r["timing/sync_s"] for r in timed]
     tokens = [r["timing/tokens_per_s"] * s for r, s in zip(timed, step_s)]
     sync_keys = sorted({k for r in rows for k in r if k.startswith("policy_sync")})
@@ -174,7 +189,9 @@ def run_arm(eta: int, args, work: Path, repeat: int = 0) -> dict:
         # idle fraction of each worker kind: the training workers are busy only in train + sync
         "train_idle_frac": round(1 - sum(r["timing/train_s"] + r["timing/sync_s"] for r in timed) / sum(step_s), 3),
         "rollout_idle_frac": _median_of(timed, "rollout/engine_busy_frac", lambda v: round(1 - v, 3)),
-        "rollout_engine_tokens_per_s": _median_of(timed, "rollout/engine_generated_tokens_per_s", lambda v: round(v, 1)),
+        "rollout_engine_tokens_per_s": _median_of(
+            timed, "rollout/engine_generated_tokens_per_s", lambda v: round(v, 1)
+        ),
         "rollout_preemptions": sum(r.get("rollout/engine_preemptions", 0) for r in timed),
         "rollout_prefill_tokens": sum(r.get("rollout/engine_prefill_tokens", 0) for r in timed),
         "rollout_mixed_steps": sum(r.get("rollout/engine_mixed_steps", 0) for r in timed),
@@ -218,9 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-devices", default="1")
     p.add_argument("--etas", default="0,2,4")
     p.add_argument("--steps", type=int, default=4, help="timed steps per arm")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run the --etas sequence this many times, interleaved (0,4,0,4,...); the summary gives each "
-                        "eta's median and its ratio to the first eta within each repeat")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the --etas sequence this many times, interleaved (0,4,0,4,...); the summary gives each "
+        "eta's median and its ratio to the first eta within each repeat",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first, per arm")
     p.add_argument("--batch-size", type=int, default=4, help="prompts per step")
     p.add_argument("--n-samples", type=int, default=4)
@@ -236,12 +257,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens-per-mb", type=int, default=None)
     p.add_argument("--recipe", default="grpo_async")
     p.add_argument("--out", default=None, help="also write the JSON here")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="one more config override for every arm (repeatable), e.g. rollout.decode_steps=1")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more config override for every arm (repeatable), e.g. rollout.decode_steps=1",
+    )
     p.add_argument("--work-dir", default=None, help="keep the arms' run directories (metrics.jsonl) here")
-    p.add_argument("--arm-timeout", type=float, default=None, metavar="S",
-                   help="an arm still running after S seconds: dump controller/worker stacks and thread states "
-                        "to stderr, kill its workers, report it as an error and go on")
+    p.add_argument(
+        "--arm-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an arm still running after S seconds: dump controller/worker stacks and thread states "
+        "to stderr, kill its workers, report it as an error and go on",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -261,16 +292,28 @@ def main(argv: list[str] | None = None) -> int:
             # one line per finished arm, so a run cut short by a time limit still reports what it measured
             print(f"partitioned arm: {json.dumps(arms[-1])}", file=sys.stderr, flush=True)
     for arm in arms:  # against the first eta's arm of the same repeat
-        base = next((a["trained_tokens_per_s"] for a in arms
-                     if a["repeat"] == arm["repeat"] and a["eta"] == etas[0] and "error" not in a), None)
+        base = next(
+            (
+                a["trained_tokens_per_s"]
+                for a in arms
+                if a["repeat"] == arm["repeat"] and a["eta"] == etas[0] and "error" not in a
+            ),
+            None,
+        )
         if base and "error" not in arm:
             arm["speedup_vs_first"] = round(arm["trained_tokens_per_s"] / base, 3)
     if args.device == "cuda":
         hw = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
     else:
         hw = "cpu (gloo), 1 thread per worker"
-    result = {"bench": "partitioned", "hardware": hw, "torch": torch.__version__, "config": vars(args), "arms": arms,
-              "summary": paired_summary(arms, etas)}
+    result = {
+        "bench": "partitioned",
+        "hardware": hw,
+        "torch": torch.__version__,
+        "config": vars(args),
+        "arms": arms,
+        "summary": paired_summary(arms, etas),
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -36,11 +36,21 @@ def profile_cuda(fn: Callable[[], object], top: int = 25) -> dict:
         "kernel_ms": round(kernel_ms, 1),
         "gpu_busy": round(kernel_ms / wall_ms, 3),
         "kernel_launches": int(sum(e.count for e in kernels)),
-        "top_kernels": [{"kernel": e.key[:90], "calls": e.count, "ms": round(device_us(e) / 1e3, 2),
-                         "share": round(device_us(e) / 1e3 / max(kernel_ms, 1e-9), 3)}
-                        for e in sorted(kernels, key=device_us, reverse=True)[:top]],
-        "top_ops_by_device_time": [{"op": e.key[:60], "calls": e.count, "device_ms": round(device_us(e) / 1e3, 2)}
-                                   for e in sorted(host, key=device_us, reverse=True)[:top]],
-        "top_host_ops": [{"op": e.key[:60], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
-                         for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]],
+        "top_kernels": [
+            {
+                "kernel": e.key[:90],
+                "calls": e.count,
+                "ms": round(device_us(e) / 1e3, 2),
+                "share": round(device_us(e) / 1e3 / max(kernel_ms, 1e-9), 3),
+            }
+            for e in sorted(kernels, key=device_us, reverse=True)[:top]
+        ],
+        "top_ops_by_device_time": [
+            {"op": e.key[:60], "calls": e.count, "device_ms": round(device_us(e) / 1e3, 2)}
+            for e in sorted(host, key=device_us, reverse=True)[:top]
+        ],
+        "top_host_ops": [
+            {"op": e.key[:60], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+            for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        ],
     }

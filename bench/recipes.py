@@ -44,8 +44,17 @@ def _warm_start(config_path: str, run_dir: Path, steps: int, common: list[str]) 
 
 def _accuracy(config_path: str, run_dir: Path, model_dir: Path, common: list[str]) -> float:
     """Greedy held-out accuracy of the checkpoint in ``model_dir`` (a fresh engine, no training)."""
-    cfg = load_config(config_path, [f"run_dir={run_dir}", f"model.path={model_dir}", "warm_start.steps=0",
-                                    "train.algorithm=sft", "train.steps=0", *common])
+    cfg = load_config(
+        config_path,
+        [
+            f"run_dir={run_dir}",
+            f"model.path={model_dir}",
+            "warm_start.steps=0",
+            "train.algorithm=sft",
+            "train.steps=0",
+            *common,
+        ],
+    )
     trainer = Trainer.init(cfg)
     try:
         return trainer.evaluate_now()["eval/accuracy"]
@@ -53,14 +62,23 @@ def _accuracy(config_path: str, run_dir: Path, model_dir: Path, common: list[str
         trainer.shutdown()
 
 
-def _run_recipe(config_path: str, run_dir: Path, start: Path, name: str, steps: int, extra: list[str],
-                common: list[str]) -> dict:
+def _run_recipe(
+    config_path: str, run_dir: Path, start: Path, name: str, steps: int, extra: list[str], common: list[str]
+) -> dict:
     """Train ``steps`` steps of ``name`` from ``start``; accuracy after is measured on the exported
     policy by a fresh engine. (The steps are driven here rather than by ``Trainer.run`` because, at
     this commit, ``ArenoEngine.evaluate`` after online rollouts started never returns: see the
     report of issue 5.)"""
-    overrides = [f"run_dir={run_dir}", f"model.path={start}", "warm_start.steps=0", f"train.algorithm={name}",
-                 f"train.steps={steps}", "train.eval_interval=0", "train.save_interval=0", *extra]
+    overrides = [
+        f"run_dir={run_dir}",
+        f"model.path={start}",
+        "warm_start.steps=0",
+        f"train.algorithm={name}",
+        f"train.steps={steps}",
+        "train.eval_interval=0",
+        "train.save_interval=0",
+        *extra,
+    ]
     trainer = Trainer.init(load_config(config_path, overrides))
     t0 = time.perf_counter()
     rewards = []
@@ -75,9 +93,13 @@ def _run_recipe(config_path: str, run_dir: Path, start: Path, name: str, steps: 
         trainer.shutdown()
     wall = time.perf_counter() - t0
     after = _accuracy(config_path, run_dir / "eval", run_dir / "final_model", common)
-    first, last = rewards[: max(1, steps // 4)], rewards[-max(1, steps // 4):]
-    return {"after": after, "train_reward_first_quarter": sum(first) / len(first),
-            "train_reward_last_quarter": sum(last) / len(last), "wall_s": round(wall, 1)}
+    first, last = rewards[: max(1, steps // 4)], rewards[-max(1, steps // 4) :]
+    return {
+        "after": after,
+        "train_reward_first_quarter": sum(first) / len(first),
+        "train_reward_last_quarter": sum(last) / len(last),
+        "wall_s": round(wall, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,10 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     parser.add_argument("--run-root", default=str(ROOT / "runs" / "bench_recipes"))
     parser.add_argument("--fresh", action="store_true", help="delete --run-root first (no reuse of warm starts)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra config override for every stage (e.g. warm_start.lr=1e-3)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (1 is ~50x faster for this tiny model on a loaded CPU)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every stage (e.g. warm_start.lr=1e-3)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (1 is ~50x faster for this tiny model on a loaded CPU)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         import torch
@@ -126,11 +157,20 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, RuntimeError, AttributeError, KeyError) as err:  # reported, not hidden
             results[name] = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
-    print(json.dumps({
-        "config": args.config, "steps": args.steps, "warm_start_steps": args.warm_start_steps,
-        "start_accuracy": start_acc, "teacher_accuracy": teacher_acc, "results": results,
-        "all_improved": all(r.get("improved", False) for r in results.values()),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "config": args.config,
+                "steps": args.steps,
+                "warm_start_steps": args.warm_start_steps,
+                "start_accuracy": start_acc,
+                "teacher_accuracy": teacher_acc,
+                "results": results,
+                "all_improved": all(r.get("improved", False) for r in results.values()),
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -28,15 +28,23 @@ from areno.workflows.common import acall_reward
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.stamp import git_commit  # noqa: E402
+from bench.stamp import git_commit
 
 CASES = {
     "exact_match": ("areno.rewards.tasks:exact_match", lambda i: ("q", f"{i % 7}\n", str(i % 5), {})),
-    "math_verify": ("areno.rewards.math:math_verify",
-                    lambda i: ("q", f"so the answer is \\boxed{{\\frac{{{i % 9}}}{{2}}}}", str((i % 9) / 2), {})),
-    "code_execution": ("areno.rewards.code:code_execution",
-                       lambda i: ("q", "```python\na, b = map(int, input().split())\nprint(a + b)\n```", None,
-                                  {"tests": [{"input": f"{i} 1", "output": str(i + 1 - (i % 3 == 0))}]})),
+    "math_verify": (
+        "areno.rewards.math:math_verify",
+        lambda i: ("q", f"so the answer is \\boxed{{\\frac{{{i % 9}}}{{2}}}}", str((i % 9) / 2), {}),
+    ),
+    "code_execution": (
+        "areno.rewards.code:code_execution",
+        lambda i: (
+            "q",
+            "```python\na, b = map(int, input().split())\nprint(a + b)\n```",
+            None,
+            {"tests": [{"input": f"{i} 1", "output": str(i + 1 - (i % 3 == 0))}]},
+        ),
+    ),
 }
 
 
@@ -63,20 +71,28 @@ def bench_case(name: str, args) -> dict:
     in_s, in_rewards, in_errors = asyncio.run(ascore_all(fn, make, calls, args.concurrency))
     t0 = time.perf_counter()
     with RewardSandbox(path, workers=args.workers, timeout_s=60.0) as sandbox:
+
         async def warm():
             await asyncio.gather(*(sandbox(*make(i)[:3], **make(i)[3]) for i in range(args.workers)))
+
         asyncio.run(warm())
         startup_s = time.perf_counter() - t0
         sb_s, sb_rewards, sb_errors = asyncio.run(ascore_all(sandbox, make, calls, args.concurrency))
         metrics = sandbox.metrics()
     assert sb_rewards == in_rewards, f"{name}: the sandbox scored differently from the in-process function"
     return {
-        "reward": name, "calls": calls, "workers": args.workers, "concurrency": args.concurrency,
-        "in_process_calls_per_s": calls / in_s, "sandbox_calls_per_s": calls / sb_s,
+        "reward": name,
+        "calls": calls,
+        "workers": args.workers,
+        "concurrency": args.concurrency,
+        "in_process_calls_per_s": calls / in_s,
+        "sandbox_calls_per_s": calls / sb_s,
         "sandbox_over_in_process": in_s / sb_s,
         "overhead_us_per_call": (sb_s - in_s) / calls * 1e6,
-        "sandbox_startup_s": startup_s, "mean_reward": sum(in_rewards) / calls,
-        "errors_in_process": in_errors, "errors_sandbox": sb_errors,
+        "sandbox_startup_s": startup_s,
+        "mean_reward": sum(in_rewards) / calls,
+        "errors_in_process": in_errors,
+        "errors_sandbox": sb_errors,
         "sandbox_failures": sum(v for k, v in metrics.items() if k.startswith("rollout/reward_failures_")),
     }
 
@@ -90,8 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rewards", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     args = p.parse_args(argv)
     rows = [bench_case(name, args) for name in args.rewards.split(",")]
-    print(json.dumps({"bench": "rewards", "commit": git_commit(), "cpus": os.cpu_count(), "machine": platform.processor()
-                      or platform.machine(), "results": rows}, indent=1))
+    print(
+        json.dumps(
+            {
+                "bench": "rewards",
+                "commit": git_commit(),
+                "cpus": os.cpu_count(),
+                "machine": platform.processor() or platform.machine(),
+                "results": rows,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -63,21 +63,44 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.profiling, bench.stamp
 
-from bench.stamp import stamp  # noqa: E402
+from bench.stamp import stamp
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
-    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "vocab_size": 151936,
-    "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+    "hidden_act": "silu",
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "torch_dtype": "bfloat16",
 }
 # ~20M parameters: 8 layers of width 256 and a 32k vocabulary (untied).
 CPU_20M = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 1024,
-    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "vocab_size": 32000,
-    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 SHAPES = {"cpu20m": (CPU_20M, 32, 128), "qwen0.5b": (QWEN25_05B, 64, 512)}
 
@@ -114,21 +137,32 @@ def sync(device: str) -> None:
 
 
 @torch.no_grad()
-def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: str,
-           sampling: dict | None = None) -> tuple[float, list[list[int]]]:
+def run_hf(
+    hf, prompts: list[list[int]], new_tokens: int, device: str, sampling: dict | None = None
+) -> tuple[float, list[list[int]]]:
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding, as generate expects
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
+        ids[i, L - len(p) :] = torch.tensor(p)
+        mask[i, L - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     # Batched, same dtype and device, KV cache on (transformers' default dynamic cache).
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-              use_cache=True)
+    kw = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        use_cache=True,
+    )
     if sampling and sampling["temperature"] > 0:
-        kw.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
-                  top_k=max(sampling["top_k"], 0))  # 0: no top-k (the generation config's default is 50)
+        kw.update(
+            do_sample=True,
+            temperature=sampling["temperature"],
+            top_p=sampling["top_p"],
+            top_k=max(sampling["top_k"], 0),
+        )  # 0: no top-k (the generation config's default is 50)
     hf.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     sync(device)
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -145,22 +179,48 @@ def request_params(args, temperature: float, new_tokens: int, n: int) -> list:
 
     if temperature <= 0:
         return [SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)] * n
-    return [SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=new_tokens,
-                           ignore_eos=True, seed=None if args.unseeded else args.seed + i) for i in range(n)]
+    return [
+        SamplingParams(
+            temperature=temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=new_tokens,
+            ignore_eos=True,
+            seed=None if args.unseeded else args.seed + i,
+        )
+        for i in range(n)
+    ]
 
 
-def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_attention: str = "gather",
-               temperature: float = 0.0, loop: bool = True,
-               fused_projections: bool = True) -> tuple[float, list[list[int]], dict]:
+def run_engine(
+    ours,
+    cfg,
+    prompts,
+    new_tokens: int,
+    device: str,
+    args,
+    decode_attention: str = "gather",
+    temperature: float = 0.0,
+    loop: bool = True,
+    fused_projections: bool = True,
+) -> tuple[float, list[list[int]], dict]:
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
     ecfg = RolloutEngineConfig(
-        block_size=args.block_size, max_num_seqs=max(len(prompts), 1), max_tokens_per_step=args.max_tokens_per_step,
-        prefill_chunk_size=args.prefill_chunk_size, max_model_len=max(len(p) for p in prompts) + new_tokens + 1,
-        kv_memory_fraction=args.kv_memory_fraction, cuda_graphs=not args.no_cuda_graphs,
-        cpu_kv_cache_bytes=args.cpu_kv_gb << 30, decode_steps=args.decode_steps, decode_attention=decode_attention,
-        fused_kernels=args.fused_kernels, fused_projections=fused_projections,
-        cpu_packed_gemm=getattr(args, "cpu_packed_gemm", True), cpu_decode_carry=getattr(args, "decode_carry", True),
+        block_size=args.block_size,
+        max_num_seqs=max(len(prompts), 1),
+        max_tokens_per_step=args.max_tokens_per_step,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_model_len=max(len(p) for p in prompts) + new_tokens + 1,
+        kv_memory_fraction=args.kv_memory_fraction,
+        cuda_graphs=not args.no_cuda_graphs,
+        cpu_kv_cache_bytes=args.cpu_kv_gb << 30,
+        decode_steps=args.decode_steps,
+        decode_attention=decode_attention,
+        fused_kernels=args.fused_kernels,
+        fused_projections=fused_projections,
+        cpu_packed_gemm=getattr(args, "cpu_packed_gemm", True),
+        cpu_decode_carry=getattr(args, "decode_carry", True),
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = request_params(args, temperature, new_tokens, len(prompts))
@@ -169,8 +229,9 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_at
         # min_new_tokens run the k-step loop; the others replay the one-step graph k times.
         can_loop = engine._graphs.can_loop
         engine._graphs.can_loop = lambda batch, rp, k: rp.all_greedy and not rp.any_min_new and can_loop(batch, rp, k)
-    engine.generate([p[:8] for p in prompts[: min(8, len(prompts))]],
-                    [dataclasses.replace(q, max_new_tokens=4) for q in params[:8]])
+    engine.generate(
+        [p[:8] for p in prompts[: min(8, len(prompts))]], [dataclasses.replace(q, max_new_tokens=4) for q in params[:8]]
+    )
     # Like a server at start-up: capture the decode graphs this run needs outside the timed region.
     loop_params = [params[0]] if loop or temperature <= 0 else []
     engine.warmup_cuda_graphs([len(prompts)], max(len(p) for p in prompts) + new_tokens, params=loop_params)
@@ -185,8 +246,16 @@ def run_engine(ours, cfg, prompts, new_tokens: int, device: str, args, decode_at
     stats["cpu_s"] = time.process_time() - cpu0
     stats["loop_graphs"] = len(engine._graphs._loops) if engine._graphs is not None else 0
     c = engine.cache
-    stats["kv_pool_GiB"] = round(2 * c.num_layers * c.num_slots * c.num_kv_heads * c.head_dim
-                                 * torch.empty((), dtype=c.dtype).element_size() / 2**30, 2)
+    stats["kv_pool_GiB"] = round(
+        2
+        * c.num_layers
+        * c.num_slots
+        * c.num_kv_heads
+        * c.head_dim
+        * torch.empty((), dtype=c.dtype).element_size()
+        / 2**30,
+        2,
+    )
     return elapsed, [o.output_ids for o in outs], stats
 
 
@@ -202,6 +271,7 @@ def profile_decode(engine, prompts, new_tokens: int, params: list) -> dict:
 def mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
     """Mean number of leading tokens two runs' outputs share (bf16 near-ties make greedy runs part
     ways somewhere; how far they agree first separates rounding from a bug)."""
+
     def common(x: list[int], y: list[int]) -> int:
         return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
 
@@ -243,43 +313,106 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-memory-fraction", type=float, default=0.5)
     ap.add_argument("--cpu-kv-gb", type=int, default=1)
     ap.add_argument("--no-cuda-graphs", action="store_true")
-    ap.add_argument("--decode-attention", nargs="+", choices=["auto", "gather", "paged"], default=["auto"],
-                    help="engine decode attention; several values: one engine run each, side by side")
-    ap.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
-                    help="CUDA: fused RMSNorm/RoPE/SiLU-mul Triton kernels (RolloutEngineConfig.fused_kernels)")
-    ap.add_argument("--fused-projections", action=argparse.BooleanOptionalAction, default=True,
-                    help="one GEMM for q/k/v and one for gate/up per layer (RolloutEngineConfig.fused_projections)")
-    ap.add_argument("--fused-add-norm", action=argparse.BooleanOptionalAction, default=True,
-                    help="CUDA: the residual add + RMSNorm kernel (fused_ops.add_rms_norm) where the fused kernels "
-                         "are on; --no-fused-add-norm keeps the add and the RMSNorm kernel apart (A/B)")
-    ap.add_argument("--compare-fused-projections", action="store_true",
-                    help="each run also runs with the other --fused-projections setting, side by side")
-    ap.add_argument("--compare-cpu-decode-matmul", type=int, default=0, metavar="N",
-                    help="CPU: after the runs, N pairs of the first run with decode rows through SDPA over the "
-                         "gathered K/V, then through the head-major matmul form (attention.CPU_DECODE_MATMUL)")
-    ap.add_argument("--cpu-packed-gemm", action=argparse.BooleanOptionalAction, default=True,
-                    help="CPU fp32: the large GEMMs through oneDNN-packed weights (RolloutEngineConfig.cpu_packed_gemm)")
-    ap.add_argument("--compare-cpu-packed-gemm", type=int, default=0, metavar="N",
-                    help="CPU: after the runs, N pairs of the first run with packed GEMMs off, then on")
-    ap.add_argument("--decode-carry", action=argparse.BooleanOptionalAction, default=True,
-                    help="CPU: keep the gathered decode K/V across steps (RolloutEngineConfig.cpu_decode_carry)")
-    ap.add_argument("--compare-decode-carry", type=int, default=0, metavar="N",
-                    help="CPU: after the runs, N pairs of the first run with the decode carry off, then on")
-    ap.add_argument("--rounds", type=int, default=1, metavar="R",
-                    help="with generate: R alternating (engine, generate) timings of the first run's setting; "
-                         "speedup_rounds lists each round's ratio, speedup_median their median (noisy hosts)")
-    ap.add_argument("--profile", action="store_true",
-                    help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)")
-    ap.add_argument("--decode-steps", type=int, default=None,
-                    help="engine decode steps per host round trip (default: 8 on CUDA, 1 on CPU)")
-    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0],
-                    help="0 = greedy; several values: one engine run each, side by side")
+    ap.add_argument(
+        "--decode-attention",
+        nargs="+",
+        choices=["auto", "gather", "paged"],
+        default=["auto"],
+        help="engine decode attention; several values: one engine run each, side by side",
+    )
+    ap.add_argument(
+        "--fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA: fused RMSNorm/RoPE/SiLU-mul Triton kernels (RolloutEngineConfig.fused_kernels)",
+    )
+    ap.add_argument(
+        "--fused-projections",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one GEMM for q/k/v and one for gate/up per layer (RolloutEngineConfig.fused_projections)",
+    )
+    ap.add_argument(
+        "--fused-add-norm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA: the residual add + RMSNorm kernel (fused_ops.add_rms_norm) where the fused kernels "
+        "are on; --no-fused-add-norm keeps the add and the RMSNorm kernel apart (A/B)",
+    )
+    ap.add_argument(
+        "--compare-fused-projections",
+        action="store_true",
+        help="each run also runs with the other --fused-projections setting, side by side",
+    )
+    ap.add_argument(
+        "--compare-cpu-decode-matmul",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CPU: after the runs, N pairs of the first run with decode rows through SDPA over the "
+        "gathered K/V, then through the head-major matmul form (attention.CPU_DECODE_MATMUL)",
+    )
+    ap.add_argument(
+        "--cpu-packed-gemm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU fp32: the large GEMMs through oneDNN-packed weights (RolloutEngineConfig.cpu_packed_gemm)",
+    )
+    ap.add_argument(
+        "--compare-cpu-packed-gemm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CPU: after the runs, N pairs of the first run with packed GEMMs off, then on",
+    )
+    ap.add_argument(
+        "--decode-carry",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: keep the gathered decode K/V across steps (RolloutEngineConfig.cpu_decode_carry)",
+    )
+    ap.add_argument(
+        "--compare-decode-carry",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CPU: after the runs, N pairs of the first run with the decode carry off, then on",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with generate: R alternating (engine, generate) timings of the first run's setting; "
+        "speedup_rounds lists each round's ratio, speedup_median their median (noisy hosts)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)",
+    )
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="engine decode steps per host round trip (default: 8 on CUDA, 1 on CPU)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="0 = greedy; several values: one engine run each, side by side",
+    )
     ap.add_argument("--top-p", type=float, default=1.0, help="sampled runs: nucleus mass")
     ap.add_argument("--top-k", type=int, default=-1, help="sampled runs: top-k (-1: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampled runs: request i has seed SEED + i")
     ap.add_argument("--unseeded", action="store_true", help="sampled runs: no per-request seeds (engine generator)")
-    ap.add_argument("--compare-eager-sampling", action="store_true",
-                    help="each sampled run also runs with sampled batches kept off the k-step loop graph")
+    ap.add_argument(
+        "--compare-eager-sampling",
+        action="store_true",
+        help="each sampled run also runs with sampled batches kept off the k-step loop graph",
+    )
     args = ap.parse_args(argv)
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
@@ -339,54 +472,89 @@ def main(argv: list[str] | None = None) -> None:
             for flag in (not attention.CPU_DECODE_MATMUL, attention.CPU_DECODE_MATMUL):
                 saved, attention.CPU_DECODE_MATMUL = attention.CPU_DECODE_MATMUL, flag
                 try:
-                    s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode, temperature,
-                                               loop, fused_proj)
+                    s_, out_, st_ = run_engine(
+                        ours, cfg, prompts, new_tokens, device, args, mode, temperature, loop, fused_proj
+                    )
                 finally:
                     attention.CPU_DECODE_MATMUL = saved
                 st_["fused_projections"] = fused_proj
                 label = f"{first} {'matmul' if flag else 'sdpa'}-decode #{rep + 1}"
                 runs[label] = (s_, out_, st_, first)
-    for option, pairs, names in (("cpu_packed_gemm", args.compare_cpu_packed_gemm, ("linear-gemm", "packed-gemm")),
-                                 ("decode_carry", args.compare_decode_carry, ("gather", "carry"))):
+    for option, pairs, names in (
+        ("cpu_packed_gemm", args.compare_cpu_packed_gemm, ("linear-gemm", "packed-gemm")),
+        ("decode_carry", args.compare_decode_carry, ("gather", "carry")),
+    ):
         if not pairs or device != "cpu":
             continue
         # The first run with the option flipped, then as set: other / set / other / set ... in one process.
         mode, temperature, loop, fused_proj = plan[0]
         for rep in range(pairs):
             for flag in (not getattr(args, option), getattr(args, option)):
-                s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device,
-                                           argparse.Namespace(**{**vars(args), option: flag}),
-                                           mode, temperature, loop, fused_proj)
+                s_, out_, st_ = run_engine(
+                    ours,
+                    cfg,
+                    prompts,
+                    new_tokens,
+                    device,
+                    argparse.Namespace(**{**vars(args), option: flag}),
+                    mode,
+                    temperature,
+                    loop,
+                    fused_proj,
+                )
                 st_["fused_projections"] = fused_proj
                 runs[f"{first} {names[flag]} #{rep + 1}"] = (s_, out_, st_, first)
     eng_s, eng_out, stats, _ = runs[first]
     result: dict = {
-        "bench": "rollout", "shape": args.shape, "device": device, "dtype": str(dtype).removeprefix("torch."),
-        "decode_attention": args.decode_attention[0], "decode_attention_runs": args.decode_attention,
-        "temperature": args.temperature[0], "temperature_runs": args.temperature,
-        "top_p": args.top_p, "top_k": args.top_k, "seeded": not args.unseeded,
-        "fused_projections": args.fused_projections, "compare_fused_projections": args.compare_fused_projections,
-        "fused_kernels": args.fused_kernels, "fused_add_norm": args.fused_add_norm,
-        "params_M": round(n_params / 1e6, 2), "prompts": n, "new_tokens": new_tokens,
-        "prompt_len": list(args.prompt_len), "threads": torch.get_num_threads(),
-        "engine_s": round(eng_s, 3), "engine_tok_s": round(n * new_tokens / eng_s, 1),
-        "engine_steps": stats["steps"], "engine_ms_per_step": round(1e3 * eng_s / max(stats["steps"], 1), 2),
-        "engine_preemptions": stats["num_preemptions"], "engine_decode_steps": args.decode_steps,
-        "engine_round_trips": stats["sampling_round_trips"], "engine_cpu_s": round(stats["cpu_s"], 3),
+        "bench": "rollout",
+        "shape": args.shape,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "decode_attention": args.decode_attention[0],
+        "decode_attention_runs": args.decode_attention,
+        "temperature": args.temperature[0],
+        "temperature_runs": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seeded": not args.unseeded,
+        "fused_projections": args.fused_projections,
+        "compare_fused_projections": args.compare_fused_projections,
+        "fused_kernels": args.fused_kernels,
+        "fused_add_norm": args.fused_add_norm,
+        "params_M": round(n_params / 1e6, 2),
+        "prompts": n,
+        "new_tokens": new_tokens,
+        "prompt_len": list(args.prompt_len),
+        "threads": torch.get_num_threads(),
+        "engine_s": round(eng_s, 3),
+        "engine_tok_s": round(n * new_tokens / eng_s, 1),
+        "engine_steps": stats["steps"],
+        "engine_ms_per_step": round(1e3 * eng_s / max(stats["steps"], 1), 2),
+        "engine_preemptions": stats["num_preemptions"],
+        "engine_decode_steps": args.decode_steps,
+        "engine_round_trips": stats["sampling_round_trips"],
+        "engine_cpu_s": round(stats["cpu_s"], 3),
     }
     if "profile" in stats:
         result["profile"] = stats["profile"]
     if len(runs) > 1:
         result["by_run"] = {
-            label: {"engine_s": round(s_, 3), "engine_tok_s": round(n * new_tokens / s_, 1),
-                    "engine_ms_per_step": round(1e3 * s_ / max(st_["steps"], 1), 2), "engine_steps": st_["steps"],
-                    "engine_round_trips": st_["sampling_round_trips"], "engine_cpu_s": round(st_["cpu_s"], 3),
-                    "loop_graphs": st_["loop_graphs"], "fused_projections": st_["fused_projections"],
-                    "identical_to": {ref: f"{sum(a == b for a, b in zip(out_, runs[ref][1]))}/{n}"},
-                    "mean_common_prefix_with_it": mean_common_prefix(out_, runs[ref][1]),
-                    **({"profile": st_["profile"]} if "profile" in st_ else {}),
-                    **({"engine_peak_mem_GiB": st_["peak_mem_GiB"]} if "peak_mem_GiB" in st_ else {})}
-            for label, (s_, out_, st_, ref) in runs.items()}
+            label: {
+                "engine_s": round(s_, 3),
+                "engine_tok_s": round(n * new_tokens / s_, 1),
+                "engine_ms_per_step": round(1e3 * s_ / max(st_["steps"], 1), 2),
+                "engine_steps": st_["steps"],
+                "engine_round_trips": st_["sampling_round_trips"],
+                "engine_cpu_s": round(st_["cpu_s"], 3),
+                "loop_graphs": st_["loop_graphs"],
+                "fused_projections": st_["fused_projections"],
+                "identical_to": {ref: f"{sum(a == b for a, b in zip(out_, runs[ref][1]))}/{n}"},
+                "mean_common_prefix_with_it": mean_common_prefix(out_, runs[ref][1]),
+                **({"profile": st_["profile"]} if "profile" in st_ else {}),
+                **({"engine_peak_mem_GiB": st_["peak_mem_GiB"]} if "peak_mem_GiB" in st_ else {}),
+            }
+            for label, (s_, out_, st_, ref) in runs.items()
+        }
     if device.startswith("cuda"):
         result["engine_peak_mem_GiB"] = stats["peak_mem_GiB"]
         result["engine_kv_pool_GiB"] = stats["kv_pool_GiB"]  # reserved up front, part of the peak
@@ -397,9 +565,12 @@ def main(argv: list[str] | None = None) -> None:
         avg_ctx = sum(len(p) for p in prompts) / n + new_tokens / 2
         step_bytes = weight_bytes + n * avg_ctx * kv_per_token
         roofline_tok_s = n * bw / step_bytes
-        result.update(copy_bw_GBs=round(bw / 1e9, 1), decode_roofline_tok_s=round(roofline_tok_s, 1),
-                      roofline_fraction=round(n * new_tokens / eng_s / roofline_tok_s, 3),
-                      gpu=torch.cuda.get_device_name())
+        result.update(
+            copy_bw_GBs=round(bw / 1e9, 1),
+            decode_roofline_tok_s=round(roofline_tok_s, 1),
+            roofline_fraction=round(n * new_tokens / eng_s / roofline_tok_s, 3),
+            gpu=torch.cuda.get_device_name(),
+        )
     if hf is not None:
         ours_again = ours if args.rounds > 1 else None  # more rounds run the engine again
         del ours
@@ -412,11 +583,16 @@ def main(argv: list[str] | None = None) -> None:
         same = sum(a == b for a, b in zip(eng_out, hf_out))
         first_tok = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))
         result.update(hf_attn=getattr(hf.config, "_attn_implementation", None), hf_cache="dynamic")
-        result.update(hf_generate_s=round(hf_s, 3), hf_generate_tok_s=round(n * new_tokens / hf_s, 1),
-                      speedup=round(hf_s / eng_s, 2), hf_generate_cpu_s=round(run_hf.cpu_s, 3),
-                      speedup_cpu_time=round(run_hf.cpu_s / stats["cpu_s"], 2), identical_sequences=f"{same}/{n}",
-                      identical_first_token=f"{first_tok}/{n}",
-                      mean_common_prefix_tokens=mean_common_prefix(eng_out, hf_out))
+        result.update(
+            hf_generate_s=round(hf_s, 3),
+            hf_generate_tok_s=round(n * new_tokens / hf_s, 1),
+            speedup=round(hf_s / eng_s, 2),
+            hf_generate_cpu_s=round(run_hf.cpu_s, 3),
+            speedup_cpu_time=round(run_hf.cpu_s / stats["cpu_s"], 2),
+            identical_sequences=f"{same}/{n}",
+            identical_first_token=f"{first_tok}/{n}",
+            mean_common_prefix_tokens=mean_common_prefix(eng_out, hf_out),
+        )
         if device.startswith("cuda"):
             result["hf_peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if args.rounds > 1:
@@ -426,12 +602,14 @@ def main(argv: list[str] | None = None) -> None:
             ratios = [hf_s / eng_s]
             for _ in range(args.rounds - 1):
                 gc.collect()
-                s_, _, _ = run_engine(ours_again, cfg, prompts, new_tokens, device, args, mode, temperature, loop,
-                                      fused_proj)
+                s_, _, _ = run_engine(
+                    ours_again, cfg, prompts, new_tokens, device, args, mode, temperature, loop, fused_proj
+                )
                 h_, _ = run_hf(hf, prompts, new_tokens, device, sampling)
                 ratios.append(h_ / s_)
-            result.update(speedup_rounds=[round(r, 2) for r in ratios],
-                          speedup_median=round(sorted(ratios)[len(ratios) // 2], 2))
+            result.update(
+                speedup_rounds=[round(r, 2) for r in ratios], speedup_median=round(sorted(ratios)[len(ratios) // 2], 2)
+            )
     result.update(stamp())
     print(json.dumps(result))
 

@@ -18,12 +18,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.models.decoder import eager_rope  # noqa: E402
-from bench.stamp import stamp  # noqa: E402
+from areno.models.decoder import eager_rope
+from bench.stamp import stamp
 
 SHAPES = {  # rows, q heads, k heads, head dim
-    "demo-like 64 rows": (64, 4, 2, 8), "demo-like 256 rows": (256, 4, 2, 8),
-    "cpu20m 32 rows": (32, 8, 4, 32), "qwen0.5b 32 rows": (32, 14, 2, 64),
+    "demo-like 64 rows": (64, 4, 2, 8),
+    "demo-like 256 rows": (256, 4, 2, 8),
+    "cpu20m 32 rows": (32, 8, 4, 32),
+    "qwen0.5b 32 rows": (32, 14, 2, 64),
 }
 
 

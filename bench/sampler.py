@@ -44,7 +44,7 @@ def baseline_draw(race_BV: torch.Tensor, seed_B: torch.Tensor, counter_B: torch.
     key_B = torch.where(key_B >= 1 << 31, key_B - (1 << 32), key_B).to(torch.int32)
     idx_V = torch.arange(V, device=race_BV.device, dtype=torch.int32)
     h_BV = _mix32_i32(key_B[:, None] + idx_V[None, :] * (0x9E3779B1 - (1 << 32)))
-    u_BV = (((h_BV >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0 ** -23)
+    u_BV = (((h_BV >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0**-23)
     noise_BV = -torch.log(u_BV)
     return (race_BV - noise_BV.clamp_min_(torch.finfo(torch.float32).tiny).log_()).argmax(dim=-1)
 
@@ -83,9 +83,21 @@ def main(argv: list[str] | None = None) -> int:
             counter = torch.full((B,), 7, device=args.device)
             base = time_ms(lambda: baseline_draw(race, seed, counter), args.device, iters)
             new = time_ms(lambda: engine_draw(race, seed, counter), args.device, iters)
-            print(json.dumps({"bench": "sampler", "device": args.device, "rows": B, "vocab": V,
-                              "baseline_race_ms": round(base, 3), "inverse_cdf_ms": round(new, 3),
-                              "speedup": round(base / new, 2), **stamp()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "sampler",
+                        "device": args.device,
+                        "rows": B,
+                        "vocab": V,
+                        "baseline_race_ms": round(base, 3),
+                        "inverse_cdf_ms": round(new, 3),
+                        "speedup": round(base / new, 2),
+                        **stamp(),
+                    }
+                ),
+                flush=True,
+            )
     return 0
 
 

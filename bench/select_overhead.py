@@ -3,15 +3,24 @@ backend does before every micro-batch): 64 sequences of 128-512 tokens, 4 micro-
 
     python bench/select_overhead.py 1      # torch intra-op threads
 """
-import time, torch, random, sys
-sys.path.insert(0, '.')
+
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
 from areno.api.types import TokenBatch, Trajectory
+
 torch.set_num_threads(int(sys.argv[1]))
 rng = random.Random(0)
 trajs = []
 for i in range(64):
     n = rng.randint(64, 448)
-    trajs.append(Trajectory(prompt_ids=[1] * 64, completion_ids=[2] * n, logprobs=[0.0] * n, versions=[0] * n, reward=1.0))
+    trajs.append(
+        Trajectory(prompt_ids=[1] * 64, completion_ids=[2] * n, logprobs=[0.0] * n, versions=[0] * n, reward=1.0)
+    )
 b = TokenBatch.from_trajectories(trajs)
 b.extra["prox_logprobs_T"] = torch.zeros(b.num_tokens)
 b.extra["policy_version_B"] = torch.zeros(b.num_seqs, dtype=torch.long)

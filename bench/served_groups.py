@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     cfg = tiny_config(64, hidden_size=args.hidden, layers=args.layers, heads=4, kv_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
-    engine = RolloutEngine(Decoder(cfg).eval(), cfg, config=RolloutEngineConfig(num_blocks=4096, block_size=16),
-                           eos_token_ids=(2,))
+    engine = RolloutEngine(
+        Decoder(cfg).eval(), cfg, config=RolloutEngineConfig(num_blocks=4096, block_size=16), eos_token_ids=(2,)
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -57,14 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[5 + (i % 50)] * 20 for i in range(args.prompts)]
 
     def group(i: int) -> list[SamplingParams]:
-        return [SamplingParams(temperature=1.0, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                               seed=args.samples * i + j) for j in range(args.samples)]
+        return [
+            SamplingParams(
+                temperature=1.0, max_new_tokens=args.tokens, min_new_tokens=args.tokens, seed=args.samples * i + j
+            )
+            for j in range(args.samples)
+        ]
 
     async def run() -> dict:
         client = HTTPRolloutClient(f"http://127.0.0.1:{port}")
         ways = {
-            "per_sample": lambda: asyncio.gather(*[client.agenerate(pr, sp) for i, pr in enumerate(prompts)
-                                                   for sp in group(i)]),
+            "per_sample": lambda: asyncio.gather(
+                *[client.agenerate(pr, sp) for i, pr in enumerate(prompts) for sp in group(i)]
+            ),
             "per_group": lambda: asyncio.gather(*[client.agenerate_many(pr, group(i)) for i, pr in enumerate(prompts)]),
         }
         for way in ways.values():  # warm-up
@@ -75,16 +81,31 @@ def main(argv: list[str] | None = None) -> int:
                 s0, t0 = engine.stats(), time.perf_counter()
                 await way()
                 wall, s1 = time.perf_counter() - t0, engine.stats()
-                out[name].append({"wall_s": round(wall, 3), "engine_steps": s1["steps"] - s0["steps"],
-                                  "prefix_hit_rate": round(s1["prefix_hit_rate"], 3)})
+                out[name].append(
+                    {
+                        "wall_s": round(wall, 3),
+                        "engine_steps": s1["steps"] - s0["steps"],
+                        "prefix_hit_rate": round(s1["prefix_hit_rate"], 3),
+                    }
+                )
         await client.aclose()
         return out
 
     rounds = asyncio.run(run())
     server.should_exit = True
     ratio = [a["wall_s"] / b["wall_s"] for a, b in zip(rounds["per_sample"], rounds["per_group"])]
-    print(json.dumps({"bench": "served_groups", "config": vars(args), "torch": torch.__version__, "rounds": rounds,
-                      "per_sample_over_per_group_wall": [round(r, 2) for r in ratio]}, indent=1))
+    print(
+        json.dumps(
+            {
+                "bench": "served_groups",
+                "config": vars(args),
+                "torch": torch.__version__,
+                "rounds": rounds,
+                "per_sample_over_per_group_wall": [round(r, 2) for r in ratio],
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -16,8 +16,13 @@ def git_commit() -> str:
     if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         out = ""
     return out or "unknown"

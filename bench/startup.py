@@ -24,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.stamp import stamp  # noqa: E402
+from bench.stamp import stamp
 
 ENTRY_POINTS = {
     "torch": "import torch",
     "cli": "import areno.cli, areno.api.trainer, areno.engine.api; from transformers import AutoTokenizer",
     "worker": "import areno.launch.worker, areno.engine.partitioned, areno.rollout.server; "
-              "from transformers import AutoTokenizer",
+    "from transformers import AutoTokenizer",
 }
 
 
@@ -49,14 +49,20 @@ def time_import(code: str, tree: Path) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--baseline-tree", type=Path, default=None,
-                    help="an exported checkout (git archive) timed interleaved with this one")
+    ap.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="an exported checkout (git archive) timed interleaved with this one",
+    )
     args = ap.parse_args(argv)
     trees = {"this": Path(__file__).resolve().parents[1]}
     if args.baseline_tree is not None:
         if not (args.baseline_tree / "areno" / "__init__.py").exists():
-            raise SystemExit(f"--baseline-tree {args.baseline_tree}: no areno/__init__.py there; "
-                             "export a checkout with `git archive REV | tar -x -C DIR`")
+            raise SystemExit(
+                f"--baseline-tree {args.baseline_tree}: no areno/__init__.py there; "
+                "export a checkout with `git archive REV | tar -x -C DIR`"
+            )
         trees["baseline"] = args.baseline_tree.resolve()
     times: dict[str, dict[str, list[float]]] = {t: {e: [] for e in ENTRY_POINTS} for t in trees}
     for _ in range(args.rounds):  # interleaved: a noisy machine slows every entry of a round alike
@@ -66,11 +72,18 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"bench": "startup", "rounds": args.rounds, "cpus": os.cpu_count(), **stamp()}
     for tree_name in trees:
         med = {e: statistics.median(v) for e, v in times[tree_name].items()}
-        result[tree_name] = {e: {"median_s": round(m, 3), "ratio_to_torch": round(m / med["torch"], 2),
-                                 "runs_s": [round(x, 3) for x in times[tree_name][e]]} for e, m in med.items()}
+        result[tree_name] = {
+            e: {
+                "median_s": round(m, 3),
+                "ratio_to_torch": round(m / med["torch"], 2),
+                "runs_s": [round(x, 3) for x in times[tree_name][e]],
+            }
+            for e, m in med.items()
+        }
     if "baseline" in trees:
-        result["speedup_vs_baseline"] = {e: round(result["baseline"][e]["median_s"] / result["this"][e]["median_s"], 2)
-                                         for e in ENTRY_POINTS}
+        result["speedup_vs_baseline"] = {
+            e: round(result["baseline"][e]["median_s"] / result["this"][e]["median_s"], 2) for e in ENTRY_POINTS
+        }
     print(json.dumps(result, indent=1))
 
 

@@ -50,9 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.sync.base import NamedTensorSource, StagedReceiver, TensorEngine  # noqa: E402
-from areno.sync.inplace import InPlaceTransport  # noqa: E402
-from areno.sync.plan import shard_specs_from_tp_plan  # noqa: E402
+from areno.sync.base import NamedTensorSource, StagedReceiver, TensorEngine
+from areno.sync.inplace import InPlaceTransport
+from areno.sync.plan import shard_specs_from_tp_plan
 
 TP_PLAN = {
     "model.layers.*.self_attn.[qkv]_proj.*": "colwise",
@@ -76,13 +76,18 @@ def qwen2_shapes(hidden, layers, inter, heads, kv_heads, vocab, tied) -> dict[st
     for i in range(layers):
         p = f"model.layers.{i}."
         s |= {
-            p + "self_attn.q_proj.weight": (heads * hd, hidden), p + "self_attn.q_proj.bias": (heads * hd,),
-            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden), p + "self_attn.k_proj.bias": (kv_heads * hd,),
-            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden), p + "self_attn.v_proj.bias": (kv_heads * hd,),
+            p + "self_attn.q_proj.weight": (heads * hd, hidden),
+            p + "self_attn.q_proj.bias": (heads * hd,),
+            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.k_proj.bias": (kv_heads * hd,),
+            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.v_proj.bias": (kv_heads * hd,),
             p + "self_attn.o_proj.weight": (hidden, heads * hd),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
         }
     s["model.norm.weight"] = (hidden,)
     if not tied:
@@ -119,8 +124,12 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if gpu else torch.float32
     shapes = qwen2_shapes(**SHAPES[opts["shape"]])
-    topo = StreamTopology(train_ranks=train, sender_ranks=train, rollout_ranks=rollout,
-                          devices={r: f"gpu{gpu_of[r]}" if gpu else f"cpu{r}" for r in range(world)})
+    topo = StreamTopology(
+        train_ranks=train,
+        sender_ranks=train,
+        rollout_ranks=rollout,
+        devices={r: f"gpu{gpu_of[r]}" if gpu else f"cpu{r}" for r in range(world)},
+    )
     source = None
     receivers = dict.fromkeys(commits)
     if rank in train:
@@ -131,13 +140,28 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         meta = [(n, s, dtype) for n, s in shapes.items()]
         specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - n_train, tp_size=len(rollout))
         for commit in commits:
-            engine = TensorEngine({n: torch.zeros(sp.local_shape, dtype=dtype, device=device)
-                                   for n, sp in specs.items()})
+            engine = TensorEngine(
+                {n: torch.zeros(sp.local_shape, dtype=dtype, device=device) for n, sp in specs.items()}
+            )
             receivers[commit] = engine_receiver(engine, specs, commit=COMMITS[commit])
-    cfg = StreamSyncConfig(bucket_bytes=opts["bucket_bytes"], timeout_s=300, direct_bytes=opts["direct_bytes"],
-                           fanout_all=opts["fanout_all"])
-    transports = {c: StreamTransport(topology=topo, config=cfg, source=source, receiver=receivers[c], device=device,
-                                     backend="nccl" if gpu else None, tag=f"bench-{c}") for c in commits}
+    cfg = StreamSyncConfig(
+        bucket_bytes=opts["bucket_bytes"],
+        timeout_s=300,
+        direct_bytes=opts["direct_bytes"],
+        fanout_all=opts["fanout_all"],
+    )
+    transports = {
+        c: StreamTransport(
+            topology=topo,
+            config=cfg,
+            source=source,
+            receiver=receivers[c],
+            device=device,
+            backend="nccl" if gpu else None,
+            tag=f"bench-{c}",
+        )
+        for c in commits
+    }
     transport = transports[commits[0]]  # raw baseline: the same process groups as the first
 
     def slowest(values: list[float]) -> list[float]:
@@ -150,8 +174,16 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         t.sync(0)  # warm-up: allocates buffers (and staging), creates communicators
     transport.raw_transfer()
     raw_s: list[float] = []
-    per = {c: {"sync_s": [], "paused_s": [], "transfer_s": [], "ratios": [],
-               "phases": {f"{role}_{p}": [] for role in ("train", "rollout") for p in phase_names}} for c in commits}
+    per = {
+        c: {
+            "sync_s": [],
+            "paused_s": [],
+            "transfer_s": [],
+            "ratios": [],
+            "phases": {f"{role}_{p}": [] for role in ("train", "rollout") for p in phase_names},
+        }
+        for c in commits
+    }
     version = 0
     profiler = None
     if opts.get("profile_rank") == rank:
@@ -176,8 +208,14 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
                 ph = [transports[which].last_phases[p] for p in phase_names]
                 role = [ph if rank in train else [0.0] * len(ph), ph if rank in rollout else [0.0] * len(ph)]
                 total, transfer, paused, *per_role = slowest(
-                    [stats.total_time_s, stats.transfer_time_s, stats.as_metrics()["policy_sync_generation_paused_s"]
-                     if rank in rollout else 0.0, *role[0], *role[1]])
+                    [
+                        stats.total_time_s,
+                        stats.transfer_time_s,
+                        stats.as_metrics()["policy_sync_generation_paused_s"] if rank in rollout else 0.0,
+                        *role[0],
+                        *role[1],
+                    ]
+                )
                 block_sync[which].append(total)
                 per[which]["transfer_s"].append(transfer)
                 per[which]["paused_s"].append(paused)
@@ -195,19 +233,27 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)
         stats.sort_stats("tottime").print_stats(15)
-        print(f"--- cProfile of rank {rank} (syncs and raw transfers), by own time ---\n{text.getvalue()}",
-              file=sys.stderr)
+        print(
+            f"--- cProfile of rank {rank} (syncs and raw transfers), by own time ---\n{text.getvalue()}",
+            file=sys.stderr,
+        )
         # Python-level copy calls per sync (the raw transfers make none): each is one dispatch
         # (and, on GPU, at least one kernel launch) the host issues.
         calls: dict[str, int] = {}
         for (_, _, func), (_, ncalls, *_rest) in stats.stats.items():  # type: ignore[attr-defined]
             for key in ("copy_", "_foreach_copy_", "write_rows", "view", "narrow"):
-                if func in (key, f"<method '{key}' of 'torch._C.TensorBase' objects>",
-                            f"<built-in method torch.{key}>"):
+                if func in (
+                    key,
+                    f"<method '{key}' of 'torch._C.TensorBase' objects>",
+                    f"<built-in method torch.{key}>",
+                ):
                     calls[key] = calls.get(key, 0) + ncalls
         n_syncs = opts["repeats"] * opts["iters"] * len(commits)
-        Path(out, "profile.json").write_text(json.dumps(
-            {"rank": rank, "syncs": n_syncs, "calls_per_sync": {k: v / n_syncs for k, v in sorted(calls.items())}}))
+        Path(out, "profile.json").write_text(
+            json.dumps(
+                {"rank": rank, "syncs": n_syncs, "calls_per_sync": {k: v / n_syncs for k, v in sorted(calls.items())}}
+            )
+        )
     dist.barrier()  # the profiled rank has written its counts
     if rank == 0:
         nbytes = transport.plan.total_bytes
@@ -217,7 +263,8 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
             sync_s = per[c]["sync_s"]
             sync_med = statistics.median(sync_s)
             by_commit[c] = {
-                "sync_s_median": sync_med, "sync_gbps": nbytes / sync_med / 1e9,
+                "sync_s_median": sync_med,
+                "sync_gbps": nbytes / sync_med / 1e9,
                 "ratio_sync_over_raw": raw_med / sync_med,
                 "ratio_best_of": min(raw_s) / min(sync_s),
                 "ratio_per_repeat": per[c]["ratios"],
@@ -230,15 +277,23 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
         result = {
             "mode": "gpu-stream" if gpu else "cpu",
             "topology": f"train DP {n_train} -> rollout TP {len(rollout)} ({'nccl' if gpu else 'gloo'}, {world} processes"
-                        + (", overlapping GPUs" if gpu and opts["overlap"] else "") + ")",
-            "shape": opts["shape"], "dtype": str(dtype).removeprefix("torch."),
-            "bytes": nbytes, "sync_wire_bytes": transport.wire_bytes,
+            + (", overlapping GPUs" if gpu and opts["overlap"] else "")
+            + ")",
+            "shape": opts["shape"],
+            "dtype": str(dtype).removeprefix("torch."),
+            "bytes": nbytes,
+            "sync_wire_bytes": transport.wire_bytes,
             "raw_wire_bytes": nbytes * (2 if len(rollout) > 1 else 1),
-            "tensors": transport.plan.num_tensors, "buckets": len(transport.plan.buckets),
-            "bucket_bytes": opts["bucket_bytes"], "direct_bytes": opts["direct_bytes"] or opts["bucket_bytes"] // 4,
-            "vote_backend": transport.vote_backend, "fanout_all": opts["fanout_all"],
-            "iters": opts["iters"], "repeats": opts["repeats"],
-            "raw_s_median": raw_med, "raw_gbps": nbytes / raw_med / 1e9,
+            "tensors": transport.plan.num_tensors,
+            "buckets": len(transport.plan.buckets),
+            "bucket_bytes": opts["bucket_bytes"],
+            "direct_bytes": opts["direct_bytes"] or opts["bucket_bytes"] // 4,
+            "vote_backend": transport.vote_backend,
+            "fanout_all": opts["fanout_all"],
+            "iters": opts["iters"],
+            "repeats": opts["repeats"],
+            "raw_s_median": raw_med,
+            "raw_gbps": nbytes / raw_med / 1e9,
             "ratio_sync_over_raw_by_commit": {c: by_commit[c]["ratio_sync_over_raw"] for c in commits},
             "generation_paused_s_median_by_commit": {c: by_commit[c]["generation_paused_s_median"] for c in commits},
             "raw_s_all": raw_s,
@@ -342,8 +397,13 @@ def bench_host_copies(shape: str, bucket_bytes: int, tp: int, iters: int, device
         flat_dst.copy_(flat)
 
     out: dict[str, float] = {}
-    for name, fn in (("pack_old", pack_old), ("pack_new", pack_new), ("stage_old", stage_old),
-                     ("stage_new", stage_new), ("flat_copy", flat_copy)):
+    for name, fn in (
+        ("pack_old", pack_old),
+        ("pack_new", pack_new),
+        ("stage_old", stage_old),
+        ("stage_new", stage_new),
+        ("flat_copy", flat_copy),
+    ):
         fn()  # warm-up (builds the cached views)
         runs = [timed(fn) for _ in range(iters)]
         out[f"{name}_ms_median"] = 1e3 * statistics.median(h for h, _ in runs)
@@ -351,9 +411,17 @@ def bench_host_copies(shape: str, bucket_bytes: int, tp: int, iters: int, device
             out[f"{name}_device_ms_median"] = 1e3 * statistics.median(d for _, d in runs)
     items = sum(len(b.items) for b in packed)
     return {
-        "mode": "host-copies", "device": str(dev), "shape": shape, "rollout_tp": tp,
-        "tensors": len(meta), "buckets": len(plan.buckets), "packed_buckets": len(packed), "packed_items": items,
-        "bucket_bytes": bucket_bytes, "packed_bytes": flat.numel(), **out,
+        "mode": "host-copies",
+        "device": str(dev),
+        "shape": shape,
+        "rollout_tp": tp,
+        "tensors": len(meta),
+        "buckets": len(plan.buckets),
+        "packed_buckets": len(packed),
+        "packed_items": items,
+        "bucket_bytes": bucket_bytes,
+        "packed_bytes": flat.numel(),
+        **out,
         "copy_calls_per_sync_old": {"pack": items, "stage": items},
         "copy_calls_per_sync_new": {"pack": len(packed), "stage": len(packed)},
     }
@@ -393,7 +461,8 @@ def bench_gpu_colocated(shape_names: list[str], iters: int, device: str) -> dict
         raw_s = [raw() for _ in range(iters)]
         params = sum(t.numel() for t in engine.values())
         results["shapes"][name] = {
-            "params": params, "engine_bytes_bf16": nbytes,
+            "params": params,
+            "engine_bytes_bf16": nbytes,
             "inplace_cast_fp32_to_bf16_ms_median": 1e3 * statistics.median(cast_s),
             "inplace_aliased_ms_median": 1e3 * statistics.median(alias_s),
             "raw_flat_copy_same_bytes_ms_median": 1e3 * statistics.median(raw_s),
@@ -411,45 +480,90 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["cpu", "gpu-colocated", "gpu-stream", "host-copies"], default="cpu")
     ap.add_argument("--gpus", type=int, default=4, help="gpu-stream: GPUs used (--train-dp train, the rest rollout TP)")
     ap.add_argument("--train-dp", type=int, default=2, help="stream modes: training (sending) ranks")
-    ap.add_argument("--overlap", action="store_true",
-                    help="gpu-stream: rollout TP 2 on the two training GPUs (4 processes on 2 GPUs)")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="gpu-stream: rollout TP 2 on the two training GPUs (4 processes on 2 GPUs)",
+    )
     ap.add_argument("--bucket-mb", type=int, default=32, help="bucket size for the stream modes")
     ap.add_argument("--iters", type=int, default=9, help="stream modes: sync/raw pairs per repeat")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="stream modes: blocks of --iters pairs; the ratio is also reported per block (median)")
-    ap.add_argument("--direct-mb", type=float, default=None,
-                    help="stream modes: chunks of at least this many MiB travel unpacked (default: a quarter bucket)")
-    ap.add_argument("--fanout-all", action="store_true",
-                    help="stream modes: fan out every bucket, even those only the relay keeps (same wire bytes as raw)")
-    ap.add_argument("--profile-rank", type=int, default=None,
-                    help="stream modes: cProfile this rank's loop and print its top functions to stderr")
-    ap.add_argument("--commit", choices=["swap", "copy", "inplace", "all"], default=None,
-                    help="stream modes: the receiver's commit: storage swap (an eager engine; cpu default), copy "
-                         "from staging into live tensors (an engine under CUDA graphs), inplace (received straight "
-                         "into the paused engine's tensors) or all three side by side (gpu-stream default)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="stream modes: blocks of --iters pairs; the ratio is also reported per block (median)",
+    )
+    ap.add_argument(
+        "--direct-mb",
+        type=float,
+        default=None,
+        help="stream modes: chunks of at least this many MiB travel unpacked (default: a quarter bucket)",
+    )
+    ap.add_argument(
+        "--fanout-all",
+        action="store_true",
+        help="stream modes: fan out every bucket, even those only the relay keeps (same wire bytes as raw)",
+    )
+    ap.add_argument(
+        "--profile-rank",
+        type=int,
+        default=None,
+        help="stream modes: cProfile this rank's loop and print its top functions to stderr",
+    )
+    ap.add_argument(
+        "--commit",
+        choices=["swap", "copy", "inplace", "all"],
+        default=None,
+        help="stream modes: the receiver's commit: storage swap (an eager engine; cpu default), copy "
+        "from staging into live tensors (an engine under CUDA graphs), inplace (received straight "
+        "into the paused engine's tensors) or all three side by side (gpu-stream default)",
+    )
     ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b (cpu: a small one)")
-    ap.add_argument("--device", default="cuda",
-                    help="gpu-colocated device (cpu for a smoke run); host-copies: cuda or meta (dispatch only)")
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        help="gpu-colocated device (cpu for a smoke run); host-copies: cuda or meta (dispatch only)",
+    )
     ap.add_argument("--tp", type=int, default=1, help="host-copies: rollout TP size of the staging side")
     args = ap.parse_args(argv)
     commit = args.commit or ("swap" if args.mode == "cpu" else "all")
     commits = ["copy", "swap", "inplace"] if commit == "all" else [commit]
-    stream_opts = dict(repeats=args.repeats, commits=commits, profile_rank=args.profile_rank,
-                       fanout_all=args.fanout_all,
-                       direct_bytes=int(args.direct_mb * (1 << 20)) if args.direct_mb is not None else None)
+    stream_opts = dict(
+        repeats=args.repeats,
+        commits=commits,
+        profile_rank=args.profile_rank,
+        fanout_all=args.fanout_all,
+        direct_bytes=int(args.direct_mb * (1 << 20)) if args.direct_mb is not None else None,
+    )
     load = os.getloadavg()
     t0 = time.perf_counter()
     if args.mode == "cpu":
-        opts = dict(gpu=False, overlap=False, shape="cpu", bucket_bytes=args.bucket_mb << 20, iters=args.iters,
-                    train_dp=args.train_dp, **stream_opts)
+        opts = dict(
+            gpu=False,
+            overlap=False,
+            shape="cpu",
+            bucket_bytes=args.bucket_mb << 20,
+            iters=args.iters,
+            train_dp=args.train_dp,
+            **stream_opts,
+        )
         result = bench_stream(args.train_dp + 2, opts)
     elif args.mode == "gpu-stream":
         n = args.train_dp
         if n < 1 or args.gpus < n or (not args.overlap and args.gpus < n + 1):
-            raise SystemExit(f"--mode gpu-stream needs --gpus >= {n + 1} ({n} train + rollout), or >= {n} with --overlap")
+            raise SystemExit(
+                f"--mode gpu-stream needs --gpus >= {n + 1} ({n} train + rollout), or >= {n} with --overlap"
+            )
         world = n + (n if args.overlap else args.gpus - n)
-        opts = dict(gpu=True, overlap=args.overlap, shape=args.shapes.split(",")[-1],
-                    bucket_bytes=args.bucket_mb << 20, iters=args.iters, train_dp=n, **stream_opts)
+        opts = dict(
+            gpu=True,
+            overlap=args.overlap,
+            shape=args.shapes.split(",")[-1],
+            bucket_bytes=args.bucket_mb << 20,
+            iters=args.iters,
+            train_dp=n,
+            **stream_opts,
+        )
         result = bench_stream(world, opts)
     elif args.mode == "host-copies":
         result = bench_host_copies(args.shapes.split(",")[-1], args.bucket_mb << 20, args.tp, args.iters, args.device)

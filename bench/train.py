@@ -48,26 +48,41 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.api.types import TokenBatch  # noqa: E402
-from areno.data.tokenizer import build_char_tokenizer  # noqa: E402
-from areno.models import decoder as decoder_module  # noqa: E402
-from areno.models.config import ModelConfig  # noqa: E402
-from areno.models.hf_io import init_model_dir, tiny_config  # noqa: E402
-from areno.models.logprobs import packed_logprobs  # noqa: E402
-from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig  # noqa: E402
+from areno.api.types import TokenBatch
+from areno.data.tokenizer import build_char_tokenizer
+from areno.models import decoder as decoder_module
+from areno.models.config import ModelConfig
+from areno.models.hf_io import init_model_dir, tiny_config
+from areno.models.logprobs import packed_logprobs
+from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig
 
 H200_PEAK_BF16 = 989e12
 
 QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-    "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
-    "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "torch_dtype": "bfloat16",
 }
 QWEN25_15B = {
-    **QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-    "num_attention_heads": 12, "num_key_value_heads": 2,
+    **QWEN25_05B,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
 }
 SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B}
 
@@ -87,9 +102,13 @@ def make_batch(lengths: list[int], vocab: int, seed: int, pad_to: int | None = N
         cu.append(cu[-1] + total)
     T = cu[-1]
     return TokenBatch(
-        input_ids_T=torch.cat(ids), cu_seqlens_B1=torch.tensor(cu), loss_mask_T=torch.cat(mask),
-        logprobs_T=torch.zeros(T), versions_T=torch.zeros(T, dtype=torch.long),
-        advantages_T=torch.zeros(T), rewards_B=torch.zeros(len(lengths)),
+        input_ids_T=torch.cat(ids),
+        cu_seqlens_B1=torch.tensor(cu),
+        loss_mask_T=torch.cat(mask),
+        logprobs_T=torch.zeros(T),
+        versions_T=torch.zeros(T, dtype=torch.long),
+        advantages_T=torch.zeros(T),
+        rewards_B=torch.zeros(len(lengths)),
     )
 
 
@@ -165,6 +184,7 @@ def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, host_
 
 def time_steps(backend, batches: list[TokenBatch], warmup: int, device: str) -> tuple[float, list[dict]]:
     """Seconds for the timed steps (after ``warmup`` untimed ones) and their metrics."""
+
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
@@ -174,8 +194,9 @@ def time_steps(backend, batches: list[TokenBatch], warmup: int, device: str) -> 
         if i == warmup:
             sync()
             t0 = time.perf_counter()
-        metrics.append(backend.train_step(batch, forward_fn=_nll_forward, loss_fn=_nll_loss,
-                                          denominator_fn=_denominator))
+        metrics.append(
+            backend.train_step(batch, forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
+        )
     sync()
     return time.perf_counter() - t0, metrics[warmup:]
 
@@ -196,8 +217,10 @@ def parse_variant(name: str) -> tuple[bool, str, bool, str]:
     attns = [e for e in extra if e != VARIANT_NO_HOST_OPTS]
     attn = attns[0] if len(attns) == 1 else "flex" if not attns else ""
     if base not in VARIANT_BASES or attn not in VARIANT_ATTN:
-        raise ValueError(f"--variants: {name!r} is not one of {VARIANT_BASES} "
-                         f"with an optional +{'/+'.join(VARIANT_ATTN)} and an optional +{VARIANT_NO_HOST_OPTS}")
+        raise ValueError(
+            f"--variants: {name!r} is not one of {VARIANT_BASES} "
+            f"with an optional +{'/+'.join(VARIANT_ATTN)} and an optional +{VARIANT_NO_HOST_OPTS}"
+        )
     return base != "eager", attn, host_opts, "model" if base == "compilemodel" else "layers"
 
 
@@ -211,8 +234,9 @@ def profile_step(backend, batch: TokenBatch) -> dict:
     """Where one training step's time goes (``bench/profiling.py``)."""
     from bench.profiling import profile_cuda
 
-    return profile_cuda(lambda: backend.train_step(batch, forward_fn=_nll_forward, loss_fn=_nll_loss,
-                                                   denominator_fn=_denominator))
+    return profile_cuda(
+        lambda: backend.train_step(batch, forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
+    )
 
 
 def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> list[dict]:
@@ -221,14 +245,17 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
     tok = build_char_tokenizer()
     model_dir = init_model_dir(workdir / name, config, tok, seed=0)
     rng = random.Random(0)
-    batches = [make_batch(packable_lengths(args.mbs_per_step, args.mb_tokens, rng), config.vocab_size, s)
-               for s in range(args.warmup + args.steps)]
+    batches = [
+        make_batch(packable_lengths(args.mbs_per_step, args.mb_tokens, rng), config.vocab_size, s)
+        for s in range(args.warmup + args.steps)
+    ]
     results = []
     for i, variant in enumerate(args.variants):
         # A failing variant (e.g. a compiler error) is recorded and the run goes on to the next one.
         try:
-            results.append(gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops,
-                                           profile=args.profile))
+            results.append(
+                gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops, profile=args.profile)
+            )
         except Exception as e:  # noqa: BLE001
             results.append({"model": name, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             gc.collect()
@@ -246,29 +273,46 @@ def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflo
     torch._dynamo.reset()  # each variant compiles for itself: first_step_s and dynamo_graphs are its own
     torch.cuda.reset_peak_memory_stats()
     graphs_before = dynamo_graphs()
-    backend = build_backend(model_dir, "cuda", args.backend, args.mb_tokens,
-                            activation_checkpointing=args.ac, compile=compile_, compile_scope=scope,
-                            host_optimizations=host_opts)
+    backend = build_backend(
+        model_dir,
+        "cuda",
+        args.backend,
+        args.mb_tokens,
+        activation_checkpointing=args.ac,
+        compile=compile_,
+        compile_scope=scope,
+        host_optimizations=host_opts,
+    )
     t0 = time.perf_counter()
     backend.train_step(batches[0], forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
     torch.cuda.synchronize()
     first_step_s = time.perf_counter() - t0  # includes compilation for the compiled variants
     seconds, metrics = time_steps(backend, batches[1:], args.warmup - 1, "cuda")
-    timed = batches[args.warmup:]
+    timed = batches[args.warmup :]
     tokens = sum(b.num_tokens for b in timed)
     fpt = sum(flops_per_token(config, b) * b.num_tokens for b in timed) / tokens
     achieved = fpt * tokens / seconds
     result = {
-        "model": name, "variant": variant, "attention": attn, "backend": args.backend, "host_optimizations": host_opts,
+        "model": name,
+        "variant": variant,
+        "attention": attn,
+        "backend": args.backend,
+        "host_optimizations": host_opts,
         "params_M": round(sum(p.numel() for p in backend.model.parameters()) / 1e6, 1),
-        "mb_tokens": args.mb_tokens, "mbs_per_step": int(metrics[-1]["mbs"]), "steps": args.steps,
-        "tokens_per_s": round(tokens / seconds), "step_s": round(seconds / args.steps, 4),
+        "mb_tokens": args.mb_tokens,
+        "mbs_per_step": int(metrics[-1]["mbs"]),
+        "steps": args.steps,
+        "tokens_per_s": round(tokens / seconds),
+        "step_s": round(seconds / args.steps, 4),
         "model_tflops_per_s": round(achieved / 1e12, 1),
         "mfu_vs_datasheet": round(achieved / H200_PEAK_BF16, 4),
         "mfu_vs_measured_matmul": round(achieved / (matmul_tflops * 1e12), 4),
         "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "activation_checkpointing": args.ac, "compile": compile_, "compile_scope": scope if compile_ else None,
-        "first_step_s": round(first_step_s, 2), "dynamo_graphs": dynamo_graphs() - graphs_before,
+        "activation_checkpointing": args.ac,
+        "compile": compile_,
+        "compile_scope": scope if compile_ else None,
+        "first_step_s": round(first_step_s, 2),
+        "dynamo_graphs": dynamo_graphs() - graphs_before,
         "final_loss": round(metrics[-1]["loss"], 4),
     }
     if profile:
@@ -293,7 +337,7 @@ def cpu_run(args, workdir: Path) -> dict:
     backend = build_backend(model_dir, "cpu", "local", 512)
     batches = [make_batch(packable_lengths(4, 512, rng), config.vocab_size, s) for s in range(args.warmup + args.steps)]
     seconds, _ = time_steps(backend, batches, args.warmup, "cpu")
-    out["packed_512_tokens_per_s"] = round(sum(b.num_tokens for b in batches[args.warmup:]) / seconds)
+    out["packed_512_tokens_per_s"] = round(sum(b.num_tokens for b in batches[args.warmup :]) / seconds)
     # length-skewed batch: most sequences short, a few long
     skew = [rng.choice([24, 32, 48, 64]) for _ in range(60)] + [512, 480, 400, 300]
     real_tokens = sum(skew)
@@ -303,11 +347,17 @@ def cpu_run(args, workdir: Path) -> dict:
     for label, data, budget in (("packed", packed, 1024), ("padded", padded, 1024)):
         backend = build_backend(model_dir, "cpu", "local", budget)
         seconds, metrics = time_steps(backend, data, args.warmup, "cpu")
-        res[label] = {"real_tokens_per_s": round(real_tokens * args.steps / seconds),
-                      "computed_tokens_per_step": data[0].num_tokens, "mbs": int(metrics[-1]["mbs"]),
-                      "loss": round(metrics[-1]["loss"], 4)}
-    out["skewed_batch"] = {"lengths": f"60 of 24-64 + [512, 480, 400, 300] ({real_tokens} real tokens)", **res,
-                           "packed_speedup": round(res["packed"]["real_tokens_per_s"] / res["padded"]["real_tokens_per_s"], 2)}
+        res[label] = {
+            "real_tokens_per_s": round(real_tokens * args.steps / seconds),
+            "computed_tokens_per_step": data[0].num_tokens,
+            "mbs": int(metrics[-1]["mbs"]),
+            "loss": round(metrics[-1]["loss"], 4),
+        }
+    out["skewed_batch"] = {
+        "lengths": f"60 of 24-64 + [512, 480, 400, 300] ({real_tokens} real tokens)",
+        **res,
+        "packed_speedup": round(res["packed"]["real_tokens_per_s"] / res["padded"]["real_tokens_per_s"], 2),
+    }
     return out
 
 
@@ -322,12 +372,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="short for --variants eager compile")
-    p.add_argument("--variants", nargs="+", default=None,
-                   help="eager | compile | compilemodel, optionally +flex / +varlen (CUDA attention) and +nohostopts (the "
-                        "backend's host-side step optimisations off); default: eager")
-    p.add_argument("--profile", action="store_true", help="after timing, profile one step of every variant (wall vs kernel time, top kernels, host ops)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU intra-op threads (1: on a shared machine more threads contend)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="eager | compile | compilemodel, optionally +flex / +varlen (CUDA attention) and +nohostopts (the "
+        "backend's host-side step optimisations off); default: eager",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, profile one step of every variant (wall vs kernel time, top kernels, host ops)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="CPU intra-op threads (1: on a shared machine more threads contend)"
+    )
     args = p.parse_args(argv)
     if args.variants is None:
         args.variants = ["eager", "compile"] if args.compile else ["eager"]
@@ -346,8 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         if device == "cuda":
             report["matmul_bf16_tflops_measured"] = round(measured_matmul_tflops("cuda"), 1)
             report["datasheet_bf16_tflops"] = H200_PEAK_BF16 / 1e12
-            report["runs"] = [r for m in args.models
-                              for r in gpu_run(m, SHAPES[m], args, Path(tmp), report["matmul_bf16_tflops_measured"])]
+            report["runs"] = [
+                r
+                for m in args.models
+                for r in gpu_run(m, SHAPES[m], args, Path(tmp), report["matmul_bf16_tflops_measured"])
+            ]
         else:
             report["cpu"] = cpu_run(args, Path(tmp))
     print(json.dumps(report, indent=2))

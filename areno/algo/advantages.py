@@ -30,17 +30,13 @@ def _group_stats(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.T
     """Per-group (count_G, sum_G, sumsq_G) by scatter-add."""
     num_groups = int(group_B.max().item()) + 1 if group_B.numel() else 0
     values_B = values_B.to(torch.float64)
-    count_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(
-        0, group_B, torch.ones_like(values_B)
-    )
+    count_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_B, torch.ones_like(values_B))
     sum_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_B, values_B)
     sumsq_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_B, values_B**2)
     return count_G, sum_G, sumsq_G
 
 
-def group_mean_std_B(
-    values_B: torch.Tensor, group_B: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def group_mean_std_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence (mean, std) of its group, std unbiased (n-1, as torch.std and TRL); a
     singleton group has std 0."""
     count_G, sum_G, sumsq_G = _group_stats(values_B, group_B)
@@ -176,9 +172,7 @@ def reinforce_pp_advantages_T(
     if group_B is not None:
         mean_B, _ = group_mean_std_B(rewards_B, group_B)
         rewards_B = rewards_B - mean_B
-    returns_T = sequence_returns_T(
-        rewards_B, cu_seqlens_B1, loss_mask_T, token_rewards_T=token_rewards_T, gamma=gamma
-    )
+    returns_T = sequence_returns_T(rewards_B, cu_seqlens_B1, loss_mask_T, token_rewards_T=token_rewards_T, gamma=gamma)
     return masked_whiten_T(returns_T, loss_mask_T, eps=eps)
 
 

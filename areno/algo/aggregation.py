@@ -22,9 +22,7 @@ def _check(mode: str) -> None:
         raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
 
 
-def aggregation_weights_T(
-    loss_mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, mode: str
-) -> torch.Tensor:
+def aggregation_weights_T(loss_mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, mode: str) -> torch.Tensor:
     """float32 [T] weight of each token under ``mode`` (0 off the mask)."""
     _check(mode)
     mask_T = loss_mask_T.to(torch.float32)

@@ -11,9 +11,7 @@ import torch
 from areno.algo.advantages import group_mean_std_B
 
 
-def dynamic_sampling_keep_B(
-    rewards_B: torch.Tensor, group_B: torch.Tensor, *, atol: float = 1e-6
-) -> torch.Tensor:
+def dynamic_sampling_keep_B(rewards_B: torch.Tensor, group_B: torch.Tensor, *, atol: float = 1e-6) -> torch.Tensor:
     """bool [B]: keep the sequences of groups whose rewards are not all equal (DAPO dynamic
     sampling). An all-correct or all-wrong group gives zero GRPO advantage and only dilutes the
     batch. DAPO keeps *sampling* until the batch is full; here the filter only drops, and the
@@ -31,9 +29,7 @@ def overlong_penalty_B(
     ``-penalty`` if ``L > L_max``.
     """
     if buffer_length <= 0 or buffer_length > max_length:
-        raise ValueError(
-            f"overlong buffer_length must be in (0, max_length={max_length}], got {buffer_length}"
-        )
+        raise ValueError(f"overlong buffer_length must be in (0, max_length={max_length}], got {buffer_length}")
     lengths_B = response_lengths_B.to(torch.float32)
     expected = max_length - buffer_length
     out_B = ((expected - lengths_B) / buffer_length).clamp(max=0.0) * penalty

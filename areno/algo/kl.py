@@ -51,6 +51,4 @@ def kl_reward_penalty_T(
 ) -> torch.Tensor:
     """KL as a reward: the per-token reward ``-coef * k`` (detached) that REINFORCE++ / PPO add
     to the sequence reward before computing returns (InstructGPT uses k1)."""
-    return -coef * kl_estimate_T(
-        logprobs_T.detach(), ref_logprobs_T, loss_mask_T, estimator=estimator
-    )
+    return -coef * kl_estimate_T(logprobs_T.detach(), ref_logprobs_T, loss_mask_T, estimator=estimator)

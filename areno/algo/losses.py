@@ -50,13 +50,13 @@ def nll_loss_T(logprobs_T: torch.Tensor, loss_mask_T: torch.Tensor) -> torch.Ten
     return torch.where(loss_mask_T.bool(), -logprobs_T, torch.zeros_like(logprobs_T))
 
 
-def sequence_sum_B(
-    values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
-) -> torch.Tensor:
+def sequence_sum_B(values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor) -> torch.Tensor:
     """Sum of ``values_T`` over the loss tokens of each sequence (e.g. a sequence log-prob)."""
     seq_T = sequence_index_T(cu_seqlens_B1, values_T.device)
     masked_T = torch.where(loss_mask_T.bool(), values_T, torch.zeros_like(values_T))
-    return torch.zeros(cu_seqlens_B1.numel() - 1, dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, masked_T)
+    return torch.zeros(cu_seqlens_B1.numel() - 1, dtype=values_T.dtype, device=values_T.device).index_add(
+        0, seq_T, masked_T
+    )
 
 
 def dpo_loss_B(

@@ -113,15 +113,24 @@ def decoupled_ppo_loss_T(
     ``pi_theta / pi_behave`` would have clipped, logged for comparison with ``clip_frac``.
     """
     loss_T, stats = ppo_clip_loss_T(
-        logprobs_T, prox_logprobs_T, advantages_T, loss_mask_T,
-        eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c,
+        logprobs_T,
+        prox_logprobs_T,
+        advantages_T,
+        loss_mask_T,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip_c=dual_clip_c,
     )
     w_T, over_T = behaviour_importance_weight_T(
         prox_logprobs_T, behave_logprobs_T, loss_mask_T, cap=behav_imp_weight_cap, mode=behav_weight_mode
     )
     _, coupled = ppo_clip_loss_T(
-        logprobs_T.detach(), behave_logprobs_T, advantages_T, loss_mask_T,
-        eps_low=eps_low, eps_high=eps_high,
+        logprobs_T.detach(),
+        behave_logprobs_T,
+        advantages_T,
+        loss_mask_T,
+        eps_low=eps_low,
+        eps_high=eps_high,
     )
     stats["behave_over_cap_frac"] = over_T
     stats["behave_weight"] = w_T
@@ -151,9 +160,7 @@ def loglinear_prox_logprobs_T(
     return _masked(out_T, loss_mask_T)
 
 
-def sequence_mean_B(
-    values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
-) -> torch.Tensor:
+def sequence_mean_B(values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor) -> torch.Tensor:
     """Mean of ``values_T`` over the loss tokens of each sequence (0 for a sequence without any)."""
     B = cu_seqlens_B1.numel() - 1
     seq_T = sequence_index_T(cu_seqlens_B1, values_T.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -31,7 +31,7 @@ class ModelSection:
     """Training parameter dtype: float32 or bfloat16 (GPU runs keep fp32 master weights)."""
     rollout_dtype: str = "auto"
     """Rollout engine dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16."""
-    init_tiny: Optional[dict[str, Any]] = None
+    init_tiny: dict[str, Any] | None = None
     """Demo/tests only: when set and model.path does not exist, create a random model there from
     these `areno.models.hf_io.tiny_config` arguments with a character tokenizer."""
 
@@ -43,13 +43,13 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class DataSection:
-    task: Optional[str] = "arithmetic"
+    task: str | None = "arithmetic"
     """Shipped synthetic task (see `areno.data.tasks.TASKS`), or null to read train_path."""
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task generator (e.g. max_digits)."""
-    train_path: Optional[str] = None
+    train_path: str | None = None
     """JSONL or Parquet file of training rows (used when task is null)."""
-    eval_path: Optional[str] = None
+    eval_path: str | None = None
     """JSONL or Parquet file of held-out rows (used when task is null)."""
     prompt_key: str = "prompt"
     """Field of a data row holding the prompt text."""
@@ -61,8 +61,11 @@ class DataSection:
     """Seed of the task generator and of the dataloader shuffle."""
 
     def __post_init__(self) -> None:
-        _check(self.task is not None or self.train_path is not None, "data",
-               "set data.task to a shipped task or data.train_path to a JSONL/Parquet file")
+        _check(
+            self.task is not None or self.train_path is not None,
+            "data",
+            "set data.task to a shipped task or data.train_path to a JSONL/Parquet file",
+        )
         _check(self.num_eval >= 0, "data.num_eval", f"must be >= 0, got {self.num_eval}")
 
 
@@ -70,7 +73,7 @@ class DataSection:
 class RewardSection:
     fn: str = "areno.rewards.tasks:exact_match"
     """Dotted path `module:function` of the reward: fn(prompt, completion, answer, **row) -> float."""
-    sandbox: Optional[bool] = None
+    sandbox: bool | None = None
     """Run the reward in worker subprocesses (killed at timeout_s, rlimits, failures scored 0 and
     counted as rollout/reward_failures_<kind>). null = auto: on, except for shipped rewards marked safe
     in-process (exact_match: a string compare, ~100x cheaper in-process; bench/rewards.py).
@@ -80,7 +83,7 @@ class RewardSection:
     or exception gives reward 0 and is counted. In-process rewards cannot be interrupted."""
     memory_mb: int = 2048
     """Address-space limit (RLIMIT_AS) of each reward worker, in MiB; 0 = unlimited."""
-    cpu_s: Optional[float] = None
+    cpu_s: float | None = None
     """CPU-seconds limit (RLIMIT_CPU) of one sandboxed call; null = timeout_s. Raise it for
     multi-threaded rewards."""
     workers: int = 4
@@ -92,8 +95,11 @@ class RewardSection:
     def __post_init__(self) -> None:
         _check(":" in self.fn or "." in self.fn, "reward.fn", "must be a dotted path like 'pkg.mod:func'")
         _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
-        _check(self.memory_mb == 0 or self.memory_mb >= 128, "reward.memory_mb",
-               f"must be 0 (unlimited) or >= 128 (a Python worker needs that much), got {self.memory_mb}")
+        _check(
+            self.memory_mb == 0 or self.memory_mb >= 128,
+            "reward.memory_mb",
+            f"must be 0 (unlimited) or >= 128 (a Python worker needs that much), got {self.memory_mb}",
+        )
         _check(self.cpu_s is None or self.cpu_s > 0, "reward.cpu_s", f"must be > 0 or null, got {self.cpu_s}")
         _check(self.workers >= 1, "reward.workers", f"must be >= 1, got {self.workers}")
 
@@ -160,7 +166,7 @@ class RolloutSection:
     cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
     every decode step eagerly (slower; for debugging and A/B runs)."""
-    mixed_decode_min_rows: Optional[int] = 32
+    mixed_decode_min_rows: int | None = 32
     """A mixed step (prefill chunks beside decode rows) with at least this many sampling rows, no
     prompt half prefilled and no waiting request able to take a free slot goes on with
     ``decode_steps`` - 1 decode steps in the same host round trip, so every round trip gives each
@@ -189,18 +195,37 @@ class RolloutSection:
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
         _check(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness",
-               f"must be >= 0, got {self.max_head_offpolicyness}")
-        _check(self.decode_attention in ("auto", "gather", "paged"), "rollout.decode_attention",
-               f"must be auto, gather or paged, got {self.decode_attention!r}")
+        _check(
+            self.max_head_offpolicyness >= 0,
+            "rollout.max_head_offpolicyness",
+            f"must be >= 0, got {self.max_head_offpolicyness}",
+        )
+        _check(
+            self.decode_attention in ("auto", "gather", "paged"),
+            "rollout.decode_attention",
+            f"must be auto, gather or paged, got {self.decode_attention!r}",
+        )
         _check(self.max_num_seqs >= 0, "rollout.max_num_seqs", f"must be >= 0 (0 = automatic), got {self.max_num_seqs}")
-        _check(self.decode_steps >= 0, "rollout.decode_steps", f"must be >= 0 (0 = engine default), got {self.decode_steps}")
-        _check(self.mixed_decode_min_rows is None or self.mixed_decode_min_rows >= 1, "rollout.mixed_decode_min_rows",
-               f"must be >= 1 or null (off), got {self.mixed_decode_min_rows}")
-        _check(self.request_timeout_s >= 0, "rollout.request_timeout_s",
-               f"must be >= 0 (0 = no deadline), got {self.request_timeout_s}")
-        _check(self.max_consecutive_dropped >= 0, "rollout.max_consecutive_dropped",
-               f"must be >= 0 (0 = never stop), got {self.max_consecutive_dropped}")
+        _check(
+            self.decode_steps >= 0,
+            "rollout.decode_steps",
+            f"must be >= 0 (0 = engine default), got {self.decode_steps}",
+        )
+        _check(
+            self.mixed_decode_min_rows is None or self.mixed_decode_min_rows >= 1,
+            "rollout.mixed_decode_min_rows",
+            f"must be >= 1 or null (off), got {self.mixed_decode_min_rows}",
+        )
+        _check(
+            self.request_timeout_s >= 0,
+            "rollout.request_timeout_s",
+            f"must be >= 0 (0 = no deadline), got {self.request_timeout_s}",
+        )
+        _check(
+            self.max_consecutive_dropped >= 0,
+            "rollout.max_consecutive_dropped",
+            f"must be >= 0 (0 = never stop), got {self.max_consecutive_dropped}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -240,11 +265,11 @@ class WarmStartSection:
 
 @dataclass(kw_only=True)
 class ClusterSection:
-    allocation_mode: Optional[str] = None
+    allocation_mode: str | None = None
     """Placement string, e.g. `areno[rollout]:d1+fsdp[actor]:d1`; null = colocated on one device."""
-    train_devices: Optional[list[int]] = None
+    train_devices: list[int] | None = None
     """Logical device indices of training workers (alternative to allocation_mode)."""
-    rollout_devices: Optional[list[int]] = None
+    rollout_devices: list[int] | None = None
     """Logical device indices of rollout workers (alternative to allocation_mode)."""
     device: str = "auto"
     """auto (cuda if available), cpu or cuda."""
@@ -274,10 +299,16 @@ class ClusterSection:
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
-        _check(self.collective_timeout_s > 0, "cluster.collective_timeout_s",
-               f"must be > 0 seconds, got {self.collective_timeout_s}")
-        _check(self.scheduler in ("local", "ray", "slurm"), "cluster.scheduler",
-               f"must be one of local, ray, slurm; got {self.scheduler!r}")
+        _check(
+            self.collective_timeout_s > 0,
+            "cluster.collective_timeout_s",
+            f"must be > 0 seconds, got {self.collective_timeout_s}",
+        )
+        _check(
+            self.scheduler in ("local", "ray", "slurm"),
+            "cluster.scheduler",
+            f"must be one of local, ray, slurm; got {self.scheduler!r}",
+        )
         from areno.launch.scheduler import scheduler_config
 
         try:
@@ -285,14 +316,23 @@ class ClusterSection:
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
         partitioned = self.train_devices is not None or "+" in (self.allocation_mode or "")
-        _check(self.scheduler == "local" or partitioned, "cluster.scheduler",
-               f"{self.scheduler} starts the workers of a partitioned placement, but this run is colocated "
-               "(one process): set cluster.train_devices/rollout_devices or a '+' allocation_mode, or use local")
+        _check(
+            self.scheduler == "local" or partitioned,
+            "cluster.scheduler",
+            f"{self.scheduler} starts the workers of a partitioned placement, but this run is colocated "
+            "(one process): set cluster.train_devices/rollout_devices or a '+' allocation_mode, or use local",
+        )
         _check(self.cpu_threads >= 0, "cluster.cpu_threads", f"must be >= 0, got {self.cpu_threads}")
-        _check(0 <= self.switch_interval_s <= 1, "cluster.switch_interval_s",
-               f"must be in [0, 1] seconds (0 = Python's default), got {self.switch_interval_s}")
-        _check(self.sync_commit in ("staged", "inplace"), "cluster.sync_commit",
-               f"must be staged or inplace, got {self.sync_commit!r}")
+        _check(
+            0 <= self.switch_interval_s <= 1,
+            "cluster.switch_interval_s",
+            f"must be in [0, 1] seconds (0 = Python's default), got {self.switch_interval_s}",
+        )
+        _check(
+            self.sync_commit in ("staged", "inplace"),
+            "cluster.sync_commit",
+            f"must be staged or inplace, got {self.sync_commit!r}",
+        )
         if self.allocation_mode is not None:
             from areno.launch.allocation import AllocationModeError, parse_allocation_mode
 
@@ -300,10 +340,13 @@ class ClusterSection:
                 alloc = parse_allocation_mode(self.allocation_mode)
             except AllocationModeError as exc:
                 raise ConfigError(f"cluster.allocation_mode: {exc}") from None
-            _check(len(alloc.groups) > 1 or alloc.world_size == 1, "cluster.allocation_mode",
-                   f"{self.allocation_mode!r} asks for {alloc.world_size} devices without a '+', but a colocated run "
-                   "is one process on one device: use d1 (e.g. 'areno:d1|fsdp:d1') or '+' to give rollout and "
-                   "training devices of their own")
+            _check(
+                len(alloc.groups) > 1 or alloc.world_size == 1,
+                "cluster.allocation_mode",
+                f"{self.allocation_mode!r} asks for {alloc.world_size} devices without a '+', but a colocated run "
+                "is one process on one device: use d1 (e.g. 'areno:d1|fsdp:d1') or '+' to give rollout and "
+                "training devices of their own",
+            )
         if (self.train_devices is None) != (self.rollout_devices is None):
             raise ConfigError("cluster.train_devices and cluster.rollout_devices must be set together")
 
@@ -323,7 +366,7 @@ class TrainSection:
     """Optimizer steps per pass: the batch is cut into this many minibatches of whole sequences,
     all scored by one no-grad forward at the iteration's start (AReaL's ppo_n_minibatches; with the
     decoupled loss the clip against pi_prox acts from the second minibatch)."""
-    max_tokens_per_mb: Optional[int] = None
+    max_tokens_per_mb: int | None = None
     """Token budget of one packed micro-batch; null = estimated from memory."""
     eval_interval: int = 10
     """Evaluate held-out accuracy every this many steps (0 = only before and after)."""
@@ -355,27 +398,42 @@ class TrainSection:
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
-        _check(self.attention in ("auto", "flex", "varlen"), "train.attention",
-               f"must be auto, flex or varlen, got {self.attention!r}")
-        _check(self.compile_scope in ("layers", "model"), "train.compile_scope",
-               f"must be layers or model, got {self.compile_scope!r}")
+        _check(
+            self.attention in ("auto", "flex", "varlen"),
+            "train.attention",
+            f"must be auto, flex or varlen, got {self.attention!r}",
+        )
+        _check(
+            self.compile_scope in ("layers", "model"),
+            "train.compile_scope",
+            f"must be layers or model, got {self.compile_scope!r}",
+        )
         _check(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         _check(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
-        _check(self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0, "train.max_tokens_per_mb",
-               f"must be > 0 or null, got {self.max_tokens_per_mb}")
+        _check(
+            self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0,
+            "train.max_tokens_per_mb",
+            f"must be > 0 or null, got {self.max_tokens_per_mb}",
+        )
         _check(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
         _check(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
-        _check(self.long_sequences in ("error", "truncate"), "train.long_sequences",
-               f"must be error or truncate, got {self.long_sequences!r}")
-        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips",
-               f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}")
+        _check(
+            self.long_sequences in ("error", "truncate"),
+            "train.long_sequences",
+            f"must be error or truncate, got {self.long_sequences!r}",
+        )
+        _check(
+            self.max_consecutive_skips >= 0,
+            "train.max_consecutive_skips",
+            f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}",
+        )
 
 
 @dataclass(kw_only=True)
 class ObserveSection:
     tensorboard: bool = False
     """Also write TensorBoard event files to run_dir/tensorboard."""
-    wandb_project: Optional[str] = None
+    wandb_project: str | None = None
     """Log to Weights & Biases under this project (offline when WANDB_MODE=offline)."""
     trace: bool = False
     """Record Chrome/Perfetto performance traces under run_dir/traces."""
@@ -391,7 +449,7 @@ class ArenoConfig:
 
     run_dir: str = "runs/areno"
     """Output directory: resolved config, metrics.jsonl, checkpoints, curves."""
-    resume: Union[bool, str] = False
+    resume: bool | str = False
     """Continue from the newest completed checkpoint in run_dir/checkpoints: ``auto`` resumes when
     one exists and starts fresh otherwise; ``true`` requires one (an error when there is none);
     ``false`` starts fresh. Rows of metrics.jsonl after the resumed step are dropped, since those
@@ -409,8 +467,11 @@ class ArenoConfig:
     def __post_init__(self) -> None:
         if isinstance(self.resume, str) and self.resume.lower() in ("true", "false"):
             self.resume = self.resume.lower() == "true"
-        _check(isinstance(self.resume, bool) or self.resume == "auto", "resume",
-               f"must be auto, true or false, got {self.resume!r}")
+        _check(
+            isinstance(self.resume, bool) or self.resume == "auto",
+            "resume",
+            f"must be auto, true or false, got {self.resume!r}",
+        )
 
 
 def _describe(exc: OmegaConfBaseException) -> str:

@@ -34,8 +34,10 @@ def parse_faults(spec: str) -> frozenset[tuple[str, int]]:
             continue
         fields = part.split(":")
         if len(fields) != 3 or fields[0] != "kill" or fields[1] not in PHASES or not fields[2].isdigit():
-            raise ValueError(f"{ENV_VAR}: {part!r} must look like kill:<phase>:<step> with phase one of "
-                             f"{PHASES} and step an integer >= 1 (e.g. kill:train:3)")
+            raise ValueError(
+                f"{ENV_VAR}: {part!r} must look like kill:<phase>:<step> with phase one of "
+                f"{PHASES} and step an integer >= 1 (e.g. kill:train:3)"
+            )
         out.add((fields[1], int(fields[2])))
     return frozenset(out)
 

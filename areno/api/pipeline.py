@@ -43,8 +43,15 @@ def run_warm_start(config: ArenoConfig) -> Path:
         config,
         run_dir=str(out_dir),
         resume=False,
-        train={"algorithm": "sft", "algorithm_kwargs": {}, "steps": ws.steps, "num_train_passes": 1,
-               "num_minibatches": 1, "eval_interval": 0, "save_interval": 0},
+        train={
+            "algorithm": "sft",
+            "algorithm_kwargs": {},
+            "steps": ws.steps,
+            "num_train_passes": 1,
+            "num_minibatches": 1,
+            "eval_interval": 0,
+            "save_interval": 0,
+        },
         optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0},
         rollout={"batch_size": ws.batch_size, "max_head_offpolicyness": 0},
     )
@@ -71,8 +78,16 @@ def run_pipeline(config: ArenoConfig) -> dict[str, float]:
         trainer.shutdown()
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy")}
     curve = plot_curve(Path(config.run_dir))
-    print(json.dumps({"algorithm": config.train.algorithm, **summary, "run_dir": config.run_dir,
-                      "curve": str(curve) if curve else None}))
+    print(
+        json.dumps(
+            {
+                "algorithm": config.train.algorithm,
+                **summary,
+                "run_dir": config.run_dir,
+                "curve": str(curve) if curve else None,
+            }
+        )
+    )
     return summary
 
 
@@ -109,6 +124,8 @@ def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[s
     config = load_config(DEMO_CONFIG, [f"run_dir={run_dir}", *overrides])
     summary = run_pipeline(config)
     before, after = summary["accuracy_before"] or 0.0, summary["accuracy_after"] or 0.0
-    print(f"demo: held-out accuracy {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) "
-          f"after {config.train.steps} GRPO steps; curve: {run_dir}/curve.png")
+    print(
+        f"demo: held-out accuracy {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) "
+        f"after {config.train.steps} GRPO steps; curve: {run_dir}/curve.png"
+    )
     return summary

@@ -73,7 +73,7 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
 
     @classmethod
-    def init(cls, config: ArenoConfig) -> "Trainer":
+    def init(cls, config: ArenoConfig) -> Trainer:
         """Resolve the registered backend named by ``config.train.backend`` and initialise it."""
         backend_cls = resolve_backend(config.train.backend)  # fails fast, before any model loads
         trainer = cls(config)
@@ -91,7 +91,8 @@ class Trainer:
             console=observe.console,
             tensorboard=observe.tensorboard,
             wandb=WandbConfig(project=observe.wandb_project, mode=os.environ.get("WANDB_MODE", "offline"))
-            if observe.wandb_project else None,
+            if observe.wandb_project
+            else None,
         )
         if resume_from is not None:
             trainer._resume(resume_from)
@@ -124,8 +125,12 @@ class Trainer:
                 sync_metrics = self.backend.update_weights()
             fault_point("policy_sync", step)
             t3 = time.perf_counter()
-            timing = {"timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
-                      "timing/tokens_per_s": rollout.batch.num_tokens / max(t3 - t0, 1e-9)}
+            timing = {
+                "timing/rollout_s": t1 - t0,
+                "timing/train_s": t2 - t1,
+                "timing/sync_s": t3 - t2,
+                "timing/tokens_per_s": rollout.batch.num_tokens / max(t3 - t0, 1e-9),
+            }
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 last_eval = self._evaluate(step)
@@ -162,14 +167,19 @@ class Trainer:
         checkpoints_dir = self.run_dir / "checkpoints"
         if self.config.resume is False:
             if checkpoint.complete_checkpoints(checkpoints_dir):
-                logger.warning("resume=false: starting over in %s, whose checkpoints will be overwritten "
-                               "(resume=auto continues from the newest)", self.run_dir)
+                logger.warning(
+                    "resume=false: starting over in %s, whose checkpoints will be overwritten "
+                    "(resume=auto continues from the newest)",
+                    self.run_dir,
+                )
             return None
         checkpoint.remove_stale(checkpoints_dir)
         latest = checkpoint.latest_complete(checkpoints_dir)
         if latest is None and self.config.resume is True:
-            raise ValueError(f"resume=true but {checkpoints_dir} holds no completed checkpoint "
-                             "(step_N/COMPLETE): use resume=auto to start fresh when there is none")
+            raise ValueError(
+                f"resume=true but {checkpoints_dir} holds no completed checkpoint "
+                "(step_N/COMPLETE): use resume=auto to start fresh when there is none"
+            )
         truncate_metrics(self.run_dir / METRICS_FILENAME, after_step=checkpoint_step(latest) if latest else -1)
         return latest
 
@@ -204,6 +214,7 @@ def truncate_metrics(path: Path, *, after_step: int) -> int:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, path)
-        logger.info("resume: dropped %d rows of %s logged after step %d (those steps run again)",
-                    dropped, path, after_step)
+        logger.info(
+            "resume: dropped %d rows of %s logged after step %d (those steps run again)", dropped, path, after_step
+        )
     return dropped

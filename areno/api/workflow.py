@@ -8,9 +8,8 @@ in process or against a remote server. Users write their own workflow by subclas
 
 from __future__ import annotations
 
-import inspect
-
 import importlib
+import inspect
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,7 @@ class RolloutWorkflow(ABC):
     """
 
     @abstractmethod
-    async def run_episode(self, client: "RolloutClient", sample: dict[str, Any]) -> EpisodeResult:
+    async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> EpisodeResult:
         """Run one episode for ``sample``; return a trajectory, a group of them, or None to reject."""
 
 

@@ -34,8 +34,10 @@ def load_rows(path: str | Path, *, prompt_key: str) -> list[dict]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: a .json dataset must be a list of objects, got a {type(rows).__name__} "
-                             f"(or write one object per line as .jsonl)")
+            raise ValueError(
+                f"{path}: a .json dataset must be a list of objects, got a {type(rows).__name__} "
+                f"(or write one object per line as .jsonl)"
+            )
         where = [f"row {i}" for i in range(len(rows))]
     elif path.suffix == ".jsonl":
         rows, where = [], []
@@ -58,8 +60,10 @@ def load_rows(path: str | Path, *, prompt_key: str) -> list[dict]:
             problem = f"{prompt_key!r} is {_json_type(row[prompt_key])}, not a string"
         else:
             continue
-        raise ValueError(f"{path} {name}: no string field {prompt_key!r} ({problem}; "
-                         f"set data.prompt_key to the field that holds the prompt)")
+        raise ValueError(
+            f"{path} {name}: no string field {prompt_key!r} ({problem}; "
+            f"set data.prompt_key to the field that holds the prompt)"
+        )
     return rows
 
 
@@ -81,7 +85,7 @@ def build_splits(data_cfg) -> tuple[list[dict], list[dict]]:
         train = generate_rows(spec, split="train", num=20_000, seed=data_cfg.seed)
         held_out = generate_rows(spec, split="eval", num=data_cfg.num_eval, seed=data_cfg.seed)
         if data_cfg.prompt_key != "prompt" or data_cfg.answer_key != "answer":
-            remap = lambda r: {data_cfg.prompt_key: r["prompt"], data_cfg.answer_key: r["answer"]}  # noqa: E731
+            remap = lambda r: {data_cfg.prompt_key: r["prompt"], data_cfg.answer_key: r["answer"]}
             train, held_out = [remap(r) for r in train], [remap(r) for r in held_out]
         return train, held_out
     train = load_rows(data_cfg.train_path, prompt_key=data_cfg.prompt_key)

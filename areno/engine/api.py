@@ -50,12 +50,20 @@ def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_bloc
 
     r = cfg.rollout
     return RolloutEngineConfig(
-        device=device, dtype=dtype, max_num_seqs=rollout_max_num_seqs(cfg),
-        decode_steps=r.decode_steps or None, decode_attention=r.decode_attention,
-        fused_kernels=r.fused_kernels, cuda_graphs=r.cuda_graphs, fused_projections=r.fused_projections,
-        cpu_packed_gemm=r.cpu_packed_gemm, recompute_kv_on_weight_update=r.recompute_kv_on_weight_update,
-        cuda_stream=r.cuda_stream, mixed_decode_min_rows=r.mixed_decode_min_rows,
-        **({"num_blocks": num_blocks} if num_blocks else {}))
+        device=device,
+        dtype=dtype,
+        max_num_seqs=rollout_max_num_seqs(cfg),
+        decode_steps=r.decode_steps or None,
+        decode_attention=r.decode_attention,
+        fused_kernels=r.fused_kernels,
+        cuda_graphs=r.cuda_graphs,
+        fused_projections=r.fused_projections,
+        cpu_packed_gemm=r.cpu_packed_gemm,
+        recompute_kv_on_weight_update=r.recompute_kv_on_weight_update,
+        cuda_stream=r.cuda_stream,
+        mixed_decode_min_rows=r.mixed_decode_min_rows,
+        **({"num_blocks": num_blocks} if num_blocks else {}),
+    )
 
 
 def rollout_sequences_in_flight(cfg: ArenoConfig) -> int:
@@ -105,12 +113,19 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     try:
         held = engine.warmup_cuda_graphs(list(range(1, in_flight + 1)), r.max_new_tokens + 256, params)
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # graphs are then captured at first use
-        logger.warning("rollout engine: CUDA graph warm-up failed after %.1f s (%s: %s); graphs are captured "
-                       "when first needed instead (rollout.cuda_graph_warmup=false skips the warm-up)",
-                       time.perf_counter() - t0, type(exc).__name__, exc)
+        logger.warning(
+            "rollout engine: CUDA graph warm-up failed after %.1f s (%s: %s); graphs are captured "
+            "when first needed instead (rollout.cuda_graph_warmup=false skips the warm-up)",
+            time.perf_counter() - t0,
+            type(exc).__name__,
+            exc,
+        )
         return 0
-    logger.info("rollout engine: %d decode CUDA graphs captured in %.1f s (rollout.cuda_graph_warmup)",
-                held, time.perf_counter() - t0)
+    logger.info(
+        "rollout engine: %d decode CUDA graphs captured in %.1f s (rollout.cuda_graph_warmup)",
+        held,
+        time.perf_counter() - t0,
+    )
     return held
 
 
@@ -126,26 +141,36 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) 
     decoder.CUDA_AUTO_IMPL = "varlen" if cfg.train.attention == "auto" else cfg.train.attention
     backends = {}
     for role in recipe.roles:
-        backend = new_backend(TrainBackendConfig(
-            lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-            grad_clip=cfg.optim.grad_clip or None, lr_schedule=cfg.optim.schedule,
-            warmup_steps=cfg.optim.warmup_steps,
-            total_steps=max(cfg.train.steps * cfg.train.num_train_passes * cfg.train.num_minibatches,
-                            cfg.optim.warmup_steps, 1),
-            max_tokens_per_mb=cfg.train.max_tokens_per_mb, dtype=cfg.model.dtype,
-            long_sequences=cfg.train.long_sequences, compile=cfg.train.compile,
-            compile_scope=cfg.train.compile_scope,
-            trainable=role.trainable, seed=cfg.train.seed,
-        ))
+        backend = new_backend(
+            TrainBackendConfig(
+                lr=cfg.optim.lr,
+                weight_decay=cfg.optim.weight_decay,
+                grad_clip=cfg.optim.grad_clip or None,
+                lr_schedule=cfg.optim.schedule,
+                warmup_steps=cfg.optim.warmup_steps,
+                total_steps=max(
+                    cfg.train.steps * cfg.train.num_train_passes * cfg.train.num_minibatches, cfg.optim.warmup_steps, 1
+                ),
+                max_tokens_per_mb=cfg.train.max_tokens_per_mb,
+                dtype=cfg.model.dtype,
+                long_sequences=cfg.train.long_sequences,
+                compile=cfg.train.compile,
+                compile_scope=cfg.train.compile_scope,
+                trainable=role.trainable,
+                seed=cfg.train.seed,
+            )
+        )
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
         backend.max_consecutive_skips = cfg.train.max_consecutive_skips
         backend.role_name = role.name
         backends[role.name] = backend
     if cfg.train.compile and any(role.trainable for role in recipe.roles):
-        logger.info("training: train.compile=true compiles the decoder (train.compile_scope=%s) during the first "
-                    "training step%s; later runs reuse torch's compile cache", cfg.train.compile_scope,
-                    " (the whole layer stack as one graph: minutes on a GPU)" if cfg.train.compile_scope == "model"
-                    else "")
+        logger.info(
+            "training: train.compile=true compiles the decoder (train.compile_scope=%s) during the first "
+            "training step%s; later runs reuse torch's compile cache",
+            cfg.train.compile_scope,
+            " (the whole layer stack as one graph: minutes on a GPU)" if cfg.train.compile_scope == "model" else "",
+        )
     return backends
 
 
@@ -157,8 +182,7 @@ def prepare_model_dir(config: ArenoConfig) -> Path:
         from areno.models.hf_io import init_model_dir, tiny_config
 
         tokenizer = build_char_tokenizer()
-        init_model_dir(path, tiny_config(len(tokenizer), **config.model.init_tiny), tokenizer,
-                       seed=config.train.seed)
+        init_model_dir(path, tiny_config(len(tokenizer), **config.model.init_tiny), tokenizer, seed=config.train.seed)
     if not path.is_dir():
         raise ValueError(f"model.path: directory {path} does not exist: point it at a local Hugging Face checkpoint")
     if not (path / "config.json").is_file():
@@ -175,8 +199,9 @@ def resolve_recipe(config: ArenoConfig):
     policy_kwargs = dict(config.train.algorithm_kwargs)
     recipe = get_recipe(config.train.algorithm, policy_kwargs=policy_kwargs)
     if recipe.online and "temperature" not in policy_kwargs and config.rollout.temperature > 0:
-        recipe = get_recipe(config.train.algorithm,
-                            policy_kwargs={**policy_kwargs, "temperature": config.rollout.temperature})
+        recipe = get_recipe(
+            config.train.algorithm, policy_kwargs={**policy_kwargs, "temperature": config.rollout.temperature}
+        )
     return recipe
 
 
@@ -187,8 +212,16 @@ def sft_trajectories(rows: list[dict], tokenizer, prompt_key: str, answer_key: s
         prompt_ids = tokenizer.encode(row[prompt_key])
         completion_ids = tokenizer.encode(str(row[answer_key])) + [tokenizer.eos_token_id]
         n = len(completion_ids)
-        out.append(Trajectory(prompt_ids=prompt_ids, completion_ids=completion_ids, logprobs=[0.0] * n,
-                              versions=[0] * n, reward=0.0, info={"prompt": row[prompt_key]}))
+        out.append(
+            Trajectory(
+                prompt_ids=prompt_ids,
+                completion_ids=completion_ids,
+                logprobs=[0.0] * n,
+                versions=[0] * n,
+                reward=0.0,
+                info={"prompt": row[prompt_key]},
+            )
+        )
     return out
 
 
@@ -253,7 +286,9 @@ class ArenoEngine:
         model_dir = prepare_model_dir(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json")
+            raise ValueError(
+                f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json"
+            )
         torch.manual_seed(cfg.train.seed)
         self.runner = self._build_runner(model_dir)
         self.rollout_engine = self._build_rollout_engine(model_dir)
@@ -270,8 +305,9 @@ class ArenoEngine:
         from areno.train import LocalTrainBackend
 
         device = self.device.type
-        backends = build_role_backends(self.config, self.recipe, model_dir,
-                                       lambda c: LocalTrainBackend(dataclasses.replace(c, device=device)))
+        backends = build_role_backends(
+            self.config, self.recipe, model_dir, lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
+        )
         return RecipeRunner(self.recipe, backends, num_minibatches=self.config.train.num_minibatches)
 
     def _build_rollout_engine(self, model_dir: Path):
@@ -283,10 +319,16 @@ class ArenoEngine:
             dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
         dtype = getattr(torch, dtype_name)
         model, model_config = load_model(model_dir, dtype=dtype, device=str(self.device))
-        engine_cfg = rollout_engine_config(self.config, device=str(self.device), dtype=dtype_name,
-                                           num_blocks=self.config.rollout.kv_blocks)
-        return RolloutEngine(model, model_config, config=engine_cfg,
-                             eos_token_ids=[self.tokenizer.eos_token_id], tokenizer=self.tokenizer)
+        engine_cfg = rollout_engine_config(
+            self.config, device=str(self.device), dtype=dtype_name, num_blocks=self.config.rollout.kv_blocks
+        )
+        return RolloutEngine(
+            model,
+            model_config,
+            config=engine_cfg,
+            eos_token_ids=[self.tokenizer.eos_token_id],
+            tokenizer=self.tokenizer,
+        )
 
     def _build_executor(self):
         from areno.api.workflow import load_workflow
@@ -300,20 +342,36 @@ class ArenoEngine:
         # one observation store: workflows taking `store=` put large observations there; the
         # executor frees those of dropped groups, step() those of trained ones
         self.store = InProcessStore()
-        workflow = load_workflow(cfg.rollout.workflow, tokenizer=self.tokenizer, reward_fn=reward_fn,
-                                 n_samples=cfg.rollout.n_samples, sampling_params=rollout_sampling_params(cfg, greedy=False),
-                                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-                                 **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
-                                 **cfg.rollout.workflow_kwargs)
-        staleness = ResumableStaleness(max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                                       batch_size=cfg.rollout.batch_size, max_concurrent=cfg.rollout.max_concurrent)
+        workflow = load_workflow(
+            cfg.rollout.workflow,
+            tokenizer=self.tokenizer,
+            reward_fn=reward_fn,
+            n_samples=cfg.rollout.n_samples,
+            sampling_params=rollout_sampling_params(cfg, greedy=False),
+            prompt_key=cfg.data.prompt_key,
+            answer_key=cfg.data.answer_key,
+            **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
+            **cfg.rollout.workflow_kwargs,
+        )
+        staleness = ResumableStaleness(
+            max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+            batch_size=cfg.rollout.batch_size,
+            max_concurrent=cfg.rollout.max_concurrent,
+        )
         # The ledger hands out the prompts and keeps the cursor of what was trained (the pool reads
         # ahead of training); episodes sample with seeds from their place in the data order.
         self.ledger = SampleLedger(self.train_stream)
         workflow = LedgerWorkflow(workflow, self.ledger, max_retries=cfg.rollout.max_retries, seed=cfg.train.seed)
-        return WorkflowExecutor(SeedingClient(self.client), workflow, self.ledger, staleness,
-                                num_workers=cfg.rollout.max_concurrent, max_retries=cfg.rollout.max_retries,
-                                max_consecutive_dropped=cfg.rollout.max_consecutive_dropped, store=self.store)
+        return WorkflowExecutor(
+            SeedingClient(self.client),
+            workflow,
+            self.ledger,
+            staleness,
+            num_workers=cfg.rollout.max_concurrent,
+            max_retries=cfg.rollout.max_retries,
+            max_consecutive_dropped=cfg.rollout.max_consecutive_dropped,
+            store=self.store,
+        )
 
     # ----------------------------------------------------------------------------- the loop
     def generate_rollout(self, rollout_id: int) -> RolloutBatch:
@@ -338,11 +396,15 @@ class ArenoEngine:
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)
             trajectories = sft_trajectories(rows, self.tokenizer, cfg.data.prompt_key, cfg.data.answer_key)
-            metrics = {"rollout/num_seqs": float(len(trajectories)),
-                       "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories))}
+            metrics = {
+                "rollout/num_seqs": float(len(trajectories)),
+                "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
+            }
         if isinstance(getattr(self, "reward_fn", None), RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
-        return RolloutBatch(trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics)
+        return RolloutBatch(
+            trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics
+        )
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
         for role_name in self.runner.roles_to_sync():  # the version the rollout policy carries (loglinear π_prox)
@@ -370,7 +432,8 @@ class ArenoEngine:
             if role_name not in self._transports:
                 source = NamedTensorSource(self.runner.backends[role_name].named_weights)
                 self._transports[role_name] = InPlaceTransport(
-                    source, self.rollout_engine.weight_tensors(), on_commit=self.rollout_engine.commit_weights)
+                    source, self.rollout_engine.weight_tensors(), on_commit=self.rollout_engine.commit_weights
+                )
             if self.asynchronous:  # bracket the swap: in-flight requests pause, then continue
                 self.executor.pause()
                 self.rollout_engine.pause()
@@ -415,8 +478,9 @@ class ArenoEngine:
             out = await client.agenerate(self.tokenizer.encode(row[prompt_key]), params)
             completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
             # the rollouts' failure policy: a raising reward scores 0 and is warned about
-            reward, _ = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key),
-                                           sample_fields(row, prompt_key, answer_key))
+            reward, _ = await acall_reward(
+                reward_fn, row[prompt_key], completion, row.get(answer_key), sample_fields(row, prompt_key, answer_key)
+            )
             return reward
 
         async def ascore_all() -> list[float]:
@@ -427,8 +491,11 @@ class ArenoEngine:
         finally:
             if held:
                 client.release_now()  # a no-op once the burst was released
-        return {"eval/accuracy": sum(scores) / len(scores), "eval/num_prompts": float(len(scores)),
-                "eval/time_s": time.perf_counter() - t0}
+        return {
+            "eval/accuracy": sum(scores) / len(scores),
+            "eval/num_prompts": float(len(scores)),
+            "eval/time_s": time.perf_counter() - t0,
+        }
 
     # ----------------------------------------------------------------------------- state
     def save(self, path: Path, trainer_state: dict) -> None:
@@ -447,8 +514,10 @@ class ArenoEngine:
         """What a checkpoint needs beyond the training backends' state: the data cursor (the
         stream's, plus the untrained samples of an asynchronous pool), the policy version and the
         rollout sampler's generator (a synchronous run then samples the same tokens after resume)."""
-        state: dict = {"data": self.ledger.state_dict() if self.ledger is not None else self.train_stream.state_dict(),
-                       "version": self.version}
+        state: dict = {
+            "data": self.ledger.state_dict() if self.ledger is not None else self.train_stream.state_dict(),
+            "version": self.version,
+        }
         sampler = getattr(getattr(self, "rollout_engine", None), "sampler", None)
         if sampler is not None:
             state["rollout_rng"] = sampler.generator.get_state()
@@ -461,7 +530,8 @@ class ArenoEngine:
         if handed_out:
             raise RuntimeError(
                 f"load(): this asynchronous engine's rollout pool has started ({handed_out} samples handed out); "
-                "load a checkpoint into a new engine before its first rollout, as a resumed run does")
+                "load a checkpoint into a new engine before its first rollout, as a resumed run does"
+            )
 
     def load(self, path: Path) -> dict:
         self.check_loadable()
@@ -485,7 +555,8 @@ class ArenoEngine:
             elif data["pending"]:
                 raise ValueError(
                     f"the checkpoint holds {len(data['pending'])} untrained samples of an asynchronous run "
-                    "(rollout.max_head_offpolicyness > 0): resume it with an online recipe")
+                    "(rollout.max_head_offpolicyness > 0): resume it with an online recipe"
+                )
             else:
                 self.train_stream.load_state_dict(data["stream"])
         else:

@@ -25,8 +25,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ClusterLayout", "LayoutError", "MemoryEstimate", "build_groups", "estimate_memory",
-           "layout_from_config", "scheduler_for", "validate_memory"]
+__all__ = [
+    "ClusterLayout",
+    "LayoutError",
+    "MemoryEstimate",
+    "build_groups",
+    "estimate_memory",
+    "layout_from_config",
+    "scheduler_for",
+    "validate_memory",
+]
 
 GIB = 1 << 30
 CONTEXT_BYTES = 768 << 20
@@ -68,15 +76,21 @@ class ClusterLayout:
             if len(set(devs)) != len(devs):
                 raise LayoutError(f"cluster.{what} {list(devs)} repeats a device; one worker per device")
             if self.device_ids and max(devs) >= len(self.device_ids):
-                raise LayoutError(f"cluster.{what} {list(devs)} names device {max(devs)} but only "
-                                  f"{len(self.device_ids)} are visible (CUDA_VISIBLE_DEVICES); use smaller indices")
+                raise LayoutError(
+                    f"cluster.{what} {list(devs)} names device {max(devs)} but only "
+                    f"{len(self.device_ids)} are visible (CUDA_VISIBLE_DEVICES); use smaller indices"
+                )
         n_train = len(self.train_devices)
         if self.train_tp < 1 or self.train_dp_replicate < 1 or n_train % (self.train_tp * self.train_dp_replicate):
-            raise LayoutError(f"{n_train} training devices cannot form train TP {self.train_tp} x replicate "
-                              f"{self.train_dp_replicate}; make the device count a multiple of their product")
+            raise LayoutError(
+                f"{n_train} training devices cannot form train TP {self.train_tp} x replicate "
+                f"{self.train_dp_replicate}; make the device count a multiple of their product"
+            )
         if self.rollout_tp < 1 or len(self.rollout_devices) % self.rollout_tp:
-            raise LayoutError(f"{len(self.rollout_devices)} rollout devices cannot form rollout TP "
-                              f"{self.rollout_tp} replicas; make the count a multiple of rollout TP")
+            raise LayoutError(
+                f"{len(self.rollout_devices)} rollout devices cannot form rollout TP "
+                f"{self.rollout_tp} replicas; make the count a multiple of rollout TP"
+            )
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -157,8 +171,9 @@ class ClusterLayout:
         from areno.sync.plan import choose_relays
 
         try:
-            idx = choose_relays([self.device_of(r) for r in self.sender_ranks],
-                                [self.device_of(r) for r in self.rollout_ranks])
+            idx = choose_relays(
+                [self.device_of(r) for r in self.sender_ranks], [self.device_of(r) for r in self.rollout_ranks]
+            )
         except ValueError as e:
             raise LayoutError(f"policy sync cannot route: {e}") from None
         return [self.rollout_ranks[j] for j in idx]
@@ -166,17 +181,30 @@ class ClusterLayout:
     def stream_topology(self):
         from areno.sync.stream import StreamTopology
 
-        return StreamTopology(train_ranks=self.train_ranks, sender_ranks=self.sender_ranks,
-                              rollout_ranks=self.rollout_ranks, devices=self.devices_map())
+        return StreamTopology(
+            train_ranks=self.train_ranks,
+            sender_ranks=self.sender_ranks,
+            rollout_ranks=self.rollout_ranks,
+            devices=self.devices_map(),
+        )
 
     def describe(self) -> str:
-        return (f"train {list(self.train_devices)} (mesh rep x shard x tp = {self.train_mesh_shape}), "
-                f"rollout {list(self.rollout_devices)} (TP {self.rollout_tp} x DP {self.rollout_dp})"
-                + (f", shared devices {list(self.overlapping)}" if self.overlapping else ""))
+        return (
+            f"train {list(self.train_devices)} (mesh rep x shard x tp = {self.train_mesh_shape}), "
+            f"rollout {list(self.rollout_devices)} (TP {self.rollout_tp} x DP {self.rollout_dp})"
+            + (f", shared devices {list(self.overlapping)}" if self.overlapping else "")
+        )
 
 
-def layout_from_config(cluster: Any, *, num_devices: int, cuda: bool, device_ids: tuple[str, ...] = (),
-                       train_tp: int = 1, rollout_tp: int = 1) -> ClusterLayout | None:
+def layout_from_config(
+    cluster: Any,
+    *,
+    num_devices: int,
+    cuda: bool,
+    device_ids: tuple[str, ...] = (),
+    train_tp: int = 1,
+    rollout_tp: int = 1,
+) -> ClusterLayout | None:
     """The partitioned layout the config asks for, or None when it asks for the colocated default.
 
     ``cluster.allocation_mode`` with a ``+`` (e.g. ``areno[rollout]:d2+fsdp[actor]:t2``) gives
@@ -201,13 +229,23 @@ def layout_from_config(cluster: Any, *, num_devices: int, cuda: bool, device_ids
     elif train is None and rollout is None:
         return None
     elif train is None or rollout is None:
-        raise LayoutError("cluster.train_devices and cluster.rollout_devices go together: set both "
-                          "(or cluster.allocation_mode with a '+')")
+        raise LayoutError(
+            "cluster.train_devices and cluster.rollout_devices go together: set both "
+            "(or cluster.allocation_mode with a '+')"
+        )
     if num_devices and max([*train, *rollout]) >= num_devices:
-        raise LayoutError(f"cluster device lists {list(train)} / {list(rollout)} name device "
-                          f"{max([*train, *rollout])} but only {num_devices} are visible; use smaller indices")
-    return ClusterLayout(train_devices=tuple(train), rollout_devices=tuple(rollout), train_tp=train_tp,
-                         rollout_tp=rollout_tp, cuda=cuda, device_ids=device_ids)
+        raise LayoutError(
+            f"cluster device lists {list(train)} / {list(rollout)} name device "
+            f"{max([*train, *rollout])} but only {num_devices} are visible; use smaller indices"
+        )
+    return ClusterLayout(
+        train_devices=tuple(train),
+        rollout_devices=tuple(rollout),
+        train_tp=train_tp,
+        rollout_tp=rollout_tp,
+        cuda=cuda,
+        device_ids=device_ids,
+    )
 
 
 def scheduler_for(cluster: Any, layout: ClusterLayout, *, log_dir: str) -> Any:
@@ -221,9 +259,11 @@ def scheduler_for(cluster: Any, layout: ClusterLayout, *, log_dir: str) -> Any:
     options = {"log_dir": log_dir, **dict(cluster.scheduler_options or {})}
     cfg = scheduler_config(cluster.scheduler, options)
     if cfg.type != "local" and layout.overlapping:
-        raise LayoutError(f"cluster.scheduler={cfg.type} gives each worker GPUs of its own, but train and rollout "
-                          f"share devices {list(layout.overlapping)}: use disjoint device lists or "
-                          "cluster.scheduler=local")
+        raise LayoutError(
+            f"cluster.scheduler={cfg.type} gives each worker GPUs of its own, but train and rollout "
+            f"share devices {list(layout.overlapping)}: use disjoint device lists or "
+            "cluster.scheduler=local"
+        )
     return scheduler_from_config(cfg)
 
 
@@ -253,9 +293,15 @@ def _param_count(model_config: Any) -> int:
     return L * (attn + mlp + 2 * h) + embed + h
 
 
-def estimate_memory(layout: ClusterLayout, model_config: Any, *, train_dtype: str = "float32",
-                    rollout_dtype: str = "bfloat16", kv_tokens: int, context_bytes: int = CONTEXT_BYTES
-                    ) -> MemoryEstimate:
+def estimate_memory(
+    layout: ClusterLayout,
+    model_config: Any,
+    *,
+    train_dtype: str = "float32",
+    rollout_dtype: str = "bfloat16",
+    kv_tokens: int,
+    context_bytes: int = CONTEXT_BYTES,
+) -> MemoryEstimate:
     """Per-device bytes: training model + gradients + AdamW state (two fp32 moments, plus an fp32
     master copy when training in 16-bit), sharded over the training mesh; rollout weights split
     over rollout TP; the KV cache for ``kv_tokens`` tokens (split over TP by KV heads); one
@@ -275,8 +321,9 @@ def estimate_memory(layout: ClusterLayout, model_config: Any, *, train_dtype: st
     for d in layout.train_devices:
         out.setdefault(d, {}).update({"train_model_grad_optim": train_bytes, "train_context": context_bytes})
     for d in layout.rollout_devices:
-        out.setdefault(d, {}).update({"rollout_weights": rollout_weights, "rollout_kv": kv_bytes,
-                                      "rollout_context": context_bytes})
+        out.setdefault(d, {}).update(
+            {"rollout_weights": rollout_weights, "rollout_kv": kv_bytes, "rollout_context": context_bytes}
+        )
     return MemoryEstimate(per_device=out)
 
 
@@ -290,7 +337,8 @@ def validate_memory(layout: ClusterLayout, estimate: MemoryEstimate, capacity: d
             shared = " (shared by a training and a rollout worker)" if d in layout.overlapping else ""
             raise LayoutError(
                 f"device {d}{shared} needs ~{need / GIB:.2f} GiB ({parts} GiB) but has {cap / GIB:.2f} GiB; "
-                f"use separate train/rollout devices, more training devices, or fewer KV blocks")
+                f"use separate train/rollout devices, more training devices, or fewer KV blocks"
+            )
 
 
 # ---------------------------------------------------------------------- groups
@@ -324,11 +372,17 @@ def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
         mesh = DeviceMesh(device_type, mesh_ranks, mesh_dim_names=MESH_DIMS)
     else:
         try:
-            mesh = DeviceMesh(device_type, mesh_ranks, mesh_dim_names=MESH_DIMS,
-                              backend_override=tuple((backend, None) for _ in MESH_DIMS))
+            mesh = DeviceMesh(
+                device_type,
+                mesh_ranks,
+                mesh_dim_names=MESH_DIMS,
+                backend_override=tuple((backend, None) for _ in MESH_DIMS),
+            )
         except TypeError:
-            raise LayoutError(f"torch {torch.__version__}: DeviceMesh has no backend_override, which the "
-                              "partitioned topology needs on GPU (NCCL mesh in a gloo world); upgrade torch") from None
+            raise LayoutError(
+                f"torch {torch.__version__}: DeviceMesh has no backend_override, which the "
+                "partitioned topology needs on GPU (NCCL mesh in a gloo world); upgrade torch"
+            ) from None
     if rank in layout.train_ranks:
         g.train_group, g.train_mesh = train_group, mesh
     rollout_group = dist.new_group(list(layout.rollout_ranks), backend=backend)

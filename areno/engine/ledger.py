@@ -75,7 +75,7 @@ class SampleLedger:
         self.trained_groups = 0
         """Groups the trainer took since the run began (restored on resume)."""
 
-    def __iter__(self) -> "SampleLedger":
+    def __iter__(self) -> SampleLedger:
         return self
 
     def __next__(self) -> dict[str, Any]:
@@ -138,9 +138,11 @@ class SampleLedger:
         trained-group count, taken atomically with respect to the pool's reads."""
         with self._lock:
             untrained = list(self._pending.values()) + list(self._replay)
-            return {"stream": self.stream.state_dict(),
-                    "pending": [{"row": dict(row), "key": list(key)} for row, key in untrained],
-                    "trained_groups": self.trained_groups}
+            return {
+                "stream": self.stream.state_dict(),
+                "pending": [{"row": dict(row), "key": list(key)} for row, key in untrained],
+                "trained_groups": self.trained_groups,
+            }
 
     @property
     def num_handed_out(self) -> int:
@@ -153,8 +155,9 @@ class SampleLedger:
         with self._lock:
             assert not self._pending, "load the ledger before the rollout pool starts"
             self.stream.load_state_dict(state["stream"])
-            self._replay = collections.deque((dict(p["row"]), (int(p["key"][0]), int(p["key"][1])))
-                                             for p in state["pending"])
+            self._replay = collections.deque(
+                (dict(p["row"]), (int(p["key"][0]), int(p["key"][1]))) for p in state["pending"]
+            )
             self.trained_groups = int(state["trained_groups"])
 
 
@@ -234,8 +237,9 @@ class SeedingClient(RolloutClient):
         """Seed the unseeded sampled requests from the episode's seeds (in order) and count them."""
         seeds = _EPISODE.get(None)
         if seeds is not None:
-            params = [dataclasses.replace(p, seed=seeds.next()) if p.seed is None and p.temperature > 0 else p
-                      for p in params]
+            params = [
+                dataclasses.replace(p, seed=seeds.next()) if p.seed is None and p.temperature > 0 else p for p in params
+            ]
         self._arrivals += len(params)
         if self._release is not None and self._settler is None:
             self._settler = asyncio.get_running_loop().create_task(self._asettle())

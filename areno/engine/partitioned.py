@@ -40,17 +40,37 @@ import torch
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
 from areno.api.faults import fault_point
-from areno.engine.api import (ArenoEngine, build_role_backends, prepare_model_dir, resolve_recipe, rollout_engine_config,
-                              warm_up_rollout_engine)
-from areno.engine.cluster import ClusterLayout, LayoutError, build_groups, estimate_memory, layout_from_config, validate_memory
+from areno.engine.api import (
+    ArenoEngine,
+    build_role_backends,
+    prepare_model_dir,
+    resolve_recipe,
+    rollout_engine_config,
+    warm_up_rollout_engine,
+)
+from areno.engine.cluster import (
+    ClusterLayout,
+    LayoutError,
+    build_groups,
+    estimate_memory,
+    layout_from_config,
+    validate_memory,
+)
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
 from areno.train import checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PartitionedArenoEngine", "RolloutWorker", "TrainWorker",
-           "WorkerLostError", "is_partitioned", "kv_tokens_for"]
+__all__ = [
+    "PartitionedArenoEngine",
+    "RolloutWorker",
+    "TrainWorker",
+    "WorkerLostError",
+    "is_partitioned",
+    "kv_tokens_for",
+]
+
 
 class WorkerLostError(RuntimeError):
     """A worker of the partitioned world died; its world cannot be re-formed in place."""
@@ -116,10 +136,10 @@ def apply_process_settings(config: ArenoConfig) -> None:
 
 def _init_world(config: ArenoConfig) -> str:
     """Join the world (env from the scheduler); returns the device type."""
-    import torch.distributed as dist
-
     import faulthandler
     import signal
+
+    import torch.distributed as dist
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: stacks to the worker log
     device_type = _device_type(config)
@@ -160,18 +180,28 @@ class TrainWorker:
         self.groups = build_groups(layout, device_type)  # collective: same order on every rank
         torch.manual_seed(cfg.train.seed)
         recipe = resolve_recipe(cfg)
-        backends = build_role_backends(cfg, recipe, Path(model_dir), lambda c: FSDP2TrainBackend(
-            dataclasses.replace(c, device=device_type, tp_size=layout.train_tp,
-                                dp_replicate_size=layout.train_dp_replicate),
-            mesh=self.groups.train_mesh, group=self.groups.train_group))
+        backends = build_role_backends(
+            cfg,
+            recipe,
+            Path(model_dir),
+            lambda c: FSDP2TrainBackend(
+                dataclasses.replace(
+                    c, device=device_type, tp_size=layout.train_tp, dp_replicate_size=layout.train_dp_replicate
+                ),
+                mesh=self.groups.train_mesh,
+                group=self.groups.train_group,
+            ),
+        )
         self.runner = RecipeRunner(recipe, backends, num_minibatches=cfg.train.num_minibatches)
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else recipe.roles[0].name
         self.transport = StreamTransport(
-            topology=layout.stream_topology(), config=_sync_config(cfg),
+            topology=layout.stream_topology(),
+            config=_sync_config(cfg),
             source=NamedTensorSource(backends[self.policy].named_weights),
             device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu",
-            backend="nccl" if device_type == "cuda" else None)
+            backend="nccl" if device_type == "cuda" else None,
+        )
 
     def pid(self) -> int:
         return os.getpid()
@@ -206,8 +236,9 @@ class RolloutWorker:
     """One rollout rank: a RolloutEngine served over HTTP on 127.0.0.1 and the receiving side of
     the policy stream (it keeps generating with its current policy until a sync commits)."""
 
-    def __init__(self, config: ArenoConfig, layout: ClusterLayout, model_dir: str, *,
-                 api_key: str | None = None) -> None:
+    def __init__(
+        self, config: ArenoConfig, layout: ClusterLayout, model_dir: str, *, api_key: str | None = None
+    ) -> None:
         """``api_key``: required by the server for every request but /health; a worker that may sit
         on another node than the controller (Ray, SLURM) binds all interfaces and must have one."""
         import uvicorn
@@ -232,21 +263,33 @@ class RolloutWorker:
         blocks = cfg.rollout.kv_blocks
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
             blocks = -(-kv_tokens_for(cfg) // 16)
-        self.engine = RolloutEngine(model, model_config,
-                                    config=rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks),
-                                    eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer)
+        self.engine = RolloutEngine(
+            model,
+            model_config,
+            config=rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks),
+            eos_token_ids=[tokenizer.eos_token_id],
+            tokenizer=tokenizer,
+        )
         warm_up_rollout_engine(self.engine, cfg)
-        specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
-                 for n, t in self.engine.weight_tensors().items()}
+        specs = {
+            n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
+            for n, t in self.engine.weight_tensors().items()
+        }
         # Asynchronous: a staged commit is applied in the background at the engine's next step
         # boundary, so the sync (and the trainer waiting on it) does not wait for a k-step decode loop.
-        self.receiver = engine_receiver(self.engine, specs, commit=cfg.cluster.sync_commit,
-                                        deferred=cfg.rollout.max_head_offpolicyness > 0
-                                        and cfg.cluster.sync_commit == "staged")
-        self.transport = StreamTransport(topology=layout.stream_topology(), config=_sync_config(cfg),
-                                         receiver=self.receiver,
-                                         device=device,
-                                         backend="nccl" if device_type == "cuda" else None)
+        self.receiver = engine_receiver(
+            self.engine,
+            specs,
+            commit=cfg.cluster.sync_commit,
+            deferred=cfg.rollout.max_head_offpolicyness > 0 and cfg.cluster.sync_commit == "staged",
+        )
+        self.transport = StreamTransport(
+            topology=layout.stream_topology(),
+            config=_sync_config(cfg),
+            receiver=self.receiver,
+            device=device,
+            backend="nccl" if device_type == "cuda" else None,
+        )
         from areno.rollout.server import check_bind
 
         self.host = bind_host(cfg)
@@ -254,8 +297,9 @@ class RolloutWorker:
         self.advertised = advertised_address(self.host)
         self.app = create_app(self.engine, tokenizer=tokenizer, api_key=api_key)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=self.host, port=self.port,
-                                                    log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        )
         self._thread = threading.Thread(target=self.server.run, name="areno-rollout-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 60
@@ -323,8 +367,14 @@ class PartitionedArenoEngine(ArenoEngine):
     layout: ClusterLayout
     scheduler: Any
 
-    def __init__(self, config: ArenoConfig, run_dir: Path, *, scheduler: Any = None,
-                 device_capacity: dict[int, int] | int | None = None) -> None:
+    def __init__(
+        self,
+        config: ArenoConfig,
+        run_dir: Path,
+        *,
+        scheduler: Any = None,
+        device_capacity: dict[int, int] | int | None = None,
+    ) -> None:
         """``scheduler``: a started ``Scheduler`` (default: the one ``cluster.scheduler`` names,
         logging to ``run_dir/workers``); ``device_capacity``: bytes per logical device for the memory check
         (default: each visible GPU's total memory; no check on CPU)."""
@@ -343,17 +393,24 @@ class PartitionedArenoEngine(ArenoEngine):
         cuda = _device_type(cfg) == "cuda"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if cuda:
-            ids = tuple(d for d in visible.split(",") if d.strip()) if visible is not None else tuple(
-                str(i) for i in range(torch.cuda.device_count()))
+            ids = (
+                tuple(d for d in visible.split(",") if d.strip())
+                if visible is not None
+                else tuple(str(i) for i in range(torch.cuda.device_count()))
+            )
         else:
             ids = ()
         layout = layout_from_config(cfg.cluster, num_devices=len(ids) if cuda else 0, cuda=cuda, device_ids=ids)
         if layout is None:
-            raise LayoutError("PartitionedArenoEngine needs cluster.train_devices + cluster.rollout_devices "
-                              "or a '+' allocation_mode; without them use the colocated ArenoEngine")
+            raise LayoutError(
+                "PartitionedArenoEngine needs cluster.train_devices + cluster.rollout_devices "
+                "or a '+' allocation_mode; without them use the colocated ArenoEngine"
+            )
         if layout.rollout_tp != 1:
-            raise LayoutError(f"rollout TP {layout.rollout_tp}: the partitioned engine serves rollout TP 1 "
-                              "replicas (rollout DP = number of rollout devices); use rollout t1")
+            raise LayoutError(
+                f"rollout TP {layout.rollout_tp}: the partitioned engine serves rollout TP 1 "
+                "replicas (rollout DP = number of rollout devices); use rollout t1"
+            )
         layout.relays()  # routing error (no relay on another device) before launch
         return layout
 
@@ -366,14 +423,22 @@ class PartitionedArenoEngine(ArenoEngine):
         cuda = layout.cuda
         capacity = self._device_capacity
         if capacity is None and cuda:
-            capacity = {d: torch.cuda.get_device_properties(d).total_memory
-                        for d in set(layout.train_devices) | set(layout.rollout_devices)}
+            capacity = {
+                d: torch.cuda.get_device_properties(d).total_memory
+                for d in set(layout.train_devices) | set(layout.rollout_devices)
+            }
         if capacity is not None:
             model_config = read_config(model_dir)
-            rollout_dtype = cfg.model.rollout_dtype if cfg.model.rollout_dtype != "auto" else (
-                "bfloat16" if cuda else "float32")
-            est = estimate_memory(layout, model_config, train_dtype=cfg.model.dtype if cfg.model.dtype != "auto"
-                                  else "float32", rollout_dtype=rollout_dtype, kv_tokens=kv_tokens_for(cfg))
+            rollout_dtype = (
+                cfg.model.rollout_dtype if cfg.model.rollout_dtype != "auto" else ("bfloat16" if cuda else "float32")
+            )
+            est = estimate_memory(
+                layout,
+                model_config,
+                train_dtype=cfg.model.dtype if cfg.model.dtype != "auto" else "float32",
+                rollout_dtype=rollout_dtype,
+                kv_tokens=kv_tokens_for(cfg),
+            )
             validate_memory(layout, est, capacity)
 
     def initialize(self) -> None:
@@ -388,8 +453,10 @@ class PartitionedArenoEngine(ArenoEngine):
         cfg = self.config
         self.recipe = resolve_recipe(cfg)
         if not self.recipe.online:
-            raise ValueError(f"recipe {cfg.train.algorithm!r} trains offline: the partitioned topology is for online "
-                             "RL; unset cluster.train_devices/rollout_devices to run it colocated")
+            raise ValueError(
+                f"recipe {cfg.train.algorithm!r} trains offline: the partitioned topology is for online "
+                "RL; unset cluster.train_devices/rollout_devices to run it colocated"
+            )
         self.layout = layout = self.plan_layout()
         train_rows, self.eval_rows = build_splits(cfg.data)
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
@@ -397,7 +464,9 @@ class PartitionedArenoEngine(ArenoEngine):
         model_dir = prepare_model_dir(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json")
+            raise ValueError(
+                f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json"
+            )
         self.check_memory(layout, model_dir)
         logger.info("partitioned topology: %s", layout.describe())
         if self.scheduler is None:
@@ -405,20 +474,39 @@ class PartitionedArenoEngine(ArenoEngine):
         args = (cfg, layout, str(model_dir))
         # workers on other nodes (ray, slurm) serve beyond loopback: every request carries this key
         api_key = secrets.token_urlsafe(32) if bind_host(cfg) != "127.0.0.1" else None
-        self.scheduler.create_roles([
-            RoleSpec(role="train", worker_cls="areno.engine.partitioned:TrainWorker", n=layout.n_train, args=args,
-                     devices=list(layout.train_devices) if layout.cuda else None, world="areno"),
-            RoleSpec(role="rollout", worker_cls="areno.engine.partitioned:RolloutWorker", n=layout.n_rollout,
-                     args=args, kwargs={"api_key": api_key}, devices=list(layout.rollout_devices) if layout.cuda else None, world="areno"),
-        ])
+        self.scheduler.create_roles(
+            [
+                RoleSpec(
+                    role="train",
+                    worker_cls="areno.engine.partitioned:TrainWorker",
+                    n=layout.n_train,
+                    args=args,
+                    devices=list(layout.train_devices) if layout.cuda else None,
+                    world="areno",
+                ),
+                RoleSpec(
+                    role="rollout",
+                    worker_cls="areno.engine.partitioned:RolloutWorker",
+                    n=layout.n_rollout,
+                    args=args,
+                    kwargs={"api_key": api_key},
+                    devices=list(layout.rollout_devices) if layout.cuda else None,
+                    world="areno",
+                ),
+            ]
+        )
         # checkpoints (DCP, written by the training ranks) and exports go under run_dir: every node must see it
         check_shared_storage([str(self.run_dir)], self.scheduler)
         urls = self.scheduler.call("rollout", "url")
         replica_urls = [urls[r - layout.n_train] for r in layout.replica_leaders()]
         self.health = HealthMonitor(replica_urls, api_key=api_key).start()
-        self.client = MultiServerRolloutClient(replica_urls, api_key=api_key,
-                                               request_timeout_s=cfg.rollout.request_timeout_s, health=self.health,
-                                               lost=self.lost_replicas)
+        self.client = MultiServerRolloutClient(
+            replica_urls,
+            api_key=api_key,
+            request_timeout_s=cfg.rollout.request_timeout_s,
+            health=self.health,
+            lost=self.lost_replicas,
+        )
         self.executor = self._build_executor()
         self.asynchronous = cfg.rollout.max_head_offpolicyness > 0
 
@@ -448,28 +536,31 @@ class PartitionedArenoEngine(ArenoEngine):
             wall.append(dt)
             busy.append((b["busy_s"] - a["busy_s"]) / dt)
             tokens += b["generated_tokens"] - a["generated_tokens"]
+
         def deltas(key: str) -> list[float]:  # each replica's counter since the previous step
             return [b.get(key, 0) - a.get(key, 0) for a, b in zip(last, now)]
 
         out = {f"rollout/engine_{i}_busy_frac": v for i, v in enumerate(busy)}
-        out.update({
-            "rollout/engine_busy_frac": sum(busy) / len(busy),
-            "rollout/engine_generated_tokens_per_s": tokens / (sum(wall) / len(wall)),
-            "rollout/engine_preemptions": sum(deltas("num_preemptions")),
-            # prefill work (prompts, and re-prefill of requests recomputed after a sync) and the
-            # engine steps that carried it (prefill and mixed steps run without CUDA graphs)
-            "rollout/engine_prefill_tokens": sum(deltas("prefill_tokens")),
-            "rollout/engine_mixed_steps": sum(deltas("mixed_steps")),
-            "rollout/engine_steps": sum(deltas("steps")),
-            # host round trips (a k-step decode loop is one) and decode steps run eagerly because
-            # their graph was being captured or captures were held by a policy sync
-            "rollout/engine_round_trips": sum(deltas("sampling_round_trips")),
-            "rollout/engine_graph_deferred_steps": sum(deltas("cuda_graph_deferred_steps")),
-            "rollout/engine_kv_usage_max": max(b["kv_usage"] for b in now),
-            # CUDA graphs captured during the step (each a pause of the engine's decode loop)
-            "rollout/engine_graph_captures": sum(deltas("cuda_graphs_captured")),
-            "rollout/engine_graph_capture_s": max(deltas("cuda_graph_capture_s")),
-        })
+        out.update(
+            {
+                "rollout/engine_busy_frac": sum(busy) / len(busy),
+                "rollout/engine_generated_tokens_per_s": tokens / (sum(wall) / len(wall)),
+                "rollout/engine_preemptions": sum(deltas("num_preemptions")),
+                # prefill work (prompts, and re-prefill of requests recomputed after a sync) and the
+                # engine steps that carried it (prefill and mixed steps run without CUDA graphs)
+                "rollout/engine_prefill_tokens": sum(deltas("prefill_tokens")),
+                "rollout/engine_mixed_steps": sum(deltas("mixed_steps")),
+                "rollout/engine_steps": sum(deltas("steps")),
+                # host round trips (a k-step decode loop is one) and decode steps run eagerly because
+                # their graph was being captured or captures were held by a policy sync
+                "rollout/engine_round_trips": sum(deltas("sampling_round_trips")),
+                "rollout/engine_graph_deferred_steps": sum(deltas("cuda_graph_deferred_steps")),
+                "rollout/engine_kv_usage_max": max(b["kv_usage"] for b in now),
+                # CUDA graphs captured during the step (each a pause of the engine's decode loop)
+                "rollout/engine_graph_captures": sum(deltas("cuda_graphs_captured")),
+                "rollout/engine_graph_capture_s": max(deltas("cuda_graph_capture_s")),
+            }
+        )
         return out
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
@@ -487,7 +578,9 @@ class PartitionedArenoEngine(ArenoEngine):
         if self.asynchronous:
             self.executor.pause()
         try:
-            futures = self.scheduler.submit("train", "sync", version) + self.scheduler.submit("rollout", "sync", version)
+            futures = self.scheduler.submit("train", "sync", version) + self.scheduler.submit(
+                "rollout", "sync", version
+            )
             results = gather_fail_fast(futures)
         finally:
             if self.asynchronous:
@@ -499,11 +592,14 @@ class PartitionedArenoEngine(ArenoEngine):
         # a training rank's figures, but generation stopped as long as the slowest rollout commit;
         # where the time went: the training rank's phases, the slowest rollout rank's per phase
         # (policy_sync_rollout_phase_*), and the controller's own (worker check, whole call)
-        rollout_phases = {k.replace("policy_sync_phase_", "policy_sync_rollout_phase_"):
-                          max(r.get(k, 0.0) for r in results[n_train:])
-                          for k in results[n_train] if k.startswith("policy_sync_phase_")}
+        rollout_phases = {
+            k.replace("policy_sync_phase_", "policy_sync_rollout_phase_"): max(r.get(k, 0.0) for r in results[n_train:])
+            for k in results[n_train]
+            if k.startswith("policy_sync_phase_")
+        }
         self._pending_sync_metrics = {
-            **results[0], **rollout_phases,
+            **results[0],
+            **rollout_phases,
             "policy_sync_generation_paused_s": max(r["policy_sync_generation_paused_s"] for r in results[n_train:]),
             "policy_sync_controller_check_s": t_check,
             "policy_sync_controller_s": time.perf_counter() - t0,
@@ -532,8 +628,10 @@ class PartitionedArenoEngine(ArenoEngine):
             try:
                 future.result(timeout=timeout_s)
             except WorkerDiedError:
-                dead[i] = (f"{handle.name} (pid {handle.pid}) died; the distributed world cannot be re-formed in "
-                           f"place: restart the run from its last checkpoint (log: {handle.log_path})")
+                dead[i] = (
+                    f"{handle.name} (pid {handle.pid}) died; the distributed world cannot be re-formed in "
+                    f"place: restart the run from its last checkpoint (log: {handle.log_path})"
+                )
             except concurrent.futures.TimeoutError:
                 pass
         return dead
@@ -566,8 +664,10 @@ class PartitionedArenoEngine(ArenoEngine):
         tmp = checkpoint.staging_dir(path)
         for role in self.scheduler.call("train", "trainable_roles")[0]:
             # DCP's collectives span the world: rollout ranks join with nothing to write
-            gather_fail_fast(self.scheduler.submit("train", "save_role", str(tmp / role), role, state)
-                    + self.scheduler.submit("rollout", "join_checkpoint", str(tmp / role), False))
+            gather_fail_fast(
+                self.scheduler.submit("train", "save_role", str(tmp / role), role, state)
+                + self.scheduler.submit("rollout", "join_checkpoint", str(tmp / role), False)
+            )
         self.export_policy(tmp / "hf")
         fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
         checkpoint.commit(tmp, path)  # COMPLETE inside, then one rename: path exists only when whole
@@ -576,8 +676,10 @@ class PartitionedArenoEngine(ArenoEngine):
         self.check_loadable()
         state = {}
         for role in self.scheduler.call("train", "trainable_roles")[0]:
-            results = gather_fail_fast(self.scheduler.submit("train", "load_role", str(path / role), role)
-                              + self.scheduler.submit("rollout", "join_checkpoint", str(path / role), True))
+            results = gather_fail_fast(
+                self.scheduler.submit("train", "load_role", str(path / role), role)
+                + self.scheduler.submit("rollout", "join_checkpoint", str(path / role), True)
+            )
             state = results[0]
         self._restore(state)
         return state

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from areno.api.workflow import RolloutWorkflow
 from areno.train.checkpoint import complete_checkpoints
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from areno.rollout.client import RolloutClient
 
 logger = logging.getLogger("areno.engine.test_rollout")
-
 
 
 class HotLoadable(Protocol):
@@ -48,7 +48,7 @@ class TestRolloutManager:
         self,
         checkpoint_dir: str | Path,
         engine: HotLoadable,
-        client: "RolloutClient",
+        client: RolloutClient,
         workflow: RolloutWorkflow,
         eval_samples: list[dict[str, Any]],
         *,
@@ -107,9 +107,10 @@ class TestRolloutManager:
         while not self._stop.is_set():
             try:
                 self.poll_once()
-            except Exception:  # noqa: BLE001 - an evaluation failure is reported; the thread lives on
-                logger.exception("test rollout: evaluating checkpoint step %s failed; waiting for the next one",
-                                 self.last_step)
+            except Exception:
+                logger.exception(
+                    "test rollout: evaluating checkpoint step %s failed; waiting for the next one", self.last_step
+                )
             self._stop.wait(self.poll_interval_s)
 
     @property
@@ -132,8 +133,14 @@ class TestRolloutManager:
             self.engine.update_weights_from_disk(str(weights), version=step)
         except Exception as exc:  # noqa: BLE001 - a bad checkpoint: reported once, skipped, training goes on
             self._failed_steps.add(step)
-            logger.error("test rollout: cannot load checkpoint step %d at %s (%s: %s); skipping it, the eval "
-                         "engine keeps its previous weights", step, weights, type(exc).__name__, exc)
+            logger.error(
+                "test rollout: cannot load checkpoint step %d at %s (%s: %s); skipping it, the eval "
+                "engine keeps its previous weights",
+                step,
+                weights,
+                type(exc).__name__,
+                exc,
+            )
             return None
         load_s = time.perf_counter() - t0
         self.last_step = step

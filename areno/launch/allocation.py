@@ -193,9 +193,7 @@ _TERMINAL_WORDS = {
 
 def _error(source: str, column: int, message: str) -> AllocationModeError:
     caret = " " * (column - 1) + "^"
-    return AllocationModeError(
-        f"invalid allocation_mode at column {column}: {message}\n  {source}\n  {caret}"
-    )
+    return AllocationModeError(f"invalid allocation_mode at column {column}: {message}\n  {source}\n  {caret}")
 
 
 def _expected(names: set[str] | frozenset[str]) -> str:
@@ -210,7 +208,9 @@ def parse_allocation_mode(source: str) -> AllocationMode:
     try:
         tree = _parser().parse(source)
     except lark.UnexpectedCharacters as e:
-        raise _error(source, e.column, f"unexpected {source[e.pos_in_stream]!r}, expected {_expected(e.allowed)}") from None
+        raise _error(
+            source, e.column, f"unexpected {source[e.pos_in_stream]!r}, expected {_expected(e.allowed)}"
+        ) from None
     except lark.UnexpectedEOF as e:
         raise _error(source, len(source) + 1, f"unexpected end, expected {_expected(e.expected)}") from None
     except lark.UnexpectedToken as e:
@@ -243,12 +243,17 @@ def _component(source: str, tree: lark.Tree) -> Component:
             raise _error(source, tok.column, f"{_DIM_NAMES[dim]} size must be >= 1, got {tok}")
         if dim not in spec.dims and count > 1:
             raise _error(
-                source, tok.column,
+                source,
+                tok.column,
                 f"{_DIM_NAMES[dim]} parallelism ({tok}) is reserved: backend {backend!r} does not implement it",
             )
         counts[dim] = count
     return Component(
-        backend=backend, role=role, dp=counts.get("d", 1), tp=counts.get("t", 1), pp=counts.get("p", 1),
+        backend=backend,
+        role=role,
+        dp=counts.get("d", 1),
+        tp=counts.get("t", 1),
+        pp=counts.get("p", 1),
         column=backend_tok.column,
     )
 
@@ -264,7 +269,8 @@ def _check(source: str, groups: tuple[tuple[Component, ...], ...]) -> None:
         for c in group[1:]:
             if c.world_size != first.world_size:
                 raise _error(
-                    source, c.column,
+                    source,
+                    c.column,
                     f"colocated components must have the same world size: {first} has {first.world_size}, "
                     f"{c} has {c.world_size}",
                 )

@@ -64,7 +64,9 @@ def _host_port(address: str) -> tuple[str, int]:
     hostport = address.removeprefix("ray://")
     host, sep, port = hostport.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"cluster.scheduler_options.ray_address {address!r} must be 'auto', 'host:port' or 'ray://host:port'")
+        raise ValueError(
+            f"cluster.scheduler_options.ray_address {address!r} must be 'auto', 'host:port' or 'ray://host:port'"
+        )
     return host, int(port)
 
 
@@ -150,8 +152,12 @@ class RayScheduler(Scheduler):
         if not ray.is_initialized():
             try:
                 ray.init(
-                    address=address, num_cpus=num_cpus if address is None else None, runtime_env=runtime_env,
-                    include_dashboard=False, log_to_driver=False, configure_logging=False,
+                    address=address,
+                    num_cpus=num_cpus if address is None else None,
+                    runtime_env=runtime_env,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
                 )
             except ConnectionError as e:
                 raise SchedulerError(
@@ -198,7 +204,8 @@ class RayScheduler(Scheduler):
     def _new_actor(self, w: _RayWorker) -> Any:
         bundle = self._bundle(w.spec)
         return self._actor_cls.options(
-            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+            num_cpus=bundle.get("CPU", 0),
+            num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pgs[w.spec.role], placement_group_bundle_index=w.bundle
             ),
@@ -218,7 +225,12 @@ class RayScheduler(Scheduler):
                     rank, world_size, _ = ranks[(spec.role, i)]
                     devices = spec.worker_devices(i)
                     handle = WorkerHandle(
-                        role=spec.role, index=i, rank=rank, world_size=world_size, pid=None, host="",
+                        role=spec.role,
+                        index=i,
+                        rank=rank,
+                        world_size=world_size,
+                        pid=None,
+                        host="",
                         devices=tuple(devices) if devices is not None else None,
                     )
                     w = _RayWorker(spec=spec, handle=handle, bundle=i)
@@ -277,7 +289,9 @@ class RayScheduler(Scheduler):
             ) from None
         return _raise_reply(w.handle, what, reply)
 
-    def submit_one(self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    def submit_one(
+        self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future:
         w = self._role(role)[index]
         return w.executor.submit(lambda: self._get(w, w.actor.run.remote(target, args, kwargs), _target_name(target)))
 
@@ -310,4 +324,3 @@ class RayScheduler(Scheduler):
             self._remove_role(role)
         if self._owns_ray:
             ray.shutdown()
-

@@ -156,11 +156,7 @@ def assign_ranks(specs: Sequence[RoleSpec]) -> dict[tuple[str, int], tuple[int, 
     for spec in specs:
         key = spec.world if spec.world is not None else f"role:{spec.role}"
         worlds.setdefault(key, []).extend((spec.role, i) for i in range(spec.n))
-    return {
-        member: (rank, len(members), key)
-        for key, members in worlds.items()
-        for rank, member in enumerate(members)
-    }
+    return {member: (rank, len(members), key) for key, members in worlds.items() for rank, member in enumerate(members)}
 
 
 def python_path_env() -> str:
@@ -181,8 +177,11 @@ workers it waits for and how to see where they are (again after 2x, 4x, ... as l
 0 turns the warning off. Env ``ARENO_SLOW_CALL_WARN_S``."""
 
 
-def _gather(futures: list[concurrent.futures.Future], on_slow: Callable[[list[int], float], None] | None = None,
-            warn_s: float = 0.0) -> list[Any]:
+def _gather(
+    futures: list[concurrent.futures.Future],
+    on_slow: Callable[[list[int], float], None] | None = None,
+    warn_s: float = 0.0,
+) -> list[Any]:
     """Results in order; the first failure is raised at once (the other workers may be blocked in
     a rendezvous or collective with the failed one and would never answer). ``on_slow(pending
     indices, seconds waited)`` is called after ``warn_s`` seconds and then at doubling intervals."""
@@ -228,8 +227,13 @@ class Scheduler(abc.ABC):
     ) -> list[WorkerHandle]:
         """Start ``n`` workers of ``worker_cls_path`` as ``role`` (its own distributed world)."""
         spec = RoleSpec(
-            role=role, worker_cls=worker_cls_path, n=n, env=dict(env or {}), args=tuple(args),
-            kwargs=dict(kwargs or {}), devices=devices,
+            role=role,
+            worker_cls=worker_cls_path,
+            n=n,
+            env=dict(env or {}),
+            args=tuple(args),
+            kwargs=dict(kwargs or {}),
+            devices=devices,
         )
         return self.create_roles([spec])[role]
 
@@ -239,7 +243,9 @@ class Scheduler(abc.ABC):
 
     # -- calls ----------------------------------------------------------------------------------
     @abc.abstractmethod
-    def submit_one(self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    def submit_one(
+        self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future:
         """Call ``target`` (method name or module-level function) on one worker; a future of its result."""
 
     @abc.abstractmethod
@@ -261,12 +267,19 @@ class Scheduler(abc.ABC):
         handles = self.workers(role)
 
         def on_slow(pending: list[int], waited_s: float) -> None:
-            busy = ", ".join(f"{handles[i].name} (pid {handles[i].pid} on {handles[i].host}"
-                             + (f", log {handles[i].log_path}" if handles[i].log_path else "") + ")" for i in pending)
+            busy = ", ".join(
+                f"{handles[i].name} (pid {handles[i].pid} on {handles[i].host}"
+                + (f", log {handles[i].log_path}" if handles[i].log_path else "")
+                + ")"
+                for i in pending
+            )
             logger.warning(
                 "%s still running after %.0f s on %s; to see where: kill -USR1 <pid> writes its stacks to its log, "
                 "ARENO_WORKER_LOG_CALLS=1 logs each call's start and end (a first step may also be compiling)",
-                _target_name(target), waited_s, busy)
+                _target_name(target),
+                waited_s,
+                busy,
+            )
 
         return _gather(self.submit(role, target, *args, **kwargs), on_slow, SLOW_CALL_WARN_S)
 
@@ -398,7 +411,8 @@ class _RpcScheduler(Scheduler):
 
     def _connect(self, workers: list[_RpcWorker]) -> None:
         arrived = self._hub.wait(
-            [(w.handle.role, w.handle.index) for w in workers], self.connect_timeout_s,
+            [(w.handle.role, w.handle.index) for w in workers],
+            self.connect_timeout_s,
             lambda: self._check_alive(workers),
         )
         for w in workers:
@@ -407,7 +421,9 @@ class _RpcScheduler(Scheduler):
             w.handle = _replace(w.handle, pid=pid, host=host)
         futures = [
             w.executor.submit(
-                self._roundtrip, w, ("init", w.spec.worker_cls, w.spec.args, w.spec.kwargs, self._init_env(w)),
+                self._roundtrip,
+                w,
+                ("init", w.spec.worker_cls, w.spec.args, w.spec.kwargs, self._init_env(w)),
                 "constructor",
             )
             for w in workers
@@ -437,7 +453,9 @@ class _RpcScheduler(Scheduler):
         log = f"; log: {w.handle.log_path}" if w.handle.log_path else ""
         return f"{w.handle.name} (pid {w.handle.pid} on {w.handle.host}) died during {what} ({type(err).__name__}{code}){log}"
 
-    def submit_one(self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    def submit_one(
+        self, role: str, index: int, target: str | Callable, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future:
         w = self._role(role)[index]
         return w.executor.submit(self._roundtrip, w, ("call", target, args, kwargs), _target_name(target))
 
@@ -452,7 +470,12 @@ class _RpcScheduler(Scheduler):
                 rank, world_size, world = ranks[(spec.role, i)]
                 devices = spec.worker_devices(i)
                 handle = WorkerHandle(
-                    role=spec.role, index=i, rank=rank, world_size=world_size, pid=None, host="",
+                    role=spec.role,
+                    index=i,
+                    rank=rank,
+                    world_size=world_size,
+                    pid=None,
+                    host="",
                     devices=tuple(devices) if devices is not None else None,
                     log_path=str(self.log_dir / f"{spec.role}-{i}.log"),
                 )
@@ -558,8 +581,15 @@ class LocalScheduler(_RpcScheduler):
     def _start(self, workers: list[_RpcWorker]) -> None:
         for w in workers:
             cmd = [
-                sys.executable, "-m", "areno.launch.worker", "--connect", f"127.0.0.1:{self._hub.port}",
-                "--role", w.handle.role, "--rank", str(w.handle.index),
+                sys.executable,
+                "-m",
+                "areno.launch.worker",
+                "--connect",
+                f"127.0.0.1:{self._hub.port}",
+                "--role",
+                w.handle.role,
+                "--rank",
+                str(w.handle.index),
             ]
             env = {**os.environ, **w.env, AUTHKEY_ENV: self._hub.authkey.hex()}
             assert w.handle.log_path is not None
@@ -650,8 +680,10 @@ class SchedulerConfig:
         if self.slurm_cpus_per_task < 1:
             raise ValueError(f"{OPTIONS_KEY}.slurm_cpus_per_task must be >= 1, got {self.slurm_cpus_per_task}")
         if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(f"{OPTIONS_KEY}.ray_placement_strategy must be one of PACK, SPREAD, STRICT_PACK, "
-                             f"STRICT_SPREAD; got {self.ray_placement_strategy!r}")
+            raise ValueError(
+                f"{OPTIONS_KEY}.ray_placement_strategy must be one of PACK, SPREAD, STRICT_PACK, "
+                f"STRICT_SPREAD; got {self.ray_placement_strategy!r}"
+            )
         self.slurm_extra_sbatch_lines = tuple(self.slurm_extra_sbatch_lines)
         self.slurm_setup_lines = tuple(self.slurm_setup_lines)
 
@@ -688,8 +720,10 @@ def scheduler_from_config(cfg: SchedulerConfig | dict[str, Any]) -> Scheduler:
             ) from None
 
         return RayScheduler(
-            address=cfg.ray_address, connect_timeout_s=cfg.ray_connect_timeout_s,
-            placement_strategy=cfg.ray_placement_strategy, cpus_per_worker=cfg.ray_cpus_per_worker,
+            address=cfg.ray_address,
+            connect_timeout_s=cfg.ray_connect_timeout_s,
+            placement_strategy=cfg.ray_placement_strategy,
+            cpus_per_worker=cfg.ray_cpus_per_worker,
             placement_timeout_s=cfg.ray_placement_timeout_s,
         )
     from areno.launch.slurm import SlurmScheduler

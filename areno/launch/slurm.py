@@ -31,9 +31,9 @@ from areno.launch.scheduler import (
     RoleSpec,
     SchedulerConfig,
     SchedulerError,
+    _replace,
     _RpcScheduler,
     _RpcWorker,
-    _replace,
     _tail,
     assign_ranks,
     free_port,
@@ -49,16 +49,24 @@ def check_slurm_controller(timeout_s: float = 60.0) -> None:
     """SchedulerError (one line) unless a SLURM controller answers ``squeue`` from here: without
     one (no slurm.conf, slurmctld down) ``sbatch`` could not allocate the job's nodes."""
     try:
-        out = subprocess.run(["squeue", "--noheader", "--format=%i", f"--user={getpass.getuser()}"],
-                             capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(
+            ["squeue", "--noheader", "--format=%i", f"--user={getpass.getuser()}"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        raise SchedulerError(f"no SLURM controller answered squeue within {timeout_s:g}s: check that slurmctld "
-                             f"runs (scontrol ping) or use cluster.scheduler=local|ray") from None
+        raise SchedulerError(
+            f"no SLURM controller answered squeue within {timeout_s:g}s: check that slurmctld "
+            f"runs (scontrol ping) or use cluster.scheduler=local|ray"
+        ) from None
     if out.returncode != 0:
         lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()] or [f"exit code {out.returncode}"]
-        raise SchedulerError(f"no SLURM controller answers from this host (squeue: {lines[-1]}): cluster.scheduler="
-                             f"slurm needs slurm.conf (SLURM_CONF) and a running slurmctld; or use "
-                             f"cluster.scheduler=local|ray")
+        raise SchedulerError(
+            f"no SLURM controller answers from this host (squeue: {lines[-1]}): cluster.scheduler="
+            f"slurm needs slurm.conf (SLURM_CONF) and a running slurmctld; or use "
+            f"cluster.scheduler=local|ray"
+        )
 
 
 def render_sbatch(
@@ -95,14 +103,29 @@ def render_sbatch(
     ]
     for spec in specs:
         rank0, world_size, world = ranks[(spec.role, 0)]
-        env = {**spec.env, "MASTER_PORT": str(master_ports[world]), "WORLD_SIZE": str(world_size),
-               "ARENO_RANK_OFFSET": str(rank0), "ARENO_ROLE": spec.role}
+        env = {
+            **spec.env,
+            "MASTER_PORT": str(master_ports[world]),
+            "WORLD_SIZE": str(world_size),
+            "ARENO_RANK_OFFSET": str(rank0),
+            "ARENO_ROLE": spec.role,
+        }
         srun = ["srun", "--exact", f"--ntasks={spec.n}", f"--cpus-per-task={cfg.slurm_cpus_per_task}"]
         if spec.devices is not None:
             srun.append(f"--gpus-per-task={len(spec.devices) // spec.n}")
         srun.append(f"--output={job_dir}/{spec.role}-%t.log")
-        cmd = ["env", *(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())),
-               python, "-m", "areno.launch.worker", "--connect", controller, "--role", spec.role, "--slurm"]
+        cmd = [
+            "env",
+            *(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+            python,
+            "-m",
+            "areno.launch.worker",
+            "--connect",
+            controller,
+            "--role",
+            spec.role,
+            "--slurm",
+        ]
         lines.append(" ".join(srun + cmd) + " &")
     lines += ["wait", ""]
     return "\n".join(lines)
@@ -136,8 +159,12 @@ class SlurmScheduler(_RpcScheduler):
             w.handle = _replace(w.handle, log_path=str(self.log_dir / f"{w.handle.role}-{w.handle.index}.log"))
 
     def _init_env(self, w: _RpcWorker) -> dict[str, str]:
-        master = next(x.handle.host for ws in self._workers.values() for x in ws
-                      if x.env["ARENO_WORLD"] == w.env["ARENO_WORLD"] and x.handle.rank == 0)
+        master = next(
+            x.handle.host
+            for ws in self._workers.values()
+            for x in ws
+            if x.env["ARENO_WORLD"] == w.env["ARENO_WORLD"] and x.handle.rank == 0
+        )
         return {"MASTER_ADDR": master}
 
     def _start(self, workers: list[_RpcWorker]) -> None:
@@ -152,8 +179,14 @@ class SlurmScheduler(_RpcScheduler):
         authkey.write_text(self._hub.authkey.hex())
         authkey.chmod(0o600)
         script = render_sbatch(
-            specs, cfg=self.cfg, controller=self.controller, job_dir=str(self.log_dir), master_ports=ports,
-            python=self.python, pythonpath=python_path_env(), workdir=os.getcwd(),
+            specs,
+            cfg=self.cfg,
+            controller=self.controller,
+            job_dir=str(self.log_dir),
+            master_ports=ports,
+            python=self.python,
+            pythonpath=python_path_env(),
+            workdir=os.getcwd(),
         )
         path = self.log_dir / f"job-{'-'.join(roles)}.sbatch"
         path.write_text(script)
@@ -169,18 +202,44 @@ class SlurmScheduler(_RpcScheduler):
         """The ``srun`` that puts a fresh worker into the running job, on the old worker's node."""
         gpus = [f"--gpus-per-task={len(w.handle.devices)}"] if w.handle.devices else []
         return [
-            "srun", f"--jobid={self._job_of_role[w.handle.role]}", "--overlap", "--ntasks=1", "--nodes=1",
-            f"--nodelist={w.handle.host}", *gpus, f"--output={w.handle.log_path}",
-            self.python, "-m", "areno.launch.worker", "--connect", self.controller, "--role", w.handle.role,
-            "--rank", str(w.handle.index),
+            "srun",
+            f"--jobid={self._job_of_role[w.handle.role]}",
+            "--overlap",
+            "--ntasks=1",
+            "--nodes=1",
+            f"--nodelist={w.handle.host}",
+            *gpus,
+            f"--output={w.handle.log_path}",
+            self.python,
+            "-m",
+            "areno.launch.worker",
+            "--connect",
+            self.controller,
+            "--role",
+            w.handle.role,
+            "--rank",
+            str(w.handle.index),
         ]
 
     def _start_restart(self, w: _RpcWorker) -> None:
-        env = {**os.environ, **w.spec.env, "PYTHONPATH": python_path_env(), AUTHKEY_ENV: self._hub.authkey.hex(),
-               "MASTER_PORT": w.env["MASTER_PORT"], "RANK": w.env["RANK"], "WORLD_SIZE": str(w.handle.world_size),
-               "LOCAL_RANK": "0", "ARENO_ROLE": w.handle.role}
-        w.proc = subprocess.Popen(self.restart_command(w), env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        env = {
+            **os.environ,
+            **w.spec.env,
+            "PYTHONPATH": python_path_env(),
+            AUTHKEY_ENV: self._hub.authkey.hex(),
+            "MASTER_PORT": w.env["MASTER_PORT"],
+            "RANK": w.env["RANK"],
+            "WORLD_SIZE": str(w.handle.world_size),
+            "LOCAL_RANK": "0",
+            "ARENO_ROLE": w.handle.role,
+        }
+        w.proc = subprocess.Popen(
+            self.restart_command(w),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def job_state(self, job_id: str) -> str:
         """The job's state from squeue (queued or running) or sacct (finished; FINISHED without accounting)."""

@@ -153,6 +153,7 @@ def check_shared_storage(
             _remove_tree(probe_dir)
         if errors:
             raise StorageCheckError(
-                f"shared storage check failed for {path!r}: " + "; ".join(errors)
+                f"shared storage check failed for {path!r}: "
+                + "; ".join(errors)
                 + "; put checkpoints and data on storage every node mounts (NFS/Lustre) or an object store URL"
             )

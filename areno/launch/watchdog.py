@@ -20,8 +20,8 @@ workers' own stacks from the tails of their logs.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -83,13 +83,18 @@ def call_with_timeout(
     if restart and not shared:
         fix = f"restarted {len(restarted)} worker(s); their state is fresh, so re-initialise them"
     elif restart:
-        fix = (f"{', '.join(handles[i].name for i in shared)} share a torch.distributed world of "
-               f"{handles[shared[0]].world_size} ranks and cannot be restarted alone: restart the run "
-               f"(resume=auto continues from the last complete checkpoint)")
+        fix = (
+            f"{', '.join(handles[i].name for i in shared)} share a torch.distributed world of "
+            f"{handles[shared[0]].world_size} ranks and cannot be restarted alone: restart the run "
+            f"(resume=auto continues from the last complete checkpoint)"
+        )
     else:
         fix = "see the worker log (kill -USR1 <pid> dumps its stacks there) or pass restart=True"
-    raise WorkerTimeoutError(f"{names} did not return from {what} within {timeout_s:g}s (stalled); {fix}",
-                             stalled=[handles[i] for i in stalled], restarted=restarted)
+    raise WorkerTimeoutError(
+        f"{names} did not return from {what} within {timeout_s:g}s (stalled); {fix}",
+        stalled=[handles[i] for i in stalled],
+        restarted=restarted,
+    )
 
 
 # ----------------------------------------------------------------------------- hang diagnosis
@@ -139,8 +144,9 @@ def process_line(pid: int) -> str:
     tick = os.sysconf("SC_CLK_TCK")
     cpu_s = (int(fields[11]) + int(fields[12])) / tick
     rss_mib = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    return (f"pid {pid} ppid {fields[1]} state {fields[0]} wchan {wchan} cpu {cpu_s:.1f}s rss {rss_mib:.0f}MiB "
-            f"{cmd[:300]}")
+    return (
+        f"pid {pid} ppid {fields[1]} state {fields[0]} wchan {wchan} cpu {cpu_s:.1f}s rss {rss_mib:.0f}MiB {cmd[:300]}"
+    )
 
 
 def thread_states(pid: int) -> str:
@@ -170,8 +176,9 @@ def thread_states(pid: int) -> str:
     return "\n".join(lines)
 
 
-def dump_hang(pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 60, settle_s: float = 3.0,
-              file=None) -> None:
+def dump_hang(
+    pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 60, settle_s: float = 3.0, file=None
+) -> None:
     """Everything known about a stall, to ``file`` (default stderr): this process's Python stacks,
     each pid's thread states and, where ``py-spy`` is installed, its Python and native stacks (which it
     reads from outside, so also of threads blocked in C), then ``SIGUSR1`` to each (workers that
@@ -194,13 +201,17 @@ def dump_hang(pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 6
         print(f"=== stall: threads of pid {pid}\n{thread_states(pid)}", file=file, flush=True)
         below = descendants(pid)
         if below:
-            print(f"=== stall: processes below pid {pid}\n" + "\n".join(process_line(c) for c in below),
-                  file=file, flush=True)
+            print(
+                f"=== stall: processes below pid {pid}\n" + "\n".join(process_line(c) for c in below),
+                file=file,
+                flush=True,
+            )
         spy = shutil.which("py-spy")
         if spy:
             try:
-                out = subprocess.run([spy, "dump", "--pid", str(pid), "--native"], capture_output=True,
-                                     text=True, timeout=30)
+                out = subprocess.run(
+                    [spy, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True, timeout=30
+                )
                 text = out.stdout + out.stderr
             except (OSError, subprocess.TimeoutExpired) as e:
                 text = f"(py-spy failed: {e})"
@@ -213,8 +224,12 @@ def dump_hang(pids: list[int], *, log_paths: list[str] = (), tail_lines: int = 6
     time.sleep(settle_s)
     below = [c for pid in pids for c in descendants(pid)]
     if below:  # a second look: do the workers' children (compilers, say) still use CPU?
-        print(f"=== stall: processes below the workers, {settle_s:g} s later\n"
-              + "\n".join(process_line(c) for c in below), file=file, flush=True)
+        print(
+            f"=== stall: processes below the workers, {settle_s:g} s later\n"
+            + "\n".join(process_line(c) for c in below),
+            file=file,
+            flush=True,
+        )
     for path in log_paths:
         try:
             with open(path, errors="replace") as f:

@@ -94,7 +94,7 @@ class WorkerRuntime:
             if kind == "stop":
                 return ("ok", None)
             raise ValueError(f"unknown message kind {kind!r}")
-        except BaseException as e:  # noqa: BLE001 - every worker failure is returned to the caller
+        except BaseException as e:
             if isinstance(e, KeyboardInterrupt):
                 raise
             return ("err", type(e).__name__, str(e), traceback.format_exc())
@@ -113,7 +113,9 @@ def serve(address: tuple[str, int], authkey: bytes, role: str, rank: int) -> Non
         try:
             msg = pickle.loads(data)
         except Exception as e:  # noqa: BLE001 - an argument that does not unpickle here is the caller's error
-            conn.send(("err", type(e).__name__, f"cannot unpickle the call on this worker: {e}", traceback.format_exc()))
+            conn.send(
+                ("err", type(e).__name__, f"cannot unpickle the call on this worker: {e}", traceback.format_exc())
+            )
             continue
         reply = runtime.handle(msg)
         try:

@@ -120,9 +120,7 @@ class ModelConfig:
             scaling = dict(self.rope_scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
-                )
+                raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
             scaling.pop("type", None)
             scaling["rope_type"] = rope_type
             need = {
@@ -144,8 +142,9 @@ class ModelConfig:
         if self.qk_norm != (arch == "Qwen3ForCausalLM"):
             raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 has q/k norms)")
         if arch == "Qwen2ForCausalLM" and (not self.attention_bias or self.attention_out_bias):
-            raise ValueError("Qwen2ForCausalLM has q/k/v bias and no o_proj bias: set attention_bias=True, "
-                             "attention_out_bias=False")
+            raise ValueError(
+                "Qwen2ForCausalLM has q/k/v bias and no o_proj bias: set attention_bias=True, attention_out_bias=False"
+            )
         if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and self.attention_bias != self.attention_out_bias:
             raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
         if arch == "MistralForCausalLM" and (self.attention_bias or self.attention_out_bias):
@@ -195,7 +194,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ HF conversion
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from the dict of a Hugging Face ``config.json``.
 
         Raises ValueError naming the architecture when it is not supported, and for features this
@@ -207,8 +206,7 @@ class ModelConfig:
             by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
             if model_type not in by_type:
                 raise ValueError(
-                    f"config.json has no 'architectures' and model_type {model_type!r} is not one of "
-                    f"{sorted(by_type)}"
+                    f"config.json has no 'architectures' and model_type {model_type!r} is not one of {sorted(by_type)}"
                 )
             archs = [by_type[model_type]]
         arch = archs[0]
@@ -293,15 +291,13 @@ class ModelConfig:
             d["sliding_window"] = self.sliding_window
         return d
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
 def _unknown_arch_message(arch: str) -> str:
-    return (
-        f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    return f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -319,4 +315,3 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if rope_type == "default":
             scaling = None
     return float(theta), scaling or None
-

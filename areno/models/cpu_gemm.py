@@ -44,8 +44,11 @@ LARGE_ELEMENTS = 1 << 22
 def supported() -> bool:
     """Whether this PyTorch has oneDNN's packed linear on CPU and it computes ``F.linear`` (checked once)."""
     ops = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise")):
+    if not (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    ):
         return False
     try:
         g = torch.Generator().manual_seed(0)
@@ -69,8 +72,9 @@ class PackedWeight:
     so a replaced parameter or storage re-packs, and a deep copy of the model packs its own weights.
     ``batch_hint``: the row count oneDNN lays the copy out for (any count works)."""
 
-    def __init__(self, weight: tuple[object, str], watch: Sequence[tuple[object, str]] = (),
-                 batch_hint: int = 32) -> None:
+    def __init__(
+        self, weight: tuple[object, str], watch: Sequence[tuple[object, str]] = (), batch_hint: int = 32
+    ) -> None:
         self._sources = (weight, *[w for w in watch if w != weight])
         self._batch_hint = max(int(batch_hint), 1)
         self._packed: torch.Tensor | None = None
@@ -95,8 +99,13 @@ class PackedWeight:
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether the product with ``x`` [..., K] reads the packed copy."""
-        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and (self.large or x.numel() >= MIN_ROWS * x.shape[-1]))
+        return (
+            x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and (self.large or x.numel() >= MIN_ROWS * x.shape[-1])
+        )
 
     def packed(self) -> torch.Tensor:
         """The packed copy, re-packed first if any watched tensor changed since the last packing."""
@@ -119,8 +128,9 @@ class PackedWeight:
         return y_MN.view(*lead, y_MN.shape[-1])
 
 
-def pack(weight: tuple[object, str], watch: Sequence[tuple[object, str]] = (), batch_hint: int = 32
-         ) -> PackedWeight | None:
+def pack(
+    weight: tuple[object, str], watch: Sequence[tuple[object, str]] = (), batch_hint: int = 32
+) -> PackedWeight | None:
     """A ``PackedWeight`` for a CPU fp32 weight of at least ``MIN_ELEMENTS`` elements where oneDNN's
     packed linear is ``supported()``; else None (the product keeps ``F.linear``)."""
     w = getattr(*weight)
@@ -131,8 +141,9 @@ def pack(weight: tuple[object, str], watch: Sequence[tuple[object, str]] = (), b
     return PackedWeight(weight, watch, batch_hint)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``packed`` where it applies."""
     if packed is not None and packed.applies(x):
         return packed(x, bias)

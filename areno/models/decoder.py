@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -142,7 +143,9 @@ def _rowwise(linear: nn.Linear, x: torch.Tensor, tp_reduce: TPReduce | None) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, tp_size: int = 1, tp_reduce: TPReduce | None = None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads // tp_size
@@ -177,8 +180,7 @@ class Attention(nn.Module):
             # q and k are adjacent columns of one product: one RoPE over their heads (one kernel;
             # eager, half the ops of two calls: the same products per element)
             hq, hk = q_THD.shape[1], k_THD.shape[1]
-            qk_THD = apply_rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim),
-                                cos_TF, sin_TF)
+            qk_THD = apply_rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim), cos_TF, sin_TF)
             q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
         else:
             if hasattr(self, "q_norm"):
@@ -233,7 +235,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, tp_size: int = 1, tp_reduce: TPReduce | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp_size, tp_reduce)
         self.mlp = MLP(config, tp_size, tp_reduce)
@@ -401,8 +405,13 @@ class Decoder(nn.Module):
     @property
     def projections_fused(self) -> bool:
         """Whether every layer's q/k/v and gate/up run as one GEMM each in no-grad forwards."""
-        return all(layer.self_attn.qkv is not None and layer.self_attn.qkv.intact()
-                   and layer.mlp.gate_up is not None and layer.mlp.gate_up.intact() for layer in self.model.layers)
+        return all(
+            layer.self_attn.qkv is not None
+            and layer.self_attn.qkv.intact()
+            and layer.mlp.gate_up is not None
+            and layer.mlp.gate_up.intact()
+            for layer in self.model.layers
+        )
 
     def forward(
         self,
@@ -426,16 +435,18 @@ class Decoder(nn.Module):
             return self._forward_add_norm(x_TD, cos_TF, sin_TF, attn)
         return self.forward_layers(x_TD, cos_TF, sin_TF, attn)
 
-    def forward_layers(self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor,
-                       attn: AttentionBackend) -> torch.Tensor:
+    def forward_layers(
+        self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         """The decoder layers and the final norm over embedded tokens: the part of ``forward``
         that ``areno.train.parallelize.apply_compile(scope="model")`` compiles as one graph."""
         for layer in self.model.layers:
             x_TD = layer(x_TD, cos_TF, sin_TF, attn)
         return self.model.norm(x_TD)
 
-    def _forward_add_norm(self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor,
-                          attn: AttentionBackend) -> torch.Tensor:
+    def _forward_add_norm(
+        self, x_TD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         """The layers of ``forward`` with each residual add and the RMSNorm after it as one op
         (``fused_ops.add_rms_norm``): the post-attention norm, the next layer's input norm, and the
         final norm after the last layer. Same values as the layer-by-layer loop."""
@@ -443,7 +454,9 @@ class Decoder(nn.Module):
         h_TD = layers[0].input_layernorm(x_TD)
         for i, layer in enumerate(layers):
             post = layer.post_attention_layernorm
-            x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), post.weight, post.eps)
+            x_TD, h_TD = fused_ops.add_rms_norm(
+                x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), post.weight, post.eps
+            )
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.mlp(h_TD), nxt.weight, nxt.eps)
         return h_TD
@@ -501,9 +514,7 @@ class PackedCausalAttention:
 
     IMPLS = ("auto", "sdpa", "sdpa_mask", "sdpa_padded", "flex", "varlen")
 
-    def __init__(
-        self, cu_seqlens_B1: torch.Tensor, *, sliding_window: int | None = None, impl: str = "auto"
-    ) -> None:
+    def __init__(self, cu_seqlens_B1: torch.Tensor, *, sliding_window: int | None = None, impl: str = "auto") -> None:
         if impl not in self.IMPLS:
             raise ValueError(f"PackedCausalAttention impl must be one of {self.IMPLS}, got {impl!r}")
         self.cu_seqlens_B1 = cu_seqlens_B1
@@ -513,8 +524,9 @@ class PackedCausalAttention:
         self._impl = impl
         self._state = None
 
-    def prepare(self, num_tokens: int, device: torch.device, head_dim: int | None = None,
-                dtype: torch.dtype | None = None) -> None:
+    def prepare(
+        self, num_tokens: int, device: torch.device, head_dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         """Resolve ``auto`` and build what every layer reuses: sequence bounds (sdpa), the mask
         (sdpa_mask, flex) or int32 boundaries and the longest length (varlen). ``head_dim``: when
         known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM`` (its kernels need 16).
@@ -522,8 +534,9 @@ class PackedCausalAttention:
         also does for head dims flash lacks (not a multiple of 8, or above 256)."""
         device = torch.device(device)
         small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
-        flash_ok = ((dtype is None or dtype in (torch.bfloat16, torch.float16))
-                    and (head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)))
+        flash_ok = (dtype is None or dtype in (torch.bfloat16, torch.float16)) and (
+            head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
+        )
         if self._prepared_for == (num_tokens, device, small_heads, flash_ok):
             return
         impl = self.impl
@@ -643,9 +656,7 @@ class PackedCausalAttention:
             return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, window_size=(left, 0), **gqa)
         return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, is_causal=True, **gqa)
 
-    def __call__(
-        self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype)
         impl = self._impl
         if impl == "sdpa":

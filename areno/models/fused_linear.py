@@ -55,17 +55,18 @@ class FusedRows:
         for lin in linears:
             w = lin.weight
             if w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device:
-                raise ValueError(f"FusedRows: weights of shape {tuple(w.shape)} ({w.dtype}, {w.device}) and "
-                                 f"{tuple(first.shape)} ({first.dtype}, {first.device}) cannot share one tensor; "
-                                 "fuse after every projection has its final shape, dtype and device")
+                raise ValueError(
+                    f"FusedRows: weights of shape {tuple(w.shape)} ({w.dtype}, {w.device}) and "
+                    f"{tuple(first.shape)} ({first.dtype}, {first.device}) cannot share one tensor; "
+                    "fuse after every projection has its final shape, dtype and device"
+                )
             if (lin.bias is None) != (linears[0].bias is None):
                 raise ValueError("FusedRows: either every projection of a group has a bias or none has")
         self.sizes = tuple(int(lin.weight.shape[0]) for lin in linears)
         self.members = tuple(linears)
         with torch.no_grad():
             self.weight = torch.cat([lin.weight.detach() for lin in linears])
-            self.bias = (torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None
-                         else None)
+            self.bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
             start = 0
             for lin, n in zip(linears, self.sizes):
                 lin.weight.data = self.weight[start : start + n]
@@ -93,9 +94,11 @@ class FusedRows:
         global _WARNED
         if not _WARNED:
             _WARNED = True
-            log.warning("fused projections %s no longer share storage with their parameters (moved or replaced "
-                        "after fusion): such layers run them one by one; call fuse_projections() again to re-fuse",
-                        "/".join(str(n) for n in self.sizes))
+            log.warning(
+                "fused projections %s no longer share storage with their parameters (moved or replaced "
+                "after fusion): such layers run them one by one; call fuse_projections() again to re-fuse",
+                "/".join(str(n) for n in self.sizes),
+            )
         return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,8 +130,7 @@ def _silu_mul_halves_triton(gate_up_TN: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
     if rows and half:
         block = min(1024, triton.next_power_of_2(half))
-        _silu_mul_halves_kernel[(rows, triton.cdiv(half, block))](x, out, x.stride(0), out.stride(0), half,
-                                                                  BLOCK=block)
+        _silu_mul_halves_kernel[(rows, triton.cdiv(half, block))](x, out, x.stride(0), out.stride(0), half, BLOCK=block)
     return out.view(*lead, half)
 
 
@@ -138,7 +140,7 @@ if triton is not None:
     from areno.models.fused_ops import _round_to
 
     @triton.jit
-    def _silu_mul_halves_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    def _silu_mul_halves_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):  # noqa: E741 - I: the intermediate width
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
@@ -160,15 +162,18 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
                 ref = F.silu(x[:, :half]) * x[:, half:]
                 ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
                 if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):
-                    return (f"silu_mul_halves [{rows}, {2 * half}] differs from eager by "
-                            f"{(got.float() - ref.float()).abs().max().item():.3g}")
+                    return (
+                        f"silu_mul_halves [{rows}, {2 * half}] differs from eager by "
+                        f"{(got.float() - ref.float()).abs().max().item():.3g}"
+                    )
     except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernel
         return f"{type(e).__name__}: {e}"
     return None
 
 
-_SWITCH = fused_ops.KernelSwitch("fused silu_mul over the gate/up halves (two-copy fallback)",
-                                 lambda device: self_check(device))
+_SWITCH = fused_ops.KernelSwitch(
+    "fused silu_mul over the gate/up halves (two-copy fallback)", lambda device: self_check(device)
+)
 
 
 def enable(device: torch.device | str = "cuda") -> bool:

@@ -98,8 +98,13 @@ def inference(on: bool = True) -> contextlib.AbstractContextManager[None]:
 def active(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve an op on ``x`` (enabled, inside ``inference()`` on this
     thread, CUDA, no grad, not compiling)."""
-    return (_SWITCH.on and getattr(_LOCAL, "on", False) and x.is_cuda and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
+    return (
+        _SWITCH.on
+        and getattr(_LOCAL, "on", False)
+        and x.is_cuda
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
 
 
 if triton is not None:
@@ -146,8 +151,21 @@ if triton is not None:
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh, H, F,
-                     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
+    def _rope_kernel(
+        X,
+        COS,
+        SIN,
+        Y,
+        stride_xt,
+        stride_xh,
+        stride_ct,
+        stride_yt,
+        stride_yh,
+        H,
+        F,
+        BLOCK_H: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+    ):
         t = tl.program_id(0)
         h = tl.arange(0, BLOCK_H)[:, None]
         f = tl.arange(0, BLOCK_F)[None, :]
@@ -192,13 +210,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), D, eps,
-                                         BLOCK_D=triton.next_power_of_2(D))
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, out, x2.stride(0), out.stride(0), D, eps, BLOCK_D=triton.next_power_of_2(D)
+        )
     return out.view(*x.shape[:-1], D)
 
 
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + r`` (the residual add, in x's dtype) and ``rms_norm(s)``, in one kernel: the pair a
     decoder layer computes between its blocks (``eager_add_rms_norm`` is the reference)."""
     D = x.shape[-1]
@@ -210,13 +230,26 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x2.shape[0]:
-        _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, s, y, x2.stride(0), r2.stride(0), s.stride(0),
-                                             y.stride(0), D, eps, BLOCK_D=triton.next_power_of_2(D))
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            r2,
+            weight,
+            s,
+            y,
+            x2.stride(0),
+            r2.stride(0),
+            s.stride(0),
+            y.stride(0),
+            D,
+            eps,
+            BLOCK_D=triton.next_power_of_2(D),
+        )
     return s.view(*x.shape[:-1], D), y.view(*x.shape[:-1], D)
 
 
-def eager_add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_add_rms_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` in eager ops: what a decoder layer does without the fused kernels."""
     from areno.models.decoder import eager_rms_norm  # decoder imports this module
 
@@ -233,9 +266,21 @@ def rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> tor
     cos_TF, sin_TF = cos_TF.contiguous(), sin_TF.contiguous()
     out = torch.empty((T, H, Dh), dtype=torch.promote_types(x_THD.dtype, cos_TF.dtype), device=x_THD.device)
     if T:
-        _rope_kernel[(T,)](x_THD, cos_TF, sin_TF, out, x_THD.stride(0), x_THD.stride(1), cos_TF.stride(0),
-                           out.stride(0), out.stride(1), H, F,
-                           BLOCK_H=triton.next_power_of_2(H), BLOCK_F=triton.next_power_of_2(F))
+        _rope_kernel[(T,)](
+            x_THD,
+            cos_TF,
+            sin_TF,
+            out,
+            x_THD.stride(0),
+            x_THD.stride(1),
+            cos_TF.stride(0),
+            out.stride(0),
+            out.stride(1),
+            H,
+            F,
+            BLOCK_H=triton.next_power_of_2(H),
+            BLOCK_F=triton.next_power_of_2(F),
+        )
     return out
 
 
@@ -249,25 +294,35 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def write_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor,
-             slots_T: torch.Tensor) -> None:
+def write_kv(
+    k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, slots_T: torch.Tensor
+) -> None:
     """``k_S.index_copy_(0, slots_T, k_TKD)`` and the same for V (a paged pool's K/V write) in one
     kernel; call only where ``write_kv_fits``."""
     n = k_TKD.shape[1] * k_TKD.shape[2]
     if k_TKD.shape[0]:
-        _kv_write_kernel[(k_TKD.shape[0],)](k_TKD, v_TKD, k_S, v_S, slots_T, k_TKD.stride(0), v_TKD.stride(0), n,
-                                            BLOCK=triton.next_power_of_2(n))
+        _kv_write_kernel[(k_TKD.shape[0],)](
+            k_TKD, v_TKD, k_S, v_S, slots_T, k_TKD.stride(0), v_TKD.stride(0), n, BLOCK=triton.next_power_of_2(n)
+        )
 
 
 def write_kv_fits(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor) -> bool:
     """Whether ``write_kv`` serves this write: the fused kernels ``active``, K/V in the pools' dtypes,
     each token's ``K x Dh`` values one contiguous run (the views of a fused q/k/v product are; any row
     stride), contiguous pools."""
+
     def rows_contiguous(x_TKD: torch.Tensor) -> bool:
         return x_TKD.stride(2) == 1 and x_TKD.stride(1) == x_TKD.shape[2]
 
-    return (active(k_TKD) and k_TKD.dtype == k_S.dtype and v_TKD.dtype == v_S.dtype and rows_contiguous(k_TKD)
-            and rows_contiguous(v_TKD) and k_S.is_contiguous() and v_S.is_contiguous())
+    return (
+        active(k_TKD)
+        and k_TKD.dtype == k_S.dtype
+        and v_TKD.dtype == v_S.dtype
+        and rows_contiguous(k_TKD)
+        and rows_contiguous(v_TKD)
+        and k_S.is_contiguous()
+        and v_S.is_contiguous()
+    )
 
 
 def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -292,8 +347,10 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
             got, ref = rope(q, cos, sin), eager_rope(q, cos, sin)
             ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
             if not bool(((got.float() - ref.float()).abs() <= 2 * ulp).all()):
-                return (f"rope differs from eager by {(got.float() - ref.float()).abs().max().item():.3g} "
-                        f"({int((got != ref).sum())} of {ref.numel()} values)")
+                return (
+                    f"rope differs from eager by {(got.float() - ref.float()).abs().max().item():.3g} "
+                    f"({int((got != ref).sum())} of {ref.numel()} values)"
+                )
             g, u = rand(7, 4864), rand(7, 4864)
             got, ref = silu_mul(g, u), torch.nn.functional.silu(g) * u
             ulp = torch.finfo(dtype).eps * ref.abs().float().clamp(min=1e-3)
@@ -334,8 +391,9 @@ def add_norm_self_check(device: torch.device | str = "cuda", dtype: torch.dtype 
 
 
 _SWITCH = KernelSwitch("fused inference kernels (eager ops are used)", lambda: self_check())
-_ADD_NORM = KernelSwitch("the fused residual-add + RMSNorm kernel (an add and the RMSNorm kernel are used)",
-                         lambda: add_norm_self_check())
+_ADD_NORM = KernelSwitch(
+    "the fused residual-add + RMSNorm kernel (an add and the RMSNorm kernel are used)", lambda: add_norm_self_check()
+)
 
 
 def enable() -> bool:

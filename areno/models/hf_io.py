@@ -57,15 +57,18 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = set(weight_map.values())
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index} is not a safetensors index (needs a 'weight_map' of tensor -> file; "
-                             f"{type(e).__name__}: {e}): re-export the checkpoint or delete the stray index") from None
+            raise ValueError(
+                f"{index} is not a safetensors index (needs a 'weight_map' of tensor -> file; "
+                f"{type(e).__name__}: {e}): re-export the checkpoint or delete the stray index"
+            ) from None
         if not names or not all(isinstance(n, str) for n in names):
             raise ValueError(f"{index} has an empty or malformed 'weight_map': re-export the checkpoint")
         files = sorted(model_dir / n for n in names)
         for f in files:
             if not f.is_file():
-                raise FileNotFoundError(f"{f} is listed in {index} but does not exist: copy the missing shard "
-                                        f"or re-export the checkpoint")
+                raise FileNotFoundError(
+                    f"{f} is listed in {index} but does not exist: copy the missing shard or re-export the checkpoint"
+                )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -146,15 +149,14 @@ def load_model(
                 seen.add(name)
     missing = [n for n in expected if n not in seen]
     if missing:
-        raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir} "
-                         f"({len(missing)} missing in all)")
+        raise ValueError(
+            f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir} ({len(missing)} missing in all)"
+        )
     model.eval()
     return model, config
 
 
-def save_model(
-    model: Decoder, config: ModelConfig, out_dir: str | Path, *, tokenizer: Any | None = None
-) -> Path:
+def save_model(model: Decoder, config: ModelConfig, out_dir: str | Path, *, tokenizer: Any | None = None) -> Path:
     """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` (HF names), and
     the tokenizer if given. ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads it."""
     if model.tp_size > 1:

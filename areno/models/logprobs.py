@@ -49,8 +49,14 @@ def _fused_forward_stats(
 
 
 def _fused_grad_logits(
-    zraw_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: torch.Tensor, entropy_C: torch.Tensor,
-    g_C: torch.Tensor, g_ent_C: torch.Tensor, inv_tau: float, use_entropy: bool,
+    zraw_CV: torch.Tensor,
+    targets_C: torch.Tensor,
+    lse_C: torch.Tensor,
+    entropy_C: torch.Tensor,
+    g_C: torch.Tensor,
+    g_ent_C: torch.Tensor,
+    inv_tau: float,
+    use_entropy: bool,
 ) -> torch.Tensor:
     """dL/d(zraw) [C, V] in the logits' dtype: ``(g [v = target] - p (g + g_H (log p + H))) / tau``,
     one fused pass for torch.compile (the one-hot is a comparison, not a scatter)."""
@@ -80,8 +86,7 @@ def compiled_logprob_kernels(enabled: bool = True) -> Iterator[None]:
     around every forward when ``compile=True``. The choice made at forward is kept for backward."""
     global _KERNELS
     if enabled and _KERNELS is None:
-        _KERNELS = (torch.compile(_fused_forward_stats, dynamic=True),
-                    torch.compile(_fused_grad_logits, dynamic=True))
+        _KERNELS = (torch.compile(_fused_forward_stats, dynamic=True), torch.compile(_fused_grad_logits, dynamic=True))
     with thread_flag(_ACTIVE, "enabled", enabled):
         yield
 
@@ -101,7 +106,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             e = min(s + chunk_size, T)
             if fused is not None:
                 lse_T[s:e], logprobs_T[s:e], ent_C = fused[0](
-                    hidden_TD[s:e] @ weight_VD.t(), targets_T[s:e], 1.0 / temperature, with_entropy)
+                    hidden_TD[s:e] @ weight_VD.t(), targets_T[s:e], 1.0 / temperature, with_entropy
+                )
                 if with_entropy:
                     entropy_T[s:e] = ent_C
                 continue
@@ -144,8 +150,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
                 g_ent_C = grad_entropy_T[s:e] if use_entropy else g_C
-                grad_z_CV = fused[1](hidden_TD[s:e] @ weight_VD.t(), targets_T[s:e], lse_T[s:e],
-                                     entropy_T[s:e] if use_entropy else g_C, g_C, g_ent_C, 1.0 / tau, use_entropy)
+                grad_z_CV = fused[1](
+                    hidden_TD[s:e] @ weight_VD.t(),
+                    targets_T[s:e],
+                    lse_T[s:e],
+                    entropy_T[s:e] if use_entropy else g_C,
+                    g_C,
+                    g_ent_C,
+                    1.0 / tau,
+                    use_entropy,
+                )
                 if need_h:
                     grad_h_TD[s:e] = grad_z_CV @ weight_VD
                 if need_w:
@@ -204,7 +218,9 @@ def argmax_from_hidden(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, chunk_s
     for weight_type, sharded_fn in _SHARDED_ARGMAX_IMPLS.items():
         if isinstance(weight_VD, weight_type):
             return sharded_fn(hidden_TD, weight_VD, int(chunk_size))
-    parts = [(hidden_TD[s : s + chunk_size] @ weight_VD.t()).argmax(-1) for s in range(0, hidden_TD.shape[0], chunk_size)]
+    parts = [
+        (hidden_TD[s : s + chunk_size] @ weight_VD.t()).argmax(-1) for s in range(0, hidden_TD.shape[0], chunk_size)
+    ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=hidden_TD.device)
 
 
@@ -226,8 +242,9 @@ def logprobs_from_hidden(
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     for weight_type, sharded_fn in _SHARDED_WEIGHT_IMPLS.items():
         if isinstance(weight_VD, weight_type):
-            return sharded_fn(hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size),
-                              bool(with_entropy))
+            return sharded_fn(
+                hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy)
+            )
     logprobs_T, entropy_T = _ChunkedLogprobs.apply(
         hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy)
     )

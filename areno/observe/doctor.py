@@ -16,8 +16,8 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 
 @dataclass(kw_only=True)
@@ -65,8 +65,9 @@ def _run_check(name: str, fn: Callable[[], tuple[bool, str]], hint: str = "") ->
 
 def versions() -> list[Check]:
     """Python and the packages areno is built on (installed versions; torch is imported)."""
-    checks = [Check(name="python", ok=sys.version_info >= (3, 11),
-                    detail=f"{platform.python_version()} ({sys.executable})")]
+    checks = [
+        Check(name="python", ok=sys.version_info >= (3, 11), detail=f"{platform.python_version()} ({sys.executable})")
+    ]
     checks.append(Check(name="platform", ok=True, detail=platform.platform()))
     checks.append(_run_check("torch", lambda: (True, _version("torch")), hint=": pip install torch"))
     for name, module, dist in (
@@ -81,8 +82,9 @@ def versions() -> list[Check]:
         ("math-verify", "math_verify", "math-verify"),
         ("matplotlib", "matplotlib", None),
     ):
-        checks.append(_run_check(name, lambda m=module, d=dist: (True, _installed_version(m, d)),
-                                 hint=": pip install areno"))
+        checks.append(
+            _run_check(name, lambda m=module, d=dist: (True, _installed_version(m, d)), hint=": pip install areno")
+        )
     return checks
 
 
@@ -90,9 +92,12 @@ def _cuda() -> tuple[bool, str]:
     torch = _import("torch")
     if not torch.cuda.is_available():
         built = torch.version.cuda
-        return False, ("torch built without CUDA" if built is None
-                       else f"torch built for CUDA {built}, but no GPU is visible "
-                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        return False, (
+            "torch built without CUDA"
+            if built is None
+            else f"torch built for CUDA {built}, but no GPU is visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
     n = torch.cuda.device_count()
     bf16 = torch.cuda.is_bf16_supported()
     return True, f"CUDA {torch.version.cuda}, {n} device(s), bf16={'yes' if bf16 else 'no'}"
@@ -167,8 +172,7 @@ def optional_parts() -> list[Check]:
 
 def devices() -> list[Check]:
     """CPU and accelerator inventory."""
-    checks = [Check(name="cpu", ok=True,
-                    detail=f"{os.cpu_count()} logical cores, {platform.machine()}")]
+    checks = [Check(name="cpu", ok=True, detail=f"{os.cpu_count()} logical cores, {platform.machine()}")]
 
     def gpus() -> tuple[bool, str]:
         torch = _import("torch")
@@ -209,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     """``areno doctor [--json] [--require cuda,nccl]``."""
     parser = argparse.ArgumentParser(prog="areno doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
-    parser.add_argument("--require", default="",
-                        help="comma-separated checks that must pass (exit 1 otherwise), e.g. cuda,nccl")
+    parser.add_argument(
+        "--require", default="", help="comma-separated checks that must pass (exit 1 otherwise), e.g. cuda,nccl"
+    )
     ns = parser.parse_args(argv)
     sections = run_checks()
     if ns.json:
@@ -221,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {c.name: c for checks in sections.values() for c in checks}
     unknown = [r for r in required if r not in by_name]
     if unknown:
-        raise ValueError(f"--require: unknown check(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join(sorted(by_name))}")
+        raise ValueError(f"--require: unknown check(s) {', '.join(unknown)}; choose from {', '.join(sorted(by_name))}")
     failed = [r for r in required if not by_name[r].ok]
     if failed:
         print(f"areno doctor: required check(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -26,9 +26,10 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, TextIO
 
 NAMESPACES: tuple[str, ...] = ("rollout/", "train/", "eval/", "timing/", "system/")
 """Allowed name prefixes (besides ``policy_sync_``)."""
@@ -189,8 +190,12 @@ class ConsoleSink(MetricSink):
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
-                total=total_steps, initial=start_step, file=self.stream, dynamic_ncols=True,
-                unit="step", desc="train",
+                total=total_steps,
+                initial=start_step,
+                file=self.stream,
+                dynamic_ncols=True,
+                unit="step",
+                desc="train",
             )
 
     def summary(self, metrics: Mapping[str, Number], step: int) -> dict[str, str]:
@@ -305,8 +310,7 @@ class WandbSink(MetricSink):
             import wandb
         except ImportError as e:
             raise MissingDependencyError(
-                "W&B logging is enabled but wandb is not installed: "
-                "pip install 'areno[wandb]', or set wandb to None"
+                "W&B logging is enabled but wandb is not installed: pip install 'areno[wandb]', or set wandb to None"
             ) from e
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -390,7 +394,7 @@ class MetricsLogger:
             for sink in self.sinks:
                 sink.close()
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,9 +18,10 @@ import io
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from areno.observe.metrics import METRICS_FILENAME, POLICY_SYNC_PREFIX, read_metrics
 from areno.observe.session import format_session, load_sessions
@@ -67,8 +68,13 @@ def load_run(run_dir: Path, name: str | None = None) -> Run:
         trace = run_dir / MERGED_FILENAME
     elif (run_dir / TRACES_DIRNAME).is_dir():
         trace = run_dir / TRACES_DIRNAME
-    return Run(name=name or run_dir.resolve().name, path=run_dir, records=read_metrics(run_dir),
-               sessions=load_sessions(run_dir), trace=trace)
+    return Run(
+        name=name or run_dir.resolve().name,
+        path=run_dir,
+        records=read_metrics(run_dir),
+        sessions=load_sessions(run_dir),
+        trace=trace,
+    )
 
 
 def _unique_names(paths: list[Path]) -> list[str]:
@@ -97,8 +103,7 @@ def _eval_key(k: str) -> bool:
 
 
 def _time_split_key(k: str) -> bool:
-    return (k.startswith("timing/") and k.endswith("_s") and not k.endswith("_per_s")
-            and k not in TIME_SPLIT_EXCLUDE)
+    return k.startswith("timing/") and k.endswith("_s") and not k.endswith("_per_s") and k not in TIME_SPLIT_EXCLUDE
 
 
 @dataclass(frozen=True)
@@ -125,25 +130,32 @@ def _kl_key(k: str) -> bool:
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("Reward", "reward", _match(lambda k: k.startswith("rollout/") and "reward" in _leaf(k)
-                                     and not _leaf(k).endswith(("_std", "_errors")))),
+    Panel(
+        "Reward",
+        "reward",
+        _match(
+            lambda k: k.startswith("rollout/") and "reward" in _leaf(k) and not _leaf(k).endswith(("_std", "_errors"))
+        ),
+    ),
     Panel("Held-out accuracy", "accuracy", _match(_eval_key)),
     Panel("Loss", "loss", _match(_loss_key)),
     Panel("KL", "KL", _match(_kl_key)),
-    Panel("Clip fractions", "fraction", _match(lambda k: k.startswith("train/")
-                                               and "clip" in _leaf(k) and "frac" in _leaf(k))),
-    Panel("Gradient norm", "norm", _match(lambda k: k.startswith("train/")
-                                          and _leaf(k) == "grad_norm")),
+    Panel(
+        "Clip fractions",
+        "fraction",
+        _match(lambda k: k.startswith("train/") and "clip" in _leaf(k) and "frac" in _leaf(k)),
+    ),
+    Panel("Gradient norm", "norm", _match(lambda k: k.startswith("train/") and _leaf(k) == "grad_norm")),
     Panel("Staleness", "versions behind", _match(lambda k: k.startswith("rollout/staleness"))),
     Panel("Throughput", "tokens / s", _match(lambda k: k.endswith("tokens_per_s"))),
     Panel("Time split per step", "seconds", _match(_time_split_key), stacked=True),
     Panel("Policy-sync bandwidth", "GB/s", _match(lambda k: k == "policy_sync_throughput_gbps")),
-    Panel("Policy-sync time", "seconds", _match(lambda k: k.startswith(POLICY_SYNC_PREFIX)
-                                                and k.endswith("_time_s"))),
+    Panel("Policy-sync time", "seconds", _match(lambda k: k.startswith(POLICY_SYNC_PREFIX) and k.endswith("_time_s"))),
 )
 
 
 # ---- plotting ------------------------------------------------------------------------------------
+
 
 def _ema(values: list[float], alpha: float) -> list[float]:
     out, acc = [], None
@@ -168,8 +180,7 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
-          "#7f7f7f", "#bcbd22", "#17becf")
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -184,15 +195,13 @@ def _plot_lines(ax, runs: list[Run], keys_per_run: list[list[str]], smooth: floa
                 continue
             color = COLORS[ri % len(COLORS)] if multi_run else COLORS[ki % len(COLORS)]
             style = LINESTYLES[ki % len(LINESTYLES)] if multi_run else "-"
-            label = f"{run.name}: {k}" if multi_run and len(all_keys) > 1 else (
-                run.name if multi_run else k)
+            label = f"{run.name}: {k}" if multi_run and len(all_keys) > 1 else (run.name if multi_run else k)
             marker = "o" if len(steps) <= 30 else None
             if smooth > 0 and len(steps) > 2:
                 ax.plot(steps, values, color=color, alpha=0.25, linestyle=style, linewidth=1)
                 ax.plot(steps, _ema(values, smooth), color=color, linestyle=style, label=label)
             else:
-                ax.plot(steps, values, color=color, linestyle=style, marker=marker, markersize=3,
-                        label=label)
+                ax.plot(steps, values, color=color, linestyle=style, marker=marker, markersize=3, label=label)
 
 
 def _plot_stacked(ax, run: Run, keys: list[str]) -> None:
@@ -240,13 +249,13 @@ def render_small_multiples(keys: list[str], runs: list[Run], *, smooth: float = 
     if len(runs) > 1:
         from matplotlib.lines import Line2D
 
-        handles = [Line2D([], [], color=COLORS[i % len(COLORS)], label=r.name)
-                   for i, r in enumerate(runs)]
+        handles = [Line2D([], [], color=COLORS[i % len(COLORS)], label=r.name) for i, r in enumerate(runs)]
         fig.legend(handles=handles, loc="outside upper center", ncols=min(len(runs), 6))
     return _png(fig)
 
 
 # ---- HTML ----------------------------------------------------------------------------------------
+
 
 def _fmt(value: Any) -> str:
     if value is None:
@@ -337,12 +346,16 @@ def _sessions_html(runs: list[Run]) -> str:
         for s in reversed(shown):
             text = format_session(s)
             head, _, body = text.partition("\n")
-            parts.append(f"<details class='session'><summary>{html.escape(head)}</summary>"
-                         f"<pre>{html.escape(body)}</pre></details>")
+            parts.append(
+                f"<details class='session'><summary>{html.escape(head)}</summary>"
+                f"<pre>{html.escape(body)}</pre></details>"
+            )
     if not parts:
         return ""
-    return ("<h2>Agent sessions</h2><input placeholder='filter sessions (text, tool, reward…)' "
-            "oninput='filterSessions(this)' size='40'>" + "".join(parts))
+    return (
+        "<h2>Agent sessions</h2><input placeholder='filter sessions (text, tool, reward…)' "
+        "oninput='filterSessions(this)' size='40'>" + "".join(parts)
+    )
 
 
 def _span_table(run: Run, top: int = 20) -> str:
@@ -350,10 +363,14 @@ def _span_table(run: Run, top: int = 20) -> str:
     if not rows:
         return ""
     cols = ("cat", "name", "count", "total_ms", "mean_ms", "max_ms")
-    return (f"<h3>{html.escape(run.name)}: where traced time went (top {len(rows)} spans)</h3>"
-            "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>"
-            + "".join("<tr>" + "".join(f"<td>{_fmt(r[c])}</td>" for c in cols) + "</tr>"
-                      for r in rows) + "</table>")
+    return (
+        f"<h3>{html.escape(run.name)}: where traced time went (top {len(rows)} spans)</h3>"
+        "<table><tr>"
+        + "".join(f"<th>{c}</th>" for c in cols)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{_fmt(r[c])}</td>" for c in cols) + "</tr>" for r in rows)
+        + "</table>"
+    )
 
 
 def build_report(runs: list[Run], *, smooth: float = 0.0, png_dir: Path | None = None) -> str:
@@ -381,41 +398,59 @@ def build_report(runs: list[Run], *, smooth: float = 0.0, png_dir: Path | None =
 
     summaries = [summarize(r) for r in runs]
     columns = list(summaries[0])
-    table = ("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns) + "</tr>"
-             + "".join("<tr>" + "".join(f"<td>{_fmt(s[c])}</td>" for c in columns) + "</tr>"
-                       for s in summaries) + "</table>")
-    traces = [f"<li>{html.escape(r.name)}: <code>{html.escape(str(r.trace))}</code>"
-              + ("" if r.trace is None or r.trace.name == MERGED_FILENAME
-                 else f" (merge with <code>areno trace {html.escape(str(r.path))}</code>)")
-              + "</li>" for r in runs if r.trace is not None]
+    table = (
+        "<table><tr>"
+        + "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{_fmt(s[c])}</td>" for c in columns) + "</tr>" for s in summaries)
+        + "</table>"
+    )
+    traces = [
+        f"<li>{html.escape(r.name)}: <code>{html.escape(str(r.trace))}</code>"
+        + (
+            ""
+            if r.trace is None or r.trace.name == MERGED_FILENAME
+            else f" (merge with <code>areno trace {html.escape(str(r.path))}</code>)"
+        )
+        + "</li>"
+        for r in runs
+        if r.trace is not None
+    ]
     title = "areno report: " + ", ".join(r.name for r in runs)
     body = [
         f"<h1>{html.escape(title)}</h1>",
         f"<p class='muted'>generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} from "
         + ", ".join(f"<code>{html.escape(str(r.path))}</code>" for r in runs)
-        + (f"; EMA smoothing {smooth}" if smooth else "") + "</p>",
-        "<h2>Summary</h2>", table,
+        + (f"; EMA smoothing {smooth}" if smooth else "")
+        + "</p>",
+        "<h2>Summary</h2>",
+        table,
         "<h2>Training curves</h2>",
         "<div class='grid'>" + "".join(_img(png, t) for t, png in figures) + "</div>"
-        if figures else "<p>No known metrics in these runs.</p>",
+        if figures
+        else "<p>No known metrics in these runs.</p>",
     ]
     if other_png is not None:
         note = f" (first {MAX_OTHER_PANELS} of {len(other_keys)})" if truncated else ""
         body += [f"<h2>Other metrics{note}</h2>", _img(other_png, "other metrics", "wide")]
     body.append(_sessions_html(runs))
     if traces:
-        body += ["<h2>Performance traces</h2><p>Open in "
-                 "<a href='https://ui.perfetto.dev'>ui.perfetto.dev</a> or chrome://tracing:</p>",
-                 "<ul>" + "".join(traces) + "</ul>"]
+        body += [
+            "<h2>Performance traces</h2><p>Open in "
+            "<a href='https://ui.perfetto.dev'>ui.perfetto.dev</a> or chrome://tracing:</p>",
+            "<ul>" + "".join(traces) + "</ul>",
+        ]
         body += [_span_table(r) for r in runs if r.trace is not None]
-    return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-            f"<title>{html.escape(title)}</title><style>{CSS}</style>"
-            f"<script>{SESSION_FILTER_JS}</script></head><body>"
-            + "\n".join(body) + "</body></html>\n")
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{CSS}</style>"
+        f"<script>{SESSION_FILTER_JS}</script></head><body>" + "\n".join(body) + "</body></html>\n"
+    )
 
 
-def write_report(run_dirs: list[Path], out: Path | None = None, *, smooth: float = 0.0,
-                 png_dir: Path | None = None) -> Path:
+def write_report(
+    run_dirs: list[Path], out: Path | None = None, *, smooth: float = 0.0, png_dir: Path | None = None
+) -> Path:
     """Render ``run_dirs`` into one HTML file; returns its path.
 
     The default path is ``RUN_DIR/report.html`` for one run and ``./report.html`` for several.
@@ -438,11 +473,17 @@ def main(argv: list[str] | None = None) -> int:
     """``areno report RUN_DIR [RUN_DIR ...] [-o out.html]``: plots of one or several runs."""
     parser = argparse.ArgumentParser(prog="areno report", description=main.__doc__)
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories (metrics.jsonl)")
-    parser.add_argument("-o", "--out", type=Path, default=None,
-                        help="HTML file (default RUN_DIR/report.html, or ./report.html for several)")
+    parser.add_argument(
+        "-o",
+        "--out",
+        type=Path,
+        default=None,
+        help="HTML file (default RUN_DIR/report.html, or ./report.html for several)",
+    )
     parser.add_argument("--png-dir", type=Path, default=None, help="also write each plot as PNG")
-    parser.add_argument("--smooth", type=float, default=0.0,
-                        help="EMA smoothing factor in [0, 1) drawn over the raw curves")
+    parser.add_argument(
+        "--smooth", type=float, default=0.0, help="EMA smoothing factor in [0, 1) drawn over the raw curves"
+    )
     ns = parser.parse_args(argv)
     out = write_report(ns.run_dirs, ns.out, smooth=ns.smooth, png_dir=ns.png_dir)
     print(f"wrote {out}")

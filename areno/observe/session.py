@@ -27,8 +27,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 SESSIONS_FILENAME = "sessions.jsonl"
 ENV_VAR = "ARENO_SESSIONS_DIR"
@@ -45,7 +46,7 @@ class ToolCall:
 
     __slots__ = ("name", "arguments", "result", "error", "_session", "_t0")
 
-    def __init__(self, session: "Session", name: str, arguments: Any) -> None:
+    def __init__(self, session: Session, name: str, arguments: Any) -> None:
         self.name = name
         self.arguments = arguments
         self.result: Any = None
@@ -53,7 +54,7 @@ class ToolCall:
         self._session = session
         self._t0 = 0.0
 
-    def __enter__(self) -> "ToolCall":
+    def __enter__(self) -> ToolCall:
         self._t0 = time.monotonic()
         return self
 
@@ -61,8 +62,12 @@ class ToolCall:
         if exc_type is not None and self.error is None:
             self.error = f"{exc_type.__name__}: {exc}"
         self._session.add_tool_call(
-            self.name, self.arguments, result=self.result, error=self.error,
-            duration_s=time.monotonic() - self._t0, started_s=self._t0 - self._session._t0,
+            self.name,
+            self.arguments,
+            result=self.result,
+            error=self.error,
+            duration_s=time.monotonic() - self._t0,
+            started_s=self._t0 - self._session._t0,
         )
 
 
@@ -70,7 +75,7 @@ class Session:
     """The record of one episode. Use as a context manager; methods may be called from the
     episode's coroutine or thread only (one session is one episode)."""
 
-    def __init__(self, recorder: "SessionRecorder", session_id: str, meta: dict[str, Any]) -> None:
+    def __init__(self, recorder: SessionRecorder, session_id: str, meta: dict[str, Any]) -> None:
         self.recorder = recorder
         self.session_id = session_id
         self.meta = meta
@@ -84,11 +89,16 @@ class Session:
     def _offset(self) -> float:
         return round(time.monotonic() - self._t0, 6)
 
-    def turn(self, role: str, content: str, *, num_tokens: int | None = None,
-             duration_s: float | None = None, **info: Any) -> None:
+    def turn(
+        self, role: str, content: str, *, num_tokens: int | None = None, duration_s: float | None = None, **info: Any
+    ) -> None:
         """A message: ``user``/``system`` prompts, ``assistant`` outputs, ``tool``/env feedback."""
-        event: dict[str, Any] = {"kind": "turn", "t_s": self._offset(), "role": role,
-                                 "content": _truncate(content, self.recorder.max_text_chars)}
+        event: dict[str, Any] = {
+            "kind": "turn",
+            "t_s": self._offset(),
+            "role": role,
+            "content": _truncate(content, self.recorder.max_text_chars),
+        }
         if num_tokens is not None:
             event["num_tokens"] = int(num_tokens)
         if duration_s is not None:
@@ -101,9 +111,16 @@ class Session:
         """Time a tool call: ``with s.tool_call(name, args) as call: call.result = …``."""
         return ToolCall(self, name, arguments)
 
-    def add_tool_call(self, name: str, arguments: Any, *, result: Any = None,
-                      error: str | None = None, duration_s: float | None = None,
-                      started_s: float | None = None) -> None:
+    def add_tool_call(
+        self,
+        name: str,
+        arguments: Any,
+        *,
+        result: Any = None,
+        error: str | None = None,
+        duration_s: float | None = None,
+        started_s: float | None = None,
+    ) -> None:
         """Record a tool call that was timed elsewhere."""
         limit = self.recorder.max_text_chars
         event: dict[str, Any] = {
@@ -149,7 +166,7 @@ class Session:
             self.recorder.write(record)
         return record
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -170,10 +187,10 @@ class _NullSession:
     def set_reward(self, *a: Any, **k: Any) -> None: ...
     def finish(self, *a: Any, **k: Any) -> None: ...
 
-    def tool_call(self, name: str, arguments: Any) -> "_NullToolCall":
+    def tool_call(self, name: str, arguments: Any) -> _NullToolCall:
         return _NullToolCall()
 
-    def __enter__(self) -> "_NullSession":
+    def __enter__(self) -> _NullSession:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -184,7 +201,7 @@ class _NullToolCall:
     result: Any = None
     error: str | None = None
 
-    def __enter__(self) -> "_NullToolCall":
+    def __enter__(self) -> _NullToolCall:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -231,7 +248,7 @@ class SessionRecorder:
                 raise RuntimeError(f"session recorder for {self.path} is closed")
             view = memoryview(data)
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
 
     def close(self) -> None:
         with self._lock:
@@ -243,8 +260,9 @@ class SessionRecorder:
 _RECORDER: SessionRecorder | None = None
 
 
-def configure_sessions(run_dir: Path | None, enabled: bool, *, keep_every: int = 1,
-                       max_text_chars: int = 4000, propagate: bool = True) -> SessionRecorder | None:
+def configure_sessions(
+    run_dir: Path | None, enabled: bool, *, keep_every: int = 1, max_text_chars: int = 4000, propagate: bool = True
+) -> SessionRecorder | None:
     """Turn session recording on (to ``run_dir/sessions.jsonl``) or off for this process; with
     ``propagate``, child processes that import this module follow (``ARENO_SESSIONS_DIR``)."""
     global _RECORDER
@@ -254,8 +272,7 @@ def configure_sessions(run_dir: Path | None, enabled: bool, *, keep_every: int =
     if enabled:
         if run_dir is None:
             raise ValueError("configure_sessions(enabled=True) needs a run_dir")
-        _RECORDER = SessionRecorder(Path(run_dir), keep_every=keep_every,
-                                    max_text_chars=max_text_chars)
+        _RECORDER = SessionRecorder(Path(run_dir), keep_every=keep_every, max_text_chars=max_text_chars)
         if propagate:
             os.environ[ENV_VAR] = str(Path(run_dir).resolve())
     elif propagate:
@@ -281,9 +298,15 @@ def load_sessions(run_dir: Path) -> list[dict[str, Any]]:
     return read_jsonl_records(path, what="a session record")
 
 
-def filter_sessions(records: Iterable[dict[str, Any]], *, min_reward: float | None = None,
-                    max_reward: float | None = None, status: str | None = None,
-                    tool: str | None = None, **meta: str) -> list[dict[str, Any]]:
+def filter_sessions(
+    records: Iterable[dict[str, Any]],
+    *,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    status: str | None = None,
+    tool: str | None = None,
+    **meta: str,
+) -> list[dict[str, Any]]:
     """Sessions matching every given condition (meta values compared as strings)."""
     out = []
     for r in records:
@@ -294,8 +317,7 @@ def filter_sessions(records: Iterable[dict[str, Any]], *, min_reward: float | No
             continue
         if status is not None and r.get("status") != status:
             continue
-        if tool is not None and not any(e.get("name") == tool for e in r["events"]
-                                        if e["kind"] == "tool_call"):
+        if tool is not None and not any(e.get("name") == tool for e in r["events"] if e["kind"] == "tool_call"):
             continue
         if any(str(r["meta"].get(k)) != v for k, v in meta.items()):
             continue
@@ -307,9 +329,11 @@ def format_session(record: dict[str, Any]) -> str:
     """A readable transcript of one session."""
     meta = " ".join(f"{k}={v}" for k, v in record["meta"].items())
     reward = record.get("reward")
-    head = (f"session {record['session_id']}  status={record['status']}  "
-            f"reward={'-' if reward is None else f'{reward:g}'}  turns={record['num_turns']}  "
-            f"tool_calls={record['num_tool_calls']}  {record['duration_s']:.3f}s  {meta}").rstrip()
+    head = (
+        f"session {record['session_id']}  status={record['status']}  "
+        f"reward={'-' if reward is None else f'{reward:g}'}  turns={record['num_turns']}  "
+        f"tool_calls={record['num_tool_calls']}  {record['duration_s']:.3f}s  {meta}"
+    ).rstrip()
     lines = [head]
     for e in record["events"]:
         t = f"[{e['t_s']:8.3f}s]"
@@ -363,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"no session id starts with {ns.id!r} in {ns.run_dir}")
         print("\n\n".join(format_session(r) for r in matches))
         return 0
-    records = filter_sessions(records, min_reward=ns.min_reward, max_reward=ns.max_reward,
-                              status=ns.status, tool=ns.tool)[-ns.last:]
+    records = filter_sessions(
+        records, min_reward=ns.min_reward, max_reward=ns.max_reward, status=ns.status, tool=ns.tool
+    )[-ns.last :]
     for r in records:
         print(format_session(r) if ns.full else format_session(r).splitlines()[0])
         if ns.full:

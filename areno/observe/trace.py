@@ -36,8 +36,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 ENV_VAR = "ARENO_TRACE_DIR"
 """When set, importing this module enables tracing into that run directory."""
@@ -52,8 +53,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 class _TraceState:
     """The process-wide tracer. ``enabled`` is read on every span, so it is a plain attribute."""
 
-    __slots__ = ("enabled", "run_dir", "path", "process_name", "_file", "_buffer", "_lock",
-                 "_epoch_offset_ns", "_last_flush", "_named_threads", "_pid", "__weakref__")
+    __slots__ = (
+        "enabled",
+        "run_dir",
+        "path",
+        "process_name",
+        "_file",
+        "_buffer",
+        "_lock",
+        "_epoch_offset_ns",
+        "_last_flush",
+        "_named_threads",
+        "_pid",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         self.enabled = False
@@ -81,8 +94,7 @@ class _TraceState:
         self._file = self.path.open("a", encoding="utf-8")
         self._named_threads = set()
         self.process_name = process_name or f"{_main_name()} ({socket.gethostname()}:{self._pid})"
-        self.emit({"ph": "M", "name": "process_name", "pid": self._pid, "tid": 0,
-                   "args": {"name": self.process_name}})
+        self.emit({"ph": "M", "name": "process_name", "pid": self._pid, "tid": 0, "args": {"name": self.process_name}})
         self.enabled = True
 
     def emit(self, event: dict[str, Any]) -> None:
@@ -93,11 +105,17 @@ class _TraceState:
                 return
             if tid and tid not in self._named_threads:
                 self._named_threads.add(tid)
-                self._buffer.append({"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid,
-                                     "args": {"name": threading.current_thread().name}})
+                self._buffer.append(
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": self._pid,
+                        "tid": tid,
+                        "args": {"name": threading.current_thread().name},
+                    }
+                )
             self._buffer.append(event)
-            if (len(self._buffer) >= _FLUSH_EVERY_EVENTS
-                    or time.monotonic() - self._last_flush > _FLUSH_EVERY_S):
+            if len(self._buffer) >= _FLUSH_EVERY_EVENTS or time.monotonic() - self._last_flush > _FLUSH_EVERY_S:
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
@@ -146,8 +164,9 @@ multiprocessing.util.register_after_fork(
 os.register_at_fork(after_in_child=_STATE.after_fork_in_child)
 
 
-def configure_tracing(run_dir: Path | None, enabled: bool, *, process_name: str | None = None,
-                      propagate: bool = True) -> Path | None:
+def configure_tracing(
+    run_dir: Path | None, enabled: bool, *, process_name: str | None = None, propagate: bool = True
+) -> Path | None:
     """Turn tracing on (writing under ``run_dir/traces/``) or off for this process.
 
     With ``propagate`` the choice is also put in ``ARENO_TRACE_DIR`` so that child processes
@@ -186,7 +205,7 @@ class _Span:
         self.args = args
         self._t0 = 0.0
 
-    def __enter__(self) -> "_Span":
+    def __enter__(self) -> _Span:
         if _STATE.enabled:
             self._t0 = _STATE.now_us()
         return self
@@ -194,8 +213,15 @@ class _Span:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if _STATE.enabled and self._t0:
             t1 = _STATE.now_us()
-            event = {"name": self.name, "cat": self.cat, "ph": "X", "ts": self._t0,
-                     "dur": t1 - self._t0, "pid": _STATE._pid, "tid": threading.get_native_id()}
+            event = {
+                "name": self.name,
+                "cat": self.cat,
+                "ph": "X",
+                "ts": self._t0,
+                "dur": t1 - self._t0,
+                "pid": _STATE._pid,
+                "tid": threading.get_native_id(),
+            }
             args = self.args
             if exc_type is not None:
                 args = {**args, "error": getattr(exc_type, "__name__", str(exc_type))}
@@ -233,7 +259,7 @@ class _DisabledSpan:
         self.cat = cat
         self.args = args
 
-    def __enter__(self) -> "_DisabledSpan":
+    def __enter__(self) -> _DisabledSpan:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -267,13 +293,20 @@ class _AsyncSpan:
         self.name, self.cat, self.id, self.args = name, cat, span_id, args
 
     def _event(self, ph: str, args: dict[str, Any] | None) -> None:
-        event = {"name": self.name, "cat": self.cat, "ph": ph, "ts": _STATE.now_us(),
-                 "pid": _STATE._pid, "tid": threading.get_native_id(), "id": self.id}
+        event = {
+            "name": self.name,
+            "cat": self.cat,
+            "ph": ph,
+            "ts": _STATE.now_us(),
+            "pid": _STATE._pid,
+            "tid": threading.get_native_id(),
+            "id": self.id,
+        }
         if args:
             event["args"] = args
         _STATE.emit(event)
 
-    def __enter__(self) -> "_AsyncSpan":
+    def __enter__(self) -> _AsyncSpan:
         if _STATE.enabled:
             self._event("b", self.args)
         return self
@@ -295,15 +328,33 @@ def async_span(name: str, cat: str, span_id: str | int, **args: Any) -> _AsyncSp
 def instant(name: str, cat: str = "areno", **args: Any) -> None:
     """A point-in-time event (a weight version bump, an abort)."""
     if _STATE.enabled:
-        _STATE.emit({"name": name, "cat": cat, "ph": "i", "s": "p", "ts": _STATE.now_us(),
-                     "pid": _STATE._pid, "tid": threading.get_native_id(), "args": args})
+        _STATE.emit(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "i",
+                "s": "p",
+                "ts": _STATE.now_us(),
+                "pid": _STATE._pid,
+                "tid": threading.get_native_id(),
+                "args": args,
+            }
+        )
 
 
 def counter(name: str, **values: float) -> None:
     """A counter track (KV-cache blocks in use, queue depth): ``counter("kv", used=3, free=9)``."""
     if _STATE.enabled:
-        _STATE.emit({"name": name, "ph": "C", "ts": _STATE.now_us(), "pid": _STATE._pid,
-                     "tid": threading.get_native_id(), "args": values})
+        _STATE.emit(
+            {
+                "name": name,
+                "ph": "C",
+                "ts": _STATE.now_us(),
+                "pid": _STATE._pid,
+                "tid": threading.get_native_id(),
+                "args": values,
+            }
+        )
 
 
 def _read_events(path: Path) -> list[dict[str, Any]]:
@@ -381,9 +432,17 @@ def span_stats(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for e in events:
         if e.get("ph") == "X":
             groups.setdefault((e.get("cat", ""), e["name"]), []).append(float(e["dur"]))
-    rows = [{"cat": cat, "name": name, "count": len(durs), "total_ms": sum(durs) / 1000,
-             "mean_ms": sum(durs) / len(durs) / 1000, "max_ms": max(durs) / 1000}
-            for (cat, name), durs in groups.items()]
+    rows = [
+        {
+            "cat": cat,
+            "name": name,
+            "count": len(durs),
+            "total_ms": sum(durs) / 1000,
+            "mean_ms": sum(durs) / len(durs) / 1000,
+            "max_ms": max(durs) / 1000,
+        }
+        for (cat, name), durs in groups.items()
+    ]
     return sorted(rows, key=lambda r: -r["total_ms"])
 
 

@@ -2,7 +2,7 @@
 the built-in algorithm catalog (``areno recipes`` lists it). ``RecipeRunner`` lives in
 ``areno.recipes.runner``."""
 
-from areno.recipes import builtin as _builtin  # noqa: F401  (registers the built-in recipes)
+from areno.recipes import builtin as _builtin
 from areno.recipes.config import DataSync, ModelRole, TrainingConfig
 from areno.recipes.registry import TRAINING_CONFIGS, describe, get_recipe, list_recipes, main, recipe
 

@@ -33,8 +33,13 @@ def _reference() -> ModelRole:
 
 
 def _teacher(path: str | None) -> ModelRole:
-    return ModelRole(name="teacher", specialization_cls=LogProbSpecialization, trainable=False,
-                     model_path=path, requires_model_path=True)
+    return ModelRole(
+        name="teacher",
+        specialization_cls=LogProbSpecialization,
+        trainable=False,
+        model_path=path,
+        requires_model_path=True,
+    )
 
 
 _REF_SYNC = DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",))
@@ -62,8 +67,15 @@ def grpo(kl_coef: float = 0.0) -> TrainingConfig:
     Departures: beta = kl_coef defaults to 0 (TRL's default; the paper used 0.04) and a reference
     role exists only when kl_coef > 0; std is unbiased (n-1) with eps added to it, as in TRL.
     """
-    return _with_optional_reference("grpo", grpo.__doc__, kl_coef, advantage_estimator="grpo", clip_eps=0.2,
-                                    loss_aggregation="seq_mean_token_mean", kl_estimator="k3")
+    return _with_optional_reference(
+        "grpo",
+        grpo.__doc__,
+        kl_coef,
+        advantage_estimator="grpo",
+        clip_eps=0.2,
+        loss_aggregation="seq_mean_token_mean",
+        kl_estimator="k3",
+    )
 
 
 def _with_optional_reference(name: str, doc: str | None, kl_coef: float, **policy_kwargs) -> TrainingConfig:
@@ -82,9 +94,16 @@ def dr_grpo(max_completion_length: int = 1024) -> TrainingConfig:
     with L = max_completion_length a constant (Liu et al. 2025, "Understanding R1-Zero-like
     training"); the constant divides the sum so long and short answers weigh alike per token.
     """
-    return _single("dr_grpo", dr_grpo.__doc__, _policy(
-        advantage_estimator="dr_grpo", clip_eps=0.2, loss_aggregation="constant",
-        loss_agg_constant=float(max_completion_length)))
+    return _single(
+        "dr_grpo",
+        dr_grpo.__doc__,
+        _policy(
+            advantage_estimator="dr_grpo",
+            clip_eps=0.2,
+            loss_aggregation="constant",
+            loss_agg_constant=float(max_completion_length),
+        ),
+    )
 
 
 @recipe("dapo")
@@ -96,10 +115,19 @@ def dapo(max_completion_length: int = 1024, overlong_buffer_length: int = 256) -
     rewards are dropped; loss = sum_{i,t} -min(r A, clip(r, 1-0.2, 1+0.28) A) / sum_i |o_i|; no KL
     (Yu et al. 2025). Departure: dropped groups are not re-sampled, the step trains on fewer.
     """
-    return _single("dapo", dapo.__doc__, _policy(
-        advantage_estimator="grpo", clip_eps=0.2, clip_eps_high=0.28, loss_aggregation="token",
-        dynamic_sampling=True, overlong_max_length=max_completion_length,
-        overlong_buffer_length=overlong_buffer_length))
+    return _single(
+        "dapo",
+        dapo.__doc__,
+        _policy(
+            advantage_estimator="grpo",
+            clip_eps=0.2,
+            clip_eps_high=0.28,
+            loss_aggregation="token",
+            dynamic_sampling=True,
+            overlong_max_length=max_completion_length,
+            overlong_buffer_length=overlong_buffer_length,
+        ),
+    )
 
 
 @recipe("gspo")
@@ -110,9 +138,17 @@ def gspo() -> TrainingConfig:
     with GRPO advantages (Zheng et al. 2025); implemented in the GSPO-token form (value s_i,
     gradient through each token), identical for sequence-level advantages.
     """
-    return _single("gspo", gspo.__doc__, _policy(
-        advantage_estimator="grpo", policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4,
-        loss_aggregation="seq_mean_token_mean"))
+    return _single(
+        "gspo",
+        gspo.__doc__,
+        _policy(
+            advantage_estimator="grpo",
+            policy_loss="gspo",
+            clip_eps=3e-4,
+            clip_eps_high=4e-4,
+            loss_aggregation="seq_mean_token_mean",
+        ),
+    )
 
 
 @recipe("rloo")
@@ -135,8 +171,16 @@ def reinforce_pp(kl_coef: float = 0.01) -> TrainingConfig:
     (Hu 2025). Normalisation is over the global batch (all loss tokens), not per group; beta =
     kl_coef, and kl_coef = 0 drops the reference role.
     """
-    return _with_optional_reference("reinforce_pp", reinforce_pp.__doc__, kl_coef, advantage_estimator="reinforce_pp",
-                                    clip_eps=0.2, loss_aggregation="token", kl_estimator="k1", kl_in_reward=True)
+    return _with_optional_reference(
+        "reinforce_pp",
+        reinforce_pp.__doc__,
+        kl_coef,
+        advantage_estimator="reinforce_pp",
+        clip_eps=0.2,
+        loss_aggregation="token",
+        kl_estimator="k1",
+        kl_in_reward=True,
+    )
 
 
 @recipe("reinforce_pp_baseline")
@@ -147,9 +191,15 @@ def reinforce_pp_baseline(kl_coef: float = 0.01) -> TrainingConfig:
     beta k3 (beta = kl_coef, 0 drops the reference) rather than the reward, as in the paper's
     baseline variant (Hu 2025).
     """
-    return _with_optional_reference("reinforce_pp_baseline", reinforce_pp_baseline.__doc__, kl_coef,
-                                    advantage_estimator="reinforce_pp_baseline", clip_eps=0.2,
-                                    loss_aggregation="token", kl_estimator="k3")
+    return _with_optional_reference(
+        "reinforce_pp_baseline",
+        reinforce_pp_baseline.__doc__,
+        kl_coef,
+        advantage_estimator="reinforce_pp_baseline",
+        clip_eps=0.2,
+        loss_aggregation="token",
+        kl_estimator="k3",
+    )
 
 
 @recipe("cispo")
@@ -159,8 +209,13 @@ def cispo() -> TrainingConfig:
     loss = sum_{i,t} -sg[min(r, 1 + eps_high)] A_i log pi_theta / #tokens, GRPO advantages
     (MiniMax-M1, 2025). eps_high = 4 (weight <= 5) as TRL recommends; no lower clip.
     """
-    return _single("cispo", cispo.__doc__, _policy(
-        advantage_estimator="grpo", policy_loss="cispo", clip_eps=0.2, clip_eps_high=4.0, loss_aggregation="token"))
+    return _single(
+        "cispo",
+        cispo.__doc__,
+        _policy(
+            advantage_estimator="grpo", policy_loss="cispo", clip_eps=0.2, clip_eps_high=4.0, loss_aggregation="token"
+        ),
+    )
 
 
 @recipe("grpo_async")
@@ -171,9 +226,19 @@ def grpo_async() -> TrainingConfig:
     masked), r' = pi_theta / pi_prox, pi_prox from a no-grad forward at the start of the step
     (Hilton et al. 2022; AReaL). Token-level mean, GRPO advantages, no KL.
     """
-    return _single("grpo_async", grpo_async.__doc__, _policy(
-        advantage_estimator="grpo", clip_eps=0.2, loss_aggregation="token", use_decoupled_loss=True,
-        prox_logp_method="recompute", behav_imp_weight_cap=5.0, behav_weight_mode="mask"))
+    return _single(
+        "grpo_async",
+        grpo_async.__doc__,
+        _policy(
+            advantage_estimator="grpo",
+            clip_eps=0.2,
+            loss_aggregation="token",
+            use_decoupled_loss=True,
+            prox_logp_method="recompute",
+            behav_imp_weight_cap=5.0,
+            behav_weight_mode="mask",
+        ),
+    )
 
 
 @recipe("grpo_async_loglinear")
@@ -183,9 +248,19 @@ def grpo_async_loglinear() -> TrainingConfig:
     As grpo_async, but log pi_prox = log pi_behave + alpha (log pi_theta - log pi_behave),
     alpha = (v_prox - v_behave) / (v_prox + 1 - v_behave) (AReaL's loglinear approximation).
     """
-    return _single("grpo_async_loglinear", grpo_async_loglinear.__doc__, _policy(
-        advantage_estimator="grpo", clip_eps=0.2, loss_aggregation="token", use_decoupled_loss=True,
-        prox_logp_method="loglinear", behav_imp_weight_cap=5.0, behav_weight_mode="mask"))
+    return _single(
+        "grpo_async_loglinear",
+        grpo_async_loglinear.__doc__,
+        _policy(
+            advantage_estimator="grpo",
+            clip_eps=0.2,
+            loss_aggregation="token",
+            use_decoupled_loss=True,
+            prox_logp_method="loglinear",
+            behav_imp_weight_cap=5.0,
+            behav_weight_mode="mask",
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------ RL with a critic
@@ -201,9 +276,14 @@ def ppo(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
     return TrainingConfig(
         name="ppo",
         roles=(
-            _policy(advantage_estimator="gae", gamma=gamma, gae_lambda=gae_lambda, clip_eps=0.2, loss_aggregation="token"),
-            ModelRole(name="value", specialization_cls=CriticSpecialization,
-                      init_kwargs={"gamma": gamma, "gae_lambda": gae_lambda, "value_clip_eps": 0.2}),
+            _policy(
+                advantage_estimator="gae", gamma=gamma, gae_lambda=gae_lambda, clip_eps=0.2, loss_aggregation="token"
+            ),
+            ModelRole(
+                name="value",
+                specialization_cls=CriticSpecialization,
+                init_kwargs={"gamma": gamma, "gae_lambda": gae_lambda, "value_clip_eps": 0.2},
+            ),
         ),
         syncs=(DataSync(source="value", target="policy", keys=("values_T",), target_keys=("values_T",)),),
         description=_first_line(ppo.__doc__),
@@ -217,9 +297,12 @@ def sft() -> TrainingConfig:
 
     loss = sum_t -log pi_theta(x_t | x_<t) / #completion tokens (token-level mean over the batch).
     """
-    return TrainingConfig(name="sft", roles=(ModelRole(name="policy", specialization_cls=SFTSpecialization,
-                                                       sync_to_rollout=True),),
-                          description=_first_line(sft.__doc__), online=False)
+    return TrainingConfig(
+        name="sft",
+        roles=(ModelRole(name="policy", specialization_cls=SFTSpecialization, sync_to_rollout=True),),
+        description=_first_line(sft.__doc__),
+        online=False,
+    )
 
 
 @recipe("dpo")
@@ -232,9 +315,16 @@ def dpo(beta: float = 0.1) -> TrainingConfig:
     """
     return TrainingConfig(
         name="dpo",
-        roles=(ModelRole(name="policy", specialization_cls=DPOSpecialization, sync_to_rollout=True,
-                         init_kwargs={"beta": beta, "ref_key": "logprobs_T"}),),
-        description=_first_line(dpo.__doc__), online=False,
+        roles=(
+            ModelRole(
+                name="policy",
+                specialization_cls=DPOSpecialization,
+                sync_to_rollout=True,
+                init_kwargs={"beta": beta, "ref_key": "logprobs_T"},
+            ),
+        ),
+        description=_first_line(dpo.__doc__),
+        online=False,
     )
 
 
@@ -247,10 +337,18 @@ def dpo_distributed(beta: float = 0.1) -> TrainingConfig:
     """
     return TrainingConfig(
         name="dpo_distributed",
-        roles=(ModelRole(name="policy", specialization_cls=DPOSpecialization, sync_to_rollout=True,
-                         init_kwargs={"beta": beta, "ref_key": "ref_logprobs_T"}), _reference()),
+        roles=(
+            ModelRole(
+                name="policy",
+                specialization_cls=DPOSpecialization,
+                sync_to_rollout=True,
+                init_kwargs={"beta": beta, "ref_key": "ref_logprobs_T"},
+            ),
+            _reference(),
+        ),
         syncs=(_REF_SYNC,),
-        description=_first_line(dpo_distributed.__doc__), online=False,
+        description=_first_line(dpo_distributed.__doc__),
+        online=False,
     )
 
 
@@ -264,7 +362,8 @@ def reward_model() -> TrainingConfig:
     return TrainingConfig(
         name="reward_model",
         roles=(ModelRole(name="reward", specialization_cls=RewardModelSpecialization),),
-        description=_first_line(reward_model.__doc__), online=False,
+        description=_first_line(reward_model.__doc__),
+        online=False,
     )
 
 
@@ -279,8 +378,10 @@ def opd(teacher_path: str | None = None) -> TrainingConfig:
     """
     return TrainingConfig(
         name="opd",
-        roles=(ModelRole(name="policy", specialization_cls=DistillSpecialization, sync_to_rollout=True),
-               _teacher(teacher_path)),
+        roles=(
+            ModelRole(name="policy", specialization_cls=DistillSpecialization, sync_to_rollout=True),
+            _teacher(teacher_path),
+        ),
         syncs=(_teacher_sync(),),
         description=_first_line(opd.__doc__),
     )
@@ -296,8 +397,10 @@ def dagger(teacher_path: str | None = None) -> TrainingConfig:
     """
     return TrainingConfig(
         name="dagger",
-        roles=(ModelRole(name="policy", specialization_cls=DaggerSpecialization, sync_to_rollout=True),
-               _teacher(teacher_path)),
+        roles=(
+            ModelRole(name="policy", specialization_cls=DaggerSpecialization, sync_to_rollout=True),
+            _teacher(teacher_path),
+        ),
         syncs=(_teacher_sync("argmax_T", "teacher_action_T"),),
         description=_first_line(dagger.__doc__),
     )
@@ -312,8 +415,10 @@ def aggrevate(teacher_path: str | None = None) -> TrainingConfig:
     """
     return TrainingConfig(
         name="aggrevate",
-        roles=(ModelRole(name="policy", specialization_cls=AggrevateSpecialization, sync_to_rollout=True),
-               _teacher(teacher_path)),
+        roles=(
+            ModelRole(name="policy", specialization_cls=AggrevateSpecialization, sync_to_rollout=True),
+            _teacher(teacher_path),
+        ),
         syncs=(_teacher_sync(),),
         description=_first_line(aggrevate.__doc__),
     )
@@ -329,9 +434,15 @@ def mixed_loss_dagger_opd(teacher_path: str | None = None, beta_decay_steps: int
     """
     return TrainingConfig(
         name="mixed_loss_dagger_opd",
-        roles=(ModelRole(name="policy", specialization_cls=MixedLossDaggerOPDSpecialization, sync_to_rollout=True,
-                         init_kwargs={"beta_start": 1.0, "beta_end": 0.0, "beta_decay_steps": beta_decay_steps}),
-               _teacher(teacher_path)),
+        roles=(
+            ModelRole(
+                name="policy",
+                specialization_cls=MixedLossDaggerOPDSpecialization,
+                sync_to_rollout=True,
+                init_kwargs={"beta_start": 1.0, "beta_end": 0.0, "beta_decay_steps": beta_decay_steps},
+            ),
+            _teacher(teacher_path),
+        ),
         syncs=(_teacher_sync(),),
         description=_first_line(mixed_loss_dagger_opd.__doc__),
     )

@@ -43,7 +43,9 @@ class ModelRole:
                 f"got {self.specialization_cls!r}"
             )
         if self.sync_to_rollout and not self.trainable:
-            raise ValueError(f"role {self.name!r}: sync_to_rollout=True needs trainable=True (a frozen role never changes)")
+            raise ValueError(
+                f"role {self.name!r}: sync_to_rollout=True needs trainable=True (a frozen role never changes)"
+            )
         if self.requires_model_path and not self.model_path:
             raise ValueError(
                 f"role {self.name!r} needs a checkpoint: set its model_path (for built-in recipes pass "
@@ -90,7 +92,9 @@ class DataSync:
                 f"{len(self.target_keys)} target_keys; give one target key per key"
             )
         if self.stage not in SYNC_STAGES:
-            raise ValueError(f"DataSync {self.source}->{self.target}: stage must be one of {SYNC_STAGES}, got {self.stage!r}")
+            raise ValueError(
+                f"DataSync {self.source}->{self.target}: stage must be one of {SYNC_STAGES}, got {self.stage!r}"
+            )
         if self.source == self.target:
             raise ValueError(f"DataSync {self.source}->{self.target}: source and target must differ")
         for key in self.target_keys:
@@ -131,7 +135,9 @@ class TrainingConfig:
         for sync in self.syncs:
             for role in (sync.source, sync.target):
                 if role not in specs:
-                    raise ValueError(f"{where}: DataSync {sync.source}->{sync.target} names a missing role {role!r}; roles are {names}")
+                    raise ValueError(
+                        f"{where}: DataSync {sync.source}->{sync.target} names a missing role {role!r}; roles are {names}"
+                    )
             missing = [k for k in sync.keys if k not in specs[sync.source].output_keys]
             if missing:
                 raise ValueError(
@@ -143,7 +149,9 @@ class TrainingConfig:
             spec = specs[role.name]
             for key in spec.self_forward_keys:
                 if key not in spec.output_keys:
-                    raise ValueError(f"{where}: role {role.name!r} self-forward key {key!r} is not an output of {type(spec).__name__}")
+                    raise ValueError(
+                        f"{where}: role {role.name!r} self-forward key {key!r} is not an output of {type(spec).__name__}"
+                    )
             if not role.trainable:
                 continue
             need = set(spec.required_extra_keys) - provided[role.name] - set(spec.self_forward_keys.values())
@@ -168,7 +176,7 @@ class TrainingConfig:
                 return role
         return next(r for r in self.roles if r.trainable)
 
-    def with_policy_kwargs(self, **kwargs: Any) -> "TrainingConfig":
+    def with_policy_kwargs(self, **kwargs: Any) -> TrainingConfig:
         """A validated copy whose policy role has ``init_kwargs`` updated by ``kwargs``."""
         if not kwargs:
             return self

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from areno.recipes.config import TrainingConfig
 
@@ -28,7 +29,9 @@ def recipe(name: str) -> Callable[[RecipeFactory], RecipeFactory]:
 def _unknown(name: str) -> ValueError:
     close = difflib.get_close_matches(name, list(TRAINING_CONFIGS), n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}? " if close else ""
-    return ValueError(f"unknown recipe {name!r}: {hint}`areno recipes` lists the {len(TRAINING_CONFIGS)} registered ones")
+    return ValueError(
+        f"unknown recipe {name!r}: {hint}`areno recipes` lists the {len(TRAINING_CONFIGS)} registered ones"
+    )
 
 
 def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **options: Any) -> TrainingConfig:
@@ -91,8 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     options = {k: "<path>" for k, p in params.items() if p.default is None}
     cfg = factory(**options)
     for role in cfg.roles:
-        flags = ", ".join(f for f, on in (("trainable", role.trainable), ("sync_to_rollout", role.sync_to_rollout)) if on)
+        flags = ", ".join(
+            f for f, on in (("trainable", role.trainable), ("sync_to_rollout", role.sync_to_rollout)) if on
+        )
         print(f"  role {role.name}: {role.specialization_cls.__name__}({role.init_kwargs}) [{flags or 'frozen'}]")
     for sync in cfg.syncs:
-        print(f"  sync {sync.source}.{','.join(sync.keys)} -> {sync.target}.{','.join(sync.target_keys)} ({sync.stage})")
+        print(
+            f"  sync {sync.source}.{','.join(sync.keys)} -> {sync.target}.{','.join(sync.target_keys)} ({sync.stage})"
+        )
     return 0

@@ -60,7 +60,9 @@ class RecipeRunner:
         names = [r.name for r in training_config.roles]
         missing = [n for n in names if n not in backends]
         if missing:
-            raise ValueError(f"recipe {training_config.name!r}: no training backend for role(s) {missing}; got {sorted(backends)}")
+            raise ValueError(
+                f"recipe {training_config.name!r}: no training backend for role(s) {missing}; got {sorted(backends)}"
+            )
         for role in training_config.roles:
             cfg = getattr(backends[role.name], "cfg", None)
             if cfg is not None and getattr(cfg, "trainable", True) is False and role.trainable:
@@ -101,16 +103,20 @@ class RecipeRunner:
         if k <= 1:
             return [prepared]
         bounds = [round(i * n / k) for i in range(k + 1)]
-        return [{name: batch.select(list(range(lo, hi))) for name, batch in prepared.items()}
-                for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return [
+            {name: batch.select(list(range(lo, hi))) for name, batch in prepared.items()}
+            for lo, hi in zip(bounds[:-1], bounds[1:])
+        ]
 
     def _later_pass(self, rollout_data: TokenBatch, pass_order: list[int]) -> dict[str, TokenBatch]:
         if self._first_pass is None:
             raise ValueError("RecipeRunner.step(pass_order=...) needs a first pass (pass_order=None) on this rollout")
         n = next(iter(self._first_pass.values())).num_seqs
         if sorted(pass_order) != list(range(n)) or rollout_data.num_seqs != n:
-            raise ValueError(f"pass_order must be a permutation of the first pass's {n} sequences; "
-                             f"got {len(pass_order)} indices for a batch of {rollout_data.num_seqs}")
+            raise ValueError(
+                f"pass_order must be a permutation of the first pass's {n} sequences; "
+                f"got {len(pass_order)} indices for a batch of {rollout_data.num_seqs}"
+            )
         return {name: batch.select(list(pass_order)) for name, batch in self._first_pass.items()}
 
     def _prepare(self, rollout_data: TokenBatch, trainable: list[str]) -> dict[str, TokenBatch]:
@@ -123,10 +129,13 @@ class RecipeRunner:
             return outputs[role]
 
         data = {
-            r.name: dataclasses.replace(rollout_data, extra={
-                **rollout_data.extra,
-                POLICY_VERSION_KEY: torch.full((rollout_data.num_seqs,), self.versions[r.name], dtype=torch.long),
-            })
+            r.name: dataclasses.replace(
+                rollout_data,
+                extra={
+                    **rollout_data.extra,
+                    POLICY_VERSION_KEY: torch.full((rollout_data.num_seqs,), self.versions[r.name], dtype=torch.long),
+                },
+            )
             for r in self.config.roles
         }
         for sync in self.config.syncs:
@@ -149,8 +158,10 @@ class RecipeRunner:
             for name in names:
                 spec = self.specs[name]
                 result = self.backends[name].train_step(
-                    prepared[name], forward_fn=spec.extract_model_output,
-                    loss_fn=spec.compute_loss, denominator_fn=spec.denominator,
+                    prepared[name],
+                    forward_fn=spec.extract_model_output,
+                    loss_fn=spec.compute_loss,
+                    denominator_fn=spec.denominator,
                 )
                 metrics.update({f"{name}/{k}": float(v) for k, v in result.items()})
             return metrics

@@ -45,7 +45,7 @@ def _serve(requests: Connection, replies: Connection) -> None:
             reply = ("ok", float(value))
         except MemoryError as exc:
             reply = ("error", ("memory", f"MemoryError: {exc}"))
-        except BaseException as exc:  # user code: reported to the parent, which counts it and scores 0
+        except BaseException as exc:  # noqa: BLE001 - user code: reported to the parent, which counts it and scores 0
             reply = ("error", ("error", f"{type(exc).__name__}: {exc}"))
         finally:
             _exec.clear_cpu_limit()

@@ -58,22 +58,38 @@ def extract_program(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-def run_program(source: str, stdin: str = "", *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-                memory_mb: int = DEFAULT_MEMORY_MB) -> ProgramResult:
+def run_program(
+    source: str, stdin: str = "", *, time_limit_s: float = DEFAULT_TIME_LIMIT_S, memory_mb: int = DEFAULT_MEMORY_MB
+) -> ProgramResult:
     """Run ``source`` as ``__main__`` in a confined ``python -I`` subprocess (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="areno-code-") as tmp:
         program = os.path.join(tmp, "program.py")
         Path(program).write_text(source)
         Path(tmp, "stdin").write_text(stdin)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": tmp,
-               "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
-        argv = [sys.executable, "-I", "-c", _EXEC_SOURCE, program, str(memory_mb), str(time_limit_s),
-                str(OUTPUT_LIMIT_MB)]
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "LANG": "C.UTF-8",
+            "HOME": tmp,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+        argv = [
+            sys.executable,
+            "-I",
+            "-c",
+            _EXEC_SOURCE,
+            program,
+            str(memory_mb),
+            str(time_limit_s),
+            str(OUTPUT_LIMIT_MB),
+        ]
         t0 = time.perf_counter()
-        with open(os.path.join(tmp, "stdin"), "rb") as fin, open(os.path.join(tmp, "stdout"), "wb") as fout, \
-                open(os.path.join(tmp, "stderr"), "wb") as ferr:
-            proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=tmp, env=env,
-                                    start_new_session=True)
+        with (
+            open(os.path.join(tmp, "stdin"), "rb") as fin,
+            open(os.path.join(tmp, "stdout"), "wb") as fout,
+            open(os.path.join(tmp, "stderr"), "wb") as ferr,
+        ):
+            proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=tmp, env=env, start_new_session=True)
             try:
                 returncode: int | None = proc.wait(timeout=time_limit_s)
             except subprocess.TimeoutExpired:
@@ -86,8 +102,13 @@ def run_program(source: str, stdin: str = "", *, time_limit_s: float = DEFAULT_T
                 proc.wait()
         wall_s = time.perf_counter() - t0
         read = lambda name: Path(tmp, name).read_bytes()[: OUTPUT_LIMIT_MB << 20].decode(errors="replace")
-        return ProgramResult(returncode=returncode, stdout=read("stdout"), stderr=read("stderr"),
-                             timed_out=returncode is None, wall_s=wall_s)
+        return ProgramResult(
+            returncode=returncode,
+            stdout=read("stdout"),
+            stderr=read("stderr"),
+            timed_out=returncode is None,
+            wall_s=wall_s,
+        )
 
 
 def _normalise(text: str) -> list[str]:

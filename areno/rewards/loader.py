@@ -43,5 +43,11 @@ def load_reward(section: Any) -> Any:
         return fn
     from areno.rewards.sandbox import shared_sandbox
 
-    return shared_sandbox(section.fn, workers=section.workers, timeout_s=section.timeout_s,
-                          memory_mb=section.memory_mb, cpu_s=section.cpu_s, allow_network=section.allow_network)
+    return shared_sandbox(
+        section.fn,
+        workers=section.workers,
+        timeout_s=section.timeout_s,
+        memory_mb=section.memory_mb,
+        cpu_s=section.cpu_s,
+        allow_network=section.allow_network,
+    )

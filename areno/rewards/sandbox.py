@@ -84,7 +84,10 @@ class _Worker:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "areno.rewards._worker", str(req_r), str(resp_w)],
-                pass_fds=(req_r, resp_w), start_new_session=True, env=_child_env(), stdin=subprocess.DEVNULL,
+                pass_fds=(req_r, resp_w),
+                start_new_session=True,
+                env=_child_env(),
+                stdin=subprocess.DEVNULL,
             )
         finally:
             os.close(req_r)
@@ -101,14 +104,20 @@ class _Worker:
             return
         if not self._replies.poll(STARTUP_TIMEOUT_S):
             self.stop()
-            raise RewardFailure("crash", f"reward worker for {self._init[0]} did not start within "
-                                         f"{STARTUP_TIMEOUT_S:.0f} s: check that its module imports quickly")
+            raise RewardFailure(
+                "crash",
+                f"reward worker for {self._init[0]} did not start within "
+                f"{STARTUP_TIMEOUT_S:.0f} s: check that its module imports quickly",
+            )
         try:
             status, payload = self._replies.recv()
         except EOFError:
             code = self.stop()
-            raise RewardFailure("crash", f"reward worker for {self._init[0]} died while starting "
-                                         f"({_describe_exit(code)}): run `python -c 'import ...'` on its module") from None
+            raise RewardFailure(
+                "crash",
+                f"reward worker for {self._init[0]} died while starting "
+                f"({_describe_exit(code)}): run `python -c 'import ...'` on its module",
+            ) from None
         if status == "fatal":
             self.stop()
             raise RewardFailure("crash", f"reward worker could not load {payload}")
@@ -161,8 +170,16 @@ class RewardSandbox:
     on the first call and are reused; any number of threads and event loops may call at once.
     """
 
-    def __init__(self, fn_path: str, *, workers: int = 4, timeout_s: float = 10.0, memory_mb: int = 2048,
-                 cpu_s: float | None = None, allow_network: bool = True) -> None:
+    def __init__(
+        self,
+        fn_path: str,
+        *,
+        workers: int = 4,
+        timeout_s: float = 10.0,
+        memory_mb: int = 2048,
+        cpu_s: float | None = None,
+        allow_network: bool = True,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"reward.workers must be >= 1, got {workers}")
         if timeout_s <= 0:
@@ -223,21 +240,33 @@ class RewardSandbox:
         if status == "timeout":
             worker.stop()
             self._count_restart()
-            return RewardFailure("timeout", f"{name} did not return within reward.timeout_s={self.timeout_s:g} s "
-                                            f"(worker killed and replaced): make it faster or raise reward.timeout_s")
+            return RewardFailure(
+                "timeout",
+                f"{name} did not return within reward.timeout_s={self.timeout_s:g} s "
+                f"(worker killed and replaced): make it faster or raise reward.timeout_s",
+            )
         if status in ("died", "gone"):
             self._count_restart()
             if payload == -signal.SIGXCPU:
-                return RewardFailure("cpu", f"{name} used more than {self.cpu_s:g} CPU-seconds (SIGXCPU; worker "
-                                            f"replaced): make it cheaper or raise reward.cpu_s")
-            return RewardFailure("crash", f"{name} crashed the reward worker ({_describe_exit(payload)}; replaced): "
-                                          f"fix the native code or exit call in the reward function")
+                return RewardFailure(
+                    "cpu",
+                    f"{name} used more than {self.cpu_s:g} CPU-seconds (SIGXCPU; worker "
+                    f"replaced): make it cheaper or raise reward.cpu_s",
+                )
+            return RewardFailure(
+                "crash",
+                f"{name} crashed the reward worker ({_describe_exit(payload)}; replaced): "
+                f"fix the native code or exit call in the reward function",
+            )
         kind, message = payload
         if kind == "memory":
             worker.stop()  # a MemoryError can leave module state half-built: start clean
             self._count_restart()
-            return RewardFailure("memory", f"{name} exceeded reward.memory_mb={self.memory_mb} ({message}): "
-                                           f"reduce its memory use or raise reward.memory_mb")
+            return RewardFailure(
+                "memory",
+                f"{name} exceeded reward.memory_mb={self.memory_mb} ({message}): "
+                f"reduce its memory use or raise reward.memory_mb",
+            )
         return RewardFailure("error", f"{name} raised {message}: fix the reward function")
 
     def _count(self, kind: str | None, elapsed: float) -> None:
@@ -255,7 +284,9 @@ class RewardSandbox:
     @property
     def network_isolation(self) -> str:
         """How started workers are cut off the network: none, netns or socket-patch."""
-        return next((w.isolation for w in self._slots if w.proc is not None), "none" if self.allow_network else "unknown")
+        return next(
+            (w.isolation for w in self._slots if w.proc is not None), "none" if self.allow_network else "unknown"
+        )
 
     def metrics(self) -> dict[str, float]:
         """Cumulative ``rollout/reward_calls``, ``rollout/reward_failures_<kind>``, ``rollout/reward_worker_restarts`` and
@@ -282,7 +313,7 @@ class RewardSandbox:
             slot.stop()
         self._starter.shutdown(wait=True)
 
-    def __enter__(self) -> "RewardSandbox":
+    def __enter__(self) -> RewardSandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -55,7 +55,7 @@ class _Group:
     """long [B * K * L]: row of ``k_S.reshape(-1, Dh)`` of each (sequence, KV head, key) (CPU decode)."""
     cpu_bias_NQL: torch.Tensor | None = None
     """[B * K, Q, L] additive mask (0 / -inf) of the CPU decode form."""
-    carry: "DecodeCarry | None" = None
+    carry: DecodeCarry | None = None
     """CPU pure-decode steps: the K/V gathered by the previous step, kept across steps (``DecodeCarry``)."""
     extend: bool = False
     """Whether this step extends ``carry`` (else it gathers afresh and keeps that)."""
@@ -96,8 +96,9 @@ class DecodeCarry:
         self.v.clear()
         self._bt_BN = self._ctx_B = None
 
-    def begin(self, bt_BN: torch.Tensor, ctx_B: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int,
-              itemsize: int) -> bool | None:
+    def begin(
+        self, bt_BN: torch.Tensor, ctx_B: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int, itemsize: int
+    ) -> bool | None:
         """Before a pure-decode step: True to extend the carried K/V, False to gather afresh and
         carry that, None when this batch's copies would exceed ``max_bytes`` or its tables the
         capacity (no carry)."""
@@ -107,8 +108,9 @@ class DecodeCarry:
             self.invalidate()
             return None
         prev_bt, prev_ctx = self._bt_BN, self._ctx_B
-        extend = (prev_bt is not None and prev_bt.shape[0] == B and prev_bt.shape[1] <= N
-                  and torch.equal(prev_ctx + 1, ctx_B))
+        extend = (
+            prev_bt is not None and prev_bt.shape[0] == B and prev_bt.shape[1] <= N and torch.equal(prev_ctx + 1, ctx_B)
+        )
         if extend:  # the blocks of every key carried so far are unchanged (new blocks may follow)
             n_old = prev_bt.shape[1]
             used_BN = torch.arange(n_old)[None, :] <= (prev_ctx - 1)[:, None] // block_size
@@ -162,8 +164,15 @@ class PagedAttention:
     """Decode queries of one KV head as one group (see ``__call__``): on CUDA the memory-efficient
     kernel then takes the masked call; on CPU it is 15-30% faster than ``enable_gqa`` (measured)."""
 
-    def __init__(self, cache: KVCache, slot_mapping_T: torch.Tensor, num_decode: int,
-                 decode: _Group | None, prefill: _Group | None, paged: _PagedDecode | None = None) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        slot_mapping_T: torch.Tensor,
+        num_decode: int,
+        decode: _Group | None,
+        prefill: _Group | None,
+        paged: _PagedDecode | None = None,
+    ) -> None:
         self.cache = cache
         self.slot_mapping_T = slot_mapping_T
         self.num_decode = num_decode
@@ -176,9 +185,13 @@ class PagedAttention:
 
     @classmethod
     def build(
-        cls, cache: KVCache, chunks: list[SeqChunk], device: torch.device, sliding_window: int | None = None,
+        cls,
+        cache: KVCache,
+        chunks: list[SeqChunk],
+        device: torch.device,
+        sliding_window: int | None = None,
         bt_BN: torch.Tensor | None = None,
-    ) -> "PagedAttention":
+    ) -> PagedAttention:
         """``chunks`` must list the decode sequences (``num_new == 1``) first. With
         ``sliding_window`` a query at position p sees keys p - sliding_window < j <= p (Mistral).
         ``bt_BN``: the chunks' block tables as a CPU tensor (any padding id; built from the chunks
@@ -224,9 +237,15 @@ class PagedAttention:
 
     @classmethod
     def for_decode(
-        cls, cache: KVCache, bt_BN: torch.Tensor, ctx_B: torch.Tensor, sliding_window: int | None = None,
-        kv_slots_BL: torch.Tensor | None = None, decode_attention: str = "gather", carry: bool = False,
-    ) -> "PagedAttention":
+        cls,
+        cache: KVCache,
+        bt_BN: torch.Tensor,
+        ctx_B: torch.Tensor,
+        sliding_window: int | None = None,
+        kv_slots_BL: torch.Tensor | None = None,
+        decode_attention: str = "gather",
+        carry: bool = False,
+    ) -> PagedAttention:
         """A pure-decode step from device tensors only (static shapes: usable inside a CUDA graph).
 
         ``bt_BN``: block tables padded with any block id (padding keys are masked); ``ctx_B``: context
@@ -270,9 +289,7 @@ class PagedAttention:
         return bt_BN[:, key_L // block_size] * block_size + key_L % block_size
 
     @staticmethod
-    def _group(
-        bt_BN: torch.Tensor, ctx_B: torch.Tensor, qpos_BQ: torch.Tensor, bs: int, window: int | None
-    ) -> _Group:
+    def _group(bt_BN: torch.Tensor, ctx_B: torch.Tensor, qpos_BQ: torch.Tensor, bs: int, window: int | None) -> _Group:
         L = int(ctx_B.max())
         key_L = torch.arange(L)
         kv_slots_BL = bt_BN[:, key_L // bs] * bs + key_L % bs
@@ -342,8 +359,14 @@ class PagedAttention:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     @staticmethod
-    def _sdpa(q_BHQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group,
-              mask_B1QL: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
+    def _sdpa(
+        q_BHQD: torch.Tensor,
+        k_S: torch.Tensor,
+        v_S: torch.Tensor,
+        g: _Group,
+        mask_B1QL: torch.Tensor | None = None,
+        decode: bool = False,
+    ) -> torch.Tensor:
         if decode and CPU_DECODE_MATMUL and q_BHQD.device.type == "cpu" and q_BHQD.shape[1] == k_S.shape[1]:
             return _cpu_decode_attention(q_BHQD, k_S, v_S, g)
         # index_select over the flattened slots: same values as k_S[kv_slots_BL], about 2x faster
@@ -354,7 +377,9 @@ class PagedAttention:
         v_BHLD = v_S.index_select(0, flat_slots).view(B, L, *v_S.shape[1:]).transpose(1, 2)
         with _sdpa_backends(q_BHQD.device):
             return F.scaled_dot_product_attention(
-                q_BHQD, k_BHLD.to(q_BHQD.dtype), v_BHLD.to(q_BHQD.dtype),
+                q_BHQD,
+                k_BHLD.to(q_BHQD.dtype),
+                v_BHLD.to(q_BHQD.dtype),
                 attn_mask=g.mask_B1QL if mask_B1QL is None else mask_B1QL,
                 enable_gqa=q_BHQD.shape[1] != k_BHLD.shape[1],
             )
@@ -364,9 +389,15 @@ CPU_DECODE_MATMUL = True
 """CPU decode rows attend through ``_cpu_decode_attention`` (False: the gathered SDPA, for A/Bs)."""
 
 
-def _cpu_decode_attention(q_BKQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, g: _Group,
-                          layer_idx: int | None = None, k_new_BKD: torch.Tensor | None = None,
-                          v_new_BKD: torch.Tensor | None = None) -> torch.Tensor:
+def _cpu_decode_attention(
+    q_BKQD: torch.Tensor,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    g: _Group,
+    layer_idx: int | None = None,
+    k_new_BKD: torch.Tensor | None = None,
+    v_new_BKD: torch.Tensor | None = None,
+) -> torch.Tensor:
     """CPU decode rows (q and k/v with the same head count: the grouped form, or no GQA): K/V
     gathered head-major, ``[B * K, L, Dh]`` contiguous (one row of ``Dh`` per slot and head), then
     two batched matmuls around a softmax, the mask an additive bias. ``scaled_dot_product_attention``
@@ -401,7 +432,7 @@ def _cpu_decode_attention(q_BKQD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Te
                 x_NCD = x_NLD.new_zeros(B * K, carry.capacity, D)
                 x_NCD[:, :L] = x_NLD
                 store[layer_idx] = x_NCD
-    scores_NQL = torch.baddbmm(g.cpu_bias_NQL, q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2), alpha=D ** -0.5)
+    scores_NQL = torch.baddbmm(g.cpu_bias_NQL, q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2), alpha=D**-0.5)
     return torch.bmm(torch.softmax(scores_NQL, dim=-1), v_NLD).view(B, K, Q, D)
 
 

@@ -41,8 +41,9 @@ logger = logging.getLogger("areno.rollout.client")
 class RolloutRequestTimeout(TimeoutError):
     """A generation request did not finish within its deadline; it was aborted."""
 
-    def __init__(self, *, server: str, request_id: str | None, timeout_s: float, prompt_tokens: int,
-                 max_new_tokens: int) -> None:
+    def __init__(
+        self, *, server: str, request_id: str | None, timeout_s: float, prompt_tokens: int, max_new_tokens: int
+    ) -> None:
         super().__init__(
             f"rollout request {request_id or '(unnamed)'} to {server} did not finish within {timeout_s:g}s "
             f"(prompt {prompt_tokens} tokens, max_new_tokens {max_new_tokens}) and was aborted: check that "
@@ -106,8 +107,9 @@ async def agenerate_many(client: Any, prompt_ids: list[int], params: list[Sampli
 class InProcessRolloutClient(RolloutClient):
     """Drives a ``RolloutEngine`` of this process from a background thread."""
 
-    def __init__(self, engine: RolloutEngine, *, idle_wait_s: float = 0.01,
-                 request_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, engine: RolloutEngine, *, idle_wait_s: float = 0.01, request_timeout_s: float | None = None
+    ) -> None:
         """``request_timeout_s``: deadline of one ``agenerate`` (None or 0: none); past it the
         request is aborted in the engine and ``RolloutRequestTimeout`` raised."""
         if request_timeout_s is not None and request_timeout_s < 0:
@@ -143,8 +145,11 @@ class InProcessRolloutClient(RolloutClient):
             self._abort_quietly(request_id)
             assert self.request_timeout_s is not None
             raise RolloutRequestTimeout(
-                server="the in-process rollout engine", request_id=request_id, timeout_s=self.request_timeout_s,
-                prompt_tokens=len(prompt_ids), max_new_tokens=sampling_params.max_new_tokens,
+                server="the in-process rollout engine",
+                request_id=request_id,
+                timeout_s=self.request_timeout_s,
+                prompt_tokens=len(prompt_ids),
+                max_new_tokens=sampling_params.max_new_tokens,
             ) from None
 
     def abort(self, request_id: str) -> GenerationOutput:
@@ -233,8 +238,14 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
 class HTTPRolloutClient(RolloutClient):
     """Talks to an ``areno serve`` server (token ids in, ``GenerationOutput`` out)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, timeout_s: float | None = 3600.0,
-                 connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float | None = 3600.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
         """``timeout_s``: deadline of one whole request (None or 0: none), enforced end to end, not
         per read; past it the request is aborted on the server and ``RolloutRequestTimeout`` raised.
         ``connect_timeout_s``: how long to wait for a TCP connection."""
@@ -246,8 +257,9 @@ class HTTPRolloutClient(RolloutClient):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = _deadline(timeout_s)
         # httpx's own limits are per phase; the end-to-end deadline is asyncio.wait_for below.
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers,
-                                         timeout=httpx.Timeout(None, connect=connect_timeout_s))
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=httpx.Timeout(None, connect=connect_timeout_s)
+        )
 
     async def agenerate(
         self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
@@ -264,14 +276,19 @@ class HTTPRolloutClient(RolloutClient):
             await self._abort_quietly(request_id)
             assert self.timeout_s is not None
             raise RolloutRequestTimeout(
-                server=self.base_url, request_id=request_id, timeout_s=self.timeout_s,
-                prompt_tokens=len(prompt_ids), max_new_tokens=sampling_params.max_new_tokens,
+                server=self.base_url,
+                request_id=request_id,
+                timeout_s=self.timeout_s,
+                prompt_tokens=len(prompt_ids),
+                max_new_tokens=sampling_params.max_new_tokens,
             ) from None
         # httpx.TransportError (refused, reset) propagates as is: callers that fail over catch it
         if response.status_code != 200:
-            raise RolloutServerError(f"{self.base_url}/generate answered {response.status_code}: "
-                                     f"{_error_message(response)}", server=self.base_url,
-                                     status=response.status_code)
+            raise RolloutServerError(
+                f"{self.base_url}/generate answered {response.status_code}: {_error_message(response)}",
+                server=self.base_url,
+                status=response.status_code,
+            )
         return GenerationOutput(**response.json())
 
     async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
@@ -279,8 +296,11 @@ class HTTPRolloutClient(RolloutClient):
         if not params:
             return []
         request_ids = [f"req-{uuid.uuid4().hex}" for _ in params]
-        body = {"prompt_ids": list(prompt_ids), "sampling_params": [dataclasses.asdict(p) for p in params],
-                "request_ids": request_ids}
+        body = {
+            "prompt_ids": list(prompt_ids),
+            "sampling_params": [dataclasses.asdict(p) for p in params],
+            "request_ids": request_ids,
+        }
         try:
             response = await asyncio.wait_for(self._client.post("/generate_many", json=body), self.timeout_s)
         except TimeoutError:
@@ -288,13 +308,18 @@ class HTTPRolloutClient(RolloutClient):
                 await self._abort_quietly(request_id)
             assert self.timeout_s is not None
             raise RolloutRequestTimeout(
-                server=self.base_url, request_id=request_ids[0], timeout_s=self.timeout_s,
-                prompt_tokens=len(prompt_ids), max_new_tokens=max(p.max_new_tokens for p in params),
+                server=self.base_url,
+                request_id=request_ids[0],
+                timeout_s=self.timeout_s,
+                prompt_tokens=len(prompt_ids),
+                max_new_tokens=max(p.max_new_tokens for p in params),
             ) from None
         if response.status_code != 200:
-            raise RolloutServerError(f"{self.base_url}/generate_many answered {response.status_code}: "
-                                     f"{_error_message(response)}", server=self.base_url,
-                                     status=response.status_code)
+            raise RolloutServerError(
+                f"{self.base_url}/generate_many answered {response.status_code}: {_error_message(response)}",
+                server=self.base_url,
+                status=response.status_code,
+            )
         return [GenerationOutput(**o) for o in response.json()["outputs"]]
 
     async def _abort_quietly(self, request_id: str) -> None:
@@ -302,8 +327,9 @@ class HTTPRolloutClient(RolloutClient):
         import httpx
 
         try:
-            await asyncio.wait_for(self._client.post("/abort", json={"request_id": request_id}),
-                                   min(5.0, self.timeout_s or 5.0))
+            await asyncio.wait_for(
+                self._client.post("/abort", json={"request_id": request_id}), min(5.0, self.timeout_s or 5.0)
+            )
         except (TimeoutError, httpx.HTTPError):
             pass
 
@@ -316,8 +342,11 @@ class HTTPRolloutClient(RolloutClient):
         except httpx.TransportError as exc:
             raise RolloutServerError(f"{type(exc).__name__}: {exc}", server=self.base_url) from None
         if response.status_code != 200:
-            raise RolloutServerError(f"/health answered {response.status_code}: {_error_message(response)}",
-                                     server=self.base_url, status=response.status_code)
+            raise RolloutServerError(
+                f"/health answered {response.status_code}: {_error_message(response)}",
+                server=self.base_url,
+                status=response.status_code,
+            )
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -339,9 +368,16 @@ class MultiServerRolloutClient(RolloutClient):
     server is lost.
     """
 
-    def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float | None = 600.0,
-                 health: "HealthMonitor | None" = None, max_failures_per_server: int = 3,
-                 lost: "Callable[[], dict[str, str]] | None" = None) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        request_timeout_s: float | None = 600.0,
+        health: HealthMonitor | None = None,
+        max_failures_per_server: int = 3,
+        lost: Callable[[], dict[str, str]] | None = None,
+    ) -> None:
         if not urls:
             raise ValueError("MultiServerRolloutClient needs at least one rollout server URL")
         if max_failures_per_server < 1:
@@ -371,8 +407,9 @@ class MultiServerRolloutClient(RolloutClient):
             return order
         return [i for i in order if self.health.is_healthy(self.urls[i])]
 
-    async def agenerate(self, prompt_ids: list[int], sampling_params: SamplingParams, *,
-                        request_id: str | None = None) -> GenerationOutput:
+    async def agenerate(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
+    ) -> GenerationOutput:
         return await self._route(lambda c: c.agenerate(prompt_ids, sampling_params, request_id=request_id))
 
     async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
@@ -397,8 +434,11 @@ class MultiServerRolloutClient(RolloutClient):
                 except (RolloutServerError, httpx.TransportError) as exc:
                     if isinstance(exc, RolloutServerError) and exc.status is not None and exc.status < 500:
                         raise  # the request is bad, not the server
-                    exc = RolloutServerError(f"unreachable ({type(exc).__name__}: {exc})", server=self.urls[i]) \
-                        if isinstance(exc, httpx.TransportError) else exc
+                    exc = (
+                        RolloutServerError(f"unreachable ({type(exc).__name__}: {exc})", server=self.urls[i])
+                        if isinstance(exc, httpx.TransportError)
+                        else exc
+                    )
                     errors[self.urls[i]] = str(exc)
                     failures[i] += 1
                     if self.health is not None:
@@ -418,14 +458,16 @@ class MultiServerRolloutClient(RolloutClient):
             if self.lost is not None:
                 gone = await asyncio.to_thread(self.lost)
                 if all(u in gone for u in self.urls):
-                    raise RolloutServersLost("every rollout server is gone: " + "; ".join(
-                        f"{u}: {gone[u]}" for u in self.urls))
+                    raise RolloutServersLost(
+                        "every rollout server is gone: " + "; ".join(f"{u}: {gone[u]}" for u in self.urls)
+                    )
             if not await self.health.await_healthy(min(left, 1.0) if left is not None else 1.0):
                 continue
         if min(failures) >= self.max_failures_per_server:
             raise NoHealthyServerError(
                 f"every rollout server failed this request {self.max_failures_per_server} times "
-                f"({'; '.join(f'{u}: {e}' for u, e in errors.items())}): fix the servers (see their logs)")
+                f"({'; '.join(f'{u}: {e}' for u, e in errors.items())}): fix the servers (see their logs)"
+            )
         states = self.health.describe() if self.health is not None else errors
         raise NoHealthyServerError(
             f"no rollout server could take the request ({'; '.join(f'{u}: {e}' for u, e in states.items())}): "

@@ -35,14 +35,15 @@ with eager sampling between replays.
 Weights are updated in place (same addresses), so graphs survive ``update_weights``; ``sleep()``
 frees the KV tensors and therefore drops every graph (they are re-captured after ``wake()``).
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -116,7 +117,7 @@ def graph_num_blocks(n: int, paged: bool) -> int:
 
 
 class DecodeGraphRunner:
-    def __init__(self, engine: "RolloutEngine", *, max_batch: int) -> None:
+    def __init__(self, engine: RolloutEngine, *, max_batch: int) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.max_blocks = -(-engine.max_model_len // engine.config.block_size)
@@ -155,7 +156,7 @@ class DecodeGraphRunner:
         """Block-table width of the graph serving a longest sequence of ``n`` blocks."""
         return min(graph_num_blocks(n, self.paged), graph_num_blocks(self.max_blocks, self.paged))
 
-    def can_run(self, batch: "ScheduledBatch") -> bool:
+    def can_run(self, batch: ScheduledBatch) -> bool:
         return len(batch.seqs) <= self.max_batch and batch.num_decode == len(batch.seqs) and all(batch.samples)
 
     def capture(self, batch_sizes: list[int], max_len: int, params: list[SamplingParams] | None = None) -> int:
@@ -174,15 +175,15 @@ class DecodeGraphRunner:
         if params is None:
             variants = {(max(1, len(eos)), GREEDY)}
         else:
-            variants = {(max(1, len((() if p.ignore_eos else eos) + p.stop_token_ids)), SampleMode.of(p))
-                        for p in params}
+            variants = {
+                (max(1, len((() if p.ignore_eos else eos) + p.stop_token_ids)), SampleMode.of(p)) for p in params
+            }
         for b in sorted({padded_batch_size(min(b, self.max_batch)) for b in batch_sizes}):
             for n in widths:
                 if (b, n) not in self._graphs:
                     self._capture(b, n)
                 # the k-step loop; and k - 1 steps after a mixed step, for batches that large
-                steps = [s for s in self.engine.loop_steps
-                         if s == k or (mixed_min is not None and b >= mixed_min)]
+                steps = [s for s in self.engine.loop_steps if s == k or (mixed_min is not None and b >= mixed_min)]
                 for S, mode in sorted(variants) if k > 1 else ():
                     for s in steps:
                         if (b, n, s, S, mode) not in self._loops and self._mode_capturable(mode):
@@ -194,23 +195,38 @@ class DecodeGraphRunner:
         self._loops.clear()
         self._pool = None
 
-    def can_loop(self, batch: "ScheduledBatch", rp: RowParams, k: int) -> bool:
+    def can_loop(self, batch: ScheduledBatch, rp: RowParams, k: int) -> bool:
         """Whether ``run_loop`` can do this round trip: one of the engine's ``loop_steps`` (its
         full ``decode_steps``, or one less after a mixed step), its
         own (not a TP-overridden) sampler, and generator noise only where graphs can hold it."""
         from areno.rollout.engine import RolloutEngine
 
         e = self.engine
-        return (k in e.loop_steps and k > 1 and self.can_run(batch)
-                and type(e)._sample_rows is RolloutEngine._sample_rows and self._mode_capturable(rp.mode))
+        return (
+            k in e.loop_steps
+            and k > 1
+            and self.can_run(batch)
+            and type(e)._sample_rows is RolloutEngine._sample_rows
+            and self._mode_capturable(rp.mode)
+        )
 
     def _mode_capturable(self, mode: SampleMode) -> bool:
         # Generator noise inside a CUDA graph needs the generator registered with it (torch >= 2.4).
-        return not mode.rng_noise or self.engine.device.type != "cuda" or hasattr(torch.cuda.CUDAGraph,
-                                                                                   "register_generator_state")
+        return (
+            not mode.rng_noise
+            or self.engine.device.type != "cuda"
+            or hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+        )
 
-    def run_loop(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int], rp: RowParams,
-                 k: int, ids_B: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
+    def run_loop(
+        self,
+        batch: ScheduledBatch,
+        ids: list[int],
+        ctx: list[int],
+        rp: RowParams,
+        k: int,
+        ids_B: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...] | None:
         """k decode steps in one replay, sampled under ``rp``. Returns token ids and log-probs
         [k, B] and the number of real tokens per row [B] (views of the graph's outputs: copy them
         before the next replay); None when the graph is missing and captures are held. ``ids_B``:
@@ -228,11 +244,19 @@ class DecodeGraphRunner:
         g.graph.replay()
         return g.tokens_KB[:, :B], g.logprobs_KB[:, :B], g.keep_B[:B]
 
-    def _key(self, batch: "ScheduledBatch") -> tuple[int, int]:
+    def _key(self, batch: ScheduledBatch) -> tuple[int, int]:
         return padded_batch_size(len(batch.seqs)), self.width(batch.max_blocks)
 
-    def _load(self, g: "_Graph | _LoopGraph", batch: "ScheduledBatch", ids: list[int], ctx: list[int],
-              Bp: int, Np: int, ids_B: torch.Tensor | None = None) -> None:
+    def _load(
+        self,
+        g: _Graph | _LoopGraph,
+        batch: ScheduledBatch,
+        ids: list[int],
+        ctx: list[int],
+        Bp: int,
+        Np: int,
+        ids_B: torch.Tensor | None = None,
+    ) -> None:
         # Block tables come from the scheduler's persistent tensor (padded with the scratch block,
         # padding rows all scratch); token ids and context lengths travel as one [2, Bp] copy
         # (token ids already on the device, ``ids_B``, as a device copy after it).
@@ -244,8 +268,9 @@ class DecodeGraphRunner:
             g.ids_ctx_2B[0, : ids_B.shape[0]].copy_(ids_B)
         g.bt_BN.copy_(bt, non_blocking=True)
 
-    def prepare(self, batch: "ScheduledBatch", ids: list[int], ctx: list[int],
-                ids_B: torch.Tensor | None = None) -> tuple[_Graph, torch.Tensor, torch.Tensor] | None:
+    def prepare(
+        self, batch: ScheduledBatch, ids: list[int], ctx: list[int], ids_B: torch.Tensor | None = None
+    ) -> tuple[_Graph, torch.Tensor, torch.Tensor] | None:
         """Load a decode batch into its graph's static inputs. Returns the graph and views of its
         token ids and context lengths for the batch's rows (the engine advances them in place
         between replays of a multi-step decode); ``replay`` returns the logits. None when the graph
@@ -266,8 +291,9 @@ class DecodeGraphRunner:
 
     def _forward(self, ids_B: torch.Tensor, ctx_B: torch.Tensor, bt_BN: torch.Tensor) -> torch.Tensor:
         e = self.engine
-        attn = PagedAttention.for_decode(e.cache, bt_BN, ctx_B, e.sliding_window,
-                                         decode_attention=e.config.decode_attention)
+        attn = PagedAttention.for_decode(
+            e.cache, bt_BN, ctx_B, e.sliding_window, decode_attention=e.config.decode_attention
+        )
         # Rows run past their end (multi-step decode) may pass the RoPE table: clamp (their K/V
         # goes to the scratch block and their tokens are discarded).
         hidden_BD = e.model(ids_B, (ctx_B - 1).clamp(max=e.max_position - 1), attn)
@@ -344,9 +370,18 @@ class DecodeGraphRunner:
                     ctx_B.add_(1)
             return torch.stack(tokens), torch.stack(logprobs), keep_B
 
-        graph, (tokens_KB, logprobs_KB, keep_B) = (self._record(loop, generator=sampler.generator) if mode.rng_noise
-                                                   else self._record(loop))
-        g = _LoopGraph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, rows_FB=rows_FB, pad_FB=pad_FB,
-                       tokens_KB=tokens_KB, logprobs_KB=logprobs_KB, keep_B=keep_B)
+        graph, (tokens_KB, logprobs_KB, keep_B) = (
+            self._record(loop, generator=sampler.generator) if mode.rng_noise else self._record(loop)
+        )
+        g = _LoopGraph(
+            graph=graph,
+            ids_ctx_2B=ids_ctx_2B,
+            bt_BN=bt_BN,
+            rows_FB=rows_FB,
+            pad_FB=pad_FB,
+            tokens_KB=tokens_KB,
+            logprobs_KB=logprobs_KB,
+            keep_B=keep_B,
+        )
         self._loops[(B, N, k, S, mode)] = g
         return g

@@ -168,13 +168,20 @@ class RolloutEngineConfig:
     bit the same attention, up to ``DECODE_CARRY_MAX_BYTES`` of copies). False gathers every step."""
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk_size",
-                     "cpu_kv_cache_bytes", "cuda_graph_max_batch"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_tokens_per_step",
+            "prefill_chunk_size",
+            "cpu_kv_cache_bytes",
+            "cuda_graph_max_batch",
+        ):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"RolloutEngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.mixed_decode_min_rows is not None and self.mixed_decode_min_rows < 1:
-            raise ValueError("RolloutEngineConfig.mixed_decode_min_rows must be >= 1 or None, "
-                             f"got {self.mixed_decode_min_rows}")
+            raise ValueError(
+                f"RolloutEngineConfig.mixed_decode_min_rows must be >= 1 or None, got {self.mixed_decode_min_rows}"
+            )
         if self.decode_steps is not None and self.decode_steps <= 0:
             raise ValueError(f"RolloutEngineConfig.decode_steps must be > 0 or None, got {self.decode_steps}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -184,8 +191,10 @@ class RolloutEngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"RolloutEngineConfig.max_model_len must be > 1, got {self.max_model_len}")
         if self.decode_attention not in ("auto", *DECODE_ATTENTION):
-            raise ValueError(f"RolloutEngineConfig.decode_attention must be one of {['auto', *DECODE_ATTENTION]}, "
-                             f"got {self.decode_attention!r}")
+            raise ValueError(
+                f"RolloutEngineConfig.decode_attention must be one of {['auto', *DECODE_ATTENTION]}, "
+                f"got {self.decode_attention!r}"
+            )
         for name in ("fused_projections", "cpu_packed_gemm", "cpu_decode_carry"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RolloutEngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -224,7 +233,8 @@ class RolloutEngine:
         param = next(model.parameters())
         self.device = torch.device(config.device) if config.device else param.device
         self.config = config = dataclasses.replace(
-            config, decode_attention=resolve_decode_attention(config.decode_attention, self.device))
+            config, decode_attention=resolve_decode_attention(config.decode_attention, self.device)
+        )
         # Fused inference kernels serve this engine's steps only (``fused_ops.inference``): a
         # trainer in the same process keeps the eager ops in all its forwards.
         self._fused = bool(config.fused_kernels and self.device.type == "cuda" and fused_ops.enable())
@@ -236,14 +246,16 @@ class RolloutEngine:
             if config.fused_projections:
                 model.fuse_projections()
                 if self.device.type == "cuda":  # the per-projection weights just freed: back to the
-                    torch.cuda.empty_cache()     # driver, so the KV pool sized below can use them
+                    torch.cuda.empty_cache()  # driver, so the KV pool sized below can use them
             else:
                 model.unfuse_projections()
         if hasattr(model, "pack_cpu_gemms"):  # after fusing: the fused groups get the copies
             if config.cpu_packed_gemm and self.device.type == "cpu" and model.pack_cpu_gemms(config.max_num_seqs):
-                log.info("rollout engine: the large CPU weights multiply through oneDNN-packed copies (%.2f GB more "
-                         "memory from the first step; rollout.cpu_packed_gemm=false keeps F.linear)",
-                         model.cpu_packed_bytes / 1e9)
+                log.info(
+                    "rollout engine: the large CPU weights multiply through oneDNN-packed copies (%.2f GB more "
+                    "memory from the first step; rollout.cpu_packed_gemm=false keeps F.linear)",
+                    model.cpu_packed_bytes / 1e9,
+                )
             else:
                 model.unpack_cpu_gemms()
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
@@ -262,19 +274,31 @@ class RolloutEngine:
         num_kv_heads = layer0.k_proj.weight.shape[0] // model_config.head_dim
         num_blocks = config.num_blocks or self._agree_num_blocks(self._auto_num_blocks(num_kv_heads))
         self.cache = KVCache(
-            num_layers=model_config.num_hidden_layers, num_blocks=num_blocks, block_size=config.block_size,
-            num_kv_heads=num_kv_heads, head_dim=model_config.head_dim, dtype=self.kv_dtype, device=self.device,
+            num_layers=model_config.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=model_config.head_dim,
+            dtype=self.kv_dtype,
+            device=self.device,
         )
-        self.allocator = BlockAllocator(num_blocks, config.block_size, enable_prefix_sharing=config.enable_prefix_sharing)
+        self.allocator = BlockAllocator(
+            num_blocks, config.block_size, enable_prefix_sharing=config.enable_prefix_sharing
+        )
         self.scheduler = Scheduler(
-            self.allocator, max_num_seqs=config.max_num_seqs, max_tokens_per_step=config.max_tokens_per_step,
+            self.allocator,
+            max_num_seqs=config.max_num_seqs,
+            max_tokens_per_step=config.max_tokens_per_step,
             prefill_chunk_size=config.prefill_chunk_size,
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
         if self.device.type == "cpu" and config.decode_attention == "gather" and config.cpu_decode_carry:
             # pure-decode steps keep the gathered K/V across steps (attention.DecodeCarry)
-            self.cache.decode_carry = DecodeCarry(model_config.num_hidden_layers, self.scheduler.max_blocks_per_seq
-                                                  * config.block_size, DECODE_CARRY_MAX_BYTES)
+            self.cache.decode_carry = DecodeCarry(
+                model_config.num_hidden_layers,
+                self.scheduler.max_blocks_per_seq * config.block_size,
+                DECODE_CARRY_MAX_BYTES,
+            )
         self.sampler = Sampler(device=self.device, seed=config.seed)
         self._row_table = RowTable(config.max_num_seqs + 1)
         """Static sampling rows of the running requests by slot (``Sequence.row``)."""
@@ -306,13 +330,17 @@ class RolloutEngine:
         if config.cuda_graphs and self.device.type == "cuda":
             from areno.rollout.cuda_graph import DecodeGraphRunner
 
-            self._graphs = DecodeGraphRunner(self, max_batch=min(config.cuda_graph_max_batch or config.max_num_seqs,
-                                                                  config.max_num_seqs))
+            self._graphs = DecodeGraphRunner(
+                self, max_batch=min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
+            )
 
     def _auto_num_blocks(self, num_kv_heads: int) -> int:
         per_block = KVCache.bytes_per_block(
-            num_layers=self.model_config.num_hidden_layers, block_size=self.config.block_size,
-            num_kv_heads=num_kv_heads, head_dim=self.model_config.head_dim, dtype=self.kv_dtype,
+            num_layers=self.model_config.num_hidden_layers,
+            block_size=self.config.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.kv_dtype,
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -321,8 +349,10 @@ class RolloutEngine:
             budget = self.config.cpu_kv_cache_bytes
         num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(f"the KV budget of {budget} bytes holds no block of {per_block} bytes: "
-                             "raise kv_memory_fraction / cpu_kv_cache_bytes or set num_blocks")
+            raise ValueError(
+                f"the KV budget of {budget} bytes holds no block of {per_block} bytes: "
+                "raise kv_memory_fraction / cpu_kv_cache_bytes or set num_blocks"
+            )
         return num_blocks
 
     # ------------------------------------------------------------------ requests
@@ -342,13 +372,17 @@ class RolloutEngine:
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens but the context is max_model_len="
-                             f"{self.max_model_len}: shorten the prompt")
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the context is max_model_len="
+                f"{self.max_model_len}: shorten the prompt"
+            )
         longest = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
         if -(-longest // self.config.block_size) > self.allocator.num_blocks:
-            raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the KV pool of "
-                             f"{self.allocator.num_blocks * self.config.block_size} tokens: lower max_new_tokens "
-                             "or give the engine more KV memory")
+            raise ValueError(
+                f"prompt + max_new_tokens = {longest} tokens exceeds the KV pool of "
+                f"{self.allocator.num_blocks * self.config.block_size} tokens: lower max_new_tokens "
+                "or give the engine more KV memory"
+            )
         sample_row = RowParams.row_of(params, self.eos_token_ids, self.vocab_size)
         # Only the inbox lock: a request arriving from a server's event loop must not wait for a
         # running step (the step lock is held through a whole decode round trip).
@@ -356,8 +390,14 @@ class RolloutEngine:
             request_id = request_id or uuid.uuid4().hex
             if request_id in self._seqs or request_id in self._inbox:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._inbox[request_id] = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params,
-                                               arrival=0, sample_row=sample_row, limit=longest)
+            self._inbox[request_id] = Sequence(
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                params=params,
+                arrival=0,
+                sample_row=sample_row,
+                limit=longest,
+            )
         return request_id
 
     def _admit(self) -> None:
@@ -388,7 +428,9 @@ class RolloutEngine:
             self.scheduler.remove(seq)
             return self._output(seq, "abort")
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationOutput]:
         """Run ``prompts`` to completion (in order of ``prompts``). The engine must not be driven
         by anything else meanwhile (e.g. an ``InProcessRolloutClient``)."""
         if self._torn is not None:
@@ -451,8 +493,14 @@ class RolloutEngine:
         slots = [s.row for s in sampling]
         self._row_table.sync(slots, [s.sample_row for s in sampling])
         lengths = [len(s.token_ids) for s in sampling]
-        rp = RowParams.gather(self._row_table, slots, [n - len(s.prompt_ids) for s, n in zip(sampling, lengths)],
-                              lengths, self.max_model_len, self.device)
+        rp = RowParams.gather(
+            self._row_table,
+            slots,
+            [n - len(s.prompt_ids) for s, n in zip(sampling, lengths)],
+            lengths,
+            self.max_model_len,
+            self.device,
+        )
         if pure_decode:
             k = self._plan_decode_steps(batch.seqs)
             tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp)
@@ -463,18 +511,28 @@ class RolloutEngine:
             self.scheduler.after_step(batch)
             tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)
             self._steps += 1
-            k, tokens_KB, logprobs_KB, keep_B = self._decode_after_mixed(sampling, len(batch.seqs), tokens_B,
-                                                                         logprobs_B, rp)
+            k, tokens_KB, logprobs_KB, keep_B = self._decode_after_mixed(
+                sampling, len(batch.seqs), tokens_B, logprobs_B, rp
+            )
         self._round_trips += 1
         # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
         parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
         host_XB = torch.cat(parts).cpu()
-        return self._commit_tokens(sampling, host_XB[:k].T.long().tolist(), host_XB[k : 2 * k].T.tolist(),
-                                   host_XB[2 * k].long().tolist() if keep_B is not None else None)
+        return self._commit_tokens(
+            sampling,
+            host_XB[:k].T.long().tolist(),
+            host_XB[k : 2 * k].T.tolist(),
+            host_XB[2 * k].long().tolist() if keep_B is not None else None,
+        )
 
-    def _decode_after_mixed(self, sampling: list[Sequence], num_scheduled: int, tokens_B: torch.Tensor,
-                            logprobs_B: torch.Tensor,
-                            rp: RowParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _decode_after_mixed(
+        self,
+        sampling: list[Sequence],
+        num_scheduled: int,
+        tokens_B: torch.Tensor,
+        logprobs_B: torch.Tensor,
+        rp: RowParams,
+    ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """After a mixed step sampled each row's next token (``tokens_B``, on the device, not yet in
         ``token_ids``): up to ``decode_steps - 1`` decode steps of these rows in the same round trip
         (``mixed_decode_min_rows``; ``num_scheduled``: the step's sequences, sampling or not).
@@ -485,14 +543,24 @@ class RolloutEngine:
         sched = self.scheduler
         # Not while prefill work is left that the next round trip would start: a prompt partly
         # prefilled, or waiting requests with free slots (the step's token budget ran out).
-        go_on = (m is not None and len(sampling) >= m and len(sampling) == num_scheduled
-                 and (not sched.waiting or len(sched.running) >= sched.max_num_seqs))
+        go_on = (
+            m is not None
+            and len(sampling) >= m
+            and len(sampling) == num_scheduled
+            and (not sched.waiting or len(sched.running) >= sched.max_num_seqs)
+        )
         k = self._plan_decode_steps(sampling, sampled=1) if go_on else 1
         if k <= 1:
             return 1, tokens_B[None], logprobs_B[None], None
         B = len(sampling)
-        batch = ScheduledBatch(seqs=sampling, starts=[s.num_computed for s in sampling], num_new=[1] * B,
-                               samples=[True] * B, rows=[s.row for s in sampling], num_decode=B)
+        batch = ScheduledBatch(
+            seqs=sampling,
+            starts=[s.num_computed for s in sampling],
+            num_new=[1] * B,
+            samples=[True] * B,
+            rows=[s.row for s in sampling],
+            num_decode=B,
+        )
         first_done_B = rp.advance(tokens_B)
         tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp.shifted(1), ids_B=tokens_B)
         self.scheduler.after_step(batch, k)
@@ -500,8 +568,13 @@ class RolloutEngine:
         keep_B = torch.where(first_done_B, 0, keep_B) + 1
         return k + 1, torch.cat((tokens_B[None], tokens_KB)), torch.cat((logprobs_B[None], logprobs_KB)), keep_B
 
-    def _commit_tokens(self, sampling: list[Sequence], tokens_BK: list[list[int]], logprobs_BK: list[list[float]],
-                       keep_B: list[int] | None) -> list[GenerationOutput]:
+    def _commit_tokens(
+        self,
+        sampling: list[Sequence],
+        tokens_BK: list[list[int]],
+        logprobs_BK: list[list[float]],
+        keep_B: list[int] | None,
+    ) -> list[GenerationOutput]:
         """Append each row's new tokens (its first ``keep_B`` of K; all K = 1 when None), apply the
         stop rules, finish requests."""
         finished, done = [], []
@@ -571,8 +644,9 @@ class RolloutEngine:
         upto = [s.num_computed + (k if r >= k else r) for s, r in zip(seqs, remaining)]
         return k if self.scheduler.reserve_ahead(seqs, upto) else 1
 
-    def _run_decode(self, batch: ScheduledBatch, k: int, rp: RowParams,
-                    ids_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _run_decode(
+        self, batch: ScheduledBatch, k: int, rp: RowParams, ids_B: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``k`` decode steps of a pure-decode batch without a host round trip. Returns token ids
         and log-probs [k, B] and, for k > 1, how many of each row's tokens are real (a row that
         hits a stop id or its length limit keeps running; its later tokens are discarded).
@@ -599,8 +673,11 @@ class RolloutEngine:
                 ids_ctx_2B[0].copy_(first_B)
             ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
             bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks).to(self.device, non_blocking=True)
-            kv_slots_BL = (PagedAttention.decode_kv_slots(bt_BN, self.config.block_size)
-                           if self.config.decode_attention == "gather" else None)
+            kv_slots_BL = (
+                PagedAttention.decode_kv_slots(bt_BN, self.config.block_size)
+                if self.config.decode_attention == "gather"
+                else None
+            )
         tokens, logprobs = [], []
         keep_B = alive_B = None
         if k > 1:
@@ -610,8 +687,9 @@ class RolloutEngine:
             if graph is not None:
                 logits_BV = self._graphs.replay(graph, B)
             else:
-                attn = PagedAttention.for_decode(self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL,
-                                                 self.config.decode_attention, carry=True)
+                attn = PagedAttention.for_decode(
+                    self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL, self.config.decode_attention, carry=True
+                )
                 hidden_BD = self.model(ids_B, (ctx_B - 1).clamp(max=self.max_position - 1), attn)
                 logits_BV = self._logits(hidden_BD)
             tokens_B, logprobs_B = self._sample_rows(logits_BV, rp)
@@ -665,14 +743,17 @@ class RolloutEngine:
         dec_bt_BN = bt_BN[:nd, :width].to(self.device, non_blocking=True)
         # decode rows as in a pure-decode step: the paged kernel where configured (on CUDA by default;
         # the gathered form's SDPA over [rows, context] took most of a mixed step's time on an H200)
-        dec = PagedAttention.for_decode(self.cache, dec_bt_BN, decode_pos_B + 1, self.sliding_window,
-                                        decode_attention=self.config.decode_attention)
+        dec = PagedAttention.for_decode(
+            self.cache, dec_bt_BN, decode_pos_B + 1, self.sliding_window, decode_attention=self.config.decode_attention
+        )
         if nd == len(batch.seqs):
             return dec
-        pre = PagedAttention.build(self.cache, batch.chunks_from(nd), self.device, self.sliding_window,
-                                   bt_BN=bt_BN[nd:])
-        return PagedAttention(self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode,
-                              pre.prefill, dec.paged)
+        pre = PagedAttention.build(
+            self.cache, batch.chunks_from(nd), self.device, self.sliding_window, bt_BN=bt_BN[nd:]
+        )
+        return PagedAttention(
+            self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode, pre.prefill, dec.paged
+        )
 
     # Hooks that tensor parallelism overrides (``tp.py``).
     def _agree_num_blocks(self, num_blocks: int) -> int:
@@ -688,8 +769,12 @@ class RolloutEngine:
         pack = self.model.__dict__.get("cpu_pack")  # RolloutEngineConfig.cpu_packed_gemm
         if pack is not None and pack.applies(hidden_BD):
             return pack(hidden_BD, None).float()
-        if (self.device.type == "cpu" and weight_VD is not None and weight_VD.shape[0] > 4 * self.LOGITS_CHUNK
-                and weight_VD.dtype == hidden_BD.dtype):
+        if (
+            self.device.type == "cpu"
+            and weight_VD is not None
+            and weight_VD.shape[0] > 4 * self.LOGITS_CHUNK
+            and weight_VD.dtype == hidden_BD.dtype
+        ):
             # One matmul per cache-sized slice of the output weight (same dot products, so the same
             # values as one F.linear): ~1.3x faster on CPU for a 32k vocabulary at small batches.
             V, c = weight_VD.shape[0], self.LOGITS_CHUNK
@@ -714,13 +799,18 @@ class RolloutEngine:
         else:
             text = self._decode(seq.output_ids) or ""
         return GenerationOutput(
-            request_id=seq.request_id, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
-            output_logprobs=list(seq.output_logprobs), output_versions=list(seq.output_versions),
-            finish_reason=reason, text=text,
+            request_id=seq.request_id,
+            prompt_ids=list(seq.prompt_ids),
+            output_ids=list(seq.output_ids),
+            output_logprobs=list(seq.output_logprobs),
+            output_versions=list(seq.output_versions),
+            finish_reason=reason,
+            text=text,
         )
 
-    def warmup_cuda_graphs(self, batch_sizes: list[int], max_len: int,
-                           params: list[SamplingParams] | None = None) -> int:
+    def warmup_cuda_graphs(
+        self, batch_sizes: list[int], max_len: int, params: list[SamplingParams] | None = None
+    ) -> int:
         """Capture the decode CUDA graphs for these batch sizes and contexts up to ``max_len``
         now rather than at first use: the one-step graphs and the multi-step loops for batches of
         requests sampled with one of ``params`` (None: greedy). Returns the number of graphs held
@@ -861,9 +951,11 @@ class RolloutEngine:
             raise WeightUpdateError(f"weight update rejected: {exc}") from None
         lost = [name for name in index if name not in found]
         if lost:
-            raise WeightUpdateError(f"weight update rejected: tensor {lost[0]!r} is listed in {path}/model.safetensors"
-                                    f".index.json in {index[lost[0]]} but that shard does not hold it "
-                                    f"({len(lost)} such tensors); {fix}")
+            raise WeightUpdateError(
+                f"weight update rejected: tensor {lost[0]!r} is listed in {path}/model.safetensors"
+                f".index.json in {index[lost[0]]} but that shard does not hold it "
+                f"({len(lost)} such tensors); {fix}"
+            )
         self.update_weights(items, version)
 
     def _validate_weights(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -872,18 +964,23 @@ class RolloutEngine:
         for name, tensor in items:
             param = self._params.get(name)
             if param is None:
-                raise WeightUpdateError(f"weight update rejected: unknown tensor {name!r} (expected Hugging Face names)")
+                raise WeightUpdateError(
+                    f"weight update rejected: unknown tensor {name!r} (expected Hugging Face names)"
+                )
             if name in seen:
                 raise WeightUpdateError(f"weight update rejected: tensor {name!r} appears twice")
             seen.add(name)
             tensor = self._shard_for_update(name, tensor)
             if tuple(tensor.shape) != tuple(param.shape):
-                raise WeightUpdateError(f"weight update rejected: {name!r} has shape {tuple(tensor.shape)}, "
-                                        f"expected {tuple(param.shape)}")
+                raise WeightUpdateError(
+                    f"weight update rejected: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
             same = tensor.dtype == param.dtype
             castable = self.config.cast_weights and tensor.dtype.is_floating_point and param.dtype.is_floating_point
             if not (same or castable):
-                raise WeightUpdateError(f"weight update rejected: {name!r} has dtype {tensor.dtype}, expected {param.dtype}")
+                raise WeightUpdateError(
+                    f"weight update rejected: {name!r} has dtype {tensor.dtype}, expected {param.dtype}"
+                )
             targets.append((param, tensor))
         return targets
 

@@ -37,8 +37,9 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from areno.api.types import Trajectory
 from areno.api.workflow import RolloutWorkflow, as_group
@@ -94,7 +95,7 @@ class WorkflowExecutor:
     """The everlasting pool (``start``/``wait_batch``) and the colocated path (``rollout_batch``)."""
 
     # set in __init__
-    client: "RolloutClient"
+    client: RolloutClient
     workflow: RolloutWorkflow
     staleness: StalenessManager | None
     num_workers: int
@@ -107,15 +108,15 @@ class WorkflowExecutor:
 
     def __init__(
         self,
-        client: "RolloutClient",
+        client: RolloutClient,
         workflow: RolloutWorkflow,
         dataset_iter: Iterator[dict[str, Any]] | None = None,
         staleness: StalenessManager | None = None,
         *,
         num_workers: int | None = None,
         max_retries: int = 2,
-        store: "ObservationStore | None" = None,
-        runner: "ProcessEpisodeRunner | None" = None,
+        store: ObservationStore | None = None,
+        runner: ProcessEpisodeRunner | None = None,
         abort_stale: bool = True,
         episode_timeout_s: float | None = None,
         max_consecutive_dropped: int = 16,
@@ -252,7 +253,7 @@ class WorkflowExecutor:
 
     shutdown = stop
 
-    def __enter__(self) -> "WorkflowExecutor":
+    def __enter__(self) -> WorkflowExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -347,7 +348,8 @@ class WorkflowExecutor:
                     self._worker_error = RolloutPoolBroken(
                         f"the last {self._dropped_in_a_row} samples were all dropped after {self.max_retries + 1} "
                         f"attempts each (last: {self._last_drop}): the rollout side is failing, not the data; fix "
-                        "the error above (the rollout engine or server log has the cause)")
+                        "the error above (the rollout engine or server log has the cause)"
+                    )
                     logger.error("%s", self._worker_error)
             elif status in ("ok", "rejected"):
                 self._dropped_in_a_row = 0
@@ -389,13 +391,22 @@ class WorkflowExecutor:
                     raise EpisodeTimeout(f"episode ran past episode_timeout_s={self.episode_timeout_s:g}s") from None
         except (asyncio.CancelledError, RolloutServersLost):
             raise  # RolloutServersLost: no server can come back, so no retry can succeed
-        except (WorkerLost, EpisodeTimeout, RolloutRequestTimeout, RolloutServerError, NoHealthyServerError,
-                TransportError) as exc:
+        except (
+            WorkerLost,
+            EpisodeTimeout,
+            RolloutRequestTimeout,
+            RolloutServerError,
+            NoHealthyServerError,
+            TransportError,
+        ) as exc:
             if isinstance(exc, RolloutServerError) and exc.status is not None and exc.status < 500:
                 return self._failed(task, exc)  # the server rejected the request: the sample's fault
             # infrastructure, not the sample: re-queue, bounded like failures
-            counter = {EpisodeTimeout: "episode_timeouts", RolloutRequestTimeout: "request_timeouts",
-                       WorkerLost: "worker_lost"}.get(type(exc), "server_errors")
+            counter = {
+                EpisodeTimeout: "episode_timeouts",
+                RolloutRequestTimeout: "request_timeouts",
+                WorkerLost: "worker_lost",
+            }.get(type(exc), "server_errors")
             self._counts[counter] += 1
             task.lost += 1
             self._counts["requeued"] += 1
@@ -404,10 +415,15 @@ class WorkflowExecutor:
                 return "retry", None
             self._counts["dropped_failed"] += 1
             self._last_drop = f"{type(exc).__name__}: {exc}"
-            logger.warning("dropping dataset %s after %d infrastructure failures (last, %s): %s",
-                           describe_sample(task.sample), task.lost, counter, exc)
+            logger.warning(
+                "dropping dataset %s after %d infrastructure failures (last, %s): %s",
+                describe_sample(task.sample),
+                task.lost,
+                counter,
+                exc,
+            )
             return "dropped", None
-        except Exception as exc:  # user workflow code: counted, retried, then dropped with a warning
+        except Exception as exc:  # noqa: BLE001 - user workflow code: counted, retried, then dropped with a warning
             return self._failed(task, exc)
         if group is None:
             self._counts["rejected"] += 1
@@ -425,14 +441,20 @@ class WorkflowExecutor:
         if task.attempts <= self.max_retries:
             logger.warning(
                 "episode failed for dataset %s (attempt %d of %d), retrying: %s",
-                describe_sample(task.sample), task.attempts, self.max_retries + 1, what,
+                describe_sample(task.sample),
+                task.attempts,
+                self.max_retries + 1,
+                what,
             )
             return "retry", None
         self._counts["dropped_failed"] += 1
         self._last_drop = what
         logger.warning(
             "dropping dataset %s after %d failed attempts: %s",
-            describe_sample(task.sample), task.attempts, what, exc_info=exc,
+            describe_sample(task.sample),
+            task.attempts,
+            what,
+            exc_info=exc,
         )
         return "dropped", None
 
@@ -480,8 +502,9 @@ class WorkflowExecutor:
                 if isinstance(self._worker_error, (RolloutPoolBroken, RolloutServersLost)):
                     raise type(self._worker_error)(str(self._worker_error))
                 if self._worker_error is not None:
-                    raise RuntimeError(f"the rollout pool stopped: a worker died with {self._worker_error!r}") \
-                        from self._worker_error
+                    raise RuntimeError(
+                        f"the rollout pool stopped: a worker died with {self._worker_error!r}"
+                    ) from self._worker_error
                 self._drop_stale_locked()
                 if len(self._results) >= batch_size or (self._results and self._drained_locked()):
                     break
@@ -518,7 +541,14 @@ class WorkflowExecutor:
     def metrics(self) -> dict[str, float]:
         """Cumulative counters (``rollout/<name>``), staleness of the last batch, pool state."""
         out = {f"rollout/{name}": float(value) for name, value in sorted(self._counts.items())}
-        for name in ("dropped_stale", "aborted_stale", "failed_episodes", "dropped_failed", "rejected", "reward_errors"):
+        for name in (
+            "dropped_stale",
+            "aborted_stale",
+            "failed_episodes",
+            "dropped_failed",
+            "rejected",
+            "reward_errors",
+        ):
             out.setdefault(f"rollout/{name}", 0.0)
         out.update(self._last_batch)
         out["rollout/version"] = float(self._version)
@@ -549,7 +579,8 @@ class WorkflowExecutor:
             raise RolloutPoolBroken(
                 f"no trajectories from a rollout batch of {len(samples)} samples: {dropped} dropped after "
                 f"{self.max_retries + 1} attempts each{last}, {rejected} rejected by the workflow; fix the error "
-                "above (the rollout engine or server log has the cause)")
+                "above (the rollout engine or server log has the cause)"
+            )
         return trajectories
 
     async def _arollout_batch(self, samples: list[dict[str, Any]]) -> list[list[Trajectory] | None]:
@@ -614,7 +645,7 @@ def _worker_main(spec: WorkerSpec, conn: Any) -> None:
             try:
                 group = as_group(await workflow.run_episode(client, sample))
                 conn.send((dispatch_id, "ok", group))
-            except Exception as exc:  # sent to the parent, which counts and retries it
+            except Exception as exc:  # noqa: BLE001 - sent to the parent, which counts and retries it
                 conn.send((dispatch_id, "error", f"{type(exc).__name__}: {exc}"))
 
         while (msg := await inbox.get()) is not None:
@@ -666,7 +697,12 @@ class ProcessEpisodeRunner:
     """
 
     def __init__(
-        self, spec: WorkerSpec, *, num_procs: int, episodes_per_proc: int = 8, mp_context: str = "forkserver",
+        self,
+        spec: WorkerSpec,
+        *,
+        num_procs: int,
+        episodes_per_proc: int = 8,
+        mp_context: str = "forkserver",
         episode_timeout_s: float | None = None,
     ) -> None:
         import multiprocessing as mp
@@ -694,8 +730,9 @@ class ProcessEpisodeRunner:
 
     def _spawn(self, generation: int) -> _Slot:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(self.spec, child_conn), daemon=True,
-                                 name="areno-rollout-worker")
+        proc = self._ctx.Process(
+            target=_worker_main, args=(self.spec, child_conn), daemon=True, name="areno-rollout-worker"
+        )
         proc.start()
         child_conn.close()  # so the parent sees EOF when the child dies
         return _Slot(proc, parent_conn, generation)
@@ -791,10 +828,12 @@ class ProcessEpisodeRunner:
         if not overdue:
             return
         age, what = max(overdue)
-        slot.stalled = (f"stalled: an episode of dataset {what} ran {age:.1f}s, past episode_timeout_s="
-                        f"{self.episode_timeout_s:g}s")
-        logger.warning("rollout worker process %d (pid %s) %s; killing and restarting it", idx, slot.proc.pid,
-                       slot.stalled)
+        slot.stalled = (
+            f"stalled: an episode of dataset {what} ran {age:.1f}s, past episode_timeout_s={self.episode_timeout_s:g}s"
+        )
+        logger.warning(
+            "rollout worker process %d (pid %s) %s; killing and restarting it", idx, slot.proc.pid, slot.stalled
+        )
         self.stalls += 1
         slot.proc.kill()
 
@@ -810,8 +849,13 @@ class ProcessEpisodeRunner:
         slot.proc.join(timeout=5)  # EOF can arrive before the process is reaped
         exitcode = slot.proc.exitcode
         why = slot.stalled or f"died with exit code {exitcode}"
-        logger.warning("rollout worker process %d (pid %s) %s; restarting it and re-queueing its %d in-flight "
-                       "samples", idx, slot.proc.pid, why, len(slot.inflight))
+        logger.warning(
+            "rollout worker process %d (pid %s) %s; restarting it and re-queueing its %d in-flight samples",
+            idx,
+            slot.proc.pid,
+            why,
+            len(slot.inflight),
+        )
         for future in list(slot.inflight.values()):
             if not future.done():
                 future.set_result(("lost", f"rollout worker process {idx} (pid {slot.proc.pid}) {why}"))

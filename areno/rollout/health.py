@@ -41,8 +41,15 @@ class ServerHealth:
 class HealthMonitor:
     """Periodic ``/health`` checks of rollout servers; see the module docstring."""
 
-    def __init__(self, urls: list[str], *, interval_s: float = 5.0, timeout_s: float = 2.0, max_misses: int = 3,
-                 api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        interval_s: float = 5.0,
+        timeout_s: float = 2.0,
+        max_misses: int = 3,
+        api_key: str | None = None,
+    ) -> None:
         """
         Args:
             urls: base URLs of ``areno serve`` servers (``http://host:port``).
@@ -83,13 +90,18 @@ class HealthMonitor:
     def describe(self) -> dict[str, str]:
         """``url -> "healthy"`` or ``"unhealthy after N misses: <last error>"``."""
         with self._lock:
-            return {u: "healthy" if s.healthy else f"unhealthy after {s.misses} misses: {s.last_error}"
-                    for u, s in self._state.items()}
+            return {
+                u: "healthy" if s.healthy else f"unhealthy after {s.misses} misses: {s.last_error}"
+                for u, s in self._state.items()
+            }
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
             healthy = [self._state[u].healthy for u in self.urls]
-        out = {"rollout/healthy_servers": float(sum(healthy)), "rollout/unhealthy_servers": float(len(healthy) - sum(healthy))}
+        out = {
+            "rollout/healthy_servers": float(sum(healthy)),
+            "rollout/unhealthy_servers": float(len(healthy) - sum(healthy)),
+        }
         out.update({f"rollout/server_{i}_healthy": float(h) for i, h in enumerate(healthy)})
         return out
 
@@ -124,16 +136,22 @@ class HealthMonitor:
                 if s.healthy and s.misses >= self.max_misses:
                     s.healthy = False
                     s.transitions.append((time.monotonic(), False))
-                    logger.warning("rollout server %s marked unhealthy after %d missed health checks (last: %s); "
-                                   "requests go to the other servers until it answers /health again",
-                                   url, s.misses, error)
+                    logger.warning(
+                        "rollout server %s marked unhealthy after %d missed health checks (last: %s); "
+                        "requests go to the other servers until it answers /health again",
+                        url,
+                        s.misses,
+                        error,
+                    )
             self._changed.notify_all()
 
     async def acheck_once(self) -> dict[str, bool]:
         """One round: ping every server concurrently; returns ``url -> answered``."""
         from areno.rollout.client import HTTPRolloutClient, RolloutServerError
 
-        clients = [HTTPRolloutClient(u, self.api_key, timeout_s=None, connect_timeout_s=self.timeout_s) for u in self.urls]
+        clients = [
+            HTTPRolloutClient(u, self.api_key, timeout_s=None, connect_timeout_s=self.timeout_s) for u in self.urls
+        ]
 
         async def aping(client: HTTPRolloutClient) -> tuple[str, str | None]:
             try:
@@ -157,7 +175,7 @@ class HealthMonitor:
         return asyncio.run(self.acheck_once())
 
     # ------------------------------------------------------------------ background thread
-    def start(self) -> "HealthMonitor":
+    def start(self) -> HealthMonitor:
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="areno-rollout-health", daemon=True)
@@ -169,7 +187,7 @@ class HealthMonitor:
             while not self._stop.is_set():
                 t0 = time.monotonic()
                 await self.acheck_once()
-                while not self._stop.is_set() and time.monotonic() - t0 < self.interval_s:
+                while not self._stop.is_set() and time.monotonic() - t0 < self.interval_s:  # noqa: ASYNC110 - a stop flag set from another thread
                     await asyncio.sleep(min(0.05, self.interval_s))
 
         asyncio.run(aloop())
@@ -180,7 +198,7 @@ class HealthMonitor:
             self._thread.join(timeout=self.interval_s + self.timeout_s + 5)
             self._thread = None
 
-    def __enter__(self) -> "HealthMonitor":
+    def __enter__(self) -> HealthMonitor:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

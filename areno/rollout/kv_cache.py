@@ -241,6 +241,8 @@ class KVCache:
             torch.cuda.empty_cache()
 
     @staticmethod
-    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize

@@ -50,8 +50,13 @@ def triton_available() -> bool:
 
 
 def paged_decode(
-    q_BHD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, bt_BN: torch.Tensor, ctx_B: torch.Tensor,
-    block_size: int, sliding_window: int | None = None,
+    q_BHD: torch.Tensor,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    bt_BN: torch.Tensor,
+    ctx_B: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged pool: Triton on CUDA when available, else the torch loop.
 
@@ -64,8 +69,13 @@ def paged_decode(
 
 
 def paged_decode_torch(
-    q_BHD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, bt_BN: torch.Tensor, ctx_B: torch.Tensor,
-    block_size: int, sliding_window: int | None = None,
+    q_BHD: torch.Tensor,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    bt_BN: torch.Tensor,
+    ctx_B: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Online-softmax decode attention over chunks of block-table columns (fp32 accumulation)."""
     B, Hq, Dh = q_BHD.shape
@@ -107,12 +117,38 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_btb, stride_btn, stride_ctx,
-        stride_ob, stride_oh,
-        scale, num_cols, window, num_q_heads,
-        BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-        BLOCK_D: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        ctx_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        stride_qb,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_vs,
+        stride_vh,
+        stride_btb,
+        stride_btn,
+        stride_ctx,
+        stride_ob,
+        stride_oh,
+        scale,
+        num_cols,
+        window,
+        num_q_heads,
+        BLOCK_SIZE: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        TILE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        IEEE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
     ):
         # Program (b, kvh, split): the query heads of KV head kvh of sequence b over split-th share
@@ -126,8 +162,11 @@ if triton is not None:
         offs_t = tl.arange(0, TILE)
         g_ok = offs_g < G
         d_ok = offs_d < D
-        q = tl.load(q_ptr + b * stride_qb + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + b * stride_qb + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
         pos = ctx - 1
         hi = tl.minimum(ctx, num_cols * BLOCK_SIZE)
@@ -172,8 +211,11 @@ if triton is not None:
         if NUM_SPLITS == 1:
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_i[:, None]
-            tl.store(out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+            tl.store(
+                out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=g_ok[:, None] & d_ok[None, :],
+            )
         else:
             row_g = (b * num_q_heads + kvh * G + offs_g) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS] layout
             tl.store(part_m_ptr + row_g, m_i, mask=g_ok)
@@ -182,8 +224,17 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_q_heads,
-        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        out_ptr,
+        stride_ob,
+        stride_oh,
+        num_q_heads,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         # Program (b, h): merge the NUM_SPLITS partial softmaxes of query head h of sequence b.
         b = tl.program_id(0)
@@ -195,8 +246,9 @@ if triton is not None:
         row_s = (b * num_q_heads + h) * NUM_SPLITS + offs_s
         m = tl.load(part_m_ptr + row_s, mask=s_ok, other=float("-inf"))
         l_s = tl.load(part_l_ptr + row_s, mask=s_ok, other=0.0)
-        acc = tl.load(part_acc_ptr + row_s[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                      other=0.0)
+        acc = tl.load(
+            part_acc_ptr + row_s[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+        )
         m_max = tl.max(m, 0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.exp(m - m_max)  # an empty split (m = -inf) weighs 0
@@ -217,8 +269,15 @@ def auto_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, tile: int, 
 
 
 def paged_decode_triton(
-    q_BHD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor, bt_BN: torch.Tensor, ctx_B: torch.Tensor,
-    block_size: int, sliding_window: int | None = None, tile: int = 64, num_splits: int | None = None,
+    q_BHD: torch.Tensor,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    bt_BN: torch.Tensor,
+    ctx_B: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+    tile: int = 64,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel (CUDA tensors). ``tile``: keys per loop iteration (a power of two >= 16).
     ``num_splits``: programs per (sequence, KV head), each over a share of the key tiles, merged by a
@@ -247,18 +306,54 @@ def paged_decode_triton(
     else:
         part_acc = part_m = part_l = out_BHD  # unused
     _paged_decode_kernel[(B, Hkv, num_splits)](
-        q_BHD, k_S, v_S, bt_BN, ctx_B, out_BHD, part_acc, part_m, part_l,
-        q_BHD.stride(0), q_BHD.stride(1), k_S.stride(0), k_S.stride(1), v_S.stride(0), v_S.stride(1),
-        bt_BN.stride(0), bt_BN.stride(1), ctx_B.stride(0), out_BHD.stride(0), out_BHD.stride(1),
-        1.0 / math.sqrt(Dh), bt_BN.shape[1], sliding_window or 0, Hq,
-        BLOCK_SIZE=block_size, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=Dh,
-        BLOCK_D=max(16, triton.next_power_of_2(Dh)), TILE=tile, HAS_WINDOW=sliding_window is not None,
-        IEEE=ieee, NUM_SPLITS=num_splits, num_warps=4,
+        q_BHD,
+        k_S,
+        v_S,
+        bt_BN,
+        ctx_B,
+        out_BHD,
+        part_acc,
+        part_m,
+        part_l,
+        q_BHD.stride(0),
+        q_BHD.stride(1),
+        k_S.stride(0),
+        k_S.stride(1),
+        v_S.stride(0),
+        v_S.stride(1),
+        bt_BN.stride(0),
+        bt_BN.stride(1),
+        ctx_B.stride(0),
+        out_BHD.stride(0),
+        out_BHD.stride(1),
+        1.0 / math.sqrt(Dh),
+        bt_BN.shape[1],
+        sliding_window or 0,
+        Hq,
+        BLOCK_SIZE=block_size,
+        G=G,
+        BLOCK_G=max(16, triton.next_power_of_2(G)),
+        D=Dh,
+        BLOCK_D=max(16, triton.next_power_of_2(Dh)),
+        TILE=tile,
+        HAS_WINDOW=sliding_window is not None,
+        IEEE=ieee,
+        NUM_SPLITS=num_splits,
+        num_warps=4,
     )
     if num_splits > 1:
         _combine_kernel[(B, Hq)](
-            part_acc, part_m, part_l, out_BHD, out_BHD.stride(0), out_BHD.stride(1), Hq,
-            NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), D=Dh,
-            BLOCK_D=max(16, triton.next_power_of_2(Dh)), num_warps=1,
+            part_acc,
+            part_m,
+            part_l,
+            out_BHD,
+            out_BHD.stride(0),
+            out_BHD.stride(1),
+            Hq,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            D=Dh,
+            BLOCK_D=max(16, triton.next_power_of_2(Dh)),
+            num_warps=1,
         )
     return out_BHD.to(out_dtype)

@@ -77,7 +77,7 @@ def hash_uniform(seed_R: torch.Tensor, counter_R: torch.Tensor) -> torch.Tensor:
     """float32 [R] uniform in (0, 1), a pure function of (seed, counter): 23 bits of the row key,
     centred (largest value 1 - 2**-24, exactly representable)."""
     key_R = _mix32((seed_R & _MASK32) ^ _mix32(((seed_R >> 32) & _MASK32) ^ _mix32(counter_R & _MASK32)))
-    return (((key_R >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0 ** -23)
+    return (((key_R >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0**-23)
 
 
 ARGMAX_CHUNK = 2048
@@ -142,7 +142,7 @@ class SampleMode(NamedTuple):
     """Some sampling row has no seed (noise from the engine's generator)."""
 
     @classmethod
-    def of(cls, params: SamplingParams) -> "SampleMode":
+    def of(cls, params: SamplingParams) -> SampleMode:
         """The mode of a batch whose rows all use ``params``."""
         if params.temperature <= 0:
             return GREEDY
@@ -178,14 +178,21 @@ class RowTensors:
     room_B: torch.Tensor
 
     @classmethod
-    def from_table(cls, table_FB: torch.Tensor, max_len: int) -> "RowTensors":
+    def from_table(cls, table_FB: torch.Tensor, max_len: int) -> RowTensors:
         S = (table_FB.shape[0] - _FIXED) // 2
         long_FB = table_FB.long()
         return cls(
-            scale_B=table_FB[_SCALE].float(), greedy_B=table_FB[_GREEDY] > 0, top_k_B=long_FB[_TOP_K],
-            top_p_B=table_FB[_TOP_P].float(), seed_B=long_FB[_SEED], seeded_B=table_FB[_SEEDED] > 0,
-            stop_ids_BS=long_FB[_FIXED : _FIXED + S].T, stop_valid_BS=(table_FB[_FIXED + S :] > 0).T,
-            min_new_B=long_FB[_MIN_NEW], max_new_B=long_FB[_MAX_NEW], n_gen_B=long_FB[_N_GEN],
+            scale_B=table_FB[_SCALE].float(),
+            greedy_B=table_FB[_GREEDY] > 0,
+            top_k_B=long_FB[_TOP_K],
+            top_p_B=table_FB[_TOP_P].float(),
+            seed_B=long_FB[_SEED],
+            seeded_B=table_FB[_SEEDED] > 0,
+            stop_ids_BS=long_FB[_FIXED : _FIXED + S].T,
+            stop_valid_BS=(table_FB[_FIXED + S :] > 0).T,
+            min_new_B=long_FB[_MIN_NEW],
+            max_new_B=long_FB[_MAX_NEW],
+            n_gen_B=long_FB[_N_GEN],
             room_B=torch.minimum(long_FB[_MAX_NEW] - long_FB[_N_GEN], max_len - long_FB[_LENGTH]),
         )
 
@@ -290,17 +297,31 @@ class RowParams:
         seed, seeded, min/max new tokens, truncating, then the tuple of its stop/EOS ids."""
         p = params
         random = p.temperature > 0
-        return (p.temperature if random else 1.0, float(not random), float(p.top_k if p.top_k > 0 else vocab_size),
-                p.top_p, float(p.seed if p.seed is not None else 0), float(p.seed is not None and random),
-                float(p.min_new_tokens), float(p.max_new_tokens),
-                float(random and (p.top_k > 0 or p.top_p < 1.0)),
-                ((() if p.ignore_eos else tuple(eos_token_ids)) + tuple(p.stop_token_ids)))
+        return (
+            p.temperature if random else 1.0,
+            float(not random),
+            float(p.top_k if p.top_k > 0 else vocab_size),
+            p.top_p,
+            float(p.seed if p.seed is not None else 0),
+            float(p.seed is not None and random),
+            float(p.min_new_tokens),
+            float(p.max_new_tokens),
+            float(random and (p.top_k > 0 or p.top_p < 1.0)),
+            ((() if p.ignore_eos else tuple(eos_token_ids)) + tuple(p.stop_token_ids)),
+        )
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams] | None, n_gen: list[int], lengths: list[int], eos_token_ids: tuple[int, ...],
-        vocab_size: int, max_len: int, device: torch.device, rows: list[tuple] | None = None,
-    ) -> "RowParams":
+        cls,
+        params: list[SamplingParams] | None,
+        n_gen: list[int],
+        lengths: list[int],
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        max_len: int,
+        device: torch.device,
+        rows: list[tuple] | None = None,
+    ) -> RowParams:
         """From each row's ``SamplingParams`` (or its cached ``row_of`` tuple in ``rows``), tokens
         generated so far and tokens known. One host-to-device copy."""
         if rows is None:
@@ -321,8 +342,15 @@ class RowParams:
         return cls._from_host(host_BF.T.contiguous(), any(r[9] for r in rows), max_len, device)
 
     @classmethod
-    def gather(cls, table: "RowTable", slots: list[int], n_gen: list[int], lengths: list[int], max_len: int,
-               device: torch.device) -> "RowParams":
+    def gather(
+        cls,
+        table: RowTable,
+        slots: list[int],
+        n_gen: list[int],
+        lengths: list[int],
+        max_len: int,
+        device: torch.device,
+    ) -> RowParams:
         """``build`` from the static rows ``table`` holds for these slots (written when their
         requests took them), with tokens generated so far and tokens known: the same tensors as
         ``build`` from the requests' ``row_of`` tuples, without re-encoding them. One host-to-device copy."""
@@ -335,7 +363,7 @@ class RowParams:
         return cls._from_host(host_FB, s_real > 0, max_len, device)
 
     @classmethod
-    def _from_host(cls, host_FB: torch.Tensor, any_stop_ids: bool, max_len: int, device: torch.device) -> "RowParams":
+    def _from_host(cls, host_FB: torch.Tensor, any_stop_ids: bool, max_len: int, device: torch.device) -> RowParams:
         """From the packed host table [11 + 2S, B] (contiguous): its device copy and the batch flags."""
         B = host_FB.shape[1]
         greedy, seeded, truncate = host_FB[_GREEDY] > 0, host_FB[_SEEDED] > 0, host_FB[_TRUNCATE] > 0
@@ -346,13 +374,21 @@ class RowParams:
         if device.type != "cpu":
             dev_FB = dev_FB.to(device, non_blocking=True)
         return cls(
-            table_FB=dev_FB, host_FB=host_FB, max_len=max_len, any_stop_ids=any_stop_ids,
-            all_greedy=n_greedy == B, any_greedy=n_greedy > 0, any_truncate=bool(truncate.any()),
-            any_min_new=any_min_new and B > 0, all_unseeded=n_unseeded == B and B > 0,
-            num_seeded=n_seeded, num_unseeded=n_unseeded, any_scaled=bool((host_FB[_SCALE] != 1).any()),
+            table_FB=dev_FB,
+            host_FB=host_FB,
+            max_len=max_len,
+            any_stop_ids=any_stop_ids,
+            all_greedy=n_greedy == B,
+            any_greedy=n_greedy > 0,
+            any_truncate=bool(truncate.any()),
+            any_min_new=any_min_new and B > 0,
+            all_unseeded=n_unseeded == B and B > 0,
+            num_seeded=n_seeded,
+            num_unseeded=n_unseeded,
+            any_scaled=bool((host_FB[_SCALE] != 1).any()),
         )
 
-    def shifted(self, n: int) -> "RowParams":
+    def shifted(self, n: int) -> RowParams:
         """These rows' parameters after each sampled ``n`` more tokens (the table's counts of tokens
         generated and known advanced by ``n``; ``steps_done`` 0): for decode steps that follow, in
         the same round trip, the tokens this batch sampled first."""
@@ -430,7 +466,8 @@ class RowTable:
         if cols is None:
             M = self.max_stops
             cols = self._columns[S] = torch.tensor(
-                [*range(_FIXED + S), *range(_FIXED + M, _FIXED + M + S)], dtype=torch.long)
+                [*range(_FIXED + S), *range(_FIXED + M, _FIXED + M + S)], dtype=torch.long
+            )
         return cols
 
 
@@ -474,8 +511,11 @@ class Sampler:
             if rp.any_truncate:
                 race_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B)
             else:  # the draw's weights from the log-probs: no softmax pass of its own
-                weights_BV = _suppressed_weights(logprobs_BV, rp.stop_ids_BS, suppress_BS) if rp.any_min_new \
+                weights_BV = (
+                    _suppressed_weights(logprobs_BV, rp.stop_ids_BS, suppress_BS)
+                    if rp.any_min_new
                     else logprobs_BV.exp()
+                )
             # One uniform per row: seeded rows from the (seed, counter) hash, the others from the generator.
             if rp.all_unseeded:
                 u_B = self._uniform(B)
@@ -490,8 +530,9 @@ class Sampler:
         chosen_lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
         return tokens_B, chosen_lp_B
 
-    def sample_static(self, logits_BV: torch.Tensor, rows: RowTensors, n_gen_B: torch.Tensor,
-                      mode: SampleMode) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_static(
+        self, logits_BV: torch.Tensor, rows: RowTensors, n_gen_B: torch.Tensor, mode: SampleMode
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``sample_rows`` in capture-safe form: no host read, no data-dependent shape, every step
         of a CUDA graph the same kernels. ``n_gen_B``: tokens generated before this one (the
         table's count plus the loop step); ``mode``: the batch-level choices (``RowParams.mode``).
@@ -499,7 +540,6 @@ class Sampler:
         draw the generator's noise for the whole batch). Float32 ``logits_BV`` of an all-greedy
         batch are overwritten (suppressed ids set to -inf in place, saving a [B, V] copy)."""
         logits_BV = logits_BV.float()
-        V = logits_BV.shape[1]
         scaled_BV = logits_BV / rows.scale_B[:, None] if mode.sample else logits_BV
         # The log-probs are of the distribution before suppression; taken first, the stop ids can
         # then be suppressed in place (below min_new_tokens: set to -inf, as in sample_rows).
@@ -526,8 +566,9 @@ class Sampler:
         return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
     @torch.no_grad()
-    def sample(self, logits_BV: torch.Tensor, requests: list[SampleRequest],
-               eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
+    def sample(
+        self, logits_BV: torch.Tensor, requests: list[SampleRequest], eos_token_ids: tuple[int, ...] = ()
+    ) -> tuple[list[int], list[float]]:
         """List form of ``sample_rows``: (token ids, log-probs), one per request. A request's
         ``suppress_ids`` are forbidden for its row."""
         B, V = logits_BV.shape
@@ -535,14 +576,20 @@ class Sampler:
         for r in requests:
             p = r.params
             if r.suppress_ids:  # express the suppression as min_new_tokens over these ids
-                p = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                   min_new_tokens=max(p.min_new_tokens, r.num_generated + 1),
-                                   max_new_tokens=max(p.max_new_tokens, r.num_generated + 1),
-                                   stop_token_ids=tuple(t for t in r.suppress_ids if 0 <= t < V), ignore_eos=True,
-                                   seed=p.seed)
+                p = SamplingParams(
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    min_new_tokens=max(p.min_new_tokens, r.num_generated + 1),
+                    max_new_tokens=max(p.max_new_tokens, r.num_generated + 1),
+                    stop_token_ids=tuple(t for t in r.suppress_ids if 0 <= t < V),
+                    ignore_eos=True,
+                    seed=p.seed,
+                )
             params.append(p)
-        rp = RowParams.build(params, [r.num_generated for r in requests], [0] * B, eos_token_ids, V,
-                             1 << 62, logits_BV.device)
+        rp = RowParams.build(
+            params, [r.num_generated for r in requests], [0] * B, eos_token_ids, V, 1 << 62, logits_BV.device
+        )
         return _to_lists(*self.sample_rows(logits_BV, rp))
 
 
@@ -553,7 +600,9 @@ def _to_lists(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> tuple[list[in
     return [int(t) for t in both_2B[0]], both_2B[1]
 
 
-def _suppressed_weights(logprobs_BV: torch.Tensor, stop_ids_BS: torch.Tensor, suppress_BS: torch.Tensor) -> torch.Tensor:
+def _suppressed_weights(
+    logprobs_BV: torch.Tensor, stop_ids_BS: torch.Tensor, suppress_BS: torch.Tensor
+) -> torch.Tensor:
     """``exp(logprobs_BV)`` with the ids ``suppress_BS`` marks (stop ids below ``min_new_tokens``)
     set to 0: weights proportional to ``softmax`` of the masked logits, for ``inverse_cdf_draw``."""
     weights_BV = logprobs_BV.exp()

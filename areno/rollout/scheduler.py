@@ -23,8 +23,8 @@ import torch
 
 from areno.api.types import SamplingParams
 from areno.rollout.attention import SeqChunk
-from areno.rollout.kv_cache import ROOT_KEY, BlockAllocator
 from areno.rollout.cuda_graph import graph_num_blocks
+from areno.rollout.kv_cache import ROOT_KEY, BlockAllocator
 
 
 @dataclass(eq=False)
@@ -106,8 +106,10 @@ class ScheduledBatch:
     def chunks_from(self, i: int) -> list[SeqChunk]:
         """``chunks[i:]`` (without building the first i)."""
         # The chunks alias the sequences' block tables: a batch is consumed within its step.
-        return [SeqChunk(block_table=s.block_table, start=c, num_new=n)
-                for s, c, n in zip(self.seqs[i:], self.starts[i:], self.num_new[i:])]
+        return [
+            SeqChunk(block_table=s.block_table, start=c, num_new=n)
+            for s, c, n in zip(self.seqs[i:], self.starts[i:], self.num_new[i:])
+        ]
 
     @property
     def max_blocks(self) -> int:
@@ -256,9 +258,11 @@ class Scheduler:
         starts = [s.num_computed for s in seqs]
         # (a one-token chunk samples unless the budget cut a prompt's chunk to one token)
         samples = [s.num_computed + 1 == len(s.token_ids) for s in decode] + [
-            s.num_computed + n == len(s.token_ids) for s, n in chunks]
-        return ScheduledBatch(seqs=seqs, starts=starts, num_new=num_new, samples=samples,
-                              rows=[s.row for s in seqs], num_decode=nd)
+            s.num_computed + n == len(s.token_ids) for s, n in chunks
+        ]
+        return ScheduledBatch(
+            seqs=seqs, starts=starts, num_new=num_new, samples=samples, rows=[s.row for s in seqs], num_decode=nd
+        )
 
     def _chunk_len(self, seq: Sequence) -> int:
         remaining = len(seq.token_ids) - seq.num_computed

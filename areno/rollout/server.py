@@ -73,9 +73,15 @@ class _Sampling(BaseModel):
             stop = tuple(self.stop or ())
         try:
             return SamplingParams(
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_new_tokens=self.min_tokens,
-                max_new_tokens=max_tokens, stop_token_ids=tuple(self.stop_token_ids or ()), stop=stop,
-                ignore_eos=self.ignore_eos, seed=None if self.seed is None else self.seed + index,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_new_tokens=self.min_tokens,
+                max_new_tokens=max_tokens,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                stop=stop,
+                ignore_eos=self.ignore_eos,
+                seed=None if self.seed is None else self.seed + index,
             )
         except ValueError as e:
             raise _BadRequest(_param_of(str(e)), str(e)) from None
@@ -140,7 +146,9 @@ _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_new_tokens", "max_new_
 
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
-    return {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}.get(word, word if word in _SAMPLING_FIELDS else None)
+    return {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}.get(
+        word, word if word in _SAMPLING_FIELDS else None
+    )
 
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|bytes|none|list|dict|tuple|set)(\[.*\])?$")
@@ -170,12 +178,15 @@ def _json_response(content: dict[str, Any]) -> Response:
     validation and ``jsonable_encoder`` walk each of the thousands of values of a group in Python
     (about 4x the time), and they run in the rollout worker's process, holding the GIL the engine's
     driver thread needs between decode steps."""
-    return Response(json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")),
-                    media_type="application/json")
+    return Response(
+        json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")), media_type="application/json"
+    )
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}}
+    )
 
 
 # ------------------------------------------------------------------------------------- health
@@ -201,8 +212,9 @@ class EngineWatchdog:
     least ``stall_timeout_s`` after the last step. No lock is taken: a hung step holds the engine's.
     """
 
-    def __init__(self, engine: RolloutEngine, client: _ServedClient, *, stall_timeout_s: float,
-                 clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, engine: RolloutEngine, client: _ServedClient, *, stall_timeout_s: float, clock: Any = time.monotonic
+    ) -> None:
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
         self.engine, self.client = engine, client
@@ -220,11 +232,15 @@ class EngineWatchdog:
         if state != self._state:
             self._state, self._since = state, now
         if pending and self.client.driver_state == "dead":
-            return (f"the engine's driver thread died with {pending} request(s) pending (see the server log "
-                    f"for its traceback): restart the server")
+            return (
+                f"the engine's driver thread died with {pending} request(s) pending (see the server log "
+                f"for its traceback): restart the server"
+            )
         if waiting and now - self._since > self.stall_timeout_s:
-            return (f"the engine is stuck: no step for {now - self._since:.1f}s with {pending} request(s) "
-                    f"pending (stall_timeout_s={self.stall_timeout_s:g}): restart the server")
+            return (
+                f"the engine is stuck: no step for {now - self._since:.1f}s with {pending} request(s) "
+                f"pending (stall_timeout_s={self.stall_timeout_s:g}): restart the server"
+            )
         return None
 
 
@@ -261,7 +277,9 @@ def create_app(
     async def _auth(request: Request, call_next):
         if api_key and request.url.path != "/health":
             if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", kind="authentication_error")
+                return _error(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", kind="authentication_error"
+                )
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -274,8 +292,14 @@ def create_app(
         field = ".".join(loc) or "body"
         # a union-typed field fails once per member type (``prompt.str``, ``prompt.list[int]``): name
         # the field itself and list the types it accepts
-        members = list(dict.fromkeys(m for e in errors if _field_loc(e.get("loc", ()))[:1] == loc[:1]
-                                     for m in _union_members(e.get("loc", ()))))
+        members = list(
+            dict.fromkeys(
+                m
+                for e in errors
+                if _field_loc(e.get("loc", ()))[:1] == loc[:1]
+                for m in _union_members(e.get("loc", ()))
+            )
+        )
         accepts = f" (it accepts {', '.join(members)})" if len(members) > 1 else ""
         return _error(400, f"invalid field '{field}': {err.get('msg')}{accepts}", field)
 
@@ -303,7 +327,11 @@ def create_app(
 
     def usage(prompt_tokens: int, outs: list[GenerationOutput]) -> dict[str, int]:
         completion = sum(len(o.output_ids) for o in outs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
 
     # ---- OpenAI-compatible ----
     @app.get("/v1/models")
@@ -328,8 +356,12 @@ def create_app(
         choices = []
         for index, ((prompt_ids, _), out) in enumerate(zip(jobs, outs)):
             choice: dict[str, Any] = {
-                "index": index, "text": out.text, "finish_reason": out.finish_reason,
-                "logprobs": None, "token_ids": out.output_ids, "prompt_token_ids": prompt_ids,
+                "index": index,
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+                "logprobs": None,
+                "token_ids": out.output_ids,
+                "prompt_token_ids": prompt_ids,
             }
             if req.logprobs is not None:
                 tokens = [decode_token(t) for t in out.output_ids]
@@ -337,12 +369,21 @@ def create_app(
                 for t in tokens:
                     offsets.append(pos)
                     pos += len(t)
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": out.output_logprobs,
-                                      "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
+                choice["logprobs"] = {
+                    "tokens": tokens,
+                    "token_logprobs": out.output_logprobs,
+                    "top_logprobs": [{} for _ in tokens],
+                    "text_offset": offsets,
+                }
             choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": req.model or model_name, "choices": choices,
-                "usage": usage(sum(len(p) for p, _ in jobs), outs)}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model or model_name,
+            "choices": choices,
+            "usage": usage(sum(len(p) for p, _ in jobs), outs),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> dict:
@@ -368,12 +409,24 @@ def create_app(
                     s = decode_token(t)
                     content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
                 logprobs = {"content": content}
-            choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
-                            "finish_reason": out.finish_reason, "logprobs": logprobs,
-                            "token_ids": out.output_ids, "prompt_token_ids": prompt_ids})
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": req.model or model_name, "choices": choices,
-                "usage": usage(len(prompt_ids) * len(jobs), outs)}
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "finish_reason": out.finish_reason,
+                    "logprobs": logprobs,
+                    "token_ids": out.output_ids,
+                    "prompt_token_ids": prompt_ids,
+                }
+            )
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model or model_name,
+            "choices": choices,
+            "usage": usage(len(prompt_ids) * len(jobs), outs),
+        }
 
     # ---- token level ----
     def sampling_params(raw: dict[str, Any], field: str) -> SamplingParams:
@@ -423,9 +476,14 @@ def create_app(
         reason = watchdog.check()
         if reason is None:
             return {"status": "ok"}
-        return JSONResponse(status_code=503, content={
-            "status": "unhealthy", "reason": reason,
-            "error": {"message": reason, "type": "engine_unhealthy", "param": None, "code": None}})
+        return JSONResponse(
+            status_code=503,
+            content={
+                "status": "unhealthy",
+                "reason": reason,
+                "error": {"message": reason, "type": "engine_unhealthy", "param": None, "code": None},
+            },
+        )
 
     @app.get("/version")
     async def version() -> dict:
@@ -494,25 +552,44 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="areno serve", description="Serve a Hugging Face checkpoint with the areno rollout engine.")
+    p = argparse.ArgumentParser(
+        prog="areno serve", description="Serve a Hugging Face checkpoint with the areno rollout engine."
+    )
     p.add_argument("model_dir", help="directory with config.json, *.safetensors and a tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("ARENO_API_KEY"), help="require 'Authorization: Bearer KEY' (env ARENO_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models (default: the directory name)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("ARENO_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (env ARENO_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model id reported by /v1/models (default: the directory name)"
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 on cuda, float32 on cpu",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-memory-fraction", type=float, default=0.8)
     p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request omits it")
-    p.add_argument("--stall-timeout-s", type=float, default=300.0,
-                   help="/health answers 503 after this long without an engine step while requests are pending")
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=300.0,
+        help="/health answers 503 after this long without an engine step while requests are pending",
+    )
     return p
 
 
-def build_engine(model_dir: str, *, device: str | None = None, dtype: str | None = None, **engine_kw: Any) -> tuple[RolloutEngine, Any]:
+def build_engine(
+    model_dir: str, *, device: str | None = None, dtype: str | None = None, **engine_kw: Any
+) -> tuple[RolloutEngine, Any]:
     """Load ``model_dir`` (weights + tokenizer) into a ``RolloutEngine``."""
     import torch
     from transformers import AutoTokenizer
@@ -523,8 +600,13 @@ def build_engine(model_dir: str, *, device: str | None = None, dtype: str | None
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model, model_config = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = RolloutEngine(model, model_config, config=RolloutEngineConfig(**engine_kw),
-                           eos_token_ids=_eos_ids(model_dir, model_config, tokenizer), tokenizer=tokenizer)
+    engine = RolloutEngine(
+        model,
+        model_config,
+        config=RolloutEngineConfig(**engine_kw),
+        eos_token_ids=_eos_ids(model_dir, model_config, tokenizer),
+        tokenizer=tokenizer,
+    )
     return engine, tokenizer
 
 
@@ -555,15 +637,26 @@ def main(argv: list[str] | None = None) -> int:
         if not args.stall_timeout_s > 0:
             raise ValueError(f"--stall-timeout-s must be > 0, got {args.stall_timeout_s}")
         engine, tokenizer = build_engine(
-            args.model_dir, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, block_size=args.block_size, kv_memory_fraction=args.kv_memory_fraction,
+            args.model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            kv_memory_fraction=args.kv_memory_fraction,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"areno serve: {e}")
         return 2
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
-    app = create_app(engine, tokenizer=tokenizer, model_name=name, api_key=args.api_key,
-                     default_max_tokens=args.default_max_tokens, stall_timeout_s=args.stall_timeout_s)
+    app = create_app(
+        engine,
+        tokenizer=tokenizer,
+        model_name=name,
+        api_key=args.api_key,
+        default_max_tokens=args.default_max_tokens,
+        stall_timeout_s=args.stall_timeout_s,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -33,7 +33,7 @@ class StoreRef:
     dtype: str
     nbytes: int
 
-    def fetch(self, store: "ObservationStore") -> torch.Tensor:
+    def fetch(self, store: ObservationStore) -> torch.Tensor:
         return store.get(self.key)
 
 
@@ -49,14 +49,17 @@ class ObservationStore(ABC):
         tensor = tensor.detach().to("cpu").contiguous()
         key = uuid.uuid4().hex
         self._put(key, tensor)
-        return StoreRef(key, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."),
-                        tensor.numel() * tensor.element_size())
+        return StoreRef(
+            key, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size()
+        )
 
     def get(self, key: str) -> torch.Tensor:
         try:
             return self._get(key)
         except (KeyError, FileNotFoundError):
-            raise StoreKeyError(f"observation {key!r} is not in the store (already released, or another store)") from None
+            raise StoreKeyError(
+                f"observation {key!r} is not in the store (already released, or another store)"
+            ) from None
 
     @abstractmethod
     def _put(self, key: str, tensor: torch.Tensor) -> None: ...

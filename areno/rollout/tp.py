@@ -33,14 +33,23 @@ def make_tp_reduce(group: dist.ProcessGroup | None) -> Any:
 
 
 def load_tp_model(
-    model_dir: str, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
+    model_dir: str,
+    *,
+    group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> tuple[torch.nn.Module, Any]:
     """This rank's shards of the checkpoint in ``model_dir`` (``hf_io.load_model`` with TP)."""
     from areno.models.hf_io import load_model
 
-    return load_model(model_dir, dtype=dtype, device=device, tp_rank=dist.get_rank(group),
-                      tp_size=dist.get_world_size(group), tp_reduce=make_tp_reduce(group))
+    return load_model(
+        model_dir,
+        dtype=dtype,
+        device=device,
+        tp_rank=dist.get_rank(group),
+        tp_size=dist.get_world_size(group),
+        tp_reduce=make_tp_reduce(group),
+    )
 
 
 class TensorParallelRolloutEngine(RolloutEngine):
@@ -60,13 +69,19 @@ class TensorParallelRolloutEngine(RolloutEngine):
         self.tp_rank = dist.get_rank(group)
         self.tp_size = dist.get_world_size(group)
         if getattr(model, "tp_size", 1) != self.tp_size:
-            raise ValueError(f"the model is sharded for tp_size={getattr(model, 'tp_size', 1)} but the process "
-                             f"group has {self.tp_size} ranks: load it with load_tp_model")
+            raise ValueError(
+                f"the model is sharded for tp_size={getattr(model, 'tp_size', 1)} but the process "
+                f"group has {self.tp_size} ranks: load it with load_tp_model"
+            )
         self._plan = tp_plan(model_config)
         super().__init__(model, model_config, config=config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
 
     def _comm_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(self.group) == "nccl"
+            else torch.device("cpu")
+        )
 
     def _agree_num_blocks(self, num_blocks: int) -> int:
         n = torch.tensor([num_blocks], device=self._comm_device())

@@ -96,16 +96,28 @@ class ActorSpecialization(ModelSpecialization):
             if not ok:
                 raise ValueError(f"ActorSpecialization {key}: {why}")
 
-        check(advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
-              f"must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}")
+        check(
+            advantage_estimator in ADVANTAGE_ESTIMATORS,
+            "advantage_estimator",
+            f"must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}",
+        )
         check(policy_loss in POLICY_LOSSES, "policy_loss", f"must be one of {POLICY_LOSSES}, got {policy_loss!r}")
-        check(loss_aggregation in LOSS_AGGREGATIONS, "loss_aggregation",
-              f"must be one of {LOSS_AGGREGATIONS}, got {loss_aggregation!r}")
+        check(
+            loss_aggregation in LOSS_AGGREGATIONS,
+            "loss_aggregation",
+            f"must be one of {LOSS_AGGREGATIONS}, got {loss_aggregation!r}",
+        )
         check(kl_estimator in KL_ESTIMATORS, "kl_estimator", f"must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-        check(prox_logp_method in PROX_LOGP_METHODS, "prox_logp_method",
-              f"must be one of {PROX_LOGP_METHODS}, got {prox_logp_method!r}")
-        check(behav_weight_mode in BEHAV_WEIGHT_MODES, "behav_weight_mode",
-              f"must be one of {BEHAV_WEIGHT_MODES}, got {behav_weight_mode!r}")
+        check(
+            prox_logp_method in PROX_LOGP_METHODS,
+            "prox_logp_method",
+            f"must be one of {PROX_LOGP_METHODS}, got {prox_logp_method!r}",
+        )
+        check(
+            behav_weight_mode in BEHAV_WEIGHT_MODES,
+            "behav_weight_mode",
+            f"must be one of {BEHAV_WEIGHT_MODES}, got {behav_weight_mode!r}",
+        )
         check(clip_eps > 0, "clip_eps", f"must be > 0, got {clip_eps}")
         check(clip_eps_high is None or clip_eps_high > 0, "clip_eps_high", f"must be > 0 or None, got {clip_eps_high}")
         check(kl_coef >= 0, "kl_coef", f"must be >= 0, got {kl_coef}")
@@ -113,12 +125,21 @@ class ActorSpecialization(ModelSpecialization):
         check(temperature > 0, "temperature", f"must be > 0, got {temperature}")
         check(0 <= gamma <= 1 and 0 <= gae_lambda <= 1, "gamma/gae_lambda", "must be in [0, 1]")
         check(loss_agg_constant > 0, "loss_agg_constant", f"must be > 0, got {loss_agg_constant}")
-        check(behav_imp_weight_cap is None or behav_imp_weight_cap > 0, "behav_imp_weight_cap",
-              f"must be > 0 or None, got {behav_imp_weight_cap}")
-        check(not use_decoupled_loss or policy_loss == "ppo", "use_decoupled_loss",
-              f"works with policy_loss='ppo' only, got {policy_loss!r}")
-        check(overlong_max_length is None or 0 < overlong_buffer_length <= overlong_max_length,
-              "overlong_buffer_length", "must be in (0, overlong_max_length] when overlong_max_length is set")
+        check(
+            behav_imp_weight_cap is None or behav_imp_weight_cap > 0,
+            "behav_imp_weight_cap",
+            f"must be > 0 or None, got {behav_imp_weight_cap}",
+        )
+        check(
+            not use_decoupled_loss or policy_loss == "ppo",
+            "use_decoupled_loss",
+            f"works with policy_loss='ppo' only, got {policy_loss!r}",
+        )
+        check(
+            overlong_max_length is None or 0 < overlong_buffer_length <= overlong_max_length,
+            "overlong_buffer_length",
+            "must be in (0, overlong_max_length] when overlong_max_length is set",
+        )
         self.advantage_estimator = advantage_estimator
         self.adv_eps = adv_eps
         self.gamma = gamma
@@ -163,8 +184,10 @@ class ActorSpecialization(ModelSpecialization):
         if self.overlong_max_length is not None:
             lengths_B = _completion_lengths_B(batch)
             penalty_B = overlong_penalty_B(
-                lengths_B, max_length=self.overlong_max_length,
-                buffer_length=self.overlong_buffer_length, penalty=self.overlong_penalty,
+                lengths_B,
+                max_length=self.overlong_max_length,
+                buffer_length=self.overlong_buffer_length,
+                penalty=self.overlong_penalty,
             )
             batch = dataclasses.replace(batch, rewards_B=batch.rewards_B + penalty_B)
         if self.dynamic_sampling:
@@ -195,13 +218,22 @@ class ActorSpecialization(ModelSpecialization):
             adv_T = broadcast_to_tokens_T(rloo_advantages_B(b.rewards_B, group_B), b.cu_seqlens_B1, mask_T)
         elif est in ("reinforce_pp", "reinforce_pp_baseline"):
             adv_T = reinforce_pp_advantages_T(
-                b.rewards_B, b.cu_seqlens_B1, mask_T, token_rewards_T=token_rewards_T,
-                group_B=group_B if est == "reinforce_pp_baseline" else None, gamma=self.gamma,
+                b.rewards_B,
+                b.cu_seqlens_B1,
+                mask_T,
+                token_rewards_T=token_rewards_T,
+                group_B=group_B if est == "reinforce_pp_baseline" else None,
+                gamma=self.gamma,
             )
         else:  # gae
             adv_T, returns_T = gae_T(
-                b.rewards_B, b.extra["values_T"], b.cu_seqlens_B1, mask_T,
-                gamma=self.gamma, lam=self.gae_lambda, token_rewards_T=token_rewards_T,
+                b.rewards_B,
+                b.extra["values_T"],
+                b.cu_seqlens_B1,
+                mask_T,
+                gamma=self.gamma,
+                lam=self.gae_lambda,
+                token_rewards_T=token_rewards_T,
             )
             extra["returns_T"] = returns_T
         return dataclasses.replace(b, advantages_T=adv_T.to(torch.float32), extra={**b.extra, **extra})
@@ -209,7 +241,10 @@ class ActorSpecialization(ModelSpecialization):
     # ------------------------------------------------------------------ per micro-batch
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
         return token_logprobs_T(
-            model, batch, temperature=self.temperature, with_entropy=self.entropy_coef > 0,
+            model,
+            batch,
+            temperature=self.temperature,
+            with_entropy=self.entropy_coef > 0,
             chunk_size=self.logprob_chunk_size,
         )
 
@@ -226,24 +261,43 @@ class ActorSpecialization(ModelSpecialization):
             if self.prox_logp_method == "recompute":
                 prox_T = b.extra["prox_logprobs_T"]
             else:
-                version = int(b.extra[POLICY_VERSION_KEY][0]) if POLICY_VERSION_KEY in b.extra else int(b.versions_T.max())
+                version = (
+                    int(b.extra[POLICY_VERSION_KEY][0]) if POLICY_VERSION_KEY in b.extra else int(b.versions_T.max())
+                )
                 prox_T = loglinear_prox_logprobs_T(behave_T, logp_T, b.versions_T, mask_T, prox_version=version)
             pg_T, stats = decoupled_ppo_loss_T(
-                logp_T, prox_T, behave_T, adv_T, mask_T, eps_low=self.clip_eps, eps_high=self.clip_eps_high,
-                behav_imp_weight_cap=self.behav_imp_weight_cap, behav_weight_mode=self.behav_weight_mode,
+                logp_T,
+                prox_T,
+                behave_T,
+                adv_T,
+                mask_T,
+                eps_low=self.clip_eps,
+                eps_high=self.clip_eps_high,
+                behav_imp_weight_cap=self.behav_imp_weight_cap,
+                behav_weight_mode=self.behav_weight_mode,
                 dual_clip_c=self.dual_clip_c,
             )
         else:
             old_T = b.extra["prox_logprobs_T"] if self.recompute_logprob else behave_T
             if self.policy_loss == "ppo":
                 pg_T, stats = ppo_clip_loss_T(
-                    logp_T, old_T, adv_T, mask_T, eps_low=self.clip_eps, eps_high=self.clip_eps_high,
+                    logp_T,
+                    old_T,
+                    adv_T,
+                    mask_T,
+                    eps_low=self.clip_eps,
+                    eps_high=self.clip_eps_high,
                     dual_clip_c=self.dual_clip_c,
                 )
             elif self.policy_loss == "gspo":
                 pg_T, stats = gspo_loss_T(
-                    logp_T, old_T, adv_T, mask_T, b.cu_seqlens_B1,
-                    eps_low=self.clip_eps, eps_high=self.clip_eps_high or self.clip_eps,
+                    logp_T,
+                    old_T,
+                    adv_T,
+                    mask_T,
+                    b.cu_seqlens_B1,
+                    eps_low=self.clip_eps,
+                    eps_high=self.clip_eps_high or self.clip_eps,
                 )
             else:
                 pg_T, stats = cispo_loss_T(
@@ -295,5 +349,3 @@ def _to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
         rewards_B=batch.rewards_B.to(device),
         extra={k: v.to(device) for k, v in batch.extra.items()},
     )
-
-

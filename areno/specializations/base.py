@@ -24,7 +24,7 @@ Legend: B = sequences, T = packed tokens, V = vocabulary, D = hidden size.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

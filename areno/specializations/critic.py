@@ -65,8 +65,13 @@ class CriticSpecialization(ModelSpecialization):
                 b.logprobs_T, b.extra["ref_logprobs_T"], b.loss_mask_T, coef=self.kl_coef, estimator=self.kl_estimator
             )
         _, returns_T = gae_T(
-            b.rewards_B, b.extra["old_values_T"], b.cu_seqlens_B1, b.loss_mask_T,
-            gamma=self.gamma, lam=self.gae_lambda, token_rewards_T=token_rewards_T,
+            b.rewards_B,
+            b.extra["old_values_T"],
+            b.cu_seqlens_B1,
+            b.loss_mask_T,
+            gamma=self.gamma,
+            lam=self.gae_lambda,
+            token_rewards_T=token_rewards_T,
         )
         return dataclasses.replace(b, extra={**b.extra, "returns_T": returns_T})
 
@@ -80,7 +85,10 @@ class CriticSpecialization(ModelSpecialization):
         dev = v_T.device
         mask_T = batch.loss_mask_T.to(dev)
         loss_T, stats = value_loss_T(
-            v_T, batch.extra["old_values_T"].to(dev), batch.extra["returns_T"].to(dev), mask_T,
+            v_T,
+            batch.extra["old_values_T"].to(dev),
+            batch.extra["returns_T"].to(dev),
+            mask_T,
             clip_eps=self.value_clip_eps,
         )
         stats["value_loss"] = loss_T.detach()

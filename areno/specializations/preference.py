@@ -46,7 +46,9 @@ def preference_pairs(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
     for gid, (i, j) in groups.items():
         ri, rj = float(batch.rewards_B[i]), float(batch.rewards_B[j])
         if ri == rj:
-            raise ValueError(f"preference pair {gid!r}: both sequences have reward {ri}; the chosen one needs the larger")
+            raise ValueError(
+                f"preference pair {gid!r}: both sequences have reward {ri}; the chosen one needs the larger"
+            )
         chosen.append(i if ri > rj else j)
         rejected.append(j if ri > rj else i)
     return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
@@ -80,8 +82,14 @@ class DPOSpecialization(ModelSpecialization):
 
     output_keys = ("logprobs_T",)
 
-    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0, ref_key: str = "ref_logprobs_T",
-                 logprob_chunk_size: int = 1024) -> None:
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        ref_key: str = "ref_logprobs_T",
+        logprob_chunk_size: int = 1024,
+    ) -> None:
         if beta <= 0:
             raise ValueError(f"DPOSpecialization beta: must be > 0, got {beta}")
         if not 0 <= label_smoothing < 0.5:
@@ -99,13 +107,21 @@ class DPOSpecialization(ModelSpecialization):
         b = rollout_data
         ref_T = b.logprobs_T if self.ref_key == "logprobs_T" else b.extra.get(self.ref_key)
         if ref_T is None:
-            raise ValueError(f"DPOSpecialization needs batch.extra[{self.ref_key!r}]: add a DataSync from a reference role")
+            raise ValueError(
+                f"DPOSpecialization needs batch.extra[{self.ref_key!r}]: add a DataSync from a reference role"
+            )
         chosen_P, rejected_P = preference_pairs(b)
         pol_B = sequence_sum_B(b.extra["current_logprobs_T"].float(), b.cu_seqlens_B1, b.loss_mask_T)
         ref_B = sequence_sum_B(ref_T.float(), b.cu_seqlens_B1, b.loss_mask_T)
         pc = pol_B[chosen_P].clone().requires_grad_(True)
-        loss_P, stats = dpo_loss_B(pc, pol_B[rejected_P], ref_B[chosen_P], ref_B[rejected_P],
-                                   beta=self.beta, label_smoothing=self.label_smoothing)
+        loss_P, stats = dpo_loss_B(
+            pc,
+            pol_B[rejected_P],
+            ref_B[chosen_P],
+            ref_B[rejected_P],
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+        )
         (grad_P,) = torch.autograd.grad(loss_P.sum(), pc)
         extra = _pair_surrogate_extra(b, loss_P.detach(), grad_P, chosen_P, rejected_P)
         acc_B = torch.zeros(b.num_seqs)

@@ -12,7 +12,7 @@ from torch import nn
 
 from areno.algo import KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
 from areno.api.types import TokenBatch
-from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, Reducer, reduce_stats
+from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, reduce_stats
 from areno.specializations.forward import token_logprobs_T
 
 
@@ -76,7 +76,9 @@ class DistillSpecialization(ModelSpecialization):
 
     def __init__(self, *, kl_estimator: str = "k3", temperature: float = 1.0, logprob_chunk_size: int = 1024) -> None:
         if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"DistillSpecialization kl_estimator: must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+            raise ValueError(
+                f"DistillSpecialization kl_estimator: must be one of {KL_ESTIMATORS}, got {kl_estimator!r}"
+            )
         self.kl_estimator = kl_estimator
         self.temperature = temperature
         self.logprob_chunk_size = logprob_chunk_size
@@ -87,8 +89,9 @@ class DistillSpecialization(ModelSpecialization):
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]
         mask_T = _mask(batch, logp_T.device)
-        kl_T = kl_estimate_T(logp_T, batch.extra["teacher_logprobs_T"].to(logp_T.device), mask_T,
-                             estimator=self.kl_estimator)
+        kl_T = kl_estimate_T(
+            logp_T, batch.extra["teacher_logprobs_T"].to(logp_T.device), mask_T, estimator=self.kl_estimator
+        )
         return reducer(kl_T, mask_T), reduce_stats({"reverse_kl": kl_T}, mask_T, reducer, "distill")
 
 
@@ -110,8 +113,7 @@ class DaggerSpecialization(ModelSpecialization):
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
         targets_T = batch.extra["teacher_action_T"].long()
-        out = token_logprobs_T(model, batch, targets_T=targets_T, with_argmax=True,
-                               chunk_size=self.logprob_chunk_size)
+        out = token_logprobs_T(model, batch, targets_T=targets_T, with_argmax=True, chunk_size=self.logprob_chunk_size)
         return {"label_logprobs_T": out["logprobs_T"], "argmax_T": out["argmax_T"]}
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
@@ -173,11 +175,15 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
     required_extra_keys = ("teacher_logprobs_T",)
 
     def __init__(
-        self, *, beta_start: float = 1.0, beta_end: float = 0.0, beta_decay_steps: int = 100,
+        self,
+        *,
+        beta_start: float = 1.0,
+        beta_end: float = 0.0,
+        beta_decay_steps: int = 100,
         logprob_chunk_size: int = 1024,
     ) -> None:
         if not (0 <= beta_start <= 1 and 0 <= beta_end <= 1):
-            raise ValueError(f"MixedLossDaggerOPDSpecialization beta_start/beta_end: must be in [0, 1]")
+            raise ValueError("MixedLossDaggerOPDSpecialization beta_start/beta_end: must be in [0, 1]")
         if beta_decay_steps < 0:
             raise ValueError(f"MixedLossDaggerOPDSpecialization beta_decay_steps: must be >= 0, got {beta_decay_steps}")
         self.beta_start = beta_start

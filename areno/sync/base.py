@@ -90,8 +90,9 @@ class SyncStats:
             "policy_sync_bytes": float(self.bytes),
             "policy_sync_tensors": float(self.tensors),
             "policy_sync_throughput_gbps": self.throughput_gbps,
-            "policy_sync_generation_paused_s": (self.total_time_s if self.generation_paused_s is None
-                                                else self.generation_paused_s),
+            "policy_sync_generation_paused_s": (
+                self.total_time_s if self.generation_paused_s is None else self.generation_paused_s
+            ),
             **{f"policy_sync_phase_{name}_s": float(v) for name, v in self.phases_s.items()},
         }
 
@@ -101,8 +102,14 @@ class SyncStats:
             "policy sync v%d (%s): policy_sync_time_s=%.4f policy_sync_transfer_time_s=%.4f "
             "policy_sync_bytes=%d policy_sync_tensors=%d policy_sync_throughput_gbps=%.3f "
             "policy_sync_generation_paused_s=%.4f",
-            self.version, transport, m["policy_sync_time_s"], m["policy_sync_transfer_time_s"],
-            self.bytes, self.tensors, m["policy_sync_throughput_gbps"], m["policy_sync_generation_paused_s"],
+            self.version,
+            transport,
+            m["policy_sync_time_s"],
+            m["policy_sync_transfer_time_s"],
+            self.bytes,
+            self.tensors,
+            m["policy_sync_throughput_gbps"],
+            m["policy_sync_generation_paused_s"],
         )
 
 
@@ -323,13 +330,16 @@ class StagedReceiver(ShardReceiver):
         if pending is not None:
             pending.join(timeout_s)
             if pending.is_alive():
-                raise PolicySyncError(f"the deferred commit of a policy sync did not end within {timeout_s} s "
-                                      "(the rollout engine's running step never ended)")
+                raise PolicySyncError(
+                    f"the deferred commit of a policy sync did not end within {timeout_s} s "
+                    "(the rollout engine's running step never ended)"
+                )
             self._pending = None
         error, self._pending_error = self._pending_error, None
         if error is not None:
-            raise PolicySyncError(f"the deferred commit of the previous policy sync failed: "
-                                  f"{type(error).__name__}: {error}") from error
+            raise PolicySyncError(
+                f"the deferred commit of the previous policy sync failed: {type(error).__name__}: {error}"
+            ) from error
 
     def begin(self, version: int) -> None:
         self.wait_committed()
@@ -409,8 +419,14 @@ def swap_into(live: Mapping[str, torch.Tensor]) -> Callable[[list[tuple[str, tor
                 dst = live[name]
                 if id(dst) in done:
                     continue
-                if (dst.dtype is staged.dtype and id(dst) not in shared and dst.is_contiguous()
-                        and staged.is_contiguous() and dst.shape == staged.shape and dst.device == staged.device):
+                if (
+                    dst.dtype is staged.dtype
+                    and id(dst) not in shared
+                    and dst.is_contiguous()
+                    and staged.is_contiguous()
+                    and dst.shape == staged.shape
+                    and dst.device == staged.device
+                ):
                     old = dst.data
                     dst.data = staged
                     staged.data = old
@@ -472,8 +488,9 @@ class TensorEngine:
         self.torn = reason
 
 
-def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: str = "staged",
-                    deferred: bool = False) -> ShardReceiver:
+def engine_receiver(
+    engine: object, specs: Mapping[str, ShardSpec], *, commit: str = "staged", deferred: bool = False
+) -> ShardReceiver:
     """A receiver for a rollout engine exposing ``weight_tensors()`` (its live, possibly
     TP-sharded tensors by HF name), ``commit_weights(version)``, ``pause()``, ``resume()``,
     ``is_paused`` and, for ``commit="inplace"``, ``mark_torn(reason)``.
@@ -502,17 +519,24 @@ def engine_receiver(engine: object, specs: Mapping[str, ShardSpec], *, commit: s
             continue
         t = live[name]
         if tuple(t.shape) != spec.local_shape:
-            raise ValueError(f"{name}: engine tensor {tuple(t.shape)} != shard {spec.local_shape}; "
-                             "check the rollout TP rank/size given to the shard specs")
+            raise ValueError(
+                f"{name}: engine tensor {tuple(t.shape)} != shard {spec.local_shape}; "
+                "check the rollout TP rank/size given to the shard specs"
+            )
         if t.dtype != spec.dtype and not (t.dtype.is_floating_point and spec.dtype.is_floating_point):
-            raise ValueError(f"{name}: engine tensor dtype {t.dtype} cannot take {spec.dtype} (only floating "
-                             "dtypes are cast); fix the shard spec's dtype")
-        kept[name] = ShardSpec(name=name, full_shape=spec.full_shape, dtype=t.dtype, dim=spec.dim,
-                               start=spec.start, length=spec.length)
+            raise ValueError(
+                f"{name}: engine tensor dtype {t.dtype} cannot take {spec.dtype} (only floating "
+                "dtypes are cast); fix the shard spec's dtype"
+            )
+        kept[name] = ShardSpec(
+            name=name, full_shape=spec.full_shape, dtype=t.dtype, dim=spec.dim, start=spec.start, length=spec.length
+        )
     if commit == "inplace":
         if deferred:
-            raise ValueError("deferred=True needs a staged or swap commit: an in-place sync writes the paused "
-                             "engine's weights directly, so there is nothing to apply later")
+            raise ValueError(
+                "deferred=True needs a staged or swap commit: an in-place sync writes the paused "
+                "engine's weights directly, so there is nothing to apply later"
+            )
         return LiveReceiver(engine, kept)
     device = next(iter(live.values())).device
     copy = swap_into(live) if commit == "swap" else copy_into(live)
@@ -619,6 +643,8 @@ class LiveReceiver(ShardReceiver):
         why = why if len(why) <= 300 else why[:297] + "..."
         self._engine.mark_torn(  # type: ignore[attr-defined]
             f"the rollout weights are half-written: in-place policy sync v{version} failed midway"
-            + (f" ({why})" if why else "") + "; this engine refuses to generate until the next policy sync "
+            + (f" ({why})" if why else "")
+            + "; this engine refuses to generate until the next policy sync "
             "completes or the weights are reloaded from disk (update_weights_from_disk, then resume); "
-            "cluster.sync_commit=staged keeps serving the old weights through a failed sync")
+            "cluster.sync_commit=staged keeps serving the old weights through a failed sync"
+        )

@@ -130,8 +130,10 @@ class DiskTransport(PolicySyncTransport):
                 new = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
                 (tmp / f).rename(tmp / new)
                 renamed[f] = new
-            index = {"metadata": {"total_size": nbytes, "policy_version": version},
-                     "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
+            index = {
+                "metadata": {"total_size": nbytes, "policy_version": version},
+                "weight_map": {k: renamed[v] for k, v in weight_map.items()},
+            }
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
             if self.model_dir is not None:
                 for p in self.model_dir.iterdir():
@@ -154,12 +156,15 @@ class DiskTransport(PolicySyncTransport):
             self._prune()
         else:
             io_time = time.perf_counter() - t_io
-        return SyncStats(version=version, total_time_s=time.perf_counter() - t0, transfer_time_s=io_time,
-                         bytes=nbytes, tensors=ntensors)
+        return SyncStats(
+            version=version,
+            total_time_s=time.perf_counter() - t0,
+            transfer_time_s=io_time,
+            bytes=nbytes,
+            tensors=ntensors,
+        )
 
     def _prune(self) -> None:
-        versions = sorted(
-            (int(m.group(1)), p) for p in self.root.iterdir() if (m := _DIR_RE.match(p.name))
-        )
+        versions = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _DIR_RE.match(p.name)))
         for _, p in versions[: -self.keep_last]:
             shutil.rmtree(p, ignore_errors=True)

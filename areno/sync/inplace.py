@@ -68,8 +68,10 @@ class InPlaceTransport(PolicySyncTransport):
             if _aliases(dst, part):
                 continue
             if part.device != dst.device:
-                raise ValueError(f"{name}: trained tensor on {part.device}, engine tensor on {dst.device}; "
-                                 "the in-place transport needs both on one device (use the stream transport)")
+                raise ValueError(
+                    f"{name}: trained tensor on {part.device}, engine tensor on {dst.device}; "
+                    "the in-place transport needs both on one device (use the stream transport)"
+                )
             dsts.append(dst)
             srcs.append(part)
             copied += dst.numel() * dst.element_size()
@@ -83,8 +85,9 @@ class InPlaceTransport(PolicySyncTransport):
             self.on_commit(version)
         self.version = version
         total = time.perf_counter() - t0
-        return SyncStats(version=version, total_time_s=total, transfer_time_s=elapsed, bytes=copied,
-                         tensors=len(self.dest))
+        return SyncStats(
+            version=version, total_time_s=total, transfer_time_s=elapsed, bytes=copied, tensors=len(self.dest)
+        )
 
 
 def _aliases(dst: torch.Tensor, src: torch.Tensor) -> bool:

@@ -170,8 +170,9 @@ def plan_buckets(
             closed[row].append(packing[row])
 
     # Global order: the order in which buckets become complete while the source is iterated.
-    flat = [(items[-1].tensor_index, row, seq, items)
-            for row in range(num_rows) for seq, items in enumerate(closed[row])]
+    flat = [
+        (items[-1].tensor_index, row, seq, items) for row in range(num_rows) for seq, items in enumerate(closed[row])
+    ]
     flat.sort(key=lambda x: x[:3])
     buckets = tuple(
         Bucket(k, row, tuple(items), items[-1].offset + items[-1].nbytes) for k, (_, row, _, items) in enumerate(flat)

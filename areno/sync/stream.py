@@ -194,8 +194,11 @@ def tensor_chunks(buckets: list[Bucket]) -> dict[int, TensorChunks]:
     for idx, entries in by_tensor.items():
         entries.sort(key=lambda e: e[1].row_start)
         items = [i for _, i in entries]
-        covers = (items[0].row_start == 0 and items[-1].row_end == items[0].shape[0]
-                  and all(a.row_end == b.row_start for a, b in zip(items, items[1:])))
+        covers = (
+            items[0].row_start == 0
+            and items[-1].row_end == items[0].shape[0]
+            and all(a.row_end == b.row_start for a, b in zip(items, items[1:]))
+        )
         out[idx] = (entries, items[0].shape, tuple(i.row_end - i.row_start for i in items) if covers else None)
     return out
 
@@ -367,7 +370,8 @@ class StreamTransport(PolicySyncTransport):
         ]
         self.rollout_group = (
             dist.new_group(list(topology.rollout_ranks), timeout=group_timeout, backend=backend)
-            if len(topology.rollout_ranks) > 1 else None
+            if len(topology.rollout_ranks) > 1
+            else None
         )
         # Control plane: the commit vote (``vote_backend``: NCCL on distinct GPUs, else gloo).
         data_backend = str(backend if backend is not None else dist.get_backend()).lower()
@@ -398,7 +402,10 @@ class StreamTransport(PolicySyncTransport):
                 if dim == 0:
                     cuts.setdefault(name, set()).update((start, start + length))
         self.plan: SyncPlan = plan_buckets(
-            self.meta, len(topology.sender_ranks), config.bucket_bytes, config.wire_dtype,
+            self.meta,
+            len(topology.sender_ranks),
+            config.bucket_bytes,
+            config.wire_dtype,
             cuts={n: sorted(c) for n, c in cuts.items()},
             direct_bytes=config.direct_bytes if config.direct_bytes is not None else config.bucket_bytes // 4,
         )
@@ -454,6 +461,7 @@ class StreamTransport(PolicySyncTransport):
                 work = dist.broadcast(probe, src=min(ranks), group=group, async_op=True)
             self._wait(work, f"connecting NCCL group {ranks}")
         torch.cuda.synchronize(self.device)
+
     def _check_specs(self) -> None:
         shapes = {n: tuple(s) for n, s, _ in self.meta}
         for name, spec in self.receiver.shard_specs().items():
@@ -486,8 +494,10 @@ class StreamTransport(PolicySyncTransport):
                 end = t0 + min(POLL_S, timeout.total_seconds())
                 while not work.is_completed():
                     if time.perf_counter() >= end:  # still running: the rest of the timeout
-                        timeout = max(timeout - datetime.timedelta(seconds=time.perf_counter() - t0),
-                                      datetime.timedelta(milliseconds=1))
+                        timeout = max(
+                            timeout - datetime.timedelta(seconds=time.perf_counter() - t0),
+                            datetime.timedelta(milliseconds=1),
+                        )
                         break
                     time.sleep(POLL_INTERVAL_S)
             work.wait(timeout)
@@ -527,19 +537,21 @@ class StreamTransport(PolicySyncTransport):
         try:
             participants = self.topology.participants
             missing = [r for r in participants if not self.store.check([self._key("arrived", r)])]
-            never = [r for r in missing if r in self.topology.rollout_ranks
-                     and not self.store.check([self._key("start", r)])]
+            never = [
+                r for r in missing if r in self.topology.rollout_ranks and not self.store.check([self._key("start", r)])
+            ]
         except RuntimeError as e:  # the store may be gone with a dead peer
             return f"store unreachable: {e}"
-        return (f"unresponsive rank(s) {missing}"
-                + "".join(f" (rank {r}: never joined)" for r in never))
+        return f"unresponsive rank(s) {missing}" + "".join(f" (rank {r}: never joined)" for r in never)
 
     # ---------------------------------------------------------------- sync
     def _sync(self, version: int) -> SyncStats:
         assert self.is_train or self.is_rollout, f"rank {self.rank} takes no part in this policy sync"
         self._attempt += 1
         self._inflight = []
-        self.last_phases = dict.fromkeys(("begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync"), 0.0)
+        self.last_phases = dict.fromkeys(
+            ("begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync"), 0.0
+        )
         t0 = time.perf_counter()
         progress, error = 0, None
         try:
@@ -621,8 +633,9 @@ class StreamTransport(PolicySyncTransport):
         if not raised and not waited:
             return True, ""
         n = len(self.plan.buckets)
-        desc = ", ".join(f"rank {r}: {int(status[1, r])}/{n} buckets"
-                         for r in raised + waited if r in self.topology.rollout_ranks)
+        desc = ", ".join(
+            f"rank {r}: {int(status[1, r])}/{n} buckets" for r in raised + waited if r in self.topology.rollout_ranks
+        )
         parts = ([f"failed rank(s) {raised}"] if raised else []) + ([f"timed out: {waited}"] if waited else [])
         return False, "; ".join(parts) + (f" ({desc})" if desc else "")
 
@@ -696,15 +709,17 @@ class StreamTransport(PolicySyncTransport):
                     free = [s for s in (0, 1) if owner[s] is None or owner[s] in works or owner[s] not in slot_of]
                     slot = min(free, key=lambda s: (owner[s] in works, owner[s] or -1))
                     if owner[slot] in works:
-                        transfer += self._timed_wait(works.pop(owner[slot]), what(owner[slot]),
-                                                     my_buckets[owner[slot]].index)
+                        transfer += self._timed_wait(
+                            works.pop(owner[slot]), what(owner[slot]), my_buckets[owner[slot]].index
+                        )
                     owner[slot] = pos
                     slot_of[pos] = slot
                 pending.setdefault(pos, []).append(chunk)
                 if item is bucket.items[-1]:
                     flush(pos)
-                    works[pos], dt = self._post(self._buffer(slot_of[pos])[: bucket.nbytes], self.rank,
-                                                self.pair_groups[row])
+                    works[pos], dt = self._post(
+                        self._buffer(slot_of[pos])[: bucket.nbytes], self.rank, self.pair_groups[row]
+                    )
                     transfer += dt
                     del slot_of[pos]  # sent: the slot is free once its work completes
                     packed.pop(pos, None)
@@ -753,8 +768,11 @@ class StreamTransport(PolicySyncTransport):
                         transfer += dt
                 if k > 0:
                     if k - 1 in fanout:
-                        transfer += self._timed_wait(fanout.pop(k - 1), f"fan-out of bucket {k - 1} from relay rank "
-                                                     f"{self.relays[buckets[k - 1].row]}", k - 1)
+                        transfer += self._timed_wait(
+                            fanout.pop(k - 1),
+                            f"fan-out of bucket {k - 1} from relay rank {self.relays[buckets[k - 1].row]}",
+                            k - 1,
+                        )
                     if not direct_prev:
                         t = time.perf_counter()
                         self._stager.stage(buckets[k - 1], self._buffer(k - 1)[: buckets[k - 1].nbytes])

@@ -65,8 +65,16 @@ HOST_OPTIMIZATIONS: frozenset[str] = frozenset({"one_fsdp_group", "local_shards"
   and the loop used to select them twice) and the losses / metrics come back in one host read.
 """
 # Files copied from the source model directory into an HF export (tokenizer and friends).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def batch_to_device(batch: TokenBatch, device: torch.device | str) -> TokenBatch:
@@ -193,8 +201,9 @@ class PackedTrainBackend(TrainBackend):
         model.train()
         self.model = self._parallelize(model)
         if cfg.trainable:
-            self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device.type,
-                                             local_shards="local_shards" in self.host_optimizations)
+            self.optimizer = build_optimizer(
+                self.model.parameters(), cfg, self.device.type, local_shards="local_shards" in self.host_optimizations
+            )
             self.scheduler = build_scheduler(self.optimizer, cfg)
         self.max_tokens_per_mb = cfg.max_tokens_per_mb or self._default_tokens_per_mb()
         self._initialized = True
@@ -296,8 +305,9 @@ class PackedTrainBackend(TrainBackend):
         stats = torch.tensor([loss_sum, tokens] + [metric_sums[k] for k in keys], dtype=torch.float64)
         stats = self._all_reduce_sum(stats)
 
-        grad_norm, grad_groups = global_grad_norm(self.model.parameters(),
-                                                  local_shards="local_shards" in self.host_optimizations)
+        grad_norm, grad_groups = global_grad_norm(
+            self.model.parameters(), local_shards="local_shards" in self.host_optimizations
+        )
         # The loss is all-reduced and the norm global, so every rank takes the same decision.
         loss_finite = math.isfinite(float(stats[0]))
         if loss_finite and math.isfinite(grad_norm):
@@ -316,8 +326,11 @@ class PackedTrainBackend(TrainBackend):
         self._step += 1
         if 0 < self.max_consecutive_skips <= self._consecutive_skips:
             raise NonFiniteStepError(
-                role=self.role_name, step=self._step, consecutive=self._consecutive_skips,
-                loss=float(stats[0]), grad_norm=grad_norm,
+                role=self.role_name,
+                step=self._step,
+                consecutive=self._consecutive_skips,
+                loss=float(stats[0]),
+                grad_norm=grad_norm,
             )
         out = {
             "loss": float(stats[0]),
@@ -446,8 +459,10 @@ def host_floats(values: list[torch.Tensor | float]) -> list[float]:
     for idx in groups.values():
         read = torch.cat([values[i].reshape(-1) for i in idx]).tolist()
         if len(read) != len(idx):
-            raise ValueError(f"loss and metric values must be one-element tensors or numbers, got {len(read)} "
-                             f"elements for {len(idx)} tensors; reduce each metric to a scalar in loss_fn")
+            raise ValueError(
+                f"loss and metric values must be one-element tensors or numbers, got {len(read)} "
+                f"elements for {len(idx)} tensors; reduce each metric to a scalar in loss_fn"
+            )
         for i, value in zip(idx, read):
             out[i] = value
     return [float(v) for v in out]

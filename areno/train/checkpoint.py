@@ -50,8 +50,11 @@ def rng_state() -> dict[str, Any]:
     import numpy as np
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -137,10 +140,12 @@ def remove_stale(checkpoints_dir: str | Path) -> list[Path]:
             child.rename(final)  # killed between the marker and the rename: the checkpoint is whole
             continue
         stale = child.name.endswith((STAGING_SUFFIX, ".old")) or (
-            _STEP_DIR.match(child.name) is not None and not is_complete(child))
+            _STEP_DIR.match(child.name) is not None and not is_complete(child)
+        )
         if stale:
-            logger.warning("removing %s: an incomplete checkpoint (the write was interrupted); it is never loaded",
-                           child)
+            logger.warning(
+                "removing %s: an incomplete checkpoint (the write was interrupted); it is never loaded", child
+            )
             shutil.rmtree(child)
             removed.append(child)
     return removed
@@ -185,9 +190,7 @@ def _check_shapes(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
             )
 
 
-def load(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> dict[str, Any]:
+def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG in place; returns the trainer state."""
     path = Path(path)
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
@@ -203,8 +206,10 @@ def load(
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         first = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"checkpoint {path} is damaged or incomplete ({type(exc).__name__}: {first}); resume from an "
-                         "earlier step_N directory or delete this one") from None
+        raise ValueError(
+            f"checkpoint {path} is damaged or incomplete ({type(exc).__name__}: {first}); resume from an "
+            "earlier step_N directory or delete this one"
+        ) from None
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],

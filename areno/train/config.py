@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _DTYPES = ("float32", "bfloat16")
 _SCHEDULES = ("constant", "linear_warmup", "cosine")
@@ -132,9 +136,7 @@ class TrainBackendConfig:
         if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= 0):
             raise ValueError("lr_schedule='cosine' needs total_steps > 0 (set total_steps)")
         if self.total_steps is not None and self.total_steps < self.warmup_steps:
-            raise ValueError(
-                f"total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps})"
-            )
+            raise ValueError(f"total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps})")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_tokens_per_mb is not None and self.max_tokens_per_mb <= 0:
@@ -167,13 +169,13 @@ class TrainBackendConfig:
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def torch_dtype(self) -> "torch.dtype":
+    def torch_dtype(self) -> torch.dtype:
         """Master-weight dtype as a torch dtype."""
         import torch
 
         return getattr(torch, self.dtype)
 
-    def torch_param_dtype(self, device: str) -> "torch.dtype":
+    def torch_param_dtype(self, device: str) -> torch.dtype:
         """Compute dtype as a torch dtype (see ``param_dtype``)."""
         import torch
 
@@ -203,4 +205,3 @@ class TrainBackendConfig:
                 f"{world_size}; make the product equal the world size (dp_shard_size=-1 fills it)"
             )
         return self.dp_replicate_size, shard, self.tp_size
-

@@ -63,8 +63,10 @@ class FSDP2TrainBackend(PackedTrainBackend):
                     "FSDP2TrainBackend needs a process group or torchrun's RANK/WORLD_SIZE/"
                     "MASTER_ADDR/MASTER_PORT environment; launch with torchrun or use LocalTrainBackend"
                 )
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s))
+            dist.init_process_group(
+                "nccl" if device_type == "cuda" else "gloo",
+                timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s),
+            )
             self._owns_process_group = True
         world = dist.get_world_size(self._group)
         shape = self.cfg.mesh_shape(world)
@@ -78,8 +80,10 @@ class FSDP2TrainBackend(PackedTrainBackend):
             self.device = torch.device("cpu")
         if self._given_mesh is not None:
             if tuple(self._given_mesh.mesh.shape) != tuple(shape) or self._given_mesh.mesh_dim_names != MESH_DIMS:
-                raise ValueError(f"FSDP2TrainBackend: mesh {tuple(self._given_mesh.mesh.shape)} "
-                                 f"{self._given_mesh.mesh_dim_names} != config mesh {shape} {MESH_DIMS}")
+                raise ValueError(
+                    f"FSDP2TrainBackend: mesh {tuple(self._given_mesh.mesh.shape)} "
+                    f"{self._given_mesh.mesh_dim_names} != config mesh {shape} {MESH_DIMS}"
+                )
             self.mesh = self._given_mesh
         else:
             self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
@@ -92,8 +96,14 @@ class FSDP2TrainBackend(PackedTrainBackend):
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         compute = self.cfg.torch_param_dtype(self.device.type)
-        model = parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=self.cfg.torch_dtype(),
-                            one_group="one_fsdp_group" in self.host_optimizations)
+        model = parallelize(
+            model,
+            self.mesh,
+            self.cfg,
+            param_dtype=compute,
+            reduce_dtype=self.cfg.torch_dtype(),
+            one_group="one_fsdp_group" in self.host_optimizations,
+        )
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         return model
 

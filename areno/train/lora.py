@@ -36,8 +36,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     unknown = [t for t in cfg.target_modules if t not in names]
     if unknown:
         raise ValueError(
-            f"lora.target_modules {unknown} match no linear layer of the model; "
-            f"choose from {sorted(names)}"
+            f"lora.target_modules {unknown} match no linear layer of the model; choose from {sorted(names)}"
         )
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
@@ -104,9 +103,7 @@ def adapter_named_weights(
             yield "base_model.model." + name.replace(marker, "."), full(tensor.detach())
 
 
-def save_adapter(
-    path: str | Path, weights: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str | Path
-) -> Path:
+def save_adapter(path: str | Path, weights: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str | Path) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's layout) under ``path``."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,8 +111,12 @@ def save_adapter(
 
     save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / "adapter_model.safetensors"))
     peft_cfg = PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
-        task_type="CAUSAL_LM", base_model_name_or_path=str(base_model),
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(base_model),
     )
     peft_cfg.save_pretrained(str(out))
     return out

@@ -96,9 +96,7 @@ def lr_factor(step: int, cfg: TrainBackendConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainBackendConfig
-) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainBackendConfig) -> torch.optim.lr_scheduler.LambdaLR:
     # a partial, not a callable object: LambdaLR saves an object's __dict__ (here the config) in its
     # state_dict, which checkpoints must not carry (they load with torch.load(weights_only=True))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))

@@ -124,9 +124,7 @@ def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec
         rank_load[r] += seqlens[i]
     rank_bins = [_first_fit_decreasing(s, seqlens, spec.max_tokens_per_mb) for s in rank_seqs]
     n_mbs = max(1, max(len(b) for b in rank_bins))
-    per_rank = [
-        [sorted(b) for b in _split_to_count(bins, seqlens, n_mbs)] for bins in rank_bins
-    ]
+    per_rank = [[sorted(b) for b in _split_to_count(bins, seqlens, n_mbs)] for bins in rank_bins]
     return MicroBatchPlan(per_rank=per_rank)
 
 

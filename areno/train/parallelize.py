@@ -96,8 +96,9 @@ def _decoder(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if callable(getattr(type(module), "forward_layers", None)):
             return module
-    raise ValueError(f"compile_scope='model' needs an areno Decoder inside {type(model).__name__}; "
-                     f"use compile_scope='layers'")
+    raise ValueError(
+        f"compile_scope='model' needs an areno Decoder inside {type(model).__name__}; use compile_scope='layers'"
+    )
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "layers") -> None:
@@ -121,8 +122,13 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-    sharded: bool = True, one_group: bool = False,
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    sharded: bool = True,
+    one_group: bool = False,
 ) -> None:
     """``sharded=False`` (one shard: one rank or pure replication): nothing is gathered from peers,
     so layers keep their compute-dtype copy from forward to backward instead of casting it again
@@ -160,6 +166,12 @@ def parallelize(
         apply_compile(model, scope=cfg.compile_scope)
     if mesh is not None:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   sharded=mesh["dp_shard"].size() > 1, one_group=one_group and mesh.size() == 1)
+        apply_fsdp(
+            model,
+            dp_mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            sharded=mesh["dp_shard"].size() > 1,
+            one_group=one_group and mesh.size() == 1,
+        )
     return model

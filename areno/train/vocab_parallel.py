@@ -157,9 +157,11 @@ def _vocab_shard(weight_VD: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGro
     the weight is replicated); ValueError for any other layout."""
     placements = weight_VD.placements
     shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
-    if any(not isinstance(p, (Shard, Replicate)) for p in placements) or any(
-        placements[i].dim != 0 for i in shard_dims
-    ) or len(shard_dims) > 1:
+    if (
+        any(not isinstance(p, (Shard, Replicate)) for p in placements)
+        or any(placements[i].dim != 0 for i in shard_dims)
+        or len(shard_dims) > 1
+    ):
         raise ValueError(
             f"log-probs need the LM head replicated or sharded over the vocabulary (dim 0) on one mesh "
             f"dimension; got placements {placements}"
@@ -172,8 +174,9 @@ def _vocab_shard(weight_VD: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGro
     # DTensor shards like torch.chunk: ceil(V / shards) rows per rank, the last one shorter.
     rows = -(-vocab // shards)
     if rows * (shards - 1) >= vocab:
-        raise ValueError(f"vocab_size={vocab} leaves an empty LM-head shard over {shards} ranks; "
-                         f"set tp_vocab_parallel=False")
+        raise ValueError(
+            f"vocab_size={vocab} leaves an empty LM-head shard over {shards} ranks; set tp_vocab_parallel=False"
+        )
     vocab_start = weight_VD.device_mesh.get_local_rank(mesh_dim) * rows
     assert w_local.shape[0] == max(0, min(rows, vocab - vocab_start)), (w_local.shape, vocab, shards)
     return w_local, vocab_start, weight_VD.device_mesh.get_group(mesh_dim)

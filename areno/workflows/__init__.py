@@ -71,14 +71,36 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from areno.workflows.agent import (AgentWorkflow, calculator_agent, calculator_reward, calculator_rows,
-                                       calculator_workflow, write_calculator_rows)
+    from areno.workflows.agent import (
+        AgentWorkflow,
+        calculator_agent,
+        calculator_reward,
+        calculator_rows,
+        calculator_workflow,
+        write_calculator_rows,
+    )
     from areno.workflows.common import RewardFn, acall_reward, sample_fields, store_kwargs, takes_store
-    from areno.workflows.env import (ArithmeticRetryEnv, Environment, EnvWorkflow, Observation, StepResult,
-                                     arithmetic_retry_workflow)
+    from areno.workflows.env import (
+        ArithmeticRetryEnv,
+        Environment,
+        EnvWorkflow,
+        Observation,
+        StepResult,
+        arithmetic_retry_workflow,
+    )
     from areno.workflows.interaction import ExportStyle, Interaction, InteractionCache
     from areno.workflows.multi_turn import MultiTurnWorkflow
     from areno.workflows.openai_client import AgentProxy, AgentRequestError, ArenoAsyncOpenAI
-    from areno.workflows.tools import (Tool, ToolCall, ToolCallError, ToolResult, ToolSchemaError, ToolSet,
-                                       calculator_tool, parse_tool_calls, render_tools_prompt, validate_tool_schema)
     from areno.workflows.rlvr import RLVRWorkflow
+    from areno.workflows.tools import (
+        Tool,
+        ToolCall,
+        ToolCallError,
+        ToolResult,
+        ToolSchemaError,
+        ToolSet,
+        calculator_tool,
+        parse_tool_calls,
+        render_tools_prompt,
+        validate_tool_schema,
+    )

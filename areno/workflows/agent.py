@@ -25,15 +25,15 @@ and the data writer ``write_calculator_rows`` (see ``examples/agent_calculator.y
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import json
 import logging
 import random
 import re
 import uuid
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection
+from typing import TYPE_CHECKING, Any
 
 from areno.api.types import SamplingParams, Trajectory
 from areno.api.workflow import RolloutWorkflow, _import_dotted
@@ -65,10 +65,21 @@ class AgentWorkflow(RolloutWorkflow):
     use ``client.reward_fn`` (the configured reward) and ``client.prompt_key`` / ``answer_key``.
     """
 
-    def __init__(self, tokenizer: Any, sampling_params: SamplingParams, *, agent: AgentFn | str,
-                 reward_fn: Callable[..., float] | None = None, n_samples: int = 1, gamma: float = 1.0,
-                 export_style: ExportStyle = "concat", timeout_s: float = 300.0, proxy: bool = False,
-                 prompt_key: str = "prompt", answer_key: str = "answer") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        sampling_params: SamplingParams,
+        *,
+        agent: AgentFn | str,
+        reward_fn: Callable[..., float] | None = None,
+        n_samples: int = 1,
+        gamma: float = 1.0,
+        export_style: ExportStyle = "concat",
+        timeout_s: float = 300.0,
+        proxy: bool = False,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+    ) -> None:
         if isinstance(agent, str):
             agent = _import_dotted(agent)
         if not callable(agent):
@@ -94,7 +105,7 @@ class AgentWorkflow(RolloutWorkflow):
         self.prompt_key = prompt_key
         self.answer_key = answer_key
 
-    async def run_episode(self, client: "RolloutClient", sample: dict[str, Any]) -> list[Trajectory] | None:
+    async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory] | None:
         group_id = uuid.uuid4().hex
         results = await asyncio.gather(*(self._aepisode(client, sample, group_id, i) for i in range(self.n_samples)))
         group = [t for trajs in results if trajs is not None for t in trajs]
@@ -109,7 +120,7 @@ class AgentWorkflow(RolloutWorkflow):
             self._proxy.stop()
             self._proxy = None
 
-    def _client(self, rollout_client: "RolloutClient", index: int, recorder: Any) -> ArenoAsyncOpenAI:
+    def _client(self, rollout_client: RolloutClient, index: int, recorder: Any) -> ArenoAsyncOpenAI:
         params = self.sampling_params
         if params.seed is not None:  # episodes of one group must not be copies of each other
             import dataclasses
@@ -120,12 +131,15 @@ class AgentWorkflow(RolloutWorkflow):
         oai.prompt_key, oai.answer_key = self.prompt_key, self.answer_key
         return oai
 
-    async def _aepisode(self, rollout_client: "RolloutClient", sample: dict[str, Any], group_id: str,
-                        index: int) -> list[Trajectory] | None:
+    async def _aepisode(
+        self, rollout_client: RolloutClient, sample: dict[str, Any], group_id: str, index: int
+    ) -> list[Trajectory] | None:
         with session(sample=describe_row(sample), group_id=group_id, episode=index, workflow="agent") as rec:
             if self.proxy:  # the agent gets a base URL on 127.0.0.1 and may use any HTTP client
                 if self._proxy is None:
-                    self._proxy = AgentProxy(rollout_client, self.tokenizer, default_sampling=self.sampling_params).start()
+                    self._proxy = AgentProxy(
+                        rollout_client, self.tokenizer, default_sampling=self.sampling_params
+                    ).start()
                 sid, base_url = self._proxy.start_session(session=rec)
                 oai = self._proxy.sessions[sid]
             else:
@@ -133,31 +147,45 @@ class AgentWorkflow(RolloutWorkflow):
             try:
                 value = self.agent(base_url if self.proxy else oai, sample)
                 if not inspect.isawaitable(value):
-                    raise TypeError(f"agent {getattr(self.agent, '__name__', self.agent)!r} is not async: "
-                                    "define it with 'async def agent(client, sample)'")
+                    raise TypeError(
+                        f"agent {getattr(self.agent, '__name__', self.agent)!r} is not async: "
+                        "define it with 'async def agent(client, sample)'"
+                    )
                 reward = await asyncio.wait_for(value, self.timeout_s)
-            except asyncio.TimeoutError:
-                logger.warning("agent episode %d of row %s did not return within timeout_s=%gs; dropped "
-                               "(raise timeout_s if episodes are legitimately long)", index, describe_row(sample),
-                               self.timeout_s)
+            except TimeoutError:
+                logger.warning(
+                    "agent episode %d of row %s did not return within timeout_s=%gs; dropped "
+                    "(raise timeout_s if episodes are legitimately long)",
+                    index,
+                    describe_row(sample),
+                    self.timeout_s,
+                )
                 rec.event("dropped", reason="timeout")
                 return None
-            except Exception as exc:  # user agent code: warned with the row named, the group goes on
-                logger.warning("agent episode %d of row %s raised %s: %s; dropped", index, describe_row(sample),
-                               type(exc).__name__, exc)
+            except Exception as exc:  # noqa: BLE001 - user agent code: warned with the row named, the group goes on
+                logger.warning(
+                    "agent episode %d of row %s raised %s: %s; dropped",
+                    index,
+                    describe_row(sample),
+                    type(exc).__name__,
+                    exc,
+                )
                 rec.event("dropped", reason=f"{type(exc).__name__}: {exc}")
                 return None
             finally:
                 if self.proxy:
                     self._proxy.end_session(sid)
             if len(oai.cache) == 0:
-                logger.warning("agent episode %d of row %s made no completion call; dropped", index, describe_row(sample))
+                logger.warning(
+                    "agent episode %d of row %s made no completion call; dropped", index, describe_row(sample)
+                )
                 return None
             if reward is not None:
                 if oai.cache.last.reward is None:
                     oai.set_last_reward(float(reward))
-            trajs = oai.export(self.export_style, gamma=self.gamma, group_id=group_id,
-                               info={"sample": describe_row(sample)})
+            trajs = oai.export(
+                self.export_style, gamma=self.gamma, group_id=group_id, info={"sample": describe_row(sample)}
+            )
             rec.set_reward(sum(t.reward for t in trajs) / len(trajs), num_interactions=len(oai.cache))
             return trajs
 
@@ -167,11 +195,22 @@ TOOLS = ToolSet([calculator_tool()])
 
 
 def _call_text(expr: str) -> str:
-    return "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expr": expr}}, separators=(",", ":")) + "</tool_call>"
+    return (
+        "<tool_call>"
+        + json.dumps({"name": "calc", "arguments": {"expr": expr}}, separators=(",", ":"))
+        + "</tool_call>"
+    )
 
 
-def calculator_rows(num: int, seed: int, *, a_range: tuple[int, int] = (10, 99), b_range: tuple[int, int] = (2, 9),
-                    tool_fraction: float = 1.0, exclude: Collection[str] = ()) -> list[dict[str, Any]]:
+def calculator_rows(
+    num: int,
+    seed: int,
+    *,
+    a_range: tuple[int, int] = (10, 99),
+    b_range: tuple[int, int] = (2, 9),
+    tool_fraction: float = 1.0,
+    exclude: Collection[str] = (),
+) -> list[dict[str, Any]]:
     """Rows ``{"prompt": "47*8=", "answer": <a demonstration>, "result": "376"}``.
 
     The demonstration (what a supervised warm start imitates) is the reference tool call
@@ -189,8 +228,9 @@ def calculator_rows(num: int, seed: int, *, a_range: tuple[int, int] = (10, 99),
             raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {(lo, hi)}")
     exclude = set(exclude)
     space = (a_range[1] - a_range[0] + 1) * (b_range[1] - b_range[0] + 1)
-    if space <= len(exclude) and all(f"{a}*{b}=" in exclude for a in range(a_range[0], a_range[1] + 1)
-                                     for b in range(b_range[0], b_range[1] + 1)):
+    if space <= len(exclude) and all(
+        f"{a}*{b}=" in exclude for a in range(a_range[0], a_range[1] + 1) for b in range(b_range[0], b_range[1] + 1)
+    ):
         raise ValueError(f"every prompt of a_range={a_range}, b_range={b_range} is excluded")
     rng = random.Random(seed)
     rows = []
@@ -223,8 +263,9 @@ def _direct_answer(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 
 
-async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, max_attempts: int = 2,
-                           operand_credit: float = 0.0) -> float:
+async def calculator_agent(
+    client: ArenoAsyncOpenAI, sample: dict[str, Any], *, max_attempts: int = 2, operand_credit: float = 0.0
+) -> float:
     """Answer ``sample["prompt"]`` ("47*8="), with or without the ``calc`` tool; reward 1 when right.
 
     A reply with a tool call is run, and the tool's result is the answer. A reply without one is a
@@ -249,9 +290,13 @@ async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, 
             return float(_direct_answer(choice.text) == target)
         result = await TOOLS.aexecute(calls[0])
         if client.session is not None:
-            client.session.add_tool_call(getattr(calls[0], "name", "?"), getattr(calls[0], "arguments", choice.text),
-                                         result=result.content, error=None if result.ok else result.content,
-                                         duration_s=result.duration_s)
+            client.session.add_tool_call(
+                getattr(calls[0], "name", "?"),
+                getattr(calls[0], "arguments", choice.text),
+                result=result.content,
+                error=None if result.ok else result.content,
+                duration_s=result.duration_s,
+            )
         if result.ok:
             if result.content.strip() == target:
                 return 1.0
@@ -260,8 +305,11 @@ async def calculator_agent(client: ArenoAsyncOpenAI, sample: dict[str, Any], *, 
             return operand_credit * right / len(expected)
         client.set_last_reward(0.0)
         feedback = f"\n<tool_response>{result.content}</tool_response>\n"
-        prompt_ids = list(choice.prompt_token_ids) + list(choice.token_ids) + list(
-            client.tokenizer.encode(feedback + sample["prompt"], add_special_tokens=False))
+        prompt_ids = (
+            list(choice.prompt_token_ids)
+            + list(choice.token_ids)
+            + list(client.tokenizer.encode(feedback + sample["prompt"], add_special_tokens=False))
+        )
     return 0.0
 
 

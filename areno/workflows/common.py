@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("areno.workflows")
 
@@ -43,7 +44,7 @@ async def acall_reward(
         if inspect.isawaitable(value):
             value = await value
         return float(value), None
-    except Exception as exc:  # user code: counted (info["reward_error"]) and warned, not hidden
+    except Exception as exc:  # noqa: BLE001 - user code: counted (info["reward_error"]) and warned, not hidden
         error = f"{type(exc).__name__}: {exc}"
         logger.warning("reward function raised for prompt %r: %s; reward set to 0", prompt[:200], error)
         return 0.0, error

@@ -25,8 +25,9 @@ import inspect
 import logging
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,11 +89,24 @@ class EnvWorkflow(RolloutWorkflow):
     environment rewards).
     """
 
-    def __init__(self, tokenizer: Any, sampling_params: SamplingParams, *,
-                 env_factory: Callable[[dict[str, Any]], Environment] | str, horizon: int = 4, n_samples: int = 1,
-                 gamma: float = 1.0, mode: str = "text", export_style: ExportStyle = "concat",
-                 store: ObservationStore | None = None, ref_threshold_bytes: int = 1024, timeout_s: float = 300.0,
-                 reward_fn: Any = None, prompt_key: str = "prompt", answer_key: str = "answer") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        sampling_params: SamplingParams,
+        *,
+        env_factory: Callable[[dict[str, Any]], Environment] | str,
+        horizon: int = 4,
+        n_samples: int = 1,
+        gamma: float = 1.0,
+        mode: str = "text",
+        export_style: ExportStyle = "concat",
+        store: ObservationStore | None = None,
+        ref_threshold_bytes: int = 1024,
+        timeout_s: float = 300.0,
+        reward_fn: Any = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+    ) -> None:
         if isinstance(env_factory, str):
             env_factory = _import_dotted(env_factory)
         if not callable(env_factory):
@@ -119,22 +133,32 @@ class EnvWorkflow(RolloutWorkflow):
         self.ref_threshold_bytes = ref_threshold_bytes
         self.timeout_s = timeout_s
 
-    async def run_episode(self, client: "RolloutClient", sample: dict[str, Any]) -> list[Trajectory] | None:
+    async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory] | None:
         group_id = uuid.uuid4().hex
         results = await asyncio.gather(*(self._aguarded(client, sample, group_id, i) for i in range(self.n_samples)))
         group = [t for trajs in results if trajs is not None for t in trajs]
         return group or None
 
-    async def _aguarded(self, client: "RolloutClient", sample: dict[str, Any], group_id: str,
-                        index: int) -> list[Trajectory] | None:
+    async def _aguarded(
+        self, client: RolloutClient, sample: dict[str, Any], group_id: str, index: int
+    ) -> list[Trajectory] | None:
         try:
             return await asyncio.wait_for(self._aepisode(client, sample, group_id, index), self.timeout_s)
-        except asyncio.TimeoutError:
-            logger.warning("environment episode %d of row %s did not finish within timeout_s=%gs; dropped",
-                           index, describe_row(sample), self.timeout_s)
-        except Exception as exc:  # user environment code: warned with the row named, the group goes on
-            logger.warning("environment episode %d of row %s raised %s: %s; dropped", index, describe_row(sample),
-                           type(exc).__name__, exc)
+        except TimeoutError:
+            logger.warning(
+                "environment episode %d of row %s did not finish within timeout_s=%gs; dropped",
+                index,
+                describe_row(sample),
+                self.timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001 - user environment code: warned with the row named, the group goes on
+            logger.warning(
+                "environment episode %d of row %s raised %s: %s; dropped",
+                index,
+                describe_row(sample),
+                type(exc).__name__,
+                exc,
+            )
         return None
 
     def _observe(self, obs: str | Observation, refs: list[dict[str, Any]], step: int, rec: Any) -> str:
@@ -153,8 +177,9 @@ class EnvWorkflow(RolloutWorkflow):
                 refs.append({"step": step, "name": name, "value": tensor.detach().cpu()})
         return obs.text
 
-    async def _aepisode(self, rollout_client: "RolloutClient", sample: dict[str, Any], group_id: str,
-                        index: int) -> list[Trajectory]:
+    async def _aepisode(
+        self, rollout_client: RolloutClient, sample: dict[str, Any], group_id: str, index: int
+    ) -> list[Trajectory]:
         params = self.sampling_params
         if params.seed is not None:
             import dataclasses
@@ -191,8 +216,11 @@ class EnvWorkflow(RolloutWorkflow):
                         messages += [{"role": "assistant", "content": action}, {"role": "user", "content": text}]
                     else:
                         choice = resp.choices[0]
-                        prompt_ids = list(choice.prompt_token_ids) + list(choice.token_ids) + list(
-                            self.tokenizer.encode(text, add_special_tokens=False))
+                        prompt_ids = (
+                            list(choice.prompt_token_ids)
+                            + list(choice.token_ids)
+                            + list(self.tokenizer.encode(text, add_special_tokens=False))
+                        )
             finally:
                 env.close()
             rec.set_reward(total, steps=steps, done=done)
@@ -220,8 +248,10 @@ class ArithmeticRetryEnv(Environment):
         if not 0 <= format_reward < 1:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
         if target_key not in sample:
-            raise ValueError(f"ArithmeticRetryEnv: row {describe_row(sample)} has no field {target_key!r} "
-                             f"(fields: {sorted(sample)}); set target_key to the field with the right answer")
+            raise ValueError(
+                f"ArithmeticRetryEnv: row {describe_row(sample)} has no field {target_key!r} "
+                f"(fields: {sorted(sample)}); set target_key to the field with the right answer"
+            )
         self.prompt = sample["prompt"]
         self.answer = str(sample[target_key]).strip()
         self.format_reward = format_reward
@@ -237,21 +267,30 @@ class ArithmeticRetryEnv(Environment):
         return StepResult(observation=self.FEEDBACK + self.prompt, reward=self.format_reward * digits, done=False)
 
 
-def arithmetic_retry_workflow(*, store: ObservationStore | None = None, horizon: int = 3, gamma: float = 0.5,
-                              format_reward: float = 0.1, target_key: str = "answer", **kwargs: Any) -> EnvWorkflow:
+def arithmetic_retry_workflow(
+    *,
+    store: ObservationStore | None = None,
+    horizon: int = 3,
+    gamma: float = 0.5,
+    format_reward: float = 0.1,
+    target_key: str = "answer",
+    **kwargs: Any,
+) -> EnvWorkflow:
     """``rollout.workflow: areno.workflows.env:arithmetic_retry_workflow``: ``ArithmeticRetryEnv`` on
     the rows' prompt/answer (any task with exact answers), text mode; ``horizon``, ``gamma`` and
     ``format_reward`` and ``target_key`` can be set with ``rollout.workflow_kwargs`` (see
     ``examples/agent_multiturn.yaml``)."""
     kwargs.pop("reward_fn", None)
-    ArithmeticRetryEnv({"prompt": "", target_key: ""}, format_reward=format_reward, target_key=target_key)  # validates now
+    ArithmeticRetryEnv(
+        {"prompt": "", target_key: ""}, format_reward=format_reward, target_key=target_key
+    )  # validates now
     env_factory = functools.partial(ArithmeticRetryEnv, format_reward=format_reward, target_key=target_key)
-    return EnvWorkflow(env_factory=env_factory,
-                       horizon=horizon, gamma=gamma, mode="text", store=store, **kwargs)
+    return EnvWorkflow(env_factory=env_factory, horizon=horizon, gamma=gamma, mode="text", store=store, **kwargs)
 
 
-def sort_retry_rows(num: int, seed: int, *, split: str = "train", min_len: int = 3, max_len: int = 3,
-                    lazy_fraction: float = 0.0) -> list[dict[str, Any]]:
+def sort_retry_rows(
+    num: int, seed: int, *, split: str = "train", min_len: int = 3, max_len: int = 3, lazy_fraction: float = 0.0
+) -> list[dict[str, Any]]:
     """Rows of the shipped sort task (``"sort 627:"``) for ``ArithmeticRetryEnv`` with
     ``target_key="target"``: ``target`` is the sorted digits; ``answer`` (what a warm start imitates)
     is the target, or for a ``lazy_fraction`` share of the rows a lazy demonstrator's answer, the
@@ -263,8 +302,9 @@ def sort_retry_rows(num: int, seed: int, *, split: str = "train", min_len: int =
     import random
 
     rng = random.Random(f"sort_retry/{seed}")
-    rows = generate_rows(TaskSpec(name="sort", kwargs={"min_len": min_len, "max_len": max_len}), split=split,
-                         num=num, seed=seed)
+    rows = generate_rows(
+        TaskSpec(name="sort", kwargs={"min_len": min_len, "max_len": max_len}), split=split, num=num, seed=seed
+    )
     out = []
     for row in rows:
         given = row["prompt"].removeprefix("sort ").rstrip(":")
@@ -273,5 +313,13 @@ def sort_retry_rows(num: int, seed: int, *, split: str = "train", min_len: int =
     return out
 
 
-__all__ = ["ArithmeticRetryEnv", "EnvWorkflow", "Environment", "Observation", "StepResult", "StoreRef",
-           "arithmetic_retry_workflow", "sort_retry_rows"]
+__all__ = [
+    "ArithmeticRetryEnv",
+    "EnvWorkflow",
+    "Environment",
+    "Observation",
+    "StepResult",
+    "StoreRef",
+    "arithmetic_retry_workflow",
+    "sort_retry_rows",
+]

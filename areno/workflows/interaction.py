@@ -36,9 +36,7 @@ ExportStyle = Literal["individual", "concat"]
 
 def _canon_message(message: dict[str, Any]) -> tuple:
     """What makes two messages 'the same turn' for linking (ids of tool calls ignored)."""
-    calls = tuple(
-        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()
-    )
+    calls = tuple((c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ())
     return (message.get("role"), message.get("content") or "", calls, message.get("name"))
 
 
@@ -61,8 +59,8 @@ class Interaction:
     """Own reward as set by the agent (None: not set)."""
     discounted_reward: float | None = None
     """Own reward plus discounted future; set by ``apply_discount``."""
-    parent: "Interaction | None" = None
-    children: list["Interaction"] = field(default_factory=list)
+    parent: Interaction | None = None
+    children: list[Interaction] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
     def history_key(self) -> tuple:
@@ -108,8 +106,11 @@ class InteractionCache:
     def add(self, interaction: Interaction, parent: Interaction | None = None) -> Interaction:
         with self._lock:
             if parent is None:
-                parent = (self.find_chat_parent(interaction.messages) if interaction.messages is not None
-                          else self.find_token_parent(interaction.prompt_ids))
+                parent = (
+                    self.find_chat_parent(interaction.messages)
+                    if interaction.messages is not None
+                    else self.find_token_parent(interaction.prompt_ids)
+                )
             interaction.parent = parent
             if parent is not None:
                 parent.children.append(interaction)
@@ -124,8 +125,10 @@ class InteractionCache:
         try:
             return self.interactions[interaction_id]
         except KeyError:
-            raise KeyError(f"no interaction {interaction_id!r} in this cache "
-                           f"(known: {self._order[:5]}{'…' if len(self._order) > 5 else ''})") from None
+            raise KeyError(
+                f"no interaction {interaction_id!r} in this cache "
+                f"(known: {self._order[:5]}{'…' if len(self._order) > 5 else ''})"
+            ) from None
 
     @property
     def last(self) -> Interaction | None:
@@ -150,9 +153,13 @@ class InteractionCache:
             raise ValueError(f"discount gamma must be in [0, 1], got {gamma}")
         missing = [i.id for i in self.ordered() if i.reward is None]
         if missing:
-            logger.warning("%d of %d interactions have no reward (%s); they count as 0. Set one with "
-                           "client.set_reward(id, r) or client.set_last_reward(r)",
-                           len(missing), len(self), ", ".join(missing[:3]))
+            logger.warning(
+                "%d of %d interactions have no reward (%s); they count as 0. Set one with "
+                "client.set_reward(id, r) or client.set_last_reward(r)",
+                len(missing),
+                len(self),
+                ", ".join(missing[:3]),
+            )
         for inter in reversed(self.ordered()):  # children are always added after their parent
             own = inter.reward if inter.reward is not None else 0.0
             if inter.children:
@@ -162,8 +169,14 @@ class InteractionCache:
                 inter.discounted_reward = own
 
     # ---- export
-    def export(self, style: ExportStyle = "individual", *, gamma: float = 1.0, group_id: str = "",
-               info: dict[str, Any] | None = None) -> list[Trajectory]:
+    def export(
+        self,
+        style: ExportStyle = "individual",
+        *,
+        gamma: float = 1.0,
+        group_id: str = "",
+        info: dict[str, Any] | None = None,
+    ) -> list[Trajectory]:
         """Trajectories for training (runs ``apply_discount(gamma)`` first)."""
         if style not in ("individual", "concat"):
             raise ValueError(f"export style must be 'individual' or 'concat', got {style!r}")
@@ -182,15 +195,24 @@ class InteractionCache:
 
     def _individual(self, inter: Interaction, group_id: str, info: dict[str, Any] | None) -> Trajectory:
         return Trajectory(
-            prompt_ids=list(inter.prompt_ids), completion_ids=list(inter.output_ids),
-            logprobs=list(inter.output_logprobs), versions=list(inter.output_versions),
-            reward=float(inter.discounted_reward), group_id=group_id, finish_reason=inter.finish_reason,
-            info={**(info or {}), "interaction_id": inter.id, "num_turns": 1,
-                  "own_reward": inter.reward if inter.reward is not None else 0.0},
+            prompt_ids=list(inter.prompt_ids),
+            completion_ids=list(inter.output_ids),
+            logprobs=list(inter.output_logprobs),
+            versions=list(inter.output_versions),
+            reward=float(inter.discounted_reward),
+            group_id=group_id,
+            finish_reason=inter.finish_reason,
+            info={
+                **(info or {}),
+                "interaction_id": inter.id,
+                "num_turns": 1,
+                "own_reward": inter.reward if inter.reward is not None else 0.0,
+            },
         )
 
-    def _concat(self, path: list[Interaction], gamma: float, group_id: str,
-                info: dict[str, Any] | None) -> list[Trajectory]:
+    def _concat(
+        self, path: list[Interaction], gamma: float, group_id: str, info: dict[str, Any] | None
+    ) -> list[Trajectory]:
         """One sequence per token-contiguous run of turns along ``path``."""
         segments: list[list[Interaction]] = [[path[0]]]
         for inter in path[1:]:
@@ -198,8 +220,11 @@ class InteractionCache:
             if inter.prompt_ids[: len(prev.full_ids)] == prev.full_ids:
                 segments[-1].append(inter)
             else:
-                logger.warning("interaction %s does not extend its parent's tokens (its history was "
-                               "re-rendered differently); it starts a new sequence", inter.id)
+                logger.warning(
+                    "interaction %s does not extend its parent's tokens (its history was "
+                    "re-rendered differently); it starts a new sequence",
+                    inter.id,
+                )
                 segments.append([inter])
         trajs = []
         for seg in segments:
@@ -221,10 +246,22 @@ class InteractionCache:
                 vers += inter.output_versions
                 covered = len(inter.full_ids)
             ret = sum(gamma**k * (i.reward or 0.0) for k, i in enumerate(seg))
-            trajs.append(Trajectory(
-                prompt_ids=prompt_ids, completion_ids=ids, logprobs=logp, versions=vers, reward=float(ret),
-                completion_mask=mask, group_id=group_id, finish_reason=seg[-1].finish_reason,
-                info={**(info or {}), "interaction_ids": [i.id for i in seg], "num_turns": len(seg),
-                      "turn_rewards": [i.reward or 0.0 for i in seg]},
-            ))
+            trajs.append(
+                Trajectory(
+                    prompt_ids=prompt_ids,
+                    completion_ids=ids,
+                    logprobs=logp,
+                    versions=vers,
+                    reward=float(ret),
+                    completion_mask=mask,
+                    group_id=group_id,
+                    finish_reason=seg[-1].finish_reason,
+                    info={
+                        **(info or {}),
+                        "interaction_ids": [i.id for i in seg],
+                        "num_turns": len(seg),
+                        "turn_rewards": [i.reward or 0.0 for i in seg],
+                    },
+                )
+            )
         return trajs

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from areno.api.types import SamplingParams, Trajectory
 from areno.api.workflow import RolloutWorkflow
@@ -63,7 +64,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.prompt_key = prompt_key
         self.answer_key = answer_key
 
-    async def run_episode(self, client: "RolloutClient", sample: dict[str, Any]) -> list[Trajectory]:
+    async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
         prompt = require_field(sample, self.prompt_key)
         answer = sample.get(self.answer_key)
         fields = sample_fields(sample, self.prompt_key, self.answer_key)
@@ -84,7 +85,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
 
     async def _aepisode(
         self,
-        client: "RolloutClient",
+        client: RolloutClient,
         prompt: str,
         prompt_ids: list[int],
         answer: Any,

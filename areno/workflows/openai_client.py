@@ -46,9 +46,24 @@ from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validat
 logger = logging.getLogger("areno.workflows")
 
 # Parameters of the official client that change nothing here (accepted and ignored, as vLLM does).
-_IGNORED = {"frequency_penalty", "presence_penalty", "logit_bias", "user", "metadata", "store",
-            "parallel_tool_calls", "response_format", "service_tier", "stream_options", "timeout",
-            "extra_headers", "extra_query", "best_of", "suffix", "reasoning_effort"}
+_IGNORED = {
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "user",
+    "metadata",
+    "store",
+    "parallel_tool_calls",
+    "response_format",
+    "service_tier",
+    "stream_options",
+    "timeout",
+    "extra_headers",
+    "extra_query",
+    "best_of",
+    "suffix",
+    "reasoning_effort",
+}
 
 
 class AgentRequestError(ValueError):
@@ -95,8 +110,16 @@ class ArenoAsyncOpenAI:
             prepends a Qwen/Hermes-style system message; ``"template"`` passes them to the template.
     """
 
-    def __init__(self, rollout_client: Any, tokenizer: Any, *, default_sampling: SamplingParams | None = None,
-                 cache: InteractionCache | None = None, session: Any = None, render_tools: str = "auto") -> None:
+    def __init__(
+        self,
+        rollout_client: Any,
+        tokenizer: Any,
+        *,
+        default_sampling: SamplingParams | None = None,
+        cache: InteractionCache | None = None,
+        session: Any = None,
+        render_tools: str = "auto",
+    ) -> None:
         if render_tools not in ("auto", "system", "template"):
             raise ValueError(f"render_tools must be 'auto', 'system' or 'template', got {render_tools!r}")
         self.rollout_client = rollout_client
@@ -105,14 +128,18 @@ class ArenoAsyncOpenAI:
         self.cache = cache if cache is not None else InteractionCache()
         self.session = session
         template = getattr(tokenizer, "chat_template", None) or ""
-        self.render_tools = render_tools if render_tools != "auto" else ("template" if "tools" in template else "system")
+        self.render_tools = (
+            render_tools if render_tools != "auto" else ("template" if "tools" in template else "system")
+        )
         self.chat = _Chat(self)
         self.completions = _Completions(self)
 
     # ---- rewards and export
     def set_reward(self, interaction_id: str, reward: float) -> None:
         """Reward one completion (its response ``id``; for n > 1 the id rewards every choice)."""
-        ids = [i.id for i in self.cache.ordered() if i.id == interaction_id or i.info.get("response_id") == interaction_id]
+        ids = [
+            i.id for i in self.cache.ordered() if i.id == interaction_id or i.info.get("response_id") == interaction_id
+        ]
         if not ids:
             raise KeyError(f"no completion {interaction_id!r} was recorded by this client")
         for i in ids:
@@ -121,8 +148,14 @@ class ArenoAsyncOpenAI:
     def set_last_reward(self, reward: float) -> None:
         self.cache.set_last_reward(reward)
 
-    def export(self, style: ExportStyle = "individual", *, gamma: float = 1.0, group_id: str = "",
-               info: dict[str, Any] | None = None) -> list[Trajectory]:
+    def export(
+        self,
+        style: ExportStyle = "individual",
+        *,
+        gamma: float = 1.0,
+        group_id: str = "",
+        info: dict[str, Any] | None = None,
+    ) -> list[Trajectory]:
         return self.cache.export(style, gamma=gamma, group_id=group_id, info=info)
 
     # ---- prompt building
@@ -140,9 +173,13 @@ class ArenoAsyncOpenAI:
         for m in messages:  # templates without tool support still show the calls the model made
             if m.get("tool_calls") and self.render_tools != "template":
                 calls = "".join(
-                    "<tool_call>" + json.dumps({"name": c["function"]["name"],
-                                                "arguments": json.loads(c["function"]["arguments"] or "{}")})
-                    + "</tool_call>" for c in m["tool_calls"])
+                    "<tool_call>"
+                    + json.dumps(
+                        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")}
+                    )
+                    + "</tool_call>"
+                    for c in m["tool_calls"]
+                )
                 m = {**m, "content": (m.get("content") or "") + calls}
             rendered.append(m)
         return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=generation, **kwargs)
@@ -150,16 +187,21 @@ class ArenoAsyncOpenAI:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], Interaction | None]:
+    def _chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[list[int], Interaction | None]:
         parent = self.cache.find_chat_parent(messages)
         text = self._render(messages, tools, generation=True)
         if parent is not None:
             k = len(parent.messages) + 1
             base = self._render(messages[:k], tools, generation=False)
             if text.startswith(base):
-                return parent.full_ids + self._encode(text[len(base):]), parent
-            logger.warning("chat template renders the history of turn %s differently once extended; "
-                           "re-tokenising the whole prompt (concat export splits here)", parent.id)
+                return parent.full_ids + self._encode(text[len(base) :]), parent
+            logger.warning(
+                "chat template renders the history of turn %s differently once extended; "
+                "re-tokenising the whole prompt (concat export splits here)",
+                parent.id,
+            )
         return self._encode(text), parent
 
     def _sampling(self, req: dict[str, Any], index: int) -> SamplingParams:
@@ -171,11 +213,15 @@ class ArenoAsyncOpenAI:
         extra = req.get("extra_body") or {}
         try:
             return SamplingParams(
-                temperature=req.get("temperature", d.temperature), top_p=req.get("top_p", d.top_p),
-                top_k=extra.get("top_k", d.top_k), min_new_tokens=extra.get("min_tokens", d.min_new_tokens),
-                max_new_tokens=max_tokens, stop=stop,
+                temperature=req.get("temperature", d.temperature),
+                top_p=req.get("top_p", d.top_p),
+                top_k=extra.get("top_k", d.top_k),
+                min_new_tokens=extra.get("min_tokens", d.min_new_tokens),
+                max_new_tokens=max_tokens,
+                stop=stop,
                 stop_token_ids=tuple(extra.get("stop_token_ids", d.stop_token_ids)),
-                ignore_eos=extra.get("ignore_eos", d.ignore_eos), seed=None if seed is None else seed + index,
+                ignore_eos=extra.get("ignore_eos", d.ignore_eos),
+                seed=None if seed is None else seed + index,
             )
         except ValueError as exc:
             raise AgentRequestError(f"sampling parameters: {exc}") from None
@@ -196,9 +242,29 @@ class ArenoAsyncOpenAI:
 
     # ---- the two endpoints
     async def acreate_chat(self, **req: Any) -> ChatCompletion:
-        _check_kwargs(req, {"messages", "model", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
-                            "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs", "stream",
-                            "extra_body", "functions", "function_call"}, "chat.completions.create")
+        _check_kwargs(
+            req,
+            {
+                "messages",
+                "model",
+                "tools",
+                "tool_choice",
+                "temperature",
+                "top_p",
+                "max_tokens",
+                "max_completion_tokens",
+                "n",
+                "stop",
+                "seed",
+                "logprobs",
+                "top_logprobs",
+                "stream",
+                "extra_body",
+                "functions",
+                "function_call",
+            },
+            "chat.completions.create",
+        )
         if req.get("stream"):
             raise AgentRequestError("stream=True is not supported by the recording client; call without streaming")
         if not req.get("messages"):
@@ -227,28 +293,74 @@ class ArenoAsyncOpenAI:
                     message["tool_call_errors"] = errors
             finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
             interaction_id = response_id if len(outs) == 1 else f"{response_id}-{index}"
-            inter = Interaction(id=interaction_id, messages=messages, prompt_ids=prompt_ids,
-                                output_ids=list(out.output_ids), output_logprobs=list(out.output_logprobs),
-                                output_versions=list(out.output_versions), finish_reason=out.finish_reason,
-                                response={k: v for k, v in message.items() if k in ("role", "content", "tool_calls")},
-                                tool_calls=calls, info={"response_id": response_id, "tool_call_errors": errors})
+            inter = Interaction(
+                id=interaction_id,
+                messages=messages,
+                prompt_ids=prompt_ids,
+                output_ids=list(out.output_ids),
+                output_logprobs=list(out.output_logprobs),
+                output_versions=list(out.output_versions),
+                finish_reason=out.finish_reason,
+                response={k: v for k, v in message.items() if k in ("role", "content", "tool_calls")},
+                tool_calls=calls,
+                info={"response_id": response_id, "tool_call_errors": errors},
+            )
             self.cache.add(inter, parent)
             self._record_turns(messages, parent, message, out, duration)
             logprobs = None
             if req.get("logprobs"):
-                logprobs = {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp,
-                                         "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
-                                        for t, lp in zip(out.output_ids, out.output_logprobs)]}
-            choices.append({"index": index, "message": message, "finish_reason": _openai_finish(finish),
-                            "logprobs": logprobs, "token_ids": list(out.output_ids),
-                            "prompt_token_ids": prompt_ids})
-        return construct_type(type_=ChatCompletion, value={
-            "id": response_id, "object": "chat.completion", "created": int(time.time()),
-            "model": req.get("model") or "areno", "choices": choices, "usage": _usage(prompt_ids, outs)})
+                logprobs = {
+                    "content": [
+                        {
+                            "token": self.tokenizer.decode([t]),
+                            "logprob": lp,
+                            "bytes": list(self.tokenizer.decode([t]).encode()),
+                            "top_logprobs": [],
+                        }
+                        for t, lp in zip(out.output_ids, out.output_logprobs)
+                    ]
+                }
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "finish_reason": _openai_finish(finish),
+                    "logprobs": logprobs,
+                    "token_ids": list(out.output_ids),
+                    "prompt_token_ids": prompt_ids,
+                }
+            )
+        return construct_type(
+            type_=ChatCompletion,
+            value={
+                "id": response_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": req.get("model") or "areno",
+                "choices": choices,
+                "usage": _usage(prompt_ids, outs),
+            },
+        )
 
     async def acreate_completion(self, **req: Any) -> Completion:
-        _check_kwargs(req, {"prompt", "model", "temperature", "top_p", "max_tokens", "n", "stop", "seed",
-                            "logprobs", "echo", "stream", "extra_body"}, "completions.create")
+        _check_kwargs(
+            req,
+            {
+                "prompt",
+                "model",
+                "temperature",
+                "top_p",
+                "max_tokens",
+                "n",
+                "stop",
+                "seed",
+                "logprobs",
+                "echo",
+                "stream",
+                "extra_body",
+            },
+            "completions.create",
+        )
         if req.get("stream"):
             raise AgentRequestError("stream=True is not supported by the recording client; call without streaming")
         prompt = req.get("prompt")
@@ -266,11 +378,17 @@ class ArenoAsyncOpenAI:
         choices = []
         for index, out in enumerate(outs):
             text = self._text(out)
-            inter = Interaction(id=response_id if len(outs) == 1 else f"{response_id}-{index}", messages=None,
-                                prompt_ids=prompt_ids, output_ids=list(out.output_ids),
-                                output_logprobs=list(out.output_logprobs), output_versions=list(out.output_versions),
-                                finish_reason=out.finish_reason, response={"text": text},
-                                info={"response_id": response_id})
+            inter = Interaction(
+                id=response_id if len(outs) == 1 else f"{response_id}-{index}",
+                messages=None,
+                prompt_ids=prompt_ids,
+                output_ids=list(out.output_ids),
+                output_logprobs=list(out.output_logprobs),
+                output_versions=list(out.output_versions),
+                finish_reason=out.finish_reason,
+                response={"text": text},
+                info={"response_id": response_id},
+            )
             self.cache.add(inter, parent)
             if self.session is not None:
                 self.session.turn("assistant", text, num_tokens=len(out.output_ids))
@@ -278,23 +396,54 @@ class ArenoAsyncOpenAI:
             if req.get("logprobs") is not None:
                 tokens = [self.tokenizer.decode([t]) for t in out.output_ids]
                 offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-                logprobs = {"tokens": tokens, "token_logprobs": list(out.output_logprobs),
-                            "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
-            choices.append({"index": index, "text": text, "finish_reason": _openai_finish(out.finish_reason),
-                            "logprobs": logprobs, "token_ids": list(out.output_ids), "prompt_token_ids": prompt_ids})
-        return construct_type(type_=Completion, value={
-            "id": response_id, "object": "text_completion", "created": int(time.time()),
-            "model": req.get("model") or "areno", "choices": choices, "usage": _usage(prompt_ids, outs)})
+                logprobs = {
+                    "tokens": tokens,
+                    "token_logprobs": list(out.output_logprobs),
+                    "top_logprobs": [{} for _ in tokens],
+                    "text_offset": offsets,
+                }
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "finish_reason": _openai_finish(out.finish_reason),
+                    "logprobs": logprobs,
+                    "token_ids": list(out.output_ids),
+                    "prompt_token_ids": prompt_ids,
+                }
+            )
+        return construct_type(
+            type_=Completion,
+            value={
+                "id": response_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": req.get("model") or "areno",
+                "choices": choices,
+                "usage": _usage(prompt_ids, outs),
+            },
+        )
 
-    def _record_turns(self, messages: list[dict[str, Any]], parent: Interaction | None, message: dict[str, Any],
-                      out: GenerationOutput, duration: float) -> None:
+    def _record_turns(
+        self,
+        messages: list[dict[str, Any]],
+        parent: Interaction | None,
+        message: dict[str, Any],
+        out: GenerationOutput,
+        duration: float,
+    ) -> None:
         if self.session is None:
             return
         start = len(parent.messages) + 1 if parent is not None else 0
         for m in messages[start:]:
             self.session.turn(m["role"], m.get("content") or "")
-        self.session.turn("assistant", message.get("content") or "", num_tokens=len(out.output_ids),
-                          duration_s=duration, tool_calls=len(message.get("tool_calls", [])))
+        self.session.turn(
+            "assistant",
+            message.get("content") or "",
+            num_tokens=len(out.output_ids),
+            duration_s=duration,
+            tool_calls=len(message.get("tool_calls", [])),
+        )
 
 
 def _check_kwargs(req: dict[str, Any], known: set[str], where: str) -> None:
@@ -349,8 +498,16 @@ class AgentProxy:
     recorded interactions. Serving starts with ``start()`` (a uvicorn thread) or use ``app`` in tests.
     """
 
-    def __init__(self, rollout_client: Any, tokenizer: Any, *, default_sampling: SamplingParams | None = None,
-                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        rollout_client: Any,
+        tokenizer: Any,
+        *,
+        default_sampling: SamplingParams | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+    ) -> None:
         """``api_key``: every request must carry ``Authorization: Bearer <key>`` (the ``openai``
         client's ``api_key``); required when ``host`` is not a loopback address."""
         from areno.rollout.server import check_bind
@@ -369,8 +526,9 @@ class AgentProxy:
 
     def start_session(self, session: Any = None) -> tuple[str, str]:
         sid = uuid.uuid4().hex[:16]
-        self.sessions[sid] = ArenoAsyncOpenAI(self.rollout_client, self.tokenizer,
-                                              default_sampling=self.default_sampling, session=session)
+        self.sessions[sid] = ArenoAsyncOpenAI(
+            self.rollout_client, self.tokenizer, default_sampling=self.default_sampling, session=session
+        )
         return sid, f"{self.base_url}/sessions/{sid}/v1"
 
     def end_session(self, sid: str) -> ArenoAsyncOpenAI:
@@ -392,14 +550,24 @@ class AgentProxy:
         @app.middleware("http")
         async def _auth(request: Request, call_next):
             if self.api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-                return JSONResponse(status_code=401, content={"error": {
-                    "message": "missing or wrong API key: pass the proxy's api_key to the openai client",
-                    "type": "authentication_error", "param": None, "code": None}})
+                return JSONResponse(
+                    status_code=401,
+                    content={
+                        "error": {
+                            "message": "missing or wrong API key: pass the proxy's api_key to the openai client",
+                            "type": "authentication_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    },
+                )
             return await call_next(request)
 
         def error(status: int, message: str) -> JSONResponse:
-            return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error",
-                                                                       "param": None, "code": None}})
+            return JSONResponse(
+                status_code=status,
+                content={"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
+            )
 
         async def call(sid: str, request: Request, chat: bool) -> Any:
             client = self.sessions.get(sid)
@@ -437,7 +605,7 @@ class AgentProxy:
                 return error(404, f"no agent session {sid!r}")
             body = await request.json()
             if not isinstance(body.get("reward"), (int, float)):
-                return error(400, "reward must be a number: POST {\"reward\": 1.0, \"id\": optional completion id}")
+                return error(400, 'reward must be a number: POST {"reward": 1.0, "id": optional completion id}')
             try:
                 if body.get("id"):
                     client.set_reward(body["id"], body["reward"])
@@ -449,7 +617,7 @@ class AgentProxy:
 
         return app
 
-    def start(self) -> "AgentProxy":
+    def start(self) -> AgentProxy:
         """Serve on ``host:port`` (port 0 picks a free one) from a background thread."""
         import socket
 

@@ -49,13 +49,14 @@ class RLVRWorkflow(RolloutWorkflow):
         self.prompt_key = prompt_key
         self.answer_key = answer_key
 
-    async def run_episode(self, client: "RolloutClient", sample: dict[str, Any]) -> list[Trajectory]:
+    async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
         prompt = require_field(sample, self.prompt_key)
         answer = sample.get(self.answer_key)
         fields = sample_fields(sample, self.prompt_key, self.answer_key)
         prompt_ids = list(self.tokenizer.encode(prompt))
         outputs: list[GenerationOutput] = await agenerate_many(
-            client, prompt_ids, [seeded(self.sampling_params, i) for i in range(self.n_samples)])
+            client, prompt_ids, [seeded(self.sampling_params, i) for i in range(self.n_samples)]
+        )
         group_id = uuid.uuid4().hex
         group = []
         for out in outputs:

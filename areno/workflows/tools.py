@@ -19,8 +19,9 @@ import inspect
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jsonschema
 
@@ -43,8 +44,11 @@ class ToolCall:
 
     def to_openai(self) -> dict[str, Any]:
         """The ``tool_calls`` entry of an OpenAI assistant message."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
 
 
 @dataclass(kw_only=True)
@@ -72,11 +76,16 @@ def _parse_one(body: str) -> ToolCall | ToolCallError:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as exc:
-        return ToolCallError(raw=body, message=f"tool call is not valid JSON ({exc.msg} at char {exc.pos}); "
-                             'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+        return ToolCallError(
+            raw=body,
+            message=f"tool call is not valid JSON ({exc.msg} at char {exc.pos}); "
+            'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+        )
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return ToolCallError(raw=body, message='tool call needs a string "name" field: '
-                             '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+        return ToolCallError(
+            raw=body,
+            message='tool call needs a string "name" field: <tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+        )
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
@@ -84,8 +93,9 @@ def _parse_one(body: str) -> ToolCall | ToolCallError:
         except json.JSONDecodeError as exc:
             return ToolCallError(raw=body, message=f"arguments of tool {obj['name']!r} are not valid JSON ({exc.msg})")
     if not isinstance(args, dict):
-        return ToolCallError(raw=body, message=f"arguments of tool {obj['name']!r} must be a JSON object, "
-                             f"got {type(args).__name__}")
+        return ToolCallError(
+            raw=body, message=f"arguments of tool {obj['name']!r} must be a JSON object, got {type(args).__name__}"
+        )
     return ToolCall(name=obj["name"], arguments=args)
 
 
@@ -120,10 +130,17 @@ def validate_tool_schema(schema: dict[str, Any]) -> dict[str, Any]:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as exc:
         path = "/".join(str(p) for p in exc.path) or "(root)"
-        raise ToolSchemaError(f"tool {name!r}: parameters is not a valid JSON Schema at {path}: {exc.message}") from None
+        raise ToolSchemaError(
+            f"tool {name!r}: parameters is not a valid JSON Schema at {path}: {exc.message}"
+        ) from None
     if params.get("type", "object") != "object":
-        raise ToolSchemaError(f"tool {name!r}: parameters must describe an object (type 'object'), got {params.get('type')!r}")
-    return {"type": "function", "function": {"name": name, "description": fn.get("description", ""), "parameters": params}}
+        raise ToolSchemaError(
+            f"tool {name!r}: parameters must describe an object (type 'object'), got {params.get('type')!r}"
+        )
+    return {
+        "type": "function",
+        "function": {"name": name, "description": fn.get("description", ""), "parameters": params},
+    }
 
 
 @dataclass(kw_only=True)
@@ -181,8 +198,9 @@ class ToolSet:
             return ToolResult(call=call, content=f"Error: {call.message}", ok=False)
         tool = self.tools.get(call.name)
         if tool is None:
-            return ToolResult(call=call, ok=False,
-                              content=f"Error: unknown tool {call.name!r}; available tools: {sorted(self.tools)}")
+            return ToolResult(
+                call=call, ok=False, content=f"Error: unknown tool {call.name!r}; available tools: {sorted(self.tools)}"
+            )
         try:
             jsonschema.validate(call.arguments, tool.parameters)
         except jsonschema.ValidationError as exc:
@@ -192,15 +210,22 @@ class ToolSet:
                 value = await asyncio.wait_for(tool.fn(**call.arguments), tool.timeout_s)
             else:
                 value = await asyncio.wait_for(asyncio.to_thread(tool.fn, **call.arguments), tool.timeout_s)
-        except asyncio.TimeoutError:
-            return ToolResult(call=call, ok=False, duration_s=loop.time() - t0,
-                              content=f"Error: tool {call.name!r} timed out after {tool.timeout_s:g}s")
-        except Exception as exc:  # user tool code: its failure is told to the model, not hidden
-            return ToolResult(call=call, ok=False, duration_s=loop.time() - t0,
-                              content=f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}")
+        except TimeoutError:
+            return ToolResult(
+                call=call,
+                ok=False,
+                duration_s=loop.time() - t0,
+                content=f"Error: tool {call.name!r} timed out after {tool.timeout_s:g}s",
+            )
+        except Exception as exc:  # noqa: BLE001 - user tool code: its failure is told to the model, not hidden
+            return ToolResult(
+                call=call,
+                ok=False,
+                duration_s=loop.time() - t0,
+                content=f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}",
+            )
         content = value if isinstance(value, str) else json.dumps(value, default=str)
         return ToolResult(call=call, content=content, ok=True, duration_s=loop.time() - t0)
-
 
     async def arespond(self, message: Any, session: Any = None) -> list[dict[str, Any]]:
         """The tool messages answering an assistant message (an ``openai`` ChatCompletionMessage or
@@ -213,8 +238,12 @@ class ToolSet:
             try:
                 args = json.loads(fn.get("arguments") or "{}")
             except json.JSONDecodeError as exc:
-                calls.append(ToolCallError(raw=fn.get("arguments", ""),
-                                           message=f"arguments of tool {fn['name']!r} are not valid JSON ({exc.msg})"))
+                calls.append(
+                    ToolCallError(
+                        raw=fn.get("arguments", ""),
+                        message=f"arguments of tool {fn['name']!r} are not valid JSON ({exc.msg})",
+                    )
+                )
                 continue
             calls.append(ToolCall(name=fn["name"], arguments=args, id=tc.get("id") or f"call_{uuid.uuid4().hex[:24]}"))
         calls += [ToolCallError(raw="", message=m) for m in msg.get("tool_call_errors") or []]
@@ -227,20 +256,37 @@ class ToolSet:
                 entry["name"] = r.call.name
             if session is not None:
                 args = r.call.arguments if isinstance(r.call, ToolCall) else r.call.raw
-                session.add_tool_call(getattr(r.call, "name", "(malformed)"), args, result=r.content if r.ok else None,
-                                      error=None if r.ok else r.content, duration_s=r.duration_s)
+                session.add_tool_call(
+                    getattr(r.call, "name", "(malformed)"),
+                    args,
+                    result=r.content if r.ok else None,
+                    error=None if r.ok else r.content,
+                    duration_s=r.duration_s,
+                )
             out.append(entry)
         return out
 
 
 def render_tools_prompt(schemas: list[dict[str, Any]]) -> str:
     """Qwen/Hermes-style system text declaring the tools, for templates without tool support."""
-    lines = ["# Tools", "", "You may call one or more functions to assist with the user query.", "",
-             "You are provided with function signatures within <tools></tools> XML tags:", "<tools>"]
+    lines = [
+        "# Tools",
+        "",
+        "You may call one or more functions to assist with the user query.",
+        "",
+        "You are provided with function signatures within <tools></tools> XML tags:",
+        "<tools>",
+    ]
     lines += [json.dumps(s) for s in schemas]
-    lines += ["</tools>", "", "For each function call, return a json object with function name and arguments "
-              "within <tool_call></tool_call> XML tags:", "<tool_call>",
-              '{"name": <function-name>, "arguments": <args-json-object>}', "</tool_call>"]
+    lines += [
+        "</tools>",
+        "",
+        "For each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:",
+        "<tool_call>",
+        '{"name": <function-name>, "arguments": <args-json-object>}',
+        "</tool_call>",
+    ]
     return "\n".join(lines)
 
 
@@ -263,8 +309,11 @@ def calculator(expr: str) -> str:
             return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
             a, b = ev(node.left), ev(node.right)
-            return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}.get(type(node.op)) if not isinstance(
-                node.op, ast.Div) else a / b
+            return (
+                {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}.get(type(node.op))
+                if not isinstance(node.op, ast.Div)
+                else a / b
+            )
         raise ValueError(f"expression {expr!r} is not arithmetic")
 
     value = ev(ast.parse(expr, mode="eval"))

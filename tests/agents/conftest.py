@@ -33,9 +33,15 @@ class ScriptedClient(RolloutClient):
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if self.eos:
             ids.append(self.tokenizer.eos_token_id)
-        return GenerationOutput(request_id=f"r{next(self._ids)}", prompt_ids=list(prompt_ids), output_ids=ids,
-                                output_logprobs=[-0.5] * len(ids), output_versions=[self.version] * len(ids),
-                                finish_reason="stop", text=text)
+        return GenerationOutput(
+            request_id=f"r{next(self._ids)}",
+            prompt_ids=list(prompt_ids),
+            output_ids=ids,
+            output_logprobs=[-0.5] * len(ids),
+            output_versions=[self.version] * len(ids),
+            finish_reason="stop",
+            text=text,
+        )
 
 
 @pytest.fixture
@@ -48,8 +54,7 @@ def served(tiny_model_dir):
     """A tiny engine behind areno's OpenAI-compatible server app, and the in-process client that drives it."""
     from areno.rollout.server import build_engine, create_app
 
-    engine, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=256, block_size=8,
-                                     max_model_len=256)
+    engine, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=256, block_size=8, max_model_len=256)
     app = create_app(engine, tokenizer=tokenizer, model_name="tiny")
     yield app, app.state.client, tokenizer
     app.state.client.close()

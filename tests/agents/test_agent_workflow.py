@@ -10,8 +10,14 @@ import pytest
 from areno.api.types import SamplingParams
 from areno.api.workflow import load_workflow
 from areno.observe.session import configure_sessions, load_sessions
-from areno.workflows.agent import (AgentWorkflow, calculator_agent, calculator_reward, calculator_rows,
-                                  calculator_workflow, write_calculator_rows)
+from areno.workflows.agent import (
+    AgentWorkflow,
+    calculator_agent,
+    calculator_reward,
+    calculator_rows,
+    calculator_workflow,
+    write_calculator_rows,
+)
 from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSet, calculator_tool
 
 PARAMS = SamplingParams(max_new_tokens=80)
@@ -63,8 +69,14 @@ def test_all_episodes_failing_rejects_the_row_and_sync_agents_are_named(scripted
 
 
 def test_calculator_agent_right_call(scripted, char_tokenizer):
-    wf = calculator_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1, reward_fn=None,
-                             prompt_key="prompt", answer_key="answer")
+    wf = calculator_workflow(
+        tokenizer=char_tokenizer,
+        sampling_params=PARAMS,
+        n_samples=1,
+        reward_fn=None,
+        prompt_key="prompt",
+        answer_key="answer",
+    )
     (traj,) = asyncio.run(wf.run_episode(scripted([CALL]), ROW))
     assert traj.reward == 1.0 and traj.info["num_turns"] == 1
     assert traj.completion_ids[:-1] == char_tokenizer.encode(CALL, add_special_tokens=False)
@@ -121,11 +133,25 @@ def test_calculator_agent_feeds_malformed_call_back(scripted, char_tokenizer, tm
 
 
 def test_loads_by_dotted_path_with_engine_kwargs(char_tokenizer):
-    wf = load_workflow("areno.workflows.agent:calculator_workflow", tokenizer=char_tokenizer, reward_fn=None,
-                       n_samples=4, sampling_params=PARAMS, prompt_key="prompt", answer_key="answer")
+    wf = load_workflow(
+        "areno.workflows.agent:calculator_workflow",
+        tokenizer=char_tokenizer,
+        reward_fn=None,
+        n_samples=4,
+        sampling_params=PARAMS,
+        prompt_key="prompt",
+        answer_key="answer",
+    )
     assert isinstance(wf, AgentWorkflow) and wf.n_samples == 4
-    wf = load_workflow("areno.workflows.env:arithmetic_retry_workflow", tokenizer=char_tokenizer, reward_fn=None,
-                       n_samples=2, sampling_params=PARAMS, prompt_key="prompt", answer_key="answer")
+    wf = load_workflow(
+        "areno.workflows.env:arithmetic_retry_workflow",
+        tokenizer=char_tokenizer,
+        reward_fn=None,
+        n_samples=2,
+        sampling_params=PARAMS,
+        prompt_key="prompt",
+        answer_key="answer",
+    )
     assert wf.horizon == 3
 
 

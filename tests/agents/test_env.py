@@ -8,15 +8,28 @@ import torch
 
 from areno.api.types import SamplingParams
 from areno.rollout.store import InProcessStore, StoreRef, fetch_refs, release_refs
-from areno.workflows.env import ArithmeticRetryEnv, Environment, EnvWorkflow, Observation, StepResult, arithmetic_retry_workflow
+from areno.workflows.env import (
+    ArithmeticRetryEnv,
+    Environment,
+    EnvWorkflow,
+    Observation,
+    StepResult,
+    arithmetic_retry_workflow,
+)
 
 PARAMS = SamplingParams(max_new_tokens=8)
 
 
 def test_retry_env_episode_text_mode(scripted, char_tokenizer):
     rollout = scripted(["5", "7"])  # wrong, then right
-    wf = arithmetic_retry_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1,
-                                   reward_fn=None, prompt_key="prompt", answer_key="answer")
+    wf = arithmetic_retry_workflow(
+        tokenizer=char_tokenizer,
+        sampling_params=PARAMS,
+        n_samples=1,
+        reward_fn=None,
+        prompt_key="prompt",
+        answer_key="answer",
+    )
     (traj,) = asyncio.run(wf.run_episode(rollout, {"prompt": "3+4=", "answer": "7"}))
     assert traj.info["env_steps"] == 2 and traj.info["num_turns"] == 2
     # turn 1: wrong but all digits (format reward 0.1 x 1.0); turn 2: right
@@ -56,8 +69,9 @@ class GridEnv(Environment):
         self.t = 0
 
     async def reset(self, sample):
-        return Observation(text="start", tensors={"board": torch.arange(1024, dtype=torch.float32),
-                                                  "pos": torch.tensor([0, 0])})
+        return Observation(
+            text="start", tensors={"board": torch.arange(1024, dtype=torch.float32), "pos": torch.tensor([0, 0])}
+        )
 
     def step(self, action):
         self.t += 1
@@ -67,8 +81,16 @@ class GridEnv(Environment):
 
 def test_large_observations_travel_by_reference(scripted, char_tokenizer):
     store = InProcessStore()
-    wf = EnvWorkflow(char_tokenizer, PARAMS, env_factory=GridEnv, horizon=4, mode="chat", store=store,
-                     ref_threshold_bytes=1024, gamma=1.0)
+    wf = EnvWorkflow(
+        char_tokenizer,
+        PARAMS,
+        env_factory=GridEnv,
+        horizon=4,
+        mode="chat",
+        store=store,
+        ref_threshold_bytes=1024,
+        gamma=1.0,
+    )
     rollout = scripted(["go", "stop"])
     (traj,) = asyncio.run(wf.run_episode(rollout, {"prompt": "p"}))
     refs = traj.info["observation_refs"]
@@ -97,10 +119,15 @@ def test_failing_env_episode_is_dropped_with_a_message(scripted, char_tokenizer,
     assert "environment episode 0 of row prompt='3+4=' raised RuntimeError: env crashed; dropped" in caplog.text
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"horizon": 0}, "horizon must be >= 1"), ({"mode": "voice"}, "mode must be"), ({"gamma": 2.0}, "gamma"),
-    ({"env_factory": 3}, "env_factory must be a callable"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"horizon": 0}, "horizon must be >= 1"),
+        ({"mode": "voice"}, "mode must be"),
+        ({"gamma": 2.0}, "gamma"),
+        ({"env_factory": 3}, "env_factory must be a callable"),
+    ],
+)
 def test_bad_env_config(char_tokenizer, kwargs, message):
     with pytest.raises(ValueError, match=message):
         EnvWorkflow(char_tokenizer, PARAMS, **{"env_factory": ArithmeticRetryEnv, **kwargs})
@@ -120,12 +147,21 @@ def test_the_executor_store_reaches_workflows_that_take_one(scripted, char_token
     assert store_kwargs(EnvWorkflow, None) == {}
     assert store_kwargs(EnvWorkflow, store, {"store": "mine"}) == {}  # the user's workflow_kwargs win
     path = "areno.workflows.env:arithmetic_retry_workflow"
-    wf = load_workflow(path, tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1, reward_fn=None,
-                       prompt_key="prompt", answer_key="answer", **store_kwargs(path, store))
+    wf = load_workflow(
+        path,
+        tokenizer=char_tokenizer,
+        sampling_params=PARAMS,
+        n_samples=1,
+        reward_fn=None,
+        prompt_key="prompt",
+        answer_key="answer",
+        **store_kwargs(path, store),
+    )
     assert wf.store is store
     # end to end: the episode's large observation lands in the executor's store, by reference
-    wf = EnvWorkflow(char_tokenizer, PARAMS, env_factory=GridEnv, horizon=2, mode="text",
-                     **store_kwargs(EnvWorkflow, store))
+    wf = EnvWorkflow(
+        char_tokenizer, PARAMS, env_factory=GridEnv, horizon=2, mode="text", **store_kwargs(EnvWorkflow, store)
+    )
     executor = WorkflowExecutor(scripted(lambda prompt: "go"), wf, store=store)
     (traj,) = executor.rollout_batch([{"prompt": "p"}])
     ref = traj.info["observation_refs"][0]["ref"]
@@ -150,8 +186,15 @@ def test_sort_retry_rows_and_target_key(scripted, char_tokenizer):
         sort_retry_rows(1, 0, lazy_fraction=2.0)
     # the environment grades against the target, not the (lazy) demonstration
     row = {"prompt": "sort 627:", "answer": "627", "target": "267"}
-    wf = arithmetic_retry_workflow(tokenizer=char_tokenizer, sampling_params=PARAMS, n_samples=1, reward_fn=None,
-                                   target_key="target", format_reward=0.0, gamma=0.5)
+    wf = arithmetic_retry_workflow(
+        tokenizer=char_tokenizer,
+        sampling_params=PARAMS,
+        n_samples=1,
+        reward_fn=None,
+        target_key="target",
+        format_reward=0.0,
+        gamma=0.5,
+    )
     (traj,) = asyncio.run(wf.run_episode(scripted(["627", "267"]), row))
     assert traj.info["turn_rewards"] == [0.0, 1.0] and traj.reward == 0.5
     with pytest.raises(ValueError, match="has no field 'target'"):

@@ -24,8 +24,14 @@ def _config(name, tmp_path, *extra):
 # dominate); the warm start is skipped (see the slow tests below for whole runs).
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_first_step(name, tmp_path):
-    cfg = _config(name, tmp_path, "rollout.batch_size=2", "rollout.n_samples=2", "data.num_eval=2",
-                  "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}")
+    cfg = _config(
+        name,
+        tmp_path,
+        "rollout.batch_size=2",
+        "rollout.n_samples=2",
+        "data.num_eval=2",
+        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+    )
     trainer = Trainer.init(cfg)
     try:
         rollout = trainer.rollout_token_batch(0)

@@ -17,9 +17,16 @@ def asst(text):
 
 
 def chat(messages, reply, prompt_ids, output_ids, iid):
-    return Interaction(id=iid, messages=messages, prompt_ids=prompt_ids, output_ids=output_ids,
-                       output_logprobs=[-0.1 * (i + 1) for i in range(len(output_ids))],
-                       output_versions=[7] * len(output_ids), finish_reason="stop", response=asst(reply))
+    return Interaction(
+        id=iid,
+        messages=messages,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+        output_logprobs=[-0.1 * (i + 1) for i in range(len(output_ids))],
+        output_versions=[7] * len(output_ids),
+        finish_reason="stop",
+        response=asst(reply),
+    )
 
 
 def build_tree():
@@ -27,8 +34,15 @@ def build_tree():
     cache = InteractionCache()
     a = cache.add(chat([user("q")], "A", [1, 2], [10, 11], "a"))
     b = cache.add(chat([user("q"), asst("A"), user("more")], "B", [1, 2, 10, 11, 20], [12], "b"))
-    c = cache.add(chat([user("q"), asst("A"), user("more"), asst("B"), user("again")], "C",
-                       [1, 2, 10, 11, 20, 12, 21, 22], [13, 14, 15], "c"))
+    c = cache.add(
+        chat(
+            [user("q"), asst("A"), user("more"), asst("B"), user("again")],
+            "C",
+            [1, 2, 10, 11, 20, 12, 21, 22],
+            [13, 14, 15],
+            "c",
+        )
+    )
     d = cache.add(chat([user("q"), asst("A"), user("other")], "D", [1, 2, 10, 11, 30], [16], "d"))
     return cache, a, b, c, d
 
@@ -47,8 +61,16 @@ def test_tree_links_by_longest_message_prefix():
 
 def test_token_prefix_linking_for_raw_completions():
     cache = InteractionCache()
-    mk = lambda iid, p, o: Interaction(id=iid, messages=None, prompt_ids=p, output_ids=o, output_logprobs=[0.0] * len(o),
-                                       output_versions=[0] * len(o), finish_reason="stop", response={"text": ""})
+    mk = lambda iid, p, o: Interaction(
+        id=iid,
+        messages=None,
+        prompt_ids=p,
+        output_ids=o,
+        output_logprobs=[0.0] * len(o),
+        output_versions=[0] * len(o),
+        finish_reason="stop",
+        response={"text": ""},
+    )
     r = cache.add(mk("r", [1, 2], [3]))
     s = cache.add(mk("s", [1, 2, 3, 4], [5]))
     t = cache.add(mk("t", [1, 2, 3, 4, 5, 6], [7]))
@@ -116,8 +138,9 @@ def test_export_concat_masks_only_model_tokens():
     assert ad.reward == pytest.approx(0.5 * 0.25)
     batch = TokenBatch.from_trajectories(trajs)
     # packed: the loss covers exactly the model tokens of both sequences
-    assert batch.loss_mask_T.tolist() == [False, False] + [bool(m) for m in abc.completion_mask] + \
-        [False, False] + [bool(m) for m in ad.completion_mask]
+    assert batch.loss_mask_T.tolist() == [False, False] + [bool(m) for m in abc.completion_mask] + [False, False] + [
+        bool(m) for m in ad.completion_mask
+    ]
 
 
 def test_concat_splits_where_tokens_do_not_continue(caplog):

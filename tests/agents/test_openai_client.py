@@ -40,7 +40,9 @@ def test_chat_identical_to_official_client_on_areno_server(served):
     for a, b in zip(ref.choices, mine.choices):
         _same_choice(a, b)
         assert a.message.content == b.message.content and a.message.role == b.message.role == "assistant"
-        assert [t.logprob for t in a.logprobs.content] == pytest.approx([t.logprob for t in b.logprobs.content], abs=1e-5)
+        assert [t.logprob for t in a.logprobs.content] == pytest.approx(
+            [t.logprob for t in b.logprobs.content], abs=1e-5
+        )
     assert mine.usage == ref.usage
     # recorded: exact ids, log-probs, versions and messages of both choices
     inters = rec.cache.ordered()
@@ -48,8 +50,9 @@ def test_chat_identical_to_official_client_on_areno_server(served):
     assert inters[1].output_ids == mine.choices[1].model_extra["token_ids"]
     assert inters[1].output_logprobs == pytest.approx([t.logprob for t in mine.choices[1].logprobs.content])
     assert inters[0].output_versions == [0] * len(inters[0].output_ids)
-    assert inters[0].prompt_ids == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                                                 tokenize=True, return_dict=False)
+    assert inters[0].prompt_ids == tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_completions_identical_to_official_client(served):
@@ -57,8 +60,10 @@ def test_completions_identical_to_official_client(served):
     kwargs = dict(model="tiny", prompt="12+7=", max_tokens=6, temperature=0, logprobs=1)
 
     async def go():
-        return (await official(app).completions.create(**kwargs),
-                await ArenoAsyncOpenAI(rollout_client, tokenizer).completions.create(**kwargs))
+        return (
+            await official(app).completions.create(**kwargs),
+            await ArenoAsyncOpenAI(rollout_client, tokenizer).completions.create(**kwargs),
+        )
 
     ref, mine = asyncio.run(go())
     _same_choice(ref.choices[0], mine.choices[0])
@@ -94,9 +99,14 @@ def test_proxy_over_http_on_localhost(served):
         sid, base_url = proxy.start_session()
         client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
         first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
-        second = client.chat.completions.create(model="tiny", messages=[
-            {"role": "user", "content": "hi"}, {"role": "assistant", "content": first.choices[0].message.content},
-            {"role": "user", "content": "again"}])
+        second = client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "again"},
+            ],
+        )
         assert httpx.post(f"{base_url}/reward", json={"reward": 1.0}).json() == {"ok": True}
         assert httpx.post(f"{base_url}/reward", json={"id": first.id, "reward": 0.25}).status_code == 200
         bad = httpx.post(f"{base_url}/reward", json={"id": "nope", "reward": 1})
@@ -105,7 +115,8 @@ def test_proxy_over_http_on_localhost(served):
             client.chat.completions.create(model="tiny", messages=[])
         with pytest.raises(openai.NotFoundError, match="no agent session"):
             openai.OpenAI(base_url=f"{proxy.base_url}/sessions/zzz/v1", api_key="x", max_retries=0).completions.create(
-                model="tiny", prompt="a")
+                model="tiny", prompt="a"
+            )
         rec = proxy.end_session(sid)
         a, b = rec.cache.ordered()
         assert b.parent is a and a.reward == 0.25 and b.reward == 1.0
@@ -132,8 +143,14 @@ def test_bad_requests_raise_clear_errors(scripted):
     with pytest.raises(AgentRequestError, match="sampling parameters: top_p must be in"):
         asyncio.run(go(messages=MESSAGES, top_p=0))
     with pytest.raises(ToolSchemaError, match="not a valid JSON Schema"):
-        asyncio.run(go(messages=MESSAGES, tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "required": "x"}}}]))
+        asyncio.run(
+            go(
+                messages=MESSAGES,
+                tools=[
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "x"}}}
+                ],
+            )
+        )
     # parameters that change nothing here are accepted, as the official server does
     out = asyncio.run(go(messages=MESSAGES, presence_penalty=0.0, user="u"))
     assert out.choices[0].message.content == "x"
@@ -152,8 +169,10 @@ def test_tool_calls_and_multi_turn_token_continuity(scripted):
         assert first.choices[0].finish_reason == "tool_calls"
         assert msg.content == "" and msg.tool_calls[0].function.name == "calc"
         assert json.loads(msg.tool_calls[0].function.arguments) == {"expr": "6*7"}
-        history = messages + [msg.model_dump(exclude_none=True),
-                              {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "42"}]
+        history = messages + [
+            msg.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "42"},
+        ]
         second = await client.chat.completions.create(model="m", messages=history, tools=[CALCULATOR_SCHEMA])
         third = await client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR_SCHEMA])
         return first, second, third
@@ -166,7 +185,7 @@ def test_tool_calls_and_multi_turn_token_continuity(scripted):
     # the second prompt is the first prompt + the exact output tokens + only the new tool turn
     a, b, c = client.cache.ordered()
     assert b.parent is a and b.prompt_ids[: len(a.full_ids)] == a.full_ids
-    assert tok.decode(b.prompt_ids[len(a.full_ids):]) == "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(b.prompt_ids[len(a.full_ids) :]) == "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     assert second.choices[0].message.content == "42" and second.choices[0].finish_reason == "stop"
     # a malformed call: no tool_calls, the raw text kept, the error reported for the agent to feed back
     msg3 = third.choices[0].message
@@ -175,8 +194,9 @@ def test_tool_calls_and_multi_turn_token_continuity(scripted):
     # ToolSet.arespond turns both kinds into tool messages for the next turn
     tools = ToolSet([calculator_tool()])
     answer = asyncio.run(tools.arespond(first.choices[0].message))
-    assert answer == [{"role": "tool", "content": "42", "tool_call_id": first.choices[0].message.tool_calls[0].id,
-                       "name": "calc"}]
+    assert answer == [
+        {"role": "tool", "content": "42", "tool_call_id": first.choices[0].message.tool_calls[0].id, "name": "calc"}
+    ]
     (err,) = asyncio.run(tools.arespond(msg3))
     assert err["role"] == "tool" and err["content"].startswith("Error: tool call is not valid JSON")
     client.set_reward(second.id, 1.0)
@@ -186,7 +206,7 @@ def test_tool_calls_and_multi_turn_token_continuity(scripted):
     assert len(trajs) == 2 and trajs[0].reward == pytest.approx(0.9)
     mask = trajs[0].completion_mask
     n_a = len(a.output_ids)
-    assert mask[:n_a] == [1] * n_a and 0 in mask and mask[-len(b.output_ids):] == [1] * len(b.output_ids)
+    assert mask[:n_a] == [1] * n_a and 0 in mask and mask[-len(b.output_ids) :] == [1] * len(b.output_ids)
     with pytest.raises(KeyError, match="no completion 'zzz'"):
         client.set_reward("zzz", 1.0)
 
@@ -204,7 +224,9 @@ def test_proxy_api_key(served):
         with pytest.raises(openai.AuthenticationError, match="API key"):
             openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).completions.create(model="t", prompt="a")
         assert httpx.post(f"{base_url}/reward", json={"reward": 1.0}).status_code == 401
-        out = openai.OpenAI(base_url=base_url, api_key="s3cret", max_retries=0).completions.create(model="t", prompt="a")
+        out = openai.OpenAI(base_url=base_url, api_key="s3cret", max_retries=0).completions.create(
+            model="t", prompt="a"
+        )
         assert out.choices[0].text is not None
     finally:
         proxy.stop()

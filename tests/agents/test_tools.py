@@ -6,17 +6,31 @@ import time
 import pytest
 
 from areno.workflows.tools import (
-    Tool, ToolCall, ToolCallError, ToolSchemaError, ToolSet, calculator, calculator_tool, parse_tool_calls,
+    Tool,
+    ToolCall,
+    ToolCallError,
+    ToolSchemaError,
+    ToolSet,
+    calculator,
+    calculator_tool,
+    parse_tool_calls,
     validate_tool_schema,
 )
 
-ECHO = {"type": "function", "function": {"name": "echo", "description": "say it back",
-                                         "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
-                                                        "required": ["x"]}}}
+ECHO = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "description": "say it back",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+    },
+}
 
 
 def test_parse_qwen_json():
-    content, calls = parse_tool_calls('Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2*3"}}\n</tool_call>')
+    content, calls = parse_tool_calls(
+        'Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2*3"}}\n</tool_call>'
+    )
     assert content == "Let me compute."
     assert len(calls) == 1 and isinstance(calls[0], ToolCall)
     assert calls[0].name == "calc" and calls[0].arguments == {"expr": "2*3"}
@@ -24,8 +38,10 @@ def test_parse_qwen_json():
 
 
 def test_parse_hermes_string_arguments_and_several_calls():
-    text = ('<tool_call>{"arguments": "{\\"x\\": 1}", "name": "echo"}</tool_call>'
-            '<tool_call>{"name": "echo", "parameters": {"x": 2}}</tool_call>')
+    text = (
+        '<tool_call>{"arguments": "{\\"x\\": 1}", "name": "echo"}</tool_call>'
+        '<tool_call>{"name": "echo", "parameters": {"x": 2}}</tool_call>'
+    )
     content, calls = parse_tool_calls(text)
     assert content == ""
     assert [(c.name, c.arguments) for c in calls] == [("echo", {"x": 1}), ("echo", {"x": 2})]
@@ -41,13 +57,19 @@ def test_no_call_keeps_text():
     assert parse_tool_calls("just an answer: 42") == ("just an answer: 42", [])
 
 
-@pytest.mark.parametrize("text, message", [
-    ('<tool_call>{"name": "calc", "arguments": {"expr": "2*3"</tool_call>', "not valid JSON"),
-    ('<tool_call>{"arguments": {}}</tool_call>', 'string "name"'),
-    ('<tool_call>{"name": "calc", "arguments": "{oops"}</tool_call>', "arguments of tool 'calc' are not valid JSON"),
-    ('<tool_call>{"name": "calc", "arguments": [1, 2]}</tool_call>', "must be a JSON object, got list"),
-    ('<tool_call>{"name": "calc", "argu', "not valid JSON"),  # cut off by the token limit
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('<tool_call>{"name": "calc", "arguments": {"expr": "2*3"</tool_call>', "not valid JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', 'string "name"'),
+        (
+            '<tool_call>{"name": "calc", "arguments": "{oops"}</tool_call>',
+            "arguments of tool 'calc' are not valid JSON",
+        ),
+        ('<tool_call>{"name": "calc", "arguments": [1, 2]}</tool_call>', "must be a JSON object, got list"),
+        ('<tool_call>{"name": "calc", "argu', "not valid JSON"),  # cut off by the token limit
+    ],
+)
 def test_malformed_calls_become_errors(text, message):
     _, calls = parse_tool_calls(text)
     assert len(calls) == 1 and isinstance(calls[0], ToolCallError)
@@ -56,8 +78,10 @@ def test_malformed_calls_become_errors(text, message):
 
 def test_schema_validation():
     assert validate_tool_schema(ECHO["function"])["type"] == "function"  # the bare function form is accepted
-    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-                                                                               "properties": {"x": {"type": "nonsense"}}}}}
+    bad_schema = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}},
+    }
     with pytest.raises(ToolSchemaError, match=r"tool 'f': parameters is not a valid JSON Schema at properties/x/type"):
         validate_tool_schema(bad_schema)
     with pytest.raises(ToolSchemaError, match="tool name 'has space'"):
@@ -90,9 +114,13 @@ def test_execution_failures_are_strings_for_the_model():
     async def boom(x):
         raise RuntimeError("disk on fire")
 
-    tools = ToolSet([Tool(fn=lambda x: {"echo": x}, schema=ECHO),
-                     Tool(fn=slow, schema={**ECHO, "function": {**ECHO["function"], "name": "slow"}}, timeout_s=0.1),
-                     Tool(fn=boom, schema={**ECHO, "function": {**ECHO["function"], "name": "boom"}})])
+    tools = ToolSet(
+        [
+            Tool(fn=lambda x: {"echo": x}, schema=ECHO),
+            Tool(fn=slow, schema={**ECHO, "function": {**ECHO["function"], "name": "slow"}}, timeout_s=0.1),
+            Tool(fn=boom, schema={**ECHO, "function": {**ECHO["function"], "name": "boom"}}),
+        ]
+    )
     ok = _run(tools.aexecute(ToolCall(name="echo", arguments={"x": 3})))
     assert ok.ok and ok.content == '{"echo": 3}'
     unknown = _run(tools.aexecute(ToolCall(name="nope", arguments={})))

@@ -78,8 +78,11 @@ def test_reinforce_pp_and_baseline():
     adv_b = reinforce_pp_advantages_T(rewards, cu, mask, group_B=torch.tensor([0, 0]), eps=0.0)
     assert adv_b.tolist() == pytest.approx(adv.tolist(), rel=1e-5)  # a shift does not change whitening
     adv_c = reinforce_pp_advantages_T(
-        torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 2, 4, 6]), torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.bool),
-        group_B=torch.tensor([0, 0, 1]), eps=0.0,
+        torch.tensor([1.0, 0.0, 3.0]),
+        torch.tensor([0, 2, 4, 6]),
+        torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.bool),
+        group_B=torch.tensor([0, 0, 1]),
+        eps=0.0,
     )
     # centred rewards .5, -.5, 0 -> mean 0, std sqrt(.5 / 2) = .5
     assert adv_c.tolist() == pytest.approx([0, 1, 0, -1, 0, 0], abs=1e-6)

@@ -133,7 +133,9 @@ def test_value_entropy_nll():
     # clipped value .8 -> .5*max(.25, .64) = .32
     assert loss2.tolist() == pytest.approx([0.32])
     assert st2["value_clip_frac"].tolist() == [1.0]
-    assert entropy_bonus_T(torch.tensor([2.0, 3.0]), torch.tensor([True, False]), coef=0.01).tolist() == pytest.approx([-0.02, 0])
+    assert entropy_bonus_T(torch.tensor([2.0, 3.0]), torch.tensor([True, False]), coef=0.01).tolist() == pytest.approx(
+        [-0.02, 0]
+    )
     assert nll_loss_T(torch.tensor([-1.5, -2.0]), torch.tensor([True, False])).tolist() == [1.5, 0.0]
 
 
@@ -146,7 +148,9 @@ def test_dpo_and_bradley_terry():
     loss_ls, _ = dpo_loss_B(pc, pr, rc, rr, beta=0.5, label_smoothing=0.1)
     assert loss_ls.item() == pytest.approx(0.9 * math.log(1 + math.exp(-h)) + 0.1 * math.log(1 + math.exp(h)))
     bt, st = bradley_terry_loss_B(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0]))
-    assert bt.tolist() == pytest.approx([-F.logsigmoid(torch.tensor(1.0)).item(), -F.logsigmoid(torch.tensor(-1.0)).item()])
+    assert bt.tolist() == pytest.approx(
+        [-F.logsigmoid(torch.tensor(1.0)).item(), -F.logsigmoid(torch.tensor(-1.0)).item()]
+    )
     assert st["accuracy"].tolist() == [1.0, 0.0]
 
 

@@ -66,11 +66,23 @@ def _padded_case(seed=0):
     for n in lengths:
         cu.append(cu[-1] + 1 + n)
     sel = [(b, j) for b, n in enumerate(lengths) for j in range(-1, n)]
+
     def pack(x_BL):
         return torch.stack([x_BL[b, j] if j >= 0 else x_BL.new_zeros(()) for b, j in sel])
+
     loss_mask_T = torch.tensor([j >= 0 for _, j in sel])
-    return SimpleNamespace(B=B, L=L, mask_BL=mask_BL, logp_BL=logp_BL, old_BL=old_BL, ref_BL=ref_BL,
-                           rewards_B=rewards_B, cu=torch.tensor(cu), loss_mask_T=loss_mask_T, pack=pack)
+    return SimpleNamespace(
+        B=B,
+        L=L,
+        mask_BL=mask_BL,
+        logp_BL=logp_BL,
+        old_BL=old_BL,
+        ref_BL=ref_BL,
+        rewards_B=rewards_B,
+        cu=torch.tensor(cu),
+        loss_mask_T=loss_mask_T,
+        pack=pack,
+    )
 
 
 def _trl_grpo_advantages(rewards_B, n, scale=True):
@@ -85,18 +97,32 @@ def _trl_grpo_advantages(rewards_B, n, scale=True):
 
 def _trl_grpo_loss(case, adv_B, *, loss_type, eps_low, eps_high, beta=0.0, level="token", max_len=None):
     stand_in = SimpleNamespace(
-        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high,
+        aux_loss_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=level,
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
-        use_vllm=False, model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
-        max_completion_length=max_len or case.L, _entropy_bonus_enabled=False,
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, accelerator=_Accelerator(),
+        use_vllm=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=max_len or case.L,
+        _entropy_bonus_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        accelerator=_Accelerator(),
         _get_per_token_logps_and_entropies=lambda *a, **k: (case.logp_BL, torch.zeros_like(case.logp_BL), None),
     )
     inputs = {
-        "prompt_ids": torch.zeros(case.B, 1, dtype=torch.long), "prompt_mask": torch.ones(case.B, 1),
-        "completion_ids": torch.zeros(case.B, case.L, dtype=torch.long), "completion_mask": case.mask_BL,
-        "advantages": adv_B, "old_per_token_logps": case.old_BL, "ref_per_token_logps": case.ref_BL,
+        "prompt_ids": torch.zeros(case.B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(case.B, 1),
+        "completion_ids": torch.zeros(case.B, case.L, dtype=torch.long),
+        "completion_mask": case.mask_BL,
+        "advantages": adv_B,
+        "old_per_token_logps": case.old_BL,
+        "ref_per_token_logps": case.ref_BL,
         "num_items_in_batch": case.mask_BL.sum(),
     }
     return _trl().GRPOTrainer._compute_loss(stand_in, None, inputs)
@@ -123,16 +149,22 @@ def test_grpo_advantages_match_trl():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.3, 0.3, 0.3, 1.0, 1.0, 0.0])
     group = torch.arange(3).repeat_interleave(3)
     assert torch.allclose(grpo_advantages_B(rewards, group), _trl_grpo_advantages(rewards, 3), atol=1e-6)
-    assert torch.allclose(grpo_advantages_B(rewards, group, scale_by_std=False),
-                          _trl_grpo_advantages(rewards, 3, scale=False), atol=1e-6)
+    assert torch.allclose(
+        grpo_advantages_B(rewards, group, scale_by_std=False), _trl_grpo_advantages(rewards, 3, scale=False), atol=1e-6
+    )
 
 
 def test_grpo_with_kl_matches_trl():
     case = _padded_case()
     adv = _trl_grpo_advantages(case.rewards_B, 2)
     trl_loss = _trl_grpo_loss(case, adv, loss_type="grpo", eps_low=0.2, eps_high=0.2, beta=0.04)
-    ours = _areno_loss(case, grpo_advantages_B(case.rewards_B, torch.arange(3).repeat_interleave(2)),
-                       lambda *a: ppo_clip_loss_T(*a, eps_low=0.2), "seq_mean_token_mean", kl_coef=0.04)
+    ours = _areno_loss(
+        case,
+        grpo_advantages_B(case.rewards_B, torch.arange(3).repeat_interleave(2)),
+        lambda *a: ppo_clip_loss_T(*a, eps_low=0.2),
+        "seq_mean_token_mean",
+        kl_coef=0.04,
+    )
     _check(case, trl_loss, ours)
 
 
@@ -148,8 +180,13 @@ def test_dr_grpo_matches_trl():
     case = _padded_case(2)
     adv = _trl_grpo_advantages(case.rewards_B, 2, scale=False)
     trl_loss = _trl_grpo_loss(case, adv, loss_type="dr_grpo", eps_low=0.2, eps_high=0.2, max_len=16)
-    ours = _areno_loss(case, grpo_advantages_B(case.rewards_B, torch.arange(3).repeat_interleave(2), scale_by_std=False),
-                       lambda *a: ppo_clip_loss_T(*a, eps_low=0.2), "constant", constant=16)
+    ours = _areno_loss(
+        case,
+        grpo_advantages_B(case.rewards_B, torch.arange(3).repeat_interleave(2), scale_by_std=False),
+        lambda *a: ppo_clip_loss_T(*a, eps_low=0.2),
+        "constant",
+        constant=16,
+    )
     _check(case, trl_loss, ours)
 
 
@@ -158,8 +195,12 @@ def test_gspo_and_cispo_match_trl():
     case.old_BL = (case.logp_BL.detach() + 0.01 * torch.randn(case.B, case.L)) * case.mask_BL
     adv = _trl_grpo_advantages(case.rewards_B, 2)
     trl_loss = _trl_grpo_loss(case, adv, loss_type="grpo", eps_low=3e-4, eps_high=4e-4, level="sequence")
-    ours = _areno_loss(case, adv, lambda lp, old, a, m: gspo_loss_T(lp, old, a, m, case.cu, eps_low=3e-4, eps_high=4e-4),
-                       "seq_mean_token_mean")
+    ours = _areno_loss(
+        case,
+        adv,
+        lambda lp, old, a, m: gspo_loss_T(lp, old, a, m, case.cu, eps_low=3e-4, eps_high=4e-4),
+        "seq_mean_token_mean",
+    )
     _check(case, trl_loss, ours)
     case = _padded_case(4)
     # TRL's cispo clamps the ratio at epsilon_high itself; areno's bound is 1 + clip_eps_high
@@ -179,14 +220,33 @@ def test_dpo_matches_trl():
     ref = -torch.rand(2 * P, generator=gen) * 6
     shift_mask = mask[:, 1:]
     stand_in = SimpleNamespace(
-        model=SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
-        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=["sigmoid"], loss_weights=[1.0],
-        beta=0.3, use_weighting=False, _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
+        model=SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=["sigmoid"],
+        loss_weights=[1.0],
+        beta=0.3,
+        use_weighting=False,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
     )
-    out = SimpleNamespace(log_probs=logp * shift_mask, entropy=torch.zeros(2 * P, L), mean_logits=torch.zeros(2 * P, L),
-                          is_top1=torch.zeros(2 * P, L, dtype=torch.bool))
-    inputs = {"input_ids": torch.zeros(2 * P, L + 1, dtype=torch.long), "attention_mask": torch.ones(2 * P, L + 1),
-              "completion_mask": mask, "ref_chosen_logps": ref[:P], "ref_rejected_logps": ref[P:]}
+    out = SimpleNamespace(
+        log_probs=logp * shift_mask,
+        entropy=torch.zeros(2 * P, L),
+        mean_logits=torch.zeros(2 * P, L),
+        is_top1=torch.zeros(2 * P, L, dtype=torch.bool),
+    )
+    inputs = {
+        "input_ids": torch.zeros(2 * P, L + 1, dtype=torch.long),
+        "attention_mask": torch.ones(2 * P, L + 1),
+        "completion_mask": mask,
+        "ref_chosen_logps": ref[:P],
+        "ref_rejected_logps": ref[P:],
+    }
     trl_loss = _trl().DPOTrainer._compute_loss(stand_in, lambda **kw: out, inputs, return_outputs=False)
     # areno: packed [T] log-probs of the same 2P sequences, summed per sequence
     cu = torch.arange(0, 2 * P * (L + 1) + 1, L + 1)

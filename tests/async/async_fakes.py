@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from areno.api.types import GenerationOutput, SamplingParams
 
@@ -90,6 +90,12 @@ class LengthWorkflow(RolloutWorkflow):
         if sample.get("raise"):
             raise RuntimeError(f"env crashed on {sample['id']}")
         out = await client.agenerate([sample["len"]], SamplingParams(max_new_tokens=1000))
-        return Trajectory(prompt_ids=[1], completion_ids=out.output_ids, logprobs=out.output_logprobs,
-                          versions=out.output_versions, reward=float(sample["id"]), group_id=str(sample["id"]),
-                          info={"id": sample["id"], "pid": os.getpid()})
+        return Trajectory(
+            prompt_ids=[1],
+            completion_ids=out.output_ids,
+            logprobs=out.output_logprobs,
+            versions=out.output_versions,
+            reward=float(sample["id"]),
+            group_id=str(sample["id"]),
+            info={"id": sample["id"], "pid": os.getpid()},
+        )

@@ -28,9 +28,15 @@ class CountingWorkflow(RolloutWorkflow):
         if sample.get("reject"):
             return None
         out = await client.agenerate([sample["len"]], SamplingParams(max_new_tokens=1000))
-        return Trajectory(prompt_ids=[1], completion_ids=out.output_ids, logprobs=out.output_logprobs,
-                          versions=out.output_versions, reward=float(sample["id"]), group_id=str(sample["id"]),
-                          info={"id": sample["id"]})
+        return Trajectory(
+            prompt_ids=[1],
+            completion_ids=out.output_ids,
+            logprobs=out.output_logprobs,
+            versions=out.output_versions,
+            reward=float(sample["id"]),
+            group_id=str(sample["id"]),
+            info={"id": sample["id"]},
+        )
 
 
 def rows(n, length=3, **extra):
@@ -123,7 +129,7 @@ def test_stale_groups_dropped_at_collection_and_replaced():
 
 def test_failing_workflow_retried_then_dropped_with_warning(caplog):
     data = rows(6)
-    data[2]["fail"] = 2   # succeeds on the 3rd attempt (max_retries=2)
+    data[2]["fail"] = 2  # succeeds on the 3rd attempt (max_retries=2)
     data[4]["fail"] = 99  # never succeeds: dropped after 3 attempts
     data[5]["reject"] = True
     wf = CountingWorkflow()
@@ -151,10 +157,14 @@ def test_pool_stops_when_every_sample_keeps_failing():
     wf = CountingWorkflow()
     staleness = StalenessManager(max_head_offpolicyness=10, batch_size=4, max_concurrent=1)
     t0 = time.monotonic()
-    with WorkflowExecutor(FakeEngine(length_from_prompt), wf, iter(data), staleness, max_retries=1,
-                          max_consecutive_dropped=5) as ex:
-        with pytest.raises(RolloutPoolBroken, match=r"last 5 samples were all dropped after 2 attempts each "
-                                                    r"\(last: RuntimeError: env crashed on 8\)"):
+    with WorkflowExecutor(
+        FakeEngine(length_from_prompt), wf, iter(data), staleness, max_retries=1, max_consecutive_dropped=5
+    ) as ex:
+        with pytest.raises(
+            RolloutPoolBroken,
+            match=r"last 5 samples were all dropped after 2 attempts each "
+            r"\(last: RuntimeError: env crashed on 8\)",
+        ):
             ex.wait_batch(4, timeout=30)
     assert time.monotonic() - t0 < 20
     assert max(wf.calls) == 8  # nothing admitted once the pool is broken

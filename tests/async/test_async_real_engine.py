@@ -19,8 +19,13 @@ def engine_and_client(tiny_model_dir, char_tokenizer):
 
     torch.set_num_threads(1)
     model, cfg = load_model(tiny_model_dir)
-    engine = RolloutEngine(model, cfg, config=RolloutEngineConfig(num_blocks=256),
-                           eos_token_ids=[char_tokenizer.eos_token_id], tokenizer=char_tokenizer)
+    engine = RolloutEngine(
+        model,
+        cfg,
+        config=RolloutEngineConfig(num_blocks=256),
+        eos_token_ids=[char_tokenizer.eos_token_id],
+        tokenizer=char_tokenizer,
+    )
     client = InProcessRolloutClient(engine)
     yield engine, client
     client.close()

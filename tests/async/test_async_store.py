@@ -35,8 +35,14 @@ class MultiStepEnvWorkflow(RolloutWorkflow):
             completion += out.output_ids
             logprobs += out.output_logprobs
             versions += out.output_versions
-        return Trajectory(prompt_ids=[1], completion_ids=completion, logprobs=logprobs, versions=versions,
-                          reward=1.0, info={"id": sample["id"], "observations": refs})
+        return Trajectory(
+            prompt_ids=[1],
+            completion_ids=completion,
+            logprobs=logprobs,
+            versions=versions,
+            reward=1.0,
+            info={"id": sample["id"], "observations": refs},
+        )
 
 
 def test_multi_step_env_queue_traffic_stays_small():

@@ -61,8 +61,9 @@ class VersionScoreWorkflow(RolloutWorkflow):
         if self.gate is not None:
             while not self.gate.is_set():
                 await asyncio.sleep(0.005)
-        return Trajectory(prompt_ids=[1], completion_ids=[], logprobs=[], versions=[],
-                          reward=float(self.engine.version + sample["x"]))
+        return Trajectory(
+            prompt_ids=[1], completion_ids=[], logprobs=[], versions=[], reward=float(self.engine.version + sample["x"])
+        )
 
 
 def manager(tmp_path, engine, gate=None, **kw):
@@ -145,16 +146,23 @@ def test_hot_loads_real_engine_from_disk(tmp_path, tiny_model_dir, char_tokenize
 
     def build(model_dir):
         model, cfg = load_model(model_dir)
-        return RolloutEngine(model, cfg, config=RolloutEngineConfig(num_blocks=64),
-                             eos_token_ids=[char_tokenizer.eos_token_id], tokenizer=char_tokenizer)
+        return RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(num_blocks=64),
+            eos_token_ids=[char_tokenizer.eos_token_id],
+            tokenizer=char_tokenizer,
+        )
 
     step_dir = tmp_path / "ckpt" / "step_00000007"
     init_model_dir(step_dir / "hf", tiny_config(len(char_tokenizer), hidden_size=64, layers=2), char_tokenizer, seed=7)
     (step_dir / COMPLETE_MARKER).write_text("ok")
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     prompts = ["1+2=", "3+4="]
-    expected = [char_tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in build(step_dir / "hf").generate(
-        [char_tokenizer.encode(p) for p in prompts], greedy)]
+    expected = [
+        char_tokenizer.decode(o.output_ids, skip_special_tokens=True)
+        for o in build(step_dir / "hf").generate([char_tokenizer.encode(p) for p in prompts], greedy)
+    ]
 
     engine = build(tiny_model_dir)
     client = InProcessRolloutClient(engine)

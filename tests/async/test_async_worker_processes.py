@@ -8,8 +8,9 @@ import pytest
 from areno.rollout.executor import DatasetExhausted, ProcessEpisodeRunner, WorkerSpec, WorkflowExecutor
 from areno.rollout.staleness import StalenessManager
 
-SPEC = WorkerSpec(workflow="async_fakes.LengthWorkflow", client="async_fakes.make_engine",
-                  client_kwargs={"step_s": 0.01})
+SPEC = WorkerSpec(
+    workflow="async_fakes.LengthWorkflow", client="async_fakes.make_engine", client_kwargs={"step_s": 0.01}
+)
 
 
 def test_killed_worker_restarted_and_nothing_lost_or_duplicated(caplog):

@@ -27,11 +27,21 @@ def exact_match(prompt, completion, answer, **fields):
 def test_load_workflow_by_dotted_path():
     wf = load_workflow(
         "areno.workflows.rlvr.RLVRWorkflow",
-        tokenizer=TOK, reward_fn=exact_match, n_samples=2, sampling_params=SamplingParams(),
+        tokenizer=TOK,
+        reward_fn=exact_match,
+        n_samples=2,
+        sampling_params=SamplingParams(),
     )
     assert isinstance(wf, RLVRWorkflow) and wf.n_samples == 2
-    assert isinstance(load_workflow("areno.workflows.multi_turn:MultiTurnWorkflow", tokenizer=TOK,
-                                    reward_fn=exact_match, sampling_params=SamplingParams()), RolloutWorkflow)
+    assert isinstance(
+        load_workflow(
+            "areno.workflows.multi_turn:MultiTurnWorkflow",
+            tokenizer=TOK,
+            reward_fn=exact_match,
+            sampling_params=SamplingParams(),
+        ),
+        RolloutWorkflow,
+    )
     with pytest.raises(ValueError, match="cannot import module 'areno.nope'"):
         load_workflow("areno.nope.Workflow")
     with pytest.raises(ValueError, match="has no attribute 'Nope'"):
@@ -88,8 +98,9 @@ def test_multi_turn_feedback_masked_and_reward_discounted():
         text = "9" if wrongs < 2 else "7"  # right on the third turn
         return TOK.encode(text, add_special_tokens=False)
 
-    wf = MultiTurnWorkflow(TOK, exact_match, SamplingParams(max_new_tokens=4), max_turns=4, turn_discount=0.5,
-                           feedback=feedback)
+    wf = MultiTurnWorkflow(
+        TOK, exact_match, SamplingParams(max_new_tokens=4), max_turns=4, turn_discount=0.5, feedback=feedback
+    )
     (traj,) = asyncio.run(wf.run_episode(FakeEngine(respond), {"prompt": "3+4=", "answer": 7}))
     nine, seven = TOK.encode("9", add_special_tokens=False), TOK.encode("7", add_special_tokens=False)
     assert traj.completion_ids == nine + feedback_ids + nine + feedback_ids + seven

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.async_learning import aggregate, with_ratios  # noqa: E402
+from bench.async_learning import aggregate, with_ratios
 
 
 def arm(eta, curve):
@@ -15,25 +15,27 @@ def arm(eta, curve):
 
 
 def test_ratios_against_the_final_or_the_budget():
-    ref = arm(0, [(0, .3), (10, .4), (20, .5), (30, .5), (40, .6)])
-    late = arm(4, [(0, .3), (10, .35), (20, .45), (30, .5), (40, .55)])
+    ref = arm(0, [(0, 0.3), (10, 0.4), (20, 0.5), (30, 0.5), (40, 0.6)])
+    late = arm(4, [(0, 0.3), (10, 0.35), (20, 0.45), (30, 0.5), (40, 0.55)])
     arms = [dict(ref), dict(late)]
     with_ratios(arms)  # target: the reference's final .6, never reached by eta 4
     assert arms[0]["steps_to_reference_final"] == 40 and arms[1]["steps_to_reference_final"] is None
     arms = [dict(ref), dict(late)]
     with_ratios(arms, budget=30)  # target: the reference at step 30 (.5, first at 20); eta 4 at 30
-    assert arms[0]["reference_accuracy"] == .5
+    assert arms[0]["reference_accuracy"] == 0.5
     assert arms[1]["steps_to_reference_final"] == 30 and arms[1]["steps_ratio_vs_eta0"] == 1.5
 
 
 def test_aggregate_means_seeds_then_compares_mean_curves():
-    per_seed = {0: [arm(0, [(0, .2), (10, .4), (20, .6)]), arm(4, [(0, .2), (10, .3), (20, .6)])],
-                1: [arm(0, [(0, .4), (10, .6), (20, .6)]), arm(4, [(0, .4), (10, .5), (20, .6)])]}
+    per_seed = {
+        0: [arm(0, [(0, 0.2), (10, 0.4), (20, 0.6)]), arm(4, [(0, 0.2), (10, 0.3), (20, 0.6)])],
+        1: [arm(0, [(0, 0.4), (10, 0.6), (20, 0.6)]), arm(4, [(0, 0.4), (10, 0.5), (20, 0.6)])],
+    }
     for arms in per_seed.values():
         with_ratios(arms, budget=10)
     agg = aggregate(per_seed, budget=10)
     ref, other = agg["arms"]
-    assert ref["curve"] == [(0, .3), (10, .5), (20, .6)] and agg["reference_accuracy"] == .5
+    assert ref["curve"] == [(0, 0.3), (10, 0.5), (20, 0.6)] and agg["reference_accuracy"] == 0.5
     assert other["steps_to_reference_final"] == 20 and other["steps_ratio_vs_eta0"] == 2.0
     assert other["per_seed_steps_ratio"] == [2.0, 2.0]
 
@@ -41,10 +43,19 @@ def test_aggregate_means_seeds_then_compares_mean_curves():
 def test_plot_writes_a_png_of_every_arm(tmp_path):
     from bench.async_learning import plot
 
-    per_seed = {"0": [dict(arm(0, [(0, .2), (10, .4)]), wall_s=3.0, staleness_mean=0.0),
-                      dict(arm(4, [(0, .2), (10, .3)]), wall_s=2.0, staleness_mean=3.5)]}
-    result = {"arms_spec": ["grpo_async:0", "grpo_async:4"], "per_seed": per_seed, "steps": 10, "slack": 0.0,
-              "overrides": ["cluster.device=cpu"]}
+    per_seed = {
+        "0": [
+            dict(arm(0, [(0, 0.2), (10, 0.4)]), wall_s=3.0, staleness_mean=0.0),
+            dict(arm(4, [(0, 0.2), (10, 0.3)]), wall_s=2.0, staleness_mean=3.5),
+        ]
+    }
+    result = {
+        "arms_spec": ["grpo_async:0", "grpo_async:4"],
+        "per_seed": per_seed,
+        "steps": 10,
+        "slack": 0.0,
+        "overrides": ["cluster.device=cpu"],
+    }
     plot(result, tmp_path / "curves.png")
     data = (tmp_path / "curves.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

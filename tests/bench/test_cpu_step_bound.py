@@ -9,8 +9,23 @@ from bench import cpu_step_bound
 
 
 def test_floor_breakdown_and_ratios(capsys):
-    cpu_step_bound.main(["--threads", "1", "--prompts", "3", "--new-tokens", "8", "--prompt-len", "4", "9",
-                         "--profile-steps", "4", "--reps", "2"])
+    cpu_step_bound.main(
+        [
+            "--threads",
+            "1",
+            "--prompts",
+            "3",
+            "--new-tokens",
+            "8",
+            "--prompt-len",
+            "4",
+            "9",
+            "--profile-steps",
+            "4",
+            "--reps",
+            "2",
+        ]
+    )
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(r["gemm_floor_ms"]) == {"qkv", "o_proj", "gate_up", "down_proj", "lm_head"}
     assert all(v > 0 for v in r["gemm_floor_ms"].values())
@@ -20,7 +35,9 @@ def test_floor_breakdown_and_ratios(capsys):
     assert r["speedup_at_floor"] == pytest.approx(r["generate_step_ms"] / r["floor_ms"], rel=0.02)
     assert r["gemm_sequence_ms"] > 0
     assert r["sequence_floor_ms"] == pytest.approx(
-        r["gemm_sequence_ms"] + r["floor_parts_ms"]["head_sampling"] + r["floor_parts_ms"]["attention_kv_read"], abs=0.02)
+        r["gemm_sequence_ms"] + r["floor_parts_ms"]["head_sampling"] + r["floor_parts_ms"]["attention_kv_read"],
+        abs=0.02,
+    )
     assert r["speedup_at_sequence_floor"] == pytest.approx(r["generate_step_ms"] / r["sequence_floor_ms"], rel=0.02)
     assert r["target_ms"] == pytest.approx(r["generate_step_ms"] / 3, abs=0.01)
     prof = r["engine_profile_ms"]

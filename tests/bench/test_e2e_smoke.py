@@ -10,9 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from areno.api.types import SamplingParams  # noqa: E402
-from areno.models.hf_io import tiny_config  # noqa: E402
-from bench import e2e  # noqa: E402
+from areno.api.types import SamplingParams
+from areno.models.hf_io import tiny_config
+from bench import e2e
 
 
 def test_physical_floor_by_hand():
@@ -44,8 +44,25 @@ def test_prompts_have_the_token_length():
 
 @pytest.mark.slow
 def test_tiny_areno_run(tmp_path, capsys):
-    assert e2e.main(["--shapes", "tiny", "--device", "cpu", "--systems", "areno", "--warmup", "1",
-                     "--steps", "2", "--workdir", str(tmp_path)]) == 0
+    assert (
+        e2e.main(
+            [
+                "--shapes",
+                "tiny",
+                "--device",
+                "cpu",
+                "--systems",
+                "areno",
+                "--warmup",
+                "1",
+                "--steps",
+                "2",
+                "--workdir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     rows = [x for x in lines if x.get("system") == "areno"]
     assert len(rows) == 1
@@ -69,8 +86,9 @@ def test_async_runs_time_an_even_number_of_steps():
 
 
 def test_areno_overrides_reach_their_systems(tmp_path):
-    args = e2e.build_parser().parse_args(["--device", "cpu", "--areno-set", "optim.lr=3e-6",
-                                          "--areno-async-set", "rollout.max_concurrent=8"])
+    args = e2e.build_parser().parse_args(
+        ["--device", "cpu", "--areno-set", "optim.lr=3e-6", "--areno-async-set", "rollout.max_concurrent=8"]
+    )
     kw = dict(param_dtype="float32", prompt_len=16, completion_len=32)
     sync_cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r0", eta=0, **kw)
     async_cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r1", eta=1, **kw)

@@ -16,10 +16,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_arm_past_its_deadline_is_dumped_killed_and_reported(tmp_path):
     # A deadline far shorter than an arm's start-up (~10 s here): it fires while the workers start.
     # 1000 steps: the arm cannot finish on any machine before the workers are killed (after the dump).
-    cmd = [sys.executable, str(ROOT / "bench" / "partitioned.py"), "--etas", "0", "--steps", "1000",
-           "--arm-timeout", "3", "--work-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "partitioned.py"),
+        "--etas",
+        "0",
+        "--steps",
+        "1000",
+        "--arm-timeout",
+        "3",
+        "--work-dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     (arm,) = result["arms"]
@@ -32,9 +43,14 @@ def test_paired_summary_ratios_within_each_repeat():
     sys.path.insert(0, str(ROOT))
     from bench.partitioned import paired_summary
 
-    arms = [{"eta": 0, "repeat": 0, "trained_tokens_per_s": 100.0}, {"eta": 4, "repeat": 0, "trained_tokens_per_s": 250.0},
-            {"eta": 0, "repeat": 1, "trained_tokens_per_s": 200.0}, {"eta": 4, "repeat": 1, "trained_tokens_per_s": 300.0},
-            {"eta": 0, "repeat": 2, "error": "stalled"}, {"eta": 4, "repeat": 2, "trained_tokens_per_s": 400.0}]
+    arms = [
+        {"eta": 0, "repeat": 0, "trained_tokens_per_s": 100.0},
+        {"eta": 4, "repeat": 0, "trained_tokens_per_s": 250.0},
+        {"eta": 0, "repeat": 1, "trained_tokens_per_s": 200.0},
+        {"eta": 4, "repeat": 1, "trained_tokens_per_s": 300.0},
+        {"eta": 0, "repeat": 2, "error": "stalled"},
+        {"eta": 4, "repeat": 2, "trained_tokens_per_s": 400.0},
+    ]
     s = paired_summary(arms, [0, 4])
     assert s["0"]["trained_tokens_per_s"] == [100.0, 200.0] and s["0"]["trained_tokens_per_s_median"] == 150.0
     assert s["0"]["ratio_to_eta0"] == [1.0, 1.0]

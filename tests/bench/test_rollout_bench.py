@@ -7,9 +7,29 @@ from bench import rollout
 
 
 def test_cpu_ab_options_and_rounds(capsys):
-    rollout.main(["--shape", "cpu20m", "--device", "cpu", "--threads", "1", "--prompts", "3", "--new-tokens", "3",
-                  "--prompt-len", "4", "9", "--compare-cpu-packed-gemm", "1", "--compare-decode-carry", "1",
-                  "--rounds", "2"])
+    rollout.main(
+        [
+            "--shape",
+            "cpu20m",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--prompts",
+            "3",
+            "--new-tokens",
+            "3",
+            "--prompt-len",
+            "4",
+            "9",
+            "--compare-cpu-packed-gemm",
+            "1",
+            "--compare-decode-carry",
+            "1",
+            "--rounds",
+            "2",
+        ]
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     labels = list(result["by_run"])
     assert labels == ["auto", "auto linear-gemm #1", "auto packed-gemm #1", "auto gather #1", "auto carry #1"]

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import sampler  # noqa: E402
+from bench import sampler
 
 
 def test_baseline_and_engine_draws_follow_the_softmax():

@@ -28,8 +28,11 @@ def test_ratios_and_speedup_from_interleaved_rounds(tmp_path, monkeypatch, capsy
     startup.main(["--rounds", "3", "--baseline-tree", str(tmp_path)])
     out = json.loads(capsys.readouterr().out)
     # interleaved: each round times every entry point on both trees before the next round
-    assert calls[:6] == [("torch", False), ("torch", True), ("cli", False), ("cli", True), ("worker", False),
-                         ("worker", True)] and len(calls) == 18
+    assert (
+        calls[:6]
+        == [("torch", False), ("torch", True), ("cli", False), ("cli", True), ("worker", False), ("worker", True)]
+        and len(calls) == 18
+    )
     assert out["this"]["cli"] == {"median_s": 3.0, "ratio_to_torch": 3.0, "runs_s": [3.0, 3.0, 3.0]}
     assert out["baseline"]["worker"]["ratio_to_torch"] == 4.0
     assert out["speedup_vs_baseline"] == {"torch": 2.0, "cli": 2.0, "worker": 2.0}

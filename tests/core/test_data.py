@@ -83,15 +83,19 @@ def test_malformed_rows_are_named(tmp_path):
 def test_jsonl_errors_name_the_line_blank_lines_counted(tmp_path):
     """JSONL: the 1-based line an editor shows (blank lines count), whatever is wrong with the row."""
     path = tmp_path / "d.jsonl"
-    for bad, problem in [('{"prompt": 7}', "'prompt' is number, not a string"),
-                         ('{"prompt": null}', "'prompt' is null, not a string"),
-                         ('["prompt", "b"]', "the row is a JSON array, not an object"),
-                         ('"just a string"', "the row is a JSON string, not an object")]:
+    for bad, problem in [
+        ('{"prompt": 7}', "'prompt' is number, not a string"),
+        ('{"prompt": null}', "'prompt' is null, not a string"),
+        ('["prompt", "b"]', "the row is a JSON array, not an object"),
+        ('"just a string"', "the row is a JSON string, not an object"),
+    ]:
         path.write_text('{"prompt": "a"}\n\n\n' + bad + "\n")
         with pytest.raises(ValueError) as info:
             load_rows(path, prompt_key="prompt")
-        assert str(info.value) == (f"{path} line 4: no string field 'prompt' ({problem}; "
-                                   "set data.prompt_key to the field that holds the prompt)")
+        assert str(info.value) == (
+            f"{path} line 4: no string field 'prompt' ({problem}; "
+            "set data.prompt_key to the field that holds the prompt)"
+        )
 
 
 def test_json_list_and_parquet_errors_name_the_row_index(tmp_path):

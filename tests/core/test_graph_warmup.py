@@ -21,32 +21,48 @@ class RecordingEngine:
 
 
 def _config(*extra: str):
-    return load_config(None, ["model.path=m", "rollout.batch_size=4", "rollout.n_samples=8",
-                              "rollout.max_new_tokens=100", "rollout.temperature=0.7", "rollout.top_p=0.9",
-                              *extra])
+    return load_config(
+        None,
+        [
+            "model.path=m",
+            "rollout.batch_size=4",
+            "rollout.n_samples=8",
+            "rollout.max_new_tokens=100",
+            "rollout.temperature=0.7",
+            "rollout.top_p=0.9",
+            *extra,
+        ],
+    )
 
 
 def test_sizes_cover_eta_plus_one_batches_and_both_samplers():
     engine = RecordingEngine()
     assert warm_up_rollout_engine(engine, _config("rollout.max_head_offpolicyness=2", "data.num_eval=10")) == 7
-    (sizes, max_len, params), = engine.calls
+    ((sizes, max_len, params),) = engine.calls
     assert sizes == list(range(1, 3 * 4 * 8 + 1))  # (eta + 1) batches of 4 prompts x 8 samples
     assert max_len == 356
-    assert [(p.temperature, p.top_p, p.max_new_tokens, p.seed) for p in params] == [(0.7, 0.9, 100, 0), (0.0, 1.0, 100, None)]
+    assert [(p.temperature, p.top_p, p.max_new_tokens, p.seed) for p in params] == [
+        (0.7, 0.9, 100, 0),
+        (0.0, 1.0, 100, None),
+    ]
 
 
 def test_no_eval_no_greedy_graphs_and_max_concurrent_bounds_the_sizes():
     engine = RecordingEngine()
-    warm_up_rollout_engine(engine, _config("rollout.max_head_offpolicyness=8", "rollout.max_concurrent=5",
-                                           "data.num_eval=0"))
-    (sizes, _, params), = engine.calls
+    warm_up_rollout_engine(
+        engine, _config("rollout.max_head_offpolicyness=8", "rollout.max_concurrent=5", "data.num_eval=0")
+    )
+    ((sizes, _, params),) = engine.calls
     assert sizes == list(range(1, 5 * 8 + 1))
     assert [p.temperature for p in params] == [0.7]
 
 
 def test_nothing_captured_on_cpu_or_when_turned_off():
-    for engine, extra in ((RecordingEngine("cpu"), ()), (RecordingEngine(), ("rollout.cuda_graph_warmup=false",)),
-                          (RecordingEngine(), ("rollout.cuda_graphs=false",))):
+    for engine, extra in (
+        (RecordingEngine("cpu"), ()),
+        (RecordingEngine(), ("rollout.cuda_graph_warmup=false",)),
+        (RecordingEngine(), ("rollout.cuda_graphs=false",)),
+    ):
         assert warm_up_rollout_engine(engine, _config(*extra)) == 0
         assert engine.calls == []
 
@@ -109,8 +125,12 @@ def test_engine_running_batch_follows_the_sequences_in_flight():
     c = engine_cfg("rollout.batch_size=20", "rollout.max_head_offpolicyness=4")
     assert c.max_num_seqs == 800 and c.cuda_graph_max_batch is None  # graphs up to the running batch
     assert engine_cfg("rollout.batch_size=64", "rollout.max_head_offpolicyness=4").max_num_seqs == 1024  # ceiling
-    assert engine_cfg("rollout.batch_size=20", "rollout.max_head_offpolicyness=4",
-                      "rollout.max_concurrent=40").max_num_seqs == 320
+    assert (
+        engine_cfg(
+            "rollout.batch_size=20", "rollout.max_head_offpolicyness=4", "rollout.max_concurrent=40"
+        ).max_num_seqs
+        == 320
+    )
     assert engine_cfg("rollout.max_num_seqs=96").max_num_seqs == 96  # explicit
 
 

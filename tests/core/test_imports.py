@@ -7,8 +7,10 @@ import sys
 
 
 def test_entry_points_do_not_import_peft():
-    code = ("import sys, areno.cli, areno.api.trainer, areno.engine.partitioned, areno.launch.worker, areno.train; "
-            "print(sorted(m for m in sys.modules if m == 'peft' or m.startswith('peft.')))")
+    code = (
+        "import sys, areno.cli, areno.api.trainer, areno.engine.partitioned, areno.launch.worker, areno.train; "
+        "print(sorted(m for m in sys.modules if m == 'peft' or m.startswith('peft.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 

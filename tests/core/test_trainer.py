@@ -5,11 +5,10 @@ import json
 import pytest
 import torch
 
-from areno.api.backend.base import BACKENDS, Backend, register_backend, resolve_backend
+from areno.api.backend.base import BACKENDS, RolloutBatch, register_backend, resolve_backend
 from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
-from areno.api.backend.base import RolloutBatch
 from areno.api.types import TokenBatch, Trajectory
 from areno.workflows.rlvr import RLVRWorkflow
 
@@ -69,8 +68,16 @@ def test_pass_seed_formula():
 
 
 def test_reshuffle_is_a_seeded_permutation():
-    trajs = [Trajectory(prompt_ids=[1, i], completion_ids=[i + 2] * (i + 1), logprobs=[0.0] * (i + 1),
-                        versions=[0] * (i + 1), reward=float(i)) for i in range(6)]
+    trajs = [
+        Trajectory(
+            prompt_ids=[1, i],
+            completion_ids=[i + 2] * (i + 1),
+            logprobs=[0.0] * (i + 1),
+            versions=[0] * (i + 1),
+            reward=float(i),
+        )
+        for i in range(6)
+    ]
     rollout = RolloutBatch(trajectories=trajs, batch=TokenBatch.from_trajectories(trajs))
     a, b = reshuffle(rollout, 123), reshuffle(rollout, 123)
     assert [t.reward for t in a.trajectories] == [t.reward for t in b.trajectories]
@@ -86,17 +93,35 @@ def test_reshuffle_is_a_seeded_permutation():
 
 
 def _config(tmp_path, *extra):
-    return load_config(None, [
-        f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
-        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-        "data.task=arithmetic", "data.num_eval=8", "rollout.batch_size=4", "rollout.n_samples=8",
-        "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+            "data.task=arithmetic",
+            "data.num_eval=8",
+            "rollout.batch_size=4",
+            "rollout.n_samples=8",
+            "rollout.max_new_tokens=4",
+            "cluster.device=cpu",
+            "observe.console=false",
+            *extra,
+        ],
+    )
 
 
 def test_grpo_reward_goes_up(tmp_path):
-    cfg = _config(tmp_path, "reward.fn=test_trainer:sevens", "reward.sandbox=false", "optim.lr=0.02", "train.steps=12",
-                  "train.eval_interval=0", "train.seed=1", "observe.trace=true")
+    cfg = _config(
+        tmp_path,
+        "reward.fn=test_trainer:sevens",
+        "reward.sandbox=false",
+        "optim.lr=0.02",
+        "train.steps=12",
+        "train.eval_interval=0",
+        "train.seed=1",
+        "observe.trace=true",
+    )
     trainer = Trainer.init(cfg)
     try:
         trainer.run()
@@ -109,8 +134,15 @@ def test_grpo_reward_goes_up(tmp_path):
     # run directory: resolved config, metrics with the documented keys, an HF checkpoint at the end
     assert (tmp_path / "run" / "config.yaml").exists()
     step_rows = [r for r in rows if "rollout/reward_mean" in r]
-    for key in ("train/policy/loss", "train/policy/actor/clip_frac", "train/policy/actor/approx_kl", "timing/rollout_s",
-                "timing/train_s", "timing/sync_s", "rollout/num_tokens"):
+    for key in (
+        "train/policy/loss",
+        "train/policy/actor/clip_frac",
+        "train/policy/actor/approx_kl",
+        "timing/rollout_s",
+        "timing/train_s",
+        "timing/sync_s",
+        "rollout/num_tokens",
+    ):
         assert key in step_rows[-1], key
     assert any("policy_sync_time_s" in r for r in rows)
     assert (tmp_path / "run" / "checkpoints" / "step_00000012" / "COMPLETE").exists()
@@ -118,8 +150,17 @@ def test_grpo_reward_goes_up(tmp_path):
     # performance trace: spans from the loop, the rollout engine and the training backend
     trace = json.loads((tmp_path / "run" / "trace.json").read_text())
     names = {e["name"] for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)}
-    assert {"rollout", "train", "policy_sync", "checkpoint", "rollout_request", "engine_step", "micro_batch",
-            "backward", "optimizer_step"} <= names
+    assert {
+        "rollout",
+        "train",
+        "policy_sync",
+        "checkpoint",
+        "rollout_request",
+        "engine_step",
+        "micro_batch",
+        "backward",
+        "optimizer_step",
+    } <= names
 
 
 def test_pipeline_warm_start_and_export_loads_in_transformers(tmp_path):
@@ -134,7 +175,9 @@ def test_pipeline_warm_start_and_export_loads_in_transformers(tmp_path):
 
 
 def test_reward_that_raises_is_counted_not_fatal(tmp_path, caplog):
-    cfg = _config(tmp_path, "reward.fn=test_trainer:exploding", "reward.workers=1", "train.steps=1", "train.eval_interval=0")
+    cfg = _config(
+        tmp_path, "reward.fn=test_trainer:exploding", "reward.workers=1", "train.steps=1", "train.eval_interval=0"
+    )
     trainer = Trainer.init(cfg)
     try:
         rollout = trainer.rollout_token_batch(0)
@@ -148,11 +191,14 @@ def test_reward_that_raises_is_counted_not_fatal(tmp_path, caplog):
     assert "reward bug" in caplog.text
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.init_tiny=null", "model.path: directory"),
-    ("train.algorithm=grpoo", "grpo"),
-    ("reward.fn=areno.rewards.tasks:nope", "reward.fn"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.init_tiny=null", "model.path: directory"),
+        ("train.algorithm=grpoo", "grpo"),
+        ("reward.fn=areno.rewards.tasks:nope", "reward.fn"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, override, message):
     cfg = _config(tmp_path, override)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")) as info:
@@ -177,9 +223,17 @@ def test_demo_config_first_step_runs(tmp_path):
     """areno/configs/demo.yaml as shipped, cut to one warm-start and one GRPO step."""
     from areno.api.pipeline import DEMO_CONFIG
 
-    cfg = load_config(DEMO_CONFIG, [f"run_dir={tmp_path / 'demo'}", f"model.path={tmp_path / 'demo' / 'init'}",
-                                    "warm_start.steps=1", "train.steps=1", "data.num_eval=4",
-                                    "observe.console=false"])
+    cfg = load_config(
+        DEMO_CONFIG,
+        [
+            f"run_dir={tmp_path / 'demo'}",
+            f"model.path={tmp_path / 'demo' / 'init'}",
+            "warm_start.steps=1",
+            "train.steps=1",
+            "data.num_eval=4",
+            "observe.console=false",
+        ],
+    )
     summary = run_pipeline(cfg)
     assert 0.0 <= summary["accuracy_after"] <= 1.0
     rows = [json.loads(l) for l in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
@@ -197,8 +251,12 @@ def test_python_m_areno_train_selects_the_algorithm(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "areno.train", "--algorithm", "grpoo", f"model.path={tmp_path}"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "areno.train", "--algorithm", "grpoo", f"model.path={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "unknown recipe 'grpoo': did you mean grpo" in proc.stderr
 
@@ -214,7 +272,9 @@ def test_long_sequences_error_or_truncate_from_config(tmp_path):
             trainer.train(0, rollout)
     finally:
         trainer.shutdown()
-    trainer = Trainer.init(_config(tmp_path, *overrides, "train.long_sequences=truncate", "run_dir=" + str(tmp_path / "t")))
+    trainer = Trainer.init(
+        _config(tmp_path, *overrides, "train.long_sequences=truncate", "run_dir=" + str(tmp_path / "t"))
+    )
     try:
         metrics = trainer.train(0, trainer.rollout_token_batch(0))
     finally:
@@ -240,9 +300,17 @@ def test_workflow_store_is_the_engines_and_trained_observations_are_freed(tmp_pa
 def test_two_passes_decoupled_clip_acts(tmp_path):
     """train.num_train_passes=2 with grpo_async: one pi_prox forward per rollout, and the second
     pass's ratio pi_theta / pi_prox moves off 1 (the clip can act), as in PPO's epochs."""
-    cfg = _config(tmp_path, "reward.fn=test_trainer:first_char", "reward.sandbox=false", "optim.lr=0.05",
-                  "train.steps=2", "train.eval_interval=0", "train.algorithm=grpo_async", "train.num_train_passes=2",
-                  "rollout.temperature=1.5")
+    cfg = _config(
+        tmp_path,
+        "reward.fn=test_trainer:first_char",
+        "reward.sandbox=false",
+        "optim.lr=0.05",
+        "train.steps=2",
+        "train.eval_interval=0",
+        "train.algorithm=grpo_async",
+        "train.num_train_passes=2",
+        "rollout.temperature=1.5",
+    )
     trainer = Trainer.init(cfg)
     engine = trainer.backend.engine
     backend = engine.runner.backends["policy"]
@@ -258,4 +326,6 @@ def test_two_passes_decoupled_clip_acts(tmp_path):
     step_rows = [r for r in rows if "train/policy/loss" in r]
     assert len(step_rows) == 2
     # logged metrics are the last (second) pass's: its importance ratio is no longer exactly 1
-    assert any(r["train/policy/actor/approx_kl"] != 0.0 and r["train/policy/actor/clip_frac"] > 0 for r in step_rows), step_rows
+    assert any(r["train/policy/actor/approx_kl"] != 0.0 and r["train/policy/actor/clip_frac"] > 0 for r in step_rows), (
+        step_rows
+    )

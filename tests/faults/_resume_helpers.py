@@ -27,13 +27,26 @@ def digit_reward(prompt: str, completion: str, answer, **row) -> float:
 def overrides(tmp: Path, run_dir: Path, *extra: str, steps: int = 4, save_interval: int = 2) -> list[str]:
     """A tiny GRPO run (hidden 32, 2 layers, one CPU thread) checkpointing every ``save_interval``."""
     return [
-        f"run_dir={run_dir}", f"model.path={tmp / 'model'}",
+        f"run_dir={run_dir}",
+        f"model.path={tmp / 'model'}",
         "model.init_tiny={hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64}",
-        "data.task=arithmetic", "data.num_eval=2", "rollout.batch_size=2", "rollout.n_samples=4",
-        "rollout.max_new_tokens=4", "reward.fn=_resume_helpers:digit_reward", "reward.sandbox=false",
-        "cluster.device=cpu", "cluster.cpu_threads=1", "observe.console=false", "optim.lr=0.01",
-        f"train.steps={steps}", f"train.save_interval={save_interval}", "train.eval_interval=0", "train.seed=3",
-        "resume=auto", *extra,
+        "data.task=arithmetic",
+        "data.num_eval=2",
+        "rollout.batch_size=2",
+        "rollout.n_samples=4",
+        "rollout.max_new_tokens=4",
+        "reward.fn=_resume_helpers:digit_reward",
+        "reward.sandbox=false",
+        "cluster.device=cpu",
+        "cluster.cpu_threads=1",
+        "observe.console=false",
+        "optim.lr=0.01",
+        f"train.steps={steps}",
+        f"train.save_interval={save_interval}",
+        "train.eval_interval=0",
+        "train.seed=3",
+        "resume=auto",
+        *extra,
     ]
 
 
@@ -48,14 +61,25 @@ def _env(fault: str | None) -> dict[str, str]:
 
 def start_areno(args: list[str]) -> subprocess.Popen:
     """This file as a script in a fresh process, not waited for (the caller kills it)."""
-    return subprocess.Popen([sys.executable, str(HERE / "_resume_helpers.py"), *args], env=_env(None), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "_resume_helpers.py"), *args],
+        env=_env(None),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def run_areno(args: list[str], *, fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """This file as a script in a fresh process (ARENO_FAULT=fault when given)."""
-    return subprocess.run([sys.executable, str(HERE / "_resume_helpers.py"), *args], env=_env(fault), cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(HERE / "_resume_helpers.py"), *args],
+        env=_env(fault),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def resumed_step(proc: subprocess.CompletedProcess) -> int | None:
@@ -112,8 +136,7 @@ def _install_recorder() -> None:
         for traj in rollout.trajectories:
             groups.setdefault(traj.group_id, traj.info["prompt"])
         with open(self.run_dir / TRAINED_PROMPTS, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "step": rollout_id + 1,
-                                "prompts": list(groups.values())}) + "\n")
+            f.write(json.dumps({"pid": os.getpid(), "step": rollout_id + 1, "prompts": list(groups.values())}) + "\n")
         return metrics
 
     trainer_mod.Trainer.train = recording_train

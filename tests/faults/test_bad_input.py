@@ -29,24 +29,40 @@ def _trainer_init(tmp_path: Path, train_path: Path, eval_path: Path | None = Non
     model.path error, so the data error proves the data is checked first."""
     from areno.api.trainer import Trainer
 
-    overrides = [f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'no-model'}", "model.init_tiny=null",
-                 "data.task=null", f"data.train_path={train_path}", "cluster.device=cpu", "observe.console=false"]
+    overrides = [
+        f"run_dir={tmp_path / 'run'}",
+        f"model.path={tmp_path / 'no-model'}",
+        "model.init_tiny=null",
+        "data.task=null",
+        f"data.train_path={train_path}",
+        "cluster.device=cpu",
+        "observe.console=false",
+    ]
     if eval_path is not None:
         overrides.append(f"data.eval_path={eval_path}")
     return Trainer.init(load_config(None, overrides))
 
 
-@pytest.mark.parametrize("lines, pattern", [
-    ([json.dumps(ROWS[0]), "{oops", json.dumps(ROWS[1])], r"line 2: not valid JSON"),
-    ([json.dumps(ROWS[0]), json.dumps({"question": "3+3=", "answer": "6"})],
-     r"line 2: no string field 'prompt' \(fields are 'question', 'answer';"),
-    ([json.dumps(ROWS[0]), json.dumps({"prompt": 123, "answer": "6"})],
-     r"line 2: no string field 'prompt' \('prompt' is number, not a string;"),
-    ([json.dumps(ROWS[0]), json.dumps(["prompt", "answer"])],
-     r"line 2: no string field 'prompt' \(the row is a JSON array, not an object;"),
-    ([json.dumps({"prompt": None})], r"line 1: no string field 'prompt' \('prompt' is null"),
-    ([json.dumps(ROWS[0]), "", "  ", json.dumps({"answer": "6"})], r"line 4: no string field 'prompt'"),
-])
+@pytest.mark.parametrize(
+    "lines, pattern",
+    [
+        ([json.dumps(ROWS[0]), "{oops", json.dumps(ROWS[1])], r"line 2: not valid JSON"),
+        (
+            [json.dumps(ROWS[0]), json.dumps({"question": "3+3=", "answer": "6"})],
+            r"line 2: no string field 'prompt' \(fields are 'question', 'answer';",
+        ),
+        (
+            [json.dumps(ROWS[0]), json.dumps({"prompt": 123, "answer": "6"})],
+            r"line 2: no string field 'prompt' \('prompt' is number, not a string;",
+        ),
+        (
+            [json.dumps(ROWS[0]), json.dumps(["prompt", "answer"])],
+            r"line 2: no string field 'prompt' \(the row is a JSON array, not an object;",
+        ),
+        ([json.dumps({"prompt": None})], r"line 1: no string field 'prompt' \('prompt' is null"),
+        ([json.dumps(ROWS[0]), "", "  ", json.dumps({"answer": "6"})], r"line 4: no string field 'prompt'"),
+    ],
+)
 def test_malformed_rows_fail_in_one_line_before_any_model_loads(tmp_path, lines, pattern):
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -76,9 +92,18 @@ def test_cli_prints_a_bad_dataset_in_one_line(tmp_path, capsys):
     from areno.cli import main
 
     path = tmp_path / "train.jsonl"
-    path.write_text(json.dumps(ROWS[0]) + "\n{\"prompt\": \n")
-    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'no-model'}", "data.task=null",
-               f"data.train_path={path}", "cluster.device=cpu", "observe.console=false"])
+    path.write_text(json.dumps(ROWS[0]) + '\n{"prompt": \n')
+    rc = main(
+        [
+            "train",
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'no-model'}",
+            "data.task=null",
+            f"data.train_path={path}",
+            "cluster.device=cpu",
+            "observe.console=false",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("areno: error: ") and "line 2" in err[0]
 
@@ -119,7 +144,7 @@ BAD_REQUESTS = [
     ("/generate", {"sampling_params": {}}, "prompt_ids"),
     ("/generate", {"prompt_ids": "abc"}, "prompt_ids"),
     ("/generate", {"prompt_ids": [1.5, 2]}, "prompt_ids.0"),
-    ("/generate", {"prompt_ids": [10 ** 6]}, "prompt_ids"),
+    ("/generate", {"prompt_ids": [10**6]}, "prompt_ids"),
     ("/generate", {"prompt_ids": [-1, 5]}, "prompt_ids"),
     ("/generate", {"prompt_ids": [5], "sampling_params": {"max_new_tokens": -5}}, "sampling_params"),
     ("/generate", {"prompt_ids": [5], "sampling_params": {"temperature": "x"}}, "sampling_params"),
@@ -151,8 +176,10 @@ def test_bad_requests_do_not_disturb_requests_in_flight(server):
     """A long good request runs while every bad request above hits the server concurrently: each
     bad one gets its 4xx, the good one finishes whole, and the server keeps serving afterwards."""
     base, engine = server
-    good_body = {"prompt_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True,
-                                                               "temperature": 0.0}}
+    good_body = {
+        "prompt_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0.0},
+    }
     results: dict[str, object] = {}
 
     def good() -> None:
@@ -188,7 +215,7 @@ def test_multi_server_client_raises_a_4xx_at_once(server):
 
     async def go():
         try:
-            await client.agenerate([10 ** 6], SamplingParams(max_new_tokens=2))
+            await client.agenerate([10**6], SamplingParams(max_new_tokens=2))
         finally:
             await client.aclose()
 
@@ -221,7 +248,9 @@ def test_missing_shard_is_named(tiny_model_dir, tmp_path):
     weight_map = {n: "model-00001-of-00002.safetensors" for n in names}
     weight_map[names[-1]] = "model-00002-of-00002.safetensors"
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors is listed in .* but does not exist"):
+    with pytest.raises(
+        FileNotFoundError, match=r"model-00002-of-00002\.safetensors is listed in .* but does not exist"
+    ):
         load_model(model_dir)
 
 
@@ -264,8 +293,11 @@ def test_truncated_safetensors_is_named(tiny_model_dir, tmp_path, damage):
     model_dir = _copy_model(tiny_model_dir, tmp_path / "m")
     path = model_dir / "model.safetensors"
     data = path.read_bytes()
-    path.write_bytes({"half": data[: len(data) // 2], "header": data[:20], "empty": b"",
-                      "pickle": b"\x80\x04\x95" + b"\x00" * 64}[damage])
+    path.write_bytes(
+        {"half": data[: len(data) // 2], "header": data[:20], "empty": b"", "pickle": b"\x80\x04\x95" + b"\x00" * 64}[
+            damage
+        ]
+    )
     with pytest.raises(ValueError) as info:
         load_model(model_dir)
     message = str(info.value)
@@ -280,8 +312,18 @@ def test_cli_prints_a_truncated_model_in_one_line(tiny_model_dir, tmp_path, caps
     _truncate(model_dir / "model.safetensors")
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "model.init_tiny=null",
-               "data.task=null", f"data.train_path={data}", "cluster.device=cpu", "observe.console=false"])
+    rc = main(
+        [
+            "train",
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={model_dir}",
+            "model.init_tiny=null",
+            "data.task=null",
+            f"data.train_path={data}",
+            "cluster.device=cpu",
+            "observe.console=false",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"areno: error: {model_dir}/model.safetensors is truncated") and "model.path" in err[0]
@@ -349,18 +391,24 @@ def test_engine_rejects_a_damaged_checkpoint_as_a_whole(engine_and_new_weights, 
     first, second = new_dir / "model-00001-of-00002.safetensors", new_dir / "model-00002-of-00002.safetensors"
     if damage == "truncated":
         _truncate(second)
-        pattern = (rf"^weight update rejected: {second} is truncated or not a safetensors file \(.*\): "
-                   r"this engine keeps serving version 0; re-export the checkpoint$")
+        pattern = (
+            rf"^weight update rejected: {second} is truncated or not a safetensors file \(.*\): "
+            r"this engine keeps serving version 0; re-export the checkpoint$"
+        )
     elif damage == "missing_shard":
         second.unlink()
-        pattern = (rf"^weight update rejected: {second} is listed in {new_dir}/model\.safetensors\.index\.json "
-                   r"but does not exist: copy the missing shard")
+        pattern = (
+            rf"^weight update rejected: {second} is listed in {new_dir}/model\.safetensors\.index\.json "
+            r"but does not exist: copy the missing shard"
+        )
     else:
         tensors = load_file(str(second))
         dropped = sorted(tensors)[0]
         save_file({k: v for k, v in tensors.items() if k != dropped}, str(second))
-        pattern = (rf"^weight update rejected: tensor '{dropped}' is listed in .*index\.json in "
-                   rf"{second.name} but that shard does not hold it \(1 such tensors\)")
+        pattern = (
+            rf"^weight update rejected: tensor '{dropped}' is listed in .*index\.json in "
+            rf"{second.name} but that shard does not hold it \(1 such tensors\)"
+        )
     assert any(f == first.name for f in weight_map.values())  # the first shard is intact and readable
     before, outputs_before = _snapshot(engine), engine.generate([[5, 6, 7]], GREEDY)[0].output_ids
     with pytest.raises(WeightUpdateError, match=pattern) as info:
@@ -372,10 +420,10 @@ def test_engine_rejects_a_damaged_checkpoint_as_a_whole(engine_and_new_weights, 
 def test_engine_follows_the_index_and_ignores_stray_files(engine_and_new_weights, tmp_path):
     """With an index only the shards it lists are read: a stray file (a leftover of an older
     export, here garbage) is never opened; without the index the same directory is refused."""
+    import torch
+
     from areno.models.hf_io import load_model
     from areno.rollout.engine import WeightUpdateError
-
-    import torch
 
     engine, new_dir = engine_and_new_weights
     _shard(new_dir)
@@ -415,8 +463,13 @@ def _score_workflow():
     class Score(RolloutWorkflow):
         async def run_episode(self, client, sample):
             out = await client.agenerate([5, 6], SamplingParams(max_new_tokens=2, temperature=0.0))
-            return Trajectory(prompt_ids=[5, 6], completion_ids=out.output_ids, logprobs=out.output_logprobs,
-                              versions=out.output_versions, reward=float(out.output_versions[-1]))
+            return Trajectory(
+                prompt_ids=[5, 6],
+                completion_ids=out.output_ids,
+                logprobs=out.output_logprobs,
+                versions=out.output_versions,
+                reward=float(out.output_versions[-1]),
+            )
 
     return Score()
 
@@ -500,8 +553,9 @@ def test_test_rollout_thread_survives_an_evaluation_error(tiny_model_dir, tmp_pa
     _checkpoint(tiny_model_dir, root, 1)
     engine, _ = build_engine(str(tiny_model_dir), device="cpu", num_blocks=64, block_size=8, max_model_len=64)
     client = InProcessRolloutClient(engine)
-    manager = TestRolloutManager(root, engine, client, _score_workflow(), [{"prompt": "x"}], poll_interval_s=0.02,
-                                 on_metrics=on_metrics)
+    manager = TestRolloutManager(
+        root, engine, client, _score_workflow(), [{"prompt": "x"}], poll_interval_s=0.02, on_metrics=on_metrics
+    )
     with caplog.at_level(logging.ERROR, logger="areno.engine.test_rollout"):
         manager.start()
         try:

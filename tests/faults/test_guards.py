@@ -37,8 +37,9 @@ def _nan_loss(output, mb, reducer):
 
 
 def _step(b, loss_fn=nll_loss, seed=0):
-    return b.train_step(random_batch(LENGTHS, VOCAB, seed), forward_fn=nll_forward, loss_fn=loss_fn,
-                        denominator_fn=token_denominator)
+    return b.train_step(
+        random_batch(LENGTHS, VOCAB, seed), forward_fn=nll_forward, loss_fn=loss_fn, denominator_fn=token_denominator
+    )
 
 
 def test_non_finite_loss_with_finite_grads_skips_the_step(model_dir):
@@ -114,12 +115,26 @@ def test_diverged_run_stops_with_one_line(tmp_path, capsys):
     stop after the default 5 skipped steps with exit code 2 and one line, not run to the end."""
     from areno.cli import main
 
-    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
-               "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-               "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=8",
-               "rollout.max_new_tokens=8", "cluster.device=cpu", "observe.console=false",
-               "reward.fn=test_guards:digit_reward", "optim.lr=1e30", "optim.grad_clip=0",
-               "train.steps=20", "train.eval_interval=0"])
+    rc = main(
+        [
+            "train",
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+            "data.task=arithmetic",
+            "data.num_eval=4",
+            "rollout.batch_size=2",
+            "rollout.n_samples=8",
+            "rollout.max_new_tokens=8",
+            "cluster.device=cpu",
+            "observe.console=false",
+            "reward.fn=test_guards:digit_reward",
+            "optim.lr=1e30",
+            "optim.grad_clip=0",
+            "train.steps=20",
+            "train.eval_interval=0",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("areno: error: ") and "5 optimizer steps in a row" in err[-1]
     import json
@@ -146,12 +161,27 @@ def _broken_run(tmp_path, capsys, *extra: str) -> tuple[int, list[str]]:
     """A tiny CLI run whose every episode raises; returns the exit code and stderr's lines."""
     from areno.cli import main
 
-    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
-               "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-               "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=2",
-               "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false",
-               "rollout.workflow=tests.faults.test_guards:AlwaysFailingWorkflow", "rollout.max_retries=0",
-               "rollout.max_consecutive_dropped=3", "train.steps=5", "train.eval_interval=0", *extra])
+    rc = main(
+        [
+            "train",
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+            "data.task=arithmetic",
+            "data.num_eval=4",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "rollout.max_new_tokens=4",
+            "cluster.device=cpu",
+            "observe.console=false",
+            "rollout.workflow=tests.faults.test_guards:AlwaysFailingWorkflow",
+            "rollout.max_retries=0",
+            "rollout.max_consecutive_dropped=3",
+            "train.steps=5",
+            "train.eval_interval=0",
+            *extra,
+        ]
+    )
     return rc, capsys.readouterr().err.strip().splitlines()
 
 
@@ -159,8 +189,9 @@ def test_broken_rollout_side_stops_the_run_with_one_line(tmp_path, capsys):
     """Every episode fails: a synchronous rollout batch without any trajectory stops the run with
     exit code 1 and one line naming the last error, instead of failing later in the metrics."""
     rc, err = _broken_run(tmp_path, capsys)
-    assert rc == 1 and err[-1].startswith("areno: error: no trajectories from a rollout batch of 2 samples: "
-                                          "2 dropped after 1 attempts each")
+    assert rc == 1 and err[-1].startswith(
+        "areno: error: no trajectories from a rollout batch of 2 samples: 2 dropped after 1 attempts each"
+    )
     assert "RuntimeError: environment unreachable" in err[-1] and "rollout engine or server log" in err[-1]
 
 
@@ -181,13 +212,22 @@ class ServersLostWorkflow(AlwaysFailingWorkflow):
         raise RolloutServersLost("every rollout server is gone: http://127.0.0.1:1: rollout[0] (pid 7) died")
 
 
-@pytest.mark.parametrize("extra", [(), ("rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async")],
-                         ids=["synchronous", "asynchronous"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async")],
+    ids=["synchronous", "asynchronous"],
+)
 def test_lost_rollout_servers_stop_the_run_at_once_with_one_line(tmp_path, capsys, extra):
     """No retries (rollout.max_retries=3 here), no samples dropped one by one: the first episode's
     RolloutServersLost ends the run with exit code 1 and its own message."""
-    rc, err = _broken_run(tmp_path, capsys, "rollout.workflow=tests.faults.test_guards:ServersLostWorkflow",
-                          "rollout.max_retries=3", *extra)
-    assert rc == 1 and err[-1] == ("areno: error: every rollout server is gone: http://127.0.0.1:1: "
-                                   "rollout[0] (pid 7) died")
+    rc, err = _broken_run(
+        tmp_path,
+        capsys,
+        "rollout.workflow=tests.faults.test_guards:ServersLostWorkflow",
+        "rollout.max_retries=3",
+        *extra,
+    )
+    assert rc == 1 and err[-1] == (
+        "areno: error: every rollout server is gone: http://127.0.0.1:1: rollout[0] (pid 7) died"
+    )
     assert not any("retrying" in line or "dropping dataset" in line for line in err)

@@ -32,8 +32,9 @@ class Server:
     """``areno serve``'s app on a real port in a thread; stop() and start() again on the same port."""
 
     def __init__(self, model_dir, port: int | None = None) -> None:
-        self.engine, self.tokenizer = build_engine(str(model_dir), device="cpu", num_blocks=128, block_size=8,
-                                                   max_model_len=64)
+        self.engine, self.tokenizer = build_engine(
+            str(model_dir), device="cpu", num_blocks=128, block_size=8, max_model_len=64
+        )
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start()
@@ -169,8 +170,12 @@ def test_health_monitor_drops_dead_server_and_routes_back(tiny_model_dir, caplog
             assert time.monotonic() < deadline, "the dead server was never marked unhealthy"
             time.sleep(0.05)
         assert f"rollout server {b.url} marked unhealthy after 2 missed health checks" in caplog.text
-        assert monitor.metrics() == {"rollout/healthy_servers": 1.0, "rollout/unhealthy_servers": 1.0,
-                                     "rollout/server_0_healthy": 1.0, "rollout/server_1_healthy": 0.0}
+        assert monitor.metrics() == {
+            "rollout/healthy_servers": 1.0,
+            "rollout/unhealthy_servers": 1.0,
+            "rollout/server_0_healthy": 1.0,
+            "rollout/server_1_healthy": 0.0,
+        }
         before = list(client.requests_per_server)
         asyncio.run(generate(4))
         assert client.requests_per_server == [before[0] + 4, before[1]]  # nothing routed to the dead one
@@ -233,7 +238,9 @@ def test_request_fails_at_once_when_every_server_is_lost_for_good():
     with pytest.raises(RolloutServersLost) as info:
         asyncio.run(client.agenerate([5, 6, 7], PARAMS))
     assert time.monotonic() - t0 < 10
-    assert str(info.value) == f"every rollout server is gone: {a}: rollout[0] (pid 11) died; {b}: rollout[1] (pid 12) died"
+    assert (
+        str(info.value) == f"every rollout server is gone: {a}: rollout[0] (pid 11) died; {b}: rollout[1] (pid 12) died"
+    )
     assert asked and not any(asked)  # asked off the event loop's thread (it may block on the workers)
     del gone[b]  # b may still come back: wait for it, up to the deadline
     client = MultiServerRolloutClient([a, b], request_timeout_s=1.5, health=monitor, lost=lost)
@@ -246,6 +253,7 @@ def test_request_fails_at_once_when_every_server_is_lost_for_good():
 def test_pool_stops_on_lost_servers_without_retrying():
     """RolloutServersLost is not an episode's failure: the pool stops and wait_batch raises it
     (no retries, no samples dropped one by one)."""
+
     class LostWorkflow:
         calls = 0
 
@@ -293,6 +301,7 @@ def test_health_monitor_validation():
 # ---------------------------------------------------------------------------------- stalled workers
 from areno.api.types import GenerationOutput, Trajectory  # noqa: E402
 from areno.api.workflow import RolloutWorkflow  # noqa: E402
+from areno.launch.scheduler import free_port
 from areno.rollout.executor import (  # noqa: E402
     DatasetExhausted,
     ProcessEpisodeRunner,
@@ -300,7 +309,6 @@ from areno.rollout.executor import (  # noqa: E402
     WorkflowExecutor,
 )
 from areno.rollout.staleness import StalenessManager  # noqa: E402
-from areno.launch.scheduler import free_port
 
 
 class EchoClient:
@@ -309,8 +317,14 @@ class EchoClient:
     async def agenerate(self, prompt_ids, sampling_params, *, request_id=None):
         await asyncio.sleep(0.01 * prompt_ids[0])
         n = prompt_ids[0]
-        return GenerationOutput(request_id=request_id or "r", prompt_ids=list(prompt_ids), output_ids=[5] * n,
-                                output_logprobs=[-0.5] * n, output_versions=[0] * n, finish_reason="stop")
+        return GenerationOutput(
+            request_id=request_id or "r",
+            prompt_ids=list(prompt_ids),
+            output_ids=[5] * n,
+            output_logprobs=[-0.5] * n,
+            output_versions=[0] * n,
+            finish_reason="stop",
+        )
 
 
 class StallOnceWorkflow(RolloutWorkflow):
@@ -326,9 +340,15 @@ class StallOnceWorkflow(RolloutWorkflow):
             Path(marker).write_text(str(os.getpid()))
             time.sleep(3600)
         out = await client.agenerate([sample["len"]], SamplingParams(max_new_tokens=100))
-        return Trajectory(prompt_ids=[1], completion_ids=out.output_ids, logprobs=out.output_logprobs,
-                          versions=out.output_versions, reward=float(sample["id"]), group_id=str(sample["id"]),
-                          info={"id": sample["id"], "pid": os.getpid()})
+        return Trajectory(
+            prompt_ids=[1],
+            completion_ids=out.output_ids,
+            logprobs=out.output_logprobs,
+            versions=out.output_versions,
+            reward=float(sample["id"]),
+            group_id=str(sample["id"]),
+            info={"id": sample["id"], "pid": os.getpid()},
+        )
 
 
 @pytest.mark.slow
@@ -367,16 +387,23 @@ class HangOnceWorkflow(RolloutWorkflow):
         if sample["id"] == 1 and not self.hung:
             self.hung = True
             await asyncio.Event().wait()
-        return Trajectory(prompt_ids=[1], completion_ids=[5], logprobs=[-0.5], versions=[0],
-                          reward=float(sample["id"]), info={"id": sample["id"]})
+        return Trajectory(
+            prompt_ids=[1],
+            completion_ids=[5],
+            logprobs=[-0.5],
+            versions=[0],
+            reward=float(sample["id"]),
+            info={"id": sample["id"]},
+        )
 
 
 def test_in_process_episode_timeout_requeues_the_sample(caplog):
     staleness = StalenessManager(max_head_offpolicyness=100, batch_size=2, max_concurrent=2)
     data = [{"id": i} for i in range(4)]
     with caplog.at_level(logging.WARNING, logger="areno.rollout.executor"):
-        with WorkflowExecutor(None, HangOnceWorkflow(), iter(data), staleness, max_retries=1,
-                              episode_timeout_s=0.5) as ex:
+        with WorkflowExecutor(
+            None, HangOnceWorkflow(), iter(data), staleness, max_retries=1, episode_timeout_s=0.5
+        ) as ex:
             groups = ex.wait_batch(2, timeout=30) + ex.wait_batch(2, timeout=30)
             m = ex.metrics()
     assert sorted(g[0].info["id"] for g in groups) == [0, 1, 2, 3]
@@ -388,13 +415,17 @@ def test_in_process_episode_timeout_requeues_the_sample(caplog):
 def test_request_timeouts_in_a_rollout_are_requeued_not_dropped(tiny_model_dir):
     """Colocated path: the engine stalls for longer than one request deadline; the episode's
     timeout is counted and the sample re-run once the engine is back, so no prompt is lost."""
-    from areno.workflows.rlvr import RLVRWorkflow
     from areno.data.tokenizer import build_char_tokenizer
+    from areno.workflows.rlvr import RLVRWorkflow
 
     engine, _ = build_engine(str(tiny_model_dir), device="cpu", num_blocks=64, block_size=8, max_model_len=64)
     client = InProcessRolloutClient(engine, request_timeout_s=0.5)
-    workflow = RLVRWorkflow(tokenizer=build_char_tokenizer(), reward_fn=lambda p, c, a, **kw: 1.0, n_samples=2,
-                            sampling_params=SamplingParams(max_new_tokens=3, ignore_eos=True))
+    workflow = RLVRWorkflow(
+        tokenizer=build_char_tokenizer(),
+        reward_fn=lambda p, c, a, **kw: 1.0,
+        n_samples=2,
+        sampling_params=SamplingParams(max_new_tokens=3, ignore_eos=True),
+    )
     engine.pause()
     threading.Timer(0.8, lambda: (engine.resume(), client.wake())).start()  # back after the first deadline
     ex = WorkflowExecutor(client, workflow, max_retries=3)

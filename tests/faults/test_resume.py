@@ -9,7 +9,13 @@ import pytest
 from areno.api.config import load_config
 from areno.engine.api import prepare_model_dir
 from tests.faults._resume_helpers import (
-    losses, overrides, resumed_step, run_areno, start_areno, train_rows, trained_prompts,
+    losses,
+    overrides,
+    resumed_step,
+    run_areno,
+    start_areno,
+    train_rows,
+    trained_prompts,
 )
 
 ASYNC = ("rollout.max_head_offpolicyness=1", "rollout.max_concurrent=1")
@@ -174,8 +180,9 @@ def test_concurrent_async_pool_neither_skips_nor_repeats_a_prompt(tmp):
     _ok(run_areno(args))
     assert sorted(train_rows(run_dir)) == [1, 2, 3, 4]
 
-    state = torch.load(run_dir / "checkpoints" / "step_00000004" / "policy" / "trainer_state.pt",
-                       weights_only=True)["extra"]["data"]
+    state = torch.load(run_dir / "checkpoints" / "step_00000004" / "policy" / "trainer_state.pt", weights_only=True)[
+        "extra"
+    ]["data"]
     cfg = load_config(None, args)
     stream = PromptStream(build_splits(cfg.data)[0], seed=cfg.data.seed)
     handed_out = []

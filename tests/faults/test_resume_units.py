@@ -141,8 +141,14 @@ class _RecordingClient:
     async def agenerate(self, prompt_ids, sampling_params, *, request_id=None):
         await asyncio.sleep(0)
         self.seeds.append(sampling_params.seed)
-        return GenerationOutput(request_id="r", prompt_ids=prompt_ids, output_ids=[1], output_logprobs=[0.0],
-                                output_versions=[0], finish_reason="stop")
+        return GenerationOutput(
+            request_id="r",
+            prompt_ids=prompt_ids,
+            output_ids=[1],
+            output_logprobs=[0.0],
+            output_versions=[0],
+            finish_reason="stop",
+        )
 
 
 class _GroupOf3(RolloutWorkflow):
@@ -156,8 +162,16 @@ class _GroupOf3(RolloutWorkflow):
         outs = await asyncio.gather(*(client.agenerate([1], params) for _ in range(3)))
         if sample["prompt"] == self.reject:
             return None
-        return [Trajectory(prompt_ids=[1], completion_ids=o.output_ids, logprobs=o.output_logprobs,
-                           versions=o.output_versions, reward=0.0) for o in outs]
+        return [
+            Trajectory(
+                prompt_ids=[1],
+                completion_ids=o.output_ids,
+                logprobs=o.output_logprobs,
+                versions=o.output_versions,
+                reward=0.0,
+            )
+            for o in outs
+        ]
 
 
 def test_episodes_sample_with_seeds_from_their_place_in_the_data():
@@ -184,6 +198,9 @@ def test_load_into_a_started_asynchronous_pool_is_refused_before_any_weight_is_r
     engine.ledger = SampleLedger(PromptStream(_rows(4), seed=0))
     engine.check_loadable()  # the pool has not started: loadable
     next(engine.ledger)
-    with pytest.raises(RuntimeError, match=r"^load\(\): this asynchronous engine's rollout pool has started \(1 samples "
-                                           r"handed out\); load a checkpoint into a new engine"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^load\(\): this asynchronous engine's rollout pool has started \(1 samples "
+        r"handed out\); load a checkpoint into a new engine",
+    ):
         engine.load(tmp_path / "absent")  # refused before the (absent) checkpoint is opened

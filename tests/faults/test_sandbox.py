@@ -56,14 +56,17 @@ async def async_reward(prompt: str, completion: str, answer=None, **row) -> floa
 # -------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def sandbox():
-    with RewardSandbox("test_sandbox:misbehave", workers=2, timeout_s=TIMEOUT_S, memory_mb=512,
-                       cpu_s=1.0) as pool:
+    with RewardSandbox("test_sandbox:misbehave", workers=2, timeout_s=TIMEOUT_S, memory_mb=512, cpu_s=1.0) as pool:
         yield pool
 
 
 def _delta(before: dict, after: dict) -> dict:
-    return {k: after[k] - before[k] for k in after if k.startswith("rollout/reward_failures_") or k == "rollout/reward_calls"
-            if after[k] != before[k]}
+    return {
+        k: after[k] - before[k]
+        for k in after
+        if k.startswith("rollout/reward_failures_") or k == "rollout/reward_calls"
+        if after[k] != before[k]
+    }
 
 
 def _fails(pool: RewardSandbox, completion: str) -> tuple[RewardFailure, float, dict]:
@@ -104,8 +107,7 @@ def test_crash_is_counted_and_worker_replaced(sandbox, completion, described):
 def test_exception_names_function_and_fix(sandbox):
     failure, _, delta = _fails(sandbox, "raise")
     assert failure.kind == "error"
-    assert str(failure) == ("reward test_sandbox:misbehave raised KeyError: 'no such field': "
-                            "fix the reward function")
+    assert str(failure) == ("reward test_sandbox:misbehave raised KeyError: 'no such field': fix the reward function")
     assert delta == {"rollout/reward_calls": 1.0, "rollout/reward_failures_error": 1.0}
 
 
@@ -199,12 +201,15 @@ def test_load_reward_auto_sandbox_and_shared_metrics():
     assert reward_metrics() == {}
 
 
-@pytest.mark.parametrize("override, key", [
-    ("reward.workers=0", "reward.workers"),
-    ("reward.memory_mb=64", "reward.memory_mb"),
-    ("reward.cpu_s=0", "reward.cpu_s"),
-    ("reward.timeout_s=-1", "reward.timeout_s"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("reward.workers=0", "reward.workers"),
+        ("reward.memory_mb=64", "reward.memory_mb"),
+        ("reward.cpu_s=0", "reward.cpu_s"),
+        ("reward.timeout_s=-1", "reward.timeout_s"),
+    ],
+)
 def test_config_validation(override, key):
     from areno.api.config import ConfigError, load_config
 
@@ -296,8 +301,9 @@ def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path):
         "time.sleep(600)\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": repo})
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": repo}
+    )
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == 2
     parent.kill()

@@ -24,8 +24,9 @@ def app(tiny_model_dir):
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
     model, config = load_model(str(tiny_model_dir), dtype=torch.float32, device="cpu")  # no tokenizer: faster
-    engine = RolloutEngine(model, config, config=RolloutEngineConfig(num_blocks=64, block_size=8, max_model_len=64),
-                           eos_token_ids=(0,))
+    engine = RolloutEngine(
+        model, config, config=RolloutEngineConfig(num_blocks=64, block_size=8, max_model_len=64), eos_token_ids=(0,)
+    )
     return create_app(engine, model_name="tiny", api_key=KEY)
 
 
@@ -85,10 +86,20 @@ def test_weight_update_from_a_pickle_is_refused_without_running_it(app, tmp_path
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("host, loopback", [
-    ("127.0.0.1", True), ("127.3.2.1", True), ("::1", True), ("[::1]", True), ("localhost", True),
-    ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("example.com", False),
-])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("example.com", False),
+    ],
+)
 def test_is_loopback(host, loopback):
     assert is_loopback(host) is loopback
 
@@ -130,15 +141,21 @@ def test_checkpoint_with_a_pickle_payload_is_refused(tmp_path):
 def _torch_load_calls(source: str) -> list[ast.Call]:
     calls = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "load"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"
+        ):
             calls.append(node)
     return calls
 
 
 def test_every_torch_load_in_the_repo_is_weights_only():
-    files = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     offenders, seen = [], 0
     for name in files:
         path = REPO / name

@@ -20,7 +20,9 @@ from areno.launch.scheduler import free_port
 
 def slurm_available() -> str | None:
     """None when slurmctld/slurmd/sbatch exist, else the reason to skip."""
-    missing = [t for t in ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "scontrol") if not shutil.which(t)]
+    missing = [
+        t for t in ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "scontrol") if not shutil.which(t)
+    ]
     return f"SLURM not installed ({', '.join(missing)} missing; apt-get install slurm-wlm)" if missing else None
 
 
@@ -32,45 +34,49 @@ def slurm_cluster(root: Path, cpus: int = 8) -> Iterator[dict[str, str]]:
         (root / d).mkdir(parents=True, exist_ok=True)
     conf = root / "slurm.conf"
     conf.write_text(
-        "\n".join([
-            "ClusterName=arenotest",
-            f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/none",
-            "CredType=cred/none",
-            "MpiDefault=none",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "SlurmdParameters=config_overrides",
-            "ReturnToService=2",
-            "SchedulerType=sched/backfill",
-            "SchedulerParameters=bf_interval=1",  # heterogeneous jobs are only started by backfill
-            "InactiveLimit=0",
-            "KillWait=5",
-            "MinJobAge=300",
-            f"StateSaveLocation={root / 'state'}",
-            f"SlurmdSpoolDir={root / 'spool'}",
-            f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={root / 'slurmd.pid'}",
-            f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
-            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN",
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
-            "",
-        ])
+        "\n".join(
+            [
+                "ClusterName=arenotest",
+                f"SlurmctldHost={host}(127.0.0.1)",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                "AuthType=auth/none",
+                "CredType=cred/none",
+                "MpiDefault=none",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_CPU",
+                "SlurmdParameters=config_overrides",
+                "ReturnToService=2",
+                "SchedulerType=sched/backfill",
+                "SchedulerParameters=bf_interval=1",  # heterogeneous jobs are only started by backfill
+                "InactiveLimit=0",
+                "KillWait=5",
+                "MinJobAge=300",
+                f"StateSaveLocation={root / 'state'}",
+                f"SlurmdSpoolDir={root / 'spool'}",
+                f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+                f"SlurmdPidFile={root / 'slurmd.pid'}",
+                f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
+                f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+                f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN",
+                "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+                "",
+            ]
+        )
     )
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    ctld = subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    slurmd = subprocess.Popen(["slurmd", "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    ctld = subprocess.Popen(
+        ["slurmctld", "-D", "-i", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    slurmd = subprocess.Popen(
+        ["slurmd", "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -79,8 +85,10 @@ def slurm_cluster(root: Path, cpus: int = 8) -> Iterator[dict[str, str]]:
                 break
             for p, name in ((ctld, "slurmctld"), (slurmd, "slurmd")):
                 if p.poll() is not None:
-                    log = (root / "log" / f"{name}.log")
-                    raise RuntimeError(f"{name} exited ({p.returncode}): {log.read_text()[-1500:] if log.exists() else ''}")
+                    log = root / "log" / f"{name}.log"
+                    raise RuntimeError(
+                        f"{name} exited ({p.returncode}): {log.read_text()[-1500:] if log.exists() else ''}"
+                    )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"SLURM node not idle within 60s: {out.stdout!r} {out.stderr!r}")
             time.sleep(0.5)

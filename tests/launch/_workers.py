@@ -104,6 +104,9 @@ def runtime_info() -> dict:
     import torch
 
     keys = ("THREAD", "OMP", "MKL", "KMP", "CUDA", "TORCH")
-    return {"threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "env": {k: v for k, v in os.environ.items() if any(w in k for w in keys)}}
+    return {
+        "threads": torch.get_num_threads(),
+        "interop": torch.get_num_interop_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "env": {k: v for k, v in os.environ.items() if any(w in k for w in keys)},
+    }

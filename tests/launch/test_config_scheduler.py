@@ -25,20 +25,34 @@ def _one_line(exc_info) -> str:
     "overrides, message",
     [
         (["cluster.scheduler=k8s", *PARTITIONED], r"^cluster.scheduler: must be one of local, ray, slurm; got 'k8s'$"),
-        (["cluster.scheduler=ray"], r"^cluster.scheduler: ray starts the workers of a partitioned placement, but this "
-                                    r"run is colocated .* or use local$"),
-        (["cluster.scheduler=ray", *PARTITIONED, "cluster.scheduler_options={ray_adress: auto}"],
-         r"^cluster.scheduler_options.ray_adress is not a scheduler option; known: connect_timeout_s, log_dir, "
-         r"ray_address, "),
-        (["cluster.scheduler=slurm", "cluster.allocation_mode=areno:d1+fsdp:d1",
-          "cluster.scheduler_options={slurm_cpus_per_task: 0}"],
-         r"^cluster.scheduler_options.slurm_cpus_per_task must be >= 1, got 0$"),
-        (["cluster.scheduler=ray", *PARTITIONED, "cluster.scheduler_options={ray_placement_strategy: FILL}"],
-         r"^cluster.scheduler_options.ray_placement_strategy must be one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD; "
-         r"got 'FILL'$"),
-        (["cluster.allocation_mode=areno:d2|fsdp:d2"],
-         r"^cluster.allocation_mode: 'areno:d2\|fsdp:d2' asks for 2 devices without a '\+', but a colocated run is "
-         r"one process on one device: use d1"),
+        (
+            ["cluster.scheduler=ray"],
+            r"^cluster.scheduler: ray starts the workers of a partitioned placement, but this "
+            r"run is colocated .* or use local$",
+        ),
+        (
+            ["cluster.scheduler=ray", *PARTITIONED, "cluster.scheduler_options={ray_adress: auto}"],
+            r"^cluster.scheduler_options.ray_adress is not a scheduler option; known: connect_timeout_s, log_dir, "
+            r"ray_address, ",
+        ),
+        (
+            [
+                "cluster.scheduler=slurm",
+                "cluster.allocation_mode=areno:d1+fsdp:d1",
+                "cluster.scheduler_options={slurm_cpus_per_task: 0}",
+            ],
+            r"^cluster.scheduler_options.slurm_cpus_per_task must be >= 1, got 0$",
+        ),
+        (
+            ["cluster.scheduler=ray", *PARTITIONED, "cluster.scheduler_options={ray_placement_strategy: FILL}"],
+            r"^cluster.scheduler_options.ray_placement_strategy must be one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD; "
+            r"got 'FILL'$",
+        ),
+        (
+            ["cluster.allocation_mode=areno:d2|fsdp:d2"],
+            r"^cluster.allocation_mode: 'areno:d2\|fsdp:d2' asks for 2 devices without a '\+', but a colocated run is "
+            r"one process on one device: use d1",
+        ),
     ],
 )
 def test_bad_cluster_config_is_one_line(overrides, message):
@@ -48,8 +62,9 @@ def test_bad_cluster_config_is_one_line(overrides, message):
 
 
 def test_scheduler_options_reach_the_config():
-    c = _cluster("cluster.scheduler=ray", *PARTITIONED, "cluster.scheduler_options={ray_address: auto, "
-                 "ray_cpus_per_worker: 0.5}")
+    c = _cluster(
+        "cluster.scheduler=ray", *PARTITIONED, "cluster.scheduler_options={ray_address: auto, ray_cpus_per_worker: 0.5}"
+    )
     assert (c.scheduler, c.scheduler_options) == ("ray", {"ray_address": "auto", "ray_cpus_per_worker": 0.5})
 
 
@@ -64,8 +79,11 @@ def test_ray_not_installed_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     monkeypatch.delitem(sys.modules, "areno.launch.ray_scheduler", raising=False)
     cluster = _cluster("cluster.scheduler=ray", *PARTITIONED)
-    with pytest.raises(SchedulerError, match=r"^cluster.scheduler=ray needs the ray package, which does not import "
-                                             r"here \(.*\); pip install 'ray\[default\]' or use cluster.scheduler=local$") as info:
+    with pytest.raises(
+        SchedulerError,
+        match=r"^cluster.scheduler=ray needs the ray package, which does not import "
+        r"here \(.*\); pip install 'ray\[default\]' or use cluster.scheduler=local$",
+    ) as info:
         scheduler_for(cluster, ClusterLayout(train_devices=(0,), rollout_devices=(1,)), log_dir=str(tmp_path))
     _one_line(info)
     assert isinstance(info.value, ValueError)  # what the CLI prints as one line
@@ -79,14 +97,18 @@ def test_no_slurm_controller_is_one_line(tmp_path, monkeypatch):
         (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
     (bin_dir / "squeue").write_text(
         "#!/bin/sh\necho 'squeue: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host' >&2\n"
-        "echo 'squeue: error: _establish_config_source: failed to fetch config' >&2\nexit 1\n")
+        "echo 'squeue: error: _establish_config_source: failed to fetch config' >&2\nexit 1\n"
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir))
     cluster = _cluster("cluster.scheduler=slurm", *PARTITIONED)
-    with pytest.raises(SchedulerError, match=r"^no SLURM controller answers from this host \(squeue: squeue: error: "
-                                             r"_establish_config_source: failed to fetch config\): cluster.scheduler="
-                                             r"slurm needs slurm.conf \(SLURM_CONF\) and a running slurmctld") as info:
+    with pytest.raises(
+        SchedulerError,
+        match=r"^no SLURM controller answers from this host \(squeue: squeue: error: "
+        r"_establish_config_source: failed to fetch config\): cluster.scheduler="
+        r"slurm needs slurm.conf \(SLURM_CONF\) and a running slurmctld",
+    ) as info:
         scheduler_for(cluster, ClusterLayout(train_devices=(0,), rollout_devices=(1,)), log_dir=str(tmp_path))
     _one_line(info)
 
@@ -95,9 +117,12 @@ def test_no_slurm_controller_is_one_line(tmp_path, monkeypatch):
 def test_shared_gpus_need_the_local_scheduler(tmp_path, scheduler):
     cluster = _cluster(f"cluster.scheduler={scheduler}", "cluster.train_devices=[0]", "cluster.rollout_devices=[0]")
     layout = ClusterLayout(train_devices=(0,), rollout_devices=(0,), cuda=True)
-    with pytest.raises(LayoutError, match=rf"^cluster.scheduler={scheduler} gives each worker GPUs of its own, but "
-                                          r"train and rollout share devices \[0\]: use disjoint device lists or "
-                                          r"cluster.scheduler=local$"):
+    with pytest.raises(
+        LayoutError,
+        match=rf"^cluster.scheduler={scheduler} gives each worker GPUs of its own, but "
+        r"train and rollout share devices \[0\]: use disjoint device lists or "
+        r"cluster.scheduler=local$",
+    ):
         scheduler_for(cluster, layout, log_dir=str(tmp_path))
 
 
@@ -107,20 +132,36 @@ def test_partitioned_grpo_step_through_ray(tmp_path):
     from areno.engine.partitioned import PartitionedArenoEngine
     from areno.launch.ray_scheduler import RayScheduler
 
-    cfg = load_config(None, [
-        f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
-        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-        "data.task=arithmetic", "data.num_eval=2", "rollout.batch_size=2", "rollout.n_samples=4",
-        "rollout.max_new_tokens=4", "cluster.device=cpu", "cluster.cpu_threads=1", "observe.console=false",
-        "train.seed=3", "optim.lr=0.01", "reward.fn=tests.launch._workers:digits", *PARTITIONED,
-        "cluster.scheduler=ray", "cluster.scheduler_options={ray_cpus_per_worker: 0.5}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+            "data.task=arithmetic",
+            "data.num_eval=2",
+            "rollout.batch_size=2",
+            "rollout.n_samples=4",
+            "rollout.max_new_tokens=4",
+            "cluster.device=cpu",
+            "cluster.cpu_threads=1",
+            "observe.console=false",
+            "train.seed=3",
+            "optim.lr=0.01",
+            "reward.fn=tests.launch._workers:digits",
+            *PARTITIONED,
+            "cluster.scheduler=ray",
+            "cluster.scheduler_options={ray_cpus_per_worker: 0.5}",
+        ],
+    )
     engine = PartitionedArenoEngine(cfg, tmp_path / "run")
     try:
         engine.initialize()
         assert isinstance(engine.scheduler, RayScheduler)
-        assert [(h.rank, h.role) for h in engine.scheduler.workers("train") + engine.scheduler.workers("rollout")] \
-            == [(0, "train"), (1, "rollout")]
+        assert [(h.rank, h.role) for h in engine.scheduler.workers("train") + engine.scheduler.workers("rollout")] == [
+            (0, "train"),
+            (1, "rollout"),
+        ]
         rollout = engine.generate_rollout(0)
         metrics = engine.step(rollout)
         engine.update_weights()

@@ -97,7 +97,9 @@ def test_construction_failures_leave_no_role(tmp_path):
             s.create_workers("broken", "tests.launch._workers:BrokenWorker", 1, env=ENV)
         assert s.roles == []
         # a worker interpreter that cannot start exits before connecting
-        with pytest.raises(SchedulerError, match=r"bad\[0\] exited with code 1 before connecting; log .*Fatal Python error"):
+        with pytest.raises(
+            SchedulerError, match=r"bad\[0\] exited with code 1 before connecting; log .*Fatal Python error"
+        ):
             s.create_workers("bad", ENV_WORKER, 1, env={**ENV, "PYTHONIOENCODING": "no-such-codec"})
         assert s.roles == []
 

@@ -1,6 +1,5 @@
 """SlurmScheduler: the rendered script, one-line errors, and (slow) a real single-node cluster."""
 
-import os
 import textwrap
 
 import pytest
@@ -39,28 +38,50 @@ EXPECTED = textwrap.dedent(
 
 def test_render_one_step_per_role():
     cfg = SchedulerConfig(
-        type="slurm", slurm_partition="gpu", slurm_account="rl", slurm_time="02:00:00", slurm_cpus_per_task=2,
+        type="slurm",
+        slurm_partition="gpu",
+        slurm_account="rl",
+        slurm_time="02:00:00",
+        slurm_cpus_per_task=2,
         slurm_extra_sbatch_lines=("--qos=high", "#SBATCH --exclusive"),
         slurm_setup_lines=("source /opt/venv/bin/activate",),
     )
     specs = [
         # rollout and actor share one torch.distributed world (ranks 0-1 and 2-5); ref has its own
         RoleSpec(role="rollout", worker_cls="m:C", n=2, devices=[0, 1, 2, 3], world="w"),
-        RoleSpec(role="actor", worker_cls="m:C", n=4, devices=[4, 5, 6, 7], env={"OMP_NUM_THREADS": "1", "X": "a b"},
-                 world="w"),
+        RoleSpec(
+            role="actor",
+            worker_cls="m:C",
+            n=4,
+            devices=[4, 5, 6, 7],
+            env={"OMP_NUM_THREADS": "1", "X": "a b"},
+            world="w",
+        ),
         RoleSpec(role="ref", worker_cls="m:C", n=1),
     ]
     script = render_sbatch(
-        specs, cfg=cfg, controller="ctl:5000", job_dir="/shared/job", master_ports={"w": 29500, "role:ref": 29501},
-        python="/opt/venv/bin/python", pythonpath="/src", workdir="/src",
+        specs,
+        cfg=cfg,
+        controller="ctl:5000",
+        job_dir="/shared/job",
+        master_ports={"w": 29500, "role:ref": 29501},
+        python="/opt/venv/bin/python",
+        pythonpath="/src",
+        workdir="/src",
     )
     assert script == EXPECTED
 
 
 def test_render_minimal():
     script = render_sbatch(
-        [RoleSpec(role="actor", worker_cls="m:C", n=1)], cfg=SchedulerConfig(type="slurm"), controller="h:1",
-        job_dir="/j", master_ports={"role:actor": 2}, python="python3", pythonpath="/p", workdir="/w",
+        [RoleSpec(role="actor", worker_cls="m:C", n=1)],
+        cfg=SchedulerConfig(type="slurm"),
+        controller="h:1",
+        job_dir="/j",
+        master_ports={"role:actor": 2},
+        python="python3",
+        pythonpath="/p",
+        workdir="/w",
     )
     assert "--partition" not in script and "--account" not in script and "--gpus" not in script
     assert "#SBATCH --time=01:00:00\n" in script and "#SBATCH --ntasks=1\n" in script
@@ -80,15 +101,22 @@ def test_real_single_node_cluster(tmp_path, monkeypatch):
     with slurm_cluster(tmp_path / "cluster") as env:
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        cfg = SchedulerConfig(type="slurm", log_dir=str(tmp_path / "job"), slurm_controller_addr="127.0.0.1",
-                              connect_timeout_s=120, slurm_poll_interval_s=0.5)
+        cfg = SchedulerConfig(
+            type="slurm",
+            log_dir=str(tmp_path / "job"),
+            slurm_controller_addr="127.0.0.1",
+            connect_timeout_s=120,
+            slurm_poll_interval_s=0.5,
+        )
         worker, wenv = "tests.launch._workers:GradWorker", {"OMP_NUM_THREADS": "1"}
         with scheduler_from_config(cfg) as sched:
             assert isinstance(sched, SlurmScheduler)
-            handles = sched.create_roles([
-                RoleSpec(role="rollout", worker_cls=worker, n=1, args=(7,), env=wenv, world="w"),
-                RoleSpec(role="actor", worker_cls=worker, n=2, args=(7,), env=wenv, world="w"),
-            ])
+            handles = sched.create_roles(
+                [
+                    RoleSpec(role="rollout", worker_cls=worker, n=1, args=(7,), env=wenv, world="w"),
+                    RoleSpec(role="actor", worker_cls=worker, n=2, args=(7,), env=wenv, world="w"),
+                ]
+            )
             assert [h.rank for h in handles["rollout"] + handles["actor"]] == [0, 1, 2]
             assert sched.call("actor", "env", "RANK") == ["1", "2"]
             assert sched.call("actor", "env", "WORLD_SIZE") == ["3", "3"]

@@ -14,13 +14,17 @@ def test_controller_only_probe_cleans_up(tmp_path):
 
 def test_unwritable_path_names_node_and_path(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(StorageCheckError, match=r"node '.+' \(controller\) cannot write under '.*/file/ckpt' \(NotADirectoryError"):
+    with pytest.raises(
+        StorageCheckError, match=r"node '.+' \(controller\) cannot write under '.*/file/ckpt' \(NotADirectoryError"
+    ):
         check_shared_storage([str(tmp_path / "file" / "ckpt")])
 
 
 def test_url_without_fsspec_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "fsspec", None)
-    with pytest.raises(StorageCheckError, match=r"'s3://bucket/ckpt' is a URL and needs fsspec .* pip install fsspec s3fs"):
+    with pytest.raises(
+        StorageCheckError, match=r"'s3://bucket/ckpt' is a URL and needs fsspec .* pip install fsspec s3fs"
+    ):
         check_shared_storage(["s3://bucket/ckpt"])
 
 

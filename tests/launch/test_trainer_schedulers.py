@@ -17,11 +17,21 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 def _overrides(root):
     return [
-        f"run_dir={root / 'run'}", f"model.path={root / 'model'}",
+        f"run_dir={root / 'run'}",
+        f"model.path={root / 'model'}",
         "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-        "data.task=arithmetic", "data.num_eval=16", "rollout.batch_size=4", "rollout.n_samples=4",
-        "rollout.max_new_tokens=4", "cluster.device=cpu", "observe.console=false", "train.steps=3",
-        "train.eval_interval=0", "train.seed=3", "optim.lr=0.02", "reward.fn=tests.launch._workers:digits",
+        "data.task=arithmetic",
+        "data.num_eval=16",
+        "rollout.batch_size=4",
+        "rollout.n_samples=4",
+        "rollout.max_new_tokens=4",
+        "cluster.device=cpu",
+        "observe.console=false",
+        "train.steps=3",
+        "train.eval_interval=0",
+        "train.seed=3",
+        "optim.lr=0.02",
+        "reward.fn=tests.launch._workers:digits",
     ]
 
 

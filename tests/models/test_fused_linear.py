@@ -15,8 +15,9 @@ VOCAB = 62
 CASES = {
     "qwen2": dict(arch="qwen2"),  # q/k/v bias
     "llama": dict(arch="llama"),  # no bias
-    "llama_mlp_bias": dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True,
-                           tie_word_embeddings=True),
+    "llama_mlp_bias": dict(
+        arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True, tie_word_embeddings=True
+    ),
     "qwen3": dict(arch="qwen3", head_dim=24),  # q/k RMSNorm on the strided q/k views
     "mha": dict(arch="qwen2", kv_heads=4),
 }
@@ -63,8 +64,10 @@ def test_fused_forward_equals_unfused(case):
             assert a.k_proj.bias.data_ptr() == a.qkv.bias.data_ptr() + a.q_proj.bias.numel() * a.qkv.bias.element_size()
         assert m.gate_up.weight.shape == (2 * m.gate_proj.weight.shape[0], m.gate_proj.weight.shape[1])
         assert m.up_proj.weight.data_ptr() == m.gate_up.weight.data_ptr() + m.gate_proj.weight.numel() * 4
-        assert all(p.is_contiguous() for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
-                                               m.gate_proj.weight, m.up_proj.weight))
+        assert all(
+            p.is_contiguous()
+            for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight, m.up_proj.weight)
+        )
     with torch.no_grad():
         got, want = model(ids, pos), ref(ids, pos)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -101,11 +101,12 @@ def test_self_check_and_kernels_match_eager():
         torch.testing.assert_close(fused_ops.rope(q, cos, sin), eager_rope(q, cos, sin), **tol)
         # a strided view, as q/k come out of the projections
         qkv = torch.randn(9, 3 * 12 * 128, device="cuda", dtype=dtype)
-        k_view = qkv[:, 12 * 128: 24 * 128].view(9, 12, 128)
+        k_view = qkv[:, 12 * 128 : 24 * 128].view(9, 12, 128)
         torch.testing.assert_close(fused_ops.rope(k_view, cos, sin), eager_rope(k_view, cos, sin), **tol)
         g, u = torch.randn(5, 8960, device="cuda", dtype=dtype), torch.randn(5, 8960, device="cuda", dtype=dtype)
-        torch.testing.assert_close(fused_ops.silu_mul(g, u), torch.nn.functional.silu(g) * u,
-                                   rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+        torch.testing.assert_close(
+            fused_ops.silu_mul(g, u), torch.nn.functional.silu(g) * u, rtol=2 * torch.finfo(dtype).eps, atol=1e-6
+        )
 
 
 @gpu
@@ -178,9 +179,14 @@ def test_fused_residual_norm_loop_equals_the_layer_loop(monkeypatch, dtype):
     assert torch.equal(got, ref)
     # two per layer: its post-attention norm, then the next layer's input norm (the final norm last)
     layers = model.model.layers
-    want = [n.weight for i, layer in enumerate(layers)
-            for n in (layer.post_attention_layernorm, layers[i + 1].input_layernorm if i + 1 < len(layers)
-                      else model.model.norm)]
+    want = [
+        n.weight
+        for i, layer in enumerate(layers)
+        for n in (
+            layer.post_attention_layernorm,
+            layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm,
+        )
+    ]
     assert len(calls) == 6 and all(a is b for a, b in zip(calls, want))
 
 
@@ -201,8 +207,11 @@ def emulate_fused_path_on_cpu(monkeypatch) -> None:
     monkeypatch.setattr(fused_ops, "rope", eager_rope)
     monkeypatch.setattr(fused_ops, "add_rms_norm", fused_ops.eager_add_rms_norm)
     monkeypatch.setattr(fused_ops, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)
-    monkeypatch.setattr(fused_ops, "write_kv", lambda k, v, k_S, v_S, slots: (k_S.index_copy_(0, slots, k),
-                                                                             v_S.index_copy_(0, slots, v)))
+    monkeypatch.setattr(
+        fused_ops,
+        "write_kv",
+        lambda k, v, k_S, v_S, slots: (k_S.index_copy_(0, slots, k), v_S.index_copy_(0, slots, v)),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -231,15 +240,20 @@ def test_engine_generates_the_same_tokens_through_the_fused_routing(monkeypatch)
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
     torch.manual_seed(0)
-    config = tiny_config(64, hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3,
-                         max_position_embeddings=128)
+    config = tiny_config(
+        64, hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3, max_position_embeddings=128
+    )
     model = Decoder(config).eval()
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20]]
 
     def run():
-        eng = RolloutEngine(model, config, config=RolloutEngineConfig(block_size=4, num_blocks=64,
-                                                                      fused_projections=True), eos_token_ids=())
+        eng = RolloutEngine(
+            model,
+            config,
+            config=RolloutEngineConfig(block_size=4, num_blocks=64, fused_projections=True),
+            eos_token_ids=(),
+        )
         return [(o.output_ids, o.output_logprobs) for o in eng.generate(prompts, params)]
 
     ref = run()

@@ -95,8 +95,12 @@ def test_cuda_auto_attention_picks_varlen_where_flash_runs_else_flex_or_sdpa(mon
     pytest.importorskip("torch.nn.attention.varlen")
     monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "varlen")
     cu_B1 = torch.tensor([0, 100, 256], device="cuda")
-    for dtype, head_dim, expected in ((torch.bfloat16, 32, "varlen"), (torch.float32, 32, "flex"),
-                                      (torch.bfloat16, 20, "flex"), (torch.bfloat16, 12, "sdpa")):
+    for dtype, head_dim, expected in (
+        (torch.bfloat16, 32, "varlen"),
+        (torch.float32, 32, "flex"),
+        (torch.bfloat16, 20, "flex"),
+        (torch.bfloat16, 12, "sdpa"),
+    ):
         q = torch.randn(256, 4, head_dim, device="cuda", dtype=dtype)
         k = torch.randn(256, 2, head_dim, device="cuda", dtype=dtype)
         attn = PackedCausalAttention(cu_B1)

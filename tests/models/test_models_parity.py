@@ -21,8 +21,9 @@ LLAMA3_ROPE = {
 }
 CASES = {
     "llama": dict(arch="llama"),
-    "llama_tied_bias": dict(arch="llama", tie_word_embeddings=True, attention_bias=True,
-                            attention_out_bias=True, mlp_bias=True),
+    "llama_tied_bias": dict(
+        arch="llama", tie_word_embeddings=True, attention_bias=True, attention_out_bias=True, mlp_bias=True
+    ),
     "llama3_rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
     "qwen2": dict(arch="qwen2"),
     "qwen2_tied": dict(arch="qwen2", tie_word_embeddings=True),
@@ -71,8 +72,7 @@ def test_logprob_parity_with_transformers(case, tmp_path):
     assert expected.abs().max() > 1.0  # meaningful log-probs, not ~log(1/V) everywhere equal
     assert (ours - expected).abs().max().item() <= 1e-4
     # The state dict is the HF state dict (names and shapes), minus the tied duplicate.
-    ref_sd = {k: v for k, v in ref.state_dict().items()
-              if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    ref_sd = {k: v for k, v in ref.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     ours_sd = model.state_dict()
     assert sorted(ours_sd) == sorted(ref_sd)
     assert all(ours_sd[k].shape == ref_sd[k].shape for k in ours_sd)
@@ -88,8 +88,12 @@ def test_packed_forward_equals_per_sequence(impl):
     pos_T = torch.cat([torch.arange(n) for n in lens])
     with torch.no_grad():
         packed = model(torch.cat(seqs), pos_T, PackedCausalAttention(cu_B1, impl=impl))
-        single = torch.cat([model(s, torch.arange(s.numel()), PackedCausalAttention(
-            torch.tensor([0, s.numel()]), impl="sdpa_mask")) for s in seqs])
+        single = torch.cat(
+            [
+                model(s, torch.arange(s.numel()), PackedCausalAttention(torch.tensor([0, s.numel()]), impl="sdpa_mask"))
+                for s in seqs
+            ]
+        )
     torch.testing.assert_close(packed, single, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="covers 24 tokens but the batch has 23"):
         model(torch.cat(seqs)[:-1], pos_T[:-1], PackedCausalAttention(cu_B1, impl=impl))
@@ -110,8 +114,9 @@ def test_attention_impls_agree_on_cpu():
         torch.testing.assert_close(per_seq, expected, atol=1e-5, rtol=1e-5)
         mask = PackedCausalAttention(cu_B1, sliding_window=window)._flex_mask(19, torch.device("cpu"))
         assert create_block_mask is not None
-        got = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                             block_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        got = flex_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask, enable_gqa=True
+        )[0].transpose(0, 1)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -137,8 +142,9 @@ def test_config_roundtrip_all_archs():
         assert ModelConfig.from_hf(json.loads(json.dumps(config.to_hf()))) == config, case
     n = tiny_config(VOCAB, arch="qwen3", tie_word_embeddings=False)
     assert n.num_params() == sum(p.numel() for p in Decoder(n).parameters())
-    t = tiny_config(VOCAB, arch="llama", tie_word_embeddings=True, attention_bias=True,
-                    attention_out_bias=True, mlp_bias=True)
+    t = tiny_config(
+        VOCAB, arch="llama", tie_word_embeddings=True, attention_bias=True, attention_out_bias=True, mlp_bias=True
+    )
     assert t.num_params() == sum(p.numel() for p in Decoder(t).parameters())
 
 
@@ -197,8 +203,9 @@ def test_init_model_dir_fixture_loads(tiny_model_dir, char_tokenizer):
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids_T = torch.tensor(char_tokenizer("hello world")["input_ids"])
     with torch.no_grad():
-        torch.testing.assert_close(model.logits(model(ids_T, torch.arange(ids_T.numel()))),
-                                   ref(ids_T[None]).logits[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            model.logits(model(ids_T, torch.arange(ids_T.numel()))), ref(ids_T[None]).logits[0], atol=1e-4, rtol=1e-4
+        )
 
 
 def test_load_sharded_checkpoint_written_by_transformers(tmp_path):

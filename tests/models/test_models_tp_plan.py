@@ -15,8 +15,12 @@ VOCAB = 40
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(arch="qwen2"), dict(arch="qwen3", tie_word_embeddings=True),
-     dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True), dict(arch="mistral")],
+    [
+        dict(arch="qwen2"),
+        dict(arch="qwen3", tie_word_embeddings=True),
+        dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True),
+        dict(arch="mistral"),
+    ],
 )
 def test_plan_covers_every_parameter(kw):
     config = tiny_config(VOCAB, **kw)
@@ -50,8 +54,11 @@ class _ThreadAllReduce:
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(arch="qwen2"), dict(arch="qwen3", tie_word_embeddings=True),
-     dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True)],
+    [
+        dict(arch="qwen2"),
+        dict(arch="qwen3", tie_word_embeddings=True),
+        dict(arch="llama", attention_bias=True, attention_out_bias=True, mlp_bias=True),
+    ],
 )
 def test_tp2_shards_loaded_by_plan_equal_full_model(kw, tmp_path):
     """Each rank loads its shards by the plan; with the all-reduce after the row-parallel

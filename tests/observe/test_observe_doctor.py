@@ -17,14 +17,19 @@ def test_doctor_prints_versions_devices_and_optional_parts(capsys):
     for section in ("versions:", "devices:", "optional:"):
         assert section in out
     assert f"torch  {torch.__version__}".replace("  ", " ") in " ".join(out.split())
-    for name in ("transformers", "areno", "cuda", "nccl", "ray", "tensorboard", "wandb",
-                 "flex_attention"):
+    for name in ("transformers", "areno", "cuda", "nccl", "ray", "tensorboard", "wandb", "flex_attention"):
         assert f"  {name} " in out
 
 
 def test_doctor_survives_missing_optional_packages(monkeypatch, capsys):
-    for module in ("ray", "wandb", "torch.utils.tensorboard", "torch.nn.attention.flex_attention",
-                   "triton", "math_verify"):
+    for module in (
+        "ray",
+        "wandb",
+        "torch.utils.tensorboard",
+        "torch.nn.attention.flex_attention",
+        "triton",
+        "math_verify",
+    ):
         monkeypatch.setitem(sys.modules, module, None)  # import -> ImportError
     assert doctor.main(["--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import sys
 import threading
 import types
@@ -14,18 +13,30 @@ import pytest
 from areno.observe.metrics import (
     ConsoleSink,
     JsonlSink,
-    MetricsLogger,
     MetricSink,
+    MetricsLogger,
     MissingDependencyError,
     WandbConfig,
     read_metrics,
 )
 
 STEPS = [
-    {"rollout/reward_mean": 0.25, "train/loss": 1.5, "timing/tokens_per_s": 1200.0,
-     "rollout/staleness_mean": 0.5, "policy_sync_bytes": 4096, "policy_sync_throughput_gbps": 1.25},
-    {"rollout/reward_mean": 0.5, "train/loss": 1.25, "timing/tokens_per_s": 1300.0,
-     "rollout/staleness_mean": 1.0, "policy_sync_bytes": 4096, "policy_sync_throughput_gbps": 2.5},
+    {
+        "rollout/reward_mean": 0.25,
+        "train/loss": 1.5,
+        "timing/tokens_per_s": 1200.0,
+        "rollout/staleness_mean": 0.5,
+        "policy_sync_bytes": 4096,
+        "policy_sync_throughput_gbps": 1.25,
+    },
+    {
+        "rollout/reward_mean": 0.5,
+        "train/loss": 1.25,
+        "timing/tokens_per_s": 1300.0,
+        "rollout/staleness_mean": 1.0,
+        "policy_sync_bytes": 4096,
+        "policy_sync_throughput_gbps": 2.5,
+    },
 ]
 
 
@@ -84,8 +95,12 @@ def test_every_sink_receives_the_same_metrics(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     recorder = RecordingSink()
     with MetricsLogger(
-        tmp_path, total_steps=2, console=True, tensorboard=True,
-        wandb=WandbConfig(project="p", mode="offline"), extra_sinks=[recorder],
+        tmp_path,
+        total_steps=2,
+        console=True,
+        tensorboard=True,
+        wandb=WandbConfig(project="p", mode="offline"),
+        extra_sinks=[recorder],
     ) as logger:
         for step, metrics in enumerate(STEPS, start=1):
             logger.log(metrics, step=step)
@@ -186,8 +201,7 @@ def test_console_derives_tokens_per_s_and_prints_eval_lines():
 def test_console_tqdm_bar_shows_progress_and_postfix():
     stream = io.StringIO()
     sink = ConsoleSink(total_steps=4, stream=stream, use_tqdm=True)
-    sink.write({"rollout/reward_mean": 0.5, "timing/tokens_per_s": 2000.0,
-                "rollout/staleness_mean": 0.25}, step=1)
+    sink.write({"rollout/reward_mean": 0.5, "timing/tokens_per_s": 2000.0, "rollout/staleness_mean": 0.25}, step=1)
     sink.write({"rollout/reward_mean": 0.75}, step=2)
     sink.close()
     out = stream.getvalue()
@@ -209,8 +223,9 @@ def test_wandb_offline_run_without_network(tmp_path, monkeypatch):
     """The real W&B client in offline mode (runs only where wandb is installed)."""
     pytest.importorskip("wandb", reason="wandb is optional: pip install 'areno[wandb]'")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with MetricsLogger(tmp_path, total_steps=2, console=False,
-                       wandb=WandbConfig(project="areno-test", mode="offline")) as logger:
+    with MetricsLogger(
+        tmp_path, total_steps=2, console=False, wandb=WandbConfig(project="areno-test", mode="offline")
+    ) as logger:
         for step, metrics in enumerate(STEPS, start=1):
             logger.log(metrics, step=step)
     assert list((tmp_path / "wandb").glob("offline-run-*"))

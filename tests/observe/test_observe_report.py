@@ -64,7 +64,7 @@ class ImageCollector(HTMLParser):
         if tag == "img":
             prefix = "data:image/png;base64,"
             assert attrs["src"].startswith(prefix)
-            self.images.append((attrs["alt"], base64.b64decode(attrs["src"][len(prefix):])))
+            self.images.append((attrs["alt"], base64.b64decode(attrs["src"][len(prefix) :])))
         self._in_h2 = tag == "h2"
 
     def handle_data(self, data):
@@ -150,8 +150,7 @@ def test_single_run_default_output_and_missing_metrics(tmp_path):
 
 
 def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable",
-                 "chrome", "headless_shell"):
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome", "headless_shell"):
         if path := shutil.which(name):
             return path
     return None
@@ -164,14 +163,26 @@ def test_report_renders_in_headless_chromium(two_runs, tmp_path):
     # dump-dom runs the page (scripts included) and prints the DOM after load
     dom = subprocess.run(
         [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", out.as_uri()],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     assert dom.count("data:image/png;base64,") == len(report.PANELS) + 1
     shot = tmp_path / "shot.png"
     subprocess.run(
-        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
-         "--window-size=1400,3000", out.as_uri()],
-        capture_output=True, timeout=120, check=True,
+        [
+            _chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--screenshot={shot}",
+            "--window-size=1400,3000",
+            out.as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
     )
     assert shot.read_bytes().startswith(PNG_MAGIC)
 
@@ -190,14 +201,26 @@ def test_report_from_a_real_tiny_run(tmp_path):
     of stalling the suite."""
     run_dir = tmp_path / "demo"
     overrides = [
-        f"model.path={tmp_path / 'init_model'}", "model.init_tiny.hidden_size=32",
-        "model.init_tiny.layers=2", "model.init_tiny.intermediate_size=64",
-        "warm_start.steps=0", "train.steps=3", "train.eval_interval=2", "data.num_eval=8",
-        "rollout.batch_size=4", "rollout.n_samples=2", "observe.console=false",
+        f"model.path={tmp_path / 'init_model'}",
+        "model.init_tiny.hidden_size=32",
+        "model.init_tiny.layers=2",
+        "model.init_tiny.intermediate_size=64",
+        "warm_start.steps=0",
+        "train.steps=3",
+        "train.eval_interval=2",
+        "data.num_eval=8",
+        "rollout.batch_size=4",
+        "rollout.n_samples=2",
+        "observe.console=false",
     ]
     repo = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-c", DEMO, str(run_dir), *overrides], cwd=repo,
-                   env={**os.environ, "PYTHONPATH": str(repo)}, check=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-c", DEMO, str(run_dir), *overrides],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        check=True,
+        timeout=600,
+    )
     out = report.write_report([run_dir])
     parser = ImageCollector()
     parser.feed(out.read_text())

@@ -61,7 +61,7 @@ def test_concurrent_episodes_are_recorded_with_turns_tools_and_rewards(recording
 
     text = format_session(r)
     assert text.splitlines()[0].startswith(f"session {r['session_id']}  status=ok  reward=1  turns=4")
-    assert "tool add({\"a\": 4, \"b\": 2})" in text and "    -> 6" in text
+    assert 'tool add({"a": 4, "b": 2})' in text and "    -> 6" in text
 
 
 def test_an_exception_in_the_episode_is_recorded_and_reraised(recording):

@@ -171,7 +171,9 @@ def test_disabled_spans_are_cheap(tracing):
     configure_tracing(tracing, True)
     on = min(_per_iteration_s(traced, 5_000) for _ in range(3))
     ratio = min(off) / min(base)
-    print(f"disabled span {min(off) * 1e9:.0f} ns, bare with {min(base) * 1e9:.0f} ns, "
-          f"ratio {ratio:.2f}; enabled span {on * 1e9:.0f} ns")
+    print(
+        f"disabled span {min(off) * 1e9:.0f} ns, bare with {min(base) * 1e9:.0f} ns, "
+        f"ratio {ratio:.2f}; enabled span {on * 1e9:.0f} ns"
+    )
     assert ratio < 6
     assert min(off) < on / 3

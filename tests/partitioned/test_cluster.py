@@ -23,8 +23,9 @@ def _cluster(**kw):
 
 def test_disjoint_gpu_layout_ranks_groups_and_relays():
     # train TP 2 on devices 0,1; rollout TP 1 x DP 2 on devices 2,3
-    lay = ClusterLayout(train_devices=(0, 1), rollout_devices=(2, 3), train_tp=2, cuda=True,
-                        device_ids=("4", "5", "6", "7"))
+    lay = ClusterLayout(
+        train_devices=(0, 1), rollout_devices=(2, 3), train_tp=2, cuda=True, device_ids=("4", "5", "6", "7")
+    )
     assert lay.train_ranks == (0, 1) and lay.rollout_ranks == (2, 3) and lay.world_size == 4
     assert lay.train_mesh_shape == (1, 1, 2) and lay.train_mesh_ranks() == [[[0, 1]]]
     assert lay.sender_ranks == (0,)  # one training DP row
@@ -37,8 +38,9 @@ def test_disjoint_gpu_layout_ranks_groups_and_relays():
 
 
 def test_dp_and_rollout_tp_groups():
-    lay = ClusterLayout(train_devices=(0, 1, 2, 3), rollout_devices=(4, 5, 6, 7), train_dp_replicate=2,
-                        rollout_tp=2, cuda=True)
+    lay = ClusterLayout(
+        train_devices=(0, 1, 2, 3), rollout_devices=(4, 5, 6, 7), train_dp_replicate=2, rollout_tp=2, cuda=True
+    )
     assert lay.train_mesh_shape == (2, 2, 1)
     assert lay.train_mesh_ranks() == [[[0], [1]], [[2], [3]]]
     assert lay.sender_ranks == (0, 1, 2, 3)
@@ -76,25 +78,48 @@ def test_layout_from_config_lists_and_allocation_mode():
     assert layout_from_config(_cluster(allocation_mode="areno:d1"), num_devices=1, cuda=False) is None
     lay = layout_from_config(_cluster(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
     assert lay.train_devices == (0,) and lay.rollout_devices == (1,)
-    lay = layout_from_config(_cluster(allocation_mode="areno[rollout]:d2+fsdp[actor]:t2"), num_devices=4,
-                             cuda=True, device_ids=("0", "1", "2", "3"))
+    lay = layout_from_config(
+        _cluster(allocation_mode="areno[rollout]:d2+fsdp[actor]:t2"),
+        num_devices=4,
+        cuda=True,
+        device_ids=("0", "1", "2", "3"),
+    )
     assert set(lay.train_devices).isdisjoint(lay.rollout_devices)
     assert lay.train_tp == 2 and lay.rollout_tp == 1 and lay.rollout_dp == 2
     with pytest.raises(LayoutError, match="not both"):
-        layout_from_config(_cluster(allocation_mode="areno[rollout]:d1+fsdp[actor]:d1", train_devices=[0],
-                                    rollout_devices=[1]), num_devices=2, cuda=False)
+        layout_from_config(
+            _cluster(allocation_mode="areno[rollout]:d1+fsdp[actor]:d1", train_devices=[0], rollout_devices=[1]),
+            num_devices=2,
+            cuda=False,
+        )
 
 
 def _qwen_7b_like() -> ModelConfig:
-    return ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, head_dim=128,
-                       architecture="LlamaForCausalLM", model_type="llama")
+    return ModelConfig(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+    )
 
 
 def test_memory_estimate_hand_computed():
-    cfg = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                      architecture="LlamaForCausalLM", model_type="llama")
+    cfg = ModelConfig(
+        vocab_size=100,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+    )
     # params: attn 8*2*4*2 + 8*1*4*2 = 128 + 64 = 192; mlp 3*8*16 = 384; norms 2*8; embed+head 2*100*8; final norm 8
     p = 192 + 384 + 16 + 1600 + 8
     lay = ClusterLayout(train_devices=(0, 1), rollout_devices=(1,), cuda=True)
@@ -102,8 +127,13 @@ def test_memory_estimate_hand_computed():
     train = -(-p * (4 + 4 + 8) // 2)
     assert est.per_device[0] == {"train_model_grad_optim": train, "train_context": 5}
     kv = 10 * 2 * 1 * 1 * 4 * 2  # tokens * (K,V) * layers * kv heads * head_dim * bf16
-    assert est.per_device[1] == {"train_model_grad_optim": train, "train_context": 5,
-                                 "rollout_weights": p * 2, "rollout_kv": kv, "rollout_context": 5}
+    assert est.per_device[1] == {
+        "train_model_grad_optim": train,
+        "train_context": 5,
+        "rollout_weights": p * 2,
+        "rollout_kv": kv,
+        "rollout_context": 5,
+    }
     assert est.total(1) == train + 5 + p * 2 + kv + 5
 
 
@@ -112,7 +142,9 @@ def test_memory_check_refuses_an_overlapping_layout_that_cannot_fit():
     # 7B on one shared 80 GiB GPU: ~7.6e9 params * 16 bytes of training state alone is > 100 GiB
     lay = ClusterLayout(train_devices=(0,), rollout_devices=(0,), cuda=True)
     est = estimate_memory(lay, model, train_dtype="float32", rollout_dtype="bfloat16", kv_tokens=100_000)
-    with pytest.raises(LayoutError, match=r"device 0 \(shared by a training and a rollout worker\) needs ~\d+\.\d+ GiB"):
+    with pytest.raises(
+        LayoutError, match=r"device 0 \(shared by a training and a rollout worker\) needs ~\d+\.\d+ GiB"
+    ):
         validate_memory(lay, est, 80 * GIB)
     # eight shared 80 GiB GPUs: training state is sharded 8 ways and fits next to the rollout engine
     lay8 = ClusterLayout(train_devices=tuple(range(8)), rollout_devices=tuple(range(8)), cuda=True)
@@ -133,8 +165,9 @@ def test_worker_process_settings_switch_interval_and_threads():
     try:
         apply_process_settings(load_config(None, ["model.path=m"]))  # defaults: nothing changes
         assert (sys.getswitchinterval(), torch.get_num_threads()) == (before_interval, before_threads)
-        apply_process_settings(load_config(None, ["model.path=m", "cluster.switch_interval_s=0.0005",
-                                                  "cluster.cpu_threads=1"]))
+        apply_process_settings(
+            load_config(None, ["model.path=m", "cluster.switch_interval_s=0.0005", "cluster.cpu_threads=1"])
+        )
         assert sys.getswitchinterval() == pytest.approx(0.0005) and torch.get_num_threads() == 1
     finally:
         sys.setswitchinterval(before_interval)

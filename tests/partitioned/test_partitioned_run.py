@@ -18,17 +18,37 @@ def sevens(prompt, completion, answer, **row):
 
 
 def _config(tmp_path, *extra):
-    return load_config(None, [
-        f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
-        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-        "data.task=arithmetic", "data.num_eval=4", "rollout.batch_size=2", "rollout.n_samples=4",
-        "rollout.max_new_tokens=4", "cluster.device=cpu", "cluster.cpu_threads=1", "observe.console=false",
-        "train.seed=3", "optim.lr=0.01", "reward.fn=test_partitioned_run:sevens", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+            "data.task=arithmetic",
+            "data.num_eval=4",
+            "rollout.batch_size=2",
+            "rollout.n_samples=4",
+            "rollout.max_new_tokens=4",
+            "cluster.device=cpu",
+            "cluster.cpu_threads=1",
+            "observe.console=false",
+            "train.seed=3",
+            "optim.lr=0.01",
+            "reward.fn=test_partitioned_run:sevens",
+            *extra,
+        ],
+    )
 
 
-PARTITIONED_ONLY = ("rollout/engine_", "rollout/healthy_servers", "rollout/unhealthy_servers", "rollout/server_",
-                    "policy_sync_phase_", "policy_sync_rollout_phase_", "policy_sync_controller")
+PARTITIONED_ONLY = (
+    "rollout/engine_",
+    "rollout/healthy_servers",
+    "rollout/unhealthy_servers",
+    "rollout/server_",
+    "policy_sync_phase_",
+    "policy_sync_rollout_phase_",
+    "policy_sync_controller",
+)
 """Metric name prefixes a partitioned run logs beyond a colocated run's."""
 
 
@@ -58,8 +78,10 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
         colocated.shutdown()
     try:
         starting.result()
-        assert [(h.rank, h.role) for h in engine.scheduler.workers("train") + engine.scheduler.workers("rollout")] \
-            == [(0, "train"), (1, "rollout")]
+        assert [(h.rank, h.role) for h in engine.scheduler.workers("train") + engine.scheduler.workers("rollout")] == [
+            (0, "train"),
+            (1, "rollout"),
+        ]
         got = _two_steps(engine)
         versions = engine.scheduler.call("rollout", "version")
         accuracy = engine.evaluate()
@@ -67,10 +89,20 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
     finally:
         engine.shutdown()
 
-    engine_keys = {"rollout/engine_0_busy_frac", "rollout/engine_busy_frac", "rollout/engine_generated_tokens_per_s",
-                   "rollout/engine_preemptions", "rollout/engine_kv_usage_max", "rollout/engine_graph_captures",
-                   "rollout/engine_graph_capture_s", "rollout/engine_prefill_tokens", "rollout/engine_mixed_steps",
-                   "rollout/engine_steps", "rollout/engine_round_trips", "rollout/engine_graph_deferred_steps"}
+    engine_keys = {
+        "rollout/engine_0_busy_frac",
+        "rollout/engine_busy_frac",
+        "rollout/engine_generated_tokens_per_s",
+        "rollout/engine_preemptions",
+        "rollout/engine_kv_usage_max",
+        "rollout/engine_graph_captures",
+        "rollout/engine_graph_capture_s",
+        "rollout/engine_prefill_tokens",
+        "rollout/engine_mixed_steps",
+        "rollout/engine_steps",
+        "rollout/engine_round_trips",
+        "rollout/engine_graph_deferred_steps",
+    }
     for step, ((r_ref, m_ref), (r_got, m_got)) in enumerate(zip(ref, got)):
         # the same keys, plus the health monitor's view of the rollout replicas and, from the
         # second step (a difference of counters), the rollout engines' own figures
@@ -80,13 +112,22 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
         assert r_got.metrics["rollout/healthy_servers"] + r_got.metrics["rollout/unhealthy_servers"] == 1.0
         # plus, once a sync ran, where the partitioned sync's time went: each phase on the training
         # rank and the slowest rollout rank, and the controller's own share
-        breakdown = {k for k in m_got
-                     if k.startswith(("policy_sync_phase_", "policy_sync_rollout_phase_", "policy_sync_controller"))}
+        breakdown = {
+            k
+            for k in m_got
+            if k.startswith(("policy_sync_phase_", "policy_sync_rollout_phase_", "policy_sync_controller"))
+        }
         assert set(m_got) - breakdown == set(m_ref), (set(m_got) - breakdown) ^ set(m_ref)
         if "policy_sync_time_s" in m_got:
-            assert {"policy_sync_phase_pack_s", "policy_sync_phase_device_sync_s", "policy_sync_rollout_phase_commit_s",
-                    "policy_sync_rollout_phase_hold_captures_s", "policy_sync_rollout_phase_wake_s",
-                    "policy_sync_controller_check_s", "policy_sync_controller_s"} <= breakdown
+            assert {
+                "policy_sync_phase_pack_s",
+                "policy_sync_phase_device_sync_s",
+                "policy_sync_rollout_phase_commit_s",
+                "policy_sync_rollout_phase_hold_captures_s",
+                "policy_sync_rollout_phase_wake_s",
+                "policy_sync_controller_check_s",
+                "policy_sync_controller_s",
+            } <= breakdown
             assert m_got["policy_sync_rollout_phase_commit_s"] > 0 and m_got["policy_sync_phase_commit_s"] == 0
             assert m_got["policy_sync_controller_s"] >= m_got["policy_sync_controller_check_s"]
         assert all(isinstance(v, float) and v == v for v in m_got.values())  # finite floats, no NaN
@@ -111,9 +152,14 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
 
 def test_memory_check_refuses_an_overlapping_layout_before_launch(tmp_path):
     # both workers on logical device 0 of 1 MiB: the tiny model's training state alone does not fit
-    engine = PartitionedArenoEngine(_config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[0]"),
-                                    tmp_path / "run", device_capacity=1 << 20)
-    with pytest.raises(LayoutError, match=r"^device 0 needs ~\d+\.\d+ GiB \(train_model_grad_optim .* but has 0\.00 GiB"):
+    engine = PartitionedArenoEngine(
+        _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[0]"),
+        tmp_path / "run",
+        device_capacity=1 << 20,
+    )
+    with pytest.raises(
+        LayoutError, match=r"^device 0 needs ~\d+\.\d+ GiB \(train_model_grad_optim .* but has 0\.00 GiB"
+    ):
         engine.initialize()
     assert engine.scheduler is None  # nothing was launched
 
@@ -131,8 +177,13 @@ def test_partitioned_engine_refuses_colocated_config_and_offline_recipe(tmp_path
 def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
     """η = 1 (everlasting pool), FSDP over 2 training ranks, 2 rollout replicas; a checkpoint
     saved mid-run loads back (version, data position) and the policy streams again."""
-    cfg = _config(tmp_path, "cluster.train_devices=[0, 1]", "cluster.rollout_devices=[2, 3]",
-                  "rollout.max_head_offpolicyness=1", "rollout.max_concurrent=4")
+    cfg = _config(
+        tmp_path,
+        "cluster.train_devices=[0, 1]",
+        "cluster.rollout_devices=[2, 3]",
+        "rollout.max_head_offpolicyness=1",
+        "rollout.max_concurrent=4",
+    )
     engine = PartitionedArenoEngine(cfg, tmp_path / "run")
     engine.initialize()
     try:
@@ -149,8 +200,11 @@ def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
         engine.save(ckpt, {"step": 2})
         assert (ckpt / "COMPLETE").exists() and (ckpt / "hf" / "config.json").exists()
         # the running pool has samples in flight: a checkpoint loads only into a new engine
-        with pytest.raises(RuntimeError, match=r"rollout pool has started \(\d+ samples handed out\); load a "
-                                               "checkpoint into a new engine"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"rollout pool has started \(\d+ samples handed out\); load a "
+            "checkpoint into a new engine",
+        ):
             engine.load(ckpt)
     finally:
         engine.shutdown()
@@ -218,9 +272,12 @@ def test_every_rollout_replica_dead_fails_requests_at_once(tmp_path):
         dead = engine.scheduler.workers("rollout")[0]
         os.kill(dead.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(RolloutServersLost, match=r"^every rollout server is gone: http://127\.0\.0\.1:\d+: "
-                                                     r"rollout\[0\] \(pid \d+\) died; .* restart the run from its last "
-                                                     r"checkpoint \(log: .*rollout-0\.log\)$"):
+        with pytest.raises(
+            RolloutServersLost,
+            match=r"^every rollout server is gone: http://127\.0\.0\.1:\d+: "
+            r"rollout\[0\] \(pid \d+\) died; .* restart the run from its last "
+            r"checkpoint \(log: .*rollout-0\.log\)$",
+        ):
             engine.generate_rollout(0)
         with pytest.raises(RolloutServersLost, match=r"rollout\[0\] \(pid \d+\) died"):
             engine.evaluate()
@@ -234,8 +291,13 @@ def test_every_rollout_replica_dead_fails_requests_at_once(tmp_path):
 def test_partitioned_on_two_gpus_overlapping_lists(tmp_path):
     """Both lists [0, 1]: each GPU holds a training and a rollout worker; NCCL subgroups in a gloo
     world, relays on the other GPU. Same metric keys as the CPU run, finite values."""
-    cfg = _config(tmp_path, "cluster.device=cuda", "cluster.train_devices=[0, 1]", "cluster.rollout_devices=[0, 1]",
-                  "rollout.kv_blocks=256")
+    cfg = _config(
+        tmp_path,
+        "cluster.device=cuda",
+        "cluster.train_devices=[0, 1]",
+        "cluster.rollout_devices=[0, 1]",
+        "rollout.kv_blocks=256",
+    )
     engine = PartitionedArenoEngine(cfg, tmp_path / "run")
     engine.initialize()
     try:
@@ -265,8 +327,9 @@ def test_trainer_loop_through_the_proposed_backend_switch(tmp_path):
             self.engine.initialize()
 
     def run(name, *extra):
-        cfg = _config(tmp_path / name, "train.steps=2", "train.eval_interval=0",
-                      "train.backend=areno-partitioned-test", *extra)
+        cfg = _config(
+            tmp_path / name, "train.steps=2", "train.eval_interval=0", "train.backend=areno-partitioned-test", *extra
+        )
         trainer = Trainer.init(cfg)
         try:
             trainer.run()
@@ -280,7 +343,7 @@ def test_trainer_loop_through_the_proposed_backend_switch(tmp_path):
         got, run_dir = run("partitioned", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
     finally:
         BACKENDS.pop("areno-partitioned-test")
-    keys = lambda rows: set().union(*(r.keys() for r in rows)) - {"time", "wall_time"}  # noqa: E731
+    keys = lambda rows: set().union(*(r.keys() for r in rows)) - {"time", "wall_time"}
     # the colocated run's keys, plus what only a partitioned run has: the replicas' health, the
     # rollout engines' own counters, and where each policy sync's time went
     extra = {k for k in keys(got) if k.startswith(PARTITIONED_ONLY)}

@@ -13,8 +13,10 @@ from areno.rollout.server import check_bind
 
 @pytest.mark.parametrize("scheduler, host", [("local", "127.0.0.1"), ("ray", "0.0.0.0"), ("slurm", "0.0.0.0")])
 def test_bind_host_follows_the_scheduler(scheduler, host):
-    cfg = load_config(None, ["model.path=/m", f"cluster.scheduler={scheduler}", "cluster.train_devices=[0]",
-                             "cluster.rollout_devices=[1]"])
+    cfg = load_config(
+        None,
+        ["model.path=/m", f"cluster.scheduler={scheduler}", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"],
+    )
     assert bind_host(cfg) == host
 
 

@@ -2,7 +2,6 @@
 do not collide with other test folders' conftest modules)."""
 
 import pytest
-
 from recipes_testlib import model_fixture
 
 

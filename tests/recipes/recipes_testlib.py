@@ -3,7 +3,6 @@ log-prob reference and a plain Reducer."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from areno.api.types import TokenBatch, Trajectory
@@ -34,8 +33,16 @@ def rl_batch() -> TokenBatch:
     trajs = []
     for gid, reward, n_prompt, n_comp in specs:
         ids = torch.randint(3, VOCAB, (n_prompt + n_comp,), generator=gen).tolist()
-        trajs.append(Trajectory(prompt_ids=ids[:n_prompt], completion_ids=ids[n_prompt:],
-                                logprobs=[0.0] * n_comp, versions=[3] * n_comp, reward=reward, group_id=gid))
+        trajs.append(
+            Trajectory(
+                prompt_ids=ids[:n_prompt],
+                completion_ids=ids[n_prompt:],
+                logprobs=[0.0] * n_comp,
+                versions=[3] * n_comp,
+                reward=reward,
+                group_id=gid,
+            )
+        )
     return TokenBatch.from_trajectories(trajs)
 
 

@@ -9,8 +9,25 @@ from areno.recipes import TRAINING_CONFIGS, DataSync, ModelRole, TrainingConfig,
 from areno.recipes.runner import RecipeRunner
 from areno.specializations import ActorSpecialization, DistillSpecialization, DPOSpecialization, LogProbSpecialization
 
-REQUIRED = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "cispo", "ppo", "sft",
-            "dpo", "dpo_distributed", "opd", "dagger", "aggrevate", "mixed_loss_dagger_opd", "reward_model"]
+REQUIRED = [
+    "grpo",
+    "dr_grpo",
+    "dapo",
+    "gspo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "cispo",
+    "ppo",
+    "sft",
+    "dpo",
+    "dpo_distributed",
+    "opd",
+    "dagger",
+    "aggrevate",
+    "mixed_loss_dagger_opd",
+    "reward_model",
+]
 TEACHER = {"opd", "dagger", "aggrevate", "mixed_loss_dagger_opd"}
 
 
@@ -32,7 +49,9 @@ def test_recipe_shapes():
     assert ppo.syncs[0].source == "value" and ppo.syncs[0].target_keys == ("values_T",)
     dd = get_recipe("dpo_distributed")
     assert dd.role("reference").trainable is False
-    assert dd.syncs == (DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",)),)
+    assert dd.syncs == (
+        DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",)),
+    )
     assert get_recipe("sft").online is False and get_recipe("grpo").online is True
     assert [r.name for r in get_recipe("grpo").roles] == ["policy"]  # kl_coef 0: no reference
     assert [r.name for r in get_recipe("grpo", policy_kwargs={"kl_coef": 0.04}).roles] == ["policy", "reference"]
@@ -79,10 +98,15 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="duplicate role names"):
         TrainingConfig(name="x", roles=(_policy(), _policy()))
     with pytest.raises(ValueError, match="missing role 'reference'"):
-        TrainingConfig(name="x", roles=(_policy(),), syncs=(DataSync(source="reference", target="policy", keys=("logprobs_T",)),))
+        TrainingConfig(
+            name="x", roles=(_policy(),), syncs=(DataSync(source="reference", target="policy", keys=("logprobs_T",)),)
+        )
     with pytest.raises(ValueError, match="does not output"):
-        TrainingConfig(name="x", roles=(_policy(), _ref()),
-                       syncs=(DataSync(source="reference", target="policy", keys=("values_T",)),))
+        TrainingConfig(
+            name="x",
+            roles=(_policy(), _ref()),
+            syncs=(DataSync(source="reference", target="policy", keys=("values_T",)),),
+        )
     with pytest.raises(ValueError, match=r"needs batch keys \['ref_logprobs_T'\]"):
         TrainingConfig(name="x", roles=(_policy(kl_coef=0.1), _ref()))
     with pytest.raises(ValueError, match="no trainable role"):
@@ -96,8 +120,11 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="ModelSpecialization subclass"):
         ModelRole(name="p", specialization_cls=dict)
     # a valid custom recipe: KL to a frozen reference through an inject sync
-    cfg = TrainingConfig(name="x", roles=(_policy(kl_coef=0.1), _ref()),
-                         syncs=(DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",)),))
+    cfg = TrainingConfig(
+        name="x",
+        roles=(_policy(kl_coef=0.1), _ref()),
+        syncs=(DataSync(source="reference", target="policy", keys=("logprobs_T",), target_keys=("ref_logprobs_T",)),),
+    )
     assert cfg.policy_role.name == "policy"
 
 
@@ -105,10 +132,18 @@ def test_register_custom_recipe_and_duplicate():
     @recipe("test_only_distill")
     def _custom(teacher_path: str | None = "/t"):
         """Custom distillation for the test."""
-        return TrainingConfig(name="test_only_distill", roles=(
-            ModelRole(name="student", specialization_cls=DistillSpecialization, sync_to_rollout=True),
-            ModelRole(name="teacher", specialization_cls=LogProbSpecialization, trainable=False, model_path=teacher_path)),
-            syncs=(DataSync(source="teacher", target="student", keys=("logprobs_T",), target_keys=("teacher_logprobs_T",)),))
+        return TrainingConfig(
+            name="test_only_distill",
+            roles=(
+                ModelRole(name="student", specialization_cls=DistillSpecialization, sync_to_rollout=True),
+                ModelRole(
+                    name="teacher", specialization_cls=LogProbSpecialization, trainable=False, model_path=teacher_path
+                ),
+            ),
+            syncs=(
+                DataSync(source="teacher", target="student", keys=("logprobs_T",), target_keys=("teacher_logprobs_T",)),
+            ),
+        )
 
     try:
         assert get_recipe("test_only_distill").policy_role.name == "student"

@@ -8,13 +8,12 @@ import math
 
 import pytest
 import torch
+from recipes_testlib import naive_logprobs, rl_batch, with_behaviour_logprobs
+from test_specializations import completion_positions, grpo_adv, preference_batch
 
 from areno.api.types import TokenBatch
 from areno.recipes import get_recipe
 from areno.recipes.runner import RecipeRunner
-
-from recipes_testlib import naive_logprobs, rl_batch, with_behaviour_logprobs
-from test_specializations import completion_positions, grpo_adv, preference_batch
 
 train = pytest.importorskip("areno.train")
 
@@ -27,7 +26,9 @@ def dirs(tmp_path_factory):
     tok = build_char_tokenizer()
     root = tmp_path_factory.mktemp("models")
     cfg = tiny_config(len(tok), hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3)
-    return {name: str(init_model_dir(root / name, cfg, tok, seed=seed)) for name, seed in (("policy", 0), ("teacher", 1))}
+    return {
+        name: str(init_model_dir(root / name, cfg, tok, seed=seed)) for name, seed in (("policy", 0), ("teacher", 1))
+    }
 
 
 def load(path):
@@ -39,15 +40,20 @@ def load(path):
 def run_step(recipe, dirs, batch: TokenBatch, initial_version=0):
     backends = {}
     for role in recipe.roles:
-        backend = train.LocalTrainBackend(train.TrainBackendConfig(
-            lr=1e-2, trainable=role.trainable, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None))
+        backend = train.LocalTrainBackend(
+            train.TrainBackendConfig(
+                lr=1e-2, trainable=role.trainable, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None
+            )
+        )
         backend.initialize(role.model_path or dirs["policy"])
         backends[role.name] = backend
     runner = RecipeRunner(recipe, backends, initial_version=initial_version)
     before = {n: [p.detach().clone() for p in b.model.parameters()] for n, b in backends.items()}
     metrics = runner.step(batch)
     for role in recipe.roles:
-        moved = any(not torch.equal(p0, p1) for p0, p1 in zip(before[role.name], backends[role.name].model.parameters()))
+        moved = any(
+            not torch.equal(p0, p1) for p0, p1 in zip(before[role.name], backends[role.name].model.parameters())
+        )
         assert moved == role.trainable, f"role {role.name}: parameters moved={moved}, trainable={role.trainable}"
         if not role.trainable:
             assert backends[role.name].optimizer is None  # frozen roles hold no optimizer state
@@ -84,7 +90,7 @@ def seq_mean(batch, fn, seqs=range(6)):
 def test_grpo(dirs):
     _, batch, logp = rl_setup(dirs)
     adv = grpo_adv(batch.rewards_B.tolist())
-    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])
     # grpo: reference = initial policy, so k3 = 0 at the first step
     m = run_step(get_recipe("grpo", kl_coef=0.04), dirs, batch)
     assert m["policy/loss"] == pytest.approx(seq_mean(batch, lambda b, t: clipped(r(t), adv[b], 0.8, 1.2)), rel=1e-4)
@@ -95,15 +101,19 @@ def test_grpo(dirs):
 def test_dr_grpo_dapo_cispo(dirs):
     _, batch, logp = rl_setup(dirs)
     adv = grpo_adv(batch.rewards_B.tolist())
-    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])
     dr = grpo_adv(batch.rewards_B.tolist(), std=False)
     m = run_step(get_recipe("dr_grpo", max_completion_length=16), dirs, batch)
     total = sum(clipped(r(t), dr[b], 0.8, 1.2) for b in range(6) for t in completion_positions(batch, b))
     assert m["policy/loss"] == pytest.approx(total / (6 * 16), rel=1e-4)
     m = run_step(get_recipe("dapo"), dirs, batch)  # group c (rewards 1, 1) dropped
-    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: clipped(r(t), adv[b], 0.8, 1.28), range(4)), rel=1e-4)
+    assert m["policy/loss"] == pytest.approx(
+        token_mean(batch, lambda b, t: clipped(r(t), adv[b], 0.8, 1.28), range(4)), rel=1e-4
+    )
     m = run_step(get_recipe("cispo"), dirs, batch)
-    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: -min(r(t), 5.0) * adv[b] * float(logp[t])), rel=1e-4)
+    assert m["policy/loss"] == pytest.approx(
+        token_mean(batch, lambda b, t: -min(r(t), 5.0) * adv[b] * float(logp[t])), rel=1e-4
+    )
 
 
 @pytest.mark.slow
@@ -111,12 +121,14 @@ def test_gspo_rloo(dirs):
     _, batch, logp = rl_setup(dirs, noise=0.01)
     adv = grpo_adv(batch.rewards_B.tolist())
     m = run_step(get_recipe("gspo"), dirs, batch)
+
     def gspo_term(b, t):
         pos = completion_positions(batch, b)
         s = math.exp(sum(float(logp[u] - batch.logprobs_T[u]) for u in pos) / len(pos))
         return clipped(s, adv[b], 1 - 3e-4, 1 + 4e-4)
+
     assert m["policy/loss"] == pytest.approx(seq_mean(batch, gspo_term), rel=1e-4, abs=1e-6)
-    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])
     rewards = batch.rewards_B.tolist()
     loo = [rewards[b] - rewards[b ^ 1] for b in range(6)]  # groups of two: the other one is the baseline
     m = run_step(get_recipe("rloo"), dirs, batch)
@@ -126,7 +138,7 @@ def test_gspo_rloo(dirs):
 @pytest.mark.slow
 def test_reinforce_pp_recipes(dirs):
     _, batch, logp = rl_setup(dirs)
-    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])
     rewards = batch.rewards_B.tolist()
     baseline = [rewards[b] - (rewards[b] + rewards[b ^ 1]) / 2 for b in range(6)]
     for name, centred, kl_reward in (("reinforce_pp", rewards, True), ("reinforce_pp_baseline", baseline, False)):
@@ -149,17 +161,21 @@ def test_reinforce_pp_recipes(dirs):
 def test_decoupled_recipes(dirs):
     _, batch, logp = rl_setup(dirs, noise=0.8)
     adv = grpo_adv(batch.rewards_B.tolist())
+
     # recompute: pi_prox = current weights, so r' = 1 and the loss is -w A with w masked above 5
     def w_term(b, t):
         w = math.exp(logp[t] - batch.logprobs_T[t])
         return 0.0 if w > 5.0 else -w * adv[b]
+
     m = run_step(get_recipe("grpo_async"), dirs, batch)
     assert m["policy/loss"] == pytest.approx(token_mean(batch, w_term), rel=1e-4)
+
     # loglinear: versions 3, prox version 5 -> alpha 2/3
     def ll_term(b, t):
         p = batch.logprobs_T[t] + (2 / 3) * (logp[t] - batch.logprobs_T[t])
         w = math.exp(p - batch.logprobs_T[t])
         return 0.0 if w > 5.0 else w * clipped(math.exp(logp[t] - p), adv[b], 0.8, 1.2)
+
     m = run_step(get_recipe("grpo_async_loglinear"), dirs, batch, initial_version=5)
     assert m["policy/loss"] == pytest.approx(token_mean(batch, ll_term), rel=1e-4)
     assert "policy/actor/coupled_clip_frac" in m
@@ -172,7 +188,7 @@ def test_sft_and_distillation(dirs):
     assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: -float(logp[t])), rel=1e-5)
     teacher = load(dirs["teacher"])
     tl = naive_logprobs(teacher, batch)
-    k3 = lambda t: math.exp(tl[t] - logp[t]) - float(tl[t] - logp[t]) - 1  # noqa: E731
+    k3 = lambda t: math.exp(tl[t] - logp[t]) - float(tl[t] - logp[t]) - 1
     m = run_step(get_recipe("opd", teacher_path=dirs["teacher"]), dirs, batch)
     assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: k3(t)), rel=1e-4)
     # dagger: labels are the teacher's greedy tokens
@@ -191,8 +207,12 @@ def test_sft_and_distillation(dirs):
     executed = torch.zeros(batch.num_tokens, dtype=torch.bool)
     executed[pos[::3]] = True
     batch.extra["teacher_executed_T"] = executed
-    m = run_step(get_recipe("mixed_loss_dagger_opd", teacher_path=dirs["teacher"], beta_decay_steps=100), dirs, batch,
-                 initial_version=25)  # beta = 0.75
+    m = run_step(
+        get_recipe("mixed_loss_dagger_opd", teacher_path=dirs["teacher"], beta_decay_steps=100),
+        dirs,
+        batch,
+        initial_version=25,
+    )  # beta = 0.75
     expected = token_mean(batch, lambda b, t: 0.75 * -float(logp[t]) if executed[t] else 0.25 * k3(t))
     assert m["policy/loss"] == pytest.approx(expected, rel=1e-4)
 
@@ -283,7 +303,7 @@ def test_ppo_critic_with_local_backend(dirs):
             adv[t] = 0.95 ** (len(pos) - 1 - k) * float(batch.rewards_B[b])
             sq.append(0.5 * adv[t] ** 2)
     assert m["value/loss"] == pytest.approx(sum(sq) / len(sq), rel=1e-5)
-    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])  # noqa: E731
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])
     assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: clipped(r(t), adv[t], 0.8, 1.2)), rel=1e-4)
 
 
@@ -310,8 +330,9 @@ def test_later_pass_reuses_first_pass_forwards(dirs):
     """A second optimizer pass (``pass_order``) trains on the first pass's prepared batch, reordered:
     pi_prox is not recomputed (so the decoupled clip acts from the second pass), no forward runs."""
     recipe = get_recipe("grpo_async")
-    backend = train.LocalTrainBackend(train.TrainBackendConfig(
-        lr=1e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None))
+    backend = train.LocalTrainBackend(
+        train.TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None)
+    )
     backend.initialize(dirs["policy"])
     forwards, trained = [], []
     real_forward, real_train = backend.forward_only, backend.train_step
@@ -335,7 +356,9 @@ def test_later_pass_reuses_first_pass_forwards(dirs):
     m2 = runner.step(batch.select(order), pass_order=order)
     assert len(forwards) == 1  # reused, not recomputed after the first pass moved the weights
     first, second = trained
-    torch.testing.assert_close(second.extra["prox_logprobs_T"], first.select(order).extra["prox_logprobs_T"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        second.extra["prox_logprobs_T"], first.select(order).extra["prox_logprobs_T"], rtol=0, atol=0
+    )
     torch.testing.assert_close(second.advantages_T, first.select(order).advantages_T, rtol=0, atol=0)
     recomputed = real_forward(batch.select(order), forward_fn=runner.specs["policy"].extract_model_output)["logprobs_T"]
     assert not torch.allclose(recomputed, second.extra["prox_logprobs_T"])  # the weights did move
@@ -347,8 +370,9 @@ def test_later_pass_reuses_first_pass_forwards(dirs):
 def test_minibatches_share_one_forward(dirs):
     """num_minibatches=2: one pi_prox forward, two optimizer steps on consecutive halves of the
     prepared batch; the second half's ratio pi_theta / pi_prox is off 1 (the clip can act)."""
-    backend = train.LocalTrainBackend(train.TrainBackendConfig(
-        lr=5e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None))
+    backend = train.LocalTrainBackend(
+        train.TrainBackendConfig(lr=5e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None)
+    )
     backend.initialize(dirs["policy"])
     forwards, trained, results = [], [], []
     real_forward, real_train = backend.forward_only, backend.train_step

@@ -3,11 +3,11 @@ built from naive (unpacked, full-logits) log-probs and plain torch arithmetic.""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
+from recipes_testlib import loss_of, make_decoder, naive_logprobs, rl_batch, with_behaviour_logprobs
 
 from areno.api.types import TokenBatch, Trajectory
 from areno.specializations import (
@@ -24,8 +24,6 @@ from areno.specializations import (
     token_logprobs_T,
 )
 from areno.specializations.base import with_extra
-
-from recipes_testlib import loss_of, make_decoder, naive_logprobs, rl_batch, with_behaviour_logprobs
 
 SEQ = [(0, 7), (7, 12), (12, 19), (19, 24), (24, 30), (30, 37)]  # rl_batch() boundaries
 
@@ -65,8 +63,13 @@ def test_actor_grpo_clipped_loss(model, aggregation):
     base = rl_batch()
     logp = naive_logprobs(model, base)
     batch = with_behaviour_logprobs(base, logp)
-    spec = ActorSpecialization(advantage_estimator="grpo", clip_eps=0.2, clip_eps_high=0.28,
-                               loss_aggregation=aggregation, loss_agg_constant=8.0)
+    spec = ActorSpecialization(
+        advantage_estimator="grpo",
+        clip_eps=0.2,
+        clip_eps_high=0.28,
+        loss_aggregation=aggregation,
+        loss_agg_constant=8.0,
+    )
     prepared = spec.prepare_batch(batch)
     loss, metrics = loss_of(spec, model, prepared)
     adv = grpo_adv(batch.rewards_B.tolist())
@@ -82,7 +85,9 @@ def test_actor_grpo_clipped_loss(model, aggregation):
         total += seq_sum
         per_seq.append(seq_sum / len(pos))
         n_tok += len(pos)
-    expected = {"token": total / n_tok, "seq_mean_token_mean": sum(per_seq) / 6, "constant": total / (6 * 8.0)}[aggregation]
+    expected = {"token": total / n_tok, "seq_mean_token_mean": sum(per_seq) / 6, "constant": total / (6 * 8.0)}[
+        aggregation
+    ]
     assert loss.item() == pytest.approx(expected, rel=1e-4)
     if aggregation == "token":
         assert metrics["actor/clip_frac"].item() == pytest.approx(clipped / n_tok)
@@ -91,8 +96,9 @@ def test_actor_grpo_clipped_loss(model, aggregation):
 
 def test_actor_dapo_drops_zero_variance_groups_and_penalises_overlong(model):
     batch = rl_batch()
-    spec = ActorSpecialization(advantage_estimator="grpo", dynamic_sampling=True,
-                               overlong_max_length=4, overlong_buffer_length=2)
+    spec = ActorSpecialization(
+        advantage_estimator="grpo", dynamic_sampling=True, overlong_max_length=4, overlong_buffer_length=2
+    )
     prepared = spec.prepare_batch(batch)
     # completion lengths 4, 2 | 5, 3 | 2, 3 -> penalties -1, 0 | -1, -0.5 | 0, -0.5 (L_max 4,
     # buffer 2), so rewards become 0, 0 | -0.8, 0.5 | 1, 0.5: group a is now zero-variance and
@@ -128,8 +134,13 @@ def test_actor_decoupled_recompute_and_loglinear(model):
     batch = with_behaviour_logprobs(base, logp, scale=0.5)
     gen = torch.Generator().manual_seed(7)
     prox = torch.where(batch.loss_mask_T, logp + 0.1 * torch.randn(batch.num_tokens, generator=gen), torch.zeros(()))
-    spec = ActorSpecialization(advantage_estimator="grpo", use_decoupled_loss=True, prox_logp_method="recompute",
-                               behav_imp_weight_cap=1.5, behav_weight_mode="mask")
+    spec = ActorSpecialization(
+        advantage_estimator="grpo",
+        use_decoupled_loss=True,
+        prox_logp_method="recompute",
+        behav_imp_weight_cap=1.5,
+        behav_weight_mode="mask",
+    )
     assert spec.self_forward_keys == {"logprobs_T": "prox_logprobs_T"}
     prepared = spec.prepare_batch(with_extra(batch, prox_logprobs_T=prox))
     loss, metrics = loss_of(spec, model, prepared)
@@ -164,7 +175,9 @@ def test_actor_gspo_and_cispo(model):
     logp = naive_logprobs(model, base)
     batch = with_behaviour_logprobs(base, logp, scale=0.01)
     adv = grpo_adv(batch.rewards_B.tolist())
-    gspo = ActorSpecialization(policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq_mean_token_mean")
+    gspo = ActorSpecialization(
+        policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq_mean_token_mean"
+    )
     loss, _ = loss_of(gspo, model, gspo.prepare_batch(batch))
     per_seq = []
     for b in range(6):
@@ -280,8 +293,16 @@ def preference_batch() -> TokenBatch:
     trajs = []
     for gid, reward, n_prompt, n_comp in [("p", 1.0, 3, 3), ("q", 0.0, 2, 4), ("p", 0.0, 3, 2), ("q", 1.0, 2, 3)]:
         ids = torch.randint(3, 24, (n_prompt + n_comp,), generator=gen).tolist()
-        trajs.append(Trajectory(prompt_ids=ids[:n_prompt], completion_ids=ids[n_prompt:], logprobs=[-1.0] * n_comp,
-                                versions=[0] * n_comp, reward=reward, group_id=gid))
+        trajs.append(
+            Trajectory(
+                prompt_ids=ids[:n_prompt],
+                completion_ids=ids[n_prompt:],
+                logprobs=[-1.0] * n_comp,
+                versions=[0] * n_comp,
+                reward=reward,
+                group_id=gid,
+            )
+        )
     return TokenBatch.from_trajectories(trajs)
 
 

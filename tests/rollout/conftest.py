@@ -50,4 +50,4 @@ def naive_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[floa
         tok = int(logits.argmax())
         logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
         ids.append(tok)
-    return ids[len(prompt):], logprobs
+    return ids[len(prompt) :], logprobs

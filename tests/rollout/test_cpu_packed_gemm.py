@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areno.api.types import SamplingParams
 from areno.models import cpu_gemm
 from areno.models.decoder import Decoder
 from areno.models.hf_io import save_model, tiny_config
@@ -34,8 +33,15 @@ def pack_everything(monkeypatch):
 
 
 def engine_of(model, cfg, packed: bool, **kw) -> RolloutEngine:
-    config = RolloutEngineConfig(block_size=4, num_blocks=96, max_num_seqs=5, max_model_len=80,
-                                 prefill_chunk_size=8, cpu_packed_gemm=packed, **kw)
+    config = RolloutEngineConfig(
+        block_size=4,
+        num_blocks=96,
+        max_num_seqs=5,
+        max_model_len=80,
+        prefill_chunk_size=8,
+        cpu_packed_gemm=packed,
+        **kw,
+    )
     return RolloutEngine(model, cfg, config=config, eos_token_ids=())
 
 
@@ -140,7 +146,9 @@ def test_unfused_projections_get_their_own_copies(pack_everything):
     engine = engine_of(model, cfg, True, fused_projections=False)
     assert len(model._cpu_packs) == 7 * cfg.num_hidden_layers + 1
     ref, _ = model_of("qwen2")
-    assert_close_runs(run(engine, random_prompts(4, seed=5)), run(engine_of(ref, cfg, False), random_prompts(4, seed=5)))
+    assert_close_runs(
+        run(engine, random_prompts(4, seed=5)), run(engine_of(ref, cfg, False), random_prompts(4, seed=5))
+    )
 
 
 def test_flag_validated_and_false_unpacks(pack_everything):
@@ -224,8 +232,15 @@ def test_rollout_key_reaches_the_engine(tiny_model_dir, tmp_path):
     from areno.engine.api import ArenoEngine, resolve_device
 
     for value in (True, False):
-        cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
-                                 f"rollout.cpu_packed_gemm={str(value).lower()}"])
+        cfg = load_config(
+            None,
+            [
+                f"model.path={tiny_model_dir}",
+                f"run_dir={tmp_path / 'run'}",
+                "cluster.device=cpu",
+                f"rollout.cpu_packed_gemm={str(value).lower()}",
+            ],
+        )
         colocated = ArenoEngine(cfg, tmp_path / "run")
         colocated.device = resolve_device("cpu")
         colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -17,9 +17,16 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=17, ignore_eo
 
 
 def engine(model, cfg, carry: bool, recompute: bool = False) -> RolloutEngine:
-    config = RolloutEngineConfig(block_size=4, num_blocks=200, max_num_seqs=5, max_model_len=80,
-                                 prefill_chunk_size=8, decode_attention="gather",
-                                 recompute_kv_on_weight_update=recompute, cpu_decode_carry=carry)
+    config = RolloutEngineConfig(
+        block_size=4,
+        num_blocks=200,
+        max_num_seqs=5,
+        max_model_len=80,
+        prefill_chunk_size=8,
+        decode_attention="gather",
+        recompute_kv_on_weight_update=recompute,
+        cpu_decode_carry=carry,
+    )
     eng = RolloutEngine(model, cfg, config=config, eos_token_ids=())
     assert (eng.cache.decode_carry is not None) is carry
     return eng

@@ -75,10 +75,14 @@ def test_same_seed_same_tokens_regardless_of_batch(tiny):
     prompt = random_prompts(1, seed=5)[0]
     alone = engine(tiny).generate([prompt], p)[0]
     others = random_prompts(5, seed=6)
-    mixed = engine(tiny).generate(others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0)] * 2 + [p]
-                                  + [SamplingParams(temperature=0.7)] * 3)[2]
+    mixed = engine(tiny).generate(
+        others[:2] + [prompt] + others[2:],
+        [SamplingParams(temperature=1.0)] * 2 + [p] + [SamplingParams(temperature=0.7)] * 3,
+    )[2]
     assert alone.output_ids == mixed.output_ids
-    other_seed = engine(tiny).generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=7))[0]
+    other_seed = engine(tiny).generate(
+        [prompt], SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=7)
+    )[0]
     assert other_seed.output_ids != alone.output_ids
 
 
@@ -103,13 +107,15 @@ def test_stop_ids_eos_min_and_max_tokens(tiny):
     out = eng.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop_tok,)))[0]
     assert out.output_ids == free[: first + 1] and out.finish_reason == "stop"
     # min_new_tokens suppresses the stop id until enough tokens exist.
-    out = eng.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=first + 2,
-                                                stop_token_ids=(stop_tok,)))[0]
+    out = eng.generate(
+        [prompt], SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=first + 2, stop_token_ids=(stop_tok,))
+    )[0]
     assert stop_tok not in out.output_ids[: first + 2]
     # EOS ends generation unless ignore_eos.
     big_eos = SamplingParams(temperature=0, max_new_tokens=10)
-    eos_eng = RolloutEngine(tiny[0], tiny[1], config=RolloutEngineConfig(block_size=4, num_blocks=64),
-                            eos_token_ids=(stop_tok,))
+    eos_eng = RolloutEngine(
+        tiny[0], tiny[1], config=RolloutEngineConfig(block_size=4, num_blocks=64), eos_token_ids=(stop_tok,)
+    )
     assert eos_eng.generate([prompt], big_eos)[0].finish_reason == "stop"
     assert eos_eng.generate([prompt], GREEDY)[0].output_ids == free
 
@@ -119,8 +125,9 @@ def test_stop_strings_cut_text(tiny):
 
     tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz")
     model, cfg = tiny
-    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64), eos_token_ids=(EOS,),
-                        tokenizer=tok)
+    eng = RolloutEngine(
+        model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64), eos_token_ids=(EOS,), tokenizer=tok
+    )
     prompt = tok.encode("hello")
     free = eng.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))[0]
     text = free.text
@@ -153,8 +160,12 @@ def test_weight_swap_mid_generation_records_versions(tiny):
 def test_weight_swap_keeping_old_kv(tiny):
     model, cfg = make_model(0)
     new_model, _ = make_model(1)
-    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64,
-                        recompute_kv_on_weight_update=False), eos_token_ids=())
+    eng = RolloutEngine(
+        model,
+        cfg,
+        config=RolloutEngineConfig(block_size=4, num_blocks=64, recompute_kv_on_weight_update=False),
+        eos_token_ids=(),
+    )
     prompt = random_prompts(1, seed=10)[0]
     eng.add_request(prompt, GREEDY)
     eng.step()

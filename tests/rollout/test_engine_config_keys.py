@@ -9,12 +9,22 @@ from areno.engine.api import ArenoEngine
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
-                             f"rollout.fused_projections={str(fused).lower()}", "rollout.cuda_graphs=false",
-                             "rollout.decode_steps=3", "rollout.kv_blocks=32", "rollout.max_num_seqs=40",
-                             f"rollout.recompute_kv_on_weight_update={str(not fused).lower()}",
-                             f"rollout.cuda_stream={str(fused).lower()}",
-                             f"rollout.mixed_decode_min_rows={4 if fused else 'null'}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            f"run_dir={tmp_path / 'run'}",
+            "cluster.device=cpu",
+            f"rollout.fused_projections={str(fused).lower()}",
+            "rollout.cuda_graphs=false",
+            "rollout.decode_steps=3",
+            "rollout.kv_blocks=32",
+            "rollout.max_num_seqs=40",
+            f"rollout.recompute_kv_on_weight_update={str(not fused).lower()}",
+            f"rollout.cuda_stream={str(fused).lower()}",
+            f"rollout.mixed_decode_min_rows={4 if fused else 'null'}",
+        ],
+    )
     from transformers import AutoTokenizer
 
     from areno.engine.api import resolve_device
@@ -52,8 +62,15 @@ def test_train_attention_sets_the_cuda_training_attention(tiny_model_dir, tmp_pa
     from areno.train import LocalTrainBackend
 
     monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "flex")  # restored after the test
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
-                             f"train.attention={choice}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            f"run_dir={tmp_path / 'run'}",
+            "cluster.device=cpu",
+            f"train.attention={choice}",
+        ],
+    )
     build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
     assert decoder.CUDA_AUTO_IMPL == impl
 
@@ -64,8 +81,16 @@ def test_train_compile_scope_reaches_the_training_backend(tiny_model_dir, tmp_pa
     from areno.engine.api import build_role_backends, resolve_recipe
     from areno.train import LocalTrainBackend
 
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu",
-                             "train.compile=true", "train.compile_scope=model"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            f"run_dir={tmp_path / 'run'}",
+            "cluster.device=cpu",
+            "train.compile=true",
+            "train.compile_scope=model",
+        ],
+    )
     with caplog.at_level("INFO", logger="areno.engine.api"):
         backends = build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
     assert "compile_scope=model) during the first training step" in caplog.text

@@ -33,8 +33,15 @@ def model_of(arch: str, seed: int = 0) -> tuple[Decoder, object]:
 
 
 def engine_of(model, cfg, fused: bool, **kw) -> RolloutEngine:
-    config = RolloutEngineConfig(block_size=4, num_blocks=96, max_num_seqs=5, max_model_len=80,
-                                 prefill_chunk_size=8, fused_projections=fused, **kw)
+    config = RolloutEngineConfig(
+        block_size=4,
+        num_blocks=96,
+        max_num_seqs=5,
+        max_model_len=80,
+        prefill_chunk_size=8,
+        fused_projections=fused,
+        **kw,
+    )
     return RolloutEngine(model, cfg, config=config, eos_token_ids=())
 
 
@@ -63,8 +70,10 @@ def test_fused_engine_equals_unfused_engine(arch):
     live = fused.weight_tensors()
     a = fused_model.model.layers[1].self_attn
     assert live["model.layers.1.self_attn.k_proj.weight"] is a.k_proj.weight
-    assert live["model.layers.1.self_attn.k_proj.weight"].untyped_storage().data_ptr() == \
-        a.qkv.weight.untyped_storage().data_ptr()
+    assert (
+        live["model.layers.1.self_attn.k_proj.weight"].untyped_storage().data_ptr()
+        == a.qkv.weight.untyped_storage().data_ptr()
+    )
     assert live.keys() == plain.weight_tensors().keys()
 
 
@@ -98,7 +107,7 @@ def test_update_weights_on_fused_engine(arch):
     a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
     q_rows = a.q_proj.weight.shape[0]
     assert torch.equal(a.qkv.weight[:q_rows], new["model.layers.0.self_attn.q_proj.weight"])
-    assert torch.equal(m.gate_up.weight[m.gate_proj.weight.shape[0]:], new["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(m.gate_up.weight[m.gate_proj.weight.shape[0] :], new["model.layers.0.mlp.up_proj.weight"])
     ref, _ = model_of(arch, seed=7)
     assert_same(run(fused, prompts), run(engine_of(ref, cfg, False), prompts))
 
@@ -186,9 +195,14 @@ def test_fused_engine_equals_unfused_engine_bf16_on_gpu(arch):
     for fused in (True, False):
         model, cfg = model_of(arch)
         model = model.to("cuda", torch.bfloat16)
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
-            block_size=16, num_blocks=256, max_num_seqs=16, max_model_len=128, fused_projections=fused),
-            eos_token_ids=())
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(
+                block_size=16, num_blocks=256, max_num_seqs=16, max_model_len=128, fused_projections=fused
+            ),
+            eos_token_ids=(),
+        )
         outs = eng.generate(prompts, params)
         eng.update_weights(model_of(arch, seed=5)[0].state_dict().items(), version=1)
         after = eng.generate(prompts, params)
@@ -201,5 +215,6 @@ def test_fused_engine_equals_unfused_engine_bf16_on_gpu(arch):
             n = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), len(a.output_ids))
             # Up to where they part (inclusive: same context), the log-probs agree to bf16 rounding.
             m = min(n + 1, len(a.output_ids))
-            torch.testing.assert_close(torch.tensor(a.output_logprobs[:m]), torch.tensor(b.output_logprobs[:m]),
-                                       rtol=0, atol=5e-2)
+            torch.testing.assert_close(
+                torch.tensor(a.output_logprobs[:m]), torch.tensor(b.output_logprobs[:m]), rtol=0, atol=5e-2
+            )

@@ -15,12 +15,22 @@ from tests.rollout.conftest import make_model, random_prompts
 
 def test_static_decode_metadata_matches_eager_builder():
     torch.manual_seed(0)
-    cache = KVCache(num_layers=1, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8,
-                    dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=10,
+        block_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     cache.k_S[0].normal_()
     cache.v_S[0].normal_()
-    chunks = [SeqChunk(block_table=[3, 1, 7], start=9, num_new=1), SeqChunk(block_table=[2], start=0, num_new=1),
-              SeqChunk(block_table=[5, 6], start=4, num_new=1)]
+    chunks = [
+        SeqChunk(block_table=[3, 1, 7], start=9, num_new=1),
+        SeqChunk(block_table=[2], start=0, num_new=1),
+        SeqChunk(block_table=[5, 6], start=4, num_new=1),
+    ]
     q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     for window in (None, 3):
         k0, v0 = cache.k_S[0].clone(), cache.v_S[0].clone()
@@ -40,7 +50,21 @@ def test_static_decode_metadata_matches_eager_builder():
 
 def test_padding_buckets():
     assert [padded_batch_size(n) for n in (1, 2, 3, 4, 5, 9, 16, 17, 64, 65, 97, 256, 257, 300)] == [
-        1, 2, 4, 4, 8, 16, 16, 24, 64, 96, 128, 256, 320, 320]
+        1,
+        2,
+        4,
+        4,
+        8,
+        16,
+        16,
+        24,
+        64,
+        96,
+        128,
+        256,
+        320,
+        320,
+    ]
     assert [padded_num_blocks(n) for n in (1, 2, 3, 5, 16, 17, 33)] == [1, 2, 4, 8, 16, 32, 48]
     assert [graph_num_blocks(n, paged=False) for n in (3, 17)] == [4, 32]
     assert [graph_num_blocks(n, paged=True) for n in (1, 17, 64, 65, 200)] == [64, 64, 64, 128, 256]
@@ -57,8 +81,12 @@ def test_cuda_graphs_match_eager_on_gpu(dtype):
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
     outs = {}
     for graphs, k in ((False, 1), (False, None), (True, None)):  # None: the CUDA default, multi-step
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256, cuda_graphs=graphs,
-                                                                   decode_steps=k), eos_token_ids=())
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(block_size=4, num_blocks=256, cuda_graphs=graphs, decode_steps=k),
+            eos_token_ids=(),
+        )
         if k == 1:
             one_step = eng.generate(prompts, params)
             continue
@@ -89,7 +117,9 @@ def test_warmup_captures_every_bucket_then_generation_reuses_them():
     assert len(widths) == (1 if eng._graphs.paged else 5)
     n = eng.warmup_cuda_graphs([5], max_len=40)
     assert n == 2 * len(widths)
-    eng.generate(random_prompts(5, seed=41, lo=4, hi=10), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    eng.generate(
+        random_prompts(5, seed=41, lo=4, hi=10), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    )
     assert len(eng._graphs._graphs) == len(widths) and len(eng._graphs._loops) == len(widths)  # nothing new
 
 
@@ -110,8 +140,12 @@ def test_sampled_loop_graph_matches_eager_on_gpu():
     params = _sampled_mix(14, eos)
     outs, engines = {}, {}
     for name, k, graphs in (("one_step", 1, False), ("k_eager", 8, False), ("k_graph", 8, True)):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256, decode_steps=k,
-                                                                   cuda_graphs=graphs), eos_token_ids=eos)
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(block_size=4, num_blocks=256, decode_steps=k, cuda_graphs=graphs),
+            eos_token_ids=eos,
+        )
         outs[name], engines[name] = eng.generate(prompts, params), eng
     eng = engines["k_graph"]
     assert any(key[4].sample for key in eng._graphs._loops), "the sampled loop graph was never taken"
@@ -130,7 +164,7 @@ def test_sampled_loop_graph_matches_eager_on_gpu():
         for o, prompt in zip(first[:3], prompts):
             ids = torch.tensor(prompt + o.output_ids, device="cuda")
             logits = model.logits(model(ids, torch.arange(len(ids), device="cuda")))[len(prompt) - 1 : -1].float()
-            ref = torch.log_softmax(logits, -1).gather(1, ids[len(prompt):, None]).squeeze(1)
+            ref = torch.log_softmax(logits, -1).gather(1, ids[len(prompt) :, None]).squeeze(1)
             torch.testing.assert_close(torch.tensor(o.output_logprobs, device="cuda"), ref, rtol=0, atol=1e-3)
 
 
@@ -190,15 +224,25 @@ def test_graph_runner_inputs_on_cpu(decode_steps, mode):
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=mode == "mixed") for n in lengths]
     eos = ()
     if mode == "mixed":  # seeded sampling rows too: their noise depends on (seed, tokens generated) only
-        params[1::3] = [SamplingParams(temperature=0.8, top_k=10, max_new_tokens=n, ignore_eos=True, seed=n)
-                        for n in lengths[1::3]]
+        params[1::3] = [
+            SamplingParams(temperature=0.8, top_k=10, max_new_tokens=n, ignore_eos=True, seed=n) for n in lengths[1::3]
+        ]
     else:  # all greedy: the k-step loop graph, with an EOS that ends some requests early
         eos = (17,)
     outs = {}
     for graphs in (False, True):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
-            block_size=4, num_blocks=64, max_num_seqs=6, max_model_len=70, decode_steps=decode_steps if graphs else 1),
-            eos_token_ids=eos)
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(
+                block_size=4,
+                num_blocks=64,
+                max_num_seqs=6,
+                max_model_len=70,
+                decode_steps=decode_steps if graphs else 1,
+            ),
+            eos_token_ids=eos,
+        )
         if graphs:
             eng._graphs = eager_runner(eng, max_batch=6)
         outs[graphs] = eng.generate(prompts, params)
@@ -221,8 +265,9 @@ def _sampled_mix(n: int, eos: tuple[int, ...]) -> list[SamplingParams]:
         lambda i: SamplingParams(temperature=0, max_new_tokens=7 + i, min_new_tokens=4),
         lambda i: SamplingParams(temperature=0.7, top_k=12, max_new_tokens=14, stop_token_ids=(30, 41), seed=7 * i),
         lambda i: SamplingParams(temperature=1.3, max_new_tokens=5 + i, seed=i),
-        lambda i: SamplingParams(temperature=1.0, top_p=0.8, top_k=20, max_new_tokens=12, min_new_tokens=9,
-                                 stop_token_ids=(30,), seed=50 + i),
+        lambda i: SamplingParams(
+            temperature=1.0, top_p=0.8, top_k=20, max_new_tokens=12, min_new_tokens=9, stop_token_ids=(30,), seed=50 + i
+        ),
     ]
     return [kinds[i % len(kinds)](i) for i in range(n)]
 
@@ -239,14 +284,19 @@ def test_sampled_loop_graph_matches_eager_per_step_on_cpu(uniform):
     prompts = random_prompts(14, seed=44)
     eos = (9, 17, 23)
     if uniform:  # one mode for every row: RL rollouts (temperature 1, top-p, seeds, min_new_tokens)
-        params = [SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, min_new_tokens=5, seed=i)
-                  for i in range(14)]
+        params = [
+            SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, min_new_tokens=5, seed=i) for i in range(14)
+        ]
     else:
         params = _sampled_mix(14, eos)
     outs, engines = {}, {}
     for name, k, graphs in (("one_step", 1, False), ("k_eager", 4, False), ("k_graph", 4, True)):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
-            block_size=4, num_blocks=96, max_num_seqs=6, max_model_len=60, decode_steps=k), eos_token_ids=eos)
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(block_size=4, num_blocks=96, max_num_seqs=6, max_model_len=60, decode_steps=k),
+            eos_token_ids=eos,
+        )
         if graphs:
             eng._graphs = eager_runner(eng, max_batch=6)
         outs[name], engines[name] = eng.generate(prompts, params), eng
@@ -277,8 +327,9 @@ def test_unseeded_rows_in_the_loop_graph_sample_from_the_policy():
     prompt = random_prompts(1, seed=45)[0]
     p = SamplingParams(temperature=0.9, max_new_tokens=12, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4),
-                        eos_token_ids=())
+    eng = RolloutEngine(
+        model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4), eos_token_ids=()
+    )
     eng._graphs = eager_runner(eng, max_batch=8)
     outs = eng.generate([prompt] * 6, [p] * 5 + [greedy])
     assert {key[4] for key in eng._graphs._loops} == {SampleMode(True, False, False, True)}
@@ -298,12 +349,22 @@ def test_grouped_gqa_decode_matches_enable_gqa(monkeypatch):
     """The CUDA layout of decode rows and prefill chunks (KV heads x query groups, no enable_gqa)
     computes the same attention."""
     torch.manual_seed(1)
-    cache = KVCache(num_layers=1, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8,
-                    dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=10,
+        block_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     cache.k_S[0].normal_()
     cache.v_S[0].normal_()
-    chunks = [SeqChunk(block_table=[3, 1, 7], start=9, num_new=1), SeqChunk(block_table=[2], start=0, num_new=1),
-              SeqChunk(block_table=[5, 6], start=3, num_new=4)]
+    chunks = [
+        SeqChunk(block_table=[3, 1, 7], start=9, num_new=1),
+        SeqChunk(block_table=[2], start=0, num_new=1),
+        SeqChunk(block_table=[5, 6], start=3, num_new=4),
+    ]
     q, k, v = torch.randn(6, 6, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)  # 3 query heads per KV head
     outs = {}
     for grouped in (False, True):
@@ -345,9 +406,14 @@ def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     results = {}
     for own in (False, True):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=512, cuda_stream=own, decode_steps=8,
-                                                                   recompute_kv_on_weight_update=False),
-                            eos_token_ids=())
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(
+                block_size=4, num_blocks=512, cuda_stream=own, decode_steps=8, recompute_kv_on_weight_update=False
+            ),
+            eos_token_ids=(),
+        )
         assert (eng._stream is not None) is own
         # graphs are captured before the "trainer" starts, as a run's engine does at start-up
         # (rollout.cuda_graph_warmup) and as a colocated asynchronous step guarantees

@@ -16,9 +16,17 @@ def test_engine_matches_transformers_generate(tiny_model_dir):
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
-            res = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                              output_scores=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-        hf_ids = res.sequences[0, len(prompt):].tolist()
+            res = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        hf_ids = res.sequences[0, len(prompt) :].tolist()
         hf_lp = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(res.scores, hf_ids)]
         assert out.output_ids == hf_ids
         assert out.output_logprobs == pytest.approx(hf_lp, abs=1e-4)

@@ -25,8 +25,21 @@ def _params() -> list[SamplingParams]:
 
 
 def _same(a: RowParams, b: RowParams) -> None:
-    for name in ("table_FB", "scale_B", "greedy_B", "top_k_B", "top_p_B", "seed_B", "seeded_B", "stop_ids_BS",
-                 "stop_valid_BS", "min_new_B", "max_new_B", "n_gen_B", "room_B"):
+    for name in (
+        "table_FB",
+        "scale_B",
+        "greedy_B",
+        "top_k_B",
+        "top_p_B",
+        "seed_B",
+        "seeded_B",
+        "stop_ids_BS",
+        "stop_valid_BS",
+        "min_new_B",
+        "max_new_B",
+        "n_gen_B",
+        "room_B",
+    ):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     for name in ("any_stop_ids", "all_greedy", "any_greedy", "any_truncate", "any_min_new", "all_unseeded", "mode"):
         assert getattr(a, name) == getattr(b, name), name
@@ -48,17 +61,21 @@ def test_row_table_gather_equals_build_for_any_subset_and_after_growth():
     assert table.max_stops == 4  # EOS + three stop ids
     n_gen, lengths = [0, 2, 1, 7, 3], [5, 9, 4, 20, 8]
     for pick in ([0, 1, 2, 3, 4], [3, 0], [2], [4, 1], [0, 2, 4]):
-        got = RowParams.gather(table, [slots[i] for i in pick], [n_gen[i] for i in pick], [lengths[i] for i in pick],
-                               64, cpu)
-        want = RowParams.build([params[i] for i in pick], [n_gen[i] for i in pick], [lengths[i] for i in pick],
-                               EOS, V, 64, cpu)
+        got = RowParams.gather(
+            table, [slots[i] for i in pick], [n_gen[i] for i in pick], [lengths[i] for i in pick], 64, cpu
+        )
+        want = RowParams.build(
+            [params[i] for i in pick], [n_gen[i] for i in pick], [lengths[i] for i in pick], EOS, V, 64, cpu
+        )
         _same(got, want)
     # a slot taken by another request is rewritten; one held by the same request is not
     before = table.table_FR.clone()
     table.sync([slots[0]], [rows[0]])
     assert torch.equal(table.table_FR, before)
     table.sync([slots[0]], [rows[2]])
-    _same(RowParams.gather(table, [slots[0]], [1], [4], 64, cpu), RowParams.build([params[2]], [1], [4], EOS, V, 64, cpu))
+    _same(
+        RowParams.gather(table, [slots[0]], [1], [4], 64, cpu), RowParams.build([params[2]], [1], [4], EOS, V, 64, cpu)
+    )
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
@@ -68,13 +85,25 @@ def test_running_stays_in_arrival_order_through_preemption(decode_steps):
     the running tables after every step, and outputs match a roomy pool."""
     model, cfg = make_model(0)
     prompts = random_prompts(9, seed=61, lo=8, hi=20)
-    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (24, 10, 18, 6, 30, 12, 8, 20, 16)]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (24, 10, 18, 6, 30, 12, 8, 20, 16)
+    ]
     outs = {}
     for blocks in (200, 26):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=blocks, max_num_seqs=6,
-                                                                   max_tokens_per_step=40, prefill_chunk_size=8,
-                                                                   decode_steps=decode_steps, mixed_decode_min_rows=1),
-                            eos_token_ids=EOS)
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(
+                block_size=4,
+                num_blocks=blocks,
+                max_num_seqs=6,
+                max_tokens_per_step=40,
+                prefill_chunk_size=8,
+                decode_steps=decode_steps,
+                mixed_decode_min_rows=1,
+            ),
+            eos_token_ids=EOS,
+        )
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         done = {}
         while eng.has_unfinished():

@@ -16,11 +16,23 @@ from tests.rollout.test_gpu_path import _sampled_mix, eager_runner
 
 def engine(model_cfg, decode_steps: int, *, graphs: bool = False, eos=(EOS,), tokenizer=None, **kw) -> RolloutEngine:
     model, cfg = model_cfg
-    defaults = dict(block_size=4, num_blocks=160, max_num_seqs=8, max_tokens_per_step=48, prefill_chunk_size=8,
-                    max_model_len=80, mixed_decode_min_rows=1)
+    defaults = dict(
+        block_size=4,
+        num_blocks=160,
+        max_num_seqs=8,
+        max_tokens_per_step=48,
+        prefill_chunk_size=8,
+        max_model_len=80,
+        mixed_decode_min_rows=1,
+    )
     defaults.update(kw)
-    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(decode_steps=decode_steps, **defaults),
-                        eos_token_ids=eos, tokenizer=tokenizer)
+    eng = RolloutEngine(
+        model,
+        cfg,
+        config=RolloutEngineConfig(decode_steps=decode_steps, **defaults),
+        eos_token_ids=eos,
+        tokenizer=tokenizer,
+    )
     if graphs:
         eng._graphs = eager_runner(eng, max_batch=defaults["max_num_seqs"])
     return eng
@@ -117,13 +129,15 @@ def test_a_mixed_round_trip_gives_each_row_decode_steps_tokens(tiny_model):
     assert n == 3
     # the token budget prefills one of two arrivals and only starts the other: one token per row,
     # so the other's prefill goes on at the next round trip
-    eng3, n = arrival_step(random_prompts(4, seed=59, lo=2, hi=4), random_prompts(2, seed=60, lo=6, hi=8),
-                           max_tokens_per_step=12)
+    eng3, n = arrival_step(
+        random_prompts(4, seed=59, lo=2, hi=4), random_prompts(2, seed=60, lo=6, hi=8), max_tokens_per_step=12
+    )
     assert n == 5
     assert sum(s.num_computed < len(s.token_ids) - 1 for s in eng3.scheduler.running) == 1
     # the budget is spent on the first arrival's whole prompt; the second waits with slots free
-    eng4, n = arrival_step(random_prompts(4, seed=59, lo=2, hi=4), random_prompts(2, seed=61, lo=8, hi=9),
-                           max_tokens_per_step=12)
+    eng4, n = arrival_step(
+        random_prompts(4, seed=59, lo=2, hi=4), random_prompts(2, seed=61, lo=8, hi=9), max_tokens_per_step=12
+    )
     assert n == 5 and len(eng4.scheduler.waiting) == 1
 
 
@@ -132,10 +146,15 @@ def test_mixed_decode_stop_strings_context_limit_and_abort(tiny_model):
 
     tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz")
     prompts = [tok.encode(w) for w in ("hello", "world", "abc", "mixed", "steps", "zz")]
-    free = engine(tiny_model, 1, tokenizer=tok, eos=()).generate(
-        prompts[:1], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))[0].text
-    params = [SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True, stop=(free[3:5],)),
-              SamplingParams(temperature=0, max_new_tokens=70, ignore_eos=True)] * 3  # 70: the context ends first
+    free = (
+        engine(tiny_model, 1, tokenizer=tok, eos=())
+        .generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))[0]
+        .text
+    )
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True, stop=(free[3:5],)),
+        SamplingParams(temperature=0, max_new_tokens=70, ignore_eos=True),
+    ] * 3  # 70: the context ends first
     ref, _ = drive(engine(tiny_model, 1, tokenizer=tok, eos=(), max_model_len=24), prompts, params)
     eng = engine(tiny_model, 4, tokenizer=tok, eos=(), max_model_len=24)
     got, _ = drive(eng, prompts, params)
@@ -181,8 +200,10 @@ def test_mixed_decode_when_the_pool_is_short_preempts_and_matches(tiny_model):
 
 
 def test_row_params_shifted_counts_the_first_token():
-    params = [SamplingParams(temperature=0.5, max_new_tokens=5, min_new_tokens=4, seed=3),
-              SamplingParams(temperature=0, max_new_tokens=9, stop_token_ids=(4, 6))]
+    params = [
+        SamplingParams(temperature=0.5, max_new_tokens=5, min_new_tokens=4, seed=3),
+        SamplingParams(temperature=0, max_new_tokens=9, stop_token_ids=(4, 6)),
+    ]
     rp = RowParams.build(params, [1, 0], [7, 30], (2,), 50, 32, torch.device("cpu"))
     sh = rp.shifted(1)
     assert sh.n_gen_B.tolist() == [2, 1] and sh.room_B.tolist() == [min(5 - 2, 32 - 8), min(9 - 1, 32 - 31)]
@@ -213,10 +234,22 @@ def test_mixed_decode_with_cuda_graphs_matches_the_one_step_engine_on_gpu(decode
     params = _sampled_mix(14, eos)
     outs, engines = {}, {}
     for name, k, graphs in (("one_step", 1, False), ("k_graph", 8, True)):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
-            block_size=4, num_blocks=256, max_num_seqs=8, max_tokens_per_step=48, prefill_chunk_size=8,
-            decode_steps=k, cuda_graphs=graphs, decode_attention=decode_attention, mixed_decode_min_rows=1),
-            eos_token_ids=eos)
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(
+                block_size=4,
+                num_blocks=256,
+                max_num_seqs=8,
+                max_tokens_per_step=48,
+                prefill_chunk_size=8,
+                decode_steps=k,
+                cuda_graphs=graphs,
+                decode_attention=decode_attention,
+                mixed_decode_min_rows=1,
+            ),
+            eos_token_ids=eos,
+        )
         outs[name], _ = drive(eng, prompts, params)
         engines[name] = eng
     eng = engines["k_graph"]

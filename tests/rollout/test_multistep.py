@@ -16,8 +16,13 @@ def engine(model_cfg, decode_steps: int, eos=(EOS,), tokenizer=None, **kw) -> Ro
     model, cfg = model_cfg
     defaults = dict(block_size=4, num_blocks=128, max_tokens_per_step=64, prefill_chunk_size=8)
     defaults.update(kw)
-    return RolloutEngine(model, cfg, config=RolloutEngineConfig(decode_steps=decode_steps, **defaults),
-                         eos_token_ids=eos, tokenizer=tokenizer)
+    return RolloutEngine(
+        model,
+        cfg,
+        config=RolloutEngineConfig(decode_steps=decode_steps, **defaults),
+        eos_token_ids=eos,
+        tokenizer=tokenizer,
+    )
 
 
 def summary(outs):
@@ -52,8 +57,9 @@ def test_multistep_stops_eos_stop_ids_min_tokens(tiny):
     stop_tok = free[3]
     cases = [
         SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop_tok,)),
-        SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=free.index(stop_tok) + 2,
-                       stop_token_ids=(stop_tok,)),
+        SamplingParams(
+            temperature=0, max_new_tokens=10, min_new_tokens=free.index(stop_tok) + 2, stop_token_ids=(stop_tok,)
+        ),
         SamplingParams(temperature=0, max_new_tokens=10),
         SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True),
     ]
@@ -88,7 +94,8 @@ def test_multistep_seeded_sampling_independent_of_batch_and_k(tiny):
     alone = engine(tiny, 1).generate([prompt], p)[0]
     mixed = engine(tiny, 4).generate(
         others[:2] + [prompt] + others[2:],
-        [SamplingParams(temperature=1.0)] * 2 + [p] + [SamplingParams(temperature=0.7, min_new_tokens=3)] * 3)[2]
+        [SamplingParams(temperature=1.0)] * 2 + [p] + [SamplingParams(temperature=0.7, min_new_tokens=3)] * 3,
+    )[2]
     assert alone.output_ids == mixed.output_ids
     assert alone.output_logprobs == pytest.approx(mixed.output_logprobs, abs=1e-5)
 
@@ -134,9 +141,11 @@ def test_multistep_join_midway_pause_and_weight_swap(tiny):
 
 
 def test_row_params_advance_and_suppression_on_device():
-    params = [SamplingParams(temperature=0, max_new_tokens=3, min_new_tokens=2, stop_token_ids=(1,)),
-              SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True),
-              SamplingParams(temperature=0, max_new_tokens=9)]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=3, min_new_tokens=2, stop_token_ids=(1,)),
+        SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=9),
+    ]
     rp = RowParams.build(params, [0, 0, 0], [4, 4, 4], (2,), vocab_size=5, max_len=7, device=torch.device("cpu"))
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0, 0.0], [0.0, 5.0, 4.0, 1.0, 0.0], [0.0, 1.0, 5.0, 0.0, 0.0]])
     tokens, _ = Sampler(device=torch.device("cpu"), seed=0).sample_rows(logits, rp)
@@ -191,8 +200,10 @@ def test_full_batch_with_waiting_requests_keeps_k_steps_per_round_trip(tiny, mon
     from areno.rollout import engine as engine_module
 
     prompts = random_prompts(12, seed=3)
-    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
-              for n in (9, 3, 14, 5, 11, 2, 16, 7, 4, 13, 6, 10)]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+        for n in (9, 3, 14, 5, 11, 2, 16, 7, 4, 13, 6, 10)
+    ]
     reference = summary(engine(tiny, 1, num_blocks=256).generate(prompts, params))
     trips = {}
     for clamp_rows in (0, 1000):  # 6 running rows: never clamped / always clamped

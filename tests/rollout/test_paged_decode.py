@@ -15,8 +15,15 @@ from tests.rollout.conftest import make_model, random_prompts
 
 def _random_pool(*, num_blocks=40, bs=4, hkv=2, dh=8, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
-    cache = KVCache(num_layers=1, num_blocks=num_blocks, block_size=bs, num_kv_heads=hkv, head_dim=dh,
-                    dtype=dtype, device=torch.device(device))
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=bs,
+        num_kv_heads=hkv,
+        head_dim=dh,
+        dtype=dtype,
+        device=torch.device(device),
+    )
     cache.k_S[0].copy_(torch.randn(cache.k_S[0].shape, generator=g))
     cache.v_S[0].copy_(torch.randn(cache.v_S[0].shape, generator=g))
     return cache
@@ -86,9 +93,13 @@ def test_paged_padding_rows_and_rows_past_the_table():
     ctx_B = torch.tensor([6, 1, 11])  # row 2: 11 > 2 blocks * 4 keys
     q_BHD = torch.randn(3, 4, 8)
     paged = paged_decode_torch(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, cache.block_size)
-    gather = PagedAttention.for_decode(cache, bt_BN, ctx_B)._sdpa(
-        q_BHD.reshape(3, 2, 2, 8), cache.k_S[0], cache.v_S[0],
-        PagedAttention.for_decode(cache, bt_BN, ctx_B).decode).reshape(3, 4, 8)
+    gather = (
+        PagedAttention.for_decode(cache, bt_BN, ctx_B)
+        ._sdpa(
+            q_BHD.reshape(3, 2, 2, 8), cache.k_S[0], cache.v_S[0], PagedAttention.for_decode(cache, bt_BN, ctx_B).decode
+        )
+        .reshape(3, 4, 8)
+    )
     assert torch.isfinite(paged).all()
     torch.testing.assert_close(paged, gather, rtol=0, atol=1e-5)
 
@@ -108,8 +119,12 @@ def test_config_validation():
     with pytest.raises(ValueError, match="decode_attention must be one of"):
         RolloutEngineConfig(decode_attention="flash")
     with pytest.raises(ValueError, match="decode_attention must be one of"):
-        PagedAttention.for_decode(_random_pool(), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
-                                  decode_attention="dense")
+        PagedAttention.for_decode(
+            _random_pool(),
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long),
+            decode_attention="dense",
+        )
 
 
 def test_auto_resolves_per_device():
@@ -133,9 +148,19 @@ def test_engine_greedy_paged_equals_gather(arch):
     params = SamplingParams(temperature=0, max_new_tokens=14, ignore_eos=True)
     res = {}
     for mode in ("gather", "paged"):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
-            block_size=4, num_blocks=128, max_tokens_per_step=64, prefill_chunk_size=8, decode_steps=3,
-            decode_attention=mode), eos_token_ids=())
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(
+                block_size=4,
+                num_blocks=128,
+                max_tokens_per_step=64,
+                prefill_chunk_size=8,
+                decode_steps=3,
+                decode_attention=mode,
+            ),
+            eos_token_ids=(),
+        )
         res[mode] = eng.generate(prompts, params)
         # chunked prefill beside decoding rows: mixed steps, whose decode rows use the paged kernel too
         assert eng.stats()["mixed_steps"] > 0
@@ -154,9 +179,14 @@ def test_graph_runner_paged_on_cpu():
     params = [SamplingParams(temperature=0, max_new_tokens=6 + 2 * i, ignore_eos=True) for i in range(9)]
     outs = {}
     for mode in ("gather", "paged"):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(
-            block_size=4, num_blocks=64, max_num_seqs=5, max_model_len=60, decode_steps=4, decode_attention=mode),
-            eos_token_ids=())
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(
+                block_size=4, num_blocks=64, max_num_seqs=5, max_model_len=60, decode_steps=4, decode_attention=mode
+            ),
+            eos_token_ids=(),
+        )
         eng._graphs = eager_runner(eng, max_batch=5)
         outs[mode] = eng.generate(prompts, params)
         assert eng._graphs._loops, "the k-step loop graph was never taken"
@@ -190,7 +220,7 @@ def test_triton_kernel_matches_gather_on_gpu(dtype, atol, window):
     # Inside a CUDA graph: static inputs changed between replays.
     cache.k_S[0].copy_(k0), cache.v_S[0].copy_(v0)
     static_ctx = ctx_B.clone()
-    fn = lambda: paged_decode(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, static_ctx, 16, window)  # noqa: E731
+    fn = lambda: paged_decode(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, static_ctx, 16, window)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -214,8 +244,12 @@ def test_engine_paged_equals_gather_on_gpu():
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     res = {}
     for mode in ("gather", "paged"):
-        eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256, decode_attention=mode),
-                            eos_token_ids=())
+        eng = RolloutEngine(
+            model,
+            cfg,
+            config=RolloutEngineConfig(block_size=4, num_blocks=256, decode_attention=mode),
+            eos_token_ids=(),
+        )
         res[mode] = eng.generate(prompts, params)
     assert [o.output_ids for o in res["paged"]] == [o.output_ids for o in res["gather"]]
 
@@ -281,13 +315,18 @@ def _fake_triton():
         def __getitem__(self, grid):
             def launch(*args, num_warps=None, **kw):
                 # A tensor becomes a flat view of its memory span: the kernel addresses it by its strides.
-                ptrs = [_Ptr(a.as_strided((1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())),), (1,)))
-                        if isinstance(a, torch.Tensor) else a for a in args]
+                ptrs = [
+                    _Ptr(a.as_strided((1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())),), (1,)))
+                    if isinstance(a, torch.Tensor)
+                    else a
+                    for a in args
+                ]
                 import itertools
 
                 for pid in itertools.product(*(range(g) for g in grid)):
                     state["pid"] = pid
                     self.fn(*ptrs, **kw)
+
             return launch
 
     triton_mod = types.ModuleType("triton")
@@ -317,8 +356,10 @@ def emulated_kernel_module(monkeypatch):
 
 
 @pytest.mark.parametrize("window", [None, 5, 21])
-@pytest.mark.parametrize("hq,hkv,bs,tile,splits", [(6, 2, 4, 16, 1), (4, 4, 16, 16, 3), (8, 1, 4, 64, 1),
-                                                   (6, 2, 16, 64, 2), (6, 2, 4, 16, 5)])
+@pytest.mark.parametrize(
+    "hq,hkv,bs,tile,splits",
+    [(6, 2, 4, 16, 1), (4, 4, 16, 16, 3), (8, 1, 4, 64, 1), (6, 2, 16, 64, 2), (6, 2, 4, 16, 5)],
+)
 def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, hkv, bs, tile, splits):
     cache = _random_pool(num_blocks=80, bs=bs, hkv=hkv, dh=8)
     ctx = [1, 4, 16, 17, 45, 33, 70]
@@ -327,8 +368,9 @@ def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, 
     ctx_B[-1] = N * bs + 3  # a row past its table (multi-step decode past a row's end)
     q_BHD = torch.randn(len(ctx), hq, 8, generator=torch.Generator().manual_seed(5))
     # splits > 1: split-K partials merged by the combine kernel (some splits empty for short rows).
-    out = emulated_kernel_module.paged_decode_triton(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window,
-                                                      tile=tile, num_splits=splits)
+    out = emulated_kernel_module.paged_decode_triton(
+        q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window, tile=tile, num_splits=splits
+    )
     ref = paged_decode_torch(q_BHD, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.double()[:-1], _naive(q_BHD, cache, bt_BN, ctx_B, window)[:-1], rtol=0, atol=1e-5)
@@ -336,13 +378,17 @@ def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, 
     c16 = _random_pool(num_blocks=80, bs=bs, hkv=hkv, dh=8, dtype=torch.bfloat16)
     out16 = emulated_kernel_module.paged_decode_triton(q_BHD, c16.k_S[0], c16.v_S[0], bt_BN, ctx_B, bs, window)
     assert out16.dtype == torch.float32
-    torch.testing.assert_close(out16, paged_decode_torch(q_BHD, c16.k_S[0], c16.v_S[0], bt_BN, ctx_B, bs, window),
-                               rtol=0, atol=2e-2)
+    torch.testing.assert_close(
+        out16, paged_decode_torch(q_BHD, c16.k_S[0], c16.v_S[0], bt_BN, ctx_B, bs, window), rtol=0, atol=2e-2
+    )
     # A strided query (a view) takes the same code.
     q_wide = torch.randn(len(ctx), hq, 16)[:, :, :8]
     torch.testing.assert_close(
         emulated_kernel_module.paged_decode_triton(q_wide, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window),
-        paged_decode_torch(q_wide, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window), rtol=0, atol=1e-5)
+        paged_decode_torch(q_wide, cache.k_S[0], cache.v_S[0], bt_BN, ctx_B, bs, window),
+        rtol=0,
+        atol=1e-5,
+    )
 
 
 def test_held_graph_captures_run_eagerly_with_the_same_tokens():
@@ -354,10 +400,12 @@ def test_held_graph_captures_run_eagerly_with_the_same_tokens():
     model, cfg = make_model(0)
     prompts = random_prompts(6, seed=54)
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
-    ref = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4),
-                        eos_token_ids=()).generate(prompts, params)
-    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4),
-                        eos_token_ids=())
+    ref = RolloutEngine(
+        model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4), eos_token_ids=()
+    ).generate(prompts, params)
+    eng = RolloutEngine(
+        model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64, decode_steps=4), eos_token_ids=()
+    )
     eng._graphs = eager_runner(eng, max_batch=8)
     with eng.hold_graph_captures():
         held = eng.generate(prompts, params)

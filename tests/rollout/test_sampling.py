@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from areno.api.types import SamplingParams
-from areno.rollout.sampling import SampleRequest, Sampler, _truncate, check_stop, suppressed_ids
+from areno.rollout.sampling import Sampler, SampleRequest, _truncate, check_stop, suppressed_ids
 
 
 def test_top_k_and_top_p_keep_the_hand_computed_sets():
     probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
     logits = probs.log()
-    keep = lambda p: torch.isfinite(_truncate(logits, [p]))[0].tolist()  # noqa: E731
+    keep = lambda p: torch.isfinite(_truncate(logits, [p]))[0].tolist()
     assert keep(SamplingParams(top_k=2)) == [True, True, False, False, False]
     # top_p=0.8: 0.5 + 0.2 = 0.7 < 0.8, so 0.15 is needed too; 0.85 >= 0.8 stops there.
     assert keep(SamplingParams(top_p=0.8)) == [True, True, True, False, False]
@@ -70,12 +70,14 @@ def test_static_sampler_matches_sample_rows():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, V, generator=g) * 3
     logits[[0, 1, 4, 5], 2] = 20.0  # EOS is these rows' favourite by far: suppression decides
-    params = [SamplingParams(temperature=0, min_new_tokens=3, max_new_tokens=9),
-              SamplingParams(temperature=1.0, top_p=0.7, min_new_tokens=5, max_new_tokens=9, seed=4),
-              SamplingParams(temperature=0.6, top_k=5, stop_token_ids=(7,), max_new_tokens=9, seed=11),
-              SamplingParams(temperature=1.4, max_new_tokens=9, seed=2**40 + 3),
-              SamplingParams(temperature=0, max_new_tokens=9),
-              SamplingParams(temperature=1.0, min_new_tokens=2, max_new_tokens=9, seed=5)]
+    params = [
+        SamplingParams(temperature=0, min_new_tokens=3, max_new_tokens=9),
+        SamplingParams(temperature=1.0, top_p=0.7, min_new_tokens=5, max_new_tokens=9, seed=4),
+        SamplingParams(temperature=0.6, top_k=5, stop_token_ids=(7,), max_new_tokens=9, seed=11),
+        SamplingParams(temperature=1.4, max_new_tokens=9, seed=2**40 + 3),
+        SamplingParams(temperature=0, max_new_tokens=9),
+        SamplingParams(temperature=1.0, min_new_tokens=2, max_new_tokens=9, seed=5),
+    ]
     n_gen = [1, 2, 0, 3, 4, 1]
     sampler = Sampler(device=torch.device("cpu"), seed=0)
     for rows in (slice(0, 6), slice(0, 1), slice(1, 4), slice(3, 6)):
@@ -99,18 +101,27 @@ def test_static_sampler_unseeded_rows_use_the_generator():
 
     V = 40
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=1.0, max_new_tokens=4),
-              SamplingParams(temperature=1.0, seed=3, max_new_tokens=4),
-              SamplingParams(temperature=0, max_new_tokens=4),
-              SamplingParams(temperature=0.5, top_k=3, max_new_tokens=4)]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=4),
+        SamplingParams(temperature=1.0, seed=3, max_new_tokens=4),
+        SamplingParams(temperature=0, max_new_tokens=4),
+        SamplingParams(temperature=0.5, top_k=3, max_new_tokens=4),
+    ]
     rp = _rows(params, [0] * 4, V)
     assert rp.mode == SampleMode(True, True, True, True)
     eager = Sampler(device=torch.device("cpu"), seed=0).sample_rows(logits, rp)
     static = Sampler(device=torch.device("cpu"), seed=0).sample_static(
-        logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B, rp.mode)
+        logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B, rp.mode
+    )
     assert torch.equal(static[0][1:3], eager[0][1:3]) and torch.equal(static[1][1:3], eager[1][1:3])
-    draws = {tuple(Sampler(device=torch.device("cpu"), seed=s).sample_static(
-        logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B, rp.mode)[0].tolist()) for s in range(20)}
+    draws = {
+        tuple(
+            Sampler(device=torch.device("cpu"), seed=s)
+            .sample_static(logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B, rp.mode)[0]
+            .tolist()
+        )
+        for s in range(20)
+    }
     assert len(draws) > 1  # unseeded rows follow the generator's seed
     assert all(t[3] in logits[3].topk(3).indices.tolist() for t in draws)  # top-k holds for generator rows too
 
@@ -122,8 +133,9 @@ def test_sample_modes_and_padding_rows():
     assert SampleMode.of(SamplingParams(temperature=1.0, top_p=0.95, seed=1)) == SampleMode(True, True, True, False)
     assert SampleMode.of(SamplingParams(temperature=1.0)) == SampleMode(True, False, False, True)
     assert _rows([SamplingParams(temperature=0, min_new_tokens=2)], [0], 10).mode == GREEDY
-    assert _rows([SamplingParams(temperature=0), SamplingParams(top_k=3, seed=1)], [0, 0], 10).mode == \
-        SampleMode(True, True, True, False)
+    assert _rows([SamplingParams(temperature=0), SamplingParams(top_k=3, seed=1)], [0, 0], 10).mode == SampleMode(
+        True, True, True, False
+    )
     pad = RowTensors.from_table(RowTensors.padding_table(2, 3, 10, torch.device("cpu")), max_len=64)
     assert pad.greedy_B.all() and pad.room_B.tolist() == [1, 1, 1] and not pad.stop_valid_BS.any()
     assert pad.top_k_B.tolist() == [10] * 3 and pad.scale_B.tolist() == [1.0] * 3

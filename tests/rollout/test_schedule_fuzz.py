@@ -58,8 +58,9 @@ def tiny_model():
 @pytest.mark.parametrize("seed", [0, 1, 5])
 def test_every_configuration_gives_the_one_step_engines_outputs(tiny_model, seed):
     prompts, params, eos, arrivals = scenario(seed)
-    ref_engine = engine(tiny_model, 1, eos=eos, mixed_decode_min_rows=None, decode_attention="gather",
-                        cpu_decode_carry=False)
+    ref_engine = engine(
+        tiny_model, 1, eos=eos, mixed_decode_min_rows=None, decode_attention="gather", cpu_decode_carry=False
+    )
     ref = drive(ref_engine, prompts, params, arrivals)
     for name, kw in VARIANTS.items():
         kw = dict(kw)

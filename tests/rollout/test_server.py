@@ -34,22 +34,35 @@ def _oa(base: str) -> openai.OpenAI:
 
 def test_openai_completions_with_logprobs(server):
     base, engine, tokenizer = server
-    res = _oa(base).completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, logprobs=1,
-                                       extra_body={"ignore_eos": True})
+    res = _oa(base).completions.create(
+        model="tiny", prompt="hello", max_tokens=6, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+    )
     choice = res.choices[0]
     assert len(choice.logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
     ids = choice.model_extra["token_ids"]
-    expected = httpx.post(f"{base}/generate", headers={"Authorization": f"Bearer {KEY}"}, json={
-        "prompt_ids": tokenizer("hello")["input_ids"],
-        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}).json()
+    expected = httpx.post(
+        f"{base}/generate",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={
+            "prompt_ids": tokenizer("hello")["input_ids"],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+        },
+    ).json()
     assert ids == expected["output_ids"] and res.usage.completion_tokens == 6
     assert choice.logprobs.token_logprobs == pytest.approx(expected["output_logprobs"], abs=1e-5)
 
 
 def test_openai_chat_with_n(server):
     base, _, tokenizer = server
-    res = _oa(base).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                            temperature=1.0, n=3, seed=5, logprobs=True)
+    res = _oa(base).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=1.0,
+        n=3,
+        seed=5,
+        logprobs=True,
+    )
     assert len(res.choices) == 3
     for c in res.choices:
         assert c.message.role == "assistant" and len(c.logprobs.content) == len(c.model_extra["token_ids"])
@@ -77,9 +90,16 @@ def test_abort_in_flight_request(server):
     result = {}
 
     def call():
-        result["r"] = httpx.post(f"{base}/generate", headers=h, timeout=30, json={
-            "prompt_ids": [5, 6, 7], "request_id": "req-1",
-            "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}})
+        result["r"] = httpx.post(
+            f"{base}/generate",
+            headers=h,
+            timeout=30,
+            json={
+                "prompt_ids": [5, 6, 7],
+                "request_id": "req-1",
+                "sampling_params": {"max_new_tokens": 30, "ignore_eos": True},
+            },
+        )
 
     t = threading.Thread(target=call)
     t.start()
@@ -102,8 +122,9 @@ def test_http_rollout_client(server):
     async def go():
         client = HTTPRolloutClient(base, api_key=KEY)
         try:
-            outs = await asyncio.gather(*(client.agenerate([5, 6, 7 + i], SamplingParams(max_new_tokens=5, ignore_eos=True))
-                                          for i in range(4)))
+            outs = await asyncio.gather(
+                *(client.agenerate([5, 6, 7 + i], SamplingParams(max_new_tokens=5, ignore_eos=True)) for i in range(4))
+            )
             with pytest.raises(RuntimeError, match="empty"):
                 await client.agenerate([], SamplingParams(max_new_tokens=5))
             return outs
@@ -114,22 +135,29 @@ def test_http_rollout_client(server):
     assert [len(o.output_ids) for o in outs] == [5] * 4 and all(len(o.output_versions) == 5 for o in outs)
 
 
-@pytest.mark.parametrize("path,body,field", [
-    ("/v1/completions", {"model": "tiny", "prompt": "x" * 80, "max_tokens": 4}, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": -3}, "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "", "max_tokens": 4}, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": [], "max_tokens": 4}, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
-    ("/v1/completions", {"model": "tiny"}, "prompt"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 80}]}, "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, "max_tokens"),
-    ("/generate", {"prompt_ids": [], "sampling_params": {}}, "prompt_ids"),
-    ("/generate", {"prompt_ids": [5], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
-    ("/generate", {"prompt_ids": [5], "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
-])
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/v1/completions", {"model": "tiny", "prompt": "x" * 80, "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": -3}, "max_tokens"),
+        ("/v1/completions", {"model": "tiny", "prompt": "", "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": [], "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"model": "tiny"}, "prompt"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 80}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+            "max_tokens",
+        ),
+        ("/generate", {"prompt_ids": [], "sampling_params": {}}, "prompt_ids"),
+        ("/generate", {"prompt_ids": [5], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        ("/generate", {"prompt_ids": [5], "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
+    ],
+)
 def test_bad_input_is_400_naming_the_field(server, path, body, field):
     base, _, _ = server
     r = httpx.post(f"{base}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -140,13 +168,18 @@ def test_bad_input_is_400_naming_the_field(server, path, body, field):
 
 def test_malformed_json_and_auth(server):
     base, _, _ = server
-    r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}",
-                                                                            "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{base}/v1/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}).status_code == 401
     assert httpx.get(f"{base}/version", headers={"Authorization": "Bearer wrong"}).status_code == 401
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).completions.create(model="tiny", prompt="hi")
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).completions.create(
+            model="tiny", prompt="hi"
+        )
     # Still serving after all of the above.
     assert _oa(base).completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text is not None
 
@@ -195,11 +228,17 @@ def test_generate_many_one_request_per_group(server):
 
     h = {"Authorization": f"Bearer {KEY}"}
     ok = {"temperature": 0, "max_new_tokens": 2}
-    r = httpx.post(f"{base}/generate_many", headers=h, json={"prompt_ids": prompt,
-                                                            "sampling_params": [ok, {**ok, "temprature": 1}]})
+    r = httpx.post(
+        f"{base}/generate_many",
+        headers=h,
+        json={"prompt_ids": prompt, "sampling_params": [ok, {**ok, "temprature": 1}]},
+    )
     assert r.status_code == 400 and "sampling_params[1]: unknown parameter 'temprature'" in r.json()["error"]["message"]
-    r = httpx.post(f"{base}/generate_many", headers=h, json={"prompt_ids": prompt, "sampling_params": [ok, ok],
-                                                            "request_ids": ["a"]})
+    r = httpx.post(
+        f"{base}/generate_many",
+        headers=h,
+        json={"prompt_ids": prompt, "sampling_params": [ok, ok], "request_ids": ["a"]},
+    )
     assert r.status_code == 400 and "request_ids: 1 ids for 2 sampling_params" in r.json()["error"]["message"]
     r = httpx.post(f"{base}/generate_many", headers=h, json={"prompt_ids": prompt, "sampling_params": []})
     assert r.status_code == 400

@@ -45,8 +45,9 @@ def test_watchdog_stall_needs_pending_requests_and_no_step_for_the_timeout():
     clock.t += 2
     assert dog.check() is None  # 2 s since the step was first seen
     clock.t += 8.5
-    assert dog.check() == ("the engine is stuck: no step for 10.5s with 2 request(s) pending "
-                           "(stall_timeout_s=10): restart the server")
+    assert dog.check() == (
+        "the engine is stuck: no step for 10.5s with 2 request(s) pending (stall_timeout_s=10): restart the server"
+    )
     engine._steps += 4
     assert dog.check() is None  # it moved again: healthy again
 
@@ -70,8 +71,10 @@ def test_watchdog_dead_driver_with_pending_requests():
     client.driver_state = "dead"
     assert dog.check() is None  # nothing pending: the next request starts a new driver
     client.num_pending = 3
-    assert dog.check() == ("the engine's driver thread died with 3 request(s) pending (see the server log for "
-                           "its traceback): restart the server")
+    assert dog.check() == (
+        "the engine's driver thread died with 3 request(s) pending (see the server log for "
+        "its traceback): restart the server"
+    )
 
 
 def test_watchdog_validates_the_timeout():
@@ -171,8 +174,10 @@ def test_health_is_503_when_the_driver_thread_died(engine, monkeypatch):
 
     health = _run_app(app, scenario)
     assert health.status_code == 503
-    assert health.json()["reason"] == ("the engine's driver thread died with 1 request(s) pending (see the "
-                                       "server log for its traceback): restart the server")
+    assert health.json()["reason"] == (
+        "the engine's driver thread died with 1 request(s) pending (see the "
+        "server log for its traceback): restart the server"
+    )
 
 
 def test_health_needs_no_api_key_even_when_unhealthy(engine):
@@ -194,12 +199,15 @@ def test_health_needs_no_api_key_even_when_unhealthy(engine):
 
 
 # ------------------------------------------------------------------------------ validation errors
-@pytest.mark.parametrize("body, param, accepts", [
-    ({"prompt": {"text": "hi"}}, "prompt", "str, list[int], list[str], list[list[int]]"),
-    ({"prompt": [1, "a"]}, "prompt", "str, list[int], list[str], list[list[int]]"),
-    ({"prompt": "hi", "stop": 5}, "stop", "str, list[str]"),
-    ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens", None),
-])
+@pytest.mark.parametrize(
+    "body, param, accepts",
+    [
+        ({"prompt": {"text": "hi"}}, "prompt", "str, list[int], list[str], list[list[int]]"),
+        ({"prompt": [1, "a"]}, "prompt", "str, list[int], list[str], list[list[int]]"),
+        ({"prompt": "hi", "stop": 5}, "stop", "str, list[str]"),
+        ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens", None),
+    ],
+)
 def test_validation_error_names_the_field_without_union_member_tags(engine, body, param, accepts):
     from fastapi.testclient import TestClient
 

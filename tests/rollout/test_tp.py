@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from areno.api.types import SamplingParams
+from areno.launch.scheduler import free_port
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from tests.rollout.conftest import make_model, random_prompts
-from areno.launch.scheduler import free_port
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True, seed=3)
@@ -25,22 +25,30 @@ def _worker(rank: int, port: int, model_dir: str, new_dir: str, out_dir: str, pa
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        from areno.rollout.tp import TensorParallelRolloutEngine, load_tp_model
         from safetensors.torch import load_file
+
+        from areno.rollout.tp import TensorParallelRolloutEngine, load_tp_model
 
         model, cfg = load_tp_model(model_dir)
         # Multi-step decode on the TP ranks (the TP=1 reference below runs one step per round trip).
-        eng = TensorParallelRolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, decode_steps=4),
-                                          eos_token_ids=())
+        eng = TensorParallelRolloutEngine(
+            model, cfg, config=RolloutEngineConfig(block_size=4, decode_steps=4), eos_token_ids=()
+        )
         prompts = random_prompts(4, seed=30)
         greedy = eng.generate(prompts, GREEDY)
         seeded = eng.generate(prompts[:2], SEEDED)
         eng.update_weights(load_file(os.path.join(new_dir, "model.safetensors")).items(), version=1)
         after = eng.generate(prompts[:2], GREEDY)
-        torch.save({"greedy": [o.output_ids for o in greedy], "seeded": [o.output_ids for o in seeded],
-                    "after": [o.output_ids for o in after], "kv_heads": eng.cache.num_kv_heads,
-                    "packs": len(model._cpu_packs)},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "greedy": [o.output_ids for o in greedy],
+                "seeded": [o.output_ids for o in seeded],
+                "after": [o.output_ids for o in after],
+                "kv_heads": eng.cache.num_kv_heads,
+                "packs": len(model._cpu_packs),
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 

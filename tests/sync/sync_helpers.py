@@ -36,13 +36,18 @@ def tiny_weights(seed: int, d: int = 32, v: int = 64, layers: int = 2) -> dict[s
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes = {
-            "self_attn.q_proj.weight": (d, d), "self_attn.q_proj.bias": (d,),
-            "self_attn.k_proj.weight": (d // 2, d), "self_attn.k_proj.bias": (d // 2,),
-            "self_attn.v_proj.weight": (d // 2, d), "self_attn.v_proj.bias": (d // 2,),
+            "self_attn.q_proj.weight": (d, d),
+            "self_attn.q_proj.bias": (d,),
+            "self_attn.k_proj.weight": (d // 2, d),
+            "self_attn.k_proj.bias": (d // 2,),
+            "self_attn.v_proj.weight": (d // 2, d),
+            "self_attn.v_proj.bias": (d // 2,),
             "self_attn.o_proj.weight": (d, d),
-            "mlp.gate_proj.weight": (2 * d, d), "mlp.up_proj.weight": (2 * d, d),
+            "mlp.gate_proj.weight": (2 * d, d),
+            "mlp.up_proj.weight": (2 * d, d),
             "mlp.down_proj.weight": (d, 2 * d),
-            "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+            "input_layernorm.weight": (d,),
+            "post_attention_layernorm.weight": (d,),
         }
         for k, s in shapes.items():
             w[p + k] = torch.randn(*s, generator=g)
@@ -53,8 +58,9 @@ def tiny_weights(seed: int, d: int = 32, v: int = 64, layers: int = 2) -> dict[s
 
 def init_world(rank: int, world: int, port: int, timeout_s: float = 60.0) -> dist.Store:
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     return store
 
 
@@ -102,6 +108,7 @@ def report_and_exit(out: str, prefix: str, rank: int, world: int, result: dict) 
         time.sleep(0.1)
     os._exit(0)
 
+
 def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: int, timeout_s: float) -> None:
     """v1 and v2 (new weights) complete; for v3, rank 3 never joins: everyone else must raise
     within the timeout, naming rank 3, and rollout rank 2 must keep v2 intact. Each rank saves
@@ -109,9 +116,13 @@ def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: in
     init_world(rank, world, port)
     weights = tiny_weights(seed=1)
     transport, receiver, live = _build(rank, weights, bucket_bytes, timeout_s=timeout_s)
-    snapshot = lambda: {n: t.clone() for n, t in live.items()} if live is not None else None  # noqa: E731
-    result = {"relays": transport.relays, "plan_rows": dict(transport.plan.owner),
-              "peak_buffer_bytes": transport.peak_buffer_bytes, "max_bucket": transport.plan.max_bucket_bytes}
+    snapshot = lambda: {n: t.clone() for n, t in live.items()} if live is not None else None
+    result = {
+        "relays": transport.relays,
+        "plan_rows": dict(transport.plan.owner),
+        "peak_buffer_bytes": transport.peak_buffer_bytes,
+        "max_bucket": transport.plan.max_bucket_bytes,
+    }
     for version, seed in ((1, 1), (2, 2)):
         weights.update(tiny_weights(seed=seed))  # same dict object: the source sees new values
         stats = transport.sync(version)
@@ -171,7 +182,7 @@ def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) ->
         ids_T = torch.tensor(prompt + torch.load(Path(out) / "engine.pt", weights_only=True)["ids"])
         with torch.no_grad():
             lp, _ = packed_logprobs(b.model, ids_T, torch.tensor([0, ids_T.numel()]))
-        torch.save({"logprobs": lp[len(prompt):]}, Path(out) / "trainer.pt")
+        torch.save({"logprobs": lp[len(prompt) :]}, Path(out) / "trainer.pt")
     else:
         model, mcfg = load_model(model_dir, dtype=torch.float32, device="cpu")
         engine = RolloutEngine(model, mcfg, config=RolloutEngineConfig(block_size=4, num_blocks=64))
@@ -182,9 +193,15 @@ def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) ->
         before = engine.generate([prompt], params)[0]
         transport.sync(1)
         after = engine.generate([prompt], params)[0]
-        torch.save({"ids": after.output_ids, "logprobs": torch.tensor(after.output_logprobs),
-                    "version": engine.version, "before_version": before.output_versions[0]},
-                   Path(out) / "engine.pt")
+        torch.save(
+            {
+                "ids": after.output_ids,
+                "logprobs": torch.tensor(after.output_logprobs),
+                "version": engine.version,
+                "before_version": before.output_versions[0],
+            },
+            Path(out) / "engine.pt",
+        )
         dist.barrier()
     dist.barrier()
     dist.destroy_process_group()
@@ -200,11 +217,13 @@ def worker_source_error(rank: int, world: int, port: int, out: str, timeout_s: f
     v1 = {n: t.clone() for n, t in live.items()} if live is not None else None
     weights.update(tiny_weights(seed=2))
     if rank == 1:
+
         def broken():
             for i, item in enumerate(weights.items()):
                 if i == 10:
                     raise ValueError("source broke")
                 yield item
+
         transport.source = NamedTensorSource(broken)
     result = {}
     t0 = time.perf_counter()
@@ -255,25 +274,39 @@ def worker_exact(rank: int, world: int, port: int, out: str, gpu: bool = False) 
     topo = StreamTopology(train_ranks=TRAIN, sender_ranks=TRAIN, rollout_ranks=ROLLOUT, devices=DEVICES)
     result = {}
     for tag, direct, wire, commit, mix, ordered in EXACT_CONFIGS:
-        convert = (lambda w: {n: t.to(device) for n, t in mixed(w).items()}) if mix else \
-            (lambda w: {n: t.to(device) for n, t in w.items()})
+        convert = (
+            (lambda w: {n: t.to(device) for n, t in mixed(w).items()})
+            if mix
+            else (lambda w: {n: t.to(device) for n, t in w.items()})
+        )
         weights = convert(tiny_weights(seed=1))
         meta = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
         live, receiver = None, None
         if rank in ROLLOUT:
-            specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - ROLLOUT[0], tp_size=len(ROLLOUT),
-                                             dtype=wire)
+            specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - ROLLOUT[0], tp_size=len(ROLLOUT), dtype=wire)
             live = {n: torch.zeros(s.local_shape, dtype=s.dtype, device=device) for n, s in specs.items()}
             receiver = StagedReceiver(specs, (swap_into if commit == "swap" else copy_into)(live), device=device)
         source = NamedTensorSource(lambda: weights.items()) if rank in TRAIN else None
         cfg = StreamSyncConfig(bucket_bytes=2048, timeout_s=30, wire_dtype=wire, direct_bytes=direct)
-        transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, tag=tag,
-                                    device=device, backend="nccl" if gpu else None)
+        transport = StreamTransport(
+            topology=topo,
+            config=cfg,
+            source=source,
+            receiver=receiver,
+            tag=tag,
+            device=device,
+            backend="nccl" if gpu else None,
+        )
         sizes = [len(b.items) for b in transport.plan.buckets]
-        result[tag] = {"single": sum(n == 1 for n in sizes), "packed": sum(n > 1 for n in sizes),
-                       "peak_buffer_bytes": transport.peak_buffer_bytes, "fanout": list(transport.fanout),
-                       "wire_bytes": transport.wire_bytes, "total_bytes": transport.plan.total_bytes,
-                       "stream_ordered": transport.stream_ordered}
+        result[tag] = {
+            "single": sum(n == 1 for n in sizes),
+            "packed": sum(n > 1 for n in sizes),
+            "peak_buffer_bytes": transport.peak_buffer_bytes,
+            "fanout": list(transport.fanout),
+            "wire_bytes": transport.wire_bytes,
+            "total_bytes": transport.plan.total_bytes,
+            "stream_ordered": transport.stream_ordered,
+        }
         if ordered:
             transport.stream_ordered = True
         for version, seed in ((1, 1), (2, 2)):
@@ -360,6 +393,7 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
                 if i == len(weights) // 2:
                     raise ValueError("source broke")
                 yield item
+
         live.source = NamedTensorSource(broken)
         try:
             live.sync(3)
@@ -369,6 +403,7 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
         transport("inplace-retry").sync(4)
         res["v4"] = weights
     else:
+
         def engine() -> RolloutEngine:
             model, mcfg = load_model(model_dir, dtype=torch.float32, device="cpu")
             return RolloutEngine(model, mcfg, config=RolloutEngineConfig(block_size=4, num_blocks=64))
@@ -378,21 +413,31 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
 
         params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=3)
         e_staged, e_live = engine(), engine()
-        specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
-                 for n, t in e_live.weight_tensors().items()}
+        specs = {
+            n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in e_live.weight_tensors().items()
+        }
         probe = PauseProbe(engine_receiver(e_live, specs, commit="inplace"), e_live)
         staged = transport("staged", engine_receiver(e_staged, specs, commit="staged"))
         live = transport("inplace", probe)
         s_staged = staged.sync(1)
         s_live = live.sync(1)
-        res["v1"] = {"staged": snapshot(e_staged), "inplace": snapshot(e_live), "version": e_live.version,
-                     "paused_at_stage": list(probe.paused_at_stage), "paused_after": e_live.is_paused,
-                     "stats": {"staged": s_staged.as_metrics(), "inplace": s_live.as_metrics()}}
+        res["v1"] = {
+            "staged": snapshot(e_staged),
+            "inplace": snapshot(e_live),
+            "version": e_live.version,
+            "paused_at_stage": list(probe.paused_at_stage),
+            "paused_after": e_live.is_paused,
+            "stats": {"staged": s_staged.as_metrics(), "inplace": s_live.as_metrics()},
+        }
         e_live.pause()  # paused beforehand: the sync leaves it paused
         probe.paused_at_stage.clear()
         live.sync(2)
-        res["v2"] = {"paused_after": e_live.is_paused, "version": e_live.version,
-                     "paused_at_stage": list(probe.paused_at_stage), "weights": snapshot(e_live)}
+        res["v2"] = {
+            "paused_after": e_live.is_paused,
+            "version": e_live.version,
+            "paused_at_stage": list(probe.paused_at_stage),
+            "weights": snapshot(e_live),
+        }
         e_live.resume()
         res["v2"]["serves"] = len(e_live.generate([[5, 9, 12]], params)[0].output_ids)
         try:
@@ -404,8 +449,10 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
         res["v3"]["version"] = e_live.version
         v2 = res["v2"]["weights"]
         res["v3"]["changed"] = sorted(n for n, t in snapshot(e_live).items() if not torch.equal(t, v2[n]))
-        for what, call in (("generate", lambda: e_live.generate([[5, 9, 12]], params)),
-                           ("add_request", lambda: e_live.add_request([5, 9, 12], params))):
+        for what, call in (
+            ("generate", lambda: e_live.generate([[5, 9, 12]], params)),
+            ("add_request", lambda: e_live.add_request([5, 9, 12], params)),
+        ):
             try:
                 call()
                 res["v3"][what] = None
@@ -413,9 +460,13 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
                 res["v3"][what] = str(e)
         retry = transport("inplace-retry", probe)
         stats = retry.sync(4)
-        res["v4"] = {"weights": snapshot(e_live), "paused_after": e_live.is_paused, "version": e_live.version,
-                     "paused_s": stats.generation_paused_s,
-                     "serves": len(e_live.generate([[5, 9, 12]], params)[0].output_ids)}
+        res["v4"] = {
+            "weights": snapshot(e_live),
+            "paused_after": e_live.is_paused,
+            "version": e_live.version,
+            "paused_s": stats.generation_paused_s,
+            "serves": len(e_live.generate([[5, 9, 12]], params)[0].output_ids),
+        }
     report_and_exit(out, "inplace", rank, world, res)
 
 
@@ -431,8 +482,9 @@ def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
     device = torch.device(f"cuda:{rank}" if gpu else "cpu")
     if gpu:
         torch.cuda.set_device(device)
-    topo = StreamTopology(train_ranks=(0,), sender_ranks=(0,), rollout_ranks=(1,),
-                          devices={0: f"{device.type}:0", 1: f"{device.type}:1"})
+    topo = StreamTopology(
+        train_ranks=(0,), sender_ranks=(0,), rollout_ranks=(1,), devices={0: f"{device.type}:0", 1: f"{device.type}:1"}
+    )
     cfg = StreamSyncConfig(bucket_bytes=2048, direct_bytes=1024, timeout_s=30)
     weights = {n: t.to(device) for n, t in tiny_weights(seed=1).items()}
     engine = receiver = source = None
@@ -442,17 +494,20 @@ def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
         engine = TensorEngine({n: torch.zeros_like(t) for n, t in weights.items()})
         specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in weights.items()}
         receiver = engine_receiver(engine, specs, commit="inplace")
-    transport = StreamTransport(topology=topo, config=cfg, source=source, receiver=receiver, device=device,
-                                backend="nccl" if gpu else None)
+    transport = StreamTransport(
+        topology=topo, config=cfg, source=source, receiver=receiver, device=device, backend="nccl" if gpu else None
+    )
     res = {"vote_backend": transport.vote_backend}
     transport.sync(1)
     if rank == 1:
         res["v1"] = {n: t.cpu().clone() for n, t in engine.weight_tensors().items()}
     weights.update({n: t.to(device) for n, t in tiny_weights(seed=2).items()})
     if rank == 0:
+
         def raises_at_the_end():
             yield from weights.items()
             raise ValueError("source broke after its last tensor")
+
         transport.source = NamedTensorSource(raises_at_the_end)
     try:
         transport.sync(2)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sync_helpers import TP_PLAN, tiny_weights
 
 from areno.sync.base import StagedReceiver, copy_into, swap_into, write_rows
 from areno.sync.plan import plan_buckets, shard_specs_from_tp_plan
 from areno.sync.stream import BucketPacker, BucketStager, chunk_views, foreach_copy, tensor_chunks
-from sync_helpers import TP_PLAN, tiny_weights
 
 
 def mixed_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -98,8 +98,9 @@ def test_staged_slices_equal_write_rows_for_every_tp_rank(wire_dtype, recv_dtype
         for name, spec in specs.items():
             got = receiver.stage(name)
             assert got.dtype == spec.dtype and torch.equal(got, old[name]), (tp_rank, name)
-            want = spec.take(weights[name].to(wire_dtype) if wire_dtype and weights[name].is_floating_point()
-                             else weights[name]).to(spec.dtype)
+            want = spec.take(
+                weights[name].to(wire_dtype) if wire_dtype and weights[name].is_floating_point() else weights[name]
+            ).to(spec.dtype)
             assert torch.equal(got, want), (tp_rank, name)
 
 
@@ -149,8 +150,9 @@ def test_stager_keeps_at_most_keep_view_sets_per_bucket():
         stager.stage(bucket, buf[: bucket.nbytes])
         for item in bucket.items:
             rows = slice(item.row_start, item.row_end)
-            assert torch.equal(receiver.stage(item.name).reshape(item.shape)[rows],
-                               weights[item.name].reshape(item.shape)[rows]), item.name
+            assert torch.equal(
+                receiver.stage(item.name).reshape(item.shape)[rows], weights[item.name].reshape(item.shape)[rows]
+            ), item.name
     assert len(stager._dst[bucket.index]) == 2
 
 

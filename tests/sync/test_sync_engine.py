@@ -47,15 +47,16 @@ def trainer_logprobs(trainer, output_ids: list[int]) -> torch.Tensor:
     ids = torch.tensor(PROMPT + output_ids)
     with torch.no_grad():
         lp, _ = packed_logprobs(trainer.model, ids, torch.tensor([0, ids.numel()]))
-    return lp[len(PROMPT):]
+    return lp[len(PROMPT) :]
 
 
 def test_inplace_sync_then_engine_logprobs_match_trainer(trainer, engine):
     ids, before = engine_logprobs(engine)
     assert not torch.allclose(before, trainer_logprobs(trainer, ids), atol=1e-3)  # the test can fail
 
-    transport = InPlaceTransport(NamedTensorSource(trainer.named_weights), engine.weight_tensors(),
-                                 on_commit=engine.commit_weights)
+    transport = InPlaceTransport(
+        NamedTensorSource(trainer.named_weights), engine.weight_tensors(), on_commit=engine.commit_weights
+    )
     stats = transport.sync(1)
     assert engine.version == 1 and transport.version == 1
     assert stats.bytes == sum(t.numel() * t.element_size() for t in engine.weight_tensors().values())
@@ -86,9 +87,11 @@ def test_disk_sync_is_atomic_and_engine_logprobs_match_trainer(trainer, engine, 
     root = tmp_path / "policies"
     seen = []
     transport = DiskTransport(
-        NamedTensorSource(trainer.named_weights), root,
+        NamedTensorSource(trainer.named_weights),
+        root,
         receivers=[engine.update_weights_from_disk, lambda path, v: seen.append((path, v))],
-        model_dir=tiny_model_dir, keep_last=1,
+        model_dir=tiny_model_dir,
+        keep_last=1,
     )
     stats = transport.sync(3)
     path, version = latest_policy(root)

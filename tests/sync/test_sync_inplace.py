@@ -88,8 +88,10 @@ def engine(tiny_model_dir):
 
 
 def specs_of(engine, dtype=None):
-    return {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=dtype or t.dtype)
-            for n, t in engine.weight_tensors().items()}
+    return {
+        n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=dtype or t.dtype)
+        for n, t in engine.weight_tensors().items()
+    }
 
 
 def test_engine_receiver_validates_before_any_byte_moves(engine):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sync_helpers import TP_PLAN, tiny_weights
 
 from areno.sync.base import ShardSpec, write_rows
 from areno.sync.plan import ALIGN_BYTES, assign_rows, choose_relays, plan_buckets, shard_specs_from_tp_plan
-from sync_helpers import TP_PLAN, tiny_weights
 
 
 def test_assign_rows_is_greedy_lpt():
@@ -92,8 +92,14 @@ def test_shard_specs_from_tp_plan():
 @pytest.mark.parametrize("dim", [None, 0, 1])
 def test_write_rows_assembles_the_slice_from_chunks(dim):
     full = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)
-    spec = ShardSpec(name="w", full_shape=(6, 4), dtype=torch.bfloat16, dim=dim,
-                     start=2 if dim is not None else 0, length=2 if dim is not None else 0)
+    spec = ShardSpec(
+        name="w",
+        full_shape=(6, 4),
+        dtype=torch.bfloat16,
+        dim=dim,
+        start=2 if dim is not None else 0,
+        length=2 if dim is not None else 0,
+    )
     dest = torch.zeros(spec.local_shape, dtype=torch.bfloat16)
     for r0, r1 in [(0, 3), (3, 5), (5, 6)]:
         write_rows(spec, dest, full[r0:r1], r0)
@@ -119,16 +125,27 @@ def test_shard_specs_agree_with_the_models_tp_plan():
 
 
 def test_plan_cuts_at_shard_boundaries_and_sends_large_chunks_unpacked():
-    meta = [("big", (64, 8), torch.float32), ("b1", (8,), torch.float32), ("mid", (24, 8), torch.float32),
-            ("b2", (8,), torch.float32)]
+    meta = [
+        ("big", (64, 8), torch.float32),
+        ("b1", (8,), torch.float32),
+        ("mid", (24, 8), torch.float32),
+        ("b2", (8,), torch.float32),
+    ]
     # big: 2 KiB, cut at row 32 (a TP-2 boundary) -> two 1 KiB chunks; mid: 768 B, cuts at 6/12/18.
     plan = plan_buckets(meta, 1, 4096, cuts={"big": [0, 32, 64], "mid": [6, 12, 18]}, direct_bytes=1024)
     spans = [[(i.name, i.row_start, i.row_end, i.offset) for i in b.items] for b in plan.buckets]
     assert spans == [
-        [("big", 0, 32, 0)], [("big", 32, 64, 0)],  # each chunk on its own, from offset 0
+        [("big", 0, 32, 0)],
+        [("big", 32, 64, 0)],  # each chunk on its own, from offset 0
         # small chunks packed, aligned, in source order, cut at every boundary
-        [("b1", 0, 8, 0), ("mid", 0, 6, 64), ("mid", 6, 12, 256), ("mid", 12, 18, 448), ("mid", 18, 24, 640),
-         ("b2", 0, 8, 832)],
+        [
+            ("b1", 0, 8, 0),
+            ("mid", 0, 6, 64),
+            ("mid", 6, 12, 256),
+            ("mid", 12, 18, 448),
+            ("mid", 18, 24, 640),
+            ("b2", 0, 8, 832),
+        ],
     ]
     assert [b.ready_after for b in plan.buckets] == [0, 0, 3]
     # Cuts combine with the bucket bound: a 2 KiB bucket splits the 1 KiB halves no further, a

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sync_helpers import DEVICES, ROLLOUT, TP_PLAN, spawn, tiny_weights, worker_scenario
 
 from areno.sync.base import METRIC_NAMES
 from areno.sync.plan import shard_specs_from_tp_plan
-from sync_helpers import DEVICES, ROLLOUT, TP_PLAN, spawn, tiny_weights, worker_scenario
 
 BUCKET = 2048  # smaller than the embedding (8 KiB): it is split into row chunks
 TIMEOUT_S = 2.0
@@ -59,8 +59,10 @@ def test_metrics_of_a_completed_sync(results):
         phases = {k for k in m if k.startswith("policy_sync_phase_")}
         assert set(m) - phases == set(METRIC_NAMES)
         # where the time went, the same phases on every rank (zero where a rank has no part)
-        assert phases == {f"policy_sync_phase_{p}_s"
-                          for p in ("begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync")}
+        assert phases == {
+            f"policy_sync_phase_{p}_s"
+            for p in ("begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync")
+        }
         assert all(m[k] >= 0 for k in phases)
         assert sum(m[k] for k in phases) <= m["policy_sync_time_s"] + 1e-6
         assert (m["policy_sync_phase_commit_s"] > 0) == (r in ROLLOUT), r  # only receivers commit
@@ -126,7 +128,16 @@ def check_exact(res: dict) -> None:
         assert any(fanout) and not all(fanout)
         assert total < res[0][tag]["wire_bytes"] < 2 * total
     # The swap commit moves no bytes; the rollout ranks report the phases they spent time in.
-    assert set(res[2]["direct"]["phases"]) == {"begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync"}
+    assert set(res[2]["direct"]["phases"]) == {
+        "begin",
+        "pack",
+        "post",
+        "wait",
+        "stage",
+        "vote",
+        "commit",
+        "device_sync",
+    }
     assert res[0]["direct"]["phases"]["stage"] == 0.0 and res[2]["direct"]["phases"]["pack"] == 0.0
 
 

@@ -72,8 +72,9 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn, args, err_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(900, exit=True)  # a collective mismatch fails instead of hanging
     try:

@@ -17,8 +17,15 @@ LORA = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "up_proj"))
 
 
 def _losses(backend) -> list[float]:
-    return [backend.train_step(random_batch(LENGTHS, 100, 50 + s), forward_fn=nll_forward, loss_fn=nll_loss,
-                               denominator_fn=token_denominator)["loss"] for s in range(2)]
+    return [
+        backend.train_step(
+            random_batch(LENGTHS, 100, 50 + s),
+            forward_fn=nll_forward,
+            loss_fn=nll_loss,
+            denominator_fn=token_denominator,
+        )["loss"]
+        for s in range(2)
+    ]
 
 
 def _local(model_dir, **kw) -> list[float]:

@@ -50,12 +50,19 @@ def test_compiled_head_and_layers_equal_eager(tmp_path, scope):
     model_dir = make_model_dir(tmp_path / "model")
     losses = {}
     for compile_ in (False, True):
-        b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=24, compile=compile_,
-                                                 compile_scope=scope))
+        b = LocalTrainBackend(
+            TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=24, compile=compile_, compile_scope=scope)
+        )
         b.initialize(model_dir)
         losses[compile_] = [
-            b.train_step(random_batch([13, 7, 21, 5, 9], 100, 50 + s), forward_fn=nll_forward, loss_fn=nll_loss,
-                         denominator_fn=token_denominator)["loss"] for s in range(2)]
+            b.train_step(
+                random_batch([13, 7, 21, 5, 9], 100, 50 + s),
+                forward_fn=nll_forward,
+                loss_fn=nll_loss,
+                denominator_fn=token_denominator,
+            )["loss"]
+            for s in range(2)
+        ]
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses[True], losses[False])), losses
 
 

@@ -31,8 +31,12 @@ def _run(backend, grads_out: dict | None = None):
     handle = backend.optimizer.register_step_pre_hook(hook) if grads_out is not None else None
     losses = []
     for s in range(STEPS):
-        m = backend.train_step(random_batch(LENGTHS, VOCAB, 50 + s), forward_fn=nll_forward,
-                               loss_fn=nll_loss, denominator_fn=token_denominator)
+        m = backend.train_step(
+            random_batch(LENGTHS, VOCAB, 50 + s),
+            forward_fn=nll_forward,
+            loss_fn=nll_loss,
+            denominator_fn=token_denominator,
+        )
         losses.append((m["loss"], m["grad_norm"]))
         if handle is not None:
             handle.remove()
@@ -52,8 +56,9 @@ def _worker(rank, world, model_dir, out_dir):
     result["dp_grads"] = grads
     result["dp_scores"] = b.forward_only(random_batch(LENGTHS, VOCAB, 7), forward_fn=nll_forward)["logprobs_T"]
     # one sequence on two ranks: rank 1 runs an empty (dummy) micro-batch that adds nothing
-    result["one_seq_loss"] = b.train_step(random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss,
-                                          denominator_fn=token_denominator)["loss"]
+    result["one_seq_loss"] = b.train_step(
+        random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
+    )["loss"]
     result["dp_weights"] = {k: v.clone() for k, v in b.named_weights()}
     # sleep / wake round trip on sharded parameters and optimizer state
     local_before = [p.to_local().clone() for p in b.model.parameters()]
@@ -106,8 +111,9 @@ def fsdp_result(tmp_path_factory):
         "grads": grads,
         "scores": local.forward_only(random_batch(LENGTHS, VOCAB, 7), forward_fn=nll_forward)["logprobs_T"],
     }
-    ref["one_seq_loss"] = local.train_step(random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss,
-                                           denominator_fn=token_denominator)["loss"]
+    ref["one_seq_loss"] = local.train_step(
+        random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
+    )["loss"]
     ref["weights"] = {k: v.clone() for k, v in local.named_weights()}  # named_weights may alias live params
     return torch.load(tmp / "result.pt", weights_only=True), ref, tmp, model_dir
 

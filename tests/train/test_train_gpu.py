@@ -13,8 +13,9 @@ LENGTHS = [130, 70, 210, 50, 90, 160, 30, 110]
 
 
 def _step(b, seed):
-    return b.train_step(random_batch(LENGTHS, 100, seed), forward_fn=nll_forward, loss_fn=nll_loss,
-                        denominator_fn=token_denominator)
+    return b.train_step(
+        random_batch(LENGTHS, 100, seed), forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
+    )
 
 
 def test_cuda_bf16_training_matches_fp32_cpu_and_sleep_frees_memory(tmp_path):
@@ -47,8 +48,9 @@ def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope, monkeypatch):
     model_dir = make_model_dir(tmp_path / "m", hidden=64)
     losses = {}
     for compile_ in (False, True):
-        b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", compile=compile_, compile_scope=scope,
-                                                 max_tokens_per_mb=512))
+        b = LocalTrainBackend(
+            TrainBackendConfig(lr=1e-3, device="cuda", compile=compile_, compile_scope=scope, max_tokens_per_mb=512)
+        )
         b.initialize(model_dir)
         losses[compile_] = [_step(b, s)["loss"] for s in range(3)]
     for le, lc in zip(losses[False], losses[True]):

@@ -30,14 +30,19 @@ def _train(model_dir: str, opts: frozenset[str], ckpt: Path | None, steps: int =
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads(optimizer, args, kwargs):
-        grads.update({n: p.grad.full_tensor().clone() for n, p in backend.model.named_parameters()
-                      if p.grad is not None})
+        grads.update(
+            {n: p.grad.full_tensor().clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+        )
 
     backend.optimizer.register_step_pre_hook(keep_grads)
 
     def step(s: int) -> dict:
-        return backend.train_step(random_batch(LENGTHS, VOCAB, 50 + s), forward_fn=nll_forward, loss_fn=nll_loss,
-                                  denominator_fn=token_denominator)
+        return backend.train_step(
+            random_batch(LENGTHS, VOCAB, 50 + s),
+            forward_fn=nll_forward,
+            loss_fn=nll_loss,
+            denominator_fn=token_denominator,
+        )
 
     metrics = [step(s) for s in range(steps - 1)]
     backend.sleep()  # the last step after a sleep / wake round trip
@@ -58,8 +63,10 @@ def _train(model_dir: str, opts: frozenset[str], ckpt: Path | None, steps: int =
 
 def _worker(rank, world, model_dir, out_dir):
     out_dir = Path(out_dir)
-    result = {"off": _train(model_dir, frozenset(), out_dir / "ckpt_off"),
-              "on": _train(model_dir, HOST_OPTIMIZATIONS, out_dir / "ckpt_on")}
+    result = {
+        "off": _train(model_dir, frozenset(), out_dir / "ckpt_off"),
+        "on": _train(model_dir, HOST_OPTIMIZATIONS, out_dir / "ckpt_on"),
+    }
     for name, cfg in (("ac", dict(activation_checkpointing=True)), ("lora", dict(lora=LORA))):
         result[f"{name}_off"] = _train(model_dir, frozenset(), None, steps=2, **cfg)
         result[f"{name}_on"] = _train(model_dir, HOST_OPTIMIZATIONS, None, steps=2, **cfg)
@@ -69,8 +76,9 @@ def _worker(rank, world, model_dir, out_dir):
         backend.host_optimizations = opts
         backend.initialize(model_dir)
         assert backend.load_checkpoint(out_dir / src) == {"pos": 1}
-        result[f"resumed_{src}"] = backend.train_step(random_batch(LENGTHS, VOCAB, 60), forward_fn=nll_forward,
-                                                      loss_fn=nll_loss, denominator_fn=token_denominator)
+        result[f"resumed_{src}"] = backend.train_step(
+            random_batch(LENGTHS, VOCAB, 60), forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
+        )
         backend.shutdown()
     torch.save(result, out_dir / "result.pt")
 
@@ -108,8 +116,14 @@ def test_host_optimizations_change_no_numbers_with_checkpointing_and_lora(one_ra
 
 
 def test_host_floats_reads_each_value_exactly():
-    values = [torch.tensor(0.1), 2.5, torch.tensor([1 / 3], dtype=torch.float64), torch.tensor(3, dtype=torch.int64),
-              torch.tensor(0.3, dtype=torch.bfloat16), torch.tensor(7.25)]
+    values = [
+        torch.tensor(0.1),
+        2.5,
+        torch.tensor([1 / 3], dtype=torch.float64),
+        torch.tensor(3, dtype=torch.int64),
+        torch.tensor(0.3, dtype=torch.bfloat16),
+        torch.tensor(7.25),
+    ]
     assert host_floats(values) == [float(v) for v in values]
     assert host_floats([]) == []
     with pytest.raises(ValueError, match="one-element"):

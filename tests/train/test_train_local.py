@@ -83,8 +83,9 @@ def test_non_finite_grad_skips_step(model_dir):
     def bad_loss(output, mb, reducer):
         return reducer(-output["logprobs_T"] * float("nan"), mb.loss_mask_T), {}
 
-    m = b.train_step(random_batch(LENGTHS, VOCAB, 3), forward_fn=nll_forward, loss_fn=bad_loss,
-                     denominator_fn=token_denominator)
+    m = b.train_step(
+        random_batch(LENGTHS, VOCAB, 3), forward_fn=nll_forward, loss_fn=bad_loss, denominator_fn=token_denominator
+    )
     assert m["skipped_steps"] == 1 and not math.isfinite(m["grad_norm"])
     for k, v in b.model.state_dict().items():
         assert torch.equal(v, before[k])
@@ -126,6 +127,7 @@ def test_resume_same_process_is_bit_for_bit(model_dir, tmp_path):
 @pytest.mark.slow
 def test_resume_is_bit_for_bit(model_dir, tmp_path):
     """6 steps straight == 3 steps, checkpoint, a new process, 3 more (spawn: slow tier)."""
+
     def fresh():
         return backend(model_dir, lr_schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1)
 
@@ -287,8 +289,12 @@ def test_lora_adapter_only_export_loads_in_peft(model_dir, tmp_path):
     names = {id(p): n for n, p in b.model.named_parameters()}
     assert b.optimizer.state and all(".lora_" in names[id(p)] for p in b.optimizer.state)
     adapters = dict(b.named_adapter_weights())
-    expected = {f"base_model.model.model.layers.{i}.{m}.lora_{ab}.weight"
-                for i in range(2) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj") for ab in "AB"}
+    expected = {
+        f"base_model.model.model.layers.{i}.{m}.lora_{ab}.weight"
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+        for ab in "AB"
+    }
     assert set(adapters) == expected
     live = b.model.state_dict()
     q = "model.layers.1.self_attn.q_proj"
@@ -296,8 +302,9 @@ def test_lora_adapter_only_export_loads_in_peft(model_dir, tmp_path):
     merged = dict(b.named_weights())
     torch.testing.assert_close(
         merged[f"{q}.weight"],
-        live[f"{q}.base_layer.weight"] + 2.0 * adapters[f"base_model.model.{q}.lora_B.weight"]
-        @ adapters[f"base_model.model.{q}.lora_A.weight"])
+        live[f"{q}.base_layer.weight"]
+        + 2.0 * adapters[f"base_model.model.{q}.lora_B.weight"] @ adapters[f"base_model.model.{q}.lora_A.weight"],
+    )
     # PEFT loads the adapter-only export on the untouched base model and matches the merged weights
     b.export_adapter(tmp_path / "adapter")
     import peft
@@ -309,7 +316,8 @@ def test_lora_adapter_only_export_loads_in_peft(model_dir, tmp_path):
     ours.load_state_dict(merged)
     ids = torch.randint(3, VOCAB, (1, 12))
     with torch.no_grad():
-        torch.testing.assert_close(ours.logits(ours(ids[0], torch.arange(12))), peft_model(ids).logits[0],
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            ours.logits(ours(ids[0], torch.arange(12))), peft_model(ids).logits[0], rtol=1e-4, atol=1e-4
+        )
     with pytest.raises(ValueError, match="needs LoRA"):
         next(backend(model_dir).named_adapter_weights())

@@ -95,9 +95,13 @@ def test_truncate_long_sequences_hand_values():
     from areno.train.packing import truncate_long_sequences, untruncate_outputs
 
     batch = TokenBatch(
-        input_ids_T=torch.tensor([10, 11, 12, 20, 21, 22, 23, 24]), cu_seqlens_B1=torch.tensor([0, 3, 8]),
-        loss_mask_T=torch.tensor([0, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool), logprobs_T=torch.arange(8.0),
-        versions_T=torch.arange(8), advantages_T=torch.arange(8.0) * 2, rewards_B=torch.tensor([1.0, 2.0]),
+        input_ids_T=torch.tensor([10, 11, 12, 20, 21, 22, 23, 24]),
+        cu_seqlens_B1=torch.tensor([0, 3, 8]),
+        loss_mask_T=torch.tensor([0, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool),
+        logprobs_T=torch.arange(8.0),
+        versions_T=torch.arange(8),
+        advantages_T=torch.arange(8.0) * 2,
+        rewards_B=torch.tensor([1.0, 2.0]),
         extra={"ref_logprobs_T": torch.arange(8.0) * 3, "values_B": torch.tensor([5.0, 6.0])},
     )
     assert truncate_long_sequences(batch, 5) == (batch, None)

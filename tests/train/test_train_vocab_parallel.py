@@ -55,8 +55,14 @@ def _worker(rank, world, out_dir):
         for label, placement in (("sharded", Shard(0)), ("replicated", Replicate())):
             w = distribute_tensor(weight_VD, mesh, [placement]).requires_grad_(True)
             lp, ent, grad_h = _scores(hidden_TD, w, targets_T, coef_T, coef_ent_T, tau, chunk, with_entropy)
-            case[label] = (lp, ent, grad_h, w.grad.full_tensor(), tuple(w.to_local().shape),
-                           argmax_from_hidden(hidden_TD, w.detach(), chunk))
+            case[label] = (
+                lp,
+                ent,
+                grad_h,
+                w.grad.full_tensor(),
+                tuple(w.to_local().shape),
+                argmax_from_hidden(hidden_TD, w.detach(), chunk),
+            )
         results.append(case)
     if rank == 0:
         torch.save(results, Path(out_dir) / "vp.pt")

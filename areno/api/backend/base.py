@@ -34,7 +34,7 @@ class Backend(ABC):
     """Executes rollout and training for the Trainer."""
 
     @abstractmethod
-    def initialize(self, config: "ArenoConfig", run_dir: Path) -> None:
+    def initialize(self, config: ArenoConfig, run_dir: Path) -> None:
         """Build models, engines and workers (the expensive part; config is already validated)."""
 
     @abstractmethod
