@@ -66,7 +66,7 @@ def build(args):
 
 
 async def raw_episodes(client, tok, args):
-    from areno.api.types import SamplingParams
+    from areno.types import SamplingParams
 
     async def episode(i):
         ids = tok.apply_chat_template(
@@ -92,7 +92,7 @@ async def raw_episodes(client, tok, args):
 
 
 async def recorded_episodes(client, tok, args):
-    from areno.api.types import SamplingParams
+    from areno.types import SamplingParams
     from areno.workflows.openai_client import ArenoAsyncOpenAI
     from areno.workflows.tools import CALCULATOR_SCHEMA
 

@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.api.types import SamplingParams, TokenBatch
 from areno.rollout.executor import WorkflowExecutor
 from areno.rollout.staleness import StalenessManager
+from areno.types import SamplingParams, TokenBatch
 from bench.longtail import LongTailWorkflow, long_tail_rows, parity_reward
 
 

@@ -88,8 +88,8 @@ def engine_steps(ours, cfg, prompts, new_tokens: int, profile_steps: int):
     decode steps of a second pass (ms per step)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from areno.api.types import SamplingParams
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from areno.types import SamplingParams
 
     ecfg = RolloutEngineConfig(
         max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + new_tokens + 1, cpu_kv_cache_bytes=1 << 30

@@ -250,7 +250,7 @@ def build_engine(args, extra: dict):
 
 
 def run(args, extra: dict, label: str) -> dict:
-    from areno.api.types import SamplingParams
+    from areno.types import SamplingParams
 
     engine = build_engine(args, extra)
     rng = random.Random(args.seed)

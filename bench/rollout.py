@@ -175,7 +175,7 @@ def run_hf(
 def request_params(args, temperature: float, new_tokens: int, n: int) -> list:
     """One ``SamplingParams`` per prompt: greedy at temperature 0, else ``--top-p`` / ``--top-k``
     and the per-request seed ``--seed + i`` (none with ``--unseeded``)."""
-    from areno.api.types import SamplingParams
+    from areno.types import SamplingParams
 
     if temperature <= 0:
         return [SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)] * n

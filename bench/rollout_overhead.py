@@ -56,7 +56,7 @@ sync = rollout_bench.sync
 
 
 def params_for(mode: str, n: int, new_tokens: int):
-    from areno.api.types import SamplingParams
+    from areno.types import SamplingParams
 
     if mode == "greedy":
         return [SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)] * n

@@ -11,7 +11,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from areno.api.types import TokenBatch, Trajectory
+from areno.types import TokenBatch, Trajectory
 
 torch.set_num_threads(int(sys.argv[1]))
 rng = random.Random(0)

@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from areno.api.types import SamplingParams
     from areno.launch.scheduler import free_port
     from areno.models.decoder import Decoder
     from areno.models.hf_io import tiny_config
     from areno.rollout.client import HTTPRolloutClient
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
     from areno.rollout.server import create_app
+    from areno.types import SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)

@@ -48,13 +48,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.api.types import TokenBatch
 from areno.data.tokenizer import build_char_tokenizer
 from areno.models import decoder as decoder_module
 from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig
+from areno.types import TokenBatch
 
 H200_PEAK_BF16 = 989e12
 

@@ -44,12 +44,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.api.types import TokenBatch
 from areno.data.tokenizer import build_char_tokenizer
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.train import FSDP2TrainBackend, TrainBackendConfig
 from areno.train import backend as backend_module
+from areno.types import TokenBatch
 from bench.stamp import stamp
 
 

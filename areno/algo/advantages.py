@@ -2,7 +2,7 @@
 (global batch normalisation, with or without a group baseline) and GAE.
 
 Legend: B = sequences, T = packed tokens, G = groups. Per-token tensors follow the alignment
-convention of ``areno/api/types.py``: position ``t`` scores token ``input_ids_T[t]`` as a target.
+convention of ``areno/types.py``: position ``t`` scores token ``input_ids_T[t]`` as a target.
 All functions are pure and differentiable-free (advantages are constants in the loss).
 """
 

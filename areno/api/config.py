@@ -13,9 +13,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration; printed as one line by the CLI."""
+from areno.errors import ConfigError
 
 
 def _check(cond: bool, key: str, message: str) -> None:

@@ -11,7 +11,7 @@ Resume (``resume=auto|true``): the newest ``checkpoints/step_N`` holding ``COMPL
 (checkpoints are published by one rename, so a killed write is never loaded; its staging
 directory is removed with a warning) and the loop continues at step N + 1. metrics.jsonl is cut
 back to the rows of steps <= N first: the steps after N are trained again and log again, so the
-file holds every step once. ``ARENO_FAULT`` (``areno.api.faults``) kills the run at a phase of a
+file holds every step once. ``ARENO_FAULT`` (``areno.faults``) kills the run at a phase of a
 step, for the tests that prove it.
 """
 
@@ -27,7 +27,7 @@ import torch
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_yaml
-from areno.api.faults import fault_point
+from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.session import configure_sessions
 from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span

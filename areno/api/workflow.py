@@ -13,7 +13,7 @@ import inspect
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from areno.api.types import Trajectory
+from areno.types import Trajectory
 
 if TYPE_CHECKING:
     from areno.rollout.client import RolloutClient

@@ -23,14 +23,14 @@ import torch
 
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
-from areno.api.faults import fault_point
-from areno.api.types import SamplingParams, TokenBatch, Trajectory
 from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
+from areno.faults import fault_point
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import release_refs
 from areno.train import checkpoint
+from areno.types import SamplingParams, TokenBatch, Trajectory
 
 logger = logging.getLogger(__name__)
 

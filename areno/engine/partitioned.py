@@ -39,7 +39,6 @@ import torch
 
 from areno.api.backend.base import RolloutBatch
 from areno.api.config import ArenoConfig
-from areno.api.faults import fault_point
 from areno.engine.api import (
     ArenoEngine,
     build_role_backends,
@@ -56,6 +55,7 @@ from areno.engine.cluster import (
     layout_from_config,
     validate_memory,
 )
+from areno.faults import fault_point
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
 from areno.train import checkpoint

@@ -1,6 +1,6 @@
 """Per-token log-probs (and entropies) of packed sequences without materialising [T, V] fp32 logits.
 
-Alignment (areno/api/types.py): ``logprobs_T[t] = log p(input_ids_T[t] | earlier tokens of the same
+Alignment (areno/types.py): ``logprobs_T[t] = log p(input_ids_T[t] | earlier tokens of the same
 sequence)`` under the temperature-scaled distribution, and 0 at each sequence's first token; the
 same for ``entropy_T[t]`` (the entropy of the distribution that predicts token t).
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from areno.api.types import TokenBatch
 from areno.recipes.config import TrainingConfig
 from areno.specializations.base import POLICY_VERSION_KEY, ModelSpecialization
+from areno.types import TokenBatch
 
 
 class RecipeRunner:

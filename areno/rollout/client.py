@@ -26,9 +26,9 @@ import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from areno.api.types import GenerationOutput, SamplingParams
 from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
+from areno.types import GenerationOutput, SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Callable

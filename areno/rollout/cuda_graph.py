@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.attention import PagedAttention
 from areno.rollout.sampling import GREEDY, RowParams, RowTensors, SampleMode
+from areno.types import SamplingParams
 
 if TYPE_CHECKING:
     from areno.rollout.engine import RolloutEngine

@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from areno.api.types import GenerationOutput, SamplingParams
 from areno.models import fused_linear, fused_ops
 from areno.observe.trace import instant, span
 from areno.rollout.attention import DECODE_ATTENTION, DECODE_CARRY_MAX_BYTES, DecodeCarry, PagedAttention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
 from areno.rollout.sampling import RowParams, RowTable, Sampler, check_stop
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
+from areno.types import GenerationOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 

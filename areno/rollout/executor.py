@@ -41,9 +41,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from areno.api.types import Trajectory
 from areno.api.workflow import RolloutWorkflow, as_group
 from areno.rollout.staleness import StalenessManager
+from areno.types import Trajectory
 from areno.workflows.common import describe_sample
 
 if TYPE_CHECKING:

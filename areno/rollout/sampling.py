@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from areno.api.types import SamplingParams
+from areno.types import SamplingParams
 
 
 @dataclass

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.attention import SeqChunk
 from areno.rollout.cuda_graph import graph_num_blocks
 from areno.rollout.kv_cache import ROOT_KEY, BlockAllocator
+from areno.types import SamplingParams
 
 
 @dataclass(eq=False)

@@ -41,9 +41,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from areno.api.types import GenerationOutput, SamplingParams
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
+from areno.types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

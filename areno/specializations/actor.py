@@ -39,9 +39,9 @@ from areno.algo import (
     reinforce_pp_advantages_T,
     rloo_advantages_B,
 )
-from areno.api.types import TokenBatch
 from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, Reducer, reduce_stats
 from areno.specializations.forward import token_logprobs_T
+from areno.types import TokenBatch
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "given")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")

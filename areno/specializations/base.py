@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from areno.api.types import TokenBatch
+from areno.types import TokenBatch
 
 Reducer = Callable[..., torch.Tensor]
 """``reducer(values, mask=None) -> (values * mask).sum() / global_denominator`` (a 0-dim tensor)."""

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from areno.algo import gae_T, kl_reward_penalty_T, value_loss_T
-from areno.api.types import TokenBatch
 from areno.specializations.base import Metrics, ModelSpecialization, Reducer, reduce_stats
 from areno.specializations.forward import ScalarHeadModel, values_T
+from areno.types import TokenBatch
 
 
 class CriticSpecialization(ModelSpecialization):

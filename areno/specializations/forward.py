@@ -1,6 +1,6 @@
 """Model forward passes shared by the specializations, on packed batches.
 
-Alignment (``areno/api/types.py``): the value at position ``t`` is about token ``t`` as a target,
+Alignment (``areno/types.py``): the value at position ``t`` is about token ``t`` as a target,
 so it comes from the hidden state at ``t - 1`` of the same sequence; the first token of every
 sequence gets 0. Log-probs are computed in float32 over chunks of tokens so ``[T, V]`` fp32 logits
 are never materialised at once.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from areno.api.types import TokenBatch, host_to_device
+from areno.types import TokenBatch, host_to_device
 
 
 def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from areno.algo import bradley_terry_loss_B, dpo_loss_B, sequence_sum_B
-from areno.api.types import TokenBatch
 from areno.specializations.base import Metrics, ModelSpecialization, Reducer
 from areno.specializations.forward import ScalarHeadModel, last_token_scores_B, token_logprobs_T
+from areno.types import TokenBatch
 
 
 def preference_pairs(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:

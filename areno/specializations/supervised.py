@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from areno.algo import KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
-from areno.api.types import TokenBatch
 from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, reduce_stats
 from areno.specializations.forward import token_logprobs_T
+from areno.types import TokenBatch
 
 
 def _mask(batch: TokenBatch, device: torch.device) -> torch.Tensor:

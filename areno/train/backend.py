@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from areno.api.types import TokenBatch, host_to_device
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import load_model, save_model
@@ -48,6 +47,7 @@ from areno.train.packing import (
     truncate_long_sequences,
     untruncate_outputs,
 )
+from areno.types import TokenBatch, host_to_device
 
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
 HOST_OPTIMIZATIONS: frozenset[str] = frozenset({"one_fsdp_group", "local_shards", "fsdp_flags", "micro_batch_setup"})

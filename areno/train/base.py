@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from areno.api.types import TokenBatch
+from areno.types import TokenBatch
 
 ForwardFn = Callable[[nn.Module, TokenBatch], dict[str, torch.Tensor]]
 LossFn = Callable[[dict[str, torch.Tensor], TokenBatch, "Reducer"], tuple[torch.Tensor, dict[str, Any]]]

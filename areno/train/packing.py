@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areno.api.types import TokenBatch
+from areno.types import TokenBatch
 
 
 @dataclass(kw_only=True)

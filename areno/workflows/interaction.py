@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from areno.api.types import Trajectory
+from areno.types import Trajectory
 
 logger = logging.getLogger("areno.workflows")
 

@@ -38,8 +38,8 @@ from openai._models import construct_type  # how the official client builds its 
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from areno.api.types import GenerationOutput, SamplingParams, Trajectory
 from areno.rollout.client import agenerate_many
+from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.interaction import ExportStyle, Interaction, InteractionCache
 from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validate_tool_schema
 

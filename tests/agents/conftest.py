@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from areno.api.types import GenerationOutput, SamplingParams
 from areno.rollout.client import RolloutClient
+from areno.types import GenerationOutput, SamplingParams
 
 
 class ScriptedClient(RolloutClient):

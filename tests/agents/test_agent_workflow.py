@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from areno.api.types import SamplingParams
 from areno.api.workflow import load_workflow
 from areno.observe.session import configure_sessions, load_sessions
+from areno.types import SamplingParams
 from areno.workflows.agent import (
     AgentWorkflow,
     calculator_agent,

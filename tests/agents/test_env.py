@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.store import InProcessStore, StoreRef, fetch_refs, release_refs
+from areno.types import SamplingParams
 from areno.workflows.env import (
     ArithmeticRetryEnv,
     Environment,

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from areno.api.types import TokenBatch
+from areno.types import TokenBatch
 from areno.workflows.interaction import Interaction, InteractionCache
 
 

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from areno.api.types import SamplingParams
+from areno.types import SamplingParams
 from areno.workflows.openai_client import AgentProxy, AgentRequestError, ArenoAsyncOpenAI
 from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSchemaError, ToolSet, calculator_tool
 

@@ -9,7 +9,7 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from areno.api.types import GenerationOutput, SamplingParams
+from areno.types import GenerationOutput, SamplingParams
 
 Respond = Callable[[list[int], SamplingParams], list[int]]
 
@@ -69,8 +69,8 @@ class FakeEngine:
 
 
 # ---- for rollout worker processes (importable by dotted path) ----
-from areno.api.types import Trajectory  # noqa: E402
 from areno.api.workflow import RolloutWorkflow  # noqa: E402
+from areno.types import Trajectory  # noqa: E402
 
 
 def fixed_length(prompt_ids: list[int], params: SamplingParams) -> list[int]:

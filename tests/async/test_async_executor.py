@@ -4,10 +4,10 @@ import time
 import pytest
 from async_fakes import FakeEngine
 
-from areno.api.types import SamplingParams, Trajectory
 from areno.api.workflow import RolloutWorkflow
 from areno.rollout.executor import DatasetExhausted, RolloutPoolBroken, WorkflowExecutor
 from areno.rollout.staleness import StalenessManager
+from areno.types import SamplingParams, Trajectory
 
 
 def length_from_prompt(prompt_ids, params):

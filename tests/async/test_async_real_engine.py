@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 
-from areno.api.types import SamplingParams, TokenBatch
 from areno.rollout.executor import WorkflowExecutor
 from areno.rollout.staleness import StalenessManager
+from areno.types import SamplingParams, TokenBatch
 from areno.workflows.rlvr import RLVRWorkflow
 
 

@@ -4,9 +4,9 @@ import logging
 import pytest
 from async_fakes import FakeEngine
 
-from areno.api.types import SamplingParams
 from areno.api.workflow import RolloutWorkflow, as_group, load_workflow
 from areno.data.tokenizer import build_char_tokenizer
+from areno.types import SamplingParams
 from areno.workflows.multi_turn import MultiTurnWorkflow
 from areno.workflows.rlvr import RLVRWorkflow
 

@@ -10,8 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from areno.api.types import SamplingParams
 from areno.models.hf_io import tiny_config
+from areno.types import SamplingParams
 from bench import e2e
 
 

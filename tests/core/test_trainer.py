@@ -9,7 +9,7 @@ from areno.api.backend.base import BACKENDS, RolloutBatch, register_backend, res
 from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
-from areno.api.types import TokenBatch, Trajectory
+from areno.types import TokenBatch, Trajectory
 from areno.workflows.rlvr import RLVRWorkflow
 
 

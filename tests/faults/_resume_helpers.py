@@ -3,7 +3,7 @@
 Run as a script (``python _resume_helpers.py key=value ...``) it is ``areno train`` plus one
 recorder: every trainer step appends the prompts it trained on to ``run_dir/trained_prompts.jsonl``
 (flushed per step, so a SIGKILL loses nothing already trained). ``ARENO_FAULT`` in the
-environment kills it at a phase of a step (``areno.api.faults``).
+environment kills it at a phase of a step (``areno.faults``).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import pytest
 import uvicorn
 
 from areno.api.config import load_config
-from areno.api.types import SamplingParams
 from areno.launch.scheduler import free_port
+from areno.types import SamplingParams
 
 # ------------------------------------------------------------------------------------- datasets
 ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
@@ -457,8 +457,8 @@ def test_server_refuses_a_truncated_weight_update(engine_and_new_weights):
 
 # ---- TestRolloutManager: a corrupt checkpoint is reported and skipped, the thread lives on
 def _score_workflow():
-    from areno.api.types import Trajectory
     from areno.api.workflow import RolloutWorkflow
+    from areno.types import Trajectory
 
     class Score(RolloutWorkflow):
         async def run_episode(self, client, sample):

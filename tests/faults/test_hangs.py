@@ -13,7 +13,6 @@ import time
 import pytest
 import uvicorn
 
-from areno.api.types import SamplingParams
 from areno.rollout.client import (
     HTTPRolloutClient,
     InProcessRolloutClient,
@@ -24,6 +23,7 @@ from areno.rollout.client import (
 )
 from areno.rollout.health import HealthMonitor
 from areno.rollout.server import build_engine, create_app
+from areno.types import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0.0)
 
@@ -299,7 +299,6 @@ def test_health_monitor_validation():
 
 
 # ---------------------------------------------------------------------------------- stalled workers
-from areno.api.types import GenerationOutput, Trajectory  # noqa: E402
 from areno.api.workflow import RolloutWorkflow  # noqa: E402
 from areno.launch.scheduler import free_port
 from areno.rollout.executor import (  # noqa: E402
@@ -309,6 +308,7 @@ from areno.rollout.executor import (  # noqa: E402
     WorkflowExecutor,
 )
 from areno.rollout.staleness import StalenessManager  # noqa: E402
+from areno.types import GenerationOutput, Trajectory  # noqa: E402
 
 
 class EchoClient:

@@ -236,8 +236,8 @@ def test_engine_generates_the_same_tokens_through_the_fused_routing(monkeypatch)
     """The rollout engine (paged K/V, prefill and decode steps) on the fused routing: q and k reach
     the attention as views of one RoPE output, and their K/V reach the pool through ``write_kv``'s
     routing; greedy tokens and log-probs are unchanged."""
-    from areno.api.types import SamplingParams
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from areno.types import SamplingParams
 
     torch.manual_seed(0)
     config = tiny_config(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from areno.api.types import TokenBatch, Trajectory
 from areno.models.decoder import Decoder
 from areno.models.hf_io import tiny_config
+from areno.types import TokenBatch, Trajectory
 
 VOCAB = 24
 

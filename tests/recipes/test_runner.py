@@ -11,9 +11,9 @@ import torch
 from recipes_testlib import naive_logprobs, rl_batch, with_behaviour_logprobs
 from test_specializations import completion_positions, grpo_adv, preference_batch
 
-from areno.api.types import TokenBatch
 from areno.recipes import get_recipe
 from areno.recipes.runner import RecipeRunner
+from areno.types import TokenBatch
 
 train = pytest.importorskip("areno.train")
 

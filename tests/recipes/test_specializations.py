@@ -9,7 +9,6 @@ import pytest
 import torch
 from recipes_testlib import loss_of, make_decoder, naive_logprobs, rl_batch, with_behaviour_logprobs
 
-from areno.api.types import TokenBatch, Trajectory
 from areno.specializations import (
     ActorSpecialization,
     AggrevateSpecialization,
@@ -24,6 +23,7 @@ from areno.specializations import (
     token_logprobs_T,
 )
 from areno.specializations.base import with_extra
+from areno.types import TokenBatch, Trajectory
 
 SEQ = [(0, 7), (7, 12), (12, 19), (19, 24), (24, 30), (30, 37)]  # rl_batch() boundaries
 

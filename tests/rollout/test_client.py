@@ -2,9 +2,9 @@ import asyncio
 
 import pytest
 
-from areno.api.types import SamplingParams
 from areno.rollout.client import InProcessRolloutClient
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.types import SamplingParams
 from tests.rollout.conftest import EOS, naive_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)

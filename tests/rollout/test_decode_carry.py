@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.attention import DecodeCarry
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.types import SamplingParams
 from tests.rollout.conftest import make_model, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=23, ignore_eos=True)

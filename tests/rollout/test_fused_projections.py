@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.models.decoder import Decoder
 from areno.models.hf_io import save_model, tiny_config
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.sync.base import ShardSpec, engine_receiver
+from areno.types import SamplingParams
 from tests.rollout.conftest import VOCAB, random_prompts
 from tests.rollout.test_gpu_path import eager_runner
 

@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.attention import PagedAttention, SeqChunk
 from areno.rollout.cuda_graph import graph_num_blocks, padded_batch_size, padded_num_blocks
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.sampling import SampleMode
+from areno.types import SamplingParams
 from tests.rollout.conftest import make_model, random_prompts
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.server import build_engine
+from areno.types import SamplingParams
 
 
 def test_engine_matches_transformers_generate(tiny_model_dir):

@@ -5,9 +5,9 @@ arrival order when preempted requests come back."""
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.sampling import RowParams, RowTable
+from areno.types import SamplingParams
 from tests.rollout.conftest import make_model, random_prompts
 
 EOS = (2,)

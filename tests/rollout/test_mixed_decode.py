@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.sampling import RowParams
+from areno.types import SamplingParams
 from tests.rollout.conftest import EOS, make_model, random_prompts
 from tests.rollout.test_gpu_path import _sampled_mix, eager_runner
 

@@ -4,9 +4,9 @@ tokens, log-probs and finish reasons of the one-step engine."""
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.sampling import RowParams, Sampler, hash_uniform, inverse_cdf_draw
+from areno.types import SamplingParams
 from tests.rollout.conftest import EOS, make_model, naive_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)

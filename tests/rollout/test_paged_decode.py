@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.attention import PagedAttention
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_torch, triton_available
+from areno.types import SamplingParams
 from tests.rollout.conftest import make_model, random_prompts
 
 

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.rollout.sampling import Sampler, SampleRequest, _truncate, check_stop, suppressed_ids
+from areno.types import SamplingParams
 
 
 def test_top_k_and_top_p_keep_the_hand_computed_sets():

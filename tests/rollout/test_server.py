@@ -114,8 +114,8 @@ def test_abort_in_flight_request(server):
 def test_http_rollout_client(server):
     import asyncio
 
-    from areno.api.types import SamplingParams
     from areno.rollout.client import HTTPRolloutClient
+    from areno.types import SamplingParams
 
     base, _, _ = server
 
@@ -197,8 +197,8 @@ def test_generate_many_one_request_per_group(server):
     request to one server."""
     import asyncio
 
-    from areno.api.types import SamplingParams
     from areno.rollout.client import HTTPRolloutClient, MultiServerRolloutClient
+    from areno.types import SamplingParams
 
     base, _, tokenizer = server
     prompt = tokenizer("hello")["input_ids"]

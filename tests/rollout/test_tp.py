@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from areno.api.types import SamplingParams
 from areno.launch.scheduler import free_port
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.types import SamplingParams
 from tests.rollout.conftest import make_model, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)

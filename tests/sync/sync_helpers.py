@@ -157,12 +157,12 @@ def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) ->
     """Rank 0 trains (LocalTrainBackend, weights moved as by a step), rank 1 serves a RolloutEngine
     from the original checkpoint; a stream sync carries the trained policy over; both save what
     they need to compare log-probs of one fixed sequence."""
-    from areno.api.types import SamplingParams
     from areno.models.hf_io import load_model
     from areno.models.logprobs import packed_logprobs
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
     from areno.sync.base import engine_receiver
     from areno.train import LocalTrainBackend, TrainBackendConfig
+    from areno.types import SamplingParams
 
     torch.set_num_threads(1)
     init_world(rank, world, port)
@@ -364,10 +364,10 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
     engine paused beforehand; v3: in place, the source raises after some buckets; v4: in place
     over a rebuilt transport (the failed one's groups may be broken), same receiver. Rank 1 saves
     engine weights, pause records, stats and errors to ``out/inplace1.pt``."""
-    from areno.api.types import SamplingParams
     from areno.models.hf_io import load_model
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, TornWeightsError
     from areno.sync.base import engine_receiver
+    from areno.types import SamplingParams
 
     torch.set_num_threads(1)
     init_world(rank, world, port)

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.models.hf_io import load_model
 from areno.models.logprobs import packed_logprobs
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
@@ -16,6 +15,7 @@ from areno.sync.base import METRIC_NAMES, NamedTensorSource, PolicySyncError, Sh
 from areno.sync.disk import COMPLETE, DiskTransport, latest_policy
 from areno.sync.inplace import InPlaceTransport
 from areno.train import LocalTrainBackend, TrainBackendConfig
+from areno.types import SamplingParams
 
 PROMPT = [5, 9, 12, 7, 3, 11]
 

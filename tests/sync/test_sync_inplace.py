@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.api.types import SamplingParams
 from areno.models.hf_io import load_model
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, TornWeightsError
 from areno.sync.base import LiveReceiver, PolicySyncError, ShardSpec, StagedReceiver, engine_receiver
 from areno.sync.stream import StreamTopology, vote_backend
+from areno.types import SamplingParams
 
 TIMEOUT_S = 2.0
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=3)

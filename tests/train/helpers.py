@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from areno.api.types import TokenBatch
 from areno.models.logprobs import packed_logprobs
+from areno.types import TokenBatch
 
 
 def nll_forward(model, mb: TokenBatch) -> dict[str, torch.Tensor]:

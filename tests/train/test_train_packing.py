@@ -91,8 +91,8 @@ def test_mesh_that_does_not_divide_world_size():
 
 
 def test_truncate_long_sequences_hand_values():
-    from areno.api.types import TokenBatch
     from areno.train.packing import truncate_long_sequences, untruncate_outputs
+    from areno.types import TokenBatch
 
     batch = TokenBatch(
         input_ids_T=torch.tensor([10, 11, 12, 20, 21, 22, 23, 24]),

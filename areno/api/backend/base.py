@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from areno.api.types import TokenBatch, Trajectory
+from areno.types import TokenBatch, Trajectory
 
 if TYPE_CHECKING:
     from areno.api.config import ArenoConfig
