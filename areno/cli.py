@@ -18,7 +18,7 @@ RUN_FAILED = 1
 # CLI prints them as one line; the log above has the details. Checked only in modules already
 # imported, so the check itself imports nothing.
 _RUN_FAILURES = {
-    "areno.rollout.executor": ("RolloutPoolBroken",),
+    "areno.engine.executor": ("RolloutPoolBroken",),
     "areno.rollout.client": ("NoHealthyServerError", "RolloutServersLost"),
     "areno.engine.partitioned": ("WorkerLostError",),
     "areno.sync.base": ("PolicySyncError",),

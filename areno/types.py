@@ -234,3 +234,31 @@ class TokenBatch:
             rewards_B=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             group_ids=[t.group_id for t in trajectories],
         )
+
+
+# ------------------------------------------------------------------------------ packed layout
+def repeat_per_sequence(values_B: torch.Tensor, cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
+    """``values_B[b]`` repeated over sequence b's tokens ([T], on values' device). The token count
+    is read from ``cu_seqlens_B1``: pass host bounds (as the training backend does) and nothing
+    waits on the GPU."""
+    T = int(cu_seqlens_B1[-1])
+    cu = cu_seqlens_B1.to(values_B.device, non_blocking=True)
+    return torch.repeat_interleave(values_B, cu[1:] - cu[:-1], output_size=T)
+
+
+def sequence_index_T(cu_seqlens_B1: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """int64 [T] index of the sequence each packed token belongs to, on ``device``."""
+    return repeat_per_sequence(torch.arange(cu_seqlens_B1.numel() - 1, device=device), cu_seqlens_B1)
+
+
+@dataclass(kw_only=True)
+class RolloutBatch:
+    """What one rollout produces: trajectories, their packed batch, and rollout metrics."""
+
+    trajectories: list[Trajectory]
+    batch: TokenBatch
+    metrics: dict[str, float] = field(default_factory=dict)
+    pass_order: list[int] | None = None
+    """Set on a later optimizer pass (``reshuffle``): this batch is the rollout's sequences in this
+    order, and the backend reuses the first pass's no-grad forwards (proximal / old / reference
+    log-probs of the iteration's start). None: the rollout as generated, a first pass."""

@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areno.rollout.executor import WorkflowExecutor
-from areno.rollout.staleness import StalenessManager
+from areno.engine.executor import WorkflowExecutor
+from areno.engine.staleness import StalenessManager
 from areno.types import SamplingParams, TokenBatch
 from bench.longtail import LongTailWorkflow, long_tail_rows, parity_reward
 

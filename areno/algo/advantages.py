@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from areno.models.decoder import repeat_per_sequence
+from areno.types import repeat_per_sequence
 
 
 def group_index_B(group_ids: list[str]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from areno.models.decoder import sequence_index_T
+from areno.types import sequence_index_T
 
 LOSS_AGGREGATIONS = ("token", "seq_mean_token_mean", "constant")
 

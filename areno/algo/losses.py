@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from areno.models.decoder import sequence_index_T
+from areno.types import sequence_index_T
 
 
 def value_loss_T(

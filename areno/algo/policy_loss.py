@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from areno.models.decoder import repeat_per_sequence, sequence_index_T
+from areno.types import repeat_per_sequence, sequence_index_T
 
 Stats = dict[str, torch.Tensor]
 

@@ -21,16 +21,15 @@ from pathlib import Path
 
 import torch
 
-from areno.api.backend.base import RolloutBatch
-from areno.api.config import ArenoConfig
 from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
+from areno.engine.config import ArenoConfig
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
 from areno.faults import fault_point
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import release_refs
 from areno.train import checkpoint
-from areno.types import SamplingParams, TokenBatch, Trajectory
+from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -331,10 +330,10 @@ class ArenoEngine:
         )
 
     def _build_executor(self):
-        from areno.api.workflow import load_workflow
+        from areno.engine.executor import WorkflowExecutor
         from areno.rewards.loader import load_reward
-        from areno.rollout.executor import WorkflowExecutor
         from areno.rollout.store import InProcessStore
+        from areno.workflows.base import load_workflow
         from areno.workflows.common import store_kwargs
 
         cfg = self.config

@@ -33,10 +33,10 @@ import random
 import threading
 from typing import Any
 
-from areno.api.workflow import RolloutWorkflow, as_group
 from areno.data.tasks import PromptStream
+from areno.engine.staleness import StalenessManager
 from areno.rollout.client import RolloutClient
-from areno.rollout.staleness import StalenessManager
+from areno.workflows.base import RolloutWorkflow, as_group
 
 SEQ_KEY = "ledger_seq"
 """``Trajectory.info`` key holding the ledger number of the sample the trajectory came from."""

@@ -37,8 +37,6 @@ from typing import Any
 
 import torch
 
-from areno.api.backend.base import RolloutBatch
-from areno.api.config import ArenoConfig
 from areno.engine.api import (
     ArenoEngine,
     build_role_backends,
@@ -55,10 +53,12 @@ from areno.engine.cluster import (
     layout_from_config,
     validate_memory,
 )
+from areno.engine.config import ArenoConfig
 from areno.faults import fault_point
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
 from areno.train import checkpoint
+from areno.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from areno.api.workflow import RolloutWorkflow
 from areno.train.checkpoint import complete_checkpoints
+from areno.workflows.base import RolloutWorkflow
 
 if TYPE_CHECKING:
     from areno.rollout.client import RolloutClient
@@ -72,7 +72,7 @@ class TestRolloutManager:
             raise ValueError("test rollout needs at least one held-out sample (eval_samples is empty)")
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
-        from areno.rollout.executor import WorkflowExecutor
+        from areno.engine.executor import WorkflowExecutor
 
         self.checkpoint_dir = Path(checkpoint_dir)
         self.engine = engine

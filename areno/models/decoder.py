@@ -27,6 +27,7 @@ from torch import nn
 from areno.models import cpu_gemm, fused_linear, fused_ops
 from areno.models.config import ModelConfig
 from areno.models.tp_plan import check_tp_size
+from areno.types import repeat_per_sequence, sequence_index_T
 
 
 class AttentionBackend(Protocol):
@@ -467,20 +468,6 @@ class Decoder(nn.Module):
 
 
 # ------------------------------------------------------------------------------ packed sequences
-def repeat_per_sequence(values_B: torch.Tensor, cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
-    """``values_B[b]`` repeated over sequence b's tokens ([T], on values' device). The token count
-    is read from ``cu_seqlens_B1``: pass host bounds (as the training backend does) and nothing
-    waits on the GPU."""
-    T = int(cu_seqlens_B1[-1])
-    cu = cu_seqlens_B1.to(values_B.device, non_blocking=True)
-    return torch.repeat_interleave(values_B, cu[1:] - cu[:-1], output_size=T)
-
-
-def sequence_index_T(cu_seqlens_B1: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """int64 [T] index of the sequence each packed token belongs to, on ``device``."""
-    return repeat_per_sequence(torch.arange(cu_seqlens_B1.numel() - 1, device=device), cu_seqlens_B1)
-
-
 # ------------------------------------------------------------------------------ packed attention
 SDPA_MASK_MAX_TOKENS = 2048
 FLEX_MIN_HEAD_DIM = 16

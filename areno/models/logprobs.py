@@ -20,8 +20,9 @@ from contextlib import contextmanager
 
 import torch
 
-from areno.models.decoder import Decoder, PackedCausalAttention, repeat_per_sequence
+from areno.models.decoder import Decoder, PackedCausalAttention
 from areno.models.fused_ops import thread_flag
+from areno.types import repeat_per_sequence
 
 
 def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -35,9 +35,9 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from areno.api.workflow import RolloutWorkflow, _import_dotted
 from areno.observe.session import session
 from areno.types import SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow, _import_dotted
 from areno.workflows.interaction import ExportStyle
 from areno.workflows.openai_client import AgentProxy, ArenoAsyncOpenAI
 from areno.workflows.tools import ToolCall, ToolSet, calculator, calculator_tool, parse_tool_calls

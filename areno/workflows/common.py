@@ -61,7 +61,7 @@ def takes_store(workflow: Any) -> bool:
     Only an explicitly named ``store`` counts: a factory taking ``**kwargs`` is not assumed to
     forward it (``store`` would reach a constructor that rejects it)."""
     if isinstance(workflow, str):
-        from areno.api.workflow import _import_dotted
+        from areno.workflows.base import _import_dotted
 
         workflow = _import_dotted(workflow)
     target = workflow.__init__ if isinstance(workflow, type) else workflow

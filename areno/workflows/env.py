@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from areno.api.workflow import RolloutWorkflow, _import_dotted
 from areno.data.tasks import extract_answer
 from areno.observe.session import session
 from areno.rollout.store import InProcessStore, ObservationStore, StoreRef
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.agent import describe_row
+from areno.workflows.base import RolloutWorkflow, _import_dotted
 from areno.workflows.interaction import ExportStyle
 from areno.workflows.openai_client import ArenoAsyncOpenAI
 

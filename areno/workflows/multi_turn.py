@@ -13,8 +13,8 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from areno.api.workflow import RolloutWorkflow
 from areno.types import SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
 from areno.workflows.rlvr import seeded
 

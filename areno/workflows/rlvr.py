@@ -6,9 +6,9 @@ import dataclasses
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from areno.api.workflow import RolloutWorkflow
 from areno.rollout.client import agenerate_many
 from areno.types import GenerationOutput, SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
 
 if TYPE_CHECKING:

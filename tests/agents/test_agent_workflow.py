@@ -7,7 +7,6 @@ import logging
 
 import pytest
 
-from areno.api.workflow import load_workflow
 from areno.observe.session import configure_sessions, load_sessions
 from areno.types import SamplingParams
 from areno.workflows.agent import (
@@ -18,6 +17,7 @@ from areno.workflows.agent import (
     calculator_workflow,
     write_calculator_rows,
 )
+from areno.workflows.base import load_workflow
 from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSet, calculator_tool
 
 PARAMS = SamplingParams(max_new_tokens=80)

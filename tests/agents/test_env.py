@@ -134,9 +134,9 @@ def test_bad_env_config(char_tokenizer, kwargs, message):
 
 
 def test_the_executor_store_reaches_workflows_that_take_one(scripted, char_tokenizer):
-    from areno.api.workflow import load_workflow
-    from areno.rollout.executor import WorkflowExecutor
+    from areno.engine.executor import WorkflowExecutor
     from areno.workflows import RLVRWorkflow, calculator_workflow, store_kwargs, takes_store
+    from areno.workflows.base import load_workflow
 
     assert takes_store(EnvWorkflow) and takes_store("areno.workflows.env:arithmetic_retry_workflow")
     # a factory that only forwards **kwargs, and workflows without the parameter, get nothing

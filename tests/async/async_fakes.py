@@ -69,8 +69,8 @@ class FakeEngine:
 
 
 # ---- for rollout worker processes (importable by dotted path) ----
-from areno.api.workflow import RolloutWorkflow  # noqa: E402
 from areno.types import Trajectory  # noqa: E402
+from areno.workflows.base import RolloutWorkflow  # noqa: E402
 
 
 def fixed_length(prompt_ids: list[int], params: SamplingParams) -> list[int]:

@@ -4,10 +4,10 @@ import time
 import pytest
 from async_fakes import FakeEngine
 
-from areno.api.workflow import RolloutWorkflow
-from areno.rollout.executor import DatasetExhausted, RolloutPoolBroken, WorkflowExecutor
-from areno.rollout.staleness import StalenessManager
+from areno.engine.executor import DatasetExhausted, RolloutPoolBroken, WorkflowExecutor
+from areno.engine.staleness import StalenessManager
 from areno.types import SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
 
 
 def length_from_prompt(prompt_ids, params):
@@ -134,7 +134,7 @@ def test_failing_workflow_retried_then_dropped_with_warning(caplog):
     data[5]["reject"] = True
     wf = CountingWorkflow()
     staleness = StalenessManager(max_head_offpolicyness=10, batch_size=4, max_concurrent=4)
-    with caplog.at_level(logging.WARNING, logger="areno.rollout.executor"):
+    with caplog.at_level(logging.WARNING, logger="areno.engine.executor"):
         with WorkflowExecutor(FakeEngine(length_from_prompt), wf, iter(data), staleness, max_retries=2) as ex:
             batch = ex.wait_batch(4, timeout=10)
             with pytest.raises(DatasetExhausted):

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from areno.rollout.executor import WorkflowExecutor
-from areno.rollout.staleness import StalenessManager
+from areno.engine.executor import WorkflowExecutor
+from areno.engine.staleness import StalenessManager
 from areno.types import SamplingParams, TokenBatch
 from areno.workflows.rlvr import RLVRWorkflow
 

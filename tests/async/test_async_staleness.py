@@ -1,6 +1,6 @@
 import pytest
 
-from areno.rollout.staleness import StalenessManager
+from areno.engine.staleness import StalenessManager
 
 
 def test_capacity_formula_hand_computed():

@@ -5,11 +5,11 @@ import pytest
 import torch
 from async_fakes import FakeEngine
 
-from areno.api.workflow import RolloutWorkflow
-from areno.rollout.executor import WorkflowExecutor
-from areno.rollout.staleness import StalenessManager
+from areno.engine.executor import WorkflowExecutor
+from areno.engine.staleness import StalenessManager
 from areno.rollout.store import DirectoryStore, InProcessStore, StoreKeyError, StoreRef, fetch_refs, release_refs
 from areno.types import SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
 
 MB_FLOATS = 256 * 1024  # float32: 1 MiB
 

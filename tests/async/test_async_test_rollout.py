@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from areno.api.workflow import RolloutWorkflow
 from areno.engine.test_rollout import TestRolloutManager
 from areno.train.checkpoint import COMPLETE_MARKER, complete_checkpoints
 from areno.types import SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
 
 PAYLOAD = 64 * 1024
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from areno.rollout.executor import DatasetExhausted, ProcessEpisodeRunner, WorkerSpec, WorkflowExecutor
-from areno.rollout.staleness import StalenessManager
+from areno.engine.executor import DatasetExhausted, ProcessEpisodeRunner, WorkerSpec, WorkflowExecutor
+from areno.engine.staleness import StalenessManager
 
 SPEC = WorkerSpec(
     workflow="async_fakes.LengthWorkflow", client="async_fakes.make_engine", client_kwargs={"step_s": 0.01}
@@ -20,7 +20,7 @@ def test_killed_worker_restarted_and_nothing_lost_or_duplicated(caplog):
     runner = ProcessEpisodeRunner(SPEC, num_procs=2, episodes_per_proc=3)
     staleness = StalenessManager(max_head_offpolicyness=100, batch_size=4, max_concurrent=6)
     groups = []
-    with caplog.at_level(logging.WARNING, logger="areno.rollout.executor"):
+    with caplog.at_level(logging.WARNING, logger="areno.engine.executor"):
         with WorkflowExecutor(None, None, iter(data), staleness, runner=runner, max_retries=1) as ex:
             ex.start()
             deadline = time.monotonic() + 120

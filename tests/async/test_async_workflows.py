@@ -4,9 +4,9 @@ import logging
 import pytest
 from async_fakes import FakeEngine
 
-from areno.api.workflow import RolloutWorkflow, as_group, load_workflow
 from areno.data.tokenizer import build_char_tokenizer
 from areno.types import SamplingParams
+from areno.workflows.base import RolloutWorkflow, as_group, load_workflow
 from areno.workflows.multi_turn import MultiTurnWorkflow
 from areno.workflows.rlvr import RLVRWorkflow
 
@@ -46,7 +46,7 @@ def test_load_workflow_by_dotted_path():
         load_workflow("areno.nope.Workflow")
     with pytest.raises(ValueError, match="has no attribute 'Nope'"):
         load_workflow("areno.workflows.rlvr.Nope")
-    with pytest.raises(ValueError, match="not a subclass of areno.api.workflow.RolloutWorkflow"):
+    with pytest.raises(ValueError, match="not a subclass of areno.workflows.base.RolloutWorkflow"):
         load_workflow("collections.OrderedDict")
     with pytest.raises(ValueError, match="not a dotted path"):
         load_workflow("RLVRWorkflow")

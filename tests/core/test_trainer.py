@@ -252,7 +252,7 @@ def test_python_m_areno_train_selects_the_algorithm(tmp_path):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "areno.train", "--algorithm", "grpoo", f"model.path={tmp_path}"],
+        [sys.executable, "-m", "areno", "train", "--algorithm", "grpoo", f"model.path={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -457,8 +457,8 @@ def test_server_refuses_a_truncated_weight_update(engine_and_new_weights):
 
 # ---- TestRolloutManager: a corrupt checkpoint is reported and skipped, the thread lives on
 def _score_workflow():
-    from areno.api.workflow import RolloutWorkflow
     from areno.types import Trajectory
+    from areno.workflows.base import RolloutWorkflow
 
     class Score(RolloutWorkflow):
         async def run_episode(self, client, sample):

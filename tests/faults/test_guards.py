@@ -144,7 +144,7 @@ def test_diverged_run_stops_with_one_line(tmp_path, capsys):
     assert trained[-1]["train/policy/skipped_steps"] == 4 and len(trained) < 20  # the 5th raised before logging
 
 
-from areno.api.workflow import RolloutWorkflow  # noqa: E402
+from areno.workflows.base import RolloutWorkflow  # noqa: E402
 
 
 class AlwaysFailingWorkflow(RolloutWorkflow):

@@ -299,16 +299,16 @@ def test_health_monitor_validation():
 
 
 # ---------------------------------------------------------------------------------- stalled workers
-from areno.api.workflow import RolloutWorkflow  # noqa: E402
-from areno.launch.scheduler import free_port
-from areno.rollout.executor import (  # noqa: E402
+from areno.engine.executor import (  # noqa: E402
     DatasetExhausted,
     ProcessEpisodeRunner,
     WorkerSpec,
     WorkflowExecutor,
 )
-from areno.rollout.staleness import StalenessManager  # noqa: E402
+from areno.engine.staleness import StalenessManager  # noqa: E402
+from areno.launch.scheduler import free_port
 from areno.types import GenerationOutput, Trajectory  # noqa: E402
+from areno.workflows.base import RolloutWorkflow  # noqa: E402
 
 
 class EchoClient:
@@ -360,7 +360,7 @@ def test_stalled_worker_process_is_named_killed_restarted_and_nothing_lost(tmp_p
     runner = ProcessEpisodeRunner(spec, num_procs=2, episodes_per_proc=2, episode_timeout_s=1.5)
     staleness = StalenessManager(max_head_offpolicyness=100, batch_size=4, max_concurrent=4)
     groups = []
-    with caplog.at_level(logging.WARNING, logger="areno.rollout.executor"):
+    with caplog.at_level(logging.WARNING, logger="areno.engine.executor"):
         with WorkflowExecutor(None, None, iter(data), staleness, runner=runner, max_retries=1) as ex:
             t0 = time.monotonic()
             while len(groups) < num:
@@ -400,7 +400,7 @@ class HangOnceWorkflow(RolloutWorkflow):
 def test_in_process_episode_timeout_requeues_the_sample(caplog):
     staleness = StalenessManager(max_head_offpolicyness=100, batch_size=2, max_concurrent=2)
     data = [{"id": i} for i in range(4)]
-    with caplog.at_level(logging.WARNING, logger="areno.rollout.executor"):
+    with caplog.at_level(logging.WARNING, logger="areno.engine.executor"):
         with WorkflowExecutor(
             None, HangOnceWorkflow(), iter(data), staleness, max_retries=1, episode_timeout_s=0.5
         ) as ex:

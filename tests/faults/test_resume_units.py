@@ -8,12 +8,12 @@ import pytest
 
 from areno.api.config import ConfigError, load_config
 from areno.api.trainer import Trainer, truncate_metrics
-from areno.api.workflow import RolloutWorkflow
 from areno.data.tasks import PromptStream
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, SampleLedger, SeedingClient, episode_seed
 from areno.faults import parse_faults
 from areno.train import checkpoint
 from areno.types import GenerationOutput, SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
 
 
 def _write_ckpt(tmp_path, step: int) -> tuple:

@@ -7,27 +7,13 @@ A backend is registered by name with :func:`register_backend`; ``Trainer.init`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from areno.types import TokenBatch, Trajectory
+from areno.types import RolloutBatch
 
 if TYPE_CHECKING:
     from areno.api.config import ArenoConfig
-
-
-@dataclass(kw_only=True)
-class RolloutBatch:
-    """What one rollout produces: trajectories, their packed batch, and rollout metrics."""
-
-    trajectories: list[Trajectory]
-    batch: TokenBatch
-    metrics: dict[str, float] = field(default_factory=dict)
-    pass_order: list[int] | None = None
-    """Set on a later optimizer pass (``reshuffle``): this batch is the rollout's sequences in this
-    order, and the backend reuses the first pass's no-grad forwards (proximal / old / reference
-    log-probs of the iteration's start). None: the rollout as generated, a first pass."""
 
 
 class Backend(ABC):

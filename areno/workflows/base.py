@@ -88,7 +88,7 @@ def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
         if not issubclass(obj, RolloutWorkflow):
             raise ValueError(
                 f"workflow path {dotted_path!r} names class {obj.__name__}, which is not a subclass of "
-                "areno.api.workflow.RolloutWorkflow"
+                "areno.workflows.base.RolloutWorkflow"
             )
         return obj(**kwargs)
     if callable(obj):

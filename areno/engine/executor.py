@@ -41,16 +41,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from areno.api.workflow import RolloutWorkflow, as_group
-from areno.rollout.staleness import StalenessManager
+from areno.engine.staleness import StalenessManager
 from areno.types import Trajectory
+from areno.workflows.base import RolloutWorkflow, as_group
 from areno.workflows.common import describe_sample
 
 if TYPE_CHECKING:
     from areno.rollout.client import RolloutClient
     from areno.rollout.store import ObservationStore
 
-logger = logging.getLogger("areno.rollout.executor")
+logger = logging.getLogger("areno.engine.executor")
 
 
 class RolloutPoolBroken(RuntimeError):
@@ -630,7 +630,7 @@ class WorkerSpec:
 def _worker_main(spec: WorkerSpec, conn: Any) -> None:
     """Child process: receive ``(dispatch_id, sample)``, run episodes concurrently, send
     ``(dispatch_id, status, payload)`` back; ``None`` ends the process."""
-    from areno.api.workflow import _import_dotted, load_workflow
+    from areno.workflows.base import _import_dotted, load_workflow
 
     async def amain() -> None:
         workflow = load_workflow(spec.workflow, **spec.workflow_kwargs)
@@ -718,7 +718,7 @@ class ProcessEpisodeRunner:
         self.episodes_per_proc = episodes_per_proc
         self._ctx = mp.get_context(mp_context)
         if mp_context == "forkserver":
-            self._ctx.set_forkserver_preload(["areno.rollout.executor"])  # restarts fork a warm process
+            self._ctx.set_forkserver_preload(["areno.engine.executor"])  # restarts fork a warm process
         self._slots: list[_Slot] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._free: asyncio.Event | None = None
