@@ -17,13 +17,13 @@ from areno.engine.config import (
     DataSection,
     ModelSection,
     ObserveSection,
-    OptimSection,
     RewardSection,
     RolloutSection,
     TrainSection,
     WarmStartSection,
 )
 from areno.errors import ConfigError
+from areno.train.config import OptimConfig
 
 __all__ = [
     "ArenoConfig",
@@ -32,7 +32,7 @@ __all__ = [
     "DataSection",
     "ModelSection",
     "ObserveSection",
-    "OptimSection",
+    "OptimConfig",
     "RewardSection",
     "RolloutSection",
     "TrainSection",

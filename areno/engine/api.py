@@ -23,7 +23,7 @@ import torch
 
 from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
-from areno.engine.config import ArenoConfig
+from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config, resolve_dtypes
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
 from areno.faults import fault_point
 from areno.rewards.sandbox import RewardSandbox, release_shared
@@ -45,23 +45,8 @@ def resolve_device(name: str) -> torch.device:
 def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_blocks: int = 0):
     """The ``RolloutEngineConfig`` of a rollout engine from the ``rollout`` section (colocated and
     partitioned alike); ``num_blocks`` 0 sizes the KV pool automatically."""
-    from areno.rollout.engine import RolloutEngineConfig
-
-    r = cfg.rollout
-    return RolloutEngineConfig(
-        device=device,
-        dtype=dtype,
-        max_num_seqs=rollout_max_num_seqs(cfg),
-        decode_steps=r.decode_steps or None,
-        decode_attention=r.decode_attention,
-        fused_kernels=r.fused_kernels,
-        cuda_graphs=r.cuda_graphs,
-        fused_projections=r.fused_projections,
-        cpu_packed_gemm=r.cpu_packed_gemm,
-        recompute_kv_on_weight_update=r.recompute_kv_on_weight_update,
-        cuda_stream=r.cuda_stream,
-        mixed_decode_min_rows=r.mixed_decode_min_rows,
-        **({"num_blocks": num_blocks} if num_blocks else {}),
+    return build_rollout_engine_config(
+        cfg, device=device, dtype=dtype, max_num_seqs=rollout_max_num_seqs(cfg), num_blocks=num_blocks
     )
 
 
@@ -133,35 +118,10 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) 
     partitioned: ``new_backend(TrainBackendConfig)`` makes it (one process, or FSDP2 over a training
     sub-mesh); each role loads its own checkpoint (``role.model_path``, else ``model_dir``) and its
     specialization may wrap the model (value and reward heads)."""
-    from areno.models import decoder
-    from areno.train import TrainBackendConfig
-
-    # what impl="auto" picks on CUDA in this process's training forwards (the engine's are paged)
-    decoder.CUDA_AUTO_IMPL = "varlen" if cfg.train.attention == "auto" else cfg.train.attention
     backends = {}
     for role in recipe.roles:
-        backend = new_backend(
-            TrainBackendConfig(
-                lr=cfg.optim.lr,
-                weight_decay=cfg.optim.weight_decay,
-                grad_clip=cfg.optim.grad_clip or None,
-                lr_schedule=cfg.optim.schedule,
-                warmup_steps=cfg.optim.warmup_steps,
-                total_steps=max(
-                    cfg.train.steps * cfg.train.num_train_passes * cfg.train.num_minibatches, cfg.optim.warmup_steps, 1
-                ),
-                max_tokens_per_mb=cfg.train.max_tokens_per_mb,
-                dtype=cfg.model.dtype,
-                long_sequences=cfg.train.long_sequences,
-                compile=cfg.train.compile,
-                compile_scope=cfg.train.compile_scope,
-                trainable=role.trainable,
-                seed=cfg.train.seed,
-            )
-        )
+        backend = new_backend(build_train_backend_config(cfg, role_name=role.name, trainable=role.trainable))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
-        backend.max_consecutive_skips = cfg.train.max_consecutive_skips
-        backend.role_name = role.name
         backends[role.name] = backend
     if cfg.train.compile and any(role.trainable for role in recipe.roles):
         logger.info(
@@ -313,9 +273,7 @@ class ArenoEngine:
         from areno.models.hf_io import load_model
         from areno.rollout.engine import RolloutEngine
 
-        dtype_name = self.config.model.rollout_dtype
-        if dtype_name == "auto":
-            dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
+        dtype_name = resolve_dtypes(self.config, self.device.type).rollout
         dtype = getattr(torch, dtype_name)
         model, model_config = load_model(model_dir, dtype=dtype, device=str(self.device))
         engine_cfg = rollout_engine_config(

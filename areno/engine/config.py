@@ -2,16 +2,28 @@
 construction, composed into :class:`ArenoConfig` (the config the engine runs). ``areno.api.config``
 loads a YAML file plus dotted overrides into it; an unknown key, a wrong type or an out-of-range
 value is a one-line :class:`ConfigError` naming the key before anything expensive starts.
+
+Settings that a component owns are defined once, by its owner, and the sections extend them: the
+``rollout`` section is ``RolloutEngineSettings`` (``areno.rollout.config``) plus the rollout pool's
+settings; ``optim`` is ``OptimConfig``, ``train`` extends ``TrainStepConfig`` and ``model``
+extends ``PrecisionConfig`` (``areno.train.config``). The owners' configs are built from the
+sections by ``build_rollout_engine_config`` and ``build_train_backend_config`` (no field copied by
+hand); ``auto`` dtypes resolve in ``resolve_dtypes``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import MISSING
 
 from areno.errors import ConfigError
+from areno.launch.allocation import AllocationModeError, parse_allocation_mode
+from areno.launch.scheduler import scheduler_config
+from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
+from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
 
 
 def _check(cond: bool, key: str, message: str) -> None:
@@ -20,11 +32,9 @@ def _check(cond: bool, key: str, message: str) -> None:
 
 
 @dataclass(kw_only=True)
-class ModelSection:
+class ModelSection(PrecisionConfig):
     path: str = MISSING
     """Local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)."""
-    dtype: str = "float32"
-    """Training parameter dtype: float32 or bfloat16 (GPU runs keep fp32 master weights)."""
     rollout_dtype: str = "auto"
     """Rollout engine dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16."""
     init_tiny: dict[str, Any] | None = None
@@ -32,9 +42,9 @@ class ModelSection:
     these `areno.models.hf_io.tiny_config` arguments with a character tokenizer."""
 
     def __post_init__(self) -> None:
-        for key in ("dtype", "rollout_dtype"):
-            allowed = ("float32", "bfloat16") + (("auto",) if key == "rollout_dtype" else ())
-            _check(getattr(self, key) in allowed, f"model.{key}", f"must be one of {allowed}")
+        super().__post_init__()
+        allowed = ("auto", "float32", "bfloat16")
+        _check(self.rollout_dtype in allowed, "model.rollout_dtype", f"must be one of {allowed}")
 
 
 @dataclass(kw_only=True)
@@ -101,7 +111,9 @@ class RewardSection:
 
 
 @dataclass(kw_only=True)
-class RolloutSection:
+class RolloutSection(RolloutEngineSettings):
+    """The rollout engine's settings (``RolloutEngineSettings``) and the rollout pool's."""
+
     batch_size: int = 16
     """Prompts per training step (each expands into n_samples trajectories)."""
     n_samples: int = 8
@@ -128,65 +140,20 @@ class RolloutSection:
     """This many samples in a row dropped after all their retries stop the run with the last error
     (a broken rollout engine or server, a workflow that always raises); 0 = never stop."""
     kv_blocks: int = 0
-    """Rollout engine KV-cache blocks (0 = sized automatically)."""
-    max_num_seqs: int = 0
-    """Most sequences the rollout engine decodes at once (its running batch; CUDA graphs are captured
-    up to this size). 0 = the run's sequences in flight, min(max_concurrent, batch_size x (eta + 1)) x
-    n_samples, at least 256 and at most 1024: an asynchronous run keeps several batches in flight, and
-    a running batch smaller than that leaves the rest waiting while a decode step of a small model
-    costs about the same for twice the rows (bench/RESULTS.md)."""
-    decode_steps: int = 0
-    """Decode steps the rollout engine runs per host round trip when every sequence is decoding
-    (sampling, stop checks and feedback stay on the device); 0 = the engine's default (8 on CUDA, 1 on
-    CPU). 1 returns to the host after every token."""
-    decode_attention: str = "auto"
-    """Decode attention of the rollout engine: `gather` (copy each sequence's K/V out of the paged
-    pool, then SDPA), `paged` (read the pool directly: a Triton kernel on CUDA, a chunked
-    online-softmax fallback elsewhere) or `auto` (paged on CUDA with Triton, gather elsewhere)."""
-    fused_projections: bool = True
-    """Run each layer's q/k/v and gate/up projections of the rollout engine as one GEMM each (the
-    parameters become views of one fused weight per group, names unchanged); false keeps five GEMMs."""
-    cpu_packed_gemm: bool = True
-    """CPU, fp32 rollout: the large GEMMs (fused q/k/v and gate/up, o_proj, down_proj, the output
-    projection) multiply with oneDNN-packed copies of their weights, re-packed after each policy
-    sync (~1.2-1.4x per decode step measured; one more copy of those weights' memory); false keeps
-    `F.linear`. Ignored on GPU."""
-    recompute_kv_on_weight_update: bool = False
-    """After a policy sync, recompute the K/V of the rollout engine's in-flight requests under the
-    new weights (their tokens are kept; every later token is sampled exactly from the new policy).
-    False (the default) keeps the old K/V: the context of a request interrupted by a sync stays
-    encoded by the previous policy, and the decoupled loss's behaviour log-probs record what was
-    sampled either way. Synchronous runs (eta = 0) have nothing in flight at a sync; in asynchronous
-    ones recomputing re-prefilled ~15k tokens per sync and cost 25-40% of the trained tokens/s on
-    an H200 pair (bench/RESULTS.md)."""
-    cuda_graphs: bool = True
-    """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
-    every decode step eagerly (slower; for debugging and A/B runs)."""
-    mixed_decode_min_rows: int | None = 32
-    """A mixed step (prefill chunks beside decode rows) with at least this many sampling rows, no
-    prompt half prefilled and no waiting request able to take a free slot goes on with
-    ``decode_steps`` - 1 decode steps in the same host round trip, so every round trip gives each
-    row ``decode_steps`` tokens even while requests keep arriving (an asynchronous pool); null = a
-    mixed step returns to the host after one token."""
+    """KV-cache blocks of each rollout engine (0 = sized automatically: ``kv_memory_fraction`` of the
+    free memory on CUDA, ``cpu_kv_cache_bytes`` on CPU, and on a GPU shared with training what the
+    memory check allows)."""
     cuda_graph_warmup: bool = True
     """CUDA: capture the decode CUDA graphs of every batch size the run can reach (up to
     ``max_concurrent`` x ``n_samples`` sequences) when the rollout engine starts, for the training
     rollouts' sampling and, when held-out evaluation runs, greedy decoding. Otherwise each graph is
-    captured when first needed, in the middle of a run: a capture takes ~0.4 s, during which a
-    policy sync waits (bench/RESULTS.md: 0.5-1.2 s syncs in asynchronous runs)."""
-    cuda_stream: bool = False
-    """CUDA: the rollout engine runs its steps on a CUDA stream of its own, so that a colocated
-    asynchronous trainer's kernels can run beside them instead of queueing behind them on the default
-    stream. Experimental (off): not yet measured on a GPU."""
-    fused_kernels: bool = True
-    """CUDA: fused Triton kernels for RMSNorm, RoPE and SiLU-and-multiply in the rollout engine's
-    forwards (a decode step is bound by its kernel count), after a self-check against the eager ops
-    at start-up (a mismatch keeps the eager ops and says why). No effect on CPU or in training."""
+    captured when first needed, in the middle of a run, and a policy sync waits for the capture."""
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for key in ("batch_size", "n_samples", "max_new_tokens", "max_concurrent"):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
         _check(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
@@ -196,22 +163,7 @@ class RolloutSection:
             "rollout.max_head_offpolicyness",
             f"must be >= 0, got {self.max_head_offpolicyness}",
         )
-        _check(
-            self.decode_attention in ("auto", "gather", "paged"),
-            "rollout.decode_attention",
-            f"must be auto, gather or paged, got {self.decode_attention!r}",
-        )
-        _check(self.max_num_seqs >= 0, "rollout.max_num_seqs", f"must be >= 0 (0 = automatic), got {self.max_num_seqs}")
-        _check(
-            self.decode_steps >= 0,
-            "rollout.decode_steps",
-            f"must be >= 0 (0 = engine default), got {self.decode_steps}",
-        )
-        _check(
-            self.mixed_decode_min_rows is None or self.mixed_decode_min_rows >= 1,
-            "rollout.mixed_decode_min_rows",
-            f"must be >= 1 or null (off), got {self.mixed_decode_min_rows}",
-        )
+        _check(self.kv_blocks >= 0, "rollout.kv_blocks", f"must be >= 0 (0 = automatic), got {self.kv_blocks}")
         _check(
             self.request_timeout_s >= 0,
             "rollout.request_timeout_s",
@@ -222,26 +174,6 @@ class RolloutSection:
             "rollout.max_consecutive_dropped",
             f"must be >= 0 (0 = never stop), got {self.max_consecutive_dropped}",
         )
-
-
-@dataclass(kw_only=True)
-class OptimSection:
-    lr: float = 1e-5
-    """Peak learning rate of AdamW."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
-    """Max global grad norm (0 disables clipping)."""
-    schedule: str = "constant"
-    """constant, linear_warmup or cosine."""
-    warmup_steps: int = 0
-    """Linear warm-up steps."""
-
-    def __post_init__(self) -> None:
-        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _check(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {self.grad_clip}")
-        allowed = ("constant", "linear_warmup", "cosine")
-        _check(self.schedule in allowed, "optim.schedule", f"must be one of {allowed}, got {self.schedule!r}")
 
 
 @dataclass(kw_only=True)
@@ -278,11 +210,6 @@ class ClusterSection:
     `{ray_address: auto}` (the `ray start --head` cluster here) or `{slurm_partition: gpu}`."""
     cpu_threads: int = 0
     """torch intra-op threads on CPU (0 = torch's default). Tiny models run fastest with 1."""
-    switch_interval_s: float = 0.0
-    """Python's thread switch interval (``sys.setswitchinterval``) in each partitioned worker process;
-    0 keeps Python's default (5 ms). A rollout worker's sync thread waits for the GIL, held by its
-    engine thread through a step's Python, for up to this long at every wake-up (bench/RESULTS.md:
-    an asynchronous run's transfer took 9-15 ms against 1.3 ms while the engine was idle). Experimental."""
     collective_timeout_s: float = 1800.0
     """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'
     world: a rank that stalls longer fails the collective with an error instead of hanging the run."""
@@ -305,8 +232,6 @@ class ClusterSection:
             "cluster.scheduler",
             f"must be one of local, ray, slurm; got {self.scheduler!r}",
         )
-        from areno.launch.scheduler import scheduler_config
-
         try:
             scheduler_config(self.scheduler, self.scheduler_options)
         except (TypeError, ValueError) as exc:
@@ -320,18 +245,11 @@ class ClusterSection:
         )
         _check(self.cpu_threads >= 0, "cluster.cpu_threads", f"must be >= 0, got {self.cpu_threads}")
         _check(
-            0 <= self.switch_interval_s <= 1,
-            "cluster.switch_interval_s",
-            f"must be in [0, 1] seconds (0 = Python's default), got {self.switch_interval_s}",
-        )
-        _check(
             self.sync_commit in ("staged", "inplace"),
             "cluster.sync_commit",
             f"must be staged or inplace, got {self.sync_commit!r}",
         )
         if self.allocation_mode is not None:
-            from areno.launch.allocation import AllocationModeError, parse_allocation_mode
-
             try:
                 alloc = parse_allocation_mode(self.allocation_mode)
             except AllocationModeError as exc:
@@ -348,7 +266,9 @@ class ClusterSection:
 
 
 @dataclass(kw_only=True)
-class TrainSection:
+class TrainSection(TrainStepConfig):
+    """The training backends' step settings (``TrainStepConfig``) and the training loop's."""
+
     algorithm: str = "grpo"
     """Registered recipe name (`areno recipes` lists them)."""
     algorithm_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -362,67 +282,20 @@ class TrainSection:
     """Optimizer steps per pass: the batch is cut into this many minibatches of whole sequences,
     all scored by one no-grad forward at the iteration's start (AReaL's ppo_n_minibatches; with the
     decoupled loss the clip against pi_prox acts from the second minibatch)."""
-    max_tokens_per_mb: int | None = None
-    """Token budget of one packed micro-batch; null = estimated from memory."""
     eval_interval: int = 10
     """Evaluate held-out accuracy every this many steps (0 = only before and after)."""
     save_interval: int = 0
     """Checkpoint every this many steps (0 = only at the end)."""
-    seed: int = 0
-    """Global seed (model init, sampling, data order)."""
     backend: str = "areno"
     """Registered Backend implementation."""
-    max_consecutive_skips: int = 5
-    """Stop the run with a one-line error after this many optimizer steps in a row were skipped
-    for a non-finite loss or grad norm (0 = never stop; skips are still counted)."""
-    long_sequences: str = "error"
-    """A sequence longer than max_tokens_per_mb: `error` (one line naming both numbers) or
-    `truncate` (train on its first max_tokens_per_mb tokens; the rest leave the loss and are
-    counted as train/<role>/truncated_tokens)."""
-    compile: bool = False
-    """torch.compile the decoder of the trained models (and the fused log-prob kernels);
-    the first step pays the compilation."""
-    compile_scope: str = "layers"
-    """What `compile` compiles: `layers` (each decoder layer, one graph shared by all) or `model`
-    (the whole layer stack as one graph: fewer host calls per micro-batch, a longer first step)."""
-    attention: str = "auto"
-    """CUDA attention of the training forwards over packed sequences: `varlen` (torch's
-    variable-length flash kernel, nothing to compile), `flex` (FlexAttention with a document mask,
-    compiled at the first step; on the GPU that compile took minutes in a partitioned run beside a
-    generating engine) or `auto` (varlen; flex for fp32 or where this torch lacks varlen). CPU
-    forwards pick their SDPA variant either way."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
-        _check(
-            self.attention in ("auto", "flex", "varlen"),
-            "train.attention",
-            f"must be auto, flex or varlen, got {self.attention!r}",
-        )
-        _check(
-            self.compile_scope in ("layers", "model"),
-            "train.compile_scope",
-            f"must be layers or model, got {self.compile_scope!r}",
-        )
         _check(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         _check(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
-        _check(
-            self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0,
-            "train.max_tokens_per_mb",
-            f"must be > 0 or null, got {self.max_tokens_per_mb}",
-        )
         _check(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
         _check(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
-        _check(
-            self.long_sequences in ("error", "truncate"),
-            "train.long_sequences",
-            f"must be error or truncate, got {self.long_sequences!r}",
-        )
-        _check(
-            self.max_consecutive_skips >= 0,
-            "train.max_consecutive_skips",
-            f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}",
-        )
 
 
 @dataclass(kw_only=True)
@@ -454,7 +327,7 @@ class ArenoConfig:
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    optim: OptimSection = field(default_factory=OptimSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
     train: TrainSection = field(default_factory=TrainSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
@@ -468,3 +341,58 @@ class ArenoConfig:
             "resume",
             f"must be auto, true or false, got {self.resume!r}",
         )
+
+
+class Dtypes(NamedTuple):
+    """The dtypes of a run on one device type, ``auto`` resolved."""
+
+    train: str
+    """Training master weights (``model.dtype``)."""
+    rollout: str
+    """The rollout engine's weights and KV cache (``model.rollout_dtype``)."""
+
+
+def resolve_dtypes(config: ArenoConfig, device_type: str) -> Dtypes:
+    """The run's dtypes on ``device_type`` (``cuda`` or ``cpu``): ``model.rollout_dtype=auto`` is
+    bfloat16 on CUDA and float32 elsewhere."""
+    rollout = config.model.rollout_dtype
+    if rollout == "auto":
+        rollout = "bfloat16" if device_type == "cuda" else "float32"
+    return Dtypes(train=config.model.dtype, rollout=rollout)
+
+
+def total_optimizer_steps(config: ArenoConfig) -> int:
+    """Optimizer steps of the whole run (the cosine schedule's length): steps x passes x
+    minibatches, at least the warm-up and at least 1."""
+    t = config.train
+    return max(t.steps * t.num_train_passes * t.num_minibatches, config.optim.warmup_steps, 1)
+
+
+def fields_of(section: object, owner: type) -> dict[str, Any]:
+    """The values of ``owner``'s fields in ``section`` (an instance of ``owner`` or a subclass), as
+    keyword arguments of a config that extends ``owner`` too."""
+    assert isinstance(section, owner), (type(section), owner)
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(owner)}
+
+
+def build_train_backend_config(config: ArenoConfig, *, role_name: str, trainable: bool) -> TrainBackendConfig:
+    """The training backend's config of one recipe role: the ``optim``, ``train`` and ``model``
+    sections' training settings, the run's schedule length and the role."""
+    return TrainBackendConfig(
+        **fields_of(config.optim, OptimConfig),
+        **fields_of(config.train, TrainStepConfig),
+        **fields_of(config.model, PrecisionConfig),
+        total_steps=total_optimizer_steps(config),
+        role_name=role_name,
+        trainable=trainable,
+    )
+
+
+def build_rollout_engine_config(
+    config: ArenoConfig, *, device: str, dtype: str, max_num_seqs: int, num_blocks: int = 0
+) -> RolloutEngineConfig:
+    """A rollout engine's config: the ``rollout`` section's engine settings, on ``device`` in
+    ``dtype``, with the running batch and the KV pool its owner sized (``num_blocks`` 0: automatic)."""
+    settings = fields_of(config.rollout, RolloutEngineSettings)
+    settings["max_num_seqs"] = max_num_seqs
+    return RolloutEngineConfig(**settings, device=device, dtype=dtype, num_blocks=num_blocks or None)

@@ -29,7 +29,6 @@ import logging
 import os
 import pickle
 import secrets
-import sys
 import threading
 import time
 from pathlib import Path
@@ -53,7 +52,7 @@ from areno.engine.cluster import (
     layout_from_config,
     validate_memory,
 )
-from areno.engine.config import ArenoConfig
+from areno.engine.config import ArenoConfig, resolve_dtypes
 from areno.faults import fault_point
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
@@ -127,11 +126,9 @@ def _device_type(config: ArenoConfig) -> str:
 
 
 def apply_process_settings(config: ArenoConfig) -> None:
-    """A worker process's own settings: torch's CPU threads and Python's thread switch interval."""
+    """A worker process's own settings: torch's CPU threads."""
     if config.cluster.cpu_threads:
         torch.set_num_threads(config.cluster.cpu_threads)
-    if config.cluster.switch_interval_s:
-        sys.setswitchinterval(config.cluster.switch_interval_s)
 
 
 def _init_world(config: ArenoConfig) -> str:
@@ -157,10 +154,8 @@ def _init_world(config: ArenoConfig) -> str:
 def _sync_config(config: ArenoConfig):
     from areno.sync.stream import StreamSyncConfig
 
-    dtype_name = config.model.rollout_dtype
-    wire = getattr(torch, dtype_name) if dtype_name not in ("auto", "float32") else None
-    if dtype_name == "auto" and _device_type(config) == "cuda":
-        wire = torch.bfloat16
+    dtype_name = resolve_dtypes(config, _device_type(config)).rollout
+    wire = None if dtype_name == "float32" else getattr(torch, dtype_name)
     return StreamSyncConfig(bucket_bytes=64 << 20, timeout_s=600.0, wire_dtype=wire)
 
 
@@ -255,9 +250,7 @@ class RolloutWorker:
         device_type = _init_world(cfg)
         self.groups = build_groups(layout, device_type)
         device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
-        dtype_name = cfg.model.rollout_dtype
-        if dtype_name == "auto":
-            dtype_name = "bfloat16" if device_type == "cuda" else "float32"
+        dtype_name = resolve_dtypes(cfg, device_type).rollout
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model, model_config = load_model(model_dir, dtype=getattr(torch, dtype_name), device=device)
         blocks = cfg.rollout.kv_blocks
@@ -429,14 +422,12 @@ class PartitionedArenoEngine(ArenoEngine):
             }
         if capacity is not None:
             model_config = read_config(model_dir)
-            rollout_dtype = (
-                cfg.model.rollout_dtype if cfg.model.rollout_dtype != "auto" else ("bfloat16" if cuda else "float32")
-            )
+            dtypes = resolve_dtypes(cfg, "cuda" if cuda else "cpu")
             est = estimate_memory(
                 layout,
                 model_config,
-                train_dtype=cfg.model.dtype if cfg.model.dtype != "auto" else "float32",
-                rollout_dtype=rollout_dtype,
+                train_dtype=dtypes.train,
+                rollout_dtype=dtypes.rollout,
                 kv_tokens=kv_tokens_for(cfg),
             )
             validate_memory(layout, est, capacity)

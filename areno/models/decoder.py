@@ -276,6 +276,11 @@ class Decoder(nn.Module):
     inference; training TP applies DTensor styles from ``tp_plan`` to a ``tp_size=1`` model.
     """
 
+    cuda_attention: str = "auto"
+    """What ``PackedCausalAttention``'s ``impl="auto"`` runs on CUDA in this model's forwards:
+    ``varlen`` (``auto`` is the same) or ``flex`` (``PackedCausalAttention.prepare``); the training
+    backend sets it from ``train.attention``."""
+
     def __init__(self, config: ModelConfig, *, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
         super().__init__()
         if tp_size > 1:
@@ -429,7 +434,9 @@ class Decoder(nn.Module):
             # with the head dim and q's dtype the layers will pass, so no layer prepares again
             # (inside a compiled region that would be a graph break)
             q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype
-            attn.prepare(input_ids_T.shape[0], input_ids_T.device, self.config.head_dim, q_dtype)
+            attn.prepare(
+                input_ids_T.shape[0], input_ids_T.device, self.config.head_dim, q_dtype, cuda_impl=self.cuda_attention
+            )
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
         if fused_ops.add_norm_active(x_TD):
@@ -472,11 +479,6 @@ class Decoder(nn.Module):
 SDPA_MASK_MAX_TOKENS = 2048
 FLEX_MIN_HEAD_DIM = 16
 """FlexAttention's compiled kernels need head dims of at least this (``auto`` picks sdpa below)."""
-CUDA_AUTO_IMPL = "varlen"
-"""What ``impl="auto"`` picks on CUDA (``varlen`` or ``flex``); a process-wide knob set from
-``train.attention`` when the training backends are built, and by ``bench/train.py --variants``.
-``varlen`` falls back to flex (or sdpa below ``FLEX_MIN_HEAD_DIM``) where flash does not run: fp32
-inputs, head dims that are not a multiple of 8 or exceed 256, a torch without a varlen kernel."""
 
 
 class PackedCausalAttention:
@@ -492,9 +494,11 @@ class PackedCausalAttention:
     - ``"sdpa_padded"``: scatter the sequences into a right-padded [B, H, S_max, Dh] batch and run
       one causal SDPA call (padding sits after every real token, so causality hides it); costs
       B * S_max^2 instead of T^2, the fast path for many short sequences on CPU.
-    - ``"auto"``: ``CUDA_AUTO_IMPL`` on CUDA (varlen where flash runs); elsewhere sdpa_padded when
-      padding wastes at most half the tokens, else sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens,
-      else per-sequence sdpa.
+    - ``"auto"``: on CUDA the model's choice (``prepare``'s ``cuda_impl``: varlen, or flex), varlen
+      falling back to flex (or sdpa below ``FLEX_MIN_HEAD_DIM``) where flash does not run (fp32
+      inputs, head dims that are not a multiple of 8 or exceed 256, a torch without a varlen
+      kernel); elsewhere sdpa_padded when padding wastes at most half the tokens, else sdpa_mask up
+      to ``SDPA_MASK_MAX_TOKENS`` tokens, else per-sequence sdpa.
     ``prepare`` builds the mask (or boundaries) once; ``Decoder.forward`` calls it before the
     layers, so compiled layers only read it (no host sync or mask construction inside them).
     """
@@ -507,24 +511,33 @@ class PackedCausalAttention:
         self.cu_seqlens_B1 = cu_seqlens_B1
         self.sliding_window = sliding_window
         self.impl = impl
-        self._prepared_for: tuple[int, torch.device, bool] | None = None
+        self._prepared_for: tuple | None = None
+        self._cuda_impl = "auto"
         self._impl = impl
         self._state = None
 
     def prepare(
-        self, num_tokens: int, device: torch.device, head_dim: int | None = None, dtype: torch.dtype | None = None
+        self,
+        num_tokens: int,
+        device: torch.device,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
+        cuda_impl: str | None = None,
     ) -> None:
         """Resolve ``auto`` and build what every layer reuses: sequence bounds (sdpa), the mask
         (sdpa_mask, flex) or int32 boundaries and the longest length (varlen). ``head_dim``: when
         known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM`` (its kernels need 16).
         ``dtype`` (of q): when known, ``auto`` on CUDA avoids varlen for fp32 (flash is 16-bit); it
-        also does for head dims flash lacks (not a multiple of 8, or above 256)."""
+        also does for head dims flash lacks (not a multiple of 8, or above 256). ``cuda_impl``: what
+        ``auto`` runs on CUDA (``Decoder.cuda_attention``), kept for later calls; default auto."""
         device = torch.device(device)
+        if cuda_impl is not None:
+            self._cuda_impl = cuda_impl
         small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
         flash_ok = (dtype is None or dtype in (torch.bfloat16, torch.float16)) and (
             head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
         )
-        if self._prepared_for == (num_tokens, device, small_heads, flash_ok):
+        if self._prepared_for == (num_tokens, device, small_heads, flash_ok, self._cuda_impl):
             return
         impl = self.impl
         if impl == "auto":
@@ -533,7 +546,7 @@ class PackedCausalAttention:
             seqlens_B = self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]
             padded_tokens = int(seqlens_B.max()) * seqlens_B.numel() if num_tokens else 0
             if device.type == "cuda":
-                impl = CUDA_AUTO_IMPL
+                impl = "varlen" if self._cuda_impl == "auto" else self._cuda_impl
                 if impl == "varlen" and not (flash_ok and varlen_available()):
                     impl = "flex"
                 if impl == "flex" and small_heads:
@@ -570,7 +583,7 @@ class PackedCausalAttention:
             params = _varlen_params()
             self._state = (cu, max_len, "enable_gqa" in params, "window_size" in params)
         self._impl = impl
-        self._prepared_for = (num_tokens, device, small_heads, flash_ok)
+        self._prepared_for = (num_tokens, device, small_heads, flash_ok, self._cuda_impl)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)

@@ -14,9 +14,9 @@ background thread) or use ``generate()``.
 
 Weight updates happen between steps (every public method takes the engine lock). In-flight requests
 keep their tokens and continue under the new weights; each output token records the policy version
-that sampled it (``GenerationOutput.output_versions``). By default their K/V is recomputed under the
-new weights (``recompute_kv_on_weight_update``), so every token after the switch is sampled exactly
-from the new policy given its context; the prefix cache is always cleared.
+that sampled it (``GenerationOutput.output_versions``). With ``recompute_kv_on_weight_update`` their
+K/V is recomputed under the new weights, so every token after the switch is sampled exactly from the
+new policy given its context (by default the old K/V is kept); the prefix cache is always cleared.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from areno.models import fused_linear, fused_ops
 from areno.observe.trace import instant, span
-from areno.rollout.attention import DECODE_ATTENTION, DECODE_CARRY_MAX_BYTES, DecodeCarry, PagedAttention
+from areno.rollout.attention import DECODE_CARRY_MAX_BYTES, DecodeCarry, PagedAttention
+from areno.rollout.config import RolloutEngineConfig, resolve_decode_attention
 from areno.rollout.kv_cache import BlockAllocator, KVCache
 from areno.rollout.sampling import RowParams, RowTable, Sampler, check_stop
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -66,149 +66,6 @@ WAITING_CLAMP_MAX_ROWS = 32
 can end by length (so a waiting request joins at once); a larger batch runs its full ``decode_steps``:
 one freed slot idle for a few steps costs little there, while a host round trip per token (most
 rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/RESULTS.md)."""
-
-
-@dataclass(kw_only=True)
-class RolloutEngineConfig:
-    """How the rollout engine lays out its KV cache and batches requests."""
-
-    block_size: int = 16
-    """Tokens per KV block (the unit of allocation and of prefix sharing)."""
-    num_blocks: int | None = None
-    """KV blocks in the pool. None: sized from ``kv_memory_fraction`` on CUDA, from
-    ``cpu_kv_cache_bytes`` on CPU."""
-    kv_memory_fraction: float = 0.8
-    """CUDA only: fraction of the device memory free when the engine starts that the KV pool takes."""
-    cpu_kv_cache_bytes: int = 1 << 29
-    """CPU only: bytes of the KV pool when ``num_blocks`` is None."""
-    max_num_seqs: int = 256
-    """Most sequences in the running batch."""
-    max_tokens_per_step: int = 4096
-    """Token budget of one forward pass (decode tokens + prefill chunk tokens)."""
-    prefill_chunk_size: int = 1024
-    """Most prompt tokens of one sequence prefilled in one step (chunked prefill)."""
-    max_model_len: int | None = None
-    """Longest sequence (prompt + output). None: the model's ``max_position_embeddings``."""
-    dtype: str | None = None
-    """KV cache dtype ("float32", "bfloat16", "float16"). None: the model's parameter dtype."""
-    device: str | None = None
-    """Device of the KV cache. None: the model's device."""
-    enable_prefix_sharing: bool = True
-    """Share full KV blocks of identical prefixes between requests (GRPO groups, multi-turn)."""
-    recompute_kv_on_weight_update: bool = True
-    """After a weight update, recompute the K/V of in-flight requests under the new weights (their
-    tokens are kept). False keeps the old K/V (cheaper, slightly off-policy context)."""
-    cast_weights: bool = True
-    """``update_weights`` accepts floating tensors of another floating dtype and casts them (a
-    bf16 engine fed by an fp32 trainer). Non-floating mismatches are always rejected."""
-    cuda_graphs: bool = True
-    """CUDA only: replay captured graphs for pure-decode steps (see ``cuda_graph.py``)."""
-    cuda_stream: bool = False
-    """CUDA only: run the engine's steps on a CUDA stream of its own instead of the default one, so
-    that a trainer in the same process (colocated asynchronous RL) can run its kernels beside the
-    engine's rather than after them. Weights written on the default stream are waited for after
-    every weight update and wake; ``pause``/``sleep`` wait for the engine's stream. Experimental:
-    not yet measured on a GPU (bench/RESULTS.md)."""
-    cuda_graph_max_batch: int | None = None
-    """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, then multiples of
-    8, 32 and 64; ``cuda_graph.padded_batch_size``); larger batches decode eagerly. None: ``max_num_seqs``."""
-    decode_steps: int | None = None
-    """Decode steps a pure-decode batch runs back to back on the device per host round trip: tokens
-    are sampled, fed back and checked for stop ids / length on the device, and copied to the host
-    once at the end (tokens past a request's end are discarded; requests join at the next round
-    trip, so with requests waiting for a slot a batch of fewer than ``WAITING_CLAMP_MAX_ROWS`` rows
-    caps k by its shortest remaining length). The
-    per-step host cost (scheduling, block tables, output bookkeeping) is divided by k. None: 8 on
-    CUDA, 1 elsewhere (where host overhead is small next to the forward pass)."""
-    mixed_decode_min_rows: int | None = 32
-    """With ``decode_steps`` k > 2, a mixed step (prefill chunks of newly admitted requests beside
-    decoding rows; graph-less) in which at least this many rows sample, every scheduled sequence
-    samples (no prompt left half prefilled) and no waiting request could take a free slot, is
-    followed in the same round trip by k - 1 decode steps of those rows (a k - 1 step loop graph):
-    such a round trip gives each row k tokens, as a pure-decode one does, instead of 1. In an
-    asynchronous run requests arrive all the time, so most round trips are mixed; with k tokens per
-    round trip either way, rows that end together stay together and their replacements arrive
-    together (fewer mixed steps than k + 1 would give; bench/RESULTS.md). Tokens are those of the
-    one-step engine for greedy and seeded rows; requests that arrive meanwhile join at the next
-    round trip. Smaller batches keep one token per mixed step (latency of new requests). None: never."""
-    seed: int = 0
-    """Seed of the generator shared by requests without their own seed."""
-    decode_attention: str = "auto"
-    """Decode-step attention: "gather" copies each sequence's K/V out of the block pool into a dense
-    batch for SDPA; "paged" reads them straight from the pool (a Triton kernel on CUDA, a chunked
-    online-softmax loop elsewhere; ``paged_decode.py``); "auto" is "paged" on CUDA with Triton
-    importable (measured 1.2-1.8x faster decode on an H200, bench/RESULTS.md) and "gather" elsewhere
-    (faster on CPU). Prefill and mixed steps always gather."""
-
-    fused_kernels: bool = True
-    """CUDA with Triton: RMSNorm, RoPE and SiLU-and-multiply in this engine's forwards run as one
-    fused kernel each (``areno.models.fused_ops``; same roundings as the eager ops, enabled only
-    after a self-check against them) instead of 2-8 eager kernels, which dominate a small model's
-    decode step. Only this engine's steps and graph captures use them (``fused_ops.inference``)."""
-
-    fused_projections: bool = True
-    """Run each layer's q/k/v and gate/up projections as one GEMM each (``Decoder.fuse_projections``:
-    the weights become row slices of one tensor per group, under the same names, so weight updates
-    and policy syncs still write them in place) instead of five GEMMs: fewer kernels per decode
-    step, which bounds a small model's decode. Applied to the engine's model once, at construction,
-    on any device (TP engines fuse their local shards); False unfuses a model fused before (the
-    model belongs to the engine either way). A model without ``fuse_projections`` is run as given."""
-
-    cpu_packed_gemm: bool = True
-    """CPU, fp32: the large inference GEMMs (the fused q/k/v and gate/up groups, o_proj, down_proj and
-    the output projection, every weight of ``cpu_gemm.MIN_ELEMENTS`` elements or more) multiply with a
-    oneDNN-packed copy of their weight (``Decoder.pack_cpu_gemms``) instead of ``F.linear``: measured
-    1.2-1.4x per decode step of a 24M-parameter model at 32 rows on two cores (bench/RESULTS.md),
-    values equal up to fp32 summation order. The copies are re-packed after every weight update and
-    cost the packed weights' memory once more; False keeps ``F.linear`` (and that memory)."""
-
-    cpu_decode_carry: bool = True
-    """CPU, gathered decode attention: pure-decode steps keep each layer's gathered K/V and extend it
-    by the new token instead of gathering it from the pool again (``attention.DecodeCarry``; bit for
-    bit the same attention, up to ``DECODE_CARRY_MAX_BYTES`` of copies). False gathers every step."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "block_size",
-            "max_num_seqs",
-            "max_tokens_per_step",
-            "prefill_chunk_size",
-            "cpu_kv_cache_bytes",
-            "cuda_graph_max_batch",
-        ):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"RolloutEngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.mixed_decode_min_rows is not None and self.mixed_decode_min_rows < 1:
-            raise ValueError(
-                f"RolloutEngineConfig.mixed_decode_min_rows must be >= 1 or None, got {self.mixed_decode_min_rows}"
-            )
-        if self.decode_steps is not None and self.decode_steps <= 0:
-            raise ValueError(f"RolloutEngineConfig.decode_steps must be > 0 or None, got {self.decode_steps}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"RolloutEngineConfig.num_blocks must be > 0 or None, got {self.num_blocks}")
-        if not 0 < self.kv_memory_fraction <= 1:
-            raise ValueError(f"RolloutEngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ValueError(f"RolloutEngineConfig.max_model_len must be > 1, got {self.max_model_len}")
-        if self.decode_attention not in ("auto", *DECODE_ATTENTION):
-            raise ValueError(
-                f"RolloutEngineConfig.decode_attention must be one of {['auto', *DECODE_ATTENTION]}, "
-                f"got {self.decode_attention!r}"
-            )
-        for name in ("fused_projections", "cpu_packed_gemm", "cpu_decode_carry"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RolloutEngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"RolloutEngineConfig.dtype must be one of {sorted(_DTYPES)} or None, got {self.dtype!r}")
-
-
-def resolve_decode_attention(choice: str, device: torch.device) -> str:
-    """``"auto"`` -> ``"paged"`` on CUDA when Triton is importable, else ``"gather"``; other values as given."""
-    if choice != "auto":
-        return choice
-    from areno.rollout.paged_decode import triton_available
-
-    return "paged" if device.type == "cuda" and triton_available() else "gather"
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

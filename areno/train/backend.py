@@ -31,7 +31,6 @@ from areno.train.config import TrainBackendConfig
 from areno.train.lora import adapter_named_weights, apply_lora, merged_named_weights, save_adapter
 from areno.train.offload import StorageOffloader, collect_tensors
 from areno.train.optim import (
-    DEFAULT_MAX_CONSECUTIVE_SKIPS,
     NonFiniteStepError,
     build_optimizer,
     build_scheduler,
@@ -50,20 +49,6 @@ from areno.train.packing import (
 from areno.types import TokenBatch, host_to_device
 
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
-HOST_OPTIMIZATIONS: frozenset[str] = frozenset({"one_fsdp_group", "local_shards", "fsdp_flags", "micro_batch_setup"})
-"""Names of the host-side (CPU) optimisations of ``train_step``, each on by default; a backend's
-``host_optimizations`` picks a subset (``bench/train_host.py`` measures them against none):
-
-- ``one_fsdp_group``: on a mesh of one rank, one FSDP2 group for the whole model instead of one
-  per decoder layer (no per-layer hooks at every micro-batch; ``parallelize``);
-- ``local_shards``: AdamW and the grad-norm / clipping run foreach kernels on the DTensors' local
-  shards (no DTensor dispatch; ``optim.LocalShardAdamW``, ``optim.global_grad_norm``);
-- ``fsdp_flags``: FSDP's gradient-sync / reshard flags are set only when they change, on the
-  FSDP modules directly (not a walk over every module at every micro-batch); mesh sizes read
-  once; the all-reduce of the step's metrics is skipped on one rank;
-- ``micro_batch_setup``: every micro-batch is selected from the batch once (the denominator
-  and the loop used to select them twice) and the losses / metrics come back in one host read.
-"""
 # Files copied from the source model directory into an HF export (tokenizer and friends).
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -114,15 +99,6 @@ class PackedTrainBackend(TrainBackend):
     _step: int
     _skipped_steps: int
     _consecutive_skips: int
-    # guard (set by the owner after construction; see NonFiniteStepError)
-    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
-    """Raise ``NonFiniteStepError`` when this many optimizer steps in a row were skipped for a
-    non-finite loss or grad norm (0 never raises). ``train.max_consecutive_skips`` of a run."""
-    role_name: str = ""
-    """The model role this backend trains, named in the guard's error (set by its owner)."""
-    host_optimizations: frozenset[str] = HOST_OPTIMIZATIONS
-    """Which of ``HOST_OPTIMIZATIONS`` run (all by default; a bench turns them off to compare).
-    None changes numerics: losses, gradients and updates are identical with and without them."""
 
     def __init__(self, cfg: TrainBackendConfig) -> None:
         self.cfg = cfg
@@ -192,6 +168,9 @@ class PackedTrainBackend(TrainBackend):
         model, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
         if wrap_model is not None:
             model = wrap_model(model)
+        for module in model.modules():  # wrappers (value heads, LoRA) hold the decoder inside
+            if isinstance(module, Decoder):
+                module.cuda_attention = cfg.attention
         if cfg.lora is not None:
             if cfg.tp_size > 1:
                 raise ValueError("LoRA with tp_size > 1 is not supported; set tp_size=1 or lora=None")
@@ -201,9 +180,7 @@ class PackedTrainBackend(TrainBackend):
         model.train()
         self.model = self._parallelize(model)
         if cfg.trainable:
-            self.optimizer = build_optimizer(
-                self.model.parameters(), cfg, self.device.type, local_shards="local_shards" in self.host_optimizations
-            )
+            self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device.type)
             self.scheduler = build_scheduler(self.optimizer, cfg)
         self.max_tokens_per_mb = cfg.max_tokens_per_mb or self._default_tokens_per_mb()
         self._initialized = True
@@ -257,16 +234,46 @@ class PackedTrainBackend(TrainBackend):
         full_tokens = batch.num_tokens
         batch, _ = self._fit_long_sequences(batch)
         plan = self.plan(batch)
-        opts = self.host_optimizations
-        local_selected = None
-        if "micro_batch_setup" in opts:  # select every micro-batch once, for the denominator and the loop
-            selected = [[batch.select(idx) if idx else None for idx in rank] for rank in plan.per_rank]
-            denominator = sum(float(denominator_fn(mb)) for rank in selected for mb in rank if mb is not None)
-            local_selected = selected[self._dp_rank]
-            del selected
-        else:
-            denominator = sum(float(denominator_fn(batch.select(idx))) for idx in plan.all_micro_batches())
-        reducer = Reducer(denominator)
+        # every micro-batch selected once, for the global denominator and for this rank's loop
+        selected = [[batch.select(idx) if idx else None for idx in rank] for rank in plan.per_rank]
+        reducer = Reducer(sum(float(denominator_fn(mb)) for rank in selected for mb in rank if mb is not None))
+        local_selected = selected[self._dp_rank]
+        del selected  # the other ranks' micro-batches
+        loss_sum, tokens, metric_sums = self._accumulate_gradients(
+            batch, plan, local_selected, forward_fn=forward_fn, loss_fn=loss_fn, reducer=reducer
+        )
+        keys = sorted(metric_sums)
+        stats = torch.tensor([loss_sum, tokens] + [metric_sums[k] for k in keys], dtype=torch.float64)
+        stats = self._all_reduce_sum(stats)
+        loss = float(stats[0])
+        grad_norm, lr = self._optimizer_step(loss)
+        out = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped_steps": float(self._skipped_steps),
+            "consecutive_skips": float(self._consecutive_skips),
+            "tokens": float(stats[1]),
+            "mbs": float(plan.n_mbs),
+            "truncated_tokens": float(full_tokens - batch.num_tokens),
+            "step": float(self._step),
+            "loss_denominator": reducer.global_denominator,
+        }
+        out.update({k: float(v) for k, v in zip(keys, stats[2:].tolist())})
+        return out
+
+    def _accumulate_gradients(
+        self,
+        batch: TokenBatch,
+        plan: MicroBatchPlan,
+        selected: list[TokenBatch | None],
+        *,
+        forward_fn: ForwardFn,
+        loss_fn: LossFn,
+        reducer: Reducer,
+    ) -> tuple[float, int, dict[str, float]]:
+        """Forward and backward of this rank's micro-batches (``selected``: already selected on the
+        host); returns this rank's loss sum, trained tokens and metric sums."""
         self.model.train()
         loss_scale = self._loss_scale()
         # Losses and metrics stay on the device until every micro-batch is queued: no host sync
@@ -275,7 +282,7 @@ class PackedTrainBackend(TrainBackend):
         metric_parts: dict[str, list[Any]] = {}
         tokens = 0
         n_local = len(plan.per_rank[self._dp_rank])
-        for i, (seq_idx, mb) in enumerate(self._micro_batches(batch, plan, local_selected)):
+        for i, (seq_idx, mb) in enumerate(self._micro_batches(batch, plan, selected)):
             with span("micro_batch", "train", tokens=mb.num_tokens), self._autocast():
                 output = forward_fn(self.model, mb)
                 loss, metrics = loss_fn(output, mb, reducer)
@@ -289,29 +296,25 @@ class PackedTrainBackend(TrainBackend):
             tokens += mb.num_tokens if seq_idx else 0
             for key, value in metrics.items():
                 metric_parts.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
-        if "micro_batch_setup" in opts:  # one host read (per device and dtype) instead of one per value
-            keys = list(metric_parts)
-            flat = host_floats(loss_parts + [v for key in keys for v in metric_parts[key]])
-            loss_values, at = flat[: len(loss_parts)], len(loss_parts)
-            for key in keys:
-                metric_parts[key], at = flat[at : at + len(metric_parts[key])], at + len(metric_parts[key])
-        else:
-            loss_values = loss_parts
+        # one host read (per device and dtype) for every loss and metric value
+        keys = list(metric_parts)
+        flat = host_floats(loss_parts + [v for key in keys for v in metric_parts[key]])
         loss_sum = 0.0
-        for part in loss_values:  # float64 sums in micro-batch order (the first float() waits for the GPU)
-            loss_sum += float(part)
-        metric_sums = {key: sum(float(v) for v in values) for key, values in metric_parts.items()}
-        keys = sorted(metric_sums)
-        stats = torch.tensor([loss_sum, tokens] + [metric_sums[k] for k in keys], dtype=torch.float64)
-        stats = self._all_reduce_sum(stats)
+        for part in flat[: len(loss_parts)]:  # float64 sums in micro-batch order
+            loss_sum += part
+        metric_sums, at = {}, len(loss_parts)
+        for key in keys:
+            metric_sums[key], at = sum(flat[at : at + len(metric_parts[key])]), at + len(metric_parts[key])
+        return loss_sum, tokens, metric_sums
 
-        grad_norm, grad_groups = global_grad_norm(
-            self.model.parameters(), local_shards="local_shards" in self.host_optimizations
-        )
+    def _optimizer_step(self, loss: float) -> tuple[float, float]:
+        """Clip and step, or skip a step whose (all-reduced) loss or global grad norm is not finite;
+        raises ``NonFiniteStepError`` after ``max_consecutive_skips`` skips in a row. Returns the
+        grad norm and the learning rate applied (0 when skipped)."""
+        grad_norm, grad_groups = global_grad_norm(self.model.parameters())
         # The loss is all-reduced and the norm global, so every rank takes the same decision.
-        loss_finite = math.isfinite(float(stats[0]))
-        if loss_finite and math.isfinite(grad_norm):
-            if self.cfg.grad_clip is not None:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            if self.cfg.grad_clip:
                 clip_grads(grad_groups, grad_norm, self.cfg.grad_clip)
             lr = self.scheduler.get_last_lr()[0]
             with span("optimizer_step", "train"):
@@ -324,28 +327,15 @@ class PackedTrainBackend(TrainBackend):
             self._consecutive_skips += 1
         self.optimizer.zero_grad(set_to_none=True)
         self._step += 1
-        if 0 < self.max_consecutive_skips <= self._consecutive_skips:
+        if 0 < self.cfg.max_consecutive_skips <= self._consecutive_skips:
             raise NonFiniteStepError(
-                role=self.role_name,
+                role=self.cfg.role_name,
                 step=self._step,
                 consecutive=self._consecutive_skips,
-                loss=float(stats[0]),
+                loss=loss,
                 grad_norm=grad_norm,
             )
-        out = {
-            "loss": float(stats[0]),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "skipped_steps": float(self._skipped_steps),
-            "consecutive_skips": float(self._consecutive_skips),
-            "tokens": float(stats[1]),
-            "mbs": float(plan.n_mbs),
-            "truncated_tokens": float(full_tokens - batch.num_tokens),
-            "step": float(self._step),
-            "loss_denominator": reducer.global_denominator,
-        }
-        out.update({k: float(v) for k, v in zip(keys, stats[2:].tolist())})
-        return out
+        return grad_norm, lr
 
     @torch.no_grad()
     def forward_only(self, batch: TokenBatch, *, forward_fn: ForwardFn) -> dict[str, torch.Tensor]:

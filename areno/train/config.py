@@ -1,18 +1,31 @@
-"""Configuration of the training backend (one per model role)."""
+"""Configuration of the training backend (one per model role), defined once.
+
+The run's sections extend the parts a user sets: ``OptimConfig`` is the user's ``optim`` section,
+``TrainStepConfig`` the backend part of ``train`` and ``PrecisionConfig`` the training part of
+``model``; ``TrainBackendConfig`` composes them with what the backend's owner decides (parallelism,
+LoRA, the role). Each field has one default and one check; a bad value raises ``ConfigError``
+naming the key.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-_DTYPES = ("float32", "bfloat16")
-_SCHEDULES = ("constant", "linear_warmup", "cosine")
+from areno.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("constant", "linear_warmup", "cosine")
 COMPILE_SCOPES = ("layers", "model")
 """``compile_scope`` values: each decoder layer, or the whole layer stack as one graph."""
-_LONG_SEQUENCES = ("error", "truncate")
+LONG_SEQUENCES = ("error", "truncate")
+ATTENTIONS = ("auto", "flex", "varlen")
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
 
 
 @dataclass(kw_only=True)
@@ -39,54 +52,124 @@ class LoraConfig:
 
 
 @dataclass(kw_only=True)
-class TrainBackendConfig:
-    """Everything the training backend of one model role needs: optimizer, schedule,
-    micro-batching, precision, parallelism, LoRA. Validated at construction."""
+class OptimConfig:
+    """AdamW and its learning-rate schedule (the user's ``optim`` section)."""
 
     lr: float = 1e-5
-    """Peak learning rate of AdamW (>= 0)."""
+    """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
-    """Decoupled AdamW weight decay (>= 0)."""
+    """Decoupled AdamW weight decay."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient L2 norm to this value; 0 or null disables clipping (the norm is still
+    reported)."""
+    schedule: str = "constant"
+    """``constant``, ``linear_warmup`` (linear from 0 to lr over warmup_steps, then constant) or
+    ``cosine`` (linear warm-up, then cosine decay to min_lr_ratio * lr at total_steps)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up; used by linear_warmup and cosine."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(
+            self.grad_clip is None or self.grad_clip >= 0,
+            "optim.grad_clip",
+            f"must be >= 0 (0 disables), got {self.grad_clip}",
+        )
+        _check(self.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass(kw_only=True)
+class TrainStepConfig:
+    """How a training backend runs its steps: micro-batching, compile, attention, seed and the
+    non-finite guard (the backend's part of the user's ``train`` section)."""
+
+    max_tokens_per_mb: int | None = None
+    """Token budget of one packed micro-batch. null: on CUDA, a memory estimate from the model shape
+    and free device memory; on CPU, 4096."""
+    long_sequences: str = "error"
+    """A sequence longer than ``max_tokens_per_mb``: ``error`` (one line naming its length and the
+    budget) or ``truncate`` (its first ``max_tokens_per_mb`` tokens are trained on, the tail leaves
+    the loss and is counted as ``truncated_tokens``; forward-only outputs are 0 there). Splitting one
+    sequence over micro-batches is not offered: the later part would have to attend to the earlier
+    part's keys/values across backward passes (context parallelism), and per-sequence losses
+    (sequence means, GSPO ratios, DPO sums) do not decompose over parts."""
+    compile: bool = False
+    """``torch.compile`` the decoder (see ``compile_scope``) and the fused log-prob kernels; the first
+    step pays the compilation."""
+    compile_scope: str = "layers"
+    """What ``compile`` compiles: ``layers`` (each decoder layer; one graph shared by all) or
+    ``model`` (the whole layer stack as one graph: fewer host calls per micro-batch, a longer first
+    step)."""
+    attention: str = "auto"
+    """CUDA attention of the training forwards over packed sequences: ``varlen`` (torch's
+    variable-length flash kernel, nothing to compile), ``flex`` (FlexAttention with a document mask,
+    compiled at the first step, which can take minutes on a GPU) or ``auto`` (varlen; flex for fp32
+    inputs, head dims flash lacks or a torch without varlen). CPU forwards pick their SDPA variant
+    either way (``areno.models.decoder.PackedCausalAttention``)."""
+    seed: int = 0
+    """Seed of the run: model initialisation, the torch / python RNGs of every training rank, the
+    rollouts' sampling seeds."""
+    max_consecutive_skips: int = 5
+    """Stop with a one-line error (``NonFiniteStepError``) after this many optimizer steps in a row
+    were skipped for a non-finite loss or grad norm; 0 never stops (skips are still counted)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0,
+            "train.max_tokens_per_mb",
+            f"must be > 0 or null, got {self.max_tokens_per_mb}",
+        )
+        _check(
+            self.long_sequences in LONG_SEQUENCES,
+            "train.long_sequences",
+            f"must be error or truncate, got {self.long_sequences!r}",
+        )
+        _check(
+            self.compile_scope in COMPILE_SCOPES,
+            "train.compile_scope",
+            f"must be layers or model, got {self.compile_scope!r}",
+        )
+        _check(self.attention in ATTENTIONS, "train.attention", f"must be auto, flex or varlen, got {self.attention!r}")
+        _check(
+            self.max_consecutive_skips >= 0,
+            "train.max_consecutive_skips",
+            f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}",
+        )
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """The training weights' dtype (the training part of the user's ``model`` section)."""
+
+    dtype: str = "float32"
+    """Master weights, gradient reductions and optimizer state of training: ``float32`` or
+    ``bfloat16`` (GPU forwards compute in bfloat16 either way: ``param_dtype``)."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+
+
+@dataclass(kw_only=True)
+class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
+    """Everything the training backend of one model role needs: the user's settings (``optim``,
+    ``train``, ``model.dtype``) and what the backend's owner decides (schedule length, AdamW
+    constants, compute dtype, parallelism, LoRA, the role). Validated at construction."""
+
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW (beta1, beta2), each in [0, 1)."""
     eps: float = 1e-8
     """AdamW epsilon (> 0)."""
-    grad_clip: float | None = 1.0
-    """Clip the global gradient L2 norm to this value; None disables clipping (the norm is still
-    reported)."""
-    lr_schedule: str = "constant"
-    """``constant``, ``linear_warmup`` (linear from 0 to lr over warmup_steps, then constant) or
-    ``cosine`` (linear warmup, then cosine decay to min_lr_ratio * lr at total_steps)."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warm-up (>= 0); used by linear_warmup and cosine."""
     total_steps: int | None = None
-    """Optimizer steps of the whole run; required by ``cosine``."""
+    """Optimizer steps of the whole run; required by ``cosine`` (a run: ``total_optimizer_steps``)."""
     min_lr_ratio: float = 0.0
     """Final learning rate of the cosine schedule as a fraction of lr, in [0, 1]."""
-    max_tokens_per_mb: int | None = None
-    """Token budget of one packed micro-batch. None: on CUDA, a memory estimate from the model
-    shape and free device memory; on CPU, 4096."""
-    long_sequences: str = "error"
-    """What a sequence longer than ``max_tokens_per_mb`` does: ``error`` (a ValueError naming its
-    length and the budget) or ``truncate`` (its first ``max_tokens_per_mb`` tokens are trained on,
-    the tail is dropped from the loss and counted in ``truncated_tokens``; forward-only outputs
-    are 0 there). Splitting one sequence over micro-batches is not offered: the later part would
-    have to attend to the earlier part's keys/values across backward passes (context
-    parallelism), and per-sequence losses (sequence means, GSPO ratios, DPO sums) do not
-    decompose over parts."""
-    dtype: str = "float32"
-    """Master weights, gradients reductions and optimizer state: ``float32`` or ``bfloat16``."""
     param_dtype: str | None = None
     """Compute dtype of forward/backward: ``float32`` or ``bfloat16``. None: bfloat16 on CUDA,
     float32 on CPU."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (saves memory, costs ~1/3 compute)."""
-    compile: bool = False
-    """``torch.compile`` the decoder (see ``compile_scope``)."""
-    compile_scope: str = "layers"
-    """What ``compile`` compiles: ``layers`` (each decoder layer; one graph shared by all) or
-    ``model`` (the whole layer stack as one graph: fewer host calls per micro-batch, longer first
-    compile)."""
     collective_timeout_s: float = 1800.0
     """Timeout of the process group this backend creates itself (torchrun launches): a rank that
     stalls longer fails the collective with an error instead of hanging the job."""
@@ -101,8 +184,8 @@ class TrainBackendConfig:
     trainable: bool = True
     """False for frozen roles (reference, reward): no optimizer state is allocated and train_step
     raises."""
-    seed: int = 0
-    """Seed of torch / python RNGs on every rank."""
+    role_name: str = ""
+    """The model role this backend trains, named in its errors (``NonFiniteStepError``)."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs/entropy from hidden states."""
     tp_vocab_parallel: bool = True
@@ -114,39 +197,24 @@ class TrainBackendConfig:
     """``cpu`` or ``cuda``; None picks cuda when available."""
 
     def __post_init__(self) -> None:
+        OptimConfig.__post_init__(self)
+        TrainStepConfig.__post_init__(self)
+        PrecisionConfig.__post_init__(self)
         if isinstance(self.lora, dict):
             self.lora = LoraConfig(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
-        if self.lr < 0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two values in [0, 1), got {self.betas}")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
-        if self.compile_scope not in COMPILE_SCOPES:
-            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
-        if self.lr_schedule not in _SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {_SCHEDULES}, got {self.lr_schedule!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= 0):
-            raise ValueError("lr_schedule='cosine' needs total_steps > 0 (set total_steps)")
+        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= 0):
+            raise ValueError("schedule='cosine' needs total_steps > 0 (set total_steps)")
         if self.total_steps is not None and self.total_steps < self.warmup_steps:
             raise ValueError(f"total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps})")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.max_tokens_per_mb is not None and self.max_tokens_per_mb <= 0:
-            raise ValueError(f"max_tokens_per_mb must be > 0 or None, got {self.max_tokens_per_mb}")
-        if self.long_sequences not in _LONG_SEQUENCES:
-            raise ValueError(f"long_sequences must be one of {_LONG_SEQUENCES}, got {self.long_sequences!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.param_dtype is not None and self.param_dtype not in _DTYPES:
-            raise ValueError(f"param_dtype must be one of {_DTYPES} or None, got {self.param_dtype!r}")
+        if self.param_dtype is not None and self.param_dtype not in DTYPES:
+            raise ValueError(f"param_dtype must be one of {DTYPES} or None, got {self.param_dtype!r}")
         if self.dp_shard_size == 0 or self.dp_shard_size < -1:
             raise ValueError(f"dp_shard_size must be -1 (auto) or >= 1, got {self.dp_shard_size}")
         if self.dp_replicate_size < 1:
@@ -161,8 +229,6 @@ class TrainBackendConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
 
     def resolved_device(self) -> str:
-        import torch
-
         if self.device is not None:
             if self.device == "cuda" and not torch.cuda.is_available():
                 raise ValueError("device='cuda' but CUDA is not available; set device='cpu'")
@@ -171,14 +237,10 @@ class TrainBackendConfig:
 
     def torch_dtype(self) -> torch.dtype:
         """Master-weight dtype as a torch dtype."""
-        import torch
-
         return getattr(torch, self.dtype)
 
     def torch_param_dtype(self, device: str) -> torch.dtype:
         """Compute dtype as a torch dtype (see ``param_dtype``)."""
-        import torch
-
         return getattr(torch, self.resolved_param_dtype(device))
 
     def resolved_param_dtype(self, device: str) -> str:

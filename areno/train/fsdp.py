@@ -96,14 +96,7 @@ class FSDP2TrainBackend(PackedTrainBackend):
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         compute = self.cfg.torch_param_dtype(self.device.type)
-        model = parallelize(
-            model,
-            self.mesh,
-            self.cfg,
-            param_dtype=compute,
-            reduce_dtype=self.cfg.torch_dtype(),
-            one_group="one_fsdp_group" in self.host_optimizations,
-        )
+        model = parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=self.cfg.torch_dtype())
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         return model
 
@@ -116,9 +109,7 @@ class FSDP2TrainBackend(PackedTrainBackend):
     @property
     def _unsharded(self) -> bool:
         """No parameter sharding (one data-parallel shard: one rank, or replication only)."""
-        if "fsdp_flags" in self.host_optimizations:
-            return self._shard_size == 1
-        return self.mesh["dp_shard"].size() == 1
+        return self._shard_size == 1
 
     def _before_backward(self, last: bool) -> None:
         # Unsharded, the accumulated gradient is full-size either way, so micro-batches before the
@@ -126,12 +117,9 @@ class FSDP2TrainBackend(PackedTrainBackend):
         # compute-dtype weights stay gathered until the last backward frees them (the optimizer
         # then updates the master and the next forward casts afresh). Sharded, every micro-batch
         # reduce-scatters (keeping only a shard of the gradient) and reshards.
-        if not self._unsharded:
-            return
-        if "fsdp_flags" not in self.host_optimizations:
-            self.model.set_requires_gradient_sync(last)
-            self.model.set_reshard_after_backward(last)
-        elif self._grad_sync != last:  # flags change twice a step, not at every micro-batch
+        # The flags are set on the FSDP modules directly (not a walk over every module) and only
+        # when they change: twice a step, not at every micro-batch.
+        if self._unsharded and self._grad_sync != last:
             for module in self._fsdp_modules:
                 module.set_requires_gradient_sync(last, recurse=False)
                 module.set_reshard_after_backward(last, recurse=False)
@@ -142,7 +130,7 @@ class FSDP2TrainBackend(PackedTrainBackend):
         return dist.get_rank(self._group) == 0
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._world_size == 1 and "fsdp_flags" in self.host_optimizations:
+        if self._world_size == 1:
             return tensor  # the sum over one rank (and tp = 1): no device round trip
         # Over the whole world, then divided by tp: the TP ranks of one DP rank hold equal values.
         backend_device = self.device if dist.get_backend(self._group) == "nccl" else torch.device("cpu")

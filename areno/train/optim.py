@@ -13,9 +13,6 @@ from torch.distributed.tensor import DTensor
 
 from areno.train.config import TrainBackendConfig
 
-DEFAULT_MAX_CONSECUTIVE_SKIPS = 5
-"""Consecutive skipped (non-finite) optimizer steps after which a run stops (``train.max_consecutive_skips``)."""
-
 
 class NonFiniteStepError(ValueError):
     """Too many optimizer steps in a row had a non-finite loss or grad norm and were skipped.
@@ -56,16 +53,14 @@ class LocalShardAdamW(torch.optim.AdamW):
         return has_complex
 
 
-def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: TrainBackendConfig, device: str, *, local_shards: bool = False
-) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters: fused kernel on CUDA, foreach on CPU.
-    ``local_shards``: a ``LocalShardAdamW`` (same values, less host time on DTensor parameters)."""
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainBackendConfig, device: str) -> LocalShardAdamW:
+    """AdamW over the trainable parameters (on DTensors' local shards: ``LocalShardAdamW``): fused
+    kernel on CUDA, foreach on CPU."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters: set trainable=False for a frozen role")
     fused = device == "cuda"
-    return (LocalShardAdamW if local_shards else torch.optim.AdamW)(
+    return LocalShardAdamW(
         params,
         lr=cfg.lr,
         betas=cfg.betas,
@@ -83,11 +78,11 @@ def lr_factor(step: int, cfg: TrainBackendConfig) -> float:
     ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with progress from 0 at the end of warm-up to 1
     at total_steps (held at the minimum afterwards).
     """
-    if cfg.lr_schedule == "constant":
+    if cfg.schedule == "constant":
         return 1.0
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "linear_warmup":
+    if cfg.schedule == "linear_warmup":
         return 1.0
     assert cfg.total_steps is not None
     decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
@@ -108,39 +103,22 @@ def _group_key(grad: torch.Tensor) -> tuple:
     return (None, None, grad.device.type)
 
 
-def global_grad_norm(
-    params: Iterable[torch.nn.Parameter], *, local_shards: bool = False
-) -> tuple[float, list[list[torch.Tensor]]]:
-    """L2 norm of all gradients (full, unsharded) and the gradients grouped for foreach ops.
+def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> tuple[float, list[list[torch.Tensor]]]:
+    """L2 norm of all gradients (full, unsharded) and the gradients' local shards grouped for
+    foreach ops (``clip_grads`` then scales them without DTensor dispatch).
 
     Gradients on different device meshes (FSDP-only vs FSDP x TP parameters) cannot share one
-    foreach kernel, so the norm is taken per group, each DTensor group's norm reduced over its mesh.
-
-    ``local_shards``: the norm of each group's local shards (plain foreach kernels, no DTensor
-    dispatch), squared and summed over the mesh dimensions the group is sharded on (replicated
-    dimensions hold copies); the returned groups are the local shards, so ``clip_grads`` scales
-    them without DTensor dispatch too. One host read for all groups. On one rank the value is the
-    same as without it.
+    foreach kernel, so the norm is taken per group: the norm of the group's local shards (plain
+    foreach kernels, no DTensor dispatch), squared and summed over the mesh dimensions the group is
+    sharded on (replicated dimensions hold copies). One host read for all groups.
     """
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             groups.setdefault(_group_key(p.grad), []).append(p.grad)
-    if local_shards:
-        return _local_shard_grad_norm(list(groups.values()))
-    total_sq = 0.0
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq += float(norm.float()) ** 2
-    return math.sqrt(total_sq), list(groups.values())
-
-
-def _local_shard_grad_norm(groups: list[list[torch.Tensor]]) -> tuple[float, list[list[torch.Tensor]]]:
-    local_groups = [[g._local_tensor if isinstance(g, DTensor) else g for g in grads] for grads in groups]
+    local_groups = [[g._local_tensor if isinstance(g, DTensor) else g for g in grads] for grads in groups.values()]
     norms = []
-    for grads, local in zip(groups, local_groups):
+    for grads, local in zip(groups.values(), local_groups):
         norm = torch.nn.utils.get_total_norm(local, norm_type=2.0)
         first = grads[0]
         if isinstance(first, DTensor):

@@ -19,7 +19,7 @@ FSDP2 — in that fixed order (as torchtitan does), each step optional:
    master weights, gradients reductions and optimizer state stay in the master dtype (fp32).
    The root keeps its parameters unsharded after forward (FSDP2's default for the root), so the
    LM head / tied embedding can be used outside ``forward`` by the chunked log-prob code.
-   On a mesh of one rank (``one_group``) the whole model is one FSDP group instead: per-layer
+   On a mesh of one rank the whole model is one FSDP group instead: per-layer
    groups exist to overlap each layer's gathers / reductions with compute and to free a layer's
    gathered weights early, neither of which one rank has, while every layer's hooks (gather,
    input casts, post-backward accumulation, reduction) cost host time per micro-batch. Numerics
@@ -34,9 +34,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 import areno.train.vocab_parallel  # noqa: F401  (routes DTensor LM heads to the vocab-parallel log-probs)
+from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 from areno.train.config import COMPILE_SCOPES, TrainBackendConfig
 
 
@@ -62,10 +64,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = Tr
     projection directly, and ``areno.train.vocab_parallel`` computes the log-softmax with a
     distributed log-sum-exp over the shards. A tied head is the (replicated) embedding.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
-
     cfg = model.config
     tp = tp_mesh.size()
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -149,14 +147,12 @@ def parallelize(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
-    one_group: bool = False,
 ) -> nn.Module:
     """Apply TP, activation checkpointing, compile and FSDP2 in that order; returns ``model``.
 
     ``mesh``: None for one process (checkpointing and compile only), else a mesh with dimensions
     ("dp_replicate", "dp_shard", "tp"); FSDP shards over dp_shard and replicates over
-    dp_replicate (HSDP when that is > 1). ``one_group``: one FSDP group for the whole model when
-    the mesh has one rank (ignored otherwise).
+    dp_replicate (HSDP when that is > 1); a mesh of one rank gets one FSDP group for the whole model.
     """
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], vocab_parallel=cfg.tp_vocab_parallel)
@@ -172,6 +168,6 @@ def parallelize(
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             sharded=mesh["dp_shard"].size() > 1,
-            one_group=one_group and mesh.size() == 1,
+            one_group=mesh.size() == 1,
         )
     return model

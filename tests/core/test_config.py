@@ -21,7 +21,7 @@ def test_defaults_and_overrides(tmp_path):
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["optim.lrr=1"], "optim.lrr: Key 'lrr' not in 'OptimSection'. Did you mean: 'lr'?"),
+        (["optim.lrr=1"], "optim.lrr: Key 'lrr' not in 'OptimConfig'. Did you mean: 'lr'?"),
         (["optim.lr=abc"], "optim.lr"),
         (["optim.lr=-1"], "optim.lr: must be > 0"),
         (["rollout.top_p=1.5"], "rollout.top_p: must be in (0, 1]"),

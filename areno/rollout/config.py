@@ -1,0 +1,217 @@
+"""The rollout engine's configuration, defined once.
+
+``RolloutEngineSettings`` holds every engine setting a user tunes; the run's ``rollout`` section
+(``areno.engine.config.RolloutSection``) extends it, so each of them is the user's
+``rollout.<field>`` with this default and this validation. ``RolloutEngineConfig`` adds what the
+engine's owner decides (a run, a server, a bench or a test): where the engine runs, its pool size,
+its seed and internal switches. Invalid values raise ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from areno.errors import ConfigError
+from areno.rollout.attention import DECODE_ATTENTION
+from areno.rollout.paged_decode import triton_available
+
+STANDALONE_MAX_NUM_SEQS = 256
+"""The running batch of an engine whose owner leaves ``max_num_seqs`` at 0 (a run sizes it itself)."""
+KV_DTYPES = ("float32", "bfloat16", "float16")
+_BOOLEANS = (
+    "enable_prefix_sharing",
+    "recompute_kv_on_weight_update",
+    "cuda_graphs",
+    "fused_kernels",
+    "fused_projections",
+    "cpu_packed_gemm",
+)
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass(kw_only=True)
+class RolloutEngineSettings:
+    """How the rollout engine lays out its KV cache, batches requests and runs its steps."""
+
+    kv_memory_fraction: float = 0.8
+    """CUDA: fraction of the device memory free when the engine starts that an automatically sized
+    KV pool takes."""
+    cpu_kv_cache_bytes: int = 1 << 29
+    """CPU: bytes of an automatically sized KV pool."""
+    max_num_seqs: int = 0
+    """Most sequences the engine decodes at once (its running batch; CUDA graphs are captured up to
+    this size). 0: a run takes its sequences in flight, min(max_concurrent, batch_size x (eta + 1)) x
+    n_samples, at least 256 and at most 1024 (an asynchronous run keeps several batches in flight,
+    and a decode step of a small model costs about the same for twice the rows); an engine built
+    alone takes ``STANDALONE_MAX_NUM_SEQS``."""
+    max_tokens_per_step: int = 4096
+    """Token budget of one forward pass (decode tokens + prefill chunk tokens)."""
+    prefill_chunk_size: int = 1024
+    """Most prompt tokens of one sequence prefilled in one step (chunked prefill)."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); null: the model's ``max_position_embeddings``."""
+    enable_prefix_sharing: bool = True
+    """Share full KV blocks of identical prefixes between requests (GRPO groups, multi-turn)."""
+    recompute_kv_on_weight_update: bool = False
+    """After a weight update (a policy sync), recompute the K/V of in-flight requests under the new
+    weights (their tokens are kept; every later token is sampled exactly from the new policy). False
+    keeps the old K/V: the context of a request interrupted by a sync stays encoded by the previous
+    policy, and the decoupled loss's behaviour log-probs record what was sampled either way.
+    Synchronous runs (eta = 0) have nothing in flight at a sync; in asynchronous ones recomputing
+    costs a large share of the trained tokens/s."""
+    cuda_graphs: bool = True
+    """CUDA: replay pure-decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false
+    runs every decode step eagerly, which is slower (the host launches every kernel)."""
+    cuda_graph_max_batch: int | None = None
+    """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, then multiples
+    of 8, 32 and 64; ``cuda_graph.padded_batch_size``); larger batches decode eagerly. null:
+    ``max_num_seqs``."""
+    decode_steps: int = 0
+    """Decode steps a pure-decode batch runs back to back on the device per host round trip: tokens
+    are sampled, fed back and checked for stop ids / length on the device, and copied to the host
+    once at the end (tokens past a request's end are discarded; requests join at the next round
+    trip, so with requests waiting for a slot a batch of fewer than ``WAITING_CLAMP_MAX_ROWS`` rows
+    caps k by its shortest remaining length). The per-step host cost (scheduling, block tables,
+    output bookkeeping) is divided by k. 0: 8 on CUDA, 1 elsewhere (where host overhead is small
+    next to the forward pass). 1 returns to the host after every token."""
+    mixed_decode_min_rows: int | None = 32
+    """With ``decode_steps`` k > 2, a mixed step (prefill chunks of newly admitted requests beside
+    decoding rows; graph-less) in which at least this many rows sample, every scheduled sequence
+    samples (no prompt left half prefilled) and no waiting request could take a free slot, is
+    followed in the same round trip by k - 1 decode steps of those rows (a k - 1 step loop graph):
+    such a round trip gives each row k tokens, as a pure-decode one does, instead of 1. In an
+    asynchronous run requests arrive all the time, so most round trips are mixed; with k tokens per
+    round trip either way, rows that end together stay together and their replacements arrive
+    together. Tokens are those of the one-step engine for greedy and seeded rows; requests that
+    arrive meanwhile join at the next round trip. Smaller batches keep one token per mixed step
+    (latency of new requests). null: a mixed step always returns to the host after one token."""
+    decode_attention: str = "auto"
+    """Decode-step attention: ``gather`` copies each sequence's K/V out of the block pool into a
+    dense batch (SDPA on CUDA; two batched matmuls on CPU); ``paged`` reads them straight from the
+    pool (a Triton kernel on CUDA, a chunked online-softmax loop elsewhere; ``paged_decode.py``);
+    ``auto`` is ``paged`` on CUDA with Triton importable and ``gather`` elsewhere (the faster of the
+    two on each). Prefill and mixed steps always gather."""
+    fused_kernels: bool = True
+    """CUDA with Triton: RMSNorm, RoPE and SiLU-and-multiply in this engine's forwards run as one
+    fused kernel each (``areno.models.fused_ops``; same roundings as the eager ops, enabled only after
+    a self-check against them at start-up, a mismatch keeps the eager ops and says why) instead of
+    2-8 eager kernels, which dominate a small model's decode step. Only this engine's steps and graph
+    captures use them (``fused_ops.inference``); no effect on CPU or in training."""
+    fused_projections: bool = True
+    """Run each layer's q/k/v and gate/up projections as one GEMM each (``Decoder.fuse_projections``:
+    the weights become row slices of one tensor per group, under the same names, so weight updates
+    and policy syncs still write them in place) instead of five GEMMs: fewer kernels per decode step,
+    which bounds a small model's decode. Applied to the engine's model once, at construction, on any
+    device (TP engines fuse their local shards); false unfuses a model fused before (the model
+    belongs to the engine either way). A model without ``fuse_projections`` is run as given."""
+    cpu_packed_gemm: bool = True
+    """CPU, fp32: the large inference GEMMs (the fused q/k/v and gate/up groups, o_proj, down_proj and
+    the output projection, every weight of ``cpu_gemm.MIN_ELEMENTS`` elements or more) multiply with
+    a oneDNN-packed copy of their weight (``Decoder.pack_cpu_gemms``) instead of ``F.linear``: faster
+    per decode step, values equal up to fp32 summation order. The copies are re-packed after every
+    weight update and cost the packed weights' memory once more; false keeps ``F.linear`` (and that
+    memory). Ignored on GPU."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_tokens_per_step", "prefill_chunk_size", "cpu_kv_cache_bytes"):
+            _check(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
+        _check(
+            0 < self.kv_memory_fraction <= 1,
+            "rollout.kv_memory_fraction",
+            f"must be in (0, 1], got {self.kv_memory_fraction}",
+        )
+        _check(self.max_num_seqs >= 0, "rollout.max_num_seqs", f"must be >= 0 (0 = automatic), got {self.max_num_seqs}")
+        _check(
+            self.max_model_len is None or self.max_model_len > 1,
+            "rollout.max_model_len",
+            f"must be > 1 or null, got {self.max_model_len}",
+        )
+        _check(
+            self.cuda_graph_max_batch is None or self.cuda_graph_max_batch > 0,
+            "rollout.cuda_graph_max_batch",
+            f"must be > 0 or null, got {self.cuda_graph_max_batch}",
+        )
+        _check(
+            (self.decode_steps or 0) >= 0,  # callers may pass None for the default too
+            "rollout.decode_steps",
+            f"must be >= 0 (0 = engine default), got {self.decode_steps}",
+        )
+        _check(
+            self.mixed_decode_min_rows is None or self.mixed_decode_min_rows >= 1,
+            "rollout.mixed_decode_min_rows",
+            f"must be >= 1 or null (off), got {self.mixed_decode_min_rows}",
+        )
+        _check(
+            self.decode_attention in ("auto", *DECODE_ATTENTION),
+            "rollout.decode_attention",
+            f"must be auto, {', '.join(DECODE_ATTENTION[:-1])} or {DECODE_ATTENTION[-1]}, "
+            f"got {self.decode_attention!r}",
+        )
+        for key in _BOOLEANS:
+            value = getattr(self, key)
+            _check(isinstance(value, bool), f"rollout.{key}", f"must be true or false, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class RolloutEngineConfig(RolloutEngineSettings):
+    """Everything a ``RolloutEngine`` is built with: the settings a user tunes (``rollout.<key>`` of
+    a run) and what the engine's owner decides. ``max_num_seqs`` 0 becomes
+    ``STANDALONE_MAX_NUM_SEQS`` here (a run passes its own)."""
+
+    block_size: int = 16
+    """Tokens per KV block (the unit of allocation and of prefix sharing)."""
+    num_blocks: int | None = None
+    """KV blocks in the pool. None: sized from ``kv_memory_fraction`` on CUDA, from
+    ``cpu_kv_cache_bytes`` on CPU (a run passes ``rollout.kv_blocks`` or its memory budget)."""
+    dtype: str | None = None
+    """KV cache dtype (``KV_DTYPES``). None: the model's parameter dtype."""
+    device: str | None = None
+    """Device of the KV cache. None: the model's device."""
+    seed: int = 0
+    """Seed of the generator shared by requests without their own seed."""
+    cast_weights: bool = True
+    """``update_weights`` accepts floating tensors of another floating dtype and casts them (a bf16
+    engine fed by an fp32 trainer). Non-floating mismatches are always rejected."""
+    cuda_stream: bool = False
+    """CUDA: run the engine's steps on a CUDA stream of its own instead of the default one, so that a
+    trainer in the same process (colocated asynchronous RL) could run its kernels beside the
+    engine's. Weights written on the default stream are waited for after every weight update and
+    wake; ``pause``/``sleep`` wait for the engine's stream. Off: it did not speed up a colocated
+    asynchronous run, whose trainer and engine share one process's host time."""
+    cpu_decode_carry: bool = True
+    """CPU, gathered decode attention: pure-decode steps keep each layer's gathered K/V and extend it
+    by the new token instead of gathering it from the pool again (``attention.DecodeCarry``; bit for
+    bit the same attention, up to ``DECODE_CARRY_MAX_BYTES`` of copies). False gathers every step."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.max_num_seqs = self.max_num_seqs or STANDALONE_MAX_NUM_SEQS
+        _check(self.block_size > 0, "RolloutEngineConfig.block_size", f"must be > 0, got {self.block_size}")
+        _check(
+            self.num_blocks is None or self.num_blocks > 0,
+            "RolloutEngineConfig.num_blocks",
+            f"must be > 0 or None, got {self.num_blocks}",
+        )
+        _check(
+            self.dtype is None or self.dtype in KV_DTYPES,
+            "RolloutEngineConfig.dtype",
+            f"must be one of {KV_DTYPES} or None, got {self.dtype!r}",
+        )
+        _check(
+            isinstance(self.cpu_decode_carry, bool),
+            "RolloutEngineConfig.cpu_decode_carry",
+            f"must be True or False, got {self.cpu_decode_carry!r}",
+        )
+
+
+def resolve_decode_attention(choice: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"paged"`` on CUDA when Triton is importable, else ``"gather"``; other values as given."""
+    if choice != "auto":
+        return choice
+    return "paged" if device.type == "cuda" and triton_available() else "gather"
