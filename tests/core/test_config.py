@@ -1,6 +1,18 @@
+import dataclasses
+import sys
+
 import pytest
 
-from areno.api.config import ArenoConfig, ConfigError, load_config, to_yaml
+from areno.api.config import ArenoConfig, ConfigError, ModelSection, RolloutSection, TrainSection, load_config, to_yaml
+from areno.engine.config import (
+    Dtypes,
+    build_rollout_engine_config,
+    build_train_backend_config,
+    resolve_dtypes,
+    total_optimizer_steps,
+)
+from areno.rollout.config import STANDALONE_MAX_NUM_SEQS, RolloutEngineConfig, RolloutEngineSettings
+from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -80,3 +92,177 @@ def test_demo_config_ships_inside_the_package():
     assert (DEMO_CONFIG.parent / "__init__.py").exists()  # a regular package: packages.find includes it
     pyproject = tomllib.loads((pkg.parent / "pyproject.toml").read_text())
     assert "*.yaml" in pyproject["tool"]["setuptools"]["package-data"]["*"]
+
+
+# ---------------------------------------------------------------------------- one definition per setting
+def _declared_by(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose body declares field ``name``."""
+    return next(c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {}))
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def test_owner_configs_and_sections_share_each_setting_by_inheritance():
+    """A setting of the rollout engine or the training backend that the user sets is declared once,
+    by its owner; the section extends the owner's class, so name, default, docstring and check are
+    the owner's. No field name of an owner config is declared again by the sections it is built from."""
+    pairs = [
+        (RolloutEngineConfig, [RolloutSection]),
+        (TrainBackendConfig, [OptimConfig, TrainSection, ModelSection]),
+    ]
+    for owner, sections in pairs:
+        owner_fields = {f.name for f in dataclasses.fields(owner)}
+        for section in sections:
+            for f in dataclasses.fields(section):
+                if f.name in owner_fields:
+                    assert _declared_by(section, f.name) is _declared_by(owner, f.name), (owner, section, f.name)
+    assert issubclass(RolloutSection, RolloutEngineSettings) and issubclass(RolloutEngineConfig, RolloutEngineSettings)
+    assert issubclass(TrainSection, TrainStepConfig) and issubclass(ModelSection, PrecisionConfig)
+    assert ArenoConfig.__dataclass_fields__["optim"].default_factory is OptimConfig
+
+
+def test_every_engine_and_backend_setting_has_the_same_default_for_the_user():
+    for owner, sections in (
+        (RolloutEngineSettings, [RolloutSection, RolloutEngineConfig]),
+        (TrainStepConfig, [TrainSection, TrainBackendConfig]),
+        (OptimConfig, [TrainBackendConfig]),
+        (PrecisionConfig, [ModelSection, TrainBackendConfig]),
+    ):
+        for f in dataclasses.fields(owner):
+            for section in sections:
+                assert _default(section.__dataclass_fields__[f.name]) == _default(f), (section, f.name)
+    user = load_config(None, ["model.path=/m"])
+    assert user.rollout.recompute_kv_on_weight_update is RolloutEngineConfig().recompute_kv_on_weight_update is False
+
+
+def test_sections_reach_the_owner_configs_whole():
+    """Every user setting of the engine and the backend arrives, set away from its default."""
+    cfg = load_config(
+        None,
+        [
+            "model.path=/m",
+            "model.dtype=bfloat16",
+            "optim.lr=3e-4",
+            "optim.weight_decay=0.01",
+            "optim.grad_clip=0",
+            "optim.schedule=cosine",
+            "optim.warmup_steps=3",
+            "train.max_tokens_per_mb=128",
+            "train.long_sequences=truncate",
+            "train.compile=true",
+            "train.compile_scope=model",
+            "train.attention=flex",
+            "train.seed=7",
+            "train.max_consecutive_skips=2",
+            "train.steps=4",
+            "train.num_train_passes=2",
+            "train.num_minibatches=3",
+            "rollout.recompute_kv_on_weight_update=true",
+            "rollout.decode_steps=3",
+            "rollout.max_model_len=99",
+            "rollout.kv_memory_fraction=0.5",
+        ],
+    )
+    backend = build_train_backend_config(cfg, role_name="actor", trainable=False)
+    for section, owner in ((cfg.optim, OptimConfig), (cfg.train, TrainStepConfig), (cfg.model, PrecisionConfig)):
+        for f in dataclasses.fields(owner):
+            assert getattr(backend, f.name) == getattr(section, f.name), f.name
+    assert backend.total_steps == total_optimizer_steps(cfg) == 4 * 2 * 3
+    assert (backend.role_name, backend.trainable) == ("actor", False)
+    engine = build_rollout_engine_config(cfg, device="cpu", dtype="float32", max_num_seqs=40, num_blocks=12)
+    for f in dataclasses.fields(RolloutEngineSettings):
+        expected = 40 if f.name == "max_num_seqs" else getattr(cfg.rollout, f.name)
+        assert getattr(engine, f.name) == expected, f.name
+    assert (engine.device, engine.dtype, engine.num_blocks) == ("cpu", "float32", 12)
+    assert build_rollout_engine_config(cfg, device="cpu", dtype="float32", max_num_seqs=8).num_blocks is None
+
+
+def test_total_optimizer_steps_covers_the_warmup():
+    cfg = load_config(None, ["model.path=/m", "train.steps=2", "optim.warmup_steps=10"])
+    assert total_optimizer_steps(cfg) == 10
+    assert total_optimizer_steps(load_config(None, ["model.path=/m", "train.steps=0"])) == 1
+
+
+@pytest.mark.parametrize(
+    "rollout_dtype, device, expected",
+    [
+        ("auto", "cuda", "bfloat16"),
+        ("auto", "cpu", "float32"),
+        ("float32", "cuda", "float32"),
+        ("bfloat16", "cpu", "bfloat16"),
+    ],
+)
+def test_resolve_dtypes(rollout_dtype, device, expected):
+    cfg = load_config(None, ["model.path=/m", f"model.rollout_dtype={rollout_dtype}", "model.dtype=bfloat16"])
+    assert resolve_dtypes(cfg, device) == Dtypes(train="bfloat16", rollout=expected)
+
+
+def test_engine_config_alone_resolves_its_running_batch():
+    assert RolloutEngineSettings().max_num_seqs == 0  # 0: sized by the engine's owner
+    assert RolloutEngineConfig().max_num_seqs == STANDALONE_MAX_NUM_SEQS
+    assert RolloutEngineConfig(max_num_seqs=7).max_num_seqs == 7
+    with pytest.raises(ConfigError, match="rollout.max_tokens_per_step: must be > 0"):
+        RolloutEngineConfig(max_tokens_per_step=0)
+    with pytest.raises(ConfigError, match="optim.schedule"):
+        TrainBackendConfig(schedule="poly")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "rollout.cuda_stream=true",  # not faster: an engine internal (RolloutEngineConfig.cuda_stream)
+        "rollout.block_size=32",  # an engine internal (the partitioned memory check assumes 16)
+        "cluster.switch_interval_s=0.001",  # never measured: gone
+        "train.host_optimizations=none",
+    ],
+)
+def test_removed_and_internal_settings_are_unknown_keys(key):
+    with pytest.raises(ConfigError, match="not in"):
+        load_config(None, ["model.path=/m", key])
+
+
+def _config_like_globals() -> dict[tuple[str, str], object]:
+    """Every module-level str / number / bool / None of the loaded areno modules."""
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if name == "areno" or name.startswith("areno."):
+            for key, value in vars(module).items():
+                if isinstance(value, (str, int, float, bool, type(None))) and not key.startswith("__"):
+                    out[(name, key)] = value
+    return out
+
+
+def test_building_from_config_writes_no_module_global(tiny_model_dir, tmp_path):
+    """The owners' configs carry every setting: building a run's training backends and rollout engine
+    with non-default settings, after a build with the defaults, leaves every module-level value of
+    areno as it was."""
+    from transformers import AutoTokenizer
+
+    from areno.engine.api import ArenoEngine, build_role_backends, resolve_device, resolve_recipe
+    from areno.train import LocalTrainBackend
+
+    def build(*overrides: str) -> None:
+        cfg = load_config(
+            None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu", *overrides]
+        )
+        build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
+        colocated = ArenoEngine(cfg, tmp_path / "run")
+        colocated.device = resolve_device("cpu")
+        colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        colocated._build_rollout_engine(tiny_model_dir)
+
+    build()  # imports every module the build uses
+    before = _config_like_globals()
+    build(
+        "train.attention=flex",
+        "train.compile_scope=model",
+        "train.max_consecutive_skips=1",
+        "rollout.decode_attention=paged",
+        "rollout.fused_projections=false",
+        "rollout.cpu_packed_gemm=false",
+        "rollout.cuda_graphs=false",
+    )
+    after = _config_like_globals()
+    assert {k: v for k, v in after.items() if k in before and before[k] != v} == {}

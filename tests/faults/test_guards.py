@@ -8,7 +8,7 @@ import torch
 
 from areno.api.config import ConfigError, load_config
 from areno.train import LocalTrainBackend, TrainBackendConfig
-from areno.train.optim import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteStepError
+from areno.train.optim import NonFiniteStepError
 from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 VOCAB = 40
@@ -59,8 +59,7 @@ def test_non_finite_loss_with_finite_grads_skips_the_step(model_dir):
 
 
 def test_consecutive_skips_stop_with_one_line(model_dir):
-    b = _backend(model_dir)
-    b.max_consecutive_skips, b.role_name = 3, "actor"
+    b = _backend(model_dir, max_consecutive_skips=3, role_name="actor")
     _step(b, _nan_loss)
     _step(b, _nan_loss)
     _step(b, seed=2)  # a finite step in between resets the streak
@@ -76,22 +75,19 @@ def test_consecutive_skips_stop_with_one_line(model_dir):
 
 
 def test_zero_never_stops_and_default(model_dir):
-    b = _backend(model_dir)
-    assert b.max_consecutive_skips == DEFAULT_MAX_CONSECUTIVE_SKIPS == 5
-    b.max_consecutive_skips = 0
+    assert TrainBackendConfig().max_consecutive_skips == 5
+    b = _backend(model_dir, max_consecutive_skips=0)
     for _ in range(6):
         m = _step(b, _nan_loss)
     assert m["skipped_steps"] == 6 and m["consecutive_skips"] == 6
 
 
 def test_consecutive_count_survives_a_checkpoint(model_dir, tmp_path):
-    b = _backend(model_dir)
-    b.max_consecutive_skips = 3
+    b = _backend(model_dir, max_consecutive_skips=3)
     _step(b, _nan_loss)
     _step(b, _nan_loss)
     b.save_checkpoint(tmp_path / "ckpt", extra_state={})
-    fresh = _backend(model_dir)
-    fresh.max_consecutive_skips = 3
+    fresh = _backend(model_dir, max_consecutive_skips=3)
     fresh.load_checkpoint(tmp_path / "ckpt")
     with pytest.raises(NonFiniteStepError, match="3 optimizer steps in a row"):
         _step(fresh, _nan_loss)

@@ -89,11 +89,8 @@ def test_cuda_packed_logprobs_backward_runs_chunked():
     torch.testing.assert_close(g_a, g_b, atol=1e-2, rtol=5e-2)
 
 
-def test_cuda_auto_attention_picks_varlen_where_flash_runs_else_flex_or_sdpa(monkeypatch):
-    from areno.models import decoder
-
+def test_cuda_auto_attention_picks_varlen_where_flash_runs_else_flex_or_sdpa():
     pytest.importorskip("torch.nn.attention.varlen")
-    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "varlen")
     cu_B1 = torch.tensor([0, 100, 256], device="cuda")
     for dtype, head_dim, expected in (
         (torch.bfloat16, 32, "varlen"),

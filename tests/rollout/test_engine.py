@@ -141,7 +141,12 @@ def test_weight_swap_mid_generation_records_versions(tiny):
     model, cfg = make_model(0)
     new_model, _ = make_model(1)
     prompt = random_prompts(1, seed=10)[0]
-    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=64), eos_token_ids=())
+    eng = RolloutEngine(
+        model,
+        cfg,
+        config=RolloutEngineConfig(block_size=4, num_blocks=64, recompute_kv_on_weight_update=True),
+        eos_token_ids=(),
+    )
     rid = eng.add_request(prompt, GREEDY)
     for _ in range(5):  # prefill + 4 decode steps => 5 tokens at version 0
         eng.step()

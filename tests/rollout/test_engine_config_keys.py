@@ -21,8 +21,9 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
             "rollout.kv_blocks=32",
             "rollout.max_num_seqs=40",
             f"rollout.recompute_kv_on_weight_update={str(not fused).lower()}",
-            f"rollout.cuda_stream={str(fused).lower()}",
             f"rollout.mixed_decode_min_rows={4 if fused else 'null'}",
+            f"rollout.enable_prefix_sharing={str(fused).lower()}",
+            "rollout.max_tokens_per_step=96",
         ],
     )
     from transformers import AutoTokenizer
@@ -38,8 +39,9 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
     assert engine.scheduler.max_num_seqs == 40 and engine.config.cuda_graph_max_batch is None  # graphs: up to 40
     assert engine.config.recompute_kv_on_weight_update is (not fused)
-    assert engine.config.cuda_stream is fused and engine._stream is None  # CPU: no stream either way
+    assert engine.config.cuda_stream is False and engine._stream is None  # not a user setting
     assert engine.config.mixed_decode_min_rows == (4 if fused else None)
+    assert engine.config.enable_prefix_sharing is fused and engine.config.max_tokens_per_step == 96
 
 
 def test_cuda_graph_max_batch_defaults_to_the_running_batch_and_is_validated():
@@ -55,24 +57,32 @@ def test_mixed_decode_min_rows_is_validated():
         load_config(None, ["model.path=m", "rollout.mixed_decode_min_rows=0"])
 
 
-@pytest.mark.parametrize("choice, impl", [("varlen", "varlen"), ("flex", "flex"), ("auto", "varlen")])
-def test_train_attention_sets_the_cuda_training_attention(tiny_model_dir, tmp_path, monkeypatch, choice, impl):
+@pytest.mark.parametrize("choice", ["varlen", "flex", "auto"])
+def test_train_attention_reaches_the_trained_models(tiny_model_dir, tmp_path, choice):
+    """`train.attention` is each training backend's model's choice (``Decoder.cuda_attention``), not a
+    process-wide setting: a second run in the process with another value does not change the first's."""
     from areno.engine.api import build_role_backends, resolve_recipe
-    from areno.models import decoder
+    from areno.models.decoder import Decoder
     from areno.train import LocalTrainBackend
 
-    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "flex")  # restored after the test
-    cfg = load_config(
-        None,
-        [
-            f"model.path={tiny_model_dir}",
-            f"run_dir={tmp_path / 'run'}",
-            "cluster.device=cpu",
-            f"train.attention={choice}",
-        ],
-    )
-    build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
-    assert decoder.CUDA_AUTO_IMPL == impl
+    def backends(attention: str) -> dict:
+        cfg = load_config(
+            None,
+            [
+                f"model.path={tiny_model_dir}",
+                f"run_dir={tmp_path / 'run'}",
+                "cluster.device=cpu",
+                f"train.attention={attention}",
+            ],
+        )
+        return build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
+
+    first = backends(choice)
+    other = backends("flex" if choice != "flex" else "varlen")
+    for built, attention in ((first, choice), (other, "flex" if choice != "flex" else "varlen")):
+        decoders = [m for b in built.values() for m in b.model.modules() if isinstance(m, Decoder)]
+        assert decoders and all(d.cuda_attention == attention for d in decoders)
+    assert Decoder.cuda_attention == "auto"  # the class default: untouched
 
 
 def test_train_compile_scope_reaches_the_training_backend(tiny_model_dir, tmp_path, caplog):

@@ -37,19 +37,18 @@ def test_cuda_bf16_training_matches_fp32_cpu_and_sleep_frees_memory(tmp_path):
 
 
 @pytest.mark.parametrize("attn,scope", [("flex", "layers"), ("varlen", "layers"), ("varlen", "model")])
-def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope, monkeypatch):
+def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope):
     """compile=True (compiled decoder layers or layer stack + fused log-prob head) trains like eager
     in bf16."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from areno.models import decoder
-
-    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", attn)
     model_dir = make_model_dir(tmp_path / "m", hidden=64)
     losses = {}
     for compile_ in (False, True):
         b = LocalTrainBackend(
-            TrainBackendConfig(lr=1e-3, device="cuda", compile=compile_, compile_scope=scope, max_tokens_per_mb=512)
+            TrainBackendConfig(
+                lr=1e-3, device="cuda", compile=compile_, compile_scope=scope, attention=attn, max_tokens_per_mb=512
+            )
         )
         b.initialize(model_dir)
         losses[compile_] = [_step(b, s)["loss"] for s in range(3)]
@@ -65,7 +64,6 @@ def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
 
     if not decoder.varlen_available():
         pytest.skip("this torch has no varlen attention")
-    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "varlen")
     seen = []
     varlen = decoder.PackedCausalAttention._varlen
 
@@ -74,7 +72,7 @@ def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
         return varlen(self, q_THD, k_THD, v_THD)
 
     monkeypatch.setattr(decoder.PackedCausalAttention, "_varlen", recording)
-    b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", max_tokens_per_mb=512))
+    b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", attention="varlen", max_tokens_per_mb=512))
     b.initialize(make_model_dir(tmp_path / "m", hidden=64))
     assert next(b.model.parameters()).dtype == torch.float32
     assert math.isfinite(_step(b, 0)["loss"])

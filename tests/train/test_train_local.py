@@ -94,7 +94,7 @@ def test_non_finite_grad_skips_step(model_dir):
 
 
 def test_grad_clip_and_schedule(model_dir):
-    b = backend(model_dir, grad_clip=1e-3, lr_schedule="linear_warmup", warmup_steps=2, lr=0.1)
+    b = backend(model_dir, grad_clip=1e-3, schedule="linear_warmup", warmup_steps=2, lr=0.1)
     grads, m = captured_grads(b, random_batch(LENGTHS, VOCAB, 4))
     total = math.sqrt(sum(float(g.norm()) ** 2 for g in grads.values()))
     assert m["grad_norm"] > 1e-3 and math.isclose(total, 1e-3, rel_tol=1e-3)
@@ -103,7 +103,7 @@ def test_grad_clip_and_schedule(model_dir):
 
 def _resume_worker(model_dir, ckpt, out):
     torch.set_num_threads(1)
-    b = backend(model_dir, lr_schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1)
+    b = backend(model_dir, schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1)
     extra = b.load_checkpoint(ckpt)
     losses = [step(b, random_batch(LENGTHS, VOCAB, 100 + s))["loss"] for s in range(extra["next"], 6)]
     torch.save(losses, out)
@@ -113,7 +113,7 @@ def test_resume_same_process_is_bit_for_bit(model_dir, tmp_path):
     def run(b, steps):
         return [step(b, random_batch(LENGTHS, VOCAB, 200 + s))["loss"] for s in steps]
 
-    kw = dict(lr_schedule="linear_warmup", warmup_steps=3, weight_decay=0.1, grad_clip=0.1)
+    kw = dict(schedule="linear_warmup", warmup_steps=3, weight_decay=0.1, grad_clip=0.1)
     straight = run(backend(model_dir, **kw), range(4))
     b = backend(model_dir, **kw)
     first = run(b, range(2))
@@ -129,7 +129,7 @@ def test_resume_is_bit_for_bit(model_dir, tmp_path):
     """6 steps straight == 3 steps, checkpoint, a new process, 3 more (spawn: slow tier)."""
 
     def fresh():
-        return backend(model_dir, lr_schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1)
+        return backend(model_dir, schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1)
 
     b = fresh()
     straight = [step(b, random_batch(LENGTHS, VOCAB, 100 + s))["loss"] for s in range(6)]

@@ -55,9 +55,9 @@ def test_memory_estimate_scales_with_free_memory_and_checkpointing():
 
 
 def test_schedules_hand_computed():
-    c = TrainBackendConfig(lr=1.0, lr_schedule="linear_warmup", warmup_steps=4)
+    c = TrainBackendConfig(lr=1.0, schedule="linear_warmup", warmup_steps=4)
     assert [lr_factor(s, c) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    c = TrainBackendConfig(lr=1.0, lr_schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    c = TrainBackendConfig(lr=1.0, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
     got = [lr_factor(s, c) for s in range(8)]
     assert got[:2] == [0.5, 1.0]
     assert math.isclose(got[2], 1.0) and math.isclose(got[4], 0.1 + 0.9 * 0.5)
@@ -68,8 +68,8 @@ def test_schedules_hand_computed():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(lr_schedule="cosine"), "total_steps"),
-        (dict(lr_schedule="poly"), "lr_schedule"),
+        (dict(schedule="cosine"), "total_steps"),
+        (dict(schedule="poly"), "optim.schedule"),
         (dict(betas=(0.9, 1.0)), "betas"),
         (dict(max_tokens_per_mb=0), "max_tokens_per_mb"),
         (dict(dtype="float16"), "dtype"),
