@@ -152,7 +152,7 @@ def test_unfused_projections_get_their_own_copies(pack_everything):
 
 
 def test_flag_validated_and_false_unpacks(pack_everything):
-    with pytest.raises(ValueError, match="cpu_packed_gemm must be True or False"):
+    with pytest.raises(ValueError, match="rollout.cpu_packed_gemm: must be true or false"):
         RolloutEngineConfig(cpu_packed_gemm="yes")
     model, cfg = model_of("qwen2")
     engine_of(model, cfg, True)

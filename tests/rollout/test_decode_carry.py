@@ -71,7 +71,7 @@ def state(bt, ctx):
 
 
 def test_flag_validated():
-    with pytest.raises(ValueError, match="cpu_decode_carry must be True or False"):
+    with pytest.raises(ValueError, match="RolloutEngineConfig.cpu_decode_carry: must be True or False"):
         RolloutEngineConfig(cpu_decode_carry=1)
     model, cfg = make_model(2)
     paged = RolloutEngine(model, cfg, config=RolloutEngineConfig(decode_attention="paged"), eos_token_ids=())

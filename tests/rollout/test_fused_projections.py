@@ -78,7 +78,7 @@ def test_fused_engine_equals_unfused_engine(arch):
 
 
 def test_fused_flag_validated_and_false_unfuses():
-    with pytest.raises(ValueError, match="fused_projections must be True or False"):
+    with pytest.raises(ValueError, match="rollout.fused_projections: must be true or false"):
         RolloutEngineConfig(fused_projections="yes")
     model, cfg = model_of("qwen2")
     engine_of(model, cfg, True)

@@ -117,7 +117,7 @@ def test_multistep_join_midway_pause_and_weight_swap(tiny):
     model, cfg = make_model(0)
     new_model, _ = make_model(1)
     prompts = random_prompts(3, seed=2)
-    eng = engine((model, cfg), 3)
+    eng = engine((model, cfg), 3, recompute_kv_on_weight_update=True)
     ids = [eng.add_request(prompts[0], GREEDY)]
     eng.step()
     eng.step()  # prefill + 3 decode steps in one round trip

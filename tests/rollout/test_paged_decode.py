@@ -116,7 +116,7 @@ def test_paged_bf16_pool_close_to_fp32():
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="decode_attention must be one of"):
+    with pytest.raises(ValueError, match="rollout.decode_attention: must be auto, gather or paged"):
         RolloutEngineConfig(decode_attention="flash")
     with pytest.raises(ValueError, match="decode_attention must be one of"):
         PagedAttention.for_decode(

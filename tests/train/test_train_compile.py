@@ -85,7 +85,7 @@ def test_model_scope_compiles_the_layer_stack_once(tmp_path):
 
 
 def test_bad_compile_scope_is_named():
-    with pytest.raises(ValueError, match="compile_scope must be"):
+    with pytest.raises(ValueError, match="train.compile_scope: must be layers or model"):
         TrainBackendConfig(compile_scope="whole")
     from areno.train.parallelize import apply_compile
 

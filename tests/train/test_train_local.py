@@ -258,7 +258,7 @@ def test_over_long_sequence_is_an_error_naming_both_numbers(model_dir):
     b = backend(model_dir, max_tokens_per_mb=16)
     with pytest.raises(ValueError, match=r"has 21 tokens, more than max_tokens_per_mb=16.*long_sequences='truncate'"):
         step(b, random_batch(LENGTHS, VOCAB, 3))
-    with pytest.raises(ValueError, match="long_sequences must be one of"):
+    with pytest.raises(ValueError, match="train.long_sequences: must be error or truncate"):
         TrainBackendConfig(long_sequences="split")
 
 
