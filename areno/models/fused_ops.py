@@ -53,7 +53,9 @@ class KernelSwitch:
         self._check = check
         self.on = False
         self.allowed = True
-        """False keeps the kernels off whatever ``enable`` is asked (benchmarks' A/B runs)."""
+        """False keeps the kernels off whatever ``enable`` is asked: not a setting (the engine's
+        ``fused_kernels`` is), but how a test or bench runs the eager ops in a process that would
+        enable them."""
 
     def enable(self, *args: object) -> bool:
         """Idempotent; returns whether the kernels are on (never without Triton and CUDA, or when

@@ -386,7 +386,9 @@ class PagedAttention:
 
 
 CPU_DECODE_MATMUL = True
-"""CPU decode rows attend through ``_cpu_decode_attention`` (False: the gathered SDPA, for A/Bs)."""
+"""CPU decode rows attend through ``_cpu_decode_attention`` (head-major gather, two batched matmuls:
+the faster form on CPU). An engine internal, not a setting: False sends them through the gathered
+SDPA that every other row takes, for tests and benches that compare the two."""
 
 
 def _cpu_decode_attention(
