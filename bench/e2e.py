@@ -55,6 +55,11 @@ from pathlib import Path
 
 import torch
 
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.data.tokenizer import build_char_tokenizer
+from areno.models.config import ModelConfig
+from areno.models.hf_io import init_model_dir
 from areno.workflows.rlvr import RLVRWorkflow
 from bench._common import emit, headline, parser, ratio
 
@@ -128,8 +133,6 @@ class FixedLengthWorkflow(RLVRWorkflow):
 # ----------------------------------------------------------------------------- setup
 def build_tokenizer(vocab_size: int | None):
     """Char tokenizer padded with unused tokens to ``vocab_size`` (None: unpadded)."""
-    from areno.data.tokenizer import build_char_tokenizer
-
     base = len(build_char_tokenizer())
     if vocab_size is not None and vocab_size < base:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the char tokenizer ({base} tokens)")
@@ -149,9 +152,6 @@ def make_prompts(tokenizer, num: int, prompt_len: int, seed: int = 0) -> list[st
 
 def make_model_dir(shape: str, workdir: Path):
     """Random-init checkpoint of ``shape`` (with its tokenizer) under ``workdir``; returns (dir, ModelConfig)."""
-    from areno.models.config import ModelConfig
-    from areno.models.hf_io import init_model_dir
-
     hf, _, _ = SHAPES[shape]
     tok = build_tokenizer(hf["vocab_size"])
     hf = {
@@ -251,8 +251,6 @@ def areno_config(
     prompt_len: int,
     completion_len: int,
 ):
-    from areno.api.config import load_config
-
     seq_blocks = math.ceil((prompt_len + completion_len + 16) / 16)
     kv_blocks = seq_blocks * args.prompts * args.samples * (eta + 1) + 64  # the batch (and η batches ahead)
     overrides = [
@@ -298,8 +296,6 @@ def run_areno(
     prompt_len: int,
     completion_len: int,
 ) -> dict:
-    from areno.api.trainer import Trainer
-
     config = areno_config(
         args,
         model_dir,

@@ -55,6 +55,10 @@ import time
 
 import torch
 
+from areno.models.config import ModelConfig
+from areno.models.decoder import Decoder
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.types import SamplingParams
 from bench._common import emit, headline, parser, profile_cuda
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
@@ -98,10 +102,7 @@ SHAPES = {"cpu20m": (CPU_20M, 32, 128), "qwen0.5b": (QWEN25_05B, 64, 512)}
 
 
 def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):
-    import transformers
-
-    from areno.models.config import ModelConfig
-    from areno.models.decoder import Decoder
+    import transformers  # only runs with the generate baseline need it (seconds to import)
 
     cfg = ModelConfig.from_hf(hf_dict)
     torch.manual_seed(0)
@@ -167,8 +168,6 @@ def run_hf(
 def request_params(args, temperature: float, new_tokens: int, n: int) -> list:
     """One ``SamplingParams`` per prompt: greedy at temperature 0, else ``--top-p`` / ``--top-k``
     and the per-request seed ``--seed + i`` (none with ``--unseeded``)."""
-    from areno.types import SamplingParams
-
     if temperature <= 0:
         return [SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)] * n
     return [
@@ -195,8 +194,6 @@ def run_engine(
     temperature: float = 0.0,
     fused_projections: bool = True,
 ) -> tuple[float, list[list[int]], dict]:
-    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-
     ecfg = RolloutEngineConfig(
         block_size=args.block_size,
         max_num_seqs=max(len(prompts), 1),
