@@ -134,7 +134,7 @@ class RolloutSection:
     up to this size). 0 = the run's sequences in flight, min(max_concurrent, batch_size x (eta + 1)) x
     n_samples, at least 256 and at most 1024: an asynchronous run keeps several batches in flight, and
     a running batch smaller than that leaves the rest waiting while a decode step of a small model
-    costs about the same for twice the rows (bench/RESULTS.md)."""
+    costs about the same for twice the rows (bench/LOG.md)."""
     decode_steps: int = 0
     """Decode steps the rollout engine runs per host round trip when every sequence is decoding
     (sampling, stop checks and feedback stay on the device); 0 = the engine's default (8 on CUDA, 1 on
@@ -158,7 +158,7 @@ class RolloutSection:
     encoded by the previous policy, and the decoupled loss's behaviour log-probs record what was
     sampled either way. Synchronous runs (eta = 0) have nothing in flight at a sync; in asynchronous
     ones recomputing re-prefilled ~15k tokens per sync and cost 25-40% of the trained tokens/s on
-    an H200 pair (bench/RESULTS.md)."""
+    an H200 pair (bench/LOG.md)."""
     cuda_graphs: bool = True
     """CUDA: replay decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false runs
     every decode step eagerly (slower; for debugging and A/B runs)."""
@@ -173,7 +173,7 @@ class RolloutSection:
     ``max_concurrent`` x ``n_samples`` sequences) when the rollout engine starts, for the training
     rollouts' sampling and, when held-out evaluation runs, greedy decoding. Otherwise each graph is
     captured when first needed, in the middle of a run: a capture takes ~0.4 s, during which a
-    policy sync waits (bench/RESULTS.md: 0.5-1.2 s syncs in asynchronous runs)."""
+    policy sync waits (bench/LOG.md: 0.5-1.2 s syncs in asynchronous runs)."""
     cuda_stream: bool = False
     """CUDA: the rollout engine runs its steps on a CUDA stream of its own, so that a colocated
     asynchronous trainer's kernels can run beside them instead of queueing behind them on the default
@@ -281,7 +281,7 @@ class ClusterSection:
     switch_interval_s: float = 0.0
     """Python's thread switch interval (``sys.setswitchinterval``) in each partitioned worker process;
     0 keeps Python's default (5 ms). A rollout worker's sync thread waits for the GIL, held by its
-    engine thread through a step's Python, for up to this long at every wake-up (bench/RESULTS.md:
+    engine thread through a step's Python, for up to this long at every wake-up (bench/LOG.md:
     an asynchronous run's transfer took 9-15 ms against 1.3 ms while the engine was idle). Experimental."""
     collective_timeout_s: float = 1800.0
     """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'

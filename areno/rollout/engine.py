@@ -65,7 +65,7 @@ WAITING_CLAMP_MAX_ROWS = 32
 """With requests waiting for a slot, a pure-decode batch of fewer rows runs only until its first row
 can end by length (so a waiting request joins at once); a larger batch runs its full ``decode_steps``:
 one freed slot idle for a few steps costs little there, while a host round trip per token (most
-rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/RESULTS.md)."""
+rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/LOG.md)."""
 
 
 @dataclass(kw_only=True)
@@ -108,7 +108,7 @@ class RolloutEngineConfig:
     that a trainer in the same process (colocated asynchronous RL) can run its kernels beside the
     engine's rather than after them. Weights written on the default stream are waited for after
     every weight update and wake; ``pause``/``sleep`` wait for the engine's stream. Experimental:
-    not yet measured on a GPU (bench/RESULTS.md)."""
+    not yet measured on a GPU (bench/LOG.md)."""
     cuda_graph_max_batch: int | None = None
     """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, then multiples of
     8, 32 and 64; ``cuda_graph.padded_batch_size``); larger batches decode eagerly. None: ``max_num_seqs``."""
@@ -128,7 +128,7 @@ class RolloutEngineConfig:
     such a round trip gives each row k tokens, as a pure-decode one does, instead of 1. In an
     asynchronous run requests arrive all the time, so most round trips are mixed; with k tokens per
     round trip either way, rows that end together stay together and their replacements arrive
-    together (fewer mixed steps than k + 1 would give; bench/RESULTS.md). Tokens are those of the
+    together (fewer mixed steps than k + 1 would give; bench/LOG.md). Tokens are those of the
     one-step engine for greedy and seeded rows; requests that arrive meanwhile join at the next
     round trip. Smaller batches keep one token per mixed step (latency of new requests). None: never."""
     seed: int = 0
@@ -137,7 +137,7 @@ class RolloutEngineConfig:
     """Decode-step attention: "gather" copies each sequence's K/V out of the block pool into a dense
     batch for SDPA; "paged" reads them straight from the pool (a Triton kernel on CUDA, a chunked
     online-softmax loop elsewhere; ``paged_decode.py``); "auto" is "paged" on CUDA with Triton
-    importable (measured 1.2-1.8x faster decode on an H200, bench/RESULTS.md) and "gather" elsewhere
+    importable (measured 1.2-1.8x faster decode on an H200, bench/LOG.md) and "gather" elsewhere
     (faster on CPU). Prefill and mixed steps always gather."""
 
     fused_kernels: bool = True
@@ -158,7 +158,7 @@ class RolloutEngineConfig:
     """CPU, fp32: the large inference GEMMs (the fused q/k/v and gate/up groups, o_proj, down_proj and
     the output projection, every weight of ``cpu_gemm.MIN_ELEMENTS`` elements or more) multiply with a
     oneDNN-packed copy of their weight (``Decoder.pack_cpu_gemms``) instead of ``F.linear``: measured
-    1.2-1.4x per decode step of a 24M-parameter model at 32 rows on two cores (bench/RESULTS.md),
+    1.2-1.4x per decode step of a 24M-parameter model at 32 rows on two cores (bench/LOG.md),
     values equal up to fp32 summation order. The copies are re-packed after every weight update and
     cost the packed weights' memory once more; False keeps ``F.linear`` (and that memory)."""
 
