@@ -6,31 +6,43 @@ and eval schedule (the demo's task unless overridden):
   - ``grpo_async`` with η = 4;
   - ``grpo`` (naive PPO: the clipped ratio against the behaviour policy) with η = 4.
 Reported per arm: the held-out accuracy curve, steps to reach the η = 0 arm's final accuracy
-(target: η = 4 decoupled within 10% more steps than η = 0), wall time, staleness. Prints one JSON object.
+(target: η = 4 decoupled within 10% more steps than η = 0), wall time, staleness. Prints one JSON object;
+its headline is the second arm's steps to the reference accuracy, the first arm's (η = 0) as the baseline,
+``ratio`` = their quotient (over the mean curves when several seeds ran; None when never reached).
 
 One seed's final accuracy moves by a few points between evaluations, so a verdict needs several
 seeds: ``--seeds 0 1 2 3 --jobs 12`` runs every (seed, arm) pair in its own process (each repeats
 its seed's deterministic warm start) and adds ``aggregate``: each arm's accuracy curve averaged
 over the seeds, and the steps each mean curve needs to reach the η = 0 mean curve's final accuracy.
 
-    python bench/async_learning.py                     # areno/configs/demo.yaml, CPU, ~10-15 min on 2 cores
-    python bench/async_learning.py --steps 60 --eval-interval 10 -- rollout.batch_size=16
-    python bench/async_learning.py --seeds 0 1 2 3 4 --jobs 15   # 15 processes, one core each
+    python -m bench.async_learning                     # areno/configs/demo.yaml, CPU, ~10-15 min on 2 cores
+    python -m bench.async_learning --steps 60 --eval-interval 10 -- rollout.batch_size=16
+    python -m bench.async_learning --seeds 0 1 2 3 4 --jobs 15   # 15 processes, one core each
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from areno.api.config import load_config
+from areno.api.pipeline import DEMO_CONFIG, run_warm_start
+from areno.api.trainer import Trainer
+from areno.observe.metrics import read_jsonl_records
+from bench._common import emit, headline, parser
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""Where ``python -m bench.async_learning`` runs from in the per-(seed, arm) processes of ``--jobs``."""
 
 ARMS = (("grpo_async", 0), ("grpo_async", 4), ("grpo", 4))
 
@@ -53,10 +65,6 @@ def total_steps(args) -> int:
 
 
 def run_arm(config_path: Path, work: Path, algorithm: str, eta: int, warm_model: Path, args) -> dict:
-    from areno.api.config import load_config
-    from areno.api.trainer import Trainer
-    from areno.observe.metrics import read_jsonl_records
-
     run_dir = work / f"{algorithm}_eta{eta}"
     cfg = load_config(
         config_path,
@@ -135,9 +143,6 @@ def aggregate(per_seed: dict[int, list[dict]], budget: int | None = None) -> dic
 
 
 def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[dict], float]:
-    from areno.api.config import load_config
-    from areno.api.pipeline import run_warm_start
-
     work = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-async-learning-")) / f"seed{seed}"
     overrides = [*args.overrides, f"train.seed={seed}"] if seed is not None else list(args.overrides)
     base = load_config(
@@ -147,7 +152,8 @@ def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[di
     if base.warm_start.steps <= 0:
         raise SystemExit(f"{args.config}: warm_start.steps must be > 0 (the arms share one warm start)")
     t0 = time.perf_counter()
-    warm_model = run_warm_start(base)
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its accuracy; stdout carries only the JSON
+        warm_model = run_warm_start(base)
     warm_s = time.perf_counter() - t0
     args_seed = argparse.Namespace(**{**vars(args), "overrides": overrides})
     return [run_arm(Path(args.config), work, algo, eta, warm_model, args_seed) for algo, eta in arms_spec], warm_s
@@ -155,10 +161,6 @@ def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[di
 
 def run_parallel(args) -> dict[int, list[dict]]:
     """Every (seed, arm) in its own process, ``--jobs`` at a time; {seed: [arm results in --arms order]}."""
-    import os
-    import subprocess
-    from concurrent.futures import ThreadPoolExecutor
-
     work = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-async-learning-"))
     jobs = [(seed, arm) for seed in args.seeds for arm in args.arms]
 
@@ -167,7 +169,8 @@ def run_parallel(args) -> dict[int, list[dict]]:
         out = work / f"seed{seed}-{algo}-eta{eta}.json"
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "bench.async_learning",
             "--config",
             args.config,
             "--steps",
@@ -187,7 +190,7 @@ def run_parallel(args) -> dict[int, list[dict]]:
             *args.overrides,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"seed {seed} arm {algo}:{eta} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
         result = json.loads(out.read_text())
@@ -242,8 +245,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "areno" / "configs" / "demo.yaml"))
+    p = parser("async_learning", __doc__)
+    p.add_argument("--config", default=str(DEMO_CONFIG))
     p.add_argument("--steps", type=int, default=120)
     p.add_argument(
         "--slack",
@@ -296,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     for arms in per_seed.values():
         with_ratios(arms, budget)
     result = {
-        "bench": "async_learning",
         "config": args.config,
         "overrides": args.overrides,
         "steps": args.steps,
@@ -310,13 +312,28 @@ def main(argv: list[str] | None = None) -> int:
     }
     if len(per_seed) > 1:
         result["aggregate"] = aggregate(per_seed, budget)
-    text = json.dumps(result, indent=1)
     if args.plot:
         plot(result, Path(args.plot))
+    record = emit("async_learning", learning_headline(result), result)
     if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+        Path(args.out).write_text(json.dumps(record))
     return 0
+
+
+def learning_headline(result: dict) -> dict:
+    """The second arm's steps to the reference accuracy against the first arm's (η = 0), over the mean
+    curves when several seeds ran."""
+    arms = result["aggregate"]["arms"] if "aggregate" in result else next(iter(result["per_seed"].values()))
+    ref, other = arms[0], arms[1] if len(arms) > 1 else None
+    name = f"{other['algorithm']}:{other['eta']}" if other else "no second arm"
+    return headline(
+        f"steps to the reference's held-out accuracy ({ref['reference_accuracy']}), {name}",
+        other["steps_to_reference_final"] if other else None,
+        f"{ref['algorithm']}:{ref['eta']}, same warm start, data and seeds",
+        ref["steps_to_reference_final"],
+        other["steps_ratio_vs_eta0"] if other else None,
+        "arm steps / reference steps (target <= 1.1; None: the arm never reached it)",
+    )
 
 
 if __name__ == "__main__":

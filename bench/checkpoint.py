@@ -7,30 +7,37 @@ state and RNG (``save_checkpoint`` into the staging directory), the Hugging Face
 state, is ``torch.save({"model": ..., "optim": ...})`` to one file and ``torch.load`` back (not
 atomic, no export). The optimizer state exists because one training step ran first.
 
-    python bench/checkpoint.py                                  # CPU, hidden 512, 8 layers
-    python bench/checkpoint.py --device cuda --hidden 2048 --layers 24   # GPU, ~1.4B parameters
+Prints one JSON object: the headline (areno's save, best of ``--repeats``; ``torch.save`` as the baseline;
+``ratio`` = baseline / areno), then every step's best time.
+
+    python -m bench.checkpoint                                  # CPU, hidden 512, 8 layers
+    python -m bench.checkpoint --device cuda --hidden 2048 --layers 24   # GPU, ~1.4B parameters
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from areno.data.tokenizer import build_char_tokenizer
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.train import LocalTrainBackend, TrainBackendConfig, checkpoint
-from bench.stamp import git_commit
+from bench._common import emit, headline, parser, ratio
+
+STEPS = (
+    "areno_save_s",
+    "areno_export_hf_s",
+    "areno_commit_s",
+    "areno_resume_load_s",
+    "baseline_save_s",
+    "baseline_load_s",
+)
 
 
 def _backend(model_dir: Path, device: str) -> LocalTrainBackend:
@@ -48,7 +55,7 @@ def _one_step(backend: LocalTrainBackend) -> None:
     backend.optimizer.zero_grad(set_to_none=True)
 
 
-def _timed(fn) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -58,14 +65,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    p = parser("checkpoint", __doc__)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="areno_ckpt_bench_"))
     try:
@@ -82,61 +89,57 @@ def main() -> None:
         backend = _backend(model_dir, args.device)
         _one_step(backend)
         n_params = sum(p.numel() for p in backend.model.parameters())
-        rows: dict[str, list[float]] = {
-            k: []
-            for k in (
-                "areno_save_s",
-                "areno_export_hf_s",
-                "areno_commit_s",
-                "areno_resume_load_s",
-                "baseline_save_s",
-                "baseline_load_s",
-            )
-        }
+        rows: dict[str, list[float]] = {k: [] for k in STEPS}
         for i in range(args.repeats):
-            path = work / "checkpoints" / f"step_{i:08d}"
-            tmp = checkpoint.staging_dir(path)
-            rows["areno_save_s"].append(_timed(lambda: backend.save_checkpoint(tmp / "policy", extra_state={"i": i})))
-            rows["areno_export_hf_s"].append(_timed(lambda: backend.export_hf(tmp / "hf")))
-            rows["areno_commit_s"].append(_timed(lambda: checkpoint.commit(tmp, path)))
-            fresh = _backend(model_dir, args.device)
-            rows["areno_resume_load_s"].append(_timed(lambda: fresh.load_checkpoint(path / "policy")))
-            fresh.shutdown()
-            plain = work / f"plain_{i}.pt"
-            rows["baseline_save_s"].append(
-                _timed(
-                    lambda: torch.save(
-                        {"model": backend.model.state_dict(), "optim": backend.optimizer.state_dict()}, plain
-                    )
-                )
-            )
-            rows["baseline_load_s"].append(
-                _timed(lambda: torch.load(plain, map_location=args.device, weights_only=True))
-            )
+            for key, seconds in _round(backend, model_dir, work, i, args.device).items():
+                rows[key].append(seconds)
         best = {k: min(v) for k, v in rows.items()}
         size = sum(f.stat().st_size for f in (work / "checkpoints" / f"step_{0:08d}").rglob("*") if f.is_file())
-        print(
-            json.dumps(
-                {
-                    "bench": "checkpoint",
-                    "commit": git_commit(),
-                    "device": args.device,
-                    "hardware": torch.cuda.get_device_name()
-                    if args.device == "cuda"
-                    else platform.processor() or platform.machine(),
-                    "params": n_params,
-                    "checkpoint_bytes": size,
-                    "repeats": args.repeats,
-                    "best_of_repeats": best,
-                    "commit_share_of_save": best["areno_commit_s"]
-                    / (best["areno_save_s"] + best["areno_export_hf_s"] + best["areno_commit_s"]),
-                },
-                indent=1,
-            )
-        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    head = headline(
+        f"s per checkpoint save: DCP shards + trainer state + RNG ({n_params} parameters, {args.device})",
+        round(best["areno_save_s"], 4),
+        "one torch.save of the model and optimizer state dicts (not atomic, no export)",
+        round(best["baseline_save_s"], 4),
+        ratio(best["baseline_save_s"], best["areno_save_s"]),
+        "torch.save s / areno save s (resume: areno_resume_load_s against baseline_load_s)",
+    )
+    details = {
+        "device": args.device,
+        "hardware": torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else platform.processor() or platform.machine(),
+        "params": n_params,
+        "checkpoint_bytes": size,
+        "repeats": args.repeats,
+        "best_of_repeats": best,
+        "commit_share_of_save": best["areno_commit_s"]
+        / (best["areno_save_s"] + best["areno_export_hf_s"] + best["areno_commit_s"]),
+    }
+    emit("checkpoint", head, details)
+    return 0
+
+
+def _round(backend: LocalTrainBackend, model_dir: Path, work: Path, i: int, device: str) -> dict[str, float]:
+    """One of each: areno's save, export, commit and resume of checkpoint ``i``, then the plain baseline."""
+    path = work / "checkpoints" / f"step_{i:08d}"
+    tmp = checkpoint.staging_dir(path)
+    out = {
+        "areno_save_s": _timed(lambda: backend.save_checkpoint(tmp / "policy", extra_state={"i": i})),
+        "areno_export_hf_s": _timed(lambda: backend.export_hf(tmp / "hf")),
+        "areno_commit_s": _timed(lambda: checkpoint.commit(tmp, path)),
+    }
+    fresh = _backend(model_dir, device)
+    out["areno_resume_load_s"] = _timed(lambda: fresh.load_checkpoint(path / "policy"))
+    fresh.shutdown()
+    plain = work / f"plain_{i}.pt"
+    out["baseline_save_s"] = _timed(
+        lambda: torch.save({"model": backend.model.state_dict(), "optim": backend.optimizer.state_dict()}, plain)
+    )
+    out["baseline_load_s"] = _timed(lambda: torch.load(plain, map_location=device, weights_only=True))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -24,15 +24,18 @@ KV bytes of all sequences at that step) / copy bandwidth (read + write bytes of 
 device-to-device copy over its time); training = 6 * params * tokens / bf16 matmul rate (8192^3
 GEMMs). ``gap`` = measured step time / (generation floor + training floor).
 
-    python bench/e2e.py                                   # CUDA: 0.5b,1.5b x areno,areno_async,trl
-    python bench/e2e.py --shapes tiny --device cpu        # CPU smoke (seconds per system)
-    python bench/e2e.py --shapes 0.5b --systems areno,trl --steps 3 --warmup 2
+    python -m bench.e2e                                   # CUDA: 0.5b,1.5b x areno,areno_async,trl
+    python -m bench.e2e --shapes tiny --device cpu        # CPU smoke (seconds per system)
+    python -m bench.e2e --shapes 0.5b --systems areno,trl --steps 3 --warmup 2
 
 Step time = timed wall / timed steps (``step_s_mean``; ``areno_async`` times a multiple of η + 1 steps
 (``--async-eta``, default 1), ``--steps`` rounded up; the asynchronous pool generates η + 1 batches
 together, so consecutive step times cycle and a median would be misleading); ``step_s`` lists each step.
 
-Prints one JSON line per (system, shape) as it finishes, then a summary line {"summary": ...}.
+Prints one JSON object: the headline (the first areno system of the first shape against TRL, same run:
+``ratio`` = TRL s/step / areno s/step), then ``rows`` (one per system and shape) and ``shapes`` (per shape,
+each system's figures and its speedup over TRL). Each row also goes to stderr as it finishes, so a run cut
+short still shows what it measured.
 """
 
 from __future__ import annotations
@@ -52,11 +55,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `bench.e2e:reward` and `bench.e2e:FixedLengthWorkflow` resolve by import
-
-from areno.workflows.rlvr import RLVRWorkflow  # noqa: E402
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.data.tokenizer import build_char_tokenizer
+from areno.models.config import ModelConfig
+from areno.models.hf_io import init_model_dir
+from areno.workflows.rlvr import RLVRWorkflow
+from bench._common import emit, headline, parser, ratio
 
 QWEN25_05B = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -128,8 +133,6 @@ class FixedLengthWorkflow(RLVRWorkflow):
 # ----------------------------------------------------------------------------- setup
 def build_tokenizer(vocab_size: int | None):
     """Char tokenizer padded with unused tokens to ``vocab_size`` (None: unpadded)."""
-    from areno.data.tokenizer import build_char_tokenizer
-
     base = len(build_char_tokenizer())
     if vocab_size is not None and vocab_size < base:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the char tokenizer ({base} tokens)")
@@ -149,9 +152,6 @@ def make_prompts(tokenizer, num: int, prompt_len: int, seed: int = 0) -> list[st
 
 def make_model_dir(shape: str, workdir: Path):
     """Random-init checkpoint of ``shape`` (with its tokenizer) under ``workdir``; returns (dir, ModelConfig)."""
-    from areno.models.config import ModelConfig
-    from areno.models.hf_io import init_model_dir
-
     hf, _, _ = SHAPES[shape]
     tok = build_tokenizer(hf["vocab_size"])
     hf = {
@@ -251,8 +251,6 @@ def areno_config(
     prompt_len: int,
     completion_len: int,
 ):
-    from areno.api.config import load_config
-
     seq_blocks = math.ceil((prompt_len + completion_len + 16) / 16)
     kv_blocks = seq_blocks * args.prompts * args.samples * (eta + 1) + 64  # the batch (and η batches ahead)
     overrides = [
@@ -298,8 +296,6 @@ def run_areno(
     prompt_len: int,
     completion_len: int,
 ) -> dict:
-    from areno.api.trainer import Trainer
-
     config = areno_config(
         args,
         model_dir,
@@ -474,7 +470,7 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("e2e", __doc__)
     p.add_argument(
         "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny (default: 0.5b,1.5b on CUDA, tiny on CPU)"
     )
@@ -575,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "param_dtype": param_dtype,
     }
-    print(json.dumps({"hardware": hw}), flush=True)
+    progress(hardware=hw)
 
     results = []
     for shape in shapes:
@@ -583,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_len, completion_len = args.prompt_len or default_p, args.completion_len or default_c
         t0 = time.perf_counter()
         model_dir, config, tokenizer = make_model_dir(shape, workdir)
-        print(json.dumps({"shape": shape, "model_init_s": time.perf_counter() - t0}), flush=True)
+        progress(shape=shape, model_init_s=time.perf_counter() - t0)
         # enough distinct prompts for every step, the async pool's look-ahead included
         prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + args.async_eta + 5), prompt_len)
         data_path = workdir / f"prompts-{shape}.jsonl"
@@ -618,11 +614,23 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
             row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs, params=floor["params"])
             results.append(row)
-            print(json.dumps(row), flush=True)
+            progress(row=row)
 
-    summary: dict = {"hardware": hw, "shapes": {}}
-    for shape in shapes:
-        rows = {r["system"]: r for r in results if r["shape"] == shape}
+    emit("e2e", summary_headline(results), {"hardware": hw, "rows": results, "shapes": by_shape(results)})
+    return 0
+
+
+def progress(**fields) -> None:
+    """One line of progress on stderr (stdout carries only the result)."""
+    print(json.dumps(fields), file=sys.stderr, flush=True)
+
+
+def by_shape(rows: list[dict]) -> dict:
+    """Per shape: each system's step time, generation rate, peak memory and gap to the floor, and each
+    areno system's speedup over TRL measured in the same run."""
+    out: dict = {}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        systems = {r["system"]: r for r in rows if r["shape"] == shape}
         entry = {
             s: {
                 "step_s": r["step_s_mean"],
@@ -630,15 +638,31 @@ def main(argv: list[str] | None = None) -> int:
                 "peak_gpu_gib": r["peak_gpu_gib"],
                 "gap_to_floor": r["gap_to_floor"],
             }
-            for s, r in rows.items()
+            for s, r in systems.items()
         }
-        if "trl" in rows:
+        if "trl" in systems:
             for s in ("areno", "areno_async"):
-                if s in rows:
-                    entry[f"speedup_{s}_vs_trl"] = rows["trl"]["step_s_mean"] / rows[s]["step_s_mean"]
-        summary["shapes"][shape] = entry
-    print(json.dumps({"summary": summary}), flush=True)
-    return 0
+                if s in systems:
+                    entry[f"speedup_{s}_vs_trl"] = systems["trl"]["step_s_mean"] / systems[s]["step_s_mean"]
+        out[shape] = entry
+    return out
+
+
+def summary_headline(rows: list[dict]) -> dict:
+    """The first areno system of the first shape against TRL on that shape (None when TRL did not run)."""
+    ours = next((r for r in rows if r["system"] != "trl"), None)
+    shape = ours["shape"] if ours else rows[0]["shape"]
+    trl = next((r for r in rows if r["system"] == "trl" and r["shape"] == shape), None)
+    figure = ours["step_s_mean"] if ours else None
+    base = trl["step_s_mean"] if trl else None
+    return headline(
+        f"s per GRPO step (mean), shape {shape}, {ours['label'] if ours else 'no areno system'}",
+        figure,
+        "TRL GRPOTrainer (transformers generate), same shape and batch",
+        base,
+        ratio(base, figure, 2),
+        "TRL s/step / areno s/step (>1: areno faster)",
+    )
 
 
 if __name__ == "__main__":

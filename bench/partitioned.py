@@ -5,7 +5,7 @@ rollout workers on others, policy sync over the stream transport). Prints one JS
 Every arm is one ``Trainer`` run with the same model, data, recipe (``grpo_async``: the decoupled
 PPO objective) and seed; only ``rollout.max_head_offpolicyness`` changes. Completion lengths are
 long-tailed per prompt (a fraction ``--long-frac`` of prompts generate ``--long-len`` tokens, the
-others ``--short-len``; EOS ignored; ``bench/longtail.py``), so a synchronous step waits for its
+others ``--short-len``; EOS ignored: ``LongTailWorkflow``), so a synchronous step waits for its
 slowest group while the training device idles, and the training step leaves the rollout device idle.
 
 Reported per arm, from the run's own ``metrics.jsonl``: trained tokens/s over the steps after the
@@ -13,36 +13,78 @@ first (warm-up), median seconds per step, the reward curve (the learning curve: 
 parity of the number of digits in the completion, learnable by any model), the ``policy_sync_*``
 metrics of the real run (bytes, seconds, GB/s, generation-paused seconds), staleness.
 
-    python bench/partitioned.py                                     # CPU smoke: gloo, 1 + 1 processes
-    python bench/partitioned.py --device cuda --train-devices 0 --rollout-devices 1 \\
+    python -m bench.partitioned                                     # CPU smoke: gloo, 1 + 1 processes
+    python -m bench.partitioned --device cuda --train-devices 0 --rollout-devices 1 \\
         --hidden 1024 --layers 12 --heads 16 --kv-heads 4 --batch-size 16 --n-samples 8 \\
         --short-len 64 --long-len 512 --steps 10                     # 2 GPUs: train GPU 0, rollout GPU 1
     ... --train-devices 0,1 --rollout-devices 0,1 --etas 2          # overlapping device lists
     ... --etas 0,4 --steps 30 --repeats 3                           # 0,4,0,4,0,4: paired ratios, medians
 
-The output's ``summary`` gives, per eta, the trained tokens/s of each repeat and its median, and the ratio
-to the first eta's arm of the same repeat (run just before it) with its median.
+Prints one JSON object. Its headline: the last eta's trained tokens/s (median over the repeats), the
+first eta's as the baseline, ``ratio`` = the median over the repeats of last / first within each repeat.
+``summary`` gives, per eta, the trained tokens/s of each repeat and its median, and the ratio to the first
+eta's arm of the same repeat (run just before it) with its median. Each arm also goes to stderr as it
+finishes, so a run cut short still shows what it measured.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import faulthandler
 import json
 import logging
 import os
+import random
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.launch.watchdog import child_pids, dump_hang
+from areno.observe.metrics import read_jsonl_records
+from areno.workflows.rlvr import RLVRWorkflow
+from bench._common import emit, headline, parser
 
-from bench.longtail import long_tail_rows  # noqa: E402
+
+# ----------------------------------------------------------------------------- the long-tailed workload
+class LongTailWorkflow(RLVRWorkflow):
+    """RLVR with the completion length fixed per row (``row["len"]`` tokens, EOS ignored)."""
+
+    async def run_episode(self, client, sample):
+        # a per-episode copy: episodes run concurrently on one workflow object
+        episode = object.__new__(type(self))
+        episode.__dict__.update(self.__dict__)
+        episode.sampling_params = dataclasses.replace(
+            self.sampling_params, max_new_tokens=int(sample["len"]), ignore_eos=True
+        )
+        return await RLVRWorkflow.run_episode(episode, client, sample)
+
+
+def parity_reward(prompt: str, completion: str, answer, **fields) -> float:
+    """1 when the completion holds an even number of digits: cheap, verifiable, learnable by any model."""
+    return float(sum(c.isdigit() for c in completion) % 2 == 0)
+
+
+def long_tail_rows(*, short_len: int, long_len: int, long_frac: float, seed: int) -> Iterator[dict]:
+    """Endless ``{"id", "prompt", "answer", "len"}`` rows; ``long_frac`` of them ``long_len`` long."""
+    rng = random.Random(seed)
+    i = 0
+    while True:
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        length = long_len if rng.random() < long_frac else short_len
+        yield {"id": i, "prompt": f"{a}+{b}=", "answer": a + b, "len": length}
+        i += 1
+
+
+# ----------------------------------------------------------------------------- one arm
 
 
 def write_rows(path: Path, n: int, args, seed: int) -> None:
@@ -53,21 +95,19 @@ def write_rows(path: Path, n: int, args, seed: int) -> None:
 
 
 def arm_config(eta: int, args, work: Path, repeat: int = 0):
-    from areno.api.config import load_config
-
     ints = lambda s: [int(x) for x in s.split(",")]
     overrides = [
         f"run_dir={work / (f'eta{eta}' if repeat == 0 else f'eta{eta}-r{repeat}')}",
         f"model.path={work / 'model'}",
-        "model.init_tiny={hidden_size: %d, layers: %d, heads: %d, kv_heads: %d}"
-        % (args.hidden, args.layers, args.heads, args.kv_heads),
+        f"model.init_tiny={{hidden_size: {args.hidden}, layers: {args.layers}, heads: {args.heads}, "
+        f"kv_heads: {args.kv_heads}}}",
         f"model.dtype={'bfloat16' if args.device == 'cuda' else 'float32'}",
         "data.task=null",
         f"data.train_path={work / 'train.jsonl'}",
         f"data.eval_path={work / 'eval.jsonl'}",
-        "reward.fn=bench.longtail:parity_reward",
+        "reward.fn=bench.partitioned:parity_reward",
         "reward.sandbox=false",
-        "rollout.workflow=bench.longtail:LongTailWorkflow",
+        "rollout.workflow=bench.partitioned:LongTailWorkflow",
         f"rollout.batch_size={args.batch_size}",
         f"rollout.n_samples={args.n_samples}",
         f"rollout.max_new_tokens={args.long_len}",
@@ -104,8 +144,6 @@ class ArmTimeout:
     in its rendezvous."""
 
     def __init__(self, seconds: float | None, log_dir: Path) -> None:
-        import threading
-
         self.fired = False
         self._log_dir = log_dir
         self._done = threading.Event()
@@ -115,10 +153,6 @@ class ArmTimeout:
             self._timer.start()
 
     def _fire(self) -> None:
-        import signal
-
-        from areno.launch.watchdog import child_pids, dump_hang
-
         self.fired = True
         pids = child_pids(os.getpid())
         dump_hang(pids, log_paths=sorted(str(p) for p in self._log_dir.glob("*.log")))
@@ -139,9 +173,6 @@ class ArmTimeout:
 
 
 def run_arm(eta: int, args, work: Path, repeat: int = 0) -> dict:
-    from areno.api.trainer import Trainer
-    from areno.observe.metrics import read_jsonl_records
-
     config = arm_config(eta, args, work, repeat)
     t0 = time.perf_counter()
     deadline = ArmTimeout(args.arm_timeout, Path(config.run_dir) / "workers")
@@ -229,7 +260,7 @@ def _median_of(rows: list[dict], key: str, fmt) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("partitioned", __doc__)
     p.add_argument("--device", default="cpu")
     p.add_argument("--train-devices", default="0")
     p.add_argument("--rollout-devices", default="1")
@@ -307,18 +338,29 @@ def main(argv: list[str] | None = None) -> int:
     else:
         hw = "cpu (gloo), 1 thread per worker"
     result = {
-        "bench": "partitioned",
         "hardware": hw,
         "torch": torch.__version__,
         "config": vars(args),
         "arms": arms,
         "summary": paired_summary(arms, etas),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
+    record = emit("partitioned", partitioned_headline(result["summary"], etas), result)
     if args.out:
-        Path(args.out).write_text(text)
+        Path(args.out).write_text(json.dumps(record))
     return 0
+
+
+def partitioned_headline(summary: dict, etas: list[int]) -> dict:
+    """The last eta's trained tokens/s against the first eta's, paired within each repeat."""
+    first, last = summary[str(etas[0])], summary[str(etas[-1])]
+    return headline(
+        f"trained tokens/s, eta {etas[-1]} (median over repeats)",
+        last["trained_tokens_per_s_median"],
+        f"eta {etas[0]} (synchronous when 0), same model, data and devices, run just before it",
+        first["trained_tokens_per_s_median"],
+        last[f"ratio_to_eta{etas[0]}_median"],
+        f"eta {etas[-1]} / eta {etas[0]} trained tokens/s, median over the repeats' pairs",
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Reward throughput: in-process vs the reward sandbox (worker subprocesses), side by side. Prints JSON.
+"""Reward throughput: in-process vs the reward sandbox (worker subprocesses), side by side. Prints one JSON
+object: the headline (the first reward's sandbox calls/s, in-process as the baseline, ``ratio`` = sandbox /
+in-process), then ``results`` (one per reward).
 
-    python bench/rewards.py                      # CPU, any machine: no model, no GPU
-    python bench/rewards.py --calls 2048 --workers 8 --concurrency 256
+    python -m bench.rewards                      # CPU, any machine: no model, no GPU
+    python -m bench.rewards --calls 2048 --workers 8 --concurrency 256
 
 For each shipped reward (exact_match, math_verify, code_execution) the same ``--calls`` rewards are
 scored through the workflows' ``acall_reward`` with ``--concurrency`` calls in flight (as the rollout
@@ -15,20 +17,15 @@ The in-process code_execution still runs every candidate program in its own conf
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import platform
-import sys
 import time
 
+from areno.rewards.loader import import_object
 from areno.rewards.sandbox import RewardSandbox
 from areno.workflows.common import acall_reward
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.stamp import git_commit
+from bench._common import emit, headline, parser, ratio
 
 CASES = {
     "exact_match": ("areno.rewards.tasks:exact_match", lambda i: ("q", f"{i % 7}\n", str(i % 5), {})),
@@ -62,8 +59,6 @@ async def ascore_all(reward_fn, make, calls: int, concurrency: int) -> tuple[flo
 
 
 def bench_case(name: str, args) -> dict:
-    from areno.rewards.loader import import_object
-
     path, make = CASES[name]
     calls = args.calls if name == "exact_match" else args.heavy_calls
     fn = import_object(path, what="reward.fn")
@@ -98,26 +93,29 @@ def bench_case(name: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("rewards", __doc__)
     p.add_argument("--calls", type=int, default=2000, help="exact_match calls per side")
     p.add_argument("--heavy-calls", type=int, default=64, help="math_verify / code_execution calls per side")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=64, help="reward calls in flight (the rollout pool's)")
     p.add_argument("--rewards", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     args = p.parse_args(argv)
-    rows = [bench_case(name, args) for name in args.rewards.split(",")]
-    print(
-        json.dumps(
-            {
-                "bench": "rewards",
-                "commit": git_commit(),
-                "cpus": os.cpu_count(),
-                "machine": platform.processor() or platform.machine(),
-                "results": rows,
-            },
-            indent=1,
-        )
+    names = args.rewards.split(",")
+    for name in names:
+        if name not in CASES:
+            p.error(f"--rewards: unknown reward {name!r}; choose from {', '.join(CASES)}")
+    rows = [bench_case(name, args) for name in names]
+    first = rows[0]
+    head = headline(
+        f"{first['reward']} calls/s through the sandbox ({args.workers} workers, {args.concurrency} in flight)",
+        round(first["sandbox_calls_per_s"], 1),
+        "the same reward called in-process, same calls and concurrency",
+        round(first["in_process_calls_per_s"], 1),
+        ratio(first["sandbox_calls_per_s"], first["in_process_calls_per_s"]),
+        "sandbox / in-process calls/s (>1: the sandbox is faster)",
     )
+    details = {"cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "results": rows}
+    emit("rewards", head, details)
     return 0
 
 

@@ -1,10 +1,12 @@
 """Rollout throughput: areno's RolloutEngine vs transformers ``generate`` on the same model, prompts
-and lengths, measured side by side in one run. Prints one JSON object.
+and lengths, measured side by side in one run. Prints one JSON object: the headline (engine tokens/s,
+``generate``'s as the baseline, ``ratio`` = engine / ``generate``; with ``--rounds``, the median of the
+rounds' ratios), then the details.
 
-    python bench/rollout.py --shape cpu20m                       # CPU: ~20M params, 32 x 128
-    python bench/rollout.py --shape qwen0.5b                     # GPU: Qwen2.5-0.5B shape, 64 x 512
-    python bench/rollout.py --shape qwen0.5b --prompts 256 --skip-hf   # GPU: 256 concurrent sequences
-    python bench/rollout.py --shape qwen0.5b --prompts 256 --skip-hf --decode-attention gather paged
+    python -m bench.rollout --shape cpu20m                       # CPU: ~20M params, 32 x 128
+    python -m bench.rollout --shape qwen0.5b                     # GPU: Qwen2.5-0.5B shape, 64 x 512
+    python -m bench.rollout --shape qwen0.5b --prompts 256 --skip-hf   # GPU: 256 concurrent sequences
+    python -m bench.rollout --shape qwen0.5b --prompts 256 --skip-hf --decode-attention gather paged
 
 ``--decode-attention`` takes one or more of ``gather`` / ``paged`` (``RolloutEngineConfig.decode_attention``):
 with several, the engine runs once per value on the same model and prompts, one after the other in this
@@ -16,14 +18,9 @@ whichever value goes first), so ``--decode-attention gather paged gather`` compa
 Sampling: ``--temperature`` takes one or more values (0 = greedy, the default), each run side by side
 like the decode-attention values (one engine run per attention value x temperature); sampled runs use
 ``--top-p`` / ``--top-k`` and, as RL rollouts do (the ledger seeds every request), per-request seeds
-``--seed + i`` (``--unseeded``: the engine's generator instead). ``--compare-eager-sampling`` adds, for
-each sampled run, one where only all-greedy batches use the k-step loop graph and sampled batches replay
-the one-step graph with eager sampling between replays (the engine before the sampled loop graph); with
-seeds its tokens must equal the loop's (``identical_to``). Several runs: ``by_run`` holds each one's
-figures under a label such as ``paged T=1.0`` or ``paged T=1.0 no-loop``; the top-level figures are the
-first run's. ``transformers`` generate uses the first temperature's sampling (do_sample when > 0).
-
-    python bench/rollout.py --shape qwen0.5b --skip-hf --temperature 0 1.0 --top-p 0.95 --compare-eager-sampling
+``--seed + i`` (``--unseeded``: the engine's generator instead). Several runs: ``by_run`` holds each one's
+figures under a label such as ``paged T=1.0``; the top-level figures are the first run's. ``transformers``
+generate uses the first temperature's sampling (do_sample when > 0).
 
 Projections: ``--fused-projections`` (default) / ``--no-fused-projections`` sets
 ``RolloutEngineConfig.fused_projections`` (one GEMM for each layer's q/k/v and one for gate/up);
@@ -31,7 +28,7 @@ Projections: ``--fused-projections`` (default) / ``--no-fused-projections`` sets
 prompts (label suffix `` unfused-proj`` / `` fused-proj``; ``identical_to`` the run it follows): the
 A/B of the kernel count of a decode step in one process.
 
-    python bench/rollout.py --shape qwen0.5b --skip-hf --compare-fused-projections --profile
+    python -m bench.rollout --shape qwen0.5b --skip-hf --compare-fused-projections --profile
 
 CPU options, A/B in one process: ``--compare-cpu-packed-gemm N`` and ``--compare-decode-carry N`` add N
 pairs of the first run with ``RolloutEngineConfig.cpu_packed_gemm`` / ``cpu_decode_carry`` flipped, then as
@@ -39,7 +36,7 @@ set (labels `` linear-gemm #i`` / `` packed-gemm #i``, `` gather #i`` / `` carry
 times the first run's setting and ``generate`` R times, alternating (``speedup_rounds``,
 ``speedup_median``): on a shared CPU host one run each is not a ratio to trust.
 
-    python bench/rollout.py --shape cpu20m --threads 2 --rounds 5 --compare-cpu-packed-gemm 2 --compare-decode-carry 2
+    python -m bench.rollout --shape cpu20m --threads 2 --rounds 5 --compare-cpu-packed-gemm 2 --compare-decode-carry 2
 
 Both sides decode to exactly ``--new-tokens`` tokens (EOS ignored). Process CPU time is
 reported next to wall time (``speedup_cpu_time``): on a shared CPU machine it is the steadier figure. On CUDA it also reports
@@ -54,16 +51,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.profiling, bench.stamp
-
-from bench.stamp import stamp
+from areno.models.config import ModelConfig
+from areno.models.decoder import Decoder
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.types import SamplingParams
+from bench._common import emit, headline, parser, profile_cuda
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 QWEN25_05B = {
@@ -106,10 +102,7 @@ SHAPES = {"cpu20m": (CPU_20M, 32, 128), "qwen0.5b": (QWEN25_05B, 64, 512)}
 
 
 def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):
-    import transformers
-
-    from areno.models.config import ModelConfig
-    from areno.models.decoder import Decoder
+    import transformers  # only runs with the generate baseline need it (seconds to import)
 
     cfg = ModelConfig.from_hf(hf_dict)
     torch.manual_seed(0)
@@ -175,8 +168,6 @@ def run_hf(
 def request_params(args, temperature: float, new_tokens: int, n: int) -> list:
     """One ``SamplingParams`` per prompt: greedy at temperature 0, else ``--top-p`` / ``--top-k``
     and the per-request seed ``--seed + i`` (none with ``--unseeded``)."""
-    from areno.types import SamplingParams
-
     if temperature <= 0:
         return [SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)] * n
     return [
@@ -201,11 +192,8 @@ def run_engine(
     args,
     decode_attention: str = "gather",
     temperature: float = 0.0,
-    loop: bool = True,
     fused_projections: bool = True,
 ) -> tuple[float, list[list[int]], dict]:
-    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-
     ecfg = RolloutEngineConfig(
         block_size=args.block_size,
         max_num_seqs=max(len(prompts), 1),
@@ -224,17 +212,11 @@ def run_engine(
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = request_params(args, temperature, new_tokens, len(prompts))
-    if not loop and engine._graphs is not None:
-        # The engine before sampled loop graphs: only all-greedy batches without pending
-        # min_new_tokens run the k-step loop; the others replay the one-step graph k times.
-        can_loop = engine._graphs.can_loop
-        engine._graphs.can_loop = lambda batch, rp, k: rp.all_greedy and not rp.any_min_new and can_loop(batch, rp, k)
     engine.generate(
         [p[:8] for p in prompts[: min(8, len(prompts))]], [dataclasses.replace(q, max_new_tokens=4) for q in params[:8]]
     )
     # Like a server at start-up: capture the decode graphs this run needs outside the timed region.
-    loop_params = [params[0]] if loop or temperature <= 0 else []
-    engine.warmup_cuda_graphs([len(prompts)], max(len(p) for p in prompts) + new_tokens, params=loop_params)
+    engine.warmup_cuda_graphs([len(prompts)], max(len(p) for p in prompts) + new_tokens, params=[params[0]])
     sync(device)
     cpu0, t0 = time.process_time(), time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -244,7 +226,6 @@ def run_engine(
     if getattr(args, "profile", False) and device.startswith("cuda"):
         stats["profile"] = profile_decode(engine, prompts, min(new_tokens, 64), params)
     stats["cpu_s"] = time.process_time() - cpu0
-    stats["loop_graphs"] = len(engine._graphs._loops) if engine._graphs is not None else 0
     c = engine.cache
     stats["kv_pool_GiB"] = round(
         2
@@ -261,9 +242,7 @@ def run_engine(
 
 def profile_decode(engine, prompts, new_tokens: int, params: list) -> dict:
     """Where the GPU time of a generate call goes (after the timed run, same engine, prompts and
-    sampling, ``new_tokens`` tokens; ``bench/profiling.py``)."""
-    from bench.profiling import profile_cuda
-
+    sampling, ``new_tokens`` tokens)."""
     params = [dataclasses.replace(p, max_new_tokens=new_tokens) for p in params]
     return {"new_tokens": new_tokens, **profile_cuda(lambda: engine.generate(prompts, params), top=20)}
 
@@ -300,8 +279,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = parser("rollout", __doc__)
     add_workload_args(ap)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default bf16 on cuda, fp32 on cpu")
@@ -333,24 +312,9 @@ def main(argv: list[str] | None = None) -> None:
         help="one GEMM for q/k/v and one for gate/up per layer (RolloutEngineConfig.fused_projections)",
     )
     ap.add_argument(
-        "--fused-add-norm",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="CUDA: the residual add + RMSNorm kernel (fused_ops.add_rms_norm) where the fused kernels "
-        "are on; --no-fused-add-norm keeps the add and the RMSNorm kernel apart (A/B)",
-    )
-    ap.add_argument(
         "--compare-fused-projections",
         action="store_true",
         help="each run also runs with the other --fused-projections setting, side by side",
-    )
-    ap.add_argument(
-        "--compare-cpu-decode-matmul",
-        type=int,
-        default=0,
-        metavar="N",
-        help="CPU: after the runs, N pairs of the first run with decode rows through SDPA over the "
-        "gathered K/V, then through the head-major matmul form (attention.CPU_DECODE_MATMUL)",
     )
     ap.add_argument(
         "--cpu-packed-gemm",
@@ -408,20 +372,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=-1, help="sampled runs: top-k (-1: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampled runs: request i has seed SEED + i")
     ap.add_argument("--unseeded", action="store_true", help="sampled runs: no per-request seeds (engine generator)")
-    ap.add_argument(
-        "--compare-eager-sampling",
-        action="store_true",
-        help="each sampled run also runs with sampled batches kept off the k-step loop graph",
-    )
     args = ap.parse_args(argv)
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.fused_add_norm:
-        from areno.models import fused_ops
-
-        fused_ops._ADD_NORM.allowed = False
     hf_dict, n_default, new_default = SHAPES[args.shape]
     n = args.prompts or n_default
     new_tokens = args.new_tokens or new_default
@@ -433,53 +388,29 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in ours.parameters())
     runs = {}  # label -> (seconds, outputs, stats, label of the run to compare tokens with)
     fp = args.fused_projections
-    plan = [(mode, t, True, fp) for mode in args.decode_attention for t in args.temperature]
-    if args.compare_eager_sampling:
-        plan = [r for m, t, lp, f in plan for r in ([(m, t, lp, f), (m, t, False, f)] if t > 0 else [(m, t, lp, f)])]
+    plan = [(mode, t, fp) for mode in args.decode_attention for t in args.temperature]
     if args.compare_fused_projections:
-        plan = [r for m, t, lp, f in plan for r in ((m, t, lp, f), (m, t, lp, not f))]
+        plan = [r for m, t, f in plan for r in ((m, t, f), (m, t, not f))]
     many_t = len(args.temperature) > 1 or args.temperature[0] > 0
     other_proj = " unfused-proj" if fp else " fused-proj"
     first, first_at = None, {}  # the first run, and the first run of each temperature
-    for mode, temperature, loop, fused_proj in plan:
-        base = mode + (f" T={temperature:g}" if many_t else "") + ("" if loop else " no-loop")
+    for mode, temperature, fused_proj in plan:
+        base = mode + (f" T={temperature:g}" if many_t else "")
         label = base + ("" if fused_proj == fp else other_proj)
         gc.collect()  # the previous engine (KV pool, graphs) holds a reference cycle
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode, temperature, loop, fused_proj)
+        s_, out_, st_ = run_engine(ours, cfg, prompts, new_tokens, device, args, mode, temperature, fused_proj)
         if device.startswith("cuda"):
             st_["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         st_["fused_projections"] = fused_proj
         first = first or label
         first_at.setdefault(temperature, label)
-        # the other projection setting against the run it follows; no-loop runs against the same
-        # run with the loop; others against the first at their temperature
-        if fused_proj != fp:
-            ref = base
-        else:
-            ref = label.removesuffix(" no-loop") if not loop else first_at[temperature]
+        # the other projection setting against the run it follows; others against the first at their temperature
+        ref = base if fused_proj != fp else first_at[temperature]
         runs.pop(label, None)  # a value given twice keeps its last run, listed last
         runs[label] = (s_, out_, st_, ref)
-    if args.compare_cpu_decode_matmul and device == "cpu":
-        # The first run again with CPU decode rows on the other attention form (attention.py
-        # CPU_DECODE_MATMUL), then the first run once more: old / new / old / new ... in one process.
-        from areno.rollout import attention
-
-        mode, temperature, loop, fused_proj = plan[0]
-        for rep in range(args.compare_cpu_decode_matmul):
-            for flag in (not attention.CPU_DECODE_MATMUL, attention.CPU_DECODE_MATMUL):
-                saved, attention.CPU_DECODE_MATMUL = attention.CPU_DECODE_MATMUL, flag
-                try:
-                    s_, out_, st_ = run_engine(
-                        ours, cfg, prompts, new_tokens, device, args, mode, temperature, loop, fused_proj
-                    )
-                finally:
-                    attention.CPU_DECODE_MATMUL = saved
-                st_["fused_projections"] = fused_proj
-                label = f"{first} {'matmul' if flag else 'sdpa'}-decode #{rep + 1}"
-                runs[label] = (s_, out_, st_, first)
     for option, pairs, names in (
         ("cpu_packed_gemm", args.compare_cpu_packed_gemm, ("linear-gemm", "packed-gemm")),
         ("decode_carry", args.compare_decode_carry, ("gather", "carry")),
@@ -487,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         if not pairs or device != "cpu":
             continue
         # The first run with the option flipped, then as set: other / set / other / set ... in one process.
-        mode, temperature, loop, fused_proj = plan[0]
+        mode, temperature, fused_proj = plan[0]
         for rep in range(pairs):
             for flag in (not getattr(args, option), getattr(args, option)):
                 s_, out_, st_ = run_engine(
@@ -499,14 +430,12 @@ def main(argv: list[str] | None = None) -> None:
                     argparse.Namespace(**{**vars(args), option: flag}),
                     mode,
                     temperature,
-                    loop,
                     fused_proj,
                 )
                 st_["fused_projections"] = fused_proj
                 runs[f"{first} {names[flag]} #{rep + 1}"] = (s_, out_, st_, first)
     eng_s, eng_out, stats, _ = runs[first]
     result: dict = {
-        "bench": "rollout",
         "shape": args.shape,
         "device": device,
         "dtype": str(dtype).removeprefix("torch."),
@@ -520,7 +449,6 @@ def main(argv: list[str] | None = None) -> None:
         "fused_projections": args.fused_projections,
         "compare_fused_projections": args.compare_fused_projections,
         "fused_kernels": args.fused_kernels,
-        "fused_add_norm": args.fused_add_norm,
         "params_M": round(n_params / 1e6, 2),
         "prompts": n,
         "new_tokens": new_tokens,
@@ -546,7 +474,6 @@ def main(argv: list[str] | None = None) -> None:
                 "engine_steps": st_["steps"],
                 "engine_round_trips": st_["sampling_round_trips"],
                 "engine_cpu_s": round(st_["cpu_s"], 3),
-                "loop_graphs": st_["loop_graphs"],
                 "fused_projections": st_["fused_projections"],
                 "identical_to": {ref: f"{sum(a == b for a, b in zip(out_, runs[ref][1]))}/{n}"},
                 "mean_common_prefix_with_it": mean_common_prefix(out_, runs[ref][1]),
@@ -598,21 +525,29 @@ def main(argv: list[str] | None = None) -> None:
         if args.rounds > 1:
             # More (engine, generate) pairs of the first run's setting, alternating, so that a slow
             # spell of a shared host falls on both sides; the first pair is the one above.
-            mode, temperature, loop, fused_proj = plan[0]
+            mode, temperature, fused_proj = plan[0]
             ratios = [hf_s / eng_s]
             for _ in range(args.rounds - 1):
                 gc.collect()
-                s_, _, _ = run_engine(
-                    ours_again, cfg, prompts, new_tokens, device, args, mode, temperature, loop, fused_proj
-                )
+                s_, _, _ = run_engine(ours_again, cfg, prompts, new_tokens, device, args, mode, temperature, fused_proj)
                 h_, _ = run_hf(hf, prompts, new_tokens, device, sampling)
                 ratios.append(h_ / s_)
             result.update(
                 speedup_rounds=[round(r, 2) for r in ratios], speedup_median=round(sorted(ratios)[len(ratios) // 2], 2)
             )
-    result.update(stamp())
-    print(json.dumps(result))
+    engine_tok_s, hf_tok_s = result["engine_tok_s"], result.get("hf_generate_tok_s")
+    speedup = result.get("speedup_median", result.get("speedup"))
+    head = headline(
+        f"generated tokens/s, engine ({args.shape}, {n} prompts x {new_tokens} tokens, {device})",
+        engine_tok_s,
+        "transformers generate, same model, prompts and lengths",
+        hf_tok_s,
+        speedup,
+        "generate s / engine s (>1: engine faster); the median of --rounds when given",
+    )
+    emit("rollout", head, result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,6 @@
-"""Policy-sync benchmark: prints one JSON object.
+"""Policy sync against a raw collective moving the same bytes, measured in the same run. Prints one JSON
+object: the headline (the sync's median seconds, the raw transfer's as the baseline, ``ratio`` = raw / sync;
+the target is >= 0.8), then the details.
 
 --mode cpu (default): 4 processes over gloo, train DP 2 -> rollout TP 2. Effective GB/s of a full
   policy sync (StreamTransport: plan, bounded buckets, relay + fan-out, slicing, staging, commit)
@@ -9,33 +11,28 @@
   receiving happens while it keeps generating), for ``--commit inplace`` the whole sync (received
   straight into the paused engine's tensors: no staging, no commit copy). ``--commit all`` runs one
   transport per commit, interleaved with the raw baseline (rotating which goes first), and reports
-  each under ``by_commit``. Over ``--repeats`` blocks of ``--iters`` rounds the JSON gives the ratio
-  of medians over all rounds, per block (and their median), best-of, and per-phase times of the
-  slowest rank. Target: ratio >= 0.8. ``vote_backend``: the commit vote's group (nccl on distinct
+  each under ``by_commit`` (the headline is the first: copy). Over ``--repeats`` blocks of ``--iters``
+  rounds the JSON gives the ratio of medians over all rounds, per block (and their median), best-of,
+  and per-phase times of the slowest rank. ``vote_backend``: the commit vote's group (nccl on distinct
   GPUs, else gloo).
 
---mode gpu-stream (multi-GPU issue): the same, NCCL data plane, bf16 Qwen2.5 shape (--shapes 1.5b),
-  train DP 2 on GPUs 0-1 -> rollout TP on the remaining GPUs, or --overlap: rollout TP 2 on GPUs 0-1 too.
+--mode gpu-stream: the same, NCCL data plane, bf16 Qwen2.5 shape (--shapes 1.5b), train DP on the first
+  GPUs -> rollout TP on the remaining GPUs, or --overlap: rollout TP 2 on the two training GPUs too.
   Default: all three commits side by side (--commit copy|swap|inplace for one).
 
 --mode gpu-colocated: one GPU, InPlaceTransport from fp32 trained tensors into a bf16 engine for
   Qwen2.5 0.5B / 1.5B shapes (a cast copy), and the aliased case (engine reads the trained bf16
   tensors: nothing moves). Baseline: one flat device copy of the same bytes. Target: < 50 ms 1.5B.
+  ``--device cpu --shapes tiny`` runs it anywhere in a second.
 
-    python bench/sync.py --mode cpu                      # ~15-20 s on 2 cores; add --profile-rank 2 for cProfile
-    python bench/sync.py --mode gpu-colocated --shapes 0.5b,1.5b
-    python bench/sync.py --mode gpu-stream --gpus 4 --shapes 1.5b --bucket-mb 256
-    python bench/sync.py --mode gpu-stream --gpus 2 --train-dp 1 --shapes 1.5b --bucket-mb 256  # GPU 0 -> GPU 1
-
---mode host-copies: host time to issue one sync's pack and stage copies, per-item copy_ vs one
-  foreach copy per bucket (no collectives; --device meta: dispatch only, runs anywhere).
-
-    python bench/sync.py --mode host-copies --device meta --shapes 1.5b --bucket-mb 256 --tp 2
+    python -m bench.sync --mode cpu                      # ~15-20 s on 2 cores; add --profile-rank 2 for cProfile
+    python -m bench.sync --mode gpu-colocated --shapes 0.5b,1.5b
+    python -m bench.sync --mode gpu-stream --gpus 4 --shapes 1.5b --bucket-mb 256
+    python -m bench.sync --mode gpu-stream --gpus 2 --train-dp 1 --shapes 1.5b --bucket-mb 256  # GPU 0 -> GPU 1
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -47,12 +44,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from areno.sync.base import NamedTensorSource, StagedReceiver, TensorEngine
+from areno.sync.base import NamedTensorSource, TensorEngine, engine_receiver
 from areno.sync.inplace import InPlaceTransport
 from areno.sync.plan import shard_specs_from_tp_plan
+from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
+from bench._common import emit, headline, parser, ratio
 
 TP_PLAN = {
     "model.layers.*.self_attn.[qkv]_proj.*": "colwise",
@@ -67,7 +65,10 @@ SHAPES = {  # Qwen2.5 shapes (tied embeddings)
     "0.5b": dict(hidden=896, layers=24, inter=4864, heads=14, kv_heads=2, vocab=151936, tied=True),
     "1.5b": dict(hidden=1536, layers=28, inter=8960, heads=12, kv_heads=2, vocab=151936, tied=True),
     "cpu": dict(hidden=512, layers=4, inter=1408, heads=8, kv_heads=4, vocab=16000, tied=False),
+    "tiny": dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=512, tied=False),  # smoke runs
 }
+MODE_SHAPES = {"cpu": "cpu", "gpu-stream": "1.5b", "gpu-colocated": "0.5b,1.5b"}
+"""Default ``--shapes`` of each mode (the stream modes use the last shape listed)."""
 
 
 def qwen2_shapes(hidden, layers, inter, heads, kv_heads, vocab, tied) -> dict[str, tuple[int, ...]]:
@@ -100,16 +101,26 @@ COMMITS = {"copy": "staged", "swap": "swap", "inplace": "inplace"}
 """Bench name of a receiver's commit -> ``engine_receiver(commit=)``."""
 
 
+def raw_transfer(transport: StreamTransport, buffers: list[torch.Tensor]) -> float:
+    """The baseline: each row's bytes (``buffers[row]``, one tensor of that row's size) as one message over
+    the transport's own route (sender -> relay on the row's pair group, then the relay's broadcast to the
+    rollout group), with no plan, packing, slicing or commit. Call on every rank; returns seconds on this rank."""
+    t0 = time.perf_counter()
+    for row, (sender, relay) in enumerate(zip(transport.topology.sender_ranks, transport.relays)):
+        if transport.rank in (sender, relay):
+            dist.broadcast(buffers[row], src=sender, group=transport.pair_groups[row])
+        if transport.is_rollout and transport.rollout_group is not None:
+            dist.broadcast(buffers[row], src=relay, group=transport.rollout_group)
+    if transport.device.type == "cuda":
+        torch.cuda.synchronize(transport.device)
+    return time.perf_counter() - t0
+
+
 def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> None:
     """One rank of train DP ``train_dp`` -> rollout TP (world - train_dp). The world is gloo
     (barriers, timing reductions); on GPU the transport's data plane is NCCL. One transport per
     commit in ``opts["commits"]`` (same source, each receiver its own live tensors), measured
     interleaved with the raw baseline."""
-    import torch.distributed as dist
-
-    from areno.sync.base import engine_receiver
-    from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
-
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -172,7 +183,8 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
     phase_names = ("pack", "post", "wait", "stage", "vote", "commit")
     for t in transports.values():
         t.sync(0)  # warm-up: allocates buffers (and staging), creates communicators
-    transport.raw_transfer()
+    raw_buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in transport.plan.row_bytes]
+    raw_transfer(transport, raw_buffers)
     raw_s: list[float] = []
     per = {
         c: {
@@ -201,7 +213,7 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
             for which in arms[shift:] + arms[:shift]:
                 dist.barrier()
                 if which == "raw":
-                    block_raw.append(slowest([transport.raw_transfer()])[0])
+                    block_raw.append(slowest([raw_transfer(transport, raw_buffers)])[0])
                     continue
                 version += 1
                 stats = transports[which].sync(version)
@@ -300,7 +312,7 @@ def _stream_worker(rank: int, world: int, port: int, out: str, opts: dict) -> No
             "peak_bucket_buffer_bytes": transport.peak_buffer_bytes,
         }
         if len(commits) == 1:
-            result |= {"commit": commits[0], **by_commit[commits[0]]}
+            result |= {"sync_commit": commits[0], **by_commit[commits[0]]}
         else:
             result["by_commit"] = by_commit
         if Path(out, "profile.json").exists():
@@ -321,163 +333,87 @@ def bench_stream(world: int, opts: dict) -> dict:
         return json.loads(Path(out, "result.json").read_text())
 
 
-# ------------------------------------------------------------------------------ host copies
-def bench_host_copies(shape: str, bucket_bytes: int, tp: int, iters: int, device: str) -> dict:
-    """Host time to issue one sync's pack (sender) and stage (receiver) copies: the per-item path
-    (one ``copy_`` per tensor, views built every sync, as before issue #10's fix) against
-    ``BucketPacker`` / ``BucketStager`` (one ``torch._foreach_copy_`` per bucket, cached views).
-    No collectives: the same buffer is packed, then staged. ``--device meta`` measures dispatch
-    alone (no memory, no kernels); on ``cuda`` it is the enqueue time (kernels run after it)."""
-    from areno.sync.base import write_rows
-    from areno.sync.plan import plan_buckets
-    from areno.sync.stream import BucketPacker, BucketStager, chunk_views, tensor_chunks
-
-    dev = torch.device(device)
-    dtype = torch.bfloat16
-    shapes = qwen2_shapes(**SHAPES[shape])
-    meta = [(n, s, dtype) for n, s in shapes.items()]
-    weights = {n: torch.zeros(s, dtype=dtype, device=dev) for n, s in shapes.items()}  # touched: no page faults
-    specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=0, tp_size=tp)
-    cuts = {n: sorted({sp.start, sp.start + sp.length}) for n, sp in specs.items() if sp.dim == 0}
-    plan = plan_buckets(meta, 1, bucket_bytes, cuts=cuts, direct_bytes=bucket_bytes // 4)
-    packed = [b for b in plan.buckets if len(b.items) > 1]  # single chunks travel unpacked
-    bufs = [torch.zeros(plan.max_bucket_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
-    receiver = StagedReceiver(specs, lambda named, v: None, device=dev)
-    receiver.begin(0)
-    packer, stager = BucketPacker(), BucketStager(receiver, specs)
-
-    def sync_dev() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    def pack_old() -> None:
-        for k, b in enumerate(packed):
-            for i in b.items:
-                chunk = weights[i.name].reshape(i.shape)[i.row_start : i.row_end]
-                bufs[k % 2][i.offset : i.offset + i.nbytes].view(i.dtype).view(i.chunk_shape).copy_(chunk)
-
-    by_tensor = tensor_chunks(packed)  # as StreamTransport._send: one split per tensor, one copy per bucket
-
-    def pack_new() -> None:
-        pending: dict[int, list[torch.Tensor]] = {}
-        for idx, full in enumerate(weights.values()):
-            chunks = by_tensor.get(idx)
-            if chunks is None:
-                continue
-            for (k, item), chunk in zip(chunks[0], chunk_views(full, chunks)):
-                pending.setdefault(k, []).append(chunk)
-                if item is packed[k].items[-1]:
-                    packer.pack(packed[k], k % 2, bufs[k % 2], 0, pending.pop(k))
-
-    def stage_old() -> None:
-        for k, b in enumerate(packed):
-            buf = bufs[k % 2][: b.nbytes]
-            for i in b.items:
-                rows = buf[i.offset : i.offset + i.nbytes].view(i.dtype).view(i.chunk_shape)
-                dest = receiver.stage(i.name)
-                write_rows(specs[i.name], dest if dest.dim() else dest.view(1), rows, i.row_start)
-
-    def stage_new() -> None:
-        for k, b in enumerate(packed):
-            stager.stage(b, bufs[k % 2][: b.nbytes])
-
-    def timed(fn) -> tuple[float, float]:
-        """(host seconds to issue ``fn``, seconds until its kernels finished)."""
-        sync_dev()
-        t = time.perf_counter()
-        fn()
-        host = time.perf_counter() - t
-        sync_dev()
-        return host, time.perf_counter() - t
-
-    flat = torch.zeros(sum(b.nbytes for b in packed), dtype=torch.uint8, device=dev)
-    flat_dst = torch.zeros_like(flat)
-
-    def flat_copy() -> None:  # the same bytes as one copy: the device-time floor
-        flat_dst.copy_(flat)
-
-    out: dict[str, float] = {}
-    for name, fn in (
-        ("pack_old", pack_old),
-        ("pack_new", pack_new),
-        ("stage_old", stage_old),
-        ("stage_new", stage_new),
-        ("flat_copy", flat_copy),
-    ):
-        fn()  # warm-up (builds the cached views)
-        runs = [timed(fn) for _ in range(iters)]
-        out[f"{name}_ms_median"] = 1e3 * statistics.median(h for h, _ in runs)
-        if dev.type == "cuda":
-            out[f"{name}_device_ms_median"] = 1e3 * statistics.median(d for _, d in runs)
-    items = sum(len(b.items) for b in packed)
-    return {
-        "mode": "host-copies",
-        "device": str(dev),
-        "shape": shape,
-        "rollout_tp": tp,
-        "tensors": len(meta),
-        "buckets": len(plan.buckets),
-        "packed_buckets": len(packed),
-        "packed_items": items,
-        "bucket_bytes": bucket_bytes,
-        "packed_bytes": flat.numel(),
-        **out,
-        "copy_calls_per_sync_old": {"pack": items, "stage": items},
-        "copy_calls_per_sync_new": {"pack": len(packed), "stage": len(packed)},
-    }
-
-
 # ------------------------------------------------------------------------------ GPU colocated
 def bench_gpu_colocated(shape_names: list[str], iters: int, device: str) -> dict:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--mode gpu-colocated needs CUDA (or --device cpu for a smoke run)")
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    results = {"mode": "gpu-colocated", "device": name, "shapes": {}}
-    for name in shape_names:
-        shapes = qwen2_shapes(**SHAPES[name])
-        trained = {n: torch.randn(s, device=dev) for n, s in shapes.items()}  # fp32 master weights
-        engine = {n: torch.empty(s, device=dev, dtype=torch.bfloat16) for n, s in shapes.items()}
-        nbytes = sum(t.numel() * 2 for t in engine.values())
-        cast = InPlaceTransport(NamedTensorSource(lambda: trained.items()), engine)
-        trained_bf16 = {n: t.to(torch.bfloat16) for n, t in trained.items()}
-        alias = InPlaceTransport(NamedTensorSource(lambda: trained_bf16.items()), trained_bf16)
-        flat_src = torch.empty(nbytes // 2, device=dev, dtype=torch.bfloat16)
-        flat_dst = torch.empty_like(flat_src)
-        cast.sync(0), alias.sync(0)
-
-        def raw() -> float:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            flat_dst.copy_(flat_src)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            return time.perf_counter() - t0
-
-        raw()
-        cast_s = [cast.sync(i + 1).total_time_s for i in range(iters)]
-        alias_s = [alias.sync(i + 1).total_time_s for i in range(iters)]
-        raw_s = [raw() for _ in range(iters)]
-        params = sum(t.numel() for t in engine.values())
-        results["shapes"][name] = {
-            "params": params,
-            "engine_bytes_bf16": nbytes,
-            "inplace_cast_fp32_to_bf16_ms_median": 1e3 * statistics.median(cast_s),
-            "inplace_aliased_ms_median": 1e3 * statistics.median(alias_s),
-            "raw_flat_copy_same_bytes_ms_median": 1e3 * statistics.median(raw_s),
-            "generation_paused_ms_median": 1e3 * statistics.median(cast_s),
-            "target_ms": 50.0,
-        }
-        del trained, engine, trained_bf16, flat_src, flat_dst, cast, alias
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    results = {
+        "mode": "gpu-colocated",
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "shapes": {name: colocated_shape(name, iters, dev) for name in shape_names},
+    }
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return results
 
 
+def colocated_shape(name: str, iters: int, dev: torch.device) -> dict:
+    """One shape's in-place syncs (fp32 -> bf16 cast, and aliased) against one flat copy of the same bytes."""
+    shapes = qwen2_shapes(**SHAPES[name])
+    trained = {n: torch.randn(s, device=dev) for n, s in shapes.items()}  # fp32 master weights
+    engine = {n: torch.empty(s, device=dev, dtype=torch.bfloat16) for n, s in shapes.items()}
+    nbytes = sum(t.numel() * 2 for t in engine.values())
+    cast = InPlaceTransport(NamedTensorSource(trained.items), engine)
+    trained_bf16 = {n: t.to(torch.bfloat16) for n, t in trained.items()}
+    alias = InPlaceTransport(NamedTensorSource(trained_bf16.items), trained_bf16)
+    flat_src = torch.empty(nbytes // 2, device=dev, dtype=torch.bfloat16)
+    flat_dst = torch.empty_like(flat_src)
+    cast.sync(0), alias.sync(0)
+
+    def raw() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        flat_dst.copy_(flat_src)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    raw()
+    cast_s = [cast.sync(i + 1).total_time_s for i in range(iters)]
+    alias_s = [alias.sync(i + 1).total_time_s for i in range(iters)]
+    raw_s = [raw() for _ in range(iters)]
+    return {
+        "params": sum(t.numel() for t in engine.values()),
+        "engine_bytes_bf16": nbytes,
+        "inplace_cast_fp32_to_bf16_ms_median": 1e3 * statistics.median(cast_s),
+        "inplace_aliased_ms_median": 1e3 * statistics.median(alias_s),
+        "raw_flat_copy_same_bytes_ms_median": 1e3 * statistics.median(raw_s),
+        "generation_paused_ms_median": 1e3 * statistics.median(cast_s),
+        "target_ms": 50.0,
+    }
+
+
+def sync_headline(result: dict) -> dict:
+    """Stream modes: the first commit's median sync against the raw transfer; gpu-colocated: the first
+    shape's cast sync against one flat copy of the same bytes."""
+    if result["mode"] == "gpu-colocated":
+        name, shape = next(iter(result["shapes"].items()))
+        figure, base = shape["inplace_cast_fp32_to_bf16_ms_median"], shape["raw_flat_copy_same_bytes_ms_median"]
+        return headline(
+            f"ms per colocated in-place sync, fp32 -> bf16 cast ({name} shape, {result['device']})",
+            figure,
+            "one flat device copy of the same bytes",
+            base,
+            ratio(base, figure),
+            "copy ms / sync ms (1: the sync costs one copy)",
+        )
+    commit = result.get("sync_commit") or next(iter(result["by_commit"]))
+    figure = result["by_commit"][commit]["sync_s_median"] if "by_commit" in result else result["sync_s_median"]
+    return headline(
+        f"s per policy sync, {commit} commit ({result['shape']} shape, {result['bytes']} bytes, {result['topology']})",
+        figure,
+        "raw broadcasts of the same bytes over the same route and process groups",
+        result["raw_s_median"],
+        ratio(result["raw_s_median"], figure),
+        "raw s / sync s (target >= 0.8)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["cpu", "gpu-colocated", "gpu-stream", "host-copies"], default="cpu")
+    ap = parser("sync", __doc__)
+    ap.add_argument("--mode", choices=list(MODE_SHAPES), default="cpu")
     ap.add_argument("--gpus", type=int, default=4, help="gpu-stream: GPUs used (--train-dp train, the rest rollout TP)")
     ap.add_argument("--train-dp", type=int, default=2, help="stream modes: training (sending) ranks")
     ap.add_argument(
@@ -518,14 +454,18 @@ def main(argv: list[str] | None = None) -> int:
         "from staging into live tensors (an engine under CUDA graphs), inplace (received straight "
         "into the paused engine's tensors) or all three side by side (gpu-stream default)",
     )
-    ap.add_argument("--shapes", default="0.5b,1.5b", help="gpu-colocated shapes: 0.5b,1.5b (cpu: a small one)")
     ap.add_argument(
-        "--device",
-        default="cuda",
-        help="gpu-colocated device (cpu for a smoke run); host-copies: cuda or meta (dispatch only)",
+        "--shapes",
+        default=None,
+        help=f"comma list of {','.join(SHAPES)}: gpu-colocated runs each, the stream modes the last "
+        f"(default per mode: {MODE_SHAPES})",
     )
-    ap.add_argument("--tp", type=int, default=1, help="host-copies: rollout TP size of the staging side")
+    ap.add_argument("--device", default="cuda", help="gpu-colocated device (cpu for a smoke run)")
     args = ap.parse_args(argv)
+    shapes = (args.shapes or MODE_SHAPES[args.mode]).split(",")
+    for name in shapes:
+        if name not in SHAPES:
+            ap.error(f"--shapes: unknown shape {name!r}; choose from {', '.join(SHAPES)}")
     commit = args.commit or ("swap" if args.mode == "cpu" else "all")
     commits = ["copy", "swap", "inplace"] if commit == "all" else [commit]
     stream_opts = dict(
@@ -541,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = dict(
             gpu=False,
             overlap=False,
-            shape="cpu",
+            shape=shapes[-1],
             bucket_bytes=args.bucket_mb << 20,
             iters=args.iters,
             train_dp=args.train_dp,
@@ -558,22 +498,20 @@ def main(argv: list[str] | None = None) -> int:
         opts = dict(
             gpu=True,
             overlap=args.overlap,
-            shape=args.shapes.split(",")[-1],
+            shape=shapes[-1],
             bucket_bytes=args.bucket_mb << 20,
             iters=args.iters,
             train_dp=n,
             **stream_opts,
         )
         result = bench_stream(world, opts)
-    elif args.mode == "host-copies":
-        result = bench_host_copies(args.shapes.split(",")[-1], args.bucket_mb << 20, args.tp, args.iters, args.device)
     else:
-        result = bench_gpu_colocated(args.shapes.split(","), args.iters, args.device)
+        result = bench_gpu_colocated(shapes, args.iters, args.device)
     result["torch"] = torch.__version__
     result["cpus"] = os.cpu_count()
     result["load_avg_1m_before_after"] = [round(load[0], 2), round(os.getloadavg()[0], 2)]
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(result, indent=1))
+    emit("sync", sync_headline(result), result)
     return 0
 
 

@@ -16,29 +16,27 @@ log-prob recomputation in backward is not counted (MFU counts model FLOPs only).
 
 Speed levers are compared side by side in one run (``--variants``, each a fresh backend on the
 same batches): ``eager`` (the baseline), ``compile`` (torch.compile of each decoder layer plus the
-fused log-prob head kernels), ``compilemodel`` (the same with the whole layer stack as one graph), any with ``+varlen`` (flash varlen attention instead of the
-compiled FlexAttention default on CUDA), and either with ``+nohostopts`` (the training backend's
-host-side step optimisations off, ``areno.train.backend.HOST_OPTIMIZATIONS``: the before of
-``bench/train_host.py``, same numerics). ``--compile`` is short for ``--variants eager compile``.
-``--profile`` adds the top CUDA kernels of one step of the first variant.
+fused log-prob head kernels), ``compilemodel`` (the same with the whole layer stack as one graph), any with
+``+varlen`` (flash varlen attention instead of the compiled FlexAttention default on CUDA).
+``--compile`` is short for ``--variants eager compile``. ``--profile`` adds the top CUDA kernels of one
+step of each variant.
 
 Usage:
-    python bench/train.py                       # GPU shapes if CUDA, else the CPU report
-    python bench/train.py --device cpu
-    python bench/train.py --models qwen2.5-0.5b --steps 10 --backend local
-    python bench/train.py --device cuda --variants eager compile eager+varlen compile+varlen --profile
-    python bench/train.py --device cuda --models qwen2.5-0.5b --variants compile+nohostopts compile --profile
-Prints one JSON object.
+    python -m bench.train                       # GPU shapes if CUDA, else the CPU report
+    python -m bench.train --device cpu
+    python -m bench.train --models qwen2.5-0.5b --steps 10 --backend local
+    python -m bench.train --device cuda --variants eager compile eager+varlen compile+varlen --profile
+
+Prints one JSON object. Its headline, on GPU: the first run's model FLOP/s against the bf16 matmul rate
+measured in the same run (``ratio`` = MFU against that rate; ``runs`` also give MFU against the datasheet);
+on CPU: real tokens/s of the packed batch against the same batch padded (``ratio`` = packed / padded).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,14 +44,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from areno.data.tokenizer import build_char_tokenizer
 from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig
 from areno.types import TokenBatch
+from bench._common import emit, headline, parser, profile_cuda, ratio
 
 H200_PEAK_BF16 = 989e12
 
@@ -162,9 +159,7 @@ def _denominator(mb):
     return float(mb.loss_mask_T.sum())
 
 
-def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, host_optimizations: bool = True, **kw):
-    """``host_optimizations=False``: the backend's host-side step optimisations off (the baseline
-    of ``bench/train_host.py``; same numerics)."""
+def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, **kw):
     cfg = TrainBackendConfig(lr=1e-5, device=device, max_tokens_per_mb=mb_tokens, **kw)
     if kind == "fsdp2":
         if not dist.is_initialized():  # one rank; the process group outlives each backend
@@ -175,8 +170,6 @@ def build_backend(model_dir: Path, device: str, kind: str, mb_tokens: int, host_
         backend = FSDP2TrainBackend(cfg)
     else:
         backend = LocalTrainBackend(cfg)
-    if not host_optimizations:
-        backend.host_optimizations = frozenset()
     backend.initialize(model_dir)
     return backend
 
@@ -204,23 +197,16 @@ VARIANT_BASES = ("eager", "compile", "compilemodel")
 VARIANT_ATTN = ("flex", "varlen")
 
 
-VARIANT_NO_HOST_OPTS = "nohostopts"
-
-
-def parse_variant(name: str) -> tuple[bool, str, bool, str]:
+def parse_variant(name: str) -> tuple[bool, str, str]:
     """``eager`` / ``compile`` (each decoder layer) / ``compilemodel`` (the layer stack as one graph)
-    with an optional ``+flex`` / ``+varlen`` and an optional ``+nohostopts`` (the training backend's
-    host-side step optimisations off): (compile, CUDA attention, host opts, compile scope)."""
+    with an optional ``+flex`` / ``+varlen``: (compile, CUDA attention, compile scope)."""
     base, *extra = name.split("+")
-    host_opts = VARIANT_NO_HOST_OPTS not in extra
-    attns = [e for e in extra if e != VARIANT_NO_HOST_OPTS]
-    attn = attns[0] if len(attns) == 1 else "flex" if not attns else ""
+    attn = extra[0] if len(extra) == 1 else "flex" if not extra else ""
     if base not in VARIANT_BASES or attn not in VARIANT_ATTN:
         raise ValueError(
-            f"--variants: {name!r} is not one of {VARIANT_BASES} "
-            f"with an optional +{'/+'.join(VARIANT_ATTN)} and an optional +{VARIANT_NO_HOST_OPTS}"
+            f"--variants: {name!r} is not one of {VARIANT_BASES} with an optional +{'/+'.join(VARIANT_ATTN)}"
         )
-    return base != "eager", attn, host_opts, "model" if base == "compilemodel" else "layers"
+    return base != "eager", attn, "model" if base == "compilemodel" else "layers"
 
 
 def dynamo_graphs() -> int:
@@ -230,9 +216,7 @@ def dynamo_graphs() -> int:
 
 
 def profile_step(backend, batch: TokenBatch) -> dict:
-    """Where one training step's time goes (``bench/profiling.py``)."""
-    from bench.profiling import profile_cuda
-
+    """Where one training step's time goes."""
     return profile_cuda(
         lambda: backend.train_step(batch, forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
     )
@@ -249,7 +233,7 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
         for s in range(args.warmup + args.steps)
     ]
     results = []
-    for i, variant in enumerate(args.variants):
+    for variant in args.variants:
         # A failing variant (e.g. a compiler error) is recorded and the run goes on to the next one.
         try:
             results.append(
@@ -267,7 +251,7 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
 
 
 def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops, *, profile: bool) -> dict:
-    compile_, attn, host_opts, scope = parse_variant(variant)
+    compile_, attn, scope = parse_variant(variant)
     torch._dynamo.reset()  # each variant compiles for itself: first_step_s and dynamo_graphs are its own
     torch.cuda.reset_peak_memory_stats()
     graphs_before = dynamo_graphs()
@@ -280,7 +264,6 @@ def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflo
         compile=compile_,
         compile_scope=scope,
         attention=attn,
-        host_optimizations=host_opts,
     )
     t0 = time.perf_counter()
     backend.train_step(batches[0], forward_fn=_nll_forward, loss_fn=_nll_loss, denominator_fn=_denominator)
@@ -296,7 +279,6 @@ def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflo
         "variant": variant,
         "attention": attn,
         "backend": args.backend,
-        "host_optimizations": host_opts,
         "params_M": round(sum(p.numel() for p in backend.model.parameters()) / 1e6, 1),
         "mb_tokens": args.mb_tokens,
         "mbs_per_step": int(metrics[-1]["mbs"]),
@@ -361,7 +343,7 @@ def cpu_run(args, workdir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser("train", __doc__)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--backend", choices=("fsdp2", "local"), default="fsdp2")
@@ -375,8 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variants",
         nargs="+",
         default=None,
-        help="eager | compile | compilemodel, optionally +flex / +varlen (CUDA attention) and +nohostopts (the "
-        "backend's host-side step optimisations off); default: eager",
+        help="eager | compile | compilemodel, optionally +flex / +varlen (CUDA attention); default: eager",
     )
     p.add_argument(
         "--profile",
@@ -411,8 +392,38 @@ def main(argv: list[str] | None = None) -> int:
             ]
         else:
             report["cpu"] = cpu_run(args, Path(tmp))
-    print(json.dumps(report, indent=2))
+    emit("train", train_headline(report), report)
     return 0
+
+
+def train_headline(report: dict) -> dict:
+    """GPU: the first run's model FLOP/s against the matmul rate measured in the same run; CPU: the packed
+    batch's real tokens/s against the same batch padded."""
+    if "cpu" in report:
+        skew = report["cpu"]["skewed_batch"]
+        packed, padded = skew["packed"]["real_tokens_per_s"], skew["padded"]["real_tokens_per_s"]
+        return headline(
+            f"real tokens/s of a length-skewed batch, packed ({report['cpu']['model']}, CPU)",
+            packed,
+            "the same batch padded to its longest sequence",
+            padded,
+            ratio(packed, padded, 2),
+            "packed / padded tokens/s",
+        )
+    run = next((r for r in report["runs"] if "tokens_per_s" in r), None)
+    matmul = report["matmul_bf16_tflops_measured"]
+    figure = run["model_tflops_per_s"] if run else None
+    return headline(
+        f"model TFLOP/s of fwd + bwd + AdamW ({run['model']}, {run['variant']}, {run['backend']}; "
+        f"{run['tokens_per_s']} tokens/s)"
+        if run
+        else "model TFLOP/s (every variant failed)",
+        figure,
+        "dense bf16 matmul TFLOP/s (8192^3 GEMMs) measured in the same run",
+        matmul,
+        ratio(figure, matmul, 4),
+        "MFU against the measured matmul rate (runs[].mfu_vs_datasheet: against the datasheet)",
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ trainer collects them (``rollout/dropped_stale``) and a replacement sample is ad
 still running when they fall behind are cancelled at ``set_version`` (``rollout/aborted_stale``),
 so no compute is spent finishing a group that would be dropped. Note the consequence for
 long-tailed lengths: an episode that needs more than η trainer steps to generate is never trained
-on (``bench/async.py`` reports ``long_seqs_trained``); choose η against the longest generations.
+on (bench/LOG.md, "Async RL: synchronous ... vs asynchronous"); choose η against the longest generations.
 
 Faults: a workflow that raises counts as a failed episode and its sample is retried (at the front
 of the queue) up to ``max_retries`` times, then dropped with a warning that names it. Hangs: a

@@ -4,7 +4,7 @@ On CPU a decode step's time is its GEMMs (bench/rollout.py: ~55% of the step at 
 24M-parameter model), and at a few dozen rows ``F.linear`` (MKL's sgemm) re-lays out the weight on
 every call: measured on a 2-core AVX2 VM, the 32k x 256 output projection ran at 27 GFLOP/s of the
 cores' ~90. oneDNN's linear over a weight reordered once into its blocked layout runs the same fp32
-product at 72 GFLOP/s there (bench/RESULTS.md); the engine keeps such a packed copy beside each large
+product at 72 GFLOP/s there (bench/LOG.md); the engine keeps such a packed copy beside each large
 weight and re-packs it when the weight changes. The same dot products are summed in another order,
 so values differ from ``F.linear`` in the last bits (tests: ``allclose`` at fp32 tolerances).
 

@@ -70,7 +70,7 @@ class DecodeCarry:
     previous step gathered them from the pool (head-major ``[B * K, capacity, Dh]``, the first ``L``
     keys in use), kept and extended by each step's new token instead of gathered again: measured
     ~0.3 ms per layer and tensor for 32 rows of 4 KV heads over ~150 keys on two cores, ~10% of the
-    step (bench/RESULTS.md). A fresh gather happens when the batch's rows change.
+    step (bench/LOG.md). A fresh gather happens when the batch's rows change.
 
     Valid only while nothing but these steps wrote the rows' slots: ``begin`` extends only when the
     batch has the same rows with the same blocks for every key already carried (a row may have
@@ -404,7 +404,7 @@ def _cpu_decode_attention(
     gathered head-major, ``[B * K, L, Dh]`` contiguous (one row of ``Dh`` per slot and head), then
     two batched matmuls around a softmax, the mask an additive bias. ``scaled_dot_product_attention``
     over the slot-major gather's strided ``[B, K, L, Dh]`` view took ~1.6 ms per layer for 32 rows of 4
-    KV heads over 130 keys on two cores, this ~0.8 ms (bench/RESULTS.md); same attention up to fp32
+    KV heads over 130 keys on two cores, this ~0.8 ms (bench/LOG.md); same attention up to fp32
     summation order. The row indices and the bias are built at the step's first layer. With
     ``g.carry`` (``DecodeCarry``: ``layer_idx`` and the step's new K/V ``[B, K, Dh]`` as written to
     the pool), the previous step's gathered K/V of this layer, extended by the new token, when
@@ -441,7 +441,7 @@ def _cpu_decode_attention(
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """SDPA kernels of the engine's gathered attention on CUDA: not cuDNN's, which builds an execution
 plan per new shape (a mixed step's shapes are new nearly every step: ~2 ms of host time per layer
-on an H200, bench/RESULTS.md); the memory-efficient kernel takes these masked calls."""
+on an H200, bench/LOG.md); the memory-efficient kernel takes these masked calls."""
 
 
 def _sdpa_backends(device: torch.device) -> AbstractContextManager:

@@ -65,7 +65,7 @@ WAITING_CLAMP_MAX_ROWS = 32
 """With requests waiting for a slot, a pure-decode batch of fewer rows runs only until its first row
 can end by length (so a waiting request joins at once); a larger batch runs its full ``decode_steps``:
 one freed slot idle for a few steps costs little there, while a host round trip per token (most
-rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/RESULTS.md)."""
+rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/LOG.md)."""
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

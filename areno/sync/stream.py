@@ -789,23 +789,6 @@ class StreamTransport(PolicySyncTransport):
             transfer += self._drain()
         return transfer
 
-    def raw_transfer(self) -> float:
-        """Benchmark baseline: move each row's bytes as one message over the same route (sender ->
-        relay -> rollout fan-out) with no plan, packing, slicing or commit. Call on every rank;
-        returns seconds on this rank. Allocates one buffer per row of that row's size (bench only)."""
-        if not hasattr(self, "_raw_buffers"):
-            self._raw_buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in self.plan.row_bytes]
-        t0 = time.perf_counter()
-        for row, (sender, relay) in enumerate(zip(self.topology.sender_ranks, self.relays)):
-            buf = self._raw_buffers[row]
-            if self.rank in (sender, relay):
-                dist.broadcast(buf, src=sender, group=self.pair_groups[row])
-            if self.is_rollout and self.rollout_group is not None:
-                dist.broadcast(buf, src=relay, group=self.rollout_group)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
-
     def _direct_dest(self, bucket: Bucket, specs: Mapping) -> torch.Tensor | None:
         """For a bucket of one chunk that this rank keeps whole (replicated, or inside its dim-0
         slice) in the wire dtype: the staging rows themselves, as bytes, so it is received in place."""

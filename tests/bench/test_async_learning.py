@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.async_learning import aggregate, with_ratios
+from bench.async_learning import aggregate, learning_headline, plot, with_ratios
 
 
 def arm(eta, curve):
@@ -41,8 +36,6 @@ def test_aggregate_means_seeds_then_compares_mean_curves():
 
 
 def test_plot_writes_a_png_of_every_arm(tmp_path):
-    from bench.async_learning import plot
-
     per_seed = {
         "0": [
             dict(arm(0, [(0, 0.2), (10, 0.4)]), wall_s=3.0, staleness_mean=0.0),
@@ -59,3 +52,16 @@ def test_plot_writes_a_png_of_every_arm(tmp_path):
     plot(result, tmp_path / "curves.png")
     data = (tmp_path / "curves.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_headline_is_the_second_arm_against_the_reference_over_the_mean_curves():
+    per_seed = {
+        0: [arm(0, [(0, 0.2), (10, 0.4), (20, 0.6)]), arm(4, [(0, 0.2), (10, 0.3), (20, 0.6)])],
+        1: [arm(0, [(0, 0.4), (10, 0.6), (20, 0.6)]), arm(4, [(0, 0.4), (10, 0.5), (20, 0.6)])],
+    }
+    for arms in per_seed.values():
+        with_ratios(arms, budget=10)
+    head = learning_headline({"per_seed": per_seed, "aggregate": aggregate(per_seed, budget=10)})
+    assert head["figure"] == 20 and head["baseline"] == 10 and head["ratio"] == 2.0
+    one_seed = learning_headline({"per_seed": {0: per_seed[0]}})
+    assert one_seed["figure"] == 20 and one_seed["baseline"] == 10 and one_seed["ratio"] == 2.0

@@ -1,14 +1,11 @@
-"""bench/e2e.py: the physical floor by hand, the fixed-length workflow, and a tiny CPU run of areno (slow)."""
+"""bench/e2e.py: the physical floor by hand, the fixed-length workflow, the headline against TRL, and a tiny
+CPU run of areno and TRL (slow)."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from areno.models.hf_io import tiny_config
 from areno.types import SamplingParams
@@ -43,28 +40,12 @@ def test_prompts_have_the_token_length():
 
 
 @pytest.mark.slow
-def test_tiny_areno_run(tmp_path, capsys):
-    assert (
-        e2e.main(
-            [
-                "--shapes",
-                "tiny",
-                "--device",
-                "cpu",
-                "--systems",
-                "areno",
-                "--warmup",
-                "1",
-                "--steps",
-                "2",
-                "--workdir",
-                str(tmp_path),
-            ]
-        )
-        == 0
-    )
-    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    rows = [x for x in lines if x.get("system") == "areno"]
+def test_tiny_areno_and_trl_run(tmp_path, capsys):
+    args = ["--shapes", "tiny", "--device", "cpu", "--systems", "areno,trl", "--warmup", "1", "--steps", "2"]
+    assert e2e.main([*args, "--workdir", str(tmp_path)]) == 0
+    (line,) = capsys.readouterr().out.splitlines()  # stdout: one JSON object
+    result = json.loads(line)
+    rows = [x for x in result["rows"] if x["system"] == "areno"]
     assert len(rows) == 1
     row = rows[0]
     assert row["shape"] == "tiny" and len(row["step_s"]) == 2 and row["step_s_median"] > 0
@@ -74,8 +55,23 @@ def test_tiny_areno_run(tmp_path, capsys):
     assert row["gen_tokens_per_s"] * row["step_s_mean"] == pytest.approx(64 * 32)
     assert row["gap_to_floor"] == pytest.approx(row["step_s_mean"] / row["floor_s"])
     assert set(row["phases_s_median"]) == {"rollout", "train", "sync"}
-    summary = lines[-1]["summary"]
-    assert "areno" in summary["shapes"]["tiny"]
+    trl = next(x for x in result["rows"] if x["system"] == "trl")
+    assert result["figure"] == row["step_s_mean"] and result["baseline"] == trl["step_s_mean"]
+    assert result["ratio"] == round(trl["step_s_mean"] / row["step_s_mean"], 2)
+    assert "speedup_areno_vs_trl" in result["shapes"]["tiny"]
+
+
+def test_headline_is_the_first_areno_system_against_trl_on_its_shape():
+    rows = [
+        {"system": "trl", "shape": "0.5b", "label": "TRL", "step_s_mean": 10.0},
+        {"system": "areno_async", "shape": "0.5b", "label": "areno async eta 1", "step_s_mean": 2.0},
+        {"system": "areno", "shape": "0.5b", "label": "areno (colocated)", "step_s_mean": 4.0},
+    ]
+    head = e2e.summary_headline(rows)
+    assert head["figure"] == 2.0 and head["baseline"] == 10.0 and head["ratio"] == 5.0
+    assert "areno async eta 1" in head["metric"]
+    no_trl = e2e.summary_headline(rows[1:])
+    assert no_trl["figure"] == 2.0 and no_trl["baseline"] is None and no_trl["ratio"] is None
 
 
 def test_async_runs_time_an_even_number_of_steps():

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.partitioned import paired_summary, partitioned_headline
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -18,7 +20,8 @@ def test_arm_past_its_deadline_is_dumped_killed_and_reported(tmp_path):
     # 1000 steps: the arm cannot finish on any machine before the workers are killed (after the dump).
     cmd = [
         sys.executable,
-        str(ROOT / "bench" / "partitioned.py"),
+        "-m",
+        "bench.partitioned",
         "--etas",
         "0",
         "--steps",
@@ -28,21 +31,17 @@ def test_arm_past_its_deadline_is_dumped_killed_and_reported(tmp_path):
         "--work-dir",
         str(tmp_path),
     ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
-    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     (arm,) = result["arms"]
     assert arm["eta"] == 0 and "stalled: no result within --arm-timeout 3 s" in arm["error"]
+    assert result["bench"] == "partitioned" and result["figure"] is None and result["ratio"] is None
     assert "=== stall: controller stacks" in proc.stderr
     assert "run_arm" in proc.stderr  # the controller's own stack names where it waited
 
 
 def test_paired_summary_ratios_within_each_repeat():
-    sys.path.insert(0, str(ROOT))
-    from bench.partitioned import paired_summary
-
     arms = [
         {"eta": 0, "repeat": 0, "trained_tokens_per_s": 100.0},
         {"eta": 4, "repeat": 0, "trained_tokens_per_s": 250.0},
@@ -57,3 +56,5 @@ def test_paired_summary_ratios_within_each_repeat():
     # repeat 2 has no eta 0 arm: its eta 4 rate counts, but gives no ratio
     assert s["4"]["trained_tokens_per_s"] == [250.0, 300.0, 400.0] and s["4"]["trained_tokens_per_s_median"] == 300.0
     assert s["4"]["ratio_to_eta0"] == [2.5, 1.5] and s["4"]["ratio_to_eta0_median"] == 2.0
+    head = partitioned_headline(s, [0, 4])
+    assert head["figure"] == 300.0 and head["baseline"] == 150.0 and head["ratio"] == 2.0

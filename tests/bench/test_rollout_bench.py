@@ -36,3 +36,5 @@ def test_cpu_ab_options_and_rounds(capsys):
     assert all(r["identical_to"] == {"auto": "3/3"} for r in result["by_run"].values())
     assert result["identical_sequences"] == "3/3"  # greedy: the same tokens as generate
     assert len(result["speedup_rounds"]) == 2 and result["speedup_median"] > 0
+    assert result["bench"] == "rollout" and result["ratio"] == result["speedup_median"]
+    assert result["figure"] == result["engine_tok_s"] and result["baseline"] == result["hf_generate_tok_s"]

@@ -4,7 +4,7 @@ The drift this test once allowed (step-2 losses ~1e-8 apart, grad_norm a few % a
 scheduler: which requests shared a rollout-engine step depended on thread timing (the engine's
 driver thread admitted requests as they arrived), requests without a seed shared one sampling
 generator, and on CPU a row's log-probs change in their last bits with the batch it sits in, so
-two LocalScheduler runs differed as much (bench/RESULTS.md). Synchronous rollouts now start the
+two LocalScheduler runs differed as much (bench/LOG.md). Synchronous rollouts now start the
 engine on the whole burst with per-episode seeds (``areno.engine.ledger.SeedingClient``), and the
 runs agree bit for bit. Evaluation holds its burst the same way.
 """

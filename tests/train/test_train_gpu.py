@@ -59,7 +59,7 @@ def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope):
 def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
     """The default one-GPU path (fp32 master weights, bf16 autocast): q/k/v reach the flash varlen
     kernel in bf16. RoPE's fp32 tables used to promote them to fp32, which sent every training
-    attention to fp32 FlexAttention (half the step rate, bench/RESULTS.md "ninth")."""
+    attention to fp32 FlexAttention (half the step rate, bench/LOG.md "ninth")."""
     from areno.models import decoder
 
     if not decoder.varlen_available():

@@ -1,0 +1,124 @@
+"""What the benchmarks share: the headline every result starts with (the figure, the baseline measured in
+the same run, their ratio), the stamp of the code and machine it measured, and a summary of a CUDA profile."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+COMMIT_ENV = "ARENO_COMMIT"
+"""Overrides the commit read from git: a run from an exported tree (``git archive``, no ``.git``)
+sets it to the commit it exported."""
+
+HEADLINE_KEYS = ("metric", "figure", "baseline_name", "baseline", "ratio", "ratio_is")
+"""The keys every bench's JSON starts with (after ``bench``): one row of ``bench/RESULTS.md``."""
+
+
+def git_commit() -> str:
+    """The short commit of this checkout (``ARENO_COMMIT`` when set), or ``unknown`` outside git."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    return out or "unknown"
+
+
+def stamp() -> dict[str, str]:
+    """``{"commit", "host", "date"}`` for a bench's JSON (the date in UTC)."""
+    return {
+        "commit": git_commit(),
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
+    }
+
+
+def ratio(numerator: float | None, denominator: float | None, digits: int = 3) -> float | None:
+    """``numerator / denominator`` rounded, or None when either is missing (no baseline ran) or zero."""
+    if not numerator or not denominator:
+        return None
+    return round(numerator / denominator, digits)
+
+
+def headline(
+    metric: str, figure: float | None, baseline_name: str, baseline: float | None, ratio: float | None, ratio_is: str
+) -> dict:
+    """The fields a results-table row is made of: ``figure`` (what areno measured, in ``metric``), ``baseline``
+    (``baseline_name``, measured in the same run; None when it did not run), and their ``ratio`` (``ratio_is``
+    says which way round)."""
+    return dict(zip(HEADLINE_KEYS, (metric, figure, baseline_name, baseline, ratio, ratio_is)))
+
+
+def emit(bench: str, head: dict, details: dict) -> dict:
+    """Print one run's result as one JSON line on stdout: ``bench``, the headline, the details, the stamp."""
+    record = {"bench": bench, **head, **details, **stamp()}
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m bench.<name>``, its help the module's docstring."""
+    return argparse.ArgumentParser(
+        prog=f"python -m bench.{name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def profile_cuda(fn: Callable[[], object], top: int = 25) -> dict:
+    """Run ``fn`` once under the profiler: wall time against the summed time of the kernels and copies
+    (``gpu_busy`` well below 1 means the GPU waits on the host), the top kernels by device time and the
+    host-side ops by self CPU time (syncs such as ``cudaStreamSynchronize`` show up there). CUDA-graph
+    replays are included: the profiler records the kernels inside them."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernel_ms = sum(device_us(e) for e in kernels) / 1e3
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    return {
+        "wall_ms": round(wall_ms, 1),
+        "kernel_ms": round(kernel_ms, 1),
+        "gpu_busy": round(kernel_ms / wall_ms, 3),
+        "kernel_launches": int(sum(e.count for e in kernels)),
+        "top_kernels": [
+            {
+                "kernel": e.key[:90],
+                "calls": e.count,
+                "ms": round(device_us(e) / 1e3, 2),
+                "share": round(device_us(e) / 1e3 / max(kernel_ms, 1e-9), 3),
+            }
+            for e in sorted(kernels, key=device_us, reverse=True)[:top]
+        ],
+        "top_ops_by_device_time": [
+            {"op": e.key[:60], "calls": e.count, "device_ms": round(device_us(e) / 1e3, 2)}
+            for e in sorted(host, key=device_us, reverse=True)[:top]
+        ],
+        "top_host_ops": [
+            {"op": e.key[:60], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+            for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        ],
+    }
