@@ -22,7 +22,7 @@ from areno.engine.partitioned import PartitionedCluster, gather_fail_fast
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.engine.training_side import TrainingSide
-from areno.rollout.client import MultiServerRolloutClient, RolloutClient
+from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
 from areno.types import TokenBatch
 
