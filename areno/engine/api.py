@@ -273,7 +273,7 @@ class ArenoEngine:
     # set in initialize()
     tokenizer: Any
     recipe: Any
-    executor: WorkflowExecutor | None
+    executor: WorkflowExecutor | None = None
     train_stream: PromptStream
     eval_rows: list[dict]
     ledger: SampleLedger | None = None

@@ -38,7 +38,7 @@ class LocalTrainingSide(TrainingSide):
     config: ArenoConfig
     device: torch.device
     # set in start()
-    runner: RecipeRunner
+    runner: RecipeRunner | None = None
     policy: str
     """The role exported as the policy: the one synced to rollout, else the recipe's first."""
     _source: NamedTensorSource | None
@@ -87,8 +87,9 @@ class LocalTrainingSide(TrainingSide):
         self.runner.backends[self.policy].export_hf(path)
 
     def shutdown(self) -> None:
-        for backend in self.runner.backends.values():
-            backend.shutdown()
+        if self.runner is not None:
+            for backend in self.runner.backends.values():
+                backend.shutdown()
 
 
 class LocalRolloutSide(RolloutSide):
