@@ -3,13 +3,16 @@
 ``LocalTrainingSide`` trains the recipe's roles on ``LocalTrainBackend``s under a ``RecipeRunner``;
 ``LocalRolloutSide`` drives an embedded ``RolloutEngine`` through an ``InProcessRolloutClient``. A
 policy sync hands the trained tensors over (``WeightKind.IN_PROCESS``): the in-place transport
-copies them into the engine's own, a dtype cast at most.
+copies them into the engine's own, a dtype cast at most. Both sides also speak ``DISK`` (a
+safetensors export the engine loads), the way an inference server of another process takes a
+policy; the engine uses it only with a rollout side that cannot take tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from pathlib import Path
 
 import torch
@@ -24,29 +27,34 @@ from areno.recipes.runner import RecipeRunner
 from areno.rollout.client import InProcessRolloutClient, RolloutClient
 from areno.rollout.engine import RolloutEngine
 from areno.sync.base import NamedTensorSource
+from areno.sync.disk import DiskTransport, policy_dir
 from areno.sync.inplace import InPlaceTransport
 from areno.train import LocalTrainBackend
 from areno.types import TokenBatch
 
 
 class LocalTrainingSide(TrainingSide):
-    """The recipe's roles on ``LocalTrainBackend``s of this process, on ``device``."""
+    """The recipe's roles on ``LocalTrainBackend``s of this process, on ``device``; ``DISK``
+    exports go under ``export_root``."""
 
-    weight_kinds = frozenset({WeightKind.IN_PROCESS})
+    weight_kinds = frozenset({WeightKind.IN_PROCESS, WeightKind.DISK})
 
     # set in __init__
     config: ArenoConfig
     device: torch.device
+    export_root: Path
     # set in start()
     runner: RecipeRunner | None = None
     policy: str
     """The role exported as the policy: the one synced to rollout, else the recipe's first."""
     _source: NamedTensorSource | None
     """The synced role's weights (None: no role syncs to rollout)."""
+    _disk: DiskTransport | None
 
-    def __init__(self, config: ArenoConfig, device: torch.device) -> None:
+    def __init__(self, config: ArenoConfig, device: torch.device, *, export_root: Path) -> None:
         self.config = config
         self.device = device
+        self.export_root = export_root
 
     def start(self, setup: SideSetup) -> None:
         cfg = self.config
@@ -59,6 +67,7 @@ class LocalTrainingSide(TrainingSide):
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else setup.recipe.roles[0].name
         self._source = NamedTensorSource(backends[self.policy].named_weights) if synced else None
+        self._disk = DiskTransport(self._source, self.export_root, model_dir=setup.model_dir) if synced else None
 
     def step(self, batch: TokenBatch, *, pass_order: list[int] | None, policy_version: int) -> dict[str, float]:
         for role_name in self.runner.roles_to_sync():
@@ -66,9 +75,19 @@ class LocalTrainingSide(TrainingSide):
         return self.runner.step(batch, pass_order=pass_order)
 
     def publish_weights(self, version: int, kind: WeightKind) -> WeightUpdate | None:
-        assert kind is WeightKind.IN_PROCESS, kind
         if self._source is None:
             return None
+        if kind is WeightKind.DISK:
+            started_at = time.perf_counter()
+            stats = self._disk.sync(version)  # complete and renamed into place before it returns
+            return WeightUpdate(
+                version=version,
+                kind=kind,
+                path=policy_dir(self.export_root, version),
+                sender_metrics=stats.as_metrics(),
+                started_at=started_at,
+            )
+        assert kind is WeightKind.IN_PROCESS, kind
         return WeightUpdate(version=version, kind=kind, source=self._source)
 
     def save(self, path: Path, extra_state: dict) -> None:
@@ -95,7 +114,7 @@ class LocalTrainingSide(TrainingSide):
 class LocalRolloutSide(RolloutSide):
     """An embedded ``RolloutEngine`` on ``device``, driven by an ``InProcessRolloutClient``."""
 
-    weight_kinds = frozenset({WeightKind.IN_PROCESS})
+    weight_kinds = frozenset({WeightKind.IN_PROCESS, WeightKind.DISK})
 
     # set in __init__
     config: ArenoConfig
@@ -152,6 +171,10 @@ class LocalRolloutSide(RolloutSide):
         self.client.wake()
 
     def update_weights(self, update: WeightUpdate) -> dict[str, float]:
+        if update.kind is WeightKind.DISK:
+            # read whole and validated before any weight changes (else the engine keeps its version)
+            self.engine.update_weights_from_disk(str(update.path), update.version)
+            return dict(update.sender_metrics)
         assert update.kind is WeightKind.IN_PROCESS and update.source is not None, update.kind
         if self._transport is None or self._transport.source is not update.source:
             self._transport = InPlaceTransport(

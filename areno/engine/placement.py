@@ -31,9 +31,8 @@ def colocated_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
     device = resolve_device(config.cluster.device)
     if config.cluster.cpu_threads:
         torch.set_num_threads(config.cluster.cpu_threads)
-    return ArenoEngine(
-        config, run_dir, training=LocalTrainingSide(config, device), rollout=LocalRolloutSide(config, device)
-    )
+    training = LocalTrainingSide(config, device, export_root=run_dir / "policy")
+    return ArenoEngine(config, run_dir, training=training, rollout=LocalRolloutSide(config, device))
 
 
 def partitioned_engine(

@@ -108,7 +108,7 @@ def test_async_colocated_training_step_holds_graph_captures(tmp_path):
     for asynchronous, expected in ((True, ["hold", "step", "release"]), (False, ["step"])):
         events.clear()
         cfg, cpu = _config(), torch.device("cpu")
-        training, rollout = LocalTrainingSide(cfg, cpu), LocalRolloutSide(cfg, cpu)
+        training, rollout = LocalTrainingSide(cfg, cpu, export_root=tmp_path), LocalRolloutSide(cfg, cpu)
         training.runner, rollout.engine = Runner(), Engine()  # what start() would build
         engine = ArenoEngine(cfg, tmp_path, training=training, rollout=rollout)
         engine.asynchronous = asynchronous
