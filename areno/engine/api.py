@@ -39,6 +39,7 @@ from areno.faults import fault_point
 from areno.models import decoder
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.recipes import get_recipe
+from areno.recipes.config import TrainingConfig
 from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.engine import RolloutEngineConfig
@@ -272,7 +273,7 @@ class ArenoEngine:
     _pending_sync_metrics: dict[str, float]
     # set in initialize()
     tokenizer: Any
-    recipe: Any
+    recipe: TrainingConfig
     executor: WorkflowExecutor | None = None
     train_stream: PromptStream
     eval_rows: list[dict]
