@@ -330,10 +330,11 @@ class ClusterSection:
             f"must be staged or inplace, got {self.sync_commit!r}",
         )
         if self.allocation_mode is not None:
-            from areno.launch.allocation import AllocationModeError, parse_allocation_mode
+            from areno.launch.allocation import AllocationModeError, check_supported, parse_allocation_mode
 
             try:
                 alloc = parse_allocation_mode(self.allocation_mode)
+                check_supported(alloc)
             except AllocationModeError as exc:
                 raise ConfigError(f"cluster.allocation_mode: {exc}") from None
             _check(
