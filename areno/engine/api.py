@@ -1,13 +1,15 @@
-"""ArenoEngine: owns the workers used by both rollout and training (seed 000).
+"""ArenoEngine: one engine over two seams (seed 000), and the settings both placements share.
 
-Colocated (the default) means one process per device holds the training backends of the recipe's
-roles and the embedded rollout engine; the rollout engine gets the new policy through the in-place
-transport (a dtype cast at most) when ``update_weights`` is called, i.e. before the next rollout.
+The engine holds the data stream, the rollout pool (``WorkflowExecutor``, ``SampleLedger``,
+staleness) and two sides (``engine/seams.py``): a ``TrainingSide`` where the recipe's roles train
+and a ``RolloutSide`` that generates. Colocated (the default), both live in this process
+(``engine/local.py``); partitioned, both are worker processes of one world (``engine/remote.py``).
+``build_engine`` (``engine/placement.py``) picks them from the config.
 
     generate_rollout(rollout_id)  prompts -> WorkflowExecutor -> RolloutWorkflow.run_episode
-                                   -> RolloutClient -> RolloutEngine; trajectories -> TokenBatch
-    step(rollout)                  RecipeRunner: inject syncs, then each trainable role trains
-    update_weights()               sync_to_rollout roles -> rollout engine, version + 1
+                                   -> RolloutSide.client; trajectories -> TokenBatch
+    step(rollout)                  TrainingSide.step: inject syncs, then each trainable role trains
+    update_weights()               TrainingSide.publish_weights -> RolloutSide.update_weights, version + 1
 """
 
 from __future__ import annotations
@@ -18,18 +20,32 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from areno.data.datasets import build_splits
 from areno.data.tasks import PromptStream
-from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config, resolve_dtypes
+from areno.data.tokenizer import build_char_tokenizer
+from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config
+from areno.engine.executor import WorkflowExecutor
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
+from areno.engine.rollout_side import RolloutSide
+from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
+from areno.engine.training_side import TrainingSide
+from areno.errors import ModelDirError
 from areno.faults import fault_point
+from areno.models.hf_io import init_model_dir, tiny_config
+from areno.recipes import get_recipe
+from areno.recipes.config import TrainingConfig
+from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
-from areno.rollout.store import release_refs
+from areno.rollout.store import InProcessStore, release_refs
 from areno.train import checkpoint
 from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
+from areno.workflows.base import load_workflow
+from areno.workflows.common import acall_reward, sample_fields, store_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +153,12 @@ def prepare_model_dir(config: ArenoConfig) -> Path:
     """The checkpoint directory, created from ``model.init_tiny`` when asked to; else it must exist."""
     path = Path(config.model.path)
     if not (path / "config.json").is_file() and config.model.init_tiny is not None:
-        from areno.data.tokenizer import build_char_tokenizer
-        from areno.models.hf_io import init_model_dir, tiny_config
-
         tokenizer = build_char_tokenizer()
         init_model_dir(path, tiny_config(len(tokenizer), **config.model.init_tiny), tokenizer, seed=config.train.seed)
     if not path.is_dir():
-        raise ValueError(f"model.path: directory {path} does not exist: point it at a local Hugging Face checkpoint")
+        raise ModelDirError(f"model.path: directory {path} does not exist: point it at a local Hugging Face checkpoint")
     if not (path / "config.json").is_file():
-        raise ValueError(f"model.path: {path} has no config.json: is it a Hugging Face checkpoint directory?")
+        raise ModelDirError(f"model.path: {path} has no config.json: is it a Hugging Face checkpoint directory?")
     return path
 
 
@@ -153,8 +166,6 @@ def resolve_recipe(config: ArenoConfig):
     """The recipe of ``train.algorithm`` with ``train.algorithm_kwargs`` applied; online recipes
     recompute log-probs under the rollouts' sampling temperature. Unknown recipe, bad kwargs, a
     teacher role without checkpoint: a ValueError here, before any model loads."""
-    from areno.recipes import get_recipe
-
     policy_kwargs = dict(config.train.algorithm_kwargs)
     recipe = get_recipe(config.train.algorithm, policy_kwargs=policy_kwargs)
     if recipe.online and "temperature" not in policy_kwargs and config.rollout.temperature > 0:
@@ -202,98 +213,67 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
     }
 
 
+def load_tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer; it must have an EOS token (generation stops on it)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.eos_token_id is None:
+        raise ModelDirError(
+            f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json"
+        )
+    return tokenizer
+
+
 class ArenoEngine:
-    """Coordinates the colocated worker: training backends, rollout engine, rollout pool."""
+    """The run's data, its rollout pool, and the two sides (see the module doc)."""
 
     # set in __init__
     config: ArenoConfig
     run_dir: Path
+    training: TrainingSide
+    rollout: RolloutSide
+    weight_kind: WeightKind
+    """How the policy travels between the sides (``WeightKind``), chosen when they are paired."""
+    _pending_sync_metrics: dict[str, float]
     # set in initialize()
-    device: torch.device
-    tokenizer: object
-    recipe: object
-    runner: object
-    rollout_engine: object
-    executor: object
+    tokenizer: Any
+    recipe: TrainingConfig
+    executor: WorkflowExecutor | None = None
     train_stream: PromptStream
+    eval_rows: list[dict]
     ledger: SampleLedger | None = None
     """Online recipes: hands out the prompts, keeps those not yet trained (the data cursor an
     asynchronous pool runs ahead of) and their stream keys (the episodes' sampling seeds)."""
-    eval_rows: list[dict]
+    store: InProcessStore | None = None
+    """Online recipes: where workflows put large observations (freed once trained or dropped)."""
+    reward_fn: Any = None
     version: int = 0
     asynchronous: bool = False
     """True when max_head_offpolicyness > 0: the rollout pool runs ahead of training."""
-    _pending_sync_metrics: dict[str, float]
 
-    def __init__(self, config: ArenoConfig, run_dir: Path) -> None:
+    def __init__(self, config: ArenoConfig, run_dir: Path, *, training: TrainingSide, rollout: RolloutSide) -> None:
+        """A ConfigError when the sides have no way in common to move the policy."""
         self.config = config
         self.run_dir = run_dir
+        self.training = training
+        self.rollout = rollout
+        self.weight_kind = choose_weight_kind(training.weight_kinds, rollout.weight_kinds)
         self._pending_sync_metrics = {}
-        self._transports = {}
 
     # ----------------------------------------------------------------------------- set-up
     def initialize(self) -> None:
-        from transformers import AutoTokenizer
-
         cfg = self.config
         self.recipe = resolve_recipe(cfg)  # errors before any model loads
         train_rows, self.eval_rows = build_splits(cfg.data)  # malformed rows: error before models load
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
-        self.device = resolve_device(cfg.cluster.device)
-        if cfg.cluster.cpu_threads:
-            torch.set_num_threads(cfg.cluster.cpu_threads)
         model_dir = prepare_model_dir(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError(
-                f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json"
-            )
-        torch.manual_seed(cfg.train.seed)
-        self.runner = self._build_runner(model_dir)
-        self.rollout_engine = self._build_rollout_engine(model_dir)
-        warm_up_rollout_engine(self.rollout_engine, cfg)
-        from areno.rollout.client import InProcessRolloutClient
-
-        # The one driver of the rollout engine: rollouts and evaluation both go through it.
-        self.client = InProcessRolloutClient(self.rollout_engine, request_timeout_s=cfg.rollout.request_timeout_s)
+        self.tokenizer = load_tokenizer(model_dir)
+        setup = SideSetup(recipe=self.recipe, model_dir=model_dir, tokenizer=self.tokenizer)
+        self.training.start(setup)
+        self.rollout.start(setup)
         self.executor = self._build_executor() if self.recipe.online else None
         self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
 
-    def _build_runner(self, model_dir: Path):
-        from areno.recipes.runner import RecipeRunner
-        from areno.train import LocalTrainBackend
-
-        device = self.device.type
-        backends = build_role_backends(
-            self.config, self.recipe, model_dir, lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
-        )
-        return RecipeRunner(self.recipe, backends, num_minibatches=self.config.train.num_minibatches)
-
-    def _build_rollout_engine(self, model_dir: Path):
-        from areno.models.hf_io import load_model
-        from areno.rollout.engine import RolloutEngine
-
-        dtype_name = resolve_dtypes(self.config, self.device.type).rollout
-        dtype = getattr(torch, dtype_name)
-        model, model_config = load_model(model_dir, dtype=dtype, device=str(self.device))
-        engine_cfg = rollout_engine_config(
-            self.config, device=str(self.device), dtype=dtype_name, num_blocks=self.config.rollout.kv_blocks
-        )
-        return RolloutEngine(
-            model,
-            model_config,
-            config=engine_cfg,
-            eos_token_ids=[self.tokenizer.eos_token_id],
-            tokenizer=self.tokenizer,
-        )
-
-    def _build_executor(self):
-        from areno.engine.executor import WorkflowExecutor
-        from areno.rewards.loader import load_reward
-        from areno.rollout.store import InProcessStore
-        from areno.workflows.base import load_workflow
-        from areno.workflows.common import store_kwargs
-
+    def _build_executor(self) -> WorkflowExecutor:
         cfg = self.config
         reward_fn = self.reward_fn = load_reward(cfg.reward)
         # one observation store: workflows taking `store=` put large observations there; the
@@ -320,7 +300,7 @@ class ArenoEngine:
         self.ledger = SampleLedger(self.train_stream)
         workflow = LedgerWorkflow(workflow, self.ledger, max_retries=cfg.rollout.max_retries, seed=cfg.train.seed)
         return WorkflowExecutor(
-            SeedingClient(self.client),
+            SeedingClient(self.rollout.client),
             workflow,
             self.ledger,
             staleness,
@@ -342,10 +322,8 @@ class ArenoEngine:
         elif self.recipe.online:
             samples = self.ledger.take(cfg.rollout.batch_size)
             seqs = [self.ledger.lookup(s)[0] for s in samples]
-            engine = getattr(self, "rollout_engine", None)  # the partitioned engine's lives elsewhere
-            if engine is not None:  # start the engine on the whole first burst (see SeedingClient)
-                engine.pause()
-                self.executor.client.hold(lambda: (engine.resume(), self.client.wake()))
+            self.rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
+            self.executor.client.hold(self.rollout.resume)
             trajectories = self.executor.rollout_batch(samples)
             self.executor.client.release_now()
             self.ledger.trained(seqs)
@@ -357,23 +335,23 @@ class ArenoEngine:
                 "rollout/num_seqs": float(len(trajectories)),
                 "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
             }
-        if isinstance(getattr(self, "reward_fn", None), RewardSandbox):  # calls, failures by kind, restarts
+        if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
+        metrics.update(self.rollout.metrics())  # the rollout side's own: replica health, engine counters
         return RolloutBatch(
             trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics
         )
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
-        for role_name in self.runner.roles_to_sync():  # the version the rollout policy carries (loglinear π_prox)
-            self.runner.versions[role_name] = self.version
         # Asynchronous: the engine generates in its own thread meanwhile. No CUDA graph may be captured
         # beside the training step's kernels and device synchronizations (they invalidate a capture:
         # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
-        hold = self.rollout_engine.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
+        hold = self.rollout.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
         with hold:
-            out = self.runner.step(rollout.batch, pass_order=rollout.pass_order)
+            # the version the rollout policy carries (loglinear π_prox)
+            out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
         metrics = {f"train/{k}": v for k, v in out.items()}
-        if getattr(self, "store", None) is not None and rollout.pass_order is None:
+        if self.store is not None and rollout.pass_order is None:
             # trained (later passes reuse the prepared batch): their stored observations are done with
             release_refs([t.info for t in rollout.trajectories], self.store)
         metrics.update(self._pending_sync_metrics)  # the previous sync's figures ride with the next step
@@ -381,55 +359,41 @@ class ArenoEngine:
         return metrics
 
     def update_weights(self) -> dict[str, float]:
-        from areno.sync.base import NamedTensorSource
-        from areno.sync.inplace import InPlaceTransport
-
-        stats = None
-        for role_name in self.runner.roles_to_sync():
-            if role_name not in self._transports:
-                source = NamedTensorSource(self.runner.backends[role_name].named_weights)
-                self._transports[role_name] = InPlaceTransport(
-                    source, self.rollout_engine.weight_tensors(), on_commit=self.rollout_engine.commit_weights
-                )
-            if self.asynchronous:  # bracket the swap: in-flight requests pause, then continue
-                self.executor.pause()
-                self.rollout_engine.pause()
-            try:
-                stats = self._transports[role_name].sync(self.version + 1)
-            finally:
-                if self.asynchronous:
-                    self.executor.set_version(self.rollout_engine.version)
-                    self.rollout_engine.resume()
-                    self.client.wake()
-                    self.executor.resume()
-        if stats is None:
+        update = self.training.publish_weights(self.version + 1, self.weight_kind)
+        if update is None:  # no role syncs to the rollout side
             return {}
-        self.version += 1
-        self._pending_sync_metrics = stats.as_metrics()
+        if self.asynchronous:  # bracket the swap: admission and the engine pause, then continue
+            self.executor.pause()
+            self.rollout.pause()
+        try:
+            metrics = self.rollout.update_weights(update)
+        finally:
+            if self.asynchronous:
+                self.executor.set_version(self.rollout.version)
+                self.rollout.resume()
+                self.executor.resume()
+        self.version = update.version
+        self._pending_sync_metrics = metrics
         return {}
 
     def evaluate(self) -> dict[str, float]:
         """Greedy held-out accuracy (mean reward) of the current rollout policy."""
         if not self.eval_rows:
             return {}
-        from areno.rewards.loader import load_reward
-        from areno.workflows.common import acall_reward, sample_fields
-
         cfg = self.config
-        if getattr(self, "reward_fn", None) is None:  # offline recipes build no executor
+        if self.reward_fn is None:  # offline recipes build no executor
             self.reward_fn = load_reward(cfg.reward)
         reward_fn = self.reward_fn
         prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
         params = rollout_sampling_params(cfg, greedy=True)
         t0 = time.perf_counter()
 
-        client = self.client
-        engine = getattr(self, "rollout_engine", None)
-        held = engine is not None and not self.asynchronous
+        client = self.rollout.client
+        held = not self.asynchronous
         if held:  # start the engine on the whole burst: the same batches, hence the same scores, every run
-            client = SeedingClient(self.client)
-            engine.pause()
-            client.hold(lambda: (engine.resume(), self.client.wake()))
+            client = SeedingClient(client)
+            self.rollout.pause()
+            client.hold(self.rollout.resume)
 
         async def ascore(row: dict) -> float:
             out = await client.agenerate(self.tokenizer.encode(row[prompt_key]), params)
@@ -458,11 +422,9 @@ class ArenoEngine:
     def save(self, path: Path, trainer_state: dict) -> None:
         """Write the checkpoint into a staging directory, then publish it with one rename
         (``checkpoint.commit``): ``path`` exists only once it is whole."""
-        state = {**trainer_state, **self.resume_state()}
+        state = {**trainer_state, **self.resume_state()}  # incl. the async pool's untrained samples
         tmp = checkpoint.staging_dir(path)
-        for role_name, backend in self.runner.backends.items():
-            if backend.cfg.trainable:
-                backend.save_checkpoint(tmp / role_name, extra_state=state)
+        self.training.save(tmp, state)
         self.export_policy(tmp / "hf")  # what `transformers` and `areno serve` load
         fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
         checkpoint.commit(tmp, path)
@@ -475,9 +437,9 @@ class ArenoEngine:
             "data": self.ledger.state_dict() if self.ledger is not None else self.train_stream.state_dict(),
             "version": self.version,
         }
-        sampler = getattr(getattr(self, "rollout_engine", None), "sampler", None)
-        if sampler is not None:
-            state["rollout_rng"] = sampler.generator.get_state()
+        rng = self.rollout.rng_state()
+        if rng is not None:
+            state["rollout_rng"] = rng
         return state
 
     def check_loadable(self) -> None:
@@ -492,10 +454,7 @@ class ArenoEngine:
 
     def load(self, path: Path) -> dict:
         self.check_loadable()
-        state = {}
-        for role_name, backend in self.runner.backends.items():
-            if backend.cfg.trainable:
-                state = backend.load_checkpoint(path / role_name)
+        state = self.training.load(path)
         self._restore(state)
         return state
 
@@ -520,25 +479,22 @@ class ArenoEngine:
             self.train_stream.load_state_dict(data)
         self.version = int(state["version"]) - 1  # update_weights publishes them as that version
         self.update_weights()
-        sampler = getattr(getattr(self, "rollout_engine", None), "sampler", None)
-        if sampler is not None and "rollout_rng" in state:
-            sampler.generator.set_state(state["rollout_rng"])
+        if "rollout_rng" in state:
+            self.rollout.set_rng_state(state["rollout_rng"])
 
     def export_policy(self, path: Path) -> None:
-        policy = self.runner.roles_to_sync()[0] if self.runner.roles_to_sync() else self.recipe.roles[0].name
-        self.runner.backends[policy].export_hf(path)
+        self.training.export_hf(path)
         self.tokenizer.save_pretrained(path)
 
     def shutdown(self) -> None:
         if self.executor is not None:
             self.executor.stop()
-        self.client.close()
-        for backend in self.runner.backends.values():
-            backend.shutdown()
+        self.rollout.shutdown()
+        self.training.shutdown()
         self.close_reward()
 
     def close_reward(self) -> None:
         """Stop this run's reward sandbox workers (a later run starts a fresh pool)."""
-        if isinstance(getattr(self, "reward_fn", None), RewardSandbox):
+        if isinstance(self.reward_fn, RewardSandbox):
             release_shared(self.reward_fn)  # closed once no other run of this process scores with it
         self.reward_fn = None

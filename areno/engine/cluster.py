@@ -25,6 +25,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from areno.launch.allocation import parse_allocation_mode
+from areno.launch.scheduler import scheduler_config, scheduler_from_config
+from areno.sync.plan import choose_relays
+from areno.sync.stream import StreamTopology
+from areno.train.fsdp import MESH_DIMS
+
 __all__ = [
     "ClusterLayout",
     "LayoutError",
@@ -168,8 +178,6 @@ class ClusterLayout:
     def relays(self) -> list[int]:
         """Rollout rank receiving each training row's buckets: on another physical device than the
         sender (``areno.sync.plan.choose_relays``). LayoutError when some row has none."""
-        from areno.sync.plan import choose_relays
-
         try:
             idx = choose_relays(
                 [self.device_of(r) for r in self.sender_ranks], [self.device_of(r) for r in self.rollout_ranks]
@@ -178,9 +186,7 @@ class ClusterLayout:
             raise LayoutError(f"policy sync cannot route: {e}") from None
         return [self.rollout_ranks[j] for j in idx]
 
-    def stream_topology(self):
-        from areno.sync.stream import StreamTopology
-
+    def stream_topology(self) -> StreamTopology:
         return StreamTopology(
             train_ranks=self.train_ranks,
             sender_ranks=self.sender_ranks,
@@ -214,8 +220,6 @@ def layout_from_config(
     mode = getattr(cluster, "allocation_mode", None)
     train, rollout = getattr(cluster, "train_devices", None), getattr(cluster, "rollout_devices", None)
     if mode and "+" in mode:
-        from areno.launch.allocation import parse_allocation_mode
-
         if train is not None or rollout is not None:
             raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
         alloc = parse_allocation_mode(mode)
@@ -254,8 +258,6 @@ def scheduler_for(cluster: Any, layout: ClusterLayout, *, log_dir: str) -> Any:
     name one. One-line errors before any worker starts: Ray not installed or its address silent,
     SLURM tools or controller missing, and overlapping device lists outside ``local`` (Ray and
     SLURM give every worker GPUs of its own, so one GPU cannot hold a training and a rollout rank)."""
-    from areno.launch.scheduler import scheduler_config, scheduler_from_config
-
     options = {"log_dir": log_dir, **dict(cluster.scheduler_options or {})}
     cfg = scheduler_config(cluster.scheduler, options)
     if cfg.type != "local" and layout.overlapping:
@@ -355,12 +357,6 @@ class Groups:
 
 def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
     """Create every process group of the layout; call on EVERY rank of the world, same order."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from areno.train.fsdp import MESH_DIMS
-
     rank = dist.get_rank()
     # NCCL subgroups in a gloo world on GPU (members of each group sit on distinct GPUs)
     backend = "nccl" if device_type == "cuda" else None

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from omegaconf import MISSING
 
 from areno.errors import ConfigError
-from areno.launch.allocation import AllocationModeError, parse_allocation_mode
+from areno.launch.allocation import AllocationModeError, check_supported, parse_allocation_mode
 from areno.launch.scheduler import scheduler_config
 from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
 from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
@@ -252,6 +252,7 @@ class ClusterSection:
         if self.allocation_mode is not None:
             try:
                 alloc = parse_allocation_mode(self.allocation_mode)
+                check_supported(alloc)
             except AllocationModeError as exc:
                 raise ConfigError(f"cluster.allocation_mode: {exc}") from None
             _check(

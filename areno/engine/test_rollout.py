@@ -19,13 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from areno.engine.executor import WorkflowExecutor
+from areno.rollout.client import RolloutClient
 from areno.train.checkpoint import complete_checkpoints
 from areno.workflows.base import RolloutWorkflow
-
-if TYPE_CHECKING:
-    from areno.rollout.client import RolloutClient
 
 logger = logging.getLogger("areno.engine.test_rollout")
 
@@ -72,8 +71,6 @@ class TestRolloutManager:
             raise ValueError("test rollout needs at least one held-out sample (eval_samples is empty)")
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
-        from areno.engine.executor import WorkflowExecutor
-
         self.checkpoint_dir = Path(checkpoint_dir)
         self.engine = engine
         self.eval_samples = list(eval_samples)

@@ -31,8 +31,10 @@ __all__ = [
     "BACKENDS",
     "AllocationMode",
     "AllocationModeError",
+    "SUPPORTED_BACKENDS",
     "BackendSpec",
     "Component",
+    "check_supported",
     "map_roles",
     "parse_allocation_mode",
 ]
@@ -65,6 +67,9 @@ BACKENDS: dict[str, BackendSpec] = {
 }
 """Backend names accepted in allocation strings. areno's own engines are ``areno`` and ``fsdp``;
 the others are accepted so that an allocation written for a peer system parses and places."""
+
+SUPPORTED_BACKENDS = frozenset({"areno", "fsdp"})
+"""The backends a run can use today (``check_supported``); the others only parse."""
 
 _DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline"}
 
@@ -274,6 +279,19 @@ def _check(source: str, groups: tuple[tuple[Component, ...], ...]) -> None:
                     f"colocated components must have the same world size: {first} has {first.world_size}, "
                     f"{c} has {c.world_size}",
                 )
+
+
+def check_supported(alloc: AllocationMode) -> None:
+    """``AllocationModeError`` (one line) naming the first component whose backend areno cannot
+    run yet: a run would otherwise silently use areno's own engines in its place."""
+    for c in alloc.components:
+        if c.backend in SUPPORTED_BACKENDS:
+            continue
+        if c.kind == "inference":
+            raise AllocationModeError(
+                f"rollout backend {c.backend!r} ({c}) is not supported yet: use areno (issue #16 adds vLLM/SGLang)"
+            )
+        raise AllocationModeError(f"training backend {c.backend!r} ({c}) is not supported yet: use fsdp")
 
 
 # ---------------------------------------------------------------------------------------------

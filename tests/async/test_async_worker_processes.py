@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from areno.engine.executor import DatasetExhausted, ProcessEpisodeRunner, WorkerSpec, WorkflowExecutor
+from areno.engine.episode_processes import ProcessEpisodeRunner, WorkerSpec
+from areno.engine.executor import DatasetExhausted, WorkflowExecutor
 from areno.engine.staleness import StalenessManager
 
 SPEC = WorkerSpec(

@@ -84,6 +84,7 @@ def test_async_colocated_training_step_holds_graph_captures(tmp_path):
 
     from areno.api.backend.base import RolloutBatch
     from areno.engine.api import ArenoEngine
+    from areno.engine.local import LocalRolloutSide, LocalTrainingSide
 
     events = []
 
@@ -106,9 +107,11 @@ def test_async_colocated_training_step_holds_graph_captures(tmp_path):
 
     for asynchronous, expected in ((True, ["hold", "step", "release"]), (False, ["step"])):
         events.clear()
-        engine = ArenoEngine(_config(), tmp_path)
-        engine.rollout_engine, engine.runner, engine.asynchronous = Engine(), Runner(), asynchronous
-        engine._pending_sync_metrics = {}
+        cfg, cpu = _config(), torch.device("cpu")
+        training, rollout = LocalTrainingSide(cfg, cpu, export_root=tmp_path), LocalRolloutSide(cfg, cpu)
+        training.runner, rollout.engine = Runner(), Engine()  # what start() would build
+        engine = ArenoEngine(cfg, tmp_path, training=training, rollout=rollout)
+        engine.asynchronous = asynchronous
         metrics = engine.step(RolloutBatch(trajectories=[], batch=None))  # the fake runner ignores the batch
         assert events == expected and metrics == {"train/loss": 1.0}
 

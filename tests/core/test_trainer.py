@@ -313,7 +313,7 @@ def test_two_passes_decoupled_clip_acts(tmp_path):
     )
     trainer = Trainer.init(cfg)
     engine = trainer.backend.engine
-    backend = engine.runner.backends["policy"]
+    backend = engine.training.runner.backends["policy"]
     calls = []
     real = backend.forward_only
     backend.forward_only = lambda batch, **kw: calls.append(batch.num_seqs) or real(batch, **kw)

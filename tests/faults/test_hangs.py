@@ -299,12 +299,8 @@ def test_health_monitor_validation():
 
 
 # ---------------------------------------------------------------------------------- stalled workers
-from areno.engine.executor import (  # noqa: E402
-    DatasetExhausted,
-    ProcessEpisodeRunner,
-    WorkerSpec,
-    WorkflowExecutor,
-)
+from areno.engine.episode_processes import ProcessEpisodeRunner, WorkerSpec  # noqa: E402
+from areno.engine.executor import DatasetExhausted, WorkflowExecutor  # noqa: E402
 from areno.engine.staleness import StalenessManager  # noqa: E402
 from areno.launch.scheduler import free_port
 from areno.types import GenerationOutput, Trajectory  # noqa: E402

@@ -129,7 +129,7 @@ def test_shared_gpus_need_the_local_scheduler(tmp_path, scheduler):
 @pytest.mark.slow
 def test_partitioned_grpo_step_through_ray(tmp_path):
     """The partitioned engine builds its workers as Ray actors when the config says so."""
-    from areno.engine.partitioned import PartitionedArenoEngine
+    from areno.engine.placement import partitioned_engine
     from areno.launch.ray_scheduler import RayScheduler
 
     cfg = load_config(
@@ -154,11 +154,12 @@ def test_partitioned_grpo_step_through_ray(tmp_path):
             "cluster.scheduler_options={ray_cpus_per_worker: 0.5}",
         ],
     )
-    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine = partitioned_engine(cfg, tmp_path / "run")
     try:
         engine.initialize()
-        assert isinstance(engine.scheduler, RayScheduler)
-        assert [(h.rank, h.role) for h in engine.scheduler.workers("train") + engine.scheduler.workers("rollout")] == [
+        scheduler = engine.rollout.cluster.scheduler
+        assert isinstance(scheduler, RayScheduler)
+        assert [(h.rank, h.role) for h in scheduler.workers("train") + scheduler.workers("rollout")] == [
             (0, "train"),
             (1, "rollout"),
         ]
@@ -166,7 +167,7 @@ def test_partitioned_grpo_step_through_ray(tmp_path):
         metrics = engine.step(rollout)
         engine.update_weights()
         assert metrics["train/policy/tokens"] == rollout.batch.num_tokens
-        assert engine.scheduler.call("rollout", "version") == [1]
+        assert scheduler.call("rollout", "version") == [1]
         assert 0.0 <= engine.evaluate()["eval/accuracy"] <= 1.0
     finally:
         engine.shutdown()

@@ -7,9 +7,12 @@ import torch
 from transformers import AutoTokenizer  # noqa: F401 - imported before two threads race to import it
 
 from areno.api.config import load_config
-from areno.engine.api import ArenoEngine, prepare_model_dir
+from areno.engine.api import prepare_model_dir
 from areno.engine.cluster import LayoutError
-from areno.engine.partitioned import PartitionedArenoEngine, is_partitioned
+from areno.engine.local import LocalRolloutSide, LocalTrainingSide
+from areno.engine.partitioned import is_partitioned
+from areno.engine.placement import build_engine, partitioned_engine
+from areno.engine.remote import RemoteRolloutSide, RemoteTrainingSide
 
 
 def sevens(prompt, completion, answer, **row):
@@ -65,12 +68,15 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
     cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
     assert is_partitioned(cfg)
     prepare_model_dir(cfg)  # once, before the two engines start side by side
-    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine = build_engine(cfg, tmp_path / "run")
+    assert isinstance(engine.training, RemoteTrainingSide) and isinstance(engine.rollout, RemoteRolloutSide)
+    scheduler = lambda: engine.rollout.cluster.scheduler
     # the workers start (processes, imports) while the colocated reference runs here
     starting = concurrent.futures.ThreadPoolExecutor(1).submit(engine.initialize)
     colocated_cfg = _config(tmp_path)
     assert not is_partitioned(colocated_cfg)
-    colocated = ArenoEngine(colocated_cfg, tmp_path / "run")
+    colocated = build_engine(colocated_cfg, tmp_path / "run")
+    assert isinstance(colocated.training, LocalTrainingSide) and isinstance(colocated.rollout, LocalRolloutSide)
     colocated.initialize()
     try:
         ref = _two_steps(colocated)
@@ -78,12 +84,12 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
         colocated.shutdown()
     try:
         starting.result()
-        assert [(h.rank, h.role) for h in engine.scheduler.workers("train") + engine.scheduler.workers("rollout")] == [
+        assert [(h.rank, h.role) for h in scheduler().workers("train") + scheduler().workers("rollout")] == [
             (0, "train"),
             (1, "rollout"),
         ]
         got = _two_steps(engine)
-        versions = engine.scheduler.call("rollout", "version")
+        versions = scheduler().call("rollout", "version")
         accuracy = engine.evaluate()
         engine.export_policy(tmp_path / "export")
     finally:
@@ -152,7 +158,7 @@ def test_partitioned_grpo_matches_colocated_metric_keys(tmp_path):
 
 def test_memory_check_refuses_an_overlapping_layout_before_launch(tmp_path):
     # both workers on logical device 0 of 1 MiB: the tiny model's training state alone does not fit
-    engine = PartitionedArenoEngine(
+    engine = partitioned_engine(
         _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[0]"),
         tmp_path / "run",
         device_capacity=1 << 20,
@@ -161,16 +167,17 @@ def test_memory_check_refuses_an_overlapping_layout_before_launch(tmp_path):
         LayoutError, match=r"^device 0 needs ~\d+\.\d+ GiB \(train_model_grad_optim .* but has 0\.00 GiB"
     ):
         engine.initialize()
-    assert engine.scheduler is None  # nothing was launched
+    assert engine.rollout.cluster.scheduler is None  # nothing was launched
 
 
 def test_partitioned_engine_refuses_colocated_config_and_offline_recipe(tmp_path):
     with pytest.raises(LayoutError, match="needs cluster.train_devices"):
-        PartitionedArenoEngine(_config(tmp_path), tmp_path / "run").initialize()
+        partitioned_engine(_config(tmp_path), tmp_path / "run").initialize()
     sft = _config(tmp_path, "train.algorithm=sft", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
     assert not is_partitioned(sft)  # ArenoBackend runs it colocated
+    assert isinstance(build_engine(sft, tmp_path / "run").training, LocalTrainingSide)
     with pytest.raises(ValueError, match="trains offline"):
-        PartitionedArenoEngine(sft, tmp_path / "run").initialize()
+        partitioned_engine(sft, tmp_path / "run").initialize()
 
 
 @pytest.mark.slow
@@ -184,18 +191,19 @@ def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
         "rollout.max_head_offpolicyness=1",
         "rollout.max_concurrent=4",
     )
-    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine = partitioned_engine(cfg, tmp_path / "run")
     engine.initialize()
+    cluster = engine.rollout.cluster
     try:
-        assert engine.layout.train_mesh_shape == (1, 2, 1) and engine.layout.sender_ranks == (0, 1)
-        assert [h.rank for h in engine.scheduler.workers("rollout")] == [2, 3]
+        assert cluster.layout.train_mesh_shape == (1, 2, 1) and cluster.layout.sender_ranks == (0, 1)
+        assert [h.rank for h in cluster.scheduler.workers("rollout")] == [2, 3]
         rows = _two_steps(engine)
         for rollout, metrics in rows:
             assert "rollout/staleness_max" in rollout.metrics and rollout.metrics["rollout/staleness_max"] <= 1
             assert "train/policy/loss" in metrics
         assert rows[1][1]["policy_sync_bytes"] > 0
         # both replicas served requests (round-robin)
-        assert all(n > 0 for n in engine.client.requests_per_server)
+        assert all(n > 0 for n in engine.rollout.client.requests_per_server)
         ckpt = tmp_path / "ckpt"
         engine.save(ckpt, {"step": 2})
         assert (ckpt / "COMPLETE").exists() and (ckpt / "hf" / "config.json").exists()
@@ -209,18 +217,19 @@ def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
     finally:
         engine.shutdown()
     # resume: a new engine loads the checkpoint before its first rollout
-    engine = PartitionedArenoEngine(cfg, tmp_path / "run2")
+    engine = partitioned_engine(cfg, tmp_path / "run2")
     engine.initialize()
+    cluster = engine.rollout.cluster
     try:
         state = engine.load(ckpt)
         assert state["step"] == 2 and engine.version == 2
         assert engine.train_stream.state_dict() == state["data"]["stream"]
         # the checkpoint's untrained samples are replayed first, none handed out yet
         assert engine.ledger.num_handed_out == 0 and engine.ledger.num_pending == len(state["data"]["pending"]) > 0
-        assert engine.scheduler.call("rollout", "version") == [2, 2]  # the loaded policy, synced as v2
+        assert cluster.scheduler.call("rollout", "version") == [2, 2]  # the loaded policy, synced as v2
         rollout, metrics = _two_steps(engine)[0]
         assert "train/policy/loss" in metrics and rollout.metrics["rollout/staleness_max"] <= 1
-        assert engine.scheduler.call("rollout", "version") == [4, 4]
+        assert cluster.scheduler.call("rollout", "version") == [4, 4]
     finally:
         engine.shutdown()
 
@@ -235,17 +244,17 @@ def test_dead_rollout_replica_requests_rerouted_then_sync_refused(tmp_path):
     from areno.engine.partitioned import WorkerLostError
 
     cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1, 2]")
-    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine = partitioned_engine(cfg, tmp_path / "run")
     engine.initialize()
     try:
-        dead = engine.scheduler.workers("rollout")[1]
+        dead = engine.rollout.cluster.scheduler.workers("rollout")[1]
         os.kill(dead.pid, signal.SIGKILL)
         rollout = engine.generate_rollout(0)
         assert len(rollout.trajectories) == 2 * 4
         prompts = [t.info.get("prompt") for t in rollout.trajectories]
         assert all(prompts.count(p) == 4 for p in prompts)  # two groups of 4, nothing duplicated
         # each group is one /generate_many request (RolloutClient.agenerate_many): both went to rollout[0]
-        assert engine.client.requests_per_server[1] == 0 and engine.client.requests_per_server[0] == 2
+        assert engine.rollout.client.requests_per_server[1] == 0 and engine.rollout.client.requests_per_server[0] == 2
         engine.step(rollout)
         with pytest.raises(WorkerLostError, match=r"^rollout\[1\] \(pid \d+\) died"):
             engine.update_weights()
@@ -265,11 +274,11 @@ def test_every_rollout_replica_dead_fails_requests_at_once(tmp_path):
     from areno.rollout.client import RolloutServersLost
 
     cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
-    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine = partitioned_engine(cfg, tmp_path / "run")
     engine.initialize()
     try:
-        assert engine.lost_replicas() == {}
-        dead = engine.scheduler.workers("rollout")[0]
+        assert engine.rollout.lost_replicas() == {}
+        dead = engine.rollout.cluster.scheduler.workers("rollout")[0]
         os.kill(dead.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(
@@ -298,38 +307,30 @@ def test_partitioned_on_two_gpus_overlapping_lists(tmp_path):
         "cluster.rollout_devices=[0, 1]",
         "rollout.kv_blocks=256",
     )
-    engine = PartitionedArenoEngine(cfg, tmp_path / "run")
+    engine = partitioned_engine(cfg, tmp_path / "run")
     engine.initialize()
+    cluster = engine.rollout.cluster
     try:
-        assert engine.layout.overlapping == (0, 1) and engine.layout.relays() == [3, 2]
+        assert cluster.layout.overlapping == (0, 1) and cluster.layout.relays() == [3, 2]
         rows = _two_steps(engine)
         assert rows[1][1]["policy_sync_bytes"] > 0 and "train/policy/loss" in rows[1][1]
         assert all(v == v for v in rows[1][1].values())
-        assert engine.scheduler.call("rollout", "version") == [2, 2]
+        assert cluster.scheduler.call("rollout", "version") == [2, 2]
     finally:
         engine.shutdown()
 
 
 @pytest.mark.slow
-def test_trainer_loop_through_the_proposed_backend_switch(tmp_path):
-    """The Trainer's loop (rollout, train, sync, checkpoint) on ArenoBackend with the one-line
-    switch applied: metrics.jsonl has the colocated run's keys; the final checkpoint completes."""
+def test_trainer_loop_on_arenobackend_colocated_and_partitioned(tmp_path):
+    """The Trainer's loop (rollout, train, sync, checkpoint) on ArenoBackend, which builds the
+    engine's sides from the config: metrics.jsonl has the colocated run's keys; the final
+    checkpoint completes."""
     import json
 
-    from areno.api.backend.areno.backend import ArenoBackend
-    from areno.api.backend.base import BACKENDS, register_backend
     from areno.api.trainer import Trainer
 
-    @register_backend("areno-partitioned-test")
-    class Switched(ArenoBackend):
-        def initialize(self, config, run_dir):
-            self.engine = (PartitionedArenoEngine if is_partitioned(config) else ArenoEngine)(config, run_dir)
-            self.engine.initialize()
-
     def run(name, *extra):
-        cfg = _config(
-            tmp_path / name, "train.steps=2", "train.eval_interval=0", "train.backend=areno-partitioned-test", *extra
-        )
+        cfg = _config(tmp_path / name, "train.steps=2", "train.eval_interval=0", *extra)
         trainer = Trainer.init(cfg)
         try:
             trainer.run()
@@ -338,11 +339,8 @@ def test_trainer_loop_through_the_proposed_backend_switch(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
         return rows, tmp_path / name / "run"
 
-    try:
-        ref, _ = run("colocated")
-        got, run_dir = run("partitioned", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
-    finally:
-        BACKENDS.pop("areno-partitioned-test")
+    ref, _ = run("colocated")
+    got, run_dir = run("partitioned", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
     keys = lambda rows: set().union(*(r.keys() for r in rows)) - {"time", "wall_time"}
     # the colocated run's keys, plus what only a partitioned run has: the replicas' health, the
     # rollout engines' own counters, and where each policy sync's time went

@@ -229,7 +229,8 @@ def test_rollout_key_reaches_the_engine(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from areno.api.config import load_config
-    from areno.engine.api import ArenoEngine, resolve_device
+    from areno.engine.api import resolve_device
+    from areno.engine.local import LocalRolloutSide
 
     for value in (True, False):
         cfg = load_config(
@@ -241,7 +242,6 @@ def test_rollout_key_reaches_the_engine(tiny_model_dir, tmp_path):
                 f"rollout.cpu_packed_gemm={str(value).lower()}",
             ],
         )
-        colocated = ArenoEngine(cfg, tmp_path / "run")
-        colocated.device = resolve_device("cpu")
+        colocated = LocalRolloutSide(cfg, resolve_device("cpu"))
         colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         assert colocated._build_rollout_engine(tiny_model_dir).config.cpu_packed_gemm is value

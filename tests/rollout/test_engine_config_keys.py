@@ -1,10 +1,10 @@
-"""Config keys reach what they shape: the colocated rollout engine (``ArenoEngine._build_rollout_engine``)
+"""Config keys reach what they shape: the colocated rollout engine (``LocalRolloutSide._build_rollout_engine``)
 and the training forwards' CUDA attention (``build_role_backends``)."""
 
 import pytest
 
 from areno.api.config import load_config
-from areno.engine.api import ArenoEngine
+from areno.engine.local import LocalRolloutSide
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -30,9 +30,8 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
 
     from areno.engine.api import resolve_device
 
-    colocated = ArenoEngine(cfg, tmp_path / "run")
-    colocated.device = resolve_device("cpu")  # what initialize() sets before building the engine
-    colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    colocated = LocalRolloutSide(cfg, resolve_device("cpu"))
+    colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # what start() sets before building the engine
     engine = colocated._build_rollout_engine(tiny_model_dir)
     assert engine.model.projections_fused is fused
     assert engine.config.fused_projections is fused and engine.config.cuda_graphs is False

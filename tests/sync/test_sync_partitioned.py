@@ -47,13 +47,13 @@ def test_sync_commit_is_validated(tmp_path):
 @pytest.mark.slow
 def test_inplace_sync_commit_repeats_the_staged_run(tmp_path):
     from areno.engine.api import prepare_model_dir
-    from areno.engine.partitioned import PartitionedArenoEngine
+    from areno.engine.placement import partitioned_engine
 
     runs = {}
     for commit in ("staged", "inplace"):
         cfg = _config(tmp_path, commit)
         prepare_model_dir(cfg)
-        engine = PartitionedArenoEngine(cfg, tmp_path / commit)
+        engine = partitioned_engine(cfg, tmp_path / commit)
         engine.initialize()
         try:
             steps = []
@@ -63,7 +63,7 @@ def test_inplace_sync_commit_repeats_the_staged_run(tmp_path):
                 engine.update_weights()
                 samples = sorted((t.prompt_ids, t.completion_ids, t.logprobs, t.versions) for t in rollout.trajectories)
                 steps.append((samples, metrics))
-            runs[commit] = (steps, engine.scheduler.call("rollout", "version"))
+            runs[commit] = (steps, engine.rollout.cluster.scheduler.call("rollout", "version"))
         finally:
             engine.shutdown()
     (staged, v_staged), (inplace, v_inplace) = runs["staged"], runs["inplace"]

@@ -1,19 +1,18 @@
 """The Backend contract (seed 000): the operations the training loop needs, nothing more.
 
 A backend is registered by name with :func:`register_backend`; ``Trainer.init`` resolves the name in
-``config.train.backend``. ``areno`` (ArenoBackend) is the built-in implementation.
+``config.train.backend``. ``areno`` (ArenoBackend) is the built-in implementation: the
+``areno.api.backend`` package registers it on import, so this module never imports it back.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from areno.engine.config import ArenoConfig
+from areno.errors import ConfigError
 from areno.types import RolloutBatch
-
-if TYPE_CHECKING:
-    from areno.api.config import ArenoConfig
 
 
 class Backend(ABC):
@@ -73,8 +72,6 @@ def register_backend(name: str):
 
 def resolve_backend(name: str) -> type[Backend]:
     """The registered class for ``name``; unknown names list the registered ones."""
-    import areno.api.backend.areno.backend  # noqa: F401  (registers "areno")
-
     if name not in BACKENDS:
-        raise ValueError(f"train.backend: unknown backend {name!r}; registered backends: {sorted(BACKENDS)}")
+        raise ConfigError(f"train.backend: unknown backend {name!r}; registered backends: {sorted(BACKENDS)}")
     return BACKENDS[name]

@@ -1,8 +1,9 @@
-"""ArenoBackend, registered as ``areno`` (seed 000): one colocated ArenoEngine by default.
+"""ArenoBackend, registered as ``areno`` (seed 000): one ArenoEngine, colocated by default.
 
 ``rollout_batch`` calls ``ArenoEngine.generate_rollout``; ``train`` calls ``ArenoEngine.step``.
 Partitioned placements (``cluster.allocation_mode`` / ``train_devices`` + ``rollout_devices``)
-give the engine separate rollout workers; the Trainer does not see the difference.
+give the engine remote sides (``areno.engine.placement.build_engine``); the Trainer does not see
+the difference.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from areno.api.backend.base import Backend, RolloutBatch, register_backend
-from areno.api.config import ArenoConfig
 from areno.engine.api import ArenoEngine
-from areno.engine.partitioned import PartitionedArenoEngine, is_partitioned
+from areno.engine.config import ArenoConfig
+from areno.engine.placement import build_engine
 
 
 @register_backend("areno")
@@ -20,8 +21,7 @@ class ArenoBackend(Backend):
     engine: ArenoEngine
 
     def initialize(self, config: ArenoConfig, run_dir: Path) -> None:
-        engine_cls = PartitionedArenoEngine if is_partitioned(config) else ArenoEngine
-        self.engine = engine_cls(config, run_dir)
+        self.engine = build_engine(config, run_dir)
         self.engine.initialize()
 
     def rollout_batch(self, rollout_id: int) -> RolloutBatch:

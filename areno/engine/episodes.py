@@ -1,0 +1,156 @@
+"""One attempt at one sample, and the rollout pool's failure policy (``WorkflowExecutor``'s).
+
+A workflow that raises counts as a failed episode and its sample is retried up to ``max_retries``
+times, then dropped with a warning naming it. A generation request past its deadline
+(``RolloutRequestTimeout``), an unreachable rollout server, a rollout worker process that died
+and an episode past ``episode_timeout_s`` are infrastructure faults, not the sample's: they are
+counted (``request_timeouts``, ``server_errors``, ``worker_lost``, ``episode_timeouts``) and the
+sample re-queued, bounded the same way. ``RolloutServersLost`` (no server can come back) is
+raised: no retry could succeed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from httpx import TransportError
+
+from areno.engine.episode_processes import ProcessEpisodeRunner, WorkerLost
+from areno.rollout.client import (
+    NoHealthyServerError,
+    RolloutClient,
+    RolloutRequestTimeout,
+    RolloutServerError,
+    RolloutServersLost,
+)
+from areno.types import Trajectory
+from areno.workflows.base import RolloutWorkflow, as_group
+from areno.workflows.common import describe_sample
+
+logger = logging.getLogger(__name__)
+
+
+class EpisodeTimeout(TimeoutError):
+    """An in-process episode ran past the executor's ``episode_timeout_s`` and was cancelled."""
+
+
+@dataclass
+class EpisodeTask:
+    index: int
+    """Position of the sample in the stream (unique per sample, kept across retries)."""
+    sample: dict[str, Any]
+    attempts: int = 0
+    """Attempts whose workflow raised."""
+    lost: int = 0
+    """Attempts lost because the rollout worker process running them died."""
+
+
+class EpisodeAttempts:
+    """Runs attempts of samples (in this process, or on a ``ProcessEpisodeRunner``) and decides
+    what each outcome means for the sample; counts every outcome in ``counts``."""
+
+    def __init__(
+        self,
+        client: RolloutClient | None,
+        workflow: RolloutWorkflow | None,
+        *,
+        runner: ProcessEpisodeRunner | None,
+        max_retries: int,
+        episode_timeout_s: float | None,
+        counts: collections.Counter[str],
+    ) -> None:
+        self.client = client
+        self.workflow = workflow
+        self.runner = runner
+        self.max_retries = max_retries
+        self.episode_timeout_s = episode_timeout_s
+        self.counts = counts
+        self.last_drop = ""
+        """The error of the last sample dropped after all its attempts."""
+
+    async def arun(self, task: EpisodeTask) -> tuple[str, list[Trajectory] | None]:
+        """One attempt at one sample: ``ok`` (group), ``rejected``, ``retry`` or ``dropped``."""
+        self.counts["episodes_started"] += 1
+        try:
+            if self.runner is not None:
+                group = await self.runner.arun(task.sample)
+            else:
+                episode = self.workflow.run_episode(self.client, task.sample)
+                try:
+                    group = as_group(await asyncio.wait_for(episode, self.episode_timeout_s))
+                except TimeoutError as exc:
+                    if isinstance(exc, RolloutRequestTimeout):
+                        raise
+                    raise EpisodeTimeout(f"episode ran past episode_timeout_s={self.episode_timeout_s:g}s") from None
+        except (asyncio.CancelledError, RolloutServersLost):
+            raise  # RolloutServersLost: no server can come back, so no retry can succeed
+        except (
+            WorkerLost,
+            EpisodeTimeout,
+            RolloutRequestTimeout,
+            RolloutServerError,
+            NoHealthyServerError,
+            TransportError,
+        ) as exc:
+            if isinstance(exc, RolloutServerError) and exc.status is not None and exc.status < 500:
+                return self._failed(task, exc)  # the server rejected the request: the sample's fault
+            # infrastructure, not the sample: re-queue, bounded like failures
+            counter = {
+                EpisodeTimeout: "episode_timeouts",
+                RolloutRequestTimeout: "request_timeouts",
+                WorkerLost: "worker_lost",
+            }.get(type(exc), "server_errors")
+            self.counts[counter] += 1
+            task.lost += 1
+            self.counts["requeued"] += 1
+            if task.lost <= self.max_retries:
+                logger.warning("re-queueing dataset %s (%s): %s", describe_sample(task.sample), counter, exc)
+                return "retry", None
+            self.counts["dropped_failed"] += 1
+            self.last_drop = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "dropping dataset %s after %d infrastructure failures (last, %s): %s",
+                describe_sample(task.sample),
+                task.lost,
+                counter,
+                exc,
+            )
+            return "dropped", None
+        except Exception as exc:  # noqa: BLE001 - user workflow code: counted, retried, then dropped with a warning
+            return self._failed(task, exc)
+        if group is None:
+            self.counts["rejected"] += 1
+            return "rejected", None
+        self.counts["accepted"] += 1
+        self.counts["trajectories"] += len(group)
+        self.counts["reward_errors"] += sum("reward_error" in t.info for t in group)
+        return "ok", group
+
+    def _failed(self, task: EpisodeTask, exc: BaseException) -> tuple[str, None]:
+        """The workflow raised: count, retry up to ``max_retries`` times, then drop with a warning."""
+        task.attempts += 1
+        self.counts["failed_episodes"] += 1
+        what = f"{type(exc).__name__}: {exc}"
+        if task.attempts <= self.max_retries:
+            logger.warning(
+                "episode failed for dataset %s (attempt %d of %d), retrying: %s",
+                describe_sample(task.sample),
+                task.attempts,
+                self.max_retries + 1,
+                what,
+            )
+            return "retry", None
+        self.counts["dropped_failed"] += 1
+        self.last_drop = what
+        logger.warning(
+            "dropping dataset %s after %d failed attempts: %s",
+            describe_sample(task.sample),
+            task.attempts,
+            what,
+            exc_info=exc,
+        )
+        return "dropped", None

@@ -1,0 +1,197 @@
+"""The in-process sides: one process holds the training backends and the rollout engine (colocated).
+
+``LocalTrainingSide`` trains the recipe's roles on ``LocalTrainBackend``s under a ``RecipeRunner``;
+``LocalRolloutSide`` drives an embedded ``RolloutEngine`` through an ``InProcessRolloutClient``. A
+policy sync hands the trained tensors over (``WeightKind.IN_PROCESS``): the in-place transport
+copies them into the engine's own, a dtype cast at most. Both sides also speak ``DISK`` (a
+safetensors export the engine loads), the way an inference server of another process takes a
+policy; the engine uses it only with a rollout side that cannot take tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from areno.engine.api import build_role_backends, rollout_engine_config, warm_up_rollout_engine
+from areno.engine.config import ArenoConfig, resolve_dtypes
+from areno.engine.rollout_side import RolloutSide
+from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
+from areno.engine.training_side import TrainingSide
+from areno.models.hf_io import load_model
+from areno.recipes.runner import RecipeRunner
+from areno.rollout.client import InProcessRolloutClient, RolloutClient
+from areno.rollout.engine import RolloutEngine
+from areno.sync.base import NamedTensorSource
+from areno.sync.disk import DiskTransport, policy_dir
+from areno.sync.inplace import InPlaceTransport
+from areno.train import LocalTrainBackend
+from areno.types import TokenBatch
+
+
+class LocalTrainingSide(TrainingSide):
+    """The recipe's roles on ``LocalTrainBackend``s of this process, on ``device``; ``DISK``
+    exports go under ``export_root``."""
+
+    weight_kinds = frozenset({WeightKind.IN_PROCESS, WeightKind.DISK})
+
+    # set in __init__
+    config: ArenoConfig
+    device: torch.device
+    export_root: Path
+    # set in start()
+    runner: RecipeRunner | None = None
+    policy: str
+    """The role exported as the policy: the one synced to rollout, else the recipe's first."""
+    _source: NamedTensorSource | None
+    """The synced role's weights (None: no role syncs to rollout)."""
+    _disk: DiskTransport | None
+
+    def __init__(self, config: ArenoConfig, device: torch.device, *, export_root: Path) -> None:
+        self.config = config
+        self.device = device
+        self.export_root = export_root
+
+    def start(self, setup: SideSetup) -> None:
+        cfg = self.config
+        torch.manual_seed(cfg.train.seed)
+        device = self.device.type
+        backends = build_role_backends(
+            cfg, setup.recipe, setup.model_dir, lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
+        )
+        self.runner = RecipeRunner(setup.recipe, backends, num_minibatches=cfg.train.num_minibatches)
+        synced = self.runner.roles_to_sync()
+        self.policy = synced[0] if synced else setup.recipe.roles[0].name
+        self._source = NamedTensorSource(backends[self.policy].named_weights) if synced else None
+        self._disk = DiskTransport(self._source, self.export_root, model_dir=setup.model_dir) if synced else None
+
+    def step(self, batch: TokenBatch, *, pass_order: list[int] | None, policy_version: int) -> dict[str, float]:
+        for role_name in self.runner.roles_to_sync():
+            self.runner.versions[role_name] = policy_version
+        return self.runner.step(batch, pass_order=pass_order)
+
+    def publish_weights(self, version: int, kind: WeightKind) -> WeightUpdate | None:
+        if self._source is None:
+            return None
+        if kind is WeightKind.DISK:
+            started_at = time.perf_counter()
+            stats = self._disk.sync(version)  # complete and renamed into place before it returns
+            return WeightUpdate(
+                version=version,
+                kind=kind,
+                path=policy_dir(self.export_root, version),
+                sender_metrics=stats.as_metrics(),
+                started_at=started_at,
+            )
+        assert kind is WeightKind.IN_PROCESS, kind
+        return WeightUpdate(version=version, kind=kind, source=self._source)
+
+    def save(self, path: Path, extra_state: dict) -> None:
+        for role_name, backend in self.runner.backends.items():
+            if backend.cfg.trainable:
+                backend.save_checkpoint(path / role_name, extra_state=extra_state)
+
+    def load(self, path: Path) -> dict:
+        state: dict = {}
+        for role_name, backend in self.runner.backends.items():
+            if backend.cfg.trainable:
+                state = backend.load_checkpoint(path / role_name)
+        return state
+
+    def export_hf(self, path: Path) -> None:
+        self.runner.backends[self.policy].export_hf(path)
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            for backend in self.runner.backends.values():
+                backend.shutdown()
+
+
+class LocalRolloutSide(RolloutSide):
+    """An embedded ``RolloutEngine`` on ``device``, driven by an ``InProcessRolloutClient``."""
+
+    weight_kinds = frozenset({WeightKind.IN_PROCESS, WeightKind.DISK})
+
+    # set in __init__
+    config: ArenoConfig
+    device: torch.device
+    # set in start()
+    tokenizer: object
+    engine: RolloutEngine
+    _client: InProcessRolloutClient | None = None
+    _transport: InPlaceTransport | None = None
+    """Built at the first sync, for the training side's tensors; reused by every later sync."""
+
+    def __init__(self, config: ArenoConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+
+    def start(self, setup: SideSetup) -> None:
+        self.tokenizer = setup.tokenizer
+        self.engine = self._build_rollout_engine(setup.model_dir)
+        warm_up_rollout_engine(self.engine, self.config)
+        # The one driver of the rollout engine: rollouts and evaluation both go through it.
+        self._client = InProcessRolloutClient(self.engine, request_timeout_s=self.config.rollout.request_timeout_s)
+
+    def _build_rollout_engine(self, model_dir: Path) -> RolloutEngine:
+        dtype_name = resolve_dtypes(self.config, self.device.type).rollout
+        dtype = getattr(torch, dtype_name)
+        model, model_config = load_model(model_dir, dtype=dtype, device=str(self.device))
+        engine_cfg = rollout_engine_config(
+            self.config, device=str(self.device), dtype=dtype_name, num_blocks=self.config.rollout.kv_blocks
+        )
+        return RolloutEngine(
+            model,
+            model_config,
+            config=engine_cfg,
+            eos_token_ids=[self.tokenizer.eos_token_id],
+            tokenizer=self.tokenizer,
+        )
+
+    @property
+    def client(self) -> RolloutClient:
+        assert self._client is not None, "start() the rollout side first"
+        return self._client
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+        self.client.wake()
+
+    def update_weights(self, update: WeightUpdate) -> dict[str, float]:
+        if update.kind is WeightKind.DISK:
+            # read whole and validated before any weight changes (else the engine keeps its version)
+            self.engine.update_weights_from_disk(str(update.path), update.version)
+            return dict(update.sender_metrics)
+        assert update.kind is WeightKind.IN_PROCESS and update.source is not None, update.kind
+        if self._transport is None or self._transport.source is not update.source:
+            self._transport = InPlaceTransport(
+                update.source, self.engine.weight_tensors(), on_commit=self.engine.commit_weights
+            )
+        return self._transport.sync(update.version).as_metrics()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def rng_state(self) -> torch.Tensor | None:
+        return self.engine.sampler.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.engine.sampler.generator.set_state(state)
+
+    def hold_graph_captures(self) -> contextlib.AbstractContextManager:
+        return self.engine.hold_graph_captures()
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()

@@ -1,0 +1,49 @@
+"""Where the two sides of ``ArenoEngine`` run, from the config: ``build_engine``.
+
+Colocated (the default): both sides in this process, on ``cluster.device``. Partitioned (device
+lists or a ``+`` allocation_mode, and an online recipe): both on the workers of one
+``PartitionedCluster``. Nothing loads here: ``ArenoEngine.initialize`` starts the sides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areno.engine.api import ArenoEngine, resolve_device
+from areno.engine.config import ArenoConfig
+from areno.engine.local import LocalRolloutSide, LocalTrainingSide
+from areno.engine.partitioned import PartitionedCluster, is_partitioned
+from areno.engine.remote import RemoteRolloutSide, RemoteTrainingSide
+
+
+def build_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
+    """The engine the config asks for: partitioned when ``is_partitioned``, else colocated."""
+    if is_partitioned(config):
+        return partitioned_engine(config, run_dir)
+    return colocated_engine(config, run_dir)
+
+
+def colocated_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
+    """Both sides in this process, on ``cluster.device`` (with ``cluster.cpu_threads`` applied)."""
+    device = resolve_device(config.cluster.device)
+    if config.cluster.cpu_threads:
+        torch.set_num_threads(config.cluster.cpu_threads)
+    training = LocalTrainingSide(config, device, export_root=run_dir / "policy")
+    return ArenoEngine(config, run_dir, training=training, rollout=LocalRolloutSide(config, device))
+
+
+def partitioned_engine(
+    config: ArenoConfig,
+    run_dir: Path,
+    *,
+    scheduler: Any = None,
+    device_capacity: dict[int, int] | int | None = None,
+) -> ArenoEngine:
+    """Both sides on the workers of one ``PartitionedCluster`` (its layout is validated here: a
+    ``LayoutError`` before anything loads). ``scheduler`` and ``device_capacity``: as
+    ``PartitionedCluster``."""
+    cluster = PartitionedCluster(config, run_dir, scheduler=scheduler, device_capacity=device_capacity)
+    return ArenoEngine(config, run_dir, training=RemoteTrainingSide(cluster), rollout=RemoteRolloutSide(cluster))

@@ -1,0 +1,221 @@
+"""The worker processes of a partitioned run, built by the scheduler (``areno.launch``) by dotted
+path (``areno.engine.workers:TrainWorker`` / ``:RolloutWorker``), all ranks of one world.
+
+``TrainWorker``: the recipe's roles on ``FSDP2TrainBackend`` over the training sub-mesh, and the
+sending half of the policy stream. ``RolloutWorker``: a ``RolloutEngine`` behind the token-level
+HTTP server, and the receiving half (it keeps generating with its current policy until a sync
+commits). The controller reaches both through ``engine/remote.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import uvicorn
+from transformers import AutoTokenizer
+
+from areno.engine.api import build_role_backends, resolve_recipe, rollout_engine_config, warm_up_rollout_engine
+from areno.engine.cluster import ClusterLayout, build_groups
+from areno.engine.config import ArenoConfig, resolve_dtypes
+from areno.engine.partitioned import _sync_config, advertised_address, bind_host, init_world, kv_tokens_for
+from areno.launch.scheduler import free_port
+from areno.models.hf_io import load_model
+from areno.recipes.runner import RecipeRunner
+from areno.rollout.engine import RolloutEngine
+from areno.rollout.server import check_bind, create_app
+from areno.sync.base import NamedTensorSource, ShardSpec, engine_receiver
+from areno.sync.stream import StreamTransport
+from areno.train import FSDP2TrainBackend
+
+logger = logging.getLogger(__name__)
+
+
+class TrainWorker:
+    """One training rank: the recipe's roles on FSDP2 over the training sub-mesh, and the sender
+    side of the policy stream. Built by the scheduler in its own process."""
+
+    def __init__(self, config: ArenoConfig, layout: ClusterLayout, model_dir: str) -> None:
+        self.config = cfg = config
+        device_type = init_world(cfg)
+        self.groups = build_groups(layout, device_type)  # collective: same order on every rank
+        torch.manual_seed(cfg.train.seed)
+        recipe = resolve_recipe(cfg)
+        backends = build_role_backends(
+            cfg,
+            recipe,
+            Path(model_dir),
+            lambda c: FSDP2TrainBackend(
+                dataclasses.replace(
+                    c, device=device_type, tp_size=layout.train_tp, dp_replicate_size=layout.train_dp_replicate
+                ),
+                mesh=self.groups.train_mesh,
+                group=self.groups.train_group,
+            ),
+        )
+        self.runner = RecipeRunner(recipe, backends, num_minibatches=cfg.train.num_minibatches)
+        synced = self.runner.roles_to_sync()
+        self.policy = synced[0] if synced else recipe.roles[0].name
+        self.transport = StreamTransport(
+            topology=layout.stream_topology(),
+            config=_sync_config(cfg),
+            source=NamedTensorSource(backends[self.policy].named_weights),
+            device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu",
+            backend="nccl" if device_type == "cuda" else None,
+        )
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def step(self, batch_bytes: bytes, pass_order: list[int] | None, policy_version: int) -> dict[str, float]:
+        """``batch_bytes``: a pickled TokenBatch (plain pickle: the scheduler's connection would
+        otherwise pass tensors as shared-memory handles, which only work between relatives);
+        ``pass_order``, ``policy_version``: as ``TrainingSide.step``."""
+        for role_name in self.runner.roles_to_sync():
+            self.runner.versions[role_name] = policy_version
+        return self.runner.step(pickle.loads(batch_bytes), pass_order=pass_order)
+
+    def sync(self, version: int) -> dict[str, float]:
+        return self.transport.sync(version).as_metrics()
+
+    def export_hf(self, path: str) -> None:
+        self.runner.backends[self.policy].export_hf(path)
+
+    def save_role(self, path: str, role: str, extra_state: dict) -> None:
+        self.runner.backends[role].save_checkpoint(path, extra_state=extra_state)
+
+    def load_role(self, path: str, role: str) -> dict:
+        return self.runner.backends[role].load_checkpoint(path)
+
+    def trainable_roles(self) -> list[str]:
+        return [n for n, b in self.runner.backends.items() if b.cfg.trainable]
+
+    def shutdown(self) -> None:
+        for backend in self.runner.backends.values():
+            backend.shutdown()
+
+
+class RolloutWorker:
+    """One rollout rank: a RolloutEngine served over HTTP on 127.0.0.1 and the receiving side of
+    the policy stream (it keeps generating with its current policy until a sync commits)."""
+
+    def __init__(
+        self, config: ArenoConfig, layout: ClusterLayout, model_dir: str, *, api_key: str | None = None
+    ) -> None:
+        """``api_key``: required by the server for every request but /health; a worker that may sit
+        on another node than the controller (Ray, SLURM) binds all interfaces and must have one."""
+        self.config = cfg = config
+        device_type = init_world(cfg)
+        self.groups = build_groups(layout, device_type)
+        device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
+        dtype_name = resolve_dtypes(cfg, device_type).rollout
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model, model_config = load_model(model_dir, dtype=getattr(torch, dtype_name), device=device)
+        blocks = cfg.rollout.kv_blocks
+        if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
+            blocks = -(-kv_tokens_for(cfg) // 16)
+        self.engine = RolloutEngine(
+            model,
+            model_config,
+            config=rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks),
+            eos_token_ids=[tokenizer.eos_token_id],
+            tokenizer=tokenizer,
+        )
+        warm_up_rollout_engine(self.engine, cfg)
+        self._receive_stream(layout, device)
+        self._serve(tokenizer, api_key)
+
+    def _receive_stream(self, layout: ClusterLayout, device: str) -> None:
+        cfg = self.config
+        specs = {
+            n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
+            for n, t in self.engine.weight_tensors().items()
+        }
+        # Asynchronous: a staged commit is applied in the background at the engine's next step
+        # boundary, so the sync (and the trainer waiting on it) does not wait for a k-step decode loop.
+        self.receiver = engine_receiver(
+            self.engine,
+            specs,
+            commit=cfg.cluster.sync_commit,
+            deferred=cfg.rollout.max_head_offpolicyness > 0 and cfg.cluster.sync_commit == "staged",
+        )
+        self.transport = StreamTransport(
+            topology=layout.stream_topology(),
+            config=_sync_config(cfg),
+            receiver=self.receiver,
+            device=device,
+            backend="nccl" if device.startswith("cuda") else None,
+        )
+
+    def _serve(self, tokenizer, api_key: str | None) -> None:
+        """The token-level HTTP server of this engine, on a free port, in a thread."""
+        self.host = bind_host(self.config)
+        check_bind(self.host, api_key)  # beyond loopback only with a key
+        self.advertised = advertised_address(self.host)
+        self.app = create_app(self.engine, tokenizer=tokenizer, api_key=api_key)
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        )
+        self._thread = threading.Thread(target=self.server.run, name="areno-rollout-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"rollout worker: HTTP server on 127.0.0.1:{self.port} did not start")
+            time.sleep(0.02)
+
+    def url(self) -> str:
+        return f"http://{self.advertised}:{self.port}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def version(self) -> int:
+        self.receiver.wait_committed(timeout_s=self.transport.config.timeout_s)  # a deferred commit applying
+        return self.engine.version
+
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's counters (``RolloutEngine.stats``, with the clock its ``busy_s`` was read
+        on), for the controller's per-step rollout-engine metrics."""
+        return {k: float(v) for k, v in self.engine.stats().items() if isinstance(v, (int, float))}
+
+    def sync(self, version: int) -> dict[str, float]:
+        # No CUDA-graph capture beside the sync's NCCL work on this GPU (steps needing a new graph
+        # meanwhile run eagerly); an asynchronous run syncs while the engine generates.
+        t0 = time.perf_counter()
+        with self.engine.hold_graph_captures():
+            t1 = time.perf_counter()  # an ongoing capture finished
+            metrics = self.transport.sync(version).as_metrics()
+        t2 = time.perf_counter()
+        self.app.state.client.wake()
+        metrics["policy_sync_phase_hold_captures_s"] = t1 - t0
+        metrics["policy_sync_phase_wake_s"] = time.perf_counter() - t2
+        return metrics
+
+    def join_checkpoint(self, path: str, load: bool) -> None:
+        """Take part in the training checkpoint's world collectives with nothing to write or read:
+        the same sequence as ``areno.train.checkpoint.save`` (barrier, DCP save, barrier) / ``load``
+        (DCP load), whose DCP plans and barriers span the default group."""
+        if load:
+            dcp.load({}, checkpoint_id=path)
+        else:
+            dist.barrier()
+            dcp.save({}, checkpoint_id=path)
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        try:
+            self.receiver.wait_committed(timeout_s=10)
+        except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the caller's error
+            logger.warning("rollout worker shutdown: %s", exc)
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
