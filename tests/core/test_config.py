@@ -240,7 +240,8 @@ def test_building_from_config_writes_no_module_global(tiny_model_dir, tmp_path):
     areno as it was."""
     from transformers import AutoTokenizer
 
-    from areno.engine.api import ArenoEngine, build_role_backends, resolve_device, resolve_recipe
+    from areno.engine.api import build_role_backends, resolve_device, resolve_recipe
+    from areno.engine.local import LocalRolloutSide
     from areno.train import LocalTrainBackend
 
     def build(*overrides: str) -> None:
@@ -248,10 +249,9 @@ def test_building_from_config_writes_no_module_global(tiny_model_dir, tmp_path):
             None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu", *overrides]
         )
         build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
-        colocated = ArenoEngine(cfg, tmp_path / "run")
-        colocated.device = resolve_device("cpu")
-        colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-        colocated._build_rollout_engine(tiny_model_dir)
+        rollout = LocalRolloutSide(cfg, resolve_device("cpu"))
+        rollout.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        rollout._build_rollout_engine(tiny_model_dir)
 
     build()  # imports every module the build uses
     before = _config_like_globals()
