@@ -1,6 +1,8 @@
 """`areno` command line: train, demo, recipes, launch, serve, report, doctor, trace, sessions.
 
-User mistakes (config, paths, data) are printed as one line and exit with code 2.
+The error policy (``areno.errors``): a user mistake (config, data, model directory, reward import) is
+printed as one line and exits with 2; a run that failed while running is printed as one line naming
+the failing worker and its log and exits with 1; anything else is a bug, and its traceback goes through.
 """
 
 from __future__ import annotations
@@ -10,29 +12,12 @@ import logging
 import sys
 
 import areno
+from areno.errors import RunFailure, UserError
 
 USAGE_ERROR = 2
+"""Exit code of a :class:`~areno.errors.UserError`: the command was wrong, nothing ran."""
 RUN_FAILED = 1
-
-# Failures of a running job that carry a complete one-line message (what broke, and the fix): the
-# CLI prints them as one line; the log above has the details. Checked only in modules already
-# imported, so the check itself imports nothing.
-_RUN_FAILURES = {
-    "areno.engine.executor": ("RolloutPoolBroken",),
-    "areno.rollout.client": ("NoHealthyServerError", "RolloutServersLost"),
-    "areno.engine.partitioned": ("WorkerLostError",),
-    "areno.sync.base": ("PolicySyncError",),
-    "areno.launch.scheduler": ("WorkerError",),
-}
-
-
-def is_run_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is one of the run failures the CLI reports in one line."""
-    for module_name, names in _RUN_FAILURES.items():
-        module = sys.modules.get(module_name)
-        if module is not None and isinstance(exc, tuple(getattr(module, n) for n in names)):
-            return True
-    return False
+"""Exit code of a :class:`~areno.errors.RunFailure` (and of a bug, with its traceback)."""
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -104,15 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # user mistakes (ConfigError is a ValueError): one line, exit 2
+    except UserError as exc:  # the message names the thing and the fix
         print(f"areno: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    except FileNotFoundError as exc:
-        print(f"areno: error: {exc}", file=sys.stderr)
-        return USAGE_ERROR
-    except RuntimeError as exc:
-        if not is_run_failure(exc):
-            raise
+    except RunFailure as exc:  # the log above (and the worker's log it names) has the details
         logging.getLogger("areno").debug("run failed", exc_info=exc)
         print(f"areno: error: {exc}", file=sys.stderr)
         return RUN_FAILED

@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from areno.errors import ConfigError
+
 __all__ = [
     "ClusterLayout",
     "LayoutError",
@@ -41,7 +43,7 @@ CONTEXT_BYTES = 768 << 20
 """CUDA context + allocator slack per process (what a process holds before its first tensor)."""
 
 
-class LayoutError(ValueError):
+class LayoutError(ConfigError):
     """A partitioned layout that cannot run (bad lists, does not fit in memory)."""
 
 

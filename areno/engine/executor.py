@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from areno.engine.staleness import StalenessManager
+from areno.errors import RunFailure
 from areno.types import Trajectory
 from areno.workflows.base import RolloutWorkflow, as_group
 from areno.workflows.common import describe_sample
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("areno.engine.executor")
 
 
-class RolloutPoolBroken(RuntimeError):
+class RolloutPoolBroken(RunFailure):
     """Every recent sample failed all its attempts (``max_consecutive_dropped``): the pool stopped."""
 
 

@@ -54,6 +54,7 @@ from areno.engine.cluster import (
     validate_memory,
 )
 from areno.engine.config import ArenoConfig
+from areno.errors import RunFailure
 from areno.faults import fault_point
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
@@ -72,7 +73,7 @@ __all__ = [
 ]
 
 
-class WorkerLostError(RuntimeError):
+class WorkerLostError(RunFailure):
     """A worker of the partitioned world died; its world cannot be re-formed in place."""
 
 

@@ -27,6 +27,8 @@ from typing import Literal
 
 import lark
 
+from areno.errors import ConfigError
+
 __all__ = [
     "BACKENDS",
     "AllocationMode",
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 
-class AllocationModeError(ValueError):
+class AllocationModeError(ConfigError):
     """An allocation string that does not parse or does not fit; the message points at the position."""
 
 
