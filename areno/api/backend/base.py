@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from areno.errors import ConfigError
 from areno.types import RolloutBatch
 
 if TYPE_CHECKING:
@@ -76,5 +77,5 @@ def resolve_backend(name: str) -> type[Backend]:
     import areno.api.backend.areno.backend  # noqa: F401  (registers "areno")
 
     if name not in BACKENDS:
-        raise ValueError(f"train.backend: unknown backend {name!r}; registered backends: {sorted(BACKENDS)}")
+        raise ConfigError(f"train.backend: unknown backend {name!r}; registered backends: {sorted(BACKENDS)}")
     return BACKENDS[name]
