@@ -43,6 +43,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+DELEGATED = {
+    "recipes": ("areno.recipes", "list the registered recipes (NAME: its formula, roles and syncs)"),
+    "launch": ("areno.launch", "check an allocation_mode string or shared storage paths"),
+    "serve": ("areno.rollout.server", "serve a model with the rollout engine (OpenAI-compatible HTTP)"),
+    "report": ("areno.observe.report", "HTML report with plots of one or more run directories"),
+    "doctor": ("areno.observe.doctor", "versions, devices and optional components"),
+    "trace": ("areno.observe.trace", "merge a run's per-process traces into trace.json"),
+    "sessions": ("areno.observe.session", "browse recorded agent sessions"),
+}
+"""Subcommands whose module parses its own arguments (everything after the name): ``name -> (module, help)``."""
+
+
 def _delegate(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
@@ -68,15 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("overrides", nargs="*", help="dotted overrides key=value")
     demo.set_defaults(func=_demo)
 
-    for name, module, help_text in (
-        ("recipes", "areno.recipes", "list the registered recipes (NAME: its formula, roles and syncs)"),
-        ("launch", "areno.launch", "check an allocation_mode string or shared storage paths"),
-        ("serve", "areno.rollout.server", "serve a model with the rollout engine (OpenAI-compatible HTTP)"),
-        ("report", "areno.observe.report", "HTML report with plots of one or more run directories"),
-        ("doctor", "areno.observe.doctor", "versions, devices and optional components"),
-        ("trace", "areno.observe.trace", "merge a run's per-process traces into trace.json"),
-        ("sessions", "areno.observe.session", "browse recorded agent sessions"),
-    ):
+    for name, (module, help_text) in DELEGATED.items():  # listed in --help; main() hands them their arguments
         p = sub.add_parser(name, help=help_text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_delegate(module))
@@ -86,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:  # argparse's REMAINDER would refuse a leading option (doctor --json)
+        args = argparse.Namespace(func=_delegate(DELEGATED[argv[0]][0]), rest=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except UserError as exc:  # the message names the thing and the fix

@@ -1,7 +1,7 @@
 """What a run's config is checked for before anything expensive starts (a model built, a warm start
 run, a worker launched): the recipe and its arguments, the reward and workflow import paths, the
-data files, the device, a required checkpoint to resume from, and the model directory (or the
-arguments that create it). Each problem is a one-line :class:`~areno.errors.UserError`.
+data files, the device, a required checkpoint to resume from, the optional packages turned on, and
+the model directory (or the arguments that create it). Each problem is a one-line :class:`~areno.errors.UserError`.
 
 ``Trainer.init`` calls :func:`check_run` first; ``run_pipeline`` calls it for every stage before the
 first one starts, so a typo in the main stage does not wait for the warm start. The engine checks
@@ -10,6 +10,7 @@ some of the same things again when it builds them: this module only makes them f
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -31,7 +32,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def check_run(config: ArenoConfig) -> None:
     """Raise the first :class:`~areno.errors.UserError` that ``config`` would meet, without
-    building a model: recipe, reward, workflow, data, device, resume, model directory, in that order."""
+    building a model: recipe, reward, workflow, data, device, resume, optional packages, model
+    directory, in that order."""
     recipe = get_recipe(config.train.algorithm, policy_kwargs=dict(config.train.algorithm_kwargs))
     reward_function(config.reward.fn)  # evaluation scores with it in every recipe
     if recipe.online:  # the engine adds its own arguments (tokenizer, reward_fn, ...) when it builds it
@@ -45,10 +47,23 @@ def check_run(config: ArenoConfig) -> None:
             f"resume=true but {Path(config.run_dir) / 'checkpoints'} holds no completed checkpoint "
             "(step_N/COMPLETE): use resume=auto to start fresh when there is none"
         )
+    check_optional_packages(config)
     for role in recipe.roles:
         if role.model_path:  # a teacher or another model than the policy
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
     check_model(config.model)
+
+
+def check_optional_packages(config: ArenoConfig) -> None:
+    """The packages of the optional features the config turns on are installed (the metrics logger
+    imports them only once the models are built)."""
+    observe = config.observe
+    for enabled, package, fix in (
+        (observe.tensorboard, "tensorboard", "pip install tensorboard, or set observe.tensorboard=false"),
+        (observe.wandb_project is not None, "wandb", "pip install 'areno[wandb]', or unset observe.wandb_project"),
+    ):
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"observe: {package} is not installed: {fix}")
 
 
 def check_model(model: ModelSection) -> None:

@@ -4,6 +4,7 @@ its log, exit code 1; anything else is a bug whose traceback goes through (exit 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -288,3 +289,25 @@ def test_a_plain_value_error_is_a_bug_with_its_traceback(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback (most recent call last)" in proc.stderr and "areno: error" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "ValueError: an internal invariant broke"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_a_missing_optional_package_is_a_config_error(tmp_path, capsys):
+    rc = main(_train_args(tmp_path, "observe.wandb_project=demo"))
+    _assert_user_error(rc, capsys.readouterr().err, "observe: wandb is not installed", "pip install 'areno[wandb]'")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["report", "{tmp}"], "has no metrics.jsonl: pass a run directory"),
+        (["trace", "{tmp}"], "run with tracing enabled"),
+        (["sessions", "{tmp}"], "enable session recording"),
+        (["doctor", "--require", "nope"], "--require: unknown check(s) nope"),
+    ],
+)
+def test_other_commands_report_user_errors_in_one_line(tmp_path, capsys, argv, fragment):
+    rc = main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("areno: error: ") and fragment in err, err

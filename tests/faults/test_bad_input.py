@@ -263,7 +263,7 @@ def test_garbage_complete_checkpoint_is_named(tiny_model_dir, tmp_path):
     (step / "policy").mkdir(parents=True)
     (step / "COMPLETE").write_text("ok")
     (step / "policy" / "junk.bin").write_bytes(b"\x00" * 64)
-    with pytest.raises(FileNotFoundError, match=r"step_00000002/policy is not an areno checkpoint"):
+    with pytest.raises(ModelDirError, match=r"step_00000002/policy is not an areno checkpoint"):
         backend.load_checkpoint(step / "policy")
 
 
