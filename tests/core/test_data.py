@@ -140,7 +140,7 @@ def test_every_data_problem_is_a_one_line_data_error(tmp_path):
     csv = tmp_path / "d.csv"
     csv.write_text("prompt\na\n")
     for path, pattern in [
-        (latin1, r"d\.jsonl: not UTF-8 text \(byte 0xe9 at offset 14\): convert the file to UTF-8"),
+        (latin1, r"d\.jsonl: not UTF-8 text \(byte 0xe9 at offset 15\): convert the file to UTF-8"),
         (parquet, r"d\.parquet: not a readable Parquet file \("),
         (csv, r"d\.csv: unsupported suffix '\.csv'; use \.jsonl, \.json or \.parquet"),
         (tmp_path / "missing.jsonl", r"missing\.jsonl does not exist: set data\.train_path"),
