@@ -28,7 +28,6 @@ import torch
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_yaml
 from areno.api.preflight import check_run
-from areno.errors import ConfigError
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.session import configure_sessions
@@ -179,12 +178,7 @@ class Trainer:
                 )
             return None
         checkpoint.remove_stale(checkpoints_dir)
-        latest = checkpoint.latest_complete(checkpoints_dir)
-        if latest is None and self.config.resume is True:
-            raise ConfigError(
-                f"resume=true but {checkpoints_dir} holds no completed checkpoint "
-                "(step_N/COMPLETE): use resume=auto to start fresh when there is none"
-            )
+        latest = checkpoint.latest_complete(checkpoints_dir)  # resume=true: there is one (preflight.check_run)
         truncate_metrics(self.run_dir / METRICS_FILENAME, after_step=checkpoint_step(latest) if latest else -1)
         return latest
 
