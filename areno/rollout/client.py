@@ -26,6 +26,7 @@ import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from areno.errors import RunFailure
 from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
 from areno.types import GenerationOutput, SamplingParams
@@ -62,7 +63,7 @@ class RolloutServerError(RuntimeError):
         """HTTP status of the answer; None when there was none (connection refused or reset)."""
 
 
-class NoHealthyServerError(RuntimeError):
+class NoHealthyServerError(RunFailure):
     """Every rollout server of a ``MultiServerRolloutClient`` is unhealthy or unreachable."""
 
 
@@ -71,7 +72,7 @@ def _deadline(timeout_s: float | None) -> float | None:
     return timeout_s if timeout_s else None
 
 
-class RolloutServersLost(RuntimeError):
+class RolloutServersLost(RunFailure):
     """Every rollout server is gone for good (its worker process died): no recovery can come, so
     the request fails at once; the rollout pool stops on it rather than re-queueing samples."""
 
