@@ -54,7 +54,7 @@ from areno.rollout.sampling import GREEDY, RowParams, RowTensors, SampleMode, Sa
 from areno.rollout.scheduler import ScheduledBatch, Scheduler
 from areno.types import SamplingParams
 
-__all__ = [
+__all__ = [  # the padded shapes (graph_shapes.py) stay importable from here
     "PAGED_MIN_BLOCKS",
     "DecodeGraphRunner",
     "GraphHost",
@@ -115,6 +115,8 @@ class _LoopGraph:
 
 
 class DecodeGraphRunner:
+    """The decode CUDA graphs of one engine: captured lazily (or by ``capture``), replayed by its steps."""
+
     def __init__(self, engine: GraphHost, *, max_batch: int) -> None:
         self.engine = engine
         self.max_batch = max_batch
