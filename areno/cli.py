@@ -1,6 +1,8 @@
 """`areno` command line: train, demo, recipes, launch, serve, report, doctor, trace, sessions.
 
-User mistakes (config, paths, data) are printed as one line and exit with code 2.
+The error policy (``areno.errors``): a user mistake (config, data, model directory, reward import) is
+printed as one line and exits with 2; a run that failed while running is printed as one line naming
+the failing worker and its log and exits with 1; anything else is a bug, and its traceback goes through.
 """
 
 from __future__ import annotations
@@ -10,29 +12,12 @@ import logging
 import sys
 
 import areno
+from areno.errors import RunFailure, UserError
 
 USAGE_ERROR = 2
+"""Exit code of a :class:`~areno.errors.UserError`: the command was wrong, nothing ran."""
 RUN_FAILED = 1
-
-# Failures of a running job that carry a complete one-line message (what broke, and the fix): the
-# CLI prints them as one line; the log above has the details. Checked only in modules already
-# imported, so the check itself imports nothing.
-_RUN_FAILURES = {
-    "areno.engine.executor": ("RolloutPoolBroken",),
-    "areno.rollout.client": ("NoHealthyServerError", "RolloutServersLost"),
-    "areno.engine.partitioned": ("WorkerLostError",),
-    "areno.sync.base": ("PolicySyncError",),
-    "areno.launch.scheduler": ("WorkerError",),
-}
-
-
-def is_run_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is one of the run failures the CLI reports in one line."""
-    for module_name, names in _RUN_FAILURES.items():
-        module = sys.modules.get(module_name)
-        if module is not None and isinstance(exc, tuple(getattr(module, n) for n in names)):
-            return True
-    return False
+"""Exit code of a :class:`~areno.errors.RunFailure` (and of a bug, with its traceback)."""
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -56,6 +41,18 @@ def _demo(args: argparse.Namespace) -> int:
 
     run_demo(run_dir=args.run_dir, overrides=list(args.overrides))
     return 0
+
+
+DELEGATED = {
+    "recipes": ("areno.recipes", "list the registered recipes (NAME: its formula, roles and syncs)"),
+    "launch": ("areno.launch", "check an allocation_mode string or shared storage paths"),
+    "serve": ("areno.rollout.server", "serve a model with the rollout engine (OpenAI-compatible HTTP)"),
+    "report": ("areno.observe.report", "HTML report with plots of one or more run directories"),
+    "doctor": ("areno.observe.doctor", "versions, devices and optional components"),
+    "trace": ("areno.observe.trace", "merge a run's per-process traces into trace.json"),
+    "sessions": ("areno.observe.session", "browse recorded agent sessions"),
+}
+"""Subcommands whose module parses its own arguments (everything after the name): ``name -> (module, help)``."""
 
 
 def _delegate(module: str):
@@ -83,15 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("overrides", nargs="*", help="dotted overrides key=value")
     demo.set_defaults(func=_demo)
 
-    for name, module, help_text in (
-        ("recipes", "areno.recipes", "list the registered recipes (NAME: its formula, roles and syncs)"),
-        ("launch", "areno.launch", "check an allocation_mode string or shared storage paths"),
-        ("serve", "areno.rollout.server", "serve a model with the rollout engine (OpenAI-compatible HTTP)"),
-        ("report", "areno.observe.report", "HTML report with plots of one or more run directories"),
-        ("doctor", "areno.observe.doctor", "versions, devices and optional components"),
-        ("trace", "areno.observe.trace", "merge a run's per-process traces into trace.json"),
-        ("sessions", "areno.observe.session", "browse recorded agent sessions"),
-    ):
+    for name, (module, help_text) in DELEGATED.items():  # listed in --help; main() hands them their arguments
         p = sub.add_parser(name, help=help_text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_delegate(module))
@@ -101,18 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:  # argparse's REMAINDER would refuse a leading option (doctor --json)
+        args = argparse.Namespace(func=_delegate(DELEGATED[argv[0]][0]), rest=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # user mistakes (ConfigError is a ValueError): one line, exit 2
+    except UserError as exc:  # the message names the thing and the fix
         print(f"areno: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    except FileNotFoundError as exc:
-        print(f"areno: error: {exc}", file=sys.stderr)
-        return USAGE_ERROR
-    except RuntimeError as exc:
-        if not is_run_failure(exc):
-            raise
+    except RunFailure as exc:  # the log above (and the worker's log it names) has the details
         logging.getLogger("areno").debug("run failed", exc_info=exc)
         print(f"areno: error: {exc}", file=sys.stderr)
         return RUN_FAILED

@@ -13,7 +13,9 @@ import logging
 from pathlib import Path
 
 from areno.api.config import ArenoConfig, load_config
+from areno.api.preflight import check_run
 from areno.api.trainer import Trainer
+from areno.errors import UserError
 from areno.observe.metrics import METRICS_FILENAME, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -31,17 +33,13 @@ def _stage(config: ArenoConfig, **changes) -> ArenoConfig:
     return dataclasses.replace(config, **replaced)
 
 
-def run_warm_start(config: ArenoConfig) -> Path:
-    """Supervised warm start; returns the exported checkpoint directory (reused when complete)."""
+def warm_start_config(config: ArenoConfig) -> ArenoConfig:
+    """The supervised stage of ``config``: the ``sft`` recipe on the task's reference answers,
+    written under ``run_dir/warm_start``."""
     ws = config.warm_start
-    out_dir = Path(config.run_dir) / "warm_start"
-    export_dir = out_dir / "final_model"
-    if (export_dir / "COMPLETE").exists():
-        logger.info("warm start: reusing %s", export_dir)
-        return export_dir
-    sft = _stage(
+    return _stage(
         config,
-        run_dir=str(out_dir),
+        run_dir=str(Path(config.run_dir) / "warm_start"),
         resume=False,
         train={
             "algorithm": "sft",
@@ -55,6 +53,15 @@ def run_warm_start(config: ArenoConfig) -> Path:
         optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0},
         rollout={"batch_size": ws.batch_size, "max_head_offpolicyness": 0},
     )
+
+
+def run_warm_start(config: ArenoConfig) -> Path:
+    """Supervised warm start; returns the exported checkpoint directory (reused when complete)."""
+    sft = warm_start_config(config)
+    export_dir = Path(sft.run_dir) / "final_model"
+    if (export_dir / "COMPLETE").exists():
+        logger.info("warm start: reusing %s", export_dir)
+        return export_dir
     trainer = Trainer.init(sft)
     try:
         metrics = trainer.run()
@@ -62,13 +69,18 @@ def run_warm_start(config: ArenoConfig) -> Path:
     finally:
         trainer.shutdown()
     (export_dir / "COMPLETE").write_text(json.dumps(metrics))
-    print(f"warm start ({ws.steps} sft steps): held-out accuracy {metrics.get('eval/accuracy', float('nan')):.3f}")
+    accuracy = metrics.get("eval/accuracy", float("nan"))
+    print(f"warm start ({sft.train.steps} sft steps): held-out accuracy {accuracy:.3f}")
     return export_dir
 
 
 def run_pipeline(config: ArenoConfig) -> dict[str, float]:
-    """Warm start (if configured), then the main recipe; returns before/after metrics."""
-    if config.warm_start.steps > 0:  # a finished warm start is reused (resume runs too)
+    """Warm start (if configured), then the main recipe; returns before/after metrics. Both stages
+    are checked (``preflight.check_run``) before the first one starts."""
+    check_run(config)  # with the model.path the warm start starts from
+    if config.warm_start.steps > 0:
+        check_run(warm_start_config(config))
+        # a finished warm start is reused (resume runs too)
         config = _stage(config, model={"path": str(run_warm_start(config))})
     trainer = Trainer.init(config)
     try:
@@ -120,7 +132,7 @@ def plot_curve(run_dir: Path) -> Path | None:
 def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[str, float]:
     """The CPU demo: ``areno/configs/demo.yaml`` (a tiny model learns to sort digits with GRPO)."""
     if not DEMO_CONFIG.exists():
-        raise ValueError(f"{DEMO_CONFIG} not found: this areno install is incomplete; reinstall it (pip install areno)")
+        raise UserError(f"{DEMO_CONFIG} not found: this areno install is incomplete; reinstall it (pip install areno)")
     config = load_config(DEMO_CONFIG, [f"run_dir={run_dir}", *overrides])
     summary = run_pipeline(config)
     before, after = summary["accuracy_before"] or 0.0, summary["accuracy_after"] or 0.0

@@ -27,6 +27,7 @@ import torch
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_yaml
+from areno.api.preflight import check_run
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.session import configure_sessions
@@ -74,8 +75,11 @@ class Trainer:
 
     @classmethod
     def init(cls, config: ArenoConfig) -> Trainer:
-        """Resolve the registered backend named by ``config.train.backend`` and initialise it."""
-        backend_cls = resolve_backend(config.train.backend)  # fails fast, before any model loads
+        """Resolve the registered backend named by ``config.train.backend`` and initialise it. What
+        the config can be checked for is checked first (``preflight.check_run``), before the run
+        directory is made and any model is built."""
+        backend_cls = resolve_backend(config.train.backend)
+        check_run(config)
         trainer = cls(config)
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         (trainer.run_dir / "config.yaml").write_text(to_yaml(config))
@@ -174,12 +178,7 @@ class Trainer:
                 )
             return None
         checkpoint.remove_stale(checkpoints_dir)
-        latest = checkpoint.latest_complete(checkpoints_dir)
-        if latest is None and self.config.resume is True:
-            raise ValueError(
-                f"resume=true but {checkpoints_dir} holds no completed checkpoint "
-                "(step_N/COMPLETE): use resume=auto to start fresh when there is none"
-            )
+        latest = checkpoint.latest_complete(checkpoints_dir)  # resume=true: there is one (preflight.check_run)
         truncate_metrics(self.run_dir / METRICS_FILENAME, after_step=checkpoint_step(latest) if latest else -1)
         return latest
 

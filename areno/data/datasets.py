@@ -1,7 +1,8 @@
 """Loading prompts: shipped synthetic tasks or a user's JSONL / Parquet file.
 
 Every row is checked for the prompt field before training starts, so a malformed file fails with
-one line naming the file, the line (JSONL) or row (JSON list, Parquet) and the field.
+one line (a :class:`~areno.errors.DataError`) naming the file, the line (JSONL) or row (JSON list,
+Parquet) and the field.
 """
 
 from __future__ import annotations
@@ -10,61 +11,88 @@ import json
 from pathlib import Path
 
 from areno.data.tasks import TaskSpec, generate_rows
+from areno.errors import DataError
 
 
-def load_rows(path: str | Path, *, prompt_key: str) -> list[dict]:
-    """Rows of a ``.jsonl`` / ``.json`` (list) / ``.parquet`` file, validated.
+def load_rows(path: str | Path, *, prompt_key: str, answer_key: str | None = None) -> list[dict]:
+    """Rows of a ``.jsonl`` / ``.json`` (list) / ``.parquet`` file, validated: each an object with a
+    string ``prompt_key`` field and, when ``answer_key`` is given (supervised recipes train on it), an
+    ``answer_key`` field.
 
     A bad row is named by its 1-based line number in a ``.jsonl`` file (``file line N: ...``, blank
     lines counted, as an editor shows them) and by its 0-based index in a ``.json`` list or a
-    ``.parquet`` table (``file row i: ...``).
+    ``.parquet`` table (``file row i: ...``). Every problem is a one-line :class:`DataError`.
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"dataset file {path} does not exist: set data.train_path / data.eval_path")
+        raise DataError(f"dataset file {path} does not exist: set data.train_path / data.eval_path")
     where: list[str]  # how each row is named in an error
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as exc:  # ArrowInvalid: not a parquet file, truncated, corrupt
+            raise DataError(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
         where = [f"row {i}" for i in range(len(rows))]
     elif path.suffix == ".json":
         try:
-            rows = json.loads(path.read_text())
+            rows = json.loads(_read_text(path))
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg})") from None
+            raise DataError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(rows, list):
-            raise ValueError(
+            raise DataError(
                 f"{path}: a .json dataset must be a list of objects, got a {type(rows).__name__} "
                 f"(or write one object per line as .jsonl)"
             )
         where = [f"row {i}" for i in range(len(rows))]
     elif path.suffix == ".jsonl":
         rows, where = [], []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
+                raise DataError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
             where.append(f"line {lineno}")
     else:
-        raise ValueError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl, .json or .parquet")
+        raise DataError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl, .json or .parquet")
     for row, name in zip(rows, where):
-        if not isinstance(row, dict):
-            problem = f"the row is a JSON {_json_type(row)}, not an object"
-        elif prompt_key not in row:
-            problem = f"fields are {', '.join(map(repr, list(row)[:8])) or 'none'}"
-        elif not isinstance(row[prompt_key], str):
-            problem = f"{prompt_key!r} is {_json_type(row[prompt_key])}, not a string"
-        else:
-            continue
-        raise ValueError(
-            f"{path} {name}: no string field {prompt_key!r} ({problem}; "
-            f"set data.prompt_key to the field that holds the prompt)"
-        )
+        problem = _row_problem(row, prompt_key, answer_key)
+        if problem is not None:
+            raise DataError(f"{path} {name}: {problem}")
     return rows
+
+
+def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | None:
+    """What is wrong with one row, and the fix (None: nothing)."""
+    fix = "set data.prompt_key to the field that holds the prompt"
+    if not isinstance(row, dict):
+        return f"no string field {prompt_key!r} (the row is a JSON {_json_type(row)}, not an object; {fix})"
+    fields = ", ".join(map(repr, list(row)[:8])) or "none"
+    if prompt_key not in row:
+        return f"no string field {prompt_key!r} (fields are {fields}; {fix})"
+    if not isinstance(row[prompt_key], str):
+        return f"no string field {prompt_key!r} ({prompt_key!r} is {_json_type(row[prompt_key])}, not a string; {fix})"
+    if answer_key is not None and answer_key not in row:
+        return (
+            f"no field {answer_key!r}, which supervised training needs (fields are {fields}; "
+            "set data.answer_key to the field that holds the reference answer)"
+        )
+    return None
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text; a file in another encoding is a DataError naming it and the byte."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): "
+            "convert the file to UTF-8 (e.g. iconv -t UTF-8)"
+        ) from None
 
 
 def _json_type(value: object) -> str:
@@ -78,8 +106,9 @@ def _json_type(value: object) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
-def build_splits(data_cfg) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows) for a ``DataSection``; rows use the configured keys."""
+def build_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) for a ``DataSection``; rows use the configured keys.
+    ``need_answers``: every training row must hold ``data.answer_key`` (supervised recipes)."""
     if data_cfg.task is not None:
         spec = TaskSpec(name=data_cfg.task, kwargs=dict(data_cfg.task_kwargs))
         train = generate_rows(spec, split="train", num=20_000, seed=data_cfg.seed)
@@ -88,9 +117,21 @@ def build_splits(data_cfg) -> tuple[list[dict], list[dict]]:
             remap = lambda r: {data_cfg.prompt_key: r["prompt"], data_cfg.answer_key: r["answer"]}
             train, held_out = [remap(r) for r in train], [remap(r) for r in held_out]
         return train, held_out
-    train = load_rows(data_cfg.train_path, prompt_key=data_cfg.prompt_key)
+    answer_key = data_cfg.answer_key if need_answers else None
+    train = load_rows(data_cfg.train_path, prompt_key=data_cfg.prompt_key, answer_key=answer_key)
+    if not train:
+        raise DataError(f"dataset file {data_cfg.train_path} holds no rows: data.train_path needs training prompts")
     held_out = []
     if data_cfg.eval_path is not None:
         held_out = load_rows(data_cfg.eval_path, prompt_key=data_cfg.prompt_key)
         held_out = held_out[: data_cfg.num_eval]
     return train, held_out
+
+
+def check_splits(data_cfg, *, need_answers: bool = False) -> None:
+    """Raise what :func:`build_splits` would raise (a :class:`DataError` or :class:`ConfigError`),
+    without generating a shipped task's rows: the check before anything expensive starts."""
+    if data_cfg.task is not None:
+        TaskSpec(name=data_cfg.task, kwargs=dict(data_cfg.task_kwargs))  # validates the generator's arguments
+    else:
+        build_splits(data_cfg, need_answers=need_answers)

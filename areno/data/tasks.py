@@ -15,6 +15,8 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from areno.errors import ConfigError, DataError
+
 HELD_OUT_BUCKETS = 10  # 1 in 10 prompts is held out
 
 
@@ -59,11 +61,11 @@ class TaskSpec:
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
-            raise ValueError(f"data.task: unknown task {self.name!r}; shipped tasks: {sorted(TASKS)}")
+            raise ConfigError(f"data.task: unknown task {self.name!r}; shipped tasks: {sorted(TASKS)}")
         try:
             TASKS[self.name](random.Random(0), **self.kwargs)
-        except TypeError as exc:
-            raise ValueError(f"data.task_kwargs: {exc}") from None
+        except (TypeError, ValueError) as exc:  # an unknown argument, or a value the generator cannot use
+            raise ConfigError(f"data.task_kwargs: {exc}") from None
 
 
 def generate_rows(spec: TaskSpec, *, split: str, num: int, seed: int) -> list[dict]:
@@ -100,7 +102,7 @@ class PromptStream:
 
     def __init__(self, rows: list[dict], *, seed: int) -> None:
         if not rows:
-            raise ValueError("the training dataset is empty: check data.train_path or data.task")
+            raise DataError("the training dataset is empty: check data.train_path or data.task")
         self._rows = rows
         self._seed = seed
         self.epoch = 0

@@ -34,7 +34,7 @@ from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, Sam
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
-from areno.errors import ModelDirError
+from areno.errors import ConfigError, ModelDirError
 from areno.faults import fault_point
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.recipes import get_recipe
@@ -54,7 +54,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
+        raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
     return torch.device(name)
 
 
@@ -469,7 +469,7 @@ class ArenoEngine:
                 # before the checkpoint (the untrained ones are regenerated and counted again).
                 self.executor.staleness.credit_accepted(self.ledger.trained_groups)
             elif data["pending"]:
-                raise ValueError(
+                raise ConfigError(
                     f"the checkpoint holds {len(data['pending'])} untrained samples of an asynchronous run "
                     "(rollout.max_head_offpolicyness > 0): resume it with an online recipe"
                 )

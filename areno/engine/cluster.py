@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from areno.errors import ConfigError
 from areno.launch.allocation import parse_allocation_mode
 from areno.launch.scheduler import scheduler_config, scheduler_from_config
 from areno.sync.plan import choose_relays
@@ -51,7 +52,7 @@ CONTEXT_BYTES = 768 << 20
 """CUDA context + allocator slack per process (what a process holds before its first tensor)."""
 
 
-class LayoutError(ValueError):
+class LayoutError(ConfigError):
     """A partitioned layout that cannot run (bad lists, does not fit in memory)."""
 
 

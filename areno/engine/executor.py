@@ -43,6 +43,7 @@ from areno.engine.episode_processes import ProcessEpisodeRunner
 from areno.engine.episodes import EpisodeAttempts, EpisodeTask
 from areno.engine.pool_stats import PoolStats, group_min_version
 from areno.engine.staleness import StalenessManager
+from areno.errors import RunFailure
 from areno.rollout.client import RolloutClient, RolloutServersLost
 from areno.rollout.store import ObservationStore, release_refs
 from areno.types import Trajectory
@@ -51,7 +52,7 @@ from areno.workflows.base import RolloutWorkflow
 logger = logging.getLogger(__name__)
 
 
-class RolloutPoolBroken(RuntimeError):
+class RolloutPoolBroken(RunFailure):
     """Every recent sample failed all its attempts (``max_consecutive_dropped``): the pool stopped."""
 
 

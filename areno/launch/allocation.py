@@ -27,6 +27,8 @@ from typing import Literal
 
 import lark
 
+from areno.errors import ConfigError
+
 __all__ = [
     "BACKENDS",
     "AllocationMode",
@@ -40,7 +42,7 @@ __all__ = [
 ]
 
 
-class AllocationModeError(ValueError):
+class AllocationModeError(ConfigError):
     """An allocation string that does not parse or does not fit; the message points at the position."""
 
 

@@ -37,6 +37,8 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Literal
 
+from areno.errors import ConfigError, RunFailure
+
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "ARENO_RPC_AUTHKEY"
@@ -60,13 +62,12 @@ OPTIONS_KEY = "cluster.scheduler_options"
 """Where the run config holds the ``SchedulerConfig`` fields (``cluster.scheduler`` holds ``type``)."""
 
 
-class SchedulerError(RuntimeError, ValueError):
-    """A launch that cannot proceed (bad address, missing tool or package, worker never connected).
+class SchedulerError(ConfigError):
+    """A launch that cannot proceed for a setting of the user's (bad address, missing tool or package,
+    resources the cluster lacks); a worker that dies or never connects is a :class:`WorkerError`."""
 
-    Also a ``ValueError``: the CLI prints it as one line, like every user-facing mistake."""
 
-
-class WorkerError(RuntimeError):
+class WorkerError(RunFailure):
     """A worker call raised; the message names the worker, the remote traceback is attached."""
 
     def __init__(self, message: str, remote_traceback: str = "") -> None:
@@ -203,7 +204,8 @@ def _raise_reply(worker: WorkerHandle, what: str, reply: tuple) -> Any:
     if reply[0] == "ok":
         return reply[1]
     _, exc_type, message, tb = reply
-    raise WorkerError(f"{worker.name} (pid {worker.pid} on {worker.host}) {what} raised {exc_type}: {message}", tb)
+    log = f"; log {worker.log_path}" if worker.log_path else ""  # first: a remote message may span lines
+    raise WorkerError(f"{worker.name} (pid {worker.pid} on {worker.host}{log}) {what} raised {exc_type}: {message}", tb)
 
 
 def _target_name(target: str | Callable) -> str:
@@ -366,7 +368,7 @@ class _Hub:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     names = ", ".join(f"{r}[{i}]" for r, i in missing)
-                    raise SchedulerError(f"workers {names} did not connect within {timeout_s:.0f}s")
+                    raise WorkerError(f"workers {names} did not connect within {timeout_s:.0f}s (see their logs)")
                 self._cond.wait(min(left, 0.2))
 
     def close(self) -> None:
@@ -601,7 +603,7 @@ class LocalScheduler(_RpcScheduler):
         for w in workers:
             if w.proc is not None and w.proc.poll() is not None and w.conn is None:
                 tail = _tail(w.handle.log_path)
-                raise SchedulerError(
+                raise WorkerDiedError(
                     f"{w.handle.name} exited with code {w.proc.returncode} before connecting; "
                     f"log {w.handle.log_path}: {tail}"
                 )

@@ -21,12 +21,14 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+from areno.errors import ConfigError
+
 __all__ = ["StorageCheckError", "check_shared_storage", "probe_path"]
 
 _PROBE_DIR = ".areno-storage-probe"
 
 
-class StorageCheckError(ValueError):
+class StorageCheckError(ConfigError):
     """A path that is not readable and writable from every node; the message names node and path."""
 
 

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from areno.errors import ModelDirError
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder, TPReduce
 from areno.models.tp_plan import shard_dim, tp_plan, tp_style
@@ -32,24 +33,34 @@ _TINY_ARCHS = {
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:
-    """``ModelConfig`` from ``model_dir/config.json`` (one-line errors naming the path)."""
+    """``ModelConfig`` from ``model_dir/config.json``; a missing directory or file, a corrupt file or
+    a model this decoder does not implement is a one-line :class:`ModelDirError` naming the path."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        raise ModelDirError(
+            f"model directory {model_dir} does not exist: point model.path at a local Hugging Face checkpoint"
+        )
     config_path = model_dir / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: a model directory needs a Hugging Face config.json")
+        raise ModelDirError(f"{config_path} not found: a model directory needs a Hugging Face config.json")
     try:
-        d = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
-    return ModelConfig.from_hf(d)
+        d = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{config_path} is not valid JSON ({e}): re-export or re-download the checkpoint") from None
+    if not isinstance(d, dict):
+        raise ModelDirError(f"{config_path} holds a JSON {type(d).__name__}, not a Hugging Face config object")
+    try:
+        return ModelConfig.from_hf(d)
+    except KeyError as e:
+        raise ModelDirError(f"{config_path} has no {e.args[0]!r}: is it the config.json of a decoder LLM?") from None
+    except ValueError as e:  # an architecture or feature this decoder does not implement
+        raise ModelDirError(f"{config_path}: {e}") from None
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     """The weight files of a Hugging Face model directory: those ``model.safetensors.index.json``
     lists when it exists (every one must be there), else every ``*.safetensors`` in it.
-    One-line ``FileNotFoundError`` / ``ValueError`` naming the path otherwise."""
+    One-line :class:`ModelDirError` naming the path otherwise."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -57,22 +68,22 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = set(weight_map.values())
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(
+            raise ModelDirError(
                 f"{index} is not a safetensors index (needs a 'weight_map' of tensor -> file; "
                 f"{type(e).__name__}: {e}): re-export the checkpoint or delete the stray index"
             ) from None
         if not names or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"{index} has an empty or malformed 'weight_map': re-export the checkpoint")
+            raise ModelDirError(f"{index} has an empty or malformed 'weight_map': re-export the checkpoint")
         files = sorted(model_dir / n for n in names)
         for f in files:
             if not f.is_file():
-                raise FileNotFoundError(
+                raise ModelDirError(
                     f"{f} is listed in {index} but does not exist: copy the missing shard or re-export the checkpoint"
                 )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        raise ModelDirError(f"no *.safetensors files in {model_dir}: a model directory needs its weights")
     return files
 
 
@@ -81,13 +92,13 @@ def open_safetensors(
     path: str | Path, *, fix: str = "re-export the checkpoint, or point model.path at a complete one"
 ) -> Iterator[Any]:
     """``safe_open(path)`` on the CPU; a truncated or corrupt file, found on opening or while reading
-    in the ``with`` body, raises a one-line ``ValueError`` naming it, ending with ``fix``."""
+    in the ``with`` body, raises a one-line :class:`ModelDirError` naming it, ending with ``fix``."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             yield f
     except SafetensorError as e:
         reason = str(e).removeprefix("Error while deserializing header: ")
-        raise ValueError(f"{path} is truncated or not a safetensors file ({reason}): {fix}") from None
+        raise ModelDirError(f"{path} is truncated or not a safetensors file ({reason}): {fix}") from None
 
 
 def load_model(
@@ -124,7 +135,7 @@ def load_model(
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # some tied checkpoints store the duplicate; the embedding is the source
                 if name not in expected:
-                    raise ValueError(
+                    raise ModelDirError(
                         f"unexpected tensor {name!r} in {path} for {config.architecture} "
                         f"(the checkpoint does not match config.json)"
                     )
@@ -135,7 +146,7 @@ def load_model(
                 if dim is not None and dim < len(want):
                     want[dim] *= tp_size
                 if full_shape != tuple(want):
-                    raise ValueError(
+                    raise ModelDirError(
                         f"tensor {name!r} in {path} has shape {full_shape}, config.json implies {tuple(want)}"
                     )
                 if dim is None or dim >= len(want):
@@ -149,7 +160,7 @@ def load_model(
                 seen.add(name)
     missing = [n for n in expected if n not in seen]
     if missing:
-        raise ValueError(
+        raise ModelDirError(
             f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir} ({len(missing)} missing in all)"
         )
     model.eval()

@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from areno.errors import UserError
+
 
 @dataclass(kw_only=True)
 class Check:
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {c.name: c for checks in sections.values() for c in checks}
     unknown = [r for r in required if r not in by_name]
     if unknown:
-        raise ValueError(f"--require: unknown check(s) {', '.join(unknown)}; choose from {', '.join(sorted(by_name))}")
+        raise UserError(f"--require: unknown check(s) {', '.join(unknown)}; choose from {', '.join(sorted(by_name))}")
     failed = [r for r in required if not by_name[r].ok]
     if failed:
         print(f"areno doctor: required check(s) failed: {', '.join(failed)}", file=sys.stderr)

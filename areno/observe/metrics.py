@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from areno.errors import DataError
+
 NAMESPACES: tuple[str, ...] = ("rollout/", "train/", "eval/", "timing/", "system/")
 """Allowed name prefixes (besides ``policy_sync_``)."""
 POLICY_SYNC_PREFIX = "policy_sync_"
@@ -122,13 +124,13 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The records of ``run_dir/metrics.jsonl`` in file order (a torn last line is skipped)."""
     path = Path(run_dir) / METRICS_FILENAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+        raise DataError(f"{path} does not exist: is {run_dir} a run directory?")
     return read_jsonl_records(path, what="valid JSON")
 
 
 def read_jsonl_records(path: Path, *, what: str) -> list[dict[str, Any]]:
     """The JSON lines of ``path`` in file order. A torn last line (the writer was killed mid-line)
-    is skipped; any other bad line is a ValueError naming the file, the line and ``what`` it
+    is skipped; any other bad line is a DataError naming the file, the line and ``what`` it
     should have been."""
     records = []
     lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -140,7 +142,7 @@ def read_jsonl_records(path: Path, *, what: str) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 break
-            raise ValueError(f"{path}:{i + 1} is not {what}: {line[:80]!r}") from None
+            raise DataError(f"{path}:{i + 1} is not {what}: {line[:80]!r}") from None
     return records
 
 

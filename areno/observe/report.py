@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areno.errors import DataError, UserError
 from areno.observe.metrics import METRICS_FILENAME, POLICY_SYNC_PREFIX, read_metrics
 from areno.observe.session import format_session, load_sessions
 from areno.observe.trace import MERGED_FILENAME, TRACES_DIRNAME, load_trace_events, span_stats
@@ -62,7 +63,7 @@ class Run:
 def load_run(run_dir: Path, name: str | None = None) -> Run:
     run_dir = Path(run_dir)
     if not (run_dir / METRICS_FILENAME).is_file():
-        raise FileNotFoundError(f"{run_dir} has no {METRICS_FILENAME}: pass a run directory")
+        raise DataError(f"{run_dir} has no {METRICS_FILENAME}: pass a run directory")
     trace: Path | None = None
     if (run_dir / MERGED_FILENAME).is_file():
         trace = run_dir / MERGED_FILENAME
@@ -458,7 +459,7 @@ def write_report(
     if not run_dirs:
         raise ValueError("areno report needs at least one run directory")
     if not 0 <= smooth < 1:
-        raise ValueError(f"--smooth must be in [0, 1), got {smooth}")
+        raise UserError(f"--smooth must be in [0, 1), got {smooth}")
     paths = [Path(p) for p in run_dirs]
     runs = [load_run(p, name) for p, name in zip(paths, _unique_names(paths))]
     if out is None:

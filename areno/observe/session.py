@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from areno.errors import DataError, UserError
+
 SESSIONS_FILENAME = "sessions.jsonl"
 ENV_VAR = "ARENO_SESSIONS_DIR"
 
@@ -377,14 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     records = load_sessions(ns.run_dir)
     if not records:
-        raise FileNotFoundError(
+        raise DataError(
             f"no sessions in {ns.run_dir / SESSIONS_FILENAME}: enable session recording "
             "(configure_sessions(run_dir, True))"
         )
     if ns.id:
         matches = [r for r in records if r["session_id"].startswith(ns.id)]
         if not matches:
-            raise ValueError(f"no session id starts with {ns.id!r} in {ns.run_dir}")
+            raise UserError(f"no session id starts with {ns.id!r} in {ns.run_dir}")
         print("\n\n".join(format_session(r) for r in matches))
         return 0
     records = filter_sessions(

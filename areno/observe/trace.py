@@ -40,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from areno.errors import DataError
+
 ENV_VAR = "ARENO_TRACE_DIR"
 """When set, importing this module enables tracing into that run directory."""
 TRACES_DIRNAME = "traces"
@@ -368,7 +370,7 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:  # the process died mid-write
                 break
-            raise ValueError(f"{path}:{i + 1} is not a trace event: {line[:80]!r}") from None
+            raise DataError(f"{path}:{i + 1} is not a trace event: {line[:80]!r}") from None
     return events
 
 
@@ -383,7 +385,7 @@ def merge_traces(run_dir: Path, out: Path | None = None) -> Path:
         _STATE.flush()
     files = sorted((run_dir / TRACES_DIRNAME).glob("*.jsonl"))
     if not files:
-        raise FileNotFoundError(
+        raise DataError(
             f"no trace files under {run_dir / TRACES_DIRNAME}: run with tracing enabled "
             "(configure_tracing(run_dir, True) or observe.trace=true)"
         )

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from areno.errors import ConfigError
 from areno.specializations.base import ModelSpecialization
 
 SYNC_STAGES = ("inject",)
@@ -47,20 +48,21 @@ class ModelRole:
                 f"role {self.name!r}: sync_to_rollout=True needs trainable=True (a frozen role never changes)"
             )
         if self.requires_model_path and not self.model_path:
-            raise ValueError(
+            raise ConfigError(
                 f"role {self.name!r} needs a checkpoint: set its model_path (for built-in recipes pass "
                 f"teacher_path=DIR, e.g. train.algorithm_kwargs.teacher_path=DIR)"
             )
 
     def build(self, **overrides: Any) -> ModelSpecialization:
         """The role's specialization with ``init_kwargs`` updated by ``overrides``; a bad argument
-        is a ValueError naming the role."""
+        (unknown, or a value the specialization rejects) is a :class:`ConfigError` naming the role."""
         kwargs = {**self.init_kwargs, **overrides}
         try:
             return self.specialization_cls(**kwargs)
-        except TypeError as err:
-            raise ValueError(
-                f"role {self.name!r}: bad arguments for {self.specialization_cls.__name__}: {err}"
+        except (TypeError, ValueError) as err:  # the constructor validates its arguments, set by the user
+            raise ConfigError(
+                f"role {self.name!r}: bad arguments for {self.specialization_cls.__name__}: {err} "
+                "(check train.algorithm_kwargs)"
             ) from None
 
 

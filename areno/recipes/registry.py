@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from areno.errors import ConfigError
 from areno.recipes.config import TrainingConfig
 
 RecipeFactory = Callable[..., TrainingConfig]
@@ -26,10 +27,10 @@ def recipe(name: str) -> Callable[[RecipeFactory], RecipeFactory]:
     return register
 
 
-def _unknown(name: str) -> ValueError:
+def _unknown(name: str) -> ConfigError:
     close = difflib.get_close_matches(name, list(TRAINING_CONFIGS), n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}? " if close else ""
-    return ValueError(
+    return ConfigError(
         f"unknown recipe {name!r}: {hint}`areno recipes` lists the {len(TRAINING_CONFIGS)} registered ones"
     )
 
@@ -40,7 +41,8 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
     ``options`` go to the recipe factory (e.g. ``teacher_path`` for distillation recipes);
     ``policy_kwargs`` override the policy role's specialization arguments. A key of
     ``policy_kwargs`` that is a factory option is passed to the factory instead, so
-    ``train.algorithm_kwargs`` can carry both. Unknown name: ValueError with the closest names.
+    ``train.algorithm_kwargs`` can carry both. Unknown name or option: a :class:`ConfigError` (with
+    the closest names).
     """
     if name not in TRAINING_CONFIGS:
         raise _unknown(name)
@@ -52,7 +54,7 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
             options.setdefault(key, policy_kwargs.pop(key))
     bad = [k for k in options if k not in params]
     if bad:
-        raise ValueError(f"recipe {name!r} has no option(s) {bad}; it accepts {list(params) or 'none'}")
+        raise ConfigError(f"recipe {name!r} has no option(s) {bad}; it accepts {list(params) or 'none'}")
     return factory(**options).with_policy_kwargs(**policy_kwargs)
 
 

@@ -4,9 +4,10 @@
 unfinished, so many concurrent ``agenerate`` coroutines (from one or several event loops) land in
 the same running batch. ``HTTPRolloutClient`` talks to ``areno serve`` (``server.py``) through its
 token-level ``/generate`` endpoint. ``MultiServerRolloutClient`` spreads requests round-robin over
-several servers and, given a ``HealthMonitor`` (``health.py``), routes only to healthy ones; given
-``lost`` (what the partitioned engine knows of its workers' processes), a request that finds every
-server gone for good raises ``RolloutServersLost`` at once instead of waiting for a recovery.
+several servers and, given a ``HealthMonitor`` (``health.py``, which pings through this module's
+``HTTPRolloutClient``; the client needs only a ``ServerHealthView``), routes only to healthy ones;
+given ``lost`` (what the partitioned engine knows of its workers' processes), a request that finds
+every server gone for good raises ``RolloutServersLost`` at once instead of waiting for a recovery.
 
 Hangs: every request has a deadline (``request_timeout_s``, from ``rollout.request_timeout_s``).
 A request past it is aborted (in the engine, or by ``POST /abort`` on the server) and raises
@@ -24,18 +25,31 @@ import logging
 import threading
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from areno.errors import RunFailure
 from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
 from areno.types import GenerationOutput, SamplingParams
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from areno.rollout.health import HealthMonitor
-
 logger = logging.getLogger("areno.rollout.client")
+
+
+class ServerHealthView(Protocol):
+    """What ``MultiServerRolloutClient`` asks of a health source (``health.HealthMonitor`` is one)."""
+
+    def is_healthy(self, url: str) -> bool:
+        """Whether requests may go to ``url``."""
+
+    def report_failure(self, url: str, reason: str) -> None:
+        """A request to ``url`` got no answer."""
+
+    async def await_healthy(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for any server to be healthy; True if one is."""
+
+    def describe(self) -> dict[str, str]:
+        """``url -> state`` in words, for error messages."""
 
 
 class RolloutRequestTimeout(TimeoutError):
@@ -62,7 +76,7 @@ class RolloutServerError(RuntimeError):
         """HTTP status of the answer; None when there was none (connection refused or reset)."""
 
 
-class NoHealthyServerError(RuntimeError):
+class NoHealthyServerError(RunFailure):
     """Every rollout server of a ``MultiServerRolloutClient`` is unhealthy or unreachable."""
 
 
@@ -71,7 +85,7 @@ def _deadline(timeout_s: float | None) -> float | None:
     return timeout_s if timeout_s else None
 
 
-class RolloutServersLost(RuntimeError):
+class RolloutServersLost(RunFailure):
     """Every rollout server is gone for good (its worker process died): no recovery can come, so
     the request fails at once; the rollout pool stops on it rather than re-queueing samples."""
 
@@ -374,7 +388,7 @@ class MultiServerRolloutClient(RolloutClient):
         *,
         api_key: str | None = None,
         request_timeout_s: float | None = 600.0,
-        health: HealthMonitor | None = None,
+        health: ServerHealthView | None = None,
         max_failures_per_server: int = 3,
         lost: Callable[[], dict[str, str]] | None = None,
     ) -> None:

@@ -43,17 +43,48 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from areno.rollout.attention import PagedAttention
-from areno.rollout.sampling import GREEDY, RowParams, RowTensors, SampleMode
+from areno.rollout.graph_shapes import PAGED_MIN_BLOCKS, graph_num_blocks, padded_batch_size, padded_num_blocks
+from areno.rollout.kv_cache import KVCache
+from areno.rollout.sampling import GREEDY, RowParams, RowTensors, SampleMode, Sampler
+from areno.rollout.scheduler import ScheduledBatch, Scheduler
 from areno.types import SamplingParams
 
-if TYPE_CHECKING:
-    from areno.rollout.engine import RolloutEngine
-    from areno.rollout.scheduler import ScheduledBatch
+__all__ = [  # the padded shapes (graph_shapes.py) stay importable from here
+    "PAGED_MIN_BLOCKS",
+    "DecodeGraphRunner",
+    "GraphHost",
+    "graph_num_blocks",
+    "padded_batch_size",
+    "padded_num_blocks",
+]
+
+
+class GraphHost(Protocol):
+    """What the graph runner reads of its engine (``RolloutEngine`` is one)."""
+
+    LOCAL_SAMPLING: bool
+    """Sampling is the engine's own (no collective), so the k-step loop graphs may sample inside."""
+    config: Any
+    """The engine's ``RolloutEngineConfig`` (``block_size``, ``decode_attention``, ``mixed_decode_min_rows``)."""
+    device: torch.device
+    model: torch.nn.Module
+    cache: KVCache
+    scheduler: Scheduler
+    sampler: Sampler
+    max_model_len: int
+    max_position: int
+    vocab_size: int
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    decode_steps: int
+    loop_steps: tuple[int, ...]
+
+    def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -83,41 +114,10 @@ class _LoopGraph:
     """Outputs: each step's tokens and log-probs, and how many of each row's tokens are real."""
 
 
-def padded_batch_size(n: int) -> int:
-    """The captured batch size serving ``n`` sequences: 1, 2, 4, then multiples of 8 up to 64, of 32
-    up to 256 and of 64 beyond. Coarser steps for large batches bound the number of graphs (an
-    asynchronous run with long-tailed lengths sweeps through every batch size) while a decode step,
-    latency-bound at these sizes, costs about the same for a few padding rows more."""
-    if n <= 4:
-        return 1 << (n - 1).bit_length()
-    step = 8 if n <= 64 else 32 if n <= 256 else 64
-    return -(-n // step) * step
-
-
-def padded_num_blocks(n: int) -> int:
-    # Powers of two up to 16 blocks, then multiples of 16: the gathered keys exceed the longest
-    # context by at most 2x for short contexts and by 16 blocks for long ones.
-    if n <= 16:
-        return 1 << (n - 1).bit_length()
-    return -(-n // 16) * 16
-
-
-PAGED_MIN_BLOCKS = 64
-"""Narrowest block table of a graph under paged decode attention (1,024 tokens at block size 16)."""
-
-
-def graph_num_blocks(n: int, paged: bool) -> int:
-    """The captured block-table width for a batch whose longest sequence spans ``n`` blocks. The
-    gather path attends over every column, so its width follows ``padded_num_blocks``; the paged
-    kernel reads only each row's real context, so there the width is a power of two of at least
-    ``PAGED_MIN_BLOCKS``: one graph width for most RL lengths instead of one per context bucket."""
-    if not paged:
-        return padded_num_blocks(n)
-    return max(PAGED_MIN_BLOCKS, 1 << (n - 1).bit_length())
-
-
 class DecodeGraphRunner:
-    def __init__(self, engine: RolloutEngine, *, max_batch: int) -> None:
+    """The decode CUDA graphs of one engine: captured lazily (or by ``capture``), replayed by its steps."""
+
+    def __init__(self, engine: GraphHost, *, max_batch: int) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.max_blocks = -(-engine.max_model_len // engine.config.block_size)
@@ -198,16 +198,11 @@ class DecodeGraphRunner:
     def can_loop(self, batch: ScheduledBatch, rp: RowParams, k: int) -> bool:
         """Whether ``run_loop`` can do this round trip: one of the engine's ``loop_steps`` (its
         full ``decode_steps``, or one less after a mixed step), its
-        own (not a TP-overridden) sampler, and generator noise only where graphs can hold it."""
-        from areno.rollout.engine import RolloutEngine
-
+        own (``LOCAL_SAMPLING``; not tensor parallelism's) sampler, and generator noise only where
+        graphs can hold it."""
         e = self.engine
         return (
-            k in e.loop_steps
-            and k > 1
-            and self.can_run(batch)
-            and type(e)._sample_rows is RolloutEngine._sample_rows
-            and self._mode_capturable(rp.mode)
+            k in e.loop_steps and k > 1 and self.can_run(batch) and e.LOCAL_SAMPLING and self._mode_capturable(rp.mode)
         )
 
     def _mode_capturable(self, mode: SampleMode) -> bool:

@@ -18,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from areno.rollout.client import HTTPRolloutClient, RolloutServerError
+
 logger = logging.getLogger("areno.rollout.health")
 
 
@@ -147,8 +149,6 @@ class HealthMonitor:
 
     async def acheck_once(self) -> dict[str, bool]:
         """One round: ping every server concurrently; returns ``url -> answered``."""
-        from areno.rollout.client import HTTPRolloutClient, RolloutServerError
-
         clients = [
             HTTPRolloutClient(u, self.api_key, timeout_s=None, connect_timeout_s=self.timeout_s) for u in self.urls
         ]

@@ -114,7 +114,7 @@ def paged_decode_torch(
 
 
 if triton is not None:
-
+    # One unit on purpose: the kernel body is one program's online softmax; split into jit helpers it reads worse.
     @triton.jit
     def _paged_decode_kernel(
         q_ptr,
@@ -287,7 +287,6 @@ def paged_decode_triton(
         raise RuntimeError("decode_attention='paged' on CUDA needs triton: install triton or use 'gather'")
     B, Hq, Dh = q_BHD.shape
     Hkv = k_S.shape[1]
-    G = Hq // Hkv
     if k_S.stride(2) != 1 or v_S.stride(2) != 1:
         raise ValueError("paged_decode_triton needs K/V pools contiguous in the head dim")
     out_dtype = q_BHD.dtype  # a KV cache dtype other than the model's: compute in the cache's, return the model's
@@ -295,7 +294,6 @@ def paged_decode_triton(
     if q_BHD.dtype != k_S.dtype:
         q_BHD = q_BHD.to(k_S.dtype)
     out_BHD = torch.empty(B, Hq, Dh, dtype=q_BHD.dtype, device=q_BHD.device)
-    ieee = k_S.dtype == torch.float32  # no TF32 for fp32 pools: parity with the gather path
     tile = max(16, tile)
     if num_splits is None:
         num_splits = auto_num_splits(B, Hkv, bt_BN.shape[1] * block_size, tile, q_BHD.device)
@@ -305,6 +303,45 @@ def paged_decode_triton(
         part_l = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q_BHD.device)
     else:
         part_acc = part_m = part_l = out_BHD  # unused
+    parts = (part_acc, part_m, part_l)
+    _launch_decode(q_BHD, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile)
+    if num_splits > 1:
+        _combine_kernel[(B, Hq)](
+            part_acc,
+            part_m,
+            part_l,
+            out_BHD,
+            out_BHD.stride(0),
+            out_BHD.stride(1),
+            Hq,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            D=Dh,
+            BLOCK_D=max(16, triton.next_power_of_2(Dh)),
+            num_warps=1,
+        )
+    return out_BHD.to(out_dtype)
+
+
+def _launch_decode(
+    q_BHD: torch.Tensor,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    bt_BN: torch.Tensor,
+    ctx_B: torch.Tensor,
+    out_BHD: torch.Tensor,
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    num_splits: int,
+    block_size: int,
+    sliding_window: int | None,
+    tile: int,
+) -> None:
+    """``_paged_decode_kernel`` over (B, Hkv, num_splits) programs; ``parts``: the split-K partials
+    (accumulators, running maxima, sums), unused for one split."""
+    B, Hq, Dh = q_BHD.shape
+    Hkv = k_S.shape[1]
+    G = Hq // Hkv
+    part_acc, part_m, part_l = parts
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q_BHD,
         k_S,
@@ -337,23 +374,7 @@ def paged_decode_triton(
         BLOCK_D=max(16, triton.next_power_of_2(Dh)),
         TILE=tile,
         HAS_WINDOW=sliding_window is not None,
-        IEEE=ieee,
+        IEEE=k_S.dtype == torch.float32,  # no TF32 for fp32 pools: parity with the gather path
         NUM_SPLITS=num_splits,
         num_warps=4,
     )
-    if num_splits > 1:
-        _combine_kernel[(B, Hq)](
-            part_acc,
-            part_m,
-            part_l,
-            out_BHD,
-            out_BHD.stride(0),
-            out_BHD.stride(1),
-            Hq,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            D=Dh,
-            BLOCK_D=max(16, triton.next_power_of_2(Dh)),
-            num_warps=1,
-        )
-    return out_BHD.to(out_dtype)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from areno.rollout.attention import SeqChunk
-from areno.rollout.cuda_graph import graph_num_blocks
+from areno.rollout.graph_shapes import graph_num_blocks
 from areno.rollout.kv_cache import ROOT_KEY, BlockAllocator
 from areno.types import SamplingParams
 
@@ -137,7 +137,7 @@ class Scheduler:
         # rebuilding [B, N] from Python lists. Unused entries hold the scratch block (the pool's
         # extra block, id ``num_blocks``); the last row is all scratch (padding rows of a batch).
         self.scratch_block = allocator.num_blocks
-        # Wide enough for every CUDA-graph block-table width (``cuda_graph.graph_num_blocks``).
+        # Wide enough for every CUDA-graph block-table width (``graph_shapes.graph_num_blocks``).
         width = max(graph_num_blocks(max_blocks_per_seq, paged) for paged in (False, True))
         self.block_tables_RN = torch.full((max_num_seqs + 1, width), self.scratch_block, dtype=torch.long)
         self.scratch_row = max_num_seqs

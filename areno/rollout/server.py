@@ -33,14 +33,17 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from areno.models.hf_io import load_model
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
 from areno.types import GenerationOutput, SamplingParams
@@ -270,11 +273,21 @@ def create_app(
     app = FastAPI(title="areno rollout server", lifespan=lifespan)
     app.state.client = client
     app.state.watchdog = watchdog
+    app.middleware("http")(_bearer_auth(api_key))
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(_BadRequest, _bad_request)
+    _OpenAIRoutes(client, tokenizer, model_name, default_max_tokens).add_to(app)
+    _TokenRoutes(client).add_to(app)
+    _AdminRoutes(engine, client, watchdog).add_to(app)
+    return app
 
+
+def _bearer_auth(api_key: str | None) -> Callable[[Request, Any], Awaitable[Response]]:
+    """Middleware: with an ``api_key``, every endpoint but ``/health`` needs ``Authorization: Bearer
+    <api_key>`` (401 otherwise; compared in constant time)."""
     expected = f"Bearer {api_key}".encode() if api_key else b""
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
+    async def auth(request: Request, call_next: Any) -> Response:
         if api_key and request.url.path != "/health":
             if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
                 return _error(
@@ -282,111 +295,137 @@ def create_app(
                 )
         return await call_next(request)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        err = errors[0]
-        if err.get("type") == "json_invalid":
-            return _error(400, f"request body is not valid JSON: {err.get('msg')}", "body")
-        loc = _field_loc(err.get("loc", ()))
-        field = ".".join(loc) or "body"
-        # a union-typed field fails once per member type (``prompt.str``, ``prompt.list[int]``): name
-        # the field itself and list the types it accepts
-        members = list(
-            dict.fromkeys(
-                m
-                for e in errors
-                if _field_loc(e.get("loc", ()))[:1] == loc[:1]
-                for m in _union_members(e.get("loc", ()))
-            )
+    return auth
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A 400 naming the first invalid field as the request spells it."""
+    errors = exc.errors()
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return _error(400, f"request body is not valid JSON: {err.get('msg')}", "body")
+    loc = _field_loc(err.get("loc", ()))
+    field = ".".join(loc) or "body"
+    # a union-typed field fails once per member type (``prompt.str``, ``prompt.list[int]``): name
+    # the field itself and list the types it accepts
+    members = list(
+        dict.fromkeys(
+            m for e in errors if _field_loc(e.get("loc", ()))[:1] == loc[:1] for m in _union_members(e.get("loc", ()))
         )
-        accepts = f" (it accepts {', '.join(members)})" if len(members) > 1 else ""
-        return _error(400, f"invalid field '{field}': {err.get('msg')}{accepts}", field)
+    )
+    accepts = f" (it accepts {', '.join(members)})" if len(members) > 1 else ""
+    return _error(400, f"invalid field '{field}': {err.get('msg')}{accepts}", field)
 
-    @app.exception_handler(_BadRequest)
-    async def _bad(request: Request, exc: _BadRequest) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param)
 
-    async def run(prompt_ids: list[int], params: SamplingParams, field: str) -> GenerationOutput:
-        try:
-            return await client.agenerate(prompt_ids, params)
-        except ValueError as e:
-            raise _BadRequest(field, f"{field}: {e}") from None
-        except RolloutRequestTimeout:
-            raise
-        except Exception as e:  # noqa: BLE001 - the engine failed: a 500 that says why
-            raise _engine_error(e) from None
+async def _bad_request(request: Request, exc: _BadRequest) -> JSONResponse:
+    return _error(exc.status, exc.message, exc.param)
 
-    def encode(text: str) -> list[int]:
-        if tokenizer is None:
+
+async def _agenerate(
+    client: InProcessRolloutClient,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    field: str,
+    request_id: str | None = None,
+) -> GenerationOutput:
+    """One completion; a request the engine rejects is a 400 naming ``field``, an engine failure a 500."""
+    try:
+        return await client.agenerate(prompt_ids, params, request_id=request_id)
+    except ValueError as e:
+        raise _BadRequest(field, f"{field}: {e}") from None
+    except RolloutRequestTimeout:
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine failed: a 500 that says why
+        raise _engine_error(e) from None
+
+
+def _usage(prompt_tokens: int, outs: list[GenerationOutput]) -> dict[str, int]:
+    completion = sum(len(o.output_ids) for o in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+class _OpenAIRoutes:
+    """``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``."""
+
+    def __init__(
+        self, client: InProcessRolloutClient, tokenizer: Any, model_name: str, default_max_tokens: int
+    ) -> None:
+        self.client, self.tokenizer = client, tokenizer
+        self.model_name, self.default_max_tokens = model_name, default_max_tokens
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
             raise _BadRequest("prompt", "this server has no tokenizer: send token ids")
-        return list(tokenizer(text)["input_ids"])
+        return list(self.tokenizer(text)["input_ids"])
 
-    def decode_token(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def usage(prompt_tokens: int, outs: list[GenerationOutput]) -> dict[str, int]:
-        completion = sum(len(o.output_ids) for o in outs)
+    async def models(self) -> dict:
         return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "owned_by": "areno", "created": 0}],
         }
 
-    # ---- OpenAI-compatible ----
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "areno", "created": 0}]}
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> dict:
+    async def completions(self, req: CompletionRequest) -> dict:
         prompt = req.prompt
         if isinstance(prompt, str):
-            prompts = [encode(prompt)]
+            prompts = [self._encode(prompt)]
         elif prompt and isinstance(prompt[0], str):
-            prompts = [encode(p) for p in prompt]
+            prompts = [self._encode(p) for p in prompt]
         elif prompt and isinstance(prompt[0], list):
             prompts = [list(p) for p in prompt]
         else:
             prompts = [list(prompt)]
         if any(len(p) == 0 for p in prompts):
             raise _BadRequest("prompt", "prompt is empty: send at least one token")
-        jobs = [(p, req.sampling_params(default_max_tokens, i)) for p in prompts for i in range(req.n)]
-        outs = await asyncio.gather(*(run(p, sp, "prompt") for p, sp in jobs))
-        choices = []
-        for index, ((prompt_ids, _), out) in enumerate(zip(jobs, outs)):
-            choice: dict[str, Any] = {
-                "index": index,
-                "text": out.text,
-                "finish_reason": out.finish_reason,
-                "logprobs": None,
-                "token_ids": out.output_ids,
-                "prompt_token_ids": prompt_ids,
-            }
-            if req.logprobs is not None:
-                tokens = [decode_token(t) for t in out.output_ids]
-                offsets, pos = [], 0
-                for t in tokens:
-                    offsets.append(pos)
-                    pos += len(t)
-                choice["logprobs"] = {
-                    "tokens": tokens,
-                    "token_logprobs": out.output_logprobs,
-                    "top_logprobs": [{} for _ in tokens],
-                    "text_offset": offsets,
-                }
-            choices.append(choice)
+        jobs = [(p, req.sampling_params(self.default_max_tokens, i)) for p in prompts for i in range(req.n)]
+        outs = await asyncio.gather(*(_agenerate(self.client, p, sp, "prompt") for p, sp in jobs))
+        choices = [
+            self._completion_choice(index, prompt_ids, out, req.logprobs is not None)
+            for index, ((prompt_ids, _), out) in enumerate(zip(jobs, outs))
+        ]
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": req.model or model_name,
+            "model": req.model or self.model_name,
             "choices": choices,
-            "usage": usage(sum(len(p) for p, _ in jobs), outs),
+            "usage": _usage(sum(len(p) for p, _ in jobs), outs),
         }
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest) -> dict:
+    def _completion_choice(
+        self, index: int, prompt_ids: list[int], out: GenerationOutput, logprobs: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "logprobs": None,
+            "token_ids": out.output_ids,
+            "prompt_token_ids": prompt_ids,
+        }
+        if logprobs:
+            tokens = [self._decode_token(t) for t in out.output_ids]
+            offsets, pos = [], 0
+            for t in tokens:
+                offsets.append(pos)
+                pos += len(t)
+            choice["logprobs"] = {
+                "tokens": tokens,
+                "token_logprobs": out.output_logprobs,
+                "top_logprobs": [{} for _ in tokens],
+                "text_offset": offsets,
+            }
+        return choice
+
+    async def chat(self, req: ChatRequest) -> dict:
+        tokenizer = self.tokenizer
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise _BadRequest("messages", "this server's tokenizer has no chat template: use /v1/completions")
         if not req.messages:
@@ -398,71 +437,74 @@ def create_app(
         if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):  # BatchEncoding in transformers 5
             prompt_ids = prompt_ids["input_ids"]
         prompt_ids = list(prompt_ids)
-        jobs = [req.sampling_params(default_max_tokens, i) for i in range(req.n)]
-        outs = await asyncio.gather(*(run(prompt_ids, sp, "messages") for sp in jobs))
-        choices = []
-        for index, out in enumerate(outs):
-            logprobs = None
-            if req.logprobs:
-                content = []
-                for t, lp in zip(out.output_ids, out.output_logprobs):
-                    s = decode_token(t)
-                    content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
-                logprobs = {"content": content}
-            choices.append(
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": out.text},
-                    "finish_reason": out.finish_reason,
-                    "logprobs": logprobs,
-                    "token_ids": out.output_ids,
-                    "prompt_token_ids": prompt_ids,
-                }
-            )
+        jobs = [req.sampling_params(self.default_max_tokens, i) for i in range(req.n)]
+        outs = await asyncio.gather(*(_agenerate(self.client, prompt_ids, sp, "messages") for sp in jobs))
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason,
+                "logprobs": self._chat_logprobs(out) if req.logprobs else None,
+                "token_ids": out.output_ids,
+                "prompt_token_ids": prompt_ids,
+            }
+            for index, out in enumerate(outs)
+        ]
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": req.model or model_name,
+            "model": req.model or self.model_name,
             "choices": choices,
-            "usage": usage(len(prompt_ids) * len(jobs), outs),
+            "usage": _usage(len(prompt_ids) * len(jobs), outs),
         }
 
-    # ---- token level ----
-    def sampling_params(raw: dict[str, Any], field: str) -> SamplingParams:
-        known = {f.name for f in dataclasses.fields(SamplingParams)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise _BadRequest(f"{field}.{unknown[0]}", f"{field}: unknown parameter {unknown[0]!r}")
-        try:
-            return SamplingParams(**raw)
-        except (ValueError, TypeError) as e:
-            raise _BadRequest(field, f"{field}: {e}") from None
+    def _chat_logprobs(self, out: GenerationOutput) -> dict[str, Any]:
+        content = []
+        for t, lp in zip(out.output_ids, out.output_logprobs):
+            s = self._decode_token(t)
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
+        return {"content": content}
 
-    async def generate_one(prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> GenerationOutput:
-        try:
-            return await client.agenerate(prompt_ids, params, request_id=request_id)
-        except ValueError as e:
-            raise _BadRequest("prompt_ids", f"prompt_ids: {e}") from None
-        except RolloutRequestTimeout:
-            raise
-        except Exception as e:  # noqa: BLE001 - the engine failed: a 500 that says why
-            raise _engine_error(e) from None
 
-    @app.post("/generate")
-    async def generate(req: GenerateRequest) -> Response:
-        params = sampling_params(req.sampling_params, "sampling_params")
-        return _json_response(_output_dict(await generate_one(req.prompt_ids, params, req.request_id)))
+def _token_sampling_params(raw: dict[str, Any], field: str) -> SamplingParams:
+    """``SamplingParams`` from a request's dict; an unknown or invalid key is a 400 naming it."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise _BadRequest(f"{field}.{unknown[0]}", f"{field}: unknown parameter {unknown[0]!r}")
+    try:
+        return SamplingParams(**raw)
+    except (ValueError, TypeError) as e:
+        raise _BadRequest(field, f"{field}: {e}") from None
 
-    @app.post("/generate_many")
-    async def generate_many(req: GenerateManyRequest) -> dict:
+
+class _TokenRoutes:
+    """``POST /generate`` and ``POST /generate_many``: token ids in, ``GenerationOutput`` out."""
+
+    def __init__(self, client: InProcessRolloutClient) -> None:
+        self.client = client
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/generate", self.generate, methods=["POST"])
+        app.add_api_route("/generate_many", self.generate_many, methods=["POST"])
+
+    async def generate(self, req: GenerateRequest) -> Response:
+        params = _token_sampling_params(req.sampling_params, "sampling_params")
+        out = await _agenerate(self.client, req.prompt_ids, params, "prompt_ids", req.request_id)
+        return _json_response(_output_dict(out))
+
+    async def generate_many(self, req: GenerateManyRequest) -> dict:
         """One completion of ``prompt_ids`` per entry of ``sampling_params``, in order; every
         entry is validated before any is queued, and if one fails the others are aborted."""
-        params = [sampling_params(raw, f"sampling_params[{i}]") for i, raw in enumerate(req.sampling_params)]
+        params = [_token_sampling_params(raw, f"sampling_params[{i}]") for i, raw in enumerate(req.sampling_params)]
         ids = req.request_ids or [None] * len(params)
         if len(ids) != len(params):
             raise _BadRequest("request_ids", f"request_ids: {len(ids)} ids for {len(params)} sampling_params")
-        tasks = [asyncio.ensure_future(generate_one(req.prompt_ids, p, rid)) for p, rid in zip(params, ids)]
+        tasks = [
+            asyncio.ensure_future(_agenerate(self.client, req.prompt_ids, p, "prompt_ids", rid))
+            for p, rid in zip(params, ids)
+        ]
         try:
             outs = await asyncio.gather(*tasks)
         finally:
@@ -470,10 +512,25 @@ def create_app(
                 task.cancel()
         return _json_response({"outputs": [_output_dict(o) for o in outs]})
 
-    # ---- admin ----
-    @app.get("/health", response_model=None)
-    async def health() -> dict | JSONResponse:
-        reason = watchdog.check()
+
+class _AdminRoutes:
+    """``GET /health``, ``GET /version``, ``POST /pause``, ``POST /resume``, ``POST /abort``,
+    ``POST /update_weights_from_disk``, ``GET /metrics``."""
+
+    def __init__(self, engine: RolloutEngine, client: _ServedClient, watchdog: EngineWatchdog) -> None:
+        self.engine, self.client, self.watchdog = engine, client, watchdog
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
+        app.add_api_route("/version", self.version, methods=["GET"])
+        app.add_api_route("/pause", self.pause, methods=["POST"])
+        app.add_api_route("/resume", self.resume, methods=["POST"])
+        app.add_api_route("/abort", self.abort, methods=["POST"])
+        app.add_api_route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+
+    async def health(self) -> dict | JSONResponse:
+        reason = self.watchdog.check()
         if reason is None:
             return {"status": "ok"}
         return JSONResponse(
@@ -485,46 +542,38 @@ def create_app(
             },
         )
 
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": engine.version}
+    async def version(self) -> dict:
+        return {"version": self.engine.version}
 
-    @app.post("/pause")
-    async def pause() -> dict:
-        await asyncio.to_thread(engine.pause)
+    async def pause(self) -> dict:
+        await asyncio.to_thread(self.engine.pause)
         return {"paused": True}
 
-    @app.post("/resume")
-    async def resume() -> dict:
-        await asyncio.to_thread(engine.resume)
-        client.wake()
+    async def resume(self) -> dict:
+        await asyncio.to_thread(self.engine.resume)
+        self.client.wake()
         return {"paused": False}
 
-    @app.post("/abort")
-    async def abort(req: AbortRequest) -> dict:
+    async def abort(self, req: AbortRequest) -> dict:
         try:
-            out = await asyncio.to_thread(client.abort, req.request_id)
+            out = await asyncio.to_thread(self.client.abort, req.request_id)
         except UnknownRequestError as e:
             raise _BadRequest("request_id", str(e), status=404) from None
         return dataclasses.asdict(out)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(req: UpdateFromDiskRequest) -> dict:
+    async def update_weights_from_disk(self, req: UpdateFromDiskRequest) -> dict:
         try:  # a pickle, a truncated file or a missing shard: refused as a whole, never unpickled
-            await asyncio.to_thread(engine.update_weights_from_disk, req.path, req.version)
+            await asyncio.to_thread(self.engine.update_weights_from_disk, req.path, req.version)
         except WeightUpdateError as e:
             raise _BadRequest("path", str(e)) from None
-        return {"version": engine.version}
+        return {"version": self.engine.version}
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(self) -> PlainTextResponse:
         lines = []
-        for key, value in engine.stats().items():
+        for key, value in self.engine.stats().items():
             lines.append(f"# TYPE areno_{key} gauge")
             lines.append(f"areno_{key} {float(value)}")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 # ---------------------------------------------------------------------------------------- the CLI
@@ -591,10 +640,7 @@ def build_engine(
     model_dir: str, *, device: str | None = None, dtype: str | None = None, **engine_kw: Any
 ) -> tuple[RolloutEngine, Any]:
     """Load ``model_dir`` (weights + tokenizer) into a ``RolloutEngine``."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from areno.models.hf_io import load_model
+    from transformers import AutoTokenizer  # about a second to import: only a server's start-up needs it
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areno.models.hf_io import load_model
 from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, WeightUpdateError
 from areno.rollout.sampling import RowParams
@@ -40,8 +41,6 @@ def load_tp_model(
     device: str | torch.device = "cpu",
 ) -> tuple[torch.nn.Module, Any]:
     """This rank's shards of the checkpoint in ``model_dir`` (``hf_io.load_model`` with TP)."""
-    from areno.models.hf_io import load_model
-
     return load_model(
         model_dir,
         dtype=dtype,
@@ -54,6 +53,8 @@ def load_tp_model(
 
 class TensorParallelRolloutEngine(RolloutEngine):
     """A ``RolloutEngine`` over a TP-sharded ``Decoder``; see the module docstring for the protocol."""
+
+    LOCAL_SAMPLING = False  # rank 0's tokens are broadcast (``_sample_rows``): no sampling inside a graph
 
     def __init__(
         self,

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areno.errors import RunFailure
+
 logger = logging.getLogger("areno.sync")
 
 METRIC_NAMES = (
@@ -53,7 +55,7 @@ METRIC_NAMES = (
 )
 
 
-class PolicySyncError(RuntimeError):
+class PolicySyncError(RunFailure):
     """A policy sync did not complete; the receivers kept their previous version."""
 
 

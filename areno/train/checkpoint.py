@@ -28,6 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from areno.errors import ModelDirError
+
 TRAINER_STATE = "trainer_state.pt"
 COMPLETE_MARKER = "COMPLETE"
 STAGING_SUFFIX = ".tmp"
@@ -179,12 +181,12 @@ def _check_shapes(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
         key = f"model.{name}"
         stored = metadata.get(key)
         if not isinstance(stored, TensorStorageMetadata):
-            raise ValueError(
+            raise ModelDirError(
                 f"checkpoint {path} has no tensor {name!r}: it was saved from a different model "
                 f"(or with/without LoRA); load a checkpoint of this model"
             )
         if tuple(stored.size) != tuple(tensor.shape):
-            raise ValueError(
+            raise ModelDirError(
                 f"checkpoint {path} tensor {name!r} has shape {tuple(stored.size)} but the model's is "
                 f"{tuple(tensor.shape)}: it was saved from a different model shape"
             )
@@ -194,7 +196,10 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     """Restore model, optimizer and this rank's RNG in place; returns the trainer state."""
     path = Path(path)
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
-        raise FileNotFoundError(f"{path} is not an areno checkpoint (no .metadata / {TRAINER_STATE})")
+        raise ModelDirError(
+            f"{path} is not an areno checkpoint (no .metadata / {TRAINER_STATE}): resume from another step_N "
+            "directory or delete this one"
+        )
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
     _check_shapes(path, model_sd)
     state: dict[str, Any] = {"model": model_sd}
@@ -206,7 +211,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         first = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
+        raise ModelDirError(
             f"checkpoint {path} is damaged or incomplete ({type(exc).__name__}: {first}); resume from an "
             "earlier step_N directory or delete this one"
         ) from None

@@ -11,15 +11,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from areno.errors import ConfigError
 from areno.train.config import TrainBackendConfig
 
 
-class NonFiniteStepError(ValueError):
+class NonFiniteStepError(ConfigError):
     """Too many optimizer steps in a row had a non-finite loss or grad norm and were skipped.
 
-    A ``ValueError`` so that the CLI prints it as one line: the usual causes are a learning rate
-    that is too high, a broken reward/advantage (NaN), or bad data, and training on would only
-    waste compute on a diverged model.
+    A :class:`ConfigError` (a user error) so that the CLI prints it as one line: the usual causes are a
+    learning rate that is too high, a broken reward/advantage (NaN), or bad data, and training on would
+    only waste compute on a diverged model.
     """
 
     def __init__(self, *, role: str, step: int, consecutive: int, loss: float, grad_norm: float) -> None:

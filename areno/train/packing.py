@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from areno.errors import ConfigError
 from areno.types import TokenBatch
 
 
@@ -111,7 +112,7 @@ def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec
         raise ValueError("cannot plan micro-batches for an empty batch")
     longest = max(seqlens)
     if longest > spec.max_tokens_per_mb:
-        raise ValueError(
+        raise ConfigError(
             f"sequence {seqlens.index(longest)} has {longest} tokens, more than "
             f"max_tokens_per_mb={spec.max_tokens_per_mb}; raise max_tokens_per_mb to at least "
             f"{longest}, shorten the sequences, or set long_sequences='truncate'"

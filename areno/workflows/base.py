@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from areno.errors import ConfigError, RewardImportError
 from areno.types import Trajectory
 
 if TYPE_CHECKING:
@@ -50,52 +52,69 @@ def as_group(result: EpisodeResult) -> list[Trajectory] | None:
 
 
 def _import_dotted(dotted_path: str) -> Any:
-    """Import ``pkg.module.Name`` or ``pkg.module:Name``; a clear ValueError when it does not resolve."""
+    """Import ``pkg.module.Name`` or ``pkg.module:Name``; a :class:`RewardImportError` when it does not resolve."""
     if ":" in dotted_path:
         module_name, _, attr_path = dotted_path.partition(":")
     else:
         module_name, _, attr_path = dotted_path.rpartition(".")
     if not module_name or not attr_path:
-        raise ValueError(
+        raise RewardImportError(
             f"workflow path {dotted_path!r} is not a dotted path; write 'package.module.ClassName' "
             "or 'package.module:ClassName'"
         )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise ValueError(
+        raise RewardImportError(
             f"workflow path {dotted_path!r}: cannot import module {module_name!r} ({exc}); "
             "check the spelling and that the module is on PYTHONPATH"
         ) from exc
     obj: Any = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"workflow path {dotted_path!r}: module {module_name!r} has no attribute {attr_path!r}")
+            raise RewardImportError(
+                f"workflow path {dotted_path!r}: module {module_name!r} has no attribute {attr_path!r}"
+            )
         obj = getattr(obj, part)
     return obj
 
 
+def workflow_factory(dotted_path: str) -> Callable[..., RolloutWorkflow]:
+    """The ``RolloutWorkflow`` subclass or factory function ``dotted_path`` names, imported; a
+    :class:`RewardImportError` when it does not import or names something else."""
+    obj = _import_dotted(dotted_path)
+    if isinstance(obj, type) and not issubclass(obj, RolloutWorkflow):
+        raise RewardImportError(
+            f"workflow path {dotted_path!r} names class {obj.__name__}, which is not a subclass of "
+            "areno.workflows.base.RolloutWorkflow"
+        )
+    if not callable(obj):
+        raise RewardImportError(
+            f"workflow path {dotted_path!r} names a {type(obj).__name__}, expected a RolloutWorkflow class"
+        )
+    return obj
+
+
+def check_workflow_arguments(
+    dotted_path: str, factory: Callable[..., RolloutWorkflow], kwargs: dict[str, Any], *, partial: bool = False
+) -> None:
+    """A :class:`ConfigError` naming an argument ``factory`` does not take, or (unless ``partial``: the
+    engine adds its own arguments later) one it needs that ``kwargs`` lacks."""
+    bind = inspect.signature(factory).bind_partial if partial else inspect.signature(factory).bind
+    try:
+        bind(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"workflow {dotted_path!r}: {exc} (check rollout.workflow_kwargs)") from None
+
+
 def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
     """Build the workflow named by ``dotted_path`` (a ``RolloutWorkflow`` subclass, or a factory
-    function returning an instance) with ``kwargs``."""
-    obj = _import_dotted(dotted_path)
-    if isinstance(obj, type) and issubclass(obj, RolloutWorkflow) or callable(obj) and not isinstance(obj, type):
-        try:
-            inspect.signature(obj).bind(**kwargs)
-        except TypeError as exc:  # an unknown or missing argument: name it before building anything
-            raise ValueError(f"workflow {dotted_path!r}: {exc} (check rollout.workflow_kwargs)") from None
-    if isinstance(obj, type):
-        if not issubclass(obj, RolloutWorkflow):
-            raise ValueError(
-                f"workflow path {dotted_path!r} names class {obj.__name__}, which is not a subclass of "
-                "areno.workflows.base.RolloutWorkflow"
-            )
-        return obj(**kwargs)
-    if callable(obj):
-        workflow = obj(**kwargs)
-        if not isinstance(workflow, RolloutWorkflow):
-            raise ValueError(
-                f"workflow factory {dotted_path!r} returned {type(workflow).__name__}, expected a RolloutWorkflow"
-            )
-        return workflow
-    raise ValueError(f"workflow path {dotted_path!r} names a {type(obj).__name__}, expected a RolloutWorkflow class")
+    function returning an instance) with ``kwargs``; its arguments are checked before it is built."""
+    factory = workflow_factory(dotted_path)
+    check_workflow_arguments(dotted_path, factory, kwargs)
+    workflow = factory(**kwargs)
+    if not isinstance(workflow, RolloutWorkflow):
+        raise RewardImportError(
+            f"workflow factory {dotted_path!r} returned {type(workflow).__name__}, expected a RolloutWorkflow"
+        )
+    return workflow

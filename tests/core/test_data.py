@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from areno.data.datasets import build_splits, load_rows
+from areno.data.datasets import build_splits, check_splits, load_rows
 from areno.data.tasks import PromptStream, TaskSpec, extract_answer, generate_rows
+from areno.errors import ConfigError, DataError
 from areno.rewards.tasks import exact_match
 
 
@@ -128,3 +129,48 @@ def test_build_splits_from_files(tmp_path):
     path.write_text('{"prompt": "a", "answer": "1"}\n')
     train, held = build_splits(DataSection(task=None, train_path=str(path), eval_path=str(path)))
     assert train == held == [{"prompt": "a", "answer": "1"}]
+
+
+def test_every_data_problem_is_a_one_line_data_error(tmp_path):
+    """Not UTF-8, not Parquet, an unsupported suffix: a DataError naming the file and the fix."""
+    latin1 = tmp_path / "d.jsonl"
+    latin1.write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
+    parquet = tmp_path / "d.parquet"
+    parquet.write_bytes(b"PAR1 but not really")
+    csv = tmp_path / "d.csv"
+    csv.write_text("prompt\na\n")
+    for path, pattern in [
+        (latin1, r"d\.jsonl: not UTF-8 text \(byte 0xe9 at offset 15\): convert the file to UTF-8"),
+        (parquet, r"d\.parquet: not a readable Parquet file \("),
+        (csv, r"d\.csv: unsupported suffix '\.csv'; use \.jsonl, \.json or \.parquet"),
+        (tmp_path / "missing.jsonl", r"missing\.jsonl does not exist: set data\.train_path"),
+    ]:
+        with pytest.raises(DataError, match=pattern) as info:
+            load_rows(path, prompt_key="prompt")
+        assert "\n" not in str(info.value)
+
+
+def test_supervised_rows_need_the_answer_field(tmp_path):
+    from areno.api.config import DataSection
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "label": "2"}\n')
+    data = DataSection(task=None, train_path=str(path))
+    assert len(build_splits(data)[0]) == 2  # RL rows need no answer: the reward may not use one
+    with pytest.raises(DataError, match=r"d\.jsonl line 2: no field 'answer', which supervised training needs"):
+        build_splits(data, need_answers=True)
+    with pytest.raises(DataError, match=r"d\.jsonl line 2: no field 'answer'.*set data\.answer_key"):
+        check_splits(data, need_answers=True)
+    path.write_text("\n")
+    with pytest.raises(DataError, match=r"d\.jsonl holds no rows"):
+        check_splits(data)
+
+
+def test_check_splits_validates_a_task_without_generating_it():
+    from areno.api.config import DataSection
+
+    check_splits(DataSection(task="sort", task_kwargs={"max_len": 4}))
+    with pytest.raises(ConfigError, match="data.task: unknown task 'nope'"):
+        check_splits(DataSection(task="nope"))
+    with pytest.raises(ConfigError, match="data.task_kwargs: .*max_lenn"):
+        check_splits(DataSection(task="sort", task_kwargs={"max_lenn": 4}))

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 
 from areno.api.config import load_config
+from areno.errors import ModelDirError
 from areno.launch.scheduler import free_port
 from areno.types import SamplingParams
 
@@ -248,9 +249,7 @@ def test_missing_shard_is_named(tiny_model_dir, tmp_path):
     weight_map = {n: "model-00001-of-00002.safetensors" for n in names}
     weight_map[names[-1]] = "model-00002-of-00002.safetensors"
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(
-        FileNotFoundError, match=r"model-00002-of-00002\.safetensors is listed in .* but does not exist"
-    ):
+    with pytest.raises(ModelDirError, match=r"model-00002-of-00002\.safetensors is listed in .* but does not exist"):
         load_model(model_dir)
 
 
@@ -264,7 +263,7 @@ def test_garbage_complete_checkpoint_is_named(tiny_model_dir, tmp_path):
     (step / "policy").mkdir(parents=True)
     (step / "COMPLETE").write_text("ok")
     (step / "policy" / "junk.bin").write_bytes(b"\x00" * 64)
-    with pytest.raises(FileNotFoundError, match=r"step_00000002/policy is not an areno checkpoint"):
+    with pytest.raises(ModelDirError, match=r"step_00000002/policy is not an areno checkpoint"):
         backend.load_checkpoint(step / "policy")
 
 

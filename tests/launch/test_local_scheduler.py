@@ -8,7 +8,6 @@ import torch
 from areno.launch.scheduler import (
     LocalScheduler,
     SchedulerConfig,
-    SchedulerError,
     WorkerDiedError,
     WorkerError,
     scheduler_from_config,
@@ -98,7 +97,7 @@ def test_construction_failures_leave_no_role(tmp_path):
         assert s.roles == []
         # a worker interpreter that cannot start exits before connecting
         with pytest.raises(
-            SchedulerError, match=r"bad\[0\] exited with code 1 before connecting; log .*Fatal Python error"
+            WorkerDiedError, match=r"bad\[0\] exited with code 1 before connecting; log .*Fatal Python error"
         ):
             s.create_workers("bad", ENV_WORKER, 1, env={**ENV, "PYTHONIOENCODING": "no-such-codec"})
         assert s.roles == []

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from areno.errors import ModelDirError
 from areno.models import Decoder, ModelConfig, PackedCausalAttention, load_model, save_model, tiny_config
 from areno.models.logprobs import packed_logprobs
 
@@ -157,9 +158,9 @@ def test_config_reads_transformers5_rope_parameters():
 
 
 def test_load_errors(tmp_path, char_tokenizer):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ModelDirError, match="does not exist"):
         load_model(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(ModelDirError, match="config.json"):
         load_model(tmp_path)
     config = tiny_config(VOCAB)
     save_model(Decoder(config), config, tmp_path / "m")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from areno.errors import DataError
 from areno.observe.metrics import (
     ConsoleSink,
     JsonlSink,
@@ -215,7 +216,7 @@ def test_read_metrics_skips_a_torn_last_line(tmp_path):
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 2, "train/lo')
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
-    with pytest.raises(FileNotFoundError, match="run directory"):
+    with pytest.raises(DataError, match="run directory"):
         read_metrics(tmp_path / "nope")
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from areno.errors import DataError
 from areno.observe import report
 from areno.observe.metrics import MetricsLogger
 from areno.observe.session import SessionRecorder
@@ -143,7 +144,7 @@ def test_single_run_default_output_and_missing_metrics(tmp_path):
     parser = ImageCollector()
     parser.feed((run / "report.html").read_text())
     assert [alt for alt, _ in parser.images] == ["Reward"]
-    with pytest.raises(FileNotFoundError, match="pass a run directory"):
+    with pytest.raises(DataError, match="pass a run directory"):
         report.main([str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="--smooth"):
         report.main([str(run), "--smooth", "1.5"])

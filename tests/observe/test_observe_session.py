@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from areno.errors import DataError
 from areno.observe import session as sessions
 from areno.observe.session import (
     SessionRecorder,
@@ -122,6 +123,6 @@ def test_cli_lists_and_shows_sessions(recording, capsys):
 
 
 def test_cli_without_sessions_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="enable session recording"):
+    with pytest.raises(DataError, match="enable session recording"):
         sessions.main([str(tmp_path)])
     assert json.loads(json.dumps(load_sessions(tmp_path))) == []

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from areno.errors import DataError
 from areno.observe import trace
 from areno.observe.trace import async_span, configure_tracing, counter, merge_traces, span
 
@@ -125,7 +126,7 @@ def test_decorator_applied_while_disabled_traces_once_enabled(tracing):
 
 
 def test_torn_last_line_is_dropped_and_missing_traces_are_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tracing enabled"):
+    with pytest.raises(DataError, match="tracing enabled"):
         merge_traces(tmp_path)
     traces = tmp_path / "traces"
     traces.mkdir()
@@ -153,7 +154,7 @@ def test_disabled_spans_are_cheap(tracing):
             return None
 
     def baseline(n):
-        for i in range(n):
+        for _ in range(n):
             with Nothing():
                 pass
 

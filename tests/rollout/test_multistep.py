@@ -197,7 +197,7 @@ def test_full_batch_with_waiting_requests_keeps_k_steps_per_round_trip(tiny, mon
     """Requests waiting for a slot: a full batch of at least WAITING_CLAMP_MAX_ROWS rows still runs
     decode_steps per round trip, rather than stopping at its first row's length limit; a smaller one
     stops there (the waiting request joins sooner). Tokens are the same either way."""
-    from areno.rollout import engine as engine_module
+    from areno.rollout import stepping
 
     prompts = random_prompts(12, seed=3)
     params = [
@@ -207,7 +207,7 @@ def test_full_batch_with_waiting_requests_keeps_k_steps_per_round_trip(tiny, mon
     reference = summary(engine(tiny, 1, num_blocks=256).generate(prompts, params))
     trips = {}
     for clamp_rows in (0, 1000):  # 6 running rows: never clamped / always clamped
-        monkeypatch.setattr(engine_module, "WAITING_CLAMP_MAX_ROWS", clamp_rows)
+        monkeypatch.setattr(stepping, "WAITING_CLAMP_MAX_ROWS", clamp_rows)
         eng = engine(tiny, 8, num_blocks=256, max_num_seqs=6)  # 6 running, the rest waiting
         assert summary(eng.generate(prompts, params)) == reference
         trips[clamp_rows] = eng.stats()["sampling_round_trips"]

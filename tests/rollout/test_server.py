@@ -242,3 +242,49 @@ def test_generate_many_one_request_per_group(server):
     assert r.status_code == 400 and "request_ids: 1 ids for 2 sampling_params" in r.json()["error"]["message"]
     r = httpx.post(f"{base}/generate_many", headers=h, json={"prompt_ids": prompt, "sampling_params": []})
     assert r.status_code == 400
+
+
+class _HealthView:
+    """A ``ServerHealthView`` that is no ``HealthMonitor``: the client needs nothing more."""
+
+    def __init__(self, unhealthy: set[str]) -> None:
+        self.unhealthy, self.failures = unhealthy, []
+
+    def is_healthy(self, url: str) -> bool:
+        return url not in self.unhealthy
+
+    def report_failure(self, url: str, reason: str) -> None:
+        self.failures.append(url)
+
+    async def await_healthy(self, timeout_s: float) -> bool:
+        return True
+
+    def describe(self) -> dict[str, str]:
+        return {}
+
+
+def test_multi_server_client_routes_by_any_health_view(server):
+    """Unhealthy servers get no request; one that fails to answer is reported to the view."""
+    import asyncio
+
+    from areno.rollout.client import MultiServerRolloutClient
+    from areno.types import SamplingParams
+
+    base, _, tokenizer = server
+    dead = f"http://127.0.0.1:{free_port()}"
+    prompt = tokenizer("hello")["input_ids"]
+    params = SamplingParams(temperature=0, max_new_tokens=2)
+
+    async def go(view: _HealthView) -> list[int]:
+        multi = MultiServerRolloutClient([dead, base], api_key=KEY, health=view)
+        try:
+            for _ in range(2):
+                await multi.agenerate(prompt, params)
+            return list(multi.requests_per_server)
+        finally:
+            await multi.aclose()
+
+    skipping = _HealthView({dead})
+    assert asyncio.run(go(skipping)) == [0, 2] and skipping.failures == []
+    trusting = _HealthView(set())
+    assert asyncio.run(go(trusting)) == [0, 2] and trusting.failures == [dead]

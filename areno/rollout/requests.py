@@ -1,0 +1,110 @@
+"""``RequestTable``: the rollout engine's requests by id, from arrival to their output.
+
+``add`` validates a request and puts it in the inbox under a lock of its own (a request arriving from a
+server's event loop never waits for a running step); ``admit``, called under the step lock, moves the
+inbox into the scheduler in arrival order. ``output`` builds a finished (or aborted) request's
+``GenerationOutput``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+from areno.rollout.sampling import RowParams
+from areno.rollout.scheduler import Scheduler, Sequence
+from areno.types import GenerationOutput, SamplingParams
+
+
+class RequestTable:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        tokenizer: Any = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.live: dict[str, Sequence] = {}
+        """Unfinished requests the scheduler holds (running or waiting)."""
+        self.inbox: dict[str, Sequence] = {}
+        """Requests added since the last step (``add`` takes only ``_inbox_lock``)."""
+        self._inbox_lock = threading.Lock()
+        self._arrivals = 0
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate a request and queue it for the next ``admit``. Returns its id."""
+        prompt_ids = list(map(int, prompt_ids))
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            raise ValueError(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the context is max_model_len="
+                f"{self.max_model_len}: shorten the prompt"
+            )
+        longest = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
+        allocator = self.scheduler.allocator
+        if -(-longest // allocator.block_size) > allocator.num_blocks:
+            raise ValueError(
+                f"prompt + max_new_tokens = {longest} tokens exceeds the KV pool of "
+                f"{allocator.num_blocks * allocator.block_size} tokens: lower max_new_tokens "
+                "or give the engine more KV memory"
+            )
+        sample_row = RowParams.row_of(params, self.eos_token_ids, self.vocab_size)
+        # Only the inbox lock: a request arriving from a server's event loop must not wait for a
+        # running step (the step lock is held through a whole decode round trip).
+        with self._inbox_lock:
+            request_id = request_id or uuid.uuid4().hex
+            if request_id in self.live or request_id in self.inbox:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.inbox[request_id] = Sequence(
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                params=params,
+                arrival=0,
+                sample_row=sample_row,
+                limit=longest,
+            )
+        return request_id
+
+    def admit(self) -> None:
+        """Move the inbox's requests, in arrival order, into the scheduler. Call holding the step lock."""
+        if not self.inbox:
+            return
+        with self._inbox_lock:
+            arrived, self.inbox = self.inbox, {}
+        for request_id, seq in arrived.items():
+            seq.arrival = self._arrivals
+            self._arrivals += 1
+            self.live[request_id] = seq
+            self.scheduler.add(seq)
+
+    def decode(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def output(self, seq: Sequence, reason: str) -> GenerationOutput:
+        if reason == "stop" and seq.text is not None:
+            text = seq.text  # cut before the stop string
+        else:
+            text = self.decode(seq.output_ids) or ""
+        return GenerationOutput(
+            request_id=seq.request_id,
+            prompt_ids=list(seq.prompt_ids),
+            output_ids=list(seq.output_ids),
+            output_logprobs=list(seq.output_logprobs),
+            output_versions=list(seq.output_versions),
+            finish_reason=reason,
+            text=text,
+        )

@@ -1,0 +1,384 @@
+"""``Stepper``: one step of the rollout engine, from the scheduled batch to the finished requests.
+
+One ``step()`` = admit new requests → schedule (``scheduler.py``) → one packed forward of the shared
+``Decoder`` with the paged-KV attention backend (``attention.py``) → sample (``sampling.py``) → stop
+checks. A pure-decode batch runs ``decode_steps`` forwards back to back instead (a CUDA-graph loop
+where one is captured, ``cuda_graph.py``): sampling, feeding the tokens back and the stop/length
+checks stay on the device, and one small tensor is copied to the host at the end. A mixed step of a
+large batch goes on the same way with ``decode_steps - 1`` decode steps of every row that sampled in
+it (``RolloutEngineConfig.mixed_decode_min_rows``).
+
+The stepper holds the engine's parts it runs (model, cache, scheduler, sampler, graphs) and the
+counters ``RolloutEngine.stats`` reports; the model's output projection and the sampler are called
+through the engine's ``logits`` / ``sample_rows`` hooks (tensor parallelism overrides them, ``tp.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from areno.rollout.attention import PagedAttention
+from areno.rollout.control import EngineControl
+from areno.rollout.cuda_graph import DecodeGraphRunner
+from areno.rollout.kv_cache import KVCache
+from areno.rollout.requests import RequestTable
+from areno.rollout.sampling import RowParams, RowTable, check_stop
+from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
+from areno.types import GenerationOutput
+
+WAITING_CLAMP_MAX_ROWS = 32
+"""With requests waiting for a slot, a pure-decode batch of fewer rows runs only until its first row
+can end by length (so a waiting request joins at once); a larger batch runs its full ``decode_steps``:
+one freed slot idle for a few steps costs little there, while a host round trip per token (most
+rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/LOG.md)."""
+
+
+class Stepper:
+    graphs: DecodeGraphRunner | None
+    """Decode CUDA graphs (None: every step runs eagerly); ``RolloutEngine`` sets it after construction."""
+
+    def __init__(
+        self,
+        *,
+        control: EngineControl,
+        requests: RequestTable,
+        scheduler: Scheduler,
+        model: torch.nn.Module,
+        cache: KVCache,
+        config: Any,
+        device: torch.device,
+        decode_steps: int,
+        max_model_len: int,
+        max_position: int,
+        vocab_size: int,
+        sliding_window: int | None,
+        eos_token_ids: tuple[int, ...],
+        logits: Callable[[torch.Tensor], torch.Tensor],
+        sample_rows: Callable[[torch.Tensor, RowParams], tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """``config``: the engine's ``RolloutEngineConfig``; ``logits``: hidden states [B, D] to
+        full-vocabulary fp32 logits [B, V]; ``sample_rows``: logits to token ids and log-probs [B]."""
+        self.control, self.requests, self.scheduler = control, requests, scheduler
+        self.model, self.cache, self.config, self.device = model, cache, config, device
+        self.decode_steps, self.max_model_len, self.max_position = decode_steps, max_model_len, max_position
+        self.vocab_size, self.sliding_window, self.eos_token_ids = vocab_size, sliding_window, eos_token_ids
+        self.logits, self.sample_rows = logits, sample_rows
+        self.graphs = None
+        self.row_table = RowTable(config.max_num_seqs + 1)
+        """Static sampling rows of the running requests by slot (``Sequence.row``)."""
+        # Counters (``RolloutEngine.stats``), plain ints: the server's watchdog reads ``steps`` unlocked.
+        self.steps = 0
+        self.round_trips = 0
+        self.generated_tokens = 0
+        self.prefill_tokens = 0
+        self.mixed_steps = 0
+        self.busy_s = 0.0
+        """Seconds spent in steps that ran a batch (``stats()["busy_s"]``: busy fraction over time)."""
+        self._last_step_ran = False
+
+    def step(self) -> list[GenerationOutput]:
+        c = self.control
+        with c.lock:
+            t0 = time.perf_counter()
+            try:
+                if c.stream is None:
+                    return self._step_locked()
+                if c.stream_waits_default:
+                    c.stream.wait_stream(torch.cuda.default_stream(self.device))
+                    c.stream_waits_default = False
+                with torch.cuda.stream(c.stream):
+                    return self._step_locked()
+            finally:
+                # counted under the lock: a stats() snapshot sees whole steps (its busy_s and
+                # clock_s are read together, so busy_s / elapsed stays within [0, 1] per window)
+                if self._last_step_ran:
+                    self.busy_s += time.perf_counter() - t0
+
+    def _step_locked(self) -> list[GenerationOutput]:
+        self.requests.admit()
+        self._last_step_ran = False
+        c = self.control
+        if c.paused or c.sleeping or c.torn is not None or not self.scheduler.has_unfinished():
+            return []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        self._last_step_ran = True
+        pure_decode = batch.num_decode == len(batch.seqs) and all(batch.samples)
+        sampling = batch.seqs if pure_decode else [s for s, do in zip(batch.seqs, batch.samples) if do]
+        self.prefill_tokens += batch.num_tokens - len(sampling)
+        self.mixed_steps += not pure_decode
+        if not sampling:
+            self._forward(batch)
+            self.scheduler.after_step(batch)
+            self.steps += 1
+            return []
+        slots = [s.row for s in sampling]
+        self.row_table.sync(slots, [s.sample_row for s in sampling])
+        lengths = [len(s.token_ids) for s in sampling]
+        rp = RowParams.gather(
+            self.row_table,
+            slots,
+            [n - len(s.prompt_ids) for s, n in zip(sampling, lengths)],
+            lengths,
+            self.max_model_len,
+            self.device,
+        )
+        if pure_decode:
+            k = self._plan_decode_steps(batch.seqs)
+            tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp)
+            self.scheduler.after_step(batch, k)
+            self.steps += k
+        else:
+            logits_BV = self._forward(batch)
+            self.scheduler.after_step(batch)
+            tokens_B, logprobs_B = self.sample_rows(logits_BV, rp)
+            self.steps += 1
+            k, tokens_KB, logprobs_KB, keep_B = self._decode_after_mixed(
+                sampling, len(batch.seqs), tokens_B, logprobs_B, rp
+            )
+        self.round_trips += 1
+        # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
+        parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
+        host_XB = torch.cat(parts).cpu()
+        return self._commit_tokens(
+            sampling,
+            host_XB[:k].T.long().tolist(),
+            host_XB[k : 2 * k].T.tolist(),
+            host_XB[2 * k].long().tolist() if keep_B is not None else None,
+        )
+
+    def _decode_after_mixed(
+        self,
+        sampling: list[Sequence],
+        num_scheduled: int,
+        tokens_B: torch.Tensor,
+        logprobs_B: torch.Tensor,
+        rp: RowParams,
+    ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """After a mixed step sampled each row's next token (``tokens_B``, on the device, not yet in
+        ``token_ids``): up to ``decode_steps - 1`` decode steps of these rows in the same round trip
+        (``mixed_decode_min_rows``; ``num_scheduled``: the step's sequences, sampling or not).
+        Returns (K, token ids and log-probs [K, B], real tokens per row [B] or None when K = 1): the
+        first token, then the decode steps' (none for a row the first token ended: a stop id, or its
+        length limit)."""
+        m = self.config.mixed_decode_min_rows
+        sched = self.scheduler
+        # Not while prefill work is left that the next round trip would start: a prompt partly
+        # prefilled, or waiting requests with free slots (the step's token budget ran out).
+        go_on = (
+            m is not None
+            and len(sampling) >= m
+            and len(sampling) == num_scheduled
+            and (not sched.waiting or len(sched.running) >= sched.max_num_seqs)
+        )
+        k = self._plan_decode_steps(sampling, sampled=1) if go_on else 1
+        if k <= 1:
+            return 1, tokens_B[None], logprobs_B[None], None
+        B = len(sampling)
+        batch = ScheduledBatch(
+            seqs=sampling,
+            starts=[s.num_computed for s in sampling],
+            num_new=[1] * B,
+            samples=[True] * B,
+            rows=[s.row for s in sampling],
+            num_decode=B,
+        )
+        first_done_B = rp.advance(tokens_B)
+        tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp.shifted(1), ids_B=tokens_B)
+        self.scheduler.after_step(batch, k)
+        self.steps += k
+        keep_B = torch.where(first_done_B, 0, keep_B) + 1
+        return k + 1, torch.cat((tokens_B[None], tokens_KB)), torch.cat((logprobs_B[None], logprobs_KB)), keep_B
+
+    def _commit_tokens(
+        self,
+        sampling: list[Sequence],
+        tokens_BK: list[list[int]],
+        logprobs_BK: list[list[float]],
+        keep_B: list[int] | None,
+    ) -> list[GenerationOutput]:
+        """Append each row's new tokens (its first ``keep_B`` of K; all K = 1 when None), apply the
+        stop rules, finish requests."""
+        finished, done = [], []
+        eos = self.eos_token_ids
+        version = self.control.version
+        max_len = self.max_model_len
+        generated = 0
+        for i, (seq, toks, lps) in enumerate(zip(sampling, tokens_BK, logprobs_BK)):
+            n = keep_B[i] if keep_B is not None else 1
+            p = seq.params
+            ids = seq.token_ids
+            if p.stop:  # stop strings need the decoded text after every token
+                known = len(ids)
+                reason = None
+                for t, lp in zip(toks[:n], lps[:n]):
+                    ids.append(t)
+                    seq.output_logprobs.append(lp)
+                    seq.output_versions.append(version)
+                    reason, seq.text = check_stop(p, seq.output_ids, eos, self.requests.decode(seq.output_ids))
+                    if reason is None and len(ids) >= max_len:
+                        reason = "length"
+                    if reason is not None:
+                        break
+                generated += len(ids) - known
+            else:
+                if n == 1:
+                    ids.append(toks[0])
+                    seq.output_logprobs.append(lps[0])
+                    seq.output_versions.append(version)
+                else:
+                    ids.extend(toks[:n])
+                    seq.output_logprobs.extend(lps[:n])
+                    seq.output_versions.extend([version] * n)
+                generated += n
+                # check_stop can only end the request on a stop/EOS token (``sample_row[9]``) or at
+                # its length limit; skip the call (and its copy of the output ids) otherwise.
+                if len(ids) >= seq.limit or ids[-1] in seq.sample_row[9]:
+                    reason, seq.text = check_stop(p, seq.output_ids, eos, None)
+                    if reason is None and len(ids) >= max_len:
+                        reason = "length"
+                else:
+                    reason = None
+            if reason is not None:
+                del self.requests.live[seq.request_id]
+                done.append(seq)
+                finished.append(self.requests.output(seq, reason))
+        if done:
+            self.scheduler.remove_finished(done)
+        self.generated_tokens += generated
+        return finished
+
+    def _plan_decode_steps(self, seqs: list[Sequence], sampled: int = 0) -> int:
+        """How many decode steps these rows run before the next host round trip (their blocks for
+        them are reserved here; 1 when the pool cannot hold them). ``sampled``: tokens each row
+        sampled earlier in this round trip, not yet in its ``token_ids`` (1 after a mixed step)."""
+        k = self.decode_steps - sampled  # k tokens per round trip in all (after a mixed step's first one)
+        if k <= 1:
+            return 1
+        remaining = [s.limit - len(s.token_ids) - sampled for s in seqs]
+        k = min(k, max(remaining))
+        if self.scheduler.waiting and len(seqs) < WAITING_CLAMP_MAX_ROWS:
+            # a small full batch: let a waiting request take the first slot a length limit frees
+            k = min(k, min(remaining))
+        if k <= 1:
+            return 1
+        # Step j writes the K/V of position num_computed + j; a row stops needing blocks at its end.
+        upto = [s.num_computed + (k if r >= k else r) for s, r in zip(seqs, remaining)]
+        return k if self.scheduler.reserve_ahead(seqs, upto) else 1
+
+    def _run_decode(
+        self, batch: ScheduledBatch, k: int, rp: RowParams, ids_B: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``k`` decode steps of a pure-decode batch without a host round trip. Returns token ids
+        and log-probs [k, B] and, for k > 1, how many of each row's tokens are real (a row that
+        hits a stop id or its length limit keeps running; its later tokens are discarded).
+        ``ids_B``: the rows' input tokens on the device (tokens sampled earlier in this round trip,
+        at position ``num_computed``); None: each row's last token."""
+        seqs = batch.seqs
+        B = len(seqs)
+        first_B = ids_B
+        ids = [0] * B if first_B is not None else [s.token_ids[-1] for s in seqs]
+        ctx = [s.num_computed + 1 for s in seqs]
+        graph = None
+        graphs = self.graphs
+        if graphs is not None and graphs.can_loop(batch, rp, k):
+            # The whole k-step loop (forwards, sampling, stop and length checks) is one graph replay.
+            out = graphs.run_loop(batch, ids, ctx, rp, k, ids_B=first_B)
+            if out is not None:
+                return out
+        if graphs is not None and graphs.can_run(batch):
+            prepared = graphs.prepare(batch, ids, ctx, ids_B=first_B)
+            if prepared is not None:
+                graph, ids_B, ctx_B = prepared
+        if graph is None:  # eager (no graphs, a batch graphs cannot serve, or captures held)
+            ids_ctx_2B = torch.tensor([ids, ctx], dtype=torch.long).to(self.device, non_blocking=True)
+            if first_B is not None:
+                ids_ctx_2B[0].copy_(first_B)
+            ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]
+            bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks).to(self.device, non_blocking=True)
+            kv_slots_BL = (
+                PagedAttention.decode_kv_slots(bt_BN, self.config.block_size)
+                if self.config.decode_attention == "gather"
+                else None
+            )
+        tokens, logprobs = [], []
+        keep_B = alive_B = None
+        if k > 1:
+            keep_B = torch.full((B,), k, dtype=torch.long, device=self.device)
+            alive_B = torch.ones(B, dtype=torch.bool, device=self.device)
+        for j in range(k):
+            if graph is not None:
+                logits_BV = graphs.replay(graph, B)
+            else:
+                attn = PagedAttention.for_decode(
+                    self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL, self.config.decode_attention, carry=True
+                )
+                hidden_BD = self.model(ids_B, (ctx_B - 1).clamp(max=self.max_position - 1), attn)
+                logits_BV = self.logits(hidden_BD)
+            tokens_B, logprobs_B = self.sample_rows(logits_BV, rp)
+            tokens.append(tokens_B)
+            logprobs.append(logprobs_B)
+            if k > 1:
+                done_B = rp.advance(tokens_B)
+                keep_B = torch.where(done_B & alive_B, j + 1, keep_B)
+                alive_B &= ~done_B
+                if j + 1 < k:
+                    ids_B.copy_(tokens_B)
+                    ctx_B.add_(1)
+        return torch.stack(tokens), torch.stack(logprobs), keep_B
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [B, V] of the sequences that sample this step (in batch order)."""
+        nd = batch.num_decode
+        seqs, starts, samples = batch.seqs, batch.starts, batch.samples
+        # Decode rows: one token each at its start; then each prefill chunk's tokens.
+        ids = [s.token_ids[c] for s, c in zip(seqs[:nd], starts)]
+        pos = starts[:nd]
+        last = list(range(nd)) if all(samples[:nd]) else [i for i in range(nd) if samples[i]]
+        for seq, start, n, do in zip(seqs[nd:], starts[nd:], batch.num_new[nd:], samples[nd:]):
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            if do:
+                last.append(len(ids) - 1)
+        T = len(ids)
+        # token ids, positions and the rows to sample in one host-to-device copy
+        packed = torch.tensor(ids + pos + (last if len(last) < T else []), dtype=torch.long)
+        packed = packed.to(self.device, non_blocking=True)
+        attn = self._attention(batch, packed[T : T + nd])
+        hidden_TD = self.model(packed[:T], packed[T : 2 * T], attn)
+        if not last:
+            return hidden_TD.new_empty(0, self.vocab_size)
+        if len(last) == T:
+            return self.logits(hidden_TD)
+        return self.logits(hidden_TD[packed[2 * T :]])
+
+    def _attention(self, batch: ScheduledBatch, decode_pos_B: torch.Tensor) -> PagedAttention:
+        """The attention metadata of a graph-less step. Its decode rows' (the large part at hundreds
+        of rows) come from their block tables and positions on the device
+        (``PagedAttention.for_decode`` in the engine's decode attention: the paged kernel, or key
+        slots and masks for the gathered form) rather than from the host; the prefill chunks' from
+        the host (``PagedAttention.build``). ``decode_pos_B``: the decode rows' positions, on the device."""
+        nd = batch.num_decode
+        bt_BN = self.scheduler.block_tables_for(batch.rows, batch.max_blocks)
+        if nd == 0:
+            return PagedAttention.build(self.cache, batch.chunks, self.device, self.sliding_window, bt_BN=bt_BN)
+        width = max([len(s.block_table) for s in batch.seqs[:nd]])
+        dec_bt_BN = bt_BN[:nd, :width].to(self.device, non_blocking=True)
+        # decode rows as in a pure-decode step: the paged kernel where configured (on CUDA by default;
+        # the gathered form's SDPA over [rows, context] took most of a mixed step's time on an H200)
+        dec = PagedAttention.for_decode(
+            self.cache, dec_bt_BN, decode_pos_B + 1, self.sliding_window, decode_attention=self.config.decode_attention
+        )
+        if nd == len(batch.seqs):
+            return dec
+        pre = PagedAttention.build(
+            self.cache, batch.chunks_from(nd), self.device, self.sliding_window, bt_BN=bt_BN[nd:]
+        )
+        return PagedAttention(
+            self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode, pre.prefill, dec.paged
+        )

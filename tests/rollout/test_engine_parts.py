@@ -1,0 +1,97 @@
+"""The rollout engine's parts through their own interfaces: ``RequestTable`` (validation, arrival
+order, outputs), ``read_checkpoint`` (whole or nothing), ``KVCache.blocks_in_budget``, and the
+engine facade sharing one ``EngineControl`` with its weights and stepper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, TornWeightsError
+from areno.rollout.errors import WeightUpdateError
+from areno.rollout.kv_cache import BlockAllocator, KVCache
+from areno.rollout.requests import RequestTable
+from areno.rollout.scheduler import Scheduler
+from areno.rollout.weights import read_checkpoint
+from areno.types import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=4)
+
+
+def _table(num_blocks: int = 16, block_size: int = 4, max_model_len: int = 32) -> RequestTable:
+    allocator = BlockAllocator(num_blocks, block_size, enable_prefix_sharing=True)
+    scheduler = Scheduler(
+        allocator,
+        max_num_seqs=4,
+        max_tokens_per_step=64,
+        prefill_chunk_size=16,
+        max_blocks_per_seq=max_model_len // block_size,
+    )
+    return RequestTable(scheduler, vocab_size=10, max_model_len=max_model_len, eos_token_ids=(2,))
+
+
+def test_request_table_admits_in_arrival_order_and_rejects_bad_requests():
+    table = _table()
+    first = table.add([1, 3], GREEDY, "a")
+    second = table.add([4], GREEDY)
+    assert list(table.inbox) == [first, second] and not table.live
+    table.admit()
+    assert not table.inbox and list(table.live) == [first, second]
+    assert [s.arrival for s in table.scheduler.waiting] == [0, 1]
+    with pytest.raises(ValueError, match="'a' is already in use"):
+        table.add([5], GREEDY, "a")  # live ids are taken too, not only the inbox's
+    with pytest.raises(ValueError, match="empty"):
+        table.add([], GREEDY)
+    with pytest.raises(ValueError, match="token id 10 outside the vocabulary"):
+        table.add([1, 10], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        table.add(list(range(1, 10)) * 4, GREEDY)
+    with pytest.raises(ValueError, match="exceeds the KV pool of 8 tokens"):
+        _table(num_blocks=2).add([1], SamplingParams(max_new_tokens=20))
+    seq = table.live[first]
+    seq.token_ids += [7, 8]
+    out = table.output(seq, "abort")
+    assert (out.request_id, out.prompt_ids, out.output_ids, out.finish_reason, out.text) == (
+        "a",
+        [1, 3],
+        [7, 8],
+        "abort",
+        "",
+    )
+
+
+def test_read_checkpoint_is_whole_or_nothing(tmp_path):
+    save_file({"w": torch.ones(2), "lm_head.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    assert sorted(n for n, _ in read_checkpoint(str(tmp_path), tied=False, fix="fix it")) == ["lm_head.weight", "w"]
+    assert [n for n, _ in read_checkpoint(str(tmp_path), tied=True, fix="fix it")] == ["w"]  # the tied copy
+    with pytest.raises(WeightUpdateError, match="no .safetensors file or directory"):
+        read_checkpoint(str(tmp_path / "missing"), tied=False, fix="fix it")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"w": "model.safetensors", "v": "model.safetensors"}}'
+    )
+    with pytest.raises(WeightUpdateError, match=r"tensor 'v' is listed .* \(1 such tensors\); fix it"):
+        read_checkpoint(str(tmp_path), tied=False, fix="fix it")
+
+
+def test_blocks_in_budget():
+    shape = dict(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    per_block = KVCache.bytes_per_block(**shape)
+    assert KVCache.blocks_in_budget(10 * per_block + 1, **shape) == 10
+    with pytest.raises(ValueError, match="holds no block"):
+        KVCache.blocks_in_budget(per_block - 1, **shape)
+
+
+def test_torn_weights_stop_steps_and_requests_until_a_commit(tiny):
+    """``mark_torn`` (weights) is seen by the requests (refused) and the stepper (no step) at once."""
+    model, cfg = tiny
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=32, max_model_len=64))
+    eng.add_request([3, 4, 5], GREEDY, "kept")
+    eng.mark_torn("sync failed")
+    with pytest.raises(TornWeightsError, match="sync failed"):
+        eng.add_request([3], GREEDY)
+    assert eng.step() == [] and eng.stats()["steps"] == 0
+    eng.commit_weights(7)
+    out = eng.generate([[6, 7]], GREEDY)[0]
+    assert eng.version == 7 and out.output_versions == [7] * 4
+    assert eng.stats()["generated_tokens"] == 8  # "kept" was kept, and finished beside it
