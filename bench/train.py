@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from areno.data.tokenizer import build_char_tokenizer
-from areno.models import decoder as decoder_module
+from areno.models import attention as attention_module
 from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.models.logprobs import packed_logprobs
@@ -253,7 +253,7 @@ def gpu_run(name: str, hf: dict, args, workdir: Path, matmul_tflops: float) -> l
 
 def gpu_variant_run(name, variant, model_dir, config, batches, args, matmul_tflops, *, profile: bool) -> dict:
     compile_, attn, scope = parse_variant(variant)
-    decoder_module.CUDA_AUTO_IMPL = attn
+    attention_module.CUDA_AUTO_IMPL = attn
     torch._dynamo.reset()  # each variant compiles for itself: first_step_s and dynamo_graphs are its own
     torch.cuda.reset_peak_memory_stats()
     graphs_before = dynamo_graphs()

@@ -36,7 +36,7 @@ from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
 from areno.errors import ConfigError, ModelDirError
 from areno.faults import fault_point
-from areno.models import decoder
+from areno.models import attention
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.recipes import get_recipe
 from areno.recipes.config import TrainingConfig
@@ -150,7 +150,7 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) 
     sub-mesh); each role loads its own checkpoint (``role.model_path``, else ``model_dir``) and its
     specialization may wrap the model (value and reward heads)."""
     # what impl="auto" picks on CUDA in this process's training forwards (the engine's are paged)
-    decoder.CUDA_AUTO_IMPL = "varlen" if cfg.train.attention == "auto" else cfg.train.attention
+    attention.CUDA_AUTO_IMPL = "varlen" if cfg.train.attention == "auto" else cfg.train.attention
     backends = {}
     for role in recipe.roles:
         backend = new_backend(

@@ -90,10 +90,10 @@ def test_cuda_packed_logprobs_backward_runs_chunked():
 
 
 def test_cuda_auto_attention_picks_varlen_where_flash_runs_else_flex_or_sdpa(monkeypatch):
-    from areno.models import decoder
+    from areno.models import attention
 
     pytest.importorskip("torch.nn.attention.varlen")
-    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "varlen")
+    monkeypatch.setattr(attention, "CUDA_AUTO_IMPL", "varlen")
     cu_B1 = torch.tensor([0, 100, 256], device="cuda")
     for dtype, head_dim, expected in (
         (torch.bfloat16, 32, "varlen"),

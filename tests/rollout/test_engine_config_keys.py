@@ -57,10 +57,10 @@ def test_mixed_decode_min_rows_is_validated():
 @pytest.mark.parametrize("choice, impl", [("varlen", "varlen"), ("flex", "flex"), ("auto", "varlen")])
 def test_train_attention_sets_the_cuda_training_attention(tiny_model_dir, tmp_path, monkeypatch, choice, impl):
     from areno.engine.api import build_role_backends, resolve_recipe
-    from areno.models import decoder
+    from areno.models import attention
     from areno.train import LocalTrainBackend
 
-    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "flex")  # restored after the test
+    monkeypatch.setattr(attention, "CUDA_AUTO_IMPL", "flex")  # restored after the test
     cfg = load_config(
         None,
         [
@@ -71,7 +71,7 @@ def test_train_attention_sets_the_cuda_training_attention(tiny_model_dir, tmp_pa
         ],
     )
     build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
-    assert decoder.CUDA_AUTO_IMPL == impl
+    assert attention.CUDA_AUTO_IMPL == impl
 
 
 def test_train_compile_scope_reaches_the_training_backend(tiny_model_dir, tmp_path, caplog):

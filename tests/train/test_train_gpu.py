@@ -42,9 +42,9 @@ def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope, monkeypatch):
     in bf16."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from areno.models import decoder
+    from areno.models import attention
 
-    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", attn)
+    monkeypatch.setattr(attention, "CUDA_AUTO_IMPL", attn)
     model_dir = make_model_dir(tmp_path / "m", hidden=64)
     losses = {}
     for compile_ in (False, True):
@@ -60,20 +60,25 @@ def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope, monkeypatch):
 def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
     """The default one-GPU path (fp32 master weights, bf16 autocast): q/k/v reach the flash varlen
     kernel in bf16. RoPE's fp32 tables used to promote them to fp32, which sent every training
+<<<<<<< HEAD
     attention to fp32 FlexAttention (half the step rate, bench/LOG.md "ninth")."""
     from areno.models import decoder
+=======
+    attention to fp32 FlexAttention (half the step rate, bench/RESULTS.md "ninth")."""
+    from areno.models import attention
+>>>>>>> 7df4ad1 (models: the decoder split into attention.py (AttentionBackend, PackedCausalAttention), eager_ops.py (the reference ops fused_ops checks against) and inference.py (fused projections, packed CPU GEMMs, fused add+norm); no decoder <-> fused_ops loop; CUDA_AUTO_IMPL moves with PackedCausalAttention (setters follow))
 
-    if not decoder.varlen_available():
+    if not attention.varlen_available():
         pytest.skip("this torch has no varlen attention")
-    monkeypatch.setattr(decoder, "CUDA_AUTO_IMPL", "varlen")
+    monkeypatch.setattr(attention, "CUDA_AUTO_IMPL", "varlen")
     seen = []
-    varlen = decoder.PackedCausalAttention._varlen
+    varlen = attention.PackedCausalAttention._varlen
 
     def recording(self, q_THD, k_THD, v_THD):
         seen.append({q_THD.dtype, k_THD.dtype, v_THD.dtype})
         return varlen(self, q_THD, k_THD, v_THD)
 
-    monkeypatch.setattr(decoder.PackedCausalAttention, "_varlen", recording)
+    monkeypatch.setattr(attention.PackedCausalAttention, "_varlen", recording)
     b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", max_tokens_per_mb=512))
     b.initialize(make_model_dir(tmp_path / "m", hidden=64))
     assert next(b.model.parameters()).dtype == torch.float32
