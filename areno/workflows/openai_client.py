@@ -39,6 +39,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from areno.rollout.client import agenerate_many
+from areno.rollout.server import check_bind
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.interaction import ExportStyle, Interaction, InteractionCache
 from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validate_tool_schema
@@ -510,8 +511,6 @@ class AgentProxy:
     ) -> None:
         """``api_key``: every request must carry ``Authorization: Bearer <key>`` (the ``openai``
         client's ``api_key``); required when ``host`` is not a loopback address."""
-        from areno.rollout.server import check_bind
-
         check_bind(host, api_key)
         self.api_key = api_key
         self.rollout_client = rollout_client
