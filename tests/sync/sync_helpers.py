@@ -305,10 +305,10 @@ def worker_exact(rank: int, world: int, port: int, out: str, gpu: bool = False) 
             "fanout": list(transport.fanout),
             "wire_bytes": transport.wire_bytes,
             "total_bytes": transport.plan.total_bytes,
-            "stream_ordered": transport.stream_ordered,
+            "stream_ordered": transport.collectives.stream_ordered,
         }
         if ordered:
-            transport.stream_ordered = True
+            transport.collectives.stream_ordered = True
         for version, seed in ((1, 1), (2, 2)):
             weights.update(convert(tiny_weights(seed=seed)))
             transport.sync(version)
