@@ -326,7 +326,14 @@ class StreamTransport(PolicySyncTransport):
         # Groups get the longer of the two: their own timeout bounds creation; every sync wait is
         # bounded separately by ``timeout_s`` (Work.wait).
         group_timeout = datetime.timedelta(seconds=max(config.timeout_s, config.connect_timeout_s))
-        self.groups = StreamGroups.create(topology, backend, group_timeout)
+        groups = StreamGroups.create(topology, backend, group_timeout)
+        self.relays = groups.relays
+        """Per training row, its relay rollout rank."""
+        self.pair_groups = groups.pair_groups
+        self.rollout_group = groups.rollout_group
+        self.control_group = groups.control_group
+        self.vote_backend = groups.vote_backend
+        """The commit vote's backend (``nccl`` on distinct GPUs under NCCL, else ``gloo``)."""
         # Every construction (e.g. a rebuild after a failed sync) gets its own store keys.
         self._gen = (self.store.add("constructed", 1) - 1) // dist.get_world_size()
         self._attempt = 0
@@ -335,7 +342,7 @@ class StreamTransport(PolicySyncTransport):
             key=self._key,
             topology=topology,
             config=config,
-            groups=self.groups,
+            groups=groups,
             source=source if self.is_train else None,
             receiver=receiver if self.is_rollout else None,
             timeout=group_timeout,
@@ -358,8 +365,8 @@ class StreamTransport(PolicySyncTransport):
         return BucketSender(
             rank=self.rank,
             row=row,
-            relay=self.groups.relays[row] if row >= 0 else None,
-            group=self.groups.pair_groups[row] if row >= 0 else None,
+            relay=self.relays[row] if row >= 0 else None,
+            group=self.pair_groups[row] if row >= 0 else None,
             plan=self.plan,
             meta=self.meta,
             buffers=self.buffers,
@@ -372,25 +379,15 @@ class StreamTransport(PolicySyncTransport):
             receiver=self.receiver,
             plan=self.plan,
             sender_ranks=self.topology.sender_ranks,
-            relays=self.groups.relays,
+            relays=self.relays,
             fanout=self.fanout,
-            pair_groups=self.groups.pair_groups,
-            rollout_group=self.groups.rollout_group,
+            pair_groups=self.pair_groups,
+            rollout_group=self.rollout_group,
             buffers=self.buffers,
             collectives=self.collectives,
         )
 
     # ---------------------------------------------------------------- what callers read
-    @property
-    def relays(self) -> tuple[int, ...]:
-        """Per training row, its relay rollout rank (``StreamGroups.relays``)."""
-        return self.groups.relays
-
-    @property
-    def vote_backend(self) -> str:
-        """The commit vote's backend (``nccl`` on distinct GPUs under NCCL, else ``gloo``)."""
-        return self.groups.vote_backend
-
     @property
     def last_phases(self) -> dict[str, float]:
         """Seconds of the last sync by phase on this rank (``collectives.PHASES``)."""
@@ -411,9 +408,9 @@ class StreamTransport(PolicySyncTransport):
         replays on the same GPU. All participants are past the constructor's rendezvous here."""
         if self.device.type != "cuda":
             return
-        groups = [*self.groups.pair_groups, self.groups.rollout_group]
+        groups = [*self.pair_groups, self.rollout_group]
         if self.vote_backend == "nccl":
-            groups.append(self.groups.control_group)
+            groups.append(self.control_group)
         for group in groups:
             if group is None:
                 continue
@@ -421,7 +418,7 @@ class StreamTransport(PolicySyncTransport):
             if self.rank not in ranks or dist.get_backend(group) != "nccl":
                 continue
             probe = torch.zeros(1, device=self.device)
-            if group is self.groups.control_group:
+            if group is self.control_group:
                 work = dist.all_reduce(probe, group=group, async_op=True)
             else:
                 work = dist.broadcast(probe, src=min(ranks), group=group, async_op=True)
@@ -519,7 +516,7 @@ class StreamTransport(PolicySyncTransport):
         status = torch.zeros(2, dist.get_world_size(), dtype=torch.int64)
         status[0, self.rank] = state
         status[1, self.rank] = progress
-        control = self.groups.control_group
+        control = self.control_group
         try:
             if self.vote_backend == "nccl":
                 if self._vote_stream is None:
