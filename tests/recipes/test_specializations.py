@@ -65,13 +65,15 @@ def test_actor_grpo_clipped_loss(model, aggregation):
     base = rl_batch()
     logp = naive_logprobs(model, base)
     batch = with_behaviour_logprobs(base, logp)
-    spec = ActorSpecialization(ActorConfig(
-        advantage_estimator="grpo",
-        clip_eps=0.2,
-        clip_eps_high=0.28,
-        loss_aggregation=aggregation,
-        loss_agg_constant=8.0,
-    ))
+    spec = ActorSpecialization(
+        ActorConfig(
+            advantage_estimator="grpo",
+            clip_eps=0.2,
+            clip_eps_high=0.28,
+            loss_aggregation=aggregation,
+            loss_agg_constant=8.0,
+        )
+    )
     prepared = spec.prepare_batch(batch)
     loss, metrics = loss_of(spec, model, prepared)
     adv = grpo_adv(batch.rewards_B.tolist())
@@ -98,9 +100,9 @@ def test_actor_grpo_clipped_loss(model, aggregation):
 
 def test_actor_dapo_drops_zero_variance_groups_and_penalises_overlong(model):
     batch = rl_batch()
-    spec = ActorSpecialization(ActorConfig(
-        advantage_estimator="grpo", dynamic_sampling=True, overlong_max_length=4, overlong_buffer_length=2
-    ))
+    spec = ActorSpecialization(
+        ActorConfig(advantage_estimator="grpo", dynamic_sampling=True, overlong_max_length=4, overlong_buffer_length=2)
+    )
     prepared = spec.prepare_batch(batch)
     # completion lengths 4, 2 | 5, 3 | 2, 3 -> penalties -1, 0 | -1, -0.5 | 0, -0.5 (L_max 4,
     # buffer 2), so rewards become 0, 0 | -0.8, 0.5 | 1, 0.5: group a is now zero-variance and
@@ -116,7 +118,9 @@ def test_actor_kl_and_entropy_terms(model):
     ref_model = make_decoder(5)
     ref = naive_logprobs(ref_model, batch)
     batch = with_extra(batch, ref_logprobs_T=ref)
-    spec = ActorSpecialization(ActorConfig(advantage_estimator="dr_grpo", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01))
+    spec = ActorSpecialization(
+        ActorConfig(advantage_estimator="dr_grpo", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    )
     loss, metrics = loss_of(spec, model, spec.prepare_batch(batch))
     ent = token_logprobs_T(model, batch, with_entropy=True)["entropy_T"].detach()
     adv = grpo_adv(batch.rewards_B.tolist(), std=False)
@@ -136,13 +140,15 @@ def test_actor_decoupled_recompute_and_loglinear(model):
     batch = with_behaviour_logprobs(base, logp, scale=0.5)
     gen = torch.Generator().manual_seed(7)
     prox = torch.where(batch.loss_mask_T, logp + 0.1 * torch.randn(batch.num_tokens, generator=gen), torch.zeros(()))
-    spec = ActorSpecialization(ActorConfig(
-        advantage_estimator="grpo",
-        use_decoupled_loss=True,
-        prox_logp_method="recompute",
-        behav_imp_weight_cap=1.5,
-        behav_weight_mode="mask",
-    ))
+    spec = ActorSpecialization(
+        ActorConfig(
+            advantage_estimator="grpo",
+            use_decoupled_loss=True,
+            prox_logp_method="recompute",
+            behav_imp_weight_cap=1.5,
+            behav_weight_mode="mask",
+        )
+    )
     assert spec.self_forward_keys == {"logprobs_T": "prox_logprobs_T"}
     prepared = spec.prepare_batch(with_extra(batch, prox_logprobs_T=prox))
     loss, metrics = loss_of(spec, model, prepared)
@@ -158,7 +164,9 @@ def test_actor_decoupled_recompute_and_loglinear(model):
     assert loss.item() == pytest.approx(total / n, rel=1e-4)
     assert "actor/coupled_clip_frac" in metrics and "actor/behave_over_cap_frac" in metrics
     # loglinear: versions 3, prox version 5 -> alpha = 2/3
-    ll = ActorSpecialization(ActorConfig(advantage_estimator="grpo", use_decoupled_loss=True, prox_logp_method="loglinear"))
+    ll = ActorSpecialization(
+        ActorConfig(advantage_estimator="grpo", use_decoupled_loss=True, prox_logp_method="loglinear")
+    )
     assert ll.self_forward_keys == {}
     prepared = ll.prepare_batch(with_extra(batch, policy_version_B=torch.full((6,), 5)))
     loss_ll, _ = loss_of(ll, model, prepared)
@@ -177,9 +185,9 @@ def test_actor_gspo_and_cispo(model):
     logp = naive_logprobs(model, base)
     batch = with_behaviour_logprobs(base, logp, scale=0.01)
     adv = grpo_adv(batch.rewards_B.tolist())
-    gspo = ActorSpecialization(ActorConfig(
-        policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq_mean_token_mean"
-    ))
+    gspo = ActorSpecialization(
+        ActorConfig(policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq_mean_token_mean")
+    )
     loss, _ = loss_of(gspo, model, gspo.prepare_batch(batch))
     per_seq = []
     for b in range(6):

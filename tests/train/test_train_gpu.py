@@ -60,13 +60,8 @@ def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope, monkeypatch):
 def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
     """The default one-GPU path (fp32 master weights, bf16 autocast): q/k/v reach the flash varlen
     kernel in bf16. RoPE's fp32 tables used to promote them to fp32, which sent every training
-<<<<<<< HEAD
     attention to fp32 FlexAttention (half the step rate, bench/LOG.md "ninth")."""
-    from areno.models import decoder
-=======
-    attention to fp32 FlexAttention (half the step rate, bench/RESULTS.md "ninth")."""
     from areno.models import attention
->>>>>>> 7df4ad1 (models: the decoder split into attention.py (AttentionBackend, PackedCausalAttention), eager_ops.py (the reference ops fused_ops checks against) and inference.py (fused projections, packed CPU GEMMs, fused add+norm); no decoder <-> fused_ops loop; CUDA_AUTO_IMPL moves with PackedCausalAttention (setters follow))
 
     if not attention.varlen_available():
         pytest.skip("this torch has no varlen attention")
