@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from areno.errors import ConfigError
 from areno.launch.allocation import parse_allocation_mode
-from areno.launch.scheduler import scheduler_config, scheduler_from_config
+from areno.launch.factory import scheduler_from_config
+from areno.launch.scheduler import scheduler_config
 from areno.sync.plan import choose_relays
 from areno.sync.stream import StreamTopology
 from areno.train.fsdp import MESH_DIMS

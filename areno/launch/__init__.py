@@ -1,7 +1,9 @@
 """Placement and launch: ``allocation_mode`` strings, the Scheduler API (local, Ray, SLURM) and the
-shared-storage probe. Ray and SLURM schedulers import lazily (``scheduler_from_config``)."""
+shared-storage probe. ``scheduler_from_config`` builds the scheduler a config names; Ray itself is
+imported only when a Ray scheduler is built."""
 
 from areno.launch.allocation import AllocationMode, AllocationModeError, Component, map_roles, parse_allocation_mode
+from areno.launch.factory import scheduler_from_config
 from areno.launch.scheduler import (
     LocalScheduler,
     RoleSpec,
@@ -11,7 +13,7 @@ from areno.launch.scheduler import (
     WorkerDiedError,
     WorkerError,
     WorkerHandle,
-    scheduler_from_config,
+    scheduler_config,
 )
 from areno.launch.storage import StorageCheckError, check_shared_storage
 
@@ -32,6 +34,7 @@ __all__ = [
     "main",
     "map_roles",
     "parse_allocation_mode",
+    "scheduler_config",
     "scheduler_from_config",
 ]
 

@@ -10,6 +10,9 @@ Each actor runs the same ``WorkerRuntime`` as the subprocess workers. The rendez
 is the node IP of its rank-0 actor and a port that is free there; Ray assigns GPUs
 (``CUDA_VISIBLE_DEVICES``) from the bundle, so a role's ``devices`` only sets how many GPUs
 each worker reserves (``len(devices) // n``).
+
+Ray itself is imported when a ``RayScheduler`` is built (``import_ray``), not with this module: it is
+a heavy optional dependency, so the scheduler factory imports this module without it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,8 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from areno.launch.scheduler import (
     RoleSpec,
@@ -41,7 +41,24 @@ from areno.launch.scheduler import (
 )
 from areno.launch.worker import WorkerRuntime
 
-__all__ = ["RayScheduler", "check_ray_address"]
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+__all__ = ["RayScheduler", "check_ray_address", "import_ray"]
+
+
+def import_ray() -> ModuleType:
+    """The ``ray`` package; a one-line SchedulerError when it does not import here."""
+    try:
+        import ray  # a heavy optional dependency: imported where a Ray scheduler is built
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "ray":
+            raise
+        raise SchedulerError(
+            f"cluster.scheduler=ray needs the ray package, which does not import "
+            f"here ({e}); pip install 'ray[default]' or use cluster.scheduler=local"
+        ) from None
+    return ray
 
 
 class _RayWorkerActor:
@@ -51,6 +68,7 @@ class _RayWorkerActor:
         self.runtime = WorkerRuntime()
 
     def node_info(self) -> tuple[str, str, int, int]:
+        ray = import_ray()  # inside the actor, where Ray is running
         return socket.gethostname(), ray.util.get_node_ip_address(), free_port(), os.getpid()
 
     def setup(self, env: dict[str, str], cls_path: str, args: tuple, kwargs: dict) -> tuple:
@@ -142,6 +160,7 @@ class RayScheduler(Scheduler):
         num_cpus: int | None = None,
     ) -> None:
         """``num_cpus`` only applies when Ray is started in-process (``address=None``)."""
+        self._ray = ray = import_ray()
         self.placement_strategy = placement_strategy
         self.cpus_per_worker = cpus_per_worker
         self.placement_timeout_s = placement_timeout_s
@@ -189,12 +208,14 @@ class RayScheduler(Scheduler):
         return {k: v for k, v in bundle.items() if v}
 
     def _placement_group(self, spec: RoleSpec) -> PlacementGroup:
+        ray = self._ray
         bundles = [self._bundle(spec) for _ in range(spec.n)]
-        pg = placement_group(bundles, strategy=self.placement_strategy, name=f"areno-{spec.role}-{time.time_ns()}")
+        name = f"areno-{spec.role}-{time.time_ns()}"
+        pg = ray.util.placement_group(bundles, strategy=self.placement_strategy, name=name)
         try:
             ray.get(pg.ready(), timeout=self.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            remove_placement_group(pg)
+            ray.util.remove_placement_group(pg)
             raise SchedulerError(
                 f"placement group of role {spec.role!r} ({spec.n} x {bundles[0]}) not ready within "
                 f"{self.placement_timeout_s:g}s; the cluster has {ray.available_resources()} free"
@@ -206,7 +227,7 @@ class RayScheduler(Scheduler):
         return self._actor_cls.options(
             num_cpus=bundle.get("CPU", 0),
             num_gpus=bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
+            scheduling_strategy=self._ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(
                 placement_group=self._pgs[w.spec.role], placement_group_bundle_index=w.bundle
             ),
         ).remote()
@@ -237,7 +258,7 @@ class RayScheduler(Scheduler):
                     w.actor = self._new_actor(w)
                     self._workers[spec.role].append(w)
                     new.append(w)
-            infos = ray.get([w.actor.node_info.remote() for w in new])
+            infos = self._ray.get([w.actor.node_info.remote() for w in new])
             self._prepare_env(new, infos, ranks)
             self._setup(new)
         except BaseException:
@@ -282,8 +303,8 @@ class RayScheduler(Scheduler):
 
     def _get(self, w: _RayWorker, ref: Any, what: str) -> Any:
         try:
-            reply = ray.get(ref)
-        except ray.exceptions.RayActorError as e:
+            reply = self._ray.get(ref)
+        except self._ray.exceptions.RayActorError as e:
             raise WorkerDiedError(
                 f"{w.handle.name} (pid {w.handle.pid} on {w.handle.host}) died during {what} ({type(e).__name__})"
             ) from None
@@ -297,11 +318,11 @@ class RayScheduler(Scheduler):
 
     def restart_worker(self, role: str, index: int) -> WorkerHandle:
         old = self._role(role)[index]
-        ray.kill(old.actor, no_restart=True)
+        self._ray.kill(old.actor, no_restart=True)
         old.executor.shutdown(wait=False, cancel_futures=True)
         w = _RayWorker(spec=old.spec, handle=old.handle, bundle=old.bundle, env=old.env)
         w.actor = self._new_actor(w)
-        host, _, _, pid = ray.get(w.actor.node_info.remote())
+        host, _, _, pid = self._ray.get(w.actor.node_info.remote())
         w.handle = replace(w.handle, pid=pid, host=host)
         self._workers[role][index] = w
         self._setup_one(w)
@@ -310,11 +331,11 @@ class RayScheduler(Scheduler):
     def _remove_role(self, role: str) -> None:
         for w in self._workers.pop(role, []):
             if w.actor is not None:
-                ray.kill(w.actor, no_restart=True)
+                self._ray.kill(w.actor, no_restart=True)
             w.executor.shutdown(wait=False, cancel_futures=True)
         pg = self._pgs.pop(role, None)
         if pg is not None:
-            remove_placement_group(pg)
+            self._ray.util.remove_placement_group(pg)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -323,4 +344,4 @@ class RayScheduler(Scheduler):
         for role in list(self._workers):
             self._remove_role(role)
         if self._owns_ray:
-            ray.shutdown()
+            self._ray.shutdown()

@@ -14,7 +14,8 @@ order; calls to different workers run concurrently (so collectives across worker
 
 Implementations: ``LocalScheduler`` (subprocesses on this machine, the default),
 ``RayScheduler`` (``areno.launch.ray_scheduler``) and ``SlurmScheduler``
-(``areno.launch.slurm``). Pick one from config with ``scheduler_from_config``.
+(``areno.launch.slurm``), which build on this module. Pick one from config with
+``areno.launch.factory.scheduler_from_config``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ __all__ = [
     "WorkerHandle",
     "free_port",
     "scheduler_config",
-    "scheduler_from_config",
 ]
 
 OPTIONS_KEY = "cluster.scheduler_options"
@@ -699,35 +699,3 @@ def scheduler_config(scheduler: str, options: Mapping[str, Any] | None = None) -
     if unknown:
         raise ValueError(f"{OPTIONS_KEY}.{unknown[0]} is not a scheduler option; known: {', '.join(known)}")
     return SchedulerConfig(type=scheduler, **options)
-
-
-def scheduler_from_config(cfg: SchedulerConfig | dict[str, Any]) -> Scheduler:
-    """Build the scheduler named by ``cfg.type`` (a ``SchedulerConfig`` or a plain mapping with
-    ``type`` and options). SchedulerError (one line) when Ray or the SLURM tools are missing, a
-    Ray address does not answer or no SLURM controller does."""
-    if not isinstance(cfg, SchedulerConfig):
-        cfg = dict(cfg)
-        cfg = scheduler_config(cfg.pop("type", "local"), cfg)
-    if cfg.type == "local":
-        return LocalScheduler(connect_timeout_s=cfg.connect_timeout_s, log_dir=cfg.log_dir)
-    if cfg.type == "ray":
-        try:
-            from areno.launch.ray_scheduler import RayScheduler
-        except ImportError as e:
-            if (e.name or "").split(".")[0] != "ray":
-                raise
-            raise SchedulerError(
-                f"cluster.scheduler=ray needs the ray package, which does not import here ({e}); "
-                f"pip install 'ray[default]' or use cluster.scheduler=local"
-            ) from None
-
-        return RayScheduler(
-            address=cfg.ray_address,
-            connect_timeout_s=cfg.ray_connect_timeout_s,
-            placement_strategy=cfg.ray_placement_strategy,
-            cpus_per_worker=cfg.ray_cpus_per_worker,
-            placement_timeout_s=cfg.ray_placement_timeout_s,
-        )
-    from areno.launch.slurm import SlurmScheduler
-
-    return SlurmScheduler(cfg)

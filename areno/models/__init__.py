@@ -1,7 +1,8 @@
 """One Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) shared by training and rollout."""
 
+from areno.models.attention import AttentionBackend, PackedCausalAttention
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from areno.models.decoder import AttentionBackend, Decoder, PackedCausalAttention
+from areno.models.decoder import Decoder
 from areno.models.hf_io import init_model_dir, load_model, read_config, save_model, tiny_config
 from areno.models.logprobs import logprobs_from_hidden, packed_logprobs
 from areno.models.tp_plan import check_tp_size, tp_plan

@@ -137,7 +137,7 @@ def _silu_mul_halves_triton(gate_up_TN: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     import triton.language as tl
 
-    from areno.models.fused_ops import _round_to
+    _round_to = fused_ops._round_to  # a jit helper the kernel below calls by this global name
 
     @triton.jit
     def _silu_mul_halves_kernel(X, Y, stride_x, stride_y, I, BLOCK: tl.constexpr):  # noqa: E741 - I: the intermediate width

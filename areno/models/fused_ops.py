@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from areno.models.eager_ops import eager_rms_norm, eager_rope
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
     import triton
     import triton.language as tl
@@ -253,8 +255,6 @@ def eager_add_rms_norm(
     x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` in eager ops: what a decoder layer does without the fused kernels."""
-    from areno.models.decoder import eager_rms_norm  # decoder imports this module
-
     s = x + r
     return s, eager_rms_norm(s, weight, eps)
 
@@ -331,8 +331,6 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
     """Compare each kernel with the eager op on random inputs; None when all agree (within two
     roundings of the model dtype: RMSNorm's sum runs in another order, exp may differ by an ulp,
     and the compiler may contract a product into the following add), else what failed."""
-    from areno.models.decoder import eager_rms_norm, eager_rope  # decoder imports this module
-
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape):

@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 
 from areno.errors import ModelDirError
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from areno.models.decoder import Decoder, TPReduce
-from areno.models.tp_plan import shard_dim, tp_plan, tp_style
+from areno.models.decoder import Decoder
+from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
 
 # Non-parameter tensors that some HF checkpoints carry and we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -20,7 +20,8 @@ from contextlib import contextmanager
 
 import torch
 
-from areno.models.decoder import Decoder, PackedCausalAttention
+from areno.models.attention import PackedCausalAttention
+from areno.models.decoder import Decoder
 from areno.models.fused_ops import thread_flag
 from areno.types import repeat_per_sequence
 

@@ -21,6 +21,7 @@ size; ``check_tp_size`` says so in one line.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 
 import torch
@@ -28,6 +29,10 @@ import torch
 from areno.models.config import ModelConfig
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
+
+TPReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over the tensor-parallel group and returns the sum (e.g. an all-reduce): what an
+inference ``Decoder`` holding one rank's shards calls after its row-parallel projections."""
 _SHARD_DIM = {COLWISE: 0, ROWWISE: 1, REPLICATE: None}
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from areno.errors import DataError, UserError
+from areno.observe.metrics import read_jsonl_records
 
 SESSIONS_FILENAME = "sessions.jsonl"
 ENV_VAR = "ARENO_SESSIONS_DIR"
@@ -295,8 +296,6 @@ def load_sessions(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / SESSIONS_FILENAME
     if not path.is_file():
         return []
-    from areno.observe.metrics import read_jsonl_records
-
     return read_jsonl_records(path, what="a session record")
 
 

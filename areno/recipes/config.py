@@ -15,6 +15,16 @@ from areno.specializations.base import ModelSpecialization
 SYNC_STAGES = ("inject",)
 
 
+def options_from_kwargs(config_cls: type, kwargs: dict[str, Any]) -> Any:
+    """``config_cls(**kwargs)`` for a keyword-only options dataclass; a key it does not have is a
+    ConfigError (one line) that names it and lists the valid ones."""
+    valid = [f.name for f in dataclasses.fields(config_cls) if f.init]
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}; valid options: {', '.join(valid)}")
+    return config_cls(**kwargs)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelRole:
     """One model of a recipe (policy, value, reference, teacher, reward, …)."""
@@ -54,15 +64,18 @@ class ModelRole:
             )
 
     def build(self, **overrides: Any) -> ModelSpecialization:
-        """The role's specialization with ``init_kwargs`` updated by ``overrides``; a bad argument
-        (unknown, or a value the specialization rejects) is a :class:`ConfigError` naming the role."""
+        """The role's specialization with ``init_kwargs`` updated by ``overrides`` (as its
+        ``config_cls`` where it has one); a bad argument (unknown, or a value the specialization
+        rejects) is a :class:`ConfigError` naming the role."""
+        cls = self.specialization_cls
         kwargs = {**self.init_kwargs, **overrides}
         try:
-            return self.specialization_cls(**kwargs)
+            if cls.config_cls is not None:
+                return cls(options_from_kwargs(cls.config_cls, kwargs))
+            return cls(**kwargs)
         except (TypeError, ValueError) as err:  # the constructor validates its arguments, set by the user
             raise ConfigError(
-                f"role {self.name!r}: bad arguments for {self.specialization_cls.__name__}: {err} "
-                "(check train.algorithm_kwargs)"
+                f"role {self.name!r}: bad arguments for {cls.__name__}: {err} (check train.algorithm_kwargs)"
             ) from None
 
 

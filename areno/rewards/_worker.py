@@ -17,11 +17,11 @@ import os
 import sys
 from multiprocessing.connection import Connection
 
+from areno.rewards import _exec
+from areno.rewards.loader import import_object
+
 
 def _serve(requests: Connection, replies: Connection) -> None:
-    from areno.rewards import _exec
-    from areno.rewards.loader import import_object
-
     fn_path, memory_mb, cpu_s, allow_network = requests.recv()
     _exec.die_with_parent()
     isolation = "none" if allow_network else _exec.isolate_network()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from areno.errors import RewardImportError
+from areno.rewards.sandbox import shared_sandbox
 
 
 def import_object(path: str, *, what: str) -> Any:
@@ -53,8 +54,6 @@ def load_reward(section: Any) -> Any:
     fn = reward_function(section.fn)
     if not wants_sandbox(fn, section.sandbox):
         return fn
-    from areno.rewards.sandbox import shared_sandbox
-
     return shared_sandbox(
         section.fn,
         workers=section.workers,

@@ -1,6 +1,6 @@
 """Model specializations: what each model role computes (see ``base.py`` for the contract)."""
 
-from areno.specializations.actor import ActorSpecialization
+from areno.specializations.actor import ActorConfig, ActorSpecialization
 from areno.specializations.base import ModelSpecialization
 from areno.specializations.critic import CriticSpecialization
 from areno.specializations.forward import ScalarHeadModel, token_logprobs_T
@@ -15,6 +15,7 @@ from areno.specializations.supervised import (
 )
 
 __all__ = [
+    "ActorConfig",
     "ActorSpecialization",
     "AggrevateSpecialization",
     "CriticSpecialization",

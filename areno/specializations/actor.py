@@ -1,5 +1,5 @@
 """``ActorSpecialization``: the PPO-family policy (GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++,
-CISPO, PPO), configured entirely by keyword arguments so every variant is a recipe, not a subclass.
+CISPO, PPO), configured entirely by one ``ActorConfig`` so every variant is a recipe, not a subclass.
 
 Per step, on the whole batch (``prepare_batch``): optional overlong penalty on rewards, optional
 dynamic-sampling filter, then the advantage estimator. Per micro-batch (``compute_loss``):
@@ -13,6 +13,7 @@ Legend: B = sequences, T = packed tokens.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ from areno.algo import (
     reinforce_pp_advantages_T,
     rloo_advantages_B,
 )
+from areno.errors import ConfigError
 from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, Reducer, reduce_stats
 from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
@@ -49,148 +51,160 @@ PROX_LOGP_METHODS = ("recompute", "loglinear")
 BEHAV_WEIGHT_MODES = ("mask", "truncate")
 
 
-class ActorSpecialization(ModelSpecialization):
-    """PPO-family actor. All arguments are keyword-only and validated at construction.
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig:
+    """The options of ``ActorSpecialization``: what selects a PPO-family variant. Recipes set them
+    (``areno/recipes/builtin.py``) and users override them through ``train.algorithm_kwargs``;
+    every value is checked at construction (``ConfigError`` naming the option)."""
 
-    Advantages: ``advantage_estimator`` in ``ADVANTAGE_ESTIMATORS`` (``given`` keeps the batch's
-    ``advantages_T``; ``gae`` needs ``values_T`` from a critic role). Policy loss:
-    ``policy_loss`` in ``POLICY_LOSSES``; ``clip_eps`` / ``clip_eps_high`` (clip-higher when
-    different), ``dual_clip_c``. Off-policy: ``use_decoupled_loss`` with ``prox_logp_method``
-    (``recompute``: a no-grad forward of the current weights before the step gives pi_prox;
-    ``loglinear``: interpolated from versions), ``behav_imp_weight_cap`` and ``behav_weight_mode``;
-    ``recompute_logprob`` makes the coupled loss use recomputed instead of behaviour log-probs.
-    """
+    # ---------------------------------------------------------------- advantages
+    advantage_estimator: str = "grpo"
+    """One of ``ADVANTAGE_ESTIMATORS``: ``grpo`` (group-normalised), ``dr_grpo`` (no std scaling),
+    ``rloo``, ``reinforce_pp`` / ``reinforce_pp_baseline``, ``gae`` (needs ``values_T`` from a
+    critic role) or ``given`` (keeps the batch's ``advantages_T``)."""
+    adv_eps: float = 1e-4
+    """Added to the group reward std before dividing (``grpo``)."""
+    gamma: float = 1.0
+    """Discount in [0, 1] (``gae``, ``reinforce_pp``)."""
+    gae_lambda: float = 1.0
+    """GAE's lambda in [0, 1]."""
+    # ---------------------------------------------------------------- policy loss
+    policy_loss: str = "ppo"
+    """One of ``POLICY_LOSSES``: ``ppo`` (token-level clipped ratio), ``gspo`` (sequence-level
+    ratio), ``cispo`` (clipped importance weight, stop-gradient)."""
+    clip_eps: float = 0.2
+    """Lower clip range of the ratio (> 0); also the upper one unless ``clip_eps_high`` is set."""
+    clip_eps_high: float | None = None
+    """Upper clip range (> 0; clip-higher as in DAPO when it differs from ``clip_eps``)."""
+    dual_clip_c: float | None = None
+    """Dual-clip bound of the loss for negative advantages (``ppo``); None: no dual clip."""
+    loss_aggregation: str = "token"
+    """How token losses are weighted and normalised: one of ``LOSS_AGGREGATIONS``."""
+    loss_agg_constant: float = 1024.0
+    """The denominator per sequence of the ``constant`` aggregation (> 0)."""
+    # ---------------------------------------------------------------- regularisers
+    kl_coef: float = 0.0
+    """Weight (>= 0) of the KL to a frozen reference (needs ``ref_logprobs_T``); 0: none."""
+    kl_estimator: str = "k3"
+    """KL estimator: one of ``KL_ESTIMATORS``."""
+    kl_in_reward: bool = False
+    """Subtract the KL from the token rewards instead of adding it to the loss."""
+    entropy_coef: float = 0.0
+    """Weight (>= 0) of the entropy bonus; 0: none."""
+    temperature: float = 1.0
+    """Sampling temperature the log-probs are computed at (> 0; the rollout's)."""
+    # ---------------------------------------------------------------- off-policy
+    use_decoupled_loss: bool = False
+    """Decoupled PPO (``policy_loss='ppo'`` only): clip against pi_prox, weight by pi_prox/pi_behav."""
+    recompute_logprob: bool = False
+    """The coupled loss uses recomputed log-probs of the current weights instead of the behaviour ones."""
+    prox_logp_method: str = "recompute"
+    """Where pi_prox comes from: ``recompute`` (a no-grad forward before the step) or
+    ``loglinear`` (interpolated from the policy versions)."""
+    behav_imp_weight_cap: float | None = None
+    """Cap (> 0) of the behaviour importance weight of decoupled PPO; None: no cap."""
+    behav_weight_mode: str = "mask"
+    """What exceeding the cap does: ``mask`` drops the token, ``truncate`` clips the weight."""
+    # ---------------------------------------------------------------- batch shaping
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (DAPO's dynamic sampling)."""
+    overlong_max_length: int | None = None
+    """Completion length past which DAPO's overlong penalty applies; None: no penalty."""
+    overlong_buffer_length: int = 0
+    """Length of the soft penalty ramp before ``overlong_max_length``, in (0, overlong_max_length]."""
+    overlong_penalty: float = 1.0
+    """Penalty at and beyond ``overlong_max_length``."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the fp32 log-prob computation (memory, not values)."""
 
-    output_keys = ("logprobs_T", "entropy_T")
-
-    def __init__(
-        self,
-        *,
-        advantage_estimator: str = "grpo",
-        adv_eps: float = 1e-4,
-        gamma: float = 1.0,
-        gae_lambda: float = 1.0,
-        policy_loss: str = "ppo",
-        clip_eps: float = 0.2,
-        clip_eps_high: float | None = None,
-        dual_clip_c: float | None = None,
-        loss_aggregation: str = "token",
-        loss_agg_constant: float = 1024.0,
-        kl_coef: float = 0.0,
-        kl_estimator: str = "k3",
-        kl_in_reward: bool = False,
-        entropy_coef: float = 0.0,
-        temperature: float = 1.0,
-        use_decoupled_loss: bool = False,
-        recompute_logprob: bool = False,
-        prox_logp_method: str = "recompute",
-        behav_imp_weight_cap: float | None = None,
-        behav_weight_mode: str = "mask",
-        dynamic_sampling: bool = False,
-        overlong_max_length: int | None = None,
-        overlong_buffer_length: int = 0,
-        overlong_penalty: float = 1.0,
-        logprob_chunk_size: int = 1024,
-    ) -> None:
+    def __post_init__(self) -> None:
         def check(ok: bool, key: str, why: str) -> None:
             if not ok:
-                raise ValueError(f"ActorSpecialization {key}: {why}")
+                raise ConfigError(f"ActorConfig.{key} {why}")
 
+        for key, allowed in (
+            ("advantage_estimator", ADVANTAGE_ESTIMATORS),
+            ("policy_loss", POLICY_LOSSES),
+            ("loss_aggregation", LOSS_AGGREGATIONS),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("prox_logp_method", PROX_LOGP_METHODS),
+            ("behav_weight_mode", BEHAV_WEIGHT_MODES),
+        ):
+            value = getattr(self, key)
+            check(value in allowed, key, f"must be one of {allowed}, got {value!r}")
+        check(self.clip_eps > 0, "clip_eps", f"must be > 0, got {self.clip_eps}")
         check(
-            advantage_estimator in ADVANTAGE_ESTIMATORS,
-            "advantage_estimator",
-            f"must be one of {ADVANTAGE_ESTIMATORS}, got {advantage_estimator!r}",
+            self.clip_eps_high is None or self.clip_eps_high > 0,
+            "clip_eps_high",
+            f"must be > 0 or None, got {self.clip_eps_high}",
         )
-        check(policy_loss in POLICY_LOSSES, "policy_loss", f"must be one of {POLICY_LOSSES}, got {policy_loss!r}")
+        check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        check(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        check(0 <= self.gamma <= 1, "gamma", f"must be in [0, 1], got {self.gamma}")
+        check(0 <= self.gae_lambda <= 1, "gae_lambda", f"must be in [0, 1], got {self.gae_lambda}")
+        check(self.loss_agg_constant > 0, "loss_agg_constant", f"must be > 0, got {self.loss_agg_constant}")
         check(
-            loss_aggregation in LOSS_AGGREGATIONS,
-            "loss_aggregation",
-            f"must be one of {LOSS_AGGREGATIONS}, got {loss_aggregation!r}",
-        )
-        check(kl_estimator in KL_ESTIMATORS, "kl_estimator", f"must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-        check(
-            prox_logp_method in PROX_LOGP_METHODS,
-            "prox_logp_method",
-            f"must be one of {PROX_LOGP_METHODS}, got {prox_logp_method!r}",
-        )
-        check(
-            behav_weight_mode in BEHAV_WEIGHT_MODES,
-            "behav_weight_mode",
-            f"must be one of {BEHAV_WEIGHT_MODES}, got {behav_weight_mode!r}",
-        )
-        check(clip_eps > 0, "clip_eps", f"must be > 0, got {clip_eps}")
-        check(clip_eps_high is None or clip_eps_high > 0, "clip_eps_high", f"must be > 0 or None, got {clip_eps_high}")
-        check(kl_coef >= 0, "kl_coef", f"must be >= 0, got {kl_coef}")
-        check(entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {entropy_coef}")
-        check(temperature > 0, "temperature", f"must be > 0, got {temperature}")
-        check(0 <= gamma <= 1 and 0 <= gae_lambda <= 1, "gamma/gae_lambda", "must be in [0, 1]")
-        check(loss_agg_constant > 0, "loss_agg_constant", f"must be > 0, got {loss_agg_constant}")
-        check(
-            behav_imp_weight_cap is None or behav_imp_weight_cap > 0,
+            self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 0,
             "behav_imp_weight_cap",
-            f"must be > 0 or None, got {behav_imp_weight_cap}",
+            f"must be > 0 or None, got {self.behav_imp_weight_cap}",
         )
         check(
-            not use_decoupled_loss or policy_loss == "ppo",
+            not self.use_decoupled_loss or self.policy_loss == "ppo",
             "use_decoupled_loss",
-            f"works with policy_loss='ppo' only, got {policy_loss!r}",
+            f"works with policy_loss='ppo' only, got {self.policy_loss!r}",
         )
         check(
-            overlong_max_length is None or 0 < overlong_buffer_length <= overlong_max_length,
+            self.overlong_max_length is None or 0 < self.overlong_buffer_length <= self.overlong_max_length,
             "overlong_buffer_length",
             "must be in (0, overlong_max_length] when overlong_max_length is set",
         )
-        self.advantage_estimator = advantage_estimator
-        self.adv_eps = adv_eps
-        self.gamma = gamma
-        self.gae_lambda = gae_lambda
-        self.policy_loss = policy_loss
-        self.clip_eps = clip_eps
-        self.clip_eps_high = clip_eps_high
-        self.dual_clip_c = dual_clip_c
-        self.loss_aggregation = loss_aggregation
-        self.loss_agg_constant = loss_agg_constant
-        self.kl_coef = kl_coef
-        self.kl_estimator = kl_estimator
-        self.kl_in_reward = kl_in_reward
-        self.entropy_coef = entropy_coef
-        self.temperature = temperature
-        self.use_decoupled_loss = use_decoupled_loss
-        self.recompute_logprob = recompute_logprob
-        self.prox_logp_method = prox_logp_method
-        self.behav_imp_weight_cap = behav_imp_weight_cap
-        self.behav_weight_mode = behav_weight_mode
-        self.dynamic_sampling = dynamic_sampling
-        self.overlong_max_length = overlong_max_length
-        self.overlong_buffer_length = overlong_buffer_length
-        self.overlong_penalty = overlong_penalty
-        self.logprob_chunk_size = logprob_chunk_size
+
+
+class ActorSpecialization(ModelSpecialization):
+    """PPO-family actor, configured by one ``ActorConfig`` (see its fields).
+
+    Advantages: ``advantage_estimator``. Policy loss: ``policy_loss`` with ``clip_eps`` /
+    ``clip_eps_high`` (clip-higher when different) and ``dual_clip_c``. Off-policy:
+    ``use_decoupled_loss`` with ``prox_logp_method`` (``recompute``: a no-grad forward of the current
+    weights before the step gives pi_prox; ``loglinear``: interpolated from versions),
+    ``behav_imp_weight_cap`` and ``behav_weight_mode``; ``recompute_logprob`` makes the coupled loss
+    use recomputed instead of behaviour log-probs.
+    """
+
+    config_cls = ActorConfig
+    output_keys = ("logprobs_T", "entropy_T")
+
+    def __init__(self, config: ActorConfig | None = None) -> None:
+        self.config = config if config is not None else ActorConfig()
         needs = []
-        if kl_coef > 0:
+        if self.config.kl_coef > 0:
             needs.append("ref_logprobs_T")
-        if advantage_estimator == "gae":
+        if self.config.advantage_estimator == "gae":
             needs.append("values_T")
         self.required_extra_keys = tuple(needs)
 
     @property
     def self_forward_keys(self) -> dict[str, str]:
-        recompute = self.recompute_logprob or (self.use_decoupled_loss and self.prox_logp_method == "recompute")
+        recompute = self.config.recompute_logprob or (
+            self.config.use_decoupled_loss and self.config.prox_logp_method == "recompute"
+        )
         return {"logprobs_T": "prox_logprobs_T"} if recompute else {}
 
     # ------------------------------------------------------------------ whole batch
     def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
         self._check_extra(rollout_data)
         batch = rollout_data
-        if self.overlong_max_length is not None:
+        if self.config.overlong_max_length is not None:
             lengths_B = _completion_lengths_B(batch)
             penalty_B = overlong_penalty_B(
                 lengths_B,
-                max_length=self.overlong_max_length,
-                buffer_length=self.overlong_buffer_length,
-                penalty=self.overlong_penalty,
+                max_length=self.config.overlong_max_length,
+                buffer_length=self.config.overlong_buffer_length,
+                penalty=self.config.overlong_penalty,
             )
             batch = dataclasses.replace(batch, rewards_B=batch.rewards_B + penalty_B)
-        if self.dynamic_sampling:
+        if self.config.dynamic_sampling:
             keep_B = dynamic_sampling_keep_B(batch.rewards_B, group_index_B(_group_ids(batch)))
             if keep_B.any():
                 batch = batch.select(torch.nonzero(keep_B).flatten().tolist())
@@ -200,19 +214,23 @@ class ActorSpecialization(ModelSpecialization):
 
     def compute_advantages(self, rollout_data: TokenBatch) -> TokenBatch:
         b = rollout_data
-        est = self.advantage_estimator
+        est = self.config.advantage_estimator
         if est == "given":
             return b
         mask_T = b.loss_mask_T
         token_rewards_T = None
-        if self.kl_in_reward and self.kl_coef > 0:
+        if self.config.kl_in_reward and self.config.kl_coef > 0:
             token_rewards_T = kl_reward_penalty_T(
-                b.logprobs_T, b.extra["ref_logprobs_T"], mask_T, coef=self.kl_coef, estimator=self.kl_estimator
+                b.logprobs_T,
+                b.extra["ref_logprobs_T"],
+                mask_T,
+                coef=self.config.kl_coef,
+                estimator=self.config.kl_estimator,
             )
         group_B = group_index_B(_group_ids(b))
         extra = {}
         if est in ("grpo", "dr_grpo"):
-            adv_B = grpo_advantages_B(b.rewards_B, group_B, scale_by_std=est == "grpo", eps=self.adv_eps)
+            adv_B = grpo_advantages_B(b.rewards_B, group_B, scale_by_std=est == "grpo", eps=self.config.adv_eps)
             adv_T = broadcast_to_tokens_T(adv_B, b.cu_seqlens_B1, mask_T)
         elif est == "rloo":
             adv_T = broadcast_to_tokens_T(rloo_advantages_B(b.rewards_B, group_B), b.cu_seqlens_B1, mask_T)
@@ -223,7 +241,7 @@ class ActorSpecialization(ModelSpecialization):
                 mask_T,
                 token_rewards_T=token_rewards_T,
                 group_B=group_B if est == "reinforce_pp_baseline" else None,
-                gamma=self.gamma,
+                gamma=self.config.gamma,
             )
         else:  # gae
             adv_T, returns_T = gae_T(
@@ -231,8 +249,8 @@ class ActorSpecialization(ModelSpecialization):
                 b.extra["values_T"],
                 b.cu_seqlens_B1,
                 mask_T,
-                gamma=self.gamma,
-                lam=self.gae_lambda,
+                gamma=self.config.gamma,
+                lam=self.config.gae_lambda,
                 token_rewards_T=token_rewards_T,
             )
             extra["returns_T"] = returns_T
@@ -243,9 +261,9 @@ class ActorSpecialization(ModelSpecialization):
         return token_logprobs_T(
             model,
             batch,
-            temperature=self.temperature,
-            with_entropy=self.entropy_coef > 0,
-            chunk_size=self.logprob_chunk_size,
+            temperature=self.config.temperature,
+            with_entropy=self.config.entropy_coef > 0,
+            chunk_size=self.config.logprob_chunk_size,
         )
 
     def compute_loss(
@@ -257,8 +275,8 @@ class ActorSpecialization(ModelSpecialization):
         mask_T = b.loss_mask_T
         behave_T = b.logprobs_T
         adv_T = b.advantages_T
-        if self.use_decoupled_loss:
-            if self.prox_logp_method == "recompute":
+        if self.config.use_decoupled_loss:
+            if self.config.prox_logp_method == "recompute":
                 prox_T = b.extra["prox_logprobs_T"]
             else:
                 version = (
@@ -271,55 +289,62 @@ class ActorSpecialization(ModelSpecialization):
                 behave_T,
                 adv_T,
                 mask_T,
-                eps_low=self.clip_eps,
-                eps_high=self.clip_eps_high,
-                behav_imp_weight_cap=self.behav_imp_weight_cap,
-                behav_weight_mode=self.behav_weight_mode,
-                dual_clip_c=self.dual_clip_c,
+                eps_low=self.config.clip_eps,
+                eps_high=self.config.clip_eps_high,
+                behav_imp_weight_cap=self.config.behav_imp_weight_cap,
+                behav_weight_mode=self.config.behav_weight_mode,
+                dual_clip_c=self.config.dual_clip_c,
             )
         else:
-            old_T = b.extra["prox_logprobs_T"] if self.recompute_logprob else behave_T
-            if self.policy_loss == "ppo":
+            old_T = b.extra["prox_logprobs_T"] if self.config.recompute_logprob else behave_T
+            if self.config.policy_loss == "ppo":
                 pg_T, stats = ppo_clip_loss_T(
                     logp_T,
                     old_T,
                     adv_T,
                     mask_T,
-                    eps_low=self.clip_eps,
-                    eps_high=self.clip_eps_high,
-                    dual_clip_c=self.dual_clip_c,
+                    eps_low=self.config.clip_eps,
+                    eps_high=self.config.clip_eps_high,
+                    dual_clip_c=self.config.dual_clip_c,
                 )
-            elif self.policy_loss == "gspo":
+            elif self.config.policy_loss == "gspo":
                 pg_T, stats = gspo_loss_T(
                     logp_T,
                     old_T,
                     adv_T,
                     mask_T,
                     b.cu_seqlens_B1,
-                    eps_low=self.clip_eps,
-                    eps_high=self.clip_eps_high or self.clip_eps,
+                    eps_low=self.config.clip_eps,
+                    eps_high=self.config.clip_eps_high or self.config.clip_eps,
                 )
             else:
                 pg_T, stats = cispo_loss_T(
-                    logp_T, old_T, adv_T, mask_T, eps_low=None, eps_high=self.clip_eps_high or self.clip_eps
+                    logp_T,
+                    old_T,
+                    adv_T,
+                    mask_T,
+                    eps_low=None,
+                    eps_high=self.config.clip_eps_high or self.config.clip_eps,
                 )
         loss_T = pg_T
         stats["pg_loss"] = pg_T.detach()
-        if self.kl_coef > 0 and not self.kl_in_reward:
-            kl_T = kl_estimate_T(logp_T, b.extra["ref_logprobs_T"], mask_T, estimator=self.kl_estimator)
-            loss_T = loss_T + self.kl_coef * kl_T
+        if self.config.kl_coef > 0 and not self.config.kl_in_reward:
+            kl_T = kl_estimate_T(logp_T, b.extra["ref_logprobs_T"], mask_T, estimator=self.config.kl_estimator)
+            loss_T = loss_T + self.config.kl_coef * kl_T
             stats["kl"] = kl_T.detach()
-        if self.entropy_coef > 0:
-            loss_T = loss_T + entropy_bonus_T(model_output["entropy_T"], mask_T, coef=self.entropy_coef)
+        if self.config.entropy_coef > 0:
+            loss_T = loss_T + entropy_bonus_T(model_output["entropy_T"], mask_T, coef=self.config.entropy_coef)
         if "entropy_T" in model_output:
             stats["entropy"] = model_output["entropy_T"].detach()
-        weight_T = aggregation_weights_T(batch.loss_mask_T, batch.cu_seqlens_B1, self.loss_aggregation).to(device)
+        weight_T = aggregation_weights_T(batch.loss_mask_T, batch.cu_seqlens_B1, self.config.loss_aggregation).to(
+            device
+        )
         loss = reducer(loss_T, weight_T)
         return loss, reduce_stats(stats, weight_T, reducer, "actor")
 
     def denominator(self, batch: TokenBatch) -> float:
         return aggregation_denominator(
-            batch.loss_mask_T, batch.cu_seqlens_B1, self.loss_aggregation, constant=self.loss_agg_constant
+            batch.loss_mask_T, batch.cu_seqlens_B1, self.config.loss_aggregation, constant=self.config.loss_agg_constant
         )
 
 

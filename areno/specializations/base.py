@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -55,6 +56,10 @@ class ModelSpecialization(ABC):
     ``prepare_batch`` needs from other roles.
     """
 
+    config_cls: ClassVar[type | None] = None
+    """The keyword-only dataclass of this specialization's options, when it has one: a recipe
+    builds it from the role's ``init_kwargs`` and passes it as the one constructor argument
+    (``areno.recipes.config.ModelRole.build``). None: ``init_kwargs`` are constructor arguments."""
     output_keys: tuple[str, ...] = ()
     required_extra_keys: tuple[str, ...] = ()
 

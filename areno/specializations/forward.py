@@ -13,14 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from areno.models.attention import PackedCausalAttention
+from areno.models.logprobs import argmax_from_hidden, logprobs_from_hidden, position_ids_from_cu_seqlens
 from areno.types import TokenBatch, host_to_device
 
 
 def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     """Final-normed hidden states [T, D] of a ``Decoder`` under packed causal attention."""
-    from areno.models.decoder import PackedCausalAttention
-    from areno.models.logprobs import position_ids_from_cu_seqlens
-
     device = model.output_weight.device
     cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
     attn = PackedCausalAttention(cu_host_B1, sliding_window=getattr(model.config, "sliding_window", None))
@@ -53,8 +52,6 @@ def token_logprobs_T(
     ``argmax_T`` (the token the model would emit at each position, no gradient). 0 at sequence
     starts. The log-probs use ``areno.models.logprobs.logprobs_from_hidden``, which recomputes
     chunk logits in backward instead of keeping [T, V] fp32 logits alive."""
-    from areno.models.logprobs import argmax_from_hidden, logprobs_from_hidden
-
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if hidden_TD is None:

@@ -14,17 +14,12 @@ chunk of at least ``direct_bytes`` travels alone: sent as a view of the trained 
 straight into the staging tensor of the rank that keeps it (no pack or stage copy); only small
 tensors and dim-1 (rowwise) slices are copied out of a buffer.
 
-Host cost: packing and staging issue one ``torch._foreach_copy_`` per bucket (per dtype pair),
-not one ``copy_`` per tensor; the buffer-slot views of every bucket are built once per transport
-(``BucketPacker``, ``BucketStager``); a bucket's chunks are copied together once its last one was
-read, so a source that yields fresh tensors (not views of live ones) has those of the bucket being
-packed held until then, at most a bucket's worth (a gathered DTensor is copied out at once). On NCCL the per-bucket waits are stream-ordered
-(``Work.wait()`` without a timeout: the current stream waits, the host keeps enqueuing), so packing
-bucket k+1 is not serialised behind bucket k on the wire; a buffer slot is still reused only after
-its collective (the reusing copies are ordered after it on the stream). Before voting, every rank
-host-waits on its collectives with the timeout, so a hung peer still ends in ``PolicySyncError``
-(polling ``is_completed`` every ~50 us first: NCCL's ``Work.wait(timeout)`` polls once per
-millisecond, which would add up to a millisecond to the drain and to an NCCL vote).
+The pieces: this module plans (``StreamGroups``: relays and process groups; ``exchange_plan``:
+the bucket plan every rank agrees on) and runs a sync (``StreamTransport``: send or receive, vote,
+commit); ``stream_send.BucketSender`` and ``stream_receive.BucketReceiver`` move the buckets;
+``buckets`` holds the buffers and the multi-tensor copies in and out of them (one
+``torch._foreach_copy_`` per bucket and dtype pair); ``collectives`` posts the collectives, waits
+on them (stream-ordered on NCCL, each host wait bounded by the timeout) and times every phase.
 
 Commit (all-or-nothing across ranks): when its part is done, every participant joins one vote,
 a tiny all-reduce (done flags, buckets staged) over a control group of all participants: NCCL
@@ -50,7 +45,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -60,12 +55,38 @@ from areno.sync.base import (
     PolicySyncError,
     PolicySyncTransport,
     ShardReceiver,
-    ShardSpec,
     SyncStats,
     WeightSource,
-    full_tensor,
 )
-from areno.sync.plan import Bucket, BucketItem, SyncPlan, choose_relays, plan_buckets
+from areno.sync.buckets import (
+    BucketBuffers,
+    BucketPacker,
+    BucketStager,
+    TensorChunks,
+    chunk_views,
+    foreach_copy,
+    tensor_chunks,
+)
+from areno.sync.collectives import Collectives
+from areno.sync.plan import Bucket, SyncPlan, TensorMeta, choose_relays, plan_buckets
+from areno.sync.stream_receive import BucketReceiver
+from areno.sync.stream_send import BucketSender
+
+__all__ = [
+    # the copies moved to ``buckets``; still importable from here
+    "BucketPacker",
+    "BucketStager",
+    "StreamGroups",
+    "StreamSyncConfig",
+    "StreamTopology",
+    "StreamTransport",
+    "TensorChunks",
+    "chunk_views",
+    "exchange_plan",
+    "foreach_copy",
+    "tensor_chunks",
+    "vote_backend",
+]
 
 
 @dataclass(kw_only=True)
@@ -159,157 +180,103 @@ def _keepers(bucket: Bucket, kept_by: Mapping[int, Mapping[str, tuple[int | None
     return ranks
 
 
-def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> int:
-    """``dst.copy_(src)`` for every pair, as one ``torch._foreach_copy_`` per (dst dtype, src dtype)
-    group (a group of one dtype pair and equal dense layouts takes the fused multi-tensor kernel on
-    CUDA; any other pair is still copied, one by one in C++). Returns the number of calls made."""
-    if not dsts:
-        return 0
-    d0, s0 = dsts[0].dtype, srcs[0].dtype
-    if all(d.dtype == d0 for d in dsts) and all(s.dtype == s0 for s in srcs):
-        torch._foreach_copy_(dsts, srcs)
-        return 1
-    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for d, s in zip(dsts, srcs):
-        g = groups.setdefault((d.dtype, s.dtype), ([], []))
-        g[0].append(d)
-        g[1].append(s)
-    for gd, gs in groups.values():
-        torch._foreach_copy_(gd, gs)
-    return len(groups)
+@dataclass(frozen=True, kw_only=True)
+class StreamGroups:
+    """The route of a streamed sync: each training row's relay (a rollout rank on another physical
+    device than its sender) and the process groups, created in the same order on every rank."""
 
+    relays: tuple[int, ...]
+    """Per training row, the rollout rank that receives it from the row's sender."""
+    pair_groups: tuple[dist.ProcessGroup, ...]
+    """Per training row, the group {sender, relay} its buckets travel over."""
+    rollout_group: dist.ProcessGroup | None
+    """All rollout ranks (the relays' fan-out); None with a single rollout rank."""
+    control_group: dist.ProcessGroup
+    """All participants: the commit vote."""
+    vote_backend: str
+    """The control group's backend (``vote_backend``)."""
 
-TensorChunks = tuple[list[tuple[int, BucketItem]], tuple[int, ...], tuple[int, ...] | None]
-"""One source tensor's items as ``(position in the buckets, item)`` in row order, its shape as sent,
-and the rows of each chunk when they cover the tensor back to back (None otherwise)."""
-
-
-def tensor_chunks(buckets: list[Bucket]) -> dict[int, TensorChunks]:
-    """``TensorChunks`` per source tensor index of the items in ``buckets``."""
-    by_tensor: dict[int, list[tuple[int, BucketItem]]] = {}
-    for pos, bucket in enumerate(buckets):
-        for item in bucket.items:
-            by_tensor.setdefault(item.tensor_index, []).append((pos, item))
-    out = {}
-    for idx, entries in by_tensor.items():
-        entries.sort(key=lambda e: e[1].row_start)
-        items = [i for _, i in entries]
-        covers = (
-            items[0].row_start == 0
-            and items[-1].row_end == items[0].shape[0]
-            and all(a.row_end == b.row_start for a, b in zip(items, items[1:]))
+    @classmethod
+    def create(cls, topology: StreamTopology, backend: str | None, timeout: datetime.timedelta) -> StreamGroups:
+        """Create the groups (a collective over the world); ``backend``: the data plane's (default:
+        the world's)."""
+        rollout_devices = [topology.device(r) for r in topology.rollout_ranks]
+        relay_idx = choose_relays([topology.device(r) for r in topology.sender_ranks], rollout_devices)
+        relays = tuple(topology.rollout_ranks[j] for j in relay_idx)
+        pair_groups = tuple(
+            dist.new_group(sorted({s, r}), timeout=timeout, backend=backend)
+            for s, r in zip(topology.sender_ranks, relays)
         )
-        out[idx] = (entries, items[0].shape, tuple(i.row_end - i.row_start for i in items) if covers else None)
-    return out
+        rollout_group = (
+            dist.new_group(list(topology.rollout_ranks), timeout=timeout, backend=backend)
+            if len(topology.rollout_ranks) > 1
+            else None
+        )
+        # Control plane: the commit vote (``vote_backend``: NCCL on distinct GPUs, else gloo).
+        vote = vote_backend(topology, data_backend(backend))
+        control_group = dist.new_group(topology.participants, timeout=timeout, backend=vote)
+        return cls(
+            relays=relays,
+            pair_groups=pair_groups,
+            rollout_group=rollout_group,
+            control_group=control_group,
+            vote_backend=vote,
+        )
 
 
-def chunk_views(full: torch.Tensor, chunks: TensorChunks) -> Sequence[torch.Tensor]:
-    """The rows of each item of ``chunks`` in ``full`` (viewed as the shape sent): views, one
-    ``split`` call for a tensor its items cover (one per item otherwise)."""
-    entries, shape, sizes = chunks
-    if full.shape != shape:
-        full = full.reshape(shape)
-    if sizes is None:
-        return [full[i.row_start : i.row_end] for _, i in entries]
-    return (full,) if len(sizes) == 1 else full.split_with_sizes(sizes)
+def data_backend(backend: str | None) -> str:
+    """The data plane's backend name, lower case (``backend``, else the world's)."""
+    return str(backend if backend is not None else dist.get_backend()).lower()
 
 
-class BucketPacker:
-    """Sender side: per (bucket, buffer slot), the view of every item's place in the slot's buffer
-    (``chunk_shape``, wire dtype), built on first use and kept for the transport's life (the
-    buffers are allocated once). ``pack`` copies a list of source chunks into them at once."""
+def exchange_plan(
+    *,
+    store: dist.Store,
+    key: Callable[..., str],
+    topology: StreamTopology,
+    config: StreamSyncConfig,
+    groups: StreamGroups,
+    source: WeightSource | None,
+    receiver: ShardReceiver | None,
+    timeout: datetime.timedelta,
+) -> tuple[list[TensorMeta], SyncPlan, tuple[bool, ...]]:
+    """The tensor list, the bucket plan and, per bucket, whether it fans out from its relay: the
+    same on every rank, from what the ranks publish in ``store`` (under ``key(what, rank)``).
 
-    def __init__(self) -> None:
-        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+    The plan needs the same tensor list everywhere: the first sender publishes it (every training
+    rank asks its source: listing a sharded source may be collective). Every rollout rank publishes
+    which slice of each tensor it keeps: chunks end at the dim-0 shard boundaries, and a bucket only
+    its relay keeps needs no fan-out (False, e.g. a dim-0 shard chunk of the relay's own slice)."""
+    rank = dist.get_rank()
+    if source is not None:
+        meta = source.meta()
+        if rank == topology.sender_ranks[0]:
+            store.set(key("meta"), pickle.dumps(meta))
+    if receiver is not None:
+        kept = {n: (sp.dim, sp.start, sp.length) for n, sp in receiver.shard_specs().items()}
+        store.set(key("kept", rank), pickle.dumps(kept))
+    store.wait([key("meta")] + [key("kept", r) for r in topology.rollout_ranks], timeout)
+    meta = pickle.loads(store.get(key("meta")))
+    kept_by = {r: pickle.loads(store.get(key("kept", r))) for r in topology.rollout_ranks}
+    cuts: dict[str, set[int]] = {}
+    for kept in kept_by.values():
+        for name, (dim, start, length) in kept.items():
+            if dim == 0:
+                cuts.setdefault(name, set()).update((start, start + length))
+    plan = plan_buckets(
+        meta,
+        len(topology.sender_ranks),
+        config.bucket_bytes,
+        config.wire_dtype,
+        cuts={n: sorted(c) for n, c in cuts.items()},
+        direct_bytes=config.direct_bytes if config.direct_bytes is not None else config.bucket_bytes // 4,
+    )
+    fanout = tuple(
+        (config.fanout_all or bool(_keepers(b, kept_by) - {groups.relays[b.row]})) and groups.rollout_group is not None
+        for b in plan.buckets
+    )
+    return meta, plan, fanout
 
-    def views(self, bucket: Bucket, slot: int, buf: torch.Tensor) -> list[torch.Tensor]:
-        key = (bucket.index, slot)
-        views = self._views.get(key)
-        if views is None:
-            views = [buf[i.offset : i.offset + i.nbytes].view(i.dtype).view(i.chunk_shape) for i in bucket.items]
-            self._views[key] = views
-        return views
-
-    def pack(self, bucket: Bucket, slot: int, buf: torch.Tensor, first: int, chunks: list[torch.Tensor]) -> int:
-        """Copy ``chunks`` (items ``first, first + 1, ...`` of ``bucket``, each its rows as sent)
-        into the slot's buffer; returns the number of copy calls."""
-        return foreach_copy(self.views(bucket, slot, buf)[first : first + len(chunks)], chunks)
-
-
-_Src = tuple[torch.Tensor | None, int, int]
-"""A staged item: its rows in the received buffer (None: none kept here), and the rows [lo, hi)
-of the staging tensor they go to."""
-
-
-class BucketStager:
-    """Receiver side: copies the slices this rank keeps out of a received bucket into the
-    receiver's staging tensors, one ``torch._foreach_copy_`` per dtype pair per bucket (dim-0
-    slices, replicated tensors and dim-1 (rowwise) slices alike).
-
-    The source views (a bucket always lands in the same buffer) are built once per bucket. The
-    destination views depend on the staging tensors' storage, which a swap commit trades every
-    sync: they are cached per bucket under the staging tensors' data pointers (a cached view keeps
-    its storage alive, so an equal pointer is the same memory), at most ``keep`` sets per bucket.
-    ``receiver.stage(name)`` is still called for every item each sync (it marks the name written)."""
-
-    def __init__(self, receiver: ShardReceiver, specs: Mapping[str, ShardSpec], keep: int = 2) -> None:
-        self.receiver = receiver
-        self.specs = specs
-        self.keep = keep
-        # bucket index -> (names to stage, per name: (source view or None, dest row lo, hi))
-        self._src: dict[int, tuple[list[str], list[_Src]]] = {}
-        self._dst: dict[int, dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
-
-    def _sources(self, bucket: Bucket, buf: torch.Tensor) -> tuple[list[str], list[_Src]]:
-        cached = self._src.get(bucket.index)
-        if cached is not None:
-            return cached
-        names, srcs = [], []
-        for item in bucket.items:
-            spec = self.specs.get(item.name)
-            if spec is None:
-                continue
-            rows = buf[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.chunk_shape)
-            r0, r1 = item.row_start, item.row_end
-            if spec.dim == 0:
-                lo, hi = max(r0, spec.start), min(r1, spec.start + spec.length)
-                src = (rows[lo - r0 : hi - r0], lo - spec.start, hi - spec.start) if lo < hi else (None, 0, 0)
-            elif spec.dim is None:
-                src = (rows, r0, r1)
-            else:
-                src = (rows.narrow(spec.dim, spec.start, spec.length), r0, r1)
-            names.append(item.name)
-            srcs.append(src)
-        self._src[bucket.index] = (names, srcs)
-        return names, srcs
-
-    def stage(self, bucket: Bucket, buf: torch.Tensor) -> int:
-        """Copy this rank's slices of ``bucket`` (received in ``buf``) into staging; returns the
-        number of copy calls."""
-        names, srcs = self._sources(bucket, buf)
-        stage = self.receiver.stage
-        dests = [stage(n) for n in names]
-        key = tuple(d.data_ptr() for d in dests)
-        cache = self._dst.setdefault(bucket.index, {})
-        pairs = cache.get(key)
-        if pairs is None:
-            dst_views, src_views = [], []
-            for dest, (src, lo, hi) in zip(dests, srcs):
-                if src is None:
-                    continue
-                dst_views.append((dest if dest.dim() else dest.view(1))[lo:hi])
-                src_views.append(src)
-            pairs = (dst_views, src_views)
-            if len(cache) >= self.keep:
-                del cache[next(iter(cache))]
-            cache[key] = pairs
-        return foreach_copy(*pairs)
-
-
-POLL_S = 1.0
-"""Host waits on NCCL works poll ``is_completed`` for up to this long (then ``Work.wait(timeout)``)."""
-POLL_INTERVAL_S = 5e-5
-"""Sleep between two polls (~50-100 us on Linux; releases the GIL to a generating engine thread)."""
 
 _DONE, _TIMED_OUT, _RAISED = 1, 2, 3
 """Commit-vote states: finished its part / a wait on a peer timed out / raised an error itself."""
@@ -323,6 +290,9 @@ class StreamTransport(PolicySyncTransport):
     rank's CUDA device under NCCL, CPU under gloo). ``store`` is the distributed store shared by all
     ranks (default: the default process group's). ``backend`` is the data-plane backend (default:
     the world's; e.g. ``nccl`` in a gloo world). Call ``sync`` on every training and rollout rank.
+
+    A sync: each training rank sends (``BucketSender``), each rollout rank receives and stages
+    (``BucketReceiver``), then all vote and the rollout ranks commit; ``collectives`` times it.
     """
 
     name = "stream"
@@ -353,87 +323,80 @@ class StreamTransport(PolicySyncTransport):
             raise ValueError(f"rank {self.rank} is a rollout rank: pass receiver=")
         base_store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.store = dist.PrefixStore(f"areno_sync/{tag}", base_store)
-        self._timeout = datetime.timedelta(seconds=config.timeout_s)
         # Groups get the longer of the two: their own timeout bounds creation; every sync wait is
         # bounded separately by ``timeout_s`` (Work.wait).
         group_timeout = datetime.timedelta(seconds=max(config.timeout_s, config.connect_timeout_s))
-
-        # Relays: each row's rollout rank on another physical device than its sender.
-        rollout_devices = [topology.device(r) for r in topology.rollout_ranks]
-        relay_idx = choose_relays([topology.device(r) for r in topology.sender_ranks], rollout_devices)
-        self.relays = tuple(topology.rollout_ranks[j] for j in relay_idx)
-
-        # Process groups, created in the same order on every rank.
-        self.pair_groups = [
-            dist.new_group(sorted({s, r}), timeout=group_timeout, backend=backend)
-            for s, r in zip(topology.sender_ranks, self.relays)
-        ]
-        self.rollout_group = (
-            dist.new_group(list(topology.rollout_ranks), timeout=group_timeout, backend=backend)
-            if len(topology.rollout_ranks) > 1
-            else None
-        )
-        # Control plane: the commit vote (``vote_backend``: NCCL on distinct GPUs, else gloo).
-        data_backend = str(backend if backend is not None else dist.get_backend()).lower()
-        self.vote_backend = vote_backend(topology, data_backend)
-        self.control_group = dist.new_group(topology.participants, timeout=group_timeout, backend=self.vote_backend)
-        self._vote_stream: torch.cuda.Stream | None = None  # NCCL vote: its own stream, made on first use
-
+        groups = StreamGroups.create(topology, backend, group_timeout)
+        self.relays = groups.relays
+        """Per training row, its relay rollout rank."""
+        self.pair_groups = groups.pair_groups
+        self.rollout_group = groups.rollout_group
+        self.control_group = groups.control_group
+        self.vote_backend = groups.vote_backend
+        """The commit vote's backend (``nccl`` on distinct GPUs under NCCL, else ``gloo``)."""
         # Every construction (e.g. a rebuild after a failed sync) gets its own store keys.
         self._gen = (self.store.add("constructed", 1) - 1) // dist.get_world_size()
         self._attempt = 0
-        # The plan needs the same tensor list everywhere: the first sender publishes it. Every
-        # training rank asks its source (listing a sharded source may be collective).
-        if self.is_train:
-            meta = source.meta()
-            if self.rank == topology.sender_ranks[0]:
-                self.store.set(self._key("meta"), pickle.dumps(meta))
-        # Every rollout rank publishes which slice of each tensor it keeps: chunks end at the dim-0
-        # shard boundaries, and a bucket only its relay keeps needs no fan-out.
-        if self.is_rollout:
-            kept = {n: (sp.dim, sp.start, sp.length) for n, sp in receiver.shard_specs().items()}
-            self.store.set(self._key("kept", self.rank), pickle.dumps(kept))
-        self.store.wait([self._key("meta")] + [self._key("kept", r) for r in topology.rollout_ranks], group_timeout)
-        self.meta = pickle.loads(self.store.get(self._key("meta")))
-        kept_by = {r: pickle.loads(self.store.get(self._key("kept", r))) for r in topology.rollout_ranks}
-        cuts: dict[str, set[int]] = {}
-        for kept in kept_by.values():
-            for name, (dim, start, length) in kept.items():
-                if dim == 0:
-                    cuts.setdefault(name, set()).update((start, start + length))
-        self.plan: SyncPlan = plan_buckets(
-            self.meta,
-            len(topology.sender_ranks),
-            config.bucket_bytes,
-            config.wire_dtype,
-            cuts={n: sorted(c) for n, c in cuts.items()},
-            direct_bytes=config.direct_bytes if config.direct_bytes is not None else config.bucket_bytes // 4,
+        self.meta, self.plan, self.fanout = exchange_plan(
+            store=self.store,
+            key=self._key,
+            topology=topology,
+            config=config,
+            groups=groups,
+            source=source if self.is_train else None,
+            receiver=receiver if self.is_rollout else None,
+            timeout=group_timeout,
         )
-        self.fanout = tuple(
-            (config.fanout_all or bool(_keepers(b, kept_by) - {self.relays[b.row]})) and self.rollout_group is not None
-            for b in self.plan.buckets
-        )
-        """Per bucket: whether it fans out from its relay (False when no other rollout rank keeps
-        any of it, e.g. a dim-0 shard chunk of the relay's own slice)."""
         self.wire_bytes = sum(b.nbytes * (1 + f) for b, f in zip(self.plan.buckets, self.fanout))
         """Bytes one sync puts on the data plane: every bucket once to its relay, plus its fan-out."""
         if self.is_rollout:
             self._check_specs()
-        self.stream_ordered = "nccl" in data_backend and self.device.type == "cuda"
-        """Per-bucket waits only order the current CUDA stream after the collective (NCCL); the host
-        waits (with the timeout) once, on all of them, before the vote. Off (gloo): every wait blocks."""
-        self._inflight: list[tuple[dist.Work, str, int]] = []
-        self._packer = BucketPacker()
-        self._stager = BucketStager(receiver, receiver.shard_specs()) if self.is_rollout else None
-        self._send_items: dict | None = None  # tensor_chunks of this rank's buckets, built on first send
-        self._buffers: list[torch.Tensor] = []
-        self.peak_buffer_bytes = 0
-        """Largest total bucket-buffer memory this rank held (at most two buckets)."""
-        self.last_phases: dict[str, float] = {}
-        """Seconds of the last sync by phase on this rank: ``pack`` (copies into bucket buffers),
-        ``post`` (posting collectives), ``wait`` (waiting on them), ``stage`` (copying received
-        slices into staging), ``vote`` (the commit vote), ``commit`` (the receiver's apply)."""
+        stream_ordered = "nccl" in data_backend(backend) and self.device.type == "cuda"
+        self.collectives = Collectives(timeout_s=config.timeout_s, stream_ordered=stream_ordered)
+        self.buffers = BucketBuffers(self.device, self.plan.max_bucket_bytes)
+        self.sender = self._sender() if self.is_train else None
+        self.bucket_receiver = self._bucket_receiver() if self.is_rollout else None
+        self._vote_stream: torch.cuda.Stream | None = None  # NCCL vote: its own stream, made on first use
         self._connect()
+
+    def _sender(self) -> BucketSender:
+        senders = self.topology.sender_ranks
+        row = senders.index(self.rank) if self.rank in senders else -1
+        return BucketSender(
+            rank=self.rank,
+            row=row,
+            relay=self.relays[row] if row >= 0 else None,
+            group=self.pair_groups[row] if row >= 0 else None,
+            plan=self.plan,
+            meta=self.meta,
+            buffers=self.buffers,
+            collectives=self.collectives,
+        )
+
+    def _bucket_receiver(self) -> BucketReceiver:
+        return BucketReceiver(
+            rank=self.rank,
+            receiver=self.receiver,
+            plan=self.plan,
+            sender_ranks=self.topology.sender_ranks,
+            relays=self.relays,
+            fanout=self.fanout,
+            pair_groups=self.pair_groups,
+            rollout_group=self.rollout_group,
+            buffers=self.buffers,
+            collectives=self.collectives,
+        )
+
+    # ---------------------------------------------------------------- what callers read
+    @property
+    def last_phases(self) -> dict[str, float]:
+        """Seconds of the last sync by phase on this rank (``collectives.PHASES``)."""
+        return self.collectives.phases
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        """Largest total bucket-buffer memory this rank held (at most two buckets)."""
+        return self.buffers.peak_bytes
 
     # ---------------------------------------------------------------- helpers
     def _connect(self) -> None:
@@ -459,7 +422,7 @@ class StreamTransport(PolicySyncTransport):
                 work = dist.all_reduce(probe, group=group, async_op=True)
             else:
                 work = dist.broadcast(probe, src=min(ranks), group=group, async_op=True)
-            self._wait(work, f"connecting NCCL group {ranks}")
+            self.collectives.wait(work, f"connecting NCCL group {ranks}")
         torch.cuda.synchronize(self.device)
 
     def _check_specs(self) -> None:
@@ -470,67 +433,8 @@ class StreamTransport(PolicySyncTransport):
             if tuple(spec.full_shape) != shapes[name]:
                 raise ValueError(f"{name}: receiver full shape {spec.full_shape} != trainer shape {shapes[name]}")
 
-    def _buffer(self, slot: int) -> torch.Tensor:
-        if not self._buffers:
-            size = max(self.plan.max_bucket_bytes, 1)
-            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
-            self.peak_buffer_bytes = 2 * size
-        return self._buffers[slot % 2]
-
     def _key(self, what: str, rank: int | None = None) -> str:
         return f"{self._gen}/{self._attempt}/{what}" + ("" if rank is None else f"/{rank}")
-
-    def _wait(self, work: dist.Work, what: str, *, poll: bool = False) -> None:
-        """Block the host until ``work`` completes, at most ``timeout_s``.
-
-        ``poll`` (NCCL works): ``Work.wait(timeout)`` checks completion once per millisecond
-        (ProcessGroupNCCL), so a collective that ends microseconds after the call (the vote, the
-        last bucket) would cost up to a millisecond; poll ``is_completed`` every ~50 us first (the
-        sleep releases the GIL), for at most ``POLL_S``, then hand the rest of the timeout to it."""
-        timeout = self._timeout
-        try:
-            if poll:
-                t0 = time.perf_counter()
-                end = t0 + min(POLL_S, timeout.total_seconds())
-                while not work.is_completed():
-                    if time.perf_counter() >= end:  # still running: the rest of the timeout
-                        timeout = max(
-                            timeout - datetime.timedelta(seconds=time.perf_counter() - t0),
-                            datetime.timedelta(milliseconds=1),
-                        )
-                        break
-                    time.sleep(POLL_INTERVAL_S)
-            work.wait(timeout)
-        except RuntimeError as e:
-            raise PolicySyncError(f"{what}: {e}") from e
-
-    def _order(self, work: dist.Work, what: str, bucket: int) -> None:
-        """What comes after this call (buffer reuse, staging, the fan-out) needs ``work`` done.
-        Stream-ordered: the current CUDA stream waits for it and the host goes on (checked later by
-        ``_drain``); otherwise the host waits, at most ``timeout_s``."""
-        if not self.stream_ordered:
-            self._wait(work, what)
-            return
-        try:
-            work.wait()
-        except RuntimeError as e:
-            raise PolicySyncError(f"{what}: {e}") from e
-        self._inflight.append((work, what, bucket))
-
-    def _drain(self) -> float:
-        """Stream-ordered: host-wait (each at most ``timeout_s``) on every collective of this sync,
-        so a rank votes "done" only once its data really moved. Returns the seconds waited."""
-        t = time.perf_counter()
-        inflight, self._inflight = self._inflight, []
-        for work, what, bucket in inflight:
-            try:
-                self._wait(work, what, poll=True)
-            except PolicySyncError as e:
-                e.buckets_done = bucket
-                raise
-        dt = time.perf_counter() - t
-        self.last_phases["wait"] += dt
-        return dt
 
     def _missing(self) -> str:
         """After a vote timed out: the ranks that never reached it (from the store)."""
@@ -548,21 +452,19 @@ class StreamTransport(PolicySyncTransport):
     def _sync(self, version: int) -> SyncStats:
         assert self.is_train or self.is_rollout, f"rank {self.rank} takes no part in this policy sync"
         self._attempt += 1
-        self._inflight = []
-        self.last_phases = dict.fromkeys(
-            ("begin", "pack", "post", "wait", "stage", "vote", "commit", "device_sync"), 0.0
-        )
+        self.collectives.start()
+        phases = self.collectives.phases
         t0 = time.perf_counter()
         progress, error = 0, None
         try:
             if self.is_train:
-                transfer = self._send()
+                transfer = self.sender.send(self.source)
             else:
                 t = time.perf_counter()
                 self.store.set(self._key("start", self.rank), b"1")
                 self.receiver.begin(version)
-                self.last_phases["begin"] = time.perf_counter() - t
-                transfer = self._receive()
+                phases["begin"] = time.perf_counter() - t
+                transfer = self.bucket_receiver.receive()
             progress = len(self.plan.buckets)
         except PolicySyncError as e:
             transfer, error = 0.0, str(e)
@@ -574,8 +476,8 @@ class StreamTransport(PolicySyncTransport):
             raise
         t = time.perf_counter()
         ok, detail = self._vote(state=_DONE if error is None else _TIMED_OUT, progress=progress)
-        self.last_phases["vote"] = time.perf_counter() - t
-        transfer += self.last_phases["vote"]
+        phases["vote"] = time.perf_counter() - t
+        transfer += phases["vote"]
         if not ok:
             cause = f"{error}; " if error else ""
             message = f"policy sync v{version} failed on rank {self.rank}: {cause}{detail}"
@@ -585,11 +487,11 @@ class StreamTransport(PolicySyncTransport):
         if self.is_rollout:
             t = time.perf_counter()
             self.receiver.commit(version)
-            self.last_phases["commit"] = time.perf_counter() - t
+            phases["commit"] = time.perf_counter() - t
         if self.device.type == "cuda":
             t = time.perf_counter()
             torch.cuda.synchronize(self.device)
-            self.last_phases["device_sync"] = time.perf_counter() - t
+            phases["device_sync"] = time.perf_counter() - t
         return SyncStats(
             version=version,
             total_time_s=time.perf_counter() - t0,
@@ -599,7 +501,7 @@ class StreamTransport(PolicySyncTransport):
             # a training rank does not pause generation; a rollout rank as long as its receiver
             # says (a staged one: the commit; an in-place one: the whole sync)
             generation_paused_s=self.receiver.last_paused_s if self.is_rollout else 0.0,
-            phases_s=dict(self.last_phases),
+            phases_s=dict(phases),
         )
 
     def _vote(self, *, state: int, progress: int) -> tuple[bool, str]:
@@ -614,17 +516,18 @@ class StreamTransport(PolicySyncTransport):
         status = torch.zeros(2, dist.get_world_size(), dtype=torch.int64)
         status[0, self.rank] = state
         status[1, self.rank] = progress
+        control = self.control_group
         try:
             if self.vote_backend == "nccl":
                 if self._vote_stream is None:
                     self._vote_stream = torch.cuda.Stream(self.device)
                 with torch.cuda.stream(self._vote_stream):
                     status_dev = status.to(self.device)
-                    work = dist.all_reduce(status_dev, group=self.control_group, async_op=True)
-                    self._wait(work, "commit vote", poll=True)
+                    work = dist.all_reduce(status_dev, group=control, async_op=True)
+                    self.collectives.wait(work, "commit vote", poll=True)
                     status = status_dev.cpu()
             else:
-                self._wait(dist.all_reduce(status, group=self.control_group, async_op=True), "commit vote")
+                self.collectives.wait(dist.all_reduce(status, group=control, async_op=True), "commit vote")
         except PolicySyncError as e:
             return False, f"{e}; {self._missing()}"
         participants = self.topology.participants
@@ -638,173 +541,3 @@ class StreamTransport(PolicySyncTransport):
         )
         parts = ([f"failed rank(s) {raised}"] if raised else []) + ([f"timed out: {waited}"] if waited else [])
         return False, "; ".join(parts) + (f" ({desc})" if desc else "")
-
-    def _timed_wait(self, work: dist.Work, what: str, bucket: int) -> float:
-        t = time.perf_counter()
-        self._order(work, what, bucket)
-        dt = time.perf_counter() - t
-        self.last_phases["wait"] += dt
-        return dt
-
-    def _post(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> tuple[dist.Work, float]:
-        t = time.perf_counter()
-        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-        dt = time.perf_counter() - t
-        self.last_phases["post"] += dt
-        return work, dt
-
-    def _send(self) -> float:
-        """Training rank: iterate the source; if a sender, send this row's buckets in plan order.
-
-        A bucket of one contiguous chunk in the wire dtype goes out as a view of the trained tensor
-        (no copy); any other is packed into one of two buffers while earlier sends are in flight,
-        with one multi-tensor copy when its last item was read (a gathered DTensor is copied out at
-        once, so it can be freed). A buffer is reused only after its previous send completed (on
-        the stream when stream-ordered); at most two sends in flight."""
-        ph = self.last_phases
-        row = self.topology.sender_ranks.index(self.rank) if self.rank in self.topology.sender_ranks else -1
-        my_buckets = [b for b in self.plan.buckets if b.row == row]
-        if self._send_items is None:
-            self._send_items = tensor_chunks(my_buckets)
-        items_by_tensor = self._send_items
-        works: dict[int, dist.Work] = {}
-        owner: list[int | None] = [None, None]  # per buffer slot: the bucket packed in it last
-        slot_of: dict[int, int] = {}
-        pending: dict[int, list[torch.Tensor]] = {}  # bucket pos -> chunks read, not yet packed
-        packed: dict[int, int] = {}  # bucket pos -> items already packed
-        transfer = 0.0
-
-        def what(pos: int) -> str:
-            return f"sending bucket {my_buckets[pos].index} to relay rank {self.relays[row]}"
-
-        def flush(pos: int) -> None:
-            chunks = pending.pop(pos, None)
-            if not chunks:
-                return
-            t = time.perf_counter()
-            slot, first = slot_of[pos], packed.get(pos, 0)
-            self._packer.pack(my_buckets[pos], slot, self._buffer(slot), first, chunks)
-            packed[pos] = first + len(chunks)
-            ph["pack"] += time.perf_counter() - t
-
-        for idx, (name, tensor) in enumerate(self.source.iter_tensors()):
-            if idx >= len(self.meta) or name != self.meta[idx][0]:
-                raise ValueError(f"weight source order changed at {idx} ({name!r}); rebuild the transport")
-            full = full_tensor(tensor)
-            entry = items_by_tensor.get(idx)
-            pairs = zip(entry[0], chunk_views(full, entry)) if entry is not None else ()
-            for (pos, item), chunk in pairs:
-                bucket = my_buckets[pos]
-                first = item is bucket.items[0]
-                if first:  # at most two sends in flight
-                    for prev in [p for p in works if p <= pos - 2]:
-                        transfer += self._timed_wait(works.pop(prev), what(prev), my_buckets[prev].index)
-                if len(bucket.items) == 1 and chunk.dtype == item.dtype and chunk.is_contiguous():
-                    # A bucket of one contiguous chunk goes out as it is: no packing copy.
-                    works[pos], dt = self._post(chunk.reshape(-1).view(torch.uint8), self.rank, self.pair_groups[row])
-                    transfer += dt
-                    continue
-                if first:
-                    # A slot not held by a bucket still being packed; wait for its send if in flight.
-                    free = [s for s in (0, 1) if owner[s] is None or owner[s] in works or owner[s] not in slot_of]
-                    slot = min(free, key=lambda s: (owner[s] in works, owner[s] or -1))
-                    if owner[slot] in works:
-                        transfer += self._timed_wait(
-                            works.pop(owner[slot]), what(owner[slot]), my_buckets[owner[slot]].index
-                        )
-                    owner[slot] = pos
-                    slot_of[pos] = slot
-                pending.setdefault(pos, []).append(chunk)
-                if item is bucket.items[-1]:
-                    flush(pos)
-                    works[pos], dt = self._post(
-                        self._buffer(slot_of[pos])[: bucket.nbytes], self.rank, self.pair_groups[row]
-                    )
-                    transfer += dt
-                    del slot_of[pos]  # sent: the slot is free once its work completes
-                    packed.pop(pos, None)
-            if full is not tensor:  # a gathered copy: pack what it holds now and let it go
-                for pos in list(pending):
-                    flush(pos)
-            del full
-        for pos in sorted(works):
-            transfer += self._timed_wait(works.pop(pos), what(pos), my_buckets[pos].index)
-        if self.stream_ordered:
-            transfer += self._drain()
-        return transfer
-
-    def _receive(self) -> float:
-        """Rollout rank: receive every bucket (as relay, then through the fan-out), stage own slices.
-
-        A bucket of one chunk this rank keeps whole is received straight into its staging tensor
-        (no copy); others land in one of two buffers. One bucket of lookahead: bucket k's
-        collectives are posted before bucket k-1 is staged, so staging overlaps the transfer."""
-        specs = self.receiver.shard_specs()
-        ph = self.last_phases
-        transfer = 0.0
-        buckets = self.plan.buckets
-        fanout: dict[int, dist.Work] = {}
-        direct = False  # whether bucket k-1 was received straight into its staging tensor
-        for k in range(len(buckets) + 1):
-            try:
-                recv = None
-                direct_prev, direct = direct, False
-                if k < len(buckets) and self.rank != self.relays[buckets[k].row] and not self.fanout[k]:
-                    direct = True  # bucket k does not come to this rank: nothing to receive or stage
-                elif k < len(buckets):
-                    bucket = buckets[k]
-                    buf = self._direct_dest(bucket, specs)
-                    direct = buf is not None
-                    if buf is None:
-                        buf = self._buffer(k)[: bucket.nbytes]
-                    relay = self.relays[bucket.row]
-                    if self.rank == relay:
-                        sender = self.topology.sender_ranks[bucket.row]
-                        work, dt = self._post(buf, sender, self.pair_groups[bucket.row])
-                        recv = (work, f"receiving bucket {k} from training rank {sender}")
-                        transfer += dt
-                    else:
-                        fanout[k], dt = self._post(buf, relay, self.rollout_group)
-                        transfer += dt
-                if k > 0:
-                    if k - 1 in fanout:
-                        transfer += self._timed_wait(
-                            fanout.pop(k - 1),
-                            f"fan-out of bucket {k - 1} from relay rank {self.relays[buckets[k - 1].row]}",
-                            k - 1,
-                        )
-                    if not direct_prev:
-                        t = time.perf_counter()
-                        self._stager.stage(buckets[k - 1], self._buffer(k - 1)[: buckets[k - 1].nbytes])
-                        ph["stage"] += time.perf_counter() - t
-                if recv is not None:
-                    transfer += self._timed_wait(*recv, k)
-                    if self.fanout[k]:
-                        fanout[k], dt = self._post(buf, self.rank, self.rollout_group)
-                        transfer += dt
-            except PolicySyncError as e:
-                e.buckets_done = max(k - 1, 0)
-                raise
-        if self.stream_ordered:
-            transfer += self._drain()
-        return transfer
-
-    def _direct_dest(self, bucket: Bucket, specs: Mapping) -> torch.Tensor | None:
-        """For a bucket of one chunk that this rank keeps whole (replicated, or inside its dim-0
-        slice) in the wire dtype: the staging rows themselves, as bytes, so it is received in place."""
-        if len(bucket.items) != 1:
-            return None
-        item = bucket.items[0]
-        spec = specs.get(item.name)
-        if spec is None or spec.dtype != item.dtype:
-            return None
-        if spec.dim is None:
-            lo = item.row_start
-        elif spec.dim == 0 and spec.start <= item.row_start and item.row_end <= spec.start + spec.length:
-            lo = item.row_start - spec.start
-        else:
-            return None
-        dest = self.receiver.stage(item.name)
-        dest = dest if dest.dim() else dest.view(1)
-        rows = dest[lo : lo + item.row_end - item.row_start]
-        return rows.reshape(-1).view(torch.uint8) if rows.is_contiguous() else None

@@ -33,17 +33,15 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from areno.observe.session import session
+from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow, _import_dotted
 from areno.workflows.interaction import ExportStyle
 from areno.workflows.openai_client import AgentProxy, ArenoAsyncOpenAI
 from areno.workflows.tools import ToolCall, ToolSet, calculator, calculator_tool, parse_tool_calls
-
-if TYPE_CHECKING:
-    from areno.rollout.client import RolloutClient
 
 logger = logging.getLogger("areno.workflows")
 

@@ -12,13 +12,11 @@ import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from areno.errors import ConfigError, RewardImportError
+from areno.rollout.client import RolloutClient
 from areno.types import Trajectory
-
-if TYPE_CHECKING:
-    from areno.rollout.client import RolloutClient
 
 EpisodeResult = Trajectory | list[Trajectory] | None
 """What ``run_episode`` returns: one trajectory, a group (GRPO: n samples of one prompt), or None

@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from areno.workflows.base import _import_dotted
+
 logger = logging.getLogger("areno.workflows")
 
 RewardFn = Callable[..., float]
@@ -61,8 +63,6 @@ def takes_store(workflow: Any) -> bool:
     Only an explicitly named ``store`` counts: a factory taking ``**kwargs`` is not assumed to
     forward it (``store`` would reach a constructor that rejects it)."""
     if isinstance(workflow, str):
-        from areno.workflows.base import _import_dotted
-
         workflow = _import_dotted(workflow)
     target = workflow.__init__ if isinstance(workflow, type) else workflow
     try:

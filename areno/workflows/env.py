@@ -27,21 +27,19 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from areno.data.tasks import extract_answer
+from areno.data.tasks import TaskSpec, extract_answer, generate_rows
 from areno.observe.session import session
+from areno.rollout.client import RolloutClient
 from areno.rollout.store import InProcessStore, ObservationStore, StoreRef
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.agent import describe_row
 from areno.workflows.base import RolloutWorkflow, _import_dotted
 from areno.workflows.interaction import ExportStyle
 from areno.workflows.openai_client import ArenoAsyncOpenAI
-
-if TYPE_CHECKING:
-    from areno.rollout.client import RolloutClient
 
 logger = logging.getLogger("areno.workflows")
 
@@ -295,8 +293,6 @@ def sort_retry_rows(
     ``target_key="target"``: ``target`` is the sorted digits; ``answer`` (what a warm start imitates)
     is the target, or for a ``lazy_fraction`` share of the rows a lazy demonstrator's answer, the
     digits as given. Train and eval prompts never overlap (``areno.data.tasks.generate_rows``)."""
-    from areno.data.tasks import TaskSpec, generate_rows
-
     if not 0 <= lazy_fraction <= 1:
         raise ValueError(f"lazy_fraction must be in [0, 1], got {lazy_fraction}")
     import random

@@ -11,15 +11,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
 from areno.workflows.rlvr import seeded
-
-if TYPE_CHECKING:
-    from areno.rollout.client import RolloutClient
 
 DEFAULT_FEEDBACK = "\nYour answer is incorrect. Try again.\n"
 

@@ -39,6 +39,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from areno.rollout.client import agenerate_many
+from areno.rollout.server import check_bind
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.interaction import ExportStyle, Interaction, InteractionCache
 from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validate_tool_schema
@@ -64,6 +65,47 @@ _IGNORED = {
     "suffix",
     "reasoning_effort",
 }
+
+
+_CHAT_KEYS = frozenset(
+    {
+        "messages",
+        "model",
+        "tools",
+        "tool_choice",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "stop",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "extra_body",
+        "functions",
+        "function_call",
+    }
+)
+"""Parameters of ``chat.completions.create`` this client serves (besides ``_IGNORED``)."""
+_COMPLETION_KEYS = frozenset(
+    {
+        "prompt",
+        "model",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "n",
+        "stop",
+        "seed",
+        "logprobs",
+        "echo",
+        "stream",
+        "extra_body",
+    }
+)
+"""Parameters of ``completions.create`` this client serves (besides ``_IGNORED``)."""
 
 
 class AgentRequestError(ValueError):
@@ -242,29 +284,7 @@ class ArenoAsyncOpenAI:
 
     # ---- the two endpoints
     async def acreate_chat(self, **req: Any) -> ChatCompletion:
-        _check_kwargs(
-            req,
-            {
-                "messages",
-                "model",
-                "tools",
-                "tool_choice",
-                "temperature",
-                "top_p",
-                "max_tokens",
-                "max_completion_tokens",
-                "n",
-                "stop",
-                "seed",
-                "logprobs",
-                "top_logprobs",
-                "stream",
-                "extra_body",
-                "functions",
-                "function_call",
-            },
-            "chat.completions.create",
-        )
+        _check_kwargs(req, _CHAT_KEYS, "chat.completions.create")
         if req.get("stream"):
             raise AgentRequestError("stream=True is not supported by the recording client; call without streaming")
         if not req.get("messages"):
@@ -278,23 +298,9 @@ class ArenoAsyncOpenAI:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = []
         for index, out in enumerate(outs):
-            text = self._text(out)
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            calls, errors = [], []
-            if tools:
-                content, parsed = parse_tool_calls(text)
-                calls = [c.to_openai() for c in parsed if not hasattr(c, "message")]
-                errors = [c.message for c in parsed if hasattr(c, "message")]
-                if calls or errors:
-                    message["content"] = content if not errors else text
-                if calls:
-                    message["tool_calls"] = calls
-                if errors:
-                    message["tool_call_errors"] = errors
-            finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-            interaction_id = response_id if len(outs) == 1 else f"{response_id}-{index}"
+            message, calls, errors = self._chat_message(self._text(out), tools)
             inter = Interaction(
-                id=interaction_id,
+                id=response_id if len(outs) == 1 else f"{response_id}-{index}",
                 messages=messages,
                 prompt_ids=prompt_ids,
                 output_ids=list(out.output_ids),
@@ -307,71 +313,51 @@ class ArenoAsyncOpenAI:
             )
             self.cache.add(inter, parent)
             self._record_turns(messages, parent, message, out, duration)
-            logprobs = None
-            if req.get("logprobs"):
-                logprobs = {
-                    "content": [
-                        {
-                            "token": self.tokenizer.decode([t]),
-                            "logprob": lp,
-                            "bytes": list(self.tokenizer.decode([t]).encode()),
-                            "top_logprobs": [],
-                        }
-                        for t, lp in zip(out.output_ids, out.output_logprobs)
-                    ]
-                }
+            finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
             choices.append(
                 {
                     "index": index,
                     "message": message,
                     "finish_reason": _openai_finish(finish),
-                    "logprobs": logprobs,
+                    "logprobs": self._chat_logprobs(out) if req.get("logprobs") else None,
                     "token_ids": list(out.output_ids),
                     "prompt_token_ids": prompt_ids,
                 }
             )
-        return construct_type(
-            type_=ChatCompletion,
-            value={
-                "id": response_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": req.get("model") or "areno",
-                "choices": choices,
-                "usage": _usage(prompt_ids, outs),
-            },
-        )
+        return _response(ChatCompletion, "chat.completion", response_id, req, choices, prompt_ids, outs)
+
+    def _chat_message(
+        self, text: str, tools: list[dict[str, Any]] | None
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
+        """The assistant message of one generated ``text`` with the tool calls parsed out of it
+        (when the request offered tools), the calls (OpenAI form) and the parse errors."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if not tools:
+            return message, [], []
+        content, parsed = parse_tool_calls(text)
+        calls = [c.to_openai() for c in parsed if not hasattr(c, "message")]
+        errors = [c.message for c in parsed if hasattr(c, "message")]
+        if calls or errors:
+            message["content"] = content if not errors else text
+        if calls:
+            message["tool_calls"] = calls
+        if errors:
+            message["tool_call_errors"] = errors
+        return message, calls, errors
+
+    def _chat_logprobs(self, out: GenerationOutput) -> dict[str, Any]:
+        """A chat choice's ``logprobs``: one entry per generated token (no alternatives)."""
+        content = []
+        for t, lp in zip(out.output_ids, out.output_logprobs):
+            token = self.tokenizer.decode([t])
+            content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
+        return {"content": content}
 
     async def acreate_completion(self, **req: Any) -> Completion:
-        _check_kwargs(
-            req,
-            {
-                "prompt",
-                "model",
-                "temperature",
-                "top_p",
-                "max_tokens",
-                "n",
-                "stop",
-                "seed",
-                "logprobs",
-                "echo",
-                "stream",
-                "extra_body",
-            },
-            "completions.create",
-        )
+        _check_kwargs(req, _COMPLETION_KEYS, "completions.create")
         if req.get("stream"):
             raise AgentRequestError("stream=True is not supported by the recording client; call without streaming")
-        prompt = req.get("prompt")
-        if isinstance(prompt, str):
-            prompt_ids = self._encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            prompt_ids = list(prompt)
-        else:
-            raise AgentRequestError("prompt must be a string or a list of token ids (one prompt per call)")
-        if not prompt_ids:
-            raise AgentRequestError("prompt is empty: send at least one token")
+        prompt_ids = self._completion_prompt_ids(req.get("prompt"))
         outs, _ = await self._agenerate_n(prompt_ids, req)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         parent = self.cache.find_token_parent(prompt_ids)
@@ -392,37 +378,40 @@ class ArenoAsyncOpenAI:
             self.cache.add(inter, parent)
             if self.session is not None:
                 self.session.turn("assistant", text, num_tokens=len(out.output_ids))
-            logprobs = None
-            if req.get("logprobs") is not None:
-                tokens = [self.tokenizer.decode([t]) for t in out.output_ids]
-                offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-                logprobs = {
-                    "tokens": tokens,
-                    "token_logprobs": list(out.output_logprobs),
-                    "top_logprobs": [{} for _ in tokens],
-                    "text_offset": offsets,
-                }
             choices.append(
                 {
                     "index": index,
                     "text": text,
                     "finish_reason": _openai_finish(out.finish_reason),
-                    "logprobs": logprobs,
+                    "logprobs": self._completion_logprobs(out) if req.get("logprobs") is not None else None,
                     "token_ids": list(out.output_ids),
                     "prompt_token_ids": prompt_ids,
                 }
             )
-        return construct_type(
-            type_=Completion,
-            value={
-                "id": response_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": req.get("model") or "areno",
-                "choices": choices,
-                "usage": _usage(prompt_ids, outs),
-            },
-        )
+        return _response(Completion, "text_completion", response_id, req, choices, prompt_ids, outs)
+
+    def _completion_prompt_ids(self, prompt: Any) -> list[int]:
+        """A completion request's one prompt (a string or token ids) as token ids."""
+        if isinstance(prompt, str):
+            prompt_ids = self._encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            raise AgentRequestError("prompt must be a string or a list of token ids (one prompt per call)")
+        if not prompt_ids:
+            raise AgentRequestError("prompt is empty: send at least one token")
+        return prompt_ids
+
+    def _completion_logprobs(self, out: GenerationOutput) -> dict[str, Any]:
+        """A completion choice's ``logprobs`` in the legacy layout (tokens, log-probs, offsets)."""
+        tokens = [self.tokenizer.decode([t]) for t in out.output_ids]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(out.output_logprobs),
+            "top_logprobs": [{} for _ in tokens],
+            "text_offset": offsets,
+        }
 
     def _record_turns(
         self,
@@ -446,7 +435,7 @@ class ArenoAsyncOpenAI:
         )
 
 
-def _check_kwargs(req: dict[str, Any], known: set[str], where: str) -> None:
+def _check_kwargs(req: dict[str, Any], known: frozenset[str], where: str) -> None:
     for key in list(req):
         if key in _IGNORED:
             req.pop(key)
@@ -454,6 +443,29 @@ def _check_kwargs(req: dict[str, Any], known: set[str], where: str) -> None:
             raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
     for key in [k for k, v in req.items() if v is None or isinstance(v, _NotGiven) or type(v).__name__ == "NotGiven"]:
         req.pop(key)
+
+
+def _response(
+    type_: type,
+    object_name: str,
+    response_id: str,
+    req: dict[str, Any],
+    choices: list[dict[str, Any]],
+    prompt_ids: list[int],
+    outs: list[GenerationOutput],
+) -> Any:
+    """The ``openai.types`` response object (``ChatCompletion`` or ``Completion``) of one request."""
+    return construct_type(
+        type_=type_,
+        value={
+            "id": response_id,
+            "object": object_name,
+            "created": int(time.time()),
+            "model": req.get("model") or "areno",
+            "choices": choices,
+            "usage": _usage(prompt_ids, outs),
+        },
+    )
 
 
 def _openai_finish(reason: str) -> str:
@@ -510,8 +522,6 @@ class AgentProxy:
     ) -> None:
         """``api_key``: every request must carry ``Authorization: Bearer <key>`` (the ``openai``
         client's ``api_key``); required when ``host`` is not a loopback address."""
-        from areno.rollout.server import check_bind
-
         check_bind(host, api_key)
         self.api_key = api_key
         self.rollout_client = rollout_client

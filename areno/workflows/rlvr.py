@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from areno.rollout.client import agenerate_many
+from areno.rollout.client import RolloutClient, agenerate_many
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
-
-if TYPE_CHECKING:
-    from areno.rollout.client import RolloutClient
 
 
 def seeded(params: SamplingParams, offset: int) -> SamplingParams:

@@ -1,6 +1,7 @@
 """`cluster.scheduler` / `cluster.scheduler_options` pick the partitioned engine's scheduler; the cluster
 section's launch checks."""
 
+import subprocess
 import sys
 
 import pytest
@@ -73,6 +74,13 @@ def test_local_is_the_default_and_logs_to_the_run(tmp_path):
     layout = ClusterLayout(train_devices=(0,), rollout_devices=(1,))
     with scheduler_for(cluster, layout, log_dir=str(tmp_path / "workers")) as sched:
         assert isinstance(sched, LocalScheduler) and sched.log_dir == tmp_path / "workers"
+
+
+def test_the_launch_package_imports_without_ray():
+    """Ray is imported where a Ray scheduler is built, not by ``areno.launch`` or its factory."""
+    code = "import sys, areno.launch, areno.launch.factory; assert 'ray' not in sys.modules, 'ray imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_ray_not_installed_is_one_line(tmp_path, monkeypatch):

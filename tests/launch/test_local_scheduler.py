@@ -5,12 +5,12 @@ import asyncio
 import pytest
 import torch
 
+from areno.launch.factory import scheduler_from_config
 from areno.launch.scheduler import (
     LocalScheduler,
     SchedulerConfig,
     WorkerDiedError,
     WorkerError,
-    scheduler_from_config,
 )
 from areno.launch.storage import StorageCheckError, check_shared_storage
 from tests.launch._workers import local_gradient

@@ -7,6 +7,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from areno.launch.factory import scheduler_from_config  # noqa: E402
 from areno.launch.ray_scheduler import RayScheduler  # noqa: E402
 from areno.launch.scheduler import (  # noqa: E402
     LocalScheduler,
@@ -14,7 +15,6 @@ from areno.launch.scheduler import (  # noqa: E402
     WorkerDiedError,
     WorkerError,
     free_port,
-    scheduler_from_config,
 )
 from tests.launch._workers import local_gradient  # noqa: E402
 

@@ -4,7 +4,8 @@ import textwrap
 
 import pytest
 
-from areno.launch.scheduler import RoleSpec, SchedulerConfig, SchedulerError, WorkerDiedError, scheduler_from_config
+from areno.launch.factory import scheduler_from_config
+from areno.launch.scheduler import RoleSpec, SchedulerConfig, SchedulerError, WorkerDiedError
 from areno.launch.slurm import SlurmScheduler, render_sbatch
 from tests.launch._slurm_cluster import slurm_available, slurm_cluster
 from tests.launch._workers import local_gradient

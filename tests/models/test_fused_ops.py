@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from areno.models import Decoder, fused_ops, tiny_config
-from areno.models.decoder import PackedCausalAttention, eager_rms_norm, eager_rope
+from areno.models.attention import PackedCausalAttention
+from areno.models.eager_ops import eager_rms_norm, eager_rope
 
 
 def test_inference_scope_is_per_thread_and_nests():

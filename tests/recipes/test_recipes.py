@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from areno.errors import ConfigError
 from areno.recipes import TRAINING_CONFIGS, DataSync, ModelRole, TrainingConfig, get_recipe, list_recipes, main, recipe
 from areno.recipes.runner import RecipeRunner
-from areno.specializations import ActorSpecialization, DistillSpecialization, DPOSpecialization, LogProbSpecialization
+from areno.specializations import (
+    ActorConfig,
+    ActorSpecialization,
+    DistillSpecialization,
+    DPOSpecialization,
+    LogProbSpecialization,
+)
 
 REQUIRED = [
     "grpo",
@@ -79,6 +86,22 @@ def test_options_and_policy_kwargs():
         get_recipe("grpo", policy_kwargs={"clip_eps": -1})
     with pytest.raises(ValueError, match="bad arguments for ActorSpecialization"):
         get_recipe("grpo", policy_kwargs={"clip_epsilon": 0.2})
+
+
+def test_policy_kwargs_become_the_actor_config():
+    """The policy role's ``init_kwargs`` are the fields of its ``ActorConfig``: an unknown key is one
+    ConfigError line naming it and listing the valid ones; a bad value names the option."""
+    spec = get_recipe("grpo", policy_kwargs={"clip_eps": 0.1}).policy_role.build()
+    assert spec.config == ActorConfig(clip_eps=0.1, kl_coef=0.0, loss_aggregation="seq_mean_token_mean")
+    with pytest.raises(ConfigError) as info:
+        get_recipe("grpo", policy_kwargs={"clip_epsilon": 0.2})
+    message = str(info.value)
+    assert "\n" not in message and "unknown option 'clip_epsilon'" in message
+    assert "valid options: advantage_estimator, adv_eps," in message and "logprob_chunk_size" in message
+    with pytest.raises(
+        ConfigError, match=r"bad arguments for ActorSpecialization: ActorConfig.temperature must be > 0, got 0"
+    ):
+        get_recipe("grpo", policy_kwargs={"temperature": 0})
 
 
 def test_teacher_without_checkpoint():

@@ -9,7 +9,9 @@ import pytest
 import torch
 from recipes_testlib import loss_of, make_decoder, naive_logprobs, rl_batch, with_behaviour_logprobs
 
+from areno.errors import ConfigError
 from areno.specializations import (
+    ActorConfig,
     ActorSpecialization,
     AggrevateSpecialization,
     CriticSpecialization,
@@ -64,11 +66,13 @@ def test_actor_grpo_clipped_loss(model, aggregation):
     logp = naive_logprobs(model, base)
     batch = with_behaviour_logprobs(base, logp)
     spec = ActorSpecialization(
-        advantage_estimator="grpo",
-        clip_eps=0.2,
-        clip_eps_high=0.28,
-        loss_aggregation=aggregation,
-        loss_agg_constant=8.0,
+        ActorConfig(
+            advantage_estimator="grpo",
+            clip_eps=0.2,
+            clip_eps_high=0.28,
+            loss_aggregation=aggregation,
+            loss_agg_constant=8.0,
+        )
     )
     prepared = spec.prepare_batch(batch)
     loss, metrics = loss_of(spec, model, prepared)
@@ -97,7 +101,7 @@ def test_actor_grpo_clipped_loss(model, aggregation):
 def test_actor_dapo_drops_zero_variance_groups_and_penalises_overlong(model):
     batch = rl_batch()
     spec = ActorSpecialization(
-        advantage_estimator="grpo", dynamic_sampling=True, overlong_max_length=4, overlong_buffer_length=2
+        ActorConfig(advantage_estimator="grpo", dynamic_sampling=True, overlong_max_length=4, overlong_buffer_length=2)
     )
     prepared = spec.prepare_batch(batch)
     # completion lengths 4, 2 | 5, 3 | 2, 3 -> penalties -1, 0 | -1, -0.5 | 0, -0.5 (L_max 4,
@@ -114,7 +118,9 @@ def test_actor_kl_and_entropy_terms(model):
     ref_model = make_decoder(5)
     ref = naive_logprobs(ref_model, batch)
     batch = with_extra(batch, ref_logprobs_T=ref)
-    spec = ActorSpecialization(advantage_estimator="dr_grpo", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    spec = ActorSpecialization(
+        ActorConfig(advantage_estimator="dr_grpo", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    )
     loss, metrics = loss_of(spec, model, spec.prepare_batch(batch))
     ent = token_logprobs_T(model, batch, with_entropy=True)["entropy_T"].detach()
     adv = grpo_adv(batch.rewards_B.tolist(), std=False)
@@ -135,11 +141,13 @@ def test_actor_decoupled_recompute_and_loglinear(model):
     gen = torch.Generator().manual_seed(7)
     prox = torch.where(batch.loss_mask_T, logp + 0.1 * torch.randn(batch.num_tokens, generator=gen), torch.zeros(()))
     spec = ActorSpecialization(
-        advantage_estimator="grpo",
-        use_decoupled_loss=True,
-        prox_logp_method="recompute",
-        behav_imp_weight_cap=1.5,
-        behav_weight_mode="mask",
+        ActorConfig(
+            advantage_estimator="grpo",
+            use_decoupled_loss=True,
+            prox_logp_method="recompute",
+            behav_imp_weight_cap=1.5,
+            behav_weight_mode="mask",
+        )
     )
     assert spec.self_forward_keys == {"logprobs_T": "prox_logprobs_T"}
     prepared = spec.prepare_batch(with_extra(batch, prox_logprobs_T=prox))
@@ -156,7 +164,9 @@ def test_actor_decoupled_recompute_and_loglinear(model):
     assert loss.item() == pytest.approx(total / n, rel=1e-4)
     assert "actor/coupled_clip_frac" in metrics and "actor/behave_over_cap_frac" in metrics
     # loglinear: versions 3, prox version 5 -> alpha = 2/3
-    ll = ActorSpecialization(advantage_estimator="grpo", use_decoupled_loss=True, prox_logp_method="loglinear")
+    ll = ActorSpecialization(
+        ActorConfig(advantage_estimator="grpo", use_decoupled_loss=True, prox_logp_method="loglinear")
+    )
     assert ll.self_forward_keys == {}
     prepared = ll.prepare_batch(with_extra(batch, policy_version_B=torch.full((6,), 5)))
     loss_ll, _ = loss_of(ll, model, prepared)
@@ -176,7 +186,7 @@ def test_actor_gspo_and_cispo(model):
     batch = with_behaviour_logprobs(base, logp, scale=0.01)
     adv = grpo_adv(batch.rewards_B.tolist())
     gspo = ActorSpecialization(
-        policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq_mean_token_mean"
+        ActorConfig(policy_loss="gspo", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq_mean_token_mean")
     )
     loss, _ = loss_of(gspo, model, gspo.prepare_batch(batch))
     per_seq = []
@@ -185,7 +195,7 @@ def test_actor_gspo_and_cispo(model):
         s = math.exp(sum(float(logp[t] - batch.logprobs_T[t]) for t in pos) / len(pos))
         per_seq.append(-min(s * adv[b], min(max(s, 1 - 3e-4), 1 + 4e-4) * adv[b]))
     assert loss.item() == pytest.approx(sum(per_seq) / 6, rel=1e-4, abs=1e-6)
-    cispo = ActorSpecialization(policy_loss="cispo", clip_eps_high=0.005, loss_aggregation="token")
+    cispo = ActorSpecialization(ActorConfig(policy_loss="cispo", clip_eps_high=0.005, loss_aggregation="token"))
     loss, _ = loss_of(cispo, model, cispo.prepare_batch(batch))
     total, n = 0.0, 0
     for b in range(6):
@@ -198,10 +208,10 @@ def test_actor_gspo_and_cispo(model):
 
 def test_actor_rloo_and_reinforce_pp_advantages():
     batch = rl_batch()
-    rloo = ActorSpecialization(advantage_estimator="rloo").prepare_batch(batch)
+    rloo = ActorSpecialization(ActorConfig(advantage_estimator="rloo")).prepare_batch(batch)
     # pairs: leave-one-out baseline is the other reward
     assert rloo.advantages_T[completion_positions(batch, 2)[0]].item() == pytest.approx(0.2 - 1.0)
-    rpp = ActorSpecialization(advantage_estimator="reinforce_pp_baseline").prepare_batch(batch)
+    rpp = ActorSpecialization(ActorConfig(advantage_estimator="reinforce_pp_baseline")).prepare_batch(batch)
     pos = [t for b in range(6) for t in completion_positions(batch, b)]
     vals = rpp.advantages_T[pos]
     assert vals.mean().item() == pytest.approx(0.0, abs=1e-6)
@@ -379,9 +389,9 @@ def test_preference_batch_errors():
 
 
 def test_bad_arguments_are_one_line_errors():
-    with pytest.raises(ValueError, match="advantage_estimator"):
-        ActorSpecialization(advantage_estimator="grpoo")
-    with pytest.raises(ValueError, match="use_decoupled_loss"):
-        ActorSpecialization(policy_loss="gspo", use_decoupled_loss=True)
+    with pytest.raises(ConfigError, match="advantage_estimator"):
+        ActorConfig(advantage_estimator="grpoo")
+    with pytest.raises(ConfigError, match="use_decoupled_loss"):
+        ActorConfig(policy_loss="gspo", use_decoupled_loss=True)
     with pytest.raises(ValueError, match="needs batch.extra keys"):
-        ActorSpecialization(kl_coef=0.1).prepare_batch(rl_batch())
+        ActorSpecialization(ActorConfig(kl_coef=0.1)).prepare_batch(rl_batch())

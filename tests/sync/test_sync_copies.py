@@ -10,8 +10,9 @@ import torch
 from sync_helpers import TP_PLAN, tiny_weights
 
 from areno.sync.base import StagedReceiver, copy_into, swap_into, write_rows
+from areno.sync.buckets import BucketPacker, BucketStager, chunk_views, foreach_copy, tensor_chunks
+from areno.sync.collectives import Collectives
 from areno.sync.plan import plan_buckets, shard_specs_from_tp_plan
-from areno.sync.stream import BucketPacker, BucketStager, chunk_views, foreach_copy, tensor_chunks
 
 
 def mixed_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -198,54 +199,46 @@ class FakeWork:
         return True
 
 
-def stream_ordered_transport(ordered: bool):
-    import datetime
-
-    from areno.sync.stream import StreamTransport
-
-    t = StreamTransport.__new__(StreamTransport)  # the wait logic alone, no process groups
-    t.stream_ordered, t._inflight = ordered, []
-    t._timeout = datetime.timedelta(seconds=5)
-    t.last_phases = {"wait": 0.0}
-    return t
+def collectives(ordered: bool) -> Collectives:
+    return Collectives(timeout_s=5, stream_ordered=ordered)  # the wait logic alone, no process groups
 
 
 def test_stream_ordered_waits_defer_the_timed_host_wait_to_the_drain():
     from areno.sync.base import PolicySyncError
 
-    t = stream_ordered_transport(True)
+    t = collectives(True)
     works = [FakeWork(), FakeWork(fail=True), FakeWork()]
     for k, w in enumerate(works):
-        t._order(w, f"receiving bucket {k} from training rank 0", k)
+        t.order(w, f"receiving bucket {k} from training rank 0", k)
     assert [w.calls for w in works] == [[None], [None], [None]]  # stream-ordered: no host block yet
     with pytest.raises(PolicySyncError, match="receiving bucket 1 from training rank 0: Watchdog") as e:
-        t._drain()
+        t.drain()
     assert e.value.buckets_done == 1
-    assert works[0].calls == [None, t._timeout] and works[1].calls == [None, t._timeout]
-    assert t._inflight == []
+    assert works[0].calls == [None, t.timeout] and works[1].calls == [None, t.timeout]
+    assert t.inflight == []
     # gloo: every wait blocks at once, with the timeout, and nothing is left for a drain.
-    t = stream_ordered_transport(False)
+    t = collectives(False)
     w = FakeWork()
-    t._order(w, "fan-out of bucket 0", 0)
-    assert w.calls == [t._timeout] and t._inflight == []
+    t.order(w, "fan-out of bucket 0", 0)
+    assert w.calls == [t.timeout] and t.inflight == []
 
 
 def test_nccl_host_waits_poll_before_the_millisecond_granular_timed_wait(monkeypatch):
     import datetime
     import time
 
-    import areno.sync.stream as stream
+    import areno.sync.collectives as collectives_module
 
-    t = stream_ordered_transport(True)
+    t = collectives(True)
     w = FakeWork(polls=3)  # done after a few polls: waited at once with the whole timeout
     t0 = time.perf_counter()
-    t._wait(w, "commit vote", poll=True)
-    assert w.polled == 4 and w.calls == [t._timeout] and time.perf_counter() - t0 < 0.5
-    monkeypatch.setattr(stream, "POLL_S", 0.05)
+    t.wait(w, "commit vote", poll=True)
+    assert w.polled == 4 and w.calls == [t.timeout] and time.perf_counter() - t0 < 0.5
+    monkeypatch.setattr(collectives_module, "POLL_S", 0.05)
     w = FakeWork(polls=None)  # still running after POLL_S: Work.wait gets the rest of the timeout
-    t._wait(w, "commit vote", poll=True)
+    t.wait(w, "commit vote", poll=True)
     assert w.polled > 1 and len(w.calls) == 1
-    assert t._timeout - datetime.timedelta(seconds=1) < w.calls[0] <= t._timeout - datetime.timedelta(seconds=0.05)
+    assert t.timeout - datetime.timedelta(seconds=1) < w.calls[0] <= t.timeout - datetime.timedelta(seconds=0.05)
     w = FakeWork(polls=None)  # gloo works are not polled
-    t._wait(w, "commit vote")
-    assert w.polled == 0 and w.calls == [t._timeout]
+    t.wait(w, "commit vote")
+    assert w.polled == 0 and w.calls == [t.timeout]

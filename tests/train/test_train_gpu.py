@@ -60,18 +60,18 @@ def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
     """The default one-GPU path (fp32 master weights, bf16 autocast): q/k/v reach the flash varlen
     kernel in bf16. RoPE's fp32 tables used to promote them to fp32, which sent every training
     attention to fp32 FlexAttention (half the step rate, bench/LOG.md "ninth")."""
-    from areno.models import decoder
+    from areno.models import attention
 
-    if not decoder.varlen_available():
+    if not attention.varlen_available():
         pytest.skip("this torch has no varlen attention")
     seen = []
-    varlen = decoder.PackedCausalAttention._varlen
+    varlen = attention.PackedCausalAttention._varlen
 
     def recording(self, q_THD, k_THD, v_THD):
         seen.append({q_THD.dtype, k_THD.dtype, v_THD.dtype})
         return varlen(self, q_THD, k_THD, v_THD)
 
-    monkeypatch.setattr(decoder.PackedCausalAttention, "_varlen", recording)
+    monkeypatch.setattr(attention.PackedCausalAttention, "_varlen", recording)
     b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", attention="varlen", max_tokens_per_mb=512))
     b.initialize(make_model_dir(tmp_path / "m", hidden=64))
     assert next(b.model.parameters()).dtype == torch.float32

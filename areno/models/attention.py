@@ -1,0 +1,262 @@
+"""Attention over packed sequences: the ``AttentionBackend`` contract the decoder calls in every
+layer, and ``PackedCausalAttention``, the training and scoring backend (SDPA, varlen flash or
+FlexAttention, chosen per device, dtype and batch shape). The rollout engine supplies its own
+paged-KV backend (``areno.rollout.attention``).
+
+Legend: T = packed tokens, H = heads (Hq query, Hkv key/value), Dh = head dim, B = sequences,
+S = the longest sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from areno.types import repeat_per_sequence, sequence_index_T
+
+
+class AttentionBackend(Protocol):
+    """Computes attention for one layer of a packed batch.
+
+    ``q_THD``: [T, Hq, Dh]; ``k_THD``, ``v_THD``: [T, Hkv, Dh] (after RoPE). Returns [T, Hq, Dh].
+    The backend handles GQA (Hq a multiple of Hkv) and uses the scale 1/sqrt(Dh).
+    """
+
+    def __call__(
+        self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+SDPA_MASK_MAX_TOKENS = 2048
+FLEX_MIN_HEAD_DIM = 16
+"""FlexAttention's compiled kernels need head dims of at least this (``auto`` picks sdpa below)."""
+
+
+class PackedCausalAttention:
+    """Causal attention inside each packed sequence (no attention across sequence boundaries).
+
+    ``cu_seqlens_B1``: int [B+1] boundaries. ``sliding_window``: Mistral's window (a query sees
+    itself and the previous ``sliding_window - 1`` tokens), or None. ``impl``:
+    - ``"sdpa"``: SDPA per sequence with ``is_causal`` (the CPU default: no work across sequences).
+    - ``"sdpa_mask"``: one SDPA call with a block-diagonal causal boolean mask [T, T].
+    - ``"flex"``: FlexAttention with a document block mask, compiled (the CUDA default).
+    - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash, CUDA bf16/fp16 only; torch
+      versions whose varlen lacks GQA get k/v repeated, and lack sliding windows fall back to flex).
+    - ``"sdpa_padded"``: scatter the sequences into a right-padded [B, H, S_max, Dh] batch and run
+      one causal SDPA call (padding sits after every real token, so causality hides it); costs
+      B * S_max^2 instead of T^2, the fast path for many short sequences on CPU.
+    - ``"auto"``: on CUDA the model's choice (``prepare``'s ``cuda_impl``: varlen, or flex), varlen
+      falling back to flex (or sdpa below ``FLEX_MIN_HEAD_DIM``) where flash does not run (fp32
+      inputs, head dims that are not a multiple of 8 or exceed 256, a torch without a varlen
+      kernel); elsewhere sdpa_padded when padding wastes at most half the tokens, else sdpa_mask up
+      to ``SDPA_MASK_MAX_TOKENS`` tokens, else per-sequence sdpa.
+    ``prepare`` builds the mask (or boundaries) once; ``Decoder.forward`` calls it before the
+    layers, so compiled layers only read it (no host sync or mask construction inside them).
+    """
+
+    IMPLS = ("auto", "sdpa", "sdpa_mask", "sdpa_padded", "flex", "varlen")
+
+    def __init__(self, cu_seqlens_B1: torch.Tensor, *, sliding_window: int | None = None, impl: str = "auto") -> None:
+        if impl not in self.IMPLS:
+            raise ValueError(f"PackedCausalAttention impl must be one of {self.IMPLS}, got {impl!r}")
+        self.cu_seqlens_B1 = cu_seqlens_B1
+        self.sliding_window = sliding_window
+        self.impl = impl
+        self._prepared_for: tuple | None = None
+        self._cuda_impl = "auto"
+        self._impl = impl
+        self._state = None
+
+    def prepare(
+        self,
+        num_tokens: int,
+        device: torch.device,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
+        cuda_impl: str | None = None,
+    ) -> None:
+        """Resolve ``auto`` and build what every layer reuses: sequence bounds (sdpa), the mask
+        (sdpa_mask, flex) or int32 boundaries and the longest length (varlen). ``head_dim``: when
+        known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM`` (its kernels need 16).
+        ``dtype`` (of q): when known, ``auto`` on CUDA avoids varlen for fp32 (flash is 16-bit); it
+        also does for head dims flash lacks (not a multiple of 8, or above 256). ``cuda_impl``: what
+        ``auto`` runs on CUDA (``Decoder.cuda_attention``), kept for later calls; default auto."""
+        device = torch.device(device)
+        if cuda_impl is not None:
+            self._cuda_impl = cuda_impl
+        small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
+        flash_ok = (dtype is None or dtype in (torch.bfloat16, torch.float16)) and (
+            head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
+        )
+        if self._prepared_for == (num_tokens, device, small_heads, flash_ok, self._cuda_impl):
+            return
+        impl = self.impl
+        if impl == "auto":
+            # CPU: many short sequences cost one SDPA call each, so below a few thousand tokens
+            # one masked call per layer is cheaper (the T x T mask stays small).
+            seqlens_B = self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]
+            padded_tokens = int(seqlens_B.max()) * seqlens_B.numel() if num_tokens else 0
+            if device.type == "cuda":
+                impl = "varlen" if self._cuda_impl == "auto" else self._cuda_impl
+                if impl == "varlen" and not (flash_ok and varlen_available()):
+                    impl = "flex"
+                if impl == "flex" and small_heads:
+                    impl = "sdpa"  # tiny test models: flex's kernels need a head dim of at least 16
+            elif self.sliding_window is None and padded_tokens <= 2 * num_tokens:
+                impl = "sdpa_padded"
+            else:
+                impl = "sdpa_mask" if num_tokens <= SDPA_MASK_MAX_TOKENS else "sdpa"
+        if impl == "varlen" and self.sliding_window is not None and "window_size" not in _varlen_params():
+            impl = "flex"
+        covered = int(self.cu_seqlens_B1[-1])
+        if covered != num_tokens:
+            raise ValueError(f"cu_seqlens_B1 covers {covered} tokens but the batch has {num_tokens}")
+        if impl == "sdpa":
+            self._state = self.cu_seqlens_B1.tolist()
+        elif impl == "sdpa_mask":
+            self._state = self._sdpa_mask(num_tokens, device)
+        elif impl == "sdpa_padded":
+            if self.sliding_window is not None:
+                raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
+            cu = self.cu_seqlens_B1.to(device)
+            seqlens_B = cu[1:] - cu[:-1]
+            max_len = int(seqlens_B.max()) if num_tokens else 0
+            pos_T = torch.arange(num_tokens, device=device) - repeat_per_sequence(cu[:-1], self.cu_seqlens_B1)
+            seq_T = sequence_index_T(self.cu_seqlens_B1, device)
+            self._state = (seq_T * max_len + pos_T, seqlens_B.numel(), max_len)  # flat padded index
+        elif impl == "flex":
+            self._state = self._flex_mask(num_tokens, device)
+        else:
+            cu = self.cu_seqlens_B1.to(device=device, dtype=torch.int32)
+            max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max()) if num_tokens else 0
+            # this torch's varlen_attn keywords, read here (eagerly) so compiled layers do not trace
+            # inspect.signature
+            params = _varlen_params()
+            self._state = (cu, max_len, "enable_gqa" in params, "window_size" in params)
+        self._impl = impl
+        self._prepared_for = (num_tokens, device, small_heads, flash_ok, self._cuda_impl)
+
+    def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
+        return sequence_index_T(self.cu_seqlens_B1, device)
+
+    def _sdpa_mask(self, T: int, device: torch.device) -> torch.Tensor:
+        doc_T = self._doc_ids_T(device)
+        idx_T = torch.arange(T, device=device)
+        mask_TT = (doc_T[:, None] == doc_T[None, :]) & (idx_T[None, :] <= idx_T[:, None])
+        if self.sliding_window is not None:
+            mask_TT &= (idx_T[:, None] - idx_T[None, :]) < self.sliding_window
+        return mask_TT
+
+    def _flex_mask(self, T: int, device: torch.device):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc_T = self._doc_ids_T(device)
+        window = self.sliding_window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
+            if window is not None:
+                keep = keep & (q_idx - kv_idx < window)
+            return keep
+
+        # Compiled mask construction never materialises a [T, T] mask on the GPU.
+        return create_block_mask(mask_mod, None, None, T, T, device=device, _compile=device.type == "cuda")
+
+    def _sdpa_per_sequence(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        bounds = self._state
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            if e == s:
+                continue
+            q, k, v = (x[s:e].transpose(0, 1) for x in (q_THD, k_THD, v_THD))  # [H, n, Dh]
+            if self.sliding_window is not None and e - s > self.sliding_window:
+                idx = torch.arange(e - s, device=q.device)
+                diff = idx[:, None] - idx[None, :]
+                mask = (diff >= 0) & (diff < self.sliding_window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            outs.append(out.transpose(0, 1))
+        if not outs:
+            return torch.empty_like(q_THD)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _sdpa_padded(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        flat_T, num_seqs, max_len = self._state
+
+        def pad(x_THD: torch.Tensor) -> torch.Tensor:  # [T, H, Dh] -> [B, H, S, Dh]
+            out = x_THD.new_zeros(num_seqs * max_len, *x_THD.shape[1:])
+            out = out.index_copy(0, flat_T, x_THD)
+            return out.view(num_seqs, max_len, *x_THD.shape[1:]).transpose(1, 2)
+
+        out_BHSD = F.scaled_dot_product_attention(pad(q_THD), pad(k_THD), pad(v_THD), is_causal=True, enable_gqa=True)
+        out_flat = out_BHSD.transpose(1, 2).reshape(num_seqs * max_len, *q_THD.shape[1:])
+        return out_flat.index_select(0, flat_T)
+
+    def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu, max_len, has_gqa, has_window = self._state
+        groups = q_THD.shape[1] // k_THD.shape[1]
+        if groups > 1 and not has_gqa:  # torch 2.11: no GQA inside the kernel
+            k_THD = k_THD.repeat_interleave(groups, dim=1)
+            v_THD = v_THD.repeat_interleave(groups, dim=1)
+        gqa = {"enable_gqa": True} if groups > 1 and has_gqa else {}
+        if has_window:  # newer torch: causal (sliding) window as (left, right)
+            left = -1 if self.sliding_window is None else self.sliding_window - 1
+            return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, window_size=(left, 0), **gqa)
+        return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, is_causal=True, **gqa)
+
+    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype)
+        impl = self._impl
+        if impl == "sdpa":
+            return self._sdpa_per_sequence(q_THD, k_THD, v_THD)
+        if impl == "varlen":
+            return self._varlen(q_THD, k_THD, v_THD)
+        if impl == "sdpa_padded":
+            return self._sdpa_padded(q_THD, k_THD, v_THD)
+        q = q_THD.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, Dh]
+        k = k_THD.transpose(0, 1).unsqueeze(0)
+        v = v_THD.transpose(0, 1).unsqueeze(0)
+        if impl == "flex":
+            out = _compiled_flex_attention()(q, k, v, block_mask=self._state, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._state, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+_FLEX = None
+
+
+@functools.lru_cache(maxsize=1)
+def varlen_available() -> bool:
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_params() -> frozenset[str]:
+    """Parameter names of this torch's varlen_attn (its signature changed between releases)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _compiled_flex_attention():
+    """flex_attention compiled once per process (eager flex materialises the full score matrix)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=None)
+    return _FLEX

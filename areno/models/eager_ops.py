@@ -1,0 +1,23 @@
+"""The decoder's element-wise ops in eager PyTorch: what training and every CPU path run, and the
+reference the fused inference kernels (``fused_ops``) are checked against.
+
+Legend: T = tokens, H = heads, Dh = head dim, F = Dh / 2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def eager_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, Dh/2]."""
+    half = x_THD.shape[-1] // 2
+    x1, x2 = x_THD[..., :half], x_THD[..., half:]
+    cos, sin = cos_TF[:, None, :], sin_TF[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, output cast back, then scaled (transformers' order)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

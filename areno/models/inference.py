@@ -1,0 +1,174 @@
+"""Inference-only rewrites of a decoder (the rollout engine applies them; training never does).
+
+- Fused projections: per layer, q/k/v and gate/up as one GEMM each (``fuse_projections``,
+  ``fused_linear.FusedRows``): names, ``state_dict()`` and the parameter objects are unchanged.
+- Packed CPU GEMMs: a oneDNN-packed copy beside each large fp32 CPU weight (``CpuGemmPacks``,
+  ``cpu_gemm.PackedWeight``), read by no-grad forwards through ``linear`` and ``rowwise``.
+- Fused residual add + RMSNorm between the blocks of every layer (``forward_add_norm``), where the
+  fused kernels are on (``fused_ops.add_norm_active``).
+
+The functions take the decoder's parts (its ``model.layers``, its final norm) rather than the
+``Decoder``, so the model imports this module and not the other way round.
+
+Legend: T = tokens, D = hidden size, F = head dim / 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from areno.models import cpu_gemm, fused_linear, fused_ops
+from areno.models.attention import AttentionBackend
+from areno.models.tp_plan import TPReduce
+
+
+def linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)``, through its oneDNN-packed copy where one applies (``CpuGemmPacks.pack``)."""
+    pack = lin.__dict__.get("cpu_pack")
+    if pack is not None and pack.applies(x):
+        return pack(x, lin.bias)
+    return lin(x)
+
+
+def rowwise(lin: nn.Linear, x: torch.Tensor, tp_reduce: TPReduce | None) -> torch.Tensor:
+    """A row-parallel projection: partial product, reduce over TP ranks, then the bias once."""
+    if tp_reduce is None:
+        return linear(lin, x)
+    y = tp_reduce(cpu_gemm.linear(x, lin.weight, None, lin.__dict__.get("cpu_pack")))
+    return y + lin.bias if lin.bias is not None else y
+
+
+# ------------------------------------------------------------------------------ fused projections
+@torch.no_grad()
+def fuse_projections(layers: nn.ModuleList) -> None:
+    """Per layer, stack the q/k/v projections' weights (and biases) into one [Dq + 2 Dkv, D] tensor
+    and gate/up into one [2I, D] tensor, and make each projection's ``weight`` / ``bias`` a row
+    slice of it (``fused_linear.FusedRows``), so no-grad forwards run one GEMM for each group
+    instead of three and two. Names, ``state_dict()`` and the parameter objects are unchanged, and
+    in-place writes to them (``update_weights``, policy sync, ``load_state_dict``) land in the fused
+    tensors. Call it after the weights have their final device, dtype and (TP) shard; idempotent.
+    Forwards with gradients enabled keep the per-projection GEMMs (gradients reach the parameters
+    as before); a module never fused behaves exactly as before. On CUDA the replaced per-projection
+    storages go back to PyTorch's cache (still used memory to ``torch.cuda.mem_get_info`` until
+    reused)."""
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        if a.qkv is None or not a.qkv.intact():
+            a.qkv = fused_linear.FusedRows([a.q_proj, a.k_proj, a.v_proj])
+        if m.gate_up is None or not m.gate_up.intact():
+            m.gate_up = fused_linear.FusedRows([m.gate_proj, m.up_proj])
+
+
+@torch.no_grad()
+def unfuse_projections(layers: nn.ModuleList) -> None:
+    """Undo ``fuse_projections``: every projection gets its own storage again (a copy of its
+    current values) and forwards run one GEMM per projection; a no-op on layers never fused."""
+    for layer in layers:
+        for owner, attr in ((layer.self_attn, "qkv"), (layer.mlp, "gate_up")):
+            group = getattr(owner, attr)
+            if group is None:
+                continue
+            for lin in group.members:
+                lin.weight.data = lin.weight.detach().clone()
+                if lin.bias is not None:
+                    lin.bias.data = lin.bias.detach().clone()
+            setattr(owner, attr, None)
+
+
+def projections_fused(layers: nn.ModuleList) -> bool:
+    """Whether every layer's q/k/v and gate/up run as one GEMM each in no-grad forwards."""
+    return all(
+        layer.self_attn.qkv is not None
+        and layer.self_attn.qkv.intact()
+        and layer.mlp.gate_up is not None
+        and layer.mlp.gate_up.intact()
+        for layer in layers
+    )
+
+
+# ------------------------------------------------------------------------------ packed CPU GEMMs
+class CpuGemmPacks:
+    """The oneDNN-packed weight copies of one decoder (inference on CPU) and the modules and fused
+    groups that hold them as their ``cpu_pack`` attribute."""
+
+    def __init__(self) -> None:
+        self.packs: list[cpu_gemm.PackedWeight] = []
+        self.holders: list[object] = []
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __iter__(self) -> Iterator[cpu_gemm.PackedWeight]:
+        return iter(self.packs)
+
+    @torch.no_grad()
+    def pack(self, decoder: nn.Module, batch_hint: int = 32) -> int:
+        """Give every fp32 CPU weight of ``decoder`` of at least ``cpu_gemm.MIN_ELEMENTS`` elements a
+        oneDNN-packed copy that no-grad forwards multiply with (``cpu_gemm.PackedWeight``: the fused
+        q/k/v and gate/up groups or their projections, o_proj, down_proj, the output projection);
+        values equal ``F.linear``'s up to fp32 summation order. A copy re-packs itself when its
+        parameters are written in place or get new storage; call ``invalidate()`` after writes
+        through ``.data``. Call it after ``fuse_projections`` (a group fused later has no copy).
+        Costs one more copy of the packed weights' memory. Returns the number of weights packed (0
+        where oneDNN is unavailable or off CPU)."""
+        self.unpack()
+
+        def attach(owner: object, weight: tuple[object, str], watch: list[tuple[object, str]] = ()) -> None:
+            pack = cpu_gemm.pack(weight, watch, batch_hint)
+            if pack is not None:
+                owner.__dict__["cpu_pack"] = pack
+                self.packs.append(pack)
+                self.holders.append(owner)
+
+        for layer in decoder.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for rows, lins in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj)), (m.gate_up, (m.gate_proj, m.up_proj))):
+                if rows is not None and rows.intact():  # one copy for the group's one GEMM
+                    attach(rows, (rows, "weight"), [(lin, "weight") for lin in lins])
+                else:
+                    for lin in lins:
+                        attach(lin, (lin, "weight"))
+            for lin in (a.o_proj, m.down_proj):
+                attach(lin, (lin, "weight"))
+        attach(decoder, (decoder, "output_weight"))
+        return len(self.packs)
+
+    def unpack(self) -> None:
+        """Drop the packed copies (forwards use ``F.linear`` again)."""
+        for owner in self.holders:
+            owner.__dict__.pop("cpu_pack", None)
+        self.packs, self.holders = [], []
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the packed copies take (once packed: at first use)."""
+        return sum(p.weight().numel() * p.weight().element_size() for p in self.packs)
+
+    def invalidate(self) -> None:
+        """Make every packed copy re-pack at its next use (the weights changed)."""
+        for pack in self.packs:
+            pack.invalidate()
+
+
+# ------------------------------------------------------------------------------ fused add + norm
+def forward_add_norm(
+    layers: nn.ModuleList,
+    final_norm: nn.Module,
+    x_TD: torch.Tensor,
+    cos_TF: torch.Tensor,
+    sin_TF: torch.Tensor,
+    attn: AttentionBackend,
+) -> torch.Tensor:
+    """The decoder layers with each residual add and the RMSNorm after it as one op
+    (``fused_ops.add_rms_norm``): the post-attention norm, the next layer's input norm, and the
+    final norm after the last layer. Same values as the layer-by-layer loop."""
+    h_TD = layers[0].input_layernorm(x_TD)
+    for i, layer in enumerate(layers):
+        post = layer.post_attention_layernorm
+        x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), post.weight, post.eps)
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.mlp(h_TD), nxt.weight, nxt.eps)
+    return h_TD
