@@ -9,7 +9,9 @@ from areno.engine.executor import DatasetExhausted, ProcessEpisodeRunner, Worker
 from areno.engine.staleness import StalenessManager
 
 SPEC = WorkerSpec(
-    workflow="async_fakes.LengthWorkflow", client="async_fakes.make_engine", client_kwargs={"step_s": 0.01}
+    workflow="tests.helpers.async_fakes.LengthWorkflow",
+    client="tests.helpers.async_fakes.make_engine",
+    client_kwargs={"step_s": 0.01},
 )
 
 

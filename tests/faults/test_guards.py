@@ -9,7 +9,7 @@ import torch
 from areno.api.config import ConfigError, load_config
 from areno.train import LocalTrainBackend, TrainBackendConfig
 from areno.train.optim import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteStepError
-from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 VOCAB = 40
 LENGTHS = [5, 7, 3]
@@ -104,11 +104,6 @@ def test_config_field():
         load_config(None, ["model.path=x", "train.max_consecutive_skips=-1"])
 
 
-def digit_reward(prompt, completion, answer, **row):
-    """Varies across a group, so GRPO advantages (and gradients) are non-zero."""
-    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
-
-
 @pytest.mark.slow
 def test_diverged_run_stops_with_one_line(tmp_path, capsys):
     """optim.lr=1e30 blows the weights up after one step; every later loss is NaN. The run must
@@ -128,7 +123,7 @@ def test_diverged_run_stops_with_one_line(tmp_path, capsys):
             "rollout.max_new_tokens=8",
             "cluster.device=cpu",
             "observe.console=false",
-            "reward.fn=test_guards:digit_reward",
+            "reward.fn=tests.helpers.rewards:digit_fraction",
             "optim.lr=1e30",
             "optim.grad_clip=0",
             "train.steps=20",

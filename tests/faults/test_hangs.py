@@ -444,7 +444,7 @@ def test_stalled_scheduler_worker_is_named_and_restarted_where_alone(tmp_path):
     from areno.launch.scheduler import LocalScheduler
     from areno.launch.watchdog import WorkerTimeoutError, call_with_timeout
 
-    worker = "tests.launch._workers:GradWorker"
+    worker = "tests.helpers.launch_workers:GradWorker"
     with LocalScheduler(log_dir=str(tmp_path)) as sched:
         sched.create_workers("solo", worker, 1, env={"OMP_NUM_THREADS": "1"}, args=(0,))
         sched.create_workers("pair", worker, 2, env={"OMP_NUM_THREADS": "1"}, args=(0,))

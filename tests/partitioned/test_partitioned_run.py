@@ -12,11 +12,6 @@ from areno.engine.cluster import LayoutError
 from areno.engine.partitioned import PartitionedArenoEngine, is_partitioned
 
 
-def sevens(prompt, completion, answer, **row):
-    """A reward that varies between samples of a random tiny model (so GRPO has a gradient)."""
-    return completion.count("7") / max(len(completion), 1) + 0.1 * len(completion)
-
-
 def _config(tmp_path, *extra):
     return load_config(
         None,
@@ -34,7 +29,7 @@ def _config(tmp_path, *extra):
             "observe.console=false",
             "train.seed=3",
             "optim.lr=0.01",
-            "reward.fn=test_partitioned_run:sevens",
+            "reward.fn=tests.helpers.rewards:sevens_and_length",
             *extra,
         ],
     )

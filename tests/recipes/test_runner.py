@@ -8,12 +8,18 @@ import math
 
 import pytest
 import torch
-from recipes_testlib import naive_logprobs, rl_batch, with_behaviour_logprobs
-from test_specializations import completion_positions, grpo_adv, preference_batch
 
 from areno.recipes import get_recipe
 from areno.recipes.runner import RecipeRunner
 from areno.types import TokenBatch
+from tests.helpers.recipes import (
+    completion_positions,
+    grpo_adv,
+    naive_logprobs,
+    preference_batch,
+    rl_batch,
+    with_behaviour_logprobs,
+)
 
 train = pytest.importorskip("areno.train")
 
