@@ -10,22 +10,6 @@ from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
 from areno.types import TokenBatch, Trajectory
-from areno.workflows.rlvr import RLVRWorkflow
-
-
-class StoringWorkflow(RLVRWorkflow):
-    """Puts a 64 KiB observation per episode into the engine's store and keeps only its reference."""
-
-    def __init__(self, *args, store=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.store = store
-
-    async def run_episode(self, client, sample):
-        trajectories = await super().run_episode(client, sample)
-        ref = self.store.put(torch.zeros(16, 1024))
-        for t in trajectories:
-            t.info["observation"] = ref
-        return trajectories
 
 
 def test_backend_registry():
@@ -274,7 +258,9 @@ def test_long_sequences_error_or_truncate_from_config(tmp_path):
 
 
 def test_workflow_store_is_the_engines_and_trained_observations_are_freed(tmp_path):
-    cfg = _config(tmp_path, "rollout.workflow=test_trainer:StoringWorkflow", "train.steps=1", "train.eval_interval=0")
+    cfg = _config(
+        tmp_path, "rollout.workflow=tests.helpers.workflows:StoringWorkflow", "train.steps=1", "train.eval_interval=0"
+    )
     trainer = Trainer.init(cfg)
     try:
         engine = trainer.backend.engine

@@ -139,19 +139,6 @@ def test_diverged_run_stops_with_one_line(tmp_path, capsys):
     assert trained[-1]["train/policy/skipped_steps"] == 4 and len(trained) < 20  # the 5th raised before logging
 
 
-from areno.workflows.base import RolloutWorkflow  # noqa: E402
-
-
-class AlwaysFailingWorkflow(RolloutWorkflow):
-    """Every episode raises, as with a broken rollout engine or environment."""
-
-    def __init__(self, **kwargs):
-        pass
-
-    async def run_episode(self, client, sample):
-        raise RuntimeError("environment unreachable")
-
-
 def _broken_run(tmp_path, capsys, *extra: str) -> tuple[int, list[str]]:
     """A tiny CLI run whose every episode raises; returns the exit code and stderr's lines."""
     from areno.cli import main
@@ -169,7 +156,7 @@ def _broken_run(tmp_path, capsys, *extra: str) -> tuple[int, list[str]]:
             "rollout.max_new_tokens=4",
             "cluster.device=cpu",
             "observe.console=false",
-            "rollout.workflow=tests.faults.test_guards:AlwaysFailingWorkflow",
+            "rollout.workflow=tests.helpers.workflows:AlwaysFailingWorkflow",
             "rollout.max_retries=0",
             "rollout.max_consecutive_dropped=3",
             "train.steps=5",
@@ -197,16 +184,6 @@ def test_broken_rollout_side_stops_an_asynchronous_run_with_one_line(tmp_path, c
     assert "RuntimeError: environment unreachable" in err[-1]
 
 
-class ServersLostWorkflow(AlwaysFailingWorkflow):
-    """Every episode finds the rollout servers gone for good (what the partitioned engine's client
-    raises when every replica's worker died)."""
-
-    async def run_episode(self, client, sample):
-        from areno.rollout.client import RolloutServersLost
-
-        raise RolloutServersLost("every rollout server is gone: http://127.0.0.1:1: rollout[0] (pid 7) died")
-
-
 @pytest.mark.parametrize(
     "extra",
     [(), ("rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async")],
@@ -218,7 +195,7 @@ def test_lost_rollout_servers_stop_the_run_at_once_with_one_line(tmp_path, capsy
     rc, err = _broken_run(
         tmp_path,
         capsys,
-        "rollout.workflow=tests.faults.test_guards:ServersLostWorkflow",
+        "rollout.workflow=tests.helpers.workflows:ServersLostWorkflow",
         "rollout.max_retries=3",
         *extra,
     )

@@ -153,7 +153,7 @@ def test_disabled_spans_are_cheap(tracing):
             return None
 
     def baseline(n):
-        for i in range(n):
+        for _ in range(n):
             with Nothing():
                 pass
 

@@ -159,7 +159,8 @@ def test_reinforce_pp_recipes(dirs):
         vals = torch.tensor(list(returns.values()), dtype=torch.float64)
         mean, std = vals.mean().item(), vals.std().item()
         m = run_step(get_recipe(name), dirs, batch)
-        expected = token_mean(batch, lambda b, t: clipped(r(t), (returns[t] - mean) / (std + 1e-8), 0.8, 1.2))
+        adv = {t: (ret - mean) / (std + 1e-8) for t, ret in returns.items()}
+        expected = token_mean(batch, lambda b, t, adv=adv: clipped(r(t), adv[t], 0.8, 1.2))
         assert m["policy/loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6), name
 
 

@@ -381,7 +381,7 @@ def test_own_cuda_stream_gives_the_same_tokens_beside_default_stream_work():
         stop = threading.Event()
         a = torch.randn(2048, 2048, device="cuda")
 
-        def busy():  # default-stream work from another thread, as a trainer's would be
+        def busy(stop=stop, a=a):  # default-stream work from another thread, as a trainer's would be
             while not stop.is_set():
                 a.copy_(torch.tanh(a @ a * 1e-3))
                 torch.cuda.synchronize()
