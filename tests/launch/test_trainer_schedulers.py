@@ -11,6 +11,8 @@ runs agree bit for bit. Evaluation holds its burst the same way.
 
 import pytest
 
+from tests.helpers.launch_workers import runtime_info
+
 WORKER = "tests.helpers.launch_workers:TrainerWorker"
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -45,7 +47,6 @@ def _deterministic(rows):
 
 def _run(sched, root):
     from areno.launch.storage import check_shared_storage
-    from tests.helpers.launch_workers import runtime_info
 
     sched.create_workers("trainer", WORKER, 1, env=ENV, args=(_overrides(root),))
     check_shared_storage([str(root)], sched)
