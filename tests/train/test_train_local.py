@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areno.train import LocalTrainBackend, LoraConfig, TrainBackendConfig
-from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 VOCAB = 100
 LENGTHS = [13, 7, 21, 5, 9, 16, 3, 11]
@@ -245,7 +245,7 @@ def test_sequence_level_denominator_independent_of_split(model_dir):
         b = backend(model_dir, max_tokens_per_mb=budget)
         grads = {}
         b.optimizer.register_step_pre_hook(
-            lambda opt, a, k: grads.update({n: p.grad.clone() for n, p in b.model.named_parameters()})
+            lambda opt, a, k, grads=grads, b=b: grads.update({n: p.grad.clone() for n, p in b.model.named_parameters()})
         )
         m = b.train_step(batch, forward_fn=nll_forward, loss_fn=seq_loss, denominator_fn=lambda mb: mb.num_seqs)
         results.append((grads, m))
