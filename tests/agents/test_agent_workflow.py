@@ -35,7 +35,7 @@ def test_bad_agents_lose_only_their_episode(scripted, char_tokenizer, caplog):
     async def flaky(client, sample):
         calls["n"] += 1
         k = calls["n"]
-        resp = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         if k == 1:
             await asyncio.sleep(3600)  # never returns
         if k == 2:

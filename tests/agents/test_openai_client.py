@@ -99,7 +99,7 @@ def test_proxy_over_http_on_localhost(served):
         sid, base_url = proxy.start_session()
         client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
         first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
-        second = client.chat.completions.create(
+        client.chat.completions.create(
             model="tiny",
             messages=[
                 {"role": "user", "content": "hi"},

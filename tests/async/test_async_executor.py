@@ -2,12 +2,12 @@ import logging
 import time
 
 import pytest
-from async_fakes import FakeEngine
 
 from areno.engine.executor import DatasetExhausted, RolloutPoolBroken, WorkflowExecutor
 from areno.engine.staleness import StalenessManager
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
+from tests.helpers.async_fakes import FakeEngine
 
 
 def length_from_prompt(prompt_ids, params):

@@ -3,13 +3,13 @@ import pickle
 
 import pytest
 import torch
-from async_fakes import FakeEngine
 
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.staleness import StalenessManager
 from areno.rollout.store import DirectoryStore, InProcessStore, StoreKeyError, StoreRef, fetch_refs, release_refs
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
+from tests.helpers.async_fakes import FakeEngine
 
 MB_FLOATS = 256 * 1024  # float32: 1 MiB
 

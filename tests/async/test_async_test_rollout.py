@@ -1,4 +1,3 @@
-import asyncio
 import hashlib
 import threading
 import time
@@ -11,6 +10,7 @@ from areno.engine.test_rollout import TestRolloutManager
 from areno.train.checkpoint import COMPLETE_MARKER, complete_checkpoints
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
+from tests.helpers.async_fakes import await_threading_event
 
 PAYLOAD = 64 * 1024
 
@@ -59,8 +59,7 @@ class VersionScoreWorkflow(RolloutWorkflow):
 
     async def run_episode(self, client, sample):
         if self.gate is not None:
-            while not self.gate.is_set():
-                await asyncio.sleep(0.005)
+            await await_threading_event(self.gate)
         return Trajectory(
             prompt_ids=[1], completion_ids=[], logprobs=[], versions=[], reward=float(self.engine.version + sample["x"])
         )

@@ -10,7 +10,9 @@ from areno.engine.executor import DatasetExhausted, WorkflowExecutor
 from areno.engine.staleness import StalenessManager
 
 SPEC = WorkerSpec(
-    workflow="async_fakes.LengthWorkflow", client="async_fakes.make_engine", client_kwargs={"step_s": 0.01}
+    workflow="tests.helpers.async_fakes.LengthWorkflow",
+    client="tests.helpers.async_fakes.make_engine",
+    client_kwargs={"step_s": 0.01},
 )
 
 

@@ -2,13 +2,13 @@ import asyncio
 import logging
 
 import pytest
-from async_fakes import FakeEngine
 
 from areno.data.tokenizer import build_char_tokenizer
 from areno.types import SamplingParams
 from areno.workflows.base import RolloutWorkflow, as_group, load_workflow
 from areno.workflows.multi_turn import MultiTurnWorkflow
 from areno.workflows.rlvr import RLVRWorkflow
+from tests.helpers.async_fakes import FakeEngine
 
 TOK = build_char_tokenizer()
 

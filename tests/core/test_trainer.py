@@ -10,36 +10,6 @@ from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
 from areno.types import TokenBatch, Trajectory
-from areno.workflows.rlvr import RLVRWorkflow
-
-
-def sevens(prompt, completion, answer, **row):
-    """Easy reward for the learning test: the fraction of '7' characters in the completion."""
-    return completion.count("7") / max(len(completion), 1)
-
-
-def exploding(prompt, completion, answer, **row):
-    raise RuntimeError("reward bug")
-
-
-def first_char(prompt, completion, answer, **row):
-    """A reward that varies within every group of a random model: the first character's code."""
-    return (ord(completion[0]) % 7) / 7.0 if completion else 0.0
-
-
-class StoringWorkflow(RLVRWorkflow):
-    """Puts a 64 KiB observation per episode into the engine's store and keeps only its reference."""
-
-    def __init__(self, *args, store=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.store = store
-
-    async def run_episode(self, client, sample):
-        trajectories = await super().run_episode(client, sample)
-        ref = self.store.put(torch.zeros(16, 1024))
-        for t in trajectories:
-            t.info["observation"] = ref
-        return trajectories
 
 
 def test_backend_registry():
@@ -114,7 +84,7 @@ def _config(tmp_path, *extra):
 def test_grpo_reward_goes_up(tmp_path):
     cfg = _config(
         tmp_path,
-        "reward.fn=test_trainer:sevens",
+        "reward.fn=tests.helpers.rewards:sevens",
         "reward.sandbox=false",
         "optim.lr=0.02",
         "train.steps=12",
@@ -127,7 +97,7 @@ def test_grpo_reward_goes_up(tmp_path):
         trainer.run()
     finally:
         trainer.shutdown()
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
@@ -176,7 +146,11 @@ def test_pipeline_warm_start_and_export_loads_in_transformers(tmp_path):
 
 def test_reward_that_raises_is_counted_not_fatal(tmp_path, caplog):
     cfg = _config(
-        tmp_path, "reward.fn=test_trainer:exploding", "reward.workers=1", "train.steps=1", "train.eval_interval=0"
+        tmp_path,
+        "reward.fn=tests.helpers.rewards:exploding",
+        "reward.workers=1",
+        "train.steps=1",
+        "train.eval_interval=0",
     )
     trainer = Trainer.init(cfg)
     try:
@@ -236,7 +210,7 @@ def test_demo_config_first_step_runs(tmp_path):
     )
     summary = run_pipeline(cfg)
     assert 0.0 <= summary["accuracy_after"] <= 1.0
-    rows = [json.loads(l) for l in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-2]["rollout/num_seqs"] == cfg.rollout.batch_size * cfg.rollout.n_samples
 
 
@@ -284,7 +258,9 @@ def test_long_sequences_error_or_truncate_from_config(tmp_path):
 
 
 def test_workflow_store_is_the_engines_and_trained_observations_are_freed(tmp_path):
-    cfg = _config(tmp_path, "rollout.workflow=test_trainer:StoringWorkflow", "train.steps=1", "train.eval_interval=0")
+    cfg = _config(
+        tmp_path, "rollout.workflow=tests.helpers.workflows:StoringWorkflow", "train.steps=1", "train.eval_interval=0"
+    )
     trainer = Trainer.init(cfg)
     try:
         engine = trainer.backend.engine
@@ -302,7 +278,7 @@ def test_two_passes_decoupled_clip_acts(tmp_path):
     pass's ratio pi_theta / pi_prox moves off 1 (the clip can act), as in PPO's epochs."""
     cfg = _config(
         tmp_path,
-        "reward.fn=test_trainer:first_char",
+        "reward.fn=tests.helpers.rewards:first_char",
         "reward.sandbox=false",
         "optim.lr=0.05",
         "train.steps=2",
@@ -322,7 +298,7 @@ def test_two_passes_decoupled_clip_acts(tmp_path):
     finally:
         trainer.shutdown()
     assert len(calls) == 2  # one per rollout, not per pass
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step_rows = [r for r in rows if "train/policy/loss" in r]
     assert len(step_rows) == 2
     # logged metrics are the last (second) pass's: its importance ratio is no longer exactly 1

@@ -9,7 +9,7 @@ import torch
 from areno.api.config import ConfigError, load_config
 from areno.train import LocalTrainBackend, TrainBackendConfig
 from areno.train.optim import NonFiniteStepError
-from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 VOCAB = 40
 LENGTHS = [5, 7, 3]
@@ -100,11 +100,6 @@ def test_config_field():
         load_config(None, ["model.path=x", "train.max_consecutive_skips=-1"])
 
 
-def digit_reward(prompt, completion, answer, **row):
-    """Varies across a group, so GRPO advantages (and gradients) are non-zero."""
-    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
-
-
 @pytest.mark.slow
 def test_diverged_run_stops_with_one_line(tmp_path, capsys):
     """optim.lr=1e30 blows the weights up after one step; every later loss is NaN. The run must
@@ -124,7 +119,7 @@ def test_diverged_run_stops_with_one_line(tmp_path, capsys):
             "rollout.max_new_tokens=8",
             "cluster.device=cpu",
             "observe.console=false",
-            "reward.fn=test_guards:digit_reward",
+            "reward.fn=tests.helpers.rewards:digit_fraction",
             "optim.lr=1e30",
             "optim.grad_clip=0",
             "train.steps=20",
@@ -138,19 +133,6 @@ def test_diverged_run_stops_with_one_line(tmp_path, capsys):
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [s for s in steps if "train/policy/skipped_steps" in s]
     assert trained[-1]["train/policy/skipped_steps"] == 4 and len(trained) < 20  # the 5th raised before logging
-
-
-from areno.workflows.base import RolloutWorkflow  # noqa: E402
-
-
-class AlwaysFailingWorkflow(RolloutWorkflow):
-    """Every episode raises, as with a broken rollout engine or environment."""
-
-    def __init__(self, **kwargs):
-        pass
-
-    async def run_episode(self, client, sample):
-        raise RuntimeError("environment unreachable")
 
 
 def _broken_run(tmp_path, capsys, *extra: str) -> tuple[int, list[str]]:
@@ -170,7 +152,7 @@ def _broken_run(tmp_path, capsys, *extra: str) -> tuple[int, list[str]]:
             "rollout.max_new_tokens=4",
             "cluster.device=cpu",
             "observe.console=false",
-            "rollout.workflow=tests.faults.test_guards:AlwaysFailingWorkflow",
+            "rollout.workflow=tests.helpers.workflows:AlwaysFailingWorkflow",
             "rollout.max_retries=0",
             "rollout.max_consecutive_dropped=3",
             "train.steps=5",
@@ -198,16 +180,6 @@ def test_broken_rollout_side_stops_an_asynchronous_run_with_one_line(tmp_path, c
     assert "RuntimeError: environment unreachable" in err[-1]
 
 
-class ServersLostWorkflow(AlwaysFailingWorkflow):
-    """Every episode finds the rollout servers gone for good (what the partitioned engine's client
-    raises when every replica's worker died)."""
-
-    async def run_episode(self, client, sample):
-        from areno.rollout.client import RolloutServersLost
-
-        raise RolloutServersLost("every rollout server is gone: http://127.0.0.1:1: rollout[0] (pid 7) died")
-
-
 @pytest.mark.parametrize(
     "extra",
     [(), ("rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async")],
@@ -219,7 +191,7 @@ def test_lost_rollout_servers_stop_the_run_at_once_with_one_line(tmp_path, capsy
     rc, err = _broken_run(
         tmp_path,
         capsys,
-        "rollout.workflow=tests.faults.test_guards:ServersLostWorkflow",
+        "rollout.workflow=tests.helpers.workflows:ServersLostWorkflow",
         "rollout.max_retries=3",
         *extra,
     )

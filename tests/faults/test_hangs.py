@@ -13,6 +13,10 @@ import time
 import pytest
 import uvicorn
 
+from areno.engine.episode_processes import ProcessEpisodeRunner, WorkerSpec
+from areno.engine.executor import DatasetExhausted, WorkflowExecutor
+from areno.engine.staleness import StalenessManager
+from areno.launch.scheduler import free_port
 from areno.rollout.client import (
     HTTPRolloutClient,
     InProcessRolloutClient,
@@ -23,7 +27,8 @@ from areno.rollout.client import (
 )
 from areno.rollout.health import HealthMonitor
 from areno.rollout.server import build_engine, create_app
-from areno.types import SamplingParams
+from areno.types import SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
 
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0.0)
 
@@ -299,60 +304,12 @@ def test_health_monitor_validation():
 
 
 # ---------------------------------------------------------------------------------- stalled workers
-from areno.engine.episode_processes import ProcessEpisodeRunner, WorkerSpec  # noqa: E402
-from areno.engine.executor import DatasetExhausted, WorkflowExecutor  # noqa: E402
-from areno.engine.staleness import StalenessManager  # noqa: E402
-from areno.launch.scheduler import free_port
-from areno.types import GenerationOutput, Trajectory  # noqa: E402
-from areno.workflows.base import RolloutWorkflow  # noqa: E402
-
-
-class EchoClient:
-    """A rollout client double for worker processes: ``len`` tokens, one per 10 ms."""
-
-    async def agenerate(self, prompt_ids, sampling_params, *, request_id=None):
-        await asyncio.sleep(0.01 * prompt_ids[0])
-        n = prompt_ids[0]
-        return GenerationOutput(
-            request_id=request_id or "r",
-            prompt_ids=list(prompt_ids),
-            output_ids=[5] * n,
-            output_logprobs=[-0.5] * n,
-            output_versions=[0] * n,
-            finish_reason="stop",
-        )
-
-
-class StallOnceWorkflow(RolloutWorkflow):
-    """Sample {"id", "len"[, "stall_marker"]}: the first attempt at a sample with a marker path hangs
-    its whole process (a blocking call in the event loop, as a hung tool or C extension would)."""
-
-    async def run_episode(self, client, sample):
-        import os
-        from pathlib import Path
-
-        marker = sample.get("stall_marker")
-        if marker and not Path(marker).exists():
-            Path(marker).write_text(str(os.getpid()))
-            time.sleep(3600)
-        out = await client.agenerate([sample["len"]], SamplingParams(max_new_tokens=100))
-        return Trajectory(
-            prompt_ids=[1],
-            completion_ids=out.output_ids,
-            logprobs=out.output_logprobs,
-            versions=out.output_versions,
-            reward=float(sample["id"]),
-            group_id=str(sample["id"]),
-            info={"id": sample["id"], "pid": os.getpid()},
-        )
-
-
 @pytest.mark.slow
 def test_stalled_worker_process_is_named_killed_restarted_and_nothing_lost(tmp_path, caplog):
     num = 12
     data = [{"id": i, "len": 3} for i in range(num)]
     data[4]["stall_marker"] = str(tmp_path / "stalled")
-    spec = WorkerSpec(workflow="test_hangs.StallOnceWorkflow", client="test_hangs.EchoClient")
+    spec = WorkerSpec(workflow="tests.helpers.workflows.StallOnceWorkflow", client="tests.helpers.workflows.EchoClient")
     runner = ProcessEpisodeRunner(spec, num_procs=2, episodes_per_proc=2, episode_timeout_s=1.5)
     staleness = StalenessManager(max_head_offpolicyness=100, batch_size=4, max_concurrent=4)
     groups = []
@@ -440,7 +397,7 @@ def test_stalled_scheduler_worker_is_named_and_restarted_where_alone(tmp_path):
     from areno.launch.scheduler import LocalScheduler
     from areno.launch.watchdog import WorkerTimeoutError, call_with_timeout
 
-    worker = "tests.launch._workers:GradWorker"
+    worker = "tests.helpers.launch_workers:GradWorker"
     with LocalScheduler(log_dir=str(tmp_path)) as sched:
         sched.create_workers("solo", worker, 1, env={"OMP_NUM_THREADS": "1"}, args=(0,))
         sched.create_workers("pair", worker, 2, env={"OMP_NUM_THREADS": "1"}, args=(0,))

@@ -8,7 +8,7 @@ import pytest
 
 from areno.api.config import load_config
 from areno.engine.api import prepare_model_dir
-from tests.faults._resume_helpers import (
+from tests.helpers.resume import (
     losses,
     overrides,
     resumed_step,

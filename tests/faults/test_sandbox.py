@@ -1,14 +1,13 @@
 """Fault tests of the reward sandbox: hangs, crashes, exceptions, memory and CPU hogs and network
 access in reward code score 0 as named, counted failures, and the pool keeps scoring afterwards.
 
-The reward functions below are imported by the sandbox workers by dotted path (``test_sandbox:…``),
-so this module keeps its top-level imports light.
+The misbehaving reward functions live in tests/helpers/rewards.py: the sandbox workers import them
+by dotted path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import socket
@@ -17,46 +16,18 @@ import time
 import pytest
 
 from areno.rewards.sandbox import RewardFailure, RewardSandbox
+from tests.helpers.rewards import misbehave
 
 TIMEOUT_S = 1.5
 SLACK_S = 3.0  # kill + reap on a loaded 2-core machine
 
 
-# ------------------------------------------------------------------- rewards run inside workers
-def misbehave(prompt: str, completion: str, answer=None, **row) -> float:
-    """Does what the completion says: ok, hang, segfault, exit, raise, hog, spin or connect:PORT."""
-    if completion == "ok":
-        return 1.0
-    if completion == "hang":
-        while True:
-            time.sleep(0.1)
-    if completion == "segfault":
-        ctypes.string_at(0)
-    if completion == "exit":
-        os._exit(3)
-    if completion == "raise":
-        raise KeyError("no such field")
-    if completion == "hog":
-        block = bytearray(8 << 30)
-        return float(len(block))
-    if completion == "spin":
-        while True:
-            pass
-    if completion.startswith("connect:"):
-        socket.create_connection(("127.0.0.1", int(completion.split(":")[1])), timeout=2).close()
-        return 1.0
-    return 0.0
-
-
-async def async_reward(prompt: str, completion: str, answer=None, **row) -> float:
-    await asyncio.sleep(0)
-    return float(completion == answer)
-
-
 # -------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def sandbox():
-    with RewardSandbox("test_sandbox:misbehave", workers=2, timeout_s=TIMEOUT_S, memory_mb=512, cpu_s=1.0) as pool:
+    with RewardSandbox(
+        "tests.helpers.rewards:misbehave", workers=2, timeout_s=TIMEOUT_S, memory_mb=512, cpu_s=1.0
+    ) as pool:
         yield pool
 
 
@@ -89,7 +60,7 @@ def test_hang_is_killed_within_timeout(sandbox):
     failure, elapsed, delta = _fails(sandbox, "hang")
     assert failure.kind == "timeout"
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + SLACK_S
-    assert "test_sandbox:misbehave" in str(failure) and "reward.timeout_s" in str(failure)
+    assert "tests.helpers.rewards:misbehave" in str(failure) and "reward.timeout_s" in str(failure)
     assert delta == {"rollout/reward_calls": 1.0, "rollout/reward_failures_timeout": 1.0}
     for pid in pids - set(sandbox.worker_pids()):  # the hung worker is gone, not left running
         with pytest.raises(ProcessLookupError):
@@ -107,7 +78,9 @@ def test_crash_is_counted_and_worker_replaced(sandbox, completion, described):
 def test_exception_names_function_and_fix(sandbox):
     failure, _, delta = _fails(sandbox, "raise")
     assert failure.kind == "error"
-    assert str(failure) == ("reward test_sandbox:misbehave raised KeyError: 'no such field': fix the reward function")
+    assert str(failure) == (
+        "reward tests.helpers.rewards:misbehave raised KeyError: 'no such field': fix the reward function"
+    )
     assert delta == {"rollout/reward_calls": 1.0, "rollout/reward_failures_error": 1.0}
 
 
@@ -118,7 +91,7 @@ def test_memory_hog_hits_rlimit(sandbox):
 
 
 def test_cpu_spin_hits_rlimit():
-    with RewardSandbox("test_sandbox:misbehave", workers=1, timeout_s=20.0, cpu_s=0.5) as pool:
+    with RewardSandbox("tests.helpers.rewards:misbehave", workers=1, timeout_s=20.0, cpu_s=0.5) as pool:
         failure, elapsed, delta = _fails(pool, "spin")
     assert failure.kind == "cpu" and "reward.cpu_s" in str(failure)
     assert elapsed < 15.0  # the CPU limit (1 CPU-second at most), not the 20 s wall clock, stopped it
@@ -153,10 +126,12 @@ def test_network_blocked_when_disallowed():
     server.settimeout(0.5)
     port = server.getsockname()[1]
     with server:
-        with RewardSandbox("test_sandbox:misbehave", workers=1, timeout_s=10.0, allow_network=True) as open_pool:
+        with RewardSandbox(
+            "tests.helpers.rewards:misbehave", workers=1, timeout_s=10.0, allow_network=True
+        ) as open_pool:
             assert open_pool.score("p", f"connect:{port}") == 1.0  # the probe does reach the listener
             server.accept()[0].close()
-        with RewardSandbox("test_sandbox:misbehave", workers=1, timeout_s=10.0, allow_network=False) as closed:
+        with RewardSandbox("tests.helpers.rewards:misbehave", workers=1, timeout_s=10.0, allow_network=False) as closed:
             with pytest.raises(RewardFailure) as info:
                 closed.score("p", f"connect:{port}")
             assert closed.network_isolation in ("netns", "socket-patch")
@@ -168,13 +143,13 @@ def test_network_blocked_when_disallowed():
 def test_async_reward_and_acall_reward_integration(caplog):
     from areno.workflows.common import acall_reward
 
-    with RewardSandbox("test_sandbox:async_reward", workers=1, timeout_s=5.0) as pool:
+    with RewardSandbox("tests.helpers.rewards:async_reward", workers=1, timeout_s=5.0) as pool:
         assert asyncio.run(acall_reward(pool, "p", "7", "7", {})) == (1.0, None)
-    with RewardSandbox("test_sandbox:misbehave", workers=1, timeout_s=5.0) as pool:
+    with RewardSandbox("tests.helpers.rewards:misbehave", workers=1, timeout_s=5.0) as pool:
         with caplog.at_level(logging.WARNING, logger="areno.workflows"):
             reward, error = asyncio.run(acall_reward(pool, "p", "raise", None, {}))
-    assert reward == 0.0 and error.startswith("RewardFailure: reward test_sandbox:misbehave raised KeyError")
-    assert len(caplog.records) == 1 and "test_sandbox:misbehave" in caplog.records[0].getMessage()
+    assert reward == 0.0 and error.startswith("RewardFailure: reward tests.helpers.rewards:misbehave raised KeyError")
+    assert len(caplog.records) == 1 and "tests.helpers.rewards:misbehave" in caplog.records[0].getMessage()
 
 
 def test_load_reward_auto_sandbox_and_shared_metrics():
@@ -186,11 +161,11 @@ def test_load_reward_auto_sandbox_and_shared_metrics():
     close_all()  # pools (and their counters) other tests of this process left open
     assert load_reward(RewardSection()) is exact_match  # shipped, marked safe in-process
     assert isinstance(load_reward(RewardSection(sandbox=True)), RewardSandbox)
-    assert load_reward(RewardSection(fn="test_sandbox:misbehave", sandbox=False)) is misbehave
+    assert load_reward(RewardSection(fn="tests.helpers.rewards:misbehave", sandbox=False)) is misbehave
     try:
-        pool = load_reward(RewardSection(fn="test_sandbox:misbehave", timeout_s=5.0, workers=1))
+        pool = load_reward(RewardSection(fn="tests.helpers.rewards:misbehave", timeout_s=5.0, workers=1))
         assert isinstance(pool, RewardSandbox)  # user code: sandboxed by default
-        assert load_reward(RewardSection(fn="test_sandbox:misbehave", timeout_s=5.0, workers=1)) is pool
+        assert load_reward(RewardSection(fn="tests.helpers.rewards:misbehave", timeout_s=5.0, workers=1)) is pool
         with pytest.raises(RewardFailure):
             pool.score("p", "raise")
         assert pool.score("p", "ok") == 1.0
@@ -221,8 +196,8 @@ def test_load_reward_rejects_non_callable():
     from areno.api.config import RewardSection
     from areno.rewards.loader import load_reward
 
-    with pytest.raises(ValueError, match="reward.fn: 'test_sandbox:TIMEOUT_S' is a float, not a function"):
-        load_reward(RewardSection(fn="test_sandbox:TIMEOUT_S"))
+    with pytest.raises(ValueError, match="reward.fn: 'math:pi' is a float, not a function"):
+        load_reward(RewardSection(fn="math:pi"))
 
 
 # ------------------------------------------------------------------------------- code execution
@@ -291,10 +266,9 @@ def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path):
 
     script = tmp_path / "parent.py"
     script.write_text(
-        "import sys, threading, time\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import threading, time\n"
         "from areno.rewards.sandbox import RewardSandbox\n"
-        "pool = RewardSandbox('test_sandbox:misbehave', workers=2, timeout_s=600)\n"
+        "pool = RewardSandbox('tests.helpers.rewards:misbehave', workers=2, timeout_s=600)\n"
         "threading.Thread(target=pool.score, args=('p', 'hang'), daemon=True).start()\n"
         "pool.score('p', 'ok')\n"
         "print(*pool.worker_pids(), flush=True)\n"
@@ -330,15 +304,15 @@ def test_shared_pool_closes_with_its_last_holder():
     from areno.rewards.sandbox import close_all, release_shared, shared_sandbox
 
     close_all()
-    first = shared_sandbox("test_sandbox:misbehave", workers=1, timeout_s=5.0)
-    second = shared_sandbox("test_sandbox:misbehave", workers=1, timeout_s=5.0)
+    first = shared_sandbox("tests.helpers.rewards:misbehave", workers=1, timeout_s=5.0)
+    second = shared_sandbox("tests.helpers.rewards:misbehave", workers=1, timeout_s=5.0)
     assert first is second
     try:
         release_shared(first)
         assert second.score("p", "ok") == 1.0  # still serving the other holder
         release_shared(second)
         assert second._closed
-        third = shared_sandbox("test_sandbox:misbehave", workers=1, timeout_s=5.0)
+        third = shared_sandbox("tests.helpers.rewards:misbehave", workers=1, timeout_s=5.0)
         assert third is not second and third.score("p", "ok") == 1.0  # a fresh pool after the last release
     finally:
         close_all()

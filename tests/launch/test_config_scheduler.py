@@ -156,7 +156,7 @@ def test_partitioned_grpo_step_through_ray(tmp_path):
             "observe.console=false",
             "train.seed=3",
             "optim.lr=0.01",
-            "reward.fn=tests.launch._workers:digits",
+            "reward.fn=tests.helpers.launch_workers:digits",
             *PARTITIONED,
             "cluster.scheduler=ray",
             "cluster.scheduler_options={ray_cpus_per_worker: 0.5}",

@@ -13,10 +13,10 @@ from areno.launch.scheduler import (
     WorkerError,
 )
 from areno.launch.storage import StorageCheckError, check_shared_storage
-from tests.launch._workers import local_gradient
+from tests.helpers.launch_workers import local_gradient
 
-WORKER = "tests.launch._workers:GradWorker"
-ENV_WORKER = "tests.launch._workers:EnvWorker"
+WORKER = "tests.helpers.launch_workers:GradWorker"
+ENV_WORKER = "tests.helpers.launch_workers:EnvWorker"
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -93,7 +93,7 @@ def test_restart_worker(sched):
 def test_construction_failures_leave_no_role(tmp_path):
     with LocalScheduler(log_dir=str(tmp_path)) as s:
         with pytest.raises(WorkerError, match=r"broken\[0\] .*constructor raised RuntimeError: constructor refuses"):
-            s.create_workers("broken", "tests.launch._workers:BrokenWorker", 1, env=ENV)
+            s.create_workers("broken", "tests.helpers.launch_workers:BrokenWorker", 1, env=ENV)
         assert s.roles == []
         # a worker interpreter that cannot start exits before connecting
         with pytest.raises(

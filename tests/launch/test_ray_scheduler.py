@@ -16,9 +16,9 @@ from areno.launch.scheduler import (  # noqa: E402
     WorkerError,
     free_port,
 )
-from tests.launch._workers import local_gradient  # noqa: E402
+from tests.helpers.launch_workers import local_gradient  # noqa: E402
 
-WORKER = "tests.launch._workers:GradWorker"
+WORKER = "tests.helpers.launch_workers:GradWorker"
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -96,7 +96,7 @@ _DRIVER = """
 import json, sys
 from areno.launch.ray_scheduler import RayScheduler
 with RayScheduler(address=sys.argv[1], cpus_per_worker=0.5) as sched:
-    sched.create_workers("actor", "tests.launch._workers:GradWorker", 2, env={"OMP_NUM_THREADS": "1"}, args=(5,))
+    sched.create_workers("actor", "tests.helpers.launch_workers:GradWorker", 2, env={"OMP_NUM_THREADS": "1"}, args=(5,))
     sched.call("actor", "init_dist")
     print(json.dumps(sched.call("actor", "allreduced_gradient")))
 """

@@ -7,8 +7,8 @@ import pytest
 from areno.launch.factory import scheduler_from_config
 from areno.launch.scheduler import RoleSpec, SchedulerConfig, SchedulerError, WorkerDiedError
 from areno.launch.slurm import SlurmScheduler, render_sbatch
-from tests.launch._slurm_cluster import slurm_available, slurm_cluster
-from tests.launch._workers import local_gradient
+from tests.helpers.launch_workers import local_gradient
+from tests.helpers.slurm_cluster import slurm_available, slurm_cluster
 
 EXPECTED = textwrap.dedent(
     """\
@@ -109,7 +109,7 @@ def test_real_single_node_cluster(tmp_path, monkeypatch):
             connect_timeout_s=120,
             slurm_poll_interval_s=0.5,
         )
-        worker, wenv = "tests.launch._workers:GradWorker", {"OMP_NUM_THREADS": "1"}
+        worker, wenv = "tests.helpers.launch_workers:GradWorker", {"OMP_NUM_THREADS": "1"}
         with scheduler_from_config(cfg) as sched:
             assert isinstance(sched, SlurmScheduler)
             handles = sched.create_roles(

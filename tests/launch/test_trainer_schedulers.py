@@ -11,7 +11,9 @@ runs agree bit for bit. Evaluation holds its burst the same way.
 
 import pytest
 
-WORKER = "tests.launch._workers:TrainerWorker"
+from tests.helpers.launch_workers import runtime_info
+
+WORKER = "tests.helpers.launch_workers:TrainerWorker"
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -31,7 +33,7 @@ def _overrides(root):
         "train.eval_interval=0",
         "train.seed=3",
         "optim.lr=0.02",
-        "reward.fn=tests.launch._workers:digits",
+        "reward.fn=tests.helpers.launch_workers:digits",
     ]
 
 
@@ -45,7 +47,6 @@ def _deterministic(rows):
 
 def _run(sched, root):
     from areno.launch.storage import check_shared_storage
-    from tests.launch._workers import runtime_info
 
     sched.create_workers("trainer", WORKER, 1, env=ENV, args=(_overrides(root),))
     check_shared_storage([str(root)], sched)

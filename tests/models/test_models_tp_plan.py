@@ -80,7 +80,7 @@ def test_tp2_shards_loaded_by_plan_equal_full_model(kw, tmp_path):
     def run(rank: int) -> None:
         try:
             _run(rank)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
             errors.append(e)
             reducer.barrier.abort()
 

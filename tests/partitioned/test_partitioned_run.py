@@ -15,11 +15,6 @@ from areno.engine.placement import build_engine, partitioned_engine
 from areno.engine.remote import RemoteRolloutSide, RemoteTrainingSide
 
 
-def sevens(prompt, completion, answer, **row):
-    """A reward that varies between samples of a random tiny model (so GRPO has a gradient)."""
-    return completion.count("7") / max(len(completion), 1) + 0.1 * len(completion)
-
-
 def _config(tmp_path, *extra):
     return load_config(
         None,
@@ -37,7 +32,7 @@ def _config(tmp_path, *extra):
             "observe.console=false",
             "train.seed=3",
             "optim.lr=0.01",
-            "reward.fn=test_partitioned_run:sevens",
+            "reward.fn=tests.helpers.rewards:sevens_and_length",
             *extra,
         ],
     )

@@ -16,10 +16,10 @@ def test_constructor_error_is_raised_while_peers_block_in_rendezvous(tmp_path):
         with pytest.raises(WorkerError, match=r"rollout\[0\].*ImportError: No module named 'pydantic'"):
             sched.create_roles(
                 [
-                    RoleSpec(role="train", worker_cls="tests.partitioned._failfast_workers:JoinsWorld", n=1, world="w"),
+                    RoleSpec(role="train", worker_cls="tests.helpers.failfast_workers:JoinsWorld", n=1, world="w"),
                     RoleSpec(
                         role="rollout",
-                        worker_cls="tests.partitioned._failfast_workers:FailsBeforeJoining",
+                        worker_cls="tests.helpers.failfast_workers:FailsBeforeJoining",
                         n=1,
                         world="w",
                     ),

@@ -1,8 +1,8 @@
-"""Fixtures of the recipe tests; the helpers live in recipes_testlib (a unique module name, so they
-do not collide with other test folders' conftest modules)."""
+"""Fixtures of the recipe tests (the helpers live in tests/helpers/recipes.py)."""
 
 import pytest
-from recipes_testlib import model_fixture
+
+from tests.helpers.recipes import model_fixture
 
 
 @pytest.fixture

@@ -8,12 +8,18 @@ import math
 
 import pytest
 import torch
-from recipes_testlib import naive_logprobs, rl_batch, with_behaviour_logprobs
-from test_specializations import completion_positions, grpo_adv, preference_batch
 
 from areno.recipes import get_recipe
 from areno.recipes.runner import RecipeRunner
 from areno.types import TokenBatch
+from tests.helpers.recipes import (
+    completion_positions,
+    grpo_adv,
+    naive_logprobs,
+    preference_batch,
+    rl_batch,
+    with_behaviour_logprobs,
+)
 
 train = pytest.importorskip("areno.train")
 
@@ -153,7 +159,8 @@ def test_reinforce_pp_recipes(dirs):
         vals = torch.tensor(list(returns.values()), dtype=torch.float64)
         mean, std = vals.mean().item(), vals.std().item()
         m = run_step(get_recipe(name), dirs, batch)
-        expected = token_mean(batch, lambda b, t: clipped(r(t), (returns[t] - mean) / (std + 1e-8), 0.8, 1.2))
+        adv = {t: (ret - mean) / (std + 1e-8) for t, ret in returns.items()}
+        expected = token_mean(batch, lambda b, t, adv=adv: clipped(r(t), adv[t], 0.8, 1.2))
         assert m["policy/loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6), name
 
 

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from recipes_testlib import loss_of, make_decoder, naive_logprobs, rl_batch, with_behaviour_logprobs
 
 from areno.errors import ConfigError
 from areno.specializations import (
@@ -25,26 +24,19 @@ from areno.specializations import (
     token_logprobs_T,
 )
 from areno.specializations.base import with_extra
-from areno.types import TokenBatch, Trajectory
+from tests.helpers.recipes import (
+    PlainReducer,
+    completion_positions,
+    grpo_adv,
+    loss_of,
+    make_decoder,
+    naive_logprobs,
+    preference_batch,
+    rl_batch,
+    with_behaviour_logprobs,
+)
 
 SEQ = [(0, 7), (7, 12), (12, 19), (19, 24), (24, 30), (30, 37)]  # rl_batch() boundaries
-
-
-def completion_positions(batch: TokenBatch, b: int) -> list[int]:
-    cu = batch.cu_seqlens_B1.tolist()
-    return [t for t in range(cu[b], cu[b + 1]) if batch.loss_mask_T[t]]
-
-
-def grpo_adv(rewards: list[float], std: bool = True) -> list[float]:
-    """Group advantages of a.., b.., c.. groups of two, by hand."""
-    out = []
-    for i in range(0, len(rewards), 2):
-        r0, r1 = rewards[i], rewards[i + 1]
-        mean = (r0 + r1) / 2
-        sd = math.sqrt((r0 - mean) ** 2 + (r1 - mean) ** 2)  # n-1 = 1
-        for r in (r0, r1):
-            out.append((r - mean) / (sd + 1e-4) if std else r - mean)
-    return out
 
 
 def test_token_logprobs_match_naive_and_entropy(model):
@@ -298,24 +290,6 @@ def test_dagger_and_aggrevate(model):
     assert loss.item() == pytest.approx(-sum(a[t] * float(logp[t]) for t in pos) / len(pos), rel=1e-4)
 
 
-def preference_batch() -> TokenBatch:
-    gen = torch.Generator().manual_seed(3)
-    trajs = []
-    for gid, reward, n_prompt, n_comp in [("p", 1.0, 3, 3), ("q", 0.0, 2, 4), ("p", 0.0, 3, 2), ("q", 1.0, 2, 3)]:
-        ids = torch.randint(3, 24, (n_prompt + n_comp,), generator=gen).tolist()
-        trajs.append(
-            Trajectory(
-                prompt_ids=ids[:n_prompt],
-                completion_ids=ids[n_prompt:],
-                logprobs=[-1.0] * n_comp,
-                versions=[0] * n_comp,
-                reward=reward,
-                group_id=gid,
-            )
-        )
-    return TokenBatch.from_trajectories(trajs)
-
-
 def _seq_sums(values, batch):
     return [sum(float(values[t]) for t in completion_positions(batch, b)) for b in range(batch.num_seqs)]
 
@@ -358,8 +332,6 @@ def test_dpo_surrogate_value_and_gradient(model):
 
 
 def _reducer(denominator):
-    from recipes_testlib import PlainReducer
-
     return PlainReducer(denominator)
 
 

@@ -5,7 +5,7 @@ import pytest
 from areno.rollout.client import InProcessRolloutClient
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from tests.rollout.conftest import EOS, naive_greedy, random_prompts
+from tests.helpers.rollout import EOS, make_model, naive_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 
@@ -69,8 +69,6 @@ def test_weight_updates_from_another_thread_during_generation():
     """A trainer thread swaps weights while the driver thread generates: every output's versions
     are non-decreasing and end at most at the last published version."""
     import threading
-
-    from tests.rollout.conftest import make_model
 
     model, cfg = make_model(0)
     other, _ = make_model(1)

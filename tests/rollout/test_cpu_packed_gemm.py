@@ -13,7 +13,7 @@ from areno.models import cpu_gemm
 from areno.models.decoder import Decoder
 from areno.models.hf_io import save_model, tiny_config
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-from tests.rollout.test_fused_projections import ARCHS, SEEDED, model_of, random_prompts, run, sync_into
+from tests.helpers.rollout import ARCHS, SEEDED, model_of, random_prompts, run, sync_into
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.supported(), reason="no oneDNN packed linear in this PyTorch build")
 

@@ -10,7 +10,7 @@ import torch
 from areno.rollout.attention import DecodeCarry
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from tests.rollout.conftest import make_model, random_prompts
+from tests.helpers.rollout import make_model, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=23, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=17, ignore_eos=True, seed=5)

@@ -3,7 +3,7 @@ import torch
 
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
 from areno.types import SamplingParams
-from tests.rollout.conftest import EOS, VOCAB, make_model, naive_greedy, random_prompts
+from tests.helpers.rollout import EOS, VOCAB, make_model, naive_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 

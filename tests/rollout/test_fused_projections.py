@@ -8,28 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.models.decoder import Decoder
-from areno.models.hf_io import save_model, tiny_config
+from areno.models.hf_io import save_model
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-from areno.sync.base import ShardSpec, engine_receiver
 from areno.types import SamplingParams
-from tests.rollout.conftest import VOCAB, random_prompts
-from tests.rollout.test_gpu_path import eager_runner
-
-GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=11)
-ARCHS = ["qwen2", "llama"]  # q/k/v bias, no bias
-
-
-def model_of(arch: str, seed: int = 0) -> tuple[Decoder, object]:
-    cfg = tiny_config(VOCAB, arch=arch, hidden_size=32, layers=2, heads=4, kv_heads=2, max_position_embeddings=256)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Decoder(cfg)
-        with torch.no_grad():  # decisive argmaxes; non-zero q/k/v biases (qwen2)
-            for p in model.parameters():
-                p.normal_(0.0, 0.3 if p.dim() == 2 else 0.1)
-    return model.eval(), cfg
+from tests.helpers.rollout import ARCHS, SEEDED, eager_runner, model_of, random_prompts, run, sync_into
 
 
 def engine_of(model, cfg, fused: bool, **kw) -> RolloutEngine:
@@ -43,11 +25,6 @@ def engine_of(model, cfg, fused: bool, **kw) -> RolloutEngine:
         **kw,
     )
     return RolloutEngine(model, cfg, config=config, eos_token_ids=())
-
-
-def run(engine: RolloutEngine, prompts, params=GREEDY):
-    outs = engine.generate(prompts, params)
-    return [o.output_ids for o in outs], [o.output_logprobs for o in outs]
 
 
 def assert_same(a, b) -> None:
@@ -122,19 +99,6 @@ def test_update_weights_from_disk_on_fused_engine(tmp_path):
     assert fused.version == 3 and model.projections_fused
     ref, _ = model_of("qwen2", seed=4)
     assert_same(run(fused, prompts), run(engine_of(ref, cfg, False), prompts))
-
-
-def sync_into(engine: RolloutEngine, new: dict, commit: str, through_data: bool = False) -> None:
-    """Every tensor of ``new`` into ``engine`` through ``engine_receiver`` (the transports' receiving
-    end) with ``commit``, as policy version 1; ``through_data``: written through ``.data`` (no
-    parameter's version counter moves)."""
-    specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in engine.weight_tensors().items()}
-    receiver = engine_receiver(engine, specs, commit=commit)
-    receiver.begin(1)
-    for name in receiver.shard_specs():
-        target = receiver.stage(name)
-        (target.data if through_data else target).copy_(new[name])
-    receiver.commit(1)
 
 
 @pytest.mark.parametrize("commit", ["staged", "swap", "inplace"])

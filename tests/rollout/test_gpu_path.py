@@ -10,7 +10,7 @@ from areno.rollout.cuda_graph import graph_num_blocks, padded_batch_size, padded
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.sampling import SampleMode
 from areno.types import SamplingParams
-from tests.rollout.conftest import make_model, random_prompts
+from tests.helpers.rollout import eager_runner, make_model, naive_greedy, random_prompts, sampled_mix
 
 
 def test_static_decode_metadata_matches_eager_builder():
@@ -98,8 +98,6 @@ def test_cuda_graphs_match_eager_on_gpu(dtype):
         assert [o.output_ids for o in outs[False]] == [o.output_ids for o in one_step]
     assert [o.output_ids for o in outs[(True, "seeded")]] == [o.output_ids for o in outs[(False, "seeded")]]
     if dtype == torch.float32:
-        from tests.rollout.conftest import naive_greedy
-
         cpu_model, _ = make_model(0)
         for p, o in zip(prompts, outs[True]):
             assert o.output_ids == naive_greedy(cpu_model, p, 20)[0]
@@ -137,7 +135,7 @@ def test_sampled_loop_graph_matches_eager_on_gpu():
     model = model.cuda()
     prompts = random_prompts(14, seed=44)
     eos = (9, 17, 23)
-    params = _sampled_mix(14, eos)
+    params = sampled_mix(14, eos)
     outs, engines = {}, {}
     for name, k, graphs in (("one_step", 1, False), ("k_eager", 8, False), ("k_graph", 8, True)):
         eng = RolloutEngine(
@@ -183,31 +181,6 @@ def test_warmup_captures_sampled_loops():
     assert eng.warmup_cuda_graphs([5], max_len=40, params=[rl]) == 2 * len(widths)
     eng.generate(random_prompts(5, seed=41, lo=4, hi=10), [dataclasses.replace(rl, seed=i) for i in range(5)])
     assert len(eng._graphs._loops) == len(widths) and {key[4] for key in eng._graphs._loops} == {SampleMode.of(rl)}
-
-
-class _EagerReplay:
-    """Stands in for a CUDA graph on CPU: ``replay()`` runs the captured function again and copies
-    its results into the outputs the capture returned."""
-
-    def __init__(self, fn, out) -> None:
-        self.fn, self.out = fn, out
-
-    def replay(self) -> None:
-        new = self.fn()
-        for dst, src in zip(*((self.out, new) if isinstance(self.out, tuple) else ((self.out,), (new,)))):
-            dst.copy_(src)
-
-
-def eager_runner(engine, max_batch: int):
-    """A ``DecodeGraphRunner`` whose capture is emulated on CPU by re-running the recorded function."""
-    from areno.rollout.cuda_graph import DecodeGraphRunner
-
-    class EagerRunner(DecodeGraphRunner):
-        def _record(self, fn, generator=None):
-            out = fn()
-            return _EagerReplay(fn, out), out
-
-    return EagerRunner(engine, max_batch=max_batch)
 
 
 @pytest.mark.parametrize("decode_steps,mode", [(1, "mixed"), (4, "mixed"), (4, "greedy_eos")])
@@ -258,20 +231,6 @@ def test_graph_runner_inputs_on_cpu(decode_steps, mode):
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
 
 
-def _sampled_mix(n: int, eos: tuple[int, ...]) -> list[SamplingParams]:
-    """Greedy and seeded sampling rows with top-p / top-k, min_new_tokens and extra stop ids."""
-    kinds = [
-        lambda i: SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=9 + i, min_new_tokens=6, seed=100 + i),
-        lambda i: SamplingParams(temperature=0, max_new_tokens=7 + i, min_new_tokens=4),
-        lambda i: SamplingParams(temperature=0.7, top_k=12, max_new_tokens=14, stop_token_ids=(30, 41), seed=7 * i),
-        lambda i: SamplingParams(temperature=1.3, max_new_tokens=5 + i, seed=i),
-        lambda i: SamplingParams(
-            temperature=1.0, top_p=0.8, top_k=20, max_new_tokens=12, min_new_tokens=9, stop_token_ids=(30,), seed=50 + i
-        ),
-    ]
-    return [kinds[i % len(kinds)](i) for i in range(n)]
-
-
 @pytest.mark.parametrize("uniform", [False, True])
 def test_sampled_loop_graph_matches_eager_per_step_on_cpu(uniform):
     """The k-step loop graph serves sampled rows (temperature, top-p, top-k, per-request seeds),
@@ -288,7 +247,7 @@ def test_sampled_loop_graph_matches_eager_per_step_on_cpu(uniform):
             SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, min_new_tokens=5, seed=i) for i in range(14)
         ]
     else:
-        params = _sampled_mix(14, eos)
+        params = sampled_mix(14, eos)
     outs, engines = {}, {}
     for name, k, graphs in (("one_step", 1, False), ("k_eager", 4, False), ("k_graph", 4, True)):
         eng = RolloutEngine(
@@ -334,7 +293,6 @@ def test_unseeded_rows_in_the_loop_graph_sample_from_the_policy():
     outs = eng.generate([prompt] * 6, [p] * 5 + [greedy])
     assert {key[4] for key in eng._graphs._loops} == {SampleMode(True, False, False, True)}
     assert len({tuple(o.output_ids) for o in outs[:5]}) > 1
-    from tests.rollout.conftest import naive_greedy
 
     assert outs[5].output_ids == naive_greedy(model, prompt, 12)[0]
     with torch.no_grad():

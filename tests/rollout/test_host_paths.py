@@ -8,7 +8,7 @@ import torch
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.sampling import RowParams, RowTable
 from areno.types import SamplingParams
-from tests.rollout.conftest import make_model, random_prompts
+from tests.helpers.rollout import make_model, random_prompts
 
 EOS = (2,)
 V = 50

@@ -10,32 +10,7 @@ import torch
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.sampling import RowParams
 from areno.types import SamplingParams
-from tests.rollout.conftest import EOS, make_model, random_prompts
-from tests.rollout.test_gpu_path import _sampled_mix, eager_runner
-
-
-def engine(model_cfg, decode_steps: int, *, graphs: bool = False, eos=(EOS,), tokenizer=None, **kw) -> RolloutEngine:
-    model, cfg = model_cfg
-    defaults = dict(
-        block_size=4,
-        num_blocks=160,
-        max_num_seqs=8,
-        max_tokens_per_step=48,
-        prefill_chunk_size=8,
-        max_model_len=80,
-        mixed_decode_min_rows=1,
-    )
-    defaults.update(kw)
-    eng = RolloutEngine(
-        model,
-        cfg,
-        config=RolloutEngineConfig(decode_steps=decode_steps, **defaults),
-        eos_token_ids=eos,
-        tokenizer=tokenizer,
-    )
-    if graphs:
-        eng._graphs = eager_runner(eng, max_batch=defaults["max_num_seqs"])
-    return eng
+from tests.helpers.rollout import eager_runner, engine, make_model, random_prompts, same, sampled_mix
 
 
 def drive(eng: RolloutEngine, prompts, params, arrive_every: int = 2) -> tuple[list, list[int]]:
@@ -56,14 +31,6 @@ def drive(eng: RolloutEngine, prompts, params, arrive_every: int = 2) -> tuple[l
     return [done[i] for i in ids], per_step
 
 
-def same(a, b):
-    assert [o.output_ids for o in a] == [o.output_ids for o in b]
-    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
-    assert [o.output_versions for o in a] == [o.output_versions for o in b]
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x.output_logprobs, y.output_logprobs, rtol=0, atol=1e-5)
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
     return make_model(0)
@@ -75,7 +42,7 @@ def test_mixed_steps_decode_on_with_the_one_step_engines_tokens(tiny_model, grap
     others decode (capture emulated on CPU for ``graphs``)."""
     prompts = random_prompts(14, seed=51, lo=3, hi=20)
     eos = (9, 17, 23)
-    params = _sampled_mix(14, eos)
+    params = sampled_mix(14, eos)
     params[5] = SamplingParams(temperature=0, max_new_tokens=1)  # ends on its first token (length)
     ref, ref_steps = drive(engine(tiny_model, 1, eos=eos), prompts, params)
     eng = engine(tiny_model, 4, graphs=graphs, eos=eos)
@@ -231,7 +198,7 @@ def test_mixed_decode_with_cuda_graphs_matches_the_one_step_engine_on_gpu(decode
     model = model.cuda()
     prompts = random_prompts(14, seed=54, lo=3, hi=20)
     eos = (9, 17, 23)
-    params = _sampled_mix(14, eos)
+    params = sampled_mix(14, eos)
     outs, engines = {}, {}
     for name, k, graphs in (("one_step", 1, False), ("k_graph", 8, True)):
         eng = RolloutEngine(

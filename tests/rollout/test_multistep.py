@@ -7,7 +7,7 @@ import torch
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.sampling import RowParams, Sampler, hash_uniform, inverse_cdf_draw
 from areno.types import SamplingParams
-from tests.rollout.conftest import EOS, make_model, naive_greedy, random_prompts
+from tests.helpers.rollout import EOS, make_model, naive_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 

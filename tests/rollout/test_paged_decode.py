@@ -10,7 +10,7 @@ from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_torch, triton_available
 from areno.types import SamplingParams
-from tests.rollout.conftest import make_model, random_prompts
+from tests.helpers.rollout import eager_runner, make_model, random_prompts
 
 
 def _random_pool(*, num_blocks=40, bs=4, hkv=2, dh=8, dtype=torch.float32, device="cpu", seed=0):
@@ -172,7 +172,6 @@ def test_engine_greedy_paged_equals_gather(arch):
 def test_graph_runner_paged_on_cpu():
     """The CUDA-graph runner's static-shape path (padded batch and table width, k-step greedy loop)
     with decode_attention="paged", capture emulated by re-running the recorded function."""
-    from tests.rollout.test_gpu_path import eager_runner
 
     model, cfg = make_model(0)
     prompts = random_prompts(9, seed=52)
@@ -395,7 +394,6 @@ def test_held_graph_captures_run_eagerly_with_the_same_tokens():
     """While captures are held (a policy sync on the rollout worker), a decode step whose graph is
     missing runs eagerly: same tokens, nothing captured, the deferral counted; afterwards graphs are
     captured again (capture emulated on CPU)."""
-    from tests.rollout.test_gpu_path import eager_runner
 
     model, cfg = make_model(0)
     prompts = random_prompts(6, seed=54)

@@ -8,9 +8,7 @@ import random
 
 import pytest
 
-from tests.rollout.conftest import make_model, random_prompts
-from tests.rollout.test_gpu_path import _sampled_mix
-from tests.rollout.test_mixed_decode import engine, same
+from tests.helpers.rollout import engine, make_model, random_prompts, same, sampled_mix
 
 VARIANTS = {
     "k4_mixed_paged": dict(decode_steps=4, mixed_decode_min_rows=1, decode_attention="paged"),
@@ -27,7 +25,7 @@ def scenario(seed: int):
     rng = random.Random(seed)
     eos = tuple(rng.sample(range(5, 60), 2))
     prompts, params = [], []
-    base = _sampled_mix(12, eos)
+    base = sampled_mix(12, eos)
     for g, prompt in enumerate(random_prompts(4, seed=seed, lo=3, hi=18)):
         n = rng.choice((1, 2, 3))  # a group: samples of one prompt (prefix sharing)
         prompts += [prompt] * n

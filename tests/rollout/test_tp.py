@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from areno.launch.scheduler import free_port
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from tests.rollout.conftest import make_model, random_prompts
+from tests.helpers.rollout import make_model, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True, seed=3)

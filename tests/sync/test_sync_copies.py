@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sync_helpers import TP_PLAN, tiny_weights
 
 from areno.sync.base import StagedReceiver, copy_into, swap_into, write_rows
 from areno.sync.buckets import BucketPacker, BucketStager, chunk_views, foreach_copy, tensor_chunks
 from areno.sync.collectives import Collectives
 from areno.sync.plan import plan_buckets, shard_specs_from_tp_plan
+from tests.helpers.sync import TP_PLAN, tiny_weights
 
 
 def mixed_weights(seed: int) -> dict[str, torch.Tensor]:

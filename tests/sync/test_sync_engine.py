@@ -16,6 +16,7 @@ from areno.sync.disk import COMPLETE, DiskTransport, latest_policy
 from areno.sync.inplace import InPlaceTransport
 from areno.train import LocalTrainBackend, TrainBackendConfig
 from areno.types import SamplingParams
+from tests.helpers.sync import spawn, worker_engine
 
 PROMPT = [5, 9, 12, 7, 3, 11]
 
@@ -194,8 +195,6 @@ def test_engine_receiver_refuses_a_deferred_inplace_commit():
 
 @pytest.mark.slow
 def test_stream_sync_into_rollout_engine_logprobs_match_trainer(tiny_model_dir, tmp_path):
-    from sync_helpers import spawn, worker_engine
-
     spawn(worker_engine, 2, str(tmp_path), str(tiny_model_dir))
     eng = torch.load(tmp_path / "engine.pt", weights_only=True)
     trn = torch.load(tmp_path / "trainer.pt", weights_only=True)

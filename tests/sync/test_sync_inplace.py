@@ -15,6 +15,7 @@ from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, TornWeights
 from areno.sync.base import LiveReceiver, PolicySyncError, ShardSpec, StagedReceiver, engine_receiver
 from areno.sync.stream import StreamTopology, vote_backend
 from areno.types import SamplingParams
+from tests.helpers.sync import spawn, tiny_weights, trained_weights, worker_inplace, worker_vote
 
 TIMEOUT_S = 2.0
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=3)
@@ -22,16 +23,12 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_model_dir):
-    from sync_helpers import spawn, worker_inplace
-
     out = tmp_path_factory.mktemp("inplace")
     spawn(worker_inplace, 2, str(out), str(tiny_model_dir), TIMEOUT_S)
     return {r: torch.load(out / f"inplace{r}.pt", weights_only=True) for r in range(2)}
 
 
 def test_inplace_sync_equals_staged_sync_bit_for_bit(results, tiny_model_dir):
-    from sync_helpers import trained_weights
-
     v1 = results[1]["v1"]
     want = trained_weights(str(tiny_model_dir), seed=1)
     assert set(v1["inplace"]) == set(v1["staged"]) and v1["version"] == 1
@@ -58,8 +55,6 @@ def test_generation_paused_time_is_the_whole_inplace_sync(results):
 
 
 def test_failed_inplace_sync_leaves_engine_refusing_until_the_next_sync(results, tiny_model_dir):
-    from sync_helpers import trained_weights
-
     assert results[0]["error"] == "source broke"
     v3 = results[1]["v3"]
     assert v3["error"] is not None and v3["error"].startswith("policy sync v3 failed on rank 1")
@@ -152,8 +147,6 @@ def test_vote_backend_is_nccl_only_on_distinct_gpus_under_an_nccl_data_plane():
 
 
 def check_vote(res: dict, backend: str) -> None:
-    from sync_helpers import tiny_weights
-
     assert res[0]["vote_backend"] == res[1]["vote_backend"] == backend
     assert all(torch.equal(t.cpu(), tiny_weights(seed=1)[n]) for n, t in res[1]["v1"].items())
     assert res[0]["v2_error"] == "ValueError: source broke after its last tensor"
@@ -165,8 +158,6 @@ def check_vote(res: dict, backend: str) -> None:
 
 def test_a_rank_that_raised_fails_the_vote_and_the_same_transport_recovers(tmp_path):
     """No timeout involved: every byte moved before the sender raised, so the groups stay usable."""
-    from sync_helpers import spawn, worker_vote
-
     spawn(worker_vote, 2, str(tmp_path), False)
     check_vote({r: torch.load(tmp_path / f"vote{r}.pt", weights_only=True) for r in range(2)}, "gloo")
 
@@ -175,7 +166,5 @@ def test_a_rank_that_raised_fails_the_vote_and_the_same_transport_recovers(tmp_p
 def test_nccl_vote_on_two_gpus_names_the_failed_rank_and_inplace_recovers(tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    from sync_helpers import spawn, worker_vote
-
     spawn(worker_vote, 2, str(tmp_path), True)
     check_vote({r: torch.load(tmp_path / f"vote{r}.pt", weights_only=True) for r in range(2)}, "nccl")

@@ -9,11 +9,6 @@ from transformers import AutoTokenizer  # noqa: F401 - imported before worker th
 from areno.api.config import ConfigError, load_config
 
 
-def reward(prompt, completion, answer, **row):
-    """Varies between samples of a random tiny model (so GRPO has a gradient)."""
-    return completion.count("7") / max(len(completion), 1) + 0.1 * len(completion)
-
-
 def _config(tmp_path, commit: str):
     return load_config(
         None,
@@ -31,7 +26,7 @@ def _config(tmp_path, commit: str):
             "observe.console=false",
             "train.seed=3",
             "optim.lr=0.01",
-            "reward.fn=test_sync_partitioned:reward",
+            "reward.fn=tests.helpers.rewards:sevens_and_length",
             "cluster.train_devices=[0]",
             "cluster.rollout_devices=[1]",
             f"cluster.sync_commit={commit}",

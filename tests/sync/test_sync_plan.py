@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sync_helpers import TP_PLAN, tiny_weights
 
 from areno.sync.base import ShardSpec, write_rows
 from areno.sync.plan import ALIGN_BYTES, assign_rows, choose_relays, plan_buckets, shard_specs_from_tp_plan
+from tests.helpers.sync import TP_PLAN, tiny_weights
 
 
 def test_assign_rows_is_greedy_lpt():

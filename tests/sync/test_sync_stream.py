@@ -8,10 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sync_helpers import DEVICES, ROLLOUT, TP_PLAN, spawn, tiny_weights, worker_scenario
 
 from areno.sync.base import METRIC_NAMES
 from areno.sync.plan import shard_specs_from_tp_plan
+from tests.helpers.sync import (
+    DEVICES,
+    EXACT_CONFIGS,
+    ROLLOUT,
+    TP_PLAN,
+    mixed,
+    spawn,
+    tiny_weights,
+    worker_exact,
+    worker_scenario,
+    worker_source_error,
+)
 
 BUCKET = 2048  # smaller than the embedding (8 KiB): it is split into row chunks
 TIMEOUT_S = 2.0
@@ -91,8 +102,6 @@ def test_failed_sync_keeps_the_old_version_intact(results):
 
 @pytest.mark.slow
 def test_source_error_midway_aborts_everywhere_and_keeps_old_version(tmp_path):
-    from sync_helpers import worker_source_error
-
     spawn(worker_source_error, 4, str(tmp_path), TIMEOUT_S)
     res = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)}
     assert res[1]["error"] == "ValueError: source broke"
@@ -105,8 +114,6 @@ def test_source_error_midway_aborts_everywhere_and_keeps_old_version(tmp_path):
 
 
 def check_exact(res: dict) -> None:
-    from sync_helpers import EXACT_CONFIGS, mixed
-
     for tag, _, wire, _, mix, _ in EXACT_CONFIGS:
         # Both kinds of bucket occur: chunks on their own and packed small tensors.
         assert res[0][tag]["single"] > 0 and res[0][tag]["packed"] > 0, res[0][tag]
@@ -142,8 +149,6 @@ def check_exact(res: dict) -> None:
 
 
 def test_unpacked_chunks_cast_mixed_dtypes_skipped_fanout_and_swap_commit_are_bit_exact(tmp_path):
-    from sync_helpers import worker_exact
-
     spawn(worker_exact, 4, str(tmp_path))
     res = {r: torch.load(tmp_path / f"exact{r}.pt", weights_only=True) for r in range(4)}
     check_exact(res)
@@ -156,7 +161,6 @@ def test_nccl_stream_ordered_sync_is_bit_exact_on_two_gpus(tmp_path):
     one multi-tensor copy per bucket, same bytes as the CPU path."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    from sync_helpers import worker_exact
 
     spawn(worker_exact, 4, str(tmp_path), True)
     res = {r: torch.load(tmp_path / f"exact{r}.pt", weights_only=True) for r in range(4)}

@@ -10,7 +10,7 @@ import torch
 from areno.models import logprobs as lp_mod
 from areno.models.logprobs import compiled_logprob_kernels, logprobs_from_hidden
 from areno.train import LocalTrainBackend, TrainBackendConfig
-from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 T, D, V = 13, 8, 29
 

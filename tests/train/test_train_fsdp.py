@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from areno.train import FSDP2TrainBackend, LocalTrainBackend, LoraConfig, TrainBackendConfig
-from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, spawn, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, spawn, token_denominator
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areno.train import LocalTrainBackend, TrainBackendConfig
-from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 pytestmark = pytest.mark.gpu
 LENGTHS = [130, 70, 210, 50, 90, 160, 30, 110]

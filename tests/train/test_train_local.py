@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areno.train import LocalTrainBackend, LoraConfig, TrainBackendConfig
-from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 VOCAB = 100
 LENGTHS = [13, 7, 21, 5, 9, 16, 3, 11]

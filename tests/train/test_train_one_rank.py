@@ -18,7 +18,7 @@ import torch
 from areno.train import FSDP2TrainBackend, LoraConfig, TrainBackendConfig
 from areno.train.backend import host_floats
 from areno.train.optim import LocalShardAdamW, global_grad_norm
-from tests.train.helpers import make_model_dir, nll_forward, nll_loss, random_batch, spawn, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, spawn, token_denominator
 
 VOCAB = 100
 LENGTHS = [13, 7, 21, 5, 9, 16, 3, 11, 6]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.helpers import spawn
+from tests.helpers.train import spawn
 
 pytestmark = pytest.mark.slow  # two process start-ups: ~20 s CPU, over a minute on a loaded machine
 

@@ -5,11 +5,14 @@ boundary without losing what it generated (the contract of the real RolloutEngin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 import uuid
 from collections.abc import Callable
 
-from areno.types import GenerationOutput, SamplingParams
+from areno.types import GenerationOutput, SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
 
 Respond = Callable[[list[int], SamplingParams], list[int]]
 
@@ -48,8 +51,7 @@ class FakeEngine:
             tokens = self.respond(list(prompt_ids), sampling_params)[: sampling_params.max_new_tokens]
             versions = []
             for _ in tokens:
-                while not self._running.is_set():
-                    await asyncio.sleep(0.001)
+                await await_threading_event(self._running)
                 await asyncio.sleep(self.step_s)
                 versions.append(self.version)
             return GenerationOutput(
@@ -68,9 +70,25 @@ class FakeEngine:
                 self.in_flight -= 1
 
 
+async def await_threading_event(event: threading.Event) -> None:
+    """Wait in a coroutine, without polling, for a ``threading.Event`` that another thread sets (the
+    tests pause and resume from their own thread). The waiting thread is a daemon, so an event never
+    set holds up neither the loop's shutdown nor the interpreter's exit."""
+    if event.is_set():
+        return
+    loop = asyncio.get_running_loop()
+    woken = asyncio.Event()
+
+    def wait() -> None:
+        event.wait()
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(woken.set)
+
+    threading.Thread(target=wait, daemon=True).start()
+    await woken.wait()
+
+
 # ---- for rollout worker processes (importable by dotted path) ----
-from areno.types import Trajectory  # noqa: E402
-from areno.workflows.base import RolloutWorkflow  # noqa: E402
 
 
 def fixed_length(prompt_ids: list[int], params: SamplingParams) -> list[int]:
@@ -85,8 +103,6 @@ class LengthWorkflow(RolloutWorkflow):
     """Sample {"id", "len"} -> one trajectory of `len` tokens, tagged with the sample id and pid."""
 
     async def run_episode(self, client, sample):
-        import os
-
         if sample.get("raise"):
             raise RuntimeError(f"env crashed on {sample['id']}")
         out = await client.agenerate([sample["len"]], SamplingParams(max_new_tokens=1000))

@@ -76,7 +76,6 @@ def spawn(fn, world: int, *args) -> None:
 
 
 # ------------------------------------------------------------------ workers (run in spawned ranks)
-
 TRAIN, ROLLOUT = (0, 1), (2, 3)
 # Overlapping device lists: train on dev0, dev1; rollout TP 2 also on dev0, dev1.
 DEVICES = {0: "dev0", 1: "dev1", 2: "dev0", 3: "dev1"}
@@ -286,7 +285,7 @@ def worker_exact(rank: int, world: int, port: int, out: str, gpu: bool = False) 
             specs = shard_specs_from_tp_plan(meta, TP_PLAN, tp_rank=rank - ROLLOUT[0], tp_size=len(ROLLOUT), dtype=wire)
             live = {n: torch.zeros(s.local_shape, dtype=s.dtype, device=device) for n, s in specs.items()}
             receiver = StagedReceiver(specs, (swap_into if commit == "swap" else copy_into)(live), device=device)
-        source = NamedTensorSource(lambda weights=weights: weights.items()) if rank in TRAIN else None
+        source = NamedTensorSource(weights.items) if rank in TRAIN else None
         cfg = StreamSyncConfig(bucket_bytes=2048, timeout_s=30, wire_dtype=wire, direct_bytes=direct)
         transport = StreamTransport(
             topology=topo,

@@ -1,7 +1,10 @@
-"""Fixtures for recipe tests: a tiny decoder, a fixed packed batch, a naive (unpacked, full-logits)
-log-prob reference and a plain Reducer."""
+"""Shared pieces of the recipe tests: a tiny decoder, fixed packed batches (RL groups, preference
+pairs), a naive (unpacked, full-logits) log-prob reference, hand-computed GRPO advantages and a
+plain Reducer."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -84,3 +87,38 @@ def loss_of(spec, model, batch):
     reducer = PlainReducer(spec.denominator(batch))
     out = spec.extract_model_output(model, batch)
     return spec.compute_loss(out, batch, reducer)
+
+
+def completion_positions(batch: TokenBatch, b: int) -> list[int]:
+    cu = batch.cu_seqlens_B1.tolist()
+    return [t for t in range(cu[b], cu[b + 1]) if batch.loss_mask_T[t]]
+
+
+def grpo_adv(rewards: list[float], std: bool = True) -> list[float]:
+    """Group advantages of a.., b.., c.. groups of two, by hand."""
+    out = []
+    for i in range(0, len(rewards), 2):
+        r0, r1 = rewards[i], rewards[i + 1]
+        mean = (r0 + r1) / 2
+        sd = math.sqrt((r0 - mean) ** 2 + (r1 - mean) ** 2)  # n-1 = 1
+        for r in (r0, r1):
+            out.append((r - mean) / (sd + 1e-4) if std else r - mean)
+    return out
+
+
+def preference_batch() -> TokenBatch:
+    gen = torch.Generator().manual_seed(3)
+    trajs = []
+    for gid, reward, n_prompt, n_comp in [("p", 1.0, 3, 3), ("q", 0.0, 2, 4), ("p", 0.0, 3, 2), ("q", 1.0, 2, 3)]:
+        ids = torch.randint(3, 24, (n_prompt + n_comp,), generator=gen).tolist()
+        trajs.append(
+            Trajectory(
+                prompt_ids=ids[:n_prompt],
+                completion_ids=ids[n_prompt:],
+                logprobs=[-1.0] * n_comp,
+                versions=[0] * n_comp,
+                reward=reward,
+                group_id=gid,
+            )
+        )
+    return TokenBatch.from_trajectories(trajs)

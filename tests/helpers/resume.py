@@ -1,6 +1,6 @@
 """Shared pieces of the kill -9 / resume tests: a tiny run driven through the real CLI.
 
-Run as a script (``python _resume_helpers.py key=value ...``) it is ``areno train`` plus one
+Run as a module (``python -m tests.helpers.resume key=value ...``) it is ``areno train`` plus one
 recorder: every trainer step appends the prompts it trained on to ``run_dir/trained_prompts.jsonl``
 (flushed per step, so a SIGKILL loses nothing already trained). ``ARENO_FAULT`` in the
 environment kills it at a phase of a step (``areno.faults``).
@@ -14,8 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAINED_PROMPTS = "trained_prompts.jsonl"
 
 
@@ -35,7 +34,7 @@ def overrides(tmp: Path, run_dir: Path, *extra: str, steps: int = 4, save_interv
         "rollout.batch_size=2",
         "rollout.n_samples=4",
         "rollout.max_new_tokens=4",
-        "reward.fn=_resume_helpers:digit_reward",
+        "reward.fn=tests.helpers.resume:digit_reward",
         "reward.sandbox=false",
         "cluster.device=cpu",
         "cluster.cpu_threads=1",
@@ -52,7 +51,7 @@ def overrides(tmp: Path, run_dir: Path, *extra: str, steps: int = 4, save_interv
 
 def _env(fault: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "ARENO_FAULT"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     if fault is not None:
         env["ARENO_FAULT"] = fault
@@ -60,9 +59,9 @@ def _env(fault: str | None) -> dict[str, str]:
 
 
 def start_areno(args: list[str]) -> subprocess.Popen:
-    """This file as a script in a fresh process, not waited for (the caller kills it)."""
+    """This module as a script in a fresh process, not waited for (the caller kills it)."""
     return subprocess.Popen(
-        [sys.executable, str(HERE / "_resume_helpers.py"), *args],
+        [sys.executable, "-m", "tests.helpers.resume", *args],
         env=_env(None),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -71,9 +70,9 @@ def start_areno(args: list[str]) -> subprocess.Popen:
 
 
 def run_areno(args: list[str], *, fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """This file as a script in a fresh process (ARENO_FAULT=fault when given)."""
+    """This module as a script in a fresh process (ARENO_FAULT=fault when given)."""
     return subprocess.run(
-        [sys.executable, str(HERE / "_resume_helpers.py"), *args],
+        [sys.executable, "-m", "tests.helpers.resume", *args],
         env=_env(fault),
         cwd=REPO,
         capture_output=True,

@@ -1,0 +1,1 @@
+"""Helpers shared by the test folders (importable as ``tests.helpers.…``, also by dotted path in worker processes)."""

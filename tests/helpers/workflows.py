@@ -1,0 +1,87 @@
+"""Rollout workflows and clients the tests name by dotted path (``rollout.workflow=…``,
+``WorkerSpec(workflow=…)``): runs and rollout worker processes import them from here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from areno.rollout.client import RolloutServersLost
+from areno.types import GenerationOutput, SamplingParams, Trajectory
+from areno.workflows.base import RolloutWorkflow
+from areno.workflows.rlvr import RLVRWorkflow
+
+
+class StoringWorkflow(RLVRWorkflow):
+    """Puts a 64 KiB observation per episode into the engine's store and keeps only its reference."""
+
+    def __init__(self, *args, store=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store = store
+
+    async def run_episode(self, client, sample):
+        trajectories = await super().run_episode(client, sample)
+        ref = self.store.put(torch.zeros(16, 1024))
+        for t in trajectories:
+            t.info["observation"] = ref
+        return trajectories
+
+
+class AlwaysFailingWorkflow(RolloutWorkflow):
+    """Every episode raises, as with a broken rollout engine or environment."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    async def run_episode(self, client, sample):
+        raise RuntimeError("environment unreachable")
+
+
+class ServersLostWorkflow(AlwaysFailingWorkflow):
+    """Every episode finds the rollout servers gone for good (what the partitioned engine's client
+    raises when every replica's worker died)."""
+
+    async def run_episode(self, client, sample):
+        raise RolloutServersLost("every rollout server is gone: http://127.0.0.1:1: rollout[0] (pid 7) died")
+
+
+class EchoClient:
+    """A rollout client double for worker processes: ``len`` tokens, one per 10 ms."""
+
+    async def agenerate(self, prompt_ids, sampling_params, *, request_id=None):
+        await asyncio.sleep(0.01 * prompt_ids[0])
+        n = prompt_ids[0]
+        return GenerationOutput(
+            request_id=request_id or "r",
+            prompt_ids=list(prompt_ids),
+            output_ids=[5] * n,
+            output_logprobs=[-0.5] * n,
+            output_versions=[0] * n,
+            finish_reason="stop",
+        )
+
+
+class StallOnceWorkflow(RolloutWorkflow):
+    """Sample {"id", "len"[, "stall_marker"]}: the first attempt at a sample with a marker path hangs
+    its whole process (a blocking call in the event loop, as a hung tool or C extension would)."""
+
+    async def run_episode(self, client, sample):
+        marker = sample.get("stall_marker")
+        # Blocking calls in the event loop are the point: they hang the whole worker process.
+        if marker and not Path(marker).exists():  # noqa: ASYNC240
+            Path(marker).write_text(str(os.getpid()))  # noqa: ASYNC240
+            time.sleep(3600)  # noqa: ASYNC251
+        out = await client.agenerate([sample["len"]], SamplingParams(max_new_tokens=100))
+        return Trajectory(
+            prompt_ids=[1],
+            completion_ids=out.output_ids,
+            logprobs=out.output_logprobs,
+            versions=out.output_versions,
+            reward=float(sample["id"]),
+            group_id=str(sample["id"]),
+            info={"id": sample["id"], "pid": os.getpid()},
+        )
