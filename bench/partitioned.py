@@ -1,5 +1,5 @@
 """Partitioned topology, end to end: synchronous (η = 0) vs asynchronous (η = 2, 4) RL through the
-real ``Trainer`` → ``ArenoBackend`` → ``PartitionedArenoEngine`` (training workers on some devices,
+real ``Trainer`` → ``ArenoBackend`` → ``ArenoEngine`` with remote sides (training workers on some devices,
 rollout workers on others, policy sync over the stream transport). Prints one JSON object.
 
 Every arm is one ``Trainer`` run with the same model, data, recipe (``grpo_async``: the decoupled
