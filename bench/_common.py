@@ -16,6 +16,34 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+# Hugging Face configs of the Qwen2.5 shapes the GPU benchmarks build (random weights, nothing downloaded).
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "torch_dtype": "bfloat16",
+}
+QWEN25_15B = {
+    **QWEN25_05B,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+}
+
 COMMIT_ENV = "ARENO_COMMIT"
 """Overrides the commit read from git: a run from an exported tree (``git archive``, no ``.git``)
 sets it to the commit it exported."""

@@ -61,34 +61,13 @@ from areno.data.tokenizer import build_char_tokenizer
 from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir
 from areno.workflows.rlvr import RLVRWorkflow
-from bench._common import emit, headline, parser, ratio
+from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, ratio
 
-QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-}
-QWEN25_15B = {
-    **QWEN25_05B,
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-}
+# e2e's configs carry no bos/eos token ids: the completion length stays fixed for both systems
+E2E_05B = {k: v for k, v in QWEN25_05B.items() if k not in ("bos_token_id", "eos_token_id")}
+E2E_15B = {k: v for k, v in QWEN25_15B.items() if k not in ("bos_token_id", "eos_token_id")}
 TINY = {
-    **QWEN25_05B,
+    **E2E_05B,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -98,7 +77,7 @@ TINY = {
     "max_position_embeddings": 2048,
 }
 # shape -> (HF config dict, default prompt length, default completion length)
-SHAPES = {"0.5b": (QWEN25_05B, 64, 512), "1.5b": (QWEN25_15B, 64, 512), "tiny": (TINY, 16, 32)}
+SHAPES = {"0.5b": (E2E_05B, 64, 512), "1.5b": (E2E_15B, 64, 512), "tiny": (TINY, 16, 32)}
 SYSTEMS = ("areno", "areno_async", "trl")
 LABELS = {
     "areno": "areno (colocated)",

@@ -59,27 +59,9 @@ from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from bench._common import emit, headline, parser, profile_cuda
+from bench._common import QWEN25_05B, emit, headline, parser, profile_cuda
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
-QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": True,
-    "vocab_size": 151936,
-    "hidden_act": "silu",
-    "bos_token_id": 151643,
-    "eos_token_id": 151643,
-    "torch_dtype": "bfloat16",
-}
 # ~20M parameters: 8 layers of width 256 and a 32k vocabulary (untied).
 CPU_20M = {
     "architectures": ["Qwen2ForCausalLM"],

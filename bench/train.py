@@ -50,36 +50,10 @@ from areno.models.hf_io import init_model_dir, tiny_config
 from areno.models.logprobs import packed_logprobs
 from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig
 from areno.types import TokenBatch
-from bench._common import emit, headline, parser, profile_cuda, ratio
+from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda, ratio
 
 H200_PEAK_BF16 = 989e12
 
-QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-    "bos_token_id": 151643,
-    "eos_token_id": 151643,
-    "torch_dtype": "bfloat16",
-}
-QWEN25_15B = {
-    **QWEN25_05B,
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-}
 SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen2.5-1.5b": QWEN25_15B}
 
 
