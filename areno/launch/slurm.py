@@ -31,6 +31,7 @@ from areno.launch.scheduler import (
     RoleSpec,
     SchedulerConfig,
     SchedulerError,
+    WorkerDiedError,
     _replace,
     _RpcScheduler,
     _RpcWorker,
@@ -255,7 +256,7 @@ class SlurmScheduler(_RpcScheduler):
     def _check_alive(self, workers: list[_RpcWorker]) -> None:
         for w in workers:
             if w.proc is not None and w.proc.poll() is not None and w.conn is None:
-                raise SchedulerError(
+                raise WorkerDiedError(
                     f"{w.handle.name}: restart step exited with code {w.proc.returncode} before connecting; "
                     f"log {w.handle.log_path}: {_tail(w.handle.log_path)}"
                 )
@@ -266,7 +267,7 @@ class SlurmScheduler(_RpcScheduler):
             state = self.job_state(job_id)
             if state not in _ALIVE_STATES:
                 log = self.log_dir / f"slurm-{job_id}.out"
-                raise SchedulerError(
+                raise WorkerDiedError(
                     f"SLURM job {job_id} is {state} before its workers connected; log {log}: {_tail(str(log))}"
                 )
 

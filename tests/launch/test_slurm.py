@@ -141,6 +141,6 @@ def test_real_single_node_cluster(tmp_path, monkeypatch):
 
         # a job whose workers cannot start ends the wait with the job's state, not a timeout
         with SlurmScheduler(cfg, python="/nonexistent/python") as sched:
-            with pytest.raises(SchedulerError, match=r"SLURM job \d+ is \w+ before its workers connected; log "):
+            with pytest.raises(WorkerDiedError, match=r"SLURM job \d+ is \w+ before its workers connected; log "):
                 sched.create_workers("actor", worker, 1)
             assert sched.roles == []
