@@ -356,8 +356,11 @@ class _Hub:
                 self._arrived[(role, index)] = (conn, pid, host)
                 self._cond.notify_all()
 
-    def wait(self, keys: list[tuple[str, int]], timeout_s: float, check: Callable[[], None]) -> dict:
-        """Wait until every key connected; ``check()`` raises early when a worker died."""
+    def wait(
+        self, keys: list[tuple[str, int]], timeout_s: float, check: Callable[[], None], logs: dict | None = None
+    ) -> dict:
+        """Wait until every key connected; ``check()`` raises early when a worker died; ``logs``:
+        key -> log path, named in the timeout's message."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -367,8 +370,11 @@ class _Hub:
                 check()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    names = ", ".join(f"{r}[{i}]" for r, i in missing)
-                    raise WorkerError(f"workers {names} did not connect within {timeout_s:.0f}s (see their logs)")
+                    names = ", ".join(
+                        f"{r}[{i}] (log {logs[(r, i)]})" if logs and logs.get((r, i)) else f"{r}[{i}]"
+                        for r, i in missing
+                    )
+                    raise WorkerError(f"workers {names} did not connect within {timeout_s:.0f}s")
                 self._cond.wait(min(left, 0.2))
 
     def close(self) -> None:
@@ -416,6 +422,7 @@ class _RpcScheduler(Scheduler):
             [(w.handle.role, w.handle.index) for w in workers],
             self.connect_timeout_s,
             lambda: self._check_alive(workers),
+            logs={(w.handle.role, w.handle.index): w.handle.log_path for w in workers},
         )
         for w in workers:
             conn, pid, host = arrived[(w.handle.role, w.handle.index)]
