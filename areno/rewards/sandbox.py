@@ -57,6 +57,8 @@ FAILURE_KINDS = ("timeout", "crash", "error", "memory", "cpu", "malformed", "non
 STARTUP_TIMEOUT_S = 120.0
 """How long a new worker may take to import the reward module (slow on a loaded machine)."""
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_TIMEOUT_S = 1e6
+"""Largest ``timeout_s`` / ``cpu_s`` (about 11 days): pipe polls overflow far above it."""
 
 
 def is_finite_reward(value: float) -> bool:
@@ -237,8 +239,8 @@ class RewardSandbox:
     ) -> None:
         if workers < 1:
             raise ValueError(f"reward.workers must be >= 1, got {workers}")
-        if timeout_s <= 0:
-            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"reward.timeout_s must be > 0 and <= {MAX_TIMEOUT_S:g}, got {timeout_s}")
         self.fn_path = fn_path
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
