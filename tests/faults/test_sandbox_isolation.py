@@ -41,12 +41,15 @@ def _failure(pool: RewardSandbox, completion: str) -> RewardFailure:
 # ------------------------------------------------------------------------------ replies are data
 def test_a_pickled_reply_runs_nothing_in_the_trainer(pool, tmp_path):
     marker = tmp_path / "pwned"
-    before = pool.metrics()["rollout/reward_failures_malformed"]
-    failure = _failure(pool, f"pickle:{marker}")
+    before = pool.metrics()
+    try:
+        pool.score("p", f"pickle:{marker}")
+    except RewardFailure as exc:
+        failure = exc
     time.sleep(0.3)
     assert not marker.exists()  # os.system never ran in this process
     assert failure.kind == "malformed" and HOSTILE in str(failure)
-    assert pool.metrics()["rollout/reward_failures_malformed"] == before + 1
+    assert pool.metrics()["rollout/reward_failures_malformed"] == before["rollout/reward_failures_malformed"] + 1
     assert pool.score("p", "value:0.5") == 0.5  # a fresh worker serves the next call
 
 
