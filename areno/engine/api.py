@@ -196,13 +196,21 @@ def sft_trajectories(rows: list[dict], tokenizer, prompt_key: str, answer_key: s
 
 
 def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
+    """Per-batch rollout figures. The reward mean and std cover the finite rewards only: a workflow
+    that sets a NaN or inf reward itself (``acall_reward`` already scores those 0) is counted in
+    ``rollout/reward_nonfinite`` instead of turning the mean into null."""
     rewards = torch.tensor([t.reward for t in trajectories])
+    finite = torch.isfinite(rewards)
+    nonfinite = int((~finite).sum())
+    if nonfinite:
+        rewards = rewards[finite] if finite.any() else torch.zeros(1)
     lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
     versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m]
     staleness = torch.tensor([version - v for v in versions], dtype=torch.float32) if versions else torch.zeros(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),
-        "rollout/reward_std": rewards.std().item() if len(trajectories) > 1 else 0.0,
+        "rollout/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "rollout/reward_nonfinite": float(nonfinite),
         "rollout/completion_len_mean": lengths.mean().item(),
         "rollout/num_seqs": float(len(trajectories)),
         "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),

@@ -14,6 +14,7 @@ hand); ``auto`` dtypes resolve in ``resolve_dtypes``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -22,6 +23,7 @@ from omegaconf import MISSING
 from areno.errors import ConfigError
 from areno.launch.allocation import AllocationModeError, check_supported, parse_allocation_mode
 from areno.launch.scheduler import scheduler_config
+from areno.rewards.sandbox import MAX_TIMEOUT_S
 from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
 from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
 
@@ -29,6 +31,19 @@ from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig,
 def _check(cond: bool, key: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {message}")
+
+
+def _check_finite(section: object, prefix: str) -> None:
+    """Every float setting of ``section`` is a finite number: inf passes range checks such as
+    ``> 0`` and NaN slips through others, and either then fails at run time (``timeout_s=inf``
+    made every sandboxed reward call fail)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        _check(
+            not isinstance(value, float) or math.isfinite(value),
+            f"{prefix}.{f.name}",
+            f"must be a finite number, got {value}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -99,14 +114,24 @@ class RewardSection:
     namespace where the kernel allows it). Candidate programs of code execution never have network."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "reward")
         _check(":" in self.fn or "." in self.fn, "reward.fn", "must be a dotted path like 'pkg.mod:func'")
-        _check(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
+        # above MAX_TIMEOUT_S the pipe polls overflow (a finite 1e308 fails every call like inf did)
+        _check(
+            0 < self.timeout_s <= MAX_TIMEOUT_S,
+            "reward.timeout_s",
+            f"must be > 0 and <= {MAX_TIMEOUT_S:g}, got {self.timeout_s}",
+        )
         _check(
             self.memory_mb == 0 or self.memory_mb >= 128,
             "reward.memory_mb",
             f"must be 0 (unlimited) or >= 128 (a Python worker needs that much), got {self.memory_mb}",
         )
-        _check(self.cpu_s is None or self.cpu_s > 0, "reward.cpu_s", f"must be > 0 or null, got {self.cpu_s}")
+        _check(
+            self.cpu_s is None or 0 < self.cpu_s <= MAX_TIMEOUT_S,
+            "reward.cpu_s",
+            f"must be > 0 and <= {MAX_TIMEOUT_S:g}, or null, got {self.cpu_s}",
+        )
         _check(self.workers >= 1, "reward.workers", f"must be >= 1, got {self.workers}")
 
 
@@ -335,6 +360,9 @@ class ArenoConfig:
     observe: ObserveSection = field(default_factory=ObserveSection)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # every section, their owners' settings included
+            if dataclasses.is_dataclass(getattr(self, f.name)):
+                _check_finite(getattr(self, f.name), f.name)
         if isinstance(self.resume, str) and self.resume.lower() in ("true", "false"):
             self.resume = self.resume.lower() == "true"
         _check(

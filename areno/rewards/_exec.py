@@ -1,5 +1,11 @@
 """Confinement steps shared by reward workers and candidate programs; standard library only.
 
+Processes: :func:`enter_pid_namespace` puts the caller's future self in a fresh PID namespace
+(``unshare(CLONE_NEWPID | CLONE_NEWNS)``, with ``CLONE_NEWUSER`` when not root) where the trainer's
+PID does not exist, so user code cannot signal it, and killing the namespace's init kills every
+process in it (``setsid`` children included). Where namespaces are unavailable the process only has
+its own session (``"session"``): it can then still signal any process of the same user.
+
 This file is also the launcher of a candidate program: ``python -I -c <this source> PROGRAM
 MEMORY_MB CPU_S FSIZE_MB`` isolates the network, applies the rlimits and runs PROGRAM as
 ``__main__`` (see :func:`areno.rewards.code.run_program`).
@@ -18,12 +24,17 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import resource
+import signal
 import socket
 import sys
 
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
 
 
 def isolate_network() -> str:
@@ -88,9 +99,73 @@ def die_with_parent() -> None:
         pass
 
 
+def enter_pid_namespace(close_in_waiters: tuple[int, ...] = ()) -> str:
+    """Continue in a fresh PID namespace; returns how this process is contained: ``"pidns"`` (its
+    own /proc too), ``"pidns-hostproc"`` (/proc still shows the host's processes, which cannot be
+    signalled from here all the same) or ``"session"`` (no namespace: unchanged).
+
+    Call it single-threaded, before any user code. Only children enter a new PID namespace, and its
+    PID 1 ignores signals it has no handler for (a SIGXCPU of RLIMIT_CPU included), so this forks
+    twice: this process waits for the namespace's init, init waits for the process that returns
+    here, and each waiter exits as its child did (closing ``close_in_waiters`` first, so pipes see
+    EOF when the real process dies). Every level dies with its parent."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if not _unshare_pid(libc):
+            return "session"
+    except (OSError, AttributeError):  # not Linux
+        return "session"
+    init = os.fork()
+    if init:
+        _exit_like(init, close_in_waiters, outside=True)
+    die_with_parent()
+    mounted = libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0 and (
+        libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0
+    )  # only inside the mount namespace unshared with the PID one: the host's mounts are untouched
+    child = os.fork()
+    if child:
+        _exit_like(child, close_in_waiters, outside=False)
+    die_with_parent()
+    return "pidns" if mounted else "pidns-hostproc"
+
+
+def _unshare_pid(libc: ctypes.CDLL) -> bool:
+    if libc.unshare(CLONE_NEWPID | CLONE_NEWNS) == 0:  # root (CAP_SYS_ADMIN)
+        return True
+    uid, gid = os.geteuid(), os.getegid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS) != 0:  # unprivileged user namespaces
+        return False
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:  # keep our own ids, seen the same from outside
+            f.write(text)
+    return True
+
+
+def _exit_like(pid: int, close: tuple[int, ...], *, outside: bool) -> None:
+    """Wait for ``pid`` and end this waiter the way it ended. A namespace's init cannot kill itself
+    with most signals, so it reports a signal as exit code 128 + signal and the outside waiter,
+    which can, turns that back into the signal (a program's own exit code above 128 reads the same)."""
+    for fd in close:
+        os.close(fd)
+    while True:
+        try:
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            break
+        except InterruptedError:
+            continue
+    if outside and code > 128 and code - 128 in signal.valid_signals():
+        code = 128 - code
+    if code < 0 and outside:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(128 - code if code < 0 else code)
+
+
 def _run_program(argv: list[str]) -> None:
     program, memory_mb, cpu_s, fsize_mb = argv[0], int(argv[1]), float(argv[2]), int(argv[3])
     die_with_parent()
+    enter_pid_namespace()
     isolate_network()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_mb << 20, fsize_mb << 20))

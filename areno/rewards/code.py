@@ -1,7 +1,8 @@
 """Code-execution reward: run the candidate Python program in the completion against the row's tests.
 
-Every test runs the program in a fresh ``python -I`` subprocess (its own session and temporary
-directory, a minimal environment without the trainer's variables or secrets) under RLIMIT_AS,
+Every test runs the program in a fresh ``python -I`` subprocess (its own session, PID namespace
+where the kernel allows it, so it cannot signal the trainer, and temporary directory, a minimal
+environment without the trainer's variables or secrets) under RLIMIT_AS,
 RLIMIT_CPU, RLIMIT_FSIZE, no core dumps and no network (a fresh network namespace where the kernel
 allows it; see :mod:`areno.rewards._exec` for the fallback and its limits), killed with its whole
 process group at its time limit. The reward function itself runs in the reward sandbox by default

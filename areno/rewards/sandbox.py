@@ -16,7 +16,14 @@ multiprocessing start method is. They import the reward by its dotted path, with
   is then replaced, in case the error left it half-initialised);
 - network: with ``allow_network=False`` the worker enters a fresh network namespace when the kernel
   allows it, else Python sockets are refused (bypassable: see :mod:`areno.rewards._exec`);
-- a worker dies with its parent (PR_SET_PDEATHSIG), so a ``kill -9`` of the trainer leaves none behind.
+- processes: each worker has its own session, a private temporary working directory and, where the
+  kernel allows it, its own PID namespace (the trainer's PID does not exist there, so user code
+  cannot signal it; see :mod:`areno.rewards._exec`). A replaced or closed worker's whole tree goes:
+  its process group, and with a namespace every process in it (``setsid`` children included);
+- a worker dies with its parent (PR_SET_PDEATHSIG), so a ``kill -9`` of the trainer leaves none behind;
+- replies are JSON, decoded with a strict shape check (:func:`areno.rewards._protocol.decode_reply`):
+  the trainer never unpickles what user code could write. A malformed or oversized reply is a
+  ``malformed`` failure (worker replaced); NaN, ±inf and values beyond float32 are ``nonfinite``.
 
 Failures raise :class:`RewardFailure`, whose message names the reward and the fix; the workflows'
 ``acall_reward`` turns it into reward 0, ``info["reward_error"]`` and one warning line. The counts
@@ -27,11 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import math
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -39,11 +49,22 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-FAILURE_KINDS = ("timeout", "crash", "error", "memory", "cpu")
+from areno.rewards._protocol import MAX_REPLY_BYTES, MalformedReply, decode_reply
+
+FAILURE_KINDS = ("timeout", "crash", "error", "memory", "cpu", "malformed", "nonfinite")
 """Named failures, counted as ``rollout/reward_failures_<kind>``."""
 
 STARTUP_TIMEOUT_S = 120.0
 """How long a new worker may take to import the reward module (slow on a loaded machine)."""
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_TIMEOUT_S = 1e6
+"""Largest ``timeout_s`` / ``cpu_s`` (about 11 days): pipe polls overflow far above it."""
+
+
+def is_finite_reward(value: float) -> bool:
+    """Whether a reward can be averaged with the others: finite, and finite once stored as float32
+    (the rollout metrics and advantages are float32 tensors; 1e308 becomes inf there)."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 
 
 class RewardFailure(RuntimeError):
@@ -68,7 +89,8 @@ class _Worker:
         self._init = init
         self._starter = starter
         self.proc: subprocess.Popen | None = None
-        self.isolation = "none"
+        self.isolation: dict[str, str] = {}
+        self._cwd: str | None = None
         self._requests: Connection | None = None
         self._replies: Connection | None = None
         self._ready = False
@@ -81,11 +103,13 @@ class _Worker:
     def _popen(self) -> None:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
+        self._cwd = tempfile.mkdtemp(prefix="areno-reward-")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "areno.rewards._worker", str(req_r), str(resp_w)],
                 pass_fds=(req_r, resp_w),
                 start_new_session=True,
+                cwd=self._cwd,
                 env=_child_env(),
                 stdin=subprocess.DEVNULL,
             )
@@ -110,8 +134,8 @@ class _Worker:
                 f"{STARTUP_TIMEOUT_S:.0f} s: check that its module imports quickly",
             )
         try:
-            status, payload = self._replies.recv()
-        except EOFError:
+            status, payload = self._recv()
+        except (EOFError, OSError, MalformedReply):
             code = self.stop()
             raise RewardFailure(
                 "crash",
@@ -121,11 +145,29 @@ class _Worker:
         if status == "fatal":
             self.stop()
             raise RewardFailure("crash", f"reward worker could not load {payload}")
+        if status != "ready":  # the reward module wrote to the reply pipe while importing
+            self.stop()
+            raise RewardFailure("malformed", f"reward worker for {self._init[0]} sent {status!r} while starting")
         self.isolation, self._ready = payload, True
+
+    def _recv(self) -> tuple[str, Any]:
+        """One decoded reply; EOFError when the worker died, MalformedReply when it is not data of
+        the protocol's shapes (``recv_bytes`` refuses a frame over MAX_REPLY_BYTES before reading it)."""
+        try:
+            data = self._replies.recv_bytes(MAX_REPLY_BYTES)
+        except OSError as exc:
+            if exc.args == ("bad message length",):
+                raise MalformedReply(f"a reply frame longer than {MAX_REPLY_BYTES} bytes") from None
+            raise
+        reply = decode_reply(data)
+        if reply[0] == "error":
+            return "error", (reply[1], reply[2])
+        return reply[0], reply[1]
 
     def call(self, args: tuple, timeout_s: float) -> tuple[str, Any]:
         """``("ok", value)``, ``("error", (kind, message))``, ``("timeout", None)``,
-        ``("died", exit description)`` or ``("gone", None)`` when the idle worker had already died."""
+        ``("died", exit description)``, ``("malformed", what)`` or ``("gone", None)`` when the idle
+        worker had already died."""
         try:
             self._requests.send(args)
         except (BrokenPipeError, OSError):
@@ -133,22 +175,37 @@ class _Worker:
         if not self._replies.poll(timeout_s):
             return "timeout", None
         try:
-            return self._replies.recv()
+            status, payload = self._recv()
         except (EOFError, OSError):
-            return "died", self.stop()
+            return "died", self.stop(grace_s=2.0)
+        except MalformedReply as exc:
+            return "malformed", str(exc)
+        if status not in ("ok", "error"):  # a startup reply in mid-call: written by the reward itself
+            return "malformed", f"unexpected {status!r} reply"
+        return status, payload
 
-    def stop(self) -> int | None:
-        """Kill the worker's whole process group (its children too) and reap it; the exit code."""
+    def stop(self, grace_s: float = 0.0) -> int | None:
+        """Kill the worker's whole tree and reap it; the exit code. The process group goes at once;
+        with a PID namespace its init dies with the killed leader (PR_SET_PDEATHSIG) and takes every
+        process of the namespace with it, those that left the group by ``setsid`` included.
+        ``grace_s``: how long a worker that already died may take to exit before the kill."""
         if self.proc is None:
             return None
         proc, self.proc, self._ready = self.proc, None, False
         for conn in (self._requests, self._replies):
             conn.close()
+        if grace_s:  # a worker that died: let the waiters outside its namespace report how
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         try:  # a dead leader is a zombie until reaped: its exit code survives the kill
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        return proc.wait()
+        code = proc.wait()
+        shutil.rmtree(self._cwd, ignore_errors=True)
+        return code
 
 
 def _describe_exit(code: int | None) -> str:
@@ -182,8 +239,8 @@ class RewardSandbox:
     ) -> None:
         if workers < 1:
             raise ValueError(f"reward.workers must be >= 1, got {workers}")
-        if timeout_s <= 0:
-            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"reward.timeout_s must be > 0 and <= {MAX_TIMEOUT_S:g}, got {timeout_s}")
         self.fn_path = fn_path
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
@@ -215,7 +272,14 @@ class RewardSandbox:
         t0 = time.perf_counter()
         try:
             status, payload = self._call(worker, (prompt, completion, answer, fields))
-            failure = None if status == "ok" else self._failure(worker, status, payload)
+            if status == "ok" and not is_finite_reward(payload):
+                failure = RewardFailure(
+                    "nonfinite",
+                    f"reward {self.fn_path} returned {payload!r} (non-finite, or beyond float32): scored 0; "
+                    f"make the reward function return a finite float",
+                )
+            else:
+                failure = None if status == "ok" else self._failure(worker, status, payload)
         except RewardFailure as exc:  # the worker could not start
             failure = exc
         finally:  # back to the pool only once a failed worker has been stopped (it restarts lazily)
@@ -258,6 +322,14 @@ class RewardSandbox:
                 f"{name} crashed the reward worker ({_describe_exit(payload)}; replaced): "
                 f"fix the native code or exit call in the reward function",
             )
+        if status == "malformed":
+            worker.stop()  # the reply pipe may hold more of whatever the reward wrote: start clean
+            self._count_restart()
+            return RewardFailure(
+                "malformed",
+                f"{name} wrote a malformed reply to the sandbox ({payload}; worker replaced): "
+                f"do not write to the worker's file descriptors",
+            )
         kind, message = payload
         if kind == "memory":
             worker.stop()  # a MemoryError can leave module state half-built: start clean
@@ -285,8 +357,16 @@ class RewardSandbox:
     def network_isolation(self) -> str:
         """How started workers are cut off the network: none, netns or socket-patch."""
         return next(
-            (w.isolation for w in self._slots if w.proc is not None), "none" if self.allow_network else "unknown"
+            (w.isolation["network"] for w in self._slots if w.isolation),
+            "none" if self.allow_network else "unknown",
         )
+
+    @property
+    def process_isolation(self) -> str:
+        """How started workers are kept from other processes: pidns (own PID namespace and /proc),
+        pidns-hostproc (own PID namespace, the host's /proc) or session (own session only: they can
+        signal the trainer); unknown before a worker started."""
+        return next((w.isolation["pid"] for w in self._slots if w.isolation), "unknown")
 
     def metrics(self) -> dict[str, float]:
         """Cumulative ``rollout/reward_calls``, ``rollout/reward_failures_<kind>``, ``rollout/reward_worker_restarts`` and

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from areno.rewards.sandbox import RewardFailure, is_finite_reward
 from areno.workflows.base import _import_dotted
 
 logger = logging.getLogger("areno.workflows")
@@ -36,19 +37,43 @@ def require_field(sample: dict[str, Any], key: str) -> Any:
     return sample[key]
 
 
+class NonFiniteReward(ValueError):
+    """A reward returned NaN, ±inf or a value beyond float32 (it would poison the batch's mean)."""
+
+
+_warned_nonfinite = False
+
+
 async def acall_reward(
     reward_fn: RewardFn, prompt: str, completion: str, answer: Any, fields: dict[str, Any]
 ) -> tuple[float, str | None]:
     """Call the user's reward function; a raising reward gives ``(0.0, error)`` and a warning that
-    names the prompt, so one bad row never kills a run but is never silent either."""
+    names the prompt, so one bad row never kills a run but is never silent either. A non-finite
+    value scores 0 too (sandboxed: a ``nonfinite`` failure, counted) and is warned about once per
+    process, with its row, so a reward that returns NaN on every row does not flood the log."""
+    global _warned_nonfinite
     try:
         value = reward_fn(prompt, completion, answer, **fields)
         if inspect.isawaitable(value):
             value = await value
-        return float(value), None
+        value = float(value)
+        if not is_finite_reward(value):
+            raise NonFiniteReward(f"reward returned {value!r}; it must be a finite float")
+        return value, None
     except Exception as exc:  # noqa: BLE001 - user code: counted (info["reward_error"]) and warned, not hidden
         error = f"{type(exc).__name__}: {exc}"
-        logger.warning("reward function raised for prompt %r: %s; reward set to 0", prompt[:200], error)
+        nonfinite = isinstance(exc, NonFiniteReward) or (isinstance(exc, RewardFailure) and exc.kind == "nonfinite")
+        if not nonfinite or not _warned_nonfinite:
+            _warned_nonfinite |= nonfinite
+            once = " (warned once: later non-finite rewards are only counted)" if nonfinite else ""
+            logger.warning(
+                "reward function failed for prompt %r, completion %r, fields %r: %s; reward set to 0%s",
+                prompt[:200],
+                completion[:200],
+                sorted(fields),
+                error,
+                once,
+            )
         return 0.0, error
 
 

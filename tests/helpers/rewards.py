@@ -62,3 +62,69 @@ def misbehave(prompt: str, completion: str, answer=None, **row) -> float:
 async def async_reward(prompt: str, completion: str, answer=None, **row) -> float:
     await asyncio.sleep(0)
     return float(completion == answer)
+
+
+class _RunOnUnpickle:
+    """A pickle that runs a shell command wherever it is loaded (the attack on a pickled reply)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def hostile(prompt: str, completion: str, answer=None, **row) -> float:
+    """Attacks the sandbox as the completion says: pickle:PATH (a pickle on the reply pipe that
+    would create PATH), garbage, oversized, value:X (returns float(X)), killparent, kill:PID,
+    killproc:MARKER (kills every process whose command line holds MARKER, found through /proc),
+    setsid:MARKER (leaves a `setsid` sleeper holding MARKER), cwd."""
+    import sys
+    from multiprocessing.connection import Connection
+
+    reply_fd = int(sys.argv[2])  # python -m areno.rewards._worker REQ_FD RESP_FD
+    kind, _, arg = completion.partition(":")
+    if kind == "pickle":
+        Connection(reply_fd, readable=False).send(["ok", _RunOnUnpickle(f"touch {arg}")])
+        time.sleep(30)  # the parent must act on the first reply, not on the one that follows
+    if kind == "garbage":
+        os.write(reply_fd, b"\x00\x00\x00\x05{nope")
+        time.sleep(30)
+    if kind == "oversized":
+        Connection(reply_fd, readable=False).send_bytes(b"[" + b"1," * (1 << 20) + b"1]")
+    if kind == "value":
+        return float(arg)
+    if kind == "killparent":
+        os.kill(os.getppid(), 9)
+        time.sleep(0.5)
+        return 1.0
+    if kind == "kill":
+        os.kill(int(arg), 9)
+        return 1.0
+    if kind == "killproc":
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and int(pid) != os.getpid():
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if arg.encode() in f.read():
+                            os.kill(int(pid), 9)
+                except OSError:
+                    pass
+        time.sleep(0.5)
+        return 1.0
+    if kind == "setsid":
+        import subprocess
+
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)", arg],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return 1.0
+    if kind == "cwd":
+        with open("probe", "w") as f:  # a relative path lands in the private working directory
+            f.write("x")
+        return float(os.path.basename(os.getcwd()).startswith("areno-reward-"))
+    return 0.0

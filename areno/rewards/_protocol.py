@@ -1,0 +1,42 @@
+"""The reward worker's replies: JSON data of a few fixed shapes, never pickles (see
+:mod:`areno.rewards._worker` for the protocol). Standard library only."""
+
+from __future__ import annotations
+
+import json
+
+MAX_REPLY_BYTES = 64 << 10
+"""A longer reply is malformed (the parent stops reading it and replaces the worker)."""
+MAX_MESSAGE_CHARS = 2000
+"""Error messages are cut to this length so a reply always fits."""
+REPLY_KINDS = ("memory", "error")
+
+
+class MalformedReply(ValueError):
+    """What came back on the reply pipe is not one of the protocol's JSON shapes."""
+
+
+def encode_reply(reply: list) -> bytes:
+    return json.dumps(reply, allow_nan=True).encode()
+
+
+def decode_reply(data: bytes) -> list:
+    """The reply as a list of plain values; MalformedReply unless it is exactly one of the shapes
+    in the module docstring. JSON cannot build objects, so nothing the worker writes runs here."""
+    try:
+        reply = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedReply(f"not JSON ({exc})") from None
+    if not isinstance(reply, list) or not reply or not isinstance(reply[0], str):
+        raise MalformedReply(f"not a [status, ...] list: {data[:80]!r}")
+    status, rest = reply[0], reply[1:]
+    if status == "ok" and len(rest) == 1 and type(rest[0]) in (float, int):
+        return ["ok", float(rest[0])]
+    if status == "error" and len(rest) == 2 and rest[0] in REPLY_KINDS and isinstance(rest[1], str):
+        return reply
+    if status == "fatal" and len(rest) == 1 and isinstance(rest[0], str):
+        return reply
+    if status == "ready" and len(rest) == 1 and isinstance(rest[0], dict):
+        if all(isinstance(k, str) and isinstance(v, str) for k, v in rest[0].items()):
+            return reply
+    raise MalformedReply(f"unexpected reply shape: {data[:80]!r}")
