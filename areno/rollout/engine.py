@@ -358,7 +358,7 @@ class RolloutEngine:
         """Declare that the tensors of :meth:`weight_tensors` now hold policy ``version``."""
         self._weights.commit(version)
 
-    def update_weights_from_disk(self, path: str, version: int) -> None:
+    def update_weights_from_disk(self, path: str, version: int, *, names: Iterable[str] | None = None) -> None:
         """Load Hugging Face safetensors from ``path`` as ``update_weights``: one file, or a directory
         — the shards its ``model.safetensors.index.json`` lists when it has one, else every
         ``*.safetensors`` in it.
@@ -366,9 +366,10 @@ class RolloutEngine:
         Everything is read before any weight changes: a shard the index lists that is missing, a
         tensor the index lists that its shard lacks, or a truncated/corrupt file rejects the update
         as a whole with a one-line ``WeightUpdateError`` naming it (never a partial update); the
-        engine keeps serving the previous version.
+        engine keeps serving the previous version. The files must hold every parameter of the
+        model, or exactly the subset ``names`` declares.
         """
-        self._weights.update_from_disk(path, version)
+        self._weights.update_from_disk(path, version, names=names)
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:

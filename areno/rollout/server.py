@@ -33,15 +33,17 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from areno.models.hf_io import load_model
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
@@ -52,19 +54,41 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------- request bodies
+MIN_TEMPERATURE = 1e-3
+"""The smallest positive temperature served: below it ``logits / T`` overflows float32 and the
+sampled tokens and log-probs are garbage; send 0 for greedy."""
+MAX_SEED = 2**53 - 1
+"""Seeds travel to the sampler in a float64 table (``sampling.RowParams``), exact up to 2**53: a
+larger seed would collide with another."""
+
+
+def _temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {value:g}")
+    return value
+
+
+Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False), AfterValidator(_temperature)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1)]
+Seed = Annotated[int, Field(ge=-MAX_SEED, le=MAX_SEED)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="new tokens; > 0")
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    n: int = Field(default=1, ge=1, le=128)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
+    stream: bool = False
 
     def sampling_params(self, default_max: int, index: int) -> SamplingParams:
         max_tokens = default_max if self.max_tokens is None else self.max_tokens
@@ -89,10 +113,27 @@ class _Sampling(BaseModel):
         except ValueError as e:
             raise _BadRequest(_param_of(str(e)), str(e)) from None
 
+    def check(self, model_name: str, limits: ServerLimits) -> None:
+        """What the field types cannot say: the model served, ``n`` within the server's limit, no
+        streaming, per-choice seeds (``seed + i``) within range."""
+        if self.model is not None and self.model != model_name:
+            raise _BadRequest(
+                "model",
+                f"model {self.model!r} does not exist: this server serves {model_name!r}",
+                404,
+                "model_not_found",
+            )
+        if self.stream:
+            raise _BadRequest("stream", "streaming is not supported: send stream=false (or omit it)")
+        if self.n > limits.max_n:
+            raise _BadRequest("n", f"n must be <= {limits.max_n} (this server's max_n), got {self.n}")
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise _BadRequest("seed", f"seed + n - 1 must be <= {MAX_SEED}, got seed {self.seed} with n {self.n}")
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]  # token ids checked by the engine
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
 
 
@@ -105,8 +146,23 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: int | None = None
+
+
+class TokenSampling(BaseModel):
+    """``SamplingParams`` as ``/generate`` receives it: every field typed and bounded, unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_new_tokens: int = Field(default=0, ge=0)
+    max_new_tokens: int = Field(default=128, gt=0)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+    seed: Seed | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -129,13 +185,48 @@ class AbortRequest(BaseModel):
 
 class UpdateFromDiskRequest(BaseModel):
     path: str
-    version: int
+    version: int = Field(ge=0)
+    names: list[str] | None = None
+    """The tensors the file updates when it holds only some (a declared subset); None: every
+    parameter of the model must be in it."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ServerLimits:
+    """What one request, and all of them together, may ask of a server."""
+
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body; a larger one is refused with 413 before it is read."""
+    max_n: int = 128
+    """Largest ``n`` (completions per prompt) of an OpenAI request."""
+    max_prompts: int = 64
+    """Most prompts in one ``/v1/completions`` request."""
+    max_group: int = 1024
+    """Most entries of one ``/generate_many`` request."""
+    max_queued: int | None = None
+    """Most requests waiting beyond the engine's running batch (``max_num_seqs``); more get 429.
+    None: no bound (a trainer's own servers, whose clients bound their concurrency)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued is not None and self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0 or None, got {self.max_queued}")
 
 
 class _BadRequest(Exception):
-    def __init__(self, param: str | None, message: str, status: int = 400) -> None:
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
-        self.param, self.message, self.status = param, message, status
+        self.param, self.message, self.status, self.code = param, message, status, code
+
+
+class _BodyTooLarge(HTTPException):
+    """A chunked body that grew past the limit while it was read (an ``HTTPException``, so FastAPI's
+    body parsing passes it on rather than calling it a parse error)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds {limit} bytes (this server's max_body_bytes)")
 
 
 def _engine_error(exc: BaseException) -> _BadRequest:
@@ -186,10 +277,18 @@ def _json_response(content: dict[str, Any]) -> Response:
     )
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}}
-    )
+def _error_body(message: str, param: str | None, kind: str, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(status_code=status, content=_error_body(message, param, kind, code))
 
 
 # ------------------------------------------------------------------------------------- health
@@ -256,13 +355,17 @@ def create_app(
     api_key: str | None = None,
     default_max_tokens: int = 16,
     stall_timeout_s: float = 300.0,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (one ``InProcessRolloutClient`` drives it).
 
     ``stall_timeout_s``: ``/health`` answers 503 once the engine took no step for this long while
     requests are pending (``EngineWatchdog``); keep it above the slowest single step.
+    ``limits``: body size, ``n``, prompts and group entries per request, the waiting queue.
     """
+    limits = limits or ServerLimits()
     client = _ServedClient(engine)
+    admission = _Admission(client, engine.config.max_num_seqs, limits.max_queued)
     watchdog = EngineWatchdog(engine, client, stall_timeout_s=stall_timeout_s)
 
     @asynccontextmanager
@@ -273,29 +376,58 @@ def create_app(
     app = FastAPI(title="areno rollout server", lifespan=lifespan)
     app.state.client = client
     app.state.watchdog = watchdog
-    app.middleware("http")(_bearer_auth(api_key))
+    app.add_middleware(_Gate, api_key=api_key, max_body_bytes=limits.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(_BadRequest, _bad_request)
-    _OpenAIRoutes(client, tokenizer, model_name, default_max_tokens).add_to(app)
-    _TokenRoutes(client).add_to(app)
+    app.add_exception_handler(HTTPException, _http_error)
+    _OpenAIRoutes(admission, tokenizer, model_name, default_max_tokens, limits, engine.max_model_len).add_to(app)
+    _TokenRoutes(admission, limits).add_to(app)
     _AdminRoutes(engine, client, watchdog).add_to(app)
     return app
 
 
-def _bearer_auth(api_key: str | None) -> Callable[[Request, Any], Awaitable[Response]]:
-    """Middleware: with an ``api_key``, every endpoint but ``/health`` needs ``Authorization: Bearer
-    <api_key>`` (401 otherwise; compared in constant time)."""
-    expected = f"Bearer {api_key}".encode() if api_key else b""
+class _Gate:
+    """ASGI middleware in front of every route: the API key (with one, every endpoint but
+    ``/health`` needs ``Authorization: Bearer <api_key>``, compared in constant time; 401 otherwise)
+    and the body limit (413 from ``Content-Length`` before any byte is read; a chunked body is
+    counted as it arrives). Plain ASGI rather than ``BaseHTTPMiddleware``, so routes see the
+    server's own ``receive`` and can wait on it for the client's disconnect."""
 
-    async def auth(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path != "/health":
-            if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-                return _error(
-                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", kind="authentication_error"
-                )
-        return await call_next(request)
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
 
-    return auth
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] != "/health":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                return await _send_error(send, 401, message, None, "authentication_error")
+        declared = headers.get(b"content-length", b"0")
+        limit = self.max_body_bytes
+        if not declared.isdigit() or int(declared) > limit:
+            message = f"request body of {declared.decode(errors='replace')} bytes exceeds {limit} (max_body_bytes)"
+            return await _send_error(send, 413, message, "body", "invalid_request_error")
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _send_error(send: Send, status: int, message: str, param: str | None, kind: str) -> None:
+    body = json.dumps(_error_body(message, param, kind, None)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -318,7 +450,14 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 
 
 async def _bad_request(request: Request, exc: _BadRequest) -> JSONResponse:
-    return _error(exc.status, exc.message, exc.param)
+    return _error(exc.status, exc.message, exc.param, code=exc.code)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method, a body FastAPI could not decode, such as
+    non-UTF-8 bytes) in OpenAI's shape, not ``{"detail": ...}``."""
+    param = "body" if exc.status_code in (400, 413) else None
+    return _error(exc.status_code, str(exc.detail), param)
 
 
 async def _agenerate(
@@ -339,6 +478,63 @@ async def _agenerate(
         raise _engine_error(e) from None
 
 
+_T = TypeVar("_T")
+
+
+class _Admission:
+    """Admits a request's generations into the engine: 429 when the waiting queue is full, and
+    every generation cancelled (so aborted in the engine) when the client disconnects first."""
+
+    def __init__(self, client: InProcessRolloutClient, running: int, max_queued: int | None) -> None:
+        self.client = client
+        self.capacity = None if max_queued is None else running + max_queued
+
+    def reserve(self, count: int) -> None:
+        """429 when ``count`` more requests would queue beyond the limit (checked before any is added)."""
+        if self.capacity is not None and self.client.num_pending + count > self.capacity:
+            raise _BadRequest(
+                None,
+                f"the server is at capacity ({self.client.num_pending} requests in the engine, room for "
+                f"{self.capacity}): retry later",
+                status=429,
+                code="rate_limit_exceeded",
+            )
+
+    async def agenerate(
+        self, request: Request, jobs: list[tuple[list[int], SamplingParams, str | None]], field: str
+    ) -> list[GenerationOutput]:
+        """One completion per ``(prompt_ids, params, request_id)``, in order; if one fails, or the
+        client goes away, the others are cancelled, which aborts them in the engine."""
+        self.reserve(len(jobs))
+        tasks = [asyncio.ensure_future(_agenerate(self.client, p, sp, field, rid)) for p, sp, rid in jobs]
+        try:
+            return await _unless_disconnected(request, asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+    """``await work``, cancelling it when the client disconnects first (a 499 nobody reads)."""
+    work_future = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work_future, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work_future.done():
+            work_future.cancel()
+    if not work_future.done() or work_future.cancelled():
+        raise _BadRequest(None, "the client disconnected; its requests were aborted", status=499)
+    return work_future.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects: after the body, the server's next message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _usage(prompt_tokens: int, outs: list[GenerationOutput]) -> dict[str, int]:
     completion = sum(len(o.output_ids) for o in outs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
@@ -348,20 +544,42 @@ class _OpenAIRoutes:
     """``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``."""
 
     def __init__(
-        self, client: InProcessRolloutClient, tokenizer: Any, model_name: str, default_max_tokens: int
+        self,
+        admission: _Admission,
+        tokenizer: Any,
+        model_name: str,
+        default_max_tokens: int,
+        limits: ServerLimits,
+        max_model_len: int,
     ) -> None:
-        self.client, self.tokenizer = client, tokenizer
+        self.admission, self.tokenizer = admission, tokenizer
         self.model_name, self.default_max_tokens = model_name, default_max_tokens
+        self.limits = limits
+        # a prompt of more characters than this holds at least max_model_len tokens, whatever
+        # they are: refused before the tokenizer spends time (and memory) on it
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+        self.max_prompt_chars = (max_model_len - 1) * max(longest, 1)
 
     def add_to(self, app: FastAPI) -> None:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
 
-    def _encode(self, text: str) -> list[int]:
+    def _check_chars(self, chars: int, field: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise _BadRequest(
+                field,
+                f"{field} is too long: {chars} characters cannot fit the context (at most "
+                f"{self.max_prompt_chars} characters); shorten the prompt",
+            )
+
+    async def _aencode(self, texts: list[str]) -> list[list[int]]:
+        """Tokenized in a worker thread: a long prompt must not hold up ``/health`` and other requests."""
         if self.tokenizer is None:
             raise _BadRequest("prompt", "this server has no tokenizer: send token ids")
-        return list(self.tokenizer(text)["input_ids"])
+        for text in texts:
+            self._check_chars(len(text), "prompt")
+        return await asyncio.to_thread(lambda: [list(self.tokenizer(t)["input_ids"]) for t in texts])
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
@@ -372,31 +590,31 @@ class _OpenAIRoutes:
             "data": [{"id": self.model_name, "object": "model", "owned_by": "areno", "created": 0}],
         }
 
-    async def completions(self, req: CompletionRequest) -> dict:
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            prompts = [self._encode(prompt)]
-        elif prompt and isinstance(prompt[0], str):
-            prompts = [self._encode(p) for p in prompt]
-        elif prompt and isinstance(prompt[0], list):
-            prompts = [list(p) for p in prompt]
-        else:
-            prompts = [list(prompt)]
+    async def completions(self, req: CompletionRequest, request: Request) -> dict:
+        req.check(self.model_name, self.limits)
+        batch = req.prompt
+        if isinstance(batch, str) or not batch or isinstance(batch[0], int):
+            batch = [batch]  # one prompt
+        if len(batch) > self.limits.max_prompts:
+            raise _BadRequest(
+                "prompt", f"prompt holds {len(batch)} prompts; at most {self.limits.max_prompts} (max_prompts)"
+            )
+        prompts = await self._aencode(batch) if isinstance(batch[0], str) else [list(p) for p in batch]
         if any(len(p) == 0 for p in prompts):
             raise _BadRequest("prompt", "prompt is empty: send at least one token")
-        jobs = [(p, req.sampling_params(self.default_max_tokens, i)) for p in prompts for i in range(req.n)]
-        outs = await asyncio.gather(*(_agenerate(self.client, p, sp, "prompt") for p, sp in jobs))
+        jobs = [(p, req.sampling_params(self.default_max_tokens, i), None) for p in prompts for i in range(req.n)]
+        outs = await self.admission.agenerate(request, jobs, "prompt")
         choices = [
             self._completion_choice(index, prompt_ids, out, req.logprobs is not None)
-            for index, ((prompt_ids, _), out) in enumerate(zip(jobs, outs))
+            for index, ((prompt_ids, _, _), out) in enumerate(zip(jobs, outs))
         ]
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": req.model or self.model_name,
+            "model": self.model_name,
             "choices": choices,
-            "usage": _usage(sum(len(p) for p, _ in jobs), outs),
+            "usage": _usage(sum(len(p) for p, _, _ in jobs), outs),
         }
 
     def _completion_choice(
@@ -424,7 +642,8 @@ class _OpenAIRoutes:
             }
         return choice
 
-    async def chat(self, req: ChatRequest) -> dict:
+    async def chat(self, req: ChatRequest, request: Request) -> dict:
+        req.check(self.model_name, self.limits)
         tokenizer = self.tokenizer
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise _BadRequest("messages", "this server's tokenizer has no chat template: use /v1/completions")
@@ -432,13 +651,16 @@ class _OpenAIRoutes:
             raise _BadRequest("messages", "messages is empty: send at least one message")
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
+        self._check_chars(sum(len(m.content or "") for m in req.messages), "messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt_ids = await asyncio.to_thread(
+            tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True
+        )
         if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):  # BatchEncoding in transformers 5
             prompt_ids = prompt_ids["input_ids"]
         prompt_ids = list(prompt_ids)
-        jobs = [req.sampling_params(self.default_max_tokens, i) for i in range(req.n)]
-        outs = await asyncio.gather(*(_agenerate(self.client, prompt_ids, sp, "messages") for sp in jobs))
+        jobs = [(prompt_ids, req.sampling_params(self.default_max_tokens, i), None) for i in range(req.n)]
+        outs = await self.admission.agenerate(request, jobs, "messages")
         choices = [
             {
                 "index": index,
@@ -454,7 +676,7 @@ class _OpenAIRoutes:
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": req.model or self.model_name,
+            "model": self.model_name,
             "choices": choices,
             "usage": _usage(len(prompt_ids) * len(jobs), outs),
         }
@@ -468,48 +690,51 @@ class _OpenAIRoutes:
 
 
 def _token_sampling_params(raw: dict[str, Any], field: str) -> SamplingParams:
-    """``SamplingParams`` from a request's dict; an unknown or invalid key is a 400 naming it."""
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise _BadRequest(f"{field}.{unknown[0]}", f"{field}: unknown parameter {unknown[0]!r}")
+    """``SamplingParams`` from a request's dict, validated as ``TokenSampling``: a 400 whose param is
+    ``field`` (``field.key`` for an unknown key) and whose message names the key."""
     try:
-        return SamplingParams(**raw)
-    except (ValueError, TypeError) as e:
+        valid = TokenSampling.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise _BadRequest(f"{field}.{key}", f"{field}: unknown parameter {key!r}") from None
+        raise _BadRequest(field, f"{field}: invalid {key!r}: {err['msg']}") from None
+    try:
+        return SamplingParams(**valid.model_dump())
+    except ValueError as e:
         raise _BadRequest(field, f"{field}: {e}") from None
 
 
 class _TokenRoutes:
     """``POST /generate`` and ``POST /generate_many``: token ids in, ``GenerationOutput`` out."""
 
-    def __init__(self, client: InProcessRolloutClient) -> None:
-        self.client = client
+    def __init__(self, admission: _Admission, limits: ServerLimits) -> None:
+        self.admission, self.limits = admission, limits
 
     def add_to(self, app: FastAPI) -> None:
         app.add_api_route("/generate", self.generate, methods=["POST"])
         app.add_api_route("/generate_many", self.generate_many, methods=["POST"])
 
-    async def generate(self, req: GenerateRequest) -> Response:
+    async def generate(self, req: GenerateRequest, request: Request) -> Response:
         params = _token_sampling_params(req.sampling_params, "sampling_params")
-        out = await _agenerate(self.client, req.prompt_ids, params, "prompt_ids", req.request_id)
+        (out,) = await self.admission.agenerate(request, [(req.prompt_ids, params, req.request_id)], "prompt_ids")
         return _json_response(_output_dict(out))
 
-    async def generate_many(self, req: GenerateManyRequest) -> dict:
+    async def generate_many(self, req: GenerateManyRequest, request: Request) -> Response:
         """One completion of ``prompt_ids`` per entry of ``sampling_params``, in order; every
         entry is validated before any is queued, and if one fails the others are aborted."""
+        if len(req.sampling_params) > self.limits.max_group:
+            raise _BadRequest(
+                "sampling_params",
+                f"sampling_params has {len(req.sampling_params)} entries; at most {self.limits.max_group} (max_group)",
+            )
         params = [_token_sampling_params(raw, f"sampling_params[{i}]") for i, raw in enumerate(req.sampling_params)]
         ids = req.request_ids or [None] * len(params)
         if len(ids) != len(params):
             raise _BadRequest("request_ids", f"request_ids: {len(ids)} ids for {len(params)} sampling_params")
-        tasks = [
-            asyncio.ensure_future(_agenerate(self.client, req.prompt_ids, p, "prompt_ids", rid))
-            for p, rid in zip(params, ids)
-        ]
-        try:
-            outs = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:  # on an error (or a dropped connection) abort the rest
-                task.cancel()
+        jobs = [(req.prompt_ids, p, rid) for p, rid in zip(params, ids)]
+        outs = await self.admission.agenerate(request, jobs, "prompt_ids")
         return _json_response({"outputs": [_output_dict(o) for o in outs]})
 
 
@@ -531,8 +756,8 @@ class _AdminRoutes:
 
     async def health(self) -> dict | JSONResponse:
         reason = self.watchdog.check()
-        if reason is None:
-            return {"status": "ok"}
+        if reason is None:  # a paused engine is healthy but generates nothing until /resume
+            return {"status": "ok", "paused": self.engine.is_paused}
         return JSONResponse(
             status_code=503,
             content={
@@ -562,8 +787,14 @@ class _AdminRoutes:
         return dataclasses.asdict(out)
 
     async def update_weights_from_disk(self, req: UpdateFromDiskRequest) -> dict:
-        try:  # a pickle, a truncated file or a missing shard: refused as a whole, never unpickled
-            await asyncio.to_thread(self.engine.update_weights_from_disk, req.path, req.version)
+        if req.version < self.engine.version:
+            raise _BadRequest(
+                "version",
+                f"version {req.version} is older than the served version {self.engine.version}: versions only move forward",
+                status=409,
+            )
+        try:  # a pickle, a truncated file, a missing shard or tensor: refused as a whole, never unpickled
+            await asyncio.to_thread(self.engine.update_weights_from_disk, req.path, req.version, names=req.names)
         except WeightUpdateError as e:
             raise _BadRequest("path", str(e)) from None
         return {"version": self.engine.version}

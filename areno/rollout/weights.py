@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,6 +23,9 @@ from areno.rollout.control import EngineControl
 from areno.rollout.errors import WeightUpdateError
 from areno.rollout.kv_cache import BlockAllocator
 from areno.rollout.scheduler import Scheduler
+
+_RECOMPUTED = "rotary_emb.inv_freq"
+"""Buffers the model computes itself; a checkpoint may store them or not."""
 
 
 class EngineWeights:
@@ -70,10 +73,34 @@ class EngineWeights:
         with self.control.lock:
             self.control.torn = reason
 
-    def update_from_disk(self, path: str, version: int) -> None:
+    def update_from_disk(self, path: str, version: int, *, names: Iterable[str] | None = None) -> None:
+        """``names``: the tensors the files update when they hold only some; None: every parameter."""
         fix = f"this engine keeps serving version {self.control.version}; re-export the checkpoint"
         tied = getattr(self.model_config, "tie_word_embeddings", False)
-        self.update(read_checkpoint(path, tied=tied, fix=fix), version)
+        items = read_checkpoint(path, tied=tied, fix=fix)
+        self._check_complete(path, {name for name, _ in items}, tied, names, fix)
+        self.update(items, version)
+
+    def _check_complete(self, path: str, found: set[str], tied: bool, names: Iterable[str] | None, fix: str) -> None:
+        """A file of one tensor must not pass for a policy: the files hold every parameter (the tied
+        output projection and rotary buffers excepted), or exactly the declared ``names``."""
+        if names is None:
+            expected = {n for n in self.params if not n.endswith(_RECOMPUTED) and not (tied and n == "lm_head.weight")}
+            what = "the model's"
+        else:
+            expected, what = set(names), "the declared"
+            extra = sorted(found - expected)
+            if extra:
+                raise WeightUpdateError(
+                    f"weight update rejected: {path} holds {extra[0]!r}, which is not among the declared names "
+                    f"({len(extra)} such tensors); {fix}"
+                )
+        missing = sorted(expected - found)
+        if missing:
+            raise WeightUpdateError(
+                f"weight update rejected: {path} lacks {len(missing)} of {what} {len(expected)} tensors "
+                f"(first {missing[0]!r}): export every parameter, or name the subset it updates; {fix}"
+            )
 
     def _validate(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         seen: set[str] = set()
@@ -139,7 +166,7 @@ def read_checkpoint(path: str, *, tied: bool, fix: str) -> list[tuple[str, torch
             with open_safetensors(file, fix=fix) as f:
                 for name in f.keys():
                     found.add(name)
-                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    if name.endswith(_RECOMPUTED) or (tied and name == "lm_head.weight"):
                         continue  # recomputed / tied checkpoints may store the shared matrix twice
                     items.append((name, f.get_tensor(name)))
     except (OSError, ValueError) as exc:

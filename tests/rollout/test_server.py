@@ -73,7 +73,7 @@ def test_openai_chat_with_n(server):
 def test_admin_endpoints(server, tiny_model_dir):
     base, engine, _ = server
     h = {"Authorization": f"Bearer {KEY}"}
-    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{base}/health").json() == {"status": "ok", "paused": False}
     assert httpx.post(f"{base}/pause", headers=h).json() == {"paused": True}
     assert engine.is_paused
     assert httpx.post(f"{base}/resume", headers=h).json() == {"paused": False}

@@ -126,7 +126,7 @@ def test_health_is_503_while_a_step_hangs_then_200_again(engine):
     app = create_app(engine, stall_timeout_s=0.3)
 
     async def scenario(http):
-        assert (await http.get("/health")).json() == {"status": "ok"}
+        assert (await http.get("/health")).json() == {"status": "ok", "paused": False}
         request = asyncio.create_task(http.post("/generate", json=BODY))
         await _wait_for(entered)
         first = await http.get("/health")  # the stall is measured from the first sighting
@@ -144,7 +144,7 @@ def test_health_is_503_while_a_step_hangs_then_200_again(engine):
     assert reason.startswith("the engine is stuck: no step for ") and "with 1 request(s) pending" in reason
     assert stuck.json()["error"]["message"] == reason and "\n" not in reason
     assert done.status_code == 200 and len(done.json()["output_ids"]) == 3
-    assert after.status_code == 200 and after.json() == {"status": "ok"}
+    assert after.status_code == 200 and after.json() == {"status": "ok", "paused": False}
 
 
 class _DriverKilled(BaseException):
