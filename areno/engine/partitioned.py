@@ -156,7 +156,7 @@ class PartitionedCluster:
     scheduler: Any
     # set in launch()
     api_key: str | None = None
-    """The key every request to a rollout server carries (None: servers on loopback)."""
+    """The random key every request to a rollout server carries (None until launched)."""
 
     def __init__(
         self,
@@ -244,8 +244,8 @@ class PartitionedCluster:
         if self.scheduler is None:
             self.scheduler = scheduler_for(cfg.cluster, layout, log_dir=str(self.run_dir / "workers"))
         args = (cfg, layout, str(model_dir))
-        # workers on other nodes (ray, slurm) serve beyond loopback: every request carries this key
-        self.api_key = secrets.token_urlsafe(32) if bind_host(cfg) != "127.0.0.1" else None
+        # every request carries this key, also on loopback: an unkeyed server trusts every local user
+        self.api_key = secrets.token_urlsafe(32)
         self.scheduler.create_roles(
             [
                 RoleSpec(

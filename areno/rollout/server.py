@@ -864,6 +864,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="/health answers 503 after this long without an engine step while requests are pending",
     )
+    limits = ServerLimits()
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=limits.max_body_bytes / 2**20,
+        help="largest request body in MiB; larger ones get 413 before they are read",
+    )
+    p.add_argument("--max-n", type=int, default=limits.max_n, help="largest n (completions per prompt)")
+    p.add_argument("--max-prompts", type=int, default=limits.max_prompts, help="most prompts per /v1/completions")
+    p.add_argument("--max-group", type=int, default=limits.max_group, help="most entries per /generate_many")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=4096,
+        help="most requests waiting beyond the running batch (--max-num-seqs); more get 429",
+    )
     return p
 
 
@@ -913,6 +929,15 @@ def main(argv: list[str] | None = None) -> int:
         check_bind(args.host, args.api_key)
         if not args.stall_timeout_s > 0:
             raise ValueError(f"--stall-timeout-s must be > 0, got {args.stall_timeout_s}")
+        if not 0 < args.max_body_mb < float("inf"):
+            raise ValueError(f"--max-body-mb must be a positive number, got {args.max_body_mb}")
+        limits = ServerLimits(
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            max_n=args.max_n,
+            max_prompts=args.max_prompts,
+            max_group=args.max_group,
+            max_queued=args.max_queued,
+        )
         engine, tokenizer = build_engine(
             args.model_dir,
             device=args.device,
@@ -933,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key,
         default_max_tokens=args.default_max_tokens,
         stall_timeout_s=args.stall_timeout_s,
+        limits=limits,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
