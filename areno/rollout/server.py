@@ -7,9 +7,10 @@ Endpoints
   ``prompt_token_ids`` so RL clients never re-tokenise.
 - Token level: ``POST /generate`` ``{prompt_ids, sampling_params, request_id}`` → ``GenerationOutput``
   (what ``HTTPRolloutClient`` uses).
-- Admin: ``GET /health`` (200, or 503 with a reason when the engine's driver thread died or is
-  stuck: see ``EngineWatchdog``), ``GET /version``, ``POST /pause``, ``POST /resume``, ``POST /abort``
-  ``{request_id}``, ``POST /update_weights_from_disk`` ``{path, version}``, ``GET /metrics``
+- Admin: ``GET /health`` (200 with ``paused``, or 503 with a reason when the engine's driver thread
+  died or is stuck: see ``EngineWatchdog``), ``GET /version``, ``POST /pause``, ``POST /resume``,
+  ``POST /abort`` ``{request_id}``, ``POST /update_weights_from_disk`` ``{path, version, names?}``
+  (every parameter, or exactly the declared ``names``; never an older version), ``GET /metrics``
   (Prometheus text).
 
 Security: it binds 127.0.0.1 unless ``--host`` says otherwise. With an API key every endpoint but
@@ -17,7 +18,12 @@ Security: it binds 127.0.0.1 unless ``--host`` says otherwise. With an API key e
 that listens beyond loopback refuses to start without a key, since its admin endpoints (pause,
 resume, abort, weight updates) would otherwise be open to the network. Weight updates read
 safetensors only (never pickle). Bad input gets a 400 whose message names the field, in OpenAI's
-error shape; the server keeps serving.
+error shape (404 for an unknown model); the server keeps serving. ``stream`` is refused.
+
+Limits (``ServerLimits``): a body over ``max_body_bytes`` is a 413 before it is read; ``n``, prompts
+per request and ``/generate_many`` entries are bounded; with ``max_queued``, requests beyond the
+running batch plus that many get 429. Prompts are tokenized in a worker thread, after a length
+check, so ``/health`` keeps answering; a client that disconnects has its generations aborted.
 """
 
 from __future__ import annotations
