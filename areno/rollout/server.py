@@ -61,8 +61,8 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------- request bodies
 MIN_TEMPERATURE = 1e-3
-"""The smallest positive temperature served: below it ``logits / T`` overflows float32 and the
-sampled tokens and log-probs are garbage; send 0 for greedy."""
+"""The smallest positive temperature served: near 1e-38 ``logits / T`` overflows float32 (garbage
+tokens, null log-probs); this floor keeps far from it. Send 0 for greedy."""
 MAX_SEED = 2**53 - 1
 """Seeds travel to the sampler in a float64 table (``sampling.RowParams``), exact up to 2**53: a
 larger seed would collide with another."""
