@@ -30,6 +30,11 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
     return tensor.to(device)
 
 
+MIN_TEMPERATURE = 1e-3
+"""The smallest positive temperature sampled with: near 1e-38 ``logits / T`` overflows float32 (garbage
+tokens, null log-probs); this floor keeps far from it. Send 0 for greedy."""
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     """How one request is sampled. Validated at construction."""

@@ -26,6 +26,7 @@ from areno.launch.scheduler import scheduler_config
 from areno.rewards.sandbox import MAX_TIMEOUT_S
 from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
 from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
+from areno.types import MIN_TEMPERATURE
 
 
 def _check(cond: bool, key: str, message: str) -> None:
@@ -181,7 +182,11 @@ class RolloutSection(RolloutEngineSettings):
         super().__post_init__()
         for key in ("batch_size", "n_samples", "max_new_tokens", "max_concurrent"):
             _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _check(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
+        _check(
+            self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+            "rollout.temperature",
+            f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}",
+        )
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(
             self.max_head_offpolicyness >= 0,

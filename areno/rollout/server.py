@@ -54,15 +54,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from areno.models.hf_io import load_model
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
-from areno.types import GenerationOutput, SamplingParams
+from areno.types import MIN_TEMPERATURE, GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------- request bodies
-MIN_TEMPERATURE = 1e-3
-"""The smallest positive temperature served: near 1e-38 ``logits / T`` overflows float32 (garbage
-tokens, null log-probs); this floor keeps far from it. Send 0 for greedy."""
 MAX_SEED = 2**53 - 1
 """Seeds travel to the sampler in a float64 table (``sampling.RowParams``), exact up to 2**53: a
 larger seed would collide with another."""

@@ -266,3 +266,16 @@ def test_building_from_config_writes_no_module_global(tiny_model_dir, tmp_path):
     )
     after = _config_like_globals()
     assert {k: v for k, v in after.items() if k in before and before[k] != v} == {}
+
+
+def test_rollout_temperature_floor_matches_the_server():
+    """A positive temperature below the floor the rollout servers accept is refused at config time,
+    not by every request of a partitioned run."""
+    from areno.types import MIN_TEMPERATURE
+
+    with pytest.raises(ConfigError, match=r"rollout.temperature: must be 0 \(greedy\) or >= "):
+        load_config(None, ["model.path=x", f"rollout.temperature={MIN_TEMPERATURE / 10}"])
+    assert (
+        load_config(None, ["model.path=x", f"rollout.temperature={MIN_TEMPERATURE}"]).rollout.temperature
+        == MIN_TEMPERATURE
+    )
