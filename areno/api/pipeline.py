@@ -14,6 +14,7 @@ from pathlib import Path
 
 from areno.api.config import ArenoConfig, load_config
 from areno.api.preflight import check_run
+from areno.api.rundir import RunDirLock
 from areno.api.trainer import Trainer
 from areno.errors import UserError
 from areno.observe.metrics import METRICS_FILENAME, read_metrics
@@ -41,6 +42,7 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
         config,
         run_dir=str(Path(config.run_dir) / "warm_start"),
         resume=False,
+        overwrite=True,  # an unfinished warm start starts over (a finished one is reused)
         train={
             "algorithm": "sft",
             "algorithm_kwargs": {},
@@ -76,7 +78,13 @@ def run_warm_start(config: ArenoConfig) -> Path:
 
 def run_pipeline(config: ArenoConfig) -> dict[str, float]:
     """Warm start (if configured), then the main recipe; returns before/after metrics. Both stages
-    are checked (``preflight.check_run``) before the first one starts."""
+    are checked (``preflight.check_run``) before the first one starts, with the run directory
+    locked (``rundir.RunDirLock``) for the whole pipeline."""
+    with RunDirLock(config.run_dir):
+        return _run_stages(config)
+
+
+def _run_stages(config: ArenoConfig) -> dict[str, float]:
     check_run(config)  # with the model.path the warm start starts from
     if config.warm_start.steps > 0:
         check_run(warm_start_config(config))

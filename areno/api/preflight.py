@@ -1,7 +1,8 @@
 """What a run's config is checked for before anything expensive starts (a model built, a warm start
 run, a worker launched): the recipe and its arguments, the reward and workflow import paths, the
-data files, the device, a required checkpoint to resume from, the optional packages turned on, and
-the model directory (or the arguments that create it). Each problem is a one-line :class:`~areno.errors.UserError`.
+data files, the device, the run directory (a run that starts over may not append to another one), a
+required checkpoint to resume from, the optional packages turned on, and the model directory (or
+the arguments that create it). Each problem is a one-line :class:`~areno.errors.UserError`.
 
 ``Trainer.init`` calls :func:`check_run` first; ``run_pipeline`` calls it for every stage before the
 first one starts, so a typo in the main stage does not wait for the warm start. The engine checks
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from areno.api.rundir import check_fresh
 from areno.data.datasets import check_splits
 from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.config import ArenoConfig, ModelSection
@@ -42,6 +44,7 @@ def check_run(config: ArenoConfig) -> None:
     check_splits(config.data, need_answers=not recipe.online)  # offline recipes train on the answers
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
+    check_fresh(config.run_dir, resume=config.resume, overwrite=config.overwrite)
     if config.resume is True and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") is None:
         raise ConfigError(
             f"resume=true but {Path(config.run_dir) / 'checkpoints'} holds no completed checkpoint "

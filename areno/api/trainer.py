@@ -7,9 +7,10 @@
         backend.update_weights()                         # sync_to_rollout roles -> rollout engine
         evaluate / save at their intervals
 
-Resume (``resume=auto|true``): the newest ``checkpoints/step_N`` holding ``COMPLETE`` is loaded
-(checkpoints are published by one rename, so a killed write is never loaded; its staging
-directory is removed with a warning) and the loop continues at step N + 1. metrics.jsonl is cut
+Resume (``resume=auto|true``): the newest ``checkpoints/step_N`` holding ``COMPLETE`` whose files
+match their checksums is loaded (checkpoints are published by one rename, so a killed write is
+never loaded; its staging directory is removed with a warning; a damaged one is passed over with a
+warning naming the file) and the loop continues at step N + 1. metrics.jsonl is cut
 back to the rows of steps <= N first: the steps after N are trained again and log again, so the
 file holds every step once. ``ARENO_FAULT`` (``areno.faults``) kills the run at a phase of a
 step, for the tests that prove it.
@@ -28,6 +29,7 @@ import torch
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_yaml
 from areno.api.preflight import check_run
+from areno.api.rundir import RunDirLock, clear_run
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.session import configure_sessions
@@ -65,6 +67,7 @@ class Trainer:
     config: ArenoConfig
     run_dir: Path
     # set in init()
+    lock: RunDirLock
     backend: Backend
     logger: MetricsLogger
     start_rollout_id: int = 0
@@ -75,22 +78,34 @@ class Trainer:
 
     @classmethod
     def init(cls, config: ArenoConfig) -> Trainer:
-        """Resolve the registered backend named by ``config.train.backend`` and initialise it. What
-        the config can be checked for is checked first (``preflight.check_run``), before the run
-        directory is made and any model is built."""
+        """Resolve the registered backend named by ``config.train.backend`` and initialise it. The
+        run directory is locked first (``rundir.RunDirLock``, released by :meth:`shutdown`), then
+        what the config can be checked for is checked (``preflight.check_run``), before the run
+        directory is written and any model is built."""
         backend_cls = resolve_backend(config.train.backend)
-        check_run(config)
-        trainer = cls(config)
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        (trainer.run_dir / "config.yaml").write_text(to_yaml(config))
+        lock = RunDirLock(config.run_dir).acquire()
+        try:
+            check_run(config)
+            trainer = cls(config)
+            trainer.lock = lock
+            trainer._initialize(backend_cls)
+        except BaseException:
+            lock.release()
+            raise
+        return trainer
+
+    def _initialize(self, backend_cls: type[Backend]) -> None:
+        config = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(config))
         observe = config.observe
-        configure_tracing(trainer.run_dir, observe.trace)
-        configure_sessions(trainer.run_dir, observe.sessions)
-        resume_from = trainer._prepare_resume()  # before the logger opens metrics.jsonl for appending
-        trainer.backend = backend_cls()
-        trainer.backend.initialize(config, trainer.run_dir)
-        trainer.logger = MetricsLogger(
-            trainer.run_dir,
+        configure_tracing(self.run_dir, observe.trace)
+        configure_sessions(self.run_dir, observe.sessions)
+        resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
+        self.backend = backend_cls()
+        self.backend.initialize(config, self.run_dir)
+        self.logger = MetricsLogger(
+            self.run_dir,
             total_steps=config.train.steps,
             console=observe.console,
             tensorboard=observe.tensorboard,
@@ -99,8 +114,7 @@ class Trainer:
             else None,
         )
         if resume_from is not None:
-            trainer._resume(resume_from)
-        return trainer
+            self._resume(resume_from)
 
     def rollout_token_batch(self, rollout_id: int) -> RolloutBatch:
         return self.backend.rollout_batch(rollout_id)
@@ -148,11 +162,14 @@ class Trainer:
         return self._evaluate(self.start_rollout_id)
 
     def shutdown(self) -> None:
-        self.logger.close()
-        self.backend.shutdown()
-        if self.config.observe.trace:
-            flush_tracing()
-            merge_traces(self.run_dir)
+        try:
+            self.logger.close()
+            self.backend.shutdown()
+            if self.config.observe.trace:
+                flush_tracing()
+                merge_traces(self.run_dir)
+        finally:
+            self.lock.release()
 
     def _evaluate(self, step: int) -> dict[str, float]:
         with span("evaluate", "trainer", step=step):
@@ -165,20 +182,18 @@ class Trainer:
         return self.run_dir / "checkpoints" / f"step_{step:08d}"
 
     def _prepare_resume(self) -> Path | None:
-        """The checkpoint to resume from under ``config.resume`` (None: start fresh). Removes what
-        killed checkpoint writes left and cuts metrics.jsonl back to the steps that will not run
-        again: those <= N when resuming at step N, none when a resumable run starts over."""
+        """The checkpoint to resume from under ``config.resume`` (None: start fresh): the newest one
+        that verifies (``checkpoint.newest_intact``). Removes what killed checkpoint writes left and
+        cuts metrics.jsonl back to the steps that will not run again: those <= N when resuming at
+        step N, none when a resumable run starts over. ``resume=false`` reaches here only on an empty
+        run_dir or with ``overwrite=true`` (``preflight.check_run``), which deletes the old run."""
         checkpoints_dir = self.run_dir / "checkpoints"
         if self.config.resume is False:
-            if checkpoint.complete_checkpoints(checkpoints_dir):
-                logger.warning(
-                    "resume=false: starting over in %s, whose checkpoints will be overwritten "
-                    "(resume=auto continues from the newest)",
-                    self.run_dir,
-                )
+            if self.config.overwrite:
+                clear_run(self.run_dir)
             return None
         checkpoint.remove_stale(checkpoints_dir)
-        latest = checkpoint.latest_complete(checkpoints_dir)  # resume=true: there is one (preflight.check_run)
+        latest = checkpoint.newest_intact(checkpoints_dir)  # resume=true: there is one (preflight.check_run)
         truncate_metrics(self.run_dir / METRICS_FILENAME, after_step=checkpoint_step(latest) if latest else -1)
         return latest
 

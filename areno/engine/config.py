@@ -354,6 +354,10 @@ class ArenoConfig:
     one exists and starts fresh otherwise; ``true`` requires one (an error when there is none);
     ``false`` starts fresh. Rows of metrics.jsonl after the resumed step are dropped, since those
     steps are trained again."""
+    overwrite: bool = False
+    """With ``resume=false``, start over in a run_dir that already holds a run: its metrics.jsonl and
+    checkpoints/ are deleted first. Without it such a run_dir is refused (a second run would append
+    its steps to the first one's metrics)."""
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)

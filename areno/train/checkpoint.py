@@ -11,14 +11,22 @@ into ``step_N.tmp`` (:func:`staging_dir`), then :func:`commit` writes the ``COMP
 and renames the directory into place. A ``step_N`` directory therefore always holds a whole
 checkpoint; a killed write leaves only a ``.tmp`` directory, which :func:`latest_complete` ignores
 and :func:`remove_stale` deletes with a warning.
+
+Before the marker, :func:`commit` writes ``MANIFEST.json``: the size and sha256 of every file of the
+checkpoint. :func:`verify` checks them (a flipped byte, a truncated or missing file) and
+:func:`newest_intact` is what a resume loads: the newest checkpoint that verifies, passing over
+damaged ones with a warning naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,8 @@ from areno.errors import ModelDirError
 
 TRAINER_STATE = "trainer_state.pt"
 COMPLETE_MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+_HASH_CHUNK = 1 << 22
 STAGING_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -90,6 +100,7 @@ def commit(tmp: str | Path, path: str | Path, *, marker_text: str = "ok") -> Non
     first, then one rename, so ``path`` never exists half-written. An older ``path`` (a run
     restarted without resume over the same run_dir) is replaced."""
     tmp, path = Path(tmp), Path(path)
+    write_manifest(tmp)
     (tmp / COMPLETE_MARKER).write_text(marker_text)
     if path.exists():
         old = path.with_name(path.name + ".old")
@@ -100,6 +111,84 @@ def commit(tmp: str | Path, path: str | Path, *, marker_text: str = "ok") -> Non
         shutil.rmtree(old)
     else:
         tmp.rename(path)
+
+
+# ------------------------------------------------------------------ integrity
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _hash_files(root: Path, names: list[str]) -> dict[str, str]:
+    # hashlib releases the GIL on large buffers: the shards of a big checkpoint hash in parallel
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda name: _sha256(root / name), names)))
+
+
+def write_manifest(path: str | Path) -> None:
+    """Record the size and sha256 of every file under ``path`` in ``path/MANIFEST.json``."""
+    path = Path(path)
+    names = sorted(
+        str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name not in (MANIFEST, COMPLETE_MARKER)
+    )
+    digests = _hash_files(path, names)
+    files = {name: {"size": (path / name).stat().st_size, "sha256": digests[name]} for name in names}
+    (path / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1))
+
+
+def verify(path: str | Path) -> str | None:
+    """None when the checkpoint at ``path`` is whole; else what is wrong with it, naming the file.
+    Every file of the manifest must be there with its size and sha256; a checkpoint written before
+    manifests existed is checked for its required files only (present and non-empty)."""
+    path = Path(path)
+    required = [".metadata", TRAINER_STATE]
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        for name in required:
+            if not (path / name).is_file() or (path / name).stat().st_size == 0:
+                return f"{path / name} is missing or empty"
+        return None
+    except (ValueError, KeyError, TypeError):
+        return f"{path / MANIFEST} is unreadable"
+    for name in required:
+        if name not in files:
+            return f"{path / name} is not in {MANIFEST}"
+    for name, entry in files.items():
+        if not (path / name).is_file():
+            return f"{path / name} is missing"
+        size = (path / name).stat().st_size
+        if size != entry["size"]:
+            return f"{path / name} has {size} bytes, {entry['size']} were written"
+    digests = _hash_files(path, list(files))
+    for name, entry in files.items():
+        if digests[name] != entry["sha256"]:
+            return f"{path / name} does not match its checksum in {MANIFEST} (the file was changed or corrupted)"
+    return None
+
+
+def newest_intact(checkpoints_dir: str | Path) -> Path | None:
+    """The newest completed checkpoint that :func:`verify` passes, warning about each newer one that
+    does not (naming the file); None when there is no completed checkpoint. A
+    :class:`~areno.errors.ModelDirError` when there are some but every one is damaged."""
+    found = complete_checkpoints(checkpoints_dir)
+    problems = []
+    for _, path in reversed(found):
+        problem = verify(path)
+        if problem is None:
+            return path
+        logger.warning("checkpoint %s is damaged, resuming from an earlier one: %s", path, problem)
+        problems.append(problem)
+    if problems:
+        raise ModelDirError(
+            f"every checkpoint in {checkpoints_dir} is damaged (newest: {problems[0]}): restore the files, "
+            "or start over with resume=false overwrite=true"
+        )
+    return None
 
 
 def is_complete(path: str | Path) -> bool:

@@ -1,0 +1,136 @@
+"""One owner per run directory, and no run appended to another one's.
+
+``areno train`` holds ``run_dir/areno.lock`` (a JSON file with its PID and host) while it runs: a
+second run on the same directory stops at once, naming the holder. A lock whose PID is no longer
+alive on this host (a run killed with SIGKILL) is taken over with a warning. A lock held by another
+host cannot be checked and is never taken over: delete it by hand once that run is gone.
+
+A run without ``resume`` refuses a run directory that already holds a run (metrics.jsonl or
+checkpoints) unless ``overwrite=true``, which deletes them first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from areno.errors import ConfigError
+from areno.observe.metrics import METRICS_FILENAME
+
+LOCK_FILENAME = "areno.lock"
+
+logger = logging.getLogger(__name__)
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (ticks since boot) where /proc has it: a PID reused by a
+    later process has another one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the parenthesised name
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return start is None or _process_start(pid) in (None, start)
+
+
+class RunDirLock:
+    """The exclusive lock of a run directory; re-entrant within one process (the pipeline and its
+    trainers take it in turn)."""
+
+    _held: dict[Path, int] = {}  # resolved lock path -> how many times this process holds it
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILENAME
+
+    def acquire(self) -> RunDirLock:
+        key = self.path.resolve()
+        if key in self._held:
+            self._held[key] += 1
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid())}
+        tmp = self.path.with_name(f"{LOCK_FILENAME}.{me['pid']}.tmp")
+        tmp.write_text(json.dumps(me))
+        try:
+            while True:
+                try:
+                    os.link(tmp, self.path)  # atomic, and the lock file is never seen empty
+                    break
+                except FileExistsError:
+                    self._take_over_if_stale(me["host"])
+        finally:
+            tmp.unlink()
+        self._held[key] = 1
+        return self
+
+    def release(self) -> None:
+        key = self.path.resolve()
+        self._held[key] -= 1
+        if self._held[key] == 0:
+            del self._held[key]
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def _take_over_if_stale(self, host: str) -> None:
+        """Remove the lock when its holder is a dead process of this host; else a ConfigError."""
+        try:
+            owner = json.loads(self.path.read_text())
+            pid, owner_host = int(owner["pid"]), str(owner["host"])
+        except FileNotFoundError:  # released meanwhile: try again
+            return
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(
+                f"run_dir: {self.path} is not a lock areno wrote: delete it if no run uses {self.path.parent}"
+            ) from None
+        if owner_host != host or _alive(pid, owner.get("start")):
+            raise ConfigError(
+                f"run_dir {self.path.parent} is in use by another areno run (pid {pid} on {owner_host}, "
+                f"lock {self.path}): wait for it to finish or use another run_dir"
+            )
+        logger.warning("taking over %s: its run (pid %d on %s) is no longer alive", self.path, pid, owner_host)
+        self.path.unlink(missing_ok=True)
+
+
+def holds_run(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` already holds a run's metrics or checkpoints."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS_FILENAME
+    checkpoints = run_dir / "checkpoints"
+    return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+
+
+def check_fresh(run_dir: str | Path, *, resume: bool | str, overwrite: bool) -> None:
+    """A run that starts over (``resume=false``) may not append to another one's run directory
+    unless told to overwrite it."""
+    if resume is False and not overwrite and holds_run(run_dir):
+        raise ConfigError(
+            f"run_dir {run_dir} already holds a run (metrics.jsonl or checkpoints/): resume it with "
+            "resume=auto, start over with overwrite=true (deletes them), or use another run_dir"
+        )
+
+
+def clear_run(run_dir: str | Path) -> None:
+    """Delete a previous run's metrics.jsonl and checkpoints/ (``overwrite=true``)."""
+    run_dir = Path(run_dir)
+    if holds_run(run_dir):
+        logger.warning("overwrite=true: deleting the previous run's metrics.jsonl and checkpoints in %s", run_dir)
+    (run_dir / METRICS_FILENAME).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
