@@ -31,11 +31,13 @@ from areno.train.config import TrainBackendConfig
 from areno.train.lora import adapter_named_weights, apply_lora, merged_named_weights, save_adapter
 from areno.train.offload import StorageOffloader, collect_tensors
 from areno.train.optim import (
+    NonFiniteParametersError,
     NonFiniteStepError,
     build_optimizer,
     build_scheduler,
     clip_grads,
     global_grad_norm,
+    nonfinite_parameters,
 )
 from areno.train.packing import (
     MicroBatchPlan,
@@ -327,6 +329,8 @@ class PackedTrainBackend(TrainBackend):
             self._consecutive_skips += 1
         self.optimizer.zero_grad(set_to_none=True)
         self._step += 1
+        if lr == 0.0 and not self._parameters_finite():  # a diverged model: no later step repairs it
+            raise NonFiniteParametersError(role=self.cfg.role_name, step=self._step, when="the loss became NaN/inf")
         if 0 < self.cfg.max_consecutive_skips <= self._consecutive_skips:
             raise NonFiniteStepError(
                 role=self.cfg.role_name,
@@ -400,9 +404,16 @@ class PackedTrainBackend(TrainBackend):
     def _barrier(self) -> None:
         """Wait for every rank (no-op in one process)."""
 
+    def _parameters_finite(self) -> bool:
+        """Whether every rank's parameters are finite (every rank gets the same answer). A pass over
+        the weights: run before a save and after a skipped step, not every step."""
+        return float(self._all_reduce_sum(nonfinite_parameters(self.model.parameters()))) == 0.0
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path, extra_state: dict[str, Any]) -> None:
         self._check_ready()
+        if not self._parameters_finite():
+            raise NonFiniteParametersError(role=self.cfg.role_name, step=self._step, when="before saving a checkpoint")
         trainer_state = {
             "step": self._step,
             "skipped_steps": self._skipped_steps,

@@ -9,6 +9,7 @@ naming the key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,10 @@ class OptimConfig:
     """Optimizer steps of linear warm-up; used by linear_warmup and cosine."""
 
     def __post_init__(self) -> None:
+        # inf passes the range checks and NaN fails them with a misleading message: name it first
+        for key in ("lr", "weight_decay", "grad_clip"):
+            value = getattr(self, key)
+            _check(value is None or math.isfinite(value), f"optim.{key}", f"must be a finite number, got {value}")
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
         _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(

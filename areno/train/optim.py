@@ -34,6 +34,33 @@ class NonFiniteStepError(ConfigError):
         self.role, self.step, self.consecutive = role, step, consecutive
 
 
+class NonFiniteParametersError(ConfigError):
+    """The parameters became NaN/inf (an update overflowed): the run stops before it saves them.
+
+    A :class:`ConfigError` for the reasons of :class:`NonFiniteStepError`; skipping steps cannot
+    bring such a model back.
+    """
+
+    def __init__(self, *, role: str, step: int, when: str) -> None:
+        who = f"role {role!r}" if role else "the training backend"
+        super().__init__(
+            f"{who}: the parameters are NaN/inf after step {step} ({when}); stopping without saving them: "
+            "lower optim.lr and resume from the last checkpoint (resume=auto)"
+        )
+        self.role, self.step = role, step
+
+
+def nonfinite_parameters(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """How many of this rank's parameters (local shards of DTensors) hold a NaN/inf, as a 0-dim
+    float tensor on their device (the caller all-reduces it)."""
+    count: torch.Tensor | None = None
+    for p in params:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        bad = (~torch.isfinite(local.detach())).any().float()
+        count = bad if count is None else count + bad
+    return count if count is not None else torch.zeros(())
+
+
 class LocalShardAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose update runs on the local shards of DTensor parameters.
 
