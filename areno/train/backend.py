@@ -315,7 +315,8 @@ class PackedTrainBackend(TrainBackend):
         grad norm and the learning rate applied (0 when skipped)."""
         grad_norm, grad_groups = global_grad_norm(self.model.parameters())
         # The loss is all-reduced and the norm global, so every rank takes the same decision.
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not skipped:
             if self.cfg.grad_clip:
                 clip_grads(grad_groups, grad_norm, self.cfg.grad_clip)
             lr = self.scheduler.get_last_lr()[0]
@@ -329,7 +330,7 @@ class PackedTrainBackend(TrainBackend):
             self._consecutive_skips += 1
         self.optimizer.zero_grad(set_to_none=True)
         self._step += 1
-        if lr == 0.0 and not self._parameters_finite():  # a diverged model: no later step repairs it
+        if skipped and not self._parameters_finite():  # a diverged model: no later step repairs it
             raise NonFiniteParametersError(role=self.cfg.role_name, step=self._step, when="the loss became NaN/inf")
         if 0 < self.cfg.max_consecutive_skips <= self._consecutive_skips:
             raise NonFiniteStepError(
