@@ -142,22 +142,14 @@ def write_manifest(path: str | Path) -> None:
 def verify(path: str | Path) -> str | None:
     """None when the checkpoint at ``path`` is whole; else what is wrong with it, naming the file.
     Every file of the manifest must be there with its size and sha256; a checkpoint written before
-    manifests existed is checked for its required files only (present and non-empty)."""
+    manifests existed is checked for its DCP metadata and state files only (present and non-empty)."""
     path = Path(path)
-    required = [".metadata", TRAINER_STATE]
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
+        files = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
-        for name in required:
-            if not (path / name).is_file() or (path / name).stat().st_size == 0:
-                return f"{path / name} is missing or empty"
-        return None
+        return _verify_unlisted(path)
     except (ValueError, KeyError, TypeError):
         return f"{path / MANIFEST} is unreadable"
-    for name in required:
-        if name not in files:
-            return f"{path / name} is not in {MANIFEST}"
     for name, entry in files.items():
         if not (path / name).is_file():
             return f"{path / name} is missing"
@@ -168,6 +160,17 @@ def verify(path: str | Path) -> str | None:
     for name, entry in files.items():
         if digests[name] != entry["sha256"]:
             return f"{path / name} does not match its checksum in {MANIFEST} (the file was changed or corrupted)"
+    return None
+
+
+def _verify_unlisted(path: Path) -> str | None:
+    """The checks a checkpoint without a manifest allows: DCP metadata and state files non-empty."""
+    metadata = list(path.rglob(".metadata"))
+    if not metadata:
+        return f"{path} holds no .metadata (no DCP checkpoint)"
+    for file in [*metadata, *path.rglob(TRAINER_STATE), *path.rglob("rng_rank*.pt")]:
+        if file.stat().st_size == 0:
+            return f"{file} is empty"
     return None
 
 
