@@ -17,6 +17,9 @@ import torch
 from areno.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
+MAX_LR = 1e37
+"""AdamW's first update is lr / (1 - beta1) per weight (10 * lr by default): above this it overflows
+float32 and torch fails with a raw RuntimeError."""
 SCHEDULES = ("constant", "linear_warmup", "cosine")
 COMPILE_SCOPES = ("layers", "model")
 """``compile_scope`` values: each decoder layer, or the whole layer stack as one graph."""
@@ -74,7 +77,7 @@ class OptimConfig:
         for key in ("lr", "weight_decay", "grad_clip"):
             value = getattr(self, key)
             _check(value is None or math.isfinite(value), f"optim.{key}", f"must be a finite number, got {value}")
-        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(0 < self.lr <= MAX_LR, "optim.lr", f"must be > 0 and <= {MAX_LR:g}, got {self.lr}")
         _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(
             self.grad_clip is None or self.grad_clip >= 0,

@@ -1,5 +1,7 @@
 """Guards: a non-finite loss or grad norm skips the optimizer step and is counted; a run stops with
-one line after ``max_consecutive_skips`` skipped steps in a row instead of training on garbage."""
+one line after ``max_consecutive_skips`` skipped steps in a row instead of training on garbage;
+non-finite optimizer settings are config errors, and parameters that became NaN/inf stop the run
+before they are saved."""
 
 import math
 
@@ -8,7 +10,7 @@ import torch
 
 from areno.api.config import ConfigError, load_config
 from areno.train import LocalTrainBackend, TrainBackendConfig
-from areno.train.optim import NonFiniteStepError
+from areno.train.optim import NonFiniteParametersError, NonFiniteStepError
 from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 VOCAB = 40
@@ -98,6 +100,50 @@ def test_config_field():
     assert load_config(None, ["model.path=x", "train.max_consecutive_skips=0"]).train.max_consecutive_skips == 0
     with pytest.raises(ConfigError, match="train.max_consecutive_skips: must be >= 0"):
         load_config(None, ["model.path=x", "train.max_consecutive_skips=-1"])
+
+
+@pytest.mark.parametrize(
+    "setting", ["optim.lr=inf", "optim.lr=nan", "optim.lr=-inf", "optim.weight_decay=inf", "optim.grad_clip=nan"]
+)
+def test_non_finite_optim_setting_is_a_config_error(setting):
+    key = setting.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key}: must be a finite number"):
+        load_config(None, ["model.path=x", setting])
+
+
+def _poison(b: LocalTrainBackend) -> None:
+    with torch.no_grad():
+        for p in b.model.parameters():
+            p.view(-1)[0] = float("inf")
+
+
+def test_non_finite_parameters_are_never_saved(model_dir, tmp_path):
+    b = _backend(model_dir)
+    _step(b)
+    _poison(b)
+    with pytest.raises(NonFiniteParametersError, match="NaN/inf after step 1 .*before saving"):
+        b.save_checkpoint(tmp_path / "ckpt", {})
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_skipped_step_on_non_finite_parameters_stops_at_once(model_dir):
+    """Skipping cannot repair a diverged model: stop at the first skip, not after five."""
+    b = _backend(model_dir)
+    _poison(b)
+    with pytest.raises(NonFiniteParametersError, match="after step 1"):
+        _step(b)
+
+
+@pytest.mark.parametrize("lr", ["inf", "1e300"])
+def test_cli_refuses_a_non_finite_or_overflowing_lr_in_one_line(tmp_path, capsys, lr):
+    """optim.lr=inf used to train and save an all-NaN checkpoint with exit 0; 1e300 overflowed float32
+    in the first update with a raw traceback."""
+    from areno.cli import main
+
+    rc = main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", f"optim.lr={lr}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("areno: error: optim.lr: must be"), err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
