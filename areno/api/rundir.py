@@ -51,15 +51,18 @@ class RunDirLock:
     trainers take it in turn)."""
 
     _held: dict[Path, int] = {}  # resolved lock path -> how many times this process holds it
+    _created: list[Path]  # the directories acquire() made, deepest first (removed again while empty)
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / LOCK_FILENAME
+        self._created = []
 
     def acquire(self) -> RunDirLock:
         key = self.path.resolve()
         if key in self._held:
             self._held[key] += 1
             return self
+        self._created = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid())}
         tmp = self.path.with_name(f"{LOCK_FILENAME}.{me['pid']}.tmp")
@@ -82,6 +85,10 @@ class RunDirLock:
         if self._held[key] == 0:
             del self._held[key]
             self.path.unlink(missing_ok=True)
+            for directory in self._created:  # a run that stopped at a config error leaves no run_dir
+                if any(directory.iterdir()):
+                    break
+                directory.rmdir()
 
     def __enter__(self) -> RunDirLock:
         return self.acquire()
