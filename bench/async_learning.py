@@ -70,6 +70,7 @@ def run_arm(config_path: Path, work: Path, algorithm: str, eta: int, warm_model:
         config_path,
         [
             f"run_dir={run_dir}",
+            "overwrite=true",  # each arm starts over, also in a reused work directory
             f"model.path={warm_model}",
             "warm_start.steps=0",
             f"train.algorithm={algorithm}",
@@ -147,7 +148,13 @@ def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[di
     overrides = [*args.overrides, f"train.seed={seed}"] if seed is not None else list(args.overrides)
     base = load_config(
         args.config,
-        [f"run_dir={work / 'shared'}", f"model.path={work / 'init_model'}", "observe.console=false", *overrides],
+        [
+            f"run_dir={work / 'shared'}",
+            "overwrite=true",
+            f"model.path={work / 'init_model'}",
+            "observe.console=false",
+            *overrides,
+        ],
     )
     if base.warm_start.steps <= 0:
         raise SystemExit(f"{args.config}: warm_start.steps must be > 0 (the arms share one warm start)")

@@ -234,6 +234,7 @@ def areno_config(
     kv_blocks = seq_blocks * args.prompts * args.samples * (eta + 1) + 64  # the batch (and η batches ahead)
     overrides = [
         f"run_dir={run_dir}",
+        "overwrite=true",  # each measurement starts over, also in a reused --workdir
         f"model.path={model_dir}",
         f"model.dtype={param_dtype}",
         "data.task=null",

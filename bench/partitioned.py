@@ -98,6 +98,7 @@ def arm_config(eta: int, args, work: Path, repeat: int = 0):
     ints = lambda s: [int(x) for x in s.split(",")]
     overrides = [
         f"run_dir={work / (f'eta{eta}' if repeat == 0 else f'eta{eta}-r{repeat}')}",
+        "overwrite=true",  # each arm starts over, also in a reused work directory
         f"model.path={work / 'model'}",
         f"model.init_tiny={{hidden_size: {args.hidden}, layers: {args.layers}, heads: {args.heads}, "
         f"kv_heads: {args.kv_heads}}}",

@@ -141,7 +141,8 @@ def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[s
     """The CPU demo: ``areno/configs/demo.yaml`` (a tiny model learns to sort digits with GRPO)."""
     if not DEMO_CONFIG.exists():
         raise UserError(f"{DEMO_CONFIG} not found: this areno install is incomplete; reinstall it (pip install areno)")
-    config = load_config(DEMO_CONFIG, [f"run_dir={run_dir}", *overrides])
+    # each `areno demo` starts over in its run directory (overrides may still ask for resume)
+    config = load_config(DEMO_CONFIG, [f"run_dir={run_dir}", "overwrite=true", *overrides])
     summary = run_pipeline(config)
     before, after = summary["accuracy_before"] or 0.0, summary["accuracy_after"] or 0.0
     print(
