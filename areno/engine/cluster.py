@@ -219,8 +219,7 @@ def layout_from_config(
     the lists, their TP and DP; otherwise ``cluster.train_devices`` and ``cluster.rollout_devices``
     (both needed) do, with ``train_tp`` / ``rollout_tp``. ``num_devices``: visible devices (on
     CPU: processes allowed, i.e. how many indices the lists may use)."""
-    mode = getattr(cluster, "allocation_mode", None)
-    train, rollout = getattr(cluster, "train_devices", None), getattr(cluster, "rollout_devices", None)
+    mode, train, rollout = cluster.allocation_mode, cluster.train_devices, cluster.rollout_devices
     if mode and "+" in mode:
         if train is not None or rollout is not None:
             raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
