@@ -14,12 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from areno.api.config import load_config
 from areno.errors import ModelDirError
-from areno.launch.scheduler import free_port
 from areno.types import SamplingParams
+from tests.helpers.serving import serving
 
 # ------------------------------------------------------------------------------------- datasets
 ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
@@ -118,15 +117,8 @@ def server(tiny_model_dir):
 
     engine, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=256, block_size=8, max_model_len=64)
     app = create_app(engine, tokenizer=tokenizer, model_name="tiny")
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base:
+        yield base, engine
 
 
 # (path, body or raw bytes, the field the 4xx must name). Cases already in tests/rollout/test_server.py

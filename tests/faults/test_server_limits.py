@@ -13,11 +13,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
-from areno.launch.scheduler import free_port
 from areno.rollout.server import MAX_SEED, ServerLimits, TokenSampling, build_engine, create_app
 from areno.types import SamplingParams
+from tests.helpers.serving import serving
 
 
 @pytest.fixture(scope="module")
@@ -29,18 +28,8 @@ def built(tiny_model_dir):
 
 @contextlib.contextmanager
 def _serving(app) -> Iterator[httpx.Client]:
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            yield client
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
+    with serving(app) as base, httpx.Client(base_url=base, timeout=30) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

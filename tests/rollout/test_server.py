@@ -3,10 +3,10 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from areno.launch.scheduler import free_port
 from areno.rollout.server import build_engine, create_app, main
+from tests.helpers.serving import serving
 
 openai = pytest.importorskip("openai")  # the test extra; absent on some machines (then these tests skip)
 
@@ -17,15 +17,8 @@ KEY = "sekret"
 def server(tiny_model_dir):
     engine, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=256, block_size=8, max_model_len=64)
     app = create_app(engine, tokenizer=tokenizer, model_name="tiny", api_key=KEY)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine, tokenizer
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(app, log_level="warning") as base:
+        yield base, engine, tokenizer
 
 
 def _oa(base: str) -> openai.OpenAI:
