@@ -21,6 +21,12 @@ class ConfigError(UserError):
     """A bad configuration key, type, value or combination."""
 
 
+def check_config(cond: bool, key: str, message: str) -> None:
+    """Raise ``ConfigError("<key>: <message>")`` unless ``cond``: the validation of config dataclasses."""
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
+
+
 class DataError(UserError):
     """A dataset file or row that cannot be used (missing field, bad format, empty split)."""
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from omegaconf import MISSING
 
-from areno.errors import ConfigError
+from areno.errors import ConfigError, check_config
 from areno.launch.allocation import AllocationModeError, check_supported, parse_allocation_mode
 from areno.launch.scheduler import scheduler_config
 from areno.rewards.sandbox import MAX_TIMEOUT_S
@@ -29,18 +29,13 @@ from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig,
 from areno.types import MIN_TEMPERATURE
 
 
-def _check(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {message}")
-
-
 def _check_finite(section: object, prefix: str) -> None:
     """Every float setting of ``section`` is a finite number: inf passes range checks such as
     ``> 0`` and NaN slips through others, and either then fails at run time (``timeout_s=inf``
     made every sandboxed reward call fail)."""
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
-        _check(
+        check_config(
             not isinstance(value, float) or math.isfinite(value),
             f"{prefix}.{f.name}",
             f"must be a finite number, got {value}",
@@ -60,7 +55,7 @@ class ModelSection(PrecisionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         allowed = ("auto", "float32", "bfloat16")
-        _check(self.rollout_dtype in allowed, "model.rollout_dtype", f"must be one of {allowed}")
+        check_config(self.rollout_dtype in allowed, "model.rollout_dtype", f"must be one of {allowed}")
 
 
 @dataclass(kw_only=True)
@@ -83,12 +78,12 @@ class DataSection:
     """Seed of the task generator and of the dataloader shuffle."""
 
     def __post_init__(self) -> None:
-        _check(
+        check_config(
             self.task is not None or self.train_path is not None,
             "data",
             "set data.task to a shipped task or data.train_path to a JSONL/Parquet file",
         )
-        _check(self.num_eval >= 0, "data.num_eval", f"must be >= 0, got {self.num_eval}")
+        check_config(self.num_eval >= 0, "data.num_eval", f"must be >= 0, got {self.num_eval}")
 
 
 @dataclass(kw_only=True)
@@ -116,24 +111,24 @@ class RewardSection:
 
     def __post_init__(self) -> None:
         _check_finite(self, "reward")
-        _check(":" in self.fn or "." in self.fn, "reward.fn", "must be a dotted path like 'pkg.mod:func'")
+        check_config(":" in self.fn or "." in self.fn, "reward.fn", "must be a dotted path like 'pkg.mod:func'")
         # above MAX_TIMEOUT_S the pipe polls overflow (a finite 1e308 fails every call like inf did)
-        _check(
+        check_config(
             0 < self.timeout_s <= MAX_TIMEOUT_S,
             "reward.timeout_s",
             f"must be > 0 and <= {MAX_TIMEOUT_S:g}, got {self.timeout_s}",
         )
-        _check(
+        check_config(
             self.memory_mb == 0 or self.memory_mb >= 128,
             "reward.memory_mb",
             f"must be 0 (unlimited) or >= 128 (a Python worker needs that much), got {self.memory_mb}",
         )
-        _check(
+        check_config(
             self.cpu_s is None or 0 < self.cpu_s <= MAX_TIMEOUT_S,
             "reward.cpu_s",
             f"must be > 0 and <= {MAX_TIMEOUT_S:g}, or null, got {self.cpu_s}",
         )
-        _check(self.workers >= 1, "reward.workers", f"must be >= 1, got {self.workers}")
+        check_config(self.workers >= 1, "reward.workers", f"must be >= 1, got {self.workers}")
 
 
 @dataclass(kw_only=True)
@@ -181,25 +176,25 @@ class RolloutSection(RolloutEngineSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("batch_size", "n_samples", "max_new_tokens", "max_concurrent"):
-            _check(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _check(
+            check_config(getattr(self, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(self, key)}")
+        check_config(
             self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
             "rollout.temperature",
             f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}",
         )
-        _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(
+        check_config(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        check_config(
             self.max_head_offpolicyness >= 0,
             "rollout.max_head_offpolicyness",
             f"must be >= 0, got {self.max_head_offpolicyness}",
         )
-        _check(self.kv_blocks >= 0, "rollout.kv_blocks", f"must be >= 0 (0 = automatic), got {self.kv_blocks}")
-        _check(
+        check_config(self.kv_blocks >= 0, "rollout.kv_blocks", f"must be >= 0 (0 = automatic), got {self.kv_blocks}")
+        check_config(
             self.request_timeout_s >= 0,
             "rollout.request_timeout_s",
             f"must be >= 0 (0 = no deadline), got {self.request_timeout_s}",
         )
-        _check(
+        check_config(
             self.max_consecutive_dropped >= 0,
             "rollout.max_consecutive_dropped",
             f"must be >= 0 (0 = never stop), got {self.max_consecutive_dropped}",
@@ -216,9 +211,9 @@ class WarmStartSection:
     """Learning rate of the supervised stage."""
 
     def __post_init__(self) -> None:
-        _check(self.steps >= 0, "warm_start.steps", f"must be >= 0, got {self.steps}")
-        _check(self.batch_size >= 1, "warm_start.batch_size", f"must be >= 1, got {self.batch_size}")
-        _check(self.lr > 0, "warm_start.lr", f"must be > 0, got {self.lr}")
+        check_config(self.steps >= 0, "warm_start.steps", f"must be >= 0, got {self.steps}")
+        check_config(self.batch_size >= 1, "warm_start.batch_size", f"must be >= 1, got {self.batch_size}")
+        check_config(self.lr > 0, "warm_start.lr", f"must be > 0, got {self.lr}")
 
 
 @dataclass(kw_only=True)
@@ -251,13 +246,13 @@ class ClusterSection:
     whole sync and a failed sync leaves the engine refusing to generate until the next one)."""
 
     def __post_init__(self) -> None:
-        _check(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
-        _check(
+        check_config(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
+        check_config(
             self.collective_timeout_s > 0,
             "cluster.collective_timeout_s",
             f"must be > 0 seconds, got {self.collective_timeout_s}",
         )
-        _check(
+        check_config(
             self.scheduler in ("local", "ray", "slurm"),
             "cluster.scheduler",
             f"must be one of local, ray, slurm; got {self.scheduler!r}",
@@ -267,14 +262,14 @@ class ClusterSection:
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
         partitioned = self.train_devices is not None or "+" in (self.allocation_mode or "")
-        _check(
+        check_config(
             self.scheduler == "local" or partitioned,
             "cluster.scheduler",
             f"{self.scheduler} starts the workers of a partitioned placement, but this run is colocated "
             "(one process): set cluster.train_devices/rollout_devices or a '+' allocation_mode, or use local",
         )
-        _check(self.cpu_threads >= 0, "cluster.cpu_threads", f"must be >= 0, got {self.cpu_threads}")
-        _check(
+        check_config(self.cpu_threads >= 0, "cluster.cpu_threads", f"must be >= 0, got {self.cpu_threads}")
+        check_config(
             self.sync_commit in ("staged", "inplace"),
             "cluster.sync_commit",
             f"must be staged or inplace, got {self.sync_commit!r}",
@@ -285,7 +280,7 @@ class ClusterSection:
                 check_supported(alloc)
             except AllocationModeError as exc:
                 raise ConfigError(f"cluster.allocation_mode: {exc}") from None
-            _check(
+            check_config(
                 len(alloc.groups) > 1 or alloc.world_size == 1,
                 "cluster.allocation_mode",
                 f"{self.allocation_mode!r} asks for {alloc.world_size} devices without a '+', but a colocated run "
@@ -322,11 +317,11 @@ class TrainSection(TrainStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
-        _check(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
-        _check(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
-        _check(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
-        _check(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
+        check_config(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
+        check_config(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
+        check_config(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
+        check_config(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
+        check_config(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
 
 
 @dataclass(kw_only=True)
@@ -374,7 +369,7 @@ class ArenoConfig:
                 _check_finite(getattr(self, f.name), f.name)
         if isinstance(self.resume, str) and self.resume.lower() in ("true", "false"):
             self.resume = self.resume.lower() == "true"
-        _check(
+        check_config(
             isinstance(self.resume, bool) or self.resume == "auto",
             "resume",
             f"must be auto, true or false, got {self.resume!r}",

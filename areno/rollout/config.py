@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areno.errors import ConfigError
+from areno.errors import check_config
 from areno.rollout.attention import DECODE_ATTENTION
 from areno.rollout.paged_decode import triton_available
 
@@ -28,11 +28,6 @@ _BOOLEANS = (
     "fused_projections",
     "cpu_packed_gemm",
 )
-
-
-def _check(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {message}")
 
 
 @dataclass(kw_only=True)
@@ -120,34 +115,36 @@ class RolloutEngineSettings:
 
     def __post_init__(self) -> None:
         for key in ("max_tokens_per_step", "prefill_chunk_size", "cpu_kv_cache_bytes"):
-            _check(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
-        _check(
+            check_config(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
+        check_config(
             0 < self.kv_memory_fraction <= 1,
             "rollout.kv_memory_fraction",
             f"must be in (0, 1], got {self.kv_memory_fraction}",
         )
-        _check(self.max_num_seqs >= 0, "rollout.max_num_seqs", f"must be >= 0 (0 = automatic), got {self.max_num_seqs}")
-        _check(
+        check_config(
+            self.max_num_seqs >= 0, "rollout.max_num_seqs", f"must be >= 0 (0 = automatic), got {self.max_num_seqs}"
+        )
+        check_config(
             self.max_model_len is None or self.max_model_len > 1,
             "rollout.max_model_len",
             f"must be > 1 or null, got {self.max_model_len}",
         )
-        _check(
+        check_config(
             self.cuda_graph_max_batch is None or self.cuda_graph_max_batch > 0,
             "rollout.cuda_graph_max_batch",
             f"must be > 0 or null, got {self.cuda_graph_max_batch}",
         )
-        _check(
+        check_config(
             (self.decode_steps or 0) >= 0,  # callers may pass None for the default too
             "rollout.decode_steps",
             f"must be >= 0 (0 = engine default), got {self.decode_steps}",
         )
-        _check(
+        check_config(
             self.mixed_decode_min_rows is None or self.mixed_decode_min_rows >= 1,
             "rollout.mixed_decode_min_rows",
             f"must be >= 1 or null (off), got {self.mixed_decode_min_rows}",
         )
-        _check(
+        check_config(
             self.decode_attention in ("auto", *DECODE_ATTENTION),
             "rollout.decode_attention",
             f"must be auto, {', '.join(DECODE_ATTENTION[:-1])} or {DECODE_ATTENTION[-1]}, "
@@ -155,7 +152,7 @@ class RolloutEngineSettings:
         )
         for key in _BOOLEANS:
             value = getattr(self, key)
-            _check(isinstance(value, bool), f"rollout.{key}", f"must be true or false, got {value!r}")
+            check_config(isinstance(value, bool), f"rollout.{key}", f"must be true or false, got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -192,18 +189,18 @@ class RolloutEngineConfig(RolloutEngineSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.max_num_seqs = self.max_num_seqs or STANDALONE_MAX_NUM_SEQS
-        _check(self.block_size > 0, "RolloutEngineConfig.block_size", f"must be > 0, got {self.block_size}")
-        _check(
+        check_config(self.block_size > 0, "RolloutEngineConfig.block_size", f"must be > 0, got {self.block_size}")
+        check_config(
             self.num_blocks is None or self.num_blocks > 0,
             "RolloutEngineConfig.num_blocks",
             f"must be > 0 or None, got {self.num_blocks}",
         )
-        _check(
+        check_config(
             self.dtype is None or self.dtype in KV_DTYPES,
             "RolloutEngineConfig.dtype",
             f"must be one of {KV_DTYPES} or None, got {self.dtype!r}",
         )
-        _check(
+        check_config(
             isinstance(self.cpu_decode_carry, bool),
             "RolloutEngineConfig.cpu_decode_carry",
             f"must be True or False, got {self.cpu_decode_carry!r}",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areno.errors import ConfigError
+from areno.errors import check_config
 
 DTYPES = ("float32", "bfloat16")
 MAX_LR = 1e37
@@ -25,11 +25,6 @@ COMPILE_SCOPES = ("layers", "model")
 """``compile_scope`` values: each decoder layer, or the whole layer stack as one graph."""
 LONG_SEQUENCES = ("error", "truncate")
 ATTENTIONS = ("auto", "flex", "varlen")
-
-
-def _check(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {message}")
 
 
 @dataclass(kw_only=True)
@@ -76,16 +71,16 @@ class OptimConfig:
         # inf passes the range checks and NaN fails them with a misleading message: name it first
         for key in ("lr", "weight_decay", "grad_clip"):
             value = getattr(self, key)
-            _check(value is None or math.isfinite(value), f"optim.{key}", f"must be a finite number, got {value}")
-        _check(0 < self.lr <= MAX_LR, "optim.lr", f"must be > 0 and <= {MAX_LR:g}, got {self.lr}")
-        _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
-        _check(
+            check_config(value is None or math.isfinite(value), f"optim.{key}", f"must be a finite number, got {value}")
+        check_config(0 < self.lr <= MAX_LR, "optim.lr", f"must be > 0 and <= {MAX_LR:g}, got {self.lr}")
+        check_config(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check_config(
             self.grad_clip is None or self.grad_clip >= 0,
             "optim.grad_clip",
             f"must be >= 0 (0 disables), got {self.grad_clip}",
         )
-        _check(self.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
-        _check(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check_config(self.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
+        check_config(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass(kw_only=True)
@@ -124,23 +119,25 @@ class TrainStepConfig:
     were skipped for a non-finite loss or grad norm; 0 never stops (skips are still counted)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check_config(
             self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0,
             "train.max_tokens_per_mb",
             f"must be > 0 or null, got {self.max_tokens_per_mb}",
         )
-        _check(
+        check_config(
             self.long_sequences in LONG_SEQUENCES,
             "train.long_sequences",
             f"must be error or truncate, got {self.long_sequences!r}",
         )
-        _check(
+        check_config(
             self.compile_scope in COMPILE_SCOPES,
             "train.compile_scope",
             f"must be layers or model, got {self.compile_scope!r}",
         )
-        _check(self.attention in ATTENTIONS, "train.attention", f"must be auto, flex or varlen, got {self.attention!r}")
-        _check(
+        check_config(
+            self.attention in ATTENTIONS, "train.attention", f"must be auto, flex or varlen, got {self.attention!r}"
+        )
+        check_config(
             self.max_consecutive_skips >= 0,
             "train.max_consecutive_skips",
             f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}",
@@ -156,7 +153,7 @@ class PrecisionConfig:
     ``bfloat16`` (GPU forwards compute in bfloat16 either way: ``param_dtype``)."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        check_config(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
 
 
 @dataclass(kw_only=True)
