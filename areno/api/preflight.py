@@ -1,8 +1,8 @@
 """What a run's config is checked for before anything expensive starts (a model built, a warm start
 run, a worker launched): the recipe and its arguments, the reward and workflow import paths, the
 data files, the device, the run directory (a run that starts over may not append to another one), a
-required checkpoint to resume from, the optional packages turned on, and the model directory (or
-the arguments that create it). Each problem is a one-line :class:`~areno.errors.UserError`.
+required checkpoint to resume from, the optional packages turned on, the model directory (or
+the arguments that create it) and whether its tokenizer can render prompts as data.chat_template asks. Each problem is a one-line :class:`~areno.errors.UserError`.
 
 ``Trainer.init`` calls :func:`check_run` first; ``run_pipeline`` calls it for every stage before the
 first one starts, so a typo in the main stage does not wait for the warm start. The engine checks
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
 from areno.api.rundir import check_fresh
 from areno.data.datasets import check_splits
+from areno.data.prompts import check_chat_template
 from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.config import ArenoConfig, ModelSection
 from areno.errors import ConfigError, ModelDirError
@@ -54,7 +56,8 @@ def check_run(config: ArenoConfig) -> None:
     for role in recipe.roles:
         if role.model_path:  # a teacher or another model than the policy
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
-    check_model(config.model)
+    tokenizer = check_model(config.model)
+    check_chat_template(tokenizer, config.data.chat_template, config.data.system_prompt)
 
 
 def check_optional_packages(config: ArenoConfig) -> None:
@@ -69,13 +72,13 @@ def check_optional_packages(config: ArenoConfig) -> None:
             raise ConfigError(f"observe: {package} is not installed: {fix}")
 
 
-def check_model(model: ModelSection) -> None:
+def check_model(model: ModelSection) -> Any:
     """``model.path`` is a loadable checkpoint directory with a tokenizer that has an EOS token, or
-    ``model.init_tiny`` can create one there."""
+    ``model.init_tiny`` can create one there; returns the tokenizer the run will use."""
     path = Path(model.path)
     if model.init_tiny is not None and not (path / "config.json").is_file():
         check_init_tiny(model.init_tiny)  # the engine creates the model there
-        return
+        return build_char_tokenizer()
     check_model_files(path, key="model.path")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelDirError(
@@ -91,6 +94,7 @@ def check_model(model: ModelSection) -> None:
         ) from None
     if tokenizer.eos_token_id is None:
         raise ModelDirError(f"model.path: the tokenizer in {path} has no eos_token: set one in tokenizer_config.json")
+    return tokenizer
 
 
 def check_model_files(path: Path, *, key: str) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from areno.data.prompts import message_list_problem
 from areno.data.tasks import TaskSpec, generate_rows
 from areno.errors import DataError
 
 
 def load_rows(path: str | Path, *, prompt_key: str, answer_key: str | None = None) -> list[dict]:
     """Rows of a ``.jsonl`` / ``.json`` (list) / ``.parquet`` file, validated: each an object with a
-    string ``prompt_key`` field and, when ``answer_key`` is given (supervised recipes train on it), an
+    ``prompt_key`` field holding a string or a list of ``{"role", "content"}`` messages and, when ``answer_key`` is given (supervised recipes train on it), an
     ``answer_key`` field.
 
     A bad row is named by its 1-based line number in a ``.jsonl`` file (``file line N: ...``, blank
@@ -74,8 +75,16 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
     fields = ", ".join(map(repr, list(row)[:8])) or "none"
     if prompt_key not in row:
         return f"no string field {prompt_key!r} (fields are {fields}; {fix})"
-    if not isinstance(row[prompt_key], str):
-        return f"no string field {prompt_key!r} ({prompt_key!r} is {_json_type(row[prompt_key])}, not a string; {fix})"
+    prompt = row[prompt_key]
+    if isinstance(prompt, list):
+        problem = message_list_problem(prompt)
+        if problem is not None:
+            return f"{prompt_key!r} is a message list but {problem} (each message needs string 'role' and 'content')"
+    elif not isinstance(prompt, str):
+        return (
+            f"no string field {prompt_key!r} ({prompt_key!r} is {_json_type(prompt)}, not a string; "
+            f"{fix}; a list of role/content messages is a prompt too)"
+        )
     if answer_key is not None and answer_key not in row:
         return (
             f"no field {answer_key!r}, which supervised training needs (fields are {fields}; "

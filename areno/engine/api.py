@@ -26,6 +26,7 @@ import torch
 from transformers import AutoTokenizer
 
 from areno.data.datasets import build_splits
+from areno.data.prompts import render_prompt
 from areno.data.tasks import PromptStream
 from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config
@@ -45,7 +46,7 @@ from areno.rollout.store import InProcessStore, release_refs
 from areno.train import checkpoint
 from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
 from areno.workflows.base import load_workflow
-from areno.workflows.common import acall_reward, sample_fields, store_kwargs
+from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -175,11 +176,20 @@ def resolve_recipe(config: ArenoConfig):
     return recipe
 
 
-def sft_trajectories(rows: list[dict], tokenizer, prompt_key: str, answer_key: str) -> list[Trajectory]:
-    """Offline data for supervised recipes: prompt, then the reference answer and EOS as completion."""
+def sft_trajectories(
+    rows: list[dict],
+    tokenizer,
+    prompt_key: str,
+    answer_key: str,
+    *,
+    chat_template: str = "auto",
+    system_prompt: str | None = None,
+) -> list[Trajectory]:
+    """Offline data for supervised recipes: the prompt rendered as rollouts render it
+    (:func:`render_prompt`), then the reference answer and EOS as completion."""
     out = []
     for row in rows:
-        prompt_ids = tokenizer.encode(row[prompt_key])
+        prompt_ids = render_prompt(tokenizer, row[prompt_key], chat_template=chat_template, system_prompt=system_prompt)
         completion_ids = tokenizer.encode(str(row[answer_key])) + [tokenizer.eos_token_id]
         n = len(completion_ids)
         out.append(
@@ -296,6 +306,12 @@ class ArenoEngine:
             prompt_key=cfg.data.prompt_key,
             answer_key=cfg.data.answer_key,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
+            **prompt_kwargs(
+                cfg.rollout.workflow,
+                cfg.rollout.workflow_kwargs,
+                chat_template=cfg.data.chat_template,
+                system_prompt=cfg.data.system_prompt,
+            ),
             **cfg.rollout.workflow_kwargs,
         )
         staleness = ResumableStaleness(
@@ -338,7 +354,14 @@ class ArenoEngine:
             metrics = rollout_metrics(trajectories, self.version)
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)
-            trajectories = sft_trajectories(rows, self.tokenizer, cfg.data.prompt_key, cfg.data.answer_key)
+            trajectories = sft_trajectories(
+                rows,
+                self.tokenizer,
+                cfg.data.prompt_key,
+                cfg.data.answer_key,
+                chat_template=cfg.data.chat_template,
+                system_prompt=cfg.data.system_prompt,
+            )
             metrics = {
                 "rollout/num_seqs": float(len(trajectories)),
                 "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
@@ -404,7 +427,13 @@ class ArenoEngine:
             client.hold(self.rollout.resume)
 
         async def ascore(row: dict) -> float:
-            out = await client.agenerate(self.tokenizer.encode(row[prompt_key]), params)
+            prompt_ids = render_prompt(
+                self.tokenizer,
+                row[prompt_key],
+                chat_template=cfg.data.chat_template,
+                system_prompt=cfg.data.system_prompt,
+            )
+            out = await client.agenerate(prompt_ids, params)
             completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
             # the rollouts' failure policy: a raising reward scores 0 and is warned about
             reward, _ = await acall_reward(

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from omegaconf import MISSING
 
+from areno.data.prompts import CHAT_TEMPLATE_MODES
 from areno.errors import ConfigError, check_config
 from areno.launch.allocation import AllocationModeError, check_supported, parse_allocation_mode
 from areno.launch.scheduler import scheduler_config
@@ -69,15 +70,34 @@ class DataSection:
     eval_path: str | None = None
     """JSONL or Parquet file of held-out rows (used when task is null)."""
     prompt_key: str = "prompt"
-    """Field of a data row holding the prompt text."""
+    """Field of a data row holding the prompt: a string, or a list of {role, content} messages
+    (TRL's conversational format; needs a chat template)."""
     answer_key: str = "answer"
     """Field of a data row holding the reference answer passed to the reward function."""
     num_eval: int = 200
     """Held-out prompts evaluated (greedy) at each evaluation."""
     seed: int = 0
     """Seed of the task generator and of the dataloader shuffle."""
+    chat_template: str = "auto"
+    """How prompts become token ids, alike in rollouts, evaluation, SFT data and the chat route
+    (`areno.data.prompts.render_prompt`): auto = wrapped in the tokenizer's chat template (a string
+    prompt as one user message, with the generation prompt) when it has one, except areno's
+    character tokenizer of the tiny demo models (trained on raw prompts); always = the template
+    (a tokenizer without one is an error at start-up); never = tokenizer.encode(prompt)."""
+    system_prompt: str | None = None
+    """System message put before every prompt that does not open with one (needs a chat template)."""
 
     def __post_init__(self) -> None:
+        check_config(
+            self.chat_template in CHAT_TEMPLATE_MODES,
+            "data.chat_template",
+            f"must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {self.chat_template!r}",
+        )
+        check_config(
+            self.system_prompt is None or self.chat_template != "never",
+            "data.system_prompt",
+            "needs a chat template: unset it or set data.chat_template to auto or always",
+        )
         check_config(
             self.task is not None or self.train_path is not None,
             "data",

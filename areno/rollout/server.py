@@ -51,6 +51,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from areno.data.prompts import apply_template
 from areno.models.hf_io import load_model
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
@@ -656,12 +657,8 @@ class _OpenAIRoutes:
             req.max_tokens = req.max_completion_tokens
         self._check_chars(sum(len(m.content or "") for m in req.messages), "messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt_ids = await asyncio.to_thread(
-            tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):  # BatchEncoding in transformers 5
-            prompt_ids = prompt_ids["input_ids"]
-        prompt_ids = list(prompt_ids)
+        # the renderer of training prompts (areno.data.prompts), so a served prompt is tokenized as in training
+        prompt_ids = await asyncio.to_thread(apply_template, tokenizer, messages)
         jobs = [(prompt_ids, req.sampling_params(self.default_max_tokens, i), None) for i in range(req.n)]
         outs = await self.admission.agenerate(request, jobs, "messages")
         choices = [

@@ -13,7 +13,8 @@ from areno.workflows.base import _import_dotted
 logger = logging.getLogger("areno.workflows")
 
 RewardFn = Callable[..., float]
-"""``reward_fn(prompt: str, completion: str, answer, **sample_fields) -> float`` (may be async)."""
+"""``reward_fn(prompt, completion: str, answer, **sample_fields) -> float`` (may be async); ``prompt``
+is the row's prompt as the dataset holds it: a string or a list of role/content messages."""
 
 
 def describe_sample(sample: dict[str, Any], limit: int = 80) -> str:
@@ -87,6 +88,21 @@ def takes_store(workflow: Any) -> bool:
 
     Only an explicitly named ``store`` counts: a factory taking ``**kwargs`` is not assumed to
     forward it (``store`` would reach a constructor that rejects it)."""
+    return takes_param(workflow, "store")
+
+
+def prompt_kwargs(
+    workflow: Any, workflow_kwargs: dict[str, Any], *, chat_template: str, system_prompt: str | None
+) -> dict[str, Any]:
+    """``data.chat_template`` / ``data.system_prompt`` for a workflow (class, factory or dotted path)
+    that declares those parameters and whose ``workflow_kwargs`` do not set them; a custom workflow
+    that renders its own prompts gets neither."""
+    given = {"chat_template": chat_template, "system_prompt": system_prompt}
+    return {k: v for k, v in given.items() if k not in workflow_kwargs and takes_param(workflow, k)}
+
+
+def takes_param(workflow: Any, name: str) -> bool:
+    """Whether a workflow class or factory (or its dotted path) declares parameter ``name``."""
     if isinstance(workflow, str):
         workflow = _import_dotted(workflow)
     target = workflow.__init__ if isinstance(workflow, type) else workflow
@@ -94,7 +110,7 @@ def takes_store(workflow: Any) -> bool:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):  # builtins without a signature
         return False
-    p = params.get("store")
+    p = params.get(name)
     return p is not None and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 

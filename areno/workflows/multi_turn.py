@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from areno.data.prompts import render_prompt
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
@@ -45,6 +46,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
         feedback: Feedback = DEFAULT_FEEDBACK,
         prompt_key: str = "prompt",
         answer_key: str = "answer",
+        chat_template: str = "auto",
+        system_prompt: str | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -61,12 +64,16 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.feedback = feedback
         self.prompt_key = prompt_key
         self.answer_key = answer_key
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
         prompt = require_field(sample, self.prompt_key)
         answer = sample.get(self.answer_key)
         fields = sample_fields(sample, self.prompt_key, self.answer_key)
-        prompt_ids = list(self.tokenizer.encode(prompt))
+        prompt_ids = render_prompt(
+            self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
+        )
         group_id = uuid.uuid4().hex
         return list(
             await asyncio.gather(

@@ -6,6 +6,7 @@ import dataclasses
 import uuid
 from typing import Any
 
+from areno.data.prompts import render_prompt
 from areno.rollout.client import RolloutClient, agenerate_many
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
@@ -36,6 +37,9 @@ class RLVRWorkflow(RolloutWorkflow):
         sampling_params: SamplingParams,
         prompt_key: str = "prompt",
         answer_key: str = "answer",
+        *,
+        chat_template: str = "auto",
+        system_prompt: str | None = None,
     ) -> None:
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
@@ -45,12 +49,16 @@ class RLVRWorkflow(RolloutWorkflow):
         self.sampling_params = sampling_params
         self.prompt_key = prompt_key
         self.answer_key = answer_key
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
         prompt = require_field(sample, self.prompt_key)
         answer = sample.get(self.answer_key)
         fields = sample_fields(sample, self.prompt_key, self.answer_key)
-        prompt_ids = list(self.tokenizer.encode(prompt))
+        prompt_ids = render_prompt(
+            self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
+        )
         outputs: list[GenerationOutput] = await agenerate_many(
             client, prompt_ids, [seeded(self.sampling_params, i) for i in range(self.n_samples)]
         )

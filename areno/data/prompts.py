@@ -1,0 +1,94 @@
+"""The one place a dataset prompt becomes token ids: the rollout workflows, evaluation, offline
+(SFT) data and the rollout server's chat route all call :func:`render_prompt`, so one prompt is
+tokenized identically everywhere.
+
+A prompt is a string or a list of ``{"role", "content"}`` messages (TRL's conversational format).
+``chat_template`` says whether the tokenizer's chat template wraps it:
+
+- ``auto``: when the tokenizer has a template (as TRL and AReaL's examples do), except areno's
+  character tokenizer, whose tiny models are trained from scratch on raw prompts (its template
+  serves the chat route only);
+- ``always``: the template (a tokenizer without one is a :class:`ConfigError`, see
+  :func:`check_chat_template`);
+- ``never``: ``tokenizer.encode(prompt)`` of a string prompt, as before templates existed.
+
+With the template, a string prompt is one user message, ``system_prompt`` (when set, and the
+messages do not open with a system message) is prepended as a system message, and the ids are
+``apply_chat_template(messages, add_generation_prompt=True)``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areno.data.tokenizer import CHAT_TEMPLATE as CHAR_TOKENIZER_TEMPLATE
+from areno.errors import ConfigError, DataError
+
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+
+
+def uses_template(tokenizer: Any, chat_template: str) -> bool:
+    """Whether prompts are wrapped in ``tokenizer``'s chat template under mode ``chat_template``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if chat_template == "never":
+        return False
+    if chat_template == "always":
+        return True
+    return template is not None and template != CHAR_TOKENIZER_TEMPLATE
+
+
+def check_chat_template(tokenizer: Any, chat_template: str, system_prompt: str | None) -> None:
+    """The start-up check: ``always`` (or a ``system_prompt``) needs a tokenizer with a template."""
+    if chat_template == "always" and getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(
+            "data.chat_template=always but the model's tokenizer has no chat template: "
+            "use data.chat_template=never (or auto) or a tokenizer whose tokenizer_config.json has one"
+        )
+    if system_prompt is not None and not uses_template(tokenizer, chat_template):
+        raise ConfigError(
+            f"data.system_prompt is set but prompts are not wrapped in a chat template (data.chat_template="
+            f"{chat_template}, the tokenizer {'has' if tokenizer.chat_template else 'has no'} template): "
+            "unset data.system_prompt or use data.chat_template=always with a templated tokenizer"
+        )
+
+
+def message_list_problem(prompt: object) -> str | None:
+    """What is wrong with a message-list prompt (None: a list of {role: str, content: str})."""
+    if not prompt:
+        return "the message list is empty"
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {i} is not an object with string 'role' and 'content' ({m!r:.80})"
+    return None
+
+
+def render_prompt(
+    tokenizer: Any, prompt: str | list[dict], *, chat_template: str = "auto", system_prompt: str | None = None
+) -> list[int]:
+    """Token ids of a dataset prompt (a string or a message list); see the module docstring."""
+    if not uses_template(tokenizer, chat_template):
+        if not isinstance(prompt, str):
+            raise DataError(
+                f"a message-list prompt ({prompt!r:.80}) needs a chat template, but data.chat_template="
+                f"{chat_template} leaves prompts untemplated: use data.chat_template=always with a templated tokenizer"
+            )
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        problem = message_list_problem(prompt)
+        if problem is not None:
+            raise DataError(f"prompt {prompt!r:.80}: {problem}")
+        messages = list(prompt)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return apply_template(tokenizer, messages)
+
+
+def apply_template(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """``apply_chat_template(messages, add_generation_prompt=True)`` as a list of ids (transformers 5
+    returns a ``BatchEncoding``, 4 a list)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
