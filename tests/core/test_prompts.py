@@ -1,0 +1,257 @@
+"""data.chat_template / data.system_prompt: one prompt renders to the same ids in the rollout
+workflows, evaluation, SFT data and the server's chat route, equal to transformers'
+``apply_chat_template(..., add_generation_prompt=True)`` for a Qwen-style and a Llama-style
+template (tiny tokenizers built and saved here: no download)."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from areno.api.config import load_config
+from areno.api.preflight import check_run
+from areno.api.trainer import Trainer
+from areno.data.datasets import load_rows
+from areno.data.prompts import render_prompt
+from areno.data.tokenizer import build_char_tokenizer
+from areno.engine.api import sft_trajectories
+from areno.errors import ConfigError, DataError
+from areno.models.hf_io import init_model_dir, tiny_config
+from areno.rollout.server import build_engine, create_app
+from areno.types import GenerationOutput, SamplingParams
+from areno.workflows.multi_turn import MultiTurnWorkflow
+from areno.workflows.rlvr import RLVRWorkflow
+from tests.helpers.serving import serving
+
+QWEN_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+LLAMA_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+3?"}]
+TRAIN_ROWS = [
+    {"prompt": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"},
+    {"prompt": "What is 1+1?", "answer": "2"},
+]
+
+
+def _save_tokenizer(path, template, extra_tokens=()):
+    """A tiny checkpoint at ``path`` whose character tokenizer carries ``template`` (None: none);
+    returns the tokenizer as loaded from there."""
+    tok = build_char_tokenizer(extra_tokens=extra_tokens)
+    tok.chat_template = template
+    init_model_dir(path, tiny_config(len(tok), hidden_size=32, layers=1), tok, seed=0)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=["qwen", "llama"])
+def templated(request, tmp_path_factory):
+    """(name, tokenizer) with a Qwen-style or a Llama-style chat template."""
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen":
+        return request.param, _save_tokenizer(path, QWEN_TEMPLATE)
+    return request.param, _save_tokenizer(path, LLAMA_TEMPLATE, LLAMA_TOKENS)
+
+
+def _expected(tok, messages):
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_render_equals_apply_chat_template(templated):
+    _, tok = templated
+    user = [{"role": "user", "content": "What is 2+3?"}]
+    for mode in ("auto", "always"):
+        assert render_prompt(tok, "What is 2+3?", chat_template=mode) == _expected(tok, user)
+        assert render_prompt(tok, MESSAGES, chat_template=mode) == _expected(tok, MESSAGES)
+        assert render_prompt(tok, "What is 2+3?", chat_template=mode, system_prompt="Be terse.") == _expected(
+            tok, MESSAGES
+        )
+        # a row's own system message wins over data.system_prompt
+        assert render_prompt(tok, MESSAGES, chat_template=mode, system_prompt="Other.") == _expected(tok, MESSAGES)
+    assert render_prompt(tok, "What is 2+3?", chat_template="never") == list(tok.encode("What is 2+3?"))
+    assert render_prompt(tok, "x", chat_template="auto") != list(tok.encode("x"))  # the template applied
+    with pytest.raises(DataError, match="message-list prompt .* needs a chat template"):
+        render_prompt(tok, MESSAGES, chat_template="never")
+    with pytest.raises(DataError, match="message 1 is not an object"):
+        render_prompt(tok, [{"role": "user", "content": "a"}, {"role": "user"}])
+
+
+def test_demo_tokenizer_renders_raw_prompts():
+    """The demo's character tokenizer (tiny models trained from scratch on raw prompts): ``auto``
+    keeps today's ids; ``always`` applies its chat template."""
+    tok = build_char_tokenizer()
+    assert render_prompt(tok, "12+34=", chat_template="auto") == list(tok.encode("12+34="))
+    assert render_prompt(tok, "12+34=", chat_template="always") == _expected(
+        tok, [{"role": "user", "content": "12+34="}]
+    )
+
+
+class _RecordingClient:
+    def __init__(self):
+        self.prompts = []
+
+    async def agenerate(self, prompt_ids, sampling_params, *, request_id=None):
+        self.prompts.append(list(prompt_ids))
+        return GenerationOutput(
+            request_id="r", prompt_ids=list(prompt_ids), output_ids=[5, 6], output_logprobs=[-0.5] * 2,
+            output_versions=[0] * 2, finish_reason="stop",
+        )  # fmt: skip
+
+
+def test_workflows_and_sft_data_render_alike(templated):
+    _, tok = templated
+    seen = []
+
+    def reward(prompt, completion, answer, **fields):
+        seen.append((prompt, completion))
+        return 0.0
+
+    params = SamplingParams(max_new_tokens=2)
+    row = {"prompt": MESSAGES, "answer": "5"}
+    for workflow in (
+        RLVRWorkflow(tok, reward, 2, params, chat_template="auto", system_prompt="Be terse."),
+        MultiTurnWorkflow(tok, reward, params, max_turns=1, chat_template="auto", system_prompt="Be terse."),
+    ):
+        client = _RecordingClient()
+        group = asyncio.run(workflow.run_episode(client, row))
+        assert all(t.prompt_ids == _expected(tok, MESSAGES) for t in group)
+        assert client.prompts[0] == _expected(tok, MESSAGES)
+    # the reward gets the row's prompt as the dataset holds it (the messages) and the completion text
+    assert seen[0] == (MESSAGES, tok.decode([5, 6], skip_special_tokens=True))
+    (sft,) = sft_trajectories([{"q": "What is 2+3?", "a": "5"}], tok, "q", "a", system_prompt="Be terse.")
+    assert sft.prompt_ids == _expected(tok, MESSAGES)
+
+
+def test_server_chat_route_renders_like_training(templated):
+    _, tok = templated
+    engine, tokenizer = build_engine(tok.name_or_path, device="cpu", num_blocks=64, block_size=8, max_model_len=128)
+    with serving(create_app(engine, tokenizer=tokenizer, model_name="tiny")) as base:
+        res = httpx.post(
+            f"{base}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2}, timeout=60
+        ).json()
+    assert res["choices"][0]["prompt_token_ids"] == render_prompt(tok, MESSAGES) == _expected(tok, MESSAGES)
+
+
+def record_reward(prompt, completion, answer, **fields):
+    """A reward for the Trainer test: records what it received."""
+    RECEIVED.append(prompt)
+    return 1.0
+
+
+RECEIVED: list = []
+
+
+def _config(tmp_path, model_dir, *extra):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in TRAIN_ROWS))
+    return load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={model_dir}",
+            "data.task=null",
+            f"data.train_path={data}",
+            f"data.eval_path={data}",
+            "reward.fn=tests.core.test_prompts:record_reward",
+            "reward.sandbox=false",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "rollout.max_new_tokens=2",
+            "cluster.device=cpu",
+            "observe.console=false",
+            *extra,
+        ],
+    )
+
+
+def test_trainer_rollouts_and_evaluation_render_the_template(tmp_path):
+    """Through ``Trainer``: data.system_prompt and message-list rows reach rollouts and evaluation."""
+    tok = _save_tokenizer(tmp_path / "model", QWEN_TEMPLATE)
+    cfg = _config(tmp_path, tmp_path / "model", "data.system_prompt=Be terse.")
+    system = {"role": "system", "content": "Be terse."}
+    expected = {
+        tuple(_expected(tok, [system, {"role": "user", "content": q}])) for q in ("What is 2+3?", "What is 1+1?")
+    }
+    trainer = Trainer.init(cfg)
+    try:
+        rollout = trainer.rollout_batch(0)
+        assert {tuple(t.prompt_ids) for t in rollout.trajectories} == expected
+        client = trainer.backend.engine.rollout.client
+        seen_ids = []
+        generate = client.agenerate
+
+        async def arecording(prompt_ids, params, **kwargs):
+            seen_ids.append(tuple(prompt_ids))
+            return await generate(prompt_ids, params, **kwargs)
+
+        client.agenerate = arecording
+        RECEIVED.clear()
+        metrics = trainer.backend.evaluate()
+    finally:
+        trainer.shutdown()
+    assert metrics["eval/num_prompts"] == 2.0
+    assert set(seen_ids) == expected
+    assert TRAIN_ROWS[0]["prompt"] in RECEIVED and "What is 1+1?" in RECEIVED  # the rows' prompts, messages included
+
+
+def test_demo_config_keeps_raw_prompt_ids(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+            "data.task=arithmetic",
+            "data.num_eval=4",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "rollout.max_new_tokens=2",
+            "cluster.device=cpu",
+            "observe.console=false",
+        ],
+    )
+    assert cfg.data.chat_template == "auto"
+    trainer = Trainer.init(cfg)
+    try:
+        tok = trainer.backend.engine.tokenizer
+        rollout = trainer.rollout_batch(0)
+    finally:
+        trainer.shutdown()
+    for t in rollout.trajectories:
+        assert t.prompt_ids == list(tok.encode(t.info["prompt"]))
+
+
+def test_chat_template_checks_at_start_up(tmp_path):
+    model = tmp_path / "model"
+    tok = _save_tokenizer(model, None)
+    assert tok.chat_template is None
+    with pytest.raises(ConfigError, match="data.chat_template=always but the model's tokenizer has no chat template"):
+        check_run(_config(tmp_path, model, "data.chat_template=always"))
+    with pytest.raises(ConfigError, match="data.system_prompt is set but prompts are not wrapped"):
+        check_run(_config(tmp_path, model, "data.system_prompt=hi"))
+    with pytest.raises(ConfigError, match="data.chat_template"):
+        _config(tmp_path, model, "data.chat_template=sometimes")
+    with pytest.raises(ConfigError, match="data.system_prompt"):
+        _config(tmp_path, model, "data.chat_template=never", "data.system_prompt=hi")
+
+
+def test_message_list_rows_are_validated(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in TRAIN_ROWS))
+    assert load_rows(good, prompt_key="prompt")[0]["prompt"] == TRAIN_ROWS[0]["prompt"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(TRAIN_ROWS[1]) + "\n" + json.dumps({"prompt": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl line 2: 'prompt' is a message list but message 0 is not"):
+        load_rows(bad, prompt_key="prompt")
+    with pytest.raises(DataError, match="line 1: 'prompt' is a message list but the message list is empty"):
+        bad.write_text(json.dumps({"prompt": []}) + "\n")
+        load_rows(bad, prompt_key="prompt")
