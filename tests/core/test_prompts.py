@@ -183,7 +183,7 @@ def test_trainer_rollouts_and_evaluation_render_the_template(tmp_path):
     }
     trainer = Trainer.init(cfg)
     try:
-        rollout = trainer.rollout_batch(0)
+        rollout = trainer.backend.rollout_batch(0)
         assert {tuple(t.prompt_ids) for t in rollout.trajectories} == expected
         client = trainer.backend.engine.rollout.client
         seen_ids = []
@@ -223,7 +223,7 @@ def test_demo_config_keeps_raw_prompt_ids(tmp_path):
     trainer = Trainer.init(cfg)
     try:
         tok = trainer.backend.engine.tokenizer
-        rollout = trainer.rollout_batch(0)
+        rollout = trainer.backend.rollout_batch(0)
     finally:
         trainer.shutdown()
     for t in rollout.trajectories:
