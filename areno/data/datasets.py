@@ -81,10 +81,7 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
         if problem is not None:
             return f"{prompt_key!r} is a message list but {problem} (each message needs string 'role' and 'content')"
     elif not isinstance(prompt, str):
-        return (
-            f"no string field {prompt_key!r} ({prompt_key!r} is {_json_type(prompt)}, not a string; "
-            f"{fix}; a list of role/content messages is a prompt too)"
-        )
+        return f"no string field {prompt_key!r} ({prompt_key!r} is {_json_type(prompt)}, not a string; {fix})"
     if answer_key is not None and answer_key not in row:
         return (
             f"no field {answer_key!r}, which supervised training needs (fields are {fields}; "
