@@ -34,13 +34,16 @@ REQUIRED = [
     "aggrevate",
     "mixed_loss_dagger_opd",
     "reward_model",
+    "ppo_kl",
+    "ppo_async",
+    "grpo_recompute",
 ]
 TEACHER = {"opd", "dagger", "aggrevate", "mixed_loss_dagger_opd"}
 
 
 def test_builtins_registered_with_descriptions_and_formulas():
     listed = dict(list_recipes())
-    assert set(REQUIRED) <= set(listed) and len(listed) >= 16
+    assert set(REQUIRED) <= set(listed) and len(listed) >= 22  # seed 004 counts 22 built-in recipes
     for name in REQUIRED:
         assert listed[name], name
         doc = TRAINING_CONFIGS[name].__doc__
@@ -63,6 +66,14 @@ def test_recipe_shapes():
     assert [r.name for r in get_recipe("grpo").roles] == ["policy"]  # kl_coef 0: no reference
     assert [r.name for r in get_recipe("grpo", policy_kwargs={"kl_coef": 0.04}).roles] == ["policy", "reference"]
     assert get_recipe("opd", teacher_path="/t").role("teacher").model_path == "/t"
+    ppo_kl = get_recipe("ppo_kl")
+    assert [r.name for r in ppo_kl.roles] == ["policy", "value", "reference"]
+    assert {(s.source, s.target, s.target_keys) for s in ppo_kl.syncs} == {
+        ("value", "policy", ("values_T",)),
+        ("reference", "policy", ("ref_logprobs_T",)),
+        ("reference", "value", ("ref_logprobs_T",)),
+    }
+    assert [r.name for r in get_recipe("ppo_async").roles] == ["policy", "value"]
 
 
 def test_unknown_name_suggests_closest():
