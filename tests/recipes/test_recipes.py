@@ -3,8 +3,11 @@ roles, missing teacher checkpoints, bad specialization arguments — all before 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from areno.cli import main as areno_main
 from areno.errors import ConfigError
 from areno.recipes import TRAINING_CONFIGS, DataSync, ModelRole, TrainingConfig, get_recipe, list_recipes, main, recipe
 from areno.recipes.runner import RecipeRunner
@@ -15,6 +18,7 @@ from areno.specializations import (
     DPOSpecialization,
     LogProbSpecialization,
 )
+from tests.core.test_errors import _train_args
 
 REQUIRED = [
     "grpo",
@@ -201,3 +205,11 @@ def test_cli_main(capsys):
     assert "role value: CriticSpecialization" in capsys.readouterr().out
     assert main(["grop"]) == 2
     assert "did you mean grpo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["ppo_kl", "ppo_async", "grpo_recompute"])
+def test_added_recipes_train_through_areno_train(tmp_path, name):
+    """The three recipes that complete the seed's catalogue of 22 run from ``train.algorithm``."""
+    assert areno_main(_train_args(tmp_path, "train.steps=2", f"train.algorithm={name}")) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "train/policy/loss" in r]) == 2
