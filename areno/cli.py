@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train with a YAML config and dotted overrides (optim.lr=1e-5)")
     train.add_argument("config", nargs="?", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="dotted overrides key=value")
-    train.add_argument("--algorithm", help="recipe name (same as train.algorithm=NAME)")
+    train.add_argument(
+        "--algorithm", help="recipe name, or module:name for a user @recipe module (same as train.algorithm=...)"
+    )
     train.set_defaults(func=_train)
 
     demo = sub.add_parser("demo", help="the CPU demo: a tiny model learns to sort digits with RL (GRPO)")

@@ -263,6 +263,22 @@ def grpo_async_loglinear() -> TrainingConfig:
     )
 
 
+@recipe("grpo_recompute")
+def grpo_recompute() -> TrainingConfig:
+    """GRPO for stale data with the coupled ratio taken against recomputed log-probs (no behaviour weight).
+
+    loss = -min(r A, clip(r, 0.8, 1.2) A), r = pi_theta / pi_old with log pi_old from a no-grad
+    forward of the current weights at the step's start (seed 003's actor.recompute_logprob
+    without the decoupled loss: the rollout's staleness is ignored, not corrected). Token mean,
+    GRPO advantages, no KL.
+    """
+    return _single(
+        "grpo_recompute",
+        grpo_recompute.__doc__,
+        _policy(advantage_estimator="grpo", clip_eps=0.2, loss_aggregation="token", recompute_logprob=True),
+    )
+
+
 # ------------------------------------------------------------------------------ RL with a critic
 @recipe("ppo")
 def ppo(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
@@ -287,6 +303,84 @@ def ppo(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
         ),
         syncs=(DataSync(source="value", target="policy", keys=("values_T",), target_keys=("values_T",)),),
         description=_first_line(ppo.__doc__),
+    )
+
+
+@recipe("ppo_kl")
+def ppo_kl(kl_coef: float = 0.05, gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
+    """PPO with a frozen reference: the KL penalty enters the token rewards (RLHF PPO).
+
+    r_t = -kl_coef (log pi_old - log ref)_t, plus the sequence reward on the last token (k1 as in
+    InstructGPT, Ouyang et al. 2022); advantages and value targets by GAE over r_t, losses as ppo.
+    The policy's and the critic's returns use the same penalised rewards: reference.logprobs_T is
+    injected into both. The reference is the initial policy (so the penalty starts at the
+    behaviour/initial log-prob gap).
+    """
+    return TrainingConfig(
+        name="ppo_kl",
+        roles=(
+            _policy(
+                advantage_estimator="gae",
+                gamma=gamma,
+                gae_lambda=gae_lambda,
+                clip_eps=0.2,
+                loss_aggregation="token",
+                kl_coef=kl_coef,
+                kl_estimator="k1",
+                kl_in_reward=True,
+            ),
+            ModelRole(
+                name="value",
+                specialization_cls=CriticSpecialization,
+                init_kwargs={
+                    "gamma": gamma,
+                    "gae_lambda": gae_lambda,
+                    "value_clip_eps": 0.2,
+                    "kl_coef": kl_coef,
+                    "kl_estimator": "k1",
+                },
+            ),
+            _reference(),
+        ),
+        syncs=(
+            DataSync(source="value", target="policy", keys=("values_T",), target_keys=("values_T",)),
+            _REF_SYNC,
+            DataSync(source="reference", target="value", keys=("logprobs_T",), target_keys=("ref_logprobs_T",)),
+        ),
+        description=_first_line(ppo_kl.__doc__),
+    )
+
+
+@recipe("ppo_async")
+def ppo_async(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
+    """PPO for stale (asynchronous) data: the critic of ppo with the decoupled loss of grpo_async.
+
+    loss = w * -min(r' A, clip(r', 0.8, 1.2) A), w = pi_prox / pi_behave (tokens with w > 5
+    masked), r' = pi_theta / pi_prox, pi_prox recomputed at the step's start; A by GAE from the
+    value role (seed 003's decoupled PPO, AReaL's PPO actor with a critic). Value loss as ppo.
+    """
+    return TrainingConfig(
+        name="ppo_async",
+        roles=(
+            _policy(
+                advantage_estimator="gae",
+                gamma=gamma,
+                gae_lambda=gae_lambda,
+                clip_eps=0.2,
+                loss_aggregation="token",
+                use_decoupled_loss=True,
+                prox_logp_method="recompute",
+                behav_imp_weight_cap=5.0,
+                behav_weight_mode="mask",
+            ),
+            ModelRole(
+                name="value",
+                specialization_cls=CriticSpecialization,
+                init_kwargs={"gamma": gamma, "gae_lambda": gae_lambda, "value_clip_eps": 0.2},
+            ),
+        ),
+        syncs=(DataSync(source="value", target="policy", keys=("values_T",), target_keys=("values_T",)),),
+        description=_first_line(ppo_async.__doc__),
     )
 
 

@@ -1,4 +1,9 @@
-"""The recipe registry: ``@recipe("name")`` registers a factory returning a ``TrainingConfig``."""
+"""The recipe registry: ``@recipe("name")`` registers a factory returning a ``TrainingConfig``.
+
+A user's recipe lives in their own module: ``train.algorithm=my_pkg.recipes:my_algo`` (or
+``./my_recipes.py:my_algo``) imports that module, whose ``@recipe("my_algo")`` registers it, in
+every process that resolves the recipe; ``areno recipes --modules my_pkg.recipes`` lists it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 
 from areno.errors import ConfigError
 from areno.recipes.config import TrainingConfig
+from areno.rewards.loader import import_module
 
 RecipeFactory = Callable[..., TrainingConfig]
 TRAINING_CONFIGS: dict[str, RecipeFactory] = {}
@@ -35,6 +41,27 @@ def _unknown(name: str) -> ConfigError:
     )
 
 
+def import_recipes(module: str) -> None:
+    """Import a user's module of ``@recipe`` factories (a dotted name found on sys.path or in the
+    working directory, or a ``.py`` file); a bad one is a one-line :class:`ConfigError`."""
+    import_module(module, what="train.algorithm", error=ConfigError)
+
+
+def resolve_name(name: str) -> str:
+    """The registered name of ``name``: a plain recipe name, or ``module:recipe`` whose module is
+    imported first (so its ``@recipe`` runs)."""
+    module, sep, short = name.rpartition(":")
+    if not sep:
+        return name
+    import_recipes(module)
+    if short not in TRAINING_CONFIGS:
+        raise ConfigError(
+            f"train.algorithm: module {module!r} registers no recipe {short!r}: decorate its factory with "
+            f"@recipe({short!r})"
+        )
+    return short
+
+
 def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **options: Any) -> TrainingConfig:
     """The validated ``TrainingConfig`` of recipe ``name``.
 
@@ -42,8 +69,9 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
     ``policy_kwargs`` override the policy role's specialization arguments. A key of
     ``policy_kwargs`` that is a factory option is passed to the factory instead, so
     ``train.algorithm_kwargs`` can carry both. Unknown name or option: a :class:`ConfigError` (with
-    the closest names).
+    the closest names). ``name`` may be ``module:recipe`` (:func:`resolve_name`).
     """
+    name = resolve_name(name)
     if name not in TRAINING_CONFIGS:
         raise _unknown(name)
     factory = TRAINING_CONFIGS[name]
@@ -72,12 +100,23 @@ def list_recipes() -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``areno recipes [NAME]``: list the recipes, or print one recipe's formula and roles."""
+    """``areno recipes [--modules M ...] [NAME]``: list the recipes, or print one recipe's formula and roles."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="areno recipes", description="List the registered recipes.")
-    parser.add_argument("name", nargs="?", help="print this recipe's formula, roles and syncs")
+    parser.add_argument("name", nargs="?", help="print this recipe's formula, roles and syncs (or module:name)")
+    parser.add_argument(
+        "--modules", nargs="+", default=[], metavar="MODULE", help="import these @recipe modules (or .py files) first"
+    )
     args = parser.parse_args(argv)
+    try:
+        for module in args.modules:
+            import_recipes(module)
+        if args.name is not None:
+            args.name = resolve_name(args.name)
+    except ValueError as err:
+        print(f"error: {err}")
+        return 2
     if args.name is None:
         rows = list_recipes()
         width = max(len(n) for n, _ in rows)

@@ -1,32 +1,90 @@
-"""Resolving user code named by a dotted path (`pkg.module:attr` or `pkg.module.attr`)."""
+"""Resolving user code named by a path: a module (``pkg.module:attr`` or ``pkg.module.attr``),
+importable from the installed packages, PYTHONPATH or the working directory, or a file
+(``./rewards.py:score``, ``/abs/path/rewards.py:score``) imported from its location."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from areno.errors import RewardImportError
+from areno.errors import RewardImportError, UserError
 from areno.rewards.sandbox import shared_sandbox
 
 
-def import_object(path: str, *, what: str) -> Any:
-    """Import ``path``; a bad path is a one-line :class:`RewardImportError` naming ``what`` (the config key)."""
+def is_file_path(module: str) -> bool:
+    """``module`` (the part before ``:``) names a Python file rather than a dotted module."""
+    return module.endswith(".py") or "/" in module or os.sep in module
+
+
+def resolve_path(path: str) -> str:
+    """``path`` with a file location made absolute, so another process (a reward sandbox worker,
+    which runs in its own temporary directory) imports the same file."""
+    module, sep, attr = path.partition(":")
+    if sep and is_file_path(module):
+        return f"{Path(module).expanduser().resolve()}:{attr}"
+    return path
+
+
+def import_module(module: str, *, what: str, error: type[UserError] = RewardImportError) -> ModuleType:
+    """Import ``module``: a dotted name, looked up on sys.path and then in the working directory
+    (the ``areno`` script, unlike ``python -m``, does not put it on sys.path), or a ``.py`` file.
+    A file is imported once per process (under a name derived from its absolute path), so a
+    ``@recipe`` module named twice does not register twice."""
+    if is_file_path(module):
+        return _import_file(Path(module).expanduser().resolve(), what=what, error=error)
+    cwd = os.getcwd()
+    if cwd not in sys.path:  # appended: the working directory never shadows an installed package
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise error(
+            f"{what}: cannot import module {module!r} ({exc}): check the spelling, and that it is in the "
+            f"working directory ({cwd}) or on PYTHONPATH, or name the file (./{module.replace('.', '/')}.py:NAME)"
+        ) from None
+
+
+def _import_file(file: Path, *, what: str, error: type[UserError]) -> ModuleType:
+    if not file.is_file():
+        raise error(f"{what}: file {file} does not exist: check the path (relative paths start at {os.getcwd()})")
+    name = f"areno_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None  # a .py path always has a source loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it, as import does (dataclasses and pickle look it up)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        del sys.modules[name]
+        raise error(f"{what}: importing {file} failed ({exc}): install what it imports") from None
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def import_object(path: str, *, what: str, error: type[UserError] = RewardImportError) -> Any:
+    """Import ``path``; a bad path is a one-line ``error`` (a :class:`RewardImportError` unless
+    told) naming ``what`` (the config key)."""
     module_name, sep, attr = path.partition(":")
-    if not sep:
+    if not sep and not is_file_path(path):
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise RewardImportError(f"{what}: {path!r} is not a dotted path like 'package.module:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardImportError(
-            f"{what}: cannot import module {module_name!r} ({exc}): check the spelling and that it is on PYTHONPATH"
-        ) from None
+        raise error(f"{what}: {path!r} is not a path like 'package.module:name' or './file.py:name'")
+    module = import_module(module_name, what=what, error=error)
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise RewardImportError(f"{what}: module {module_name!r} has no attribute {attr!r}") from None
+        raise error(f"{what}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def wants_sandbox(fn: Any, sandbox: bool | None) -> bool:
@@ -55,7 +113,7 @@ def load_reward(section: Any) -> Any:
     if not wants_sandbox(fn, section.sandbox):
         return fn
     return shared_sandbox(
-        section.fn,
+        resolve_path(section.fn),
         workers=section.workers,
         timeout_s=section.timeout_s,
         memory_mb=section.memory_mb,

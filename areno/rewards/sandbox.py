@@ -78,7 +78,9 @@ class RewardFailure(RuntimeError):
 
 def _child_env() -> dict[str, str]:
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    paths = [package_root] + [os.getcwd() if p == "" else p for p in sys.path]
+    # the worker runs in a temporary directory: the trainer's working directory goes on its path,
+    # so a reward module there imports the same way (file paths arrive already made absolute)
+    paths = [package_root] + [os.getcwd() if p == "" else p for p in sys.path] + [os.getcwd()]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 

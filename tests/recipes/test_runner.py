@@ -314,6 +314,84 @@ def test_ppo_critic_with_local_backend(dirs):
     assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: clipped(r(t), adv[t], 0.8, 1.2)), rel=1e-4)
 
 
+def _critic_backends(recipe, dirs):
+    """LocalTrainBackends of ``recipe``'s roles, the critic's value head attached by hand (as above)."""
+    from areno.train.optim import build_optimizer, build_scheduler
+
+    backends = {}
+    for role in recipe.roles:
+        cfg = train.TrainBackendConfig(
+            lr=1e-2, trainable=role.trainable, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None
+        )
+        backend = train.LocalTrainBackend(cfg)
+        backend.initialize(dirs["policy"])
+        spec = role.build()
+        if spec.wrap_model(backend.model) is not backend.model:
+            backend.model = spec.wrap_model(backend.model)
+            backend.optimizer = build_optimizer(backend.model.parameters(), cfg, "cpu")
+            backend.scheduler = build_scheduler(backend.optimizer, cfg)
+        backends[role.name] = backend
+    return backends
+
+
+def _gae_zero_values(batch, token_reward, lam=0.95):
+    """GAE with V = 0 (the zero-initialised head), gamma 1: A_k = sum_j lam^(j-k) r_j over a
+    sequence's completion tokens, r_j = token_reward(j) plus the sequence reward on the last one."""
+    adv = {}
+    for b in range(6):
+        pos = completion_positions(batch, b)
+        running = 0.0
+        for k, t in reversed(list(enumerate(pos))):
+            r = token_reward(t) + (float(batch.rewards_B[b]) if k == len(pos) - 1 else 0.0)
+            running = r + lam * running
+            adv[t] = running
+    return adv
+
+
+@pytest.mark.slow
+def test_ppo_kl_penalty_in_the_reward(dirs):
+    """ppo_kl: reference = the initial policy, so the k1 penalty per token is -0.05 (behave - logp);
+    value targets and advantages are GAE over the penalised rewards, V = 0 at the first step."""
+    recipe = get_recipe("ppo_kl")
+    _, batch, logp = rl_setup(dirs)
+    m = RecipeRunner(recipe, _critic_backends(recipe, dirs)).step(batch)
+    adv = _gae_zero_values(batch, lambda t: -0.05 * float(batch.logprobs_T[t] - logp[t]))
+    assert m["value/loss"] == pytest.approx(token_mean(batch, lambda b, t: 0.5 * adv[t] ** 2), rel=1e-5)
+    r = lambda t: math.exp(logp[t] - batch.logprobs_T[t])
+    expected = token_mean(batch, lambda b, t: clipped(r(t), adv[t], 0.8, 1.2))
+    assert m["policy/loss"] == pytest.approx(expected, rel=1e-4)
+    # the penalty moved the advantages: without it the loss is ppo's
+    plain = _gae_zero_values(batch, lambda t: 0.0)
+    assert expected != pytest.approx(token_mean(batch, lambda b, t: clipped(r(t), plain[t], 0.8, 1.2)), rel=1e-3)
+
+
+@pytest.mark.slow
+def test_ppo_async_decoupled_with_a_critic(dirs):
+    """ppo_async: pi_prox recomputed = current weights, so r' = 1 and the loss is -w A (w =
+    pi_prox / pi_behave, masked above 5) with ppo's GAE advantages (V = 0 at the first step)."""
+    recipe = get_recipe("ppo_async")
+    _, batch, logp = rl_setup(dirs, noise=0.8)
+    m = RecipeRunner(recipe, _critic_backends(recipe, dirs)).step(batch)
+    adv = _gae_zero_values(batch, lambda t: 0.0)
+
+    def w_term(b, t):
+        w = math.exp(logp[t] - batch.logprobs_T[t])
+        return 0.0 if w > 5.0 else -w * adv[t]
+
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, w_term), rel=1e-4)
+    assert m["value/loss"] == pytest.approx(token_mean(batch, lambda b, t: 0.5 * adv[t] ** 2), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_grpo_recompute_ignores_the_behaviour_logprobs(dirs):
+    """grpo_recompute: pi_old is recomputed from the current weights, so r = 1 whatever the
+    behaviour log-probs were, and the loss is the token mean of -A."""
+    _, batch, _ = rl_setup(dirs, noise=0.8)
+    adv = grpo_adv(batch.rewards_B.tolist())
+    m = run_step(get_recipe("grpo_recompute"), dirs, batch)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: -adv[b]), rel=1e-4, abs=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", "cispo"])
 def test_rl_recipes_move_logprobs_toward_reward(dirs, name):
