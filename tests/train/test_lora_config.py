@@ -150,3 +150,13 @@ def test_demo_task_learns_with_lora(tmp_path):
     summary = run_pipeline(cfg)
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.1, summary
     assert (tmp_path / "demo" / "checkpoints" / "step_00000020" / "policy" / "adapter" / "adapter_config.json").exists()
+
+
+def test_lora_bench_arms_count_sync_and_state_bytes(tmp_path):
+    """``python -m bench.lora``'s arms: the same merged sync payload, a far smaller training state."""
+    from bench.lora import run_arm
+
+    full, lora = (run_arm("demo", arm, 8, 1, 32, 2, tmp_path) for arm in ("full", "lora"))
+    assert full["sync_bytes"] == lora["sync_bytes"] == 4 * full["params"]
+    assert lora["adapter_bytes"] == 4 * lora["trainable_params"] < full["sync_bytes"] // 10
+    assert lora["train_state_bytes"] == 16 * lora["trainable_params"] < full["train_state_bytes"] // 10
