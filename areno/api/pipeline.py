@@ -51,6 +51,7 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
             "num_minibatches": 1,
             "eval_interval": 0,
             "save_interval": 0,
+            "lora": None,  # the warm start makes the base model (from scratch in the demo): all weights train
         },
         optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0},
         rollout={"batch_size": ws.batch_size, "max_head_offpolicyness": 0},

@@ -431,9 +431,12 @@ def fields_of(section: object, owner: type) -> dict[str, Any]:
 def build_train_backend_config(config: ArenoConfig, *, role_name: str, trainable: bool) -> TrainBackendConfig:
     """The training backend's config of one recipe role: the ``optim``, ``train`` and ``model``
     sections' training settings, the run's schedule length and the role."""
+    step = fields_of(config.train, TrainStepConfig)
+    if not trainable:  # a frozen role (reference, reward model) keeps the base weights: no adapters
+        step["lora"] = None
     return TrainBackendConfig(
         **fields_of(config.optim, OptimConfig),
-        **fields_of(config.train, TrainStepConfig),
+        **step,
         **fields_of(config.model, PrecisionConfig),
         total_steps=total_optimizer_steps(config),
         role_name=role_name,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from areno.errors import ConfigError
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import load_model, save_model
@@ -51,6 +52,8 @@ from areno.train.packing import (
 from areno.types import TokenBatch, host_to_device
 
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
+ADAPTER_SUBDIR = "adapter"
+"""A LoRA backend's checkpoint directory holds its adapter here, in PEFT's layout."""
 # Files copied from the source model directory into an HF export (tokenizer and friends).
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -175,7 +178,9 @@ class PackedTrainBackend(TrainBackend):
                 module.cuda_attention = cfg.attention
         if cfg.lora is not None:
             if cfg.tp_size > 1:
-                raise ValueError("LoRA with tp_size > 1 is not supported; set tp_size=1 or lora=None")
+                raise ConfigError(
+                    "train.lora: not supported with tensor parallelism (tp_size > 1); set train.lora=null"
+                )
             apply_lora(model, cfg.lora)
         if not cfg.trainable:
             model.requires_grad_(False)
@@ -423,6 +428,8 @@ class PackedTrainBackend(TrainBackend):
             "extra": extra_state,
         }
         checkpoint.save(path, self.model, self.optimizer, trainer_state)
+        if self.cfg.lora is not None:  # what `peft` loads on the base model; resume reads the DCP state
+            self.export_adapter(Path(path) / ADAPTER_SUBDIR)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         self._check_ready()

@@ -42,12 +42,14 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
-        if self.rank <= 0:
-            raise ValueError(f"lora.rank must be > 0, got {self.rank}")
-        if not self.target_modules:
-            raise ValueError("lora.target_modules must name at least one module, e.g. ('q_proj',)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        check_config(self.rank > 0, "train.lora.rank", f"must be > 0, got {self.rank}")
+        check_config(math.isfinite(self.alpha) and self.alpha > 0, "train.lora.alpha", f"must be > 0, got {self.alpha}")
+        check_config(
+            bool(self.target_modules),
+            "train.lora.target_modules",
+            "must name at least one linear module, e.g. [q_proj, v_proj]",
+        )
+        check_config(0.0 <= self.dropout < 1.0, "train.lora.dropout", f"must be in [0, 1), got {self.dropout}")
 
 
 @dataclass(kw_only=True)
@@ -117,8 +119,15 @@ class TrainStepConfig:
     max_consecutive_skips: int = 5
     """Stop with a one-line error (``NonFiniteStepError``) after this many optimizer steps in a row
     were skipped for a non-finite loss or grad norm; 0 never stops (skips are still counted)."""
+    lora: LoraConfig | None = None
+    """Low-rank adapters on the trained roles (``train.lora.rank=8`` turns them on with the other
+    keys' defaults); null trains all weights. Policy syncs and ``hf/`` exports carry the merged
+    weights under the base model's names; checkpoints also hold the adapter in PEFT's layout. The
+    supervised warm start (``warm_start``) trains all weights."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)
         check_config(
             self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0,
             "train.max_tokens_per_mb",
@@ -184,8 +193,6 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     """HSDP: number of replicas of the sharded model (1 = plain FSDP)."""
     tp_size: int = 1
     """Tensor-parallel degree (DTensor, using the model's TP plan)."""
-    lora: LoraConfig | None = None
-    """LoRA adapters; None trains all weights."""
     trainable: bool = True
     """False for frozen roles (reference, reward): no optimizer state is allocated and train_step
     raises."""
@@ -205,8 +212,6 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
         OptimConfig.__post_init__(self)
         TrainStepConfig.__post_init__(self)
         PrecisionConfig.__post_init__(self)
-        if isinstance(self.lora, dict):
-            self.lora = LoraConfig(**self.lora)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two values in [0, 1), got {self.betas}")

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from areno.errors import check_config
 from areno.train.config import LoraConfig
 
 ADAPTER = "default"
@@ -34,10 +35,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     """Inject adapters into ``model`` in place; only adapter parameters stay trainable."""
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     unknown = [t for t in cfg.target_modules if t not in names]
-    if unknown:
-        raise ValueError(
-            f"lora.target_modules {unknown} match no linear layer of the model; choose from {sorted(names)}"
-        )
+    check_config(
+        not unknown,
+        "train.lora.target_modules",
+        f"{unknown} match no linear layer of the model; choose from {sorted(names)}",
+    )
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 

@@ -1,0 +1,162 @@
+"""``train.lora`` from the config to the run: adapters on the trained roles, merged weights in every
+policy sync and ``hf/`` export, the adapter in PEFT's layout in every checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.engine.config import build_train_backend_config
+from areno.errors import ConfigError
+from areno.train.lora import lora_layers
+
+
+def _config(tmp_path, *extra):
+    return load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+            "data.task=arithmetic",
+            "data.num_eval=8",
+            "rollout.batch_size=4",
+            "rollout.n_samples=8",
+            "rollout.max_new_tokens=4",
+            "cluster.device=cpu",
+            "observe.console=false",
+            "reward.fn=tests.helpers.rewards:sevens",
+            "reward.sandbox=false",
+            "train.eval_interval=0",
+            "train.seed=1",
+            *extra,
+        ],
+    )
+
+
+def test_lora_keys_reach_the_trained_backends_only(tmp_path):
+    cfg = _config(tmp_path, "train.lora.rank=8", "train.lora.target_modules=[q_proj,down_proj]", "train.lora.alpha=4")
+    assert (cfg.train.lora.rank, cfg.train.lora.alpha, cfg.train.lora.dropout) == (8, 4.0, 0.0)
+    assert build_train_backend_config(cfg, role_name="actor", trainable=True).lora == cfg.train.lora
+    assert build_train_backend_config(cfg, role_name="ref", trainable=False).lora is None
+    assert _config(tmp_path).train.lora is None
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lora.rank=0", "train.lora.rank"),
+        ("train.lora.alpha=-1", "train.lora.alpha"),
+        ("train.lora.dropout=1.0", "train.lora.dropout"),
+        ("train.lora.target_modules=[]", "train.lora.target_modules"),
+        ("train.lora.ranks=8", "train.lora.ranks"),
+    ],
+)
+def test_bad_lora_value_is_one_line_naming_the_key(tmp_path, override, key):
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, override)
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_unknown_target_module_is_one_line_at_start(tmp_path):
+    cfg = _config(tmp_path, "train.steps=1", "train.lora.target_modules=[qkv]")
+    with pytest.raises(ConfigError, match=r"^train.lora.target_modules: \['qkv'\] match no linear layer"):
+        Trainer.init(cfg).shutdown()
+
+
+def test_lora_run_trains_adapters_syncs_merged_and_checkpoints_peft(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(
+        tmp_path,
+        "train.steps=2",
+        "optim.lr=0.02",
+        "train.lora.rank=4",
+        "train.lora.alpha=8",
+        "train.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]",
+    )
+    trainer = Trainer.init(cfg)
+    engine = trainer.backend.engine
+    policy = engine.training.runner.backends["policy"]
+    try:
+        assert set(lora_layers(policy.model)) == {
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.v_proj",
+            "model.layers.0.self_attn.o_proj",
+            "model.layers.0.mlp.down_proj",
+        }
+        before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+        base = {n: t.clone() for n, t in policy.named_weights()}
+        trainer.run()
+        after = dict(policy.model.named_parameters())
+        changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
+        assert changed and all(".lora_B." in n or ".lora_A." in n for n in changed), changed
+        assert all(after[n].requires_grad == (".lora_" in n) for n in after)
+        # the rollout engine holds the merged weights under the base model's names
+        merged = dict(policy.named_weights())
+        assert merged.keys() == base.keys()
+        synced = engine.rollout.engine.weight_tensors()
+        assert synced.keys() == merged.keys()
+        assert all(torch.equal(t, merged[n]) for n, t in synced.items())
+        assert not torch.equal(
+            merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+        )
+    finally:
+        trainer.shutdown()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert (ckpt / "COMPLETE").exists()
+    hf = load_file(str(ckpt / "hf" / "model.safetensors"))
+    assert all(torch.equal(hf[n], merged[n]) for n in hf) and "model.layers.0.self_attn.q_proj.weight" in hf
+    adapter_dir = ckpt / "policy" / "adapter"
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["r"] == 4
+    # base + adapter through peft equals the merged export through transformers
+    exported = AutoModelForCausalLM.from_pretrained(ckpt / "hf")
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), adapter_dir)
+    ids = torch.tensor([[3, 5, 7, 9, 11, 2]])
+    with torch.no_grad():
+        want = exported(ids).logits
+        got = with_adapter(ids).logits
+        merged_back = with_adapter.merge_and_unload().state_dict()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(merged_back[name], tensor, rtol=1e-6, atol=1e-6)
+
+
+def test_demo_task_learns_with_lora(tmp_path):
+    """areno/configs/demo.yaml, shortened (its 40-step warm start trains all weights), then 20 GRPO
+    steps training only rank-8 adapters: held-out accuracy rises by a real margin at a fixed seed."""
+    from areno.api.pipeline import DEMO_CONFIG, run_pipeline
+
+    cfg = load_config(
+        DEMO_CONFIG,
+        [
+            f"run_dir={tmp_path / 'demo'}",
+            f"model.path={tmp_path / 'demo' / 'init'}",
+            "observe.console=false",
+            "data.num_eval=64",
+            "rollout.batch_size=16",
+            "train.steps=20",
+            "train.eval_interval=0",
+            "train.seed=0",
+            "optim.lr=3e-3",
+            "train.lora.rank=8",
+            "train.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+        ],
+    )
+    summary = run_pipeline(cfg)
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.1, summary
+    assert (tmp_path / "demo" / "checkpoints" / "step_00000020" / "policy" / "adapter" / "adapter_config.json").exists()
+
+
+def test_lora_bench_arms_count_sync_and_state_bytes(tmp_path):
+    """``python -m bench.lora``'s arms: the same merged sync payload, a far smaller training state."""
+    from bench.lora import run_arm
+
+    full, lora = (run_arm("demo", arm, 8, 1, 32, 2, tmp_path) for arm in ("full", "lora"))
+    assert full["sync_bytes"] == lora["sync_bytes"] == 4 * full["params"]
+    assert lora["adapter_bytes"] == 4 * lora["trainable_params"] < full["sync_bytes"] // 10
+    assert lora["train_state_bytes"] == 16 * lora["trainable_params"] < full["train_state_bytes"] // 10
