@@ -9,6 +9,7 @@ import pytest
 from areno.api.config import ConfigError, load_config
 from areno.engine.cluster import ClusterLayout, LayoutError, scheduler_for
 from areno.launch.scheduler import LocalScheduler, SchedulerError
+from tests.helpers.configs import tiny_run_overrides
 
 PARTITIONED = ["cluster.train_devices=[0]", "cluster.rollout_devices=[1]"]
 
@@ -143,20 +144,7 @@ def test_partitioned_grpo_step_through_ray(tmp_path):
     cfg = load_config(
         None,
         [
-            f"run_dir={tmp_path / 'run'}",
-            f"model.path={tmp_path / 'model'}",
-            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-            "data.task=arithmetic",
-            "data.num_eval=2",
-            "rollout.batch_size=2",
-            "rollout.n_samples=4",
-            "rollout.max_new_tokens=4",
-            "cluster.device=cpu",
-            "cluster.cpu_threads=1",
-            "observe.console=false",
-            "train.seed=3",
-            "optim.lr=0.01",
-            "reward.fn=tests.helpers.launch_workers:digits",
+            *tiny_run_overrides(tmp_path, num_eval=2, reward="tests.helpers.launch_workers:digits"),
             *PARTITIONED,
             "cluster.scheduler=ray",
             "cluster.scheduler_options={ray_cpus_per_worker: 0.5}",

@@ -13,26 +13,14 @@ from areno.engine.local import LocalRolloutSide, LocalTrainingSide
 from areno.engine.partitioned import is_partitioned
 from areno.engine.placement import build_engine, partitioned_engine
 from areno.engine.remote import RemoteRolloutSide, RemoteTrainingSide
+from tests.helpers.configs import tiny_run_overrides
 
 
 def _config(tmp_path, *extra):
     return load_config(
         None,
         [
-            f"run_dir={tmp_path / 'run'}",
-            f"model.path={tmp_path / 'model'}",
-            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-            "data.task=arithmetic",
-            "data.num_eval=4",
-            "rollout.batch_size=2",
-            "rollout.n_samples=4",
-            "rollout.max_new_tokens=4",
-            "cluster.device=cpu",
-            "cluster.cpu_threads=1",
-            "observe.console=false",
-            "train.seed=3",
-            "optim.lr=0.01",
-            "reward.fn=tests.helpers.rewards:sevens_and_length",
+            *tiny_run_overrides(tmp_path),
             *extra,
         ],
     )

@@ -1,0 +1,27 @@
+"""Overrides of the tiny CPU run the partitioned, sync and scheduler tests share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def tiny_run_overrides(
+    tmp_path: Path, run_name: str = "run", *, num_eval: int = 4, reward: str = "tests.helpers.rewards:sevens_and_length"
+) -> list[str]:
+    """A one-layer model made at start-up, the arithmetic task, 2 prompts x 4 samples of 4 tokens, on the CPU."""
+    return [
+        f"run_dir={tmp_path / run_name}",
+        f"model.path={tmp_path / 'model'}",
+        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+        "data.task=arithmetic",
+        f"data.num_eval={num_eval}",
+        "rollout.batch_size=2",
+        "rollout.n_samples=4",
+        "rollout.max_new_tokens=4",
+        "cluster.device=cpu",
+        "cluster.cpu_threads=1",
+        "observe.console=false",
+        "train.seed=3",
+        "optim.lr=0.01",
+        f"reward.fn={reward}",
+    ]
