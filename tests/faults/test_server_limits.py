@@ -19,11 +19,17 @@ from areno.types import SamplingParams
 from tests.helpers.serving import serving
 
 
-@pytest.fixture(scope="module")
-def built(tiny_model_dir):
+def _build(tiny_model_dir):
     return build_engine(
         str(tiny_model_dir), device="cpu", num_blocks=64, block_size=8, max_model_len=64, max_num_seqs=2
     )
+
+
+@pytest.fixture
+def built(tiny_model_dir):
+    """A test's own engine: each app drives its engine from its own thread, and two driving one engine
+    would take each other's outputs."""
+    return _build(tiny_model_dir)
 
 
 @contextlib.contextmanager
@@ -33,8 +39,8 @@ def _serving(app) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="module")
-def server(built):
-    engine, tokenizer = built
+def server(tiny_model_dir):
+    engine, tokenizer = _build(tiny_model_dir)
     app = create_app(engine, tokenizer=tokenizer, model_name="tiny", limits=ServerLimits(max_body_bytes=20_000))
     with _serving(app) as client:
         yield client, engine, app
