@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from areno.train import LocalTrainBackend, LoraConfig, TrainBackendConfig, checkpoint
+from areno.train import FSDP2TrainBackend, LocalTrainBackend, LoraConfig, TrainBackendConfig, checkpoint
 from tests.helpers.resume import losses, overrides, resumed_step, run_areno, train_rows
-from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
+from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, spawn, token_denominator
 
 VOCAB = 100
 LENGTHS = [13, 7, 21, 5, 9]
@@ -138,3 +140,48 @@ def test_run_resumes_from_an_incremental_checkpoint_bit_for_bit(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed_step(resumed) == 2  # the incremental checkpoint over step 1
     assert losses(train_rows(run_dir)) == losses(before)
+
+
+# ------------------------------------------------------------------------------ FSDP2, 2 ranks (gloo)
+def _save_ranks(b, root, step):
+    """``_save`` on every rank: each writes its shards, rank 0 commits (as the engine's driver does)."""
+    final = root / f"step_{step:08d}"
+    tmp = final.with_name(final.name + checkpoint.STAGING_SUFFIX)
+    b.save_checkpoint(tmp / "policy", {"step": step})
+    if dist.get_rank() == 0:
+        checkpoint.commit(tmp, final)
+    dist.barrier()
+    return final
+
+
+def _fsdp_worker(rank, world, model_dir, out_dir):
+    out_dir = Path(out_dir)
+    cfg = dict(lr=1e-2, device="cpu", grad_clip=None, lora=LoraConfig(rank=4), checkpoint_full_every=2)
+    b = FSDP2TrainBackend(TrainBackendConfig(**cfg))
+    b.initialize(model_dir)
+    _step(b, 1)
+    _save_ranks(b, out_dir / "ckpts", 1)
+    _step(b, 2)
+    incr = _save_ranks(b, out_dir / "ckpts", 2)
+    weights = {k: v.clone() for k, v in b.named_weights()}
+    next_loss = _step(b, 3)
+    b.shutdown()
+    resumed = FSDP2TrainBackend(TrainBackendConfig(**cfg))
+    resumed.initialize(model_dir)
+    resumed.load_checkpoint(incr / "policy")
+    same = all(torch.equal(v, weights[k]) for k, v in resumed.named_weights())
+    result = {"same_weights": same, "same_next_loss": _step(resumed, 3) == next_loss, "weights": weights}
+    dist.barrier()
+    if rank == 0:
+        torch.save(result, out_dir / "result.pt")
+
+
+@pytest.mark.slow
+def test_fsdp_incremental_checkpoint_resumes_bit_for_bit(model_dir, tmp_path):
+    spawn(_fsdp_worker, 2, str(model_dir), str(tmp_path), tmp=tmp_path)
+    result = torch.load(tmp_path / "result.pt", weights_only=True)
+    incr = tmp_path / "ckpts" / f"step_{2:08d}" / "policy"
+    assert checkpoint.is_incremental(incr) and result["same_weights"] and result["same_next_loss"]
+    local = _backend(model_dir, lora=LoraConfig(rank=4))  # resharded into one process
+    local.load_checkpoint(incr)
+    assert all(torch.equal(v, result["weights"][k]) for k, v in local.named_weights())
