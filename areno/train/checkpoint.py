@@ -279,9 +279,13 @@ def remove_stale(checkpoints_dir: str | Path) -> list[Path]:
 
 # ------------------------------------------------------------------ incremental checkpoints
 def published_path(path: str | Path) -> Path:
-    """Where ``path`` (possibly inside a staging directory) lives once committed."""
-    parts = [p[: -len(STAGING_SUFFIX)] if p.endswith(STAGING_SUFFIX) else p for p in Path(path).absolute().parts]
-    return Path(*parts)
+    """Where ``path`` (possibly inside a ``step_N.tmp`` staging directory) lives once committed."""
+
+    def published(part: str) -> str:
+        name = part.removesuffix(STAGING_SUFFIX)
+        return name if _STEP_DIR.match(name) else part
+
+    return Path(*[published(part) for part in Path(path).absolute().parts])
 
 
 def incremental_base(path: str | Path) -> Path:
