@@ -12,6 +12,14 @@ Prints one JSON object: the headline (areno's save, best of ``--repeats``; ``tor
 
     python -m bench.checkpoint                                  # CPU, hidden 512, 8 layers
     python -m bench.checkpoint --device cuda --hidden 2048 --layers 24   # GPU, ~1.4B parameters
+    python -m bench.checkpoint --incremental                    # full vs incremental, with and without LoRA
+
+``--incremental`` (``train.checkpoint_full_every``): per variant (full fine-tuning; LoRA), a full
+checkpoint after one step, then an incremental one after a second step; bytes written and save time
+of each (best of ``--repeats``), and the resume time of the incremental one. With AdamW every
+trained tensor changes every step: full fine-tuning writes about as much either way; LoRA's frozen
+base weights are written only in the full checkpoint. ``default_full_save_s``: a full checkpoint
+without the tensor hashes (``checkpoint_full_every=0``), what hashing adds to a full one.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import torch
 
 from areno.data.tokenizer import build_char_tokenizer
 from areno.models.hf_io import init_model_dir, tiny_config
-from areno.train import LocalTrainBackend, TrainBackendConfig, checkpoint
+from areno.train import LocalTrainBackend, LoraConfig, TrainBackendConfig, checkpoint
 from bench._common import emit, headline, parser, ratio
 
 STEPS = (
@@ -40,8 +48,8 @@ STEPS = (
 )
 
 
-def _backend(model_dir: Path, device: str) -> LocalTrainBackend:
-    backend = LocalTrainBackend(TrainBackendConfig(lr=1e-4, device=device))
+def _backend(model_dir: Path, device: str, **kw: object) -> LocalTrainBackend:
+    backend = LocalTrainBackend(TrainBackendConfig(lr=1e-4, device=device, **kw))
     backend.initialize(model_dir)
     return backend
 
@@ -72,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--incremental", action="store_true", help="full vs incremental checkpoints, with and without LoRA")
     args = p.parse_args(argv)
+    if args.incremental:
+        return _incremental(args)
 
     work = Path(tempfile.mkdtemp(prefix="areno_ckpt_bench_"))
     try:
@@ -138,6 +149,94 @@ def _round(backend: LocalTrainBackend, model_dir: Path, work: Path, i: int, devi
         lambda: torch.save({"model": backend.model.state_dict(), "optim": backend.optimizer.state_dict()}, plain)
     )
     out["baseline_load_s"] = _timed(lambda: torch.load(plain, map_location=device, weights_only=True))
+    return out
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _incremental(args) -> int:
+    """Full vs incremental checkpoint (``checkpoint_full_every=2``), full fine-tuning and LoRA."""
+    work = Path(tempfile.mkdtemp(prefix="areno_ckpt_incr_bench_"))
+    variants = {"full_ft": None, "lora": LoraConfig(rank=8)}
+    results: dict[str, dict[str, float]] = {}
+    try:
+        tokenizer = build_char_tokenizer()
+        config = tiny_config(
+            args.vocab,
+            hidden_size=args.hidden,
+            layers=args.layers,
+            heads=max(args.hidden // 64, 1),
+            kv_heads=max(args.hidden // 128, 1),
+            intermediate_size=4 * args.hidden,
+        )
+        model_dir = init_model_dir(work / "model", config, tokenizer)
+        for name, lora in variants.items():
+            rows: dict[str, list[float]] = {
+                "default_full_save_s": [],
+                "full_save_s": [],
+                "incremental_save_s": [],
+                "incremental_resume_s": [],
+            }
+            for i in range(args.repeats):
+                out = _incremental_round(model_dir, work / f"{name}_{i}" / "checkpoints", args.device, lora)
+                for key in rows:
+                    rows[key].append(out[key])
+            results[name] = {
+                **{k: out[k] for k in ("params", "trainable_params")},
+                **{k: round(min(v), 4) for k, v in rows.items()},
+                "full_bytes": out["full_bytes"],
+                "incremental_bytes": out["incremental_bytes"],
+                "bytes_ratio": round(out["full_bytes"] / out["incremental_bytes"], 2),
+            }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lora_row = results["lora"]
+    head = headline(
+        f"bytes per incremental checkpoint, LoRA rank 8 ({lora_row['params']} parameters, {args.device})",
+        lora_row["incremental_bytes"],
+        "bytes of the full checkpoint before it",
+        lora_row["full_bytes"],
+        lora_row["bytes_ratio"],
+        "full bytes / incremental bytes (full fine-tuning: see details)",
+    )
+    details = {
+        "device": args.device,
+        "hardware": torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else platform.processor() or platform.machine(),
+        "repeats": args.repeats,
+        "variants": results,
+    }
+    emit("checkpoint_incremental", head, details)
+    return 0
+
+
+def _incremental_round(model_dir: Path, root: Path, device: str, lora: LoraConfig | None) -> dict[str, float]:
+    """One full then one incremental checkpoint (a training step before each), and a resume from the latter."""
+    backend = _backend(model_dir, device, lora=lora, checkpoint_full_every=2)
+    out: dict[str, float] = {}
+    paths = []
+    for step, key in ((1, "full_save_s"), (2, "incremental_save_s")):
+        _one_step(backend)
+        final = root / f"step_{step:08d}"
+        tmp = checkpoint.staging_dir(final)
+        t0 = time.perf_counter()
+        backend.save_checkpoint(tmp / "policy", extra_state={"step": step})
+        checkpoint.commit(tmp, final)
+        out[key] = time.perf_counter() - t0
+        paths.append(final)
+    assert checkpoint.is_incremental(paths[1] / "policy")
+    backend.shutdown()
+    fresh = _backend(model_dir, device, lora=lora)  # the default: every checkpoint full, no hashes
+    out["incremental_resume_s"] = _timed(lambda: fresh.load_checkpoint(paths[1] / "policy"))
+    out["default_full_save_s"] = _timed(lambda: fresh.save_checkpoint(root / "default" / "policy", extra_state={}))
+    out["params"] = sum(p.numel() for p in fresh.model.parameters())
+    out["trainable_params"] = sum(p.numel() for p in fresh.model.parameters() if p.requires_grad)
+    fresh.shutdown()
+    out["full_bytes"], out["incremental_bytes"] = _dir_bytes(paths[0]), _dir_bytes(paths[1])
+    shutil.rmtree(root.parent)
     return out
 
 

@@ -112,6 +112,10 @@ class PackedTrainBackend(TrainBackend):
         self._step = 0
         self._skipped_steps = 0
         self._consecutive_skips = 0
+        # incremental checkpoints (train.checkpoint_full_every): the last full one and its tensor hashes
+        self._ckpt_base: Path | None = None
+        self._ckpt_base_hashes: dict[str, str] = {}
+        self._saves_since_full = 0
         self._offloader = StorageOffloader()
         self._initialized = False
 
@@ -427,7 +431,29 @@ class PackedTrainBackend(TrainBackend):
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "extra": extra_state,
         }
-        checkpoint.save(path, self.model, self.optimizer, trainer_state)
+        every = self.cfg.checkpoint_full_every
+        incremental = (
+            every > 1
+            and self._saves_since_full + 1 < every
+            and self._ckpt_base is not None
+            and self._ckpt_base.is_dir()
+            and bool(self._ckpt_base_hashes)
+        )
+        trainer_state["saves_since_full"] = self._saves_since_full + 1 if incremental else 0
+        if incremental:
+            checkpoint.save(
+                path,
+                self.model,
+                self.optimizer,
+                trainer_state,
+                base=self._ckpt_base,
+                base_hashes=self._ckpt_base_hashes,
+            )
+            self._saves_since_full += 1
+        else:
+            hashes = checkpoint.save(path, self.model, self.optimizer, trainer_state, record_hashes=every > 1)
+            self._ckpt_base, self._ckpt_base_hashes = checkpoint.published_path(path), hashes
+            self._saves_since_full = 0
         if self.cfg.lora is not None:  # what `peft` loads on the base model; resume reads the DCP state
             self.export_adapter(Path(path) / ADAPTER_SUBDIR)
 
@@ -437,6 +463,9 @@ class PackedTrainBackend(TrainBackend):
         self._step = state["step"]
         self._skipped_steps = state["skipped_steps"]
         self._consecutive_skips = state.get("consecutive_skips", 0)  # absent in older checkpoints
+        self._ckpt_base = checkpoint.incremental_base(path) if checkpoint.is_incremental(path) else Path(path).resolve()
+        self._ckpt_base_hashes = checkpoint.read_hashes(self._ckpt_base)
+        self._saves_since_full = state.get("saves_since_full", 0)
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         return state["extra"]

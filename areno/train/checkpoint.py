@@ -16,6 +16,13 @@ Before the marker, :func:`commit` writes ``MANIFEST.json``: the size and sha256 
 checkpoint. :func:`verify` checks them (a flipped byte, a truncated or missing file) and
 :func:`newest_intact` is what a resume loads: the newest checkpoint that verifies, passing over
 damaged ones with a warning naming the file.
+
+Incremental checkpoints (``train.checkpoint_full_every``): a full checkpoint also records a content
+hash of every model and optimizer tensor (``tensor_hashes_rank{r}.json``); an incremental one
+(:func:`save` with ``base``) writes only the tensors whose hash differs from the full one's, plus
+``INCREMENTAL.json`` naming that full checkpoint. :func:`load` loads the full one and overlays the
+changed tensors. :func:`verify` fails an incremental checkpoint whose base is missing or damaged, so
+:func:`newest_intact` falls back to an older checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -44,6 +52,8 @@ MANIFEST = "MANIFEST.json"
 _HASH_CHUNK = 1 << 22
 STAGING_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+INCREMENTAL = "INCREMENTAL.json"
+_HASHES = "tensor_hashes_rank{rank}.json"
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +170,28 @@ def verify(path: str | Path) -> str | None:
     for name, entry in files.items():
         if digests[name] != entry["sha256"]:
             return f"{path / name} does not match its checksum in {MANIFEST} (the file was changed or corrupted)"
+    return _verify_bases(path)
+
+
+def _verify_bases(path: Path) -> str | None:
+    """An incremental checkpoint is whole only with its full base: committed and verifying."""
+    for record in path.rglob(INCREMENTAL):
+        base = incremental_base(record.parent)
+        root = _committed_root(base)
+        if root is None:
+            return f"{record} names base checkpoint {base}, which is missing or incomplete"
+        problem = verify(root)
+        if problem is not None:
+            return f"{record} names base checkpoint {base}, which is damaged: {problem}"
+    return None
+
+
+def _committed_root(path: Path) -> Path | None:
+    """The directory holding ``COMPLETE`` at or above ``path`` (a role's directory is inside the
+    ``step_N`` one that was committed), or None."""
+    for candidate in (path, *path.parents[:2]):
+        if is_complete(candidate):
+            return candidate
     return None
 
 
@@ -245,12 +277,95 @@ def remove_stale(checkpoints_dir: str | Path) -> list[Path]:
     return removed
 
 
+# ------------------------------------------------------------------ incremental checkpoints
+def published_path(path: str | Path) -> Path:
+    """Where ``path`` (possibly inside a ``step_N.tmp`` staging directory) lives once committed."""
+
+    def published(part: str) -> str:
+        name = part.removesuffix(STAGING_SUFFIX)
+        return name if _STEP_DIR.match(name) else part
+
+    return Path(*[published(part) for part in Path(path).absolute().parts])
+
+
+def incremental_base(path: str | Path) -> Path:
+    """The full checkpoint the incremental checkpoint at ``path`` overlays."""
+    record = json.loads((Path(path) / INCREMENTAL).read_text())
+    return (Path(path) / record["base"]).resolve()
+
+
+def is_incremental(path: str | Path) -> bool:
+    return (Path(path) / INCREMENTAL).is_file()
+
+
+def _tensor_items(state: dict[str, Any], prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``(dotted key, tensor)`` of every tensor in a nested state dict, in a fixed order."""
+    items = []
+    for key in sorted(state, key=str) if isinstance(state, dict) else range(len(state)):
+        value = state[key]
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            items.append((name, value))
+        elif isinstance(value, (dict, list)):
+            items.extend(_tensor_items(value, name + "."))
+    return items
+
+
+def _tensor_hash(tensor: torch.Tensor) -> str:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+    data = local.detach().contiguous().cpu()
+    digest = hashlib.blake2b(f"{data.dtype}{tuple(data.shape)}".encode(), digest_size=16)
+    digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def _agree_changed(changed: list[bool]) -> list[bool]:
+    """A tensor changed on any rank is saved by every rank (DCP saves and loads keys collectively)."""
+    if not dist.is_initialized() or not changed:
+        return changed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flags = torch.tensor(changed, dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(f) for f in flags.tolist()]
+
+
+def _subset(state: dict[str, Any], keep: set[str], prefix: str = "") -> dict[str, Any]:
+    """``state`` with only the tensors whose dotted key is in ``keep`` (non-tensor leaves kept)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            if name in keep:
+                out[key] = value
+        elif isinstance(value, dict):
+            sub = _subset(value, keep, name + ".")
+            if sub:
+                out[key] = sub
+        else:
+            out[key] = value
+    return out
+
+
+def read_hashes(path: str | Path) -> dict[str, str]:
+    """This rank's tensor hashes recorded in the full checkpoint at ``path`` ({} when absent)."""
+    file = Path(path) / _HASHES.format(rank=_rank())
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
 def save(
     path: str | Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict[str, Any],
-) -> None:
+    *,
+    base: str | Path | None = None,
+    base_hashes: dict[str, str] | None = None,
+    record_hashes: bool = False,
+) -> dict[str, str]:
+    """Write a checkpoint of ``model`` and ``optimizer`` into ``path``. Without ``base``: a full
+    checkpoint, recording this rank's tensor hashes when ``record_hashes`` (returned; {} otherwise:
+    hashing reads every tensor once more). With ``base`` (a full checkpoint) and its ``base_hashes``:
+    an incremental one, only the tensors whose hash differs."""
     path = Path(path)
     if _rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -259,11 +374,26 @@ def save(
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
-    dcp.save(state, checkpoint_id=str(path))
+    items = _tensor_items(state) if base is not None or record_hashes else []
+    hashes = {name: _tensor_hash(t) for name, t in items}
+    if base is None:
+        dcp.save(state, checkpoint_id=str(path))
+        if record_hashes:
+            (path / _HASHES.format(rank=_rank())).write_text(json.dumps(hashes))
+    else:
+        known = base_hashes or {}
+        changed = _agree_changed([known.get(name) != digest for name, digest in hashes.items()])
+        keep = {name for (name, _), c in zip(items, changed) if c}
+        dcp.save(_subset(state, keep), checkpoint_id=str(path))
+        if _rank() == 0:
+            relative = os.path.relpath(published_path(base), published_path(path))
+            record = {"base": relative, "changed_tensors": len(keep), "tensors": len(items)}
+            (path / INCREMENTAL).write_text(json.dumps(record, indent=1))
     torch.save(rng_state(), path / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
         torch.save(trainer_state, path / TRAINER_STATE)
     _barrier()
+    return hashes
 
 
 def _check_shapes(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
@@ -293,12 +423,18 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
             "directory or delete this one"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    _check_shapes(path, model_sd)
+    base = incremental_base(path) if is_incremental(path) else None
+    _check_shapes(base or path, model_sd)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        if base is None:
+            dcp.load(state, checkpoint_id=str(path))
+        else:  # the full base, then the changed tensors over it (in place: the same tensor objects)
+            dcp.load(state, checkpoint_id=str(base))
+            stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+            dcp.load(_subset(state, stored), checkpoint_id=str(path))
     except BaseException as exc:  # torch's CheckpointException is a BaseException with a per-rank report
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise

@@ -119,6 +119,11 @@ class TrainStepConfig:
     max_consecutive_skips: int = 5
     """Stop with a one-line error (``NonFiniteStepError``) after this many optimizer steps in a row
     were skipped for a non-finite loss or grad norm; 0 never stops (skips are still counted)."""
+    checkpoint_full_every: int = 0
+    """One full checkpoint every this many; those between store only the model and optimizer tensors
+    whose content changed since the last full one (plus a reference to it) and load bit-exactly over
+    it. 0 or 1: every checkpoint is full. Pays off when much is unchanged (LoRA: frozen base weights);
+    with full fine-tuning AdamW changes every tensor every step."""
     lora: LoraConfig | None = None
     """Low-rank adapters on the trained roles (``train.lora.rank=8`` turns them on with the other
     keys' defaults); null trains all weights. Policy syncs and ``hf/`` exports carry the merged
@@ -150,6 +155,11 @@ class TrainStepConfig:
             self.max_consecutive_skips >= 0,
             "train.max_consecutive_skips",
             f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}",
+        )
+        check_config(
+            self.checkpoint_full_every >= 0,
+            "train.checkpoint_full_every",
+            f"must be >= 0 (0 = every checkpoint full), got {self.checkpoint_full_every}",
         )
 
 

@@ -102,6 +102,34 @@ def test_checkpoint_without_manifest_is_checked_for_empty_files(tmp_path):
     assert "trainer_state.pt is empty" in checkpoint.verify(path)
 
 
+def test_incremental_checkpoint_with_a_damaged_base_falls_back(tmp_path, caplog):
+    """An incremental checkpoint is intact only with its full base: a damaged base passes over both."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    model.bias.requires_grad_(False)  # a frozen tensor: stored once, in the full checkpoint
+    optimizer = torch.optim.AdamW([model.weight])
+    older = _save(tmp_path, 1)
+    paths, hashes = [], {}
+    for step in (2, 3):
+        model(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+        final = tmp_path / f"step_{step:08d}"
+        tmp = checkpoint.staging_dir(final)
+        if step == 2:
+            hashes = checkpoint.save(tmp / "policy", model, optimizer, {"step": step}, record_hashes=True)
+        else:
+            checkpoint.save(
+                tmp / "policy", model, optimizer, {"step": step}, base=paths[0] / "policy", base_hashes=hashes
+            )
+        checkpoint.commit(tmp, final)
+        paths.append(final)
+    assert checkpoint.is_incremental(paths[1] / "policy") and checkpoint.newest_intact(tmp_path) == paths[1]
+    _flip(paths[0] / "policy" / "__0_0.distcp")
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.newest_intact(tmp_path) == older
+    assert "names base checkpoint" in caplog.text and "__0_0.distcp" in caplog.text
+
+
 # ------------------------------------------------------------------------------ through `areno train`
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
