@@ -57,7 +57,7 @@ def direct_accuracy(cfg, hf_dir) -> float:
 
 
 def test_test_rollout_accuracy_equals_direct_evaluation_of_the_checkpoint(tmp_path):
-    cfg = _config(tmp_path, "train.steps=3", "test_rollout.enabled=true", "test_rollout.interval=1")
+    cfg = _config(tmp_path, "train.steps=3", "optim.lr=0.05", "test_rollout.enabled=true", "test_rollout.interval=1")
     rows = _run(cfg)
     test_rows = [r for r in rows if "test/accuracy" in r]
     steps = [int(r["test/step"]) for r in test_rows]
@@ -69,6 +69,8 @@ def test_test_rollout_accuracy_equals_direct_evaluation_of_the_checkpoint(tmp_pa
         assert row["test/num_prompts"] == 6
         hf_dir = tmp_path / "run" / "checkpoints" / f"step_{k:08d}" / "hf"
         assert row["test/accuracy"] == pytest.approx(direct_accuracy(cfg, hf_dir), abs=1e-12), k
+    # the checkpoint was loaded indeed: its score is not the base model's
+    assert test_rows[-1]["test/accuracy"] != pytest.approx(direct_accuracy(cfg, tmp_path / "model"))
     # a checkpoint for it at every interval, though train.save_interval is 0
     for k in (1, 2, 3):
         assert (tmp_path / "run" / "checkpoints" / f"step_{k:08d}" / "COMPLETE").is_file()
