@@ -3,6 +3,7 @@ metrics of checkpoint k equal a direct greedy evaluation of checkpoint k's ``hf/
 
 import asyncio
 import json
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from areno.data.datasets import build_splits
 from areno.engine.api import agreedy_score, load_tokenizer, resolve_recipe, rollout_sampling_params
 from areno.engine.local import LocalRolloutSide
 from areno.engine.seams import SideSetup
+from areno.engine.test_rollout import TestRolloutManager
 from areno.errors import ConfigError
 from areno.rewards.loader import load_reward
 from tests.helpers.configs import tiny_run_overrides
@@ -104,3 +106,33 @@ def test_partitioned_placement_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="test_rollout.enabled: .*colocated run only") as info:
         _config(tmp_path, "test_rollout.enabled=true", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
     assert "\n" not in str(info.value)
+
+
+def test_a_stuck_evaluation_never_blocks_training(tmp_path, monkeypatch, caplog):
+    """The evaluation hangs until the run is over: every step still trains and logs, and the end of
+    the run waits only test_rollout.final_timeout_s for it (a warning names the missing step)."""
+    gate = threading.Event()
+    evaluate = TestRolloutManager._evaluate
+
+    def stuck(self):
+        assert gate.wait(60), "the test never released the evaluation"
+        return evaluate(self)
+
+    monkeypatch.setattr(TestRolloutManager, "_evaluate", stuck)
+    cfg = _config(
+        tmp_path,
+        "train.steps=3",
+        "test_rollout.enabled=true",
+        "test_rollout.interval=1",
+        "test_rollout.final_timeout_s=0.2",
+    )
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        gate.set()
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "rollout/reward_mean" in r] == [1, 2, 3]
+    assert not any("test/accuracy" in r for r in rows)
+    assert "checkpoint step 3 not evaluated within test_rollout.final_timeout_s" in caplog.text
