@@ -19,6 +19,7 @@ from areno.engine.config import (
     ObserveSection,
     RewardSection,
     RolloutSection,
+    TestRolloutSection,
     TrainSection,
     WarmStartSection,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "OptimConfig",
     "RewardSection",
     "RolloutSection",
+    "TestRolloutSection",
     "TrainSection",
     "WarmStartSection",
     "load_config",

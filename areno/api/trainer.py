@@ -30,6 +30,7 @@ from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_yaml
 from areno.api.preflight import check_run
 from areno.api.rundir import RunDirLock, clear_run
+from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, test_metrics
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.session import configure_sessions
@@ -71,6 +72,8 @@ class Trainer:
     backend: Backend
     logger: MetricsLogger
     start_rollout_id: int = 0
+    test_rollout: TestRolloutManager | None = None
+    """The background test rollout (``config.test_rollout.enabled``)."""
 
     def __init__(self, config: ArenoConfig) -> None:
         self.config = config
@@ -115,6 +118,9 @@ class Trainer:
         )
         if resume_from is not None:
             self._resume(resume_from)
+        if config.test_rollout.enabled:
+            after = checkpoint_step(resume_from) if resume_from is not None else None
+            self.test_rollout = start_test_rollout(config, self.run_dir, after_step=after)
 
     def rollout_token_batch(self, rollout_id: int) -> RolloutBatch:
         return self.backend.rollout_batch(rollout_id)
@@ -152,10 +158,37 @@ class Trainer:
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 last_eval = self._evaluate(step)
-            if step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0):
+            if step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0) or self._test_due(step):
                 with span("checkpoint", "trainer", step=step):
                     self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
+            self._log_test_results()
+        self._finish_test_rollout()
         return last_eval
+
+    def _test_due(self, step: int) -> bool:
+        """A checkpoint is published for the test rollout at this step (``test_rollout.interval``)."""
+        return self.test_rollout is not None and step % self.config.test_rollout.interval == 0
+
+    def _log_test_results(self) -> None:
+        """Log the test rollout's finished evaluations (never waits), each at its checkpoint's step."""
+        if self.test_rollout is None:
+            return
+        for ckpt_step, metrics in self.test_rollout.pop_results():
+            self.logger.log(test_metrics(ckpt_step, metrics), step=ckpt_step)
+
+    def _finish_test_rollout(self) -> None:
+        """Wait (``test_rollout.final_timeout_s``) for the evaluation of the last checkpoint, log it."""
+        if self.test_rollout is None or self.config.train.steps <= self.start_rollout_id:
+            return
+        timeout_s = self.config.test_rollout.final_timeout_s
+        if not self.test_rollout.wait_for(self.config.train.steps, timeout_s):
+            logger.warning(
+                "test rollout: checkpoint step %d not evaluated within test_rollout.final_timeout_s=%g s; "
+                "its test/* metrics are missing",
+                self.config.train.steps,
+                timeout_s,
+            )
+        self._log_test_results()
 
     def evaluate_now(self) -> dict[str, float]:
         """Evaluate the current policy and log it at the current step."""
@@ -163,6 +196,8 @@ class Trainer:
 
     def shutdown(self) -> None:
         try:
+            if self.test_rollout is not None:
+                self.test_rollout.stop()
             self.logger.close()
             self.backend.shutdown()
             if self.config.observe.trace:

@@ -231,6 +231,33 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
     }
 
 
+async def agreedy_score(
+    client, tokenizer, reward_fn, row: dict, cfg: ArenoConfig, params: SamplingParams
+) -> Trajectory:
+    """One held-out row generated with ``params`` (greedy) and scored: the prompt rendered as
+    rollouts render it, the completion decoded, the reward under the rollouts' failure policy (a
+    raising reward scores 0 and is warned about). Shared by ``ArenoEngine.evaluate`` and the test
+    rollout (``engine/test_rollout.py``), so both score a policy alike."""
+    prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
+    prompt_ids = render_prompt(
+        tokenizer, row[prompt_key], chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt
+    )
+    out = await client.agenerate(prompt_ids, params)
+    completion = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    reward, _ = await acall_reward(
+        reward_fn, row[prompt_key], completion, row.get(answer_key), sample_fields(row, prompt_key, answer_key)
+    )
+    n = len(out.output_ids)
+    return Trajectory(
+        prompt_ids=list(prompt_ids),
+        completion_ids=list(out.output_ids),
+        logprobs=[0.0] * n,
+        versions=[0] * n,
+        reward=reward,
+        info={"prompt": row[prompt_key]},
+    )
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     """The checkpoint's tokenizer; it must have an EOS token (generation stops on it)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -415,7 +442,6 @@ class ArenoEngine:
         if self.reward_fn is None:  # offline recipes build no executor
             self.reward_fn = load_reward(cfg.reward)
         reward_fn = self.reward_fn
-        prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
         params = rollout_sampling_params(cfg, greedy=True)
         t0 = time.perf_counter()
 
@@ -427,19 +453,7 @@ class ArenoEngine:
             client.hold(self.rollout.resume)
 
         async def ascore(row: dict) -> float:
-            prompt_ids = render_prompt(
-                self.tokenizer,
-                row[prompt_key],
-                chat_template=cfg.data.chat_template,
-                system_prompt=cfg.data.system_prompt,
-            )
-            out = await client.agenerate(prompt_ids, params)
-            completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
-            # the rollouts' failure policy: a raising reward scores 0 and is warned about
-            reward, _ = await acall_reward(
-                reward_fn, row[prompt_key], completion, row.get(answer_key), sample_fields(row, prompt_key, answer_key)
-            )
-            return reward
+            return (await agreedy_score(client, self.tokenizer, reward_fn, row, cfg, params)).reward
 
         async def ascore_all() -> list[float]:
             return await asyncio.gather(*(ascore(row) for row in self.eval_rows))

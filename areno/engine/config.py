@@ -358,6 +358,47 @@ class ObserveSection:
     """Record agent episodes (turns, tool calls, rewards) to run_dir/sessions.jsonl."""
 
 
+TEST_ROLLOUT_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(kw_only=True)
+class TestRolloutSection:
+    """The test rollout (``areno.engine.test_rollout``): greedy held-out accuracy of each checkpoint,
+    evaluated in the background on a rollout engine of its own while training goes on. It loads the
+    newest complete checkpoint's ``hf/`` export (evaluations that fall behind skip to the newest) and
+    logs ``test/accuracy``, ``test/num_prompts``, ``test/load_s``, ``test/time_s`` with ``test/step``
+    = the checkpoint's step, at that step. Placement: in the trainer's process, on this machine,
+    beside a colocated run (a partitioned run is refused)."""
+
+    __test__ = False  # not a pytest test class
+
+    enabled: bool = False
+    """Run the test rollout."""
+    interval: int = 10
+    """Publish a checkpoint for it (``checkpoints/step_N``) every this many steps, besides those of
+    ``train.save_interval``; the last step's checkpoint is evaluated too."""
+    device: str = "auto"
+    """Device of its rollout engine: auto (the run's ``cluster.device``), cpu or cuda."""
+    num_prompts: int = 0
+    """Held-out rows evaluated (the first of the ``data.num_eval`` / ``data.eval_path`` rows); 0 = all."""
+    final_timeout_s: float = 600.0
+    """At the end of the run, wait at most this long for the last checkpoint's evaluation."""
+
+    def __post_init__(self) -> None:
+        check_config(self.interval >= 1, "test_rollout.interval", f"must be >= 1, got {self.interval}")
+        check_config(
+            self.device in TEST_ROLLOUT_DEVICES,
+            "test_rollout.device",
+            f"must be one of {', '.join(TEST_ROLLOUT_DEVICES)} (an engine in the trainer's process), got {self.device!r}",
+        )
+        check_config(
+            self.num_prompts >= 0, "test_rollout.num_prompts", f"must be >= 0 (0 = all), got {self.num_prompts}"
+        )
+        check_config(
+            self.final_timeout_s >= 0, "test_rollout.final_timeout_s", f"must be >= 0, got {self.final_timeout_s}"
+        )
+
+
 @dataclass(kw_only=True)
 class ArenoConfig:
     """A whole run. `areno train CONFIG key=value ...`."""
@@ -382,6 +423,7 @@ class ArenoConfig:
     train: TrainSection = field(default_factory=TrainSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     observe: ObserveSection = field(default_factory=ObserveSection)
+    test_rollout: TestRolloutSection = field(default_factory=TestRolloutSection)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # every section, their owners' settings included
@@ -393,6 +435,13 @@ class ArenoConfig:
             isinstance(self.resume, bool) or self.resume == "auto",
             "resume",
             f"must be auto, true or false, got {self.resume!r}",
+        )
+        partitioned = self.cluster.train_devices is not None or "+" in (self.cluster.allocation_mode or "")
+        check_config(
+            not (self.test_rollout.enabled and partitioned),
+            "test_rollout.enabled",
+            "the test rollout runs in the trainer's process beside a colocated run only; this run is partitioned "
+            "(cluster.train_devices/rollout_devices or a '+' allocation_mode): turn one of them off",
         )
 
 

@@ -10,6 +10,12 @@ or an ``on_metrics`` callback. A directory without ``COMPLETE`` is never read, s
 that is still being written is never loaded. A checkpoint that cannot be loaded (truncated or
 missing weights) is logged once by step and skipped (``failed_steps``); an evaluation that raises is
 logged; neither stops the thread.
+
+``start_test_rollout`` builds it from a run's config (the ``test_rollout`` section): its own
+in-process rollout engine, the held-out rows, the run's reward and the greedy scoring of
+``ArenoEngine.evaluate`` (``agreedy_score``). The trainer publishes a checkpoint every
+``test_rollout.interval`` steps, logs ``test_metrics`` of each evaluation when it arrives and, at
+the end of the run, waits for the last checkpoint's evaluation (``wait_for``).
 """
 
 from __future__ import annotations
@@ -21,9 +27,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from areno.data.datasets import build_splits
+from areno.engine.api import (
+    agreedy_score,
+    load_tokenizer,
+    prepare_model_dir,
+    resolve_device,
+    resolve_recipe,
+    rollout_sampling_params,
+)
+from areno.engine.config import ArenoConfig
 from areno.engine.executor import WorkflowExecutor
+from areno.engine.local import LocalRolloutSide
+from areno.engine.seams import SideSetup
+from areno.errors import ConfigError
+from areno.rewards.loader import load_reward
+from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.client import RolloutClient
 from areno.train.checkpoint import complete_checkpoints
+from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
 
 logger = logging.getLogger("areno.engine.test_rollout")
@@ -84,6 +106,9 @@ class TestRolloutManager:
         self._failed_steps: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._done = threading.Condition()  # notified after each checkpoint is evaluated or skipped
+        self.on_stop: Callable[[], None] | None = None
+        """Called by ``stop()`` after the thread ends (e.g. shut the evaluation engine down)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -99,6 +124,18 @@ class TestRolloutManager:
             self._thread.join()
             self._thread = None
         self._executor.stop()
+        if self.on_stop is not None:
+            self.on_stop()
+
+    def wait_for(self, step: int, timeout_s: float) -> bool:
+        """Wait until checkpoint ``step`` (or a newer one) is evaluated or skipped as unloadable;
+        False when ``timeout_s`` passes first."""
+
+        def done() -> bool:
+            return (self.last_step is not None and self.last_step >= step) or any(s >= step for s in self._failed_steps)
+
+        with self._done:
+            return self._done.wait_for(done, timeout=timeout_s)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -108,6 +145,8 @@ class TestRolloutManager:
                 logger.exception(
                     "test rollout: evaluating checkpoint step %s failed; waiting for the next one", self.last_step
                 )
+            with self._done:
+                self._done.notify_all()
             self._stop.wait(self.poll_interval_s)
 
     @property
@@ -165,3 +204,72 @@ class TestRolloutManager:
         with self._results_lock:
             out, self._results = self._results, []
         return out
+
+
+class GreedyEvalWorkflow(RolloutWorkflow):
+    """One greedy completion of a held-out row, scored as ``ArenoEngine.evaluate`` scores it."""
+
+    def __init__(self, tokenizer, reward_fn, config: ArenoConfig, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.config = config
+        self.params = params
+
+    async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> Trajectory:
+        return await agreedy_score(client, self.tokenizer, self.reward_fn, sample, self.config, self.params)
+
+
+POLL_INTERVAL_S = 0.5
+"""Seconds between the test rollout's scans of run_dir/checkpoints."""
+
+
+def start_test_rollout(
+    config: ArenoConfig, run_dir: str | Path, *, after_step: int | None = None
+) -> TestRolloutManager:
+    """The running test rollout of a colocated run (``config.test_rollout``, see the module doc): a
+    rollout engine of its own on ``test_rollout.device``, started from ``model.path`` and hot-loaded
+    from each checkpoint's ``hf/`` export, greedily scoring the held-out rows with the run's reward.
+    ``after_step``: checkpoints up to it are not evaluated (a resumed run's were, before it stopped)."""
+    section = config.test_rollout
+    device = resolve_device(config.cluster.device if section.device == "auto" else section.device)
+    _, eval_rows = build_splits(config.data)
+    if section.num_prompts:
+        eval_rows = eval_rows[: section.num_prompts]
+    if not eval_rows:
+        raise ConfigError(
+            "test_rollout.enabled: there are no held-out rows to evaluate: set data.num_eval > 0 (or data.eval_path)"
+        )
+    model_dir = prepare_model_dir(config)
+    tokenizer = load_tokenizer(model_dir)
+    side = LocalRolloutSide(config, device)
+    side.start(SideSetup(recipe=resolve_recipe(config), model_dir=model_dir, tokenizer=tokenizer))
+    reward_fn = load_reward(config.reward)
+    workflow = GreedyEvalWorkflow(tokenizer, reward_fn, config, rollout_sampling_params(config, greedy=True))
+    manager = TestRolloutManager(
+        Path(run_dir) / "checkpoints", side.engine, side.client, workflow, eval_rows, poll_interval_s=POLL_INTERVAL_S
+    )
+
+    def close() -> None:
+        side.shutdown()
+        if isinstance(reward_fn, RewardSandbox):
+            release_shared(reward_fn)
+
+    manager.on_stop = close
+    manager.last_step = after_step
+    manager.start()
+    return manager
+
+
+def test_metrics(step: int, metrics: dict[str, float]) -> dict[str, float]:
+    """The trainer's ``test/*`` metrics of the evaluation of checkpoint ``step``."""
+    return {
+        "test/accuracy": metrics["eval/reward_mean"],
+        "test/num_prompts": metrics["eval/num_trajectories"],
+        "test/reward_errors": metrics["eval/reward_errors"],
+        "test/load_s": metrics["eval/load_s"],
+        "test/time_s": metrics["eval/time_s"],
+        "test/step": float(step),
+    }
+
+
+test_metrics.__test__ = False  # not a pytest test function

@@ -33,7 +33,7 @@ from typing import Any, TextIO
 
 from areno.errors import DataError
 
-NAMESPACES: tuple[str, ...] = ("rollout/", "train/", "eval/", "timing/", "system/")
+NAMESPACES: tuple[str, ...] = ("rollout/", "train/", "eval/", "test/", "timing/", "system/")
 """Allowed name prefixes (besides ``policy_sync_``)."""
 POLICY_SYNC_PREFIX = "policy_sync_"
 POLICY_SYNC_KEYS: tuple[str, ...] = (
@@ -222,9 +222,10 @@ class ConsoleSink(MetricSink):
         return fields
 
     def write(self, metrics: Mapping[str, Number], step: int) -> None:
-        is_step = step > self._last_step or any(not k.startswith("eval/") for k in metrics)
+        # held-out results (eval/, and test/ logged late at their checkpoint's step) print as one line
+        is_step = step > self._last_step or any(not k.startswith(("eval/", "test/")) for k in metrics)
         fields = self.summary(metrics, step)
-        eval_fields = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        eval_fields = {k: v for k, v in metrics.items() if k.startswith(("eval/", "test/"))}
         if self._bar is not None:
             if step > self._last_step:
                 self._bar.update(step - self._last_step)
