@@ -10,6 +10,7 @@ from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
 from areno.types import TokenBatch, Trajectory
+from tests.helpers.configs import tiny_grpo_overrides
 
 
 def test_backend_registry():
@@ -66,16 +67,7 @@ def _config(tmp_path, *extra):
     return load_config(
         None,
         [
-            f"run_dir={tmp_path / 'run'}",
-            f"model.path={tmp_path / 'model'}",
-            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-            "data.task=arithmetic",
-            "data.num_eval=8",
-            "rollout.batch_size=4",
-            "rollout.n_samples=8",
-            "rollout.max_new_tokens=4",
-            "cluster.device=cpu",
-            "observe.console=false",
+            *tiny_grpo_overrides(tmp_path),
             *extra,
         ],
     )

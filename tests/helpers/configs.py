@@ -25,3 +25,19 @@ def tiny_run_overrides(
         "optim.lr=0.01",
         f"reward.fn={reward}",
     ]
+
+
+def tiny_grpo_overrides(tmp_path: Path) -> list[str]:
+    """The trainer tests' colocated run: a one-layer model, 4 prompts x 8 samples of 4 tokens, on the CPU."""
+    return [
+        f"run_dir={tmp_path / 'run'}",
+        f"model.path={tmp_path / 'model'}",
+        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+        "data.task=arithmetic",
+        "data.num_eval=8",
+        "rollout.batch_size=4",
+        "rollout.n_samples=8",
+        "rollout.max_new_tokens=4",
+        "cluster.device=cpu",
+        "observe.console=false",
+    ]

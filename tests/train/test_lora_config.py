@@ -11,22 +11,14 @@ from areno.api.trainer import Trainer
 from areno.engine.config import build_train_backend_config
 from areno.errors import ConfigError
 from areno.train.lora import lora_layers
+from tests.helpers.configs import tiny_grpo_overrides
 
 
 def _config(tmp_path, *extra):
     return load_config(
         None,
         [
-            f"run_dir={tmp_path / 'run'}",
-            f"model.path={tmp_path / 'model'}",
-            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-            "data.task=arithmetic",
-            "data.num_eval=8",
-            "rollout.batch_size=4",
-            "rollout.n_samples=8",
-            "rollout.max_new_tokens=4",
-            "cluster.device=cpu",
-            "observe.console=false",
+            *tiny_grpo_overrides(tmp_path),
             "reward.fn=tests.helpers.rewards:sevens",
             "reward.sandbox=false",
             "train.eval_interval=0",
