@@ -408,7 +408,8 @@ class ArenoEngine:
         with hold:
             # the version the rollout policy carries (loglinear π_prox)
             out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
-        metrics = {f"train/{k}": v for k, v in out.items()}
+        # the training side's figures of the rollout (rollout/logprob_abs_diff_*) keep their section
+        metrics = {k if k.startswith("rollout/") else f"train/{k}": v for k, v in out.items()}
         if self.store is not None and rollout.pass_order is None:
             # trained (later passes reuse the prepared batch): their stored observations are done with
             release_refs([t.info for t in rollout.trajectories], self.store)

@@ -22,12 +22,15 @@ from omegaconf import MISSING
 
 from areno.data.prompts import CHAT_TEMPLATE_MODES
 from areno.errors import ConfigError, check_config
-from areno.launch.allocation import AllocationModeError, check_supported, parse_allocation_mode
+from areno.launch.allocation import AllocationModeError, check_supported, inference_backend, parse_allocation_mode
 from areno.launch.scheduler import scheduler_config
 from areno.rewards.sandbox import MAX_TIMEOUT_S
 from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
 from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
 from areno.types import MIN_TEMPERATURE
+
+ROLLOUT_BACKENDS = ("areno", "vllm", "sglang")
+"""``rollout.backend``: areno's own engine, or an inference server of another system."""
 
 
 def _check_finite(section: object, prefix: str) -> None:
@@ -192,6 +195,19 @@ class RolloutSection(RolloutEngineSettings):
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""
+    backend: str = "areno"
+    """Who generates the rollouts: areno (its own engine), vllm or sglang (inference servers behind
+    the rollout seam, sent each policy as a safetensors export; see docs/inference_servers.md). An
+    ``allocation_mode`` naming vllm or sglang selects the same."""
+    servers: list[str] = field(default_factory=list)
+    """vllm/sglang: base URLs of servers you started (``http://host:port``), serving model.path;
+    empty: areno starts one server per rollout data-parallel rank itself, logs in run_dir/workers/."""
+    server_api_key: str | None = None
+    """vllm/sglang: the API key of the servers in ``servers`` (areno's own servers get a fresh one)."""
+    server_args: list[str] = field(default_factory=list)
+    """vllm/sglang: extra command-line arguments of the servers areno starts (e.g. --enforce-eager)."""
+    server_start_timeout_s: float = 600.0
+    """vllm/sglang: how long a server areno starts may take to answer /health."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -218,6 +234,25 @@ class RolloutSection(RolloutEngineSettings):
             self.max_consecutive_dropped >= 0,
             "rollout.max_consecutive_dropped",
             f"must be >= 0 (0 = never stop), got {self.max_consecutive_dropped}",
+        )
+        check_config(
+            self.backend in ROLLOUT_BACKENDS,
+            "rollout.backend",
+            f"must be one of {', '.join(ROLLOUT_BACKENDS)}, got {self.backend!r}",
+        )
+        check_config(
+            not self.servers or self.backend != "areno",
+            "rollout.servers",
+            "lists vLLM/SGLang servers: set rollout.backend to vllm or sglang, or empty the list",
+        )
+        for url in self.servers:
+            check_config(
+                url.startswith(("http://", "https://")), "rollout.servers", f"{url!r} is not an http(s):// URL"
+            )
+        check_config(
+            self.server_start_timeout_s > 0,
+            "rollout.server_start_timeout_s",
+            f"must be > 0, got {self.server_start_timeout_s}",
         )
 
 
@@ -436,6 +471,13 @@ class ArenoConfig:
             "resume",
             f"must be auto, true or false, got {self.resume!r}",
         )
+        self.rollout.backend = resolve_rollout_backend(self.rollout.backend, self.cluster.allocation_mode)
+        check_config(
+            self.rollout.backend == "areno" or self.cluster.train_devices is None,
+            "cluster.train_devices",
+            f"a {self.rollout.backend} rollout takes its layout from cluster.allocation_mode "
+            f"(e.g. '{self.rollout.backend}:d2t1+fsdp:d1') or rollout.servers, not device lists",
+        )
         partitioned = self.cluster.train_devices is not None or "+" in (self.cluster.allocation_mode or "")
         check_config(
             not (self.test_rollout.enabled and partitioned),
@@ -443,6 +485,20 @@ class ArenoConfig:
             "the test rollout runs in the trainer's process beside a colocated run only; this run is partitioned "
             "(cluster.train_devices/rollout_devices or a '+' allocation_mode): turn one of them off",
         )
+
+
+def resolve_rollout_backend(backend: str, allocation_mode: str | None) -> str:
+    """``rollout.backend``, or the inference backend ``allocation_mode`` names (vllm, sglang) when
+    the key is left at areno; a ConfigError when the two name different ones."""
+    named = inference_backend(parse_allocation_mode(allocation_mode)) if allocation_mode else None
+    if named is None or named == backend:
+        return backend
+    check_config(
+        backend == "areno",  # the default: the allocation string chooses
+        "rollout.backend",
+        f"is {backend!r} but cluster.allocation_mode {allocation_mode!r} names {named!r}: make them agree",
+    )
+    return named
 
 
 class Dtypes(NamedTuple):

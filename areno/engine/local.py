@@ -51,10 +51,15 @@ class LocalTrainingSide(TrainingSide):
     """The synced role's weights (None: no role syncs to rollout)."""
     _disk: DiskTransport | None
 
-    def __init__(self, config: ArenoConfig, device: torch.device, *, export_root: Path) -> None:
+    def __init__(
+        self, config: ArenoConfig, device: torch.device, *, export_root: Path, measure_rollout_logprobs: bool = False
+    ) -> None:
+        """``measure_rollout_logprobs``: log ``rollout/logprob_abs_diff_*`` each step (an extra
+        no-grad forward unless the loss recomputes log-probs anyway)."""
         self.config = config
         self.device = device
         self.export_root = export_root
+        self.measure_rollout_logprobs = measure_rollout_logprobs
 
     def start(self, setup: SideSetup) -> None:
         cfg = self.config
@@ -63,7 +68,12 @@ class LocalTrainingSide(TrainingSide):
         backends = build_role_backends(
             cfg, setup.recipe, setup.model_dir, lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
         )
-        self.runner = RecipeRunner(setup.recipe, backends, num_minibatches=cfg.train.num_minibatches)
+        self.runner = RecipeRunner(
+            setup.recipe,
+            backends,
+            num_minibatches=cfg.train.num_minibatches,
+            measure_rollout_logprobs=self.measure_rollout_logprobs,
+        )
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else setup.recipe.roles[0].name
         self._source = NamedTensorSource(backends[self.policy].named_weights) if synced else None

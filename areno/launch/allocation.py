@@ -33,10 +33,12 @@ __all__ = [
     "BACKENDS",
     "AllocationMode",
     "AllocationModeError",
+    "SERVER_BACKENDS",
     "SUPPORTED_BACKENDS",
     "BackendSpec",
     "Component",
     "check_supported",
+    "inference_backend",
     "map_roles",
     "parse_allocation_mode",
 ]
@@ -68,10 +70,12 @@ BACKENDS: dict[str, BackendSpec] = {
     "megatron": BackendSpec(kind="train", dims=frozenset("dtp")),
 }
 """Backend names accepted in allocation strings. areno's own engines are ``areno`` and ``fsdp``;
-the others are accepted so that an allocation written for a peer system parses and places."""
+vllm and sglang are inference servers of those systems; megatron only parses."""
 
-SUPPORTED_BACKENDS = frozenset({"areno", "fsdp"})
-"""The backends a run can use today (``check_supported``); the others only parse."""
+SUPPORTED_BACKENDS = frozenset({"areno", "fsdp", "vllm", "sglang"})
+"""The backends a run can use (``check_supported``); the others (megatron) only parse."""
+SERVER_BACKENDS = frozenset({"vllm", "sglang"})
+"""Inference backends that are servers of another system (``engine/servers.py``)."""
 
 _DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline"}
 
@@ -284,16 +288,29 @@ def _check(source: str, groups: tuple[tuple[Component, ...], ...]) -> None:
 
 
 def check_supported(alloc: AllocationMode) -> None:
-    """``AllocationModeError`` (one line) naming the first component whose backend areno cannot
-    run yet: a run would otherwise silently use areno's own engines in its place."""
+    """``AllocationModeError`` (one line) naming the first component areno cannot run: a training
+    backend other than fsdp, two different inference backends, or an inference server (vllm,
+    sglang) beside training on more than one device (its training side is this process)."""
     for c in alloc.components:
-        if c.backend in SUPPORTED_BACKENDS:
-            continue
-        if c.kind == "inference":
-            raise AllocationModeError(
-                f"rollout backend {c.backend!r} ({c}) is not supported yet: use areno (issue #16 adds vLLM/SGLang)"
-            )
-        raise AllocationModeError(f"training backend {c.backend!r} ({c}) is not supported yet: use fsdp")
+        if c.backend not in SUPPORTED_BACKENDS:
+            raise AllocationModeError(f"training backend {c.backend!r} ({c}) is not supported: use fsdp")
+    inference = {c.backend for c in alloc.components if c.kind == "inference"}
+    if len(inference) > 1:
+        raise AllocationModeError(f"one inference backend per run, got {sorted(inference)}")
+    if inference & SERVER_BACKENDS:
+        for c in alloc.components:
+            if c.kind == "train" and c.world_size > 1:
+                raise AllocationModeError(
+                    f"{c} with a {next(iter(inference))} rollout: training runs in this process on one device "
+                    f"with inference servers; use {c.backend}:d1"
+                )
+            if c.kind == "inference" and c.pp > 1:
+                raise AllocationModeError(f"{c}: pipeline parallelism of inference servers is not supported; use d/t")
+
+
+def inference_backend(alloc: AllocationMode) -> str | None:
+    """The inference backend the string names (areno, vllm, sglang), or None when it names none."""
+    return next((c.backend for c in alloc.components if c.kind == "inference"), None)
 
 
 # ---------------------------------------------------------------------------------------------
