@@ -208,8 +208,15 @@ class ServerRolloutSide(RolloutSide):
             return dict(self._lost)
 
     def metrics(self) -> dict[str, float]:
-        self.lost_servers()
-        return {**self.health.metrics(), "rollout/lost_servers": float(len(self._lost))}
+        """The health monitor's figures, a dropped server counted unhealthy, and ``lost_servers``."""
+        lost = self.lost_servers()
+        healthy = [self.health.is_healthy(u) and u not in lost for u in self.urls]
+        return {
+            "rollout/healthy_servers": float(sum(healthy)),
+            "rollout/unhealthy_servers": float(len(healthy) - sum(healthy)),
+            **{f"rollout/server_{i}_healthy": float(h) for i, h in enumerate(healthy)},
+            "rollout/lost_servers": float(len(lost)),
+        }
 
     def rng_state(self) -> torch.Tensor | None:
         return None  # the servers' samplers are their own; episodes carry their seeds
