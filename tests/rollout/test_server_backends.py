@@ -282,3 +282,101 @@ def test_logprob_diff_metrics_over_trained_tokens():
     m = logprob_diff_metrics(rollout, trainer, mask)
     assert m == {"rollout/logprob_abs_diff_mean": pytest.approx(0.25), "rollout/logprob_abs_diff_max": 0.5}
     assert logprob_diff_metrics(rollout, trainer, torch.zeros(4)) == {}
+
+
+def _server_config(tmp_path, *overrides):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2}))
+    return load_config(None, [f"model.path={model}", f"run_dir={tmp_path / 'run'}", *overrides]), model
+
+
+def test_build_engine_puts_server_backends_behind_the_rollout_seam(tmp_path):
+    from areno.engine.placement import build_engine
+    from areno.engine.seams import WeightKind
+    from areno.engine.servers import ServerRolloutSide
+
+    cfg, _ = _server_config(tmp_path, "rollout.backend=vllm", "rollout.servers=[http://127.0.0.1:9]")
+    engine = build_engine(cfg, tmp_path / "run")
+    assert isinstance(engine.rollout, ServerRolloutSide) and engine.weight_kind is WeightKind.DISK
+    assert engine.training.measure_rollout_logprobs
+
+
+def test_unreachable_server_at_start_names_the_url(tmp_path):
+    from areno.engine.seams import SideSetup
+    from areno.engine.servers import ServerRolloutSide
+    from areno.launch.scheduler import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg, model = _server_config(tmp_path, "rollout.backend=vllm", f"rollout.servers=[{url}]")
+    side = ServerRolloutSide(cfg, tmp_path / "run")
+    with pytest.raises(RunFailure, match=f"^vllm server {re.escape(url)} cannot be reached"):
+        side.start(SideSetup(recipe=None, model_dir=model, tokenizer=None))
+    side.shutdown()
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_before_a_server_starts(tmp_path, monkeypatch):
+    from areno.engine.seams import SideSetup
+    from areno.engine.servers import ServerRolloutSide
+
+    monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
+    started = []
+    monkeypatch.setattr("areno.engine.servers.start_servers", lambda *a, **k: started.append(a))
+    cfg, model = _server_config(tmp_path, "cluster.allocation_mode='vllm:t3+fsdp:d1'")
+    side = ServerRolloutSide(cfg, tmp_path / "run")
+    with pytest.raises(ConfigError, match="vllm TP size 3 must divide the model's 4 attention heads"):
+        side.start(SideSetup(recipe=None, model_dir=model, tokenizer=None))
+    assert not started
+
+
+def test_missing_server_package_is_a_config_error(monkeypatch):
+    from areno.launch.servers import check_server_install
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(
+        ConfigError, match=r"^rollout.backend=vllm: vllm is not installed in .*pip install 'areno\[vllm\]'"
+    ):
+        check_server_install("vllm")
+
+
+def test_grpo_through_the_vllm_backend_against_a_stand_in_server(tmp_path):
+    """``areno train``'s path with ``rollout.backend=vllm`` and ``rollout.servers``: the policy goes
+    out as a disk export at each sync, loaded through vLLM's routes; the trainer's log-probs match
+    the server's (its engine is areno's, so they are equal)."""
+    from areno.api.trainer import Trainer
+    from areno.data.tokenizer import build_char_tokenizer
+    from areno.models.hf_io import init_model_dir, tiny_config
+    from tests.helpers.configs import tiny_run_overrides
+    from tests.helpers.fake_vllm import fake_vllm_app
+    from tests.helpers.serving import serving
+
+    tok = build_char_tokenizer()
+    model = tmp_path / "model"
+    init_model_dir(
+        model, tiny_config(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64), tok
+    )
+    app = fake_vllm_app(model, tok.eos_token_id)
+    with serving(app) as url:
+        cfg = load_config(
+            None,
+            [
+                *tiny_run_overrides(tmp_path),
+                "train.steps=2",
+                "data.num_eval=0",
+                "rollout.backend=vllm",
+                f"rollout.servers=[{url}]",
+            ],
+        )
+        trainer = Trainer.init(cfg)
+        try:
+            trainer.run()
+        finally:
+            trainer.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/logprob_abs_diff_mean" in r]
+    assert len(steps) == 2 and all(r["rollout/logprob_abs_diff_max"] < 1e-4 for r in steps), steps
+    assert all(r["rollout/staleness_max"] == 0 and r["rollout/healthy_servers"] == 1 for r in steps)
+    assert app.state.engine.version == 2  # both syncs reached the server
+    names = [name for name, _ in app.state.calls]
+    assert names == ["pause", "collective_rpc", "reset_prefix_cache", "resume"] * 2
+    assert app.state.calls[0][1] == {"mode": "keep"}
