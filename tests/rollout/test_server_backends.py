@@ -14,13 +14,23 @@ import pytest
 import torch
 
 from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.data.tokenizer import build_char_tokenizer
+from areno.engine.placement import build_engine
+from areno.engine.seams import SideSetup, WeightKind
+from areno.engine.servers import ServerRolloutSide
 from areno.errors import ConfigError, RunFailure
-from areno.launch.servers import ServerSpec, check_tp, server_command, server_env
+from areno.launch.scheduler import free_port
+from areno.launch.servers import ServerSpec, check_server_install, check_tp, server_command, server_env
+from areno.models.hf_io import init_model_dir, tiny_config
 from areno.recipes.runner import logprob_diff_metrics
 from areno.rollout.backends import SGLangRolloutClient, VLLMRolloutClient
 from areno.rollout.backends.admin import admin_for
 from areno.rollout.client import MultiServerRolloutClient, RolloutServerError
 from areno.types import SamplingParams
+from tests.helpers.configs import tiny_run_overrides
+from tests.helpers.fake_vllm import fake_vllm_app
+from tests.helpers.serving import serving
 
 # A vLLM 0.32 /v1/completions stream (token-id prompt, logprobs=0, return_token_ids), as recorded.
 VLLM_STREAM = [
@@ -210,6 +220,7 @@ def test_sglang_admin_routes():
     assert [p for p, _ in calls] == [
         "/get_model_info", "/pause_generation", "/update_weights_from_disk", "/flush_cache", "/continue_generation"
     ]  # fmt: skip
+    assert calls[1][1] == {"mode": "retract"}  # requests kept, their context recomputed after the update
     assert calls[2][1]["model_path"] == "/p" and calls[2][1]["abort_all_requests"] is False
     with pytest.raises(RunFailure, match="refused policy v2 from /bad: bad shape"):
         admin.load_weights("http://s", Path("/bad"), 2)
@@ -292,9 +303,6 @@ def _server_config(tmp_path, *overrides):
 
 
 def test_build_engine_puts_server_backends_behind_the_rollout_seam(tmp_path):
-    from areno.engine.placement import build_engine
-    from areno.engine.seams import WeightKind
-    from areno.engine.servers import ServerRolloutSide
 
     cfg, _ = _server_config(tmp_path, "rollout.backend=vllm", "rollout.servers=[http://127.0.0.1:9]")
     engine = build_engine(cfg, tmp_path / "run")
@@ -303,9 +311,6 @@ def test_build_engine_puts_server_backends_behind_the_rollout_seam(tmp_path):
 
 
 def test_unreachable_server_at_start_names_the_url(tmp_path):
-    from areno.engine.seams import SideSetup
-    from areno.engine.servers import ServerRolloutSide
-    from areno.launch.scheduler import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     cfg, model = _server_config(tmp_path, "rollout.backend=vllm", f"rollout.servers=[{url}]")
@@ -316,8 +321,6 @@ def test_unreachable_server_at_start_names_the_url(tmp_path):
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_before_a_server_starts(tmp_path, monkeypatch):
-    from areno.engine.seams import SideSetup
-    from areno.engine.servers import ServerRolloutSide
 
     monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
     started = []
@@ -330,7 +333,6 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_a_server_starts(tmp
 
 
 def test_missing_server_package_is_a_config_error(monkeypatch):
-    from areno.launch.servers import check_server_install
 
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(
@@ -343,12 +345,6 @@ def test_grpo_through_the_vllm_backend_against_a_stand_in_server(tmp_path):
     """``areno train``'s path with ``rollout.backend=vllm`` and ``rollout.servers``: the policy goes
     out as a disk export at each sync, loaded through vLLM's routes; the trainer's log-probs match
     the server's (its engine is areno's, so they are equal)."""
-    from areno.api.trainer import Trainer
-    from areno.data.tokenizer import build_char_tokenizer
-    from areno.models.hf_io import init_model_dir, tiny_config
-    from tests.helpers.configs import tiny_run_overrides
-    from tests.helpers.fake_vllm import fake_vllm_app
-    from tests.helpers.serving import serving
 
     tok = build_char_tokenizer()
     model = tmp_path / "model"

@@ -6,7 +6,7 @@ vLLM (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep``, ``POST /resume``, 
 ``POST /collective_rpc`` with ``reload_weights(weights_path=...)`` (every worker loads the
 export in place), then ``POST /reset_prefix_cache?reset_running_requests=true``: cached prefixes
 of the old policy are dropped and requests in flight recompute their context under the new one.
-SGLang: ``POST /pause_generation`` (``mode: in_place``), ``POST /continue_generation``,
+SGLang: ``POST /pause_generation`` (``mode: retract``: requests kept, their context recomputed), ``POST /continue_generation``,
 ``POST /update_weights_from_disk``, ``POST /flush_cache``, ``GET /get_model_info``.
 """
 
@@ -152,7 +152,10 @@ class SGLangAdmin(ServerAdmin):
         return served_dir
 
     def pause(self, url: str) -> None:
-        self._call("POST", url, "/pause_generation", json={"mode": "in_place"})
+        # retract: running requests go back to the queue, so the cache can be flushed and their
+        # context is recomputed under the new policy on continue (in_place would keep old K/V
+        # and make /flush_cache fail)
+        self._call("POST", url, "/pause_generation", json={"mode": "retract"})
 
     def resume(self, url: str) -> None:
         self._call("POST", url, "/continue_generation", json={})
@@ -162,7 +165,12 @@ class SGLangAdmin(ServerAdmin):
             "POST",
             url,
             "/update_weights_from_disk",
-            json={"model_path": str(path), "abort_all_requests": False, "weight_version": str(version)},
+            json={
+                "model_path": str(path),
+                "abort_all_requests": False,
+                "weight_version": str(version),
+                "flush_cache": True,
+            },
             timeout=self.load_timeout_s,
         ).json()
         if not answer.get("success", False):
