@@ -152,8 +152,10 @@ class RecipeRunner:
         synced = [n for n in self.roles_to_sync() if n in trainable]
         if self.measure_rollout_logprobs and synced:
             # the policy's own no-grad forward (shared with a recompute the loss asks for)
+            # only tokens sampled by the policy version being trained: staleness is not mismatch
+            current_T = rollout_data.versions_T == self.versions[synced[0]]
             self._rollout_metrics = logprob_diff_metrics(
-                rollout_data.logprobs_T, forward(synced[0])["logprobs_T"], rollout_data.loss_mask_T
+                rollout_data.logprobs_T, forward(synced[0])["logprobs_T"], rollout_data.loss_mask_T.bool() & current_T
             )
         return {name: self.specs[name].prepare_batch(data[name]) for name in trainable}
 
@@ -194,7 +196,7 @@ def logprob_diff_metrics(
     rollout_logprobs_T: torch.Tensor, trainer_logprobs_T: torch.Tensor, loss_mask_T: torch.Tensor
 ) -> dict[str, float]:
     """``rollout/logprob_abs_diff_mean`` and ``_max``: |rollout log-prob - trainer log-prob| over
-    the trained tokens (the train/inference mismatch of an inference server's numerics)."""
+    the tokens of ``loss_mask_T`` (the train/inference mismatch of an inference server's numerics)."""
     mask_T = loss_mask_T.to(torch.bool)
     if not mask_T.any():
         return {}

@@ -12,6 +12,7 @@ SGLang: ``POST /pause_generation`` (``mode: retract``: requests kept, their cont
 
 from __future__ import annotations
 
+import abc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_atten
 """config.json fields that must agree between the trainer's model and the served one."""
 
 
-class ServerAdmin:
+class ServerAdmin(abc.ABC):
     """The control routes of one backend's servers (subclasses fill in the routes)."""
 
     backend: str
@@ -40,24 +41,26 @@ class ServerAdmin:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=headers, transport=transport, timeout=self.check_timeout_s)
 
+    @abc.abstractmethod
     def client(self, url: str, *, model: str, version: Callable[[], int], timeout_s: float) -> StreamingServerClient:
         """The generation client of the server at ``url``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def check(self, url: str, model_config: dict) -> str:
         """Before training starts: the server answers, has the pause API and serves a model shaped
         like ``model_config``; returns its served model name."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def pause(self, url: str) -> None:
-        raise NotImplementedError
+        """Hold generation, requests kept."""
 
+    @abc.abstractmethod
     def resume(self, url: str) -> None:
-        raise NotImplementedError
+        """Let the held requests continue."""
 
+    @abc.abstractmethod
     def load_weights(self, url: str, path: Path, version: int) -> None:
         """The server serves the export at ``path`` from now on; ``RunFailure`` if it refuses."""
-        raise NotImplementedError
 
     def _call(self, method: str, url: str, route: str, **kwargs: Any) -> httpx.Response:
         """One control call; transport errors propagate (an unreachable server), an error status
