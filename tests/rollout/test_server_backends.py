@@ -358,7 +358,8 @@ def test_grpo_through_the_vllm_backend_against_a_stand_in_server(tmp_path):
             [
                 *tiny_run_overrides(tmp_path),
                 "train.steps=2",
-                "data.num_eval=0",
+                "data.num_eval=2",
+                "train.eval_interval=1",
                 "rollout.backend=vllm",
                 f"rollout.servers=[{url}]",
             ],
@@ -373,6 +374,7 @@ def test_grpo_through_the_vllm_backend_against_a_stand_in_server(tmp_path):
     assert len(steps) == 2 and all(r["rollout/logprob_abs_diff_max"] < 1e-4 for r in steps), steps
     assert all(r["rollout/staleness_max"] == 0 and r["rollout/healthy_servers"] == 1 for r in steps)
     assert app.state.engine.version == 2  # both syncs reached the server
+    assert sum("eval/accuracy" in r for r in rows) >= 2  # held-out evaluation through the server too
     names = [name for name, _ in app.state.calls]
     assert names == ["pause", "collective_rpc", "reset_prefix_cache", "resume"] * 2
     assert app.state.calls[0][1] == {"mode": "keep"}
