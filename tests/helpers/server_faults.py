@@ -29,10 +29,11 @@ def served_children(module: str = "vllm.entrypoints.openai.api_server") -> list[
 
 
 def kill_a_server_at_step_two(prompt: str, completion: str, answer: str, **row) -> float:
-    """Scores 0; at the ``KILL_AT_CALL``-th call kills the first server's process group."""
+    """Exact match; at the ``KILL_AT_CALL``-th call kills the newest server's process group (the
+    run's own: servers of other tests of the session were started before it)."""
     global _calls
     _calls += 1
     if _calls == KILL_AT_CALL:
         pids = served_children()
-        os.killpg(pids[0], signal.SIGKILL)
+        os.killpg(pids[-1], signal.SIGKILL)
     return float(completion.strip() == str(answer))

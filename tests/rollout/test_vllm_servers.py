@@ -31,6 +31,7 @@ from areno.engine.local import LocalRolloutSide  # noqa: E402
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate  # noqa: E402
 from areno.engine.servers import ServerRolloutSide  # noqa: E402
 from areno.models.hf_io import init_model_dir, tiny_config  # noqa: E402
+from areno.rollout.backends import VLLMRolloutClient  # noqa: E402
 from areno.types import SamplingParams  # noqa: E402
 
 LOGPROB_ATOL = 1e-4
@@ -136,10 +137,17 @@ def test_sync_pauses_with_requests_in_flight_and_stamps_versions(served, tmp_pat
     probe = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     before = _generate(side.client, PROMPTS[:1], probe)[0]
     long = SamplingParams(temperature=1.0, max_new_tokens=96, ignore_eos=True, seed=1)
+    streaming = threading.Event()
+
+    def version() -> int:  # called as each token arrives
+        streaming.set()
+        return side.version
+
+    client = VLLMRolloutClient(side.urls[0], side.admin.api_key, model="areno-policy", version=version)
     results: list = []
-    thread = threading.Thread(target=lambda: results.extend(_generate(side.client, PROMPTS, long)))
+    thread = threading.Thread(target=lambda: results.extend(_generate(client, PROMPTS, long)))
     thread.start()
-    time.sleep(2.0)  # the requests are generating
+    assert streaming.wait(timeout=120)  # the requests are generating
     export = _perturbed_export(setup.model_dir, tmp_path / "policy-v1", seed=1)
     metrics = side.update_weights(WeightUpdate(version=side.version + 1, kind=WeightKind.DISK, path=export))
     thread.join(timeout=300)
