@@ -315,8 +315,15 @@ def _tensor_hash(tensor: torch.Tensor) -> str:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
     data = local.detach().contiguous().cpu()
     digest = hashlib.blake2b(f"{data.dtype}{tuple(data.shape)}".encode(), digest_size=16)
-    digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    if data.numel():
+        digest.update(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no bytes copy
     return digest.hexdigest()
+
+
+def _tensor_hashes(items: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    # hashlib releases the GIL on large buffers: tensors hash (and leave the device) in parallel
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(items)))) as pool:
+        return dict(zip((name for name, _ in items), pool.map(lambda item: _tensor_hash(item[1]), items)))
 
 
 def _agree_changed(changed: list[bool]) -> list[bool]:
@@ -375,7 +382,7 @@ def save(
     if optimizer is not None:
         state["optim"] = optim_sd
     items = _tensor_items(state) if base is not None or record_hashes else []
-    hashes = {name: _tensor_hash(t) for name, t in items}
+    hashes = _tensor_hashes(items)
     if base is None:
         dcp.save(state, checkpoint_id=str(path))
         if record_hashes:
