@@ -46,7 +46,7 @@ from areno.rollout.store import InProcessStore, release_refs
 from areno.train import checkpoint
 from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
 from areno.workflows.base import load_workflow
-from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs
+from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +333,7 @@ class ArenoEngine:
             prompt_key=cfg.data.prompt_key,
             answer_key=cfg.data.answer_key,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
+            **teacher_kwargs(cfg.rollout.workflow, self.recipe, cfg.rollout.workflow_kwargs),
             **prompt_kwargs(
                 cfg.rollout.workflow,
                 cfg.rollout.workflow_kwargs,
