@@ -45,7 +45,7 @@ from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, release_refs
 from areno.train import checkpoint
 from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
-from areno.workflows.base import load_workflow
+from areno.workflows.base import RolloutWorkflow, load_workflow
 from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
 
 logger = logging.getLogger(__name__)
@@ -288,6 +288,8 @@ class ArenoEngine:
     ledger: SampleLedger | None = None
     """Online recipes: hands out the prompts, keeps those not yet trained (the data cursor an
     asynchronous pool runs ahead of) and their stream keys (the episodes' sampling seeds)."""
+    workflow: RolloutWorkflow | None = None
+    """Online recipes: the user's workflow (``rollout.workflow``), closed at shutdown."""
     store: InProcessStore | None = None
     """Online recipes: where workflows put large observations (freed once trained or dropped)."""
     reward_fn: Any = None
@@ -347,6 +349,7 @@ class ArenoEngine:
             batch_size=cfg.rollout.batch_size,
             max_concurrent=cfg.rollout.max_concurrent,
         )
+        self.workflow = workflow
         # The ledger hands out the prompts and keeps the cursor of what was trained (the pool reads
         # ahead of training); episodes sample with seeds from their place in the data order.
         self.ledger = SampleLedger(self.train_stream)
@@ -541,6 +544,7 @@ class ArenoEngine:
     def shutdown(self) -> None:
         if self.executor is not None:
             self.executor.stop()
+            self.workflow.close()
         self.rollout.shutdown()
         self.training.shutdown()
         self.close_reward()

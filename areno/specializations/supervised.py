@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from areno.algo import KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
+from areno.errors import ConfigError, DataError
 from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, reduce_stats
 from areno.specializations.forward import token_logprobs_T
-from areno.errors import ConfigError, DataError
 from areno.types import TokenBatch
 
 

@@ -97,10 +97,10 @@ class TeacherMixtureWorkflow(RLVRWorkflow):
         self.seed = seed
         self.teacher_device = teacher_device
         self.teacher_kv_blocks = teacher_kv_blocks
-        self._teacher: RolloutClient | None = None
+        self._teacher: InProcessRolloutClient | None = None
         self._seen: dict[int, int] = {}
 
-    def teacher_client(self) -> RolloutClient:
+    def teacher_client(self) -> InProcessRolloutClient:
         if self._teacher is None:
             self._teacher = teacher_engine_client(
                 self.teacher_path,
@@ -110,6 +110,11 @@ class TeacherMixtureWorkflow(RLVRWorkflow):
                 seed=self.seed,
             )
         return self._teacher
+
+    def close(self) -> None:
+        if self._teacher is not None:
+            self._teacher.close()
+            self._teacher = None
 
     def draws(self, prompt_ids: list[int]) -> list[bool]:
         """Which of the group's completions the teacher generates (True)."""
