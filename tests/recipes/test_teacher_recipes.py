@@ -18,7 +18,8 @@ from areno.data.tokenizer import build_char_tokenizer
 from areno.errors import ConfigError, DataError
 from areno.models.hf_io import init_model_dir, load_model, tiny_config
 from areno.recipes import get_recipe
-from areno.types import TokenBatch, Trajectory
+from areno.types import SamplingParams, TokenBatch, Trajectory
+from areno.workflows.teacher import TeacherMixtureWorkflow
 from tests.helpers.configs import tiny_run_overrides
 from tests.helpers.recipes import naive_logprobs
 
@@ -150,3 +151,19 @@ def test_aggrevate_q_sources():
     del batch.extra["teacher_q_T"]
     with pytest.raises(DataError, match="teacher_q_T"):
         spec.prepare_batch(batch)
+
+
+def _mixture(**kwargs):
+    return TeacherMixtureWorkflow(build_char_tokenizer(), lambda *a, **k: 0.0, 8, SamplingParams(), **kwargs)
+
+
+def test_mixture_draws():
+    """beta 0 and 1 are all-student and all-teacher; a draw repeats for the same run; beta > 0 needs a teacher."""
+    assert _mixture(beta=0.0).draws([1, 2]) == [False] * 8
+    assert _mixture(beta=1.0, teacher_path="/t").draws([1, 2]) == [True] * 8
+    a, b = _mixture(beta=0.5, teacher_path="/t", seed=1), _mixture(beta=0.5, teacher_path="/t", seed=1)
+    assert a.draws([1, 2]) == b.draws([1, 2]) and a.draws([3]) == b.draws([3])
+    with pytest.raises(ConfigError, match="teacher's checkpoint"):
+        _mixture(beta=0.5)
+    with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
+        _mixture(beta=1.5, teacher_path="/t")
