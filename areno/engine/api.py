@@ -215,7 +215,8 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
     if nonfinite:
         rewards = rewards[finite] if finite.any() else torch.zeros(1)
     lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
-    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m]
+    # version -1: a token no policy version sampled (the teacher's, areno.workflows.teacher)
+    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m and v >= 0]
     staleness = torch.tensor([version - v for v in versions], dtype=torch.float32) if versions else torch.zeros(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),

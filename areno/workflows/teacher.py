@@ -10,6 +10,7 @@ teacher is frozen). It is built at the first teacher draw, so β = 0 loads nothi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import uuid
 import zlib
@@ -116,13 +117,22 @@ class TeacherMixtureWorkflow(RLVRWorkflow):
             self._teacher.close()
             self._teacher = None
 
-    def draws(self, prompt_ids: list[int]) -> list[bool]:
-        """Which of the group's completions the teacher generates (True)."""
+    def draws(self, prompt_ids: list[int]) -> list[int | None]:
+        """Per completion of the group: None (the student generates) or the sampling seed the
+        teacher generates it with (explicit, so the teacher's tokens do not depend on how its
+        engine happened to batch the requests)."""
         key = zlib.crc32(str(prompt_ids).encode())
         count = self._seen.get(key, 0)
         self._seen[key] = count + 1
         rng = random.Random(f"{self.seed}:{key}:{count}")
-        return [rng.random() < self.beta for _ in range(self.n_samples)]
+        draws = [(rng.random(), rng.getrandbits(31)) for _ in range(self.n_samples)]
+        return [seed if u < self.beta else None for u, seed in draws]
+
+    def _params(self, i: int, teacher_seed: int | None) -> SamplingParams:
+        params = seeded(self.sampling_params, i)
+        if teacher_seed is not None and params.seed is None:
+            params = dataclasses.replace(params, seed=teacher_seed)
+        return params
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
         prompt = require_field(sample, self.prompt_key)
@@ -131,16 +141,17 @@ class TeacherMixtureWorkflow(RLVRWorkflow):
         prompt_ids = render_prompt(
             self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
         )
-        by_teacher = self.draws(prompt_ids)
+        draws = self.draws(prompt_ids)
         outputs = await asyncio.gather(
             *(
-                (self.teacher_client() if teacher else client).agenerate(prompt_ids, seeded(self.sampling_params, i))
-                for i, teacher in enumerate(by_teacher)
+                (client if seed is None else self.teacher_client()).agenerate(prompt_ids, self._params(i, seed))
+                for i, seed in enumerate(draws)
             )
         )
         group_id = uuid.uuid4().hex
         group = []
-        for teacher, out in zip(by_teacher, outputs):
+        for seed, out in zip(draws, outputs):
+            teacher = seed is not None
             n = len(out.output_ids)
             completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
             reward, error = await acall_reward(self.reward_fn, prompt, completion, answer, fields)

@@ -125,14 +125,20 @@ def test_teacher_example_runs_three_passes(name, tmp_path, teacher_dir):
     cfg = load_config(path, overrides)
     assert cfg.train.num_train_passes == 3
     trainer = Trainer.init(cfg)
-    passes = []
-    inner = trainer.train
-    trainer.train = lambda rollout_id, rollout: passes.append(inner(rollout_id, rollout)) or passes[-1]
+    passes, rollouts = [], []
+    train, rollout_batch = trainer.train, trainer.rollout_token_batch
+    trainer.train = lambda rollout_id, rollout: passes.append(train(rollout_id, rollout)) or passes[-1]
+    trainer.rollout_token_batch = lambda rollout_id: rollouts.append(rollout_batch(rollout_id)) or rollouts[-1]
     try:
         trainer.run()
     finally:
         trainer.shutdown()
-    assert len(passes) == 3
+    assert len(rollouts) == 1 and len(passes) == 3
+    executed = rollouts[0].batch.extra.get("teacher_executed_T")
+    if cfg.rollout.workflow.endswith("TeacherMixtureWorkflow"):  # the teacher generated some completions
+        assert executed is not None and 0 < executed.sum() < rollouts[0].batch.loss_mask_T.sum()
+    else:
+        assert executed is None
     assert all(math.isfinite(m["train/policy/loss"]) for m in passes)
 
 
@@ -159,8 +165,8 @@ def _mixture(**kwargs):
 
 def test_mixture_draws():
     """beta 0 and 1 are all-student and all-teacher; a draw repeats for the same run; beta > 0 needs a teacher."""
-    assert _mixture(beta=0.0).draws([1, 2]) == [False] * 8
-    assert _mixture(beta=1.0, teacher_path="/t").draws([1, 2]) == [True] * 8
+    assert _mixture(beta=0.0).draws([1, 2]) == [None] * 8
+    assert None not in _mixture(beta=1.0, teacher_path="/t").draws([1, 2])
     a, b = _mixture(beta=0.5, teacher_path="/t", seed=1), _mixture(beta=0.5, teacher_path="/t", seed=1)
     assert a.draws([1, 2]) == b.draws([1, 2]) and a.draws([3]) == b.draws([3])
     with pytest.raises(ConfigError, match="teacher's checkpoint"):
