@@ -507,8 +507,10 @@ def aggrevate(teacher_path: str | None = None) -> TrainingConfig:
     """AggreVaTe: weight the student's actions by the teacher's (whitened) action value.
 
     A_t = whiten(Q*_t) with Q*_t = log pi_teacher(a_t|s_t) as a proxy (q_source=teacher_logprob,
-    the default) or teacher_q_T measured by the rollout workflow (q_source=workflow); a Q from a
-    value head or reward-model role is refused (ConfigError). loss = sum_t -A_t log pi(a_t | s_t)
+    the default) or teacher_q_T measured by the rollout workflow (q_source=workflow with
+    rollout.workflow=areno.workflows.teacher:TeacherQWorkflow: the student rolls in to a random
+    token, the teacher rolls out, Q = the reward; only those tokens train); a Q from a value head
+    or reward-model role is refused (ConfigError). loss = sum_t -A_t log pi(a_t | s_t)
     / #tokens (Ross & Bagnell 2014). Needs teacher_path.
     """
     return TrainingConfig(

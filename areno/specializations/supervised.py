@@ -137,7 +137,7 @@ class DaggerSpecialization(ModelSpecialization):
 
 AGGREVATE_Q_SOURCES = ("teacher_logprob", "workflow")
 """Where AggreVaTe's action value comes from: the teacher's log-prob of the action (a proxy), or
-``teacher_q_T`` measured by the rollout workflow (``Trajectory.extra_T``)."""
+``teacher_q_T`` measured by the rollout workflow (``Trajectory.extra_T``, e.g. teacher roll-outs)."""
 
 
 class AggrevateSpecialization(ModelSpecialization):
@@ -146,9 +146,10 @@ class AggrevateSpecialization(ModelSpecialization):
     names the action value: ``teacher_logprob`` (default) uses the teacher's log-prob of the action
     (``teacher_logprobs_T``) as a proxy (a departure: no roll-outs); ``workflow`` uses
     ``teacher_q_T``, which the rollout workflow measured and put in each trajectory's ``extra_T``
-    (a missing one is an error, never a silent fallback). A Q from a value head or reward-model
-    role is not supported (a ConfigError). With ``A_t`` that value whitened over the batch's loss
-    tokens:
+    (``areno.workflows.teacher:TeacherQWorkflow``: teacher roll-outs after the student's action; a
+    missing one is an error, never a silent fallback), and where ``teacher_q_mask_T`` marks the
+    measured tokens only those are trained on. A Q from a value head or reward-model role is not
+    supported (a ConfigError). With ``A_t`` that value whitened over the batch's loss tokens:
 
         loss_t = -A_t log pi_student(a_t | s_t)
     """
@@ -178,6 +179,8 @@ class AggrevateSpecialization(ModelSpecialization):
                     "extra_T; use q_source=teacher_logprob or a workflow that measures Q"
                 )
             q_T = b.extra["teacher_q_T"]
+            if "teacher_q_mask_T" in b.extra:  # Q measured at some tokens only: train on those
+                b = dataclasses.replace(b, loss_mask_T=b.loss_mask_T & b.extra["teacher_q_mask_T"].bool())
         else:
             q_T = b.extra["teacher_logprobs_T"]
         return dataclasses.replace(b, advantages_T=masked_whiten_T(q_T.float(), b.loss_mask_T))

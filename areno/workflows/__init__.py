@@ -21,8 +21,9 @@ _EXPORTS: dict[str, str] = {
     "store_kwargs": "common",
     "takes_store": "common",
     "teacher_kwargs": "common",
-    # DAgger's beta-mixture rollout (the teacher executes with probability beta)
+    # teacher-executed rollouts: DAgger's beta mixture, AggreVaTe's teacher roll-outs
     "TeacherMixtureWorkflow": "teacher",
+    "TeacherQWorkflow": "teacher",
     "teacher_engine_client": "teacher",
     # agents behind the recording OpenAI-compatible client
     "AgentWorkflow": "agent",
@@ -103,7 +104,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from areno.workflows.multi_turn import MultiTurnWorkflow
     from areno.workflows.openai_client import AgentProxy, AgentRequestError, ArenoAsyncOpenAI
     from areno.workflows.rlvr import RLVRWorkflow
-    from areno.workflows.teacher import TeacherMixtureWorkflow, teacher_engine_client
+    from areno.workflows.teacher import TeacherMixtureWorkflow, TeacherQWorkflow, teacher_engine_client
     from areno.workflows.tools import (
         Tool,
         ToolCall,

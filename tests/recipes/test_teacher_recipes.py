@@ -22,6 +22,7 @@ from areno.types import SamplingParams, TokenBatch, Trajectory
 from areno.workflows.teacher import TeacherMixtureWorkflow
 from tests.helpers.configs import tiny_run_overrides
 from tests.helpers.recipes import naive_logprobs
+from tests.helpers.rewards import sevens_and_length
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1, "intermediate_size": 64}
@@ -103,6 +104,45 @@ def test_mixed_loss_on_a_two_role_run(beta, tmp_path, teacher_dir):
         assert metrics["train/policy/loss"] == pytest.approx(k3 / n, rel=1e-4)
 
 
+def test_aggrevate_teacher_q_on_a_two_role_run(tmp_path, teacher_dir):
+    """AggreVaTe with teacher roll-outs: Q at the drawn token is the reward of the student's prefix
+    plus the teacher's continuation, and loss = sum_t -whiten(Q)_t log pi(a_t | s_t) / #measured
+    tokens over the measured tokens only."""
+    overrides = tiny_run_overrides(tmp_path) + [
+        "train.algorithm=aggrevate",
+        f"train.algorithm_kwargs={{teacher_path: {teacher_dir}, q_source: workflow}}",
+        "rollout.workflow=areno.workflows.teacher:TeacherQWorkflow",
+        "rollout.workflow_kwargs={teacher_kv_blocks: 64}",
+    ]
+    trainer = Trainer.init(load_config(None, overrides))
+    try:
+        rollout = trainer.rollout_token_batch(0)
+        student = load_model(tmp_path / "model", dtype=torch.float32)[0]
+        metrics = trainer.train(0, rollout)
+    finally:
+        trainer.shutdown()
+    batch, trajs = rollout.batch, rollout.trajectories
+    tok = build_char_tokenizer()
+    qs = []
+    for traj in trajs:
+        t = traj.extra_T["teacher_q_mask_T"].index(1.0)
+        assert sum(traj.extra_T["teacher_q_mask_T"]) == 1
+        scored = traj.info["q_completion"]
+        assert scored.startswith(tok.decode(traj.completion_ids[: t + 1], skip_special_tokens=True))
+        q = sevens_and_length(traj.info["prompt"], scored, traj.info["answer"])
+        assert traj.extra_T["teacher_q_T"][t] == pytest.approx(q)
+        qs.append(q)
+    assert any(traj.info["q_completion"] != traj.info["completion"] for traj in trajs)  # the teacher rolled out
+    with torch.no_grad():
+        s_T = naive_logprobs(student, batch)
+    measured = (batch.extra["teacher_q_mask_T"] > 0) & batch.loss_mask_T
+    q_t = torch.tensor(qs, dtype=torch.float64)
+    adv = (q_t - q_t.mean()) / (q_t.std() + 1e-8)  # sequences in order: one measured token each
+    expected = float(-(adv * s_T[measured].double()).sum() / measured.sum())
+    assert metrics["train/policy/loss_denominator"] == float(measured.sum())
+    assert metrics["train/policy/loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
 EXAMPLES = ["dagger", "aggrevate", "opd", "mixed_dagger_opd"]
 
 
@@ -139,6 +179,8 @@ def test_teacher_example_runs_three_passes(name, tmp_path, teacher_dir):
         assert executed is not None and 0 < executed.sum() < rollouts[0].batch.loss_mask_T.sum()
     else:
         assert executed is None
+    if cfg.rollout.workflow.endswith("TeacherQWorkflow"):  # one measured action value per sequence
+        assert rollouts[0].batch.extra["teacher_q_mask_T"].sum() == rollouts[0].batch.num_seqs
     assert all(math.isfinite(m["train/policy/loss"]) for m in passes)
 
 
