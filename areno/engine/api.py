@@ -45,8 +45,8 @@ from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, release_refs
 from areno.train import checkpoint
 from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
-from areno.workflows.base import load_workflow
-from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs
+from areno.workflows.base import RolloutWorkflow, load_workflow
+from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,8 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
     if nonfinite:
         rewards = rewards[finite] if finite.any() else torch.zeros(1)
     lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
-    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m]
+    # version -1: a token no policy version sampled (the teacher's, areno.workflows.teacher)
+    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m and v >= 0]
     staleness = torch.tensor([version - v for v in versions], dtype=torch.float32) if versions else torch.zeros(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),
@@ -288,6 +289,8 @@ class ArenoEngine:
     ledger: SampleLedger | None = None
     """Online recipes: hands out the prompts, keeps those not yet trained (the data cursor an
     asynchronous pool runs ahead of) and their stream keys (the episodes' sampling seeds)."""
+    workflow: RolloutWorkflow | None = None
+    """Online recipes: the user's workflow (``rollout.workflow``), closed at shutdown."""
     store: InProcessStore | None = None
     """Online recipes: where workflows put large observations (freed once trained or dropped)."""
     reward_fn: Any = None
@@ -333,6 +336,7 @@ class ArenoEngine:
             prompt_key=cfg.data.prompt_key,
             answer_key=cfg.data.answer_key,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
+            **teacher_kwargs(cfg.rollout.workflow, self.recipe, cfg.rollout.workflow_kwargs),
             **prompt_kwargs(
                 cfg.rollout.workflow,
                 cfg.rollout.workflow_kwargs,
@@ -346,6 +350,7 @@ class ArenoEngine:
             batch_size=cfg.rollout.batch_size,
             max_concurrent=cfg.rollout.max_concurrent,
         )
+        self.workflow = workflow
         # The ledger hands out the prompts and keeps the cursor of what was trained (the pool reads
         # ahead of training); episodes sample with seeds from their place in the data order.
         self.ledger = SampleLedger(self.train_stream)
@@ -540,6 +545,7 @@ class ArenoEngine:
     def shutdown(self) -> None:
         if self.executor is not None:
             self.executor.stop()
+            self.workflow.close()
         self.rollout.shutdown()
         self.training.shutdown()
         self.close_reward()
