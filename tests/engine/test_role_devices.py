@@ -1,0 +1,90 @@
+"""``cluster.role_devices``: a recipe role on a device of its own (a worker process on CPU) trains
+and feeds its DataSync exactly as when every role shares the trainer's process."""
+
+import json
+import os
+
+import pytest
+
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.errors import ConfigError
+from areno.launch.allocation import build_gpu_allocations
+from tests.helpers.configs import tiny_run_overrides
+
+STEPS = 3
+
+
+def _config(tmp_path, name, *extra):
+    overrides = tiny_run_overrides(tmp_path, run_name=name)
+    return load_config(
+        None, [*overrides, "reward.sandbox=false", "train.eval_interval=0", f"train.steps={STEPS}", *extra]
+    )
+
+
+def _run(cfg) -> list[dict]:
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+        placed = trainer.backend.engine.training._placed if cfg.cluster.role_devices else None
+        pids = placed.scheduler.call("roles-1", "pid") if placed is not None else []
+    finally:
+        trainer.shutdown()
+    assert all(pid != os.getpid() for pid in pids)
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines], pids
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "moved", "key"),
+    [("ppo", "critic", "train/value/loss"), ("grpo", "ref", "train/policy/actor/kl")],
+)
+def test_role_in_its_own_process_matches_one_process(tmp_path, algorithm, moved, key):
+    extra = [f"train.algorithm={algorithm}"]
+    if algorithm == "grpo":
+        extra.append("train.algorithm_kwargs={kl_coef: 0.05}")  # grpo with a reference role
+    together, _ = _run(_config(tmp_path, "together", *extra))
+    apart, pids = _run(_config(tmp_path, "apart", *extra, f"cluster.role_devices={{{moved}: [1]}}"))
+    assert len(pids) == 1
+    steps = [m for m in together if "train/policy/loss" in m]
+    assert len(steps) == STEPS and len([m for m in apart if "train/policy/loss" in m]) == STEPS
+    for a, b in zip(steps, [m for m in apart if "train/policy/loss" in m]):
+        assert key in a
+        for name, value in a.items():
+            if name.startswith(("train/", "rollout/reward")) and isinstance(value, float):
+                assert b[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+
+
+def test_role_devices_errors_before_start(tmp_path):
+    with pytest.raises(ConfigError, match="role 'value' is not a role of the recipe"):
+        Trainer.init(_config(tmp_path, "a", "cluster.role_devices={value: [1]}"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        Trainer.init(
+            _config(tmp_path, "b", "train.algorithm=ppo", f"cluster.role_devices={{value: [{os.cpu_count()}]}}")
+        )
+    with pytest.raises(ConfigError, match="partitioned"):
+        _config(
+            tmp_path, "c", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]", "cluster.role_devices={ref: [2]}"
+        )
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_build_gpu_allocations():
+    roles = ["policy", "value", "reference"]
+    got = build_gpu_allocations({"critic": [1], "reference": [1]}, roles, policy_role="policy", num_devices=2)
+    assert got == {"policy": (0,), "value": (1,), "reference": (1,)}
+    assert build_gpu_allocations({}, roles, policy_role="policy", num_devices=1) == dict.fromkeys(roles, (0,))
+    assert build_gpu_allocations({"ref": 2}, roles, policy_role="policy", num_devices=3)["reference"] == (2,)
+    cases = [
+        ({"teacher": [1]}, "not a role of the recipe"),
+        ({"value": [1, 2], "reference": [2]}, "overlap"),
+        ({"value": [5]}, "device 5 does not exist"),
+        ({"policy": [1]}, "stays on its device"),
+        ({"value": [1, 2]}, "exactly one device"),
+        ({"value": []}, "non-empty list"),
+        ({"critic": [1], "value": [1]}, "named twice"),
+    ]
+    for role_devices, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            build_gpu_allocations(role_devices, roles, policy_role="policy", num_devices=3)
+        assert "\n" not in str(info.value) and str(info.value).startswith("cluster.role_devices")
