@@ -44,7 +44,11 @@ def test_role_in_its_own_process_matches_one_process(tmp_path, algorithm, moved,
     if algorithm == "grpo":
         extra.append("train.algorithm_kwargs={kl_coef: 0.05}")  # grpo with a reference role
     together, _ = _run(_config(tmp_path, "together", *extra))
-    apart, pids = _run(_config(tmp_path, "apart", *extra, f"cluster.role_devices={{{moved}: [1]}}"))
+    apart, pids = _run(
+        _config(tmp_path, "apart", *extra, f"cluster.role_devices={{{moved}: [1]}}", "train.save_interval=2")
+    )
+    if algorithm == "ppo":  # the worker writes the critic's part of the checkpoint
+        assert (max((tmp_path / "apart" / "checkpoints").glob("step_*")) / "value" / ".metadata").is_file()
     assert len(pids) == 1
     steps = [m for m in together if "train/policy/loss" in m]
     assert len(steps) == STEPS and len([m for m in apart if "train/policy/loss" in m]) == STEPS
