@@ -26,7 +26,8 @@ import torch
 from areno.engine.api import build_role_backends, resolve_device, resolve_recipe
 from areno.engine.config import ArenoConfig, build_train_backend_config
 from areno.engine.partitioned import apply_process_settings
-from areno.launch.allocation import build_gpu_allocations
+from areno.errors import ConfigError
+from areno.launch.allocation import build_gpu_allocations, map_roles, parse_allocation_mode
 from areno.launch.factory import scheduler_from_config
 from areno.launch.scheduler import RoleSpec, Scheduler, scheduler_config
 from areno.recipes.config import TrainingConfig
@@ -34,7 +35,14 @@ from areno.train import LocalTrainBackend
 from areno.train.config import TrainBackendConfig
 from areno.types import TokenBatch
 
-__all__ = ["RemoteRoleBackend", "RoleBackends", "RoleWorker", "place_roles", "role_allocation"]
+__all__ = [
+    "RemoteRoleBackend",
+    "RoleBackends",
+    "RoleWorker",
+    "check_partitioned_roles",
+    "place_roles",
+    "role_allocation",
+]
 
 
 def _policy_role(recipe: TrainingConfig) -> str:
@@ -58,6 +66,24 @@ def role_allocation(config: ArenoConfig, recipe: TrainingConfig) -> dict[str, tu
         policy_role=_policy_role(recipe),
         num_devices=_num_devices(config),
     )
+
+
+def check_partitioned_roles(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """A partitioned ``allocation_mode`` trains every role on the training devices: its role
+    components (``map_roles``) must name roles of the recipe and may not put them on other devices."""
+    mode = config.cluster.allocation_mode
+    if not mode or "+" not in mode:
+        return
+    alloc = parse_allocation_mode(mode)
+    placed = map_roles(alloc, [r.name for r in recipe.roles])
+    lists = alloc.device_lists(alloc.world_size)
+    apart = {name: lists[c.role] for name, c in placed.items()}
+    if len({tuple(devices) for devices in apart.values()}) > 1:
+        raise ConfigError(
+            f"cluster.allocation_mode: {mode!r} puts recipe roles on different devices ({apart}); a partitioned "
+            f"run trains every role on the training devices: colocate them ('fsdp:d1|fsdp[critic]:d1') or use "
+            f"cluster.role_devices in a colocated run"
+        )
 
 
 class RoleWorker:

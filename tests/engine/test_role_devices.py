@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
@@ -40,7 +41,21 @@ def _run(cfg) -> list[dict]:
     [("ppo", "critic", "train/value/loss"), ("grpo", "ref", "train/policy/actor/kl")],
 )
 def test_role_in_its_own_process_matches_one_process(tmp_path, algorithm, moved, key):
-    extra = [f"train.algorithm={algorithm}"]
+    _compare(tmp_path, algorithm, moved, key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("algorithm", "moved"), [("ppo", "critic"), ("grpo", "ref")])
+def test_role_on_its_own_gpu_matches_one_gpu(tmp_path, algorithm, moved):
+    """The same on two GPUs: the moved role's worker sees only GPU 1."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    key = "train/value/loss" if algorithm == "ppo" else "train/policy/actor/kl"
+    _compare(tmp_path, algorithm, moved, key, "cluster.device=cuda", rel=1e-3)
+
+
+def _compare(tmp_path, algorithm, moved, key, *device, rel=1e-4):
+    extra = [f"train.algorithm={algorithm}", *device]
     if algorithm == "grpo":
         extra.append("train.algorithm_kwargs={kl_coef: 0.05}")  # grpo with a reference role
     together, _ = _run(_config(tmp_path, "together", *extra))
@@ -56,7 +71,7 @@ def test_role_in_its_own_process_matches_one_process(tmp_path, algorithm, moved,
         assert key in a
         for name, value in a.items():
             if name.startswith(("train/", "rollout/reward")) and isinstance(value, float):
-                assert b[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+                assert b[name] == pytest.approx(value, rel=rel, abs=1e-6), name
 
 
 def test_role_devices_errors_before_start(tmp_path):
@@ -70,7 +85,13 @@ def test_role_devices_errors_before_start(tmp_path):
         _config(
             tmp_path, "c", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]", "cluster.role_devices={ref: [2]}"
         )
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    mode = "cluster.allocation_mode='areno:d1+fsdp:d1+fsdp[critic]:d1'"  # partitioned: roles train together
+    with pytest.raises(ConfigError, match="puts recipe roles on different devices"):
+        Trainer.init(_config(tmp_path, "d", "train.algorithm=ppo", mode))
+    with pytest.raises(ConfigError, match="'critic'.* is not a role of the recipe"):
+        Trainer.init(_config(tmp_path, "e", mode))
+    for name in "abde":
+        assert not (tmp_path / name).exists()
 
 
 def test_build_gpu_allocations():
