@@ -16,6 +16,7 @@ after another (``RoleBackends.placement`` is ``RecipeRunner``'s grouping key).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -29,11 +30,13 @@ from areno.engine.partitioned import apply_process_settings
 from areno.errors import ConfigError
 from areno.launch.allocation import build_gpu_allocations, map_roles, parse_allocation_mode
 from areno.launch.factory import scheduler_from_config
-from areno.launch.scheduler import RoleSpec, Scheduler, scheduler_config
+from areno.launch.scheduler import RoleSpec, Scheduler, WorkerError, scheduler_config
 from areno.recipes.config import TrainingConfig
 from areno.train import LocalTrainBackend
 from areno.train.config import TrainBackendConfig
 from areno.types import TokenBatch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "RemoteRoleBackend",
@@ -177,11 +180,15 @@ class RoleBackends:
 
     def shutdown(self) -> None:
         """Stop the workers (their backends first); the caller shuts down this process's backends."""
-        if self.scheduler is not None:
-            for worker in self.scheduler.roles:
-                self.scheduler.call(worker, "shutdown")
-            self.scheduler.shutdown()
-            self.scheduler = None
+        if self.scheduler is None:
+            return
+        scheduler, self.scheduler = self.scheduler, None
+        for worker in scheduler.roles:
+            try:
+                scheduler.call(worker, "shutdown")
+            except WorkerError as exc:  # a worker that died: the others still stop
+                logger.warning("role worker %s did not shut down cleanly: %s", worker, str(exc).splitlines()[0])
+        scheduler.shutdown()
 
 
 def place_roles(

@@ -3,13 +3,16 @@ and feeds its DataSync exactly as when every role shares the trainer's process."
 
 import json
 import os
+import signal
 
 import pytest
 import torch
 
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
-from areno.errors import ConfigError
+from areno.engine.api import prepare_model_dir
+from areno.engine.placement import build_engine
+from areno.errors import ConfigError, RunFailure
 from areno.launch.allocation import build_gpu_allocations
 from tests.helpers.configs import tiny_run_overrides
 
@@ -38,7 +41,10 @@ def _run(cfg) -> list[dict]:
 
 @pytest.mark.parametrize(
     ("algorithm", "moved", "key"),
-    [("ppo", "critic", "train/value/loss"), ("grpo", "ref", "train/policy/actor/kl")],
+    [
+        ("ppo", "critic", "train/value/loss"),
+        pytest.param("grpo", "ref", "train/policy/actor/kl", marks=pytest.mark.slow),
+    ],
 )
 def test_role_in_its_own_process_matches_one_process(tmp_path, algorithm, moved, key):
     _compare(tmp_path, algorithm, moved, key)
@@ -113,3 +119,21 @@ def test_build_gpu_allocations():
         with pytest.raises(ConfigError, match=message) as info:
             build_gpu_allocations(role_devices, roles, policy_role="policy", num_devices=3)
         assert "\n" not in str(info.value) and str(info.value).startswith("cluster.role_devices")
+
+
+@pytest.mark.slow
+def test_lost_role_worker_is_a_run_failure_naming_it(tmp_path):
+    """A role's worker that dies mid-run fails the next step with one line naming it and its log."""
+    cfg = _config(tmp_path, "lost", "train.algorithm=ppo", "cluster.role_devices={critic: [1]}")
+    prepare_model_dir(cfg)
+    engine = build_engine(cfg, tmp_path / "lost")
+    engine.initialize()
+    try:
+        scheduler = engine.training._placed.scheduler
+        rollout = engine.generate_rollout(0)
+        os.kill(scheduler.call("roles-1", "pid")[0], signal.SIGKILL)
+        with pytest.raises(RunFailure, match=r"roles-1\[0\].*died during forward_only.*log: .*roles-1-0\.log"):
+            engine.step(rollout)
+    finally:
+        engine.shutdown()
+    assert scheduler.roles == []  # the workers are stopped
