@@ -130,13 +130,16 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     return held
 
 
-def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) -> dict:
+def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, *, only=None) -> dict:
     """One initialised training backend per recipe role, configured alike colocated and
     partitioned: ``new_backend(TrainBackendConfig)`` makes it (one process, or FSDP2 over a training
     sub-mesh); each role loads its own checkpoint (``role.model_path``, else ``model_dir``) and its
-    specialization may wrap the model (value and reward heads)."""
+    specialization may wrap the model (value and reward heads). ``only``: the names of the roles
+    to build here (the others train elsewhere, ``cluster.role_devices``); None builds all."""
     backends = {}
     for role in recipe.roles:
+        if only is not None and role.name not in only:
+            continue
         backend = new_backend(build_train_backend_config(cfg, role_name=role.name, trainable=role.trainable))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
         backends[role.name] = backend
