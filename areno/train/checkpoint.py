@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from areno.errors import ModelDirError
 
@@ -421,6 +421,16 @@ def _check_shapes(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
             )
 
 
+def _without_unsaved_optim_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``state`` less the optimizer states the checkpoint at ``path`` does not hold. A parameter that
+    never had a gradient (a critic's unused ``lm_head``) had no optimizer state when saved, while
+    the fresh optimizer's state dict has zeros for every parameter; loading leaves it without state
+    again, as in the uninterrupted run. Model tensors stay required."""
+    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    keep = {name for name, _ in _tensor_items(state) if name in stored or not name.startswith("optim.state.")}
+    return _subset(state, keep)
+
+
 def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG in place; returns the trainer state."""
     path = Path(path)
@@ -435,6 +445,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
+    state = _without_unsaved_optim_state(state, base or path)
     try:
         if base is None:
             dcp.load(state, checkpoint_id=str(path))
@@ -455,6 +466,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         optimizer if optimizer is not None else [],
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
+        # the model's tensors were all required by dcp.load above; only optimizer states may be absent
+        options=StateDictOptions(strict=False),
     )
     rng_path = path / f"rng_rank{_rank()}.pt"
     if rng_path.is_file():  # absent when resuming on more ranks than saved: RNG is then re-seeded
