@@ -14,6 +14,8 @@ from areno.api.trainer import Trainer
 from areno.engine.placement import build_engine
 from areno.engine.residency import Phase
 from areno.errors import ConfigError
+from areno.models import Decoder, tiny_config
+from areno.train.offload import StorageOffloader, collect_tensors
 from tests.helpers.configs import tiny_run_overrides
 
 
@@ -101,3 +103,20 @@ def test_each_phase_releases_the_other_sides_state(tmp_path):
 def test_offload_sleep_refuses_what_it_cannot_do(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         _config(tmp_path, "run", *extra)
+
+
+def test_a_fused_rollout_model_stays_fused_and_equal_through_sleep_and_wake():
+    """The engine's q/k/v and gate/up are views of one storage each: freed and re-allocated at a
+    new address, they still run fused, with the same weights."""
+    model = Decoder(tiny_config(62, hidden_size=48, layers=2, heads=4, kv_heads=2, arch="qwen2")).eval()
+    model.fuse_projections()
+    ids = torch.arange(13) % 62
+    with torch.no_grad():
+        before = model(ids, torch.arange(13))
+    offloader = StorageOffloader()
+    assert offloader.sleep(collect_tensors(model, None)) > 0
+    assert _storage_bytes(model.parameters()) == 0 and offloader.held_bytes > 0
+    offloader.wake()
+    assert model.projections_fused and offloader.held_bytes == 0
+    with torch.no_grad():
+        assert torch.equal(model(ids, torch.arange(13)), before)
