@@ -6,7 +6,8 @@ from the training side to the rollout engine). ``ArenoEngine`` enters each befor
 ``Residency`` moves what the new phase does not use off the device first, then brings back what it
 uses (``cluster.offload=sleep``: ``SleepResidency`` in ``engine/local.py``; the base keeps
 everything resident), and on CUDA reports ``torch.cuda.max_memory_allocated`` since the phase began
-as ``system/<phase>_peak_memory_gib``.
+as ``system/<phase>_peak_memory_gib``, and the run's peak so far as ``system/peak_memory_gib`` (the
+phases reset the allocator's peak statistics, so ``max_memory_allocated`` alone no longer spans the run).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Residency:
     """The phase entered last (None: none yet)."""
     _switch_s: float = 0.0
     """Seconds the last ``enter`` spent moving state."""
+    _earlier_peak: int = 0
+    """CUDA: the highest ``max_memory_allocated`` of the phases before the current one."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -45,13 +48,18 @@ class Residency:
         self._switch_s = time.perf_counter() - started_at
         self.phase = phase
         if self.device.type == "cuda":  # after the move: a peak of this phase, not of the last one
+            self._earlier_peak = max(self._earlier_peak, torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _move(self, phase: Phase) -> None:
         """Release what ``phase`` does not use, then bring back what it does (nothing here)."""
 
     def metrics(self) -> dict[str, float]:
-        """The current phase's figures: its peak device memory so far (CUDA only)."""
+        """The current phase's figures: its peak device memory so far and the run's (CUDA only)."""
         if self.phase is None or self.device.type != "cuda":
             return {}
-        return {f"system/{self.phase.value}_peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return {
+            f"system/{self.phase.value}_peak_memory_gib": peak / 2**30,
+            "system/peak_memory_gib": max(peak, self._earlier_peak) / 2**30,
+        }
