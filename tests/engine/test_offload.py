@@ -120,3 +120,25 @@ def test_a_fused_rollout_model_stays_fused_and_equal_through_sleep_and_wake():
     assert model.projections_fused and offloader.held_bytes == 0
     with torch.no_grad():
         assert torch.equal(model(ids, torch.arange(13)), before)
+
+
+@pytest.mark.gpu
+def test_cuda_sleep_lowers_each_phases_peak_and_keeps_the_losses(tmp_path):
+    """On one GPU: the rollout phase no longer holds the training state, the train phase no longer holds
+    the rollout engine; the losses stay within float noise of ``none``'s."""
+    model = "model.init_tiny={hidden_size: 512, layers: 4, heads: 8, kv_heads: 2, intermediate_size: 1536}"
+    peaks, losses = {}, {}
+    for mode in ("none", "sleep"):
+        cfg = _config(tmp_path, mode, f"cluster.offload={mode}", "cluster.device=cuda", model, "rollout.kv_blocks=256")
+        trainer = Trainer.init(cfg)
+        try:
+            trainer.run()
+        finally:
+            trainer.shutdown()
+        rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "train/policy/loss" in r]
+        peaks[mode] = {p: max(r[f"system/{p}_peak_memory_gib"] for r in steps) for p in ("rollout", "train")}
+        losses[mode] = [r["train/policy/loss"] for r in steps]
+    assert peaks["sleep"]["rollout"] < peaks["none"]["rollout"], peaks
+    assert peaks["sleep"]["train"] < peaks["none"]["train"], peaks
+    assert losses["sleep"] == pytest.approx(losses["none"], abs=1e-4), losses
