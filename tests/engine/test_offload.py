@@ -53,6 +53,15 @@ def test_sleep_gives_the_same_metrics_and_weights_as_none(tmp_path):
         assert torch.equal(tensor, weights_sleep[name]), name
 
 
+@pytest.mark.slow
+def test_a_sleeping_run_resumes_bit_exactly(tmp_path):
+    """Load wakes the training side, the sync after it the engine's weights: as a run without offload."""
+    rows_none = _run(_config(tmp_path, "none", "cluster.offload=none"))
+    _run(_config(tmp_path, "resumed", "cluster.offload=sleep", "train.steps=2", "train.save_interval=1"))
+    rows_resumed = _run(_config(tmp_path, "resumed", "cluster.offload=sleep", "resume=true"))
+    assert rows_resumed == rows_none
+
+
 def _storage_bytes(tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
