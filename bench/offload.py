@@ -11,11 +11,14 @@ a fresh process (``--no-isolate``: in this one) so one arm's allocations never c
 
 Per arm: step time (mean over the timed steps, and per phase), the run's peak ``max_memory_allocated`` and
 each phase's (the engine's ``system/<phase>_peak_memory_gib``), the seconds each phase switch took, or
-``fits: false`` when the arm ran out of device memory. Several ``--shapes`` (0.5b, 1.5b, 3b, 7b) find the
-largest shape that fits with ``sleep`` and not with ``none`` (``largest_fit``).
+``fits: false`` when the arm ran out of device memory. Several ``--shapes`` (0.5b, 1.5b, 3b, 7b, 14b) find the
+largest shape that fits with ``sleep`` and not with ``none`` (``largest_fit``). Training state per parameter:
+bf16 master weights (the CUDA default here) about 8 bytes, ``--param-dtype float32`` 16; the rollout engine adds
+2 (bf16) plus its KV pool. A shape's checkpoint is written once per ``--workdir`` (reuse it across calls).
 
     python -m bench.offload                                          # CUDA: 0.5b, both settings
     python -m bench.offload --shapes 1.5b,3b,7b --steps 2 --warmup 1   # CUDA: the largest shape that fits
+    python -m bench.offload --shapes 7b --param-dtype float32 --steps 2 --warmup 1 --workdir /tmp/offl
     python -m bench.offload --shapes tiny --device cpu --warmup 1 --steps 1   # CPU smoke
 
 Headline: ``figure`` = the run's peak GiB with ``sleep`` on the first shape, ``baseline`` = with ``none``,
@@ -44,8 +47,10 @@ QWEN25_3B = {**e2e.E2E_15B, "hidden_size": 2048, "intermediate_size": 11008, "nu
 QWEN25_3B.update(num_attention_heads=16, num_key_value_heads=2)
 QWEN25_7B = {**e2e.E2E_15B, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28}
 QWEN25_7B.update(num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+QWEN25_14B = {**QWEN25_7B, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48}
+QWEN25_14B.update(num_attention_heads=40, num_key_value_heads=8)
 # shape -> (HF config dict, default prompt length, default completion length)
-SHAPES = {**e2e.SHAPES, "3b": (QWEN25_3B, 64, 512), "7b": (QWEN25_7B, 64, 512)}
+SHAPES = {**e2e.SHAPES, "3b": (QWEN25_3B, 64, 512), "7b": (QWEN25_7B, 64, 512), "14b": (QWEN25_14B, 64, 512)}
 MODES = ("none", "sleep")
 
 
