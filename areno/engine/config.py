@@ -270,9 +270,17 @@ class ClusterSection:
     weights serving; one extra copy of the weights in memory) or `inplace` (received straight into
     the paused engine's weights: the fastest sync and no extra memory, but generation stops for the
     whole sync and a failed sync leaves the engine refusing to generate until the next one)."""
+    offload: str = "none"
+    """What a colocated run keeps on the device between phases: `none` (everything, always) or
+    `sleep` (while rolling out, the training weights, gradients and optimizer state wait in host
+    memory; while training, the rollout engine's weights and KV cache do; each is brought back
+    before the phase that uses it). Costs host copies each step; needs a synchronous colocated run."""
 
     def __post_init__(self) -> None:
         check_config(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
+        check_config(
+            self.offload in ("none", "sleep"), "cluster.offload", f"must be none or sleep, got {self.offload!r}"
+        )
         check_config(
             self.collective_timeout_s > 0,
             "cluster.collective_timeout_s",
@@ -315,6 +323,12 @@ class ClusterSection:
             )
         if (self.train_devices is None) != (self.rollout_devices is None):
             raise ConfigError("cluster.train_devices and cluster.rollout_devices must be set together")
+        check_config(
+            self.offload == "none" or not partitioned,
+            "cluster.offload",
+            "sleep offloads a colocated run only (rollout and training share one device); this run is partitioned "
+            "(cluster.train_devices/rollout_devices or a '+' allocation_mode): use cluster.offload=none",
+        )
 
 
 @dataclass(kw_only=True)
@@ -454,6 +468,12 @@ class ArenoConfig:
             "test_rollout.enabled",
             "the test rollout runs in the trainer's process beside a colocated run only; this run is partitioned "
             "(cluster.train_devices/rollout_devices or a '+' allocation_mode): turn one of them off",
+        )
+        check_config(
+            self.cluster.offload == "none" or self.rollout.max_head_offpolicyness == 0,
+            "cluster.offload",
+            "sleep takes turns between rollout and training, but this run generates while it trains "
+            "(rollout.max_head_offpolicyness > 0): set rollout.max_head_offpolicyness=0 or cluster.offload=none",
         )
 
 
