@@ -8,10 +8,17 @@ batches agree. Logits of a vocabulary-split ``lm_head`` are all-gathered; rank 0
 broadcasts the tokens and log-probs, so the ranks can never drift apart.
 
 The process group is gloo on CPU (tests spawn two processes) and NCCL on GPU.
+
+Served replicas (the partitioned engine): only the TP leader (rank 0) has callers (its HTTP server's
+driver thread). ``lead(command_group)`` makes it record every ``add_request`` and ``abort`` and
+broadcast them, at each ``step``, over a gloo command group before it runs the step; the other
+ranks sit in ``follow(command_group)``, applying the same calls in the same order and then taking
+the same step, so every rank's scheduler holds the same requests at every step.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -21,6 +28,10 @@ from areno.models.hf_io import load_model
 from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, WeightUpdateError
 from areno.rollout.sampling import RowParams
+from areno.types import GenerationOutput, SamplingParams
+
+Command = tuple
+"""``("add", prompt_ids, params, request_id)`` or ``("abort", request_id)``, as the leader took it."""
 
 
 def make_tp_reduce(group: dist.ProcessGroup | None) -> Any:
@@ -75,6 +86,10 @@ class TensorParallelRolloutEngine(RolloutEngine):
                 f"group has {self.tp_size} ranks: load it with load_tp_model"
             )
         self._plan = tp_plan(model_config)
+        self._commands: list[Command] | None = None
+        """The leader's calls since its last step (None: not leading; every rank is called directly)."""
+        self._command_group: dist.ProcessGroup | None = None
+        self._mirror_lock = threading.RLock()
         super().__init__(model, model_config, config=config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
 
     def _comm_device(self) -> torch.device:
@@ -114,3 +129,65 @@ class TensorParallelRolloutEngine(RolloutEngine):
             return shard_tensor(tensor, tp_style(self._plan, name), self.tp_rank, self.tp_size)
         except ValueError as e:
             raise WeightUpdateError(f"weight update rejected: {name!r}: {e}") from None
+
+    # ------------------------------------------------------------------ served replicas
+    def lead(self, command_group: dist.ProcessGroup) -> None:
+        """On TP rank 0, from now on: mirror every call that changes the requests to the followers
+        (see the module docstring). ``command_group``: gloo, this replica's TP ranks."""
+        assert self.tp_rank == 0, "only TP rank 0 leads"
+        self._command_group = command_group
+        self._commands = []
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if self._commands is None:
+            return super().add_request(prompt_ids, params, request_id)
+        with self._mirror_lock:
+            request_id = super().add_request(prompt_ids, params, request_id)
+            self._commands.append(("add", list(prompt_ids), params, request_id))
+            return request_id
+
+    def abort(self, request_id: str) -> GenerationOutput:
+        if self._commands is None:
+            return super().abort(request_id)
+        with self._mirror_lock:
+            output = super().abort(request_id)  # an unknown id raises before anything is recorded
+            self._commands.append(("abort", request_id))
+            return output
+
+    def step(self) -> list[GenerationOutput]:
+        if self._commands is None:
+            return super().step()
+        # Held through the step: a request added meanwhile would join this step here but the
+        # next one on the followers.
+        with self._mirror_lock:
+            commands, self._commands = self._commands, []
+            self._broadcast(("step", commands))
+            return super().step()
+
+    def stop_followers(self) -> None:
+        """Release the followers' ``follow`` loops (the leader shuts down)."""
+        if self._commands is not None:
+            with self._mirror_lock:
+                self._broadcast(("stop", []))
+                self._commands = None
+
+    def follow(self, command_group: dist.ProcessGroup) -> None:
+        """On TP ranks > 0: take the leader's calls and steps until it stops (blocking; run it in
+        a thread of its own)."""
+        assert self.tp_rank > 0, "TP rank 0 leads"
+        self._command_group = command_group
+        while True:
+            kind, commands = self._broadcast(None)
+            if kind == "stop":
+                return
+            for command in commands:
+                if command[0] == "add":
+                    super().add_request(*command[1:])
+                else:
+                    super().abort(command[1])
+            super().step()
+
+    def _broadcast(self, message: tuple | None) -> tuple:
+        box = [message]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._command_group, 0), group=self._command_group)
+        return box[0]

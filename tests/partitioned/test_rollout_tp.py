@@ -1,0 +1,115 @@
+"""Partitioned rollout with tensor parallelism: training TP 2 and rollout TP 2 in one gloo world.
+
+The run (``slow``): 2 training ranks (one DP row of TP 2) and 2 rollout ranks (one replica of TP 2),
+three GRPO steps; after each sync every rollout rank holds exactly its slice of the trained policy,
+and the rollouts and losses equal a colocated run's. The default run checks the keys and the
+one-line errors without starting a worker.
+"""
+
+import pickle
+
+import pytest
+import torch
+
+from areno.api.config import load_config
+from areno.engine.api import prepare_model_dir
+from areno.engine.cluster import LayoutError
+from areno.engine.placement import build_engine, partitioned_engine
+from areno.errors import ConfigError
+from areno.models.hf_io import load_model
+from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
+from tests.helpers.configs import tiny_run_overrides
+
+TP_MODEL = "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 2, intermediate_size: 64}"
+"""The tiny model with as many KV heads as the TP size (one KV head cannot be split)."""
+
+
+def _config(tmp_path, *extra):
+    return load_config(None, [*tiny_run_overrides(tmp_path), TP_MODEL, *extra])
+
+
+PLAIN_KEYS = ("cluster.train_devices=[0, 1]", "cluster.rollout_devices=[2, 3]", "cluster.train_tp=2", "cluster.rollout_tp=2")
+ALLOCATION = ("cluster.allocation_mode=areno:d1t2+fsdp:d1t2",)
+
+
+@pytest.mark.parametrize("keys", [PLAIN_KEYS, ALLOCATION], ids=["keys", "allocation_mode"])
+def test_tp_layout_from_keys_and_allocation_mode(tmp_path, keys):
+    layout = partitioned_engine(_config(tmp_path, *keys), tmp_path / "run").rollout.cluster.layout
+    assert (layout.train_tp, layout.rollout_tp, layout.train_mesh_shape) == (2, 2, (1, 1, 2))
+    assert layout.sender_ranks == (0,) and layout.rollout_tp_groups() == [(2, 3)] and layout.relays() == [2]
+
+
+def test_tp_config_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^cluster.rollout_tp: 3 does not divide the 2 devices"):
+        _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1, 2]", "cluster.rollout_tp=3")
+    with pytest.raises(ConfigError, match=r"^cluster.train_tp: 2 needs the partitioned placement"):
+        _config(tmp_path, "cluster.train_tp=2")
+    with pytest.raises(ConfigError, match=r"^cluster.rollout_tp: .*give TP as its t \(e.g. 'areno:d1t2\+fsdp:d1t2'\)$"):
+        _config(tmp_path, *ALLOCATION, "cluster.rollout_tp=2")
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path), *ALLOCATION, "cluster.allocation_mode=areno:d2+fsdp:d1t2"])
+    assert partitioned_engine(cfg, tmp_path / "run").rollout.cluster.layout.train_tp == 2
+    with pytest.raises(LayoutError, match=r"rollout TP 2 runs synchronous RL only"):
+        partitioned_engine(_config(tmp_path, *ALLOCATION, "rollout.max_head_offpolicyness=1"), tmp_path / "run")
+
+
+def test_tp_that_does_not_split_the_heads_fails_before_any_worker_starts(tmp_path):
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path), *ALLOCATION])  # the tiny model has one KV head
+    prepare_model_dir(cfg)
+    engine = partitioned_engine(cfg, tmp_path / "run")
+    with pytest.raises(LayoutError, match=r"^cluster.train_tp \(or allocation_mode t2\): tp_size=2 does not divide "):
+        engine.initialize()
+    assert engine.rollout.cluster.scheduler is None
+
+
+def _slices(policy_dir, tp_size):
+    """Each rollout TP rank's slice of every tensor of an exported policy."""
+    model, model_config = load_model(policy_dir, dtype=torch.float32, device="cpu")
+    plan = tp_plan(model_config)
+    full = model.state_dict()
+    return [{n: shard_tensor(t, tp_style(plan, n), rank, tp_size) for n, t in full.items()} for rank in range(tp_size)]
+
+
+def _steps(engine, n, check=None):
+    rows = []
+    for i in range(n):
+        rollout = engine.generate_rollout(i)
+        metrics = engine.step(rollout)
+        engine.update_weights()
+        if check is not None:
+            check(i)
+        rows.append((rollout, metrics))
+    return rows
+
+
+@pytest.mark.slow  # four worker processes and a colocated reference on the CPU
+def test_train_tp2_rollout_tp2_three_steps_match_colocated(tmp_path):
+    cfg = _config(tmp_path, *PLAIN_KEYS)
+    prepare_model_dir(cfg)
+    colocated = build_engine(_config(tmp_path), tmp_path / "ref")
+    colocated.initialize()
+    try:
+        ref = _steps(colocated, 3)
+    finally:
+        colocated.shutdown()
+    engine = partitioned_engine(cfg, tmp_path / "run")
+    engine.initialize()
+    scheduler = engine.rollout.cluster.scheduler
+
+    def shards_equal_slices(i):
+        engine.export_policy(tmp_path / f"policy{i}")
+        want = _slices(tmp_path / f"policy{i}", 2)
+        got = [pickle.loads(b) for b in scheduler.call("rollout", "weight_shards")]
+        for rank in range(2):
+            assert got[rank] and set(got[rank]) <= set(want[rank])  # (a tied lm_head is the embedding)
+            for name, t in got[rank].items():
+                assert torch.equal(t, want[rank][name]), (i, rank, name)
+
+    try:
+        got = _steps(engine, 3, shards_equal_slices)
+        assert scheduler.call("rollout", "version") == [3, 3] and engine.version == 3
+    finally:
+        engine.shutdown()
+    for (r_ref, m_ref), (r_got, m_got) in zip(ref, got):
+        assert [t.completion_ids for t in r_got.trajectories] == [t.completion_ids for t in r_ref.trajectories]
+        assert r_got.metrics["rollout/reward_mean"] == pytest.approx(r_ref.metrics["rollout/reward_mean"])
+        assert m_got["train/policy/loss"] == pytest.approx(m_ref["train/policy/loss"], rel=1e-4, abs=1e-6)
