@@ -20,8 +20,9 @@ from areno.models.hf_io import load_model
 from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
 from tests.helpers.configs import tiny_run_overrides
 
-TP_MODEL = "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 2, intermediate_size: 64}"
-"""The tiny model with as many KV heads as the TP size (one KV head cannot be split)."""
+TP_MODEL = "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 2, intermediate_size: 64, tie_word_embeddings: true}"
+"""The tiny model with as many KV heads as the TP size (one cannot be split) and a tied output
+projection (the char tokenizer's 105 tokens cannot be split in two)."""
 
 
 def _config(tmp_path, *extra):
