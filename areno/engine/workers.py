@@ -145,7 +145,9 @@ class RolloutWorker:
         tp_group = self.groups.rollout_tp_group
         self.tp_rank = dist.get_rank(tp_group) if layout.rollout_tp > 1 else 0
         if layout.rollout_tp > 1:
-            model, model_config = load_tp_model(model_dir, group=tp_group, dtype=getattr(torch, dtype_name), device=device)
+            model, model_config = load_tp_model(
+                model_dir, group=tp_group, dtype=getattr(torch, dtype_name), device=device
+            )
             self.engine = TensorParallelRolloutEngine(
                 model, model_config, config=engine_config, group=tp_group, eos_token_ids=eos, tokenizer=tokenizer
             )

@@ -29,7 +29,12 @@ def _config(tmp_path, *extra):
     return load_config(None, [*tiny_run_overrides(tmp_path), TP_MODEL, *extra])
 
 
-PLAIN_KEYS = ("cluster.train_devices=[0, 1]", "cluster.rollout_devices=[2, 3]", "cluster.train_tp=2", "cluster.rollout_tp=2")
+PLAIN_KEYS = (
+    "cluster.train_devices=[0, 1]",
+    "cluster.rollout_devices=[2, 3]",
+    "cluster.train_tp=2",
+    "cluster.rollout_tp=2",
+)
 ALLOCATION = ("cluster.allocation_mode=areno:d1t2+fsdp:d1t2",)
 
 
@@ -82,6 +87,32 @@ def _steps(engine, n, check=None):
     return rows
 
 
+def _run_checking_shards(cfg, tmp_path, steps):
+    """``steps`` GRPO steps of a partitioned run; after each sync, every rollout rank's weights
+    must equal its slice of the trained policy (in the rollout dtype)."""
+    engine = partitioned_engine(cfg, tmp_path / "run")
+    engine.initialize()
+    scheduler = engine.rollout.cluster.scheduler
+    tp = engine.rollout.cluster.layout.rollout_tp
+
+    def shards_equal_slices(i):
+        engine.export_policy(tmp_path / f"policy{i}")
+        want = _slices(tmp_path / f"policy{i}", tp)
+        got = [pickle.loads(b) for b in scheduler.call("rollout", "weight_shards")]
+        for rank in range(len(got)):
+            assert got[rank] and set(got[rank]) <= set(want[rank % tp])  # (a tied lm_head is the embedding)
+            for name, t in got[rank].items():
+                assert torch.equal(t, want[rank % tp][name].to(t.dtype)), (i, rank, name)
+
+    try:
+        rows = _steps(engine, steps, shards_equal_slices)
+        n_rollout = engine.rollout.cluster.layout.n_rollout
+        assert scheduler.call("rollout", "version") == [steps] * n_rollout and engine.version == steps
+    finally:
+        engine.shutdown()
+    return rows
+
+
 @pytest.mark.slow  # four worker processes and a colocated reference on the CPU
 def test_train_tp2_rollout_tp2_three_steps_match_colocated(tmp_path):
     cfg = _config(tmp_path, *PLAIN_KEYS)
@@ -92,25 +123,37 @@ def test_train_tp2_rollout_tp2_three_steps_match_colocated(tmp_path):
         ref = _steps(colocated, 3)
     finally:
         colocated.shutdown()
-    engine = partitioned_engine(cfg, tmp_path / "run")
-    engine.initialize()
-    scheduler = engine.rollout.cluster.scheduler
-
-    def shards_equal_slices(i):
-        engine.export_policy(tmp_path / f"policy{i}")
-        want = _slices(tmp_path / f"policy{i}", 2)
-        got = [pickle.loads(b) for b in scheduler.call("rollout", "weight_shards")]
-        for rank in range(2):
-            assert got[rank] and set(got[rank]) <= set(want[rank])  # (a tied lm_head is the embedding)
-            for name, t in got[rank].items():
-                assert torch.equal(t, want[rank][name]), (i, rank, name)
-
-    try:
-        got = _steps(engine, 3, shards_equal_slices)
-        assert scheduler.call("rollout", "version") == [3, 3] and engine.version == 3
-    finally:
-        engine.shutdown()
+    got = _run_checking_shards(cfg, tmp_path, 3)
     for (r_ref, m_ref), (r_got, m_got) in zip(ref, got):
         assert [t.completion_ids for t in r_got.trajectories] == [t.completion_ids for t in r_ref.trajectories]
         assert r_got.metrics["rollout/reward_mean"] == pytest.approx(r_ref.metrics["rollout/reward_mean"])
         assert m_got["train/policy/loss"] == pytest.approx(m_ref["train/policy/loss"], rel=1e-4, abs=1e-6)
+        assert "rollout/engine_1_busy_frac" not in r_got.metrics  # one replica, counted once
+    # the policy moved: the last sync carried trained weights, not the initial ones
+    initial, _ = load_model(tmp_path / "model", dtype=torch.float32, device="cpu")
+    trained, _ = load_model(tmp_path / "policy2", dtype=torch.float32, device="cpu")
+    assert any(not torch.equal(a, b) for a, b in zip(initial.state_dict().values(), trained.state_dict().values()))
+
+
+GPU_LAYOUTS = {
+    # both roles on the same two GPUs: the training row's sender sits on GPU 0, so its relay is the
+    # rollout TP rank on GPU 1, which fans the buckets out to the rank beside the sender
+    2: ("cluster.train_devices=[0, 1]", "cluster.rollout_devices=[0, 1]", "cluster.train_tp=2", "cluster.rollout_tp=2"),
+    4: ALLOCATION,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_gpus", sorted(GPU_LAYOUTS))
+def test_gpu_train_tp2_rollout_tp2(tmp_path, n_gpus):
+    """``pytest -m gpu tests/partitioned/test_rollout_tp.py`` on a machine with 2 (or 4) GPUs."""
+    if torch.cuda.device_count() < n_gpus:
+        pytest.skip(f"needs {n_gpus} CUDA devices, found {torch.cuda.device_count()}")
+    overrides = [o for o in tiny_run_overrides(tmp_path) if o not in ("cluster.device=cpu", "cluster.cpu_threads=1")]
+    cfg = load_config(None, [*overrides, TP_MODEL, "cluster.device=cuda", *GPU_LAYOUTS[n_gpus]])
+    prepare_model_dir(cfg)
+    layout = partitioned_engine(cfg, tmp_path / "plan").rollout.cluster.layout
+    assert layout.relays() == ([3] if n_gpus == 2 else [2])
+    rows = _run_checking_shards(cfg, tmp_path, 3)
+    assert all(m["train/policy/loss"] == m["train/policy/loss"] for _, m in rows)  # finite
+    assert rows[-1][1]["policy_sync_bytes"] > 0
