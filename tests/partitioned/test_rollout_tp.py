@@ -113,6 +113,14 @@ def _run_checking_shards(cfg, tmp_path, steps):
     return rows
 
 
+def test_allocation_mode_tp2_one_step_syncs_every_shard(tmp_path):
+    """The quick real run: ``areno:d1t2+fsdp:d1t2``, one step and its sync."""
+    cfg = _config(tmp_path, *ALLOCATION, "data.num_eval=0")
+    prepare_model_dir(cfg)
+    ((rollout, metrics),) = _run_checking_shards(cfg, tmp_path, 1)
+    assert len(rollout.trajectories) == 2 * 4 and "train/policy/loss" in metrics
+
+
 @pytest.mark.slow  # four worker processes and a colocated reference on the CPU
 def test_train_tp2_rollout_tp2_three_steps_match_colocated(tmp_path):
     cfg = _config(tmp_path, *PLAIN_KEYS)
