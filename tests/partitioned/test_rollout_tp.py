@@ -143,6 +143,19 @@ def test_train_tp2_rollout_tp2_three_steps_match_colocated(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(initial.state_dict().values(), trained.state_dict().values()))
 
 
+@pytest.mark.slow  # four worker processes
+def test_two_training_rows_relay_to_both_rollout_tp_shards(tmp_path):
+    """Overlapping lists, FSDP over 2 training rows: each row streams its half of the bytes to
+    its own relay, one rollout TP shard each, which keeps its slice and fans the rest out to the
+    other shard (on GPU the relay of each row sits on the other GPU: ``test_gpu_train_tp2_rollout_tp2``)."""
+    cfg = _config(tmp_path, "cluster.train_devices=[0, 1]", "cluster.rollout_devices=[0, 1]", "cluster.rollout_tp=2")
+    prepare_model_dir(cfg)
+    layout = partitioned_engine(cfg, tmp_path / "plan").rollout.cluster.layout
+    assert layout.sender_ranks == (0, 1) and layout.relays() == [2, 3]
+    rows = _run_checking_shards(cfg, tmp_path, 2)
+    assert rows[-1][1]["policy_sync_bytes"] > 0
+
+
 GPU_LAYOUTS = {
     # both roles on the same two GPUs: the training row's sender sits on GPU 0, so its relay is the
     # rollout TP rank on GPU 1, which fans the buckets out to the rank beside the sender
