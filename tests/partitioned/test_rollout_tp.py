@@ -178,3 +178,23 @@ def test_gpu_train_tp2_rollout_tp2(tmp_path, n_gpus):
     rows = _run_checking_shards(cfg, tmp_path, 3)
     assert all(m["train/policy/loss"] == m["train/policy/loss"] for _, m in rows)  # finite
     assert rows[-1][1]["policy_sync_bytes"] > 0
+
+
+@pytest.mark.slow  # four worker processes
+def test_trainer_run_with_tp_allocation_mode_evaluates_and_checkpoints(tmp_path):
+    """The Trainer's loop on ``areno:d1t2+fsdp:d1t2``: rollout, train, sync, evaluation (served by
+    the TP leader, mirrored to its follower) and a checkpoint of the TP-sharded training state."""
+    import json
+
+    from areno.api.trainer import Trainer
+
+    cfg = _config(tmp_path, *ALLOCATION, "train.steps=2", "train.eval_interval=2")
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    run_dir = tmp_path / "run"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/policy/loss" in r for r in rows) and any("eval/accuracy" in r for r in rows)
+    assert (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists()
