@@ -147,8 +147,15 @@ def test_train_tp2_rollout_tp2_three_steps_match_colocated(tmp_path):
 def test_two_training_rows_relay_to_both_rollout_tp_shards(tmp_path):
     """Overlapping lists, FSDP over 2 training rows: each row streams its half of the bytes to
     its own relay, one rollout TP shard each, which keeps its slice and fans the rest out to the
-    other shard (on GPU the relay of each row sits on the other GPU: ``test_gpu_train_tp2_rollout_tp2``)."""
-    cfg = _config(tmp_path, "cluster.train_devices=[0, 1]", "cluster.rollout_devices=[0, 1]", "cluster.rollout_tp=2")
+    other shard (on GPU the relay of each row sits on the other GPU: ``test_gpu_train_tp2_rollout_tp2``).
+    Received in place (``cluster.sync_commit=inplace``) into both shards."""
+    cfg = _config(
+        tmp_path,
+        "cluster.train_devices=[0, 1]",
+        "cluster.rollout_devices=[0, 1]",
+        "cluster.rollout_tp=2",
+        "cluster.sync_commit=inplace",  # (the other runs commit staged)
+    )
     prepare_model_dir(cfg)
     layout = partitioned_engine(cfg, tmp_path / "plan").rollout.cluster.layout
     assert layout.sender_ranks == (0, 1) and layout.relays() == [2, 3]
