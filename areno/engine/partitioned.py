@@ -203,12 +203,11 @@ class PartitionedCluster:
                 "the partitioned placement needs cluster.train_devices + cluster.rollout_devices "
                 "or a '+' allocation_mode; without them the engine runs colocated"
             )
-        if layout.rollout_tp > 1 and cfg.rollout.max_head_offpolicyness > 0:
-            # each TP rank commits a sync at its own step boundary: mid-generation, the shards of
-            # one replica could step on two policy versions
+        if layout.rollout_tp > 1 and cfg.rollout.max_head_offpolicyness > 0 and cfg.cluster.sync_commit == "inplace":
+            # an in-place sync pauses each TP rank at its own step boundary while the replica generates
             raise LayoutError(
-                f"rollout TP {layout.rollout_tp} runs synchronous RL only: set "
-                "rollout.max_head_offpolicyness=0, or rollout TP 1 for asynchronous runs"
+                f"rollout TP {layout.rollout_tp} with asynchronous RL needs cluster.sync_commit=staged "
+                "(its TP ranks then switch weights at the same step); or set rollout.max_head_offpolicyness=0"
             )
         layout.relays()  # routing error (no relay on another device) before launch
         return layout

@@ -144,6 +144,9 @@ class RolloutWorker:
         eos = [tokenizer.eos_token_id]
         tp_group = self.groups.rollout_tp_group
         self.tp_rank = dist.get_rank(tp_group) if layout.rollout_tp > 1 else 0
+        # a staged commit is applied by every TP rank at its leader's step boundary (an in-place one
+        # pauses the replica for the whole sync: nothing to order)
+        self._ordered_commits = cfg.cluster.sync_commit == "staged"
         if layout.rollout_tp > 1:
             model, model_config = load_tp_model(
                 model_dir, group=tp_group, dtype=getattr(torch, dtype_name), device=device
@@ -161,7 +164,7 @@ class RolloutWorker:
         self.app = None
         if self.tp_rank == 0:
             if layout.rollout_tp > 1:
-                self.engine.lead(self.groups.rollout_command_group)
+                self.engine.lead(self.groups.rollout_command_group, ordered_commits=self._ordered_commits)
             self._serve(tokenizer, api_key)
         else:  # a TP follower: no server; it takes its leader's requests and steps
             self._follower = threading.Thread(target=self._follow, name="areno-rollout-tp-follower", daemon=True)
@@ -169,7 +172,7 @@ class RolloutWorker:
 
     def _follow(self) -> None:
         try:
-            self.engine.follow(self.groups.rollout_command_group)
+            self.engine.follow(self.groups.rollout_command_group, ordered_commits=self._ordered_commits)
         except Exception:  # the leader's next collective then times out and names this worker's log
             logger.exception("rollout TP follower %d stopped", self.tp_rank)
             raise

@@ -54,8 +54,10 @@ def test_tp_config_errors_are_one_line(tmp_path):
         _config(tmp_path, *ALLOCATION, "cluster.rollout_tp=2")
     cfg = load_config(None, [*tiny_run_overrides(tmp_path), *ALLOCATION, "cluster.allocation_mode=areno:d2+fsdp:d1t2"])
     assert partitioned_engine(cfg, tmp_path / "run").rollout.cluster.layout.train_tp == 2
-    with pytest.raises(LayoutError, match=r"rollout TP 2 runs synchronous RL only"):
-        partitioned_engine(_config(tmp_path, *ALLOCATION, "rollout.max_head_offpolicyness=1"), tmp_path / "run")
+    asynchronous = (*ALLOCATION, "rollout.max_head_offpolicyness=1")
+    with pytest.raises(LayoutError, match=r"rollout TP 2 with asynchronous RL needs cluster.sync_commit=staged"):
+        partitioned_engine(_config(tmp_path, *asynchronous, "cluster.sync_commit=inplace"), tmp_path / "run")
+    assert partitioned_engine(_config(tmp_path, *asynchronous), tmp_path / "run").rollout.cluster.layout.rollout_tp == 2
 
 
 def test_tp_that_does_not_split_the_heads_fails_before_any_worker_starts(tmp_path):
@@ -161,6 +163,16 @@ def test_two_training_rows_relay_to_both_rollout_tp_shards(tmp_path):
     assert layout.sender_ranks == (0, 1) and layout.relays() == [2, 3]
     rows = _run_checking_shards(cfg, tmp_path, 2)
     assert rows[-1][1]["policy_sync_bytes"] > 0
+
+
+@pytest.mark.slow  # four worker processes
+def test_asynchronous_tp_replica_switches_weights_on_every_rank_at_once(tmp_path):
+    """η = 1: the replica generates while a sync lands; its TP ranks commit at the leader's step."""
+    cfg = _config(tmp_path, *ALLOCATION, "rollout.max_head_offpolicyness=1", "data.num_eval=0")
+    prepare_model_dir(cfg)
+    rows = _run_checking_shards(cfg, tmp_path, 3)
+    assert all(r.metrics["rollout/staleness_max"] <= 1 for r, _ in rows)
+    assert {v for t in rows[-1][0].trajectories for v in t.versions} <= {1, 2}
 
 
 GPU_LAYOUTS = {
