@@ -249,8 +249,8 @@ class ClusterSection:
     allocation_mode the `t` of its train component says it instead (`fsdp:d1t2`)."""
     rollout_tp: int = 1
     """Tensor-parallel size of one rollout replica over `rollout_devices` (rollout DP = the device
-    count / this); with allocation_mode the `t` of its rollout component (`areno:d1t2`). Above 1:
-    synchronous runs only (`rollout.max_head_offpolicyness=0`)."""
+    count / this); with allocation_mode the `t` of its rollout component (`areno:d1t2`). Above 1 in
+    an asynchronous run: `sync_commit=staged` only."""
     device: str = "auto"
     """auto (cuda if available), cpu or cuda."""
     scheduler: str = "local"
