@@ -178,7 +178,13 @@ def test_asynchronous_tp_replica_switches_weights_on_every_rank_at_once(tmp_path
 GPU_LAYOUTS = {
     # both roles on the same two GPUs: the training row's sender sits on GPU 0, so its relay is the
     # rollout TP rank on GPU 1, which fans the buckets out to the rank beside the sender
-    2: ("cluster.train_devices=[0, 1]", "cluster.rollout_devices=[0, 1]", "cluster.train_tp=2", "cluster.rollout_tp=2"),
+    2: (
+        "cluster.train_devices=[0, 1]",
+        "cluster.rollout_devices=[0, 1]",
+        "cluster.train_tp=2",
+        "cluster.rollout_tp=2",
+        "rollout.kv_blocks=256",  # a shared GPU: a bounded KV pool beside the training state
+    ),
     4: ALLOCATION,
 }
 
