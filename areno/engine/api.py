@@ -45,8 +45,8 @@ from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, release_refs
 from areno.train import checkpoint
 from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
-from areno.workflows.base import load_workflow
-from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs
+from areno.workflows.base import RolloutWorkflow, load_workflow
+from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -130,13 +130,16 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     return held
 
 
-def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) -> dict:
+def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, *, only=None) -> dict:
     """One initialised training backend per recipe role, configured alike colocated and
     partitioned: ``new_backend(TrainBackendConfig)`` makes it (one process, or FSDP2 over a training
     sub-mesh); each role loads its own checkpoint (``role.model_path``, else ``model_dir``) and its
-    specialization may wrap the model (value and reward heads)."""
+    specialization may wrap the model (value and reward heads). ``only``: the names of the roles
+    to build here (the others train elsewhere, ``cluster.role_devices``); None builds all."""
     backends = {}
     for role in recipe.roles:
+        if only is not None and role.name not in only:
+            continue
         backend = new_backend(build_train_backend_config(cfg, role_name=role.name, trainable=role.trainable))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
         backends[role.name] = backend
@@ -215,7 +218,8 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
     if nonfinite:
         rewards = rewards[finite] if finite.any() else torch.zeros(1)
     lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
-    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m]
+    # version -1: a token no policy version sampled (the teacher's, areno.workflows.teacher)
+    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m and v >= 0]
     staleness = torch.tensor([version - v for v in versions], dtype=torch.float32) if versions else torch.zeros(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),
@@ -288,6 +292,8 @@ class ArenoEngine:
     ledger: SampleLedger | None = None
     """Online recipes: hands out the prompts, keeps those not yet trained (the data cursor an
     asynchronous pool runs ahead of) and their stream keys (the episodes' sampling seeds)."""
+    workflow: RolloutWorkflow | None = None
+    """Online recipes: the user's workflow (``rollout.workflow``), closed at shutdown."""
     store: InProcessStore | None = None
     """Online recipes: where workflows put large observations (freed once trained or dropped)."""
     reward_fn: Any = None
@@ -333,6 +339,7 @@ class ArenoEngine:
             prompt_key=cfg.data.prompt_key,
             answer_key=cfg.data.answer_key,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
+            **teacher_kwargs(cfg.rollout.workflow, self.recipe, cfg.rollout.workflow_kwargs),
             **prompt_kwargs(
                 cfg.rollout.workflow,
                 cfg.rollout.workflow_kwargs,
@@ -346,6 +353,7 @@ class ArenoEngine:
             batch_size=cfg.rollout.batch_size,
             max_concurrent=cfg.rollout.max_concurrent,
         )
+        self.workflow = workflow
         # The ledger hands out the prompts and keeps the cursor of what was trained (the pool reads
         # ahead of training); episodes sample with seeds from their place in the data order.
         self.ledger = SampleLedger(self.train_stream)
@@ -540,6 +548,7 @@ class ArenoEngine:
     def shutdown(self) -> None:
         if self.executor is not None:
             self.executor.stop()
+            self.workflow.close()
         self.rollout.shutdown()
         self.training.shutdown()
         self.close_reward()

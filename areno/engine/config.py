@@ -251,6 +251,12 @@ class ClusterSection:
     """Tensor-parallel size of one rollout replica over `rollout_devices` (rollout DP = the device
     count / this); with allocation_mode the `t` of its rollout component (`areno:d1t2`). Above 1 in
     an asynchronous run: `sync_commit=staged` only."""
+    role_devices: dict[str, list[int]] = field(default_factory=dict)
+    """Colocated runs: the device of a recipe role that trains apart from the policy, e.g.
+    `{reference: [1]}` or `{value: [1]}` (aliases ref, critic, rm). Such a role runs in a worker
+    process of its own on that device (a CPU run: one process per index); roles on one device train
+    one after another, roles on different devices concurrently, and the DataSyncs move their
+    tensors between the processes. Unnamed roles share device 0 with the policy and the rollout."""
     device: str = "auto"
     """auto (cuda if available), cpu or cuda."""
     scheduler: str = "local"
@@ -460,6 +466,12 @@ class ArenoConfig:
             f"must be auto, true or false, got {self.resume!r}",
         )
         partitioned = self.cluster.train_devices is not None or "+" in (self.cluster.allocation_mode or "")
+        check_config(
+            not (self.cluster.role_devices and partitioned),
+            "cluster.role_devices",
+            "places the roles of a colocated run; this run is partitioned (cluster.train_devices/rollout_devices "
+            "or a '+' allocation_mode), where every role trains on the training devices: drop one of them",
+        )
         check_config(
             not (self.test_rollout.enabled and partitioned),
             "test_rollout.enabled",

@@ -19,6 +19,7 @@ import torch
 
 from areno.engine.api import build_role_backends, rollout_engine_config, warm_up_rollout_engine
 from areno.engine.config import ArenoConfig, resolve_dtypes
+from areno.engine.roles import RoleBackends, place_roles
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.engine.training_side import TrainingSide
@@ -50,6 +51,8 @@ class LocalTrainingSide(TrainingSide):
     _source: NamedTensorSource | None
     """The synced role's weights (None: no role syncs to rollout)."""
     _disk: DiskTransport | None
+    _placed: RoleBackends | None = None
+    """The roles' backends and workers when ``cluster.role_devices`` moves roles apart."""
 
     def __init__(self, config: ArenoConfig, device: torch.device, *, export_root: Path) -> None:
         self.config = config
@@ -60,10 +63,17 @@ class LocalTrainingSide(TrainingSide):
         cfg = self.config
         torch.manual_seed(cfg.train.seed)
         device = self.device.type
-        backends = build_role_backends(
-            cfg, setup.recipe, setup.model_dir, lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
+        new_backend = lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
+        if cfg.cluster.role_devices:  # some roles train in worker processes on devices of their own
+            self._placed = place_roles(
+                cfg, setup.recipe, setup.model_dir, new_backend, log_dir=self.export_root.parent / "workers"
+            )
+            backends, placement = self._placed.backends, self._placed.placement
+        else:
+            backends, placement = build_role_backends(cfg, setup.recipe, setup.model_dir, new_backend), None
+        self.runner = RecipeRunner(
+            setup.recipe, backends, num_minibatches=cfg.train.num_minibatches, placement=placement
         )
-        self.runner = RecipeRunner(setup.recipe, backends, num_minibatches=cfg.train.num_minibatches)
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else setup.recipe.roles[0].name
         self._source = NamedTensorSource(backends[self.policy].named_weights) if synced else None
@@ -109,6 +119,9 @@ class LocalTrainingSide(TrainingSide):
         if self.runner is not None:
             for backend in self.runner.backends.values():
                 backend.shutdown()
+        if self._placed is not None:
+            self._placed.shutdown()
+            self._placed = None
 
 
 class LocalRolloutSide(RolloutSide):
