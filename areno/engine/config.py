@@ -244,6 +244,13 @@ class ClusterSection:
     """Logical device indices of training workers (alternative to allocation_mode)."""
     rollout_devices: list[int] | None = None
     """Logical device indices of rollout workers (alternative to allocation_mode)."""
+    train_tp: int = 1
+    """Tensor-parallel size of training over `train_devices` (FSDP shards over the rest); with
+    allocation_mode the `t` of its train component says it instead (`fsdp:d1t2`)."""
+    rollout_tp: int = 1
+    """Tensor-parallel size of one rollout replica over `rollout_devices` (rollout DP = the device
+    count / this); with allocation_mode the `t` of its rollout component (`areno:d1t2`). Above 1 in
+    an asynchronous run: `sync_commit=staged` only."""
     role_devices: dict[str, list[int]] = field(default_factory=dict)
     """Colocated runs: the device of a recipe role that trains apart from the policy, e.g.
     `{reference: [1]}` or `{value: [1]}` (aliases ref, critic, rm). Such a role runs in a worker
@@ -329,6 +336,22 @@ class ClusterSection:
             "sleep offloads a colocated run only (rollout and training share one device); this run is partitioned "
             "(cluster.train_devices/rollout_devices or a '+' allocation_mode): use cluster.offload=none",
         )
+        for key, size, devices in (
+            ("train_tp", self.train_tp, self.train_devices),
+            ("rollout_tp", self.rollout_tp, self.rollout_devices),
+        ):
+            check_config(size >= 1, f"cluster.{key}", f"must be >= 1, got {size}")
+            check_config(
+                size == 1 or devices is not None,
+                f"cluster.{key}",
+                f"{size} needs the partitioned placement's device lists (cluster.train_devices/rollout_devices); "
+                "with allocation_mode give TP as its t (e.g. 'areno:d1t2+fsdp:d1t2')",
+            )
+            check_config(
+                devices is None or len(devices) % size == 0,
+                f"cluster.{key}",
+                f"{size} does not divide the {len(devices or [])} devices of its device list; use a divisor",
+            )
 
 
 @dataclass(kw_only=True)
