@@ -110,6 +110,10 @@ class Trajectory:
     finish_reason: str = "stop"
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata: the sample, the answer, turn count, store keys of large observations."""
+    extra_T: dict[str, list[float]] = field(default_factory=dict)
+    """Per-completion-token values a workflow measured (``teacher_executed_T``: 1 where the teacher
+    generated the token); ``TokenBatch.from_trajectories`` packs each into ``batch.extra`` (0 on
+    prompt tokens, and on every token of a trajectory without the key). Names end in ``_T``."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -122,6 +126,12 @@ class Trajectory:
             self.completion_mask = [1] * n
         elif len(self.completion_mask) != n:
             raise ValueError(f"completion_mask has {len(self.completion_mask)} entries, expected {n}")
+        for key, values in self.extra_T.items():
+            if not key.endswith("_T") or len(values) != n:
+                raise ValueError(
+                    f"trajectory extra_T[{key!r}]: needs a name ending in _T and one value per completion "
+                    f"token ({n}), got {len(values)}"
+                )
 
     @property
     def num_tokens(self) -> int:
@@ -229,6 +239,13 @@ class TokenBatch:
         loss_mask_T = torch.tensor(mask, dtype=torch.bool)
         # The first token of a sequence is never a target (nothing predicts it).
         loss_mask_T[torch.tensor(cu[:-1])] = False
+        extra: dict[str, torch.Tensor] = {}
+        for key in sorted({k for t in trajectories for k in t.extra_T}):
+            values: list[float] = []
+            for traj in trajectories:
+                values.extend([0.0] * len(traj.prompt_ids))
+                values.extend(traj.extra_T.get(key, [0.0] * len(traj.completion_ids)))
+            extra[key] = torch.tensor(values, dtype=torch.float32)
         return cls(
             input_ids_T=torch.tensor(ids, dtype=torch.long),
             cu_seqlens_B1=torch.tensor(cu, dtype=torch.long),
@@ -238,6 +255,7 @@ class TokenBatch:
             advantages_T=torch.zeros(len(ids), dtype=torch.float32),
             rewards_B=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             group_ids=[t.group_id for t in trajectories],
+            extra=extra,
         )
 
 

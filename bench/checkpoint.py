@@ -13,6 +13,7 @@ Prints one JSON object: the headline (areno's save, best of ``--repeats``; ``tor
     python -m bench.checkpoint                                  # CPU, hidden 512, 8 layers
     python -m bench.checkpoint --device cuda --hidden 2048 --layers 24   # GPU, ~1.4B parameters
     python -m bench.checkpoint --incremental                    # full vs incremental, with and without LoRA
+    python -m bench.checkpoint --incremental --device cuda --shape 0.5b --repeats 2   # the same at Qwen2.5-0.5B
 
 ``--incremental`` (``train.checkpoint_full_every``): per variant (full fine-tuning; LoRA), a full
 checkpoint after one step, then an incremental one after a second step; bytes written and save time
@@ -34,9 +35,10 @@ from pathlib import Path
 import torch
 
 from areno.data.tokenizer import build_char_tokenizer
+from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.train import LocalTrainBackend, LoraConfig, TrainBackendConfig, checkpoint
-from bench._common import emit, headline, parser, ratio
+from bench._common import QWEN25_05B, emit, headline, parser, ratio
 
 STEPS = (
     "areno_save_s",
@@ -63,6 +65,30 @@ def _one_step(backend: LocalTrainBackend) -> None:
     backend.optimizer.zero_grad(set_to_none=True)
 
 
+def _config(args) -> ModelConfig:
+    """``--shape 0.5b``: Qwen2.5-0.5B's layout (tied embeddings, 151,936-token vocabulary); otherwise
+    a Qwen2 model of ``--hidden``/``--layers``/``--vocab``."""
+    if args.shape == "0.5b":
+        q = QWEN25_05B
+        return tiny_config(
+            q["vocab_size"],
+            hidden_size=q["hidden_size"],
+            layers=q["num_hidden_layers"],
+            heads=q["num_attention_heads"],
+            kv_heads=q["num_key_value_heads"],
+            intermediate_size=q["intermediate_size"],
+            tie_word_embeddings=q["tie_word_embeddings"],
+        )
+    return tiny_config(
+        args.vocab,
+        hidden_size=args.hidden,
+        layers=args.layers,
+        heads=max(args.hidden // 64, 1),
+        kv_heads=max(args.hidden // 128, 1),
+        intermediate_size=4 * args.hidden,
+    )
+
+
 def _timed(fn: Callable[[], object]) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -80,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--shape", choices=("custom", "0.5b"), default="custom", help="0.5b: Qwen2.5-0.5B's layout")
     p.add_argument("--incremental", action="store_true", help="full vs incremental checkpoints, with and without LoRA")
     args = p.parse_args(argv)
     if args.incremental:
@@ -88,14 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="areno_ckpt_bench_"))
     try:
         tokenizer = build_char_tokenizer()
-        config = tiny_config(
-            args.vocab,
-            hidden_size=args.hidden,
-            layers=args.layers,
-            heads=max(args.hidden // 64, 1),
-            kv_heads=max(args.hidden // 128, 1),
-            intermediate_size=4 * args.hidden,
-        )
+        config = _config(args)
         model_dir = init_model_dir(work / "model", config, tokenizer)
         backend = _backend(model_dir, args.device)
         _one_step(backend)
@@ -163,14 +183,7 @@ def _incremental(args) -> int:
     results: dict[str, dict[str, float]] = {}
     try:
         tokenizer = build_char_tokenizer()
-        config = tiny_config(
-            args.vocab,
-            hidden_size=args.hidden,
-            layers=args.layers,
-            heads=max(args.hidden // 64, 1),
-            kv_heads=max(args.hidden // 128, 1),
-            intermediate_size=4 * args.hidden,
-        )
+        config = _config(args)
         model_dir = init_model_dir(work / "model", config, tokenizer)
         for name, lora in variants.items():
             rows: dict[str, list[float]] = {

@@ -290,7 +290,7 @@ def run_areno(
     t_setup = time.perf_counter()
     trainer = Trainer.init(config)
     setup_s = time.perf_counter() - t_setup
-    steps, phases, lengths, num_tokens = [], [], [], []
+    steps, phases, lengths, num_tokens, system = [], [], [], [], {}
     try:
         sync(args.device)
         last = time.perf_counter()
@@ -299,7 +299,7 @@ def run_areno(
             rollout = trainer.rollout_token_batch(rollout_id)
             sync(args.device)
             t1 = time.perf_counter()
-            trainer.train(rollout_id, rollout)
+            train_metrics = trainer.train(rollout_id, rollout)
             sync(args.device)
             t2 = time.perf_counter()
             trainer.backend.update_weights()
@@ -310,7 +310,14 @@ def run_areno(
             phases.append((t1 - t0, t2 - t1, t3 - t2))
             lengths.extend(len(t.completion_ids) for t in rollout.trajectories)
             num_tokens.append(rollout.batch.num_tokens)
-        peak = peak_gib(args.device)
+            for key, value in {**rollout.metrics, **train_metrics}.items():  # per phase (engine/residency.py)
+                if key.startswith("system/"):
+                    system.setdefault(key[len("system/") :], []).append(value)
+        phase_peaks = {
+            k[: -len("_peak_memory_gib")]: max(v) for k, v in system.items() if k.endswith("_peak_memory_gib")
+        }
+        # the engine resets the peak statistics at each phase: the run's peak is the largest phase's
+        peak = max([peak_gib(args.device) or 0.0, *phase_peaks.values()]) if args.device == "cuda" else None
     finally:
         trainer.shutdown()
     timed = slice(args.warmup, None)
@@ -323,6 +330,8 @@ def run_areno(
         },
         "tokens_per_step": statistics.median(num_tokens[timed]),
         "peak_gib": peak,
+        "phase_peaks_gib": phase_peaks,
+        "system_medians": {k: statistics.median(v) for k, v in system.items() if not k.endswith("peak_memory_gib")},
         "setup_s": setup_s,
     }
 
@@ -443,6 +452,8 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
     }
     if "phases_s" in res:
         out["phases_s_median"] = res["phases_s"]
+    if res.get("phase_peaks_gib"):
+        out["phase_peak_gpu_gib"] = res["phase_peaks_gib"]
     for key in ("setup_s", "trl_logged_step_time_s", "trl_gradient_checkpointing"):
         if key in res:
             out[key] = res[key]

@@ -23,6 +23,7 @@ from areno.data.datasets import check_splits
 from areno.data.prompts import check_chat_template
 from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.config import ArenoConfig, ModelSection
+from areno.engine.roles import check_partitioned_roles, role_allocation
 from areno.errors import ConfigError, ModelDirError
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import get_recipe
@@ -46,6 +47,8 @@ def check_run(config: ArenoConfig) -> None:
     check_splits(config.data, need_answers=not recipe.online)  # offline recipes train on the answers
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
+    role_allocation(config, recipe)  # cluster.role_devices names roles of this recipe and devices that exist
+    check_partitioned_roles(config, recipe)
     check_fresh(config.run_dir, resume=config.resume, overwrite=config.overwrite)
     if config.resume is True and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") is None:
         raise ConfigError(

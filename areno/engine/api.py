@@ -32,6 +32,7 @@ from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
+from areno.engine.residency import Phase, Residency
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
@@ -45,8 +46,8 @@ from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, release_refs
 from areno.train import checkpoint
 from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
-from areno.workflows.base import load_workflow
-from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs
+from areno.workflows.base import RolloutWorkflow, load_workflow
+from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -130,13 +131,16 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     return held
 
 
-def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend) -> dict:
+def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, *, only=None) -> dict:
     """One initialised training backend per recipe role, configured alike colocated and
     partitioned: ``new_backend(TrainBackendConfig)`` makes it (one process, or FSDP2 over a training
     sub-mesh); each role loads its own checkpoint (``role.model_path``, else ``model_dir``) and its
-    specialization may wrap the model (value and reward heads)."""
+    specialization may wrap the model (value and reward heads). ``only``: the names of the roles
+    to build here (the others train elsewhere, ``cluster.role_devices``); None builds all."""
     backends = {}
     for role in recipe.roles:
+        if only is not None and role.name not in only:
+            continue
         backend = new_backend(build_train_backend_config(cfg, role_name=role.name, trainable=role.trainable))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
         backends[role.name] = backend
@@ -215,7 +219,8 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
     if nonfinite:
         rewards = rewards[finite] if finite.any() else torch.zeros(1)
     lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
-    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m]
+    # version -1: a token no policy version sampled (the teacher's, areno.workflows.teacher)
+    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m and v >= 0]
     staleness = torch.tensor([version - v for v in versions], dtype=torch.float32) if versions else torch.zeros(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),
@@ -278,6 +283,9 @@ class ArenoEngine:
     rollout: RolloutSide
     weight_kind: WeightKind
     """How the policy travels between the sides (``WeightKind``), chosen when they are paired."""
+    residency: Residency | None
+    """Colocated runs: what stays on the device in each phase (``cluster.offload``) and each phase's
+    peak memory (``engine/residency.py``). None: the sides have devices of their own."""
     _pending_sync_metrics: dict[str, float]
     # set in initialize()
     tokenizer: Any
@@ -288,6 +296,8 @@ class ArenoEngine:
     ledger: SampleLedger | None = None
     """Online recipes: hands out the prompts, keeps those not yet trained (the data cursor an
     asynchronous pool runs ahead of) and their stream keys (the episodes' sampling seeds)."""
+    workflow: RolloutWorkflow | None = None
+    """Online recipes: the user's workflow (``rollout.workflow``), closed at shutdown."""
     store: InProcessStore | None = None
     """Online recipes: where workflows put large observations (freed once trained or dropped)."""
     reward_fn: Any = None
@@ -295,12 +305,21 @@ class ArenoEngine:
     asynchronous: bool = False
     """True when max_head_offpolicyness > 0: the rollout pool runs ahead of training."""
 
-    def __init__(self, config: ArenoConfig, run_dir: Path, *, training: TrainingSide, rollout: RolloutSide) -> None:
+    def __init__(
+        self,
+        config: ArenoConfig,
+        run_dir: Path,
+        *,
+        training: TrainingSide,
+        rollout: RolloutSide,
+        residency: Residency | None = None,
+    ) -> None:
         """A ConfigError when the sides have no way in common to move the policy."""
         self.config = config
         self.run_dir = run_dir
         self.training = training
         self.rollout = rollout
+        self.residency = residency
         self.weight_kind = choose_weight_kind(training.weight_kinds, rollout.weight_kinds)
         self._pending_sync_metrics = {}
 
@@ -314,9 +333,21 @@ class ArenoEngine:
         self.tokenizer = load_tokenizer(model_dir)
         setup = SideSetup(recipe=self.recipe, model_dir=model_dir, tokenizer=self.tokenizer)
         self.training.start(setup)
+        self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
+        # before the rollout engine sizes its KV pool: with cluster.offload=sleep the training
+        # state is in host memory by then
+        self._enter(Phase.ROLLOUT)
         self.rollout.start(setup)
         self.executor = self._build_executor() if self.recipe.online else None
-        self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
+
+    def _enter(self, phase: Phase) -> None:
+        """Start ``phase`` of a synchronous step (``Residency.enter``). An asynchronous run generates
+        while it trains: it has no phases (and ``cluster.offload=sleep`` refuses it)."""
+        if self.residency is not None and not self.asynchronous:
+            self.residency.enter(phase)
+
+    def _phase_metrics(self) -> dict[str, float]:
+        return self.residency.metrics() if self.residency is not None and not self.asynchronous else {}
 
     def _build_executor(self) -> WorkflowExecutor:
         cfg = self.config
@@ -333,6 +364,7 @@ class ArenoEngine:
             prompt_key=cfg.data.prompt_key,
             answer_key=cfg.data.answer_key,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
+            **teacher_kwargs(cfg.rollout.workflow, self.recipe, cfg.rollout.workflow_kwargs),
             **prompt_kwargs(
                 cfg.rollout.workflow,
                 cfg.rollout.workflow_kwargs,
@@ -346,6 +378,7 @@ class ArenoEngine:
             batch_size=cfg.rollout.batch_size,
             max_concurrent=cfg.rollout.max_concurrent,
         )
+        self.workflow = workflow
         # The ledger hands out the prompts and keeps the cursor of what was trained (the pool reads
         # ahead of training); episodes sample with seeds from their place in the data order.
         self.ledger = SampleLedger(self.train_stream)
@@ -371,6 +404,7 @@ class ArenoEngine:
             trajectories = [t for group in groups for t in group]
             metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version)}
         elif self.recipe.online:
+            self._enter(Phase.ROLLOUT)
             samples = self.ledger.take(cfg.rollout.batch_size)
             seqs = [self.ledger.lookup(s)[0] for s in samples]
             self.rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
@@ -378,7 +412,7 @@ class ArenoEngine:
             trajectories = self.executor.rollout_batch(samples)
             self.executor.client.release_now()
             self.ledger.trained(seqs)
-            metrics = rollout_metrics(trajectories, self.version)
+            metrics = {**rollout_metrics(trajectories, self.version), **self._phase_metrics()}
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)
             trajectories = sft_trajectories(
@@ -405,11 +439,13 @@ class ArenoEngine:
         # beside the training step's kernels and device synchronizations (they invalidate a capture:
         # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
         hold = self.rollout.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
+        self._enter(Phase.TRAIN)
         with hold:
             # the version the rollout policy carries (loglinear π_prox)
             out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
         # the training side's figures of the rollout (rollout/logprob_abs_diff_*) keep their section
         metrics = {k if k.startswith("rollout/") else f"train/{k}": v for k, v in out.items()}
+        metrics.update(self._phase_metrics())
         if self.store is not None and rollout.pass_order is None:
             # trained (later passes reuse the prepared batch): their stored observations are done with
             release_refs([t.info for t in rollout.trajectories], self.store)
@@ -418,6 +454,7 @@ class ArenoEngine:
         return metrics
 
     def update_weights(self) -> dict[str, float]:
+        self._enter(Phase.SYNC)
         update = self.training.publish_weights(self.version + 1, self.weight_kind)
         if update is None:  # no role syncs to the rollout side
             return {}
@@ -432,7 +469,7 @@ class ArenoEngine:
                 self.rollout.resume()
                 self.executor.resume()
         self.version = update.version
-        self._pending_sync_metrics = metrics
+        self._pending_sync_metrics = {**metrics, **self._phase_metrics()}
         return {}
 
     def evaluate(self) -> dict[str, float]:
@@ -444,6 +481,7 @@ class ArenoEngine:
             self.reward_fn = load_reward(cfg.reward)
         reward_fn = self.reward_fn
         params = rollout_sampling_params(cfg, greedy=True)
+        self._enter(Phase.ROLLOUT)
         t0 = time.perf_counter()
 
         client = self.rollout.client
@@ -476,6 +514,7 @@ class ArenoEngine:
         (``checkpoint.commit``): ``path`` exists only once it is whole."""
         state = {**trainer_state, **self.resume_state()}  # incl. the async pool's untrained samples
         tmp = checkpoint.staging_dir(path)
+        self._enter(Phase.TRAIN)
         self.training.save(tmp, state)
         self.export_policy(tmp / "hf")  # what `transformers` and `areno serve` load
         fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
@@ -506,6 +545,7 @@ class ArenoEngine:
 
     def load(self, path: Path) -> dict:
         self.check_loadable()
+        self._enter(Phase.TRAIN)
         state = self.training.load(path)
         self._restore(state)
         return state
@@ -535,12 +575,14 @@ class ArenoEngine:
             self.rollout.set_rng_state(state["rollout_rng"])
 
     def export_policy(self, path: Path) -> None:
+        self._enter(Phase.TRAIN)
         self.training.export_hf(path)
         self.tokenizer.save_pretrained(path)
 
     def shutdown(self) -> None:
         if self.executor is not None:
             self.executor.stop()
+            self.workflow.close()
         self.rollout.shutdown()
         self.training.shutdown()
         self.close_reward()

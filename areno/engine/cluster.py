@@ -21,6 +21,7 @@ On CPU (gloo) the device lists only count processes: every rank is its own "devi
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,21 +211,25 @@ def layout_from_config(
     num_devices: int,
     cuda: bool,
     device_ids: tuple[str, ...] = (),
-    train_tp: int = 1,
-    rollout_tp: int = 1,
 ) -> ClusterLayout | None:
     """The partitioned layout the config asks for, or None when it asks for the colocated default.
 
-    ``cluster.allocation_mode`` with a ``+`` (e.g. ``areno[rollout]:d2+fsdp[actor]:t2``) gives
+    ``cluster.allocation_mode`` with a ``+`` (e.g. ``areno[rollout]:d1t2+fsdp[actor]:d1t2``) gives
     the lists, their TP and DP; otherwise ``cluster.train_devices`` and ``cluster.rollout_devices``
-    (both needed) do, with ``train_tp`` / ``rollout_tp``. ``num_devices``: visible devices (on
-    CPU: processes allowed, i.e. how many indices the lists may use)."""
+    (both needed) do, with ``cluster.train_tp`` / ``cluster.rollout_tp``. ``num_devices``: visible
+    GPUs; on CPU (``cuda=False``) every rank is a process of its own, so any count goes."""
     mode, train, rollout = cluster.allocation_mode, cluster.train_devices, cluster.rollout_devices
+    train_tp, rollout_tp = cluster.train_tp, cluster.rollout_tp
     if mode and "+" in mode:
         if train is not None or rollout is not None:
             raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
+        if (train_tp, rollout_tp) != (1, 1):
+            raise LayoutError(
+                f"allocation_mode {mode!r} gives the TP sizes (e.g. areno:d1t2+fsdp:d1t2): "
+                "leave cluster.train_tp/rollout_tp at 1"
+            )
         alloc = parse_allocation_mode(mode)
-        train, rollout = alloc.train_rollout_devices(num_devices)
+        train, rollout = alloc.train_rollout_devices(num_devices if cuda else alloc.world_size)
         trains = [c for c in alloc.components if c.kind == "train"]
         ro = alloc.component("rollout")
         train_tp, rollout_tp = trains[0].tp, ro.tp
@@ -354,6 +359,13 @@ class Groups:
     rollout_tp_group: Any = None
     rollout_dp_group: Any = None
     rollout_group: Any = None
+    rollout_command_group: Any = None
+    """Gloo group of this rank's rollout TP replica (TP > 1 only): the leader's requests reach the
+    other TP ranks over it (``TensorParallelRolloutEngine.follow``)."""
+
+
+COMMAND_TIMEOUT = datetime.timedelta(days=365)
+"""A TP follower waits on the command group while its replica is idle: for as long as the run."""
 
 
 def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
@@ -391,6 +403,11 @@ def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
         pg = dist.new_group(list(ranks), backend=backend)
         if rank in ranks:
             g.rollout_dp_group = pg
+    if layout.rollout_tp > 1:
+        for ranks in layout.rollout_tp_groups():
+            pg = dist.new_group(list(ranks), backend="gloo", timeout=COMMAND_TIMEOUT)
+            if rank in ranks:
+                g.rollout_command_group = pg
     if rank in layout.rollout_ranks:
         g.rollout_group = rollout_group
     return g

@@ -279,6 +279,19 @@ class ClusterSection:
     """Logical device indices of training workers (alternative to allocation_mode)."""
     rollout_devices: list[int] | None = None
     """Logical device indices of rollout workers (alternative to allocation_mode)."""
+    train_tp: int = 1
+    """Tensor-parallel size of training over `train_devices` (FSDP shards over the rest); with
+    allocation_mode the `t` of its train component says it instead (`fsdp:d1t2`)."""
+    rollout_tp: int = 1
+    """Tensor-parallel size of one rollout replica over `rollout_devices` (rollout DP = the device
+    count / this); with allocation_mode the `t` of its rollout component (`areno:d1t2`). Above 1 in
+    an asynchronous run: `sync_commit=staged` only."""
+    role_devices: dict[str, list[int]] = field(default_factory=dict)
+    """Colocated runs: the device of a recipe role that trains apart from the policy, e.g.
+    `{reference: [1]}` or `{value: [1]}` (aliases ref, critic, rm). Such a role runs in a worker
+    process of its own on that device (a CPU run: one process per index); roles on one device train
+    one after another, roles on different devices concurrently, and the DataSyncs move their
+    tensors between the processes. Unnamed roles share device 0 with the policy and the rollout."""
     device: str = "auto"
     """auto (cuda if available), cpu or cuda."""
     scheduler: str = "local"
@@ -299,9 +312,17 @@ class ClusterSection:
     weights serving; one extra copy of the weights in memory) or `inplace` (received straight into
     the paused engine's weights: the fastest sync and no extra memory, but generation stops for the
     whole sync and a failed sync leaves the engine refusing to generate until the next one)."""
+    offload: str = "none"
+    """What a colocated run keeps on the device between phases: `none` (everything, always) or
+    `sleep` (while rolling out, the training weights, gradients and optimizer state wait in host
+    memory; while training, the rollout engine's weights and KV cache do; each is brought back
+    before the phase that uses it). Costs host copies each step; needs a synchronous colocated run."""
 
     def __post_init__(self) -> None:
         check_config(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
+        check_config(
+            self.offload in ("none", "sleep"), "cluster.offload", f"must be none or sleep, got {self.offload!r}"
+        )
         check_config(
             self.collective_timeout_s > 0,
             "cluster.collective_timeout_s",
@@ -344,6 +365,28 @@ class ClusterSection:
             )
         if (self.train_devices is None) != (self.rollout_devices is None):
             raise ConfigError("cluster.train_devices and cluster.rollout_devices must be set together")
+        check_config(
+            self.offload == "none" or not partitioned,
+            "cluster.offload",
+            "sleep offloads a colocated run only (rollout and training share one device); this run is partitioned "
+            "(cluster.train_devices/rollout_devices or a '+' allocation_mode): use cluster.offload=none",
+        )
+        for key, size, devices in (
+            ("train_tp", self.train_tp, self.train_devices),
+            ("rollout_tp", self.rollout_tp, self.rollout_devices),
+        ):
+            check_config(size >= 1, f"cluster.{key}", f"must be >= 1, got {size}")
+            check_config(
+                size == 1 or devices is not None,
+                f"cluster.{key}",
+                f"{size} needs the partitioned placement's device lists (cluster.train_devices/rollout_devices); "
+                "with allocation_mode give TP as its t (e.g. 'areno:d1t2+fsdp:d1t2')",
+            )
+            check_config(
+                devices is None or len(devices) % size == 0,
+                f"cluster.{key}",
+                f"{size} does not divide the {len(devices or [])} devices of its device list; use a divisor",
+            )
 
 
 @dataclass(kw_only=True)
@@ -473,6 +516,12 @@ class ArenoConfig:
         )
         self.rollout.backend = resolve_rollout_backend(self.rollout.backend, self.cluster.allocation_mode)
         check_config(
+            self.rollout.backend == "areno" or self.cluster.offload == "none",
+            "cluster.offload",
+            f"sleep offloads areno's own rollout engine; a {self.rollout.backend} server manages its own memory "
+            "(its --gpu-memory-utilization in rollout.server_args): use cluster.offload=none",
+        )
+        check_config(
             self.rollout.backend == "areno" or self.cluster.train_devices is None,
             "cluster.train_devices",
             f"a {self.rollout.backend} rollout takes its layout from cluster.allocation_mode "
@@ -480,10 +529,22 @@ class ArenoConfig:
         )
         partitioned = self.cluster.train_devices is not None or "+" in (self.cluster.allocation_mode or "")
         check_config(
+            not (self.cluster.role_devices and partitioned),
+            "cluster.role_devices",
+            "places the roles of a colocated run; this run is partitioned (cluster.train_devices/rollout_devices "
+            "or a '+' allocation_mode), where every role trains on the training devices: drop one of them",
+        )
+        check_config(
             not (self.test_rollout.enabled and partitioned),
             "test_rollout.enabled",
             "the test rollout runs in the trainer's process beside a colocated run only; this run is partitioned "
             "(cluster.train_devices/rollout_devices or a '+' allocation_mode): turn one of them off",
+        )
+        check_config(
+            self.cluster.offload == "none" or self.rollout.max_head_offpolicyness == 0,
+            "cluster.offload",
+            "sleep takes turns between rollout and training, but this run generates while it trains "
+            "(rollout.max_head_offpolicyness > 0): set rollout.max_head_offpolicyness=0 or cluster.offload=none",
         )
 
 

@@ -15,9 +15,10 @@ import torch
 
 from areno.engine.api import ArenoEngine, resolve_device
 from areno.engine.config import ArenoConfig
-from areno.engine.local import LocalRolloutSide, LocalTrainingSide
+from areno.engine.local import LocalRolloutSide, LocalTrainingSide, SleepResidency
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.remote import RemoteRolloutSide, RemoteTrainingSide
+from areno.engine.residency import Residency
 from areno.engine.servers import ServerRolloutSide
 from areno.launch.allocation import parse_allocation_mode
 
@@ -38,7 +39,13 @@ def colocated_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
     if config.cluster.cpu_threads:
         torch.set_num_threads(config.cluster.cpu_threads)
     training = LocalTrainingSide(config, device, export_root=run_dir / "policy")
-    return ArenoEngine(config, run_dir, training=training, rollout=LocalRolloutSide(config, device))
+    rollout = LocalRolloutSide(config, device)
+    # cluster.offload: what each phase of a step keeps on the shared device
+    if config.cluster.offload == "sleep":
+        residency = SleepResidency(training, rollout, device)
+    else:
+        residency = Residency(device)
+    return ArenoEngine(config, run_dir, training=training, rollout=rollout, residency=residency)
 
 
 def server_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:

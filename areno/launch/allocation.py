@@ -21,6 +21,7 @@ remain the explicit alternative to an allocation string.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,6 +38,7 @@ __all__ = [
     "SUPPORTED_BACKENDS",
     "BackendSpec",
     "Component",
+    "build_gpu_allocations",
     "check_supported",
     "inference_backend",
     "map_roles",
@@ -355,3 +357,61 @@ def map_roles(alloc: AllocationMode, recipe_role_names: list[str] | tuple[str, .
             )
         placed[name] = default
     return {name: placed[name] for name in recipe_role_names}
+
+
+def build_gpu_allocations(
+    role_devices: Mapping[str, Sequence[int]],
+    recipe_role_names: Sequence[str],
+    *,
+    policy_role: str,
+    num_devices: int,
+    key: str = "cluster.role_devices",
+) -> dict[str, tuple[int, ...]]:
+    """The logical devices of every recipe role in a colocated run (seed 004's role pools).
+
+    ``role_devices`` maps a recipe role (or its alias: ``ref``, ``critic``, ``actor``, ``rm``) to
+    its device list; roles it does not name share device 0 with the policy and the rollout engine.
+    Roles with equal lists form one placement (they train one after another), placements are
+    disjoint (they train concurrently). ``policy_role`` (the role synced to rollout) must stay on
+    device 0, next to the rollout engine. One device per placement. A mistake is a one-line
+    ``ConfigError`` naming ``key``, raised before anything starts."""
+    names = list(recipe_role_names)
+    placed: dict[str, tuple[int, ...]] = {}
+    for given, devices in role_devices.items():
+        name = given if given in names else _ROLE_ALIASES.get(given, given)
+        if name not in names:
+            raise ConfigError(
+                f"{key}: role {given!r} is not a role of the recipe; its roles: {names} (aliases: {_ROLE_ALIASES})"
+            )
+        if name in placed:
+            raise ConfigError(f"{key}: role {name!r} is named twice (once by an alias); name it once")
+        devices = (devices,) if isinstance(devices, int) else tuple(devices)
+        if not devices or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devices):
+            raise ConfigError(f"{key}.{given}: give a non-empty list of device indices >= 0, got {list(devices)}")
+        if max(devices) >= num_devices:
+            raise ConfigError(
+                f"{key}.{given}: device {max(devices)} does not exist: {num_devices} device(s) are available "
+                f"(indices 0..{num_devices - 1})"
+            )
+        placed[name] = devices
+    if placed.get(policy_role, (0,)) != (0,):
+        raise ConfigError(
+            f"{key}.{policy_role}: the policy is synced to the rollout engine and stays on its device [0]; "
+            f"place the other roles instead"
+        )
+    out = {name: placed.get(name, (0,)) for name in names}
+    placements = sorted(set(out.values()))
+    for i, a in enumerate(placements):
+        for b in placements[i + 1 :]:
+            if set(a) & set(b):
+                raise ConfigError(
+                    f"{key}: device lists {list(a)} and {list(b)} overlap; roles either share the same list or "
+                    f"have disjoint ones"
+                )
+    for devices in placements:
+        if len(devices) != 1:
+            raise ConfigError(
+                f"{key}: placement {list(devices)} has {len(devices)} devices; a role placement takes exactly "
+                f"one device today (e.g. [1])"
+            )
+    return out

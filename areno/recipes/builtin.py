@@ -486,8 +486,10 @@ def dagger(teacher_path: str | None = None) -> TrainingConfig:
     """DAgger: the teacher labels each state the student visits; cross-entropy toward its action.
 
     a*_t = argmax_a pi_teacher(a | s_t) on the student's trajectory; loss = sum_t -log pi(a*_t | s_t)
-    / #tokens (Ross et al. 2011). The beta-mixture rollout policy is a workflow concern; here
-    beta = 0 (student executes). Needs teacher_path.
+    / #tokens (Ross et al. 2011). The beta-mixture rollout policy is the workflow's:
+    rollout.workflow=areno.workflows.teacher:TeacherMixtureWorkflow with workflow_kwargs.beta lets
+    the teacher generate each completion with probability beta (default workflow: beta = 0, the
+    student executes). Needs teacher_path.
     """
     return TrainingConfig(
         name="dagger",
@@ -504,8 +506,12 @@ def dagger(teacher_path: str | None = None) -> TrainingConfig:
 def aggrevate(teacher_path: str | None = None) -> TrainingConfig:
     """AggreVaTe: weight the student's actions by the teacher's (whitened) action value.
 
-    A_t = whiten(Q*_t) with Q*_t = teacher_q_T from the workflow, else log pi_teacher(a_t|s_t) as a
-    proxy; loss = sum_t -A_t log pi(a_t | s_t) / #tokens (Ross & Bagnell 2014). Needs teacher_path.
+    A_t = whiten(Q*_t) with Q*_t = log pi_teacher(a_t|s_t) as a proxy (q_source=teacher_logprob,
+    the default) or teacher_q_T measured by the rollout workflow (q_source=workflow with
+    rollout.workflow=areno.workflows.teacher:TeacherQWorkflow: the student rolls in to a random
+    token, the teacher rolls out, Q = the reward; only those tokens train); a Q from a value head
+    or reward-model role is refused (ConfigError). loss = sum_t -A_t log pi(a_t | s_t)
+    / #tokens (Ross & Bagnell 2014). Needs teacher_path.
     """
     return TrainingConfig(
         name="aggrevate",
@@ -523,8 +529,10 @@ def mixed_loss_dagger_opd(teacher_path: str | None = None, beta_decay_steps: int
     """Mixed DAgger/OPD: CE on teacher-executed tokens, k3 reverse-KL on student tokens, beta schedule.
 
     loss = sum_t [beta CE_t 1(teacher-executed) + (1 - beta) k3_t 1(student-executed)] / #tokens,
-    beta linear from 1 (pure CE) to 0 (pure k3) over beta_decay_steps policy versions. Needs
-    teacher_path; teacher-executed tokens come from the workflow (teacher_executed_T).
+    beta linear from beta_start = 1 (pure CE) to beta_end = 0 (pure k3) over beta_decay_steps policy
+    versions. Needs teacher_path; teacher-executed tokens come from the workflow
+    (areno.workflows.teacher:TeacherMixtureWorkflow marks them teacher_executed_T); with the
+    default workflow no token is teacher-executed and the CE term is 0.
     """
     return TrainingConfig(
         name="mixed_loss_dagger_opd",

@@ -36,7 +36,8 @@ from areno.types import TokenBatch
 
 class RecipeRunner:
     """Dispatches a recipe's roles onto their ``TrainBackend``s (one per role name; two roles may
-    share a backend object, which serialises them)."""
+    share a backend object, which serialises them). ``placement``: role -> where it runs (its
+    devices); roles with equal placements train one after another, the others concurrently."""
 
     # set in __init__
     config: TrainingConfig
@@ -52,6 +53,7 @@ class RecipeRunner:
         policy_kwargs: dict[str, Any] | None = None,
         initial_version: int = 0,
         num_minibatches: int = 1,
+        placement: dict[str, Any] | None = None,
         measure_rollout_logprobs: bool = False,
     ) -> None:
         if num_minibatches < 1:
@@ -73,6 +75,7 @@ class RecipeRunner:
         self.specs = {r.name: r.build() for r in training_config.roles}
         self.versions = {n: initial_version for n in names}
         self.num_minibatches = num_minibatches
+        self.placement = placement
         """Optimizer steps per ``step`` call: the prepared batch is cut into this many consecutive
         minibatches of whole sequences, each one optimizer step, all on the same no-grad forwards
         (AReaL's ppo_n_minibatches: the decoupled clip against pi_prox acts from the second one)."""
@@ -162,10 +165,11 @@ class RecipeRunner:
     _rollout_metrics: dict[str, float] = {}
 
     def _train(self, prepared: dict[str, TokenBatch], trainable: list[str]) -> dict[str, float]:
-        # group roles by backend object: roles in one group run one after another
-        groups: dict[int, list[str]] = {}
+        # group roles by placement (else by backend object): roles in one group run one after another
+        groups: dict[Any, list[str]] = {}
         for name in trainable:
-            groups.setdefault(id(self.backends[name]), []).append(name)
+            key = self.placement[name] if self.placement is not None else id(self.backends[name])
+            groups.setdefault(key, []).append(name)
 
         def run_group(names: list[str]) -> dict[str, float]:
             metrics: dict[str, float] = {}

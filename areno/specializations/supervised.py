@@ -7,10 +7,13 @@ over loss tokens divided by the global number of loss tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from areno.algo import KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
+from areno.errors import ConfigError, DataError
 from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, reduce_stats
 from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
@@ -108,12 +111,20 @@ class DaggerSpecialization(ModelSpecialization):
     output_keys = ("logprobs_T",)
     required_extra_keys = ("teacher_action_T",)
 
-    def __init__(self, *, logprob_chunk_size: int = 1024) -> None:
+    def __init__(self, *, temperature: float = 1.0, logprob_chunk_size: int = 1024) -> None:
+        self.temperature = temperature
         self.logprob_chunk_size = logprob_chunk_size
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
         targets_T = batch.extra["teacher_action_T"].long()
-        out = token_logprobs_T(model, batch, targets_T=targets_T, with_argmax=True, chunk_size=self.logprob_chunk_size)
+        out = token_logprobs_T(
+            model,
+            batch,
+            targets_T=targets_T,
+            temperature=self.temperature,
+            with_argmax=True,
+            chunk_size=self.logprob_chunk_size,
+        )
         return {"label_logprobs_T": out["logprobs_T"], "argmax_T": out["argmax_T"]}
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
@@ -124,12 +135,21 @@ class DaggerSpecialization(ModelSpecialization):
         return reducer(loss_T, mask_T), reduce_stats({"ce": loss_T, "agree": agree_T}, mask_T, reducer, "dagger")
 
 
+AGGREVATE_Q_SOURCES = ("teacher_logprob", "workflow")
+"""Where AggreVaTe's action value comes from: the teacher's log-prob of the action (a proxy), or
+``teacher_q_T`` measured by the rollout workflow (``Trajectory.extra_T``, e.g. teacher roll-outs)."""
+
+
 class AggrevateSpecialization(ModelSpecialization):
     """AggreVaTe (Ross & Bagnell 2014) at token level: instead of imitating the teacher's action,
-    weight the student's own action by the teacher's cost-to-go estimate of it. The action value
-    is ``teacher_q_T`` when the workflow measured it (teacher roll-outs after the action), else the
-    teacher's log-prob of the action (``teacher_logprobs_T``) as a proxy (a departure: no
-    roll-outs). With ``A_t`` that value whitened over the batch's loss tokens:
+    weight the student's own action by the teacher's cost-to-go estimate of it. ``q_source``
+    names the action value: ``teacher_logprob`` (default) uses the teacher's log-prob of the action
+    (``teacher_logprobs_T``) as a proxy (a departure: no roll-outs); ``workflow`` uses
+    ``teacher_q_T``, which the rollout workflow measured and put in each trajectory's ``extra_T``
+    (``areno.workflows.teacher:TeacherQWorkflow``: teacher roll-outs after the student's action; a
+    missing one is an error, never a silent fallback), and where ``teacher_q_mask_T`` marks the
+    measured tokens only those are trained on. A Q from a value head or reward-model role is not
+    supported (a ConfigError). With ``A_t`` that value whitened over the batch's loss tokens:
 
         loss_t = -A_t log pi_student(a_t | s_t)
     """
@@ -137,20 +157,36 @@ class AggrevateSpecialization(ModelSpecialization):
     output_keys = ("logprobs_T",)
     required_extra_keys = ("teacher_logprobs_T",)
 
-    def __init__(self, *, logprob_chunk_size: int = 1024) -> None:
+    def __init__(
+        self, *, q_source: str = "teacher_logprob", temperature: float = 1.0, logprob_chunk_size: int = 1024
+    ) -> None:
+        if q_source not in AGGREVATE_Q_SOURCES:
+            raise ConfigError(
+                f"aggrevate q_source={q_source!r} is not supported (a teacher Q from a value head or "
+                f"reward-model role is not built); supported: {', '.join(AGGREVATE_Q_SOURCES)}"
+            )
+        self.q_source = q_source
+        self.temperature = temperature
         self.logprob_chunk_size = logprob_chunk_size
 
     def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
-        import dataclasses
-
         b = rollout_data
-        if "teacher_q_T" not in b.extra:
-            self._check_extra(b)
-        q_T = b.extra.get("teacher_q_T", b.extra.get("teacher_logprobs_T"))
+        self._check_extra(b)
+        if self.q_source == "workflow":
+            if "teacher_q_T" not in b.extra:
+                raise DataError(
+                    "aggrevate q_source=workflow: the rollout workflow put no teacher_q_T in its trajectories' "
+                    "extra_T; use q_source=teacher_logprob or a workflow that measures Q"
+                )
+            q_T = b.extra["teacher_q_T"]
+            if "teacher_q_mask_T" in b.extra:  # Q measured at some tokens only: train on those
+                b = dataclasses.replace(b, loss_mask_T=b.loss_mask_T & b.extra["teacher_q_mask_T"].bool())
+        else:
+            q_T = b.extra["teacher_logprobs_T"]
         return dataclasses.replace(b, advantages_T=masked_whiten_T(q_T.float(), b.loss_mask_T))
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        return token_logprobs_T(model, batch, chunk_size=self.logprob_chunk_size)
+        return token_logprobs_T(model, batch, temperature=self.temperature, chunk_size=self.logprob_chunk_size)
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]
@@ -180,6 +216,7 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
         beta_start: float = 1.0,
         beta_end: float = 0.0,
         beta_decay_steps: int = 100,
+        temperature: float = 1.0,
         logprob_chunk_size: int = 1024,
     ) -> None:
         if not (0 <= beta_start <= 1 and 0 <= beta_end <= 1):
@@ -189,6 +226,7 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
         self.beta_start = beta_start
         self.beta_end = beta_end
         self.beta_decay_steps = beta_decay_steps
+        self.temperature = temperature
         self.logprob_chunk_size = logprob_chunk_size
 
     def beta(self, step: int) -> float:
@@ -199,7 +237,7 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
         return self.beta_start + frac * (self.beta_end - self.beta_start)
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        return token_logprobs_T(model, batch, chunk_size=self.logprob_chunk_size)
+        return token_logprobs_T(model, batch, temperature=self.temperature, chunk_size=self.logprob_chunk_size)
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from areno.errors import ModelDirError
 
@@ -315,8 +315,15 @@ def _tensor_hash(tensor: torch.Tensor) -> str:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
     data = local.detach().contiguous().cpu()
     digest = hashlib.blake2b(f"{data.dtype}{tuple(data.shape)}".encode(), digest_size=16)
-    digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    if data.numel():
+        digest.update(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no bytes copy
     return digest.hexdigest()
+
+
+def _tensor_hashes(items: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    # hashlib releases the GIL on large buffers: tensors hash (and leave the device) in parallel
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(items)))) as pool:
+        return dict(zip((name for name, _ in items), pool.map(lambda item: _tensor_hash(item[1]), items)))
 
 
 def _agree_changed(changed: list[bool]) -> list[bool]:
@@ -375,7 +382,7 @@ def save(
     if optimizer is not None:
         state["optim"] = optim_sd
     items = _tensor_items(state) if base is not None or record_hashes else []
-    hashes = {name: _tensor_hash(t) for name, t in items}
+    hashes = _tensor_hashes(items)
     if base is None:
         dcp.save(state, checkpoint_id=str(path))
         if record_hashes:
@@ -414,6 +421,16 @@ def _check_shapes(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
             )
 
 
+def _without_unsaved_optim_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``state`` less the optimizer states the checkpoint at ``path`` does not hold. A parameter that
+    never had a gradient (a critic's unused ``lm_head``) had no optimizer state when saved, while
+    the fresh optimizer's state dict has zeros for every parameter; loading leaves it without state
+    again, as in the uninterrupted run. Model tensors stay required."""
+    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    keep = {name for name, _ in _tensor_items(state) if name in stored or not name.startswith("optim.state.")}
+    return _subset(state, keep)
+
+
 def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG in place; returns the trainer state."""
     path = Path(path)
@@ -428,6 +445,7 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
+    state = _without_unsaved_optim_state(state, base or path)
     try:
         if base is None:
             dcp.load(state, checkpoint_id=str(path))
@@ -448,6 +466,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         optimizer if optimizer is not None else [],
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
+        # the model's tensors were all required by dcp.load above; only optimizer states may be absent
+        options=StateDictOptions(strict=False),
     )
     rng_path = path / f"rng_rank{_rank()}.pt"
     if rng_path.is_file():  # absent when resuming on more ranks than saved: RNG is then re-seeded

@@ -20,6 +20,11 @@ _EXPORTS: dict[str, str] = {
     "sample_fields": "common",
     "store_kwargs": "common",
     "takes_store": "common",
+    "teacher_kwargs": "common",
+    # teacher-executed rollouts: DAgger's beta mixture, AggreVaTe's teacher roll-outs
+    "TeacherMixtureWorkflow": "teacher",
+    "TeacherQWorkflow": "teacher",
+    "teacher_engine_client": "teacher",
     # agents behind the recording OpenAI-compatible client
     "AgentWorkflow": "agent",
     "AgentProxy": "openai_client",
@@ -79,7 +84,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         calculator_workflow,
         write_calculator_rows,
     )
-    from areno.workflows.common import RewardFn, acall_reward, sample_fields, store_kwargs, takes_store
+    from areno.workflows.common import (
+        RewardFn,
+        acall_reward,
+        sample_fields,
+        store_kwargs,
+        takes_store,
+        teacher_kwargs,
+    )
     from areno.workflows.env import (
         ArithmeticRetryEnv,
         Environment,
@@ -92,6 +104,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from areno.workflows.multi_turn import MultiTurnWorkflow
     from areno.workflows.openai_client import AgentProxy, AgentRequestError, ArenoAsyncOpenAI
     from areno.workflows.rlvr import RLVRWorkflow
+    from areno.workflows.teacher import TeacherMixtureWorkflow, TeacherQWorkflow, teacher_engine_client
     from areno.workflows.tools import (
         Tool,
         ToolCall,

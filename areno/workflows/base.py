@@ -35,6 +35,9 @@ class RolloutWorkflow(ABC):
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> EpisodeResult:
         """Run one episode for ``sample``; return a trajectory, a group of them, or None to reject."""
 
+    def close(self) -> None:
+        """Release what the workflow holds (a model of its own); called once when the run shuts down."""
+
 
 def as_group(result: EpisodeResult) -> list[Trajectory] | None:
     """Normalise an episode result to a non-empty group, or None for a rejected sample."""

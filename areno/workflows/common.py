@@ -124,3 +124,13 @@ def store_kwargs(workflow: Any, store: Any, workflow_kwargs: dict[str, Any] | No
     if store is None or (workflow_kwargs and "store" in workflow_kwargs) or not takes_store(workflow):
         return {}
     return {"store": store}
+
+
+def teacher_kwargs(workflow: Any, recipe: Any, workflow_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``{"teacher_path": DIR}`` for a workflow that takes ``teacher_path`` (the teacher-executing
+    rollout) when ``workflow_kwargs`` leaves it unset and the recipe has a role with its own
+    checkpoint (the teacher: ``ModelRole.requires_model_path``), else ``{}``."""
+    if "teacher_path" in workflow_kwargs or not takes_param(workflow, "teacher_path"):
+        return {}
+    paths = [role.model_path for role in recipe.roles if role.requires_model_path and role.model_path]
+    return {"teacher_path": paths[0]} if paths else {}

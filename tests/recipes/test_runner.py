@@ -281,6 +281,23 @@ def test_independent_roles_train_concurrently_and_shared_ones_serially():
     assert [e for e, _ in shared_log if e != "forward"] == ["enter", "exit", "enter", "exit"]
 
 
+def test_placement_groups_roles_by_device():
+    """``placement`` (cluster.role_devices): roles on one device train one after another even on
+    distinct backends; roles on different devices concurrently."""
+    import threading
+
+    recipe = get_recipe("ppo")
+    log = []
+    backends = {"policy": _RecordingBackend(log), "value": _RecordingBackend(log)}
+    RecipeRunner(recipe, backends, placement={"policy": (0,), "value": (0,)}).step(rl_batch())
+    assert [e for e, _ in log if e != "forward"] == ["enter", "exit", "enter", "exit"]
+    log.clear()
+    barrier = threading.Barrier(2, timeout=10)
+    backends = {"policy": _RecordingBackend(log, barrier), "value": _RecordingBackend(log, barrier)}
+    RecipeRunner(recipe, backends, placement={"policy": (0,), "value": (1,)}).step(rl_batch())
+    assert [e for e, _ in log if e != "forward"] == ["enter", "enter", "exit", "exit"]
+
+
 @pytest.mark.slow
 def test_ppo_critic_with_local_backend(dirs):
     """PPO's two roles on LocalTrainBackend. The value head is attached to the critic backend's

@@ -276,6 +276,10 @@ def test_backend_keys(overrides, backend):
             "cluster.allocation_mode: training backend 'megatron' (megatron[actor]:d1) is not supported: use fsdp",
         ),
         (
+            ["rollout.backend=vllm", "cluster.offload=sleep"],
+            "cluster.offload: sleep offloads areno's own rollout engine; a vllm server manages its own memory",
+        ),
+        (
             ["rollout.backend=vllm", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"],
             "cluster.train_devices: a vllm rollout takes its layout from cluster.allocation_mode",
         ),

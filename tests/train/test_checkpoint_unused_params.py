@@ -1,0 +1,43 @@
+"""A parameter that never received a gradient has no optimizer state: resume must still load."""
+
+from __future__ import annotations
+
+import torch
+
+from areno.train import checkpoint
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)  # like a critic's lm_head: in the model, never in the loss
+
+
+def _trained(seed: int) -> tuple[_TwoHeads, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = _TwoHeads()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model.used(torch.randn(3, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def test_resume_with_a_parameter_that_never_had_a_gradient_continues_like_the_uninterrupted_run(tmp_path):
+    model, optimizer = _trained(0)
+    assert not optimizer.state[model.unused.weight]  # the situation: no state for this parameter
+    checkpoint.save(tmp_path / "ckpt", model, optimizer, {"step": 2})
+
+    fresh = _TwoHeads()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert checkpoint.load(tmp_path / "ckpt", fresh, fresh_optimizer) == {"step": 2}
+
+    torch.manual_seed(1)
+    x = torch.randn(3, 4)
+    for m, opt in ((model, optimizer), (fresh, fresh_optimizer)):
+        m.used(x).pow(2).mean().backward()
+        opt.step()
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
