@@ -78,9 +78,10 @@ TINY = {
 }
 # shape -> (HF config dict, default prompt length, default completion length)
 SHAPES = {"0.5b": (E2E_05B, 64, 512), "1.5b": (E2E_15B, 64, 512), "tiny": (TINY, 16, 32)}
-SYSTEMS = ("areno", "areno_async", "trl")
+SYSTEMS = ("areno", "areno_async", "areno_vllm", "trl")
 LABELS = {
     "areno": "areno (colocated)",
+    "areno_vllm": "areno + a vLLM server (policy by disk export)",
     "areno_async": "areno async (colocated, one GPU)",
     "trl": "TRL GRPOTrainer (transformers generate)",
 }
@@ -229,7 +230,9 @@ def areno_config(
     param_dtype: str,
     prompt_len: int,
     completion_len: int,
+    server: str | None = None,
 ):
+    """``server``: vllm to generate with a vLLM server areno starts (``rollout.backend``)."""
     seq_blocks = math.ceil((prompt_len + completion_len + 16) / 16)
     kv_blocks = seq_blocks * args.prompts * args.samples * (eta + 1) + 64  # the batch (and η batches ahead)
     overrides = [
@@ -260,6 +263,8 @@ def areno_config(
         f"cluster.device={args.device}",
         "observe.console=false",
     ]
+    if server is not None:  # vLLM's CPU attention needs head sizes >= 32 (the 0.5b and 1.5b shapes)
+        overrides += [f"rollout.backend={server}", "rollout.server_args=[--enforce-eager]"]
     overrides += args.areno_set + (args.areno_async_set if eta > 0 else [])
     return load_config(None, overrides)
 
@@ -275,16 +280,18 @@ def run_areno(
     param_dtype: str,
     prompt_len: int,
     completion_len: int,
+    server: str | None = None,
 ) -> dict:
     config = areno_config(
         args,
         model_dir,
         data_path,
-        workdir / f"run-{shape}-eta{eta}",
+        workdir / f"run-{shape}-eta{eta}{'-' + server if server else ''}",
         eta=eta,
         param_dtype=param_dtype,
         prompt_len=prompt_len,
         completion_len=completion_len,
+        server=server,
     )
     free_memory(args.device)
     t_setup = time.perf_counter()
@@ -465,7 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny (default: 0.5b,1.5b on CUDA, tiny on CPU)"
     )
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
+    p.add_argument(
+        "--systems",
+        default="areno,areno_async,trl",
+        help=f"comma list of {','.join(SYSTEMS)} (areno_vllm needs areno[vllm])",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per system")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -599,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                     param_dtype=param_dtype,
                     prompt_len=prompt_len,
                     completion_len=completion_len,
+                    server="vllm" if system == "areno_vllm" else None,
                 )
             row = report(system, shape, res, floor, num_seqs, completion_len)
             if system == "areno_async":

@@ -103,3 +103,14 @@ def test_async_steps_are_whole_cycles_of_eta_plus_one():
 def test_async_eta_zero_is_refused_naming_the_colocated_system():
     with pytest.raises(ValueError, match="--async-eta must be >= 1.*'areno'"):
         e2e.main(["--async-eta", "0", "--device", "cpu", "--shapes", "tiny"])
+
+
+def test_areno_vllm_system_runs_through_a_vllm_server(tmp_path):
+    args = e2e.build_parser().parse_args(["--device", "cpu", "--systems", "areno,areno_vllm"])
+    kw = dict(param_dtype="float32", prompt_len=16, completion_len=32)
+    cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r", eta=0, server="vllm", **kw)
+    assert cfg.rollout.backend == "vllm" and "--enforce-eager" in cfg.rollout.server_args
+    assert (
+        e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r", eta=0, **kw).rollout.backend == "areno"
+    )
+    assert "areno_vllm" not in e2e.build_parser().parse_args([]).systems  # it needs areno[vllm]: opt in
