@@ -79,13 +79,17 @@ class ServerRolloutSide(RolloutSide):
             check_server_install(self.backend)  # before the training side loads anything
 
     # ------------------------------------------------------------------ start
-    def layout(self) -> tuple[int, int]:
-        """``(servers, tp)`` areno starts: the allocation's inference component, else one of TP 1."""
+    def layout(self, num_devices: int = 0) -> tuple[int, int, list[int]]:
+        """``(servers, tp, devices)`` areno starts: the allocation's inference component (its
+        logical devices among ``num_devices``, in order: server i takes the i-th ``tp`` of them),
+        else one server of TP 1 on device 0."""
         mode = self.config.cluster.allocation_mode
         if mode is None:
-            return 1, 1
-        comp = next(c for c in parse_allocation_mode(mode).components if c.kind == "inference")
-        return comp.dp, comp.tp
+            return 1, 1, [0]
+        alloc = parse_allocation_mode(mode)
+        comp = next(c for c in alloc.components if c.kind == "inference")
+        devices = alloc.device_lists(num_devices)[comp.role] if num_devices else list(range(comp.world_size))
+        return comp.dp, comp.tp, devices
 
     def start(self, setup: SideSetup) -> None:
         cfg = self.config.rollout
@@ -95,7 +99,7 @@ class ServerRolloutSide(RolloutSide):
             api_key = cfg.server_api_key
             served = None
         else:
-            n, tp = self.layout()
+            n, tp, _ = self.layout()
             check_tp(model_config, tp, self.backend)  # before any server starts
             api_key = secrets.token_hex(16)
             served = SERVED_NAME
@@ -127,6 +131,7 @@ class ServerRolloutSide(RolloutSide):
             self.config.cluster.device == "auto" and torch.cuda.is_available()
         )
         dtype = resolve_dtypes(self.config, "cuda" if cuda else "cpu").rollout
+        devices = self.layout(torch.cuda.device_count())[2] if cuda else []
         ports = free_ports(n)
         return [
             ServerSpec(
@@ -137,7 +142,7 @@ class ServerRolloutSide(RolloutSide):
                 tp=tp,
                 port=ports[i],
                 api_key=api_key,
-                devices=list(range(i * tp, (i + 1) * tp)) if cuda else None,
+                devices=devices[i * tp : (i + 1) * tp] if cuda else None,
                 max_model_len=self.config.rollout.max_model_len,
                 seed=self.config.train.seed,
                 extra_args=list(self.config.rollout.server_args),

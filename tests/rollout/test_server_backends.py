@@ -386,3 +386,10 @@ def test_grpo_through_the_vllm_backend_against_a_stand_in_server(tmp_path, eta):
     names = [name for name, _ in app.state.calls]
     assert names == ["pause", "collective_rpc", "reset_prefix_cache", "resume"] * 2
     assert app.state.calls[0][1] == {"mode": "keep"}
+
+
+def test_servers_take_the_allocations_inference_devices(tmp_path, monkeypatch):
+    monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
+    cfg, _ = _server_config(tmp_path, "cluster.allocation_mode='fsdp:d1+vllm:d2t2'")
+    n, tp, devices = ServerRolloutSide(cfg, tmp_path / "run").layout(num_devices=8)
+    assert (n, tp, devices) == (2, 2, [1, 2, 3, 4])  # after the training device: server 0 on 1-2, 1 on 3-4
