@@ -76,8 +76,24 @@ TINY = {
     "vocab_size": None,
     "max_position_embeddings": 2048,
 }
+# the CPU shape of issue #33: a 12.6M-parameter Qwen2 (tied embeddings)
+CPU12M = {
+    **E2E_05B,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "vocab_size": 8192,
+    "max_position_embeddings": 2048,
+}
 # shape -> (HF config dict, default prompt length, default completion length)
-SHAPES = {"0.5b": (E2E_05B, 64, 512), "1.5b": (E2E_15B, 64, 512), "tiny": (TINY, 16, 32)}
+SHAPES = {
+    "0.5b": (E2E_05B, 64, 512),
+    "1.5b": (E2E_15B, 64, 512),
+    "tiny": (TINY, 16, 32),
+    "cpu12m": (CPU12M, 32, 128),
+}
 SYSTEMS = ("areno", "areno_async", "trl")
 LABELS = {
     "areno": "areno (colocated)",
@@ -452,7 +468,7 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
 def build_parser() -> argparse.ArgumentParser:
     p = parser("e2e", __doc__)
     p.add_argument(
-        "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny (default: 0.5b,1.5b on CUDA, tiny on CPU)"
+        "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny,cpu12m (default: 0.5b,1.5b on CUDA, tiny on CPU)"
     )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
