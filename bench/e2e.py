@@ -10,6 +10,9 @@ Systems:
   a step is ``Trainer.rollout_token_batch`` + ``Trainer.train`` + ``backend.update_weights``.
 - ``areno_async``: the same with ``rollout.max_head_offpolicyness=1``: the everlasting rollout pool
   (its own thread) keeps generating while the trainer trains, one GPU ("areno async (colocated, one GPU)").
+- ``areno_async_stream``: ``areno_async`` with the rollout engine's steps on a high-priority CUDA
+  stream of its own (``RolloutEngineConfig.cuda_stream``, an engine setting a run does not expose):
+  the trainer's kernels stay on the default stream, so the GPU can run both sides' kernels at once.
 - ``trl``: ``trl.GRPOTrainer`` with its default ``transformers`` ``generate`` path (no vLLM); a step is
   one optimizer step (timed between ``on_step_end`` callbacks), which generates the 64 completions
   and trains on them with gradient accumulation.
@@ -55,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+import areno.engine.api as engine_api
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.data.tokenizer import build_char_tokenizer
@@ -94,10 +98,11 @@ SHAPES = {
     "tiny": (TINY, 16, 32),
     "cpu12m": (CPU12M, 32, 128),
 }
-SYSTEMS = ("areno", "areno_async", "trl")
+SYSTEMS = ("areno", "areno_async", "areno_async_stream", "trl")
 LABELS = {
     "areno": "areno (colocated)",
     "areno_async": "areno async (colocated, one GPU)",
+    "areno_async_stream": "areno async (colocated, one GPU, engine on its own CUDA stream)",
     "trl": "TRL GRPOTrainer (transformers generate)",
 }
 PROMPT_ALPHABET = string.ascii_letters + string.digits
@@ -291,6 +296,7 @@ def run_areno(
     param_dtype: str,
     prompt_len: int,
     completion_len: int,
+    cuda_stream: bool = False,
 ) -> dict:
     config = areno_config(
         args,
@@ -304,7 +310,13 @@ def run_areno(
     )
     free_memory(args.device)
     t_setup = time.perf_counter()
-    trainer = Trainer.init(config)
+    build = engine_api.build_rollout_engine_config
+    if cuda_stream:  # the engine's own setting, which the run's config does not expose: set it at build
+        engine_api.build_rollout_engine_config = lambda *a, **k: dataclasses.replace(build(*a, **k), cuda_stream=True)
+    try:
+        trainer = Trainer.init(config)
+    finally:
+        engine_api.build_rollout_engine_config = build
     setup_s = time.perf_counter() - t_setup
     steps, phases, lengths, num_tokens = [], [], [], []
     try:
@@ -470,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny,cpu12m (default: 0.5b,1.5b on CUDA, tiny on CPU)"
     )
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per system")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -600,13 +612,14 @@ def main(argv: list[str] | None = None) -> int:
                     model_dir,
                     data_path,
                     workdir,
-                    eta=args.async_eta if system == "areno_async" else 0,
+                    eta=args.async_eta if system.startswith("areno_async") else 0,
                     param_dtype=param_dtype,
                     prompt_len=prompt_len,
                     completion_len=completion_len,
+                    cuda_stream=system == "areno_async_stream",
                 )
             row = report(system, shape, res, floor, num_seqs, completion_len)
-            if system == "areno_async":
+            if system.startswith("areno_async"):
                 row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
             row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs, params=floor["params"])
             results.append(row)
@@ -637,7 +650,7 @@ def by_shape(rows: list[dict]) -> dict:
             for s, r in systems.items()
         }
         if "trl" in systems:
-            for s in ("areno", "areno_async"):
+            for s in ("areno", "areno_async", "areno_async_stream"):
                 if s in systems:
                     entry[f"speedup_{s}_vs_trl"] = systems["trl"]["step_s_mean"] / systems[s]["step_s_mean"]
         out[shape] = entry

@@ -103,3 +103,38 @@ def test_async_steps_are_whole_cycles_of_eta_plus_one():
 def test_async_eta_zero_is_refused_naming_the_colocated_system():
     with pytest.raises(ValueError, match="--async-eta must be >= 1.*'areno'"):
         e2e.main(["--async-eta", "0", "--device", "cpu", "--shapes", "tiny"])
+
+
+def test_stream_system_builds_its_engine_on_its_own_cuda_stream(tmp_path, monkeypatch):
+    """``areno_async_stream`` is ``areno_async`` whose rollout engine config has ``cuda_stream``; the
+    engine-config builder is back to normal afterwards."""
+    import areno.engine.api as engine_api
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(config):
+        seen.append(engine_api.rollout_engine_config(config, device="cpu", dtype="float32"))
+        raise Stop
+
+    monkeypatch.setattr(e2e.Trainer, "init", staticmethod(fake_init))
+    args = e2e.build_parser().parse_args(["--device", "cpu", "--warmup", "1", "--steps", "1"])
+    builder = engine_api.build_rollout_engine_config
+    for stream in (True, False):
+        with pytest.raises(Stop):
+            e2e.run_areno(
+                args,
+                "tiny",
+                tmp_path / "model",
+                tmp_path / "data.jsonl",
+                tmp_path,
+                eta=1,
+                param_dtype="float32",
+                prompt_len=16,
+                completion_len=32,
+                cuda_stream=stream,
+            )
+    assert [c.cuda_stream for c in seen] == [True, False]
+    assert engine_api.build_rollout_engine_config is builder
