@@ -352,6 +352,9 @@ def run_areno(
         "tokens_per_step": statistics.median(num_tokens[timed]),
         "peak_gib": peak,
         "setup_s": setup_s,
+        # the untimed warm-up: the first training phase includes compiling (train.compile, cold or warm cache)
+        "warmup_step_s": steps[: args.warmup],
+        "first_train_s": phases[0][1],
     }
 
 
@@ -471,7 +474,7 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
     }
     if "phases_s" in res:
         out["phases_s_median"] = res["phases_s"]
-    for key in ("setup_s", "trl_logged_step_time_s", "trl_gradient_checkpointing"):
+    for key in ("setup_s", "warmup_step_s", "first_train_s", "trl_logged_step_time_s", "trl_gradient_checkpointing"):
         if key in res:
             out[key] = res[key]
     return out

@@ -55,6 +55,7 @@ def test_tiny_areno_and_trl_run(tmp_path, capsys):
     assert row["gen_tokens_per_s"] * row["step_s_mean"] == pytest.approx(64 * 32)
     assert row["gap_to_floor"] == pytest.approx(row["step_s_mean"] / row["floor_s"])
     assert set(row["phases_s_median"]) == {"rollout", "train", "sync"}
+    assert len(row["warmup_step_s"]) == 1 and row["first_train_s"] > 0
     trl = next(x for x in result["rows"] if x["system"] == "trl")
     assert result["figure"] == row["step_s_mean"] and result["baseline"] == trl["step_s_mean"]
     assert result["ratio"] == round(trl["step_s_mean"] / row["step_s_mean"], 2)
