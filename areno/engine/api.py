@@ -144,12 +144,16 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, 
         backend = new_backend(build_train_backend_config(cfg, role_name=role.name, trainable=role.trainable))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
         backends[role.name] = backend
-    if cfg.train.compile and any(role.trainable for role in recipe.roles):
+    # train.compile=auto is resolved by each backend, which knows its device
+    compiled = [b for role, b in zip(recipe.roles, backends.values()) if role.trainable and b.cfg.compile]
+    if compiled:
         logger.info(
-            "training: train.compile=true compiles the decoder (train.compile_scope=%s) during the first "
-            "training step%s; later runs reuse torch's compile cache",
+            "training: compiling the training step (train.compile=%s, train.compile_scope=%s) during the first "
+            "training step%s; compiled graphs are cached in %s, so a later run of the same shapes loads them",
+            cfg.train.compile,
             cfg.train.compile_scope,
             " (the whole layer stack as one graph: minutes on a GPU)" if cfg.train.compile_scope == "model" else "",
+            compiled[0].compile_cache,
         )
     return backends
 

@@ -9,9 +9,11 @@ Legend: B = sequences, T = packed tokens.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -49,7 +51,10 @@ from areno.train.packing import (
     truncate_long_sequences,
     untruncate_outputs,
 )
+from areno.train.parallelize import compile_cache_dir
 from areno.types import TokenBatch, host_to_device
+
+logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
 ADAPTER_SUBDIR = "adapter"
@@ -118,6 +123,9 @@ class PackedTrainBackend(TrainBackend):
         self._saves_since_full = 0
         self._offloader = StorageOffloader()
         self._initialized = False
+        self.compile_cache: Path | None = None
+        """Inductor's cache directory when this backend compiles (``train.compile``), else None."""
+        self._first_step_done = False
 
     # ------------------------------------------------------------------ subclass hooks
     def _setup(self) -> None:
@@ -172,6 +180,10 @@ class PackedTrainBackend(TrainBackend):
         cfg = self.cfg
         self._model_dir = Path(model_dir)
         self._setup()
+        # train.compile=auto becomes true or false here, where the device is known
+        self.cfg = cfg = dataclasses.replace(cfg, compile=cfg.resolved_compile(self.device.type))
+        if cfg.compile:
+            self.compile_cache = compile_cache_dir()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         model, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
@@ -242,6 +254,22 @@ class PackedTrainBackend(TrainBackend):
         self._check_ready()
         if self.optimizer is None:
             raise ValueError("train_step on a frozen role (trainable=False); use forward_only")
+        if self.cfg.compile and not self._first_step_done:
+            t0 = time.perf_counter()
+            out = self._train_step(batch, forward_fn=forward_fn, loss_fn=loss_fn, denominator_fn=denominator_fn)
+            self._first_step_done = True
+            if self.is_rank0:
+                logger.info(
+                    "training: first training step, its compilation included, took %.1f s (compile cache: %s)",
+                    time.perf_counter() - t0,
+                    self.compile_cache,
+                )
+            return out
+        return self._train_step(batch, forward_fn=forward_fn, loss_fn=loss_fn, denominator_fn=denominator_fn)
+
+    def _train_step(
+        self, batch: TokenBatch, *, forward_fn: ForwardFn, loss_fn: LossFn, denominator_fn: DenominatorFn
+    ) -> dict[str, float]:
         full_tokens = batch.num_tokens
         batch, _ = self._fit_long_sequences(batch)
         plan = self.plan(batch)

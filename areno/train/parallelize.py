@@ -29,6 +29,8 @@ FSDP2 — in that fixed order (as torchtitan does), each step optional:
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -117,6 +119,23 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "
         return
     for layer in _layers(model):
         layer.compile(dynamic=None, backend=backend)
+
+
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def compile_cache_dir() -> Path:
+    """Where inductor keeps what it compiled (FX graph and autograd caches, generated kernels):
+    ``TORCHINDUCTOR_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/areno/inductor`` (default
+    ``~/.cache/areno/inductor``), exported to this process and its children. torch's own default
+    lives under the temporary directory, which a reboot or a fresh container empties, so the next
+    run would compile again."""
+    path = os.environ.get(COMPILE_CACHE_ENV)
+    if not path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "areno", "inductor")
+        os.environ[COMPILE_CACHE_ENV] = path
+    return Path(path)
 
 
 def apply_fsdp(
