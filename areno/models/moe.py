@@ -61,6 +61,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph cannot hold the grouped path's host read of the per-expert counts
+            return naive_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
         return grouped_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
 
 

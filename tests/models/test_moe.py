@@ -20,9 +20,9 @@ from areno.models.logprobs import packed_logprobs
 VOCAB = 61
 
 
-def _hf_config(layout: str):
+def _hf_config(layout: str, vocab: int):
     common = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -52,9 +52,9 @@ def _hf_config(layout: str):
     )
 
 
-def _saved_by_transformers(layout: str, tmp_path):
+def _saved_by_transformers(layout: str, tmp_path, vocab: int = VOCAB):
     torch.manual_seed(0)
-    cls = AutoModelForCausalLM.from_config(_hf_config(layout), attn_implementation="eager")
+    cls = AutoModelForCausalLM.from_config(_hf_config(layout, vocab), attn_implementation="eager")
     cls.save_pretrained(tmp_path)
     return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
 
