@@ -87,15 +87,19 @@ def grouped_experts(
     token_N = order_N // experts_TK.shape[1]
     counts = torch.bincount(flat_N.clamp(-1, n_local).add(1), minlength=n_local + 2).tolist()  # one host read
     x_ND = x_TD[token_N]
-    out_ND = x_ND.new_zeros(x_ND.shape)
-    start = counts[0]  # pairs of experts below this slice sort first
+    # pieces joined by one cat (a write per expert into one buffer would copy the whole gradient per expert)
+    pieces = [x_ND.new_zeros(counts[0], D)]  # pairs of experts below this slice sort first
+    # unbind once: indexing expert e's weight E times would build E full-size zero gradients
+    gate_ups, downs = gate_up_EnD.unbind(0), down_EDI.unbind(0)
+    start = counts[0]
     for e in range(n_local):
         n = counts[e + 1]
         if n:
-            rows = slice(start, start + n)
-            gate_NI, up_NI = F.linear(x_ND[rows], gate_up_EnD[e]).chunk(2, dim=-1)
-            out_ND[rows] = F.linear(F.silu(gate_NI) * up_NI, down_EDI[e])
+            gate_NI, up_NI = F.linear(x_ND[start : start + n], gate_ups[e]).chunk(2, dim=-1)
+            pieces.append(F.linear(F.silu(gate_NI) * up_NI, downs[e]))
         start += n
+    pieces.append(x_ND.new_zeros(counts[-1], D))
+    out_ND = torch.cat(pieces)
     out_ND = out_ND * weights_TK.reshape(-1)[order_N, None]
     return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
 
@@ -110,10 +114,10 @@ def naive_experts(
     """The reference the grouped path is measured against: every expert over every token, masked by
     its routing weight (E dense MLPs' worth of work)."""
     out_TD = torch.zeros_like(x_TD)
-    for e in range(gate_up_EnD.shape[0]):
+    for e, (gate_up_nD, down_DI) in enumerate(zip(gate_up_EnD.unbind(0), down_EDI.unbind(0))):
         w_T = (weights_TK * (experts_TK == e)).sum(-1)
-        gate_TI, up_TI = F.linear(x_TD, gate_up_EnD[e]).chunk(2, dim=-1)
-        out_TD = out_TD + w_T[:, None] * F.linear(F.silu(gate_TI) * up_TI, down_EDI[e])
+        gate_TI, up_TI = F.linear(x_TD, gate_up_nD).chunk(2, dim=-1)
+        out_TD = out_TD + w_T[:, None] * F.linear(F.silu(gate_TI) * up_TI, down_DI)
     return out_TD
 
 
