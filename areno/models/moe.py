@@ -14,7 +14,8 @@ Training extras, off unless asked:
   forward, and ``take_aux_loss`` returns transformers' load-balancing loss over them (Switch
   Transformer eqs. 4-6, counted over every sparse layer's tokens together) and forgets them.
 - ``record_routing(model)``: each block keeps the top-k expert ids of its forwards (``RoutingRecord``),
-  to compare the routing of two forwards of the same tokens (``routing_mismatch``).
+  to compare the routing of two forwards of the same tokens (``routing_mismatch``);
+  ``RoutingMonitor`` does it per sequence for the training backend (old-policy vs training forward).
 
 Legend: T = tokens, D = hidden size, E = experts, K = top-k, I = expert width, N = T·K pairs.
 """
@@ -143,6 +144,7 @@ class SparseMoE(nn.Module):
         self.layer_idx = layer_idx
         self.num_experts = config.num_experts
         self.keep_router_logits = config.output_router_logits
+        self.aux_loss_coef = config.router_aux_loss_coef
         self.gate = TopKRouter(config)
         self.experts = Experts(config)
         self.router_logits_TE: torch.Tensor | None = None
@@ -179,17 +181,19 @@ def load_balancing_loss(logits_TE: list[torch.Tensor], num_experts: int, top_k: 
     return num_experts * torch.sum(f_E * probs_TE.mean(dim=0))
 
 
-def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
+def take_aux_loss(model: nn.Module | list[SparseMoE]) -> torch.Tensor | None:
     """``router_aux_loss_coef`` x the load-balancing loss of the router logits kept by the last
-    training forward (``output_router_logits``), and forget them; None when nothing was kept."""
-    blocks = [b for b in sparse_blocks(model) if b.router_logits_TE is not None]
+    training forward (``output_router_logits``), and forget them; None when nothing was kept.
+    ``model``: the decoder (or wrapper), or its ``sparse_blocks``."""
+    blocks = model if isinstance(model, list) else sparse_blocks(model)
+    blocks = [b for b in blocks if b.router_logits_TE is not None]
     if not blocks:
         return None
     logits = [b.router_logits_TE for b in blocks]
     for b in blocks:
         b.router_logits_TE = None
-    config: ModelConfig = model.config
-    return config.router_aux_loss_coef * load_balancing_loss(logits, config.num_experts, config.num_experts_per_tok)
+    first = blocks[0]
+    return first.aux_loss_coef * load_balancing_loss(logits, first.num_experts, first.gate.top_k)
 
 
 @contextmanager
@@ -219,6 +223,86 @@ def routing_mismatch(a: RoutingRecord, b: RoutingRecord) -> float:
         differ += int((ea_TK.sort(-1).values != eb_TK.sort(-1).values).any(-1).sum())
         total += ea_TK.shape[0]
     return differ / total if total else 0.0
+
+
+class RoutingMonitor:
+    """Routing mismatch of a decoder's training forwards against its old-policy routing, per step.
+
+    The reference routing of a sequence is its first forward in the step: the no-grad forward a
+    step starts with when the recipe runs one (``reference``, e.g. recomputed old or proximal
+    log-probs), else its first training forward of the step (the weights the step started from).
+    Each later training forward of the sequence (a second pass, a later minibatch after an optimizer
+    step) counts the (token, sparse layer) pairs whose top-k expert *set* differs from the reference.
+    Sequences are keyed by their token ids (a later pass may reorder them); a step is told apart by
+    the policy version its batch carries (``begin_step``).
+
+    This is the trainer's own mismatch: the rollout engine's router choices do not reach the
+    trainer, so rollout-vs-trainer routing is not measured. With one pass, one minibatch and no
+    recomputed old log-probs no sequence is forwarded twice and nothing is reported.
+    A dense decoder has no sparse blocks and every method does nothing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.blocks = sparse_blocks(model)
+        self._model = model
+        self._reference: dict[bytes, dict[int, torch.Tensor]] = {}
+        self._version: int | None = None
+        self._from_forward = False
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+    @contextmanager
+    def reference(self, ids_T: torch.Tensor, cu_B1: torch.Tensor) -> Iterator[None]:
+        """Record the wrapped (old-policy, no-grad) forward's routing as the reference of its sequences."""
+        if not self.blocks:
+            yield
+            return
+        if not self._from_forward:  # the first forward of a new step: drop the last step's routing
+            self._reference, self._from_forward = {}, True
+        with record_routing(self._model) as record:
+            yield
+        self._reference.update(_per_sequence(record, ids_T, cu_B1))
+
+    def begin_step(self, version: int | None) -> None:
+        """A training step over a batch of policy ``version`` (None: unknown) begins; a new version
+        drops the reference, unless this step's old-policy forward has just recorded it."""
+        if self._from_forward or version != self._version:
+            if not self._from_forward:
+                self._reference = {}
+            self._version, self._from_forward = version, False
+
+    @contextmanager
+    def compare(self, ids_T: torch.Tensor, cu_B1: torch.Tensor, counts: list[int]) -> Iterator[None]:
+        """Add to ``counts`` ([differing pairs, compared pairs]) the wrapped training forward's routing
+        against the reference; sequences without one take this forward's as theirs (when the step's
+        version is known)."""
+        if not self.blocks or (self._version is None and not self._reference):
+            yield
+            return
+        with record_routing(self._model) as record:
+            yield
+        for key, per_layer in _per_sequence(record, ids_T, cu_B1):
+            ref = self._reference.get(key)
+            if ref is None:
+                if self._version is not None:
+                    self._reference[key] = per_layer
+                continue
+            for layer, experts_TK in per_layer.items():
+                counts[0] += int((experts_TK.sort(-1).values != ref[layer].sort(-1).values).any(-1).sum())
+                counts[1] += experts_TK.shape[0]
+
+
+def _per_sequence(
+    record: RoutingRecord, ids_T: torch.Tensor, cu_B1: torch.Tensor
+) -> Iterator[tuple[bytes, dict[int, torch.Tensor]]]:
+    """(the sequence's token ids as bytes, layer -> its [n, K] expert ids) for each sequence of one
+    recorded forward over the packed ``ids_T``."""
+    per_layer = record.per_layer()
+    ids = ids_T.detach().to("cpu")
+    cu = cu_B1.tolist()
+    for b in range(len(cu) - 1):
+        rows = slice(cu[b], cu[b + 1])
+        yield ids[rows].numpy().tobytes(), {layer: e[rows] for layer, e in per_layer.items()}
 
 
 # ------------------------------------------------------------------------------ checkpoint names
