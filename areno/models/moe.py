@@ -22,7 +22,7 @@ Legend: T = tokens, D = hidden size, E = experts, K = top-k, I = expert width, N
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -30,6 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.models.config import ModelConfig
+
+ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x [T, D], expert ids [T, K], weights [T, K], this rank's gate_up, this rank's down) -> [T, D]:
+what a block whose experts are spread over ranks calls in place of its local experts (the training
+side's all-to-all dispatch, ``areno.train.expert_parallel``)."""
 
 
 class TopKRouter(nn.Module):
@@ -151,6 +156,8 @@ class SparseMoE(nn.Module):
         """Router logits of the last training forward (kept when ``output_router_logits``)."""
         self.record: RoutingRecord | None = None
         """Set by ``record_routing``: where forwards put their top-k expert ids."""
+        self.dispatch: ExpertDispatch | None = None
+        """Set under expert parallelism: ``experts`` holds this rank's slice and tokens travel to the others."""
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
@@ -163,6 +170,8 @@ class SparseMoE(nn.Module):
             self.router_logits_TE = logits_TE
         if self.record is not None:
             self.record.add(self.layer_idx, experts_TK)
+        if self.dispatch is not None:
+            return self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
         return self.experts(x_TD, experts_TK, weights_TK)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -54,7 +53,6 @@ def test_moe_grpo_steps_train(tmp_path):
     assert any(".experts." in k for k in moved) and any(".gate." in k for k in moved)
 
 
-@pytest.mark.slow
 def test_moe_grpo_reward_goes_up(tmp_path):
     rows = _run(
         tmp_path,

@@ -1,0 +1,83 @@
+"""Expert parallelism for training: each rank of an expert-parallel (EP) group holds E/ep of every
+sparse layer's experts, and tokens travel to the rank holding their expert and back by all-to-all.
+
+``shard_experts(model, group)`` keeps this rank's contiguous slice of each ``moe.SparseMoE``'s expert
+tensors (experts ``[rank·E/ep, (rank+1)·E/ep)``) and gives the block an ``AllToAllDispatch``; the
+decoder itself stays free of torch.distributed (the block calls what it was given, as the TP
+decoder calls its ``tp_reduce``). Every rank routes its own tokens (the router and all dense
+weights are replicated, i.e. data parallel); the dispatch sends each (token, expert) pair's
+activations to the expert's rank, the experts run grouped there, and the outputs come back to be
+weighted and summed. Both all-to-alls are differentiable, so an expert's gradient gathers the
+contributions of every rank's tokens: expert gradients need no further reduction inside the EP
+group, dense gradients the usual data-parallel one.
+
+Legend: T = tokens, D = hidden size, K = top-k, N = T·K (token, expert) pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+
+from areno.models import moe
+
+
+class AllToAllDispatch:
+    """What a ``SparseMoE`` calls instead of its local experts under expert parallelism."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if num_experts % self.size:
+            raise ValueError(f"expert parallel size {self.size} does not divide num_experts={num_experts}")
+        self.per_rank = num_experts // self.size
+
+    def __call__(
+        self,
+        x_TD: torch.Tensor,
+        experts_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        gate_up_local: torch.Tensor,
+        down_local: torch.Tensor,
+    ) -> torch.Tensor:
+        T, D = x_TD.shape
+        flat_N = experts_TK.reshape(-1)
+        dest_N = flat_N // self.per_rank
+        order_N = torch.argsort(dest_N, stable=True)  # pairs grouped by the rank holding their expert
+        token_N = order_N // experts_TK.shape[1]
+        send = torch.bincount(dest_N, minlength=self.size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        experts_recv = flat_N.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(experts_recv, flat_N[order_N], recv_sizes, send_sizes, group=self.group)
+        x_recv = dist_fn.all_to_all_single(
+            x_TD.new_empty(sum(recv_sizes), D), x_TD[token_N], recv_sizes, send_sizes, group=self.group
+        )
+        ones = x_recv.new_ones(x_recv.shape[0], 1)
+        first = self.rank * self.per_rank
+        y_recv = moe.grouped_experts(x_recv, experts_recv[:, None], ones, gate_up_local, down_local, first_expert=first)
+        y_N = dist_fn.all_to_all_single(
+            x_TD.new_empty(len(order_N), D), y_recv, send_sizes, recv_sizes, group=self.group
+        )
+        y_N = y_N * weights_TK.reshape(-1)[order_N, None]
+        return x_TD.new_zeros(T, D).index_add_(0, token_N, y_N)
+
+
+@torch.no_grad()
+def shard_experts(model: nn.Module, group: dist.ProcessGroup) -> int:
+    """Keep this rank's slice of every sparse block's experts and dispatch tokens over ``group``;
+    returns the number of blocks sharded. Call it before wrapping the model (FSDP2, compile) and
+    before building the optimizer."""
+    blocks = moe.sparse_blocks(model)
+    for block in blocks:
+        dispatch = AllToAllDispatch(group, block.num_experts)
+        rows = slice(dispatch.rank * dispatch.per_rank, (dispatch.rank + 1) * dispatch.per_rank)
+        experts = block.experts
+        experts.gate_up_proj = nn.Parameter(experts.gate_up_proj[rows].clone())
+        experts.down_proj = nn.Parameter(experts.down_proj[rows].clone())
+        block.dispatch = dispatch
+    return len(blocks)
