@@ -163,6 +163,21 @@ def test_load_balancing_loss_equals_transformers(tmp_path):
     torch.testing.assert_close(ours, load_balancing_loss_func(tuple(logits), 6, 2))
 
 
+@pytest.mark.parametrize("layout", ["qwen3_moe", "mixtral"])
+def test_decoder_aux_loss_equals_transformers(layout, tmp_path):
+    ref = _saved_by_transformers(layout, tmp_path)
+    loaded, config = load_model(tmp_path)
+    model = Decoder(config.replace(output_router_logits=True))
+    model.load_state_dict(loaded.state_dict())
+    ids_T = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(3))
+    model.train()
+    model(ids_T, torch.arange(13))
+    ours = moe.take_aux_loss(model)
+    with torch.no_grad():
+        expected = ref.config.router_aux_loss_coef * ref(ids_T[None], output_router_logits=True).aux_loss
+    torch.testing.assert_close(ours.detach(), expected, rtol=1e-5, atol=1e-7)
+
+
 def test_aux_loss_taken_only_in_training_when_asked():
     config = tiny_config(VOCAB, arch="qwen3_moe", hidden_size=32, layers=2, output_router_logits=True)
     model = moe_model(config)
