@@ -1,15 +1,19 @@
 """Expert parallelism for training: each rank of an expert-parallel (EP) group holds E/ep of every
 sparse layer's experts, and tokens travel to the rank holding their expert and back by all-to-all.
 
-``shard_experts(model, group)`` keeps this rank's contiguous slice of each ``moe.SparseMoE``'s expert
-tensors (experts ``[rank·E/ep, (rank+1)·E/ep)``) and gives the block an ``AllToAllDispatch``; the
+``shard_experts(model, ep_mesh)`` makes each ``moe.SparseMoE``'s expert tensors DTensors sharded on
+dim 0 over the 1-D ``ep_mesh`` (this rank holds experts ``[rank·E/ep, (rank+1)·E/ep)``; checkpoints,
+gradient norms and ``full_tensor()`` exports see the whole tensor) and gives the block an
+``AllToAllDispatch``; the
 decoder itself stays free of torch.distributed (the block calls what it was given, as the TP
 decoder calls its ``tp_reduce``). Every rank routes its own tokens (the router and all dense
 weights are replicated, i.e. data parallel); the dispatch sends each (token, expert) pair's
 activations to the expert's rank, the experts run grouped there, and the outputs come back to be
 weighted and summed. Both all-to-alls are differentiable, so an expert's gradient gathers the
 contributions of every rank's tokens: expert gradients need no further reduction inside the EP
-group, dense gradients the usual data-parallel one.
+group, dense gradients the usual data-parallel one. ``grad_scale`` multiplies the experts' weight
+gradients (the FSDP backend scales the loss by the data-parallel size and lets FSDP average the
+dense gradients; the experts, outside FSDP, take the average's factor here).
 
 Legend: T = tokens, D = hidden size, K = top-k, N = T·K (token, expert) pairs.
 """
@@ -20,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from areno.models import moe
 
@@ -27,8 +33,9 @@ from areno.models import moe
 class AllToAllDispatch:
     """What a ``SparseMoE`` calls instead of its local experts under expert parallelism."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, grad_scale: float = 1.0) -> None:
         self.group = group
+        self.grad_scale = grad_scale
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         if num_experts % self.size:
@@ -44,6 +51,7 @@ class AllToAllDispatch:
         down_local: torch.Tensor,
     ) -> torch.Tensor:
         T, D = x_TD.shape
+        gate_up_local, down_local = (self._local(w, x_TD.dtype) for w in (gate_up_local, down_local))
         flat_N = experts_TK.reshape(-1)
         dest_N = flat_N // self.per_rank
         order_N = torch.argsort(dest_N, stable=True)  # pairs grouped by the rank holding their expert
@@ -66,18 +74,42 @@ class AllToAllDispatch:
         y_N = y_N * weights_TK.reshape(-1)[order_N, None]
         return x_TD.new_zeros(T, D).index_add_(0, token_N, y_N)
 
+    def _local(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's experts in the activations' dtype (FSDP's mixed precision does not reach
+        them), their gradient scaled by ``grad_scale``."""
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        if self.grad_scale != 1.0:
+            local = _ScaleGrad.apply(local, self.grad_scale)
+        return local.to(dtype)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
 
 @torch.no_grad()
-def shard_experts(model: nn.Module, group: dist.ProcessGroup) -> int:
-    """Keep this rank's slice of every sparse block's experts and dispatch tokens over ``group``;
-    returns the number of blocks sharded. Call it before wrapping the model (FSDP2, compile) and
-    before building the optimizer."""
-    blocks = moe.sparse_blocks(model)
-    for block in blocks:
-        dispatch = AllToAllDispatch(group, block.num_experts)
-        rows = slice(dispatch.rank * dispatch.per_rank, (dispatch.rank + 1) * dispatch.per_rank)
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, *, grad_scale: float = 1.0) -> list[nn.Parameter]:
+    """Shard every sparse block's experts over the 1-D ``ep_mesh`` (DTensors, ``Shard(0)``) and
+    dispatch its tokens over it; returns the expert parameters (FSDP must leave them alone). Call it
+    before wrapping the model (FSDP2, compile) and before building the optimizer."""
+    params: list[nn.Parameter] = []
+    for block in moe.sparse_blocks(model):
+        block.dispatch = AllToAllDispatch(ep_mesh.get_group(), block.num_experts, grad_scale)
         experts = block.experts
-        experts.gate_up_proj = nn.Parameter(experts.gate_up_proj[rows].clone())
-        experts.down_proj = nn.Parameter(experts.down_proj[rows].clone())
-        block.dispatch = dispatch
-    return len(blocks)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            sharded = nn.Parameter(
+                distribute_tensor(full.detach(), ep_mesh, [Shard(0)]), requires_grad=full.requires_grad
+            )
+            setattr(experts, name, sharded)
+            params.append(sharded)
+    return params
