@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -62,15 +62,11 @@ class AllToAllDispatch:
         send_sizes, recv_sizes = send.tolist(), recv.tolist()
         experts_recv = flat_N.new_empty(sum(recv_sizes))
         dist.all_to_all_single(experts_recv, flat_N[order_N], recv_sizes, send_sizes, group=self.group)
-        x_recv = dist_fn.all_to_all_single(
-            x_TD.new_empty(sum(recv_sizes), D), x_TD[token_N], recv_sizes, send_sizes, group=self.group
-        )
+        x_recv = funcol.all_to_all_single_autograd(x_TD[token_N], recv_sizes, send_sizes, self.group)
         ones = x_recv.new_ones(x_recv.shape[0], 1)
         first = self.rank * self.per_rank
         y_recv = moe.grouped_experts(x_recv, experts_recv[:, None], ones, gate_up_local, down_local, first_expert=first)
-        y_N = dist_fn.all_to_all_single(
-            x_TD.new_empty(len(order_N), D), y_recv, send_sizes, recv_sizes, group=self.group
-        )
+        y_N = funcol.all_to_all_single_autograd(y_recv, send_sizes, recv_sizes, self.group)
         y_N = y_N * weights_TK.reshape(-1)[order_N, None]
         return x_TD.new_zeros(T, D).index_add_(0, token_N, y_N)
 
