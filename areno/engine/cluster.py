@@ -233,7 +233,8 @@ def layout_from_config(
         if train is not None or rollout is not None:
             raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
         alloc = parse_allocation_mode(mode)
-        train, rollout = alloc.train_rollout_devices(num_devices)
+        # num_devices 0 (CPU processes): as many indices as the string asks for
+        train, rollout = alloc.train_rollout_devices(num_devices or alloc.world_size)
         trains = [c for c in alloc.components if c.kind == "train"]
         ro = alloc.component("rollout")
         train_tp, rollout_tp, train_ep = trains[0].tp, ro.tp, trains[0].ep
