@@ -67,6 +67,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and _grouped_mm_fits(x_TD, self.down_proj):
+            # inference on a GPU with grouped GEMMs: one kernel per projection, no host read
+            return grouped_mm_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
         if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
             # a CUDA graph cannot hold the grouped path's host read of the per-expert counts
             return naive_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
@@ -108,6 +111,43 @@ def grouped_experts(
     out_ND = torch.cat(pieces)
     out_ND = out_ND * weights_TK.reshape(-1)[order_N, None]
     return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
+
+
+def grouped_mm_experts(
+    x_TD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    gate_up_EnD: torch.Tensor,
+    down_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """``grouped_experts`` through ``torch._grouped_mm``: the pairs sorted by expert, each projection
+    one grouped GEMM over per-expert row offsets computed on the device (no host read, so a CUDA
+    graph can hold it). Inference only (``_grouped_mm_fits``)."""
+    T, D = x_TD.shape
+    flat_N = experts_TK.reshape(-1)
+    order_N = torch.argsort(flat_N, stable=True)
+    token_N = order_N // experts_TK.shape[1]
+    counts_E = torch.zeros(gate_up_EnD.shape[0], dtype=torch.long, device=x_TD.device)
+    offsets_E = counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N)).cumsum(0).to(torch.int32)
+    gate_up_Nn = torch._grouped_mm(x_TD[token_N], gate_up_EnD.transpose(-2, -1), offs=offsets_E)
+    gate_NI, up_NI = gate_up_Nn.chunk(2, dim=-1)
+    out_ND = torch._grouped_mm((F.silu(gate_NI) * up_NI).contiguous(), down_EDI.transpose(-2, -1), offs=offsets_E)
+    out_ND = out_ND * weights_TK.reshape(-1)[order_N, None]
+    return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
+
+
+def _grouped_mm_fits(x_TD: torch.Tensor, down_EDI: torch.Tensor) -> bool:
+    """Whether ``grouped_mm_experts`` runs here: bf16 on a Hopper-or-newer GPU, rows a multiple
+    of 16 bytes (the kernel's requirements)."""
+    _, D, width = down_EDI.shape
+    return (
+        x_TD.is_cuda
+        and x_TD.dtype == torch.bfloat16
+        and down_EDI.dtype == torch.bfloat16
+        and D % 8 == 0
+        and width % 8 == 0
+        and torch.cuda.get_device_capability(x_TD.device)[0] >= 9
+    )
 
 
 def naive_experts(
