@@ -6,8 +6,11 @@ times (median of ``--repeats``) of
 - ``grouped`` (``areno.models.moe.grouped_experts``, what the decoder runs): the (token, expert)
   pairs sorted by expert, one GEMM per expert over its rows, one scatter-add back;
 - ``naive`` (``moe.naive_experts``): every expert over every token, masked by its routing weight;
+- ``grouped_mm`` (``moe.grouped_mm_experts``, what GPU inference runs), where it applies (bf16 on a
+  Hopper-or-newer GPU: ``--device cuda --dtype bfloat16``), forward only;
 
 forward only (``--backward`` adds the backward of a sum). Outputs are checked equal first.
+GPU: ``python -m bench.moe --device cuda --dtype bfloat16 --tokens 4096``.
 ``ratio``: naive time over grouped time on the last shape.
 """
 
@@ -40,19 +43,20 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_shape(name: str, tokens: int, repeats: int, backward: bool, device: str) -> dict:
+def run_shape(name: str, tokens: int, repeats: int, backward: bool, device: str, dtype: torch.dtype) -> dict:
     s = SHAPES[name]
     g = torch.Generator().manual_seed(0)
     e, d, i, k = s["experts"], s["hidden"], s["width"], s["top_k"]
-    x = torch.randn(tokens, d, generator=g).to(device)
-    gate_up = (torch.randn(e, 2 * i, d, generator=g) * d**-0.5).to(device)
-    down = (torch.randn(e, d, i, generator=g) * i**-0.5).to(device)
+    x = torch.randn(tokens, d, generator=g).to(device, dtype)
+    gate_up = (torch.randn(e, 2 * i, d, generator=g) * d**-0.5).to(device, dtype)
+    down = (torch.randn(e, d, i, generator=g) * i**-0.5).to(device, dtype)
     experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).to(device)
-    weights = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(device)
+    weights = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(device, dtype)
     for t in (x, gate_up, down):
         t.requires_grad_(backward)
     args = (x, experts, weights, gate_up, down)
-    torch.testing.assert_close(moe.grouped_experts(*args), moe.naive_experts(*args), rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(moe.grouped_experts(*args), moe.naive_experts(*args), rtol=tol, atol=tol)
 
     def make(fn):
         def call():
@@ -67,7 +71,10 @@ def run_shape(name: str, tokens: int, repeats: int, backward: bool, device: str)
 
     grouped = _time(make(moe.grouped_experts), repeats)
     naive = _time(make(moe.naive_experts), repeats)
-    return dict(shape=name, **s, tokens=tokens, grouped_ms=grouped * 1e3, naive_ms=naive * 1e3, speedup=naive / grouped)
+    row = dict(shape=name, **s, tokens=tokens, grouped_ms=grouped * 1e3, naive_ms=naive * 1e3, speedup=naive / grouped)
+    if not backward and moe._grouped_mm_fits(x, down):
+        row["grouped_mm_ms"] = _time(make(moe.grouped_mm_experts), repeats) * 1e3
+    return row
 
 
 def main() -> None:
@@ -78,15 +85,18 @@ def main() -> None:
     p.add_argument("--backward", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [run_shape(n, args.tokens, args.repeats, args.backward, args.device) for n in args.shapes.split(",")]
+    dtype = getattr(torch, args.dtype)
+    rows = [run_shape(n, args.tokens, args.repeats, args.backward, args.device, dtype) for n in args.shapes.split(",")]
     last = rows[-1]
     head = headline(
         "grouped experts ms", last["grouped_ms"], "naive masked loop ms", last["naive_ms"],
         ratio(last["naive_ms"], last["grouped_ms"]), "naive / grouped (higher is better)",
     )  # fmt: skip
-    emit("moe", head, {"device": args.device, "backward": args.backward, "threads": args.threads, "runs": rows})
+    details = {"device": args.device, "dtype": args.dtype, "backward": args.backward, "threads": args.threads}
+    emit("moe", head, {**details, "runs": rows})
 
 
 if __name__ == "__main__":
