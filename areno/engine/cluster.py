@@ -70,6 +70,8 @@ class ClusterLayout:
     """Tensor-parallel size of training (FSDP shards over the rest)."""
     train_dp_replicate: int = 1
     """HSDP replicas of training."""
+    train_ep: int = 1
+    """Expert-parallel size of training (``train.ep_size``): it spans the FSDP shard dimension."""
     rollout_tp: int = 1
     """Tensor-parallel size of one rollout replica; rollout DP = len(rollout_devices) / rollout_tp."""
     cuda: bool = False
@@ -98,6 +100,12 @@ class ClusterLayout:
             raise LayoutError(
                 f"{n_train} training devices cannot form train TP {self.train_tp} x replicate "
                 f"{self.train_dp_replicate}; make the device count a multiple of their product"
+            )
+        if self.train_ep > 1 and (self.train_ep != self.train_dp_shard or self.train_tp > 1):
+            raise LayoutError(
+                f"training expert parallelism e{self.train_ep} must equal the FSDP shard size "
+                f"{self.train_dp_shard} with t1 (the experts are split over the whole shard dimension): "
+                f"use d{self.train_ep}e{self.train_ep}"
             )
         if self.rollout_tp < 1 or len(self.rollout_devices) % self.rollout_tp:
             raise LayoutError(
@@ -220,6 +228,7 @@ def layout_from_config(
     GPUs; on CPU (``cuda=False``) every rank is a process of its own, so any count goes."""
     mode, train, rollout = cluster.allocation_mode, cluster.train_devices, cluster.rollout_devices
     train_tp, rollout_tp = cluster.train_tp, cluster.rollout_tp
+    train_ep = 1  # expert parallelism comes only with an allocation string (its e dimension)
     if mode and "+" in mode:
         if train is not None or rollout is not None:
             raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
@@ -232,7 +241,7 @@ def layout_from_config(
         train, rollout = alloc.train_rollout_devices(num_devices if cuda else alloc.world_size)
         trains = [c for c in alloc.components if c.kind == "train"]
         ro = alloc.component("rollout")
-        train_tp, rollout_tp = trains[0].tp, ro.tp
+        train_tp, rollout_tp, train_ep = trains[0].tp, ro.tp, trains[0].ep
         for c in trains[1:]:
             if c.tp != train_tp:
                 raise LayoutError(f"allocation_mode {mode!r}: train components differ in TP; use one TP size")
@@ -252,6 +261,7 @@ def layout_from_config(
         train_devices=tuple(train),
         rollout_devices=tuple(rollout),
         train_tp=train_tp,
+        train_ep=train_ep,
         rollout_tp=rollout_tp,
         cuda=cuda,
         device_ids=device_ids,

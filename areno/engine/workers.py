@@ -74,7 +74,11 @@ class TrainWorker:
             Path(model_dir),
             lambda c: FSDP2TrainBackend(
                 dataclasses.replace(
-                    c, device=device_type, tp_size=layout.train_tp, dp_replicate_size=layout.train_dp_replicate
+                    c,
+                    device=device_type,
+                    tp_size=layout.train_tp,
+                    dp_replicate_size=layout.train_dp_replicate,
+                    ep_size=layout.train_ep,
                 ),
                 mesh=self.groups.train_mesh,
                 group=self.groups.train_group,

@@ -8,7 +8,9 @@ Grammar (``allocation.lark``)::
 A *component* is ``backend[role]:dims``. ``dims`` are counts of data (``d``), tensor (``t``) and
 pipeline (``p``) parallelism in any order, each at most once, missing ones meaning 1; the
 component's world size is ``d * t * p``. ``p`` is reserved on backends without pipeline
-parallelism (``p1`` is accepted there, more is an error). The role defaults to ``rollout`` for
+parallelism (``p1`` is accepted there, more is an error). ``e`` (expert parallelism of a
+mixture-of-experts model, training only) splits the experts over ``e`` of the ``d`` data-parallel
+ranks: it must divide ``d`` and does not add devices. The role defaults to ``rollout`` for
 inference backends and ``actor`` for training backends.
 
 ``+`` *disaggregates*: each ``+``-separated group gets its own consecutive device indices.
@@ -68,8 +70,8 @@ BACKENDS: dict[str, BackendSpec] = {
     "areno": BackendSpec(kind="inference", dims=frozenset("dt")),
     "sglang": BackendSpec(kind="inference", dims=frozenset("dtp")),
     "vllm": BackendSpec(kind="inference", dims=frozenset("dtp")),
-    "fsdp": BackendSpec(kind="train", dims=frozenset("dt")),
-    "megatron": BackendSpec(kind="train", dims=frozenset("dtp")),
+    "fsdp": BackendSpec(kind="train", dims=frozenset("dte")),
+    "megatron": BackendSpec(kind="train", dims=frozenset("dtpe")),
 }
 """Backend names accepted in allocation strings. areno's own engines are ``areno`` and ``fsdp``;
 vllm and sglang are inference servers of those systems; megatron only parses."""
@@ -79,7 +81,7 @@ SUPPORTED_BACKENDS = frozenset({"areno", "fsdp", "vllm", "sglang"})
 SERVER_BACKENDS = frozenset({"vllm", "sglang"})
 """Inference backends that are servers of another system (``engine/servers.py``)."""
 
-_DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline"}
+_DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "e": "expert"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +98,8 @@ class Component:
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    ep: int = 1
+    """Expert-parallel size: ranks of the data-parallel dimension the experts are split over."""
     column: int = field(default=1, compare=False)
     """1-based column of the component in the source string (for error messages)."""
 
@@ -108,7 +112,7 @@ class Component:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        dims = "".join(f"{d}{n}" for d, n in (("d", self.dp), ("t", self.tp), ("p", self.pp)) if n > 1)
+        dims = "".join(f"{d}{n}" for d, n in (("d", self.dp), ("t", self.tp), ("p", self.pp), ("e", self.ep)) if n > 1)
         return f"{self.backend}[{self.role}]:{dims or 'd1'}"
 
 
@@ -197,7 +201,7 @@ _TERMINAL_WORDS = {
     "COLON": "':'",
     "LSQB": "'['",
     "RSQB": "']'",
-    "DIM": "a dimension such as d2, t2 or p2",
+    "DIM": "a dimension such as d2, t2, p2 or e2",
     "BACKEND": "a backend name",
     "ROLE": "a role name",
     "$END": "end of string",
@@ -261,12 +265,19 @@ def _component(source: str, tree: lark.Tree) -> Component:
                 f"{_DIM_NAMES[dim]} parallelism ({tok}) is reserved: backend {backend!r} does not implement it",
             )
         counts[dim] = count
+    if counts.get("d", 1) % counts.get("e", 1):
+        raise _error(
+            source,
+            backend_tok.column,
+            f"expert parallelism e{counts['e']} must divide the data-parallel size d{counts.get('d', 1)} of {backend}[{role}]",
+        )
     return Component(
         backend=backend,
         role=role,
         dp=counts.get("d", 1),
         tp=counts.get("t", 1),
         pp=counts.get("p", 1),
+        ep=counts.get("e", 1),
         column=backend_tok.column,
     )
 

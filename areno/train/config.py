@@ -210,6 +210,11 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     """HSDP: number of replicas of the sharded model (1 = plain FSDP)."""
     tp_size: int = 1
     """Tensor-parallel degree (DTensor, using the model's TP plan)."""
+    ep_size: int = 1
+    """Expert-parallel degree of a mixture-of-experts model (``areno.train.expert_parallel``): each
+    sparse layer's experts are split over the FSDP shard dimension, tokens dispatched by all-to-all.
+    > 1 needs the FSDP2 backend with ep_size == the FSDP shard size, no replication, tp_size=1, and
+    an expert count it divides."""
     trainable: bool = True
     """False for frozen roles (reference, reward): no optimizer state is allocated and train_step
     raises."""
@@ -248,6 +253,8 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
             raise ValueError(f"dp_replicate_size must be >= 1, got {self.dp_replicate_size}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
         if self.logprob_chunk_size <= 0:
             raise ValueError(f"logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
         if self.collective_timeout_s <= 0:
