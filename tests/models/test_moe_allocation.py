@@ -40,7 +40,9 @@ def test_e_combinations_that_do_not_divide(source, words):
 
 
 def _cluster(mode):
-    return types.SimpleNamespace(allocation_mode=mode, train_devices=None, rollout_devices=None)
+    return types.SimpleNamespace(
+        allocation_mode=mode, train_devices=None, rollout_devices=None, train_tp=1, rollout_tp=1
+    )
 
 
 def test_layout_takes_e_and_refuses_what_expert_parallelism_does_not_cover():
