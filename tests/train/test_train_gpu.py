@@ -57,9 +57,10 @@ def test_cuda_compiled_step_matches_eager(tmp_path, attn, scope):
 
 
 def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
-    """The default one-GPU path (fp32 master weights, bf16 autocast): q/k/v reach the flash varlen
+    """The eager one-GPU path (fp32 master weights, bf16 autocast): q/k/v reach the flash varlen
     kernel in bf16. RoPE's fp32 tables used to promote them to fp32, which sent every training
-    attention to fp32 FlexAttention (half the step rate, bench/LOG.md "ninth")."""
+    attention to fp32 FlexAttention (half the step rate, bench/LOG.md "ninth"). Eager, so that the
+    recording wrapper sees each call (a compiled graph calls the kernel inside the graph)."""
     from areno.models import attention
 
     if not attention.varlen_available():
@@ -72,7 +73,9 @@ def test_cuda_fp32_master_attends_with_bf16_varlen(tmp_path, monkeypatch):
         return varlen(self, q_THD, k_THD, v_THD)
 
     monkeypatch.setattr(attention.PackedCausalAttention, "_varlen", recording)
-    b = LocalTrainBackend(TrainBackendConfig(lr=1e-3, device="cuda", attention="varlen", max_tokens_per_mb=512))
+    b = LocalTrainBackend(
+        TrainBackendConfig(lr=1e-3, device="cuda", attention="varlen", max_tokens_per_mb=512, compile=False)
+    )
     b.initialize(make_model_dir(tmp_path / "m", hidden=64))
     assert next(b.model.parameters()).dtype == torch.float32
     assert math.isfinite(_step(b, 0)["loss"])
