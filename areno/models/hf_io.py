@@ -20,6 +20,7 @@ from areno.errors import ModelDirError
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
+from areno.models.vision import VisionLanguageModel
 
 # Non-parameter tensors that some HF checkpoints carry and we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -121,8 +122,11 @@ def load_model(
     config = read_config(model_dir)
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+    if config.vision is not None and tp_size > 1:
+        raise ModelDirError(f"{model_dir}: a vision-language model loads whole (tp_size=1), not as tp_size={tp_size}")
+    model_cls = VisionLanguageModel if config.vision is not None else Decoder
     with torch.device("meta"):
-        model = Decoder(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
+        model = model_cls(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
     model.to_empty(device=device)
     expected = model.state_dict()
     plan = tp_plan(config)
