@@ -20,6 +20,7 @@ Legend: N = patches, E = vision width, I = images, T = tokens, D = text width, F
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import math
 from dataclasses import dataclass, field
@@ -217,6 +218,13 @@ def mrope_positions(ids: list[int] | torch.Tensor, grids: list[tuple[int, int, i
     """long [3, T] M-RoPE positions of one sequence (prompt and completion) whose image-pad runs are
     already expanded: text advances all three axes by one; an image of merged grid (t, h', w')
     starting at position s takes (s, s + row, s + col), and the text after it starts at s + max(h', w')."""
+    return _mrope(ids, grids, vc)[0]
+
+
+def _mrope(
+    ids: list[int] | torch.Tensor, grids: list[tuple[int, int, int]], vc: VisionConfig
+) -> tuple[torch.Tensor, int]:
+    """(``mrope_positions``, how many of ``grids`` the sequence used)."""
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
     m = vc.spatial_merge_size
     cols: list[torch.Tensor] = []
@@ -240,8 +248,8 @@ def mrope_positions(ids: list[int] | torch.Tensor, grids: list[tuple[int, int, i
         i += t * h * w
         img += 1
     if not cols:
-        return torch.zeros(3, 0, dtype=torch.long)
-    return torch.cat(cols, dim=1).long()
+        return torch.zeros(3, 0, dtype=torch.long), img
+    return torch.cat(cols, dim=1).long(), img
 
 
 @dataclass
@@ -258,8 +266,16 @@ class ImageInputs:
         patches, grids = zip(*(image_patches(im, vc) for im in images), strict=True)
         return cls(torch.cat(patches), list(grids))
 
+    def key(self) -> int:
+        """A 63-bit content hash of the pixels and grids: the prefix cache's root for sequences
+        with these images (equal token ids with other images must not share K/V)."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr(self.grid_thw).encode())
+        h.update(self.pixel_values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return int.from_bytes(h.digest(), "little") >> 1
+
     @classmethod
-    def concat(cls, parts: list[ImageInputs]) -> ImageInputs | None:
+    def concat(cls, parts: list[ImageInputs | None]) -> ImageInputs | None:
         parts = [p for p in parts if p is not None and p.grid_thw]
         if not parts:
             return None
@@ -458,12 +474,20 @@ class VisionLanguageModel(Decoder):
         self.vision_config = vc
         self.visual = VisionTower(vc, config.hidden_size)
 
-    def embed(self, input_ids_T: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
-        """Token embeddings with the image-pad rows replaced by the vision tower's output."""
+    def image_features(self, images: ImageInputs) -> torch.Tensor:
+        """[image tokens, D] the vision tower's output for ``images`` (in their order)."""
+        weight = self.visual.patch_embed.proj.weight
+        return self.visual(images.pixel_values.to(weight.device), images.grid_thw)
+
+    def embed(
+        self, input_ids_T: torch.Tensor, images: ImageInputs | None, image_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Token embeddings with the image-pad rows replaced by the vision tower's output (or by
+        ``image_embeds``, rows already computed, as the rollout engine passes them)."""
         x_TD = self.model.embed_tokens(input_ids_T)
-        if images is None or not images.grid_thw:
+        if image_embeds is None and (images is None or not images.grid_thw):
             return x_TD
-        feats = self.visual(images.pixel_values.to(x_TD.device), images.grid_thw).to(x_TD.dtype)
+        feats = (image_embeds if image_embeds is not None else self.image_features(images)).to(x_TD.dtype)
         mask_T = input_ids_T == self.vision_config.image_token_id
         if int(mask_T.sum()) != feats.shape[0]:
             raise ValueError(f"{int(mask_T.sum())} image tokens in the input but the images give {feats.shape[0]}")
@@ -475,11 +499,16 @@ class VisionLanguageModel(Decoder):
         position_ids_T: torch.Tensor,
         attn: AttentionBackend | None = None,
         images: ImageInputs | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Final-normed hidden states [T, D]. With ``images`` and 1-D positions (a packed training
+        batch: positions restart at 0 per sequence), the M-RoPE positions are computed here."""
         if attn is None:
             cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
             attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
-        x_TD = self.embed(input_ids_T, images)
+        if images is not None and images.grid_thw and position_ids_T.dim() == 1:
+            position_ids_T = self.packed_mrope_positions(input_ids_T, position_ids_T, images)
+        x_TD = self.embed(input_ids_T, images, image_embeds)
         if isinstance(attn, PackedCausalAttention):
             q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype
             attn.prepare(
@@ -491,3 +520,23 @@ class VisionLanguageModel(Decoder):
         else:
             cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
         return self.forward_layers(x_TD, cos_TF, sin_TF, attn)
+
+    def packed_mrope_positions(
+        self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, images: ImageInputs
+    ) -> torch.Tensor:
+        """long [3, T] M-RoPE positions of packed sequences (each starts where ``position_ids_T``
+        is 0) whose image-token runs take ``images``' grids in order."""
+        vc = self.vision_config
+        ids = input_ids_T.tolist()
+        starts = (position_ids_T == 0).nonzero().flatten().tolist() + [len(ids)]
+        out, g = [], 0
+        for a, b in zip(starts[:-1], starts[1:]):
+            pos, n = _mrope(ids[a:b], images.grid_thw[g:], vc)
+            out.append(pos)
+            g += n
+        return torch.cat(out, dim=1).to(position_ids_T.device)
+
+
+def position_delta(positions_3P: torch.Tensor) -> int:
+    """Offset of generated tokens' positions: token i (i >= prompt length) sits at i + delta."""
+    return int(positions_3P.max()) + 1 - positions_3P.shape[1] if positions_3P.numel() else 0

@@ -286,6 +286,10 @@ class Stepper:
         ctx = [s.num_computed + 1 for s in seqs]
         graph = None
         graphs = self.graphs
+        # image prompts decode at their M-RoPE offset: eagerly (the graphs take plain positions)
+        delta_B = _position_deltas(seqs)
+        if delta_B is not None:
+            graphs = None
         if graphs is not None and graphs.can_loop(batch, rp, k):
             # The whole k-step loop (forwards, sampling, stop and length checks) is one graph replay.
             out = graphs.run_loop(batch, ids, ctx, rp, k, ids_B=first_B)
@@ -318,7 +322,8 @@ class Stepper:
                 attn = PagedAttention.for_decode(
                     self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL, self.config.decode_attention, carry=True
                 )
-                hidden_BD = self.model(ids_B, (ctx_B - 1).clamp(max=self.max_position - 1), attn)
+                pos_B = ctx_B - 1 if delta_B is None else ctx_B - 1 + delta_B.to(self.device)
+                hidden_BD = self.model(ids_B, pos_B.clamp(max=self.max_position - 1), attn)
                 logits_BV = self.logits(hidden_BD)
             tokens_B, logprobs_B = self.sample_rows(logits_BV, rp)
             tokens.append(tokens_B)
@@ -346,6 +351,8 @@ class Stepper:
             if do:
                 last.append(len(ids) - 1)
         T = len(ids)
+        if any(s.images is not None for s in seqs):
+            return self._forward_multimodal(batch, ids, last)
         # token ids, positions and the rows to sample in one host-to-device copy
         packed = torch.tensor(ids + pos + (last if len(last) < T else []), dtype=torch.long)
         packed = packed.to(self.device, non_blocking=True)
@@ -356,6 +363,30 @@ class Stepper:
         if len(last) == T:
             return self.logits(hidden_TD)
         return self.logits(hidden_TD[packed[2 * T :]])
+
+    def _forward_multimodal(self, batch: ScheduledBatch, ids: list[int], last: list[int]) -> torch.Tensor:
+        """``_forward`` of a batch holding image prompts: M-RoPE positions [3, T] (the prompt's
+        from the request, generated tokens at index + delta), and the vision tower's rows for the
+        image tokens of this step's prefill chunks."""
+        nd = batch.num_decode
+        seqs, starts = batch.seqs, batch.starts
+        cols, embeds = [], []
+        for s, c in zip(seqs[:nd], starts):
+            cols.append(torch.full((3, 1), c + s.position_delta, dtype=torch.long))
+        for s, start, n in zip(seqs[nd:], starts[nd:], batch.num_new[nd:]):
+            cols.append(_chunk_positions(s, start, n))
+            rows = _chunk_image_rows(s, start, n)
+            if rows is not None:
+                if s.image_embeds is None:
+                    s.image_embeds = self.model.image_features(s.images)
+                embeds.append(s.image_embeds[rows[0] : rows[1]])
+        pos_3T = torch.cat(cols, dim=1).clamp(max=self.max_position - 1).to(self.device)
+        ids_T = torch.tensor(ids, dtype=torch.long, device=self.device)
+        attn = self._attention(batch, torch.tensor(starts[:nd], dtype=torch.long, device=self.device))
+        hidden_TD = self.model(ids_T, pos_3T, attn, image_embeds=torch.cat(embeds) if embeds else None)
+        if not last:
+            return hidden_TD.new_empty(0, self.vocab_size)
+        return self.logits(hidden_TD[torch.tensor(last, device=self.device)])
 
     def _attention(self, batch: ScheduledBatch, decode_pos_B: torch.Tensor) -> PagedAttention:
         """The attention metadata of a graph-less step. Its decode rows' (the large part at hundreds
@@ -382,3 +413,30 @@ class Stepper:
         return PagedAttention(
             self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode, pre.prefill, dec.paged
         )
+
+
+def _position_deltas(seqs: list[Sequence]) -> torch.Tensor | None:
+    """Each row's M-RoPE offset of generated tokens (None when every row is text)."""
+    if all(s.images is None for s in seqs):
+        return None
+    return torch.tensor([s.position_delta for s in seqs], dtype=torch.long)
+
+
+def _chunk_positions(seq: Sequence, start: int, n: int) -> torch.Tensor:
+    """long [3, n] positions of ``seq``'s tokens start .. start + n."""
+    if seq.mrope_3P is None:
+        return torch.arange(start, start + n).expand(3, -1)
+    p = seq.mrope_3P.shape[1]
+    head = seq.mrope_3P[:, start : min(start + n, p)]
+    tail = torch.arange(max(start, p), max(start + n, p)) + seq.position_delta
+    return torch.cat([head, tail.expand(3, -1)], dim=1)
+
+
+def _chunk_image_rows(seq: Sequence, start: int, n: int) -> tuple[int, int] | None:
+    """Rows of ``seq``'s image features its tokens start .. start + n take (None: no image token)."""
+    if seq.images is None:
+        return None
+    is_image = [t == seq.image_token_id for t in seq.prompt_ids]
+    a = sum(is_image[:start])
+    b = a + sum(is_image[start : start + n])
+    return (a, b) if b > a else None

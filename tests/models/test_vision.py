@@ -127,3 +127,41 @@ def test_save_model_round_trips_through_transformers(vl_dir, tmp_path):
         assert torch.equal(t, again.state_dict()[name]), name
     ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"))
     assert set(ref.state_dict()) >= {"model.visual.merger.mlp.0.weight", "lm_head.weight"}
+
+
+def test_rollout_engine_greedy_tokens_equal_transformers_generate(vl_dir):
+    from areno.rollout.config import RolloutEngineConfig
+    from areno.rollout.engine import RolloutEngine
+    from areno.types import SamplingParams
+
+    model, config = load_model(vl_dir)
+    vc = model.vision_config
+    ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_dir)).eval()
+    images = ImageInputs.from_images([random_image(40, 56, seed=5)], vc)
+    ids = prompt_with_image(vc, images.grid_thw[0])
+    ids_T = torch.tensor(ids)
+    want = ref.generate(
+        input_ids=ids_T[None],
+        pixel_values=images.pixel_values,
+        image_grid_thw=torch.tensor(images.grid_thw),
+        mm_token_type_ids=(ids_T == IMAGE).int()[None],
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(ids) :].tolist()
+    engine = RolloutEngine(
+        model, config, config=RolloutEngineConfig(device="cpu", block_size=4, prefill_chunk_size=16, num_blocks=64)
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    rid = [engine.add_request(ids, params, images=images) for _ in range(3)]
+    done = {}
+    while len(done) < len(rid):
+        done.update({o.request_id: o for o in engine.step()})
+    for r in rid:
+        assert done[r].output_ids == want
+    stats = engine.stats()
+    assert stats["prefix_hit_rate"] > 0  # the group reused the image prefill
+    # the same text with another image shares no cached block
+    other = ImageInputs.from_images([random_image(40, 56, seed=6)], vc)
+    assert other.key() != images.key()
