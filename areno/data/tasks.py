@@ -5,12 +5,15 @@ splits are disjoint: a row belongs to the held-out split when a stable hash of i
 the held-out bucket, so no held-out prompt is ever trained on, whatever the seeds.
 
 Prompts are plain text the model continues (``"57+68="`` → ``"125"``), so tiny character-level
-models learn them on a CPU in minutes.
+models learn them on a CPU in minutes. ``count_squares`` is the vision-language task: its rows carry
+one image (``images``: a base64 PNG) of red squares on black, the answer is how many.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,7 +50,39 @@ def _sort(rng: random.Random, *, min_len: int = 3, max_len: int = 6) -> dict:
     return {"prompt": f"sort {digits}:", "answer": "".join(sorted(digits))}
 
 
-TASKS: dict[str, Callable[..., dict]] = {"arithmetic": _arithmetic, "reverse": _reverse, "sort": _sort}
+def _count_squares(
+    rng: random.Random, *, size: int = 16, cell: int = 4, min_count: int = 1, max_count: int = 3
+) -> dict:
+    """A ``size``×``size`` image with ``min_count``..``max_count`` red ``cell``-pixel squares on
+    black, each in its own cell of the grid, and the prompt ``"count:"``; the answer is the count."""
+    from PIL import Image  # Pillow: needed by this task only
+
+    cells = (size // cell) ** 2
+    if not 1 <= min_count <= max_count <= cells:
+        raise ValueError(f"count_squares needs 1 <= min_count <= max_count <= {cells} cells")
+    n = rng.randint(min_count, max_count)
+    image = Image.new("RGB", (size, size))
+    per_row = size // cell
+    for c in rng.sample(range(cells), n):
+        x, y = (c % per_row) * cell, (c // per_row) * cell
+        image.paste((255, 0, 0), (x, y, x + cell, y + cell))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return {"prompt": "count:", "images": [base64.b64encode(buf.getvalue()).decode()], "answer": str(n)}
+
+
+TASKS: dict[str, Callable[..., dict]] = {
+    "arithmetic": _arithmetic,
+    "reverse": _reverse,
+    "sort": _sort,
+    "count_squares": _count_squares,
+}
+
+
+def row_key(row: dict) -> str:
+    """What makes a row distinct (and decides its split): the prompt, and its images when it has any."""
+    images = row.get("images")
+    return row["prompt"] if not images else row["prompt"] + "\0" + "\0".join(map(str, images))
 
 
 @dataclass(kw_only=True)
@@ -80,9 +115,10 @@ def generate_rows(spec: TaskSpec, *, split: str, num: int, seed: int) -> list[di
     rows, seen = [], set()
     for _ in range(num * 50):
         row = TASKS[spec.name](rng, **spec.kwargs)
-        if row["prompt"] in seen or _is_held_out(row["prompt"]) != (split == "eval"):
+        key = row_key(row)
+        if key in seen or _is_held_out(key) != (split == "eval"):
             continue
-        seen.add(row["prompt"])
+        seen.add(key)
         rows.append(row)
         if len(rows) == num:
             break

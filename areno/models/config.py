@@ -380,4 +380,5 @@ def _nest_vl(text: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
     top["tie_word_embeddings"] = text.pop("tie_word_embeddings")
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         top[k] = text[k]
-    return {**top, "text_config": text, **(config.vision or {})}
+    vision = {k: v for k, v in (config.vision or {}).items() if k not in ("min_pixels", "max_pixels")}
+    return {**top, "text_config": text, **vision}

@@ -20,7 +20,7 @@ from areno.errors import ModelDirError
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
-from areno.models.vision import VisionLanguageModel
+from areno.models.vision import VisionConfig, VisionLanguageModel, processor_config, read_pixel_limits
 
 # Non-parameter tensors that some HF checkpoints carry and we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -51,7 +51,12 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     if not isinstance(d, dict):
         raise ModelDirError(f"{config_path} holds a JSON {type(d).__name__}, not a Hugging Face config object")
     try:
-        return ModelConfig.from_hf(d)
+        config = ModelConfig.from_hf(d)
+        processor = model_dir / "preprocessor_config.json"
+        if config.vision is not None and processor.is_file():  # the image processor's pixel limits
+            limits = read_pixel_limits(json.loads(processor.read_text(encoding="utf-8")))
+            config = config.replace(vision={**config.vision, **limits})
+        return config
     except KeyError as e:
         raise ModelDirError(f"{config_path} has no {e.args[0]!r}: is it the config.json of a decoder LLM?") from None
     except ValueError as e:  # an architecture or feature this decoder does not implement
@@ -186,6 +191,9 @@ def save_model(model: Decoder, config: ModelConfig, out_dir: str | Path, *, toke
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf[k] is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if config.vision is not None:
+        processor = processor_config(VisionConfig.from_hf(config.vision))
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return out_dir
@@ -206,7 +214,7 @@ def init_model_dir(out_dir: str | Path, config: ModelConfig, tokenizer: Any, *, 
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        model = Decoder(config)
+        model = VisionLanguageModel(config) if config.vision is not None else Decoder(config)
     return save_model(model, config, out_dir, tokenizer=tokenizer)
 
 

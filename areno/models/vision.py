@@ -90,7 +90,11 @@ class VisionConfig:
             "rope_theta": float(rope.get("rope_theta", 10000.0)),
         }
         extra = {k: val for k, val in v.items() if k not in known and k not in ("rope_parameters", "hidden_act")}
-        ids = {k: d[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id") if k in d}
+        ids = {
+            k: d[k]
+            for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id", "min_pixels", "max_pixels")
+            if k in d
+        }
         return cls(**known, **ids, extra=extra)
 
     def to_hf(self) -> dict[str, Any]:
@@ -132,6 +136,93 @@ class VisionConfig:
         """How many ``<|image_pad|>`` tokens (merged patches) an image of this grid takes."""
         t, h, w = grid_thw
         return t * h * w // self.spatial_merge_size**2
+
+
+def processor_config(vc: VisionConfig) -> dict[str, Any]:
+    """The ``preprocessor_config.json`` of the Qwen2-VL image processor these patches match."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "patch_size": vc.patch_size,
+        "temporal_patch_size": vc.temporal_patch_size,
+        "merge_size": vc.spatial_merge_size,
+        "min_pixels": vc.min_pixels,
+        "max_pixels": vc.max_pixels,
+        "image_mean": list(IMAGE_MEAN),
+        "image_std": list(IMAGE_STD),
+    }
+
+
+def read_pixel_limits(d: dict[str, Any]) -> dict[str, int]:
+    """``min_pixels``/``max_pixels`` of a ``preprocessor_config.json`` dict (either spelling)."""
+    size = d.get("size") or {}
+    out = {
+        "min_pixels": d.get("min_pixels", size.get("shortest_edge")),
+        "max_pixels": d.get("max_pixels", size.get("longest_edge")),
+    }
+    return {k: int(v) for k, v in out.items() if v is not None}
+
+
+def tiny_vl_config(
+    vocab_size: int,
+    *,
+    image_token_id: int,
+    vision_start_token_id: int,
+    vision_end_token_id: int,
+    hidden_size: int = 32,
+    layers: int = 1,
+    heads: int = 2,
+    kv_heads: int = 1,
+    vision_hidden: int = 16,
+    vision_depth: int = 1,
+    patch_size: int = 4,
+    min_pixels: int = 64,
+    max_pixels: int = 64 * 64,
+    **kw: Any,
+) -> ModelConfig:
+    """A small Qwen2.5-VL ``ModelConfig`` for tests and demos (token ids: the char tokenizer's
+    pad 0, bos 1, eos 2, unless ``kw`` sets them)."""
+    head_dim = hidden_size // heads
+    half = head_dim // 2
+    section = (half - 2 * (half // 3), half // 3, half // 3)
+    vision = {
+        "vision_config": {
+            "depth": vision_depth,
+            "hidden_size": vision_hidden,
+            "intermediate_size": 2 * vision_hidden,
+            "num_heads": 2,
+            "out_hidden_size": hidden_size,
+            "patch_size": patch_size,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "window_size": 4 * patch_size,
+            "fullatt_block_indexes": [vision_depth - 1],
+        },
+        "image_token_id": image_token_id,
+        "vision_start_token_id": vision_start_token_id,
+        "vision_end_token_id": vision_end_token_id,
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+    }
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        attention_bias=True,
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        model_type="qwen2_5_vl",
+        mrope_section=section,
+        vision=vision,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    fields.update(kw)
+    return ModelConfig(**fields)
 
 
 # ----------------------------------------------------------------------------------- images
@@ -473,6 +564,7 @@ class VisionLanguageModel(Decoder):
         super().__init__(config, **kw)
         self.vision_config = vc
         self.visual = VisionTower(vc, config.hidden_size)
+        self.reset_parameters()  # the tower's linear layers too
 
     def image_features(self, images: ImageInputs) -> torch.Tensor:
         """[image tokens, D] the vision tower's output for ``images`` (in their order)."""
