@@ -53,22 +53,29 @@ def _sort(rng: random.Random, *, min_len: int = 3, max_len: int = 6) -> dict:
 def _count_squares(
     rng: random.Random, *, size: int = 16, cell: int = 4, min_count: int = 1, max_count: int = 3
 ) -> dict:
-    """A ``size``×``size`` image with ``min_count``..``max_count`` red ``cell``-pixel squares on
-    black, each in its own cell of the grid, and the prompt ``"count:"``; the answer is the count."""
-    from PIL import Image  # Pillow: needed by this task only
-
+    """A ``size``×``size`` image with ``min_count``..``max_count`` (uniform) red ``cell``-pixel
+    squares on black, each in its own cell of the grid and of a random shade (so every count has
+    many distinct images), and the prompt ``"count:"``; the answer is the count."""
     cells = (size // cell) ** 2
     if not 1 <= min_count <= max_count <= cells:
         raise ValueError(f"count_squares needs 1 <= min_count <= max_count <= {cells} cells")
     n = rng.randint(min_count, max_count)
+    squares = [(c, rng.randint(128, 255)) for c in rng.sample(range(cells), n)]
+    return {"prompt": "count:", "images": [_squares_png(squares, size, cell)], "answer": str(n)}
+
+
+def _squares_png(squares: list[tuple[int, int]], size: int, cell: int) -> str:
+    """Base64 PNG of red squares: (cell index, red level) each."""
+    from PIL import Image  # Pillow: needed by this task only
+
     image = Image.new("RGB", (size, size))
     per_row = size // cell
-    for c in rng.sample(range(cells), n):
+    for c, red in squares:
         x, y = (c % per_row) * cell, (c // per_row) * cell
-        image.paste((255, 0, 0), (x, y, x + cell, y + cell))
+        image.paste((red, 0, 0), (x, y, x + cell, y + cell))
     buf = io.BytesIO()
     image.save(buf, format="PNG")
-    return {"prompt": "count:", "images": [base64.b64encode(buf.getvalue()).decode()], "answer": str(n)}
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 TASKS: dict[str, Callable[..., dict]] = {

@@ -309,38 +309,45 @@ def mrope_positions(ids: list[int] | torch.Tensor, grids: list[tuple[int, int, i
     """long [3, T] M-RoPE positions of one sequence (prompt and completion) whose image-pad runs are
     already expanded: text advances all three axes by one; an image of merged grid (t, h', w')
     starting at position s takes (s, s + row, s + col), and the text after it starts at s + max(h', w')."""
-    return _mrope(ids, grids, vc)[0]
+    positions, used, _ = _mrope(ids, grids, vc)
+    if used != len(grids):
+        raise ValueError(f"the sequence holds {used} images but {len(grids)} were given")
+    return positions
 
 
 def _mrope(
     ids: list[int] | torch.Tensor, grids: list[tuple[int, int, int]], vc: VisionConfig
-) -> tuple[torch.Tensor, int]:
-    """(``mrope_positions``, how many of ``grids`` the sequence used)."""
+) -> tuple[torch.Tensor, int, list[bool]]:
+    """(``mrope_positions``, how many of ``grids`` the sequence used, which tokens are image rows).
+    Image tokens past the last grid (a completion that sampled the pad token) are text."""
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
     m = vc.spatial_merge_size
     cols: list[torch.Tensor] = []
+    is_image = [False] * len(ids)
     pos, i, img = 0, 0, 0
     while i < len(ids):
-        if ids[i] != vc.image_token_id:
-            j = i
-            while j < len(ids) and ids[j] != vc.image_token_id:
+        if ids[i] != vc.image_token_id or img >= len(grids):
+            j = i + 1
+            while j < len(ids) and (ids[j] != vc.image_token_id or img >= len(grids)):
                 j += 1
             cols.append(torch.arange(pos, pos + j - i).expand(3, -1))
             pos += j - i
             i = j
             continue
-        if img >= len(grids):
-            raise ValueError(f"the sequence has more image-token runs than the {len(grids)} grids given")
         t, h, w = grids[img]
         h, w = h // m, w // m
+        n = t * h * w
+        if ids[i : i + n] != [vc.image_token_id] * n:
+            raise ValueError(f"image {img} has a grid of {n} tokens but its run of image tokens is shorter")
         tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
         cols.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+        is_image[i : i + n] = [True] * n
         pos += max(h, w)
-        i += t * h * w
+        i += n
         img += 1
     if not cols:
-        return torch.zeros(3, 0, dtype=torch.long), img
-    return torch.cat(cols, dim=1).long(), img
+        return torch.zeros(3, 0, dtype=torch.long), img, is_image
+    return torch.cat(cols, dim=1).long(), img, is_image
 
 
 @dataclass
@@ -351,6 +358,8 @@ class ImageInputs:
     """[N, C·t·p·p] patches of all images, concatenated in the order their tokens appear."""
     grid_thw: list[tuple[int, int, int]]
     """One (t, h, w) per image, in patches."""
+    per_sequence: list[int] | None = None
+    """Images of each packed sequence, in order (a training batch: ``concat``); None: one sequence."""
 
     @classmethod
     def from_images(cls, images: list[Any], vc: VisionConfig) -> ImageInputs:
@@ -367,10 +376,11 @@ class ImageInputs:
 
     @classmethod
     def concat(cls, parts: list[ImageInputs | None]) -> ImageInputs | None:
+        counts = [0 if p is None else len(p.grid_thw) for p in parts]
         parts = [p for p in parts if p is not None and p.grid_thw]
         if not parts:
             return None
-        return cls(torch.cat([p.pixel_values for p in parts]), [g for p in parts for g in p.grid_thw])
+        return cls(torch.cat([p.pixel_values for p in parts]), [g for p in parts for g in p.grid_thw], counts)
 
 
 # ------------------------------------------------------------------------------ vision tower
@@ -572,15 +582,20 @@ class VisionLanguageModel(Decoder):
         return self.visual(images.pixel_values.to(weight.device), images.grid_thw)
 
     def embed(
-        self, input_ids_T: torch.Tensor, images: ImageInputs | None, image_embeds: torch.Tensor | None = None
+        self,
+        input_ids_T: torch.Tensor,
+        images: ImageInputs | None,
+        image_embeds: torch.Tensor | None = None,
+        image_mask_T: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings with the image-pad rows replaced by the vision tower's output (or by
-        ``image_embeds``, rows already computed, as the rollout engine passes them)."""
+        """Token embeddings with the image rows (``image_mask_T``; default: every image-pad token)
+        replaced by the vision tower's output (or by ``image_embeds``, rows already computed, as
+        the rollout engine passes them)."""
         x_TD = self.model.embed_tokens(input_ids_T)
         if image_embeds is None and (images is None or not images.grid_thw):
             return x_TD
         feats = (image_embeds if image_embeds is not None else self.image_features(images)).to(x_TD.dtype)
-        mask_T = input_ids_T == self.vision_config.image_token_id
+        mask_T = input_ids_T == self.vision_config.image_token_id if image_mask_T is None else image_mask_T
         if int(mask_T.sum()) != feats.shape[0]:
             raise ValueError(f"{int(mask_T.sum())} image tokens in the input but the images give {feats.shape[0]}")
         return x_TD.masked_scatter(mask_T[:, None], feats)
@@ -592,6 +607,7 @@ class VisionLanguageModel(Decoder):
         attn: AttentionBackend | None = None,
         images: ImageInputs | None = None,
         image_embeds: torch.Tensor | None = None,
+        image_mask_T: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, D]. With ``images`` and 1-D positions (a packed training
         batch: positions restart at 0 per sequence), the M-RoPE positions are computed here."""
@@ -599,8 +615,8 @@ class VisionLanguageModel(Decoder):
             cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
             attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
         if images is not None and images.grid_thw and position_ids_T.dim() == 1:
-            position_ids_T = self.packed_mrope_positions(input_ids_T, position_ids_T, images)
-        x_TD = self.embed(input_ids_T, images, image_embeds)
+            position_ids_T, image_mask_T = self.packed_mrope_positions(input_ids_T, position_ids_T, images)
+        x_TD = self.embed(input_ids_T, images, image_embeds, image_mask_T)
         if isinstance(attn, PackedCausalAttention):
             q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype
             attn.prepare(
@@ -615,18 +631,25 @@ class VisionLanguageModel(Decoder):
 
     def packed_mrope_positions(
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, images: ImageInputs
-    ) -> torch.Tensor:
-        """long [3, T] M-RoPE positions of packed sequences (each starts where ``position_ids_T``
-        is 0) whose image-token runs take ``images``' grids in order."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(long [3, T] M-RoPE positions, bool [T] image rows) of packed sequences (each starts
+        where ``position_ids_T`` is 0) whose image-token runs take ``images``' grids in order."""
         vc = self.vision_config
         ids = input_ids_T.tolist()
         starts = (position_ids_T == 0).nonzero().flatten().tolist() + [len(ids)]
-        out, g = [], 0
-        for a, b in zip(starts[:-1], starts[1:]):
-            pos, n = _mrope(ids[a:b], images.grid_thw[g:], vc)
+        out, mask, g = [], [], 0
+        counts = images.per_sequence or [len(images.grid_thw)] + [0] * (len(starts) - 2)
+        if len(counts) != len(starts) - 1:
+            raise ValueError(f"images for {len(counts)} sequences but the batch packs {len(starts) - 1}")
+        for a, b, c in zip(starts[:-1], starts[1:], counts):
+            pos, n, is_image = _mrope(ids[a:b], images.grid_thw[g : g + c], vc)
+            if n != c:
+                raise ValueError(f"a packed sequence holds {n} images but {c} were given for it")
             out.append(pos)
+            mask.extend(is_image)
             g += n
-        return torch.cat(out, dim=1).to(position_ids_T.device)
+        device = position_ids_T.device
+        return torch.cat(out, dim=1).to(device), torch.tensor(mask, dtype=torch.bool, device=device)
 
 
 def position_delta(positions_3P: torch.Tensor) -> int:

@@ -172,7 +172,7 @@ class RolloutEngine:
             sample_rows=self._sample_rows,
         )
         self._started = time.monotonic()
-        if config.cuda_graphs and self.device.type == "cuda":
+        if config.cuda_graphs and self.device.type == "cuda" and getattr(model, "vision_config", None) is None:
             max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             self._stepper.graphs = DecodeGraphRunner(self, max_batch=max_batch)
 
@@ -238,9 +238,7 @@ class RolloutEngine:
             vc = getattr(self.model, "vision_config", None)
             if vc is None:
                 raise ValueError("a request with images needs a vision-language model (Qwen2.5-VL layout)")
-            mrope_3P = mrope_positions(prompt_ids, images.grid_thw, vc)
-            if mrope_3P.shape[1] != len(prompt_ids):
-                raise ValueError("the prompt's image tokens do not match its images' grids")
+            mrope_3P = mrope_positions(prompt_ids, images.grid_thw, vc)  # a ValueError when they do not match
             multimodal = {
                 "images": images,
                 "mrope_3P": mrope_3P,

@@ -370,11 +370,15 @@ class Stepper:
         image tokens of this step's prefill chunks."""
         nd = batch.num_decode
         seqs, starts = batch.seqs, batch.starts
-        cols, embeds = [], []
+        cols, embeds, mask = [], [], [False] * nd
         for s, c in zip(seqs[:nd], starts):
             cols.append(torch.full((3, 1), c + s.position_delta, dtype=torch.long))
         for s, start, n in zip(seqs[nd:], starts[nd:], batch.num_new[nd:]):
             cols.append(_chunk_positions(s, start, n))
+            p = len(s.prompt_ids)
+            mask.extend(
+                j < p and s.images is not None and s.token_ids[j] == s.image_token_id for j in range(start, start + n)
+            )
             rows = _chunk_image_rows(s, start, n)
             if rows is not None:
                 if s.image_embeds is None:
@@ -383,7 +387,9 @@ class Stepper:
         pos_3T = torch.cat(cols, dim=1).clamp(max=self.max_position - 1).to(self.device)
         ids_T = torch.tensor(ids, dtype=torch.long, device=self.device)
         attn = self._attention(batch, torch.tensor(starts[:nd], dtype=torch.long, device=self.device))
-        hidden_TD = self.model(ids_T, pos_3T, attn, image_embeds=torch.cat(embeds) if embeds else None)
+        image_embeds = torch.cat(embeds) if embeds else None
+        mask_T = torch.tensor(mask, dtype=torch.bool, device=self.device)
+        hidden_TD = self.model(ids_T, pos_3T, attn, image_embeds=image_embeds, image_mask_T=mask_T)
         if not last:
             return hidden_TD.new_empty(0, self.vocab_size)
         return self.logits(hidden_TD[torch.tensor(last, device=self.device)])

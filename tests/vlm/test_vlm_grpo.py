@@ -1,0 +1,78 @@
+"""A tiny Qwen2.5-VL-layout model trained with GRPO on ``count_squares`` (images made in code, the
+answer a digit), colocated on the CPU: images go through the workflow, the rollout engine's vision
+prefill and the trainer's forward."""
+
+from __future__ import annotations
+
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.data.tokenizer import build_char_tokenizer
+from areno.models.hf_io import init_model_dir
+from areno.models.vision import VisionLanguageModel, tiny_vl_config
+from areno.specializations.forward import token_logprobs_T
+
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+def make_vl_dir(path, seed: int = 0):
+    tok = build_char_tokenizer("0123456789countsqare: ", extra_tokens=VISION_TOKENS)
+    start, pad, end = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    config = tiny_vl_config(len(tok), image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end)
+    init_model_dir(path, config, tok, seed=seed)
+    return path
+
+
+def vl_overrides(tmp_path, steps: int, **extra: str) -> list[str]:
+    return [
+        f"run_dir={tmp_path / 'run'}",
+        f"model.path={make_vl_dir(tmp_path / 'model')}",
+        "data.task=count_squares",
+        "data.num_eval=16",
+        "rollout.batch_size=4",
+        "rollout.n_samples=8",
+        "rollout.max_new_tokens=2",
+        "cluster.device=cpu",
+        "cluster.cpu_threads=1",
+        "observe.console=false",
+        "train.seed=0",
+        f"train.steps={steps}",
+        "train.eval_interval=0",
+        "train.save_interval=0",
+        *[f"{k}={v}" for k, v in extra.items()],
+    ]
+
+
+def test_vlm_grpo_two_steps_train_the_vision_tower(tmp_path):
+    import torch
+
+    # a reward that varies within every group of a random model, so both steps have a gradient
+    reward = {"optim.lr": "0.01", "reward.fn": "tests.helpers.rewards:first_char"}
+    cfg = load_config(None, vl_overrides(tmp_path, 2, **reward))
+    trainer = Trainer.init(cfg)
+    engine = trainer.backend.engine
+    policy = engine.training.runner.backends["policy"]
+    try:
+        assert isinstance(policy.model, VisionLanguageModel)
+        before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+        for rollout_id in range(2):
+            rollout = trainer.rollout_token_batch(rollout_id)
+            batch = rollout.batch
+            assert len(batch.images_B) == batch.num_seqs == 32
+            assert all(isinstance(im["pixel_values"], torch.Tensor) for im in batch.images_B)  # fetched
+            assert len(engine.store) == 32  # one stored copy per trajectory until the step
+            with torch.no_grad():  # the trainer's forward (vision tower included) recomputes them
+                recomputed_T = token_logprobs_T(policy.model, batch)["logprobs_T"]
+            m = batch.loss_mask_T
+            torch.testing.assert_close(recomputed_T[m], batch.logprobs_T[m], atol=1e-5, rtol=0)
+            metrics = trainer.train(rollout_id, rollout)
+            assert len(engine.store) == 0  # released once trained
+            assert abs(metrics["train/policy/actor/ratio"] - 1.0) < 1e-4
+            trainer.backend.update_weights()
+        after = dict(policy.model.named_parameters())
+        assert not torch.equal(before["visual.merger.mlp.2.weight"], after["visual.merger.mlp.2.weight"].detach())
+        assert not torch.equal(before["visual.blocks.0.attn.qkv.weight"], after["visual.blocks.0.attn.qkv.weight"])
+        synced = engine.rollout.engine.weight_tensors()
+        assert torch.equal(synced["visual.merger.mlp.2.weight"], after["visual.merger.mlp.2.weight"].detach())
+        assert 0.0 <= trainer.evaluate_now()["eval/accuracy"] <= 1.0
+    finally:
+        trainer.shutdown()
