@@ -60,19 +60,19 @@ def _count_squares(
     if not 1 <= min_count <= max_count <= cells:
         raise ValueError(f"count_squares needs 1 <= min_count <= max_count <= {cells} cells")
     n = rng.randint(min_count, max_count)
-    squares = [(c, rng.randint(128, 255)) for c in rng.sample(range(cells), n)]
+    squares = [(c, (rng.randint(128, 255), rng.randint(0, 63), 0)) for c in rng.sample(range(cells), n)]
     return {"prompt": "count:", "images": [_squares_png(squares, size, cell)], "answer": str(n)}
 
 
-def _squares_png(squares: list[tuple[int, int]], size: int, cell: int) -> str:
-    """Base64 PNG of red squares: (cell index, red level) each."""
+def _squares_png(squares: list[tuple[int, tuple[int, int, int]]], size: int, cell: int) -> str:
+    """Base64 PNG of squares on black: (cell index, RGB colour) each."""
     from PIL import Image  # Pillow: needed by this task only
 
     image = Image.new("RGB", (size, size))
     per_row = size // cell
-    for c, red in squares:
+    for c, colour in squares:
         x, y = (c % per_row) * cell, (c // per_row) * cell
-        image.paste((red, 0, 0), (x, y, x + cell, y + cell))
+        image.paste(colour, (x, y, x + cell, y + cell))
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()

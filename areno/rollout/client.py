@@ -117,6 +117,11 @@ async def agenerate_many(
     (a vision-language prompt's ``ImageInputs``) go with each ``agenerate``; the group shares the
     image prefill through the engine's prefix cache."""
     if images is not None:
+        if isinstance(getattr(client, "inner", client), (HTTPRolloutClient, MultiServerRolloutClient)):
+            raise ValueError(
+                "a prompt with images needs the in-process rollout engine (colocated placement): "
+                "the HTTP rollout server does not take images yet"
+            )
         return list(await asyncio.gather(*(client.agenerate(prompt_ids, p, images=images) for p in params)))
     many = getattr(client, "agenerate_many", None)
     if many is not None:

@@ -76,3 +76,20 @@ def test_vlm_grpo_two_steps_train_the_vision_tower(tmp_path):
         assert 0.0 <= trainer.evaluate_now()["eval/accuracy"] <= 1.0
     finally:
         trainer.shutdown()
+
+
+def test_freeze_vision_keeps_the_tower_and_trains_the_decoder(tmp_path):
+    import torch
+
+    reward = {"optim.lr": "0.01", "reward.fn": "tests.helpers.rewards:first_char", "model.freeze_vision": "true"}
+    trainer = Trainer.init(load_config(None, vl_overrides(tmp_path, 1, **reward)))
+    policy = trainer.backend.engine.training.runner.backends["policy"]
+    try:
+        before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+        assert not any(p.requires_grad for n, p in policy.model.named_parameters() if n.startswith("visual."))
+        trainer.train(0, trainer.rollout_token_batch(0))
+        after = {n: p.detach() for n, p in policy.model.named_parameters()}
+    finally:
+        trainer.shutdown()
+    assert all(torch.equal(before[n], after[n]) for n in before if n.startswith("visual."))
+    assert not torch.equal(before["model.layers.0.mlp.up_proj.weight"], after["model.layers.0.mlp.up_proj.weight"])
