@@ -51,7 +51,7 @@ def _sort(rng: random.Random, *, min_len: int = 3, max_len: int = 6) -> dict:
 
 
 def _count_squares(
-    rng: random.Random, *, size: int = 16, cell: int = 4, min_count: int = 1, max_count: int = 3
+    rng: random.Random, *, size: int = 16, cell: int = 8, min_count: int = 1, max_count: int = 3
 ) -> dict:
     """A ``size``×``size`` image with ``min_count``..``max_count`` (uniform) red ``cell``-pixel
     squares on black, each in its own cell of the grid and of a random shade (so every count has

@@ -107,6 +107,11 @@ def open_safetensors(
         raise ModelDirError(f"{path} is truncated or not a safetensors file ({reason}): {fix}") from None
 
 
+def build_model(config: ModelConfig, **kw: Any) -> Decoder:
+    """The module ``config`` describes: ``VisionLanguageModel`` for a Qwen2.5-VL config, else ``Decoder``."""
+    return (VisionLanguageModel if config.vision is not None else Decoder)(config, **kw)
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -129,9 +134,8 @@ def load_model(
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
     if config.vision is not None and tp_size > 1:
         raise ModelDirError(f"{model_dir}: a vision-language model loads whole (tp_size=1), not as tp_size={tp_size}")
-    model_cls = VisionLanguageModel if config.vision is not None else Decoder
     with torch.device("meta"):
-        model = model_cls(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
+        model = build_model(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
     model.to_empty(device=device)
     expected = model.state_dict()
     plan = tp_plan(config)
@@ -214,7 +218,7 @@ def init_model_dir(out_dir: str | Path, config: ModelConfig, tokenizer: Any, *, 
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        model = VisionLanguageModel(config) if config.vision is not None else Decoder(config)
+        model = build_model(config)
     return save_model(model, config, out_dir, tokenizer=tokenizer)
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from areno.errors import ConfigError
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
-from areno.models.hf_io import load_model, save_model
+from areno.models.hf_io import build_model, load_model, save_model
 from areno.models.logprobs import compiled_logprob_kernels
 from areno.models.vision import VisionTower
 from areno.observe.trace import span
@@ -407,7 +407,7 @@ class PackedTrainBackend(TrainBackend):
         state = {name: t.detach().cpu() for name, t in self.named_weights()}
         if self.is_rank0:
             with torch.device("meta"):
-                decoder = Decoder(self.model_config)
+                decoder = build_model(self.model_config)
             decoder.to_empty(device="cpu")
             decoder.load_state_dict(state, strict=True)
             out = save_model(decoder.to(next(iter(state.values())).dtype), self.model_config, path)
