@@ -10,6 +10,9 @@ Systems:
   a step is ``Trainer.rollout_token_batch`` + ``Trainer.train`` + ``backend.update_weights``.
 - ``areno_async``: the same with ``rollout.max_head_offpolicyness=1``: the everlasting rollout pool
   (its own thread) keeps generating while the trainer trains, one GPU ("areno async (colocated, one GPU)").
+- ``areno_async_stream``: ``areno_async`` with the rollout engine's steps on a high-priority CUDA
+  stream of its own (``RolloutEngineConfig.cuda_stream``, an engine setting a run does not expose):
+  the trainer's kernels stay on the default stream, so the GPU can run both sides' kernels at once.
 - ``trl``: ``trl.GRPOTrainer`` with its default ``transformers`` ``generate`` path (no vLLM); a step is
   one optimizer step (timed between ``on_step_end`` callbacks), which generates the 64 completions
   and trains on them with gradient accumulation.
@@ -55,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+import areno.engine.api as engine_api
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.data.tokenizer import build_char_tokenizer
@@ -76,12 +80,30 @@ TINY = {
     "vocab_size": None,
     "max_position_embeddings": 2048,
 }
+# the CPU shape of issue #33: a 12.6M-parameter Qwen2 (tied embeddings)
+CPU12M = {
+    **E2E_05B,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "vocab_size": 8192,
+    "max_position_embeddings": 2048,
+}
 # shape -> (HF config dict, default prompt length, default completion length)
-SHAPES = {"0.5b": (E2E_05B, 64, 512), "1.5b": (E2E_15B, 64, 512), "tiny": (TINY, 16, 32)}
-SYSTEMS = ("areno", "areno_async", "trl")
+SHAPES = {
+    "0.5b": (E2E_05B, 64, 512),
+    "1.5b": (E2E_15B, 64, 512),
+    "tiny": (TINY, 16, 32),
+    "cpu12m": (CPU12M, 32, 128),
+}
+SYSTEMS = ("areno", "areno_async", "areno_async_stream", "areno_vllm", "trl")
 LABELS = {
     "areno": "areno (colocated)",
+    "areno_vllm": "areno + a vLLM server (policy by disk export)",
     "areno_async": "areno async (colocated, one GPU)",
+    "areno_async_stream": "areno async (colocated, one GPU, engine on its own CUDA stream)",
     "trl": "TRL GRPOTrainer (transformers generate)",
 }
 PROMPT_ALPHABET = string.ascii_letters + string.digits
@@ -229,7 +251,9 @@ def areno_config(
     param_dtype: str,
     prompt_len: int,
     completion_len: int,
+    server: str | None = None,
 ):
+    """``server``: vllm to generate with a vLLM server areno starts (``rollout.backend``)."""
     seq_blocks = math.ceil((prompt_len + completion_len + 16) / 16)
     kv_blocks = seq_blocks * args.prompts * args.samples * (eta + 1) + 64  # the batch (and η batches ahead)
     overrides = [
@@ -260,6 +284,8 @@ def areno_config(
         f"cluster.device={args.device}",
         "observe.console=false",
     ]
+    if server is not None:  # vLLM's CPU attention needs head sizes >= 32 (the 0.5b and 1.5b shapes)
+        overrides += [f"rollout.backend={server}", "rollout.server_args=[--enforce-eager]"]
     overrides += args.areno_set + (args.areno_async_set if eta > 0 else [])
     return load_config(None, overrides)
 
@@ -275,22 +301,31 @@ def run_areno(
     param_dtype: str,
     prompt_len: int,
     completion_len: int,
+    server: str | None = None,
+    cuda_stream: bool = False,
 ) -> dict:
     config = areno_config(
         args,
         model_dir,
         data_path,
-        workdir / f"run-{shape}-eta{eta}",
+        workdir / f"run-{shape}-eta{eta}{'-' + server if server else ''}",
         eta=eta,
         param_dtype=param_dtype,
         prompt_len=prompt_len,
         completion_len=completion_len,
+        server=server,
     )
     free_memory(args.device)
     t_setup = time.perf_counter()
-    trainer = Trainer.init(config)
+    build = engine_api.build_rollout_engine_config
+    if cuda_stream:  # the engine's own setting, which the run's config does not expose: set it at build
+        engine_api.build_rollout_engine_config = lambda *a, **k: dataclasses.replace(build(*a, **k), cuda_stream=True)
+    try:
+        trainer = Trainer.init(config)
+    finally:
+        engine_api.build_rollout_engine_config = build
     setup_s = time.perf_counter() - t_setup
-    steps, phases, lengths, num_tokens = [], [], [], []
+    steps, phases, lengths, num_tokens, system = [], [], [], [], {}
     try:
         sync(args.device)
         last = time.perf_counter()
@@ -299,7 +334,7 @@ def run_areno(
             rollout = trainer.rollout_token_batch(rollout_id)
             sync(args.device)
             t1 = time.perf_counter()
-            trainer.train(rollout_id, rollout)
+            train_metrics = trainer.train(rollout_id, rollout)
             sync(args.device)
             t2 = time.perf_counter()
             trainer.backend.update_weights()
@@ -310,7 +345,14 @@ def run_areno(
             phases.append((t1 - t0, t2 - t1, t3 - t2))
             lengths.extend(len(t.completion_ids) for t in rollout.trajectories)
             num_tokens.append(rollout.batch.num_tokens)
-        peak = peak_gib(args.device)
+            for key, value in {**rollout.metrics, **train_metrics}.items():  # per phase (engine/residency.py)
+                if key.startswith("system/"):
+                    system.setdefault(key[len("system/") :], []).append(value)
+        phase_peaks = {
+            k[: -len("_peak_memory_gib")]: max(v) for k, v in system.items() if k.endswith("_peak_memory_gib")
+        }
+        # the engine resets the peak statistics at each phase: the run's peak is the largest phase's
+        peak = max([peak_gib(args.device) or 0.0, *phase_peaks.values()]) if args.device == "cuda" else None
     finally:
         trainer.shutdown()
     timed = slice(args.warmup, None)
@@ -323,7 +365,12 @@ def run_areno(
         },
         "tokens_per_step": statistics.median(num_tokens[timed]),
         "peak_gib": peak,
+        "phase_peaks_gib": phase_peaks,
+        "system_medians": {k: statistics.median(v) for k, v in system.items() if not k.endswith("peak_memory_gib")},
         "setup_s": setup_s,
+        # the untimed warm-up: the first training phase includes compiling (train.compile, cold or warm cache)
+        "warmup_step_s": steps[: args.warmup],
+        "first_train_s": phases[0][1],
     }
 
 
@@ -443,7 +490,9 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
     }
     if "phases_s" in res:
         out["phases_s_median"] = res["phases_s"]
-    for key in ("setup_s", "trl_logged_step_time_s", "trl_gradient_checkpointing"):
+    if res.get("phase_peaks_gib"):
+        out["phase_peak_gpu_gib"] = res["phase_peaks_gib"]
+    for key in ("setup_s", "warmup_step_s", "first_train_s", "trl_logged_step_time_s", "trl_gradient_checkpointing"):
         if key in res:
             out[key] = res[key]
     return out
@@ -452,9 +501,9 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
 def build_parser() -> argparse.ArgumentParser:
     p = parser("e2e", __doc__)
     p.add_argument(
-        "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny (default: 0.5b,1.5b on CUDA, tiny on CPU)"
+        "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny,cpu12m (default: 0.5b,1.5b on CUDA, tiny on CPU)"
     )
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per system")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -584,13 +633,15 @@ def main(argv: list[str] | None = None) -> int:
                     model_dir,
                     data_path,
                     workdir,
-                    eta=args.async_eta if system == "areno_async" else 0,
+                    eta=args.async_eta if system.startswith("areno_async") else 0,
                     param_dtype=param_dtype,
                     prompt_len=prompt_len,
                     completion_len=completion_len,
+                    server="vllm" if system == "areno_vllm" else None,
+                    cuda_stream=system == "areno_async_stream",
                 )
             row = report(system, shape, res, floor, num_seqs, completion_len)
-            if system == "areno_async":
+            if system.startswith("areno_async"):
                 row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
             row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs, params=floor["params"])
             results.append(row)
@@ -621,7 +672,7 @@ def by_shape(rows: list[dict]) -> dict:
             for s, r in systems.items()
         }
         if "trl" in systems:
-            for s in ("areno", "areno_async"):
+            for s in ("areno", "areno_async", "areno_async_stream"):
                 if s in systems:
                     entry[f"speedup_{s}_vs_trl"] = systems["trl"]["step_s_mean"] / systems[s]["step_s_mean"]
         out[shape] = entry

@@ -32,6 +32,7 @@ from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
+from areno.engine.residency import Phase, Residency
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
@@ -145,12 +146,16 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, 
         backend = new_backend(build_train_backend_config(cfg, role_name=role.name, trainable=role.trainable))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
         backends[role.name] = backend
-    if cfg.train.compile and any(role.trainable for role in recipe.roles):
+    # train.compile=auto is resolved by each backend, which knows its device
+    compiled = [b for role, b in zip(recipe.roles, backends.values()) if role.trainable and b.cfg.compile]
+    if compiled:
         logger.info(
-            "training: train.compile=true compiles the decoder (train.compile_scope=%s) during the first "
-            "training step%s; later runs reuse torch's compile cache",
+            "training: compiling the training step (train.compile=%s, train.compile_scope=%s) during the first "
+            "training step%s; compiled graphs are cached in %s, so a later run of the same shapes loads them",
+            cfg.train.compile,
             cfg.train.compile_scope,
             " (the whole layer stack as one graph: minutes on a GPU)" if cfg.train.compile_scope == "model" else "",
+            compiled[0].compile_cache,
         )
     return backends
 
@@ -288,6 +293,9 @@ class ArenoEngine:
     rollout: RolloutSide
     weight_kind: WeightKind
     """How the policy travels between the sides (``WeightKind``), chosen when they are paired."""
+    residency: Residency | None
+    """Colocated runs: what stays on the device in each phase (``cluster.offload``) and each phase's
+    peak memory (``engine/residency.py``). None: the sides have devices of their own."""
     _pending_sync_metrics: dict[str, float]
     # set in initialize()
     tokenizer: Any
@@ -309,12 +317,21 @@ class ArenoEngine:
     asynchronous: bool = False
     """True when max_head_offpolicyness > 0: the rollout pool runs ahead of training."""
 
-    def __init__(self, config: ArenoConfig, run_dir: Path, *, training: TrainingSide, rollout: RolloutSide) -> None:
+    def __init__(
+        self,
+        config: ArenoConfig,
+        run_dir: Path,
+        *,
+        training: TrainingSide,
+        rollout: RolloutSide,
+        residency: Residency | None = None,
+    ) -> None:
         """A ConfigError when the sides have no way in common to move the policy."""
         self.config = config
         self.run_dir = run_dir
         self.training = training
         self.rollout = rollout
+        self.residency = residency
         self.weight_kind = choose_weight_kind(training.weight_kinds, rollout.weight_kinds)
         self._pending_sync_metrics = {}
 
@@ -330,9 +347,21 @@ class ArenoEngine:
         self.vision = VisionConfig.from_hf(vision) if vision is not None else None
         setup = SideSetup(recipe=self.recipe, model_dir=model_dir, tokenizer=self.tokenizer)
         self.training.start(setup)
+        self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
+        # before the rollout engine sizes its KV pool: with cluster.offload=sleep the training
+        # state is in host memory by then
+        self._enter(Phase.ROLLOUT)
         self.rollout.start(setup)
         self.executor = self._build_executor() if self.recipe.online else None
-        self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
+
+    def _enter(self, phase: Phase) -> None:
+        """Start ``phase`` of a synchronous step (``Residency.enter``). An asynchronous run generates
+        while it trains: it has no phases (and ``cluster.offload=sleep`` refuses it)."""
+        if self.residency is not None and not self.asynchronous:
+            self.residency.enter(phase)
+
+    def _phase_metrics(self) -> dict[str, float]:
+        return self.residency.metrics() if self.residency is not None and not self.asynchronous else {}
 
     def _build_executor(self) -> WorkflowExecutor:
         cfg = self.config
@@ -390,6 +419,7 @@ class ArenoEngine:
             trajectories = [t for group in groups for t in group]
             metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version)}
         elif self.recipe.online:
+            self._enter(Phase.ROLLOUT)
             samples = self.ledger.take(cfg.rollout.batch_size)
             seqs = [self.ledger.lookup(s)[0] for s in samples]
             self.rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
@@ -397,7 +427,7 @@ class ArenoEngine:
             trajectories = self.executor.rollout_batch(samples)
             self.executor.client.release_now()
             self.ledger.trained(seqs)
-            metrics = rollout_metrics(trajectories, self.version)
+            metrics = {**rollout_metrics(trajectories, self.version), **self._phase_metrics()}
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)
             trajectories = sft_trajectories(
@@ -425,10 +455,13 @@ class ArenoEngine:
         # beside the training step's kernels and device synchronizations (they invalidate a capture:
         # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
         hold = self.rollout.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
+        self._enter(Phase.TRAIN)
         with hold:
             # the version the rollout policy carries (loglinear π_prox)
             out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
-        metrics = {f"train/{k}": v for k, v in out.items()}
+        # the training side's figures of the rollout (rollout/logprob_abs_diff_*) keep their section
+        metrics = {k if k.startswith("rollout/") else f"train/{k}": v for k, v in out.items()}
+        metrics.update(self._phase_metrics())
         if self.store is not None and rollout.pass_order is None:
             # trained (later passes reuse the prepared batch): their stored observations are done with
             release_refs([t.info for t in rollout.trajectories], self.store)
@@ -437,6 +470,7 @@ class ArenoEngine:
         return metrics
 
     def update_weights(self) -> dict[str, float]:
+        self._enter(Phase.SYNC)
         update = self.training.publish_weights(self.version + 1, self.weight_kind)
         if update is None:  # no role syncs to the rollout side
             return {}
@@ -451,7 +485,7 @@ class ArenoEngine:
                 self.rollout.resume()
                 self.executor.resume()
         self.version = update.version
-        self._pending_sync_metrics = metrics
+        self._pending_sync_metrics = {**metrics, **self._phase_metrics()}
         return {}
 
     def evaluate(self) -> dict[str, float]:
@@ -463,6 +497,7 @@ class ArenoEngine:
             self.reward_fn = load_reward(cfg.reward)
         reward_fn = self.reward_fn
         params = rollout_sampling_params(cfg, greedy=True)
+        self._enter(Phase.ROLLOUT)
         t0 = time.perf_counter()
 
         client = self.rollout.client
@@ -495,6 +530,7 @@ class ArenoEngine:
         (``checkpoint.commit``): ``path`` exists only once it is whole."""
         state = {**trainer_state, **self.resume_state()}  # incl. the async pool's untrained samples
         tmp = checkpoint.staging_dir(path)
+        self._enter(Phase.TRAIN)
         self.training.save(tmp, state)
         self.export_policy(tmp / "hf")  # what `transformers` and `areno serve` load
         fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
@@ -525,6 +561,7 @@ class ArenoEngine:
 
     def load(self, path: Path) -> dict:
         self.check_loadable()
+        self._enter(Phase.TRAIN)
         state = self.training.load(path)
         self._restore(state)
         return state
@@ -554,6 +591,7 @@ class ArenoEngine:
             self.rollout.set_rng_state(state["rollout_rng"])
 
     def export_policy(self, path: Path) -> None:
+        self._enter(Phase.TRAIN)
         self.training.export_hf(path)
         self.tokenizer.save_pretrained(path)
 

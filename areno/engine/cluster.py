@@ -21,6 +21,7 @@ On CPU (gloo) the device lists only count processes: every rank is its own "devi
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,8 @@ class ClusterLayout:
     """Tensor-parallel size of training (FSDP shards over the rest)."""
     train_dp_replicate: int = 1
     """HSDP replicas of training."""
+    train_ep: int = 1
+    """Expert-parallel size of training (``train.ep_size``): it spans the FSDP shard dimension."""
     rollout_tp: int = 1
     """Tensor-parallel size of one rollout replica; rollout DP = len(rollout_devices) / rollout_tp."""
     cuda: bool = False
@@ -97,6 +100,12 @@ class ClusterLayout:
             raise LayoutError(
                 f"{n_train} training devices cannot form train TP {self.train_tp} x replicate "
                 f"{self.train_dp_replicate}; make the device count a multiple of their product"
+            )
+        if self.train_ep > 1 and (self.train_ep != self.train_dp_shard or self.train_tp > 1):
+            raise LayoutError(
+                f"training expert parallelism e{self.train_ep} must equal the FSDP shard size "
+                f"{self.train_dp_shard} with t1 (the experts are split over the whole shard dimension): "
+                f"use d{self.train_ep}e{self.train_ep}"
             )
         if self.rollout_tp < 1 or len(self.rollout_devices) % self.rollout_tp:
             raise LayoutError(
@@ -210,24 +219,29 @@ def layout_from_config(
     num_devices: int,
     cuda: bool,
     device_ids: tuple[str, ...] = (),
-    train_tp: int = 1,
-    rollout_tp: int = 1,
 ) -> ClusterLayout | None:
     """The partitioned layout the config asks for, or None when it asks for the colocated default.
 
-    ``cluster.allocation_mode`` with a ``+`` (e.g. ``areno[rollout]:d2+fsdp[actor]:t2``) gives
+    ``cluster.allocation_mode`` with a ``+`` (e.g. ``areno[rollout]:d1t2+fsdp[actor]:d1t2``) gives
     the lists, their TP and DP; otherwise ``cluster.train_devices`` and ``cluster.rollout_devices``
-    (both needed) do, with ``train_tp`` / ``rollout_tp``. ``num_devices``: visible devices (on
-    CPU: processes allowed, i.e. how many indices the lists may use)."""
+    (both needed) do, with ``cluster.train_tp`` / ``cluster.rollout_tp``. ``num_devices``: visible
+    GPUs; on CPU (``cuda=False``) every rank is a process of its own, so any count goes."""
     mode, train, rollout = cluster.allocation_mode, cluster.train_devices, cluster.rollout_devices
+    train_tp, rollout_tp = cluster.train_tp, cluster.rollout_tp
+    train_ep = 1  # expert parallelism comes only with an allocation string (its e dimension)
     if mode and "+" in mode:
         if train is not None or rollout is not None:
             raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
+        if (train_tp, rollout_tp) != (1, 1):
+            raise LayoutError(
+                f"allocation_mode {mode!r} gives the TP sizes (e.g. areno:d1t2+fsdp:d1t2): "
+                "leave cluster.train_tp/rollout_tp at 1"
+            )
         alloc = parse_allocation_mode(mode)
-        train, rollout = alloc.train_rollout_devices(num_devices)
+        train, rollout = alloc.train_rollout_devices(num_devices if cuda else alloc.world_size)
         trains = [c for c in alloc.components if c.kind == "train"]
         ro = alloc.component("rollout")
-        train_tp, rollout_tp = trains[0].tp, ro.tp
+        train_tp, rollout_tp, train_ep = trains[0].tp, ro.tp, trains[0].ep
         for c in trains[1:]:
             if c.tp != train_tp:
                 raise LayoutError(f"allocation_mode {mode!r}: train components differ in TP; use one TP size")
@@ -247,6 +261,7 @@ def layout_from_config(
         train_devices=tuple(train),
         rollout_devices=tuple(rollout),
         train_tp=train_tp,
+        train_ep=train_ep,
         rollout_tp=rollout_tp,
         cuda=cuda,
         device_ids=device_ids,
@@ -354,6 +369,13 @@ class Groups:
     rollout_tp_group: Any = None
     rollout_dp_group: Any = None
     rollout_group: Any = None
+    rollout_command_group: Any = None
+    """Gloo group of this rank's rollout TP replica (TP > 1 only): the leader's requests reach the
+    other TP ranks over it (``TensorParallelRolloutEngine.follow``)."""
+
+
+COMMAND_TIMEOUT = datetime.timedelta(days=365)
+"""A TP follower waits on the command group while its replica is idle: for as long as the run."""
 
 
 def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
@@ -391,6 +413,11 @@ def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
         pg = dist.new_group(list(ranks), backend=backend)
         if rank in ranks:
             g.rollout_dp_group = pg
+    if layout.rollout_tp > 1:
+        for ranks in layout.rollout_tp_groups():
+            pg = dist.new_group(list(ranks), backend="gloo", timeout=COMMAND_TIMEOUT)
+            if rank in ranks:
+                g.rollout_command_group = pg
     if rank in layout.rollout_ranks:
         g.rollout_group = rollout_group
     return g

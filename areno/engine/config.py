@@ -22,12 +22,15 @@ from omegaconf import MISSING
 
 from areno.data.prompts import CHAT_TEMPLATE_MODES
 from areno.errors import ConfigError, check_config
-from areno.launch.allocation import AllocationModeError, check_supported, parse_allocation_mode
+from areno.launch.allocation import AllocationModeError, check_supported, inference_backend, parse_allocation_mode
 from areno.launch.scheduler import scheduler_config
 from areno.rewards.sandbox import MAX_TIMEOUT_S
 from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
 from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
 from areno.types import MIN_TEMPERATURE
+
+ROLLOUT_BACKENDS = ("areno", "vllm", "sglang")
+"""``rollout.backend``: areno's own engine, or an inference server of another system."""
 
 
 def _check_finite(section: object, prefix: str) -> None:
@@ -192,6 +195,19 @@ class RolloutSection(RolloutEngineSettings):
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""
+    backend: str = "areno"
+    """Who generates the rollouts: areno (its own engine), vllm or sglang (inference servers behind
+    the rollout seam, sent each policy as a safetensors export; see docs/inference_servers.md). An
+    ``allocation_mode`` naming vllm or sglang selects the same."""
+    servers: list[str] = field(default_factory=list)
+    """vllm/sglang: base URLs of servers you started (``http://host:port``), serving model.path;
+    empty: areno starts one server per rollout data-parallel rank itself, logs in run_dir/workers/."""
+    server_api_key: str | None = None
+    """vllm/sglang: the API key of the servers in ``servers`` (areno's own servers get a fresh one)."""
+    server_args: list[str] = field(default_factory=list)
+    """vllm/sglang: extra command-line arguments of the servers areno starts (e.g. --enforce-eager)."""
+    server_start_timeout_s: float = 600.0
+    """vllm/sglang: how long a server areno starts may take to answer /health."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -219,6 +235,25 @@ class RolloutSection(RolloutEngineSettings):
             "rollout.max_consecutive_dropped",
             f"must be >= 0 (0 = never stop), got {self.max_consecutive_dropped}",
         )
+        check_config(
+            self.backend in ROLLOUT_BACKENDS,
+            "rollout.backend",
+            f"must be one of {', '.join(ROLLOUT_BACKENDS)}, got {self.backend!r}",
+        )
+        check_config(
+            not self.servers or self.backend != "areno",
+            "rollout.servers",
+            "lists vLLM/SGLang servers: set rollout.backend to vllm or sglang, or empty the list",
+        )
+        for url in self.servers:
+            check_config(
+                url.startswith(("http://", "https://")), "rollout.servers", f"{url!r} is not an http(s):// URL"
+            )
+        check_config(
+            self.server_start_timeout_s > 0,
+            "rollout.server_start_timeout_s",
+            f"must be > 0, got {self.server_start_timeout_s}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -244,6 +279,13 @@ class ClusterSection:
     """Logical device indices of training workers (alternative to allocation_mode)."""
     rollout_devices: list[int] | None = None
     """Logical device indices of rollout workers (alternative to allocation_mode)."""
+    train_tp: int = 1
+    """Tensor-parallel size of training over `train_devices` (FSDP shards over the rest); with
+    allocation_mode the `t` of its train component says it instead (`fsdp:d1t2`)."""
+    rollout_tp: int = 1
+    """Tensor-parallel size of one rollout replica over `rollout_devices` (rollout DP = the device
+    count / this); with allocation_mode the `t` of its rollout component (`areno:d1t2`). Above 1 in
+    an asynchronous run: `sync_commit=staged` only."""
     role_devices: dict[str, list[int]] = field(default_factory=dict)
     """Colocated runs: the device of a recipe role that trains apart from the policy, e.g.
     `{reference: [1]}` or `{value: [1]}` (aliases ref, critic, rm). Such a role runs in a worker
@@ -270,9 +312,17 @@ class ClusterSection:
     weights serving; one extra copy of the weights in memory) or `inplace` (received straight into
     the paused engine's weights: the fastest sync and no extra memory, but generation stops for the
     whole sync and a failed sync leaves the engine refusing to generate until the next one)."""
+    offload: str = "none"
+    """What a colocated run keeps on the device between phases: `none` (everything, always) or
+    `sleep` (while rolling out, the training weights, gradients and optimizer state wait in host
+    memory; while training, the rollout engine's weights and KV cache do; each is brought back
+    before the phase that uses it). Costs host copies each step; needs a synchronous colocated run."""
 
     def __post_init__(self) -> None:
         check_config(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
+        check_config(
+            self.offload in ("none", "sleep"), "cluster.offload", f"must be none or sleep, got {self.offload!r}"
+        )
         check_config(
             self.collective_timeout_s > 0,
             "cluster.collective_timeout_s",
@@ -315,6 +365,28 @@ class ClusterSection:
             )
         if (self.train_devices is None) != (self.rollout_devices is None):
             raise ConfigError("cluster.train_devices and cluster.rollout_devices must be set together")
+        check_config(
+            self.offload == "none" or not partitioned,
+            "cluster.offload",
+            "sleep offloads a colocated run only (rollout and training share one device); this run is partitioned "
+            "(cluster.train_devices/rollout_devices or a '+' allocation_mode): use cluster.offload=none",
+        )
+        for key, size, devices in (
+            ("train_tp", self.train_tp, self.train_devices),
+            ("rollout_tp", self.rollout_tp, self.rollout_devices),
+        ):
+            check_config(size >= 1, f"cluster.{key}", f"must be >= 1, got {size}")
+            check_config(
+                size == 1 or devices is not None,
+                f"cluster.{key}",
+                f"{size} needs the partitioned placement's device lists (cluster.train_devices/rollout_devices); "
+                "with allocation_mode give TP as its t (e.g. 'areno:d1t2+fsdp:d1t2')",
+            )
+            check_config(
+                devices is None or len(devices) % size == 0,
+                f"cluster.{key}",
+                f"{size} does not divide the {len(devices or [])} devices of its device list; use a divisor",
+            )
 
 
 @dataclass(kw_only=True)
@@ -442,6 +514,19 @@ class ArenoConfig:
             "resume",
             f"must be auto, true or false, got {self.resume!r}",
         )
+        self.rollout.backend = resolve_rollout_backend(self.rollout.backend, self.cluster.allocation_mode)
+        check_config(
+            self.rollout.backend == "areno" or self.cluster.offload == "none",
+            "cluster.offload",
+            f"sleep offloads areno's own rollout engine; a {self.rollout.backend} server manages its own memory "
+            "(its --gpu-memory-utilization in rollout.server_args): use cluster.offload=none",
+        )
+        check_config(
+            self.rollout.backend == "areno" or self.cluster.train_devices is None,
+            "cluster.train_devices",
+            f"a {self.rollout.backend} rollout takes its layout from cluster.allocation_mode "
+            f"(e.g. '{self.rollout.backend}:d2t1+fsdp:d1') or rollout.servers, not device lists",
+        )
         partitioned = self.cluster.train_devices is not None or "+" in (self.cluster.allocation_mode or "")
         check_config(
             not (self.cluster.role_devices and partitioned),
@@ -455,6 +540,26 @@ class ArenoConfig:
             "the test rollout runs in the trainer's process beside a colocated run only; this run is partitioned "
             "(cluster.train_devices/rollout_devices or a '+' allocation_mode): turn one of them off",
         )
+        check_config(
+            self.cluster.offload == "none" or self.rollout.max_head_offpolicyness == 0,
+            "cluster.offload",
+            "sleep takes turns between rollout and training, but this run generates while it trains "
+            "(rollout.max_head_offpolicyness > 0): set rollout.max_head_offpolicyness=0 or cluster.offload=none",
+        )
+
+
+def resolve_rollout_backend(backend: str, allocation_mode: str | None) -> str:
+    """``rollout.backend``, or the inference backend ``allocation_mode`` names (vllm, sglang) when
+    the key is left at areno; a ConfigError when the two name different ones."""
+    named = inference_backend(parse_allocation_mode(allocation_mode)) if allocation_mode else None
+    if named is None or named == backend:
+        return backend
+    check_config(
+        backend == "areno",  # the default: the allocation string chooses
+        "rollout.backend",
+        f"is {backend!r} but cluster.allocation_mode {allocation_mode!r} names {named!r}: make them agree",
+    )
+    return named
 
 
 class Dtypes(NamedTuple):

@@ -19,6 +19,7 @@ import torch
 
 from areno.engine.api import build_role_backends, rollout_engine_config, warm_up_rollout_engine
 from areno.engine.config import ArenoConfig, resolve_dtypes
+from areno.engine.residency import Phase, Residency
 from areno.engine.roles import RoleBackends, place_roles
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
@@ -31,6 +32,7 @@ from areno.sync.base import NamedTensorSource
 from areno.sync.disk import DiskTransport, policy_dir
 from areno.sync.inplace import InPlaceTransport
 from areno.train import LocalTrainBackend
+from areno.train.offload import StorageOffloader, collect_tensors
 from areno.types import TokenBatch
 
 
@@ -53,11 +55,18 @@ class LocalTrainingSide(TrainingSide):
     _disk: DiskTransport | None
     _placed: RoleBackends | None = None
     """The roles' backends and workers when ``cluster.role_devices`` moves roles apart."""
+    asleep: bool = False
+    """Every role's weights, gradients and optimizer state wait in host memory (``sleep``)."""
 
-    def __init__(self, config: ArenoConfig, device: torch.device, *, export_root: Path) -> None:
+    def __init__(
+        self, config: ArenoConfig, device: torch.device, *, export_root: Path, measure_rollout_logprobs: bool = False
+    ) -> None:
+        """``measure_rollout_logprobs``: log ``rollout/logprob_abs_diff_*`` each step (an extra
+        no-grad forward unless the loss recomputes log-probs anyway)."""
         self.config = config
         self.device = device
         self.export_root = export_root
+        self.measure_rollout_logprobs = measure_rollout_logprobs
 
     def start(self, setup: SideSetup) -> None:
         cfg = self.config
@@ -72,7 +81,11 @@ class LocalTrainingSide(TrainingSide):
         else:
             backends, placement = build_role_backends(cfg, setup.recipe, setup.model_dir, new_backend), None
         self.runner = RecipeRunner(
-            setup.recipe, backends, num_minibatches=cfg.train.num_minibatches, placement=placement
+            setup.recipe,
+            backends,
+            num_minibatches=cfg.train.num_minibatches,
+            placement=placement,
+            measure_rollout_logprobs=self.measure_rollout_logprobs,
         )
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else setup.recipe.roles[0].name
@@ -115,6 +128,26 @@ class LocalTrainingSide(TrainingSide):
     def export_hf(self, path: Path) -> None:
         self.runner.backends[self.policy].export_hf(path)
 
+    def _shared_device_backends(self) -> list[LocalTrainBackend]:
+        """The roles on the rollout engine's device: those of this process (a role that
+        ``cluster.role_devices`` moved has a device of its own and keeps its state there)."""
+        return [b for b in self.runner.backends.values() if isinstance(b, LocalTrainBackend)]
+
+    def sleep(self) -> int:
+        """Move the weights, gradients and optimizer state of the roles on this device to host memory;
+        returns the bytes freed on the device (0 when already asleep)."""
+        if self.asleep:
+            return 0
+        self.asleep = True
+        return sum(backend.sleep() for backend in self._shared_device_backends())
+
+    def wake(self) -> None:
+        """Bring back what ``sleep`` moved (the same bytes, the same tensors)."""
+        if self.asleep:
+            for backend in self._shared_device_backends():
+                backend.wake()
+            self.asleep = False
+
     def shutdown(self) -> None:
         if self.runner is not None:
             for backend in self.runner.backends.values():
@@ -138,10 +171,13 @@ class LocalRolloutSide(RolloutSide):
     _client: InProcessRolloutClient | None = None
     _transport: InPlaceTransport | None = None
     """Built at the first sync, for the training side's tensors; reused by every later sync."""
+    weights_offloader: StorageOffloader
+    """Holds the engine's weights in host memory while ``sleep(weights=True)`` released them."""
 
     def __init__(self, config: ArenoConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
+        self.weights_offloader = StorageOffloader()
 
     def start(self, setup: SideSetup) -> None:
         self.tokenizer = setup.tokenizer
@@ -193,6 +229,26 @@ class LocalRolloutSide(RolloutSide):
             )
         return self._transport.sync(update.version).as_metrics()
 
+    def sleep(self, *, weights: bool) -> int:
+        """Release the engine's KV cache (``RolloutEngine.sleep``) and, with ``weights``, move its
+        weights to host memory; returns the weight bytes freed. Before ``start``: nothing to free."""
+        if self._client is None:
+            return 0
+        self.engine.sleep()
+        if not weights or self.weights_offloader.asleep:
+            return 0
+        return self.weights_offloader.sleep(collect_tensors(self.engine.model, None))
+
+    def wake(self, *, kv_cache: bool) -> None:
+        """Bring the weights back (the same bytes at the same tensors) and, with ``kv_cache``,
+        re-allocate the KV cache."""
+        if self._client is None:
+            return
+        if self.weights_offloader.asleep:
+            self.weights_offloader.wake()
+        if kv_cache:
+            self.engine.wake()
+
     def metrics(self) -> dict[str, float]:
         return {}
 
@@ -208,3 +264,49 @@ class LocalRolloutSide(RolloutSide):
     def shutdown(self) -> None:
         if self._client is not None:
             self._client.close()
+
+
+class SleepResidency(Residency):
+    """``cluster.offload=sleep``: each phase keeps on the device only what it uses.
+
+        ROLLOUT  the rollout engine's weights and KV cache; the training side asleep in host memory
+        TRAIN    the training side; the engine's weights and KV cache released
+        SYNC     the training side and the engine's weights (its KV cache stays released)
+
+    Releases come before wakes, so the device never holds two phases' state at once; sleep and wake
+    copy bytes, so a run computes exactly what it computes with ``cluster.offload=none``.
+    """
+
+    # set in __init__
+    training: LocalTrainingSide
+    rollout: LocalRolloutSide
+    last_freed: dict[str, int]
+    """Device bytes freed by the last ``enter``, per side (``training``, ``rollout``)."""
+
+    def __init__(self, training: LocalTrainingSide, rollout: LocalRolloutSide, device: torch.device) -> None:
+        super().__init__(device)
+        self.training = training
+        self.rollout = rollout
+        self.last_freed = {}
+
+    def _move(self, phase: Phase) -> None:
+        if phase is Phase.ROLLOUT:
+            self.last_freed = {"training": self.training.sleep()}
+            self.rollout.wake(kv_cache=True)
+        elif phase is Phase.TRAIN:
+            self.last_freed = {"rollout": self.rollout.sleep(weights=True)}
+            self.training.wake()
+        else:
+            self.last_freed = {"rollout": self.rollout.sleep(weights=False)}
+            self.training.wake()
+            self.rollout.wake(kv_cache=False)
+
+    def metrics(self) -> dict[str, float]:
+        """The base's peak, plus the seconds spent entering the phase and the bytes that freed."""
+        if self.phase is None:
+            return {}
+        out = {**super().metrics(), f"system/{self.phase.value}_offload_switch_s": self._switch_s}
+        out.update(
+            {f"system/{self.phase.value}_offload_freed_{side}_gib": n / 2**30 for side, n in self.last_freed.items()}
+        )
+        return out

@@ -53,6 +53,7 @@ from areno.errors import ConfigError, RunFailure
 from areno.launch.scheduler import RoleSpec, WorkerDiedError
 from areno.launch.storage import check_shared_storage
 from areno.models.hf_io import read_config
+from areno.models.tp_plan import check_tp_size
 from areno.recipes import get_recipe
 from areno.sync.stream import StreamSyncConfig
 
@@ -202,13 +203,24 @@ class PartitionedCluster:
                 "the partitioned placement needs cluster.train_devices + cluster.rollout_devices "
                 "or a '+' allocation_mode; without them the engine runs colocated"
             )
-        if layout.rollout_tp != 1:
+        if layout.rollout_tp > 1 and cfg.rollout.max_head_offpolicyness > 0 and cfg.cluster.sync_commit == "inplace":
+            # an in-place sync pauses each TP rank at its own step boundary while the replica generates
             raise LayoutError(
-                f"rollout TP {layout.rollout_tp}: the partitioned engine serves rollout TP 1 "
-                "replicas (rollout DP = number of rollout devices); use rollout t1"
+                f"rollout TP {layout.rollout_tp} with asynchronous RL needs cluster.sync_commit=staged "
+                "(its TP ranks then switch weights at the same step); or set rollout.max_head_offpolicyness=0"
             )
         layout.relays()  # routing error (no relay on another device) before launch
         return layout
+
+    def check_tp(self, layout: ClusterLayout, model_dir: Path) -> None:
+        """LayoutError (one line) when the training or rollout TP size cannot split the model's
+        heads, MLP or vocabulary (``areno.models.tp_plan.check_tp_size``)."""
+        model_config = read_config(model_dir)
+        for what, size in (("cluster.train_tp", layout.train_tp), ("cluster.rollout_tp", layout.rollout_tp)):
+            try:
+                check_tp_size(model_config, size)
+            except ValueError as e:
+                raise LayoutError(f"{what} (or allocation_mode t{size}): {e}") from None
 
     def check_memory(self, layout: ClusterLayout, model_dir: Path) -> None:
         """LayoutError when some device cannot hold what the layout puts on it (``estimate_memory``
@@ -239,6 +251,7 @@ class PartitionedCluster:
         if self._launched:
             return
         cfg, layout = self.config, self.layout
+        self.check_tp(layout, model_dir)
         self.check_memory(layout, model_dir)
         logger.info("partitioned topology: %s", layout.describe())
         if self.scheduler is None:

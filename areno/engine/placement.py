@@ -1,6 +1,7 @@
 """Where the two sides of ``ArenoEngine`` run, from the config: ``build_engine``.
 
-Colocated (the default): both sides in this process, on ``cluster.device``. Partitioned (device
+Colocated (the default): both sides in this process, on ``cluster.device``. Inference servers
+(``rollout.backend`` vllm or sglang): training in this process, rollouts from the servers. Partitioned (device
 lists or a ``+`` allocation_mode, and an online recipe): both on the workers of one
 ``PartitionedCluster``. Nothing loads here: ``ArenoEngine.initialize`` starts the sides.
 """
@@ -14,13 +15,19 @@ import torch
 
 from areno.engine.api import ArenoEngine, resolve_device
 from areno.engine.config import ArenoConfig
-from areno.engine.local import LocalRolloutSide, LocalTrainingSide
+from areno.engine.local import LocalRolloutSide, LocalTrainingSide, SleepResidency
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.remote import RemoteRolloutSide, RemoteTrainingSide
+from areno.engine.residency import Residency
+from areno.engine.servers import ServerRolloutSide
+from areno.launch.allocation import parse_allocation_mode
 
 
 def build_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
-    """The engine the config asks for: partitioned when ``is_partitioned``, else colocated."""
+    """The engine the config asks for: inference servers when ``rollout.backend`` names vllm or
+    sglang, partitioned when ``is_partitioned``, else colocated."""
+    if config.rollout.backend != "areno":
+        return server_engine(config, run_dir)
     if is_partitioned(config):
         return partitioned_engine(config, run_dir)
     return colocated_engine(config, run_dir)
@@ -32,7 +39,29 @@ def colocated_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
     if config.cluster.cpu_threads:
         torch.set_num_threads(config.cluster.cpu_threads)
     training = LocalTrainingSide(config, device, export_root=run_dir / "policy")
-    return ArenoEngine(config, run_dir, training=training, rollout=LocalRolloutSide(config, device))
+    rollout = LocalRolloutSide(config, device)
+    # cluster.offload: what each phase of a step keeps on the shared device
+    if config.cluster.offload == "sleep":
+        residency = SleepResidency(training, rollout, device)
+    else:
+        residency = Residency(device)
+    return ArenoEngine(config, run_dir, training=training, rollout=rollout, residency=residency)
+
+
+def server_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
+    """Training in this process, rollouts from vLLM or SGLang servers (``ServerRolloutSide``); the
+    policy travels as a safetensors export. On CUDA the training device is the allocation's train
+    component's first (the servers take the devices before it)."""
+    device = resolve_device(config.cluster.device)
+    mode = config.cluster.allocation_mode
+    if device.type == "cuda" and mode is not None:
+        alloc = parse_allocation_mode(mode)
+        train = next(c for c in alloc.components if c.kind == "train")
+        device = torch.device("cuda", alloc.device_lists(torch.cuda.device_count())[train.role][0])
+    if config.cluster.cpu_threads:
+        torch.set_num_threads(config.cluster.cpu_threads)
+    training = LocalTrainingSide(config, device, export_root=run_dir / "policy", measure_rollout_logprobs=True)
+    return ArenoEngine(config, run_dir, training=training, rollout=ServerRolloutSide(config, run_dir))
 
 
 def partitioned_engine(

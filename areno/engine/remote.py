@@ -160,15 +160,17 @@ class RemoteRolloutSide(RolloutSide):
         return {**self.health.metrics(), **self._engine_metrics()}
 
     def _engine_metrics(self) -> dict[str, float]:
-        """Per step, from every rollout worker's engine counters since the previous step: busy
+        """Per step, from every rollout replica's engine counters (its TP leader's) since the previous step: busy
         fraction (time in steps that ran a batch over wall time; 1 - its idle fraction), generated
         tokens/s, preemptions, KV usage."""
         try:
-            now = self.cluster.scheduler.call("rollout", "engine_stats")
+            stats = self.cluster.scheduler.call("rollout", "engine_stats")
         except Exception as exc:  # noqa: BLE001 - a lost replica is handled by check_workers / the client
             logger.debug("rollout engine stats unavailable: %s", exc)
             self._last_engine_stats = None
             return {}
+        n_train = self.cluster.layout.n_train
+        now = [stats[r - n_train] for r in self.cluster.layout.replica_leaders()]  # a TP replica counts once
         last, self._last_engine_stats = self._last_engine_stats, now
         if last is None or len(last) != len(now):
             return {}

@@ -29,14 +29,33 @@ from areno.engine.config import ArenoConfig, resolve_dtypes
 from areno.engine.partitioned import _sync_config, advertised_address, bind_host, init_world, kv_tokens_for
 from areno.launch.scheduler import free_port
 from areno.models.hf_io import load_model
+from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 from areno.recipes.runner import RecipeRunner
 from areno.rollout.engine import RolloutEngine
 from areno.rollout.server import check_bind, create_app
+from areno.rollout.tp import TensorParallelRolloutEngine, load_tp_model
 from areno.sync.base import NamedTensorSource, ShardSpec, engine_receiver
+from areno.sync.plan import shard_specs_from_tp_plan
 from areno.sync.stream import StreamTransport
 from areno.train import FSDP2TrainBackend
 
 logger = logging.getLogger(__name__)
+
+
+def full_meta(
+    live: dict[str, torch.Tensor], model_config, tp_size: int
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Name, full (unsharded) shape and dtype of each of a TP rank's tensors: its shard's shape
+    with the split dim (``areno.models.tp_plan``: colwise dim 0, rowwise dim 1) times ``tp_size``."""
+    plan, meta = tp_plan(model_config), []
+    for name, t in live.items():
+        shape = list(t.shape)
+        style = tp_style(plan, name)
+        dim = 0 if style == COLWISE else 1 if style == ROWWISE and t.dim() > 1 else None
+        if dim is not None:
+            shape[dim] *= tp_size
+        meta.append((name, tuple(shape), t.dtype))
+    return meta
 
 
 class TrainWorker:
@@ -55,7 +74,11 @@ class TrainWorker:
             Path(model_dir),
             lambda c: FSDP2TrainBackend(
                 dataclasses.replace(
-                    c, device=device_type, tp_size=layout.train_tp, dp_replicate_size=layout.train_dp_replicate
+                    c,
+                    device=device_type,
+                    tp_size=layout.train_tp,
+                    dp_replicate_size=layout.train_dp_replicate,
+                    ep_size=layout.train_ep,
                 ),
                 mesh=self.groups.train_mesh,
                 group=self.groups.train_group,
@@ -118,27 +141,56 @@ class RolloutWorker:
         device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
         dtype_name = resolve_dtypes(cfg, device_type).rollout
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model, model_config = load_model(model_dir, dtype=getattr(torch, dtype_name), device=device)
         blocks = cfg.rollout.kv_blocks
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
             blocks = -(-kv_tokens_for(cfg) // 16)
-        self.engine = RolloutEngine(
-            model,
-            model_config,
-            config=rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks),
-            eos_token_ids=[tokenizer.eos_token_id],
-            tokenizer=tokenizer,
-        )
-        warm_up_rollout_engine(self.engine, cfg)
-        self._receive_stream(layout, device)
-        self._serve(tokenizer, api_key)
+        engine_config = rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks)
+        eos = [tokenizer.eos_token_id]
+        tp_group = self.groups.rollout_tp_group
+        self.tp_rank = dist.get_rank(tp_group) if layout.rollout_tp > 1 else 0
+        # a staged commit is applied by every TP rank at its leader's step boundary (an in-place one
+        # pauses the replica for the whole sync: nothing to order)
+        self._ordered_commits = cfg.cluster.sync_commit == "staged"
+        if layout.rollout_tp > 1:
+            model, model_config = load_tp_model(
+                model_dir, group=tp_group, dtype=getattr(torch, dtype_name), device=device
+            )
+            self.engine = TensorParallelRolloutEngine(
+                model, model_config, config=engine_config, group=tp_group, eos_token_ids=eos, tokenizer=tokenizer
+            )
+        else:
+            model, model_config = load_model(model_dir, dtype=getattr(torch, dtype_name), device=device)
+            self.engine = RolloutEngine(
+                model, model_config, config=engine_config, eos_token_ids=eos, tokenizer=tokenizer
+            )
+        warm_up_rollout_engine(self.engine, cfg)  # SPMD on every TP rank: before lead/follow
+        self._receive_stream(layout, device, model_config)
+        self.app = None
+        if self.tp_rank == 0:
+            if layout.rollout_tp > 1:
+                self.engine.lead(self.groups.rollout_command_group, ordered_commits=self._ordered_commits)
+            self._serve(tokenizer, api_key)
+        else:  # a TP follower: no server; it takes its leader's requests and steps
+            self._follower = threading.Thread(target=self._follow, name="areno-rollout-tp-follower", daemon=True)
+            self._follower.start()
 
-    def _receive_stream(self, layout: ClusterLayout, device: str) -> None:
+    def _follow(self) -> None:
+        try:
+            self.engine.follow(self.groups.rollout_command_group, ordered_commits=self._ordered_commits)
+        except Exception:  # the leader's next collective then times out and names this worker's log
+            logger.exception("rollout TP follower %d stopped", self.tp_rank)
+            raise
+
+    def _receive_stream(self, layout: ClusterLayout, device: str, model_config) -> None:
         cfg = self.config
-        specs = {
-            n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
-            for n, t in self.engine.weight_tensors().items()
-        }
+        live = self.engine.weight_tensors()
+        if layout.rollout_tp > 1:
+            # this rank's slice of every full (Hugging Face shaped) tensor, cut as its shards are
+            specs = shard_specs_from_tp_plan(
+                full_meta(live, model_config, layout.rollout_tp), tp_plan(model_config), self.tp_rank, layout.rollout_tp
+            )
+        else:
+            specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in live.items()}
         # Asynchronous: a staged commit is applied in the background at the engine's next step
         # boundary, so the sync (and the trainer waiting on it) does not wait for a k-step decode loop.
         self.receiver = engine_receiver(
@@ -174,7 +226,8 @@ class RolloutWorker:
             time.sleep(0.02)
 
     def url(self) -> str:
-        return f"http://{self.advertised}:{self.port}"
+        """This replica's server ("" on a TP follower: its leader serves the replica)."""
+        return f"http://{self.advertised}:{self.port}" if self.app is not None else ""
 
     def pid(self) -> int:
         return os.getpid()
@@ -182,6 +235,12 @@ class RolloutWorker:
     def version(self) -> int:
         self.receiver.wait_committed(timeout_s=self.transport.config.timeout_s)  # a deferred commit applying
         return self.engine.version
+
+    def weight_shards(self) -> bytes:
+        """This rank's live weights by Hugging Face name (its TP shards), pickled on the CPU: what
+        a test compares with the slices of the trained policy."""
+        self.receiver.wait_committed(timeout_s=self.transport.config.timeout_s)
+        return pickle.dumps({n: t.detach().to("cpu", copy=True) for n, t in self.engine.weight_tensors().items()})
 
     def engine_stats(self) -> dict[str, float]:
         """The engine's counters (``RolloutEngine.stats``, with the clock its ``busy_s`` was read
@@ -196,7 +255,8 @@ class RolloutWorker:
             t1 = time.perf_counter()  # an ongoing capture finished
             metrics = self.transport.sync(version).as_metrics()
         t2 = time.perf_counter()
-        self.app.state.client.wake()
+        if self.app is not None:
+            self.app.state.client.wake()
         metrics["policy_sync_phase_hold_captures_s"] = t1 - t0
         metrics["policy_sync_phase_wake_s"] = time.perf_counter() - t2
         return metrics
@@ -217,5 +277,10 @@ class RolloutWorker:
             self.receiver.wait_committed(timeout_s=10)
         except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the caller's error
             logger.warning("rollout worker shutdown: %s", exc)
+        if self.app is None:
+            self._follower.join(timeout=10)  # released by the leader's stop_followers
+            return
         self.server.should_exit = True
         self._thread.join(timeout=10)
+        if isinstance(self.engine, TensorParallelRolloutEngine):
+            self.engine.stop_followers()

@@ -8,7 +8,9 @@ Grammar (``allocation.lark``)::
 A *component* is ``backend[role]:dims``. ``dims`` are counts of data (``d``), tensor (``t``) and
 pipeline (``p``) parallelism in any order, each at most once, missing ones meaning 1; the
 component's world size is ``d * t * p``. ``p`` is reserved on backends without pipeline
-parallelism (``p1`` is accepted there, more is an error). The role defaults to ``rollout`` for
+parallelism (``p1`` is accepted there, more is an error). ``e`` (expert parallelism of a
+mixture-of-experts model, training only) splits the experts over ``e`` of the ``d`` data-parallel
+ranks: it must divide ``d`` and does not add devices. The role defaults to ``rollout`` for
 inference backends and ``actor`` for training backends.
 
 ``+`` *disaggregates*: each ``+``-separated group gets its own consecutive device indices.
@@ -34,11 +36,13 @@ __all__ = [
     "BACKENDS",
     "AllocationMode",
     "AllocationModeError",
+    "SERVER_BACKENDS",
     "SUPPORTED_BACKENDS",
     "BackendSpec",
     "Component",
     "build_gpu_allocations",
     "check_supported",
+    "inference_backend",
     "map_roles",
     "parse_allocation_mode",
 ]
@@ -66,16 +70,18 @@ BACKENDS: dict[str, BackendSpec] = {
     "areno": BackendSpec(kind="inference", dims=frozenset("dt")),
     "sglang": BackendSpec(kind="inference", dims=frozenset("dtp")),
     "vllm": BackendSpec(kind="inference", dims=frozenset("dtp")),
-    "fsdp": BackendSpec(kind="train", dims=frozenset("dt")),
-    "megatron": BackendSpec(kind="train", dims=frozenset("dtp")),
+    "fsdp": BackendSpec(kind="train", dims=frozenset("dte")),
+    "megatron": BackendSpec(kind="train", dims=frozenset("dtpe")),
 }
 """Backend names accepted in allocation strings. areno's own engines are ``areno`` and ``fsdp``;
-the others are accepted so that an allocation written for a peer system parses and places."""
+vllm and sglang are inference servers of those systems; megatron only parses."""
 
-SUPPORTED_BACKENDS = frozenset({"areno", "fsdp"})
-"""The backends a run can use today (``check_supported``); the others only parse."""
+SUPPORTED_BACKENDS = frozenset({"areno", "fsdp", "vllm", "sglang"})
+"""The backends a run can use (``check_supported``); the others (megatron) only parse."""
+SERVER_BACKENDS = frozenset({"vllm", "sglang"})
+"""Inference backends that are servers of another system (``engine/servers.py``)."""
 
-_DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline"}
+_DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "e": "expert"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +98,8 @@ class Component:
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    ep: int = 1
+    """Expert-parallel size: ranks of the data-parallel dimension the experts are split over."""
     column: int = field(default=1, compare=False)
     """1-based column of the component in the source string (for error messages)."""
 
@@ -104,7 +112,7 @@ class Component:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        dims = "".join(f"{d}{n}" for d, n in (("d", self.dp), ("t", self.tp), ("p", self.pp)) if n > 1)
+        dims = "".join(f"{d}{n}" for d, n in (("d", self.dp), ("t", self.tp), ("p", self.pp), ("e", self.ep)) if n > 1)
         return f"{self.backend}[{self.role}]:{dims or 'd1'}"
 
 
@@ -193,7 +201,7 @@ _TERMINAL_WORDS = {
     "COLON": "':'",
     "LSQB": "'['",
     "RSQB": "']'",
-    "DIM": "a dimension such as d2, t2 or p2",
+    "DIM": "a dimension such as d2, t2, p2 or e2",
     "BACKEND": "a backend name",
     "ROLE": "a role name",
     "$END": "end of string",
@@ -257,12 +265,19 @@ def _component(source: str, tree: lark.Tree) -> Component:
                 f"{_DIM_NAMES[dim]} parallelism ({tok}) is reserved: backend {backend!r} does not implement it",
             )
         counts[dim] = count
+    if counts.get("d", 1) % counts.get("e", 1):
+        raise _error(
+            source,
+            backend_tok.column,
+            f"expert parallelism e{counts['e']} must divide the data-parallel size d{counts.get('d', 1)} of {backend}[{role}]",
+        )
     return Component(
         backend=backend,
         role=role,
         dp=counts.get("d", 1),
         tp=counts.get("t", 1),
         pp=counts.get("p", 1),
+        ep=counts.get("e", 1),
         column=backend_tok.column,
     )
 
@@ -286,16 +301,29 @@ def _check(source: str, groups: tuple[tuple[Component, ...], ...]) -> None:
 
 
 def check_supported(alloc: AllocationMode) -> None:
-    """``AllocationModeError`` (one line) naming the first component whose backend areno cannot
-    run yet: a run would otherwise silently use areno's own engines in its place."""
+    """``AllocationModeError`` (one line) naming the first component areno cannot run: a training
+    backend other than fsdp, two different inference backends, or an inference server (vllm,
+    sglang) beside training on more than one device (its training side is this process)."""
     for c in alloc.components:
-        if c.backend in SUPPORTED_BACKENDS:
-            continue
-        if c.kind == "inference":
-            raise AllocationModeError(
-                f"rollout backend {c.backend!r} ({c}) is not supported yet: use areno (issue #16 adds vLLM/SGLang)"
-            )
-        raise AllocationModeError(f"training backend {c.backend!r} ({c}) is not supported yet: use fsdp")
+        if c.backend not in SUPPORTED_BACKENDS:
+            raise AllocationModeError(f"training backend {c.backend!r} ({c}) is not supported: use fsdp")
+    inference = {c.backend for c in alloc.components if c.kind == "inference"}
+    if len(inference) > 1:
+        raise AllocationModeError(f"one inference backend per run, got {sorted(inference)}")
+    if inference & SERVER_BACKENDS:
+        for c in alloc.components:
+            if c.kind == "train" and c.world_size > 1:
+                raise AllocationModeError(
+                    f"{c} with a {next(iter(inference))} rollout: training runs in this process on one device "
+                    f"with inference servers; use {c.backend}:d1"
+                )
+            if c.kind == "inference" and c.pp > 1:
+                raise AllocationModeError(f"{c}: pipeline parallelism of inference servers is not supported; use d/t")
+
+
+def inference_backend(alloc: AllocationMode) -> str | None:
+    """The inference backend the string names (areno, vllm, sglang), or None when it names none."""
+    return next((c.backend for c in alloc.components if c.kind == "inference"), None)
 
 
 # ---------------------------------------------------------------------------------------------

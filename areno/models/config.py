@@ -8,6 +8,10 @@ Supported architectures (``architectures[0]`` in ``config.json``) and what sets 
 - ``Qwen2ForCausalLM``   bias on q/k/v (always), none on o_proj.
 - ``Qwen3ForCausalLM``   RMSNorm over head_dim on q and k before RoPE (``qk_norm``); optional q/k/v/o bias.
 - ``MistralForCausalLM`` no bias; an optional sliding attention window applied in every layer.
+- ``Qwen3MoeForCausalLM`` Qwen3's attention; a sparse mixture-of-experts block (``areno.models.moe``) in
+  place of the MLP in the layers ``decoder_sparse_step`` / ``mlp_only_layers`` select; ``norm_topk_prob``.
+- ``MixtralForCausalLM`` Mistral's attention; a sparse mixture-of-experts block in every layer, top-k
+  weights always renormalised.
 
 Both the legacy ``rope_theta``/``rope_scaling`` keys and the ``rope_parameters`` dict of
 transformers 5 are read; ``to_hf`` writes the legacy keys, which every transformers version and
@@ -27,7 +31,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -89,6 +96,24 @@ class ModelConfig:
     vision: dict[str, Any] | None = None
     """Qwen2.5-VL: the ``vision_config`` and image token ids of config.json (``models/vision.py``
     reads them); None for text-only models."""
+    num_experts: int = 0
+    """Routed experts per sparse layer (HF ``num_experts`` / ``num_local_experts``); 0: a dense model.
+    Only the mixture-of-experts architectures (``MOE_ARCHITECTURES``) have experts."""
+    num_experts_per_tok: int = 2
+    """Top-k: experts each token is routed to."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's SwiGLU MLP (Mixtral: its ``intermediate_size``)."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing weights to sum to 1 (Qwen3-MoE's flag; Mixtral always does)."""
+    decoder_sparse_step: int = 1
+    """Layer i is sparse when ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP of ``intermediate_size`` (Qwen3-MoE)."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the router load-balancing loss added to the training loss when ``output_router_logits``."""
+    output_router_logits: bool = False
+    """Add ``router_aux_loss_coef`` x the load-balancing loss (Switch Transformer's, as transformers
+    computes it) to the training loss, as transformers does when its config sets this flag."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -123,6 +148,7 @@ class ModelConfig:
                 f"{self.architecture} (expected {SUPPORTED_ARCHITECTURES[self.architecture]!r})"
             )
         self._check_arch_flags()
+        self._check_moe()
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -152,7 +178,7 @@ class ModelConfig:
     def _check_arch_flags(self) -> None:
         """Only flag combinations that transformers' class for ``architecture`` can express."""
         arch = self.architecture
-        if self.qk_norm != (arch == "Qwen3ForCausalLM"):
+        if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")):
             raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 has q/k norms)")
         if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration") and (
             not self.attention_bias or self.attention_out_bias
@@ -160,14 +186,56 @@ class ModelConfig:
             raise ValueError(
                 "Qwen2ForCausalLM has q/k/v bias and no o_proj bias: set attention_bias=True, attention_out_bias=False"
             )
-        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and self.attention_bias != self.attention_out_bias:
+        if (
+            arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+            and self.attention_bias != self.attention_out_bias
+        ):
             raise ValueError(f"{arch} biases q/k/v/o together: attention_bias must equal attention_out_bias")
-        if arch == "MistralForCausalLM" and (self.attention_bias or self.attention_out_bias):
-            raise ValueError("MistralForCausalLM has no attention bias")
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM") and (self.attention_bias or self.attention_out_bias):
+            raise ValueError(f"{arch} has no attention bias")
         if self.mlp_bias and arch != "LlamaForCausalLM":
             raise ValueError(f"mlp_bias=True is only expressible for LlamaForCausalLM, not {arch}")
-        if self.sliding_window is not None and arch != "MistralForCausalLM":
-            raise ValueError(f"sliding_window is only supported for MistralForCausalLM, not {arch}")
+        if self.sliding_window is not None and arch not in ("MistralForCausalLM", "MixtralForCausalLM"):
+            raise ValueError(
+                f"sliding_window is only supported for MistralForCausalLM and MixtralForCausalLM, not {arch}"
+            )
+
+    def _check_moe(self) -> None:
+        """Expert fields only where the architecture has experts, and in range."""
+        arch = self.architecture
+        if (self.num_experts > 0) != (arch in MOE_ARCHITECTURES):
+            raise ValueError(
+                f"num_experts={self.num_experts} is impossible for {arch}: "
+                f"only {', '.join(MOE_ARCHITECTURES)} have experts (and need num_experts > 0)"
+            )
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+            raise ValueError(
+                "ModelConfig.moe_intermediate_size and decoder_sparse_step must be > 0 for an expert model"
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"ModelConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if arch == "MixtralForCausalLM" and (
+            not self.norm_topk_prob or self.decoder_sparse_step != 1 or self.mlp_only_layers
+        ):
+            raise ValueError(
+                "MixtralForCausalLM renormalises top-k weights in every layer: norm_topk_prob=True, "
+                "decoder_sparse_step=1, mlp_only_layers=()"
+            )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` holds a sparse expert block (transformers' rule)."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -201,8 +269,11 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * dh
         mlp = 3 * d * inter + ((2 * inter + d) if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * d
+        moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts + router row
+        sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        layer = attn + 2 * d
         total = self.vocab_size * d + self.num_hidden_layers * layer + d
+        total += sparse * moe + (self.num_hidden_layers - sparse) * mlp
         if not self.tie_word_embeddings:
             total += self.vocab_size * d
         return total
@@ -243,7 +314,7 @@ class ModelConfig:
         attn_bias = bool(d.get("attention_bias", False))
         if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
             qkv_bias, out_bias = True, False
-        elif arch == "MistralForCausalLM":
+        elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             qkv_bias = out_bias = False
         else:
             qkv_bias = out_bias = attn_bias
@@ -264,8 +335,8 @@ class ModelConfig:
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=d.get("sliding_window") if arch == "MistralForCausalLM" else None,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            sliding_window=d.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None,
             initializer_range=float(d.get("initializer_range", 0.02)),
             architecture=arch,
             model_type=SUPPORTED_ARCHITECTURES[arch],
@@ -274,6 +345,7 @@ class ModelConfig:
             pad_token_id=d.get("pad_token_id"),
             mrope_section=mrope_section,
             vision=vision,
+            **_read_moe(arch, d),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -300,15 +372,33 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             d["attention_bias"] = self.attention_bias
         if self.architecture == "LlamaForCausalLM":
             d["mlp_bias"] = self.mlp_bias
-        if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             d["use_sliding_window"] = False
             d["sliding_window"] = None
-        if self.architecture == "MistralForCausalLM":
+        if self.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
             d["sliding_window"] = self.sliding_window
+        if self.architecture == "Qwen3MoeForCausalLM":
+            d.update(
+                num_experts=self.num_experts,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+        if self.architecture == "MixtralForCausalLM":
+            # Mixtral's experts are intermediate_size wide; areno keeps the dense width apart
+            d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
+            d["router_jitter_noise"] = 0.0
+        if self.num_experts:
+            d.update(
+                num_experts_per_tok=self.num_experts_per_tok,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                output_router_logits=self.output_router_logits,
+            )
         if self.vision is not None:
             return _nest_vl(d, self)
         return d
@@ -320,6 +410,37 @@ class ModelConfig:
 
 def _unknown_arch_message(arch: str) -> str:
     return f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The expert fields of a mixture-of-experts ``config.json`` ({} for a dense architecture)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    common = dict(
+        num_experts_per_tok=d.get("num_experts_per_tok", 2),
+        router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(d.get("output_router_logits", False)),
+    )
+    if arch == "MixtralForCausalLM":
+        if d.get("router_jitter_noise"):
+            raise ValueError(
+                f"router_jitter_noise={d['router_jitter_noise']} is not supported; set it to 0.0 in config.json"
+            )
+        return dict(
+            num_experts=d.get("num_local_experts", 8),
+            moe_intermediate_size=d["intermediate_size"],
+            norm_topk_prob=True,
+            **common,
+        )
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts, earlier versions as num_experts
+    return dict(
+        num_experts=d.get("num_experts") or d.get("num_local_experts") or 128,
+        moe_intermediate_size=d.get("moe_intermediate_size", 768),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+        **common,
+    )
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

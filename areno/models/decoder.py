@@ -2,7 +2,9 @@
 
 Module names equal the Hugging Face names (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.norm``, ``lm_head`` …), so ``Decoder.state_dict()`` *is* the HF state dict; the tied output
-projection has no ``lm_head`` module.
+projection has no ``lm_head`` module. Mixture-of-experts layers (``moe.SparseMoE``, Qwen3-MoE and
+Mixtral) hold their experts fused as transformers 5 does in memory; ``hf_io`` maps them to the
+per-expert names checkpoints store.
 
 Inputs are packed and 1-D: ``input_ids_T`` holds all sequences concatenated and ``position_ids_T``
 restarts at 0 for each. Attention is delegated to an ``AttentionBackend`` called in every layer as
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models import cpu_gemm, fused_linear, fused_ops, inference
+from areno.models import cpu_gemm, fused_linear, fused_ops, inference, moe
 from areno.models.attention import (
     FLEX_MIN_HEAD_DIM,
     SDPA_MASK_MAX_TOKENS,
@@ -227,7 +229,9 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp_size, tp_reduce)
-        self.mlp = MLP(config, tp_size, tp_reduce)
+        self.mlp = (
+            moe.SparseMoE(config, layer_idx) if config.is_moe_layer(layer_idx) else MLP(config, tp_size, tp_reduce)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -251,7 +255,7 @@ class DecoderModel(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral decoder over packed 1-D token streams.
+    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral decoder over packed 1-D token streams.
 
     Tensor parallelism without torch.distributed in the model: with ``tp_size > 1`` this module
     holds one rank's shards as laid out by ``tp_plan`` (1/tp of the heads, the MLP columns and,
@@ -297,6 +301,8 @@ class Decoder(nn.Module):
                 module.weight.normal_(0.0, std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif isinstance(module, moe.SparseMoE):
+                module.reset_parameters(std)
         pad = self.config.pad_token_id
         if pad is not None and 0 <= pad < self.config.vocab_size:
             self.model.embed_tokens.weight[pad].zero_()

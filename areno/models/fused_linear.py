@@ -76,9 +76,11 @@ class FusedRows:
         self._ptrs = self._member_ptrs()
 
     def _member_ptrs(self) -> tuple[int, ...]:
-        ptrs = [lin.weight.data_ptr() for lin in self.members]
+        # offsets into the fused tensors, not addresses: a storage freed and re-allocated in place
+        # (sleep/wake offload) moves the fused tensors and their member views together
+        ptrs = [lin.weight.data_ptr() - self.weight.data_ptr() for lin in self.members]
         if self.bias is not None:
-            ptrs += [lin.bias.data_ptr() for lin in self.members]
+            ptrs += [lin.bias.data_ptr() - self.bias.data_ptr() for lin in self.members]
         return tuple(ptrs)
 
     def intact(self) -> bool:

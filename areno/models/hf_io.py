@@ -1,7 +1,10 @@
 """Hugging Face checkpoint I/O: ``config.json`` + ``*.safetensors`` (single or sharded) <-> ``Decoder``.
 
-Tensor names need no mapping: ``Decoder`` module names equal the HF names. ``save_model`` writes a
-directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+Tensor names need no mapping for dense models: ``Decoder`` module names equal the HF names. Expert
+models hold their experts fused ([E, ...] tensors, transformers 5's in-memory layout); their
+checkpoints store one tensor per expert (what transformers saves), which ``moe.disk_to_memory``
+maps in loading and ``moe.to_disk_state`` in saving. ``save_model`` writes a directory that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from areno.errors import ModelDirError
+from areno.models import moe
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
@@ -30,6 +34,8 @@ _TINY_ARCHS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -139,6 +145,7 @@ def load_model(
     model.to_empty(device=device)
     expected = model.state_dict()
     plan = tp_plan(config)
+    experts = moe.disk_to_memory(config)  # per-expert names on disk -> slices of fused tensors
     seen: set[str] = set()
     for path in safetensors_files(model_dir):
         with open_safetensors(path) as f:
@@ -147,6 +154,10 @@ def load_model(
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # some tied checkpoints store the duplicate; the embedding is the source
+                if name in experts:
+                    _load_expert_part(f, path, name, experts[name], expected)
+                    seen.add(name)
+                    continue
                 if name not in expected:
                     raise ModelDirError(
                         f"unexpected tensor {name!r} in {path} for {config.architecture} "
@@ -171,13 +182,30 @@ def load_model(
                 with torch.no_grad():
                     target.copy_(tensor)
                 seen.add(name)
-    missing = [n for n in expected if n not in seen]
+    # a fused expert tensor is complete when stored whole or as all of its per-expert parts
+    parts: dict[str, list[str]] = {}
+    for disk, (mem, _, _) in experts.items():
+        parts.setdefault(mem, []).append(disk)
+    missing = [p for n in expected if n not in seen for p in parts.get(n, [n]) if p not in seen]
     if missing:
         raise ModelDirError(
             f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir} ({len(missing)} missing in all)"
         )
     model.eval()
     return model, config
+
+
+def _load_expert_part(
+    f: Any, path: Path, name: str, where: tuple[str, int, slice], expected: dict[str, torch.Tensor]
+) -> None:
+    """Copy one on-disk expert (or router) tensor into its slice of the fused in-memory tensor."""
+    fused, expert, rows = where
+    target = expected[fused] if expert < 0 else expected[fused][expert, rows]
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != tuple(target.shape):
+        raise ModelDirError(f"tensor {name!r} in {path} has shape {shape}, config.json implies {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(f.get_tensor(name))
 
 
 def save_model(model: Decoder, config: ModelConfig, out_dir: str | Path, *, tokenizer: Any | None = None) -> Path:
@@ -188,6 +216,7 @@ def save_model(model: Decoder, config: ModelConfig, out_dir: str | Path, *, toke
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    state = moe.to_disk_state(config, state)
     dtype = next(iter(state.values())).dtype
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_hf()
@@ -234,7 +263,8 @@ def tiny_config(
 ) -> ModelConfig:
     """A small ``ModelConfig`` of the given family for tests and demos.
 
-    ``arch``: llama, qwen2, qwen3 or mistral. ``kw`` overrides any other ModelConfig field
+    ``arch``: llama, qwen2, qwen3, mistral, qwen3_moe or mixtral (4 experts, top-2, each half the
+    dense MLP's width). ``kw`` overrides any other ModelConfig field
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
     """
@@ -253,12 +283,17 @@ def tiny_config(
         max_position_embeddings=2048,
         attention_bias=qkv_bias,
         attention_out_bias=False,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         architecture=architecture,
         model_type=SUPPORTED_ARCHITECTURES[architecture],
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
+    if arch in ("qwen3_moe", "mixtral"):
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
+        fields["norm_topk_prob"] = arch == "mixtral"
     fields.update(kw)
+    if arch == "mixtral" and "moe_intermediate_size" not in kw and "intermediate_size" in kw:
+        fields["moe_intermediate_size"] = kw["intermediate_size"]  # Mixtral's experts are intermediate_size wide
     return ModelConfig(**fields)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from areno.models import cpu_gemm, fused_linear, fused_ops
+from areno.models import cpu_gemm, fused_linear, fused_ops, moe
 from areno.models.attention import AttentionBackend
 from areno.models.tp_plan import TPReduce
 
@@ -58,6 +58,8 @@ def fuse_projections(layers: nn.ModuleList) -> None:
         a, m = layer.self_attn, layer.mlp
         if a.qkv is None or not a.qkv.intact():
             a.qkv = fused_linear.FusedRows([a.q_proj, a.k_proj, a.v_proj])
+        if isinstance(m, moe.SparseMoE):  # its experts are fused tensors already
+            continue
         if m.gate_up is None or not m.gate_up.intact():
             m.gate_up = fused_linear.FusedRows([m.gate_proj, m.up_proj])
 
@@ -67,7 +69,8 @@ def unfuse_projections(layers: nn.ModuleList) -> None:
     """Undo ``fuse_projections``: every projection gets its own storage again (a copy of its
     current values) and forwards run one GEMM per projection; a no-op on layers never fused."""
     for layer in layers:
-        for owner, attr in ((layer.self_attn, "qkv"), (layer.mlp, "gate_up")):
+        groups = [(layer.self_attn, "qkv")] + ([] if isinstance(layer.mlp, moe.SparseMoE) else [(layer.mlp, "gate_up")])
+        for owner, attr in groups:
             group = getattr(owner, attr)
             if group is None:
                 continue
@@ -83,8 +86,7 @@ def projections_fused(layers: nn.ModuleList) -> bool:
     return all(
         layer.self_attn.qkv is not None
         and layer.self_attn.qkv.intact()
-        and layer.mlp.gate_up is not None
-        and layer.mlp.gate_up.intact()
+        and (isinstance(layer.mlp, moe.SparseMoE) or (layer.mlp.gate_up is not None and layer.mlp.gate_up.intact()))
         for layer in layers
     )
 
@@ -125,13 +127,17 @@ class CpuGemmPacks:
 
         for layer in decoder.model.layers:
             a, m = layer.self_attn, layer.mlp
-            for rows, lins in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj)), (m.gate_up, (m.gate_proj, m.up_proj))):
+            sparse = isinstance(m, moe.SparseMoE)  # experts multiply per-expert slices: no packed copy
+            groups = [(a.qkv, (a.q_proj, a.k_proj, a.v_proj))]
+            if not sparse:
+                groups.append((m.gate_up, (m.gate_proj, m.up_proj)))
+            for rows, lins in groups:
                 if rows is not None and rows.intact():  # one copy for the group's one GEMM
                     attach(rows, (rows, "weight"), [(lin, "weight") for lin in lins])
                 else:
                     for lin in lins:
                         attach(lin, (lin, "weight"))
-            for lin in (a.o_proj, m.down_proj):
+            for lin in (a.o_proj,) if sparse else (a.o_proj, m.down_proj):
                 attach(lin, (lin, "weight"))
         attach(decoder, (decoder, "output_weight"))
         return len(self.packs)

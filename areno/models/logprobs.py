@@ -6,7 +6,9 @@ same for ``entropy_T[t]`` (the entropy of the distribution that predicts token t
 
 Logits are computed chunk by chunk from the final hidden states: forward keeps only the per-token
 log-sum-exp, and backward recomputes each chunk's logits, so peak memory is one chunk of
-``[chunk_size, V]`` fp32 logits in both passes. The matmul runs in the model dtype and the softmax
+``[chunk_size, V]`` fp32 logits in both passes. A small head (all chunks within
+``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps forward's fp32 log-softmax chunks for
+backward instead, which saves the recomputing matmul; the values are the same either way. The matmul runs in the model dtype and the softmax
 in fp32, as ``Decoder.logits(...).float()`` would.
 
 Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = tokens of a chunk.
@@ -24,6 +26,10 @@ from areno.models.attention import PackedCausalAttention
 from areno.models.decoder import Decoder
 from areno.models.fused_ops import thread_flag
 from areno.types import repeat_per_sequence
+
+KEEP_LOGSOFTMAX_MAX_BYTES = 512 << 20
+"""Largest [T, V] fp32 log-softmax (all chunks of one call) that forward keeps for backward; a
+larger one is recomputed chunk by chunk in backward (the GPU heads of real vocabularies)."""
 
 
 def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -104,6 +110,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy_T = hidden_TD.new_empty(T if with_entropy else 0, dtype=torch.float32)
         fused = _KERNELS if getattr(_ACTIVE, "enabled", False) else None
         ctx.fused = fused
+        keep = (
+            fused is None and any(ctx.needs_input_grad[:2]) and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
+        )
+        ctx.kept = [] if keep else None
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
             if fused is not None:
@@ -120,6 +130,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logprobs_T[s:e] = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
             if with_entropy:
                 entropy_T[s:e] = -(logp_CV.exp().mul_(logp_CV)).sum(-1)
+            if keep:
+                ctx.kept.append(logp_CV)
         ctx.save_for_backward(hidden_TD, weight_VD, targets_T, lse_T, entropy_T)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         # Backward runs outside the caller's autocast: record it here so the recomputed logits and
@@ -147,7 +159,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
         T = hidden_TD.shape[0]
         fused = ctx.fused
-        for s in range(0, T, chunk_size):
+        # forward's log-softmax chunks, used once: backward overwrites them, and a second backward
+        # (retain_graph) recomputes
+        kept, ctx.kept = ctx.kept, None
+        for i, s in enumerate(range(0, T, chunk_size)):
             e = min(s + chunk_size, T)
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
@@ -167,7 +182,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if need_w:
                     grad_w_VD += (grad_z_CV.t() @ hidden_TD[s:e]).float()
                 continue
-            logp_CV = _chunk_logits(hidden_TD[s:e], weight_VD, tau).sub_(lse_T[s:e, None])
+            if kept is not None:
+                logp_CV, kept[i] = kept[i], None
+            else:
+                logp_CV = _chunk_logits(hidden_TD[s:e], weight_VD, tau).sub_(lse_T[s:e, None])
             p_CV = logp_CV.exp()
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
             # d logp[target]/dz_j = onehot_j - p_j;  d H/dz_j = -p_j (logp_j + H)   (H = -sum p logp)

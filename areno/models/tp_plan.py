@@ -66,6 +66,9 @@ def tp_plan(config: ModelConfig) -> dict[str, str]:
         plan[f"{layer}self_attn.k_norm.weight"] = REPLICATE
     if not config.tie_word_embeddings:
         plan["lm_head.weight"] = COLWISE
+    if config.num_experts:  # expert models run whole (check_tp_size): their sparse blocks are never split
+        for name in ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            plan[f"{layer}{name}"] = REPLICATE
     return plan
 
 
@@ -103,6 +106,11 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     """One-line ValueError when ``tp_size`` cannot split this model's heads, MLP or vocabulary."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if config.num_experts and tp_size > 1:
+        raise ValueError(
+            f"tp_size={tp_size}: tensor parallelism of mixture-of-experts models ({config.architecture}) "
+            "is not supported; use tp_size=1"
+        )
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, field)
         if value % tp_size:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from areno.models import fused_ops, inference
 from areno.models.attention import AttentionBackend, PackedCausalAttention
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder, _autocast_dtype
@@ -627,6 +628,8 @@ class VisionLanguageModel(Decoder):
             cos_TF, sin_TF = mrope_cos_sin(cos_PF, sin_PF, position_ids_T, self.config.mrope_section)
         else:
             cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
+        if fused_ops.add_norm_active(x_TD):  # as Decoder.forward
+            return inference.forward_add_norm(self.model.layers, self.model.norm, x_TD, cos_TF, sin_TF, attn)
         return self.forward_layers(x_TD, cos_TF, sin_TF, attn)
 
     def packed_mrope_positions(

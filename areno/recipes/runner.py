@@ -54,6 +54,7 @@ class RecipeRunner:
         initial_version: int = 0,
         num_minibatches: int = 1,
         placement: dict[str, Any] | None = None,
+        measure_rollout_logprobs: bool = False,
     ) -> None:
         if num_minibatches < 1:
             raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
@@ -78,6 +79,8 @@ class RecipeRunner:
         """Optimizer steps per ``step`` call: the prepared batch is cut into this many consecutive
         minibatches of whole sequences, each one optimizer step, all on the same no-grad forwards
         (AReaL's ppo_n_minibatches: the decoupled clip against pi_prox acts from the second one)."""
+        self.measure_rollout_logprobs = measure_rollout_logprobs
+        """Compare the rollout's log-probs with the trainer's own, per step (see ``step``)."""
         self._first_pass: dict[str, TokenBatch] | None = None
         """The last first pass's prepared batches (per trainable role), reused by later passes."""
 
@@ -98,7 +101,7 @@ class RecipeRunner:
         metrics: dict[str, float] = {}
         for part in self._minibatches(prepared):  # logged: the last minibatch's metrics
             metrics = self._train(part, trainable)
-        return metrics
+        return {**metrics, **self._rollout_metrics}
 
     def _minibatches(self, prepared: dict[str, TokenBatch]) -> list[dict[str, TokenBatch]]:
         n = next(iter(prepared.values())).num_seqs
@@ -148,7 +151,18 @@ class RecipeRunner:
         for name in trainable:
             for key, target_key in self.specs[name].self_forward_keys.items():
                 data[name].extra[target_key] = forward(name)[key]
+        self._rollout_metrics = {}
+        synced = [n for n in self.roles_to_sync() if n in trainable]
+        if self.measure_rollout_logprobs and synced:
+            # the policy's own no-grad forward (shared with a recompute the loss asks for)
+            # only tokens sampled by the policy version being trained: staleness is not mismatch
+            current_T = rollout_data.versions_T == self.versions[synced[0]]
+            self._rollout_metrics = logprob_diff_metrics(
+                rollout_data.logprobs_T, forward(synced[0])["logprobs_T"], rollout_data.loss_mask_T.bool() & current_T
+            )
         return {name: self.specs[name].prepare_batch(data[name]) for name in trainable}
+
+    _rollout_metrics: dict[str, float] = {}
 
     def _train(self, prepared: dict[str, TokenBatch], trainable: list[str]) -> dict[str, float]:
         # group roles by placement (else by backend object): roles in one group run one after another
@@ -180,3 +194,15 @@ class RecipeRunner:
         for name in trainable:
             self.versions[name] += 1
         return metrics
+
+
+def logprob_diff_metrics(
+    rollout_logprobs_T: torch.Tensor, trainer_logprobs_T: torch.Tensor, loss_mask_T: torch.Tensor
+) -> dict[str, float]:
+    """``rollout/logprob_abs_diff_mean`` and ``_max``: |rollout log-prob - trainer log-prob| over
+    the tokens of ``loss_mask_T`` (the train/inference mismatch of an inference server's numerics)."""
+    mask_T = loss_mask_T.to(torch.bool)
+    if not mask_T.any():
+        return {}
+    diff_T = (rollout_logprobs_T.float().cpu() - trainer_logprobs_T.detach().float().cpu()).abs()[mask_T.cpu()]
+    return {"rollout/logprob_abs_diff_mean": float(diff_T.mean()), "rollout/logprob_abs_diff_max": float(diff_T.max())}

@@ -408,7 +408,14 @@ class MultiServerRolloutClient(RolloutClient):
         health: ServerHealthView | None = None,
         max_failures_per_server: int = 3,
         lost: Callable[[], dict[str, str]] | None = None,
+        new_client: Callable[[str], Any] | None = None,
+        least_loaded: bool = False,
     ) -> None:
+        """``new_client(url)``: the client of one server (default: an ``HTTPRolloutClient`` of
+        ``areno serve``; inference servers of other systems give theirs, made per event loop);
+        it raises ``RolloutServerError`` / ``httpx.TransportError`` / ``RolloutRequestTimeout``
+        like ``HTTPRolloutClient``. ``least_loaded``: send each request to the routable server
+        with the fewest requests in flight from this client (ties round-robin)."""
         if not urls:
             raise ValueError("MultiServerRolloutClient needs at least one rollout server URL")
         if max_failures_per_server < 1:
@@ -422,18 +429,26 @@ class MultiServerRolloutClient(RolloutClient):
         self._next = itertools.count()
         self._per_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.requests_per_server = [0] * len(self.urls)
+        self.new_client = new_client or (
+            lambda url: HTTPRolloutClient(url, self.api_key, timeout_s=self.request_timeout_s)
+        )
+        self.least_loaded = least_loaded
+        self.in_flight = [0] * len(self.urls)
+        """Requests of this client under way at each server (all event loops)."""
 
-    def _clients(self) -> list[HTTPRolloutClient]:
+    def _clients(self) -> list[Any]:
         loop = asyncio.get_running_loop()
         clients = self._per_loop.get(loop)
         if clients is None:  # httpx clients belong to one event loop
-            clients = [HTTPRolloutClient(u, self.api_key, timeout_s=self.request_timeout_s) for u in self.urls]
+            clients = [self.new_client(u) for u in self.urls]
             self._per_loop[loop] = clients
         return clients
 
     def _routable(self) -> list[int]:
         first = next(self._next) % len(self.urls)
         order = [(first + k) % len(self.urls) for k in range(len(self.urls))]
+        if self.least_loaded:
+            order.sort(key=lambda i: self.in_flight[i])  # stable: ties keep the round-robin order
         if self.health is None:
             return order
         return [i for i in order if self.health.is_healthy(self.urls[i])]
@@ -460,6 +475,7 @@ class MultiServerRolloutClient(RolloutClient):
         failures = [0] * len(self.urls)
         while min(failures) < self.max_failures_per_server:
             for i in self._routable():
+                self.in_flight[i] += 1
                 try:
                     out = await call(clients[i])
                 except (RolloutServerError, httpx.TransportError) as exc:
@@ -480,6 +496,8 @@ class MultiServerRolloutClient(RolloutClient):
                     if self.health is not None:
                         self.health.report_failure(self.urls[i], str(exc))
                     raise
+                finally:
+                    self.in_flight[i] -= 1
                 self.requests_per_server[i] += 1
                 return out
             # nothing routable (or every server failed this round): wait for a recovery

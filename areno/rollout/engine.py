@@ -132,7 +132,11 @@ class RolloutEngine:
         self.cache, self.allocator, self.scheduler = self._build_kv_pool()
         self.sampler = Sampler(device=self.device, seed=config.seed)
         self._control = EngineControl(
-            stream=torch.cuda.Stream(self.device) if config.cuda_stream and self.device.type == "cuda" else None
+            # a high priority (lower is higher): the GPU schedules the engine's short decode kernels ahead of a
+            # colocated trainer's long GEMMs queued on the default stream
+            stream=torch.cuda.Stream(self.device, priority=-1)
+            if config.cuda_stream and self.device.type == "cuda"
+            else None
         )
         self._lock = self._control.lock
         """The step lock (``EngineControl.lock``): every public method takes it."""

@@ -9,9 +9,11 @@ Legend: B = sequences, T = packed tokens.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from areno.errors import ConfigError
+from areno.models import moe
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import build_model, load_model, save_model
@@ -50,7 +53,10 @@ from areno.train.packing import (
     truncate_long_sequences,
     untruncate_outputs,
 )
+from areno.train.parallelize import compile_cache_dir
 from areno.types import TokenBatch, host_to_device
+
+logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_TOKENS_PER_MB = 4096
 ADAPTER_SUBDIR = "adapter"
@@ -98,6 +104,8 @@ class PackedTrainBackend(TrainBackend):
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     device: torch.device
     max_tokens_per_mb: int
+    _routing: moe.RoutingMonitor
+    """Expert models: the router balance loss and the old-policy vs training routing mismatch."""
     _model_dir: Path
     _dp_rank: int
     _dp_size: int
@@ -119,6 +127,9 @@ class PackedTrainBackend(TrainBackend):
         self._saves_since_full = 0
         self._offloader = StorageOffloader()
         self._initialized = False
+        self.compile_cache: Path | None = None
+        """Inductor's cache directory when this backend compiles (``train.compile``), else None."""
+        self._first_step_done = False
 
     # ------------------------------------------------------------------ subclass hooks
     def _setup(self) -> None:
@@ -173,6 +184,10 @@ class PackedTrainBackend(TrainBackend):
         cfg = self.cfg
         self._model_dir = Path(model_dir)
         self._setup()
+        # train.compile=auto becomes true or false here, where the device is known
+        self.cfg = cfg = dataclasses.replace(cfg, compile=cfg.resolved_compile(self.device.type))
+        if cfg.compile:
+            self.compile_cache = compile_cache_dir()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         model, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
@@ -199,6 +214,7 @@ class PackedTrainBackend(TrainBackend):
             self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device.type)
             self.scheduler = build_scheduler(self.optimizer, cfg)
         self.max_tokens_per_mb = cfg.max_tokens_per_mb or self._default_tokens_per_mb()
+        self._routing = moe.RoutingMonitor(self.model)  # expert models: router loss and routing mismatch
         self._initialized = True
 
     def _default_tokens_per_mb(self) -> int:
@@ -247,12 +263,30 @@ class PackedTrainBackend(TrainBackend):
         self._check_ready()
         if self.optimizer is None:
             raise ValueError("train_step on a frozen role (trainable=False); use forward_only")
+        if self.cfg.compile and not self._first_step_done:
+            t0 = time.perf_counter()
+            out = self._train_step(batch, forward_fn=forward_fn, loss_fn=loss_fn, denominator_fn=denominator_fn)
+            self._first_step_done = True
+            if self.is_rank0:
+                logger.info(
+                    "training: first training step, its compilation included, took %.1f s (compile cache: %s)",
+                    time.perf_counter() - t0,
+                    self.compile_cache,
+                )
+            return out
+        return self._train_step(batch, forward_fn=forward_fn, loss_fn=loss_fn, denominator_fn=denominator_fn)
+
+    def _train_step(
+        self, batch: TokenBatch, *, forward_fn: ForwardFn, loss_fn: LossFn, denominator_fn: DenominatorFn
+    ) -> dict[str, float]:
         full_tokens = batch.num_tokens
         batch, _ = self._fit_long_sequences(batch)
         plan = self.plan(batch)
         # every micro-batch selected once, for the global denominator and for this rank's loop
         selected = [[batch.select(idx) if idx else None for idx in rank] for rank in plan.per_rank]
         reducer = Reducer(sum(float(denominator_fn(mb)) for rank in selected for mb in rank if mb is not None))
+        version_B = batch.extra.get("policy_version_B")  # the step's policy version the recipe runner adds
+        self._routing.begin_step(int(version_B[0]) if version_B is not None and len(version_B) else None)
         local_selected = selected[self._dp_rank]
         del selected  # the other ranks' micro-batches
         loss_sum, tokens, metric_sums = self._accumulate_gradients(
@@ -276,6 +310,10 @@ class PackedTrainBackend(TrainBackend):
             "loss_denominator": reducer.global_denominator,
         }
         out.update({k: float(v) for k, v in zip(keys, stats[2:].tolist())})
+        if self._routing:  # expert models: the fraction of re-forwarded tokens routed otherwise (moe.RoutingMonitor)
+            differ, pairs = out.pop("routing_mismatch_pairs"), out.pop("routing_pairs")
+            if pairs:
+                out["moe_routing_mismatch"] = differ / pairs
         return out
 
     def _accumulate_gradients(
@@ -298,10 +336,16 @@ class PackedTrainBackend(TrainBackend):
         metric_parts: dict[str, list[Any]] = {}
         tokens = 0
         n_local = len(plan.per_rank[self._dp_rank])
+        routing_pairs = [0, 0]  # (token, sparse layer) pairs routed unlike the old-policy forward, compared
         for i, (seq_idx, mb) in enumerate(self._micro_batches(batch, plan, selected)):
             with span("micro_batch", "train", tokens=mb.num_tokens), self._autocast():
-                output = forward_fn(self.model, mb)
+                with self._routing.compare(mb.input_ids_T, mb.cu_seqlens_B1, routing_pairs):
+                    output = forward_fn(self.model, mb)
                 loss, metrics = loss_fn(output, mb, reducer)
+                aux = moe.take_aux_loss(self._routing.blocks)
+                if aux is not None:  # the router's balance loss, weighted by this micro-batch's token share
+                    aux = aux * (mb.num_tokens / batch.num_tokens)
+                    loss, metrics = loss + aux, {**metrics, "router_aux_loss": aux.detach()}
             if not seq_idx:  # dummy micro-batch: keeps collectives in step, contributes nothing
                 loss = loss * 0.0
                 metrics = {key: 0.0 for key in metrics}  # same keys on every rank for the all-reduce
@@ -312,6 +356,9 @@ class PackedTrainBackend(TrainBackend):
             tokens += mb.num_tokens if seq_idx else 0
             for key, value in metrics.items():
                 metric_parts.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
+        if self._routing:
+            metric_parts["routing_mismatch_pairs"] = [routing_pairs[0]]
+            metric_parts["routing_pairs"] = [routing_pairs[1]]
         # one host read (per device and dtype) for every loss and metric value
         keys = list(metric_parts)
         flat = host_floats(loss_parts + [v for key in keys for v in metric_parts[key]])
@@ -363,7 +410,7 @@ class PackedTrainBackend(TrainBackend):
         plan = self.plan(batch)
         local: list[tuple[list[int], dict[str, torch.Tensor]]] = []
         for seq_idx, mb in self._micro_batches(batch, plan):
-            with self._autocast():
+            with self._autocast(), self._routing.reference(mb.input_ids_T, mb.cu_seqlens_B1):
                 output = forward_fn(self.model, mb)
             if seq_idx:
                 local.append((seq_idx, {k: v.detach().cpu() for k, v in output.items()}))

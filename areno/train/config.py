@@ -100,9 +100,11 @@ class TrainStepConfig:
     sequence over micro-batches is not offered: the later part would have to attend to the earlier
     part's keys/values across backward passes (context parallelism), and per-sequence losses
     (sequence means, GSPO ratios, DPO sums) do not decompose over parts."""
-    compile: bool = False
-    """``torch.compile`` the decoder (see ``compile_scope``) and the fused log-prob kernels; the first
-    step pays the compilation."""
+    compile: bool | str = "auto"
+    """``torch.compile`` the decoder (see ``compile_scope``) and the fused log-prob kernels: ``true``,
+    ``false`` or ``auto`` (on for CUDA; off on CPU, where a short run does not earn its compile time
+    back). The first step of a run pays the compilation; compiled graphs are cached on disk
+    (``compile_cache_dir``), so later runs of the same shapes load them instead."""
     compile_scope: str = "layers"
     """What ``compile`` compiles: ``layers`` (each decoder layer; one graph shared by all) or
     ``model`` (the whole layer stack as one graph: fewer host calls per micro-batch, a longer first
@@ -142,6 +144,11 @@ class TrainStepConfig:
             self.long_sequences in LONG_SEQUENCES,
             "train.long_sequences",
             f"must be error or truncate, got {self.long_sequences!r}",
+        )
+        check_config(
+            self.compile in (True, False, "auto"),
+            "train.compile",
+            f"must be true, false or auto, got {self.compile!r}",
         )
         check_config(
             self.compile_scope in COMPILE_SCOPES,
@@ -206,6 +213,11 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     """HSDP: number of replicas of the sharded model (1 = plain FSDP)."""
     tp_size: int = 1
     """Tensor-parallel degree (DTensor, using the model's TP plan)."""
+    ep_size: int = 1
+    """Expert-parallel degree of a mixture-of-experts model (``areno.train.expert_parallel``): each
+    sparse layer's experts are split over the FSDP shard dimension, tokens dispatched by all-to-all.
+    > 1 needs the FSDP2 backend with ep_size == the FSDP shard size, no replication, tp_size=1, and
+    an expert count it divides."""
     trainable: bool = True
     """False for frozen roles (reference, reward): no optimizer state is allocated and train_step
     raises."""
@@ -244,6 +256,8 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
             raise ValueError(f"dp_replicate_size must be >= 1, got {self.dp_replicate_size}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
         if self.logprob_chunk_size <= 0:
             raise ValueError(f"logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
         if self.collective_timeout_s <= 0:
@@ -265,6 +279,10 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     def torch_param_dtype(self, device: str) -> torch.dtype:
         """Compute dtype as a torch dtype (see ``param_dtype``)."""
         return getattr(torch, self.resolved_param_dtype(device))
+
+    def resolved_compile(self, device: str) -> bool:
+        """Whether to compile on ``device`` (``auto``: on CUDA only)."""
+        return device == "cuda" if self.compile == "auto" else bool(self.compile)
 
     def resolved_param_dtype(self, device: str) -> str:
         if self.param_dtype is not None:

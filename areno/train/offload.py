@@ -43,6 +43,11 @@ class StorageOffloader:
     def asleep(self) -> bool:
         return bool(self._saved)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes waiting in host memory for ``wake`` (0 when awake)."""
+        return sum(host.nbytes() for _, host in self._saved)
+
     def sleep(self, tensors: Iterable[torch.Tensor]) -> int:
         """Copy each distinct storage to host memory, free it; returns the bytes freed."""
         if self._saved:

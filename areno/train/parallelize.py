@@ -1,6 +1,9 @@
 """Turn a plain ``Decoder`` into a trainable, parallel one: TP, activation checkpointing, compile,
 FSDP2 — in that fixed order (as torchtitan does), each step optional:
 
+0. **Expert parallelism** (mixture-of-experts models, ``ep_size > 1``) before all: the experts
+   become DTensor shards over the FSDP shard dimension with an all-to-all dispatch
+   (``areno.train.expert_parallel``), and FSDP leaves them alone.
 1. **Tensor parallelism** first, on the "tp" mesh dimension, with the model's own plan
    (``areno.models.tp_plan``): it turns weights into DTensors sharded over TP ranks, which FSDP2
    then shards again over the data-parallel dimensions (2-D FSDP x TP).
@@ -29,6 +32,8 @@ FSDP2 — in that fixed order (as torchtitan does), each step optional:
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,8 +43,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.checkpoint import checkpoint
 
 import areno.train.vocab_parallel  # noqa: F401  (routes DTensor LM heads to the vocab-parallel log-probs)
+from areno.errors import ConfigError
+from areno.models.moe import sparse_blocks
 from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 from areno.train.config import COMPILE_SCOPES, TrainBackendConfig
+from areno.train.expert_parallel import shard_experts
 
 
 def _checkpointed(forward):
@@ -119,6 +127,23 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "
         layer.compile(dynamic=None, backend=backend)
 
 
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def compile_cache_dir() -> Path:
+    """Where inductor keeps what it compiled (FX graph and autograd caches, generated kernels):
+    ``TORCHINDUCTOR_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/areno/inductor`` (default
+    ``~/.cache/areno/inductor``), exported to this process and its children. torch's own default
+    lives under the temporary directory, which a reboot or a fresh container empties, so the next
+    run would compile again."""
+    path = os.environ.get(COMPILE_CACHE_ENV)
+    if not path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "areno", "inductor")
+        os.environ[COMPILE_CACHE_ENV] = path
+    return Path(path)
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -127,17 +152,19 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     sharded: bool = True,
     one_group: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """``sharded=False`` (one shard: one rank or pure replication): nothing is gathered from peers,
     so layers keep their compute-dtype copy from forward to backward instead of casting it again
     (memory: one compute-dtype copy of the weights; the backend also keeps it across the step's
     micro-batches and frees it after the last backward, before the optimizer updates the master).
-    ``one_group``: no per-layer groups, the root holds every parameter (for a mesh of one rank)."""
+    ``one_group``: no per-layer groups, the root holds every parameter (for a mesh of one rank).
+    ``ignored_params``: parameters FSDP leaves alone (expert-parallel shards)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if not one_group:
         for layer in _layers(model):
-            fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=sharded)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=sharded, ignored_params=ignored_params)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored_params)
 
 
 def parallelize(
@@ -148,12 +175,14 @@ def parallelize(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """Apply TP, activation checkpointing, compile and FSDP2 in that order; returns ``model``.
+    """Apply expert parallelism (``cfg.ep_size``), TP, activation checkpointing, compile and FSDP2
+    in that order; returns ``model``.
 
     ``mesh``: None for one process (checkpointing and compile only), else a mesh with dimensions
     ("dp_replicate", "dp_shard", "tp"); FSDP shards over dp_shard and replicates over
     dp_replicate (HSDP when that is > 1); a mesh of one rank gets one FSDP group for the whole model.
     """
+    experts = apply_expert_parallel(model, mesh, cfg.ep_size) if cfg.ep_size > 1 else None
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], vocab_parallel=cfg.tp_vocab_parallel)
     if cfg.activation_checkpointing:
@@ -169,5 +198,25 @@ def parallelize(
             reduce_dtype=reduce_dtype,
             sharded=mesh["dp_shard"].size() > 1,
             one_group=mesh.size() == 1,
+            ignored_params=experts,
         )
     return model
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, ep_size: int) -> set[nn.Parameter]:
+    """Split the experts over the FSDP shard dimension (``expert_parallel.shard_experts``), before
+    FSDP, which then leaves them alone; their gradient takes the 1/dp of FSDP's average. Returns
+    the expert parameters. One-line ``ConfigError`` for a layout expert parallelism does not cover."""
+    blocks = sparse_blocks(model)
+    num_experts = blocks[0].num_experts if blocks else 0
+    if mesh is None or mesh["dp_shard"].size() != ep_size or mesh["dp_replicate"].size() > 1 or mesh["tp"].size() > 1:
+        shape = "one process" if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+        raise ConfigError(
+            f"ep_size={ep_size} needs the FSDP2 backend with a shard dimension of {ep_size} ranks, no replication "
+            f"and tp 1 (got {shape}): set the data-parallel size equal to the expert-parallel size"
+        )
+    if not num_experts or num_experts % ep_size:
+        raise ConfigError(
+            f"ep_size={ep_size} must divide the model's expert count ({num_experts or 'a dense model has none'})"
+        )
+    return set(shard_experts(model, mesh["dp_shard"], grad_scale=1.0 / ep_size))

@@ -55,6 +55,7 @@ def test_tiny_areno_and_trl_run(tmp_path, capsys):
     assert row["gen_tokens_per_s"] * row["step_s_mean"] == pytest.approx(64 * 32)
     assert row["gap_to_floor"] == pytest.approx(row["step_s_mean"] / row["floor_s"])
     assert set(row["phases_s_median"]) == {"rollout", "train", "sync"}
+    assert len(row["warmup_step_s"]) == 1 and row["first_train_s"] > 0
     trl = next(x for x in result["rows"] if x["system"] == "trl")
     assert result["figure"] == row["step_s_mean"] and result["baseline"] == trl["step_s_mean"]
     assert result["ratio"] == round(trl["step_s_mean"] / row["step_s_mean"], 2)
@@ -103,3 +104,49 @@ def test_async_steps_are_whole_cycles_of_eta_plus_one():
 def test_async_eta_zero_is_refused_naming_the_colocated_system():
     with pytest.raises(ValueError, match="--async-eta must be >= 1.*'areno'"):
         e2e.main(["--async-eta", "0", "--device", "cpu", "--shapes", "tiny"])
+
+
+def test_areno_vllm_system_runs_through_a_vllm_server(tmp_path):
+    args = e2e.build_parser().parse_args(["--device", "cpu", "--systems", "areno,areno_vllm"])
+    kw = dict(param_dtype="float32", prompt_len=16, completion_len=32)
+    cfg = e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r", eta=0, server="vllm", **kw)
+    assert cfg.rollout.backend == "vllm" and "--enforce-eager" in cfg.rollout.server_args
+    assert (
+        e2e.areno_config(args, tmp_path, tmp_path / "d.jsonl", tmp_path / "r", eta=0, **kw).rollout.backend == "areno"
+    )
+    assert "areno_vllm" not in e2e.build_parser().parse_args([]).systems  # it needs areno[vllm]: opt in
+
+
+def test_stream_system_builds_its_engine_on_its_own_cuda_stream(tmp_path, monkeypatch):
+    """``areno_async_stream`` is ``areno_async`` whose rollout engine config has ``cuda_stream``; the
+    engine-config builder is back to normal afterwards."""
+    import areno.engine.api as engine_api
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(config):
+        seen.append(engine_api.rollout_engine_config(config, device="cpu", dtype="float32"))
+        raise Stop
+
+    monkeypatch.setattr(e2e.Trainer, "init", staticmethod(fake_init))
+    args = e2e.build_parser().parse_args(["--device", "cpu", "--warmup", "1", "--steps", "1"])
+    builder = engine_api.build_rollout_engine_config
+    for stream in (True, False):
+        with pytest.raises(Stop):
+            e2e.run_areno(
+                args,
+                "tiny",
+                tmp_path / "model",
+                tmp_path / "data.jsonl",
+                tmp_path,
+                eta=1,
+                param_dtype="float32",
+                prompt_len=16,
+                completion_len=32,
+                cuda_stream=stream,
+            )
+    assert [c.cuda_stream for c in seen] == [True, False]
+    assert engine_api.build_rollout_engine_config is builder

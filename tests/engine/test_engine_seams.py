@@ -91,18 +91,20 @@ def test_a_pairing_without_a_common_weight_kind_is_a_config_error(tmp_path):
 @pytest.mark.parametrize(
     "mode, words",
     [
+        ("areno:d1+megatron:d1", "training backend 'megatron' (megatron[actor]:d1) is not supported: use fsdp"),
         (
-            "vllm[rollout]:d1+fsdp[actor]:d1",
-            "rollout backend 'vllm' (vllm[rollout]:d1) is not supported yet: use areno",
+            "vllm:d1+fsdp:d2",
+            "fsdp[actor]:d2 with a vllm rollout: training runs in this process on one device with inference "
+            "servers; use fsdp:d1",
         ),
-        ("sglang:d2+fsdp:d2", "rollout backend 'sglang' (sglang[rollout]:d2) is not supported yet: use areno"),
-        ("areno:d1+megatron:d1", "training backend 'megatron' (megatron[actor]:d1) is not supported yet: use fsdp"),
     ],
 )
 def test_allocation_backends_areno_cannot_run_are_refused_at_validation(mode, words):
     with pytest.raises(ConfigError, match="^" + re.escape(f"cluster.allocation_mode: {words}")):
         load_config(None, ["model.path=m", f"cluster.allocation_mode={mode!r}"])
     load_config(None, ["model.path=m", "cluster.allocation_mode='areno:d1+fsdp:d1'"])  # supported
+    load_config(None, ["model.path=m", "cluster.allocation_mode='vllm:d2+fsdp:d1'"])  # inference servers
+    load_config(None, ["model.path=m", "cluster.allocation_mode='sglang:t2+fsdp:d1'"])
 
 
 def test_backend_contract_does_not_import_the_areno_backend_back():

@@ -157,3 +157,32 @@ def test_attention_gets_autocast_dtype_inputs():
     seen.clear()
     model(ids, pos, attention)
     assert seen == [{torch.float32}] * 2, seen
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(monkeypatch, with_entropy, temperature):
+    """A small head keeps forward's log-softmax for backward (KEEP_LOGSOFTMAX_MAX_BYTES); a large one
+    recomputes the logits there. Both give the same values and gradients, also over two backwards
+    of one graph (retain_graph: the second recomputes)."""
+    from areno.models import logprobs as lp_mod
+
+    torch.manual_seed(0)
+    h0, w0 = torch.randn(23, 16), torch.randn(VOCAB, 16)
+    tgt = torch.randint(0, VOCAB, (23,))
+    g_lp, g_ent = torch.randn(23), torch.randn(23)
+
+    def run(budget):
+        monkeypatch.setattr(lp_mod, "KEEP_LOGSOFTMAX_MAX_BYTES", budget)
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        lp, ent = logprobs_from_hidden(h, w, tgt, temperature, 5, with_entropy=with_entropy)
+        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
+        loss.backward(retain_graph=True)
+        first = (h.grad.clone(), w.grad.clone())
+        loss.backward()
+        return lp.detach(), first, (h.grad, w.grad)
+
+    kept, recomputed = run(1 << 30), run(0)
+    assert torch.equal(kept[0], recomputed[0])
+    for a, b in zip(kept[1] + kept[2], recomputed[1] + recomputed[2]):
+        assert torch.equal(a, b)

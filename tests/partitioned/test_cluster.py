@@ -17,7 +17,7 @@ GIB = 1 << 30
 
 
 def _cluster(**kw):
-    base = dict(allocation_mode=None, train_devices=None, rollout_devices=None)
+    base = dict(allocation_mode=None, train_devices=None, rollout_devices=None, train_tp=1, rollout_tp=1)
     return SimpleNamespace(**{**base, **kw})
 
 

@@ -4,6 +4,8 @@ give the eager numbers (fp32, CPU).
 Legend: T = tokens, D = hidden size, V = vocabulary.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -100,3 +102,51 @@ def test_chunked_argmax_equals_full_argmax():
     h, w = torch.randn(T, D, generator=gen), torch.randn(V, D, generator=gen)
     assert torch.equal(argmax_from_hidden(h, w, 4), (h @ w.t()).argmax(-1))
     assert argmax_from_hidden(h[:0], w, 4).shape == (0,)
+
+
+def test_compile_auto_resolves_per_device_and_explicit_values_are_honoured():
+    assert TrainBackendConfig().compile == "auto"
+    assert TrainBackendConfig().resolved_compile("cuda") is True
+    assert TrainBackendConfig().resolved_compile("cpu") is False
+    assert TrainBackendConfig(compile=True).resolved_compile("cpu") is True
+    assert TrainBackendConfig(compile=False).resolved_compile("cuda") is False
+    with pytest.raises(ValueError, match="train.compile: must be true, false or auto"):
+        TrainBackendConfig(compile="sometimes")
+
+
+@pytest.mark.parametrize("value,compiled", [(None, False), ("false", False), ("true", True)])
+def test_train_compile_key_reaches_the_backend_with_its_cache(
+    tiny_model_dir, tmp_path, monkeypatch, caplog, value, compiled
+):
+    """`train.compile` (default auto: off on CPU) decides whether the trained role compiles; when it
+    does, inductor's cache goes to a user cache directory that outlives the run, named in the log."""
+    from areno.api.config import load_config
+    from areno.engine.api import build_role_backends, resolve_recipe
+    from areno.train.parallelize import COMPILE_CACHE_ENV
+
+    monkeypatch.setenv(COMPILE_CACHE_ENV, "unused")  # recorded, so the test's change is undone
+    monkeypatch.delenv(COMPILE_CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    overrides = [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu"]
+    cfg = load_config(None, overrides + ([f"train.compile={value}"] if value else []))
+    with caplog.at_level("INFO", logger="areno.engine.api"):
+        backends = build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
+    backend = next(iter(backends.values()))
+    assert backend.cfg.compile is compiled
+    assert all((layer._compiled_call_impl is not None) is compiled for layer in backend.model.model.layers)
+    if compiled:
+        cache = tmp_path / "cache" / "areno" / "inductor"
+        assert backend.compile_cache == cache
+        assert os.environ[COMPILE_CACHE_ENV] == str(cache)
+        assert "compiling the training step (train.compile=True, train.compile_scope=layers)" in caplog.text
+        assert str(cache) in caplog.text
+    else:
+        assert backend.compile_cache is None
+        assert "compiling" not in caplog.text
+
+
+def test_an_explicit_inductor_cache_dir_is_kept(monkeypatch, tmp_path):
+    from areno.train.parallelize import COMPILE_CACHE_ENV, compile_cache_dir
+
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "mine"))
+    assert compile_cache_dir() == tmp_path / "mine"

@@ -1,0 +1,255 @@
+"""``ServerRolloutSide``: rollouts from vLLM or SGLang servers (``rollout.backend``).
+
+The servers are the user's (``rollout.servers``) or started here, one per data-parallel rank of
+the allocation's inference component (``vllm:d2t1+fsdp:d1``: two servers of TP 1), on the CPU or
+on consecutive CUDA devices, logs in ``run_dir/workers/``, stopped at shutdown. At start every
+server is checked before training begins: it answers (a ``RunFailure`` with its URL otherwise),
+it has the pause API, and it serves a model shaped like the trainer's (``ConfigError`` otherwise).
+
+Requests go through a ``MultiServerRolloutClient`` with least-loaded routing, a ``HealthMonitor``
+and the backend's streaming client (``rollout/backends``). A policy sync is a ``DISK`` export:
+every server is paused with its requests kept, loads the export, the version moves on, and the
+servers resume, so in-flight requests continue under the new policy and their tokens after the
+sync carry the new version. A server that cannot be reached at a sync is dropped for the rest of
+the run (it would serve an old policy if it came back); a server that answers and refuses the
+update stops the run (``RunFailure``), as does losing the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from areno.engine.config import ArenoConfig, resolve_dtypes
+from areno.engine.rollout_side import RolloutSide
+from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
+from areno.errors import RunFailure
+from areno.launch.allocation import parse_allocation_mode
+from areno.launch.servers import (
+    ServerProcess,
+    ServerSpec,
+    check_server_install,
+    check_tp,
+    free_ports,
+    start_servers,
+)
+from areno.rollout.backends.admin import ServerAdmin, admin_for
+from areno.rollout.client import MultiServerRolloutClient
+from areno.rollout.health import HealthMonitor
+
+logger = logging.getLogger(__name__)
+
+SERVED_NAME = "areno-policy"
+"""The model's name in the API of the servers areno starts."""
+
+
+class ServerRolloutSide(RolloutSide):
+    """vLLM or SGLang servers behind one client (see the module docstring)."""
+
+    weight_kinds = frozenset({WeightKind.DISK})
+
+    # set in __init__
+    config: ArenoConfig
+    run_dir: Path
+    backend: str
+    # set in start()
+    urls: list[str]
+    admin: ServerAdmin
+    processes: list[ServerProcess]
+    health: HealthMonitor | None = None
+    _client: MultiServerRolloutClient | None = None
+
+    def __init__(self, config: ArenoConfig, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.backend = config.rollout.backend
+        self.processes = []
+        self._version = 0
+        self._lost: dict[str, str] = {}
+        """``url -> why`` of the servers dropped for good."""
+        self._lock = threading.Lock()
+        if not config.rollout.servers:
+            check_server_install(self.backend)  # before the training side loads anything
+
+    # ------------------------------------------------------------------ start
+    def layout(self, num_devices: int = 0) -> tuple[int, int, list[int]]:
+        """``(servers, tp, devices)`` areno starts: the allocation's inference component (its
+        logical devices among ``num_devices``, in order: server i takes the i-th ``tp`` of them),
+        else one server of TP 1 on device 0."""
+        mode = self.config.cluster.allocation_mode
+        if mode is None:
+            return 1, 1, [0]
+        alloc = parse_allocation_mode(mode)
+        comp = next(c for c in alloc.components if c.kind == "inference")
+        devices = alloc.device_lists(num_devices)[comp.role] if num_devices else list(range(comp.world_size))
+        return comp.dp, comp.tp, devices
+
+    def start(self, setup: SideSetup) -> None:
+        cfg = self.config.rollout
+        model_config = json.loads((setup.model_dir / "config.json").read_text())
+        if cfg.servers:
+            self.urls = [u.rstrip("/") for u in cfg.servers]
+            api_key = cfg.server_api_key
+            served = None
+        else:
+            n, tp, _ = self.layout()
+            check_tp(model_config, tp, self.backend)  # before any server starts
+            api_key = secrets.token_hex(16)
+            served = SERVED_NAME
+            self.processes = start_servers(
+                self._specs(setup.model_dir, n, tp, api_key),
+                self.run_dir / "workers",
+                timeout_s=cfg.server_start_timeout_s,
+            )
+            self.urls = [p.url for p in self.processes]
+        self.admin = admin_for(self.backend, api_key=api_key)
+        model = served or self.admin.check(self.urls[0], model_config)
+        for url in self.urls[1 if served is None else 0 :]:
+            self.admin.check(url, model_config)
+        self.health = HealthMonitor(self.urls, api_key=api_key, interval_s=2.0).start()
+        self._client = MultiServerRolloutClient(
+            self.urls,
+            api_key=api_key,
+            request_timeout_s=cfg.request_timeout_s,
+            health=_Serving(self.health, self._lost),
+            lost=self.lost_servers,
+            new_client=lambda url: self.admin.client(
+                url, model=model, version=lambda: self._version, timeout_s=cfg.request_timeout_s
+            ),
+            least_loaded=True,
+        )
+
+    def _specs(self, model_dir: Path, n: int, tp: int, api_key: str) -> list[ServerSpec]:
+        cuda = self.config.cluster.device == "cuda" or (
+            self.config.cluster.device == "auto" and torch.cuda.is_available()
+        )
+        dtype = resolve_dtypes(self.config, "cuda" if cuda else "cpu").rollout
+        devices = self.layout(torch.cuda.device_count())[2] if cuda else []
+        ports = free_ports(n)
+        return [
+            ServerSpec(
+                backend=self.backend,
+                model_dir=model_dir,
+                served_name=SERVED_NAME,
+                dtype=dtype,
+                tp=tp,
+                port=ports[i],
+                api_key=api_key,
+                devices=devices[i * tp : (i + 1) * tp] if cuda else None,
+                max_model_len=self.config.rollout.max_model_len,
+                seed=self.config.train.seed,
+                extra_args=list(self.config.rollout.server_args),
+            )
+            for i in range(n)
+        ]
+
+    # ------------------------------------------------------------------ the seam
+    @property
+    def client(self) -> MultiServerRolloutClient:
+        assert self._client is not None, "start() the rollout side first"
+        return self._client
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        """Nothing: a sync pauses the servers itself (``update_weights``), and requests spread over
+        several servers cannot be started as one batch."""
+
+    def resume(self) -> None:
+        """Nothing (see :meth:`pause`)."""
+
+    def update_weights(self, update: WeightUpdate) -> dict[str, float]:
+        assert update.kind is WeightKind.DISK and update.path is not None, update.kind
+        live = [u for u in self.urls if u not in self._lost]
+        t0 = time.perf_counter()
+        paused = []
+        try:
+            for url in live:
+                if self._try(url, "pause", self.admin.pause):
+                    paused.append(url)
+            if not paused:
+                raise RunFailure(f"every {self.backend} server is gone: {self._lost}")
+            t_load = time.perf_counter()
+            for url in paused:
+                self.admin.load_weights(url, update.path, update.version)  # a refusal stops the run
+            load_s = time.perf_counter() - t_load
+            self._version = update.version
+        finally:
+            for url in paused:
+                self._try(url, "resume", self.admin.resume)
+        return {
+            **update.sender_metrics,
+            "policy_sync_load_s": load_s,
+            "policy_sync_generation_paused_s": time.perf_counter() - t0,
+            "policy_sync_controller_s": time.perf_counter() - update.started_at,
+        }
+
+    def _try(self, url: str, what: str, call) -> bool:
+        """``call(url)``; a server that cannot be reached is dropped for the rest of the run."""
+        try:
+            call(url)
+            return True
+        except httpx.TransportError as exc:
+            with self._lock:
+                self._lost[url] = f"unreachable at a policy sync ({what}: {type(exc).__name__})"
+            logger.warning("%s server %s dropped: %s", self.backend, url, self._lost[url])
+            return False
+
+    def lost_servers(self) -> dict[str, str]:
+        """The client's ``lost``: dropped servers, and started servers whose process exited."""
+        with self._lock:
+            for p in self.processes:
+                if not p.alive() and p.url not in self._lost:
+                    self._lost[p.url] = f"its process exited with code {p.process.returncode}: see {p.log_path}"
+            return dict(self._lost)
+
+    def metrics(self) -> dict[str, float]:
+        """The health monitor's figures, a dropped server counted unhealthy, and ``lost_servers``."""
+        lost = self.lost_servers()
+        healthy = [self.health.is_healthy(u) and u not in lost for u in self.urls]
+        return {
+            "rollout/healthy_servers": float(sum(healthy)),
+            "rollout/unhealthy_servers": float(len(healthy) - sum(healthy)),
+            **{f"rollout/server_{i}_healthy": float(h) for i, h in enumerate(healthy)},
+            "rollout/lost_servers": float(len(lost)),
+        }
+
+    def rng_state(self) -> torch.Tensor | None:
+        return None  # the servers' samplers are their own; episodes carry their seeds
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Nothing to restore (see :meth:`rng_state`)."""
+
+    def shutdown(self) -> None:
+        if self.health is not None:
+            self.health.stop()
+        for p in self.processes:
+            p.stop()
+
+
+class _Serving:
+    """The health view the client routes by: healthy and not dropped."""
+
+    def __init__(self, monitor: HealthMonitor, lost: dict[str, str]) -> None:
+        self.monitor, self.lost = monitor, lost
+
+    def is_healthy(self, url: str) -> bool:
+        return url not in self.lost and self.monitor.is_healthy(url)
+
+    def report_failure(self, url: str, reason: str) -> None:
+        self.monitor.report_failure(url, reason)
+
+    async def await_healthy(self, timeout_s: float) -> bool:
+        return await self.monitor.await_healthy(timeout_s)
+
+    def describe(self) -> dict[str, str]:
+        return {u: f"dropped: {self.lost[u]}" if u in self.lost else s for u, s in self.monitor.describe().items()}

@@ -1,0 +1,415 @@
+"""The sparse mixture-of-experts block of the Qwen3-MoE and Mixtral layouts, plain PyTorch.
+
+Module and parameter names equal transformers 5's in-memory ones (``mlp.gate.weight`` [E, D],
+``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]), for both layouts;
+``hf_io`` maps them to and from the per-expert names checkpoints store on disk (``expert_names``).
+
+Routing as transformers does it: softmax over the router logits in fp32, top-k, optionally
+renormalised (``norm_topk_prob``; Mixtral always), cast to the activations' dtype. The experts run
+grouped (``grouped_experts``): the T·k (token, expert) pairs sorted by expert, then one GEMM per
+expert over its contiguous rows, and one scatter-add back, instead of a pass over every token per expert.
+
+Training extras, off unless asked:
+- ``output_router_logits`` in the config: each block keeps its router logits of the last training
+  forward, and ``take_aux_loss`` returns transformers' load-balancing loss over them (Switch
+  Transformer eqs. 4-6, counted over every sparse layer's tokens together) and forgets them.
+- ``record_routing(model)``: each block keeps the top-k expert ids of its forwards (``RoutingRecord``),
+  to compare the routing of two forwards of the same tokens (``routing_mismatch``);
+  ``RoutingMonitor`` does it per sequence for the training backend (old-policy vs training forward).
+
+Legend: T = tokens, D = hidden size, E = experts, K = top-k, I = expert width, N = T·K pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from areno.models.config import ModelConfig
+
+ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x [T, D], expert ids [T, K], weights [T, K], this rank's gate_up, this rank's down) -> [T, D]:
+what a block whose experts are spread over ranks calls in place of its local experts (the training
+side's all-to-all dispatch, ``areno.train.expert_parallel``)."""
+
+
+class TopKRouter(nn.Module):
+    """The router: ``weight`` [E, D] (HF ``gate.weight``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router logits [T, E], top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
+        logits_TE = F.linear(x_TD, self.weight)
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        weights_TK, experts_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return logits_TE, weights_TK.to(x_TD.dtype), experts_TK
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as two 3-D tensors: ``gate_up_proj`` [E, 2I, D] (gate rows, then
+    up rows) and ``down_proj`` [E, D, I]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, d, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and _grouped_mm_fits(x_TD, self.down_proj):
+            # inference on a GPU with grouped GEMMs: one kernel per projection, no host read
+            return grouped_mm_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
+        if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph cannot hold the grouped path's host read of the per-expert counts
+            return naive_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
+        return grouped_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
+
+
+def grouped_experts(
+    x_TD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    gate_up_EnD: torch.Tensor,
+    down_EDI: torch.Tensor,
+    *,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """Σ_k weights[t, k] · expert_{experts[t, k]}(x[t]) for every token, experts grouped: the (token,
+    expert) pairs are sorted by expert and each expert multiplies its contiguous rows in one GEMM.
+    ``gate_up_EnD`` / ``down_EDI`` may hold a slice of the experts starting at ``first_expert``
+    (expert parallelism); pairs routed elsewhere contribute nothing."""
+    T, D = x_TD.shape
+    n_local = gate_up_EnD.shape[0]
+    flat_N = experts_TK.reshape(-1) - first_expert
+    order_N = torch.argsort(flat_N, stable=True)
+    token_N = order_N // experts_TK.shape[1]
+    counts = torch.bincount(flat_N.clamp(-1, n_local).add(1), minlength=n_local + 2).tolist()  # one host read
+    x_ND = x_TD[token_N]
+    # pieces joined by one cat (a write per expert into one buffer would copy the whole gradient per expert)
+    pieces = [x_ND.new_zeros(counts[0], D)]  # pairs of experts below this slice sort first
+    # unbind once: indexing expert e's weight E times would build E full-size zero gradients
+    gate_ups, downs = gate_up_EnD.unbind(0), down_EDI.unbind(0)
+    start = counts[0]
+    for e in range(n_local):
+        n = counts[e + 1]
+        if n:
+            gate_NI, up_NI = F.linear(x_ND[start : start + n], gate_ups[e]).chunk(2, dim=-1)
+            pieces.append(F.linear(F.silu(gate_NI) * up_NI, downs[e]))
+        start += n
+    pieces.append(x_ND.new_zeros(counts[-1], D))
+    out_ND = torch.cat(pieces)
+    out_ND = out_ND * weights_TK.reshape(-1)[order_N, None]
+    return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
+
+
+def grouped_mm_experts(
+    x_TD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    gate_up_EnD: torch.Tensor,
+    down_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """``grouped_experts`` through ``torch._grouped_mm``: the pairs sorted by expert, each projection
+    one grouped GEMM over per-expert row offsets computed on the device (no host read, so a CUDA
+    graph can hold it). Inference only (``_grouped_mm_fits``)."""
+    T, D = x_TD.shape
+    flat_N = experts_TK.reshape(-1)
+    order_N = torch.argsort(flat_N, stable=True)
+    token_N = order_N // experts_TK.shape[1]
+    counts_E = torch.zeros(gate_up_EnD.shape[0], dtype=torch.long, device=x_TD.device)
+    offsets_E = counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N)).cumsum(0).to(torch.int32)
+    gate_up_Nn = torch._grouped_mm(x_TD[token_N], gate_up_EnD.transpose(-2, -1), offs=offsets_E)
+    gate_NI, up_NI = gate_up_Nn.chunk(2, dim=-1)
+    out_ND = torch._grouped_mm((F.silu(gate_NI) * up_NI).contiguous(), down_EDI.transpose(-2, -1), offs=offsets_E)
+    out_ND = out_ND * weights_TK.reshape(-1)[order_N, None]
+    return x_TD.new_zeros(T, D).index_add_(0, token_N, out_ND)
+
+
+def _grouped_mm_fits(x_TD: torch.Tensor, down_EDI: torch.Tensor) -> bool:
+    """Whether ``grouped_mm_experts`` runs here: bf16 on a Hopper-or-newer GPU, rows a multiple
+    of 16 bytes (the kernel's requirements)."""
+    _, D, width = down_EDI.shape
+    return (
+        x_TD.is_cuda
+        and x_TD.dtype == torch.bfloat16
+        and down_EDI.dtype == torch.bfloat16
+        and D % 8 == 0
+        and width % 8 == 0
+        and torch.cuda.get_device_capability(x_TD.device)[0] >= 9
+    )
+
+
+def naive_experts(
+    x_TD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    gate_up_EnD: torch.Tensor,
+    down_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """The reference the grouped path is measured against: every expert over every token, masked by
+    its routing weight (E dense MLPs' worth of work)."""
+    out_TD = torch.zeros_like(x_TD)
+    for e, (gate_up_nD, down_DI) in enumerate(zip(gate_up_EnD.unbind(0), down_EDI.unbind(0))):
+        w_T = (weights_TK * (experts_TK == e)).sum(-1)
+        gate_TI, up_TI = F.linear(x_TD, gate_up_nD).chunk(2, dim=-1)
+        out_TD = out_TD + w_T[:, None] * F.linear(F.silu(gate_TI) * up_TI, down_DI)
+    return out_TD
+
+
+class RoutingRecord:
+    """The top-k expert ids [T, K] of each sparse layer's forwards while recording, in call order."""
+
+    def __init__(self) -> None:
+        self.experts: dict[int, list[torch.Tensor]] = {}
+
+    def add(self, layer_idx: int, experts_TK: torch.Tensor) -> None:
+        self.experts.setdefault(layer_idx, []).append(experts_TK.detach().to("cpu"))
+
+    def per_layer(self) -> dict[int, torch.Tensor]:
+        """Layer -> [T_total, K] over the recorded forwards, concatenated."""
+        return {layer: torch.cat(parts) for layer, parts in self.experts.items()}
+
+
+class SparseMoE(nn.Module):
+    """The block in place of the dense MLP: ``gate`` (the router) and ``experts``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_experts = config.num_experts
+        self.keep_router_logits = config.output_router_logits
+        self.aux_loss_coef = config.router_aux_loss_coef
+        self.gate = TopKRouter(config)
+        self.experts = Experts(config)
+        self.router_logits_TE: torch.Tensor | None = None
+        """Router logits of the last training forward (kept when ``output_router_logits``)."""
+        self.record: RoutingRecord | None = None
+        """Set by ``record_routing``: where forwards put their top-k expert ids."""
+        self.dispatch: ExpertDispatch | None = None
+        """Set under expert parallelism: ``experts`` holds this rank's slice and tokens travel to the others."""
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
+            p.normal_(0.0, std)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        logits_TE, weights_TK, experts_TK = self.gate(x_TD)
+        if self.keep_router_logits and self.training and torch.is_grad_enabled():
+            self.router_logits_TE = logits_TE
+        if self.record is not None:
+            self.record.add(self.layer_idx, experts_TK)
+        if self.dispatch is not None:
+            return self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
+        return self.experts(x_TD, experts_TK, weights_TK)
+
+
+def sparse_blocks(model: nn.Module) -> list[SparseMoE]:
+    """The sparse expert blocks of a decoder (empty for a dense one)."""
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def load_balancing_loss(logits_TE: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` without padding: E · Σ_e f_e · P_e, where f_e is the
+    share of top-k slots routed to expert e and P_e its mean router probability, both over every
+    layer's tokens together."""
+    probs_TE = torch.softmax(torch.cat(logits_TE).float(), dim=-1)
+    experts_TK = torch.topk(probs_TE, top_k, dim=-1).indices
+    f_E = F.one_hot(experts_TK, num_experts).sum(dim=(0, 1)).float() / probs_TE.shape[0]
+    return num_experts * torch.sum(f_E * probs_TE.mean(dim=0))
+
+
+def take_aux_loss(model: nn.Module | list[SparseMoE]) -> torch.Tensor | None:
+    """``router_aux_loss_coef`` x the load-balancing loss of the router logits kept by the last
+    training forward (``output_router_logits``), and forget them; None when nothing was kept.
+    ``model``: the decoder (or wrapper), or its ``sparse_blocks``."""
+    blocks = model if isinstance(model, list) else sparse_blocks(model)
+    blocks = [b for b in blocks if b.router_logits_TE is not None]
+    if not blocks:
+        return None
+    logits = [b.router_logits_TE for b in blocks]
+    for b in blocks:
+        b.router_logits_TE = None
+    first = blocks[0]
+    return first.aux_loss_coef * load_balancing_loss(logits, first.num_experts, first.gate.top_k)
+
+
+@contextmanager
+def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
+    """Within the block, every sparse layer of ``model`` puts the top-k expert ids of each forward
+    into the yielded record."""
+    record = RoutingRecord()
+    blocks = sparse_blocks(model)
+    for b in blocks:
+        b.record = record
+    try:
+        yield record
+    finally:
+        for b in blocks:
+            b.record = None
+
+
+def routing_mismatch(a: RoutingRecord, b: RoutingRecord) -> float:
+    """The fraction of (token, sparse layer) pairs whose top-k expert *set* differs between two
+    records of forwards over the same tokens in the same order."""
+    la, lb = a.per_layer(), b.per_layer()
+    assert la.keys() == lb.keys(), "records of different models"
+    differ = total = 0
+    for layer, ea_TK in la.items():
+        eb_TK = lb[layer]
+        assert ea_TK.shape == eb_TK.shape, "records of different tokens"
+        differ += int((ea_TK.sort(-1).values != eb_TK.sort(-1).values).any(-1).sum())
+        total += ea_TK.shape[0]
+    return differ / total if total else 0.0
+
+
+class RoutingMonitor:
+    """Routing mismatch of a decoder's training forwards against its old-policy routing, per step.
+
+    The reference routing of a sequence is its first forward in the step: the no-grad forward a
+    step starts with when the recipe runs one (``reference``, e.g. recomputed old or proximal
+    log-probs), else its first training forward of the step (the weights the step started from).
+    Each later training forward of the sequence (a second pass, a later minibatch after an optimizer
+    step) counts the (token, sparse layer) pairs whose top-k expert *set* differs from the reference.
+    Sequences are keyed by their token ids (a later pass may reorder them); a step is told apart by
+    the policy version its batch carries (``begin_step``).
+
+    This is the trainer's own mismatch: the rollout engine's router choices do not reach the
+    trainer, so rollout-vs-trainer routing is not measured. With one pass, one minibatch and no
+    recomputed old log-probs no sequence is forwarded twice and nothing is reported.
+    A dense decoder has no sparse blocks and every method does nothing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.blocks = sparse_blocks(model)
+        self._model = model
+        self._reference: dict[bytes, dict[int, torch.Tensor]] = {}
+        self._version: int | None = None
+        self._from_forward = False
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+    @contextmanager
+    def reference(self, ids_T: torch.Tensor, cu_B1: torch.Tensor) -> Iterator[None]:
+        """Record the wrapped (old-policy, no-grad) forward's routing as the reference of its sequences."""
+        if not self.blocks:
+            yield
+            return
+        if not self._from_forward:  # the first forward of a new step: drop the last step's routing
+            self._reference, self._from_forward = {}, True
+        with record_routing(self._model) as record:
+            yield
+        self._reference.update(_per_sequence(record, ids_T, cu_B1))
+
+    def begin_step(self, version: int | None) -> None:
+        """A training step over a batch of policy ``version`` (None: unknown) begins; a new version
+        drops the reference, unless this step's old-policy forward has just recorded it."""
+        if self._from_forward or version != self._version:
+            if not self._from_forward:
+                self._reference = {}
+            self._version, self._from_forward = version, False
+
+    @contextmanager
+    def compare(self, ids_T: torch.Tensor, cu_B1: torch.Tensor, counts: list[int]) -> Iterator[None]:
+        """Add to ``counts`` ([differing pairs, compared pairs]) the wrapped training forward's routing
+        against the reference; sequences without one take this forward's as theirs (when the step's
+        version is known)."""
+        if not self.blocks or (self._version is None and not self._reference):
+            yield
+            return
+        with record_routing(self._model) as record:
+            yield
+        for key, per_layer in _per_sequence(record, ids_T, cu_B1):
+            ref = self._reference.get(key)
+            if ref is None:
+                if self._version is not None:
+                    self._reference[key] = per_layer
+                continue
+            for layer, experts_TK in per_layer.items():
+                counts[0] += int((experts_TK.sort(-1).values != ref[layer].sort(-1).values).any(-1).sum())
+                counts[1] += experts_TK.shape[0]
+
+
+def _per_sequence(
+    record: RoutingRecord, ids_T: torch.Tensor, cu_B1: torch.Tensor
+) -> Iterator[tuple[bytes, dict[int, torch.Tensor]]]:
+    """(the sequence's token ids as bytes, layer -> its [n, K] expert ids) for each sequence of one
+    recorded forward over the packed ``ids_T``."""
+    per_layer = record.per_layer()
+    ids = ids_T.detach().to("cpu")
+    cu = cu_B1.tolist()
+    for b in range(len(cu) - 1):
+        rows = slice(cu[b], cu[b + 1])
+        yield ids[rows].numpy().tobytes(), {layer: e[rows] for layer, e in per_layer.items()}
+
+
+# ------------------------------------------------------------------------------ checkpoint names
+def expert_names(config: ModelConfig, layer_idx: int) -> dict[str, list[tuple[str, int, slice]]]:
+    """For one sparse layer: in-memory fused name -> [(on-disk per-expert name, expert, rows of the
+    fused tensor's dim 1)], as transformers saves them (Qwen3-MoE: ``mlp.experts.{e}.gate_proj``,
+    Mixtral: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down))."""
+    i = config.moe_intermediate_size
+    prefix = f"model.layers.{layer_idx}."
+    if config.architecture == "MixtralForCausalLM":
+        disk, gate, up, down = f"{prefix}block_sparse_moe.experts", "w1", "w3", "w2"
+    else:
+        disk, gate, up, down = f"{prefix}mlp.experts", "gate_proj", "up_proj", "down_proj"
+    full = slice(None)
+    return {
+        f"{prefix}mlp.experts.gate_up_proj": [
+            entry
+            for e in range(config.num_experts)
+            for entry in (
+                (f"{disk}.{e}.{gate}.weight", e, slice(0, i)),
+                (f"{disk}.{e}.{up}.weight", e, slice(i, 2 * i)),
+            )
+        ],
+        f"{prefix}mlp.experts.down_proj": [(f"{disk}.{e}.{down}.weight", e, full) for e in range(config.num_experts)],
+    }
+
+
+def router_disk_name(config: ModelConfig, layer_idx: int) -> str:
+    """The router's on-disk name (Mixtral keeps it under ``block_sparse_moe``)."""
+    block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer_idx}.{block}.gate.weight"
+
+
+def disk_to_memory(config: ModelConfig) -> dict[str, tuple[str, int, slice]]:
+    """On-disk per-expert / router name -> (in-memory name, expert (-1: the whole tensor), rows)."""
+    out: dict[str, tuple[str, int, slice]] = {}
+    for layer in range(config.num_hidden_layers):
+        if not config.is_moe_layer(layer):
+            continue
+        for fused, parts in expert_names(config, layer).items():
+            for disk, e, rows in parts:
+                out[disk] = (fused, e, rows)
+        out[router_disk_name(config, layer)] = (f"model.layers.{layer}.mlp.gate.weight", -1, slice(None))
+    return out
+
+
+def to_disk_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A decoder state dict with each fused expert tensor split into transformers' per-expert
+    on-disk names (and Mixtral's router renamed); dense tensors unchanged, order kept."""
+    mapping = disk_to_memory(config)
+    by_memory: dict[str, list[tuple[str, int, slice]]] = {}
+    for disk, (mem, e, rows) in mapping.items():
+        by_memory.setdefault(mem, []).append((disk, e, rows))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name not in by_memory:
+            out[name] = t
+            continue
+        for disk, e, rows in by_memory[name]:
+            out[disk] = t if e < 0 else t[e, rows].contiguous()
+    return out

@@ -1,0 +1,55 @@
+"""``SGLangRolloutClient``: an SGLang server's native ``/generate``, token ids in, streamed.
+
+The request sends ``input_ids``, ``sampling_params`` and ``return_logprob``; each streamed event
+holds the output so far (SGLang's default, cumulative streaming): its ``meta_info`` has
+``output_token_logprobs`` as ``[logprob, token_id, text]`` triples and, at the end, a
+``finish_reason`` object. SGLang's log-probs are of the temperature-scaled distribution unless the
+server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``. Untested against SGLang itself (it does not
+install on the CPU machine areno is developed on): tested against recorded answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areno.rollout.backends.base import StreamingServerClient, StreamState
+from areno.types import SamplingParams
+
+
+class SGLangRolloutClient(StreamingServerClient):
+    """One SGLang server (``python -m sglang.launch_server``)."""
+
+    path = "/generate"
+
+    def request_body(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> dict[str, Any]:
+        sampling: dict[str, Any] = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "max_new_tokens": params.max_new_tokens,
+            "min_new_tokens": params.min_new_tokens,
+            "stop_token_ids": list(params.stop_token_ids),
+            "stop": list(params.stop),
+            "ignore_eos": params.ignore_eos,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        return {
+            "input_ids": prompt_ids,
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "stream": True,
+            "rid": request_id,
+        }
+
+    def absorb(self, state: StreamState, event: dict[str, Any]) -> tuple[list[int], list[float]]:
+        meta = event.get("meta_info") or {}
+        triples = meta.get("output_token_logprobs") or []
+        new = triples[len(state.output_ids) :]  # cumulative: the tail is what this event added
+        state.text = event.get("text", state.text)
+        finish = meta.get("finish_reason")
+        if finish is not None:
+            state.finish_reason = finish["type"] if isinstance(finish, dict) else str(finish)
+        return [int(t[1]) for t in new], [float(t[0]) for t in new]

@@ -1,0 +1,153 @@
+"""``cluster.offload=sleep``: a colocated run computes what ``none`` computes, and each phase really
+leaves the other side's state off the device (storages freed, bytes held in host memory)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.engine.placement import build_engine
+from areno.engine.residency import Phase
+from areno.errors import ConfigError
+from areno.models import Decoder, tiny_config
+from areno.train.offload import StorageOffloader, collect_tensors
+from tests.helpers.configs import tiny_run_overrides
+
+
+def _deterministic(key: str) -> bool:
+    """Not a wall-clock figure (nor the offload's own ``system/*``): equal in any two seeded runs."""
+    return key != "time" and not key.startswith(("timing/", "system/")) and not key.endswith(("_s", "_gbps"))
+
+
+def _config(tmp_path, run_name, *extra):
+    overrides = tiny_run_overrides(tmp_path, run_name)
+    return load_config(None, [*overrides, "reward.sandbox=false", "train.steps=3", "train.eval_interval=1", *extra])
+
+
+def _run(cfg) -> list[dict]:
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if _deterministic(k)} for row in rows]
+
+
+def test_sleep_gives_the_same_metrics_and_weights_as_none(tmp_path):
+    rows_none = _run(_config(tmp_path, "none", "cluster.offload=none"))
+    rows_sleep = _run(_config(tmp_path, "sleep", "cluster.offload=sleep"))
+    assert len(rows_none) >= 3
+    assert rows_sleep == rows_none  # bit-exact: sleep and wake copy bytes
+    assert "train/policy/loss" in rows_none[0] and "eval/accuracy" in rows_none[1]
+    final = "checkpoints/step_00000003/hf/model.safetensors"
+    weights_none = load_file(tmp_path / "none" / final)
+    weights_sleep = load_file(tmp_path / "sleep" / final)
+    assert weights_none.keys() == weights_sleep.keys()
+    for name, tensor in weights_none.items():
+        assert torch.equal(tensor, weights_sleep[name]), name
+
+
+@pytest.mark.slow
+def test_a_sleeping_run_resumes_bit_exactly(tmp_path):
+    """Load wakes the training side, the sync after it the engine's weights: as a run without offload."""
+    rows_none = _run(_config(tmp_path, "none", "cluster.offload=none"))
+    _run(_config(tmp_path, "resumed", "cluster.offload=sleep", "train.steps=2", "train.save_interval=1"))
+    rows_resumed = _run(_config(tmp_path, "resumed", "cluster.offload=sleep", "resume=true"))
+    assert rows_resumed == rows_none
+
+
+def _storage_bytes(tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_each_phase_releases_the_other_sides_state(tmp_path):
+    cfg = _config(tmp_path, "run", "cluster.offload=sleep")
+    engine = build_engine(cfg, tmp_path / "run")
+    engine.initialize()
+    try:
+        training, rollout = engine.training, engine.rollout
+        backends = list(training.runner.backends.values())
+        rollout_weights = list(rollout.engine.model.parameters())
+
+        def optimizer_state():
+            return [v for b in backends for s in b.optimizer.state.values() for v in s.values() if v.dim() > 0]
+
+        batch = engine.generate_rollout(0)
+        engine.step(batch)  # TRAIN: the KV cache and the rollout weights are gone
+        assert engine.residency.phase is Phase.TRAIN
+        assert not rollout.engine.cache.is_allocated and rollout.engine.cache.k_S == []
+        assert _storage_bytes(rollout_weights) == 0
+        assert rollout.weights_offloader.held_bytes > 0
+        assert optimizer_state() and _storage_bytes(optimizer_state()) > 0
+
+        engine.update_weights()  # SYNC: rollout weights back, KV cache still released
+        assert _storage_bytes(rollout_weights) > 0 and not rollout.engine.cache.is_allocated
+
+        engine.generate_rollout(1)  # ROLLOUT: training weights and optimizer state in host memory
+        assert rollout.engine.cache.is_allocated
+        assert training.asleep
+        assert _storage_bytes(optimizer_state()) == 0
+        assert _storage_bytes(p for b in backends for p in b.model.parameters()) == 0
+
+        engine.step(batch)  # and back: the state the step needs is whole again
+        assert not training.asleep and _storage_bytes(optimizer_state()) > 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["cluster.offload=swap"], "cluster.offload: must be none or sleep"),
+        (["cluster.offload=sleep", "rollout.max_head_offpolicyness=1"], "max_head_offpolicyness=0"),
+        (["cluster.offload=sleep", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"], "partitioned"),
+    ],
+)
+def test_offload_sleep_refuses_what_it_cannot_do(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        _config(tmp_path, "run", *extra)
+
+
+def test_a_fused_rollout_model_stays_fused_and_equal_through_sleep_and_wake():
+    """The engine's q/k/v and gate/up are views of one storage each: freed and re-allocated at a
+    new address, they still run fused, with the same weights."""
+    model = Decoder(tiny_config(62, hidden_size=48, layers=2, heads=4, kv_heads=2, arch="qwen2")).eval()
+    model.fuse_projections()
+    ids = torch.arange(13) % 62
+    with torch.no_grad():
+        before = model(ids, torch.arange(13))
+    offloader = StorageOffloader()
+    assert offloader.sleep(collect_tensors(model, None)) > 0
+    assert _storage_bytes(model.parameters()) == 0 and offloader.held_bytes > 0
+    offloader.wake()
+    assert model.projections_fused and offloader.held_bytes == 0
+    with torch.no_grad():
+        assert torch.equal(model(ids, torch.arange(13)), before)
+
+
+@pytest.mark.gpu
+def test_cuda_sleep_lowers_each_phases_peak_and_keeps_the_losses(tmp_path):
+    """On one GPU: the rollout phase no longer holds the training state, the train phase no longer holds
+    the rollout engine; the losses stay within float noise of ``none``'s."""
+    model = "model.init_tiny={hidden_size: 512, layers: 4, heads: 8, kv_heads: 2, intermediate_size: 1536}"
+    peaks, losses = {}, {}
+    for mode in ("none", "sleep"):
+        cfg = _config(tmp_path, mode, f"cluster.offload={mode}", "cluster.device=cuda", model, "rollout.kv_blocks=256")
+        trainer = Trainer.init(cfg)
+        try:
+            trainer.run()
+        finally:
+            trainer.shutdown()
+        rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "train/policy/loss" in r]
+        peaks[mode] = {p: max(r[f"system/{p}_peak_memory_gib"] for r in steps) for p in ("rollout", "train")}
+        losses[mode] = [r["train/policy/loss"] for r in steps]
+    assert peaks["sleep"]["rollout"] < peaks["none"]["rollout"], peaks
+    assert peaks["sleep"]["train"] < peaks["none"]["train"], peaks
+    assert losses["sleep"] == pytest.approx(losses["none"], abs=1e-4), losses

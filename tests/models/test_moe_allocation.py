@@ -1,0 +1,73 @@
+"""``allocation_mode``'s ``e`` dimension: parsing, the combinations that do not divide or that expert
+parallelism does not cover, and a partitioned CPU run of a tiny expert model with ``e2`` training
+with its experts split over the 2 training ranks."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+
+from areno.api.config import load_config
+from areno.engine.api import prepare_model_dir
+from areno.engine.cluster import ClusterLayout, LayoutError, layout_from_config
+from areno.engine.placement import build_engine
+from areno.launch.allocation import AllocationModeError, parse_allocation_mode
+from tests.helpers.configs import tiny_run_overrides
+from tests.models.test_moe_train import MOE_TINY
+
+
+def test_e_dimension_parses_and_round_trips():
+    alloc = parse_allocation_mode("areno[rollout]:d1+fsdp[actor]:d4e2")
+    train = alloc.component("actor")
+    assert (train.dp, train.ep, train.world_size) == (4, 2, 4)  # e splits d, adds no devices
+    assert parse_allocation_mode(str(alloc)).groups == alloc.groups
+
+
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("areno:d1+fsdp:d3e2", "e2 must divide the data-parallel size d3"),
+        ("areno:d2e2+fsdp:d2", "expert parallelism (e2) is reserved: backend 'areno'"),
+        ("areno:d1|fsdp:d1e2", "e2 must divide the data-parallel size d1"),
+    ],
+)
+def test_e_combinations_that_do_not_divide(source, words):
+    with pytest.raises(AllocationModeError) as info:
+        parse_allocation_mode(source)
+    assert words in str(info.value).split("\n")[0]
+
+
+def _cluster(mode):
+    return types.SimpleNamespace(
+        allocation_mode=mode, train_devices=None, rollout_devices=None, train_tp=1, rollout_tp=1
+    )
+
+
+def test_layout_takes_e_and_refuses_what_expert_parallelism_does_not_cover():
+    lay = layout_from_config(_cluster("areno:d1+fsdp:d2e2"), num_devices=3, cuda=False)
+    assert lay.train_ep == 2 and lay.train_dp_shard == 2
+    with pytest.raises(LayoutError, match="e2 must equal the FSDP shard size 4 with t1"):
+        layout_from_config(_cluster("areno:d1+fsdp:d4e2"), num_devices=5, cuda=False)
+    with pytest.raises(LayoutError, match="must equal the FSDP shard size"):
+        ClusterLayout(train_devices=(0, 1, 2, 3), rollout_devices=(4,), train_tp=2, train_ep=2)
+
+
+@pytest.mark.slow
+def test_partitioned_moe_run_with_e2(tmp_path):
+    cfg = load_config(
+        None,
+        [*tiny_run_overrides(tmp_path), MOE_TINY, "cluster.allocation_mode='areno[rollout]:d1+fsdp[actor]:d2e2'"],
+    )
+    prepare_model_dir(cfg)
+    engine = build_engine(cfg, tmp_path / "run")
+    assert engine.training.cluster.layout.train_ep == 2
+    engine.initialize()
+    try:
+        for i in range(2):
+            metrics = engine.step(engine.generate_rollout(i))
+            engine.update_weights()
+            assert math.isfinite(metrics["train/policy/loss"]) and metrics["train/policy/router_aux_loss"] > 0
+    finally:
+        engine.shutdown()
