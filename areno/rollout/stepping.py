@@ -16,6 +16,7 @@ through the engine's ``logits`` / ``sample_rows`` hooks (tensor parallelism over
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,10 @@ WAITING_CLAMP_MAX_ROWS = 32
 can end by length (so a waiting request joins at once); a larger batch runs its full ``decode_steps``:
 one freed slot idle for a few steps costs little there, while a host round trip per token (most
 rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/LOG.md)."""
+
+
+IMAGE_FEATURES_KEPT = 16
+"""Vision-tower outputs the stepper keeps for the next samples of the same images."""
 
 
 class Stepper:
@@ -79,6 +84,11 @@ class Stepper:
         self.busy_s = 0.0
         """Seconds spent in steps that ran a batch (``stats()["busy_s"]``: busy fraction over time)."""
         self._last_step_ran = False
+        self.vision_runs = 0
+        """Vision-tower forwards (image prompts): one per distinct image set and policy version."""
+        self._image_features: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        """Recent vision-tower outputs by (``Sequence.prefix_root``, policy version): the samples of
+        a GRPO group share one (the prefix cache shares their K/V, this their image rows)."""
 
     def step(self) -> list[GenerationOutput]:
         c = self.control
@@ -382,7 +392,7 @@ class Stepper:
             rows = _chunk_image_rows(s, start, n)
             if rows is not None:
                 if s.image_embeds is None:
-                    s.image_embeds = self.model.image_features(s.images)
+                    s.image_embeds = self._vision(s)
                 embeds.append(s.image_embeds[rows[0] : rows[1]])
         pos_3T = torch.cat(cols, dim=1).clamp(max=self.max_position - 1).to(self.device)
         ids_T = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -393,6 +403,17 @@ class Stepper:
         if not last:
             return hidden_TD.new_empty(0, self.vocab_size)
         return self.logits(hidden_TD[torch.tensor(last, device=self.device)])
+
+    def _vision(self, seq: Sequence) -> torch.Tensor:
+        """``seq``'s image rows: the vision tower's output, computed once per image set and version."""
+        key = (seq.prefix_root, self.control.version)
+        feats = self._image_features.get(key)
+        if feats is None:
+            feats = self._image_features[key] = self.model.image_features(seq.images)
+            self.vision_runs += 1
+            while len(self._image_features) > IMAGE_FEATURES_KEPT:
+                self._image_features.popitem(last=False)
+        return feats
 
     def _attention(self, batch: ScheduledBatch, decode_pos_B: torch.Tensor) -> PagedAttention:
         """The attention metadata of a graph-less step. Its decode rows' (the large part at hundreds

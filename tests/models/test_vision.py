@@ -171,6 +171,7 @@ def test_rollout_engine_greedy_tokens_equal_transformers_generate(vl_dir):
         assert done[r].output_ids == want
     stats = engine.stats()
     assert stats["prefix_hit_rate"] > 0  # the group reused the image prefill
+    assert engine._stepper.vision_runs == 1  # and the vision tower ran once for the group
     # the same text with another image shares no cached block
     other = ImageInputs.from_images([random_image(40, 56, seed=6)], vc)
     assert other.key() != images.key()
