@@ -163,6 +163,9 @@ class TokenBatch:
     """float32 [B] scalar reward per sequence."""
     group_ids: list[str] = field(default_factory=list)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    images_B: list[Any] = field(default_factory=list)
+    """Vision-language batches: per sequence, its images (``{"pixel_values", "grid_thw"}``, the
+    pixels a store reference until the engine fetches them) or None; empty for a text-only batch."""
 
     @property
     def num_seqs(self) -> int:
@@ -217,6 +220,9 @@ class TokenBatch:
             if seq_indices is None or not self.group_ids
             else [self.group_ids[i] for i in seq_indices],
             extra={k: (per_tok(v) if k.endswith("_T") else per_seq(v)) for k, v in self.extra.items()},
+            images_B=self.images_B
+            if seq_indices is None or not self.images_B
+            else [self.images_B[i] for i in seq_indices],
         )
 
     @classmethod
@@ -246,6 +252,7 @@ class TokenBatch:
                 values.extend([0.0] * len(traj.prompt_ids))
                 values.extend(traj.extra_T.get(key, [0.0] * len(traj.completion_ids)))
             extra[key] = torch.tensor(values, dtype=torch.float32)
+        images_B = [t.info.get("images") for t in trajectories]
         return cls(
             input_ids_T=torch.tensor(ids, dtype=torch.long),
             cu_seqlens_B1=torch.tensor(cu, dtype=torch.long),
@@ -256,6 +263,7 @@ class TokenBatch:
             rewards_B=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             group_ids=[t.group_id for t in trajectories],
             extra=extra,
+            images_B=images_B if any(im is not None for im in images_B) else [],
         )
 
 

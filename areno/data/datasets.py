@@ -120,7 +120,11 @@ def build_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], l
         train = generate_rows(spec, split="train", num=20_000, seed=data_cfg.seed)
         held_out = generate_rows(spec, split="eval", num=data_cfg.num_eval, seed=data_cfg.seed)
         if data_cfg.prompt_key != "prompt" or data_cfg.answer_key != "answer":
-            remap = lambda r: {data_cfg.prompt_key: r["prompt"], data_cfg.answer_key: r["answer"]}
+            remap = lambda r: {  # other fields (a row's images) stay as they are
+                **{k: v for k, v in r.items() if k not in ("prompt", "answer")},
+                data_cfg.prompt_key: r["prompt"],
+                data_cfg.answer_key: r["answer"],
+            }
             train, held_out = [remap(r) for r in train], [remap(r) for r in held_out]
         return train, held_out
     answer_key = data_cfg.answer_key if need_answers else None

@@ -5,12 +5,15 @@ splits are disjoint: a row belongs to the held-out split when a stable hash of i
 the held-out bucket, so no held-out prompt is ever trained on, whatever the seeds.
 
 Prompts are plain text the model continues (``"57+68="`` → ``"125"``), so tiny character-level
-models learn them on a CPU in minutes.
+models learn them on a CPU in minutes. ``count_squares`` is the vision-language task: its rows carry
+one image (``images``: a base64 PNG) of red squares on black, the answer is how many.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,7 +50,46 @@ def _sort(rng: random.Random, *, min_len: int = 3, max_len: int = 6) -> dict:
     return {"prompt": f"sort {digits}:", "answer": "".join(sorted(digits))}
 
 
-TASKS: dict[str, Callable[..., dict]] = {"arithmetic": _arithmetic, "reverse": _reverse, "sort": _sort}
+def _count_squares(
+    rng: random.Random, *, size: int = 16, cell: int = 8, min_count: int = 1, max_count: int = 3
+) -> dict:
+    """A ``size``×``size`` image with ``min_count``..``max_count`` (uniform) red ``cell``-pixel
+    squares on black, each in its own cell of the grid and of a random shade (so every count has
+    many distinct images), and the prompt ``"count:"``; the answer is the count."""
+    cells = (size // cell) ** 2
+    if not 1 <= min_count <= max_count <= cells:
+        raise ValueError(f"count_squares needs 1 <= min_count <= max_count <= {cells} cells")
+    n = rng.randint(min_count, max_count)
+    squares = [(c, (rng.randint(128, 255), rng.randint(0, 63), 0)) for c in rng.sample(range(cells), n)]
+    return {"prompt": "count:", "images": [_squares_png(squares, size, cell)], "answer": str(n)}
+
+
+def _squares_png(squares: list[tuple[int, tuple[int, int, int]]], size: int, cell: int) -> str:
+    """Base64 PNG of squares on black: (cell index, RGB colour) each."""
+    from PIL import Image  # Pillow: needed by this task only
+
+    image = Image.new("RGB", (size, size))
+    per_row = size // cell
+    for c, colour in squares:
+        x, y = (c % per_row) * cell, (c // per_row) * cell
+        image.paste(colour, (x, y, x + cell, y + cell))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+TASKS: dict[str, Callable[..., dict]] = {
+    "arithmetic": _arithmetic,
+    "reverse": _reverse,
+    "sort": _sort,
+    "count_squares": _count_squares,
+}
+
+
+def row_key(row: dict) -> str:
+    """What makes a row distinct (and decides its split): the prompt, and its images when it has any."""
+    images = row.get("images")
+    return row["prompt"] if not images else row["prompt"] + "\0" + "\0".join(map(str, images))
 
 
 @dataclass(kw_only=True)
@@ -80,9 +122,10 @@ def generate_rows(spec: TaskSpec, *, split: str, num: int, seed: int) -> list[di
     rows, seen = [], set()
     for _ in range(num * 50):
         row = TASKS[spec.name](rng, **spec.kwargs)
-        if row["prompt"] in seen or _is_held_out(row["prompt"]) != (split == "eval"):
+        key = row_key(row)
+        if key in seen or _is_held_out(key) != (split == "eval"):
             continue
-        seen.add(row["prompt"])
+        seen.add(key)
         rows.append(row)
         if len(rows) == num:
             break

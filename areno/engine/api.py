@@ -38,16 +38,18 @@ from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
 from areno.errors import ConfigError, ModelDirError
 from areno.faults import fault_point
-from areno.models.hf_io import init_model_dir, tiny_config
+from areno.models.hf_io import init_model_dir, read_config, tiny_config
+from areno.models.vision import VisionConfig
 from areno.recipes import get_recipe
 from areno.recipes.config import TrainingConfig
 from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
-from areno.rollout.store import InProcessStore, release_refs
+from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.train import checkpoint
 from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
 from areno.workflows.base import RolloutWorkflow, load_workflow
 from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
+from areno.workflows.images import IMAGES_KEY, image_prompt, row_images, vision_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -241,21 +243,25 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
 
 
 async def agreedy_score(
-    client, tokenizer, reward_fn, row: dict, cfg: ArenoConfig, params: SamplingParams
+    client, tokenizer, reward_fn, row: dict, cfg: ArenoConfig, params: SamplingParams, vision: Any = None
 ) -> Trajectory:
     """One held-out row generated with ``params`` (greedy) and scored: the prompt rendered as
     rollouts render it, the completion decoded, the reward under the rollouts' failure policy (a
     raising reward scores 0 and is warned about). Shared by ``ArenoEngine.evaluate`` and the test
-    rollout (``engine/test_rollout.py``), so both score a policy alike."""
+    rollout (``engine/test_rollout.py``), so both score a policy alike. ``vision``: the model's
+    ``VisionConfig`` (rows with images)."""
     prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
-    prompt_ids = render_prompt(
-        tokenizer, row[prompt_key], chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt
-    )
-    out = await client.agenerate(prompt_ids, params)
+    templating = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
+    images = row_images(row, vision)
+    if images:
+        prompt_ids, inputs = image_prompt(tokenizer, row[prompt_key], images, vision, **templating)
+        out = await client.agenerate(prompt_ids, params, images=inputs)
+    else:
+        prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
+        out = await client.agenerate(prompt_ids, params)
     completion = tokenizer.decode(out.output_ids, skip_special_tokens=True)
-    reward, _ = await acall_reward(
-        reward_fn, row[prompt_key], completion, row.get(answer_key), sample_fields(row, prompt_key, answer_key)
-    )
+    fields = sample_fields(row, prompt_key, answer_key, IMAGES_KEY)
+    reward, _ = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key), fields)
     n = len(out.output_ids)
     return Trajectory(
         prompt_ids=list(prompt_ids),
@@ -304,6 +310,8 @@ class ArenoEngine:
     """Online recipes: the user's workflow (``rollout.workflow``), closed at shutdown."""
     store: InProcessStore | None = None
     """Online recipes: where workflows put large observations (freed once trained or dropped)."""
+    vision: VisionConfig | None = None
+    """A vision-language model's vision tower shape and image tokens (rows with images)."""
     reward_fn: Any = None
     version: int = 0
     asynchronous: bool = False
@@ -333,8 +341,10 @@ class ArenoEngine:
         self.recipe = resolve_recipe(cfg)  # errors before any model loads
         train_rows, self.eval_rows = build_splits(cfg.data)  # malformed rows: error before models load
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
-        model_dir = prepare_model_dir(cfg)
+        model_dir = self.model_dir = prepare_model_dir(cfg)
         self.tokenizer = load_tokenizer(model_dir)
+        vision = read_config(model_dir).vision
+        self.vision = VisionConfig.from_hf(vision) if vision is not None else None
         setup = SideSetup(recipe=self.recipe, model_dir=model_dir, tokenizer=self.tokenizer)
         self.training.start(setup)
         self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
@@ -369,6 +379,7 @@ class ArenoEngine:
             answer_key=cfg.data.answer_key,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
             **teacher_kwargs(cfg.rollout.workflow, self.recipe, cfg.rollout.workflow_kwargs),
+            **vision_kwargs(cfg.rollout.workflow, self.model_dir, cfg.rollout.workflow_kwargs),
             **prompt_kwargs(
                 cfg.rollout.workflow,
                 cfg.rollout.workflow_kwargs,
@@ -434,9 +445,10 @@ class ArenoEngine:
         if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
         metrics.update(self.rollout.metrics())  # the rollout side's own: replica health, engine counters
-        return RolloutBatch(
-            trajectories=trajectories, batch=TokenBatch.from_trajectories(trajectories), metrics=metrics
-        )
+        batch = TokenBatch.from_trajectories(trajectories)
+        if batch.images_B and self.store is not None:  # the pixels stayed in the store until now
+            batch.images_B = fetch_refs(batch.images_B, self.store)
+        return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
         # Asynchronous: the engine generates in its own thread meanwhile. No CUDA graph may be captured
@@ -496,7 +508,7 @@ class ArenoEngine:
             client.hold(self.rollout.resume)
 
         async def ascore(row: dict) -> float:
-            return (await agreedy_score(client, self.tokenizer, reward_fn, row, cfg, params)).reward
+            return (await agreedy_score(client, self.tokenizer, reward_fn, row, cfg, params, self.vision)).reward
 
         async def ascore_all() -> list[float]:
             return await asyncio.gather(*(ascore(row) for row in self.eval_rows))

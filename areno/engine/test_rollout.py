@@ -41,6 +41,8 @@ from areno.engine.executor import WorkflowExecutor
 from areno.engine.local import LocalRolloutSide
 from areno.engine.seams import SideSetup
 from areno.errors import ConfigError
+from areno.models.hf_io import read_config
+from areno.models.vision import VisionConfig
 from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.client import RolloutClient
@@ -209,14 +211,18 @@ class TestRolloutManager:
 class GreedyEvalWorkflow(RolloutWorkflow):
     """One greedy completion of a held-out row, scored as ``ArenoEngine.evaluate`` scores it."""
 
-    def __init__(self, tokenizer, reward_fn, config: ArenoConfig, params: SamplingParams) -> None:
+    def __init__(self, tokenizer, reward_fn, config: ArenoConfig, params: SamplingParams, vision: Any = None) -> None:
+        """``vision``: a vision-language model's ``VisionConfig`` (held-out rows with images)."""
         self.tokenizer = tokenizer
+        self.vision = vision
         self.reward_fn = reward_fn
         self.config = config
         self.params = params
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> Trajectory:
-        return await agreedy_score(client, self.tokenizer, self.reward_fn, sample, self.config, self.params)
+        return await agreedy_score(
+            client, self.tokenizer, self.reward_fn, sample, self.config, self.params, self.vision
+        )
 
 
 POLL_INTERVAL_S = 0.5
@@ -244,7 +250,14 @@ def start_test_rollout(
     side = LocalRolloutSide(config, device)
     side.start(SideSetup(recipe=resolve_recipe(config), model_dir=model_dir, tokenizer=tokenizer))
     reward_fn = load_reward(config.reward)
-    workflow = GreedyEvalWorkflow(tokenizer, reward_fn, config, rollout_sampling_params(config, greedy=True))
+    vision = read_config(model_dir).vision
+    workflow = GreedyEvalWorkflow(
+        tokenizer,
+        reward_fn,
+        config,
+        rollout_sampling_params(config, greedy=True),
+        VisionConfig.from_hf(vision) if vision is not None else None,
+    )
     manager = TestRolloutManager(
         Path(run_dir) / "checkpoints", side.engine, side.client, workflow, eval_rows, poll_interval_s=POLL_INTERVAL_S
     )

@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -89,6 +90,12 @@ class ModelConfig:
     """End-of-sequence token id(s) (Llama 3 lists several)."""
     pad_token_id: int | None = None
     """Padding token id, if any."""
+    mrope_section: tuple[int, ...] | None = None
+    """Qwen2.5-VL's M-RoPE: how many of the Dh/2 frequencies rotate by the time, height and width
+    position (sums to Dh/2); None for text-only models."""
+    vision: dict[str, Any] | None = None
+    """Qwen2.5-VL: the ``vision_config`` and image token ids of config.json (``models/vision.py``
+    reads them); None for text-only models."""
     num_experts: int = 0
     """Routed experts per sparse layer (HF ``num_experts`` / ``num_local_experts``); 0: a dense model.
     Only the mixture-of-experts architectures (``MOE_ARCHITECTURES``) have experts."""
@@ -161,13 +168,21 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", None if rope_type == "default" else scaling)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+            if sum(self.mrope_section) != self.head_dim // 2:
+                raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
+        if (self.vision is not None) != (self.architecture == "Qwen2_5_VLForConditionalGeneration"):
+            raise ValueError(f"vision is set exactly for Qwen2_5_VLForConditionalGeneration, not {self.architecture}")
 
     def _check_arch_flags(self) -> None:
         """Only flag combinations that transformers' class for ``architecture`` can express."""
         arch = self.architecture
         if self.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")):
             raise ValueError(f"qk_norm={self.qk_norm} is impossible for {arch} (only Qwen3 has q/k norms)")
-        if arch == "Qwen2ForCausalLM" and (not self.attention_bias or self.attention_out_bias):
+        if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration") and (
+            not self.attention_bias or self.attention_out_bias
+        ):
             raise ValueError(
                 "Qwen2ForCausalLM has q/k/v bias and no o_proj bias: set attention_bias=True, attention_out_bias=False"
             )
@@ -283,6 +298,9 @@ class ModelConfig:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unknown_arch_message(arch))
+        vision, mrope_section = None, None
+        if arch == "Qwen2_5_VLForConditionalGeneration":
+            d, vision, mrope_section = _flatten_vl(d)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
@@ -294,7 +312,7 @@ class ModelConfig:
         rope_theta, rope_scaling = _read_rope(d)
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
-        if arch == "Qwen2ForCausalLM":
+        if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
             qkv_bias, out_bias = True, False
         elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             qkv_bias = out_bias = False
@@ -325,6 +343,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
+            mrope_section=mrope_section,
+            vision=vision,
             **_read_moe(arch, d),
         )
 
@@ -379,6 +399,8 @@ class ModelConfig:
                 router_aux_loss_coef=self.router_aux_loss_coef,
                 output_router_logits=self.output_router_logits,
             )
+        if self.vision is not None:
+            return _nest_vl(d, self)
         return d
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -436,3 +458,48 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if rope_type == "default":
             scaling = None
     return float(theta), scaling or None
+
+
+def _flatten_vl(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], tuple[int, ...]]:
+    """A Qwen2.5-VL config.json as (the text decoder's keys at top level, the vision part,
+    mrope_section). transformers 5 nests the text keys under ``text_config``; older files keep
+    them at top level with ``rope_scaling: {type: mrope, mrope_section}``."""
+    if "vision_config" not in d:
+        raise ValueError("Qwen2_5_VLForConditionalGeneration config.json has no 'vision_config'")
+    flat = {**d, **(d.get("text_config") or {})}
+    flat["architectures"] = d["architectures"]
+    rope = dict(flat.get("rope_parameters") or flat.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", None)
+    if section is None:
+        raise ValueError("Qwen2_5_VLForConditionalGeneration config.json has no rope mrope_section")
+    if rope.get("rope_type", rope.get("type")) == "mrope":
+        rope["rope_type"] = "default"
+        rope.pop("type", None)
+    flat.pop("rope_parameters", None)
+    flat["rope_scaling"] = rope or None
+    if "rope_theta" in rope and "rope_theta" not in flat:
+        flat["rope_theta"] = rope["rope_theta"]
+    if "tie_word_embeddings" in d:
+        flat["tie_word_embeddings"] = d["tie_word_embeddings"]
+    vision = {
+        k: d[k] for k in ("vision_config", "image_token_id", "vision_start_token_id", "vision_end_token_id") if k in d
+    }
+    return flat, vision, tuple(section)
+
+
+def _nest_vl(text: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """The transformers 5 layout of a Qwen2.5-VL config.json from the flat text dict."""
+    text = dict(text)
+    top = {"architectures": text.pop("architectures"), "model_type": "qwen2_5_vl"}
+    text["model_type"] = "qwen2_5_vl_text"
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": text.pop("rope_theta"),
+        "mrope_section": list(config.mrope_section or ()),
+    }
+    text.pop("rope_scaling", None)
+    top["tie_word_embeddings"] = text.pop("tie_word_embeddings")
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        top[k] = text[k]
+    vision = {k: v for k, v in (config.vision or {}).items() if k not in ("min_pixels", "max_pixels")}
+    return {**top, "text_config": text, **vision}

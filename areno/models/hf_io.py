@@ -24,6 +24,7 @@ from areno.models import moe
 from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
+from areno.models.vision import VisionConfig, VisionLanguageModel, processor_config, read_pixel_limits
 
 # Non-parameter tensors that some HF checkpoints carry and we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -56,7 +57,12 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     if not isinstance(d, dict):
         raise ModelDirError(f"{config_path} holds a JSON {type(d).__name__}, not a Hugging Face config object")
     try:
-        return ModelConfig.from_hf(d)
+        config = ModelConfig.from_hf(d)
+        processor = model_dir / "preprocessor_config.json"
+        if config.vision is not None and processor.is_file():  # the image processor's pixel limits
+            limits = read_pixel_limits(json.loads(processor.read_text(encoding="utf-8")))
+            config = config.replace(vision={**config.vision, **limits})
+        return config
     except KeyError as e:
         raise ModelDirError(f"{config_path} has no {e.args[0]!r}: is it the config.json of a decoder LLM?") from None
     except ValueError as e:  # an architecture or feature this decoder does not implement
@@ -107,6 +113,11 @@ def open_safetensors(
         raise ModelDirError(f"{path} is truncated or not a safetensors file ({reason}): {fix}") from None
 
 
+def build_model(config: ModelConfig, **kw: Any) -> Decoder:
+    """The module ``config`` describes: ``VisionLanguageModel`` for a Qwen2.5-VL config, else ``Decoder``."""
+    return (VisionLanguageModel if config.vision is not None else Decoder)(config, **kw)
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -127,8 +138,10 @@ def load_model(
     config = read_config(model_dir)
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+    if config.vision is not None and tp_size > 1:
+        raise ModelDirError(f"{model_dir}: a vision-language model loads whole (tp_size=1), not as tp_size={tp_size}")
     with torch.device("meta"):
-        model = Decoder(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
+        model = build_model(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
     model.to_empty(device=device)
     expected = model.state_dict()
     plan = tp_plan(config)
@@ -211,6 +224,9 @@ def save_model(model: Decoder, config: ModelConfig, out_dir: str | Path, *, toke
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf[k] is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if config.vision is not None:
+        processor = processor_config(VisionConfig.from_hf(config.vision))
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return out_dir
@@ -231,7 +247,7 @@ def init_model_dir(out_dir: str | Path, config: ModelConfig, tokenizer: Any, *, 
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        model = Decoder(config)
+        model = build_model(config)
     return save_model(model, config, out_dir, tokenizer=tokenizer)
 
 

@@ -109,9 +109,20 @@ class RolloutClient(abc.ABC):
         """Release background resources (threads, connections)."""
 
 
-async def agenerate_many(client: Any, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
+async def agenerate_many(
+    client: Any, prompt_ids: list[int], params: list[SamplingParams], *, images: Any = None
+) -> list[GenerationOutput]:
     """``client.agenerate_many`` when the client has it, else one ``agenerate`` per entry: workflows
-    call this so any object with an ``agenerate`` coroutine keeps working as a client."""
+    call this so any object with an ``agenerate`` coroutine keeps working as a client. ``images``
+    (a vision-language prompt's ``ImageInputs``) go with each ``agenerate``; the group shares the
+    image prefill through the engine's prefix cache."""
+    if images is not None:
+        if isinstance(getattr(client, "inner", client), (HTTPRolloutClient, MultiServerRolloutClient)):
+            raise ValueError(
+                "a prompt with images needs the in-process rollout engine (colocated placement): "
+                "the HTTP rollout server does not take images yet"
+            )
+        return list(await asyncio.gather(*(client.agenerate(prompt_ids, p, images=images) for p in params)))
     many = getattr(client, "agenerate_many", None)
     if many is not None:
         return await many(prompt_ids, params)
@@ -139,14 +150,20 @@ class InProcessRolloutClient(RolloutClient):
 
     # ---- public ----
     async def agenerate(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        images: Any = None,
     ) -> GenerationOutput:
+        """``images``: the ``ImageInputs`` of a vision-language prompt (``RolloutEngine.add_request``)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._ensure_thread()
         with self._pending_lock:
             # add_request validates (ValueError) before the future is registered.
-            request_id = self.engine.add_request(prompt_ids, sampling_params, request_id)
+            request_id = self.engine.add_request(prompt_ids, sampling_params, request_id, images=images)
             self._pending[request_id] = (loop, future)
         self._wakeup.set()
         try:

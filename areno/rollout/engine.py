@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from areno.models import fused_linear, fused_ops
+from areno.models.vision import ImageInputs, mrope_positions, position_delta
 from areno.observe.trace import instant, span
 from areno.rollout.attention import DECODE_CARRY_MAX_BYTES, DecodeCarry
 from areno.rollout.config import RolloutEngineConfig, resolve_decode_attention
@@ -175,7 +176,7 @@ class RolloutEngine:
             sample_rows=self._sample_rows,
         )
         self._started = time.monotonic()
-        if config.cuda_graphs and self.device.type == "cuda":
+        if config.cuda_graphs and self.device.type == "cuda" and getattr(model, "vision_config", None) is None:
             max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             self._stepper.graphs = DecodeGraphRunner(self, max_batch=max_batch)
 
@@ -223,11 +224,33 @@ class RolloutEngine:
         """Policy version of the current weights (set by ``update_weights``)."""
         return self._control.version
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; it joins the running batch at the next step. Returns its id."""
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        images: ImageInputs | None = None,
+    ) -> str:
+        """Queue a request; it joins the running batch at the next step. Returns its id.
+        ``images``: the pixel patches of a vision-language prompt whose image-pad tokens are
+        expanded (``models/vision.py``); its M-RoPE positions and prefix-cache root are set here."""
         if self._control.torn is not None:
             raise TornWeightsError(self._control.torn)
-        return self._requests.add(prompt_ids, params, request_id)
+        multimodal = None
+        if images is not None and images.grid_thw:
+            vc = getattr(self.model, "vision_config", None)
+            if vc is None:
+                raise ValueError("a request with images needs a vision-language model (Qwen2.5-VL layout)")
+            mrope_3P = mrope_positions(prompt_ids, images.grid_thw, vc)  # a ValueError when they do not match
+            multimodal = {
+                "images": images,
+                "mrope_3P": mrope_3P,
+                "position_delta": position_delta(mrope_3P),
+                "prefix_root": images.key(),
+                "image_token_id": vc.image_token_id,
+            }
+        return self._requests.add(prompt_ids, params, request_id, multimodal=multimodal)
 
     def has_unfinished(self) -> bool:
         if self._requests.inbox:

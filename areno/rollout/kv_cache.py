@@ -138,14 +138,16 @@ class BlockAllocator:
             self._by_key[key] = block
         return key
 
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+    def match_prefix(self, token_ids: list[int], max_tokens: int, root: int = ROOT_KEY) -> tuple[list[int], int]:
         """Longest run of cached full blocks covering at most ``max_tokens`` leading tokens.
 
         The returned blocks are already incref'd for the caller. Returns (blocks, last key).
+        ``root``: the key chains start from (a sequence with images: their content hash, so equal
+        token ids beside other images never share K/V).
         """
         bs = self.block_size
         blocks: list[int] = []
-        parent = ROOT_KEY
+        parent = root
         self.prefix_query_tokens += max_tokens
         if not self.enable_prefix_sharing:
             return blocks, parent

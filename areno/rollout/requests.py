@@ -39,8 +39,16 @@ class RequestTable:
         self._inbox_lock = threading.Lock()
         self._arrivals = 0
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate a request and queue it for the next ``admit``. Returns its id."""
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        multimodal: dict[str, Any] | None = None,
+    ) -> str:
+        """Validate a request and queue it for the next ``admit``. Returns its id. ``multimodal``:
+        the ``Sequence`` fields of a request with images (``RolloutEngine.add_request`` makes them)."""
         prompt_ids = list(map(int, prompt_ids))
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
@@ -74,6 +82,7 @@ class RequestTable:
                 arrival=0,
                 sample_row=sample_row,
                 limit=longest,
+                **(multimodal or {}),
             )
         return request_id
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,10 +59,24 @@ class Sequence:
     """``RowParams.row_of(params)``, computed once at admission."""
     row: int | None = None
     """Row of ``Scheduler.block_tables_RN`` mirroring ``block_table`` while the sequence runs."""
+    images: Any = None
+    """A vision-language request's ``ImageInputs`` (``models/vision.py``); None for text."""
+    mrope_3P: torch.Tensor | None = None
+    """With images: the prompt's M-RoPE positions [3, prompt]; generated token i sits at
+    ``i + position_delta`` on all three axes."""
+    position_delta: int = 0
+    image_token_id: int = -1
+    """The image-pad token id of the model (with images)."""
+    image_embeds: torch.Tensor | None = None
+    """The vision tower's output for ``images``, computed at the first prefill chunk that needs it
+    (never, when the prefix cache already holds every image token's K/V)."""
+    prefix_root: int = ROOT_KEY
+    """Root of this sequence's prefix-cache key chain (``ImageInputs.key`` with images)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        self.last_key = self.prefix_root
 
     @property
     def output_ids(self) -> list[int]:
@@ -271,7 +286,7 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> None:
         # The last known token is always computed: its logits give the next token.
-        blocks, key = self.allocator.match_prefix(seq.token_ids, len(seq.token_ids) - 1)
+        blocks, key = self.allocator.match_prefix(seq.token_ids, len(seq.token_ids) - 1, seq.prefix_root)
         seq.block_table = blocks
         seq.num_computed = len(blocks) * self.allocator.block_size
         seq.num_registered_blocks = len(blocks)
@@ -383,7 +398,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed = 0
         seq.num_registered_blocks = 0
-        seq.last_key = ROOT_KEY
+        seq.last_key = seq.prefix_root
         seq.cache_ok = True
 
     def after_step(self, batch: ScheduledBatch, decode_steps: int = 1) -> None:

@@ -16,6 +16,7 @@ through the engine's ``logits`` / ``sample_rows`` hooks (tensor parallelism over
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,10 @@ WAITING_CLAMP_MAX_ROWS = 32
 can end by length (so a waiting request joins at once); a larger batch runs its full ``decode_steps``:
 one freed slot idle for a few steps costs little there, while a host round trip per token (most
 rows' remaining lengths differ) made asynchronous rollouts host-bound (bench/LOG.md)."""
+
+
+IMAGE_FEATURES_KEPT = 16
+"""Vision-tower outputs the stepper keeps for the next samples of the same images."""
 
 
 class Stepper:
@@ -79,6 +84,11 @@ class Stepper:
         self.busy_s = 0.0
         """Seconds spent in steps that ran a batch (``stats()["busy_s"]``: busy fraction over time)."""
         self._last_step_ran = False
+        self.vision_runs = 0
+        """Vision-tower forwards (image prompts): one per distinct image set and policy version."""
+        self._image_features: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        """Recent vision-tower outputs by (``Sequence.prefix_root``, policy version): the samples of
+        a GRPO group share one (the prefix cache shares their K/V, this their image rows)."""
 
     def step(self) -> list[GenerationOutput]:
         c = self.control
@@ -286,6 +296,10 @@ class Stepper:
         ctx = [s.num_computed + 1 for s in seqs]
         graph = None
         graphs = self.graphs
+        # image prompts decode at their M-RoPE offset: eagerly (the graphs take plain positions)
+        delta_B = _position_deltas(seqs)
+        if delta_B is not None:
+            graphs = None
         if graphs is not None and graphs.can_loop(batch, rp, k):
             # The whole k-step loop (forwards, sampling, stop and length checks) is one graph replay.
             out = graphs.run_loop(batch, ids, ctx, rp, k, ids_B=first_B)
@@ -318,7 +332,8 @@ class Stepper:
                 attn = PagedAttention.for_decode(
                     self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL, self.config.decode_attention, carry=True
                 )
-                hidden_BD = self.model(ids_B, (ctx_B - 1).clamp(max=self.max_position - 1), attn)
+                pos_B = ctx_B - 1 if delta_B is None else ctx_B - 1 + delta_B.to(self.device)
+                hidden_BD = self.model(ids_B, pos_B.clamp(max=self.max_position - 1), attn)
                 logits_BV = self.logits(hidden_BD)
             tokens_B, logprobs_B = self.sample_rows(logits_BV, rp)
             tokens.append(tokens_B)
@@ -346,6 +361,8 @@ class Stepper:
             if do:
                 last.append(len(ids) - 1)
         T = len(ids)
+        if any(s.images is not None for s in seqs):
+            return self._forward_multimodal(batch, ids, last)
         # token ids, positions and the rows to sample in one host-to-device copy
         packed = torch.tensor(ids + pos + (last if len(last) < T else []), dtype=torch.long)
         packed = packed.to(self.device, non_blocking=True)
@@ -356,6 +373,47 @@ class Stepper:
         if len(last) == T:
             return self.logits(hidden_TD)
         return self.logits(hidden_TD[packed[2 * T :]])
+
+    def _forward_multimodal(self, batch: ScheduledBatch, ids: list[int], last: list[int]) -> torch.Tensor:
+        """``_forward`` of a batch holding image prompts: M-RoPE positions [3, T] (the prompt's
+        from the request, generated tokens at index + delta), and the vision tower's rows for the
+        image tokens of this step's prefill chunks."""
+        nd = batch.num_decode
+        seqs, starts = batch.seqs, batch.starts
+        cols, embeds, mask = [], [], [False] * nd
+        for s, c in zip(seqs[:nd], starts):
+            cols.append(torch.full((3, 1), c + s.position_delta, dtype=torch.long))
+        for s, start, n in zip(seqs[nd:], starts[nd:], batch.num_new[nd:]):
+            cols.append(_chunk_positions(s, start, n))
+            p = len(s.prompt_ids)
+            mask.extend(
+                j < p and s.images is not None and s.token_ids[j] == s.image_token_id for j in range(start, start + n)
+            )
+            rows = _chunk_image_rows(s, start, n)
+            if rows is not None:
+                if s.image_embeds is None:
+                    s.image_embeds = self._vision(s)
+                embeds.append(s.image_embeds[rows[0] : rows[1]])
+        pos_3T = torch.cat(cols, dim=1).clamp(max=self.max_position - 1).to(self.device)
+        ids_T = torch.tensor(ids, dtype=torch.long, device=self.device)
+        attn = self._attention(batch, torch.tensor(starts[:nd], dtype=torch.long, device=self.device))
+        image_embeds = torch.cat(embeds) if embeds else None
+        mask_T = torch.tensor(mask, dtype=torch.bool, device=self.device)
+        hidden_TD = self.model(ids_T, pos_3T, attn, image_embeds=image_embeds, image_mask_T=mask_T)
+        if not last:
+            return hidden_TD.new_empty(0, self.vocab_size)
+        return self.logits(hidden_TD[torch.tensor(last, device=self.device)])
+
+    def _vision(self, seq: Sequence) -> torch.Tensor:
+        """``seq``'s image rows: the vision tower's output, computed once per image set and version."""
+        key = (seq.prefix_root, self.control.version)
+        feats = self._image_features.get(key)
+        if feats is None:
+            feats = self._image_features[key] = self.model.image_features(seq.images)
+            self.vision_runs += 1
+            while len(self._image_features) > IMAGE_FEATURES_KEPT:
+                self._image_features.popitem(last=False)
+        return feats
 
     def _attention(self, batch: ScheduledBatch, decode_pos_B: torch.Tensor) -> PagedAttention:
         """The attention metadata of a graph-less step. Its decode rows' (the large part at hundreds
@@ -382,3 +440,30 @@ class Stepper:
         return PagedAttention(
             self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode, pre.prefill, dec.paged
         )
+
+
+def _position_deltas(seqs: list[Sequence]) -> torch.Tensor | None:
+    """Each row's M-RoPE offset of generated tokens (None when every row is text)."""
+    if all(s.images is None for s in seqs):
+        return None
+    return torch.tensor([s.position_delta for s in seqs], dtype=torch.long)
+
+
+def _chunk_positions(seq: Sequence, start: int, n: int) -> torch.Tensor:
+    """long [3, n] positions of ``seq``'s tokens start .. start + n."""
+    if seq.mrope_3P is None:
+        return torch.arange(start, start + n).expand(3, -1)
+    p = seq.mrope_3P.shape[1]
+    head = seq.mrope_3P[:, start : min(start + n, p)]
+    tail = torch.arange(max(start, p), max(start + n, p)) + seq.position_delta
+    return torch.cat([head, tail.expand(3, -1)], dim=1)
+
+
+def _chunk_image_rows(seq: Sequence, start: int, n: int) -> tuple[int, int] | None:
+    """Rows of ``seq``'s image features its tokens start .. start + n take (None: no image token)."""
+    if seq.images is None:
+        return None
+    is_image = [t == seq.image_token_id for t in seq.prompt_ids]
+    a = sum(is_image[:start])
+    b = a + sum(is_image[start : start + n])
+    return (a, b) if b > a else None

@@ -15,6 +15,7 @@ from torch import nn
 
 from areno.models.attention import PackedCausalAttention
 from areno.models.logprobs import argmax_from_hidden, logprobs_from_hidden, position_ids_from_cu_seqlens
+from areno.models.vision import ImageInputs
 from areno.types import TokenBatch, host_to_device
 
 
@@ -23,7 +24,20 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     device = model.output_weight.device
     cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
     attn = PackedCausalAttention(cu_host_B1, sliding_window=getattr(model.config, "sliding_window", None))
-    return model(host_to_device(batch.input_ids_T, device), position_ids_from_cu_seqlens(cu_host_B1, device), attn)
+    ids_T, pos_T = host_to_device(batch.input_ids_T, device), position_ids_from_cu_seqlens(cu_host_B1, device)
+    images = batch_images(batch)
+    if images is not None:  # a vision-language batch: the vision tower runs inside this forward
+        return model(ids_T, pos_T, attn, images=images)
+    return model(ids_T, pos_T, attn)
+
+
+def batch_images(batch: TokenBatch) -> ImageInputs | None:
+    """The images of a packed batch's sequences, in token order (None for a text-only batch)."""
+    parts = [
+        None if im is None else ImageInputs(im["pixel_values"], [tuple(g) for g in im["grid_thw"]])
+        for im in batch.images_B
+    ]
+    return ImageInputs.concat(parts)
 
 
 def _predictor_index_T(batch: TokenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

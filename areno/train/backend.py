@@ -26,8 +26,9 @@ from areno.errors import ConfigError
 from areno.models import moe
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
-from areno.models.hf_io import load_model, save_model
+from areno.models.hf_io import build_model, load_model, save_model
 from areno.models.logprobs import compiled_logprob_kernels
+from areno.models.vision import VisionTower
 from areno.observe.trace import span
 from areno.train import checkpoint
 from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
@@ -203,6 +204,10 @@ class PackedTrainBackend(TrainBackend):
             apply_lora(model, cfg.lora)
         if not cfg.trainable:
             model.requires_grad_(False)
+        if cfg.freeze_vision:  # model.freeze_vision: the tower's features stay those of the checkpoint
+            for module in model.modules():
+                if isinstance(module, VisionTower):
+                    module.requires_grad_(False)
         model.train()
         self.model = self._parallelize(model)
         if cfg.trainable:
@@ -449,7 +454,7 @@ class PackedTrainBackend(TrainBackend):
         state = {name: t.detach().cpu() for name, t in self.named_weights()}
         if self.is_rank0:
             with torch.device("meta"):
-                decoder = Decoder(self.model_config)
+                decoder = build_model(self.model_config)
             decoder.to_empty(device="cpu")
             decoder.load_state_dict(state, strict=True)
             out = save_model(decoder.to(next(iter(state.values())).dtype), self.model_config, path)

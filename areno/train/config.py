@@ -177,6 +177,9 @@ class PrecisionConfig:
     dtype: str = "float32"
     """Master weights, gradient reductions and optimizer state of training: ``float32`` or
     ``bfloat16`` (GPU forwards compute in bfloat16 either way: ``param_dtype``)."""
+    freeze_vision: bool = False
+    """Vision-language models: keep the vision tower and its patch merger fixed (no gradients, no
+    optimizer state); the decoder still trains on the tower's features. No effect on text models."""
 
     def __post_init__(self) -> None:
         check_config(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

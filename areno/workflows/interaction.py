@@ -204,6 +204,7 @@ class InteractionCache:
             finish_reason=inter.finish_reason,
             info={
                 **(info or {}),
+                **({"images": inter.info["images"]} if "images" in inter.info else {}),
                 "interaction_id": inter.id,
                 "num_turns": 1,
                 "own_reward": inter.reward if inter.reward is not None else 0.0,

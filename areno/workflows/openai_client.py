@@ -38,9 +38,12 @@ from openai._models import construct_type  # how the official client builds its 
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from areno.models.vision import ImageInputs, VisionConfig, decode_image, expand_image_tokens
 from areno.rollout.client import agenerate_many
 from areno.rollout.server import check_bind
+from areno.rollout.store import ObservationStore
 from areno.types import GenerationOutput, SamplingParams, Trajectory
+from areno.workflows.images import stash_images
 from areno.workflows.interaction import ExportStyle, Interaction, InteractionCache
 from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validate_tool_schema
 
@@ -123,13 +126,39 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+"""What an ``image_url`` content part becomes in the rendered prompt (as Qwen2.5-VL's template writes it)."""
+
+
+def _part_text(part: dict[str, Any]) -> str:
+    return IMAGE_PLACEHOLDER if part.get("type") == "image_url" else part.get("text", "")
+
+
+def _image_urls(messages: list[Any]) -> list[str]:
+    """The ``image_url`` parts' URLs (base64 data URLs) of ``messages``, in order."""
+    urls = []
+    for m in messages:
+        msg = _plain(m)
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url.startswith("data:image/"):
+                    raise AgentRequestError(
+                        f"image_url {str(url)[:60]!r}: only base64 data URLs (data:image/png;base64,...) are supported"
+                    )
+                urls.append(url)
+    return urls
+
+
 def _normalise_message(message: Any, index: int) -> dict[str, Any]:
     msg = _plain(message)
     if not isinstance(msg, dict) or "role" not in msg:
         raise AgentRequestError(f"messages[{index}] must be a dict with a 'role', got {msg!r:.80}")
     content = msg.get("content")
-    if isinstance(content, list):  # content parts: keep the text parts
-        msg["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if isinstance(content, list):  # content parts: the text parts, an image part as its vision tokens
+        msg["content"] = "".join(_part_text(p) for p in content if isinstance(p, dict))
     elif content is None:
         msg["content"] = ""
     return msg
@@ -150,6 +179,10 @@ class ArenoAsyncOpenAI:
         session: an ``areno.observe.session`` recorder; turns are appended to it.
         render_tools: how to show tools to a template that does not take ``tools``: ``"system"``
             prepends a Qwen/Hermes-style system message; ``"template"`` passes them to the template.
+        vision: a vision-language policy's ``VisionConfig``: chat messages may then hold
+            ``image_url`` parts (base64 data URLs); their pixels go with the request and, in the
+            exported trajectory, by reference through ``store``.
+        store: where the pixels of recorded image prompts are kept (None: inline).
     """
 
     def __init__(
@@ -161,11 +194,15 @@ class ArenoAsyncOpenAI:
         cache: InteractionCache | None = None,
         session: Any = None,
         render_tools: str = "auto",
+        vision: VisionConfig | None = None,
+        store: ObservationStore | None = None,
     ) -> None:
         if render_tools not in ("auto", "system", "template"):
             raise ValueError(f"render_tools must be 'auto', 'system' or 'template', got {render_tools!r}")
         self.rollout_client = rollout_client
         self.tokenizer = tokenizer
+        self.vision = vision
+        self.store = store
         self.default_sampling = default_sampling or SamplingParams(max_new_tokens=16)
         self.cache = cache if cache is not None else InteractionCache()
         self.session = session
@@ -273,13 +310,15 @@ class ArenoAsyncOpenAI:
             return out.text
         return self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
 
-    async def _agenerate_n(self, prompt_ids: list[int], req: dict[str, Any]) -> tuple[list[GenerationOutput], float]:
+    async def _agenerate_n(
+        self, prompt_ids: list[int], req: dict[str, Any], images: ImageInputs | None = None
+    ) -> tuple[list[GenerationOutput], float]:
         n = req.get("n") or 1
         if n < 1:
             raise AgentRequestError(f"n must be >= 1, got {n}")
         params = [self._sampling(req, i) for i in range(n)]
         t0 = time.perf_counter()
-        outs = await agenerate_many(self.rollout_client, prompt_ids, params)
+        outs = await agenerate_many(self.rollout_client, prompt_ids, params, images=images)
         return outs, time.perf_counter() - t0
 
     # ---- the two endpoints
@@ -293,8 +332,19 @@ class ArenoAsyncOpenAI:
         tools = [validate_tool_schema(_plain(t)) for t in req.get("tools") or []] or None
         if req.get("tool_choice") == "none":
             tools = None
-        prompt_ids, parent = self._chat_prompt(messages, tools)
-        outs, duration = await self._agenerate_n(prompt_ids, req)
+        urls = _image_urls(req["messages"])
+        images = None
+        if urls:  # the whole prompt is tokenised again: earlier turns' image tokens are already expanded
+            if self.vision is None:
+                raise AgentRequestError(
+                    "image_url content needs a vision-language policy (ArenoAsyncOpenAI(vision=...))"
+                )
+            images = ImageInputs.from_images([decode_image(u) for u in urls], self.vision)
+            text_ids = self._encode(self._render(messages, tools, generation=True))
+            prompt_ids, parent = expand_image_tokens(text_ids, images.grid_thw, self.vision), None
+        else:
+            prompt_ids, parent = self._chat_prompt(messages, tools)
+        outs, duration = await self._agenerate_n(prompt_ids, req, images)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = []
         for index, out in enumerate(outs):
@@ -311,6 +361,8 @@ class ArenoAsyncOpenAI:
                 tool_calls=calls,
                 info={"response_id": response_id, "tool_call_errors": errors},
             )
+            if images is not None:
+                inter.info["images"] = stash_images(images, self.store)
             self.cache.add(inter, parent)
             self._record_turns(messages, parent, message, out, duration)
             finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason

@@ -7,10 +7,13 @@ import uuid
 from typing import Any
 
 from areno.data.prompts import render_prompt
+from areno.models.vision import VisionConfig
 from areno.rollout.client import RolloutClient, agenerate_many
+from areno.rollout.store import ObservationStore
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
+from areno.workflows.images import IMAGES_KEY, image_prompt, row_images, stash_images
 
 
 def seeded(params: SamplingParams, offset: int) -> SamplingParams:
@@ -27,6 +30,10 @@ class RLVRWorkflow(RolloutWorkflow):
     completion (special tokens removed), the row's answer (None when the row has no answer field)
     and every other field of the row. A reward that raises scores 0, is recorded in
     ``trajectory.info["reward_error"]`` and is warned about with the prompt named.
+
+    A row with ``images`` (vision-language models: ``vision`` is set by the engine from the
+    checkpoint) generates with the images' pixels; the trajectories keep them by reference in
+    ``info["images"]`` (``store``, the run's observation store), for the trainer's forward.
     """
 
     def __init__(
@@ -40,6 +47,8 @@ class RLVRWorkflow(RolloutWorkflow):
         *,
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        vision: VisionConfig | None = None,
+        store: ObservationStore | None = None,
     ) -> None:
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
@@ -51,16 +60,30 @@ class RLVRWorkflow(RolloutWorkflow):
         self.answer_key = answer_key
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.vision = vision
+        self.store = store
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
         prompt = require_field(sample, self.prompt_key)
         answer = sample.get(self.answer_key)
-        fields = sample_fields(sample, self.prompt_key, self.answer_key)
-        prompt_ids = render_prompt(
-            self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
-        )
+        fields = sample_fields(sample, self.prompt_key, self.answer_key, IMAGES_KEY)
+        images = row_images(sample, self.vision)
+        inputs = None
+        if images:
+            prompt_ids, inputs = image_prompt(
+                self.tokenizer,
+                prompt,
+                images,
+                self.vision,
+                chat_template=self.chat_template,
+                system_prompt=self.system_prompt,
+            )
+        else:
+            prompt_ids = render_prompt(
+                self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
+            )
         outputs: list[GenerationOutput] = await agenerate_many(
-            client, prompt_ids, [seeded(self.sampling_params, i) for i in range(self.n_samples)]
+            client, prompt_ids, [seeded(self.sampling_params, i) for i in range(self.n_samples)], images=inputs
         )
         group_id = uuid.uuid4().hex
         group = []
@@ -70,6 +93,8 @@ class RLVRWorkflow(RolloutWorkflow):
             info: dict[str, Any] = {"prompt": prompt, "completion": completion, "answer": answer}
             if error is not None:
                 info["reward_error"] = error
+            if inputs is not None:  # one stored copy per trajectory: each is released after its step
+                info["images"] = stash_images(inputs, self.store)
             group.append(
                 Trajectory(
                     prompt_ids=prompt_ids,

@@ -1,0 +1,177 @@
+"""The Qwen2.5-VL layout (``models/vision.py``) against ``transformers`` on a tiny random checkpoint
+saved by ``transformers`` itself: image patches, M-RoPE positions, logits with an image and text-only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from areno.models.hf_io import load_model, save_model
+from areno.models.vision import (
+    ImageInputs,
+    VisionConfig,
+    VisionLanguageModel,
+    expand_image_tokens,
+    image_patches,
+    mrope_positions,
+)
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+IMAGE, START, END = 60, 58, 59
+
+
+def save_tiny_vl(path, seed: int = 0) -> None:
+    """A random Qwen2.5-VL checkpoint written by transformers (vision: 2 blocks, patch 4, window 16)."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=16,
+            out_hidden_size=32,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=IMAGE,
+        video_token_id=61,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+    )
+    transformers.Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_vl")
+    save_tiny_vl(path)
+    return path
+
+
+def random_image(h: int, w: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def hf_processor(vc):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=vc.patch_size,
+        merge_size=vc.spatial_merge_size,
+        temporal_patch_size=vc.temporal_patch_size,
+        min_pixels=vc.min_pixels,
+        max_pixels=vc.max_pixels,
+    )
+
+
+@pytest.mark.parametrize("size", [(32, 48), (37, 50)])
+def test_image_patches_equal_the_qwen2_vl_image_processor(vl_dir, size):
+    model, _ = load_model(vl_dir)
+    vc = model.vision_config
+    image = random_image(*size)
+    pixels, grid = image_patches(image, vc)
+    ref = hf_processor(vc)(images=[image], return_tensors="pt")
+    assert list(ref["image_grid_thw"][0].tolist()) == list(grid)
+    torch.testing.assert_close(pixels, ref["pixel_values"].float(), atol=1e-5, rtol=1e-5)
+
+
+def prompt_with_image(vc, grid):
+    return expand_image_tokens([5, 6, START, IMAGE, END, 7, 8, 9], [grid], vc)
+
+
+def test_logits_equal_transformers_with_an_image_and_text_only(vl_dir):
+    model, config = load_model(vl_dir)
+    assert isinstance(model, VisionLanguageModel)
+    vc = model.vision_config
+    ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_dir)).eval()
+    image = random_image(40, 56, seed=3)  # resized to a 40x56 grid of 4-pixel patches: several windows
+    images = ImageInputs.from_images([image], vc)
+    ids = prompt_with_image(vc, images.grid_thw[0])
+    ids_T = torch.tensor(ids)
+    pos_3T = mrope_positions(ids, images.grid_thw, vc)
+    grid = torch.tensor([images.grid_thw[0]])
+    hf_pos, _ = ref.model.get_rope_index(ids_T[None], (ids_T == IMAGE).int()[None], image_grid_thw=grid)
+    assert torch.equal(pos_3T, hf_pos[:, 0])
+    with torch.no_grad():
+        got = model.logits(model(ids_T, pos_3T, images=images))
+        want = ref(
+            input_ids=ids_T[None],
+            pixel_values=images.pixel_values,
+            image_grid_thw=grid,
+            mm_token_type_ids=(ids_T == IMAGE).int()[None],
+        ).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    text_T = torch.tensor([3, 4, 5, 6, 7, 8])
+    with torch.no_grad():
+        got = model.logits(model(text_T, torch.arange(6)))
+        want = ref(input_ids=text_T[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_save_model_round_trips_through_transformers(vl_dir, tmp_path):
+    model, config = load_model(vl_dir)
+    save_model(model, config, tmp_path / "out")
+    again, config2 = load_model(tmp_path / "out")
+    assert config2.replace(vision=config.vision) == config
+    # the image processor's pixel limits (defaults here) now travel in preprocessor_config.json
+    assert VisionConfig.from_hf(config2.vision) == VisionConfig.from_hf(config.vision)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, again.state_dict()[name]), name
+    ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out"))
+    assert set(ref.state_dict()) >= {"model.visual.merger.mlp.0.weight", "lm_head.weight"}
+
+
+def test_rollout_engine_greedy_tokens_equal_transformers_generate(vl_dir):
+    from areno.rollout.config import RolloutEngineConfig
+    from areno.rollout.engine import RolloutEngine
+    from areno.types import SamplingParams
+
+    model, config = load_model(vl_dir)
+    vc = model.vision_config
+    ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_dir)).eval()
+    images = ImageInputs.from_images([random_image(40, 56, seed=5)], vc)
+    ids = prompt_with_image(vc, images.grid_thw[0])
+    ids_T = torch.tensor(ids)
+    want = ref.generate(
+        input_ids=ids_T[None],
+        pixel_values=images.pixel_values,
+        image_grid_thw=torch.tensor(images.grid_thw),
+        mm_token_type_ids=(ids_T == IMAGE).int()[None],
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(ids) :].tolist()
+    engine = RolloutEngine(
+        model, config, config=RolloutEngineConfig(device="cpu", block_size=4, prefill_chunk_size=16, num_blocks=64)
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    rid = [engine.add_request(ids, params, images=images) for _ in range(3)]
+    done = {}
+    while len(done) < len(rid):
+        done.update({o.request_id: o for o in engine.step()})
+    for r in rid:
+        assert done[r].output_ids == want
+    stats = engine.stats()
+    assert stats["prefix_hit_rate"] > 0  # the group reused the image prefill
+    assert engine._stepper.vision_runs == 1  # and the vision tower ran once for the group
+    # the same text with another image shares no cached block
+    other = ImageInputs.from_images([random_image(40, 56, seed=6)], vc)
+    assert other.key() != images.key()
