@@ -58,7 +58,7 @@ def _config(tmp: Path, model_dir: Path, *overrides: str):
             "observe.console=false",
             "rollout.backend=vllm",
             "rollout.server_args=[--enforce-eager,--max-num-seqs,16]",
-            "rollout.max_model_len=256",
+            "rollout.max_model_len=1024",
             *overrides,
         ],
     )
@@ -136,7 +136,10 @@ def test_sync_pauses_with_requests_in_flight_and_stamps_versions(served, tmp_pat
     side, setup, _ = served
     probe = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     before = _generate(side.client, PROMPTS[:1], probe)[0]
-    long = SamplingParams(temperature=1.0, max_new_tokens=96, ignore_eos=True, seed=1)
+    # long enough that the sync lands while they generate, also on a busy machine; the export is
+    # written before they start, so only the sync itself runs while they stream
+    long = SamplingParams(temperature=1.0, max_new_tokens=900, ignore_eos=True, seed=1)
+    export = _perturbed_export(setup.model_dir, tmp_path / "policy-v1", seed=1)
     streaming = threading.Event()
 
     def version() -> int:  # called as each token arrives
@@ -148,13 +151,12 @@ def test_sync_pauses_with_requests_in_flight_and_stamps_versions(served, tmp_pat
     thread = threading.Thread(target=lambda: results.extend(_generate(client, PROMPTS, long)))
     thread.start()
     assert streaming.wait(timeout=120)  # the requests are generating
-    export = _perturbed_export(setup.model_dir, tmp_path / "policy-v1", seed=1)
     metrics = side.update_weights(WeightUpdate(version=side.version + 1, kind=WeightKind.DISK, path=export))
     thread.join(timeout=300)
     assert side.version == 1 and metrics["policy_sync_load_s"] > 0
     assert len(results) == len(PROMPTS)
     for out in results:
-        assert len(out.output_ids) == 96 and out.finish_reason == "length"
+        assert len(out.output_ids) == 900 and out.finish_reason == "length"
         assert out.output_versions == sorted(out.output_versions)  # old policy, then the new one
     assert any(0 in o.output_versions and 1 in o.output_versions for o in results), [o.output_versions for o in results]
     # tokens after the sync are sampled from the new weights (the context recomputed under them)
