@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from areno.models.hf_io import load_model
 from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
+from areno.models.vision import ImageInputs
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, WeightUpdateError
 from areno.rollout.sampling import RowParams
 from areno.types import GenerationOutput, SamplingParams
@@ -150,7 +151,16 @@ class TensorParallelRolloutEngine(RolloutEngine):
         self._ordered_commits = ordered_commits
         self._commands = []
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        images: ImageInputs | None = None,
+    ) -> str:
+        if images is not None:  # vision-language models refuse tensor parallelism at load; a stray image too
+            raise ValueError("image prompts need a rollout engine of TP 1: set the rollout TP to 1")
         if self._commands is None:
             return super().add_request(prompt_ids, params, request_id)
         with self._mirror_lock:

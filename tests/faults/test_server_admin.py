@@ -5,14 +5,14 @@ get a random key, also on loopback."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from areno.api.config import load_config
+from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.partitioned import PartitionedCluster
+from areno.models.hf_io import init_model_dir, tiny_config
 from areno.rollout.server import build_engine, build_parser, create_app, main
 
 
@@ -73,12 +73,19 @@ def test_train_starts_its_rollout_servers_with_a_random_key_on_loopback(tmp_path
         def create_roles(self, specs):
             self.specs = specs
 
-    overrides = ["model.path=/x", "cluster.device=cpu", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"]
+    tokenizer = build_char_tokenizer()
+    model_dir = init_model_dir(tmp_path / "model", tiny_config(len(tokenizer)), tokenizer)  # launch checks its shape
+    overrides = [
+        f"model.path={model_dir}",
+        "cluster.device=cpu",
+        "cluster.train_devices=[0]",
+        "cluster.rollout_devices=[1]",
+    ]
     keys = []
     for run in ("a", "b"):
         scheduler = Recording()
         cluster = PartitionedCluster(load_config(None, overrides), tmp_path / run, scheduler=scheduler)
-        cluster.launch(Path("/unused"))
+        cluster.launch(model_dir)
         (rollout,) = [s for s in scheduler.specs if s.role == "rollout"]
         assert rollout.kwargs["api_key"] == cluster.api_key
         keys.append(cluster.api_key)
