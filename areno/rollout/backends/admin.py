@@ -179,7 +179,8 @@ class VLLMAdmin(ServerAdmin):
 
 
 class SGLangAdmin(ServerAdmin):
-    """Untested against SGLang itself (it does not install on areno's CPU machine)."""
+    """Untested against SGLang itself (it does not install on areno's CPU machine): tested against a
+    stand-in on areno's engine (``tests/helpers/fake_sglang.py``)."""
 
     backend = "sglang"
 
