@@ -30,6 +30,8 @@ from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig,
 from areno.types import MIN_TEMPERATURE
 
 ROLLOUT_BACKENDS = ("areno", "vllm", "sglang")
+WEIGHT_TRANSFERS = ("disk", "nccl")
+"""``rollout.weight_transfer``: how a policy reaches vLLM/SGLang servers."""
 """``rollout.backend``: areno's own engine, or an inference server of another system."""
 
 
@@ -208,6 +210,10 @@ class RolloutSection(RolloutEngineSettings):
     """vllm/sglang: extra command-line arguments of the servers areno starts (e.g. --enforce-eager)."""
     server_start_timeout_s: float = 600.0
     """vllm/sglang: how long a server areno starts may take to answer /health."""
+    weight_transfer: str = "disk"
+    """vllm/sglang: how a policy sync reaches the servers: disk (a safetensors export they load) or
+    nccl (vllm on CUDA only: the trainer joins an NCCL group with the servers' workers through
+    vLLM's weight-transfer routes and broadcasts the tensors; see docs/inference_servers.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -253,6 +259,11 @@ class RolloutSection(RolloutEngineSettings):
             self.server_start_timeout_s > 0,
             "rollout.server_start_timeout_s",
             f"must be > 0, got {self.server_start_timeout_s}",
+        )
+        check_config(
+            self.weight_transfer in WEIGHT_TRANSFERS,
+            "rollout.weight_transfer",
+            f"must be one of {', '.join(WEIGHT_TRANSFERS)}, got {self.weight_transfer!r}",
         )
 
 
@@ -520,6 +531,22 @@ class ArenoConfig:
             "cluster.offload",
             f"sleep offloads areno's own rollout engine; a {self.rollout.backend} server manages its own memory "
             "(its --gpu-memory-utilization in rollout.server_args): use cluster.offload=none",
+        )
+        check_config(
+            self.rollout.weight_transfer == "disk" or self.rollout.backend == "vllm",
+            "rollout.weight_transfer",
+            f"nccl is implemented for vllm servers, not {self.rollout.backend}: use rollout.weight_transfer=disk",
+        )
+        check_config(
+            self.rollout.weight_transfer == "disk" or not self.rollout.servers,
+            "rollout.weight_transfer",
+            "nccl is for the vllm servers areno starts (it knows their TP and devices), not rollout.servers: "
+            "empty rollout.servers or use rollout.weight_transfer=disk",
+        )
+        check_config(
+            self.rollout.weight_transfer == "disk" or self.cluster.device != "cpu",
+            "rollout.weight_transfer",
+            "nccl needs CUDA (cluster.device is cpu): use rollout.weight_transfer=disk",
         )
         check_config(
             self.rollout.backend == "areno" or self.cluster.train_devices is None,

@@ -17,6 +17,7 @@ update stops the run (``RunFailure``), as does losing the last one.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import secrets
@@ -30,8 +31,9 @@ import torch
 from areno.engine.config import ArenoConfig, resolve_dtypes
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
-from areno.errors import RunFailure
+from areno.errors import ConfigError, RunFailure
 from areno.launch.allocation import parse_allocation_mode
+from areno.launch.scheduler import free_port
 from areno.launch.servers import (
     ServerProcess,
     ServerSpec,
@@ -41,8 +43,10 @@ from areno.launch.servers import (
     start_servers,
 )
 from areno.rollout.backends.admin import ServerAdmin, admin_for
+from areno.rollout.backends.nccl import NcclWeightTransfer
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
+from areno.sync.base import full_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ class ServerRolloutSide(RolloutSide):
     processes: list[ServerProcess]
     health: HealthMonitor | None = None
     _client: MultiServerRolloutClient | None = None
+    nccl: NcclWeightTransfer | None = None
 
     def __init__(self, config: ArenoConfig, run_dir: Path) -> None:
         self.config = config
@@ -75,6 +80,9 @@ class ServerRolloutSide(RolloutSide):
         self._lost: dict[str, str] = {}
         """``url -> why`` of the servers dropped for good."""
         self._lock = threading.Lock()
+        if config.rollout.weight_transfer == "nccl":
+            check_nccl_transfer(config)  # before anything starts
+            self.weight_kinds = frozenset({WeightKind.IN_PROCESS})  # the tensors, broadcast from here
         if not config.rollout.servers:
             check_server_install(self.backend)  # before the training side loads anything
 
@@ -113,6 +121,8 @@ class ServerRolloutSide(RolloutSide):
         model = served or self.admin.check(self.urls[0], model_config)
         for url in self.urls[1 if served is None else 0 :]:
             self.admin.check(url, model_config)
+        if cfg.weight_transfer == "nccl":
+            self.nccl = self._start_nccl(setup)
         self.health = HealthMonitor(self.urls, api_key=api_key, interval_s=2.0).start()
         self._client = MultiServerRolloutClient(
             self.urls,
@@ -125,6 +135,23 @@ class ServerRolloutSide(RolloutSide):
             ),
             least_loaded=True,
         )
+
+    def _start_nccl(self, setup: SideSetup) -> NcclWeightTransfer:
+        """Every server has the weight-transfer routes (ConfigError otherwise) and joins the group."""
+        for url in self.urls:
+            self.admin.check_weight_transfer(url)
+        dtype = resolve_dtypes(self.config, "cuda").rollout
+        transfer = NcclWeightTransfer(
+            self.admin,
+            self.urls,
+            self.layout()[1],
+            dtype=getattr(torch, dtype),
+            device=torch.device("cuda"),  # the current device: the training side's
+            master_address="127.0.0.1",  # areno's own servers bind the loopback
+            master_port=free_port(),
+        )
+        transfer.start()
+        return transfer
 
     def _specs(self, model_dir: Path, n: int, tp: int, api_key: str) -> list[ServerSpec]:
         cuda = self.config.cluster.device == "cuda" or (
@@ -146,6 +173,7 @@ class ServerRolloutSide(RolloutSide):
                 max_model_len=self.config.rollout.max_model_len,
                 seed=self.config.train.seed,
                 extra_args=list(self.config.rollout.server_args),
+                weight_transfer=self.config.rollout.weight_transfer,
             )
             for i in range(n)
         ]
@@ -168,8 +196,13 @@ class ServerRolloutSide(RolloutSide):
         """Nothing (see :meth:`pause`)."""
 
     def update_weights(self, update: WeightUpdate) -> dict[str, float]:
-        assert update.kind is WeightKind.DISK and update.path is not None, update.kind
+        assert update.kind in self.weight_kinds, update.kind
         live = [u for u in self.urls if u not in self._lost]
+        if self.nccl is not None and len(live) < len(self.urls):
+            raise RunFailure(
+                f"{self.backend} servers of the NCCL weight-transfer group are gone ({self._lost}): the group "
+                "cannot shrink; rollout.weight_transfer=disk carries on with the servers left"
+            )
         t0 = time.perf_counter()
         paused = []
         try:
@@ -179,8 +212,12 @@ class ServerRolloutSide(RolloutSide):
             if not paused:
                 raise RunFailure(f"every {self.backend} server is gone: {self._lost}")
             t_load = time.perf_counter()
-            for url in paused:
-                self.admin.load_weights(url, update.path, update.version)  # a refusal stops the run
+            if self.nccl is not None:
+                self._send_nccl(update, paused)
+            else:
+                assert update.path is not None
+                for url in paused:
+                    self.admin.load_weights(url, update.path, update.version)  # a refusal stops the run
             load_s = time.perf_counter() - t_load
             self._version = update.version
         finally:
@@ -192,6 +229,15 @@ class ServerRolloutSide(RolloutSide):
             "policy_sync_generation_paused_s": time.perf_counter() - t0,
             "policy_sync_controller_s": time.perf_counter() - update.started_at,
         }
+
+    def _send_nccl(self, update: WeightUpdate, paused: list[str]) -> None:
+        assert self.nccl is not None and update.source is not None
+        if len(paused) < len(self.urls):  # one went away while pausing: the broadcast would hang
+            raise RunFailure(f"a {self.backend} server of the NCCL weight-transfer group is gone: {self._lost}")
+        meta = [(name, tuple(shape), dtype) for name, shape, dtype in update.source.meta()]
+        self.nccl.send(meta, ((name, full_tensor(t)) for name, t in update.source.iter_tensors()))
+        for url in paused:
+            self.admin.reset_prefix_cache(url, update.version)
 
     def _try(self, url: str, what: str, call) -> bool:
         """``call(url)``; a server that cannot be reached is dropped for the rest of the run."""
@@ -234,6 +280,18 @@ class ServerRolloutSide(RolloutSide):
             self.health.stop()
         for p in self.processes:
             p.stop()
+
+
+def check_nccl_transfer(config: ArenoConfig) -> None:
+    """``rollout.weight_transfer=nccl`` needs CUDA here and vLLM importable in this Python (the
+    trainer's half of the group is vLLM's): a ConfigError naming the fix otherwise."""
+    if not torch.cuda.is_available() or config.cluster.device == "cpu":
+        raise ConfigError("rollout.weight_transfer: nccl needs CUDA, and this run has none: use disk")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.weight_transfer: nccl joins vLLM's weight-transfer group from the trainer, and vllm is not "
+            "installed here: pip install 'areno[vllm]', or use disk"
+        )
 
 
 class _Serving:

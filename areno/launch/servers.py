@@ -47,6 +47,8 @@ class ServerSpec:
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     """The user's ``rollout.server_args``, appended."""
+    weight_transfer: str = "disk"
+    """``rollout.weight_transfer``: nccl starts vLLM with its NCCL weight-transfer engine."""
 
     @property
     def url(self) -> str:
@@ -71,6 +73,8 @@ def server_command(spec: ServerSpec) -> list[str]:
         ]  # fmt: skip
         if spec.max_model_len:
             cmd += ["--max-model-len", str(spec.max_model_len)]
+        if spec.weight_transfer == "nccl":
+            cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
     else:
         assert spec.backend == "sglang", spec.backend
         cmd = [

@@ -1,7 +1,10 @@
 """A stand-in for a vLLM server, for CPU tests without vLLM: the routes areno's vLLM backend uses
 (``/v1/completions`` streamed with token ids and log-probs, ``/pause``, ``/resume``, ``/is_paused``,
-``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache``, ``/v1/models``, ``/health``), in
-vLLM 0.32's shapes, served by areno's own engine on the CPU. Every control call is recorded."""
+``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache``, ``/v1/models``, ``/health``, and
+the weight-transfer routes ``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``, listed in ``/openapi.json`` as vLLM's are), in
+vLLM 0.32's shapes, served by areno's own engine on the CPU. Every control call is recorded; the
+weight-transfer routes only record (no NCCL here: the tests' group records the broadcast)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
 
 
-def fake_vllm_app(model_dir: Path, eos_token_id: int) -> FastAPI:
+def fake_vllm_app(model_dir: Path, eos_token_id: int, *, weight_transfer: bool = True) -> FastAPI:
     model, model_config = load_model(model_dir)
     engine = RolloutEngine(
         model, model_config, config=RolloutEngineConfig(device="cpu", max_num_seqs=64), eos_token_ids=[eos_token_id]
@@ -66,6 +69,28 @@ def fake_vllm_app(model_dir: Path, eos_token_id: int) -> FastAPI:
     async def reset_prefix_cache(request: Request):
         app.state.calls.append(("reset_prefix_cache", dict(request.query_params)))
         return {"success": True}
+
+    if weight_transfer:  # a vLLM older than 0.32 has none of them
+
+        @app.post("/init_weight_transfer_engine")
+        async def init_weight_transfer_engine(request: Request):
+            app.state.calls.append(("init_weight_transfer_engine", await request.json()))
+            return JSONResponse({"message": "Weight transfer initialized"})
+
+        @app.post("/start_weight_update")
+        async def start_weight_update():
+            app.state.calls.append(("start_weight_update", {}))
+            return JSONResponse({"message": "Weight update started"})
+
+        @app.post("/update_weights")
+        async def update_weights(request: Request):
+            app.state.calls.append(("update_weights", await request.json()))
+            return JSONResponse({"message": "Weights updated"})
+
+        @app.post("/finish_weight_update")
+        async def finish_weight_update():
+            app.state.calls.append(("finish_weight_update", {}))
+            return JSONResponse({"message": "Weight update finished"})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -112,6 +112,28 @@ def test_sglang_client_sends_input_ids_and_reads_cumulative_stream():
     assert body["sampling_params"]["max_new_tokens"] == 3 and body["sampling_params"]["sampling_seed"] == 3
 
 
+def test_sglang_client_reads_incremental_streams_and_retries_aborts():
+    """``--incremental-streaming-output``: each event holds only its new tokens (``completion_tokens``
+    counts them all); an ``abort`` finish is a server error the router retries elsewhere."""
+    incremental = [
+        {"text": "1", "meta_info": {"completion_tokens": 1, "finish_reason": None,
+                                    "output_token_logprobs": [[-0.25, 17, None]]}},
+        {"text": "2", "meta_info": {"completion_tokens": 3, "finish_reason": {"type": "stop", "matched": 2},
+                                    "output_token_logprobs": [[-1.5, 18, None], [-0.125, 2, None]]}},
+    ]  # fmt: skip
+    client = SGLangRolloutClient("http://sgl", transport=httpx.MockTransport(Recorder("/generate", incremental)))
+    out = asyncio.run(client.agenerate([5], SamplingParams(max_new_tokens=3)))
+    assert (out.output_ids, out.output_logprobs, out.finish_reason, out.text) == (
+        [17, 18, 2], [-0.25, -1.5, -0.125], "stop", "12"
+    )  # fmt: skip
+    aborted = [{"text": "", "meta_info": {"id": "r", "finish_reason": {"type": "abort", "message": "paused"},
+                                          "completion_tokens": 0, "output_token_logprobs": []}}]  # fmt: skip
+    client = SGLangRolloutClient("http://sgl", transport=httpx.MockTransport(Recorder("/generate", aborted)))
+    with pytest.raises(RolloutServerError, match="aborted r") as info:
+        asyncio.run(client.agenerate([5], SamplingParams(max_new_tokens=3)))
+    assert info.value.status == 500  # retried on another server
+
+
 def test_server_errors_are_rollout_server_errors():
     def refuse(request):
         return httpx.Response(503, text="engine dead")

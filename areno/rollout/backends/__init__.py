@@ -7,6 +7,8 @@ weights, bumps the version and resumes, so tokens of a request in flight before 
 old version and those after it the new one. Errors are those of ``HTTPRolloutClient``
 (``RolloutServerError``, ``httpx.TransportError``, ``RolloutRequestTimeout``), so
 ``MultiServerRolloutClient`` routes around a dead server for them as for ``areno serve``.
+``admin.py`` holds the servers' control routes; ``nccl.py`` the trainer's half of vLLM's NCCL
+weight transfer (``rollout.weight_transfer=nccl``).
 """
 
 from areno.rollout.backends.base import StreamingServerClient

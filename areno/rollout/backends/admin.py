@@ -6,6 +6,9 @@ vLLM (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep``, ``POST /resume``, 
 ``POST /collective_rpc`` with ``reload_weights(weights_path=...)`` (every worker loads the
 export in place), then ``POST /reset_prefix_cache?reset_running_requests=true``: cached prefixes
 of the old policy are dropped and requests in flight recompute their context under the new one.
+With ``rollout.weight_transfer=nccl`` the load is vLLM's weight transfer instead
+(``/init_weight_transfer_engine`` once, then ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``; ``nccl.py``), followed by the same prefix-cache reset.
 SGLang: ``POST /pause_generation`` (``mode: retract``: requests kept, their context recomputed), ``POST /continue_generation``,
 ``POST /update_weights_from_disk``, ``POST /flush_cache``, ``GET /get_model_info``.
 """
@@ -25,6 +28,13 @@ from areno.rollout.backends.base import StreamingServerClient
 from areno.rollout.backends.sglang import SGLangRolloutClient
 from areno.rollout.backends.vllm import VLLMRolloutClient
 
+WEIGHT_TRANSFER_ROUTES = (
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+)
+"""vLLM's weight-transfer routes (``VLLM_SERVER_DEV_MODE=1``) an NCCL policy sync uses."""
 MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 """config.json fields that must agree between the trainer's model and the served one."""
 
@@ -129,6 +139,36 @@ class VLLMAdmin(ServerAdmin):
             json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
             timeout=self.load_timeout_s,
         )
+        self.reset_prefix_cache(url, version)
+
+    # NCCL weight transfer (rollout.weight_transfer=nccl; areno/rollout/backends/nccl.py drives them)
+    def check_weight_transfer(self, url: str) -> None:
+        """A ConfigError unless the server has vLLM's weight-transfer routes."""
+        paths = self._call("GET", url, "/openapi.json").json().get("paths", {})
+        missing = [r for r in WEIGHT_TRANSFER_ROUTES if r not in paths]
+        if missing:
+            raise ConfigError(
+                f"rollout.weight_transfer: vLLM server {url} has no {', '.join(missing)}: nccl needs a vLLM with "
+                "weight transfer (0.32 or newer), started with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                '\'{"backend": "nccl"}\'; or use rollout.weight_transfer=disk'
+            )
+
+    def init_weight_transfer(self, url: str, init_info: dict) -> None:
+        self._call(
+            "POST", url, "/init_weight_transfer_engine", json={"init_info": init_info}, timeout=self.load_timeout_s
+        )
+
+    def start_weight_update(self, url: str) -> None:
+        self._call("POST", url, "/start_weight_update", timeout=self.load_timeout_s)
+
+    def update_weights_nccl(self, url: str, update_info: dict) -> None:
+        """Answers once the server's workers received the whole broadcast and loaded it."""
+        self._call("POST", url, "/update_weights", json={"update_info": update_info}, timeout=self.load_timeout_s)
+
+    def finish_weight_update(self, url: str) -> None:
+        self._call("POST", url, "/finish_weight_update", timeout=self.load_timeout_s)
+
+    def reset_prefix_cache(self, url: str, version: int) -> None:
         # the old policy's cached prefixes must not serve new requests; requests in flight
         # recompute their context under the new weights (preempted, then resumed)
         reset = self._call(
@@ -139,7 +179,8 @@ class VLLMAdmin(ServerAdmin):
 
 
 class SGLangAdmin(ServerAdmin):
-    """Untested against SGLang itself (it does not install on areno's CPU machine)."""
+    """Untested against SGLang itself (it does not install on areno's CPU machine): tested against a
+    stand-in on areno's engine (``tests/helpers/fake_sglang.py``)."""
 
     backend = "sglang"
 

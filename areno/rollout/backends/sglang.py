@@ -3,9 +3,12 @@
 The request sends ``input_ids``, ``sampling_params`` and ``return_logprob``; each streamed event
 holds the output so far (SGLang's default, cumulative streaming): its ``meta_info`` has
 ``output_token_logprobs`` as ``[logprob, token_id, text]`` triples and, at the end, a
-``finish_reason`` object. SGLang's log-probs are of the temperature-scaled distribution unless the
-server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``. Untested against SGLang itself (it does not
-install on the CPU machine areno is developed on): tested against recorded answers.
+``finish_reason`` object (an ``abort`` one is a ``RolloutServerError``: the request is retried on
+another server). A server run with ``--incremental-streaming-output`` sends only the new tokens;
+``completion_tokens`` tells the two apart. SGLang's log-probs are of the temperature-scaled
+distribution unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``. Untested against
+SGLang itself (it does not install on the CPU machine areno is developed on): tested against
+recorded answers and a stand-in server on areno's engine (``tests/helpers/fake_sglang.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from areno.rollout.backends.base import StreamingServerClient, StreamState
+from areno.rollout.client import RolloutServerError
 from areno.types import SamplingParams
 
 
@@ -47,9 +51,18 @@ class SGLangRolloutClient(StreamingServerClient):
     def absorb(self, state: StreamState, event: dict[str, Any]) -> tuple[list[int], list[float]]:
         meta = event.get("meta_info") or {}
         triples = meta.get("output_token_logprobs") or []
-        new = triples[len(state.output_ids) :]  # cumulative: the tail is what this event added
-        state.text = event.get("text", state.text)
+        done = meta.get("completion_tokens", len(triples))
+        # cumulative (SGLang's default): the tail past what arrived is new; a server run with
+        # --incremental-streaming-output sends only the new tokens
+        new = triples[len(state.output_ids) :] if len(triples) == done else triples
+        if event.get("text") is not None:
+            state.text = event["text"] if len(triples) == done else state.text + event["text"]
         finish = meta.get("finish_reason")
         if finish is not None:
-            state.finish_reason = finish["type"] if isinstance(finish, dict) else str(finish)
+            kind = finish["type"] if isinstance(finish, dict) else str(finish)
+            if kind == "abort":  # aborted by the server: partial output, another server retries it
+                raise RolloutServerError(
+                    f"{self.base_url}{self.path} aborted {meta.get('id')}: {finish}", server=self.base_url, status=500
+                )
+            state.finish_reason = kind
         return [int(t[1]) for t in new], [float(t[0]) for t in new]

@@ -1,0 +1,239 @@
+"""``rollout.weight_transfer=nccl``: vLLM's NCCL weight transfer behind ``ServerRolloutSide``.
+
+CPU: the config errors, and the HTTP calls of a sync and their order against a recording stand-in
+vLLM server (``tests/helpers/fake_vllm.py``) with a recording group in place of NCCL. The real
+transfer (a vLLM server on a GPU) is marked ``gpu`` and ``vllm``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from areno.api.config import load_config
+from areno.data.tokenizer import build_char_tokenizer
+from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
+from areno.engine.servers import ServerRolloutSide
+from areno.errors import ConfigError, RunFailure
+from areno.launch.servers import ServerSpec, server_command
+from areno.models.hf_io import init_model_dir, load_model, tiny_config
+from areno.rollout.backends.nccl import NcclWeightTransfer
+from areno.sync.base import NamedTensorSource
+from tests.helpers.fake_vllm import fake_vllm_app
+from tests.helpers.serving import serving
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.weight_transfer=gloo"], "rollout.weight_transfer: must be one of disk, nccl, got 'gloo'"),
+        (
+            ["rollout.backend=sglang", "rollout.weight_transfer=nccl"],
+            "rollout.weight_transfer: nccl is implemented for vllm servers, not sglang",
+        ),
+        (
+            ["rollout.backend=vllm", "rollout.weight_transfer=nccl", "cluster.device=cpu"],
+            "rollout.weight_transfer: nccl needs CUDA (cluster.device is cpu): use rollout.weight_transfer=disk",
+        ),
+        (
+            ["rollout.backend=vllm", "rollout.weight_transfer=nccl", "rollout.servers=[http://h:1]"],
+            "rollout.weight_transfer: nccl is for the vllm servers areno starts",
+        ),
+    ],
+)
+def test_weight_transfer_key_errors(overrides, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        load_config(None, ["model.path=m", *overrides])
+    assert load_config(None, ["model.path=m"]).rollout.weight_transfer == "disk"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_nccl_without_cuda_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr("areno.engine.servers.start_servers", lambda *a, **k: started.append(a))
+    cfg = load_config(
+        None, ["model.path=m", f"run_dir={tmp_path}", "rollout.backend=vllm", "rollout.weight_transfer=nccl"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"^rollout.weight_transfer: nccl needs CUDA, and this run has none: use disk"
+    ):
+        ServerRolloutSide(cfg, tmp_path)
+    assert not started
+
+
+class RecordingGroup:
+    """Stands in for the NCCL group: the tensors rank 0 broadcasts, in order."""
+
+    def __init__(self) -> None:
+        self.joined: tuple | None = None
+        self.sent: list[tuple[str, torch.Tensor]] = []
+
+
+class _Started:
+    """What ``start_servers`` returns for a server that is already up (the stand-in)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """A ``ServerRolloutSide`` with nccl whose 'started' server is the stand-in and whose group records."""
+    tok = build_char_tokenizer()
+    model = tmp_path / "model"
+    init_model_dir(
+        model, tiny_config(len(tok), hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64), tok
+    )
+    group = RecordingGroup()
+
+    def join(address, port, world_size):
+        group.joined = (address, port, world_size)
+        return group
+
+    def send(tensors, g):
+        g.sent.extend(tensors)
+
+    monkeypatch.setattr("areno.engine.servers.check_nccl_transfer", lambda config: None)
+    monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
+    monkeypatch.setattr(
+        "areno.engine.servers.NcclWeightTransfer",
+        functools.partial(_cpu_transfer, join=join, send=send),
+    )
+    return model, tok, group
+
+
+def _cpu_transfer(*args, join, send, **kwargs):
+    return NcclWeightTransfer(*args, **{**kwargs, "device": torch.device("cpu"), "join": join, "send": send})
+
+
+def _side(tmp_path: Path, model: Path, app, monkeypatch, url: str) -> ServerRolloutSide:
+    monkeypatch.setattr("areno.engine.servers.start_servers", lambda specs, log_dir, timeout_s: [_Started(url)])
+    cfg = load_config(
+        None,
+        [f"model.path={model}", f"run_dir={tmp_path / 'run'}", "rollout.backend=vllm", "rollout.weight_transfer=nccl"],
+    )
+    side = ServerRolloutSide(cfg, tmp_path / "run")
+    assert side.weight_kinds == {WeightKind.IN_PROCESS}
+    side.start(SideSetup(recipe=None, model_dir=model, tokenizer=None))
+    return side
+
+
+def test_nccl_sync_sends_vllms_weight_transfer_calls_in_order(stand_in, tmp_path, monkeypatch):
+    model, tok, group = stand_in
+    app = fake_vllm_app(model, tok.eos_token_id)
+    with serving(app) as url:
+        side = _side(tmp_path, model, app, monkeypatch, url)
+        try:
+            assert app.state.calls == [
+                (
+                    "init_weight_transfer_engine",
+                    {"init_info": {"master_address": "127.0.0.1", "master_port": group.joined[1], "rank_offset": 1,
+                                   "world_size": 2}},
+                )
+            ]  # fmt: skip
+            assert group.joined[0] == "127.0.0.1" and group.joined[2] == 2
+            weights, _ = load_model(model)
+            source = NamedTensorSource(lambda: list(weights.state_dict().items()))
+            app.state.calls.clear()
+            metrics = side.update_weights(WeightUpdate(version=1, kind=WeightKind.IN_PROCESS, source=source))
+        finally:
+            side.shutdown()
+    names = [name for name, _ in app.state.calls]
+    assert names == [
+        "pause", "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache", "resume"
+    ]  # fmt: skip
+    info = app.state.calls[2][1]["update_info"]
+    meta = source.meta()
+    assert info["names"] == [n for n, _, _ in meta] and info["packed"] is True
+    assert info["shapes"] == [list(s) for _, s, _ in meta] and set(info["dtype_names"]) == {"bfloat16"}
+    assert [n for n, _ in group.sent] == info["names"]  # broadcast in the announced order, as announced
+    assert all(t.dtype is torch.bfloat16 for _, t in group.sent)
+    assert side.version == 1 and metrics["policy_sync_load_s"] >= 0
+
+
+def test_nccl_needs_the_weight_transfer_routes(stand_in, tmp_path, monkeypatch):
+    model, tok, _ = stand_in
+    app = fake_vllm_app(model, tok.eos_token_id, weight_transfer=False)
+    with serving(app) as url:
+        with pytest.raises(ConfigError, match=r"^rollout.weight_transfer: vLLM server .* has no /init_weight_transfer"):
+            _side(tmp_path, model, app, monkeypatch, url)
+
+
+def test_a_lost_server_stops_an_nccl_run_at_the_next_sync(stand_in, tmp_path, monkeypatch):
+    model, tok, _ = stand_in
+    app = fake_vllm_app(model, tok.eos_token_id)
+    with serving(app) as url:
+        side = _side(tmp_path, model, app, monkeypatch, url)
+        side._lost[url] = "its process exited"
+        try:
+            with pytest.raises(RunFailure, match="NCCL weight-transfer group are gone"):
+                side.update_weights(WeightUpdate(version=1, kind=WeightKind.IN_PROCESS, source=None))
+        finally:
+            side.shutdown()
+
+
+def test_launcher_starts_vllm_with_its_nccl_engine(tmp_path):
+    spec = ServerSpec(
+        backend="vllm", model_dir=tmp_path, served_name="p", dtype="bfloat16", tp=1, port=1, api_key="k",
+        devices=[0], weight_transfer="nccl",
+    )  # fmt: skip
+    cmd = server_command(spec)
+    i = cmd.index("--weight-transfer-config")
+    assert json.loads(cmd[i + 1]) == {"backend": "nccl"}
+    assert "--weight-transfer-config" not in server_command(ServerSpec(**{**spec.__dict__, "weight_transfer": "disk"}))
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_grpo_with_nccl_weight_transfer_through_a_real_vllm_server(tmp_path):
+    """Three GRPO steps through a vLLM server on a GPU, each sync over NCCL: the trainer's log-probs
+    match the server's after every sync (the broadcast reached its workers)."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (one for training, one for the server)")
+    tok = build_char_tokenizer()
+    model = tmp_path / "model"
+    init_model_dir(
+        model, tiny_config(len(tok), hidden_size=64, layers=2, heads=2, kv_heads=1, intermediate_size=128), tok
+    )
+    from areno.api.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={model}",
+            "cluster.device=cuda",
+            "cluster.allocation_mode='fsdp:d1+vllm:d1'",
+            "rollout.weight_transfer=nccl",
+            "rollout.server_args=[--enforce-eager,--gpu-memory-utilization,0.3]",
+            "rollout.max_model_len=1024",
+            "data.task=arithmetic",
+            "data.num_eval=0",
+            "rollout.batch_size=2",
+            "rollout.n_samples=4",
+            "rollout.max_new_tokens=8",
+            "train.steps=3",
+            "optim.lr=0.05",
+            "observe.console=false",
+        ],
+    )
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/logprob_abs_diff_mean" in r]
+    assert len(steps) == 3 and all(r["rollout/logprob_abs_diff_max"] < 5e-2 for r in steps), steps  # bf16 server
+    assert trainer.backend.engine.version == 3
