@@ -65,3 +65,15 @@ def test_partitioned_run_with_c2(tmp_path):
             assert math.isfinite(metrics["train/policy/loss"])
     finally:
         engine.shutdown()
+
+
+def test_c_that_does_not_divide_the_heads_fails_before_launch(tmp_path):
+    cfg = load_config(
+        None, [*tiny_run_overrides(tmp_path), "cluster.allocation_mode='areno[rollout]:d1+fsdp[actor]:d3c3'"]
+    )
+    prepare_model_dir(cfg)
+    engine = build_engine(cfg, tmp_path / "run")
+    with pytest.raises(LayoutError, match="c3: cp_size=3 must divide the model's attention heads") as info:
+        engine.initialize()
+    assert "\n" not in str(info.value)
+    engine.shutdown()
