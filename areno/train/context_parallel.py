@@ -133,6 +133,12 @@ def _cp_forward(forward, decoder: Decoder, group: dist.ProcessGroup, cp: int, ra
     return run
 
 
+def cp_rank_groups(mesh_ranks: torch.Tensor, cp_size: int) -> list[list[int]]:
+    """The global ranks of every CP group of a (dp_replicate, dp_shard, tp) mesh's rank tensor: runs
+    of ``cp_size`` consecutive shard ranks with the same replicate and tp coordinates."""
+    return mesh_ranks.transpose(1, 2).reshape(-1, cp_size).tolist()
+
+
 def context_parallel_group(ranks_of_groups: list[list[int]]) -> tuple[dist.ProcessGroup, int]:
     """This rank's CP process group among ``ranks_of_groups`` (global ranks, each list one group) and
     its rank in it. Only the members create a group (``use_local_synchronization``), so ranks outside

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from areno.errors import ConfigError
 from areno.train.backend import PackedTrainBackend
-from areno.train.context_parallel import context_parallel_group
+from areno.train.context_parallel import context_parallel_group, cp_rank_groups
 from areno.train.parallelize import parallelize
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -104,8 +104,7 @@ class FSDP2TrainBackend(PackedTrainBackend):
         self._world_size = world
         self._cp_group = None
         if cp > 1:
-            ranks = self.mesh.mesh.transpose(1, 2).reshape(-1, cp).tolist()  # [(rep, tp, shard // cp), cp]
-            self._cp_group, _ = context_parallel_group(ranks)
+            self._cp_group, _ = context_parallel_group(cp_rank_groups(self.mesh.mesh, cp))
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         compute = self.cfg.torch_param_dtype(self.device.type)

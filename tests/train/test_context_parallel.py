@@ -16,7 +16,7 @@ import torch.distributed as dist
 from areno.errors import ConfigError
 from areno.models.hf_io import load_model
 from areno.train import FSDP2TrainBackend, LocalTrainBackend, TrainBackendConfig
-from areno.train.context_parallel import apply_context_parallel, context_parallel_group, padded_tokens
+from areno.train.context_parallel import apply_context_parallel, context_parallel_group, cp_rank_groups, padded_tokens
 from areno.train.packing import MicroBatchSpec, plan_micro_batches
 from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, spawn, token_denominator
 
@@ -84,6 +84,10 @@ def _fsdp_worker(rank, world, model_dir, out_dir):
     result = {"losses": _train(b), "scores": b.forward_only(random_batch(LENGTHS, VOCAB, 7), forward_fn=nll_forward)}
     result["weights"] = {k: v.clone() for k, v in b.named_weights()}
     b.shutdown()
+    ac = FSDP2TrainBackend(TrainBackendConfig(**CFG, cp_size=2, activation_checkpointing=True))
+    ac.initialize(model_dir)  # recomputing a layer in backward runs its all-to-alls again
+    result["ac_first"] = _train(ac)[0]
+    ac.shutdown()
     try:
         FSDP2TrainBackend(TrainBackendConfig(**CFG, cp_size=2, tp_size=2)).initialize(model_dir)
     except ConfigError as e:
@@ -108,6 +112,7 @@ def test_fsdp_cp2_training_equals_one_process(tmp_path):
     torch.testing.assert_close(r["scores"]["logprobs_T"], ref_scores["logprobs_T"], **LOGP_TOL)
     for k, v in one.named_weights():
         torch.testing.assert_close(r["weights"][k], v, **WEIGHT_TOL, msg=k)
+    assert r["ac_first"][:2] == pytest.approx(r["losses"][0][:2], rel=1e-5)
     assert "cp_size=2" in r["layout_error"] and "\n" not in r["layout_error"]
 
 
@@ -117,6 +122,12 @@ def test_context_parallel_needs_the_fsdp_backend_and_dividing_heads(tmp_path):
     model, _ = load_model(make_model_dir(tmp_path / "m3", heads=3, kv_heads=1, hidden=48), device="cpu")
     with pytest.raises(ConfigError, match="cp_size=2 must divide the model's attention heads"):
         apply_context_parallel(model, None, 2)
+
+
+def test_cp_groups_are_consecutive_shard_ranks_per_replica():
+    mesh = torch.arange(8).reshape(2, 4, 1)  # (dp_replicate, dp_shard, tp)
+    assert cp_rank_groups(mesh, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cp_rank_groups(torch.arange(8).reshape(1, 4, 2), 2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
 
 
 def test_planner_packs_cp_times_the_budget():
