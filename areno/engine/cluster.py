@@ -72,6 +72,9 @@ class ClusterLayout:
     """HSDP replicas of training."""
     train_ep: int = 1
     """Expert-parallel size of training (``train.ep_size``): it spans the FSDP shard dimension."""
+    train_cp: int = 1
+    """Context-parallel size of training (``train.cp_size``): runs of cp FSDP shard ranks share each
+    micro-batch."""
     rollout_tp: int = 1
     """Tensor-parallel size of one rollout replica; rollout DP = len(rollout_devices) / rollout_tp."""
     cuda: bool = False
@@ -106,6 +109,11 @@ class ClusterLayout:
                 f"training expert parallelism e{self.train_ep} must equal the FSDP shard size "
                 f"{self.train_dp_shard} with t1 (the experts are split over the whole shard dimension): "
                 f"use d{self.train_ep}e{self.train_ep}"
+            )
+        if self.train_cp > 1 and (self.train_dp_shard % self.train_cp or self.train_tp > 1 or self.train_ep > 1):
+            raise LayoutError(
+                f"training context parallelism c{self.train_cp} must divide the FSDP shard size "
+                f"{self.train_dp_shard} with t1 and e1: use e.g. d{2 * self.train_cp}c{self.train_cp}"
             )
         if self.rollout_tp < 1 or len(self.rollout_devices) % self.rollout_tp:
             raise LayoutError(
@@ -228,7 +236,7 @@ def layout_from_config(
     GPUs; on CPU (``cuda=False``) every rank is a process of its own, so any count goes."""
     mode, train, rollout = cluster.allocation_mode, cluster.train_devices, cluster.rollout_devices
     train_tp, rollout_tp = cluster.train_tp, cluster.rollout_tp
-    train_ep = 1  # expert parallelism comes only with an allocation string (its e dimension)
+    train_ep = train_cp = 1  # expert and context parallelism come only with an allocation string (e, c)
     if mode and "+" in mode:
         if train is not None or rollout is not None:
             raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
@@ -241,7 +249,7 @@ def layout_from_config(
         train, rollout = alloc.train_rollout_devices(num_devices if cuda else alloc.world_size)
         trains = [c for c in alloc.components if c.kind == "train"]
         ro = alloc.component("rollout")
-        train_tp, rollout_tp, train_ep = trains[0].tp, ro.tp, trains[0].ep
+        train_tp, rollout_tp, train_ep, train_cp = trains[0].tp, ro.tp, trains[0].ep, trains[0].cp
         for c in trains[1:]:
             if c.tp != train_tp:
                 raise LayoutError(f"allocation_mode {mode!r}: train components differ in TP; use one TP size")
@@ -262,6 +270,7 @@ def layout_from_config(
         rollout_devices=tuple(rollout),
         train_tp=train_tp,
         train_ep=train_ep,
+        train_cp=train_cp,
         rollout_tp=rollout_tp,
         cuda=cuda,
         device_ids=device_ids,

@@ -56,6 +56,7 @@ from areno.models.hf_io import read_config
 from areno.models.tp_plan import check_tp_size
 from areno.recipes import get_recipe
 from areno.sync.stream import StreamSyncConfig
+from areno.train.context_parallel import check_context_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +222,10 @@ class PartitionedCluster:
                 check_tp_size(model_config, size)
             except ValueError as e:
                 raise LayoutError(f"{what} (or allocation_mode t{size}): {e}") from None
+        try:
+            check_context_parallel(model_config, layout.train_cp)
+        except ConfigError as e:
+            raise LayoutError(f"allocation_mode c{layout.train_cp}: {e}") from None
 
     def check_memory(self, layout: ClusterLayout, model_dir: Path) -> None:
         """LayoutError when some device cannot hold what the layout puts on it (``estimate_memory``

@@ -79,6 +79,7 @@ class TrainWorker:
                     tp_size=layout.train_tp,
                     dp_replicate_size=layout.train_dp_replicate,
                     ep_size=layout.train_ep,
+                    cp_size=layout.train_cp,
                 ),
                 mesh=self.groups.train_mesh,
                 group=self.groups.train_group,

@@ -10,7 +10,9 @@ pipeline (``p``) parallelism in any order, each at most once, missing ones meani
 component's world size is ``d * t * p``. ``p`` is reserved on backends without pipeline
 parallelism (``p1`` is accepted there, more is an error). ``e`` (expert parallelism of a
 mixture-of-experts model, training only) splits the experts over ``e`` of the ``d`` data-parallel
-ranks: it must divide ``d`` and does not add devices. The role defaults to ``rollout`` for
+ranks: it must divide ``d`` and does not add devices. ``c`` (context parallelism, training only)
+likewise groups ``c`` of the ``d`` data-parallel ranks to share each packed micro-batch, each
+running the layers on 1/c of its tokens: it must divide ``d`` and adds no devices. The role defaults to ``rollout`` for
 inference backends and ``actor`` for training backends.
 
 ``+`` *disaggregates*: each ``+``-separated group gets its own consecutive device indices.
@@ -70,7 +72,7 @@ BACKENDS: dict[str, BackendSpec] = {
     "areno": BackendSpec(kind="inference", dims=frozenset("dt")),
     "sglang": BackendSpec(kind="inference", dims=frozenset("dtp")),
     "vllm": BackendSpec(kind="inference", dims=frozenset("dtp")),
-    "fsdp": BackendSpec(kind="train", dims=frozenset("dte")),
+    "fsdp": BackendSpec(kind="train", dims=frozenset("dtec")),
     "megatron": BackendSpec(kind="train", dims=frozenset("dtpe")),
 }
 """Backend names accepted in allocation strings. areno's own engines are ``areno`` and ``fsdp``;
@@ -81,7 +83,7 @@ SUPPORTED_BACKENDS = frozenset({"areno", "fsdp", "vllm", "sglang"})
 SERVER_BACKENDS = frozenset({"vllm", "sglang"})
 """Inference backends that are servers of another system (``engine/servers.py``)."""
 
-_DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "e": "expert"}
+_DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "e": "expert", "c": "context"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +102,8 @@ class Component:
     """Pipeline-parallel size."""
     ep: int = 1
     """Expert-parallel size: ranks of the data-parallel dimension the experts are split over."""
+    cp: int = 1
+    """Context-parallel size: ranks of the data-parallel dimension that share each micro-batch."""
     column: int = field(default=1, compare=False)
     """1-based column of the component in the source string (for error messages)."""
 
@@ -112,7 +116,11 @@ class Component:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        dims = "".join(f"{d}{n}" for d, n in (("d", self.dp), ("t", self.tp), ("p", self.pp), ("e", self.ep)) if n > 1)
+        dims = "".join(
+            f"{d}{n}"
+            for d, n in (("d", self.dp), ("t", self.tp), ("p", self.pp), ("e", self.ep), ("c", self.cp))
+            if n > 1
+        )
         return f"{self.backend}[{self.role}]:{dims or 'd1'}"
 
 
@@ -271,6 +279,12 @@ def _component(source: str, tree: lark.Tree) -> Component:
             backend_tok.column,
             f"expert parallelism e{counts['e']} must divide the data-parallel size d{counts.get('d', 1)} of {backend}[{role}]",
         )
+    if counts.get("d", 1) % counts.get("c", 1):
+        raise _error(
+            source,
+            backend_tok.column,
+            f"context parallelism c{counts['c']} must divide the data-parallel size d{counts.get('d', 1)} of {backend}[{role}]",
+        )
     return Component(
         backend=backend,
         role=role,
@@ -278,6 +292,7 @@ def _component(source: str, tree: lark.Tree) -> Component:
         tp=counts.get("t", 1),
         pp=counts.get("p", 1),
         ep=counts.get("e", 1),
+        cp=counts.get("c", 1),
         column=backend_tok.column,
     )
 

@@ -109,6 +109,8 @@ class PackedTrainBackend(TrainBackend):
     _model_dir: Path
     _dp_rank: int
     _dp_size: int
+    _cp_size: int = 1
+    """Context-parallel ranks sharing each micro-batch (``train.cp_size``; the FSDP backend sets it)."""
     # training progress (checkpointed)
     _step: int
     _skipped_steps: int
@@ -224,7 +226,9 @@ class PackedTrainBackend(TrainBackend):
         free_bytes, _ = torch.cuda.mem_get_info(self.device)
         if self.optimizer is not None:  # Adam moments and grads are allocated lazily: reserve them
             trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-            free_bytes -= 3 * trainable // max(self._dp_size, 1) + self._reduction_buffer_bytes(trainable)
+            free_bytes -= 3 * trainable // max(self._dp_size * self._cp_size, 1) + self._reduction_buffer_bytes(
+                trainable
+            )
         return estimate_max_tokens_per_mb(
             hidden_size=mc.hidden_size,
             intermediate_size=mc.intermediate_size,
@@ -244,7 +248,7 @@ class PackedTrainBackend(TrainBackend):
 
     # ------------------------------------------------------------------ micro-batches
     def plan(self, batch: TokenBatch) -> MicroBatchPlan:
-        spec = MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb, dp_size=self._dp_size)
+        spec = MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb, dp_size=self._dp_size, cp_size=self._cp_size)
         return plan_micro_batches(batch.seqlens_B, spec)
 
     def _micro_batches(
@@ -423,7 +427,7 @@ class PackedTrainBackend(TrainBackend):
         """Apply ``cfg.long_sequences``: truncate to the token budget, or leave the batch for
         ``plan`` to reject (returns the batch and the kept-token mask, None if nothing was cut)."""
         if self.cfg.long_sequences == "truncate":
-            return truncate_long_sequences(batch, self.max_tokens_per_mb)
+            return truncate_long_sequences(batch, self.max_tokens_per_mb * self._cp_size)
         return batch, None
 
     # ------------------------------------------------------------------ weights

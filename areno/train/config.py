@@ -218,6 +218,11 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     sparse layer's experts are split over the FSDP shard dimension, tokens dispatched by all-to-all.
     > 1 needs the FSDP2 backend with ep_size == the FSDP shard size, no replication, tp_size=1, and
     an expert count it divides."""
+    cp_size: int = 1
+    """Context-parallel degree (``areno.train.context_parallel``, Ulysses): each micro-batch's packed
+    token stream is split over cp ranks of the FSDP shard dimension, which run the decoder layers on
+    their chunk (attention over whole sequences by an all-to-all over heads). > 1 needs the FSDP2
+    backend, a shard size it divides, a head count it divides, tp_size=1 and ep_size=1."""
     trainable: bool = True
     """False for frozen roles (reference, reward): no optimizer state is allocated and train_step
     raises."""
@@ -258,6 +263,8 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.ep_size < 1:
             raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.cp_size < 1:
+            raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
         if self.logprob_chunk_size <= 0:
             raise ValueError(f"logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
         if self.collective_timeout_s <= 0:

@@ -2,8 +2,11 @@
 
 Mesh dimensions ("dp_replicate", "dp_shard", "tp"): FSDP shards parameters, gradients and
 optimizer state over dp_shard, replicates over dp_replicate (HSDP) and tensor-parallelizes over tp
-(DTensor, the model's TP plan). gloo on CPU, NCCL on GPU; the process group is created from the
-usual torchrun environment variables when none exists yet.
+(DTensor, the model's TP plan). With ``cp_size`` > 1, runs of cp consecutive dp_shard ranks form
+a context-parallel group that shares each micro-batch (``areno.train.context_parallel``): FSDP
+still shards over all of dp_shard, data is spread over dp_shard / cp ranks. gloo on CPU, NCCL on
+GPU; the process group is created from the usual torchrun environment variables when none exists
+yet.
 
 In a world shared with other workers (the partitioned topology: training and rollout ranks in one
 world), pass ``mesh`` (a 3-d DeviceMesh over the training ranks, dims ``MESH_DIMS``) and ``group``
@@ -27,7 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from areno.errors import ConfigError
 from areno.train.backend import PackedTrainBackend
+from areno.train.context_parallel import context_parallel_group, cp_rank_groups
 from areno.train.parallelize import parallelize
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -88,15 +93,29 @@ class FSDP2TrainBackend(PackedTrainBackend):
         else:
             self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         rep, shard = self.mesh["dp_replicate"], self.mesh["dp_shard"]
-        self._dp_rank = rep.get_local_rank() * shard.size() + shard.get_local_rank()
-        self._dp_size = rep.size() * shard.size()
+        # Context parallelism: runs of cp consecutive shard ranks share each micro-batch (one data rank).
+        cp = self._cp_size = self.cfg.cp_size
+        if shard.size() % cp:
+            raise ConfigError(f"cp_size={cp} must divide the FSDP shard size {shard.size()}; pick a divisor of it")
+        self._dp_rank = (rep.get_local_rank() * shard.size() + shard.get_local_rank()) // cp
+        self._dp_size = rep.size() * shard.size() // cp
         self._tp_size = self.mesh["tp"].size()
         self._shard_size = shard.size()
         self._world_size = world
+        self._cp_group = None
+        if cp > 1:
+            self._cp_group, _ = context_parallel_group(cp_rank_groups(self.mesh.mesh, cp))
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
         compute = self.cfg.torch_param_dtype(self.device.type)
-        model = parallelize(model, self.mesh, self.cfg, param_dtype=compute, reduce_dtype=self.cfg.torch_dtype())
+        model = parallelize(
+            model,
+            self.mesh,
+            self.cfg,
+            param_dtype=compute,
+            reduce_dtype=self.cfg.torch_dtype(),
+            cp_group=self._cp_group,
+        )
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         return model
 
@@ -132,16 +151,17 @@ class FSDP2TrainBackend(PackedTrainBackend):
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._world_size == 1:
             return tensor  # the sum over one rank (and tp = 1): no device round trip
-        # Over the whole world, then divided by tp: the TP ranks of one DP rank hold equal values.
+        # Over the whole world, then divided by tp and cp: the TP and CP ranks of one DP rank hold
+        # equal values.
         backend_device = self.device if dist.get_backend(self._group) == "nccl" else torch.device("cpu")
         reduced = tensor.to(backend_device)
         dist.all_reduce(reduced, group=self._group)
-        return (reduced / self._tp_size).to(tensor.device)
+        return (reduced / (self._tp_size * self._cp_size)).to(tensor.device)
 
     def _gather_dp(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(gathered, (self._dp_rank, obj), group=self._group)
-        by_rank = dict(gathered)  # TP ranks of one DP rank sent identical outputs
+        by_rank = dict(gathered)  # TP and CP ranks of one DP rank sent identical outputs
         return [by_rank[r] for r in range(self._dp_size)]
 
     def _full(self, tensor: torch.Tensor) -> torch.Tensor:

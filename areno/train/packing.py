@@ -39,12 +39,24 @@ class MicroBatchSpec:
     backend truncates such sequences first when ``long_sequences='truncate'``)."""
     dp_size: int = 1
     """Number of data-parallel ranks the batch is balanced over (>= 1)."""
+    cp_size: int = 1
+    """Context-parallel ranks that share each micro-batch (>= 1): ``max_tokens_per_mb`` is what one
+    rank holds, so a micro-batch takes up to ``max_tokens_per_mb * cp_size`` tokens, a multiple of
+    cp that its token count, padded to a multiple of cp (``context_parallel.padded_tokens``), never
+    exceeds."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_mb <= 0:
             raise ValueError(f"max_tokens_per_mb must be > 0, got {self.max_tokens_per_mb}")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.cp_size < 1:
+            raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
+
+    @property
+    def budget(self) -> int:
+        """Tokens one micro-batch may hold (over all its context-parallel ranks)."""
+        return self.max_tokens_per_mb * self.cp_size
 
 
 @dataclass(kw_only=True)
@@ -111,11 +123,12 @@ def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec
     if not seqlens:
         raise ValueError("cannot plan micro-batches for an empty batch")
     longest = max(seqlens)
-    if longest > spec.max_tokens_per_mb:
+    if longest > spec.budget:
+        cp = f" x cp_size={spec.cp_size}" if spec.cp_size > 1 else ""
         raise ConfigError(
             f"sequence {seqlens.index(longest)} has {longest} tokens, more than "
-            f"max_tokens_per_mb={spec.max_tokens_per_mb}; raise max_tokens_per_mb to at least "
-            f"{longest}, shorten the sequences, or set long_sequences='truncate'"
+            f"max_tokens_per_mb={spec.max_tokens_per_mb}{cp}; raise max_tokens_per_mb to at least "
+            f"{-(-longest // spec.cp_size)}, shorten the sequences, or set long_sequences='truncate'"
         )
     rank_seqs: list[list[int]] = [[] for _ in range(spec.dp_size)]
     rank_load = [0] * spec.dp_size
@@ -123,7 +136,7 @@ def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec
         r = min(range(spec.dp_size), key=lambda r: (rank_load[r], r))
         rank_seqs[r].append(i)
         rank_load[r] += seqlens[i]
-    rank_bins = [_first_fit_decreasing(s, seqlens, spec.max_tokens_per_mb) for s in rank_seqs]
+    rank_bins = [_first_fit_decreasing(s, seqlens, spec.budget) for s in rank_seqs]
     n_mbs = max(1, max(len(b) for b in rank_bins))
     per_rank = [[sorted(b) for b in _split_to_count(bins, seqlens, n_mbs)] for bins in rank_bins]
     return MicroBatchPlan(per_rank=per_rank)

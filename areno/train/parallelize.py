@@ -1,7 +1,9 @@
 """Turn a plain ``Decoder`` into a trainable, parallel one: TP, activation checkpointing, compile,
 FSDP2 — in that fixed order (as torchtitan does), each step optional:
 
-0. **Expert parallelism** (mixture-of-experts models, ``ep_size > 1``) before all: the experts
+0. **Context parallelism** (``cp_size > 1``): the decoder's forward runs the layers on this rank's
+   chunk of the packed stream, attention by Ulysses all-to-all (``areno.train.context_parallel``).
+   **Expert parallelism** (mixture-of-experts models, ``ep_size > 1``) before all: the experts
    become DTensor shards over the FSDP shard dimension with an all-to-all dispatch
    (``areno.train.expert_parallel``), and FSDP leaves them alone.
 1. **Tensor parallelism** first, on the "tp" mesh dimension, with the model's own plan
@@ -36,6 +38,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -47,6 +50,7 @@ from areno.errors import ConfigError
 from areno.models.moe import sparse_blocks
 from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 from areno.train.config import COMPILE_SCOPES, TrainBackendConfig
+from areno.train.context_parallel import apply_context_parallel
 from areno.train.expert_parallel import shard_experts
 
 
@@ -174,6 +178,7 @@ def parallelize(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Apply expert parallelism (``cfg.ep_size``), TP, activation checkpointing, compile and FSDP2
     in that order; returns ``model``.
@@ -181,7 +186,12 @@ def parallelize(
     ``mesh``: None for one process (checkpointing and compile only), else a mesh with dimensions
     ("dp_replicate", "dp_shard", "tp"); FSDP shards over dp_shard and replicates over
     dp_replicate (HSDP when that is > 1); a mesh of one rank gets one FSDP group for the whole model.
+    ``cp_group``: this rank's context-parallel group when ``cfg.cp_size`` > 1 (the FSDP backend makes it).
     """
+    if cfg.cp_size > 1:
+        if cp_group is None or mesh is None:
+            raise ConfigError(f"cp_size={cfg.cp_size} needs the FSDP2 backend (torchrun or a partitioned run)")
+        apply_context_parallel(model, cp_group, cfg.cp_size, tp_size=mesh["tp"].size(), ep_size=cfg.ep_size)
     experts = apply_expert_parallel(model, mesh, cfg.ep_size) if cfg.ep_size > 1 else None
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], vocab_parallel=cfg.tp_vocab_parallel)
