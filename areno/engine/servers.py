@@ -43,6 +43,7 @@ from areno.launch.servers import (
     start_servers,
 )
 from areno.rollout.backends.admin import ServerAdmin, admin_for
+from areno.rollout.backends.base import StreamActivity
 from areno.rollout.backends.nccl import NcclWeightTransfer
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
@@ -52,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 SERVED_NAME = "areno-policy"
 """The model's name in the API of the servers areno starts."""
+STREAM_QUIET_S = 0.3
+"""At a policy sync (servers paused): how long the open streams must have received nothing before the
+version moves on, so that tokens generated under the old policy are read and stamped with it."""
+STREAM_DRAIN_CAP_S = 10.0
+"""The longest that wait lasts (a stream still receiving then is a server that did not pause)."""
 
 
 class ServerRolloutSide(RolloutSide):
@@ -77,6 +83,7 @@ class ServerRolloutSide(RolloutSide):
         self.backend = config.rollout.backend
         self.processes = []
         self._version = 0
+        self._activity = StreamActivity()
         self._lost: dict[str, str] = {}
         """``url -> why`` of the servers dropped for good."""
         self._lock = threading.Lock()
@@ -131,7 +138,11 @@ class ServerRolloutSide(RolloutSide):
             health=_Serving(self.health, self._lost),
             lost=self.lost_servers,
             new_client=lambda url: self.admin.client(
-                url, model=model, version=lambda: self._version, timeout_s=cfg.request_timeout_s
+                url,
+                model=model,
+                version=lambda: self._version,
+                timeout_s=cfg.request_timeout_s,
+                activity=self._activity,
             ),
             least_loaded=True,
         )
@@ -219,6 +230,8 @@ class ServerRolloutSide(RolloutSide):
                 for url in paused:
                     self.admin.load_weights(url, update.path, update.version)  # a refusal stops the run
             load_s = time.perf_counter() - t_load
+            # tokens generated before the pause but not yet read would take the new version
+            drain_s = self._activity.wait_quiet(STREAM_QUIET_S, cap_s=STREAM_DRAIN_CAP_S)
             self._version = update.version
         finally:
             for url in paused:
@@ -226,6 +239,7 @@ class ServerRolloutSide(RolloutSide):
         return {
             **update.sender_metrics,
             "policy_sync_load_s": load_s,
+            "policy_sync_stream_drain_s": drain_s,
             "policy_sync_generation_paused_s": time.perf_counter() - t0,
             "policy_sync_controller_s": time.perf_counter() - update.started_at,
         }

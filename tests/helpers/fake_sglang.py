@@ -46,7 +46,12 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 def fake_sglang_app(model_dir: Path, eos_token_id: int, *, die_after: int | None = None) -> FastAPI:
     model, model_config = load_model(model_dir)
     engine = RolloutEngine(
-        model, model_config, config=RolloutEngineConfig(device="cpu", max_num_seqs=64), eos_token_ids=[eos_token_id]
+        model,
+        model_config,
+        # like the real servers' sync (SGLang's retracted requests, vLLM's reset running requests): the
+        # requests in flight recompute their context under the new weights
+        config=RolloutEngineConfig(device="cpu", max_num_seqs=64, recompute_kv_on_weight_update=True),
+        eos_token_ids=[eos_token_id],
     )
     client = InProcessRolloutClient(engine)
     app = FastAPI()
@@ -124,7 +129,12 @@ def fake_sglang_app(model_dir: Path, eos_token_id: int, *, die_after: int | None
         )
         rid = body.get("rid") or f"rid-{state['generate_requests']}"
         out = await client.agenerate(body["input_ids"], params, request_id=rid)
-        events = [_event(out, n, state["weight_version"], body.get("return_logprob", False)) for n in _prefixes(out)]
+        # each chunk names the weights that produced its last token (the engine's per-token versions;
+        # the stand-in streams after the request finished, SGLang while it runs)
+        events = [
+            _event(out, n, _served_by(out, n, state["weight_version"]), body.get("return_logprob", False))
+            for n in _prefixes(out)
+        ]
         if not body.get("stream"):
             return events[-1]
 
@@ -136,6 +146,14 @@ def fake_sglang_app(model_dir: Path, eos_token_id: int, *, die_after: int | None
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     return app
+
+
+def _served_by(out: GenerationOutput, n: int, current: str) -> str:
+    """The weight version of the ``n``-th token ("default" for the weights the server started with)."""
+    if n == 0:
+        return current
+    version = out.output_versions[n - 1]
+    return str(version) if version > 0 else "default"
 
 
 def _prefixes(out: GenerationOutput) -> list[int]:

@@ -23,7 +23,12 @@ from areno.types import SamplingParams
 def fake_vllm_app(model_dir: Path, eos_token_id: int, *, weight_transfer: bool = True) -> FastAPI:
     model, model_config = load_model(model_dir)
     engine = RolloutEngine(
-        model, model_config, config=RolloutEngineConfig(device="cpu", max_num_seqs=64), eos_token_ids=[eos_token_id]
+        model,
+        model_config,
+        # like the real servers' sync (SGLang's retracted requests, vLLM's reset running requests): the
+        # requests in flight recompute their context under the new weights
+        config=RolloutEngineConfig(device="cpu", max_num_seqs=64, recompute_kv_on_weight_update=True),
+        eos_token_ids=[eos_token_id],
     )
     client = InProcessRolloutClient(engine)
     app = FastAPI()

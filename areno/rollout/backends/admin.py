@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from areno.errors import ConfigError, RunFailure
-from areno.rollout.backends.base import StreamingServerClient
+from areno.rollout.backends.base import StreamActivity, StreamingServerClient
 from areno.rollout.backends.sglang import SGLangRolloutClient
 from areno.rollout.backends.vllm import VLLMRolloutClient
 
@@ -52,8 +52,16 @@ class ServerAdmin(abc.ABC):
         self._http = httpx.Client(headers=headers, transport=transport, timeout=self.check_timeout_s)
 
     @abc.abstractmethod
-    def client(self, url: str, *, model: str, version: Callable[[], int], timeout_s: float) -> StreamingServerClient:
-        """The generation client of the server at ``url``."""
+    def client(
+        self,
+        url: str,
+        *,
+        model: str,
+        version: Callable[[], int],
+        timeout_s: float,
+        activity: StreamActivity | None = None,
+    ) -> StreamingServerClient:
+        """The generation client of the server at ``url`` (``activity``: see ``StreamActivity``)."""
 
     @abc.abstractmethod
     def check(self, url: str, model_config: dict) -> str:
@@ -110,8 +118,18 @@ def check_same_model(backend: str, url: str, served_dir: str, model_config: dict
 class VLLMAdmin(ServerAdmin):
     backend = "vllm"
 
-    def client(self, url: str, *, model: str, version: Callable[[], int], timeout_s: float) -> StreamingServerClient:
-        return VLLMRolloutClient(url, self.api_key, model=model, version=version, timeout_s=timeout_s)
+    def client(
+        self,
+        url: str,
+        *,
+        model: str,
+        version: Callable[[], int],
+        timeout_s: float,
+        activity: StreamActivity | None = None,
+    ) -> StreamingServerClient:
+        return VLLMRolloutClient(
+            url, self.api_key, model=model, version=version, timeout_s=timeout_s, activity=activity
+        )
 
     def check(self, url: str, model_config: dict) -> str:
         paused = self._reach(url, "/is_paused")
@@ -184,8 +202,16 @@ class SGLangAdmin(ServerAdmin):
 
     backend = "sglang"
 
-    def client(self, url: str, *, model: str, version: Callable[[], int], timeout_s: float) -> StreamingServerClient:
-        return SGLangRolloutClient(url, self.api_key, version=version, timeout_s=timeout_s)
+    def client(
+        self,
+        url: str,
+        *,
+        model: str,
+        version: Callable[[], int],
+        timeout_s: float,
+        activity: StreamActivity | None = None,
+    ) -> StreamingServerClient:
+        return SGLangRolloutClient(url, self.api_key, version=version, timeout_s=timeout_s, activity=activity)
 
     def check(self, url: str, model_config: dict) -> str:
         info = self._reach(url, "/get_model_info")

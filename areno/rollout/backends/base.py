@@ -11,6 +11,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +33,43 @@ class StreamState:
     finish_reason: str | None = None
 
 
+class StreamActivity:
+    """When the streams of a set of clients last received a token, and how many are open.
+
+    A token is stamped with the version served when it *arrives*; a reader that lags (a busy
+    host) would stamp tokens generated before a policy sync with the version after it. The
+    rollout side waits, with the servers paused, until the open streams have been quiet for a
+    while (:meth:`wait_quiet`) before it moves the version on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._last = 0.0
+
+    def opened(self) -> None:
+        with self._lock:
+            self._open += 1
+
+    def closed(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def touch(self) -> None:
+        with self._lock:
+            self._last = time.monotonic()
+
+    def wait_quiet(self, quiet_s: float, cap_s: float) -> float:
+        """Block until no stream is open or none received a token for ``quiet_s`` (at most
+        ``cap_s``); returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < cap_s:
+            with self._lock:
+                if self._open == 0 or time.monotonic() - self._last >= quiet_s:
+                    break
+            time.sleep(0.02)
+        return time.monotonic() - t0
+
+
 class StreamingServerClient(RolloutClient):
     """A server's streamed generation endpoint (see the module docstring)."""
 
@@ -46,8 +85,10 @@ class StreamingServerClient(RolloutClient):
         timeout_s: float | None = 3600.0,
         connect_timeout_s: float = 10.0,
         transport: Any = None,
+        activity: StreamActivity | None = None,
     ) -> None:
         """``version()``: the policy version the server serves now (the rollout side's).
+        ``activity``: shared with the rollout side, which waits on it before a version moves on.
         ``timeout_s``: deadline of one whole request (None or 0: none). ``transport``: an httpx
         transport (tests replay recorded answers through ``httpx.MockTransport``)."""
         import httpx
@@ -55,6 +96,7 @@ class StreamingServerClient(RolloutClient):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self.version = version
+        self.activity = activity or StreamActivity()
         self.timeout_s = timeout_s or None  # 0: no deadline
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -72,12 +114,18 @@ class StreamingServerClient(RolloutClient):
         """Fold one streamed event into ``state`` (text, finish reason); returns the new tokens and
         their log-probs (the caller appends them with their version)."""
 
+    def event_version(self, event: dict[str, Any]) -> int | None:
+        """The policy version the server says produced this event's tokens (None: it says none,
+        and the tokens take the rollout side's version as they arrive)."""
+        return None
+
     async def agenerate(
         self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
     ) -> GenerationOutput:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         state = StreamState()
         body = self.request_body(list(prompt_ids), sampling_params, request_id)
+        self.activity.opened()
         try:
             await asyncio.wait_for(self._astream(body, state), self.timeout_s)
         except TimeoutError:
@@ -89,6 +137,8 @@ class StreamingServerClient(RolloutClient):
                 prompt_tokens=len(prompt_ids),
                 max_new_tokens=sampling_params.max_new_tokens,
             ) from None
+        finally:
+            self.activity.closed()
         if state.finish_reason is None:  # the stream ended without a last event: the server went away
             raise RolloutServerError(
                 f"{self.base_url}{self.path} ended the stream of {request_id} before it finished", server=self.base_url
@@ -127,7 +177,10 @@ class StreamingServerClient(RolloutClient):
                         status=500,
                     )
                 ids, logprobs = self.absorb(state, event)
-                version = self.version()
+                self.activity.touch()
+                version = self.event_version(event)
+                if version is None:
+                    version = self.version()
                 state.output_ids += ids
                 state.output_logprobs += logprobs
                 state.output_versions += [version] * len(ids)

@@ -48,6 +48,14 @@ class SGLangRolloutClient(StreamingServerClient):
             "rid": request_id,
         }
 
+    def event_version(self, event: dict[str, Any]) -> int | None:
+        # SGLang reports the weight version that served each chunk; areno loads every policy with
+        # weight_version=<its version>, and a server's first weights ("default") are version 0
+        version = (event.get("meta_info") or {}).get("weight_version")
+        if version == "default":
+            return 0
+        return int(version) if isinstance(version, str) and version.isdigit() else None
+
     def absorb(self, state: StreamState, event: dict[str, Any]) -> tuple[list[int], list[float]]:
         meta = event.get("meta_info") or {}
         triples = meta.get("output_token_logprobs") or []
