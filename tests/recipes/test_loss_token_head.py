@@ -57,3 +57,19 @@ def test_specializations_score_loss_tokens_only():
     full_out = token_logprobs_T(model, b, with_entropy=True)
     full_loss, _ = spec.compute_loss(full_out, b, PlainReducer(spec.denominator(b)))
     torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow  # a cold inductor compile of the two kernels
+def test_masked_head_under_compiled_logprob_kernels():
+    """The fused (torch.compile'd) log-prob kernels trace the masked head's row count as well."""
+    batch = rl_batch()
+    mask_T = batch.loss_mask_T.bool()
+    outs = []
+    for mask in (None, mask_T):
+        model = make_decoder(0)
+        with logprobs.compiled_logprob_kernels():
+            out = token_logprobs_T(model, batch, mask_T=mask, with_entropy=True, chunk_size=4)
+            (out["logprobs_T"] * mask_T).sum().backward()
+        outs.append((out["logprobs_T"].detach(), model.output_weight.grad.clone()))
+    torch.testing.assert_close(outs[1][0][mask_T], outs[0][0][mask_T], rtol=0, atol=1e-6)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)
