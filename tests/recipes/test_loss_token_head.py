@@ -73,3 +73,12 @@ def test_masked_head_under_compiled_logprob_kernels():
         outs.append((out["logprobs_T"].detach(), model.output_weight.grad.clone()))
     torch.testing.assert_close(outs[1][0][mask_T], outs[0][0][mask_T], rtol=0, atol=1e-6)
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_empty_mask_scores_nothing_and_backward_runs():
+    """A rank's dummy micro-batch (nothing in the loss) still runs forward and backward through the head."""
+    model, batch = make_decoder(0), rl_batch()
+    out = token_logprobs_T(model, batch, mask_T=torch.zeros(batch.num_tokens, dtype=torch.bool), with_entropy=True)
+    assert out["logprobs_T"].shape == (batch.num_tokens,) and not out["logprobs_T"].any()
+    (out["logprobs_T"].sum() + out["entropy_T"].sum()).backward()
+    assert model.output_weight.grad is not None and not model.output_weight.grad.any()
