@@ -34,6 +34,7 @@ from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, te
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.session import configure_sessions
+from areno.observe.startup import startup_to_first_token_s
 from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span
 from areno.train import checkpoint
 
@@ -155,6 +156,9 @@ class Trainer:
                 "timing/sync_s": t3 - t2,
                 "timing/tokens_per_s": rollout.batch.num_tokens / max(t3 - t0, 1e-9),
             }
+            startup_s = startup_to_first_token_s()  # None when the rollout ran in other processes
+            if rollout_id == self.start_rollout_id and startup_s is not None:
+                timing["system/startup_to_first_token_s"] = startup_s
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 last_eval = self._evaluate(step)

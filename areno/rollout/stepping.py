@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from areno.observe.startup import mark_first_token
 from areno.rollout.attention import PagedAttention
 from areno.rollout.control import EngineControl
 from areno.rollout.cuda_graph import DecodeGraphRunner
@@ -260,6 +261,8 @@ class Stepper:
                 finished.append(self.requests.output(seq, reason))
         if done:
             self.scheduler.remove_finished(done)
+        if generated and not self.generated_tokens:
+            mark_first_token()
         self.generated_tokens += generated
         return finished
 

@@ -261,6 +261,7 @@ class ActorSpecialization(ModelSpecialization):
         return token_logprobs_T(
             model,
             batch,
+            mask_T=batch.loss_mask_T,
             temperature=self.config.temperature,
             with_entropy=self.config.entropy_coef > 0,
             chunk_size=self.config.logprob_chunk_size,

@@ -50,12 +50,29 @@ def _predictor_index_T(batch: TokenBatch, device: torch.device) -> tuple[torch.T
     return host_to_device(idx_T, device), host_to_device(~is_start_T, device)
 
 
+def _scored_rows_K(batch: TokenBatch, mask_T: torch.Tensor | None) -> torch.Tensor:
+    """Host int64 [K]: the tokens the head scores, those with a predictor (not a sequence's first)
+    and inside ``mask_T`` when given. Built on the host so selecting them never waits on the GPU."""
+    cu_B1 = batch.cu_seqlens_B1.cpu()
+    keep_T = torch.ones(batch.num_tokens, dtype=torch.bool)
+    keep_T[cu_B1[:-1][(cu_B1[1:] - cu_B1[:-1]) > 0]] = False
+    if mask_T is not None:
+        keep_T &= mask_T.cpu().bool()
+    return keep_T.nonzero()[:, 0]
+
+
+def _scatter_T(values_K: torch.Tensor, rows_K: torch.Tensor, T: int) -> torch.Tensor:
+    """[T] with ``values_K`` at ``rows_K`` and 0 elsewhere (differentiable w.r.t. the values)."""
+    return values_K.new_zeros(T).index_copy(0, rows_K, values_K)
+
+
 def token_logprobs_T(
     model: nn.Module,
     batch: TokenBatch,
     *,
     hidden_TD: torch.Tensor | None = None,
     targets_T: torch.Tensor | None = None,
+    mask_T: torch.Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_argmax: bool = False,
@@ -65,27 +82,34 @@ def token_logprobs_T(
     temperature-scaled distribution, optionally ``entropy_T`` and the greedy action
     ``argmax_T`` (the token the model would emit at each position, no gradient). 0 at sequence
     starts. The log-probs use ``areno.models.logprobs.logprobs_from_hidden``, which recomputes
-    chunk logits in backward instead of keeping [T, V] fp32 logits alive."""
+    chunk logits in backward instead of keeping [T, V] fp32 logits alive.
+
+    With ``mask_T`` (bool [T]; the specializations pass the batch's loss mask) the LM head runs
+    only on those tokens' predictors and every output is 0 elsewhere: prompt tokens, whose
+    log-probs no loss reads, cost no [V, D] matmul or log-softmax. The values on the masked
+    tokens are the full head's."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if hidden_TD is None:
         hidden_TD = hidden_states_TD(model, batch)
     device = hidden_TD.device
+    T = batch.num_tokens
     weight_VD = model.output_weight
-    targets_T = (batch.input_ids_T if targets_T is None else targets_T).to(device)
-    src_T, valid_T = _predictor_index_T(batch, device)
-    pred_TD = hidden_TD[src_T]
-    logp_T, ent_T = logprobs_from_hidden(
-        pred_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy=with_entropy
+    targets_T = batch.input_ids_T if targets_T is None else targets_T
+    rows_host_K = _scored_rows_K(batch, mask_T)
+    rows_K = host_to_device(rows_host_K, device)
+    pred_KD = hidden_TD[host_to_device(rows_host_K - 1, device)]  # hidden[t - 1] predicts token t
+    on_host = targets_T.device.type == "cpu"
+    targets_K = host_to_device(targets_T[rows_host_K], device) if on_host else targets_T[rows_K]
+    logp_K, ent_K = logprobs_from_hidden(
+        pred_KD, weight_VD, targets_K, temperature, chunk_size, with_entropy=with_entropy
     )
-    zero = torch.zeros((), device=device)
-    out = {"logprobs_T": torch.where(valid_T, logp_T, zero)}
+    out = {"logprobs_T": _scatter_T(logp_K, rows_K, T)}
     if with_entropy:
-        out["entropy_T"] = torch.where(valid_T, ent_T, zero)
+        out["entropy_T"] = _scatter_T(ent_K, rows_K, T)
     if with_argmax:
         with torch.no_grad():  # a vocab-sharded (TP) head takes the distributed path
-            arg_T = argmax_from_hidden(pred_TD, weight_VD, chunk_size)
-        out["argmax_T"] = torch.where(valid_T, arg_T, torch.zeros((), dtype=torch.long, device=device))
+            out["argmax_T"] = _scatter_T(argmax_from_hidden(pred_KD, weight_VD, chunk_size), rows_K, T)
     return out
 
 

@@ -134,7 +134,7 @@ class DPOSpecialization(ModelSpecialization):
         return dataclasses.replace(b, extra={**b.extra, **extra})
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        return token_logprobs_T(model, batch, chunk_size=self.logprob_chunk_size)
+        return token_logprobs_T(model, batch, mask_T=batch.loss_mask_T, chunk_size=self.logprob_chunk_size)
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]

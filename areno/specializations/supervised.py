@@ -38,7 +38,12 @@ class LogProbSpecialization(ModelSpecialization):
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
         return token_logprobs_T(
-            model, batch, temperature=self.temperature, with_argmax=True, chunk_size=self.logprob_chunk_size
+            model,
+            batch,
+            mask_T=batch.loss_mask_T,
+            temperature=self.temperature,
+            with_argmax=True,
+            chunk_size=self.logprob_chunk_size,
         )
 
     def compute_loss(self, model_output, batch, reducer):
@@ -54,7 +59,7 @@ class SFTSpecialization(ModelSpecialization):
         self.logprob_chunk_size = logprob_chunk_size
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        return token_logprobs_T(model, batch, chunk_size=self.logprob_chunk_size)
+        return token_logprobs_T(model, batch, mask_T=batch.loss_mask_T, chunk_size=self.logprob_chunk_size)
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]
@@ -87,7 +92,9 @@ class DistillSpecialization(ModelSpecialization):
         self.logprob_chunk_size = logprob_chunk_size
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        return token_logprobs_T(model, batch, temperature=self.temperature, chunk_size=self.logprob_chunk_size)
+        return token_logprobs_T(
+            model, batch, mask_T=batch.loss_mask_T, temperature=self.temperature, chunk_size=self.logprob_chunk_size
+        )
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]
@@ -120,6 +127,7 @@ class DaggerSpecialization(ModelSpecialization):
         out = token_logprobs_T(
             model,
             batch,
+            mask_T=batch.loss_mask_T,
             targets_T=targets_T,
             temperature=self.temperature,
             with_argmax=True,
@@ -186,7 +194,9 @@ class AggrevateSpecialization(ModelSpecialization):
         return dataclasses.replace(b, advantages_T=masked_whiten_T(q_T.float(), b.loss_mask_T))
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        return token_logprobs_T(model, batch, temperature=self.temperature, chunk_size=self.logprob_chunk_size)
+        return token_logprobs_T(
+            model, batch, mask_T=batch.loss_mask_T, temperature=self.temperature, chunk_size=self.logprob_chunk_size
+        )
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]
@@ -237,7 +247,9 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
         return self.beta_start + frac * (self.beta_end - self.beta_start)
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        return token_logprobs_T(model, batch, temperature=self.temperature, chunk_size=self.logprob_chunk_size)
+        return token_logprobs_T(
+            model, batch, mask_T=batch.loss_mask_T, temperature=self.temperature, chunk_size=self.logprob_chunk_size
+        )
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]
