@@ -83,7 +83,7 @@ class ServerRolloutSide(RolloutSide):
         self.backend = config.rollout.backend
         self.processes = []
         self._version = 0
-        self._activity = StreamActivity()
+        self.stream_activity = StreamActivity()
         self._lost: dict[str, str] = {}
         """``url -> why`` of the servers dropped for good."""
         self._lock = threading.Lock()
@@ -142,7 +142,7 @@ class ServerRolloutSide(RolloutSide):
                 model=model,
                 version=lambda: self._version,
                 timeout_s=cfg.request_timeout_s,
-                activity=self._activity,
+                activity=self.stream_activity,
             ),
             least_loaded=True,
         )
@@ -231,7 +231,7 @@ class ServerRolloutSide(RolloutSide):
                     self.admin.load_weights(url, update.path, update.version)  # a refusal stops the run
             load_s = time.perf_counter() - t_load
             # tokens generated before the pause but not yet read would take the new version
-            drain_s = self._activity.wait_quiet(STREAM_QUIET_S, cap_s=STREAM_DRAIN_CAP_S)
+            drain_s = self.stream_activity.wait_quiet(STREAM_QUIET_S, cap_s=STREAM_DRAIN_CAP_S)
             self._version = update.version
         finally:
             for url in paused:

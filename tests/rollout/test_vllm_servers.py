@@ -133,39 +133,47 @@ def _perturbed_export(model_dir: Path, out: Path, seed: int) -> Path:
 
 
 def test_sync_pauses_with_requests_in_flight_and_stamps_versions(served, tmp_path):
+    # long requests, so that the sync lands while they stream, also on an idle machine; by then the
+    # streams hold tokens made under the old policy that the reader has not taken yet: they are
+    # drained before the version moves on, or they would be stamped with the new one
+    new_tokens = 900
     side, setup, _ = served
     probe = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     before = _generate(side.client, PROMPTS[:1], probe)[0]
-    # long enough that the sync lands while they generate, also on a busy machine; the export is
-    # written before they start, so only the sync itself runs while they stream
-    long = SamplingParams(temperature=1.0, max_new_tokens=900, ignore_eos=True, seed=1)
-    export = _perturbed_export(setup.model_dir, tmp_path / "policy-v1", seed=1)
+    # the export is written before they start, so only the sync itself runs while they stream
+    long = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=1)
+    export = _perturbed_export(setup.model_dir, tmp_path / "policy", seed=new_tokens)
+    old = side.version
     streaming = threading.Event()
 
     def version() -> int:  # called as each token arrives
         streaming.set()
         return side.version
 
-    client = VLLMRolloutClient(side.urls[0], side.admin.api_key, model="areno-policy", version=version)
+    client = VLLMRolloutClient(
+        side.urls[0], side.admin.api_key, model="areno-policy", version=version, activity=side.stream_activity
+    )
     results: list = []
     thread = threading.Thread(target=lambda: results.extend(_generate(client, PROMPTS, long)))
     thread.start()
     assert streaming.wait(timeout=120)  # the requests are generating
     metrics = side.update_weights(WeightUpdate(version=side.version + 1, kind=WeightKind.DISK, path=export))
     thread.join(timeout=300)
-    assert side.version == 1 and metrics["policy_sync_load_s"] > 0
+    assert side.version == old + 1 and metrics["policy_sync_load_s"] > 0
     assert len(results) == len(PROMPTS)
     for out in results:
-        assert len(out.output_ids) == 900 and out.finish_reason == "length"
+        assert len(out.output_ids) == new_tokens and out.finish_reason == "length"
         assert out.output_versions == sorted(out.output_versions)  # old policy, then the new one
-    assert any(0 in o.output_versions and 1 in o.output_versions for o in results), [o.output_versions for o in results]
+    assert any(old in o.output_versions and old + 1 in o.output_versions for o in results), [
+        o.output_versions for o in results
+    ]
     # tokens after the sync are sampled from the new weights (the context recomputed under them)
-    out = next(o for o in results if 1 in o.output_versions)
-    first_new = out.output_versions.index(1)
+    out = next(o for o in results if old + 1 in o.output_versions)
+    first_new = out.output_versions.index(old + 1)
     teacher = _teacher_logprobs(export, out.prompt_ids, out.output_ids, 1.0)[first_new:]
     torch.testing.assert_close(torch.tensor(out.output_logprobs[first_new:]), teacher, atol=LOGPROB_ATOL, rtol=0)
     after = _generate(side.client, PROMPTS[:1], probe)[0]
-    assert after.output_logprobs != before.output_logprobs and after.output_versions == [1] * 8
+    assert after.output_logprobs != before.output_logprobs and after.output_versions == [old + 1] * 8
 
 
 def test_grpo_through_two_servers_survives_losing_one_mid_step(model_dir, tmp_path):
