@@ -366,18 +366,7 @@ class HTTPRolloutClient(RolloutClient):
 
     async def ahealth(self, timeout_s: float) -> None:
         """``GET /health`` within ``timeout_s``; raises ``RolloutServerError`` or ``TimeoutError``."""
-        import httpx
-
-        try:
-            response = await asyncio.wait_for(self._client.get("/health"), timeout_s)
-        except httpx.TransportError as exc:
-            raise RolloutServerError(f"{type(exc).__name__}: {exc}", server=self.base_url) from None
-        if response.status_code != 200:
-            raise RolloutServerError(
-                f"/health answered {response.status_code}: {_error_message(response)}",
-                server=self.base_url,
-                status=response.status_code,
-            )
+        await get_health(self._client, self.base_url, timeout_s)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -526,6 +515,23 @@ class MultiServerRolloutClient(RolloutClient):
     async def aclose(self) -> None:
         for client in self._per_loop.pop(asyncio.get_running_loop(), []):
             await client.aclose()
+
+
+async def get_health(http: Any, base_url: str, timeout_s: float) -> None:
+    """``GET /health`` on ``http`` (an ``httpx.AsyncClient`` of ``base_url``) within ``timeout_s``;
+    raises ``RolloutServerError`` (no answer, or not 200) or ``TimeoutError``."""
+    import httpx
+
+    try:
+        response = await asyncio.wait_for(http.get("/health"), timeout_s)
+    except httpx.TransportError as exc:
+        raise RolloutServerError(f"{type(exc).__name__}: {exc}", server=base_url) from None
+    if response.status_code != 200:
+        raise RolloutServerError(
+            f"/health answered {response.status_code}: {_error_message(response)}",
+            server=base_url,
+            status=response.status_code,
+        )
 
 
 def _error_message(response: Any) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from areno.rollout.client import RolloutClient, RolloutRequestTimeout, RolloutServerError
+from areno.rollout.client import RolloutClient, RolloutRequestTimeout, RolloutServerError, get_health
 from areno.types import GenerationOutput, SamplingParams
 
 
@@ -187,16 +187,7 @@ class StreamingServerClient(RolloutClient):
 
     async def ahealth(self, timeout_s: float) -> None:
         """``GET /health`` within ``timeout_s``; raises ``RolloutServerError`` or ``TimeoutError``."""
-        import httpx
-
-        try:
-            response = await asyncio.wait_for(self._client.get("/health"), timeout_s)
-        except httpx.TransportError as exc:
-            raise RolloutServerError(f"{type(exc).__name__}: {exc}", server=self.base_url) from None
-        if response.status_code != 200:
-            raise RolloutServerError(
-                f"/health answered {response.status_code}", server=self.base_url, status=response.status_code
-            )
+        await get_health(self._client, self.base_url, timeout_s)
 
     async def aclose(self) -> None:
         await self._client.aclose()
