@@ -22,7 +22,13 @@ from omegaconf import MISSING
 
 from areno.data.prompts import CHAT_TEMPLATE_MODES
 from areno.errors import ConfigError, check_config
-from areno.launch.allocation import AllocationModeError, check_supported, inference_backend, parse_allocation_mode
+from areno.launch.allocation import (
+    AllocationModeError,
+    check_supported,
+    inference_backend,
+    parse_allocation_mode,
+    role_placements,
+)
 from areno.launch.scheduler import scheduler_config
 from areno.rewards.sandbox import MAX_TIMEOUT_S
 from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
@@ -329,6 +335,21 @@ class ClusterSection:
     memory; while training, the rollout engine's weights and KV cache do; each is brought back
     before the phase that uses it). Costs host copies each step; needs a synchronous colocated run."""
 
+    def string_role_devices(self) -> dict[str, list[int]] | None:
+        """The role placements of a colocated ``allocation_mode`` (``role_placements``: rollout and the
+        policy in one group, roles in the others), else None."""
+        if not self.allocation_mode:
+            return None
+        try:
+            return role_placements(parse_allocation_mode(self.allocation_mode))
+        except AllocationModeError:
+            return None  # __post_init__ reports the string's mistake
+
+    def asks_partitioned(self) -> bool:
+        """Device lists, or a ``+`` allocation_mode that parts rollout from the policy."""
+        split = "+" in (self.allocation_mode or "") and self.string_role_devices() is None
+        return self.train_devices is not None or self.rollout_devices is not None or split
+
     def __post_init__(self) -> None:
         check_config(self.device in ("auto", "cpu", "cuda"), "cluster.device", "must be auto, cpu or cuda")
         check_config(
@@ -348,7 +369,7 @@ class ClusterSection:
             scheduler_config(self.scheduler, self.scheduler_options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
-        partitioned = self.train_devices is not None or "+" in (self.allocation_mode or "")
+        partitioned = self.asks_partitioned()
         check_config(
             self.scheduler == "local" or partitioned,
             "cluster.scheduler",
@@ -374,6 +395,24 @@ class ClusterSection:
                 "is one process on one device: use d1 (e.g. 'areno:d1|fsdp:d1') or '+' to give rollout and "
                 "training devices of their own",
             )
+            if role_placements(alloc) is not None:  # a colocated run whose other components place roles
+                check_config(
+                    not self.role_devices,
+                    "cluster.role_devices",
+                    f"and cluster.allocation_mode {self.allocation_mode!r} both place recipe roles: set one of them",
+                )
+                check_config(
+                    alloc.component("rollout").world_size == 1,
+                    "cluster.allocation_mode",
+                    f"{self.allocation_mode!r}: rollout and the policy share one group, a colocated run on one device: "
+                    "give that group d1 (e.g. 'areno:d1|fsdp:d1+fsdp[critic]:d1')",
+                )
+                check_config(
+                    inference_backend(alloc) == "areno",
+                    "cluster.allocation_mode",
+                    f"{self.allocation_mode!r}: role placements beside a colocated rollout need areno's engine "
+                    "(e.g. 'areno:d1|fsdp:d1+fsdp[critic]:d1')",
+                )
         if (self.train_devices is None) != (self.rollout_devices is None):
             raise ConfigError("cluster.train_devices and cluster.rollout_devices must be set together")
         check_config(
@@ -554,7 +593,7 @@ class ArenoConfig:
             f"a {self.rollout.backend} rollout takes its layout from cluster.allocation_mode "
             f"(e.g. '{self.rollout.backend}:d2t1+fsdp:d1') or rollout.servers, not device lists",
         )
-        partitioned = self.cluster.train_devices is not None or "+" in (self.cluster.allocation_mode or "")
+        partitioned = self.cluster.asks_partitioned()
         check_config(
             not (self.cluster.role_devices and partitioned),
             "cluster.role_devices",

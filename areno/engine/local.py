@@ -20,7 +20,7 @@ import torch
 from areno.engine.api import build_role_backends, rollout_engine_config, warm_up_rollout_engine
 from areno.engine.config import ArenoConfig, resolve_dtypes
 from areno.engine.residency import Phase, Residency
-from areno.engine.roles import RoleBackends, place_roles
+from areno.engine.roles import RoleBackends, place_roles, places_roles
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.engine.training_side import TrainingSide
@@ -54,7 +54,7 @@ class LocalTrainingSide(TrainingSide):
     """The synced role's weights (None: no role syncs to rollout)."""
     _disk: DiskTransport | None
     _placed: RoleBackends | None = None
-    """The roles' backends and workers when ``cluster.role_devices`` moves roles apart."""
+    """The roles' backends and workers when ``cluster.role_devices`` (or allocation_mode) moves roles apart."""
     asleep: bool = False
     """Every role's weights, gradients and optimizer state wait in host memory (``sleep``)."""
 
@@ -73,7 +73,7 @@ class LocalTrainingSide(TrainingSide):
         torch.manual_seed(cfg.train.seed)
         device = self.device.type
         new_backend = lambda c: LocalTrainBackend(dataclasses.replace(c, device=device))
-        if cfg.cluster.role_devices:  # some roles train in worker processes on devices of their own
+        if places_roles(cfg):  # some roles train in worker processes on devices of their own (role_allocation)
             self._placed = place_roles(
                 cfg, setup.recipe, setup.model_dir, new_backend, log_dir=self.export_root.parent / "workers"
             )

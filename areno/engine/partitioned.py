@@ -79,11 +79,10 @@ PROMPT_TOKENS_EST = 256
 
 def is_partitioned(config: ArenoConfig) -> bool:
     """True when the config asks for the partitioned topology (what ``build_engine`` checks):
-    device lists or a ``+`` allocation_mode, and an online recipe (offline recipes such as the
-    pipeline's sft warm start have no rollout side and run colocated)."""
-    c = config.cluster
-    asked = c.train_devices is not None or c.rollout_devices is not None or "+" in (c.allocation_mode or "")
-    return asked and get_recipe(config.train.algorithm).online
+    device lists or a ``+`` allocation_mode that parts rollout from the policy (one that colocates
+    them places recipe roles: ``ClusterSection.string_role_devices``), and an online recipe (offline
+    recipes such as the pipeline's sft warm start have no rollout side and run colocated)."""
+    return config.cluster.asks_partitioned() and get_recipe(config.train.algorithm).online
 
 
 def kv_tokens_for(config: ArenoConfig, block_size: int = 16) -> int:

@@ -44,6 +44,7 @@ __all__ = [
     "RoleWorker",
     "check_partitioned_roles",
     "place_roles",
+    "places_roles",
     "role_allocation",
 ]
 
@@ -62,20 +63,30 @@ def _num_devices(config: ArenoConfig) -> int:
 
 def role_allocation(config: ArenoConfig, recipe: TrainingConfig) -> dict[str, tuple[int, ...]]:
     """Every recipe role's logical devices; a one-line ``ConfigError`` for a role the recipe does
-    not have, overlapping lists, a device that does not exist or a moved policy."""
+    not have, overlapping lists, a device that does not exist or a moved policy. The roles are
+    placed by ``cluster.role_devices`` or, the same way, by a colocated ``allocation_mode``'s other
+    components (``areno:d1|fsdp:d1+fsdp[critic]:d1``)."""
+    from_string = config.cluster.string_role_devices()
     return build_gpu_allocations(
-        config.cluster.role_devices,
+        config.cluster.role_devices if from_string is None else from_string,
         [r.name for r in recipe.roles],
         policy_role=_policy_role(recipe),
         num_devices=_num_devices(config),
+        key="cluster.role_devices" if from_string is None else "cluster.allocation_mode",
     )
+
+
+def places_roles(config: ArenoConfig) -> bool:
+    """True when the config moves roles apart: ``cluster.role_devices`` or an ``allocation_mode``
+    whose role components ``role_allocation`` reads."""
+    return bool(config.cluster.role_devices) or config.cluster.string_role_devices() is not None
 
 
 def check_partitioned_roles(config: ArenoConfig, recipe: TrainingConfig) -> None:
     """A partitioned ``allocation_mode`` trains every role on the training devices: its role
     components (``map_roles``) must name roles of the recipe and may not put them on other devices."""
     mode = config.cluster.allocation_mode
-    if not mode or "+" not in mode:
+    if not mode or "+" not in mode or config.cluster.string_role_devices() is not None:
         return
     alloc = parse_allocation_mode(mode)
     placed = map_roles(alloc, [r.name for r in recipe.roles])

@@ -47,6 +47,7 @@ __all__ = [
     "inference_backend",
     "map_roles",
     "parse_allocation_mode",
+    "role_placements",
 ]
 
 
@@ -383,6 +384,25 @@ def map_roles(alloc: AllocationMode, recipe_role_names: list[str] | tuple[str, .
             )
         placed[name] = default
     return {name: placed[name] for name in recipe_role_names}
+
+
+def role_placements(alloc: AllocationMode) -> dict[str, list[int]] | None:
+    """The role placements a colocated run's string names, or None for any other string.
+
+    When the rollout component and the policy's (``actor`` / ``policy``) share one group (``|``),
+    the run is colocated and every other group's components place recipe roles on devices of
+    their own: ``areno:d1|fsdp:d1+fsdp[critic]:d1`` is ``cluster.role_devices={actor: [0],
+    critic: [1]}`` (check them with ``build_gpu_allocations``). A string without ``+`` or one that
+    parts rollout from the policy (a partitioned run) gives None."""
+    if len(alloc.groups) < 2:
+        return None
+    for group in alloc.groups:
+        roles = {c.role for c in group}
+        rollout = any(c.kind == "inference" and c.role == "rollout" for c in group)
+        if rollout and roles & {"actor", "policy"}:
+            lists = alloc.device_lists(alloc.world_size)
+            return {c.role: lists[c.role] for c in alloc.components if c.kind == "train" or c.role != "rollout"}
+    return None
 
 
 def build_gpu_allocations(
