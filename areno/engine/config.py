@@ -308,7 +308,8 @@ class ClusterSection:
     `{reference: [1]}` or `{value: [1]}` (aliases ref, critic, rm). Such a role runs in a worker
     process of its own on that device (a CPU run: one process per index); roles on one device train
     one after another, roles on different devices concurrently, and the DataSyncs move their
-    tensors between the processes. Unnamed roles share device 0 with the policy and the rollout."""
+    tensors between the processes. Unnamed roles share device 0 with the policy and the rollout.
+    `allocation_mode='areno:d1|fsdp:d1+fsdp[critic]:d1'` says the same (set one of the two)."""
     device: str = "auto"
     """auto (cuda if available), cpu or cuda."""
     scheduler: str = "local"
