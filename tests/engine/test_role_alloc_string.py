@@ -12,6 +12,7 @@ from areno.engine.api import resolve_recipe
 from areno.engine.partitioned import is_partitioned
 from areno.engine.roles import places_roles, role_allocation
 from areno.errors import ConfigError
+from areno.launch.allocation import parse_allocation_mode, role_placements
 from tests.engine.test_role_devices import _config
 
 STRING = "cluster.allocation_mode='areno:d1|fsdp:d1+fsdp[critic]:d1'"
@@ -80,3 +81,10 @@ def test_string_role_placement_errors(tmp_path, monkeypatch):
             )
         assert _one_line(info).startswith("cluster.allocation_mode")
         assert not (tmp_path / f"e{i}").exists()
+
+
+def test_role_placements_of_strings():
+    colocated = parse_allocation_mode("areno:d1|fsdp:d1|fsdp[ref]:d1+fsdp[critic]:d1|fsdp[rm]:d1")
+    assert role_placements(colocated) == {"actor": [0], "ref": [0], "critic": [1], "rm": [1]}
+    for partitioned in ("areno:d1+fsdp:d1", "areno:d1+fsdp:d1|fsdp[critic]:d1", "areno:d1|fsdp:d1"):
+        assert role_placements(parse_allocation_mode(partitioned)) is None
