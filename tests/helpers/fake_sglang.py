@@ -35,25 +35,14 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from areno.models.hf_io import load_model
-from areno.rollout.client import InProcessRolloutClient
-from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import GenerationOutput, SamplingParams
+from tests.helpers.serving import stand_in_engine
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def fake_sglang_app(model_dir: Path, eos_token_id: int, *, die_after: int | None = None) -> FastAPI:
-    model, model_config = load_model(model_dir)
-    engine = RolloutEngine(
-        model,
-        model_config,
-        # like the real servers' sync (SGLang's retracted requests, vLLM's reset running requests): the
-        # requests in flight recompute their context under the new weights
-        config=RolloutEngineConfig(device="cpu", max_num_seqs=64, recompute_kv_on_weight_update=True),
-        eos_token_ids=[eos_token_id],
-    )
-    client = InProcessRolloutClient(engine)
+    engine, client = stand_in_engine(model_dir, eos_token_id)
     app = FastAPI()
     app.state.calls = []
     app.state.engine = engine

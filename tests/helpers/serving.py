@@ -1,4 +1,5 @@
-"""An ASGI app served by uvicorn on a free loopback port in a daemon thread, for tests."""
+"""An ASGI app served by uvicorn on a free loopback port in a daemon thread, for tests; the engine the
+stand-in inference servers (``fake_vllm.py``, ``fake_sglang.py``) put behind their routes."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
 from areno.launch.scheduler import free_port
+from areno.models.hf_io import load_model
+from areno.rollout.client import InProcessRolloutClient
+from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 
 
 @contextlib.contextmanager
@@ -26,3 +31,17 @@ def serving(app, *, log_level: str = "error") -> Iterator[str]:
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+def stand_in_engine(model_dir: Path, eos_token_id: int) -> tuple[RolloutEngine, InProcessRolloutClient]:
+    """areno's CPU engine for a stand-in inference server, and its in-process client."""
+    model, model_config = load_model(model_dir)
+    engine = RolloutEngine(
+        model,
+        model_config,
+        # like the real servers' sync (SGLang's retracted requests, vLLM's reset running requests): the
+        # requests in flight recompute their context under the new weights
+        config=RolloutEngineConfig(device="cpu", max_num_seqs=64, recompute_kv_on_weight_update=True),
+        eos_token_ids=[eos_token_id],
+    )
+    return engine, InProcessRolloutClient(engine)
