@@ -66,7 +66,7 @@ def _count_squares(
 
 def _squares_png(squares: list[tuple[int, tuple[int, int, int]]], size: int, cell: int) -> str:
     """Base64 PNG of squares on black: (cell index, RGB colour) each."""
-    from PIL import Image  # Pillow: needed by this task only
+    from PIL import Image  # imported by this task only
 
     image = Image.new("RGB", (size, size))
     per_row = size // cell

@@ -229,7 +229,7 @@ def tiny_vl_config(
 # ----------------------------------------------------------------------------------- images
 def decode_image(image: Any) -> Any:
     """A PIL image from a PIL image, PNG/JPEG bytes, a base64 string or a ``data:image/...;base64,`` URL."""
-    from PIL import Image  # Pillow is a dependency of the VL path only
+    from PIL import Image  # imported by the VL path only (an image prompt)
 
     if isinstance(image, Image.Image):
         return image
@@ -271,7 +271,7 @@ def image_patches(image: Any, vc: VisionConfig) -> tuple[torch.Tensor, tuple[int
     """float32 pixel patches [N, C·t·p·p] and the grid (1, h, w) of one image, as the Qwen2-VL
     image processor makes them (RGB, bicubic resize, ÷255, CLIP normalisation, the still image
     repeated over the temporal patch, patches ordered by 2×2 merge block)."""
-    from PIL import Image  # Pillow is a dependency of the VL path only
+    from PIL import Image  # imported by the VL path only (an image prompt)
 
     image = decode_image(image).convert("RGB")
     p, m, tp = vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size

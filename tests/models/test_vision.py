@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from areno.models.hf_io import load_model, save_model
 from areno.models.vision import (
@@ -18,7 +19,6 @@ from areno.models.vision import (
 )
 
 transformers = pytest.importorskip("transformers")
-Image = pytest.importorskip("PIL.Image")
 
 IMAGE, START, END = 60, 58, 59
 

@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from areno.models.hf_io import load_model
 from areno.models.vision import ImageInputs, decode_image, encode_png
@@ -20,8 +21,6 @@ from areno.workflows.images import image_prompt, row_images
 from areno.workflows.openai_client import ArenoAsyncOpenAI
 from areno.workflows.rlvr import RLVRWorkflow
 from tests.vlm.test_vlm_grpo import make_vl_dir
-
-Image = pytest.importorskip("PIL.Image")
 
 
 @pytest.fixture(scope="module")
