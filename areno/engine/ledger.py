@@ -230,8 +230,8 @@ class SeedingClient(RolloutClient):
         sampling_params = self._arrive([sampling_params])[0]
         return await self.inner.agenerate(prompt_ids, sampling_params, **kwargs)
 
-    async def agenerate_many(self, prompt_ids: list[int], params: list[Any]):
-        return await self.inner.agenerate_many(prompt_ids, self._arrive(params))
+    async def agenerate_many(self, prompt_ids: list[int], params: list[Any], **kwargs: Any):
+        return await self.inner.agenerate_many(prompt_ids, self._arrive(params), **kwargs)
 
     def _arrive(self, params: list[Any]) -> list[Any]:
         """Seed the unseeded sampled requests from the episode's seeds (in order) and count them."""

@@ -32,7 +32,7 @@ from areno.models.hf_io import load_model
 from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 from areno.recipes.runner import RecipeRunner
 from areno.rollout.engine import RolloutEngine
-from areno.rollout.server import check_bind, create_app
+from areno.rollout.server import ServerLimits, check_bind, create_app
 from areno.rollout.tp import TensorParallelRolloutEngine, load_tp_model
 from areno.sync.base import NamedTensorSource, ShardSpec, engine_receiver
 from areno.sync.plan import shard_specs_from_tp_plan
@@ -40,6 +40,11 @@ from areno.sync.stream import StreamTransport
 from areno.train import FSDP2TrainBackend
 
 logger = logging.getLogger(__name__)
+
+
+IMAGE_BODY_BYTES = 512 * 2**20
+"""Largest request body of a vision-language model's rollout worker: a group's pixels travel in it
+(float32 patches, base64), and a few large images pass the default limit."""
 
 
 def full_meta(
@@ -170,7 +175,7 @@ class RolloutWorker:
         if self.tp_rank == 0:
             if layout.rollout_tp > 1:
                 self.engine.lead(self.groups.rollout_command_group, ordered_commits=self._ordered_commits)
-            self._serve(tokenizer, api_key)
+            self._serve(tokenizer, api_key, vision=model_config.vision is not None)
         else:  # a TP follower: no server; it takes its leader's requests and steps
             self._follower = threading.Thread(target=self._follow, name="areno-rollout-tp-follower", daemon=True)
             self._follower.start()
@@ -208,12 +213,14 @@ class RolloutWorker:
             backend="nccl" if device.startswith("cuda") else None,
         )
 
-    def _serve(self, tokenizer, api_key: str | None) -> None:
-        """The token-level HTTP server of this engine, on a free port, in a thread."""
+    def _serve(self, tokenizer, api_key: str | None, *, vision: bool) -> None:
+        """The token-level HTTP server of this engine, on a free port, in a thread. ``vision``: the
+        requests carry images' pixels, so the body may be as large as ``IMAGE_BODY_BYTES``."""
         self.host = bind_host(self.config)
         check_bind(self.host, api_key)  # beyond loopback only with a key
         self.advertised = advertised_address(self.host)
-        self.app = create_app(self.engine, tokenizer=tokenizer, api_key=api_key)
+        limits = ServerLimits(max_body_bytes=IMAGE_BODY_BYTES) if vision else None
+        self.app = create_app(self.engine, tokenizer=tokenizer, api_key=api_key, limits=limits)
         self.port = free_port()
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")

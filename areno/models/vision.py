@@ -351,6 +351,10 @@ def _mrope(
     return torch.cat(cols, dim=1).long(), img, is_image
 
 
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Pixel dtypes ``ImageInputs.from_wire`` accepts."""
+
+
 @dataclass
 class ImageInputs:
     """The images of a packed forward: patches of every image in token order, and their grids."""
@@ -374,6 +378,37 @@ class ImageInputs:
         h.update(repr(self.grid_thw).encode())
         h.update(self.pixel_values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return int.from_bytes(h.digest(), "little") >> 1
+
+    def to_wire(self) -> dict[str, Any]:
+        """JSON-safe form for the HTTP rollout server (partitioned placement): the pixels' raw
+        bytes in base64 with their dtype and shape, so the server sees the very same values."""
+        px = self.pixel_values.detach().to("cpu").contiguous()
+        raw = px.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {
+            "pixel_values": base64.b64encode(raw).decode("ascii"),
+            "dtype": str(px.dtype).removeprefix("torch."),
+            "shape": list(px.shape),
+            "grid_thw": [list(g) for g in self.grid_thw],
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> ImageInputs:
+        """The inverse of ``to_wire``; a ValueError names what does not fit."""
+        dtype = WIRE_DTYPES.get(wire.get("dtype", ""))
+        if dtype is None:
+            raise ValueError(f"images.dtype must be one of {sorted(WIRE_DTYPES)}, got {wire.get('dtype')!r}")
+        try:
+            raw = base64.b64decode(wire["pixel_values"], validate=True)
+            shape = [int(n) for n in wire["shape"]]
+            grid = [tuple(int(n) for n in g) for g in wire["grid_thw"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"images needs pixel_values (base64), shape and grid_thw: {e}") from None
+        if len(shape) != 2 or len(raw) != math.prod(shape) * dtype.itemsize or any(len(g) != 3 for g in grid):
+            raise ValueError(f"images: {len(raw)} bytes do not make a {dtype} tensor of shape {shape}")
+        if sum(t * h * w for t, h, w in grid) != shape[0]:
+            raise ValueError(f"images: grid_thw {grid} does not cover the {shape[0]} patches")
+        pixels = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        return cls(pixels, grid)  # type: ignore[arg-type]
 
     @classmethod
     def concat(cls, parts: list[ImageInputs | None]) -> ImageInputs | None:

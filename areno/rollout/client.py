@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from areno.errors import RunFailure
+from areno.models.vision import ImageInputs
 from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
 from areno.types import GenerationOutput, SamplingParams
@@ -102,7 +103,8 @@ class RolloutClient(abc.ABC):
     async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
         """One completion of ``prompt_ids`` per entry of ``params`` (a GRPO group: the same prompt,
         per-sample seeds), in order. Clients over HTTP send them as one request to one server, so
-        the group shares its prompt's KV blocks there; this default runs ``agenerate`` per entry."""
+        the group shares its prompt's KV blocks there; this default runs ``agenerate`` per entry.
+        The ``areno serve`` clients also take ``images=`` (an ``ImageInputs``), sent with the group."""
         return list(await asyncio.gather(*(self.agenerate(prompt_ids, p) for p in params)))
 
     async def aclose(self) -> None:
@@ -115,13 +117,11 @@ async def agenerate_many(
     """``client.agenerate_many`` when the client has it, else one ``agenerate`` per entry: workflows
     call this so any object with an ``agenerate`` coroutine keeps working as a client. ``images``
     (a vision-language prompt's ``ImageInputs``) go with each ``agenerate``; the group shares the
-    image prefill through the engine's prefix cache."""
+    image prefill through the engine's prefix cache; to an ``areno serve`` server (partitioned
+    placement) they go with the whole group in one request."""
     if images is not None:
         if isinstance(getattr(client, "inner", client), (HTTPRolloutClient, MultiServerRolloutClient)):
-            raise ValueError(
-                "a prompt with images needs the in-process rollout engine (colocated placement): "
-                "the HTTP rollout server does not take images yet"
-            )
+            return await client.agenerate_many(prompt_ids, params, images=images)
         return list(await asyncio.gather(*(client.agenerate(prompt_ids, p, images=images) for p in params)))
     many = getattr(client, "agenerate_many", None)
     if many is not None:
@@ -293,14 +293,22 @@ class HTTPRolloutClient(RolloutClient):
         )
 
     async def agenerate(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        images: ImageInputs | None = None,
     ) -> GenerationOutput:
+        """``images``: a vision-language prompt's pixels, sent in the body (``ImageInputs.to_wire``)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"  # named, so a timed-out one can be aborted
         body = {
             "prompt_ids": list(prompt_ids),
             "sampling_params": dataclasses.asdict(sampling_params),
             "request_id": request_id,
         }
+        if images is not None:
+            body["images"] = images.to_wire()
         try:
             response = await asyncio.wait_for(self._client.post("/generate", json=body), self.timeout_s)
         except TimeoutError:
@@ -322,8 +330,11 @@ class HTTPRolloutClient(RolloutClient):
             )
         return GenerationOutput(**response.json())
 
-    async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
-        """All of ``params`` in one ``POST /generate_many`` (one HTTP round trip per group)."""
+    async def agenerate_many(
+        self, prompt_ids: list[int], params: list[SamplingParams], *, images: ImageInputs | None = None
+    ) -> list[GenerationOutput]:
+        """All of ``params`` in one ``POST /generate_many`` (one HTTP round trip per group; its
+        ``images`` once for the group)."""
         if not params:
             return []
         request_ids = [f"req-{uuid.uuid4().hex}" for _ in params]
@@ -332,6 +343,8 @@ class HTTPRolloutClient(RolloutClient):
             "sampling_params": [dataclasses.asdict(p) for p in params],
             "request_ids": request_ids,
         }
+        if images is not None:
+            body["images"] = images.to_wire()
         try:
             response = await asyncio.wait_for(self._client.post("/generate_many", json=body), self.timeout_s)
         except TimeoutError:
@@ -443,15 +456,24 @@ class MultiServerRolloutClient(RolloutClient):
         return [i for i in order if self.health.is_healthy(self.urls[i])]
 
     async def agenerate(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        images: ImageInputs | None = None,
     ) -> GenerationOutput:
-        return await self._route(lambda c: c.agenerate(prompt_ids, sampling_params, request_id=request_id))
+        extra = {} if images is None else {"images": images}  # other systems' clients take no images
+        return await self._route(lambda c: c.agenerate(prompt_ids, sampling_params, request_id=request_id, **extra))
 
-    async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
+    async def agenerate_many(
+        self, prompt_ids: list[int], params: list[SamplingParams], *, images: ImageInputs | None = None
+    ) -> list[GenerationOutput]:
         """The whole group to one server (its samples share the prompt's KV blocks there)."""
         if not params:
             return []
-        return await self._route(lambda c: c.agenerate_many(prompt_ids, params))
+        extra = {} if images is None else {"images": images}
+        return await self._route(lambda c: c.agenerate_many(prompt_ids, params, **extra))
 
     async def _route(self, call: Any) -> Any:
         """``call(client)`` on the next healthy server, failing over as the class docstring says."""

@@ -53,6 +53,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from areno.data.prompts import apply_template
 from areno.models.hf_io import load_model
+from areno.models.vision import ImageInputs
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
 from areno.types import MIN_TEMPERATURE, GenerationOutput, SamplingParams
@@ -173,6 +174,8 @@ class GenerateRequest(BaseModel):
     prompt_ids: list[int]
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     request_id: str | None = None
+    images: dict[str, Any] | None = None
+    """A vision-language prompt's pixels (``ImageInputs.to_wire``)."""
 
 
 class GenerateManyRequest(BaseModel):
@@ -181,6 +184,8 @@ class GenerateManyRequest(BaseModel):
     prompt_ids: list[int]
     sampling_params: list[dict[str, Any]] = Field(min_length=1)
     request_ids: list[str] | None = None
+    images: dict[str, Any] | None = None
+    """The group's images, sent once (``ImageInputs.to_wire``)."""
 
 
 class AbortRequest(BaseModel):
@@ -470,10 +475,11 @@ async def _agenerate(
     params: SamplingParams,
     field: str,
     request_id: str | None = None,
+    images: ImageInputs | None = None,
 ) -> GenerationOutput:
     """One completion; a request the engine rejects is a 400 naming ``field``, an engine failure a 500."""
     try:
-        return await client.agenerate(prompt_ids, params, request_id=request_id)
+        return await client.agenerate(prompt_ids, params, request_id=request_id, images=images)
     except ValueError as e:
         raise _BadRequest(field, f"{field}: {e}") from None
     except RolloutRequestTimeout:
@@ -505,12 +511,16 @@ class _Admission:
             )
 
     async def agenerate(
-        self, request: Request, jobs: list[tuple[list[int], SamplingParams, str | None]], field: str
+        self,
+        request: Request,
+        jobs: list[tuple[list[int], SamplingParams, str | None]],
+        field: str,
+        images: ImageInputs | None = None,
     ) -> list[GenerationOutput]:
-        """One completion per ``(prompt_ids, params, request_id)``, in order; if one fails, or the
-        client goes away, the others are cancelled, which aborts them in the engine."""
+        """One completion per ``(prompt_ids, params, request_id)``, in order (each with ``images``);
+        if one fails, or the client goes away, the others are cancelled, which aborts them in the engine."""
         self.reserve(len(jobs))
-        tasks = [asyncio.ensure_future(_agenerate(self.client, p, sp, field, rid)) for p, sp, rid in jobs]
+        tasks = [asyncio.ensure_future(_agenerate(self.client, p, sp, field, rid, images)) for p, sp, rid in jobs]
         try:
             return await _unless_disconnected(request, asyncio.gather(*tasks))
         finally:
@@ -706,6 +716,16 @@ def _token_sampling_params(raw: dict[str, Any], field: str) -> SamplingParams:
         raise _BadRequest(field, f"{field}: {e}") from None
 
 
+def _images(wire: dict[str, Any] | None) -> ImageInputs | None:
+    """A request's ``images`` field decoded (a 400 naming it when it does not decode)."""
+    if wire is None:
+        return None
+    try:
+        return ImageInputs.from_wire(wire)
+    except ValueError as e:
+        raise _BadRequest("images", str(e)) from None
+
+
 class _TokenRoutes:
     """``POST /generate`` and ``POST /generate_many``: token ids in, ``GenerationOutput`` out."""
 
@@ -718,7 +738,8 @@ class _TokenRoutes:
 
     async def generate(self, req: GenerateRequest, request: Request) -> Response:
         params = _token_sampling_params(req.sampling_params, "sampling_params")
-        (out,) = await self.admission.agenerate(request, [(req.prompt_ids, params, req.request_id)], "prompt_ids")
+        job = (req.prompt_ids, params, req.request_id)
+        (out,) = await self.admission.agenerate(request, [job], "prompt_ids", _images(req.images))
         return _json_response(_output_dict(out))
 
     async def generate_many(self, req: GenerateManyRequest, request: Request) -> Response:
@@ -734,7 +755,7 @@ class _TokenRoutes:
         if len(ids) != len(params):
             raise _BadRequest("request_ids", f"request_ids: {len(ids)} ids for {len(params)} sampling_params")
         jobs = [(req.prompt_ids, p, rid) for p, rid in zip(params, ids)]
-        outs = await self.admission.agenerate(request, jobs, "prompt_ids")
+        outs = await self.admission.agenerate(request, jobs, "prompt_ids", _images(req.images))
         return _json_response({"outputs": [_output_dict(o) for o in outs]})
 
 
