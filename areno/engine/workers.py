@@ -15,6 +15,8 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,6 +65,18 @@ def full_meta(
     return meta
 
 
+def unsynced(freeze_vision: bool) -> tuple[str, ...]:
+    """Name prefixes the policy sync leaves out: a frozen vision tower and merger
+    (``model.freeze_vision``; the rollout worker loaded the very same ones from the checkpoint)."""
+    return ("visual.",) if freeze_vision else ()
+
+
+def synced_weights(backend: FSDP2TrainBackend) -> Iterator[tuple[str, torch.Tensor]]:
+    """What the policy sync sends: the policy's weights, less ``unsynced`` ones."""
+    skip = unsynced(backend.cfg.freeze_vision)
+    return ((name, t) for name, t in backend.named_weights() if not name.startswith(skip))
+
+
 class TrainWorker:
     """One training rank: the recipe's roles on FSDP2 over the training sub-mesh, and the sender
     side of the policy stream. Built by the scheduler in its own process."""
@@ -96,7 +110,7 @@ class TrainWorker:
         self.transport = StreamTransport(
             topology=layout.stream_topology(),
             config=_sync_config(cfg),
-            source=NamedTensorSource(backends[self.policy].named_weights),
+            source=NamedTensorSource(partial(synced_weights, backends[self.policy])),
             device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu",
             backend="nccl" if device_type == "cuda" else None,
         )
@@ -196,7 +210,12 @@ class RolloutWorker:
                 full_meta(live, model_config, layout.rollout_tp), tp_plan(model_config), self.tp_rank, layout.rollout_tp
             )
         else:
-            specs = {n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype) for n, t in live.items()}
+            skip = unsynced(cfg.model.freeze_vision)
+            specs = {
+                n: ShardSpec(name=n, full_shape=tuple(t.shape), dtype=t.dtype)
+                for n, t in live.items()
+                if not n.startswith(skip)
+            }
         # Asynchronous: a staged commit is applied in the background at the engine's next step
         # boundary, so the sync (and the trainer waiting on it) does not wait for a k-step decode loop.
         self.receiver = engine_receiver(

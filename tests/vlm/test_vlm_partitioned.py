@@ -4,6 +4,8 @@ for its batch, and the policy sync carries the vision tower and merger."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from areno.api.config import load_config
 from areno.engine.api import prepare_model_dir
 from areno.engine.partitioned import is_partitioned
 from areno.engine.placement import build_engine
+from areno.models.hf_io import load_model
 from tests.vlm.test_vlm_grpo import vl_overrides
 
 PARTITIONED = ("cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
@@ -32,11 +35,15 @@ def _steps(engine, n: int) -> list:
     return rows
 
 
-def _run(cfg, run_dir, n: int) -> list:
+def _run(cfg, run_dir, n: int, check=None) -> list:
+    """``n`` steps of a new engine; ``check(engine)`` after them."""
     engine = build_engine(cfg, run_dir)
     engine.initialize()
     try:
-        return _steps(engine, n)
+        rows = _steps(engine, n)
+        if check is not None:
+            check(engine)
+        return rows
     finally:
         engine.shutdown()
 
@@ -53,3 +60,51 @@ def test_partitioned_vlm_grpo_matches_colocated(tmp_path):
         assert r_got.metrics["rollout/reward_mean"] == pytest.approx(r_ref.metrics["rollout/reward_mean"])
         assert m_got["train/policy/loss"] == pytest.approx(m_ref["train/policy/loss"], rel=1e-4, abs=1e-6)
     assert got[-1][1]["policy_sync_bytes"] > 0
+
+
+def _synced_tower(tmp_path):
+    """A check: the rollout worker's vision tower and merger equal the trained policy's."""
+
+    def check(engine):
+        engine.export_policy(tmp_path / "export")
+        trained = dict(load_model(tmp_path / "export", dtype=torch.float32, device="cpu")[0].named_parameters())
+        (live,) = [pickle.loads(b) for b in engine.rollout.cluster.scheduler.call("rollout", "weight_shards")]
+        tower = [n for n in live if n.startswith("visual.")]
+        assert "visual.merger.mlp.2.weight" in tower and "visual.blocks.0.attn.qkv.weight" in tower
+        for name in tower:
+            assert torch.equal(live[name], trained[name].to(live[name].dtype)), name
+        return trained
+
+    return check
+
+
+def test_partitioned_vlm_async_syncs_the_trained_tower(tmp_path):
+    """η = 1: the run goes on while the rollout worker generates one version behind, and the
+    policy sync carries the trained vision tower and merger."""
+    cfg = _config(tmp_path, *PARTITIONED, "rollout.max_head_offpolicyness=1")
+    prepare_model_dir(cfg)
+    initial = dict(_params(tmp_path / "model"))
+    rows = _run(cfg, tmp_path / "run", 3, _synced_tower(tmp_path))
+    for rollout, metrics in rows:
+        assert (
+            rollout.metrics["rollout/staleness_max"] <= 1
+            and metrics["train/policy/loss"] == metrics["train/policy/loss"]
+        )
+    trained = dict(_params(tmp_path / "export"))
+    assert not torch.equal(initial["visual.merger.mlp.2.weight"], trained["visual.merger.mlp.2.weight"])
+
+
+def test_partitioned_vlm_frozen_tower_is_not_synced(tmp_path):
+    """``model.freeze_vision=true``: the tower never changes, so the sync sends the decoder only."""
+    tower = sum(1 for n, _ in _params(_config(tmp_path).model.path) if n.startswith("visual."))
+    full = _config(tmp_path, *PARTITIONED)
+    frozen = _config(tmp_path, *PARTITIONED, **{"model.freeze_vision": "true"})
+    prepare_model_dir(full)
+    sent_full = _run(full, tmp_path / "full", 2)[-1][1]["policy_sync_tensors"]
+    sent_frozen = _run(frozen, tmp_path / "frozen", 2)[-1][1]["policy_sync_tensors"]
+    assert tower > 0 and sent_frozen == sent_full - tower
+
+
+def _params(path):
+    """The parameters of the model saved at ``path``."""
+    return load_model(path, dtype=torch.float32, device="cpu")[0].named_parameters()
