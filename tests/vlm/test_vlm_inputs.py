@@ -4,7 +4,9 @@ OpenAI-compatible client's ``image_url`` parts, and pixels by reference through 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -12,14 +14,16 @@ from PIL import Image
 
 from areno.models.hf_io import load_model
 from areno.models.vision import ImageInputs, decode_image, encode_png
-from areno.rollout.client import InProcessRolloutClient
+from areno.rollout.client import InProcessRolloutClient, MultiServerRolloutClient, agenerate_many
 from areno.rollout.config import RolloutEngineConfig
 from areno.rollout.engine import RolloutEngine
+from areno.rollout.server import create_app
 from areno.rollout.store import InProcessStore, StoreRef, fetch_refs
 from areno.types import SamplingParams, TokenBatch
 from areno.workflows.images import image_prompt, row_images
 from areno.workflows.openai_client import ArenoAsyncOpenAI
 from areno.workflows.rlvr import RLVRWorkflow
+from tests.helpers.serving import serving
 from tests.vlm.test_vlm_grpo import make_vl_dir
 
 
@@ -108,3 +112,41 @@ def test_openai_client_image_url_parts_generate_with_the_image(vl):
         client.close()
     (traj,) = oa.export()
     assert isinstance(traj.info["images"]["pixel_values"], StoreRef) and len(store) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_image_inputs_wire_form_round_trips_and_names_what_is_wrong(vl, dtype):
+    vc = vl[0].vision_config
+    images = ImageInputs.from_images([squares(1), squares(2)], vc)
+    images.pixel_values = images.pixel_values.to(dtype)
+    back = ImageInputs.from_wire(json.loads(json.dumps(images.to_wire())))
+    assert back.pixel_values.dtype == dtype and torch.equal(back.pixel_values, images.pixel_values)
+    assert back.grid_thw == images.grid_thw and back.key() == images.key()
+    wire = images.to_wire()
+    with pytest.raises(ValueError, match="does not cover"):
+        ImageInputs.from_wire({**wire, "grid_thw": [[1, 2, 2]]})
+    with pytest.raises(ValueError, match="images.dtype must be one of"):
+        ImageInputs.from_wire({**wire, "dtype": "int8"})
+
+
+def test_http_rollout_server_takes_a_groups_images(vl):
+    """``areno serve``'s ``/generate_many`` with ``images`` (partitioned placement): the same greedy
+    tokens as the in-process engine, the group sharing one image prefill; bad pixels are a 400."""
+    model, config, tok = vl
+    vc = model.vision_config
+    prompt_ids, images = image_prompt(tok, "count:", [squares(2)], vc)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)] * 3
+    engine, client = engine_client(model, config)
+    try:
+        direct = asyncio.run(client.agenerate(prompt_ids, params[0], images=images))
+    finally:
+        client.close()
+    engine, _ = engine_client(model, config)
+    with serving(create_app(engine, tokenizer=tok)) as base:
+        http = MultiServerRolloutClient([base])
+        outs = asyncio.run(agenerate_many(http, prompt_ids, params, images=images))
+        assert [o.output_ids for o in outs] == [direct.output_ids] * 3
+        assert engine._stepper.vision_runs == 1  # one tower forward for the group
+        body = {"prompt_ids": prompt_ids, "sampling_params": [{}], "images": {**images.to_wire(), "shape": [1, 2]}}
+        bad = httpx.post(f"{base}/generate_many", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "images"
