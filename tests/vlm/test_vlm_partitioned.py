@@ -54,7 +54,7 @@ def test_partitioned_vlm_grpo_matches_colocated(tmp_path):
     assert is_partitioned(cfg)
     prepare_model_dir(cfg)
     ref = _run(_config(tmp_path), tmp_path / "ref", 3)
-    got = _run(cfg, tmp_path / "run", 3)
+    got = _run(cfg, tmp_path / "run", 3, _synced_tower(tmp_path))
     for (r_ref, m_ref), (r_got, m_got) in zip(ref, got):
         assert [t.completion_ids for t in r_got.trajectories] == [t.completion_ids for t in r_ref.trajectories]
         assert r_got.metrics["rollout/reward_mean"] == pytest.approx(r_ref.metrics["rollout/reward_mean"])
@@ -78,6 +78,7 @@ def _synced_tower(tmp_path):
     return check
 
 
+@pytest.mark.slow  # a partitioned run of its own (worker processes)
 def test_partitioned_vlm_async_syncs_the_trained_tower(tmp_path):
     """η = 1: the run goes on while the rollout worker generates one version behind, and the
     policy sync carries the trained vision tower and merger."""
@@ -94,6 +95,7 @@ def test_partitioned_vlm_async_syncs_the_trained_tower(tmp_path):
     assert not torch.equal(initial["visual.merger.mlp.2.weight"], trained["visual.merger.mlp.2.weight"])
 
 
+@pytest.mark.slow  # two partitioned runs
 def test_partitioned_vlm_frozen_tower_is_not_synced(tmp_path):
     """``model.freeze_vision=true``: the tower never changes, so the sync sends the decoder only."""
     tower = sum(1 for n, _ in _params(_config(tmp_path).model.path) if n.startswith("visual."))
