@@ -80,9 +80,10 @@ def _synced_tower(tmp_path):
 
 @pytest.mark.slow  # a partitioned run of its own (worker processes)
 def test_partitioned_vlm_async_syncs_the_trained_tower(tmp_path):
-    """η = 1: the run goes on while the rollout worker generates one version behind, and the
-    policy sync carries the trained vision tower and merger."""
-    cfg = _config(tmp_path, *PARTITIONED, "rollout.max_head_offpolicyness=1")
+    """η = 1, placed by ``allocation_mode``: the run goes on while the rollout worker generates one
+    version behind, and the policy sync carries the trained vision tower and merger."""
+    cfg = _config(tmp_path, "cluster.allocation_mode='areno:d1+fsdp:d1'", "rollout.max_head_offpolicyness=1")
+    assert is_partitioned(cfg)
     prepare_model_dir(cfg)
     initial = dict(_params(tmp_path / "model"))
     rows = _run(cfg, tmp_path / "run", 3, _synced_tower(tmp_path))
