@@ -216,6 +216,11 @@ class PartitionedCluster:
         """LayoutError (one line) when the training or rollout TP size cannot split the model's
         heads, MLP or vocabulary (``areno.models.tp_plan.check_tp_size``)."""
         model_config = read_config(model_dir)
+        if model_config.vision is not None and layout.rollout_tp > 1:  # its rollout engine loads whole
+            raise LayoutError(
+                f"cluster.rollout_tp={layout.rollout_tp} (or allocation_mode t{layout.rollout_tp}): a vision-language "
+                "model's rollout engine runs without tensor parallelism; set cluster.rollout_tp=1"
+            )
         for what, size in (("cluster.train_tp", layout.train_tp), ("cluster.rollout_tp", layout.rollout_tp)):
             try:
                 check_tp_size(model_config, size)

@@ -11,8 +11,9 @@ import torch
 
 from areno.api.config import load_config
 from areno.engine.api import prepare_model_dir
+from areno.engine.cluster import LayoutError
 from areno.engine.partitioned import is_partitioned
-from areno.engine.placement import build_engine
+from areno.engine.placement import build_engine, partitioned_engine
 from areno.models.hf_io import load_model
 from tests.vlm.test_vlm_grpo import vl_overrides
 
@@ -33,6 +34,15 @@ def _steps(engine, n: int) -> list:
         rows.append((rollout, engine.step(rollout)))
         engine.update_weights()
     return rows
+
+
+def test_rollout_tp_of_a_vlm_is_refused_before_launch(tmp_path):
+    cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1, 2]", "cluster.rollout_tp=2")
+    prepare_model_dir(cfg)
+    engine = partitioned_engine(cfg, tmp_path / "run")
+    with pytest.raises(LayoutError, match=r"^cluster.rollout_tp=2 .*set cluster.rollout_tp=1$"):
+        engine.initialize()
+    assert engine.rollout.cluster.scheduler is None  # nothing was launched
 
 
 def _run(cfg, run_dir, n: int, check=None) -> list:
