@@ -200,8 +200,17 @@ def rollout_run(model_dir: Path, w: dict, device: str, dtype: torch.dtype, args)
     ours.eval()
     prompts = make_prompts(n, cfg.vocab_size, w["prompt_len"], w["prompt_len"], seed=0)
     free(device)
-    eng_s, eng_out, stats = run_engine(ours, cfg, prompts, new, device, engine_options(args))
-    out = {
+    out: dict = {}
+    try:
+        eng_s, eng_out, stats = run_engine(ours, cfg, prompts, new, device, engine_options(args))
+    except RuntimeError as e:  # a capture failure must not cost the whole run: record it, decode without graphs
+        if device != "cuda" or args.no_cuda_graphs:
+            raise
+        out["cuda_graphs_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        args.no_cuda_graphs = True
+        free(device)
+        eng_s, eng_out, stats = run_engine(ours, cfg, prompts, new, device, engine_options(args))
+    out |= {
         "engine_s": round(eng_s, 3),
         "engine_tok_s": round(n * new / eng_s, 1),
         "engine_steps": stats["steps"],
