@@ -39,6 +39,7 @@ import argparse
 import gc
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -266,6 +267,7 @@ def train_run(model_dir: Path, cfg: ModelConfig, w: dict, device: str, args) -> 
         "tokens_per_s": round(tok_s, 1),
         "model_tflops_per_s": round(6 * act["active_params"] * tok_s / 1e12, 3),
         "peak_flops_used": peak,
+        "peak_flops_is": "H200 SXM datasheet, dense bf16" if peak else None,
         "mfu": round(6 * act["active_params"] * tok_s / peak, 4) if peak else None,
         "mfu_no_lm_head": round(6 * act["active_params_no_lm_head"] * tok_s / peak, 4) if peak else None,
         "loss": round(float(metrics[-1]["loss"]), 4),
@@ -284,7 +286,7 @@ def model_main(args) -> int:
     shape = "tiny" if args.tiny else "1b"
     w = WORKLOADS[shape]
     device = args.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     args.backend = args.backend or ("fsdp2" if device == "cuda" else "local")
     t0 = time.perf_counter()
     report: dict = {
@@ -300,7 +302,7 @@ def model_main(args) -> int:
         model_dir = Path(tmp) / f"qwen3moe-{shape}"
         report.update(write_checkpoint(shape, model_dir, device, dtype))
         cfg = read_config(model_dir)
-        report["config"] = {k: v for k, v in MODEL_SHAPES[shape].items()} | {"architecture": cfg.architecture}
+        report["config"] = {**MODEL_SHAPES[shape], "architecture": cfg.architecture}
         report.update(active_params(cfg))
         report["active_fraction"] = round(report["active_params"] / report["total_params"], 4)
         report["rollout"] = rollout_run(model_dir, w, device, dtype, args)
@@ -314,6 +316,14 @@ def model_main(args) -> int:
         r["hf_generate_tok_s"],
         ratio(r["engine_tok_s"], r["hf_generate_tok_s"]),
         "engine / generate tokens/s (>1: engine faster); train MFU under train.mfu",
+    )
+    t = report["train"]
+    print(
+        f"bench.moe --model: {report['device']} {report['dtype']}, {report['total_params'] / 1e9:.3f}B total, "
+        f"{report['active_params'] / 1e6:.1f}M active per token; engine {r['engine_tok_s']} tok/s vs generate "
+        f"{r['hf_generate_tok_s']} (first {r['agree_tokens']} tokens agree on {r['agree_first_k_tokens']:.0%}); "
+        f"train {t['step_s']} s/step, {t['tokens_per_s']} tok/s, MFU {t['mfu']} (peak {t['peak_flops_used']})",
+        file=sys.stderr,
     )
     emit("moe", head, report)
     return 0
@@ -333,11 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backward", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16"), help="default float32; --model: bf16 on cuda"
+    )
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     if args.model:
         return model_main(args)
+    args.dtype = args.dtype or "float32"
     dtype = getattr(torch, args.dtype)
     rows = [run_shape(n, args.tokens, args.repeats, args.backward, args.device, dtype) for n in args.shapes.split(",")]
     last = rows[-1]
