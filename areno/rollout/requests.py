@@ -126,13 +126,15 @@ class RequestTable:
 def assemble_routes(chunks: list[tuple[int, torch.Tensor]], num_tokens: int) -> torch.Tensor:
     """int16 [num_tokens, L, K] on the host from a sequence's recorded chunks (``Sequence.routes``):
     a later forward over a position (a recompute) overrides an earlier one; rows past the end (a
-    decode loop's discarded tokens) are dropped, and positions no forward ran for stay -1."""
+    decode loop's discarded tokens) are dropped, and positions no forward ran for stay -1. So does
+    the last token's: its forward, when a decode loop ran one, sampled nothing that was kept."""
     _, L, K = chunks[0][1].shape
     routes_TLK = torch.full((num_tokens, L, K), -1, dtype=torch.int16, device=chunks[0][1].device)
     for start, part_nLK in chunks:
         n = min(part_nLK.shape[0], num_tokens - start)
         if n > 0:
             routes_TLK[start : start + n] = part_nLK[:n]
+    routes_TLK[-1] = -1
     return routes_TLK.cpu()
 
 
