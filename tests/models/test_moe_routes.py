@@ -5,6 +5,7 @@ with the router's own renormalised softmax weights, gradients reaching the route
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -13,9 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.models import Decoder, moe, tiny_config
+from areno.rollout.client import HTTPRolloutClient
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.requests import routes_from_json, routes_to_json
+from areno.rollout.server import build_engine, create_app
 from areno.types import ROUTES_KEY, SamplingParams, TokenBatch, Trajectory
+from tests.helpers.serving import serving
+from tests.models.test_moe import _saved_by_transformers
 
 VOCAB = 61
 
@@ -112,3 +117,24 @@ def test_route_mismatch_pairs_counts_sets_where_routed():
     a = torch.tensor([[[0, 1]], [[2, 3]], [[-1, -1]], [[1, 2]]], dtype=torch.int16)
     b = torch.tensor([[[1, 0]], [[2, 1]], [[0, 1]], [[3, 0]]])
     assert moe.route_mismatch_pairs(a, b, torch.tensor([True, True, True, False])) == (1, 2)
+
+
+def test_routes_cross_the_server(tmp_path, char_tokenizer):
+    """``areno serve`` returns the routes (base64 int16) and ``HTTPRolloutClient`` rebuilds them."""
+    _saved_by_transformers("qwen3_moe", tmp_path, vocab=len(char_tokenizer))
+    char_tokenizer.save_pretrained(str(tmp_path))
+    engine, tokenizer = build_engine(str(tmp_path), device="cpu", num_blocks=64, block_size=4, record_routes=True)
+    params = [SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)] * 2
+    (local, _) = engine.generate([[5, 9, 17]] * 2, params)
+
+    async def agenerate():
+        client = HTTPRolloutClient(base)
+        try:
+            return await client.agenerate_many([5, 9, 17], params), await client.agenerate([5, 9, 17], params[0])
+        finally:
+            await client.aclose()
+
+    with serving(create_app(engine, tokenizer=tokenizer, model_name="tiny"), log_level="warning") as base:
+        many, one = asyncio.run(agenerate())
+    for out in [*many, one]:
+        assert out.routes_TLK.dtype == torch.int16 and torch.equal(out.routes_TLK, local.routes_TLK)
