@@ -14,20 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.models import Decoder, moe, tiny_config
-from areno.rollout.client import HTTPRolloutClient
+from areno.rollout.client import HTTPRolloutClient, InProcessRolloutClient
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.requests import routes_from_json, routes_to_json
 from areno.rollout.server import build_engine, create_app
 from areno.types import ROUTES_KEY, SamplingParams, TokenBatch, Trajectory
+from areno.workflows.multi_turn import MultiTurnWorkflow
 from tests.helpers.serving import serving
 from tests.models.test_moe import _saved_by_transformers
 
 VOCAB = 61
 
 
-def _model(arch: str = "qwen3_moe", **kw) -> Decoder:
+def _model(arch: str = "qwen3_moe", vocab: int = VOCAB, **kw) -> Decoder:
     torch.manual_seed(0)
-    config = tiny_config(VOCAB, arch=arch, hidden_size=32, layers=2, **kw)
+    config = tiny_config(vocab, arch=arch, hidden_size=32, layers=2, **kw)
     model = Decoder(config)
     return model
 
@@ -138,3 +139,21 @@ def test_routes_cross_the_server(tmp_path, char_tokenizer):
         many, one = asyncio.run(agenerate())
     for out in [*many, one]:
         assert out.routes_TLK.dtype == torch.int16 and torch.equal(out.routes_TLK, local.routes_TLK)
+
+
+def test_multi_turn_episode_carries_every_turns_routes(char_tokenizer):
+    model = _model(vocab=len(char_tokenizer))
+    engine = _engine(model, record_routes=True)
+    client = InProcessRolloutClient(engine)
+    never = lambda prompt, completion, answer, **fields: 0.0
+    wf = MultiTurnWorkflow(char_tokenizer, never, SamplingParams(max_new_tokens=3), max_turns=3, feedback="No.")
+    try:
+        (traj,) = asyncio.run(wf.run_episode(client, {"prompt": "1+1=", "answer": 2}))
+    finally:
+        client.close()
+    assert traj.info["num_turns"] == 3
+    ids = traj.prompt_ids + traj.completion_ids
+    with torch.no_grad(), moe.record_routing(model) as record:
+        model(torch.tensor(ids), torch.arange(len(ids)))
+    assert traj.routes_TLK.shape[0] == len(ids)
+    assert torch.equal(traj.routes_TLK[:-1].long(), record.stacked()[:-1])
