@@ -787,7 +787,7 @@ class _AdminRoutes:
             out = await asyncio.to_thread(self.client.abort, req.request_id)
         except UnknownRequestError as e:
             raise _BadRequest("request_id", str(e), status=404) from None
-        return dataclasses.asdict(out)
+        return _output_dict(out)  # routes (a tensor) as JSON
 
     async def update_weights_from_disk(self, req: UpdateFromDiskRequest) -> dict:
         if req.version < self.engine.version:
