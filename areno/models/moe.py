@@ -85,8 +85,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and _grouped_mm_fits(x_TD, self.down_proj):
-            # inference on a GPU with grouped GEMMs: one kernel per projection, no host read
+        if _grouped_mm_fits(x_TD, self.down_proj):
+            # a GPU with grouped GEMMs (training too: they have a backward): one kernel per projection, no host read
             return grouped_mm_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
         if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
             # a CUDA graph cannot hold the grouped path's host read of the per-expert counts
@@ -140,7 +140,7 @@ def grouped_mm_experts(
 ) -> torch.Tensor:
     """``grouped_experts`` through ``torch._grouped_mm``: the pairs sorted by expert, each projection
     one grouped GEMM over per-expert row offsets computed on the device (no host read, so a CUDA
-    graph can hold it). Inference only (``_grouped_mm_fits``)."""
+    graph can hold it). Where ``_grouped_mm_fits``; differentiable."""
     T, D = x_TD.shape
     flat_N = experts_TK.reshape(-1)
     order_N = torch.argsort(flat_N, stable=True)
