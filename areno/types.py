@@ -87,6 +87,9 @@ class GenerationOutput:
     finish_reason: str
     """``stop`` (EOS / stop token / stop string), ``length`` or ``abort``."""
     text: str = ""
+    routes_TLK: torch.Tensor | None = None
+    """Mixture-of-experts engines asked to record them: int16 [prompt + output, L, K] top-k expert ids
+    of every sparse layer for each token the engine ran a forward for, -1 where it ran none."""
 
 
 @dataclass(kw_only=True)
@@ -114,6 +117,9 @@ class Trajectory:
     """Per-completion-token values a workflow measured (``teacher_executed_T``: 1 where the teacher
     generated the token); ``TokenBatch.from_trajectories`` packs each into ``batch.extra`` (0 on
     prompt tokens, and on every token of a trajectory without the key). Names end in ``_T``."""
+    routes_TLK: torch.Tensor | None = None
+    """The rollout's expert ids of a mixture-of-experts policy (``GenerationOutput.routes_TLK``) over
+    the prompt and completion; ``from_trajectories`` packs them into ``batch.extra[ROUTES_KEY]``."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -252,6 +258,8 @@ class TokenBatch:
                 values.extend([0.0] * len(traj.prompt_ids))
                 values.extend(traj.extra_T.get(key, [0.0] * len(traj.completion_ids)))
             extra[key] = torch.tensor(values, dtype=torch.float32)
+        if any(t.routes_TLK is not None for t in trajectories):
+            extra[ROUTES_KEY] = _pack_routes(trajectories)
         images_B = [t.info.get("images") for t in trajectories]
         return cls(
             input_ids_T=torch.tensor(ids, dtype=torch.long),
@@ -265,6 +273,22 @@ class TokenBatch:
             extra=extra,
             images_B=images_B if any(im is not None for im in images_B) else [],
         )
+
+
+ROUTES_KEY = "moe_routes_T"
+"""``TokenBatch.extra`` key of the rollout's routes: int16 [T, L, K], -1 where none was recorded."""
+
+
+def _pack_routes(trajectories: list[Trajectory]) -> torch.Tensor:
+    """The trajectories' ``routes_TLK`` packed [T, L, K]; -1 rows for a trajectory without them."""
+    _, L, K = next(t.routes_TLK for t in trajectories if t.routes_TLK is not None).shape
+    parts = []
+    for t in trajectories:
+        routes = t.routes_TLK
+        if routes is None or routes.shape[0] != t.num_tokens:
+            routes = torch.full((t.num_tokens, L, K), -1, dtype=torch.int16)
+        parts.append(routes)
+    return torch.cat(parts)
 
 
 # ------------------------------------------------------------------------------ packed layout

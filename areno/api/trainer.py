@@ -18,6 +18,7 @@ step, for the tests that prove it.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -106,6 +107,11 @@ class Trainer:
         configure_tracing(self.run_dir, observe.trace)
         configure_sessions(self.run_dir, observe.sessions)
         resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
+        if config.cluster.device != "cpu" and torch.cuda.is_available():
+            # An earlier run of this process (a notebook's) may be unreachable but not yet collected (its
+            # engine holds reference cycles): its device memory would shrink this run's KV pool and micro-batches.
+            gc.collect()
+            torch.cuda.empty_cache()
         self.backend = backend_cls()
         self.backend.initialize(config, self.run_dir)
         self.logger = MetricsLogger(

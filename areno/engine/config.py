@@ -572,6 +572,13 @@ class ArenoConfig:
             f"sleep offloads areno's own rollout engine; a {self.rollout.backend} server manages its own memory "
             "(its --gpu-memory-utilization in rollout.server_args): use cluster.offload=none",
         )
+        routes_key = "train.moe_routing_replay" if self.train.moe_routing_replay else "train.moe_rollout_routes"
+        check_config(
+            self.rollout.backend == "areno" or not (self.train.moe_rollout_routes or self.train.moe_routing_replay),
+            routes_key,
+            f"a {self.rollout.backend} server does not return its expert routes; record them with "
+            "rollout.backend=areno, or set it to false",
+        )
         check_config(
             self.rollout.weight_transfer == "disk" or self.rollout.backend == "vllm",
             "rollout.weight_transfer",
@@ -684,4 +691,5 @@ def build_rollout_engine_config(
     ``dtype``, with the running batch and the KV pool its owner sized (``num_blocks`` 0: automatic)."""
     settings = fields_of(config.rollout, RolloutEngineSettings)
     settings["max_num_seqs"] = max_num_seqs
+    settings["record_routes"] = config.train.moe_rollout_routes or config.train.moe_routing_replay
     return RolloutEngineConfig(**settings, device=device, dtype=dtype, num_blocks=num_blocks or None)

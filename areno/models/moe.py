@@ -16,8 +16,13 @@ Training extras, off unless asked:
 - ``record_routing(model)``: each block keeps the top-k expert ids of its forwards (``RoutingRecord``),
   to compare the routing of two forwards of the same tokens (``routing_mismatch``);
   ``RoutingMonitor`` does it per sequence for the training backend (old-policy vs training forward).
+- ``RouteCapture``: the rollout engine's record of a forward's expert ids, stacked [T, L, K] int16
+  (``areno.types.ROUTES_KEY`` on a trajectory's way to the trainer); ``replay_routes(model, routes_TLK)`` makes
+  the blocks use those ids instead of their own top-k (routing replay), the gate weights taken from
+  their own router softmax at the replayed ids, so the router still gets gradients.
 
-Legend: T = tokens, D = hidden size, E = experts, K = top-k, I = expert width, N = T·K pairs.
+Legend: T = tokens, D = hidden size, E = experts, K = top-k, I = expert width, N = T·K pairs,
+L = sparse layers.
 """
 
 from __future__ import annotations
@@ -55,6 +60,19 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         return logits_TE, weights_TK.to(x_TD.dtype), experts_TK
 
+    def replayed(
+        self, logits_TE: torch.Tensor, experts_TK: torch.Tensor, replay_TK: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, K] in ``dtype``, expert ids [T, K]) routing each token to ``replay_TK``'s experts
+        (a row with a negative id keeps its own ``experts_TK``): the router's softmax gathered at
+        those ids and renormalised as ``forward`` does, so gradients still reach the router."""
+        replay_TK = replay_TK.to(experts_TK.device, torch.long)
+        experts_TK = torch.where((replay_TK >= 0).all(-1, keepdim=True), replay_TK, experts_TK)
+        weights_TK = torch.softmax(logits_TE, dim=-1, dtype=torch.float32).gather(-1, experts_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return weights_TK.to(dtype), experts_TK
+
 
 class Experts(nn.Module):
     """E SwiGLU experts stored as two 3-D tensors: ``gate_up_proj`` [E, 2I, D] (gate rows, then
@@ -67,8 +85,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and _grouped_mm_fits(x_TD, self.down_proj):
-            # inference on a GPU with grouped GEMMs: one kernel per projection, no host read
+        if _grouped_mm_fits(x_TD, self.down_proj):
+            # a GPU with grouped GEMMs (training too: they have a backward): one kernel per projection, no host read
             return grouped_mm_experts(x_TD, experts_TK, weights_TK, self.gate_up_proj, self.down_proj)
         if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
             # a CUDA graph cannot hold the grouped path's host read of the per-expert counts
@@ -122,7 +140,7 @@ def grouped_mm_experts(
 ) -> torch.Tensor:
     """``grouped_experts`` through ``torch._grouped_mm``: the pairs sorted by expert, each projection
     one grouped GEMM over per-expert row offsets computed on the device (no host read, so a CUDA
-    graph can hold it). Inference only (``_grouped_mm_fits``)."""
+    graph can hold it). Where ``_grouped_mm_fits``; differentiable."""
     T, D = x_TD.shape
     flat_N = experts_TK.reshape(-1)
     order_N = torch.argsort(flat_N, stable=True)
@@ -168,17 +186,43 @@ def naive_experts(
 
 
 class RoutingRecord:
-    """The top-k expert ids [T, K] of each sparse layer's forwards while recording, in call order."""
+    """The top-k expert ids [T, K] of each sparse layer's forwards while recording, in call order:
+    the router's own choice (``experts``) and, under routing replay, the experts used (``used``)."""
 
     def __init__(self) -> None:
         self.experts: dict[int, list[torch.Tensor]] = {}
+        self.used: dict[int, list[torch.Tensor]] = {}
 
-    def add(self, layer_idx: int, experts_TK: torch.Tensor) -> None:
+    def add(self, layer_idx: int, experts_TK: torch.Tensor, used_TK: torch.Tensor | None = None) -> None:
         self.experts.setdefault(layer_idx, []).append(experts_TK.detach().to("cpu"))
+        if used_TK is not None:
+            self.used.setdefault(layer_idx, []).append(used_TK.detach().to("cpu"))
+
+    def stacked(self, used: bool = False) -> torch.Tensor:
+        """[T, L, K] of one recorded forward (layers in order); ``used``: the experts used."""
+        per_layer = self.used if used else self.experts
+        return torch.stack([torch.cat(per_layer[i]) for i in sorted(per_layer)], dim=1)
 
     def per_layer(self) -> dict[int, torch.Tensor]:
         """Layer -> [T_total, K] over the recorded forwards, concatenated."""
         return {layer: torch.cat(parts) for layer, parts in self.experts.items()}
+
+
+class RouteCapture:
+    """The rollout engine's record of its forwards' expert ids: each sparse layer adds its top-k of
+    the current forward (on the device, int16), ``take`` stacks them [T, L, K] in layer order."""
+
+    def __init__(self) -> None:
+        self._experts: dict[int, torch.Tensor] = {}
+
+    def add(self, layer_idx: int, experts_TK: torch.Tensor, used_TK: torch.Tensor | None = None) -> None:
+        self._experts[layer_idx] = experts_TK.to(torch.int16)
+
+    def take(self) -> torch.Tensor:
+        """[T, L, K] of the forward since the last ``take``, and forget it."""
+        routes_TLK = torch.stack([self._experts[i] for i in sorted(self._experts)], dim=1)
+        self._experts = {}
+        return routes_TLK
 
 
 class SparseMoE(nn.Module):
@@ -194,8 +238,10 @@ class SparseMoE(nn.Module):
         self.experts = Experts(config)
         self.router_logits_TE: torch.Tensor | None = None
         """Router logits of the last training forward (kept when ``output_router_logits``)."""
-        self.record: RoutingRecord | None = None
-        """Set by ``record_routing``: where forwards put their top-k expert ids."""
+        self.record: RoutingRecord | RouteCapture | None = None
+        """Set by ``record_routing`` (or the rollout engine): where forwards put their expert ids."""
+        self.replay_TK: torch.Tensor | None = None
+        """Set by ``replay_routes``: the expert ids [T, K] the next forwards use (-1 rows: their own)."""
         self.dispatch: ExpertDispatch | None = None
         """Set under expert parallelism: ``experts`` holds this rank's slice and tokens travel to the others."""
 
@@ -208,7 +254,12 @@ class SparseMoE(nn.Module):
         logits_TE, weights_TK, experts_TK = self.gate(x_TD)
         if self.keep_router_logits and self.training and torch.is_grad_enabled():
             self.router_logits_TE = logits_TE
-        if self.record is not None:
+        if self.replay_TK is not None:
+            own_TK = experts_TK
+            weights_TK, experts_TK = self.gate.replayed(logits_TE, experts_TK, self.replay_TK, weights_TK.dtype)
+            if self.record is not None:  # the router's own choice, and the experts the tokens went to
+                self.record.add(self.layer_idx, own_TK, used_TK=experts_TK)
+        elif self.record is not None:
             self.record.add(self.layer_idx, experts_TK)
         if self.dispatch is not None:
             return self.dispatch(x_TD, experts_TK, weights_TK, self.experts.gate_up_proj, self.experts.down_proj)
@@ -260,6 +311,31 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
             b.record = None
 
 
+@contextmanager
+def replay_routes(model: nn.Module, routes_TLK: torch.Tensor) -> Iterator[None]:
+    """Within the block, the forwards of ``model`` (over the same T tokens) route each token to
+    ``routes_TLK``'s experts in each sparse layer (the l-th sparse block takes ``[:, l]``); tokens
+    whose row holds -1 keep their own top-k."""
+    blocks = sparse_blocks(model)
+    assert routes_TLK.shape[1] == len(blocks), "routes of another model"
+    for i, b in enumerate(blocks):
+        b.replay_TK = routes_TLK[:, i]
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.replay_TK = None
+
+
+def route_mismatch_pairs(a_TLK: torch.Tensor, b_TLK: torch.Tensor, mask_T: torch.Tensor) -> tuple[int, int]:
+    """(pairs whose top-k expert set differs, pairs compared) over the (token, sparse layer) pairs of
+    the tokens in ``mask_T`` where ``a_TLK`` holds a route (no -1)."""
+    b_TLK = b_TLK.to(a_TLK.device)
+    keep_TL = (a_TLK >= 0).all(-1) & mask_T.to(a_TLK.device)[:, None]
+    differ_TL = (a_TLK.sort(-1).values != b_TLK.to(a_TLK.dtype).sort(-1).values).any(-1)
+    return int((differ_TL & keep_TL).sum()), int(keep_TL.sum())
+
+
 def routing_mismatch(a: RoutingRecord, b: RoutingRecord) -> float:
     """The fraction of (token, sparse layer) pairs whose top-k expert *set* differs between two
     records of forwards over the same tokens in the same order."""
@@ -285,8 +361,8 @@ class RoutingMonitor:
     Sequences are keyed by their token ids (a later pass may reorder them); a step is told apart by
     the policy version its batch carries (``begin_step``).
 
-    This is the trainer's own mismatch: the rollout engine's router choices do not reach the
-    trainer, so rollout-vs-trainer routing is not measured. With one pass, one minibatch and no
+    Given the rollout engine's routes (``train.moe_rollout_routes``), ``compare`` also counts the
+    training forward's routing against the rollout's, and with ``replay`` makes it use them. With one pass, one minibatch and no
     recomputed old log-probs no sequence is forwarded twice and nothing is reported.
     A dense decoder has no sparse blocks and every method does nothing."""
 
@@ -296,6 +372,9 @@ class RoutingMonitor:
         self._reference: dict[bytes, dict[int, torch.Tensor]] = {}
         self._version: int | None = None
         self._from_forward = False
+        self.replay = False
+        """Routing replay (``train.moe_routing_replay``): forwards over a batch carrying the rollout's
+        routes use them."""
 
     def __bool__(self) -> bool:
         return bool(self.blocks)
@@ -321,15 +400,49 @@ class RoutingMonitor:
             self._version, self._from_forward = version, False
 
     @contextmanager
-    def compare(self, ids_T: torch.Tensor, cu_B1: torch.Tensor, counts: list[int]) -> Iterator[None]:
-        """Add to ``counts`` ([differing pairs, compared pairs]) the wrapped training forward's routing
-        against the reference; sequences without one take this forward's as theirs (when the step's
-        version is known)."""
-        if not self.blocks or (self._version is None and not self._reference):
+    def replaying(self, routes_TLK: torch.Tensor | None) -> Iterator[None]:
+        """The wrapped forward routes as the rollout did (``replay_routes``) when ``self.replay`` is
+        set and the batch carries the rollout's routes. Wrap the backward too: a block whose forward
+        activation checkpointing recomputes there must route the same way."""
+        if not self.replay or routes_TLK is None:
+            yield
+            return
+        with replay_routes(self._model, routes_TLK):
+            yield
+
+    @contextmanager
+    def compare(
+        self,
+        ids_T: torch.Tensor,
+        cu_B1: torch.Tensor,
+        counts: list[int],
+        routes_TLK: torch.Tensor | None = None,
+        loss_mask_T: torch.Tensor | None = None,
+    ) -> Iterator[None]:
+        """Add to ``counts`` ([differing pairs, compared pairs] of the old-policy comparison, then the
+        same of the rollout comparison, then replayed pairs equal to the rollout's) the wrapped
+        training forward's routing against the reference; sequences without one take this forward's
+        as theirs (when the step's version is known). With the rollout's ``routes_TLK``: its router's
+        own top-k against them, at the positions whose forward predicts a loss token of
+        ``loss_mask_T`` (the forwards that produced the behaviour log-probs); under ``replaying``, also
+        the pairs whose experts used equal the rollout's."""
+        against_rollout = bool(self.blocks) and routes_TLK is not None
+        if not against_rollout and (not self.blocks or (self._version is None and not self._reference)):
             yield
             return
         with record_routing(self._model) as record:
             yield
+        if against_rollout:
+            assert loss_mask_T is not None
+            predicts_T = torch.roll(loss_mask_T, -1)  # a sequence's first token is never a loss token
+            differ, pairs = route_mismatch_pairs(routes_TLK, record.stacked(), predicts_T)
+            counts[2] += differ
+            counts[3] += pairs
+            if self.replay:
+                differ_used, _ = route_mismatch_pairs(routes_TLK, record.stacked(used=True), predicts_T)
+                counts[4] += pairs - differ_used
+        if self._version is None and not self._reference:
+            return
         for key, per_layer in _per_sequence(record, ids_T, cu_B1):
             ref = self._reference.get(key)
             if ref is None:

@@ -32,6 +32,7 @@ from areno.errors import RunFailure
 from areno.models.vision import ImageInputs
 from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
+from areno.rollout.requests import routes_from_json
 from areno.types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger("areno.rollout.client")
@@ -328,7 +329,7 @@ class HTTPRolloutClient(RolloutClient):
                 server=self.base_url,
                 status=response.status_code,
             )
-        return GenerationOutput(**response.json())
+        return _output_from_json(response.json())
 
     async def agenerate_many(
         self, prompt_ids: list[int], params: list[SamplingParams], *, images: ImageInputs | None = None
@@ -364,7 +365,7 @@ class HTTPRolloutClient(RolloutClient):
                 server=self.base_url,
                 status=response.status_code,
             )
-        return [GenerationOutput(**o) for o in response.json()["outputs"]]
+        return [_output_from_json(o) for o in response.json()["outputs"]]
 
     async def _abort_quietly(self, request_id: str) -> None:
         """Best effort: a stalled server may not answer this either."""
@@ -537,6 +538,11 @@ class MultiServerRolloutClient(RolloutClient):
     async def aclose(self) -> None:
         for client in self._per_loop.pop(asyncio.get_running_loop(), []):
             await client.aclose()
+
+
+def _output_from_json(fields: dict[str, Any]) -> GenerationOutput:
+    """A ``GenerationOutput`` from ``areno serve``'s JSON (routes as ``requests.routes_to_json`` wrote them)."""
+    return GenerationOutput(**{**fields, "routes_TLK": routes_from_json(fields.get("routes_TLK"))})
 
 
 async def get_health(http: Any, base_url: str, timeout_s: float) -> None:

@@ -181,6 +181,11 @@ class RolloutEngineConfig(RolloutEngineSettings):
     engine's. Weights written on the default stream are waited for after every weight update and
     wake; ``pause``/``sleep`` wait for the engine's stream. Off: it did not speed up a colocated
     asynchronous run, whose trainer and engine share one process's host time."""
+    record_routes: bool = False
+    """Mixture-of-experts models: record the top-k expert ids of every sparse layer for each token a
+    forward runs over, returned as ``GenerationOutput.routes_TLK`` (a run sets it from
+    ``train.moe_rollout_routes`` / ``train.moe_routing_replay``). Turns off prefix sharing (a shared
+    prefix's tokens would have no forward of their own) and CUDA graphs. No effect on a dense model."""
     cpu_decode_carry: bool = True
     """CPU, gathered decode attention: pure-decode steps keep each layer's gathered K/V and extend it
     by the new token instead of gathering it from the pool again (``attention.DecodeCarry``; bit for

@@ -176,7 +176,9 @@ class RolloutEngine:
             sample_rows=self._sample_rows,
         )
         self._started = time.monotonic()
-        if config.cuda_graphs and self.device.type == "cuda" and getattr(model, "vision_config", None) is None:
+        # recorded routes come from the blocks' Python forwards, which a graph replay skips
+        graphs_fit = getattr(model, "vision_config", None) is None and not config.record_routes
+        if config.cuda_graphs and self.device.type == "cuda" and graphs_fit:
             max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             self._stepper.graphs = DecodeGraphRunner(self, max_batch=max_batch)
 
@@ -203,7 +205,9 @@ class RolloutEngine:
             )
             num_blocks = self._agree_num_blocks(KVCache.blocks_in_budget(budget, **shape))
         cache = KVCache(num_blocks=num_blocks, device=self.device, **shape)
-        allocator = BlockAllocator(num_blocks, config.block_size, enable_prefix_sharing=config.enable_prefix_sharing)
+        # recorded routes need a forward of every token of each sequence: no shared prefixes
+        sharing = config.enable_prefix_sharing and not config.record_routes
+        allocator = BlockAllocator(num_blocks, config.block_size, enable_prefix_sharing=sharing)
         scheduler = Scheduler(
             allocator,
             max_num_seqs=config.max_num_seqs,

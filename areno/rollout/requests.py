@@ -8,9 +8,12 @@ inbox into the scheduler in arrival order. ``output`` builds a finished (or abor
 
 from __future__ import annotations
 
+import base64
 import threading
 import uuid
 from typing import Any
+
+import torch
 
 from areno.rollout.sampling import RowParams
 from areno.rollout.scheduler import Scheduler, Sequence
@@ -116,4 +119,36 @@ class RequestTable:
             output_versions=list(seq.output_versions),
             finish_reason=reason,
             text=text,
+            routes_TLK=None if seq.routes is None else assemble_routes(seq.routes, len(seq.token_ids)),
         )
+
+
+def assemble_routes(chunks: list[tuple[int, torch.Tensor]], num_tokens: int) -> torch.Tensor:
+    """int16 [num_tokens, L, K] on the host from a sequence's recorded chunks (``Sequence.routes``):
+    a later forward over a position (a recompute) overrides an earlier one; rows past the end (a
+    decode loop's discarded tokens) are dropped, and positions no forward ran for stay -1. So does
+    the last token's: its forward, when a decode loop ran one, sampled nothing that was kept."""
+    _, L, K = chunks[0][1].shape
+    routes_TLK = torch.full((num_tokens, L, K), -1, dtype=torch.int16, device=chunks[0][1].device)
+    for start, part_nLK in chunks:
+        n = min(part_nLK.shape[0], num_tokens - start)
+        if n > 0:
+            routes_TLK[start : start + n] = part_nLK[:n]
+    routes_TLK[-1] = -1
+    return routes_TLK.cpu()
+
+
+def routes_to_json(routes_TLK: torch.Tensor | None) -> dict | None:
+    """``GenerationOutput.routes_TLK`` as JSON: its shape and its int16 bytes in base64 (a list of
+    lists would cost one Python object per id)."""
+    if routes_TLK is None:
+        return None
+    return {"shape": list(routes_TLK.shape), "int16": base64.b64encode(routes_TLK.numpy().tobytes()).decode()}
+
+
+def routes_from_json(data: dict | None) -> torch.Tensor | None:
+    """The inverse of ``routes_to_json``."""
+    if data is None:
+        return None
+    raw = bytearray(base64.b64decode(data["int16"]))
+    return torch.frombuffer(raw, dtype=torch.int16).reshape(data["shape"])

@@ -72,6 +72,9 @@ class Sequence:
     (never, when the prefix cache already holds every image token's K/V)."""
     prefix_root: int = ROOT_KEY
     """Root of this sequence's prefix-cache key chain (``ImageInputs.key`` with images)."""
+    routes: list[tuple[int, torch.Tensor]] | None = None
+    """An engine recording expert routes (``RolloutEngineConfig.record_routes``): (first position,
+    [n, L, K] expert ids on the device) of each forward over this sequence's tokens, in step order."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -56,6 +56,7 @@ from areno.models.hf_io import load_model
 from areno.models.vision import ImageInputs
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
+from areno.rollout.requests import routes_to_json
 from areno.types import MIN_TEMPERATURE, GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -273,7 +274,9 @@ _OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOutput))
 def _output_dict(out: GenerationOutput) -> dict[str, Any]:
     """A generation's fields as they are (lists of ints / floats, no copies): ``dataclasses.asdict``
     deep-copies every list element by element in Python, ~20 ms for a GRPO group of 8 x 384 tokens."""
-    return {name: getattr(out, name) for name in _OUTPUT_FIELDS}
+    fields = {name: getattr(out, name) for name in _OUTPUT_FIELDS}
+    fields["routes_TLK"] = routes_to_json(out.routes_TLK)
+    return fields
 
 
 def _json_response(content: dict[str, Any]) -> Response:
@@ -805,7 +808,7 @@ class _AdminRoutes:
             out = await asyncio.to_thread(self.client.abort, req.request_id)
         except UnknownRequestError as e:
             raise _BadRequest("request_id", str(e), status=404) from None
-        return dataclasses.asdict(out)
+        return _output_dict(out)  # routes (a tensor) as JSON
 
     async def update_weights_from_disk(self, req: UpdateFromDiskRequest) -> dict:
         if req.version < self.engine.version:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from areno.models.moe import RouteCapture, sparse_blocks
 from areno.observe.startup import mark_first_token
 from areno.rollout.attention import PagedAttention
 from areno.rollout.control import EngineControl
@@ -74,6 +75,14 @@ class Stepper:
         self.vocab_size, self.sliding_window, self.eos_token_ids = vocab_size, sliding_window, eos_token_ids
         self.logits, self.sample_rows = logits, sample_rows
         self.graphs = None
+        self.routes: RouteCapture | None = None
+        """With ``config.record_routes`` on a mixture of experts: what every forward's sparse layers
+        record, handed to the sequences after each forward (``Sequence.routes``)."""
+        blocks = sparse_blocks(model) if config.record_routes else []
+        if blocks:
+            self.routes = RouteCapture()
+            for b in blocks:
+                b.record = self.routes
         self.row_table = RowTable(config.max_num_seqs + 1)
         """Static sampling rows of the running requests by slot (``Sequence.row``)."""
         # Counters (``RolloutEngine.stats``), plain ints: the server's watchdog reads ``steps`` unlocked.
@@ -323,7 +332,7 @@ class Stepper:
                 if self.config.decode_attention == "gather"
                 else None
             )
-        tokens, logprobs = [], []
+        tokens, logprobs, routes = [], [], []
         keep_B = alive_B = None
         if k > 1:
             keep_B = torch.full((B,), k, dtype=torch.long, device=self.device)
@@ -338,6 +347,8 @@ class Stepper:
                 pos_B = ctx_B - 1 if delta_B is None else ctx_B - 1 + delta_B.to(self.device)
                 hidden_BD = self.model(ids_B, pos_B.clamp(max=self.max_position - 1), attn)
                 logits_BV = self.logits(hidden_BD)
+            if self.routes is not None:
+                routes.append(self.routes.take())
             tokens_B, logprobs_B = self.sample_rows(logits_BV, rp)
             tokens.append(tokens_B)
             logprobs.append(logprobs_B)
@@ -348,10 +359,20 @@ class Stepper:
                 if j + 1 < k:
                     ids_B.copy_(tokens_B)
                     ctx_B.add_(1)
+        if routes:  # step j ran each row's token at its start + j
+            routes_KBLK = torch.stack(routes)
+            for b, (seq, start) in enumerate(zip(seqs, batch.starts)):
+                _add_routes(seq, start, routes_KBLK[:, b])
         return torch.stack(tokens), torch.stack(logprobs), keep_B
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [B, V] of the sequences that sample this step (in batch order)."""
+        logits_BV = self._forward_rows(batch)
+        if self.routes is not None:
+            _keep_routes(batch, self.routes.take())
+        return logits_BV
+
+    def _forward_rows(self, batch: ScheduledBatch) -> torch.Tensor:
         nd = batch.num_decode
         seqs, starts, samples = batch.seqs, batch.starts, batch.samples
         # Decode rows: one token each at its start; then each prefill chunk's tokens.
@@ -443,6 +464,24 @@ class Stepper:
         return PagedAttention(
             self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode, pre.prefill, dec.paged
         )
+
+
+def _keep_routes(batch: ScheduledBatch, routes_TLK: torch.Tensor) -> None:
+    """Hand a packed forward's expert ids to its sequences: one row per decode row (at its start),
+    then each prefill chunk's rows (``_forward_rows``' order)."""
+    nd = batch.num_decode
+    for i, (seq, start) in enumerate(zip(batch.seqs[:nd], batch.starts)):
+        _add_routes(seq, start, routes_TLK[i : i + 1])
+    row = nd
+    for seq, start, n in zip(batch.seqs[nd:], batch.starts[nd:], batch.num_new[nd:]):
+        _add_routes(seq, start, routes_TLK[row : row + n])
+        row += n
+
+
+def _add_routes(seq: Sequence, start: int, routes_nLK: torch.Tensor) -> None:
+    if seq.routes is None:
+        seq.routes = []
+    seq.routes.append((start, routes_nLK))
 
 
 def _position_deltas(seqs: list[Sequence]) -> torch.Tensor | None:

@@ -54,7 +54,7 @@ from areno.train.packing import (
     untruncate_outputs,
 )
 from areno.train.parallelize import compile_cache_dir
-from areno.types import TokenBatch, host_to_device
+from areno.types import ROUTES_KEY, TokenBatch, host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +217,12 @@ class PackedTrainBackend(TrainBackend):
             self.scheduler = build_scheduler(self.optimizer, cfg)
         self.max_tokens_per_mb = cfg.max_tokens_per_mb or self._default_tokens_per_mb()
         self._routing = moe.RoutingMonitor(self.model)  # expert models: router loss and routing mismatch
+        if (cfg.moe_rollout_routes or cfg.moe_routing_replay) and not self._routing:
+            key = "train.moe_routing_replay" if cfg.moe_routing_replay else "train.moe_rollout_routes"
+            raise ConfigError(
+                f"{key}: the model has no mixture-of-experts layers (a dense model routes nothing); set it to false"
+            )
+        self._routing.replay = cfg.moe_routing_replay
         self._initialized = True
 
     def _default_tokens_per_mb(self) -> int:
@@ -318,6 +324,13 @@ class PackedTrainBackend(TrainBackend):
             differ, pairs = out.pop("routing_mismatch_pairs"), out.pop("routing_pairs")
             if pairs:
                 out["moe_routing_mismatch"] = differ / pairs
+            # against the rollout's routes (train.moe_rollout_routes): over the forwards predicting loss tokens
+            differ, pairs = out.pop("rollout_routing_mismatch_pairs"), out.pop("rollout_routing_pairs")
+            replayed = out.pop("replayed_routing_pairs")
+            if pairs:
+                out["moe_rollout_routing_mismatch"] = differ / pairs
+                if self._routing.replay:
+                    out["moe_routing_replayed_fraction"] = replayed / pairs
         return out
 
     def _accumulate_gradients(
@@ -340,22 +353,29 @@ class PackedTrainBackend(TrainBackend):
         metric_parts: dict[str, list[Any]] = {}
         tokens = 0
         n_local = len(plan.per_rank[self._dp_rank])
-        routing_pairs = [0, 0]  # (token, sparse layer) pairs routed unlike the old-policy forward, compared
+        # (token, sparse layer) pairs: routed unlike the old-policy forward, compared; routed unlike the
+        # rollout, compared; routed as the rollout under replay (moe.RoutingMonitor.compare)
+        routing_pairs = [0, 0, 0, 0, 0]
         for i, (seq_idx, mb) in enumerate(self._micro_batches(batch, plan, selected)):
-            with span("micro_batch", "train", tokens=mb.num_tokens), self._autocast():
-                with self._routing.compare(mb.input_ids_T, mb.cu_seqlens_B1, routing_pairs):
-                    output = forward_fn(self.model, mb)
-                loss, metrics = loss_fn(output, mb, reducer)
-                aux = moe.take_aux_loss(self._routing.blocks)
-                if aux is not None:  # the router's balance loss, weighted by this micro-batch's token share
-                    aux = aux * (mb.num_tokens / batch.num_tokens)
-                    loss, metrics = loss + aux, {**metrics, "router_aux_loss": aux.detach()}
-            if not seq_idx:  # dummy micro-batch: keeps collectives in step, contributes nothing
-                loss = loss * 0.0
-                metrics = {key: 0.0 for key in metrics}  # same keys on every rank for the all-reduce
-            self._before_backward(last=i == n_local - 1)
-            with span("backward", "train", tokens=mb.num_tokens):
-                (loss * loss_scale).backward()
+            routes_TLK = mb.extra.get(ROUTES_KEY) if self._routing else None
+            # replay spans the backward too: activation checkpointing recomputes the blocks there
+            with self._routing.replaying(routes_TLK):
+                with span("micro_batch", "train", tokens=mb.num_tokens), self._autocast():
+                    with self._routing.compare(
+                        mb.input_ids_T, mb.cu_seqlens_B1, routing_pairs, routes_TLK, mb.loss_mask_T
+                    ):
+                        output = forward_fn(self.model, mb)
+                    loss, metrics = loss_fn(output, mb, reducer)
+                    aux = moe.take_aux_loss(self._routing.blocks)
+                    if aux is not None:  # the router's balance loss, weighted by this micro-batch's token share
+                        aux = aux * (mb.num_tokens / batch.num_tokens)
+                        loss, metrics = loss + aux, {**metrics, "router_aux_loss": aux.detach()}
+                if not seq_idx:  # dummy micro-batch: keeps collectives in step, contributes nothing
+                    loss = loss * 0.0
+                    metrics = {key: 0.0 for key in metrics}  # same keys on every rank for the all-reduce
+                self._before_backward(last=i == n_local - 1)
+                with span("backward", "train", tokens=mb.num_tokens):
+                    (loss * loss_scale).backward()
             loss_parts.append(loss.detach())
             tokens += mb.num_tokens if seq_idx else 0
             for key, value in metrics.items():
@@ -363,6 +383,9 @@ class PackedTrainBackend(TrainBackend):
         if self._routing:
             metric_parts["routing_mismatch_pairs"] = [routing_pairs[0]]
             metric_parts["routing_pairs"] = [routing_pairs[1]]
+            metric_parts["rollout_routing_mismatch_pairs"] = [routing_pairs[2]]
+            metric_parts["rollout_routing_pairs"] = [routing_pairs[3]]
+            metric_parts["replayed_routing_pairs"] = [routing_pairs[4]]
         # one host read (per device and dtype) for every loss and metric value
         keys = list(metric_parts)
         flat = host_floats(loss_parts + [v for key in keys for v in metric_parts[key]])
@@ -414,8 +437,10 @@ class PackedTrainBackend(TrainBackend):
         plan = self.plan(batch)
         local: list[tuple[list[int], dict[str, torch.Tensor]]] = []
         for seq_idx, mb in self._micro_batches(batch, plan):
+            routes_TLK = mb.extra.get(ROUTES_KEY) if self._routing else None
             with self._autocast(), self._routing.reference(mb.input_ids_T, mb.cu_seqlens_B1):
-                output = forward_fn(self.model, mb)
+                with self._routing.replaying(routes_TLK):  # the old-policy forward routes as the rollout too
+                    output = forward_fn(self.model, mb)
             if seq_idx:
                 local.append((seq_idx, {k: v.detach().cpu() for k, v in output.items()}))
         self._after_forward_only()

@@ -126,6 +126,16 @@ class TrainStepConfig:
     whose content changed since the last full one (plus a reference to it) and load bit-exactly over
     it. 0 or 1: every checkpoint is full. Pays off when much is unchanged (LoRA: frozen base weights);
     with full fine-tuning AdamW changes every tensor every step."""
+    moe_rollout_routes: bool = False
+    """Mixture-of-experts policies: the rollout engine records each token's top-k expert ids in every
+    sparse layer, they travel with the trajectory, and each training step reports
+    ``moe_rollout_routing_mismatch``: the fraction of (loss token, sparse layer) pairs whose expert
+    set in the training forward differs from the rollout's. areno's own rollout engine only."""
+    moe_routing_replay: bool = False
+    """Routing replay (implies ``moe_rollout_routes``): the training forwards route every token to the
+    experts the rollout chose, the gate weights taken from the trainer's own router softmax at those
+    experts (renormalised as the layout does), so the router still trains; tokens without a recorded
+    route keep the trainer's own top-k."""
     lora: LoraConfig | None = None
     """Low-rank adapters on the trained roles (``train.lora.rank=8`` turns them on with the other
     keys' defaults); null trains all weights. Policy syncs and ``hf/`` exports carry the merged
@@ -163,6 +173,9 @@ class TrainStepConfig:
             "train.max_consecutive_skips",
             f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}",
         )
+        for key in ("moe_rollout_routes", "moe_routing_replay"):
+            value = getattr(self, key)
+            check_config(isinstance(value, bool), f"train.{key}", f"must be true or false, got {value!r}")
         check_config(
             self.checkpoint_full_every >= 0,
             "train.checkpoint_full_every",
@@ -265,6 +278,11 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
             raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
         if self.cp_size < 1:
             raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
+        check_config(
+            self.cp_size == 1 or not (self.moe_rollout_routes or self.moe_routing_replay),
+            "train.moe_rollout_routes",
+            "the rollout's routes are not split over context-parallel ranks: use train.cp_size=1 with them",
+        )
         if self.logprob_chunk_size <= 0:
             raise ValueError(f"logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
         if self.collective_timeout_s <= 0:

@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from areno.data.prompts import render_prompt
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
@@ -104,6 +106,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         versions: list[int] = []
         turn_rewards: list[float] = []
         errors: list[str] = []
+        routes_TLK = None  # a recording MoE engine's routes (``GenerationOutput.routes_TLK``)
         finish_reason = "stop"
         for turn in range(self.max_turns):
             params = seeded(self.sampling_params, sample_idx * self.max_turns + turn)
@@ -112,6 +115,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             mask += [1] * len(out.output_ids)
             logprobs += out.output_logprobs
             versions += out.output_versions
+            routes_TLK = _stitch_routes(routes_TLK, out.routes_TLK, turn)
             finish_reason = out.finish_reason
             completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
             reward, error = await acall_reward(self.reward_fn, prompt, completion, answer, fields)
@@ -144,4 +148,15 @@ class MultiTurnWorkflow(RolloutWorkflow):
             group_id=group_id,
             finish_reason=finish_reason,
             info=info,
+            routes_TLK=routes_TLK,
         )
+
+
+def _stitch_routes(earlier_TLK: torch.Tensor | None, turn_TLK: torch.Tensor | None, turn: int) -> torch.Tensor | None:
+    """The episode's routes after a turn: the earlier turns' rows for the tokens they ran forwards
+    for (those sampled their outputs), this turn's from there on (the feedback it prefilled and its
+    own output). None once a turn brought none."""
+    if turn == 0 or earlier_TLK is None or turn_TLK is None:
+        return turn_TLK
+    kept = earlier_TLK.shape[0] - 1  # the earlier request's last token had no forward of its own
+    return torch.cat((earlier_TLK[:kept], turn_TLK[kept:]))

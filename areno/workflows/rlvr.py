@@ -105,6 +105,7 @@ class RLVRWorkflow(RolloutWorkflow):
                     group_id=group_id,
                     finish_reason=out.finish_reason,
                     info=info,
+                    routes_TLK=out.routes_TLK,
                 )
             )
         return group

@@ -3,7 +3,9 @@ leaves the other side's state off the device (storages freed, bytes held in host
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -141,15 +143,40 @@ def test_cuda_sleep_lowers_each_phases_peak_and_keeps_the_losses(tmp_path):
     peaks, losses = {}, {}
     for mode in ("none", "sleep"):
         cfg = _config(tmp_path, mode, f"cluster.offload={mode}", "cluster.device=cuda", model, "rollout.kv_blocks=256")
-        trainer = Trainer.init(cfg)
+        trainer = Trainer.init(cfg)  # collects the previous mode's run, unreachable but in reference cycles
         try:
             trainer.run()
         finally:
             trainer.shutdown()
         rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        del trainer
         steps = [r for r in rows if "train/policy/loss" in r]
         peaks[mode] = {p: max(r[f"system/{p}_peak_memory_gib"] for r in steps) for p in ("rollout", "train")}
         losses[mode] = [r["train/policy/loss"] for r in steps]
     assert peaks["sleep"]["rollout"] < peaks["none"]["rollout"], peaks
     assert peaks["sleep"]["train"] < peaks["none"]["train"], peaks
     assert losses["sleep"] == pytest.approx(losses["none"], abs=1e-4), losses
+
+
+@pytest.mark.gpu
+def test_a_new_cuda_run_collects_an_earlier_unreachable_one(tmp_path):
+    """A notebook's finished run, dropped but still in reference cycles, gives its device memory
+    back when the next run starts (else it shrinks the new run's KV pool and micro-batches)."""
+    model = "model.init_tiny={hidden_size: 512, layers: 4, heads: 8, kv_heads: 2, intermediate_size: 2048}"
+    gc.disable()  # only Trainer.init may collect the first run
+    try:
+        first = Trainer.init(_config(tmp_path, "first", "cluster.device=cuda", model, "train.steps=1"))
+        try:
+            first.run()
+        finally:
+            first.shutdown()
+        policy = first.backend.engine.training.runner.backends["policy"]
+        weight = weakref.ref(next(policy.model.parameters()))
+        del first, policy
+        second = Trainer.init(_config(tmp_path, "second", "cluster.device=cuda", model, "train.steps=1"))
+        try:
+            assert weight() is None
+        finally:
+            second.shutdown()
+    finally:
+        gc.enable()

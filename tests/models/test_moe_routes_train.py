@@ -1,0 +1,51 @@
+"""The rollout's expert routes through ``Trainer`` on a tiny mixture of experts
+(``train.moe_rollout_routes``, ``train.moe_routing_replay``): a synchronous colocated run routes as its
+rollout did, an asynchronous one drifts from it (``moe_rollout_routing_mismatch``), replay routes every
+compared token as the rollout did, and the keys refuse what cannot record routes."""
+
+from __future__ import annotations
+
+import pytest
+
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.errors import ConfigError
+from tests.helpers.configs import tiny_grpo_overrides
+from tests.models.test_moe_train import MOE_TINY, _run
+
+MISMATCH = "train/policy/moe_rollout_routing_mismatch"
+REPLAYED = "train/policy/moe_routing_replayed_fraction"
+COMMON = ("reward.fn=tests.helpers.rewards:sevens", "train.eval_interval=0", "train.seed=1", "optim.lr=0.05")
+
+
+def _steps(rows):
+    return [r for r in rows if "train/policy/loss" in r]
+
+
+def test_synchronous_run_routes_as_its_rollout(tmp_path):
+    steps = _steps(_run(tmp_path, *COMMON, "train.steps=2", "train.moe_rollout_routes=true"))
+    assert [r[MISMATCH] for r in steps] == [0.0, 0.0]  # same weights, same tokens, fp32
+    assert all(REPLAYED not in r for r in steps)
+
+
+def test_asynchronous_run_drifts_and_replay_follows_the_rollout(tmp_path):
+    asynchronous = ("train.steps=4", "rollout.max_head_offpolicyness=1")
+    steps = _steps(_run(tmp_path / "a", *COMMON, *asynchronous, "train.moe_rollout_routes=true"))
+    assert max(r[MISMATCH] for r in steps) > 0, [r[MISMATCH] for r in steps]
+    steps = _steps(_run(tmp_path / "b", *COMMON, *asynchronous, "train.moe_routing_replay=true"))
+    assert all(r[REPLAYED] == 1.0 for r in steps)  # the experts used are the rollout's
+    assert max(r[MISMATCH] for r in steps) > 0  # while the router's own choice drifted
+
+
+def test_dense_model_refuses_the_keys(tmp_path):
+    cfg = load_config(None, [*tiny_grpo_overrides(tmp_path), "train.moe_routing_replay=true"])
+    with pytest.raises(ConfigError, match="train.moe_routing_replay: the model has no mixture-of-experts layers"):
+        trainer = Trainer.init(cfg)
+        trainer.shutdown()
+
+
+def test_server_backends_refuse_the_keys(tmp_path):
+    with pytest.raises(ConfigError, match="server does not return its expert routes.*rollout.backend=areno"):
+        load_config(
+            None, [*tiny_grpo_overrides(tmp_path), MOE_TINY, "rollout.backend=vllm", "train.moe_rollout_routes=true"]
+        )
