@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch.overrides import TorchFunctionMode
 from safetensors.torch import save_file
 
 from areno.errors import ModelDirError
@@ -113,6 +114,29 @@ def open_safetensors(
         raise ModelDirError(f"{path} is truncated or not a safetensors file ({reason}): {fix}") from None
 
 
+class _SkipRandomInit(TorchFunctionMode):
+    """Skips the random initialisers of a module built on the meta device, whose values are never
+    read: torch runs them there through Python references that import torch._dynamo, a slow import
+    that would otherwise come before the first rollout token."""
+
+    OPS = frozenset(
+        {
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+            torch.nn.init.normal_,
+            torch.nn.init.uniform_,
+            torch.nn.init.kaiming_uniform_,
+            torch.nn.init.trunc_normal_,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def build_model(config: ModelConfig, **kw: Any) -> Decoder:
     """The module ``config`` describes: ``VisionLanguageModel`` for a Qwen2.5-VL config, else ``Decoder``."""
     return (VisionLanguageModel if config.vision is not None else Decoder)(config, **kw)
@@ -140,7 +164,7 @@ def load_model(
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
     if config.vision is not None and tp_size > 1:
         raise ModelDirError(f"{model_dir}: a vision-language model loads whole (tp_size=1), not as tp_size={tp_size}")
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipRandomInit():  # every value is loaded below
         model = build_model(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
     model.to_empty(device=device)
     expected = model.state_dict()
