@@ -81,13 +81,19 @@ class LocalShardAdamW(torch.optim.AdamW):
         return has_complex
 
 
+def trainable_parameters(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters that require a gradient; a ValueError when there are none."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters: set trainable=False for a frozen role")
+    return params
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainBackendConfig, device: str) -> LocalShardAdamW:
     """AdamW over the trainable parameters (on DTensors' local shards: ``LocalShardAdamW``): torch's
     fused kernel on CUDA and CPU (one pass over each tensor instead of a foreach op per term of the
     update, which made the CPU update a large share of a small model's step), foreach elsewhere."""
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        raise ValueError("no trainable parameters: set trainable=False for a frozen role")
+    params = trainable_parameters(params)
     fused = device in ("cuda", "cpu")
     return LocalShardAdamW(
         params,
