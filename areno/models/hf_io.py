@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 from areno.errors import ModelDirError
 from areno.models import moe
@@ -113,6 +114,33 @@ def open_safetensors(
         raise ModelDirError(f"{path} is truncated or not a safetensors file ({reason}): {fix}") from None
 
 
+class _MetaShortcuts(TorchFunctionMode):
+    """Building a module on the meta device and materialising it without the ops torch runs there
+    through Python references that import torch._dynamo and sympy (slow imports that would come
+    before the first rollout token): random initialisers are skipped (every value is loaded
+    afterwards) and ``empty_like`` to a real device becomes ``empty_strided`` of the same layout."""
+
+    OPS = frozenset(
+        {
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+            torch.nn.init.normal_,
+            torch.nn.init.uniform_,
+            torch.nn.init.kaiming_uniform_,
+            torch.nn.init.trunc_normal_,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS:
+            return args[0] if args else kwargs["tensor"]
+        if func is torch.empty_like and args[0].is_meta and set(kwargs) == {"device"}:
+            t = args[0]
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=kwargs["device"])
+        return func(*args, **kwargs)
+
+
 def build_model(config: ModelConfig, **kw: Any) -> Decoder:
     """The module ``config`` describes: ``VisionLanguageModel`` for a Qwen2.5-VL config, else ``Decoder``."""
     return (VisionLanguageModel if config.vision is not None else Decoder)(config, **kw)
@@ -140,9 +168,10 @@ def load_model(
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
     if config.vision is not None and tp_size > 1:
         raise ModelDirError(f"{model_dir}: a vision-language model loads whole (tp_size=1), not as tp_size={tp_size}")
-    with torch.device("meta"):
-        model = build_model(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
-    model.to_empty(device=device)
+    with _MetaShortcuts():
+        with torch.device("meta"):
+            model = build_model(config, tp_size=tp_size, tp_reduce=tp_reduce).to(dtype)
+        model.to_empty(device=device)
     expected = model.state_dict()
     plan = tp_plan(config)
     experts = moe.disk_to_memory(config)  # per-expert names on disk -> slices of fused tensors

@@ -216,17 +216,19 @@ ShardedLogprobsFn = Callable[
 ShardedArgmaxFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``(hidden_TD, weight_VD, chunk_size) -> argmax_T``."""
 
-_SHARDED_WEIGHT_IMPLS: dict[type, ShardedLogprobsFn] = {}
-_SHARDED_ARGMAX_IMPLS: dict[type, ShardedArgmaxFn] = {}
+_SHARDED_WEIGHT_IMPLS: dict[Callable[[torch.Tensor], bool], ShardedLogprobsFn] = {}
+_SHARDED_ARGMAX_IMPLS: dict[Callable[[torch.Tensor], bool], ShardedArgmaxFn] = {}
 
 
-def register_sharded_weight(weight_type: type, logprobs_fn: ShardedLogprobsFn, argmax_fn: ShardedArgmaxFn) -> None:
-    """Route ``logprobs_from_hidden`` / ``argmax_from_hidden`` calls whose output projection is a
-    ``weight_type`` (a distributed tensor, e.g. a vocabulary-sharded DTensor under tensor
+def register_sharded_weight(
+    is_sharded: Callable[[torch.Tensor], bool], logprobs_fn: ShardedLogprobsFn, argmax_fn: ShardedArgmaxFn
+) -> None:
+    """Route ``logprobs_from_hidden`` / ``argmax_from_hidden`` calls whose output projection
+    ``is_sharded`` (a distributed tensor, e.g. a vocabulary-sharded DTensor under tensor
     parallelism) to these functions. The training layer registers its implementation, so this
     module never imports torch.distributed; plain tensors always take the local path."""
-    _SHARDED_WEIGHT_IMPLS[weight_type] = logprobs_fn
-    _SHARDED_ARGMAX_IMPLS[weight_type] = argmax_fn
+    _SHARDED_WEIGHT_IMPLS[is_sharded] = logprobs_fn
+    _SHARDED_ARGMAX_IMPLS[is_sharded] = argmax_fn
 
 
 @torch.no_grad()
@@ -235,8 +237,8 @@ def argmax_from_hidden(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, chunk_s
     maximal id on ties, as ``torch.argmax``); no alignment shift, no gradient."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    for weight_type, sharded_fn in _SHARDED_ARGMAX_IMPLS.items():
-        if isinstance(weight_VD, weight_type):
+    for is_sharded, sharded_fn in _SHARDED_ARGMAX_IMPLS.items():
+        if is_sharded(weight_VD):
             return sharded_fn(hidden_TD, weight_VD, int(chunk_size))
     parts = [
         (hidden_TD[s : s + chunk_size] @ weight_VD.t()).argmax(-1) for s in range(0, hidden_TD.shape[0], chunk_size)
@@ -260,8 +262,8 @@ def logprobs_from_hidden(
         raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    for weight_type, sharded_fn in _SHARDED_WEIGHT_IMPLS.items():
-        if isinstance(weight_VD, weight_type):
+    for is_sharded, sharded_fn in _SHARDED_WEIGHT_IMPLS.items():
+        if is_sharded(weight_VD):
             return sharded_fn(
                 hidden_TD, weight_VD, targets_T.long(), float(temperature), int(chunk_size), bool(with_entropy)
             )

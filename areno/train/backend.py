@@ -43,6 +43,7 @@ from areno.train.optim import (
     clip_grads,
     global_grad_norm,
     nonfinite_parameters,
+    trainable_parameters,
 )
 from areno.train.packing import (
     MicroBatchPlan,
@@ -100,8 +101,10 @@ class PackedTrainBackend(TrainBackend):
     # set in initialize()
     model: nn.Module
     model_config: ModelConfig
-    optimizer: torch.optim.Optimizer | None
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    _optimizer: torch.optim.Optimizer | None
+    _scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    _builds_optimizer: bool = False
+    """A trainable role whose optimizer is built on first use (``optimizer``)."""
     device: torch.device
     max_tokens_per_mb: int
     _routing: moe.RoutingMonitor
@@ -119,7 +122,6 @@ class PackedTrainBackend(TrainBackend):
     def __init__(self, cfg: TrainBackendConfig) -> None:
         self.cfg = cfg
         self.optimizer = None
-        self.scheduler = None
         self._step = 0
         self._skipped_steps = 0
         self._consecutive_skips = 0
@@ -213,8 +215,8 @@ class PackedTrainBackend(TrainBackend):
         model.train()
         self.model = self._parallelize(model)
         if cfg.trainable:
-            self.optimizer = build_optimizer(self.model.parameters(), cfg, self.device.type)
-            self.scheduler = build_scheduler(self.optimizer, cfg)
+            trainable_parameters(self.model.parameters())  # none: a one-line error now, not at the first step
+            self._builds_optimizer = True
         self.max_tokens_per_mb = cfg.max_tokens_per_mb or self._default_tokens_per_mb()
         self._routing = moe.RoutingMonitor(self.model)  # expert models: router loss and routing mismatch
         if (cfg.moe_rollout_routes or cfg.moe_routing_replay) and not self._routing:
@@ -225,12 +227,37 @@ class PackedTrainBackend(TrainBackend):
         self._routing.replay = cfg.moe_routing_replay
         self._initialized = True
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """AdamW over the trainable parameters (None for a frozen role), built with its schedule on
+        first use: constructing a torch optimizer imports torch._dynamo, a slow import that the
+        run's first rollout does not need."""
+        if self._builds_optimizer:
+            self._builds_optimizer = False
+            self._optimizer = build_optimizer(self.model.parameters(), self.cfg, self.device.type)
+            self._scheduler = build_scheduler(self._optimizer, self.cfg)
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self._builds_optimizer = False
+        self._optimizer, self._scheduler = optimizer, None
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The learning-rate schedule of ``optimizer`` (built with it)."""
+        return self._scheduler if self.optimizer is not None else None
+
+    @scheduler.setter
+    def scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+        self._scheduler = scheduler
+
     def _default_tokens_per_mb(self) -> int:
         if self.device.type != "cuda":
             return _CPU_DEFAULT_TOKENS_PER_MB
         mc = self.model_config
         free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        if self.optimizer is not None:  # Adam moments and grads are allocated lazily: reserve them
+        if self.cfg.trainable:  # Adam moments and grads are allocated lazily: reserve them
             trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
             free_bytes -= 3 * trainable // max(self._dp_size * self._cp_size, 1) + self._reduction_buffer_bytes(
                 trainable
@@ -563,7 +590,6 @@ class PackedTrainBackend(TrainBackend):
         if self._offloader.asleep:
             self._offloader.wake()
         self.optimizer = None
-        self.scheduler = None
         self._initialized = False
 
 

@@ -40,9 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from areno.errors import ModelDirError
 
@@ -373,6 +370,9 @@ def save(
     checkpoint, recording this rank's tensor hashes when ``record_hashes`` (returned; {} otherwise:
     hashing reads every tensor once more). With ``base`` (a full checkpoint) and its ``base_hashes``:
     an incremental one, only the tensors whose hash differs."""
+    import torch.distributed.checkpoint as dcp  # slow import (sympy): only to save or load
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     path = Path(path)
     if _rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -405,6 +405,9 @@ def save(
 
 def _check_shapes(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
     """One-line error naming the first model tensor the checkpoint lacks or has in another shape."""
+    import torch.distributed.checkpoint as dcp  # slow import (sympy): only to save or load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     for name, tensor in model_sd.items():
         key = f"model.{name}"
@@ -426,6 +429,8 @@ def _without_unsaved_optim_state(state: dict[str, Any], path: Path) -> dict[str,
     never had a gradient (a critic's unused ``lm_head``) had no optimizer state when saved, while
     the fresh optimizer's state dict has zeros for every parameter; loading leaves it without state
     again, as in the uninterrupted run. Model tensors stay required."""
+    import torch.distributed.checkpoint as dcp  # slow import (sympy): only to save or load
+
     stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     keep = {name for name, _ in _tensor_items(state) if name in stored or not name.startswith("optim.state.")}
     return _subset(state, keep)
@@ -433,6 +438,9 @@ def _without_unsaved_optim_state(state: dict[str, Any], path: Path) -> dict[str,
 
 def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG in place; returns the trainer state."""
+    import torch.distributed.checkpoint as dcp  # slow import (sympy): only to save or load
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
     path = Path(path)
     if not (path / ".metadata").is_file() or not (path / TRAINER_STATE).is_file():
         raise ModelDirError(

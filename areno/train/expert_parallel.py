@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from areno.models import moe
+from areno.train.dtensor import local_tensor
 
 
 class AllToAllDispatch:
@@ -73,7 +73,7 @@ class AllToAllDispatch:
     def _local(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """This rank's experts in the activations' dtype (FSDP's mixed precision does not reach
         them), their gradient scaled by ``grad_scale``."""
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        local = local_tensor(weight)
         if self.grad_scale != 1.0:
             local = _ScaleGrad.apply(local, self.grad_scale)
         return local.to(dtype)
@@ -97,6 +97,8 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, *, grad_scale: float = 
     """Shard every sparse block's experts over the 1-D ``ep_mesh`` (DTensors, ``Shard(0)``) and
     dispatch its tokens over it; returns the expert parameters (FSDP must leave them alone). Call it
     before wrapping the model (FSDP2, compile) and before building the optimizer."""
+    from torch.distributed.tensor import Shard, distribute_tensor  # slow to import: only an expert-parallel run
+
     params: list[nn.Parameter] = []
     for block in moe.sparse_blocks(model):
         block.dispatch = AllToAllDispatch(ep_mesh.get_group(), block.num_experts, grad_scale)

@@ -27,12 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from areno.errors import ConfigError
 from areno.train.backend import PackedTrainBackend
 from areno.train.context_parallel import context_parallel_group, cp_rank_groups
+from areno.train.dtensor import is_dtensor
 from areno.train.parallelize import parallelize
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -48,7 +47,7 @@ class FSDP2TrainBackend(PackedTrainBackend):
     # set in _setup / _parallelize (read once: slicing a DeviceMesh costs host time per call)
     _shard_size: int
     _world_size: int
-    _fsdp_modules: list[FSDPModule]
+    _fsdp_modules: list[nn.Module]  # the FSDPModule instances, outermost last
     _grad_sync: bool = True
     """What the FSDP modules' gradient-sync / reshard-after-backward flags were last set to
     (FSDP's default: True)."""
@@ -116,6 +115,8 @@ class FSDP2TrainBackend(PackedTrainBackend):
             reduce_dtype=self.cfg.torch_dtype(),
             cp_group=self._cp_group,
         )
+        from torch.distributed.fsdp import FSDPModule  # slow to import (sympy): only once a model is sharded
+
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         return model
 
@@ -165,7 +166,7 @@ class FSDP2TrainBackend(PackedTrainBackend):
         return [by_rank[r] for r in range(self._dp_size)]
 
     def _full(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, DTensor):
+        if not is_dtensor(tensor):
             return tensor
         if tensor.device_mesh.size() == 1:
             # one rank holds it all (a mesh of one never pads a shard): its local tensor is the full
@@ -177,9 +178,8 @@ class FSDP2TrainBackend(PackedTrainBackend):
         return float(self._dp_size)
 
     def _after_forward_only(self) -> None:
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        for module in self._fsdp_modules:
+            module.reshard()
 
     def _barrier(self) -> None:
         dist.barrier(group=self._group)

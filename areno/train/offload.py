@@ -12,24 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from areno.train.dtensor import local_tensor
 
 
 def collect_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Parameters, their gradients, buffers and optimizer state tensors (local shards)."""
     tensors: list[torch.Tensor] = []
     for p in model.parameters():
-        tensors.append(_local(p))
+        tensors.append(local_tensor(p))
         if p.grad is not None:
-            tensors.append(_local(p.grad))
-    tensors.extend(_local(b) for b in model.buffers())
+            tensors.append(local_tensor(p.grad))
+    tensors.extend(local_tensor(b) for b in model.buffers())
     if optimizer is not None:
         for state in optimizer.state.values():
-            tensors.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+            tensors.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
     return tensors
 
 

@@ -9,10 +9,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from areno.errors import ConfigError
 from areno.train.config import TrainBackendConfig
+from areno.train.dtensor import is_dtensor, local_tensor
 
 
 class NonFiniteStepError(ConfigError):
@@ -55,7 +55,7 @@ def nonfinite_parameters(params: Iterable[torch.Tensor]) -> torch.Tensor:
     float tensor on their device (the caller all-reduces it)."""
     count: torch.Tensor | None = None
     for p in params:
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = local_tensor(p)
         bad = (~torch.isfinite(local.detach())).any().float()
         count = bad if count is None else count + bad
     return count if count is not None else torch.zeros(())
@@ -77,17 +77,23 @@ class LocalShardAdamW(torch.optim.AdamW):
         has_complex = super()._init_group(group, *tensor_lists)
         for tensors in tensor_lists:
             if isinstance(tensors, list):  # (torch versions before 2.6 also passed an amsgrad flag here)
-                tensors[:] = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+                tensors[:] = [t._local_tensor if is_dtensor(t) else t for t in tensors]
         return has_complex
+
+
+def trainable_parameters(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters that require a gradient; a ValueError when there are none."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters: set trainable=False for a frozen role")
+    return params
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainBackendConfig, device: str) -> LocalShardAdamW:
     """AdamW over the trainable parameters (on DTensors' local shards: ``LocalShardAdamW``): torch's
     fused kernel on CUDA and CPU (one pass over each tensor instead of a foreach op per term of the
     update, which made the CPU update a large share of a small model's step), foreach elsewhere."""
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        raise ValueError("no trainable parameters: set trainable=False for a frozen role")
+    params = trainable_parameters(params)
     fused = device in ("cuda", "cpu")
     return LocalShardAdamW(
         params,
@@ -127,7 +133,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainBackendConfig) -
 
 
 def _group_key(grad: torch.Tensor) -> tuple:
-    if isinstance(grad, DTensor):
+    if is_dtensor(grad):
         return (id(grad.device_mesh), grad.placements, grad.device.type)
     return (None, None, grad.device.type)
 
@@ -145,12 +151,12 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> tuple[float, list[
     for p in params:
         if p.grad is not None:
             groups.setdefault(_group_key(p.grad), []).append(p.grad)
-    local_groups = [[g._local_tensor if isinstance(g, DTensor) else g for g in grads] for grads in groups.values()]
+    local_groups = [[g._local_tensor if is_dtensor(g) else g for g in grads] for grads in groups.values()]
     norms = []
     for grads, local in zip(groups.values(), local_groups):
         norm = torch.nn.utils.get_total_norm(local, norm_type=2.0)
         first = grads[0]
-        if isinstance(first, DTensor):
+        if is_dtensor(first):
             mesh = first.device_mesh
             shard_dims = [i for i, pl in enumerate(first.placements) if pl.is_shard() and mesh.size(i) > 1]
             assert not any(pl.is_partial() for pl in first.placements), "gradients are never Partial here"

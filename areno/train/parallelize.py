@@ -41,8 +41,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 import areno.train.vocab_parallel  # noqa: F401  (routes DTensor LM heads to the vocab-parallel log-probs)
@@ -76,6 +74,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = Tr
     projection directly, and ``areno.train.vocab_parallel`` computes the log-softmax with a
     distributed log-sum-exp over the shards. A tied head is the (replicated) embedding.
     """
+    # slow to import (DTensor pulls in sympy): only a tensor-parallel run needs it
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     cfg = model.config
     tp = tp_mesh.size()
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -164,6 +165,8 @@ def apply_fsdp(
     micro-batches and frees it after the last backward, before the optimizer updates the master).
     ``one_group``: no per-layer groups, the root holds every parameter (for a mesh of one rank).
     ``ignored_params``: parameters FSDP leaves alone (expert-parallel shards)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # slow to import: only a sharded run
+
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if not one_group:
         for layer in _layers(model):

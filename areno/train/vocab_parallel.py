@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from areno.models.logprobs import _ChunkedLogprobs, register_sharded_weight
+from areno.train.dtensor import is_dtensor
 
 
 def _slice_logits(h_CD: torch.Tensor, w_VsD: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -107,7 +107,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
 def dtensor_logprobs(
     hidden_TD: torch.Tensor,
-    weight_VD: DTensor,
+    weight_VD: torch.Tensor,
     targets_T: torch.Tensor,
     temperature: float,
     chunk_size: int,
@@ -115,7 +115,7 @@ def dtensor_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs_from_hidden`` for a DTensor output projection: vocab-parallel when it is sharded
     on dim 0 over one mesh dimension (replicated over any others), else on the local full copy."""
-    if isinstance(hidden_TD, DTensor):
+    if is_dtensor(hidden_TD):
         hidden_TD = hidden_TD.full_tensor()
     w_local, vocab_start, group = _vocab_shard(weight_VD)
     if group is None:
@@ -128,11 +128,11 @@ def dtensor_logprobs(
 
 
 @torch.no_grad()
-def dtensor_argmax(hidden_TD: torch.Tensor, weight_VD: DTensor, chunk_size: int) -> torch.Tensor:
+def dtensor_argmax(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """``argmax_from_hidden`` for a DTensor output projection: each rank's best id in its shard,
     then the largest value over ranks (all-reduce max) and, among ranks that hold it, the smallest
     id (all-reduce min) — ``torch.argmax``'s first-maximum rule."""
-    if isinstance(hidden_TD, DTensor):
+    if is_dtensor(hidden_TD):
         hidden_TD = hidden_TD.full_tensor()
     w_local, vocab_start, group = _vocab_shard(weight_VD)
     T, vocab = hidden_TD.shape[0], weight_VD.shape[0]
@@ -152,9 +152,11 @@ def dtensor_argmax(hidden_TD: torch.Tensor, weight_VD: DTensor, chunk_size: int)
     return out_T
 
 
-def _vocab_shard(weight_VD: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
+def _vocab_shard(weight_VD: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
     """(local rows, first vocabulary id of them, group of the sharded mesh dimension or None when
     the weight is replicated); ValueError for any other layout."""
+    from torch.distributed.tensor import Replicate, Shard  # slow to import: only once a DTensor exists
+
     placements = weight_VD.placements
     shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
     if (
@@ -182,4 +184,4 @@ def _vocab_shard(weight_VD: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGro
     return w_local, vocab_start, weight_VD.device_mesh.get_group(mesh_dim)
 
 
-register_sharded_weight(DTensor, dtensor_logprobs, dtensor_argmax)
+register_sharded_weight(is_dtensor, dtensor_logprobs, dtensor_argmax)
