@@ -134,8 +134,9 @@ class LocalTrainingSide(TrainingSide):
         return [b for b in self.runner.backends.values() if isinstance(b, LocalTrainBackend)]
 
     def sleep(self) -> int:
-        """Move the weights, gradients and optimizer state of the roles on this device to host memory;
-        returns the bytes freed on the device (0 when already asleep)."""
+        """Move the gradients and optimizer state of the roles on this device to host memory (their
+        weights stay: the sync after the rollout reads them); returns the bytes freed on the device
+        (0 when already asleep)."""
         if self.asleep:
             return 0
         self.asleep = True
@@ -269,7 +270,8 @@ class LocalRolloutSide(RolloutSide):
 class SleepResidency(Residency):
     """``cluster.offload=sleep``: each phase keeps on the device only what it uses.
 
-        ROLLOUT  the rollout engine's weights and KV cache; the training side asleep in host memory
+        ROLLOUT  the rollout engine's weights and KV cache, the training weights; gradients and
+                 optimizer state asleep in host memory
         TRAIN    the training side; the engine's weights and KV cache released
         SYNC     the training side and the engine's weights (its KV cache stays released)
 

@@ -34,7 +34,7 @@ from areno.train import checkpoint
 from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
 from areno.train.config import TrainBackendConfig
 from areno.train.lora import adapter_named_weights, apply_lora, merged_named_weights, save_adapter
-from areno.train.offload import StorageOffloader, collect_tensors
+from areno.train.offload import StorageOffloader, training_state_tensors
 from areno.train.optim import (
     NonFiniteParametersError,
     NonFiniteStepError,
@@ -581,7 +581,7 @@ class PackedTrainBackend(TrainBackend):
     # ------------------------------------------------------------------ memory
     def sleep(self) -> int:
         self._check_ready()
-        return self._offloader.sleep(collect_tensors(self.model, self.optimizer))
+        return self._offloader.sleep(training_state_tensors(self.model, self.optimizer))
 
     def wake(self) -> int:
         return self._offloader.wake()

@@ -17,6 +17,7 @@ from areno.engine.placement import build_engine
 from areno.engine.residency import Phase
 from areno.errors import ConfigError
 from areno.models import Decoder, tiny_config
+from areno.train import offload
 from areno.train.offload import StorageOffloader, collect_tensors
 from tests.helpers.configs import tiny_run_overrides
 
@@ -91,11 +92,12 @@ def test_each_phase_releases_the_other_sides_state(tmp_path):
         engine.update_weights()  # SYNC: rollout weights back, KV cache still released
         assert _storage_bytes(rollout_weights) > 0 and not rollout.engine.cache.is_allocated
 
-        engine.generate_rollout(1)  # ROLLOUT: training weights and optimizer state in host memory
+        engine.generate_rollout(1)  # ROLLOUT: optimizer state in host memory, the training weights stay
         assert rollout.engine.cache.is_allocated
         assert training.asleep
         assert _storage_bytes(optimizer_state()) == 0
-        assert _storage_bytes(p for b in backends for p in b.model.parameters()) == 0
+        assert all(p.grad is None for b in backends for p in b.model.parameters())
+        assert _storage_bytes(p for b in backends for p in b.model.parameters()) > 0
 
         engine.step(batch)  # and back: the state the step needs is whole again
         assert not training.asleep and _storage_bytes(optimizer_state()) > 0
@@ -180,3 +182,13 @@ def test_a_new_cuda_run_collects_an_earlier_unreachable_one(tmp_path):
             second.shutdown()
     finally:
         gc.enable()
+
+
+def test_a_sleep_the_host_cannot_hold_is_refused_before_it_copies(monkeypatch):
+    """The training state goes to host memory: more than the host has is a one-line error, not the
+    kernel's out-of-memory killer ending the run (meta tensors stand in for device ones)."""
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: 2**30)
+    offloader = StorageOffloader()
+    with pytest.raises(ConfigError, match=r"cluster.offload=sleep: parking 2.0 GiB .* 1.0 GiB available"):
+        offloader.sleep([torch.empty(2**29, dtype=torch.float32, device="meta")])
+    assert not offloader.asleep

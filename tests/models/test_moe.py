@@ -177,7 +177,8 @@ def test_grouped_mm_experts_on_gpu_bf16():
 
 @pytest.mark.gpu
 def test_grouped_mm_experts_gradients_on_gpu_bf16():
-    """Training takes the grouped GEMMs on the GPU: their gradients equal the sorted matmuls' in fp32."""
+    """Training takes the grouped GEMMs on the GPU: their gradients equal the sorted matmuls' on the
+    same bf16 inputs (relative error of each gradient), and an expert no token reaches gets exactly 0."""
     g = torch.Generator().manual_seed(0)
     T, D, E, Di = 96, 64, 8, 32
     leaves = {
@@ -189,15 +190,16 @@ def test_grouped_mm_experts_gradients_on_gpu_bf16():
     experts = torch.randint(0, E - 1, (T, 2), generator=g).cuda()  # the last expert gets no token
     upstream = torch.randn(T, D, generator=g).cuda()
 
-    def grads(fn, dtype):
-        t = {k: v.to("cuda", dtype).requires_grad_() for k, v in leaves.items()}
+    def grads(fn):
+        t = {k: v.to("cuda", torch.bfloat16).requires_grad_() for k, v in leaves.items()}
         out = fn(t["x"], experts, t["weights"], t["gate_up"], t["down"])
         (out.float() * upstream).sum().backward()
         return {k: v.grad.float() for k, v in t.items()}
 
-    ours, ref = grads(moe.grouped_mm_experts, torch.bfloat16), grads(moe.grouped_experts, torch.float32)
-    for name in leaves:
-        torch.testing.assert_close(ours[name], ref[name], rtol=5e-2, atol=5e-2, msg=name)
+    ours, ref = grads(moe.grouped_mm_experts), grads(moe.grouped_experts)
+    errors = {k: ((ours[k] - ref[k]).norm() / ref[k].norm()).item() for k in leaves}
+    assert all(e < 2e-2 for e in errors.values()), errors
+    assert not ours["gate_up"][E - 1].any() and not ours["down"][E - 1].any()
 
 
 def test_expert_slice_computes_only_its_experts():
