@@ -6,8 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from PIL import Image
+from torch.distributed.device_mesh import init_device_mesh
 
+from areno.errors import ConfigError
 from areno.models.hf_io import load_model, save_model
 from areno.models.vision import (
     ImageInputs,
@@ -16,7 +19,9 @@ from areno.models.vision import (
     expand_image_tokens,
     image_patches,
     mrope_positions,
+    tiny_vl_config,
 )
+from areno.train.parallelize import apply_tp
 
 transformers = pytest.importorskip("transformers")
 
@@ -175,3 +180,14 @@ def test_rollout_engine_greedy_tokens_equal_transformers_generate(vl_dir):
     # the same text with another image shares no cached block
     other = ImageInputs.from_images([random_image(40, 56, seed=6)], vc)
     assert other.key() != images.key()
+
+
+def test_training_tensor_parallelism_refuses_a_vision_language_model(tmp_path):
+    """The TP plan covers the decoder only: a VL model is a one-line error, not a half-sharded model."""
+    model = VisionLanguageModel(tiny_vl_config(64, image_token_id=60, vision_start_token_id=61, vision_end_token_id=62))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="vision-language models train without tensor parallelism"):
+            apply_tp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    finally:
+        dist.destroy_process_group()
