@@ -46,7 +46,7 @@ from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.train import checkpoint
-from areno.types import RolloutBatch, SamplingParams, TokenBatch, Trajectory
+from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory
 from areno.workflows.base import RolloutWorkflow, load_workflow
 from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images, vision_kwargs
@@ -451,6 +451,7 @@ class ArenoEngine:
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
+        self._check_routes(rollout)
         # Asynchronous: the engine generates in its own thread meanwhile. No CUDA graph may be captured
         # beside the training step's kernels and device synchronizations (they invalidate a capture:
         # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
@@ -468,6 +469,19 @@ class ArenoEngine:
         metrics.update(self._pending_sync_metrics)  # the previous sync's figures ride with the next step
         self._pending_sync_metrics = {}
         return metrics
+
+    def _check_routes(self, rollout: RolloutBatch) -> None:
+        """``train.moe_rollout_routes`` / ``moe_routing_replay`` with a workflow whose trajectories drop the
+        engine's routes would train without them and say nothing: refused at the first step instead."""
+        train = self.config.train
+        if (train.moe_rollout_routes or train.moe_routing_replay) and rollout.trajectories:
+            if ROUTES_KEY not in rollout.batch.extra:
+                key = "train.moe_routing_replay" if train.moe_routing_replay else "train.moe_rollout_routes"
+                raise ConfigError(
+                    f"{key}: rollout.workflow={self.config.rollout.workflow} returned trajectories without the "
+                    "rollout's expert routes (RLVRWorkflow and MultiTurnWorkflow carry them); set "
+                    f"{key}=false or carry GenerationOutput.routes_TLK into Trajectory.routes_TLK"
+                )
 
     def update_weights(self) -> dict[str, float]:
         self._enter(Phase.SYNC)

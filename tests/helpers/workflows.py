@@ -31,6 +31,16 @@ class StoringWorkflow(RLVRWorkflow):
         return trajectories
 
 
+class RouteDroppingWorkflow(RLVRWorkflow):
+    """A user's workflow that builds its trajectories without the rollout's expert routes."""
+
+    async def run_episode(self, client, sample):
+        trajectories = await super().run_episode(client, sample)
+        for t in trajectories:
+            t.routes_TLK = None
+        return trajectories
+
+
 class AlwaysFailingWorkflow(RolloutWorkflow):
     """Every episode raises, as with a broken rollout engine or environment."""
 

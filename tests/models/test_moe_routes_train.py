@@ -49,3 +49,11 @@ def test_server_backends_refuse_the_keys(tmp_path):
         load_config(
             None, [*tiny_grpo_overrides(tmp_path), MOE_TINY, "rollout.backend=vllm", "train.moe_rollout_routes=true"]
         )
+
+
+def test_a_workflow_that_drops_the_routes_is_refused_at_the_first_step(tmp_path):
+    workflow = "rollout.workflow=tests.helpers.workflows:RouteDroppingWorkflow"
+    with pytest.raises(
+        ConfigError, match=r"train.moe_routing_replay: rollout.workflow=.*RouteDroppingWorkflow returned"
+    ):
+        _run(tmp_path, *COMMON, "train.steps=1", "train.moe_routing_replay=true", workflow)
