@@ -55,10 +55,11 @@ def test_layout_takes_e_and_refuses_what_expert_parallelism_does_not_cover():
 
 
 @pytest.mark.slow
-def test_partitioned_moe_run_with_e2(tmp_path):
+@pytest.mark.parametrize("train", ["d2e2", "d4e2"])  # EP over all training ranks; EP groups of 2 inside 4
+def test_partitioned_moe_run_with_e2(tmp_path, train):
     cfg = load_config(
         None,
-        [*tiny_run_overrides(tmp_path), MOE_TINY, "cluster.allocation_mode='areno[rollout]:d1+fsdp[actor]:d2e2'"],
+        [*tiny_run_overrides(tmp_path), MOE_TINY, f"cluster.allocation_mode='areno[rollout]:d1+fsdp[actor]:{train}'"],
     )
     prepare_model_dir(cfg)
     engine = build_engine(cfg, tmp_path / "run")

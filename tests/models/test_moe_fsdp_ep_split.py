@@ -2,7 +2,7 @@
 groups of 2 ({0, 1} and {2, 3} each hold every expert once, half per rank; the two groups are
 replicas that sum the experts' gradients) train exactly as one process holding every expert, and as
 EP over all 4 ranks (``d4e4``): losses, gradient norms and every weight after the steps; the
-checkpoint loads in one process. The fast tests cover the rank layout and the one-line errors."""
+checkpoint loads in one process and resumes under d4e2. The fast tests cover the rank layout and the one-line errors."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def _worker(rank, world, model_dir, out_dir):
             result["ep2_layout"] = (experts.to_local().shape[0], experts.device_mesh.mesh.tolist())
             b.save_checkpoint(Path(out_dir) / "ckpt", {"pos": 1})
         b.shutdown()
+    resumed = FSDP2TrainBackend(TrainBackendConfig(**CFG, ep_size=2))
+    resumed.initialize(model_dir)
+    resumed.load_checkpoint(Path(out_dir) / "ckpt")
+    result["ep2_resumed"] = {k: v.clone() for k, v in resumed.named_weights()}
+    resumed.shutdown()
     dist.barrier()
     if rank == 0:
         torch.save(result, Path(out_dir) / "result.pt")
@@ -72,6 +77,7 @@ def test_fsdp_d4e2_equals_one_process_and_d4e4(tmp_path):
     fresh.load_checkpoint(tmp_path / "ckpt")
     for k, v in fresh.named_weights():
         torch.testing.assert_close(v, r["ep2"]["weights"][k], msg=k)
+        torch.testing.assert_close(r["ep2_resumed"][k], v, msg=k)  # and resumes under d4e2
 
 
 def test_expert_rank_layout():
