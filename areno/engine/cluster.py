@@ -71,7 +71,7 @@ class ClusterLayout:
     train_dp_replicate: int = 1
     """HSDP replicas of training."""
     train_ep: int = 1
-    """Expert-parallel size of training (``train.ep_size``): it spans the FSDP shard dimension."""
+    """Expert-parallel size of training (``train.ep_size``): it divides the FSDP shard dimension."""
     train_cp: int = 1
     """Context-parallel size of training (``train.cp_size``): runs of cp FSDP shard ranks share each
     micro-batch."""
@@ -104,11 +104,11 @@ class ClusterLayout:
                 f"{n_train} training devices cannot form train TP {self.train_tp} x replicate "
                 f"{self.train_dp_replicate}; make the device count a multiple of their product"
             )
-        if self.train_ep > 1 and (self.train_ep != self.train_dp_shard or self.train_tp > 1):
+        if self.train_ep > 1 and (self.train_dp_shard % self.train_ep or self.train_tp > 1):
             raise LayoutError(
-                f"training expert parallelism e{self.train_ep} must equal the FSDP shard size "
-                f"{self.train_dp_shard} with t1 (the experts are split over the whole shard dimension): "
-                f"use d{self.train_ep}e{self.train_ep}"
+                f"training expert parallelism e{self.train_ep} must divide the FSDP shard size (got "
+                f"{self.train_dp_shard}) with t1 (got t{self.train_tp}): the experts are split over groups of "
+                f"e shard ranks; use e.g. d{2 * self.train_ep}e{self.train_ep}"
             )
         if self.train_cp > 1 and (self.train_dp_shard % self.train_cp or self.train_tp > 1 or self.train_ep > 1):
             raise LayoutError(

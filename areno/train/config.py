@@ -228,9 +228,10 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     """Tensor-parallel degree (DTensor, using the model's TP plan)."""
     ep_size: int = 1
     """Expert-parallel degree of a mixture-of-experts model (``areno.train.expert_parallel``): each
-    sparse layer's experts are split over the FSDP shard dimension, tokens dispatched by all-to-all.
-    > 1 needs the FSDP2 backend with ep_size == the FSDP shard size, no replication, tp_size=1, and
-    an expert count it divides."""
+    sparse layer's experts are split over groups of ep_size FSDP shard ranks, tokens dispatched by
+    all-to-all inside the group; with ep_size < the shard size the groups hold copies of the experts
+    and sum their gradients. > 1 needs the FSDP2 backend with a shard size it divides, no
+    replication, tp_size=1, and an expert count it divides."""
     cp_size: int = 1
     """Context-parallel degree (``areno.train.context_parallel``, Ulysses): each micro-batch's packed
     token stream is split over cp ranks of the FSDP shard dimension, which run the decoder layers on

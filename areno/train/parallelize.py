@@ -4,8 +4,9 @@ FSDP2 — in that fixed order (as torchtitan does), each step optional:
 0. **Context parallelism** (``cp_size > 1``): the decoder's forward runs the layers on this rank's
    chunk of the packed stream, attention by Ulysses all-to-all (``areno.train.context_parallel``).
    **Expert parallelism** (mixture-of-experts models, ``ep_size > 1``) before all: the experts
-   become DTensor shards over the FSDP shard dimension with an all-to-all dispatch
-   (``areno.train.expert_parallel``), and FSDP leaves them alone.
+   become DTensor shards over EP groups of ep_size FSDP shard ranks (replicated over the groups when
+   ep_size < the shard size) with an all-to-all dispatch (``areno.train.expert_parallel``), and
+   FSDP leaves them alone.
 1. **Tensor parallelism** first, on the "tp" mesh dimension, with the model's own plan
    (``areno.models.tp_plan``): it turns weights into DTensors sharded over TP ranks, which FSDP2
    then shards again over the data-parallel dimensions (2-D FSDP x TP).
@@ -50,7 +51,7 @@ from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 from areno.models.vision import VisionTower
 from areno.train.config import COMPILE_SCOPES, TrainBackendConfig
 from areno.train.context_parallel import apply_context_parallel
-from areno.train.expert_parallel import shard_experts
+from areno.train.expert_parallel import expert_mesh, shard_experts
 
 
 def _checkpointed(forward):
@@ -221,19 +222,28 @@ def parallelize(
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, ep_size: int) -> set[nn.Parameter]:
-    """Split the experts over the FSDP shard dimension (``expert_parallel.shard_experts``), before
-    FSDP, which then leaves them alone; their gradient takes the 1/dp of FSDP's average. Returns
-    the expert parameters. One-line ``ConfigError`` for a layout expert parallelism does not cover."""
+    """Split the experts over EP groups of the FSDP shard dimension (``expert_parallel.shard_experts``),
+    before FSDP, which then leaves them alone. ``ep_size`` == the shard size: one EP group (the
+    shard dimension's own mesh); smaller: a 2-D mesh ("ep_replicate", "ep") whose replicas sum the
+    experts' gradients (``expert_parallel.expert_mesh``). Either way the expert gradients take the
+    1/dp of FSDP's average. Returns the expert parameters. One-line ``ConfigError`` for a layout
+    expert parallelism does not cover."""
     blocks = sparse_blocks(model)
     num_experts = blocks[0].num_experts if blocks else 0
-    if mesh is None or mesh["dp_shard"].size() != ep_size or mesh["dp_replicate"].size() > 1 or mesh["tp"].size() > 1:
-        shape = "one process" if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
-        raise ConfigError(
-            f"ep_size={ep_size} needs the FSDP2 backend with a shard dimension of {ep_size} ranks, no replication "
-            f"and tp 1 (got {shape}): set the data-parallel size equal to the expert-parallel size"
-        )
     if not num_experts or num_experts % ep_size:
         raise ConfigError(
-            f"ep_size={ep_size} must divide the model's expert count ({num_experts or 'a dense model has none'})"
+            f"ep_size={ep_size} must divide the model's expert count ({num_experts or 'a dense model has none'}): "
+            f"{'set train.ep_size=1' if not num_experts else 'pick a divisor of it'}"
         )
-    return set(shard_experts(model, mesh["dp_shard"], grad_scale=1.0 / ep_size))
+    if mesh is None or mesh["dp_shard"].size() % ep_size or mesh["dp_replicate"].size() > 1 or mesh["tp"].size() > 1:
+        shape = "one process" if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+        raise ConfigError(
+            f"ep_size={ep_size} needs the FSDP2 backend with a shard dimension that {ep_size} divides, no replication "
+            f"and tp 1 (got {shape}): make the data-parallel size a multiple of the expert-parallel size"
+        )
+    shard = mesh["dp_shard"]
+    if shard.size() == ep_size:
+        ep_mesh = shard
+    else:
+        ep_mesh = expert_mesh(mesh.mesh.reshape(-1).tolist(), ep_size, mesh.device_type)
+    return set(shard_experts(model, ep_mesh, grad_scale=1.0 / shard.size()))

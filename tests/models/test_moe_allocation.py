@@ -1,5 +1,5 @@
-"""``allocation_mode``'s ``e`` dimension: parsing, the combinations that do not divide or that expert
-parallelism does not cover, and a partitioned CPU run of a tiny expert model with ``e2`` training
+"""``allocation_mode``'s ``e`` dimension: parsing (``d4e2``: EP groups of 2 inside 4 ranks), the
+combinations that do not divide or that expert parallelism does not cover, and a partitioned CPU run of a tiny expert model with ``e2`` training
 with its experts split over the 2 training ranks."""
 
 from __future__ import annotations
@@ -48,17 +48,18 @@ def _cluster(mode):
 def test_layout_takes_e_and_refuses_what_expert_parallelism_does_not_cover():
     lay = layout_from_config(_cluster("areno:d1+fsdp:d2e2"), num_devices=3, cuda=False)
     assert lay.train_ep == 2 and lay.train_dp_shard == 2
-    with pytest.raises(LayoutError, match="e2 must equal the FSDP shard size 4 with t1"):
-        layout_from_config(_cluster("areno:d1+fsdp:d4e2"), num_devices=5, cuda=False)
-    with pytest.raises(LayoutError, match="must equal the FSDP shard size"):
+    split = layout_from_config(_cluster("areno:d1+fsdp:d4e2"), num_devices=5, cuda=False)
+    assert split.train_ep == 2 and split.train_dp_shard == 4  # EP groups of 2 inside the 4 shard ranks
+    with pytest.raises(LayoutError, match=r"e2 must divide the FSDP shard size \(got 2\) with t1 \(got t2\)"):
         ClusterLayout(train_devices=(0, 1, 2, 3), rollout_devices=(4,), train_tp=2, train_ep=2)
 
 
 @pytest.mark.slow
-def test_partitioned_moe_run_with_e2(tmp_path):
+@pytest.mark.parametrize("train", ["d2e2", "d4e2"])  # EP over all training ranks; EP groups of 2 inside 4
+def test_partitioned_moe_run_with_e2(tmp_path, train):
     cfg = load_config(
         None,
-        [*tiny_run_overrides(tmp_path), MOE_TINY, "cluster.allocation_mode='areno[rollout]:d1+fsdp[actor]:d2e2'"],
+        [*tiny_run_overrides(tmp_path), MOE_TINY, f"cluster.allocation_mode='areno[rollout]:d1+fsdp[actor]:{train}'"],
     )
     prepare_model_dir(cfg)
     engine = build_engine(cfg, tmp_path / "run")
