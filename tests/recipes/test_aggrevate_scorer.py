@@ -146,22 +146,21 @@ def test_aggrevate_reward_model_q_on_a_two_role_run(tmp_path, rm_dir):
 
 
 def test_aggrevate_value_head_q_on_a_two_role_run(tmp_path):
-    """q_source=value_head reads an areno critic checkpoint (decoder + ScalarHeadModel.score, as
-    the critic role's backend saves it): Q_t = the critic's head at h_t, the loss by hand as above."""
-    tok = build_char_tokenizer()
-    model_dir = init_model_dir(tmp_path / "model", tiny_config(len(tok), **TINY), tok, seed=3)
-    torch.manual_seed(9)
-    critic = ScalarHeadModel(load_model(model_dir, dtype=torch.float32)[0])
-    with torch.no_grad():
-        critic.score.weight.normal_(std=1.0)
-        critic.score.bias.fill_(0.5)
-        for p in critic.decoder.parameters():  # a trained critic's decoder differs from model.path
-            p.add_(0.01 * torch.randn_like(p))
-    critic_dir = tmp_path / "critic" / "step_00000001" / "value"
-    checkpoint.save(critic_dir, critic, None, {"step": 1})
+    """q_source=value_head reads the critic of a real PPO run's checkpoint (checkpoints/step_N/value):
+    Q_t = that critic's head at h_t; the loss by hand as above."""
+    ppo = load_config(None, tiny_run_overrides(tmp_path, "ppo") + ["train.algorithm=ppo", "train.steps=1"])
+    trainer = Trainer.init(ppo)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    critic_dir = tmp_path / "ppo" / "checkpoints" / "step_00000001" / "value"
+    critic = ScalarHeadModel(load_model(tmp_path / "model", dtype=torch.float32)[0])
+    checkpoint.load(critic_dir, critic, None)
+    assert critic.score.weight.abs().sum() > 0  # trained away from the zero init
     batch, student, metrics = _run_one_step(tmp_path, f"{{q_source: value_head, value_head_path: {critic_dir}}}")
-    q_T = critic.scores_T(batch).detach()
     with torch.no_grad():
+        q_T = critic.scores_T(batch)
         s_T = naive_logprobs(student, batch)
     mask = batch.loss_mask_T.bool()
     assert metrics["train/policy/loss"] == pytest.approx(_expected_loss(q_T, s_T, mask), rel=1e-4, abs=1e-6)
