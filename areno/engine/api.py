@@ -143,6 +143,8 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, 
     for role in recipe.roles:
         if only is not None and role.name not in only:
             continue
+        if role.model_path and not role.trainable:  # its tensors score the policy's token ids
+            check_same_vocabulary(Path(role.model_path), model_dir, role.name)
         backend = new_backend(build_train_backend_config(cfg, role_name=role.name, trainable=role.trainable))
         backend.initialize(Path(role.model_path or model_dir), wrap_model=role.build().wrap_model)
         backends[role.name] = backend
@@ -158,6 +160,23 @@ def build_role_backends(cfg: ArenoConfig, recipe, model_dir: Path, new_backend, 
             compiled[0].compile_cache,
         )
     return backends
+
+
+def check_same_vocabulary(role_dir: Path, policy_dir: Path, role: str) -> None:
+    """A frozen role with its own checkpoint (teacher, reward model) reads the policy's token ids:
+    its tokenizer must map tokens to the same ids (compared when both directories hold one; else
+    the vocabulary sizes must match). A one-line ConfigError otherwise."""
+    if (role_dir / "tokenizer_config.json").is_file() and (policy_dir / "tokenizer_config.json").is_file():
+        same = (
+            AutoTokenizer.from_pretrained(role_dir).get_vocab() == AutoTokenizer.from_pretrained(policy_dir).get_vocab()
+        )
+    else:
+        same = read_config(role_dir).vocab_size == read_config(policy_dir).vocab_size
+    if not same:
+        raise ConfigError(
+            f"role {role!r}: the tokenizer of {role_dir} differs from the policy's ({policy_dir}); the role scores the "
+            "policy's token ids, so give it a checkpoint with the policy's tokenizer"
+        )
 
 
 def prepare_model_dir(config: ArenoConfig) -> Path:

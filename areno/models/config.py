@@ -34,6 +34,19 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
+SEQUENCE_CLASSIFIER_SUFFIX = "ForSequenceClassification"
+"""transformers' scalar-head layout (``score.weight`` [num_labels, hidden] on the decoder, no LM
+head): read as the causal architecture of the same decoder, the head loaded apart
+(``hf_io.read_score_head``)."""
+
+
+def causal_architecture(arch: str) -> str:
+    """``Qwen2ForSequenceClassification`` -> ``Qwen2ForCausalLM``; any other name unchanged."""
+    if arch.endswith(SEQUENCE_CLASSIFIER_SUFFIX):
+        return arch[: -len(SEQUENCE_CLASSIFIER_SUFFIX)] + "ForCausalLM"
+    return arch
+
+
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -295,7 +308,7 @@ class ModelConfig:
                     f"config.json has no 'architectures' and model_type {model_type!r} is not one of {sorted(by_type)}"
                 )
             archs = [by_type[model_type]]
-        arch = archs[0]
+        arch = causal_architecture(archs[0])
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unknown_arch_message(arch))
         vision, mrope_section = None, None

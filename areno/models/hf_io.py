@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from areno.errors import ModelDirError
 from areno.models import moe
-from areno.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.tp_plan import TPReduce, shard_dim, tp_plan, tp_style
 from areno.models.vision import VisionConfig, VisionLanguageModel, processor_config, read_pixel_limits
@@ -146,6 +146,28 @@ def build_model(config: ModelConfig, **kw: Any) -> Decoder:
     return (VisionLanguageModel if config.vision is not None else Decoder)(config, **kw)
 
 
+SCORE_HEAD_KEYS = ("score.weight", "score.bias")
+"""The scalar head of transformers' ``*ForSequenceClassification`` checkpoints."""
+
+
+def is_sequence_classifier(model_dir: str | Path) -> bool:
+    """Whether ``model_dir/config.json`` names a ``*ForSequenceClassification`` architecture."""
+    d = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return any(a.endswith(SEQUENCE_CLASSIFIER_SUFFIX) for a in d.get("architectures") or [])
+
+
+def read_score_head(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The ``score.weight`` (and ``score.bias`` where stored) tensors of ``model_dir``'s
+    safetensors; {} when the checkpoint has no score head (a causal LM)."""
+    out = {}
+    for path in safetensors_files(model_dir):
+        with open_safetensors(path) as f:
+            for name in f.keys():
+                if name in SCORE_HEAD_KEYS:
+                    out[name] = f.get_tensor(name)
+    return out
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -176,10 +198,15 @@ def load_model(
     plan = tp_plan(config)
     experts = moe.disk_to_memory(config)  # per-expert names on disk -> slices of fused tensors
     seen: set[str] = set()
+    classifier = is_sequence_classifier(model_dir)
+    if classifier and "lm_head.weight" in expected:  # a scalar-head checkpoint stores no LM head
+        with torch.no_grad():
+            expected["lm_head.weight"].zero_()
+        seen.add("lm_head.weight")
     for path in safetensors_files(model_dir):
         with open_safetensors(path) as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or (classifier and name in SCORE_HEAD_KEYS):
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # some tied checkpoints store the duplicate; the embedding is the source

@@ -8,6 +8,7 @@ exp(t - s) + (s - t) - 1.
 
 from __future__ import annotations
 
+from areno.errors import ConfigError
 from areno.recipes.config import DataSync, ModelRole, TrainingConfig
 from areno.recipes.registry import recipe
 from areno.specializations import (
@@ -20,8 +21,10 @@ from areno.specializations import (
     LogProbSpecialization,
     MixedLossDaggerOPDSpecialization,
     RewardModelSpecialization,
+    ScalarScorerSpecialization,
     SFTSpecialization,
 )
+from areno.specializations.supervised import SCORER_Q_SOURCES
 
 
 def _policy(**kwargs) -> ModelRole:
@@ -503,23 +506,56 @@ def dagger(teacher_path: str | None = None) -> TrainingConfig:
 
 
 @recipe("aggrevate")
-def aggrevate(teacher_path: str | None = None) -> TrainingConfig:
+def aggrevate(
+    teacher_path: str | None = None,
+    q_source: str = "teacher_logprob",
+    reward_model_path: str | None = None,
+    value_head_path: str | None = None,
+) -> TrainingConfig:
     """AggreVaTe: weight the student's actions by the teacher's (whitened) action value.
 
     A_t = whiten(Q*_t) with Q*_t = log pi_teacher(a_t|s_t) as a proxy (q_source=teacher_logprob,
-    the default) or teacher_q_T measured by the rollout workflow (q_source=workflow with
+    the default), teacher_q_T measured by the rollout workflow (q_source=workflow with
     rollout.workflow=areno.workflows.teacher:TeacherQWorkflow: the student rolls in to a random
-    token, the teacher rolls out, Q = the reward; only those tokens train); a Q from a value head
-    or reward-model role is refused (ConfigError). loss = sum_t -A_t log pi(a_t | s_t)
-    / #tokens (Ross & Bagnell 2014). Needs teacher_path.
+    token, the teacher rolls out, Q = the reward; only those tokens train), or a frozen scorer's
+    head at every token, Q(s_t, a_t) = head(h_t) with h_t the hidden state that has read a_t:
+    q_source=reward_model reads a transformers sequence-classification checkpoint
+    (reward_model_path; role `reward`), q_source=value_head an areno critic checkpoint
+    (value_head_path = checkpoints/step_N/<critic role>; role `value`, decoder shape of model.path).
+    loss = sum_t -A_t log pi(a_t | s_t) / #tokens (Ross & Bagnell 2014). teacher_path is needed
+    for teacher_logprob and workflow.
     """
+    policy = ModelRole(
+        name="policy",
+        specialization_cls=AggrevateSpecialization,
+        sync_to_rollout=True,
+        init_kwargs={"q_source": q_source},
+    )
+    if q_source not in SCORER_Q_SOURCES:
+        return TrainingConfig(
+            name="aggrevate",
+            roles=(policy, _teacher(teacher_path)),
+            syncs=(_teacher_sync(),),
+            description=_first_line(aggrevate.__doc__),
+        )
+    key = f"{q_source}_path"
+    path = reward_model_path if q_source == "reward_model" else value_head_path
+    if not path:
+        raise ConfigError(
+            f"aggrevate q_source={q_source}: set train.algorithm_kwargs.{key} (the scorer checkpoint to read Q from)"
+        )
+    scorer = ModelRole(
+        name="reward" if q_source == "reward_model" else "value",
+        specialization_cls=ScalarScorerSpecialization,
+        trainable=False,
+        # a reward model is its own checkpoint; a critic's decoder has model.path's shape
+        model_path=path if q_source == "reward_model" else None,
+        init_kwargs={"head": q_source, "head_path": path},
+    )
     return TrainingConfig(
         name="aggrevate",
-        roles=(
-            ModelRole(name="policy", specialization_cls=AggrevateSpecialization, sync_to_rollout=True),
-            _teacher(teacher_path),
-        ),
-        syncs=(_teacher_sync(),),
+        roles=(policy, scorer),
+        syncs=(DataSync(source=scorer.name, target="policy", keys=("q_T",), target_keys=("teacher_q_T",)),),
         description=_first_line(aggrevate.__doc__),
     )
 

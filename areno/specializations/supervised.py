@@ -143,9 +143,14 @@ class DaggerSpecialization(ModelSpecialization):
         return reducer(loss_T, mask_T), reduce_stats({"ce": loss_T, "agree": agree_T}, mask_T, reducer, "dagger")
 
 
-AGGREVATE_Q_SOURCES = ("teacher_logprob", "workflow")
-"""Where AggreVaTe's action value comes from: the teacher's log-prob of the action (a proxy), or
-``teacher_q_T`` measured by the rollout workflow (``Trajectory.extra_T``, e.g. teacher roll-outs)."""
+AGGREVATE_Q_SOURCES = ("teacher_logprob", "workflow", "reward_model", "value_head")
+"""Where AggreVaTe's action value comes from: the teacher's log-prob of the action (a proxy);
+``teacher_q_T`` measured by the rollout workflow (``Trajectory.extra_T``, e.g. teacher roll-outs);
+or ``teacher_q_T`` from a frozen scalar-head scorer role (a reward model's score head or an areno
+critic's value head, ``areno.specializations.scorer``) through a DataSync."""
+
+SCORER_Q_SOURCES = ("reward_model", "value_head")
+"""The Q sources that a frozen scorer role provides, per token, through a DataSync."""
 
 
 class AggrevateSpecialization(ModelSpecialization):
@@ -156,24 +161,25 @@ class AggrevateSpecialization(ModelSpecialization):
     ``teacher_q_T``, which the rollout workflow measured and put in each trajectory's ``extra_T``
     (``areno.workflows.teacher:TeacherQWorkflow``: teacher roll-outs after the student's action; a
     missing one is an error, never a silent fallback), and where ``teacher_q_mask_T`` marks the
-    measured tokens only those are trained on. A Q from a value head or reward-model role is not
-    supported (a ConfigError). With ``A_t`` that value whitened over the batch's loss tokens:
+    measured tokens only those are trained on; ``reward_model`` / ``value_head`` use ``teacher_q_T``
+    injected by a frozen scorer role, ``Q(s_t, a_t) = head(h_t)`` at every token (the head over the
+    hidden state that has read ``a_t``; ``areno.specializations.scorer``). With ``A_t`` that value
+    whitened over the batch's loss tokens:
 
         loss_t = -A_t log pi_student(a_t | s_t)
     """
 
     output_keys = ("logprobs_T",)
-    required_extra_keys = ("teacher_logprobs_T",)
 
     def __init__(
         self, *, q_source: str = "teacher_logprob", temperature: float = 1.0, logprob_chunk_size: int = 1024
     ) -> None:
         if q_source not in AGGREVATE_Q_SOURCES:
             raise ConfigError(
-                f"aggrevate q_source={q_source!r} is not supported (a teacher Q from a value head or "
-                f"reward-model role is not built); supported: {', '.join(AGGREVATE_Q_SOURCES)}"
+                f"aggrevate q_source={q_source!r} is not supported; supported: {', '.join(AGGREVATE_Q_SOURCES)}"
             )
         self.q_source = q_source
+        self.required_extra_keys = ("teacher_q_T",) if q_source in SCORER_Q_SOURCES else ("teacher_logprobs_T",)
         self.temperature = temperature
         self.logprob_chunk_size = logprob_chunk_size
 
@@ -189,6 +195,8 @@ class AggrevateSpecialization(ModelSpecialization):
             q_T = b.extra["teacher_q_T"]
             if "teacher_q_mask_T" in b.extra:  # Q measured at some tokens only: train on those
                 b = dataclasses.replace(b, loss_mask_T=b.loss_mask_T & b.extra["teacher_q_mask_T"].bool())
+        elif self.q_source in SCORER_Q_SOURCES:
+            q_T = b.extra["teacher_q_T"]
         else:
             q_T = b.extra["teacher_logprobs_T"]
         return dataclasses.replace(b, advantages_T=masked_whiten_T(q_T.float(), b.loss_mask_T))

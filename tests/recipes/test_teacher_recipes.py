@@ -185,10 +185,13 @@ def test_teacher_example_runs_three_passes(name, tmp_path, teacher_dir):
 
 
 def test_aggrevate_q_sources():
-    """A Q from a value head or reward model is refused; q_source=workflow uses the workflow's
-    teacher_q_T (and refuses a batch without it) instead of the log-prob proxy."""
-    with pytest.raises(ConfigError, match="q_source='value_head' is not supported"):
-        get_recipe("aggrevate", teacher_path="/t", policy_kwargs={"q_source": "value_head"})
+    """An unknown Q source is refused; a value-head or reward-model Q needs its checkpoint path;
+    q_source=workflow uses the workflow's teacher_q_T (and refuses a batch without it) instead of
+    the log-prob proxy."""
+    with pytest.raises(ConfigError, match="q_source='critic' is not supported"):
+        get_recipe("aggrevate", teacher_path="/t", policy_kwargs={"q_source": "critic"})
+    with pytest.raises(ConfigError, match="set train.algorithm_kwargs.value_head_path"):
+        get_recipe("aggrevate", policy_kwargs={"q_source": "value_head"})
     spec = get_recipe("aggrevate", teacher_path="/t", policy_kwargs={"q_source": "workflow"}).policy_role.build()
     q = [0.5, -1.0, 2.0]
     batch = TokenBatch.from_trajectories([_traj(2, 3, teacher_q_T=q)])
