@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from omegaconf import MISSING
@@ -30,6 +31,8 @@ from areno.launch.allocation import (
     role_placements,
 )
 from areno.launch.scheduler import scheduler_config
+from areno.models import cpu_gemm
+from areno.models.hf_io import read_config
 from areno.rewards.sandbox import MAX_TIMEOUT_S
 from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
 from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
@@ -59,7 +62,11 @@ class ModelSection(PrecisionConfig):
     path: str = MISSING
     """Local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)."""
     rollout_dtype: str = "auto"
-    """Rollout engine dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16."""
+    """Rollout engine dtype: auto, float32 or bfloat16. auto: bfloat16 on CUDA; on CPU bfloat16 for a
+    model of hidden size 256 or more when the CPU has native bfloat16 (AVX512-BF16, AMX), else float32."""
+    compute_dtype: str = "auto"
+    """Training forward/backward dtype (autocast over ``dtype``'s master weights): auto, float32 or
+    bfloat16; auto as ``rollout_dtype``."""
     init_tiny: dict[str, Any] | None = None
     """Demo/tests only: when set and model.path does not exist, create a random model there from
     these `areno.models.hf_io.tiny_config` arguments with a character tokenizer."""
@@ -68,6 +75,7 @@ class ModelSection(PrecisionConfig):
         super().__post_init__()
         allowed = ("auto", "float32", "bfloat16")
         check_config(self.rollout_dtype in allowed, "model.rollout_dtype", f"must be one of {allowed}")
+        check_config(self.compute_dtype in allowed, "model.compute_dtype", f"must be one of {allowed}")
 
 
 @dataclass(kw_only=True)
@@ -645,12 +653,26 @@ class Dtypes(NamedTuple):
     """The rollout engine's weights and KV cache (``model.rollout_dtype``)."""
 
 
+def auto_dtype(config: ArenoConfig, device_type: str) -> str:
+    """What ``auto`` dtypes are on ``device_type``: bfloat16 on CUDA; on CPU bfloat16 where its GEMMs
+    pay (``cpu_gemm.prefers_bf16``: a wide model, native bfloat16), else float32."""
+    if device_type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if cpu_gemm.prefers_bf16(_hidden_size(config)) else "float32"
+
+
+def _hidden_size(config: ArenoConfig) -> int:
+    """The model's hidden size: its config.json, else ``init_tiny``'s (the model is made at start-up)."""
+    if (Path(config.model.path) / "config.json").is_file():
+        return read_config(config.model.path).hidden_size
+    return int((config.model.init_tiny or {}).get("hidden_size", 0))
+
+
 def resolve_dtypes(config: ArenoConfig, device_type: str) -> Dtypes:
-    """The run's dtypes on ``device_type`` (``cuda`` or ``cpu``): ``model.rollout_dtype=auto`` is
-    bfloat16 on CUDA and float32 elsewhere."""
+    """The run's dtypes on ``device_type`` (``cuda`` or ``cpu``), ``auto`` resolved (``auto_dtype``)."""
     rollout = config.model.rollout_dtype
     if rollout == "auto":
-        rollout = "bfloat16" if device_type == "cuda" else "float32"
+        rollout = auto_dtype(config, device_type)
     return Dtypes(train=config.model.dtype, rollout=rollout)
 
 
@@ -678,6 +700,8 @@ def build_train_backend_config(config: ArenoConfig, *, role_name: str, trainable
         **fields_of(config.optim, OptimConfig),
         **step,
         **fields_of(config.model, PrecisionConfig),
+        param_dtype=None if config.model.compute_dtype == "auto" else config.model.compute_dtype,
+        cpu_auto_dtype=auto_dtype(config, "cpu") if config.model.compute_dtype == "auto" else "float32",
         total_steps=total_optimizer_steps(config),
         role_name=role_name,
         trainable=trainable,

@@ -148,3 +148,28 @@ def linear(
     if packed is not None and packed.applies(x):
         return packed(x, bias)
     return F.linear(x, weight, bias)
+
+
+BF16_MIN_HIDDEN = 256
+"""``auto`` dtypes choose bfloat16 on a CPU with native bfloat16 dot products only for models at least
+this wide: there the GEMMs dominate a step; a narrower model's step is overhead and keeps float32."""
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether the CPU has native bfloat16 dot products (AVX512-BF16 or AMX, from ``/proc/cpuinfo``):
+    oneDNN's bfloat16 GEMMs then run at several times the float32 rate; elsewhere they are emulated."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def prefers_bf16(hidden_size: int) -> bool:
+    """Whether ``auto`` picks bfloat16 for a model of ``hidden_size`` on this CPU."""
+    return hidden_size >= BF16_MIN_HIDDEN and native_bf16()

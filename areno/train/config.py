@@ -214,7 +214,10 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     """Final learning rate of the cosine schedule as a fraction of lr, in [0, 1]."""
     param_dtype: str | None = None
     """Compute dtype of forward/backward: ``float32`` or ``bfloat16``. None: bfloat16 on CUDA,
-    float32 on CPU."""
+    ``cpu_auto_dtype`` on CPU."""
+    cpu_auto_dtype: str = "float32"
+    """What ``param_dtype`` None computes in on CPU (the run config's ``model.compute_dtype=auto``
+    sets it: bfloat16 for a wide model on a CPU with native bfloat16, ``cpu_gemm.prefers_bf16``)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (saves memory, costs ~1/3 compute)."""
     collective_timeout_s: float = 1800.0
@@ -313,7 +316,7 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     def resolved_param_dtype(self, device: str) -> str:
         if self.param_dtype is not None:
             return self.param_dtype
-        return "bfloat16" if device == "cuda" else "float32"
+        return "bfloat16" if device == "cuda" else self.cpu_auto_dtype
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp_replicate, dp_shard, tp) for ``world_size`` ranks; ValueError if it does not divide."""
