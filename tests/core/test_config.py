@@ -11,6 +11,8 @@ from areno.engine.config import (
     resolve_dtypes,
     total_optimizer_steps,
 )
+from areno.models import Decoder, cpu_gemm, tiny_config
+from areno.models.hf_io import save_model
 from areno.rollout.config import STANDALONE_MAX_NUM_SEQS, RolloutEngineConfig, RolloutEngineSettings
 from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
 
@@ -197,6 +199,35 @@ def test_total_optimizer_steps_covers_the_warmup():
 def test_resolve_dtypes(rollout_dtype, device, expected):
     cfg = load_config(None, ["model.path=/m", f"model.rollout_dtype={rollout_dtype}", "model.dtype=bfloat16"])
     assert resolve_dtypes(cfg, device) == Dtypes(train="bfloat16", rollout=expected)
+
+
+@pytest.mark.parametrize(
+    "hidden, native, expected",
+    [(384, True, "bfloat16"), (128, True, "float32"), (384, False, "float32")],
+)
+def test_auto_dtypes_on_cpu_take_bfloat16_where_its_gemms_pay(hidden, native, expected, monkeypatch, tmp_path):
+    """A wide model on a CPU with native bfloat16 rolls out and computes its forward/backward in bfloat16
+    (master weights stay float32); a narrow one, or a CPU that would emulate bfloat16, keeps float32."""
+    monkeypatch.setattr(cpu_gemm, "native_bf16", lambda: native)
+    cfg = load_config(None, [f"model.path={tmp_path / 'm'}", f"model.init_tiny={{hidden_size: {hidden}}}"])
+    assert resolve_dtypes(cfg, "cpu") == Dtypes(train="float32", rollout=expected)
+    backend = build_train_backend_config(cfg, role_name="policy", trainable=True)
+    assert backend.resolved_param_dtype("cpu") == expected and backend.resolved_param_dtype("cuda") == "bfloat16"
+    model_config = tiny_config(50, hidden_size=hidden, layers=1, heads=4, kv_heads=2)
+    save_model(Decoder(model_config), model_config, tmp_path / "m")
+    no_tiny = load_config(None, [f"model.path={tmp_path / 'm'}"])  # read from the directory's config.json
+    assert resolve_dtypes(no_tiny, "cpu").rollout == expected
+
+
+def test_explicit_dtypes_win_over_auto_on_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "native_bf16", lambda: True)
+    wide = ["model.path=/m", "model.init_tiny={hidden_size: 512}"]
+    cfg = load_config(None, [*wide, "model.rollout_dtype=float32", "model.compute_dtype=float32"])
+    assert resolve_dtypes(cfg, "cpu").rollout == "float32"
+    backend = build_train_backend_config(cfg, role_name="policy", trainable=True)
+    assert backend.resolved_param_dtype("cpu") == "float32" and backend.resolved_param_dtype("cuda") == "float32"
+    with pytest.raises(ConfigError, match="model.compute_dtype: must be one of"):
+        load_config(None, [*wide, "model.compute_dtype=fp8"])
 
 
 def test_engine_config_alone_resolves_its_running_batch():

@@ -28,27 +28,7 @@ from areno.launch.watchdog import WorkerTimeoutError
 from areno.rollout.client import NoHealthyServerError, RolloutServersLost
 from areno.sync.base import PolicySyncError
 from areno.train.optim import NonFiniteStepError
-
-TINY = "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}"
-
-
-def _train_args(tmp_path: Path, *extra: str) -> list[str]:
-    """A tiny CPU run whose model (``tmp_path/model``) is created from init_tiny when it starts."""
-    return [
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"model.path={tmp_path / 'model'}",
-        TINY,
-        "data.task=arithmetic",
-        "data.num_eval=4",
-        "rollout.batch_size=2",
-        "rollout.n_samples=2",
-        "rollout.max_new_tokens=4",
-        "cluster.device=cpu",
-        "observe.console=false",
-        "train.steps=1",
-        *extra,
-    ]
+from tests.helpers.configs import TINY, train_args
 
 
 def _areno(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -108,17 +88,17 @@ def test_each_user_error_kind_is_one_line_and_exit_2(tmp_path):
     """One per kind, through `python -m areno train`: data, model directory, reward import."""
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(json.dumps({"prompt": "caf\u00e9", "answer": "1"}, ensure_ascii=False).encode("latin-1") + b"\n")
-    proc = _areno(*_train_args(tmp_path, "data.task=null", f"data.train_path={latin1}"), cwd=tmp_path)
+    proc = _areno(*train_args(tmp_path, "data.task=null", f"data.train_path={latin1}"), cwd=tmp_path)
     _assert_user_error(proc.returncode, proc.stderr, f"{latin1}: not UTF-8 text", "convert the file to UTF-8")
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"], ')
-    proc = _areno(*_train_args(tmp_path), cwd=tmp_path)
+    proc = _areno(*train_args(tmp_path), cwd=tmp_path)
     _assert_user_error(proc.returncode, proc.stderr, f"{model / 'config.json'} is not valid JSON")
     shutil.rmtree(model)
 
-    proc = _areno(*_train_args(tmp_path, "reward.fn=no_such_module:score"), cwd=tmp_path)
+    proc = _areno(*train_args(tmp_path, "reward.fn=no_such_module:score"), cwd=tmp_path)
     _assert_user_error(proc.returncode, proc.stderr, "reward.fn: cannot import module 'no_such_module'")
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
 
@@ -173,7 +153,7 @@ def test_model_directory_errors(tiny_model_dir, tmp_path, capsys, damage, fragme
     model = tmp_path / "model"
     if damage is not None:
         damage(_copy(tiny_model_dir, model))
-    rc = main(_train_args(tmp_path, "model.init_tiny=null"))
+    rc = main(train_args(tmp_path, "model.init_tiny=null"))
     _assert_user_error(rc, capsys.readouterr().err, fragment)
     assert not (tmp_path / "run").exists()  # checked before the run directory is made
 
@@ -204,37 +184,37 @@ def _rows(path: Path, rows: list[dict]) -> Path:
     ],
 )
 def test_config_errors_before_any_model(tmp_path, capsys, extra, fragment):
-    rc = main(_train_args(tmp_path, *extra))
+    rc = main(train_args(tmp_path, *extra))
     _assert_user_error(rc, capsys.readouterr().err, fragment)
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
 
 
 def test_data_errors_before_any_model(tmp_path, capsys):
     no_answer = _rows(tmp_path / "no_answer.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}])
-    rc = main(_train_args(tmp_path, "train.algorithm=sft", "data.task=null", f"data.train_path={no_answer}"))
+    rc = main(train_args(tmp_path, "train.algorithm=sft", "data.task=null", f"data.train_path={no_answer}"))
     _assert_user_error(rc, capsys.readouterr().err, f"{no_answer} line 2: no field 'answer'", "data.answer_key")
 
     empty = _rows(tmp_path / "empty.jsonl", [])
-    rc = main(_train_args(tmp_path / "e", "data.task=null", f"data.train_path={empty}"))
+    rc = main(train_args(tmp_path / "e", "data.task=null", f"data.train_path={empty}"))
     _assert_user_error(rc, capsys.readouterr().err, f"{empty} holds no rows")
 
     parquet = tmp_path / "bad.parquet"
     parquet.write_bytes(b"not parquet at all")
-    rc = main(_train_args(tmp_path / "p", "data.task=null", f"data.train_path={parquet}"))
+    rc = main(train_args(tmp_path / "p", "data.task=null", f"data.train_path={parquet}"))
     _assert_user_error(rc, capsys.readouterr().err, f"{parquet}: not a readable Parquet file")
 
 
 def test_warm_start_data_is_checked_before_it_starts(tmp_path, capsys):
     """The warm start trains on the answers: rows without one fail before the warm start."""
     rows = _rows(tmp_path / "train.jsonl", [{"prompt": "1+1="}])
-    rc = main(_train_args(tmp_path, "warm_start.steps=2", "data.task=null", f"data.train_path={rows}"))
+    rc = main(train_args(tmp_path, "warm_start.steps=2", "data.task=null", f"data.train_path={rows}"))
     _assert_user_error(rc, capsys.readouterr().err, "no field 'answer', which supervised training needs")
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_cuda_without_a_device_is_a_config_error(tmp_path, capsys):
-    rc = main(_train_args(tmp_path, "cluster.device=cuda"))
+    rc = main(train_args(tmp_path, "cluster.device=cuda"))
     _assert_user_error(rc, capsys.readouterr().err, "cluster.device=cuda but no CUDA device is visible")
 
 
@@ -293,7 +273,7 @@ def test_a_plain_value_error_is_a_bug_with_its_traceback(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_a_missing_optional_package_is_a_config_error(tmp_path, capsys):
-    rc = main(_train_args(tmp_path, "observe.wandb_project=demo"))
+    rc = main(train_args(tmp_path, "observe.wandb_project=demo"))
     _assert_user_error(rc, capsys.readouterr().err, "observe: wandb is not installed", "pip install 'areno[wandb]'")
     assert not (tmp_path / "run").exists()
 

@@ -3,6 +3,7 @@ each other in a loop (imports inside functions count), and areno modules are imp
 level only (an import inside a function is for a heavy optional dependency, never to dodge a loop)."""
 
 import ast
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -81,3 +82,16 @@ def test_areno_modules_are_imported_at_module_level():
                 if any(n == "areno" or n.startswith("areno.") for n in names):
                     offenders.append(f"{rel}:{sub.lineno}")
     assert not offenders, offenders
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in ``tests/helpers``: a test importing another test module runs that module's
+    import-time code and couples the two files."""
+    tests = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"^\s*(from|import)\s+tests\.(?!helpers\b)[\w.]*\btest_\w+", re.MULTILINE)
+    offenders = [
+        f"{path.relative_to(tests)}: {m.group(0).strip()}"
+        for path in sorted(tests.rglob("*.py"))
+        for m in pattern.finditer(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "move what they share into tests/helpers:\n" + "\n".join(offenders)

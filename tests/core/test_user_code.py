@@ -14,7 +14,7 @@ from areno.cli import main
 from areno.errors import RewardImportError
 from areno.recipes.registry import TRAINING_CONFIGS
 from areno.rewards.loader import import_object, resolve_path
-from tests.core.test_errors import _train_args
+from tests.helpers.configs import train_args
 
 RECIPES = '''
 from areno.recipes import ModelRole, TrainingConfig, recipe
@@ -69,7 +69,7 @@ def test_user_recipe_module_is_listed(user_dir, capsys):
 def test_user_recipe_trains_through_areno_train(user_dir, form):
     (user_dir / "my_recipes.py").write_text(RECIPES.format(name=f"my_{form}"))
     algorithm = f"my_recipes:my_{form}" if form == "module" else f"./my_recipes.py:my_{form}"
-    rc = main(_train_args(user_dir, "train.steps=2", "reward.sandbox=false", "--algorithm", algorithm))
+    rc = main(train_args(user_dir, "train.steps=2", "reward.sandbox=false", "--algorithm", algorithm))
     assert rc == 0
     assert len(_rewards(user_dir / "run")) == 2
     assert f"my_{form}" in TRAINING_CONFIGS
@@ -77,10 +77,10 @@ def test_user_recipe_trains_through_areno_train(user_dir, form):
 
 def test_user_recipe_errors_are_one_line(user_dir, capsys):
     (user_dir / "my_recipes.py").write_text(RECIPES.format(name="my_other"))
-    assert main(_train_args(user_dir, "train.algorithm=my_recipes:my_typo")) == 2
+    assert main(train_args(user_dir, "train.algorithm=my_recipes:my_typo")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "registers no recipe 'my_typo'" in err[0], err
-    assert main(_train_args(user_dir, "train.algorithm=./missing.py:x")) == 2
+    assert main(train_args(user_dir, "train.algorithm=./missing.py:x")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.py does not exist" in err[0], err
 
@@ -98,9 +98,7 @@ def test_reward_from_the_working_directory_or_a_file(user_dir, form, sandbox):
     else:
         (user_dir / "rewards.py").write_text(REWARD.format(fn="score", value=value))
         fn = "./rewards.py:score"
-    rc = main(
-        _train_args(user_dir, "train.steps=2", f"reward.fn={fn}", f"reward.sandbox={sandbox}", "reward.workers=1")
-    )
+    rc = main(train_args(user_dir, "train.steps=2", f"reward.fn={fn}", f"reward.sandbox={sandbox}", "reward.workers=1"))
     assert rc == 0
     assert _rewards(user_dir / "run") == [value, value]
 

@@ -13,19 +13,19 @@ from areno.engine.partitioned import is_partitioned
 from areno.engine.roles import places_roles, role_allocation
 from areno.errors import ConfigError
 from areno.launch.allocation import parse_allocation_mode, role_placements
-from tests.engine.test_role_devices import _config
+from tests.helpers.configs import role_run_config
 
 STRING = "cluster.allocation_mode='areno:d1|fsdp:d1+fsdp[critic]:d1'"
 KEYS = "cluster.role_devices={critic: [1]}"
 
 
 def test_string_places_roles_as_role_devices(tmp_path):
-    by_string = _config(tmp_path, "s", "train.algorithm=ppo", STRING)
-    by_key = _config(tmp_path, "k", "train.algorithm=ppo", KEYS)
+    by_string = role_run_config(tmp_path, "s", "train.algorithm=ppo", STRING)
+    by_key = role_run_config(tmp_path, "k", "train.algorithm=ppo", KEYS)
     assert not is_partitioned(by_string) and places_roles(by_string) and places_roles(by_key)
     placed = role_allocation(by_string, resolve_recipe(by_string))
     assert placed == role_allocation(by_key, resolve_recipe(by_key)) == {"policy": (0,), "value": (1,)}
-    partitioned = _config(tmp_path, "p", "train.algorithm=ppo", "cluster.allocation_mode='areno:d1+fsdp:d1'")
+    partitioned = role_run_config(tmp_path, "p", "train.algorithm=ppo", "cluster.allocation_mode='areno:d1+fsdp:d1'")
     assert is_partitioned(partitioned) and not places_roles(partitioned)
 
 
@@ -43,8 +43,8 @@ def _metrics(cfg) -> list[dict]:
 
 def test_ppo_critic_placed_by_string_matches_role_devices(tmp_path):
     steps = ["train.algorithm=ppo", "train.steps=2"]
-    by_key = _metrics(_config(tmp_path, "key", *steps, KEYS))
-    by_string = _metrics(_config(tmp_path, "string", *steps, STRING))
+    by_key = _metrics(role_run_config(tmp_path, "key", *steps, KEYS))
+    by_string = _metrics(role_run_config(tmp_path, "string", *steps, STRING))
     assert len(by_key) == len(by_string) == 2
     for a, b in zip(by_key, by_string):
         assert "train/value/loss" in a
@@ -61,12 +61,16 @@ def _one_line(info) -> str:
 
 def test_string_role_placement_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="both place recipe roles: set one") as info:
-        _config(tmp_path, "a", "train.algorithm=ppo", STRING, KEYS)
+        role_run_config(tmp_path, "a", "train.algorithm=ppo", STRING, KEYS)
     assert _one_line(info).startswith("cluster.role_devices")
     with pytest.raises(ConfigError, match="give that group d1") as info:
-        _config(tmp_path, "b", "train.algorithm=ppo", "cluster.allocation_mode='areno:d2|fsdp:d2+fsdp[critic]:d1'")
+        role_run_config(
+            tmp_path, "b", "train.algorithm=ppo", "cluster.allocation_mode='areno:d2|fsdp:d2+fsdp[critic]:d1'"
+        )
     with pytest.raises(ConfigError, match="need areno's engine"):
-        _config(tmp_path, "c", "train.algorithm=ppo", "cluster.allocation_mode='vllm:d1|fsdp:d1+fsdp[critic]:d1'")
+        role_run_config(
+            tmp_path, "c", "train.algorithm=ppo", "cluster.allocation_mode='vllm:d1|fsdp:d1+fsdp[critic]:d1'"
+        )
     monkeypatch.setattr(os, "cpu_count", lambda: 4)  # the devices of a CPU run: one worker per core
     cases = [
         ("grpo", "areno:d1|fsdp:d1+fsdp[critic]:d1", "role 'critic' is not a role of the recipe"),
@@ -77,7 +81,7 @@ def test_string_role_placement_errors(tmp_path, monkeypatch):
     for i, (algorithm, mode, message) in enumerate(cases):
         with pytest.raises(ConfigError, match=message) as info:
             Trainer.init(
-                _config(tmp_path, f"e{i}", f"train.algorithm={algorithm}", f"cluster.allocation_mode='{mode}'")
+                role_run_config(tmp_path, f"e{i}", f"train.algorithm={algorithm}", f"cluster.allocation_mode='{mode}'")
             )
         assert _one_line(info).startswith("cluster.allocation_mode")
         assert not (tmp_path / f"e{i}").exists()

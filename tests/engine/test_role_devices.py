@@ -8,22 +8,14 @@ import signal
 import pytest
 import torch
 
-from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.engine.api import prepare_model_dir
 from areno.engine.placement import build_engine
 from areno.errors import ConfigError, RunFailure
 from areno.launch.allocation import build_gpu_allocations
-from tests.helpers.configs import tiny_run_overrides
+from tests.helpers.configs import role_run_config
 
 STEPS = 3
-
-
-def _config(tmp_path, name, *extra):
-    overrides = tiny_run_overrides(tmp_path, run_name=name)
-    return load_config(
-        None, [*overrides, "reward.sandbox=false", "train.eval_interval=0", f"train.steps={STEPS}", *extra]
-    )
 
 
 def _run(cfg) -> list[dict]:
@@ -64,9 +56,9 @@ def _compare(tmp_path, algorithm, moved, key, *device, rel=1e-4):
     extra = [f"train.algorithm={algorithm}", *device]
     if algorithm == "grpo":
         extra.append("train.algorithm_kwargs={kl_coef: 0.05}")  # grpo with a reference role
-    together, _ = _run(_config(tmp_path, "together", *extra))
+    together, _ = _run(role_run_config(tmp_path, "together", *extra))
     apart, pids = _run(
-        _config(tmp_path, "apart", *extra, f"cluster.role_devices={{{moved}: [1]}}", "train.save_interval=2")
+        role_run_config(tmp_path, "apart", *extra, f"cluster.role_devices={{{moved}: [1]}}", "train.save_interval=2")
     )
     if algorithm == "ppo":  # the worker writes the critic's part of the checkpoint
         assert (max((tmp_path / "apart" / "checkpoints").glob("step_*")) / "value" / ".metadata").is_file()
@@ -82,20 +74,20 @@ def _compare(tmp_path, algorithm, moved, key, *device, rel=1e-4):
 
 def test_role_devices_errors_before_start(tmp_path):
     with pytest.raises(ConfigError, match="role 'value' is not a role of the recipe"):
-        Trainer.init(_config(tmp_path, "a", "cluster.role_devices={value: [1]}"))
+        Trainer.init(role_run_config(tmp_path, "a", "cluster.role_devices={value: [1]}"))
     with pytest.raises(ConfigError, match="does not exist"):
         Trainer.init(
-            _config(tmp_path, "b", "train.algorithm=ppo", f"cluster.role_devices={{value: [{os.cpu_count()}]}}")
+            role_run_config(tmp_path, "b", "train.algorithm=ppo", f"cluster.role_devices={{value: [{os.cpu_count()}]}}")
         )
     with pytest.raises(ConfigError, match="partitioned"):
-        _config(
+        role_run_config(
             tmp_path, "c", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]", "cluster.role_devices={ref: [2]}"
         )
     mode = "cluster.allocation_mode='areno:d1+fsdp:d1+fsdp[critic]:d1'"  # partitioned: roles train together
     with pytest.raises(ConfigError, match="puts recipe roles on different devices"):
-        Trainer.init(_config(tmp_path, "d", "train.algorithm=ppo", mode))
+        Trainer.init(role_run_config(tmp_path, "d", "train.algorithm=ppo", mode))
     with pytest.raises(ConfigError, match="'critic'.* is not a role of the recipe"):
-        Trainer.init(_config(tmp_path, "e", mode))
+        Trainer.init(role_run_config(tmp_path, "e", mode))
     for name in "abde":
         assert not (tmp_path / name).exists()
 
@@ -124,7 +116,7 @@ def test_build_gpu_allocations():
 @pytest.mark.slow
 def test_lost_role_worker_is_a_run_failure_naming_it(tmp_path):
     """A role's worker that dies mid-run fails the next step with one line naming it and its log."""
-    cfg = _config(tmp_path, "lost", "train.algorithm=ppo", "cluster.role_devices={critic: [1]}")
+    cfg = role_run_config(tmp_path, "lost", "train.algorithm=ppo", "cluster.role_devices={critic: [1]}")
     prepare_model_dir(cfg)
     engine = build_engine(cfg, tmp_path / "lost")
     engine.initialize()

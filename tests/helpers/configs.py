@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from areno.api.config import load_config
+
 
 def tiny_run_overrides(
     tmp_path: Path, run_name: str = "run", *, num_eval: int = 4, reward: str = "tests.helpers.rewards:sevens_and_length"
@@ -41,3 +43,35 @@ def tiny_grpo_overrides(tmp_path: Path) -> list[str]:
         "cluster.device=cpu",
         "observe.console=false",
     ]
+
+
+TINY = "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}"
+"""The one-layer model the CLI tests create at start-up."""
+
+
+def train_args(tmp_path: Path, *extra: str) -> list[str]:
+    """``areno train`` arguments of a tiny CPU run whose model (``tmp_path/model``) is created from init_tiny
+    when it starts."""
+    return [
+        "train",
+        f"run_dir={tmp_path / 'run'}",
+        f"model.path={tmp_path / 'model'}",
+        TINY,
+        "data.task=arithmetic",
+        "data.num_eval=4",
+        "rollout.batch_size=2",
+        "rollout.n_samples=2",
+        "rollout.max_new_tokens=4",
+        "cluster.device=cpu",
+        "observe.console=false",
+        "train.steps=1",
+        *extra,
+    ]
+
+
+def role_run_config(tmp_path: Path, name: str, *extra: str, steps: int = 3):
+    """The role-placement tests' run: ``tiny_run_overrides`` without evaluation, ``steps`` steps."""
+    overrides = tiny_run_overrides(tmp_path, run_name=name)
+    return load_config(
+        None, [*overrides, "reward.sandbox=false", "train.eval_interval=0", f"train.steps={steps}", *extra]
+    )

@@ -10,53 +10,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from areno.errors import ModelDirError
 from areno.models import Decoder, ModelConfig, check_tp_size, load_model, moe, save_model, tiny_config
 from areno.models.logprobs import packed_logprobs
-
-VOCAB = 61
-
-
-def _hf_config(layout: str, vocab: int):
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        initializer_range=0.2,  # far from uniform logits, so a mismatch cannot hide
-        router_aux_loss_coef=0.01,
-    )
-    if layout == "qwen3_moe":
-        return Qwen3MoeConfig(
-            intermediate_size=48,
-            moe_intermediate_size=16,
-            num_hidden_layers=3,
-            num_experts=6,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],  # one dense layer between sparse ones
-            **common,
-        )
-    if layout == "qwen3_moe_unnormed":
-        return Qwen3MoeConfig(
-            intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_experts=4,
-            num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2, **common,
-        )  # fmt: skip
-    return MixtralConfig(
-        intermediate_size=16, num_hidden_layers=2, num_local_experts=5, num_experts_per_tok=2, **common
-    )
-
-
-def _saved_by_transformers(layout: str, tmp_path, vocab: int = VOCAB):
-    torch.manual_seed(0)
-    cls = AutoModelForCausalLM.from_config(_hf_config(layout, vocab), attn_implementation="eager")
-    cls.save_pretrained(tmp_path)
-    return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+from tests.helpers.moe import VOCAB, saved_by_transformers
 
 
 def _ref_logprobs(ref, ids_T):
@@ -71,7 +31,7 @@ LAYOUTS = ["qwen3_moe", "qwen3_moe_unnormed", "mixtral"]
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logits_equal_transformers_on_its_checkpoint(layout, tmp_path):
-    ref = _saved_by_transformers(layout, tmp_path)
+    ref = saved_by_transformers(layout, tmp_path)
     model, config = load_model(tmp_path)
     assert config.num_experts == ref.config.num_local_experts
     g = torch.Generator().manual_seed(1)
@@ -91,7 +51,7 @@ def test_logits_equal_transformers_on_its_checkpoint(layout, tmp_path):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_export_has_transformers_disk_names_and_reloads(layout, tmp_path):
-    ref = _saved_by_transformers(layout, tmp_path / "hf")
+    ref = saved_by_transformers(layout, tmp_path / "hf")
     model, config = load_model(tmp_path / "hf")
     save_model(model, config, tmp_path / "ours")
     names = {}
@@ -225,7 +185,7 @@ def test_load_balancing_loss_equals_transformers(tmp_path):
 
 @pytest.mark.parametrize("layout", ["qwen3_moe", "mixtral"])
 def test_decoder_aux_loss_equals_transformers(layout, tmp_path):
-    ref = _saved_by_transformers(layout, tmp_path)
+    ref = saved_by_transformers(layout, tmp_path)
     loaded, config = load_model(tmp_path)
     model = Decoder(config.replace(output_router_logits=True))
     model.load_state_dict(loaded.state_dict())

@@ -15,7 +15,7 @@ from areno.engine.cluster import ClusterLayout, LayoutError, layout_from_config
 from areno.engine.placement import build_engine
 from areno.launch.allocation import AllocationModeError, parse_allocation_mode
 from tests.helpers.configs import tiny_run_overrides
-from tests.models.test_moe_train import MOE_TINY
+from tests.helpers.moe import MOE_TINY
 
 
 def test_e_dimension_parses_and_round_trips():

@@ -9,12 +9,12 @@ from transformers import AutoModelForCausalLM
 
 from areno.rollout.server import build_engine
 from areno.types import SamplingParams
-from tests.models.test_moe import _saved_by_transformers
+from tests.helpers.moe import saved_by_transformers
 
 
 @pytest.mark.parametrize("layout", ["qwen3_moe", "mixtral"])
 def test_engine_greedy_equals_transformers_generate(layout, tmp_path, char_tokenizer):
-    _saved_by_transformers(layout, tmp_path, vocab=len(char_tokenizer))
+    saved_by_transformers(layout, tmp_path, vocab=len(char_tokenizer))
     char_tokenizer.save_pretrained(str(tmp_path))  # the engine reads the directory's tokenizer
     engine, _ = build_engine(str(tmp_path), device="cpu", num_blocks=64, block_size=4)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()

@@ -20,8 +20,8 @@ from areno.rollout.requests import routes_from_json, routes_to_json
 from areno.rollout.server import build_engine, create_app
 from areno.types import ROUTES_KEY, SamplingParams, TokenBatch, Trajectory
 from areno.workflows.multi_turn import MultiTurnWorkflow
+from tests.helpers.moe import saved_by_transformers
 from tests.helpers.serving import serving
-from tests.models.test_moe import _saved_by_transformers
 
 VOCAB = 61
 
@@ -122,7 +122,7 @@ def test_route_mismatch_pairs_counts_sets_where_routed():
 
 def test_routes_cross_the_server(tmp_path, char_tokenizer):
     """``areno serve`` returns the routes (base64 int16) and ``HTTPRolloutClient`` rebuilds them."""
-    _saved_by_transformers("qwen3_moe", tmp_path, vocab=len(char_tokenizer))
+    saved_by_transformers("qwen3_moe", tmp_path, vocab=len(char_tokenizer))
     char_tokenizer.save_pretrained(str(tmp_path))
     engine, tokenizer = build_engine(str(tmp_path), device="cpu", num_blocks=64, block_size=4, record_routes=True)
     params = [SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)] * 2

@@ -11,7 +11,7 @@ from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.errors import ConfigError
 from tests.helpers.configs import tiny_grpo_overrides
-from tests.models.test_moe_train import MOE_TINY, _run
+from tests.helpers.moe import MOE_TINY, run_moe
 
 MISMATCH = "train/policy/moe_rollout_routing_mismatch"
 REPLAYED = "train/policy/moe_routing_replayed_fraction"
@@ -23,16 +23,16 @@ def _steps(rows):
 
 
 def test_synchronous_run_routes_as_its_rollout(tmp_path):
-    steps = _steps(_run(tmp_path, *COMMON, "train.steps=2", "train.moe_rollout_routes=true"))
+    steps = _steps(run_moe(tmp_path, *COMMON, "train.steps=2", "train.moe_rollout_routes=true"))
     assert [r[MISMATCH] for r in steps] == [0.0, 0.0]  # same weights, same tokens, fp32
     assert all(REPLAYED not in r for r in steps)
 
 
 def test_asynchronous_run_drifts_and_replay_follows_the_rollout(tmp_path):
     asynchronous = ("train.steps=4", "rollout.max_head_offpolicyness=1")
-    steps = _steps(_run(tmp_path / "a", *COMMON, *asynchronous, "train.moe_rollout_routes=true"))
+    steps = _steps(run_moe(tmp_path / "a", *COMMON, *asynchronous, "train.moe_rollout_routes=true"))
     assert max(r[MISMATCH] for r in steps) > 0, [r[MISMATCH] for r in steps]
-    steps = _steps(_run(tmp_path / "b", *COMMON, *asynchronous, "train.moe_routing_replay=true"))
+    steps = _steps(run_moe(tmp_path / "b", *COMMON, *asynchronous, "train.moe_routing_replay=true"))
     assert all(r[REPLAYED] == 1.0 for r in steps)  # the experts used are the rollout's
     assert max(r[MISMATCH] for r in steps) > 0  # while the router's own choice drifted
 
@@ -56,4 +56,4 @@ def test_a_workflow_that_drops_the_routes_is_refused_at_the_first_step(tmp_path)
     with pytest.raises(
         ConfigError, match=r"train.moe_routing_replay: rollout.workflow=.*RouteDroppingWorkflow returned"
     ):
-        _run(tmp_path, *COMMON, "train.steps=1", "train.moe_routing_replay=true", workflow)
+        run_moe(tmp_path, *COMMON, "train.steps=1", "train.moe_routing_replay=true", workflow)

@@ -4,34 +4,14 @@ are reported), and a longer seeded run learns the demo task."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 from safetensors.torch import load_file
 
-from areno.api.config import load_config
-from areno.api.trainer import Trainer
-from tests.helpers.configs import tiny_grpo_overrides
-
-MOE_TINY = (
-    "model.init_tiny={arch: qwen3_moe, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64,"
-    " moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2, output_router_logits: true,"
-    " router_aux_loss_coef: 0.01}"
-)
-
-
-def _run(tmp_path, *extra):
-    cfg = load_config(None, [*tiny_grpo_overrides(tmp_path), MOE_TINY, "reward.sandbox=false", *extra])
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+from tests.helpers.moe import run_moe
 
 
 def test_moe_grpo_steps_train(tmp_path):
-    rows = _run(
+    rows = run_moe(
         tmp_path,
         "reward.fn=tests.helpers.rewards:sevens",
         "train.steps=2",
@@ -54,7 +34,7 @@ def test_moe_grpo_steps_train(tmp_path):
 
 
 def test_moe_grpo_reward_goes_up(tmp_path):
-    rows = _run(
+    rows = run_moe(
         tmp_path,
         "reward.fn=tests.helpers.rewards:sevens",
         "optim.lr=0.02",

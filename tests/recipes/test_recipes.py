@@ -18,7 +18,7 @@ from areno.specializations import (
     DPOSpecialization,
     LogProbSpecialization,
 )
-from tests.core.test_errors import _train_args
+from tests.helpers.configs import train_args
 
 REQUIRED = [
     "grpo",
@@ -210,6 +210,6 @@ def test_cli_main(capsys):
 @pytest.mark.parametrize("name", ["ppo_kl", "ppo_async", "grpo_recompute"])
 def test_added_recipes_train_through_areno_train(tmp_path, name):
     """The three recipes that complete the seed's catalogue of 22 run from ``train.algorithm``."""
-    assert areno_main(_train_args(tmp_path, "train.steps=2", f"train.algorithm={name}")) == 0
+    assert areno_main(train_args(tmp_path, "train.steps=2", f"train.algorithm={name}")) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "train/policy/loss" in r]) == 2

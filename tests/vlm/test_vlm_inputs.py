@@ -24,7 +24,7 @@ from areno.workflows.images import image_prompt, row_images
 from areno.workflows.openai_client import ArenoAsyncOpenAI
 from areno.workflows.rlvr import RLVRWorkflow
 from tests.helpers.serving import serving
-from tests.vlm.test_vlm_grpo import make_vl_dir
+from tests.helpers.vlm import make_vl_dir
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from areno.engine.cluster import LayoutError
 from areno.engine.partitioned import is_partitioned
 from areno.engine.placement import build_engine, partitioned_engine
 from areno.models.hf_io import load_model
-from tests.vlm.test_vlm_grpo import vl_overrides
+from tests.helpers.vlm import vl_overrides
 
 PARTITIONED = ("cluster.train_devices=[0]", "cluster.rollout_devices=[1]")
 

@@ -1,0 +1,71 @@
+"""Tiny mixture-of-experts models the MoE tests share: checkpoints saved by transformers itself, and
+GRPO runs through ``Trainer`` on an expert ``model.init_tiny``."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from tests.helpers.configs import tiny_grpo_overrides
+
+VOCAB = 61
+
+
+def hf_config(layout: str, vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        initializer_range=0.2,  # far from uniform logits, so a mismatch cannot hide
+        router_aux_loss_coef=0.01,
+    )
+    if layout == "qwen3_moe":
+        return Qwen3MoeConfig(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],  # one dense layer between sparse ones
+            **common,
+        )
+    if layout == "qwen3_moe_unnormed":
+        return Qwen3MoeConfig(
+            intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_experts=4,
+            num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2, **common,
+        )  # fmt: skip
+    return MixtralConfig(
+        intermediate_size=16, num_hidden_layers=2, num_local_experts=5, num_experts_per_tok=2, **common
+    )
+
+
+def saved_by_transformers(layout: str, tmp_path, vocab: int = VOCAB):
+    torch.manual_seed(0)
+    cls = AutoModelForCausalLM.from_config(hf_config(layout, vocab), attn_implementation="eager")
+    cls.save_pretrained(tmp_path)
+    return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+MOE_TINY = (
+    "model.init_tiny={arch: qwen3_moe, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64,"
+    " moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2, output_router_logits: true,"
+    " router_aux_loss_coef: 0.01}"
+)
+
+
+def run_moe(tmp_path, *extra):
+    cfg = load_config(None, [*tiny_grpo_overrides(tmp_path), MOE_TINY, "reward.sandbox=false", *extra])
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
