@@ -159,8 +159,9 @@ def test_sleep_wake_round_trip(model_dir):
     moments = [s["exp_avg"].clone() for s in b.optimizer.state.values()]
     n_params = sum(p.numel() * 4 for p in b.model.parameters())
     freed = b.sleep()
-    assert freed >= 3 * n_params  # weights + two Adam moments
-    assert all(p.untyped_storage().nbytes() == 0 for p in b.model.parameters())
+    assert freed >= 2 * n_params  # the two Adam moments (the weights stay: the sync after a rollout reads them)
+    assert all(v.untyped_storage().nbytes() == 0 for s in b.optimizer.state.values() for v in s.values() if v.dim())
+    assert all(p.untyped_storage().nbytes() > 0 for p in b.model.parameters())
     with pytest.raises(RuntimeError, match="asleep"):
         step(b, random_batch(LENGTHS, VOCAB, 7))
     assert b.wake() == freed
