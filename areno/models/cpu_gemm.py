@@ -6,14 +6,13 @@ every call: measured on a 2-core AVX2 VM, the 32k x 256 output projection ran at
 cores' ~90. oneDNN's linear over a weight reordered once into its blocked layout runs the same fp32
 product at 72 GFLOP/s there (bench/LOG.md); the engine keeps such a packed copy beside each large
 weight and re-packs it when the weight changes. The same dot products are summed in another order,
-so values differ from ``F.linear`` in the last bits (tests: ``allclose`` at fp32 tolerances). A bfloat16
-engine's weights are packed the same way (``PACKED_DTYPES``).
+so values differ from ``F.linear`` in the last bits (tests: ``allclose`` at fp32 tolerances).
 
 A ``PackedWeight`` watches the tensors its copy was made from (their storage pointer and in-place
 version counter): an in-place write through a parameter (``param.copy_``, ``load_state_dict``) or a
 replaced storage makes it re-pack at its next use, and ``invalidate()`` (which the engine calls
 whenever it commits new weights) covers writes that bypass the version counter (``param.data``). A
-copy is only read for no-grad, non-compiled CPU products in its own dtype (``applies``) with at least
+copy is only read for no-grad, non-compiled fp32 CPU products (``applies``) with at least
 ``MIN_ROWS`` rows, or any rows for weights of ``LARGE_ELEMENTS`` elements or more (measured: at one or
 a few rows oneDNN's per-call cost makes small products slower; the output projection is faster at
 every row count). ``Decoder.pack_cpu_gemms`` attaches copies to every weight of ``MIN_ELEMENTS``
@@ -41,15 +40,9 @@ LARGE_ELEMENTS = 1 << 22
 """Weights this large (an output projection over a vocabulary) take the packed copy at any row count (1.3x at one row)."""
 
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-"""Weight dtypes packed: float32, and bfloat16 where the engine runs in it (same values as ``F.linear``'s
-oneDNN bfloat16 product; the output projection 1.4x, the layers' 1.05-1.1x at 64 rows)."""
-
-
 @functools.cache
-def supported(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this PyTorch has oneDNN's packed linear on CPU for ``dtype`` and it computes ``F.linear``
-    (checked once per dtype)."""
+def supported() -> bool:
+    """Whether this PyTorch has oneDNN's packed linear on CPU and it computes ``F.linear`` (checked once)."""
     ops = torch.ops.mkldnn
     if not (
         torch.backends.mkldnn.is_available()
@@ -57,22 +50,21 @@ def supported(dtype: torch.dtype = torch.float32) -> bool:
         and hasattr(ops, "_linear_pointwise")
     ):
         return False
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
     try:
         g = torch.Generator().manual_seed(0)
-        x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((16, 64), (48, 64), (48,)))
+        x, w, b = torch.randn(16, 64, generator=g), torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
         y = ops._linear_pointwise(x, ops._reorder_linear_weight(w, 16), b, "none", [], "")
-        ok = torch.allclose(y.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
+        ok = torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     except RuntimeError as exc:  # an op present but not built for this CPU
-        log.info("oneDNN packed linear unavailable for %s (%s): CPU inference GEMMs use F.linear", dtype, exc)
+        log.info("oneDNN packed linear unavailable (%s): CPU inference GEMMs use F.linear", exc)
         return False
     if not ok:
-        log.warning("oneDNN packed linear disagrees with F.linear for %s here: CPU inference GEMMs use F.linear", dtype)
+        log.warning("oneDNN packed linear disagrees with F.linear on this machine: CPU inference GEMMs use F.linear")
     return ok
 
 
 class PackedWeight:
-    """A oneDNN-packed copy of a weight [N, K] (``PACKED_DTYPES``, CPU), re-packed when a watched tensor changes.
+    """A oneDNN-packed copy of a weight [N, K] (fp32, CPU), re-packed when a watched tensor changes.
 
     ``weight``: ``(owner, attribute)`` of the weight the product reads (a fused group's storage, a
     parameter); ``watch``: ``(owner, attribute)`` of every tensor whose in-place writes change it (the
@@ -88,7 +80,6 @@ class PackedWeight:
         self._packed: torch.Tensor | None = None
         self._stamp: tuple[int, ...] | None = None
         self.large = self.weight().numel() >= LARGE_ELEMENTS
-        self.dtype = self.weight().dtype
         self.repacks = 0
 
     def weight(self) -> torch.Tensor:
@@ -110,7 +101,7 @@ class PackedWeight:
         """Whether the product with ``x`` [..., K] reads the packed copy."""
         return (
             x.device.type == "cpu"
-            and x.dtype == self.dtype
+            and x.dtype == torch.float32
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and (self.large or x.numel() >= MIN_ROWS * x.shape[-1])
@@ -140,12 +131,12 @@ class PackedWeight:
 def pack(
     weight: tuple[object, str], watch: Sequence[tuple[object, str]] = (), batch_hint: int = 32
 ) -> PackedWeight | None:
-    """A ``PackedWeight`` for a CPU weight (``PACKED_DTYPES``) of at least ``MIN_ELEMENTS`` elements where
-    oneDNN's packed linear is ``supported`` for its dtype; else None (the product keeps ``F.linear``)."""
+    """A ``PackedWeight`` for a CPU fp32 weight of at least ``MIN_ELEMENTS`` elements where oneDNN's
+    packed linear is ``supported()``; else None (the product keeps ``F.linear``)."""
     w = getattr(*weight)
-    if w.device.type != "cpu" or w.dtype not in PACKED_DTYPES or w.dim() != 2 or w.numel() < MIN_ELEMENTS:
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or w.numel() < MIN_ELEMENTS:
         return None
-    if not supported(w.dtype):
+    if not supported():
         return None
     return PackedWeight(weight, watch, batch_hint)
 

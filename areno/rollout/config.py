@@ -106,7 +106,7 @@ class RolloutEngineSettings:
     device (TP engines fuse their local shards); false unfuses a model fused before (the model
     belongs to the engine either way). A model without ``fuse_projections`` is run as given."""
     cpu_packed_gemm: bool = True
-    """CPU, fp32 or bf16: the large inference GEMMs (the fused q/k/v and gate/up groups, o_proj, down_proj and
+    """CPU, fp32: the large inference GEMMs (the fused q/k/v and gate/up groups, o_proj, down_proj and
     the output projection, every weight of ``cpu_gemm.MIN_ELEMENTS`` elements or more) multiply with
     a oneDNN-packed copy of their weight (``Decoder.pack_cpu_gemms``) instead of ``F.linear``: faster
     per decode step, values equal up to fp32 summation order. The copies are re-packed after every
