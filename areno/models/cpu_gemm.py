@@ -165,8 +165,8 @@ def native_bf16() -> bool:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
+    except OSError:  # no /proc (not Linux): treat bfloat16 as emulated
+        return False
     return False
 
 
