@@ -192,7 +192,16 @@ class PackedCausalAttention:
             out = out.index_copy(0, flat_T, x_THD)
             return out.view(num_seqs, max_len, *x_THD.shape[1:]).transpose(1, 2)
 
-        out_BHSD = F.scaled_dot_product_attention(pad(q_THD), pad(k_THD), pad(v_THD), is_causal=True, enable_gqa=True)
+        q, k, v = pad(q_THD), pad(k_THD), pad(v_THD)
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward);
+            # autocast would cast the inputs back
+            with torch.autocast("cpu", enabled=False):
+                out_BHSD = F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True
+                ).to(q.dtype)
+        else:
+            out_BHSD = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         out_flat = out_BHSD.transpose(1, 2).reshape(num_seqs * max_len, *q_THD.shape[1:])
         return out_flat.index_select(0, flat_T)
 

@@ -100,6 +100,21 @@ def test_packed_forward_equals_per_sequence(impl):
         model(torch.cat(seqs)[:-1], pos_T[:-1], PackedCausalAttention(cu_B1, impl=impl))
 
 
+def test_cpu_bfloat16_padded_attention_computes_in_float32_under_autocast():
+    """bfloat16 q/k/v on the CPU attend in float32 (the CPU flash kernel is faster there), also inside
+    bfloat16 autocast, and gradients reach the bfloat16 inputs."""
+    g = torch.Generator().manual_seed(0)
+    cu_B1 = torch.tensor([0, 6, 12, 17])
+    q, k, v = (torch.randn(17, h, 8, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2))
+    attn = PackedCausalAttention(cu_B1, impl="sdpa_padded")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(0, q, k, v)
+    ref = PackedCausalAttention(cu_B1, impl="sdpa_padded")(0, q.float(), k.float(), v.float())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_attention_impls_agree_on_cpu():
     """Per-sequence SDPA, the block-diagonal SDPA mask and the FlexAttention document mask (the
