@@ -102,6 +102,8 @@ class TestRolloutManager:
         self.poll_interval_s = poll_interval_s
         self.on_metrics = on_metrics
         self.last_step: int | None = None
+        self.evaluated_step: int | None = None
+        """The newest checkpoint step whose evaluation finished (``last_step`` is set when it loads)."""
         self._executor = WorkflowExecutor(client, workflow)
         self._results: list[tuple[int, dict[str, float]]] = []
         self._results_lock = threading.Lock()
@@ -134,7 +136,8 @@ class TestRolloutManager:
         False when ``timeout_s`` passes first."""
 
         def done() -> bool:
-            return (self.last_step is not None and self.last_step >= step) or any(s >= step for s in self._failed_steps)
+            evaluated = self.evaluated_step is not None and self.evaluated_step >= step
+            return evaluated or any(s >= step for s in self._failed_steps)
 
         with self._done:
             return self._done.wait_for(done, timeout=timeout_s)
@@ -186,6 +189,7 @@ class TestRolloutManager:
         metrics.update({"eval/checkpoint_step": float(step), "eval/load_s": load_s})
         with self._results_lock:
             self._results.append((step, metrics))
+        self.evaluated_step = step
         if self.on_metrics is not None:
             self.on_metrics(step, metrics)
         return metrics
@@ -268,7 +272,7 @@ def start_test_rollout(
             release_shared(reward_fn)
 
     manager.on_stop = close
-    manager.last_step = after_step
+    manager.last_step = manager.evaluated_step = after_step
     manager.start()
     return manager
 

@@ -180,3 +180,23 @@ def test_hot_loads_real_engine_from_disk(tmp_path, tiny_model_dir, char_tokenize
         client.close()
     assert engine.version == 7 and metrics["eval/checkpoint_step"] == 7
     assert sorted(completions) == sorted(zip(prompts, expected))  # evaluated with the loaded weights
+
+
+def test_a_loaded_but_unfinished_evaluation_is_not_waited_for_as_done(tmp_path):
+    """``wait_for`` counts a checkpoint only once its evaluation finished, not when it was loaded (the
+    trainer's end-of-run wait would otherwise log nothing for an evaluation still running)."""
+    engine, gate = FakeEvalEngine(), threading.Event()
+    tr = manager(tmp_path, engine, gate, poll_interval_s=0.01)
+    write_checkpoint(tmp_path, 3, complete=True)
+    tr.start()
+    try:
+        deadline = time.monotonic() + 10
+        while engine.loaded != [3] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.loaded == [3]  # loaded, its evaluation held at the gate
+        assert not tr.wait_for(3, 0.1)
+        gate.set()
+        assert tr.wait_for(3, 10) and tr.evaluated_step == 3
+    finally:
+        gate.set()
+        tr.stop()
