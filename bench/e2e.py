@@ -62,6 +62,7 @@ import areno.engine.api as engine_api
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.data.tokenizer import build_char_tokenizer
+from areno.models import cpu_gemm
 from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir
 from areno.workflows.rlvr import RLVRWorkflow
@@ -201,9 +202,9 @@ def measure_copy_bandwidth(device: str) -> float:
     return 2 * n * reps / seconds
 
 
-def measure_matmul_rate(device: str) -> float:
-    """FLOP/s of square GEMMs: bf16 8192^3 on CUDA, fp32 512^3 on CPU."""
-    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (512, torch.float32)
+def measure_matmul_rate(device: str, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of square GEMMs in ``dtype``: 8192^3 on CUDA, 512^3 on CPU."""
+    n = 8192 if device == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
@@ -586,17 +587,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.async_eta < 1:
         raise ValueError(f"--async-eta must be >= 1 (got {args.async_eta}); eta 0 is the colocated system 'areno'")
     param_dtype = args.param_dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    rollout_elt = 2 if args.device == "cuda" else 4
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)
     num_seqs = args.prompts * args.samples
 
     copy_bw = measure_copy_bandwidth(args.device)
-    matmul_rate = measure_matmul_rate(args.device)
+    # the floor counts areno's default compute dtype (``model.compute_dtype=auto``): bf16 on CUDA, and on a
+    # CPU where ``cpu_gemm.prefers_bf16`` the shape's width decides
+    dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"] + (["bfloat16"] * cpu_gemm.native_bf16())
+    rates = {d: measure_matmul_rate(args.device, getattr(torch, d)) for d in dtypes}
     hw = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "copy_bw_GBps": copy_bw / 1e9,
-        "matmul_TFLOPs": matmul_rate / 1e12,
+        "matmul_TFLOPs": {d: r / 1e12 for d, r in rates.items()},
         "torch": torch.__version__,
         "param_dtype": param_dtype,
     }
@@ -613,7 +616,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + args.async_eta + 5), prompt_len)
         data_path = workdir / f"prompts-{shape}.jsonl"
         data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
-        floor = physical_floor(config, num_seqs, prompt_len, completion_len, rollout_elt, copy_bw, matmul_rate)
+        floor_dtype = "bfloat16" if args.device == "cuda" or cpu_gemm.prefers_bf16(config.hidden_size) else "float32"
+        elt = 2 if floor_dtype == "bfloat16" else 4
+        floor = physical_floor(config, num_seqs, prompt_len, completion_len, elt, copy_bw, rates[floor_dtype])
+        floor["floor_dtype"] = floor_dtype
         for system in systems:
             if system == "trl":
                 res = run_trl(
@@ -643,7 +649,13 @@ def main(argv: list[str] | None = None) -> int:
             row = report(system, shape, res, floor, num_seqs, completion_len)
             if system.startswith("areno_async"):
                 row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
-            row.update(prompt_len=prompt_len, completion_len=completion_len, num_seqs=num_seqs, params=floor["params"])
+            row.update(
+                prompt_len=prompt_len,
+                completion_len=completion_len,
+                num_seqs=num_seqs,
+                params=floor["params"],
+                floor_dtype=floor["floor_dtype"],
+            )
             results.append(row)
             progress(row=row)
 
