@@ -11,6 +11,7 @@ import torch
 from areno.api.config import ConfigError, load_config
 from areno.train import LocalTrainBackend, TrainBackendConfig
 from areno.train.optim import NonFiniteParametersError, NonFiniteStepError
+from tests.helpers.configs import train_args
 from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
 VOCAB = 40
@@ -186,25 +187,15 @@ def _broken_run(tmp_path, capsys, *extra: str) -> tuple[int, list[str]]:
     from areno.cli import main
 
     rc = main(
-        [
-            "train",
-            f"run_dir={tmp_path / 'run'}",
-            f"model.path={tmp_path / 'model'}",
-            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-            "data.task=arithmetic",
-            "data.num_eval=4",
-            "rollout.batch_size=2",
-            "rollout.n_samples=2",
-            "rollout.max_new_tokens=4",
-            "cluster.device=cpu",
-            "observe.console=false",
+        train_args(
+            tmp_path,
             "rollout.workflow=tests.helpers.workflows:AlwaysFailingWorkflow",
             "rollout.max_retries=0",
             "rollout.max_consecutive_dropped=3",
-            "train.steps=5",
+            "train.steps=5",  # after train_args' train.steps=1: the later value wins
             "train.eval_interval=0",
             *extra,
-        ]
+        )
     )
     return rc, capsys.readouterr().err.strip().splitlines()
 
