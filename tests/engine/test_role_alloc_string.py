@@ -41,6 +41,7 @@ def _metrics(cfg) -> list[dict]:
     return [m for m in map(json.loads, lines) if "train/policy/loss" in m]
 
 
+@pytest.mark.slow
 def test_ppo_critic_placed_by_string_matches_role_devices(tmp_path):
     steps = ["train.algorithm=ppo", "train.steps=2"]
     by_key = _metrics(role_run_config(tmp_path, "key", *steps, KEYS))

@@ -50,6 +50,7 @@ def test_layout_takes_c_and_refuses_what_context_parallelism_does_not_cover():
         ClusterLayout(train_devices=(0, 1, 2, 3), rollout_devices=(4,), train_tp=2, train_cp=2)
 
 
+@pytest.mark.slow
 def test_partitioned_run_with_c2(tmp_path):
     cfg = load_config(
         None, [*tiny_run_overrides(tmp_path), "cluster.allocation_mode='areno[rollout]:d1+fsdp[actor]:d2c2'"]

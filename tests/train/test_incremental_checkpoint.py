@@ -121,6 +121,7 @@ def test_negative_full_every_is_a_config_error():
 
 
 # ------------------------------------------------------------------------------ through `areno train`
+@pytest.mark.slow
 def test_run_resumes_from_an_incremental_checkpoint_bit_for_bit(tmp_path):
     run_dir = tmp_path / "run"
     args = overrides(tmp_path, run_dir, "train.checkpoint_full_every=2", steps=4, save_interval=1)

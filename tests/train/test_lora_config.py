@@ -118,6 +118,7 @@ def test_lora_run_trains_adapters_syncs_merged_and_checkpoints_peft(tmp_path):
         torch.testing.assert_close(merged_back[name], tensor, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_demo_task_learns_with_lora(tmp_path):
     """areno/configs/demo.yaml, shortened (its 40-step warm start trains all weights), then 20 GRPO
     steps training only rank-8 adapters: held-out accuracy rises by a real margin at a fixed seed."""

@@ -4,6 +4,8 @@ prefill and the trainer's forward."""
 
 from __future__ import annotations
 
+import pytest
+
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.models.hf_io import load_model
@@ -65,6 +67,7 @@ def test_freeze_vision_keeps_the_tower_and_trains_the_decoder(tmp_path):
     assert not torch.equal(before["model.layers.0.mlp.up_proj.weight"], after["model.layers.0.mlp.up_proj.weight"])
 
 
+@pytest.mark.slow
 def test_vlm_grpo_learns_to_count_squares(tmp_path):
     """150 GRPO steps of a random tiny VLM on count_squares (1-3 squares, answer one digit): greedy
     held-out accuracy goes from 0 to far above the majority answer's share (about 1/3), so the
