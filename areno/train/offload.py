@@ -20,17 +20,10 @@ from areno.train.dtensor import local_tensor
 
 
 def collect_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Parameters, their gradients, buffers and optimizer state tensors (local shards)."""
-    tensors: list[torch.Tensor] = []
-    for p in model.parameters():
-        tensors.append(local_tensor(p))
-        if p.grad is not None:
-            tensors.append(local_tensor(p.grad))
+    """Parameters, buffers, gradients and optimizer state tensors (local shards)."""
+    tensors = [local_tensor(p) for p in model.parameters()]
     tensors.extend(local_tensor(b) for b in model.buffers())
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return tensors
+    return tensors + training_state_tensors(model, optimizer)
 
 
 def training_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
