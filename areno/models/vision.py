@@ -595,6 +595,11 @@ def mrope_cos_sin(
     return cos, sin
 
 
+def vision_towers(model: nn.Module) -> list[VisionTower]:
+    """The vision towers inside ``model`` (wrappers included; empty for a text model)."""
+    return [m for m in model.modules() if isinstance(m, VisionTower)]
+
+
 class VisionLanguageModel(Decoder):
     """Qwen2.5-VL: the ``Decoder`` (``model.*``, ``lm_head``) plus ``visual``, the vision tower.
 

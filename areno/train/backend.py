@@ -28,7 +28,7 @@ from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import build_model, load_model, save_model
 from areno.models.logprobs import compiled_logprob_kernels
-from areno.models.vision import VisionTower
+from areno.models.vision import vision_towers
 from areno.observe.trace import span
 from areno.train import checkpoint
 from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
@@ -209,9 +209,8 @@ class PackedTrainBackend(TrainBackend):
         if not cfg.trainable:
             model.requires_grad_(False)
         if cfg.freeze_vision:  # model.freeze_vision: the tower's features stay those of the checkpoint
-            for module in model.modules():
-                if isinstance(module, VisionTower):
-                    module.requires_grad_(False)
+            for tower in vision_towers(model):
+                tower.requires_grad_(False)
         model.train()
         self.model = self._parallelize(model)
         if cfg.trainable:

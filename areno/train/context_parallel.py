@@ -35,7 +35,7 @@ from areno.errors import ConfigError
 from areno.models.attention import PackedCausalAttention
 from areno.models.decoder import Decoder
 from areno.models.moe import sparse_blocks
-from areno.models.vision import VisionTower
+from areno.models.vision import vision_towers
 
 
 def padded_tokens(num_tokens: int, cp_size: int) -> int:
@@ -161,7 +161,7 @@ def apply_context_parallel(
     decoder = decoders[0]
     if sparse_blocks(model):
         raise ConfigError(f"cp_size={cp_size}: mixture-of-experts models are not supported yet; set train.cp_size=1")
-    if any(isinstance(m, VisionTower) for m in model.modules()):
+    if vision_towers(model):
         raise ConfigError(f"cp_size={cp_size}: vision-language models are not supported yet; set train.cp_size=1")
     check_context_parallel(decoder.config, cp_size, tp_size=tp_size, ep_size=ep_size)
     decoder.forward = _cp_forward(decoder.forward, decoder, group, cp_size, dist.get_rank(group))

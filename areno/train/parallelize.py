@@ -48,7 +48,7 @@ import areno.train.vocab_parallel  # noqa: F401  (routes DTensor LM heads to the
 from areno.errors import ConfigError
 from areno.models.moe import sparse_blocks
 from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
-from areno.models.vision import VisionTower
+from areno.models.vision import vision_towers
 from areno.train.config import COMPILE_SCOPES, TrainBackendConfig
 from areno.train.context_parallel import apply_context_parallel
 from areno.train.expert_parallel import expert_mesh, shard_experts
@@ -81,7 +81,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = Tr
 
     cfg = model.config
     tp = tp_mesh.size()
-    if any(isinstance(m, VisionTower) for m in model.modules()):
+    if vision_towers(model):
         # the plan covers the decoder only; a replicated tower beside a sharded decoder is untested
         raise ConfigError(f"train tp_size={tp}: vision-language models train without tensor parallelism; set tp 1")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
