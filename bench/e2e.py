@@ -594,7 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = measure_copy_bandwidth(args.device)
     # the floor counts areno's default compute dtype (``model.compute_dtype=auto``): bf16 on CUDA, and on a
     # CPU where ``cpu_gemm.prefers_bf16`` the shape's width decides
-    dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"] + (["bfloat16"] * cpu_gemm.native_bf16())
+    dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"]
+    if args.device != "cuda" and cpu_gemm.native_bf16():
+        dtypes.append("bfloat16")
     rates = {d: measure_matmul_rate(args.device, getattr(torch, d)) for d in dtypes}
     hw = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
