@@ -210,6 +210,12 @@ class Trainer:
                 self.test_rollout.stop()
             self.logger.close()
             self.backend.shutdown()
+            if self.config.cluster.device != "cpu" and torch.cuda.is_initialized():
+                # cuBLAS keeps a workspace per stream it ran on, outside any tensor: a finished run
+                # gives them back (they come again, lazily, if this process runs more)
+                clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear is not None:
+                    clear()
             if self.config.observe.trace:
                 flush_tracing()
                 merge_traces(self.run_dir)

@@ -125,6 +125,7 @@ class DecodeGraphRunner:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._loops: dict[tuple[int, int, int, int, SampleMode], _LoopGraph] = {}
         self._pool = None
+        self._side: torch.cuda.Stream | None = None
         self.capture_lock = threading.Lock()
         """Held while a graph is captured; ``hold_captures`` takes it (e.g. for a policy sync) so no
         capture runs beside it: a decode step that would need a new graph meanwhile runs eagerly."""
@@ -300,7 +301,11 @@ class DecodeGraphRunner:
         ``fn`` draws from (registered with the graph: each replay advances it). Returns (graph, outputs)."""
         t0 = time.perf_counter()
         dev = self.engine.device
-        side = torch.cuda.Stream(dev)
+        # one warm-up stream for the runner's life: cuBLAS keeps a workspace per stream it ran on,
+        # so a new stream per capture (re-captured after every wake) would pile up workspaces
+        if self._side is None:
+            self._side = torch.cuda.Stream(dev)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):

@@ -209,7 +209,6 @@ def test_a_sleep_the_host_cannot_hold_is_refused_before_it_copies(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="known defect: CUDA tensors made by the rollout's forwards outlive the run")
 def test_a_finished_cuda_run_leaves_no_device_memory_behind(tmp_path):
     """After shutdown, dropping and collecting a run, the device holds what it held before it."""
     model = "model.init_tiny={hidden_size: 512, layers: 4, heads: 8, kv_heads: 2, intermediate_size: 2048}"
