@@ -82,8 +82,12 @@ class DecodeCarry:
     def __init__(self, num_layers: int, capacity: int, max_bytes: int) -> None:
         self.num_layers = num_layers
         self.capacity = capacity
-        """Keys per (row, KV head) of the copies: the engine's longest block table, in keys."""
+        """Most keys per (row, KV head) a copy may hold: the engine's longest block table, in keys."""
         self.max_bytes = max_bytes
+        self.keys = 0
+        """Keys per (row, KV head) of the current batch's copies: sized at each fresh gather for the
+        batch's tables and the growth after them, not the longest table the engine allows (at a
+        long ``max_model_len`` that would exceed ``max_bytes`` and turn the carry off)."""
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self._bt_BN: torch.Tensor | None = None
@@ -103,13 +107,17 @@ class DecodeCarry:
         carry that, None when this batch's copies would exceed ``max_bytes`` or its tables the
         capacity (no carry)."""
         B, N = bt_BN.shape
-        size = 2 * self.num_layers * B * num_kv_heads * self.capacity * head_dim * itemsize
-        if size > self.max_bytes or N * block_size > self.capacity:
+        need = N * block_size
+        if need > self.capacity:
             self.invalidate()
             return None
         prev_bt, prev_ctx = self._bt_BN, self._ctx_B
         extend = (
-            prev_bt is not None and prev_bt.shape[0] == B and prev_bt.shape[1] <= N and torch.equal(prev_ctx + 1, ctx_B)
+            prev_bt is not None
+            and prev_bt.shape[0] == B
+            and prev_bt.shape[1] <= N
+            and need <= self.keys
+            and torch.equal(prev_ctx + 1, ctx_B)
         )
         if extend:  # the blocks of every key carried so far are unchanged (new blocks may follow)
             n_old = prev_bt.shape[1]
@@ -118,6 +126,15 @@ class DecodeCarry:
         if not extend:
             self.k.clear()
             self.v.clear()
+            # room for the tables to double (or grow by 8 blocks) before the next fresh gather
+            per_key = 2 * self.num_layers * B * num_kv_heads * head_dim * itemsize
+            keys = min(self.capacity, max(2 * need, need + 8 * block_size))
+            if per_key * keys > self.max_bytes:
+                keys = need
+            if per_key * keys > self.max_bytes:
+                self.invalidate()
+                return None
+            self.keys = keys
         self.steps["extended" if extend else "gathered"] += 1
         self._bt_BN, self._ctx_B = bt_BN.clone(), ctx_B.clone()  # the engine advances ctx in place
         return extend
@@ -431,7 +448,7 @@ def _cpu_decode_attention(
         if carry is not None:  # kept with room for the keys of later steps
             for store, x_NLD in ((carry.k, k_NLD), (carry.v, v_NLD)):
                 # zeros, not empty: masked keys still multiply their (zero) weight with V
-                x_NCD = x_NLD.new_zeros(B * K, carry.capacity, D)
+                x_NCD = x_NLD.new_zeros(B * K, carry.keys, D)
                 x_NCD[:, :L] = x_NLD
                 store[layer_idx] = x_NCD
     scores_NQL = torch.baddbmm(g.cpu_bias_NQL, q_BKQD.reshape(B * K, Q, D), k_NLD.transpose(1, 2), alpha=D**-0.5)

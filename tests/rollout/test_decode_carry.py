@@ -4,6 +4,8 @@ and abort; and ``begin`` extends only what is still the pool's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,7 +94,12 @@ def test_begin_extends_only_what_is_still_the_pools():
     assert c.begin(*state([[5, 4, 9]], [14]), **args) is False
     assert c.begin(*state([[5, 4, 9, 1, 2]], [15]), **args) is None  # 20 keys > capacity 16: no carry
     small = DecodeCarry(num_layers=2, capacity=16, max_bytes=1000)
-    assert small.begin(*state([[1]], [1]), **args) is None  # 2 * 2 * 2 * 16 * 4 * 4 bytes > 1000
+    # 128 bytes per key over layers, K and V: the batch's own 4 keys fit (16, for growth, would not)
+    assert small.begin(*state([[1]], [1]), **args) is False and small.keys == 4
+    assert small.begin(*state([[1]], [2]), **args) is True
+    assert small.begin(*state([[1, 2]], [5]), **args) is None  # its 8 keys: 1024 bytes > 1000
+    roomy = DecodeCarry(num_layers=2, capacity=64, max_bytes=1 << 20)
+    assert roomy.begin(*state([[1, 2]], [5]), **args) is False and roomy.keys == 40  # 8 keys + 8 blocks
     assert c.steps == {"extended": 3, "gathered": 5}
 
 
@@ -111,3 +118,26 @@ def test_prefill_and_pool_reallocation_drop_the_carry():
     assert carry.k
     eng.cache.release()
     assert not carry.k
+
+
+def test_a_long_max_model_len_still_carries_sized_to_the_batch():
+    """Copies are sized for the batch's tables, not the longest table the engine allows: with a
+    bound that one full-length copy set would exceed, decode still extends, bit-identically."""
+    model, cfg = make_model(2)
+    config = RolloutEngineConfig(
+        block_size=4, num_blocks=200, max_num_seqs=5, max_model_len=4096, decode_attention="gather"
+    )
+    carried = RolloutEngine(model, cfg, config=config, eos_token_ids=())
+    dc = carried.cache.decode_carry
+    full = 2 * dc.num_layers * carried.cache.num_kv_heads * dc.capacity * carried.cache.head_dim * 4
+    carried.cache.decode_carry = DecodeCarry(dc.num_layers, dc.capacity, max_bytes=full - 1)
+    prompts = random_prompts(5, seed=1, lo=2, hi=20)
+    got = carried.generate(prompts, [GREEDY] * 5)
+    ref_engine = RolloutEngine(
+        make_model(2)[0], cfg, config=dataclasses.replace(config, cpu_decode_carry=False), eos_token_ids=()
+    )
+    ref = ref_engine.generate(prompts, [GREEDY] * 5)
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
+    assert [o.output_logprobs for o in got] == [o.output_logprobs for o in ref]
+    steps = carried.cache.decode_carry.steps
+    assert steps["extended"] > 3 * steps["gathered"] > 0
