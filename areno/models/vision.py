@@ -448,6 +448,45 @@ class PatchEmbed(nn.Module):
         return self.proj(x.to(self.proj.weight.dtype)).view(-1, vc.hidden_size)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Segments:
+    """The attention segments of a tower forward (windows, or whole images), grouped by length so
+    that each distinct length runs one batched SDPA instead of one call per segment.
+
+    ``order_N`` lists the rows segment by segment, the segments of one length together (lengths
+    ascending, segments in their order); ``inverse_N`` puts them back. Both are None when the
+    grouped order is the rows' own (every segment of one length). ``cos``/``sin`` [N, head_dim]
+    are the tower's RoPE tables in the grouped order, taken once per forward rather than once per layer.
+    """
+
+    groups: tuple[tuple[int, int], ...]
+    """(number of segments, length) per distinct length, in ``order_N``'s order."""
+    order_N: torch.Tensor | None
+    inverse_N: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> Segments:
+        """From segment boundaries (rows ``cu_seqlens[i]:cu_seqlens[i + 1]``) and the RoPE tables of the rows."""
+        starts_by_length: dict[int, list[int]] = {}
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+            starts_by_length.setdefault(b - a, []).append(a)
+        lengths = sorted(starts_by_length)
+        groups = tuple((len(starts_by_length[n]), n) for n in lengths)
+        order_N = torch.cat([(torch.tensor(starts_by_length[n])[:, None] + torch.arange(n)).flatten() for n in lengths])
+        if torch.equal(order_N, torch.arange(order_N.numel())):
+            return cls(groups=groups, order_N=None, inverse_N=None, cos=cos, sin=sin)
+        order_N = order_N.to(cos.device)
+        return cls(
+            groups=groups,
+            order_N=order_N,
+            inverse_N=torch.argsort(order_N),
+            cos=cos[order_N],
+            sin=sin[order_N],
+        )
+
+
 class VisionAttention(nn.Module):
     def __init__(self, vc: VisionConfig) -> None:
         super().__init__()
@@ -455,18 +494,25 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size, bias=True)
         self.proj = nn.Linear(vc.hidden_size, vc.hidden_size)
 
-    def forward(self, x_NE: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x_NE.shape[0]
-        q, k, v = self.qkv(x_NE).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    def forward(self, x_NE: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """Bidirectional attention within each segment; rows in and out in ``x_NE``'s order."""
+        n, h = x_NE.shape[0], self.num_heads
+        # qkv and proj act row by row, so they run in the grouped order and only x and the output move
+        x = x_NE if segments.order_N is None else x_NE[segments.order_N]
+        q, k, v = self.qkv(x).reshape(n, 3, h, -1).permute(1, 0, 2, 3).unbind(0)
         dtype = q.dtype
-        cos, sin = cos[:, None].float(), sin[:, None].float()
+        cos, sin = segments.cos[:, None].float(), segments.sin[:, None].float()
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(dtype)
         outs = []
-        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):  # bidirectional within a segment
-            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
-        return self.proj(torch.cat(outs).reshape(n, -1))
+        a = 0
+        for count, length in segments.groups:  # one SDPA over all segments of this length
+            b = a + count * length
+            qs, ks, vs = (t[a:b].view(count, length, h, -1).transpose(1, 2) for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(count * length, -1))
+            a = b
+        out = self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+        return out if segments.inverse_N is None else out[segments.inverse_N]
 
 
 class VisionMLP(nn.Module):
@@ -488,8 +534,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vc)
         self.mlp = VisionMLP(vc)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+    def forward(self, x: torch.Tensor, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -579,8 +625,10 @@ class VisionTower(nn.Module):
 
         x = by_window(x)
         cos, sin = (by_window(c) for c in self._rope(grids, x.device))
+        # every window layer attends within the same segments, as every full layer does: group them once
+        windows, full = Segments.build(cu_window, cos, sin), Segments.build(cu_full, cos, sin)
         for i, block in enumerate(self.blocks):
-            x = block(x, cu_full if i in self.vc.fullatt_block_indexes else cu_window, cos, sin)
+            x = block(x, full if i in self.vc.fullatt_block_indexes else windows)
         return self.merger(x)[torch.argsort(window_index)]
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from PIL import Image
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -14,6 +15,8 @@ from areno.errors import ConfigError
 from areno.models.hf_io import load_model, save_model
 from areno.models.vision import (
     ImageInputs,
+    Segments,
+    VisionAttention,
     VisionConfig,
     VisionLanguageModel,
     expand_image_tokens,
@@ -191,3 +194,44 @@ def test_training_tensor_parallelism_refuses_a_vision_language_model(tmp_path):
             apply_tp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
     finally:
         dist.destroy_process_group()
+
+
+def loop_attention(attn: VisionAttention, x_NE, cu_seqlens, cos, sin):
+    """The reference: one SDPA call per segment, rows in their own order."""
+    n = x_NE.shape[0]
+    q, k, v = attn.qkv(x_NE).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = cos[:, None], sin[:, None]
+    q = q * cos + torch.cat((-q.chunk(2, -1)[1], q.chunk(2, -1)[0]), -1) * sin
+    k = k * cos + torch.cat((-k.chunk(2, -1)[1], k.chunk(2, -1)[0]), -1) * sin
+    outs = []
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
+    return attn.proj(torch.cat(outs).reshape(n, -1))
+
+
+# two images at the default window (4x4 merged patches, 64 rows): a 12x20-patch grid makes windows of
+# 64, 64, 32 rows then a ragged edge row of 32, 32, 16; a 2x8x6 grid makes one 48-row window per frame
+WINDOWS = [0, 64, 128, 160, 192, 224, 240, 288, 336]
+IMAGES = [0, 240, 288, 336]
+
+
+@pytest.mark.parametrize("cu_seqlens", [WINDOWS, IMAGES, [0, 48, 96, 144]], ids=["windows", "images", "equal"])
+def test_batched_segment_attention_equals_a_loop_over_segments(cu_seqlens):
+    torch.manual_seed(0)
+    vc = VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
+    attn = VisionAttention(vc)
+    n = cu_seqlens[-1]
+    angles = torch.rand(n, vc.head_dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x = torch.randn(n, vc.hidden_size, requires_grad=True)
+    grad_out = torch.randn(n, vc.hidden_size)
+
+    want = loop_attention(attn, x, cu_seqlens, cos, sin)
+    want_grads = torch.autograd.grad(want, [x, *attn.parameters()], grad_out)
+    got = attn(x, Segments.build(cu_seqlens, cos, sin))
+    got_grads = torch.autograd.grad(got, [x, *attn.parameters()], grad_out)
+
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
