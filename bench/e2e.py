@@ -92,12 +92,15 @@ CPU12M = {
     "vocab_size": 8192,
     "max_position_embeddings": 2048,
 }
+# AReaL's CPU example size: about 5M parameters (run it 8 x 4, as that example does)
+CPU5M = {**CPU12M, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4}
 # shape -> (HF config dict, default prompt length, default completion length)
 SHAPES = {
     "0.5b": (E2E_05B, 64, 512),
     "1.5b": (E2E_15B, 64, 512),
     "tiny": (TINY, 16, 32),
     "cpu12m": (CPU12M, 32, 128),
+    "cpu5m": (CPU5M, 34, 128),
 }
 SYSTEMS = ("areno", "areno_async", "areno_async_stream", "areno_vllm", "trl")
 LABELS = {
@@ -502,7 +505,9 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
 def build_parser() -> argparse.ArgumentParser:
     p = parser("e2e", __doc__)
     p.add_argument(
-        "--shapes", default=None, help="comma list of 0.5b,1.5b,tiny,cpu12m (default: 0.5b,1.5b on CUDA, tiny on CPU)"
+        "--shapes",
+        default=None,
+        help="comma list of 0.5b,1.5b,tiny,cpu12m,cpu5m (default: 0.5b,1.5b on CUDA, tiny on CPU)",
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")

@@ -215,8 +215,15 @@ class RolloutEngine:
             prefill_chunk_size=config.prefill_chunk_size,
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
-        if self.device.type == "cpu" and config.decode_attention == "gather" and config.cpu_decode_carry:
-            # pure-decode steps keep the gathered K/V across steps (attention.DecodeCarry)
+        if (
+            self.device.type == "cpu"
+            and config.decode_attention == "gather"
+            and config.cpu_decode_carry
+            and self.kv_dtype == torch.float32
+        ):
+            # pure-decode steps keep the gathered K/V across steps (attention.DecodeCarry); not in
+            # bfloat16, where a batched matmul over the carried strided view copies it first and is
+            # slower than a fresh gather (bench/LOG.md)
             cache.decode_carry = DecodeCarry(
                 model_config.num_hidden_layers, scheduler.max_blocks_per_seq * config.block_size, DECODE_CARRY_MAX_BYTES
             )

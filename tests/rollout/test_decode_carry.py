@@ -78,6 +78,8 @@ def test_flag_validated():
     model, cfg = make_model(2)
     paged = RolloutEngine(model, cfg, config=RolloutEngineConfig(decode_attention="paged"), eos_token_ids=())
     assert paged.cache.decode_carry is None  # the paged form gathers nothing
+    bf16 = RolloutEngine(model, cfg, config=RolloutEngineConfig(dtype="bfloat16"), eos_token_ids=())
+    assert bf16.cache.decode_carry is None  # a fresh bfloat16 gather beats the carried strided view
 
 
 def test_begin_extends_only_what_is_still_the_pools():
