@@ -80,7 +80,17 @@ CPU_20M = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-SHAPES = {"cpu20m": (CPU_20M, 32, 128), "qwen0.5b": (QWEN25_05B, 64, 512)}
+# A smoke-test size (the bench's own tests): seconds, not a figure.
+TINY = {
+    **CPU_20M,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
+SHAPES = {"cpu20m": (CPU_20M, 32, 128), "qwen0.5b": (QWEN25_05B, 64, 512), "tiny": (TINY, 4, 8)}
 
 
 def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):

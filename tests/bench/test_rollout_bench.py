@@ -10,7 +10,7 @@ def test_cpu_ab_options_and_rounds(capsys):
     rollout.main(
         [
             "--shape",
-            "cpu20m",
+            "tiny",
             "--device",
             "cpu",
             "--threads",
