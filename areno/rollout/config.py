@@ -187,9 +187,10 @@ class RolloutEngineConfig(RolloutEngineSettings):
     ``train.moe_rollout_routes`` / ``train.moe_routing_replay``). Turns off prefix sharing (a shared
     prefix's tokens would have no forward of their own) and CUDA graphs. No effect on a dense model."""
     cpu_decode_carry: bool = True
-    """CPU, gathered decode attention, float32 KV cache: pure-decode steps keep each layer's gathered K/V and extend it
-    by the new token instead of gathering it from the pool again (``attention.DecodeCarry``; bit for
-    bit the same attention, up to ``DECODE_CARRY_MAX_BYTES`` of copies). False gathers every step."""
+    """CPU, gathered decode attention, float32 KV cache: pure-decode steps keep each layer's gathered
+    K/V and extend it by the new token instead of gathering it from the pool again
+    (``attention.DecodeCarry``; bit for bit the same attention, up to ``DECODE_CARRY_MAX_BYTES`` of
+    copies). False gathers every step; a bfloat16 cache always does (the carried view is slower there)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
