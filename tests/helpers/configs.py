@@ -75,3 +75,19 @@ def role_run_config(tmp_path: Path, name: str, *extra: str, steps: int = 3):
     return load_config(
         None, [*overrides, "reward.sandbox=false", "train.eval_interval=0", f"train.steps={steps}", *extra]
     )
+
+
+def shrunk_example_overrides(tmp_path: Path, algorithm_kwargs: dict) -> list[str]:
+    """A shipped example config shrunk to one tiny step: a one-layer model made at start-up, 2 prompts x 2
+    samples, 2 held-out rows, with ``algorithm_kwargs`` as ``train.algorithm_kwargs``."""
+    return [
+        f"run_dir={tmp_path / 'run'}",
+        f"model.path={tmp_path / 'model'}",
+        "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+        "observe.console=false",
+        "rollout.batch_size=2",
+        "rollout.n_samples=2",
+        "data.num_eval=2",
+        "train.steps=1",
+        "train.algorithm_kwargs={" + ", ".join(f"{k}: {v}" for k, v in algorithm_kwargs.items()) + "}",
+    ]

@@ -19,7 +19,7 @@ from areno.models.hf_io import init_model_dir, load_model, tiny_config
 from areno.specializations import ScalarHeadModel, ScalarScorerSpecialization
 from areno.train import checkpoint
 from areno.types import TokenBatch, Trajectory
-from tests.helpers.configs import tiny_run_overrides
+from tests.helpers.configs import shrunk_example_overrides, tiny_run_overrides
 from tests.helpers.recipes import naive_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,17 +169,7 @@ def test_aggrevate_value_head_q_on_a_two_role_run(tmp_path):
 def test_aggrevate_rm_example_runs_three_passes(tmp_path, rm_dir):
     """The shipped example, shrunk: one rollout trained on three times (train.num_train_passes: 3)."""
     path = ROOT / "examples" / "aggrevate_rm.yaml"
-    overrides = [
-        f"run_dir={tmp_path / 'run'}",
-        f"model.path={tmp_path / 'model'}",
-        "model.init_tiny={" + ", ".join(f"{k}: {v}" for k, v in TINY.items()) + "}",
-        "observe.console=false",
-        "rollout.batch_size=2",
-        "rollout.n_samples=2",
-        "data.num_eval=2",
-        "train.steps=1",
-        f"train.algorithm_kwargs={{q_source: reward_model, reward_model_path: {rm_dir}}}",
-    ]
+    overrides = shrunk_example_overrides(tmp_path, {"q_source": "reward_model", "reward_model_path": rm_dir})
     cfg = load_config(path, overrides)
     assert cfg.train.num_train_passes == 3 and cfg.train.algorithm_kwargs["q_source"] == "reward_model"
     trainer = Trainer.init(cfg)

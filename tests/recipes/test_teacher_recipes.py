@@ -20,7 +20,7 @@ from areno.models.hf_io import init_model_dir, load_model, tiny_config
 from areno.recipes import get_recipe
 from areno.types import SamplingParams, TokenBatch, Trajectory
 from areno.workflows.teacher import TeacherMixtureWorkflow
-from tests.helpers.configs import tiny_run_overrides
+from tests.helpers.configs import shrunk_example_overrides, tiny_run_overrides
 from tests.helpers.recipes import naive_logprobs
 from tests.helpers.rewards import sevens_and_length
 
@@ -151,17 +151,7 @@ def test_teacher_example_runs_three_passes(name, tmp_path, teacher_dir):
     """The shipped example, shrunk: one rollout trained on three times (train.num_train_passes: 3)."""
     path = ROOT / "examples" / f"{name}.yaml"
     kwargs = dict(load_config(path, []).train.algorithm_kwargs, teacher_path=str(teacher_dir))
-    overrides = [
-        f"run_dir={tmp_path / 'run'}",
-        f"model.path={tmp_path / 'model'}",
-        "model.init_tiny={" + ", ".join(f"{k}: {v}" for k, v in TINY.items()) + "}",
-        "observe.console=false",
-        "rollout.batch_size=2",
-        "rollout.n_samples=2",
-        "data.num_eval=2",
-        "train.steps=1",
-        "train.algorithm_kwargs={" + ", ".join(f"{k}: {v}" for k, v in kwargs.items()) + "}",
-    ]
+    overrides = shrunk_example_overrides(tmp_path, kwargs)
     cfg = load_config(path, overrides)
     assert cfg.train.num_train_passes == 3
     trainer = Trainer.init(cfg)
