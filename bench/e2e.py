@@ -182,6 +182,11 @@ def free_memory(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def alloc_retries(device: str) -> int:
+    """CUDA: how often the caching allocator has freed its cache to retry an allocation (0 elsewhere)."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device == "cuda" else 0
+
+
 def peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
 
@@ -245,7 +250,12 @@ def timed_steps(args, eta: int) -> int:
     return args.steps + (-args.steps) % (eta + 1)
 
 
-def areno_config(
+def areno_config(*args, **kwargs):
+    """The run's config: ``load_config`` over ``areno_overrides``."""
+    return load_config(None, areno_overrides(*args, **kwargs))
+
+
+def areno_overrides(
     args,
     model_dir: Path,
     data_path: Path,
@@ -256,8 +266,9 @@ def areno_config(
     prompt_len: int,
     completion_len: int,
     server: str | None = None,
-):
-    """``server``: vllm to generate with a vLLM server areno starts (``rollout.backend``)."""
+) -> list[str]:
+    """The run's ``key=value`` overrides (what ``areno train`` takes on its command line). ``server``: vllm
+    to generate with a vLLM server areno starts (``rollout.backend``)."""
     seq_blocks = math.ceil((prompt_len + completion_len + 16) / 16)
     kv_blocks = seq_blocks * args.prompts * args.samples * (eta + 1) + 64  # the batch (and η batches ahead)
     overrides = [
@@ -290,8 +301,7 @@ def areno_config(
     ]
     if server is not None:  # vLLM's CPU attention needs head sizes >= 32 (the 0.5b and 1.5b shapes)
         overrides += [f"rollout.backend={server}", "rollout.server_args=[--enforce-eager]"]
-    overrides += args.areno_set + (args.areno_async_set if eta > 0 else [])
-    return load_config(None, overrides)
+    return overrides + args.areno_set + (args.areno_async_set if eta > 0 else [])
 
 
 def run_areno(
@@ -329,7 +339,8 @@ def run_areno(
     finally:
         engine_api.build_rollout_engine_config = build
     setup_s = time.perf_counter() - t_setup
-    steps, phases, lengths, num_tokens, system = [], [], [], [], {}
+    steps, phases, lengths, num_tokens, system, mbs = [], [], [], [], {}, []
+    retries_before = alloc_retries(args.device)
     try:
         sync(args.device)
         last = time.perf_counter()
@@ -349,6 +360,7 @@ def run_areno(
             phases.append((t1 - t0, t2 - t1, t3 - t2))
             lengths.extend(len(t.completion_ids) for t in rollout.trajectories)
             num_tokens.append(rollout.batch.num_tokens)
+            mbs.extend(v for k, v in train_metrics.items() if k.endswith("/mbs"))
             for key, value in {**rollout.metrics, **train_metrics}.items():  # per phase (engine/residency.py)
                 if key.startswith("system/"):
                     system.setdefault(key[len("system/") :], []).append(value)
@@ -375,6 +387,9 @@ def run_areno(
         # the untimed warm-up: the first training phase includes compiling (train.compile, cold or warm cache)
         "warmup_step_s": steps[: args.warmup],
         "first_train_s": phases[0][1],
+        # the caching allocator's retries (a cudaFree of its whole cache each): memory pressure slows a phase
+        "alloc_retries": alloc_retries(args.device) - retries_before,
+        "micro_batches": statistics.median(mbs) if mbs else None,
     }
 
 
@@ -496,7 +511,8 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
         out["phases_s_median"] = res["phases_s"]
     if res.get("phase_peaks_gib"):
         out["phase_peak_gpu_gib"] = res["phase_peaks_gib"]
-    for key in ("setup_s", "warmup_step_s", "first_train_s", "trl_logged_step_time_s", "trl_gradient_checkpointing"):
+    keys = ("setup_s", "warmup_step_s", "first_train_s", "alloc_retries", "micro_batches")
+    for key in (*keys, "trl_logged_step_time_s", "trl_gradient_checkpointing"):
         if key in res:
             out[key] = res[key]
     return out

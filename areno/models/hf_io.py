@@ -288,10 +288,20 @@ def save_model(model: Decoder, config: ModelConfig, out_dir: str | Path, *, toke
     return out_dir
 
 
-def init_model_dir(out_dir: str | Path, config: ModelConfig, tokenizer: Any, *, seed: int = 0) -> Path:
+def init_model_dir(
+    out_dir: str | Path,
+    config: ModelConfig,
+    tokenizer: Any,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Path:
     """A randomly initialised checkpoint (model + tokenizer + generation config) in ``out_dir``.
 
-    Token ids left None in ``config`` are taken from the tokenizer.
+    Token ids left None in ``config`` are taken from the tokenizer. ``device``: where the weights are
+    drawn (a GPU draws a 7B model in seconds where a CPU takes minutes; the draws differ by device);
+    ``dtype``: the stored dtype (None: float32).
     """
     if len(tokenizer) > config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {config.vocab_size}")
@@ -301,9 +311,13 @@ def init_model_dir(out_dir: str | Path, config: ModelConfig, tokenizer: Any, *, 
             fill[field] = getattr(tokenizer, field)
     config = config.replace(**fill) if fill else config
     gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        model = build_model(config)
+        with device:
+            model = build_model(config)
+    if dtype is not None:
+        model.to(dtype)
     return save_model(model, config, out_dir, tokenizer=tokenizer)
 
 

@@ -13,7 +13,7 @@ import pytest
 from bench._common import HEADLINE_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = ("e2e", "rollout", "train", "sync", "async_learning", "partitioned", "rewards", "checkpoint")
+BENCHES = ("e2e", "rollout", "train", "sync", "async_learning", "partitioned", "rewards", "checkpoint", "startup")
 
 
 def run(name: str, argv: list[str], capsys) -> dict:
@@ -102,3 +102,12 @@ def test_partitioned_eta_against_eta0(tmp_path, capsys):
     assert (
         result["baseline"] == first["trained_tokens_per_s_median"] and result["ratio"] == last["ratio_to_eta0_median"]
     )
+
+
+@pytest.mark.slow
+def test_startup_warm_against_cold(tmp_path, capsys):
+    result = run("startup", ["--shape", "tiny", "--device", "cpu", "--workdir", str(tmp_path)], capsys)
+    cold, warm = result["runs"]["cold"], result["runs"]["warm"]
+    assert result["figure"] == warm["startup_to_first_token_s"] > 0
+    assert result["baseline"] == cold["startup_to_first_token_s"] > 0
+    assert warm["second_train_s"] > 0 and warm["process_wall_s"] > warm["startup_to_first_token_s"]
