@@ -13,6 +13,8 @@ Systems:
 - ``areno_async_stream``: ``areno_async`` with the rollout engine's steps on a high-priority CUDA
   stream of its own (``RolloutEngineConfig.cuda_stream``, an engine setting a run does not expose):
   the trainer's kernels stay on the default stream, so the GPU can run both sides' kernels at once.
+- ``areno_async_turns``: ``areno_async`` with ``rollout.generate_during_train=false``: the engine pauses for
+  each training step (the GPU runs one side at a time; the pool still runs η versions ahead).
 - ``trl``: ``trl.GRPOTrainer`` with its default ``transformers`` ``generate`` path (no vLLM); a step is
   one optimizer step (timed between ``on_step_end`` callbacks), which generates the 64 completions
   and trains on them with gradient accumulation.
@@ -102,12 +104,14 @@ SHAPES = {
     "cpu12m": (CPU12M, 32, 128),
     "cpu5m": (CPU5M, 34, 128),
 }
-SYSTEMS = ("areno", "areno_async", "areno_async_stream", "areno_vllm", "trl")
+SYSTEMS = ("areno", "areno_async", "areno_async_stream", "areno_async_turns", "areno_vllm", "trl")
+SYSTEM_OVERRIDES = {"areno_async_turns": ["rollout.generate_during_train=false"]}
 LABELS = {
     "areno": "areno (colocated)",
     "areno_vllm": "areno + a vLLM server (policy by disk export)",
     "areno_async": "areno async (colocated, one GPU)",
     "areno_async_stream": "areno async (colocated, one GPU, engine on its own CUDA stream)",
+    "areno_async_turns": "areno async (colocated, one GPU, engine paused while training)",
     "trl": "TRL GRPOTrainer (transformers generate)",
 }
 PROMPT_ALPHABET = string.ascii_letters + string.digits
@@ -317,8 +321,10 @@ def run_areno(
     completion_len: int,
     server: str | None = None,
     cuda_stream: bool = False,
+    extra: list[str] = (),
 ) -> dict:
-    config = areno_config(
+    """``extra``: more overrides of this system's run (``SYSTEM_OVERRIDES``)."""
+    overrides = areno_overrides(
         args,
         model_dir,
         data_path,
@@ -329,6 +335,7 @@ def run_areno(
         completion_len=completion_len,
         server=server,
     )
+    config = load_config(None, [*overrides, *extra])
     free_memory(args.device)
     t_setup = time.perf_counter()
     build = engine_api.build_rollout_engine_config
@@ -344,7 +351,10 @@ def run_areno(
     try:
         sync(args.device)
         last = time.perf_counter()
+        engine_before = None
         for rollout_id in range(args.warmup + timed_steps(args, eta)):
+            if rollout_id == args.warmup:
+                engine_before = engine_counters(trainer)
             t0 = time.perf_counter()
             rollout = trainer.rollout_token_batch(rollout_id)
             sync(args.device)
@@ -364,6 +374,7 @@ def run_areno(
             for key, value in {**rollout.metrics, **train_metrics}.items():  # per phase (engine/residency.py)
                 if key.startswith("system/"):
                     system.setdefault(key[len("system/") :], []).append(value)
+        engine_after = engine_counters(trainer)
         phase_peaks = {
             k[: -len("_peak_memory_gib")]: max(v) for k, v in system.items() if k.endswith("_peak_memory_gib")
         }
@@ -390,7 +401,29 @@ def run_areno(
         # the caching allocator's retries (a cudaFree of its whole cache each): memory pressure slows a phase
         "alloc_retries": alloc_retries(args.device) - retries_before,
         "micro_batches": statistics.median(mbs) if mbs else None,
+        # the in-process engine over the timed steps: decode steps, busy seconds, steps run eagerly
+        "engine": {k: engine_after[k] - engine_before[k] for k in ENGINE_COUNTERS} if engine_after else None,
     }
+
+
+ENGINE_COUNTERS = (
+    "steps",
+    "busy_s",
+    "sampling_round_trips",
+    "generated_tokens",
+    "mixed_steps",
+    "cuda_graph_deferred_steps",
+    "cuda_graphs_captured",
+)
+
+
+def engine_counters(trainer) -> dict | None:
+    """The in-process rollout engine's counters (``RolloutEngine.stats``); None for server backends."""
+    engine = getattr(trainer.backend.engine.rollout, "engine", None)
+    if engine is None or not hasattr(engine, "stats"):
+        return None
+    stats = engine.stats()
+    return {k: stats[k] for k in ENGINE_COUNTERS}
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -511,7 +544,7 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
         out["phases_s_median"] = res["phases_s"]
     if res.get("phase_peaks_gib"):
         out["phase_peak_gpu_gib"] = res["phase_peaks_gib"]
-    keys = ("setup_s", "warmup_step_s", "first_train_s", "alloc_retries", "micro_batches")
+    keys = ("setup_s", "warmup_step_s", "first_train_s", "alloc_retries", "micro_batches", "engine")
     for key in (*keys, "trl_logged_step_time_s", "trl_gradient_checkpointing"):
         if key in res:
             out[key] = res[key]
@@ -668,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
                     completion_len=completion_len,
                     server="vllm" if system == "areno_vllm" else None,
                     cuda_stream=system == "areno_async_stream",
+                    extra=SYSTEM_OVERRIDES.get(system, []),
                 )
             row = report(system, shape, res, floor, num_seqs, completion_len)
             if system.startswith("areno_async"):

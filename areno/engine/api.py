@@ -475,10 +475,17 @@ class ArenoEngine:
         # beside the training step's kernels and device synchronizations (they invalidate a capture:
         # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
         hold = self.rollout.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
+        taking_turns = self.asynchronous and not self.config.rollout.generate_during_train
         self._enter(Phase.TRAIN)
-        with hold:
-            # the version the rollout policy carries (loglinear π_prox)
-            out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
+        if taking_turns:
+            self.rollout.pause()
+        try:
+            with hold:
+                # the version the rollout policy carries (loglinear π_prox)
+                out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
+        finally:
+            if taking_turns:
+                self.rollout.resume()
         # the training side's figures of the rollout (rollout/logprob_abs_diff_*) keep their section
         metrics = {k if k.startswith("rollout/") else f"train/{k}": v for k, v in out.items()}
         metrics.update(self._phase_metrics())

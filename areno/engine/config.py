@@ -194,6 +194,12 @@ class RolloutSection(RolloutEngineSettings):
     """Staleness bound η: trajectories at most η policy versions behind; 0 is synchronous."""
     max_concurrent: int = 256
     """Episodes in flight at once in the rollout pool."""
+    generate_during_train: bool = True
+    """An asynchronous colocated run (the rollout engine on the trainer's device): the engine keeps
+    generating while the trainer steps (true), or pauses for each training step (false), so the device
+    runs one side at a time while the pool still runs up to η versions ahead between steps. Overlap pays
+    where decoding leaves the device idle (host-bound small models); taking turns avoids the cost of
+    interleaving the two sides' kernels where decoding fills it (see docs/performance.md)."""
     max_retries: int = 1
     """Retries of a sample whose workflow raised, before it is dropped with a warning."""
     max_consecutive_dropped: int = 16
@@ -621,6 +627,13 @@ class ArenoConfig:
             "test_rollout.enabled",
             "the test rollout runs in the trainer's process beside a colocated run only; this run is partitioned "
             "(cluster.train_devices/rollout_devices or a '+' allocation_mode): turn one of them off",
+        )
+        check_config(
+            self.rollout.generate_during_train or (self.rollout.backend == "areno" and not partitioned),
+            "rollout.generate_during_train",
+            "false pauses areno's engine on the trainer's device during each training step; this run generates "
+            f"{'on its own rollout devices' if partitioned else 'with ' + self.rollout.backend + ' servers'}, "
+            "where nothing shares the trainer's device: drop the key",
         )
         check_config(
             self.cluster.offload == "none" or self.rollout.max_head_offpolicyness == 0,

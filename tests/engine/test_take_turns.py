@@ -1,0 +1,81 @@
+"""``rollout.generate_during_train``: an asynchronous colocated run either keeps its engine generating
+beside each training step (the default) or pauses it for the step, so the device runs one side at a time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.errors import ConfigError
+
+
+def _config(tmp_path, *extra):
+    return load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'model'}",
+            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
+            "data.task=arithmetic",
+            "data.num_eval=0",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "rollout.max_new_tokens=128",
+            "rollout.max_head_offpolicyness=2",
+            "train.steps=2",
+            "cluster.device=cpu",
+            "observe.console=false",
+            *extra,
+        ],
+    )
+
+
+def _engine_during_training(tmp_path, *extra) -> list[tuple[bool, int, int]]:
+    """Per training step: whether the engine was paused, and its step count when the training step began
+    and ended (the step itself lasts long enough for a running engine to take steps)."""
+    trainer = Trainer.init(_config(tmp_path, *extra))
+    engine = trainer.backend.engine
+    seen = []
+    step = engine.training.step
+
+    def slow_step(*args, **kwargs):
+        before = engine.rollout.engine.stats()["steps"]
+        time.sleep(0.3)
+        seen.append((engine.rollout.engine.is_paused, before, engine.rollout.engine.stats()["steps"]))
+        return step(*args, **kwargs)
+
+    engine.training.step = slow_step
+    try:
+        for rollout_id in range(2):
+            trainer.train(rollout_id, trainer.rollout_token_batch(rollout_id))
+            assert not engine.rollout.engine.is_paused  # generating again once the step is done
+            trainer.backend.update_weights()
+    finally:
+        trainer.shutdown()
+    return seen
+
+
+def test_taking_turns_pauses_the_engine_for_each_training_step(tmp_path):
+    seen = _engine_during_training(tmp_path, "rollout.generate_during_train=false")
+    assert [(paused, before == after) for paused, before, after in seen] == [(True, True), (True, True)]
+
+
+def test_by_default_the_engine_generates_beside_training(tmp_path):
+    seen = _engine_during_training(tmp_path)
+    assert [paused for paused, _, _ in seen] == [False, False]
+    assert any(after > before for _, before, after in seen)  # η = 2 batches ahead: there is work to do
+
+
+@pytest.mark.parametrize(
+    "extra, where",
+    [
+        (["cluster.train_devices=[0]", "cluster.rollout_devices=[1]"], "on its own rollout devices"),
+        (["rollout.backend=vllm"], "with vllm servers"),
+    ],
+)
+def test_taking_turns_without_a_shared_device_is_refused(tmp_path, extra, where):
+    with pytest.raises(ConfigError, match=f"rollout.generate_during_train: .*{where}.*drop the key"):
+        _config(tmp_path, "rollout.generate_during_train=false", *extra)
