@@ -13,8 +13,9 @@ Systems:
 - ``areno_async_stream``: ``areno_async`` with the rollout engine's steps on a high-priority CUDA
   stream of its own (``RolloutEngineConfig.cuda_stream``, an engine setting a run does not expose):
   the trainer's kernels stay on the default stream, so the GPU can run both sides' kernels at once.
-- ``areno_async_turns``: ``areno_async`` with ``rollout.generate_during_train=false``: the engine pauses for
-  each training step (the GPU runs one side at a time; the pool still runs η versions ahead).
+- ``areno_async_turns`` / ``areno_async_overlap``: ``areno_async`` with ``rollout.generate_during_train``
+  false (the engine pauses for each training step; the pool still runs η versions ahead) / true (it
+  generates beside the trainer); the default ``auto`` is false on CUDA, true on CPU.
 - ``trl``: ``trl.GRPOTrainer`` with its default ``transformers`` ``generate`` path (no vLLM); a step is
   one optimizer step (timed between ``on_step_end`` callbacks), which generates the 64 completions
   and trains on them with gradient accumulation.
@@ -104,14 +105,26 @@ SHAPES = {
     "cpu12m": (CPU12M, 32, 128),
     "cpu5m": (CPU5M, 34, 128),
 }
-SYSTEMS = ("areno", "areno_async", "areno_async_stream", "areno_async_turns", "areno_vllm", "trl")
-SYSTEM_OVERRIDES = {"areno_async_turns": ["rollout.generate_during_train=false"]}
+SYSTEMS = (
+    "areno",
+    "areno_async",
+    "areno_async_stream",
+    "areno_async_turns",
+    "areno_async_overlap",
+    "areno_vllm",
+    "trl",
+)
+SYSTEM_OVERRIDES = {
+    "areno_async_turns": ["rollout.generate_during_train=false"],
+    "areno_async_overlap": ["rollout.generate_during_train=true"],
+}
 LABELS = {
     "areno": "areno (colocated)",
     "areno_vllm": "areno + a vLLM server (policy by disk export)",
     "areno_async": "areno async (colocated, one GPU)",
     "areno_async_stream": "areno async (colocated, one GPU, engine on its own CUDA stream)",
     "areno_async_turns": "areno async (colocated, one GPU, engine paused while training)",
+    "areno_async_overlap": "areno async (colocated, one GPU, engine generating while training)",
     "trl": "TRL GRPOTrainer (transformers generate)",
 }
 PROMPT_ALPHABET = string.ascii_letters + string.digits

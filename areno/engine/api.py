@@ -335,6 +335,8 @@ class ArenoEngine:
     version: int = 0
     asynchronous: bool = False
     """True when max_head_offpolicyness > 0: the rollout pool runs ahead of training."""
+    shared_device: torch.device | None = None
+    """Colocated: the device both sides use; None when each side has its own."""
 
     def __init__(
         self,
@@ -344,9 +346,12 @@ class ArenoEngine:
         training: TrainingSide,
         rollout: RolloutSide,
         residency: Residency | None = None,
+        shared_device: torch.device | None = None,
     ) -> None:
-        """A ConfigError when the sides have no way in common to move the policy."""
+        """A ConfigError when the sides have no way in common to move the policy. ``shared_device``: the
+        device both sides use (colocated; ``rollout.generate_during_train`` applies), else None."""
         self.config = config
+        self.shared_device = shared_device
         self.run_dir = run_dir
         self.training = training
         self.rollout = rollout
@@ -475,7 +480,12 @@ class ArenoEngine:
         # beside the training step's kernels and device synchronizations (they invalidate a capture:
         # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
         hold = self.rollout.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
-        taking_turns = self.asynchronous and not self.config.rollout.generate_during_train
+        shared = self.shared_device
+        taking_turns = (
+            self.asynchronous
+            and shared is not None
+            and not self.config.rollout.resolved_generate_during_train(shared.type)
+        )
         self._enter(Phase.TRAIN)
         if taking_turns:
             self.rollout.pause()

@@ -194,12 +194,13 @@ class RolloutSection(RolloutEngineSettings):
     """Staleness bound η: trajectories at most η policy versions behind; 0 is synchronous."""
     max_concurrent: int = 256
     """Episodes in flight at once in the rollout pool."""
-    generate_during_train: bool = True
+    generate_during_train: bool | str = "auto"
     """An asynchronous colocated run (the rollout engine on the trainer's device): the engine keeps
     generating while the trainer steps (true), or pauses for each training step (false), so the device
-    runs one side at a time while the pool still runs up to η versions ahead between steps. Overlap pays
-    where decoding leaves the device idle (host-bound small models); taking turns avoids the cost of
-    interleaving the two sides' kernels where decoding fills it (see docs/performance.md)."""
+    runs one side at a time while the pool still runs up to η versions ahead between steps; auto: false
+    on CUDA, true on CPU. On a GPU, taking turns lets the batches admitted during a training step decode
+    together, many rows per step, where overlapping decodes each batch alone beside the trainer's kernels;
+    on CPU the two threads share the cores better than they take turns (see docs/performance.md)."""
     max_retries: int = 1
     """Retries of a sample whose workflow raised, before it is dropped with a warning."""
     max_consecutive_dropped: int = 16
@@ -235,6 +236,10 @@ class RolloutSection(RolloutEngineSettings):
     nccl (vllm on CUDA only: the trainer joins an NCCL group with the servers' workers through
     vLLM's weight-transfer routes and broadcasts the tensors; see docs/inference_servers.md)."""
 
+    def resolved_generate_during_train(self, device: str) -> bool:
+        """Whether an asynchronous colocated run on ``device`` generates while it trains (``auto``: on CPU)."""
+        return device != "cuda" if self.generate_during_train == "auto" else bool(self.generate_during_train)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("batch_size", "n_samples", "max_new_tokens", "max_concurrent"):
@@ -249,6 +254,11 @@ class RolloutSection(RolloutEngineSettings):
             self.max_head_offpolicyness >= 0,
             "rollout.max_head_offpolicyness",
             f"must be >= 0, got {self.max_head_offpolicyness}",
+        )
+        check_config(
+            self.generate_during_train in (True, False, "auto"),
+            "rollout.generate_during_train",
+            f"must be true, false or auto, got {self.generate_during_train!r}",
         )
         check_config(self.kv_blocks >= 0, "rollout.kv_blocks", f"must be >= 0 (0 = automatic), got {self.kv_blocks}")
         check_config(
@@ -629,7 +639,7 @@ class ArenoConfig:
             "(cluster.train_devices/rollout_devices or a '+' allocation_mode): turn one of them off",
         )
         check_config(
-            self.rollout.generate_during_train or (self.rollout.backend == "areno" and not partitioned),
+            self.rollout.generate_during_train is not False or (self.rollout.backend == "areno" and not partitioned),
             "rollout.generate_during_train",
             "false pauses areno's engine on the trainer's device during each training step; this run generates "
             f"{'on its own rollout devices' if partitioned else 'with ' + self.rollout.backend + ' servers'}, "

@@ -45,7 +45,7 @@ def colocated_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
         residency = SleepResidency(training, rollout, device)
     else:
         residency = Residency(device)
-    return ArenoEngine(config, run_dir, training=training, rollout=rollout, residency=residency)
+    return ArenoEngine(config, run_dir, training=training, rollout=rollout, residency=residency, shared_device=device)
 
 
 def server_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:

@@ -63,7 +63,7 @@ def test_taking_turns_pauses_the_engine_for_each_training_step(tmp_path):
     assert [(paused, before == after) for paused, before, after in seen] == [(True, True), (True, True)]
 
 
-def test_by_default_the_engine_generates_beside_training(tmp_path):
+def test_on_cpu_the_engine_generates_beside_training_by_default(tmp_path):
     seen = _engine_during_training(tmp_path)
     assert [paused for paused, _, _ in seen] == [False, False]
     assert any(after > before for _, before, after in seen)  # η = 2 batches ahead: there is work to do
@@ -79,3 +79,13 @@ def test_by_default_the_engine_generates_beside_training(tmp_path):
 def test_taking_turns_without_a_shared_device_is_refused(tmp_path, extra, where):
     with pytest.raises(ConfigError, match=f"rollout.generate_during_train: .*{where}.*drop the key"):
         _config(tmp_path, "rollout.generate_during_train=false", *extra)
+
+
+def test_auto_takes_turns_on_cuda_and_overlaps_on_cpu(tmp_path):
+    rollout = _config(tmp_path).rollout
+    assert rollout.generate_during_train == "auto"
+    assert rollout.resolved_generate_during_train("cpu") and not rollout.resolved_generate_during_train("cuda")
+    with pytest.raises(
+        ConfigError, match="rollout.generate_during_train: must be true, false or auto, got 'sometimes'"
+    ):
+        _config(tmp_path, "rollout.generate_during_train=sometimes")
