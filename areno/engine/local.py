@@ -265,6 +265,7 @@ class LocalRolloutSide(RolloutSide):
     def shutdown(self) -> None:
         if self._client is not None:
             self._client.close()
+        self.weights_offloader.release()
 
 
 class SleepResidency(Residency):

@@ -588,6 +588,7 @@ class PackedTrainBackend(TrainBackend):
     def shutdown(self) -> None:
         if self._offloader.asleep:
             self._offloader.wake()
+        self._offloader.release()
         self.optimizer = None
         self._initialized = False
 

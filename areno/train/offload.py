@@ -3,10 +3,13 @@ device and back.
 
 Storages are resized in place (``untyped_storage().resize_(0)``) rather than tensors being replaced,
 so every reference to a tensor (the optimizer, FSDP's sharded views, peft) stays valid and
-``wake`` restores the same bytes at the same tensor identities. On CUDA the host copies are pinned
-and the caching allocator is emptied after sleep so that a colocated rollout engine can take the
-memory. A sleep whose bytes would not fit in the host's available memory is refused before it
-copies anything (the kernel's out-of-memory killer would otherwise end the run without a word).
+``wake`` restores the same bytes at the same tensor identities. The host copies live in one buffer of
+exactly their size, kept for the next sleep; on CUDA it is page-locked with ``cudaHostRegister``
+(PyTorch's pinned allocator rounds each block up to a power of two, close to 2x host memory for
+a model's tensors), and the caching allocator is emptied after sleep so that a colocated rollout
+engine can take the memory. A sleep whose bytes would not fit in the host's available memory is
+refused before it copies anything (the kernel's out-of-memory killer would otherwise end the run
+without a word).
 """
 
 from __future__ import annotations
@@ -48,11 +51,25 @@ def available_host_bytes() -> int | None:
     return None
 
 
+HOST_ALIGN = 4096
+"""Byte alignment of each storage's slot in the host buffer (page-aligned copies)."""
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage``'s bytes (copies through it reach the storage)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
 class StorageOffloader:
-    """Holds host copies of device storages between ``sleep`` and ``wake``."""
+    """Holds host copies of device storages between ``sleep`` and ``wake``, in one host buffer that
+    the next sleep reuses (``release`` gives it back)."""
 
     def __init__(self) -> None:
-        self._saved: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self._saved: list[tuple[torch.UntypedStorage, int, int]] = []
+        """(storage, offset in the host buffer, bytes) of each parked storage."""
+        self._host: torch.Tensor | None = None
+        self._registered = False
+        """Whether ``_host`` is page-locked through ``cudaHostRegister``."""
 
     @property
     def asleep(self) -> bool:
@@ -61,7 +78,12 @@ class StorageOffloader:
     @property
     def held_bytes(self) -> int:
         """Bytes waiting in host memory for ``wake`` (0 when awake)."""
-        return sum(host.nbytes() for _, host in self._saved)
+        return sum(nbytes for _, _, nbytes in self._saved)
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Bytes of the host buffer kept for the sleeps (0 before the first and after ``release``)."""
+        return self._host.numel() if self._host is not None else 0
 
     def sleep(self, tensors: Iterable[torch.Tensor]) -> int:
         """Copy each distinct storage to host memory, free it; returns the bytes freed."""
@@ -72,22 +94,48 @@ class StorageOffloader:
             storage = t.untyped_storage()
             if storage.nbytes() > 0:
                 storages.setdefault(storage.data_ptr(), storage)
-        self._check_host_room(storages.values())
-        freed = 0
+        slots, offset = [], 0
         for storage in storages.values():
-            nbytes = storage.nbytes()
-            pin = storage.device.type == "cuda"
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
-            host.copy_(storage, non_blocking=pin)
-            self._saved.append((storage, host))
-            freed += nbytes
-        if any(s.device.type == "cuda" for s, _ in self._saved):
+            slots.append((storage, offset, storage.nbytes()))
+            offset += -(-storage.nbytes() // HOST_ALIGN) * HOST_ALIGN
+        cuda = any(s.device.type == "cuda" for s in storages.values())
+        host = self._host_buffer(offset, storages.values(), pin=cuda)
+        for storage, start, nbytes in slots:
+            host[start : start + nbytes].copy_(_as_bytes(storage), non_blocking=cuda)
+        self._saved = slots
+        if cuda:
             torch.cuda.synchronize()
-        for storage, _ in self._saved:
+        for storage, _, _ in slots:
             storage.resize_(0)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return freed
+        return self.held_bytes
+
+    def _host_buffer(self, nbytes: int, storages: Iterable[torch.UntypedStorage], *, pin: bool) -> torch.Tensor:
+        """The kept host buffer when it is large enough (and pinned as ``pin`` asks), else a new one."""
+        if self._host is not None and self._host.numel() >= nbytes and self._registered == pin:
+            return self._host
+        self.release()
+        self._check_host_room(storages)
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        if pin and nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
+            if err != 0:  # the copies would still work, synchronously: say so instead of slowing down
+                raise RuntimeError(
+                    f"cluster.offload=sleep: cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err})"
+                )
+            self._registered = True
+        self._host = host
+        return host
+
+    def release(self) -> None:
+        """Give the host buffer back (unpinned first); a no-op while asleep or without one."""
+        if self._saved or self._host is None:
+            return
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+            self._registered = False
+        self._host = None
 
     @staticmethod
     def _check_host_room(storages: Iterable[torch.UntypedStorage]) -> None:
@@ -103,11 +151,13 @@ class StorageOffloader:
     def wake(self) -> int:
         """Reallocate every storage and copy its bytes back; returns the bytes restored."""
         restored = 0
-        for storage, host in self._saved:
-            storage.resize_(host.nbytes())
-            storage.copy_(host, non_blocking=storage.device.type == "cuda")
-            restored += host.nbytes()
-        if any(s.device.type == "cuda" for s, _ in self._saved):
+        cuda = False
+        for storage, start, nbytes in self._saved:
+            storage.resize_(nbytes)
+            cuda = cuda or storage.device.type == "cuda"
+            _as_bytes(storage).copy_(self._host[start : start + nbytes], non_blocking=storage.device.type == "cuda")
+            restored += nbytes
+        if cuda:
             torch.cuda.synchronize()
         self._saved = []
         return restored

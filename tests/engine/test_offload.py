@@ -222,3 +222,37 @@ def test_a_finished_cuda_run_leaves_no_device_memory_behind(tmp_path):
     del trainer
     gc.collect()
     assert torch.cuda.memory_allocated() - before < 2**20
+
+
+def _parking_round_trip(device: str) -> StorageOffloader:
+    """Three tensors of awkward sizes parked twice: the same bytes come back at the same storages, in one
+    host buffer of their page-aligned sizes (no power-of-two rounding) that the second sleep reuses."""
+    tensors = [torch.randn(n, device=device) for n in (1000, 70_001, 3)]  # one shared below
+    tensors.append(tensors[1][5:10])
+    before = [t.clone() for t in tensors]
+    offloader = StorageOffloader()
+    assert offloader.sleep(tensors) == 4 * (1000 + 70_001 + 3)
+    buffer = offloader._host
+    assert offloader.host_buffer_bytes == 4096 + 4096 * 69 + 4096  # 4,000 B, 280,004 B, 12 B, each page-aligned
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    offloader.wake()
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+    offloader.sleep(tensors)
+    assert offloader._host is buffer
+    offloader.wake()
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+    return offloader
+
+
+def test_parked_bytes_share_one_exact_host_buffer_reused_by_the_next_sleep():
+    offloader = _parking_round_trip("cpu")
+    offloader.release()
+    assert offloader.host_buffer_bytes == 0
+
+
+@pytest.mark.gpu
+def test_parked_cuda_bytes_sit_in_page_locked_memory_of_their_size():
+    offloader = _parking_round_trip("cuda")
+    assert offloader._host.is_pinned()
+    offloader.release()
+    assert offloader.host_buffer_bytes == 0
