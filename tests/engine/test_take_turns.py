@@ -10,27 +10,14 @@ import pytest
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.errors import ConfigError
+from tests.helpers.configs import tiny_run_overrides
 
 
 def _config(tmp_path, *extra):
-    return load_config(
-        None,
-        [
-            f"run_dir={tmp_path / 'run'}",
-            f"model.path={tmp_path / 'model'}",
-            "model.init_tiny={hidden_size: 32, layers: 1, heads: 2, kv_heads: 1, intermediate_size: 64}",
-            "data.task=arithmetic",
-            "data.num_eval=0",
-            "rollout.batch_size=2",
-            "rollout.n_samples=2",
-            "rollout.max_new_tokens=128",
-            "rollout.max_head_offpolicyness=2",
-            "train.steps=2",
-            "cluster.device=cpu",
-            "observe.console=false",
-            *extra,
-        ],
-    )
+    """``tiny_run_overrides`` with groups long enough for a running engine to take steps during training."""
+    overrides = tiny_run_overrides(tmp_path, num_eval=0)
+    more = ["rollout.n_samples=2", "rollout.max_new_tokens=128", "rollout.max_head_offpolicyness=2", "train.steps=2"]
+    return load_config(None, [*overrides, *more, *extra])
 
 
 def _engine_during_training(tmp_path, *extra) -> list[tuple[bool, int, int]]:
