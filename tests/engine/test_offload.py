@@ -256,3 +256,49 @@ def test_parked_cuda_bytes_sit_in_page_locked_memory_of_their_size():
     assert offloader._host.is_pinned()
     offloader.release()
     assert offloader.host_buffer_bytes == 0
+
+
+def test_a_woken_training_phase_brings_the_optimizer_state_back_only_for_the_optimizer_step(tmp_path):
+    """Under sleep, forwards and backwards of a step after the first run with the AdamW moments still in
+    host memory (a phase never holds them with activations); they are back at the optimizer step. A
+    checkpoint saved after every step (which wakes them too) leaves the run equal to ``none``'s."""
+    rows_none = _run(_config(tmp_path, "none", "cluster.offload=none", "train.save_interval=1"))
+    trainer = Trainer.init(_config(tmp_path, "sleep", "cluster.offload=sleep", "train.save_interval=1"))
+    events: list[tuple[str, int | None]] = []
+    try:
+        policy = trainer.backend.engine.training.runner.backends["policy"]
+        optimizer = policy.optimizer
+
+        def moment_bytes() -> int | None:  # None before the first step creates the moments
+            moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
+            return _storage_bytes(moments) if moments else None
+
+        policy.model.register_forward_pre_hook(lambda module, args: events.append(("forward", moment_bytes())))
+        trained = next(p for p in policy.model.parameters() if p.requires_grad)
+        trained.register_hook(lambda grad: events.append(("backward", moment_bytes())))
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: events.append(("step", moment_bytes())))
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    rows_sleep = [
+        {k: v for k, v in json.loads(line).items() if _deterministic(k)}
+        for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert rows_sleep == rows_none
+    steps, phase = [], []
+    for kind, nbytes in events:  # split at each optimizer step: the forwards and backwards before it
+        if kind == "step":
+            steps.append((phase, nbytes))
+            phase = []
+        else:
+            phase.append((kind, nbytes))
+    assert len(steps) == 3
+    assert all(nbytes is None for _, nbytes in steps[0][0]) and steps[0][1] is None  # created by the first step
+    for before_step, at_step in steps[1:]:
+        assert {kind for kind, _ in before_step} == {"forward", "backward"}
+        assert all(nbytes == 0 for _, nbytes in before_step), before_step
+        assert at_step > 0
+    for step in (1, 2, 3):
+        weights_none = load_file(tmp_path / "none" / f"checkpoints/step_{step:08d}/hf/model.safetensors")
+        weights_sleep = load_file(tmp_path / "sleep" / f"checkpoints/step_{step:08d}/hf/model.safetensors")
+        assert all(torch.equal(t, weights_sleep[name]) for name, t in weights_none.items())
