@@ -208,6 +208,11 @@ def test_a_lazy_wake_keeps_the_optimizer_state_parked_until_its_first_use(model_
     ref.save_checkpoint(tmp_path / "ref", extra_state={})
     for x, y in zip(b.optimizer.state.values(), ref.optimizer.state.values()):
         assert torch.equal(x["exp_avg"], y["exp_avg"]) and torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
+    sum(p.sum() for p in b.model.parameters()).backward()  # gradients outside a step: parked with the state
+    grads = [p.grad.clone() for p in b.model.parameters()]
+    b.sleep()
+    assert b.wake(lazy=True) > 0 and moment_bytes() == resident  # backward adds to them: all back at once
+    assert all(torch.equal(p.grad, g) for p, g in zip(b.model.parameters(), grads))
 
 
 def test_lora_trains_only_adapters_and_exports_merged(model_dir, tmp_path):
