@@ -56,7 +56,7 @@ class LocalTrainingSide(TrainingSide):
     _placed: RoleBackends | None = None
     """The roles' backends and workers when ``cluster.role_devices`` (or allocation_mode) moves roles apart."""
     asleep: bool = False
-    """Every role's weights, gradients and optimizer state wait in host memory (``sleep``)."""
+    """The roles' gradients and optimizer state wait in host memory (``sleep``; their weights stay)."""
 
     def __init__(
         self, config: ArenoConfig, device: torch.device, *, export_root: Path, measure_rollout_logprobs: bool = False
@@ -143,10 +143,12 @@ class LocalTrainingSide(TrainingSide):
         return sum(backend.sleep() for backend in self._shared_device_backends())
 
     def wake(self) -> None:
-        """Bring back what ``sleep`` moved (the same bytes, the same tensors)."""
+        """Bring back what ``sleep`` moved (the same bytes, the same tensors), lazily: each role's
+        optimizer state returns just before its optimizer step (or a checkpoint save or load), after the
+        activations of its forwards and backwards are freed (``PackedTrainBackend.wake(lazy=True)``)."""
         if self.asleep:
             for backend in self._shared_device_backends():
-                backend.wake()
+                backend.wake(lazy=True)
             self.asleep = False
 
     def shutdown(self) -> None:
@@ -273,7 +275,8 @@ class SleepResidency(Residency):
 
         ROLLOUT  the rollout engine's weights and KV cache, the training weights; gradients and
                  optimizer state asleep in host memory
-        TRAIN    the training side; the engine's weights and KV cache released
+        TRAIN    the training side, its optimizer state from each role's optimizer step on (forwards
+                 and backwards run without it); the engine's weights and KV cache released
         SYNC     the training side and the engine's weights (its KV cache stays released)
 
     Releases come before wakes, so the device never holds two phases' state at once; sleep and wake

@@ -130,6 +130,9 @@ class PackedTrainBackend(TrainBackend):
         self._ckpt_base_hashes: dict[str, str] = {}
         self._saves_since_full = 0
         self._offloader = StorageOffloader()
+        self._woken_lazily = False
+        """``wake(lazy=True)`` left the optimizer state in host memory; the first reader or writer of it
+        (``_restore_parked``) brings it back."""
         self._initialized = False
         self.compile_cache: Path | None = None
         """Inductor's cache directory when this backend compiles (``train.compile``), else None."""
@@ -275,8 +278,15 @@ class PackedTrainBackend(TrainBackend):
     def _check_ready(self) -> None:
         if not self._initialized:
             raise RuntimeError("call initialize(model_dir) first")
-        if self._offloader.asleep:
+        if self._offloader.asleep and not self._woken_lazily:
             raise RuntimeError("the backend is asleep; call wake() before using it")
+
+    def _restore_parked(self) -> None:
+        """Ready for a use of the optimizer state: bring back what a lazy ``wake`` left in host memory."""
+        self._check_ready()
+        if self._offloader.asleep:
+            self._offloader.wake()
+        self._woken_lazily = False
 
     # ------------------------------------------------------------------ micro-batches
     def plan(self, batch: TokenBatch) -> MicroBatchPlan:
@@ -427,6 +437,8 @@ class PackedTrainBackend(TrainBackend):
         """Clip and step, or skip a step whose (all-reduced) loss or global grad norm is not finite;
         raises ``NonFiniteStepError`` after ``max_consecutive_skips`` skips in a row. Returns the
         grad norm and the learning rate applied (0 when skipped)."""
+        # after the last backward: a lazily woken optimizer state never shares the device with activations
+        self._restore_parked()
         grad_norm, grad_groups = global_grad_norm(self.model.parameters())
         # The loss is all-reduced and the norm global, so every rank takes the same decision.
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -528,7 +540,7 @@ class PackedTrainBackend(TrainBackend):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path, extra_state: dict[str, Any]) -> None:
-        self._check_ready()
+        self._restore_parked()
         if not self._parameters_finite():
             raise NonFiniteParametersError(role=self.cfg.role_name, step=self._step, when="before saving a checkpoint")
         trainer_state = {
@@ -565,7 +577,7 @@ class PackedTrainBackend(TrainBackend):
             self.export_adapter(Path(path) / ADAPTER_SUBDIR)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        self._check_ready()
+        self._restore_parked()
         state = checkpoint.load(path, self.model, self.optimizer)
         self._step = state["step"]
         self._skipped_steps = state["skipped_steps"]
@@ -580,14 +592,26 @@ class PackedTrainBackend(TrainBackend):
     # ------------------------------------------------------------------ memory
     def sleep(self) -> int:
         self._check_ready()
+        if self._woken_lazily:  # woken, never used: the state is still in host memory
+            self._woken_lazily = False
+            return 0
         return self._offloader.sleep(training_state_tensors(self.model, self.optimizer))
 
-    def wake(self) -> int:
+    def wake(self, *, lazy: bool = False) -> int:
+        """Bring back what ``sleep`` moved; returns the bytes restored now. ``lazy``: the weights serve
+        forwards at once, but the optimizer state stays in host memory until its first use (the next
+        optimizer step, after the last backward; a checkpoint save or load), so a training phase never
+        holds it together with activations. Parked gradients come back at once (backward adds to them)."""
+        if lazy and not any(p.grad is not None for p in self.model.parameters()):
+            self._woken_lazily = self._offloader.asleep
+            return 0
+        self._woken_lazily = False
         return self._offloader.wake()
 
     def shutdown(self) -> None:
         if self._offloader.asleep:
             self._offloader.wake()
+        self._woken_lazily = False
         self._offloader.release()
         self.optimizer = None
         self._initialized = False

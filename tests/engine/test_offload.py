@@ -256,3 +256,77 @@ def test_parked_cuda_bytes_sit_in_page_locked_memory_of_their_size():
     assert offloader._host.is_pinned()
     offloader.release()
     assert offloader.host_buffer_bytes == 0
+
+
+def _run_observed(cfg, probe) -> tuple[list[dict], list[tuple[list[tuple[str, object]], object]]]:
+    """Run ``cfg`` through ``Trainer`` and call ``probe(optimizer)`` at every forward and backward of the
+    policy and at each optimizer step; returns the metric rows and, per optimizer step, the probes
+    (kind, value) of the forwards and backwards before it and the value at it."""
+    trainer = Trainer.init(cfg)
+    events: list[tuple[str, object]] = []
+    try:
+        policy = trainer.backend.engine.training.runner.backends["policy"]
+        optimizer = policy.optimizer
+        policy.model.register_forward_pre_hook(lambda module, args: events.append(("forward", probe(optimizer))))
+        trained = next(p for p in policy.model.parameters() if p.requires_grad)
+        trained.register_hook(lambda grad: events.append(("backward", probe(optimizer))))
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: events.append(("step", probe(optimizer))))
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps, before = [], []
+    for kind, value in events:  # split at each optimizer step
+        if kind == "step":
+            steps.append((before, value))
+            before = []
+        else:
+            before.append((kind, value))
+    return [{k: v for k, v in row.items() if _deterministic(k)} for row in rows], steps
+
+
+def _moments(optimizer) -> list[torch.Tensor]:
+    return [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
+
+
+def test_a_woken_training_phase_brings_the_optimizer_state_back_only_for_the_optimizer_step(tmp_path):
+    """Under sleep, forwards and backwards of a step after the first run with the AdamW moments still in
+    host memory (a phase never holds them with activations); they are back at the optimizer step. A
+    checkpoint saved after every step (which wakes them too) leaves the run equal to ``none``'s."""
+
+    def moment_bytes(optimizer) -> int | None:  # None before the first step creates the moments
+        return _storage_bytes(_moments(optimizer)) if _moments(optimizer) else None
+
+    rows_none = _run(_config(tmp_path, "none", "cluster.offload=none", "train.save_interval=1"))
+    cfg = _config(tmp_path, "sleep", "cluster.offload=sleep", "train.save_interval=1")
+    rows_sleep, steps = _run_observed(cfg, moment_bytes)
+    assert rows_sleep == rows_none
+    assert len(steps) == 3
+    assert all(nbytes is None for _, nbytes in steps[0][0]) and steps[0][1] is None  # created by the first step
+    for before_step, at_step in steps[1:]:
+        assert {kind for kind, _ in before_step} == {"forward", "backward"}
+        assert all(nbytes == 0 for _, nbytes in before_step), before_step
+        assert at_step > 0
+    for step in (1, 2, 3):
+        weights_none = load_file(tmp_path / "none" / f"checkpoints/step_{step:08d}/hf/model.safetensors")
+        weights_sleep = load_file(tmp_path / "sleep" / f"checkpoints/step_{step:08d}/hf/model.safetensors")
+        assert all(torch.equal(t, weights_sleep[name]) for name, t in weights_none.items())
+
+
+@pytest.mark.gpu
+def test_later_cuda_train_phases_hold_no_more_than_the_first_during_forward_and_backward(tmp_path):
+    """On one GPU under sleep: the device memory of a later step's forwards and backwards is that of the
+    first step's (whose moments do not exist yet), not that plus the moments woken before them."""
+    model = "model.init_tiny={hidden_size: 1024, layers: 8, heads: 16, kv_heads: 4, intermediate_size: 4096}"
+    cfg = _config(tmp_path, "run", "cluster.offload=sleep", "cluster.device=cuda", model, "rollout.kv_blocks=256")
+    moment_bytes = []
+
+    def allocated(optimizer) -> int:
+        moment_bytes.append(sum(t.nbytes for t in _moments(optimizer)))  # nominal sizes, also while parked
+        return torch.cuda.memory_allocated()
+
+    _, steps = _run_observed(cfg, allocated)
+    assert len(steps) == 3
+    first = max(value for _, value in steps[0][0])
+    for before_step, _ in steps[1:]:
+        assert max(value for _, value in before_step) < first + max(moment_bytes) / 2, (first, before_step)

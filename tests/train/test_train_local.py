@@ -175,6 +175,46 @@ def test_sleep_wake_round_trip(model_dir):
     assert step(b, random_batch(LENGTHS, VOCAB, 8))["loss"] == step(ref, random_batch(LENGTHS, VOCAB, 8))["loss"]
 
 
+def test_a_lazy_wake_keeps_the_optimizer_state_parked_until_its_first_use(model_dir, tmp_path):
+    """wake(lazy=True): forwards run at once, the moments come back at the optimizer step (after the last
+    backward) or a checkpoint save; a sleep before either has nothing left to move. The same numbers."""
+    b, ref = backend(model_dir), backend(model_dir)
+    for x in (b, ref):
+        step(x, random_batch(LENGTHS, VOCAB, 6))
+
+    def moment_bytes():
+        return sum(
+            s[k].untyped_storage().nbytes() for s in b.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")
+        )
+
+    resident = moment_bytes()
+    assert b.sleep() >= resident > 0
+    assert b.wake(lazy=True) == 0 and moment_bytes() == 0
+    b.forward_only(random_batch(LENGTHS, VOCAB, 7), forward_fn=nll_forward)  # weights only: stays parked
+    assert moment_bytes() == 0
+    assert b.sleep() == 0  # still in host memory: nothing to move
+    with pytest.raises(RuntimeError, match="asleep"):
+        step(b, random_batch(LENGTHS, VOCAB, 7))
+    b.wake(lazy=True)
+    at_step = []
+    b.optimizer.register_step_pre_hook(lambda opt, args, kwargs: at_step.append(moment_bytes()))
+    b.model.register_forward_pre_hook(lambda module, args: at_step.append(moment_bytes()))
+    assert step(b, random_batch(LENGTHS, VOCAB, 8)) == step(ref, random_batch(LENGTHS, VOCAB, 8))
+    assert at_step[0] == 0 and at_step[-1] == resident
+    b.sleep()
+    b.wake(lazy=True)
+    b.save_checkpoint(tmp_path / "ck", extra_state={})  # reads the moments: they come back first
+    assert moment_bytes() == resident
+    ref.save_checkpoint(tmp_path / "ref", extra_state={})
+    for x, y in zip(b.optimizer.state.values(), ref.optimizer.state.values()):
+        assert torch.equal(x["exp_avg"], y["exp_avg"]) and torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
+    sum(p.sum() for p in b.model.parameters()).backward()  # gradients outside a step: parked with the state
+    grads = [p.grad.clone() for p in b.model.parameters()]
+    b.sleep()
+    assert b.wake(lazy=True) > 0 and moment_bytes() == resident  # backward adds to them: all back at once
+    assert all(torch.equal(p.grad, g) for p, g in zip(b.model.parameters(), grads))
+
+
 def test_lora_trains_only_adapters_and_exports_merged(model_dir, tmp_path):
     b = backend(model_dir, lora=LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj")), lr=0.05)
     base = {k: v.clone() for k, v in b.model.state_dict().items()}

@@ -44,19 +44,19 @@ def _weights(backend: FSDP2TrainBackend) -> dict[str, torch.Tensor]:
 
 def _arms(model_dir: str, ckpt: Path, **cfg) -> dict:
     """Three steps straight on; the third again after a checkpoint round trip, and after a checkpoint
-    round trip and a sleep / wake."""
+    round trip and a sleep / wake (eager, or lazy: the optimizer state back only at the optimizer step)."""
     straight = _backend(model_dir, **cfg)
     first = [_step(straight, s) for s in range(2)]
     straight.save_checkpoint(ckpt, {"pos": 2})
     out = {"n_fsdp_modules": len(straight._fsdp_modules), "first": first, "straight": _step(straight, 2)}
     out["straight_weights"] = _weights(straight)
     straight.shutdown()
-    for arm in ("resumed", "woken"):
+    for arm in ("resumed", "woken", "woken_lazily"):
         backend = _backend(model_dir, **cfg)
         assert backend.load_checkpoint(ckpt) == {"pos": 2}
-        if arm == "woken":
+        if arm != "resumed":
             backend.sleep()
-            backend.wake()
+            backend.wake(lazy=arm == "woken_lazily")
         out[arm], out[f"{arm}_weights"] = _step(backend, 2), _weights(backend)
         backend.shutdown()
     return out
@@ -86,7 +86,7 @@ def test_one_rank_step_is_one_fsdp_group_and_resumes_bit_for_bit(one_rank_result
     assert len(first) > 5 and first["mbs"] >= 3 and all(math.isfinite(v) for v in first.values())
     if variant == "plain":
         assert first["grad_norm"] > CFG["grad_clip"]  # clipping acts
-    for arm in ("resumed", "woken"):
+    for arm in ("resumed", "woken", "woken_lazily"):
         assert arms[arm] == arms["straight"], arm  # every value, bit for bit
         for name, weight in arms["straight_weights"].items():
             assert torch.equal(weight, arms[f"{arm}_weights"][name]), (arm, name)
