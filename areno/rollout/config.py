@@ -73,8 +73,8 @@ class RolloutEngineSettings:
     once at the end (tokens past a request's end are discarded; requests join at the next round
     trip, so with requests waiting for a slot a batch of fewer than ``WAITING_CLAMP_MAX_ROWS`` rows
     caps k by its shortest remaining length). The per-step host cost (scheduling, block tables,
-    output bookkeeping) is divided by k. 0: 8 on CUDA, 1 elsewhere (where host overhead is small
-    next to the forward pass). 1 returns to the host after every token."""
+    output bookkeeping) is divided by k. 0: 8 (on CUDA and CPU). 1 returns to the host after every
+    token."""
     mixed_decode_min_rows: int | None = 32
     """With ``decode_steps`` k > 2, a mixed step (prefill chunks of newly admitted requests beside
     decoding rows; graph-less) in which at least this many rows sample, every scheduled sequence

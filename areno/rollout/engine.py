@@ -122,7 +122,7 @@ class RolloutEngine:
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_position = model_config.max_position_embeddings
-        self.decode_steps = config.decode_steps or (8 if self.device.type == "cuda" else 1)
+        self.decode_steps = config.decode_steps or 8
         mixed_k = self.decode_steps - 1 if config.mixed_decode_min_rows is not None else 0
         self.loop_steps = (self.decode_steps,) + ((mixed_k,) if mixed_k > 1 else ())
         """Decode steps of one round trip's device loop: ``decode_steps`` (pure decode) and, with

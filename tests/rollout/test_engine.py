@@ -144,7 +144,8 @@ def test_weight_swap_mid_generation_records_versions(tiny):
     eng = RolloutEngine(
         model,
         cfg,
-        config=RolloutEngineConfig(block_size=4, num_blocks=64, recompute_kv_on_weight_update=True),
+        # decode_steps=1: the swap must land after exactly 5 tokens, one per step
+        config=RolloutEngineConfig(block_size=4, num_blocks=64, recompute_kv_on_weight_update=True, decode_steps=1),
         eos_token_ids=(),
     )
     rid = eng.add_request(prompt, GREEDY)
@@ -273,7 +274,7 @@ def test_add_request_does_not_wait_for_a_running_step(tiny):
 
 def test_pause_resume_abort(tiny):
     model, _ = tiny
-    eng = engine(tiny)
+    eng = engine(tiny, decode_steps=1)  # two steps => exactly two tokens before the pause
     prompts = random_prompts(2, seed=13)
     a = eng.add_request(prompts[0], GREEDY)
     b = eng.add_request(prompts[1], GREEDY)

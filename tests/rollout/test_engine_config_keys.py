@@ -43,6 +43,19 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     assert engine.config.enable_prefix_sharing is fused and engine.config.max_tokens_per_step == 96
 
 
+def test_decode_steps_default_is_eight_on_cpu(tiny_model_dir, tmp_path):
+    """``rollout.decode_steps`` unset (0 = engine default): 8 decode steps per round trip on CPU as on CUDA."""
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu"])
+    from transformers import AutoTokenizer
+
+    from areno.engine.api import resolve_device
+
+    colocated = LocalRolloutSide(cfg, resolve_device("cpu"))
+    colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = colocated._build_rollout_engine(tiny_model_dir)
+    assert cfg.rollout.decode_steps == 0 and engine.decode_steps == 8
+
+
 def test_cuda_graph_max_batch_defaults_to_the_running_batch_and_is_validated():
     from areno.rollout.engine import RolloutEngineConfig
 
