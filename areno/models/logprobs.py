@@ -8,7 +8,8 @@ Logits are computed chunk by chunk from the final hidden states: forward keeps o
 log-sum-exp, and backward recomputes each chunk's logits, so peak memory is one chunk of
 ``[chunk_size, V]`` fp32 logits in both passes. A small head (all chunks within
 ``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps forward's fp32 log-softmax chunks for
-backward instead, which saves the recomputing matmul; the values are the same either way. The matmul runs in the model dtype and the softmax
+backward instead, which saves the recomputing matmul, and with the entropy also their exponentials (the
+softmax); the values are the same either way. The matmul runs in the model dtype and the softmax
 in fp32, as ``Decoder.logits(...).float()`` would.
 
 Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = tokens of a chunk.
@@ -114,6 +115,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             fused is None and any(ctx.needs_input_grad[:2]) and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
         )
         ctx.kept = [] if keep else None
+        # with entropy, forward exponentiates the log-softmax anyway: backward reuses it when both fit
+        keep_p = keep and with_entropy and 2 * T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
+        ctx.kept_p = [] if keep_p else None
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
             if fused is not None:
@@ -128,7 +132,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse_T[s:e] = lse_C
             logp_CV = z_CV.sub_(lse_C[:, None])  # in place: at most two [C, V] fp32 buffers live
             logprobs_T[s:e] = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
-            if with_entropy:
+            if keep_p:
+                p_CV = logp_CV.exp()
+                entropy_T[s:e] = -(p_CV * logp_CV).sum(-1)
+                ctx.kept_p.append(p_CV)
+            elif with_entropy:
                 entropy_T[s:e] = -(logp_CV.exp().mul_(logp_CV)).sum(-1)
             if keep:
                 ctx.kept.append(logp_CV)
@@ -162,6 +170,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # forward's log-softmax chunks, used once: backward overwrites them, and a second backward
         # (retain_graph) recomputes
         kept, ctx.kept = ctx.kept, None
+        kept_p, ctx.kept_p = ctx.kept_p, None
         for i, s in enumerate(range(0, T, chunk_size)):
             e = min(s + chunk_size, T)
             if fused is not None:
@@ -186,7 +195,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 logp_CV, kept[i] = kept[i], None
             else:
                 logp_CV = _chunk_logits(hidden_TD[s:e], weight_VD, tau).sub_(lse_T[s:e, None])
-            p_CV = logp_CV.exp()
+            if kept_p is not None:
+                p_CV, kept_p[i] = kept_p[i], None
+            else:
+                p_CV = logp_CV.exp()
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
             # d logp[target]/dz_j = onehot_j - p_j;  d H/dz_j = -p_j (logp_j + H)   (H = -sum p logp)
             # so dL/dz_j = g * onehot_j - p_j * (g + g_H * (logp_j + H)), built in place.

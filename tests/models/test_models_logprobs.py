@@ -159,12 +159,14 @@ def test_attention_gets_autocast_dtype_inputs():
     assert seen == [{torch.float32}] * 2, seen
 
 
-@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("with_entropy, entropy_in_loss", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(monkeypatch, with_entropy, temperature):
-    """A small head keeps forward's log-softmax for backward (KEEP_LOGSOFTMAX_MAX_BYTES); a large one
-    recomputes the logits there. Both give the same values and gradients, also over two backwards
-    of one graph (retain_graph: the second recomputes)."""
+def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(
+    monkeypatch, with_entropy, entropy_in_loss, temperature
+):
+    """A small head keeps forward's log-softmax for backward (KEEP_LOGSOFTMAX_MAX_BYTES), with the
+    entropy also its softmax when both fit; a large one recomputes the logits there. All give the same
+    values and gradients, also over two backwards of one graph (retain_graph: the second recomputes)."""
     from areno.models import logprobs as lp_mod
 
     torch.manual_seed(0)
@@ -176,13 +178,15 @@ def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(monkeypatch
         monkeypatch.setattr(lp_mod, "KEEP_LOGSOFTMAX_MAX_BYTES", budget)
         h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
         lp, ent = logprobs_from_hidden(h, w, tgt, temperature, 5, with_entropy=with_entropy)
-        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
+        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_in_loss else 0.0)
         loss.backward(retain_graph=True)
         first = (h.grad.clone(), w.grad.clone())
         loss.backward()
-        return lp.detach(), first, (h.grad, w.grad)
+        return (lp.detach(), ent.detach() if with_entropy else lp.detach()), first, (h.grad, w.grad)
 
-    kept, recomputed = run(1 << 30), run(0)
-    assert torch.equal(kept[0], recomputed[0])
-    for a, b in zip(kept[1] + kept[2], recomputed[1] + recomputed[2]):
-        assert torch.equal(a, b)
+    recomputed = run(0)
+    for budget in (1 << 30, 23 * VOCAB * 4):  # log-softmax and softmax kept; the log-softmax alone
+        kept = run(budget)
+        assert all(torch.equal(a, b) for a, b in zip(kept[0], recomputed[0]))
+        for a, b in zip(kept[1] + kept[2], recomputed[1] + recomputed[2]):
+            assert torch.equal(a, b)
