@@ -80,6 +80,9 @@ def _entry(rank: int, world: int, port: int, fn, args, err_dir: str) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        # both ranks done with their collectives before either tears its group down (a rank leaving while
+        # its peer's gloo work was in flight once ended in std::terminate)
+        dist.barrier()
     except BaseException:
         Path(err_dir, f"rank{rank}.err").write_text(traceback.format_exc())
         raise
