@@ -358,7 +358,8 @@ class ClusterSection:
     """What a colocated run keeps on the device between phases: `none` (everything, always) or
     `sleep` (while rolling out, the training gradients and optimizer state wait in host memory, the
     optimizer state until the optimizer step after the next backward; while training, the rollout
-    engine's weights and KV cache do; each is brought back before the phase that uses it). Costs host copies each step; needs a synchronous colocated run."""
+    engine's weights and KV cache do; each is brought back before the phase that uses it). Costs host
+    copies each step; needs a synchronous colocated run."""
 
     def string_role_devices(self) -> dict[str, list[int]] | None:
         """The role placements of a colocated ``allocation_mode`` (``role_placements``: rollout and the
