@@ -2,9 +2,18 @@
 and the training forwards' CUDA attention (``build_role_backends``)."""
 
 import pytest
+from transformers import AutoTokenizer
 
 from areno.api.config import load_config
+from areno.engine.api import resolve_device
 from areno.engine.local import LocalRolloutSide
+
+
+def _colocated_engine(cfg, model_dir):
+    """The engine ``LocalRolloutSide`` builds for ``cfg`` on the CPU."""
+    colocated = LocalRolloutSide(cfg, resolve_device("cpu"))
+    colocated.tokenizer = AutoTokenizer.from_pretrained(model_dir)  # what start() sets before building the engine
+    return colocated._build_rollout_engine(model_dir)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -26,13 +35,7 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
             "rollout.max_tokens_per_step=96",
         ],
     )
-    from transformers import AutoTokenizer
-
-    from areno.engine.api import resolve_device
-
-    colocated = LocalRolloutSide(cfg, resolve_device("cpu"))
-    colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # what start() sets before building the engine
-    engine = colocated._build_rollout_engine(tiny_model_dir)
+    engine = _colocated_engine(cfg, tiny_model_dir)
     assert engine.model.projections_fused is fused
     assert engine.config.fused_projections is fused and engine.config.cuda_graphs is False
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
@@ -46,13 +49,7 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
 def test_decode_steps_default_is_eight_on_cpu(tiny_model_dir, tmp_path):
     """``rollout.decode_steps`` unset (0 = engine default): 8 decode steps per round trip on CPU as on CUDA."""
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu"])
-    from transformers import AutoTokenizer
-
-    from areno.engine.api import resolve_device
-
-    colocated = LocalRolloutSide(cfg, resolve_device("cpu"))
-    colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    engine = colocated._build_rollout_engine(tiny_model_dir)
+    engine = _colocated_engine(cfg, tiny_model_dir)
     assert cfg.rollout.decode_steps == 0 and engine.decode_steps == 8
 
 
