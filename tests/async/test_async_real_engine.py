@@ -22,7 +22,9 @@ def engine_and_client(tiny_model_dir, char_tokenizer):
     engine = RolloutEngine(
         model,
         cfg,
-        config=RolloutEngineConfig(num_blocks=256),
+        # one token per round trip: a request spends 23 steps mid-generation where a sync can land (at the
+        # default 8 it spends two, and a loaded machine can miss both)
+        config=RolloutEngineConfig(num_blocks=256, decode_steps=1),
         eos_token_ids=[char_tokenizer.eos_token_id],
         tokenizer=char_tokenizer,
     )
