@@ -199,6 +199,11 @@ def free_memory(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def default_param_dtype(args) -> str:
+    """``--param-dtype``, else the benches' master weights: bfloat16 on CUDA, float32 elsewhere."""
+    return args.param_dtype or ("bfloat16" if args.device == "cuda" else "float32")
+
+
 def alloc_retries(device: str) -> int:
     """CUDA: how often the caching allocator has freed its cache to retry an allocation (0 elsewhere)."""
     return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device == "cuda" else 0
@@ -653,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--warmup and --steps must be >= 1 (the first step allocates and compiles)")
     if args.async_eta < 1:
         raise ValueError(f"--async-eta must be >= 1 (got {args.async_eta}); eta 0 is the colocated system 'areno'")
-    param_dtype = args.param_dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    param_dtype = default_param_dtype(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)
     num_seqs = args.prompts * args.samples

@@ -87,7 +87,7 @@ def run_arm(args, shape: str, mode: str, workdir: Path) -> dict:
         areno_async_set=[],
         async_eta=1,
     )
-    param_dtype = args.param_dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    param_dtype = e2e.default_param_dtype(args)
     try:
         res = e2e.run_areno(
             e2e_args,

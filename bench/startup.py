@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     data_path = workdir / "prompts.jsonl"
     prompts = e2e.make_prompts(tokenizer, e2e_args.prompts * 4, prompt_len)
     data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
-    param_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    param_dtype = e2e.default_param_dtype(e2e_args)
     cache_dir = workdir / "inductor-cache"  # empty before the cold run
     runs = {}
     for name in ("cold", "warm"):
