@@ -35,6 +35,7 @@ from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, te
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.session import configure_sessions
+from areno.observe.profile import profiled_step
 from areno.observe.startup import startup_to_first_token_s
 from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span
 from areno.train import checkpoint
@@ -142,20 +143,21 @@ class Trainer:
         for rollout_id in range(self.start_rollout_id, cfg.steps):
             t0 = time.perf_counter()
             step = rollout_id + 1
-            with span("rollout", "trainer", rollout_id=rollout_id):
-                rollout = self.rollout_token_batch(rollout_id)
-            fault_point("rollout", step)
-            t1 = time.perf_counter()
-            for pass_idx in range(cfg.num_train_passes):
-                data = rollout if pass_idx == 0 else reshuffle(rollout, pass_seed(cfg.seed, rollout_id, pass_idx))
-                with span("train", "trainer", rollout_id=rollout_id, pass_idx=pass_idx):
-                    train_metrics = self.train(rollout_id, data)
-            fault_point("train", step)
-            t2 = time.perf_counter()
-            with span("policy_sync", "trainer", rollout_id=rollout_id):
-                sync_metrics = self.backend.update_weights()
-            fault_point("policy_sync", step)
-            t3 = time.perf_counter()
+            with profiled_step(self.run_dir, step, self.config.observe.profile_steps):
+                with span("rollout", "trainer", rollout_id=rollout_id):
+                    rollout = self.rollout_token_batch(rollout_id)
+                fault_point("rollout", step)
+                t1 = time.perf_counter()
+                for pass_idx in range(cfg.num_train_passes):
+                    data = rollout if pass_idx == 0 else reshuffle(rollout, pass_seed(cfg.seed, rollout_id, pass_idx))
+                    with span("train", "trainer", rollout_id=rollout_id, pass_idx=pass_idx):
+                        train_metrics = self.train(rollout_id, data)
+                fault_point("train", step)
+                t2 = time.perf_counter()
+                with span("policy_sync", "trainer", rollout_id=rollout_id):
+                    sync_metrics = self.backend.update_weights()
+                fault_point("policy_sync", step)
+                t3 = time.perf_counter()
             timing = {
                 "timing/rollout_s": t1 - t0,
                 "timing/train_s": t2 - t1,

@@ -510,6 +510,9 @@ class ObserveSection:
     """Show the progress bar."""
     sessions: bool = False
     """Record agent episodes (turns, tool calls, rewards) to run_dir/sessions.jsonl."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Trainer steps (1-based) to run under ``torch.profiler``: a Chrome trace and a table of the
+    operators and kernels that took the most time, in run_dir/profile (``observe/profile.py``)."""
 
 
 TEST_ROLLOUT_DEVICES = ("auto", "cpu", "cuda")
@@ -591,6 +594,12 @@ class ArenoConfig:
             f"must be auto, true or false, got {self.resume!r}",
         )
         self.rollout.backend = resolve_rollout_backend(self.rollout.backend, self.cluster.allocation_mode)
+        outside = [s for s in self.observe.profile_steps if not 1 <= s <= self.train.steps]
+        check_config(
+            not outside,
+            "observe.profile_steps",
+            f"steps {outside} are outside this run's 1..{self.train.steps} (train.steps): name steps it runs",
+        )
         check_config(
             self.rollout.backend == "areno" or self.cluster.offload == "none",
             "cluster.offload",
