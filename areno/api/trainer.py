@@ -34,8 +34,8 @@ from areno.api.rundir import RunDirLock, clear_run
 from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, test_metrics
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
-from areno.observe.session import configure_sessions
 from areno.observe.profile import profiled_step
+from areno.observe.session import configure_sessions
 from areno.observe.startup import startup_to_first_token_s
 from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span
 from areno.train import checkpoint
