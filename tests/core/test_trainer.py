@@ -10,7 +10,7 @@ from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
 from areno.types import TokenBatch, Trajectory
-from tests.helpers.configs import tiny_grpo_overrides
+from tests.helpers.configs import run_to_end, tiny_grpo_overrides
 
 
 def test_backend_registry():
@@ -84,12 +84,7 @@ def test_grpo_reward_goes_up(tmp_path):
         "train.seed=1",
         "observe.trace=true",
     )
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = run_to_end(cfg)
     rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards

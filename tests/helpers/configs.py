@@ -1,10 +1,12 @@
-"""Overrides of the tiny CPU run the partitioned, sync and scheduler tests share."""
+"""Overrides of the tiny CPU run the partitioned, sync and scheduler tests share, and a run to its end."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.observe.metrics import read_metrics
 
 
 def tiny_run_overrides(
@@ -91,3 +93,13 @@ def shrunk_example_overrides(tmp_path: Path, algorithm_kwargs: dict) -> list[str
         "train.steps=1",
         "train.algorithm_kwargs={" + ", ".join(f"{k}: {v}" for k, v in algorithm_kwargs.items()) + "}",
     ]
+
+
+def run_to_end(cfg) -> list[dict]:
+    """Run ``cfg`` through ``Trainer`` to its last step; the rows of its ``metrics.jsonl``."""
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    return read_metrics(Path(cfg.run_dir))

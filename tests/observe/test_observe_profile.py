@@ -8,9 +8,8 @@ import json
 import pytest
 
 from areno.api.config import load_config
-from areno.api.trainer import Trainer
 from areno.errors import ConfigError
-from tests.helpers.configs import tiny_grpo_overrides
+from tests.helpers.configs import run_to_end, tiny_grpo_overrides
 
 
 def test_a_profiled_step_leaves_a_trace_of_its_operators_and_a_table(tmp_path):
@@ -24,11 +23,7 @@ def test_a_profiled_step_leaves_a_trace_of_its_operators_and_a_table(tmp_path):
             "observe.profile_steps=[2]",
         ],
     )
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
+    run_to_end(cfg)
     out = tmp_path / "run" / "profile"
     assert sorted(p.name for p in out.iterdir()) == ["step_00000002.json.gz", "step_00000002.txt"]
     events = json.loads(gzip.decompress((out / "step_00000002.json.gz").read_bytes()))["traceEvents"]
