@@ -1,5 +1,5 @@
-"""engine/host.py: a CPU run's malloc keeps freed memory, so a large block allocated again does
-not page-fault in fresh (measured in a subprocess: the setting is process-wide)."""
+"""engine/host.py: a CPU run's malloc keeps freed memory, so a large allocation after a larger
+block was freed does not page-fault in fresh (measured in a subprocess: the setting is process-wide)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ _SCRIPT = """
 import resource, sys, torch
 from areno.engine.host import apply_host_settings
 apply_host_settings(device_type=sys.argv[1], cpu_threads=0, keep_cpu_memory=sys.argv[2] == "1")
-x = torch.ones(16 << 20)  # 64 MiB: above glibc's largest heap-served block by default
+x = torch.ones(32 << 20)  # 128 MiB, touched: above glibc's largest heap-served block by default
 del x
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-x = torch.ones(16 << 20)
+x = torch.ones(16 << 20)  # 64 MiB: fits in the freed block when it was kept
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 """
 
