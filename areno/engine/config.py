@@ -345,6 +345,11 @@ class ClusterSection:
     `{ray_address: auto}` (the `ray start --head` cluster here) or `{slurm_partition: gpu}`."""
     cpu_threads: int = 0
     """torch intra-op threads on CPU (0 = torch's default). Tiny models run fastest with 1."""
+    cpu_keep_freed_memory: bool = True
+    """CPU runs: the process keeps the memory it frees for its next allocations (glibc's malloc stops
+    unmapping large blocks and trimming its heap; `engine/host.py`), as CUDA's caching allocator does.
+    A training step's large temporaries then stop page-faulting in fresh at each use; the process's
+    resident memory stays at its peak. No effect off glibc or on CUDA."""
     collective_timeout_s: float = 1800.0
     """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'
     world: a rank that stalls longer fails the collective with an error instead of hanging the run."""

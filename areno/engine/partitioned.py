@@ -49,6 +49,7 @@ from areno.engine.cluster import (
     validate_memory,
 )
 from areno.engine.config import ArenoConfig, resolve_dtypes
+from areno.engine.host import apply_host_settings
 from areno.errors import ConfigError, RunFailure
 from areno.launch.scheduler import RoleSpec, WorkerDiedError
 from areno.launch.storage import check_shared_storage
@@ -117,9 +118,17 @@ def _device_type(config: ArenoConfig) -> str:
 
 
 def apply_process_settings(config: ArenoConfig) -> None:
-    """A worker process's own settings: torch's CPU threads."""
-    if config.cluster.cpu_threads:
-        torch.set_num_threads(config.cluster.cpu_threads)
+    """A worker process's own settings: torch's CPU threads and malloc's (``apply_cluster_host_settings``)."""
+    apply_cluster_host_settings(config, _device_type(config))
+
+
+def apply_cluster_host_settings(config: ArenoConfig, device_type: str) -> None:
+    """``cluster.cpu_threads`` and ``cluster.cpu_keep_freed_memory`` in this process (``engine/host.py``)."""
+    apply_host_settings(
+        device_type=device_type,
+        cpu_threads=config.cluster.cpu_threads,
+        keep_cpu_memory=config.cluster.cpu_keep_freed_memory,
+    )
 
 
 def init_world(config: ArenoConfig) -> str:

@@ -16,7 +16,7 @@ import torch
 from areno.engine.api import ArenoEngine, resolve_device
 from areno.engine.config import ArenoConfig
 from areno.engine.local import LocalRolloutSide, LocalTrainingSide, SleepResidency
-from areno.engine.partitioned import PartitionedCluster, is_partitioned
+from areno.engine.partitioned import PartitionedCluster, apply_cluster_host_settings, is_partitioned
 from areno.engine.remote import RemoteRolloutSide, RemoteTrainingSide
 from areno.engine.residency import Residency
 from areno.engine.servers import ServerRolloutSide
@@ -34,10 +34,9 @@ def build_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
 
 
 def colocated_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
-    """Both sides in this process, on ``cluster.device`` (with ``cluster.cpu_threads`` applied)."""
+    """Both sides in this process, on ``cluster.device`` (with the cluster's host settings applied)."""
     device = resolve_device(config.cluster.device)
-    if config.cluster.cpu_threads:
-        torch.set_num_threads(config.cluster.cpu_threads)
+    apply_cluster_host_settings(config, device.type)
     training = LocalTrainingSide(config, device, export_root=run_dir / "policy")
     rollout = LocalRolloutSide(config, device)
     # cluster.offload: what each phase of a step keeps on the shared device
@@ -58,8 +57,7 @@ def server_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
         alloc = parse_allocation_mode(mode)
         train = next(c for c in alloc.components if c.kind == "train")
         device = torch.device("cuda", alloc.device_lists(torch.cuda.device_count())[train.role][0])
-    if config.cluster.cpu_threads:
-        torch.set_num_threads(config.cluster.cpu_threads)
+    apply_cluster_host_settings(config, device.type)
     training = LocalTrainingSide(config, device, export_root=run_dir / "policy", measure_rollout_logprobs=True)
     return ArenoEngine(config, run_dir, training=training, rollout=ServerRolloutSide(config, run_dir))
 

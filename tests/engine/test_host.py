@@ -1,0 +1,44 @@
+"""engine/host.py: a CPU run's malloc keeps freed memory, so a large allocation after a larger
+block was freed does not page-fault in fresh (measured in a subprocess: the setting is process-wide)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from areno.engine.host import _glibc
+
+pytestmark = pytest.mark.skipif(_glibc() is None, reason="the malloc settings are glibc's")
+
+_SCRIPT = """
+import resource, sys, torch
+from areno.engine.host import apply_host_settings
+apply_host_settings(device_type=sys.argv[1], cpu_threads=0, keep_cpu_memory=sys.argv[2] == "1")
+x = torch.ones(32 << 20)  # 128 MiB, touched: above glibc's largest heap-served block by default
+del x
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.ones(16 << 20)  # 64 MiB: fits in the freed block when it was kept
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+def _faults_of_second_allocation(device_type: str, keep: bool) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, device_type, "1" if keep else "0"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(out.stdout.split()[-1])
+
+
+def test_cpu_run_reuses_freed_memory_without_page_faults():
+    pages = (64 << 20) // 4096
+    assert _faults_of_second_allocation("cpu", keep=True) < pages // 8
+    assert _faults_of_second_allocation("cpu", keep=False) > pages // 2  # unmapped at free, faulted in again
+
+
+def test_cuda_run_leaves_malloc_as_it_is():
+    assert _faults_of_second_allocation("cuda", keep=True) > (64 << 20) // 4096 // 2
