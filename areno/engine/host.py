@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+from areno.engine.config import ClusterSection
+
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -49,12 +51,11 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-def apply_host_settings(*, device_type: str, cpu_threads: int, keep_cpu_memory: bool) -> None:
-    """This process's settings: ``cpu_threads`` (0: torch's default) and, for a CPU run, malloc
-    keeping freed memory when ``keep_cpu_memory`` (``cluster.cpu_threads`` / ``cluster.cpu_keep_freed_memory``).
-    A CUDA run's host memory is left as it is: its large host blocks (a loaded checkpoint, parked
-    optimizer state) are better given back."""
-    if cpu_threads:
-        torch.set_num_threads(cpu_threads)
-    if device_type == "cpu" and keep_cpu_memory:
+def apply_host_settings(cluster: ClusterSection, device_type: str) -> None:
+    """This process's settings: ``cluster.cpu_threads`` (0: torch's default) and, for a CPU run,
+    ``cluster.cpu_keep_freed_memory``. A CUDA run's host memory is left as it is: its large host
+    blocks (a loaded checkpoint, parked optimizer state) are better given back."""
+    if cluster.cpu_threads:
+        torch.set_num_threads(cluster.cpu_threads)
+    if device_type == "cpu" and cluster.cpu_keep_freed_memory:
         keep_freed_memory()

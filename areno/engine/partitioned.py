@@ -118,17 +118,8 @@ def _device_type(config: ArenoConfig) -> str:
 
 
 def apply_process_settings(config: ArenoConfig) -> None:
-    """A worker process's own settings: torch's CPU threads and malloc's (``apply_cluster_host_settings``)."""
-    apply_cluster_host_settings(config, _device_type(config))
-
-
-def apply_cluster_host_settings(config: ArenoConfig, device_type: str) -> None:
-    """``cluster.cpu_threads`` and ``cluster.cpu_keep_freed_memory`` in this process (``engine/host.py``)."""
-    apply_host_settings(
-        device_type=device_type,
-        cpu_threads=config.cluster.cpu_threads,
-        keep_cpu_memory=config.cluster.cpu_keep_freed_memory,
-    )
+    """A worker process's own settings: torch's CPU threads and malloc's (``engine/host.py``)."""
+    apply_host_settings(config.cluster, _device_type(config))
 
 
 def init_world(config: ArenoConfig) -> str:

@@ -15,8 +15,9 @@ import torch
 
 from areno.engine.api import ArenoEngine, resolve_device
 from areno.engine.config import ArenoConfig
+from areno.engine.host import apply_host_settings
 from areno.engine.local import LocalRolloutSide, LocalTrainingSide, SleepResidency
-from areno.engine.partitioned import PartitionedCluster, apply_cluster_host_settings, is_partitioned
+from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.remote import RemoteRolloutSide, RemoteTrainingSide
 from areno.engine.residency import Residency
 from areno.engine.servers import ServerRolloutSide
@@ -36,7 +37,7 @@ def build_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
 def colocated_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
     """Both sides in this process, on ``cluster.device`` (with the cluster's host settings applied)."""
     device = resolve_device(config.cluster.device)
-    apply_cluster_host_settings(config, device.type)
+    apply_host_settings(config.cluster, device.type)
     training = LocalTrainingSide(config, device, export_root=run_dir / "policy")
     rollout = LocalRolloutSide(config, device)
     # cluster.offload: what each phase of a step keeps on the shared device
@@ -57,7 +58,7 @@ def server_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
         alloc = parse_allocation_mode(mode)
         train = next(c for c in alloc.components if c.kind == "train")
         device = torch.device("cuda", alloc.device_lists(torch.cuda.device_count())[train.role][0])
-    apply_cluster_host_settings(config, device.type)
+    apply_host_settings(config.cluster, device.type)
     training = LocalTrainingSide(config, device, export_root=run_dir / "policy", measure_rollout_logprobs=True)
     return ArenoEngine(config, run_dir, training=training, rollout=ServerRolloutSide(config, run_dir))
 

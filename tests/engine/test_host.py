@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(_glibc() is None, reason="the malloc settings ar
 
 _SCRIPT = """
 import resource, sys, torch
+from areno.engine.config import ClusterSection
 from areno.engine.host import apply_host_settings
-apply_host_settings(device_type=sys.argv[1], cpu_threads=0, keep_cpu_memory=sys.argv[2] == "1")
+apply_host_settings(ClusterSection(cpu_keep_freed_memory=sys.argv[2] == "1"), sys.argv[1])
 x = torch.ones(32 << 20)  # 128 MiB, touched: above glibc's largest heap-served block by default
 del x
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
