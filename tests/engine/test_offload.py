@@ -23,7 +23,7 @@ from areno.errors import ConfigError
 from areno.models import Decoder, tiny_config
 from areno.train import offload
 from areno.train.offload import StorageOffloader, collect_tensors
-from tests.helpers.configs import tiny_run_overrides
+from tests.helpers.configs import run_to_end, tiny_run_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,13 +43,7 @@ def _config(tmp_path, run_name, *extra):
 
 
 def _run(cfg) -> list[dict]:
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if _deterministic(k)} for row in rows]
+    return [{k: v for k, v in row.items() if _deterministic(k)} for row in run_to_end(cfg)]
 
 
 def test_sleep_gives_the_same_metrics_and_weights_as_none(tmp_path):

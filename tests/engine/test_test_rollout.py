@@ -17,7 +17,7 @@ from areno.engine.seams import SideSetup
 from areno.engine.test_rollout import TestRolloutManager
 from areno.errors import ConfigError
 from areno.rewards.loader import load_reward
-from tests.helpers.configs import tiny_run_overrides
+from tests.helpers.configs import run_to_end, tiny_run_overrides
 
 REWARD = "tests.helpers.rewards:first_char"  # varies with the completion: each checkpoint scores its own
 
@@ -25,16 +25,6 @@ REWARD = "tests.helpers.rewards:first_char"  # varies with the completion: each 
 def _config(tmp_path, *extra):
     overrides = tiny_run_overrides(tmp_path, num_eval=6, reward=REWARD)
     return load_config(None, [*overrides, "reward.sandbox=false", "train.eval_interval=0", *extra])
-
-
-def _run(cfg) -> list[dict]:
-    trainer = Trainer.init(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.shutdown()
-    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
 
 
 def direct_accuracy(cfg, hf_dir) -> float:
@@ -60,7 +50,7 @@ def direct_accuracy(cfg, hf_dir) -> float:
 
 def test_test_rollout_accuracy_equals_direct_evaluation_of_the_checkpoint(tmp_path):
     cfg = _config(tmp_path, "train.steps=3", "optim.lr=0.05", "test_rollout.enabled=true", "test_rollout.interval=1")
-    rows = _run(cfg)
+    rows = run_to_end(cfg)
     test_rows = [r for r in rows if "test/accuracy" in r]
     steps = [int(r["test/step"]) for r in test_rows]
     assert steps and steps[-1] == 3, steps  # the last checkpoint is always waited for
@@ -81,7 +71,7 @@ def test_test_rollout_accuracy_equals_direct_evaluation_of_the_checkpoint(tmp_pa
 def test_disabled_by_default_changes_nothing(tmp_path):
     cfg = _config(tmp_path, "train.steps=2")
     assert cfg.test_rollout.enabled is False
-    rows = _run(cfg)
+    rows = run_to_end(cfg)
     assert not any(key.startswith("test/") for row in rows for key in row)
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["step_00000002"]  # only train.save_interval's (the end)
