@@ -25,6 +25,10 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 """
 
 
+PAGES = (64 << 20) // 4096
+"""Pages of the second, 64 MiB allocation."""
+
+
 def _faults_of_second_allocation(device_type: str, keep: bool) -> int:
     out = subprocess.run(
         [sys.executable, "-c", _SCRIPT, device_type, "1" if keep else "0"],
@@ -36,10 +40,9 @@ def _faults_of_second_allocation(device_type: str, keep: bool) -> int:
 
 
 def test_cpu_run_reuses_freed_memory_without_page_faults():
-    pages = (64 << 20) // 4096
-    assert _faults_of_second_allocation("cpu", keep=True) < pages // 8
-    assert _faults_of_second_allocation("cpu", keep=False) > pages // 2  # unmapped at free, faulted in again
+    assert _faults_of_second_allocation("cpu", keep=True) < PAGES // 8
+    assert _faults_of_second_allocation("cpu", keep=False) > PAGES // 2  # unmapped at free, faulted in again
 
 
 def test_cuda_run_leaves_malloc_as_it_is():
-    assert _faults_of_second_allocation("cuda", keep=True) > (64 << 20) // 4096 // 2
+    assert _faults_of_second_allocation("cuda", keep=True) > PAGES // 2
