@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 import areno.engine.api as engine_api
 from areno.api.config import load_config
@@ -68,6 +69,7 @@ from areno.data.tokenizer import build_char_tokenizer
 from areno.models import cpu_gemm
 from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir
+from areno.observe.profile import profiled_step
 from areno.workflows.rlvr import RLVRWorkflow
 from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, ratio
 
@@ -342,11 +344,12 @@ def run_areno(
     extra: list[str] = (),
 ) -> dict:
     """``extra``: more overrides of this system's run (``SYSTEM_OVERRIDES``)."""
+    run_dir = workdir / f"run-{shape}-eta{eta}{'-' + server if server else ''}"
     overrides = areno_overrides(
         args,
         model_dir,
         data_path,
-        workdir / f"run-{shape}-eta{eta}{'-' + server if server else ''}",
+        run_dir,
         eta=eta,
         param_dtype=param_dtype,
         prompt_len=prompt_len,
@@ -373,16 +376,21 @@ def run_areno(
         for rollout_id in range(args.warmup + timed_steps(args, eta)):
             if rollout_id == args.warmup:
                 engine_before = engine_counters(trainer)
-            t0 = time.perf_counter()
-            rollout = trainer.rollout_token_batch(rollout_id)
-            sync(args.device)
-            t1 = time.perf_counter()
-            train_metrics = trainer.train(rollout_id, rollout)
-            sync(args.device)
-            t2 = time.perf_counter()
-            trainer.backend.update_weights()
-            sync(args.device)
-            t3 = time.perf_counter()
+            with profiled_step(run_dir, rollout_id, args.profile_steps):
+                # the phases are named ranges in a profile's trace (--profile-steps)
+                t0 = time.perf_counter()
+                with record_function("e2e/rollout"):
+                    rollout = trainer.rollout_token_batch(rollout_id)
+                    sync(args.device)
+                t1 = time.perf_counter()
+                with record_function("e2e/train"):
+                    train_metrics = trainer.train(rollout_id, rollout)
+                    sync(args.device)
+                t2 = time.perf_counter()
+                with record_function("e2e/sync"):
+                    trainer.backend.update_weights()
+                    sync(args.device)
+                t3 = time.perf_counter()
             steps.append(t3 - last)  # between consecutive step ends: nothing outside the loop is missed
             last = t3
             phases.append((t1 - t0, t2 - t1, t3 - t2))
@@ -614,6 +622,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("on", "off"),
         default="on",
         help="TRL's activation checkpointing (on: GRPOConfig's default; areno does not checkpoint)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="N",
+        help="areno: profile these steps (0-based, warm-up included) into <run dir>/profile "
+        "(a Chrome trace and an operator table, as observe.profile_steps)",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workdir", default=None, help="where models and runs go (default: a temporary directory)")
