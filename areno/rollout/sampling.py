@@ -16,8 +16,8 @@ and ``RowParams.advance`` marks the rows that just finished (stop id or length),
 run several decode steps and copy one small tensor to the host at the end.
 
 Randomness: a sampled row draws one uniform u in (0, 1) and takes the token whose interval of the
-cumulative distribution holds it (inverse transform sampling: an exact draw, in a softmax, a cumulative
-sum and a search over [B, V], where per-token noise took ~25 element-wise passes over the vocabulary).
+cumulative distribution holds it (inverse transform sampling: an exact draw, in a softmax and a two-level
+search, blocks then one block, where per-token noise took ~25 element-wise passes over the vocabulary).
 A request with ``seed`` gets u from a counter-based hash of (seed, number of tokens generated so far),
 so the same seed and prompt give the same tokens whatever else is in the batch and however the engine
 groups its decode steps; rows without a seed draw u from the engine's ``torch.Generator``.
@@ -108,24 +108,58 @@ def argmax_rows(x_BV: torch.Tensor) -> torch.Tensor:
     return idx_B
 
 
-def inverse_cdf_draw(race_BV: torch.Tensor, u_B: torch.Tensor, weights_BV: torch.Tensor | None = None) -> torch.Tensor:
+DRAW_BLOCK = 1024
+"""``inverse_cdf_draw`` on CUDA: vocabulary entries per block of the two-level search."""
+
+
+def inverse_cdf_draw(
+    race_BV: torch.Tensor, u_B: torch.Tensor, weights_BV: torch.Tensor | None = None, block: int | None = None
+) -> torch.Tensor:
     """long [B]: per row the token whose interval of the cumulative distribution ``softmax(race_BV)``
     holds ``u_B`` (uniform in (0, 1)): an exact draw from that distribution (inverse transform
-    sampling), in four passes over [B, V] (softmax, cumulative sum, search) instead of the ~25 of
-    element-wise hash noise over the whole vocabulary. Tokens of zero probability (-inf in
-    ``race_BV``) are never drawn: their cumulative value equals their predecessor's.
-    ``weights_BV``: non-negative weights proportional to that distribution, used (and overwritten)
-    instead of the softmax (the samplers pass ``exp(log_softmax)`` they already have, suppressed ids
-    zeroed: one pass over the vocabulary fewer); the draw scales ``u`` by each row's total."""
-    cdf_BV = torch.softmax(race_BV, dim=-1).cumsum_(dim=-1) if weights_BV is None else weights_BV.cumsum_(dim=-1)
-    total_B1 = cdf_BV[:, -1:].contiguous()
-    target_B1 = u_B[:, None] * total_B1
-    tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
-    # u * total can round up to total itself: then the last token of non-zero probability (the
-    # first reaching the total)
-    last_B = torch.searchsorted(cdf_BV, total_B1, right=False).squeeze(1)
-    # (a row of NaN logits, from a broken policy, has no order: keep its index a valid token id)
-    return torch.minimum(tokens_B, last_B).clamp_(max=race_BV.shape[1] - 1)
+    sampling), where per-token noise took ~25 element-wise passes over the vocabulary. Tokens of zero
+    probability (-inf in ``race_BV``) are never drawn: their cumulative value equals their
+    predecessor's. ``weights_BV``: non-negative weights proportional to that distribution, used
+    (and possibly overwritten) instead of the softmax (the samplers pass ``exp(log_softmax)`` they
+    already have, suppressed ids zeroed: one pass over the vocabulary fewer); the draw scales ``u`` by
+    each row's total.
+
+    Over more than two blocks of ``block`` entries (default: ``DRAW_BLOCK`` on CUDA, one block on
+    CPU) the search has two levels: the blocks' sums, a cumulative sum over them, then one over the
+    chosen block only. On CUDA a cumulative sum over the whole [B, V] is one slow scan per row (a
+    quarter of a 0.5B model's decode step on an H200); on CPU it is one fast pass, the same time."""
+    weights_BV = torch.softmax(race_BV, dim=-1) if weights_BV is None else weights_BV
+    B, V = weights_BV.shape
+    if block is None:
+        block = DRAW_BLOCK if weights_BV.is_cuda else V
+    if V <= 2 * block:
+        cdf_BV = weights_BV.cumsum_(dim=-1)
+        return _search_cdf(cdf_BV, u_B[:, None] * cdf_BV[:, -1:])
+    C = V // block
+    sums_BC = weights_BV[:, : C * block].unflatten(1, (C, block)).sum(dim=-1)
+    if V > C * block:
+        sums_BC = torch.cat((sums_BC, weights_BV[:, C * block :].sum(dim=-1, keepdim=True)), dim=1)
+    block_cdf_BC = sums_BC.cumsum_(dim=-1)
+    target_B1 = u_B[:, None] * block_cdf_BC[:, -1:]
+    c_B1 = _search_cdf(block_cdf_BC, target_B1)[:, None]
+    # the mass before the chosen block (0 for the first) leaves the target's share inside it; the
+    # target is at least that mass, so the share is >= 0
+    before_B1 = torch.where(c_B1 > 0, block_cdf_BC.gather(1, (c_B1 - 1).clamp_(min=0)), 0.0)
+    idx_BK = c_B1 * block + torch.arange(block, device=weights_BV.device)
+    inside_BK = idx_BK < V
+    chosen_BK = weights_BV.gather(1, idx_BK.clamp(max=V - 1)).masked_fill_(~inside_BK, 0.0)
+    j_B = _search_cdf(chosen_BK.cumsum_(dim=-1), target_B1 - before_B1)
+    return (c_B1.squeeze(1) * block + j_B).clamp_(max=V - 1)
+
+
+def _search_cdf(cdf_BN: torch.Tensor, target_B1: torch.Tensor) -> torch.Tensor:
+    """long [B]: the first index whose cumulative value exceeds ``target_B1``. When rounding puts
+    the target at or past the row's total: the last entry of non-zero weight (the first reaching the
+    total). A row of NaN still gives an index < N."""
+    total_B1 = cdf_BN[:, -1:].contiguous()
+    found_B = torch.searchsorted(cdf_BN, target_B1.contiguous(), right=True).squeeze(1)
+    last_B = torch.searchsorted(cdf_BN, total_B1, right=False).squeeze(1)
+    return torch.minimum(found_B, last_B).clamp_(max=cdf_BN.shape[1] - 1)
 
 
 class SampleMode(NamedTuple):
@@ -140,6 +174,8 @@ class SampleMode(NamedTuple):
     """Some sampling row has its own seed (a uniform hashed from its seed and counter)."""
     rng_noise: bool
     """Some sampling row has no seed (noise from the engine's generator)."""
+    greedy_rows: bool = False
+    """Beside sampling rows, some row is greedy (an argmax over the vocabulary besides the draw)."""
 
     @classmethod
     def of(cls, params: SamplingParams) -> SampleMode:
@@ -283,7 +319,7 @@ class RowParams:
         """The batch-level choices of this batch (``Sampler.sample_static``)."""
         if self.all_greedy:
             return GREEDY
-        return SampleMode(True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0)
+        return SampleMode(True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0, self.any_greedy)
 
     def __getattr__(self, name: str):
         # The per-row tensors (``RowTensors``' fields) read as attributes; decoded at first use.
@@ -562,7 +598,10 @@ class Sampler:
             else:
                 u_B = hash_uniform(rows.seed_B, n_gen_B)
             sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
-            tokens_B = torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B)
+            # the graph's padding rows are greedy too, but their tokens are thrown away
+            tokens_B = (
+                torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B) if mode.greedy_rows else sampled_B
+            )
         return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
     @torch.no_grad()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-from areno.rollout.sampling import RowParams, Sampler, hash_uniform, inverse_cdf_draw
+from areno.rollout.sampling import DRAW_BLOCK, RowParams, Sampler, hash_uniform, inverse_cdf_draw
 from areno.types import SamplingParams
 from tests.helpers.rollout import EOS, make_model, naive_greedy, random_prompts
 
@@ -166,20 +166,40 @@ def test_hashed_uniform_is_a_function_of_seed_and_counter():
     assert torch.allclose(torch.histc(u, bins=10, min=0, max=1) / 20_000, torch.full((10,), 0.1), atol=0.01)
 
 
-def test_inverse_cdf_draw_gives_each_token_its_share_of_a_uniform_grid():
+@pytest.mark.parametrize("block", [DRAW_BLOCK, 2, 3])
+def test_inverse_cdf_draw_gives_each_token_its_share_of_a_uniform_grid(block):
     """With u on a grid of n points, token i is drawn for ~p_i * n of them (hand-computed shares)
-    and a token of zero probability (-inf) never, u at the top of (0, 1) included."""
-    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    and a token of zero probability (-inf) never, u at the top of (0, 1) included. Blocks of 2 and 3
+    take the two-level search (a block of zeros, a shorter last block)."""
+    probs = torch.tensor([0.5, 0.0, 0.0, 0.0, 0.3, 0.15, 0.05, 0.0])
     n = 1000
     u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
     race = probs.log().repeat(n, 1)
-    tokens = inverse_cdf_draw(race, u)
-    counts = torch.bincount(tokens, minlength=6)
-    assert counts.tolist() == [500, 0, 300, 150, 50, 0]
-    top = inverse_cdf_draw(race[:2], torch.tensor([1 - 2**-24, 2**-149]))
-    assert top.tolist() == [4, 0]  # the last and the first token of non-zero probability
-    nan = inverse_cdf_draw(torch.full((1, 6), float("nan")), torch.tensor([0.5]))
-    assert 0 <= int(nan) < 6  # a broken policy's NaN logits still give a valid token id
+    tokens = inverse_cdf_draw(race, u, block=block)
+    counts = torch.bincount(tokens, minlength=8)
+    assert counts.tolist() == [500, 0, 0, 0, 300, 150, 50, 0]
+    top = inverse_cdf_draw(race[:2], torch.tensor([1 - 2**-24, 2**-149]), block=block)
+    assert top.tolist() == [6, 0]  # the last and the first token of non-zero probability
+    nan = inverse_cdf_draw(torch.full((1, 8), float("nan")), torch.tensor([0.5]), block=block)
+    assert 0 <= int(nan) < 8  # a broken policy's NaN logits still give a valid token id
+
+
+def test_two_level_draw_picks_the_tokens_of_one_cumulative_sum():
+    """Blocks then one block: the token of a single cumulative sum over the row, except where u
+    falls within rounding of a boundary between two tokens' intervals."""
+    g = torch.Generator().manual_seed(0)
+    B, V = 256, 5000
+    race = torch.randn(B, V, generator=g) * 3
+    race[:, 1000:2200] = float("-inf")  # zero-probability blocks, whole and partial
+    u = torch.rand(B, generator=g).clamp_min_(1e-9)
+    one = inverse_cdf_draw(race, u, block=V)
+    two = inverse_cdf_draw(race, u, block=64)
+    cdf = torch.softmax(race.double(), dim=-1).cumsum(dim=-1)
+    lower = torch.where(one > 0, cdf.gather(1, (one - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    upper = cdf.gather(1, one[:, None]).squeeze(1)
+    clear = ((u.double() - lower) > 1e-5) & ((upper - u.double()) > 1e-5)
+    assert clear.sum() > 0.9 * B and torch.equal(one[clear], two[clear])
+    assert not ((two >= 1000) & (two < 2200)).any()
 
 
 def test_seeded_rows_sample_the_distribution():
