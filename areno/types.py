@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -236,19 +238,15 @@ class TokenBatch:
         """Pack trajectories (advantages left at 0; a specialization fills them)."""
         if not trajectories:
             raise ValueError("cannot build a TokenBatch from zero trajectories")
-        ids, mask, logp, vers, cu = [], [], [], [], [0]
-        for traj in trajectories:
-            n_prompt = len(traj.prompt_ids)
-            ids.extend(traj.prompt_ids)
-            ids.extend(traj.completion_ids)
-            mask.extend([0] * n_prompt)
-            mask.extend(traj.completion_mask)
-            logp.extend([0.0] * n_prompt)
-            logp.extend(lp if m else 0.0 for lp, m in zip(traj.logprobs, traj.completion_mask))
-            vers.extend([-1] * n_prompt)
-            vers.extend(v if m else -1 for v, m in zip(traj.versions, traj.completion_mask))
-            cu.append(cu[-1] + traj.num_tokens)
-        loss_mask_T = torch.tensor(mask, dtype=torch.bool)
+        # joined through numpy (a third of torch.tensor's time on a list): a Python step per token
+        # cost ~30 ms at 64 x 576 tokens, on the critical path between rollout and training
+        ids = join_flat([p for t in trajectories for p in (t.prompt_ids, t.completion_ids)], np.int64)
+        loss_mask_T = join_flat([p for t in trajectories for p in (_fill(t, 0), t.completion_mask)], np.bool_)
+        logprobs_T = join_flat([p for t in trajectories for p in (_fill(t, 0), t.logprobs)], np.float32)
+        versions_T = join_flat([p for t in trajectories for p in (_fill(t, -1), t.versions)], np.int64)
+        logprobs_T.masked_fill_(~loss_mask_T, 0.0)
+        versions_T.masked_fill_(~loss_mask_T, -1)
+        cu = [0, *accumulate(t.num_tokens for t in trajectories)]
         # The first token of a sequence is never a target (nothing predicts it).
         loss_mask_T[torch.tensor(cu[:-1])] = False
         extra: dict[str, torch.Tensor] = {}
@@ -262,17 +260,27 @@ class TokenBatch:
             extra[ROUTES_KEY] = _pack_routes(trajectories)
         images_B = [t.info.get("images") for t in trajectories]
         return cls(
-            input_ids_T=torch.tensor(ids, dtype=torch.long),
+            input_ids_T=ids,
             cu_seqlens_B1=torch.tensor(cu, dtype=torch.long),
             loss_mask_T=loss_mask_T,
-            logprobs_T=torch.tensor(logp, dtype=torch.float32),
-            versions_T=torch.tensor(vers, dtype=torch.long),
+            logprobs_T=logprobs_T,
+            versions_T=versions_T,
             advantages_T=torch.zeros(len(ids), dtype=torch.float32),
             rewards_B=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             group_ids=[t.group_id for t in trajectories],
             extra=extra,
             images_B=images_B if any(im is not None for im in images_B) else [],
         )
+
+
+def join_flat(parts: list, dtype) -> torch.Tensor:
+    """The sequences ``parts`` (lists or arrays) end to end as one tensor of numpy ``dtype``."""
+    return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
+
+
+def _fill(traj: Trajectory, value: int) -> np.ndarray:
+    """``value`` over the trajectory's prompt tokens."""
+    return np.full(len(traj.prompt_ids), value, dtype=np.int64)
 
 
 ROUTES_KEY = "moe_routes_T"

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -46,7 +47,7 @@ from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.train import checkpoint
-from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory
+from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import RolloutWorkflow, load_workflow
 from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images, vision_kwargs
@@ -245,8 +246,10 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
         rewards = rewards[finite] if finite.any() else torch.zeros(1)
     lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
     # version -1: a token no policy version sampled (the teacher's, areno.workflows.teacher)
-    versions = [v for t in trajectories for v, m in zip(t.versions, t.completion_mask) if m and v >= 0]
-    staleness = torch.tensor([version - v for v in versions], dtype=torch.float32) if versions else torch.zeros(1)
+    versions_T = join_flat([t.versions for t in trajectories], np.int64)
+    sampled_T = join_flat([t.completion_mask for t in trajectories], np.bool_)
+    versions_T = versions_T[sampled_T & (versions_T >= 0)]
+    staleness = (version - versions_T).float() if len(versions_T) else torch.zeros(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
