@@ -197,6 +197,30 @@ if triton is not None:
         tl.store(VS + slot * n + offs, v, mask=mask)
 
     @triton.jit
+    def _mix32(h, mask32):
+        """``sampling._mix32`` on int64 values below 2**32 (the same rounds, the same integers)."""
+        h = h ^ (h >> 16)
+        h = (h * 0x7FEB352D) & mask32
+        h = h ^ (h >> 15)
+        h = (h * 0x5BD1E995) & mask32
+        h = h ^ (h >> 16)
+        h = (h * 0x27D4EB2F) & mask32
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _hash_uniform_kernel(SEED, COUNTER, OUT, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        seed = tl.load(SEED + offs, mask=mask, other=0)
+        counter = tl.load(COUNTER + offs, mask=mask, other=0)
+        mask32 = tl.full((BLOCK,), 0xFFFFFFFF, tl.int64)
+        key = _mix32(counter & mask32, mask32)
+        key = _mix32(((seed >> 32) & mask32) ^ key, mask32)
+        key = _mix32((seed & mask32) ^ key, mask32)
+        u = (((key >> 9) & 0x7FFFFF).to(tl.float32) + 0.5) * (2.0**-23)
+        tl.store(OUT + offs, u, mask=mask)
+
+    @triton.jit
     def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -293,6 +317,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.numel()
     if n:
         _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024)
+    return out
+
+
+def hash_uniform(seed_R: torch.Tensor, counter_R: torch.Tensor) -> torch.Tensor:
+    """``sampling.hash_uniform`` (int64 CUDA tensors) in one kernel instead of ~40 element-wise ones
+    on a few rows each, every decode step; the same integers, so the same floats."""
+    seed_R, counter_R = seed_R.contiguous(), counter_R.contiguous()
+    out = torch.empty(seed_R.shape, dtype=torch.float32, device=seed_R.device)
+    n = seed_R.numel()
+    if n:
+        _hash_uniform_kernel[(triton.cdiv(n, 256),)](seed_R, counter_R, out, n, BLOCK=256)
     return out
 
 

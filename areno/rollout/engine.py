@@ -39,7 +39,7 @@ from areno.rollout.cuda_graph import DecodeGraphRunner
 from areno.rollout.errors import TornWeightsError, UnknownRequestError, WeightUpdateError
 from areno.rollout.kv_cache import BlockAllocator, KVCache
 from areno.rollout.requests import RequestTable
-from areno.rollout.sampling import RowParams, Sampler
+from areno.rollout.sampling import RowParams, Sampler, enable_fused_hash
 from areno.rollout.scheduler import Scheduler
 from areno.rollout.stepping import WAITING_CLAMP_MAX_ROWS, Stepper
 from areno.rollout.weights import EngineWeights
@@ -70,6 +70,7 @@ def prepare_model(model: torch.nn.Module, config: RolloutEngineConfig, device: t
     fused = bool(config.fused_kernels and device.type == "cuda" and fused_ops.enable())
     if fused:
         fused_linear.enable(device)  # SiLU-and-multiply straight off the fused gate/up product
+        enable_fused_hash()  # the seeded rows' uniform in one kernel per decode step
     if hasattr(model, "fuse_projections"):
         # Before the weight table and any CUDA graph: the parameters become views of the fused
         # weights (same objects and names), so the graphs read and the syncs write one storage.

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from areno.models import fused_ops
 from areno.types import SamplingParams
 
 
@@ -75,9 +76,39 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 
 def hash_uniform(seed_R: torch.Tensor, counter_R: torch.Tensor) -> torch.Tensor:
     """float32 [R] uniform in (0, 1), a pure function of (seed, counter): 23 bits of the row key,
-    centred (largest value 1 - 2**-24, exactly representable)."""
+    centred (largest value 1 - 2**-24, exactly representable). In the rollout engine's steps on CUDA
+    one fused kernel (``enable_fused_hash``), elsewhere these element-wise ops."""
+    if _FUSED_HASH.on and fused_ops.active(seed_R):
+        return fused_ops.hash_uniform(seed_R, counter_R)
     key_R = _mix32((seed_R & _MASK32) ^ _mix32(((seed_R >> 32) & _MASK32) ^ _mix32(counter_R & _MASK32)))
     return (((key_R >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (2.0**-23)
+
+
+def fused_hash_self_check(device: torch.device | str = "cuda") -> str | None:
+    """The fused hash against the element-wise ops on seeds of every sign and size; None when every
+    value is equal, else what differs."""
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.cat((torch.randint(-(2**62), 2**62, (997,), generator=gen), torch.tensor([0, -1, 2**63 - 1])))
+    counters = torch.randint(0, 2**40, (1000,), generator=gen)
+    try:
+        got = fused_ops.hash_uniform(seeds.to(device), counters.to(device)).cpu()
+    except Exception as e:  # noqa: BLE001 - a compiler or driver error leaves the element-wise ops
+        return f"{type(e).__name__}: {e}"
+    ref = hash_uniform(seeds, counters)
+    if not torch.equal(got, ref):
+        return f"fused hash differs from the element-wise ops in {int((got != ref).sum())} of {ref.numel()} rows"
+    return None
+
+
+_FUSED_HASH = fused_ops.KernelSwitch(
+    "the fused sampling hash (element-wise ops are used)", lambda: fused_hash_self_check()
+)
+
+
+def enable_fused_hash() -> bool:
+    """Turn the fused hash on for this process after its self-check (idempotent; the rollout engine
+    calls it with its other fused kernels, before any graph is captured)."""
+    return _FUSED_HASH.enable()
 
 
 ARGMAX_CHUNK = 2048
@@ -523,11 +554,10 @@ class Sampler:
     @torch.no_grad()
     def sample_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids long [B], log-probs float32 [B]) as device tensors; no host synchronisation."""
-        logits_BV = logits_BV.float()
         B, V = logits_BV.shape
         if not rp.any_scaled:  # greedy rows have scale 1 too
-            scaled_BV = logits_BV  # T = 1 leaves the logits unchanged (x / 1 is x exactly): no copy
-        else:
+            scaled_BV = logits_BV.float()  # T = 1 leaves the logits unchanged (x / 1 is x exactly)
+        else:  # as sample_static: the division computes in fp32
             scaled_BV = logits_BV / rp.scale_B[:, None]
         masked_BV = scaled_BV
         if rp.any_min_new:
@@ -575,8 +605,8 @@ class Sampler:
         Gives the tokens and log-probs of ``sample_rows`` for greedy and seeded rows (unseeded rows
         draw the generator's noise for the whole batch). Float32 ``logits_BV`` of an all-greedy
         batch are overwritten (suppressed ids set to -inf in place, saving a [B, V] copy)."""
-        logits_BV = logits_BV.float()
-        scaled_BV = logits_BV / rows.scale_B[:, None] if mode.sample else logits_BV
+        # a bf16 / fp32 division computes in fp32: the cast's values, one pass over [B, V] fewer
+        scaled_BV = logits_BV / rows.scale_B[:, None] if mode.sample else logits_BV.float()
         # The log-probs are of the distribution before suppression; taken first, the stop ids can
         # then be suppressed in place (below min_new_tokens: set to -inf, as in sample_rows).
         logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)

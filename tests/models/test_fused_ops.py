@@ -272,3 +272,20 @@ def test_self_checks_pass_with_the_eager_references_on_cpu(monkeypatch):
     emulate_fused_path_on_cpu(monkeypatch)
     assert fused_ops.self_check(device="cpu") is None
     assert fused_ops.add_norm_self_check(device="cpu") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fused_ops.available(), reason="needs CUDA and Triton")
+def test_fused_sampling_hash_equals_the_element_wise_ops():
+    """The seeded rows' uniform from one kernel: every value equal to the element-wise ops', and
+    the engine's path (inside ``inference()``, no grad) takes it once enabled."""
+    from areno.rollout import sampling
+
+    assert sampling.fused_hash_self_check() is None
+    assert fused_ops.enable() and sampling.enable_fused_hash()
+    seeds = torch.tensor([5, -7, 2**40 + 3, 2**63 - 1], device="cuda")
+    counters = torch.tensor([0, 1, 2**33, 9], device="cuda")
+    ref = sampling.hash_uniform(seeds, counters)  # outside inference(): the element-wise ops
+    with fused_ops.inference(), torch.no_grad():
+        got = sampling.hash_uniform(seeds, counters)
+    assert torch.equal(got, ref) and torch.equal(fused_ops.hash_uniform(seeds, counters), ref)
