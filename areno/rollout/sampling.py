@@ -205,8 +205,6 @@ class SampleMode(NamedTuple):
     """Some sampling row has its own seed (a uniform hashed from its seed and counter)."""
     rng_noise: bool
     """Some sampling row has no seed (noise from the engine's generator)."""
-    greedy_rows: bool = False
-    """Beside sampling rows, some row is greedy (an argmax over the vocabulary besides the draw)."""
 
     @classmethod
     def of(cls, params: SamplingParams) -> SampleMode:
@@ -350,7 +348,7 @@ class RowParams:
         """The batch-level choices of this batch (``Sampler.sample_static``)."""
         if self.all_greedy:
             return GREEDY
-        return SampleMode(True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0, self.any_greedy)
+        return SampleMode(True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0)
 
     def __getattr__(self, name: str):
         # The per-row tensors (``RowTensors``' fields) read as attributes; decoded at first use.
@@ -628,10 +626,9 @@ class Sampler:
             else:
                 u_B = hash_uniform(rows.seed_B, n_gen_B)
             sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
-            # the graph's padding rows are greedy too, but their tokens are thrown away
-            tokens_B = (
-                torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B) if mode.greedy_rows else sampled_B
-            )
+            # the argmax runs whether or not a row is greedy: a flag for it in the mode would key graphs
+            # that the warm-up does not capture (greedy evaluation beside sampled training rows)
+            tokens_B = torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B)
         return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
     @torch.no_grad()

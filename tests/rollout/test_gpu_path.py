@@ -291,7 +291,7 @@ def test_unseeded_rows_in_the_loop_graph_sample_from_the_policy():
     )
     eng._graphs = eager_runner(eng, max_batch=8)
     outs = eng.generate([prompt] * 6, [p] * 5 + [greedy])
-    assert {key[4] for key in eng._graphs._loops} == {SampleMode(True, False, False, True, greedy_rows=True)}
+    assert {key[4] for key in eng._graphs._loops} == {SampleMode(True, False, False, True)}
     assert len({tuple(o.output_ids) for o in outs[:5]}) > 1
 
     assert outs[5].output_ids == naive_greedy(model, prompt, 12)[0]

@@ -108,7 +108,7 @@ def test_static_sampler_unseeded_rows_use_the_generator():
         SamplingParams(temperature=0.5, top_k=3, max_new_tokens=4),
     ]
     rp = _rows(params, [0] * 4, V)
-    assert rp.mode == SampleMode(True, True, True, True, greedy_rows=True)
+    assert rp.mode == SampleMode(True, True, True, True)
     eager = Sampler(device=torch.device("cpu"), seed=0).sample_rows(logits, rp)
     static = Sampler(device=torch.device("cpu"), seed=0).sample_static(
         logits.clone(), RowTensors.from_table(rp.table_FB, 64), rp.n_gen_B, rp.mode
@@ -134,7 +134,7 @@ def test_sample_modes_and_padding_rows():
     assert SampleMode.of(SamplingParams(temperature=1.0)) == SampleMode(True, False, False, True)
     assert _rows([SamplingParams(temperature=0, min_new_tokens=2)], [0], 10).mode == GREEDY
     assert _rows([SamplingParams(temperature=0), SamplingParams(top_k=3, seed=1)], [0, 0], 10).mode == SampleMode(
-        True, True, True, False, greedy_rows=True
+        True, True, True, False
     )
     pad = RowTensors.from_table(RowTensors.padding_table(2, 3, 10, torch.device("cpu")), max_len=64)
     assert pad.greedy_B.all() and pad.room_B.tolist() == [1, 1, 1] and not pad.stop_valid_BS.any()
