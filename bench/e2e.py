@@ -133,11 +133,16 @@ PROMPT_ALPHABET = string.ascii_letters + string.digits
 
 
 # ----------------------------------------------------------------------------- reward and workflow
+VOWELS = "aeiouAEIOU"
+
+
 def reward(prompt: str, completion: str, answer=None, **fields) -> float:
-    """Cheap deterministic reward: fraction of the completion's characters that are vowels."""
+    """Cheap deterministic reward: fraction of the completion's characters that are vowels. Counted
+    by ``str.count``: a random-init model's 512 tokens decode to ~6,800 characters here, and a
+    per-character Python loop over 64 of them took ~40 ms of each step, in both systems."""
     if not completion:
         return 0.0
-    return sum(c in "aeiouAEIOU" for c in completion) / len(completion)
+    return sum(map(completion.count, VOWELS)) / len(completion)
 
 
 def trl_reward(prompts, completions, **kwargs) -> list[float]:

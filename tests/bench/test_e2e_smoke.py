@@ -150,3 +150,10 @@ def test_stream_system_builds_its_engine_on_its_own_cuda_stream(tmp_path, monkey
             )
     assert [c.cuda_stream for c in seen] == [True, False]
     assert engine_api.build_rollout_engine_config is builder
+
+
+def test_reward_is_the_fraction_of_vowels():
+    assert e2e.reward("p", "") == 0.0
+    assert e2e.reward("p", "abcE") == 0.5  # a and E of four characters
+    text = "<unused123>Hello, wOrld" * 7
+    assert e2e.reward("p", text) == sum(c in "aeiouAEIOU" for c in text) / len(text)
