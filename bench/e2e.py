@@ -397,7 +397,8 @@ def run_areno(
                     sync(args.device)
                 t3 = time.perf_counter()
             steps.append(t3 - last)  # between consecutive step ends: nothing outside the loop is missed
-            last = t3
+            # a profiled step writes its trace after t3: the next step starts after that, not at t3
+            last = time.perf_counter() if rollout_id in args.profile_steps else t3
             phases.append((t1 - t0, t2 - t1, t3 - t2))
             lengths.extend(len(t.completion_ids) for t in rollout.trajectories)
             num_tokens.append(rollout.batch.num_tokens)
