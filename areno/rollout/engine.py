@@ -32,6 +32,7 @@ import torch
 from areno.models import fused_linear, fused_ops
 from areno.models.vision import ImageInputs, mrope_positions, position_delta
 from areno.observe.trace import instant, span
+from areno.rollout import fused_sampler
 from areno.rollout.attention import DECODE_CARRY_MAX_BYTES, DecodeCarry
 from areno.rollout.config import RolloutEngineConfig, resolve_decode_attention
 from areno.rollout.control import EngineControl
@@ -71,6 +72,7 @@ def prepare_model(model: torch.nn.Module, config: RolloutEngineConfig, device: t
     if fused:
         fused_linear.enable(device)  # SiLU-and-multiply straight off the fused gate/up product
         enable_fused_hash()  # the seeded rows' uniform in one kernel per decode step
+        fused_sampler.enable()  # the draw in two kernels instead of ~7 passes over [B, V]
     if hasattr(model, "fuse_projections"):
         # Before the weight table and any CUDA graph: the parameters become views of the fused
         # weights (same objects and names), so the graphs read and the syncs write one storage.

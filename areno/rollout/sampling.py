@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from areno.models import fused_ops
+from areno.rollout import fused_sampler
 from areno.types import SamplingParams
 
 
@@ -238,6 +239,8 @@ class RowTensors:
     stop_valid_BS: torch.Tensor
     min_new_B: torch.Tensor
     max_new_B: torch.Tensor
+    truncate_B: torch.Tensor
+    """The row samples with top-k or top-p (the eager sort; ``fused_sampler`` serves the others)."""
     n_gen_B: torch.Tensor
     """Tokens generated before the one sampled next (a view of the table: clone before advancing)."""
     room_B: torch.Tensor
@@ -257,6 +260,7 @@ class RowTensors:
             stop_valid_BS=(table_FB[_FIXED + S :] > 0).T,
             min_new_B=long_FB[_MIN_NEW],
             max_new_B=long_FB[_MAX_NEW],
+            truncate_B=table_FB[_TRUNCATE] > 0,
             n_gen_B=long_FB[_N_GEN],
             room_B=torch.minimum(long_FB[_MAX_NEW] - long_FB[_N_GEN], max_len - long_FB[_LENGTH]),
         )
@@ -553,16 +557,39 @@ class Sampler:
     def sample_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids long [B], log-probs float32 [B]) as device tensors; no host synchronisation."""
         B, V = logits_BV.shape
-        if not rp.any_scaled:  # greedy rows have scale 1 too
-            scaled_BV = logits_BV.float()  # T = 1 leaves the logits unchanged (x / 1 is x exactly)
-        else:  # as sample_static: the division computes in fp32
-            scaled_BV = logits_BV / rp.scale_B[:, None]
-        masked_BV = scaled_BV
+        suppress_BS = None
         if rp.any_min_new:
             # Rows below min_new_tokens get their stop/EOS ids set to -inf (padding ids repeat a
             # real id of the row, or are invalid and keep the original value).
             # A row's entries are all suppressed or all kept, so duplicate padding ids agree.
             suppress_BS = (rp.stop_valid_BS[:, :1] & (rp.n_gen_B < rp.min_new_B)[:, None]).expand_as(rp.stop_ids_BS)
+        u_B = None
+        if not rp.all_greedy:
+            # One uniform per row: seeded rows from the (seed, counter) hash, the others from the generator.
+            if rp.all_unseeded:
+                u_B = self._uniform(B)
+            else:
+                u_B = hash_uniform(rp.seed_B, rp.n_gen_B)
+                if rp.unseeded_idx is not None:
+                    u_B[rp.unseeded_idx] = self._uniform(rp.unseeded_idx.numel())
+        fused = None
+        if fused_sampler.serves(logits_BV):
+            fused = fused_sampler.draw(
+                logits_BV,
+                rp.scale_B,
+                u_B,
+                rp.greedy_B if rp.any_greedy else None,
+                rp.stop_ids_BS if suppress_BS is not None else None,
+                suppress_BS,
+            )
+            if not rp.any_truncate:
+                return fused
+        if not rp.any_scaled:  # greedy rows have scale 1 too
+            scaled_BV = logits_BV.float()  # T = 1 leaves the logits unchanged (x / 1 is x exactly)
+        else:  # as sample_static: the division computes in fp32
+            scaled_BV = logits_BV / rp.scale_B[:, None]
+        masked_BV = scaled_BV
+        if suppress_BS is not None:
             kept_BS = scaled_BV.gather(1, rp.stop_ids_BS)
             masked_BV = scaled_BV.scatter(1, rp.stop_ids_BS, kept_BS.masked_fill(suppress_BS, float("-inf")))
         logprobs_BV = None
@@ -577,22 +604,15 @@ class Sampler:
             else:  # the draw's weights from the log-probs: no softmax pass of its own
                 weights_BV = (
                     _suppressed_weights(logprobs_BV, rp.stop_ids_BS, suppress_BS)
-                    if rp.any_min_new
+                    if suppress_BS is not None
                     else logprobs_BV.exp()
                 )
-            # One uniform per row: seeded rows from the (seed, counter) hash, the others from the generator.
-            if rp.all_unseeded:
-                u_B = self._uniform(B)
-            else:
-                u_B = hash_uniform(rp.seed_B, rp.n_gen_B)
-                if rp.unseeded_idx is not None:
-                    u_B[rp.unseeded_idx] = self._uniform(rp.unseeded_idx.numel())
             sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
             tokens_B = torch.where(rp.greedy_B, argmax_rows(masked_BV), sampled_B) if rp.any_greedy else sampled_B
         if logprobs_BV is None:
             logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
         chosen_lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
-        return tokens_B, chosen_lp_B
+        return (tokens_B, chosen_lp_B) if fused is None else _per_row(fused, rp.truncate_B, tokens_B, chosen_lp_B)
 
     def sample_static(
         self, logits_BV: torch.Tensor, rows: RowTensors, n_gen_B: torch.Tensor, mode: SampleMode
@@ -603,12 +623,25 @@ class Sampler:
         Gives the tokens and log-probs of ``sample_rows`` for greedy and seeded rows (unseeded rows
         draw the generator's noise for the whole batch). Float32 ``logits_BV`` of an all-greedy
         batch are overwritten (suppressed ids set to -inf in place, saving a [B, V] copy)."""
+        pending_BS = (rows.stop_valid_BS[:, :1] & (n_gen_B < rows.min_new_B)[:, None]).expand_as(rows.stop_ids_BS)
+        u_B = None
+        if mode.sample:
+            if mode.rng_noise:
+                u_B = self._uniform(logits_BV.shape[0])
+                if mode.hash_noise:
+                    u_B = torch.where(rows.seeded_B, hash_uniform(rows.seed_B, n_gen_B), u_B)
+            else:
+                u_B = hash_uniform(rows.seed_B, n_gen_B)
+        fused = None
+        if fused_sampler.serves(logits_BV):
+            fused = fused_sampler.draw(logits_BV, rows.scale_B, u_B, rows.greedy_B, rows.stop_ids_BS, pending_BS)
+            if not mode.truncate:
+                return fused
         # a bf16 / fp32 division computes in fp32: the cast's values, one pass over [B, V] fewer
         scaled_BV = logits_BV / rows.scale_B[:, None] if mode.sample else logits_BV.float()
         # The log-probs are of the distribution before suppression; taken first, the stop ids can
         # then be suppressed in place (below min_new_tokens: set to -inf, as in sample_rows).
         logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-        pending_BS = (rows.stop_valid_BS[:, :1] & (n_gen_B < rows.min_new_B)[:, None]).expand_as(rows.stop_ids_BS)
         kept_BS = scaled_BV.gather(1, rows.stop_ids_BS)
         masked_BV = scaled_BV.scatter_(1, rows.stop_ids_BS, kept_BS.masked_fill(pending_BS, float("-inf")))
         if not mode.sample:
@@ -619,17 +652,12 @@ class Sampler:
                 race_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B)
             else:  # as sample_rows: the draw's weights from the log-probs
                 weights_BV = _suppressed_weights(logprobs_BV, rows.stop_ids_BS, pending_BS)
-            if mode.rng_noise:
-                u_B = self._uniform(race_BV.shape[0])
-                if mode.hash_noise:
-                    u_B = torch.where(rows.seeded_B, hash_uniform(rows.seed_B, n_gen_B), u_B)
-            else:
-                u_B = hash_uniform(rows.seed_B, n_gen_B)
             sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
             # the argmax runs whether or not a row is greedy: a flag for it in the mode would key graphs
             # that the warm-up does not capture (greedy evaluation beside sampled training rows)
             tokens_B = torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B)
-        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        chosen_lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        return (tokens_B, chosen_lp_B) if fused is None else _per_row(fused, rows.truncate_B, tokens_B, chosen_lp_B)
 
     @torch.no_grad()
     def sample(
@@ -657,6 +685,17 @@ class Sampler:
             params, [r.num_generated for r in requests], [0] * B, eos_token_ids, V, 1 << 62, logits_BV.device
         )
         return _to_lists(*self.sample_rows(logits_BV, rp))
+
+
+def _per_row(
+    fused: tuple[torch.Tensor, torch.Tensor],
+    truncate_B: torch.Tensor,
+    tokens_B: torch.Tensor,
+    logprobs_B: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager draw's tokens and log-probs for the rows that truncate (top-k / top-p), the fused
+    draw's for the others: a row samples the same way whatever else is in its batch."""
+    return torch.where(truncate_B, tokens_B, fused[0]), torch.where(truncate_B, logprobs_B, fused[1])
 
 
 def _to_lists(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> tuple[list[int], list[float]]:
