@@ -165,8 +165,9 @@ def test_cpu_never_takes_the_fused_draw():
 def test_kernels_draw_the_contract_on_gpu(dtype):
     """The kernels at a real vocabulary (151,936, 64 rows): greedy rows equal the masked argmax, every
     sampled row's token holds its target in float64 interval bounds, log-probs within 1e-4 of
-    ``log_softmax``; against the eager sampler's draw with the same uniforms at least 99% of tokens equal
-    (they differ only where a target lies within rounding of an interval's edge)."""
+    ``log_softmax``; against the eager sampler's draw with the same uniforms most tokens equal (at this
+    vocabulary an interval is ~1e-5 of the total, so the two fp32 cumulative sums' rounding moves about
+    one row in 64 across an edge; the interval check above is the contract)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     assert fused_sampler.self_check() is None
@@ -184,7 +185,7 @@ def test_kernels_draw_the_contract_on_gpu(dtype):
     suppressed = torch.zeros(B, V, dtype=torch.bool, device="cuda").scatter_(1, stops, pending)
     assert torch.equal(tok[greedy], want_tok[greedy])
     assert not bool(fused_sampler.interval_misses(logits.float(), scale, u, tok, suppressed)[~greedy].any())
-    assert (tok == want_tok).float().mean().item() >= 0.99
+    assert (tok == want_tok).float().mean().item() >= 0.9
     x = logits.float() / scale[:, None]
     torch.testing.assert_close(lp, torch.log_softmax(x, -1).gather(1, tok[:, None]).squeeze(1), rtol=0, atol=1e-4)
     torch.testing.assert_close(lp[tok == want_tok], want_lp[tok == want_tok], rtol=0, atol=1e-4)
