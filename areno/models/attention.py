@@ -23,6 +23,10 @@ class AttentionBackend(Protocol):
 
     ``q_THD``: [T, Hq, Dh]; ``k_THD``, ``v_THD``: [T, Hkv, Dh] (after RoPE). Returns [T, Hq, Dh].
     The backend handles GQA (Hq a multiple of Hkv) and uses the scale 1/sqrt(Dh).
+
+    A backend may also have ``attend_rotary(layer_idx, qkv_TN, Hq, Hkv, cos_TF, sin_TF)``: the same
+    attention from a fused q/k/v product before RoPE, or None when it cannot serve it (the decoder
+    then rotates and calls the backend); the rollout engine's ``PagedAttention`` has one.
     """
 
     def __call__(

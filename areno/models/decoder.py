@@ -166,9 +166,15 @@ class Attention(nn.Module):
         k_THD = k_TN.view(T, -1, self.head_dim)
         v_THD = v_TN.view(T, -1, self.head_dim)
         if qkv_TN is not None and not hasattr(self, "q_norm"):
+            hq, hk = q_THD.shape[1], k_THD.shape[1]
+            # the rollout engine's backend rotates q and k and writes K/V to its pools in one kernel
+            rotary = getattr(attn, "attend_rotary", None)
+            if rotary is not None and _autocast_dtype(x_TD.device.type) is None:
+                out_THD = rotary(self.layer_idx, qkv_TN, hq, hk, cos_TF, sin_TF)
+                if out_THD is not None:
+                    return inference.rowwise(self.o_proj, out_THD.reshape(T, -1), self.tp_reduce)
             # q and k are adjacent columns of one product: one RoPE over their heads (one kernel;
             # eager, half the ops of two calls: the same products per element)
-            hq, hk = q_THD.shape[1], k_THD.shape[1]
             qk_THD = apply_rope(qkv_TN[:, : (hq + hk) * self.head_dim].view(T, hq + hk, self.head_dim), cos_TF, sin_TF)
             q_THD, k_THD = qk_THD[:, :hq], qk_THD[:, hq:]
         else:

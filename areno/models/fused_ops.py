@@ -197,6 +197,52 @@ if triton is not None:
         tl.store(VS + slot * n + offs, v, mask=mask)
 
     @triton.jit
+    def _rope_write_kernel(
+        X,
+        COS,
+        SIN,
+        Q,
+        KS,
+        VS,
+        SLOT,
+        stride_xt,
+        stride_ct,
+        stride_qt,
+        HQ,
+        HK,
+        F,
+        BLOCK_H: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+        BLOCK_KV: tl.constexpr,
+    ):
+        # Token t of a fused q/k/v row: RoPE of its q heads into Q, of its k heads into the K pool
+        # at the token's slot, its v heads copied into the V pool: ``_rope_kernel`` + ``_kv_write_kernel``.
+        t = tl.program_id(0)
+        slot = tl.load(SLOT + t).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        f = tl.arange(0, BLOCK_F)[None, :]
+        D = 2 * F
+        mask = (h < HQ + HK) & (f < F)
+        dt = Q.dtype.element_ty
+        row = X + t.to(tl.int64) * stride_xt
+        x1 = tl.load(row + h * D + f, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + h * D + F + f, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(COS + t * stride_ct + f, mask=f < F, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t * stride_ct + f, mask=f < F, other=0.0).to(tl.float32)
+        a = _round_to(x1 * c, dt) - _round_to(x2 * s, dt)
+        b = _round_to(x2 * c, dt) + _round_to(x1 * s, dt)
+        is_q = h < HQ
+        q_row = Q + t.to(tl.int64) * stride_qt
+        tl.store(q_row + h * D + f, a.to(dt), mask=mask & is_q)
+        tl.store(q_row + h * D + F + f, b.to(dt), mask=mask & is_q)
+        k_row = KS + slot * HK * D
+        tl.store(k_row + (h - HQ) * D + f, a.to(dt), mask=mask & ~is_q)
+        tl.store(k_row + (h - HQ) * D + F + f, b.to(dt), mask=mask & ~is_q)
+        o = tl.arange(0, BLOCK_KV)
+        v = tl.load(row + (HQ + HK) * D + o, mask=o < HK * D)
+        tl.store(VS + slot * HK * D + o, v, mask=o < HK * D)
+
+    @triton.jit
     def _mix32(h, mask32):
         """``sampling._mix32`` on int64 values below 2**32 (the same rounds, the same integers)."""
         h = h ^ (h >> 16)
@@ -343,6 +389,79 @@ def write_kv(
         )
 
 
+def rope_write_kv(
+    qkv_TN: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    cos_TF: torch.Tensor,
+    sin_TF: torch.Tensor,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    slots_T: torch.Tensor,
+) -> torch.Tensor:
+    """Of a fused q/k/v product ``qkv_TN`` [T, (Hq + 2 Hkv) Dh]: RoPE of q (returned, [T, Hq, Dh]) and
+    of k written with v into the pools at ``slots_T``, one kernel for what ``rope`` over q and k and
+    ``write_kv`` do in two, with their roundings; call only where ``rope_write_fits``."""
+    T = qkv_TN.shape[0]
+    F = cos_TF.shape[-1]
+    q_THD = torch.empty(T, num_q_heads, 2 * F, dtype=qkv_TN.dtype, device=qkv_TN.device)
+    if T:
+        cos_TF, sin_TF = cos_TF.contiguous(), sin_TF.contiguous()
+        _rope_write_kernel[(T,)](
+            qkv_TN,
+            cos_TF,
+            sin_TF,
+            q_THD,
+            k_S,
+            v_S,
+            slots_T,
+            qkv_TN.stride(0),
+            cos_TF.stride(0),
+            q_THD.stride(0),
+            num_q_heads,
+            num_kv_heads,
+            F,
+            BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
+            BLOCK_F=triton.next_power_of_2(F),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads * 2 * F),
+        )
+    return q_THD
+
+
+def eager_rope_write_kv(
+    qkv_TN: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    cos_TF: torch.Tensor,
+    sin_TF: torch.Tensor,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    slots_T: torch.Tensor,
+) -> torch.Tensor:
+    """``rope_write_kv`` in eager ops: one RoPE over q and k, then the two pool writes."""
+    T, D = qkv_TN.shape[0], 2 * cos_TF.shape[-1]
+    hq, hk = num_q_heads, num_kv_heads
+    qk_THD = eager_rope(qkv_TN[:, : (hq + hk) * D].view(T, hq + hk, D), cos_TF, sin_TF)
+    k_S.index_copy_(0, slots_T, qk_THD[:, hq:])
+    v_S.index_copy_(0, slots_T, qkv_TN[:, (hq + hk) * D :].view(T, hk, D))
+    return qk_THD[:, :hq]
+
+
+def rope_write_fits(qkv_TN: torch.Tensor, cos_TF: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor) -> bool:
+    """Whether ``rope_write_kv`` serves this layer: the fused kernels ``active``, q/k/v, the RoPE tables
+    and both pools in one dtype (no cast between RoPE and the pool), columns contiguous, pools contiguous."""
+    dt = qkv_TN.dtype
+    return (
+        active(qkv_TN)
+        and cos_TF.dtype == dt
+        and k_S.dtype == dt
+        and v_S.dtype == dt
+        and qkv_TN.stride(1) == 1
+        and k_S.is_contiguous()
+        and v_S.is_contiguous()
+    )
+
+
 def write_kv_fits(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_S: torch.Tensor, v_S: torch.Tensor) -> bool:
     """Whether ``write_kv`` serves this write: the fused kernels ``active``, K/V in the pools' dtypes,
     each token's ``K x Dh`` values one contiguous run (the views of a fused q/k/v product are; any row
@@ -398,6 +517,14 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
             write_kv(k, v, k_S, v_S, slots)
             if not (torch.equal(k_S, k_ref) and torch.equal(v_S, v_ref)):
                 return "write_kv differs from index_copy_"
+            qkv, cos, sin = rand(6, (14 + 2 * 2) * 64), rand(6, 32), rand(6, 32)
+            k_S, v_S = rand(40, 2, 64), rand(40, 2, 64)
+            k_ref, v_ref = k_S.clone(), v_S.clone()
+            qk_ref = rope(qkv[:, : 16 * 64].view(6, 16, 64), cos, sin)
+            write_kv(qk_ref[:, 14:], qkv[:, 16 * 64 :].view(6, 2, 64), k_ref, v_ref, slots)
+            q = rope_write_kv(qkv, 14, 2, cos, sin, k_S, v_S, slots)
+            if not (torch.equal(q, qk_ref[:, :14]) and torch.equal(k_S, k_ref) and torch.equal(v_S, v_ref)):
+                return "rope_write_kv differs from rope and write_kv"
     except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernels
         return f"{type(e).__name__}: {e}"
     return None

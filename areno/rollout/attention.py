@@ -324,6 +324,37 @@ class PagedAttention:
         else:
             k_S.index_copy_(0, self.slot_mapping_T, k_TKD)
             v_S.index_copy_(0, self.slot_mapping_T, v_TKD)
+        return self._attend(layer_idx, q_THD, k_TKD, v_TKD)
+
+    def attend_rotary(
+        self,
+        layer_idx: int,
+        qkv_TN: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        cos_TF: torch.Tensor,
+        sin_TF: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Attention of a fused q/k/v product before RoPE (``AttentionBackend``'s optional form): q and
+        k rotated and K/V written into the pools by one kernel (``fused_ops.rope_write_kv``) instead
+        of a RoPE and a pool write. None where that kernel does not serve (the caller then rotates and
+        calls the backend), or where the CPU decode carry needs this step's K/V as tensors."""
+        k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
+        if (self.decode is not None and self.decode.carry is not None) or not fused_ops.rope_write_fits(
+            qkv_TN, cos_TF, k_S, v_S
+        ):
+            return None
+        q_THD = fused_ops.rope_write_kv(
+            qkv_TN, num_q_heads, num_kv_heads, cos_TF, sin_TF, k_S, v_S, self.slot_mapping_T
+        )
+        return self._attend(layer_idx, q_THD, None, None)
+
+    def _attend(
+        self, layer_idx: int, q_THD: torch.Tensor, k_TKD: torch.Tensor | None, v_TKD: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of this step's queries once its K/V are in the pools (``k_TKD`` / ``v_TKD``: those
+        K/V as tensors, which only the CPU decode carry reads; None when the carry is off)."""
+        k_S, v_S = self.cache.k_S[layer_idx], self.cache.v_S[layer_idx]
         nd = self.num_decode
         dc = self.cache.decode_carry
         if dc is not None and (self.decode is None or self.decode.carry is None or self.prefill is not None):

@@ -213,6 +213,7 @@ def emulate_fused_path_on_cpu(monkeypatch) -> None:
         "write_kv",
         lambda k, v, k_S, v_S, slots: (k_S.index_copy_(0, slots, k), v_S.index_copy_(0, slots, v)),
     )
+    monkeypatch.setattr(fused_ops, "rope_write_kv", fused_ops.eager_rope_write_kv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -234,9 +235,10 @@ def test_fused_kernel_routing_equals_the_eager_forward(monkeypatch, dtype, fused
 
 
 def test_engine_generates_the_same_tokens_through_the_fused_routing(monkeypatch):
-    """The rollout engine (paged K/V, prefill and decode steps) on the fused routing: q and k reach
-    the attention as views of one RoPE output, and their K/V reach the pool through ``write_kv``'s
-    routing; greedy tokens and log-probs are unchanged."""
+    """The rollout engine (paged K/V, prefill and decode steps) on the fused routing: the fused q/k/v
+    product reaches the pool through ``rope_write_kv``'s routing (q rotated, K/V written in one
+    call), or, with that kernel off, q and k as views of one RoPE output and K/V through ``write_kv``;
+    greedy tokens and log-probs are unchanged."""
     from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
     from areno.types import SamplingParams
 
@@ -259,11 +261,20 @@ def test_engine_generates_the_same_tokens_through_the_fused_routing(monkeypatch)
 
     ref = run()
     emulate_fused_path_on_cpu(monkeypatch)
-    writes = []
+    rotary, writes = [], []
+    monkeypatch.setattr(
+        fused_ops, "rope_write_kv", lambda *a: rotary.append(a[0].shape[0]) or fused_ops.eager_rope_write_kv(*a)
+    )
     eager_write = fused_ops.write_kv
     monkeypatch.setattr(fused_ops, "write_kv", lambda *a: writes.append(a[0].shape[0]) or eager_write(*a))
     assert run() == ref
-    assert len(writes) > 0 and sum(writes) > 0  # the layers' K/V writes took the one-kernel routing
+    # the prefill steps rotated and wrote their K/V in the one call (CPU decode steps carry their K/V
+    # as tensors between steps, so they keep the two calls; on CUDA there is no carry)
+    assert sum(rotary) > 0
+    monkeypatch.setattr(fused_ops, "rope_write_fits", lambda *a: False)
+    rotary.clear()
+    assert run() == ref
+    assert not rotary and sum(writes) > 0  # the layers' K/V writes took write_kv's routing
 
 
 def test_self_checks_pass_with_the_eager_references_on_cpu(monkeypatch):
