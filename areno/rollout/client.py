@@ -104,7 +104,8 @@ class RolloutClient(abc.ABC):
     async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
         """One completion of ``prompt_ids`` per entry of ``params`` (a GRPO group: the same prompt,
         per-sample seeds), in order. Clients over HTTP send them as one request to one server, so
-        the group shares its prompt's KV blocks there; this default runs ``agenerate`` per entry.
+        the group shares its prompt's KV blocks there, and the in-process client adds them to its
+        engine together; this default runs ``agenerate`` per entry.
         The ``areno serve`` clients also take ``images=`` (an ``ImageInputs``), sent with the group."""
         return list(await asyncio.gather(*(self.agenerate(prompt_ids, p) for p in params)))
 
@@ -184,6 +185,45 @@ class InProcessRolloutClient(RolloutClient):
                 max_new_tokens=sampling_params.max_new_tokens,
             ) from None
 
+    async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """The group's requests enter the engine together, in order: added under one lock, the
+        driver thread woken once. One ``agenerate`` task per sample added them a loop turn later,
+        each waking the driver thread, which then contended with the adds for the GIL."""
+        if not params:
+            return []
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in params]
+        request_ids: list[str] = []
+        try:
+            with self._pending_lock:
+                for p, future in zip(params, futures):
+                    # add_request validates (ValueError) before the future is registered.
+                    request_ids.append(self.engine.add_request(prompt_ids, p))
+                    self._pending[request_ids[-1]] = (loop, future)
+        except Exception:
+            self._abort_all_quietly(request_ids)  # the group is refused as a whole
+            raise
+        self._ensure_thread()  # after the adds: a driver thread started now sees the whole group
+        self._wakeup.set()
+        try:
+            with async_span(
+                "rollout_request", "rollout", request_ids[0], prompt_tokens=len(prompt_ids), samples=len(params)
+            ):
+                return list(await asyncio.wait_for(asyncio.gather(*futures), self.request_timeout_s))
+        except asyncio.CancelledError:
+            self._abort_all_quietly(request_ids)
+            raise
+        except TimeoutError:
+            self._abort_all_quietly(request_ids)
+            assert self.request_timeout_s is not None
+            raise RolloutRequestTimeout(
+                server="the in-process rollout engine",
+                request_id=request_ids[0],
+                timeout_s=self.request_timeout_s,
+                prompt_tokens=len(prompt_ids),
+                max_new_tokens=max(p.max_new_tokens for p in params),
+            ) from None
+
     def abort(self, request_id: str) -> GenerationOutput:
         """Abort a request; its ``agenerate`` returns the partial output (finish reason ``abort``)."""
         output = self.engine.abort(request_id)
@@ -255,6 +295,10 @@ class InProcessRolloutClient(RolloutClient):
             self.engine.abort(request_id)
         except UnknownRequestError:
             pass  # it finished in the meantime
+
+    def _abort_all_quietly(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._abort_quietly(request_id)
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -2,8 +2,8 @@
 
 ``add`` validates a request and puts it in the inbox under a lock of its own (a request arriving from a
 server's event loop never waits for a running step); ``admit``, called under the step lock, moves the
-inbox into the scheduler in arrival order. ``output`` builds a finished (or aborted) request's
-``GenerationOutput``.
+inbox into the scheduler in arrival order. ``outputs`` builds finished (or aborted) requests'
+``GenerationOutput``s.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from areno.data.detokenize import decode_texts
 from areno.rollout.sampling import RowParams
 from areno.rollout.scheduler import Scheduler, Sequence
 from areno.types import GenerationOutput, SamplingParams
@@ -107,20 +108,29 @@ class RequestTable:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def output(self, seq: Sequence, reason: str) -> GenerationOutput:
-        if reason == "stop" and seq.text is not None:
-            text = seq.text  # cut before the stop string
-        else:
-            text = self.decode(seq.output_ids) or ""
-        return GenerationOutput(
-            request_id=seq.request_id,
-            prompt_ids=list(seq.prompt_ids),
-            output_ids=list(seq.output_ids),
-            output_logprobs=list(seq.output_logprobs),
-            output_versions=list(seq.output_versions),
-            finish_reason=reason,
-            text=text,
-            routes_TLK=None if seq.routes is None else assemble_routes(seq.routes, len(seq.token_ids)),
-        )
+        return self.outputs([(seq, reason)])[0]
+
+    def outputs(self, finished: list[tuple[Sequence, str]]) -> list[GenerationOutput]:
+        """The ``GenerationOutput`` of each (sequence, finish reason), in order. Their texts are
+        decoded in one call (``decode_texts``): a fixed-length batch ends all its requests in the
+        same step, and one by one their texts kept the step (and the rollout) waiting."""
+        # a request a stop string ended has its text already, cut before the string
+        cut = [reason == "stop" and seq.text is not None for seq, reason in finished]
+        uncut = [seq.output_ids for (seq, _), has_text in zip(finished, cut) if not has_text]
+        decoded = iter(decode_texts(self.tokenizer, uncut) if self.tokenizer is not None else [""] * len(uncut))
+        return [
+            GenerationOutput(
+                request_id=seq.request_id,
+                prompt_ids=list(seq.prompt_ids),
+                output_ids=list(seq.output_ids),
+                output_logprobs=list(seq.output_logprobs),
+                output_versions=list(seq.output_versions),
+                finish_reason=reason,
+                text=seq.text if has_text else next(decoded),
+                routes_TLK=None if seq.routes is None else assemble_routes(seq.routes, len(seq.token_ids)),
+            )
+            for (seq, reason), has_text in zip(finished, cut)
+        ]
 
 
 def assemble_routes(chunks: list[tuple[int, torch.Tensor]], num_tokens: int) -> torch.Tensor:

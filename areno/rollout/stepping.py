@@ -224,7 +224,7 @@ class Stepper:
     ) -> list[GenerationOutput]:
         """Append each row's new tokens (its first ``keep_B`` of K; all K = 1 when None), apply the
         stop rules, finish requests."""
-        finished, done = [], []
+        done: list[tuple[Sequence, str]] = []
         eos = self.eos_token_ids
         version = self.control.version
         max_len = self.max_model_len
@@ -266,14 +266,13 @@ class Stepper:
                     reason = None
             if reason is not None:
                 del self.requests.live[seq.request_id]
-                done.append(seq)
-                finished.append(self.requests.output(seq, reason))
+                done.append((seq, reason))
         if done:
-            self.scheduler.remove_finished(done)
+            self.scheduler.remove_finished([seq for seq, _ in done])
         if generated and not self.generated_tokens:
             mark_first_token()
         self.generated_tokens += generated
-        return finished
+        return self.requests.outputs(done) if done else []
 
     def _plan_decode_steps(self, seqs: list[Sequence], sampled: int = 0) -> int:
         """How many decode steps these rows run before the next host round trip (their blocks for

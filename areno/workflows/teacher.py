@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from areno.data.detokenize import decode_texts
 from areno.data.prompts import render_prompt
 from areno.errors import ConfigError
 from areno.models.hf_io import load_model
@@ -205,10 +206,10 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
         )
         group_id = uuid.uuid4().hex
         group = []
-        for seed, out in zip(draws, outputs):
+        completions = decode_texts(self.tokenizer, [out.output_ids for out in outputs])
+        for seed, out, completion in zip(draws, outputs, completions):
             teacher = seed is not None
             n = len(out.output_ids)
-            completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
             reward, error = await acall_reward(self.reward_fn, prompt, completion, answer, fields)
             info: dict[str, Any] = {"prompt": prompt, "completion": completion, "answer": answer, "teacher": teacher}
             if error is not None:

@@ -103,3 +103,45 @@ def test_weight_updates_from_another_thread_during_generation():
         assert len(out.output_ids) == 30
         assert out.output_versions == sorted(out.output_versions) and out.output_versions[-1] <= 4
     assert eng.version == 4 and all(len(set(o.output_versions)) > 1 for o in outs)
+
+
+def test_agenerate_many_enters_the_engine_as_one_group(tiny):
+    """A group's requests are added together and the driver thread woken once (here it wakes only
+    when told): the first step admits the whole group; the outputs come back in ``params`` order."""
+    model, cfg = tiny
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=128), eos_token_ids=(EOS,))
+    client = InProcessRolloutClient(eng, idle_wait_s=3600.0)
+    prompt = random_prompts(1, seed=21)[0]
+    one_token = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    lengths = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (3, 1, 5, 2)]
+    try:
+        burst = asyncio.run(client.agenerate_many(prompt, [one_token] * 6))
+        steps = eng.stats()["steps"]
+        outs = asyncio.run(client.agenerate_many(prompt, lengths))
+    finally:
+        client.close()
+    assert steps == 1 and len(burst) == 6  # six one-token requests admitted and finished by one step
+    ref = naive_greedy(model, prompt, 5)[0]
+    assert [o.output_ids for o in outs] == [ref[:3], ref[:1], ref[:5], ref[:2]]
+
+
+def test_agenerate_many_refuses_a_bad_group_whole_and_aborts_it_on_timeout(tiny):
+    from areno.rollout.client import RolloutRequestTimeout
+
+    model, cfg = tiny
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=16), eos_token_ids=(EOS,))
+    client = InProcessRolloutClient(eng, request_timeout_s=0.2)
+    too_long = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)  # beyond the 64-token pool
+    try:
+        with pytest.raises(ValueError, match="exceeds the KV pool"):
+            asyncio.run(client.agenerate_many([5, 6, 7], [GREEDY, GREEDY, too_long]))
+        assert not eng.has_unfinished() and client.num_pending == 0  # the two valid ones were withdrawn
+        eng.pause()  # a stalled engine: nothing finishes before the deadline
+        with pytest.raises(RolloutRequestTimeout, match="did not finish within 0.2s"):
+            asyncio.run(client.agenerate_many([5, 6, 7], [GREEDY, GREEDY]))
+        assert not eng.has_unfinished() and client.num_pending == 0
+        eng.resume()
+        client.wake()
+        assert [len(o.output_ids) for o in asyncio.run(client.agenerate_many([5, 6, 7], [GREEDY] * 2))] == [8, 8]
+    finally:
+        client.close()

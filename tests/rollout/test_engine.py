@@ -137,6 +137,26 @@ def test_stop_strings_cut_text(tiny):
     assert tok.decode(out.output_ids, skip_special_tokens=True).endswith(stop)
 
 
+def test_requests_ending_in_one_step_each_get_their_own_text(tiny):
+    """Requests that end in the same step have their texts decoded together; each equals the
+    decode of its own output ids (special tokens skipped)."""
+    from areno.data.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()  # ids 0-4 are special tokens, EOS among them
+    model, cfg = tiny
+    eng = RolloutEngine(
+        model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=(EOS,), tokenizer=tok
+    )
+    for seed, prompt in enumerate(random_prompts(6, seed=31)):
+        eng.add_request(prompt, SamplingParams(temperature=1.5, max_new_tokens=12, ignore_eos=True, seed=seed))
+    outs: list = []
+    while not outs:
+        outs = eng.step()
+    assert len(outs) == 6 and all(len(o.output_ids) == 12 for o in outs)
+    assert [o.text for o in outs] == [tok.decode(o.output_ids, skip_special_tokens=True) for o in outs]
+    assert len({o.text for o in outs}) == 6
+
+
 def test_weight_swap_mid_generation_records_versions(tiny):
     model, cfg = make_model(0)
     new_model, _ = make_model(1)

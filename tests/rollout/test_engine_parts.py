@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from areno.data.tokenizer import build_char_tokenizer
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, TornWeightsError
 from areno.rollout.errors import WeightUpdateError
 from areno.rollout.kv_cache import BlockAllocator, KVCache
@@ -19,7 +20,7 @@ from areno.types import SamplingParams
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4)
 
 
-def _table(num_blocks: int = 16, block_size: int = 4, max_model_len: int = 32) -> RequestTable:
+def _table(num_blocks: int = 16, block_size: int = 4, max_model_len: int = 32, tokenizer=None) -> RequestTable:
     allocator = BlockAllocator(num_blocks, block_size, enable_prefix_sharing=True)
     scheduler = Scheduler(
         allocator,
@@ -28,7 +29,7 @@ def _table(num_blocks: int = 16, block_size: int = 4, max_model_len: int = 32) -
         prefill_chunk_size=16,
         max_blocks_per_seq=max_model_len // block_size,
     )
-    return RequestTable(scheduler, vocab_size=10, max_model_len=max_model_len, eos_token_ids=(2,))
+    return RequestTable(scheduler, vocab_size=10, max_model_len=max_model_len, eos_token_ids=(2,), tokenizer=tokenizer)
 
 
 def test_request_table_admits_in_arrival_order_and_rejects_bad_requests():
@@ -59,6 +60,26 @@ def test_request_table_admits_in_arrival_order_and_rejects_bad_requests():
         "abort",
         "",
     )
+
+
+def test_request_table_outputs_in_order_with_decoded_or_cut_texts():
+    """``outputs`` decodes the texts of several finished requests at once; a request a stop string
+    ended keeps its text, cut before the string."""
+    tok = build_char_tokenizer()
+    table = _table(num_blocks=64, tokenizer=tok)
+    ids = [table.add([1, 3], GREEDY), table.add([4], GREEDY), table.add([5], GREEDY)]
+    table.admit()
+    seqs = [table.live[i] for i in ids]
+    for seq, text in zip(seqs, ("a b", "z. ", "stop here")):
+        seq.token_ids += tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    seqs[2].text = "stop"  # as check_stop leaves it
+    outs = table.outputs([(seqs[0], "length"), (seqs[1], "stop"), (seqs[2], "stop")])
+    assert [(o.request_id, o.finish_reason, o.text) for o in outs] == [
+        (ids[0], "length", "a b"),
+        (ids[1], "stop", "z. "),
+        (ids[2], "stop", "stop"),
+    ]
+    assert outs[2].output_ids == tok.encode("stop here", add_special_tokens=False) + [tok.eos_token_id]
 
 
 def test_read_checkpoint_is_whole_or_nothing(tmp_path):
