@@ -168,22 +168,7 @@ class InProcessRolloutClient(RolloutClient):
             request_id = self.engine.add_request(prompt_ids, sampling_params, request_id, images=images)
             self._pending[request_id] = (loop, future)
         self._wakeup.set()
-        try:
-            with async_span("rollout_request", "rollout", request_id, prompt_tokens=len(prompt_ids)):
-                return await asyncio.wait_for(future, self.request_timeout_s)
-        except asyncio.CancelledError:
-            self._abort_quietly(request_id)
-            raise
-        except TimeoutError:
-            self._abort_quietly(request_id)
-            assert self.request_timeout_s is not None
-            raise RolloutRequestTimeout(
-                server="the in-process rollout engine",
-                request_id=request_id,
-                timeout_s=self.request_timeout_s,
-                prompt_tokens=len(prompt_ids),
-                max_new_tokens=sampling_params.max_new_tokens,
-            ) from None
+        return await self._await_requests([request_id], future, len(prompt_ids), sampling_params.max_new_tokens)
 
     async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
         """The group's requests enter the engine together, in order: added under one lock, the
@@ -205,11 +190,17 @@ class InProcessRolloutClient(RolloutClient):
             raise
         self._ensure_thread()  # after the adds: a driver thread started now sees the whole group
         self._wakeup.set()
+        max_new = max(p.max_new_tokens for p in params)
+        return list(await self._await_requests(request_ids, asyncio.gather(*futures), len(prompt_ids), max_new))
+
+    async def _await_requests(self, request_ids: list[str], done: Any, prompt_tokens: int, max_new_tokens: int) -> Any:
+        """Await ``done`` (the requests' future, or their gathered futures) within the deadline; the
+        requests are aborted when it passes (``RolloutRequestTimeout``) or the caller is cancelled."""
         try:
             with async_span(
-                "rollout_request", "rollout", request_ids[0], prompt_tokens=len(prompt_ids), samples=len(params)
+                "rollout_request", "rollout", request_ids[0], prompt_tokens=prompt_tokens, samples=len(request_ids)
             ):
-                return list(await asyncio.wait_for(asyncio.gather(*futures), self.request_timeout_s))
+                return await asyncio.wait_for(done, self.request_timeout_s)
         except asyncio.CancelledError:
             self._abort_all_quietly(request_ids)
             raise
@@ -220,8 +211,8 @@ class InProcessRolloutClient(RolloutClient):
                 server="the in-process rollout engine",
                 request_id=request_ids[0],
                 timeout_s=self.request_timeout_s,
-                prompt_tokens=len(prompt_ids),
-                max_new_tokens=max(p.max_new_tokens for p in params),
+                prompt_tokens=prompt_tokens,
+                max_new_tokens=max_new_tokens,
             ) from None
 
     def abort(self, request_id: str) -> GenerationOutput:
