@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -421,7 +422,12 @@ class WorkflowExecutor:
         if threading.current_thread() is self._thread:
             raise RuntimeError("rollout_batch() is synchronous; call it from outside the rollout loop")
         before = dict(self.stats.counts)
-        groups = asyncio.run_coroutine_threadsafe(self._arollout_batch(samples), loop).result()
+
+        def submit() -> concurrent.futures.Future:
+            return asyncio.run_coroutine_threadsafe(self._arollout_batch(samples), loop)
+
+        drive = getattr(self.client, "drive_until", None)  # an in-process engine, stepped from here
+        groups = (drive(submit) if drive is not None else submit()).result()
         trajectories = [traj for group in groups if group for traj in group]
         if samples and not trajectories:
             dropped = self.stats.counts["dropped_failed"] - before.get("dropped_failed", 0)

@@ -186,8 +186,15 @@ class LocalRolloutSide(RolloutSide):
         self.tokenizer = setup.tokenizer
         self.engine = self._build_rollout_engine(setup.model_dir)
         warm_up_rollout_engine(self.engine, self.config)
-        # The one driver of the rollout engine: rollouts and evaluation both go through it.
-        self._client = InProcessRolloutClient(self.engine, request_timeout_s=self.config.rollout.request_timeout_s)
+        # The one driver of the rollout engine: rollouts and evaluation both go through it. A
+        # synchronous CPU run steps it from the trainer's thread (one OpenMP team in the process:
+        # InProcessRolloutClient); an asynchronous one generates beside training, from its own thread.
+        synchronous = self.config.rollout.max_head_offpolicyness == 0
+        self._client = InProcessRolloutClient(
+            self.engine,
+            request_timeout_s=self.config.rollout.request_timeout_s,
+            caller_drives=self.device.type == "cpu" and synchronous,
+        )
 
     def _build_rollout_engine(self, model_dir: Path) -> RolloutEngine:
         dtype_name = resolve_dtypes(self.config, self.device.type).rollout

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -132,16 +133,33 @@ async def agenerate_many(
 
 
 class InProcessRolloutClient(RolloutClient):
-    """Drives a ``RolloutEngine`` of this process from a background thread."""
+    """Drives a ``RolloutEngine`` of this process from a background thread, or, with
+    ``caller_drives``, from the thread that waits for the requests (``drive_until``).
+
+    Why a CPU run wants the caller to drive: GNU OpenMP (PyTorch's CPU thread pool) keeps a team of
+    worker threads per thread that ran a parallel op, and once the process's workers outnumber its
+    cores every team's waits throttle to a few spins before sleeping in the kernel, so each of a
+    decode step's small ops pays a thread wake-up. A rollout engine stepped from a second thread
+    beside a trainer that computes on the main thread ran 1.7x slower on two cores for that alone
+    (bench/LOG.md); stepped from the main thread, the process has one team."""
 
     def __init__(
-        self, engine: RolloutEngine, *, idle_wait_s: float = 0.01, request_timeout_s: float | None = None
+        self,
+        engine: RolloutEngine,
+        *,
+        idle_wait_s: float = 0.01,
+        request_timeout_s: float | None = None,
+        caller_drives: bool = False,
     ) -> None:
         """``request_timeout_s``: deadline of one ``agenerate`` (None or 0: none); past it the
-        request is aborted in the engine and ``RolloutRequestTimeout`` raised."""
+        request is aborted in the engine and ``RolloutRequestTimeout`` raised. ``caller_drives``: a
+        caller in ``drive_until`` steps the engine (``WorkflowExecutor.rollout_batch``, a synchronous
+        run's every rollout); requests made while no caller drives start the background thread as
+        usual, which ends once the engine is idle (its thread team with it)."""
         if request_timeout_s is not None and request_timeout_s < 0:
             raise ValueError(f"request_timeout_s must be >= 0 or None, got {request_timeout_s}")
         self.engine = engine
+        self.caller_drives = caller_drives
         self.idle_wait_s = idle_wait_s
         self.request_timeout_s = _deadline(request_timeout_s)
         self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -149,6 +167,8 @@ class InProcessRolloutClient(RolloutClient):
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._callers = 0
+        """Threads in ``drive_until`` (guarded by ``_pending_lock``)."""
 
     # ---- public ----
     async def agenerate(
@@ -162,11 +182,11 @@ class InProcessRolloutClient(RolloutClient):
         """``images``: the ``ImageInputs`` of a vision-language prompt (``RolloutEngine.add_request``)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._ensure_thread()
         with self._pending_lock:
             # add_request validates (ValueError) before the future is registered.
             request_id = self.engine.add_request(prompt_ids, sampling_params, request_id, images=images)
             self._pending[request_id] = (loop, future)
+        self._ensure_thread()  # after the add: an idle driver thread ending now cannot miss it
         self._wakeup.set()
         return await self._await_requests([request_id], future, len(prompt_ids), sampling_params.max_new_tokens)
 
@@ -240,26 +260,60 @@ class InProcessRolloutClient(RolloutClient):
         with self._pending_lock:
             return len(self._pending)
 
+    def drive_until(self, submit: Callable[[], concurrent.futures.Future]) -> concurrent.futures.Future:
+        """``submit()`` (which makes requests from another thread, e.g. an event loop's) and return
+        its future once done. With ``caller_drives`` this thread steps the engine meanwhile (the
+        background thread stands aside); without, the background thread does and this returns at once."""
+        if not self.caller_drives:
+            return submit()
+        with self._pending_lock:
+            self._callers += 1  # before submit(): its requests must not start the background thread
+        try:
+            done = submit()
+            done.add_done_callback(lambda _: self._wakeup.set())
+            while not done.done():
+                self._drive_once()
+        finally:
+            with self._pending_lock:
+                self._callers -= 1
+        self._ensure_thread()  # requests made meanwhile by others still run
+        return done
+
     # ---- driver thread ----
     def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._drive, name="areno-rollout-driver", daemon=True)
-            self._thread.start()
+        with self._pending_lock:
+            if self.caller_drives and (self._callers or not self._has_work_locked()):
+                return  # a caller steps the engine (drive_until), or there is nothing to step
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._drive, name="areno-rollout-driver", daemon=True)
+                self._thread.start()
+
+    def _has_work_locked(self) -> bool:
+        return bool(self._pending) or self.engine.has_unfinished()
 
     def _drive(self) -> None:
         while not self._stop.is_set():
-            if not self.engine.has_unfinished() or self.engine.is_paused or self.engine.is_sleeping:
-                self._wakeup.wait(self.idle_wait_s)
-                self._wakeup.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - handed to every waiting caller, not hidden
-                self._fail_all(exc)
-                continue
-            for output in outputs:
-                self._resolve(output)
+            if self.caller_drives:
+                with self._pending_lock:  # end when idle or a caller drives: the thread's team goes too
+                    if self._callers or not self._has_work_locked():
+                        self._thread = None
+                        return
+            self._drive_once()
+
+    def _drive_once(self) -> None:
+        """One engine step, or a short wait for work when there is none to step."""
+        if not self.engine.has_unfinished() or self.engine.is_paused or self.engine.is_sleeping:
+            self._wakeup.wait(self.idle_wait_s)
+            self._wakeup.clear()
+            return
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - handed to every waiting caller, not hidden
+            self._fail_all(exc)
+            return
+        for output in outputs:
+            self._resolve(output)
 
     def _resolve(self, output: GenerationOutput) -> None:
         with self._pending_lock:

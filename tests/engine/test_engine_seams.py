@@ -183,6 +183,20 @@ def test_local_sides_train_then_sync_each_weight_kind(local_sides, kind):
     assert set(out.versions_T[out.loss_mask_T].tolist()) == {1}
 
 
+@pytest.mark.parametrize("eta", [0, 2])
+def test_local_rollout_side_is_stepped_by_the_trainer_thread_when_synchronous_on_cpu(tmp_path, eta):
+    # one OpenMP thread team in a synchronous CPU process (InProcessRolloutClient's docstring)
+    cfg = _config(tmp_path, f"rollout.max_head_offpolicyness={eta}")
+    model_dir = prepare_model_dir(cfg)
+    setup = SideSetup(recipe=resolve_recipe(cfg), model_dir=model_dir, tokenizer=load_tokenizer(model_dir))
+    rollout = LocalRolloutSide(cfg, torch.device("cpu"))
+    rollout.start(setup)
+    try:
+        assert rollout.client.caller_drives is (eta == 0)
+    finally:
+        rollout.shutdown()
+
+
 def test_local_sides_save_load_export_and_rng(local_sides, tmp_path):
     training, rollout, setup = local_sides
     training.step(_group(rollout, setup.tokenizer), pass_order=None, policy_version=0)

@@ -1,4 +1,5 @@
 import asyncio
+import threading
 
 import pytest
 
@@ -145,3 +146,80 @@ def test_agenerate_many_refuses_a_bad_group_whole_and_aborts_it_on_timeout(tiny)
         assert [len(o.output_ids) for o in asyncio.run(client.agenerate_many([5, 6, 7], [GREEDY] * 2))] == [8, 8]
     finally:
         client.close()
+
+
+def _stepping_threads(eng) -> set[str]:
+    """Record the name of every thread that steps ``eng`` from now on."""
+    names: set[str] = set()
+    step = eng.step
+
+    def recorded():
+        names.add(threading.current_thread().name)
+        return step()
+
+    eng.step = recorded
+    return names
+
+
+def test_caller_drives_steps_the_engine_in_the_waiting_thread(tiny):
+    model, cfg = tiny
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=128), eos_token_ids=(EOS,))
+    client = InProcessRolloutClient(eng, caller_drives=True)
+    stepping = _stepping_threads(eng)
+    prompts = random_prompts(4, seed=21)
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, name="test-loop", daemon=True)
+    loop_thread.start()
+
+    async def main():
+        return await asyncio.gather(*(client.agenerate(p, GREEDY) for p in prompts))
+
+    try:
+        done = client.drive_until(lambda: asyncio.run_coroutine_threadsafe(main(), loop))
+        outs = done.result(timeout=0)  # finished when drive_until returned
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join()
+        client.close()
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == naive_greedy(model, prompt, 8)[0]
+    assert stepping == {threading.current_thread().name}  # no driver thread stepped it
+    assert client._thread is None
+
+
+def test_caller_drives_client_still_serves_requests_nobody_drives(tiny):
+    model, cfg = tiny
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=128), eos_token_ids=(EOS,))
+    client = InProcessRolloutClient(eng, caller_drives=True)
+    stepping = _stepping_threads(eng)
+    prompt = random_prompts(1, seed=22)[0]
+    try:
+        out = asyncio.run(client.agenerate(prompt, GREEDY))  # no drive_until: the driver thread steps
+        driver = client._thread
+        if driver is not None:
+            driver.join(timeout=10)  # it ends once the engine is idle, its thread team with it
+    finally:
+        client.close()
+    assert out.output_ids == naive_greedy(model, prompt, 8)[0]
+    assert stepping == {"areno-rollout-driver"}
+    assert client._thread is None
+
+
+def test_drive_until_without_caller_drives_leaves_driving_to_the_thread(tiny):
+    model, cfg = tiny
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=128), eos_token_ids=(EOS,))
+    client = InProcessRolloutClient(eng)
+    stepping = _stepping_threads(eng)
+    prompt = random_prompts(1, seed=23)[0]
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, name="test-loop", daemon=True)
+    loop_thread.start()
+    try:
+        done = client.drive_until(lambda: asyncio.run_coroutine_threadsafe(client.agenerate(prompt, GREEDY), loop))
+        out = done.result(timeout=60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join()
+        client.close()
+    assert out.output_ids == naive_greedy(model, prompt, 8)[0]
+    assert stepping == {"areno-rollout-driver"}
