@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models import cpu_gemm, fused_linear, fused_ops, inference, moe
+from areno.models import cpu_gemm, cpu_train_ops, fused_linear, fused_ops, inference, moe
 from areno.models.attention import (
     FLEX_MIN_HEAD_DIM,
     SDPA_MASK_MAX_TOKENS,
@@ -109,6 +109,12 @@ def apply_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) 
     """Rotate-half RoPE (HF convention: first half pairs with second half). cos/sin: [T, Dh/2]."""
     if fused_ops.active(x_THD):
         return fused_ops.rope(x_THD, cos_TF, sin_TF)
+    if cpu_train_ops.applies(x_THD):
+        # in autocast's dtype already: attention takes q and k in it (_in_autocast_dtype)
+        out_dtype = _autocast_dtype("cpu") or torch.promote_types(x_THD.dtype, cos_TF.dtype)
+        out = cpu_train_ops.rope(x_THD, cos_TF, sin_TF, out_dtype)
+        if out is not None:
+            return out
     return eager_rope(x_THD, cos_TF, sin_TF)
 
 
@@ -124,6 +130,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_ops.active(x):
             return fused_ops.rms_norm(x, self.weight, self.eps)
+        if cpu_train_ops.applies(x):
+            out = cpu_train_ops.rms_norm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         return eager_rms_norm(x, self.weight, self.eps)
 
 
