@@ -5,7 +5,7 @@ sequence)`` under the temperature-scaled distribution, and 0 at each sequence's 
 same for ``entropy_T[t]`` (the entropy of the distribution that predicts token t).
 
 Logits are computed chunk by chunk from the final hidden states: forward keeps only the per-token
-log-sum-exp, and backward recomputes each chunk's logits, so peak memory is one chunk of
+log-sum-exp, and backward recomputes each chunk's log-softmax, so peak memory is one chunk of
 ``[chunk_size, V]`` fp32 logits in both passes. A small head (all chunks within
 ``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps forward's fp32 log-softmax chunks for
 backward instead, which saves the recomputing matmul, and with the entropy also their exponentials (the
@@ -33,9 +33,17 @@ KEEP_LOGSOFTMAX_MAX_BYTES = 512 << 20
 larger one is recomputed chunk by chunk in backward (the GPU heads of real vocabularies)."""
 
 
-def _chunk_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
-    z_CV = (h_CD @ weight_VD.t()).float()
-    return z_CV / temperature if temperature != 1.0 else z_CV
+def _chunk_log_softmax(
+    h_CD: torch.Tensor, weight_VD: torch.Tensor, targets_C: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 log-softmax [C, V] of the chunk's temperature-scaled logits, the targets' scaled logits
+    [C]). One ``log_softmax`` kernel reads the model-dtype logits (it casts them itself) instead of
+    a cast, ``logsumexp`` and a subtraction each passing over an fp32 [C, V] copy."""
+    zraw_CV = h_CD @ weight_VD.t()
+    z_target_C = zraw_CV.gather(-1, targets_C[:, None])[:, 0].float()
+    if temperature == 1.0:
+        return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32), z_target_C
+    return torch.log_softmax(zraw_CV.float().div_(temperature), dim=-1), z_target_C / temperature
 
 
 def _fused_forward_stats(
@@ -127,11 +135,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if with_entropy:
                     entropy_T[s:e] = ent_C
                 continue
-            z_CV = _chunk_logits(hidden_TD[s:e], weight_VD, temperature)
-            lse_C = torch.logsumexp(z_CV, dim=-1)
-            lse_T[s:e] = lse_C
-            logp_CV = z_CV.sub_(lse_C[:, None])  # in place: at most two [C, V] fp32 buffers live
-            logprobs_T[s:e] = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
+            logp_CV, z_target_C = _chunk_log_softmax(hidden_TD[s:e], weight_VD, targets_T[s:e], temperature)
+            logprobs_T[s:e] = logp_C = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
+            lse_T[s:e] = z_target_C - logp_C
             if keep_p:
                 p_CV = logp_CV.exp()
                 entropy_T[s:e] = -(p_CV * logp_CV).sum(-1)
@@ -194,11 +200,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if kept is not None:
                 logp_CV, kept[i] = kept[i], None
             else:
-                logp_CV = _chunk_logits(hidden_TD[s:e], weight_VD, tau).sub_(lse_T[s:e, None])
+                # forward's computation again, so kept and recomputed chunks give the same gradients
+                logp_CV = _chunk_log_softmax(hidden_TD[s:e], weight_VD, targets_T[s:e], tau)[0]
             if kept_p is not None:
                 p_CV, kept_p[i] = kept_p[i], None
-            else:
+            elif use_entropy:
                 p_CV = logp_CV.exp()
+            else:  # logp is not read again: exponentiate in place
+                p_CV = logp_CV.exp_()
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
             # d logp[target]/dz_j = onehot_j - p_j;  d H/dz_j = -p_j (logp_j + H)   (H = -sum p logp)
             # so dL/dz_j = g * onehot_j - p_j * (g + g_H * (logp_j + H)), built in place.
@@ -206,7 +215,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 coef_CV = logp_CV.add_(entropy_T[s:e, None]).mul_(grad_entropy_T[s:e, None]).add_(g_C[:, None])
                 grad_z_CV = p_CV.mul_(coef_CV).neg_()
             else:
-                grad_z_CV = p_CV.mul_(g_C[:, None]).neg_()
+                grad_z_CV = p_CV.mul_(-g_C[:, None])
             grad_z_CV.scatter_add_(-1, targets_T[s:e, None], g_C[:, None])
             if tau != 1.0:
                 grad_z_CV /= tau
