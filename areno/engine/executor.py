@@ -303,6 +303,10 @@ class WorkflowExecutor:
     async def _aworker(self, worker_idx: int) -> None:
         assert self._wake is not None
         while True:
+            if self._stopping:
+                # also when this worker's cancellation was lost (Python 3.11's wait_for returns an
+                # episode that finished in the same loop turn): waiting for work would hang stop()
+                return
             task = self._take_task()
             if task is None:
                 self._wake.clear()

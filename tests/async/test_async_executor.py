@@ -1,4 +1,6 @@
+import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -244,3 +246,29 @@ def test_stop_right_after_an_abort_does_not_hang():
             time.sleep(0.001)
         ex.set_version(1)  # dooms every running episode...
         ex.stop()  # ...while the pool stops: must return
+
+
+class CancelSwallowingWorkflow(CountingWorkflow):
+    """An episode that returns a trajectory when cancelled, as Python 3.11's ``asyncio.wait_for``
+    can when the episode finishes in the same loop turn as the cancellation (the cancel is lost)."""
+
+    async def run_episode(self, client, sample):
+        try:
+            return await super().run_episode(client, sample)
+        except asyncio.CancelledError:
+            return Trajectory(prompt_ids=[1], completion_ids=[5], logprobs=[0.0], versions=[0], reward=0.0)
+
+
+def test_stop_ends_workers_whose_cancellation_was_lost():
+    # Regression: a worker whose cancellation was swallowed went back to waiting for work, and
+    # stop() waited for it forever (seen once at the end of a CPU bench run).
+    engine = FakeEngine(length_from_prompt, step_s=0.001)
+    staleness = StalenessManager(max_head_offpolicyness=1, batch_size=2, max_concurrent=4)
+    ex = WorkflowExecutor(engine, CancelSwallowingWorkflow(), iter(rows(100, length=500)), staleness)
+    ex.start()
+    while engine.in_flight == 0:
+        time.sleep(0.001)
+    stopper = threading.Thread(target=ex.stop, daemon=True)
+    stopper.start()
+    stopper.join(timeout=20)
+    assert not stopper.is_alive(), "stop() hung on a worker whose cancellation was lost"
