@@ -234,16 +234,22 @@ def test_running_episodes_that_fall_behind_are_aborted_and_replaced():
     assert 0 not in seen and m["rollout/aborted_stale"] == 1
 
 
+def _pool_with_long_episodes_in_flight(workflow, eta):
+    """A started pool of 500-token episodes, returned once the engine has one in flight."""
+    engine = FakeEngine(length_from_prompt, step_s=0.001)
+    staleness = StalenessManager(max_head_offpolicyness=eta, batch_size=2, max_concurrent=4)
+    ex = WorkflowExecutor(engine, workflow, iter(rows(100, length=500)), staleness)
+    ex.start()
+    while engine.in_flight == 0:
+        time.sleep(0.001)
+    return ex
+
+
 def test_stop_right_after_an_abort_does_not_hang():
     # Regression: an episode aborted as stale at the same moment as stop() swallowed the worker's
     # own cancellation and stop() waited forever.
     for _ in range(20):
-        engine = FakeEngine(length_from_prompt, step_s=0.001)
-        staleness = StalenessManager(max_head_offpolicyness=0, batch_size=2, max_concurrent=4)
-        ex = WorkflowExecutor(engine, CountingWorkflow(), iter(rows(100, length=500)), staleness)
-        ex.start()
-        while engine.in_flight == 0:
-            time.sleep(0.001)
+        ex = _pool_with_long_episodes_in_flight(CountingWorkflow(), eta=0)
         ex.set_version(1)  # dooms every running episode...
         ex.stop()  # ...while the pool stops: must return
 
@@ -262,12 +268,7 @@ class CancelSwallowingWorkflow(CountingWorkflow):
 def test_stop_ends_workers_whose_cancellation_was_lost():
     # Regression: a worker whose cancellation was swallowed went back to waiting for work, and
     # stop() waited for it forever (seen once at the end of a CPU bench run).
-    engine = FakeEngine(length_from_prompt, step_s=0.001)
-    staleness = StalenessManager(max_head_offpolicyness=1, batch_size=2, max_concurrent=4)
-    ex = WorkflowExecutor(engine, CancelSwallowingWorkflow(), iter(rows(100, length=500)), staleness)
-    ex.start()
-    while engine.in_flight == 0:
-        time.sleep(0.001)
+    ex = _pool_with_long_episodes_in_flight(CancelSwallowingWorkflow(), eta=1)
     stopper = threading.Thread(target=ex.stop, daemon=True)
     stopper.start()
     stopper.join(timeout=20)
