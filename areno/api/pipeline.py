@@ -143,11 +143,15 @@ def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[s
     if not DEMO_CONFIG.exists():
         raise UserError(f"{DEMO_CONFIG} not found: this areno install is incomplete; reinstall it (pip install areno)")
     # each `areno demo` starts over in its run directory (overrides may still ask for resume)
-    config = load_config(DEMO_CONFIG, [f"run_dir={run_dir}", "overwrite=true", *overrides])
+    base = [f"run_dir={run_dir}", "overwrite=true"]
+    config = load_config(DEMO_CONFIG, [*base, *overrides])
+    if not any(o.split("=", 1)[0].strip() == "model.path" for o in overrides):
+        # the tiny initial model goes inside the run directory, wherever an override put it
+        config = load_config(DEMO_CONFIG, [*base, f"model.path={Path(config.run_dir) / 'init_model'}", *overrides])
     summary = run_pipeline(config)
     before, after = summary["accuracy_before"] or 0.0, summary["accuracy_after"] or 0.0
     print(
         f"demo: held-out accuracy {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) "
-        f"after {config.train.steps} GRPO steps; curve: {run_dir}/curve.png"
+        f"after {config.train.steps} GRPO steps; curve: {Path(config.run_dir) / 'curve.png'}"
     )
     return summary
