@@ -4,8 +4,8 @@ Alignment (areno/types.py): ``logprobs_T[t] = log p(input_ids_T[t] | earlier tok
 sequence)`` under the temperature-scaled distribution, and 0 at each sequence's first token; the
 same for ``entropy_T[t]`` (the entropy of the distribution that predicts token t).
 
-Logits are computed chunk by chunk from the final hidden states: forward keeps only the per-token
-log-sum-exp, and backward recomputes each chunk's log-softmax, so peak memory is one chunk of
+Logits are computed chunk by chunk from the final hidden states: forward keeps none of them, and
+backward recomputes each chunk's log-softmax, so peak memory is one chunk of
 ``[chunk_size, V]`` fp32 logits in both passes. A small head (all chunks within
 ``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps forward's fp32 log-softmax chunks for
 backward instead, which saves the recomputing matmul, and with the entropy also their exponentials (the
@@ -33,17 +33,14 @@ KEEP_LOGSOFTMAX_MAX_BYTES = 512 << 20
 larger one is recomputed chunk by chunk in backward (the GPU heads of real vocabularies)."""
 
 
-def _chunk_log_softmax(
-    h_CD: torch.Tensor, weight_VD: torch.Tensor, targets_C: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 log-softmax [C, V] of the chunk's temperature-scaled logits, the targets' scaled logits
-    [C]). One ``log_softmax`` kernel reads the model-dtype logits (it casts them itself) instead of
-    a cast, ``logsumexp`` and a subtraction each passing over an fp32 [C, V] copy."""
+def _chunk_log_softmax(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log-softmax [C, V] of the chunk's temperature-scaled logits. One ``log_softmax`` kernel
+    reads the model-dtype logits (it casts them itself) instead of a cast, ``logsumexp`` and a
+    subtraction each passing over an fp32 [C, V] copy."""
     zraw_CV = h_CD @ weight_VD.t()
-    z_target_C = zraw_CV.gather(-1, targets_C[:, None])[:, 0].float()
     if temperature == 1.0:
-        return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32), z_target_C
-    return torch.log_softmax(zraw_CV.float().div_(temperature), dim=-1), z_target_C / temperature
+        return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32)
+    return torch.log_softmax(zraw_CV.float().div_(temperature), dim=-1)
 
 
 def _fused_forward_stats(
@@ -114,10 +111,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TD, weight_VD, targets_T, temperature, chunk_size, with_entropy):
         T = hidden_TD.shape[0]
-        logprobs_T = hidden_TD.new_empty(T, dtype=torch.float32)
-        lse_T = hidden_TD.new_empty(T, dtype=torch.float32)
-        entropy_T = hidden_TD.new_empty(T if with_entropy else 0, dtype=torch.float32)
         fused = _KERNELS if getattr(_ACTIVE, "enabled", False) else None
+        logprobs_T = hidden_TD.new_empty(T, dtype=torch.float32)
+        # the log-sum-exp only the compiled kernels' backward reads (the eager one recomputes the log-softmax)
+        lse_T = hidden_TD.new_empty(T if fused is not None else 0, dtype=torch.float32)
+        entropy_T = hidden_TD.new_empty(T if with_entropy else 0, dtype=torch.float32)
         ctx.fused = fused
         keep = (
             fused is None and any(ctx.needs_input_grad[:2]) and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
@@ -135,9 +133,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if with_entropy:
                     entropy_T[s:e] = ent_C
                 continue
-            logp_CV, z_target_C = _chunk_log_softmax(hidden_TD[s:e], weight_VD, targets_T[s:e], temperature)
-            logprobs_T[s:e] = logp_C = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
-            lse_T[s:e] = z_target_C - logp_C
+            logp_CV = _chunk_log_softmax(hidden_TD[s:e], weight_VD, temperature)
+            logprobs_T[s:e] = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
             if keep_p:
                 p_CV = logp_CV.exp()
                 entropy_T[s:e] = -(p_CV * logp_CV).sum(-1)
@@ -201,7 +198,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 logp_CV, kept[i] = kept[i], None
             else:
                 # forward's computation again, so kept and recomputed chunks give the same gradients
-                logp_CV = _chunk_log_softmax(hidden_TD[s:e], weight_VD, targets_T[s:e], tau)[0]
+                logp_CV = _chunk_log_softmax(hidden_TD[s:e], weight_VD, tau)
             if kept_p is not None:
                 p_CV, kept_p[i] = kept_p[i], None
             elif use_entropy:
