@@ -10,9 +10,6 @@ Systems:
   a step is ``Trainer.rollout_token_batch`` + ``Trainer.train`` + ``backend.update_weights``.
 - ``areno_async``: the same with ``rollout.max_head_offpolicyness=1``: the everlasting rollout pool
   (its own thread) keeps generating while the trainer trains, one GPU ("areno async (colocated, one GPU)").
-- ``areno_async_stream``: ``areno_async`` with the rollout engine's steps on a high-priority CUDA
-  stream of its own (``RolloutEngineConfig.cuda_stream``, an engine setting a run does not expose):
-  the trainer's kernels stay on the default stream, so the GPU can run both sides' kernels at once.
 - ``areno_async_turns`` / ``areno_async_overlap``: ``areno_async`` with ``rollout.generate_during_train``
   false (the engine pauses for each training step; the pool still runs η versions ahead) / true (it
   generates beside the trainer); the default ``auto`` is false on CUDA, true on CPU.
@@ -62,7 +59,6 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-import areno.engine.api as engine_api
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.data.tokenizer import build_char_tokenizer
@@ -110,7 +106,6 @@ SHAPES = {
 SYSTEMS = (
     "areno",
     "areno_async",
-    "areno_async_stream",
     "areno_async_turns",
     "areno_async_overlap",
     "areno_vllm",
@@ -124,7 +119,6 @@ LABELS = {
     "areno": "areno (colocated)",
     "areno_vllm": "areno + a vLLM server (policy by disk export)",
     "areno_async": "areno async (colocated, one GPU)",
-    "areno_async_stream": "areno async (colocated, one GPU, engine on its own CUDA stream)",
     "areno_async_turns": "areno async (colocated, one GPU, engine paused while training)",
     "areno_async_overlap": "areno async (colocated, one GPU, engine generating while training)",
     "trl": "TRL GRPOTrainer (transformers generate)",
@@ -345,7 +339,6 @@ def run_areno(
     prompt_len: int,
     completion_len: int,
     server: str | None = None,
-    cuda_stream: bool = False,
     extra: list[str] = (),
 ) -> dict:
     """``extra``: more overrides of this system's run (``SYSTEM_OVERRIDES``)."""
@@ -364,13 +357,7 @@ def run_areno(
     config = load_config(None, [*overrides, *extra])
     free_memory(args.device)
     t_setup = time.perf_counter()
-    build = engine_api.build_rollout_engine_config
-    if cuda_stream:  # the engine's own setting, which the run's config does not expose: set it at build
-        engine_api.build_rollout_engine_config = lambda *a, **k: dataclasses.replace(build(*a, **k), cuda_stream=True)
-    try:
-        trainer = Trainer.init(config)
-    finally:
-        engine_api.build_rollout_engine_config = build
+    trainer = Trainer.init(config)
     setup_s = time.perf_counter() - t_setup
     steps, phases, lengths, num_tokens, system, mbs = [], [], [], [], {}, []
     retries_before = alloc_retries(args.device)
@@ -741,7 +728,6 @@ def main(argv: list[str] | None = None) -> int:
                     prompt_len=prompt_len,
                     completion_len=completion_len,
                     server="vllm" if system == "areno_vllm" else None,
-                    cuda_stream=system == "areno_async_stream",
                     extra=SYSTEM_OVERRIDES.get(system, []),
                 )
             row = report(system, shape, res, floor, num_seqs, completion_len)
@@ -782,7 +768,7 @@ def by_shape(rows: list[dict]) -> dict:
             for s, r in systems.items()
         }
         if "trl" in systems:
-            for s in ("areno", "areno_async", "areno_async_stream"):
+            for s in ("areno", "areno_async"):
                 if s in systems:
                     entry[f"speedup_{s}_vs_trl"] = systems["trl"]["step_s_mean"] / systems[s]["step_s_mean"]
         out[shape] = entry

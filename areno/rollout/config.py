@@ -175,12 +175,6 @@ class RolloutEngineConfig(RolloutEngineSettings):
     cast_weights: bool = True
     """``update_weights`` accepts floating tensors of another floating dtype and casts them (a bf16
     engine fed by an fp32 trainer). Non-floating mismatches are always rejected."""
-    cuda_stream: bool = False
-    """CUDA: run the engine's steps on a CUDA stream of its own instead of the default one, so that a
-    trainer in the same process (colocated asynchronous RL) could run its kernels beside the
-    engine's. Weights written on the default stream are waited for after every weight update and
-    wake; ``pause``/``sleep`` wait for the engine's stream. Off: it did not speed up a colocated
-    asynchronous run, whose trainer and engine share one process's host time."""
     record_routes: bool = False
     """Mixture-of-experts models: record the top-k expert ids of every sparse layer for each token a
     forward runs over, returned as ``GenerationOutput.routes_TLK`` (a run sets it from

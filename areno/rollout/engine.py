@@ -134,13 +134,7 @@ class RolloutEngine:
         self.sliding_window = getattr(model_config, "sliding_window", None)
         self.cache, self.allocator, self.scheduler = self._build_kv_pool()
         self.sampler = Sampler(device=self.device, seed=config.seed)
-        self._control = EngineControl(
-            # a high priority (lower is higher): the GPU schedules the engine's short decode kernels ahead of a
-            # colocated trainer's long GEMMs queued on the default stream
-            stream=torch.cuda.Stream(self.device, priority=-1)
-            if config.cuda_stream and self.device.type == "cuda"
-            else None
-        )
+        self._control = EngineControl()
         self._lock = self._control.lock
         """The step lock (``EngineControl.lock``): every public method takes it."""
         self._requests = RequestTable(
@@ -337,7 +331,6 @@ class RolloutEngine:
         instant("engine_pause", "rollout", version=self._control.version)
         with self._lock:
             self._control.paused = True
-            self._control.drain_stream()
 
     def resume(self) -> None:
         instant("engine_resume", "rollout", version=self._control.version)
@@ -360,7 +353,6 @@ class RolloutEngine:
                 return
             self.scheduler.preempt_all()
             self.allocator.clear_prefix_cache()
-            self._control.drain_stream()
             if self._stepper.graphs is not None:
                 self._stepper.graphs.clear()
             self.cache.release()
@@ -373,7 +365,6 @@ class RolloutEngine:
                 return
             self.cache.allocate()
             self._control.sleeping = False
-            self._control.stream_waits_default = True
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -458,10 +449,6 @@ class RolloutEngine:
     @property
     def _mixed_steps(self) -> int:
         return self._stepper.mixed_steps
-
-    @property
-    def _stream(self) -> torch.cuda.Stream | None:
-        return self._control.stream
 
     # ------------------------------------------------------------------ hooks tensor parallelism overrides (tp.py)
     def _agree_num_blocks(self, num_blocks: int) -> int:

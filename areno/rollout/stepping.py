@@ -105,13 +105,7 @@ class Stepper:
         with c.lock:
             t0 = time.perf_counter()
             try:
-                if c.stream is None:
-                    return self._step_locked()
-                if c.stream_waits_default:
-                    c.stream.wait_stream(torch.cuda.default_stream(self.device))
-                    c.stream_waits_default = False
-                with torch.cuda.stream(c.stream):
-                    return self._step_locked()
+                return self._step_locked()
             finally:
                 # counted under the lock: a stats() snapshot sees whole steps (its busy_s and
                 # clock_s are read together, so busy_s / elapsed stays within [0, 1] per window)

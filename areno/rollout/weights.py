@@ -57,7 +57,6 @@ class EngineWeights:
     def update(self, items: list[tuple[str, torch.Tensor]], version: int) -> None:
         with self.control.lock:
             targets = self._validate(items)
-            self.control.drain_stream()
             with torch.no_grad():
                 for param, tensor in targets:
                     param.copy_(tensor, non_blocking=True)
@@ -130,7 +129,6 @@ class EngineWeights:
 
     def changed(self, version: int) -> None:
         """The weights now hold ``version``. Call holding the step lock."""
-        self.control.stream_waits_default = True
         if hasattr(self.model, "invalidate_cpu_gemms"):
             self.model.invalidate_cpu_gemms()  # packed copies re-pack at their next use
         if self.recompute_kv:

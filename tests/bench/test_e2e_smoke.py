@@ -117,41 +117,6 @@ def test_areno_vllm_system_runs_through_a_vllm_server(tmp_path):
     assert "areno_vllm" not in e2e.build_parser().parse_args([]).systems  # it needs areno[vllm]: opt in
 
 
-def test_stream_system_builds_its_engine_on_its_own_cuda_stream(tmp_path, monkeypatch):
-    """``areno_async_stream`` is ``areno_async`` whose rollout engine config has ``cuda_stream``; the
-    engine-config builder is back to normal afterwards."""
-    import areno.engine.api as engine_api
-
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def fake_init(config):
-        seen.append(engine_api.rollout_engine_config(config, device="cpu", dtype="float32"))
-        raise Stop
-
-    monkeypatch.setattr(e2e.Trainer, "init", staticmethod(fake_init))
-    args = e2e.build_parser().parse_args(["--device", "cpu", "--warmup", "1", "--steps", "1"])
-    builder = engine_api.build_rollout_engine_config
-    for stream in (True, False):
-        with pytest.raises(Stop):
-            e2e.run_areno(
-                args,
-                "tiny",
-                tmp_path / "model",
-                tmp_path / "data.jsonl",
-                tmp_path,
-                eta=1,
-                param_dtype="float32",
-                prompt_len=16,
-                completion_len=32,
-                cuda_stream=stream,
-            )
-    assert [c.cuda_stream for c in seen] == [True, False]
-    assert engine_api.build_rollout_engine_config is builder
-
-
 def test_reward_is_the_fraction_of_vowels():
     assert e2e.reward("p", "") == 0.0
     assert e2e.reward("p", "abcE") == 0.5  # a and E of four characters

@@ -41,7 +41,6 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
     assert engine.scheduler.max_num_seqs == 40 and engine.config.cuda_graph_max_batch is None  # graphs: up to 40
     assert engine.config.recompute_kv_on_weight_update is (not fused)
-    assert engine.config.cuda_stream is False and engine._stream is None  # not a user setting
     assert engine.config.mixed_decode_min_rows == (4 if fused else None)
     assert engine.config.enable_prefix_sharing is fused and engine.config.max_tokens_per_step == 96
 
