@@ -108,10 +108,11 @@ class CpuGemmPacks:
 
     @torch.no_grad()
     def pack(self, decoder: nn.Module, batch_hint: int = 32) -> int:
-        """Give every fp32 CPU weight of ``decoder`` of at least ``cpu_gemm.MIN_ELEMENTS`` elements a
-        oneDNN-packed copy that no-grad forwards multiply with (``cpu_gemm.PackedWeight``: the fused
-        q/k/v and gate/up groups or their projections, o_proj, down_proj, the output projection);
-        values equal ``F.linear``'s up to fp32 summation order. A copy re-packs itself when its
+        """Give every fp32 (or, on a CPU with native bf16, bf16) CPU weight of ``decoder`` of at least
+        ``cpu_gemm.MIN_ELEMENTS`` elements a oneDNN-packed copy that no-grad forwards multiply with
+        (``cpu_gemm.PackedWeight``: the fused q/k/v and gate/up groups or their projections, o_proj,
+        down_proj, the output projection);
+        values equal ``F.linear``'s up to summation order. A copy re-packs itself when its
         parameters are written in place or get new storage; call ``invalidate()`` after writes
         through ``.data``. Call it after ``fuse_projections`` (a group fused later has no copy).
         Costs one more copy of the packed weights' memory. Returns the number of weights packed (0

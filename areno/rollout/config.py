@@ -106,10 +106,11 @@ class RolloutEngineSettings:
     device (TP engines fuse their local shards); false unfuses a model fused before (the model
     belongs to the engine either way). A model without ``fuse_projections`` is run as given."""
     cpu_packed_gemm: bool = True
-    """CPU, fp32: the large inference GEMMs (the fused q/k/v and gate/up groups, o_proj, down_proj and
-    the output projection, every weight of ``cpu_gemm.MIN_ELEMENTS`` elements or more) multiply with
-    a oneDNN-packed copy of their weight (``Decoder.pack_cpu_gemms``) instead of ``F.linear``: faster
-    per decode step, values equal up to fp32 summation order. The copies are re-packed after every
+    """CPU, fp32 (and bf16 where the CPU has native bf16 dot products): the large inference GEMMs (the
+    fused q/k/v and gate/up groups, o_proj, down_proj and the output projection, every weight of
+    ``cpu_gemm.MIN_ELEMENTS`` elements or more) multiply with a oneDNN-packed copy of their weight
+    (``Decoder.pack_cpu_gemms``) instead of ``F.linear``: faster per decode step, values equal up to
+    summation order. The copies are re-packed after every
     weight update and cost the packed weights' memory once more; false keeps ``F.linear`` (and that
     memory). Ignored on GPU."""
 

@@ -1,5 +1,5 @@
 """oneDNN-packed CPU inference GEMMs (``areno.models.cpu_gemm``, ``RolloutEngineConfig.cpu_packed_gemm``):
-the packed product equals ``F.linear`` up to fp32 summation order, a packed copy never serves stale
+the packed product equals ``F.linear`` up to summation order (fp32, and bf16 where the CPU has it), a packed copy never serves stale
 weights (in-place writes, replaced storage, ``update_weights``, from disk, every policy-sync commit),
 and an engine with packed copies generates what an engine without them generates."""
 
@@ -30,6 +30,16 @@ def pack_everything(monkeypatch):
     """The tiny test models' weights and 5-row batches are below the speed thresholds: pack them all."""
     monkeypatch.setattr(cpu_gemm, "MIN_ELEMENTS", 1)
     monkeypatch.setattr(cpu_gemm, "MIN_ROWS", 1)
+
+
+@pytest.fixture
+def bf16_packing(monkeypatch):
+    """bf16 weights packed as on a CPU with native bf16 (oneDNN runs the product here, natively or
+    emulated); skipped where this oneDNN has no packed bf16 linear."""
+    monkeypatch.setattr(cpu_gemm, "native_bf16", lambda: True)
+    if not cpu_gemm.supported_bf16.__wrapped__():
+        pytest.skip("no oneDNN packed bf16 linear on this CPU")
+    monkeypatch.setattr(cpu_gemm, "supported_bf16", lambda: True)
 
 
 def engine_of(model, cfg, packed: bool, **kw) -> RolloutEngine:
@@ -67,12 +77,14 @@ def test_packed_product_equals_linear(pack_everything):
     assert pack.repacks == 1  # packed once, reused
 
 
-def test_packed_copy_is_read_only_where_it_pays():
-    """Real thresholds: not under autograd, not for bf16, not for few rows of a small weight; the
-    output-projection-sized weight at any row count."""
+def test_packed_copy_is_read_only_where_it_pays(monkeypatch):
+    """Real thresholds: not under autograd, not for bf16 on a CPU without native bf16, not for another
+    dtype than the weight's, not for few fp32 rows of a small weight; the output-projection-sized
+    weight at any row count."""
     small = pack_of(torch.zeros(1024, 256), 32)  # 2**18 elements
     large = pack_of(torch.zeros(16384, 256), 32)  # 2**22
     assert pack_of(torch.zeros(512, 256)) is None  # below MIN_ELEMENTS
+    monkeypatch.setattr(cpu_gemm, "supported_bf16", lambda: False)
     assert pack_of(torch.zeros(1024, 256, dtype=torch.bfloat16)) is None
     assert small is not None and large is not None and large.large and not small.large
     with torch.no_grad():
@@ -81,6 +93,47 @@ def test_packed_copy_is_read_only_where_it_pays():
         assert not small.applies(torch.zeros(8, 256, dtype=torch.bfloat16))
     with torch.enable_grad():
         assert not small.applies(torch.zeros(8, 256)) and not large.applies(torch.zeros(1, 256))
+
+
+def test_bf16_copies_are_read_at_any_row_count(bf16_packing):
+    """bf16 (native): ``F.linear`` reorders the weight at every call at any row count, so the packed
+    copy pays from one row; only bf16 inputs read a bf16 copy."""
+    small = pack_of(torch.zeros(1024, 256, dtype=torch.bfloat16), 32)
+    assert small is not None and small.dtype == torch.bfloat16 and not small.large
+    with torch.no_grad():
+        assert small.applies(torch.zeros(1, 256, dtype=torch.bfloat16))
+        assert not small.applies(torch.zeros(8, 256))  # fp32 rows: F.linear's own promotion rules
+    with torch.enable_grad():
+        assert not small.applies(torch.zeros(8, 256, dtype=torch.bfloat16))
+
+
+@torch.no_grad()
+def test_bf16_packed_product_equals_linear(bf16_packing, pack_everything):
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    pack = pack_of(w)
+    for rows in (1, 5, 37):
+        x = torch.randn(rows, 40, generator=g).bfloat16()
+        got, want = pack(x, b), F.linear(x, w, b)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_packed_engine_equals_unpacked_engine(arch, bf16_packing, pack_everything):
+    """A bf16 engine (the ``auto`` rollout dtype on a CPU with native bf16): same tokens, log-probs
+    within bf16 summation-order differences."""
+    prompts = random_prompts(9, seed=4, hi=30)
+    packed_model, cfg = model_of(arch)
+    plain_model, _ = model_of(arch)
+    packed_model, plain_model = packed_model.to(torch.bfloat16), plain_model.to(torch.bfloat16)
+    packed, plain = engine_of(packed_model, cfg, True), engine_of(plain_model, cfg, False)
+    assert len(packed_model._cpu_packs) == 4 * cfg.num_hidden_layers + 1
+    a, b = run(packed, prompts), run(plain, prompts)
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1]):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=2e-2)
+    assert all(p.repacks == 1 for p in packed_model._cpu_packs)
 
 
 @torch.no_grad()
