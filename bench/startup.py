@@ -9,6 +9,11 @@ compile happens) and the second step's (compiled). Also the process's wall time 
 
     python -m bench.startup                       # CUDA: 0.5b
     python -m bench.startup --shape tiny --device cpu
+    python -m bench.startup --shape demo --device cpu  # the CPU demo's model and config, its warm start skipped
+
+``--shape demo`` runs ``areno/configs/demo.yaml`` (the demo's tiny model, created at the first run: ``cold``
+includes that, and CPU runs compile nothing by default) with ``warm_start.steps=0``: the first token of the
+GRPO stage, which ``areno demo`` reaches after its 40-step supervised warm start.
 
 Headline: ``figure`` = warm start-up to the first token, ``baseline`` = cold, ``ratio`` = cold / warm.
 """
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from areno.api.pipeline import DEMO_CONFIG
 from areno.observe.metrics import read_metrics
 from bench import e2e
 from bench._common import emit, headline, parser, ratio
@@ -51,42 +57,64 @@ def run_train(overrides: list[str], cache_dir: Path, log: Path) -> dict:
     }
 
 
+def demo_overrides(args, workdir: Path, run_dir: Path) -> list[str]:
+    """``areno train areno/configs/demo.yaml`` without its warm start, two GRPO steps."""
+    return [
+        str(DEMO_CONFIG),
+        f"run_dir={run_dir}",
+        f"model.path={workdir / 'init_model'}",  # created by the cold run (the config's init_tiny)
+        "warm_start.steps=0",
+        "train.steps=2",
+        "train.eval_interval=0",
+        f"cluster.device={args.device}",
+        *args.areno_set,
+    ]
+
+
+def shape_overrides(args, shape: str, workdir: Path, run_dir: Path) -> list[str]:
+    """``bench.e2e``'s GRPO run of ``shape`` (its random-init model and prompts made once in ``workdir``)."""
+    e2e_args = e2e.build_parser().parse_args(["--device", args.device, "--warmup", "1", "--steps", "1"])
+    e2e_args.areno_set = args.areno_set
+    _, prompt_len, completion_len = e2e.SHAPES[shape]
+    model_dir = workdir / shape
+    if not model_dir.exists():
+        model_dir, _, tokenizer = e2e.make_model_dir(shape, workdir)
+        prompts = e2e.make_prompts(tokenizer, e2e_args.prompts * 4, prompt_len)
+        (workdir / "prompts.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
+    return e2e.areno_overrides(
+        e2e_args,
+        model_dir,
+        workdir / "prompts.jsonl",
+        run_dir,
+        eta=0,
+        param_dtype=e2e.default_param_dtype(e2e_args),
+        prompt_len=prompt_len,
+        completion_len=completion_len,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("startup", __doc__)
-    p.add_argument("--shape", default=None, help=f"one of {','.join(e2e.SHAPES)} (default: 0.5b on CUDA, tiny)")
+    p.add_argument("--shape", default=None, help=f"one of {','.join(e2e.SHAPES)},demo (default: 0.5b on CUDA, tiny)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workdir", default=None, help="where the model, runs and caches go (default: a temporary one)")
     p.add_argument("--areno-set", action="append", default=[], metavar="KEY=VALUE", help="one more config override")
     args = p.parse_args(argv)
     shape = args.shape or ("0.5b" if args.device == "cuda" else "tiny")
-    if shape not in e2e.SHAPES:
-        raise ValueError(f"--shape: unknown shape {shape!r}; choose from {sorted(e2e.SHAPES)}")
+    if shape not in (*e2e.SHAPES, "demo"):
+        raise ValueError(f"--shape: unknown shape {shape!r}; choose from {sorted(e2e.SHAPES)} or demo")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-startup-"))
     workdir.mkdir(parents=True, exist_ok=True)
-
-    e2e_args = e2e.build_parser().parse_args(["--device", args.device, "--warmup", "1", "--steps", "1"])
-    e2e_args.areno_set = args.areno_set
-    _, prompt_len, completion_len = e2e.SHAPES[shape]
-    model_dir, _, tokenizer = e2e.make_model_dir(shape, workdir)
-    data_path = workdir / "prompts.jsonl"
-    prompts = e2e.make_prompts(tokenizer, e2e_args.prompts * 4, prompt_len)
-    data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
-    param_dtype = e2e.default_param_dtype(e2e_args)
     cache_dir = workdir / "inductor-cache"  # empty before the cold run
     runs = {}
     for name in ("cold", "warm"):
-        overrides = e2e.areno_overrides(
-            e2e_args,
-            model_dir,
-            data_path,
-            workdir / f"run-{name}",
-            eta=0,
-            param_dtype=param_dtype,
-            prompt_len=prompt_len,
-            completion_len=completion_len,
-        )
+        if shape == "demo":
+            overrides = demo_overrides(args, workdir, workdir / f"run-{name}")
+        else:
+            overrides = shape_overrides(args, shape, workdir, workdir / f"run-{name}")
         runs[name] = run_train(overrides, cache_dir, workdir / f"{name}.log")
         print(json.dumps({"progress": {name: runs[name]}}), file=sys.stderr, flush=True)
+
     warm, cold = runs["warm"]["startup_to_first_token_s"], runs["cold"]["startup_to_first_token_s"]
     head = headline(
         f"areno train: process start to the first generated token, s ({shape}, warm compile cache)",

@@ -111,3 +111,13 @@ def test_startup_warm_against_cold(tmp_path, capsys):
     assert result["figure"] == warm["startup_to_first_token_s"] > 0
     assert result["baseline"] == cold["startup_to_first_token_s"] > 0
     assert warm["second_train_s"] > 0 and warm["process_wall_s"] > warm["startup_to_first_token_s"]
+
+
+@pytest.mark.slow
+def test_startup_of_the_demo_config(tmp_path, capsys):
+    """``--shape demo``: the demo's config without its warm start; the cold run creates the tiny model."""
+    result = run("startup", ["--shape", "demo", "--device", "cpu", "--workdir", str(tmp_path)], capsys)
+    warm = result["runs"]["warm"]
+    assert result["figure"] == warm["startup_to_first_token_s"] > 0 and warm["second_train_s"] > 0
+    assert (tmp_path / "init_model" / "config.json").exists()
+    assert not (tmp_path / "run-warm" / "warm_start").exists()
