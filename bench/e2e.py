@@ -11,8 +11,9 @@ Systems:
 - ``areno_async``: the same with ``rollout.max_head_offpolicyness=1``: the everlasting rollout pool
   (its own thread) keeps generating while the trainer trains, one GPU ("areno async (colocated, one GPU)").
 - ``areno_async_turns`` / ``areno_async_overlap``: ``areno_async`` with ``rollout.generate_during_train``
-  false (the engine pauses for each training step; the pool still runs η versions ahead) / true (it
-  generates beside the trainer); the default ``auto`` is false on CUDA, true on CPU.
+  false (the engine takes turns: it generates only while the trainer waits for a batch; the pool still
+  admits η versions ahead) / true (it generates beside the trainer); the default ``auto`` is false on
+  CUDA, true on CPU.
 - ``trl``: ``trl.GRPOTrainer`` with its default ``transformers`` ``generate`` path (no vLLM); a step is
   one optimizer step (timed between ``on_step_end`` callbacks), which generates the 64 completions
   and trains on them with gradient accumulation.
@@ -119,7 +120,7 @@ LABELS = {
     "areno": "areno (colocated)",
     "areno_vllm": "areno + a vLLM server (policy by disk export)",
     "areno_async": "areno async (colocated, one GPU)",
-    "areno_async_turns": "areno async (colocated, one GPU, engine paused while training)",
+    "areno_async_turns": "areno async (colocated, one GPU, taking turns with the trainer)",
     "areno_async_overlap": "areno async (colocated, one GPU, engine generating while training)",
     "trl": "TRL GRPOTrainer (transformers generate)",
 }
@@ -409,6 +410,8 @@ def run_areno(
         "phases_s": {
             name: statistics.median(p[i] for p in phases[timed]) for i, name in enumerate(("rollout", "train", "sync"))
         },
+        # each timed step's (rollout, train, sync) seconds: an asynchronous run's steps differ by phase
+        "phases_per_step_s": [[round(x, 4) for x in p] for p in phases[timed]],
         "tokens_per_step": statistics.median(num_tokens[timed]),
         "peak_gib": peak,
         "phase_peaks_gib": phase_peaks,
@@ -561,6 +564,7 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
     }
     if "phases_s" in res:
         out["phases_s_median"] = res["phases_s"]
+        out["phases_per_step_s"] = res["phases_per_step_s"]
     if res.get("phase_peaks_gib"):
         out["phase_peak_gpu_gib"] = res["phase_peaks_gib"]
     keys = ("setup_s", "warmup_step_s", "first_train_s", "alloc_retries", "micro_batches", "engine")

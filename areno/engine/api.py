@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +341,9 @@ class ArenoEngine:
     """True when max_head_offpolicyness > 0: the rollout pool runs ahead of training."""
     shared_device: torch.device | None = None
     """Colocated: the device both sides use; None when each side has its own."""
+    taking_turns: bool = False
+    """Asynchronous on one device with ``rollout.generate_during_train`` false: the engine generates
+    only while the trainer waits for a batch (or an evaluation), paused otherwise."""
 
     def __init__(
         self,
@@ -379,6 +383,15 @@ class ArenoEngine:
         # state is in host memory by then
         self._enter(Phase.ROLLOUT)
         self.rollout.start(setup)
+        shared = self.shared_device
+        # Taking turns on one device: the engine generates only while the trainer waits for a batch,
+        # so the batches admitted meanwhile decode together, and no decode step runs between (or
+        # delays) the training step and the policy sync.
+        self.taking_turns = (
+            self.asynchronous and shared is not None and not cfg.rollout.resolved_generate_during_train(shared.type)
+        )
+        if self.taking_turns:
+            self.rollout.pause()
         self.executor = self._build_executor() if self.recipe.online else None
 
     def _enter(self, phase: Phase) -> None:
@@ -386,6 +399,18 @@ class ArenoEngine:
         while it trains: it has no phases (and ``cluster.offload=sleep`` refuses it)."""
         if self.residency is not None and not self.asynchronous:
             self.residency.enter(phase)
+
+    @contextlib.contextmanager
+    def _generating_while_waiting(self) -> Iterator[None]:
+        """Taking turns (``taking_turns``): the engine generates for the body's wait only."""
+        if not self.taking_turns:
+            yield
+            return
+        self.rollout.resume()
+        try:
+            yield
+        finally:
+            self.rollout.pause()
 
     def _phase_metrics(self) -> dict[str, float]:
         return self.residency.metrics() if self.residency is not None and not self.asynchronous else {}
@@ -441,7 +466,8 @@ class ArenoEngine:
         cfg = self.config
         if self.recipe.online and self.asynchronous:
             # everlasting pool: the oldest finished groups, generated up to η versions ago
-            groups = self.executor.wait_batch(cfg.rollout.batch_size)
+            with self._generating_while_waiting():
+                groups = self.executor.wait_batch(cfg.rollout.batch_size)
             self.ledger.trained([group[0].info.get(SEQ_KEY) for group in groups])
             trajectories = [t for group in groups for t in group]
             metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version)}
@@ -483,22 +509,10 @@ class ArenoEngine:
         # beside the training step's kernels and device synchronizations (they invalidate a capture:
         # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
         hold = self.rollout.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
-        shared = self.shared_device
-        taking_turns = (
-            self.asynchronous
-            and shared is not None
-            and not self.config.rollout.resolved_generate_during_train(shared.type)
-        )
         self._enter(Phase.TRAIN)
-        if taking_turns:
-            self.rollout.pause()
-        try:
-            with hold:
-                # the version the rollout policy carries (loglinear π_prox)
-                out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
-        finally:
-            if taking_turns:
-                self.rollout.resume()
+        with hold:  # taking turns, the engine is paused here already (_generating_while_waiting)
+            # the version the rollout policy carries (loglinear π_prox)
+            out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
         # the training side's figures of the rollout (rollout/logprob_abs_diff_*) keep their section
         metrics = {k if k.startswith("rollout/") else f"train/{k}": v for k, v in out.items()}
         metrics.update(self._phase_metrics())
@@ -535,7 +549,8 @@ class ArenoEngine:
         finally:
             if self.asynchronous:
                 self.executor.set_version(self.rollout.version)
-                self.rollout.resume()
+                if not self.taking_turns:  # taking turns, it generates at the next wait for a batch
+                    self.rollout.resume()
                 self.executor.resume()
         self.version = update.version
         self._pending_sync_metrics = {**metrics, **self._phase_metrics()}
@@ -567,7 +582,8 @@ class ArenoEngine:
             return await asyncio.gather(*(ascore(row) for row in self.eval_rows))
 
         try:
-            scores = asyncio.run(ascore_all())
+            with self._generating_while_waiting():
+                scores = asyncio.run(ascore_all())
         finally:
             if held:
                 client.release_now()  # a no-op once the burst was released

@@ -196,11 +196,12 @@ class RolloutSection(RolloutEngineSettings):
     """Episodes in flight at once in the rollout pool."""
     generate_during_train: bool | str = "auto"
     """An asynchronous colocated run (the rollout engine on the trainer's device): the engine keeps
-    generating while the trainer steps (true), or pauses for each training step (false), so the device
-    runs one side at a time while the pool still runs up to η versions ahead between steps; auto: false
-    on CUDA, true on CPU. On a GPU, taking turns lets the batches admitted during a training step decode
-    together, many rows per step, where overlapping decodes each batch alone beside the trainer's kernels;
-    on CPU the two threads share the cores better than they take turns (see docs/performance.md)."""
+    generating while the trainer steps (true), or takes turns (false): it generates only while the trainer
+    waits for a batch (or evaluates), so the device runs one side at a time while the pool still admits
+    up to η versions ahead; auto: false on CUDA, true on CPU. On a GPU, taking turns lets the batches
+    admitted between waits decode together, many rows per step, where overlapping decodes each batch
+    alone beside the trainer's kernels; on CPU the two threads share the cores better than they take
+    turns (see docs/performance.md)."""
     max_retries: int = 1
     """Retries of a sample whose workflow raised, before it is dropped with a warning."""
     max_consecutive_dropped: int = 16
@@ -656,7 +657,7 @@ class ArenoConfig:
         check_config(
             self.rollout.generate_during_train is not False or (self.rollout.backend == "areno" and not partitioned),
             "rollout.generate_during_train",
-            "false pauses areno's engine on the trainer's device during each training step; this run generates "
+            "false has areno's engine on the trainer's device take turns with the training step; this run generates "
             f"{'on its own rollout devices' if partitioned else 'with ' + self.rollout.backend + ' servers'}, "
             "where nothing shares the trainer's device: drop the key",
         )
