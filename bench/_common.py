@@ -108,17 +108,20 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
     )
 
 
-def profile_cuda(fn: Callable[[], object], top: int = 25) -> dict:
+def profile_cuda(fn: Callable[[], object], top: int = 25, trace: str | None = None) -> dict:
     """Run ``fn`` once under the profiler: wall time against the summed time of the kernels and copies
     (``gpu_busy`` well below 1 means the GPU waits on the host), the top kernels by device time and the
     host-side ops by self CPU time (syncs such as ``cudaStreamSynchronize`` show up there). CUDA-graph
-    replays are included: the profiler records the kernels inside them."""
+    replays are included: the profiler records the kernels inside them. ``trace``: also write the
+    Chrome trace there (``python -m bench.trace_summary`` reads it)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - t0)
+    if trace:
+        prof.export_chrome_trace(trace)
     events = prof.key_averages()
 
     def device_us(e) -> float:

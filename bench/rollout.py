@@ -6,6 +6,7 @@ rounds' ratios), then the details.
     python -m bench.rollout --shape cpu20m                       # CPU: ~20M params, 32 x 128
     python -m bench.rollout --shape qwen0.5b                     # GPU: Qwen2.5-0.5B shape, 64 x 512
     python -m bench.rollout --shape qwen0.5b --prompts 256 --skip-hf   # GPU: 256 concurrent sequences
+    python -m bench.rollout --shape qwen1.5b --prompts 256 --skip-hf --profile --profile-tokens 512
     python -m bench.rollout --shape qwen0.5b --prompts 256 --skip-hf --decode-attention gather paged
 
 ``--decode-attention`` takes one or more of ``gather`` / ``paged`` (``RolloutEngineConfig.decode_attention``):
@@ -59,7 +60,7 @@ from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
-from bench._common import QWEN25_05B, emit, headline, parser, profile_cuda
+from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, profile_cuda
 
 # Qwen2.5-0.5B's config.json (shape only; weights are random).
 # ~20M parameters: 8 layers of width 256 and a 32k vocabulary (untied).
@@ -90,7 +91,12 @@ TINY = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
 }
-SHAPES = {"cpu20m": (CPU_20M, 32, 128), "qwen0.5b": (QWEN25_05B, 64, 512), "tiny": (TINY, 4, 8)}
+SHAPES = {
+    "cpu20m": (CPU_20M, 32, 128),
+    "qwen0.5b": (QWEN25_05B, 64, 512),
+    "qwen1.5b": (QWEN25_15B, 64, 512),
+    "tiny": (TINY, 4, 8),
+}
 
 
 def build_models(hf_dict: dict, device: str, dtype: torch.dtype, with_hf: bool):
@@ -216,7 +222,13 @@ def run_engine(
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
     if getattr(args, "profile", False) and device.startswith("cuda"):
-        stats["profile"] = profile_decode(engine, prompts, min(new_tokens, 64), params)
+        stats["profile"] = profile_decode(
+            engine,
+            prompts,
+            min(new_tokens, getattr(args, "profile_tokens", 64)),
+            params,
+            trace=getattr(args, "profile_trace", None),
+        )
     stats["cpu_s"] = time.process_time() - cpu0
     c = engine.cache
     stats["kv_pool_GiB"] = round(
@@ -232,11 +244,11 @@ def run_engine(
     return elapsed, [o.output_ids for o in outs], stats
 
 
-def profile_decode(engine, prompts, new_tokens: int, params: list) -> dict:
+def profile_decode(engine, prompts, new_tokens: int, params: list, trace: str | None = None) -> dict:
     """Where the GPU time of a generate call goes (after the timed run, same engine, prompts and
-    sampling, ``new_tokens`` tokens)."""
+    sampling, ``new_tokens`` tokens); ``trace``: write its Chrome trace there too."""
     params = [dataclasses.replace(p, max_new_tokens=new_tokens) for p in params]
-    return {"new_tokens": new_tokens, **profile_cuda(lambda: engine.generate(prompts, params), top=20)}
+    return {"new_tokens": new_tokens, **profile_cuda(lambda: engine.generate(prompts, params), top=20, trace=trace)}
 
 
 def mean_common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
@@ -345,7 +357,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="CUDA: after each timed run, profile a 64-token generate of the same prompts (top kernels)",
+        help="CUDA: after each timed run, profile a generate of the same prompts (top kernels), --profile-tokens long",
+    )
+    ap.add_argument(
+        "--profile-trace",
+        metavar="PATH",
+        help="with --profile: write the profiled generate's Chrome trace to PATH (the last run's, with several)",
+    )
+    ap.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=64,
+        help="new tokens of the profiled generate (default 64; its prompts hit the prefix cache, so it is "
+        "mostly decode steps)",
     )
     ap.add_argument(
         "--decode-steps",

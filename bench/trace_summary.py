@@ -9,6 +9,7 @@ has no device events: the figures are then host operator time by thread.
 
     python -m bench.trace_summary runs/x/profile/step_00000004.json.gz
     python -m bench.trace_summary TRACE --ranges e2e/train --top 20
+    python -m bench.trace_summary TRACE --replays     # also per CUDA-graph replay (the engine's round trips)
 
 Prints one JSON object.
 """
@@ -132,15 +133,72 @@ def summarize(events: list[dict], ranges: tuple[str, ...] = DEFAULT_RANGES, top:
     return out
 
 
+def graph_replays(events: list[dict]) -> dict:
+    """Per CUDA-graph launch (``cudaGraphLaunch``, e.g. a rollout engine's k-step decode loop): the host
+    call's time, the device span and busy time of the kernels it ran (found through the launch's
+    correlation id), and the gap from the previous replay's last kernel to this one's first (the host's
+    work between round trips: bookkeeping, copies, the next launch; eager kernels in it count as gap).
+    Medians and totals."""
+    complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    launches = sorted(
+        (e for e in complete if e.get("cat") in LAUNCH_CATEGORIES and "GraphLaunch" in e.get("name", "")),
+        key=lambda e: e["ts"],
+    )
+    by_corr: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in complete:
+        if e.get("cat") in DEVICE_CATEGORIES and "correlation" in e.get("args", {}):
+            by_corr[e["args"]["correlation"]].append((e["ts"], e["ts"] + e.get("dur", 0.0)))
+    rows = []
+    prev_end = None
+    for launch in launches:
+        spans = by_corr.get(launch.get("args", {}).get("correlation"), [])
+        if not spans:
+            continue
+        first, last = min(a for a, _ in spans), max(b for _, b in spans)
+        rows.append(
+            {
+                "launch_host_ms": launch.get("dur", 0.0) / 1e3,
+                "device_span_ms": (last - first) / 1e3,
+                "device_busy_ms": union_length(spans) / 1e3,
+                "kernels": len(spans),
+                "gap_before_ms": None if prev_end is None else max(0.0, first - prev_end) / 1e3,
+            }
+        )
+        prev_end = last
+
+    def median(key: str) -> float | None:
+        values = sorted(r[key] for r in rows if r[key] is not None)
+        return round(values[len(values) // 2], 3) if values else None
+
+    def total(key: str) -> float:
+        return round(sum(r[key] for r in rows if r[key] is not None), 3)
+
+    keys = ("launch_host_ms", "device_span_ms", "device_busy_ms", "gap_before_ms")
+    return {
+        "replays": len(rows),
+        "kernels_per_replay": median("kernels"),
+        "median": {k: median(k) for k in keys},
+        "total": {k: total(k) for k in keys},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", type=Path, help="Chrome traces (.json or .json.gz)")
     p.add_argument("--ranges", default=",".join(DEFAULT_RANGES), help="comma list of range names to summarize")
     p.add_argument("--top", type=int, default=10, help="device events listed per range")
     p.add_argument("--gaps", type=int, default=5, help="idle gaps listed per range")
+    p.add_argument(
+        "--replays", action="store_true", help="also summarise the CUDA-graph replays (graph_replays: per round trip)"
+    )
     args = p.parse_args(argv)
     ranges = tuple(r for r in args.ranges.split(",") if r)
-    result = {str(t): summarize(load_events(t), ranges, args.top, args.gaps) for t in args.traces}
+    result = {}
+    for t in args.traces:
+        events = load_events(t)
+        result[str(t)] = summarize(events, ranges, args.top, args.gaps)
+        if args.replays:
+            result[str(t)]["graph_replays"] = graph_replays(events)
     print(json.dumps(result, indent=1))
 
 

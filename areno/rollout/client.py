@@ -211,7 +211,9 @@ class InProcessRolloutClient(RolloutClient):
         self._ensure_thread()  # after the adds: a driver thread started now sees the whole group
         self._wakeup.set()
         max_new = max(p.max_new_tokens for p in params)
-        return list(await self._await_requests(request_ids, asyncio.gather(*futures), len(prompt_ids), max_new))
+        gathered = asyncio.gather(*futures)
+        gathered.add_done_callback(_retrieve_cancellation)
+        return list(await self._await_requests(request_ids, gathered, len(prompt_ids), max_new))
 
     async def _await_requests(self, request_ids: list[str], done: Any, prompt_tokens: int, max_new_tokens: int) -> Any:
         """Await ``done`` (the requests' future, or their gathered futures) within the deadline; the
@@ -344,6 +346,14 @@ class InProcessRolloutClient(RolloutClient):
     def _abort_all_quietly(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._abort_quietly(request_id)
+
+
+def _retrieve_cancellation(gathered: asyncio.Future) -> None:
+    # Python 3.11's gather, cancelled through wait_for, ends with a CancelledError set as its exception
+    # that nothing reads: every episode cancelled at shutdown or for staleness logged "exception was
+    # never retrieved".
+    if not gathered.cancelled():
+        gathered.exception()
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

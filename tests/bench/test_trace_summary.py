@@ -107,3 +107,40 @@ def test_main_reads_gzipped_traces(tmp_path, capsys):
     main([str(path), "--ranges", "e2e/train"])
     out = json.loads(capsys.readouterr().out)
     assert out[str(path)]["ranges"][0]["device_busy_ms"] == 0.05
+
+
+def test_graph_replays_per_launch_span_busy_and_idle_between():
+    """Two graph launches: the first ran kernels 0-10 and 20-30 us, the second 50-60; a plain kernel
+    launch is no replay."""
+    from bench.trace_summary import graph_replays
+
+    def ev(cat, name, ts, dur, corr):
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "pid": 0,
+            "tid": 1,
+            "args": {"correlation": corr},
+        }
+
+    events = [
+        ev("cuda_runtime", "cudaGraphLaunch", 0, 4, 1),
+        ev("kernel", "a", 0, 10, 1),
+        ev("kernel", "b", 20, 10, 1),
+        ev("cuda_runtime", "cudaLaunchKernel", 35, 1, 2),
+        ev("kernel", "c", 36, 2, 2),
+        ev("cuda_runtime", "cudaGraphLaunch", 45, 2, 3),
+        ev("kernel", "a", 50, 10, 3),
+    ]
+    out = graph_replays(events)
+    assert out["replays"] == 2
+    assert out["total"] == {
+        "launch_host_ms": 0.006,
+        "device_span_ms": 0.04,
+        "device_busy_ms": 0.03,
+        "gap_before_ms": 0.02,
+    }
+    assert out["median"]["gap_before_ms"] == 0.02 and out["kernels_per_replay"] == 2

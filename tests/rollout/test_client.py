@@ -148,6 +148,37 @@ def test_agenerate_many_refuses_a_bad_group_whole_and_aborts_it_on_timeout(tiny)
         client.close()
 
 
+def test_cancelled_group_aborts_its_requests_without_logging_an_unread_exception(tiny):
+    """A GRPO group cancelled mid-generation (shutdown, staleness) aborts its requests and leaves
+    nothing for asyncio to report ("_GatheringFuture exception was never retrieved", once per group)."""
+    import gc
+
+    model, cfg = tiny
+    eng = RolloutEngine(model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=128), eos_token_ids=(EOS,))
+    client = InProcessRolloutClient(eng, request_timeout_s=60.0)  # awaited through wait_for
+    long = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+
+    reported: list[str] = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+        eng.pause()
+        task = asyncio.ensure_future(client.agenerate_many([5, 6, 7], [long] * 3))
+        await asyncio.sleep(0.05)
+        assert client.num_pending == 3
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main())
+        gc.collect()
+    finally:
+        client.close()
+    assert reported == []
+    assert client.num_pending == 0 and not eng.has_unfinished()
+
+
 def _stepping_threads(eng) -> set[str]:
     """Record the name of every thread that steps ``eng`` from now on."""
     names: set[str] = set()
