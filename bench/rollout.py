@@ -31,9 +31,10 @@ A/B of the kernel count of a decode step in one process.
 
     python -m bench.rollout --shape qwen0.5b --skip-hf --compare-fused-projections --profile
 
-CPU options, A/B in one process: ``--compare-cpu-packed-gemm N`` and ``--compare-decode-carry N`` add N
-pairs of the first run with ``RolloutEngineConfig.cpu_packed_gemm`` / ``cpu_decode_carry`` flipped, then as
-set (labels `` linear-gemm #i`` / `` packed-gemm #i``, `` gather #i`` / `` carry #i``); ``--rounds R``
+A/B in one process: ``--compare-cpu-packed-gemm N`` and ``--compare-decode-carry N`` (CPU) and
+``--compare-overlap-round-trips N`` add N pairs of the first run with ``RolloutEngineConfig.cpu_packed_gemm`` /
+``cpu_decode_carry`` / ``overlap_round_trips`` flipped, then as set (labels `` linear-gemm #i`` /
+`` packed-gemm #i``, `` gather #i`` / `` carry #i``, `` serial #i`` / `` overlapped #i``); ``--rounds R``
 times the first run's setting and ``generate`` R times, alternating (``speedup_rounds``,
 ``speedup_median``): on a shared CPU host one run each is not a ratio to trust.
 
@@ -207,6 +208,7 @@ def run_engine(
         fused_projections=fused_projections,
         cpu_packed_gemm=getattr(args, "cpu_packed_gemm", True),
         cpu_decode_carry=getattr(args, "decode_carry", True),
+        overlap_round_trips=getattr(args, "overlap_round_trips", True),
     )
     engine = RolloutEngine(ours, cfg, config=ecfg, eos_token_ids=(cfg.eos_token_id,))
     params = request_params(args, temperature, new_tokens, len(prompts))
@@ -321,6 +323,20 @@ def main(argv: list[str] | None = None) -> int:
         help="each run also runs with the other --fused-projections setting, side by side",
     )
     ap.add_argument(
+        "--overlap-round-trips",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA: launch the next decode round trip before reading this one's tokens "
+        "(RolloutEngineConfig.overlap_round_trips)",
+    )
+    ap.add_argument(
+        "--compare-overlap-round-trips",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N pairs of the first run with --overlap-round-trips flipped, then as set (labels serial / overlapped)",
+    )
+    ap.add_argument(
         "--cpu-packed-gemm",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -427,11 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         ref = base if fused_proj != fp else first_at[temperature]
         runs.pop(label, None)  # a value given twice keeps its last run, listed last
         runs[label] = (s_, out_, st_, ref)
-    for option, pairs, names in (
-        ("cpu_packed_gemm", args.compare_cpu_packed_gemm, ("linear-gemm", "packed-gemm")),
-        ("decode_carry", args.compare_decode_carry, ("gather", "carry")),
+    for option, pairs, names, cpu_only in (
+        ("cpu_packed_gemm", args.compare_cpu_packed_gemm, ("linear-gemm", "packed-gemm"), True),
+        ("decode_carry", args.compare_decode_carry, ("gather", "carry"), True),
+        ("overlap_round_trips", args.compare_overlap_round_trips, ("serial", "overlapped"), False),
     ):
-        if not pairs or device != "cpu":
+        if not pairs or (cpu_only and device != "cpu"):
             continue
         # The first run with the option flipped, then as set: other / set / other / set ... in one process.
         mode, temperature, fused_proj = plan[0]

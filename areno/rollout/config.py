@@ -27,6 +27,7 @@ _BOOLEANS = (
     "fused_kernels",
     "fused_projections",
     "cpu_packed_gemm",
+    "overlap_round_trips",
 )
 
 
@@ -114,6 +115,17 @@ class RolloutEngineSettings:
     weight update and cost the packed weights' memory once more; false keeps ``F.linear`` (and that
     memory). Ignored on GPU."""
 
+    overlap_round_trips: bool = True
+    """CUDA, pure-decode batches of ``decode_steps`` > 1: launch the next k-step round trip (its input
+    the last tokens, still on the device) before reading this one's tokens, so the host's bookkeeping
+    of one round trip (copying the tokens out, the stop checks, the next launch) runs while the device
+    decodes the next, instead of leaving the device idle in between. A step chains round trips while
+    every row runs on, no request arrives and no caller waits for the engine (a pause, a weight
+    update, an abort), then reads the last one: nothing is in flight between steps. A row that ends in
+    one round trip has run on in the next; those tokens are discarded. The same tokens either way.
+    Ignored on CPU (host and decode share the cores there) and by tensor-parallel engines (their
+    ranks must take the same steps)."""
+
     def __post_init__(self) -> None:
         for key in ("max_tokens_per_step", "prefill_chunk_size", "cpu_kv_cache_bytes"):
             check_config(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
@@ -181,6 +193,9 @@ class RolloutEngineConfig(RolloutEngineSettings):
     forward runs over, returned as ``GenerationOutput.routes_TLK`` (a run sets it from
     ``train.moe_rollout_routes`` / ``train.moe_routing_replay``). Turns off prefix sharing (a shared
     prefix's tokens would have no forward of their own) and CUDA graphs. No effect on a dense model."""
+    overlap_round_trips_on_cpu: bool = False
+    """Chain round trips (``overlap_round_trips``) on CPU as well: nothing overlaps there, so only
+    tests set it, to run the chaining logic without a GPU."""
     cpu_decode_carry: bool = True
     """CPU, gathered decode attention, float32 KV cache: pure-decode steps keep each layer's gathered
     K/V and extend it by the new token instead of gathering it from the pool again

@@ -94,6 +94,16 @@ class Stepper:
         self.busy_s = 0.0
         """Seconds spent in steps that ran a batch (``stats()["busy_s"]``: busy fraction over time)."""
         self._last_step_ran = False
+        self.overlap = (
+            config.overlap_round_trips
+            and decode_steps > 1
+            and self.routes is None
+            and (device.type == "cuda" or config.overlap_round_trips_on_cpu)
+        )
+        """Chain pure-decode round trips (``RolloutEngineConfig.overlap_round_trips``); a
+        tensor-parallel engine turns it off (its ranks must take the same steps)."""
+        self.chained_round_trips = 0
+        """Round trips launched before the host read the previous one's tokens."""
         self.vision_runs = 0
         """Vision-tower forwards (image prompts): one per distinct image set and policy version."""
         self._image_features: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
@@ -144,6 +154,8 @@ class Stepper:
         )
         if pure_decode:
             k = self._plan_decode_steps(batch.seqs)
+            if k > 1 and self.overlap:
+                return self._chained_decode(batch, k, rp)
             tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp)
             self.scheduler.after_step(batch, k)
             self.steps += k
@@ -156,15 +168,61 @@ class Stepper:
                 sampling, len(batch.seqs), tokens_B, logprobs_B, rp
             )
         self.round_trips += 1
-        # One device-to-host copy: per row, k token ids, k log-probs (and how many to keep).
-        parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
-        host_XB = torch.cat(parts).cpu()
-        return self._commit_tokens(
-            sampling,
-            host_XB[:k].T.long().tolist(),
-            host_XB[k : 2 * k].T.tolist(),
-            host_XB[2 * k].long().tolist() if keep_B is not None else None,
-        )
+        return self._commit_tokens(sampling, *_read_tokens(_tokens_to_host(tokens_KB, logprobs_KB, keep_B), k))
+
+    def _chained_decode(self, batch: ScheduledBatch, k: int, rp: RowParams) -> list[GenerationOutput]:
+        """Pure-decode round trips back to back (``overlap_round_trips``): the next k-step loop is
+        launched, fed the last tokens on the device, before the host reads this one's, so the
+        host's reading and stop checks of round trip N run while the device decodes N + 1. Chains
+        while no row has ended, nothing has arrived and nobody waits for the step lock; reads the
+        last launched round trip before returning. A row that ended in N ran on in N + 1: those
+        tokens are dropped, and its K/V past its end went to positions no one reads (blocks it
+        releases, or the scratch block), which later steps overwrite in stream order."""
+        seqs = batch.seqs
+        launched: list[tuple[int, tuple[torch.Tensor, torch.cuda.Event | None]]] = []
+
+        def launch(k: int, rp: RowParams, ids_B: torch.Tensor | None) -> torch.Tensor:
+            tokens_KB, logprobs_KB, keep_B = self._run_decode(batch, k, rp, ids_B=ids_B)
+            self.scheduler.after_step(batch, k)
+            self.steps += k
+            self.round_trips += 1
+            # copied out before the next launch may overwrite a graph's output buffers (stream order)
+            launched.append((k, _tokens_to_host(tokens_KB, logprobs_KB, keep_B, wait=False)))
+            return tokens_KB[k - 1]
+
+        last_B = launch(k, rp, None)
+        ahead = k  # tokens launched that the host has not read
+        chaining = True
+        outputs: list[GenerationOutput] = []
+        while launched:
+            if chaining and len(launched) == 1:
+                k_next = self._plan_decode_steps(seqs, sampled=ahead, k=self.decode_steps)
+                if k_next > 1:
+                    rp = rp.shifted(launched[0][0])
+                    last_B = launch(k_next, rp, last_B)
+                    ahead += k_next
+                    self.chained_round_trips += 1
+                chaining = k_next > 1
+            n, (host_XB, ready) = launched.pop(0)
+            if ready is not None:
+                ready.synchronize()
+            ahead -= n
+            tokens_BK, logprobs_BK, keep_B = _read_tokens(host_XB, n)
+            if outputs:  # rows that ended in the round trip before: their tokens here are past their end
+                ended = {out.request_id for out in outputs}
+                rows = [i for i, s in enumerate(seqs) if s.request_id not in ended]
+                assert keep_B is not None
+                outputs += self._commit_tokens(
+                    [seqs[i] for i in rows],
+                    [tokens_BK[i] for i in rows],
+                    [logprobs_BK[i] for i in rows],
+                    [keep_B[i] for i in rows],
+                )
+            else:
+                outputs += self._commit_tokens(seqs, tokens_BK, logprobs_BK, keep_B)
+            if outputs or self.requests.inbox or self.control.lock.waiters:
+                chaining = False
+        return outputs
 
     def _decode_after_mixed(
         self,
@@ -268,11 +326,13 @@ class Stepper:
         self.generated_tokens += generated
         return self.requests.outputs(done) if done else []
 
-    def _plan_decode_steps(self, seqs: list[Sequence], sampled: int = 0) -> int:
+    def _plan_decode_steps(self, seqs: list[Sequence], sampled: int = 0, k: int | None = None) -> int:
         """How many decode steps these rows run before the next host round trip (their blocks for
         them are reserved here; 1 when the pool cannot hold them). ``sampled``: tokens each row
-        sampled earlier in this round trip, not yet in its ``token_ids`` (1 after a mixed step)."""
-        k = self.decode_steps - sampled  # k tokens per round trip in all (after a mixed step's first one)
+        sampled earlier, not yet in its ``token_ids`` (1 after a mixed step; a chained round trip's
+        tokens in flight). ``k``: steps wanted (default ``decode_steps - sampled``: k tokens per
+        round trip in all, after a mixed step's first one)."""
+        k = self.decode_steps - sampled if k is None else k
         if k <= 1:
             return 1
         remaining = [s.limit - len(s.token_ids) - sampled for s in seqs]
@@ -457,6 +517,32 @@ class Stepper:
         return PagedAttention(
             self.cache, torch.cat((dec.slot_mapping_T, pre.slot_mapping_T)), nd, dec.decode, pre.prefill, dec.paged
         )
+
+
+def _tokens_to_host(
+    tokens_KB: torch.Tensor, logprobs_KB: torch.Tensor, keep_B: torch.Tensor | None, wait: bool = True
+) -> Any:
+    """A round trip's token ids, log-probs [K, B] (and real tokens per row [B]) as one host tensor
+    [2K (+1), B] (one device-to-host copy). ``wait`` False: (the pinned tensor, the event after
+    which it holds them; None when already there) without waiting."""
+    parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
+    dev_XB = torch.cat(parts)
+    if wait:
+        return dev_XB.cpu()
+    if dev_XB.device.type != "cuda":
+        return dev_XB, None
+    host_XB = torch.empty(dev_XB.shape, dtype=dev_XB.dtype, pin_memory=True)
+    host_XB.copy_(dev_XB, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host_XB, ready
+
+
+def _read_tokens(host_XB: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]], list[int] | None]:
+    """Per row: its k token ids, k log-probs and real-token count (None without one) from
+    ``_tokens_to_host``'s table."""
+    keep = host_XB[2 * k].long().tolist() if host_XB.shape[0] > 2 * k else None
+    return host_XB[:k].T.long().tolist(), host_XB[k : 2 * k].T.tolist(), keep
 
 
 def _keep_routes(batch: ScheduledBatch, routes_TLK: torch.Tensor) -> None:

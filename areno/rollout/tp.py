@@ -100,6 +100,7 @@ class TensorParallelRolloutEngine(RolloutEngine):
         self._parked = threading.Event()
         self._released = threading.Event()
         super().__init__(model, model_config, config=config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
+        self._stepper.overlap = False  # when to stop chaining depends on this rank's callers
 
     def _comm_device(self) -> torch.device:
         return (
