@@ -413,3 +413,28 @@ def test_weight_update_mid_generation_beside_another_threads_gpu_work():
     assert all(set(versions) == {0, 1} for _, versions in results[True])  # every request saw the switch
     assert results[True] == results[False]
     torch.testing.assert_close(torch.tensor(results[True, "lp"]), torch.tensor(results[False, "lp"]), atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_chained_round_trips_on_gpu_give_the_serial_engines_tokens():
+    """On CUDA with the decode-loop graphs: round trips chained (``overlap_round_trips``, the
+    default) give the tokens and log-probs of an engine that reads each round trip before the next,
+    for long fixed-length rows (many chained round trips) and rows ending at different lengths."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    model = model.cuda()
+    prompts = random_prompts(24, seed=45)
+    params = sampled_mix(24, (9,)) + [SamplingParams(temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=3)] * 8
+    prompts += random_prompts(8, seed=46)
+    outs, engines = {}, {}
+    for overlap in (False, True):
+        config = RolloutEngineConfig(block_size=4, num_blocks=1024, overlap_round_trips=overlap)
+        engines[overlap] = eng = RolloutEngine(model, cfg, config=config, eos_token_ids=(9,))
+        outs[overlap] = eng.generate(prompts, params)
+    for a, b in zip(outs[False], outs[True]):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
+    assert engines[False]._stepper.chained_round_trips == 0
+    assert engines[True]._stepper.chained_round_trips > 5
+    assert engines[True]._graphs._loops
