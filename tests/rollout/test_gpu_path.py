@@ -367,7 +367,11 @@ def test_weight_update_mid_generation_beside_another_threads_gpu_work():
             model,
             cfg,
             config=RolloutEngineConfig(
-                block_size=4, num_blocks=512, decode_steps=8, recompute_kv_on_weight_update=False
+                block_size=4,
+                num_blocks=512,
+                decode_steps=8,
+                recompute_kv_on_weight_update=False,
+                overlap_round_trips=False,  # one round trip per step: the update lands after 9 tokens
             ),
             eos_token_ids=(),
         )
