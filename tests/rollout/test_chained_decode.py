@@ -86,14 +86,22 @@ def _stop_chain_after_first_read(eng: RolloutEngine, interrupt) -> list[int]:
     return seen
 
 
-def test_a_new_request_ends_the_chain_at_the_next_read():
+LONG = SamplingParams(temperature=0, max_new_tokens=80, ignore_eos=True)
+
+
+def decoding_engine() -> RolloutEngine:
+    """A chaining engine with four long greedy rows past their prefill."""
     model, cfg = make_model()
     eng = engine(model, cfg, True)
-    long = SamplingParams(temperature=0, max_new_tokens=80, ignore_eos=True)
     for p in random_prompts(4, seed=2):
-        eng.add_request(p, long)
+        eng.add_request(p, LONG)
     eng.step()  # prefill
-    seen = _stop_chain_after_first_read(eng, lambda: eng.add_request([5, 6, 7], long))
+    return eng
+
+
+def test_a_new_request_ends_the_chain_at_the_next_read():
+    eng = decoding_engine()
+    seen = _stop_chain_after_first_read(eng, lambda: eng.add_request([5, 6, 7], LONG))
     eng.step()
     # one round trip chained before the first read, none after: the arrival is admitted next step
     assert seen == [1, 1]
@@ -103,12 +111,7 @@ def test_a_new_request_ends_the_chain_at_the_next_read():
 
 
 def test_a_caller_waiting_for_the_engine_ends_the_chain():
-    model, cfg = make_model()
-    eng = engine(model, cfg, True)
-    long = SamplingParams(temperature=0, max_new_tokens=80, ignore_eos=True)
-    for p in random_prompts(4, seed=2):
-        eng.add_request(p, long)
-    eng.step()
+    eng = decoding_engine()
     lock = eng._control.lock
     pauser = threading.Thread(target=eng.pause)
 
