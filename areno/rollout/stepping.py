@@ -168,7 +168,7 @@ class Stepper:
                 sampling, len(batch.seqs), tokens_B, logprobs_B, rp
             )
         self.round_trips += 1
-        return self._commit_tokens(sampling, *_read_tokens(_tokens_to_host(tokens_KB, logprobs_KB, keep_B), k))
+        return self._commit_tokens(sampling, *_read_tokens(_token_table(tokens_KB, logprobs_KB, keep_B).cpu(), k))
 
     def _chained_decode(self, batch: ScheduledBatch, k: int, rp: RowParams) -> list[GenerationOutput]:
         """Pure-decode round trips back to back (``overlap_round_trips``): the next k-step loop is
@@ -187,7 +187,7 @@ class Stepper:
             self.steps += k
             self.round_trips += 1
             # copied out before the next launch may overwrite a graph's output buffers (stream order)
-            launched.append((k, _tokens_to_host(tokens_KB, logprobs_KB, keep_B, wait=False)))
+            launched.append((k, _copy_out(_token_table(tokens_KB, logprobs_KB, keep_B))))
             return tokens_KB[k - 1]
 
         last_B = launch(k, rp, None)
@@ -519,28 +519,28 @@ class Stepper:
         )
 
 
-def _tokens_to_host(
-    tokens_KB: torch.Tensor, logprobs_KB: torch.Tensor, keep_B: torch.Tensor | None, wait: bool = True
-) -> Any:
-    """A round trip's token ids, log-probs [K, B] (and real tokens per row [B]) as one host tensor
-    [2K (+1), B] (one device-to-host copy). ``wait`` False: (the pinned tensor, the event after
-    which it holds them; None when already there) without waiting."""
+def _token_table(tokens_KB: torch.Tensor, logprobs_KB: torch.Tensor, keep_B: torch.Tensor | None) -> torch.Tensor:
+    """A round trip's token ids, log-probs [K, B] (and real tokens per row [B]) as one tensor
+    [2K (+1), B]: one device-to-host copy."""
     parts = [tokens_KB.double(), logprobs_KB.double()] + ([keep_B.double()[None]] if keep_B is not None else [])
-    dev_XB = torch.cat(parts)
-    if wait:
-        return dev_XB.cpu()
-    if dev_XB.device.type != "cuda":
-        return dev_XB, None
-    host_XB = torch.empty(dev_XB.shape, dtype=dev_XB.dtype, pin_memory=True)
-    host_XB.copy_(dev_XB, non_blocking=True)
+    return torch.cat(parts)
+
+
+def _copy_out(table_XB: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``table_XB`` copied to pinned host memory without waiting: (the host tensor, the event after
+    which it holds the values; None when it is on the host already)."""
+    if table_XB.device.type != "cuda":
+        return table_XB, None
+    host_XB = torch.empty(table_XB.shape, dtype=table_XB.dtype, pin_memory=True)
+    host_XB.copy_(table_XB, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     return host_XB, ready
 
 
 def _read_tokens(host_XB: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]], list[int] | None]:
-    """Per row: its k token ids, k log-probs and real-token count (None without one) from
-    ``_tokens_to_host``'s table."""
+    """Per row: its k token ids, k log-probs and real-token count (None without one) from a
+    ``_token_table`` on the host."""
     keep = host_XB[2 * k].long().tolist() if host_XB.shape[0] > 2 * k else None
     return host_XB[:k].T.long().tolist(), host_XB[k : 2 * k].T.tolist(), keep
 
