@@ -105,3 +105,35 @@ def test_cuda_auto_attention_picks_varlen_where_flash_runs_else_flex_or_sdpa():
         assert attn._impl == expected
         ref = PackedCausalAttention(cu_B1, impl="sdpa_mask")(0, q, k, k)
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_cuda_head_weight_gradient_accumulates_in_the_gemm():
+    """bf16 head on CUDA: the weight gradient's chunks are summed by ``addmm(out_dtype=float32)``
+    into the fp32 sum (no bf16 product per chunk), which is at least as close to float64 as the
+    per-chunk bf16 products summed in fp32 that it replaced."""
+    from areno.models import logprobs as L
+
+    assert L._out_dtype_addmm(torch.device("cuda")), "torch.addmm(out_dtype=float32) is missing on this CUDA build"
+    torch.manual_seed(0)
+    T, V, D, chunk = 4096, 2048, 64, 256
+    h = torch.randn(T, D, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, D, device="cuda") * 0.3).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, V, (T,), device="cuda")
+    lp, _ = L.logprobs_from_hidden(h, w, targets, chunk_size=chunk)
+    (gw,) = torch.autograd.grad(lp.sum(), (w,))
+    h64, w64 = h.double().detach().requires_grad_(), w.double().detach().requires_grad_()
+    ref = torch.log_softmax(h64 @ w64.t(), -1).gather(-1, targets[:, None])[:, 0]
+    (rw,) = torch.autograd.grad(ref.sum(), (w64,))
+    # the replaced formula, on the same per-chunk logit gradients
+    gz = (
+        torch.softmax((h @ w.t()).float(), -1)
+        .neg_()
+        .scatter_add_(-1, targets[:, None], torch.ones(T, 1, device="cuda"))
+    )
+    old = torch.zeros(V, D, device="cuda")
+    for s in range(0, T, chunk):
+        old += (gz[s : s + chunk].to(torch.bfloat16).t() @ h[s : s + chunk].detach()).float()
+    new_err = (gw.double() - rw).abs().max().item()
+    old_err = (old.to(torch.bfloat16).double() - rw).abs().max().item()
+    assert new_err <= old_err * 1.05, (new_err, old_err)
+    torch.testing.assert_close(gw.double(), rw, rtol=2e-2, atol=2e-2)

@@ -190,3 +190,27 @@ def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(
         assert all(torch.equal(a, b) for a, b in zip(kept[0], recomputed[0]))
         for a, b in zip(kept[1] + kept[2], recomputed[1] + recomputed[2]):
             assert torch.equal(a, b)
+
+
+def test_head_weight_gradient_sums_chunks_in_float32():
+    """The head's weight gradient is summed over chunks inside the GEMM (``addmm_`` for fp32): it
+    matches float64 autograd at fp32 precision whatever the chunking, and under bf16 autocast
+    (fp32 weights) the products still run in bf16 with an fp32 result."""
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=torch.float64)
+    w = torch.randn(50, 16, dtype=torch.float64)
+    targets = torch.randint(0, 50, (37,))
+    h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = torch.log_softmax(h64 @ w64.t(), -1).gather(-1, targets[:, None])[:, 0]
+    _, rw = torch.autograd.grad((ref * torch.linspace(-1, 1, 37, dtype=torch.float64)).sum(), (h64, w64))
+    for chunk in (5, 16, 64):
+        h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
+        lp, _ = logprobs_from_hidden(h32, w32, targets, chunk_size=chunk)
+        _, gw = torch.autograd.grad((lp * torch.linspace(-1, 1, 37)).sum(), (h32, w32))
+        assert gw.dtype == torch.float32
+        torch.testing.assert_close(gw.double(), rw, rtol=1e-5, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = logprobs_from_hidden(h32, w32, targets, chunk_size=chunk)
+        _, gw = torch.autograd.grad((lp * torch.linspace(-1, 1, 37)).sum(), (h32, w32))
+        assert gw.dtype == torch.float32
+        torch.testing.assert_close(gw.double(), rw, rtol=3e-2, atol=3e-2)
