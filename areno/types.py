@@ -59,6 +59,10 @@ class SamplingParams:
     """Generate exactly max_new_tokens (benchmarks)."""
     seed: int | None = None
     """Per-request seed: the same seed and prompt give the same tokens."""
+    detokenize: bool = True
+    """Fill ``GenerationOutput.text``. False: the caller reads only the tokens (a workflow that decodes
+    its completions itself), so areno's engine and rollout server skip decoding them and leave the
+    text empty, except a stop string's cut text; vLLM and SGLang servers return their text anyway."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -113,10 +113,12 @@ class RequestTable:
     def outputs(self, finished: list[tuple[Sequence, str]]) -> list[GenerationOutput]:
         """The ``GenerationOutput`` of each (sequence, finish reason), in order. Their texts are
         decoded in one call (``decode_texts``): a fixed-length batch ends all its requests in the
-        same step, and one by one their texts kept the step (and the rollout) waiting."""
+        same step, and one by one their texts kept the step (and the rollout) waiting. Requests
+        with ``detokenize=False`` get none (their callers decode the tokens themselves)."""
         # a request a stop string ended has its text already, cut before the string
         cut = [reason == "stop" and seq.text is not None for seq, reason in finished]
-        uncut = [seq.output_ids for (seq, _), has_text in zip(finished, cut) if not has_text]
+        wanted = [has_text or seq.params.detokenize for (seq, _), has_text in zip(finished, cut)]
+        uncut = [seq.output_ids for (seq, _), has_text, w in zip(finished, cut, wanted) if w and not has_text]
         decoded = iter(decode_texts(self.tokenizer, uncut) if self.tokenizer is not None else [""] * len(uncut))
         return [
             GenerationOutput(
@@ -126,10 +128,10 @@ class RequestTable:
                 output_logprobs=list(seq.output_logprobs),
                 output_versions=list(seq.output_versions),
                 finish_reason=reason,
-                text=seq.text if has_text else next(decoded),
+                text=seq.text if has_text else next(decoded) if w else "",
                 routes_TLK=None if seq.routes is None else assemble_routes(seq.routes, len(seq.token_ids)),
             )
-            for (seq, reason), has_text in zip(finished, cut)
+            for (seq, reason), has_text, w in zip(finished, cut, wanted)
         ]
 
 

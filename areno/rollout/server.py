@@ -169,6 +169,7 @@ class TokenSampling(BaseModel):
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
     seed: Seed | None = None
+    detokenize: bool = True
 
 
 class GenerateRequest(BaseModel):

@@ -64,6 +64,11 @@ class RLVRWorkflow(RolloutWorkflow):
         self.vision = vision
         self.store = store
 
+    def token_params(self, i: int) -> SamplingParams:
+        """The i-th sample's params: ``seeded``, and without the engine's text (the workflow decodes
+        the completions itself, all of a group in one call)."""
+        return seeded(dataclasses.replace(self.sampling_params, detokenize=False), i)
+
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
         prompt = require_field(sample, self.prompt_key)
         answer = sample.get(self.answer_key)
@@ -84,7 +89,7 @@ class RLVRWorkflow(RolloutWorkflow):
                 self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
             )
         outputs: list[GenerationOutput] = await agenerate_many(
-            client, prompt_ids, [seeded(self.sampling_params, i) for i in range(self.n_samples)], images=inputs
+            client, prompt_ids, [self.token_params(i) for i in range(self.n_samples)], images=inputs
         )
         group_id = uuid.uuid4().hex
         group = []

@@ -32,7 +32,7 @@ from areno.rollout.config import RolloutEngineConfig
 from areno.rollout.engine import RolloutEngine
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
-from areno.workflows.rlvr import RLVRWorkflow, seeded
+from areno.workflows.rlvr import RLVRWorkflow
 
 TEACHER_EXECUTED_KEY = "teacher_executed_T"
 """Trajectory ``extra_T`` key: 1.0 on completion tokens the teacher generated."""
@@ -196,11 +196,9 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
         draws = self.draws(prompt_ids)
         outputs = await asyncio.gather(
             *(
-                client.agenerate(prompt_ids, seeded(self.sampling_params, i))
+                client.agenerate(prompt_ids, self.token_params(i))
                 if seed is None
-                else self.teacher_client().agenerate(
-                    prompt_ids, self._teacher_params(seeded(self.sampling_params, i), seed)
-                )
+                else self.teacher_client().agenerate(prompt_ids, self._teacher_params(self.token_params(i), seed))
                 for i, seed in enumerate(draws)
             )
         )
@@ -247,7 +245,7 @@ class TeacherQWorkflow(_TeacherWorkflow):
         ended = t == len(traj.completion_ids) - 1 and traj.finish_reason != "length"
         suffix: list[int] = []
         if budget > 0 and not ended:
-            params = self._teacher_params(self.sampling_params, seed, max_new_tokens=budget)
+            params = self._teacher_params(self.token_params(0), seed, max_new_tokens=budget)
             suffix = list((await self.teacher_client().agenerate(prompt_ids + prefix, params)).output_ids)
         text = self.tokenizer.decode(prefix + suffix, skip_special_tokens=True)
         q, _ = await acall_reward(self.reward_fn, prompt, text, answer, fields)

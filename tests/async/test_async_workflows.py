@@ -59,9 +59,13 @@ def test_rlvr_group_rewards_and_fields():
         seen.append((prompt, completion, answer, fields))
         return exact_match(prompt, completion, answer)
 
-    engine = FakeEngine(answer_with(lambda seed: "4" if seed % 2 == 0 else "5"))
+    asked = []
+    respond = answer_with(lambda seed: "4" if seed % 2 == 0 else "5")
+    engine = FakeEngine(lambda ids, params: asked.append(params) or respond(ids, params))
     wf = RLVRWorkflow(TOK, reward, n_samples=4, sampling_params=SamplingParams(seed=10, max_new_tokens=8))
     group = asyncio.run(wf.run_episode(engine, {"prompt": "2+2=", "answer": 4, "level": "easy"}))
+    # the workflow decodes the group's completions itself: the engine is not asked for texts
+    assert [p.detokenize for p in asked] == [False] * 4 and wf.sampling_params.detokenize
     assert len(group) == 4 and len({t.group_id for t in group}) == 1 and group[0].group_id
     assert [t.reward for t in group] == [1.0, 0.0, 1.0, 0.0]  # seeds 10, 11, 12, 13
     assert group[0].prompt_ids == TOK.encode("2+2=")

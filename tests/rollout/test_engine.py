@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -155,6 +157,28 @@ def test_requests_ending_in_one_step_each_get_their_own_text(tiny):
     assert len(outs) == 6 and all(len(o.output_ids) == 12 for o in outs)
     assert [o.text for o in outs] == [tok.decode(o.output_ids, skip_special_tokens=True) for o in outs]
     assert len({o.text for o in outs}) == 6
+
+
+def test_detokenize_false_leaves_text_to_the_caller(tiny):
+    """``detokenize=False`` requests (a workflow that decodes its completions itself) come back
+    without text beside requests that get theirs, with the same tokens; a stop string's cut text
+    is still returned, since the engine decoded it to find the string."""
+    from areno.data.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz")
+    model, cfg = tiny
+    eng = RolloutEngine(
+        model, cfg, config=RolloutEngineConfig(block_size=4, num_blocks=256), eos_token_ids=(EOS,), tokenizer=tok
+    )
+    prompt = tok.encode("hello")
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    with_text, without = eng.generate([prompt, prompt], [greedy, dataclasses.replace(greedy, detokenize=False)])
+    assert with_text.output_ids == without.output_ids
+    assert with_text.text == tok.decode(with_text.output_ids, skip_special_tokens=True) != ""
+    assert without.text == ""
+    stop = with_text.text[3:5]
+    out = eng.generate([prompt], dataclasses.replace(greedy, stop=(stop,), detokenize=False))[0]
+    assert out.finish_reason == "stop" and out.text == with_text.text[: with_text.text.find(stop)]
 
 
 def test_weight_swap_mid_generation_records_versions(tiny):

@@ -128,6 +128,30 @@ def test_http_rollout_client(server):
     assert [len(o.output_ids) for o in outs] == [5] * 4 and all(len(o.output_versions) == 5 for o in outs)
 
 
+def test_http_client_passes_detokenize(server):
+    """``detokenize=False`` reaches the server through the HTTP client: the same tokens, no text."""
+    import asyncio
+    import dataclasses
+
+    from areno.rollout.client import HTTPRolloutClient
+    from areno.types import SamplingParams
+
+    base, _, _ = server
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+
+    async def go():
+        client = HTTPRolloutClient(base, api_key=KEY)
+        try:
+            return [
+                await client.agenerate([5, 6, 7], p) for p in (params, dataclasses.replace(params, detokenize=False))
+            ]
+        finally:
+            await client.aclose()
+
+    with_text, without = asyncio.run(go())
+    assert with_text.output_ids == without.output_ids and with_text.text and without.text == ""
+
+
 @pytest.mark.parametrize(
     "path,body,field",
     [
