@@ -93,11 +93,11 @@ builds of recent torch do; CPU builds do not)."""
 def _out_dtype_addmm(device: torch.device) -> bool:
     ok = _OUT_DTYPE_ADDMM.get(device.type)
     if ok is None:
-        acc = torch.zeros(2, 2, device=device)
-        x = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        acc = torch.zeros(16, 16, device=device)
+        x = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
         try:
             torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
-            ok = bool((acc == 2).all())
+            ok = bool((acc == 16).all())
         except (RuntimeError, TypeError, NotImplementedError):
             ok = False
         _OUT_DTYPE_ADDMM[device.type] = ok
