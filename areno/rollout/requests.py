@@ -117,8 +117,8 @@ class RequestTable:
         with ``detokenize=False`` get none (their callers decode the tokens themselves)."""
         # a request a stop string ended has its text already, cut before the string
         cut = [reason == "stop" and seq.text is not None for seq, reason in finished]
-        wanted = [has_text or seq.params.detokenize for (seq, _), has_text in zip(finished, cut)]
-        uncut = [seq.output_ids for (seq, _), has_text, w in zip(finished, cut, wanted) if w and not has_text]
+        to_decode = [not has_text and seq.params.detokenize for (seq, _), has_text in zip(finished, cut)]
+        uncut = [seq.output_ids for (seq, _), d in zip(finished, to_decode) if d]
         decoded = iter(decode_texts(self.tokenizer, uncut) if self.tokenizer is not None else [""] * len(uncut))
         return [
             GenerationOutput(
@@ -128,10 +128,10 @@ class RequestTable:
                 output_logprobs=list(seq.output_logprobs),
                 output_versions=list(seq.output_versions),
                 finish_reason=reason,
-                text=seq.text if has_text else next(decoded) if w else "",
+                text=seq.text if has_text else next(decoded) if d else "",
                 routes_TLK=None if seq.routes is None else assemble_routes(seq.routes, len(seq.token_ids)),
             )
-            for (seq, reason), has_text, w in zip(finished, cut, wanted)
+            for (seq, reason), has_text, d in zip(finished, cut, to_decode)
         ]
 
 

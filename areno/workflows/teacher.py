@@ -245,7 +245,7 @@ class TeacherQWorkflow(_TeacherWorkflow):
         ended = t == len(traj.completion_ids) - 1 and traj.finish_reason != "length"
         suffix: list[int] = []
         if budget > 0 and not ended:
-            params = self._teacher_params(self.token_params(0), seed, max_new_tokens=budget)
+            params = self._teacher_params(self.sampling_params, seed, max_new_tokens=budget, detokenize=False)
             suffix = list((await self.teacher_client().agenerate(prompt_ids + prefix, params)).output_ids)
         text = self.tokenizer.decode(prefix + suffix, skip_special_tokens=True)
         q, _ = await acall_reward(self.reward_fn, prompt, text, answer, fields)
