@@ -17,6 +17,7 @@ Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = t
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -85,23 +86,17 @@ def _fused_grad_logits(
     return ((onehot_CV * g_C[:, None] - p_CV * coef_CV) * inv_tau).to(zraw_CV.dtype)
 
 
-_OUT_DTYPE_ADDMM: dict[str, bool] = {}
-"""Per device type: whether ``torch.addmm(..., out_dtype=float32)`` takes 16-bit inputs there (CUDA
-builds of recent torch do; CPU builds do not)."""
-
-
-def _out_dtype_addmm(device: torch.device) -> bool:
-    ok = _OUT_DTYPE_ADDMM.get(device.type)
-    if ok is None:
-        acc = torch.zeros(16, 16, device=device)
-        x = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
-        try:
-            torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
-            ok = bool((acc == 16).all())
-        except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _OUT_DTYPE_ADDMM[device.type] = ok
-    return ok
+@functools.cache
+def _out_dtype_addmm(device_type: str) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=float32)`` takes 16-bit inputs on this device type (CUDA
+    builds of recent torch do; CPU builds do not)."""
+    acc = torch.zeros(16, 16, device=device_type)
+    x = torch.ones(16, 16, device=device_type, dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((acc == 16).all())
 
 
 def _add_weight_grad(grad_w_VD: torch.Tensor, grad_z_CV: torch.Tensor, h_CD: torch.Tensor) -> None:
@@ -115,7 +110,7 @@ def _add_weight_grad(grad_w_VD: torch.Tensor, grad_z_CV: torch.Tensor, h_CD: tor
         if dtype == grad_w_VD.dtype:
             grad_w_VD.addmm_(grad_z_CV.t().to(dtype), h_CD.to(dtype))
             return
-        if dtype in (torch.bfloat16, torch.float16) and _out_dtype_addmm(dev):
+        if dtype in (torch.bfloat16, torch.float16) and _out_dtype_addmm(dev.type):
             torch.addmm(grad_w_VD, grad_z_CV.t().to(dtype), h_CD.to(dtype), out_dtype=grad_w_VD.dtype, out=grad_w_VD)
             return
         grad_w_VD += (grad_z_CV.t().to(dtype) @ h_CD.to(dtype)).float()

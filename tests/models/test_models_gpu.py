@@ -113,7 +113,7 @@ def test_cuda_head_weight_gradient_accumulates_in_the_gemm():
     than the per-chunk bf16 products it replaced; the head's gradient still matches float64."""
     from areno.models import logprobs as L
 
-    assert L._out_dtype_addmm(torch.device("cuda")), "torch.addmm(out_dtype=float32) is missing on this CUDA build"
+    assert L._out_dtype_addmm("cuda"), "torch.addmm(out_dtype=float32) is missing on this CUDA build"
     torch.manual_seed(0)
     T, V, D, chunk = 4096, 2048, 64, 256
     gz = (torch.randn(T, V, device="cuda") * 1e-2).to(torch.bfloat16)
