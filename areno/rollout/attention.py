@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.models import fused_ops
+from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode
 
@@ -262,6 +263,7 @@ class PagedAttention:
         kv_slots_BL: torch.Tensor | None = None,
         decode_attention: str = "gather",
         carry: bool = False,
+        slot_B: torch.Tensor | None = None,
     ) -> PagedAttention:
         """A pure-decode step from device tensors only (static shapes: usable inside a CUDA graph).
 
@@ -273,18 +275,18 @@ class PagedAttention:
         dense [B, L] batch for SDPA; ``"paged"`` reads K/V straight from the pool
         (``paged_decode.py``: Triton on CUDA, a chunked torch loop elsewhere). ``carry``: a
         pure-decode step of the gathered form on CPU may extend the keys gathered by the previous
-        step (``cache.decode_carry``, ``DecodeCarry``) instead of gathering them again."""
+        step (``cache.decode_carry``, ``DecodeCarry``) instead of gathering them again. ``slot_B``:
+        the new tokens' slots when the caller has them (``fused_loop.decode_slots``)."""
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         bs = cache.block_size
         N = bt_BN.shape[1]
-        pos_B = ctx_B - 1
-        col_B = pos_B // bs
-        slot_B = bt_BN.gather(1, col_B.clamp(max=N - 1)[:, None]).squeeze(1) * bs + pos_B % bs
-        slot_B = torch.where(col_B < N, slot_B, cache.scratch_block * bs)
+        if slot_B is None:
+            slot_B = new_token_slots_torch(bt_BN, ctx_B, bs, cache.scratch_block * bs)
         if decode_attention == "paged":
             paged = _PagedDecode(bt_BN=bt_BN, ctx_B=ctx_B, sliding_window=sliding_window)
             return cls(cache, slot_B, bt_BN.shape[0], None, None, paged)
+        pos_B = ctx_B - 1
         key_L = torch.arange(N * bs, device=bt_BN.device)
         if kv_slots_BL is None:
             kv_slots_BL = cls.decode_kv_slots(bt_BN, bs)

@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
+from areno.rollout import fused_loop
 from areno.rollout.attention import PagedAttention
 from areno.rollout.graph_shapes import PAGED_MIN_BLOCKS, graph_num_blocks, padded_batch_size, padded_num_blocks
 from areno.rollout.kv_cache import KVCache
@@ -287,12 +288,14 @@ class DecodeGraphRunner:
 
     def _forward(self, ids_B: torch.Tensor, ctx_B: torch.Tensor, bt_BN: torch.Tensor) -> torch.Tensor:
         e = self.engine
+        # Rows run past their end (multi-step decode) may pass the RoPE table: their position is
+        # clamped (their K/V goes to the scratch block and their tokens are discarded).
+        bs = e.cache.block_size
+        slot_B, pos_B = fused_loop.decode_slots(bt_BN, ctx_B, bs, e.cache.scratch_block * bs, e.max_position)
         attn = PagedAttention.for_decode(
-            e.cache, bt_BN, ctx_B, e.sliding_window, decode_attention=e.config.decode_attention
+            e.cache, bt_BN, ctx_B, e.sliding_window, decode_attention=e.config.decode_attention, slot_B=slot_B
         )
-        # Rows run past their end (multi-step decode) may pass the RoPE table: clamp (their K/V
-        # goes to the scratch block and their tokens are discarded).
-        hidden_BD = e.model(ids_B, (ctx_B - 1).clamp(max=e.max_position - 1), attn)
+        hidden_BD = e.model(ids_B, pos_B, attn)
         return e._logits(hidden_BD)
 
     def _record(self, fn: Callable[[], Any], generator: torch.Generator | None = None) -> tuple[Any, Any]:
@@ -360,14 +363,11 @@ class DecodeGraphRunner:
                 tokens_B, logprobs_B = sampler.sample_static(logits_BV, rows, n_gen_B, mode)
                 tokens.append(tokens_B)
                 logprobs.append(logprobs_B)
-                # As ``RowParams.advance``: a stop id counts once min_new_tokens are reached.
-                hit_B = ((tokens_B[:, None] == rows.stop_ids_BS) & rows.stop_valid_BS).any(dim=1)
-                done_B = (hit_B & (n_gen_B + 1 >= rows.min_new_B)) | (rows.room_B <= j + 1)
-                keep_B = torch.where(done_B & alive_B, j + 1, keep_B)
-                alive_B = alive_B & ~done_B
-                if j + 1 < k:
-                    ids_B.copy_(tokens_B)
-                    ctx_B.add_(1)
+                more = (ids_B, ctx_B) if j + 1 < k else ()
+                fused_loop.advance_rows(
+                    tokens_B, rows.stop_ids_BS, rows.stop_valid_BS, n_gen_B, rows.min_new_B, rows.room_B, j,
+                    keep_B, alive_B, *more,
+                )  # fmt: skip
             return torch.stack(tokens), torch.stack(logprobs), keep_B
 
         graph, (tokens_KB, logprobs_KB, keep_B) = (
