@@ -42,18 +42,36 @@ CHUNK = 4096
 if triton is not None:
 
     @triton.jit
-    def _suppressed(STOPS, PEND, row, offs, NSTOP: tl.constexpr):
-        """bool per entry: one of the row's pending stop ids (``NSTOP`` columns)."""
+    def _suppressed(STOPS, PEND, row, offs, s0, s1, s2, s3, NSTOP: tl.constexpr):
+        """bool per entry: one of the row's pending stop ids (``NSTOP`` columns; the strides of both
+        tables: stop row ``s0``, stop column ``s1``, pending row ``s2``, pending column ``s3``)."""
         sup = offs < 0
         for s in tl.static_range(NSTOP):
-            sid = tl.load(STOPS + row * NSTOP + s)
-            pend = tl.load(PEND + row * NSTOP + s)
+            sid = tl.load(STOPS + row * s0 + s * s1)
+            pend = tl.load(PEND + row * s2 + s * s3)
             sup = sup | ((offs == sid) & (pend != 0))
         return sup
 
     @triton.jit
     def _chunk_stats_kernel(
-        L, SCALE, STOPS, PEND, MX, SA, SW, AV, AI, stride_l, V, NC, NSTOP: tl.constexpr, CHUNK: tl.constexpr
+        L,
+        SCALE,
+        STOPS,
+        PEND,
+        MX,
+        SA,
+        SW,
+        AV,
+        AI,
+        stride_l,
+        V,
+        NC,
+        s0,
+        s1,
+        s2,
+        s3,
+        NSTOP: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         row = tl.program_id(0)
         c = tl.program_id(1)
@@ -61,7 +79,7 @@ if triton is not None:
         valid = offs < V
         scale = tl.load(SCALE + row)
         x = tl.load(L + row.to(tl.int64) * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32) / scale
-        sup = _suppressed(STOPS, PEND, row, offs, NSTOP)
+        sup = _suppressed(STOPS, PEND, row, offs, s0, s1, s2, s3, NSTOP)
         m = tl.max(x, 0)
         m0 = tl.where(m == float("-inf"), 0.0, m)  # a chunk of -inf only: weights 0, not NaN
         e = tl.exp(x - m0)
@@ -91,6 +109,10 @@ if triton is not None:
         stride_l,
         V,
         NC,
+        s0,
+        s1,
+        s2,
+        s3,
         NSTOP: tl.constexpr,
         CHUNK: tl.constexpr,
         NCB: tl.constexpr,
@@ -128,7 +150,7 @@ if triton is not None:
             valid = offs < V
             scale = tl.load(SCALE + row)
             x = tl.load(L + row.to(tl.int64) * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
-            sup = _suppressed(STOPS, PEND, row, offs, NSTOP)
+            sup = _suppressed(STOPS, PEND, row, offs, s0, s1, s2, s3, NSTOP)
             e = tl.where(sup | ~valid, 0.0, tl.exp(x / scale - mx0))
             j = tl.sum((tl.cumsum(e, 0) <= rest).to(tl.int32), 0)
             j = tl.minimum(j, tl.max(tl.where(e > 0, k, -1), 0))  # past the chunk's total: its last weighted entry
@@ -166,10 +188,13 @@ def draw(
     if stop_ids_BS is None or pending_BS is None or stop_ids_BS.shape[1] == 0:
         nstop = 0
         stops = pend = torch.empty(1, dtype=torch.int32, device=dev)  # unread
+        strides = (0, 0, 0, 0)
     else:
+        # read in place through their strides (a transposed table, an expanded mask): no copies
         nstop = stop_ids_BS.shape[1]
-        stops = stop_ids_BS.to(torch.int32).contiguous()
-        pend = pending_BS.to(torch.int32).contiguous()
+        stops = stop_ids_BS
+        pend = pending_BS.view(torch.uint8) if pending_BS.dtype == torch.bool else pending_BS
+        strides = (*stops.stride(), *pend.stride())
     scale = scale_B.to(torch.float32).contiguous()
     stats = torch.empty(3, B * NC, dtype=torch.float32, device=dev)
     amax_v = torch.empty(B * NC, dtype=torch.float32, device=dev)
@@ -180,11 +205,15 @@ def draw(
         return tokens, logprobs
     sample = u_B is not None
     u = u_B.to(torch.float32).contiguous() if sample else scale
-    greedy = greedy_B.to(torch.int32).contiguous() if sample and greedy_B is not None else torch.zeros_like(amax_i[:B])
+    if sample and greedy_B is not None:
+        greedy = greedy_B.view(torch.uint8) if greedy_B.dtype == torch.bool else greedy_B
+        greedy = greedy if greedy.stride(0) == 1 else greedy.contiguous()
+    else:
+        greedy = torch.zeros_like(amax_i[:B])
     mx, sa, sw = stats[0], stats[1], stats[2]
     stride = logits_BV.stride(0)
     _chunk_stats_kernel[(B, NC)](
-        logits_BV, scale, stops, pend, mx, sa, sw, amax_v, amax_i, stride, V, NC, NSTOP=nstop, CHUNK=CHUNK
+        logits_BV, scale, stops, pend, mx, sa, sw, amax_v, amax_i, stride, V, NC, *strides, NSTOP=nstop, CHUNK=CHUNK
     )
     _draw_kernel[(B,)](
         logits_BV,
@@ -203,6 +232,7 @@ def draw(
         stride,
         V,
         NC,
+        *strides,
         NSTOP=nstop,
         CHUNK=CHUNK,
         NCB=triton.next_power_of_2(NC),

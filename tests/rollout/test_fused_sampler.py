@@ -189,6 +189,12 @@ def test_kernels_draw_the_contract_on_gpu(dtype):
     x = logits.float() / scale[:, None]
     torch.testing.assert_close(lp, torch.log_softmax(x, -1).gather(1, tok[:, None]).squeeze(1), rtol=0, atol=1e-4)
     torch.testing.assert_close(lp[tok == want_tok], want_lp[tok == want_tok], rtol=0, atol=1e-4)
+    # strided tables, as the decode loop passes them (a transposed stop table, an expanded mask, a
+    # bool greedy flag), are read in place: the same draw as contiguous copies
+    strided = (stops.T.contiguous().T, pending[:, :1].expand_as(stops))
+    got = fused_sampler.draw(logits, scale, u, greedy, *strided)
+    want = fused_sampler.draw(logits, scale, u, greedy.int(), stops, strided[1].contiguous())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
     # greedy only (no uniforms): the argmax of every row
     tok, _ = fused_sampler.draw(logits, torch.ones(B, device="cuda"), None, None)
     assert torch.equal(tok, logits.float().argmax(dim=-1))
