@@ -68,7 +68,7 @@ class Stepper:
         sample_rows: Callable[[torch.Tensor, RowParams], tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         """``config``: the engine's ``RolloutEngineConfig``; ``logits``: hidden states [B, D] to
-        full-vocabulary fp32 logits [B, V]; ``sample_rows``: logits to token ids and log-probs [B]."""
+        full-vocabulary logits [B, V] (fp32, or the model dtype on CUDA); ``sample_rows``: logits to token ids and log-probs [B]."""
         self.control, self.requests, self.scheduler = control, requests, scheduler
         self.model, self.cache, self.config, self.device = model, cache, config, device
         self.decode_steps, self.max_model_len, self.max_position = decode_steps, max_model_len, max_position
