@@ -364,10 +364,7 @@ class PagedAttention:
         outs = []
         if self.paged is not None:  # the decode rows (all rows of a pure-decode step) over the pool
             p = self.paged
-            locks = self.cache.split_locks(nd * k_S.shape[1]) if q_THD.is_cuda else None
-            out_BHD = paged_decode(
-                q_THD[:nd], k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window, locks=locks
-            )
+            out_BHD = paged_decode(q_THD[:nd], k_S, v_S, p.bt_BN, p.ctx_B, self.cache.block_size, p.sliding_window)
             if self.prefill is None:
                 return out_BHD
             outs.append(out_BHD)

@@ -210,8 +210,6 @@ class KVCache:
         self.decode_carry = None
         """``attention.DecodeCarry`` of the engine's CPU decode steps (copies of pool contents):
         dropped whenever the pool is allocated or released."""
-        self._locks: torch.Tensor | None = None
-        self._old_locks: list[torch.Tensor] = []
         self.allocate()
 
     @property
@@ -237,24 +235,10 @@ class KVCache:
         self.k_S = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_S = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 
-    def split_locks(self, n: int) -> torch.Tensor:
-        """int32 zeros, at least ``n``: the paged decode kernel's split counters, which it leaves zero
-        again, so one buffer serves every layer and step of this pool's engine (one stream at a time)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            if self._locks is None or self._locks.numel() < n:
-                # zeroed by the graph itself (a buffer made here holds nothing until a replay)
-                return torch.zeros(n, dtype=torch.int32, device=self.device)
-        elif self._locks is None or self._locks.numel() < n:
-            if self._locks is not None:
-                self._old_locks.append(self._locks)  # a captured graph may still use it
-            self._locks = torch.zeros(max(n, 1024), dtype=torch.int32, device=self.device)
-        return self._locks
-
     def release(self) -> None:
         if self.decode_carry is not None:
             self.decode_carry.invalidate()
         self.k_S, self.v_S = [], []
-        self._locks, self._old_locks = None, []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -11,8 +11,8 @@ token per sequence directly over the pool, walking the block table:
   sliding window), so the work follows each row's real context, not the padded table width. Shapes
   are static and bounds are read on the device: it runs inside CUDA-graph capture. When
   ``B * Hkv`` programs are too few to fill the GPU, each (sequence, KV head) is split over up to
-  ``MAX_SPLITS`` programs sharing its key tiles (split-K, "flash decoding"); the last of them to
-  finish merges their partial softmaxes (a counter per (sequence, KV head)).
+  ``MAX_SPLITS`` programs sharing its key tiles (split-K, "flash decoding"); a second kernel merges
+  their partial softmaxes.
 - ``paged_decode_torch`` (everywhere else; the reference the Triton kernel is tested against): the
   same online softmax over chunks of block-table columns, so the temporary copy is one chunk
   ``[B, C, Hkv, Dh]`` (C ≈ 128 keys) rather than the whole context.
@@ -57,16 +57,14 @@ def paged_decode(
     ctx_B: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
-    locks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged pool: Triton on CUDA when available, else the torch loop.
 
     ``q_BHD``: [B, Hq, Dh] one query per sequence; ``k_S``/``v_S``: [S, Hkv, Dh] the layer's pool;
     ``bt_BN``: long [B, N] block tables (padding: any valid block id); ``ctx_B``: long [B] context
-    length including the new token; ``locks``: the Triton kernel's split counters (see
-    ``paged_decode_triton``). Returns [B, Hq, Dh] in ``q_BHD``'s dtype."""
+    length including the new token. Returns [B, Hq, Dh] in ``q_BHD``'s dtype."""
     if q_BHD.is_cuda and triton is not None:
-        return paged_decode_triton(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, locks=locks)
+        return paged_decode_triton(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window)
     return paged_decode_torch(q_BHD, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window)
 
 
@@ -128,7 +126,6 @@ if triton is not None:
         part_acc_ptr,
         part_m_ptr,
         part_l_ptr,
-        lock_ptr,
         stride_qb,
         stride_qh,
         stride_ks,
@@ -156,7 +153,7 @@ if triton is not None:
     ):
         # Program (b, kvh, split): the query heads of KV head kvh of sequence b over split-th share
         # of its key tiles. NUM_SPLITS == 1 writes the output; otherwise the unnormalised partial
-        # (acc, running max, sum), and the last of the (b, kvh) programs to finish merges them.
+        # (acc, running max, sum) for _combine_kernel.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -224,38 +221,41 @@ if triton is not None:
             tl.store(part_m_ptr + row_g, m_i, mask=g_ok)
             tl.store(part_l_ptr + row_g, l_i, mask=g_ok)
             tl.store(part_acc_ptr + row_g[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-            # One kernel instead of a second merge kernel (a launch and ~1.7 us per layer and decode
-            # step): the counter's acq_rel add orders every program's partial before the last one's
-            # reads, which go to L2 (.cg: an SM's L1 may hold a previous launch's partials).
-            lock = lock_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(lock, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                row0 = (b * num_q_heads + kvh * G + offs_g) * NUM_SPLITS
-                m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                for sp in tl.static_range(NUM_SPLITS):
-                    m_max = tl.maximum(
-                        m_max, tl.load(part_m_ptr + row0 + sp, mask=g_ok, other=0.0, cache_modifier=".cg")
-                    )
-                m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-                denom = tl.zeros([BLOCK_G], tl.float32)
-                merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-                for sp in tl.static_range(NUM_SPLITS):
-                    m_s = tl.load(part_m_ptr + row0 + sp, mask=g_ok, other=0.0, cache_modifier=".cg")
-                    w = tl.exp(m_s - m_max)  # an empty split (m = -inf) weighs 0
-                    denom += w * tl.load(part_l_ptr + row0 + sp, mask=g_ok, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(
-                        part_acc_ptr + (row0 + sp)[:, None] * D + offs_d[None, :],
-                        mask=g_ok[:, None] & d_ok[None, :],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    merged += w[:, None] * a_s
-                denom = tl.where(denom == 0.0, 1.0, denom)
-                tl.store(
-                    out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
-                    (merged / denom[:, None]).to(out_ptr.dtype.element_ty),
-                    mask=g_ok[:, None] & d_ok[None, :],
-                )
-                tl.atomic_xchg(lock, 0)  # ready for the next launch (a CUDA graph replays this one)
+
+    @triton.jit
+    def _combine_kernel(
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        out_ptr,
+        stride_ob,
+        stride_oh,
+        num_q_heads,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # Program (b, h): merge the NUM_SPLITS partial softmaxes of query head h of sequence b.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < NUM_SPLITS
+        d_ok = offs_d < D
+        row_s = (b * num_q_heads + h) * NUM_SPLITS + offs_s
+        m = tl.load(part_m_ptr + row_s, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + row_s, mask=s_ok, other=0.0)
+        acc = tl.load(
+            part_acc_ptr + row_s[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp(m - m_max)  # an empty split (m = -inf) weighs 0
+        denom = tl.sum(w * l_s, 0)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        out = tl.sum(acc * w[:, None], 0) / denom
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def auto_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, tile: int, device: torch.device) -> int:
@@ -278,14 +278,11 @@ def paged_decode_triton(
     sliding_window: int | None = None,
     tile: int = 64,
     num_splits: int | None = None,
-    locks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel (CUDA tensors). ``tile``: keys per loop iteration (a power of two >= 16).
-    ``num_splits``: programs per (sequence, KV head), each over a share of the key tiles, merged by the
-    last of them to finish (split-K, for batches too small to fill the GPU). None: enough for about
-    ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, at most ``MAX_SPLITS`` and one tile each.
-    ``locks``: int32, at least B * Hkv zeros, the split counters (left zero again by the kernel, so
-    one buffer serves every launch of a stream in turn: ``KVCache.split_locks``); None allocates them."""
+    ``num_splits``: programs per (sequence, KV head), each over a share of the key tiles, merged by a
+    second kernel (split-K, for batches too small to fill the GPU). None: enough for about
+    ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, at most ``MAX_SPLITS`` and one tile each."""
     if triton is None:
         raise RuntimeError("decode_attention='paged' on CUDA needs triton: install triton or use 'gather'")
     B, Hq, Dh = q_BHD.shape
@@ -304,14 +301,25 @@ def paged_decode_triton(
         part_acc = torch.empty(B, Hq, num_splits, Dh, dtype=torch.float32, device=q_BHD.device)
         part_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q_BHD.device)
         part_l = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q_BHD.device)
-        if locks is None:
-            locks = torch.zeros(B * Hkv, dtype=torch.int32, device=q_BHD.device)
-        elif locks.dtype != torch.int32 or locks.numel() < B * Hkv:
-            raise ValueError(f"paged_decode_triton: locks must be int32 with at least {B * Hkv} elements")
     else:
-        part_acc = part_m = part_l = locks = out_BHD  # unused
-    parts = (part_acc, part_m, part_l, locks)
+        part_acc = part_m = part_l = out_BHD  # unused
+    parts = (part_acc, part_m, part_l)
     _launch_decode(q_BHD, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile)
+    if num_splits > 1:
+        _combine_kernel[(B, Hq)](
+            part_acc,
+            part_m,
+            part_l,
+            out_BHD,
+            out_BHD.stride(0),
+            out_BHD.stride(1),
+            Hq,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            D=Dh,
+            BLOCK_D=max(16, triton.next_power_of_2(Dh)),
+            num_warps=1,
+        )
     return out_BHD.to(out_dtype)
 
 
@@ -322,18 +330,18 @@ def _launch_decode(
     bt_BN: torch.Tensor,
     ctx_B: torch.Tensor,
     out_BHD: torch.Tensor,
-    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     num_splits: int,
     block_size: int,
     sliding_window: int | None,
     tile: int,
 ) -> None:
     """``_paged_decode_kernel`` over (B, Hkv, num_splits) programs; ``parts``: the split-K partials
-    (accumulators, running maxima, sums) and counters, unused for one split."""
+    (accumulators, running maxima, sums), unused for one split."""
     B, Hq, Dh = q_BHD.shape
     Hkv = k_S.shape[1]
     G = Hq // Hkv
-    part_acc, part_m, part_l, locks = parts
+    part_acc, part_m, part_l = parts
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q_BHD,
         k_S,
@@ -344,7 +352,6 @@ def _launch_decode(
         part_acc,
         part_m,
         part_l,
-        locks,
         q_BHD.stride(0),
         q_BHD.stride(1),
         k_S.stride(0),
