@@ -78,6 +78,20 @@ def test_weight_updates_from_another_thread_during_generation():
     params = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True)
     states = [other.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}]
 
+    swapped = [threading.Event() for _ in range(5)]
+    step = eng.step
+
+    def step_then_wait():
+        # past a swap point the driver waits for the trainer's swap (on a loaded machine it could
+        # otherwise finish every request before the trainer thread runs at all)
+        out = step()
+        v = next((v for v in range(1, 5) if not swapped[v].is_set()), None)
+        if v is not None and eng.stats()["generated_tokens"] >= 24 * v:
+            swapped[v].wait(10)
+        return out
+
+    eng.step = step_then_wait
+
     def trainer():
         for version in range(1, 5):
             while eng.stats()["generated_tokens"] < 24 * version:  # swap mid-generation
@@ -85,6 +99,7 @@ def test_weight_updates_from_another_thread_during_generation():
             eng.pause()
             eng.update_weights(states[version % 2].items(), version=version)
             eng.resume()
+            swapped[version].set()
             client.wake()
 
     import time
