@@ -17,8 +17,11 @@ process appends its events, one JSON object per line, to ``run_dir/traces/<host>
 (crash-safe: a torn last line is dropped); ``merge_traces(run_dir)`` writes ``run_dir/trace.json``
 in the Chrome trace event format, which opens in https://ui.perfetto.dev and chrome://tracing.
 
-Timestamps are wall-clock microseconds (a monotonic clock anchored to the Unix epoch once per
-process), so processes on one host line up exactly and hosts line up to their clock skew.
+Timestamps are wall-clock microseconds: a monotonic clock anchored to the Unix epoch once, by the
+process that turned tracing on, and handed to its children on the same host (``ARENO_TRACE_CLOCK``),
+so processes on one host line up exactly whatever the wall clock does between their start-ups (a
+child that anchored on its own once placed its spans ~0.4 s late); other hosts anchor their own and
+line up to their clock skew.
 
 Categories in use: ``rollout`` (requests, prefill, decode), ``train`` (forward, backward,
 optimizer), ``sync`` (policy sync, pause/resume), ``ckpt`` (checkpoint writes), ``eval``.
@@ -44,12 +47,26 @@ from areno.errors import DataError
 
 ENV_VAR = "ARENO_TRACE_DIR"
 """When set, importing this module enables tracing into that run directory."""
+CLOCK_ENV_VAR = "ARENO_TRACE_CLOCK"
+"""``<host> <ns>``: the offset from the monotonic clock to the epoch that the processes of that host use."""
 TRACES_DIRNAME = "traces"
 MERGED_FILENAME = "trace.json"
 _FLUSH_EVERY_EVENTS = 512
 _FLUSH_EVERY_S = 2.0
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _inherited_epoch_offset_ns() -> int | None:
+    """The anchor a parent on this host handed down (``CLOCK_ENV_VAR``), or None. The monotonic
+    clock (``perf_counter_ns``) is one clock for all processes of a host, so its offset carries over."""
+    host, _, offset = os.environ.get(CLOCK_ENV_VAR, "").partition(" ")
+    if host != socket.gethostname():
+        return None
+    try:
+        return int(offset)
+    except ValueError:
+        return None
 
 
 class _TraceState:
@@ -78,10 +95,16 @@ class _TraceState:
         self._file = None
         self._buffer: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._epoch_offset_ns = time.time_ns() - time.perf_counter_ns()
+        self._epoch_offset_ns = _inherited_epoch_offset_ns()
+        if self._epoch_offset_ns is None:
+            self._epoch_offset_ns = time.time_ns() - time.perf_counter_ns()
         self._last_flush = time.monotonic()
         self._named_threads: set[int] = set()
         self._pid = os.getpid()
+
+    @property
+    def epoch_offset_ns(self) -> int:
+        return self._epoch_offset_ns
 
     def now_us(self) -> float:
         return (time.perf_counter_ns() + self._epoch_offset_ns) / 1000.0
@@ -180,10 +203,12 @@ def configure_tracing(
         _STATE.open(Path(run_dir), process_name)
         if propagate:
             os.environ[ENV_VAR] = str(Path(run_dir).resolve())
+            os.environ[CLOCK_ENV_VAR] = f"{socket.gethostname()} {_STATE.epoch_offset_ns}"
         return _STATE.path
     _STATE.close()
     if propagate:
         os.environ.pop(ENV_VAR, None)
+        os.environ.pop(CLOCK_ENV_VAR, None)
     return None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -56,6 +57,24 @@ def validate_chrome_trace(doc: dict) -> list[dict]:
 def _forked_child() -> None:
     with span("rollout_request", "rollout", request="r0"):
         time.sleep(0.002)
+
+
+def test_children_on_this_host_take_the_parents_clock_anchor(tracing):
+    """A child started after ``configure_tracing`` uses the parent's epoch offset (one monotonic clock
+    per host: a wall-clock step between the two start-ups cannot shift its spans); an anchor handed
+    down from another host, or malformed, is not taken."""
+    configure_tracing(tracing, True, process_name="trainer")
+    assert os.environ[trace.CLOCK_ENV_VAR].split() == [socket.gethostname(), str(trace._STATE.epoch_offset_ns)]
+    code = "from areno.observe import trace; print(trace._STATE.epoch_offset_ns)"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(child.stdout) == trace._STATE.epoch_offset_ns
+    assert trace._inherited_epoch_offset_ns() == trace._STATE.epoch_offset_ns
+    for value in (f"elsewhere {trace._STATE.epoch_offset_ns}", f"{socket.gethostname()} soon"):
+        os.environ[trace.CLOCK_ENV_VAR] = value
+        assert trace._inherited_epoch_offset_ns() is None
+    configure_tracing(None, False)
+    assert trace.CLOCK_ENV_VAR not in os.environ
 
 
 def test_spans_from_several_processes_merge_into_one_trace(tracing):
