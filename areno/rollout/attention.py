@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from areno.models import fused_ops
 from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
-from areno.rollout.paged_decode import paged_decode
+from areno.rollout.paged_decode import paged_decode, paged_decode_rotary, triton_available
 
 
 @dataclass
@@ -346,6 +346,23 @@ class PagedAttention:
             qkv_TN, cos_TF, k_S, v_S
         ):
             return None
+        if self.paged is not None and self.prefill is None and triton_available():
+            # a pure paged decode step: RoPE and the K/V write inside the decode kernel (one launch fewer)
+            p = self.paged
+            return paged_decode_rotary(
+                qkv_TN,
+                num_q_heads,
+                num_kv_heads,
+                cos_TF,
+                sin_TF,
+                k_S,
+                v_S,
+                self.slot_mapping_T,
+                p.bt_BN,
+                p.ctx_B,
+                self.cache.block_size,
+                p.sliding_window,
+            )
         q_THD = fused_ops.rope_write_kv(
             qkv_TN, num_q_heads, num_kv_heads, cos_TF, sin_TF, k_S, v_S, self.slot_mapping_T
         )

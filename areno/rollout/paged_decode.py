@@ -13,6 +13,11 @@ token per sequence directly over the pool, walking the block table:
   ``B * Hkv`` programs are too few to fill the GPU, each (sequence, KV head) is split over up to
   ``MAX_SPLITS`` programs sharing its key tiles (split-K, "flash decoding"); a second kernel merges
   their partial softmaxes.
+- ``paged_decode_rotary`` (CUDA, a pure decode step of a model with RoPE): the same kernel fed the
+  fused q/k/v product before RoPE. Each program rotates its query heads and the new key with
+  ``fused_ops.rope_write_kv``'s roundings; the last split writes the new K/V into the pool and
+  attends the new key from registers while every program reads only the cached keys before it, so
+  no program reads a slot written in the same launch. One launch per layer instead of two.
 - ``paged_decode_torch`` (everywhere else; the reference the Triton kernel is tested against): the
   same online softmax over chunks of block-table columns, so the temporary copy is one chunk
   ``[B, C, Hkv, Dh]`` (C ≈ 128 keys) rather than the whole context.
@@ -43,6 +48,8 @@ SPLIT_TARGET_PROGRAMS_PER_SM = 4
 """Triton: split each (sequence, KV head) until about this many programs per SM (small batches)."""
 MAX_SPLITS = 8
 """Triton: most split-K programs per (sequence, KV head)."""
+NUM_WARPS = 4
+"""Triton: warps per decode program."""
 
 
 def triton_available() -> bool:
@@ -114,6 +121,8 @@ def paged_decode_torch(
 
 
 if triton is not None:
+    from areno.models.fused_ops import _round_to
+
     # One unit on purpose: the kernel body is one program's online softmax; split into jit helpers it reads worse.
     @triton.jit
     def _paged_decode_kernel(
@@ -141,6 +150,11 @@ if triton is not None:
         num_cols,
         window,
         num_q_heads,
+        cos_ptr,
+        sin_ptr,
+        stride_ct,
+        slot_ptr,
+        num_kv_heads,
         BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -150,10 +164,13 @@ if triton is not None:
         HAS_WINDOW: tl.constexpr,
         IEEE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        ROTARY: tl.constexpr,
     ):
         # Program (b, kvh, split): the query heads of KV head kvh of sequence b over split-th share
         # of its key tiles. NUM_SPLITS == 1 writes the output; otherwise the unnormalised partial
-        # (acc, running max, sum) for _combine_kernel.
+        # (acc, running max, sum) for _combine_kernel. ROTARY: q_ptr is the fused q/k/v product
+        # before RoPE; q and the new key are rotated here, the new K/V written to the pool by the
+        # last split, which also attends the new key from registers (the others read keys < pos).
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -162,14 +179,35 @@ if triton is not None:
         offs_t = tl.arange(0, TILE)
         g_ok = offs_g < G
         d_ok = offs_d < D
-        q = tl.load(
-            q_ptr + b * stride_qb + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-            mask=g_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        q_row = q_ptr + b * stride_qb
+        q_head = (kvh * G + offs_g)[:, None] * stride_qh
+        q_off = q_head + offs_d[None, :]
+        if ROTARY:
+            dt = q_ptr.dtype.element_ty
+            half = D // 2
+            f = offs_d % half
+            partner = (offs_d + half) % D  # rotate-half: x[d] * cos - x[d + D/2] * sin for d < D/2
+            sgn = tl.where(offs_d < half, -1.0, 1.0)
+            c = tl.load(cos_ptr + b * stride_ct + f, mask=d_ok, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + b * stride_ct + f, mask=d_ok, other=0.0).to(tl.float32)
+            q_ok = g_ok[:, None] & d_ok[None, :]
+            x = tl.load(q_row + q_off, mask=q_ok, other=0.0).to(tl.float32)
+            xp = tl.load(q_row + q_head + partner[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            # rope_write_kv's roundings: each product, then the sum, in the model dtype
+            q = (_round_to(x * c[None, :], dt) + sgn[None, :] * _round_to(xp * sn[None, :], dt)).to(dt)
+            k_row = q_row + (num_q_heads + kvh) * D
+            kx = tl.load(k_row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            kxp = tl.load(k_row + partner, mask=d_ok, other=0.0).to(tl.float32)
+            k_new = (_round_to(kx * c, dt) + sgn * _round_to(kxp * sn, dt)).to(dt)
+            v_new = tl.load(q_row + (num_q_heads + num_kv_heads + kvh) * D + offs_d, mask=d_ok, other=0.0)
+        else:
+            q = tl.load(q_row + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
         pos = ctx - 1
-        hi = tl.minimum(ctx, num_cols * BLOCK_SIZE)
+        if ROTARY:
+            hi = tl.minimum(pos, num_cols * BLOCK_SIZE)  # the new key is attended from registers
+        else:
+            hi = tl.minimum(ctx, num_cols * BLOCK_SIZE)
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(pos - window + 1, 0)
@@ -208,6 +246,21 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if ROTARY:
+            if split == NUM_SPLITS - 1:
+                slot = tl.load(slot_ptr + b).to(tl.int64)
+                tl.store(k_ptr + slot * stride_ks + kvh * stride_kh + offs_d, k_new, mask=d_ok)
+                tl.store(v_ptr + slot * stride_vs + kvh * stride_vh + offs_d, v_new, mask=d_ok)
+                # a row past its table (run on in a multi-step decode, discarded) does not see its key
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+                s_new = tl.where(pos < num_cols * BLOCK_SIZE, s_new, float("-inf"))
+                m_new = tl.maximum(m_i, s_new)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p_new = tl.exp(s_new - m_safe)
+                l_i = l_i * alpha + p_new
+                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
         if NUM_SPLITS == 1:
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_i[:, None]
@@ -285,26 +338,75 @@ def paged_decode_triton(
     ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per SM, at most ``MAX_SPLITS`` and one tile each."""
     if triton is None:
         raise RuntimeError("decode_attention='paged' on CUDA needs triton: install triton or use 'gather'")
-    B, Hq, Dh = q_BHD.shape
-    Hkv = k_S.shape[1]
     if k_S.stride(2) != 1 or v_S.stride(2) != 1:
         raise ValueError("paged_decode_triton needs K/V pools contiguous in the head dim")
     out_dtype = q_BHD.dtype  # a KV cache dtype other than the model's: compute in the cache's, return the model's
     q_BHD = q_BHD if q_BHD.stride(2) == 1 else q_BHD.contiguous()
     if q_BHD.dtype != k_S.dtype:
         q_BHD = q_BHD.to(k_S.dtype)
-    out_BHD = torch.empty(B, Hq, Dh, dtype=q_BHD.dtype, device=q_BHD.device)
+    B, Hq, Dh = q_BHD.shape
+    out_BHD = _run_decode(q_BHD, Hq, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, None)
+    return out_BHD.to(out_dtype)
+
+
+def paged_decode_rotary(
+    qkv_BN: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    cos_BF: torch.Tensor,
+    sin_BF: torch.Tensor,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    slot_B: torch.Tensor,
+    bt_BN: torch.Tensor,
+    ctx_B: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+    tile: int = 64,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """A decode step's attention from its fused q/k/v product before RoPE (``qkv_BN``: [B, (Hq + 2
+    Hkv) Dh], one new token per sequence at position ``ctx - 1``): what ``fused_ops.rope_write_kv``
+    then ``paged_decode_triton`` do, in the decode kernel itself (q and the new key rotated with
+    that kernel's roundings, the new K/V written at ``slot_B``). Call only where
+    ``fused_ops.rope_write_fits`` holds (one dtype, contiguous pools and columns). Returns [B, Hq, Dh]."""
+    if triton is None:
+        raise RuntimeError("paged_decode_rotary needs triton")
+    cos_BF, sin_BF = cos_BF.contiguous(), sin_BF.contiguous()
+    rotary = (cos_BF, sin_BF, slot_B, num_kv_heads)
+    return _run_decode(
+        qkv_BN, num_q_heads, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, rotary
+    )
+
+
+def _run_decode(
+    q: torch.Tensor,
+    num_q_heads: int,
+    k_S: torch.Tensor,
+    v_S: torch.Tensor,
+    bt_BN: torch.Tensor,
+    ctx_B: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+    tile: int,
+    num_splits: int | None,
+    rotary: tuple | None,
+) -> torch.Tensor:
+    """The decode kernel and, for more than one split, the combine kernel: [B, Hq, Dh] in ``q``'s dtype."""
+    B, Hq, Dh = q.shape[0], num_q_heads, k_S.shape[2]
+    Hkv = k_S.shape[1]
+    out_BHD = torch.empty(B, Hq, Dh, dtype=q.dtype, device=q.device)
     tile = max(16, tile)
     if num_splits is None:
-        num_splits = auto_num_splits(B, Hkv, bt_BN.shape[1] * block_size, tile, q_BHD.device)
+        num_splits = auto_num_splits(B, Hkv, bt_BN.shape[1] * block_size, tile, q.device)
     if num_splits > 1:
-        part_acc = torch.empty(B, Hq, num_splits, Dh, dtype=torch.float32, device=q_BHD.device)
-        part_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q_BHD.device)
-        part_l = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q_BHD.device)
+        part_acc = torch.empty(B, Hq, num_splits, Dh, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_m = part_l = out_BHD  # unused
     parts = (part_acc, part_m, part_l)
-    _launch_decode(q_BHD, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile)
+    _launch_decode(q, Hq, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile, rotary)
     if num_splits > 1:
         _combine_kernel[(B, Hq)](
             part_acc,
@@ -320,11 +422,12 @@ def paged_decode_triton(
             BLOCK_D=max(16, triton.next_power_of_2(Dh)),
             num_warps=1,
         )
-    return out_BHD.to(out_dtype)
+    return out_BHD
 
 
 def _launch_decode(
-    q_BHD: torch.Tensor,
+    q: torch.Tensor,
+    num_q_heads: int,
     k_S: torch.Tensor,
     v_S: torch.Tensor,
     bt_BN: torch.Tensor,
@@ -335,15 +438,23 @@ def _launch_decode(
     block_size: int,
     sliding_window: int | None,
     tile: int,
+    rotary: tuple | None = None,
 ) -> None:
     """``_paged_decode_kernel`` over (B, Hkv, num_splits) programs; ``parts``: the split-K partials
-    (accumulators, running maxima, sums), unused for one split."""
-    B, Hq, Dh = q_BHD.shape
+    (accumulators, running maxima, sums), unused for one split. ``q``: [B, Hq, Dh] queries, or with
+    ``rotary`` = (cos, sin, new-token slots, Hkv) the [B, (Hq + 2 Hkv) Dh] q/k/v product before RoPE."""
+    B, Hq, Dh = q.shape[0], num_q_heads, k_S.shape[2]
     Hkv = k_S.shape[1]
     G = Hq // Hkv
     part_acc, part_m, part_l = parts
+    if rotary is None:
+        stride_qb, stride_qh = q.stride(0), q.stride(1)
+        cos_BF = sin_BF = slot_B = ctx_B  # unused
+    else:
+        stride_qb, stride_qh = q.stride(0), Dh
+        cos_BF, sin_BF, slot_B, _ = rotary
     _paged_decode_kernel[(B, Hkv, num_splits)](
-        q_BHD,
+        q,
         k_S,
         v_S,
         bt_BN,
@@ -352,8 +463,8 @@ def _launch_decode(
         part_acc,
         part_m,
         part_l,
-        q_BHD.stride(0),
-        q_BHD.stride(1),
+        stride_qb,
+        stride_qh,
         k_S.stride(0),
         k_S.stride(1),
         v_S.stride(0),
@@ -367,6 +478,11 @@ def _launch_decode(
         bt_BN.shape[1],
         sliding_window or 0,
         Hq,
+        cos_BF,
+        sin_BF,
+        cos_BF.stride(0),
+        slot_B,
+        Hkv,
         BLOCK_SIZE=block_size,
         G=G,
         BLOCK_G=max(16, triton.next_power_of_2(G)),
@@ -376,5 +492,6 @@ def _launch_decode(
         HAS_WINDOW=sliding_window is not None,
         IEEE=k_S.dtype == torch.float32,  # no TF32 for fp32 pools: parity with the gather path
         NUM_SPLITS=num_splits,
-        num_warps=4,
+        ROTARY=rotary is not None,
+        num_warps=NUM_WARPS,
     )

@@ -345,6 +345,10 @@ def emulated_kernel_module(monkeypatch):
     if real.triton_available():
         pytest.skip("triton is importable: the gpu-marked tests run the real kernel")
     triton_mod, tl = _fake_triton()
+    from areno.models import fused_ops
+
+    # the kernel rounds RoPE's products with fused_ops' helper, defined only where triton is
+    monkeypatch.setattr(fused_ops, "_round_to", lambda x, dtype: x.to(dtype).float(), raising=False)
     monkeypatch.setitem(sys.modules, "triton", triton_mod)
     monkeypatch.setitem(sys.modules, "triton.language", tl)
     spec = importlib.util.spec_from_file_location("_paged_decode_emulated", real.__file__)
@@ -388,6 +392,61 @@ def test_triton_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, 
         rtol=0,
         atol=1e-5,
     )
+
+
+def _rotary_case(cache, hq, ctx, N, window, seed, dtype):
+    """A decode step's fused q/k/v rows, RoPE tables and new-token slots for contexts ``ctx`` (the
+    last row then runs past its table), and what ``rope_write_kv`` + ``paged_decode_torch`` give:
+    (args, reference output, reference pools)."""
+    from areno.models.fused_ops import eager_rope_write_kv
+    from areno.rollout.fused_loop import new_token_slots_torch
+
+    g = torch.Generator().manual_seed(seed)
+    bs, hkv, dh = cache.block_size, cache.num_kv_heads, cache.head_dim
+    dev = cache.k_S[0].device
+    bt_BN, ctx_B = _random_batch(cache, ctx, N=N, seed=seed)
+    ctx_B[-1] = N * bs + 3
+    bt_BN, ctx_B = bt_BN.to(dev), ctx_B.to(dev)
+    qkv = torch.randn(len(ctx), (hq + 2 * hkv) * dh, generator=g).to(dev, dtype)
+    angle = (ctx_B - 1).float()[:, None].cpu() * torch.rand(dh // 2, generator=g)
+    cos, sin = angle.cos().to(dev, dtype), angle.sin().to(dev, dtype)
+    slot_B = new_token_slots_torch(bt_BN, ctx_B, bs, cache.scratch_block * bs)
+    k_ref, v_ref = cache.k_S[0].clone(), cache.v_S[0].clone()
+    q = eager_rope_write_kv(qkv, hq, hkv, cos, sin, k_ref, v_ref, slot_B)
+    ref = paged_decode_torch(q, k_ref, v_ref, bt_BN, ctx_B, bs, window)
+    return (qkv, hq, hkv, cos, sin, cache.k_S[0], cache.v_S[0], slot_B, bt_BN, ctx_B, bs, window), ref, (k_ref, v_ref)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("hq,hkv,bs,tile,splits", [(6, 2, 4, 16, 1), (4, 4, 16, 16, 3), (6, 2, 4, 16, 5)])
+def test_rotary_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, hkv, bs, tile, splits):
+    """RoPE and the K/V write inside the decode kernel: the same output and pools as
+    ``rope_write_kv`` then the torch decode, for every split count (the last split attends the new
+    key), rows at a block's first slot, and a row past its table (its K/V to the scratch slot)."""
+    cache = _random_pool(num_blocks=80, bs=bs, hkv=hkv, dh=8)
+    ctx = [1, 4, 16, 17, 45, 33, 70]
+    N = -(-max(ctx) // bs) + 1
+    args, ref, (k_ref, v_ref) = _rotary_case(cache, hq, ctx, N, window, seed=6, dtype=torch.float32)
+    out = emulated_kernel_module.paged_decode_rotary(*args, tile=tile, num_splits=splits)
+    # the row past its table is discarded by the engine: it may read the scratch slot before or after its write
+    torch.testing.assert_close(out[:-1], ref[:-1], rtol=0, atol=1e-5)
+    assert torch.equal(cache.k_S[0], k_ref) and torch.equal(cache.v_S[0], v_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 37])
+def test_rotary_kernel_matches_rope_write_then_decode_on_gpu(window):
+    from areno.rollout.paged_decode import paged_decode_rotary
+
+    for splits in (None, 1, 3):
+        cache = _random_pool(num_blocks=600, bs=16, hkv=2, dh=64, dtype=torch.bfloat16, device="cuda")
+        ctx = [1, 16, 17, 100, 255, 300, 513, 64, 20]
+        args, ref, (k_ref, v_ref) = _rotary_case(cache, 14, ctx, 40, window, seed=3, dtype=torch.bfloat16)
+        out = paged_decode_rotary(*args, num_splits=splits)
+        torch.testing.assert_close(out[:-1].float(), ref[:-1].float(), rtol=0, atol=2e-2)
+        # the same roundings as rope_write_kv: the pools bit for bit
+        assert torch.equal(cache.k_S[0], k_ref) and torch.equal(cache.v_S[0], v_ref)
 
 
 def test_held_graph_captures_run_eagerly_with_the_same_tokens():
