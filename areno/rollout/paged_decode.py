@@ -372,8 +372,13 @@ def paged_decode_rotary(
     ``fused_ops.rope_write_fits`` holds (one dtype, contiguous pools and columns). Returns [B, Hq, Dh]."""
     if triton is None:
         raise RuntimeError("paged_decode_rotary needs triton")
+    if k_S.shape[1] != num_kv_heads or qkv_BN.shape[1] != (num_q_heads + 2 * num_kv_heads) * k_S.shape[2]:
+        raise ValueError(
+            f"paged_decode_rotary: q/k/v width {qkv_BN.shape[1]} and pool heads {k_S.shape[1]} do not match "
+            f"{num_q_heads} query and {num_kv_heads} KV heads of dim {k_S.shape[2]}"
+        )
     cos_BF, sin_BF = cos_BF.contiguous(), sin_BF.contiguous()
-    rotary = (cos_BF, sin_BF, slot_B, num_kv_heads)
+    rotary = (cos_BF, sin_BF, slot_B)
     return _run_decode(
         qkv_BN, num_q_heads, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, rotary
     )
@@ -442,7 +447,7 @@ def _launch_decode(
 ) -> None:
     """``_paged_decode_kernel`` over (B, Hkv, num_splits) programs; ``parts``: the split-K partials
     (accumulators, running maxima, sums), unused for one split. ``q``: [B, Hq, Dh] queries, or with
-    ``rotary`` = (cos, sin, new-token slots, Hkv) the [B, (Hq + 2 Hkv) Dh] q/k/v product before RoPE."""
+    ``rotary`` = (cos, sin, new-token slots) the [B, (Hq + 2 Hkv) Dh] q/k/v product before RoPE."""
     B, Hq, Dh = q.shape[0], num_q_heads, k_S.shape[2]
     Hkv = k_S.shape[1]
     G = Hq // Hkv
@@ -452,7 +457,7 @@ def _launch_decode(
         cos_BF = sin_BF = slot_B = ctx_B  # unused
     else:
         stride_qb, stride_qh = q.stride(0), Dh
-        cos_BF, sin_BF, slot_B, _ = rotary
+        cos_BF, sin_BF, slot_B = rotary
     _paged_decode_kernel[(B, Hkv, num_splits)](
         q,
         k_S,

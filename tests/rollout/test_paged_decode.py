@@ -431,6 +431,8 @@ def test_rotary_kernel_code_emulated_on_cpu(emulated_kernel_module, window, hq, 
     # the row past its table is discarded by the engine: it may read the scratch slot before or after its write
     torch.testing.assert_close(out[:-1], ref[:-1], rtol=0, atol=1e-5)
     assert torch.equal(cache.k_S[0], k_ref) and torch.equal(cache.v_S[0], v_ref)
+    with pytest.raises(ValueError, match="do not match"):  # a head count that is not the product's layout
+        emulated_kernel_module.paged_decode_rotary(args[0], hq + 1, *args[2:])
 
 
 @pytest.mark.gpu
