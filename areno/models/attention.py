@@ -210,18 +210,10 @@ class PackedCausalAttention:
         return out_flat.index_select(0, flat_T)
 
     def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
-        from torch.nn.attention.varlen import varlen_attn
-
         cu, max_len, has_gqa, has_window = self._state
-        groups = q_THD.shape[1] // k_THD.shape[1]
-        if groups > 1 and not has_gqa:  # torch 2.11: no GQA inside the kernel
-            k_THD = k_THD.repeat_interleave(groups, dim=1)
-            v_THD = v_THD.repeat_interleave(groups, dim=1)
-        gqa = {"enable_gqa": True} if groups > 1 and has_gqa else {}
-        if has_window:  # newer torch: causal (sliding) window as (left, right)
-            left = -1 if self.sliding_window is None else self.sliding_window - 1
-            return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, window_size=(left, 0), **gqa)
-        return varlen_attn(q_THD, k_THD, v_THD, cu, cu, max_len, max_len, is_causal=True, **gqa)
+        return varlen_causal(
+            q_THD, k_THD, v_THD, cu, cu, max_len, max_len, self.sliding_window, has_gqa=has_gqa, has_window=has_window
+        )
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype)
@@ -253,6 +245,47 @@ def varlen_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def varlen_causal(
+    q_THD: torch.Tensor,
+    k_THD: torch.Tensor,
+    v_THD: torch.Tensor,
+    cu_q_B1: torch.Tensor,
+    cu_k_B1: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    sliding_window: int | None,
+    *,
+    has_gqa: bool,
+    has_window: bool,
+) -> torch.Tensor:
+    """Causal flash attention of packed sequences (``varlen_attn``): sequence b's queries
+    ``cu_q_B1[b]:cu_q_B1[b+1]`` are the last tokens of its keys ``cu_k_B1[b]:cu_k_B1[b+1]`` (the
+    causal mask is aligned to the end of the keys, so a chunk after a cached prefix sees that prefix).
+    ``cu_*``: int32 boundaries; ``max_q`` / ``max_k``: bounds of the lengths; ``has_gqa`` /
+    ``has_window``: this torch's ``varlen_features()``, read outside compiled code. A sliding window
+    needs ``has_window``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    groups = q_THD.shape[1] // k_THD.shape[1]
+    if groups > 1 and not has_gqa:  # torch 2.11: no GQA inside the kernel
+        k_THD = k_THD.repeat_interleave(groups, dim=1)
+        v_THD = v_THD.repeat_interleave(groups, dim=1)
+    gqa = {"enable_gqa": True} if groups > 1 and has_gqa else {}
+    if has_window:  # newer torch: causal (sliding) window as (left, right)
+        left = -1 if sliding_window is None else sliding_window - 1
+        return varlen_attn(q_THD, k_THD, v_THD, cu_q_B1, cu_k_B1, max_q, max_k, window_size=(left, 0), **gqa)
+    if sliding_window is not None:
+        raise ValueError("this torch's varlen_attn has no sliding window")
+    return varlen_attn(q_THD, k_THD, v_THD, cu_q_B1, cu_k_B1, max_q, max_k, is_causal=True, **gqa)
+
+
+def varlen_features() -> tuple[bool, bool]:
+    """Whether this torch's ``varlen_attn`` takes GQA inputs and a sliding window (``varlen_causal``'s
+    ``has_gqa`` / ``has_window``)."""
+    params = _varlen_params()
+    return "enable_gqa" in params, "window_size" in params
 
 
 @functools.lru_cache(maxsize=1)

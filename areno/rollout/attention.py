@@ -12,7 +12,9 @@ memory-efficient SDPA kernel, on CPU the fused CPU kernel. Decode queries form a
 batch, prefill chunks a padded ``[Bp, Hq, Qmax, Dh]`` batch, so a long prefill chunk never pads the
 decode rows.
 Pure-decode steps built by ``for_decode(..., decode_attention="paged")`` skip the gather: they
-attend over the pool directly through the block tables (``paged_decode.py``).
+attend over the pool directly through the block tables (``paged_decode.py``). Steps built by
+``for_prefill`` (the prefill CUDA graphs, ``prefill_graph.py``) gather each sequence's keys
+end to end and attend with one flash varlen call, no padding and no mask.
 
 Legend: T = packed new tokens, B = sequences, L = key positions (padded), Q = query positions
 (padded), N = blocks per sequence (padded), Hq/Hkv = query/KV heads, Dh = head dim, S = KV slots,
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.models import fused_ops
+from areno.models.attention import varlen_causal, varlen_features
 from areno.rollout.fused_loop import new_token_slots_torch
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.paged_decode import paged_decode, paged_decode_rotary, triton_available
@@ -161,6 +164,22 @@ DECODE_ATTENTION = ("gather", "paged")
 
 
 @dataclass
+class _VarlenPrefill:
+    """A prefill step's attention as one flash varlen call (``PagedAttention.for_prefill``)."""
+
+    kv_slots_L: torch.Tensor
+    """long [L]: the pool slot of every key, sequence after sequence (its cached prefix, then its chunk)."""
+    cu_q_B1: torch.Tensor
+    cu_k_B1: torch.Tensor
+    """int32 boundaries of each sequence's queries (this step's tokens) and keys."""
+    max_q: int
+    max_k: int
+    sliding_window: int | None
+    has_gqa: bool
+    has_window: bool
+
+
+@dataclass
 class SeqChunk:
     """One sequence's share of a step: its block table and the token range computed now."""
 
@@ -190,6 +209,7 @@ class PagedAttention:
         decode: _Group | None,
         prefill: _Group | None,
         paged: _PagedDecode | None = None,
+        varlen: _VarlenPrefill | None = None,
     ) -> None:
         self.cache = cache
         self.slot_mapping_T = slot_mapping_T
@@ -200,6 +220,8 @@ class PagedAttention:
         """Set under ``decode_attention="paged"``: the decode rows (the first ``num_decode``; all of a
         pure-decode step, or those of a mixed step beside its prefill chunks) attend over the pool
         directly instead of through ``decode``'s gathered keys."""
+        self.varlen = varlen
+        """Set by ``for_prefill``: every row is a prompt chunk, attended by one flash varlen call."""
 
     @classmethod
     def build(
@@ -301,6 +323,30 @@ class PagedAttention:
                 group.carry, group.extend, group.pos_B = dc, extend, pos_B
         return cls(cache, slot_B, bt_BN.shape[0], group, None)
 
+    @classmethod
+    def for_prefill(
+        cls,
+        cache: KVCache,
+        slot_T: torch.Tensor,
+        kv_slots_L: torch.Tensor,
+        cu_q_B1: torch.Tensor,
+        cu_k_B1: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        sliding_window: int | None = None,
+    ) -> PagedAttention:
+        """A step of prompt chunks (decode rows as one-token chunks) from device tensors only (static
+        shapes: usable inside a CUDA graph; CUDA with 16-bit K/V and ``varlen_available()``). Each layer writes the step's K/V at
+        ``slot_T``, gathers every sequence's keys at ``kv_slots_L`` (its cached prefix and its chunk,
+        sequence after sequence) and attends with one ``varlen_causal`` call (``cu_q_B1`` / ``cu_k_B1``:
+        int32 boundaries; ``max_q`` / ``max_k``: bounds of the lengths). The queries of a sequence are
+        the last of its keys, so a chunk sees its prefix; a sequence with queries and no keys gets 0."""
+        has_gqa, has_window = varlen_features()
+        if sliding_window is not None and not has_window:
+            raise ValueError("this torch's varlen_attn has no sliding window: prefill such a model eagerly")
+        varlen = _VarlenPrefill(kv_slots_L, cu_q_B1, cu_k_B1, max_q, max_k, sliding_window, has_gqa, has_window)
+        return cls(cache, slot_T, 0, None, None, varlen=varlen)
+
     @staticmethod
     def decode_kv_slots(bt_BN: torch.Tensor, block_size: int) -> torch.Tensor:
         """long [B, N * block_size]: the cache slot of every key position of the block tables."""
@@ -378,6 +424,14 @@ class PagedAttention:
         dc = self.cache.decode_carry
         if dc is not None and (self.decode is None or self.decode.carry is None or self.prefill is not None):
             dc.invalidate()  # the pool changed under a step that does not extend the carried K/V
+        if self.varlen is not None:
+            p = self.varlen
+            k_LKD = k_S.index_select(0, p.kv_slots_L).to(q_THD.dtype)
+            v_LKD = v_S.index_select(0, p.kv_slots_L).to(q_THD.dtype)
+            return varlen_causal(
+                q_THD, k_LKD, v_LKD, p.cu_q_B1, p.cu_k_B1, p.max_q, p.max_k, p.sliding_window,
+                has_gqa=p.has_gqa, has_window=p.has_window,
+            )  # fmt: skip
         outs = []
         if self.paged is not None:  # the decode rows (all rows of a pure-decode step) over the pool
             p = self.paged

@@ -24,6 +24,7 @@ _BOOLEANS = (
     "enable_prefix_sharing",
     "recompute_kv_on_weight_update",
     "cuda_graphs",
+    "prefill_cuda_graphs",
     "fused_kernels",
     "fused_projections",
     "cpu_packed_gemm",
@@ -64,6 +65,14 @@ class RolloutEngineSettings:
     cuda_graphs: bool = True
     """CUDA: replay pure-decode steps from captured CUDA graphs (``rollout/cuda_graph.py``); false
     runs every decode step eagerly, which is slower (the host launches every kernel)."""
+    prefill_cuda_graphs: bool = True
+    """CUDA with ``cuda_graphs``: replay steps with prompt chunks (a rollout's first step; a mixed
+    step's decode rows count as one-token chunks) from CUDA graphs too (``rollout/prefill_graph.py``;
+    captured per padded token count, key count and batch size, at most 16, their attention one flash
+    varlen call per layer over keys gathered from the pool): a small model's prefill step is
+    otherwise bound by the host launching its ~20 kernels per layer. Needs torch's varlen attention
+    and a 16-bit KV cache (the engine logs why when it cannot); steps of more than 16,384 keys, and
+    shapes past the cap, run eagerly."""
     cuda_graph_max_batch: int | None = None
     """Largest decode batch that uses a CUDA graph (batch sizes are padded to 1, 2, 4, then multiples
     of 8, 32 and 64; ``cuda_graph.padded_batch_size``); larger batches decode eagerly. null:

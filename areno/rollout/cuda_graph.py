@@ -144,7 +144,7 @@ class DecodeGraphRunner:
         with self.capture_lock:
             yield
 
-    def _try_capture(self, capture: Callable[..., Any], *key: Any) -> Any:
+    def try_capture(self, capture: Callable[..., Any], *key: Any) -> Any:
         """``capture(*key)`` unless captures are held (then None: the caller runs eagerly)."""
         if not self.capture_lock.acquire(blocking=False):
             self.deferred += 1
@@ -231,7 +231,7 @@ class DecodeGraphRunner:
         B, S = len(batch.seqs), rp.num_stop_columns
         Bp, Np = self._key(batch)
         key = (Bp, Np, k, S, rp.mode)
-        g = self._loops.get(key) or self._try_capture(self._capture_loop, *key)
+        g = self._loops.get(key) or self.try_capture(self._capture_loop, *key)
         if g is None:
             return None
         self._load(g, batch, ids, ctx, Bp, Np, ids_B)
@@ -274,7 +274,7 @@ class DecodeGraphRunner:
         is missing and captures are held."""
         B = len(batch.seqs)
         key = self._key(batch)
-        g = self._graphs.get(key) or self._try_capture(self._capture, *key)
+        g = self._graphs.get(key) or self.try_capture(self._capture, *key)
         if g is None:
             return None
         self._load(g, batch, ids, ctx, *key, ids_B)
@@ -298,7 +298,7 @@ class DecodeGraphRunner:
         hidden_BD = e.model(ids_B, pos_B, attn)
         return e._logits(hidden_BD)
 
-    def _record(self, fn: Callable[[], Any], generator: torch.Generator | None = None) -> tuple[Any, Any]:
+    def record(self, fn: Callable[[], Any], generator: torch.Generator | None = None) -> tuple[Any, Any]:
         """Capture ``fn`` (reading and writing static tensors only) as a CUDA graph in the shared
         pool, after two warm-up runs (lazy tables, kernel selection). ``generator``: a generator
         ``fn`` draws from (registered with the graph: each replay advances it). Returns (graph, outputs)."""
@@ -337,7 +337,7 @@ class DecodeGraphRunner:
     @torch.no_grad()
     def _capture(self, B: int, N: int) -> _Graph:
         ids_ctx_2B, bt_BN = self._static_inputs(B, N)
-        graph, logits_BV = self._record(lambda: self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN))
+        graph, logits_BV = self.record(lambda: self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN))
         g = _Graph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, logits_BV=logits_BV)
         self._graphs[(B, N)] = g
         return g
@@ -371,7 +371,7 @@ class DecodeGraphRunner:
             return torch.stack(tokens), torch.stack(logprobs), keep_B
 
         graph, (tokens_KB, logprobs_KB, keep_B) = (
-            self._record(loop, generator=sampler.generator) if mode.rng_noise else self._record(loop)
+            self.record(loop, generator=sampler.generator) if mode.rng_noise else self.record(loop)
         )
         g = _LoopGraph(
             graph=graph,

@@ -39,6 +39,7 @@ from areno.rollout.control import EngineControl
 from areno.rollout.cuda_graph import DecodeGraphRunner
 from areno.rollout.errors import TornWeightsError, UnknownRequestError, WeightUpdateError
 from areno.rollout.kv_cache import BlockAllocator, KVCache
+from areno.rollout.prefill_graph import PrefillGraphRunner
 from areno.rollout.requests import RequestTable
 from areno.rollout.sampling import RowParams, Sampler, enable_fused_hash
 from areno.rollout.scheduler import Scheduler
@@ -179,6 +180,14 @@ class RolloutEngine:
         if config.cuda_graphs and self.device.type == "cuda" and graphs_fit:
             max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             self._stepper.graphs = DecodeGraphRunner(self, max_batch=max_batch)
+            if config.prefill_cuda_graphs:
+                why_not = PrefillGraphRunner.supported(self)
+                if why_not is None:
+                    self._stepper.prefill_graphs = PrefillGraphRunner(
+                        self._stepper.graphs, max_tokens=config.max_tokens_per_step
+                    )
+                else:
+                    log.info("prefill steps run without CUDA graphs: %s", why_not)
 
     def _build_kv_pool(self) -> tuple[KVCache, BlockAllocator, Scheduler]:
         """The KV cache (sized by ``num_blocks``, else by the memory budget), its block allocator and
@@ -356,6 +365,8 @@ class RolloutEngine:
             self.allocator.clear_prefix_cache()
             if self._stepper.graphs is not None:
                 self._stepper.graphs.clear()
+            if self._stepper.prefill_graphs is not None:
+                self._stepper.prefill_graphs.clear()
             self.cache.release()
             self._control.sleeping = True
 
@@ -432,6 +443,7 @@ class RolloutEngine:
                 "cuda_graphs_captured": g.captures if g is not None else 0,
                 "cuda_graph_capture_s": g.capture_s if g is not None else 0.0,
                 "cuda_graph_deferred_steps": g.deferred if g is not None else 0,
+                "prefill_graph_steps": s.prefill_graphs.replays if s.prefill_graphs is not None else 0,
             }
 
     # The parts' state that the server's watchdog, tests and benches read (or swap) on the engine.

@@ -38,3 +38,22 @@ def graph_num_blocks(n: int, paged: bool) -> int:
     if not paged:
         return padded_num_blocks(n)
     return max(PAGED_MIN_BLOCKS, 1 << (n - 1).bit_length())
+
+
+PREFILL_MIN_TOKENS = 256
+"""Smallest padded token (and key) count of a prefill graph."""
+
+
+def padded_prefill_tokens(n: int) -> int:
+    """The captured token (or key) count serving ``n``: ``PREFILL_MIN_TOKENS``, then powers of two
+    and 1.5 times powers of two (256, 384, 512, 768, 1,024, ...): at most a third more device work
+    than the step's, and a handful of graphs over a run's prompt lengths."""
+    if n <= PREFILL_MIN_TOKENS:
+        return PREFILL_MIN_TOKENS
+    p = 1 << (n - 1).bit_length()
+    return p * 3 // 4 if n <= p * 3 // 4 else p
+
+
+def padded_prefill_batch(n: int) -> int:
+    """The captured sequence count of a prefill graph: a power of two."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -28,6 +28,7 @@ from areno.rollout.attention import PagedAttention
 from areno.rollout.control import EngineControl
 from areno.rollout.cuda_graph import DecodeGraphRunner
 from areno.rollout.kv_cache import KVCache
+from areno.rollout.prefill_graph import PrefillGraphRunner
 from areno.rollout.requests import RequestTable
 from areno.rollout.sampling import RowParams, RowTable, check_stop
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -47,6 +48,8 @@ IMAGE_FEATURES_KEPT = 16
 class Stepper:
     graphs: DecodeGraphRunner | None
     """Decode CUDA graphs (None: every step runs eagerly); ``RolloutEngine`` sets it after construction."""
+    prefill_graphs: PrefillGraphRunner | None
+    """Prefill CUDA graphs (None: steps with prompt chunks run eagerly); set by ``RolloutEngine`` too."""
 
     def __init__(
         self,
@@ -75,6 +78,7 @@ class Stepper:
         self.vocab_size, self.sliding_window, self.eos_token_ids = vocab_size, sliding_window, eos_token_ids
         self.logits, self.sample_rows = logits, sample_rows
         self.graphs = None
+        self.prefill_graphs = None
         self.routes: RouteCapture | None = None
         """With ``config.record_routes`` on a mixture of experts: what every forward's sparse layers
         record, handed to the sequences after each forward (``Sequence.routes``)."""
@@ -420,6 +424,12 @@ class Stepper:
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [B, V] of the sequences that sample this step (in batch order)."""
+        hidden_BD = self.prefill_graphs.hidden(batch) if self.prefill_graphs is not None else None
+        if hidden_BD is not None:
+            rows = [i for i, do in enumerate(batch.samples) if do]
+            if len(rows) < len(batch.seqs):
+                hidden_BD = hidden_BD[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+            return self.logits(hidden_BD) if rows else hidden_BD.new_empty(0, self.vocab_size)
         logits_BV = self._forward_rows(batch)
         if self.routes is not None:
             _keep_routes(batch, self.routes.take())

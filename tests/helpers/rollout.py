@@ -123,7 +123,7 @@ def eager_runner(engine, max_batch: int):
     """A ``DecodeGraphRunner`` whose capture is emulated on CPU by re-running the recorded function."""
 
     class EagerRunner(DecodeGraphRunner):
-        def _record(self, fn, generator=None):
+        def record(self, fn, generator=None):
             out = fn()
             return _EagerReplay(fn, out), out
 

@@ -26,6 +26,7 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
             "cluster.device=cpu",
             f"rollout.fused_projections={str(fused).lower()}",
             "rollout.cuda_graphs=false",
+            f"rollout.prefill_cuda_graphs={str(fused).lower()}",
             "rollout.decode_steps=3",
             "rollout.kv_blocks=32",
             "rollout.max_num_seqs=40",
@@ -38,6 +39,7 @@ def test_rollout_keys_reach_the_colocated_engine(tiny_model_dir, tmp_path, fused
     engine = _colocated_engine(cfg, tiny_model_dir)
     assert engine.model.projections_fused is fused
     assert engine.config.fused_projections is fused and engine.config.cuda_graphs is False
+    assert engine.config.prefill_cuda_graphs is fused and engine._stepper.prefill_graphs is None  # CPU: none
     assert engine.decode_steps == 3 and engine.allocator.num_blocks == 32
     assert engine.scheduler.max_num_seqs == 40 and engine.config.cuda_graph_max_batch is None  # graphs: up to 40
     assert engine.config.recompute_kv_on_weight_update is (not fused)
