@@ -58,6 +58,10 @@ class PrefillGraphRunner:
     def supported(engine) -> str | None:
         """Why this engine's prefill steps cannot be graphed, or None."""
         cache = engine.cache
+        if getattr(engine, "tp_size", 1) > 1:
+            # a rank that captures runs two warm-up forwards, each with its collectives, while a rank
+            # whose captures are held (a policy sync) runs one: the ranks' collectives would diverge
+            return "the ranks of a tensor-parallel engine must launch the same collectives"
         if not varlen_available():
             return "this torch has no torch.nn.attention.varlen"
         if cache.dtype not in (torch.bfloat16, torch.float16):

@@ -144,6 +144,8 @@ def test_prefill_graph_cap_and_decode_rows_run_eagerly(emulated, monkeypatch):
 def test_prefill_graph_runner_refuses_what_flash_cannot_serve():
     eng = engine(make_model(0), 1)
     assert "16-bit" in PrefillGraphRunner.supported(eng)
+    eng.tp_size = 2
+    assert "tensor-parallel" in PrefillGraphRunner.supported(eng)
 
 
 @pytest.mark.gpu
