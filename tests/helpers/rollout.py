@@ -130,6 +130,19 @@ def eager_runner(engine, max_batch: int):
     return EagerRunner(engine, max_batch=max_batch)
 
 
+def drive_arrivals(eng: RolloutEngine, prompts, params, every: int, per: int) -> list:
+    """Step ``eng`` while ``per`` requests arrive every ``every`` steps (the others decode meanwhile,
+    so most steps are mixed); the outputs in request order."""
+    ids, done, pending, step = [], {}, list(zip(prompts, params)), 0
+    while pending or len(done) < len(ids):
+        if pending and step % every == 0:
+            ids += [eng.add_request(p, sp) for p, sp in pending[:per]]
+            pending = pending[per:]
+        done.update({o.request_id: o for o in eng.step()})
+        step += 1
+    return [done[i] for i in ids]
+
+
 def sampled_mix(n: int, eos: tuple[int, ...]) -> list[SamplingParams]:
     """Greedy and seeded sampling rows with top-p / top-k, min_new_tokens and extra stop ids."""
     kinds = [

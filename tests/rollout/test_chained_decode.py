@@ -167,27 +167,17 @@ def test_chained_loops_with_arrivals_match_the_one_step_engine(graphs):
     """Requests arriving while others decode, rows of every sampling kind; the k-step loop served by
     the decode-graph runner (its capture emulated on CPU) for ``graphs``: the chained round trip's
     input tokens are the previous replay's output buffer."""
+    from tests.helpers.rollout import drive_arrivals, same, sampled_mix
     from tests.helpers.rollout import engine as small_engine
-    from tests.helpers.rollout import same, sampled_mix
 
     tiny = make_model(0)
     prompts = random_prompts(14, seed=51, lo=3, hi=20)
     eos = (9, 17, 23)
     params = [dataclasses.replace(p, max_new_tokens=p.max_new_tokens + 20) for p in sampled_mix(14, eos)]
 
-    def drive(eng):
-        ids, done, pending, step = [], {}, list(zip(prompts, params)), 0
-        while pending or len(done) < len(ids):
-            if pending and step % 6 == 0:
-                ids += [eng.add_request(p, sp) for p, sp in pending[:3]]
-                pending = pending[3:]
-            done.update({o.request_id: o for o in eng.step()})
-            step += 1
-        return [done[i] for i in ids]
-
-    ref = drive(small_engine(tiny, 1, eos=eos, max_model_len=120))
+    ref = drive_arrivals(small_engine(tiny, 1, eos=eos, max_model_len=120), prompts, params, every=6, per=3)
     eng = small_engine(tiny, 4, graphs=graphs, eos=eos, max_model_len=120, overlap_round_trips_on_cpu=True)
-    same(drive(eng), ref)
+    same(drive_arrivals(eng, prompts, params, every=6, per=3), ref)
     assert eng._stepper.chained_round_trips > 0
     assert eng.allocator.num_used == 0 and eng.scheduler.block_tables_RN.eq(eng.cache.scratch_block).all()
     if graphs:

@@ -10,7 +10,16 @@ from areno.rollout import attention as rollout_attention
 from areno.rollout.graph_shapes import padded_prefill_batch, padded_prefill_tokens
 from areno.rollout.prefill_graph import MAX_GRAPHS, PrefillGraphRunner
 from areno.types import SamplingParams
-from tests.helpers.rollout import GREEDY, SEEDED, engine, make_model, random_prompts, same, sampled_mix
+from tests.helpers.rollout import (
+    GREEDY,
+    SEEDED,
+    drive_arrivals,
+    engine,
+    make_model,
+    random_prompts,
+    same,
+    sampled_mix,
+)
 
 
 def reference_varlen(q_THD, k_LKD, v_LKD, cu_q, cu_k, max_q, max_k, window, *, has_gqa, has_window):
@@ -97,19 +106,9 @@ def test_mixed_steps_through_prefill_graphs_give_the_eager_engines_tokens(emulat
     prompts = random_prompts(10, seed=66, lo=3, hi=20)
     params = sampled_mix(10, (9, 17))
 
-    def drive(eng):
-        ids, done, pending, step = [], {}, list(zip(prompts, params)), 0
-        while pending or len(done) < len(ids):
-            if pending and step % 2 == 0:
-                ids += [eng.add_request(p, sp) for p, sp in pending[:2]]
-                pending = pending[2:]
-            done.update({o.request_id: o for o in eng.step()})
-            step += 1
-        return [done[i] for i in ids]
-
-    ref = drive(engine(model, 1, eos=(9, 17)))
+    ref = drive_arrivals(engine(model, 1, eos=(9, 17)), prompts, params, every=2, per=2)
     eng = with_prefill_graphs(engine(model, 1, graphs=True, eos=(9, 17)))
-    same(drive(eng), ref)
+    same(drive_arrivals(eng, prompts, params, every=2, per=2), ref)
     assert eng.stats()["mixed_steps"] >= 4 and eng.stats()["prefill_graph_steps"] >= 4
 
 
