@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from areno.models.attention import varlen_available, varlen_features
+from areno.models.moe import sparse_blocks
 from areno.rollout.attention import PagedAttention
 from areno.rollout.cuda_graph import DecodeGraphRunner
 from areno.rollout.graph_shapes import graph_num_blocks, padded_prefill_batch, padded_prefill_tokens
@@ -70,6 +71,11 @@ class PrefillGraphRunner:
             return f"flash varlen attention needs a head dim that is a multiple of 8 up to 256, not {cache.head_dim}"
         if engine.sliding_window is not None and not varlen_features()[1]:
             return "this torch's varlen attention has no sliding window"
+        dev = engine.device
+        grouped = cache.dtype == torch.bfloat16 and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+        if sparse_blocks(engine.model) and not grouped:
+            # under capture the experts run densely (``naive_experts``): every expert over every token
+            return "a mixture of experts prefills in a graph only with grouped GEMMs (bf16 on a Hopper or newer GPU)"
         return None
 
     def clear(self) -> None:

@@ -145,6 +145,10 @@ def test_prefill_graph_runner_refuses_what_flash_cannot_serve():
     assert "16-bit" in PrefillGraphRunner.supported(eng)
     eng.tp_size = 2
     assert "tensor-parallel" in PrefillGraphRunner.supported(eng)
+    # a mixture of experts in bf16 off a Hopper GPU: its captured experts would run densely
+    model, cfg = make_model(0, arch="qwen3_moe", num_experts=4)
+    moe = engine((model.to(torch.bfloat16), cfg), 1)
+    assert "mixture of experts" in PrefillGraphRunner.supported(moe)
 
 
 @pytest.mark.gpu
