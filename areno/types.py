@@ -245,9 +245,12 @@ class TokenBatch:
         # joined through numpy (a third of torch.tensor's time on a list): a Python step per token
         # cost ~30 ms at 64 x 576 tokens, on the critical path between rollout and training
         ids = join_flat([p for t in trajectories for p in (t.prompt_ids, t.completion_ids)], np.int64)
-        loss_mask_T = join_flat([p for t in trajectories for p in (_fill(t, 0), t.completion_mask)], np.bool_)
+        # masks and versions are mostly one value per trajectory: filled, not converted per token
+        loss_mask_T = join_flat(
+            [p for t in trajectories for p in (_fill(t, 0), t.completion_mask)], np.bool_, runs=True
+        )
         logprobs_T = join_flat([p for t in trajectories for p in (_fill(t, 0), t.logprobs)], np.float32)
-        versions_T = join_flat([p for t in trajectories for p in (_fill(t, -1), t.versions)], np.int64)
+        versions_T = join_flat([p for t in trajectories for p in (_fill(t, -1), t.versions)], np.int64, runs=True)
         logprobs_T.masked_fill_(~loss_mask_T, 0.0)
         versions_T.masked_fill_(~loss_mask_T, -1)
         cu = [0, *accumulate(t.num_tokens for t in trajectories)]
@@ -277,14 +280,28 @@ class TokenBatch:
         )
 
 
-def join_flat(parts: list, dtype) -> torch.Tensor:
-    """The sequences ``parts`` (lists or arrays) end to end as one tensor of numpy ``dtype``."""
-    return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
+def join_flat(parts: list, dtype, *, runs: bool = False) -> torch.Tensor:
+    """The sequences ``parts`` (lists or arrays) end to end as one tensor of numpy ``dtype``.
+    ``runs``: a list holding one value throughout is repeated from its first item rather than
+    converted item by item (the same result; integer and bool dtypes only, where equal values
+    convert alike)."""
+    if not runs:
+        return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
+    assert np.dtype(dtype).kind in "biu", dtype  # a float run could hold both 0.0 and -0.0
+    parts = [p for p in parts if len(p)]
+    heads = [p[:1] if type(p) is list and p.count(p[0]) == len(p) else None for p in parts]
+    lengths = [len(p) for p in parts]
+    if all(h is not None for h in heads):  # one conversion and one repeat for the whole batch
+        return torch.from_numpy(np.repeat(np.asarray([h[0] for h in heads], dtype=dtype), lengths))
+    arrays = [np.asarray(p if h is None else h, dtype=dtype) for p, h in zip(parts, heads)]
+    return torch.from_numpy(
+        np.concatenate([a if h is None else np.repeat(a, n) for a, h, n in zip(arrays, heads, lengths)])
+    )
 
 
-def _fill(traj: Trajectory, value: int) -> np.ndarray:
+def _fill(traj: Trajectory, value: int) -> list[int]:
     """``value`` over the trajectory's prompt tokens."""
-    return np.full(len(traj.prompt_ids), value, dtype=np.int64)
+    return [value] * len(traj.prompt_ids)
 
 
 ROUTES_KEY = "moe_routes_T"

@@ -236,10 +236,12 @@ def sft_trajectories(
     return out
 
 
-def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
+def rollout_metrics(trajectories: list[Trajectory], version: int, batch: TokenBatch | None = None) -> dict[str, float]:
     """Per-batch rollout figures. The reward mean and std cover the finite rewards only: a workflow
     that sets a NaN or inf reward itself (``acall_reward`` already scores those 0) is counted in
-    ``rollout/reward_nonfinite`` instead of turning the mean into null."""
+    ``rollout/reward_nonfinite`` instead of turning the mean into null. ``batch``: the
+    trajectories packed (``TokenBatch.from_trajectories``), whose versions it reads rather than
+    joining them again."""
     rewards = torch.tensor([t.reward for t in trajectories])
     finite = torch.isfinite(rewards)
     nonfinite = int((~finite).sum())
@@ -247,9 +249,12 @@ def rollout_metrics(trajectories: list[Trajectory], version: int) -> dict[str, f
         rewards = rewards[finite] if finite.any() else torch.zeros(1)
     lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
     # version -1: a token no policy version sampled (the teacher's, areno.workflows.teacher)
-    versions_T = join_flat([t.versions for t in trajectories], np.int64)
-    sampled_T = join_flat([t.completion_mask for t in trajectories], np.bool_)
-    versions_T = versions_T[sampled_T & (versions_T >= 0)]
+    if batch is None:
+        versions_T = join_flat([t.versions for t in trajectories], np.int64, runs=True)
+        sampled_T = join_flat([t.completion_mask for t in trajectories], np.bool_, runs=True)
+        versions_T = versions_T[sampled_T & (versions_T >= 0)]
+    else:  # packed, -1 on prompt and unsampled tokens: the same versions in the same order
+        versions_T = batch.versions_T[batch.versions_T >= 0]
     staleness = (version - versions_T).float() if len(versions_T) else torch.zeros(1)
     return {
         "rollout/reward_mean": rewards.mean().item(),
@@ -470,7 +475,8 @@ class ArenoEngine:
                 groups = self.executor.wait_batch(cfg.rollout.batch_size)
             self.ledger.trained([group[0].info.get(SEQ_KEY) for group in groups])
             trajectories = [t for group in groups for t in group]
-            metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version)}
+            batch = TokenBatch.from_trajectories(trajectories)
+            metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version, batch)}
         elif self.recipe.online:
             self._enter(Phase.ROLLOUT)
             samples = self.ledger.take(cfg.rollout.batch_size)
@@ -480,7 +486,8 @@ class ArenoEngine:
             trajectories = self.executor.rollout_batch(samples)
             self.executor.client.release_now()
             self.ledger.trained(seqs)
-            metrics = {**rollout_metrics(trajectories, self.version), **self._phase_metrics()}
+            batch = TokenBatch.from_trajectories(trajectories)
+            metrics = {**rollout_metrics(trajectories, self.version, batch), **self._phase_metrics()}
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)
             trajectories = sft_trajectories(
@@ -491,6 +498,7 @@ class ArenoEngine:
                 chat_template=cfg.data.chat_template,
                 system_prompt=cfg.data.system_prompt,
             )
+            batch = TokenBatch.from_trajectories(trajectories)
             metrics = {
                 "rollout/num_seqs": float(len(trajectories)),
                 "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
@@ -498,7 +506,6 @@ class ArenoEngine:
         if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
         metrics.update(self.rollout.metrics())  # the rollout side's own: replica health, engine counters
-        batch = TokenBatch.from_trajectories(trajectories)
         if batch.images_B and self.store is not None:  # the pixels stayed in the store until now
             batch.images_B = fetch_refs(batch.images_B, self.store)
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)

@@ -168,10 +168,13 @@ class BlockAllocator:
 
     def clear_prefix_cache(self) -> None:
         """Forget every registered block (after a weight update their K/V is stale)."""
-        for block in list(self._by_key.values()):
-            self._unregister(block)
-        for block in list(self._evictable):
-            self._free.append(block)
+        # A rollout leaves thousands of blocks registered, cleared in the policy sync: only the key
+        # marks a block registered (parent key and tokens are read after a lookup by key only)
+        meta = self._meta
+        for block in self._by_key.values():
+            meta[block].key = None
+        self._by_key.clear()
+        self._free.extend(self._evictable)
         self._evictable.clear()
 
     def _unregister(self, block: int) -> None:

@@ -116,3 +116,23 @@ def test_torn_weights_stop_steps_and_requests_until_a_commit(tiny):
     out = eng.generate([[6, 7]], GREEDY)[0]
     assert eng.version == 7 and out.output_versions == [7] * 4
     assert eng.stats()["generated_tokens"] == 8  # "kept" was kept, and finished beside it
+
+
+def test_clearing_the_prefix_cache_frees_its_blocks_and_forgets_their_content():
+    """After ``clear_prefix_cache`` no prefix matches, evictable blocks are free again, a block still
+    held stays held, and a block may register the same content anew."""
+    allocator = BlockAllocator(8, 2, enable_prefix_sharing=True)
+    held, parked = allocator.allocate(), allocator.allocate()
+    key = allocator.register(held, 0, (1, 2))
+    allocator.register(parked, key, (3, 4))
+    allocator.free(parked)  # registered, unreferenced: evictable
+    assert allocator.num_available == 7
+    allocator.clear_prefix_cache()
+    assert allocator.match_prefix([1, 2, 3, 4], 4)[0] == []
+    assert allocator.num_available == 7 and allocator.ref_count(held) == 1
+    allocator.free(held)  # unregistered now: straight back to the free list
+    assert allocator.num_available == 8
+    fresh = allocator.allocate()
+    assert allocator.register(fresh, 0, (1, 2)) == key
+    allocator.free(fresh)  # registered again: kept as evictable, found by content
+    assert allocator.match_prefix([1, 2], 2)[0] == [fresh]

@@ -64,6 +64,16 @@ def test_gradient_same_for_1_and_4_micro_batches(model_dir):
     assert m4["tokens"] == sum(LENGTHS) and m4["loss_denominator"] == float(batch.loss_mask_T.sum())
 
 
+def test_a_step_trains_in_train_mode_after_a_module_was_put_in_eval(model_dir):
+    """The step puts every module in train mode only when one is not (it skips re-setting them)."""
+    b = backend(model_dir)
+    seen = []
+    b.model.register_forward_pre_hook(lambda module, args: seen.append(all(m.training for m in module.modules())))
+    next(iter(b.model.children())).eval()
+    step(b, random_batch(LENGTHS, VOCAB, seed=1))
+    assert seen and all(seen)
+
+
 def test_packed_equals_unpacked_and_batch_order_restored(model_dir):
     batch = random_batch(LENGTHS, VOCAB, seed=2)
     packed = backend(model_dir, max_tokens_per_mb=64).forward_only(batch, forward_fn=nll_forward)
