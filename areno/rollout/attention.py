@@ -221,7 +221,7 @@ class PagedAttention:
         pure-decode step, or those of a mixed step beside its prefill chunks) attend over the pool
         directly instead of through ``decode``'s gathered keys."""
         self.varlen = varlen
-        """Set by ``for_prefill``: every row is a prompt chunk, attended by one flash varlen call."""
+        """Set by ``for_prefill``: every row a chunk (decode rows of one token), one flash varlen call."""
 
     @classmethod
     def build(
@@ -336,14 +336,13 @@ class PagedAttention:
         sliding_window: int | None = None,
     ) -> PagedAttention:
         """A step of prompt chunks (decode rows as one-token chunks) from device tensors only (static
-        shapes: usable inside a CUDA graph; CUDA with 16-bit K/V and ``varlen_available()``). Each layer writes the step's K/V at
-        ``slot_T``, gathers every sequence's keys at ``kv_slots_L`` (its cached prefix and its chunk,
-        sequence after sequence) and attends with one ``varlen_causal`` call (``cu_q_B1`` / ``cu_k_B1``:
-        int32 boundaries; ``max_q`` / ``max_k``: bounds of the lengths). The queries of a sequence are
-        the last of its keys, so a chunk sees its prefix; a sequence with queries and no keys gets 0."""
+        shapes: usable inside a CUDA graph; CUDA with 16-bit K/V and ``varlen_available()``). Each
+        layer writes the step's K/V at ``slot_T``, gathers every sequence's keys at ``kv_slots_L`` (its
+        cached prefix and its chunk, sequence after sequence) and attends with one ``varlen_causal``
+        call (``cu_q_B1`` / ``cu_k_B1``: int32 boundaries; ``max_q`` / ``max_k``: bounds of the
+        lengths). The queries of a sequence are the last of its keys, so a chunk sees its prefix; a
+        sequence with queries and no keys gets 0."""
         has_gqa, has_window = varlen_features()
-        if sliding_window is not None and not has_window:
-            raise ValueError("this torch's varlen_attn has no sliding window: prefill such a model eagerly")
         varlen = _VarlenPrefill(kv_slots_L, cu_q_B1, cu_k_B1, max_q, max_k, sliding_window, has_gqa, has_window)
         return cls(cache, slot_T, 0, None, None, varlen=varlen)
 

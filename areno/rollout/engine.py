@@ -183,9 +183,7 @@ class RolloutEngine:
             if config.prefill_cuda_graphs:
                 why_not = PrefillGraphRunner.supported(self)
                 if why_not is None:
-                    self._stepper.prefill_graphs = PrefillGraphRunner(
-                        self._stepper.graphs, max_tokens=config.max_tokens_per_step
-                    )
+                    self._stepper.prefill_graphs = PrefillGraphRunner(self._stepper.graphs)
                 else:
                     log.info("prefill steps run without CUDA graphs: %s", why_not)
 

@@ -44,11 +44,9 @@ tenths of a second at a small model)."""
 class PrefillGraphRunner:
     """The prefill CUDA graphs of one engine (see the module docstring)."""
 
-    def __init__(self, runner: DecodeGraphRunner, *, max_tokens: int) -> None:
-        """``max_tokens``: the engine's token budget per step."""
+    def __init__(self, runner: DecodeGraphRunner) -> None:
         self.runner = runner
         self.engine = runner.engine
-        self.max_tokens = max_tokens
         self._graphs: dict[tuple[int, int, int, int], tuple] = {}
         self._wanted: dict[tuple[int, int, int, int], int] = {}
         """Steps that needed each shape not captured yet."""
@@ -91,7 +89,7 @@ class PrefillGraphRunner:
         B = len(batch.seqs)
         T = batch.num_tokens
         L = sum(batch.starts) + T
-        if L > MAX_KEYS or T > self.max_tokens:
+        if L > MAX_KEYS:
             return None
         runner = self.runner
         N = min(graph_num_blocks(batch.max_blocks, True), runner.engine.scheduler.block_tables_RN.shape[1])

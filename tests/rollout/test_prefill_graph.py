@@ -66,7 +66,7 @@ def test_a_shape_is_captured_when_it_recurs(monkeypatch):
 
 
 def with_prefill_graphs(eng):
-    eng._stepper.prefill_graphs = PrefillGraphRunner(eng._graphs, max_tokens=eng.config.max_tokens_per_step)
+    eng._stepper.prefill_graphs = PrefillGraphRunner(eng._graphs)
     return eng
 
 
