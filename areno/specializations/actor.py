@@ -114,8 +114,9 @@ class ActorConfig:
     """Length of the soft penalty ramp before ``overlong_max_length``, in (0, overlong_max_length]."""
     overlong_penalty: float = 1.0
     """Penalty at and beyond ``overlong_max_length``."""
-    logprob_chunk_size: int = 1024
-    """Tokens per chunk of the fp32 log-prob computation (memory, not values)."""
+    logprob_chunk_size: int | None = None
+    """Tokens per chunk of the LM head's log-prob computation (memory and speed, not values); None:
+    ``models.logprobs.auto_chunk_size`` (on a GPU as large as a few GiB of logits allow)."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, key: str, why: str) -> None:
@@ -148,6 +149,11 @@ class ActorConfig:
             self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 0,
             "behav_imp_weight_cap",
             f"must be > 0 or None, got {self.behav_imp_weight_cap}",
+        )
+        check(
+            self.logprob_chunk_size is None or self.logprob_chunk_size > 0,
+            "logprob_chunk_size",
+            f"must be > 0 or None (automatic), got {self.logprob_chunk_size}",
         )
         check(
             not self.use_decoupled_loss or self.policy_loss == "ppo",

@@ -14,7 +14,12 @@ import torch
 from torch import nn
 
 from areno.models.attention import PackedCausalAttention
-from areno.models.logprobs import argmax_from_hidden, logprobs_from_hidden, position_ids_from_cu_seqlens
+from areno.models.logprobs import (
+    argmax_from_hidden,
+    auto_chunk_size,
+    logprobs_from_hidden,
+    position_ids_from_cu_seqlens,
+)
 from areno.models.vision import ImageInputs
 from areno.types import TokenBatch, host_to_device
 
@@ -76,7 +81,7 @@ def token_logprobs_T(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_argmax: bool = False,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token ``logprobs_T`` of ``targets_T`` (default: the batch's own tokens) under the
     temperature-scaled distribution, optionally ``entropy_T`` and the greedy action
@@ -87,7 +92,7 @@ def token_logprobs_T(
     With ``mask_T`` (bool [T]; the specializations pass the batch's loss mask) the LM head runs
     only on those tokens' predictors and every output is 0 elsewhere: prompt tokens, whose
     log-probs no loss reads, cost no [V, D] matmul or log-softmax. The values on the masked
-    tokens are the full head's."""
+    tokens are the full head's. ``chunk_size`` None: ``auto_chunk_size`` (memory and speed, not values)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if hidden_TD is None:
@@ -101,6 +106,8 @@ def token_logprobs_T(
     pred_KD = hidden_TD[host_to_device(rows_host_K - 1, device)]  # hidden[t - 1] predicts token t
     on_host = targets_T.device.type == "cpu"
     targets_K = host_to_device(targets_T[rows_host_K], device) if on_host else targets_T[rows_K]
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(pred_KD, weight_VD)
     logp_K, ent_K = logprobs_from_hidden(
         pred_KD, weight_VD, targets_K, temperature, chunk_size, with_entropy=with_entropy
     )

@@ -88,7 +88,7 @@ class DPOSpecialization(ModelSpecialization):
         beta: float = 0.1,
         label_smoothing: float = 0.0,
         ref_key: str = "ref_logprobs_T",
-        logprob_chunk_size: int = 1024,
+        logprob_chunk_size: int | None = None,
     ) -> None:
         if beta <= 0:
             raise ValueError(f"DPOSpecialization beta: must be > 0, got {beta}")

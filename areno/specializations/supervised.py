@@ -30,7 +30,7 @@ class LogProbSpecialization(ModelSpecialization):
 
     output_keys = ("logprobs_T", "argmax_T")
 
-    def __init__(self, *, temperature: float = 1.0, logprob_chunk_size: int = 1024) -> None:
+    def __init__(self, *, temperature: float = 1.0, logprob_chunk_size: int | None = None) -> None:
         if temperature <= 0:
             raise ValueError(f"LogProbSpecialization temperature: must be > 0, got {temperature}")
         self.temperature = temperature
@@ -55,7 +55,7 @@ class SFTSpecialization(ModelSpecialization):
 
     output_keys = ("logprobs_T",)
 
-    def __init__(self, *, logprob_chunk_size: int = 1024) -> None:
+    def __init__(self, *, logprob_chunk_size: int | None = None) -> None:
         self.logprob_chunk_size = logprob_chunk_size
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ class DistillSpecialization(ModelSpecialization):
     output_keys = ("logprobs_T",)
     required_extra_keys = ("teacher_logprobs_T",)
 
-    def __init__(self, *, kl_estimator: str = "k3", temperature: float = 1.0, logprob_chunk_size: int = 1024) -> None:
+    def __init__(self, *, kl_estimator: str = "k3", temperature: float = 1.0, logprob_chunk_size: int | None = None) -> None:
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"DistillSpecialization kl_estimator: must be one of {KL_ESTIMATORS}, got {kl_estimator!r}"
@@ -118,7 +118,7 @@ class DaggerSpecialization(ModelSpecialization):
     output_keys = ("logprobs_T",)
     required_extra_keys = ("teacher_action_T",)
 
-    def __init__(self, *, temperature: float = 1.0, logprob_chunk_size: int = 1024) -> None:
+    def __init__(self, *, temperature: float = 1.0, logprob_chunk_size: int | None = None) -> None:
         self.temperature = temperature
         self.logprob_chunk_size = logprob_chunk_size
 
@@ -172,7 +172,7 @@ class AggrevateSpecialization(ModelSpecialization):
     output_keys = ("logprobs_T",)
 
     def __init__(
-        self, *, q_source: str = "teacher_logprob", temperature: float = 1.0, logprob_chunk_size: int = 1024
+        self, *, q_source: str = "teacher_logprob", temperature: float = 1.0, logprob_chunk_size: int | None = None
     ) -> None:
         if q_source not in AGGREVATE_Q_SOURCES:
             raise ConfigError(
@@ -235,7 +235,7 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
         beta_end: float = 0.0,
         beta_decay_steps: int = 100,
         temperature: float = 1.0,
-        logprob_chunk_size: int = 1024,
+        logprob_chunk_size: int | None = None,
     ) -> None:
         if not (0 <= beta_start <= 1 and 0 <= beta_end <= 1):
             raise ValueError("MixedLossDaggerOPDSpecialization beta_start/beta_end: must be in [0, 1]")

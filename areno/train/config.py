@@ -245,8 +245,6 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     raises."""
     role_name: str = ""
     """The model role this backend trains, named in its errors (``NonFiniteStepError``)."""
-    logprob_chunk_size: int = 1024
-    """Tokens per chunk when computing log-probs/entropy from hidden states."""
     tp_vocab_parallel: bool = True
     """Under tensor parallelism, shard an untied LM head over the vocabulary and compute
     log-probs/entropy with a distributed log-sum-exp (no rank holds full-vocabulary logits).
@@ -287,8 +285,6 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
             "train.moe_rollout_routes",
             "the rollout's routes are not split over context-parallel ranks: use train.cp_size=1 with them",
         )
-        if self.logprob_chunk_size <= 0:
-            raise ValueError(f"logprob_chunk_size must be > 0, got {self.logprob_chunk_size}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
         if self.device not in (None, "cpu", "cuda"):

@@ -6,7 +6,7 @@ import dataclasses
 import uuid
 from typing import Any
 
-from areno.data.detokenize import decode_texts
+from areno.data.detokenize import adecode_texts
 from areno.data.prompts import render_prompt
 from areno.models.vision import VisionConfig
 from areno.rollout.client import RolloutClient, agenerate_many
@@ -93,7 +93,7 @@ class RLVRWorkflow(RolloutWorkflow):
         )
         group_id = uuid.uuid4().hex
         group = []
-        completions = decode_texts(self.tokenizer, [out.output_ids for out in outputs])
+        completions = await adecode_texts(self.tokenizer, [out.output_ids for out in outputs])
         for out, completion in zip(outputs, completions):
             reward, error = await acall_reward(self.reward_fn, prompt, completion, answer, fields)
             info: dict[str, Any] = {"prompt": prompt, "completion": completion, "answer": answer}

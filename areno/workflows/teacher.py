@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from areno.data.detokenize import decode_texts
+from areno.data.detokenize import adecode_texts
 from areno.data.prompts import render_prompt
 from areno.errors import ConfigError
 from areno.models.hf_io import load_model
@@ -204,7 +204,7 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
         )
         group_id = uuid.uuid4().hex
         group = []
-        completions = decode_texts(self.tokenizer, [out.output_ids for out in outputs])
+        completions = await adecode_texts(self.tokenizer, [out.output_ids for out in outputs])
         for seed, out, completion in zip(draws, outputs, completions):
             teacher = seed is not None
             n = len(out.output_ids)

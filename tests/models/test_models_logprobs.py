@@ -214,3 +214,30 @@ def test_head_weight_gradient_sums_chunks_in_float32():
         _, gw = torch.autograd.grad((lp * torch.linspace(-1, 1, 37)).sum(), (h32, w32))
         assert gw.dtype == torch.float32
         torch.testing.assert_close(gw.double(), rw, rtol=3e-2, atol=3e-2)
+
+
+class _GpuHidden:
+    """What ``auto_chunk_size`` reads of a hidden-state tensor on a GPU, without one."""
+
+    def __init__(self, itemsize: int) -> None:
+        self.device = torch.device("cuda")
+        self._itemsize = itemsize
+
+    def element_size(self) -> int:
+        return self._itemsize
+
+
+def test_auto_chunk_size_fits_the_peak_budget():
+    """None picks a power of two within the range whose chunk stays in the budget (about three
+    logits' bytes per entry); CPU heads take the smallest."""
+    from areno.models.logprobs import AUTO_CHUNK_PEAK_BYTES, AUTO_CHUNK_RANGE, auto_chunk_size
+
+    low, high = AUTO_CHUNK_RANGE
+    assert auto_chunk_size(torch.zeros(4, 8), torch.zeros(151_936, 8)) == low
+    for vocab, itemsize in [(151_936, 2), (32_000, 2), (262_144, 2), (151_936, 4), (10**7, 2)]:
+        chunk = auto_chunk_size(_GpuHidden(itemsize), torch.empty(vocab, 0))
+        assert low <= chunk <= high and chunk & (chunk - 1) == 0
+        assert chunk == low or 3 * vocab * itemsize * chunk <= AUTO_CHUNK_PEAK_BYTES
+        assert chunk == high or 3 * vocab * itemsize * chunk * 2 > AUTO_CHUNK_PEAK_BYTES
+    # the 0.5B-1.5B heads of Qwen2.5 in bf16 (the bench rows): 4096 tokens per chunk
+    assert auto_chunk_size(_GpuHidden(2), torch.empty(151_936, 0)) == 4096

@@ -117,6 +117,8 @@ def test_policy_kwargs_become_the_actor_config():
         ConfigError, match=r"bad arguments for ActorSpecialization: ActorConfig.temperature must be > 0, got 0"
     ):
         get_recipe("grpo", policy_kwargs={"temperature": 0})
+    with pytest.raises(ConfigError, match=r"ActorConfig.logprob_chunk_size must be > 0 or None \(automatic\), got 0"):
+        get_recipe("grpo", policy_kwargs={"logprob_chunk_size": 0})
 
 
 def test_teacher_without_checkpoint():
