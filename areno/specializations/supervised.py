@@ -82,7 +82,9 @@ class DistillSpecialization(ModelSpecialization):
     output_keys = ("logprobs_T",)
     required_extra_keys = ("teacher_logprobs_T",)
 
-    def __init__(self, *, kl_estimator: str = "k3", temperature: float = 1.0, logprob_chunk_size: int | None = None) -> None:
+    def __init__(
+        self, *, kl_estimator: str = "k3", temperature: float = 1.0, logprob_chunk_size: int | None = None
+    ) -> None:
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"DistillSpecialization kl_estimator: must be one of {KL_ESTIMATORS}, got {kl_estimator!r}"
