@@ -37,6 +37,7 @@ from areno.models.attention import (
 )
 from areno.models.config import ModelConfig
 from areno.models.eager_ops import eager_rms_norm, eager_rope
+from areno.models.prefix_sharing import SharedPrefixAttention
 from areno.models.tp_plan import TPReduce, check_tp_size
 
 __all__ = [
@@ -286,6 +287,10 @@ class Decoder(nn.Module):
     """What ``PackedCausalAttention``'s ``impl="auto"`` runs on CUDA in this model's forwards:
     ``varlen`` (``auto`` is the same) or ``flex`` (``PackedCausalAttention.prepare``); the training
     backend sets it from ``train.attention``."""
+    share_prompts: bool = False
+    """Whether training forwards over packed batches compute a run of sequences' common prompt once
+    (``models.prefix_sharing``; ``specializations.forward.hidden_states_TD`` reads it); the training
+    backend sets it from ``train.share_prompts``."""
 
     def __init__(self, config: ModelConfig, *, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
         super().__init__()
@@ -374,7 +379,7 @@ class Decoder(nn.Module):
             cu_seqlens_B1 = torch.tensor([0, input_ids_T.numel()], dtype=torch.long)
             attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
         x_TD = self.model.embed_tokens(input_ids_T)
-        if isinstance(attn, PackedCausalAttention):
+        if isinstance(attn, (PackedCausalAttention, SharedPrefixAttention)):
             # with the head dim and q's dtype the layers will pass, so no layer prepares again
             # (inside a compiled region that would be a graph break)
             q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype

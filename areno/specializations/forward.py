@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from areno.models import prefix_sharing
 from areno.models.attention import PackedCausalAttention
 from areno.models.logprobs import (
     argmax_from_hidden,
@@ -25,12 +26,22 @@ from areno.types import TokenBatch, host_to_device
 
 
 def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
-    """Final-normed hidden states [T, D] of a ``Decoder`` under packed causal attention."""
+    """Final-normed hidden states [T, D] of a ``Decoder`` under packed causal attention. A model
+    whose ``share_prompts`` is set runs adjacent sequences' common prompt once
+    (``models.prefix_sharing``) and returns the same [T, D] rows, expanded."""
     device = model.output_weight.device
     cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
+    images = batch_images(batch)
+    if images is None and getattr(model, "share_prompts", False):
+        sharing = prefix_sharing.plan(batch.input_ids_T.cpu(), cu_host_B1, batch.loss_mask_T.cpu())
+        if sharing is not None:
+            pos_T = position_ids_from_cu_seqlens(cu_host_B1, "cpu")
+            ids_C = host_to_device(batch.input_ids_T.cpu().index_select(0, sharing.source_C), device)
+            pos_C = host_to_device(pos_T.index_select(0, sharing.source_C), device)
+            hidden_CD = model(ids_C, pos_C, prefix_sharing.SharedPrefixAttention(sharing))
+            return hidden_CD.index_select(0, host_to_device(sharing.expand_T, device))
     attn = PackedCausalAttention(cu_host_B1, sliding_window=getattr(model.config, "sliding_window", None))
     ids_T, pos_T = host_to_device(batch.input_ids_T, device), position_ids_from_cu_seqlens(cu_host_B1, device)
-    images = batch_images(batch)
     if images is not None:  # a vision-language batch: the vision tower runs inside this forward
         return model(ids_T, pos_T, attn, images=images)
     return model(ids_T, pos_T, attn)
@@ -95,13 +106,14 @@ def token_logprobs_T(
     tokens are the full head's. ``chunk_size`` None: ``auto_chunk_size`` (memory and speed, not values)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    # before the forward: reading a device mask on the host waits for the work queued before it
+    rows_host_K = _scored_rows_K(batch, mask_T)
     if hidden_TD is None:
         hidden_TD = hidden_states_TD(model, batch)
     device = hidden_TD.device
     T = batch.num_tokens
     weight_VD = model.output_weight
     targets_T = batch.input_ids_T if targets_T is None else targets_T
-    rows_host_K = _scored_rows_K(batch, mask_T)
     rows_K = host_to_device(rows_host_K, device)
     pred_KD = hidden_TD[host_to_device(rows_host_K - 1, device)]  # hidden[t - 1] predicts token t
     on_host = targets_T.device.type == "cpu"

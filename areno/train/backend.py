@@ -200,9 +200,11 @@ class PackedTrainBackend(TrainBackend):
         model, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
         if wrap_model is not None:
             model = wrap_model(model)
+        share_prompts = self._share_prompts(model)
         for module in model.modules():  # wrappers (value heads, LoRA) hold the decoder inside
             if isinstance(module, Decoder):
                 module.cuda_attention = cfg.attention
+                module.share_prompts = share_prompts
         if cfg.lora is not None:
             if cfg.tp_size > 1:
                 raise ConfigError(
@@ -433,6 +435,23 @@ class PackedTrainBackend(TrainBackend):
         for key in keys:
             metric_sums[key], at = sum(flat[at : at + len(metric_parts[key])]), at + len(metric_parts[key])
         return loss_sum, tokens, metric_sums
+
+    def _share_prompts(self, model: nn.Module) -> bool:
+        """``train.share_prompts`` resolved for this model and layout; ``true`` where sharing cannot
+        apply is a ConfigError naming why."""
+        cfg = self.cfg
+        why = None
+        if cfg.cp_size > 1:
+            why = "context parallelism (cp_size > 1), which splits the packed tokens over ranks"
+        elif any(isinstance(m, moe.SparseMoE) for m in model.modules()):
+            why = "a mixture of experts, whose routes are recorded and replayed per token"
+        elif vision_towers(model):
+            why = "a vision-language model"
+        elif self.model_config.sliding_window is not None:
+            why = "sliding-window attention"
+        if why is not None and cfg.share_prompts is True:
+            raise ConfigError(f"train.share_prompts=true: not with {why}; set train.share_prompts=auto or false")
+        return why is None and cfg.resolved_share_prompts(self.device.type)
 
     def _optimizer_step(self, loss: float) -> tuple[float, float]:
         """Clip and step, or skip a step whose (all-reduced) loss or global grad norm is not finite;

@@ -115,6 +115,13 @@ class TrainStepConfig:
     compiled at the first step, which can take minutes on a GPU) or ``auto`` (varlen; flex for fp32
     inputs, head dims flash lacks or a torch without varlen). CPU forwards pick their SDPA variant
     either way (``areno.models.decoder.PackedCausalAttention``)."""
+    share_prompts: bool | str = "auto"
+    """Compute a run of adjacent sequences' common prompt once in training forwards (a GRPO group's
+    samples of one prompt; ``areno.models.prefix_sharing``): the same hidden states, log-probs and
+    gradients up to summation order, over fewer tokens. ``true``, ``false`` or ``auto`` (on for CUDA;
+    off on CPU, whose attention there runs one SDPA call per sequence instead of one padded batch).
+    Needs a dense decoder without a sliding window, text-only batches and cp_size=1: ``auto`` is off
+    otherwise, ``true`` is refused."""
     seed: int = 0
     """Seed of the run: model initialisation, the torch / python RNGs of every training rank, the
     rollouts' sampling seeds."""
@@ -159,6 +166,11 @@ class TrainStepConfig:
             self.compile in (True, False, "auto"),
             "train.compile",
             f"must be true, false or auto, got {self.compile!r}",
+        )
+        check_config(
+            self.share_prompts in (True, False, "auto"),
+            "train.share_prompts",
+            f"must be true, false or auto, got {self.share_prompts!r}",
         )
         check_config(
             self.compile_scope in COMPILE_SCOPES,
@@ -304,6 +316,10 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     def torch_param_dtype(self, device: str) -> torch.dtype:
         """Compute dtype as a torch dtype (see ``param_dtype``)."""
         return getattr(torch, self.resolved_param_dtype(device))
+
+    def resolved_share_prompts(self, device: str) -> bool:
+        """Whether to share prompts on ``device`` (``auto``: on CUDA only)."""
+        return device == "cuda" if self.share_prompts == "auto" else bool(self.share_prompts)
 
     def resolved_compile(self, device: str) -> bool:
         """Whether to compile on ``device`` (``auto``: on CUDA only)."""

@@ -95,6 +95,28 @@ def test_train_attention_reaches_the_trained_models(tiny_model_dir, tmp_path, ch
     assert Decoder.cuda_attention == "auto"  # the class default: untouched
 
 
+@pytest.mark.parametrize("choice", ["true", "false", "auto"])
+def test_train_share_prompts_reaches_the_trained_models(tiny_model_dir, tmp_path, choice):
+    """`train.share_prompts` is each trained model's ``Decoder.share_prompts`` (auto: off on CPU)."""
+    from areno.engine.api import build_role_backends, resolve_recipe
+    from areno.models.decoder import Decoder
+    from areno.train import LocalTrainBackend
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            f"run_dir={tmp_path / 'run'}",
+            "cluster.device=cpu",
+            f"train.share_prompts={choice}",
+        ],
+    )
+    built = build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
+    decoders = [m for b in built.values() for m in b.model.modules() if isinstance(m, Decoder)]
+    assert decoders and all(d.share_prompts is (choice == "true") for d in decoders)
+    assert Decoder.share_prompts is False  # the class default: untouched
+
+
 def test_train_compile_scope_reaches_the_training_backend(tiny_model_dir, tmp_path, caplog):
     """`train.compile_scope=model` compiles each trained role's layer stack as one callable (the
     compile itself happens at the first forward, which the log announces)."""

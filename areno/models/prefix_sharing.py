@@ -1,0 +1,192 @@
+"""Training forwards that compute a group's common prompt once.
+
+A GRPO batch holds n samples of each prompt, packed one after another, and every sample's prompt
+tokens have the same hidden states (a token attends only to what precedes it). ``plan`` finds runs
+of adjacent sequences whose prompts (the tokens before the first loss-mask token) are equal and
+packs each run as its prompt once, then every sequence's rest: the forward then runs over C
+packed rows instead of T tokens. ``SharedPrefixAttention`` gives each rest the prompt's keys and
+its own (the rest's queries are the last of those keys), and ``expand_T`` maps every original
+token to its packed row, so the [T, D] hidden states the heads and losses read are the unshared
+forward's, up to summation order; their gradients flow back summed over the samples that share a
+row.
+
+Legend: T = tokens of the batch, C = packed rows, Q = query sequences, K = gathered keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from areno.models.attention import varlen_available, varlen_causal, varlen_features
+
+
+@dataclass(frozen=True)
+class PrefixSharing:
+    """Host int64 index tensors of a shared-prompt packing (``plan``)."""
+
+    source_C: torch.Tensor
+    """The original token of each packed row."""
+    expand_T: torch.Tensor
+    """The packed row of each original token."""
+    cu_q_B1: torch.Tensor
+    """Query sequences: sequence q is rows ``cu_q_B1[q]:cu_q_B1[q+1]`` (a run's prompt, a sequence's
+    rest after it, or a sequence that shares nothing)."""
+    key_index_K: torch.Tensor
+    """Each query sequence's key rows, concatenated in order (``cu_k_B1`` bounds them): a prompt's
+    own rows, a rest's prompt rows then its own."""
+    cu_k_B1: torch.Tensor
+
+    @property
+    def saved_tokens(self) -> int:
+        return int(self.expand_T.numel() - self.source_C.numel())
+
+
+def plan(input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor) -> PrefixSharing | None:
+    """The shared-prompt packing of a packed batch (host tensors), or None when no two adjacent
+    sequences share a prompt. A sequence's prompt is its tokens before its first loss-mask token
+    (all of it without one); a run shares when every member's prompt has the first member's length
+    (at least one token) and ids, and the rest of each member is non-empty."""
+    ids = input_ids_T.numpy()
+    cu = cu_seqlens_B1.tolist()
+    mask = loss_mask_T.numpy().astype(bool)
+    B = len(cu) - 1
+    prompt_len = []
+    for b in range(B):
+        first = np.flatnonzero(mask[cu[b] : cu[b + 1]])
+        prompt_len.append(int(first[0]) if first.size else cu[b + 1] - cu[b])
+    runs: list[list[int]] = []
+    for b in range(B):
+        p = prompt_len[b]
+        shares = (
+            runs
+            and p > 0
+            and p < cu[b + 1] - cu[b]
+            and prompt_len[runs[-1][0]] == p
+            and np.array_equal(ids[cu[b] : cu[b] + p], ids[cu[runs[-1][0]] : cu[runs[-1][0]] + p])
+        )
+        if shares:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    if all(len(run) == 1 for run in runs):
+        return None
+    source, key_index = [], []
+    cu_q, cu_k = [0], [0]
+    expand = np.empty(len(ids), dtype=np.int64)
+    rows = 0
+
+    def query(key_rows: np.ndarray, n: int) -> None:  # a query sequence over the last n of its keys
+        key_index.append(key_rows)
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + key_rows.size)
+
+    for run in runs:
+        s0 = cu[run[0]]
+        p = prompt_len[run[0]] if len(run) > 1 else 0
+        prompt_rows = np.arange(rows, rows + p)
+        if p:
+            source.append(np.arange(s0, s0 + p))
+            query(prompt_rows, p)
+            rows += p
+        for b in run:
+            s, e = cu[b], cu[b + 1]
+            own = np.arange(rows, rows + e - s - p)
+            expand[s : s + p] = prompt_rows
+            expand[s + p : e] = own
+            source.append(np.arange(s + p, e))
+            if own.size:
+                query(np.concatenate([prompt_rows, own]), own.size)
+            rows += own.size
+    as_tensor = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+    return PrefixSharing(
+        source_C=as_tensor(source),
+        expand_T=torch.from_numpy(expand),
+        cu_q_B1=torch.tensor(cu_q, dtype=torch.long),
+        key_index_K=as_tensor(key_index),
+        cu_k_B1=torch.tensor(cu_k, dtype=torch.long),
+    )
+
+
+class SharedPrefixAttention:
+    """The ``AttentionBackend`` of a shared-prompt packing: query sequence q attends causally to
+    its gathered keys, its queries being the last of them (flash's varlen kernel with the causal
+    mask aligned to the end of the keys on CUDA in 16-bit dtypes; SDPA per query sequence
+    elsewhere). No sliding window: ``plan``'s callers share prompts only without one."""
+
+    def __init__(self, sharing: PrefixSharing) -> None:
+        self.sharing = sharing
+        self._state: tuple | None = None
+        self._prepared_for: tuple | None = None
+
+    def prepare(
+        self,
+        num_tokens: int,
+        device: torch.device,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
+        cuda_impl: str | None = None,
+    ) -> None:
+        """Move the index tensors to ``device`` and pick the kernel once per forward (``Decoder.forward``
+        calls this before the layers, so compiled layers only read the result). ``cuda_impl`` is
+        accepted for ``PackedCausalAttention``'s signature; flex has no shared-prefix mask here."""
+        device = torch.device(device)
+        flash = (
+            device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16)
+            and (head_dim is None or (head_dim % 8 == 0 and head_dim <= 256))
+            and varlen_available()
+        )
+        if self._prepared_for == (num_tokens, device, flash):
+            return
+        sh = self.sharing
+        if int(sh.cu_q_B1[-1]) != num_tokens:
+            raise ValueError(
+                f"the shared-prefix packing covers {int(sh.cu_q_B1[-1])} rows, the forward has {num_tokens}"
+            )
+        key_index = sh.key_index_K.to(device, non_blocking=True)
+        seq_q = sh.cu_q_B1[1:] - sh.cu_q_B1[:-1]
+        seq_k = sh.cu_k_B1[1:] - sh.cu_k_B1[:-1]
+        if flash:
+            i32 = lambda cu: cu.to(device=device, dtype=torch.int32, non_blocking=True)
+            # varlen_features inspects a signature: read here, not inside compiled layers
+            self._state = (
+                "varlen",
+                key_index,
+                i32(sh.cu_q_B1),
+                i32(sh.cu_k_B1),
+                int(seq_q.max()),
+                int(seq_k.max()),
+                *varlen_features(),
+            )
+        else:
+            self._state = ("sdpa", key_index, sh.cu_q_B1.tolist(), sh.cu_k_B1.tolist())
+        self._prepared_for = (num_tokens, device, flash)
+
+    def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
+        if self._state is None:
+            self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype)
+        key_index = self._state[1]
+        k_KHD, v_KHD = k_THD.index_select(0, key_index), v_THD.index_select(0, key_index)
+        if self._state[0] == "varlen":
+            _, _, cu_q, cu_k, max_q, max_k, has_gqa, has_window = self._state
+            return varlen_causal(
+                q_THD, k_KHD, v_KHD, cu_q, cu_k, max_q, max_k, None, has_gqa=has_gqa, has_window=has_window
+            )
+        _, _, cu_q, cu_k = self._state
+        outs = []
+        for qs, qe, ks, ke in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+            q, k, v = q_THD[qs:qe].transpose(0, 1), k_KHD[ks:ke].transpose(0, 1), v_KHD[ks:ke].transpose(0, 1)
+            offset = (ke - ks) - (qe - qs)  # query i is key i + offset: it sees keys up to there
+            if offset:
+                idx_q = torch.arange(qe - qs, device=q.device)
+                idx_k = torch.arange(ke - ks, device=q.device)
+                allowed = idx_k[None, :] <= idx_q[:, None] + offset
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            outs.append(out.transpose(0, 1))
+        return torch.cat(outs) if outs else torch.empty_like(q_THD)
