@@ -136,10 +136,9 @@ class PackedCausalAttention:
         else:
             cu = self.cu_seqlens_B1.to(device=device, dtype=torch.int32)
             max_len = int((self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).max()) if num_tokens else 0
-            # this torch's varlen_attn keywords, read here (eagerly) so compiled layers do not trace
-            # inspect.signature
-            params = _varlen_params()
-            self._state = (cu, max_len, "enable_gqa" in params, "window_size" in params)
+            # this torch's varlen_attn features, read here (eagerly) so compiled layers do not trace
+            # inspect.signature or the GQA probe
+            self._state = (cu, max_len, *varlen_features())
         self._impl = impl
         self._prepared_for = (num_tokens, device, small_heads, flash_ok, self._cuda_impl)
 
@@ -257,7 +256,7 @@ def varlen_causal(
     max_k: int,
     sliding_window: int | None,
     *,
-    has_gqa: bool,
+    has_gqa: str,
     has_window: bool,
 ) -> torch.Tensor:
     """Causal flash attention of packed sequences (``varlen_attn``): sequence b's queries
@@ -269,10 +268,10 @@ def varlen_causal(
     from torch.nn.attention.varlen import varlen_attn
 
     groups = q_THD.shape[1] // k_THD.shape[1]
-    if groups > 1 and not has_gqa:  # torch 2.11: no GQA inside the kernel
+    if groups > 1 and not has_gqa:  # k/v repeated to the query heads
         k_THD = k_THD.repeat_interleave(groups, dim=1)
         v_THD = v_THD.repeat_interleave(groups, dim=1)
-    gqa = {"enable_gqa": True} if groups > 1 and has_gqa else {}
+    gqa = {"enable_gqa": True} if groups > 1 and has_gqa == GQA_FLAG else {}
     if has_window:  # newer torch: causal (sliding) window as (left, right)
         left = -1 if sliding_window is None else sliding_window - 1
         return varlen_attn(q_THD, k_THD, v_THD, cu_q_B1, cu_k_B1, max_q, max_k, window_size=(left, 0), **gqa)
@@ -281,11 +280,52 @@ def varlen_causal(
     return varlen_attn(q_THD, k_THD, v_THD, cu_q_B1, cu_k_B1, max_q, max_k, is_causal=True, **gqa)
 
 
-def varlen_features() -> tuple[bool, bool]:
-    """Whether this torch's ``varlen_attn`` takes GQA inputs and a sliding window (``varlen_causal``'s
-    ``has_gqa`` / ``has_window``)."""
+GQA_FLAG, GQA_NATIVE = "flag", "native"
+"""How ``varlen_attn`` takes k/v with fewer heads than q: through its ``enable_gqa`` flag, or as they
+are (a torch whose wrapper has no flag but passes them to flash, which supports GQA); "" when it
+takes neither (``varlen_causal`` then repeats them)."""
+
+
+def varlen_features() -> tuple[str, bool]:
+    """How this torch's ``varlen_attn`` takes GQA inputs (``GQA_FLAG``, ``GQA_NATIVE`` or "") and
+    whether it takes a sliding window (``varlen_causal``'s ``has_gqa`` / ``has_window``)."""
     params = _varlen_params()
-    return "enable_gqa" in params, "window_size" in params
+    gqa = GQA_FLAG if "enable_gqa" in params else GQA_NATIVE if _native_gqa() else ""
+    return gqa, "window_size" in params
+
+
+_NATIVE_GQA: bool | None = None
+
+
+def _native_gqa() -> bool:
+    """Whether ``varlen_attn`` without an ``enable_gqa`` flag gives, for k/v with fewer heads, what it
+    gives them repeated to the query heads, values and gradients (a tiny forward and backward on
+    the current CUDA device, once per process; False without CUDA, and not asked during a CUDA
+    graph capture, whose stream must not run it)."""
+    global _NATIVE_GQA
+    if _NATIVE_GQA is not None:
+        return _NATIVE_GQA
+    if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(24, h, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for h in (4, 2, 2))
+        cu = torch.tensor([0, 9, 24], device="cuda", dtype=torch.int32)
+        grads = []
+        for expand in (False, True):
+            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            k_in, v_in = (x.repeat_interleave(2, dim=1) if expand else x for x in (kk, vv))
+            out = varlen_attn(qq, k_in, v_in, cu, cu, 15, 15, window_size=(-1, 0))
+            out.float().square().sum().backward()
+            grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
+        _NATIVE_GQA = all(
+            a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in zip(*grads)
+        )
+    except (RuntimeError, ValueError, TypeError):  # a wrapper or kernel that refuses them: repeat
+        _NATIVE_GQA = False
+    return _NATIVE_GQA
 
 
 @functools.lru_cache(maxsize=1)

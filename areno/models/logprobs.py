@@ -29,8 +29,8 @@ from areno.models.decoder import Decoder
 from areno.models.fused_ops import thread_flag
 from areno.types import repeat_per_sequence
 
-AUTO_CHUNK_PEAK_BYTES = 4 << 30
-"""What an automatic chunk size (``auto_chunk_size``) lets one chunk add to a GPU's peak memory."""
+AUTO_CHUNK_MEMORY_SHARE = 16
+"""An automatic chunk size (``auto_chunk_size``) lets one chunk add 1/16 of the GPU's memory to the peak."""
 AUTO_CHUNK_RANGE = (1024, 8192)
 """Smallest and largest automatic chunk (tokens); CPU heads take the smallest."""
 
@@ -41,18 +41,25 @@ larger one is recomputed chunk by chunk in backward (the GPU heads of real vocab
 
 def auto_chunk_size(hidden_TD: torch.Tensor, weight_VD: torch.Tensor) -> int:
     """Tokens per chunk when the caller gives none: on a GPU the largest power of two in
-    ``AUTO_CHUNK_RANGE`` whose chunk adds at most ``AUTO_CHUNK_PEAK_BYTES`` (about three logits'
-    worth of bytes each: the logits, their gradient, the softmax's fp32 reads), on CPU the smallest.
-    Each chunk's backward reads and writes the whole fp32 [V, D] weight gradient, so on a GPU fewer,
-    larger chunks are faster (bench/LOG.md: the LM head's chunk size)."""
+    ``AUTO_CHUNK_RANGE`` whose chunk adds at most 1/``AUTO_CHUNK_MEMORY_SHARE`` of the device's
+    memory (about three logits' worth of bytes per entry: the logits, their gradient, the softmax's
+    fp32 reads), on CPU the smallest. Each chunk's backward reads and writes the whole fp32 [V, D]
+    weight gradient, so on a GPU fewer, larger chunks are faster (bench/LOG.md: the LM head's chunk
+    size)."""
     low, high = AUTO_CHUNK_RANGE
     if hidden_TD.device.type != "cuda":
         return low
+    budget = _device_memory(hidden_TD.device) // AUTO_CHUNK_MEMORY_SHARE
     per_token = 3 * weight_VD.shape[0] * hidden_TD.element_size()
     chunk = low
-    while chunk * 2 <= high and chunk * 2 * per_token <= AUTO_CHUNK_PEAK_BYTES:
+    while chunk * 2 <= high and chunk * 2 * per_token <= budget:
         chunk *= 2
     return chunk
+
+
+def _device_memory(device: torch.device) -> int:
+    """Total memory of a CUDA device, in bytes."""
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def _chunk_log_softmax(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:

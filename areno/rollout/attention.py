@@ -175,7 +175,7 @@ class _VarlenPrefill:
     max_q: int
     max_k: int
     sliding_window: int | None
-    has_gqa: bool
+    has_gqa: str
     has_window: bool
 
 

@@ -116,7 +116,7 @@ class ActorConfig:
     """Penalty at and beyond ``overlong_max_length``."""
     logprob_chunk_size: int | None = None
     """Tokens per chunk of the LM head's log-prob computation (memory and speed, not values); None:
-    ``models.logprobs.auto_chunk_size`` (on a GPU as large as a few GiB of logits allow)."""
+    ``models.logprobs.auto_chunk_size`` (on a GPU as large as 1/16 of its memory allows)."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, key: str, why: str) -> None:

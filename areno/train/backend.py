@@ -33,6 +33,7 @@ from areno.observe.trace import span
 from areno.train import checkpoint
 from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
 from areno.train.config import TrainBackendConfig
+from areno.train.dtensor import is_dtensor
 from areno.train.lora import adapter_named_weights, apply_lora, merged_named_weights, save_adapter
 from areno.train.offload import StorageOffloader, training_state_tensors
 from areno.train.optim import (
@@ -137,6 +138,8 @@ class PackedTrainBackend(TrainBackend):
         self.compile_cache: Path | None = None
         """Inductor's cache directory when this backend compiles (``train.compile``), else None."""
         self._first_step_done = False
+        self._plain_params: bool | None = None
+        """Whether no parameter is a DTensor (read once, for ``_queues_optimizer_step``)."""
 
     # ------------------------------------------------------------------ subclass hooks
     def _setup(self) -> None:
@@ -337,14 +340,27 @@ class PackedTrainBackend(TrainBackend):
         self._routing.begin_step(int(version_B[0]) if version_B is not None and len(version_B) else None)
         local_selected = selected[self._dp_rank]
         del selected  # the other ranks' micro-batches
-        loss_sum, tokens, metric_sums = self._accumulate_gradients(
+        loss_parts, tokens, metric_parts = self._accumulate_gradients(
             batch, plan, local_selected, forward_fn=forward_fn, loss_fn=loss_fn, reducer=reducer
         )
-        keys = sorted(metric_sums)
+        queued = self._queue_optimizer_step(loss_parts) if self._queues_optimizer_step() else None
+        # one host read (per device and dtype) for every loss and metric value (and a queued step's
+        # norm and skip flag): the first point where the host waits for the device
+        keys = sorted(metric_parts)
+        flat = host_floats(loss_parts + [v for key in keys for v in metric_parts[key]] + list(queued or ()))
+        loss_sum = 0.0
+        for part in flat[: len(loss_parts)]:  # float64 sums in micro-batch order
+            loss_sum += part
+        metric_sums, at = {}, len(loss_parts)
+        for key in keys:
+            metric_sums[key], at = sum(flat[at : at + len(metric_parts[key])]), at + len(metric_parts[key])
         stats = torch.tensor([loss_sum, tokens] + [metric_sums[k] for k in keys], dtype=torch.float64)
         stats = self._all_reduce_sum(stats)
         loss = float(stats[0])
-        grad_norm, lr = self._optimizer_step(loss)
+        if queued is not None:
+            grad_norm, lr = self._finish_queued_step(loss, flat[-2], skipped=flat[-1] != 0.0)
+        else:
+            grad_norm, lr = self._optimizer_step(loss)
         out = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -380,9 +396,10 @@ class PackedTrainBackend(TrainBackend):
         forward_fn: ForwardFn,
         loss_fn: LossFn,
         reducer: Reducer,
-    ) -> tuple[float, int, dict[str, float]]:
+    ) -> tuple[list[torch.Tensor], int, dict[str, list[Any]]]:
         """Forward and backward of this rank's micro-batches (``selected``: already selected on the
-        host); returns this rank's loss sum, trained tokens and metric sums."""
+        host); returns this rank's per-micro-batch losses (on the device), trained tokens and
+        per-micro-batch metric values, none of them read yet."""
         if not all(m.training for m in self.model.modules()):  # reading the flags: a fifth of train()'s time
             self.model.train()
         loss_scale = self._loss_scale()
@@ -425,16 +442,7 @@ class PackedTrainBackend(TrainBackend):
             metric_parts["rollout_routing_mismatch_pairs"] = [routing_pairs[2]]
             metric_parts["rollout_routing_pairs"] = [routing_pairs[3]]
             metric_parts["replayed_routing_pairs"] = [routing_pairs[4]]
-        # one host read (per device and dtype) for every loss and metric value
-        keys = list(metric_parts)
-        flat = host_floats(loss_parts + [v for key in keys for v in metric_parts[key]])
-        loss_sum = 0.0
-        for part in flat[: len(loss_parts)]:  # float64 sums in micro-batch order
-            loss_sum += part
-        metric_sums, at = {}, len(loss_parts)
-        for key in keys:
-            metric_sums[key], at = sum(flat[at : at + len(metric_parts[key])]), at + len(metric_parts[key])
-        return loss_sum, tokens, metric_sums
+        return loss_parts, tokens, metric_parts
 
     def _share_prompts(self, model: nn.Module) -> bool:
         """``train.share_prompts`` resolved for this model and layout; ``true`` where sharing cannot
@@ -453,6 +461,46 @@ class PackedTrainBackend(TrainBackend):
             raise ConfigError(f"train.share_prompts=true: not with {why}; set train.share_prompts=auto or false")
         return why is None and cfg.resolved_share_prompts(self.device.type)
 
+    def _queues_optimizer_step(self) -> bool:
+        """Whether this step's clip and update are queued before the host reads the loss: one CUDA
+        process whose fused AdamW skips a step on the device (its ``found_inf``), so the device
+        runs the norm, the clip and the update right after the last backward instead of idling
+        through two host reads. Sharded (DTensor) or data-parallel runs decide on the host."""
+        if self.device.type != "cuda" or self._dp_size != 1 or not self.optimizer.defaults.get("fused"):
+            return False
+        if self._plain_params is None:
+            self._plain_params = not any(is_dtensor(p) for p in self.model.parameters())
+        return self._plain_params
+
+    def _queue_optimizer_step(self, loss_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grad norm, clip and AdamW queued on the device without a host read: a non-finite loss
+        or norm sets the fused update's ``found_inf`` (it then changes no weight, state or step
+        count), as ``_optimizer_step`` skips on the host. Returns the norm and the skip flag
+        (float32 scalars on the device); ``_finish_queued_step`` completes the step."""
+        self._restore_parked()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0).float()
+        loss = torch.stack([part.float() for part in loss_parts]).sum()
+        found_inf = (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
+        if self.cfg.grad_clip:  # clip_grads' coefficient, applied on the device (1 when within the norm)
+            torch._foreach_mul_(grads, (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0))
+        self.optimizer.found_inf = found_inf
+        try:
+            with span("optimizer_step", "train"):
+                self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, found_inf
+
+    def _finish_queued_step(self, loss: float, grad_norm: float, *, skipped: bool) -> tuple[float, float]:
+        """The host's part of a queued step, once its values are read: the schedule, the counters and
+        the non-finite checks of ``_optimizer_step``."""
+        lr = self.scheduler.get_last_lr()[0]
+        if not skipped:
+            self.scheduler.step()
+        return grad_norm, self._count_step(skipped, loss, grad_norm, lr)
+
     def _optimizer_step(self, loss: float) -> tuple[float, float]:
         """Clip and step, or skip a step whose (all-reduced) loss or global grad norm is not finite;
         raises ``NonFiniteStepError`` after ``max_consecutive_skips`` skips in a row. Returns the
@@ -469,12 +517,19 @@ class PackedTrainBackend(TrainBackend):
             with span("optimizer_step", "train"):
                 self.optimizer.step()
             self.scheduler.step()
-            self._consecutive_skips = 0
         else:  # gradients of a NaN/inf loss (or a NaN/inf norm) are garbage: drop them
             lr = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, self._count_step(skipped, loss, grad_norm, lr)
+
+    def _count_step(self, skipped: bool, loss: float, grad_norm: float, lr: float) -> float:
+        """Count a taken or skipped step and raise on a diverged model or too many skips in a row;
+        returns the learning rate applied (0 when skipped)."""
+        if skipped:
             self._skipped_steps += 1
             self._consecutive_skips += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self._consecutive_skips = 0
         self._step += 1
         if skipped and not self._parameters_finite():  # a diverged model: no later step repairs it
             raise NonFiniteParametersError(role=self.cfg.role_name, step=self._step, when="the loss became NaN/inf")
@@ -486,7 +541,7 @@ class PackedTrainBackend(TrainBackend):
                 loss=loss,
                 grad_norm=grad_norm,
             )
-        return grad_norm, lr
+        return 0.0 if skipped else lr
 
     @torch.no_grad()
     def forward_only(self, batch: TokenBatch, *, forward_fn: ForwardFn) -> dict[str, torch.Tensor]:

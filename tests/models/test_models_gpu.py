@@ -136,3 +136,13 @@ def test_cuda_head_weight_gradient_accumulates_in_the_gemm():
     (rw,) = torch.autograd.grad(torch.log_softmax(h64 @ w64.t(), -1).gather(-1, targets[:, None]).sum(), (w64,))
     # bf16 logits and a bf16 result: within 1% of the gradient's scale (the largest entries are ~10)
     torch.testing.assert_close(gw.double(), rw, rtol=2e-2, atol=1e-2 * rw.abs().max().item())
+
+
+def test_varlen_takes_gqa_inputs_without_repeating_them():
+    """torch 2.11's varlen_attn has no enable_gqa flag but hands k/v to flash, which takes fewer
+    k/v heads: the probe finds that (values and gradients equal to repeated k/v), so training and
+    prefill pass them as they are; newer torch has the flag."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    from areno.models.attention import GQA_FLAG, GQA_NATIVE, varlen_features
+
+    assert varlen_features()[0] in (GQA_FLAG, GQA_NATIVE)

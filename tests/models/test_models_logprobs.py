@@ -227,17 +227,23 @@ class _GpuHidden:
         return self._itemsize
 
 
-def test_auto_chunk_size_fits_the_peak_budget():
-    """None picks a power of two within the range whose chunk stays in the budget (about three
-    logits' bytes per entry); CPU heads take the smallest."""
-    from areno.models.logprobs import AUTO_CHUNK_PEAK_BYTES, AUTO_CHUNK_RANGE, auto_chunk_size
+def test_auto_chunk_size_fits_the_peak_budget(monkeypatch):
+    """None picks a power of two within the range whose chunk stays within a share of the GPU's
+    memory (about three logits' bytes per entry); CPU heads take the smallest."""
+    from areno.models import logprobs as lp
 
-    low, high = AUTO_CHUNK_RANGE
-    assert auto_chunk_size(torch.zeros(4, 8), torch.zeros(151_936, 8)) == low
-    for vocab, itemsize in [(151_936, 2), (32_000, 2), (262_144, 2), (151_936, 4), (10**7, 2)]:
-        chunk = auto_chunk_size(_GpuHidden(itemsize), torch.empty(vocab, 0))
-        assert low <= chunk <= high and chunk & (chunk - 1) == 0
-        assert chunk == low or 3 * vocab * itemsize * chunk <= AUTO_CHUNK_PEAK_BYTES
-        assert chunk == high or 3 * vocab * itemsize * chunk * 2 > AUTO_CHUNK_PEAK_BYTES
-    # the 0.5B-1.5B heads of Qwen2.5 in bf16 (the bench rows): 4096 tokens per chunk
-    assert auto_chunk_size(_GpuHidden(2), torch.empty(151_936, 0)) == 4096
+    low, high = lp.AUTO_CHUNK_RANGE
+    assert lp.auto_chunk_size(torch.zeros(4, 8), torch.zeros(151_936, 8)) == low
+    for memory in (24 << 30, 80 << 30, 141 << 30):
+        monkeypatch.setattr(lp, "_device_memory", lambda device, m=memory: m)
+        budget = memory // lp.AUTO_CHUNK_MEMORY_SHARE
+        for vocab, itemsize in [(151_936, 2), (32_000, 2), (262_144, 2), (151_936, 4), (10**7, 2)]:
+            chunk = lp.auto_chunk_size(_GpuHidden(itemsize), torch.empty(vocab, 0))
+            assert low <= chunk <= high and chunk & (chunk - 1) == 0
+            assert chunk == low or 3 * vocab * itemsize * chunk <= budget
+            assert chunk == high or 3 * vocab * itemsize * chunk * 2 > budget
+    # Qwen2.5's 151,936-token head in bf16: 1024 tokens on a 24 GiB GPU, 4096 on 80, 8192 on an H200
+    expected = {24 << 30: 1024, 80 << 30: 4096, 139 << 30: 8192}
+    for memory, chunk in expected.items():
+        monkeypatch.setattr(lp, "_device_memory", lambda device, m=memory: m)
+        assert lp.auto_chunk_size(_GpuHidden(2), torch.empty(151_936, 0)) == chunk

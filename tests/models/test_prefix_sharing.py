@@ -104,7 +104,8 @@ def test_actor_loss_under_shared_prompts_equals_unshared():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shared_forward_equals_unshared_forward_with_flash():
     """bf16 on the GPU: the varlen flash path (keys gathered, causal mask aligned to their end)."""
-    specs = [("a", list(range(5, 69)), n) for n in (40, 70, 33, 90)] + [("b", list(range(7, 30)), 50)]
+    prompt = [3 + i % (VOCAB - 3) for i in range(64)]
+    specs = [("a", prompt, n) for n in (40, 70, 33, 90)] + [("b", prompt[7:30], 50)]
     batch = shared_batch(specs)
     (ref, ref_grads), (out, grads) = (
         _logprobs_and_grads(batch, False, "cuda", torch.bfloat16),
@@ -146,3 +147,18 @@ def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
         b.initialize(make_model_dir(tmp_path / "w", arch="mistral", sliding_window=4))
     with pytest.raises(ConfigError, match="train.share_prompts: must be true, false or auto, got 'yes'"):
         TrainBackendConfig(share_prompts="yes")
+
+
+def test_varlen_gqa_mode_follows_the_signature_and_the_probe(monkeypatch):
+    """``varlen_features``: the flag where varlen_attn has one; else the probe's answer (False
+    without CUDA), so ``varlen_causal`` repeats k/v only where neither takes them."""
+    from areno.models import attention
+
+    monkeypatch.setattr(attention, "_varlen_params", lambda: frozenset({"enable_gqa", "window_size"}))
+    assert attention.varlen_features() == (attention.GQA_FLAG, True)
+    monkeypatch.setattr(attention, "_varlen_params", lambda: frozenset({"window_size"}))
+    monkeypatch.setattr(attention, "_NATIVE_GQA", True)
+    assert attention.varlen_features() == (attention.GQA_NATIVE, True)
+    monkeypatch.setattr(attention, "_NATIVE_GQA", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert attention.varlen_features() == ("", True)

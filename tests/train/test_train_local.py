@@ -86,7 +86,37 @@ def test_packed_equals_unpacked_and_batch_order_restored(model_dir):
     assert math.isclose(metrics["loss"], float(hand), rel_tol=1e-5)
 
 
-def test_non_finite_grad_skips_step(model_dir):
+@pytest.fixture(params=["host", "queued"])
+def step_path(request, monkeypatch):
+    """Both ways a step clips and updates: decided on the host after reading the loss and norm, or
+    queued on the device behind the last backward (``_queue_optimizer_step``: one CUDA process's
+    default; forced here, CPU's fused AdamW takes ``found_inf`` too)."""
+    from areno.train.backend import PackedTrainBackend
+
+    if request.param == "queued":
+        monkeypatch.setattr(PackedTrainBackend, "_queues_optimizer_step", lambda self: True)
+    return request.param
+
+
+def test_queued_step_equals_the_host_decided_step(model_dir, monkeypatch):
+    from areno.train.backend import PackedTrainBackend
+
+    runs = []
+    for queued in (False, True):
+        monkeypatch.setattr(PackedTrainBackend, "_queues_optimizer_step", lambda self, q=queued: q)
+        b = backend(model_dir, grad_clip=0.05, schedule="linear_warmup", warmup_steps=2, weight_decay=0.1)
+        metrics = [step(b, random_batch(LENGTHS, VOCAB, 300 + s)) for s in range(3)]
+        runs.append((metrics, {n: p.detach().clone() for n, p in b.model.named_parameters()}, b))
+    (m_host, p_host, b_host), (m_queued, p_queued, b_queued) = runs
+    for a, q in zip(m_host, m_queued):
+        assert math.isclose(a["loss"], q["loss"], rel_tol=1e-5) and a["lr"] == q["lr"] and a["step"] == q["step"]
+        assert math.isclose(a["grad_norm"], q["grad_norm"], rel_tol=1e-5)
+    for name, p in p_host.items():  # (k_proj's bias has a ~0 gradient: Adam moves it by its rounding noise)
+        torch.testing.assert_close(p_queued[name], p, rtol=1e-5, atol=1e-5, msg=name)
+    assert b_queued.optimizer.state_dict()["state"][0]["step"] == b_host.optimizer.state_dict()["state"][0]["step"]
+
+
+def test_non_finite_grad_skips_step(model_dir, step_path):
     b = backend(model_dir)
     before = {k: v.clone() for k, v in b.model.state_dict().items()}
 
@@ -100,10 +130,14 @@ def test_non_finite_grad_skips_step(model_dir):
     for k, v in b.model.state_dict().items():
         assert torch.equal(v, before[k])
     assert all(p.grad is None for p in b.model.parameters())
-    assert step(b, random_batch(LENGTHS, VOCAB, 3))["skipped_steps"] == 1
+    assert m["lr"] == 0.0 and m["consecutive_skips"] == 1
+    m = step(b, random_batch(LENGTHS, VOCAB, 3))
+    assert m["skipped_steps"] == 1 and m["consecutive_skips"] == 0 and m["lr"] > 0
+    # the skipped step counted no AdamW step (bias correction starts at the first taken one)
+    assert {float(st["step"]) for st in b.optimizer.state.values()} == {1.0}
 
 
-def test_grad_clip_and_schedule(model_dir):
+def test_grad_clip_and_schedule(model_dir, step_path):
     b = backend(model_dir, grad_clip=1e-3, schedule="linear_warmup", warmup_steps=2, lr=0.1)
     grads, m = captured_grads(b, random_batch(LENGTHS, VOCAB, 4))
     total = math.sqrt(sum(float(g.norm()) ** 2 for g in grads.values()))
