@@ -114,8 +114,8 @@ def plan(input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: to
 class SharedPrefixAttention:
     """The ``AttentionBackend`` of a shared-prompt packing: query sequence q attends causally to
     its gathered keys, its queries being the last of them (flash's varlen kernel with the causal
-    mask aligned to the end of the keys on CUDA in 16-bit dtypes; SDPA per query sequence
-    elsewhere). No sliding window: ``plan``'s callers share prompts only without one."""
+    mask aligned to the end of the keys on CUDA in 16-bit dtypes; elsewhere one SDPA call over the
+    query sequences right-padded into a batch, with a mask). No sliding window: ``plan``'s callers share prompts only without one."""
 
     def __init__(self, sharing: PrefixSharing) -> None:
         self.sharing = sharing
@@ -163,7 +163,7 @@ class SharedPrefixAttention:
                 *varlen_features(),
             )
         else:
-            self._state = ("sdpa", key_index, sh.cu_q_B1.tolist(), sh.cu_k_B1.tolist())
+            self._state = ("padded", key_index, *_padded_layout(sh, device))
         self._prepared_for = (num_tokens, device, flash)
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
@@ -176,17 +176,34 @@ class SharedPrefixAttention:
             return varlen_causal(
                 q_THD, k_KHD, v_KHD, cu_q, cu_k, max_q, max_k, None, has_gqa=has_gqa, has_window=has_window
             )
-        _, _, cu_q, cu_k = self._state
-        outs = []
-        for qs, qe, ks, ke in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
-            q, k, v = q_THD[qs:qe].transpose(0, 1), k_KHD[ks:ke].transpose(0, 1), v_KHD[ks:ke].transpose(0, 1)
-            offset = (ke - ks) - (qe - qs)  # query i is key i + offset: it sees keys up to there
-            if offset:
-                idx_q = torch.arange(qe - qs, device=q.device)
-                idx_k = torch.arange(ke - ks, device=q.device)
-                allowed = idx_k[None, :] <= idx_q[:, None] + offset
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            outs.append(out.transpose(0, 1))
-        return torch.cat(outs) if outs else torch.empty_like(q_THD)
+        _, _, flat_q, flat_k, allowed_QSK = self._state
+        n, sq, sk = allowed_QSK.shape
+
+        def pad(x_THD: torch.Tensor, flat: torch.Tensor, s: int) -> torch.Tensor:  # -> [Q, H, s, Dh]
+            out = x_THD.new_zeros(n * s, *x_THD.shape[1:]).index_copy(0, flat, x_THD)
+            return out.view(n, s, *x_THD.shape[1:]).transpose(1, 2)
+
+        q, k, v = pad(q_THD, flat_q, sq), pad(k_KHD, flat_k, sk), pad(v_KHD, flat_k, sk)
+        dtype = q.dtype
+        if dtype == torch.bfloat16 and q.device.type == "cpu":  # as PackedCausalAttention: CPU SDPA is faster in fp32
+            q, k, v = q.float(), k.float(), v.float()
+        with torch.autocast(q.device.type, enabled=False):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_QSK[:, None], enable_gqa=True)
+        return out.to(dtype).transpose(1, 2).reshape(n * sq, *q_THD.shape[1:]).index_select(0, flat_q)
+
+
+def _padded_layout(sh: PrefixSharing, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query sequences right-padded into one batch: each packed row's flat index in [Q * Sq], each
+    gathered key's in [Q * Sk], and the bool mask [Q, Sq, Sk] (query a of sequence q sees key b when
+    b <= a + its keys' excess over its queries; padded query rows see their first key, so no row is
+    empty)."""
+    len_q = (sh.cu_q_B1[1:] - sh.cu_q_B1[:-1]).tolist()
+    len_k = (sh.cu_k_B1[1:] - sh.cu_k_B1[:-1]).tolist()
+    sq, sk = max(len_q), max(len_k)
+    flat_q = torch.cat([torch.arange(n) + i * sq for i, n in enumerate(len_q)])
+    flat_k = torch.cat([torch.arange(n) + i * sk for i, n in enumerate(len_k)])
+    a = torch.arange(sq)[None, :, None]
+    b = torch.arange(sk)[None, None, :]
+    nq, nk = torch.tensor(len_q)[:, None, None], torch.tensor(len_k)[:, None, None]
+    allowed = (b <= a + (nk - nq)) & (a < nq) | (b == 0)
+    return flat_q.to(device), flat_k.to(device), allowed.to(device)

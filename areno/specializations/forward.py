@@ -150,6 +150,11 @@ class ScalarHeadModel(nn.Module):
         return self.decoder.config
 
     @property
+    def share_prompts(self) -> bool:
+        """The decoder's ``share_prompts`` (``hidden_states_TD`` reads it from the model it is given)."""
+        return self.decoder.share_prompts
+
+    @property
     def output_weight(self) -> torch.Tensor:
         return self.decoder.output_weight
 

@@ -457,6 +457,8 @@ class PackedTrainBackend(TrainBackend):
             why = "a vision-language model"
         elif self.model_config.sliding_window is not None:
             why = "sliding-window attention"
+        elif cfg.attention == "flex":
+            why = "train.attention=flex, whose document mask has no shared prompts"
         if why is not None and cfg.share_prompts is True:
             raise ConfigError(f"train.share_prompts=true: not with {why}; set train.share_prompts=auto or false")
         return why is None and cfg.resolved_share_prompts(self.device.type)

@@ -120,8 +120,8 @@ class TrainStepConfig:
     samples of one prompt; ``areno.models.prefix_sharing``): the same hidden states, log-probs and
     gradients up to summation order, over fewer tokens. ``true``, ``false`` or ``auto`` (on for CUDA;
     off on CPU, whose attention there runs one SDPA call per sequence instead of one padded batch).
-    Needs a dense decoder without a sliding window, text-only batches and cp_size=1: ``auto`` is off
-    otherwise, ``true`` is refused."""
+    Needs a dense decoder without a sliding window, text-only batches, cp_size=1 and an attention other
+    than ``flex``: ``auto`` is off otherwise, ``true`` is refused."""
     seed: int = 0
     """Seed of the run: model initialisation, the torch / python RNGs of every training rank, the
     rollouts' sampling seeds."""

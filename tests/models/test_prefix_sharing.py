@@ -87,6 +87,21 @@ def test_shared_forward_equals_unshared_forward_on_cpu():
         assert (grads[name] - g).abs().max() <= 1e-5 * g.abs().max(), name
 
 
+def test_critic_values_under_shared_prompts_equal_unshared():
+    """A value head over the decoder (``ScalarHeadModel``) shares its decoder's setting."""
+    from areno.specializations.forward import ScalarHeadModel, values_T
+
+    batch = shared_batch()
+    out = []
+    for share in (False, True):
+        critic = ScalarHeadModel(make_decoder(0))
+        torch.nn.init.normal_(critic.score.weight, generator=torch.Generator().manual_seed(3))
+        critic.decoder.share_prompts = share
+        assert critic.share_prompts is share
+        out.append(values_T(critic, batch))
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5)
+
+
 def test_actor_loss_under_shared_prompts_equals_unshared():
     batch = shared_batch()
     spec = ActorSpecialization(ActorConfig(entropy_coef=0.01))
@@ -145,6 +160,9 @@ def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
     with pytest.raises(ConfigError, match=r"^train.share_prompts=true: not with sliding-window attention; set"):
         b = LocalTrainBackend(TrainBackendConfig(device="cpu", share_prompts=True))
         b.initialize(make_model_dir(tmp_path / "w", arch="mistral", sliding_window=4))
+    with pytest.raises(ConfigError, match=r"^train.share_prompts=true: not with train.attention=flex, whose"):
+        b = LocalTrainBackend(TrainBackendConfig(device="cpu", share_prompts=True, attention="flex"))
+        b.initialize(model_dir)
     with pytest.raises(ConfigError, match="train.share_prompts: must be true, false or auto, got 'yes'"):
         TrainBackendConfig(share_prompts="yes")
 
