@@ -92,9 +92,7 @@ class PackedCausalAttention:
         if cuda_impl is not None:
             self._cuda_impl = cuda_impl
         small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
-        flash_ok = (dtype is None or dtype in (torch.bfloat16, torch.float16)) and (
-            head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
-        )
+        flash_ok = flash_runs(dtype, head_dim)
         if self._prepared_for == (num_tokens, device, small_heads, flash_ok, self._cuda_impl):
             return
         impl = self.impl
@@ -234,6 +232,14 @@ class PackedCausalAttention:
 
 
 _FLEX = None
+
+
+def flash_runs(dtype: torch.dtype | None, head_dim: int | None) -> bool:
+    """Whether flash kernels take q of this dtype and head dim (None: not known yet, assumed so):
+    16-bit, a head dim that is a multiple of 8 and at most 256."""
+    return (dtype is None or dtype in (torch.bfloat16, torch.float16)) and (
+        head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
+    )
 
 
 @functools.lru_cache(maxsize=1)

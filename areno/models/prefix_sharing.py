@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from areno.models.attention import varlen_available, varlen_causal, varlen_features
+from areno.models.attention import flash_runs, varlen_available, varlen_causal, varlen_features
 
 
 @dataclass(frozen=True)
@@ -134,12 +134,7 @@ class SharedPrefixAttention:
         calls this before the layers, so compiled layers only read the result). ``cuda_impl`` is
         accepted for ``PackedCausalAttention``'s signature; flex has no shared-prefix mask here."""
         device = torch.device(device)
-        flash = (
-            device.type == "cuda"
-            and dtype in (torch.bfloat16, torch.float16)
-            and (head_dim is None or (head_dim % 8 == 0 and head_dim <= 256))
-            and varlen_available()
-        )
+        flash = device.type == "cuda" and dtype is not None and flash_runs(dtype, head_dim) and varlen_available()
         if self._prepared_for == (num_tokens, device, flash):
             return
         sh = self.sharing

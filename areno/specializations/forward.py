@@ -33,10 +33,11 @@ def hidden_states_TD(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     cu_host_B1 = batch.cu_seqlens_B1.cpu()  # bounds are read on the host (no GPU stall)
     images = batch_images(batch)
     if images is None and getattr(model, "share_prompts", False):
-        sharing = prefix_sharing.plan(batch.input_ids_T.cpu(), cu_host_B1, batch.loss_mask_T.cpu())
+        ids_host_T = batch.input_ids_T.cpu()
+        sharing = prefix_sharing.plan(ids_host_T, cu_host_B1, batch.loss_mask_T.cpu())
         if sharing is not None:
             pos_T = position_ids_from_cu_seqlens(cu_host_B1, "cpu")
-            ids_C = host_to_device(batch.input_ids_T.cpu().index_select(0, sharing.source_C), device)
+            ids_C = host_to_device(ids_host_T.index_select(0, sharing.source_C), device)
             pos_C = host_to_device(pos_T.index_select(0, sharing.source_C), device)
             hidden_CD = model(ids_C, pos_C, prefix_sharing.SharedPrefixAttention(sharing))
             return hidden_CD.index_select(0, host_to_device(sharing.expand_T, device))

@@ -482,7 +482,7 @@ class PackedTrainBackend(TrainBackend):
         self._restore_parked()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0).float()
-        loss = torch.stack([part.float() for part in loss_parts]).sum()
+        loss = torch.stack([part.float() for part in loss_parts]).sum() if loss_parts else norm.new_zeros(())
         found_inf = (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
         if self.cfg.grad_clip:  # clip_grads' coefficient, applied on the device (1 when within the norm)
             torch._foreach_mul_(grads, (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0))
