@@ -461,7 +461,7 @@ class PackedTrainBackend(TrainBackend):
             why = "train.attention=flex, whose document mask has no shared prompts"
         if why is not None and cfg.share_prompts is True:
             raise ConfigError(f"train.share_prompts=true: not with {why}; set train.share_prompts=auto or false")
-        return why is None and cfg.resolved_share_prompts(self.device.type)
+        return why is None and cfg.resolved_share_prompts()
 
     def _queues_optimizer_step(self) -> bool:
         """Whether this step's clip and update are queued before the host reads the loss: one CUDA

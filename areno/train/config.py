@@ -118,10 +118,9 @@ class TrainStepConfig:
     share_prompts: bool | str = "auto"
     """Compute a run of adjacent sequences' common prompt once in training forwards (a GRPO group's
     samples of one prompt; ``areno.models.prefix_sharing``): the same hidden states, log-probs and
-    gradients up to summation order, over fewer tokens. ``true``, ``false`` or ``auto`` (on for CUDA;
-    off on CPU, whose attention there runs one SDPA call per sequence instead of one padded batch).
-    Needs a dense decoder without a sliding window, text-only batches, cp_size=1 and an attention other
-    than ``flex``: ``auto`` is off otherwise, ``true`` is refused."""
+    gradients up to summation order, over fewer tokens. ``true``, ``false`` or ``auto`` (on wherever it
+    applies). It applies to a dense decoder without a sliding window, text-only batches, cp_size=1 and
+    an attention other than ``flex``: ``auto`` is off otherwise, ``true`` is refused."""
     seed: int = 0
     """Seed of the run: model initialisation, the torch / python RNGs of every training rank, the
     rollouts' sampling seeds."""
@@ -317,9 +316,9 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
         """Compute dtype as a torch dtype (see ``param_dtype``)."""
         return getattr(torch, self.resolved_param_dtype(device))
 
-    def resolved_share_prompts(self, device: str) -> bool:
-        """Whether to share prompts on ``device`` (``auto``: on CUDA only)."""
-        return device == "cuda" if self.share_prompts == "auto" else bool(self.share_prompts)
+    def resolved_share_prompts(self) -> bool:
+        """Whether to share prompts where it applies (``auto`` and ``true``: yes)."""
+        return self.share_prompts is not False
 
     def resolved_compile(self, device: str) -> bool:
         """Whether to compile on ``device`` (``auto``: on CUDA only)."""

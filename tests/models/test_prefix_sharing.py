@@ -138,8 +138,8 @@ def _token_forward(model, mb):
 
 
 def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
-    """``train.share_prompts``: auto is off on CPU; true trains one step to the unshared step's
-    loss and weights (fp32 rounding); true where it cannot apply is one ConfigError line."""
+    """``train.share_prompts``: auto and true share (here on CPU), and train one step to the unshared
+    step's loss and weights (fp32 rounding); true where it cannot apply is one ConfigError line."""
     from areno.errors import ConfigError
     from areno.train import LocalTrainBackend, TrainBackendConfig
     from tests.helpers.train import make_model_dir, nll_loss, token_denominator
@@ -150,11 +150,11 @@ def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
     for share in ("auto", True, False):
         b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", grad_clip=None, share_prompts=share))
         b.initialize(model_dir)
-        assert b.model.share_prompts is (share is True)
+        assert b.model.share_prompts is (share is not False)
         metrics = b.train_step(batch, forward_fn=_token_forward, loss_fn=nll_loss, denominator_fn=token_denominator)
         losses.append(metrics["loss"])
         params.append({n: p.detach().clone() for n, p in b.model.named_parameters()})
-    assert losses[1] == pytest.approx(losses[2], rel=1e-5)
+    assert losses[0] == losses[1] == pytest.approx(losses[2], rel=1e-5)
     for name, p in params[2].items():
         torch.testing.assert_close(params[1][name], p, rtol=1e-4, atol=1e-6, msg=name)
     with pytest.raises(ConfigError, match=r"^train.share_prompts=true: not with sliding-window attention; set"):

@@ -97,7 +97,7 @@ def test_train_attention_reaches_the_trained_models(tiny_model_dir, tmp_path, ch
 
 @pytest.mark.parametrize("choice", ["true", "false", "auto"])
 def test_train_share_prompts_reaches_the_trained_models(tiny_model_dir, tmp_path, choice):
-    """`train.share_prompts` is each trained model's ``Decoder.share_prompts`` (auto: off on CPU)."""
+    """`train.share_prompts` is each trained model's ``Decoder.share_prompts`` (auto: on where it applies)."""
     from areno.engine.api import build_role_backends, resolve_recipe
     from areno.models.decoder import Decoder
     from areno.train import LocalTrainBackend
@@ -113,7 +113,7 @@ def test_train_share_prompts_reaches_the_trained_models(tiny_model_dir, tmp_path
     )
     built = build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
     decoders = [m for b in built.values() for m in b.model.modules() if isinstance(m, Decoder)]
-    assert decoders and all(d.share_prompts is (choice == "true") for d in decoders)
+    assert decoders and all(d.share_prompts is (choice != "false") for d in decoders)
     assert Decoder.share_prompts is False  # the class default: untouched
 
 
