@@ -306,12 +306,12 @@ _NATIVE_GQA: bool | None = None
 def _native_gqa() -> bool:
     """Whether ``varlen_attn`` without an ``enable_gqa`` flag gives, for k/v with fewer heads, what it
     gives them repeated to the query heads, values and gradients (a tiny forward and backward on
-    the current CUDA device, once per process; False without CUDA, and not asked during a CUDA
-    graph capture, whose stream must not run it)."""
+    the current CUDA device, once per process; False before the process uses CUDA, which a CPU run
+    on a GPU machine never does, and not asked during a CUDA graph capture, whose stream must not run it)."""
     global _NATIVE_GQA
     if _NATIVE_GQA is not None:
         return _NATIVE_GQA
-    if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+    if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
         return False
     from torch.nn.attention.varlen import varlen_attn
 

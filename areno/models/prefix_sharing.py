@@ -115,7 +115,8 @@ class SharedPrefixAttention:
     """The ``AttentionBackend`` of a shared-prompt packing: query sequence q attends causally to
     its gathered keys, its queries being the last of them (flash's varlen kernel with the causal
     mask aligned to the end of the keys on CUDA in 16-bit dtypes; elsewhere one SDPA call over the
-    query sequences right-padded into a batch, with a mask). No sliding window: ``plan``'s callers share prompts only without one."""
+    query sequences right-padded into a batch, with a mask). No sliding window: ``plan``'s callers
+    share prompts only without one."""
 
     def __init__(self, sharing: PrefixSharing) -> None:
         self.sharing = sharing

@@ -145,4 +145,5 @@ def test_varlen_takes_gqa_inputs_without_repeating_them():
     pytest.importorskip("torch.nn.attention.varlen")
     from areno.models.attention import GQA_FLAG, GQA_NATIVE, varlen_features
 
+    torch.zeros(1, device="cuda")  # the probe runs once the process uses CUDA
     assert varlen_features()[0] in (GQA_FLAG, GQA_NATIVE)

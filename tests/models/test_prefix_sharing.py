@@ -169,7 +169,7 @@ def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
 
 def test_varlen_gqa_mode_follows_the_signature_and_the_probe(monkeypatch):
     """``varlen_features``: the flag where varlen_attn has one; else the probe's answer (False
-    without CUDA), so ``varlen_causal`` repeats k/v only where neither takes them."""
+    before the process uses CUDA), so ``varlen_causal`` repeats k/v only where neither takes them."""
     from areno.models import attention
 
     monkeypatch.setattr(attention, "_varlen_params", lambda: frozenset({"enable_gqa", "window_size"}))
@@ -178,5 +178,5 @@ def test_varlen_gqa_mode_follows_the_signature_and_the_probe(monkeypatch):
     monkeypatch.setattr(attention, "_NATIVE_GQA", True)
     assert attention.varlen_features() == (attention.GQA_NATIVE, True)
     monkeypatch.setattr(attention, "_NATIVE_GQA", None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert attention.varlen_features() == ("", True)
