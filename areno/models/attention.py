@@ -187,24 +187,7 @@ class PackedCausalAttention:
 
     def _sdpa_padded(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         flat_T, num_seqs, max_len = self._state
-
-        def pad(x_THD: torch.Tensor) -> torch.Tensor:  # [T, H, Dh] -> [B, H, S, Dh]
-            out = x_THD.new_zeros(num_seqs * max_len, *x_THD.shape[1:])
-            out = out.index_copy(0, flat_T, x_THD)
-            return out.view(num_seqs, max_len, *x_THD.shape[1:]).transpose(1, 2)
-
-        q, k, v = pad(q_THD), pad(k_THD), pad(v_THD)
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward);
-            # autocast would cast the inputs back
-            with torch.autocast("cpu", enabled=False):
-                out_BHSD = F.scaled_dot_product_attention(
-                    q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True
-                ).to(q.dtype)
-        else:
-            out_BHSD = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        out_flat = out_BHSD.transpose(1, 2).reshape(num_seqs * max_len, *q_THD.shape[1:])
-        return out_flat.index_select(0, flat_T)
+        return padded_sdpa(q_THD, k_THD, v_THD, flat_T, flat_T, num_seqs, max_len, max_len)
 
     def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         cu, max_len, has_gqa, has_window = self._state
@@ -232,6 +215,39 @@ class PackedCausalAttention:
 
 
 _FLEX = None
+
+
+def padded_sdpa(
+    q_THD: torch.Tensor,
+    k_KHD: torch.Tensor,
+    v_KHD: torch.Tensor,
+    flat_q_T: torch.Tensor,
+    flat_k_K: torch.Tensor,
+    num_seqs: int,
+    len_q: int,
+    len_k: int,
+    mask_BQK: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One SDPA call over packed sequences right-padded into a batch: row t of q goes to flat index
+    ``flat_q_T[t]`` of [B * len_q], key k to ``flat_k_K[k]`` of [B * len_k]; causal (aligned to the
+    top left) without ``mask_BQK``, else that bool mask [B, len_q, len_k]. Returns q's rows."""
+
+    def pad(x_THD: torch.Tensor, flat: torch.Tensor, length: int) -> torch.Tensor:  # -> [B, H, length, Dh]
+        out = x_THD.new_zeros(num_seqs * length, *x_THD.shape[1:]).index_copy(0, flat, x_THD)
+        return out.view(num_seqs, length, *x_THD.shape[1:]).transpose(1, 2)
+
+    q, k, v = pad(q_THD, flat_q_T, len_q), pad(k_KHD, flat_k_K, len_k), pad(v_KHD, flat_k_K, len_k)
+    mask = {"is_causal": True} if mask_BQK is None else {"attn_mask": mask_BQK[:, None]}
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward);
+        # autocast would cast the inputs back
+        with torch.autocast("cpu", enabled=False):
+            out_BHSD = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True, **mask)
+        out_BHSD = out_BHSD.to(q.dtype)
+    else:
+        out_BHSD = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
+    out_flat = out_BHSD.transpose(1, 2).reshape(num_seqs * len_q, *q_THD.shape[1:])
+    return out_flat.index_select(0, flat_q_T)
 
 
 def flash_runs(dtype: torch.dtype | None, head_dim: int | None) -> bool:

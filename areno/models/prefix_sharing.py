@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from areno.models.attention import flash_runs, varlen_available, varlen_causal, varlen_features
+from areno.models.attention import flash_runs, padded_sdpa, varlen_available, varlen_causal, varlen_features
 
 
 @dataclass(frozen=True)
@@ -174,18 +173,7 @@ class SharedPrefixAttention:
             )
         _, _, flat_q, flat_k, allowed_QSK = self._state
         n, sq, sk = allowed_QSK.shape
-
-        def pad(x_THD: torch.Tensor, flat: torch.Tensor, s: int) -> torch.Tensor:  # -> [Q, H, s, Dh]
-            out = x_THD.new_zeros(n * s, *x_THD.shape[1:]).index_copy(0, flat, x_THD)
-            return out.view(n, s, *x_THD.shape[1:]).transpose(1, 2)
-
-        q, k, v = pad(q_THD, flat_q, sq), pad(k_KHD, flat_k, sk), pad(v_KHD, flat_k, sk)
-        dtype = q.dtype
-        if dtype == torch.bfloat16 and q.device.type == "cpu":  # as PackedCausalAttention: CPU SDPA is faster in fp32
-            q, k, v = q.float(), k.float(), v.float()
-        with torch.autocast(q.device.type, enabled=False):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_QSK[:, None], enable_gqa=True)
-        return out.to(dtype).transpose(1, 2).reshape(n * sq, *q_THD.shape[1:]).index_select(0, flat_q)
+        return padded_sdpa(q_THD, k_KHD, v_KHD, flat_q, flat_k, n, sq, sk, allowed_QSK)
 
 
 def _padded_layout(sh: PrefixSharing, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
