@@ -279,6 +279,39 @@ class TokenBatch:
             images_B=images_B if any(im is not None for im in images_B) else [],
         )
 
+    @classmethod
+    def concat(cls, parts: list[TokenBatch]) -> TokenBatch:
+        """Batches packed by ``from_trajectories``, end to end: equal to ``from_trajectories`` of
+        their trajectories joined (a part without an ``extra`` key holds what a trajectory without
+        it gets there: 0, and -1 for the expert routes). It lets groups be packed as they finish."""
+        if not parts:
+            raise ValueError("cannot build a TokenBatch from zero trajectories")
+        if len(parts) == 1:
+            return parts[0]
+        offsets = accumulate((p.num_tokens for p in parts[:-1]), initial=0)
+        cu = torch.cat([parts[0].cu_seqlens_B1[:1], *(p.cu_seqlens_B1[1:] + o for p, o in zip(parts, offsets))])
+        extra: dict[str, torch.Tensor] = {}
+        for key in sorted({k for p in parts for k in p.extra}):
+            assert key.endswith("_T"), key  # from_trajectories packs per-token values only
+            like = next(p.extra[key] for p in parts if key in p.extra)
+            fill = -1 if key == ROUTES_KEY else 0
+            extra[key] = torch.cat(
+                [p.extra.get(key, like.new_full((p.num_tokens, *like.shape[1:]), fill)) for p in parts]
+            )
+        has_images = any(p.images_B for p in parts)
+        return cls(
+            input_ids_T=torch.cat([p.input_ids_T for p in parts]),
+            cu_seqlens_B1=cu,
+            loss_mask_T=torch.cat([p.loss_mask_T for p in parts]),
+            logprobs_T=torch.cat([p.logprobs_T for p in parts]),
+            versions_T=torch.cat([p.versions_T for p in parts]),
+            advantages_T=torch.cat([p.advantages_T for p in parts]),
+            rewards_B=torch.cat([p.rewards_B for p in parts]),
+            group_ids=[g for p in parts for g in p.group_ids],
+            extra=extra,
+            images_B=[im for p in parts for im in (p.images_B or [None] * p.num_seqs)] if has_images else [],
+        )
+
 
 def join_flat(parts: list, dtype, *, runs: bool = False) -> torch.Tensor:
     """The sequences ``parts`` (lists or arrays) end to end as one tensor of numpy ``dtype``.

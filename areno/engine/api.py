@@ -483,10 +483,9 @@ class ArenoEngine:
             seqs = [self.ledger.lookup(s)[0] for s in samples]
             self.rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
             self.executor.client.hold(self.rollout.resume)
-            trajectories = self.executor.rollout_batch(samples)
+            trajectories, batch = self.executor.rollout_packed(samples)
             self.executor.client.release_now()
             self.ledger.trained(seqs)
-            batch = TokenBatch.from_trajectories(trajectories)
             metrics = {**rollout_metrics(trajectories, self.version, batch), **self._phase_metrics()}
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)

@@ -47,7 +47,7 @@ from areno.engine.staleness import StalenessManager
 from areno.errors import RunFailure
 from areno.rollout.client import RolloutClient, RolloutServersLost
 from areno.rollout.store import ObservationStore, release_refs
-from areno.types import Trajectory
+from areno.types import TokenBatch, Trajectory
 from areno.workflows.base import RolloutWorkflow
 
 logger = logging.getLogger(__name__)
@@ -422,17 +422,28 @@ class WorkflowExecutor:
         """Run every sample's episode concurrently and return all trajectories (groups adjacent,
         in sample order). Failed episodes are retried up to ``max_retries``; rejected and finally
         failed samples contribute nothing."""
+        return self._rollout(samples, pack=False)[0]
+
+    def rollout_packed(self, samples: list[dict[str, Any]]) -> tuple[list[Trajectory], TokenBatch]:
+        """``rollout_batch`` and its trajectories packed (what ``TokenBatch.from_trajectories`` makes
+        of them). Each group is packed on the loop as its episode ends, while the later groups still
+        decode their texts in worker threads, so after the last episode only its own group's packing
+        and one concatenation are left."""
+        trajectories, parts = self._rollout(samples, pack=True)
+        return trajectories, TokenBatch.concat(parts)
+
+    def _rollout(self, samples: list[dict[str, Any]], *, pack: bool) -> tuple[list[Trajectory], list[TokenBatch]]:
         loop = self._ensure_loop()
         if threading.current_thread() is self._thread:
             raise RuntimeError("rollout_batch() is synchronous; call it from outside the rollout loop")
         before = dict(self.stats.counts)
 
         def submit() -> concurrent.futures.Future:
-            return asyncio.run_coroutine_threadsafe(self._arollout_batch(samples), loop)
+            return asyncio.run_coroutine_threadsafe(self._arollout_batch(samples, pack), loop)
 
         drive = getattr(self.client, "drive_until", None)  # an in-process engine, stepped from here
-        groups = (drive(submit) if drive is not None else submit()).result()
-        trajectories = [traj for group in groups if group for traj in group]
+        results = (drive(submit) if drive is not None else submit()).result()
+        trajectories = [traj for group, _ in results if group for traj in group]
         if samples and not trajectories:
             dropped = self.stats.counts["dropped_failed"] - before.get("dropped_failed", 0)
             rejected = self.stats.counts["rejected"] - before.get("rejected", 0)
@@ -442,16 +453,18 @@ class WorkflowExecutor:
                 f"{self.max_retries + 1} attempts each{last}, {rejected} rejected by the workflow; fix the error "
                 "above (the rollout engine or server log has the cause)"
             )
-        return trajectories
+        return trajectories, [part for _, part in results if part is not None]
 
-    async def _arollout_batch(self, samples: list[dict[str, Any]]) -> list[list[Trajectory] | None]:
-        async def arun(task: EpisodeTask) -> list[Trajectory] | None:
+    async def _arollout_batch(
+        self, samples: list[dict[str, Any]], pack: bool
+    ) -> list[tuple[list[Trajectory] | None, TokenBatch | None]]:
+        async def arun(task: EpisodeTask) -> tuple[list[Trajectory] | None, TokenBatch | None]:
             while True:
                 t0 = time.monotonic()
                 status, group = await self._attempts.arun(task)
                 self.stats.busy_s += time.monotonic() - t0
                 if status != "retry":
-                    return group
+                    return group, TokenBatch.from_trajectories(group) if pack and group else None
 
         tasks = [EpisodeTask(self._next_index + i, sample) for i, sample in enumerate(samples)]
         self._next_index += len(samples)

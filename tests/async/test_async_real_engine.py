@@ -93,3 +93,23 @@ def test_rollout_batch_with_real_engine(engine_and_client, char_tokenizer):
     assert len(trajs) == 12 and len({t.group_id for t in trajs}) == 4
     assert all(set(t.versions) == {0} and len(t.logprobs) == len(t.completion_ids) for t in trajs)
     assert all(lp <= 0 for t in trajs for lp in t.logprobs)
+
+
+def test_rollout_packed_equals_packing_its_trajectories(engine_and_client, char_tokenizer):
+    """The groups packed as their episodes end, joined, are the batch of the returned trajectories;
+    a rejected sample contributes neither."""
+    engine, client = engine_and_client
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+
+    class SkipSecond(RLVRWorkflow):
+        async def run_episode(self, client, sample):
+            return None if sample["prompt"] == "1*2=" else await super().run_episode(client, sample)
+
+    workflow = SkipSecond(char_tokenizer, reward_len, n_samples=3, sampling_params=params)
+    with WorkflowExecutor(client, workflow) as ex:
+        trajs, batch = ex.rollout_packed([{"prompt": f"{i}*2="} for i in range(4)])
+    assert len(trajs) == 9 and batch.num_seqs == 9
+    want = TokenBatch.from_trajectories(trajs)
+    for name in ("input_ids_T", "cu_seqlens_B1", "loss_mask_T", "logprobs_T", "versions_T", "rewards_B"):
+        assert torch.equal(getattr(batch, name), getattr(want, name)), name
+    assert batch.group_ids == want.group_ids

@@ -89,3 +89,43 @@ def test_packing_equals_per_token_reference(seed):
         assert batch.loss_mask_T.dtype == torch.bool and batch.versions_T.dtype == torch.long
         for version in (5, 9):
             assert rollout_metrics(trajectories, version, batch) == rollout_metrics(trajectories, version)
+
+
+def _assert_same_batch(got: TokenBatch, want: TokenBatch) -> None:
+    fields = ("input_ids_T", "cu_seqlens_B1", "loss_mask_T", "logprobs_T", "versions_T", "advantages_T", "rewards_B")
+    for name in fields:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert got.group_ids == want.group_ids and got.images_B == want.images_B
+    assert sorted(got.extra) == sorted(want.extra)
+    for key, value in want.extra.items():
+        assert got.extra[key].dtype == value.dtype and torch.equal(got.extra[key], value), key
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_concat_of_packed_groups_equals_packing_all(seed):
+    """Groups packed one by one as their episodes end (``WorkflowExecutor.rollout_packed``), then
+    joined, give the batch ``from_trajectories`` makes of all trajectories at once: offsets, extras
+    that only some groups carry (0 elsewhere; routes -1), images of some sequences only."""
+    trajectories = _random_trajectories(seed)
+    rng = random.Random(seed)
+    for i, t in enumerate(trajectories):
+        t.group_id = f"g{i // 5}"
+        n = len(t.completion_ids)
+        if i % 7 == 1:
+            t.extra_T["teacher_executed_T"] = [float(rng.choice([0, 1])) for _ in range(n)]
+        if i % 5 == 2:
+            t.routes_TLK = torch.randint(0, 8, (t.num_tokens, 3, 2), dtype=torch.int16)
+        if i == 11:
+            t.info["images"] = {"grid_thw": [[1, 2, 2]]}
+    groups = [trajectories[i : i + 5] for i in range(0, len(trajectories), 5)]
+    want = TokenBatch.from_trajectories(trajectories)
+    assert set(want.extra) == {"teacher_executed_T", "moe_routes_T"} and want.images_B
+    _assert_same_batch(TokenBatch.concat([TokenBatch.from_trajectories(g) for g in groups]), want)
+    plain = [t for t in trajectories if not t.extra_T and t.routes_TLK is None and "images" not in t.info]
+    _assert_same_batch(
+        TokenBatch.concat([TokenBatch.from_trajectories(plain[:3]), TokenBatch.from_trajectories(plain[3:])]),
+        TokenBatch.from_trajectories(plain),
+    )
+    with pytest.raises(ValueError, match="zero trajectories"):
+        TokenBatch.concat([])
