@@ -314,15 +314,21 @@ class InProcessRolloutClient(RolloutClient):
         except Exception as exc:  # noqa: BLE001 - handed to every waiting caller, not hidden
             self._fail_all(exc)
             return
-        for output in outputs:
-            self._resolve(output)
+        if outputs:
+            self._resolve(*outputs)
 
-    def _resolve(self, output: GenerationOutput) -> None:
+    def _resolve(self, *outputs: GenerationOutput) -> None:
+        """Hand finished requests to their callers: one wake-up per event loop, however many
+        finished (a fixed-length batch ends all at once: one write and wake-up each cost the loop
+        thread a GIL hand-off per request after the last step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, GenerationOutput]]] = {}
         with self._pending_lock:
-            entry = self._pending.pop(output.request_id, None)
-        if entry is not None:
-            loop, future = entry
-            loop.call_soon_threadsafe(_set_result, future, output)
+            for output in outputs:
+                entry = self._pending.pop(output.request_id, None)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], output))
+        for loop, results in by_loop.items():
+            loop.call_soon_threadsafe(_set_results, results)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._pending_lock:
@@ -359,6 +365,11 @@ def _retrieve_cancellation(gathered: asyncio.Future) -> None:
 def _set_result(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _set_results(results: list[tuple[asyncio.Future, Any]]) -> None:
+    for future, value in results:
+        _set_result(future, value)
 
 
 def _set_exception(future: asyncio.Future, exc: BaseException) -> None:

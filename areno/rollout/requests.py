@@ -124,7 +124,7 @@ class RequestTable:
             GenerationOutput(
                 request_id=seq.request_id,
                 prompt_ids=list(seq.prompt_ids),
-                output_ids=list(seq.output_ids),
+                output_ids=seq.output_ids,  # a new list (a slice of token_ids)
                 output_logprobs=list(seq.output_logprobs),
                 output_versions=list(seq.output_versions),
                 finish_reason=reason,

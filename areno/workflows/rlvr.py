@@ -102,11 +102,11 @@ class RLVRWorkflow(RolloutWorkflow):
             if inputs is not None:  # one stored copy per trajectory: each is released after its step
                 info["images"] = stash_images(inputs, self.store)
             group.append(
-                Trajectory(
+                Trajectory(  # takes the output's lists: fresh ones from the client, this episode's alone
                     prompt_ids=prompt_ids,
-                    completion_ids=list(out.output_ids),
-                    logprobs=list(out.output_logprobs),
-                    versions=list(out.output_versions),
+                    completion_ids=out.output_ids,
+                    logprobs=out.output_logprobs,
+                    versions=out.output_versions,
                     reward=reward,
                     group_id=group_id,
                     finish_reason=out.finish_reason,
