@@ -25,7 +25,8 @@ and is their watchdog: one holding an episode past ``episode_timeout_s`` is repo
 killed and restarted, and its episodes re-queued.
 
 ``rollout_batch(samples)`` is the synchronous (colocated) path: run all episodes of the given
-samples concurrently on the same loop and return when every one has finished.
+samples concurrently on the same loop and return when every one has finished; ``rollout_packed``
+also packs each group as its episode ends.
 """
 
 from __future__ import annotations
