@@ -34,8 +34,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MIN_ELEMENTS = 1 << 18
-"""Weights smaller than this (N * K) keep ``F.linear``: measured at 32 rows, 256 x 256 ran 0.7-0.9x."""
+MIN_ELEMENTS = 1 << 17
+"""Weights smaller than this (N * K) keep ``F.linear``: measured on a 2-core AVX2 VM, 256 x 256 ran
+0.5-0.9x at 32 and 64 rows; 384 x 384, 512 x 256 and 640 x 384 (the cpu12m and cpu5m shapes' q/k/v and
+o_proj) 0.96-1.6x."""
 MIN_ROWS = 8
 """Products of fewer rows keep ``F.linear`` (measured 0.3-0.7x at one row), except ``LARGE_ELEMENTS`` weights."""
 LARGE_ELEMENTS = 1 << 22

@@ -152,7 +152,7 @@ def inverse_cdf_draw(
     sampling), where per-token noise took ~25 element-wise passes over the vocabulary. Tokens of zero
     probability (-inf in ``race_BV``) are never drawn: their cumulative value equals their
     predecessor's. ``weights_BV``: non-negative weights proportional to that distribution, used
-    (and possibly overwritten) instead of the softmax (the samplers pass ``exp(log_softmax)`` they
+    (and possibly overwritten) instead of the softmax (the samplers pass ``exp(x - max)`` they
     already have, suppressed ids zeroed: one pass over the vocabulary fewer); the draw scales ``u`` by
     each row's total.
 
@@ -558,7 +558,7 @@ class Sampler:
         """(token ids long [B], log-probs float32 [B]) as device tensors; no host synchronisation."""
         B, V = logits_BV.shape
         suppress_BS = None
-        if rp.any_min_new:
+        if rp.any_min_new and rp.any_stop_ids:  # without stop ids there is nothing to suppress
             # Rows below min_new_tokens get their stop/EOS ids set to -inf (padding ids repeat a
             # real id of the row, or are invalid and keep the original value).
             # A row's entries are all suppressed or all kept, so duplicate padding ids agree.
@@ -588,30 +588,23 @@ class Sampler:
             scaled_BV = logits_BV.float()  # T = 1 leaves the logits unchanged (x / 1 is x exactly)
         else:  # as sample_static: the division computes in fp32
             scaled_BV = logits_BV / rp.scale_B[:, None]
+        # the log-probs' normaliser from the unsuppressed weights, before any id is zeroed
+        weights_BV, max_B1, log_sum_B1 = _weights_and_norm(scaled_BV)
         masked_BV = scaled_BV
         if suppress_BS is not None:
             kept_BS = scaled_BV.gather(1, rp.stop_ids_BS)
             masked_BV = scaled_BV.scatter(1, rp.stop_ids_BS, kept_BS.masked_fill(suppress_BS, float("-inf")))
-        logprobs_BV = None
         if rp.all_greedy:
             tokens_B = argmax_rows(masked_BV)
         else:
-            race_BV, weights_BV = masked_BV, None
-            # log_softmax rather than gather - logsumexp: the same rounding as the trainer's recompute.
-            logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+            race_BV = masked_BV
             if rp.any_truncate:
-                race_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B)
-            else:  # the draw's weights from the log-probs: no softmax pass of its own
-                weights_BV = (
-                    _suppressed_weights(logprobs_BV, rp.stop_ids_BS, suppress_BS)
-                    if suppress_BS is not None
-                    else logprobs_BV.exp()
-                )
+                race_BV, weights_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B), None
+            elif suppress_BS is not None:
+                weights_BV = _zero_suppressed(weights_BV, rp.stop_ids_BS, suppress_BS)
             sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
             tokens_B = torch.where(rp.greedy_B, argmax_rows(masked_BV), sampled_B) if rp.any_greedy else sampled_B
-        if logprobs_BV is None:
-            logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-        chosen_lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        chosen_lp_B = _chosen_logprobs(scaled_BV, tokens_B, max_B1, log_sum_B1)
         return (tokens_B, chosen_lp_B) if fused is None else _per_row(fused, rp.truncate_B, tokens_B, chosen_lp_B)
 
     def sample_static(
@@ -641,22 +634,23 @@ class Sampler:
         scaled_BV = logits_BV / rows.scale_B[:, None] if mode.sample else logits_BV.float()
         # The log-probs are of the distribution before suppression; taken first, the stop ids can
         # then be suppressed in place (below min_new_tokens: set to -inf, as in sample_rows).
-        logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+        weights_BV, max_B1, log_sum_B1 = _weights_and_norm(scaled_BV)
         kept_BS = scaled_BV.gather(1, rows.stop_ids_BS)
         masked_BV = scaled_BV.scatter_(1, rows.stop_ids_BS, kept_BS.masked_fill(pending_BS, float("-inf")))
         if not mode.sample:
             tokens_B = masked_BV.argmax(dim=-1)
         else:
-            race_BV, weights_BV = masked_BV, None
+            race_BV = masked_BV
             if mode.truncate:
-                race_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B)
-            else:  # as sample_rows: the draw's weights from the log-probs
-                weights_BV = _suppressed_weights(logprobs_BV, rows.stop_ids_BS, pending_BS)
+                race_BV, weights_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B), None
+            else:  # as sample_rows
+                weights_BV = _zero_suppressed(weights_BV, rows.stop_ids_BS, pending_BS)
             sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
             # the argmax runs whether or not a row is greedy: a flag for it in the mode would key graphs
             # that the warm-up does not capture (greedy evaluation beside sampled training rows)
             tokens_B = torch.where(rows.greedy_B, masked_BV.argmax(dim=-1), sampled_B)
-        chosen_lp_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        # a chosen id is never a suppressed one: its masked value is its scaled value
+        chosen_lp_B = _chosen_logprobs(masked_BV, tokens_B, max_B1, log_sum_B1)
         return (tokens_B, chosen_lp_B) if fused is None else _per_row(fused, rows.truncate_B, tokens_B, chosen_lp_B)
 
     @torch.no_grad()
@@ -705,12 +699,26 @@ def _to_lists(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> tuple[list[in
     return [int(t) for t in both_2B[0]], both_2B[1]
 
 
-def _suppressed_weights(
-    logprobs_BV: torch.Tensor, stop_ids_BS: torch.Tensor, suppress_BS: torch.Tensor
+def _weights_and_norm(scaled_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``exp(scaled - row max)`` [B, V], the row max [B, 1], the log of the weights' sum [B, 1]): the
+    draw's weights and the log-probs' normaliser (``_chosen_logprobs``) in one ``exp`` pass;
+    ``log_softmax`` then ``exp`` took two, the costliest ops of a CPU step's sampling."""
+    max_B1 = scaled_BV.amax(dim=-1, keepdim=True)
+    weights_BV = (scaled_BV - max_B1).exp_()
+    return weights_BV, max_B1, weights_BV.sum(dim=-1, keepdim=True).log_()
+
+
+def _chosen_logprobs(
+    scaled_BV: torch.Tensor, tokens_B: torch.Tensor, max_B1: torch.Tensor, log_sum_B1: torch.Tensor
 ) -> torch.Tensor:
-    """``exp(logprobs_BV)`` with the ids ``suppress_BS`` marks (stop ids below ``min_new_tokens``)
-    set to 0: weights proportional to ``softmax`` of the masked logits, for ``inverse_cdf_draw``."""
-    weights_BV = logprobs_BV.exp()
+    """float32 [B]: ``log_softmax(scaled_BV)`` at ``tokens_B``, in its order (x - max - log sum): a
+    log-prob near 0 keeps its precision, which adding the max to the log-sum first would round away."""
+    return (scaled_BV.gather(1, tokens_B[:, None]) - max_B1 - log_sum_B1).squeeze(1)
+
+
+def _zero_suppressed(weights_BV: torch.Tensor, stop_ids_BS: torch.Tensor, suppress_BS: torch.Tensor) -> torch.Tensor:
+    """``weights_BV`` with the ids ``suppress_BS`` marks (stop ids below ``min_new_tokens``) set to 0,
+    in place: weights proportional to ``softmax`` of the masked logits, for ``inverse_cdf_draw``."""
     return weights_BV.scatter_(1, stop_ids_BS, weights_BV.gather(1, stop_ids_BS).masked_fill(suppress_BS, 0.0))
 
 

@@ -30,8 +30,13 @@ def test_rms_norm_matches_eager_values_and_gradients(shape):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gx, rgx, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gw, rgw, rtol=1e-5, atol=1e-5)
-    # forward-only: the fused kernel alone
+    # forward-only: the four ops alone, bitwise what aten's rms_norm gives where it exists
     torch.testing.assert_close(cpu_train_ops.rms_norm(x, w, 1e-6), ref, rtol=1e-6, atol=1e-6)
+    fused = getattr(torch.ops.aten, "_fused_rms_norm", None)
+    if fused is not None:
+        want, rstd = fused(x, [shape[-1]], w, 1e-6)
+        got, got_rstd = cpu_train_ops._rms_forward(x, w, 1e-6)
+        assert torch.equal(got, want) and torch.equal(got_rstd, rstd)
 
 
 def test_rms_norm_hand_computed():
@@ -80,6 +85,25 @@ def test_rope_output_dtype_and_forward_only():
     with torch.no_grad():
         assert cpu_train_ops.rope(x, cos, sin, torch.bfloat16) is None  # nothing to save: the eager op
     assert cpu_train_ops.rope(x, cos.bfloat16(), sin.bfloat16(), torch.bfloat16) is None
+
+
+def test_rope_forward_only_float32_matches_eager_on_a_column_slice():
+    """The rollout's forward-only form over q and k as a column slice of a fused q/k/v product."""
+    g = torch.Generator().manual_seed(3)
+    T, H, Dh = 11, 5, 16
+    qkv = torch.randn(T, (H + 2) * Dh, generator=g)
+    x = qkv[:, : H * Dh].view(T, H, Dh)
+    angles = torch.randn(T, Dh // 2, generator=g) * 3
+    cos, sin = angles.cos(), angles.sin()
+    with torch.no_grad():
+        out = cpu_train_ops.rope(x, cos, sin, torch.float32)
+        ref = eager_rope(x, cos, sin)
+    assert out is not None and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    # by hand at one element: the first half pairs with the second
+    t, h, i = 4, 2, 3
+    want = x[t, h, i] * cos[t, i] - x[t, h, i + Dh // 2] * sin[t, i]
+    torch.testing.assert_close(out[t, h, i], want, rtol=1e-6, atol=1e-6)
 
 
 def _decoder_step(model, autocast: bool):

@@ -156,6 +156,10 @@ def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
         params.append({n: p.detach().clone() for n, p in b.model.named_parameters()})
     assert losses[0] == losses[1] == pytest.approx(losses[2], rel=1e-5)
     for name, p in params[2].items():
+        if name.endswith("k_proj.bias"):
+            # a key bias shifts every score of a query's row alike: its gradient is 0 but for rounding,
+            # which Adam scales to a step of up to lr either way
+            continue
         torch.testing.assert_close(params[1][name], p, rtol=1e-4, atol=1e-6, msg=name)
     with pytest.raises(ConfigError, match=r"^train.share_prompts=true: not with sliding-window attention; set"):
         b = LocalTrainBackend(TrainBackendConfig(device="cpu", share_prompts=True))

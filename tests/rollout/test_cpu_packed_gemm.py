@@ -83,7 +83,8 @@ def test_packed_copy_is_read_only_where_it_pays(monkeypatch):
     weight at any row count."""
     small = pack_of(torch.zeros(1024, 256), 32)  # 2**18 elements
     large = pack_of(torch.zeros(16384, 256), 32)  # 2**22
-    assert pack_of(torch.zeros(512, 256)) is None  # below MIN_ELEMENTS
+    assert pack_of(torch.zeros(256, 256)) is None  # below MIN_ELEMENTS
+    assert pack_of(torch.zeros(512, 256)) is not None  # 2**17: at MIN_ELEMENTS
     monkeypatch.setattr(cpu_gemm, "supported_bf16", lambda: False)
     assert pack_of(torch.zeros(1024, 256, dtype=torch.bfloat16)) is None
     assert small is not None and large is not None and large.large and not small.large
@@ -215,16 +216,16 @@ def test_flag_validated_and_false_unpacks(pack_everything):
 
 
 def test_real_thresholds_pick_the_large_weights():
-    """Without the test override: a 24M-parameter-like layer packs gate/up and down_proj (>= 2**18
-    elements) and the 32k-vocabulary output projection, not q/k/v (2**17) or o_proj (2**16)."""
+    """Without the test override: a 24M-parameter-like layer packs gate/up, down_proj and q/k/v (>= 2**17
+    elements) and the 32k-vocabulary output projection, not o_proj (2**16)."""
     cfg = tiny_config(32000, hidden_size=256, layers=1, heads=8, kv_heads=4, intermediate_size=1024)
     model = Decoder(cfg).eval()
     model.fuse_projections()
-    assert model.pack_cpu_gemms(batch_hint=32) == 3
-    assert model.cpu_packed_bytes == 4 * (2048 * 256 + 256 * 1024 + 32000 * 256)
+    assert model.pack_cpu_gemms(batch_hint=32) == 4
+    assert model.cpu_packed_bytes == 4 * (512 * 256 + 2048 * 256 + 256 * 1024 + 32000 * 256)
     layer = model.model.layers[0]
     assert "cpu_pack" in layer.mlp.gate_up.__dict__ and "cpu_pack" in layer.mlp.down_proj.__dict__
-    assert "cpu_pack" not in layer.self_attn.qkv.__dict__ and "cpu_pack" not in layer.self_attn.o_proj.__dict__
+    assert "cpu_pack" in layer.self_attn.qkv.__dict__ and "cpu_pack" not in layer.self_attn.o_proj.__dict__
     assert model.__dict__["cpu_pack"].large
     ids = torch.randint(3, 32000, (20,))
     with torch.no_grad():

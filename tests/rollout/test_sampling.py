@@ -162,11 +162,12 @@ def test_argmax_rows_equals_argmax(V):
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
-def test_draw_from_log_softmax_weights_equals_draw_from_softmax():
-    """The samplers' draw from ``exp(log_softmax)`` with suppressed ids zeroed picks the tokens the
-    softmax of the masked logits picks (the two differ by an ulp, so only a uniform within ~1e-7 of a
-    boundary could differ), and never a suppressed id."""
-    from areno.rollout.sampling import _suppressed_weights, inverse_cdf_draw
+def test_draw_from_shifted_exp_weights_equals_draw_from_softmax():
+    """The samplers' draw from ``exp(x - max)`` with suppressed ids zeroed picks the tokens the
+    softmax of the masked logits picks (the two differ by rounding, so only a uniform within ~1e-7 of
+    a boundary could differ), and never a suppressed id; the normaliser beside the weights gives
+    ``log_softmax``'s log-probs."""
+    from areno.rollout.sampling import _chosen_logprobs, _weights_and_norm, _zero_suppressed, inverse_cdf_draw
 
     g = torch.Generator().manual_seed(0)
     B, V = 512, 300
@@ -175,7 +176,10 @@ def test_draw_from_log_softmax_weights_equals_draw_from_softmax():
     suppress = (torch.rand(B, generator=g) < 0.5)[:, None].expand(B, 3)
     masked = scaled.scatter(1, stop_ids, scaled.gather(1, stop_ids).masked_fill(suppress, float("-inf")))
     u = torch.rand(B, generator=g).clamp_min_(1e-9)
-    weights = _suppressed_weights(torch.log_softmax(scaled, dim=-1), stop_ids, suppress)
-    got = inverse_cdf_draw(masked, u, weights)
+    weights, max_, log_sum = _weights_and_norm(scaled)
+    tokens = torch.randint(0, V, (B,), generator=g)
+    want = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(_chosen_logprobs(scaled, tokens, max_, log_sum), want, rtol=1e-6, atol=1e-7)
+    got = inverse_cdf_draw(masked, u, _zero_suppressed(weights, stop_ids, suppress))
     assert torch.equal(got, inverse_cdf_draw(masked, u))
     assert not ((stop_ids == got[:, None]) & suppress).any()
