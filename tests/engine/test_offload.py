@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -142,9 +143,12 @@ def test_a_fused_rollout_model_stays_fused_and_equal_through_sleep_and_wake():
 @pytest.mark.gpu
 def test_cuda_sleep_lowers_each_phases_peak_and_keeps_the_losses(tmp_path):
     """On one GPU: the rollout phase no longer holds the training state, the train phase no longer holds
-    the rollout engine; the losses stay within float noise of ``none``'s. The model is large enough
-    (about 120M parameters, 2 GB of training state) that what sleep frees outweighs the transient
-    buffers of a wake and the decode graphs' re-capture, which dominate at a few MB."""
+    the rollout engine; the first step's loss and gradient norm stay within float noise of ``none``'s.
+    The model is large enough (about 120M parameters, 2 GB of training state) that what sleep frees
+    outweighs the transient buffers of a wake and the decode graphs' re-capture, which dominate at a
+    few MB. Later steps are not compared: flash's backward adds a GQA layer's dK/dV over its query heads
+    with atomics, so two runs' weights differ in rounding and their sampled tokens part after an
+    update (the bit-exact comparison of the two modes is the CPU test above)."""
     model = "model.init_tiny={hidden_size: 1024, layers: 8, heads: 16, kv_heads: 4, intermediate_size: 4096}"
     peaks, losses = {}, {}
     for mode in ("none", "sleep"):
@@ -162,10 +166,12 @@ def test_cuda_sleep_lowers_each_phases_peak_and_keeps_the_losses(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if "train/policy/loss" in r]
         peaks[mode] = {p: max(r[f"system/{p}_peak_memory_gib"] for r in steps) for p in ("rollout", "train")}
-        losses[mode] = [r["train/policy/loss"] for r in steps]
+        losses[mode] = [(r["train/policy/loss"], r["train/policy/grad_norm"]) for r in steps]
     assert peaks["sleep"]["rollout"] < peaks["none"]["rollout"], peaks
     assert peaks["sleep"]["train"] < peaks["none"]["train"], peaks
-    assert losses["sleep"] == pytest.approx(losses["none"], abs=1e-4), losses
+    assert len(losses["sleep"]) == len(losses["none"]) == 3, losses
+    assert all(math.isfinite(x) for pair in losses["sleep"] for x in pair), losses
+    assert losses["sleep"][0] == pytest.approx(losses["none"][0], rel=1e-3, abs=1e-4), losses
 
 
 @pytest.mark.gpu
