@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -78,6 +79,51 @@ def _squares_png(squares: list[tuple[int, tuple[int, int, int]]], size: int, cel
     return base64.b64encode(buf.getvalue()).decode()
 
 
+ENUMERATE_MAX = 200_000
+"""Largest space of distinct rows a task lists whole (``_ALL_ROWS``) instead of sampling it."""
+
+Listing = tuple[int, Iterator[dict]]
+"""How many distinct rows a task's generator can draw, and (lazily) all of them."""
+
+
+def _all_arithmetic(*, min_digits: int = 1, max_digits: int = 2, ops: str = "+") -> Listing:
+    # every operand below 10**max_digits can be drawn (a draw of max_digits digits covers them all)
+    n, ops = 10**max_digits, "".join(dict.fromkeys(ops))
+    values = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    size = sum(n * (n + 1) // 2 if op == "-" else n * n for op in ops)
+    rows = (
+        {"prompt": f"{a}{op}{b}=", "answer": str(values[op](a, b))}
+        for op in ops
+        for a in range(n)
+        for b in range(a + 1 if op == "-" else n)  # "-" swaps its operands so that a >= b
+    )
+    return size, rows
+
+
+def _all_strings(min_len: int, max_len: int, alphabet: str) -> tuple[int, Iterator[str]]:
+    alphabet = "".join(dict.fromkeys(alphabet))
+    size = sum(len(alphabet) ** k for k in range(min_len, max_len + 1))
+    return size, ("".join(t) for k in range(min_len, max_len + 1) for t in itertools.product(alphabet, repeat=k))
+
+
+def _all_reverse(*, min_len: int = 3, max_len: int = 6, alphabet: str = "abcdefgh") -> Listing:
+    size, words = _all_strings(min_len, max_len, alphabet)
+    return size, ({"prompt": f"reverse {w}:", "answer": w[::-1]} for w in words)
+
+
+def _all_sort(*, min_len: int = 3, max_len: int = 6) -> Listing:
+    size, digits = _all_strings(min_len, max_len, "0123456789")
+    return size, ({"prompt": f"sort {d}:", "answer": "".join(sorted(d))} for d in digits)
+
+
+_ALL_ROWS: dict[str, Callable[..., Listing]] = {
+    "arithmetic": _all_arithmetic,
+    "reverse": _all_reverse,
+    "sort": _all_sort,
+}
+"""Per task: every distinct row its generator can draw (tasks without an entry are never listed)."""
+
+
 TASKS: dict[str, Callable[..., dict]] = {
     "arithmetic": _arithmetic,
     "reverse": _reverse,
@@ -113,12 +159,22 @@ class TaskSpec:
 def generate_rows(spec: TaskSpec, *, split: str, num: int, seed: int) -> list[dict]:
     """``num`` distinct rows of ``split`` ('train' or 'eval'), deterministic in ``seed``.
 
-    If the task has fewer distinct prompts than asked for, returns all it found after a bounded search.
+    If the task has fewer distinct prompts than asked for, returns all of them in a seeded order
+    when the task can list them (arithmetic, sort and reverse with small ranges: a search would draw
+    ``50 * num`` times to find them, seconds at start-up), else all it found after a bounded search.
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     # The eval split ignores the seed so that every run is compared on the same held-out prompts.
     rng = random.Random(f"{spec.name}/{split}/{seed if split == 'train' else 0}")
+    lister = _ALL_ROWS.get(spec.name)
+    size, listed = lister(**spec.kwargs) if lister is not None else (ENUMERATE_MAX + 1, None)
+    share = 1 / HELD_OUT_BUCKETS if split == "eval" else 1 - 1 / HELD_OUT_BUCKETS
+    if listed is not None and size <= ENUMERATE_MAX and size * share <= 2 * num:  # the search would be slow
+        rows = [row for row in listed if _is_held_out(row_key(row)) == (split == "eval")]
+        if len(rows) <= num:
+            rng.shuffle(rows)
+            return rows
     rows, seen = [], set()
     for _ in range(num * 50):
         row = TASKS[spec.name](rng, **spec.kwargs)

@@ -4,13 +4,15 @@ Alignment (areno/types.py): ``logprobs_T[t] = log p(input_ids_T[t] | earlier tok
 sequence)`` under the temperature-scaled distribution, and 0 at each sequence's first token; the
 same for ``entropy_T[t]`` (the entropy of the distribution that predicts token t).
 
-Logits are computed chunk by chunk from the final hidden states: forward keeps none of them, and
-backward recomputes each chunk's log-softmax, so peak memory is one chunk of
-``[chunk_size, V]`` fp32 logits in both passes. A small head (all chunks within
-``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps forward's fp32 log-softmax chunks for
-backward instead, which saves the recomputing matmul, and with the entropy also their exponentials (the
-softmax); the values are the same either way. The matmul runs in the model dtype and the softmax
-in fp32, as ``Decoder.logits(...).float()`` would.
+Logits are computed chunk by chunk from the final hidden states, and the softmax's fp32 passes
+run per chunk. What forward keeps for backward depends on the call's size: a small head (all
+chunks within ``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps its fp32 log-softmax
+chunks, and with the entropy also their exponentials (the softmax); a larger one keeps its
+model-dtype logits when they fit ``keep_logits_budget`` (an eighth of a GPU's memory), and the
+largest keep nothing, so backward recomputes each chunk's logits and peak memory is one chunk of
+``[chunk_size, V]`` logits in both passes. Keeping saves backward's recomputing matmul; the
+values are the same either way. The matmul runs in the model dtype and the softmax in fp32, as
+``Decoder.logits(...).float()`` would.
 
 Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = tokens of a chunk.
 """
@@ -36,7 +38,10 @@ AUTO_CHUNK_RANGE = (1024, 8192)
 
 KEEP_LOGSOFTMAX_MAX_BYTES = 512 << 20
 """Largest [T, V] fp32 log-softmax (all chunks of one call) that forward keeps for backward; a
-larger one is recomputed chunk by chunk in backward (the GPU heads of real vocabularies)."""
+larger one is recomputed from kept or recomputed logits (the GPU heads of real vocabularies)."""
+KEEP_LOGITS_MEMORY_SHARE = 8
+"""On a GPU, forward keeps a call's model-dtype logits for backward when they take at most 1/8 of
+the device's memory (a 0.5B model's 32,768-token micro-batch: 10 GB of bf16 logits)."""
 
 
 def auto_chunk_size(hidden_TD: torch.Tensor, weight_VD: torch.Tensor) -> int:
@@ -62,14 +67,21 @@ def _device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def _chunk_log_softmax(h_CD: torch.Tensor, weight_VD: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 log-softmax [C, V] of the chunk's temperature-scaled logits. One ``log_softmax`` kernel
-    reads the model-dtype logits (it casts them itself) instead of a cast, ``logsumexp`` and a
-    subtraction each passing over an fp32 [C, V] copy."""
-    zraw_CV = h_CD @ weight_VD.t()
+def keep_logits_budget(device: torch.device) -> int:
+    """Bytes of model-dtype logits (all chunks of one call) that forward may keep for backward."""
+    if device.type == "cuda":
+        return _device_memory(device) // KEEP_LOGITS_MEMORY_SHARE
+    return KEEP_LOGSOFTMAX_MAX_BYTES
+
+
+def _log_softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log-softmax [C, V] of a chunk's temperature-scaled model-dtype logits, which it leaves
+    as they are (backward may read them again). One ``log_softmax`` kernel reads the model-dtype
+    logits (it casts them itself) instead of a cast, ``logsumexp`` and a subtraction each passing
+    over an fp32 [C, V] copy."""
     if temperature == 1.0:
         return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32)
-    return torch.log_softmax(zraw_CV.float().div_(temperature), dim=-1)
+    return torch.log_softmax(zraw_CV.float() / temperature, dim=-1)
 
 
 def _fused_forward_stats(
@@ -179,23 +191,27 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse_T = hidden_TD.new_empty(T if fused is not None else 0, dtype=torch.float32)
         entropy_T = hidden_TD.new_empty(T if with_entropy else 0, dtype=torch.float32)
         ctx.fused = fused
-        keep = (
-            fused is None and any(ctx.needs_input_grad[:2]) and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
-        )
+        grads = any(ctx.needs_input_grad[:2])
+        keep = fused is None and grads and T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
         ctx.kept = [] if keep else None
         # with entropy, forward exponentiates the log-softmax anyway: backward reuses it when both fit
         keep_p = keep and with_entropy and 2 * T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
         ctx.kept_p = [] if keep_p else None
+        ctx.kept_z = None  # the model-dtype logits, where the log-softmax is not kept and they fit
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
+            zraw_CV = hidden_TD[s:e] @ weight_VD.t()
+            if s == 0 and grads and not keep:
+                if T * weight_VD.shape[0] * zraw_CV.element_size() <= keep_logits_budget(hidden_TD.device):
+                    ctx.kept_z = []
+            if ctx.kept_z is not None:
+                ctx.kept_z.append(zraw_CV)
             if fused is not None:
-                lse_T[s:e], logprobs_T[s:e], ent_C = fused[0](
-                    hidden_TD[s:e] @ weight_VD.t(), targets_T[s:e], 1.0 / temperature, with_entropy
-                )
+                lse_T[s:e], logprobs_T[s:e], ent_C = fused[0](zraw_CV, targets_T[s:e], 1.0 / temperature, with_entropy)
                 if with_entropy:
                     entropy_T[s:e] = ent_C
                 continue
-            logp_CV = _chunk_log_softmax(hidden_TD[s:e], weight_VD, temperature)
+            logp_CV = _log_softmax(zraw_CV, temperature)
             logprobs_T[s:e] = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
             if keep_p:
                 p_CV = logp_CV.exp()
@@ -236,13 +252,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # (retain_graph) recomputes
         kept, ctx.kept = ctx.kept, None
         kept_p, ctx.kept_p = ctx.kept_p, None
+        kept_z, ctx.kept_z = ctx.kept_z, None
         for i, s in enumerate(range(0, T, chunk_size)):
             e = min(s + chunk_size, T)
+            zraw_CV = None
+            if kept_z is not None:
+                zraw_CV, kept_z[i] = kept_z[i], None
+            elif kept is None:  # forward's matmul again, so kept and recomputed logits give the same gradients
+                zraw_CV = hidden_TD[s:e] @ weight_VD.t()
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
                 g_ent_C = grad_entropy_T[s:e] if use_entropy else g_C
                 grad_z_CV = fused[1](
-                    hidden_TD[s:e] @ weight_VD.t(),
+                    zraw_CV,
                     targets_T[s:e],
                     lse_T[s:e],
                     entropy_T[s:e] if use_entropy else g_C,
@@ -251,6 +273,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     1.0 / tau,
                     use_entropy,
                 )
+                del zraw_CV
                 if need_h:
                     grad_h_TD[s:e] = grad_z_CV @ weight_VD
                 if need_w:
@@ -259,8 +282,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if kept is not None:
                 logp_CV, kept[i] = kept[i], None
             else:
-                # forward's computation again, so kept and recomputed chunks give the same gradients
-                logp_CV = _chunk_log_softmax(hidden_TD[s:e], weight_VD, tau)
+                logp_CV = _log_softmax(zraw_CV, tau)
+            del zraw_CV  # a kept chunk's memory goes back as backward moves on
             if kept_p is not None:
                 p_CV, kept_p[i] = kept_p[i], None
             elif use_entropy:

@@ -22,6 +22,30 @@ def test_splits_are_disjoint_and_seeded():
         assert int(a) + int(b) == int(row["answer"])
 
 
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("arithmetic", {"ops": "+-*", "max_digits": 1}),
+        ("sort", {"min_len": 1, "max_len": 2}),
+        ("reverse", {"min_len": 2, "max_len": 3, "alphabet": "abcb"}),
+    ],
+)
+def test_a_small_task_is_listed_whole_as_the_search_finds_it(monkeypatch, name, kwargs):
+    """Asked for more rows than a task has, generate_rows lists them all in a seeded order instead of
+    drawing 50 times as many (seconds at start-up): the same rows as the search, per split."""
+    from areno.data import tasks
+
+    spec, num = TaskSpec(name=name, kwargs=kwargs), 300  # more than each task has
+    listed = {split: generate_rows(spec, split=split, num=num, seed=1) for split in ("train", "eval")}
+    assert listed["train"] == generate_rows(spec, split="train", num=num, seed=1)
+    assert listed["train"] != generate_rows(spec, split="train", num=num, seed=2)
+    monkeypatch.setattr(tasks, "_ALL_ROWS", {})
+    for rows, split in zip(listed.values(), listed):
+        searched = generate_rows(spec, split=split, num=num, seed=1)
+        assert len(rows) < num and sorted(rows, key=str) == sorted(searched, key=str)
+    assert not {r["prompt"] for r in listed["train"]} & {r["prompt"] for r in listed["eval"]}
+
+
 @pytest.mark.parametrize("task", ["reverse", "sort"])
 def test_other_tasks(task):
     rows = generate_rows(TaskSpec(name=task, kwargs={}), split="train", num=20, seed=0)

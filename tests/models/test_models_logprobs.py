@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from areno.models import Decoder, tiny_config
 from areno.models.logprobs import logprobs_from_hidden, packed_logprobs
 
 VOCAB = 37
+
+
+class _MatmulCount(TorchDispatchMode):
+    """Counts the matrix products run inside it."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _reference(hidden_TD, weight_VD, targets_T, temperature):
@@ -165,8 +177,9 @@ def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(
     monkeypatch, with_entropy, entropy_in_loss, temperature
 ):
     """A small head keeps forward's log-softmax for backward (KEEP_LOGSOFTMAX_MAX_BYTES), with the
-    entropy also its softmax when both fit; a large one recomputes the logits there. All give the same
-    values and gradients, also over two backwards of one graph (retain_graph: the second recomputes)."""
+    entropy also its softmax when both fit; a larger one keeps its logits when they fit
+    (keep_logits_budget); the largest recompute the logits there. All give the same values and
+    gradients, also over two backwards of one graph (retain_graph: the second recomputes)."""
     from areno.models import logprobs as lp_mod
 
     torch.manual_seed(0)
@@ -174,19 +187,24 @@ def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(
     tgt = torch.randint(0, VOCAB, (23,))
     g_lp, g_ent = torch.randn(23), torch.randn(23)
 
-    def run(budget):
+    def run(budget, logits_budget=0):
         monkeypatch.setattr(lp_mod, "KEEP_LOGSOFTMAX_MAX_BYTES", budget)
+        monkeypatch.setattr(lp_mod, "keep_logits_budget", lambda device: logits_budget)
         h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
         lp, ent = logprobs_from_hidden(h, w, tgt, temperature, 5, with_entropy=with_entropy)
         loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_in_loss else 0.0)
-        loss.backward(retain_graph=True)
+        with _MatmulCount() as first_backward:
+            loss.backward(retain_graph=True)
         first = (h.grad.clone(), w.grad.clone())
         loss.backward()
-        return (lp.detach(), ent.detach() if with_entropy else lp.detach()), first, (h.grad, w.grad)
+        outs = (lp.detach(), ent.detach() if with_entropy else lp.detach()), first, (h.grad, w.grad)
+        return outs, first_backward.n
 
-    recomputed = run(0)
-    for budget in (1 << 30, 23 * VOCAB * 4):  # log-softmax and softmax kept; the log-softmax alone
-        kept = run(budget)
+    recomputed, recomputing_matmuls = run(0)
+    assert recomputing_matmuls == 3 * 5  # per chunk: the logits again, then the two gradients
+    # log-softmax and softmax kept; the log-softmax alone; the logits alone
+    for kept, matmuls in (run(1 << 30), run(23 * VOCAB * 4), run(0, 23 * VOCAB * 4)):
+        assert matmuls == 2 * 5
         assert all(torch.equal(a, b) for a, b in zip(kept[0], recomputed[0]))
         for a, b in zip(kept[1] + kept[2], recomputed[1] + recomputed[2]):
             assert torch.equal(a, b)

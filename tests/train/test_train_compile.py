@@ -45,6 +45,18 @@ def test_fused_head_math_equals_eager(monkeypatch, tau, with_entropy):
     _assert_head_close(_head(True, tau, with_entropy), _head(False, tau, with_entropy))
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_head_keeps_the_logits_bit_for_bit(monkeypatch, with_entropy):
+    """The fused path's backward from forward's kept logits (keep_logits_budget) equals the recomputed one."""
+    monkeypatch.setattr(lp_mod, "_KERNELS", (lp_mod._fused_forward_stats, lp_mod._fused_grad_logits))
+    monkeypatch.setattr(lp_mod, "keep_logits_budget", lambda device: 0)
+    recomputed = _head(True, 0.7, with_entropy)
+    monkeypatch.setattr(lp_mod, "keep_logits_budget", lambda device: T * V * 4)
+    kept = _head(True, 0.7, with_entropy)
+    for a, b in zip(kept, recomputed):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compiled_head_and_layers_equal_eager(tmp_path, scope):
