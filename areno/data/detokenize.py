@@ -3,20 +3,24 @@ group's completions.
 
 ``decode_texts(tokenizer, ids_B)`` equals ``[tokenizer.decode(ids, skip_special_tokens=True) for ids
 in ids_B]``. For a Hugging Face fast tokenizer whose ``decode`` is the ``tokenizers`` library's
-own (no clean-up of tokenization spaces, no subclass override), that is one ``decode_batch`` call:
-it runs in Rust over threads, without the GIL, and skips transformers' per-call conversion of the
-ids (a pass of ``isinstance`` over every id). A 0.5B rollout's 64 completions of 512 random tokens
-(~6,800 characters each) took ~0.5 ms each one by one, on the path from the engine's last step to
-the trainer. Any other tokenizer decodes one sequence at a time, exactly as before.
+own (no clean-up of tokenization spaces, no subclass override) and whose decoder concatenates
+per-token pieces (``Fuse``, or ``ByteLevel`` as in Qwen's and Llama 3's tokenizers), each text is a
+join over a table of the tokens' pieces built once (``_PieceTable``), 2-3x faster than the
+``tokenizers`` batch call; with another decoder it is that one ``decode_batch`` call, in Rust over
+threads, without the GIL. A 0.5B rollout's 64 completions of 512 random tokens took ~0.5 ms each one
+by one, on the path from the engine's last step to the trainer. Any other tokenizer decodes one
+sequence at a time, exactly as before.
 
-``adecode_texts`` is the same for a workflow's coroutine: the Rust decode runs in a worker thread,
-so the groups of a rollout that finish in the same engine step decode side by side instead of one
-after another on the event loop.
+``adecode_texts`` is the same for a workflow's coroutine: where the ``tokenizers`` batch call runs,
+it runs in a worker thread, so the groups of a rollout that finish in the same engine step decode side
+by side instead of one after another on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import operator
+import weakref
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
@@ -27,16 +31,83 @@ def decode_texts(tokenizer: Any, ids_B: list[list[int]]) -> list[str]:
     backend = _batch_decoder(tokenizer)
     if backend is None:
         return _decode_each(tokenizer, ids_B)
+    table = _piece_table(tokenizer, backend)
+    if table is not None:
+        return [table.decode(ids) for ids in ids_B]
     return backend.decode_batch(ids_B, skip_special_tokens=True)
 
 
 async def adecode_texts(tokenizer: Any, ids_B: list[list[int]]) -> list[str]:
     """``decode_texts`` from a coroutine: in a worker thread where the decode releases the GIL (the
-    ``tokenizers`` batch path), inline otherwise (Python decoding would only contend for the GIL)."""
+    ``tokenizers`` batch path), inline otherwise (Python decoding would only contend for the GIL,
+    and a ``_PieceTable`` join is faster than a thread's hand-over)."""
     backend = _batch_decoder(tokenizer)
     if backend is None:
         return _decode_each(tokenizer, ids_B)
+    table = _piece_table(tokenizer, backend)
+    if table is not None:
+        return [table.decode(ids) for ids in ids_B]
     return await asyncio.to_thread(backend.decode_batch, ids_B, skip_special_tokens=True)
+
+
+# GPT-2's byte-level alphabet: the character each byte is written as inside a ByteLevel token
+_PRINTED = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_CHAR_BYTE = {chr(b): b for b in _PRINTED} | {
+    chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in set(_PRINTED))
+}
+
+
+class _PieceTable:
+    """Each token id's share of a decoded text, for the decoders whose output is the concatenation
+    of per-token pieces: ``Fuse`` (the token strings joined) and ``ByteLevel`` (each token's bytes
+    joined, then one lossy UTF-8 decode, as ``tokenizers`` does). A special token's piece is empty
+    (``skip_special_tokens``), and so is an id the tokenizer does not know (``tokenizers`` drops
+    it). One list lookup per token, where ``tokenizers`` took ~0.4 us a token."""
+
+    def __init__(self, backend: Any, size: int, byte_level: bool) -> None:
+        special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        empty: str | bytes = b"" if byte_level else ""
+        pieces: list[str | bytes] = []
+        for i in range(size):
+            token = backend.id_to_token(i)
+            if token is None or token in special:
+                pieces.append(empty)
+            elif byte_level:
+                try:  # a token of byte characters; any other one (an added token's text) is its UTF-8
+                    pieces.append(bytes([_CHAR_BYTE[c] for c in token]))
+                except KeyError:
+                    pieces.append(token.encode())
+            else:
+                pieces.append(token)
+        self.backend, self.size, self.byte_level, self.pieces, self.empty = backend, size, byte_level, pieces, empty
+
+    def decode(self, ids: list[int]) -> str:
+        if min(ids, default=0) < 0:  # a negative index would read from the table's end
+            return self.backend.decode(ids, skip_special_tokens=True)  # which refuses it
+        pieces = self.pieces
+        try:  # one C-level gather (a tuple) where there are two ids or more
+            parts = operator.itemgetter(*ids)(pieces) if len(ids) > 1 else [pieces[i] for i in ids]
+        except IndexError:  # ids past the vocabulary (a model's padded rows): dropped, as tokenizers does
+            parts = [pieces[i] if i < self.size else self.empty for i in ids]
+        if self.byte_level:
+            return b"".join(parts).decode("utf-8", errors="replace")  # type: ignore[arg-type]
+        return "".join(parts)  # type: ignore[arg-type]
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per tokenizer object: its ``_PieceTable``, rebuilt when its vocabulary grows."""
+
+
+def _piece_table(tokenizer: Any, backend: Any) -> _PieceTable | None:
+    """The tokenizer's ``_PieceTable``, built on first use; None for other decoders."""
+    kind = type(getattr(backend, "decoder", None)).__name__
+    if kind not in ("Fuse", "ByteLevel"):
+        return None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    cached = _TABLES.get(tokenizer)
+    if cached is None or cached.size != size:
+        cached = _TABLES[tokenizer] = _PieceTable(backend, size, kind == "ByteLevel")
+    return cached
 
 
 def _decode_each(tokenizer: Any, ids_B: list[list[int]]) -> list[str]:
