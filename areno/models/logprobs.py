@@ -8,9 +8,9 @@ Logits are computed chunk by chunk from the final hidden states, and the softmax
 run per chunk. What forward keeps for backward depends on the call's size: a small head (all
 chunks within ``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps its fp32 log-softmax
 chunks, and with the entropy also their exponentials (the softmax); a larger one keeps its
-model-dtype logits when they fit ``keep_logits_budget`` (an eighth of a GPU's memory), and the
-largest keep nothing, so backward recomputes each chunk's logits and peak memory is one chunk of
-``[chunk_size, V]`` logits in both passes. Keeping saves backward's recomputing matmul; the
+model-dtype logits when they fit ``keep_logits_budget`` (an eighth of a GPU's memory, at most half
+of what is free), and the largest keep nothing, so backward recomputes each chunk's logits and
+peak memory is one chunk of ``[chunk_size, V]`` logits in both passes. Keeping saves backward's recomputing matmul; the
 values are the same either way. The matmul runs in the model dtype and the softmax in fp32, as
 ``Decoder.logits(...).float()`` would.
 
@@ -41,7 +41,8 @@ KEEP_LOGSOFTMAX_MAX_BYTES = 512 << 20
 larger one is recomputed from kept or recomputed logits (the GPU heads of real vocabularies)."""
 KEEP_LOGITS_MEMORY_SHARE = 8
 """On a GPU, forward keeps a call's model-dtype logits for backward when they take at most 1/8 of
-the device's memory (a 0.5B model's 32,768-token micro-batch: 10 GB of bf16 logits)."""
+the device's memory and half of what is free at that point (a 0.5B model's 32,768-token
+micro-batch on an H200: 10 GB of bf16 logits)."""
 
 
 def auto_chunk_size(hidden_TD: torch.Tensor, weight_VD: torch.Tensor) -> int:
@@ -68,9 +69,14 @@ def _device_memory(device: torch.device) -> int:
 
 
 def keep_logits_budget(device: torch.device) -> int:
-    """Bytes of model-dtype logits (all chunks of one call) that forward may keep for backward."""
+    """Bytes of model-dtype logits (all chunks of one call) that forward may keep for backward: on a
+    GPU at most 1/``KEEP_LOGITS_MEMORY_SHARE`` of its memory and half of what is free now (the
+    device's free memory and the blocks the caching allocator holds unused), so that a run near its
+    memory limit recomputes them as before instead of running out in backward."""
     if device.type == "cuda":
-        return _device_memory(device) // KEEP_LOGITS_MEMORY_SHARE
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return min(total // KEEP_LOGITS_MEMORY_SHARE, (free + cached) // 2)
     return KEEP_LOGSOFTMAX_MAX_BYTES
 
 

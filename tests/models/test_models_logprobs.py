@@ -265,3 +265,20 @@ def test_auto_chunk_size_fits_the_peak_budget(monkeypatch):
     for memory, chunk in expected.items():
         monkeypatch.setattr(lp, "_device_memory", lambda device, m=memory: m)
         assert lp.auto_chunk_size(_GpuHidden(2), torch.empty(151_936, 0)) == chunk
+
+
+def test_keep_logits_budget_is_a_share_of_the_gpu_and_half_of_what_is_free(monkeypatch):
+    """Kept logits take at most 1/8 of a GPU's memory and half of its free memory (the device's and
+    the caching allocator's unused blocks): a run near its limit recomputes them instead."""
+    from areno.models import logprobs as lp
+
+    gib, state = 1 << 30, {}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: state["allocated"])
+    cuda = torch.device("cuda", 0)
+    state.update(free=90 * gib, reserved=50 * gib, allocated=42 * gib)
+    assert lp.keep_logits_budget(cuda) == 141 * gib // lp.KEEP_LOGITS_MEMORY_SHARE
+    state.update(free=4 * gib, reserved=60 * gib, allocated=58 * gib)
+    assert lp.keep_logits_budget(cuda) == 3 * gib
+    assert lp.keep_logits_budget(torch.device("cpu")) == lp.KEEP_LOGSOFTMAX_MAX_BYTES
