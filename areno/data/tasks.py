@@ -101,9 +101,9 @@ def _all_arithmetic(*, min_digits: int = 1, max_digits: int = 2, ops: str = "+")
 
 
 def _all_strings(min_len: int, max_len: int, alphabet: str) -> tuple[int, Iterator[str]]:
-    alphabet = "".join(dict.fromkeys(alphabet))
-    size = sum(len(alphabet) ** k for k in range(min_len, max_len + 1))
-    return size, ("".join(t) for k in range(min_len, max_len + 1) for t in itertools.product(alphabet, repeat=k))
+    alphabet, lengths = "".join(dict.fromkeys(alphabet)), range(max(min_len, 0), max_len + 1)
+    size = sum(len(alphabet) ** k for k in lengths)
+    return size, ("".join(t) for k in lengths for t in itertools.product(alphabet, repeat=k))
 
 
 def _all_reverse(*, min_len: int = 3, max_len: int = 6, alphabet: str = "abcdefgh") -> Listing:
