@@ -49,10 +49,21 @@ def test_fused_head_math_equals_eager(monkeypatch, tau, with_entropy):
 def test_fused_head_keeps_the_logits_bit_for_bit(monkeypatch, with_entropy):
     """The fused path's backward from forward's kept logits (keep_logits_budget) equals the recomputed one."""
     monkeypatch.setattr(lp_mod, "_KERNELS", (lp_mod._fused_forward_stats, lp_mod._fused_grad_logits))
+    logits_matmuls = []
+    real_mm = torch.Tensor.__matmul__
+
+    def counting_mm(a, b):  # the head's logits: hidden [C, D] @ weight.t() [D, V]
+        logits_matmuls.append(b.shape == (D, V))
+        return real_mm(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counting_mm)
     monkeypatch.setattr(lp_mod, "keep_logits_budget", lambda device: 0)
     recomputed = _head(True, 0.7, with_entropy)
+    assert sum(logits_matmuls) == 2 * 3  # 3 chunks of 5 tokens, in forward and again in backward
+    logits_matmuls.clear()
     monkeypatch.setattr(lp_mod, "keep_logits_budget", lambda device: T * V * 4)
     kept = _head(True, 0.7, with_entropy)
+    assert sum(logits_matmuls) == 3  # forward's only
     for a, b in zip(kept, recomputed):
         assert (a is None and b is None) or torch.equal(a, b)
 
