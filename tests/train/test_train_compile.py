@@ -4,6 +4,7 @@ give the eager numbers (fp32, CPU).
 Legend: T = tokens, D = hidden size, V = vocabulary.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -153,7 +154,9 @@ def test_train_compile_key_reaches_the_backend_with_its_cache(
     overrides = [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "cluster.device=cpu"]
     cfg = load_config(None, overrides + ([f"train.compile={value}"] if value else []))
     with caplog.at_level("INFO", logger="areno.engine.api"):
-        backends = build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
+        # on the CPU, as the colocated engine builds it for cluster.device=cpu (also on a machine with a GPU)
+        on_cpu = lambda c: LocalTrainBackend(dataclasses.replace(c, device="cpu"))
+        backends = build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, on_cpu)
     backend = next(iter(backends.values()))
     assert backend.cfg.compile is compiled
     assert all((layer._compiled_call_impl is not None) is compiled for layer in backend.model.model.layers)
