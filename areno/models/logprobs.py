@@ -10,9 +10,9 @@ chunks within ``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps its fp32 
 chunks, and with the entropy also their exponentials (the softmax); a larger one keeps its
 model-dtype logits when they fit ``keep_logits_budget`` (an eighth of a GPU's memory, at most half
 of what is free), and the largest keep nothing, so backward recomputes each chunk's logits and
-peak memory is one chunk of ``[chunk_size, V]`` logits in both passes. Keeping saves backward's recomputing matmul; the
-values are the same either way. The matmul runs in the model dtype and the softmax in fp32, as
-``Decoder.logits(...).float()`` would.
+peak memory is one chunk of ``[chunk_size, V]`` logits in both passes. Keeping saves backward's
+recomputing matmul; the values are the same either way. The matmul runs in the model dtype and
+the softmax in fp32, as ``Decoder.logits(...).float()`` would.
 
 Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = tokens of a chunk.
 """
@@ -87,7 +87,8 @@ def _log_softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
     over an fp32 [C, V] copy."""
     if temperature == 1.0:
         return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32)
-    return torch.log_softmax(zraw_CV.float() / temperature, dim=-1)
+    z_CV = zraw_CV.float()  # a copy for 16-bit logits, divided in place; fp32 logits themselves stay
+    return torch.log_softmax(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
 
 
 def _fused_forward_stats(
