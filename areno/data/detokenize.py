@@ -42,11 +42,8 @@ async def adecode_texts(tokenizer: Any, ids_B: list[list[int]]) -> list[str]:
     ``tokenizers`` batch path), inline otherwise (Python decoding would only contend for the GIL,
     and a ``_PieceTable`` join is faster than a thread's hand-over)."""
     backend = _batch_decoder(tokenizer)
-    if backend is None:
-        return _decode_each(tokenizer, ids_B)
-    table = _piece_table(tokenizer, backend)
-    if table is not None:
-        return [table.decode(ids) for ids in ids_B]
+    if backend is None or _piece_table(tokenizer, backend) is not None:
+        return decode_texts(tokenizer, ids_B)
     return await asyncio.to_thread(backend.decode_batch, ids_B, skip_special_tokens=True)
 
 
