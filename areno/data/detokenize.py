@@ -48,9 +48,9 @@ async def adecode_texts(tokenizer: Any, ids_B: list[list[int]]) -> list[str]:
 
 
 # GPT-2's byte-level alphabet: the character each byte is written as inside a ByteLevel token
-_PRINTED = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_PRINTED = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
 _CHAR_BYTE = {chr(b): b for b in _PRINTED} | {
-    chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in set(_PRINTED))
+    chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in _PRINTED)
 }
 
 

@@ -428,7 +428,7 @@ class WorkflowExecutor:
     def rollout_packed(self, samples: list[dict[str, Any]]) -> tuple[list[Trajectory], TokenBatch]:
         """``rollout_batch`` and its trajectories packed (what ``TokenBatch.from_trajectories`` makes
         of them). Each group is packed on the loop as its episode ends, while the later groups still
-        decode their texts in worker threads, so after the last episode only its own group's packing
+        decode and score their completions, so after the last episode only its own group's packing
         and one concatenation are left."""
         trajectories, parts = self._rollout(samples, pack=True)
         return trajectories, TokenBatch.concat(parts)
