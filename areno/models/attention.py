@@ -329,6 +329,14 @@ def _native_gqa() -> bool:
         return _NATIVE_GQA
     if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
         return False
+    # the first caller may be the rollout engine's step (inference mode, no grad): the probe's
+    # backward needs normal tensors, else it fails and caches False
+    with torch.inference_mode(False), torch.enable_grad():
+        _NATIVE_GQA = _probe_native_gqa()
+    return _NATIVE_GQA
+
+
+def _probe_native_gqa() -> bool:
     from torch.nn.attention.varlen import varlen_attn
 
     try:
@@ -342,12 +350,11 @@ def _native_gqa() -> bool:
             out = varlen_attn(qq, k_in, v_in, cu, cu, 15, 15, window_size=(-1, 0))
             out.float().square().sum().backward()
             grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
-        _NATIVE_GQA = all(
+        return all(
             a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in zip(*grads)
         )
     except (RuntimeError, ValueError, TypeError):  # a wrapper or kernel that refuses them: repeat
-        _NATIVE_GQA = False
-    return _NATIVE_GQA
+        return False
 
 
 @functools.lru_cache(maxsize=1)

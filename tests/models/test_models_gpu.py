@@ -147,3 +147,21 @@ def test_varlen_takes_gqa_inputs_without_repeating_them():
 
     torch.zeros(1, device="cuda")  # the probe runs once the process uses CUDA
     assert varlen_features()[0] in (GQA_FLAG, GQA_NATIVE)
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "no_grad"])
+def test_varlen_gqa_probe_answers_alike_inside_the_rollout_engines_step(context, monkeypatch):
+    """The probe's first caller may be the rollout engine's prefill, inside inference mode (or
+    no-grad): its backward must still run there, or it caches False and training repeats k/v."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    from areno.models import attention as A
+
+    torch.zeros(1, device="cuda")
+    monkeypatch.setattr(A, "_NATIVE_GQA", None)
+    outside = A._native_gqa()
+    monkeypatch.setattr(A, "_NATIVE_GQA", None)
+    with torch.inference_mode() if context == "inference_mode" else torch.no_grad():
+        inside = A._native_gqa()
+    assert inside == outside
+    if "enable_gqa" not in A._varlen_params():  # torch 2.11: flash takes fewer k/v heads
+        assert inside
