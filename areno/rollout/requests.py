@@ -139,15 +139,18 @@ def assemble_routes(chunks: list[tuple[int, torch.Tensor]], num_tokens: int) -> 
     """int16 [num_tokens, L, K] on the host from a sequence's recorded chunks (``Sequence.routes``):
     a later forward over a position (a recompute) overrides an earlier one; rows past the end (a
     decode loop's discarded tokens) are dropped, and positions no forward ran for stay -1. So does
-    the last token's: its forward, when a decode loop ran one, sampled nothing that was kept."""
+    the last token's: its forward, when a decode loop ran one, sampled nothing that was kept. A
+    normal tensor although the engine's steps run in inference mode: the caller may write to it or
+    train with it."""
     _, L, K = chunks[0][1].shape
-    routes_TLK = torch.full((num_tokens, L, K), -1, dtype=torch.int16, device=chunks[0][1].device)
-    for start, part_nLK in chunks:
-        n = min(part_nLK.shape[0], num_tokens - start)
-        if n > 0:
-            routes_TLK[start : start + n] = part_nLK[:n]
-    routes_TLK[-1] = -1
-    return routes_TLK.cpu()
+    with torch.inference_mode(False):
+        routes_TLK = torch.full((num_tokens, L, K), -1, dtype=torch.int16, device=chunks[0][1].device)
+        for start, part_nLK in chunks:
+            n = min(part_nLK.shape[0], num_tokens - start)
+            if n > 0:
+                routes_TLK[start : start + n] = part_nLK[:n]
+        routes_TLK[-1] = -1
+        return routes_TLK.cpu()
 
 
 def routes_to_json(routes_TLK: torch.Tensor | None) -> dict | None:

@@ -55,6 +55,9 @@ def test_engine_routes_equal_the_trainer_models_routes(steps):
         assert torch.equal(routes[:-1].long(), own[:-1])  # every token the engine ran a forward for
         assert (routes[-1] == -1).all()  # the last sampled token has none
         assert routes_from_json(routes_to_json(routes)).equal(routes)
+        # the engine steps in inference mode; its routes are normal tensors a workflow may write to
+        assert not routes.is_inference()
+        routes[-1] = -1
 
 
 def test_engine_records_nothing_unless_asked():
