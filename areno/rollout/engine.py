@@ -307,9 +307,10 @@ class RolloutEngine:
     def step(self) -> list[GenerationOutput]:
         """Run one forward pass over the scheduled tokens (a pure-decode batch: up to
         ``decode_steps`` of them back to back); returns the requests that finished. Inference mode,
-        not only no-grad: each op skips the autograd and version-counter bookkeeping (~8% of a small
-        CPU model's decode step, bench/LOG.md); what a step creates and keeps (graphs' buffers, packed
-        weights) is touched only by steps and by ``warmup_cuda_graphs``, which runs in it too."""
+        not only no-grad: each op skips autograd's and the version counters' bookkeeping, which a
+        small model's CPU decode step (many small ops) pays for measurably; what a step creates and
+        keeps (graphs' buffers, packed weights) is touched only by steps and by
+        ``warmup_cuda_graphs``, which runs in it too."""
         with span("engine_step", "rollout"), fused_ops.inference(self._fused):
             return self._stepper.step()
 
