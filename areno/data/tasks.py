@@ -168,13 +168,14 @@ def generate_rows(spec: TaskSpec, *, split: str, num: int, seed: int) -> list[di
     # The eval split ignores the seed so that every run is compared on the same held-out prompts.
     rng = random.Random(f"{spec.name}/{split}/{seed if split == 'train' else 0}")
     lister = _ALL_ROWS.get(spec.name)
-    size, listed = lister(**spec.kwargs) if lister is not None else (ENUMERATE_MAX + 1, None)
-    share = 1 / HELD_OUT_BUCKETS if split == "eval" else 1 - 1 / HELD_OUT_BUCKETS
-    if listed is not None and size <= ENUMERATE_MAX and size * share <= 2 * num:  # the search would be slow
-        rows = [row for row in listed if _is_held_out(row_key(row)) == (split == "eval")]
-        if len(rows) <= num:
-            rng.shuffle(rows)
-            return rows
+    if lister is not None:
+        size, listed = lister(**spec.kwargs)
+        share = 1 / HELD_OUT_BUCKETS if split == "eval" else 1 - 1 / HELD_OUT_BUCKETS
+        if size <= ENUMERATE_MAX and size * share <= 2 * num:  # the search would be slow
+            rows = [row for row in listed if _is_held_out(row_key(row)) == (split == "eval")]
+            if len(rows) <= num:
+                rng.shuffle(rows)
+                return rows
     rows, seen = [], set()
     for _ in range(num * 50):
         row = TASKS[spec.name](rng, **spec.kwargs)
