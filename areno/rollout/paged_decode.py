@@ -45,11 +45,13 @@ except ImportError:  # pragma: no cover - depends on the install
 TORCH_CHUNK_KEYS = 128
 """``paged_decode_torch``: keys gathered per iteration (rounded to whole blocks)."""
 SPLIT_TARGET_PROGRAMS_PER_SM = 4
-"""Triton: split each (sequence, KV head) until about this many programs per SM (small batches)."""
+"""Triton: split each (sequence, KV head) while the programs stay at most this many per SM (small batches)."""
 MAX_SPLITS = 8
 """Triton: most split-K programs per (sequence, KV head)."""
 NUM_WARPS = 4
 """Triton: warps per decode program."""
+NUM_STAGES = 2
+"""Triton: software-pipelining stages of the decode program's key loop."""
 
 
 def triton_available() -> bool:
@@ -312,12 +314,14 @@ if triton is not None:
 
 
 def auto_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, tile: int, device: torch.device) -> int:
-    """Split-K programs per (sequence, KV head): about ``SPLIT_TARGET_PROGRAMS_PER_SM`` programs per
-    SM, at most ``MAX_SPLITS``, at least one tile of ``max_keys`` (the table width) each."""
+    """Split-K programs per (sequence, KV head): the most that keep the programs at
+    ``SPLIT_TARGET_PROGRAMS_PER_SM`` per SM or fewer, at least one, at most ``MAX_SPLITS`` and one tile of
+    ``max_keys`` (the table width) each."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-SPLIT_TARGET_PROGRAMS_PER_SM * sms // (num_seqs * num_kv_heads))
+    # rounded down: a batch that fills the SMs alone is slower split in two, combine kernel included
+    want = SPLIT_TARGET_PROGRAMS_PER_SM * sms // (num_seqs * num_kv_heads)
     return max(1, min(MAX_SPLITS, -(-max_keys // tile), want))
 
 
@@ -499,4 +503,5 @@ def _launch_decode(
         NUM_SPLITS=num_splits,
         ROTARY=rotary is not None,
         num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )

@@ -8,7 +8,7 @@ import torch
 from areno.rollout.attention import PagedAttention
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.rollout.kv_cache import KVCache
-from areno.rollout.paged_decode import paged_decode, paged_decode_torch, triton_available
+from areno.rollout.paged_decode import auto_num_splits, paged_decode, paged_decode_torch, triton_available
 from areno.types import SamplingParams
 from tests.helpers.rollout import eager_runner, make_model, random_prompts
 
@@ -312,7 +312,7 @@ def _fake_triton():
             self.fn = fn
 
         def __getitem__(self, grid):
-            def launch(*args, num_warps=None, **kw):
+            def launch(*args, num_warps=None, num_stages=None, **kw):
                 # A tensor becomes a flat view of its memory span: the kernel addresses it by its strides.
                 ptrs = [
                     _Ptr(a.as_strided((1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())),), (1,)))
@@ -473,3 +473,18 @@ def test_held_graph_captures_run_eagerly_with_the_same_tokens():
     after = eng.generate(prompts, params)
     assert eng._graphs._loops, "captures resume once released"
     assert [o.output_ids for o in held] == [o.output_ids for o in after] == [o.output_ids for o in ref]
+
+
+@pytest.mark.parametrize(
+    ("seqs", "splits"),
+    [(256, 1), (192, 1), (128, 2), (64, 4), (32, 8), (8, 8), (1, 8)],
+)
+def test_split_count_keeps_programs_at_most_four_per_sm(monkeypatch, seqs, splits):
+    # 132 SMs (an H200), two KV heads: a batch whose programs fill the SMs alone runs unsplit
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    assert auto_num_splits(seqs, 2, 1024, 64, torch.device("cuda")) == splits
+    assert auto_num_splits(seqs, 2, 64, 64, torch.device("cuda")) == 1  # one tile of keys: nothing to split
+    assert auto_num_splits(seqs, 2, 1024, 64, torch.device("cpu")) == 1
