@@ -368,12 +368,15 @@ def paged_decode_rotary(
     sliding_window: int | None = None,
     tile: int = 64,
     num_splits: int | None = None,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """A decode step's attention from its fused q/k/v product before RoPE (``qkv_BN``: [B, (Hq + 2
     Hkv) Dh], one new token per sequence at position ``ctx - 1``): what ``fused_ops.rope_write_kv``
     then ``paged_decode_triton`` do, in the decode kernel itself (q and the new key rotated with
     that kernel's roundings, the new K/V written at ``slot_B``). Call only where
-    ``fused_ops.rope_write_fits`` holds (one dtype, contiguous pools and columns). Returns [B, Hq, Dh]."""
+    ``fused_ops.rope_write_fits`` holds (one dtype, contiguous pools and columns). ``num_splits`` as
+    ``paged_decode_triton``'s; ``num_stages``: the key loop's pipelining stages (``bench.paged_decode``
+    times both). Returns [B, Hq, Dh]."""
     if triton is None:
         raise RuntimeError("paged_decode_rotary needs triton")
     if k_S.shape[1] != num_kv_heads or qkv_BN.shape[1] != (num_q_heads + 2 * num_kv_heads) * k_S.shape[2]:
@@ -384,7 +387,7 @@ def paged_decode_rotary(
     cos_BF, sin_BF = cos_BF.contiguous(), sin_BF.contiguous()
     rotary = (cos_BF, sin_BF, slot_B)
     return _run_decode(
-        qkv_BN, num_q_heads, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, rotary
+        qkv_BN, num_q_heads, k_S, v_S, bt_BN, ctx_B, block_size, sliding_window, tile, num_splits, rotary, num_stages
     )
 
 
@@ -400,6 +403,7 @@ def _run_decode(
     tile: int,
     num_splits: int | None,
     rotary: tuple | None,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """The decode kernel and, for more than one split, the combine kernel: [B, Hq, Dh] in ``q``'s dtype."""
     B, Hq, Dh = q.shape[0], num_q_heads, k_S.shape[2]
@@ -415,7 +419,9 @@ def _run_decode(
     else:
         part_acc = part_m = part_l = out_BHD  # unused
     parts = (part_acc, part_m, part_l)
-    _launch_decode(q, Hq, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile, rotary)
+    _launch_decode(
+        q, Hq, k_S, v_S, bt_BN, ctx_B, out_BHD, parts, num_splits, block_size, sliding_window, tile, rotary, num_stages
+    )
     if num_splits > 1:
         _combine_kernel[(B, Hq)](
             part_acc,
@@ -448,6 +454,7 @@ def _launch_decode(
     sliding_window: int | None,
     tile: int,
     rotary: tuple | None = None,
+    num_stages: int = NUM_STAGES,
 ) -> None:
     """``_paged_decode_kernel`` over (B, Hkv, num_splits) programs; ``parts``: the split-K partials
     (accumulators, running maxima, sums), unused for one split. ``q``: [B, Hq, Dh] queries, or with
@@ -503,5 +510,5 @@ def _launch_decode(
         NUM_SPLITS=num_splits,
         ROTARY=rotary is not None,
         num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_stages=num_stages,
     )
