@@ -135,7 +135,7 @@ class RoleWorker:
             pickle.loads(batch_bytes),
             forward_fn=spec.extract_model_output,
             loss_fn=spec.compute_loss,
-            denominator_fn=spec.denominator,
+            denominator_fn=spec.step_denominator,
         )
 
     def save_checkpoint(self, role: str, path: str, extra_state_bytes: bytes) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from areno.recipes.config import TrainingConfig
-from areno.specializations.base import POLICY_VERSION_KEY, ModelSpecialization
+from areno.specializations.base import POLICY_VERSION_KEY, ModelSpecialization, without_gradient_free
 from areno.types import TokenBatch
 
 
@@ -175,13 +175,16 @@ class RecipeRunner:
             metrics: dict[str, float] = {}
             for name in names:
                 spec = self.specs[name]
+                batch, skipped = without_gradient_free(spec, prepared[name])
                 result = self.backends[name].train_step(
-                    prepared[name],
+                    batch,
                     forward_fn=spec.extract_model_output,
                     loss_fn=spec.compute_loss,
-                    denominator_fn=spec.denominator,
+                    denominator_fn=spec.step_denominator,
                 )
                 metrics.update({f"{name}/{k}": float(v) for k, v in result.items()})
+                if skipped is not None:
+                    metrics[f"{name}/skipped_zero_grad_seqs"] = float(skipped)
             return metrics
 
         metrics: dict[str, float] = {}

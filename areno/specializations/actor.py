@@ -114,6 +114,12 @@ class ActorConfig:
     """Length of the soft penalty ramp before ``overlong_max_length``, in (0, overlong_max_length]."""
     overlong_penalty: float = 1.0
     """Penalty at and beyond ``overlong_max_length``."""
+    skip_zero_advantage: bool = True
+    """Leave sequences whose advantages are all zero (a GRPO group whose rewards are all equal) out of
+    the step's forward and backward, where the loss has no other term (``kl_coef`` 0 or the KL in the
+    reward, ``entropy_coef`` 0): their gradient is zero and the loss keeps the whole batch's denominator,
+    so the update is the same up to summation order. Their tokens count as zero in the step's loss
+    statistics (``actor/pg_loss`` and the clip fractions)."""
     logprob_chunk_size: int | None = None
     """Tokens per chunk of the LM head's log-prob computation (memory and speed, not values); None:
     ``models.logprobs.auto_chunk_size`` (on a GPU as large as 1/16 of its memory allows)."""
@@ -348,6 +354,16 @@ class ActorSpecialization(ModelSpecialization):
         )
         loss = reducer(loss_T, weight_T)
         return loss, reduce_stats(stats, weight_T, reducer, "actor")
+
+    def gradient_free_B(self, batch: TokenBatch) -> torch.Tensor | None:
+        c = self.config
+        if not c.skip_zero_advantage or (c.kl_coef > 0 and not c.kl_in_reward) or c.entropy_coef > 0:
+            return None
+        seqlens_B = batch.seqlens_B
+        seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel()), seqlens_B)
+        # every policy loss here is a multiple of the token's advantage: zero advantage, zero gradient
+        live_T = (batch.advantages_T != 0) & batch.loss_mask_T.bool()
+        return torch.zeros(seqlens_B.numel()).index_add(0, seq_T, live_T.to(torch.float32)) == 0
 
     def denominator(self, batch: TokenBatch) -> float:
         return aggregation_denominator(

@@ -39,6 +39,11 @@ POLICY_VERSION_KEY = "policy_version_B"
 """Batch extra key the RecipeRunner fills with the role's weight version before the step (the
 proximal version of decoupled PPO's loglinear method, the step of a beta schedule)."""
 
+DENOMINATOR_CARRY_KEY = "denominator_carry_B"
+"""Batch extra key (per sequence) the RecipeRunner adds when it leaves a step's gradient-free sequences
+out (``ModelSpecialization.gradient_free_B``): their share of the global loss denominator, carried by the
+first sequence kept (zeros elsewhere), so the loss and its gradient are the whole batch's."""
+
 Metrics = dict[str, torch.Tensor]
 """Metric name -> 0-dim tensor already divided by the global denominator (through the reducer), so
 the backend sums it over micro-batches and ranks to get the step's value."""
@@ -96,6 +101,18 @@ class ModelSpecialization(ABC):
         """This micro-batch's additive share of the global loss denominator (default: loss tokens)."""
         return float(batch.loss_mask_T.sum())
 
+    def gradient_free_B(self, batch: TokenBatch) -> torch.Tensor | None:
+        """The sequences of a prepared batch whose loss has no gradient (bool [B]): the step leaves them
+        out of its forward and backward (``without_gradient_free``). None (the default): every
+        sequence may carry gradient."""
+        return None
+
+    def step_denominator(self, batch: TokenBatch) -> float:
+        """``denominator`` plus the share carried for the sequences left out (``DENOMINATOR_CARRY_KEY``):
+        the ``denominator_fn`` a training step is given."""
+        carry_B = batch.extra.get(DENOMINATOR_CARRY_KEY)
+        return self.denominator(batch) + (float(carry_B.sum()) if carry_B is not None else 0.0)
+
     def _check_extra(self, batch: TokenBatch) -> None:
         missing = [k for k in self.required_extra_keys if k not in batch.extra]
         if missing:
@@ -110,6 +127,23 @@ def with_extra(batch: TokenBatch, **tensors: torch.Tensor) -> TokenBatch:
     import dataclasses
 
     return dataclasses.replace(batch, extra={**batch.extra, **tensors})
+
+
+def without_gradient_free(spec: ModelSpecialization, batch: TokenBatch) -> tuple[TokenBatch, int | None]:
+    """``batch`` without the sequences ``spec.gradient_free_B`` names, their share of the denominator
+    carried (``DENOMINATOR_CARRY_KEY``), and how many were left out (None where the specialization names
+    none). When no sequence would be left, the first stays (its gradient is zero too) so that the
+    optimizer still steps as it would."""
+    free_B = spec.gradient_free_B(batch)
+    if free_B is None:
+        return batch, None
+    if not bool(free_B.any()):
+        return batch, 0
+    keep = torch.nonzero(~free_B).flatten().tolist() or [0]
+    kept = batch.select(keep)
+    carry_B = torch.zeros(len(keep), dtype=torch.float64)
+    carry_B[0] = spec.step_denominator(batch) - spec.step_denominator(kept)
+    return with_extra(kept, **{DENOMINATOR_CARRY_KEY: carry_B}), batch.num_seqs - len(keep)
 
 
 def reduce_stats(stats: dict[str, torch.Tensor], mask_T: torch.Tensor, reducer: Reducer, prefix: str) -> Metrics:

@@ -272,7 +272,7 @@ def test_independent_roles_train_concurrently_and_shared_ones_serially():
     barrier = threading.Barrier(2, timeout=10)
     runner = RecipeRunner(recipe, {"policy": _RecordingBackend(log, barrier), "value": _RecordingBackend(log, barrier)})
     metrics = runner.step(rl_batch())
-    assert set(metrics) == {"policy/loss", "value/loss"}
+    assert set(metrics) == {"policy/loss", "value/loss", "policy/skipped_zero_grad_seqs"}
     assert [e for e, _ in log if e != "forward"] == ["enter", "enter", "exit", "exit"]
     assert sum(e == "forward" for e, _ in log) == 1  # the critic's forward serves both the sync and its own targets
     shared_log = []
@@ -431,7 +431,8 @@ def test_rl_recipes_move_logprobs_toward_reward(dirs, name):
 def test_later_pass_reuses_first_pass_forwards(dirs):
     """A second optimizer pass (``pass_order``) trains on the first pass's prepared batch, reordered:
     pi_prox is not recomputed (so the decoupled clip acts from the second pass), no forward runs."""
-    recipe = get_recipe("grpo_async")
+    # every sequence trained, zero-advantage ones too: the test follows sequences through the passes
+    recipe = get_recipe("grpo_async", policy_kwargs={"skip_zero_advantage": False})
     backend = train.LocalTrainBackend(
         train.TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None)
     )
@@ -486,7 +487,8 @@ def test_minibatches_share_one_forward(dirs):
         return results[-1]
 
     backend.train_step = recording_train
-    runner = RecipeRunner(get_recipe("grpo_async"), {"policy": backend}, num_minibatches=2)
+    recipe = get_recipe("grpo_async", policy_kwargs={"skip_zero_advantage": False})  # halves of every sequence
+    runner = RecipeRunner(recipe, {"policy": backend}, num_minibatches=2)
     _, batch, _ = rl_setup(dirs)
     runner.step(batch)
     assert len(forwards) == 1 and len(trained) == 2

@@ -1,0 +1,117 @@
+"""Sequences whose advantages are all zero leave the step (``ActorConfig.skip_zero_advantage``): the
+update must be the one of the whole batch, the loss keeps the whole batch's denominator, and the step
+trains only the other sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areno.recipes import get_recipe
+from areno.recipes.runner import RecipeRunner
+from areno.specializations.actor import ActorConfig, ActorSpecialization
+from areno.specializations.base import DENOMINATOR_CARRY_KEY, without_gradient_free
+from tests.helpers.recipes import naive_logprobs, rl_batch, with_behaviour_logprobs
+
+train = pytest.importorskip("areno.train")
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    from areno.data.tokenizer import build_char_tokenizer
+    from areno.models.hf_io import init_model_dir, tiny_config
+
+    tok = build_char_tokenizer()
+    cfg = tiny_config(len(tok), hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3)
+    return str(init_model_dir(tmp_path_factory.mktemp("models") / "policy", cfg, tok, seed=0))
+
+
+def batch_for(policy_dir, rewards=None):
+    from areno.models.hf_io import load_model
+
+    base = rl_batch()  # 6 sequences in groups a, a, b, b, c, c; group c's rewards are equal
+    if rewards is not None:
+        base.rewards_B = torch.tensor(rewards, dtype=torch.float32)
+    logp = naive_logprobs(load_model(policy_dir, dtype=torch.float32, device="cpu")[0], base)
+    return with_behaviour_logprobs(base, logp, scale=0.3)
+
+
+def one_step(recipe, policy_dir, batch):
+    backend = train.LocalTrainBackend(
+        train.TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=1e9)
+    )
+    backend.initialize(policy_dir)
+    trained = []
+    real = backend.train_step
+    backend.train_step = lambda b, **kw: trained.append(b.num_seqs) or real(b, **kw)
+    metrics = RecipeRunner(recipe, {"policy": backend}).step(batch)
+    return metrics, [p.detach().clone() for p in backend.model.parameters()], trained
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("grpo", {}),
+        ("grpo_async", {}),
+        ("cispo", {}),
+        ("gspo", {}),
+        ("rloo", {}),
+        ("grpo", {"loss_aggregation": "token"}),
+    ],
+)
+def test_the_update_is_the_whole_batchs(policy_dir, name, kwargs):
+    batch = batch_for(policy_dir)
+    on, p_on, trained_on = one_step(get_recipe(name, policy_kwargs=kwargs), policy_dir, batch)
+    off, p_off, trained_off = one_step(
+        get_recipe(name, policy_kwargs={**kwargs, "skip_zero_advantage": False}), policy_dir, batch
+    )
+    assert trained_on == [4] and trained_off == [6]  # group c left out
+    assert on["policy/skipped_zero_grad_seqs"] == 2 and "policy/skipped_zero_grad_seqs" not in off
+    assert on["policy/loss_denominator"] == off["policy/loss_denominator"]
+    assert on["policy/loss"] == pytest.approx(off["policy/loss"], rel=1e-5, abs=1e-7)
+    assert on["policy/grad_norm"] == pytest.approx(off["policy/grad_norm"], rel=1e-5)
+    assert on["policy/tokens"] < off["policy/tokens"]
+    for a, b in zip(p_on, p_off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_every_group_equal_trains_one_sequence_and_steps_alike(policy_dir):
+    batch = batch_for(policy_dir, rewards=[1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    on, p_on, trained_on = one_step(get_recipe("grpo"), policy_dir, batch)
+    off, p_off, _ = one_step(get_recipe("grpo", policy_kwargs={"skip_zero_advantage": False}), policy_dir, batch)
+    assert trained_on == [1] and on["policy/skipped_zero_grad_seqs"] == 5
+    assert on["policy/grad_norm"] == 0.0 == off["policy/grad_norm"]
+    for a, b in zip(p_on, p_off):  # AdamW's weight decay and its step count move both alike
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kwargs", [{"kl_coef": 0.1}, {"entropy_coef": 0.01}, {"skip_zero_advantage": False}])
+def test_nothing_left_out_where_the_loss_has_another_term(kwargs):
+    spec = ActorSpecialization(ActorConfig(**kwargs))
+    batch = spec.compute_advantages(rl_batch())
+    assert spec.gradient_free_B(batch) is None
+    assert without_gradient_free(spec, batch) == (batch, None)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "seq_mean_token_mean", "constant"])
+def test_the_denominator_is_carried_by_the_first_sequence_kept(aggregation):
+    spec = ActorSpecialization(ActorConfig(loss_aggregation=aggregation, loss_agg_constant=7.0))
+    batch = spec.compute_advantages(rl_batch())
+    assert spec.gradient_free_B(batch).tolist() == [False, False, False, False, True, True]
+    kept, skipped = without_gradient_free(spec, batch)
+    assert skipped == 2 and kept.num_seqs == 4
+    carry = kept.extra[DENOMINATOR_CARRY_KEY]
+    assert carry[1:].eq(0).all() and carry[0] > 0
+    # cut into micro-batches any way, the shares still add up to the whole batch's denominator
+    parts = [kept.select([0, 3]), kept.select([1]), kept.select([2])]
+    assert sum(spec.step_denominator(p) for p in parts) == spec.denominator(batch)
+    # a sequence with no loss tokens has no gradient either
+    batch.loss_mask_T[batch.cu_seqlens_B1[0] : batch.cu_seqlens_B1[1]] = False
+    assert spec.gradient_free_B(batch).tolist() == [True, False, False, False, True, True]
+
+
+def test_an_unknown_option_is_still_refused():
+    from areno.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="skip_zero_advantages"):
+        get_recipe("grpo", policy_kwargs={"skip_zero_advantages": False})
