@@ -132,14 +132,17 @@ def with_extra(batch: TokenBatch, **tensors: torch.Tensor) -> TokenBatch:
 def without_gradient_free(spec: ModelSpecialization, batch: TokenBatch) -> tuple[TokenBatch, int | None]:
     """``batch`` without the sequences ``spec.gradient_free_B`` names, their share of the denominator
     carried (``DENOMINATOR_CARRY_KEY``), and how many were left out (None where the specialization names
-    none). When no sequence would be left, the first stays (its gradient is zero too) so that the
-    optimizer still steps as it would."""
+    none). When no sequence would be left, the shortest stays (its gradient is zero too) so that the
+    optimizer still steps as it would: the cheapest, and the same one in every pass over the batch."""
     free_B = spec.gradient_free_B(batch)
     if free_B is None:
         return batch, None
     if not bool(free_B.any()):
         return batch, 0
-    keep = torch.nonzero(~free_B).flatten().tolist() or [0]
+    keep = torch.nonzero(~free_B).flatten().tolist()
+    if not keep:
+        cu, ids = batch.cu_seqlens_B1.tolist(), batch.input_ids_T.tolist()
+        keep = [min(range(batch.num_seqs), key=lambda i: (cu[i + 1] - cu[i], ids[cu[i] : cu[i + 1]]))]
     kept = batch.select(keep)
     carry_B = torch.zeros(len(keep), dtype=torch.float64)
     carry_B[0] = spec.step_denominator(batch) - spec.step_denominator(kept)

@@ -75,11 +75,18 @@ def test_the_update_is_the_whole_batchs(policy_dir, name, kwargs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_every_group_equal_trains_one_sequence_and_steps_alike(policy_dir):
+def test_every_group_equal_trains_the_shortest_sequence_and_steps_alike(policy_dir):
     batch = batch_for(policy_dir, rewards=[1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     on, p_on, trained_on = one_step(get_recipe("grpo"), policy_dir, batch)
     off, p_off, _ = one_step(get_recipe("grpo", policy_kwargs={"skip_zero_advantage": False}), policy_dir, batch)
     assert trained_on == [1] and on["policy/skipped_zero_grad_seqs"] == 5
+    spec = ActorSpecialization(ActorConfig())
+    prepared = spec.compute_advantages(batch)
+    kept, _ = without_gradient_free(spec, prepared)
+    assert kept.num_seqs == 1 and kept.num_tokens == int(prepared.seqlens_B.min())  # lengths 7, 5, 7, 5, 6, 7
+    order = [5, 4, 3, 2, 1, 0]  # a later pass reorders the batch: the same sequence stays
+    again, _ = without_gradient_free(spec, prepared.select(order))
+    assert again.input_ids_T.tolist() == kept.input_ids_T.tolist()
     assert on["policy/grad_norm"] == 0.0 == off["policy/grad_norm"]
     for a, b in zip(p_on, p_off):  # AdamW's weight decay and its step count move both alike
         torch.testing.assert_close(a, b)
