@@ -359,11 +359,8 @@ class ActorSpecialization(ModelSpecialization):
         c = self.config
         if not c.skip_zero_advantage or (c.kl_coef > 0 and not c.kl_in_reward) or c.entropy_coef > 0:
             return None
-        seqlens_B = batch.seqlens_B
-        seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel()), seqlens_B)
         # every policy loss here is a multiple of the token's advantage: zero advantage, zero gradient
-        live_T = (batch.advantages_T != 0) & batch.loss_mask_T.bool()
-        return torch.zeros(seqlens_B.numel()).index_add(0, seq_T, live_T.to(torch.float32)) == 0
+        return _tokens_per_sequence_B(batch, (batch.advantages_T != 0) & batch.loss_mask_T.bool()) == 0
 
     def denominator(self, batch: TokenBatch) -> float:
         return aggregation_denominator(
@@ -377,9 +374,14 @@ def _group_ids(batch: TokenBatch) -> list[str]:
 
 def _completion_lengths_B(batch: TokenBatch) -> torch.Tensor:
     """Loss tokens per sequence (the generated length)."""
+    return _tokens_per_sequence_B(batch, batch.loss_mask_T)
+
+
+def _tokens_per_sequence_B(batch: TokenBatch, flags_T: torch.Tensor) -> torch.Tensor:
+    """How many of each sequence's tokens ``flags_T`` sets."""
     seqlens_B = batch.seqlens_B
     seq_T = torch.repeat_interleave(torch.arange(seqlens_B.numel()), seqlens_B)
-    return torch.zeros(seqlens_B.numel(), dtype=torch.long).index_add(0, seq_T, batch.loss_mask_T.long())
+    return torch.zeros(seqlens_B.numel(), dtype=torch.long).index_add(0, seq_T, flags_T.long())
 
 
 def _to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
