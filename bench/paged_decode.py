@@ -23,9 +23,10 @@ import sys
 import torch
 
 from areno.rollout import paged_decode as pd
+from areno.rollout.engine import RolloutEngineConfig
 from bench._common import emit, headline, parser, ratio
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = RolloutEngineConfig.block_size  # the engine's default KV block
 
 
 def old_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, tile: int, sms: int) -> int:
