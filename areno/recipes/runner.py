@@ -30,7 +30,12 @@ from typing import Any
 import torch
 
 from areno.recipes.config import TrainingConfig
-from areno.specializations.base import POLICY_VERSION_KEY, ModelSpecialization, without_gradient_free
+from areno.specializations.base import (
+    POLICY_VERSION_KEY,
+    ModelSpecialization,
+    kept_sequences,
+    without_gradient_free,
+)
 from areno.types import TokenBatch
 
 
@@ -127,11 +132,19 @@ class RecipeRunner:
 
     def _prepare(self, rollout_data: TokenBatch, trainable: list[str]) -> dict[str, TokenBatch]:
         outputs: dict[str, dict[str, torch.Tensor]] = {}
+        computed_T: dict[str, torch.Tensor] = {}  # a partial forward's tokens
 
-        def forward(role: str) -> dict[str, torch.Tensor]:
+        def forward(role: str, free_B: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
             if role not in outputs:
                 spec = self.specs[role]
-                outputs[role] = self.backends[role].forward_only(rollout_data, forward_fn=spec.extract_model_output)
+                if free_B is None or not bool(free_B.any()):
+                    outputs[role] = self.backends[role].forward_only(rollout_data, forward_fn=spec.extract_model_output)
+                else:
+                    keep = kept_sequences(rollout_data, free_B)
+                    part = self.backends[role].forward_only(
+                        rollout_data.select(keep), forward_fn=spec.extract_model_output
+                    )
+                    outputs[role], computed_T[role] = _scattered(rollout_data, keep, part)
             return outputs[role]
 
         data = {
@@ -149,14 +162,18 @@ class RecipeRunner:
             for key, target_key in zip(sync.keys, sync.target_keys):
                 data[sync.target].extra[target_key] = out[key]
         for name in trainable:
-            for key, target_key in self.specs[name].self_forward_keys.items():
-                data[name].extra[target_key] = forward(name)[key]
+            keys = self.specs[name].self_forward_keys
+            if keys:  # the sequences the step leaves out whatever their values: not forwarded
+                out = forward(name, self.specs[name].self_forward_free_B(data[name]))
+                for key, target_key in keys.items():
+                    data[name].extra[target_key] = out[key]
         self._rollout_metrics = {}
         synced = [n for n in self.roles_to_sync() if n in trainable]
         if self.measure_rollout_logprobs and synced:
             # the policy's own no-grad forward (shared with a recompute the loss asks for)
             # only tokens sampled by the policy version being trained: staleness is not mismatch
             current_T = rollout_data.versions_T == self.versions[synced[0]]
+            current_T &= computed_T.get(synced[0], torch.ones_like(current_T))
             self._rollout_metrics = logprob_diff_metrics(
                 rollout_data.logprobs_T, forward(synced[0])["logprobs_T"], rollout_data.loss_mask_T.bool() & current_T
             )
@@ -197,6 +214,28 @@ class RecipeRunner:
         for name in trainable:
             self.versions[name] += 1
         return metrics
+
+
+def _scattered(
+    batch: TokenBatch, keep: list[int], part: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A forward of ``batch.select(keep)`` laid out over ``batch``'s tokens, and which tokens it
+    computed. The others keep the batch's own tensor of that name (the rollout's log-probs), else zero:
+    finite values that the step's loss multiplies by a zero advantage or drops."""
+    cu = batch.cu_seqlens_B1.tolist()
+    index_T = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in keep])
+    computed_T = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    computed_T[index_T] = True
+    out: dict[str, torch.Tensor] = {}
+    for key, value in part.items():
+        if value.shape[0] != index_T.numel():
+            raise ValueError(f"a partial self-forward needs per-token outputs; {key!r} has shape {tuple(value.shape)}")
+        own = getattr(batch, key, None)
+        full = own.to(value) if isinstance(own, torch.Tensor) and own.shape == (batch.num_tokens,) else None
+        full = full.clone() if full is not None else value.new_zeros((batch.num_tokens, *value.shape[1:]))
+        full[index_T.to(value.device)] = value
+        out[key] = full
+    return out, computed_T
 
 
 def logprob_diff_metrics(

@@ -205,7 +205,24 @@ class ActorSpecialization(ModelSpecialization):
 
     # ------------------------------------------------------------------ whole batch
     def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
+        return self._prepare_kept(rollout_data)[0]
+
+    def self_forward_free_B(self, batch: TokenBatch) -> torch.Tensor | None:
+        # the advantages and the dynamic-sampling filter read no self-forward output
+        prepared, kept_B = self._prepare_kept(batch)
+        free_B = self.gradient_free_B(prepared)
+        if kept_B is None:
+            return free_B
+        out_B = ~kept_B
+        if free_B is not None:
+            out_B[kept_B] = free_B
+        return out_B if bool(out_B.any()) else None
+
+    def _prepare_kept(self, rollout_data: TokenBatch) -> tuple[TokenBatch, torch.Tensor | None]:
+        """``prepare_batch``'s batch and the sequences of ``rollout_data`` the dynamic-sampling filter
+        kept (bool [B]; None: all)."""
         self._check_extra(rollout_data)
+        kept_B = None
         batch = rollout_data
         if self.config.overlong_max_length is not None:
             lengths_B = _completion_lengths_B(batch)
@@ -220,9 +237,10 @@ class ActorSpecialization(ModelSpecialization):
             keep_B = dynamic_sampling_keep_B(batch.rewards_B, group_index_B(_group_ids(batch)))
             if keep_B.any():
                 batch = batch.select(torch.nonzero(keep_B).flatten().tolist())
+                kept_B = keep_B.bool()
             else:  # every group is degenerate: train on nothing this step
                 batch = dataclasses.replace(batch, loss_mask_T=torch.zeros_like(batch.loss_mask_T))
-        return self.compute_advantages(batch)
+        return self.compute_advantages(batch), kept_B
 
     def compute_advantages(self, rollout_data: TokenBatch) -> TokenBatch:
         b = rollout_data

@@ -107,6 +107,12 @@ class ModelSpecialization(ABC):
         sequence may carry gradient."""
         return None
 
+    def self_forward_free_B(self, batch: TokenBatch) -> torch.Tensor | None:
+        """The sequences the step will leave out (``gradient_free_B``, or dropped by ``prepare_batch``)
+        whatever the self-forward gives them (bool [B] over ``batch``, before ``prepare_batch``): the
+        runner runs ``self_forward_keys``' forward over the others only. None (the default): all."""
+        return None
+
     def step_denominator(self, batch: TokenBatch) -> float:
         """``denominator`` plus the share carried for the sequences left out (``DENOMINATOR_CARRY_KEY``):
         the ``denominator_fn`` a training step is given."""
@@ -139,14 +145,21 @@ def without_gradient_free(spec: ModelSpecialization, batch: TokenBatch) -> tuple
         return batch, None
     if not bool(free_B.any()):
         return batch, 0
-    keep = torch.nonzero(~free_B).flatten().tolist()
-    if not keep:
-        cu, ids = batch.cu_seqlens_B1.tolist(), batch.input_ids_T.tolist()
-        keep = [min(range(batch.num_seqs), key=lambda i: (cu[i + 1] - cu[i], ids[cu[i] : cu[i + 1]]))]
+    keep = kept_sequences(batch, free_B)
     kept = batch.select(keep)
     carry_B = torch.zeros(len(keep), dtype=torch.float64)
     carry_B[0] = spec.step_denominator(batch) - spec.step_denominator(kept)
     return with_extra(kept, **{DENOMINATOR_CARRY_KEY: carry_B}), batch.num_seqs - len(keep)
+
+
+def kept_sequences(batch: TokenBatch, free_B: torch.Tensor) -> list[int]:
+    """The indices of the sequences ``free_B`` does not name; where it names all, the shortest (ties
+    broken by its tokens, so the same one in every pass over the batch)."""
+    keep = torch.nonzero(~free_B).flatten().tolist()
+    if not keep:
+        cu, ids = batch.cu_seqlens_B1.tolist(), batch.input_ids_T.tolist()
+        keep = [min(range(batch.num_seqs), key=lambda i: (cu[i + 1] - cu[i], ids[cu[i] : cu[i + 1]]))]
+    return keep
 
 
 def reduce_stats(stats: dict[str, torch.Tensor], mask_T: torch.Tensor, reducer: Reducer, prefix: str) -> Metrics:

@@ -36,7 +36,7 @@ def batch_for(policy_dir, rewards=None):
     return with_behaviour_logprobs(base, logp, scale=0.3)
 
 
-def one_step(recipe, policy_dir, batch):
+def one_step(recipe, policy_dir, batch, forwarded=None, **runner_kwargs):
     backend = train.LocalTrainBackend(
         train.TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=1e9)
     )
@@ -44,7 +44,10 @@ def one_step(recipe, policy_dir, batch):
     trained = []
     real = backend.train_step
     backend.train_step = lambda b, **kw: trained.append(b.num_seqs) or real(b, **kw)
-    metrics = RecipeRunner(recipe, {"policy": backend}).step(batch)
+    if forwarded is not None:
+        real_forward = backend.forward_only
+        backend.forward_only = lambda b, **kw: forwarded.append(b.num_seqs) or real_forward(b, **kw)
+    metrics = RecipeRunner(recipe, {"policy": backend}, **runner_kwargs).step(batch)
     return metrics, [p.detach().clone() for p in backend.model.parameters()], trained
 
 
@@ -122,3 +125,52 @@ def test_an_unknown_option_is_still_refused():
 
     with pytest.raises(ConfigError, match="skip_zero_advantages"):
         get_recipe("grpo", policy_kwargs={"skip_zero_advantages": False})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "rewards", "forwards", "trains"),
+    [
+        ({}, None, [4], [4]),  # group c's equal rewards: no proximal forward, no training
+        ({}, [1.0, 1.0, 0.0, 0.0, 1.0, 1.0], [1], [1]),  # every group equal: the one sequence kept
+        ({"dynamic_sampling": True, "skip_zero_advantage": False}, None, [4], [4]),  # group c dropped
+        ({"entropy_coef": 0.01, "dynamic_sampling": True}, None, [4], [4]),
+        ({"entropy_coef": 0.01}, None, [6], [6]),  # every sequence has gradient
+    ],
+)
+def test_the_proximal_forward_runs_over_the_sequences_the_step_trains(
+    policy_dir, monkeypatch, kwargs, rewards, forwards, trains
+):
+    batch = batch_for(policy_dir, rewards=rewards)
+    batch.versions_T = batch.versions_T.clamp(max=0)  # sampled by the weights trained: measured
+    recipe = get_recipe("grpo_async", policy_kwargs=kwargs)
+    forwarded = []
+    on, p_on, trained = one_step(recipe, policy_dir, batch, forwarded, measure_rollout_logprobs=True)
+    assert forwarded == forwards and trained == trains
+    monkeypatch.setattr(ActorSpecialization, "self_forward_free_B", lambda self, b: None)
+    full = []
+    off, p_off, _ = one_step(recipe, policy_dir, batch, full, measure_rollout_logprobs=True)
+    assert full == [6]
+    for key in ("policy/loss", "policy/grad_norm", "policy/loss_denominator"):
+        assert on[key] == pytest.approx(off[key], rel=1e-5, abs=1e-7), key
+    for a, b in zip(p_on, p_off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the train/rollout mismatch is measured over the tokens forwarded (a subset of all)
+    assert 0 < on["rollout/logprob_abs_diff_mean"] <= on["rollout/logprob_abs_diff_max"]
+    assert on["rollout/logprob_abs_diff_max"] <= off["rollout/logprob_abs_diff_max"]
+
+
+def test_a_partial_forward_keeps_the_rollouts_values_elsewhere():
+    from areno.recipes.runner import _scattered
+
+    batch = rl_batch()
+    cu = batch.cu_seqlens_B1.tolist()
+    part = batch.select([1, 3])
+    out, computed_T = _scattered(batch, [1, 3], {"logprobs_T": torch.full((part.num_tokens,), -9.0)})
+    inside = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    for i in (1, 3):
+        inside[cu[i] : cu[i + 1]] = True
+    assert computed_T.tolist() == inside.tolist()
+    assert out["logprobs_T"][inside].eq(-9.0).all()
+    torch.testing.assert_close(out["logprobs_T"][~inside], batch.logprobs_T[~inside].float())
+    with pytest.raises(ValueError, match="per-token"):
+        _scattered(batch, [1, 3], {"score_B": torch.zeros(2)})
