@@ -36,9 +36,9 @@ def batch_for(policy_dir, rewards=None):
     return with_behaviour_logprobs(base, logp, scale=0.3)
 
 
-def one_step(recipe, policy_dir, batch, forwarded=None, **runner_kwargs):
+def one_step(recipe, policy_dir, batch, forwarded=None, device="cpu", **runner_kwargs):
     backend = train.LocalTrainBackend(
-        train.TrainBackendConfig(lr=1e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=1e9)
+        train.TrainBackendConfig(lr=1e-2, device=device, max_tokens_per_mb=16, seed=0, grad_clip=1e9)
     )
     backend.initialize(policy_dir)
     trained = []
@@ -48,7 +48,7 @@ def one_step(recipe, policy_dir, batch, forwarded=None, **runner_kwargs):
         real_forward = backend.forward_only
         backend.forward_only = lambda b, **kw: forwarded.append(b.num_seqs) or real_forward(b, **kw)
     metrics = RecipeRunner(recipe, {"policy": backend}, **runner_kwargs).step(batch)
-    return metrics, [p.detach().clone() for p in backend.model.parameters()], trained
+    return metrics, [p.detach().cpu().clone() for p in backend.model.parameters()], trained
 
 
 @pytest.mark.parametrize(
@@ -140,23 +140,34 @@ def test_an_unknown_option_is_still_refused():
 def test_the_proximal_forward_runs_over_the_sequences_the_step_trains(
     policy_dir, monkeypatch, kwargs, rewards, forwards, trains
 ):
+    check_partial_forward(policy_dir, monkeypatch, kwargs, rewards, forwards, trains, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+def test_the_proximal_forward_over_the_trained_sequences_on_gpu(policy_dir, monkeypatch):
+    on = check_partial_forward(policy_dir, monkeypatch, {}, None, [4], [4], "cuda", 2e-2)
+    assert on["policy/skipped_zero_grad_seqs"] == 2
+
+
+def check_partial_forward(policy_dir, monkeypatch, kwargs, rewards, forwards, trains, device, tol):
     batch = batch_for(policy_dir, rewards=rewards)
     batch.versions_T = batch.versions_T.clamp(max=0)  # sampled by the weights trained: measured
     recipe = get_recipe("grpo_async", policy_kwargs=kwargs)
     forwarded = []
-    on, p_on, trained = one_step(recipe, policy_dir, batch, forwarded, measure_rollout_logprobs=True)
+    on, p_on, trained = one_step(recipe, policy_dir, batch, forwarded, device, measure_rollout_logprobs=True)
     assert forwarded == forwards and trained == trains
     monkeypatch.setattr(ActorSpecialization, "self_forward_free_B", lambda self, b: None)
     full = []
-    off, p_off, _ = one_step(recipe, policy_dir, batch, full, measure_rollout_logprobs=True)
+    off, p_off, _ = one_step(recipe, policy_dir, batch, full, device, measure_rollout_logprobs=True)
     assert full == [6]
     for key in ("policy/loss", "policy/grad_norm", "policy/loss_denominator"):
-        assert on[key] == pytest.approx(off[key], rel=1e-5, abs=1e-7), key
-    for a, b in zip(p_on, p_off):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert on[key] == pytest.approx(off[key], rel=tol, abs=tol / 100), key
+    for a, b in zip(p_on, p_off):  # bf16 noise may flip the sign of AdamW's first update of a near-zero grad
+        torch.testing.assert_close(a, b, rtol=tol, atol=1e-6 if device == "cpu" else 2.5e-2)
     # the train/rollout mismatch is measured over the tokens forwarded (a subset of all)
     assert 0 < on["rollout/logprob_abs_diff_mean"] <= on["rollout/logprob_abs_diff_max"]
     assert on["rollout/logprob_abs_diff_max"] <= off["rollout/logprob_abs_diff_max"]
+    return on
 
 
 def test_a_partial_forward_keeps_the_rollouts_values_elsewhere():
