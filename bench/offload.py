@@ -79,13 +79,13 @@ def run_arm(args, shape: str, mode: str, workdir: Path) -> dict:
     prompts = e2e.make_prompts(tok, args.prompts * (args.warmup + args.steps + 2), prompt_len)
     data_path = workdir / f"prompts-{shape}-{prompt_len}.jsonl"
     data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
+    # e2e's own defaults under this bench's options: an option e2e gains later needs nothing here
     e2e_args = argparse.Namespace(
-        **{**vars(args), "areno_set": [*args.areno_set, f"cluster.offload={mode}"]},
-        decode_steps=0,
-        decode_attention="auto",
-        fused_kernels=True,
-        areno_async_set=[],
-        async_eta=1,
+        **{
+            **vars(e2e.build_parser().parse_args([])),
+            **vars(args),
+            "areno_set": [*args.areno_set, f"cluster.offload={mode}"],
+        }
     )
     param_dtype = e2e.default_param_dtype(args)
     try:
