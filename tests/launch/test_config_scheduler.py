@@ -9,6 +9,8 @@ import pytest
 from areno.api.config import ConfigError, load_config
 from areno.engine.cluster import ClusterLayout, LayoutError, scheduler_for
 from areno.launch.scheduler import LocalScheduler, SchedulerError
+from areno.recipes import get_recipe
+from areno.specializations.base import without_gradient_free
 from tests.helpers.configs import tiny_run_overrides
 
 PARTITIONED = ["cluster.train_devices=[0]", "cluster.rollout_devices=[1]"]
@@ -162,7 +164,10 @@ def test_partitioned_grpo_step_through_ray(tmp_path):
         rollout = engine.generate_rollout(0)
         metrics = engine.step(rollout)
         engine.update_weights()
-        assert metrics["train/policy/tokens"] == rollout.batch.num_tokens
+        # trained: the batch less its zero-advantage sequences (skip_zero_advantage)
+        spec = get_recipe(cfg.train.algorithm).roles[0].build()
+        kept, _ = without_gradient_free(spec, spec.prepare_batch(rollout.batch))
+        assert metrics["train/policy/tokens"] == kept.num_tokens
         assert scheduler.call("rollout", "version") == [1]
         assert 0.0 <= engine.evaluate()["eval/accuracy"] <= 1.0
     finally:

@@ -73,7 +73,9 @@ def test_vlm_grpo_learns_to_count_squares(tmp_path):
     held-out accuracy goes from 0 to far above the majority answer's share (about 1/3), so the
     policy reads the image."""
     settings = {
-        "optim.lr": "0.003",
+        # at 3e-3 some runs learned to 1.0, then fell onto the majority answer for good (no group's
+        # rewards differ then); which runs did, the gradients' summation order decided
+        "optim.lr": "0.0015",
         "rollout.max_new_tokens": "1",
         "rollout.batch_size": "8",
         "data.num_eval": "48",
