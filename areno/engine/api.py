@@ -10,6 +10,7 @@ and a ``RolloutSide`` that generates. Colocated (the default), both live in this
                                    -> RolloutSide.client; trajectories -> TokenBatch
     step(rollout)                  TrainingSide.step: inject syncs, then each trainable role trains
     update_weights()               TrainingSide.publish_weights -> RolloutSide.update_weights, version + 1
+                                   (an offline recipe: at its next evaluation)
 """
 
 from __future__ import annotations
@@ -325,6 +326,7 @@ class ArenoEngine:
     """Colocated runs: what stays on the device in each phase (``cluster.offload``) and each phase's
     peak memory (``engine/residency.py``). None: the sides have devices of their own."""
     _pending_sync_metrics: dict[str, float]
+    _rollout_behind: bool
     # set in initialize()
     tokenizer: Any
     recipe: TrainingConfig
@@ -370,6 +372,7 @@ class ArenoEngine:
         self.residency = residency
         self.weight_kind = choose_weight_kind(training.weight_kinds, rollout.weight_kinds)
         self._pending_sync_metrics = {}
+        self._rollout_behind = False  # an offline recipe trained since the rollout side's last sync
 
     # ----------------------------------------------------------------------------- set-up
     def initialize(self) -> None:
@@ -543,8 +546,18 @@ class ArenoEngine:
                 )
 
     def update_weights(self) -> dict[str, float]:
+        if not self.recipe.online:
+            # an offline recipe's rollout side serves evaluations only: the policy goes there before one
+            self.version += 1
+            self._rollout_behind = True
+            return {}
+        return self._sync_weights(self.version + 1)
+
+    def _sync_weights(self, version: int) -> dict[str, float]:
+        """Publish the trained policy as ``version`` and load it into the rollout side."""
+        self._rollout_behind = False
         self._enter(Phase.SYNC)
-        update = self.training.publish_weights(self.version + 1, self.weight_kind)
+        update = self.training.publish_weights(version, self.weight_kind)
         if update is None:  # no role syncs to the rollout side
             return {}
         if self.asynchronous:  # bracket the swap: admission and the engine pause, then continue
@@ -566,6 +579,8 @@ class ArenoEngine:
         """Greedy held-out accuracy (mean reward) of the current rollout policy."""
         if not self.eval_rows:
             return {}
+        if self._rollout_behind:
+            self._sync_weights(self.version)
         cfg = self.config
         if self.reward_fn is None:  # offline recipes build no executor
             self.reward_fn = load_reward(cfg.reward)

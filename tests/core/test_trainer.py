@@ -292,3 +292,34 @@ def test_two_passes_decoupled_clip_acts(tmp_path):
     assert any(r["train/policy/actor/approx_kl"] != 0.0 and r["train/policy/actor/clip_frac"] > 0 for r in step_rows), (
         step_rows
     )
+
+
+def test_an_offline_recipe_syncs_the_policy_before_each_evaluation_only(tmp_path):
+    """SFT trains on a dataset: the rollout side only evaluates, so the policy goes there before an
+    evaluation instead of after every step, and that evaluation sees the weights trained so far."""
+    overrides = [
+        *tiny_grpo_overrides(tmp_path),
+        "train.algorithm=sft",
+        "train.steps=5",
+        "train.eval_interval=2",
+        "train.save_interval=0",
+    ]
+    trainer = Trainer.init(load_config(None, overrides))
+    try:
+        engine = trainer.backend.engine
+        synced = []
+        real = engine.rollout.update_weights
+        engine.rollout.update_weights = lambda update: synced.append(update.version) or real(update)
+        trainer.run()
+        assert synced == [2, 4, 5]  # evaluations after steps 2, 4 and the last
+        assert engine.version == 5 == engine.rollout.version
+        trained = dict(engine.training.runner.backends["policy"].model.named_parameters())
+        served = dict(engine.rollout.engine.model.named_parameters())
+        name = next(n for n in served if n.endswith("mlp.down_proj.weight"))
+        torch.testing.assert_close(served[name], trained[name].detach().to(served[name].dtype))
+        engine.update_weights()  # a sixth update: behind again until an evaluation
+        assert synced == [2, 4, 5] and engine.version == 6
+        trainer.evaluate_now()
+        assert synced == [2, 4, 5, 6]
+    finally:
+        trainer.shutdown()
