@@ -208,9 +208,9 @@ class RolloutSection(RolloutEngineSettings):
     """This many samples in a row dropped after all their retries stop the run with the last error
     (a broken rollout engine or server, a workflow that always raises); 0 = never stop."""
     kv_blocks: int = 0
-    """KV-cache blocks of each rollout engine (0 = sized automatically: ``kv_memory_fraction`` of the
-    free memory on CUDA, ``cpu_kv_cache_bytes`` on CPU, and on a GPU shared with training what the
-    memory check allows)."""
+    """KV-cache blocks (of ``block_size`` tokens) of each rollout engine (0 = sized automatically:
+    ``kv_memory_fraction`` of the free memory on CUDA, ``cpu_kv_cache_bytes`` on CPU, and on a GPU
+    shared with training what the memory check allows)."""
     cuda_graph_warmup: bool = True
     """CUDA: capture the decode CUDA graphs of every batch size the run can reach (up to
     ``max_concurrent`` x ``n_samples`` sequences) when the rollout engine starts, for the training

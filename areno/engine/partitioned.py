@@ -86,12 +86,12 @@ def is_partitioned(config: ArenoConfig) -> bool:
     return config.cluster.asks_partitioned() and get_recipe(config.train.algorithm).online
 
 
-def kv_tokens_for(config: ArenoConfig, block_size: int = 16) -> int:
+def kv_tokens_for(config: ArenoConfig) -> int:
     """KV-cache tokens a rollout replica holds: the configured blocks, else every concurrent
     sequence at a nominal prompt plus its full completion."""
     r = config.rollout
     if r.kv_blocks:
-        return r.kv_blocks * block_size
+        return r.kv_blocks * r.block_size
     return r.max_concurrent * r.n_samples * (PROMPT_TOKENS_EST + r.max_new_tokens)
 
 

@@ -163,7 +163,7 @@ class RolloutWorker:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         blocks = cfg.rollout.kv_blocks
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
-            blocks = -(-kv_tokens_for(cfg) // 16)
+            blocks = -(-kv_tokens_for(cfg) // cfg.rollout.block_size)
         engine_config = rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks)
         eos = [tokenizer.eos_token_id]
         tp_group = self.groups.rollout_tp_group

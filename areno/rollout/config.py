@@ -55,6 +55,10 @@ class RolloutEngineSettings:
     """Longest sequence (prompt + output); null: the model's ``max_position_embeddings``."""
     enable_prefix_sharing: bool = True
     """Share full KV blocks of identical prefixes between requests (GRPO groups, multi-turn)."""
+    block_size: int = 16
+    """Tokens per KV block: the unit of allocation (``kv_blocks``) and of prefix sharing, which shares
+    whole blocks only, so the samples of a group share a prompt shorter than one block not at all
+    (the CPU demo's 9-token prompts take 8)."""
     recompute_kv_on_weight_update: bool = False
     """After a weight update (a policy sync), recompute the K/V of in-flight requests under the new
     weights (their tokens are kept; every later token is sampled exactly from the new policy). False
@@ -137,7 +141,7 @@ class RolloutEngineSettings:
     ranks must take the same steps)."""
 
     def __post_init__(self) -> None:
-        for key in ("max_tokens_per_step", "prefill_chunk_size", "cpu_kv_cache_bytes"):
+        for key in ("max_tokens_per_step", "prefill_chunk_size", "cpu_kv_cache_bytes", "block_size"):
             check_config(getattr(self, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(self, key)}")
         check_config(
             0 < self.kv_memory_fraction <= 1,
@@ -184,8 +188,6 @@ class RolloutEngineConfig(RolloutEngineSettings):
     a run) and what the engine's owner decides. ``max_num_seqs`` 0 becomes
     ``STANDALONE_MAX_NUM_SEQS`` here (a run passes its own)."""
 
-    block_size: int = 16
-    """Tokens per KV block (the unit of allocation and of prefix sharing)."""
     num_blocks: int | None = None
     """KV blocks in the pool. None: sized from ``kv_memory_fraction`` on CUDA, from
     ``cpu_kv_cache_bytes`` on CPU (a run passes ``rollout.kv_blocks`` or its memory budget)."""
@@ -215,7 +217,6 @@ class RolloutEngineConfig(RolloutEngineSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.max_num_seqs = self.max_num_seqs or STANDALONE_MAX_NUM_SEQS
-        check_config(self.block_size > 0, "RolloutEngineConfig.block_size", f"must be > 0, got {self.block_size}")
         check_config(
             self.num_blocks is None or self.num_blocks > 0,
             "RolloutEngineConfig.num_blocks",

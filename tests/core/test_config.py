@@ -244,7 +244,6 @@ def test_engine_config_alone_resolves_its_running_batch():
     "key",
     [
         "rollout.cuda_stream=true",  # no gain measured: removed
-        "rollout.block_size=32",  # an engine internal (the partitioned memory check assumes 16)
         "cluster.switch_interval_s=0.001",  # never measured: gone
         "train.host_optimizations=none",
     ],

@@ -139,3 +139,34 @@ def test_train_compile_scope_reaches_the_training_backend(tiny_model_dir, tmp_pa
     backend = next(iter(backends.values()))
     assert backend.cfg.compile_scope == "model"
     assert "forward_layers" in vars(backend.model)
+
+
+def test_block_size_reaches_the_engine_and_decides_what_a_short_prompt_shares(tiny_model_dir, tmp_path):
+    """``rollout.block_size``: the KV pool's block (``kv_blocks`` count them) and the unit of prefix
+    sharing. A group of samples of a 9-token prompt shares its first 8 tokens with 8-token blocks and
+    nothing with 16-token ones (the default): the CPU demo's case."""
+    from areno.rollout.sampling import SamplingParams
+
+    prompt = list(range(3, 12))
+    hits = {}
+    for size in (8, 16):
+        cfg = load_config(
+            None,
+            [
+                f"model.path={tiny_model_dir}",
+                f"run_dir={tmp_path / f'run{size}'}",
+                "cluster.device=cpu",
+                "rollout.kv_blocks=64",
+                f"rollout.block_size={size}",
+            ],
+        )
+        engine = _colocated_engine(cfg, tiny_model_dir)
+        assert engine.config.block_size == size and engine.cache.block_size == size
+        assert engine.allocator.num_blocks == 64
+        outs = engine.generate([prompt] * 8, SamplingParams(max_new_tokens=3, temperature=0.0))
+        assert len({tuple(o.output_ids) for o in outs}) == 1  # greedy: shared or not, the same tokens
+        hits[size] = engine.allocator.prefix_hit_tokens
+    assert hits == {8: 7 * 8, 16: 0}
+    with pytest.raises(ValueError, match="rollout.block_size: must be > 0, got 0"):
+        load_config(None, ["model.path=m", "rollout.block_size=0"])
+    assert load_config(None, ["model.path=m"]).rollout.block_size == 16
