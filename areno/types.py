@@ -197,11 +197,16 @@ class TokenBatch:
         starts_T = torch.repeat_interleave(self.cu_seqlens_B1[:-1], seqlens_B)
         return torch.arange(self.num_tokens, dtype=torch.long, device=starts_T.device) - starts_T
 
+    def token_indices(self, seq_indices: list[int]) -> torch.Tensor:
+        """long [T']: the packed positions of the given sequences' tokens, in the given order."""
+        cu = self.cu_seqlens_B1.tolist()
+        token_idx = [torch.arange(cu[i], cu[i + 1]) for i in seq_indices]
+        return torch.cat(token_idx) if token_idx else torch.zeros(0, dtype=torch.long)
+
     def select(self, seq_indices: list[int]) -> TokenBatch:
         """A new packed batch holding the given sequences, in the given order."""
         cu = self.cu_seqlens_B1.tolist()
-        token_idx = [torch.arange(cu[i], cu[i + 1]) for i in seq_indices]
-        idx_T = torch.cat(token_idx) if token_idx else torch.zeros(0, dtype=torch.long)
+        idx_T = self.token_indices(seq_indices)
         seqlens = torch.tensor([cu[i + 1] - cu[i] for i in seq_indices], dtype=torch.long)
         new_cu = torch.zeros(len(seq_indices) + 1, dtype=torch.long)
         new_cu[1:] = torch.cumsum(seqlens, 0)

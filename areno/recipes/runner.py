@@ -222,8 +222,7 @@ def _scattered(
     """A forward of ``batch.select(keep)`` laid out over ``batch``'s tokens, and which tokens it
     computed. The others keep the batch's own tensor of that name (the rollout's log-probs), else zero:
     finite values that the step's loss multiplies by a zero advantage or drops."""
-    cu = batch.cu_seqlens_B1.tolist()
-    index_T = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in keep])
+    index_T = batch.token_indices(keep)
     computed_T = torch.zeros(batch.num_tokens, dtype=torch.bool)
     computed_T[index_T] = True
     out: dict[str, torch.Tensor] = {}
