@@ -31,6 +31,7 @@ from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_yaml
 from areno.api.preflight import check_run
 from areno.api.rundir import RunDirLock, clear_run
+from areno.engine.host import thaw_heap
 from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, test_metrics
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
@@ -108,9 +109,12 @@ class Trainer:
         configure_tracing(self.run_dir, observe.trace)
         configure_sessions(self.run_dir, observe.sessions)
         resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
+        # An earlier run of this process (a notebook's, one that raised before its shutdown) may have
+        # frozen the heap (cluster.gc_freeze): its cycles become collectable again.
+        thaw_heap()
         if config.cluster.device != "cpu" and torch.cuda.is_available():
-            # An earlier run of this process (a notebook's) may be unreachable but not yet collected (its
-            # engine holds reference cycles): its device memory would shrink this run's KV pool and micro-batches.
+            # An earlier run of this process may be unreachable but not yet collected (its engine holds
+            # reference cycles): its device memory would shrink this run's KV pool and micro-batches.
             gc.collect()
             torch.cuda.empty_cache()
         self.backend = backend_cls()

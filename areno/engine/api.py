@@ -34,6 +34,7 @@ from areno.data.tasks import PromptStream
 from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config
 from areno.engine.executor import WorkflowExecutor
+from areno.engine.host import HeapFreezer
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
 from areno.engine.residency import Phase, Residency
 from areno.engine.rollout_side import RolloutSide
@@ -373,6 +374,7 @@ class ArenoEngine:
         self.weight_kind = choose_weight_kind(training.weight_kinds, rollout.weight_kinds)
         self._pending_sync_metrics = {}
         self._rollout_behind = False  # an offline recipe trained since the rollout side's last sync
+        self._heap = HeapFreezer(config.cluster.gc_freeze)  # frozen after the first step's sync
 
     # ----------------------------------------------------------------------------- set-up
     def initialize(self) -> None:
@@ -550,8 +552,10 @@ class ArenoEngine:
             # an offline recipe's rollout side serves evaluations only: the policy goes there before one
             self.version += 1
             self._rollout_behind = True
-            return {}
-        return self._sync_weights(self.version + 1)
+        else:
+            self._sync_weights(self.version + 1)
+        self._heap.after_step()
+        return {}
 
     def _sync_weights(self, version: int) -> dict[str, float]:
         """Publish the trained policy as ``version`` and load it into the rollout side."""
@@ -692,6 +696,7 @@ class ArenoEngine:
         self.rollout.shutdown()
         self.training.shutdown()
         self.close_reward()
+        self._heap.thaw()
 
     def close_reward(self) -> None:
         """Stop this run's reward sandbox workers (a later run starts a fresh pool)."""

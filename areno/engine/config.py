@@ -351,6 +351,13 @@ class ClusterSection:
     unmapping large blocks and trimming its heap; `engine/host.py`), as CUDA's caching allocator does.
     A training step's large temporaries then stop page-faulting in fresh at each use; the process's
     resident memory stays at its peak. No effect off glibc or on CUDA."""
+    gc_freeze: bool = True
+    """Once a process's first step is done (the driver's first policy sync, a training worker's
+    first step, a rollout worker's warm-up), Python's garbage collector is run once and every object
+    alive then is exempt from its later passes (`gc.freeze`): a full pass otherwise walks the
+    hundreds of thousands of objects of imports, model and engine, stopping every thread while it
+    does (`engine/host.py`). Frozen objects are still freed when unreferenced; the driver unfreezes
+    them at shutdown. false: the collector's defaults."""
     collective_timeout_s: float = 1800.0
     """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'
     world: a rank that stalls longer fails the collective with an error instead of hanging the run."""

@@ -26,6 +26,7 @@ import torch
 
 from areno.engine.api import build_role_backends, resolve_device, resolve_recipe
 from areno.engine.config import ArenoConfig, build_train_backend_config
+from areno.engine.host import HeapFreezer
 from areno.engine.partitioned import apply_process_settings
 from areno.errors import ConfigError
 from areno.launch.allocation import build_gpu_allocations, map_roles, parse_allocation_mode
@@ -120,6 +121,7 @@ class RoleWorker:
             only=roles,
         )
         self.specs = {r.name: r.build() for r in recipe.roles if r.name in roles}
+        self._heap = HeapFreezer(config.cluster.gc_freeze)
 
     def pid(self) -> int:
         return os.getpid()
@@ -127,16 +129,19 @@ class RoleWorker:
     def forward_only(self, role: str, batch_bytes: bytes) -> bytes:
         spec = self.specs[role]
         out = self.backends[role].forward_only(pickle.loads(batch_bytes), forward_fn=spec.extract_model_output)
+        self._heap.after_step()
         return pickle.dumps({k: v.cpu() for k, v in out.items()})
 
     def train_step(self, role: str, batch_bytes: bytes) -> dict[str, float]:
         spec = self.specs[role]
-        return self.backends[role].train_step(
+        metrics = self.backends[role].train_step(
             pickle.loads(batch_bytes),
             forward_fn=spec.extract_model_output,
             loss_fn=spec.compute_loss,
             denominator_fn=spec.step_denominator,
         )
+        self._heap.after_step()
+        return metrics
 
     def save_checkpoint(self, role: str, path: str, extra_state_bytes: bytes) -> None:
         self.backends[role].save_checkpoint(path, extra_state=pickle.loads(extra_state_bytes))

@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 from areno.engine.api import build_role_backends, resolve_recipe, rollout_engine_config, warm_up_rollout_engine
 from areno.engine.cluster import ClusterLayout, build_groups
 from areno.engine.config import ArenoConfig, resolve_dtypes
+from areno.engine.host import HeapFreezer
 from areno.engine.partitioned import _sync_config, advertised_address, bind_host, init_world, kv_tokens_for
 from areno.launch.scheduler import free_port
 from areno.models.hf_io import load_model
@@ -105,6 +106,7 @@ class TrainWorker:
             ),
         )
         self.runner = RecipeRunner(recipe, backends, num_minibatches=cfg.train.num_minibatches)
+        self._heap = HeapFreezer(cfg.cluster.gc_freeze)
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else recipe.roles[0].name
         self.transport = StreamTransport(
@@ -124,7 +126,9 @@ class TrainWorker:
         ``pass_order``, ``policy_version``: as ``TrainingSide.step``."""
         for role_name in self.runner.roles_to_sync():
             self.runner.versions[role_name] = policy_version
-        return self.runner.step(pickle.loads(batch_bytes), pass_order=pass_order)
+        metrics = self.runner.step(pickle.loads(batch_bytes), pass_order=pass_order)
+        self._heap.after_step()
+        return metrics
 
     def sync(self, version: int) -> dict[str, float]:
         return self.transport.sync(version).as_metrics()
@@ -185,6 +189,7 @@ class RolloutWorker:
             )
         warm_up_rollout_engine(self.engine, cfg)  # SPMD on every TP rank: before lead/follow
         self._receive_stream(layout, device, model_config)
+        HeapFreezer(cfg.cluster.gc_freeze).after_step()  # the warm-up stands for a first step here
         self.app = None
         if self.tp_rank == 0:
             if layout.rollout_tp > 1:

@@ -1,16 +1,22 @@
 """engine/host.py: a CPU run's malloc keeps freed memory, so a large allocation after a larger
-block was freed does not page-fault in fresh (measured in a subprocess: the setting is process-wide)."""
+block was freed does not page-fault in fresh (measured in a subprocess: the setting is process-wide);
+``cluster.gc_freeze`` exempts what a run's first step left alive from later collections, and its end
+gives it back."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
 import pytest
 
-from areno.engine.host import _glibc
+from areno.api.config import load_config
+from areno.api.trainer import Trainer
+from areno.engine.host import HeapFreezer, _glibc
+from tests.helpers.configs import tiny_grpo_overrides
 
-pytestmark = pytest.mark.skipif(_glibc() is None, reason="the malloc settings are glibc's")
+needs_glibc = pytest.mark.skipif(_glibc() is None, reason="the malloc settings are glibc's")
 
 _SCRIPT = """
 import resource, sys, torch
@@ -39,10 +45,64 @@ def _faults_of_second_allocation(device_type: str, keep: bool) -> int:
     return int(out.stdout.split()[-1])
 
 
+@needs_glibc
 def test_cpu_run_reuses_freed_memory_without_page_faults():
     assert _faults_of_second_allocation("cpu", keep=True) < PAGES // 8
     assert _faults_of_second_allocation("cpu", keep=False) > PAGES // 2  # unmapped at free, faulted in again
 
 
+@needs_glibc
 def test_cuda_run_leaves_malloc_as_it_is():
     assert _faults_of_second_allocation("cuda", keep=True) > PAGES // 2
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_heap_freezer_freezes_once_and_thaws():
+    assert gc.get_freeze_count() == 0
+    before = _Cycle()
+    freezer = HeapFreezer(True)
+    try:
+        freezer.after_step()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0 and freezer.frozen
+        after = _Cycle()
+        freezer.after_step()  # once only: the later cycle stays with the collector
+        assert gc.get_freeze_count() == frozen
+        assert not any(o is before for o in gc.get_objects())  # frozen: out of the collector's lists
+        assert any(o is after for o in gc.get_objects())
+    finally:
+        freezer.thaw()
+    assert gc.get_freeze_count() == 0 and not freezer.frozen
+    assert any(o is before for o in gc.get_objects())
+    off = HeapFreezer(False)
+    off.after_step()
+    assert gc.get_freeze_count() == 0 and not off.frozen
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_run_freezes_the_heap_after_its_first_step_and_thaws_it_at_shutdown(tmp_path, enabled):
+    cfg = load_config(None, [*tiny_grpo_overrides(tmp_path), "train.steps=2", f"cluster.gc_freeze={enabled}"])
+    trainer = Trainer.init(cfg)
+    try:
+        assert gc.get_freeze_count() == 0
+        trainer.run()
+        assert (gc.get_freeze_count() > 0) == enabled
+    finally:
+        trainer.shutdown()
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_new_run_thaws_a_heap_an_earlier_run_left_frozen(tmp_path):
+    """A run that raised before its shutdown left the heap frozen: the next run's start gives its
+    reference cycles back to the collector (a notebook's next run needs that memory)."""
+    HeapFreezer(True).after_step()
+    assert gc.get_freeze_count() > 0
+    trainer = Trainer.init(load_config(None, [*tiny_grpo_overrides(tmp_path), "train.steps=1"]))
+    try:
+        assert gc.get_freeze_count() == 0
+    finally:
+        trainer.shutdown()
