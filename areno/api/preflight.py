@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from areno.api.rundir import check_fresh
 from areno.data.datasets import check_splits
 from areno.data.prompts import check_chat_template
-from areno.data.tokenizer import build_char_tokenizer
+from areno.data.tokenizer import build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.config import ArenoConfig, ModelSection
 from areno.engine.roles import check_partitioned_roles, role_allocation
 from areno.errors import ConfigError, ModelDirError
@@ -88,7 +87,7 @@ def check_model(model: ModelSection) -> Any:
             f"model.path: {path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): copy the model's tokenizer files there"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_pretrained_tokenizer(path)
     except (OSError, ValueError, TypeError) as exc:  # a corrupt or incomplete tokenizer file
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ModelDirError(

@@ -2,12 +2,16 @@
 
 ``build_char_tokenizer`` makes a character-level ``PreTrainedTokenizerFast`` (one token per
 printable ASCII character plus special tokens and a simple chat template), saved with
-``save_pretrained`` next to the model it belongs to, so ``transformers.AutoTokenizer`` loads it.
+``save_pretrained`` next to the model it belongs to. ``load_pretrained_tokenizer`` is how areno
+loads any checkpoint's tokenizer: ``AutoTokenizer``'s choice, except for this one.
 """
 
 from __future__ import annotations
 
+import json
 import string
+from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -55,3 +59,29 @@ def build_char_tokenizer(
     )
     hf.chat_template = CHAT_TEMPLATE
     return hf
+
+
+def is_char_tokenizer(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds a tokenizer ``build_char_tokenizer`` made (its chat template, saved
+    as ``chat_template.jinja`` or in ``tokenizer_config.json``, is the one above)."""
+    model_dir = Path(model_dir)
+    try:
+        if (model_dir / "chat_template.jinja").is_file():
+            return (model_dir / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+        return json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template") == CHAT_TEMPLATE
+    except (OSError, ValueError):
+        return False
+
+
+def load_pretrained_tokenizer(model_dir: str | Path) -> Any:
+    """The tokenizer of a local checkpoint: ``AutoTokenizer.from_pretrained``, except a character
+    tokenizer of ``build_char_tokenizer``, which loads as the class it was saved as. transformers 5
+    gives a ``qwen2`` checkpoint's generic fast tokenizer its model type's class (``Qwen2Tokenizer``),
+    whose byte-level pre-tokenizer drops these characters' spaces (``"sort 4193:"`` read as
+    ``"sort4193:"``) and adds a token the model's vocabulary lacks. That path also skips importing
+    transformers' registry of model classes, which ``AutoTokenizer`` needs (about a second)."""
+    if is_char_tokenizer(model_dir):
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer  # the model registry: imported only for real checkpoints
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -26,12 +26,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
 from areno.data.datasets import build_splits
 from areno.data.prompts import render_prompt
 from areno.data.tasks import PromptStream
-from areno.data.tokenizer import build_char_tokenizer
+from areno.data.tokenizer import build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.host import HeapFreezer
@@ -171,9 +170,7 @@ def check_same_vocabulary(role_dir: Path, policy_dir: Path, role: str) -> None:
     its tokenizer must map tokens to the same ids (compared when both directories hold one; else
     the vocabulary sizes must match). A one-line ConfigError otherwise."""
     if (role_dir / "tokenizer_config.json").is_file() and (policy_dir / "tokenizer_config.json").is_file():
-        same = (
-            AutoTokenizer.from_pretrained(role_dir).get_vocab() == AutoTokenizer.from_pretrained(policy_dir).get_vocab()
-        )
+        same = load_pretrained_tokenizer(role_dir).get_vocab() == load_pretrained_tokenizer(policy_dir).get_vocab()
     else:
         same = read_config(role_dir).vocab_size == read_config(policy_dir).vocab_size
     if not same:
@@ -305,7 +302,7 @@ async def agreedy_score(
 
 def load_tokenizer(model_dir: Path) -> Any:
     """The checkpoint's tokenizer; it must have an EOS token (generation stops on it)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_pretrained_tokenizer(model_dir)
     if tokenizer.eos_token_id is None:
         raise ModelDirError(
             f"model.path: the tokenizer in {model_dir} has no eos_token: set one in tokenizer_config.json"

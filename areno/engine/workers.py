@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import uvicorn
-from transformers import AutoTokenizer
 
+from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.engine.api import build_role_backends, resolve_recipe, rollout_engine_config, warm_up_rollout_engine
 from areno.engine.cluster import ClusterLayout, build_groups
 from areno.engine.config import ArenoConfig, resolve_dtypes
@@ -164,7 +164,7 @@ class RolloutWorker:
         self.groups = build_groups(layout, device_type)
         device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
         dtype_name = resolve_dtypes(cfg, device_type).rollout
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_pretrained_tokenizer(model_dir)
         blocks = cfg.rollout.kv_blocks
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
             blocks = -(-kv_tokens_for(cfg) // cfg.rollout.block_size)

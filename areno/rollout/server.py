@@ -52,6 +52,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from areno.data.prompts import apply_template
+from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.models.hf_io import load_model
 from areno.models.vision import ImageInputs
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
@@ -912,12 +913,10 @@ def build_engine(
     model_dir: str, *, device: str | None = None, dtype: str | None = None, **engine_kw: Any
 ) -> tuple[RolloutEngine, Any]:
     """Load ``model_dir`` (weights + tokenizer) into a ``RolloutEngine``."""
-    from transformers import AutoTokenizer  # about a second to import: only a server's start-up needs it
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model, model_config = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_pretrained_tokenizer(model_dir)
     engine = RolloutEngine(
         model,
         model_config,

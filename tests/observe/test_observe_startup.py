@@ -43,8 +43,15 @@ def test_first_token_reaches_the_first_step_metrics(tmp_path, monkeypatch, caplo
     assert len(lines) == 1 and "after the process started" in lines[0]
 
 
-SLOW_IMPORTS = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint")
-"""Modules a one-process CPU run does not need before its first rollout token."""
+SLOW_IMPORTS = (
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers.models",
+)
+"""Modules a one-process CPU run does not need before its first rollout token (the last: transformers'
+registry of model classes, which a tiny model's character tokenizer loads without)."""
 
 FIRST_TOKEN_PROBE = """
 import json, logging, sys
@@ -66,7 +73,8 @@ print(json.dumps({"rc": rc, "before": seen, "after": {m: m in sys.modules for m 
 
 def test_slow_imports_come_after_the_first_token(tmp_path):
     """`areno train` on the CPU generates its first token before importing torch._dynamo (the
-    optimizer's), DTensor, FSDP and DCP (the checkpoint's), and still imports them to train and save."""
+    optimizer's), DTensor, FSDP and DCP (the checkpoint's) or transformers' model registry, and still
+    imports the first two kinds to train and save."""
     overrides = [*tiny_grpo_overrides(tmp_path), "reward.sandbox=false", "train.steps=1", "train.eval_interval=0"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(

@@ -1,0 +1,43 @@
+"""``load_pretrained_tokenizer``: a tiny model's character tokenizer loads as it was saved (spaces and
+vocabulary intact, whatever class transformers maps the model type to); other checkpoints load as
+``AutoTokenizer`` loads them."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from areno.data.tokenizer import build_char_tokenizer, is_char_tokenizer, load_pretrained_tokenizer
+from areno.models.hf_io import init_model_dir, tiny_config
+
+
+def _model_dir(tmp_path, tokenizer):
+    config = tiny_config(len(tokenizer), hidden_size=16, layers=1, heads=2, kv_heads=1, intermediate_size=32)
+    return init_model_dir(tmp_path / "model", config, tokenizer)
+
+
+def test_a_char_tokenizer_of_a_qwen2_checkpoint_loads_as_saved(tmp_path):
+    built = build_char_tokenizer()
+    model_dir = _model_dir(tmp_path, built)
+    assert is_char_tokenizer(model_dir)
+    loaded = load_pretrained_tokenizer(model_dir)
+    assert isinstance(loaded, PreTrainedTokenizerFast)
+    text = "sort 4193: 1349"
+    assert loaded(text)["input_ids"] == built(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text  # the spaces stay
+    assert loaded.get_vocab() == built.get_vocab() and len(loaded) == len(built)
+    assert (loaded.eos_token_id, loaded.pad_token_id, loaded.chat_template) == (
+        built.eos_token_id,
+        built.pad_token_id,
+        built.chat_template,
+    )
+
+
+def test_other_tokenizers_load_as_auto_tokenizer_loads_them(tmp_path):
+    other = build_char_tokenizer()
+    other.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # not areno's char tokenizer
+    model_dir = _model_dir(tmp_path, other)
+    assert not is_char_tokenizer(model_dir)
+    loaded, auto = load_pretrained_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    assert type(loaded) is type(auto)
+    assert loaded("a b c")["input_ids"] == auto("a b c")["input_ids"]
+    assert not is_char_tokenizer(tmp_path / "missing")
