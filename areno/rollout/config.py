@@ -58,7 +58,7 @@ class RolloutEngineSettings:
     block_size: int = 16
     """Tokens per KV block: the unit of allocation (``kv_blocks``) and of prefix sharing, which shares
     whole blocks only, so the samples of a group share a prompt shorter than one block not at all
-    (the CPU demo's 9-token prompts take 8)."""
+    (the CPU demo's prompts of 9-11 tokens take 8)."""
     recompute_kv_on_weight_update: bool = False
     """After a weight update (a policy sync), recompute the K/V of in-flight requests under the new
     weights (their tokens are kept; every later token is sampled exactly from the new policy). False
