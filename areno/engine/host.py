@@ -72,18 +72,27 @@ def apply_host_settings(cluster: ClusterSection, device_type: str) -> None:
         keep_freed_memory()
 
 
+_frozen_here = False
+"""Whether ``freeze_heap`` froze this process's heap (``thaw_heap`` leaves a freeze of other code alone)."""
+
+
 def freeze_heap() -> int:
     """Collect once, then exempt every object alive now from later collections (``gc.freeze``);
     returns how many objects the permanent generation holds."""
+    global _frozen_here
     gc.collect()
     gc.freeze()
+    _frozen_here = True
     return gc.get_freeze_count()
 
 
 def thaw_heap() -> None:
-    """Give the frozen objects back to the collector (``gc.unfreeze``): a finished run's reference
-    cycles become collectable again (a notebook's next run needs its memory)."""
-    gc.unfreeze()
+    """Give what ``freeze_heap`` froze back to the collector (``gc.unfreeze``): a finished run's
+    reference cycles become collectable again (a notebook's next run needs its memory)."""
+    global _frozen_here
+    if _frozen_here:
+        gc.unfreeze()
+        _frozen_here = False
 
 
 class HeapFreezer:

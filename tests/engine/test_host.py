@@ -106,3 +106,16 @@ def test_a_new_run_thaws_a_heap_an_earlier_run_left_frozen(tmp_path):
         assert gc.get_freeze_count() == 0
     finally:
         trainer.shutdown()
+
+
+def test_a_run_leaves_a_freeze_of_other_code_alone(tmp_path):
+    gc.freeze()  # the user's own, before any run
+    try:
+        frozen = gc.get_freeze_count()
+        trainer = Trainer.init(
+            load_config(None, [*tiny_grpo_overrides(tmp_path), "train.steps=1", "cluster.gc_freeze=false"])
+        )
+        trainer.shutdown()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
