@@ -71,7 +71,7 @@ def test_heap_freezer_freezes_once_and_thaws():
         assert frozen > 0 and freezer.frozen
         after = _Cycle()
         freezer.after_step()  # once only: the later cycle stays with the collector
-        assert gc.get_freeze_count() > frozen // 2  # still frozen (refcounting freed a few of them)
+        assert gc.get_freeze_count() <= frozen  # not frozen again (refcounting may free frozen objects)
         assert not any(o is before for o in gc.get_objects())  # frozen: out of the collector's lists
         assert any(o is after for o in gc.get_objects())
     finally:
