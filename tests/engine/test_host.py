@@ -13,7 +13,7 @@ import pytest
 
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
-from areno.engine.host import HeapFreezer, _glibc
+from areno.engine.host import HeapFreezer, _glibc, thaw_heap
 from tests.helpers.configs import tiny_grpo_overrides
 
 needs_glibc = pytest.mark.skipif(_glibc() is None, reason="the malloc settings are glibc's")
@@ -56,13 +56,19 @@ def test_cuda_run_leaves_malloc_as_it_is():
     assert _faults_of_second_allocation("cuda", keep=True) > PAGES // 2
 
 
+@pytest.fixture
+def unfrozen():
+    """An earlier test's engine, never shut down, may have left this process frozen."""
+    thaw_heap()
+    assert gc.get_freeze_count() == 0
+
+
 class _Cycle:
     def __init__(self) -> None:
         self.me = self
 
 
-def test_heap_freezer_freezes_once_and_thaws():
-    assert gc.get_freeze_count() == 0
+def test_heap_freezer_freezes_once_and_thaws(unfrozen):
     before = _Cycle()
     freezer = HeapFreezer(True)
     try:
@@ -84,7 +90,7 @@ def test_heap_freezer_freezes_once_and_thaws():
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_a_run_freezes_the_heap_after_its_first_step_and_thaws_it_at_shutdown(tmp_path, enabled):
+def test_a_run_freezes_the_heap_after_its_first_step_and_thaws_it_at_shutdown(tmp_path, enabled, unfrozen):
     cfg = load_config(None, [*tiny_grpo_overrides(tmp_path), "train.steps=2", f"cluster.gc_freeze={enabled}"])
     trainer = Trainer.init(cfg)
     try:
@@ -96,7 +102,7 @@ def test_a_run_freezes_the_heap_after_its_first_step_and_thaws_it_at_shutdown(tm
     assert gc.get_freeze_count() == 0
 
 
-def test_a_new_run_thaws_a_heap_an_earlier_run_left_frozen(tmp_path):
+def test_a_new_run_thaws_a_heap_an_earlier_run_left_frozen(tmp_path, unfrozen):
     """A run that raised before its shutdown left the heap frozen: the next run's start gives its
     reference cycles back to the collector (a notebook's next run needs that memory)."""
     HeapFreezer(True).after_step()
@@ -108,7 +114,7 @@ def test_a_new_run_thaws_a_heap_an_earlier_run_left_frozen(tmp_path):
         trainer.shutdown()
 
 
-def test_a_run_leaves_a_freeze_of_other_code_alone(tmp_path):
+def test_a_run_leaves_a_freeze_of_other_code_alone(tmp_path, unfrozen):
     gc.freeze()  # the user's own, before any run
     try:
         frozen = gc.get_freeze_count()
