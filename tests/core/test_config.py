@@ -268,8 +268,7 @@ def test_building_from_config_writes_no_module_global(tiny_model_dir, tmp_path):
     """The owners' configs carry every setting: building a run's training backends and rollout engine
     with non-default settings, after a build with the defaults, leaves every module-level value of
     areno as it was."""
-    from transformers import AutoTokenizer
-
+    from areno.data.tokenizer import load_pretrained_tokenizer
     from areno.engine.api import build_role_backends, resolve_device, resolve_recipe
     from areno.engine.local import LocalRolloutSide
     from areno.train import LocalTrainBackend
@@ -280,7 +279,7 @@ def test_building_from_config_writes_no_module_global(tiny_model_dir, tmp_path):
         )
         build_role_backends(cfg, resolve_recipe(cfg), tiny_model_dir, LocalTrainBackend)
         rollout = LocalRolloutSide(cfg, resolve_device("cpu"))
-        rollout.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        rollout.tokenizer = load_pretrained_tokenizer(tiny_model_dir)
         rollout._build_rollout_engine(tiny_model_dir)
 
     build()  # imports every module the build uses

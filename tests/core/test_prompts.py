@@ -8,14 +8,13 @@ import json
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from areno.api.config import load_config
 from areno.api.preflight import check_run
 from areno.api.trainer import Trainer
 from areno.data.datasets import load_rows
 from areno.data.prompts import render_prompt
-from areno.data.tokenizer import build_char_tokenizer
+from areno.data.tokenizer import build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.api import sft_trajectories
 from areno.errors import ConfigError, DataError
 from areno.models.hf_io import init_model_dir, tiny_config
@@ -49,7 +48,7 @@ def _save_tokenizer(path, template, extra_tokens=()):
     tok = build_char_tokenizer(extra_tokens=extra_tokens)
     tok.chat_template = template
     init_model_dir(path, tiny_config(len(tok), hidden_size=32, layers=1), tok, seed=0)
-    return AutoTokenizer.from_pretrained(path)
+    return load_pretrained_tokenizer(path)
 
 
 @pytest.fixture(scope="module", params=["qwen", "llama"])

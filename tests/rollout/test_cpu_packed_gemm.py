@@ -280,9 +280,8 @@ def test_policy_sync_into_packed_engine(commit, pack_everything):
 
 
 def test_rollout_key_reaches_the_engine(tiny_model_dir, tmp_path):
-    from transformers import AutoTokenizer
-
     from areno.api.config import load_config
+    from areno.data.tokenizer import load_pretrained_tokenizer
     from areno.engine.api import resolve_device
     from areno.engine.local import LocalRolloutSide
 
@@ -297,5 +296,5 @@ def test_rollout_key_reaches_the_engine(tiny_model_dir, tmp_path):
             ],
         )
         colocated = LocalRolloutSide(cfg, resolve_device("cpu"))
-        colocated.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        colocated.tokenizer = load_pretrained_tokenizer(tiny_model_dir)
         assert colocated._build_rollout_engine(tiny_model_dir).config.cpu_packed_gemm is value

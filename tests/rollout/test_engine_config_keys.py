@@ -2,9 +2,9 @@
 and the training forwards' CUDA attention (``build_role_backends``)."""
 
 import pytest
-from transformers import AutoTokenizer
 
 from areno.api.config import load_config
+from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.engine.api import resolve_device
 from areno.engine.local import LocalRolloutSide
 
@@ -12,7 +12,7 @@ from areno.engine.local import LocalRolloutSide
 def _colocated_engine(cfg, model_dir):
     """The engine ``LocalRolloutSide`` builds for ``cfg`` on the CPU."""
     colocated = LocalRolloutSide(cfg, resolve_device("cpu"))
-    colocated.tokenizer = AutoTokenizer.from_pretrained(model_dir)  # what start() sets before building the engine
+    colocated.tokenizer = load_pretrained_tokenizer(model_dir)  # what start() sets before building the engine
     return colocated._build_rollout_engine(model_dir)
 
 

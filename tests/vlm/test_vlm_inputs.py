@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.models.hf_io import load_model
 from areno.models.vision import ImageInputs, decode_image, encode_png
 from areno.rollout.client import InProcessRolloutClient, MultiServerRolloutClient, agenerate_many
@@ -29,11 +30,9 @@ from tests.helpers.vlm import make_vl_dir
 
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
-    from transformers import AutoTokenizer
-
     path = make_vl_dir(tmp_path_factory.mktemp("vl") / "model")
     model, config = load_model(path)
-    return model, config, AutoTokenizer.from_pretrained(path)
+    return model, config, load_pretrained_tokenizer(path)
 
 
 def squares(n: int):
