@@ -357,7 +357,8 @@ class ClusterSection:
     alive then is exempt from its later passes (`gc.freeze`): a full pass otherwise walks the
     hundreds of thousands of objects of imports, model and engine, stopping every thread while it
     does (`engine/host.py`). Frozen objects are still freed when unreferenced; the driver unfreezes
-    them at shutdown. false: the collector's defaults."""
+    them at shutdown. A process whose heap other code froze is left as it is. false: the
+    collector's defaults."""
     collective_timeout_s: float = 1800.0
     """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'
     world: a rank that stalls longer fails the collective with an error instead of hanging the run."""

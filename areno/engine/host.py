@@ -78,8 +78,11 @@ _frozen_here = False
 
 def freeze_heap() -> int:
     """Collect once, then exempt every object alive now from later collections (``gc.freeze``);
-    returns how many objects the permanent generation holds."""
+    returns how many objects the permanent generation holds. A heap other code froze is left as it
+    is (0): ``gc.unfreeze`` could not give back ours alone."""
     global _frozen_here
+    if gc.get_freeze_count() and not _frozen_here:
+        return 0
     gc.collect()
     gc.freeze()
     _frozen_here = True
