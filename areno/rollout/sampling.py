@@ -311,6 +311,9 @@ class RowParams:
     """Tokens sampled since ``build`` (``advance`` calls)."""
     _tensors: RowTensors | None = None
     _index: dict | None = None
+    _uniforms_KB: torch.Tensor | None = None
+    """The seeded rows' uniforms of ``prefetch_uniforms``' steps, from ``steps_done`` ``_uniforms_from``."""
+    _uniforms_from: int = 0
 
     @property
     def tensors(self) -> RowTensors:
@@ -463,7 +466,26 @@ class RowParams:
         the same round trip, the tokens this batch sampled first."""
         table_FB = self.table_FB.clone()
         table_FB[_N_GEN : _LENGTH + 1] += n
-        return dataclasses.replace(self, table_FB=table_FB, steps_done=0, _tensors=None)
+        return dataclasses.replace(self, table_FB=table_FB, steps_done=0, _tensors=None, _uniforms_KB=None)
+
+    def prefetch_uniforms(self, k: int) -> None:
+        """Hash the seeded rows' uniforms of the next ``k`` steps in one call (``seeded_uniforms``
+        reads them): a step's counter is ``n_gen_B`` plus the steps since, so the values are those
+        each step would hash, while the hash's ~50 element-wise ops run once per round trip instead
+        of once per step (eager CPU decode steps are bound by their op count)."""
+        t = self.tensors
+        B = t.seed_B.shape[0]
+        counters_KB = t.n_gen_B[None, :] + torch.arange(k, device=t.n_gen_B.device)[:, None]
+        self._uniforms_KB = hash_uniform(t.seed_B.expand(k, B).reshape(-1), counters_KB.reshape(-1)).view(k, B)
+        self._uniforms_from = self.steps_done
+
+    def seeded_uniforms(self) -> torch.Tensor:
+        """float32 [B]: ``hash_uniform(seed_B, n_gen_B)`` of this step (``prefetch_uniforms``' row when
+        it covers this step)."""
+        u_KB = self._uniforms_KB
+        if u_KB is not None and 0 <= self.steps_done - self._uniforms_from < u_KB.shape[0]:
+            return u_KB[self.steps_done - self._uniforms_from]
+        return hash_uniform(self.seed_B, self.n_gen_B)
 
     def advance(self, tokens_B: torch.Tensor) -> torch.Tensor:
         """Count the sampled tokens; returns bool [B]: the row just finished (a stop/EOS id once
@@ -569,7 +591,7 @@ class Sampler:
             if rp.all_unseeded:
                 u_B = self._uniform(B)
             else:
-                u_B = hash_uniform(rp.seed_B, rp.n_gen_B)
+                u_B = rp.seeded_uniforms()
                 if rp.unseeded_idx is not None:
                     u_B[rp.unseeded_idx] = self._uniform(rp.unseeded_idx.numel())
         fused = None

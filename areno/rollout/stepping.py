@@ -394,6 +394,8 @@ class Stepper:
         if k > 1:
             keep_B = torch.full((B,), k, dtype=torch.long, device=self.device)
             alive_B = torch.ones(B, dtype=torch.bool, device=self.device)
+            if graph is None and rp.num_seeded:
+                rp.prefetch_uniforms(k)
         for j in range(k):
             if graph is not None:
                 logits_BV = graphs.replay(graph, B)

@@ -166,6 +166,21 @@ def test_hashed_uniform_is_a_function_of_seed_and_counter():
     assert torch.allclose(torch.histc(u, bins=10, min=0, max=1) / 20_000, torch.full((10,), 0.1), atol=0.01)
 
 
+def test_prefetched_uniforms_are_each_steps_own_hash():
+    params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=20) for s in (7, -3, 2**40 + 1)]
+    params.append(SamplingParams(temperature=1.0, max_new_tokens=20))  # unseeded: the generator's noise
+    rp = RowParams.build(params, [0, 4, 9, 0], [3, 7, 12, 3], (), vocab_size=5, max_len=64, device=torch.device("cpu"))
+    rp.prefetch_uniforms(3)
+    # a shifted copy (the tokens after a round trip's first) hashes its own counters, not the block's
+    shifted = rp.shifted(2)
+    assert torch.equal(shifted.seeded_uniforms(), hash_uniform(shifted.seed_B, shifted.n_gen_B))
+    for _ in range(4):  # the fourth step is past the prefetched block: hashed on its own
+        assert torch.equal(rp.seeded_uniforms(), hash_uniform(rp.seed_B, rp.n_gen_B))
+        rp.advance(torch.zeros(4, dtype=torch.long))
+    rp.prefetch_uniforms(2)  # a block from a later step
+    assert torch.equal(rp.seeded_uniforms(), hash_uniform(rp.seed_B, rp.n_gen_B))
+
+
 @pytest.mark.parametrize("block", [DRAW_BLOCK, 2, 3])
 def test_inverse_cdf_draw_gives_each_token_its_share_of_a_uniform_grid(block):
     """With u on a grid of n points, token i is drawn for ~p_i * n of them (hand-computed shares)
