@@ -37,9 +37,15 @@ Step time = timed wall / timed steps (``step_s_mean``; ``areno_async`` times a m
 together, so consecutive step times cycle and a median would be misleading); ``step_s`` lists each step.
 
 Prints one JSON object: the headline (the first areno system of the first shape against TRL, same run:
-``ratio`` = TRL s/step / areno s/step), then ``rows`` (one per system and shape) and ``shapes`` (per shape,
-each system's figures and its speedup over TRL). Each row also goes to stderr as it finishes, so a run cut
-short still shows what it measured.
+``ratio`` = TRL s/step / areno s/step), then ``rows`` (one per system, shape and round) and ``shapes`` (per
+shape, each system's figures and its speedup over TRL). Each row also goes to stderr as it finishes, so a run
+cut short still shows what it measured.
+
+Rounds: ``--rounds R`` runs the systems list R times in turn (a system named twice in ``--systems`` counts as
+two rounds as well), so TRL and areno alternate and a machine whose speed drifts within the run moves both;
+the i-th run of a system is its round i (``round`` in its row). With several rounds each speedup is the
+median of the rounds' own ratios (TRL's round i over the system's round i; ``speedup_..._rounds`` lists
+them), a system's ``step_s`` the median of its rounds' means, and the headline's ratio that median too.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir
 from areno.observe.profile import profiled_step
 from areno.workflows.rlvr import RLVRWorkflow
-from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, ratio
+from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser
 
 # e2e's configs carry no bos/eos token ids: the completion length stays fixed for both systems
 E2E_05B = {k: v for k, v in QWEN25_05B.items() if k not in ("bos_token_id", "eos_token_id")}
@@ -583,6 +589,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--systems", default="areno,areno_async,trl", help=f"comma list of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the systems list this many times in turn; speedups are the median of the rounds' ratios",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per system")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
@@ -668,6 +680,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: unknown system {s!r}; choose from {list(SYSTEMS)}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1 (got {args.rounds})")
+    systems = systems * args.rounds
     if args.warmup < 1 or args.steps < 1:
         raise ValueError("--warmup and --steps must be >= 1 (the first step allocates and compiles)")
     if args.async_eta < 1:
@@ -708,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         elt = 2 if floor_dtype == "bfloat16" else 4
         floor = physical_floor(config, num_seqs, prompt_len, completion_len, elt, copy_bw, rates[floor_dtype])
         floor["floor_dtype"] = floor_dtype
+        runs: dict[str, int] = {}
         for system in systems:
             if system == "trl":
                 res = run_trl(
@@ -738,12 +754,14 @@ def main(argv: list[str] | None = None) -> int:
             if system.startswith("areno_async"):
                 row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
             row.update(
+                round=runs.setdefault(system, 0),
                 prompt_len=prompt_len,
                 completion_len=completion_len,
                 num_seqs=num_seqs,
                 params=floor["params"],
                 floor_dtype=floor["floor_dtype"],
             )
+            runs[system] += 1
             results.append(row)
             progress(row=row)
 
@@ -757,42 +775,70 @@ def progress(**fields) -> None:
 
 
 def by_shape(rows: list[dict]) -> dict:
-    """Per shape: each system's step time, generation rate, peak memory and gap to the floor, and each
-    areno system's speedup over TRL measured in the same run."""
+    """Per shape: each system's step time, generation rate, peak memory and gap to the floor (medians over
+    its rounds), and each areno system's speedup over TRL measured in the same run (the median of the
+    rounds' ratios; ``speedup_..._rounds`` lists them when there are several)."""
     out: dict = {}
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        systems = {r["system"]: r for r in rows if r["shape"] == shape}
-        entry = {
-            s: {
-                "step_s": r["step_s_mean"],
-                "gen_tokens_per_s": r["gen_tokens_per_s"],
-                "peak_gpu_gib": r["peak_gpu_gib"],
-                "gap_to_floor": r["gap_to_floor"],
+        runs = _rounds(rows, shape)
+        entry: dict = {}
+        for s, rs in runs.items():
+            entry[s] = {
+                key: statistics.median(r[field] for r in rs)
+                for key, field in (
+                    ("step_s", "step_s_mean"),
+                    ("gen_tokens_per_s", "gen_tokens_per_s"),
+                    ("gap_to_floor", "gap_to_floor"),
+                )
             }
-            for s, r in systems.items()
-        }
-        if "trl" in systems:
+            peaks = [r["peak_gpu_gib"] for r in rs if r["peak_gpu_gib"] is not None]
+            entry[s]["peak_gpu_gib"] = max(peaks) if peaks else None
+            if len(rs) > 1:
+                entry[s]["step_s_rounds"] = [r["step_s_mean"] for r in rs]
+        if "trl" in runs:
             for s in ("areno", "areno_async"):
-                if s in systems:
-                    entry[f"speedup_{s}_vs_trl"] = systems["trl"]["step_s_mean"] / systems[s]["step_s_mean"]
+                if s in runs:
+                    ratios = _round_ratios(runs["trl"], runs[s])
+                    entry[f"speedup_{s}_vs_trl"] = statistics.median(ratios)
+                    if len(ratios) > 1:
+                        entry[f"speedup_{s}_vs_trl_rounds"] = ratios
         out[shape] = entry
     return out
 
 
+def _rounds(rows: list[dict], shape: str) -> dict[str, list[dict]]:
+    """``shape``'s rows per system, in round order."""
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["shape"] == shape:
+            runs.setdefault(r["system"], []).append(r)
+    return runs
+
+
+def _round_ratios(trl: list[dict], ours: list[dict]) -> list[float]:
+    """TRL s/step over the system's in each round both ran (round i with round i)."""
+    return [t["step_s_mean"] / o["step_s_mean"] for t, o in zip(trl, ours)]
+
+
 def summary_headline(rows: list[dict]) -> dict:
-    """The first areno system of the first shape against TRL on that shape (None when TRL did not run)."""
+    """The first areno system of the first shape against TRL on that shape (None when TRL did not run);
+    with several rounds, the medians of its and TRL's step times and of the rounds' ratios."""
     ours = next((r for r in rows if r["system"] != "trl"), None)
     shape = ours["shape"] if ours else rows[0]["shape"]
-    trl = next((r for r in rows if r["system"] == "trl" and r["shape"] == shape), None)
-    figure = ours["step_s_mean"] if ours else None
-    base = trl["step_s_mean"] if trl else None
+    runs = _rounds(rows, shape)
+    mine = runs[ours["system"]] if ours else []
+    trl = runs.get("trl", [])
+    figure = statistics.median(r["step_s_mean"] for r in mine) if mine else None
+    base = statistics.median(r["step_s_mean"] for r in trl) if trl else None
+    rounds = _round_ratios(trl, mine)
+    rounds_note = f", median of {len(rounds)} rounds' ratios" if len(rounds) > 1 else ""
     return headline(
         f"s per GRPO step (mean), shape {shape}, {ours['label'] if ours else 'no areno system'}",
         figure,
         "TRL GRPOTrainer (transformers generate), same shape and batch",
         base,
-        ratio(base, figure, 2),
-        "TRL s/step / areno s/step (>1: areno faster)",
+        round(statistics.median(rounds), 2) if rounds else None,
+        f"TRL s/step / areno s/step (>1: areno faster){rounds_note}",
     )
 
 

@@ -75,6 +75,32 @@ def test_headline_is_the_first_areno_system_against_trl_on_its_shape():
     assert no_trl["figure"] == 2.0 and no_trl["baseline"] is None and no_trl["ratio"] is None
 
 
+def test_rounds_pair_each_trl_run_with_the_areno_run_of_its_round():
+    def row(system, step, r):
+        return {"system": system, "shape": "cpu5m", "label": system, "step_s_mean": step, "round": r,
+                "gen_tokens_per_s": 100 / step, "gap_to_floor": step / 0.5, "peak_gpu_gib": None}  # fmt: skip
+
+    # the machine slows down between rounds: each round's ratio is 2.5 (3 rounds), medians of the rest
+    rows = [row("trl", 5.0, 0), row("areno", 2.0, 0), row("trl", 10.0, 1), row("areno", 4.0, 1)]
+    rows += [row("trl", 7.5, 2), row("areno", 3.0, 2)]
+    head = e2e.summary_headline(rows)
+    assert head["ratio"] == 2.5 and head["figure"] == 3.0 and head["baseline"] == 7.5
+    assert "median of 3 rounds' ratios" in head["ratio_is"]
+    shape = e2e.by_shape(rows)["cpu5m"]
+    assert shape["speedup_areno_vs_trl"] == pytest.approx(2.5)
+    assert shape["speedup_areno_vs_trl_rounds"] == pytest.approx([2.5, 2.5, 2.5])
+    assert shape["areno"]["step_s"] == 3.0 and shape["areno"]["step_s_rounds"] == [2.0, 4.0, 3.0]
+    # one round: the plain ratio, no lists of rounds
+    one = e2e.by_shape(rows[:2])["cpu5m"]
+    assert one["speedup_areno_vs_trl"] == 2.5 and "speedup_areno_vs_trl_rounds" not in one
+    assert "step_s_rounds" not in one["areno"]
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        e2e.main(["--shapes", "tiny", "--device", "cpu", "--rounds", "0"])
+
+
 def test_async_runs_time_an_even_number_of_steps():
     from argparse import Namespace
 
