@@ -105,11 +105,19 @@ class DecodeCarry:
         self._bt_BN = self._ctx_B = None
 
     def begin(
-        self, bt_BN: torch.Tensor, ctx_B: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int, itemsize: int
+        self,
+        bt_BN: torch.Tensor,
+        ctx_B: torch.Tensor,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        itemsize: int,
+        final_keys: int | None = None,
     ) -> bool | None:
         """Before a pure-decode step: True to extend the carried K/V, False to gather afresh and
         carry that, None when this batch's copies would exceed ``max_bytes`` or its tables the
-        capacity (no carry)."""
+        capacity (no carry). ``final_keys``: keys the longest row can reach before its length limit
+        (a fresh gather leaves no room past it)."""
         B, N = bt_BN.shape
         need = N * block_size
         if need > self.capacity:
@@ -130,9 +138,14 @@ class DecodeCarry:
         if not extend:
             self.k.clear()
             self.v.clear()
-            # room for the tables to double (or grow by 8 blocks) before the next fresh gather
+            # room for the tables to double (or grow by 8 blocks) before the next fresh gather, but
+            # none past the rows' limits: zeroing room no key reaches cost a short rollout (7 tokens
+            # after a 10-token prompt) more than its attention
             per_key = 2 * self.num_layers * B * num_kv_heads * head_dim * itemsize
-            keys = min(self.capacity, max(2 * need, need + 8 * block_size))
+            room = max(2 * need, need + 8 * block_size)
+            if final_keys is not None:
+                room = min(room, max(need, -(-final_keys // block_size) * block_size))
+            keys = min(self.capacity, room)
             if per_key * keys > self.max_bytes:
                 keys = need
             if per_key * keys > self.max_bytes:
@@ -286,6 +299,7 @@ class PagedAttention:
         decode_attention: str = "gather",
         carry: bool = False,
         slot_B: torch.Tensor | None = None,
+        final_keys: int | None = None,
     ) -> PagedAttention:
         """A pure-decode step from device tensors only (static shapes: usable inside a CUDA graph).
 
@@ -297,8 +311,9 @@ class PagedAttention:
         dense [B, L] batch for SDPA; ``"paged"`` reads K/V straight from the pool
         (``paged_decode.py``: Triton on CUDA, a chunked torch loop elsewhere). ``carry``: a
         pure-decode step of the gathered form on CPU may extend the keys gathered by the previous
-        step (``cache.decode_carry``, ``DecodeCarry``) instead of gathering them again. ``slot_B``:
-        the new tokens' slots when the caller has them (``fused_loop.decode_slots``)."""
+        step (``cache.decode_carry``, ``DecodeCarry``) instead of gathering them again; ``final_keys``:
+        the longest row's length limit, which bounds the carried copies. ``slot_B``: the new tokens'
+        slots when the caller has them (``fused_loop.decode_slots``)."""
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         bs = cache.block_size
@@ -318,7 +333,7 @@ class PagedAttention:
         group = _Group(kv_slots_BL=kv_slots_BL, mask_B1QL=mask_BL[:, None, None, :])
         dc = cache.decode_carry
         if carry and dc is not None and bt_BN.device.type == "cpu" and CPU_DECODE_MATMUL:
-            extend = dc.begin(bt_BN, ctx_B, cache.num_kv_heads, cache.head_dim, bs, cache.dtype.itemsize)
+            extend = dc.begin(bt_BN, ctx_B, cache.num_kv_heads, cache.head_dim, bs, cache.dtype.itemsize, final_keys)
             if extend is not None:
                 group.carry, group.extend, group.pos_B = dc, extend, pos_B
         return cls(cache, slot_B, bt_BN.shape[0], group, None)

@@ -396,12 +396,20 @@ class Stepper:
             alive_B = torch.ones(B, dtype=torch.bool, device=self.device)
             if graph is None and rp.num_seeded:
                 rp.prefetch_uniforms(k)
+        final_keys = max(s.limit for s in seqs) if graph is None else None
         for j in range(k):
             if graph is not None:
                 logits_BV = graphs.replay(graph, B)
             else:
                 attn = PagedAttention.for_decode(
-                    self.cache, bt_BN, ctx_B, self.sliding_window, kv_slots_BL, self.config.decode_attention, carry=True
+                    self.cache,
+                    bt_BN,
+                    ctx_B,
+                    self.sliding_window,
+                    kv_slots_BL,
+                    self.config.decode_attention,
+                    carry=True,
+                    final_keys=final_keys,
                 )
                 pos_B = ctx_B - 1 if delta_B is None else ctx_B - 1 + delta_B.to(self.device)
                 hidden_BD = self.model(ids_B, pos_B.clamp(max=self.max_position - 1), attn)

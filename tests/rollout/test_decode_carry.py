@@ -102,7 +102,26 @@ def test_begin_extends_only_what_is_still_the_pools():
     assert small.begin(*state([[1, 2]], [5]), **args) is None  # its 8 keys: 1024 bytes > 1000
     roomy = DecodeCarry(num_layers=2, capacity=64, max_bytes=1 << 20)
     assert roomy.begin(*state([[1, 2]], [5]), **args) is False and roomy.keys == 40  # 8 keys + 8 blocks
+    # rows that end within 10 keys: room up to their limit's block, no further (nor less than the tables)
+    assert roomy.begin(*state([[1, 2]], [5]), **args, final_keys=10) is False and roomy.keys == 12
+    assert roomy.begin(*state([[1, 2]], [5]), **args, final_keys=3) is False and roomy.keys == 8
+    assert roomy.begin(*state([[1, 2]], [5]), **args, final_keys=400) is False and roomy.keys == 40
     assert c.steps == {"extended": 3, "gathered": 5}
+
+
+def test_a_short_rollout_carries_no_room_past_its_rows_limits():
+    """Decode rows that end 6 tokens after their prompts: the carried copies hold the longest row's
+    limit rounded to a block, not the growth room a long generation gets, with the same tokens."""
+    model, cfg = make_model(2)
+    eng = engine(model, cfg, True)
+    prompts = random_prompts(5, seed=3, lo=5, hi=9)
+    short = dataclasses.replace(GREEDY, max_new_tokens=6)
+    got = eng.generate(prompts, [short] * 5)
+    limit = max(len(p) for p in prompts) + 6
+    assert eng.cache.decode_carry.keys == -(-limit // 4) * 4
+    ref = engine(make_model(2)[0], cfg, False).generate(prompts, [short] * 5)
+    assert [o.output_ids for o in got] == [o.output_ids for o in ref]
+    assert [o.output_logprobs for o in got] == [o.output_logprobs for o in ref]
 
 
 def test_prefill_and_pool_reallocation_drop_the_carry():
