@@ -58,6 +58,7 @@ import math
 import random
 import statistics
 import string
+import subprocess
 import sys
 import tempfile
 import time
@@ -547,6 +548,59 @@ def run_trl(
     }
 
 
+def run_trl_fresh(args, shape: str, model_dir: Path, prompts: list[str], workdir: Path, **kwargs) -> dict:
+    """``run_trl`` in a new Python process (``--trl-child``): TRL as its users run it. An areno CPU run
+    sets glibc's malloc options for its whole process (``cluster.cpu_keep_freed_memory``), and TRL
+    measured after it in the same process ran 1.2-1.3x faster than under glibc's defaults (bench/LOG.md)."""
+    spec = workdir / f"trl-child-{shape}.json"
+    out = workdir / f"trl-child-{shape}-result.json"
+    out.unlink(missing_ok=True)
+    spec.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "shape": shape,
+                "model_dir": str(model_dir),
+                "prompts": prompts,
+                "workdir": str(workdir),
+                **kwargs,
+            }
+        )
+    )
+    cmd = [sys.executable, "-m", "bench.e2e", "--trl-child", str(spec), str(out)]
+    # the child's stdout goes to this process's stderr: stdout carries only this script's JSON
+    rc = subprocess.run(cmd, stdout=sys.stderr, cwd=Path(__file__).resolve().parent.parent).returncode
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"the TRL process ({' '.join(cmd)}) exited with {rc}")
+    return json.loads(out.read_text())
+
+
+def trl_child(spec_path: str, out_path: str) -> int:
+    """The ``--trl-child`` process: ``run_trl`` as ``run_trl_fresh``'s spec says, its result to ``out_path``."""
+    spec = json.loads(Path(spec_path).read_text())
+    args = argparse.Namespace(**spec["args"])
+    shape = spec["shape"]
+    workdir = Path(spec["workdir"])
+    tokenizer = build_tokenizer(SHAPES[shape][0]["vocab_size"])
+    res = run_trl(
+        args,
+        shape,
+        Path(spec["model_dir"]),
+        spec["prompts"],
+        tokenizer,
+        workdir,
+        param_dtype=spec["param_dtype"],
+        completion_len=spec["completion_len"],
+    )
+    Path(out_path).write_text(json.dumps(res))
+    return 0
+
+
+def trl_in_fresh_process(args) -> bool:
+    """``--trl-process``: auto runs TRL in a fresh process on CPU (where areno changes the process's malloc)."""
+    return args.trl_process == "fresh" or (args.trl_process == "auto" and args.device != "cuda")
+
+
 # ----------------------------------------------------------------------------- driver
 def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, completion_len: int) -> dict:
     # The mean (timed wall / timed steps) is the headline: with the asynchronous pool, steps whose
@@ -621,6 +675,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
     p.add_argument(
+        "--trl-process",
+        choices=("auto", "fresh", "same"),
+        default="auto",
+        help="where TRL runs: a fresh Python process per run (auto on CPU: areno's CPU runs set glibc's "
+        "malloc options for their process, which TRL's users do not have) or this one (auto on CUDA)",
+    )
+    p.add_argument("--trl-child", nargs=2, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
         "--areno-mb-tokens",
         type=int,
         default=None,
@@ -671,6 +733,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.trl_child:
+        return trl_child(*args.trl_child)
 
     shapes = (args.shapes or ("0.5b,1.5b" if args.device == "cuda" else "tiny")).split(",")
     systems = args.systems.split(",")
@@ -725,7 +789,11 @@ def main(argv: list[str] | None = None) -> int:
         floor["floor_dtype"] = floor_dtype
         runs: dict[str, int] = {}
         for system in systems:
-            if system == "trl":
+            if system == "trl" and trl_in_fresh_process(args):
+                res = run_trl_fresh(
+                    args, shape, model_dir, prompts, workdir, param_dtype=param_dtype, completion_len=completion_len
+                )
+            elif system == "trl":
                 res = run_trl(
                     args,
                     shape,

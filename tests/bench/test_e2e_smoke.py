@@ -96,6 +96,14 @@ def test_rounds_pair_each_trl_run_with_the_areno_run_of_its_round():
     assert "step_s_rounds" not in one["areno"]
 
 
+def test_trl_runs_in_a_fresh_process_on_cpu_unless_asked():
+    parse = e2e.build_parser().parse_args
+    assert e2e.trl_in_fresh_process(parse(["--device", "cpu"]))  # areno's malloc options stay in this process
+    assert not e2e.trl_in_fresh_process(parse(["--device", "cuda"]))
+    assert not e2e.trl_in_fresh_process(parse(["--device", "cpu", "--trl-process", "same"]))
+    assert e2e.trl_in_fresh_process(parse(["--device", "cuda", "--trl-process", "fresh"]))
+
+
 def test_rounds_must_be_positive():
     with pytest.raises(ValueError, match="--rounds must be >= 1"):
         e2e.main(["--shapes", "tiny", "--device", "cpu", "--rounds", "0"])
