@@ -1,9 +1,10 @@
 """End-to-end GRPO step time: areno (colocated, and asynchronous on the same GPU) vs TRL's GRPOTrainer.
 
-One process, same hardware, same random-init model directory, same batch: 8 prompts x 8 samples,
-``--prompt-len``-token prompts, fixed-length completions of ``--completion-len`` tokens (EOS never
-ends a sequence: areno through ``ignore_eos`` + ``min_new_tokens`` in a workflow subclass, TRL through
-``generation_kwargs={"min_new_tokens": ...}``), one optimizer step per 64 sequences, small lr.
+One process (TRL's runs on CPU excepted), same hardware, same random-init model directory, same batch:
+8 prompts x 8 samples, ``--prompt-len``-token prompts, fixed-length completions of ``--completion-len``
+tokens (EOS never ends a sequence: areno through ``ignore_eos`` + ``min_new_tokens`` in a workflow
+subclass, TRL through ``generation_kwargs={"min_new_tokens": ...}``), one optimizer step per 64
+sequences, small lr.
 
 Systems:
 - ``areno``: the real stack, ``Trainer.init(load_config(None, overrides))`` with the ``grpo`` recipe;
@@ -16,7 +17,9 @@ Systems:
   CUDA, true on CPU.
 - ``trl``: ``trl.GRPOTrainer`` with its default ``transformers`` ``generate`` path (no vLLM); a step is
   one optimizer step (timed between ``on_step_end`` callbacks), which generates the 64 completions
-  and trains on them with gradient accumulation.
+  and trains on them with gradient accumulation. On CPU each TRL run has a fresh Python process of its
+  own (``--trl-process``): an areno CPU run sets glibc's malloc options for its whole process, which a
+  TRL user's process does not have and which made TRL 1.2-1.3x faster when it ran after areno.
 
 Master weights: ``--param-dtype`` (default bfloat16 on CUDA for both systems: TRL's default loads a
 bf16 checkpoint as bf16 parameters; areno ``model.dtype=bfloat16``). The rollout engine runs bf16.
