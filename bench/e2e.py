@@ -572,7 +572,20 @@ def run_trl_fresh(args, shape: str, model_dir: Path, prompts: list[str], workdir
     )
     cmd = [sys.executable, "-m", "bench.e2e", "--trl-child", str(spec), str(out)]
     # the child's stdout goes to this process's stderr: stdout carries only this script's JSON
-    rc = subprocess.run(cmd, stdout=sys.stderr, cwd=Path(__file__).resolve().parent.parent).returncode
+    try:
+        to = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stderr without a file (pytest's capture): relayed after
+        to = subprocess.PIPE
+    proc = subprocess.run(
+        cmd,
+        stdout=to,
+        stderr=subprocess.STDOUT if to == subprocess.PIPE else None,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    if proc.stdout:
+        sys.stderr.write(proc.stdout)
+    rc = proc.returncode
     if rc != 0 or not out.exists():
         raise RuntimeError(f"the TRL process ({' '.join(cmd)}) exited with {rc}")
     return json.loads(out.read_text())
