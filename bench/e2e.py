@@ -585,9 +585,8 @@ def run_trl_fresh(args, shape: str, model_dir: Path, prompts: list[str], workdir
     )
     if proc.stdout:
         sys.stderr.write(proc.stdout)
-    rc = proc.returncode
-    if rc != 0 or not out.exists():
-        raise RuntimeError(f"the TRL process ({' '.join(cmd)}) exited with {rc}")
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"the TRL process ({' '.join(cmd)}) exited with {proc.returncode}")
     return json.loads(out.read_text())
 
 

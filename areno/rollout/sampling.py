@@ -482,9 +482,9 @@ class RowParams:
     def seeded_uniforms(self) -> torch.Tensor:
         """float32 [B]: ``hash_uniform(seed_B, n_gen_B)`` of this step (``prefetch_uniforms``' row when
         it covers this step)."""
-        u_KB = self._uniforms_KB
-        if u_KB is not None and 0 <= self.steps_done - self._uniforms_from < u_KB.shape[0]:
-            return u_KB[self.steps_done - self._uniforms_from]
+        u_KB, j = self._uniforms_KB, self.steps_done - self._uniforms_from
+        if u_KB is not None and 0 <= j < u_KB.shape[0]:
+            return u_KB[j]
         return hash_uniform(self.seed_B, self.n_gen_B)
 
     def advance(self, tokens_B: torch.Tensor) -> torch.Tensor:
