@@ -217,6 +217,14 @@ class PackedCausalAttention:
 _FLEX = None
 
 
+CPU_SLICE_BYTES = 1 << 20
+"""fp32 bytes of scores whose element-wise passes ``CpuExplicitAttention`` runs together (in L2)."""
+CPU_EXPLICIT_MAX_SCORES = 1 << 24
+"""Largest score tensor (B * Hq * Sq * Sk entries) that ``padded_sdpa`` computes as two bf16 GEMMs
+around an fp32 softmax on CPU (``CpuExplicitAttention``, which keeps the bf16 probabilities for
+backward: 32 MB a layer at this bound); larger batches take the flash kernel in fp32."""
+
+
 def padded_sdpa(
     q_THD: torch.Tensor,
     k_KHD: torch.Tensor,
@@ -237,17 +245,75 @@ def padded_sdpa(
         return out.view(num_seqs, length, *x_THD.shape[1:]).transpose(1, 2)
 
     q, k, v = pad(q_THD, flat_q_T, len_q), pad(k_KHD, flat_k_K, len_k), pad(v_KHD, flat_k_K, len_k)
-    mask = {"is_causal": True} if mask_BQK is None else {"attn_mask": mask_BQK[:, None]}
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward);
-        # autocast would cast the inputs back
-        with torch.autocast("cpu", enabled=False):
-            out_BHSD = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True, **mask)
-        out_BHSD = out_BHSD.to(q.dtype)
+        # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward), and
+        # in float32 slower than two bf16 GEMMs around an fp32 softmax where the scores fit
+        if num_seqs * q.shape[1] * len_q * len_k <= CPU_EXPLICIT_MAX_SCORES:
+            if mask_BQK is None:
+                mask_BQK = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril()[None]
+            bias_B1QK = torch.zeros(mask_BQK.shape, device=q.device).masked_fill_(~mask_BQK, float("-inf"))[:, None]
+            out_BHSD = CpuExplicitAttention.apply(q, k, v, bias_B1QK)
+        else:
+            mask = {"is_causal": True} if mask_BQK is None else {"attn_mask": mask_BQK[:, None]}
+            with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back
+                out_BHSD = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True, **mask)
+            out_BHSD = out_BHSD.to(q.dtype)
     else:
+        mask = {"is_causal": True} if mask_BQK is None else {"attn_mask": mask_BQK[:, None]}
         out_BHSD = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
     out_flat = out_BHSD.transpose(1, 2).reshape(num_seqs * len_q, *q_THD.shape[1:])
     return out_flat.index_select(0, flat_q_T)
+
+
+class CpuExplicitAttention(torch.autograd.Function):
+    """(q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] in bf16, an fp32 additive bias [B or 1, 1, Sq, Sk])
+    -> softmax(q k^T / sqrt(D) + bias) v [B, Hq, Sq, D] in bf16, with flash attention's precision on a
+    GPU: the scores S and dP in fp32 (float32 GEMMs: a CPU GEMM has no bf16 product with an fp32
+    result), P and dS rounded to bf16 for the other four GEMMs, the softmax and its gradient in fp32.
+    The query heads of a key head are stacked into one matrix (GQA without repeating k and v); every
+    row needs one finite bias entry. For the short padded sequences of RL batches on a 2-core CPU
+    this ran about 2x faster than the flash kernel (bench/LOG.md: the CPU training attention)."""
+
+    @staticmethod
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, bias_B1QK):
+        B, Hq, Sq, D = q_BHSD.shape
+        Hkv, Sk = k_BHSD.shape[1], k_BHSD.shape[2]
+        g = Hq // Hkv
+        with torch.autocast(q_BHSD.device.type, enabled=False):  # the dtypes below are the point
+            q_BGD = q_BHSD.reshape(B, Hkv, g * Sq, D)  # a key head's query heads, one after another
+            scores_BGK = torch.matmul(q_BGD.float() * D**-0.5, k_BHSD.float().transpose(-1, -2))
+            p_BGK = torch.empty_like(scores_BGK, dtype=q_BHSD.dtype)
+            for a, b in _batch_slices(B, Hq * Sq * Sk):
+                bias = bias_B1QK[a:b] if bias_B1QK.shape[0] > 1 else bias_B1QK  # per sequence, or one for all
+                z = scores_BGK[a:b].view(b - a, Hkv, g, Sq, Sk).add_(bias[:, :, None])
+                p_BGK[a:b] = torch.softmax(z, dim=-1).view(b - a, Hkv, g * Sq, Sk)
+            ctx.save_for_backward(q_BGD, k_BHSD, v_BHSD, p_BGK)
+            return torch.matmul(p_BGK, v_BHSD).view(B, Hq, Sq, D)
+
+    @staticmethod
+    def backward(ctx, grad_out_BHSD):
+        q_BGD, k_BHSD, v_BHSD, p_BGK = ctx.saved_tensors
+        B, Hkv, GS, D = q_BGD.shape
+        with torch.autocast(q_BGD.device.type, enabled=False):
+            grad_out_BGD = grad_out_BHSD.reshape(B, Hkv, GS, D)
+            grad_p_BGK = torch.matmul(grad_out_BGD.float(), v_BHSD.float().transpose(-1, -2))
+            grad_s_BGK = torch.empty_like(p_BGK)
+            for a, b in _batch_slices(B, Hkv * GS * p_BGK.shape[-1]):
+                # softmax backward: dS = P * (dP - rowsum(dP * P)), over the bf16 P the second GEMM read
+                dp, p = grad_p_BGK[a:b], p_BGK[a:b].float()
+                grad_s_BGK[a:b] = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p)
+            grad_out_BGD = grad_out_BGD.to(p_BGK.dtype)
+            grad_v = torch.matmul(p_BGK.transpose(-1, -2), grad_out_BGD)
+            grad_q = (torch.matmul(grad_s_BGK, k_BHSD).float() * D**-0.5).to(q_BGD.dtype)
+            grad_k = (torch.matmul(grad_s_BGK.transpose(-1, -2), q_BGD).float() * D**-0.5).to(q_BGD.dtype)
+        return grad_q.view(grad_out_BHSD.shape), grad_k, grad_v, None
+
+
+def _batch_slices(batch: int, scores_per_item: int) -> list[tuple[int, int]]:
+    """[start, end) slices of a batch whose fp32 scores take about ``CPU_SLICE_BYTES`` (at least one
+    item): the softmax's element-wise passes over one slice run in the cores' L2 caches."""
+    step = max(1, CPU_SLICE_BYTES // (4 * scores_per_item))
+    return [(a, min(a + step, batch)) for a in range(0, batch, step)]
 
 
 def flash_runs(dtype: torch.dtype | None, head_dim: int | None) -> bool:

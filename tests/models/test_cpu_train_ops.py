@@ -133,7 +133,8 @@ def test_decoder_training_step_matches_the_eager_ops(monkeypatch):
 
 def test_decoder_training_step_under_autocast_is_as_close_to_float32(monkeypatch):
     """bfloat16 autocast: the gradients are as close to the float32 step's as the eager ops' are
-    (RoPE's input gradient is rounded once instead of per product)."""
+    (RoPE's input gradient is rounded once instead of per product). The bound counts the attention's
+    bf16 probabilities and dS (flash's precision on a GPU; 2.2% here, 1.8% with float32 attention)."""
     model, _ = make_model(seed=3)
     model.train()
     _, exact = _decoder_step(model, autocast=False)
@@ -145,5 +146,5 @@ def test_decoder_training_step_under_autocast_is_as_close_to_float32(monkeypatch
     def rel_err(g):
         return float((g - exact).norm() / exact.norm())
 
-    assert rel_err(grads) < 0.02
+    assert rel_err(grads) < 0.025
     assert rel_err(grads) <= 1.1 * rel_err(ref_grads)

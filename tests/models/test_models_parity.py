@@ -100,15 +100,61 @@ def test_packed_forward_equals_per_sequence(impl):
         model(torch.cat(seqs)[:-1], pos_T[:-1], PackedCausalAttention(cu_B1, impl=impl))
 
 
-def test_cpu_bfloat16_padded_attention_computes_in_float32_under_autocast():
-    """bfloat16 q/k/v on the CPU attend in float32 (the CPU flash kernel is faster there), also inside
-    bfloat16 autocast, and gradients reach the bfloat16 inputs."""
+def _padded_bf16_inputs():
     g = torch.Generator().manual_seed(0)
     cu_B1 = torch.tensor([0, 6, 12, 17])
-    q, k, v = (torch.randn(17, h, 8, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2))
-    attn = PackedCausalAttention(cu_B1, impl="sdpa_padded")
+    return cu_B1, [torch.randn(17, h, 8, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2)]
+
+
+def _float64_packed_attention(cu_B1, q, k, v):
+    """Reference: per-sequence causal SDPA in float64 (GQA by repeated heads); output and grads."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = PackedCausalAttention(cu_B1, impl="sdpa")(0, q64, k64, v64)
+    return out, q64, k64, v64
+
+
+def test_cpu_bfloat16_padded_attention_as_two_gemms_matches_float64():
+    """bfloat16 q/k/v on the CPU (inside bf16 autocast too) attend as two bf16 GEMMs around an fp32
+    softmax (``CpuExplicitAttention``): output and gradients within bf16 rounding of a float64
+    reference, the gradients in bfloat16; several batch slices give the one slice's values exactly."""
+    from areno.models import attention as attn_mod
+
+    cu_B1, (q, k, v) = _padded_bf16_inputs()
+    g_out = torch.randn(17, 4, 8)
+    ref, q64, k64, v64 = _float64_packed_attention(cu_B1, q, k, v)
+    ref.backward(g_out.double())
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = PackedCausalAttention(cu_B1, impl="sdpa_padded")(0, q, k, v)
+        out.float().backward(g_out)
+        return out, q.grad, k.grad, v.grad
+
+    one = run()
+    assert one[0].dtype == torch.bfloat16 and all(x.dtype == torch.bfloat16 for x in one[1:])
+    for got, want in zip(one, (ref, q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    old = attn_mod.CPU_SLICE_BYTES
+    try:
+        attn_mod.CPU_SLICE_BYTES = 4 * 4 * 6 * 6  # one sequence's fp32 scores: three slices
+        assert attn_mod._batch_slices(3, 4 * 6 * 6) == [(0, 1), (1, 2), (2, 3)]
+        sliced = run()
+    finally:
+        attn_mod.CPU_SLICE_BYTES = old
+    assert all(torch.equal(a, b) for a, b in zip(sliced, one))
+
+
+def test_cpu_bfloat16_padded_attention_above_the_bound_runs_flash_in_float32(monkeypatch):
+    """Scores beyond ``CPU_EXPLICIT_MAX_SCORES`` (the explicit form keeps its probabilities) take the
+    CPU flash kernel in float32 instead: exactly the float32 result, gradients reaching bf16 inputs."""
+    from areno.models import attention as attn_mod
+
+    monkeypatch.setattr(attn_mod, "CPU_EXPLICIT_MAX_SCORES", 0)
+    cu_B1, (q, k, v) = _padded_bf16_inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = attn(0, q, k, v)
+        out = PackedCausalAttention(cu_B1, impl="sdpa_padded")(0, q, k, v)
     ref = PackedCausalAttention(cu_B1, impl="sdpa_padded")(0, q.float(), k.float(), v.float())
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())
     out.float().sum().backward()

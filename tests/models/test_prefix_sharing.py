@@ -115,22 +115,32 @@ def test_actor_loss_under_shared_prompts_equals_unshared():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_shared_forward_equals_unshared_forward_with_flash():
-    """bf16 on the GPU: the varlen flash path (keys gathered, causal mask aligned to their end)."""
+def _shared_equals_unshared_in_bf16(device: str) -> None:
     prompt = [3 + i % (VOCAB - 3) for i in range(64)]
     specs = [("a", prompt, n) for n in (40, 70, 33, 90)] + [("b", prompt[7:30], 50)]
     batch = shared_batch(specs)
     (ref, ref_grads), (out, grads) = (
-        _logprobs_and_grads(batch, False, "cuda", torch.bfloat16),
-        _logprobs_and_grads(batch, True, "cuda", torch.bfloat16),
+        _logprobs_and_grads(batch, False, device, torch.bfloat16),
+        _logprobs_and_grads(batch, True, device, torch.bfloat16),
     )
-    mask = batch.loss_mask_T.cuda()
+    mask = batch.loss_mask_T.to(device)
     torch.testing.assert_close(out["logprobs_T"][mask], ref["logprobs_T"][mask], rtol=0, atol=0.05)
     for name, g in ref_grads.items():
         scale = g.abs().max().clamp_min(1e-6)
         assert (grads[name] - g).abs().max() / scale < 0.05, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_forward_equals_unshared_forward_with_flash():
+    """bf16 on the GPU: the varlen flash path (keys gathered, causal mask aligned to their end)."""
+    _shared_equals_unshared_in_bf16("cuda")
+
+
+def test_shared_forward_equals_unshared_forward_in_bf16_on_cpu():
+    """bf16 on the CPU: the query sequences padded into a batch under their mask, attended as two
+    bf16 GEMMs around an fp32 softmax (``CpuExplicitAttention``)."""
+    _shared_equals_unshared_in_bf16("cpu")
 
 
 def _token_forward(model, mb):
