@@ -31,7 +31,7 @@ from areno.models.decoder import Decoder
 from areno.models.prefix_sharing import SharedPrefixAttention, plan
 from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
-from bench._common import emit, headline, parser
+from bench._common import emit, headline, parser, ratio
 from bench.e2e import CPU5M, CPU12M
 
 SHAPES = {"cpu12m": CPU12M, "cpu5m": CPU5M}
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         new,
         "the CPU flash kernel in float32 (CPU_EXPLICIT_MAX_SCORES = 0), same run",
         old,
-        round(old / new, 3),
+        ratio(old, new),
         "flash ms / explicit ms (>1: explicit faster)",
     )
     details = {
