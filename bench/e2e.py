@@ -244,6 +244,10 @@ def measure_copy_bandwidth(device: str) -> float:
     return 2 * n * reps / seconds
 
 
+MIN_TRIAL_S = 0.2
+"""Seconds of one timed trial of ``measure_matmul_rate`` on CPU."""
+
+
 def measure_matmul_rate(device: str, dtype: torch.dtype = torch.bfloat16, trials: int = 5) -> float:
     """FLOP/s of square GEMMs in ``dtype``: 8192^3 on CUDA, 512^3 on CPU; the best of ``trials``
     timed runs (each at least ``MIN_TRIAL_S`` on CPU), so that a moment of contention on a shared
@@ -268,10 +272,6 @@ def measure_matmul_rate(device: str, dtype: torch.dtype = torch.bfloat16, trials
         best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0))
     del a, b
     return best
-
-
-MIN_TRIAL_S = 0.2
-"""Seconds of one timed trial of ``measure_matmul_rate`` on CPU."""
 
 
 def physical_floor(

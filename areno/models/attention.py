@@ -245,22 +245,22 @@ def padded_sdpa(
         return out.view(num_seqs, length, *x_THD.shape[1:]).transpose(1, 2)
 
     q, k, v = pad(q_THD, flat_q_T, len_q), pad(k_KHD, flat_k_K, len_k), pad(v_KHD, flat_k_K, len_k)
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward), and
-        # in float32 slower than two bf16 GEMMs around an fp32 softmax where the scores fit
-        if num_seqs * q.shape[1] * len_q * len_k <= CPU_EXPLICIT_MAX_SCORES:
-            if mask_BQK is None:
-                mask_BQK = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril()[None]
-            bias_B1QK = torch.zeros(mask_BQK.shape, device=q.device).masked_fill_(~mask_BQK, float("-inf"))[:, None]
-            out_BHSD = CpuExplicitAttention.apply(q, k, v, bias_B1QK)
-        else:
-            mask = {"is_causal": True} if mask_BQK is None else {"attn_mask": mask_BQK[:, None]}
+    # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward), and in float32
+    # slower than explicit GEMMs where the scores fit
+    cpu_bf16 = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    if cpu_bf16 and num_seqs * q.shape[1] * len_q * len_k <= CPU_EXPLICIT_MAX_SCORES:
+        if mask_BQK is None:
+            mask_BQK = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril()[None]
+        bias_B1QK = torch.zeros(mask_BQK.shape, device=q.device).masked_fill_(~mask_BQK, float("-inf"))[:, None]
+        out_BHSD = CpuExplicitAttention.apply(q, k, v, bias_B1QK)
+    else:
+        mask = {"is_causal": True} if mask_BQK is None else {"attn_mask": mask_BQK[:, None]}
+        if cpu_bf16:
             with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back
                 out_BHSD = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True, **mask)
             out_BHSD = out_BHSD.to(q.dtype)
-    else:
-        mask = {"is_causal": True} if mask_BQK is None else {"attn_mask": mask_BQK[:, None]}
-        out_BHSD = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
+        else:
+            out_BHSD = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
     out_flat = out_BHSD.transpose(1, 2).reshape(num_seqs * len_q, *q_THD.shape[1:])
     return out_flat.index_select(0, flat_q_T)
 
@@ -271,8 +271,8 @@ class CpuExplicitAttention(torch.autograd.Function):
     GPU: the scores S and dP in fp32 (float32 GEMMs: a CPU GEMM has no bf16 product with an fp32
     result), P and dS rounded to bf16 for the other four GEMMs, the softmax and its gradient in fp32.
     The query heads of a key head are stacked into one matrix (GQA without repeating k and v); every
-    row needs one finite bias entry. For the short padded sequences of RL batches on a 2-core CPU
-    this ran about 2x faster than the flash kernel (bench/LOG.md: the CPU training attention)."""
+    row needs one finite bias entry. Faster than the CPU flash kernel at the short padded sequences
+    of RL batches (bench/LOG.md: the CPU training attention)."""
 
     @staticmethod
     def forward(ctx, q_BHSD, k_BHSD, v_BHSD, bias_B1QK):
@@ -281,7 +281,7 @@ class CpuExplicitAttention(torch.autograd.Function):
         g = Hq // Hkv
         with torch.autocast(q_BHSD.device.type, enabled=False):  # the dtypes below are the point
             q_BGD = q_BHSD.reshape(B, Hkv, g * Sq, D)  # a key head's query heads, one after another
-            scores_BGK = torch.matmul(q_BGD.float() * D**-0.5, k_BHSD.float().transpose(-1, -2))
+            scores_BGK = torch.matmul(q_BGD.float().mul_(D**-0.5), k_BHSD.float().transpose(-1, -2))
             p_BGK = torch.empty_like(scores_BGK, dtype=q_BHSD.dtype)
             for a, b in _batch_slices(B, Hq * Sq * Sk):
                 bias = bias_B1QK[a:b] if bias_B1QK.shape[0] > 1 else bias_B1QK  # per sequence, or one for all
