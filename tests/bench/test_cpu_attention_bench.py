@@ -12,8 +12,10 @@ def test_both_arms_measure_the_same_batch_and_the_bound_comes_back():
     assert rec["figure"] > 0 and rec["baseline"] > 0 and rec["ratio"] == round(rec["baseline"] / rec["figure"], 3)
     assert rec["tokens"] == 2 * 2 * (4 + 8)
     assert set(rec["layer_ms"]) == {"explicit", "flash"} and all(v > 0 for v in rec["layer_ms"].values())
-    # each arm against float64: bf16 inputs and outputs, and for the explicit arm bf16 P and dS
-    assert 0 < rec["grad_error_vs_float64"]["flash"] < rec["grad_error_vs_float64"]["explicit"] < 0.05
+    # each arm against float64 within bf16 rounding (bf16 inputs and outputs; the explicit arm's P and dS
+    # too), and the arms are two computations
+    errors = rec["grad_error_vs_float64"]
+    assert 0 < errors["flash"] < 0.02 and 0 < errors["explicit"] < 0.02 and errors["flash"] != errors["explicit"]
 
 
 def test_a_bad_round_count_is_refused(capsys):
