@@ -113,7 +113,7 @@ def _float64_packed_attention(cu_B1, q, k, v):
     return out, q64, k64, v64
 
 
-def test_cpu_bfloat16_padded_attention_as_two_gemms_matches_float64():
+def test_cpu_bfloat16_padded_attention_as_two_gemms_matches_float64(monkeypatch):
     """bfloat16 q/k/v on the CPU (inside bf16 autocast too) attend as two bf16 GEMMs around an fp32
     softmax (``CpuExplicitAttention``): output and gradients within bf16 rounding of a float64
     reference, the gradients in bfloat16; several batch slices give the one slice's values exactly."""
@@ -136,13 +136,9 @@ def test_cpu_bfloat16_padded_attention_as_two_gemms_matches_float64():
     assert one[0].dtype == torch.bfloat16 and all(x.dtype == torch.bfloat16 for x in one[1:])
     for got, want in zip(one, (ref, q64.grad, k64.grad, v64.grad)):
         torch.testing.assert_close(got.double(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
-    old = attn_mod.CPU_SLICE_BYTES
-    try:
-        attn_mod.CPU_SLICE_BYTES = 4 * 4 * 6 * 6  # one sequence's fp32 scores: three slices
-        assert attn_mod._batch_slices(3, 4 * 6 * 6) == [(0, 1), (1, 2), (2, 3)]
-        sliced = run()
-    finally:
-        attn_mod.CPU_SLICE_BYTES = old
+    monkeypatch.setattr(attn_mod, "CPU_SLICE_BYTES", 4 * 4 * 6 * 6)  # one sequence's fp32 scores: three slices
+    assert attn_mod._batch_slices(3, 4 * 6 * 6) == [(0, 1), (1, 2), (2, 3)]
+    sliced = run()
     assert all(torch.equal(a, b) for a, b in zip(sliced, one))
 
 
