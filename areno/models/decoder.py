@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.models import cpu_gemm, cpu_train_ops, fused_linear, fused_ops, inference, moe
+from areno.models import cpu_gemm, cpu_train_ops, decode_mlp, fused_linear, fused_ops, inference, moe
 from areno.models.attention import (
     FLEX_MIN_HEAD_DIM,
     SDPA_MASK_MAX_TOKENS,
@@ -238,6 +238,14 @@ class MLP(nn.Module):
         else:
             act = F.silu(inference.linear(self.gate_proj, x_TD)) * inference.linear(self.up_proj, x_TD)
         return inference.rowwise(self.down_proj, act, self.tp_reduce)
+
+    def decode_partials(self, x_TD: torch.Tensor) -> torch.Tensor | None:
+        """This MLP's output as fp32 partials [P, T, D] of its down projection (``decode_mlp``, a CUDA
+        decode step's few rows), for the residual add + RMSNorm to sum; None where those kernels do
+        not serve (the caller then runs ``forward``)."""
+        if self.tp_reduce is not None or self.gate_up is None or not self.gate_up.usable():
+            return None
+        return decode_mlp.partials(x_TD, self.gate_up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):

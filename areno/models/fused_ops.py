@@ -140,12 +140,35 @@ if triton is not None:
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_kernel(X, R, W, S, Y, stride_x, stride_r, stride_s, stride_y, D, eps, BLOCK_D: tl.constexpr):
+    def _add_rms_norm_kernel(
+        X,
+        R,
+        W,
+        S,
+        Y,
+        stride_x,
+        stride_r,
+        stride_s,
+        stride_y,
+        D,
+        eps,
+        stride_part,
+        BLOCK_D: tl.constexpr,
+        NUM_PARTS: tl.constexpr,
+    ):
+        # NUM_PARTS > 0: R holds that many fp32 partial sums of the residual branch (a split GEMM's),
+        # added in order and rounded to the model dtype as the GEMM's own output would be
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        if NUM_PARTS == 0:
+            r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            r = tl.zeros([BLOCK_D], tl.float32)
+            for p in tl.static_range(NUM_PARTS):
+                r += tl.load(R + p * stride_part + row * stride_r + cols, mask=mask, other=0.0)
+            r = _round_to(r, S.dtype.element_ty)
         s = _round_to(x + r, S.dtype.element_ty)  # eager: the residual add, rounded to the model dtype
         tl.store(S + row * stride_s + cols, s.to(S.dtype.element_ty), mask=mask)
         var = tl.sum(s * s, axis=0) / D
@@ -296,27 +319,45 @@ def add_rms_norm(
     """``s = x + r`` (the residual add, in x's dtype) and ``rms_norm(s)``, in one kernel: the pair a
     decoder layer computes between its blocks (``eager_add_rms_norm`` is the reference)."""
     D = x.shape[-1]
-    x2, r2 = x.reshape(-1, D), r.reshape(-1, D)
+    r2 = r.reshape(-1, D)
+    return _add_rms_norm(x, r2 if r2.stride(-1) == 1 else r2.contiguous(), weight, eps, 0)
+
+
+def add_parts_rms_norm(
+    x: torch.Tensor, parts_PTD: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm(x, r, ...)`` where ``r`` is the sum of fp32 partials ``parts_PTD`` [P, T, D] (a
+    split GEMM's: ``decode_mlp``), added in order and rounded to x's dtype, inside the same kernel."""
+    if parts_PTD.stride(-1) != 1:
+        parts_PTD = parts_PTD.contiguous()
+    return _add_rms_norm(x, parts_PTD, weight, eps, parts_PTD.shape[0])
+
+
+def _add_rms_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, num_parts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if r2.stride(-1) != 1:
-        r2 = r2.contiguous()
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x2.shape[0]:
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2,
-            r2,
+            r,
             weight,
             s,
             y,
             x2.stride(0),
-            r2.stride(0),
+            r.stride(-2),
             s.stride(0),
             y.stride(0),
             D,
             eps,
+            r.stride(0) if num_parts else 0,
             BLOCK_D=triton.next_power_of_2(D),
+            NUM_PARTS=num_parts,
         )
     return s.view(*x.shape[:-1], D), y.view(*x.shape[:-1], D)
 
@@ -327,6 +368,16 @@ def eager_add_rms_norm(
     """``add_rms_norm`` in eager ops: what a decoder layer does without the fused kernels."""
     s = x + r
     return s, eager_rms_norm(s, weight, eps)
+
+
+def eager_add_parts_rms_norm(
+    x: torch.Tensor, parts_PTD: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_parts_rms_norm`` in eager ops: the partials summed in order in fp32, rounded to x's dtype."""
+    r = parts_PTD[0].float()
+    for p in parts_PTD[1:]:
+        r = r + p
+    return eager_add_rms_norm(x, r.to(x.dtype).view(x.shape), weight, eps)
 
 
 def rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:

@@ -171,11 +171,17 @@ def forward_add_norm(
 ) -> torch.Tensor:
     """The decoder layers with each residual add and the RMSNorm after it as one op
     (``fused_ops.add_rms_norm``): the post-attention norm, the next layer's input norm, and the
-    final norm after the last layer. Same values as the layer-by-layer loop."""
+    final norm after the last layer. Same values as the layer-by-layer loop, except where a dense
+    MLP's ``decode_partials`` serves (``decode_mlp``: its GEMMs summed in another order)."""
     h_TD = layers[0].input_layernorm(x_TD)
     for i, layer in enumerate(layers):
         post = layer.post_attention_layernorm
         x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.self_attn(h_TD, cos_TF, sin_TF, attn), post.weight, post.eps)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.mlp(h_TD), nxt.weight, nxt.eps)
+        parts = getattr(layer.mlp, "decode_partials", None)  # the dense MLP's split down projection
+        parts_PTD = parts(h_TD) if parts is not None else None
+        if parts_PTD is not None:
+            x_TD, h_TD = fused_ops.add_parts_rms_norm(x_TD, parts_PTD, nxt.weight, nxt.eps)
+        else:
+            x_TD, h_TD = fused_ops.add_rms_norm(x_TD, layer.mlp(h_TD), nxt.weight, nxt.eps)
     return h_TD

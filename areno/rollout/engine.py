@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from areno.models import fused_linear, fused_ops
+from areno.models import decode_mlp, fused_linear, fused_ops
 from areno.models.vision import ImageInputs, mrope_positions, position_delta
 from areno.observe.trace import instant, span
 from areno.rollout import fused_loop, fused_sampler
@@ -72,6 +72,7 @@ def prepare_model(model: torch.nn.Module, config: RolloutEngineConfig, device: t
     fused = bool(config.fused_kernels and device.type == "cuda" and fused_ops.enable())
     if fused:
         fused_linear.enable(device)  # SiLU-and-multiply straight off the fused gate/up product
+        decode_mlp.enable(device)  # a decode step's MLP in two Triton GEMMs (few rows)
         enable_fused_hash()  # the seeded rows' uniform in one kernel per decode step
         fused_sampler.enable()  # the draw in two kernels instead of ~7 passes over [B, V]
         fused_loop.enable()  # the decode loop's slots and stop test in two kernels instead of ~25

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.models import Decoder, cpu_train_ops, fused_ops, tiny_config
+from areno.models import Decoder, fused_ops, tiny_config
 from areno.models.attention import PackedCausalAttention
 from areno.models.eager_ops import eager_rms_norm, eager_rope
+from tests.helpers.fused import emulate_fused_path_on_cpu
 
 
 def test_inference_scope_is_per_thread_and_nests():
@@ -196,31 +197,6 @@ def test_add_norm_stays_off_without_the_fused_kernels():
     assert not fused_ops.add_norm_active(x)  # CPU, and (without CUDA) never enabled
     fused_ops.disable()
     assert not fused_ops._ADD_NORM.on
-
-
-def _cpu_rope(x_THD: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
-    """The RoPE a CPU forward takes (``cpu_train_ops``' forward-only form in float32, else the eager op)."""
-    out = cpu_train_ops.rope(x_THD, cos_TF, sin_TF, x_THD.dtype)
-    return eager_rope(x_THD, cos_TF, sin_TF) if out is None else out
-
-
-def emulate_fused_path_on_cpu(monkeypatch) -> None:
-    """Route every forward through the fused-kernel code paths (as on CUDA inside ``inference()``)
-    with the kernels replaced by their eager references: the routing (fused projections' single
-    RoPE over q and k, add+norm pairs, the MLP's halves) is then checked on the CPU."""
-    monkeypatch.setattr(fused_ops, "active", lambda x: not torch.is_grad_enabled())
-    monkeypatch.setattr(fused_ops, "add_norm_active", lambda x: not torch.is_grad_enabled())
-    monkeypatch.setattr(fused_ops, "rms_norm", eager_rms_norm)
-    monkeypatch.setattr(fused_ops, "rope", _cpu_rope)
-    monkeypatch.setattr(fused_ops, "add_rms_norm", fused_ops.eager_add_rms_norm)
-    monkeypatch.setattr(fused_ops, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)
-    monkeypatch.setattr(
-        fused_ops,
-        "write_kv",
-        lambda k, v, k_S, v_S, slots: (k_S.index_copy_(0, slots, k), v_S.index_copy_(0, slots, v)),
-    )
-    monkeypatch.setattr(fused_ops, "eager_rope", _cpu_rope)  # inside eager_rope_write_kv
-    monkeypatch.setattr(fused_ops, "rope_write_kv", fused_ops.eager_rope_write_kv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

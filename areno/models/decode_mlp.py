@@ -1,0 +1,241 @@
+"""A decode step's MLP on CUDA in two Triton GEMMs, for the few rows a decode step has.
+
+At a decode step's few rows the MLP's GEMMs are bound by launches and by how many SMs read the
+weights, not by FLOPs (bench/LOG.md: the H200 decode step's kernels). cuBLAS runs the MLP as three
+kernels and a fourth: the gate/up GEMM, the SiLU-and-multiply (``fused_linear.silu_mul_halves``), the
+down GEMM split over its long reduction, and that split's reduce kernel. Here:
+
+- ``_gate_up_silu_kernel``: each program multiplies the rows by a column block of gate and the
+  same block of up, and writes ``silu(gate) * up`` (the eager op's roundings: each product rounded
+  to the model dtype as a GEMM's output is, the SiLU rounded) — no [T, 2I] product in memory;
+- ``_down_parts_kernel``: the down projection split over ``DOWN_SPLITS`` shares of the intermediate
+  dimension, each share's fp32 partial written to its own slice of ``[P, T, D]``;
+- the partials are summed, in a fixed order, by the residual add + RMSNorm kernel that follows
+  (``fused_ops.add_parts_rms_norm``), which rounds the sum to the model dtype as the GEMM's output.
+
+No atomics: the same inputs give the same bits. Only where every condition of ``partials`` holds
+(the fused gate/up weight, no biases, no tensor parallelism, at most ``MAX_ROWS`` rows of a 16-bit
+model); elsewhere the MLP runs as before. ``enable()`` turns it on after a self-check against the
+eager MLP; the rollout engine does so with its other fused kernels (``rollout.fused_kernels``).
+
+Legend: T = rows, D = hidden size, I = intermediate size, P = down-projection splits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from areno.models import fused_ops
+from areno.models.fused_linear import FusedRows
+from areno.models.fused_ops import triton
+
+MAX_ROWS = 64
+"""Most rows these kernels take (one row tile); more rows keep cuBLAS, faster there (bench/LOG.md)."""
+DOWN_SPLITS = 8
+"""Most shares of the intermediate dimension the down projection is split over: fewer where D / 64
+programs times this would not fit the SMs in one wave (``down_splits``)."""
+GATE_UP_BLOCK = (64, 128)
+"""Gate/up kernel: the fewest columns of gate (and of up) per program, doubled while the programs
+would not fit the SMs in one wave (``gate_up_columns``), and reduction elements per step."""
+DOWN_BLOCK = (64, 128)
+"""Down kernel: output columns and reduction elements per program step."""
+
+
+if triton is not None:
+    import triton.language as tl
+
+    _round_to = fused_ops._round_to  # a jit helper the kernels below call by this global name
+
+    @triton.jit
+    def _gate_up_silu_kernel(
+        X, W, Y, T, D, inter, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+    ):
+        offs_m = tl.arange(0, BM)
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        m_ok = offs_m < T
+        n_ok = offs_n < inter
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, D, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < D
+            a = tl.load(X + offs_m[:, None] * stride_x + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = n_ok[None, :] & k_ok[:, None]
+            wg = tl.load(W + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None], mask=w_ok, other=0.0)
+            wu = tl.load(W + (inter + offs_n[None, :]).to(tl.int64) * stride_w + offs_k[:, None], mask=w_ok, other=0.0)
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+        dt = Y.dtype.element_ty
+        g = _round_to(acc_g, dt)  # the gate/up GEMM's output in the model dtype
+        u = _round_to(acc_u, dt)
+        act = _round_to(g / (1.0 + tl.exp(-g)), dt)  # eager: silu rounded
+        ptrs = Y + offs_m[:, None] * stride_y + offs_n[None, :]
+        tl.store(ptrs, (act * u).to(dt), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_parts_kernel(
+        A,
+        W,
+        P,
+        T,
+        inter,
+        D,
+        stride_a,
+        stride_w,
+        stride_pp,
+        stride_pt,
+        k_per,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        offs_m = tl.arange(0, BM)
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        part = tl.program_id(1)
+        m_ok = offs_m < T
+        n_ok = offs_n < D
+        k_lo = part * k_per
+        k_hi = tl.minimum(k_lo + k_per, inter)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < k_hi
+            a = tl.load(A + offs_m[:, None] * stride_a + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(
+                W + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None],
+                mask=n_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            acc = tl.dot(a, w, acc)
+        ptrs = P + part * stride_pp + offs_m[:, None] * stride_pt + offs_n[None, :]
+        tl.store(ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def gate_up_columns(inter: int, sms: int) -> int:
+    """Columns of gate (and of up) per program: ``GATE_UP_BLOCK[0]``, doubled (at most twice) while
+    ``inter`` / columns programs would take more than one wave of ``sms``."""
+    bn = GATE_UP_BLOCK[0]
+    while -(-inter // bn) > sms and bn < 4 * GATE_UP_BLOCK[0]:
+        bn *= 2
+    return bn
+
+
+def down_splits(hidden: int, sms: int) -> int:
+    """Shares of the down projection's reduction: at most ``DOWN_SPLITS``, as many as keep its programs
+    (``hidden`` / ``DOWN_BLOCK[0]`` per share) in one wave of ``sms``, at least one."""
+    return max(1, min(DOWN_SPLITS, sms // -(-hidden // DOWN_BLOCK[0])))
+
+
+def gate_up_silu(x_TD: torch.Tensor, gate_up_ND: torch.Tensor, columns: int | None = None) -> torch.Tensor:
+    """``silu(x gate^T) * (x up^T)`` [T, I] for ``gate_up_ND`` = [2I, D] (gate rows, then up rows);
+    ``columns``: of gate per program (None: ``gate_up_columns`` for this GPU)."""
+    T, D = x_TD.shape
+    I = gate_up_ND.shape[0] // 2  # noqa: E741 - the intermediate width
+    y_TI = torch.empty(T, I, dtype=x_TD.dtype, device=x_TD.device)
+    bn = columns or gate_up_columns(I, _sm_count(x_TD.device.index or 0))
+    stages = 4 if bn <= 64 else 2  # each stage holds 2 x bn x BK weights: fit the shared memory
+    _gate_up_silu_kernel[(triton.cdiv(I, bn),)](
+        x_TD, gate_up_ND, y_TI, T, D, I, x_TD.stride(0), gate_up_ND.stride(0), y_TI.stride(0),
+        BM=_row_block(T), BN=bn, BK=GATE_UP_BLOCK[1], num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    return y_TI
+
+
+def down_parts(a_TI: torch.Tensor, down_DI: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """fp32 partials [P, T, D] of ``a_TI @ down_DI^T`` over P shares of I, summed in order by the caller;
+    ``splits``: the most shares (None: ``down_splits`` for this GPU)."""
+    T, I = a_TI.shape  # noqa: E741 - the intermediate width
+    D = down_DI.shape[0]
+    bn, bk = DOWN_BLOCK
+    splits = splits or down_splits(D, _sm_count(a_TI.device.index or 0))
+    k_per = triton.cdiv(I, splits * bk) * bk
+    parts = triton.cdiv(I, k_per)  # no empty share
+    p_PTD = torch.empty(parts, T, D, dtype=torch.float32, device=a_TI.device)
+    _down_parts_kernel[(triton.cdiv(D, bn), parts)](
+        a_TI, down_DI, p_PTD, T, I, D, a_TI.stride(0), down_DI.stride(0), p_PTD.stride(0), p_PTD.stride(1), k_per,
+        BM=_row_block(T), BN=bn, BK=bk, num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return p_PTD
+
+
+def _row_block(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
+
+
+def active(x: torch.Tensor) -> bool:
+    """Whether the kernels are on and ``x`` is a CUDA tensor."""
+    return _SWITCH.on and x.is_cuda
+
+
+def partials(x_TD: torch.Tensor, gate_up: FusedRows, down: nn.Linear) -> torch.Tensor | None:
+    """The MLP's output as the down projection's fp32 partials [P, T, D] (``fused_ops.add_parts_rms_norm``
+    sums them), or None where these kernels do not serve this call: off, not CUDA, more than
+    ``MAX_ROWS`` rows, a biased or non-16-bit projection, or weights not laid out as one [2I, D] gate/up
+    tensor and a [D, I] down weight."""
+    if not active(x_TD) or x_TD.dim() != 2 or not 0 < x_TD.shape[0] <= MAX_ROWS:
+        return None
+    w_gu, w_d = gate_up.weight, down.weight
+    if (
+        gate_up.bias is not None
+        or down.bias is not None
+        or len(gate_up.sizes) != 2
+        or gate_up.sizes[0] != gate_up.sizes[1]
+        or x_TD.dtype not in (torch.bfloat16, torch.float16)
+        or w_gu.dtype != x_TD.dtype
+        or w_d.dtype != x_TD.dtype
+        or w_d.shape[1] != gate_up.sizes[0]
+        or x_TD.stride(1) != 1
+        or w_gu.stride(1) != 1
+        or w_d.stride(1) != 1
+    ):
+        return None
+    return down_parts(gate_up_silu(x_TD, w_gu), w_d)
+
+
+def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """The two kernels and the partials' sum against the eager MLP (``F.linear``, SiLU, ``F.linear``) at
+    a few row counts and sizes (one not a multiple of the blocks); None when, against a float64 MLP
+    of the same inputs, their error is within twice the eager one's plus an ulp, else what failed."""
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    try:
+        with torch.no_grad():
+            for rows, d, i in ((1, 896, 4864), (37, 896, 4864), (64, 200, 600)):
+                x = torch.randn(rows, d, generator=gen).to(device=device, dtype=dtype)
+                w_gu = (torch.randn(2 * i, d, generator=gen) / d**0.5).to(device=device, dtype=dtype)
+                w_d = (torch.randn(d, i, generator=gen) / i**0.5).to(device=device, dtype=dtype)
+                got = down_parts(gate_up_silu(x, w_gu), w_d).sum(0).to(dtype)
+                gate, up = F.linear(x, w_gu).chunk(2, dim=-1)
+                eager = F.linear(F.silu(gate) * up, w_d)
+                g64, u64 = F.linear(x.double(), w_gu.double()).chunk(2, dim=-1)
+                ref = F.linear(F.silu(g64) * u64, w_d.double())
+                e_got, e_eager = (got.double() - ref).abs().max().item(), (eager.double() - ref).abs().max().item()
+                ulp = torch.finfo(dtype).eps * ref.abs().max().item()
+                if e_got > 2 * e_eager + ulp:
+                    return f"decode MLP [{rows}, {d}, {i}]: error {e_got:.3g} against float64, eager {e_eager:.3g}"
+    except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernels
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+_SWITCH = fused_ops.KernelSwitch(
+    "the decode MLP's Triton GEMMs (cuBLAS and the SiLU kernel are used)", lambda device: self_check(device)
+)
+
+
+def enable(device: torch.device | str = "cuda") -> bool:
+    """Turn the kernels on for this process if Triton and CUDA are here and the self-check passes
+    (idempotent); returns whether they are on."""
+    return _SWITCH.enable(device)
+
+
+def disable() -> None:
+    _SWITCH.disable()
