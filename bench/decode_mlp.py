@@ -1,12 +1,14 @@
-"""A decode step's MLP alone: ``decode_mlp``'s two Triton GEMMs against what the engine ran before (cuBLAS
-gate/up, the SiLU-and-multiply kernel, cuBLAS down), each followed by the residual add + RMSNorm that sums
-the partials, at a model's MLP shape for each row count, side by side in one process. Each case replays a
+"""A decode step's MLP alone: the engine's (``decode_mlp``'s two Triton GEMMs where ``decode_mlp.serves``,
+``kernels`` in each case) against what it ran before (cuBLAS gate/up, the SiLU-and-multiply kernel, cuBLAS
+down), each followed by the residual add + RMSNorm (which sums the kernels' partials), at a model's MLP
+shape for each row count, side by side in one process. Each case replays a
 CUDA graph of ``--layers`` MLPs over separate weights (as a decode step does: L2 holds no layer's weights
 from the previous one), median of 5 timings of 20 replays; also each arm's largest error against a
 float64 MLP of the same inputs.
 
     python -m bench.decode_mlp                                   # 0.5B MLP (896 -> 4864), 1-64 rows
     python -m bench.decode_mlp --dims 1536 8960 --layers 28      # 1.5B
+    python -m bench.decode_mlp --sweep-splits 4 5 8              # also the kernels at other down splits
 
 Prints one JSON object: ``figure`` the mean over row counts of the kernels' us per layer, ``baseline`` the
 cuBLAS arm's, ``ratio`` = baseline / figure (> 1: the kernels faster), then per case both. CUDA only.
@@ -15,7 +17,6 @@ cuBLAS arm's, ``ratio`` = baseline / figure (> 1: the kernels faster), then per 
 from __future__ import annotations
 
 import functools
-import itertools
 import statistics
 import sys
 
@@ -43,8 +44,12 @@ def make_case(rows: int, d: int, i: int, layers: int, seed: int = 0) -> dict:
     }
 
 
-def kernels_arm(case: dict, w_gu: torch.Tensor, w_d: torch.Tensor, columns=None, splits=None) -> torch.Tensor:
-    parts = decode_mlp.down_parts(decode_mlp.gate_up_silu(case["x"], w_gu, columns), w_d, splits)
+def kernels_arm(case: dict, w_gu: torch.Tensor, w_d: torch.Tensor, splits=None, always=False) -> torch.Tensor:
+    """The engine's MLP: the kernels where ``decode_mlp.serves`` (or ``always``), else the cuBLAS arm."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not (always or decode_mlp.serves(case["x"].shape[0], w_gu.shape[0] // 2, sms)):
+        return cublas_arm(case, w_gu, w_d)
+    parts = decode_mlp.down_parts(decode_mlp.gate_up_silu(case["x"], w_gu), w_d, splits)
     return fused_ops.add_parts_rms_norm(case["res"], parts, case["norm"], 1e-6)[0]
 
 
@@ -95,8 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dims", type=int, nargs=2, default=[896, 4864], metavar=("D", "I"))
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64], help="decode rows (at most MAX_ROWS)")
     p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--sweep-columns", type=int, nargs="*", default=[], help="also time these gate/up columns")
-    p.add_argument("--sweep-splits", type=int, nargs="*", default=[], help="... with these down splits")
+    p.add_argument("--sweep-splits", type=int, nargs="*", default=[], help="also time the kernels at these down splits")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or not fused_ops.available():
         p.error("the decode MLP kernels run on CUDA with triton: run this on a GPU machine")
@@ -111,14 +115,15 @@ def main(argv: list[str] | None = None) -> dict:
             case = make_case(rows, d, i, args.layers)
             row = {
                 "rows": rows,
+                "kernels": decode_mlp.serves(rows, i, torch.cuda.get_device_properties(0).multi_processor_count),
                 "us": time_per_layer(case, kernels_arm),
                 "cublas_us": time_per_layer(case, cublas_arm),
                 "rel_error": error(case, kernels_arm),
                 "cublas_rel_error": error(case, cublas_arm),
             }
-            for cols, splits in itertools.product(args.sweep_columns, args.sweep_splits or [None]):
-                arm = functools.partial(kernels_arm, columns=cols, splits=splits)
-                row.setdefault("sweep", {})[f"c{cols}_s{splits}"] = time_per_layer(case, arm)
+            for splits in args.sweep_splits:  # the kernels whether or not the engine takes them here
+                arm = functools.partial(kernels_arm, splits=splits, always=True)
+                row.setdefault("sweep", {})[f"s{splits}"] = time_per_layer(case, arm)
             print(f"rows {rows}: {row['us']} us ({row['cublas_us']} cuBLAS) {row.get('sweep', '')}", file=sys.stderr)
             cases.append(row)
             del case
@@ -135,7 +140,6 @@ def main(argv: list[str] | None = None) -> dict:
     details = {
         "dims": [d, i],
         "layers": args.layers,
-        "gate_up_columns": decode_mlp.gate_up_columns(i, torch.cuda.get_device_properties(0).multi_processor_count),
         "down_splits": decode_mlp.down_splits(d, torch.cuda.get_device_properties(0).multi_processor_count),
         "cases": cases,
         "device": torch.cuda.get_device_name(0),

@@ -39,8 +39,10 @@ DOWN_SPLITS = 8
 """Most shares of the intermediate dimension the down projection is split over: fewer where D / 64
 programs times this would not fit the SMs in one wave (``down_splits``)."""
 GATE_UP_BLOCK = (64, 128)
-"""Gate/up kernel: the fewest columns of gate (and of up) per program, doubled while the programs
-would not fit the SMs in one wave (``gate_up_columns``), and reduction elements per step."""
+"""Gate/up kernel: columns of gate (and of up) per program, and reduction elements per step."""
+WIDE_MAX_ROWS = 16
+"""Most rows the kernels take where the gate/up programs (I / 64) need more than one wave of the SMs
+(1.5B on an H200: 140 programs on 132 SMs): from 32 rows cuBLAS is faster there (bench/LOG.md)."""
 DOWN_BLOCK = (64, 128)
 """Down kernel: output columns and reduction elements per program step."""
 
@@ -120,13 +122,10 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gate_up_columns(inter: int, sms: int) -> int:
-    """Columns of gate (and of up) per program: ``GATE_UP_BLOCK[0]``, doubled (at most twice) while
-    ``inter`` / columns programs would take more than one wave of ``sms``."""
-    bn = GATE_UP_BLOCK[0]
-    while -(-inter // bn) > sms and bn < 4 * GATE_UP_BLOCK[0]:
-        bn *= 2
-    return bn
+def serves(rows: int, inter: int, sms: int) -> bool:
+    """Whether the kernels take an MLP of intermediate width ``inter`` at ``rows`` rows on ``sms`` SMs:
+    at most ``MAX_ROWS``, and at most ``WIDE_MAX_ROWS`` where the gate/up programs need two waves."""
+    return 0 < rows <= MAX_ROWS and (rows <= WIDE_MAX_ROWS or -(-inter // GATE_UP_BLOCK[0]) <= sms)
 
 
 def down_splits(hidden: int, sms: int) -> int:
@@ -135,17 +134,15 @@ def down_splits(hidden: int, sms: int) -> int:
     return max(1, min(DOWN_SPLITS, sms // -(-hidden // DOWN_BLOCK[0])))
 
 
-def gate_up_silu(x_TD: torch.Tensor, gate_up_ND: torch.Tensor, columns: int | None = None) -> torch.Tensor:
-    """``silu(x gate^T) * (x up^T)`` [T, I] for ``gate_up_ND`` = [2I, D] (gate rows, then up rows);
-    ``columns``: of gate per program (None: ``gate_up_columns`` for this GPU)."""
+def gate_up_silu(x_TD: torch.Tensor, gate_up_ND: torch.Tensor) -> torch.Tensor:
+    """``silu(x gate^T) * (x up^T)`` [T, I] for ``gate_up_ND`` = [2I, D] (gate rows, then up rows)."""
     T, D = x_TD.shape
     I = gate_up_ND.shape[0] // 2  # noqa: E741 - the intermediate width
     y_TI = torch.empty(T, I, dtype=x_TD.dtype, device=x_TD.device)
-    bn = columns or gate_up_columns(I, _sm_count(x_TD.device.index or 0))
-    stages = 4 if bn <= 64 else 2  # each stage holds 2 x bn x BK weights: fit the shared memory
+    bn, bk = GATE_UP_BLOCK
     _gate_up_silu_kernel[(triton.cdiv(I, bn),)](
         x_TD, gate_up_ND, y_TI, T, D, I, x_TD.stride(0), gate_up_ND.stride(0), y_TI.stride(0),
-        BM=_row_block(T), BN=bn, BK=GATE_UP_BLOCK[1], num_warps=4, num_stages=stages,
+        BM=_row_block(T), BN=bn, BK=bk, num_warps=4, num_stages=4,
     )  # fmt: skip
     return y_TI
 
@@ -178,10 +175,12 @@ def active(x: torch.Tensor) -> bool:
 
 def partials(x_TD: torch.Tensor, gate_up: FusedRows, down: nn.Linear) -> torch.Tensor | None:
     """The MLP's output as the down projection's fp32 partials [P, T, D] (``fused_ops.add_parts_rms_norm``
-    sums them), or None where these kernels do not serve this call: off, not CUDA, more than
-    ``MAX_ROWS`` rows, a biased or non-16-bit projection, or weights not laid out as one [2I, D] gate/up
+    sums them), or None where these kernels do not serve this call: off, not CUDA, rows ``serves``
+    does not take, a biased or non-16-bit projection, or weights not laid out as one [2I, D] gate/up
     tensor and a [D, I] down weight."""
-    if not active(x_TD) or x_TD.dim() != 2 or not 0 < x_TD.shape[0] <= MAX_ROWS:
+    if not active(x_TD) or x_TD.dim() != 2:
+        return None
+    if not serves(x_TD.shape[0], gate_up.sizes[0], _sm_count(x_TD.device.index or 0)):
         return None
     w_gu, w_d = gate_up.weight, down.weight
     if (

@@ -52,6 +52,7 @@ def test_routing_sums_the_partials_into_the_residual_norm(monkeypatch, rows, ser
         emulate_fused_path_on_cpu(monkeypatch)
         calls = []
         monkeypatch.setattr(decode_mlp, "active", lambda x: True)
+        monkeypatch.setattr(decode_mlp, "_sm_count", lambda index: 132)
         monkeypatch.setattr(decode_mlp, "gate_up_silu", _eager_gate_up_silu)
         monkeypatch.setattr(decode_mlp, "down_parts", lambda a, w: calls.append(a.shape[0]) or _eager_down_parts(a, w))
         monkeypatch.setattr(fused_ops, "add_parts_rms_norm", fused_ops.eager_add_parts_rms_norm)
@@ -66,11 +67,12 @@ def test_routing_sums_the_partials_into_the_residual_norm(monkeypatch, rows, ser
 
 
 def test_launch_shapes_fit_one_wave_of_the_sms():
-    # an H200's 132 SMs: 0.5B (896 -> 4864) keeps 64 columns and 8 shares; 1.5B (1536 -> 8960) needs
-    # 128 columns (70 programs, not 140) and 5 shares (120 programs, not 192)
-    assert decode_mlp.gate_up_columns(4864, 132) == 64 and decode_mlp.down_splits(896, 132) == 8
-    assert decode_mlp.gate_up_columns(8960, 132) == 128 and decode_mlp.down_splits(1536, 132) == 5
-    assert decode_mlp.gate_up_columns(10**6, 132) == 256  # at most four times the block
+    # an H200's 132 SMs: the 0.5B MLP (I 4864: 76 gate/up programs) at up to 64 rows, the 1.5B one
+    # (I 8960: 140 programs, two waves) at up to 16; the down projection in 8 and 5 shares
+    assert decode_mlp.serves(64, 4864, 132) and not decode_mlp.serves(65, 4864, 132)
+    assert decode_mlp.serves(16, 8960, 132) and not decode_mlp.serves(17, 8960, 132)
+    assert not decode_mlp.serves(0, 4864, 132)
+    assert decode_mlp.down_splits(896, 132) == 8 and decode_mlp.down_splits(1536, 132) == 5
     assert decode_mlp.down_splits(16384, 132) == 1
 
 
