@@ -82,13 +82,15 @@ def keep_logits_budget(device: torch.device) -> int:
 
 def _log_softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
     """fp32 log-softmax [C, V] of a chunk's temperature-scaled model-dtype logits, which it leaves
-    as they are (backward may read them again). One ``log_softmax`` kernel reads the model-dtype
-    logits (it casts them itself) instead of a cast, ``logsumexp`` and a subtraction each passing
-    over an fp32 [C, V] copy."""
-    if temperature == 1.0:
-        return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32)
-    z_CV = zraw_CV.float()  # a copy for 16-bit logits, divided in place; fp32 logits themselves stay
-    return torch.log_softmax(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
+    as they are (backward may read them again). One ``log_softmax`` call instead of a cast,
+    ``logsumexp`` and a subtraction each passing over an fp32 [C, V] copy; on CUDA its kernel reads
+    16-bit logits itself (CPU's casts them first)."""
+    # outside autocast, which would first cast 16-bit logits to an fp32 copy (log_softmax is on its fp32 list)
+    with torch.autocast(zraw_CV.device.type, enabled=False):
+        if temperature == 1.0:
+            return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32)
+        z_CV = zraw_CV.float()  # a copy for 16-bit logits, divided in place; fp32 logits themselves stay
+        return torch.log_softmax(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
 
 
 def _fused_forward_stats(
@@ -131,6 +133,15 @@ def _fused_grad_logits(
     vocab_V = torch.arange(zraw_CV.shape[-1], device=zraw_CV.device)
     onehot_CV = (vocab_V[None, :] == targets_C[:, None]).to(p_CV.dtype)
     return ((onehot_CV * g_C[:, None] - p_CV * coef_CV) * inv_tau).to(zraw_CV.dtype)
+
+
+def _in_gemm_dtype(weight_VD: torch.Tensor, hidden_TD: torch.Tensor) -> torch.Tensor:
+    """``weight_VD`` in the dtype the surrounding autocast runs ``hidden_TD``'s GEMMs in (itself without
+    autocast, or when it has that dtype)."""
+    dev = hidden_TD.device.type
+    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != weight_VD.dtype:
+        return weight_VD.to(torch.get_autocast_dtype(dev))
+    return weight_VD
 
 
 @functools.cache
@@ -205,9 +216,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         keep_p = keep and with_entropy and 2 * T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
         ctx.kept_p = [] if keep_p else None
         ctx.kept_z = None  # the model-dtype logits, where the log-softmax is not kept and they fit
+        # the weight in the dtype its GEMMs run in, cast once (autocast caches no cast inside a Function)
+        weight_mm_VD = _in_gemm_dtype(weight_VD, hidden_TD)
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            zraw_CV = hidden_TD[s:e] @ weight_VD.t()
+            zraw_CV = hidden_TD[s:e] @ weight_mm_VD.t()
             if s == 0 and grads and not keep:
                 if T * weight_VD.shape[0] * zraw_CV.element_size() <= keep_logits_budget(hidden_TD.device):
                     ctx.kept_z = []
@@ -260,13 +273,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None
         kept_p, ctx.kept_p = ctx.kept_p, None
         kept_z, ctx.kept_z = ctx.kept_z, None
+        # the dtype the gradient GEMMs run in (autocast's, else the hidden states'): the logits' gradient
+        # and the weight are cast to it once, not by autocast in every GEMM of every chunk
+        gemm_dtype = ctx.autocast[1] if ctx.autocast is not None else hidden_TD.dtype
+        weight_mm_VD = _in_gemm_dtype(weight_VD, hidden_TD)
         for i, s in enumerate(range(0, T, chunk_size)):
             e = min(s + chunk_size, T)
             zraw_CV = None
             if kept_z is not None:
                 zraw_CV, kept_z[i] = kept_z[i], None
             elif kept is None:  # forward's matmul again, so kept and recomputed logits give the same gradients
-                zraw_CV = hidden_TD[s:e] @ weight_VD.t()
+                zraw_CV = hidden_TD[s:e] @ weight_mm_VD.t()
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
                 g_ent_C = grad_entropy_T[s:e] if use_entropy else g_C
@@ -282,7 +299,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 )
                 del zraw_CV
                 if need_h:
-                    grad_h_TD[s:e] = grad_z_CV @ weight_VD
+                    grad_h_TD[s:e] = grad_z_CV @ weight_mm_VD
                 if need_w:
                     _add_weight_grad(grad_w_VD, grad_z_CV, hidden_TD[s:e])
                 continue
@@ -308,9 +325,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_z_CV.scatter_add_(-1, targets_T[s:e, None], g_C[:, None])
             if tau != 1.0:
                 grad_z_CV /= tau
-            grad_z_CV = grad_z_CV.to(hidden_TD.dtype)
+            grad_z_CV = grad_z_CV.to(gemm_dtype)  # once for both GEMMs (autocast would cast it in each)
             if need_h:
-                grad_h_TD[s:e] = grad_z_CV @ weight_VD
+                grad_h_TD[s:e] = grad_z_CV @ weight_mm_VD
             if need_w:
                 _add_weight_grad(grad_w_VD, grad_z_CV, hidden_TD[s:e])
         if need_w:
