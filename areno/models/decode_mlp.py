@@ -200,14 +200,16 @@ def partials(x_TD: torch.Tensor, gate_up: FusedRows, down: nn.Linear) -> torch.T
     return down_parts(gate_up_silu(x_TD, w_gu), w_d)
 
 
-def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str | None:
+def self_check(device: torch.device | str = "cuda") -> str | None:
     """The two kernels and the partials' sum against the eager MLP (``F.linear``, SiLU, ``F.linear``) at
-    a few row counts and sizes (one not a multiple of the blocks); None when, against a float64 MLP
-    of the same inputs, their error is within twice the eager one's plus an ulp, else what failed."""
+    a few row counts and sizes (one not a multiple of the blocks), in bfloat16 and float16; None when,
+    against a float64 MLP of the same inputs, their error is within twice the eager one's plus an ulp,
+    else what failed."""
     gen = torch.Generator(device="cpu").manual_seed(2)
+    cases = [(torch.bfloat16, 1, 896, 4864), (torch.bfloat16, 37, 896, 4864), (torch.bfloat16, 64, 200, 600)]
     try:
         with torch.no_grad():
-            for rows, d, i in ((1, 896, 4864), (37, 896, 4864), (64, 200, 600)):
+            for dtype, rows, d, i in [*cases, (torch.float16, 37, 896, 4864)]:
                 x = torch.randn(rows, d, generator=gen).to(device=device, dtype=dtype)
                 w_gu = (torch.randn(2 * i, d, generator=gen) / d**0.5).to(device=device, dtype=dtype)
                 w_d = (torch.randn(d, i, generator=gen) / i**0.5).to(device=device, dtype=dtype)
@@ -219,7 +221,9 @@ def self_check(device: torch.device | str = "cuda", dtype: torch.dtype = torch.b
                 e_got, e_eager = (got.double() - ref).abs().max().item(), (eager.double() - ref).abs().max().item()
                 ulp = torch.finfo(dtype).eps * ref.abs().max().item()
                 if e_got > 2 * e_eager + ulp:
-                    return f"decode MLP [{rows}, {d}, {i}]: error {e_got:.3g} against float64, eager {e_eager:.3g}"
+                    return (
+                        f"decode MLP [{rows}, {d}, {i}] {dtype}: error {e_got:.3g} against float64, eager {e_eager:.3g}"
+                    )
     except Exception as e:  # noqa: BLE001 - a compiler or driver error disables the kernels
         return f"{type(e).__name__}: {e}"
     return None

@@ -94,10 +94,11 @@ needs_cuda = pytest.mark.skipif(not fused_ops.available(), reason="needs CUDA an
 def test_kernels_match_the_eager_mlp_and_repeat_bit_for_bit():
     assert decode_mlp.self_check() is None
     g = torch.Generator().manual_seed(0)
-    for rows, d, i in ((1, 896, 4864), (8, 896, 4864), (64, 1536, 8960), (33, 100, 300)):
-        x = torch.randn(rows, d, generator=g).cuda().bfloat16()
-        w_gu = (torch.randn(2 * i, d, generator=g) / d**0.5).cuda().bfloat16()
-        w_d = (torch.randn(d, i, generator=g) / i**0.5).cuda().bfloat16()
+    cases = [(torch.bfloat16, 1, 896, 4864), (torch.bfloat16, 8, 896, 4864), (torch.bfloat16, 64, 1536, 8960)]
+    for dt, rows, d, i in [*cases, (torch.bfloat16, 33, 100, 300), (torch.float16, 16, 896, 4864)]:
+        x = torch.randn(rows, d, generator=g).cuda().to(dt)
+        w_gu = (torch.randn(2 * i, d, generator=g) / d**0.5).cuda().to(dt)
+        w_d = (torch.randn(d, i, generator=g) / i**0.5).cuda().to(dt)
         act = decode_mlp.gate_up_silu(x, w_gu)
         ref_act = _eager_gate_up_silu(x, w_gu)
         # the GEMM's sum order may move a rounding of gate or up: within a few bf16 ulps
@@ -106,14 +107,11 @@ def test_kernels_match_the_eager_mlp_and_repeat_bit_for_bit():
         assert parts.dtype == torch.float32 and parts.shape[1:] == (rows, d) and parts.shape[0] <= 8
         assert torch.equal(parts, decode_mlp.down_parts(act, w_d))  # no atomics: the same bits again
         torch.testing.assert_close(parts.sum(0), F.linear(act.float(), w_d.float()), rtol=1e-4, atol=1e-4)
-        x_res, w_norm = (
-            torch.randn(rows, d, generator=g).cuda().bfloat16(),
-            torch.randn(d, generator=g).cuda().bfloat16(),
-        )
+        x_res, w_norm = torch.randn(rows, d, generator=g).cuda().to(dt), torch.randn(d, generator=g).cuda().to(dt)
         s, y = fused_ops.add_parts_rms_norm(x_res, parts, w_norm, 1e-6)
         s_ref, y_ref = fused_ops.eager_add_parts_rms_norm(x_res, parts, w_norm, 1e-6)
         assert torch.equal(s, s_ref)
-        torch.testing.assert_close(y, y_ref, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-6)
+        torch.testing.assert_close(y, y_ref, rtol=2 * torch.finfo(dt).eps, atol=1e-6)
 
 
 @gpu
