@@ -117,8 +117,13 @@ if triton is not None:
         tl.store(ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (``cuda`` without an index: the current one)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def _sm_count_of(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -153,7 +158,7 @@ def down_parts(a_TI: torch.Tensor, down_DI: torch.Tensor, splits: int | None = N
     T, I = a_TI.shape  # noqa: E741 - the intermediate width
     D = down_DI.shape[0]
     bn, bk = DOWN_BLOCK
-    splits = splits or down_splits(D, _sm_count(a_TI.device.index or 0))
+    splits = splits or down_splits(D, _sm_count(a_TI.device))
     k_per = triton.cdiv(I, splits * bk) * bk
     parts = triton.cdiv(I, k_per)  # no empty share
     p_PTD = torch.empty(parts, T, D, dtype=torch.float32, device=a_TI.device)
@@ -180,7 +185,7 @@ def partials(x_TD: torch.Tensor, gate_up: FusedRows, down: nn.Linear) -> torch.T
     tensor and a [D, I] down weight."""
     if not active(x_TD) or x_TD.dim() != 2:
         return None
-    if not serves(x_TD.shape[0], gate_up.sizes[0], _sm_count(x_TD.device.index or 0)):
+    if not serves(x_TD.shape[0], gate_up.sizes[0], _sm_count(x_TD.device)):
         return None
     w_gu, w_d = gate_up.weight, down.weight
     if (

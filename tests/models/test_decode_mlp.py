@@ -52,7 +52,7 @@ def test_routing_sums_the_partials_into_the_residual_norm(monkeypatch, rows, ser
         emulate_fused_path_on_cpu(monkeypatch)
         calls = []
         monkeypatch.setattr(decode_mlp, "active", lambda x: True)
-        monkeypatch.setattr(decode_mlp, "_sm_count", lambda index: 132)
+        monkeypatch.setattr(decode_mlp, "_sm_count", lambda device: 132)
         monkeypatch.setattr(decode_mlp, "gate_up_silu", _eager_gate_up_silu)
         monkeypatch.setattr(decode_mlp, "down_parts", lambda a, w: calls.append(a.shape[0]) or _eager_down_parts(a, w))
         monkeypatch.setattr(fused_ops, "add_parts_rms_norm", fused_ops.eager_add_parts_rms_norm)
