@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from areno.models import decode_mlp, fused_linear, fused_ops
-from bench._common import emit, headline, parser, ratio
+from bench._common import emit, graphed_us, headline, parser, ratio
 
 
 def make_case(rows: int, d: int, i: int, layers: int, seed: int = 0) -> dict:
@@ -65,26 +65,7 @@ def time_per_layer(case: dict, arm) -> float:
         for w_gu, w_d in case["weights"]:
             arm(case, w_gu, w_d)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        step()  # compiles the kernels outside the capture
-        with torch.cuda.graph(graph, stream=stream):
-            step()
-    torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / 20 / len(case["weights"]))
-    return round(statistics.median(times), 2)
+    return graphed_us(step, len(case["weights"]))
 
 
 def error(case: dict, arm) -> float:

@@ -24,7 +24,7 @@ import torch
 
 from areno.rollout import paged_decode as pd
 from areno.rollout.engine import RolloutEngineConfig
-from bench._common import emit, headline, parser, ratio
+from bench._common import emit, graphed_us, headline, parser, ratio
 
 BLOCK_SIZE = RolloutEngineConfig.block_size  # the engine's default KV block
 
@@ -76,26 +76,7 @@ def time_per_layer(case: dict, splits: int, stages: int, tile: int) -> float:
                 BLOCK_SIZE, tile=tile, num_splits=splits, num_stages=stages,
             )  # fmt: skip
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        step()  # compiles the kernel outside the capture
-        with torch.cuda.graph(graph, stream=stream):
-            step()
-    torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / 20 / len(case["pools"]))
-    return round(statistics.median(times), 2)
+    return graphed_us(step, len(case["pools"]))
 
 
 def main(argv: list[str] | None = None) -> dict:
