@@ -243,9 +243,9 @@ class MLP(nn.Module):
         """This MLP's output as fp32 partials [P, T, D] of its down projection (``decode_mlp``, a CUDA
         decode step's few rows), for the residual add + RMSNorm to sum; None where those kernels do
         not serve (the caller then runs ``forward``)."""
-        if self.tp_reduce is not None or self.gate_up is None or not self.gate_up.usable():
+        if self.tp_reduce is not None or self.gate_up is None or not decode_mlp.active(x_TD):
             return None
-        return decode_mlp.partials(x_TD, self.gate_up, self.down_proj)
+        return decode_mlp.partials(x_TD, self.gate_up, self.down_proj) if self.gate_up.usable() else None
 
 
 class DecoderLayer(nn.Module):
