@@ -8,14 +8,15 @@ down GEMM split over its long reduction, and that split's reduce kernel. Here:
 - ``_gate_up_silu_kernel``: each program multiplies the rows by a column block of gate and the
   same block of up, and writes ``silu(gate) * up`` (the eager op's roundings: each product rounded
   to the model dtype as a GEMM's output is, the SiLU rounded) — no [T, 2I] product in memory;
-- ``_down_parts_kernel``: the down projection split over ``DOWN_SPLITS`` shares of the intermediate
-  dimension, each share's fp32 partial written to its own slice of ``[P, T, D]``;
+- ``_down_parts_kernel``: the down projection split over up to ``DOWN_SPLITS`` shares of the
+  intermediate dimension (``down_splits``), each share's fp32 partial written to its own slice of
+  ``[P, T, D]``;
 - the partials are summed, in a fixed order, by the residual add + RMSNorm kernel that follows
   (``fused_ops.add_parts_rms_norm``), which rounds the sum to the model dtype as the GEMM's output.
 
 No atomics: the same inputs give the same bits. Only where every condition of ``partials`` holds
-(the fused gate/up weight, no biases, no tensor parallelism, at most ``MAX_ROWS`` rows of a 16-bit
-model); elsewhere the MLP runs as before. ``enable()`` turns it on after a self-check against the
+(the fused gate/up weight, no biases, no tensor parallelism, a 16-bit model, the rows ``serves``
+takes); elsewhere the MLP runs as before. ``enable()`` turns it on after a self-check against the
 eager MLP; the rollout engine does so with its other fused kernels (``rollout.fused_kernels``).
 
 Legend: T = rows, D = hidden size, I = intermediate size, P = down-projection splits.
