@@ -7,7 +7,9 @@ same for ``entropy_T[t]`` (the entropy of the distribution that predicts token t
 Logits are computed chunk by chunk from the final hidden states, and the softmax's fp32 passes
 run per chunk. What forward keeps for backward depends on the call's size: a small head (all
 chunks within ``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps its fp32 log-softmax
-chunks, and with the entropy also their exponentials (the softmax); a larger one keeps its
+chunks, and with the entropy also their exponentials (the softmax); on CPU without the entropy,
+every chunk goes through the softmax instead (the log-prob of a target taken from it) and a small
+head keeps that, so backward builds the gradient without an ``exp`` pass; a larger one keeps its
 model-dtype logits when they fit ``keep_logits_budget`` (an eighth of a GPU's memory, at most half
 of what is free), and the largest keep nothing, so backward recomputes each chunk's logits and
 peak memory is one chunk of ``[chunk_size, V]`` logits in both passes. Keeping saves backward's
@@ -20,6 +22,7 @@ Legend: T = packed tokens, D = hidden size, V = vocabulary, B = sequences, C = t
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -91,6 +94,35 @@ def _log_softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
             return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32)
         z_CV = zraw_CV.float()  # a copy for 16-bit logits, divided in place; fp32 logits themselves stay
         return torch.log_softmax(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
+
+
+def _softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 softmax [C, V] of a chunk's temperature-scaled model-dtype logits (``_log_softmax``'s twin)."""
+    with torch.autocast(zraw_CV.device.type, enabled=False):
+        if temperature == 1.0:
+            return torch.softmax(zraw_CV, dim=-1, dtype=torch.float32)
+        z_CV = zraw_CV.float()
+        return torch.softmax(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
+
+
+TINY_PROB = 1e-30
+"""A target probability below this takes its log-prob from the logits (``z - logsumexp(z)``), not
+from ``log(p)``: fp32 keeps full relative precision only above its smallest normal value (~1e-38)."""
+
+
+def _target_logprobs(
+    p_CV: torch.Tensor, zraw_CV: torch.Tensor, targets_C: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """log p[target] [C] from a chunk's fp32 softmax; rows whose target is nearly impossible are
+    recomputed from their logits (rare: a host read, so CPU only)."""
+    logp_C = p_CV.gather(-1, targets_C[:, None])[:, 0].log()
+    tiny_C = logp_C < math.log(TINY_PROB)
+    if bool(tiny_C.any()):
+        rows = tiny_C.nonzero()[:, 0]
+        with torch.autocast(zraw_CV.device.type, enabled=False):
+            z_RV = zraw_CV[rows].float() / temperature
+            logp_C[rows] = z_RV.gather(-1, targets_C[rows, None])[:, 0] - torch.logsumexp(z_RV, dim=-1)
+    return logp_C
 
 
 def _fused_forward_stats(
@@ -214,6 +246,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.kept = [] if keep else None
         # with entropy, forward exponentiates the log-softmax anyway: backward reuses it when both fit
         keep_p = keep and with_entropy and 2 * T * weight_VD.shape[0] * 4 <= KEEP_LOGSOFTMAX_MAX_BYTES
+        # Without entropy on CPU the chunks go through the softmax, not the log-softmax: backward's
+        # gradient is built from it without an exp pass over [C, V] (the host read of a rare tiny
+        # target's probability, _target_logprobs, is free there). It is kept instead of the log-softmax.
+        ctx.softmax_form = not with_entropy and hidden_TD.device.type == "cpu"
+        if ctx.softmax_form:
+            keep_p, ctx.kept = keep, None
         ctx.kept_p = [] if keep_p else None
         ctx.kept_z = None  # the model-dtype logits, where the log-softmax is not kept and they fit
         # the weight in the dtype its GEMMs run in, cast once (autocast caches no cast inside a Function)
@@ -230,6 +268,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 lse_T[s:e], logprobs_T[s:e], ent_C = fused[0](zraw_CV, targets_T[s:e], 1.0 / temperature, with_entropy)
                 if with_entropy:
                     entropy_T[s:e] = ent_C
+                continue
+            if ctx.softmax_form:
+                p_CV = _softmax(zraw_CV, temperature)
+                logprobs_T[s:e] = _target_logprobs(p_CV, zraw_CV, targets_T[s:e], temperature)
+                if keep_p:
+                    ctx.kept_p.append(p_CV)
                 continue
             logp_CV = _log_softmax(zraw_CV, temperature)
             logprobs_T[s:e] = logp_CV.gather(-1, targets_T[s:e, None])[:, 0]
@@ -282,7 +326,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             zraw_CV = None
             if kept_z is not None:
                 zraw_CV, kept_z[i] = kept_z[i], None
-            elif kept is None:  # forward's matmul again, so kept and recomputed logits give the same gradients
+            elif (
+                kept is None and kept_p is None
+            ):  # forward's matmul again: kept and recomputed logits give the same gradients
                 zraw_CV = hidden_TD[s:e] @ weight_mm_VD.t()
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
@@ -303,17 +349,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if need_w:
                     _add_weight_grad(grad_w_VD, grad_z_CV, hidden_TD[s:e])
                 continue
-            if kept is not None:
-                logp_CV, kept[i] = kept[i], None
-            else:
-                logp_CV = _log_softmax(zraw_CV, tau)
-            del zraw_CV  # a kept chunk's memory goes back as backward moves on
+            logp_CV = None  # the softmax form (no entropy) needs the softmax alone
             if kept_p is not None:
                 p_CV, kept_p[i] = kept_p[i], None
-            elif use_entropy:
-                p_CV = logp_CV.exp()
-            else:  # logp is not read again: exponentiate in place
-                p_CV = logp_CV.exp_()
+            elif ctx.softmax_form:
+                p_CV = _softmax(zraw_CV, tau)
+            if not ctx.softmax_form:
+                if kept is not None:
+                    logp_CV, kept[i] = kept[i], None
+                else:
+                    logp_CV = _log_softmax(zraw_CV, tau)
+                if kept_p is None:  # in place where logp is not read again
+                    p_CV = logp_CV.exp() if use_entropy else logp_CV.exp_()
+            del zraw_CV  # a kept chunk's memory goes back as backward moves on
             g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
             # d logp[target]/dz_j = onehot_j - p_j;  d H/dz_j = -p_j (logp_j + H)   (H = -sum p logp)
             # so dL/dz_j = g * onehot_j - p_j * (g + g_H * (logp_j + H)), built in place.

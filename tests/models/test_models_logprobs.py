@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,6 +22,18 @@ class _MatmulCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
             self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the ops run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -208,6 +222,35 @@ def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(
         assert all(torch.equal(a, b) for a, b in zip(kept[0], recomputed[0]))
         for a, b in zip(kept[1] + kept[2], recomputed[1] + recomputed[2]):
             assert torch.equal(a, b)
+
+
+def test_cpu_softmax_form_skips_the_exp_pass_and_keeps_tiny_targets_exact():
+    """Without entropy a CPU head runs the softmax (kept for backward, which then needs no ``exp``
+    over [C, V]) and takes log p[target] from it; a target whose probability is below
+    ``TINY_PROB`` (here e^-150, where fp32 underflows) is recomputed from its logits. Values and
+    gradients match float64."""
+    from areno.models import logprobs as lp_mod
+
+    torch.manual_seed(0)
+    h0, w0 = torch.randn(23, 16), torch.randn(VOCAB, 16)
+    tgt = torch.randint(0, VOCAB, (23,))
+    w0[5] = -20.0 * h0[3] / h0[3].norm() ** 2 * 10.0  # logit of token 5 at row 3: -200, far below the others
+    tgt[3] = 5
+    g_lp = torch.randn(23)
+    for temperature in (1.0, 0.7):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        with _OpNames() as ops:
+            lp, _ = logprobs_from_hidden(h, w, tgt, temperature, 5, with_entropy=False)
+            (lp * g_lp).sum().backward()
+        seen = ops.names
+        assert "_softmax" in seen and "_log_softmax" not in seen and "exp_" not in seen and "exp" not in seen
+        h64, w64 = h0.double().requires_grad_(True), w0.double().requires_grad_(True)
+        ref = torch.log_softmax(h64 @ w64.t() / temperature, -1).gather(-1, tgt[:, None])[:, 0]
+        assert ref[3] < math.log(lp_mod.TINY_PROB)  # the fallback row
+        (ref * g_lp.double()).sum().backward()
+        torch.testing.assert_close(lp.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_head_weight_gradient_sums_chunks_in_float32():
