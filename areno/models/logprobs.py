@@ -105,6 +105,11 @@ def _softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
         return torch.softmax(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
 
 
+CPU_SOFTMAX_FORM = True
+"""A CPU head without entropy goes through the softmax (``_ChunkedLogprobs``). An internal switch,
+not a setting: False keeps the log-softmax form every other head takes, for tests and benches that
+compare the two (``bench.cpu_head``)."""
+
 TINY_PROB = 1e-30
 """A target probability below this takes its log-prob from the logits (``z - logsumexp(z)``), not
 from ``log(p)``: fp32 keeps full relative precision only above its smallest normal value (~1e-38)."""
@@ -249,7 +254,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # Without entropy on CPU the chunks go through the softmax, not the log-softmax: backward's
         # gradient is built from it without an exp pass over [C, V] (the host read of a rare tiny
         # target's probability, _target_logprobs, is free there). It is kept instead of the log-softmax.
-        ctx.softmax_form = not with_entropy and hidden_TD.device.type == "cpu"
+        ctx.softmax_form = CPU_SOFTMAX_FORM and not with_entropy and hidden_TD.device.type == "cpu"
         if ctx.softmax_form:
             keep_p, ctx.kept = keep, None
         ctx.kept_p = [] if keep_p else None
