@@ -110,6 +110,10 @@ CPU_SOFTMAX_FORM = True
 not a setting: False keeps the log-softmax form every other head takes, for tests and benches that
 compare the two (``bench.cpu_head``)."""
 
+GRAD_LOGITS_MAX_BYTES = 256 << 20
+"""Largest [T, V] logits' gradient (in the GEMM dtype) a CPU softmax-form head holds whole for one
+weight-gradient GEMM; a larger one takes a GEMM per chunk."""
+
 TINY_PROB = 1e-30
 """A target probability below this takes its log-prob from the logits (``z - logsumexp(z)``), not
 from ``log(p)``: fp32 keeps full relative precision only above its smallest normal value (~1e-38)."""
@@ -314,7 +318,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
         use_entropy = ctx.with_entropy and grad_entropy_T is not None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h_TD = torch.empty_like(hidden_TD) if need_h else None
-        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
         T = hidden_TD.shape[0]
         fused = ctx.fused
         # forward's log-softmax chunks, used once: backward overwrites them, and a second backward
@@ -326,6 +329,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # and the weight are cast to it once, not by autocast in every GEMM of every chunk
         gemm_dtype = ctx.autocast[1] if ctx.autocast is not None else hidden_TD.dtype
         weight_mm_VD = _in_gemm_dtype(weight_VD, hidden_TD)
+        # The CPU softmax form: the logits' gradient of every chunk goes into one [T, V] matrix (where
+        # the head is small enough, in the memory its kept fp32 chunks free) and the weight's gradient is
+        # one GEMM over it, not a 16-bit product per chunk cast and added into the fp32 [V, D] sum (a
+        # CPU GEMM has no 16-bit product with an fp32 result)
+        grad_z_TV = None
+        V = weight_VD.shape[0]
+        itemsize = torch.empty(0, dtype=gemm_dtype).element_size()
+        if ctx.softmax_form and fused is None and need_w and T * V * itemsize <= GRAD_LOGITS_MAX_BYTES:
+            grad_z_TV = hidden_TD.new_empty(T, V, dtype=gemm_dtype)
+        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w and grad_z_TV is None else None
         for i, s in enumerate(range(0, T, chunk_size)):
             e = min(s + chunk_size, T)
             zraw_CV = None
@@ -378,11 +391,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_z_CV.scatter_add_(-1, targets_T[s:e, None], g_C[:, None])
             if tau != 1.0:
                 grad_z_CV /= tau
-            grad_z_CV = grad_z_CV.to(gemm_dtype)  # once for both GEMMs (autocast would cast it in each)
+            if grad_z_TV is not None:
+                grad_z_CV = grad_z_TV[s:e].copy_(grad_z_CV)
+            else:
+                grad_z_CV = grad_z_CV.to(gemm_dtype)  # once for both GEMMs (autocast would cast it in each)
             if need_h:
                 grad_h_TD[s:e] = grad_z_CV @ weight_mm_VD
-            if need_w:
+            if need_w and grad_z_TV is None:
                 _add_weight_grad(grad_w_VD, grad_z_CV, hidden_TD[s:e])
+        if grad_z_TV is not None:
+            with torch.autocast(hidden_TD.device.type, enabled=False):
+                grad_w_VD = grad_z_TV.t() @ hidden_TD.to(gemm_dtype)
         if need_w:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
         return grad_h_TD, grad_w_VD, None, None, None, None
