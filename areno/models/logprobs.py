@@ -9,7 +9,8 @@ run per chunk. What forward keeps for backward depends on the call's size: a sma
 chunks within ``KEEP_LOGSOFTMAX_MAX_BYTES``, e.g. a CPU model's) keeps its fp32 log-softmax
 chunks, and with the entropy also their exponentials (the softmax); on CPU without the entropy,
 every chunk goes through the softmax instead (the log-prob of a target taken from it) and a small
-head keeps that, so backward builds the gradient without an ``exp`` pass; a larger one keeps its
+head keeps that, so backward builds the gradient without an ``exp`` pass, and takes the weight's
+gradient as one GEMM over all chunks; a larger one keeps its
 model-dtype logits when they fit ``keep_logits_budget`` (an eighth of a GPU's memory, at most half
 of what is free), and the largest keep nothing, so backward recomputes each chunk's logits and
 peak memory is one chunk of ``[chunk_size, V]`` logits in both passes. Keeping saves backward's
