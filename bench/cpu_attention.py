@@ -19,6 +19,7 @@ Prints one JSON object.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -111,8 +112,10 @@ def time_micro_batch(model: Decoder, batch: TokenBatch, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = parser("cpu_attention", __doc__)
+def setup(name: str, doc: str, argv: list[str] | None) -> tuple[argparse.Namespace, Decoder, TokenBatch]:
+    """The arguments of a CPU micro-batch A/B (``python -m bench.<name>``: shape, groups, samples,
+    lengths, rounds, repetitions) and the model (shared prompts on) and batch they describe."""
+    p = parser(name, doc)
     p.add_argument("--shape", choices=list(SHAPES), default="cpu12m")
     p.add_argument("--groups", type=int, default=3, help="prompt groups in the micro-batch")
     p.add_argument("--samples", type=int, default=7, help="completions per prompt")
@@ -129,6 +132,11 @@ def main(argv: list[str] | None = None) -> dict:
     model = Decoder(ModelConfig.from_hf(hf))
     model.share_prompts = True
     batch = make_batch(args.groups, args.samples, args.prompt_len, args.completion_len, model.config.vocab_size)
+    return args, model, batch
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, model, batch = setup("cpu_attention", __doc__, argv)
     attn, qkv = layer_inputs(model, batch)
     per_arm: dict[str, dict[str, list[float]]] = {arm: {"layer_ms": [], "micro_batch_ms": []} for arm in ARMS}
     errors = {}

@@ -25,12 +25,9 @@ import time
 
 import torch
 
-from areno.engine.host import keep_freed_memory
 from areno.models import logprobs
-from areno.models.config import ModelConfig
-from areno.models.decoder import Decoder
-from bench._common import emit, headline, parser, ratio
-from bench.cpu_attention import SHAPES, make_batch, time_micro_batch
+from bench._common import emit, headline, ratio
+from bench.cpu_attention import setup, time_micro_batch
 
 ARMS = {"softmax": True, "log_softmax": False}
 CHUNK = 1024
@@ -60,23 +57,7 @@ def logprob_error(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: t
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = parser("cpu_head", __doc__)
-    p.add_argument("--shape", choices=list(SHAPES), default="cpu12m")
-    p.add_argument("--groups", type=int, default=3, help="prompt groups in the micro-batch")
-    p.add_argument("--samples", type=int, default=7, help="completions per prompt")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--completion-len", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--reps", type=int, default=2, help="timed repetitions per arm and round (after one warm-up)")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.reps < 1:
-        p.error("--rounds and --reps must be at least 1")
-    keep_freed_memory()  # as an areno CPU run does: freed temporaries are not returned to the system
-    torch.manual_seed(0)
-    hf = {**SHAPES[args.shape], "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-    model = Decoder(ModelConfig.from_hf(hf))
-    model.share_prompts = True
-    batch = make_batch(args.groups, args.samples, args.prompt_len, args.completion_len, model.config.vocab_size)
+    args, model, batch = setup("cpu_head", __doc__, argv)
     weight_VD = model.model.embed_tokens.weight  # tied: the head's weight
     targets_T = batch.input_ids_T[batch.loss_mask_T]
     # an RMSNorm's output has unit scale per feature
