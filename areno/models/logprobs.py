@@ -336,8 +336,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # CPU GEMM has no 16-bit product with an fp32 result)
         grad_z_TV = None
         V = weight_VD.shape[0]
-        itemsize = torch.empty(0, dtype=gemm_dtype).element_size()
-        if ctx.softmax_form and fused is None and need_w and T * V * itemsize <= GRAD_LOGITS_MAX_BYTES:
+        if ctx.softmax_form and fused is None and need_w and T * V * gemm_dtype.itemsize <= GRAD_LOGITS_MAX_BYTES:
             grad_z_TV = hidden_TD.new_empty(T, V, dtype=gemm_dtype)
         grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w and grad_z_TV is None else None
         for i, s in enumerate(range(0, T, chunk_size)):
@@ -345,9 +344,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             zraw_CV = None
             if kept_z is not None:
                 zraw_CV, kept_z[i] = kept_z[i], None
-            elif (
-                kept is None and kept_p is None
-            ):  # forward's matmul again: kept and recomputed logits give the same gradients
+            # else forward's matmul again, so kept and recomputed logits give the same gradients
+            elif kept is None and kept_p is None:
                 zraw_CV = hidden_TD[s:e] @ weight_mm_VD.t()
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
