@@ -229,7 +229,7 @@ def test_kept_log_softmax_gives_the_recomputed_gradients_bit_for_bit(
 def test_cpu_softmax_form_skips_the_exp_pass_and_keeps_tiny_targets_exact():
     """Without entropy a CPU head runs the softmax (kept for backward, which then needs no ``exp``
     over [C, V]) and takes log p[target] from it; a target whose probability is below
-    ``TINY_PROB`` (here e^-150, where fp32 underflows) is recomputed from its logits. Values and
+    ``TINY_PROB`` (here e^-200 or less, where fp32 underflows) is recomputed from its logits. Values and
     gradients match float64."""
     from areno.models import logprobs as lp_mod
 
