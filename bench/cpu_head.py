@@ -30,7 +30,7 @@ from bench._common import emit, headline, ratio
 from bench.cpu_attention import setup, time_micro_batch
 
 ARMS = {"softmax": True, "log_softmax": False}
-CHUNK = 1024
+CHUNK = logprobs.AUTO_CHUNK_RANGE[0]
 """Tokens per head chunk: a CPU head's automatic chunk (``logprobs.auto_chunk_size``)."""
 
 

@@ -84,26 +84,27 @@ def keep_logits_budget(device: torch.device) -> int:
     return KEEP_LOGSOFTMAX_MAX_BYTES
 
 
-def _log_softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 log-softmax [C, V] of a chunk's temperature-scaled model-dtype logits, which it leaves
-    as they are (backward may read them again). One ``log_softmax`` call instead of a cast,
-    ``logsumexp`` and a subtraction each passing over an fp32 [C, V] copy; on CUDA its kernel reads
+def _over_vocab(op: Callable[..., torch.Tensor], zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``op`` (``torch.log_softmax`` or ``torch.softmax``) in fp32 over [C, V] of a chunk's
+    temperature-scaled model-dtype logits, which it leaves as they are (backward may read them again).
+    One call instead of a cast and further passes over an fp32 [C, V] copy; on CUDA the kernel reads
     16-bit logits itself (CPU's casts them first)."""
-    # outside autocast, which would first cast 16-bit logits to an fp32 copy (log_softmax is on its fp32 list)
+    # outside autocast, which would first cast 16-bit logits to an fp32 copy (both ops are on its fp32 list)
     with torch.autocast(zraw_CV.device.type, enabled=False):
         if temperature == 1.0:
-            return torch.log_softmax(zraw_CV, dim=-1, dtype=torch.float32)
+            return op(zraw_CV, dim=-1, dtype=torch.float32)
         z_CV = zraw_CV.float()  # a copy for 16-bit logits, divided in place; fp32 logits themselves stay
-        return torch.log_softmax(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
+        return op(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
+
+
+def _log_softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log-softmax [C, V] of a chunk's temperature-scaled logits (``_over_vocab``)."""
+    return _over_vocab(torch.log_softmax, zraw_CV, temperature)
 
 
 def _softmax(zraw_CV: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 softmax [C, V] of a chunk's temperature-scaled model-dtype logits (``_log_softmax``'s twin)."""
-    with torch.autocast(zraw_CV.device.type, enabled=False):
-        if temperature == 1.0:
-            return torch.softmax(zraw_CV, dim=-1, dtype=torch.float32)
-        z_CV = zraw_CV.float()
-        return torch.softmax(z_CV.div_(temperature) if z_CV is not zraw_CV else z_CV / temperature, dim=-1)
+    """fp32 softmax [C, V] of a chunk's temperature-scaled logits (``_over_vocab``)."""
+    return _over_vocab(torch.softmax, zraw_CV, temperature)
 
 
 CPU_SOFTMAX_FORM = True
