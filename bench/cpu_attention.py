@@ -39,18 +39,22 @@ SHAPES = {"cpu12m": CPU12M, "cpu5m": CPU5M}
 ARMS = {"explicit": attention.CPU_EXPLICIT_MAX_SCORES, "flash": 0}
 
 
-def make_batch(groups: int, samples: int, prompt_len: int, completion_len: int, vocab: int) -> TokenBatch:
-    """``groups`` runs of ``samples`` sequences sharing a random prompt, each with its own completion."""
+def make_batch(
+    groups: int, samples: int, prompt_len: int, completion_len: int, vocab: int, min_completion_len: int | None = None
+) -> TokenBatch:
+    """``groups`` runs of ``samples`` sequences sharing a random prompt, each with its own completion:
+    ``completion_len`` tokens, or a length drawn uniformly from [``min_completion_len``, ``completion_len``]."""
     g = torch.Generator().manual_seed(0)
     ids, cu, mask = [], [0], []
     for _ in range(groups):
         prompt = torch.randint(3, vocab, (prompt_len,), generator=g)
         for _ in range(samples):
-            ids.append(torch.cat([prompt, torch.randint(3, vocab, (completion_len,), generator=g)]))
-            cu.append(cu[-1] + prompt_len + completion_len)
-            mask.append(
-                torch.cat([torch.zeros(prompt_len, dtype=torch.bool), torch.ones(completion_len, dtype=torch.bool)])
-            )
+            n = completion_len
+            if min_completion_len is not None:
+                n = int(torch.randint(min_completion_len, completion_len + 1, (1,), generator=g))
+            ids.append(torch.cat([prompt, torch.randint(3, vocab, (n,), generator=g)]))
+            cu.append(cu[-1] + prompt_len + n)
+            mask.append(torch.cat([torch.zeros(prompt_len, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]))
     zeros = torch.zeros(cu[-1])
     return TokenBatch(
         input_ids_T=torch.cat(ids),
@@ -121,17 +125,32 @@ def setup(name: str, doc: str, argv: list[str] | None) -> tuple[argparse.Namespa
     p.add_argument("--samples", type=int, default=7, help="completions per prompt")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--completion-len", type=int, default=128)
+    p.add_argument(
+        "--min-completion-len",
+        type=int,
+        default=None,
+        help="completion lengths drawn uniformly from [this, --completion-len] (default: all --completion-len)",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per arm and round (after one warm-up)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.reps < 1:
         p.error("--rounds and --reps must be at least 1")
+    if args.min_completion_len is not None and not 1 <= args.min_completion_len <= args.completion_len:
+        p.error("--min-completion-len must be between 1 and --completion-len")
     keep_freed_memory()  # as an areno CPU run does: freed temporaries are not returned to the system
     torch.manual_seed(0)
     hf = {**SHAPES[args.shape], "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     model = Decoder(ModelConfig.from_hf(hf))
     model.share_prompts = True
-    batch = make_batch(args.groups, args.samples, args.prompt_len, args.completion_len, model.config.vocab_size)
+    batch = make_batch(
+        args.groups,
+        args.samples,
+        args.prompt_len,
+        args.completion_len,
+        model.config.vocab_size,
+        args.min_completion_len,
+    )
     return args, model, batch
 
 

@@ -10,12 +10,14 @@ S = the longest sequence.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from areno.types import repeat_per_sequence, sequence_index_T
+from areno.types import sequence_index_T
 
 
 class AttentionBackend(Protocol):
@@ -70,6 +72,7 @@ class PackedCausalAttention:
         self.sliding_window = sliding_window
         self.impl = impl
         self._prepared_for: tuple | None = None
+        self._runs: list[np.ndarray] | None = None  # length_buckets' runs, once computed
         self._cuda_impl = "auto"
         self._impl = impl
         self._state = None
@@ -97,19 +100,17 @@ class PackedCausalAttention:
             return
         impl = self.impl
         if impl == "auto":
-            # CPU: many short sequences cost one SDPA call each, so below a few thousand tokens
-            # one masked call per layer is cheaper (the T x T mask stays small).
-            seqlens_B = self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]
-            padded_tokens = int(seqlens_B.max()) * seqlens_B.numel() if num_tokens else 0
             if device.type == "cuda":
                 impl = "varlen" if self._cuda_impl == "auto" else self._cuda_impl
                 if impl == "varlen" and not (flash_ok and varlen_available()):
                     impl = "flex"
                 if impl == "flex" and small_heads:
                     impl = "sdpa"  # tiny test models: flex's kernels need a head dim of at least 16
-            elif self.sliding_window is None and padded_tokens <= 2 * num_tokens:
+            elif self.sliding_window is None and self._padded_tokens() <= 2 * num_tokens:
                 impl = "sdpa_padded"
             else:
+                # many short sequences cost one SDPA call each, so below a few thousand tokens one
+                # masked call per layer is cheaper (the T x T mask stays small)
                 impl = "sdpa_mask" if num_tokens <= SDPA_MASK_MAX_TOKENS else "sdpa"
         if impl == "varlen" and self.sliding_window is not None and "window_size" not in _varlen_params():
             impl = "flex"
@@ -123,12 +124,8 @@ class PackedCausalAttention:
         elif impl == "sdpa_padded":
             if self.sliding_window is not None:
                 raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
-            cu = self.cu_seqlens_B1.to(device)
-            seqlens_B = cu[1:] - cu[:-1]
-            max_len = int(seqlens_B.max()) if num_tokens else 0
-            pos_T = torch.arange(num_tokens, device=device) - repeat_per_sequence(cu[:-1], self.cu_seqlens_B1)
-            seq_T = sequence_index_T(self.cu_seqlens_B1, device)
-            self._state = (seq_T * max_len + pos_T, seqlens_B.numel(), max_len)  # flat padded index
+            cu = self.cu_seqlens_B1.cpu().numpy()
+            self._state = padded_layout(cu, cu, device, end_aligned=False, runs=self._runs)
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
         else:
@@ -139,6 +136,12 @@ class PackedCausalAttention:
             self._state = (cu, max_len, *varlen_features())
         self._impl = impl
         self._prepared_for = (num_tokens, device, small_heads, flash_ok, self._cuda_impl)
+
+    def _padded_tokens(self) -> int:
+        """Rows of the sequences right-padded into ``length_buckets``' batches (kept for the layout)."""
+        seqlens_B = np.diff(self.cu_seqlens_B1.cpu().numpy())
+        self._runs = length_buckets(seqlens_B, seqlens_B)
+        return sum(len(run) * int(seqlens_B[run].max()) for run in self._runs)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)
@@ -186,8 +189,8 @@ class PackedCausalAttention:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _sdpa_padded(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
-        flat_T, num_seqs, max_len = self._state
-        return padded_sdpa(q_THD, k_THD, v_THD, flat_T, flat_T, num_seqs, max_len, max_len)
+        flat_T, _, buckets = self._state
+        return padded_sdpa(q_THD, k_THD, v_THD, flat_T, flat_T, buckets)
 
     def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         cu, max_len, has_gqa, has_window = self._state
@@ -225,44 +228,142 @@ around an fp32 softmax on CPU (``CpuExplicitAttention``, which keeps the bf16 pr
 backward: 32 MB a layer at this bound); larger batches take the flash kernel in fp32."""
 
 
+PAD_CALL_ENTRIES = 1 << 15
+"""What one more padded batch costs, in score entries per query head (query rows x keys):
+``length_buckets`` splits sequences into batches of similar lengths where the padding this saves
+is worth more. About the fixed host work of a CPU attention call's forward and backward."""
+
+
+def length_buckets(len_q: np.ndarray, len_k: np.ndarray, call_entries: int | None = None) -> list[np.ndarray]:
+    """Sequence indices grouped into right-padded batches: the grouping of the sequences sorted by
+    key length (then query length) into runs that minimises the padded score entries, sum over the
+    runs of (sequences x longest queries x longest keys), plus ``call_entries`` a run. One run when
+    the lengths are equal; a group's shared prompt (few queries, few keys) apart from its samples'
+    completions; a long tail of lengths in a few runs instead of padded to the longest."""
+    call_entries = PAD_CALL_ENTRIES if call_entries is None else call_entries
+    len_q, len_k = np.asarray(len_q, dtype=np.int64), np.asarray(len_k, dtype=np.int64)
+    n = len(len_q)
+    order = np.lexsort((-len_q, -len_k))
+    lq, lk = len_q[order], len_k[order]
+    best = np.zeros(n + 1, dtype=np.float64)
+    start = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        # a last run order[i:j]: its keys are lk[i] long, its queries the longest of lq[i:j]
+        max_q = np.maximum.accumulate(lq[:j][::-1])[::-1]
+        cost = best[:j] + (j - np.arange(j)) * max_q * lk[:j] + call_entries
+        start[j] = int(np.argmin(cost))
+        best[j] = cost[start[j]]
+    runs, j = [], n
+    while j > 0:
+        runs.append(order[start[j] : j])
+        j = int(start[j])
+    return runs[::-1]
+
+
+@dataclass(frozen=True)
+class PadBucket:
+    """One right-padded batch of ``padded_sdpa``: ``num_seqs`` sequences of ``len_q`` query rows and
+    ``len_k`` keys. ``mask_BQK``: bool [B, len_q, len_k], or None for the causal mask aligned to the
+    top left; ``bias_B1QK``: the same as an fp32 additive bias [B or 1, 1, len_q, len_k] (0 or -inf)
+    for ``CpuExplicitAttention``, built once per layout on CPU (None elsewhere)."""
+
+    num_seqs: int
+    len_q: int
+    len_k: int
+    mask_BQK: torch.Tensor | None
+    bias_B1QK: torch.Tensor | None
+
+
+def padded_layout(
+    cu_q_B1: np.ndarray,
+    cu_k_B1: np.ndarray,
+    device: torch.device,
+    *,
+    end_aligned: bool,
+    runs: list[np.ndarray] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[PadBucket]]:
+    """``padded_sdpa``'s layout of query sequences (rows ``cu_q_B1[s]:cu_q_B1[s+1]`` of q) and their keys
+    (rows ``cu_k_B1[s]:cu_k_B1[s+1]`` of k): each q row's and key's flat index in the concatenated
+    padded batches of ``length_buckets``, and those batches. ``end_aligned``: the queries are the last
+    of their keys (causal mask aligned to the end of the keys; padded query rows see their first key,
+    so that no row is empty); else queries and keys are the same rows (causal, top left). ``runs``:
+    ``length_buckets(len_q, len_k)`` where the caller has it."""
+    len_q, len_k = np.diff(cu_q_B1), np.diff(cu_k_B1)
+    if np.any((len_q == 0) & (len_k > 0)):
+        raise ValueError("padded_layout: a query sequence without query rows has keys")
+    base_q, base_k = np.zeros(len(len_q), dtype=np.int64), np.zeros(len(len_k), dtype=np.int64)
+    buckets, off_q, off_k = [], 0, 0
+    for seqs in runs if runs is not None else length_buckets(len_q, len_k):
+        sq, sk, n = int(len_q[seqs].max()), int(len_k[seqs].max()), len(seqs)
+        if sq == 0:  # empty sequences: no rows
+            continue
+        base_q[seqs] = off_q + np.arange(n) * sq
+        base_k[seqs] = off_k + np.arange(n) * sk
+        off_q, off_k = off_q + n * sq, off_k + n * sk
+        mask = None
+        if end_aligned:
+            a, b = np.arange(sq)[None, :, None], np.arange(sk)[None, None, :]
+            nq, nk = len_q[seqs][:, None, None], len_k[seqs][:, None, None]
+            mask = torch.from_numpy(((b <= a + (nk - nq)) & (a < nq)) | (b == 0)).to(device)
+        bias = None
+        if torch.device(device).type == "cpu":
+            allowed = mask if mask is not None else torch.ones(sq, sk, dtype=torch.bool).tril()[None]
+            bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None]
+        buckets.append(PadBucket(n, sq, sk, mask, bias))
+
+    def flat(cu: np.ndarray, lens: np.ndarray, base: np.ndarray) -> torch.Tensor:
+        pos = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)  # each row's position in its sequence
+        return torch.from_numpy(np.repeat(base, lens) + pos).to(device)
+
+    return flat(cu_q_B1, len_q, base_q), flat(cu_k_B1, len_k, base_k), buckets
+
+
 def padded_sdpa(
     q_THD: torch.Tensor,
     k_KHD: torch.Tensor,
     v_KHD: torch.Tensor,
     flat_q_T: torch.Tensor,
     flat_k_K: torch.Tensor,
-    num_seqs: int,
-    len_q: int,
-    len_k: int,
-    mask_BQK: torch.Tensor | None = None,
+    buckets: list[PadBucket],
 ) -> torch.Tensor:
-    """One SDPA call over packed sequences right-padded into a batch: row t of q goes to flat index
-    ``flat_q_T[t]`` of [B * len_q], key k to ``flat_k_K[k]`` of [B * len_k]; causal (aligned to the
-    top left) without ``mask_BQK``, else that bool mask [B, len_q, len_k]. Returns q's rows."""
+    """SDPA over packed sequences right-padded into batches (``padded_layout``): row t of q goes to
+    flat index ``flat_q_T[t]`` of the batches' concatenated query rows, key k to ``flat_k_K[k]`` of
+    their keys; one SDPA call a batch. Returns q's rows."""
 
-    def pad(x_THD: torch.Tensor, flat: torch.Tensor, length: int) -> torch.Tensor:  # -> [B, H, length, Dh]
-        out = x_THD.new_zeros(num_seqs * length, *x_THD.shape[1:]).index_copy(0, flat, x_THD)
-        return out.view(num_seqs, length, *x_THD.shape[1:]).transpose(1, 2)
+    def pad(x_THD: torch.Tensor, flat: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, ...]:
+        out = x_THD.new_zeros(sum(rows), *x_THD.shape[1:]).index_copy(0, flat, x_THD)
+        return out.split(rows) if len(rows) > 1 else (out,)
 
-    q, k, v = pad(q_THD, flat_q_T, len_q), pad(k_KHD, flat_k_K, len_k), pad(v_KHD, flat_k_K, len_k)
+    if not buckets:  # no query rows
+        return q_THD.clone()
+    rows_q = [b.num_seqs * b.len_q for b in buckets]
+    rows_k = [b.num_seqs * b.len_k for b in buckets]
+    qs, ks, vs = pad(q_THD, flat_q_T, rows_q), pad(k_KHD, flat_k_K, rows_k), pad(v_KHD, flat_k_K, rows_k)
+    outs = []
+    for b, q, k, v in zip(buckets, qs, ks, vs):
+        q, k, v = (
+            x.view(b.num_seqs, length, *x.shape[1:]).transpose(1, 2)
+            for x, length in ((q, b.len_q), (k, b.len_k), (v, b.len_k))
+        )
+        out_BHSD = _padded_batch(q, k, v, b)
+        outs.append(out_BHSD.transpose(1, 2).reshape(b.num_seqs * b.len_q, *q_THD.shape[1:]))
+    out_flat = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out_flat.index_select(0, flat_q_T)
+
+
+def _padded_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: PadBucket) -> torch.Tensor:
+    """One padded batch's attention [B, Hq, len_q, Dh] (``padded_sdpa``)."""
     # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward), and in float32
     # slower than explicit GEMMs where the scores fit
     cpu_bf16 = q.dtype == torch.bfloat16 and q.device.type == "cpu"
-    if cpu_bf16 and num_seqs * q.shape[1] * len_q * len_k <= CPU_EXPLICIT_MAX_SCORES:
-        if mask_BQK is None:
-            mask_BQK = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril()[None]
-        bias_B1QK = torch.zeros(mask_BQK.shape, device=q.device).masked_fill_(~mask_BQK, float("-inf"))[:, None]
-        out_BHSD = CpuExplicitAttention.apply(q, k, v, bias_B1QK)
-    else:
-        mask = {"is_causal": True} if mask_BQK is None else {"attn_mask": mask_BQK[:, None]}
-        if cpu_bf16:
-            with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back
-                out_BHSD = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True, **mask)
-            out_BHSD = out_BHSD.to(q.dtype)
-        else:
-            out_BHSD = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
-    out_flat = out_BHSD.transpose(1, 2).reshape(num_seqs * len_q, *q_THD.shape[1:])
-    return out_flat.index_select(0, flat_q_T)
+    if cpu_bf16 and b.num_seqs * q.shape[1] * b.len_q * b.len_k <= CPU_EXPLICIT_MAX_SCORES and b.bias_B1QK is not None:
+        return CpuExplicitAttention.apply(q, k, v, b.bias_B1QK)
+    mask = {"is_causal": True} if b.mask_BQK is None else {"attn_mask": b.mask_BQK[:, None]}
+    if cpu_bf16:
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back
+            out_BHSD = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True, **mask)
+        return out_BHSD.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
 
 
 class CpuExplicitAttention(torch.autograd.Function):

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from areno.models.attention import flash_runs, padded_sdpa, varlen_available, varlen_causal, varlen_features
+from areno.models.attention import (
+    flash_runs,
+    padded_layout,
+    padded_sdpa,
+    varlen_available,
+    varlen_causal,
+    varlen_features,
+)
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,11 @@ class SharedPrefixAttention:
                 *varlen_features(),
             )
         else:
-            self._state = ("padded", key_index, *_padded_layout(sh, device))
+            self._state = (
+                "padded",
+                key_index,
+                *padded_layout(sh.cu_q_B1.numpy(), sh.cu_k_B1.numpy(), device, end_aligned=True),
+            )
         self._prepared_for = (num_tokens, device, flash)
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
@@ -171,23 +182,5 @@ class SharedPrefixAttention:
             return varlen_causal(
                 q_THD, k_KHD, v_KHD, cu_q, cu_k, max_q, max_k, None, has_gqa=has_gqa, has_window=has_window
             )
-        _, _, flat_q, flat_k, allowed_QSK = self._state
-        n, sq, sk = allowed_QSK.shape
-        return padded_sdpa(q_THD, k_KHD, v_KHD, flat_q, flat_k, n, sq, sk, allowed_QSK)
-
-
-def _padded_layout(sh: PrefixSharing, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The query sequences right-padded into one batch: each packed row's flat index in [Q * Sq], each
-    gathered key's in [Q * Sk], and the bool mask [Q, Sq, Sk] (query a of sequence q sees key b when
-    b <= a + its keys' excess over its queries; padded query rows see their first key, so no row is
-    empty)."""
-    len_q = (sh.cu_q_B1[1:] - sh.cu_q_B1[:-1]).tolist()
-    len_k = (sh.cu_k_B1[1:] - sh.cu_k_B1[:-1]).tolist()
-    sq, sk = max(len_q), max(len_k)
-    flat_q = torch.cat([torch.arange(n) + i * sq for i, n in enumerate(len_q)])
-    flat_k = torch.cat([torch.arange(n) + i * sk for i, n in enumerate(len_k)])
-    a = torch.arange(sq)[None, :, None]
-    b = torch.arange(sk)[None, None, :]
-    nq, nk = torch.tensor(len_q)[:, None, None], torch.tensor(len_k)[:, None, None]
-    allowed = (b <= a + (nk - nq)) & (a < nq) | (b == 0)
-    return flat_q.to(device), flat_k.to(device), allowed.to(device)
+        _, _, flat_q, flat_k, buckets = self._state
+        return padded_sdpa(q_THD, k_KHD, v_KHD, flat_q, flat_k, buckets)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.models import prefix_sharing
+from areno.models import attention, prefix_sharing
 from areno.specializations import ActorConfig, ActorSpecialization, token_logprobs_T
 from areno.types import TokenBatch, Trajectory
 from tests.helpers.recipes import VOCAB, loss_of, make_decoder, with_behaviour_logprobs
@@ -78,7 +78,12 @@ def _logprobs_and_grads(batch: TokenBatch, share: bool, device: str = "cpu", dty
     return out, {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
-def test_shared_forward_equals_unshared_forward_on_cpu():
+@pytest.mark.parametrize("call_entries", [0, None], ids=["batches_by_length", "default"])
+def test_shared_forward_equals_unshared_forward_on_cpu(call_entries, monkeypatch):
+    """fp32 on the CPU; with ``PAD_CALL_ENTRIES`` = 0 the query sequences go into a padded batch per
+    length (``attention.length_buckets``)."""
+    if call_entries is not None:
+        monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", call_entries)
     batch = shared_batch()
     (ref, ref_grads), (out, grads) = _logprobs_and_grads(batch, False), _logprobs_and_grads(batch, True)
     for key in ("logprobs_T", "entropy_T"):
@@ -137,9 +142,13 @@ def test_shared_forward_equals_unshared_forward_with_flash():
     _shared_equals_unshared_in_bf16("cuda")
 
 
-def test_shared_forward_equals_unshared_forward_in_bf16_on_cpu():
-    """bf16 on the CPU: the query sequences padded into a batch under their mask, attended as two
-    bf16 GEMMs around an fp32 softmax (``CpuExplicitAttention``)."""
+@pytest.mark.parametrize("call_entries", [0, None], ids=["batches_by_length", "default"])
+def test_shared_forward_equals_unshared_forward_in_bf16_on_cpu(call_entries, monkeypatch):
+    """bf16 on the CPU: the query sequences padded into batches under their masks, attended as two
+    bf16 GEMMs around an fp32 softmax (``CpuExplicitAttention``); a batch per length with
+    ``PAD_CALL_ENTRIES`` = 0."""
+    if call_entries is not None:
+        monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", call_entries)
     _shared_equals_unshared_in_bf16("cpu")
 
 

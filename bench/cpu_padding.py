@@ -1,0 +1,92 @@
+"""CPU padded training attention: query sequences in padded batches by length (the default) against one
+padded batch.
+
+Two arms on the same model and batch, alternated ``--rounds`` times in one process (a VM whose speed drifts
+moves both): ``by_length`` (``attention.length_buckets`` groups the query sequences into right-padded
+batches where the padding saved is worth an attention call: a group's shared prompt apart from its samples'
+rests, completions of different lengths in a few batches) and ``one_batch`` (``attention.PAD_CALL_ENTRIES``
+set beyond any saving: every query sequence padded to the longest, what areno ran before). Each arm times,
+per round:
+- ``layer_ms``: one attention call's forward + backward at the shape's shared-prompt layout (``--groups``
+  groups of ``--samples`` completions after a ``--prompt-len``-token prompt; ``--completion-len`` tokens,
+  or lengths drawn from [``--min-completion-len``, ``--completion-len``]);
+- ``micro_batch_ms``: a training micro-batch's forward + backward through the real stack (as
+  ``bench.cpu_attention``: bf16 autocast, shared prompts, the head on the completion tokens).
+The headline is the micro-batch's median over the rounds, ``ratio`` = one_batch / by_length (>1: batches by
+length faster). Also: the padded batches of each arm, and each arm's layer error against float64.
+
+    python -m bench.cpu_padding                            # cpu12m, 3 groups x 7 x (32 + 128) tokens
+    python -m bench.cpu_padding --min-completion-len 16 --completion-len 256
+    python -m bench.cpu_padding --shape cpu5m --groups 6 --samples 4 --prompt-len 34
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from areno.models import attention
+from bench._common import emit, headline, ratio
+from bench.cpu_attention import layer_error, layer_inputs, setup, time_layer, time_micro_batch
+
+ARMS = {"by_length": attention.PAD_CALL_ENTRIES, "one_batch": 1 << 62}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, model, batch = setup("cpu_padding", __doc__, argv)
+    attn, qkv = layer_inputs(model, batch)
+    per_arm: dict[str, dict[str, list[float]]] = {arm: {"layer_ms": [], "micro_batch_ms": []} for arm in ARMS}
+    batches, errors = {}, {}
+
+    def use(arm: str) -> None:  # the layer's layout is built again on its next call (a model's, every forward)
+        attention.PAD_CALL_ENTRIES = ARMS[arm]
+        attn._prepared_for = attn._state = None
+
+    try:
+        for _ in range(args.rounds):
+            for arm in ARMS:
+                use(arm)
+                time_layer(attn, qkv, 1)
+                time_micro_batch(model, batch, 1)  # warm-up of this arm
+                per_arm[arm]["layer_ms"].append(time_layer(attn, qkv, args.reps))
+                per_arm[arm]["micro_batch_ms"].append(time_micro_batch(model, batch, args.reps))
+        for arm in ARMS:
+            use(arm)
+            errors[arm] = layer_error(attn, qkv)
+            batches[arm] = [[b.num_seqs, b.len_q, b.len_k] for b in attn._state[-1]]
+    finally:
+        use("by_length")
+    med = {arm: {k: statistics.median(v) for k, v in d.items()} for arm, d in per_arm.items()}
+    new, old = med["by_length"]["micro_batch_ms"], med["one_batch"]["micro_batch_ms"]
+    lengths = (
+        f"{args.completion_len}"
+        if args.min_completion_len is None
+        else f"{args.min_completion_len}-{args.completion_len}"
+    )
+    head = headline(
+        f"ms per training micro-batch forward + backward, {args.shape}, {args.groups} x {args.samples} x "
+        f"({args.prompt_len} + {lengths}) tokens, bf16 autocast, shared prompts (median)",
+        new,
+        "every query sequence in one padded batch (PAD_CALL_ENTRIES beyond any saving), same run",
+        old,
+        ratio(old, new),
+        "one_batch ms / by_length ms (>1: batches by length faster)",
+    )
+    details = {
+        "shape": args.shape,
+        "tokens": batch.num_tokens,
+        "layer_ms": {arm: med[arm]["layer_ms"] for arm in ARMS},
+        "layer_ratio": round(med["one_batch"]["layer_ms"] / med["by_length"]["layer_ms"], 3),
+        "padded_batches": batches,
+        "rounds": per_arm,
+        "grad_error_vs_float64": errors,
+        "threads": torch.get_num_threads(),
+    }
+    return emit("cpu_padding", head, details)
+
+
+if __name__ == "__main__":
+    main()

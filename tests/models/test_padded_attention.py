@@ -1,0 +1,119 @@
+"""Right-padded attention batches on CPU (``models.attention``): ``length_buckets``' grouping of
+sequences by length, and ``padded_sdpa`` over several padded batches against one batch and against
+float64 per-sequence attention (causal, and aligned to the end of gathered keys)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from areno.models import attention
+from areno.models.attention import PackedCausalAttention, length_buckets, padded_layout, padded_sdpa
+
+
+def _cost(runs, len_q, len_k, call):
+    return sum(len(r) * len_q[r].max() * len_k[r].max() + call for r in runs)
+
+
+def test_equal_lengths_are_one_batch_and_a_shared_prompt_its_own():
+    lens = np.full(8, 160)
+    assert [r.tolist() for r in length_buckets(lens, lens)] == [list(range(8))]
+    # three groups' prompts (34 queries over their 34 keys) and their samples' rests (128 over 162)
+    len_q, len_k = np.array([34, 34, 34] + [128] * 12), np.array([34, 34, 34] + [162] * 12)
+    runs = length_buckets(len_q, len_k)
+    assert sorted(map(sorted, (r.tolist() for r in runs))) == [[0, 1, 2], list(range(3, 15))]
+    # unless a batch costs more than the padding: then one
+    assert len(length_buckets(len_q, len_k, call_entries=10**9)) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_buckets_minimise_padding_over_the_sorted_splits(seed):
+    """Every sequence in exactly one run, and no split of the length-sorted order into contiguous
+    runs pads fewer score entries (with the per-run cost) than the one chosen."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    len_q = rng.integers(1, 60, n)
+    len_k = len_q + rng.integers(0, 40, n) * (seed % 2)  # even seeds: causal (keys = queries)
+    call = int(rng.choice([0, 200, 5000]))
+    runs = length_buckets(len_q, len_k, call_entries=call)
+    assert sorted(np.concatenate(runs).tolist()) == list(range(n))
+    order = np.lexsort((-len_q, -len_k))
+    best = min(
+        _cost(np.split(order, list(cuts)), len_q, len_k, call)
+        for k in range(n)
+        for cuts in itertools.combinations(range(1, n), k)
+    )
+    assert _cost(runs, len_q, len_k, call) == best
+
+
+def _end_aligned_reference(q, k, v, cu_q, cu_k):
+    """float64 per-sequence attention, each sequence's queries the last of its keys (GQA by repeat)."""
+    outs = []
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[s] : cu_q[s + 1]], k[cu_k[s] : cu_k[s + 1]], v[cu_k[s] : cu_k[s + 1]]
+        g = qs.shape[1] // ks.shape[1]
+        ks, vs = ks.repeat_interleave(g, 1), vs.repeat_interleave(g, 1)
+        nq, nk = qs.shape[0], ks.shape[0]
+        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) / qs.shape[-1] ** 0.5
+        p = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", p, vs))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_padded_batches_match_float64(dtype, monkeypatch):
+    """Queries at the end of their keys (a shared prompt's rests) with lengths from 1 to 40: split
+    into several batches (``PAD_CALL_ENTRIES`` = 0) or one, output and gradients match float64
+    per-sequence attention (bf16: two bf16 GEMMs around an fp32 softmax; fp32: SDPA under a mask)."""
+    g = torch.Generator().manual_seed(0)
+    len_q = np.array([40, 3, 17, 1, 25, 9])
+    len_k = len_q + np.array([0, 12, 12, 30, 5, 0])
+    cu_q, cu_k = np.concatenate([[0], len_q.cumsum()]), np.concatenate([[0], len_k.cumsum()])
+    q = torch.randn(int(cu_q[-1]), 4, 8, generator=g)
+    k, v = (torch.randn(int(cu_k[-1]), 2, 8, generator=g) for _ in range(2))
+    grad = torch.randn(q.shape, generator=g)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = _end_aligned_reference(*ref_in, cu_q, cu_k)
+    ref.backward(grad.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for call, n_batches in ((0, 6), (10**9, 1)):
+        monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", call)
+        flat_q, flat_k, buckets = padded_layout(cu_q, cu_k, torch.device("cpu"), end_aligned=True)
+        assert len(buckets) == n_batches
+        ins = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        out = padded_sdpa(*ins, flat_q, flat_k, buckets)
+        out.float().backward(grad)
+        for got, want in zip([out, *(t.grad for t in ins)], [ref, *(t.grad for t in ref_in)]):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+def test_causal_batches_by_length_and_auto_pads_a_long_tail(monkeypatch):
+    """Packed causal sequences with a long tail of lengths: ``sdpa_padded`` splits them into batches
+    by length and matches per-sequence SDPA; ``auto`` on CPU pads them (their batches pad less than
+    half) where one batch padded to the longest would not, and empty sequences take no rows."""
+    lens = [200, 3, 0, 5, 4, 6, 2, 7, 3, 5, 0]
+    cu_B1 = torch.tensor([0, *np.cumsum(lens).tolist()])
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(int(cu_B1[-1]), 4, 8, generator=g)
+    k, v = (torch.randn(int(cu_B1[-1]), 2, 8, generator=g) for _ in range(2))
+    ref = PackedCausalAttention(cu_B1, impl="sdpa")(0, q, k, v)
+    attn = PackedCausalAttention(cu_B1, impl="auto")
+    out = attn(0, q, k, v)
+    assert attn._impl == "sdpa_padded" and len(attn._state[2]) >= 2
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # one batch padded to 200 rows a sequence: auto takes one masked call instead
+    monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", 10**12)
+    attn = PackedCausalAttention(cu_B1, impl="auto")
+    torch.testing.assert_close(attn(0, q, k, v), ref, atol=1e-5, rtol=1e-5)
+    assert attn._impl == "sdpa_mask"
+
+
+def test_a_query_sequence_without_rows_but_with_keys_is_refused():
+    cu_q, cu_k = np.array([0, 3, 3]), np.array([0, 3, 5])
+    with pytest.raises(ValueError, match="without query rows has keys"):
+        padded_layout(cu_q, cu_k, torch.device("cpu"), end_aligned=True)
