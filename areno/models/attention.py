@@ -73,6 +73,7 @@ class PackedCausalAttention:
         self.impl = impl
         self._prepared_for: tuple | None = None
         self._runs: list[np.ndarray] | None = None  # length_buckets' runs, once computed
+        self._query_heads = 1
         self._cuda_impl = "auto"
         self._impl = impl
         self._state = None
@@ -84,14 +85,19 @@ class PackedCausalAttention:
         head_dim: int | None = None,
         dtype: torch.dtype | None = None,
         cuda_impl: str | None = None,
+        query_heads: int | None = None,
     ) -> None:
         """Resolve ``auto`` and build what every layer reuses: sequence bounds (sdpa), the mask
-        (sdpa_mask, flex) or int32 boundaries and the longest length (varlen). ``head_dim``: when
-        known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM`` (its kernels need 16).
-        ``dtype`` (of q): when known, ``auto`` on CUDA avoids varlen for fp32 (flash is 16-bit); it
-        also does for head dims flash lacks (not a multiple of 8, or above 256). ``cuda_impl``: what
-        ``auto`` runs on CUDA (``Decoder.cuda_attention``), kept for later calls; default auto."""
+        (sdpa_mask, flex), the padded batches (sdpa_padded) or int32 boundaries and the longest length
+        (varlen). ``head_dim``: when known, ``auto`` on CUDA avoids flex below ``FLEX_MIN_HEAD_DIM``
+        (its kernels need 16). ``dtype`` (of q): when known, ``auto`` on CUDA avoids varlen for fp32
+        (flash is 16-bit); it also does for head dims flash lacks (not a multiple of 8, or above 256).
+        ``cuda_impl``: what ``auto`` runs on CUDA (``Decoder.cuda_attention``), kept for later calls;
+        default auto. ``query_heads``: q's heads, which ``length_buckets`` weighs a padded batch's
+        cost against (1 when not given)."""
         device = torch.device(device)
+        if query_heads is not None and self._runs is None:
+            self._query_heads = query_heads
         if cuda_impl is not None:
             self._cuda_impl = cuda_impl
         small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
@@ -125,6 +131,8 @@ class PackedCausalAttention:
             if self.sliding_window is not None:
                 raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
             cu = self.cu_seqlens_B1.cpu().numpy()
+            if self._runs is None:
+                self._runs = length_buckets(np.diff(cu), np.diff(cu), self._query_heads)
             self._state = padded_layout(cu, cu, device, end_aligned=False, runs=self._runs)
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
@@ -140,7 +148,7 @@ class PackedCausalAttention:
     def _padded_tokens(self) -> int:
         """Rows of the sequences right-padded into ``length_buckets``' batches (kept for the layout)."""
         seqlens_B = np.diff(self.cu_seqlens_B1.cpu().numpy())
-        self._runs = length_buckets(seqlens_B, seqlens_B)
+        self._runs = length_buckets(seqlens_B, seqlens_B, self._query_heads)
         return sum(len(run) * int(seqlens_B[run].max()) for run in self._runs)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
@@ -199,7 +207,7 @@ class PackedCausalAttention:
         )
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
-        self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype)
+        self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
         impl = self._impl
         if impl == "sdpa":
             return self._sdpa_per_sequence(q_THD, k_THD, v_THD)
@@ -228,18 +236,22 @@ around an fp32 softmax on CPU (``CpuExplicitAttention``, which keeps the bf16 pr
 backward: 32 MB a layer at this bound); larger batches take the flash kernel in fp32."""
 
 
-PAD_CALL_ENTRIES = 1 << 15
-"""What one more padded batch costs, in score entries per query head (query rows x keys):
-``length_buckets`` splits sequences into batches of similar lengths where the padding this saves
-is worth more. About the fixed host work of a CPU attention call's forward and backward."""
+PAD_CALL_ENTRIES = 1 << 18
+"""What one more padded batch costs, in score entries over all query heads (query rows x keys x
+heads): ``length_buckets`` splits sequences into batches of similar lengths where the padding this
+saves is worth more. About the fixed host work of a CPU attention call's forward and backward (a few
+ms, against ~8 ns an entry; bench/LOG.md)."""
 
 
-def length_buckets(len_q: np.ndarray, len_k: np.ndarray, call_entries: int | None = None) -> list[np.ndarray]:
+def length_buckets(
+    len_q: np.ndarray, len_k: np.ndarray, query_heads: int = 1, call_entries: int | None = None
+) -> list[np.ndarray]:
     """Sequence indices grouped into right-padded batches: the grouping of the sequences sorted by
     key length (then query length) into runs that minimises the padded score entries, sum over the
-    runs of (sequences x longest queries x longest keys), plus ``call_entries`` a run. One run when
-    the lengths are equal; a group's shared prompt (few queries, few keys) apart from its samples'
-    completions; a long tail of lengths in a few runs instead of padded to the longest."""
+    runs of (sequences x longest queries x longest keys x ``query_heads``), plus ``call_entries``
+    (default ``PAD_CALL_ENTRIES``) a run. One run when the lengths are equal; a group's shared
+    prompt apart from its samples' rests where they are long; a long tail of lengths in a few runs
+    instead of all padded to the longest."""
     call_entries = PAD_CALL_ENTRIES if call_entries is None else call_entries
     len_q, len_k = np.asarray(len_q, dtype=np.int64), np.asarray(len_k, dtype=np.int64)
     n = len(len_q)
@@ -250,7 +262,7 @@ def length_buckets(len_q: np.ndarray, len_k: np.ndarray, call_entries: int | Non
     for j in range(1, n + 1):
         # a last run order[i:j]: its keys are lk[i] long, its queries the longest of lq[i:j]
         max_q = np.maximum.accumulate(lq[:j][::-1])[::-1]
-        cost = best[:j] + (j - np.arange(j)) * max_q * lk[:j] + call_entries
+        cost = best[:j] + (j - np.arange(j)) * max_q * lk[:j] * query_heads + call_entries
         start[j] = int(np.argmin(cost))
         best[j] = cost[start[j]]
     runs, j = [], n
@@ -281,19 +293,20 @@ def padded_layout(
     *,
     end_aligned: bool,
     runs: list[np.ndarray] | None = None,
+    query_heads: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, list[PadBucket]]:
     """``padded_sdpa``'s layout of query sequences (rows ``cu_q_B1[s]:cu_q_B1[s+1]`` of q) and their keys
     (rows ``cu_k_B1[s]:cu_k_B1[s+1]`` of k): each q row's and key's flat index in the concatenated
     padded batches of ``length_buckets``, and those batches. ``end_aligned``: the queries are the last
     of their keys (causal mask aligned to the end of the keys; padded query rows see their first key,
     so that no row is empty); else queries and keys are the same rows (causal, top left). ``runs``:
-    ``length_buckets(len_q, len_k)`` where the caller has it."""
+    ``length_buckets(len_q, len_k, query_heads)`` where the caller has it."""
     len_q, len_k = np.diff(cu_q_B1), np.diff(cu_k_B1)
     if np.any((len_q == 0) & (len_k > 0)):
         raise ValueError("padded_layout: a query sequence without query rows has keys")
     base_q, base_k = np.zeros(len(len_q), dtype=np.int64), np.zeros(len(len_k), dtype=np.int64)
     buckets, off_q, off_k = [], 0, 0
-    for seqs in runs if runs is not None else length_buckets(len_q, len_k):
+    for seqs in runs if runs is not None else length_buckets(len_q, len_k, query_heads):
         sq, sk, n = int(len_q[seqs].max()), int(len_k[seqs].max()), len(seqs)
         if sq == 0:  # empty sequences: no rows
             continue

@@ -136,10 +136,12 @@ class SharedPrefixAttention:
         head_dim: int | None = None,
         dtype: torch.dtype | None = None,
         cuda_impl: str | None = None,
+        query_heads: int | None = None,
     ) -> None:
         """Move the index tensors to ``device`` and pick the kernel once per forward (``Decoder.forward``
         calls this before the layers, so compiled layers only read the result). ``cuda_impl`` is
-        accepted for ``PackedCausalAttention``'s signature; flex has no shared-prefix mask here."""
+        accepted for ``PackedCausalAttention``'s signature; flex has no shared-prefix mask here.
+        ``query_heads``: q's heads, for the padded batches' split (``attention.length_buckets``)."""
         device = torch.device(device)
         flash = device.type == "cuda" and dtype is not None and flash_runs(dtype, head_dim) and varlen_available()
         if self._prepared_for == (num_tokens, device, flash):
@@ -168,13 +170,15 @@ class SharedPrefixAttention:
             self._state = (
                 "padded",
                 key_index,
-                *padded_layout(sh.cu_q_B1.numpy(), sh.cu_k_B1.numpy(), device, end_aligned=True),
+                *padded_layout(
+                    sh.cu_q_B1.numpy(), sh.cu_k_B1.numpy(), device, end_aligned=True, query_heads=query_heads or 1
+                ),
             )
         self._prepared_for = (num_tokens, device, flash)
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         if self._state is None:
-            self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype)
+            self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
         key_index = self._state[1]
         k_KHD, v_KHD = k_THD.index_select(0, key_index), v_THD.index_select(0, key_index)
         if self._state[0] == "varlen":

@@ -709,7 +709,12 @@ class VisionLanguageModel(Decoder):
         if isinstance(attn, PackedCausalAttention):
             q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype
             attn.prepare(
-                input_ids_T.shape[0], input_ids_T.device, self.config.head_dim, q_dtype, cuda_impl=self.cuda_attention
+                input_ids_T.shape[0],
+                input_ids_T.device,
+                self.config.head_dim,
+                q_dtype,
+                cuda_impl=self.cuda_attention,
+                query_heads=self.config.num_attention_heads,
             )
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         if position_ids_T.dim() == 2:

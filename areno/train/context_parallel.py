@@ -124,7 +124,11 @@ def _cp_forward(forward, decoder: Decoder, group: dist.ProcessGroup, cp: int, ra
         full = PackedCausalAttention(cu_B1, sliding_window=attn.sliding_window, impl=attn.impl)
         dtype = torch.get_autocast_dtype(input_ids_T.device.type) if torch.is_autocast_enabled() else None
         weight = decoder.model.embed_tokens.weight
-        full.prepare(Tp, input_ids_T.device, decoder.config.head_dim, dtype or weight.dtype, decoder.cuda_attention)
+        # Ulysses: each rank attends over its share of the query heads
+        heads = decoder.config.num_attention_heads // cp
+        full.prepare(
+            Tp, input_ids_T.device, decoder.config.head_dim, dtype or weight.dtype, decoder.cuda_attention, heads
+        )
         C = Tp // cp
         chunk = slice(rank * C, (rank + 1) * C)
         hidden_CD = forward(input_ids_T[chunk], position_ids_T[chunk], UlyssesAttention(full, group, cp), **kwargs)

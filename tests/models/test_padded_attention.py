@@ -14,19 +14,20 @@ from areno.models import attention
 from areno.models.attention import PackedCausalAttention, length_buckets, padded_layout, padded_sdpa
 
 
-def _cost(runs, len_q, len_k, call):
-    return sum(len(r) * len_q[r].max() * len_k[r].max() + call for r in runs)
+def _cost(runs, len_q, len_k, heads, call):
+    return sum(len(r) * len_q[r].max() * len_k[r].max() * heads + call for r in runs)
 
 
-def test_equal_lengths_are_one_batch_and_a_shared_prompt_its_own():
+def test_equal_lengths_are_one_batch_and_shared_prompts_their_own():
     lens = np.full(8, 160)
-    assert [r.tolist() for r in length_buckets(lens, lens)] == [list(range(8))]
-    # three groups' prompts (34 queries over their 34 keys) and their samples' rests (128 over 162)
-    len_q, len_k = np.array([34, 34, 34] + [128] * 12), np.array([34, 34, 34] + [162] * 12)
-    runs = length_buckets(len_q, len_k)
-    assert sorted(map(sorted, (r.tolist() for r in runs))) == [[0, 1, 2], list(range(3, 15))]
-    # unless a batch costs more than the padding: then one
-    assert len(length_buckets(len_q, len_k, call_entries=10**9)) == 1
+    assert [r.tolist() for r in length_buckets(lens, lens, 4)] == [list(range(8))]
+    # six groups' prompts (34 queries over their 34 keys) and their samples' rests (128 over 162), 4 heads
+    len_q, len_k = np.array([34] * 6 + [128] * 24), np.array([34] * 6 + [162] * 24)
+    runs = length_buckets(len_q, len_k, 4)
+    assert sorted(map(sorted, (r.tolist() for r in runs))) == [list(range(6)), list(range(6, 30))]
+    # a batch's cost against the padding it saves: one head's entries are not worth a second batch
+    assert len(length_buckets(len_q, len_k, 1)) == 1
+    assert len(length_buckets(len_q, len_k, 4, call_entries=10**9)) == 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -37,16 +38,16 @@ def test_buckets_minimise_padding_over_the_sorted_splits(seed):
     n = int(rng.integers(1, 9))
     len_q = rng.integers(1, 60, n)
     len_k = len_q + rng.integers(0, 40, n) * (seed % 2)  # even seeds: causal (keys = queries)
-    call = int(rng.choice([0, 200, 5000]))
-    runs = length_buckets(len_q, len_k, call_entries=call)
+    call, heads = int(rng.choice([0, 200, 5000])), int(rng.integers(1, 5))
+    runs = length_buckets(len_q, len_k, heads, call_entries=call)
     assert sorted(np.concatenate(runs).tolist()) == list(range(n))
     order = np.lexsort((-len_q, -len_k))
     best = min(
-        _cost(np.split(order, list(cuts)), len_q, len_k, call)
+        _cost(np.split(order, list(cuts)), len_q, len_k, heads, call)
         for k in range(n)
         for cuts in itertools.combinations(range(1, n), k)
     )
-    assert _cost(runs, len_q, len_k, call) == best
+    assert _cost(runs, len_q, len_k, heads, call) == best
 
 
 def _end_aligned_reference(q, k, v, cu_q, cu_k):
