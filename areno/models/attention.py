@@ -236,7 +236,7 @@ around an fp32 softmax on CPU (``CpuExplicitAttention``, which keeps the bf16 pr
 backward: 32 MB a layer at this bound); larger batches take the flash kernel in fp32."""
 
 
-PAD_CALL_ENTRIES = 1 << 18
+PAD_CALL_ENTRIES = 1 << 19
 """What one more padded batch costs, in score entries over all query heads (query rows x keys x
 heads): ``length_buckets`` splits sequences into batches of similar lengths where the padding this
 saves is worth more. About the fixed host work of a CPU attention call's forward and backward (a few

@@ -21,13 +21,13 @@ def _cost(runs, len_q, len_k, heads, call):
 def test_equal_lengths_are_one_batch_and_shared_prompts_their_own():
     lens = np.full(8, 160)
     assert [r.tolist() for r in length_buckets(lens, lens, 4)] == [list(range(8))]
-    # six groups' prompts (34 queries over their 34 keys) and their samples' rests (128 over 162), 4 heads
+    # six groups' prompts (34 queries over their 34 keys) and their samples' rests (128 over 162), 8 heads
     len_q, len_k = np.array([34] * 6 + [128] * 24), np.array([34] * 6 + [162] * 24)
-    runs = length_buckets(len_q, len_k, 4)
+    runs = length_buckets(len_q, len_k, 8)
     assert sorted(map(sorted, (r.tolist() for r in runs))) == [list(range(6)), list(range(6, 30))]
     # a batch's cost against the padding it saves: one head's entries are not worth a second batch
     assert len(length_buckets(len_q, len_k, 1)) == 1
-    assert len(length_buckets(len_q, len_k, 4, call_entries=10**9)) == 1
+    assert len(length_buckets(len_q, len_k, 8, call_entries=10**9)) == 1
 
 
 @pytest.mark.parametrize("seed", range(6))
