@@ -1,19 +1,21 @@
-"""CPU padded training attention: query sequences in padded batches by length (the default) against one
-padded batch.
+"""CPU padded training attention: query sequences in blocks and in padded batches by length (the default)
+against whole sequences in one padded batch.
 
-Two arms on the same model and batch, alternated ``--rounds`` times in one process (a VM whose speed drifts
-moves both): ``by_length`` (``attention.length_buckets`` groups the query sequences into right-padded
-batches where the padding saved is worth an attention call: a group's shared prompt apart from its samples'
-rests, completions of different lengths in a few batches) and ``one_batch`` (``attention.PAD_CALL_ENTRIES``
-set beyond any saving: every query sequence padded to the longest, what areno ran before). Each arm times,
-per round:
-- ``layer_ms``: one attention call's forward + backward at the shape's shared-prompt layout (``--groups``
-  groups of ``--samples`` completions after a ``--prompt-len``-token prompt; ``--completion-len`` tokens,
-  or lengths drawn from [``--min-completion-len``, ``--completion-len``]);
-- ``micro_batch_ms``: a training micro-batch's forward + backward through the real stack (as
-  ``bench.cpu_attention``: bf16 autocast, shared prompts, the head on the completion tokens).
-The headline is the micro-batch's median over the rounds, ``ratio`` = one_batch / by_length (>1: batches by
-length faster). Also: the padded batches of each arm, and each arm's layer error against float64.
+Three arms on the same model and batch, alternated ``--rounds`` times in one process (a VM whose speed drifts
+moves them all):
+- ``default``: each query sequence cut into blocks of ``attention.QUERY_BLOCK`` rows, each block seeing the keys
+  up to its last row (no scores above a causal diagonal block-wise), and the pieces grouped into right-padded
+  batches by length (``attention.length_buckets``: where the padding saved is worth an attention call);
+- ``whole``: the same batches by length over whole sequences (``QUERY_BLOCK`` beyond any length);
+- ``one_batch``: whole sequences, all padded to the longest in one batch (``PAD_CALL_ENTRIES`` beyond any
+  saving), what areno ran before both.
+Each arm times, per round, ``layer_ms`` (one attention call's forward + backward at the shape's shared-prompt
+layout: ``--groups`` groups of ``--samples`` completions after a ``--prompt-len``-token prompt; ``--completion-len``
+tokens, or lengths drawn from [``--min-completion-len``, ``--completion-len``]) and ``micro_batch_ms`` (a training
+micro-batch's forward + backward through the real stack, as ``bench.cpu_attention``: bf16 autocast, shared
+prompts, the head on the completion tokens). The headline is the micro-batch's median over the rounds,
+``ratio`` = one_batch / default (>1: the default faster). Also: each arm's padded batches and layer error
+against float64.
 
     python -m bench.cpu_padding                            # cpu12m, 3 groups x 7 x (32 + 128) tokens
     python -m bench.cpu_padding --min-completion-len 16 --completion-len 256
@@ -32,7 +34,13 @@ from areno.models import attention
 from bench._common import emit, headline, ratio
 from bench.cpu_attention import layer_error, layer_inputs, setup, time_layer, time_micro_batch
 
-ARMS = {"by_length": attention.PAD_CALL_ENTRIES, "one_batch": 1 << 62}
+BEYOND = 1 << 62
+ARMS = {
+    "default": (attention.QUERY_BLOCK, attention.PAD_CALL_ENTRIES),
+    "whole": (BEYOND, attention.PAD_CALL_ENTRIES),
+    "one_batch": (BEYOND, BEYOND),
+}
+"""Per arm: (``attention.QUERY_BLOCK``, ``attention.PAD_CALL_ENTRIES``)."""
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches, errors = {}, {}
 
     def use(arm: str) -> None:  # the layer's layout is built again on its next call (a model's, every forward)
-        attention.PAD_CALL_ENTRIES = ARMS[arm]
+        attention.QUERY_BLOCK, attention.PAD_CALL_ENTRIES = ARMS[arm]
         attn._prepared_for = attn._state = None
 
     try:
@@ -56,11 +64,11 @@ def main(argv: list[str] | None = None) -> dict:
         for arm in ARMS:
             use(arm)
             errors[arm] = layer_error(attn, qkv)
-            batches[arm] = [[b.num_seqs, b.len_q, b.len_k] for b in attn._state[-1]]
+            batches[arm] = [[b.num_seqs, b.len_q, b.len_k] for b in attn._state[-1].buckets]
     finally:
-        use("by_length")
+        use("default")
     med = {arm: {k: statistics.median(v) for k, v in d.items()} for arm, d in per_arm.items()}
-    new, old = med["by_length"]["micro_batch_ms"], med["one_batch"]["micro_batch_ms"]
+    new, old = med["default"]["micro_batch_ms"], med["one_batch"]["micro_batch_ms"]
     lengths = (
         f"{args.completion_len}"
         if args.min_completion_len is None
@@ -70,16 +78,19 @@ def main(argv: list[str] | None = None) -> dict:
         f"ms per training micro-batch forward + backward, {args.shape}, {args.groups} x {args.samples} x "
         f"({args.prompt_len} + {lengths}) tokens, bf16 autocast, shared prompts (median)",
         new,
-        "every query sequence in one padded batch (PAD_CALL_ENTRIES beyond any saving), same run",
+        "whole query sequences in one padded batch (QUERY_BLOCK and PAD_CALL_ENTRIES beyond any length), same run",
         old,
         ratio(old, new),
-        "one_batch ms / by_length ms (>1: batches by length faster)",
+        "one_batch ms / default ms (>1: the default faster)",
     )
     details = {
         "shape": args.shape,
         "tokens": batch.num_tokens,
         "layer_ms": {arm: med[arm]["layer_ms"] for arm in ARMS},
-        "layer_ratio": round(med["one_batch"]["layer_ms"] / med["by_length"]["layer_ms"], 3),
+        "layer_ratio": round(med["one_batch"]["layer_ms"] / med["default"]["layer_ms"], 3),
+        "blocks_ratio": {  # whole / default: what the query blocks alone bring
+            k: round(med["whole"][k] / med["default"][k], 3) for k in ("layer_ms", "micro_batch_ms")
+        },
         "padded_batches": batches,
         "rounds": per_arm,
         "grad_error_vs_float64": errors,

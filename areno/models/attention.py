@@ -72,7 +72,6 @@ class PackedCausalAttention:
         self.sliding_window = sliding_window
         self.impl = impl
         self._prepared_for: tuple | None = None
-        self._runs: list[np.ndarray] | None = None  # length_buckets' runs, once computed
         self._query_heads = 1
         self._cuda_impl = "auto"
         self._impl = impl
@@ -96,7 +95,7 @@ class PackedCausalAttention:
         default auto. ``query_heads``: q's heads, which ``length_buckets`` weighs a padded batch's
         cost against (1 when not given)."""
         device = torch.device(device)
-        if query_heads is not None and self._runs is None:
+        if query_heads is not None:
             self._query_heads = query_heads
         if cuda_impl is not None:
             self._cuda_impl = cuda_impl
@@ -131,9 +130,10 @@ class PackedCausalAttention:
             if self.sliding_window is not None:
                 raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
             cu = self.cu_seqlens_B1.cpu().numpy()
-            if self._runs is None:
-                self._runs = length_buckets(np.diff(cu), np.diff(cu), self._query_heads)
-            self._state = padded_layout(cu, cu, device, end_aligned=False, runs=self._runs)
+            block = QUERY_BLOCK if device.type == "cpu" and dtype == torch.bfloat16 else None
+            self._state = padded_layout(
+                cu, cu, device, end_aligned=False, query_heads=self._query_heads, query_block=block
+            )
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
         else:
@@ -146,10 +146,10 @@ class PackedCausalAttention:
         self._prepared_for = (num_tokens, device, small_heads, flash_ok, self._cuda_impl)
 
     def _padded_tokens(self) -> int:
-        """Rows of the sequences right-padded into ``length_buckets``' batches (kept for the layout)."""
+        """Rows of the sequences right-padded into ``length_buckets``' batches."""
         seqlens_B = np.diff(self.cu_seqlens_B1.cpu().numpy())
-        self._runs = length_buckets(seqlens_B, seqlens_B, self._query_heads)
-        return sum(len(run) * int(seqlens_B[run].max()) for run in self._runs)
+        runs = length_buckets(seqlens_B, seqlens_B, self._query_heads)
+        return sum(len(run) * int(seqlens_B[run].max()) for run in runs)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)
@@ -197,8 +197,7 @@ class PackedCausalAttention:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _sdpa_padded(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
-        flat_T, _, buckets = self._state
-        return padded_sdpa(q_THD, k_THD, v_THD, flat_T, flat_T, buckets)
+        return padded_sdpa(q_THD, k_THD, v_THD, self._state)
 
     def _varlen(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         cu, max_len, has_gqa, has_window = self._state
@@ -236,11 +235,11 @@ around an fp32 softmax on CPU (``CpuExplicitAttention``, which keeps the bf16 pr
 backward: 32 MB a layer at this bound); larger batches take the flash kernel in fp32."""
 
 
-PAD_CALL_ENTRIES = 1 << 19
+PAD_CALL_ENTRIES = 1 << 17
 """What one more padded batch costs, in score entries over all query heads (query rows x keys x
 heads): ``length_buckets`` splits sequences into batches of similar lengths where the padding this
-saves is worth more. About the fixed host work of a CPU attention call's forward and backward (a few
-ms, against ~8 ns an entry; bench/LOG.md)."""
+saves is worth more. About the fixed work of a CPU attention call's forward and backward (~0.65 ms,
+against ~8 ns an entry; bench/LOG.md)."""
 
 
 def length_buckets(
@@ -252,6 +251,13 @@ def length_buckets(
     (default ``PAD_CALL_ENTRIES``) a run. One run when the lengths are equal; a group's shared
     prompt apart from its samples' rests where they are long; a long tail of lengths in a few runs
     instead of all padded to the longest."""
+    return _buckets_and_cost(len_q, len_k, query_heads, call_entries)[0]
+
+
+def _buckets_and_cost(
+    len_q: np.ndarray, len_k: np.ndarray, query_heads: int = 1, call_entries: int | None = None
+) -> tuple[list[np.ndarray], float]:
+    """``length_buckets``' runs and their cost in score entries (calls included)."""
     call_entries = PAD_CALL_ENTRIES if call_entries is None else call_entries
     len_q, len_k = np.asarray(len_q, dtype=np.int64), np.asarray(len_k, dtype=np.int64)
     n = len(len_q)
@@ -269,12 +275,18 @@ def length_buckets(
     while j > 0:
         runs.append(order[start[j] : j])
         j = int(start[j])
-    return runs[::-1]
+    return runs[::-1], float(best[n])
+
+
+QUERY_BLOCK = 64
+"""Query rows per block of a long query sequence where a CPU bfloat16 padded layout attends as explicit
+GEMMs (``padded_layout``'s ``query_block``): block j sees only the keys up to its last row, so a causal
+sequence's scores above the diagonal are not computed block-wise (the CPU flash kernel skips them itself)."""
 
 
 @dataclass(frozen=True)
 class PadBucket:
-    """One right-padded batch of ``padded_sdpa``: ``num_seqs`` sequences of ``len_q`` query rows and
+    """One right-padded batch of ``padded_sdpa``: ``num_seqs`` pieces of ``len_q`` query rows and
     ``len_k`` keys. ``mask_BQK``: bool [B, len_q, len_k], or None for the causal mask aligned to the
     top left; ``bias_B1QK``: the same as an fp32 additive bias [B or 1, 1, len_q, len_k] (0 or -inf)
     for ``CpuExplicitAttention``, built once per layout on CPU (None elsewhere)."""
@@ -286,82 +298,111 @@ class PadBucket:
     bias_B1QK: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Query sequences right-padded into batches (``padded_layout``): the q row of every padded query
+    slot (``src_q``), the k/v row of every padded key slot (``src_k``; a padding slot repeats a real row of
+    its piece, which the mask hides, so its gradient is zero), the padded slot of every q row
+    (``out_index``), and the batches in slot order."""
+
+    src_q: torch.Tensor
+    src_k: torch.Tensor
+    out_index: torch.Tensor
+    buckets: list[PadBucket]
+
+
 def padded_layout(
     cu_q_B1: np.ndarray,
     cu_k_B1: np.ndarray,
     device: torch.device,
     *,
     end_aligned: bool,
-    runs: list[np.ndarray] | None = None,
+    key_rows: np.ndarray | None = None,
     query_heads: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, list[PadBucket]]:
-    """``padded_sdpa``'s layout of query sequences (rows ``cu_q_B1[s]:cu_q_B1[s+1]`` of q) and their keys
-    (rows ``cu_k_B1[s]:cu_k_B1[s+1]`` of k): each q row's and key's flat index in the concatenated
-    padded batches of ``length_buckets``, and those batches. ``end_aligned``: the queries are the last
-    of their keys (causal mask aligned to the end of the keys; padded query rows see their first key,
-    so that no row is empty); else queries and keys are the same rows (causal, top left). ``runs``:
-    ``length_buckets(len_q, len_k, query_heads)`` where the caller has it."""
+    query_block: int | None = None,
+) -> PaddedLayout:
+    """``padded_sdpa``'s layout of query sequences: sequence s's queries are rows ``cu_q_B1[s]:cu_q_B1[s+1]``
+    of q, its keys entries ``cu_k_B1[s]:cu_k_B1[s+1]`` of ``key_rows`` (rows of k and v; default: the
+    rows themselves). ``end_aligned``: the queries are the last of their keys (causal mask aligned to the
+    end of the keys; padded query rows see their first key, so that no row is empty); else queries and
+    keys are the same rows (causal, top left). The sequences go into the padded batches of
+    ``length_buckets`` (``query_heads`` weighs their cost); with ``query_block``, cut into blocks of that
+    many query rows, each with the keys up to its last row (end-aligned), where those blocks' batches cost
+    less."""
     len_q, len_k = np.diff(cu_q_B1), np.diff(cu_k_B1)
     if np.any((len_q == 0) & (len_k > 0)):
         raise ValueError("padded_layout: a query sequence without query rows has keys")
-    base_q, base_k = np.zeros(len(len_q), dtype=np.int64), np.zeros(len(len_k), dtype=np.int64)
-    buckets, off_q, off_k = [], 0, 0
-    for seqs in runs if runs is not None else length_buckets(len_q, len_k, query_heads):
-        sq, sk, n = int(len_q[seqs].max()), int(len_k[seqs].max()), len(seqs)
-        if sq == 0:  # empty sequences: no rows
-            continue
-        base_q[seqs] = off_q + np.arange(n) * sq
-        base_k[seqs] = off_k + np.arange(n) * sk
-        off_q, off_k = off_q + n * sq, off_k + n * sk
+    key_rows = np.arange(int(cu_k_B1[-1])) if key_rows is None else np.asarray(key_rows)
+    whole = max(int(len_q.max(initial=0)), 1)
+    pieces = _pieces(len_q, len_k, whole)
+    runs, cost = _buckets_and_cost(pieces[2], pieces[3], query_heads)
+    masked = end_aligned
+    if query_block and query_block < whole:  # blocks where their batches cost less than the whole sequences'
+        blocked = _pieces(len_q, len_k, query_block)
+        blocked_runs, blocked_cost = _buckets_and_cost(blocked[2], blocked[3], query_heads)
+        if blocked_cost < cost:
+            pieces, runs, masked = blocked, blocked_runs, True
+    seq, j, pq, pk, block = pieces
+    q_start, k_start = cu_q_B1[:-1][seq] + j * block, cu_k_B1[:-1][seq]
+    src_q, src_k, buckets = [], [], []
+    out_index = np.zeros(int(cu_q_B1[-1]), dtype=np.int64)
+    off_q = 0
+    for idx in runs:
+        sq, sk, n = int(pq[idx].max()), int(pk[idx].max()), len(idx)
+        rq, rk = np.arange(sq)[None, :], np.arange(sk)[None, None, :]
+        nq, nk = pq[idx][:, None], pk[idx][:, None]
+        src_q.append((q_start[idx][:, None] + np.minimum(rq, nq - 1)).ravel())
+        src_k.append(key_rows[k_start[idx][:, None] + np.minimum(rk[0], nk - 1)].ravel())
+        slots = off_q + np.arange(n)[:, None] * sq + rq
+        real = rq < nq
+        out_index[(q_start[idx][:, None] + rq)[real]] = slots[real]
+        off_q += n * sq
         mask = None
-        if end_aligned:
-            a, b = np.arange(sq)[None, :, None], np.arange(sk)[None, None, :]
-            nq, nk = len_q[seqs][:, None, None], len_k[seqs][:, None, None]
-            mask = torch.from_numpy(((b <= a + (nk - nq)) & (a < nq)) | (b == 0)).to(device)
+        if masked:
+            a, nq3, nk3 = rq[..., None], nq[..., None], nk[..., None]
+            mask = torch.from_numpy(((rk <= a + (nk3 - nq3)) & (a < nq3)) | (rk == 0)).to(device)
         bias = None
         if torch.device(device).type == "cpu":
             allowed = mask if mask is not None else torch.ones(sq, sk, dtype=torch.bool).tril()[None]
             bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None]
         buckets.append(PadBucket(n, sq, sk, mask, bias))
-
-    def flat(cu: np.ndarray, lens: np.ndarray, base: np.ndarray) -> torch.Tensor:
-        pos = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)  # each row's position in its sequence
-        return torch.from_numpy(np.repeat(base, lens) + pos).to(device)
-
-    return flat(cu_q_B1, len_q, base_q), flat(cu_k_B1, len_k, base_k), buckets
+    cat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+    return PaddedLayout(cat(src_q).to(device), cat(src_k).to(device), torch.from_numpy(out_index).to(device), buckets)
 
 
-def padded_sdpa(
-    q_THD: torch.Tensor,
-    k_KHD: torch.Tensor,
-    v_KHD: torch.Tensor,
-    flat_q_T: torch.Tensor,
-    flat_k_K: torch.Tensor,
-    buckets: list[PadBucket],
-) -> torch.Tensor:
-    """SDPA over packed sequences right-padded into batches (``padded_layout``): row t of q goes to
-    flat index ``flat_q_T[t]`` of the batches' concatenated query rows, key k to ``flat_k_K[k]`` of
-    their keys; one SDPA call a batch. Returns q's rows."""
+def _pieces(len_q: np.ndarray, len_k: np.ndarray, block: int) -> tuple[np.ndarray, ...]:
+    """Sequences cut into blocks of ``block`` query rows, each with its sequence's keys up to its last
+    row: (sequence, block index, query rows, keys) of every piece, and ``block``."""
+    blocks = -(-len_q // block)
+    seq = np.repeat(np.arange(len(len_q)), blocks)
+    j = np.arange(len(seq)) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    q_hi = np.minimum((j + 1) * block, len_q[seq])
+    return seq, j, q_hi - j * block, len_k[seq] - len_q[seq] + q_hi, block
 
-    def pad(x_THD: torch.Tensor, flat: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, ...]:
-        out = x_THD.new_zeros(sum(rows), *x_THD.shape[1:]).index_copy(0, flat, x_THD)
-        return out.split(rows) if len(rows) > 1 else (out,)
 
+def padded_sdpa(q_THD: torch.Tensor, k_KHD: torch.Tensor, v_KHD: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+    """SDPA over packed query sequences right-padded into batches (``padded_layout``): q's rows and k's and
+    v's gathered into the batches' slots, one SDPA call a batch. Returns q's rows."""
+    buckets = layout.buckets
     if not buckets:  # no query rows
         return q_THD.clone()
+
+    def pad(x: torch.Tensor, src: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, ...]:
+        out = x.index_select(0, src)
+        return out.split(rows) if len(rows) > 1 else (out,)
+
     rows_q = [b.num_seqs * b.len_q for b in buckets]
     rows_k = [b.num_seqs * b.len_k for b in buckets]
-    qs, ks, vs = pad(q_THD, flat_q_T, rows_q), pad(k_KHD, flat_k_K, rows_k), pad(v_KHD, flat_k_K, rows_k)
+    qs, ks, vs = pad(q_THD, layout.src_q, rows_q), pad(k_KHD, layout.src_k, rows_k), pad(v_KHD, layout.src_k, rows_k)
     outs = []
     for b, q, k, v in zip(buckets, qs, ks, vs):
         q, k, v = (
             x.view(b.num_seqs, length, *x.shape[1:]).transpose(1, 2)
             for x, length in ((q, b.len_q), (k, b.len_k), (v, b.len_k))
         )
-        out_BHSD = _padded_batch(q, k, v, b)
-        outs.append(out_BHSD.transpose(1, 2).reshape(b.num_seqs * b.len_q, *q_THD.shape[1:]))
+        outs.append(_padded_batch(q, k, v, b).transpose(1, 2).reshape(b.num_seqs * b.len_q, *q_THD.shape[1:]))
     out_flat = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out_flat.index_select(0, flat_q_T)
+    return out_flat.index_select(0, layout.out_index)
 
 
 def _padded_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: PadBucket) -> torch.Tensor:

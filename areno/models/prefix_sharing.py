@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from areno.models import attention
 from areno.models.attention import (
     flash_runs,
     padded_layout,
@@ -120,9 +121,9 @@ def plan(input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: to
 class SharedPrefixAttention:
     """The ``AttentionBackend`` of a shared-prompt packing: query sequence q attends causally to
     its gathered keys, its queries being the last of them (flash's varlen kernel with the causal
-    mask aligned to the end of the keys on CUDA in 16-bit dtypes; elsewhere one SDPA call over the
-    query sequences right-padded into a batch, with a mask). No sliding window: ``plan``'s callers
-    share prompts only without one."""
+    mask aligned to the end of the keys on CUDA in 16-bit dtypes; elsewhere SDPA calls over the
+    query sequences right-padded into batches by length, with masks: ``attention.padded_layout``). No
+    sliding window: ``plan``'s callers share prompts only without one."""
 
     def __init__(self, sharing: PrefixSharing) -> None:
         self.sharing = sharing
@@ -151,7 +152,6 @@ class SharedPrefixAttention:
             raise ValueError(
                 f"the shared-prefix packing covers {int(sh.cu_q_B1[-1])} rows, the forward has {num_tokens}"
             )
-        key_index = sh.key_index_K.to(device, non_blocking=True)
         seq_q = sh.cu_q_B1[1:] - sh.cu_q_B1[:-1]
         seq_k = sh.cu_k_B1[1:] - sh.cu_k_B1[:-1]
         if flash:
@@ -159,7 +159,7 @@ class SharedPrefixAttention:
             # varlen_features inspects a signature: read here, not inside compiled layers
             self._state = (
                 "varlen",
-                key_index,
+                sh.key_index_K.to(device, non_blocking=True),
                 i32(sh.cu_q_B1),
                 i32(sh.cu_k_B1),
                 int(seq_q.max()),
@@ -167,24 +167,27 @@ class SharedPrefixAttention:
                 *varlen_features(),
             )
         else:
-            self._state = (
-                "padded",
-                key_index,
-                *padded_layout(
-                    sh.cu_q_B1.numpy(), sh.cu_k_B1.numpy(), device, end_aligned=True, query_heads=query_heads or 1
-                ),
+            block = attention.QUERY_BLOCK if device.type == "cpu" and dtype == torch.bfloat16 else None
+            layout = padded_layout(
+                sh.cu_q_B1.numpy(),
+                sh.cu_k_B1.numpy(),
+                device,
+                end_aligned=True,
+                key_rows=sh.key_index_K.numpy(),
+                query_heads=query_heads or 1,
+                query_block=block,
             )
+            self._state = ("padded", layout)
         self._prepared_for = (num_tokens, device, flash)
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         if self._state is None:
             self.prepare(q_THD.shape[0], q_THD.device, q_THD.shape[-1], q_THD.dtype, query_heads=q_THD.shape[1])
-        key_index = self._state[1]
-        k_KHD, v_KHD = k_THD.index_select(0, key_index), v_THD.index_select(0, key_index)
         if self._state[0] == "varlen":
-            _, _, cu_q, cu_k, max_q, max_k, has_gqa, has_window = self._state
+            _, key_index, cu_q, cu_k, max_q, max_k, has_gqa, has_window = self._state
+            k_KHD, v_KHD = k_THD.index_select(0, key_index), v_THD.index_select(0, key_index)
             return varlen_causal(
                 q_THD, k_KHD, v_KHD, cu_q, cu_k, max_q, max_k, None, has_gqa=has_gqa, has_window=has_window
             )
-        _, _, flat_q, flat_k, buckets = self._state
-        return padded_sdpa(q_THD, k_KHD, v_KHD, flat_q, flat_k, buckets)
+        # the layout gathers each padded key slot from k and v directly
+        return padded_sdpa(q_THD, k_THD, v_THD, self._state[1])

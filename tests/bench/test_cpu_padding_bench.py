@@ -2,8 +2,9 @@ import pytest
 
 from areno.models import attention
 from bench import cpu_padding
+from bench.e2e import CPU5M
 
-DEFAULT = attention.PAD_CALL_ENTRIES
+DEFAULT, BLOCK = attention.PAD_CALL_ENTRIES, attention.QUERY_BLOCK
 
 
 def test_the_arms_pad_differently_and_the_setting_comes_back():
@@ -11,14 +12,20 @@ def test_the_arms_pad_differently_and_the_setting_comes_back():
         ["--shape", "cpu5m", "--groups", "2", "--samples", "4", "--prompt-len", "4"]
         + ["--completion-len", "200", "--min-completion-len", "2", "--rounds", "1", "--reps", "1"]
     )
-    assert attention.PAD_CALL_ENTRIES == DEFAULT  # the one-batch arm's setting is undone
+    # the other arms' settings are undone
+    assert (attention.QUERY_BLOCK, attention.PAD_CALL_ENTRIES) == (BLOCK, DEFAULT)
     assert rec["figure"] > 0 and rec["baseline"] > 0 and rec["ratio"] == round(rec["baseline"] / rec["figure"], 3)
     batches = rec["padded_batches"]
-    # one batch holds all 10 query sequences (2 prompts, 8 rests); by length, several batches hold them
+    # one batch holds all 10 query sequences (2 prompts, 8 rests); by length, several batches hold them,
+    # and in the default arm blocks of at most QUERY_BLOCK rows
     assert len(batches["one_batch"]) == 1 and batches["one_batch"][0][0] == 10
-    assert len(batches["by_length"]) > 1 and sum(b[0] for b in batches["by_length"]) == 10
-    padded = {arm: sum(n * q * k for n, q, k in b) for arm, b in batches.items()}
-    assert padded["by_length"] < padded["one_batch"]
+    assert len(batches["whole"]) > 1 and sum(b[0] for b in batches["whole"]) == 10
+    assert sum(b[0] for b in batches["default"]) > 10 and max(b[1] for b in batches["default"]) <= BLOCK
+    # each arm's choice costs no more than the next's (score entries over the heads, and a call a batch)
+    heads = CPU5M["num_attention_heads"]
+    cost = {arm: sum(n * q * k * heads + DEFAULT for n, q, k in b) for arm, b in batches.items()}
+    assert cost["default"] <= cost["whole"] < cost["one_batch"]
+    assert set(rec["blocks_ratio"]) == {"layer_ms", "micro_batch_ms"}
     # the same attention either way: bf16 rounding against float64
     assert all(0 < e < 0.05 for e in rec["grad_error_vs_float64"].values())
     assert "2-200" in rec["metric"]

@@ -68,8 +68,9 @@ def _end_aligned_reference(q, k, v, cu_q, cu_k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_several_padded_batches_match_float64(dtype, monkeypatch):
     """Queries at the end of their keys (a shared prompt's rests) with lengths from 1 to 40: split
-    into several batches (``PAD_CALL_ENTRIES`` = 0) or one, output and gradients match float64
-    per-sequence attention (bf16: two bf16 GEMMs around an fp32 softmax; fp32: SDPA under a mask)."""
+    into several batches (``PAD_CALL_ENTRIES`` = 0) or one, whole or in blocks of query rows, output
+    and gradients match float64 per-sequence attention (bf16: two bf16 GEMMs around an fp32 softmax;
+    fp32: SDPA under a mask)."""
     g = torch.Generator().manual_seed(0)
     len_q = np.array([40, 3, 17, 1, 25, 9])
     len_k = len_q + np.array([0, 12, 12, 30, 5, 0])
@@ -81,12 +82,14 @@ def test_several_padded_batches_match_float64(dtype, monkeypatch):
     ref = _end_aligned_reference(*ref_in, cu_q, cu_k)
     ref.backward(grad.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for call, n_batches in ((0, 6), (10**9, 1)):
+    # a batch per sequence, one batch, and blocks of 8 query rows (each seeing the keys up to its last
+    # row) in one batch or in a batch per shape (15 shapes of 15 blocks)
+    for call, block, n_batches in ((0, None, 6), (10**9, None, 1), (10**9, 8, 1), (0, 8, 15)):
         monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", call)
-        flat_q, flat_k, buckets = padded_layout(cu_q, cu_k, torch.device("cpu"), end_aligned=True)
-        assert len(buckets) == n_batches
+        layout = padded_layout(cu_q, cu_k, torch.device("cpu"), end_aligned=True, query_block=block)
+        assert len(layout.buckets) == n_batches
         ins = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
-        out = padded_sdpa(*ins, flat_q, flat_k, buckets)
+        out = padded_sdpa(*ins, layout)
         out.float().backward(grad)
         for got, want in zip([out, *(t.grad for t in ins)], [ref, *(t.grad for t in ref_in)]):
             assert got.dtype == dtype
@@ -105,7 +108,7 @@ def test_causal_batches_by_length_and_auto_pads_a_long_tail(monkeypatch):
     ref = PackedCausalAttention(cu_B1, impl="sdpa")(0, q, k, v)
     attn = PackedCausalAttention(cu_B1, impl="auto")
     out = attn(0, q, k, v)
-    assert attn._impl == "sdpa_padded" and len(attn._state[2]) >= 2
+    assert attn._impl == "sdpa_padded" and len(attn._state.buckets) >= 2
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # one batch padded to 200 rows a sequence: auto takes one masked call instead
     monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", 10**12)
@@ -118,3 +121,27 @@ def test_a_query_sequence_without_rows_but_with_keys_is_refused():
     cu_q, cu_k = np.array([0, 3, 3]), np.array([0, 3, 5])
     with pytest.raises(ValueError, match="without query rows has keys"):
         padded_layout(cu_q, cu_k, torch.device("cpu"), end_aligned=True)
+
+
+def test_blocks_see_the_keys_up_to_their_last_row(monkeypatch):
+    """A causal sequence of 10 rows in blocks of 4: pieces of 4, 4 and 2 query rows over its first 4, 8
+    and 10 keys; every q row lands in one padded slot that gathers it back, and a padding slot repeats
+    a real row of its piece. In bf16 on CPU the training layout takes blocks of ``QUERY_BLOCK`` rows."""
+    cu = np.array([0, 10])
+    monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", 0)
+    layout = padded_layout(cu, cu, torch.device("cpu"), end_aligned=False, query_block=4)
+    shapes = sorted((b.num_seqs, b.len_q, b.len_k) for b in layout.buckets)
+    assert shapes == [(1, 2, 10), (1, 4, 4), (1, 4, 8)]
+    assert torch.equal(layout.src_q[layout.out_index], torch.arange(10))
+    assert set(layout.src_k.tolist()) <= set(range(10))
+    for b in layout.buckets:  # end-aligned: the block's last query row sees all its keys
+        assert b.mask_BQK is not None and b.mask_BQK[0, b.len_q - 1].all()
+    monkeypatch.undo()
+    attn = PackedCausalAttention(torch.tensor([0, 200, 300]), impl="sdpa_padded")
+    attn.prepare(300, torch.device("cpu"), 8, torch.bfloat16, query_heads=4)
+    assert max(b.len_q for b in attn._state.buckets) == attention.QUERY_BLOCK
+    # float32 keeps whole sequences under the kernel's own causal mask (it skips the blocks above it)
+    attn = PackedCausalAttention(torch.tensor([0, 200, 300]), impl="sdpa_padded")
+    attn.prepare(300, torch.device("cpu"), 8, torch.float32, query_heads=4)
+    assert max(b.len_q for b in attn._state.buckets) == 200
+    assert all(b.mask_BQK is None for b in attn._state.buckets)
