@@ -284,6 +284,12 @@ GEMMs (``padded_layout``'s ``query_block``): block j sees only the keys up to it
 sequence's scores above the diagonal are not computed block-wise (the CPU flash kernel skips them itself)."""
 
 
+BLOCKED_ENTRY_COST = 1.1
+"""A blocked layout's score entry against a whole sequence's: the blocks' smaller products run below
+the GEMMs' rate (completions of 16-128 tokens after a shared prompt: the layer 0.9x in blocks where the
+entries fell 3-8%; bench/LOG.md)."""
+
+
 @dataclass(frozen=True)
 class PadBucket:
     """One right-padded batch of ``padded_sdpa``: ``num_seqs`` pieces of ``len_q`` query rows and
@@ -340,7 +346,7 @@ def padded_layout(
     if query_block and query_block < whole:  # blocks where their batches cost less than the whole sequences'
         blocked = _pieces(len_q, len_k, query_block)
         blocked_runs, blocked_cost = _buckets_and_cost(blocked[2], blocked[3], query_heads)
-        if blocked_cost < cost:
+        if blocked_cost * BLOCKED_ENTRY_COST < cost:
             pieces, runs, masked = blocked, blocked_runs, True
     seq, j, pq, pk, block = pieces
     q_start, k_start = cu_q_B1[:-1][seq] + j * block, cu_k_B1[:-1][seq]

@@ -137,11 +137,15 @@ def test_blocks_see_the_keys_up_to_their_last_row(monkeypatch):
     for b in layout.buckets:  # end-aligned: the block's last query row sees all its keys
         assert b.mask_BQK is not None and b.mask_BQK[0, b.len_q - 1].all()
     monkeypatch.undo()
-    attn = PackedCausalAttention(torch.tensor([0, 200, 300]), impl="sdpa_padded")
-    attn.prepare(300, torch.device("cpu"), 8, torch.bfloat16, query_heads=4)
+    attn = PackedCausalAttention(torch.tensor([0, 600, 900]), impl="sdpa_padded")
+    attn.prepare(900, torch.device("cpu"), 8, torch.bfloat16, query_heads=8)
     assert max(b.len_q for b in attn._state.buckets) == attention.QUERY_BLOCK
+    # short sequences stay whole: their blocks would save less than the blocks' smaller products cost
+    attn = PackedCausalAttention(torch.tensor([0, 100, 180]), impl="sdpa_padded")
+    attn.prepare(180, torch.device("cpu"), 8, torch.bfloat16, query_heads=8)
+    assert max(b.len_q for b in attn._state.buckets) == 100
     # float32 keeps whole sequences under the kernel's own causal mask (it skips the blocks above it)
-    attn = PackedCausalAttention(torch.tensor([0, 200, 300]), impl="sdpa_padded")
-    attn.prepare(300, torch.device("cpu"), 8, torch.float32, query_heads=4)
-    assert max(b.len_q for b in attn._state.buckets) == 200
+    attn = PackedCausalAttention(torch.tensor([0, 600, 900]), impl="sdpa_padded")
+    attn.prepare(900, torch.device("cpu"), 8, torch.float32, query_heads=8)
+    assert max(b.len_q for b in attn._state.buckets) == 600
     assert all(b.mask_BQK is None for b in attn._state.buckets)
