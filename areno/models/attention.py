@@ -284,10 +284,10 @@ GEMMs (``padded_layout``'s ``query_block``): block j sees only the keys up to it
 sequence's scores above the diagonal are not computed block-wise (the CPU flash kernel skips them itself)."""
 
 
-BLOCKED_ENTRY_COST = 1.1
+BLOCKED_ENTRY_COST = 1.15
 """A blocked layout's score entry against a whole sequence's: the blocks' smaller products run below
-the GEMMs' rate (completions of 16-128 tokens after a shared prompt: the layer 0.9x in blocks where the
-entries fell 3-8%; bench/LOG.md)."""
+the GEMMs' rate (at fixed 128-token completions after a shared prompt, 12-15% fewer entries in blocks
+ran the layer 0.96-1.0x; bench/LOG.md)."""
 
 
 @dataclass(frozen=True)
