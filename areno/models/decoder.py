@@ -376,6 +376,19 @@ class Decoder(nn.Module):
         """Make every packed copy re-pack at its next use (the weights changed)."""
         self._cpu_packs.invalidate()
 
+    def prepare_attention(self, attn: PackedCausalAttention | SharedPrefixAttention, x_TD: torch.Tensor) -> None:
+        """Prepare ``attn`` for the layers with the head dim, heads and q dtype they will pass, so that no
+        layer prepares again (inside a compiled region that would be a graph break)."""
+        q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype
+        attn.prepare(
+            x_TD.shape[0],
+            x_TD.device,
+            self.config.head_dim,
+            q_dtype,
+            cuda_impl=self.cuda_attention,
+            query_heads=self.config.num_attention_heads,
+        )
+
     def forward(
         self,
         input_ids_T: torch.Tensor,
@@ -388,17 +401,7 @@ class Decoder(nn.Module):
             attn = PackedCausalAttention(cu_seqlens_B1, sliding_window=self.config.sliding_window)
         x_TD = self.model.embed_tokens(input_ids_T)
         if isinstance(attn, (PackedCausalAttention, SharedPrefixAttention)):
-            # with the head dim and q's dtype the layers will pass, so no layer prepares again
-            # (inside a compiled region that would be a graph break)
-            q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype
-            attn.prepare(
-                input_ids_T.shape[0],
-                input_ids_T.device,
-                self.config.head_dim,
-                q_dtype,
-                cuda_impl=self.cuda_attention,
-                query_heads=self.config.num_attention_heads,
-            )
+            self.prepare_attention(attn, x_TD)
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         cos_TF, sin_TF = cos_PF[position_ids_T], sin_PF[position_ids_T]
         if fused_ops.add_norm_active(x_TD):

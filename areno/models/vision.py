@@ -34,7 +34,7 @@ from torch import nn
 from areno.models import fused_ops, inference
 from areno.models.attention import AttentionBackend, PackedCausalAttention
 from areno.models.config import ModelConfig
-from areno.models.decoder import Decoder, _autocast_dtype
+from areno.models.decoder import Decoder
 from areno.models.eager_ops import eager_rms_norm
 
 # the Qwen2-VL image processor's normalisation (OpenAI CLIP's)
@@ -707,15 +707,7 @@ class VisionLanguageModel(Decoder):
             position_ids_T, image_mask_T = self.packed_mrope_positions(input_ids_T, position_ids_T, images)
         x_TD = self.embed(input_ids_T, images, image_embeds, image_mask_T)
         if isinstance(attn, PackedCausalAttention):
-            q_dtype = _autocast_dtype(x_TD.device.type) or x_TD.dtype
-            attn.prepare(
-                input_ids_T.shape[0],
-                input_ids_T.device,
-                self.config.head_dim,
-                q_dtype,
-                cuda_impl=self.cuda_attention,
-                query_heads=self.config.num_attention_heads,
-            )
+            self.prepare_attention(attn, x_TD)
         cos_PF, sin_PF = self.rope.get(x_TD.device, x_TD.dtype)
         if position_ids_T.dim() == 2:
             cos_TF, sin_TF = mrope_cos_sin(cos_PF, sin_PF, position_ids_T, self.config.mrope_section)
