@@ -159,19 +159,24 @@ def main(argv: list[str] | None = None) -> dict:
     attn, qkv = layer_inputs(model, batch)
     per_arm: dict[str, dict[str, list[float]]] = {arm: {"layer_ms": [], "micro_batch_ms": []} for arm in ARMS}
     errors = {}
+
+    def use(bound: int) -> None:  # read when a layout is built: the layer's again on its next call
+        attention.CPU_EXPLICIT_MAX_SCORES = bound
+        attn._prepared_for = attn._state = None
+
     try:
         for _ in range(args.rounds):
             for arm, bound in ARMS.items():
-                attention.CPU_EXPLICIT_MAX_SCORES = bound
+                use(bound)
                 time_layer(attn, qkv, 1)
                 time_micro_batch(model, batch, 1)  # warm-up of this arm
                 per_arm[arm]["layer_ms"].append(time_layer(attn, qkv, args.reps))
                 per_arm[arm]["micro_batch_ms"].append(time_micro_batch(model, batch, args.reps))
         for arm, bound in ARMS.items():
-            attention.CPU_EXPLICIT_MAX_SCORES = bound
+            use(bound)
             errors[arm] = layer_error(attn, qkv)
     finally:
-        attention.CPU_EXPLICIT_MAX_SCORES = ARMS["explicit"]
+        use(ARMS["explicit"])
     med = {arm: {k: statistics.median(v) for k, v in d.items()} for arm, d in per_arm.items()}
     new, old = med["explicit"]["micro_batch_ms"], med["flash"]["micro_batch_ms"]
     head = headline(

@@ -130,9 +130,15 @@ class PackedCausalAttention:
             if self.sliding_window is not None:
                 raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
             cu = self.cu_seqlens_B1.cpu().numpy()
-            block = QUERY_BLOCK if device.type == "cpu" and dtype == torch.bfloat16 else None
+            explicit = device.type == "cpu" and dtype == torch.bfloat16
             self._state = padded_layout(
-                cu, cu, device, end_aligned=False, query_heads=self._query_heads, query_block=block
+                cu,
+                cu,
+                device,
+                end_aligned=False,
+                query_heads=self._query_heads,
+                query_block=QUERY_BLOCK if explicit else None,
+                explicit=explicit,
             )
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
@@ -295,7 +301,8 @@ class PadBucket:
     """One right-padded batch of ``padded_sdpa``: ``num_seqs`` pieces of ``len_q`` query rows and
     ``len_k`` keys. ``mask_BQK``: bool [B, len_q, len_k], or None for the causal mask aligned to the
     top left; ``bias_B1QK``: the same as an fp32 additive bias [B or 1, 1, len_q, len_k] (0 or -inf)
-    for ``CpuExplicitAttention``, built once per layout on CPU (None elsewhere)."""
+    for ``CpuExplicitAttention``, built once per layout where a CPU bfloat16 batch attends through it
+    (None elsewhere: such a batch takes SDPA)."""
 
     num_seqs: int
     len_q: int
@@ -326,6 +333,7 @@ def padded_layout(
     key_rows: np.ndarray | None = None,
     query_heads: int = 1,
     query_block: int | None = None,
+    explicit: bool = False,
 ) -> PaddedLayout:
     """``padded_sdpa``'s layout of query sequences: sequence s's queries are rows ``cu_q_B1[s]:cu_q_B1[s+1]``
     of q, its keys entries ``cu_k_B1[s]:cu_k_B1[s+1]`` of ``key_rows`` (rows of k and v; default: the
@@ -334,7 +342,8 @@ def padded_layout(
     keys are the same rows (causal, top left). The sequences go into the padded batches of
     ``length_buckets`` (``query_heads`` weighs their cost); with ``query_block``, cut into blocks of that
     many query rows, each with the keys up to its last row (end-aligned), where those blocks' batches cost
-    less."""
+    less. ``explicit`` (CPU bfloat16): each batch within ``CPU_EXPLICIT_MAX_SCORES`` gets the additive bias
+    ``CpuExplicitAttention`` reads."""
     len_q, len_k = np.diff(cu_q_B1), np.diff(cu_k_B1)
     if np.any((len_q == 0) & (len_k > 0)):
         raise ValueError("padded_layout: a query sequence without query rows has keys")
@@ -368,7 +377,7 @@ def padded_layout(
             a, nq3, nk3 = rq[..., None], nq[..., None], nk[..., None]
             mask = torch.from_numpy(((rk <= a + (nk3 - nq3)) & (a < nq3)) | (rk == 0)).to(device)
         bias = None
-        if torch.device(device).type == "cpu":
+        if explicit and n * query_heads * sq * sk <= CPU_EXPLICIT_MAX_SCORES:
             allowed = mask if mask is not None else torch.ones(sq, sk, dtype=torch.bool).tril()[None]
             bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None]
         buckets.append(PadBucket(n, sq, sk, mask, bias))
@@ -416,7 +425,7 @@ def _padded_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: PadBucke
     # the CPU flash kernel runs slower in bfloat16 than in float32 (forward and backward), and in float32
     # slower than explicit GEMMs where the scores fit
     cpu_bf16 = q.dtype == torch.bfloat16 and q.device.type == "cpu"
-    if cpu_bf16 and b.num_seqs * q.shape[1] * b.len_q * b.len_k <= CPU_EXPLICIT_MAX_SCORES and b.bias_B1QK is not None:
+    if cpu_bf16 and b.bias_B1QK is not None:  # padded_layout's explicit batches
         return CpuExplicitAttention.apply(q, k, v, b.bias_B1QK)
     mask = {"is_causal": True} if b.mask_BQK is None else {"attn_mask": b.mask_BQK[:, None]}
     if cpu_bf16:

@@ -167,7 +167,7 @@ class SharedPrefixAttention:
                 *varlen_features(),
             )
         else:
-            block = attention.QUERY_BLOCK if device.type == "cpu" and dtype == torch.bfloat16 else None
+            explicit = device.type == "cpu" and dtype == torch.bfloat16
             layout = padded_layout(
                 sh.cu_q_B1.numpy(),
                 sh.cu_k_B1.numpy(),
@@ -175,7 +175,8 @@ class SharedPrefixAttention:
                 end_aligned=True,
                 key_rows=sh.key_index_K.numpy(),
                 query_heads=query_heads or 1,
-                query_block=block,
+                query_block=attention.QUERY_BLOCK if explicit else None,
+                explicit=explicit,
             )
             self._state = ("padded", layout)
         self._prepared_for = (num_tokens, device, flash)
