@@ -4,7 +4,8 @@ One process (TRL's runs on CPU excepted), same hardware, same random-init model 
 8 prompts x 8 samples, ``--prompt-len``-token prompts, fixed-length completions of ``--completion-len``
 tokens (EOS never ends a sequence: areno through ``ignore_eos`` + ``min_new_tokens`` in a workflow
 subclass, TRL through ``generation_kwargs={"min_new_tokens": ...}``), one optimizer step per 64
-sequences, small lr.
+sequences, small lr. ``--min-completion-len`` (areno systems only): each group's completions spread evenly
+from that length to ``--completion-len`` (the same lengths every step), as an RL batch's lengths vary.
 
 Systems:
 - ``areno``: the real stack, ``Trainer.init(load_config(None, overrides))`` with the ``grpo`` recipe;
@@ -77,6 +78,7 @@ from areno.models import cpu_gemm
 from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir
 from areno.observe.profile import profiled_step
+from areno.types import SamplingParams
 from areno.workflows.rlvr import RLVRWorkflow
 from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser
 
@@ -155,13 +157,29 @@ def trl_reward(prompts, completions, **kwargs) -> list[float]:
     return [reward(p, c) for p, c in zip(prompts, completions)]
 
 
-class FixedLengthWorkflow(RLVRWorkflow):
-    """RLVR whose completions are exactly ``max_new_tokens`` long (EOS ignored, min_new_tokens = max)."""
+def completion_lengths(completion_len: int, min_completion_len: int | None, samples: int) -> list[int]:
+    """Each sample's completion length in a group: ``completion_len``, or spread evenly from
+    ``min_completion_len`` to ``completion_len`` over the group's samples."""
+    if min_completion_len is None or samples == 1:
+        return [completion_len] * samples
+    span = completion_len - min_completion_len
+    return [min_completion_len + round(i * span / (samples - 1)) for i in range(samples)]
 
-    def __init__(self, *args, **kwargs) -> None:
+
+class FixedLengthWorkflow(RLVRWorkflow):
+    """RLVR whose completions are exactly ``max_new_tokens`` long (EOS ignored, min_new_tokens = max); with
+    ``min_completion_len``, sample i of a group is exactly ``completion_lengths(...)[i]`` long instead (the same
+    lengths in every group and step)."""
+
+    def __init__(self, *args, min_completion_len: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         sp = self.sampling_params
         self.sampling_params = dataclasses.replace(sp, ignore_eos=True, min_new_tokens=sp.max_new_tokens)
+        self.lengths = completion_lengths(sp.max_new_tokens, min_completion_len, self.n_samples)
+
+    def token_params(self, i: int) -> SamplingParams:
+        n = self.lengths[i % len(self.lengths)]
+        return dataclasses.replace(super().token_params(i), max_new_tokens=n, min_new_tokens=n)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -275,14 +293,26 @@ def measure_matmul_rate(device: str, dtype: torch.dtype = torch.bfloat16, trials
 
 
 def physical_floor(
-    config, num_seqs: int, prompt_len: int, completion_len: int, rollout_elt: int, copy_bw: float, matmul_rate: float
+    config,
+    num_seqs: int,
+    prompt_len: int,
+    completion_len: int,
+    rollout_elt: int,
+    copy_bw: float,
+    matmul_rate: float,
+    lengths: list[int] | None = None,
 ) -> dict:
-    """Lower bounds of one step's seconds: decode (bandwidth-bound) and training (compute-bound)."""
+    """Lower bounds of one step's seconds: decode (bandwidth-bound) and training (compute-bound).
+    ``lengths``: each sequence's completion length (default: all ``completion_len``); decode step i reads
+    the weights and the KV cache of the sequences still generating."""
+    lengths = lengths if lengths is not None else [completion_len] * num_seqs
     params = config.num_params()
     weight_bytes = params * rollout_elt
     kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * rollout_elt
-    gen_bytes = sum(weight_bytes + num_seqs * (prompt_len + i) * kv_bytes_per_token for i in range(completion_len))
-    tokens = num_seqs * (prompt_len + completion_len)
+    gen_bytes = sum(
+        weight_bytes + sum(n > i for n in lengths) * (prompt_len + i) * kv_bytes_per_token for i in range(max(lengths))
+    )
+    tokens = sum(prompt_len + n for n in lengths)
     gen_s = gen_bytes / copy_bw
     train_s = 6 * params * tokens / matmul_rate
     return {"params": params, "gen_floor_s": gen_s, "train_floor_s": train_s, "floor_s": gen_s + train_s}
@@ -331,6 +361,7 @@ def areno_overrides(
         f"rollout.decode_attention={args.decode_attention}",
         f"rollout.fused_kernels={str(args.fused_kernels).lower()}",
         "rollout.workflow=bench.e2e:FixedLengthWorkflow",
+        *([f"rollout.workflow_kwargs.min_completion_len={args.min_completion_len}"] if args.min_completion_len else []),
         f"rollout.batch_size={args.prompts}",
         f"rollout.n_samples={args.samples}",
         f"rollout.max_new_tokens={completion_len}",
@@ -425,8 +456,9 @@ def run_areno(
     finally:
         trainer.shutdown()
     timed = slice(args.warmup, None)
-    if set(lengths) != {completion_len}:
-        raise RuntimeError(f"areno completions were not fixed-length: lengths {sorted(set(lengths))}")
+    expected = set(completion_lengths(completion_len, args.min_completion_len, args.samples))
+    if set(lengths) != expected:
+        raise RuntimeError(f"areno completions had lengths {sorted(set(lengths))}, not {sorted(expected)}")
     return {
         "step_s": steps[timed],
         "phases_s": {
@@ -629,7 +661,8 @@ def trl_in_fresh_process(args) -> bool:
 
 
 # ----------------------------------------------------------------------------- driver
-def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, completion_len: int) -> dict:
+def report(system: str, shape: str, res: dict, floor: dict, gen_tokens: int) -> dict:
+    """One system's row; ``gen_tokens``: completion tokens a step."""
     # The mean (timed wall / timed steps) is the headline: with the asynchronous pool, steps whose
     # batch was generated during the previous step return at once and the next one waits, so a
     # median of a few steps would report the fast half only.
@@ -641,7 +674,7 @@ def report(system: str, shape: str, res: dict, floor: dict, num_seqs: int, compl
         "step_s_mean": mean,
         "step_s_median": statistics.median(res["step_s"]),
         "step_s": res["step_s"],
-        "gen_tokens_per_s": num_seqs * completion_len / mean,
+        "gen_tokens_per_s": gen_tokens / mean,
         "total_tokens_per_s": res["tokens_per_step"] / mean,
         "peak_gpu_gib": res["peak_gib"],
         "floor_s": floor["floor_s"],
@@ -681,6 +714,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: 64; tiny 16)")
     p.add_argument("--completion-len", type=int, default=None, help="completion tokens (default: 512; tiny 32)")
+    p.add_argument(
+        "--min-completion-len",
+        type=int,
+        default=None,
+        help="areno systems only: a group's completions spread evenly from this length to --completion-len "
+        "(TRL's stay fixed-length)",
+    )
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument(
         "--decode-steps", type=int, default=0, help="areno: decode steps per host round trip (0 = engine default)"
@@ -778,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--warmup and --steps must be >= 1 (the first step allocates and compiles)")
     if args.async_eta < 1:
         raise ValueError(f"--async-eta must be >= 1 (got {args.async_eta}); eta 0 is the colocated system 'areno'")
+    if args.min_completion_len is not None and "trl" in systems:
+        raise ValueError("--min-completion-len: TRL's completions are fixed-length; run the areno systems only")
     param_dtype = default_param_dtype(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -812,7 +854,12 @@ def main(argv: list[str] | None = None) -> int:
         data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
         floor_dtype = "bfloat16" if args.device == "cuda" or cpu_gemm.prefers_bf16(config.hidden_size) else "float32"
         elt = 2 if floor_dtype == "bfloat16" else 4
-        floor = physical_floor(config, num_seqs, prompt_len, completion_len, elt, copy_bw, rates[floor_dtype])
+        if args.min_completion_len is not None and not 1 <= args.min_completion_len <= completion_len:
+            raise ValueError(f"--min-completion-len must be between 1 and the completion length {completion_len}")
+        lengths = completion_lengths(completion_len, args.min_completion_len, args.samples) * args.prompts
+        floor = physical_floor(
+            config, num_seqs, prompt_len, completion_len, elt, copy_bw, rates[floor_dtype], lengths=lengths
+        )
         floor["floor_dtype"] = floor_dtype
         runs: dict[str, int] = {}
         for system in systems:
@@ -845,13 +892,14 @@ def main(argv: list[str] | None = None) -> int:
                     server="vllm" if system == "areno_vllm" else None,
                     extra=SYSTEM_OVERRIDES.get(system, []),
                 )
-            row = report(system, shape, res, floor, num_seqs, completion_len)
+            row = report(system, shape, res, floor, sum(lengths))
             if system.startswith("areno_async"):
                 row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
             row.update(
                 round=runs.setdefault(system, 0),
                 prompt_len=prompt_len,
                 completion_len=completion_len,
+                min_completion_len=args.min_completion_len,
                 num_seqs=num_seqs,
                 params=floor["params"],
                 floor_dtype=floor["floor_dtype"],

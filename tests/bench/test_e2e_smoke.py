@@ -25,6 +25,54 @@ def test_physical_floor_by_hand():
     assert floor["floor_s"] == pytest.approx(floor["gen_floor_s"] + floor["train_floor_s"])
 
 
+def test_physical_floor_of_varied_lengths_by_hand():
+    """Completions of 1 and 3 tokens after 2 prompt tokens: decode step i reads the weights and the KV
+    cache of the sequences still generating; training counts their tokens."""
+    cfg = tiny_config(100, hidden_size=32, layers=2, heads=4, kv_heads=2)
+    params = cfg.num_params()
+    kv_per_token = 2 * 2 * 2 * 8 * 2
+    gen_bytes = (params * 2 + 2 * 2 * kv_per_token) + (params * 2 + 3 * kv_per_token) + (params * 2 + 4 * kv_per_token)
+    floor = e2e.physical_floor(cfg, 2, 2, 3, 2, 1e6, 1e9, lengths=[1, 3])
+    assert floor["gen_floor_s"] == pytest.approx(gen_bytes / 1e6)
+    assert floor["train_floor_s"] == pytest.approx(6 * params * (3 + 5) / 1e9)
+    assert e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9, lengths=[2, 2]) == e2e.physical_floor(
+        cfg, 2, 3, 2, 2, 1e6, 1e9
+    )
+
+
+def test_varied_lengths_spread_over_a_group_and_reach_the_sampling_params():
+    assert e2e.completion_lengths(32, None, 4) == [32] * 4
+    assert e2e.completion_lengths(32, 8, 4) == [8, 16, 24, 32]
+    assert e2e.completion_lengths(32, 8, 1) == [32]
+    tok = e2e.build_tokenizer(None)
+    wf = e2e.FixedLengthWorkflow(
+        tok, e2e.reward, 4, SamplingParams(temperature=1.0, max_new_tokens=32), min_completion_len=8
+    )
+    params = [wf.token_params(i) for i in range(4)]
+    assert [(p.max_new_tokens, p.min_new_tokens) for p in params] == [(8, 8), (16, 16), (24, 24), (32, 32)]
+    assert all(p.ignore_eos for p in params)
+
+
+def test_varied_lengths_are_refused_beside_trl_and_outside_the_length():
+    base = ["--shapes", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1"]
+    with pytest.raises(ValueError, match="TRL's completions are fixed-length"):
+        e2e.main([*base, "--systems", "areno,trl", "--min-completion-len", "8"])
+    with pytest.raises(ValueError, match="between 1 and the completion length 32"):
+        e2e.main([*base, "--systems", "areno", "--min-completion-len", "40"])
+
+
+@pytest.mark.slow
+def test_tiny_areno_run_with_varied_lengths(tmp_path, capsys):
+    args = ["--shapes", "tiny", "--device", "cpu", "--systems", "areno", "--warmup", "1", "--steps", "1"]
+    assert e2e.main([*args, "--min-completion-len", "8", "--workdir", str(tmp_path)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    # 8 groups of 8 completions spread from 8 to 32 tokens after 16 prompt tokens
+    completion = 8 * sum(e2e.completion_lengths(32, 8, 8))
+    assert row["min_completion_len"] == 8
+    assert row["gen_tokens_per_s"] * row["step_s_mean"] == pytest.approx(completion)
+    assert row["total_tokens_per_s"] * row["step_s_mean"] == pytest.approx(64 * 16 + completion)
+
+
 def test_fixed_length_workflow_ignores_eos():
     tok = e2e.build_tokenizer(None)
     wf = e2e.FixedLengthWorkflow(tok, e2e.reward, 2, SamplingParams(temperature=1.0, max_new_tokens=7))
