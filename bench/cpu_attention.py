@@ -160,9 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
     per_arm: dict[str, dict[str, list[float]]] = {arm: {"layer_ms": [], "micro_batch_ms": []} for arm in ARMS}
     errors = {}
 
-    def use(bound: int) -> None:  # read when a layout is built: the layer's again on its next call
+    def use(bound: int) -> None:  # read when a layout is built: a fresh layer's on its first call
+        nonlocal attn
         attention.CPU_EXPLICIT_MAX_SCORES = bound
-        attn._prepared_for = attn._state = None
+        attn = SharedPrefixAttention(attn.sharing)
 
     try:
         for _ in range(args.rounds):

@@ -31,6 +31,7 @@ import statistics
 import torch
 
 from areno.models import attention
+from areno.models.prefix_sharing import SharedPrefixAttention
 from bench._common import emit, headline, ratio
 from bench.cpu_attention import layer_error, layer_inputs, setup, time_layer, time_micro_batch
 
@@ -49,9 +50,12 @@ def main(argv: list[str] | None = None) -> dict:
     per_arm: dict[str, dict[str, list[float]]] = {arm: {"layer_ms": [], "micro_batch_ms": []} for arm in ARMS}
     batches, errors = {}, {}
 
-    def use(arm: str) -> None:  # the layer's layout is built again on its next call (a model's, every forward)
+    def use(
+        arm: str,
+    ) -> None:  # read when a layout is built: a fresh layer's on its first call, a model's every forward
+        nonlocal attn
         attention.QUERY_BLOCK, attention.PAD_CALL_ENTRIES = ARMS[arm]
-        attn._prepared_for = attn._state = None
+        attn = SharedPrefixAttention(attn.sharing)
 
     try:
         for _ in range(args.rounds):
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         for arm in ARMS:
             use(arm)
             errors[arm] = layer_error(attn, qkv)
-            batches[arm] = [[b.num_seqs, b.len_q, b.len_k] for b in attn._state[-1].buckets]
+            batches[arm] = [[b.num_seqs, b.len_q, b.len_k] for b in attn.padded.buckets]
     finally:
         use("default")
     med = {arm: {k: statistics.median(v) for k, v in d.items()} for arm, d in per_arm.items()}

@@ -103,7 +103,7 @@ class PackedCausalAttention:
         flash_ok = flash_runs(dtype, head_dim)
         if self._prepared_for == (num_tokens, device, small_heads, flash_ok, self._cuda_impl):
             return
-        impl = self.impl
+        impl, layout = self.impl, None
         if impl == "auto":
             if device.type == "cuda":
                 impl = "varlen" if self._cuda_impl == "auto" else self._cuda_impl
@@ -111,12 +111,15 @@ class PackedCausalAttention:
                     impl = "flex"
                 if impl == "flex" and small_heads:
                     impl = "sdpa"  # tiny test models: flex's kernels need a head dim of at least 16
-            elif self.sliding_window is None and self._padded_tokens() <= 2 * num_tokens:
-                impl = "sdpa_padded"
             else:
-                # many short sequences cost one SDPA call each, so below a few thousand tokens one
-                # masked call per layer is cheaper (the T x T mask stays small)
-                impl = "sdpa_mask" if num_tokens <= SDPA_MASK_MAX_TOKENS else "sdpa"
+                # padded batches where they pad at most as many rows as the batch has; else many short
+                # sequences cost one SDPA call each, so below a few thousand tokens one masked call per
+                # layer is cheaper (the T x T mask stays small)
+                layout = self._padded_layout(device, dtype) if self.sliding_window is None else None
+                if layout is not None and sum(b.num_seqs * b.len_q for b in layout.buckets) <= 2 * num_tokens:
+                    impl = "sdpa_padded"
+                else:
+                    impl = "sdpa_mask" if num_tokens <= SDPA_MASK_MAX_TOKENS else "sdpa"
         if impl == "varlen" and self.sliding_window is not None and "window_size" not in _varlen_params():
             impl = "flex"
         covered = int(self.cu_seqlens_B1[-1])
@@ -129,17 +132,7 @@ class PackedCausalAttention:
         elif impl == "sdpa_padded":
             if self.sliding_window is not None:
                 raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
-            cu = self.cu_seqlens_B1.cpu().numpy()
-            explicit = device.type == "cpu" and dtype == torch.bfloat16
-            self._state = padded_layout(
-                cu,
-                cu,
-                device,
-                end_aligned=False,
-                query_heads=self._query_heads,
-                query_block=QUERY_BLOCK if explicit else None,
-                explicit=explicit,
-            )
+            self._state = layout or self._padded_layout(device, dtype)
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
         else:
@@ -151,11 +144,14 @@ class PackedCausalAttention:
         self._impl = impl
         self._prepared_for = (num_tokens, device, small_heads, flash_ok, self._cuda_impl)
 
-    def _padded_tokens(self) -> int:
-        """Rows of the sequences right-padded into ``length_buckets``' batches."""
-        seqlens_B = np.diff(self.cu_seqlens_B1.cpu().numpy())
-        runs = length_buckets(seqlens_B, seqlens_B, self._query_heads)
-        return sum(len(run) * int(seqlens_B[run].max()) for run in runs)
+    def _padded_layout(self, device: torch.device, dtype: torch.dtype | None) -> PaddedLayout:
+        """The sequences' ``padded_layout`` (explicit bf16 batches, in query blocks where they pay, on CPU)."""
+        cu = self.cu_seqlens_B1.cpu().numpy()
+        explicit = device.type == "cpu" and dtype == torch.bfloat16
+        block = QUERY_BLOCK if explicit else None
+        return padded_layout(
+            cu, cu, device, end_aligned=False, query_heads=self._query_heads, query_block=block, explicit=explicit
+        )
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)

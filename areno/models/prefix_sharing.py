@@ -22,6 +22,7 @@ import torch
 
 from areno.models import attention
 from areno.models.attention import (
+    PaddedLayout,
     flash_runs,
     padded_layout,
     padded_sdpa,
@@ -180,6 +181,11 @@ class SharedPrefixAttention:
             )
             self._state = ("padded", layout)
         self._prepared_for = (num_tokens, device, flash)
+
+    @property
+    def padded(self) -> PaddedLayout | None:
+        """The padded batches ``prepare`` built (None before it, or on the varlen path)."""
+        return self._state[1] if self._state is not None and self._state[0] == "padded" else None
 
     def __call__(self, layer_idx: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> torch.Tensor:
         if self._state is None:
