@@ -147,11 +147,7 @@ class PackedCausalAttention:
     def _padded_layout(self, device: torch.device, dtype: torch.dtype | None) -> PaddedLayout:
         """The sequences' ``padded_layout`` (explicit bf16 batches, in query blocks where they pay, on CPU)."""
         cu = self.cu_seqlens_B1.cpu().numpy()
-        explicit = device.type == "cpu" and dtype == torch.bfloat16
-        block = QUERY_BLOCK if explicit else None
-        return padded_layout(
-            cu, cu, device, end_aligned=False, query_heads=self._query_heads, query_block=block, explicit=explicit
-        )
+        return padded_layout(cu, cu, device, end_aligned=False, query_heads=self._query_heads, dtype=dtype)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)
@@ -328,22 +324,26 @@ def padded_layout(
     end_aligned: bool,
     key_rows: np.ndarray | None = None,
     query_heads: int = 1,
+    dtype: torch.dtype | None = None,
     query_block: int | None = None,
-    explicit: bool = False,
 ) -> PaddedLayout:
     """``padded_sdpa``'s layout of query sequences: sequence s's queries are rows ``cu_q_B1[s]:cu_q_B1[s+1]``
     of q, its keys entries ``cu_k_B1[s]:cu_k_B1[s+1]`` of ``key_rows`` (rows of k and v; default: the
     rows themselves). ``end_aligned``: the queries are the last of their keys (causal mask aligned to the
     end of the keys; padded query rows see their first key, so that no row is empty); else queries and
     keys are the same rows (causal, top left). The sequences go into the padded batches of
-    ``length_buckets`` (``query_heads`` weighs their cost); with ``query_block``, cut into blocks of that
-    many query rows, each with the keys up to its last row (end-aligned), where those blocks' batches cost
-    less. ``explicit`` (CPU bfloat16): each batch within ``CPU_EXPLICIT_MAX_SCORES`` gets the additive bias
-    ``CpuExplicitAttention`` reads."""
+    ``length_buckets`` (``query_heads`` weighs their cost). With q's ``dtype`` bfloat16 on CPU (explicit
+    GEMMs), each batch within ``CPU_EXPLICIT_MAX_SCORES`` gets the additive bias ``CpuExplicitAttention``
+    reads, and the sequences may be cut into blocks of ``query_block`` (default ``QUERY_BLOCK``; elsewhere
+    none unless given) query rows, each with the keys up to its last row (end-aligned), where those blocks'
+    batches cost less."""
     len_q, len_k = np.diff(cu_q_B1), np.diff(cu_k_B1)
     if np.any((len_q == 0) & (len_k > 0)):
         raise ValueError("padded_layout: a query sequence without query rows has keys")
     key_rows = np.arange(int(cu_k_B1[-1])) if key_rows is None else np.asarray(key_rows)
+    explicit = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    if explicit and query_block is None:
+        query_block = QUERY_BLOCK
     whole = max(int(len_q.max(initial=0)), 1)
     pieces = _pieces(len_q, len_k, whole)
     runs, cost = _buckets_and_cost(pieces[2], pieces[3], query_heads)

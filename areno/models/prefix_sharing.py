@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from areno.models import attention
 from areno.models.attention import (
     PaddedLayout,
     flash_runs,
@@ -168,7 +167,6 @@ class SharedPrefixAttention:
                 *varlen_features(),
             )
         else:
-            explicit = device.type == "cpu" and dtype == torch.bfloat16
             layout = padded_layout(
                 sh.cu_q_B1.numpy(),
                 sh.cu_k_B1.numpy(),
@@ -176,8 +174,7 @@ class SharedPrefixAttention:
                 end_aligned=True,
                 key_rows=sh.key_index_K.numpy(),
                 query_heads=query_heads or 1,
-                query_block=attention.QUERY_BLOCK if explicit else None,
-                explicit=explicit,
+                dtype=dtype,
             )
             self._state = ("padded", layout)
         self._prepared_for = (num_tokens, device, flash)

@@ -86,9 +86,7 @@ def test_several_padded_batches_match_float64(dtype, monkeypatch):
     # row) in one batch or in a batch per shape (15 shapes of 15 blocks)
     for call, block, n_batches in ((0, None, 6), (10**9, None, 1), (10**9, 8, 1), (0, 8, 15)):
         monkeypatch.setattr(attention, "PAD_CALL_ENTRIES", call)
-        layout = padded_layout(
-            cu_q, cu_k, torch.device("cpu"), end_aligned=True, query_block=block, explicit=dtype == torch.bfloat16
-        )
+        layout = padded_layout(cu_q, cu_k, torch.device("cpu"), end_aligned=True, dtype=dtype, query_block=block)
         assert all((b.bias_B1QK is not None) == (dtype == torch.bfloat16) for b in layout.buckets)
         assert len(layout.buckets) == n_batches
         ins = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
