@@ -51,15 +51,16 @@ class PackedCausalAttention:
     - ``"flex"``: FlexAttention with a document block mask, compiled (the CUDA default).
     - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash, CUDA bf16/fp16 only; torch
       versions whose varlen lacks GQA get k/v repeated, and lack sliding windows fall back to flex).
-    - ``"sdpa_padded"``: scatter the sequences into a right-padded [B, H, S_max, Dh] batch and run
-      one causal SDPA call (padding sits after every real token, so causality hides it); costs
-      B * S_max^2 instead of T^2, the fast path for many short sequences on CPU.
+    - ``"sdpa_padded"``: gather the sequences into right-padded batches of similar lengths
+      (``padded_layout``) and run one causal SDPA call a batch (padding sits after every real token,
+      so causality hides it); costs about sum of S^2 instead of T^2, the fast path for many short
+      sequences on CPU.
     - ``"auto"``: on CUDA the model's choice (``prepare``'s ``cuda_impl``: varlen, or flex), varlen
       falling back to flex (or sdpa below ``FLEX_MIN_HEAD_DIM``) where flash does not run (fp32
       inputs, head dims that are not a multiple of 8 or exceed 256, a torch without a varlen
-      kernel); elsewhere sdpa_padded when padding wastes at most half the tokens, else sdpa_mask up
-      to ``SDPA_MASK_MAX_TOKENS`` tokens, else per-sequence sdpa.
-    ``prepare`` builds the mask (or boundaries) once; ``Decoder.forward`` calls it before the
+      kernel); elsewhere sdpa_padded when its batches' padding wastes at most half the rows, else
+      sdpa_mask up to ``SDPA_MASK_MAX_TOKENS`` tokens, else per-sequence sdpa.
+    ``prepare`` builds the mask (or boundaries, or padded layout) once; ``Decoder.forward`` calls it before the
     layers, so compiled layers only read it (no host sync or mask construction inside them).
     """
 
