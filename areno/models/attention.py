@@ -73,7 +73,6 @@ class PackedCausalAttention:
         self.sliding_window = sliding_window
         self.impl = impl
         self._prepared_for: tuple | None = None
-        self._query_heads = 1
         self._cuda_impl = "auto"
         self._impl = impl
         self._state = None
@@ -96,8 +95,6 @@ class PackedCausalAttention:
         default auto. ``query_heads``: q's heads, which ``length_buckets`` weighs a padded batch's
         cost against (1 when not given)."""
         device = torch.device(device)
-        if query_heads is not None:
-            self._query_heads = query_heads
         if cuda_impl is not None:
             self._cuda_impl = cuda_impl
         small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
@@ -116,7 +113,7 @@ class PackedCausalAttention:
                 # padded batches where they pad at most as many rows as the batch has; else many short
                 # sequences cost one SDPA call each, so below a few thousand tokens one masked call per
                 # layer is cheaper (the T x T mask stays small)
-                layout = self._padded_layout(device, dtype) if self.sliding_window is None else None
+                layout = self._padded_layout(device, dtype, query_heads) if self.sliding_window is None else None
                 if layout is not None and sum(b.num_seqs * b.len_q for b in layout.buckets) <= 2 * num_tokens:
                     impl = "sdpa_padded"
                 else:
@@ -133,7 +130,7 @@ class PackedCausalAttention:
         elif impl == "sdpa_padded":
             if self.sliding_window is not None:
                 raise ValueError("impl='sdpa_padded' has no sliding window; use 'sdpa' or 'sdpa_mask'")
-            self._state = layout or self._padded_layout(device, dtype)
+            self._state = layout or self._padded_layout(device, dtype, query_heads)
         elif impl == "flex":
             self._state = self._flex_mask(num_tokens, device)
         else:
@@ -145,10 +142,10 @@ class PackedCausalAttention:
         self._impl = impl
         self._prepared_for = (num_tokens, device, small_heads, flash_ok, self._cuda_impl)
 
-    def _padded_layout(self, device: torch.device, dtype: torch.dtype | None) -> PaddedLayout:
+    def _padded_layout(self, device: torch.device, dtype: torch.dtype | None, query_heads: int | None) -> PaddedLayout:
         """The sequences' ``padded_layout`` (explicit bf16 batches, in query blocks where they pay, on CPU)."""
         cu = self.cu_seqlens_B1.cpu().numpy()
-        return padded_layout(cu, cu, device, end_aligned=False, query_heads=self._query_heads, dtype=dtype)
+        return padded_layout(cu, cu, device, end_aligned=False, query_heads=query_heads or 1, dtype=dtype)
 
     def _doc_ids_T(self, device: torch.device) -> torch.Tensor:
         return sequence_index_T(self.cu_seqlens_B1, device)
@@ -243,20 +240,13 @@ against ~8 ns an entry; bench/LOG.md)."""
 
 def length_buckets(
     len_q: np.ndarray, len_k: np.ndarray, query_heads: int = 1, call_entries: int | None = None
-) -> list[np.ndarray]:
-    """Sequence indices grouped into right-padded batches: the grouping of the sequences sorted by
-    key length (then query length) into runs that minimises the padded score entries, sum over the
-    runs of (sequences x longest queries x longest keys x ``query_heads``), plus ``call_entries``
-    (default ``PAD_CALL_ENTRIES``) a run. One run when the lengths are equal; a group's shared
-    prompt apart from its samples' rests where they are long; a long tail of lengths in a few runs
-    instead of all padded to the longest."""
-    return _buckets_and_cost(len_q, len_k, query_heads, call_entries)[0]
-
-
-def _buckets_and_cost(
-    len_q: np.ndarray, len_k: np.ndarray, query_heads: int = 1, call_entries: int | None = None
 ) -> tuple[list[np.ndarray], float]:
-    """``length_buckets``' runs and their cost in score entries (calls included)."""
+    """Sequence indices grouped into right-padded batches, and their cost: the grouping of the sequences
+    sorted by key length (then query length) into runs that minimises the padded score entries, sum over
+    the runs of (sequences x longest queries x longest keys x ``query_heads``), plus ``call_entries``
+    (default ``PAD_CALL_ENTRIES``) a run. One run when the lengths are equal; a group's shared prompt
+    apart from its samples' rests where they are long; a long tail of lengths in a few runs instead of
+    all padded to the longest."""
     call_entries = PAD_CALL_ENTRIES if call_entries is None else call_entries
     len_q, len_k = np.asarray(len_q, dtype=np.int64), np.asarray(len_k, dtype=np.int64)
     n = len(len_q)
@@ -347,11 +337,11 @@ def padded_layout(
         query_block = QUERY_BLOCK
     whole = max(int(len_q.max(initial=0)), 1)
     pieces = _pieces(len_q, len_k, whole)
-    runs, cost = _buckets_and_cost(pieces[2], pieces[3], query_heads)
+    runs, cost = length_buckets(pieces[2], pieces[3], query_heads)
     masked = end_aligned
     if query_block and query_block < whole:  # blocks where their batches cost less than the whole sequences'
         blocked = _pieces(len_q, len_k, query_block)
-        blocked_runs, blocked_cost = _buckets_and_cost(blocked[2], blocked[3], query_heads)
+        blocked_runs, blocked_cost = length_buckets(blocked[2], blocked[3], query_heads)
         if blocked_cost * BLOCKED_ENTRY_COST < cost:
             pieces, runs, masked = blocked, blocked_runs, True
     seq, j, pq, pk, block = pieces

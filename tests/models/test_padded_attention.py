@@ -20,14 +20,14 @@ def _cost(runs, len_q, len_k, heads, call):
 
 def test_equal_lengths_are_one_batch_and_shared_prompts_their_own():
     lens = np.full(8, 160)
-    assert [r.tolist() for r in length_buckets(lens, lens, 4)] == [list(range(8))]
+    assert [r.tolist() for r in length_buckets(lens, lens, 4)[0]] == [list(range(8))]
     # six groups' prompts (34 queries over their 34 keys) and their samples' rests (128 over 162), 8 heads
     len_q, len_k = np.array([34] * 6 + [128] * 24), np.array([34] * 6 + [162] * 24)
-    runs = length_buckets(len_q, len_k, 8)
+    runs, _ = length_buckets(len_q, len_k, 8)
     assert sorted(map(sorted, (r.tolist() for r in runs))) == [list(range(6)), list(range(6, 30))]
     # a batch's cost against the padding it saves: one head's entries are not worth a second batch
-    assert len(length_buckets(len_q, len_k, 1)) == 1
-    assert len(length_buckets(len_q, len_k, 8, call_entries=10**9)) == 1
+    assert len(length_buckets(len_q, len_k, 1)[0]) == 1
+    assert len(length_buckets(len_q, len_k, 8, call_entries=10**9)[0]) == 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -39,7 +39,7 @@ def test_buckets_minimise_padding_over_the_sorted_splits(seed):
     len_q = rng.integers(1, 60, n)
     len_k = len_q + rng.integers(0, 40, n) * (seed % 2)  # even seeds: causal (keys = queries)
     call, heads = int(rng.choice([0, 200, 5000])), int(rng.integers(1, 5))
-    runs = length_buckets(len_q, len_k, heads, call_entries=call)
+    runs, cost = length_buckets(len_q, len_k, heads, call_entries=call)
     assert sorted(np.concatenate(runs).tolist()) == list(range(n))
     order = np.lexsort((-len_q, -len_k))
     best = min(
@@ -47,7 +47,7 @@ def test_buckets_minimise_padding_over_the_sorted_splits(seed):
         for k in range(n)
         for cuts in itertools.combinations(range(1, n), k)
     )
-    assert _cost(runs, len_q, len_k, heads, call) == best
+    assert _cost(runs, len_q, len_k, heads, call) == best == cost
 
 
 def _end_aligned_reference(q, k, v, cu_q, cu_k):
