@@ -52,11 +52,10 @@ class PrefixSharing:
         return int(self.expand_T.numel() - self.source_C.numel())
 
 
-def plan(input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor) -> PrefixSharing | None:
-    """The shared-prompt packing of a packed batch (host tensors), or None when no two adjacent
-    sequences share a prompt. A sequence's prompt is its tokens before its first loss-mask token
-    (all of it without one); a run shares when every member's prompt has the first member's length
-    (at least one token) and ids, and the rest of each member is non-empty."""
+def _prompt_runs(
+    input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
+) -> tuple[list[list[int]], list[int]]:
+    """``plan``'s runs of adjacent sequences that share a prompt, and every sequence's prompt length."""
     ids = input_ids_T.numpy()
     cu = cu_seqlens_B1.tolist()
     mask = loss_mask_T.numpy().astype(bool)
@@ -79,6 +78,31 @@ def plan(input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: to
             runs[-1].append(b)
         else:
             runs.append([b])
+    return runs, prompt_len
+
+
+def shared_prompt_tokens(
+    input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor
+) -> list[int]:
+    """Per sequence of a packed batch (host tensors), the tokens ``plan`` saves on it: its prompt's length
+    where it continues the previous sequence's run, else 0. A micro-batch of sequences i..j of one run
+    packs their tokens less ``shared[i+1..j]`` rows (the micro-batch planner's cost)."""
+    runs, prompt_len = _prompt_runs(input_ids_T, cu_seqlens_B1, loss_mask_T)
+    shared = [0] * len(prompt_len)
+    for run in runs:
+        for b in run[1:]:
+            shared[b] = prompt_len[b]
+    return shared
+
+
+def plan(input_ids_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor) -> PrefixSharing | None:
+    """The shared-prompt packing of a packed batch (host tensors), or None when no two adjacent
+    sequences share a prompt. A sequence's prompt is its tokens before its first loss-mask token
+    (all of it without one); a run shares when every member's prompt has the first member's length
+    (at least one token) and ids, and the rest of each member is non-empty."""
+    runs, prompt_len = _prompt_runs(input_ids_T, cu_seqlens_B1, loss_mask_T)
+    ids = input_ids_T.numpy()
+    cu = cu_seqlens_B1.tolist()
     if all(len(run) == 1 for run in runs):
         return None
     source, key_index = [], []

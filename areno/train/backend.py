@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from areno.errors import ConfigError
-from areno.models import moe
+from areno.models import moe, prefix_sharing
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import build_model, load_model, save_model
@@ -123,6 +123,8 @@ class PackedTrainBackend(TrainBackend):
     def __init__(self, cfg: TrainBackendConfig) -> None:
         self.cfg = cfg
         self.optimizer = None
+        self.shares_prompts = False
+        """Whether the model runs a group's common prompt once (``train.share_prompts``, set by ``initialize``)."""
         self._step = 0
         self._skipped_steps = 0
         self._consecutive_skips = 0
@@ -203,7 +205,7 @@ class PackedTrainBackend(TrainBackend):
         model, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
         if wrap_model is not None:
             model = wrap_model(model)
-        share_prompts = self._share_prompts(model)
+        self.shares_prompts = share_prompts = self._share_prompts(model)
         for module in model.modules():  # wrappers (value heads, LoRA) hold the decoder inside
             if isinstance(module, Decoder):
                 module.cuda_attention = cfg.attention
@@ -295,8 +297,15 @@ class PackedTrainBackend(TrainBackend):
 
     # ------------------------------------------------------------------ micro-batches
     def plan(self, batch: TokenBatch) -> MicroBatchPlan:
+        """Micro-batches of ``batch`` for every rank; where the model runs a group's common prompt once,
+        planned to keep groups together (``packing.plan_micro_batches``'s ``shared_B``)."""
         spec = MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb, dp_size=self._dp_size, cp_size=self._cp_size)
-        return plan_micro_batches(batch.seqlens_B, spec)
+        shared_B = None
+        if self.shares_prompts:
+            shared_B = prefix_sharing.shared_prompt_tokens(
+                batch.input_ids_T.cpu(), batch.cu_seqlens_B1.cpu(), batch.loss_mask_T.cpu()
+            )
+        return plan_micro_batches(batch.seqlens_B, spec, shared_B)
 
     def _micro_batches(
         self, batch: TokenBatch, plan: MicroBatchPlan, selected: list[TokenBatch | None] | None = None

@@ -8,6 +8,14 @@ rank computes the whole plan from the whole batch, so no communication is needed
 2. each rank's sequences are packed first-fit-decreasing into micro-batches of at most
    ``max_tokens_per_mb`` tokens.
 
+Where the model computes a group's common prompt once (``models.prefix_sharing``), a group split
+over ranks or micro-batches computes it once in each. The planner is then also given what each
+sequence shares with the one before it (``shared_B``) and weighs plans by the rows the shared
+forwards run: besides the two stages above it tries contiguous plans (whole groups where they fit,
+else consecutive sequences), balanced by a binary search of their largest part, and keeps the plan
+whose largest rank's rows are fewest (then whose micro-batches are fewest, then which runs fewest
+rows, then whose largest micro-batch is smallest). The budget stays one of tokens, shared or not.
+
 FSDP runs collectives in every forward and backward, so all ranks must run the same number of
 micro-batches: ranks with fewer split their fullest micro-batch until the counts agree, and a rank
 with fewer sequences than micro-batches runs empty ones (the backend feeds them a one-token dummy
@@ -94,8 +102,11 @@ def _first_fit_decreasing(seq_indices: list[int], seqlens: list[int], budget: in
     return bins
 
 
-def _split_to_count(bins: list[list[int]], seqlens: list[int], n: int) -> list[list[int]]:
-    """Split the fullest multi-sequence bins until there are n bins (empty ones if impossible)."""
+def _split_to_count(
+    bins: list[list[int]], seqlens: list[int], n: int, prompts: _Prompts | None = None
+) -> list[list[int]]:
+    """Split the fullest multi-sequence bins until there are n bins (empty ones if impossible): into
+    two halves balanced longest-first, or with ``prompts`` into two runs of consecutive sequences."""
     bins = [list(b) for b in bins]
     while len(bins) < n:
         splittable = [b for b in bins if len(b) >= 2]
@@ -104,6 +115,9 @@ def _split_to_count(bins: list[list[int]], seqlens: list[int], n: int) -> list[l
             continue
         fullest = max(splittable, key=lambda b: sum(seqlens[i] for i in b))
         bins.remove(fullest)
+        if prompts is not None:
+            bins.extend(prompts.balanced(prompts.items(sorted(fullest), whole_runs=False), 2, by_rows=False))
+            continue
         halves: list[list[int]] = [[], []]
         loads = [0, 0]
         for i in sorted(fullest, key=lambda i: (-seqlens[i], i)):
@@ -114,8 +128,110 @@ def _split_to_count(bins: list[list[int]], seqlens: list[int], n: int) -> list[l
     return bins
 
 
-def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec) -> MicroBatchPlan:
+@dataclass(frozen=True)
+class _Item:
+    """Consecutive sequences a contiguous plan keeps together: one sequence, or a stretch of a run."""
+
+    seqs: list[int]
+    tokens: int
+    rows: int
+    """Rows its shared-prompt forward runs on its own."""
+    first_run: int
+    last_run: int
+    join: int
+    """Rows saved when it follows a part whose last sequence is of its first sequence's run."""
+
+
+class _Prompts:
+    """What a shared-prompt forward saves on each sequence (``shared_B``), and the costs and contiguous
+    plans built on it (``plan_micro_batches``)."""
+
+    def __init__(self, shared_B: list[int], seqlens: list[int]) -> None:
+        self.shared, self.seqlens = shared_B, seqlens
+        self.run: list[int] = []  # the first sequence of each sequence's run
+        for b, s in enumerate(shared_B):
+            self.run.append(self.run[-1] if s and b else b)
+
+    def rows(self, seqs: list[int]) -> int:
+        """Rows the shared forward of a micro-batch of ``seqs`` (ascending) runs: a sequence after one of
+        its run pays only its rest."""
+        total, prev = 0, None
+        for i in seqs:
+            total += self.seqlens[i] - (self.shared[i] if prev is not None and self.run[prev] == self.run[i] else 0)
+            prev = i
+        return total
+
+    def items(self, seqs: list[int], *, whole_runs: bool) -> list[_Item]:
+        """``seqs`` (ascending) as items: each sequence, or each stretch of one run with ``whole_runs``."""
+        groups: list[list[int]] = []
+        for i in seqs:
+            if whole_runs and groups and self.run[groups[-1][-1]] == self.run[i]:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return [
+            _Item(g, sum(self.seqlens[i] for i in g), self.rows(g), self.run[g[0]], self.run[g[-1]], self.shared[g[0]])
+            for g in groups
+        ]
+
+    @staticmethod
+    def greedy(items: list[_Item], cap: int, *, by_rows: bool) -> list[list[int]]:
+        """Consecutive items in parts of at most ``cap`` tokens (or rows), each part as full as it goes
+        (an item over ``cap`` alone in its part)."""
+        parts: list[list[int]] = []
+        load, last_run = 0, -1
+        for it in items:
+            alone = it.rows if by_rows else it.tokens
+            joined = alone - it.join if by_rows and last_run == it.first_run else alone
+            if parts and load + joined <= cap:
+                parts[-1].extend(it.seqs)
+                load += joined
+            else:
+                parts.append(list(it.seqs))
+                load = alone
+            last_run = it.last_run
+        return parts
+
+    def balanced(self, items: list[_Item], k: int, *, by_rows: bool, cap: int | None = None) -> list[list[int]]:
+        """Consecutive items in at least ``k`` parts (empty ones where there are fewer items), no more
+        than the greedy cut at ``cap`` (default: none) needs, with the smallest largest part."""
+        weight = (lambda it: it.rows) if by_rows else (lambda it: it.tokens)
+        lo, hi = max((weight(it) for it in items), default=0), sum(weight(it) for it in items)
+        if cap is not None:
+            hi = max(lo, min(hi, cap))
+        k = max(k, len(self.greedy(items, hi, by_rows=by_rows)))
+        while lo < hi:  # the greedy cut's part count never grows with its cap
+            mid = (lo + hi) // 2
+            if len(self.greedy(items, mid, by_rows=by_rows)) <= k:
+                hi = mid
+            else:
+                lo = mid + 1
+        parts = self.greedy(items, lo, by_rows=by_rows)
+        return parts + [[] for _ in range(k - len(parts))]
+
+    def rank_plans(self, lpt: list[list[int]], dp_size: int) -> list[list[list[int]]]:
+        """Data-parallel candidates: ``lpt``, and contiguous plans of whole runs and of sequences,
+        balanced in rows."""
+        every = list(range(len(self.seqlens)))
+        return [lpt] + [self.balanced(self.items(every, whole_runs=w), dp_size, by_rows=True) for w in (True, False)]
+
+    def micro_batch_plans(self, seqs: list[int], budget: int) -> list[list[list[int]]]:
+        """One rank's candidates: first-fit-decreasing, and contiguous plans within the budget, of whole
+        runs where each fits and of sequences, in as few micro-batches as each can, balanced in tokens."""
+        plans = [_first_fit_decreasing(seqs, self.seqlens, budget)]
+        for whole in (True, False):
+            items = self.items(sorted(seqs), whole_runs=whole)
+            if items and max(it.tokens for it in items) <= budget:
+                plans.append(self.balanced(items, 1, by_rows=False, cap=budget))
+        return plans
+
+
+def plan_micro_batches(
+    seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec, shared_B: list[int] | None = None
+) -> MicroBatchPlan:
     """Balance sequences over ``spec.dp_size`` ranks and pack each rank's share into micro-batches.
+    ``shared_B``: the prompt tokens each sequence shares with the one before it, where the model runs
+    them once (``prefix_sharing.shared_prompt_tokens``); plans are then weighed in rows, not tokens.
 
     Raises ValueError when a sequence is longer than the token budget.
     """
@@ -136,9 +252,31 @@ def plan_micro_batches(seqlens_B: list[int] | torch.Tensor, spec: MicroBatchSpec
         r = min(range(spec.dp_size), key=lambda r: (rank_load[r], r))
         rank_seqs[r].append(i)
         rank_load[r] += seqlens[i]
-    rank_bins = [_first_fit_decreasing(s, seqlens, spec.budget) for s in rank_seqs]
+    prompts = _Prompts([int(s) for s in shared_B], seqlens) if shared_B is not None and any(shared_B) else None
+    if prompts is None:
+        rank_bins = [_first_fit_decreasing(s, seqlens, spec.budget) for s in rank_seqs]
+    else:
+
+        def rows(bins: list[list[int]]) -> list[int]:
+            return [prompts.rows(sorted(b)) for b in bins]
+
+        def tokens(bins: list[list[int]]) -> int:
+            return max((sum(seqlens[i] for i in b) for b in bins), default=0)
+
+        def rank_bins_for(seqs: list[int]) -> list[list[int]]:  # fewest micro-batches, rows, largest one
+            return min(prompts.micro_batch_plans(seqs, spec.budget), key=lambda p: (len(p), sum(rows(p)), tokens(p)))
+
+        def score(plan: list[list[list[int]]]) -> tuple[int, int, int, int]:
+            """(largest rank's rows, micro-batches, rows, largest micro-batch's tokens): least is best."""
+            per_rank = [rows(bins) for bins in plan]
+            return max(map(sum, per_rank)), max(map(len, plan)), sum(map(sum, per_rank)), max(map(tokens, plan))
+
+        rank_bins = min(
+            ([rank_bins_for(seqs) for seqs in ranks] for ranks in prompts.rank_plans(rank_seqs, spec.dp_size)),
+            key=score,
+        )
     n_mbs = max(1, max(len(b) for b in rank_bins))
-    per_rank = [[sorted(b) for b in _split_to_count(bins, seqlens, n_mbs)] for bins in rank_bins]
+    per_rank = [[sorted(b) for b in _split_to_count(bins, seqlens, n_mbs, prompts)] for bins in rank_bins]
     return MicroBatchPlan(per_rank=per_rank)
 
 

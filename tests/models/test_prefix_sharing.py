@@ -190,6 +190,35 @@ def test_backend_sets_share_prompts_and_a_step_trains_the_same(tmp_path):
         TrainBackendConfig(share_prompts="yes")
 
 
+def test_backend_plans_micro_batches_around_shared_prompts(tmp_path):
+    """A sharing backend plans its micro-batches by the rows the shared forwards run (groups kept whole
+    where no micro-batch is added), an unsharing one by tokens; a step trains to the same loss."""
+    from areno.train import LocalTrainBackend, TrainBackendConfig
+    from areno.train.packing import MicroBatchSpec, plan_micro_batches
+    from tests.helpers.train import make_model_dir, nll_loss, token_denominator
+
+    model_dir = make_model_dir(tmp_path / "m")
+    # three groups of (5 prompt + 2..8) tokens, 9-13 a sequence: 11 + 9 + 13 + 10 = 43 tokens a group
+    batch = shared_batch(
+        [(g, [5, 6, 7, g_tok, 9], n) for g, g_tok in (("a", 10), ("b", 11), ("c", 12)) for n in (6, 4, 8, 5)]
+    )
+    seqlens = batch.seqlens_B.tolist()
+    losses = []
+    for share in (True, False):
+        b = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu", share_prompts=share, max_tokens_per_mb=90))
+        b.initialize(model_dir)
+        plan = b.plan(batch).per_rank[0]
+        by_tokens = plan_micro_batches(seqlens, MicroBatchSpec(max_tokens_per_mb=90)).per_rank[0]
+        if share:  # two groups, then one, whole; by tokens the longest first: every group split
+            assert plan == [list(range(8)), list(range(8, 12))]
+            assert all(len({i // 4 for i in mb}) == 3 for mb in by_tokens)
+        else:
+            assert plan == by_tokens
+        metrics = b.train_step(batch, forward_fn=_token_forward, loss_fn=nll_loss, denominator_fn=token_denominator)
+        losses.append(metrics["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
 def test_varlen_gqa_mode_follows_the_signature_and_the_probe(monkeypatch):
     """``varlen_features``: the flag where varlen_attn has one; else the probe's answer (False
     before the process uses CUDA), so ``varlen_causal`` repeats k/v only where neither takes them."""

@@ -112,3 +112,135 @@ def test_truncate_long_sequences_hand_values():
     assert cut.extra["ref_logprobs_T"].tolist() == [0, 3, 6, 9, 12, 15, 18] and cut.extra["values_B"].tolist() == [5, 6]
     back = untruncate_outputs({"logprobs_T": torch.ones(7), "score_B": torch.ones(2)}, keep_T)
     assert back["logprobs_T"].tolist() == [1.0] * 7 + [0.0] and back["score_B"].tolist() == [1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- shared prompts
+def _groups_batch(groups: list[tuple[int, list[int]]], seed: int = 0):
+    """A GRPO-like batch: per group (prompt length, completion lengths), its samples one after another."""
+    from areno.types import TokenBatch, Trajectory
+
+    gen = torch.Generator().manual_seed(seed)
+    trajs = []
+    for g, (p, comps) in enumerate(groups):
+        prompt = torch.randint(3, 50, (p,), generator=gen).tolist()
+        trajs += [
+            Trajectory(
+                prompt_ids=prompt,
+                completion_ids=torch.randint(3, 50, (n,), generator=gen).tolist(),
+                logprobs=[0.0] * n,
+                versions=[0] * n,
+                reward=float(i % 2),
+                group_id=str(g),
+            )
+            for i, n in enumerate(comps)
+        ]
+    return TokenBatch.from_trajectories(trajs)
+
+
+def _shared(batch) -> list[int]:
+    from areno.models.prefix_sharing import shared_prompt_tokens
+
+    return shared_prompt_tokens(batch.input_ids_T, batch.cu_seqlens_B1, batch.loss_mask_T)
+
+
+def _rows(batch, seqs: list[int]) -> int:
+    """Rows the shared-prompt forward of this micro-batch runs (``prefix_sharing.plan`` itself)."""
+    from areno.models.prefix_sharing import plan
+
+    if not seqs:
+        return 0
+    mb = batch.select(seqs)
+    sharing = plan(mb.input_ids_T, mb.cu_seqlens_B1, mb.loss_mask_T)
+    return mb.num_tokens if sharing is None else int(sharing.source_C.numel())
+
+
+def test_shared_prompt_tokens_count_the_rows_the_shared_forward_runs():
+    from areno.train.packing import _Prompts
+
+    rng = torch.Generator().manual_seed(1)
+    groups = [
+        (int(torch.randint(1, 9, (1,), generator=rng)), [int(n) for n in torch.randint(1, 7, (k,))])
+        for k in (3, 1, 4, 2, 5)
+    ]
+    batch = _groups_batch(groups)
+    shared = _shared(batch)
+    assert shared[0] == 0 and sum(1 for s in shared if s) == sum(len(c) - 1 for _, c in groups)
+    prompts = _Prompts(shared, batch.seqlens_B.tolist())
+    B = batch.num_seqs
+    for _ in range(30):  # any micro-batch, contiguous or not
+        seqs = sorted(torch.randperm(B, generator=rng)[: int(torch.randint(1, B + 1, (1,), generator=rng))].tolist())
+        assert prompts.rows(seqs) == _rows(batch, seqs), seqs
+
+
+def test_shared_prompts_keep_groups_whole_where_no_micro_batch_is_added():
+    # cpu5m's 8 x 4 batch: by tokens 25 + 7 sequences (a group split); by rows 4 whole groups each
+    seqlens, shared = [162] * 32, [0 if i % 4 == 0 else 34 for i in range(32)]
+    spec = MicroBatchSpec(max_tokens_per_mb=4096)
+    assert [len(mb) for mb in plan_micro_batches(seqlens, spec).per_rank[0]] == [25, 7]
+    assert plan_micro_batches(seqlens, spec, shared).per_rank[0] == [list(range(16)), list(range(16, 32))]
+    # completions of 16-254 tokens in each of 8 groups of 8 (1,336 tokens a group): first-fit-decreasing by
+    # length puts a part of every group in each of its 3 micro-batches (each prompt three times); by rows
+    # 3 + 3 + 2 whole groups
+    batch = _groups_batch([(32, [16 + 34 * j for j in range(8)])] * 8)
+    seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
+    by_tokens = plan_micro_batches(seqlens, spec).per_rank[0]
+    assert len(by_tokens) == 3 and all(len({i // 8 for i in mb}) == 8 for mb in by_tokens)
+    assert plan_micro_batches(seqlens, spec, shared).per_rank[0] == [
+        list(range(24)),
+        list(range(24, 48)),
+        list(range(48, 64)),
+    ]
+    # 1,392 tokens a group: whole groups would take four micro-batches, so three of consecutive sequences
+    # (two groups split: two prompts again, not sixteen)
+    batch = _groups_batch([(32, [16 + 36 * j for j in range(8)])] * 8)
+    seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
+    by_tokens = plan_micro_batches(seqlens, spec).per_rank[0]
+    by_rows = plan_micro_batches(seqlens, spec, shared).per_rank[0]
+    assert len(by_rows) == len(by_tokens) == 3
+    assert all(mb == list(range(mb[0], mb[-1] + 1)) and sum(seqlens[i] for i in mb) <= 4096 for mb in by_rows)
+    ideal = 8 * (32 + sum(16 + 36 * j for j in range(8)))
+    assert sum(_rows(batch, mb) for mb in by_tokens) == ideal + 16 * 32
+    assert ideal <= sum(_rows(batch, mb) for mb in by_rows) <= ideal + 2 * 32
+
+
+def test_shared_prompts_keep_groups_on_one_data_parallel_rank():
+    rank_rows = lambda batch, p: max(sum(_rows(batch, mb) for mb in rank) for rank in p.per_rank)
+    batch = _groups_batch([(40, [10, 30, 20, 50])] * 6)
+    seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
+    plan = plan_micro_batches(seqlens, MicroBatchSpec(max_tokens_per_mb=1024, dp_size=3), shared)
+    for rank in plan.per_rank:  # two whole groups each
+        (mb,) = rank
+        groups = sorted({i // 4 for i in mb})
+        assert len(groups) == 2 and mb == [i for g in groups for i in range(4 * g, 4 * g + 4)]
+    assert rank_rows(batch, plan) == 2 * (40 + 110)
+    # three groups on two ranks: by tokens each rank gets part of every group (every prompt twice)
+    batch = _groups_batch([(40, [50, 40, 30, 20])] * 3)
+    seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
+    spec = MicroBatchSpec(max_tokens_per_mb=1024, dp_size=2)
+    by_tokens, by_rows = plan_micro_batches(seqlens, spec), plan_micro_batches(seqlens, spec, shared)
+    assert all(len({i // 4 for mb in rank for i in mb}) == 3 for rank in by_tokens.per_rank)
+    assert rank_rows(batch, by_rows) < rank_rows(batch, by_tokens)
+    assert sum(len(rank[0]) for rank in by_rows.per_rank) == 12
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_shared_prompt_plans_are_valid_and_never_need_more_micro_batches(seed):
+    from areno.train.packing import _Prompts
+
+    rng = torch.Generator().manual_seed(seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=rng))
+    groups = [(r(1, 40), [r(1, 60) for _ in range(r(1, 8))]) for _ in range(r(1, 10))]
+    batch = _groups_batch(groups, seed)
+    seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
+    dp, budget = r(1, 4), max(seqlens) + r(0, 300)
+    spec = MicroBatchSpec(max_tokens_per_mb=budget, dp_size=dp)
+    plan = plan_micro_batches(seqlens, spec, shared)
+    assert len(plan.per_rank) == dp and all(len(rank) == plan.n_mbs for rank in plan.per_rank)
+    assert sorted(i for rank in plan.per_rank for mb in rank for i in mb) == list(range(len(seqlens)))
+    assert all(mb == sorted(mb) and sum(seqlens[i] for i in mb) <= budget for rank in plan.per_rank for mb in rank)
+    if dp == 1:  # one rank: never more micro-batches than by tokens, and no more rows with as many
+        prompts = _Prompts(shared, seqlens)
+        by_tokens = plan_micro_batches(seqlens, spec).per_rank[0]
+        assert plan.n_mbs <= len(by_tokens)
+        if plan.n_mbs == len(by_tokens):
+            assert sum(map(prompts.rows, plan.per_rank[0])) <= sum(map(prompts.rows, by_tokens))
