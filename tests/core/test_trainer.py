@@ -1,6 +1,7 @@
 """The SDK topology and the outer loop, end to end on a tiny CPU model."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from areno.api.backend.base import BACKENDS, RolloutBatch, register_backend, res
 from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
+from areno.observe.trace import CLOCK_ENV_VAR, ENV_VAR, tracing_enabled
 from areno.types import TokenBatch, Trajectory
 from tests.helpers.configs import run_to_end, tiny_grpo_overrides
 
@@ -85,6 +87,8 @@ def test_grpo_reward_goes_up(tmp_path):
         "observe.trace=true",
     )
     rows = run_to_end(cfg)
+    # the run's tracing ended with it: nothing started afterwards traces into its directory
+    assert not tracing_enabled() and ENV_VAR not in os.environ and CLOCK_ENV_VAR not in os.environ
     rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards

@@ -76,6 +76,7 @@ def _entry(rank: int, world: int, port: int, fn, args, err_dir: str) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
+    faulthandler.enable()  # an abort in C++ (gloo's threads) prints where each Python thread was
     faulthandler.dump_traceback_later(900, exit=True)  # a collective mismatch fails instead of hanging
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
