@@ -225,9 +225,10 @@ class Trainer:
             if self.config.observe.trace:
                 flush_tracing()
                 merge_traces(self.run_dir)
-                # the run's tracing ends with it: processes started later (a test's workers, the next
-                # run's servers) do not trace into this run directory
-                configure_tracing(None, False)
+            # the run's tracing and session recording end with it: processes started later (a test's
+            # workers, the next run's servers) neither trace nor record into this run directory
+            configure_tracing(None, False)
+            configure_sessions(None, False)
         finally:
             self.lock.release()
 

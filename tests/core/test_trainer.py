@@ -10,6 +10,7 @@ from areno.api.backend.base import BACKENDS, RolloutBatch, register_backend, res
 from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.api.trainer import PASS_SEED_STRIDE, Trainer, pass_seed, reshuffle
+from areno.observe import session
 from areno.observe.trace import CLOCK_ENV_VAR, ENV_VAR, tracing_enabled
 from areno.types import TokenBatch, Trajectory
 from tests.helpers.configs import run_to_end, tiny_grpo_overrides
@@ -85,10 +86,12 @@ def test_grpo_reward_goes_up(tmp_path):
         "train.eval_interval=0",
         "train.seed=1",
         "observe.trace=true",
+        "observe.sessions=true",
     )
     rows = run_to_end(cfg)
-    # the run's tracing ended with it: nothing started afterwards traces into its directory
+    # the run's tracing and session recording ended with it: nothing started afterwards writes into its directory
     assert not tracing_enabled() and ENV_VAR not in os.environ and CLOCK_ENV_VAR not in os.environ
+    assert session.session() is session._NULL_SESSION and session.ENV_VAR not in os.environ
     rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
