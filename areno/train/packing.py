@@ -11,10 +11,11 @@ rank computes the whole plan from the whole batch, so no communication is needed
 Where the model computes a group's common prompt once (``models.prefix_sharing``), a group split
 over ranks or micro-batches computes it once in each. The planner is then also given what each
 sequence shares with the one before it (``shared_B``) and weighs plans by the rows the shared
-forwards run: besides the two stages above it tries contiguous plans (whole groups where they fit,
-else consecutive sequences), balanced by a binary search of their largest part, and keeps the plan
-whose largest rank's rows are fewest (then whose micro-batches are fewest, then which runs fewest
-rows, then whose largest micro-batch is smallest). The budget stays one of tokens, shared or not.
+forwards run. Besides the two stages above it tries contiguous plans (whole groups where they fit,
+else consecutive sequences), balanced by a binary search of their largest part: each rank takes the
+micro-batches that are fewest (then run the fewest rows, then whose largest is smallest), and the
+ranks the split whose busiest rank runs the fewest rows (then needs the fewest micro-batches, runs
+the fewest rows in all, has the smallest largest micro-batch). The budget stays on tokens, shared or not.
 
 FSDP runs collectives in every forward and backward, so all ranks must run the same number of
 micro-batches: ranks with fewer split their fullest micro-batch until the counts agree, and a rank
@@ -267,7 +268,7 @@ def plan_micro_batches(
             return min(prompts.micro_batch_plans(seqs, spec.budget), key=lambda p: (len(p), sum(rows(p)), tokens(p)))
 
         def score(plan: list[list[list[int]]]) -> tuple[int, int, int, int]:
-            """(largest rank's rows, micro-batches, rows, largest micro-batch's tokens): least is best."""
+            """(busiest rank's rows, micro-batches, rows, largest micro-batch's tokens): least is best."""
             per_rank = [rows(bins) for bins in plan]
             return max(map(sum, per_rank)), max(map(len, plan)), sum(map(sum, per_rank)), max(map(tokens, plan))
 
