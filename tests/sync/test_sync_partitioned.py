@@ -52,9 +52,15 @@ def test_inplace_sync_commit_repeats_the_staged_run(tmp_path):
     (staged, v_staged), (inplace, v_inplace) = runs["staged"], runs["inplace"]
     assert v_staged == v_inplace == [3]
     for (samples_s, m_s), (samples_i, m_i) in zip(staged, inplace):
-        assert samples_s == samples_i  # the same policy reached the engine at every step, bit for bit
+        # the same policy reached the engine at every step: the same tokens and versions, and log-probs equal
+        # but for their last bits, which follow how the engine batched the rows (the order requests arrive
+        # from the other process); a policy one version apart moves them by far more
+        assert [(p, c, v) for p, c, _, v in samples_s] == [(p, c, v) for p, c, _, v in samples_i]
+        for (*_, lp_s, _), (*_, lp_i, _) in zip(samples_s, samples_i):
+            assert lp_s == pytest.approx(lp_i, rel=1e-6, abs=1e-6)
         numerics = [k for k in m_s if k.startswith(("policy/", "train/")) and "time" not in k and "_s" not in k[-2:]]
-        assert numerics and all(m_s[k] == m_i[k] for k in numerics), {k: (m_s[k], m_i[k]) for k in numerics}
+        close = all(m_s[k] == pytest.approx(m_i[k], rel=1e-5, abs=1e-7) for k in numerics)
+        assert numerics and close, {k: (m_s[k], m_i[k]) for k in numerics}
     # the in-place engine stopped generating for its whole sync; the staged one only to commit
     m_s, m_i = staged[-1][1], inplace[-1][1]
     assert m_i["policy_sync_generation_paused_s"] > m_s["policy_sync_generation_paused_s"]
