@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from areno.models.logprobs import packed_logprobs
-from areno.types import TokenBatch
+from areno.types import TokenBatch, Trajectory
 
 
 def nll_forward(model, mb: TokenBatch) -> dict[str, torch.Tensor]:
@@ -52,6 +52,27 @@ def random_batch(lengths: list[int], vocab: int, seed: int) -> TokenBatch:
         advantages_T=torch.zeros(T),
         rewards_B=torch.zeros(len(lengths)),
     )
+
+
+def group_batch(groups: list[tuple[int, list[int]]], seed: int = 0) -> TokenBatch:
+    """A GRPO-like batch: per group (prompt length, completion lengths), its samples one after another
+    (random ids in [3, 50): a different prompt per group)."""
+    gen = torch.Generator().manual_seed(seed)
+    trajs = []
+    for g, (p, comps) in enumerate(groups):
+        prompt = torch.randint(3, 50, (p,), generator=gen).tolist()
+        trajs += [
+            Trajectory(
+                prompt_ids=prompt,
+                completion_ids=torch.randint(3, 50, (n,), generator=gen).tolist(),
+                logprobs=[0.0] * n,
+                versions=[0] * n,
+                reward=float(i % 2),
+                group_id=str(g),
+            )
+            for i, n in enumerate(comps)
+        ]
+    return TokenBatch.from_trajectories(trajs)
 
 
 def make_model_dir(out: Path, *, hidden: int = 32, layers: int = 2, seed: int = 0, **kw) -> Path:

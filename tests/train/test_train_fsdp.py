@@ -10,8 +10,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from areno.models.prefix_sharing import shared_prompt_tokens
 from areno.train import FSDP2TrainBackend, LocalTrainBackend, LoraConfig, TrainBackendConfig
-from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, spawn, token_denominator
+from areno.train.packing import _Prompts
+from tests.helpers.train import (
+    group_batch,
+    make_model_dir,
+    nll_forward,
+    nll_loss,
+    random_batch,
+    spawn,
+    token_denominator,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -19,6 +29,8 @@ VOCAB = 100
 LORA = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "up_proj"))
 LENGTHS = [13, 7, 21, 5, 9, 16, 3, 11, 6]
 STEPS = 3
+GROUPS = [(6, [3, 9, 5, 7]), (4, [8, 2, 6]), (9, [4, 4, 10, 2]), (5, [7, 3, 5])]
+"""Groups (prompt length, completion lengths) of a batch whose prompts the forwards run once."""
 CFG = dict(lr=1e-2, device="cpu", grad_clip=0.5, weight_decay=0.1, max_tokens_per_mb=24)
 
 
@@ -58,6 +70,12 @@ def _worker(rank, world, model_dir, out_dir):
     # one sequence on two ranks: rank 1 runs an empty (dummy) micro-batch that adds nothing
     result["one_seq_loss"] = b.train_step(
         random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
+    )["loss"]
+    # groups sharing their prompts: each rank's share planned by rows (whole groups), the same step
+    grouped = group_batch(GROUPS, seed=9)
+    result["shared_plan"] = b.plan(grouped).per_rank
+    result["shared_loss"] = b.train_step(
+        grouped, forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
     )["loss"]
     result["dp_weights"] = {k: v.clone() for k, v in b.named_weights()}
     # sleep / wake round trip on sharded parameters and optimizer state
@@ -114,6 +132,9 @@ def fsdp_result(tmp_path_factory):
     ref["one_seq_loss"] = local.train_step(
         random_batch([9], VOCAB, 8), forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
     )["loss"]
+    ref["shared_loss"] = local.train_step(
+        group_batch(GROUPS, seed=9), forward_fn=nll_forward, loss_fn=nll_loss, denominator_fn=token_denominator
+    )["loss"]
     ref["weights"] = {k: v.clone() for k, v in local.named_weights()}  # named_weights may alias live params
     return torch.load(tmp / "result.pt", weights_only=True), ref, tmp, model_dir
 
@@ -127,6 +148,13 @@ def test_fsdp_two_ranks_equal_single_process(fsdp_result):
         assert err < 1e-5, (name, float(err))
     torch.testing.assert_close(got["dp_scores"], ref["scores"], rtol=1e-5, atol=1e-5)
     assert abs(got["one_seq_loss"] - ref["one_seq_loss"]) < 1e-5
+    # shared prompts over two ranks: whole groups on each (every prompt run once), the one-process loss
+    grouped = group_batch(GROUPS, seed=9)
+    run = _Prompts(shared_prompt_tokens(grouped.input_ids_T, grouped.cu_seqlens_B1, grouped.loss_mask_T), []).run
+    rank_of = {i: r for r, rank in enumerate(got["shared_plan"]) for mb in rank for i in mb}
+    assert sorted(rank_of) == list(range(grouped.num_seqs)) and len(set(run)) == len(GROUPS)
+    assert all(rank_of[i] == rank_of[run[i]] for i in rank_of), got["shared_plan"]  # a group on one rank
+    assert abs(got["shared_loss"] - ref["shared_loss"]) < 1e-5
     assert list(got["dp_weights"]) == list(ref["weights"])
     for name, w in ref["weights"].items():
         # after 3 AdamW steps (lr 1e-2): within 1% of one step; Adam magnifies 1e-7 gradient noise

@@ -8,6 +8,7 @@ import torch
 from areno.train.config import TrainBackendConfig
 from areno.train.optim import lr_factor
 from areno.train.packing import MicroBatchSpec, estimate_max_tokens_per_mb, plan_micro_batches
+from tests.helpers.train import group_batch
 
 
 def test_ffd_respects_budget_and_covers_every_sequence_once():
@@ -115,28 +116,6 @@ def test_truncate_long_sequences_hand_values():
 
 
 # ----------------------------------------------------------------------------- shared prompts
-def _groups_batch(groups: list[tuple[int, list[int]]], seed: int = 0):
-    """A GRPO-like batch: per group (prompt length, completion lengths), its samples one after another."""
-    from areno.types import TokenBatch, Trajectory
-
-    gen = torch.Generator().manual_seed(seed)
-    trajs = []
-    for g, (p, comps) in enumerate(groups):
-        prompt = torch.randint(3, 50, (p,), generator=gen).tolist()
-        trajs += [
-            Trajectory(
-                prompt_ids=prompt,
-                completion_ids=torch.randint(3, 50, (n,), generator=gen).tolist(),
-                logprobs=[0.0] * n,
-                versions=[0] * n,
-                reward=float(i % 2),
-                group_id=str(g),
-            )
-            for i, n in enumerate(comps)
-        ]
-    return TokenBatch.from_trajectories(trajs)
-
-
 def _shared(batch) -> list[int]:
     from areno.models.prefix_sharing import shared_prompt_tokens
 
@@ -162,7 +141,7 @@ def test_shared_prompt_tokens_count_the_rows_the_shared_forward_runs():
         (int(torch.randint(1, 9, (1,), generator=rng)), [int(n) for n in torch.randint(1, 7, (k,))])
         for k in (3, 1, 4, 2, 5)
     ]
-    batch = _groups_batch(groups)
+    batch = group_batch(groups)
     shared = _shared(batch)
     assert shared[0] == 0 and sum(1 for s in shared if s) == sum(len(c) - 1 for _, c in groups)
     prompts = _Prompts(shared, batch.seqlens_B.tolist())
@@ -181,7 +160,7 @@ def test_shared_prompts_keep_groups_whole_where_no_micro_batch_is_added():
     # completions of 16-254 tokens in each of 8 groups of 8 (1,336 tokens a group): first-fit-decreasing by
     # length puts a part of every group in each of its 3 micro-batches (each prompt three times); by rows
     # 3 + 3 + 2 whole groups
-    batch = _groups_batch([(32, [16 + 34 * j for j in range(8)])] * 8)
+    batch = group_batch([(32, [16 + 34 * j for j in range(8)])] * 8)
     seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
     by_tokens = plan_micro_batches(seqlens, spec).per_rank[0]
     assert len(by_tokens) == 3 and all(len({i // 8 for i in mb}) == 8 for mb in by_tokens)
@@ -192,7 +171,7 @@ def test_shared_prompts_keep_groups_whole_where_no_micro_batch_is_added():
     ]
     # 1,392 tokens a group: whole groups would take four micro-batches, so three of consecutive sequences
     # (two groups split: two prompts again, not sixteen)
-    batch = _groups_batch([(32, [16 + 36 * j for j in range(8)])] * 8)
+    batch = group_batch([(32, [16 + 36 * j for j in range(8)])] * 8)
     seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
     by_tokens = plan_micro_batches(seqlens, spec).per_rank[0]
     by_rows = plan_micro_batches(seqlens, spec, shared).per_rank[0]
@@ -205,7 +184,7 @@ def test_shared_prompts_keep_groups_whole_where_no_micro_batch_is_added():
 
 def test_shared_prompts_keep_groups_on_one_data_parallel_rank():
     rank_rows = lambda batch, p: max(sum(_rows(batch, mb) for mb in rank) for rank in p.per_rank)
-    batch = _groups_batch([(40, [10, 30, 20, 50])] * 6)
+    batch = group_batch([(40, [10, 30, 20, 50])] * 6)
     seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
     plan = plan_micro_batches(seqlens, MicroBatchSpec(max_tokens_per_mb=1024, dp_size=3), shared)
     for rank in plan.per_rank:  # two whole groups each
@@ -214,7 +193,7 @@ def test_shared_prompts_keep_groups_on_one_data_parallel_rank():
         assert len(groups) == 2 and mb == [i for g in groups for i in range(4 * g, 4 * g + 4)]
     assert rank_rows(batch, plan) == 2 * (40 + 110)
     # three groups on two ranks: by tokens each rank gets part of every group (every prompt twice)
-    batch = _groups_batch([(40, [50, 40, 30, 20])] * 3)
+    batch = group_batch([(40, [50, 40, 30, 20])] * 3)
     seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
     spec = MicroBatchSpec(max_tokens_per_mb=1024, dp_size=2)
     by_tokens, by_rows = plan_micro_batches(seqlens, spec), plan_micro_batches(seqlens, spec, shared)
@@ -230,7 +209,7 @@ def test_shared_prompt_plans_are_valid_and_never_need_more_micro_batches(seed):
     rng = torch.Generator().manual_seed(seed)
     r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=rng))
     groups = [(r(1, 40), [r(1, 60) for _ in range(r(1, 8))]) for _ in range(r(1, 10))]
-    batch = _groups_batch(groups, seed)
+    batch = group_batch(groups, seed)
     seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
     dp, budget = r(1, 4), max(seqlens) + r(0, 300)
     spec = MicroBatchSpec(max_tokens_per_mb=budget, dp_size=dp)
