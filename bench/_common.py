@@ -108,6 +108,15 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
     )
 
 
+def check_rounds_and_lengths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``p.error`` (exit 2 with the usage) unless ``--rounds`` and ``--reps`` are at least 1 and
+    ``--min-completion-len`` (where given) lies in [1, ``--completion-len``]."""
+    if args.rounds < 1 or args.reps < 1:
+        p.error("--rounds and --reps must be at least 1")
+    if args.min_completion_len is not None and not 1 <= args.min_completion_len <= args.completion_len:
+        p.error("--min-completion-len must be between 1 and --completion-len")
+
+
 def graphed_us(step: Callable[[], object], per_step: int, trials: int = 5, replays: int = 20) -> float:
     """Microseconds per item of a CUDA graph of ``step`` (``per_step`` items, e.g. layers, per call): run
     once eagerly on a side stream (kernels compile outside the capture), captured, replayed; the median

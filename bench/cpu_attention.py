@@ -32,7 +32,7 @@ from areno.models.decoder import Decoder
 from areno.models.prefix_sharing import SharedPrefixAttention, plan
 from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
-from bench._common import emit, headline, parser, ratio
+from bench._common import check_rounds_and_lengths, emit, headline, parser, ratio
 from bench.e2e import CPU5M, CPU12M
 
 SHAPES = {"cpu12m": CPU12M, "cpu5m": CPU5M}
@@ -134,10 +134,7 @@ def setup(name: str, doc: str, argv: list[str] | None) -> tuple[argparse.Namespa
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per arm and round (after one warm-up)")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.reps < 1:
-        p.error("--rounds and --reps must be at least 1")
-    if args.min_completion_len is not None and not 1 <= args.min_completion_len <= args.completion_len:
-        p.error("--min-completion-len must be between 1 and --completion-len")
+    check_rounds_and_lengths(p, args)
     keep_freed_memory()  # as an areno CPU run does: freed temporaries are not returned to the system
     torch.manual_seed(0)
     hf = {**SHAPES[args.shape], "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}

@@ -39,7 +39,7 @@ from areno.specializations.forward import token_logprobs_T
 from areno.train import LocalTrainBackend, TrainBackendConfig
 from areno.train.packing import MicroBatchSpec, plan_micro_batches
 from areno.types import TokenBatch, Trajectory
-from bench._common import emit, headline, parser, ratio
+from bench._common import check_rounds_and_lengths, emit, headline, parser, ratio
 from bench.e2e import CPU5M, CPU12M, E2E_05B, completion_lengths
 
 SHAPES = {"cpu12m": CPU12M, "cpu5m": CPU5M, "0.5b": E2E_05B}
@@ -92,10 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=2, help="timed steps per arm and round (after one warm-up)")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.reps < 1:
-        p.error("--rounds and --reps must be at least 1")
-    if args.min_completion_len is not None and not 1 <= args.min_completion_len <= args.completion_len:
-        p.error("--min-completion-len must be between 1 and --completion-len")
+    check_rounds_and_lengths(p, args)
     if args.device == "cpu":
         keep_freed_memory()  # as an areno CPU run does
     hf = {**SHAPES[args.shape], "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
