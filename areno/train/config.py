@@ -91,8 +91,9 @@ class TrainStepConfig:
     non-finite guard (the backend's part of the user's ``train`` section)."""
 
     max_tokens_per_mb: int | None = None
-    """Token budget of one packed micro-batch. null: on CUDA, a memory estimate from the model shape
-    and free device memory; on CPU, 4096."""
+    """Token budget of one packed micro-batch. null: a memory estimate from the model shape and free
+    memory: the device's on CUDA; on CPU a quarter of the host's available memory, kept within 4096-16384
+    tokens (fewer, larger micro-batches run faster there)."""
     long_sequences: str = "error"
     """A sequence longer than ``max_tokens_per_mb``: ``error`` (one line naming its length and the
     budget) or ``truncate`` (its first ``max_tokens_per_mb`` tokens are trained on, the tail leaves

@@ -406,3 +406,36 @@ def test_lora_adapter_only_export_loads_in_peft(model_dir, tmp_path):
         )
     with pytest.raises(ValueError, match="needs LoRA"):
         next(backend(model_dir).named_adapter_weights())
+
+
+def test_cpu_default_budget_follows_host_memory_within_its_bounds(model_dir, monkeypatch):
+    """``train.max_tokens_per_mb=null`` on CPU: the activation estimate over a quarter of the host's
+    available memory, kept within ``CPU_TOKENS_PER_MB``; the lower bound where /proc/meminfo is missing."""
+    from areno.train import backend as backend_mod
+    from areno.train.packing import estimate_max_tokens_per_mb
+
+    lo, hi = backend_mod.CPU_TOKENS_PER_MB
+    b = backend(model_dir)
+    mc = b.model_config
+    assert b.max_tokens_per_mb == b._default_tokens_per_mb()  # what the backend plans with
+    per_token_bytes = (1 << 30) // estimate_max_tokens_per_mb(  # the estimate's bytes a token, at 1 GiB free
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_layers=mc.num_hidden_layers,
+        vocab_size=mc.vocab_size,
+        q_kv_dim=(mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim,
+        free_bytes=1 << 30,
+        compute_bytes=4,
+    )
+    for available, expected in [
+        (None, lo),
+        (1 << 20, lo),  # a small host: the lower bound (what areno used on every CPU before)
+        (1 << 50, hi),
+    ]:
+        monkeypatch.setattr(backend_mod, "available_host_bytes", lambda a=available: a)
+        assert b._default_tokens_per_mb() == expected, available
+    # in between: the estimate itself (a multiple of 256)
+    monkeypatch.setattr(
+        backend_mod, "available_host_bytes", lambda: backend_mod.CPU_MEMORY_SHARE * 8000 * per_token_bytes
+    )
+    assert lo < b._default_tokens_per_mb() < hi and b._default_tokens_per_mb() % 256 == 0
