@@ -12,10 +12,10 @@ Where the model computes a group's common prompt once (``models.prefix_sharing``
 over ranks or micro-batches computes it once in each. The planner is then also given what each
 sequence shares with the one before it (``shared_B``) and weighs plans by the rows the shared
 forwards run. Besides the two stages above it tries contiguous plans (whole groups where they fit,
-else consecutive sequences), balanced by a binary search of their largest part: each rank takes the
-micro-batches that are fewest (then run the fewest rows, then whose largest is smallest), and the
-ranks the split whose busiest rank runs the fewest rows (then needs the fewest micro-batches, runs
-the fewest rows in all, has the smallest largest micro-batch). The budget stays on tokens, shared or not.
+else consecutive sequences), balanced by a binary search of their largest part: the ranks take the
+split whose busiest rank runs the fewest rows (then the fewest in all), each rank the micro-batches
+that are fewest (then run the fewest rows, then whose largest is smallest). The budget stays on
+tokens, shared or not.
 
 FSDP runs collectives in every forward and backward, so all ranks must run the same number of
 micro-batches: ranks with fewer split their fullest micro-batch until the counts agree, and a rank
@@ -176,22 +176,21 @@ class _Prompts:
         ]
 
     @staticmethod
-    def greedy(items: list[_Item], cap: int, *, by_rows: bool) -> list[list[int]]:
-        """Consecutive items in parts of at most ``cap`` tokens (or rows), each part as full as it goes
-        (an item over ``cap`` alone in its part)."""
-        parts: list[list[int]] = []
+    def greedy(items: list[_Item], cap: int, *, by_rows: bool) -> list[int]:
+        """Where consecutive items' parts of at most ``cap`` tokens (or rows) start, each part as full as it
+        goes (an item over ``cap`` alone in its part): the index of each part's first item."""
+        starts: list[int] = []
         load, last_run = 0, -1
-        for it in items:
+        for j, it in enumerate(items):
             alone = it.rows if by_rows else it.tokens
             joined = alone - it.join if by_rows and last_run == it.first_run else alone
-            if parts and load + joined <= cap:
-                parts[-1].extend(it.seqs)
+            if starts and load + joined <= cap:
                 load += joined
             else:
-                parts.append(list(it.seqs))
+                starts.append(j)
                 load = alone
             last_run = it.last_run
-        return parts
+        return starts
 
     def balanced(self, items: list[_Item], k: int, *, by_rows: bool, cap: int | None = None) -> list[list[int]]:
         """Consecutive items in at least ``k`` parts (empty ones where there are fewer items), no more
@@ -207,12 +206,15 @@ class _Prompts:
                 hi = mid
             else:
                 lo = mid + 1
-        parts = self.greedy(items, lo, by_rows=by_rows)
+        starts = self.greedy(items, lo, by_rows=by_rows)
+        parts = [[i for it in items[a:b] for i in it.seqs] for a, b in zip(starts, [*starts[1:], len(items)])]
         return parts + [[] for _ in range(k - len(parts))]
 
     def rank_plans(self, lpt: list[list[int]], dp_size: int) -> list[list[list[int]]]:
         """Data-parallel candidates: ``lpt``, and contiguous plans of whole runs and of sequences,
-        balanced in rows."""
+        balanced in rows (one rank: ``lpt`` alone, which holds every sequence)."""
+        if dp_size == 1:
+            return [lpt]
         every = list(range(len(self.seqlens)))
         return [lpt] + [self.balanced(self.items(every, whole_runs=w), dp_size, by_rows=True) for w in (True, False)]
 
@@ -264,18 +266,13 @@ def plan_micro_batches(
         def tokens(bins: list[list[int]]) -> int:
             return max((sum(seqlens[i] for i in b) for b in bins), default=0)
 
-        def rank_bins_for(seqs: list[int]) -> list[list[int]]:  # fewest micro-batches, rows, largest one
-            return min(prompts.micro_batch_plans(seqs, spec.budget), key=lambda p: (len(p), sum(rows(p)), tokens(p)))
-
-        def score(plan: list[list[list[int]]]) -> tuple[int, int, int, int]:
-            """(busiest rank's rows, micro-batches, rows, largest micro-batch's tokens): least is best."""
-            per_rank = [rows(bins) for bins in plan]
-            return max(map(sum, per_rank)), max(map(len, plan)), sum(map(sum, per_rank)), max(map(tokens, plan))
-
-        rank_bins = min(
-            ([rank_bins_for(seqs) for seqs in ranks] for ranks in prompts.rank_plans(rank_seqs, spec.dp_size)),
-            key=score,
-        )
+        # the ranks: the split whose busiest rank runs the fewest rows (then the fewest in all); each rank: the
+        # fewest micro-batches (then rows, then the smallest largest one)
+        ranks = min(prompts.rank_plans(rank_seqs, spec.dp_size), key=lambda r: (max(rows(r)), sum(rows(r))))
+        rank_bins = [
+            min(prompts.micro_batch_plans(seqs, spec.budget), key=lambda p: (len(p), sum(rows(p)), tokens(p)))
+            for seqs in ranks
+        ]
     n_mbs = max(1, max(len(b) for b in rank_bins))
     per_rank = [[sorted(b) for b in _split_to_count(bins, seqlens, n_mbs, prompts)] for bins in rank_bins]
     return MicroBatchPlan(per_rank=per_rank)
