@@ -232,6 +232,13 @@ class PackedTrainBackend(TrainBackend):
             trainable_parameters(self.model.parameters())  # none: a one-line error now, not at the first step
             self._builds_optimizer = True
         self.max_tokens_per_mb = cfg.max_tokens_per_mb or self._default_tokens_per_mb()
+        if cfg.max_tokens_per_mb is None and self.is_rank0:
+            logger.info(
+                "training: micro-batches of up to %d tokens (train.max_tokens_per_mb=null: estimated from the %s's "
+                "free memory; set it to override)",
+                self.max_tokens_per_mb,
+                "host" if self.device.type != "cuda" else "device",
+            )
         self._routing = moe.RoutingMonitor(self.model)  # expert models: router loss and routing mismatch
         if (cfg.moe_rollout_routes or cfg.moe_routing_replay) and not self._routing:
             key = "train.moe_routing_replay" if cfg.moe_routing_replay else "train.moe_rollout_routes"
