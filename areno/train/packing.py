@@ -14,8 +14,8 @@ sequence shares with the one before it (``shared_B``) and weighs plans by the ro
 forwards run. Besides the two stages above it tries contiguous plans (whole groups where they fit,
 else consecutive sequences), balanced by a binary search of their largest part: the ranks take the
 split whose busiest rank runs the fewest rows (then the fewest in all), each rank the micro-batches
-that are fewest (then run the fewest rows, then whose largest is smallest). The budget stays on
-tokens, shared or not.
+whose rows and fixed costs (``MICRO_BATCH_ROWS`` each) are least (then whose largest is smallest).
+The budget stays on tokens, shared or not.
 
 FSDP runs collectives in every forward and backward, so all ranks must run the same number of
 micro-batches: ranks with fewer split their fullest micro-batch until the counts agree, and a rank
@@ -127,6 +127,12 @@ def _split_to_count(
             loads[side] += seqlens[i]
         bins.extend(halves)
     return bins
+
+
+MICRO_BATCH_ROWS = 256
+"""What one more micro-batch costs, in rows of a shared-prompt forward, where the planner weighs rows: each
+casts the weights and adds their gradients again, besides its host work (on the CPU 170-260 rows' time at
+the cpu5m and cpu12m shapes, bench/LOG.md). A plan of one more micro-batch wins where it saves more rows."""
 
 
 @dataclass(frozen=True)
@@ -267,10 +273,13 @@ def plan_micro_batches(
             return max((sum(seqlens[i] for i in b) for b in bins), default=0)
 
         # the ranks: the split whose busiest rank runs the fewest rows (then the fewest in all); each rank: the
-        # fewest micro-batches (then rows, then the smallest largest one)
+        # micro-batches of least rows and fixed cost (then the smallest largest one)
         ranks = min(prompts.rank_plans(rank_seqs, spec.dp_size), key=lambda r: (max(rows(r)), sum(rows(r))))
         rank_bins = [
-            min(prompts.micro_batch_plans(seqs, spec.budget), key=lambda p: (len(p), sum(rows(p)), tokens(p)))
+            min(
+                prompts.micro_batch_plans(seqs, spec.budget),
+                key=lambda p: (sum(rows(p)) + MICRO_BATCH_ROWS * len(p), tokens(p)),
+            )
             for seqs in ranks
         ]
     n_mbs = max(1, max(len(b) for b in rank_bins))

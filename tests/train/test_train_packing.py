@@ -182,6 +182,21 @@ def test_shared_prompts_keep_groups_whole_where_no_micro_batch_is_added():
     assert ideal <= sum(_rows(batch, mb) for mb in by_rows) <= ideal + 2 * 32
 
 
+def test_one_more_micro_batch_where_it_saves_more_rows_than_it_costs():
+    from areno.train.packing import MICRO_BATCH_ROWS
+
+    # 256-token prompts, 3,136 tokens a group: seven micro-batches of consecutive sequences would run six
+    # prompts again (1,536 rows), more than an eighth micro-batch costs: one whole group each
+    batch = group_batch([(256, [16 + 34 * j for j in range(8)])] * 8)
+    seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
+    plan = plan_micro_batches(seqlens, MicroBatchSpec(max_tokens_per_mb=4096), shared).per_rank[0]
+    assert plan == [list(range(8 * g, 8 * g + 8)) for g in range(8)] and 6 * 256 > MICRO_BATCH_ROWS
+    # 32-token prompts: a fourth micro-batch would save two prompts (64 rows), less than it costs
+    batch = group_batch([(32, [16 + 36 * j for j in range(8)])] * 8)
+    plan = plan_micro_batches(batch.seqlens_B.tolist(), MicroBatchSpec(max_tokens_per_mb=4096), _shared(batch))
+    assert plan.n_mbs == 3 and 2 * 32 < MICRO_BATCH_ROWS
+
+
 def test_shared_prompts_keep_groups_on_one_data_parallel_rank():
     rank_rows = lambda batch, p: max(sum(_rows(batch, mb) for mb in rank) for rank in p.per_rank)
     batch = group_batch([(40, [10, 30, 20, 50])] * 6)
@@ -204,7 +219,7 @@ def test_shared_prompts_keep_groups_on_one_data_parallel_rank():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_shared_prompt_plans_are_valid_and_never_need_more_micro_batches(seed):
-    from areno.train.packing import _Prompts
+    from areno.train.packing import MICRO_BATCH_ROWS, _Prompts
 
     rng = torch.Generator().manual_seed(seed)
     r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=rng))
@@ -217,9 +232,8 @@ def test_shared_prompt_plans_are_valid_and_never_need_more_micro_batches(seed):
     assert len(plan.per_rank) == dp and all(len(rank) == plan.n_mbs for rank in plan.per_rank)
     assert sorted(i for rank in plan.per_rank for mb in rank for i in mb) == list(range(len(seqlens)))
     assert all(mb == sorted(mb) and sum(seqlens[i] for i in mb) <= budget for rank in plan.per_rank for mb in rank)
-    if dp == 1:  # one rank: never more micro-batches than by tokens, and no more rows with as many
+    if dp == 1:  # one rank: no more rows and micro-batches' fixed costs than by tokens
         prompts = _Prompts(shared, seqlens)
         by_tokens = plan_micro_batches(seqlens, spec).per_rank[0]
-        assert plan.n_mbs <= len(by_tokens)
-        if plan.n_mbs == len(by_tokens):
-            assert sum(map(prompts.rows, plan.per_rank[0])) <= sum(map(prompts.rows, by_tokens))
+        cost = lambda mbs: sum(map(prompts.rows, mbs)) + MICRO_BATCH_ROWS * len(mbs)
+        assert cost(plan.per_rank[0]) <= cost(by_tokens)
