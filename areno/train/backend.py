@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from areno.errors import ConfigError
@@ -62,9 +63,10 @@ logger = logging.getLogger(__name__)
 
 CPU_TOKENS_PER_MB = (4096, 16384)
 """Bounds of a CPU run's default micro-batch budget: the activations' estimate over 1/``CPU_MEMORY_SHARE``
-of the host's available memory, at least the first (what a large model on a small host keeps), at most the
-second. Fewer, larger micro-batches cost less on a CPU: each one casts the weights and adds their
-gradients again (bench/LOG.md: a cpu12m step 1.05x faster in one micro-batch than in three)."""
+of the host's available memory (split over the run's training processes), at least the first (what a large
+model on a small host keeps), at most the second. Fewer, larger micro-batches cost less on a CPU: each one
+casts the weights and adds their gradients again (bench/LOG.md: a cpu12m step 1.05x faster in one
+micro-batch than in three)."""
 CPU_MEMORY_SHARE = 4
 ADAPTER_SUBDIR = "adapter"
 """A LoRA backend's checkpoint directory holds its adapter here, in PEFT's layout."""
@@ -280,7 +282,9 @@ class PackedTrainBackend(TrainBackend):
             available = available_host_bytes()
             if available is None:  # no /proc/meminfo
                 return lo
-            free_bytes = available // CPU_MEMORY_SHARE
+            # every training process of a CPU run shares the host's memory (a multi-node run: no larger than this)
+            processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            free_bytes = available // (CPU_MEMORY_SHARE * processes)
         else:
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             if self.cfg.trainable:  # Adam moments and grads are allocated lazily: reserve them
