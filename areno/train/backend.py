@@ -48,6 +48,7 @@ from areno.train.optim import (
     trainable_parameters,
 )
 from areno.train.packing import (
+    MICRO_BATCH_ROWS,
     MicroBatchPlan,
     MicroBatchSpec,
     dummy_batch,
@@ -321,7 +322,12 @@ class PackedTrainBackend(TrainBackend):
     def plan(self, batch: TokenBatch) -> MicroBatchPlan:
         """Micro-batches of ``batch`` for every rank; where the model runs a group's common prompt once,
         planned to keep groups together (``packing.plan_micro_batches``'s ``shared_B``)."""
-        spec = MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb, dp_size=self._dp_size, cp_size=self._cp_size)
+        spec = MicroBatchSpec(
+            max_tokens_per_mb=self.max_tokens_per_mb,
+            dp_size=self._dp_size,
+            cp_size=self._cp_size,
+            micro_batch_rows=None if self.device.type == "cuda" else MICRO_BATCH_ROWS,
+        )
         shared_B = None
         if self.shares_prompts:
             shared_B = prefix_sharing.shared_prompt_tokens(

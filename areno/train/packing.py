@@ -14,8 +14,9 @@ sequence shares with the one before it (``shared_B``) and weighs plans by the ro
 forwards run. Besides the two stages above it tries contiguous plans (whole groups where they fit,
 else consecutive sequences), balanced by a binary search of their largest part: the ranks take the
 split whose busiest rank runs the fewest rows (then the fewest in all), each rank the micro-batches
-whose rows and fixed costs (``MICRO_BATCH_ROWS`` each) are least (then whose largest is smallest).
-The budget stays on tokens, shared or not.
+whose rows and fixed costs (``spec.micro_batch_rows`` each, on a CPU) are least, or on a GPU the fewest
+micro-batches (then the fewest rows); then those whose largest is smallest. The budget stays on
+tokens, shared or not.
 
 FSDP runs collectives in every forward and backward, so all ranks must run the same number of
 micro-batches: ranks with fewer split their fullest micro-batch until the counts agree, and a rank
@@ -38,6 +39,12 @@ import torch
 from areno.errors import ConfigError
 from areno.types import TokenBatch
 
+MICRO_BATCH_ROWS = 256
+"""What one more micro-batch costs on a CPU, in rows of a shared-prompt forward, where the planner weighs rows:
+each casts the weights and adds their gradients again, besides its host work (170-260 rows' time at the
+cpu5m and cpu12m shapes, bench/LOG.md). A plan of one more micro-batch wins where it saves more rows. On an
+H200 a 0.5B micro-batch of 1,344 rows cost as much as one of 3,000 (``MicroBatchSpec.micro_batch_rows``)."""
+
 
 @dataclass(kw_only=True)
 class MicroBatchSpec:
@@ -53,6 +60,10 @@ class MicroBatchSpec:
     rank holds, so a micro-batch takes up to ``max_tokens_per_mb * cp_size`` tokens, a multiple of
     cp that its token count, padded to a multiple of cp (``context_parallel.padded_tokens``), never
     exceeds."""
+    micro_batch_rows: int | None = MICRO_BATCH_ROWS
+    """Where the planner weighs shared prompts' rows: what one more micro-batch costs, in rows (a CPU's);
+    None, the fewest micro-batches first (a GPU's, whose micro-batch of a small model costs its launches and
+    fixed work more than its rows)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_mb <= 0:
@@ -127,12 +138,6 @@ def _split_to_count(
             loads[side] += seqlens[i]
         bins.extend(halves)
     return bins
-
-
-MICRO_BATCH_ROWS = 256
-"""What one more micro-batch costs, in rows of a shared-prompt forward, where the planner weighs rows: each
-casts the weights and adds their gradients again, besides its host work (on the CPU 170-260 rows' time at
-the cpu5m and cpu12m shapes, bench/LOG.md). A plan of one more micro-batch wins where it saves more rows."""
 
 
 @dataclass(frozen=True)
@@ -273,15 +278,16 @@ def plan_micro_batches(
             return max((sum(seqlens[i] for i in b) for b in bins), default=0)
 
         # the ranks: the split whose busiest rank runs the fewest rows (then the fewest in all); each rank: the
-        # micro-batches of least rows and fixed cost (then the smallest largest one)
+        # micro-batches of least rows and fixed cost, or the fewest (then the smallest largest one)
         ranks = min(prompts.rank_plans(rank_seqs, spec.dp_size), key=lambda r: (max(rows(r)), sum(rows(r))))
-        rank_bins = [
-            min(
-                prompts.micro_batch_plans(seqs, spec.budget),
-                key=lambda p: (sum(rows(p)) + MICRO_BATCH_ROWS * len(p), tokens(p)),
-            )
-            for seqs in ranks
-        ]
+        per_mb = spec.micro_batch_rows
+
+        def cost(p: list[list[int]]) -> tuple[int, ...]:
+            if per_mb is None:
+                return len(p), sum(rows(p)), tokens(p)
+            return sum(rows(p)) + per_mb * len(p), tokens(p)
+
+        rank_bins = [min(prompts.micro_batch_plans(seqs, spec.budget), key=cost) for seqs in ranks]
     n_mbs = max(1, max(len(b) for b in rank_bins))
     per_rank = [[sorted(b) for b in _split_to_count(bins, seqlens, n_mbs, prompts)] for bins in rank_bins]
     return MicroBatchPlan(per_rank=per_rank)

@@ -191,6 +191,10 @@ def test_one_more_micro_batch_where_it_saves_more_rows_than_it_costs():
     seqlens, shared = batch.seqlens_B.tolist(), _shared(batch)
     plan = plan_micro_batches(seqlens, MicroBatchSpec(max_tokens_per_mb=4096), shared).per_rank[0]
     assert plan == [list(range(8 * g, 8 * g + 8)) for g in range(8)] and 6 * 256 > MICRO_BATCH_ROWS
+    # a GPU's spec (micro_batch_rows=None): the fewest micro-batches, then the fewest rows
+    gpu = MicroBatchSpec(max_tokens_per_mb=4096, micro_batch_rows=None)
+    plan = plan_micro_batches(seqlens, gpu, shared).per_rank[0]
+    assert len(plan) == 7 and all(mb == list(range(mb[0], mb[-1] + 1)) for mb in plan)
     # 32-token prompts: a fourth micro-batch would save two prompts (64 rows), less than it costs
     batch = group_batch([(32, [16 + 36 * j for j in range(8)])] * 8)
     plan = plan_micro_batches(batch.seqlens_B.tolist(), MicroBatchSpec(max_tokens_per_mb=4096), _shared(batch))
