@@ -69,7 +69,7 @@ class ClusterLayout:
     train_tp: int = 1
     """Tensor-parallel size of training (FSDP shards over the rest)."""
     train_dp_replicate: int = 1
-    """HSDP replicas of training."""
+    """HSDP replicas of training (``cluster.train_dp_replicate``)."""
     train_ep: int = 1
     """Expert-parallel size of training (``train.ep_size``): it divides the FSDP shard dimension."""
     train_cp: int = 1
@@ -103,6 +103,11 @@ class ClusterLayout:
             raise LayoutError(
                 f"{n_train} training devices cannot form train TP {self.train_tp} x replicate "
                 f"{self.train_dp_replicate}; make the device count a multiple of their product"
+            )
+        if self.train_ep > 1 and self.train_dp_replicate > 1:
+            raise LayoutError(
+                f"training expert parallelism e{self.train_ep} with cluster.train_dp_replicate="
+                f"{self.train_dp_replicate}: the experts shard over the whole FSDP group; leave train_dp_replicate at 1"
             )
         if self.train_ep > 1 and (self.train_dp_shard % self.train_ep or self.train_tp > 1):
             raise LayoutError(
@@ -269,6 +274,7 @@ def layout_from_config(
         train_devices=tuple(train),
         rollout_devices=tuple(rollout),
         train_tp=train_tp,
+        train_dp_replicate=cluster.train_dp_replicate,
         train_ep=train_ep,
         train_cp=train_cp,
         rollout_tp=rollout_tp,

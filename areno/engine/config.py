@@ -324,6 +324,12 @@ class ClusterSection:
     train_tp: int = 1
     """Tensor-parallel size of training over `train_devices` (FSDP shards over the rest); with
     allocation_mode the `t` of its train component says it instead (`fsdp:d1t2`)."""
+    train_dp_replicate: int = 1
+    """HSDP: replicas of the FSDP group over a partitioned run's training devices. Each replica shards
+    parameters, gradients and optimizer state over devices / (train TP x this) ranks and holds a whole
+    copy of that state; gradients are averaged over the replicas. Above 1 where the sharded state fits
+    in fewer devices than the run trains on (a node's), so FSDP's gathers stay inside a replica. Not
+    with the `e` of an allocation_mode (experts shard over the FSDP group)."""
     rollout_tp: int = 1
     """Tensor-parallel size of one rollout replica over `rollout_devices` (rollout DP = the device
     count / this); with allocation_mode the `t` of its rollout component (`areno:d1t2`). Above 1 in
@@ -460,6 +466,15 @@ class ClusterSection:
             "cluster.offload",
             "sleep offloads a colocated run only (rollout and training share one device); this run is partitioned "
             "(cluster.train_devices/rollout_devices or a '+' allocation_mode): use cluster.offload=none",
+        )
+        check_config(
+            self.train_dp_replicate >= 1, "cluster.train_dp_replicate", f"must be >= 1, got {self.train_dp_replicate}"
+        )
+        check_config(
+            self.train_dp_replicate == 1 or partitioned,
+            "cluster.train_dp_replicate",
+            f"{self.train_dp_replicate} replicates training over several devices, but this run is colocated "
+            "(one device): set cluster.train_devices/rollout_devices or a '+' allocation_mode, or leave it at 1",
         )
         for key, size, devices in (
             ("train_tp", self.train_tp, self.train_devices),

@@ -17,7 +17,9 @@ GIB = 1 << 30
 
 
 def _cluster(**kw):
-    base = dict(allocation_mode=None, train_devices=None, rollout_devices=None, train_tp=1, rollout_tp=1)
+    base = dict(
+        allocation_mode=None, train_devices=None, rollout_devices=None, train_tp=1, train_dp_replicate=1, rollout_tp=1
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -92,6 +94,31 @@ def test_layout_from_config_lists_and_allocation_mode():
             num_devices=2,
             cuda=False,
         )
+
+
+def test_train_dp_replicate_reaches_the_layout_and_is_refused_where_it_cannot_run():
+    from areno.engine.config import ClusterSection
+    from areno.errors import ConfigError
+
+    cluster = ClusterSection(train_devices=[0, 1, 2, 3], rollout_devices=[4], train_dp_replicate=2)
+    lay = layout_from_config(cluster, num_devices=0, cuda=False)
+    assert lay.train_mesh_shape == (2, 2, 1) and lay.train_mesh_ranks() == [[[0], [1]], [[2], [3]]]
+    hsdp = ClusterSection(allocation_mode="areno:d1+fsdp:d4", train_dp_replicate=2)
+    assert layout_from_config(hsdp, num_devices=0, cuda=False).train_mesh_shape == (2, 2, 1)
+    with pytest.raises(LayoutError, match="cannot form train TP 1 x replicate 3"):
+        layout_from_config(
+            ClusterSection(train_devices=[0, 1, 2, 3], rollout_devices=[4], train_dp_replicate=3),
+            num_devices=0,
+            cuda=False,
+        )
+    with pytest.raises(LayoutError, match="leave train_dp_replicate at 1"):
+        layout_from_config(
+            ClusterSection(allocation_mode="areno:d1+fsdp:d4e2", train_dp_replicate=2), num_devices=0, cuda=False
+        )
+    with pytest.raises(ConfigError, match="cluster.train_dp_replicate: 2 replicates training .* colocated"):
+        ClusterSection(train_dp_replicate=2)
+    with pytest.raises(ConfigError, match="cluster.train_dp_replicate: must be >= 1, got 0"):
+        ClusterSection(train_devices=[0], rollout_devices=[1], train_dp_replicate=0)
 
 
 def _qwen_7b_like() -> ModelConfig:

@@ -218,6 +218,33 @@ def test_async_train_dp2_to_rollout_dp2_with_save_and_load(tmp_path):
 
 
 @pytest.mark.slow
+def test_hsdp_replicas_train_as_fsdp_over_the_same_ranks(tmp_path):
+    """``cluster.train_dp_replicate=2``: two replicas of a one-rank FSDP group (HSDP) train the first
+    step as FSDP sharding over both ranks does: the same rollout, the same loss and gradient norm up
+    to summation order; the policy streams from the replicas to the rollout worker."""
+    runs = {}
+    for replicas in (1, 2):
+        cfg = _config(
+            tmp_path,
+            "cluster.train_devices=[0, 1]",
+            "cluster.rollout_devices=[2]",
+            f"cluster.train_dp_replicate={replicas}",
+        )
+        engine = partitioned_engine(cfg, tmp_path / f"run{replicas}")
+        engine.initialize()
+        try:
+            assert engine.rollout.cluster.layout.train_mesh_shape == (replicas, 2 // replicas, 1)
+            runs[replicas] = _two_steps(engine)
+        finally:
+            engine.shutdown()
+    (fsdp_rollout, fsdp_metrics), (hsdp_rollout, hsdp_metrics) = runs[1][0], runs[2][0]
+    assert torch.equal(hsdp_rollout.batch.input_ids_T, fsdp_rollout.batch.input_ids_T)
+    for key in ("train/policy/loss", "train/policy/grad_norm"):
+        assert hsdp_metrics[key] == pytest.approx(fsdp_metrics[key], rel=1e-5, abs=1e-7), key
+    assert runs[2][1][1]["policy_sync_bytes"] > 0 and "train/policy/loss" in runs[2][1][1]
+
+
+@pytest.mark.slow
 def test_dead_rollout_replica_requests_rerouted_then_sync_refused(tmp_path):
     """rollout[1] dies: the batch still completes on rollout[0] (no trajectory lost or
     duplicated); the next policy sync is refused with a one-line error naming the worker."""

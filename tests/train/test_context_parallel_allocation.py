@@ -39,7 +39,12 @@ def test_c_combinations_that_do_not_divide(source, words):
 
 def _cluster(mode):
     return types.SimpleNamespace(
-        allocation_mode=mode, train_devices=None, rollout_devices=None, train_tp=1, rollout_tp=1
+        allocation_mode=mode,
+        train_devices=None,
+        rollout_devices=None,
+        train_tp=1,
+        train_dp_replicate=1,
+        rollout_tp=1,
     )
 
 
