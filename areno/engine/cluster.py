@@ -71,9 +71,9 @@ class ClusterLayout:
     train_dp_replicate: int = 1
     """HSDP replicas of training (``cluster.train_dp_replicate``)."""
     train_ep: int = 1
-    """Expert-parallel size of training (``train.ep_size``): it divides the FSDP shard dimension."""
+    """Expert-parallel size of training (the ``e`` of ``cluster.allocation_mode``): it divides the FSDP shard dimension."""
     train_cp: int = 1
-    """Context-parallel size of training (``train.cp_size``): runs of cp FSDP shard ranks share each
+    """Context-parallel size of training (the ``c`` of ``cluster.allocation_mode``): runs of cp FSDP shard ranks share each
     micro-batch."""
     rollout_tp: int = 1
     """Tensor-parallel size of one rollout replica; rollout DP = len(rollout_devices) / rollout_tp."""

@@ -122,7 +122,7 @@ class PackedTrainBackend(TrainBackend):
     _dp_rank: int
     _dp_size: int
     _cp_size: int = 1
-    """Context-parallel ranks sharing each micro-batch (``train.cp_size``; the FSDP backend sets it)."""
+    """Context-parallel ranks sharing each micro-batch (``TrainBackendConfig.cp_size``, the ``c`` of ``cluster.allocation_mode``; the FSDP backend sets it)."""
     # training progress (checkpointed)
     _step: int
     _skipped_steps: int

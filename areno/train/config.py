@@ -10,7 +10,7 @@ naming the key.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,10 +68,16 @@ class OptimConfig:
     ``cosine`` (linear warm-up, then cosine decay to min_lr_ratio * lr at total_steps)."""
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up; used by linear_warmup and cosine."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine schedule as a fraction of lr, in [0, 1]."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2), each in [0, 1) (a tuple once validated)."""
+    eps: float = 1e-8
+    """AdamW epsilon (> 0)."""
 
     def __post_init__(self) -> None:
         # inf passes the range checks and NaN fails them with a misleading message: name it first
-        for key in ("lr", "weight_decay", "grad_clip"):
+        for key in ("lr", "weight_decay", "grad_clip", "min_lr_ratio", "eps"):
             value = getattr(self, key)
             check_config(value is None or math.isfinite(value), f"optim.{key}", f"must be a finite number, got {value}")
         check_config(0 < self.lr <= MAX_LR, "optim.lr", f"must be > 0 and <= {MAX_LR:g}, got {self.lr}")
@@ -83,6 +89,16 @@ class OptimConfig:
         )
         check_config(self.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
         check_config(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check_config(
+            0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"
+        )
+        self.betas = tuple(self.betas)  # type: ignore[assignment]  # a YAML list
+        check_config(
+            len(self.betas) == 2 and all(math.isfinite(b) and 0.0 <= b < 1.0 for b in self.betas),
+            "optim.betas",
+            f"must be two values in [0, 1), e.g. [0.9, 0.999]; got {list(self.betas)}",
+        )
+        check_config(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
 
 
 @dataclass(kw_only=True)
@@ -122,6 +138,15 @@ class TrainStepConfig:
     gradients up to summation order, over fewer tokens. ``true``, ``false`` or ``auto`` (on wherever it
     applies). It applies to a dense decoder without a sliding window, text-only batches, cp_size=1 and
     an attention other than ``flex``: ``auto`` is off otherwise, ``true`` is refused."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: the activations of one layer at a time
+    instead of all of them (long sequences, large micro-batches), for about a third more compute. The
+    default micro-batch budget grows to match."""
+    tp_vocab_parallel: bool = True
+    """Under tensor parallelism, shard an untied LM head over the vocabulary and compute
+    log-probs/entropy with a distributed log-sum-exp (no rank holds full-vocabulary logits).
+    false keeps the head replicated on every TP rank. A tied head (the embedding) is always
+    replicated."""
     seed: int = 0
     """Seed of the run: model initialisation, the torch / python RNGs of every training rank, the
     rollouts' sampling seeds."""
@@ -185,7 +210,7 @@ class TrainStepConfig:
             "train.max_consecutive_skips",
             f"must be >= 0 (0 = never stop), got {self.max_consecutive_skips}",
         )
-        for key in ("moe_rollout_routes", "moe_routing_replay"):
+        for key in ("moe_rollout_routes", "moe_routing_replay", "activation_checkpointing", "tp_vocab_parallel"):
             value = getattr(self, key)
             check_config(isinstance(value, bool), f"train.{key}", f"must be true or false, got {value!r}")
         check_config(
@@ -216,22 +241,14 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     ``train``, ``model.dtype``) and what the backend's owner decides (schedule length, AdamW
     constants, compute dtype, parallelism, LoRA, the role). Validated at construction."""
 
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW (beta1, beta2), each in [0, 1)."""
-    eps: float = 1e-8
-    """AdamW epsilon (> 0)."""
     total_steps: int | None = None
     """Optimizer steps of the whole run; required by ``cosine`` (a run: ``total_optimizer_steps``)."""
-    min_lr_ratio: float = 0.0
-    """Final learning rate of the cosine schedule as a fraction of lr, in [0, 1]."""
     param_dtype: str | None = None
     """Compute dtype of forward/backward: ``float32`` or ``bfloat16``. None: bfloat16 on CUDA,
     ``cpu_auto_dtype`` on CPU."""
     cpu_auto_dtype: str = "float32"
     """What ``param_dtype`` None computes in on CPU (the run config's ``model.compute_dtype=auto``
     sets it: bfloat16 for a wide model on a CPU with native bfloat16, ``cpu_gemm.prefers_bf16``)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward (saves memory, costs ~1/3 compute)."""
     collective_timeout_s: float = 1800.0
     """Timeout of the process group this backend creates itself (torchrun launches): a rank that
     stalls longer fails the collective with an error instead of hanging the job."""
@@ -257,11 +274,6 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     raises."""
     role_name: str = ""
     """The model role this backend trains, named in its errors (``NonFiniteStepError``)."""
-    tp_vocab_parallel: bool = True
-    """Under tensor parallelism, shard an untied LM head over the vocabulary and compute
-    log-probs/entropy with a distributed log-sum-exp (no rank holds full-vocabulary logits).
-    False keeps the head replicated on every TP rank. A tied head (the embedding) is always
-    replicated."""
     device: str | None = None
     """``cpu`` or ``cuda``; None picks cuda when available."""
 
@@ -269,17 +281,10 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
         OptimConfig.__post_init__(self)
         TrainStepConfig.__post_init__(self)
         PrecisionConfig.__post_init__(self)
-        self.betas = tuple(self.betas)  # type: ignore[assignment]
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"betas must be two values in [0, 1), got {self.betas}")
-        if self.eps <= 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= 0):
             raise ValueError("schedule='cosine' needs total_steps > 0 (set total_steps)")
         if self.total_steps is not None and self.total_steps < self.warmup_steps:
             raise ValueError(f"total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps})")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.param_dtype is not None and self.param_dtype not in DTYPES:
             raise ValueError(f"param_dtype must be one of {DTYPES} or None, got {self.param_dtype!r}")
         if self.dp_shard_size == 0 or self.dp_shard_size < -1:
@@ -295,7 +300,7 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
         check_config(
             self.cp_size == 1 or not (self.moe_rollout_routes or self.moe_routing_replay),
             "train.moe_rollout_routes",
-            "the rollout's routes are not split over context-parallel ranks: use train.cp_size=1 with them",
+            "the rollout's routes are not split over context-parallel ranks: give the fsdp component of cluster.allocation_mode c1 with them",
         )
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")

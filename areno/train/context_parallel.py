@@ -164,8 +164,12 @@ def apply_context_parallel(
         raise ConfigError(f"cp_size={cp_size} needs exactly one areno Decoder in the model, found {len(decoders)}")
     decoder = decoders[0]
     if sparse_blocks(model):
-        raise ConfigError(f"cp_size={cp_size}: mixture-of-experts models are not supported yet; set train.cp_size=1")
+        raise ConfigError(
+            f"cp_size={cp_size}: mixture-of-experts models are not supported yet; give the fsdp component of cluster.allocation_mode c1"
+        )
     if vision_towers(model):
-        raise ConfigError(f"cp_size={cp_size}: vision-language models are not supported yet; set train.cp_size=1")
+        raise ConfigError(
+            f"cp_size={cp_size}: vision-language models are not supported yet; give the fsdp component of cluster.allocation_mode c1"
+        )
     check_context_parallel(decoder.config, cp_size, tp_size=tp_size, ep_size=ep_size)
     decoder.forward = _cp_forward(decoder.forward, decoder, group, cp_size, dist.get_rank(group))

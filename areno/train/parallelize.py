@@ -233,7 +233,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, ep_size: in
     if not num_experts or num_experts % ep_size:
         raise ConfigError(
             f"ep_size={ep_size} must divide the model's expert count ({num_experts or 'a dense model has none'}): "
-            f"{'set train.ep_size=1' if not num_experts else 'pick a divisor of it'}"
+            f"{'leave out the e of cluster.allocation_mode' if not num_experts else 'pick a divisor of it'}"
         )
     if mesh is None or mesh["dp_shard"].size() % ep_size or mesh["dp_replicate"].size() > 1 or mesh["tp"].size() > 1:
         shape = "one process" if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))

@@ -177,7 +177,7 @@ def _vocab_shard(weight_VD: torch.Tensor) -> tuple[torch.Tensor, int, dist.Proce
     rows = -(-vocab // shards)
     if rows * (shards - 1) >= vocab:
         raise ValueError(
-            f"vocab_size={vocab} leaves an empty LM-head shard over {shards} ranks; set tp_vocab_parallel=False"
+            f"vocab_size={vocab} leaves an empty LM-head shard over {shards} ranks; set train.tp_vocab_parallel=false"
         )
     vocab_start = weight_VD.device_mesh.get_local_rank(mesh_dim) * rows
     assert w_local.shape[0] == max(0, min(rows, vocab - vocab_start)), (w_local.shape, vocab, shards)

@@ -1,4 +1,4 @@
-"""Expert parallelism composed with FSDP2 (``train.ep_size``), CPU gloo, 2 processes: training with
+"""Expert parallelism composed with FSDP2 (``TrainBackendConfig.ep_size``, the ``e`` of ``cluster.allocation_mode``), CPU gloo, 2 processes: training with
 the experts split over the 2 ranks (EP 2) equals training with every expert on every rank (EP 1,
 plain FSDP): losses, gradient norms and the weights after the steps; checkpoints and exports see
 whole expert tensors. Layouts expert parallelism does not cover are one-line ConfigErrors."""

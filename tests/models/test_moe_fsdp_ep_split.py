@@ -99,7 +99,7 @@ def test_layout_takes_e_dividing_the_shard_size_and_refuses_the_rest():
 
 def test_expert_parallel_on_a_dense_model_or_an_uneven_expert_split(tmp_path):
     dense = make_model_dir(tmp_path / "dense")
-    with pytest.raises(ConfigError, match="a dense model has none.*set train.ep_size=1"):
+    with pytest.raises(ConfigError, match="a dense model has none.*leave out the e of cluster.allocation_mode"):
         LocalTrainBackend(TrainBackendConfig(**CFG, ep_size=2)).initialize(dense)
     moe = make_model_dir(tmp_path / "moe", **MOE)
     with pytest.raises(ConfigError, match="ep_size=3 must divide the model's expert count \\(4\\): pick a divisor"):

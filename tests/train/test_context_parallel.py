@@ -1,4 +1,4 @@
-"""Context parallelism (Ulysses, ``train.cp_size``), CPU gloo, 2 processes: the decoder over each
+"""Context parallelism (Ulysses, the ``c`` of ``cluster.allocation_mode``), CPU gloo, 2 processes: the decoder over each
 rank's half of a packed stream gives the single-process log-probs and, averaged over the CP ranks,
 its gradients (GQA with KV heads split and with KV heads repeated); FSDP2 training with cp 2 equals
 single-process training (losses, grad norms, weights, forward-only scores), odd token counts
