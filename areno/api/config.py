@@ -7,6 +7,7 @@ anything expensive starts.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -40,6 +41,7 @@ __all__ = [
     "TrainSection",
     "WarmStartSection",
     "load_config",
+    "to_dict",
     "to_yaml",
 ]
 
@@ -85,3 +87,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def to_yaml(config: ArenoConfig) -> str:
     """The resolved config as YAML (written into the run directory)."""
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def to_dict(config: ArenoConfig) -> dict[str, Any]:
+    """The resolved config as nested plain dicts and lists (what ``to_yaml`` writes)."""
+    return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]

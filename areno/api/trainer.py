@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
-from areno.api.config import ArenoConfig, to_yaml
+from areno.api.config import ArenoConfig, to_dict, to_yaml
 from areno.api.preflight import check_run
 from areno.api.rundir import RunDirLock, clear_run
 from areno.engine.host import thaw_heap
@@ -124,9 +124,7 @@ class Trainer:
             total_steps=config.train.steps,
             console=observe.console,
             tensorboard=observe.tensorboard,
-            wandb=WandbConfig(project=observe.wandb_project, mode=os.environ.get("WANDB_MODE", "offline"))
-            if observe.wandb_project
-            else None,
+            wandb=wandb_config(config),
         )
         if resume_from is not None:
             self._resume(resume_from)
@@ -262,6 +260,22 @@ class Trainer:
         state = self.backend.load(path)
         self.start_rollout_id = int(state["rollout_id"]) + 1
         print(json.dumps({"resumed_from": str(path), "next_rollout_id": self.start_rollout_id}), flush=True)
+
+
+def wandb_config(config: ArenoConfig) -> WandbConfig | None:
+    """The W&B run of ``config``'s ``observe.wandb_*`` keys (None: not logging there), carrying the
+    resolved config."""
+    observe = config.observe
+    if not observe.wandb_project:
+        return None
+    return WandbConfig(
+        project=observe.wandb_project,
+        entity=observe.wandb_entity,
+        name=observe.wandb_name,
+        mode=observe.wandb_mode or os.environ.get("WANDB_MODE", "offline"),
+        tags=tuple(observe.wandb_tags),
+        config=to_dict(config),
+    )
 
 
 def checkpoint_step(path: Path) -> int:

@@ -532,7 +532,17 @@ class ObserveSection:
     tensorboard: bool = False
     """Also write TensorBoard event files to run_dir/tensorboard."""
     wandb_project: str | None = None
-    """Log to Weights & Biases under this project (offline when WANDB_MODE=offline)."""
+    """Log to Weights & Biases under this project (`pip install 'areno[wandb]'`); the W&B run carries
+    the resolved config. The other `wandb_*` keys need it."""
+    wandb_entity: str | None = None
+    """W&B team or user; null: the account's default (or WANDB_ENTITY)."""
+    wandb_name: str | None = None
+    """W&B run name; null: the run directory's name."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B run tags."""
+    wandb_mode: str | None = None
+    """`online` (needs network and a login), `offline` (writes under run_dir/wandb; `wandb sync`
+    uploads it later) or `disabled`; null: the WANDB_MODE environment variable, else offline."""
     trace: bool = False
     """Record Chrome/Perfetto performance traces under run_dir/traces."""
     console: bool = True
@@ -542,6 +552,19 @@ class ObserveSection:
     profile_steps: list[int] = field(default_factory=list)
     """Trainer steps (1-based) to run under ``torch.profiler``: a Chrome trace and a table of the
     operators and kernels that took the most time, in run_dir/profile (``observe/profile.py``)."""
+
+    def __post_init__(self) -> None:
+        check_config(
+            self.wandb_mode in (None, "online", "offline", "disabled"),
+            "observe.wandb_mode",
+            f"must be online, offline, disabled or null, got {self.wandb_mode!r}",
+        )
+        for key in ("wandb_entity", "wandb_name", "wandb_tags", "wandb_mode"):
+            check_config(
+                self.wandb_project is not None or not getattr(self, key),
+                f"observe.{key}",
+                "applies to W&B logging, which is off: set observe.wandb_project too",
+            )
 
 
 TEST_ROLLOUT_DEVICES = ("auto", "cpu", "cuda")

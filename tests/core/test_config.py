@@ -56,6 +56,8 @@ def test_defaults_and_overrides(tmp_path):
         (["optim.eps=0"], "optim.eps: must be > 0"),
         (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio: must be in [0, 1]"),
         (["cluster.train_dp_replicate=2"], "cluster.train_dp_replicate: 2 replicates training"),
+        (["observe.wandb_tags=[a]"], "observe.wandb_tags: applies to W&B logging, which is off"),
+        (["observe.wandb_project=p", "observe.wandb_mode=cloud"], "observe.wandb_mode: must be online, offline"),
     ],
 )
 def test_errors_name_the_key(overrides, fragment):

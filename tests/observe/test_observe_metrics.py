@@ -152,6 +152,27 @@ def test_values_are_converted_and_validated(tmp_path):
         logger.log({"train/loss": 1.0}, step=2)
 
 
+def test_the_observe_wandb_keys_reach_the_wandb_run_with_the_resolved_config(tmp_path, monkeypatch):
+    from areno.api.config import load_config
+    from areno.api.trainer import wandb_config
+
+    wandb = fake_wandb_module()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setenv("WANDB_MODE", "online")  # the fake client has no network to miss
+    keys = ["model.path=/m", "observe.wandb_project=p", "optim.lr=3e-5"]
+    cfg = load_config(None, [*keys, "observe.wandb_entity=team", "observe.wandb_name=n", "observe.wandb_tags=[a,b]"])
+    MetricsLogger(tmp_path, total_steps=1, console=False, wandb=wandb_config(cfg)).close()
+    (run,) = wandb.runs
+    got = run.init_kwargs
+    assert (got["project"], got["entity"], got["name"], got["tags"]) == ("p", "team", "n", ["a", "b"])
+    assert got["mode"] == "online"  # WANDB_MODE where observe.wandb_mode is null
+    assert got["config"]["optim"]["lr"] == 3e-5 and got["config"]["observe"]["wandb_tags"] == ["a", "b"]
+    assert wandb_config(load_config(None, [*keys, "observe.wandb_mode=offline"])).mode == "offline"
+    monkeypatch.delenv("WANDB_MODE")
+    assert wandb_config(load_config(None, keys)).mode == "offline"
+    assert wandb_config(load_config(None, ["model.path=/m"])) is None
+
+
 def test_missing_wandb_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(MissingDependencyError, match=r"pip install 'areno\[wandb\]'"):
