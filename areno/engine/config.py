@@ -367,7 +367,15 @@ class ClusterSection:
     collector's defaults."""
     collective_timeout_s: float = 1800.0
     """Timeout of every torch.distributed collective and rendezvous of the partitioned workers'
-    world: a rank that stalls longer fails the collective with an error instead of hanging the run."""
+    world: a rank that stalls longer fails the collective with an error instead of hanging the run.
+    The policy sync's own waits: `sync_timeout_s`."""
+    sync_timeout_s: float = 600.0
+    """Partitioned runs: seconds any wait of a policy sync (a bucket's transfer, a control message
+    between its ranks) may take before the sync fails with an error naming the wait (with
+    `sync_commit=staged` the rollout side keeps serving the old weights)."""
+    sync_bucket_bytes: int = 64 << 20
+    """Partitioned runs: bytes per bucket of the policy sync; each rank holds at most two bucket
+    buffers, so this bounds the sync's extra memory; larger buckets send fewer messages."""
     sync_commit: str = "staged"
     """How a partitioned run's rollout workers take a policy sync: `staged` (received into a
     staging copy while generation continues, then copied in; atomic: a failed sync keeps the old
@@ -405,6 +413,14 @@ class ClusterSection:
             self.collective_timeout_s > 0,
             "cluster.collective_timeout_s",
             f"must be > 0 seconds, got {self.collective_timeout_s}",
+        )
+        check_config(
+            self.sync_timeout_s > 0, "cluster.sync_timeout_s", f"must be > 0 seconds, got {self.sync_timeout_s}"
+        )
+        check_config(
+            self.sync_bucket_bytes >= 1 << 20,
+            "cluster.sync_bucket_bytes",
+            f"must be at least 1 MiB (1048576), got {self.sync_bucket_bytes}",
         )
         check_config(
             self.scheduler in ("local", "ray", "slurm"),

@@ -140,7 +140,9 @@ def init_world(config: ArenoConfig) -> str:
 def _sync_config(config: ArenoConfig):
     dtype_name = resolve_dtypes(config, _device_type(config)).rollout
     wire = None if dtype_name == "float32" else getattr(torch, dtype_name)
-    return StreamSyncConfig(bucket_bytes=64 << 20, timeout_s=600.0, wire_dtype=wire)
+    return StreamSyncConfig(
+        bucket_bytes=config.cluster.sync_bucket_bytes, timeout_s=config.cluster.sync_timeout_s, wire_dtype=wire
+    )
 
 
 class PartitionedCluster:

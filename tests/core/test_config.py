@@ -57,6 +57,8 @@ def test_defaults_and_overrides(tmp_path):
         (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio: must be in [0, 1]"),
         (["cluster.train_dp_replicate=2"], "cluster.train_dp_replicate: 2 replicates training"),
         (["observe.wandb_tags=[a]"], "observe.wandb_tags: applies to W&B logging, which is off"),
+        (["cluster.sync_timeout_s=0"], "cluster.sync_timeout_s: must be > 0"),
+        (["cluster.sync_bucket_bytes=1000"], "cluster.sync_bucket_bytes: must be at least 1 MiB"),
         (["observe.wandb_project=p", "observe.wandb_mode=cloud"], "observe.wandb_mode: must be online, offline"),
     ],
 )

@@ -121,6 +121,17 @@ def test_train_dp_replicate_reaches_the_layout_and_is_refused_where_it_cannot_ru
         ClusterSection(train_devices=[0], rollout_devices=[1], train_dp_replicate=0)
 
 
+def test_the_policy_sync_takes_its_timeout_and_bucket_size_from_the_cluster_section():
+    from areno.api.config import load_config
+    from areno.engine.partitioned import _sync_config
+
+    base = ["model.path=/m", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]", "cluster.device=cpu"]
+    default = _sync_config(load_config(None, base))
+    assert (default.timeout_s, default.bucket_bytes) == (600.0, 64 << 20)
+    cfg = load_config(None, [*base, "cluster.sync_timeout_s=42", "cluster.sync_bucket_bytes=8388608"])
+    assert (_sync_config(cfg).timeout_s, _sync_config(cfg).bucket_bytes) == (42.0, 8 << 20)
+
+
 def _qwen_7b_like() -> ModelConfig:
     return ModelConfig(
         vocab_size=152064,
