@@ -284,13 +284,14 @@ def grpo_recompute() -> TrainingConfig:
 
 # ------------------------------------------------------------------------------ RL with a critic
 @recipe("ppo")
-def ppo(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
+def ppo(gamma: float = 1.0, gae_lambda: float = 0.95, value_clip_eps: float | None = 0.2) -> TrainingConfig:
     """PPO: actor + value critic, GAE advantages, clipped policy and value losses.
 
     delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lambda)^l delta_{t+l}, R_t = A_t + V_t;
     policy: -min(r A, clip(r, 0.8, 1.2) A) token mean; value: 0.5 max((V-R)^2, (clip(V, V_old
     +- 0.2) - R)^2) (Schulman et al. 2017; Ouyang et al. 2022). The critic is the same decoder with
-    a scalar head, trained as its own role; no KL term by default.
+    a scalar head, trained as its own role; no KL term by default. ``value_clip_eps``: the value
+    clip's 0.2 (None: the unclipped squared error).
     """
     return TrainingConfig(
         name="ppo",
@@ -301,7 +302,7 @@ def ppo(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
             ModelRole(
                 name="value",
                 specialization_cls=CriticSpecialization,
-                init_kwargs={"gamma": gamma, "gae_lambda": gae_lambda, "value_clip_eps": 0.2},
+                init_kwargs={"gamma": gamma, "gae_lambda": gae_lambda, "value_clip_eps": value_clip_eps},
             ),
         ),
         syncs=(DataSync(source="value", target="policy", keys=("values_T",), target_keys=("values_T",)),),
@@ -310,7 +311,9 @@ def ppo(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
 
 
 @recipe("ppo_kl")
-def ppo_kl(kl_coef: float = 0.05, gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
+def ppo_kl(
+    kl_coef: float = 0.05, gamma: float = 1.0, gae_lambda: float = 0.95, value_clip_eps: float | None = 0.2
+) -> TrainingConfig:
     """PPO with a frozen reference: the KL penalty enters the token rewards (RLHF PPO).
 
     r_t = -kl_coef (log pi_old - log ref)_t, plus the sequence reward on the last token (k1 as in
@@ -338,7 +341,7 @@ def ppo_kl(kl_coef: float = 0.05, gamma: float = 1.0, gae_lambda: float = 0.95) 
                 init_kwargs={
                     "gamma": gamma,
                     "gae_lambda": gae_lambda,
-                    "value_clip_eps": 0.2,
+                    "value_clip_eps": value_clip_eps,
                     "kl_coef": kl_coef,
                     "kl_estimator": "k1",
                 },
@@ -355,7 +358,7 @@ def ppo_kl(kl_coef: float = 0.05, gamma: float = 1.0, gae_lambda: float = 0.95) 
 
 
 @recipe("ppo_async")
-def ppo_async(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
+def ppo_async(gamma: float = 1.0, gae_lambda: float = 0.95, value_clip_eps: float | None = 0.2) -> TrainingConfig:
     """PPO for stale (asynchronous) data: the critic of ppo with the decoupled loss of grpo_async.
 
     loss = w * -min(r' A, clip(r', 0.8, 1.2) A), w = pi_prox / pi_behave (tokens with w > 5
@@ -379,7 +382,7 @@ def ppo_async(gamma: float = 1.0, gae_lambda: float = 0.95) -> TrainingConfig:
             ModelRole(
                 name="value",
                 specialization_cls=CriticSpecialization,
-                init_kwargs={"gamma": gamma, "gae_lambda": gae_lambda, "value_clip_eps": 0.2},
+                init_kwargs={"gamma": gamma, "gae_lambda": gae_lambda, "value_clip_eps": value_clip_eps},
             ),
         ),
         syncs=(DataSync(source="value", target="policy", keys=("values_T",), target_keys=("values_T",)),),

@@ -80,6 +80,19 @@ def test_recipe_shapes():
     assert [r.name for r in get_recipe("ppo_async").roles] == ["policy", "value"]
 
 
+@pytest.mark.parametrize("name", ["ppo", "ppo_kl", "ppo_async"])
+def test_the_value_clip_is_a_recipe_option_train_algorithm_kwargs_reaches(name):
+    """``train.algorithm_kwargs.value_clip_eps`` (a factory option, so it goes to the value role)."""
+    from areno.specializations.critic import CriticSpecialization
+
+    assert get_recipe(name).role("value").init_kwargs["value_clip_eps"] == 0.2
+    for eps in (0.5, None):
+        value = get_recipe(name, policy_kwargs={"value_clip_eps": eps, "clip_eps": 0.1}).role("value")
+        assert value.init_kwargs["value_clip_eps"] == eps
+        assert CriticSpecialization(**value.init_kwargs).value_clip_eps == eps
+    assert "value_clip_eps" not in get_recipe(name, policy_kwargs={"value_clip_eps": 0.5}).policy_role.init_kwargs
+
+
 def test_unknown_name_suggests_closest():
     with pytest.raises(ValueError, match="did you mean grpo"):
         get_recipe("grop")
