@@ -24,8 +24,9 @@ from areno.data.tokenizer import build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.config import ArenoConfig, ModelSection
 from areno.engine.roles import check_partitioned_roles, role_allocation
 from areno.errors import ConfigError, ModelDirError
+from areno.launch.allocation import resolve_roles
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
-from areno.recipes import get_recipe
+from areno.recipes import TrainingConfig, get_recipe
 from areno.rewards.loader import reward_function
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
@@ -47,6 +48,7 @@ def check_run(config: ArenoConfig) -> None:
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
     role_allocation(config, recipe)  # cluster.role_devices names roles of this recipe and devices that exist
+    check_role_optim(config, recipe)
     check_partitioned_roles(config, recipe)
     check_fresh(config.run_dir, resume=config.resume, overwrite=config.overwrite)
     if config.resume is True and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") is None:
@@ -60,6 +62,16 @@ def check_run(config: ArenoConfig) -> None:
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
     tokenizer = check_model(config.model)
     check_chat_template(tokenizer, config.data.chat_template, config.data.system_prompt)
+
+
+def check_role_optim(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """``train.role_optim`` names roles of the recipe that train."""
+    roles = {r.name: r for r in recipe.roles}
+    for given, role in resolve_roles(config.train.role_optim, roles, key="train.role_optim").items():
+        if not roles[role].trainable:
+            raise ConfigError(
+                f"train.role_optim.{given}: role {role!r} is frozen in {recipe.name!r}: it has no optimizer"
+            )
 
 
 def check_optional_packages(config: ArenoConfig) -> None:

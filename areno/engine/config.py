@@ -28,6 +28,7 @@ from areno.launch.allocation import (
     check_supported,
     inference_backend,
     parse_allocation_mode,
+    role_of,
     role_placements,
 )
 from areno.launch.scheduler import scheduler_config
@@ -533,9 +534,28 @@ class TrainSection(TrainStepConfig):
     """Checkpoint every this many steps (0 = only at the end)."""
     backend: str = "areno"
     """Registered Backend implementation."""
+    role_optim: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Optimizer settings of one recipe role over the `optim` section, e.g. `{value: {lr: 1e-5}}`
+    for PPO's critic: a role of the recipe (or its alias: actor, critic, ref, rm) -> `optim` keys.
+    Each role trains its own backend and optimizer; unnamed roles take `optim` as it is."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        allowed = [f.name for f in dataclasses.fields(OptimConfig)]
+        for role, override in self.role_optim.items():
+            check_config(
+                isinstance(override, dict),
+                f"train.role_optim.{role}",
+                f"must map optim keys to values, e.g. {{lr: 1e-5}}; got {override!r}",
+            )
+            for key in override:
+                check_config(
+                    key in allowed, f"train.role_optim.{role}.{key}", f"is not an optim key; they are {allowed}"
+                )
+            try:
+                OptimConfig(**override)
+            except ConfigError as e:
+                raise ConfigError(f"train.role_optim.{role}: {e}") from None
         check_config(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
         check_config(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         check_config(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
@@ -797,8 +817,12 @@ def build_train_backend_config(config: ArenoConfig, *, role_name: str, trainable
     step = fields_of(config.train, TrainStepConfig)
     if not trainable:  # a frozen role (reference, reward model) keeps the base weights: no adapters
         step["lora"] = None
+    optim = fields_of(config.optim, OptimConfig)
+    for given, override in config.train.role_optim.items():
+        if role_of(given) == role_name:
+            optim.update(override)
     return TrainBackendConfig(
-        **fields_of(config.optim, OptimConfig),
+        **optim,
         **step,
         **fields_of(config.model, PrecisionConfig),
         param_dtype=None if config.model.compute_dtype == "auto" else config.model.compute_dtype,

@@ -25,7 +25,7 @@ remain the explicit alternative to an allocation string.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -349,6 +349,31 @@ _ROLE_ALIASES = {"actor": "policy", "critic": "value", "ref": "reference", "rm":
 """Allocation role name (scheduler terminology) -> recipe role name (RL terminology)."""
 
 
+def role_of(given: str, recipe_role_names: Iterable[str] | None = None) -> str:
+    """The recipe role a config names: itself where the recipe has a role of that name (or where
+    ``recipe_role_names`` is not known), else the role its alias stands for (``critic`` -> ``value``)."""
+    if recipe_role_names is not None and given in recipe_role_names:
+        return given
+    return _ROLE_ALIASES.get(given, given)
+
+
+def resolve_roles(given: Iterable[str], recipe_role_names: Iterable[str], *, key: str) -> dict[str, str]:
+    """Each name of ``given`` (a recipe role or its alias) -> its recipe role; a one-line
+    ``ConfigError`` naming ``key`` for a role the recipe does not have or one named twice."""
+    names = list(recipe_role_names)
+    resolved: dict[str, str] = {}
+    for name in given:
+        role = role_of(name, names)
+        if role not in names:
+            raise ConfigError(
+                f"{key}: role {name!r} is not a role of the recipe; its roles: {names} (aliases: {_ROLE_ALIASES})"
+            )
+        if role in resolved.values():
+            raise ConfigError(f"{key}: role {role!r} is named twice (once by an alias); name it once")
+        resolved[name] = role
+    return resolved
+
+
 def map_roles(alloc: AllocationMode, recipe_role_names: list[str] | tuple[str, ...]) -> dict[str, Component]:
     """Place each recipe role on an allocation component.
 
@@ -423,14 +448,8 @@ def build_gpu_allocations(
     ``ConfigError`` naming ``key``, raised before anything starts."""
     names = list(recipe_role_names)
     placed: dict[str, tuple[int, ...]] = {}
-    for given, devices in role_devices.items():
-        name = given if given in names else _ROLE_ALIASES.get(given, given)
-        if name not in names:
-            raise ConfigError(
-                f"{key}: role {given!r} is not a role of the recipe; its roles: {names} (aliases: {_ROLE_ALIASES})"
-            )
-        if name in placed:
-            raise ConfigError(f"{key}: role {name!r} is named twice (once by an alias); name it once")
+    for given, name in resolve_roles(role_devices, names, key=key).items():
+        devices = role_devices[given]
         devices = (devices,) if isinstance(devices, int) else tuple(devices)
         if not devices or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devices):
             raise ConfigError(f"{key}.{given}: give a non-empty list of device indices >= 0, got {list(devices)}")

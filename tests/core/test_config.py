@@ -58,6 +58,8 @@ def test_defaults_and_overrides(tmp_path):
         (["cluster.train_dp_replicate=2"], "cluster.train_dp_replicate: 2 replicates training"),
         (["observe.wandb_tags=[a]"], "observe.wandb_tags: applies to W&B logging, which is off"),
         (["cluster.sync_timeout_s=0"], "cluster.sync_timeout_s: must be > 0"),
+        (["train.role_optim={value: {lrr: 1}}"], "train.role_optim.value.lrr: is not an optim key"),
+        (["train.role_optim={value: {lr: -1}}"], "train.role_optim.value: optim.lr: must be > 0"),
         (["cluster.sync_bucket_bytes=1000"], "cluster.sync_bucket_bytes: must be at least 1 MiB"),
         (["observe.wandb_project=p", "observe.wandb_mode=cloud"], "observe.wandb_mode: must be online, offline"),
     ],
@@ -322,3 +324,26 @@ def test_rollout_temperature_floor_matches_the_server():
         load_config(None, ["model.path=x", f"rollout.temperature={MIN_TEMPERATURE}"]).rollout.temperature
         == MIN_TEMPERATURE
     )
+
+
+def test_role_optim_gives_a_role_its_own_optimizer_settings():
+    """PPO's critic with its own learning rate (by its alias), the policy with the ``optim`` section's."""
+    from areno.api.preflight import check_role_optim
+    from areno.recipes import get_recipe
+
+    cfg = load_config(
+        None,
+        ["model.path=/m", "train.algorithm=ppo", "optim.lr=1e-6", "train.role_optim={critic: {lr: 1e-5, eps: 1e-6}}"],
+    )
+    check_role_optim(cfg, get_recipe("ppo"))
+    policy = build_train_backend_config(cfg, role_name="policy", trainable=True)
+    value = build_train_backend_config(cfg, role_name="value", trainable=True)
+    assert (policy.lr, policy.eps) == (1e-6, 1e-8) and (value.lr, value.eps) == (1e-5, 1e-6)
+    for algorithm, role_optim, message in (
+        ("grpo", "{value: {lr: 1e-5}}", "train.role_optim: role 'value' is not a role of the recipe"),
+        ("ppo_kl", "{ref: {lr: 1e-5}}", "train.role_optim.ref: role 'reference' is frozen in 'ppo_kl'"),
+        ("ppo", "{value: {lr: 1e-5}, critic: {lr: 1e-4}}", "role 'value' is named twice"),
+    ):
+        cfg = load_config(None, ["model.path=/m", f"train.algorithm={algorithm}", f"train.role_optim={role_optim}"])
+        with pytest.raises(ConfigError, match=message):
+            check_role_optim(cfg, get_recipe(algorithm))
