@@ -5,13 +5,13 @@ with its experts split over the 2 training ranks."""
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 
 from areno.api.config import load_config
 from areno.engine.api import prepare_model_dir
 from areno.engine.cluster import ClusterLayout, LayoutError, layout_from_config
+from areno.engine.config import ClusterSection
 from areno.engine.placement import build_engine
 from areno.launch.allocation import AllocationModeError, parse_allocation_mode
 from tests.helpers.configs import tiny_run_overrides
@@ -39,21 +39,10 @@ def test_e_combinations_that_do_not_divide(source, words):
     assert words in str(info.value).split("\n")[0]
 
 
-def _cluster(mode):
-    return types.SimpleNamespace(
-        allocation_mode=mode,
-        train_devices=None,
-        rollout_devices=None,
-        train_tp=1,
-        train_dp_replicate=1,
-        rollout_tp=1,
-    )
-
-
 def test_layout_takes_e_and_refuses_what_expert_parallelism_does_not_cover():
-    lay = layout_from_config(_cluster("areno:d1+fsdp:d2e2"), num_devices=3, cuda=False)
+    lay = layout_from_config(ClusterSection(allocation_mode="areno:d1+fsdp:d2e2"), num_devices=3, cuda=False)
     assert lay.train_ep == 2 and lay.train_dp_shard == 2
-    split = layout_from_config(_cluster("areno:d1+fsdp:d4e2"), num_devices=5, cuda=False)
+    split = layout_from_config(ClusterSection(allocation_mode="areno:d1+fsdp:d4e2"), num_devices=5, cuda=False)
     assert split.train_ep == 2 and split.train_dp_shard == 4  # EP groups of 2 inside the 4 shard ranks
     with pytest.raises(LayoutError, match=r"e2 must divide the FSDP shard size \(got 2\) with t1 \(got t2\)"):
         ClusterLayout(train_devices=(0, 1, 2, 3), rollout_devices=(4,), train_tp=2, train_ep=2)

@@ -5,13 +5,13 @@ with ``c2``: the 2 training ranks share each micro-batch, each running the layer
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 
 from areno.api.config import load_config
 from areno.engine.api import prepare_model_dir
 from areno.engine.cluster import ClusterLayout, LayoutError, layout_from_config
+from areno.engine.config import ClusterSection
 from areno.engine.placement import build_engine
 from areno.launch.allocation import AllocationModeError, parse_allocation_mode
 from tests.helpers.configs import tiny_run_overrides
@@ -37,19 +37,8 @@ def test_c_combinations_that_do_not_divide(source, words):
     assert words in str(info.value).split("\n")[0]
 
 
-def _cluster(mode):
-    return types.SimpleNamespace(
-        allocation_mode=mode,
-        train_devices=None,
-        rollout_devices=None,
-        train_tp=1,
-        train_dp_replicate=1,
-        rollout_tp=1,
-    )
-
-
 def test_layout_takes_c_and_refuses_what_context_parallelism_does_not_cover():
-    lay = layout_from_config(_cluster("areno:d1+fsdp:d4c2"), num_devices=5, cuda=False)
+    lay = layout_from_config(ClusterSection(allocation_mode="areno:d1+fsdp:d4c2"), num_devices=5, cuda=False)
     assert lay.train_cp == 2 and lay.train_dp_shard == 4
     with pytest.raises(LayoutError, match="c2 must divide the FSDP shard size 2 with t1 and e1"):
         ClusterLayout(train_devices=(0, 1, 2, 3), rollout_devices=(4,), train_tp=2, train_cp=2)
