@@ -818,9 +818,9 @@ def build_train_backend_config(config: ArenoConfig, *, role_name: str, trainable
     if not trainable:  # a frozen role (reference, reward model) keeps the base weights: no adapters
         step["lora"] = None
     optim = fields_of(config.optim, OptimConfig)
-    for given, override in config.train.role_optim.items():
-        if role_of(given) == role_name:
-            optim.update(override)
+    role_optim = config.train.role_optim  # the role's own name first, else an alias of it
+    given = role_name if role_name in role_optim else next((g for g in role_optim if role_of(g) == role_name), None)
+    optim.update(role_optim.get(given, {}))
     return TrainBackendConfig(
         **optim,
         **step,
