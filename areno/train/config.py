@@ -238,8 +238,8 @@ class PrecisionConfig:
 @dataclass(kw_only=True)
 class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     """Everything the training backend of one model role needs: the user's settings (``optim``,
-    ``train``, ``model.dtype``) and what the backend's owner decides (schedule length, AdamW
-    constants, compute dtype, parallelism, LoRA, the role). Validated at construction."""
+    ``train``, ``model.dtype``; ``train.role_optim`` over ``optim`` for its role) and what the backend's
+    owner decides (schedule length, compute dtype, parallelism, the role). Validated at construction."""
 
     total_steps: int | None = None
     """Optimizer steps of the whole run; required by ``cosine`` (a run: ``total_optimizer_steps``)."""
