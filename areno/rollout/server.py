@@ -56,6 +56,7 @@ from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.models.hf_io import load_model
 from areno.models.vision import ImageInputs
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
+from areno.rollout.config import RolloutEngineSettings
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
 from areno.rollout.requests import routes_to_json
 from areno.types import MIN_TEMPERATURE, GenerationOutput, SamplingParams
@@ -883,6 +884,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-memory-fraction", type=float, default=0.8)
+    p.add_argument(
+        "--engine-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other rollout engine setting, as a run's rollout.KEY (e.g. cuda_graphs=false, decode_steps=4); "
+        "repeatable",
+    )
     p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request omits it")
     p.add_argument(
         "--stall-timeout-s",
@@ -909,18 +918,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+ENGINE_FLAGS = {"max_num_seqs", "max_model_len", "block_size", "kv_memory_fraction"}
+"""Engine settings with a flag of their own (``--max-num-seqs``, ...)."""
+
+
+def engine_settings(pairs: list[str]) -> dict[str, Any]:
+    """``--engine-set KEY=VALUE`` pairs as engine settings (values parsed as YAML: ``false``, ``4``,
+    ``null``); a one-line ValueError for a malformed pair, an unknown key or one with its own flag."""
+    import yaml
+
+    allowed = sorted(f.name for f in dataclasses.fields(RolloutEngineSettings) if f.name not in ENGINE_FLAGS)
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-set {pair!r}: give KEY=VALUE, e.g. cuda_graphs=false")
+        if key in ENGINE_FLAGS:
+            raise ValueError(f"--engine-set {key}: it has a flag of its own: --{key.replace('_', '-')}")
+        if key not in allowed:
+            raise ValueError(f"--engine-set {key}: not a rollout engine setting; they are {allowed}")
+        settings[key] = yaml.safe_load(value)
+    return settings
+
+
 def build_engine(
     model_dir: str, *, device: str | None = None, dtype: str | None = None, **engine_kw: Any
 ) -> tuple[RolloutEngine, Any]:
     """Load ``model_dir`` (weights + tokenizer) into a ``RolloutEngine``."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    config = RolloutEngineConfig(**engine_kw)  # a bad setting fails before the weights load
     model, model_config = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
     tokenizer = load_pretrained_tokenizer(model_dir)
     engine = RolloutEngine(
         model,
         model_config,
-        config=RolloutEngineConfig(**engine_kw),
+        config=config,
         eos_token_ids=_eos_ids(model_dir, model_config, tokenizer),
         tokenizer=tokenizer,
     )
@@ -970,6 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             block_size=args.block_size,
             kv_memory_fraction=args.kv_memory_fraction,
+            **engine_settings(args.engine_set),
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"areno serve: {e}")

@@ -169,3 +169,24 @@ def test_every_torch_load_in_the_repo_is_weights_only():
                 offenders.append(f"{name}:{call.lineno}")
     assert seen > 0
     assert offenders == [], f"torch.load without weights_only=True: {offenders}"
+
+
+def test_serve_reaches_every_engine_setting_and_refuses_bad_ones_before_loading(capsys):
+    from areno.rollout.server import engine_settings
+
+    assert engine_settings(["cuda_graphs=false", "decode_steps=4", "cuda_graph_max_batch=null"]) == {
+        "cuda_graphs": False,
+        "decode_steps": 4,
+        "cuda_graph_max_batch": None,
+    }
+    for pair, message in (
+        ("cuda_graphs", "give KEY=VALUE"),
+        ("cuda_graph=false", "not a rollout engine setting"),
+        ("max_num_seqs=8", "it has a flag of its own: --max-num-seqs"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine_settings([pair])
+    # a bad value is the engine config's one-line error, before any model is loaded
+    assert main(["/nonexistent/model", "--engine-set", "decode_steps=-2"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and "rollout.decode_steps: must be >= 0" in out
