@@ -27,6 +27,7 @@ changed tensors. :func:`verify` fails an incremental checkpoint whose base is mi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,6 +35,8 @@ import os
 import random
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,28 @@ logger = logging.getLogger(__name__)
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def _dcp_alone_quietly() -> Iterator[None]:
+    """DCP warns at every save and load of a process without a process group that it saves or loads
+    alone, which is what a one-process run means: that note is left out, nothing else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to (save|load)")
+        yield
+
+
+def _dcp_load(state: dict[str, Any], path: Path, base: Path | None) -> None:
+    """``state`` in place from the checkpoint at ``path``: an incremental one's full base first, then
+    its changed tensors over it (the same tensor objects)."""
+    import torch.distributed.checkpoint as dcp  # slow import (sympy): only to save or load
+
+    if base is None:
+        dcp.load(state, checkpoint_id=str(path))
+        return
+    dcp.load(state, checkpoint_id=str(base))
+    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    dcp.load(_subset(state, stored), checkpoint_id=str(path))
 
 
 def _barrier() -> None:
@@ -384,14 +409,16 @@ def save(
     items = _tensor_items(state) if base is not None or record_hashes else []
     hashes = _tensor_hashes(items)
     if base is None:
-        dcp.save(state, checkpoint_id=str(path))
+        with _dcp_alone_quietly():
+            dcp.save(state, checkpoint_id=str(path))
         if record_hashes:
             (path / _HASHES.format(rank=_rank())).write_text(json.dumps(hashes))
     else:
         known = base_hashes or {}
         changed = _agree_changed([known.get(name) != digest for name, digest in hashes.items()])
         keep = {name for (name, _), c in zip(items, changed) if c}
-        dcp.save(_subset(state, keep), checkpoint_id=str(path))
+        with _dcp_alone_quietly():
+            dcp.save(_subset(state, keep), checkpoint_id=str(path))
         if _rank() == 0:
             relative = os.path.relpath(published_path(base), published_path(path))
             record = {"base": relative, "changed_tensors": len(keep), "tensors": len(items)}
@@ -438,7 +465,6 @@ def _without_unsaved_optim_state(state: dict[str, Any], path: Path) -> dict[str,
 
 def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG in place; returns the trainer state."""
-    import torch.distributed.checkpoint as dcp  # slow import (sympy): only to save or load
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     path = Path(path)
@@ -455,12 +481,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         state["optim"] = optim_sd
     state = _without_unsaved_optim_state(state, base or path)
     try:
-        if base is None:
-            dcp.load(state, checkpoint_id=str(path))
-        else:  # the full base, then the changed tensors over it (in place: the same tensor objects)
-            dcp.load(state, checkpoint_id=str(base))
-            stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-            dcp.load(_subset(state, stored), checkpoint_id=str(path))
+        with _dcp_alone_quietly():
+            _dcp_load(state, path, base)
     except BaseException as exc:  # torch's CheckpointException is a BaseException with a per-rank report
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
