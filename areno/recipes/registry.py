@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     print(inspect.getdoc(factory) or "")
     params = inspect.signature(factory).parameters
     options = {k: "<path>" for k, p in params.items() if p.default is None}
+    if params:  # a factory option without a default names a path the run must give
+        shown = ", ".join(f"{k}={options.get(k, p.default)}" for k, p in params.items())
+        print(f"  options (train.algorithm_kwargs.KEY): {shown}")
     cfg = factory(**options)
     for role in cfg.roles:
         flags = ", ".join(

@@ -185,6 +185,11 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out
     assert "grpo" in out and "sft" in out
+    assert main(["recipes", "ppo"]) == 0
+    out = capsys.readouterr().out
+    assert "  options (train.algorithm_kwargs.KEY): gamma=1.0, gae_lambda=0.95, value_clip_eps=0.2" in out
+    assert main(["recipes", "opd"]) == 0
+    assert "teacher_path=<path>" in capsys.readouterr().out
 
 
 def test_demo_config_first_step_runs(tmp_path):
