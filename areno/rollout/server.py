@@ -923,22 +923,28 @@ ENGINE_FLAGS = {"max_num_seqs", "max_model_len", "block_size", "kv_memory_fracti
 
 
 def engine_settings(pairs: list[str]) -> dict[str, Any]:
-    """``--engine-set KEY=VALUE`` pairs as engine settings (values parsed as YAML: ``false``, ``4``,
-    ``null``); a one-line ValueError for a malformed pair, an unknown key or one with its own flag."""
-    import yaml
+    """``--engine-set KEY=VALUE`` pairs as engine settings, typed as a run's ``rollout.KEY`` is (OmegaConf
+    against ``RolloutEngineSettings``: ``false``, ``4``, ``null``); a one-line ValueError for a malformed
+    pair, an unknown key, one with its own flag or a value of the wrong type."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     allowed = sorted(f.name for f in dataclasses.fields(RolloutEngineSettings) if f.name not in ENGINE_FLAGS)
-    settings: dict[str, Any] = {}
+    keys = []
     for pair in pairs:
-        key, sep, value = pair.partition("=")
+        key, sep, _ = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--engine-set {pair!r}: give KEY=VALUE, e.g. cuda_graphs=false")
         if key in ENGINE_FLAGS:
             raise ValueError(f"--engine-set {key}: it has a flag of its own: --{key.replace('_', '-')}")
         if key not in allowed:
             raise ValueError(f"--engine-set {key}: not a rollout engine setting; they are {allowed}")
-        settings[key] = yaml.safe_load(value)
-    return settings
+        keys.append(key)
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(RolloutEngineSettings), OmegaConf.from_dotlist(pairs))
+    except OmegaConfBaseException as exc:
+        raise ValueError(f"--engine-set {getattr(exc, 'full_key', '')}: {str(exc).splitlines()[0]}") from None
+    return {key: typed[key] for key in keys}
 
 
 def build_engine(
