@@ -9,6 +9,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
+import sys
 import traceback
 from pathlib import Path
 
@@ -111,6 +112,11 @@ def _entry(rank: int, world: int, port: int, fn, args, err_dir: str) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Skip the interpreter's teardown: a gloo thread may still be releasing the last collective's work, whose
+    # tensors need the GIL, and a thread taking the GIL while Python finalizes exits mid-destructor (std::terminate)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, world: int, *args, tmp: Path) -> None:
