@@ -1,4 +1,4 @@
-"""`areno` command line: train, demo, recipes, launch, serve, report, doctor, trace, sessions.
+"""`areno` command line: train, eval, demo, recipes, launch, serve, report, doctor, trace, sessions.
 
 The error policy (``areno.errors``): a user mistake (config, data, model directory, reward import) is
 printed as one line and exits with 2; a run that failed while running is printed as one line naming
@@ -20,19 +20,54 @@ RUN_FAILED = 1
 """Exit code of a :class:`~areno.errors.RunFailure` (and of a bug, with its traceback)."""
 
 
-def _train(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace, *extra: str):
+    """The run's config from the command's YAML file (optional) and dotted overrides."""
     from areno.api.config import load_config
-    from areno.api.pipeline import run_pipeline
 
     overrides = list(args.overrides)
     config_path = args.config
     if config_path is not None and "=" in config_path:  # no YAML file, overrides only
         overrides.insert(0, config_path)
         config_path = None
-    if args.algorithm:
-        overrides.append(f"train.algorithm={args.algorithm}")
-    config = load_config(config_path, overrides)
-    run_pipeline(config)
+    return load_config(config_path, [*overrides, *extra])
+
+
+def _train(args: argparse.Namespace) -> int:
+    from areno.api.pipeline import run_pipeline
+
+    run_pipeline(_load(args, *([f"train.algorithm={args.algorithm}"] if args.algorithm else [])))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from areno.engine.evaluation import EvalOptions, run_eval
+
+    options = EvalOptions(  # its checks before the config's: a wrong option is named first
+        checkpoint=args.checkpoint,
+        samples=args.samples,
+        temperature=args.temperature,
+        split=args.split,
+        num_prompts=args.num_prompts,
+        pass_threshold=args.pass_threshold,
+        seed=args.seed,
+        out=args.out,
+    )
+    summary = run_eval(_load(args), options)
+    metrics = summary["metrics"]
+    passes = " ".join(f"{k[5:]} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/pass@"))
+    logging.getLogger("areno.eval").info(
+        "%s: accuracy %.4f, %s (%d rows x %d samples, %d reward errors); rows in %s",
+        summary["model"],
+        metrics["eval/accuracy"],
+        passes,
+        metrics["eval/num_prompts"],
+        summary["samples"],
+        metrics["eval/reward_errors"],
+        summary["rows_file"],
+    )
+    print(json.dumps(summary))
     return 0
 
 
@@ -76,6 +111,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm", help="recipe name, or module:name for a user @recipe module (same as train.algorithm=...)"
     )
     train.set_defaults(func=_train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="score a model or a run's checkpoint on held-out rows with the run's reward (accuracy, pass@k)",
+        description="Score a model on the config's held-out rows (data.eval_path / data.num_eval) with its "
+        "reward, as training's evaluation does; rows go to a JSON-lines file, the summary to stdout.",
+    )
+    ev.add_argument("config", nargs="?", help="YAML config file (the run's)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides key=value")
+    ev.add_argument(
+        "--checkpoint",
+        help="a Hugging Face model directory, a checkpoint step_N, a run directory (its newest complete "
+        "checkpoint) or 'latest' (run_dir's); default: model.path",
+    )
+    ev.add_argument("--samples", type=int, default=1, help="completions per row (default 1: greedy)")
+    ev.add_argument(
+        "--temperature", type=float, help="sampling temperature (default: greedy for 1 sample, else rollout's)"
+    )
+    ev.add_argument("--split", default="eval", help="eval (held-out rows, the default) or train")
+    ev.add_argument("--num-prompts", type=int, default=0, help="score the first N rows (default 0: all)")
+    ev.add_argument(
+        "--pass-threshold", type=float, default=1.0, help="a sample solves its row at this reward or above (pass@k)"
+    )
+    ev.add_argument("--seed", type=int, help="base seed of sampled requests (default: train.seed)")
+    ev.add_argument("--out", help="the per-row JSON-lines file (default: run_dir/eval/<model>.jsonl)")
+    ev.set_defaults(func=_eval)
 
     demo = sub.add_parser("demo", help="the CPU demo: a tiny model learns to sort digits with RL (GRPO)")
     demo.add_argument("--run-dir", default="runs/demo")

@@ -269,14 +269,16 @@ def rollout_metrics(trajectories: list[Trajectory], version: int, batch: TokenBa
     }
 
 
-async def agreedy_score(
+async def ascore_row(
     client, tokenizer, reward_fn, row: dict, cfg: ArenoConfig, params: SamplingParams, vision: Any = None
 ) -> Trajectory:
-    """One held-out row generated with ``params`` (greedy) and scored: the prompt rendered as
-    rollouts render it, the completion decoded, the reward under the rollouts' failure policy (a
-    raising reward scores 0 and is warned about). Shared by ``ArenoEngine.evaluate`` and the test
-    rollout (``engine/test_rollout.py``), so both score a policy alike. ``vision``: the model's
-    ``VisionConfig`` (rows with images)."""
+    """One held-out row generated with ``params`` and scored: the prompt rendered as rollouts render
+    it, the completion decoded, the reward under the rollouts' failure policy (a raising reward
+    scores 0, is warned about and recorded in ``info["reward_error"]``). Shared by
+    ``ArenoEngine.evaluate``, the test rollout (``engine/test_rollout.py``) and ``areno eval``
+    (``engine/evaluation.py``), so all three score a policy alike. ``info`` also holds the prompt,
+    the completion's text and its finish reason. ``vision``: the model's ``VisionConfig`` (rows with
+    images)."""
     prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
     templating = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
     images = row_images(row, vision)
@@ -288,15 +290,18 @@ async def agreedy_score(
         out = await client.agenerate(prompt_ids, params)
     completion = tokenizer.decode(out.output_ids, skip_special_tokens=True)
     fields = sample_fields(row, prompt_key, answer_key, IMAGES_KEY)
-    reward, _ = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key), fields)
+    reward, error = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key), fields)
     n = len(out.output_ids)
+    info = {"prompt": row[prompt_key], "completion": completion, "finish_reason": out.finish_reason}
+    if error is not None:
+        info["reward_error"] = error
     return Trajectory(
         prompt_ids=list(prompt_ids),
         completion_ids=list(out.output_ids),
         logprobs=[0.0] * n,
         versions=[0] * n,
         reward=reward,
-        info={"prompt": row[prompt_key]},
+        info=info,
     )
 
 
@@ -598,7 +603,7 @@ class ArenoEngine:
             client.hold(self.rollout.resume)
 
         async def ascore(row: dict) -> float:
-            return (await agreedy_score(client, self.tokenizer, reward_fn, row, cfg, params, self.vision)).reward
+            return (await ascore_row(client, self.tokenizer, reward_fn, row, cfg, params, self.vision)).reward
 
         async def ascore_all() -> list[float]:
             return await asyncio.gather(*(ascore(row) for row in self.eval_rows))

@@ -13,7 +13,7 @@ logged; neither stops the thread.
 
 ``start_test_rollout`` builds it from a run's config (the ``test_rollout`` section): its own
 in-process rollout engine, the held-out rows, the run's reward and the greedy scoring of
-``ArenoEngine.evaluate`` (``agreedy_score``). The trainer publishes a checkpoint every
+``ArenoEngine.evaluate`` (``ascore_row``). The trainer publishes a checkpoint every
 ``test_rollout.interval`` steps, logs ``test_metrics`` of each evaluation when it arrives and, at
 the end of the run, waits for the last checkpoint's evaluation (``wait_for``).
 """
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from areno.data.datasets import build_splits
 from areno.engine.api import (
-    agreedy_score,
+    ascore_row,
     load_tokenizer,
     prepare_model_dir,
     resolve_device,
@@ -224,7 +224,7 @@ class GreedyEvalWorkflow(RolloutWorkflow):
         self.params = params
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> Trajectory:
-        return await agreedy_score(
+        return await ascore_row(
             client, self.tokenizer, self.reward_fn, sample, self.config, self.params, self.vision
         )
 

@@ -11,7 +11,7 @@ import torch
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.data.datasets import build_splits
-from areno.engine.api import agreedy_score, load_tokenizer, resolve_recipe, rollout_sampling_params
+from areno.engine.api import ascore_row, load_tokenizer, resolve_recipe, rollout_sampling_params
 from areno.engine.local import LocalRolloutSide
 from areno.engine.seams import SideSetup
 from areno.engine.test_rollout import TestRolloutManager
@@ -38,7 +38,7 @@ def direct_accuracy(cfg, hf_dir) -> float:
 
     async def score_all():
         return await asyncio.gather(
-            *(agreedy_score(side.client, tokenizer, reward_fn, row, cfg, params) for row in rows)
+            *(ascore_row(side.client, tokenizer, reward_fn, row, cfg, params) for row in rows)
         )
 
     try:

@@ -1,0 +1,185 @@
+"""``areno eval`` (``areno.engine.evaluation``): a greedy evaluation of checkpoint k gives the accuracy
+the run's test rollout logged for it; sampled evaluations are reproducible by seed; pass@k is the
+unbiased estimate; the rows file holds every completion; a wrong option or path is one line."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from areno.api.config import load_config
+from areno.cli import main
+from areno.data.datasets import build_splits
+from areno.engine.evaluation import EvalOptions, eval_metrics, pass_at_k, pass_ks, resolve_checkpoint, run_eval
+from areno.errors import ConfigError, DataError, ModelDirError
+from areno.types import Trajectory
+from tests.helpers.configs import run_to_end, tiny_run_overrides
+
+REWARD = "tests.helpers.rewards:first_char"  # in [0, 1), varies with the completion
+
+
+def _overrides(root: Path, *extra: str) -> list[str]:
+    return [*tiny_run_overrides(root, num_eval=6, reward=REWARD), "reward.sandbox=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 3-step run whose test rollout scored the checkpoints of steps 1-3 (``test/accuracy``)."""
+    root = tmp_path_factory.mktemp("eval")
+    cfg = load_config(
+        None,
+        _overrides(
+            root, "train.steps=3", "optim.lr=0.05", "train.eval_interval=0", "test_rollout.enabled=true",
+            "test_rollout.interval=1",
+        ),
+    )  # fmt: skip
+    rows = run_to_end(cfg)
+    return root, cfg, {int(r["test/step"]): r["test/accuracy"] for r in rows if "test/accuracy" in r}
+
+
+def test_greedy_eval_of_each_checkpoint_equals_the_accuracy_its_run_logged(trained):
+    root, cfg, logged = trained
+    assert 3 in logged  # the test rollout skips to the newest checkpoint when it falls behind
+    for step, accuracy in logged.items():
+        summary = run_eval(cfg, EvalOptions(checkpoint=str(root / "run" / "checkpoints" / f"step_{step:08d}")))
+        assert summary["metrics"]["eval/accuracy"] == pytest.approx(accuracy, abs=1e-12), step
+        assert summary["metrics"]["eval/num_prompts"] == 6
+        assert summary["temperature"] == 0.0
+    # 'latest', the run directory and the checkpoint's hf/ export all name step 3
+    for spec in ("latest", str(root / "run"), str(root / "run" / "checkpoints" / "step_00000003" / "hf")):
+        path, name = resolve_checkpoint(spec, cfg)
+        assert (path, name) == (root / "run" / "checkpoints" / "step_00000003" / "hf", "step_00000003"), spec
+    base = run_eval(cfg, EvalOptions())  # model.path: the model before training
+    assert base["model"] == str(root / "model")
+    assert base["metrics"]["eval/accuracy"] != pytest.approx(logged[3])
+    assert Path(base["rows_file"]) == root / "run" / "eval" / "base.jsonl"
+
+
+def test_sampled_eval_is_reproducible_by_seed_and_its_rows_file_holds_every_sample(trained, tmp_path):
+    root, cfg, _ = trained
+    out = tmp_path / "rows.jsonl"
+    options = dict(checkpoint="latest", samples=3, temperature=1.0, pass_threshold=3 / 7, seed=11)
+    first = run_eval(cfg, EvalOptions(**options, out=str(out)))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all(len(r["completions"]) == len(r["rewards"]) == 3 for r in rows)
+    assert {r["prompt"] for r in rows} == {r["prompt"] for r in _held_out(cfg)}
+    again = run_eval(cfg, EvalOptions(**options, out=str(tmp_path / "again.jsonl")))
+    assert [json.loads(line) for line in (tmp_path / "again.jsonl").read_text().splitlines()] == rows
+    other = run_eval(cfg, EvalOptions(**{**options, "seed": 12}, out=str(tmp_path / "other.jsonl")))
+    assert (tmp_path / "other.jsonl").read_text() != out.read_text()
+    assert first["metrics"] == pytest.approx({**again["metrics"], **_timings(first)})
+    assert other["temperature"] == 1.0
+    # the summary's figures, recomputed from the rows file with binomials
+    m = first["metrics"]
+    rewards = [r["rewards"] for r in rows]
+    assert m["eval/accuracy"] == pytest.approx(sum(map(sum, rewards)) / 18)
+    solved = [sum(x >= 3 / 7 for x in rs) for rs in rewards]
+    for k in (1, 2, 3):
+        by_hand = sum(1 - math.comb(3 - c, k) / math.comb(3, k) for c in solved) / 6
+        assert m[f"eval/pass@{k}"] == pytest.approx(by_hand), k
+    assert json.loads((tmp_path / "rows.summary.json").read_text()) == json.loads(json.dumps(first))
+
+
+def _held_out(cfg):
+    return build_splits(cfg.data)[1]
+
+
+def _timings(summary: dict) -> dict:
+    return {k: v for k, v in summary["metrics"].items() if k in ("eval/load_s", "eval/time_s") or k.endswith("_per_s")}
+
+
+def test_pass_at_k_against_hand_computed_values():
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+    assert pass_at_k(1, 1, 1) == 1.0
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)
+    assert pass_ks(1) == [1] and pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4, 6]
+
+
+def test_eval_metrics_by_hand():
+    def traj(reward, n_tokens, finish="stop", error=None):
+        info = {"finish_reason": finish, **({"reward_error": error} if error else {})}
+        return Trajectory(prompt_ids=[1], completion_ids=[2] * n_tokens, logprobs=[0.0] * n_tokens,
+                          versions=[0] * n_tokens, reward=reward, info=info)  # fmt: skip
+
+    rewards = [[1.0, 0.0, 0.5, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    trajectories = [
+        [traj(1.0, 2), traj(0.0, 4, "length"), traj(0.5, 2), traj(1.0, 2)],
+        [traj(0.0, 2, error="ValueError: x"), traj(0.0, 2), traj(0.0, 2), traj(0.0, 4, "length")],
+    ]
+    m = eval_metrics(rewards, trajectories, threshold=1.0)
+    assert m["eval/accuracy"] == pytest.approx(2.5 / 8)
+    assert m["eval/pass@1"] == pytest.approx((2 / 4 + 0) / 2)  # 0.5 does not reach the threshold
+    assert m["eval/pass@2"] == pytest.approx((1 - 1 / 6 + 0) / 2)  # 1 - C(2,2)/C(4,2)
+    assert m["eval/pass@4"] == pytest.approx(0.5)
+    assert m["eval/reward_errors"] == 1
+    assert m["eval/completion_tokens_mean"] == pytest.approx(20 / 8)
+    assert m["eval/truncated_fraction"] == pytest.approx(2 / 8)
+    assert eval_metrics(rewards, trajectories, threshold=0.5)["eval/pass@1"] == pytest.approx(3 / 8)
+
+
+def test_a_raising_reward_scores_zero_and_is_recorded_per_sample(trained, tmp_path):
+    root, _, _ = trained
+    cfg = load_config(None, [*_overrides(root), "reward.fn=tests.helpers.rewards:exploding"])
+    summary = run_eval(cfg, EvalOptions(checkpoint="latest", out=str(tmp_path / "rows.jsonl")))
+    assert summary["metrics"]["eval/reward_errors"] == 6 and summary["metrics"]["eval/accuracy"] == 0.0
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert all(r["reward_errors"] == ["RuntimeError: reward bug"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"samples": 0}, "--samples: must be >= 1"),
+        ({"temperature": -1.0}, "--temperature: must be a finite number >= 0"),
+        ({"split": "test"}, "--split: must be one of eval, train"),
+        ({"num_prompts": -1}, "--num-prompts: must be >= 0"),
+        ({"pass_threshold": math.nan}, "--pass-threshold: must be a finite number"),
+    ],
+)
+def test_wrong_options_are_named(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EvalOptions(**options)
+
+
+def test_wrong_checkpoints_and_rows_are_one_line_errors_before_any_model_loads(tmp_path, capsys):
+    cfg = load_config(None, _overrides(tmp_path))
+    with pytest.raises(ModelDirError, match="is not a directory"):
+        resolve_checkpoint(str(tmp_path / "nowhere"), cfg)
+    with pytest.raises(ModelDirError, match="no complete checkpoints"):
+        resolve_checkpoint("latest", dataclasses.replace(cfg, run_dir=str(tmp_path)))
+    half = tmp_path / "run" / "checkpoints" / "step_00000002"
+    (half / "hf").mkdir(parents=True)
+    (half / "hf" / "config.json").write_text("{}")
+    for spec in (half, half / "hf"):
+        with pytest.raises(ModelDirError, match="incomplete \\(no COMPLETE marker\\)"):
+            resolve_checkpoint(str(spec), cfg)
+    no_rows = load_config(None, [*_overrides(tmp_path), "data.num_eval=0"])
+    with pytest.raises(DataError, match="no held-out rows.*--split train"):
+        run_eval(no_rows, EvalOptions())
+    assert not (tmp_path / "model").exists()  # refused before the model was made
+    served = load_config(None, [*_overrides(tmp_path), "rollout.backend=vllm", "rollout.servers=[http://x:1]"])
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="rollout.servers are servers you run"):
+        run_eval(served, EvalOptions(checkpoint=str(tmp_path / "m")))
+    # the command: exit code 2 and one line
+    assert main(["eval", *_overrides(tmp_path), "--samples", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["areno: error: --samples: must be >= 1, got 0"]
+
+
+def test_the_command_prints_its_summary_and_writes_the_rows(trained, tmp_path, capsys):
+    root, _, logged = trained
+    out = tmp_path / "step3.jsonl"
+    code = main(["eval", *_overrides(root), "--checkpoint", "latest", "--num-prompts", "4", "--out", str(out)])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["metrics"]["eval/num_prompts"] == 4
+    assert summary["rows_file"] == str(out) and len(out.read_text().splitlines()) == 4
