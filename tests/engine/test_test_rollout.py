@@ -37,9 +37,7 @@ def direct_accuracy(cfg, hf_dir) -> float:
     params = rollout_sampling_params(cfg, greedy=True)
 
     async def score_all():
-        return await asyncio.gather(
-            *(ascore_row(side.client, tokenizer, reward_fn, row, cfg, params) for row in rows)
-        )
+        return await asyncio.gather(*(ascore_row(side.client, tokenizer, reward_fn, row, cfg, params) for row in rows))
 
     try:
         trajectories = asyncio.run(score_all())
@@ -126,3 +124,10 @@ def test_a_stuck_evaluation_never_blocks_training(tmp_path, monkeypatch, caplog)
     assert [r["step"] for r in rows if "rollout/reward_mean" in r] == [1, 2, 3]
     assert not any("test/accuracy" in r for r in rows)
     assert "checkpoint step 3 not evaluated within test_rollout.final_timeout_s" in caplog.text
+
+
+def test_reward_errors_of_the_evaluation_are_counted(tmp_path):
+    """A reward that raises scores 0 on every held-out row, and test/reward_errors says so."""
+    cfg = _config(tmp_path, "train.steps=1", "test_rollout.enabled=true", "reward.fn=tests.helpers.rewards:exploding")
+    rows = [r for r in run_to_end(cfg) if "test/accuracy" in r]
+    assert [(r["test/step"], r["test/accuracy"], r["test/reward_errors"]) for r in rows] == [(1, 0.0, 6)]
