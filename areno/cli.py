@@ -125,14 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face model directory, a checkpoint step_N, a run directory (its newest complete "
         "checkpoint) or 'latest' (run_dir's); default: model.path",
     )
-    ev.add_argument("--samples", type=int, default=1, help="completions per row (default 1: greedy)")
+    ev.add_argument("--samples", type=int, help="completions per row (default: train.eval_samples, 1: greedy)")
     ev.add_argument(
-        "--temperature", type=float, help="sampling temperature (default: greedy for 1 sample, else rollout's)"
+        "--temperature",
+        type=float,
+        help="sampling temperature (default: train.eval_temperature: greedy for 1 sample, else rollout.temperature)",
     )
     ev.add_argument("--split", default="eval", help="eval (held-out rows, the default) or train")
     ev.add_argument("--num-prompts", type=int, default=0, help="score the first N rows (default 0: all)")
     ev.add_argument(
-        "--pass-threshold", type=float, default=1.0, help="a sample solves its row at this reward or above (pass@k)"
+        "--pass-threshold",
+        type=float,
+        help="a sample solves its row at this reward or above (pass@k; default: train.eval_pass_threshold)",
     )
     ev.add_argument("--seed", type=int, help="base seed of sampled requests (default: train.seed)")
     ev.add_argument("--out", help="the per-row JSON-lines file (default: run_dir/eval/<model>.jsonl)")

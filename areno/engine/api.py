@@ -37,6 +37,7 @@ from areno.engine.host import HeapFreezer
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
 from areno.engine.residency import Phase, Residency
 from areno.engine.rollout_side import RolloutSide
+from areno.engine.scoring import ascore_rows, eval_metrics, eval_params, held_burst
 from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
 from areno.errors import ConfigError, ModelDirError
@@ -51,8 +52,8 @@ from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import RolloutWorkflow, load_workflow
-from areno.workflows.common import acall_reward, prompt_kwargs, sample_fields, store_kwargs, teacher_kwargs
-from areno.workflows.images import IMAGES_KEY, image_prompt, row_images, vision_kwargs
+from areno.workflows.common import prompt_kwargs, store_kwargs, teacher_kwargs
+from areno.workflows.images import vision_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +106,18 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     """Capture the rollout engine's decode CUDA graphs now (``rollout.cuda_graph_warmup``): batch
     sizes up to the run's concurrency in sequences, contexts up to ``max_new_tokens`` + 256 prompt
     tokens (longer contexts capture their graphs at first use), the training rollouts' sampling and
-    greedy evaluation. Returns the graphs held; 0 without CUDA graphs (CPU, or turned off)."""
+    the evaluation's. Returns the graphs held; 0 without CUDA graphs (CPU, or turned off)."""
     r = cfg.rollout
     if not r.cuda_graph_warmup or not r.cuda_graphs or engine.device.type != "cuda":
         return 0
     t0 = time.perf_counter()
     # training requests carry seeds (SeedingClient: a hashed uniform per row, its own graph mode)
     params = [dataclasses.replace(rollout_sampling_params(cfg, greedy=False), seed=0)]
-    if cfg.data.num_eval and cfg.train.eval_interval:
-        params.append(rollout_sampling_params(cfg, greedy=True))
     in_flight = rollout_sequences_in_flight(cfg)
     if cfg.data.num_eval and cfg.train.eval_interval:
-        in_flight = max(in_flight, cfg.data.num_eval)
+        evaluation = eval_params(cfg, cfg.train.eval_samples, cfg.train.eval_temperature, name="train.eval_samples")
+        params.append(evaluation if evaluation.temperature == 0 else dataclasses.replace(evaluation, seed=0))
+        in_flight = max(in_flight, cfg.data.num_eval * cfg.train.eval_samples)
     try:
         held = engine.warmup_cuda_graphs(list(range(1, in_flight + 1)), r.max_new_tokens + 256, params)
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # graphs are then captured at first use
@@ -267,42 +268,6 @@ def rollout_metrics(trajectories: list[Trajectory], version: int, batch: TokenBa
         "rollout/staleness_mean": staleness.mean().item(),
         "rollout/staleness_max": staleness.max().item(),
     }
-
-
-async def ascore_row(
-    client, tokenizer, reward_fn, row: dict, cfg: ArenoConfig, params: SamplingParams, vision: Any = None
-) -> Trajectory:
-    """One held-out row generated with ``params`` and scored: the prompt rendered as rollouts render
-    it, the completion decoded, the reward under the rollouts' failure policy (a raising reward
-    scores 0, is warned about and recorded in ``info["reward_error"]``). Shared by
-    ``ArenoEngine.evaluate``, the test rollout (``engine/test_rollout.py``) and ``areno eval``
-    (``engine/evaluation.py``), so all three score a policy alike. ``info`` also holds the prompt,
-    the completion's text and its finish reason. ``vision``: the model's ``VisionConfig`` (rows with
-    images)."""
-    prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
-    templating = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
-    images = row_images(row, vision)
-    if images:
-        prompt_ids, inputs = image_prompt(tokenizer, row[prompt_key], images, vision, **templating)
-        out = await client.agenerate(prompt_ids, params, images=inputs)
-    else:
-        prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
-        out = await client.agenerate(prompt_ids, params)
-    completion = tokenizer.decode(out.output_ids, skip_special_tokens=True)
-    fields = sample_fields(row, prompt_key, answer_key, IMAGES_KEY)
-    reward, error = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key), fields)
-    n = len(out.output_ids)
-    info = {"prompt": row[prompt_key], "completion": completion, "finish_reason": out.finish_reason}
-    if error is not None:
-        info["reward_error"] = error
-    return Trajectory(
-        prompt_ids=list(prompt_ids),
-        completion_ids=list(out.output_ids),
-        logprobs=[0.0] * n,
-        versions=[0] * n,
-        reward=reward,
-        info=info,
-    )
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -582,7 +547,8 @@ class ArenoEngine:
         return {}
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy held-out accuracy (mean reward) of the current rollout policy."""
+        """Held-out accuracy (mean reward) of the current rollout policy: greedy, or the mean over
+        ``train.eval_samples`` seeded samples with their ``pass@k`` (``engine/scoring.py``)."""
         if not self.eval_rows:
             return {}
         if self._rollout_behind:
@@ -590,35 +556,29 @@ class ArenoEngine:
         cfg = self.config
         if self.reward_fn is None:  # offline recipes build no executor
             self.reward_fn = load_reward(cfg.reward)
-        reward_fn = self.reward_fn
-        params = rollout_sampling_params(cfg, greedy=True)
+        samples = cfg.train.eval_samples
+        params = eval_params(cfg, samples, cfg.train.eval_temperature, name="train.eval_samples")
         self._enter(Phase.ROLLOUT)
         t0 = time.perf_counter()
 
-        client = self.rollout.client
-        held = not self.asynchronous
-        if held:  # start the engine on the whole burst: the same batches, hence the same scores, every run
-            client = SeedingClient(client)
-            self.rollout.pause()
-            client.hold(self.rollout.resume)
-
-        async def ascore(row: dict) -> float:
-            return (await ascore_row(client, self.tokenizer, reward_fn, row, cfg, params, self.vision)).reward
-
-        async def ascore_all() -> list[float]:
-            return await asyncio.gather(*(ascore(row) for row in self.eval_rows))
-
-        try:
-            with self._generating_while_waiting():
-                scores = asyncio.run(ascore_all())
-        finally:
-            if held:
-                client.release_now()  # a no-op once the burst was released
-        return {
-            "eval/accuracy": sum(scores) / len(scores),
-            "eval/num_prompts": float(len(scores)),
-            "eval/time_s": time.perf_counter() - t0,
-        }
+        # synchronous: the engine starts on the whole burst (the same batches, hence scores, every run)
+        burst = held_burst(self.rollout) if not self.asynchronous else contextlib.nullcontext(self.rollout.client)
+        with burst as client, self._generating_while_waiting():
+            scored = asyncio.run(
+                ascore_rows(
+                    client,
+                    self.tokenizer,
+                    self.reward_fn,
+                    self.eval_rows,
+                    cfg,
+                    params,
+                    self.vision,
+                    samples=samples,
+                    base_seed=cfg.train.seed,
+                )
+            )
+        metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, cfg.train.eval_pass_threshold)
+        return {**metrics, "eval/time_s": time.perf_counter() - t0}
 
     # ----------------------------------------------------------------------------- state
     def save(self, path: Path, trainer_state: dict) -> None:

@@ -530,6 +530,16 @@ class TrainSection(TrainStepConfig):
     decoupled loss the clip against pi_prox acts from the second minibatch)."""
     eval_interval: int = 10
     """Evaluate held-out accuracy every this many steps (0 = only before and after)."""
+    eval_samples: int = 1
+    """Completions per held-out row at each evaluation: 1 is greedy (unless ``eval_temperature`` is
+    set); more are sampled (each request seeded from ``train.seed``, the row and the sample, so every
+    evaluation draws alike), ``eval/accuracy`` is their mean reward and ``eval/pass@k`` (k = 1, 2,
+    4, ..., eval_samples) the unbiased chance that one of k samples solves its row."""
+    eval_temperature: float | None = None
+    """Sampling temperature of the evaluation. null: greedy for one sample, else
+    ``rollout.temperature``."""
+    eval_pass_threshold: float = 1.0
+    """A sample solves its row (``eval/pass@k``) when its reward is at least this."""
     save_interval: int = 0
     """Checkpoint every this many steps (0 = only at the end)."""
     backend: str = "areno"
@@ -560,6 +570,12 @@ class TrainSection(TrainStepConfig):
         check_config(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         check_config(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
         check_config(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
+        check_config(self.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {self.eval_samples}")
+        check_config(
+            self.eval_temperature is None or self.eval_temperature >= 0,
+            "train.eval_temperature",
+            f"must be >= 0 (0: greedy) or null, got {self.eval_temperature}",
+        )
         check_config(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
 
 
@@ -693,6 +709,14 @@ class ArenoConfig:
             "cluster.offload",
             f"sleep offloads areno's own rollout engine; a {self.rollout.backend} server manages its own memory "
             "(its --gpu-memory-utilization in rollout.server_args): use cluster.offload=none",
+        )
+        eval_temperature = self.train.eval_temperature
+        eval_temperature = self.rollout.temperature if eval_temperature is None else eval_temperature
+        check_config(
+            self.train.eval_samples == 1 or eval_temperature > 0,
+            "train.eval_samples",
+            f"{self.train.eval_samples} samples at temperature 0 repeat one greedy completion: set "
+            "train.eval_temperature > 0, or train.eval_samples=1",
         )
         routes_key = "train.moe_routing_replay" if self.train.moe_routing_replay else "train.moe_rollout_routes"
         check_config(

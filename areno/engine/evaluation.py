@@ -1,12 +1,10 @@
 """``areno eval``: score a model or a run's checkpoint on held-out rows, as training scores it.
 
 The rows are the run's held-out split (``data.eval_path`` / ``data.num_eval``, or a shipped task's
-eval rows) or its training rows; each is rendered, generated and rewarded by ``ascore_row``, the
-scorer of ``ArenoEngine.evaluate`` and the test rollout, so a greedy evaluation of checkpoint k
-gives the accuracy the run logged for it. With ``samples`` > 1 every row is sampled that many times
-at the rollouts' temperature (each request seeded from ``seed``, row and sample: the same command
-gives the same completions), and ``pass@k`` is the unbiased estimate of Chen et al. (2021) over
-the samples whose reward reaches ``pass_threshold``.
+eval rows) or its training rows. They are scored as the run's own evaluation scores them
+(``engine/scoring.py``): the same rendering, reward, sampling (``train.eval_samples``,
+``eval_temperature``, seeds from ``train.seed``) and batches, so evaluating checkpoint k alone gives
+the figures the run logged for it. Options override the sampling and the ``pass@k`` threshold.
 
 Generation runs on the run's rollout backend: areno's embedded engine on ``cluster.device``, or
 vLLM / SGLang servers that areno starts from the evaluated directory (``rollout.backend``).
@@ -27,18 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from areno.data.datasets import build_splits
-from areno.engine.api import (
-    ascore_row,
-    load_tokenizer,
-    prepare_model_dir,
-    resolve_device,
-    resolve_recipe,
-    rollout_sampling_params,
-)
+from areno.engine.api import load_tokenizer, prepare_model_dir, resolve_device, resolve_recipe
 from areno.engine.config import ArenoConfig
 from areno.engine.host import apply_host_settings
 from areno.engine.local import LocalRolloutSide
 from areno.engine.rollout_side import RolloutSide
+from areno.engine.scoring import ascore_rows, eval_metrics, eval_params, held_burst
 from areno.engine.seams import SideSetup
 from areno.engine.servers import ServerRolloutSide
 from areno.errors import ConfigError, DataError, ModelDirError
@@ -66,23 +58,25 @@ class EvalOptions:
     """A Hugging Face model directory, a checkpoint ``step_N`` directory (its ``hf/`` export), a run
     directory or its ``checkpoints/`` (the newest complete checkpoint), or ``latest`` (that of the
     config's ``run_dir``). None: ``model.path``."""
-    samples: int = 1
-    """Completions per row."""
+    samples: int | None = None
+    """Completions per row. None: ``train.eval_samples``, as the run evaluates."""
     temperature: float | None = None
-    """Sampling temperature. None: greedy for one sample, else ``rollout.temperature``."""
+    """Sampling temperature. None: ``train.eval_temperature``, as the run evaluates: greedy for one
+    sample, else ``rollout.temperature``."""
     split: str = "eval"
     """``eval`` (held-out rows) or ``train``."""
     num_prompts: int = 0
     """Score the first this many rows; 0: all."""
-    pass_threshold: float = 1.0
-    """A sample solves its row when its reward is at least this (``pass@k``)."""
+    pass_threshold: float | None = None
+    """A sample solves its row when its reward is at least this (``pass@k``). None:
+    ``train.eval_pass_threshold``."""
     seed: int | None = None
     """Base seed of the sampled requests. None: ``train.seed``."""
     out: str | None = None
     """The per-row JSON-lines file. None: ``run_dir/eval/<model>.jsonl``."""
 
     def __post_init__(self) -> None:
-        if self.samples < 1:
+        if self.samples is not None and self.samples < 1:
             raise ConfigError(f"--samples: must be >= 1, got {self.samples}")
         if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"--temperature: must be a finite number >= 0 (0: greedy), got {self.temperature}")
@@ -90,7 +84,7 @@ class EvalOptions:
             raise ConfigError(f"--split: must be one of {', '.join(SPLITS)}, got {self.split!r}")
         if self.num_prompts < 0:
             raise ConfigError(f"--num-prompts: must be >= 0 (0: all rows), got {self.num_prompts}")
-        if not math.isfinite(self.pass_threshold):
+        if self.pass_threshold is not None and not math.isfinite(self.pass_threshold):
             raise ConfigError(f"--pass-threshold: must be a finite number, got {self.pass_threshold}")
 
 
@@ -121,42 +115,6 @@ def resolve_checkpoint(spec: str | None, config: ArenoConfig) -> tuple[Path, str
         f"--checkpoint: {path} holds no model (config.json), no checkpoint export (hf/config.json) and no "
         "complete checkpoints/step_N: name a Hugging Face checkpoint, a checkpoint or a run directory"
     )
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased estimate of the chance that at least one of k samples solves a row, from n samples
-    of which c solved it: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021), as a stable product."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def pass_ks(n: int) -> list[int]:
-    """The k of the reported ``pass@k``: powers of two up to n, and n."""
-    ks = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
-    return ks if ks[-1] == n else [*ks, n]
-
-
-def eval_metrics(
-    rewards: list[list[float]], trajectories: list[list[Trajectory]], threshold: float
-) -> dict[str, float]:
-    """The summary of scored rows: ``rewards[i][j]`` of row i's sample j (every row has n)."""
-    n = len(rewards[0])
-    flat = [t for ts in trajectories for t in ts]
-    metrics = {
-        "eval/accuracy": sum(map(sum, rewards)) / (len(rewards) * n),
-        "eval/num_prompts": float(len(rewards)),
-        "eval/samples_per_prompt": float(n),
-        "eval/reward_errors": float(sum("reward_error" in t.info for t in flat)),
-        "eval/completion_tokens_mean": sum(len(t.completion_ids) for t in flat) / len(flat),
-        "eval/truncated_fraction": sum(t.info.get("finish_reason") == "length" for t in flat) / len(flat),
-    }
-    solved = [sum(r >= threshold for r in rs) for rs in rewards]
-    for k in pass_ks(n):
-        metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in solved) / len(solved)
-    return metrics
 
 
 def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[str, Any]]:
@@ -190,6 +148,10 @@ def run_eval(
     """Evaluate what ``options`` names under ``config``; writes the rows file and its summary and
     returns the summary (``metrics``, ``model``, ``rows_file``). ``on_progress(done, total,
     accuracy so far)``: called as rows finish (default: a log line every ``PROGRESS_EVERY_S``)."""
+    samples = config.train.eval_samples if options.samples is None else options.samples
+    temperature = config.train.eval_temperature if options.temperature is None else options.temperature
+    threshold = config.train.eval_pass_threshold if options.pass_threshold is None else options.pass_threshold
+    params = eval_params(config, samples, temperature, name="--samples")
     rows = eval_rows(config, options.split, options.num_prompts)
     model_dir, name = resolve_checkpoint(options.checkpoint, config)
     out = Path(options.out) if options.out else Path(config.run_dir) / "eval" / f"{name}.jsonl"
@@ -200,37 +162,51 @@ def run_eval(
         tokenizer = load_tokenizer(model_dir)
         vision = read_config(model_dir).vision
         vision = VisionConfig.from_hf(vision) if vision is not None else None
-        logger.info("evaluating %s on %d %s rows x %d samples", model_dir, len(rows), options.split, options.samples)
+        logger.info("evaluating %s on %d %s rows x %d samples", model_dir, len(rows), options.split, samples)
         t_load = time.perf_counter()
         started = True  # a side that failed half-way started shuts down what it started
         side.start(SideSetup(recipe=resolve_recipe(config), model_dir=model_dir, tokenizer=tokenizer))
         load_s = time.perf_counter() - t_load
-        greedy = options.samples == 1 and not options.temperature
-        params = rollout_sampling_params(config, greedy=greedy)
-        if options.temperature is not None and not greedy:
-            params = dataclasses.replace(params, temperature=options.temperature)
-        base_seed = config.train.seed if options.seed is None else options.seed
+        progress = on_progress or _log_progress()
+        reward_sum = 0.0
+
+        def on_row(done: int, trajectories: list[Trajectory]) -> None:
+            nonlocal reward_sum
+            reward_sum += sum(t.reward for t in trajectories)
+            progress(done, len(rows), reward_sum / (done * samples))
+
         t0 = time.perf_counter()
-        scored = asyncio.run(
-            _score(side, tokenizer, reward_fn, rows, config, params, vision, options.samples, base_seed, on_progress)
-        )
+        with held_burst(side) as client:  # batches as the run's own evaluation forms them
+            scored = asyncio.run(
+                ascore_rows(
+                    client,
+                    tokenizer,
+                    reward_fn,
+                    rows,
+                    config,
+                    params,
+                    vision,
+                    samples=samples,
+                    base_seed=config.train.seed if options.seed is None else options.seed,
+                    on_row=on_row,
+                )
+            )
         elapsed = time.perf_counter() - t0
     finally:
         if started:
             side.shutdown()
         if isinstance(reward_fn, RewardSandbox):
             release_shared(reward_fn)
-    rewards = [[t.reward for t in ts] for ts in scored]
-    metrics = eval_metrics(rewards, scored, options.pass_threshold)
+    metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, threshold)
     metrics["eval/load_s"] = load_s
     metrics["eval/time_s"] = elapsed
     metrics["eval/completion_tokens_per_s"] = sum(len(t.completion_ids) for ts in scored for t in ts) / elapsed
     summary = {
         "model": str(model_dir),
         "split": options.split,
-        "samples": options.samples,
+        "samples": samples,
         "temperature": params.temperature,
-        "pass_threshold": options.pass_threshold,
+        "pass_threshold": threshold,
         "rows_file": str(out),
         "metrics": metrics,
     }
@@ -238,38 +214,17 @@ def run_eval(
     return summary
 
 
-async def _score(
-    side: RolloutSide,
-    tokenizer,
-    reward_fn,
-    rows: list[dict],
-    config: ArenoConfig,
-    params,
-    vision,
-    samples: int,
-    base_seed: int,
-    on_progress: Callable[[int, int, float], None] | None,
-) -> list[list[Trajectory]]:
-    def request(i: int, j: int):
-        seeded = params if params.temperature == 0 else dataclasses.replace(params, seed=base_seed + i * samples + j)
-        return ascore_row(side.client, tokenizer, reward_fn, rows[i], config, seeded, vision)
+def _log_progress() -> Callable[[int, int, float], None]:
+    """A progress line every ``PROGRESS_EVERY_S`` and at the end."""
+    last = time.perf_counter()
 
-    async def row(i: int) -> tuple[int, list[Trajectory]]:
-        return i, list(await asyncio.gather(*(request(i, j) for j in range(samples))))
-
-    scored: list[list[Trajectory]] = [[] for _ in rows]
-    reward_sum, last = 0.0, time.perf_counter()
-    for done, next_row in enumerate(asyncio.as_completed([row(i) for i in range(len(rows))]), 1):
-        i, trajectories = await next_row
-        scored[i] = trajectories
-        reward_sum += sum(t.reward for t in trajectories)
-        accuracy = reward_sum / (done * samples)
-        if on_progress is not None:
-            on_progress(done, len(rows), accuracy)
-        elif time.perf_counter() - last >= PROGRESS_EVERY_S or done == len(rows):
+    def log(done: int, total: int, accuracy: float) -> None:
+        nonlocal last
+        if time.perf_counter() - last >= PROGRESS_EVERY_S or done == total:
             last = time.perf_counter()
-            logger.info("eval: %d/%d rows, accuracy so far %.4f", done, len(rows), accuracy)
-    return scored
+            logger.info("eval: %d/%d rows, accuracy so far %.4f", done, total, accuracy)
+
+    return log
 
 
 def _write(out: Path, rows: list[dict], scored: list[list[Trajectory]], config: ArenoConfig, summary: dict) -> None:

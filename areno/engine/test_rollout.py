@@ -29,7 +29,6 @@ from typing import Any, Protocol
 
 from areno.data.datasets import build_splits
 from areno.engine.api import (
-    ascore_row,
     load_tokenizer,
     prepare_model_dir,
     resolve_device,
@@ -39,6 +38,7 @@ from areno.engine.api import (
 from areno.engine.config import ArenoConfig
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.local import LocalRolloutSide
+from areno.engine.scoring import ascore_row
 from areno.engine.seams import SideSetup
 from areno.errors import ConfigError
 from areno.models.hf_io import read_config
@@ -224,9 +224,7 @@ class GreedyEvalWorkflow(RolloutWorkflow):
         self.params = params
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> Trajectory:
-        return await ascore_row(
-            client, self.tokenizer, self.reward_fn, sample, self.config, self.params, self.vision
-        )
+        return await ascore_row(client, self.tokenizer, self.reward_fn, sample, self.config, self.params, self.vision)
 
 
 POLL_INTERVAL_S = 0.5

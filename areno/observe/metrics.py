@@ -58,6 +58,10 @@ METRICS_FILENAME = "metrics.jsonl"
 Number = int | float
 
 
+_EVAL_FILE_ONLY = ("eval/samples_per_prompt", "eval/completion_tokens_mean", "eval/truncated_fraction")
+"""Held-out figures the console line leaves to metrics.jsonl."""
+
+
 class MissingDependencyError(ImportError):
     """An optional feature was enabled but the package it needs is not installed."""
 
@@ -247,7 +251,16 @@ class ConsoleSink(MetricSink):
 
     @staticmethod
     def _eval_line(eval_fields: Mapping[str, Number], step: int) -> str:
-        body = " ".join(f"{k}={_format_number(v)}" for k, v in sorted(eval_fields.items()))
+        """The held-out figures worth a glance (metrics.jsonl has them all): pass@1 only beside
+        other k, reward errors only when there were some."""
+        several = eval_fields.get("eval/samples_per_prompt", 1) > 1
+
+        def shown(key: str, value: Number) -> bool:
+            if key in _EVAL_FILE_ONLY or (key == "eval/pass@1" and not several):
+                return False
+            return not key.endswith("/reward_errors") or value != 0
+
+        body = " ".join(f"{k}={_format_number(v)}" for k, v in sorted(eval_fields.items()) if shown(k, v))
         return f"eval @ step {step}: {body}"
 
     def close(self) -> None:

@@ -12,7 +12,8 @@ import pytest
 from areno.api.config import load_config
 from areno.cli import main
 from areno.data.datasets import build_splits
-from areno.engine.evaluation import EvalOptions, eval_metrics, pass_at_k, pass_ks, resolve_checkpoint, run_eval
+from areno.engine.evaluation import EvalOptions, resolve_checkpoint, run_eval
+from areno.engine.scoring import eval_metrics, pass_at_k, pass_ks
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.types import Trajectory
 from tests.helpers.configs import run_to_end, tiny_run_overrides
@@ -45,6 +46,7 @@ def test_greedy_eval_of_each_checkpoint_equals_the_accuracy_its_run_logged(train
     for step, accuracy in logged.items():
         summary = run_eval(cfg, EvalOptions(checkpoint=str(root / "run" / "checkpoints" / f"step_{step:08d}")))
         assert summary["metrics"]["eval/accuracy"] == pytest.approx(accuracy, abs=1e-12), step
+        assert summary["samples"] == 1
         assert summary["metrics"]["eval/num_prompts"] == 6
         assert summary["temperature"] == 0.0
     # 'latest', the run directory and the checkpoint's hf/ export all name step 3
@@ -55,6 +57,27 @@ def test_greedy_eval_of_each_checkpoint_equals_the_accuracy_its_run_logged(train
     assert base["model"] == str(root / "model")
     assert base["metrics"]["eval/accuracy"] != pytest.approx(logged[3])
     assert Path(base["rows_file"]) == root / "run" / "eval" / "base.jsonl"
+
+
+def test_a_run_with_sampled_evaluations_logs_pass_at_k_and_areno_eval_repeats_them(tmp_path):
+    """train.eval_samples=3: each evaluation of the run logs the mean reward of 3 seeded samples a
+    row and pass@1, 2, 3; evaluating step k's checkpoint alone gives the same figures."""
+    cfg = load_config(
+        None,
+        _overrides(
+            tmp_path, "train.steps=2", "optim.lr=0.05", "train.eval_interval=1", "train.save_interval=1",
+            "train.eval_samples=3", "train.eval_temperature=1.0", f"train.eval_pass_threshold={3 / 7}",
+        ),
+    )  # fmt: skip
+    logged = {r["step"]: r for r in run_to_end(cfg) if "eval/accuracy" in r}
+    assert sorted(logged) == [1, 2]
+    keys = ["eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/pass@3", "eval/reward_errors"]
+    assert logged[1]["eval/samples_per_prompt"] == 3 and logged[1]["eval/num_prompts"] == 6
+    assert logged[1]["eval/pass@1"] <= logged[1]["eval/pass@2"] <= logged[1]["eval/pass@3"]
+    for step in (1, 2):
+        alone = run_eval(cfg, EvalOptions(checkpoint=str(tmp_path / "run" / "checkpoints" / f"step_{step:08d}")))
+        assert alone["samples"] == 3 and alone["temperature"] == 1.0 and alone["pass_threshold"] == 3 / 7
+        assert {k: alone["metrics"][k] for k in keys} == pytest.approx({k: logged[step][k] for k in keys}), step
 
 
 def test_sampled_eval_is_reproducible_by_seed_and_its_rows_file_holds_every_sample(trained, tmp_path):

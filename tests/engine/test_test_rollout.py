@@ -11,8 +11,9 @@ import torch
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.data.datasets import build_splits
-from areno.engine.api import ascore_row, load_tokenizer, resolve_recipe, rollout_sampling_params
+from areno.engine.api import load_tokenizer, resolve_recipe, rollout_sampling_params
 from areno.engine.local import LocalRolloutSide
+from areno.engine.scoring import ascore_row
 from areno.engine.seams import SideSetup
 from areno.engine.test_rollout import TestRolloutManager
 from areno.errors import ConfigError

@@ -220,6 +220,21 @@ def test_console_derives_tokens_per_s_and_prints_eval_lines():
     assert len(lines) == 2
 
 
+def test_console_eval_line_leaves_the_detail_to_the_metrics_file():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=None, stream=stream)
+    detail = {"eval/completion_tokens_mean": 4.0, "eval/truncated_fraction": 0.5, "eval/num_prompts": 6}
+    sink.write({"eval/accuracy": 0.5, "eval/samples_per_prompt": 1, "eval/pass@1": 0.5, "eval/reward_errors": 0,
+                **detail}, step=2)  # fmt: skip
+    sink.write({"eval/accuracy": 0.5, "eval/samples_per_prompt": 4, "eval/pass@1": 0.5, "eval/pass@4": 0.75,
+                "eval/reward_errors": 2, **detail}, step=3)  # fmt: skip
+    sink.close()
+    assert [line for line in stream.getvalue().splitlines() if line.startswith("eval @")] == [
+        "eval @ step 2: eval/accuracy=0.5 eval/num_prompts=6",
+        "eval @ step 3: eval/accuracy=0.5 eval/num_prompts=6 eval/pass@1=0.5 eval/pass@4=0.75 eval/reward_errors=2",
+    ]
+
+
 def test_console_tqdm_bar_shows_progress_and_postfix():
     stream = io.StringIO()
     sink = ConsoleSink(total_steps=4, stream=stream, use_tqdm=True)

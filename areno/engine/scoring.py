@@ -1,0 +1,161 @@
+"""Scoring held-out rows: what ``ArenoEngine.evaluate``, the test rollout and ``areno eval`` share.
+
+``ascore_row`` generates one completion of a row and rewards it as rollouts do; ``ascore_rows``
+takes ``samples`` completions of every row (sampled ones seeded from a base seed, the row and the
+sample, so that an evaluation repeats exactly); ``eval_metrics`` summarises them: the mean reward
+(``eval/accuracy``) and ``pass@k``, the unbiased estimate of Chen et al. (2021) over the samples whose
+reward reaches a threshold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from areno.data.prompts import render_prompt
+from areno.engine.config import ArenoConfig
+from areno.engine.ledger import SeedingClient
+from areno.engine.rollout_side import RolloutSide
+from areno.errors import ConfigError
+from areno.types import SamplingParams, Trajectory
+from areno.workflows.common import acall_reward, sample_fields
+from areno.workflows.images import IMAGES_KEY, image_prompt, row_images
+
+
+async def ascore_row(
+    client, tokenizer, reward_fn, row: dict, cfg: ArenoConfig, params: SamplingParams, vision: Any = None
+) -> Trajectory:
+    """One held-out row generated with ``params`` and scored: the prompt rendered as rollouts render
+    it, the completion decoded, the reward under the rollouts' failure policy (a raising reward
+    scores 0, is warned about and recorded in ``info["reward_error"]``). Shared by
+    ``ArenoEngine.evaluate``, the test rollout (``engine/test_rollout.py``) and ``areno eval``
+    (``engine/evaluation.py``), so all three score a policy alike. ``info`` also holds the prompt,
+    the completion's text and its finish reason. ``vision``: the model's ``VisionConfig`` (rows with
+    images)."""
+    prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
+    templating = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
+    images = row_images(row, vision)
+    if images:
+        prompt_ids, inputs = image_prompt(tokenizer, row[prompt_key], images, vision, **templating)
+        out = await client.agenerate(prompt_ids, params, images=inputs)
+    else:
+        prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
+        out = await client.agenerate(prompt_ids, params)
+    completion = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    fields = sample_fields(row, prompt_key, answer_key, IMAGES_KEY)
+    reward, error = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key), fields)
+    n = len(out.output_ids)
+    info = {"prompt": row[prompt_key], "completion": completion, "finish_reason": out.finish_reason}
+    if error is not None:
+        info["reward_error"] = error
+    return Trajectory(
+        prompt_ids=list(prompt_ids),
+        completion_ids=list(out.output_ids),
+        logprobs=[0.0] * n,
+        versions=[0] * n,
+        reward=reward,
+        info=info,
+    )
+
+
+async def ascore_rows(
+    client,
+    tokenizer,
+    reward_fn,
+    rows: list[dict],
+    cfg: ArenoConfig,
+    params: SamplingParams,
+    vision: Any = None,
+    *,
+    samples: int = 1,
+    base_seed: int = 0,
+    on_row: Callable[[int, list[Trajectory]], None] | None = None,
+) -> list[list[Trajectory]]:
+    """``samples`` scored completions of every row, in row order; a sampled request (temperature
+    > 0) of row i's sample j carries the seed ``base_seed + i * samples + j``. ``on_row(done,
+    trajectories)``: called as each row's samples are all scored."""
+
+    def request(i: int, j: int):
+        seeded = params if params.temperature == 0 else dataclasses.replace(params, seed=base_seed + i * samples + j)
+        return ascore_row(client, tokenizer, reward_fn, rows[i], cfg, seeded, vision)
+
+    async def row(i: int) -> tuple[int, list[Trajectory]]:
+        return i, list(await asyncio.gather(*(request(i, j) for j in range(samples))))
+
+    scored: list[list[Trajectory]] = [[] for _ in rows]
+    for done, next_row in enumerate(asyncio.as_completed([row(i) for i in range(len(rows))]), 1):
+        i, trajectories = await next_row
+        scored[i] = trajectories
+        if on_row is not None:
+            on_row(done, trajectories)
+    return scored
+
+
+@contextlib.contextmanager
+def held_burst(side: RolloutSide) -> Iterator[SeedingClient]:
+    """A client of ``side`` whose next burst of requests starts in the engine as one batch, in
+    arrival order (``SeedingClient.hold``): on CPU a forward's rounding depends on what shares its
+    batch, so an evaluation held this way scores alike every time it runs, in a run or alone."""
+    client = SeedingClient(side.client)
+    side.pause()
+    client.hold(side.resume)
+    try:
+        yield client
+    finally:
+        client.release_now()  # a no-op once the burst was released
+
+
+def eval_params(cfg: ArenoConfig, samples: int, temperature: float | None, *, name: str) -> SamplingParams:
+    """The sampling of an evaluation: greedy for one sample without a temperature, else the
+    rollouts' at ``temperature`` (None: ``rollout.temperature``). Several greedy samples would
+    repeat one completion: a ConfigError naming ``name`` (the setting that asked for them)."""
+    r = cfg.rollout
+    if samples == 1 and not temperature:
+        return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
+    temperature = r.temperature if temperature is None else temperature
+    if temperature == 0:
+        raise ConfigError(
+            f"{name}: {samples} samples at temperature 0 repeat one greedy completion: sample at a temperature > 0 "
+            "(or take 1 sample)"
+        )
+    return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of k samples solves a row, from n samples
+    of which c solved it: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021), as a stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k of the reported ``pass@k``: powers of two up to n, and n."""
+    ks = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+    return ks if ks[-1] == n else [*ks, n]
+
+
+def eval_metrics(
+    rewards: list[list[float]], trajectories: list[list[Trajectory]], threshold: float
+) -> dict[str, float]:
+    """The summary of scored rows: ``rewards[i][j]`` of row i's sample j (every row has n)."""
+    n = len(rewards[0])
+    flat = [t for ts in trajectories for t in ts]
+    metrics = {
+        "eval/accuracy": sum(map(sum, rewards)) / (len(rewards) * n),
+        "eval/num_prompts": float(len(rewards)),
+        "eval/samples_per_prompt": float(n),
+        "eval/reward_errors": float(sum("reward_error" in t.info for t in flat)),
+        "eval/completion_tokens_mean": sum(len(t.completion_ids) for t in flat) / len(flat),
+        "eval/truncated_fraction": sum(t.info.get("finish_reason") == "length" for t in flat) / len(flat),
+    }
+    solved = [sum(r >= threshold for r in rs) for rs in rewards]
+    for k in pass_ks(n):
+        metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in solved) / len(solved)
+    return metrics
