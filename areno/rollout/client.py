@@ -26,7 +26,7 @@ import logging
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from areno.errors import RunFailure
@@ -132,6 +132,70 @@ async def agenerate_many(
     return list(await asyncio.gather(*(client.agenerate(prompt_ids, p) for p in params)))
 
 
+class TokenStream:
+    """One request of ``InProcessRolloutClient.stream``: iterating it yields ``(output ids, log-probs)``
+    so far each time the engine made more of them (after a step, or a round trip of several; a
+    slow consumer gets the newest only), then the ``GenerationOutput``. ``close()`` (also when the
+    iteration is cancelled or left early) aborts the request if it has not finished; past the
+    client's ``request_timeout_s`` it is aborted and ``RolloutRequestTimeout`` raised."""
+
+    def __init__(
+        self,
+        client: InProcessRolloutClient,
+        request_id: str,
+        future: asyncio.Future,
+        progress: asyncio.Queue,
+        prompt_tokens: int,
+        max_new_tokens: int,
+    ) -> None:
+        self.client, self.request_id = client, request_id
+        self._future, self._progress = future, progress
+        self._prompt_tokens, self._max_new_tokens = prompt_tokens, max_new_tokens
+        timeout_s = client.request_timeout_s
+        self._deadline = None if timeout_s is None else future.get_loop().time() + timeout_s
+
+    def __aiter__(self) -> AsyncIterator[tuple[list[int], list[float]] | GenerationOutput]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[tuple[list[int], list[float]] | GenerationOutput]:
+        loop, future, progress = self._future.get_loop(), self._future, self._progress
+        try:
+            while not future.done():
+                get = asyncio.ensure_future(progress.get())
+                left = None if self._deadline is None else max(self._deadline - loop.time(), 0.0)
+                try:
+                    await asyncio.wait((get, future), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    get.cancel()
+                if get.done() and not get.cancelled():
+                    latest = get.result()
+                    while not progress.empty():
+                        latest = progress.get_nowait()
+                    if not future.done():
+                        yield latest
+                elif not future.done():
+                    assert self.client.request_timeout_s is not None
+                    raise RolloutRequestTimeout(
+                        server="the in-process rollout engine",
+                        request_id=self.request_id,
+                        timeout_s=self.client.request_timeout_s,
+                        prompt_tokens=self._prompt_tokens,
+                        max_new_tokens=self._max_new_tokens,
+                    )
+            output = future.result()
+        finally:
+            self.close()
+        yield output
+
+    def close(self) -> None:
+        """Abort the request unless it finished (idempotent)."""
+        with self.client._pending_lock:
+            self.client._streams.pop(self.request_id, None)
+        if not self._future.done():
+            self.client._abort_quietly(self.request_id)
+            self._future.cancel()
+
+
 class InProcessRolloutClient(RolloutClient):
     """Drives a ``RolloutEngine`` of this process from a background thread, or, with
     ``caller_drives``, from the thread that waits for the requests (``drive_until``).
@@ -169,6 +233,9 @@ class InProcessRolloutClient(RolloutClient):
         self._thread: threading.Thread | None = None
         self._callers = 0
         """Threads in ``drive_until`` (guarded by ``_pending_lock``)."""
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
+        """``astream`` requests: their loop, their progress queue and ``[tokens already pushed]``
+        (guarded by ``_pending_lock``)."""
 
     # ---- public ----
     async def agenerate(
@@ -189,6 +256,28 @@ class InProcessRolloutClient(RolloutClient):
         self._ensure_thread()  # after the add: an idle driver thread ending now cannot miss it
         self._wakeup.set()
         return await self._await_requests([request_id], future, len(prompt_ids), sampling_params.max_new_tokens)
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        images: Any = None,
+    ) -> TokenStream:
+        """``agenerate``, step by step (see ``TokenStream``). The request enters the engine now: one the
+        engine refuses raises its ValueError here, before anything is streamed. Call it in the event
+        loop that iterates the stream."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        progress: asyncio.Queue = asyncio.Queue()
+        with self._pending_lock:
+            request_id = self.engine.add_request(prompt_ids, sampling_params, request_id, images=images)
+            self._pending[request_id] = (loop, future)
+            self._streams[request_id] = (loop, progress, [0])
+        self._ensure_thread()
+        self._wakeup.set()
+        return TokenStream(self, request_id, future, progress, len(prompt_ids), sampling_params.max_new_tokens)
 
     async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
         """The group's requests enter the engine together, in order: added under one lock, the
@@ -314,8 +403,20 @@ class InProcessRolloutClient(RolloutClient):
         except Exception as exc:  # noqa: BLE001 - handed to every waiting caller, not hidden
             self._fail_all(exc)
             return
+        if self._streams:
+            self._push_progress()
         if outputs:
             self._resolve(*outputs)
+
+    def _push_progress(self) -> None:
+        """Hand each ``astream`` request the tokens it has so far, when it has more than last time."""
+        with self._pending_lock:
+            streams = dict(self._streams)
+        for request_id, (ids, logprobs) in self.engine.progress(streams).items():
+            loop, queue, pushed = streams[request_id]
+            if len(ids) > pushed[0]:
+                pushed[0] = len(ids)
+                loop.call_soon_threadsafe(queue.put_nowait, (ids, logprobs))
 
     def _resolve(self, *outputs: GenerationOutput) -> None:
         """Hand finished requests to their callers: one wake-up per event loop, however many

@@ -285,6 +285,13 @@ class RolloutEngine:
             self.scheduler.remove(seq)
             return self._requests.output(seq, "abort")
 
+    def progress(self, request_ids: Iterable[str]) -> dict[str, tuple[list[int], list[float]]]:
+        """``(output ids, their log-probs)`` so far of each unfinished request among ``request_ids``
+        that the engine has admitted (a streaming client reads them between steps)."""
+        with self._lock:
+            live = self._requests.live
+            return {r: (live[r].output_ids, list(live[r].output_logprobs)) for r in request_ids if r in live}
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[GenerationOutput]:

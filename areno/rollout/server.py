@@ -18,7 +18,10 @@ Security: it binds 127.0.0.1 unless ``--host`` says otherwise. With an API key e
 that listens beyond loopback refuses to start without a key, since its admin endpoints (pause,
 resume, abort, weight updates) would otherwise be open to the network. Weight updates read
 safetensors only (never pickle). Bad input gets a 400 whose message names the field, in OpenAI's
-error shape (404 for an unknown model); the server keeps serving. ``stream`` is refused.
+error shape (404 for an unknown model); the server keeps serving. ``stream=true`` answers with
+server-sent events in OpenAI's chunk shapes (``StreamedChoice``), ending with ``data: [DONE]``;
+``stream_options.include_usage`` adds a last chunk with the usage. Chat requests with ``tools`` are
+refused: this endpoint neither renders nor parses tool calls (areno's agent client does).
 
 Limits (``ServerLimits``): a body over ``max_body_bytes`` is a 413 before it is read; ``n``, prompts
 per request and ``/generate_many`` entries are bounded; with ``max_queued``, requests beyond the
@@ -39,14 +42,14 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -55,7 +58,7 @@ from areno.data.prompts import apply_template
 from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.models.hf_io import load_model
 from areno.models.vision import ImageInputs
-from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout
+from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout, TokenStream
 from areno.rollout.config import RolloutEngineSettings
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
 from areno.rollout.requests import routes_to_json
@@ -97,6 +100,11 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     seed: Seed | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
 
     def sampling_params(self, default_max: int, index: int) -> SamplingParams:
         max_tokens = default_max if self.max_tokens is None else self.max_tokens
@@ -122,8 +130,8 @@ class _Sampling(BaseModel):
             raise _BadRequest(_param_of(str(e)), str(e)) from None
 
     def check(self, model_name: str, limits: ServerLimits) -> None:
-        """What the field types cannot say: the model served, ``n`` within the server's limit, no
-        streaming, per-choice seeds (``seed + i``) within range."""
+        """What the field types cannot say: the model served, ``n`` within the server's limit,
+        per-choice seeds (``seed + i``) within range."""
         if self.model is not None and self.model != model_name:
             raise _BadRequest(
                 "model",
@@ -131,8 +139,8 @@ class _Sampling(BaseModel):
                 404,
                 "model_not_found",
             )
-        if self.stream:
-            raise _BadRequest("stream", "streaming is not supported: send stream=false (or omit it)")
+        if self.stream_options is not None and not self.stream:
+            raise _BadRequest("stream_options", "stream_options applies to stream=true only: drop it or stream")
         if self.n > limits.max_n:
             raise _BadRequest("n", f"n must be <= {limits.max_n} (this server's max_n), got {self.n}")
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
@@ -156,6 +164,8 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
 
 
 class TokenSampling(BaseModel):
@@ -560,6 +570,49 @@ def _usage(prompt_tokens: int, outs: list[GenerationOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class StreamedChoice:
+    """What one streamed choice has sent: its text only as far as it cannot change. A stop string
+    may still end the completion within its last ``len(stop) - 1`` characters, and a character
+    whose bytes span tokens decodes as U+FFFD until its last byte arrives, so both are held back
+    until the next tokens (or the end) settle them. ``echo``: text sent before the completion."""
+
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, echo: str = "") -> None:
+        self.index, self.prompt_ids, self.echo = index, prompt_ids, echo
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.first = True
+        self.text = ""
+        """The completion's text sent so far (echo not included)."""
+        self.tokens = 0
+        self.token_chars = 0
+        """Characters of the sent tokens' own texts (``/v1/completions`` log-probs' ``text_offset``)."""
+
+    def advance(
+        self, decode: Any, ids: list[int], logprobs: list[float], final: GenerationOutput | None
+    ) -> tuple[str, list[int], list[float]]:
+        """``(text to send, new token ids, their log-probs)`` given the tokens so far (``final``:
+        the finished output, whose text the engine already cut at a stop string)."""
+        if final is not None:
+            text = final.text
+        else:
+            text = decode(ids)
+            end = len(text) - self.hold
+            while end > 0 and text[end - 1] == "\ufffd":
+                end -= 1
+            text = text[: max(end, 0)]
+        # a tokenizer may decode a longer prefix differently: nothing is taken back, the rest follows
+        new = text[len(self.text) :] if text.startswith(self.text) else ""
+        self.text += new
+        if self.first:
+            new = self.echo + new
+        new_ids, new_lps = ids[self.tokens :], logprobs[self.tokens :]
+        self.tokens = len(ids)
+        return new, new_ids, new_lps
+
+
 class _OpenAIRoutes:
     """``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``."""
 
@@ -582,8 +635,8 @@ class _OpenAIRoutes:
 
     def add_to(self, app: FastAPI) -> None:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=None)
+        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], response_model=None)
 
     def _check_chars(self, chars: int, field: str) -> None:
         if chars > self.max_prompt_chars:
@@ -610,8 +663,12 @@ class _OpenAIRoutes:
             "data": [{"id": self.model_name, "object": "model", "owned_by": "areno", "created": 0}],
         }
 
-    async def completions(self, req: CompletionRequest, request: Request) -> dict:
+    async def completions(self, req: CompletionRequest, request: Request) -> dict | StreamingResponse:
         req.check(self.model_name, self.limits)
+        if req.echo and req.logprobs is not None:
+            raise _BadRequest(
+                "echo", "echo with logprobs needs the prompt's log-probs, which this server does not compute: drop one"
+            )
         batch = req.prompt
         if isinstance(batch, str) or not batch or isinstance(batch[0], int):
             batch = [batch]  # one prompt
@@ -619,13 +676,21 @@ class _OpenAIRoutes:
             raise _BadRequest(
                 "prompt", f"prompt holds {len(batch)} prompts; at most {self.limits.max_prompts} (max_prompts)"
             )
-        prompts = await self._aencode(batch) if isinstance(batch[0], str) else [list(p) for p in batch]
+        texts = batch if isinstance(batch[0], str) else None
+        prompts = await self._aencode(texts) if texts is not None else [list(p) for p in batch]
         if any(len(p) == 0 for p in prompts):
             raise _BadRequest("prompt", "prompt is empty: send at least one token")
         jobs = [(p, req.sampling_params(self.default_max_tokens, i), None) for p in prompts for i in range(req.n)]
+        # echo: the prompt's text (as sent, or its token ids decoded) before each choice's completion
+        echoes = [""] * len(jobs)
+        if req.echo:
+            prompt_texts = texts if texts is not None else [self._decode(p, special=True) for p in prompts]
+            echoes = [t for t in prompt_texts for _ in range(req.n)]
+        if req.stream:
+            return self._stream(request, req, jobs, "prompt", "cmpl", echoes)
         outs = await self.admission.agenerate(request, jobs, "prompt")
         choices = [
-            self._completion_choice(index, prompt_ids, out, req.logprobs is not None)
+            self._completion_choice(index, prompt_ids, out, req.logprobs is not None, echoes[index])
             for index, ((prompt_ids, _, _), out) in enumerate(zip(jobs, outs))
         ]
         return {
@@ -637,32 +702,38 @@ class _OpenAIRoutes:
             "usage": _usage(sum(len(p) for p, _, _ in jobs), outs),
         }
 
+    def _decode(self, ids: list[int], *, special: bool = False) -> str:
+        """Text of ``ids`` (a completion's without special tokens, as the engine decodes it)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=not special) if self.tokenizer is not None else ""
+
     def _completion_choice(
-        self, index: int, prompt_ids: list[int], out: GenerationOutput, logprobs: bool
+        self, index: int, prompt_ids: list[int], out: GenerationOutput, logprobs: bool, echo: str = ""
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": index,
-            "text": out.text,
+            "text": echo + out.text,
             "finish_reason": out.finish_reason,
-            "logprobs": None,
+            "logprobs": self._completion_logprobs(out.output_ids, out.output_logprobs) if logprobs else None,
             "token_ids": out.output_ids,
             "prompt_token_ids": prompt_ids,
         }
-        if logprobs:
-            tokens = [self._decode_token(t) for t in out.output_ids]
-            offsets, pos = [], 0
-            for t in tokens:
-                offsets.append(pos)
-                pos += len(t)
-            choice["logprobs"] = {
-                "tokens": tokens,
-                "token_logprobs": out.output_logprobs,
-                "top_logprobs": [{} for _ in tokens],
-                "text_offset": offsets,
-            }
         return choice
 
-    async def chat(self, req: ChatRequest, request: Request) -> dict:
+    def _completion_logprobs(self, ids: list[int], logprobs: list[float], offset: int = 0) -> dict[str, Any]:
+        """``/v1/completions`` log-probs of ``ids``, whose text starts ``offset`` characters into the completion."""
+        tokens = [self._decode_token(t) for t in ids]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": logprobs,
+            "top_logprobs": [{} for _ in tokens],
+            "text_offset": offsets,
+        }
+
+    async def chat(self, req: ChatRequest, request: Request) -> dict | StreamingResponse:
         req.check(self.model_name, self.limits)
         tokenizer = self.tokenizer
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
@@ -672,10 +743,20 @@ class _OpenAIRoutes:
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         self._check_chars(sum(len(m.content or "") for m in req.messages), "messages")
+        for field in ("tools", "functions"):
+            if getattr(req, field):
+                raise _BadRequest(
+                    field,
+                    f"{field}: this endpoint neither renders tools into the prompt nor parses tool calls (it would "
+                    "ignore them): describe them in the messages, or use areno's agent client (ArenoAsyncOpenAI, "
+                    "AgentProxy), which does both",
+                )
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         # the renderer of training prompts (areno.data.prompts), so a served prompt is tokenized as in training
         prompt_ids = await asyncio.to_thread(apply_template, tokenizer, messages)
         jobs = [(prompt_ids, req.sampling_params(self.default_max_tokens, i), None) for i in range(req.n)]
+        if req.stream:
+            return self._stream(request, req, jobs, "messages", "chatcmpl", [""] * len(jobs))
         outs = await self.admission.agenerate(request, jobs, "messages")
         choices = [
             {
@@ -698,11 +779,106 @@ class _OpenAIRoutes:
         }
 
     def _chat_logprobs(self, out: GenerationOutput) -> dict[str, Any]:
+        return self._chat_token_logprobs(out.output_ids, out.output_logprobs)
+
+    def _chat_token_logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
         content = []
-        for t, lp in zip(out.output_ids, out.output_logprobs):
+        for t, lp in zip(ids, logprobs):
             s = self._decode_token(t)
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
         return {"content": content}
+
+    # ------------------------------------------------------------------ streaming
+    def _stream(
+        self,
+        request: Request,
+        req: CompletionRequest | ChatRequest,
+        jobs: list[tuple[list[int], SamplingParams, str | None]],
+        field: str,
+        id_prefix: str,
+        echoes: list[str],
+    ) -> StreamingResponse:
+        """Server-sent events of ``jobs`` (one choice each, by index): every request enters the
+        engine before the response starts, so a refused one is still a 400; a client that goes away
+        has them all aborted."""
+        self.admission.reserve(len(jobs))
+        streams: list[TokenStream] = []
+        try:
+            for prompt_ids, params, request_id in jobs:
+                streams.append(self.admission.client.stream(prompt_ids, params, request_id=request_id))
+        except ValueError as e:
+            for stream in streams:
+                stream.close()
+            raise _BadRequest(field, f"{field}: {e}") from None
+        chat = isinstance(req, ChatRequest)
+        head = {
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        choices = [
+            StreamedChoice(index, prompt_ids, params, echoes[index])
+            for index, (prompt_ids, params, _) in enumerate(jobs)
+        ]
+        logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+
+        def chunk(choice: StreamedChoice, ids: list[int], lps: list[float], final: GenerationOutput | None) -> str:
+            text, new_ids, new_lps = choice.advance(self._decode, ids, lps, final)
+            entry: dict[str, Any] = {"index": choice.index}
+            if chat:
+                if choice.first:
+                    entry["delta"] = {"role": "assistant", "content": text}
+                else:
+                    entry["delta"] = {"content": text} if text or final is None else {}
+                entry["logprobs"] = self._chat_token_logprobs(new_ids, new_lps) if logprobs else None
+            else:
+                entry["text"] = text
+                entry["logprobs"] = None
+                if logprobs:
+                    entry["logprobs"] = self._completion_logprobs(new_ids, new_lps, choice.token_chars)
+                    choice.token_chars += sum(len(t) for t in entry["logprobs"]["tokens"])
+            entry["finish_reason"] = final.finish_reason if final is not None else None
+            entry["token_ids"] = new_ids
+            if choice.first:
+                entry["prompt_token_ids"] = choice.prompt_ids
+                choice.first = False
+            return _sse({**head, "choices": [entry]})
+
+        async def events() -> AsyncIterator[str]:
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(choice: StreamedChoice, stream: TokenStream) -> None:
+                try:
+                    async for event in stream:
+                        await queue.put((choice, event))
+                except Exception as exc:  # noqa: BLE001 - told to the client in an error event
+                    await queue.put((choice, exc))
+
+            tasks = [asyncio.ensure_future(pump(c, st)) for c, st in zip(choices, streams)]
+            outs: list[GenerationOutput] = []
+            try:
+                while len(outs) < len(choices):
+                    choice, event = await queue.get()
+                    if isinstance(event, BaseException):
+                        error = event if isinstance(event, RolloutRequestTimeout) else _engine_error(event)
+                        yield _sse(_error_body(str(error), None, "server_error", None))
+                        return
+                    if isinstance(event, GenerationOutput):
+                        outs.append(event)
+                        yield chunk(choice, event.output_ids, event.output_logprobs, event)
+                    else:
+                        yield chunk(choice, *event, None)
+                if req.include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(sum(len(p) for p, _, _ in jobs), outs)})
+                yield "data: [DONE]\n\n"
+            finally:  # the client left (the response was cancelled) or a request failed: abort the rest
+                for task in tasks:
+                    task.cancel()
+                for stream in streams:
+                    stream.close()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _token_sampling_params(raw: dict[str, Any], field: str) -> SamplingParams:

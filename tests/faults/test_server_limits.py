@@ -1,6 +1,6 @@
 """A request cannot exhaust or confuse the rollout server: bodies over the limit are refused with 413
 before they are read, a long prompt is tokenized off the event loop (``/health`` keeps answering),
-every sampling field is validated with OpenAI's error shape, ``stream`` is refused, a client that
+every sampling field is validated with OpenAI's error shape (a streamed request's too), a client that
 gives up has its requests aborted, and per-request limits and a bounded queue hold."""
 
 from __future__ import annotations
@@ -137,10 +137,13 @@ COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         ("/v1/completions", {**COMPLETION, "seed": 2**60}, 400, "seed"),
         ("/v1/completions", {**COMPLETION, "seed": MAX_SEED, "n": 2}, 400, "seed"),
         ("/v1/completions", {**COMPLETION, "n": 129}, 400, "n"),
-        ("/v1/completions", {**COMPLETION, "stream": True}, 400, "stream"),
+        ("/v1/completions", {**COMPLETION, "stream": [1]}, 400, "stream"),
+        ("/v1/completions", {**COMPLETION, "stream": True, "n": 129}, 400, "n"),
+        ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/completions", {**COMPLETION, "model": "gpt-4"}, 404, "model"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": -5}, 400, "top_logprobs"),
-        ("/v1/chat/completions", {**CHAT, "stream": True}, 400, "stream"),
+        ("/v1/chat/completions", {**CHAT, "stream": [1]}, 400, "stream"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
         ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model"),
         ("/generate", {"prompt_ids": [5], "sampling_params": {"temperature": 1e-45}}, 400, "sampling_params"),
         ("/generate", {"prompt_ids": [5], "sampling_params": {"stop_token_ids": "abc"}}, 400, "sampling_params"),
