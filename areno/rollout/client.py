@@ -234,7 +234,7 @@ class InProcessRolloutClient(RolloutClient):
         self._callers = 0
         """Threads in ``drive_until`` (guarded by ``_pending_lock``)."""
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
-        """``astream`` requests: their loop, their progress queue and ``[tokens already pushed]``
+        """``stream`` requests: their loop, their progress queue and ``[tokens already pushed]``
         (guarded by ``_pending_lock``)."""
 
     # ---- public ----
@@ -247,15 +247,31 @@ class InProcessRolloutClient(RolloutClient):
         images: Any = None,
     ) -> GenerationOutput:
         """``images``: the ``ImageInputs`` of a vision-language prompt (``RolloutEngine.add_request``)."""
+        request_id, future = self._add(prompt_ids, sampling_params, request_id, images)
+        return await self._await_requests([request_id], future, len(prompt_ids), sampling_params.max_new_tokens)
+
+    def _add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        images: Any,
+        *,
+        stream: bool = False,
+    ) -> tuple[str, asyncio.Future]:
+        """Put one request into the engine; its id and the future its output resolves (``stream``:
+        its progress is handed over too, see ``_push_progress``)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._pending_lock:
             # add_request validates (ValueError) before the future is registered.
-            request_id = self.engine.add_request(prompt_ids, sampling_params, request_id, images=images)
+            request_id = self.engine.add_request(prompt_ids, params, request_id, images=images)
             self._pending[request_id] = (loop, future)
+            if stream:
+                self._streams[request_id] = (loop, asyncio.Queue(), [0])
         self._ensure_thread()  # after the add: an idle driver thread ending now cannot miss it
         self._wakeup.set()
-        return await self._await_requests([request_id], future, len(prompt_ids), sampling_params.max_new_tokens)
+        return request_id, future
 
     def stream(
         self,
@@ -268,15 +284,8 @@ class InProcessRolloutClient(RolloutClient):
         """``agenerate``, step by step (see ``TokenStream``). The request enters the engine now: one the
         engine refuses raises its ValueError here, before anything is streamed. Call it in the event
         loop that iterates the stream."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        progress: asyncio.Queue = asyncio.Queue()
-        with self._pending_lock:
-            request_id = self.engine.add_request(prompt_ids, sampling_params, request_id, images=images)
-            self._pending[request_id] = (loop, future)
-            self._streams[request_id] = (loop, progress, [0])
-        self._ensure_thread()
-        self._wakeup.set()
+        request_id, future = self._add(prompt_ids, sampling_params, request_id, images, stream=True)
+        progress = self._streams[request_id][1]
         return TokenStream(self, request_id, future, progress, len(prompt_ids), sampling_params.max_new_tokens)
 
     async def agenerate_many(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
