@@ -624,10 +624,11 @@ TEST_ROLLOUT_DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(kw_only=True)
 class TestRolloutSection:
-    """The test rollout (``areno.engine.test_rollout``): greedy held-out accuracy of each checkpoint,
-    evaluated in the background on a rollout engine of its own while training goes on. It loads the
-    newest complete checkpoint's ``hf/`` export (evaluations that fall behind skip to the newest) and
-    logs ``test/accuracy``, ``test/num_prompts``, ``test/load_s``, ``test/time_s`` with ``test/step``
+    """The test rollout (``areno.engine.test_rollout``): held-out accuracy of each checkpoint, scored as
+    the run's evaluation scores it (greedy, or ``train.eval_samples`` with ``test/pass@k``) in the
+    background on a rollout engine of its own while training goes on. It loads the newest complete
+    checkpoint's ``hf/`` export (evaluations that fall behind skip to the newest) and logs
+    ``test/accuracy``, ``test/num_prompts``, ``test/load_s``, ``test/time_s`` with ``test/step``
     = the checkpoint's step, at that step. Placement: in the trainer's process, on this machine,
     beside a colocated run (a partitioned run is refused)."""
 

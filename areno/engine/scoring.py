@@ -79,12 +79,10 @@ async def ascore_rows(
     > 0) of row i's sample j carries the seed ``base_seed + i * samples + j``. ``on_row(done,
     trajectories)``: called as each row's samples are all scored."""
 
-    def request(i: int, j: int):
-        seeded = params if params.temperature == 0 else dataclasses.replace(params, seed=base_seed + i * samples + j)
-        return ascore_row(client, tokenizer, reward_fn, rows[i], cfg, seeded, vision)
-
     async def row(i: int) -> tuple[int, list[Trajectory]]:
-        return i, list(await asyncio.gather(*(request(i, j) for j in range(samples))))
+        return i, await ascore_samples(
+            client, tokenizer, reward_fn, rows[i], cfg, params, vision, index=i, samples=samples, base_seed=base_seed
+        )
 
     scored: list[list[Trajectory]] = [[] for _ in rows]
     for done, next_row in enumerate(asyncio.as_completed([row(i) for i in range(len(rows))]), 1):
@@ -93,6 +91,33 @@ async def ascore_rows(
         if on_row is not None:
             on_row(done, trajectories)
     return scored
+
+
+async def ascore_samples(
+    client,
+    tokenizer,
+    reward_fn,
+    row: dict,
+    cfg: ArenoConfig,
+    params: SamplingParams,
+    vision: Any = None,
+    *,
+    index: int,
+    samples: int,
+    base_seed: int,
+) -> list[Trajectory]:
+    """``samples`` scored completions of row ``index`` (``ascore_rows``' seeds), their ``group_id``
+    the row's index."""
+
+    def request(j: int):
+        seed = base_seed + index * samples + j
+        seeded = params if params.temperature == 0 else dataclasses.replace(params, seed=seed)
+        return ascore_row(client, tokenizer, reward_fn, row, cfg, seeded, vision)
+
+    trajectories = list(await asyncio.gather(*(request(j) for j in range(samples))))
+    for t in trajectories:
+        t.group_id = str(index)
+    return trajectories
 
 
 @contextlib.contextmanager

@@ -12,8 +12,9 @@ missing weights) is logged once by step and skipped (``failed_steps``); an evalu
 logged; neither stops the thread.
 
 ``start_test_rollout`` builds it from a run's config (the ``test_rollout`` section): its own
-in-process rollout engine, the held-out rows, the run's reward and the greedy scoring of
-``ArenoEngine.evaluate`` (``ascore_row``). The trainer publishes a checkpoint every
+in-process rollout engine, the held-out rows, the run's reward and the scoring of
+``ArenoEngine.evaluate`` (``engine/scoring.py``: greedy, or ``train.eval_samples`` seeded samples a
+row with their pass@k, logged as ``test/pass@k``). The trainer publishes a checkpoint every
 ``test_rollout.interval`` steps, logs ``test_metrics`` of each evaluation when it arrives and, at
 the end of the run, waits for the last checkpoint's evaluation (``wait_for``).
 """
@@ -33,12 +34,11 @@ from areno.engine.api import (
     prepare_model_dir,
     resolve_device,
     resolve_recipe,
-    rollout_sampling_params,
 )
 from areno.engine.config import ArenoConfig
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.local import LocalRolloutSide
-from areno.engine.scoring import ascore_row
+from areno.engine.scoring import ascore_samples, eval_metrics, eval_params
 from areno.engine.seams import SideSetup
 from areno.errors import ConfigError
 from areno.models.hf_io import read_config
@@ -78,6 +78,7 @@ class TestRolloutManager:
         weights_subdir: str = "hf",
         poll_interval_s: float = 5.0,
         on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+        pass_threshold: float | None = None,
     ) -> None:
         """
         Args:
@@ -90,6 +91,8 @@ class TestRolloutManager:
                 step directory itself).
             poll_interval_s: seconds between scans.
             on_metrics: called from the daemon thread with ``(step, metrics)`` after each evaluation.
+            pass_threshold: also report ``eval/pass@k`` over each sample's group of trajectories (a
+                trajectory solves its row at this reward or above); None: the mean reward only.
         """
         if not eval_samples:
             raise ValueError("test rollout needs at least one held-out sample (eval_samples is empty)")
@@ -101,6 +104,7 @@ class TestRolloutManager:
         self.weights_subdir = weights_subdir
         self.poll_interval_s = poll_interval_s
         self.on_metrics = on_metrics
+        self.pass_threshold = pass_threshold
         self.last_step: int | None = None
         self.evaluated_step: int | None = None
         """The newest checkpoint step whose evaluation finished (``last_step`` is set when it loads)."""
@@ -198,12 +202,21 @@ class TestRolloutManager:
         t0 = time.perf_counter()
         trajectories = self._executor.rollout_batch(self.eval_samples)
         rewards = [t.reward for t in trajectories]
-        return {
+        metrics = {
             "eval/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "eval/num_trajectories": float(len(trajectories)),
             "eval/reward_errors": float(sum("reward_error" in t.info for t in trajectories)),
-            "eval/time_s": time.perf_counter() - t0,
         }
+        groups: dict[str, list[Trajectory]] = {}
+        for t in trajectories:
+            groups.setdefault(t.group_id, []).append(t)
+        sizes = {len(g) for g in groups.values()}
+        if self.pass_threshold is not None and len(sizes) == 1:  # every row's samples came back
+            by_row = list(groups.values())
+            scored = eval_metrics([[t.reward for t in g] for g in by_row], by_row, self.pass_threshold)
+            metrics.update({k: v for k, v in scored.items() if k.startswith("eval/pass@")})
+            metrics["eval/num_rows"] = float(len(by_row))
+        return {**metrics, "eval/time_s": time.perf_counter() - t0}
 
     def pop_results(self) -> list[tuple[int, dict[str, float]]]:
         """Every ``(checkpoint_step, metrics)`` finished since the last call (never blocks on eval)."""
@@ -212,19 +225,48 @@ class TestRolloutManager:
         return out
 
 
-class GreedyEvalWorkflow(RolloutWorkflow):
-    """One greedy completion of a held-out row, scored as ``ArenoEngine.evaluate`` scores it."""
+EVAL_ROW_KEY = "_areno_eval_row"
+"""The held-out row's index, which ``start_test_rollout`` adds to each row (``EvalWorkflow`` takes it
+off before the row is rendered or rewarded): the row's sampled requests are seeded from it."""
 
-    def __init__(self, tokenizer, reward_fn, config: ArenoConfig, params: SamplingParams, vision: Any = None) -> None:
+
+class EvalWorkflow(RolloutWorkflow):
+    """A held-out row's ``samples`` completions (greedy: one), scored and seeded as
+    ``ArenoEngine.evaluate`` scores and seeds them (``scoring.ascore_samples``)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        reward_fn,
+        config: ArenoConfig,
+        params: SamplingParams,
+        vision: Any = None,
+        *,
+        samples: int = 1,
+        base_seed: int = 0,
+    ) -> None:
         """``vision``: a vision-language model's ``VisionConfig`` (held-out rows with images)."""
         self.tokenizer = tokenizer
         self.vision = vision
         self.reward_fn = reward_fn
         self.config = config
         self.params = params
+        self.samples, self.base_seed = samples, base_seed
 
-    async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> Trajectory:
-        return await ascore_row(client, self.tokenizer, self.reward_fn, sample, self.config, self.params, self.vision)
+    async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
+        row = {k: v for k, v in sample.items() if k != EVAL_ROW_KEY}
+        return await ascore_samples(
+            client,
+            self.tokenizer,
+            self.reward_fn,
+            row,
+            self.config,
+            self.params,
+            self.vision,
+            index=sample.get(EVAL_ROW_KEY, 0),
+            samples=self.samples,
+            base_seed=self.base_seed,
+        )
 
 
 POLL_INTERVAL_S = 0.5
@@ -236,7 +278,8 @@ def start_test_rollout(
 ) -> TestRolloutManager:
     """The running test rollout of a colocated run (``config.test_rollout``, see the module doc): a
     rollout engine of its own on ``test_rollout.device``, started from ``model.path`` and hot-loaded
-    from each checkpoint's ``hf/`` export, greedily scoring the held-out rows with the run's reward.
+    from each checkpoint's ``hf/`` export, scoring the held-out rows with the run's reward as the
+    run's evaluation does (greedy, or ``train.eval_samples`` seeded samples with their pass@k).
     ``after_step``: checkpoints up to it are not evaluated (a resumed run's were, before it stopped)."""
     section = config.test_rollout
     device = resolve_device(config.cluster.device if section.device == "auto" else section.device)
@@ -253,15 +296,25 @@ def start_test_rollout(
     side.start(SideSetup(recipe=resolve_recipe(config), model_dir=model_dir, tokenizer=tokenizer))
     reward_fn = load_reward(config.reward)
     vision = read_config(model_dir).vision
-    workflow = GreedyEvalWorkflow(
+    samples = config.train.eval_samples
+    workflow = EvalWorkflow(
         tokenizer,
         reward_fn,
         config,
-        rollout_sampling_params(config, greedy=True),
+        eval_params(config, samples, config.train.eval_temperature, name="train.eval_samples"),
         VisionConfig.from_hf(vision) if vision is not None else None,
+        samples=samples,
+        base_seed=config.train.seed,
     )
+    rows = [{**row, EVAL_ROW_KEY: i} for i, row in enumerate(eval_rows)]
     manager = TestRolloutManager(
-        Path(run_dir) / "checkpoints", side.engine, side.client, workflow, eval_rows, poll_interval_s=POLL_INTERVAL_S
+        Path(run_dir) / "checkpoints",
+        side.engine,
+        side.client,
+        workflow,
+        rows,
+        poll_interval_s=POLL_INTERVAL_S,
+        pass_threshold=config.train.eval_pass_threshold,
     )
 
     def close() -> None:
@@ -277,9 +330,11 @@ def start_test_rollout(
 
 def test_metrics(step: int, metrics: dict[str, float]) -> dict[str, float]:
     """The trainer's ``test/*`` metrics of the evaluation of checkpoint ``step``."""
+    passes = {f"test/{k[5:]}": v for k, v in metrics.items() if k.startswith("eval/pass@")}
     return {
+        **passes,
         "test/accuracy": metrics["eval/reward_mean"],
-        "test/num_prompts": metrics["eval/num_trajectories"],
+        "test/num_prompts": metrics.get("eval/num_rows", metrics["eval/num_trajectories"]),
         "test/reward_errors": metrics["eval/reward_errors"],
         "test/load_s": metrics["eval/load_s"],
         "test/time_s": metrics["eval/time_s"],

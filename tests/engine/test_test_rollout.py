@@ -132,3 +132,22 @@ def test_reward_errors_of_the_evaluation_are_counted(tmp_path):
     cfg = _config(tmp_path, "train.steps=1", "test_rollout.enabled=true", "reward.fn=tests.helpers.rewards:exploding")
     rows = [r for r in run_to_end(cfg) if "test/accuracy" in r]
     assert [(r["test/step"], r["test/accuracy"], r["test/reward_errors"]) for r in rows] == [(1, 0.0, 6)]
+
+
+def test_sampled_evaluation_settings_reach_the_test_rollout(tmp_path):
+    """train.eval_samples=3: the test rollout scores checkpoint k as `areno eval` does (its mean reward
+    and pass@k over the same seeded samples), and logs test/pass@k."""
+    from areno.engine.evaluation import EvalOptions, run_eval
+
+    cfg = _config(
+        tmp_path, "train.steps=2", "optim.lr=0.05", "test_rollout.enabled=true", "test_rollout.interval=1",
+        "train.eval_samples=3", "train.eval_temperature=1.0", f"train.eval_pass_threshold={3 / 7}",
+    )  # fmt: skip
+    rows = {int(r["test/step"]): r for r in run_to_end(cfg) if "test/accuracy" in r}
+    assert 2 in rows
+    for step, row in rows.items():
+        alone = run_eval(cfg, EvalOptions(checkpoint=str(tmp_path / "run" / "checkpoints" / f"step_{step:08d}")))
+        assert row["test/num_prompts"] == 6
+        assert row["test/accuracy"] == pytest.approx(alone["metrics"]["eval/accuracy"], abs=1e-12), step
+        for k in (1, 2, 3):
+            assert row[f"test/pass@{k}"] == pytest.approx(alone["metrics"][f"eval/pass@{k}"], abs=1e-12), (step, k)
