@@ -35,6 +35,9 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
 MIN_TEMPERATURE = 1e-3
 """The smallest positive temperature sampled with: near 1e-38 ``logits / T`` overflows float32 (garbage
 tokens, null log-probs); this floor keeps far from it. Send 0 for greedy."""
+MAX_SEED = 2**53 - 1
+"""Largest per-request seed: seeds travel to the sampler in a float64 table (``sampling.RowParams``), exact
+up to 2**53; a larger seed would collide with another."""
 
 
 @dataclass(kw_only=True)

@@ -572,9 +572,9 @@ class TrainSection(TrainStepConfig):
         check_config(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
         check_config(self.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {self.eval_samples}")
         check_config(
-            self.eval_temperature is None or self.eval_temperature >= 0,
+            self.eval_temperature is None or self.eval_temperature == 0 or self.eval_temperature >= MIN_TEMPERATURE,
             "train.eval_temperature",
-            f"must be >= 0 (0: greedy) or null, got {self.eval_temperature}",
+            f"must be 0 (greedy), >= {MIN_TEMPERATURE:g} or null, got {self.eval_temperature}",
         )
         check_config(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
 

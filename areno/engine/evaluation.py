@@ -30,7 +30,7 @@ from areno.engine.config import ArenoConfig
 from areno.engine.host import apply_host_settings
 from areno.engine.local import LocalRolloutSide
 from areno.engine.rollout_side import RolloutSide
-from areno.engine.scoring import ascore_rows, eval_metrics, eval_params, held_burst
+from areno.engine.scoring import ascore_rows, check_eval_seeds, eval_metrics, eval_params, held_burst
 from areno.engine.seams import SideSetup
 from areno.engine.servers import ServerRolloutSide
 from areno.errors import ConfigError, DataError, ModelDirError
@@ -39,7 +39,7 @@ from areno.models.vision import VisionConfig
 from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.train.checkpoint import complete_checkpoints, is_complete
-from areno.types import Trajectory
+from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
 
 logger = logging.getLogger("areno.eval")
 
@@ -73,13 +73,17 @@ class EvalOptions:
     seed: int | None = None
     """Base seed of the sampled requests. None: ``train.seed``."""
     out: str | None = None
-    """The per-row JSON-lines file. None: ``run_dir/eval/<model>.jsonl``."""
+    """The per-row JSON-lines file. None: ``default_rows_file``."""
 
     def __post_init__(self) -> None:
         if self.samples is not None and self.samples < 1:
             raise ConfigError(f"--samples: must be >= 1, got {self.samples}")
-        if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ConfigError(f"--temperature: must be a finite number >= 0 (0: greedy), got {self.temperature}")
+        if self.temperature is not None and not (
+            self.temperature == 0 or (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE)
+        ):
+            raise ConfigError(
+                f"--temperature: must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {self.temperature}"
+            )
         if self.split not in SPLITS:
             raise ConfigError(f"--split: must be one of {', '.join(SPLITS)}, got {self.split!r}")
         if self.num_prompts < 0:
@@ -121,12 +125,33 @@ def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[st
     """The rows to score (see the module docstring); a DataError when there are none."""
     train, held_out = build_splits(config.data)
     rows = held_out if split == "eval" else train
-    if not rows:
+    if not rows and split == "eval":
         raise DataError(
             "areno eval: the config has no held-out rows: set data.eval_path (a JSON-lines file) or data.num_eval "
             "(a shipped task's), or pass --split train"
         )
-    return rows[:num_prompts] if num_prompts else rows
+    return rows[:num_prompts] if num_prompts else rows  # build_splits refuses an empty training set
+
+
+def default_rows_file(config: ArenoConfig, name: str, split: str, params: SamplingParams, samples: int) -> Path:
+    """``run_dir/eval/<name>.jsonl``, the split, sample count and temperature in the name when they are
+    not the greedy held-out default, so evaluations of one checkpoint under other settings do not
+    overwrite each other."""
+    parts = [name] + ([split] if split != "eval" else [])
+    if params.temperature > 0:
+        parts += [f"n{samples}", f"t{params.temperature:g}"]
+    return Path(config.run_dir) / "eval" / ("-".join(parts) + ".jsonl")
+
+
+def _check_writable(path: Path) -> None:
+    """``path``'s directory made and writable, before any model loads (a ConfigError otherwise)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(path.name + ".probe")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write {path} ({exc.strerror or exc}): name a writable file") from None
 
 
 def _rollout_side(config: ArenoConfig, model_dir: Path, out_dir: Path, checkpoint: str | None) -> RolloutSide:
@@ -152,9 +177,19 @@ def run_eval(
     temperature = config.train.eval_temperature if options.temperature is None else options.temperature
     threshold = config.train.eval_pass_threshold if options.pass_threshold is None else options.pass_threshold
     params = eval_params(config, samples, temperature, name="--samples")
+    if options.seed is not None and params.temperature == 0:
+        raise ConfigError(
+            "--seed: a greedy evaluation draws nothing: drop --seed, or sample (--samples, --temperature)"
+        )
+    base_seed = config.train.seed if options.seed is None else options.seed
     rows = eval_rows(config, options.split, options.num_prompts)
+    if params.temperature > 0:
+        check_eval_seeds(base_seed, len(rows), samples, name="--seed" if options.seed is not None else "train.seed")
+    if options.out:
+        _check_writable(Path(options.out))
     model_dir, name = resolve_checkpoint(options.checkpoint, config)
-    out = Path(options.out) if options.out else Path(config.run_dir) / "eval" / f"{name}.jsonl"
+    out = Path(options.out) if options.out else default_rows_file(config, name, options.split, params, samples)
+    _check_writable(out)
     side = _rollout_side(config, model_dir, out.parent, options.checkpoint)
     reward_fn = load_reward(config.reward)  # an import error before any model loads
     started = False
@@ -187,7 +222,7 @@ def run_eval(
                     params,
                     vision,
                     samples=samples,
-                    base_seed=config.train.seed if options.seed is None else options.seed,
+                    base_seed=base_seed,
                     on_row=on_row,
                 )
             )

@@ -21,7 +21,7 @@ from areno.engine.config import ArenoConfig
 from areno.engine.ledger import SeedingClient
 from areno.engine.rollout_side import RolloutSide
 from areno.errors import ConfigError
-from areno.types import SamplingParams, Trajectory
+from areno.types import MAX_SEED, SamplingParams, Trajectory
 from areno.workflows.common import acall_reward, sample_fields
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images
 
@@ -85,7 +85,10 @@ async def ascore_rows(
         )
 
     scored: list[list[Trajectory]] = [[] for _ in rows]
-    for done, next_row in enumerate(asyncio.as_completed([row(i) for i in range(len(rows))]), 1):
+    # tasks made in row order: their requests reach the engine in that order (as_completed alone
+    # would start them in the order of a set), so a held burst forms the same batches every time
+    tasks = [asyncio.ensure_future(row(i)) for i in range(len(rows))]
+    for done, next_row in enumerate(asyncio.as_completed(tasks), 1):
         i, trajectories = await next_row
         scored[i] = trajectories
         if on_row is not None:
@@ -132,6 +135,18 @@ def held_burst(side: RolloutSide) -> Iterator[SeedingClient]:
         yield client
     finally:
         client.release_now()  # a no-op once the burst was released
+
+
+def check_eval_seeds(base_seed: int, rows: int, samples: int, *, name: str) -> None:
+    """The seeds ``ascore_rows`` gives (``base_seed`` up to ``base_seed + rows * samples - 1``) within
+    the sampler's exact range: a ConfigError naming ``name`` otherwise (seeds past it would collide,
+    and the samples of a row come out alike)."""
+    last = base_seed + rows * samples - 1
+    if base_seed < -MAX_SEED or last > MAX_SEED:
+        raise ConfigError(
+            f"{name}: seeds {base_seed}..{last} ({rows} rows x {samples} samples) leave the sampler's exact range "
+            f"+-{MAX_SEED}: use a smaller seed"
+        )
 
 
 def eval_params(cfg: ArenoConfig, samples: int, temperature: float | None, *, name: str) -> SamplingParams:

@@ -253,10 +253,10 @@ class ConsoleSink(MetricSink):
     def _eval_line(eval_fields: Mapping[str, Number], step: int) -> str:
         """The held-out figures worth a glance (metrics.jsonl has them all): pass@1 only beside
         other k, reward errors only when there were some."""
-        several = eval_fields.get("eval/samples_per_prompt", 1) > 1
+        sampled = {k.split("/pass@")[0] for k in eval_fields if "/pass@" in k and not k.endswith("/pass@1")}
 
         def shown(key: str, value: Number) -> bool:
-            if key in _EVAL_FILE_ONLY or (key == "eval/pass@1" and not several):
+            if key in _EVAL_FILE_ONLY or (key.endswith("/pass@1") and key.split("/pass@")[0] not in sampled):
                 return False
             return not key.endswith("/reward_errors") or value != 0
 

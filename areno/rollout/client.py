@@ -135,9 +135,10 @@ async def agenerate_many(
 class TokenStream:
     """One request of ``InProcessRolloutClient.stream``: iterating it yields ``(output ids, log-probs)``
     so far each time the engine made more of them (after a step, or a round trip of several; a
-    slow consumer gets the newest only), then the ``GenerationOutput``. ``close()`` (also when the
-    iteration is cancelled or left early) aborts the request if it has not finished; past the
-    client's ``request_timeout_s`` it is aborted and ``RolloutRequestTimeout`` raised."""
+    slow consumer gets them together), then the ``GenerationOutput``. ``close()`` (also when the
+    iteration is cancelled or left early, or the stream is dropped unread) aborts the request if it
+    has not finished; past the client's ``request_timeout_s`` it is aborted and
+    ``RolloutRequestTimeout`` raised."""
 
     def __init__(
         self,
@@ -153,12 +154,17 @@ class TokenStream:
         self._prompt_tokens, self._max_new_tokens = prompt_tokens, max_new_tokens
         timeout_s = client.request_timeout_s
         self._deadline = None if timeout_s is None else future.get_loop().time() + timeout_s
+        # a stream dropped before anyone iterated it (a client gone before its response started)
+        self._finalizer = weakref.finalize(self, _close_stream, client, request_id, future)
+        self._finalizer.atexit = False
 
     def __aiter__(self) -> AsyncIterator[tuple[list[int], list[float]] | GenerationOutput]:
         return self._events()
 
     async def _events(self) -> AsyncIterator[tuple[list[int], list[float]] | GenerationOutput]:
         loop, future, progress = self._future.get_loop(), self._future, self._progress
+        ids: list[int] = []
+        logprobs: list[float] = []
         try:
             while not future.done():
                 get = asyncio.ensure_future(progress.get())
@@ -168,11 +174,14 @@ class TokenStream:
                 finally:
                     get.cancel()
                 if get.done() and not get.cancelled():
-                    latest = get.result()
+                    new_ids, new_lps = get.result()
                     while not progress.empty():
-                        latest = progress.get_nowait()
+                        more_ids, more_lps = progress.get_nowait()
+                        new_ids, new_lps = new_ids + more_ids, new_lps + more_lps
+                    ids.extend(new_ids)
+                    logprobs.extend(new_lps)
                     if not future.done():
-                        yield latest
+                        yield ids, logprobs  # the running lists: read them, do not keep them
                 elif not future.done():
                     assert self.client.request_timeout_s is not None
                     raise RolloutRequestTimeout(
@@ -189,11 +198,16 @@ class TokenStream:
 
     def close(self) -> None:
         """Abort the request unless it finished (idempotent)."""
-        with self.client._pending_lock:
-            self.client._streams.pop(self.request_id, None)
-        if not self._future.done():
-            self.client._abort_quietly(self.request_id)
-            self._future.cancel()
+        self._finalizer()
+
+
+def _close_stream(client: InProcessRolloutClient, request_id: str, future: asyncio.Future) -> None:
+    with client._pending_lock:
+        client._streams.pop(request_id, None)
+    if not future.done():
+        client._abort_quietly(request_id)
+        if not future.get_loop().is_closed():
+            future.get_loop().call_soon_threadsafe(future.cancel)
 
 
 class InProcessRolloutClient(RolloutClient):
@@ -418,14 +432,17 @@ class InProcessRolloutClient(RolloutClient):
             self._resolve(*outputs)
 
     def _push_progress(self) -> None:
-        """Hand each ``astream`` request the tokens it has so far, when it has more than last time."""
+        """Hand each ``stream`` request the tokens it made since the last hand-over."""
         with self._pending_lock:
             streams = dict(self._streams)
-        for request_id, (ids, logprobs) in self.engine.progress(streams).items():
+        made = self.engine.progress({request_id: pushed[0] for request_id, (_, _, pushed) in streams.items()})
+        for request_id, (ids, logprobs) in made.items():
             loop, queue, pushed = streams[request_id]
-            if len(ids) > pushed[0]:
-                pushed[0] = len(ids)
+            pushed[0] += len(ids)
+            try:
                 loop.call_soon_threadsafe(queue.put_nowait, (ids, logprobs))
+            except RuntimeError:  # its event loop has closed: nobody reads it; the driver goes on
+                pass
 
     def _resolve(self, *outputs: GenerationOutput) -> None:
         """Hand finished requests to their callers: one wake-up per event loop, however many

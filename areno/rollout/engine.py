@@ -285,12 +285,18 @@ class RolloutEngine:
             self.scheduler.remove(seq)
             return self._requests.output(seq, "abort")
 
-    def progress(self, request_ids: Iterable[str]) -> dict[str, tuple[list[int], list[float]]]:
-        """``(output ids, their log-probs)`` so far of each unfinished request among ``request_ids``
-        that the engine has admitted (a streaming client reads them between steps)."""
+    def progress(self, known: dict[str, int]) -> dict[str, tuple[list[int], list[float]]]:
+        """The output ids and log-probs each unfinished, admitted request of ``known`` made past its
+        first ``known[request_id]`` tokens (a streaming client reads them between steps), for those
+        that made any."""
         with self._lock:
-            live = self._requests.live
-            return {r: (live[r].output_ids, list(live[r].output_logprobs)) for r in request_ids if r in live}
+            live, out = self._requests.live, {}
+            for request_id, start in known.items():
+                seq = live.get(request_id)
+                if seq is not None and seq.num_generated > start:
+                    first = len(seq.prompt_ids) + start
+                    out[request_id] = (seq.token_ids[first:], seq.output_logprobs[start:])
+            return out
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -780,12 +780,14 @@ def check_stop(
     output_ids: list[int],
     eos_token_ids: tuple[int, ...],
     text: str | None,
+    stop_from: int = 0,
 ) -> tuple[str | None, str | None]:
     """Decide whether a request ends after its newest token.
 
     Returns ``(finish_reason, text)``: reason ``stop``/``length``/None, and the output text cut
     before the first stop string when one matched (the token ids are kept whole, so the trainer
-    sees exactly what was sampled).
+    sees exactly what was sampled). Only a stop string that ends past character ``stop_from`` of
+    ``text`` counts: the text of the tokens before ``min_new_tokens`` was allowed to hold one.
     """
     n = len(output_ids)
     token = output_ids[-1]
@@ -793,7 +795,8 @@ def check_stop(
         if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
             return "stop", text
         if params.stop and text is not None:
-            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+            found = [text.find(s, max(stop_from - len(s) + 1, 0)) for s in params.stop]
+            cut = min((i for i in found if i >= 0), default=-1)
             if cut >= 0:
                 return "stop", text[:cut]
     if n >= params.max_new_tokens:

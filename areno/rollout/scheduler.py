@@ -52,6 +52,9 @@ class Sequence:
     encoded by the previous policy (until it is released and recomputed)."""
     num_preemptions: int = 0
     text: str | None = None
+    stop_from: int | None = None
+    """Characters of the output's text made before its ``min_new_tokens``-th token: a stop string
+    must end past them (set when that token is generated; ``sampling.check_stop``)."""
     limit: int = 0
     """Tokens (prompt + output) at which the request ends by length: ``min(prompt + max_new_tokens,
     max_model_len)`` (set by the engine)."""

@@ -62,15 +62,12 @@ from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout, 
 from areno.rollout.config import RolloutEngineSettings
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
 from areno.rollout.requests import routes_to_json
-from areno.types import MIN_TEMPERATURE, GenerationOutput, SamplingParams
+from areno.types import MAX_SEED, MIN_TEMPERATURE, GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------- request bodies
-MAX_SEED = 2**53 - 1
-"""Seeds travel to the sampler in a float64 table (``sampling.RowParams``), exact up to 2**53: a
-larger seed would collide with another."""
 
 
 def _temperature(value: float) -> float:
@@ -575,10 +572,11 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 class StreamedChoice:
-    """What one streamed choice has sent: its text only as far as it cannot change. A stop string
-    may still end the completion within its last ``len(stop) - 1`` characters, and a character
-    whose bytes span tokens decodes as U+FFFD until its last byte arrives, so both are held back
-    until the next tokens (or the end) settle them. ``echo``: text sent before the completion."""
+    """What one streamed choice has sent. Its text is decoded incrementally (only the tokens since
+    the last settled point, as a character may need several tokens' bytes: while the newest decodes
+    as U+FFFD the text waits), and sent only as far as it cannot change: a stop string may still end
+    the completion within its last ``len(stop) - 1`` characters, so those wait for the next tokens
+    or the end. ``echo``: text sent before the completion."""
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, echo: str = "") -> None:
         self.index, self.prompt_ids, self.echo = index, prompt_ids, echo
@@ -586,7 +584,11 @@ class StreamedChoice:
         self.first = True
         self.text = ""
         """The completion's text sent so far (echo not included)."""
+        self.decoded = ""
+        """The completion's text decoded so far (``text`` and what is held back)."""
         self.tokens = 0
+        """Tokens sent (their ids and log-probs)."""
+        self._prefix, self._read = 0, 0  # tokens before _prefix are settled; _prefix.._read decoded as context
         self.token_chars = 0
         """Characters of the sent tokens' own texts (``/v1/completions`` log-probs' ``text_offset``)."""
 
@@ -594,17 +596,17 @@ class StreamedChoice:
         self, decode: Any, ids: list[int], logprobs: list[float], final: GenerationOutput | None
     ) -> tuple[str, list[int], list[float]]:
         """``(text to send, new token ids, their log-probs)`` given the tokens so far (``final``:
-        the finished output, whose text the engine already cut at a stop string)."""
+        the finished output, whose text the engine decoded whole and cut at a stop string)."""
         if final is not None:
-            text = final.text
+            settled = final.text
         else:
-            text = decode(ids)
-            end = len(text) - self.hold
-            while end > 0 and text[end - 1] == "\ufffd":
-                end -= 1
-            text = text[: max(end, 0)]
-        # a tokenizer may decode a longer prefix differently: nothing is taken back, the rest follows
-        new = text[len(self.text) :] if text.startswith(self.text) else ""
+            context = decode(ids[self._prefix : self._read])
+            window = decode(ids[self._prefix :])
+            if len(window) > len(context) and not window.endswith("\ufffd"):
+                self.decoded += window[len(context) :]
+                self._prefix, self._read = self._read, len(ids)
+            settled = self.decoded[: max(len(self.decoded) - self.hold, 0)]
+        new = settled[len(self.text) :] if len(settled) > len(self.text) else ""
         self.text += new
         if self.first:
             new = self.echo + new

@@ -296,7 +296,10 @@ class Stepper:
                     ids.append(t)
                     seq.output_logprobs.append(lp)
                     seq.output_versions.append(version)
-                    reason, seq.text = check_stop(p, seq.output_ids, eos, self.requests.decode(seq.output_ids))
+                    output = seq.output_ids
+                    if seq.stop_from is None and len(output) >= p.min_new_tokens:  # once: min_new_tokens reached
+                        seq.stop_from = len(self.requests.decode(output[: max(p.min_new_tokens - 1, 0)]) or "")
+                    reason, seq.text = check_stop(p, output, eos, self.requests.decode(output), seq.stop_from or 0)
                     if reason is None and len(ids) >= max_len:
                         reason = "length"
                     if reason is not None:

@@ -103,6 +103,9 @@ def test_sampled_eval_is_reproducible_by_seed_and_its_rows_file_holds_every_samp
         by_hand = sum(1 - math.comb(3 - c, k) / math.comb(3, k) for c in solved) / 6
         assert m[f"eval/pass@{k}"] == pytest.approx(by_hand), k
     assert json.loads((tmp_path / "rows.summary.json").read_text()) == json.loads(json.dumps(first))
+    # without --out, sampled evaluations of one checkpoint under other settings keep their own files
+    named = run_eval(cfg, EvalOptions(checkpoint="latest", samples=2, temperature=0.5, split="train", num_prompts=2))
+    assert Path(named["rows_file"]).name == "step_00000003-train-n2-t0.5.jsonl"
 
 
 def _held_out(cfg):
@@ -160,7 +163,8 @@ def test_a_raising_reward_scores_zero_and_is_recorded_per_sample(trained, tmp_pa
     ("options", "message"),
     [
         ({"samples": 0}, "--samples: must be >= 1"),
-        ({"temperature": -1.0}, "--temperature: must be a finite number >= 0"),
+        ({"temperature": -1.0}, "--temperature: must be 0 \\(greedy\\) or a finite number >= 0.001"),
+        ({"temperature": 1e-38}, "--temperature: must be 0 \\(greedy\\) or a finite number >= 0.001"),
         ({"split": "test"}, "--split: must be one of eval, train"),
         ({"num_prompts": -1}, "--num-prompts: must be >= 0"),
         ({"pass_threshold": math.nan}, "--pass-threshold: must be a finite number"),
@@ -192,6 +196,16 @@ def test_wrong_checkpoints_and_rows_are_one_line_errors_before_any_model_loads(t
     (tmp_path / "m" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="rollout.servers are servers you run"):
         run_eval(served, EvalOptions(checkpoint=str(tmp_path / "m")))
+    for options, message in [
+        ({"seed": 5}, "--seed: a greedy evaluation draws nothing"),
+        ({"samples": 2, "temperature": 1.0, "seed": 2**53 - 3}, "--seed: seeds .* leave the sampler's exact range"),
+        ({"out": "/proc/no/such/rows.jsonl"}, "--out: cannot write /proc/no/such/rows.jsonl"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            run_eval(cfg, EvalOptions(**options))
+    assert not (tmp_path / "model").exists()  # all refused before the model was made
+    with pytest.raises(ConfigError, match="train.eval_temperature: must be 0 \\(greedy\\), >= 0.001 or null"):
+        load_config(None, [*_overrides(tmp_path), "train.eval_temperature=1e-38"])
     # the command: exit code 2 and one line
     assert main(["eval", *_overrides(tmp_path), "--samples", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

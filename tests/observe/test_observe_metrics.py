@@ -228,10 +228,12 @@ def test_console_eval_line_leaves_the_detail_to_the_metrics_file():
                 **detail}, step=2)  # fmt: skip
     sink.write({"eval/accuracy": 0.5, "eval/samples_per_prompt": 4, "eval/pass@1": 0.5, "eval/pass@4": 0.75,
                 "eval/reward_errors": 2, **detail}, step=3)  # fmt: skip
+    sink.write({"test/accuracy": 0.5, "test/pass@1": 0.5, "test/reward_errors": 0}, step=4)
     sink.close()
     assert [line for line in stream.getvalue().splitlines() if line.startswith("eval @")] == [
         "eval @ step 2: eval/accuracy=0.5 eval/num_prompts=6",
         "eval @ step 3: eval/accuracy=0.5 eval/num_prompts=6 eval/pass@1=0.5 eval/pass@4=0.75 eval/reward_errors=2",
+        "eval @ step 4: test/accuracy=0.5",
     ]
 
 

@@ -53,6 +53,11 @@ def test_stop_rules():
     assert check_stop(p, [5, 6], (2,), "xaby") == ("stop", "x")
     assert check_stop(p, [5, 6, 8], (2,), "xyz") == ("length", "xyz")
     assert check_stop(SamplingParams(ignore_eos=True), [2], (2,), None) == (None, None)
+    # a stop string made before min_new_tokens was allowed: only one ending past stop_from cuts
+    q = SamplingParams(max_new_tokens=9, min_new_tokens=3, stop=("ab", "zz"))
+    assert check_stop(q, [5, 6, 7], (2,), "abxab", stop_from=2) == ("stop", "abx")
+    assert check_stop(q, [5, 6, 7], (2,), "abxy", stop_from=2) == (None, "abxy")
+    assert check_stop(q, [5, 6, 7], (2,), "abzzy", stop_from=3) == ("stop", "ab")  # "zz" ends past 3
 
 
 def _rows(params, n_gen, V, eos=(2,)):

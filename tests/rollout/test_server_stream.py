@@ -80,22 +80,30 @@ def test_streamed_chat_adds_up_and_never_leaks_a_stop_string(server):
 
 
 def test_streamed_choice_holds_back_what_may_still_change():
-    """A possible stop string's first characters and a character cut between tokens wait."""
-    texts = {(1,): "ab", (1, 2): "abcE", (1, 2, 3): "abcEN", (7,): "ab\ufffd", (7, 8): "abé"}
-    decode = lambda ids: texts[tuple(ids)]
+    """A possible stop string's first characters and a character split between tokens wait; the text
+    is decoded a window of tokens at a time."""
+    pieces = {1: b"ab", 2: b"cE", 3: b"N", 4: b"D", 7: b"ab\xc3", 8: b"\xa9!"}  # 7 + 8: "abé!"
+    windows = []
+
+    def decode(ids):
+        windows.append(len(ids))
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
     stop = StreamedChoice(0, [1], SamplingParams(stop=("END",)))  # holds 2 characters back
     assert stop.advance(decode, [1], [-0.1], None) == ("", [1], [-0.1])
+    stop.first = False
     assert stop.advance(decode, [1, 2], [-0.1, -0.2], None) == ("ab", [2], [-0.2])
     assert stop.advance(decode, [1, 2, 3], [-0.1, -0.2, -0.3], None) == ("c", [3], [-0.3])
+    assert max(windows[-2:]) == 2  # the newest tokens and one of context, not the whole completion
     final = GenerationOutput(
         request_id="r", prompt_ids=[1], output_ids=[1, 2, 3, 4], output_logprobs=[-0.1, -0.2, -0.3, -0.4],
         output_versions=[0] * 4, finish_reason="stop", text="abc",
     )  # fmt: skip
     assert stop.advance(decode, final.output_ids, final.output_logprobs, final) == ("", [4], [-0.4])
     split = StreamedChoice(0, [1], SamplingParams(), echo=">")
-    assert split.advance(decode, [7], [-1.0], None) == (">ab", [7], [-1.0])  # the echo comes first
+    assert split.advance(decode, [7], [-1.0], None) == (">", [7], [-1.0])  # the echo; "ab" + half a character wait
     split.first = False
-    assert split.advance(decode, [7, 8], [-1.0, -2.0], None) == ("é", [8], [-2.0])
+    assert split.advance(decode, [7, 8], [-1.0, -2.0], None) == ("abé!", [8], [-2.0])
 
 
 def test_a_refused_stream_is_a_400_and_a_client_that_leaves_aborts_it(server):
