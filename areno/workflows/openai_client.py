@@ -12,7 +12,9 @@ Every call goes to an areno ``RolloutClient`` (in process or over HTTP) and is r
 messages, and the parsed tool calls. Responses are real ``openai.types`` objects; each choice also
 carries ``token_ids`` and ``prompt_token_ids`` like areno's server. Prompts are built the way
 ``areno serve`` builds them (the tokenizer's chat template, tokenised without extra specials), so
-the same request gives the same tokens through either path.
+the same request gives the same tokens through either path. ``stream=True`` returns a
+``ReplayedStream``: the finished response as the chunks a streaming server sends, so agent code that
+streams runs unchanged too (the chunks come together once the completion is done).
 
 Multi-turn prompts stay token-exact: when a chat call extends an earlier call's messages and reply,
 its prompt is that call's prompt and output ids followed by the tokens of the new messages only
@@ -33,10 +35,10 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from openai._models import construct_type  # how the official client builds its response objects
 from openai.types import Completion
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from areno.models.vision import ImageInputs, VisionConfig, decode_image, expand_image_tokens
 from areno.rollout.client import agenerate_many
@@ -322,10 +324,12 @@ class ArenoAsyncOpenAI:
         return outs, time.perf_counter() - t0
 
     # ---- the two endpoints
-    async def acreate_chat(self, **req: Any) -> ChatCompletion:
+    async def acreate_chat(self, **req: Any) -> ChatCompletion | ReplayedStream:
+        """``stream=True``: the response as a ``ReplayedStream`` of ``ChatCompletionChunk``s."""
+        include_usage = _include_usage(req)
         _check_kwargs(req, _CHAT_KEYS, "chat.completions.create")
-        if req.get("stream"):
-            raise AgentRequestError("stream=True is not supported by the recording client; call without streaming")
+        if req.pop("stream", False):
+            return ReplayedStream(_chat_chunks(await self.acreate_chat(**req), include_usage))
         if not req.get("messages"):
             raise AgentRequestError("messages is empty: send at least one message")
         messages = [_normalise_message(m, i) for i, m in enumerate(req["messages"])]
@@ -405,10 +409,12 @@ class ArenoAsyncOpenAI:
             content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
         return {"content": content}
 
-    async def acreate_completion(self, **req: Any) -> Completion:
+    async def acreate_completion(self, **req: Any) -> Completion | ReplayedStream:
+        """``stream=True``: the response as a ``ReplayedStream`` of ``Completion`` chunks."""
+        include_usage = _include_usage(req)
         _check_kwargs(req, _COMPLETION_KEYS, "completions.create")
-        if req.get("stream"):
-            raise AgentRequestError("stream=True is not supported by the recording client; call without streaming")
+        if req.pop("stream", False):
+            return ReplayedStream(_completion_chunks(await self.acreate_completion(**req), include_usage))
         prompt_ids = self._completion_prompt_ids(req.get("prompt"))
         outs, _ = await self._agenerate_n(prompt_ids, req)
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -531,11 +537,89 @@ def _usage(prompt_ids: list[int], outs: list[GenerationOutput]) -> dict[str, int
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _include_usage(req: dict[str, Any]) -> bool:
+    options = req.get("stream_options")
+    return bool(_plain(options).get("include_usage")) if isinstance(options, dict) else False
+
+
+class ReplayedStream:
+    """What ``stream=True`` returns: a finished response as the chunks a streaming server sends (the
+    recording client generates each completion whole, so they all arrive once it is done), iterated
+    with ``async for`` like the official client's ``AsyncStream``."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        self.chunks = chunks
+        self._next = 0
+
+    def __aiter__(self) -> ReplayedStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._next >= len(self.chunks):
+            raise StopAsyncIteration
+        self._next += 1
+        return self.chunks[self._next - 1]
+
+    async def __aenter__(self) -> ReplayedStream:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._next = len(self.chunks)
+
+
+def _chunk_head(response: Any, object_name: str) -> dict[str, Any]:
+    return {"id": response.id, "object": object_name, "created": response.created, "model": response.model}
+
+
+def _usage_chunk(response: Any, object_name: str, type_: type) -> Any:
+    return construct_type(
+        type_=type_, value={**_chunk_head(response, object_name), "choices": [], "usage": response.usage.model_dump()}
+    )
+
+
+def _chat_chunks(response: ChatCompletion, include_usage: bool) -> list[ChatCompletionChunk]:
+    """Per choice: the role and content, the tool calls (with their index), the finish reason."""
+    head = _chunk_head(response, "chat.completion.chunk")
+    values = []
+    for choice in response.choices:
+        extra = choice.model_extra or {}
+        first = {"role": "assistant", "content": choice.message.content or ""}
+        values.append({
+            "index": choice.index, "delta": first, "finish_reason": None,
+            "logprobs": choice.logprobs.model_dump() if choice.logprobs is not None else None,
+            "token_ids": extra.get("token_ids"), "prompt_token_ids": extra.get("prompt_token_ids"),
+        })  # fmt: skip
+        calls = choice.message.tool_calls or []
+        if calls:
+            deltas = [{"index": k, **call.model_dump()} for k, call in enumerate(calls)]
+            values.append({"index": choice.index, "delta": {"tool_calls": deltas}, "finish_reason": None})
+        values.append({"index": choice.index, "delta": {}, "finish_reason": choice.finish_reason})
+    chunks = [construct_type(type_=ChatCompletionChunk, value={**head, "choices": [v]}) for v in values]
+    if include_usage:
+        chunks.append(_usage_chunk(response, "chat.completion.chunk", ChatCompletionChunk))
+    return chunks
+
+
+def _completion_chunks(response: Completion, include_usage: bool) -> list[Completion]:
+    """One chunk per choice (its whole text), then the usage when asked for."""
+    head = _chunk_head(response, "text_completion")
+    chunks = [
+        construct_type(type_=Completion, value={**head, "choices": [choice.model_dump()]})
+        for choice in response.choices
+    ]
+    if include_usage:
+        chunks.append(_usage_chunk(response, "text_completion", Completion))
+    return chunks
+
+
 class _ChatCompletions:
     def __init__(self, owner: ArenoAsyncOpenAI) -> None:
         self._owner = owner
 
-    async def create(self, **kwargs: Any) -> ChatCompletion:
+    async def create(self, **kwargs: Any) -> ChatCompletion | ReplayedStream:
         return await self._owner.acreate_chat(**kwargs)
 
 
@@ -548,7 +632,7 @@ class _Completions:
     def __init__(self, owner: ArenoAsyncOpenAI) -> None:
         self._owner = owner
 
-    async def create(self, **kwargs: Any) -> Completion:
+    async def create(self, **kwargs: Any) -> Completion | ReplayedStream:
         return await self._owner.acreate_completion(**kwargs)
 
 
@@ -646,6 +730,9 @@ class AgentProxy:
                 resp = await (client.acreate_chat(**body) if chat else client.acreate_completion(**body))
             except (ValueError, TypeError) as exc:  # AgentRequestError, ToolSchemaError, engine limits
                 return error(400, str(exc))
+            if isinstance(resp, ReplayedStream):  # server-sent events, as a streaming server sends them
+                events = [f"data: {c.model_dump_json()}\n\n" for c in resp.chunks] + ["data: [DONE]\n\n"]
+                return StreamingResponse(iter(events), media_type="text/event-stream")
             return resp.model_dump(exclude_none=False)
 
         @app.post("/sessions/{sid}/v1/chat/completions")

@@ -117,6 +117,16 @@ def test_proxy_over_http_on_localhost(served):
             openai.OpenAI(base_url=f"{proxy.base_url}/sessions/zzz/v1", api_key="x", max_retries=0).completions.create(
                 model="tiny", prompt="a"
             )
+        # a streamed call through the proxy: server-sent chunks the official client reads
+        sid2, url2 = proxy.start_session()
+        chunks = list(
+            openai.OpenAI(base_url=url2, api_key="x", max_retries=0).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+        )
+        (streamed,) = proxy.end_session(sid2).cache.ordered()
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason is not None
+        assert chunks[0].choices[0].model_extra["token_ids"] == streamed.output_ids
         rec = proxy.end_session(sid)
         a, b = rec.cache.ordered()
         assert b.parent is a and a.reward == 0.25 and b.reward == 1.0
@@ -138,8 +148,6 @@ def test_bad_requests_raise_clear_errors(scripted):
         asyncio.run(go(messages=MESSAGES, temprature=1.0))
     with pytest.raises(AgentRequestError, match="messages is empty"):
         asyncio.run(go(messages=[]))
-    with pytest.raises(AgentRequestError, match="stream=True is not supported"):
-        asyncio.run(go(messages=MESSAGES, stream=True))
     with pytest.raises(AgentRequestError, match="sampling parameters: top_p must be in"):
         asyncio.run(go(messages=MESSAGES, top_p=0))
     with pytest.raises(ToolSchemaError, match="not a valid JSON Schema"):
@@ -230,3 +238,52 @@ def test_proxy_api_key(served):
         assert out.choices[0].text is not None
     finally:
         proxy.stop()
+
+
+def test_streamed_calls_add_up_as_the_areno_servers_streams_do(served, scripted):
+    """stream=True: the recorded response replayed as chunks (role and content, tool calls, finish;
+    usage on request) that add up to what the official client streams from areno's server."""
+    app, rollout_client, tokenizer = served
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11, n=2, logprobs=True)
+    usage = {"stream_options": {"include_usage": True}}
+
+    async def go():
+        ref = [c async for c in await official(app).chat.completions.create(**kwargs, stream=True, **usage)]
+        rec = ArenoAsyncOpenAI(rollout_client, tokenizer)
+        async with await rec.chat.completions.create(**kwargs, stream=True, **usage) as stream:
+            mine = [c async for c in stream]
+        ref_c = [c async for c in await official(app).completions.create(model="tiny", prompt="12+7=", max_tokens=5,
+                                                                           temperature=0, stream=True)]  # fmt: skip
+        mine_c = [c async for c in await rec.completions.create(model="tiny", prompt="12+7=", max_tokens=5,
+                                                                 temperature=0, stream=True)]  # fmt: skip
+        return ref, mine, ref_c, mine_c, rec
+
+    ref, mine, ref_c, mine_c, rec = asyncio.run(go())
+    assert all(type(c).__name__ == "ChatCompletionChunk" for c in mine) and mine[-1].usage == ref[-1].usage
+    for index in (0, 1):
+        a = [c.choices[0] for c in ref if c.choices and c.choices[0].index == index]
+        b = [c.choices[0] for c in mine if c.choices and c.choices[0].index == index]
+        assert "".join(x.delta.content or "" for x in a) == "".join(x.delta.content or "" for x in b)
+        assert sum((x.model_extra["token_ids"] or [] for x in a), []) == b[0].model_extra["token_ids"]
+        assert a[-1].finish_reason == b[-1].finish_reason and b[0].delta.role == "assistant"
+        assert len(b[0].logprobs.content) == len(b[0].model_extra["token_ids"])
+    assert len(rec.cache.ordered()) == 3  # the streamed calls were recorded like any other
+    assert "".join(c.choices[0].text for c in ref_c) == mine_c[0].choices[0].text
+    # tool calls come as their own delta, with their index
+    tools_client = ArenoAsyncOpenAI(scripted(['<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>']),
+                                    scripted([]).tokenizer)  # fmt: skip
+
+    async def tools():
+        stream = await tools_client.chat.completions.create(
+            model="m", messages=MESSAGES, tools=[CALCULATOR_SCHEMA], stream=True
+        )
+        return [c async for c in stream]
+
+    chunks = asyncio.run(tools())
+    (call,) = chunks[1].choices[0].delta.tool_calls
+    assert (
+        call.index == 0
+        and call.function.name == "calculator"
+        and json.loads(call.function.arguments) == {"expression": "2+3"}
+    )
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
