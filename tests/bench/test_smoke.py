@@ -13,7 +13,18 @@ import pytest
 from bench._common import HEADLINE_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = ("e2e", "rollout", "train", "sync", "async_learning", "partitioned", "rewards", "checkpoint", "startup")
+BENCHES = (
+    "e2e",
+    "rollout",
+    "train",
+    "sync",
+    "async_learning",
+    "partitioned",
+    "rewards",
+    "checkpoint",
+    "startup",
+    "stream",
+)
 
 
 def run(name: str, argv: list[str], capsys) -> dict:
@@ -121,3 +132,10 @@ def test_startup_of_the_demo_config(tmp_path, capsys):
     assert result["figure"] == warm["startup_to_first_token_s"] > 0 and warm["second_train_s"] > 0
     assert (tmp_path / "init_model" / "config.json").exists()
     assert not (tmp_path / "run-warm" / "warm_start").exists()
+
+
+def test_stream_against_unstreamed(capsys):
+    result = run("stream", ["--hidden", "32", "--layers", "1", "--concurrent", "3", "--max-tokens", "8",
+                            "--rounds", "1", "--threads", "1"], capsys)  # fmt: skip
+    assert result["figure"] > 0 and result["baseline"] > 0 and result["ratio"] > 0
+    assert 0 < result["first_text_median_s"] and len(result["rounds"]["streamed"]) == 1
