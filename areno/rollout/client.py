@@ -436,11 +436,14 @@ class InProcessRolloutClient(RolloutClient):
         with self._pending_lock:
             streams = dict(self._streams)
         made = self.engine.progress({request_id: pushed[0] for request_id, (_, _, pushed) in streams.items()})
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for request_id, (ids, logprobs) in made.items():
             loop, queue, pushed = streams[request_id]
             pushed[0] += len(ids)
+            by_loop.setdefault(loop, []).append((queue, (ids, logprobs)))
+        for loop, items in by_loop.items():  # one wake-up per loop, as _resolve
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, (ids, logprobs))
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # its event loop has closed: nobody reads it; the driver goes on
                 pass
 
@@ -492,6 +495,11 @@ def _retrieve_cancellation(gathered: asyncio.Future) -> None:
 def _set_result(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _set_results(results: list[tuple[asyncio.Future, Any]]) -> None:
