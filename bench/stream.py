@@ -2,7 +2,8 @@
 
 One server (areno's OpenAI-compatible app on uvicorn, in this process) over a random-init model;
 ``--concurrent`` ``/v1/completions`` requests of ``--max-tokens`` sampled tokens each (fixed length,
-seeded), sent all at once, first unstreamed, then streamed, alternated ``--rounds`` times. Reported
+seeded), sent all at once, unstreamed and streamed in turn (each first in every other round), ``--rounds``
+times. Reported
 per arm: the wall time of the whole burst (medians over the rounds) and, streamed, the time to each
 request's first chunk with text. ``ratio``: unstreamed wall over streamed wall (1.0: streaming costs
 nothing); ``first_chunk_vs_answer``: the streamed median time to first text over the unstreamed median
@@ -95,8 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.concurrent < 1 or args.max_tokens < 1:
         p.error("--rounds, --concurrent and --max-tokens must be at least 1")
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads_before)
 
+
+def _run(args) -> int:
+    """One measured run (see the module docstring)."""
     from areno.data.tokenizer import build_char_tokenizer
     from areno.models.hf_io import init_model_dir, tiny_config
     from areno.rollout.server import build_engine, create_app
@@ -116,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_burst(base, args, True, 0))
             arms: dict[str, list[dict]] = {"unstreamed": [], "streamed": []}
             for r in range(args.rounds):
-                for name in ("unstreamed", "streamed"):
+                order = (
+                    ("unstreamed", "streamed") if r % 2 == 0 else ("streamed", "unstreamed")
+                )  # neither always second
+                for name in order:
                     arms[name].append(asyncio.run(_burst(base, args, name == "streamed", 1000 * (r + 1))))
                     print(f"round {r}: {name} {arms[name][-1]}", file=sys.stderr)
         finally:

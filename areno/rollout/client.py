@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -154,8 +155,10 @@ class TokenStream:
         self._prompt_tokens, self._max_new_tokens = prompt_tokens, max_new_tokens
         timeout_s = client.request_timeout_s
         self._deadline = None if timeout_s is None else future.get_loop().time() + timeout_s
-        # a stream dropped before anyone iterated it (a client gone before its response started)
-        self._finalizer = weakref.finalize(self, _close_stream, client, request_id, future)
+        # a stream dropped before anyone iterated it (a client gone before its response started): the
+        # garbage collector may run this on any thread, holding any lock, so it only names the request
+        # for the driver thread to abort between steps (a deque's append takes no lock)
+        self._finalizer = weakref.finalize(self, client._orphans.append, request_id)
         self._finalizer.atexit = False
 
     def __aiter__(self) -> AsyncIterator[tuple[list[int], list[float]] | GenerationOutput]:
@@ -197,17 +200,13 @@ class TokenStream:
         yield output
 
     def close(self) -> None:
-        """Abort the request unless it finished (idempotent)."""
-        self._finalizer()
-
-
-def _close_stream(client: InProcessRolloutClient, request_id: str, future: asyncio.Future) -> None:
-    with client._pending_lock:
-        client._streams.pop(request_id, None)
-    if not future.done():
-        client._abort_quietly(request_id)
-        if not future.get_loop().is_closed():
-            future.get_loop().call_soon_threadsafe(future.cancel)
+        """Abort the request unless it finished (idempotent; on the stream's event loop)."""
+        self._finalizer.detach()
+        with self.client._pending_lock:
+            self.client._streams.pop(self.request_id, None)
+        if not self._future.done():
+            self.client._abort_quietly(self.request_id)
+            self._future.cancel()
 
 
 class InProcessRolloutClient(RolloutClient):
@@ -247,6 +246,9 @@ class InProcessRolloutClient(RolloutClient):
         self._thread: threading.Thread | None = None
         self._callers = 0
         """Threads in ``drive_until`` (guarded by ``_pending_lock``)."""
+        self._orphans: collections.deque[str] = collections.deque()
+        """Streamed requests nobody reads any more (dropped unread, or their event loop closed): the
+        driver thread aborts them between steps."""
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
         """``stream`` requests: their loop, their progress queue and ``[tokens already pushed]``
         (guarded by ``_pending_lock``)."""
@@ -417,6 +419,11 @@ class InProcessRolloutClient(RolloutClient):
 
     def _drive_once(self) -> None:
         """One engine step, or a short wait for work when there is none to step."""
+        while self._orphans:
+            request_id = self._orphans.popleft()
+            with self._pending_lock:
+                self._streams.pop(request_id, None)
+            self._abort_quietly(request_id)
         if not self.engine.has_unfinished() or self.engine.is_paused or self.engine.is_sleeping:
             self._wakeup.wait(self.idle_wait_s)
             self._wakeup.clear()
@@ -442,10 +449,8 @@ class InProcessRolloutClient(RolloutClient):
             pushed[0] += len(ids)
             by_loop.setdefault(loop, []).append((queue, (ids, logprobs)))
         for loop, items in by_loop.items():  # one wake-up per loop, as _resolve
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # its event loop has closed: nobody reads it; the driver goes on
-                pass
+            if not _hand_over(loop, _put_all, items):  # nobody reads them: stop generating them
+                self._orphans.extend(rid for rid, (lp, _, _) in streams.items() if lp is loop)
 
     def _resolve(self, *outputs: GenerationOutput) -> None:
         """Hand finished requests to their callers: one wake-up per event loop, however many
@@ -458,7 +463,7 @@ class InProcessRolloutClient(RolloutClient):
                 if entry is not None:
                     by_loop.setdefault(entry[0], []).append((entry[1], output))
         for loop, results in by_loop.items():
-            loop.call_soon_threadsafe(_set_results, results)
+            _hand_over(loop, _set_results, results)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._pending_lock:
@@ -469,7 +474,7 @@ class InProcessRolloutClient(RolloutClient):
                 self.engine.abort(request_id)
             except UnknownRequestError:
                 pass
-            loop.call_soon_threadsafe(_set_exception, future, exc)
+            _hand_over(loop, _set_exception, future, exc)
 
     def _abort_quietly(self, request_id: str) -> None:
         with self._pending_lock:
@@ -495,6 +500,16 @@ def _retrieve_cancellation(gathered: asyncio.Future) -> None:
 def _set_result(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:
+    """``fn(*args)`` on ``loop``; False when the loop has closed (its callers are gone: the driver
+    thread must not end over them)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -595,8 +595,10 @@ def _chat_chunks(response: ChatCompletion, include_usage: bool) -> list[ChatComp
         calls = choice.message.tool_calls or []
         if calls:
             deltas = [{"index": k, **call.model_dump()} for k, call in enumerate(calls)]
-            values.append({"index": choice.index, "delta": {"tool_calls": deltas}, "finish_reason": None})
-        values.append({"index": choice.index, "delta": {}, "finish_reason": choice.finish_reason})
+            values.append(
+                {"index": choice.index, "delta": {"tool_calls": deltas}, "finish_reason": None, "token_ids": []}
+            )
+        values.append({"index": choice.index, "delta": {}, "finish_reason": choice.finish_reason, "token_ids": []})
     chunks = [construct_type(type_=ChatCompletionChunk, value={**head, "choices": [v]}) for v in values]
     if include_usage:
         chunks.append(_usage_chunk(response, "chat.completion.chunk", ChatCompletionChunk))

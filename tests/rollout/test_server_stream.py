@@ -151,3 +151,48 @@ def test_echo_and_refusals(server):
     for path, body, param in refusals:
         r = httpx.post(f"{base}{path}", headers=H, json={"model": "tiny", "max_tokens": 2, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+
+
+def test_a_stream_dropped_unread_is_aborted_by_the_driver(tiny_model_dir):
+    """A stream nobody iterates (a client gone before its response started) is collected; the driver
+    thread aborts its request between steps instead of generating it for nobody. The same when its
+    event loop has closed."""
+    import asyncio
+    import gc
+
+    from areno.rollout.client import InProcessRolloutClient
+
+    engine, _ = build_engine(str(tiny_model_dir), device="cpu", num_blocks=64, block_size=8, max_model_len=96)
+    client = InProcessRolloutClient(engine)
+    params = SamplingParams(max_new_tokens=80, ignore_eos=True)
+
+    def settled() -> int:
+        deadline = time.time() + 10
+        while (engine.has_unfinished() or client.num_pending) and time.time() < deadline:
+            time.sleep(0.02)
+        assert not engine.has_unfinished() and client.num_pending == 0
+        return engine.stats()["generated_tokens"]
+
+    kept = []
+
+    async def drop(resume: bool) -> int:
+        engine.pause()  # nothing generated before it is dropped
+        stream = client.stream([5, 6, 7], params)
+        if not resume:  # kept, unread, while its loop closes
+            kept.append(stream)
+            return 0
+        del stream
+        gc.collect()
+        engine.resume()
+        client.wake()
+        return await asyncio.to_thread(settled)  # the loop stays open: only the collected stream tells
+
+    try:
+        assert asyncio.run(drop(resume=True)) < 80  # aborted, not generated for nobody
+        before = engine.stats()["generated_tokens"]
+        asyncio.run(drop(resume=False))  # the loop closes with the request in the engine, its stream alive
+        engine.resume()
+        client.wake()
+        assert settled() - before < 80
+    finally:
+        client.close()
