@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -27,21 +26,6 @@ import httpx
 import torch
 
 from bench._common import emit, headline, parser, ratio
-
-
-def _serve(app) -> tuple[str, object, threading.Thread]:
-    import uvicorn
-
-    from areno.launch.scheduler import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{port}", server, thread
 
 
 async def _one(client: httpx.AsyncClient, base: str, body: dict, t0: float) -> tuple[float, float | None]:
@@ -108,7 +92,7 @@ def _run(args) -> int:
     """One measured run (see the module docstring)."""
     from areno.data.tokenizer import build_char_tokenizer
     from areno.models.hf_io import init_model_dir, tiny_config
-    from areno.rollout.server import build_engine, create_app
+    from areno.rollout.server import ServerThread, build_engine, create_app
 
     tokenizer = build_char_tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +103,8 @@ def _run(args) -> int:
             str(model_dir), device="cpu", max_model_len=args.max_tokens + 64, decode_steps=args.decode_steps
         )
         app = create_app(engine, tokenizer=tok, model_name="bench")
-        base, server, thread = _serve(app)
+        server = ServerThread(app, log_level="error", name="bench-server").start()
+        base = server.base_url
         try:
             asyncio.run(_burst(base, args, False, 0))  # warm-up, both paths
             asyncio.run(_burst(base, args, True, 0))
@@ -132,8 +117,7 @@ def _run(args) -> int:
                     arms[name].append(asyncio.run(_burst(base, args, name == "streamed", 1000 * (r + 1))))
                     print(f"round {r}: {name} {arms[name][-1]}", file=sys.stderr)
         finally:
-            server.should_exit = True
-            thread.join(timeout=30)
+            server.stop()
             app.state.client.close()
 
     def med(name: str, key: str) -> float:

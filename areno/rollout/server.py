@@ -40,6 +40,8 @@ import json
 import logging
 import os
 import re
+import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -1025,6 +1027,47 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn from a daemon thread: ``start()`` returns once it listens (port 0
+    takes a free one); ``stop()`` ends it. The agent proxy, the benchmarks and the tests serve this way."""
+
+    def __init__(
+        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", name: str = "areno-http"
+    ) -> None:
+        self.app, self.host, self.port, self.log_level, self.name = app, host, port, log_level, name
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        import uvicorn
+
+        if self.port == 0:
+            with socket.socket() as s:
+                s.bind((self.host, 0))
+                self.port = s.getsockname()[1]
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=self.log_level)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name=self.name, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"{self.name} did not start on {self.base_url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            assert self._thread is not None
+            self._thread.join(timeout=10)
+            self._server = None
 
 
 def check_bind(host: str, api_key: str | None) -> None:

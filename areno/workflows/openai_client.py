@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from typing import Any
@@ -42,7 +41,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from areno.models.vision import ImageInputs, VisionConfig, decode_image, expand_image_tokens
 from areno.rollout.client import agenerate_many
-from areno.rollout.server import check_bind
+from areno.rollout.server import ServerThread, check_bind
 from areno.rollout.store import ObservationStore
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.images import stash_images
@@ -668,8 +667,7 @@ class AgentProxy:
         self.host = host
         self.port = port
         self.sessions: dict[str, ArenoAsyncOpenAI] = {}
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._server: ServerThread | None = None
         self.app = self._build_app()
 
     def start_session(self, session: Any = None) -> tuple[str, str]:
@@ -770,29 +768,15 @@ class AgentProxy:
 
     def start(self) -> AgentProxy:
         """Serve on ``host:port`` (port 0 picks a free one) from a background thread."""
-        import socket
-
-        import uvicorn
-
-        if self.port == 0:
-            with socket.socket() as s:
-                s.bind((self.host, 0))
-                self.port = s.getsockname()[1]
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="areno-agent-proxy", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"agent proxy did not start on {self.base_url}")
-            time.sleep(0.02)
+        self._server = ServerThread(
+            self.app, host=self.host, port=self.port, log_level="warning", name="areno-agent-proxy"
+        ).start()
+        self.port = self._server.port
         return self
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
+            self._server.stop()
             self._server = None
 
 

@@ -4,33 +4,23 @@ stand-in inference servers (``fake_vllm.py``, ``fake_sglang.py``) put behind the
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import uvicorn
-
-from areno.launch.scheduler import free_port
 from areno.models.hf_io import load_model
 from areno.rollout.client import InProcessRolloutClient
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+from areno.rollout.server import ServerThread
 
 
 @contextlib.contextmanager
 def serving(app, *, log_level: str = "error") -> Iterator[str]:
     """Serve ``app`` until the block ends; yields its base URL (``http://127.0.0.1:<port>``)."""
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
+    server = ServerThread(app, log_level=log_level, name="test-server").start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server.base_url
     finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
+        server.stop()
 
 
 def stand_in_engine(model_dir: Path, eos_token_id: int) -> tuple[RolloutEngine, InProcessRolloutClient]:
