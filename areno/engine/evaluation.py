@@ -151,7 +151,9 @@ def _check_writable(path: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"--out: cannot write {path} ({exc.strerror or exc}): name a writable file") from None
+        raise ConfigError(
+            f"--out: cannot write {path} ({exc.strerror or exc}): name a writable file (default: under run_dir/eval)"
+        ) from None
 
 
 def _rollout_side(config: ArenoConfig, model_dir: Path, out_dir: Path, checkpoint: str | None) -> RolloutSide:
@@ -185,11 +187,12 @@ def run_eval(
     rows = eval_rows(config, options.split, options.num_prompts)
     if params.temperature > 0:
         check_eval_seeds(base_seed, len(rows), samples, name="--seed" if options.seed is not None else "train.seed")
-    if options.out:
+    if options.out:  # before the default model directory may be made from model.init_tiny
         _check_writable(Path(options.out))
     model_dir, name = resolve_checkpoint(options.checkpoint, config)
     out = Path(options.out) if options.out else default_rows_file(config, name, options.split, params, samples)
-    _check_writable(out)
+    if not options.out:
+        _check_writable(out)
     side = _rollout_side(config, model_dir, out.parent, options.checkpoint)
     reward_fn = load_reward(config.reward)  # an import error before any model loads
     started = False
