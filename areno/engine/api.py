@@ -94,11 +94,9 @@ def rollout_max_num_seqs(cfg: ArenoConfig) -> int:
     return max(lo, min(rollout_sequences_in_flight(cfg), hi))
 
 
-def rollout_sampling_params(cfg: ArenoConfig, *, greedy: bool) -> SamplingParams:
-    """The sampling of training rollouts (``rollout`` section), or greedy (evaluation)."""
+def rollout_sampling_params(cfg: ArenoConfig) -> SamplingParams:
+    """The sampling of training rollouts (``rollout`` section); evaluations take ``scoring.eval_params``."""
     r = cfg.rollout
-    if greedy:
-        return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
 
 
@@ -112,7 +110,7 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
         return 0
     t0 = time.perf_counter()
     # training requests carry seeds (SeedingClient: a hashed uniform per row, its own graph mode)
-    params = [dataclasses.replace(rollout_sampling_params(cfg, greedy=False), seed=0)]
+    params = [dataclasses.replace(rollout_sampling_params(cfg), seed=0)]
     in_flight = rollout_sequences_in_flight(cfg)
     if cfg.data.num_eval and cfg.train.eval_interval:
         evaluation = eval_params(cfg, cfg.train.eval_samples, cfg.train.eval_temperature, name="train.eval_samples")
@@ -403,7 +401,7 @@ class ArenoEngine:
             tokenizer=self.tokenizer,
             reward_fn=reward_fn,
             n_samples=cfg.rollout.n_samples,
-            sampling_params=rollout_sampling_params(cfg, greedy=False),
+            sampling_params=rollout_sampling_params(cfg),
             prompt_key=cfg.data.prompt_key,
             answer_key=cfg.data.answer_key,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),

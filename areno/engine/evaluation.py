@@ -267,8 +267,8 @@ def _log_progress() -> Callable[[int, int, float], None]:
 
 def _write(out: Path, rows: list[dict], scored: list[list[Trajectory]], config: ArenoConfig, summary: dict) -> None:
     """The rows file (one JSON object a row: prompt, answer, completions, rewards, finish reasons,
-    reward errors) and ``<stem>.summary.json``, each written whole and renamed into place."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    reward errors) and ``<stem>.summary.json``, each written whole and renamed into place (in the
+    directory ``_check_writable`` made)."""
     answer_key = config.data.answer_key
     lines = []
     for row, trajectories in zip(rows, scored, strict=True):

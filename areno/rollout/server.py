@@ -713,7 +713,7 @@ class _OpenAIRoutes:
     def _completion_choice(
         self, index: int, prompt_ids: list[int], out: GenerationOutput, logprobs: bool, echo: str = ""
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {
+        return {
             "index": index,
             "text": echo + out.text,
             "finish_reason": out.finish_reason,
@@ -721,7 +721,6 @@ class _OpenAIRoutes:
             "token_ids": out.output_ids,
             "prompt_token_ids": prompt_ids,
         }
-        return choice
 
     def _completion_logprobs(self, ids: list[int], logprobs: list[float], offset: int = 0) -> dict[str, Any]:
         """``/v1/completions`` log-probs of ``ids``, whose text starts ``offset`` characters into the completion."""

@@ -11,9 +11,9 @@ import torch
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.data.datasets import build_splits
-from areno.engine.api import load_tokenizer, resolve_recipe, rollout_sampling_params
+from areno.engine.api import load_tokenizer, resolve_recipe
 from areno.engine.local import LocalRolloutSide
-from areno.engine.scoring import ascore_row
+from areno.engine.scoring import ascore_row, eval_params
 from areno.engine.seams import SideSetup
 from areno.engine.test_rollout import TestRolloutManager
 from areno.errors import ConfigError
@@ -35,7 +35,7 @@ def direct_accuracy(cfg, hf_dir) -> float:
     side.start(SideSetup(recipe=resolve_recipe(cfg), model_dir=hf_dir, tokenizer=tokenizer))
     _, rows = build_splits(cfg.data)
     reward_fn = load_reward(cfg.reward)
-    params = rollout_sampling_params(cfg, greedy=True)
+    params = eval_params(cfg, 1, None, name="train.eval_samples")  # greedy
 
     async def score_all():
         return await asyncio.gather(*(ascore_row(side.client, tokenizer, reward_fn, row, cfg, params) for row in rows))
