@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", help="dotted overrides key=value")
     ev.add_argument(
         "--checkpoint",
-        help="a Hugging Face model directory, a checkpoint step_N, a run directory (its newest complete "
-        "checkpoint) or 'latest' (run_dir's); default: model.path",
+        help="a Hugging Face model directory, a checkpoint directory, a step of run_dir (step_120 or 120), "
+        "a run directory (its newest complete checkpoint) or 'latest' (run_dir's); default: model.path",
     )
     ev.add_argument("--samples", type=int, help="completions per row (default: train.eval_samples, 1: greedy)")
     ev.add_argument(

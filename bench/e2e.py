@@ -357,16 +357,12 @@ def areno_overrides(
         "data.num_eval=0",
         "reward.fn=bench.e2e:reward",
         "reward.sandbox=false",  # in-process, as TRL scores it
-        f"rollout.decode_steps={args.decode_steps}",
-        f"rollout.decode_attention={args.decode_attention}",
-        f"rollout.fused_kernels={str(args.fused_kernels).lower()}",
         "rollout.workflow=bench.e2e:FixedLengthWorkflow",
         *([f"rollout.workflow_kwargs.min_completion_len={args.min_completion_len}"] if args.min_completion_len else []),
         f"rollout.batch_size={args.prompts}",
         f"rollout.n_samples={args.samples}",
         f"rollout.max_new_tokens={completion_len}",
         f"rollout.max_head_offpolicyness={eta}",
-        f"rollout.kv_blocks={kv_blocks}",
         "train.algorithm=grpo",
         f"train.max_tokens_per_mb={args.areno_mb_tokens or 'null'}",
         f"train.steps={args.warmup + timed_steps(args, eta)}",
@@ -378,6 +374,13 @@ def areno_overrides(
     ]
     if server is not None:  # vLLM's CPU attention needs head sizes >= 32 (the 0.5b and 1.5b shapes)
         overrides += [f"rollout.backend={server}", "rollout.server_args=[--enforce-eager]"]
+    else:  # areno's own engine (a server refuses its settings)
+        overrides += [
+            f"rollout.decode_steps={args.decode_steps}",
+            f"rollout.decode_attention={args.decode_attention}",
+            f"rollout.fused_kernels={str(args.fused_kernels).lower()}",
+            f"rollout.kv_blocks={kv_blocks}",
+        ]
     return overrides + args.areno_set + (args.areno_async_set if eta > 0 else [])
 
 

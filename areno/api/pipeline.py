@@ -13,10 +13,11 @@ import logging
 from pathlib import Path
 
 from areno.api.config import ArenoConfig, load_config
-from areno.api.preflight import check_run
+from areno.api.preflight import check_run, resumes
 from areno.api.rundir import RunDirLock
 from areno.api.trainer import Trainer
-from areno.errors import UserError
+from areno.engine.config import ClusterSection, field_default
+from areno.errors import ConfigError, UserError
 from areno.observe.metrics import METRICS_FILENAME, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -52,26 +53,86 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
             "eval_interval": 0,
             "save_interval": 0,
             "lora": None,  # the warm start makes the base model (from scratch in the demo): all weights train
+            "role_optim": {},  # the main recipe's roles: sft has the policy alone
         },
         optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0},
-        rollout={"batch_size": ws.batch_size, "max_head_offpolicyness": 0},
+        rollout={"batch_size": ws.batch_size, "max_head_offpolicyness": 0, "generate_during_train": "auto"},
+        # sft has no rollout side: it trains colocated on cluster.device, whatever places the main stage
+        cluster={
+            "allocation_mode": None,
+            "train_devices": None,
+            "rollout_devices": None,
+            "role_devices": {},
+            "scheduler": "local",
+            "scheduler_options": {},
+            **{
+                key: field_default(ClusterSection, key)
+                for key in ("sync_commit", "sync_timeout_s", "sync_bucket_bytes")
+            },
+        },
+        observe={"profile_steps": []},  # they name steps of the main stage
+        test_rollout={"enabled": False},
     )
 
 
-def run_warm_start(config: ArenoConfig) -> Path:
-    """Supervised warm start; returns the exported checkpoint directory (reused when complete)."""
+WARM_START_IGNORED = {
+    "train": ("eval_interval", "save_interval", "eval_samples", "eval_temperature", "eval_pass_threshold"),
+    "data": ("num_eval",),
+}
+"""Settings of the warm-start stage that leave its model as it is (what it evaluates and saves)."""
+
+
+def warm_start_settings(sft: ArenoConfig) -> dict:
+    """What the warm start's model follows from: its model, data, optimizer, training, batch and device
+    settings (JSON-shaped, as its COMPLETE file keeps them); a finished warm start is reused only for these."""
+    sections = {name: dataclasses.asdict(getattr(sft, name)) for name in ("model", "data", "optim", "train")}
+    for name, keys in WARM_START_IGNORED.items():
+        for key in keys:
+            sections[name].pop(key)
+    sections["rollout"] = {"batch_size": sft.rollout.batch_size}
+    sections["cluster"] = {key: getattr(sft.cluster, key) for key in ("device", "cpu_threads")}
+    return json.loads(json.dumps(sections))
+
+
+def _changed(made: dict, now: dict) -> list[str]:
+    """The dotted keys whose values differ between two ``warm_start_settings``."""
+    return [
+        f"{name}.{key}"
+        for name in sorted(set(made) | set(now))
+        for key in sorted(set(made.get(name, {})) | set(now.get(name, {})))
+        if made.get(name, {}).get(key) != now.get(name, {}).get(key)
+    ]
+
+
+def finished_warm_start(config: ArenoConfig) -> tuple[Path, list[str] | None]:
+    """The warm start's export directory, and the settings that changed since it finished (None: not
+    finished; empty: it can be reused)."""
     sft = warm_start_config(config)
     export_dir = Path(sft.run_dir) / "final_model"
-    if (export_dir / "COMPLETE").exists():
+    if not (export_dir / "COMPLETE").exists():
+        return export_dir, None
+    made = json.loads((export_dir / "COMPLETE").read_text()).get("settings")
+    return export_dir, ["(unrecorded)"] if made is None else _changed(made, warm_start_settings(sft))
+
+
+def run_warm_start(config: ArenoConfig) -> Path:
+    """Supervised warm start; returns the exported checkpoint directory (reused when complete and made
+    with the same settings, ``warm_start_settings``; made again otherwise)."""
+    sft = warm_start_config(config)
+    export_dir, changed = finished_warm_start(config)
+    if changed == []:
         logger.info("warm start: reusing %s", export_dir)
         return export_dir
+    if changed:
+        print(f"warm start: {export_dir} was made with other settings ({', '.join(changed[:4])}): training it again")
+        (export_dir / "COMPLETE").unlink()
     trainer = Trainer.init(sft)
     try:
         metrics = trainer.run()
         trainer.backend.export_policy(export_dir)
     finally:
         trainer.shutdown()
-    (export_dir / "COMPLETE").write_text(json.dumps(metrics))
+    (export_dir / "COMPLETE").write_text(json.dumps({**metrics, "settings": warm_start_settings(sft)}))
     accuracy = metrics.get("eval/accuracy", float("nan"))
     print(f"warm start ({sft.train.steps} sft steps): held-out accuracy {accuracy:.3f}")
     return export_dir
@@ -89,6 +150,12 @@ def _run_stages(config: ArenoConfig) -> dict[str, float]:
     check_run(config)  # with the model.path the warm start starts from
     if config.warm_start.steps > 0:
         check_run(warm_start_config(config))
+        export_dir, changed = finished_warm_start(config)
+        if changed and resumes(config):  # the resumed stage's reference and model.path are the old warm start's
+            raise ConfigError(
+                f"warm_start: the run resumes, but {export_dir} was made with other settings "
+                f"({', '.join(changed[:4])}): resume with those settings, or start over (overwrite=true)"
+            )
         # a finished warm start is reused (resume runs too)
         config = _stage(config, model={"path": str(run_warm_start(config))})
     trainer = Trainer.init(config)

@@ -21,13 +21,14 @@ from areno.api.rundir import check_fresh
 from areno.data.datasets import check_splits
 from areno.data.prompts import check_chat_template
 from areno.data.tokenizer import build_char_tokenizer, load_pretrained_tokenizer
-from areno.engine.config import ArenoConfig, ModelSection
+from areno.engine.api import init_tiny_marker, init_tiny_stale
+from areno.engine.config import ArenoConfig, RewardSection, field_default
 from areno.engine.roles import check_partitioned_roles, role_allocation
 from areno.errors import ConfigError, ModelDirError
 from areno.launch.allocation import resolve_roles
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import TrainingConfig, get_recipe
-from areno.rewards.loader import reward_function
+from areno.rewards.loader import reward_function, wants_sandbox
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
 
@@ -40,13 +41,18 @@ def check_run(config: ArenoConfig) -> None:
     building a model: recipe, reward, workflow, data, device, resume, optional packages, model
     directory, in that order."""
     recipe = get_recipe(config.train.algorithm, policy_kwargs=dict(config.train.algorithm_kwargs))
-    reward_function(config.reward.fn)  # evaluation scores with it in every recipe
+    check_reward(config)  # evaluation scores with it in every recipe
     if recipe.online:  # the engine adds its own arguments (tokenizer, reward_fn, ...) when it builds it
         factory = workflow_factory(config.rollout.workflow)
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs), partial=True)
     check_splits(config.data, need_answers=not recipe.online)  # offline recipes train on the answers
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
+    if config.test_rollout.enabled and config.test_rollout.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("test_rollout.device=cuda but no CUDA device is visible: use test_rollout.device=cpu or auto")
+    check_held_out(config)
+    check_placement(config, recipe)
+    check_minibatches(config, recipe)
     role_allocation(config, recipe)  # cluster.role_devices names roles of this recipe and devices that exist
     check_role_optim(config, recipe)
     check_partitioned_roles(config, recipe)
@@ -56,12 +62,69 @@ def check_run(config: ArenoConfig) -> None:
             f"resume=true but {Path(config.run_dir) / 'checkpoints'} holds no completed checkpoint "
             "(step_N/COMPLETE): use resume=auto to start fresh when there is none"
         )
+    stale = init_tiny_stale(config)
+    if stale is not None and resumes(config):
+        raise ConfigError(
+            f"model.init_tiny: the run resumes, but its tiny model {config.model.path} was made from {stale} and this "
+            f"config makes another one ({init_tiny_marker(config)}): resume with those settings, or start over "
+            "(overwrite=true)"
+        )
     check_optional_packages(config)
     for role in recipe.roles:
         if role.model_path:  # a teacher or another model than the policy
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
-    tokenizer = check_model(config.model)
+    tokenizer = check_model(config)
     check_chat_template(tokenizer, config.data.chat_template, config.data.system_prompt)
+
+
+def resumes(config: ArenoConfig) -> bool:
+    """Whether the run continues from a checkpoint of its run_dir."""
+    return config.resume is not False and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") is not None
+
+
+def check_reward(config: ArenoConfig) -> None:
+    """``reward.fn`` imports; the sandbox's limits are not set for a reward that runs in-process."""
+    section = config.reward
+    if wants_sandbox(reward_function(section.fn), section.sandbox):
+        return
+    for key in ("timeout_s", "memory_mb", "cpu_s", "workers", "allow_network"):
+        if getattr(section, key) != field_default(RewardSection, key):
+            how = "reward.sandbox=false" if section.sandbox is False else f"{section.fn} is cheap and safe in-process"
+            raise ConfigError(
+                f"reward.{key} bounds the reward's sandbox workers, but the reward runs in this process ({how}): "
+                "set reward.sandbox=true, or drop the key"
+            )
+
+
+def check_held_out(config: ArenoConfig) -> None:
+    """What evaluates held-out rows has some: the background test rollout."""
+    data = config.data
+    if config.test_rollout.enabled and (data.num_eval == 0 or (data.task is None and data.eval_path is None)):
+        raise ConfigError(
+            "test_rollout.enabled: there are no held-out rows to evaluate: set data.num_eval > 0 "
+            "(and data.eval_path when data.task is null), or test_rollout.enabled=false"
+        )
+
+
+def check_placement(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """A partitioned placement needs a recipe with a rollout side (an offline one would run colocated)."""
+    if config.cluster.asks_partitioned() and not recipe.online and config.rollout.backend == "areno":
+        raise ConfigError(
+            f"train.algorithm={recipe.name!r} trains offline, with no rollout side, but cluster.train_devices / "
+            "rollout_devices or a '+' cluster.allocation_mode partition the run: unset them to train it "
+            "colocated on cluster.device"
+        )
+
+
+def check_minibatches(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """``train.num_minibatches`` splits a step's sequences: at most one minibatch per sequence."""
+    rollout = config.rollout
+    sequences = rollout.batch_size * rollout.n_samples if recipe.online else rollout.batch_size
+    if config.train.num_minibatches > sequences:
+        raise ConfigError(
+            f"train.num_minibatches={config.train.num_minibatches} is more than the {sequences} sequences of a step "
+            f"(rollout.batch_size{' x rollout.n_samples' if recipe.online else ''}): set it to at most {sequences}"
+        )
 
 
 def check_role_optim(config: ArenoConfig, recipe: TrainingConfig) -> None:
@@ -86,11 +149,12 @@ def check_optional_packages(config: ArenoConfig) -> None:
             raise ConfigError(f"observe: {package} is not installed: {fix}")
 
 
-def check_model(model: ModelSection) -> Any:
+def check_model(config: ArenoConfig) -> Any:
     """``model.path`` is a loadable checkpoint directory with a tokenizer that has an EOS token, or
     ``model.init_tiny`` can create one there; returns the tokenizer the run will use."""
+    model = config.model
     path = Path(model.path)
-    if model.init_tiny is not None and not (path / "config.json").is_file():
+    if model.init_tiny is not None and (not (path / "config.json").is_file() or init_tiny_stale(config)):
         check_init_tiny(model.init_tiny)  # the engine creates the model there
         return build_char_tokenizer()
     check_model_files(path, key="model.path")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -179,12 +180,36 @@ def check_same_vocabulary(role_dir: Path, policy_dir: Path, role: str) -> None:
         )
 
 
+INIT_TINY_MARKER = "areno_init_tiny.json"
+"""What made a ``model.init_tiny`` model: its arguments and seed (``init_tiny_stale``)."""
+
+
+def init_tiny_marker(config: ArenoConfig) -> dict[str, Any]:
+    """The arguments a ``model.init_tiny`` model of ``config`` is made from."""
+    return json.loads(json.dumps({"init_tiny": config.model.init_tiny, "seed": config.train.seed}))
+
+
+def init_tiny_stale(config: ArenoConfig) -> dict[str, Any] | None:
+    """The marker of the tiny model at ``model.path`` when ``config`` would make another one (other
+    ``init_tiny`` arguments or seed), else None (none there yet, the same one, or not areno's)."""
+    marker = Path(config.model.path) / INIT_TINY_MARKER
+    if config.model.init_tiny is None or not marker.is_file():
+        return None
+    made = json.loads(marker.read_text())
+    return made if made != init_tiny_marker(config) else None
+
+
 def prepare_model_dir(config: ArenoConfig) -> Path:
-    """The checkpoint directory, created from ``model.init_tiny`` when asked to; else it must exist."""
+    """The checkpoint directory, created from ``model.init_tiny`` when asked to (again, when the one
+    there was made from other arguments or another seed); else it must exist."""
     path = Path(config.model.path)
-    if not (path / "config.json").is_file() and config.model.init_tiny is not None:
+    stale = init_tiny_stale(config)
+    if stale is not None:
+        logger.info("model.init_tiny: %s was made from %s; making it from %s", path, stale, init_tiny_marker(config))
+    if (stale is not None or not (path / "config.json").is_file()) and config.model.init_tiny is not None:
         tokenizer = build_char_tokenizer()
         init_model_dir(path, tiny_config(len(tokenizer), **config.model.init_tiny), tokenizer, seed=config.train.seed)
+        (path / INIT_TINY_MARKER).write_text(json.dumps(init_tiny_marker(config)))
     if not path.is_dir():
         raise ModelDirError(f"model.path: directory {path} does not exist: point it at a local Hugging Face checkpoint")
     if not (path / "config.json").is_file():

@@ -389,43 +389,50 @@ class Groups:
     other TP ranks over it (``TensorParallelRolloutEngine.follow``)."""
 
 
+def _group_options(backend: str, timeout: datetime.timedelta) -> Any:
+    """Process-group options carrying ``timeout``: DeviceMesh passes a dimension's options' ``_timeout``
+    to the ``new_group`` it makes (else that group gets the backend's default)."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
+
+
 COMMAND_TIMEOUT = datetime.timedelta(days=365)
 """A TP follower waits on the command group while its replica is idle: for as long as the run."""
 
 
-def build_groups(layout: ClusterLayout, device_type: str) -> Groups:
-    """Create every process group of the layout; call on EVERY rank of the world, same order."""
+def build_groups(layout: ClusterLayout, device_type: str, timeout: datetime.timedelta) -> Groups:
+    """Create every process group of the layout; call on EVERY rank of the world, same order.
+    ``timeout``: of every collective in them (``cluster.collective_timeout_s``; a subgroup does not
+    inherit the world's, torch gives it its backend's default)."""
     rank = dist.get_rank()
     # NCCL subgroups in a gloo world on GPU (members of each group sit on distinct GPUs)
-    backend = "nccl" if device_type == "cuda" else None
+    backend = "nccl" if device_type == "cuda" else "gloo"
     g = Groups()
-    train_group = dist.new_group(list(layout.train_ranks), backend=backend)
+    train_group = dist.new_group(list(layout.train_ranks), backend=backend, timeout=timeout)
     # DeviceMesh creates its per-dimension groups with new_group: every rank must take part.
     mesh_ranks = torch.tensor(layout.train_mesh_ranks())
-    if backend is None:
-        mesh = DeviceMesh(device_type, mesh_ranks, mesh_dim_names=MESH_DIMS)
-    else:
-        try:
-            mesh = DeviceMesh(
-                device_type,
-                mesh_ranks,
-                mesh_dim_names=MESH_DIMS,
-                backend_override=tuple((backend, None) for _ in MESH_DIMS),
-            )
-        except TypeError:
-            raise LayoutError(
-                f"torch {torch.__version__}: DeviceMesh has no backend_override, which the "
-                "partitioned topology needs on GPU (NCCL mesh in a gloo world); upgrade torch"
-            ) from None
+    try:
+        mesh = DeviceMesh(
+            device_type,
+            mesh_ranks,
+            mesh_dim_names=MESH_DIMS,
+            backend_override=tuple((backend, _group_options(backend, timeout)) for _ in MESH_DIMS),
+        )
+    except TypeError:
+        raise LayoutError(
+            f"torch {torch.__version__}: DeviceMesh has no backend_override, which the "
+            "partitioned topology needs (its groups' backend and timeout); upgrade torch"
+        ) from None
     if rank in layout.train_ranks:
         g.train_group, g.train_mesh = train_group, mesh
-    rollout_group = dist.new_group(list(layout.rollout_ranks), backend=backend)
+    rollout_group = dist.new_group(list(layout.rollout_ranks), backend=backend, timeout=timeout)
     for ranks in layout.rollout_tp_groups():
-        pg = dist.new_group(list(ranks), backend=backend)
+        pg = dist.new_group(list(ranks), backend=backend, timeout=timeout)
         if rank in ranks:
             g.rollout_tp_group = pg
     for ranks in layout.rollout_dp_groups():
-        pg = dist.new_group(list(ranks), backend=backend)
+        pg = dist.new_group(list(ranks), backend=backend, timeout=timeout)
         if rank in ranks:
             g.rollout_dp_group = pg
     if layout.rollout_tp > 1:

@@ -86,16 +86,17 @@ class DataSection:
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task generator (e.g. max_digits)."""
     train_path: str | None = None
-    """JSONL or Parquet file of training rows (used when task is null)."""
+    """JSONL or Parquet file of training rows (needs task=null)."""
     eval_path: str | None = None
-    """JSONL or Parquet file of held-out rows (used when task is null)."""
+    """JSONL or Parquet file of held-out rows, the first ``num_eval`` of them evaluated (needs task=null)."""
     prompt_key: str = "prompt"
     """Field of a data row holding the prompt: a string, or a list of {role, content} messages
     (TRL's conversational format; needs a chat template)."""
     answer_key: str = "answer"
     """Field of a data row holding the reference answer passed to the reward function."""
     num_eval: int = 200
-    """Held-out prompts evaluated (greedy) at each evaluation."""
+    """Held-out prompts evaluated at each evaluation (a task's generated ones, or the first of eval_path's);
+    greedy unless ``train.eval_samples`` > 1."""
     seed: int = 0
     """Seed of the task generator and of the dataloader shuffle."""
     chat_template: str = "auto"
@@ -122,6 +123,18 @@ class DataSection:
             self.task is not None or self.train_path is not None,
             "data",
             "set data.task to a shipped task or data.train_path to a JSONL/Parquet file",
+        )
+        for key in ("train_path", "eval_path"):  # a task makes its own rows: a file beside it would go unread
+            check_config(
+                self.task is None or getattr(self, key) is None,
+                f"data.{key}",
+                f"is set but data.task={self.task!r} generates the rows: set data.task=null to read the file, "
+                f"or unset data.{key}",
+            )
+        check_config(
+            self.task is not None or not self.task_kwargs,
+            "data.task_kwargs",
+            "are arguments of a shipped task's generator, but data.task is null: unset data.task_kwargs",
         )
         check_config(self.num_eval >= 0, "data.num_eval", f"must be >= 0, got {self.num_eval}")
 
@@ -213,10 +226,11 @@ class RolloutSection(RolloutEngineSettings):
     ``kv_memory_fraction`` of the free memory on CUDA, ``cpu_kv_cache_bytes`` on CPU, and on a GPU
     shared with training what the memory check allows)."""
     cuda_graph_warmup: bool = True
-    """CUDA: capture the decode CUDA graphs of every batch size the run can reach (up to
-    ``max_concurrent`` x ``n_samples`` sequences) when the rollout engine starts, for the training
-    rollouts' sampling and, when held-out evaluation runs, greedy decoding. Otherwise each graph is
-    captured when first needed, in the middle of a run, and a policy sync waits for the capture."""
+    """CUDA: capture the decode CUDA graphs of every batch size the run can reach (its rows in flight,
+    ``min(max_concurrent, batch_size x (η + 1))`` x ``n_samples``, or its evaluation's, ``data.num_eval``
+    x ``train.eval_samples``) when the rollout engine starts, for the training rollouts' sampling and
+    the evaluation's. Otherwise each graph is captured when first needed, in the middle of a run, and a
+    policy sync waits for the capture."""
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""
@@ -253,6 +267,9 @@ class RolloutSection(RolloutEngineSettings):
         )
         check_config(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         check_config(
+            self.top_k == -1 or self.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {self.top_k}"
+        )
+        check_config(
             self.max_head_offpolicyness >= 0,
             "rollout.max_head_offpolicyness",
             f"must be >= 0, got {self.max_head_offpolicyness}",
@@ -262,6 +279,7 @@ class RolloutSection(RolloutEngineSettings):
             "rollout.generate_during_train",
             f"must be true, false or auto, got {self.generate_during_train!r}",
         )
+        check_config(self.max_retries >= 0, "rollout.max_retries", f"must be >= 0, got {self.max_retries}")
         check_config(self.kv_blocks >= 0, "rollout.kv_blocks", f"must be >= 0 (0 = automatic), got {self.kv_blocks}")
         check_config(
             self.request_timeout_s >= 0,
@@ -603,7 +621,8 @@ class ObserveSection:
     """Record agent episodes (turns, tool calls, rewards) to run_dir/sessions.jsonl."""
     profile_steps: list[int] = field(default_factory=list)
     """Trainer steps (1-based) to run under ``torch.profiler``: a Chrome trace and a table of the
-    operators and kernels that took the most time, in run_dir/profile (``observe/profile.py``)."""
+    operators and kernels that took the most time, in run_dir/profile (``observe/profile.py``).
+    Colocated and server runs: in a partitioned one the trainer's process only coordinates the workers."""
 
     def __post_init__(self) -> None:
         check_config(
@@ -706,6 +725,12 @@ class ArenoConfig:
             f"steps {outside} are outside this run's 1..{self.train.steps} (train.steps): name steps it runs",
         )
         check_config(
+            not (self.observe.profile_steps and self.cluster.asks_partitioned() and self.rollout.backend == "areno"),
+            "observe.profile_steps",
+            "profiles the trainer's process, which in a partitioned run trains and generates nothing (its workers "
+            "do): drop the key, or profile the workers' spans with observe.trace (areno trace)",
+        )
+        check_config(
             self.rollout.backend == "areno" or self.cluster.offload == "none",
             "cluster.offload",
             f"sleep offloads areno's own rollout engine; a {self.rollout.backend} server manages its own memory "
@@ -748,7 +773,39 @@ class ArenoConfig:
             f"a {self.rollout.backend} rollout takes its layout from cluster.allocation_mode "
             f"(e.g. '{self.rollout.backend}:d2t1+fsdp:d1') or rollout.servers, not device lists",
         )
+        self._check_rollout_backend_keys()
         partitioned = self.cluster.asks_partitioned()
+        check_config(
+            not (self.overwrite and self.resume is not False),
+            "overwrite",
+            f"deletes the run_dir's run to start over, but resume={self.resume} continues it: drop one of them",
+        )
+        optimizer_steps = total_optimizer_steps(self)
+        warmups = {"optim.warmup_steps": self.optim.warmup_steps}
+        warmups.update(
+            {f"train.role_optim.{r}.warmup_steps": o.get("warmup_steps", 0) for r, o in self.train.role_optim.items()}
+        )
+        for key, warmup in warmups.items():
+            check_config(
+                warmup <= optimizer_steps,
+                key,
+                f"{warmup} is more than the run's {optimizer_steps} optimizer steps (train.steps x "
+                "num_train_passes x num_minibatches): the run would end before its learning rate peaks",
+            )
+        if not partitioned or self.rollout.backend != "areno":  # only a partitioned run's workers sync by stream
+            for key in ("sync_commit", "sync_timeout_s", "sync_bucket_bytes"):
+                check_config(
+                    getattr(self.cluster, key) == field_default(ClusterSection, key),
+                    f"cluster.{key}",
+                    "applies to the policy sync between a partitioned run's workers, and this run is not one "
+                    "(set cluster.train_devices/rollout_devices or a '+' allocation_mode): drop the key",
+                )
+        check_config(
+            self.rollout.generate_during_train is not True or self.rollout.max_head_offpolicyness > 0,
+            "rollout.generate_during_train",
+            "true lets an asynchronous run generate while it trains, and this run is synchronous "
+            "(rollout.max_head_offpolicyness=0): drop the key or set max_head_offpolicyness > 0",
+        )
         check_config(
             not (self.cluster.role_devices and partitioned),
             "cluster.role_devices",
@@ -774,6 +831,57 @@ class ArenoConfig:
             "sleep takes turns between rollout and training, but this run generates while it trains "
             "(rollout.max_head_offpolicyness > 0): set rollout.max_head_offpolicyness=0 or cluster.offload=none",
         )
+
+    def _check_rollout_backend_keys(self) -> None:
+        """Settings of the other rollout backend are refused, not ignored: areno's engine settings with
+        vLLM/SGLang servers, the servers' settings with areno's engine or with servers the user runs."""
+        rollout = self.rollout
+        if rollout.backend == "areno":
+            for key in ("server_api_key", "server_args", "server_start_timeout_s"):
+                check_config(
+                    getattr(rollout, key) == field_default(RolloutSection, key),
+                    f"rollout.{key}",
+                    "configures vLLM/SGLang servers, but rollout.backend is areno (its own engine): "
+                    "drop the key, or set rollout.backend to vllm or sglang",
+                )
+            return
+        engine_keys = [f.name for f in dataclasses.fields(RolloutEngineSettings) if f.name != "max_model_len"]
+        for key in (*engine_keys, "kv_blocks", "cuda_graph_warmup"):
+            value = getattr(rollout, key)
+            check_config(
+                value == field_default(RolloutSection, key),
+                f"rollout.{key}",
+                f"={value} configures areno's own rollout engine, which a {rollout.backend} rollout does not run: "
+                f"drop the key (the servers' own settings go in rollout.server_args)",
+            )
+        if rollout.backend == "vllm":  # see rollout/backends/vllm.py
+            for key, off in (("top_p", 1.0), ("top_k", -1)):
+                check_config(
+                    getattr(rollout, key) == off,
+                    f"rollout.{key}",
+                    f"vLLM reports log-probs of the truncated distribution, areno's trainer those of the whole "
+                    f"one, so the importance ratios would be off: use rollout.{key}={off:g} with vllm",
+                )
+        if rollout.servers:  # the user's servers: areno starts none
+            for key in ("max_model_len", "server_args", "server_start_timeout_s"):
+                check_config(
+                    getattr(rollout, key) == field_default(RolloutSection, key),
+                    f"rollout.{key}",
+                    "applies to the servers areno starts, but rollout.servers lists servers you run: "
+                    "drop the key and set it where you start them",
+                )
+        check_config(
+            self.cluster.scheduler == "local",
+            "cluster.scheduler",
+            f"{self.cluster.scheduler}: areno starts {rollout.backend} servers as local processes: use "
+            "cluster.scheduler=local, or start the servers yourself and list them in rollout.servers",
+        )
+
+
+def field_default(section: type, key: str) -> Any:
+    """The default value of field ``key`` of dataclass ``section``."""
+    f = next(f for f in dataclasses.fields(section) if f.name == key)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def resolve_rollout_backend(backend: str, allocation_mode: str | None) -> str:
@@ -824,9 +932,9 @@ def resolve_dtypes(config: ArenoConfig, device_type: str) -> Dtypes:
 
 def total_optimizer_steps(config: ArenoConfig) -> int:
     """Optimizer steps of the whole run (the cosine schedule's length): steps x passes x
-    minibatches, at least the warm-up and at least 1."""
+    minibatches, at least 1."""
     t = config.train
-    return max(t.steps * t.num_train_passes * t.num_minibatches, config.optim.warmup_steps, 1)
+    return max(t.steps * t.num_train_passes * t.num_minibatches, 1)
 
 
 def fields_of(section: object, owner: type) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,9 +56,10 @@ class EvalOptions:
     """What ``areno eval`` evaluates and how (its command-line options)."""
 
     checkpoint: str | None = None
-    """A Hugging Face model directory, a checkpoint ``step_N`` directory (its ``hf/`` export), a run
-    directory or its ``checkpoints/`` (the newest complete checkpoint), or ``latest`` (that of the
-    config's ``run_dir``). None: ``model.path``."""
+    """A Hugging Face model directory, a checkpoint ``step_N`` directory (its ``hf/`` export), a step of
+    the config's ``run_dir`` (``step_120`` or ``120``: ``checkpoints/step_00000120``), a run directory or
+    its ``checkpoints/`` (the newest complete checkpoint), or ``latest`` (that of the config's
+    ``run_dir``). None: ``model.path``."""
     samples: int | None = None
     """Completions per row. None: ``train.eval_samples``, as the run evaluates."""
     temperature: float | None = None
@@ -98,10 +100,13 @@ def resolve_checkpoint(spec: str | None, config: ArenoConfig) -> tuple[Path, str
     if spec is None:
         return prepare_model_dir(config), "base"
     path = Path(config.run_dir) if spec == LATEST else Path(spec)
+    step = re.fullmatch(r"(?:step_)?(\d+)", spec)
+    if step is not None and not path.is_dir():  # a step of the config's run: checkpoints/step_00000120
+        path = Path(config.run_dir) / "checkpoints" / f"step_{int(step.group(1)):08d}"
     if not path.is_dir():
         raise ModelDirError(
-            f"--checkpoint: {path} is not a directory: name a Hugging Face checkpoint, a run's "
-            f"checkpoints/step_N, a run directory, or 'latest' (run_dir={config.run_dir})"
+            f"--checkpoint: {path} is not a directory: name a Hugging Face checkpoint, a checkpoint step of "
+            f"run_dir ({config.run_dir}) such as step_120, a run directory, or 'latest'"
         )
     if path.name == "hf" and path.parent.name.startswith("step_"):
         path = path.parent  # a checkpoint's export named directly: the checkpoint must be complete

@@ -133,8 +133,13 @@ def init_world(config: ArenoConfig) -> str:
         # The world is gloo even on GPU: overlapping device lists put two ranks on one GPU, which
         # an NCCL communicator must never hold. NCCL lives in the subgroups (build_groups and the
         # stream transport's data plane), whose members are on distinct GPUs by construction.
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.cluster.collective_timeout_s))
+        dist.init_process_group("gloo", timeout=collective_timeout(config))
     return device_type
+
+
+def collective_timeout(config: ArenoConfig) -> datetime.timedelta:
+    """``cluster.collective_timeout_s``: the world's and every group's (``build_groups``)."""
+    return datetime.timedelta(seconds=config.cluster.collective_timeout_s)
 
 
 def _sync_config(config: ArenoConfig):

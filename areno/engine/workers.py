@@ -29,7 +29,14 @@ from areno.engine.api import build_role_backends, resolve_recipe, rollout_engine
 from areno.engine.cluster import ClusterLayout, build_groups
 from areno.engine.config import ArenoConfig, resolve_dtypes
 from areno.engine.host import HeapFreezer
-from areno.engine.partitioned import _sync_config, advertised_address, bind_host, init_world, kv_tokens_for
+from areno.engine.partitioned import (
+    _sync_config,
+    advertised_address,
+    bind_host,
+    collective_timeout,
+    init_world,
+    kv_tokens_for,
+)
 from areno.launch.scheduler import free_port
 from areno.models.hf_io import load_model
 from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
@@ -85,7 +92,7 @@ class TrainWorker:
     def __init__(self, config: ArenoConfig, layout: ClusterLayout, model_dir: str) -> None:
         self.config = cfg = config
         device_type = init_world(cfg)
-        self.groups = build_groups(layout, device_type)  # collective: same order on every rank
+        self.groups = build_groups(layout, device_type, collective_timeout(cfg))  # collective: same order on every rank
         torch.manual_seed(cfg.train.seed)
         recipe = resolve_recipe(cfg)
         backends = build_role_backends(
@@ -161,7 +168,7 @@ class RolloutWorker:
         on another node than the controller (Ray, SLURM) binds all interfaces and must have one."""
         self.config = cfg = config
         device_type = init_world(cfg)
-        self.groups = build_groups(layout, device_type)
+        self.groups = build_groups(layout, device_type, collective_timeout(cfg))
         device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
         dtype_name = resolve_dtypes(cfg, device_type).rollout
         tokenizer = load_pretrained_tokenizer(model_dir)

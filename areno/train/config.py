@@ -90,7 +90,17 @@ class OptimConfig:
         check_config(self.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
         check_config(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         check_config(
+            self.warmup_steps == 0 or self.schedule != "constant",
+            "optim.warmup_steps",
+            "the constant schedule has no warm-up: set optim.schedule to linear_warmup or cosine",
+        )
+        check_config(
             0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"
+        )
+        check_config(
+            self.min_lr_ratio == 0.0 or self.schedule == "cosine",
+            "optim.min_lr_ratio",
+            f"is the final rate of the cosine schedule, and optim.schedule is {self.schedule}: set it to cosine",
         )
         self.betas = tuple(self.betas)  # type: ignore[assignment]  # a YAML list
         check_config(
@@ -162,12 +172,14 @@ class TrainStepConfig:
     """Mixture-of-experts policies: the rollout engine records each token's top-k expert ids in every
     sparse layer, they travel with the trajectory, and each training step reports
     ``moe_rollout_routing_mismatch``: the fraction of (loss token, sparse layer) pairs whose expert
-    set in the training forward differs from the rollout's. areno's own rollout engine only."""
+    set in the training forward differs from the rollout's. areno's own rollout engine only; recording
+    routes turns off its decode CUDA graphs and prefix sharing (slower rollouts)."""
     moe_routing_replay: bool = False
     """Routing replay (implies ``moe_rollout_routes``): the training forwards route every token to the
     experts the rollout chose, the gate weights taken from the trainer's own router softmax at those
     experts (renormalised as the layout does), so the router still trains; tokens without a recorded
-    route keep the trainer's own top-k."""
+    route keep the trainer's own top-k. Recording routes turns off the rollout engine's decode CUDA
+    graphs and prefix sharing (slower rollouts)."""
     lora: LoraConfig | None = None
     """Low-rank adapters on the trained roles (``train.lora.rank=8`` turns them on with the other
     keys' defaults); null trains all weights. Policy syncs and ``hf/`` exports carry the merged
@@ -226,7 +238,7 @@ class PrecisionConfig:
 
     dtype: str = "float32"
     """Master weights, gradient reductions and optimizer state of training: ``float32`` or
-    ``bfloat16`` (GPU forwards compute in bfloat16 either way: ``param_dtype``)."""
+    ``bfloat16``; forwards and backwards compute in ``param_dtype`` (the user's ``model.compute_dtype``)."""
     freeze_vision: bool = False
     """Vision-language models: keep the vision tower and its patch merger fixed (no gradients, no
     optimizer state); the decoder still trains on the tower's features. No effect on text models."""

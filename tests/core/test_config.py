@@ -197,10 +197,15 @@ def test_sections_reach_the_owner_configs_whole():
     assert build_rollout_engine_config(cfg, device="cpu", dtype="float32", max_num_seqs=8).num_blocks is None
 
 
-def test_total_optimizer_steps_covers_the_warmup():
-    cfg = load_config(None, ["model.path=/m", "train.steps=2", "optim.warmup_steps=10"])
-    assert total_optimizer_steps(cfg) == 10
+def test_total_optimizer_steps_and_a_warmup_longer_than_the_run():
+    cfg = load_config(None, ["model.path=/m", "train.steps=2", "train.num_minibatches=3", "optim.schedule=cosine"])
+    assert total_optimizer_steps(cfg) == 6
     assert total_optimizer_steps(load_config(None, ["model.path=/m", "train.steps=0"])) == 1
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps: 10 is more than the run's 2 optimizer steps"):
+        load_config(None, ["model.path=/m", "train.steps=2", "optim.schedule=cosine", "optim.warmup_steps=10"])
+    role = ["train.algorithm=ppo", "train.role_optim={critic: {warmup_steps: 5, schedule: linear_warmup}}"]
+    with pytest.raises(ConfigError, match=r"train.role_optim.critic.warmup_steps: 5 is more than"):
+        load_config(None, ["model.path=/m", "train.steps=2", *role])
 
 
 @pytest.mark.parametrize(

@@ -49,8 +49,9 @@ def test_greedy_eval_of_each_checkpoint_equals_the_accuracy_its_run_logged(train
         assert summary["samples"] == 1
         assert summary["metrics"]["eval/num_prompts"] == 6
         assert summary["temperature"] == 0.0
-    # 'latest', the run directory and the checkpoint's hf/ export all name step 3
-    for spec in ("latest", str(root / "run"), str(root / "run" / "checkpoints" / "step_00000003" / "hf")):
+    # 'latest', the run directory, the checkpoint's hf/ export and its step of the config's run all name step 3
+    step3 = root / "run" / "checkpoints" / "step_00000003"
+    for spec in ("latest", str(root / "run"), str(step3 / "hf"), "step_3", "3", "step_00000003"):
         path, name = resolve_checkpoint(spec, cfg)
         assert (path, name) == (root / "run" / "checkpoints" / "step_00000003" / "hf", "step_00000003"), spec
     base = run_eval(cfg, EvalOptions())  # model.path: the model before training
@@ -179,6 +180,8 @@ def test_wrong_checkpoints_and_rows_are_one_line_errors_before_any_model_loads(t
     cfg = load_config(None, _overrides(tmp_path))
     with pytest.raises(ModelDirError, match="is not a directory"):
         resolve_checkpoint(str(tmp_path / "nowhere"), cfg)
+    with pytest.raises(ModelDirError, match=r"checkpoints/step_00000007 is not a directory: .* such as step_120"):
+        resolve_checkpoint("step_7", cfg)
     with pytest.raises(ModelDirError, match="no complete checkpoints"):
         resolve_checkpoint("latest", dataclasses.replace(cfg, run_dir=str(tmp_path)))
     half = tmp_path / "run" / "checkpoints" / "step_00000002"

@@ -132,6 +132,33 @@ def test_the_policy_sync_takes_its_timeout_and_bucket_size_from_the_cluster_sect
     assert (_sync_config(cfg).timeout_s, _sync_config(cfg).bucket_bytes) == (42.0, 8 << 20)
 
 
+def _group_timeouts(rank: int, world: int, layout: ClusterLayout, out: str) -> None:
+    import datetime
+    from pathlib import Path
+
+    import torch
+
+    from areno.engine.cluster import build_groups
+    from areno.train.fsdp import MESH_DIMS
+
+    groups = build_groups(layout, "cpu", datetime.timedelta(seconds=42))
+    pgs = [groups.train_group, groups.rollout_group, groups.rollout_dp_group, groups.rollout_tp_group]
+    if groups.train_mesh is not None:
+        pgs += [groups.train_mesh.get_group(dim) for dim in MESH_DIMS]
+    seconds = {pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in pgs if pg is not None}
+    Path(out, f"rank{rank}").write_text(repr(sorted(seconds)))
+
+
+def test_every_group_takes_the_collective_timeout(tmp_path):
+    """``cluster.collective_timeout_s`` reaches the subgroups and the training mesh's groups (torch
+    would give each its backend's default)."""
+    from tests.helpers.train import spawn
+
+    layout = layout_from_config(_cluster(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
+    spawn(_group_timeouts, 2, layout, str(tmp_path), tmp=tmp_path)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["[42.0]", "[42.0]"]
+
+
 def _qwen_7b_like() -> ModelConfig:
     return ModelConfig(
         vocab_size=152064,

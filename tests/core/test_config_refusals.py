@@ -1,0 +1,154 @@
+"""Settings that would do nothing where they are given are refused with one line naming the key and the
+fix; a demo run made with other settings is made again, not reused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from areno.api.config import load_config
+from areno.api.pipeline import run_pipeline, warm_start_config
+from areno.api.preflight import check_run
+from areno.engine.api import prepare_model_dir
+from areno.errors import ConfigError
+from tests.helpers.configs import TINY, tiny_run_overrides
+
+BASE = ["model.path=/m"]
+
+
+def _refused(overrides: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [*BASE, *overrides])
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["data.train_path=rows.jsonl"], r"data.train_path: is set but data.task='arithmetic' generates the rows"),
+        (["data.eval_path=rows.jsonl"], r"data.eval_path: .*set data.task=null to read the file"),
+        (["data.task=null", "data.train_path=r.jsonl", "data.task_kwargs={max_digits: 2}"], r"data.task_kwargs"),
+        (["rollout.top_k=0"], r"rollout.top_k: must be -1 \(off\) or >= 1, got 0"),
+        (["rollout.max_retries=-1"], r"rollout.max_retries: must be >= 0"),
+        (["rollout.server_args=[--enforce-eager]"], r"rollout.server_args: configures vLLM/SGLang servers"),
+        (["optim.warmup_steps=5"], r"optim.warmup_steps: the constant schedule has no warm-up"),
+        (["optim.min_lr_ratio=0.1"], r"optim.min_lr_ratio: .*set it to cosine"),
+        (["resume=auto", "overwrite=true"], r"overwrite: .*resume=auto continues it"),
+        (["cluster.sync_commit=inplace"], r"cluster.sync_commit: applies to the policy sync .* partitioned run"),
+        (["cluster.sync_timeout_s=5"], r"cluster.sync_timeout_s: "),
+        (["rollout.generate_during_train=true"], r"rollout.generate_during_train: true .* synchronous"),
+    ],
+)
+def test_settings_that_would_do_nothing_are_refused(overrides, match):
+    _refused(overrides, match)
+
+
+SERVERS = ["rollout.backend=vllm", "cluster.device=cuda"]
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.block_size=8"], r"rollout.block_size: =8 configures areno's own rollout engine, which a vllm"),
+        (["rollout.kv_blocks=100"], r"rollout.kv_blocks: "),
+        (["rollout.cuda_graph_warmup=false"], r"rollout.cuda_graph_warmup: "),
+        (["rollout.top_p=0.9"], r"rollout.top_p: vLLM reports log-probs of the truncated distribution"),
+        (["rollout.top_k=20"], r"rollout.top_k: .*use rollout.top_k=-1 with vllm"),
+        (
+            ["rollout.servers=[http://h:8000]", "rollout.server_args=[-x]"],
+            r"rollout.server_args: applies to the servers",
+        ),
+        (["rollout.servers=[http://h:8000]", "rollout.max_model_len=512"], r"rollout.max_model_len: applies"),
+    ],
+)
+def test_the_embedded_engines_settings_are_refused_with_servers(overrides, match):
+    _refused([*SERVERS, *overrides], match)
+
+
+def test_server_settings_that_do_apply_are_accepted():
+    cfg = load_config(None, [*BASE, *SERVERS, "rollout.max_model_len=512", "rollout.server_args=[--enforce-eager]"])
+    assert cfg.rollout.max_model_len == 512
+    cfg = load_config(None, [*BASE, "rollout.max_head_offpolicyness=2", "rollout.generate_during_train=true"])
+    assert cfg.rollout.generate_during_train is True
+
+
+def test_a_partitioned_run_keeps_its_sync_settings_and_refuses_profiling():
+    parts = ["cluster.train_devices=[0]", "cluster.rollout_devices=[1]", "cluster.device=cpu"]
+    cfg = load_config(None, [*BASE, *parts, "cluster.sync_commit=inplace", "cluster.sync_timeout_s=5"])
+    assert (cfg.cluster.sync_commit, cfg.cluster.sync_timeout_s) == ("inplace", 5)
+    _refused([*parts, "observe.profile_steps=[1]"], r"observe.profile_steps: profiles the trainer's process")
+
+
+def _checked(tmp_path, *extra: str) -> None:
+    """check_run of a tiny config (its model is made at start-up: no file is needed)."""
+    check_run(load_config(None, [*tiny_run_overrides(tmp_path), *extra]))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["train.num_minibatches=9"], r"train.num_minibatches=9 is more than the 8 sequences of a step"),
+        (["train.algorithm=sft", "train.num_minibatches=3"], r"more than the 2 sequences .*\(rollout.batch_size\)"),
+        (["test_rollout.enabled=true", "data.num_eval=0"], r"test_rollout.enabled: there are no held-out rows"),
+        (
+            ["train.algorithm=sft", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"],
+            r"train.algorithm='sft' trains offline, with no rollout side",
+        ),
+        (["reward.sandbox=false", "reward.timeout_s=3"], r"reward.timeout_s bounds the reward's sandbox workers"),
+        (
+            ["reward.fn=areno.rewards.tasks:exact_match", "reward.workers=2"],
+            r"reward.workers .*exact_match is cheap and safe in-process",
+        ),
+    ],
+)
+def test_preflight_refuses_what_a_recipe_or_reward_cannot_use(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        _checked(tmp_path, *overrides)
+
+
+def test_the_warm_start_leaves_out_what_only_the_main_stage_uses(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            *tiny_run_overrides(tmp_path),
+            "train.algorithm=ppo",
+            "train.role_optim={critic: {lr: 1e-5}}",
+            "train.steps=3",
+            "observe.profile_steps=[3]",
+            "warm_start.steps=2",
+        ],
+    )
+    sft = warm_start_config(cfg)  # the critic's optimizer and step 3's profile belong to the main stage
+    assert (sft.train.role_optim, sft.observe.profile_steps, sft.test_rollout.enabled) == ({}, [], False)
+    check_run(sft)
+
+
+def test_a_tiny_model_of_other_arguments_is_made_again(tmp_path):
+    overrides = [f"model.path={tmp_path / 'model'}", TINY]
+    first = prepare_model_dir(load_config(None, overrides))
+    weights = load_file(first / "model.safetensors")
+    prepare_model_dir(load_config(None, overrides))  # the same arguments: kept
+    assert all((load_file(first / "model.safetensors")[k] == v).all() for k, v in weights.items())
+    prepare_model_dir(load_config(None, [*overrides, "train.seed=1"]))
+    assert json.loads((first / "areno_init_tiny.json").read_text())["seed"] == 1
+    again = load_file(first / "model.safetensors")
+    assert any((again[k] != v).any() for k, v in weights.items())
+
+
+def test_a_finished_warm_start_is_reused_only_with_its_settings(tmp_path, capsys):
+    def run(*extra: str) -> None:
+        overrides = [*tiny_run_overrides(tmp_path), "train.steps=1", "warm_start.steps=1", "warm_start.batch_size=4"]
+        run_pipeline(load_config(None, [*overrides, "overwrite=true", *extra]))
+
+    run()
+    complete = tmp_path / "run" / "warm_start" / "final_model" / "COMPLETE"
+    made = complete.stat().st_mtime_ns
+    run("train.eval_interval=1")  # what the main stage evaluates leaves the warm start as it is
+    assert complete.stat().st_mtime_ns == made and "training it again" not in capsys.readouterr().out
+    run("warm_start.lr=0.01")
+    assert "was made with other settings (optim.lr): training it again" in capsys.readouterr().out
+    assert complete.stat().st_mtime_ns != made
+    with pytest.raises(ConfigError, match=r"warm_start: the run resumes, but .* other settings \(optim.lr\)"):
+        overrides = [*tiny_run_overrides(tmp_path), "train.steps=1", "warm_start.steps=1", "warm_start.batch_size=4"]
+        run_pipeline(load_config(None, [*overrides, "resume=true", "warm_start.lr=0.02"]))
