@@ -12,7 +12,7 @@ import logging
 import sys
 
 import areno
-from areno.errors import RunFailure, UserError
+from areno.errors import RunFailure, RunStopped, UserError
 
 USAGE_ERROR = 2
 """Exit code of a :class:`~areno.errors.UserError`: the command was wrong, nothing ran."""
@@ -154,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The parsed command line; ``key=value`` overrides may also follow the options (argparse alone
+    takes a positional list in one run: ``train cfg.yaml --algorithm ppo run_dir=x`` would refuse ``run_dir=x``)."""
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    if late and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *late]
+        extra = [a for a in extra if a not in late]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATED:  # argparse's REMAINDER would refuse a leading option (doctor --json)
         args = argparse.Namespace(func=_delegate(DELEGATED[argv[0]][0]), rest=argv[1:])
     else:
-        args = build_parser().parse_args(argv)
+        args = _parse(build_parser(), argv)
     try:
         return args.func(args)
     except UserError as exc:  # the message names the thing and the fix
@@ -171,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("areno").debug("run failed", exc_info=exc)
         print(f"areno: error: {exc}", file=sys.stderr)
         return RUN_FAILED
+    except RunStopped as exc:  # after the step's checkpoint: the message says where and how to go on
+        print(f"areno: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("areno: interrupted", file=sys.stderr)
         return 130

@@ -5,6 +5,8 @@
   Every message names the thing and the fix. They are raised before expensive work where possible.
 - :class:`RunFailure` is a run that failed while running (a worker died, a policy sync broke):
   the CLI prints one line naming the failing worker and its log, and exits with 1.
+- :class:`RunStopped` is a run stopped by a signal after saving its step's checkpoint: the CLI says
+  where and exits with 128 + the signal's number, as a shell reports a process the signal ended.
 - Anything else is a bug in areno: the CLI lets its traceback through.
 
 ``UserError`` subclasses ``ValueError`` so that callers that catch the built-in kind keep working.
@@ -41,3 +43,11 @@ class RewardImportError(UserError):
 
 class RunFailure(RuntimeError):
     """A run that failed while running: the message names the failing worker and its log (exit 1)."""
+
+
+class RunStopped(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM at a step's end, its checkpoint saved (exit 128 + signum)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum

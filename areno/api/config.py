@@ -6,11 +6,13 @@ anything expensive starts.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from areno.engine.config import (
     ArenoConfig,
@@ -52,31 +54,93 @@ def _describe(exc: OmegaConfBaseException) -> str:
     return f"{key}: {first}" if key else first
 
 
+_MANDATORY_HINTS = {"model.path": "a local Hugging Face checkpoint directory, e.g. model.path=/path/to/ckpt"}
+"""What each mandatory key (``MISSING`` in the schema) is set to, for the error when it is not."""
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    """The YAML file at ``path`` as OmegaConf nodes; a one-line ConfigError naming the file (and the
+    line and column of a syntax error) when it is unreadable, not YAML, or not a mapping."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist: pass the path of a YAML config")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file ({exc.reason} at byte {exc.start}): pass a YAML config") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror}): pass a readable YAML config") from None
+    example = "e.g. `model: {path: /path/to/ckpt}`"
+    try:
+        loaded = OmegaConf.load(io.StringIO(text))
+    except yaml.MarkedYAMLError as exc:  # syntax errors, duplicate keys, unknown tags: they have a position
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = exc.problem or exc.context
+        if exc.problem and exc.context and exc.context_mark is not None:  # where the unclosed [ or { opened
+            what += f" ({exc.context} at {exc.context_mark.line + 1}:{exc.context_mark.column + 1})"
+        raise ConfigError(f"{where}: not valid YAML: {what}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    except OmegaConfBaseException as exc:  # a malformed ${...} interpolation
+        raise ConfigError(f"{path}: {_describe(exc)}") from None
+    except OSError:  # OmegaConf's word for a top level that is a plain value (the text is already read)
+        raise ConfigError(
+            f"{path}: the top level is a plain value: a config file maps sections to their keys, {example}"
+        ) from None
+    if not isinstance(loaded, DictConfig):  # a ListConfig: OmegaConf's merge would call it a TypeError
+        raise ConfigError(f"{path}: the top level is a list: a config file maps sections to their keys, {example}")
+    return loaded
+
+
+def _check_sections(layer: DictConfig, schema: DictConfig, source: str) -> None:
+    """A section (``model``, ``rollout``, ...) given a value instead of keys is a one-line ConfigError
+    with the section's form; OmegaConf's merge error names neither the key nor the fix."""
+    given = OmegaConf.to_container(layer, resolve=False)
+    for name, value in given.items():  # type: ignore[union-attr]
+        if name not in schema or not OmegaConf.is_config(schema[name]) or isinstance(value, dict):
+            continue
+        fields = schema[name]
+        mandatory = [k for k in fields if OmegaConf.is_missing(fields, k)]
+        if mandatory:  # `model: /path` means model.path: the example takes the value given
+            key, example = mandatory[0], value if isinstance(value, (str, int, float)) else "..."
+        else:  # the first key with a plain default, as it is
+            key = next(k for k in fields if isinstance(fields[k], (str, int, float)))
+            example = str(fields[key]).lower() if isinstance(fields[key], bool) else fields[key]
+        raise ConfigError(
+            f"{source}: `{name}` is a section, not a value: write `{name}: {{{key}: {example}}}` "
+            f"or `{name}.{key}={example}`"
+        )
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ArenoConfig:
     """Merge the YAML file at ``path`` and dotted ``overrides`` into an :class:`ArenoConfig`.
 
     Raises:
-        ConfigError: missing file, YAML syntax, unknown key, wrong type, bad value, missing field.
+        ConfigError: missing or unreadable file, YAML syntax (with its line and column), a top level
+            that is not a mapping, a section given a value, unknown key, wrong type, bad value, a
+            mandatory key left unset.
     """
     schema = OmegaConf.structured(ArenoConfig)
     layers = [schema]
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist: pass the path of a YAML config")
-        try:
-            layers.append(OmegaConf.load(path))
-        except Exception as exc:  # yaml.YAMLError and friends: report the file and the parse error
-            raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from exc
+        layers.append(_load_yaml(path))
+        _check_sections(layers[-1], schema, str(path))
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} must look like key=value (e.g. optim.lr=1e-5)")
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
+        for override in overrides:
+            _check_sections(OmegaConf.from_dotlist([override]), schema, f"override {override}")
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except ConfigError:
         raise
+    except MissingMandatoryValue as exc:
+        key = exc.full_key
+        hint = _MANDATORY_HINTS.get(key, f"a value, e.g. {key}=VALUE")
+        raise ConfigError(f"{key}: not set: set it to {hint}") from None
     except OmegaConfBaseException as exc:
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, ConfigError):

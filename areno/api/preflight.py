@@ -12,28 +12,34 @@ some of the same things again when it builds them: this module only makes them f
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
+from areno.api.config import to_dict
 from areno.api.rundir import check_fresh
-from areno.data.datasets import check_splits
-from areno.data.prompts import check_chat_template
-from areno.data.tokenizer import build_char_tokenizer, load_pretrained_tokenizer
+from areno.data.datasets import check_prompt_forms, check_splits
+from areno.data.prompts import check_chat_template, render_prompt, uses_template
+from areno.data.tasks import TaskSpec, generate_rows
+from areno.data.tokenizer import TOKENIZER_FILES, build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.api import init_tiny_marker, init_tiny_stale
 from areno.engine.config import ArenoConfig, RewardSection, field_default
+from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.roles import check_partitioned_roles, role_allocation
-from areno.errors import ConfigError, ModelDirError
+from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import TrainingConfig, get_recipe
-from areno.rewards.loader import reward_function, wants_sandbox
+from areno.rewards.loader import check_reward_signature, reward_function, wants_sandbox
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
+from areno.workflows.common import sample_fields
+from areno.workflows.images import IMAGES_KEY
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""A model directory holding none of these has no tokenizer (transformers would build an empty one)."""
+logger = logging.getLogger(__name__)
 
 
 def check_run(config: ArenoConfig) -> None:
@@ -45,7 +51,9 @@ def check_run(config: ArenoConfig) -> None:
     if recipe.online:  # the engine adds its own arguments (tokenizer, reward_fn, ...) when it builds it
         factory = workflow_factory(config.rollout.workflow)
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs), partial=True)
-    check_splits(config.data, need_answers=not recipe.online)  # offline recipes train on the answers
+    # offline recipes train on the answers; some shipped rewards score against them
+    splits = check_splits(config.data, need_answers=not recipe.online or reward_needs_answer(config.reward.fn))
+    check_reward_signature(reward_function(config.reward.fn), config.reward.fn, reward_row_keys(config, splits))
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
     if config.test_rollout.enabled and config.test_rollout.device == "cuda" and not torch.cuda.is_available():
@@ -75,6 +83,68 @@ def check_run(config: ArenoConfig) -> None:
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
     tokenizer = check_model(config)
     check_chat_template(tokenizer, config.data.chat_template, config.data.system_prompt)
+    check_prompt_forms(config.data, splits, templated=uses_template(tokenizer, config.data.chat_template))
+    check_held_out_lengths(config, tokenizer, splits)
+    check_partitioned_layout(config)
+
+
+RUN_IDENTITY = (
+    "model.path",
+    "train.algorithm",
+    "data.task",
+    "data.task_kwargs",
+    "data.train_path",
+    "data.prompt_key",
+    "data.answer_key",
+    "data.seed",
+)
+"""Settings a resumed run may not change: its checkpoints' model, recipe and data order come from them."""
+
+
+def check_resumed_config(config: ArenoConfig) -> None:
+    """A run that resumes keeps its model, recipe and data (``RUN_IDENTITY``: a ConfigError naming the
+    changed keys); other changed keys are logged as one warning line. ``Trainer.init`` checks it, with
+    the stage's own config (``model.path`` a warm start's export)."""
+    saved = Path(config.run_dir) / "config.yaml"
+    if not resumes(config) or not saved.is_file():
+        return
+    before, now = _flat(OmegaConf.to_container(OmegaConf.load(saved))), _flat(to_dict(config))
+    changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    fixed = [k for k in changed if k in RUN_IDENTITY]
+    if fixed:
+        was = ", ".join(f"{k}={before.get(k)!r}" for k in fixed)
+        raise ConfigError(
+            f"resume: {config.run_dir} holds a run made with {was}, which a resumed run cannot change: resume "
+            "with those, or start over (overwrite=true) or in another run_dir"
+        )
+    if changed:
+        logger.warning("resume: settings changed since the run was saved: %s", ", ".join(changed[:12]))
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": value}`` of nested dicts (lists and scalars are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def reward_row_keys(config: ArenoConfig, splits: tuple[list[dict], list[dict]] | None) -> list[str]:
+    """The fields a data row passes to the reward as keywords (``sample_fields``): a file's first
+    training row's, or a shipped task's."""
+    data = config.data
+    if splits is None:  # a task's rows, before build_splits names their fields prompt_key and answer_key
+        row = generate_rows(TaskSpec(name=data.task, kwargs=dict(data.task_kwargs)), split="train", num=1, seed=0)[0]
+        return list(sample_fields(row, "prompt", "answer", IMAGES_KEY))
+    return list(sample_fields(splits[0][0], data.prompt_key, data.answer_key, IMAGES_KEY))
+
+
+def reward_needs_answer(path: str) -> bool:
+    """Whether the reward ``reward.fn`` names scores against a row's answer (a shipped reward marked
+    ``fn.areno_needs_answer``: a row without one would be scored against nothing)."""
+    return bool(getattr(reward_function(path), "areno_needs_answer", False))
 
 
 def resumes(config: ArenoConfig) -> bool:
@@ -114,6 +184,45 @@ def check_placement(config: ArenoConfig, recipe: TrainingConfig) -> None:
             "rollout_devices or a '+' cluster.allocation_mode partition the run: unset them to train it "
             "colocated on cluster.device"
         )
+
+
+def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[list[dict], list[dict]] | None) -> None:
+    """Every held-out prompt of a file fits the context with room for a token (each evaluation scores
+    them all; a training row that does not fit is dropped with a warning instead)."""
+    if splits is None or not splits[1]:
+        return
+    path = Path(config.model.path)
+    if (path / "config.json").is_file() and init_tiny_stale(config) is None:
+        context = read_config(path).max_position_embeddings
+    else:
+        context = tiny_config(len(build_char_tokenizer()), **config.model.init_tiny).max_position_embeddings
+    context = config.rollout.max_model_len or context
+    data = config.data
+    templating = {"chat_template": data.chat_template, "system_prompt": data.system_prompt}
+    for i, row in enumerate(splits[1]):
+        if row.get(IMAGES_KEY):  # its image tokens are counted when the images are processed
+            continue
+        n = len(render_prompt(tokenizer, row[data.prompt_key], **templating))
+        if n >= context:
+            raise DataError(
+                f"{data.eval_path} row {i}: the prompt has {n} tokens but the context is {context} "
+                "(rollout.max_model_len, else the model's max_position_embeddings): shorten or remove the row"
+            )
+
+
+def check_partitioned_layout(config: ArenoConfig) -> None:
+    """A partitioned run's device lists, TP sizes and routing fit the devices and the model: what the
+    engine checks when it is built, here before a warm start or any model load (it reads config.json
+    only, or the ``model.init_tiny`` arguments of a model not made yet)."""
+    if not is_partitioned(config) or config.rollout.backend != "areno":
+        return
+    cluster = PartitionedCluster(config, Path(config.run_dir))  # plans and checks the layout; starts nothing
+    path = Path(config.model.path)
+    if (path / "config.json").is_file() and init_tiny_stale(config) is None:
+        model_config = read_config(path)
+    else:  # made from init_tiny at start-up
+        model_config = tiny_config(len(build_char_tokenizer()), **config.model.init_tiny)
+    cluster.check_tp(cluster.layout, model_config)
 
 
 def check_minibatches(config: ArenoConfig, recipe: TrainingConfig) -> None:

@@ -63,10 +63,15 @@ class RunDirLock:
             self._held[key] += 1
             return self
         self._created = [d for d in (self.path.parent, *self.path.parent.parents) if not d.exists()]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid())}
         tmp = self.path.with_name(f"{LOCK_FILENAME}.{me['pid']}.tmp")
-        tmp.write_text(json.dumps(me))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(me))
+        except OSError as exc:  # a file in the way, no permission, a read-only or virtual file system
+            raise ConfigError(
+                f"run_dir {self.path.parent}: cannot write there ({exc.strerror or exc}): pick a writable directory"
+            ) from None
         try:
             while True:
                 try:

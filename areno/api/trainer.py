@@ -22,17 +22,22 @@ import gc
 import json
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_dict, to_yaml
-from areno.api.preflight import check_run
+from areno.api.preflight import check_resumed_config, check_run
 from areno.api.rundir import RunDirLock, clear_run
 from areno.engine.host import thaw_heap
 from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, test_metrics
+from areno.errors import RunStopped
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.profile import profiled_step
@@ -93,6 +98,7 @@ class Trainer:
         lock = RunDirLock(config.run_dir).acquire()
         try:
             check_run(config)
+            check_resumed_config(config)
             trainer = cls(config)
             trainer.lock = lock
             trainer._initialize(backend_cls)
@@ -104,11 +110,11 @@ class Trainer:
     def _initialize(self, backend_cls: type[Backend]) -> None:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(config))
+        resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
+        self._write_config(resume_from)
         observe = config.observe
         configure_tracing(self.run_dir, observe.trace)
         configure_sessions(self.run_dir, observe.sessions)
-        resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
         # An earlier run of this process (a notebook's, one that raised before its shutdown) may have
         # frozen the heap (cluster.gc_freeze): its cycles become collectable again.
         thaw_heap()
@@ -139,7 +145,12 @@ class Trainer:
         return self.backend.train(rollout_id, rollout)
 
     def run(self) -> dict[str, float]:
-        """The outer loop; returns the last evaluation metrics."""
+        """The outer loop; returns the last evaluation metrics. A SIGINT or SIGTERM ends it after the
+        step in progress, with that step's checkpoint saved (``RunStopped``); a second one stops at once."""
+        with StopSignals() as stop:
+            return self._run(stop)
+
+    def _run(self, stop: StopSignals) -> dict[str, float]:
         cfg = self.config.train
         last_eval: dict[str, float] = {}
         for rollout_id in range(self.start_rollout_id, cfg.steps):
@@ -172,10 +183,17 @@ class Trainer:
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 last_eval = self._evaluate(step)
-            if step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0) or self._test_due(step):
+            saving = step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0) or self._test_due(step)
+            if saving or stop.signum is not None:
                 with span("checkpoint", "trainer", step=step):
                     self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
             self._log_test_results()
+            if stop.signum is not None and step < cfg.steps:
+                raise RunStopped(
+                    f"stopped by {signal.Signals(stop.signum).name} after step {step} of {cfg.steps}, its checkpoint "
+                    f"in {self._checkpoint_dir(step)}: go on with the same command and resume=auto",
+                    stop.signum,
+                )
         self._finish_test_rollout()
         return last_eval
 
@@ -256,10 +274,52 @@ class Trainer:
         truncate_metrics(self.run_dir / METRICS_FILENAME, after_step=checkpoint_step(latest) if latest else -1)
         return latest
 
+    def _write_config(self, resume_from: Path | None) -> None:
+        """The resolved config as run_dir/config.yaml; a resumed run whose config changed keeps the
+        previous one beside it as ``config.until_step_N.yaml``."""
+        path, text = self.run_dir / "config.yaml", to_yaml(self.config)
+        if resume_from is not None and path.is_file() and path.read_text() != text:
+            path.replace(path.with_name(f"config.until_{resume_from.name}.yaml"))
+        path.write_text(text)
+
     def _resume(self, path: Path) -> None:
         state = self.backend.load(path)
         self.start_rollout_id = int(state["rollout_id"]) + 1
         print(json.dumps({"resumed_from": str(path), "next_rollout_id": self.start_rollout_id}), flush=True)
+
+
+class StopSignals:
+    """While entered (in the main thread), the first SIGINT or SIGTERM is noted in ``signum`` and the
+    previous handlers come back, so a second one acts at once (KeyboardInterrupt, or termination)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # only its handlers can be set
+            self._previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self._restore()
+        print(
+            f"areno: {signal.Signals(signum).name}: stopping after this step, once its checkpoint is saved "
+            "(send it again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
 
 
 def wandb_config(config: ArenoConfig) -> WandbConfig | None:

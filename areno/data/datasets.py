@@ -82,10 +82,12 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
             return f"{prompt_key!r} is a message list but {problem} (each message needs string 'role' and 'content')"
     elif not isinstance(prompt, str):
         return f"no string field {prompt_key!r} ({prompt_key!r} is {_json_type(prompt)}, not a string; {fix})"
+    elif not prompt:
+        return f"{prompt_key!r} is an empty string: give the row a prompt or remove it"
     if answer_key is not None and answer_key not in row:
         return (
-            f"no field {answer_key!r}, which supervised training needs (fields are {fields}; "
-            "set data.answer_key to the field that holds the reference answer)"
+            f"no field {answer_key!r}: the reference answer, which supervised training and answer-scoring "
+            f"rewards need (fields are {fields}; set data.answer_key to the field that holds it)"
         )
     return None
 
@@ -114,7 +116,8 @@ def _json_type(value: object) -> str:
 
 def build_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) for a ``DataSection``; rows use the configured keys.
-    ``need_answers``: every training row must hold ``data.answer_key`` (supervised recipes)."""
+    ``need_answers``: every row must hold ``data.answer_key`` (supervised recipes train on it, and some
+    rewards score against it)."""
     if data_cfg.task is not None:
         spec = TaskSpec(name=data_cfg.task, kwargs=dict(data_cfg.task_kwargs))
         train = generate_rows(spec, split="train", num=20_000, seed=data_cfg.seed)
@@ -133,15 +136,35 @@ def build_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], l
         raise DataError(f"dataset file {data_cfg.train_path} holds no rows: data.train_path needs training prompts")
     held_out = []
     if data_cfg.eval_path is not None:
-        held_out = load_rows(data_cfg.eval_path, prompt_key=data_cfg.prompt_key)
+        held_out = load_rows(data_cfg.eval_path, prompt_key=data_cfg.prompt_key, answer_key=answer_key)
+        if not held_out:
+            raise DataError(
+                f"dataset file {data_cfg.eval_path} holds no rows: data.eval_path needs held-out prompts, or unset it"
+            )
         held_out = held_out[: data_cfg.num_eval]
     return train, held_out
 
 
-def check_splits(data_cfg, *, need_answers: bool = False) -> None:
+def check_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], list[dict]] | None:
     """Raise what :func:`build_splits` would raise (a :class:`DataError` or :class:`ConfigError`),
-    without generating a shipped task's rows: the check before anything expensive starts."""
+    without generating a shipped task's rows: the check before anything expensive starts. Returns a
+    file's splits (None for a shipped task, whose rows are well formed by construction)."""
     if data_cfg.task is not None:
         TaskSpec(name=data_cfg.task, kwargs=dict(data_cfg.task_kwargs))  # validates the generator's arguments
-    else:
-        build_splits(data_cfg, need_answers=need_answers)
+        return None
+    return build_splits(data_cfg, need_answers=need_answers)
+
+
+def check_prompt_forms(data_cfg, splits: tuple[list[dict], list[dict]] | None, *, templated: bool) -> None:
+    """Message-list prompts need a chat template: a DataError naming the first such row of a file's
+    splits when prompts are not templated (``prompts.uses_template``)."""
+    if splits is None or templated:
+        return
+    for path, rows in ((data_cfg.train_path, splits[0]), (data_cfg.eval_path, splits[1])):
+        for i, row in enumerate(rows):
+            if isinstance(row[data_cfg.prompt_key], list):
+                raise DataError(
+                    f"{path} row {i}: {data_cfg.prompt_key!r} is a message list, which needs a chat template, but "
+                    f"prompts are not templated (data.chat_template={data_cfg.chat_template}, or a tokenizer without "
+                    "one): use data.chat_template=always with a templated tokenizer, or string prompts"
+                )

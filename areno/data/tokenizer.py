@@ -16,6 +16,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from areno.errors import ModelDirError
+
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)
@@ -73,6 +75,10 @@ def is_char_tokenizer(model_dir: str | Path) -> bool:
         return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A model directory holding none of these has no tokenizer."""
+
+
 def load_pretrained_tokenizer(model_dir: str | Path) -> Any:
     """The tokenizer of a local checkpoint: ``AutoTokenizer.from_pretrained``, except a character
     tokenizer of ``build_char_tokenizer``, which loads as the class it was saved as. transformers 5
@@ -82,6 +88,11 @@ def load_pretrained_tokenizer(model_dir: str | Path) -> Any:
     transformers' registry of model classes, which ``AutoTokenizer`` needs (about a second)."""
     if is_char_tokenizer(model_dir):
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    if Path(model_dir).is_dir() and not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer of the model type's class (a vocabulary of one)
+        raise ModelDirError(
+            f"{model_dir} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): copy the model's tokenizer files there"
+        )
     from transformers import AutoTokenizer  # the model registry: imported only for real checkpoints
 
     return AutoTokenizer.from_pretrained(model_dir)

@@ -41,7 +41,7 @@ from areno.engine.rollout_side import RolloutSide
 from areno.engine.scoring import ascore_rows, eval_metrics, eval_params, held_burst
 from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
-from areno.errors import ConfigError, ModelDirError
+from areno.errors import ConfigError, ModelDirError, RunFailure
 from areno.faults import fault_point
 from areno.models.hf_io import init_model_dir, read_config, tiny_config
 from areno.models.vision import VisionConfig
@@ -303,6 +303,11 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tokenizer
 
 
+REWARD_FAILED_BATCHES = 3
+"""Rollout batches in a row whose every reward call failed that stop a run (one may be a passing
+outage of what the reward calls: a judge's server, a sandbox restarting)."""
+
+
 class ArenoEngine:
     """The run's data, its rollout pool, and the two sides (see the module doc)."""
 
@@ -318,6 +323,8 @@ class ArenoEngine:
     peak memory (``engine/residency.py``). None: the sides have devices of their own."""
     _pending_sync_metrics: dict[str, float]
     _rollout_behind: bool
+    _reward_failed_batches: int
+    """Rollout batches in a row whose every reward call failed (``REWARD_FAILED_BATCHES`` stop the run)."""
     # set in initialize()
     tokenizer: Any
     recipe: TrainingConfig
@@ -364,6 +371,7 @@ class ArenoEngine:
         self.weight_kind = choose_weight_kind(training.weight_kinds, rollout.weight_kinds)
         self._pending_sync_metrics = {}
         self._rollout_behind = False  # an offline recipe trained since the rollout side's last sync
+        self._reward_failed_batches = 0
         self._heap = HeapFreezer(config.cluster.gc_freeze)  # frozen after the first step's sync
 
     # ----------------------------------------------------------------------------- set-up
@@ -497,12 +505,29 @@ class ArenoEngine:
                 "rollout/num_seqs": float(len(trajectories)),
                 "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
             }
+        if self.recipe.online:
+            self._check_rewards(rollout_id, trajectories)
         if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
         metrics.update(self.rollout.metrics())  # the rollout side's own: replica health, engine counters
         if batch.images_B and self.store is not None:  # the pixels stayed in the store until now
             batch.images_B = fetch_refs(batch.images_B, self.store)
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
+
+    def _check_rewards(self, rollout_id: int, trajectories: list[Trajectory]) -> None:
+        """A reward that fails on every call (each scored 0 and warned about) would have the run train
+        on nothing: ``REWARD_FAILED_BATCHES`` such batches in a row stop it with the last error."""
+        errors = [t.info["reward_error"] for t in trajectories if "reward_error" in t.info]
+        if not trajectories or len(errors) < len(trajectories):
+            self._reward_failed_batches = 0
+            return
+        self._reward_failed_batches += 1
+        if self._reward_failed_batches >= REWARD_FAILED_BATCHES:
+            raise RunFailure(
+                f"every reward call of the last {REWARD_FAILED_BATCHES} rollout batches failed (step {rollout_id + 1}; "
+                f"last: {errors[-1]}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
+                "zero rewards"
+            )
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
         self._check_routes(rollout)

@@ -113,17 +113,24 @@ def resolve_checkpoint(spec: str | None, config: ArenoConfig) -> tuple[Path, str
     if (path / "hf" / "config.json").is_file():
         if not is_complete(path):
             raise ModelDirError(f"--checkpoint: {path} is incomplete (no COMPLETE marker): pick a complete checkpoint")
-        return path / "hf", path.name
+        return path / "hf", _checkpoint_name(path, config)
     if (path / "config.json").is_file():
         return path, path.name
     for checkpoints in (path / "checkpoints", path):
         done = complete_checkpoints(checkpoints)
         if done:
-            return done[-1][1] / "hf", done[-1][1].name
+            return done[-1][1] / "hf", _checkpoint_name(done[-1][1], config)
     raise ModelDirError(
         f"--checkpoint: {path} holds no model (config.json), no checkpoint export (hf/config.json) and no "
         "complete checkpoints/step_N: name a Hugging Face checkpoint, a checkpoint or a run directory"
     )
+
+
+def _checkpoint_name(path: Path, config: ArenoConfig) -> str:
+    """A checkpoint's name in its rows file: ``step_N``, after its run's directory name when that run
+    is not the config's (two runs' step_N would write one file)."""
+    run = path.parent.parent  # run_dir/checkpoints/step_N
+    return path.name if run.resolve() == Path(config.run_dir).resolve() else f"{run.name}-{path.name}"
 
 
 def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[str, Any]]:
@@ -138,13 +145,17 @@ def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[st
     return rows[:num_prompts] if num_prompts else rows  # build_splits refuses an empty training set
 
 
-def default_rows_file(config: ArenoConfig, name: str, split: str, params: SamplingParams, samples: int) -> Path:
-    """``run_dir/eval/<name>.jsonl``, the split, sample count and temperature in the name when they are
-    not the greedy held-out default, so evaluations of one checkpoint under other settings do not
-    overwrite each other."""
-    parts = [name] + ([split] if split != "eval" else [])
+def default_rows_file(
+    config: ArenoConfig, name: str, params: SamplingParams, samples: int, options: EvalOptions
+) -> Path:
+    """``run_dir/eval/<name>.jsonl``, the split, row count, sample count, temperature and seed in the
+    name when they are not the greedy held-out default, so evaluations of one checkpoint under other
+    settings do not overwrite each other."""
+    parts = [name] + ([options.split] if options.split != "eval" else [])
+    parts += [f"p{options.num_prompts}"] if options.num_prompts else []
     if params.temperature > 0:
         parts += [f"n{samples}", f"t{params.temperature:g}"]
+        parts += [f"s{options.seed}"] if options.seed is not None else []
     return Path(config.run_dir) / "eval" / ("-".join(parts) + ".jsonl")
 
 
@@ -195,7 +206,7 @@ def run_eval(
     if options.out:  # before the default model directory may be made from model.init_tiny
         _check_writable(Path(options.out))
     model_dir, name = resolve_checkpoint(options.checkpoint, config)
-    out = Path(options.out) if options.out else default_rows_file(config, name, options.split, params, samples)
+    out = Path(options.out) if options.out else default_rows_file(config, name, params, samples, options)
     if not options.out:
         _check_writable(out)
     side = _rollout_side(config, model_dir, out.parent, options.checkpoint)

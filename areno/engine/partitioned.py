@@ -53,10 +53,12 @@ from areno.engine.host import apply_host_settings
 from areno.errors import ConfigError, RunFailure
 from areno.launch.scheduler import RoleSpec, WorkerDiedError
 from areno.launch.storage import check_shared_storage
+from areno.models.config import ModelConfig
 from areno.models.hf_io import read_config
 from areno.models.tp_plan import check_tp_size
 from areno.recipes import get_recipe
 from areno.sync.stream import StreamSyncConfig
+from areno.train import checkpoint
 from areno.train.context_parallel import check_context_parallel
 
 logger = logging.getLogger(__name__)
@@ -219,10 +221,9 @@ class PartitionedCluster:
         layout.relays()  # routing error (no relay on another device) before launch
         return layout
 
-    def check_tp(self, layout: ClusterLayout, model_dir: Path) -> None:
+    def check_tp(self, layout: ClusterLayout, model_config: ModelConfig) -> None:
         """LayoutError (one line) when the training or rollout TP size cannot split the model's
         heads, MLP or vocabulary (``areno.models.tp_plan.check_tp_size``)."""
-        model_config = read_config(model_dir)
         if model_config.vision is not None and layout.rollout_tp > 1:  # its rollout engine loads whole
             raise LayoutError(
                 f"cluster.rollout_tp={layout.rollout_tp} (or allocation_mode t{layout.rollout_tp}): a vision-language "
@@ -267,7 +268,7 @@ class PartitionedCluster:
         if self._launched:
             return
         cfg, layout = self.config, self.layout
-        self.check_tp(layout, model_dir)
+        self.check_tp(layout, read_config(model_dir))
         self.check_memory(layout, model_dir)
         logger.info("partitioned topology: %s", layout.describe())
         if self.scheduler is None:
@@ -323,9 +324,13 @@ class PartitionedCluster:
             try:
                 future.result(timeout=timeout_s)
             except WorkerDiedError:
+                saved = checkpoint.latest_complete(self.run_dir / "checkpoints") is not None
+                again = (
+                    "go on from its last checkpoint with resume=auto" if saved else "start it again (no checkpoint yet)"
+                )
                 dead[i] = (
                     f"{handle.name} (pid {handle.pid}) died; the distributed world cannot be re-formed in "
-                    f"place: restart the run from its last checkpoint (log: {handle.log_path})"
+                    f"place: {again} (log: {handle.log_path})"
                 )
             except concurrent.futures.TimeoutError:
                 pass

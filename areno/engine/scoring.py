@@ -20,7 +20,7 @@ from areno.data.prompts import render_prompt
 from areno.engine.config import ArenoConfig
 from areno.engine.ledger import SeedingClient
 from areno.engine.rollout_side import RolloutSide
-from areno.errors import ConfigError
+from areno.errors import ConfigError, DataError, UserError
 from areno.types import MAX_SEED, SamplingParams, Trajectory
 from areno.workflows.common import acall_reward, sample_fields
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images
@@ -39,12 +39,17 @@ async def ascore_row(
     prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
     templating = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
     images = row_images(row, vision)
-    if images:
-        prompt_ids, inputs = image_prompt(tokenizer, row[prompt_key], images, vision, **templating)
-        out = await client.agenerate(prompt_ids, params, images=inputs)
-    else:
-        prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
-        out = await client.agenerate(prompt_ids, params)
+    try:
+        if images:
+            prompt_ids, inputs = image_prompt(tokenizer, row[prompt_key], images, vision, **templating)
+            out = await client.agenerate(prompt_ids, params, images=inputs)
+        else:
+            prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
+            out = await client.agenerate(prompt_ids, params)
+    except ValueError as exc:  # the engine refused the request: a prompt too long for the context, ...
+        if isinstance(exc, UserError):
+            raise
+        raise DataError(f"the held-out row with prompt {str(row[prompt_key])!r:.60}: {exc}") from None
     completion = tokenizer.decode(out.output_ids, skip_special_tokens=True)
     fields = sample_fields(row, prompt_key, answer_key, IMAGES_KEY)
     reward, error = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key), fields)

@@ -464,10 +464,28 @@ def write_report(
     runs = [load_run(p, name) for p, name in zip(paths, _unique_names(paths))]
     if out is None:
         out = paths[0] / "report.html" if len(paths) == 1 else Path("report.html")
+    # the directories made before the plots are drawn: a path that cannot be written fails first
+    _make_dir(out.parent, f"cannot write the report to {out}", "pass --out a file in a writable directory")
+    if png_dir is not None:
+        _make_dir(png_dir, f"cannot write the plots to {png_dir}", "pass --png-dir a writable directory")
     text = build_report(runs, smooth=smooth, png_dir=png_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:  # e.g. a directory of /proc, a read-only mount, a name that is a directory
+        raise UserError(
+            f"cannot write the report to {out} ({exc.strerror or exc}): pass --out a file in a writable directory"
+        ) from None
     return out
+
+
+def _make_dir(path: Path, what: str, fix: str) -> None:
+    """``path`` and its parents, or a one-line :class:`UserError` ``"<what> (<reason>): <fix>"``."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:  # mkdir's word for a file where the directory should be
+        raise UserError(f"{what} ({exc.filename} is a file, not a directory): {fix}") from None
+    except OSError as exc:
+        raise UserError(f"{what} ({exc.strerror or exc}): {fix}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -379,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     records = load_sessions(ns.run_dir)
     if not records:
         raise DataError(
-            f"no sessions in {ns.run_dir / SESSIONS_FILENAME}: enable session recording "
-            "(configure_sessions(run_dir, True))"
+            f"no sessions in {ns.run_dir / SESSIONS_FILENAME}: pass the run's directory, "
+            "or train with observe.sessions=true (in the config or as an override) to record them"
         )
     if ns.id:
         matches = [r for r in records if r["session_id"].startswith(ns.id)]

@@ -411,8 +411,8 @@ def merge_traces(run_dir: Path, out: Path | None = None) -> Path:
     files = sorted((run_dir / TRACES_DIRNAME).glob("*.jsonl"))
     if not files:
         raise DataError(
-            f"no trace files under {run_dir / TRACES_DIRNAME}: run with tracing enabled "
-            "(configure_tracing(run_dir, True) or observe.trace=true)"
+            f"no trace files under {run_dir / TRACES_DIRNAME}: pass the run's directory, "
+            "or train with observe.trace=true (in the config or as an override) to record them"
         )
     merged: list[dict[str, Any]] = []
     used_pids: set[int] = set()

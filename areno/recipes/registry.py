@@ -41,10 +41,11 @@ def _unknown(name: str) -> ConfigError:
     )
 
 
-def import_recipes(module: str) -> None:
+def import_recipes(module: str, *, what: str = "train.algorithm") -> None:
     """Import a user's module of ``@recipe`` factories (a dotted name found on sys.path or in the
-    working directory, or a ``.py`` file); a bad one is a one-line :class:`ConfigError`."""
-    import_module(module, what="train.algorithm", error=ConfigError)
+    working directory, or a ``.py`` file); a bad one is a one-line :class:`ConfigError` naming
+    ``what`` (where the module was named)."""
+    import_module(module, what=what, error=ConfigError)
 
 
 def resolve_name(name: str) -> str:
@@ -109,27 +110,20 @@ def main(argv: list[str] | None = None) -> int:
         "--modules", nargs="+", default=[], metavar="MODULE", help="import these @recipe modules (or .py files) first"
     )
     args = parser.parse_args(argv)
-    try:
-        for module in args.modules:
-            import_recipes(module)
-        if args.name is not None:
-            args.name = resolve_name(args.name)
-    except ValueError as err:
-        print(f"error: {err}")
-        return 2
+    # a bad module or name is a ConfigError, which the CLI prints as one line (exit 2)
+    for module in args.modules:
+        import_recipes(module, what="--modules")
+    if args.name is not None:
+        args.name = resolve_name(args.name)
     if args.name is None:
         rows = list_recipes()
         width = max(len(n) for n, _ in rows)
         for name, desc in rows:
             print(f"{name:<{width}}  {desc}")
         return 0
-    try:
-        factory = TRAINING_CONFIGS[args.name] if args.name in TRAINING_CONFIGS else None
-        if factory is None:
-            raise _unknown(args.name)
-    except ValueError as err:
-        print(f"error: {err}")
-        return 2
+    if args.name not in TRAINING_CONFIGS:
+        raise _unknown(args.name)
+    factory = TRAINING_CONFIGS[args.name]
     print(inspect.getdoc(factory) or "")
     params = inspect.signature(factory).parameters
     options = {k: "<path>" for k, p in params.items() if p.default is None}

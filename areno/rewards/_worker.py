@@ -23,6 +23,7 @@ from typing import Any
 from areno.rewards import _exec
 from areno.rewards._protocol import MAX_MESSAGE_CHARS, encode_reply
 from areno.rewards.loader import import_object
+from areno.rewards.sandbox import as_reward
 
 
 def _send(replies: Connection, reply: list) -> None:
@@ -51,7 +52,7 @@ def _serve(requests: Connection, replies: Connection, pid_isolation: str) -> Non
             if inspect.isawaitable(value):
                 value = asyncio.run(_await(value))
             # NaN and inf travel as JSON's NaN/Infinity extension: the parent counts them as non-finite
-            reply = ["ok", float(value)]
+            reply = ["ok", as_reward(value)]
         except MemoryError as exc:
             reply = ["error", "memory", f"MemoryError: {exc}"[:MAX_MESSAGE_CHARS]]
         except BaseException as exc:  # noqa: BLE001 - user code: reported to the parent, which counts it and scores 0

@@ -144,7 +144,10 @@ def code_execution(prompt: str, completion: str, answer: Any = None, **row: Any)
     """Fraction of the row's tests the completion's program passes (see the module docstring)."""
     tests = row.get("tests", answer)
     if tests is None:
-        raise ValueError("code_execution: the row has neither a 'tests' field nor an answer holding the tests")
+        raise ValueError(
+            "code_execution: the row has neither a 'tests' field nor an answer holding the tests: add a 'tests' "
+            "field, or set data.answer_key to the field that holds them"
+        )
     cases = parse_tests(tests)
     program = extract_program(completion)
     time_limit_s = float(row.get("time_limit_s", DEFAULT_TIME_LIMIT_S))

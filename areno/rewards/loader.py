@@ -7,9 +7,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,11 +46,36 @@ def import_module(module: str, *, what: str, error: type[UserError] = RewardImpo
         sys.path.append(cwd)
     try:
         return importlib.import_module(module)
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not _names_module(module, exc.name):  # the module exists; what it imports does not
+            raise _import_failure(exc, module, what=what, error=error) from exc
         raise error(
             f"{what}: cannot import module {module!r} ({exc}): check the spelling, and that it is in the "
             f"working directory ({cwd}) or on PYTHONPATH, or name the file (./{module.replace('.', '/')}.py:NAME)"
         ) from None
+    except (Exception, SystemExit) as exc:  # the user's module ran and raised: re-raised as one line, cause kept
+        raise _import_failure(exc, module, what=what, error=error) from exc
+
+
+def _names_module(module: str, missing: str) -> bool:
+    """Whether ``missing`` (a ModuleNotFoundError's name) is ``module`` or one of its parent packages."""
+    return module == missing or module.startswith(missing + ".")
+
+
+def _import_failure(exc: BaseException, module: str, *, what: str, error: type[UserError]) -> UserError:
+    """The one-line ``error`` for ``exc``, raised while importing the user's ``module``: where it
+    happened (a SyntaxError's file and line, else the innermost frame of the traceback), the
+    exception's type and the first line of its message."""
+    if isinstance(exc, SyntaxError):  # its traceback is the compiler's caller; the exception has the line
+        file, line, message = exc.filename, exc.lineno, exc.msg
+    else:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+        file, line = (frames[-1].filename, frames[-1].lineno) if frames else (None, None)
+        message = str(exc)
+    first = next(iter(str(message or "").strip().splitlines()), "")
+    where = "" if not file else f" at line {line}" if file == module else f" at {file} line {line}"
+    fix = "install what it imports, or fix the import" if isinstance(exc, ImportError) else "fix the module"
+    return error(f"{what}: importing {module} failed{where}: {type(exc).__name__}{': ' if first else ''}{first}: {fix}")
 
 
 def _import_file(file: Path, *, what: str, error: type[UserError]) -> ModuleType:
@@ -63,9 +90,9 @@ def _import_file(file: Path, *, what: str, error: type[UserError]) -> ModuleType
     sys.modules[name] = module  # before running it, as import does (dataclasses and pickle look it up)
     try:
         spec.loader.exec_module(module)
-    except ImportError as exc:
+    except (Exception, SystemExit) as exc:  # the user's module raised: re-raised as one line, cause kept
         del sys.modules[name]
-        raise error(f"{what}: importing {file} failed ({exc}): install what it imports") from None
+        raise _import_failure(exc, str(file), what=what, error=error) from exc
     except BaseException:
         del sys.modules[name]
         raise
@@ -73,18 +100,20 @@ def _import_file(file: Path, *, what: str, error: type[UserError]) -> ModuleType
 
 
 def import_object(path: str, *, what: str, error: type[UserError] = RewardImportError) -> Any:
-    """Import ``path``; a bad path is a one-line ``error`` (a :class:`RewardImportError` unless
-    told) naming ``what`` (the config key)."""
+    """Import ``path`` (``module:name``, ``module:Class.attr``, ``package.module.name`` or
+    ``./file.py:name``); a bad path, or a module that fails to import, is a one-line ``error`` (a
+    :class:`RewardImportError` unless told) naming ``what`` (the config key)."""
     module_name, sep, attr = path.partition(":")
     if not sep and not is_file_path(path):
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise error(f"{what}: {path!r} is not a path like 'package.module:name' or './file.py:name'")
-    module = import_module(module_name, what=what, error=error)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise error(f"{what}: module {module_name!r} has no attribute {attr!r}") from None
+    obj: Any = import_module(module_name, what=what, error=error)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise error(f"{what}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 def wants_sandbox(fn: Any, sandbox: bool | None) -> bool:
@@ -102,6 +131,29 @@ def reward_function(path: str) -> Callable[..., Any]:
     if not callable(fn):
         raise RewardImportError(f"reward.fn: {path!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def check_reward_signature(fn: Callable[..., Any], path: str, row_keys: Iterable[str]) -> None:
+    """A one-line :class:`RewardImportError` when ``fn`` cannot take the call the workflows make:
+    ``fn(prompt, completion, answer, **row)``, the first three positional, ``row`` holding
+    ``row_keys`` (a data row's fields other than its prompt, answer and images: what
+    ``areno.workflows.common.sample_fields`` passes). Otherwise every call would fail, each scored 0
+    as a reward error, and the run would train on zeros. A callable without a signature (some
+    builtins) is not checked."""
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # no signature to check against: the calls will tell
+        return
+    keys = sorted(row_keys)
+    try:
+        signature.bind("prompt", "completion", "answer", **dict.fromkeys(keys))
+    except TypeError as exc:
+        row = f", the row's fields {keys} as keywords" if keys else ""
+        takes = str(signature).replace("\n", " ")  # a default's repr may span lines; the error may not
+        raise RewardImportError(
+            f"reward.fn: {path} takes {takes} but is called as fn(prompt, completion, answer, **row){row} ({exc}): "
+            "make it take (prompt, completion, answer, **row), or add **kwargs"
+        ) from None
 
 
 def load_reward(section: Any) -> Any:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import math
+import numbers
 import os
 import queue
 import shutil
@@ -65,6 +66,17 @@ def is_finite_reward(value: float) -> bool:
     """Whether a reward can be averaged with the others: finite, and finite once stored as float32
     (the rollout metrics and advantages are float32 tensors; 1e308 becomes inf there)."""
     return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
+def as_reward(value: Any) -> float:
+    """``value``, a reward function's return, as a float; a TypeError naming its type and value when
+    it is not a number (a str, a bool, None, a tensor), which ``float()`` would otherwise turn into a
+    reward silently ("0.5" into 0.5, True into 1.0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's numbers are Real
+        raise TypeError(
+            f"the reward function returned {type(value).__name__} {value!r:.80}, not a number: return a float"
+        )
+    return float(value)
 
 
 class RewardFailure(RuntimeError):

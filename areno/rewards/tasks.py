@@ -11,7 +11,10 @@ from areno.data.tasks import extract_answer
 
 def exact_match(prompt: str, completion: str, answer, **row) -> float:
     """1.0 when the completion's first line equals the reference answer, else 0.0."""
+    if answer is None:  # str(None) would make the completion "None" correct
+        raise ValueError("exact_match: the row has no answer: set data.answer_key to the reference answer field")
     return float(extract_answer(completion) == str(answer).strip())
 
 
 exact_match.areno_sandbox = False  # pure string comparison: bounded, safe in-process (reward.sandbox auto)
+exact_match.areno_needs_answer = True  # rows without one are refused before the run (preflight)

@@ -647,7 +647,8 @@ class HTTPRolloutClient(RolloutClient):
 
 
 class MultiServerRolloutClient(RolloutClient):
-    """Round-robin over several ``areno serve`` servers.
+    """Several rollout servers: round-robin over them (``areno serve``), or to the one with the fewest
+    requests in flight (``least_loaded``, as vLLM/SGLang servers are used).
 
     With a ``HealthMonitor`` only servers it holds healthy get requests; one marked unhealthy is
     skipped until its ``/health`` answers again. A server that cannot be reached is reported to the

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import hmac
 import ipaddress
 import json
@@ -58,7 +59,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from areno.data.prompts import apply_template
 from areno.data.tokenizer import load_pretrained_tokenizer
-from areno.models.hf_io import load_model
+from areno.errors import ConfigError, ModelDirError, check_config
+from areno.models.hf_io import load_model, read_config
 from areno.models.vision import ImageInputs
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout, TokenStream
 from areno.rollout.config import RolloutEngineSettings
@@ -232,9 +234,9 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "max_prompts", "max_group"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued is not None and self.max_queued < 0:
-            raise ValueError(f"max_queued must be >= 0 or None, got {self.max_queued}")
+            raise ConfigError(f"max_queued must be >= 0 or None, got {self.max_queued}")
 
 
 class _BadRequest(Exception):
@@ -1070,9 +1072,9 @@ class ServerThread:
 
 
 def check_bind(host: str, api_key: str | None) -> None:
-    """A one-line ValueError when ``host`` listens beyond loopback without an API key."""
+    """A one-line ConfigError when ``host`` listens beyond loopback without an API key."""
     if not api_key and not is_loopback(host):
-        raise ValueError(
+        raise ConfigError(
             f"--host {host} listens beyond loopback, so the admin endpoints ({', '.join(ADMIN_ENDPOINTS)}) "
             f"need a key: pass --api-key KEY or set ARENO_API_KEY (or bind 127.0.0.1)"
         )
@@ -1084,7 +1086,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model_dir", help="directory with config.json, *.safetensors and a tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535 (0: any free one, logged at start)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("ARENO_API_KEY"),
@@ -1093,7 +1095,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default=None, help="model id reported by /v1/models (default: the directory name)"
     )
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto (the default): cuda when available, else cpu; pick a GPU with CUDA_VISIBLE_DEVICES",
+    )
     p.add_argument(
         "--dtype",
         default=None,
@@ -1112,7 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="any other rollout engine setting, as a run's rollout.KEY (e.g. cuda_graphs=false, decode_steps=4); "
         "repeatable",
     )
-    p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request omits it")
+    p.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens when a request omits it (>= 1)")
     p.add_argument(
         "--stall-timeout-s",
         type=float,
@@ -1144,7 +1151,7 @@ ENGINE_FLAGS = {"max_num_seqs", "max_model_len", "block_size", "kv_memory_fracti
 
 def engine_settings(pairs: list[str]) -> dict[str, Any]:
     """``--engine-set KEY=VALUE`` pairs as engine settings, typed as a run's ``rollout.KEY`` is (OmegaConf
-    against ``RolloutEngineSettings``: ``false``, ``4``, ``null``); a one-line ValueError for a malformed
+    against ``RolloutEngineSettings``: ``false``, ``4``, ``null``); a one-line ConfigError for a malformed
     pair, an unknown key, one with its own flag or a value of the wrong type."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -1154,28 +1161,41 @@ def engine_settings(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, _ = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--engine-set {pair!r}: give KEY=VALUE, e.g. cuda_graphs=false")
+            raise ConfigError(f"--engine-set {pair!r}: give KEY=VALUE, e.g. cuda_graphs=false")
         if key in ENGINE_FLAGS:
-            raise ValueError(f"--engine-set {key}: it has a flag of its own: --{key.replace('_', '-')}")
+            raise ConfigError(f"--engine-set {key}: it has a flag of its own: --{key.replace('_', '-')}")
         if key not in allowed:
-            raise ValueError(f"--engine-set {key}: not a rollout engine setting; they are {allowed}")
+            raise ConfigError(f"--engine-set {key}: not a rollout engine setting; they are {allowed}")
         keys.append(key)
     try:
         typed = OmegaConf.merge(OmegaConf.structured(RolloutEngineSettings), OmegaConf.from_dotlist(pairs))
     except OmegaConfBaseException as exc:
-        raise ValueError(f"--engine-set {getattr(exc, 'full_key', '')}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"--engine-set {getattr(exc, 'full_key', '')}: {str(exc).splitlines()[0]}") from None
     return {key: typed[key] for key in keys}
 
 
 def build_engine(
     model_dir: str, *, device: str | None = None, dtype: str | None = None, **engine_kw: Any
 ) -> tuple[RolloutEngine, Any]:
-    """Load ``model_dir`` (weights + tokenizer) into a ``RolloutEngine``."""
+    """Load ``model_dir`` (weights + tokenizer) into a ``RolloutEngine``.
+
+    Raises:
+        ConfigError: a bad engine setting. ModelDirError: a directory whose config, weights or
+            tokenizer does not load. Both before the weights are read where the check allows.
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     config = RolloutEngineConfig(**engine_kw)  # a bad setting fails before the weights load
+    read_config(model_dir)  # a missing directory or config.json named as such, not as a tokenizer failure
+    try:  # the tokenizer before the weights: a broken tokenizer file fails in a second, not after the load
+        tokenizer = load_pretrained_tokenizer(model_dir)
+    except (OSError, ValueError, TypeError) as exc:  # a corrupt or incomplete tokenizer file, as preflight's
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ModelDirError(
+            f"the tokenizer in {model_dir} does not load ({type(exc).__name__}: {first}): "
+            "copy the model's tokenizer files there again"
+        ) from None
     model, model_config = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
-    tokenizer = load_pretrained_tokenizer(model_dir)
     engine = RolloutEngine(
         model,
         model_config,
@@ -1198,54 +1218,98 @@ def _eos_ids(model_dir: str, model_config: Any, tokenizer: Any) -> tuple[int, ..
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
-            add(json.load(f).get("eos_token_id"))
+            try:
+                add(json.load(f).get("eos_token_id"))
+            except json.JSONDecodeError as exc:
+                raise ModelDirError(f"{gen_path} is not valid JSON ({exc}): fix or delete it") from None
     add(getattr(tokenizer, "eos_token_id", None))
     return tuple(ids)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (as uvicorn binds it), for ``uvicorn.Server.run(sockets=...)``.
+
+    Bound before the model loads, and held until the server listens on it, so a taken port fails in
+    a second and no other process can take it meanwhile. Raises a one-line :class:`ConfigError`
+    naming the address and the fix.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: rebinding past TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:  # socket.gaierror (an unknown host name) included
+        sock.close()
+        fixes = {
+            errno.EADDRINUSE: "another process listens there: pick another --port (0: any free one) or stop it",
+            errno.EACCES: "ports below 1024 need privileges: pick --port 1024 or above",
+            errno.EADDRNOTAVAIL: "it is not an address of this machine: pass one of its addresses as --host",
+        }
+        fix = fixes.get(exc.errno, "pass an address of this machine as --host and a free --port")
+        raise ConfigError(f"cannot listen on --host {host} --port {port} ({exc.strerror or exc}): {fix}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``areno serve MODEL_DIR [--host --port --api-key ...]``."""
+    """``areno serve MODEL_DIR [--host --port --api-key ...]``.
+
+    The arguments are checked and the port is bound before the model loads; a mistake raises a
+    :class:`~areno.errors.UserError`, which ``areno``'s CLI prints as one line (exit 2).
+    """
     import uvicorn
 
     args = build_parser().parse_args(argv)
-    try:
-        check_bind(args.host, args.api_key)
-        if not args.stall_timeout_s > 0:
-            raise ValueError(f"--stall-timeout-s must be > 0, got {args.stall_timeout_s}")
-        if not 0 < args.max_body_mb < float("inf"):
-            raise ValueError(f"--max-body-mb must be a positive number, got {args.max_body_mb}")
-        limits = ServerLimits(
-            max_body_bytes=int(args.max_body_mb * 2**20),
-            max_n=args.max_n,
-            max_prompts=args.max_prompts,
-            max_group=args.max_group,
-            max_queued=args.max_queued,
-        )
+    check_bind(args.host, args.api_key)
+    check_config(0 <= args.port <= 65535, "--port", f"must be in 1-65535 (0: any free port), got {args.port}")
+    check_config(args.default_max_tokens >= 1, "--default-max-tokens", f"must be >= 1, got {args.default_max_tokens}")
+    check_config(args.stall_timeout_s > 0, "--stall-timeout-s", f"must be > 0, got {args.stall_timeout_s}")
+    check_config(
+        0 < args.max_body_mb < float("inf"), "--max-body-mb", f"must be a positive number, got {args.max_body_mb}"
+    )
+    check_config(
+        args.device != "cuda" or torch.cuda.is_available(),
+        "--device cuda",
+        "this torch sees no CUDA device (torch.cuda.is_available() is False): pass --device cpu, "
+        "or run where a GPU is visible with a CUDA build of torch",
+    )
+    limits = ServerLimits(
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_n=args.max_n,
+        max_prompts=args.max_prompts,
+        max_group=args.max_group,
+        max_queued=args.max_queued,
+    )
+    settings = engine_settings(args.engine_set)
+    with listen_socket(args.host, args.port) as sock:
         engine, tokenizer = build_engine(
             args.model_dir,
-            device=args.device,
+            device=None if args.device == "auto" else args.device,
             dtype=args.dtype,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             block_size=args.block_size,
             kv_memory_fraction=args.kv_memory_fraction,
-            **engine_settings(args.engine_set),
+            **settings,
         )
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"areno serve: {e}")
-        return 2
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
-    app = create_app(
-        engine,
-        tokenizer=tokenizer,
-        model_name=name,
-        api_key=args.api_key,
-        default_max_tokens=args.default_max_tokens,
-        stall_timeout_s=args.stall_timeout_s,
-        limits=limits,
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+        name = args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
+        app = create_app(
+            engine,
+            tokenizer=tokenizer,
+            model_name=name,
+            api_key=args.api_key,
+            default_max_tokens=args.default_max_tokens,
+            stall_timeout_s=args.stall_timeout_s,
+            limits=limits,
+        )
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        logger.info("serving %s at http://%s:%d", name, host, sock.getsockname()[1])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # Ctrl-C is how a server is stopped (uvicorn re-raises it after shutting down)
+            pass
+    return 0 if server.started else 1  # not started: uvicorn logged why (an app startup failure)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -54,6 +55,9 @@ STAGING_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 INCREMENTAL = "INCREMENTAL.json"
 _HASHES = "tensor_hashes_rank{rank}.json"
+_UNLOADABLE = (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError, OSError)
+"""What ``torch.load`` raises for a damaged file (tried: random bytes, truncated zips, text, a flipped
+byte), an unreadable one, or one holding more than tensors and plain values (``weights_only``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -218,13 +222,20 @@ def _committed_root(path: Path) -> Path | None:
 
 
 def _verify_unlisted(path: Path) -> str | None:
-    """The checks a checkpoint without a manifest allows: DCP metadata and state files non-empty."""
+    """The checks a checkpoint without a manifest allows: DCP metadata and state files non-empty, and
+    the state files (small) loadable, so a resume passes over a damaged one before any model loads."""
     metadata = list(path.rglob(".metadata"))
     if not metadata:
         return f"{path} holds no .metadata (no DCP checkpoint)"
-    for file in [*metadata, *path.rglob(TRAINER_STATE), *path.rglob("rng_rank*.pt")]:
+    states = [*path.rglob(TRAINER_STATE), *path.rglob("rng_rank*.pt")]
+    for file in [*metadata, *states]:
         if file.stat().st_size == 0:
             return f"{file} is empty"
+    for file in states:
+        try:
+            torch.load(file, weights_only=True)
+        except _UNLOADABLE as exc:
+            return f"{file} does not load ({type(exc).__name__}: the file is damaged)"
     return None
 
 
@@ -473,6 +484,10 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
             f"{path} is not an areno checkpoint (no .metadata / {TRAINER_STATE}): resume from another step_N "
             "directory or delete this one"
         )
+    trainer_state = _load_state_file(path / TRAINER_STATE)  # before the weights: a damaged file fails at once
+    rng_path = path / f"rng_rank{_rank()}.pt"
+    # absent when resuming on more ranks than saved: RNG is then re-seeded
+    rng = _load_state_file(rng_path) if rng_path.is_file() else None
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
     base = incremental_base(path) if is_incremental(path) else None
     _check_shapes(base or path, model_sd)
@@ -499,7 +514,18 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         # the model's tensors were all required by dcp.load above; only optimizer states may be absent
         options=StateDictOptions(strict=False),
     )
-    rng_path = path / f"rng_rank{_rank()}.pt"
-    if rng_path.is_file():  # absent when resuming on more ranks than saved: RNG is then re-seeded
-        set_rng_state(torch.load(rng_path, weights_only=True))
-    return torch.load(path / TRAINER_STATE, weights_only=True)  # never arbitrary pickle
+    if rng is not None:
+        set_rng_state(rng)
+    return trainer_state
+
+
+def _load_state_file(file: Path) -> Any:
+    """``torch.load(file)`` of tensors and plain values only (never arbitrary pickle); a damaged file
+    is a one-line :class:`ModelDirError` naming it."""
+    try:
+        return torch.load(file, weights_only=True)
+    except _UNLOADABLE as exc:  # torch's message would suggest weights_only=False: not repeated here
+        raise ModelDirError(
+            f"{file} does not load ({type(exc).__name__}: the file is damaged, or holds more than tensors and "
+            "plain values); resume from an earlier step_N directory or delete this one"
+        ) from None

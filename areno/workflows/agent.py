@@ -79,7 +79,7 @@ class AgentWorkflow(RolloutWorkflow):
         answer_key: str = "answer",
     ) -> None:
         if isinstance(agent, str):
-            agent = _import_dotted(agent)
+            agent = _import_dotted(agent, what="rollout.workflow_kwargs.agent")
         if not callable(agent):
             raise ValueError(f"agent must be an async function agent(client, sample), got {type(agent).__name__}")
         if n_samples < 1:

@@ -3,18 +3,19 @@
 A workflow talks to the rollout engine only through a ``RolloutClient`` (``await
 client.agenerate(prompt_ids, sampling_params)``), so the same workflow runs colocated, partitioned,
 in process or against a remote server. Users write their own workflow by subclassing
-``RolloutWorkflow`` and naming it by dotted path in the config (``load_workflow``).
+``RolloutWorkflow`` and naming it in the config by module path (``my_pkg.wf:MyWorkflow``) or file
+(``./wf.py:MyWorkflow``), imported as ``reward.fn`` is (``load_workflow``).
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 from areno.errors import ConfigError, RewardImportError
+from areno.rewards.loader import import_object
 from areno.rollout.client import RolloutClient
 from areno.types import Trajectory
 
@@ -52,32 +53,11 @@ def as_group(result: EpisodeResult) -> list[Trajectory] | None:
     return group or None
 
 
-def _import_dotted(dotted_path: str) -> Any:
-    """Import ``pkg.module.Name`` or ``pkg.module:Name``; a :class:`RewardImportError` when it does not resolve."""
-    if ":" in dotted_path:
-        module_name, _, attr_path = dotted_path.partition(":")
-    else:
-        module_name, _, attr_path = dotted_path.rpartition(".")
-    if not module_name or not attr_path:
-        raise RewardImportError(
-            f"workflow path {dotted_path!r} is not a dotted path; write 'package.module.ClassName' "
-            "or 'package.module:ClassName'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise RewardImportError(
-            f"workflow path {dotted_path!r}: cannot import module {module_name!r} ({exc}); "
-            "check the spelling and that the module is on PYTHONPATH"
-        ) from exc
-    obj: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise RewardImportError(
-                f"workflow path {dotted_path!r}: module {module_name!r} has no attribute {attr_path!r}"
-            )
-        obj = getattr(obj, part)
-    return obj
+def _import_dotted(path: str, *, what: str = "rollout.workflow") -> Any:
+    """Import ``path`` (``package.module.Name``, ``package.module:Name`` or ``./file.py:Name``) as
+    ``reward.fn`` is imported; a one-line :class:`RewardImportError` naming ``what`` (the config key)
+    when it does not resolve or its module fails to import."""
+    return import_object(path, what=what)
 
 
 def workflow_factory(dotted_path: str) -> Callable[..., RolloutWorkflow]:
@@ -86,12 +66,12 @@ def workflow_factory(dotted_path: str) -> Callable[..., RolloutWorkflow]:
     obj = _import_dotted(dotted_path)
     if isinstance(obj, type) and not issubclass(obj, RolloutWorkflow):
         raise RewardImportError(
-            f"workflow path {dotted_path!r} names class {obj.__name__}, which is not a subclass of "
+            f"rollout.workflow: {dotted_path!r} names class {obj.__name__}, which is not a subclass of "
             "areno.workflows.base.RolloutWorkflow"
         )
     if not callable(obj):
         raise RewardImportError(
-            f"workflow path {dotted_path!r} names a {type(obj).__name__}, expected a RolloutWorkflow class"
+            f"rollout.workflow: {dotted_path!r} names a {type(obj).__name__}, expected a RolloutWorkflow class"
         )
     return obj
 
@@ -116,6 +96,6 @@ def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
     workflow = factory(**kwargs)
     if not isinstance(workflow, RolloutWorkflow):
         raise RewardImportError(
-            f"workflow factory {dotted_path!r} returned {type(workflow).__name__}, expected a RolloutWorkflow"
+            f"rollout.workflow: factory {dotted_path!r} returned {type(workflow).__name__}, expected a RolloutWorkflow"
         )
     return workflow

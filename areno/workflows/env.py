@@ -106,7 +106,7 @@ class EnvWorkflow(RolloutWorkflow):
         answer_key: str = "answer",
     ) -> None:
         if isinstance(env_factory, str):
-            env_factory = _import_dotted(env_factory)
+            env_factory = _import_dotted(env_factory, what="rollout.workflow_kwargs.env_factory")
         if not callable(env_factory):
             raise ValueError("env_factory must be a callable sample -> Environment (or its dotted path)")
         if horizon < 1:

@@ -48,7 +48,7 @@ def test_load_workflow_by_dotted_path():
         load_workflow("areno.workflows.rlvr.Nope")
     with pytest.raises(ValueError, match="not a subclass of areno.workflows.base.RolloutWorkflow"):
         load_workflow("collections.OrderedDict")
-    with pytest.raises(ValueError, match="not a dotted path"):
+    with pytest.raises(ValueError, match="is not a path like"):
         load_workflow("RLVRWorkflow")
 
 

@@ -152,3 +152,91 @@ def test_a_finished_warm_start_is_reused_only_with_its_settings(tmp_path, capsys
     with pytest.raises(ConfigError, match=r"warm_start: the run resumes, but .* other settings \(optim.lr\)"):
         overrides = [*tiny_run_overrides(tmp_path), "train.steps=1", "warm_start.steps=1", "warm_start.batch_size=4"]
         run_pipeline(load_config(None, [*overrides, "resume=true", "warm_start.lr=0.02"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["cluster.allocation_mode=areno:d1t2+fsdp:d1"], r"cluster.rollout_tp .*does not divide num_key_value_heads=1"),
+        (["cluster.train_devices=[0,0]", "cluster.rollout_devices=[1]"], r"repeats"),
+    ],
+)
+def test_a_partitioned_layout_is_checked_before_the_warm_start(tmp_path, overrides, match):
+    """Preflight plans the layout and checks its TP sizes against the model (from init_tiny: none is made)."""
+    from areno.errors import UserError
+
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path), "warm_start.steps=3", *overrides])
+    with pytest.raises(UserError, match=match):
+        run_pipeline(cfg)
+    assert not (tmp_path / "run" / "warm_start").exists() and not (tmp_path / "model").exists()
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    from areno.cli import main
+    from tests.helpers.configs import train_args
+
+    (tmp_path / "afile").write_text("")
+    for run_dir in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert main([*train_args(tmp_path), f"run_dir={run_dir}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"run_dir {run_dir}: cannot write there" in err[0], err
+        assert "pick a writable directory" in err[0]
+    assert not (tmp_path / "model").exists()  # before the model was made
+
+
+def test_rows_and_rewards_that_cannot_meet_are_refused_before_the_model(tmp_path, capsys):
+    """A reward that cannot take the workflows' call, rows without the answer an answer-scoring reward
+    needs, an empty prompt, an empty held-out file, message lists without a chat template."""
+    from areno.cli import main
+    from tests.helpers.configs import train_args
+
+    rows = tmp_path / "rows.jsonl"
+    cases = [
+        (
+            ['{"prompt": "1+1=", "answer": "2"}'],
+            ["reward.fn=tests.core.test_config_refusals:two_args"],
+            "takes (prompt, completion)",
+        ),
+        (['{"prompt": "1+1=", "solution": "2"}'], ["reward.fn=areno.rewards.tasks:exact_match"], "no field 'answer'"),
+        (['{"prompt": "", "answer": "2"}'], [], "line 1: 'prompt' is an empty string"),
+        (
+            ['{"prompt": [{"role": "user", "content": "hi"}], "answer": "2"}'],
+            [],
+            "row 0: 'prompt' is a message list, which needs a chat",
+        ),
+        (
+            ['{"prompt": "1+1=", "answer": "2"}'],
+            [f"data.eval_path={tmp_path / 'empty.jsonl'}"],
+            "empty.jsonl holds no rows",
+        ),
+        (
+            ['{"prompt": "1+1=", "answer": "2"}'],
+            [f"data.eval_path={tmp_path / 'long.jsonl'}", "rollout.max_model_len=64"],
+            "long.jsonl row 1: the prompt has 100 tokens but the context is 64",
+        ),
+    ]
+    (tmp_path / "empty.jsonl").write_text("\n")
+    short, long = {"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 100, "answer": "2"}
+    (tmp_path / "long.jsonl").write_text(f"{json.dumps(short)}\n{json.dumps(long)}\n")
+    for lines, extra, message in cases:
+        rows.write_text("\n".join(lines) + "\n")
+        args = train_args(tmp_path, "data.task=null", f"data.train_path={rows}", "reward.sandbox=false", *extra)
+        assert main(args) == 2, message
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (message, err)
+    assert not (tmp_path / "model").exists()  # all before the model was made
+
+
+def two_args(prompt, completion):
+    return 1.0
+
+
+def test_overrides_may_follow_options():
+    from areno.cli import _parse, build_parser
+
+    args = _parse(build_parser(), ["train", "c.yaml", "--algorithm", "ppo", "run_dir=x", "train.steps=2"])
+    assert (args.config, args.algorithm, args.overrides) == ("c.yaml", "ppo", ["run_dir=x", "train.steps=2"])
+    args = _parse(build_parser(), ["eval", "c.yaml", "--checkpoint", "latest", "run_dir=x"])
+    assert (args.checkpoint, args.overrides) == ("latest", ["run_dir=x"])
+    with pytest.raises(SystemExit):
+        _parse(build_parser(), ["train", "c.yaml", "--bogus"])

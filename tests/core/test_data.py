@@ -183,7 +183,7 @@ def test_supervised_rows_need_the_answer_field(tmp_path):
     path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "label": "2"}\n')
     data = DataSection(task=None, train_path=str(path))
     assert len(build_splits(data)[0]) == 2  # RL rows need no answer: the reward may not use one
-    with pytest.raises(DataError, match=r"d\.jsonl line 2: no field 'answer', which supervised training needs"):
+    with pytest.raises(DataError, match=r"d\.jsonl line 2: no field 'answer': the reference answer, which supervised"):
         build_splits(data, need_answers=True)
     with pytest.raises(DataError, match=r"d\.jsonl line 2: no field 'answer'.*set data\.answer_key"):
         check_splits(data, need_answers=True)

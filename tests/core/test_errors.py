@@ -208,7 +208,9 @@ def test_warm_start_data_is_checked_before_it_starts(tmp_path, capsys):
     """The warm start trains on the answers: rows without one fail before the warm start."""
     rows = _rows(tmp_path / "train.jsonl", [{"prompt": "1+1="}])
     rc = main(train_args(tmp_path, "warm_start.steps=2", "data.task=null", f"data.train_path={rows}"))
-    _assert_user_error(rc, capsys.readouterr().err, "no field 'answer', which supervised training needs")
+    _assert_user_error(
+        rc, capsys.readouterr().err, "no field 'answer': the reference answer, which supervised training"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -282,8 +284,8 @@ def test_a_missing_optional_package_is_a_config_error(tmp_path, capsys):
     "argv, fragment",
     [
         (["report", "{tmp}"], "has no metrics.jsonl: pass a run directory"),
-        (["trace", "{tmp}"], "run with tracing enabled"),
-        (["sessions", "{tmp}"], "enable session recording"),
+        (["trace", "{tmp}"], "or train with observe.trace=true"),
+        (["sessions", "{tmp}"], "or train with observe.sessions=true"),
         (["doctor", "--require", "nope"], "--require: unknown check(s) nope"),
     ],
 )

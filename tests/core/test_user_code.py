@@ -62,7 +62,7 @@ def test_user_recipe_module_is_listed(user_dir, capsys):
     assert main(["recipes", "my_recipes:my_listed"]) == 0
     assert "role policy: ActorSpecialization" in capsys.readouterr().out
     assert main(["recipes", "--modules", "no_such_recipes"]) == 2
-    assert "cannot import module 'no_such_recipes'" in capsys.readouterr().out
+    assert "areno: error: --modules: cannot import module 'no_such_recipes'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("form", ["module", "file"])

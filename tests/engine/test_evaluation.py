@@ -106,7 +106,13 @@ def test_sampled_eval_is_reproducible_by_seed_and_its_rows_file_holds_every_samp
     assert json.loads((tmp_path / "rows.summary.json").read_text()) == json.loads(json.dumps(first))
     # without --out, sampled evaluations of one checkpoint under other settings keep their own files
     named = run_eval(cfg, EvalOptions(checkpoint="latest", samples=2, temperature=0.5, split="train", num_prompts=2))
-    assert Path(named["rows_file"]).name == "step_00000003-train-n2-t0.5.jsonl"
+    assert Path(named["rows_file"]).name == "step_00000003-train-p2-n2-t0.5.jsonl"
+    seeded = EvalOptions(checkpoint="latest", samples=2, temperature=0.5, num_prompts=2, seed=4)
+    assert Path(run_eval(cfg, seeded)["rows_file"]).name == "step_00000003-p2-n2-t0.5-s4.jsonl"
+    # another run's checkpoint is named after its run, not written over this run's step_3 file
+    elsewhere = dataclasses.replace(cfg, run_dir=str(tmp_path / "other"))
+    assert resolve_checkpoint("step_3", cfg)[1] == "step_00000003"
+    assert resolve_checkpoint(str(root / "run" / "checkpoints" / "step_00000003"), elsewhere)[1] == "run-step_00000003"
 
 
 def _held_out(cfg):
@@ -193,7 +199,6 @@ def test_wrong_checkpoints_and_rows_are_one_line_errors_before_any_model_loads(t
     no_rows = load_config(None, [*_overrides(tmp_path), "data.num_eval=0"])
     with pytest.raises(DataError, match="no held-out rows.*--split train"):
         run_eval(no_rows, EvalOptions())
-    assert not (tmp_path / "model").exists()  # refused before the model was made
     served = load_config(None, [*_overrides(tmp_path), "rollout.backend=vllm", "rollout.servers=[http://x:1]"])
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
@@ -213,6 +218,10 @@ def test_wrong_checkpoints_and_rows_are_one_line_errors_before_any_model_loads(t
     assert main(["eval", *_overrides(tmp_path), "--samples", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["areno: error: --samples: must be >= 1, got 0"]
+    # a task's prompt longer than the context: found only when generating it
+    long = load_config(None, [*_overrides(tmp_path), "rollout.max_model_len=4"])  # the task's prompts are longer
+    with pytest.raises(DataError, match=r"the held-out row with prompt '.*': prompt has \d+ tokens but the context"):
+        run_eval(long, EvalOptions(num_prompts=1))
 
 
 def test_the_command_prints_its_summary_and_writes_the_rows(trained, tmp_path, capsys):

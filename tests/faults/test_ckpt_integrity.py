@@ -102,6 +102,40 @@ def test_checkpoint_without_manifest_is_checked_for_empty_files(tmp_path):
     assert "trainer_state.pt is empty" in checkpoint.verify(path)
 
 
+def test_checkpoint_without_manifest_with_a_damaged_state_file_is_passed_over(tmp_path, caplog):
+    """Without a manifest, the state files (small) are parsed: a resume passes over a damaged one
+    before any model loads, and a direct load names it in one line before reading the weights."""
+    older, newer = _save(tmp_path, 2), _save(tmp_path, 4)
+    for path in (older, newer):
+        (path / checkpoint.MANIFEST).unlink()
+    state = newer / "policy" / checkpoint.TRAINER_STATE
+    state.write_bytes(b"not a torch.save file")
+    assert checkpoint.verify(newer) == f"{state} does not load (UnpicklingError: the file is damaged)"
+    with caplog.at_level(logging.WARNING, logger="areno.train.checkpoint"):
+        assert checkpoint.newest_intact(tmp_path) == older
+    assert str(state) in caplog.text
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "rng_rank0.pt"])
+def test_a_damaged_state_file_is_one_line_before_the_weights_load(tmp_path, monkeypatch, damaged):
+    path = _save(tmp_path, 1) / "policy"
+    data = (path / damaged).read_bytes()
+    (path / damaged).write_bytes(data[: len(data) // 2])  # truncated: torch's zip reader fails
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were read before the state files")
+
+    monkeypatch.setattr(checkpoint, "_dcp_load", no_weights)
+    with pytest.raises(ModelDirError) as info:
+        checkpoint.load(path, torch.nn.Linear(64, 64), None)
+    message = str(info.value)  # torch's error for a truncated zip depends on where it was cut
+    assert message.startswith(f"{path / damaged} does not load (") and "\n" not in message
+    assert message.endswith(
+        ": the file is damaged, or holds more than tensors and plain values); "
+        "resume from an earlier step_N directory or delete this one"
+    )
+
+
 def test_incremental_checkpoint_with_a_damaged_base_falls_back(tmp_path, caplog):
     """An incremental checkpoint is intact only with its full base: a damaged base passes over both."""
     torch.manual_seed(0)

@@ -12,7 +12,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from areno.rollout.server import ADMIN_ENDPOINTS, build_parser, check_bind, create_app, is_loopback, main
+from areno.cli import main as areno_main
+from areno.errors import ModelDirError
+from areno.rollout.server import ADMIN_ENDPOINTS, build_parser, check_bind, create_app, is_loopback
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "s3cret-key"
@@ -112,9 +114,10 @@ def test_admin_key_rule_beyond_loopback(monkeypatch, capsys):
     with pytest.raises(ValueError, match="--host 0.0.0.0 listens beyond loopback.*pass --api-key"):
         check_bind("0.0.0.0", None)
     # the CLI refuses before loading any model (the directory does not even exist)
-    assert main(["/nonexistent/model", "--host", "0.0.0.0"]) == 2
-    out = capsys.readouterr().out.strip()
-    assert out.count("\n") == 0 and "/update_weights_from_disk" in out and "ARENO_API_KEY" in out
+    assert areno_main(["serve", "/nonexistent/model", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("areno: error: --host 0.0.0.0")
+    assert "/update_weights_from_disk" in err and "ARENO_API_KEY" in err
 
 
 class _Exploit:
@@ -133,7 +136,7 @@ def test_checkpoint_with_a_pickle_payload_is_refused(tmp_path):
     assert checkpoint.load(tmp_path / "ckpt", model, None)["step"] == 3  # a real one loads
     marker = tmp_path / "pwned"
     torch.save({"step": 3, "extra": _Exploit(str(marker))}, tmp_path / "ckpt" / checkpoint.TRAINER_STATE)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(ModelDirError, match=r"trainer_state\.pt does not load \(UnpicklingError"):
         checkpoint.load(tmp_path / "ckpt", model, None)
     assert not marker.exists()
 
@@ -188,6 +191,6 @@ def test_serve_reaches_every_engine_setting_and_refuses_bad_ones_before_loading(
         with pytest.raises(ValueError, match=message):
             engine_settings([pair])
     # a bad value is the engine config's one-line error, before any model is loaded
-    assert main(["/nonexistent/model", "--engine-set", "decode_steps=-2"]) == 2
-    out = capsys.readouterr().out.strip()
-    assert out.count("\n") == 0 and "rollout.decode_steps: must be >= 0" in out
+    assert areno_main(["serve", "/nonexistent/model", "--engine-set", "decode_steps=-2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "rollout.decode_steps: must be >= 0" in err

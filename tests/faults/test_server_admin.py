@@ -10,10 +10,11 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from areno.api.config import load_config
+from areno.cli import main as areno_main
 from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.partitioned import PartitionedCluster
 from areno.models.hf_io import init_model_dir, tiny_config
-from areno.rollout.server import build_engine, build_parser, create_app, main
+from areno.rollout.server import build_engine, build_parser, create_app
 
 
 @pytest.fixture
@@ -60,10 +61,10 @@ def test_versions_only_move_forward(engine, tiny_model_dir):
 def test_serve_takes_limits_from_the_command_line(capsys):
     args = build_parser().parse_args(["m", "--max-body-mb", "1", "--max-n", "4", "--max-queued", "0"])
     assert (args.max_body_mb, args.max_n, args.max_queued) == (1.0, 4, 0)
-    assert main(["m", "--max-body-mb", "nan"]) == 2
-    assert main(["m", "--max-n", "0"]) == 2
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("areno serve: --max-body-mb") and "max_n" in out[1]
+    assert areno_main(["serve", "m", "--max-body-mb", "nan"]) == 2
+    assert areno_main(["serve", "m", "--max-n", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("areno: error: --max-body-mb") and "max_n" in err[1]
 
 
 def test_train_starts_its_rollout_servers_with_a_random_key_on_loopback(tmp_path):

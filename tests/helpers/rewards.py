@@ -30,8 +30,25 @@ def digit_fraction(prompt, completion, answer, **row):
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
 
+def slow(prompt, completion, answer, **row):
+    """A reward that takes 50 ms a call: a step long enough for a signal to arrive inside it."""
+    time.sleep(0.05)
+    return len(completion) / 10
+
+
 def exploding(prompt, completion, answer, **row):
     raise RuntimeError("reward bug")
+
+
+_calls = [0]
+
+
+def every_other_raises(prompt, completion, answer, **row):
+    """Raises on every second call of the process (in-process rewards only)."""
+    _calls[0] += 1
+    if _calls[0] % 2:
+        raise RuntimeError("flaky reward")
+    return 1.0
 
 
 def misbehave(prompt: str, completion: str, answer=None, **row) -> float:

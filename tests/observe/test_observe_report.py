@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from areno.errors import DataError
+from areno.errors import DataError, UserError
 from areno.observe import report
 from areno.observe.metrics import MetricsLogger
 from areno.observe.session import SessionRecorder
@@ -148,6 +148,27 @@ def test_single_run_default_output_and_missing_metrics(tmp_path):
         report.main([str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="--smooth"):
         report.main([str(run), "--smooth", "1.5"])
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    with MetricsLogger(run, total_steps=1, console=False) as logger:
+        logger.log({"rollout/reward_mean": 0.5}, step=1)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for out, reason in (
+        (Path("/proc/areno_report.html"), None),  # /proc takes no new files (ENOENT as root)
+        (a_file / "report.html", f"{a_file} is a file, not a directory"),
+        (tmp_path, "Is a directory"),
+    ):
+        with pytest.raises(UserError) as exc:
+            report.main([str(run), "--out", str(out)])
+        message = str(exc.value)
+        assert message.startswith(f"cannot write the report to {out} (") and "\n" not in message
+        assert message.endswith("): pass --out a file in a writable directory")
+        assert reason is None or f"({reason})" in message
+    with pytest.raises(UserError, match=r"cannot write the plots to .*: pass --png-dir a writable directory"):
+        report.main([str(run), "--png-dir", str(a_file / "plots")])
 
 
 def _chromium() -> str | None:

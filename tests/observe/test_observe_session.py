@@ -123,6 +123,10 @@ def test_cli_lists_and_shows_sessions(recording, capsys):
 
 
 def test_cli_without_sessions_is_a_clear_error(tmp_path):
-    with pytest.raises(DataError, match="enable session recording"):
+    with pytest.raises(DataError) as exc:
         sessions.main([str(tmp_path)])
+    assert str(exc.value) == (  # the config key to set, not the Python call behind it
+        f"no sessions in {tmp_path / 'sessions.jsonl'}: pass the run's directory, "
+        "or train with observe.sessions=true (in the config or as an override) to record them"
+    )
     assert json.loads(json.dumps(load_sessions(tmp_path))) == []

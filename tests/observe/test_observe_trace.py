@@ -145,7 +145,7 @@ def test_decorator_applied_while_disabled_traces_once_enabled(tracing):
 
 
 def test_torn_last_line_is_dropped_and_missing_traces_are_a_clear_error(tmp_path):
-    with pytest.raises(DataError, match="tracing enabled"):
+    with pytest.raises(DataError, match=r"traces: pass the run's directory, or train with observe\.trace=true "):
         merge_traces(tmp_path)
     traces = tmp_path / "traces"
     traces.mkdir()

@@ -297,8 +297,8 @@ def test_every_rollout_replica_dead_fails_requests_at_once(tmp_path):
         with pytest.raises(
             RolloutServersLost,
             match=r"^every rollout server is gone: http://127\.0\.0\.1:\d+: "
-            r"rollout\[0\] \(pid \d+\) died; .* restart the run from its last "
-            r"checkpoint \(log: .*rollout-0\.log\)$",
+            r"rollout\[0\] \(pid \d+\) died; .* start it again \(no checkpoint yet\) "
+            r"\(log: .*rollout-0\.log\)$",
         ):
             engine.generate_rollout(0)
         with pytest.raises(RolloutServersLost, match=r"rollout\[0\] \(pid \d+\) died"):

@@ -4,8 +4,9 @@ import time
 import httpx
 import pytest
 
+from areno.cli import main as areno_main
 from areno.launch.scheduler import free_port
-from areno.rollout.server import build_engine, create_app, main
+from areno.rollout.server import build_engine, create_app
 from tests.helpers.serving import serving
 
 openai = pytest.importorskip("openai")  # the test extra; absent on some machines (then these tests skip)
@@ -203,9 +204,9 @@ def test_malformed_json_and_auth(server):
 
 def test_main_reports_bad_model_dir(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    assert main([str(tmp_path)]) == 2
-    out = capsys.readouterr().out
-    assert out.startswith("areno serve:") and out.count("\n") == 1
+    assert areno_main(["serve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("areno: error:") and err.count("\n") == 1
 
 
 def test_generate_many_one_request_per_group(server):

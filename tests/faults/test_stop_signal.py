@@ -1,0 +1,67 @@
+"""SIGTERM or Ctrl-C stops a run after the step in progress with that step's checkpoint saved, so
+``resume=auto`` goes on from it; a second signal stops at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers.configs import train_args
+
+
+def _start(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    args = train_args(tmp_path, "train.steps=500", "data.num_eval=0", *extra)
+    return subprocess.Popen(
+        [sys.executable, "-m", "areno", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if '"step"' in line) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {steps} steps logged: {proc.poll()=}")
+
+
+def _steps(metrics: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+
+
+def test_sigterm_saves_the_step_and_resume_goes_on(tmp_path):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = _start(tmp_path)
+    _wait_for_steps(proc, metrics, 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("areno: stopped by SIGTERM after step ") and "resume=auto" in last, err[-2000:]
+    step = int(last.split("after step ")[1].split()[0])
+    assert (tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file()
+    assert _steps(metrics)[-1] == step and not (tmp_path / "run" / "areno.lock").exists()
+    # the same command, resumed: the steps after the saved one, each once
+    args = train_args(tmp_path, f"train.steps={step + 2}", "data.num_eval=0", "resume=auto")
+    done = subprocess.run([sys.executable, "-m", "areno", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _steps(metrics) == list(range(1, step + 3))
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = _start(tmp_path, "reward.fn=tests.helpers.rewards:slow", "reward.sandbox=false")  # steps of ~0.2 s
+    _wait_for_steps(proc, metrics, 1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    # at once: no checkpoint of the step (an episode cut off in the middle may log a line after it)
+    assert "stopping after this step" in err and "areno: interrupted" in err.splitlines(), err[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "areno.lock").exists()

@@ -1,0 +1,116 @@
+"""``areno serve``'s mistakes are one line on stderr (``areno: error: ...``, exit 2) naming the flag and
+the fix, found before the model loads: a device this host lacks, a port out of range or taken, a
+default ``max_tokens`` of 0, a tokenizer that does not load. A good command serves on the socket it
+bound first and exits 0 when stopped."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from areno.cli import main as areno_main
+from areno.launch.scheduler import free_port
+from areno.rollout import server as server_module
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if ``areno serve`` starts loading a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error")
+
+    monkeypatch.setattr(server_module, "build_engine", refuse)
+
+
+def _serve_error(capsys, *argv: str) -> str:
+    assert areno_main(["serve", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert captured.err.startswith("areno: error: ")
+    return captured.err
+
+
+def test_device_is_a_choice_of_what_serve_supports(capsys):
+    with pytest.raises(SystemExit) as exc:
+        areno_main(["serve", "/nonexistent/model", "--device", "tpu"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_device_cuda_without_cuda_is_one_line(capsys, no_model_load, tiny_model_dir):
+    err = _serve_error(capsys, str(tiny_model_dir), "--device", "cuda")
+    assert "--device cuda: this torch sees no CUDA device" in err and "pass --device cpu" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "99999"], "--port: must be in 1-65535 (0: any free port), got 99999"),
+        (["--port", "-1"], "--port: must be in 1-65535"),
+        (["--default-max-tokens", "0"], "--default-max-tokens: must be >= 1, got 0"),
+    ],
+)
+def test_bad_values_are_refused_before_the_model_loads(capsys, no_model_load, tiny_model_dir, argv, message):
+    assert message in _serve_error(capsys, str(tiny_model_dir), *argv)
+
+
+def test_a_taken_port_is_named_before_the_model_loads(capsys, no_model_load, tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _serve_error(capsys, str(tiny_model_dir), "--port", str(port))
+    assert f"cannot listen on --host 127.0.0.1 --port {port} (Address already in use)" in err
+    assert "pick another --port" in err
+
+
+def test_a_tokenizer_that_does_not_load_is_named_before_the_weights(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    (model_dir / "tokenizer.json").write_text("{not json")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(server_module, "load_model", no_weights)
+    err = _serve_error(capsys, str(model_dir), "--port", "0")
+    assert f"the tokenizer in {model_dir} does not load" in err and "copy the model's tokenizer files" in err
+
+
+def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tiny_model_dir):
+    servers: list[uvicorn.Server] = []
+    init = uvicorn.Server.__init__
+
+    def recording_init(self, config):
+        init(self, config)
+        servers.append(self)
+
+    monkeypatch.setattr(uvicorn.Server, "__init__", recording_init)
+    port = free_port()
+    result: list[int] = []
+    argv = ["serve", str(tiny_model_dir), "--port", str(port), "--device", "cpu", "--default-max-tokens", "3"]
+    argv += ["--max-model-len", "64", "--block-size", "8"]
+    thread = threading.Thread(target=lambda: result.append(areno_main(argv)), daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not (servers and servers[0].started):
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        body = {"model": tiny_model_dir.name, "prompt": "hi", "temperature": 0, "ignore_eos": True}
+        choice = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()["choices"][0]
+        assert len(choice["token_ids"]) == 3  # --default-max-tokens
+    finally:
+        if servers:
+            servers[0].should_exit = True
+        thread.join(timeout=30)
+    assert result == [0]
