@@ -27,6 +27,7 @@ from areno.engine.config import (
     WarmStartSection,
 )
 from areno.errors import ConfigError
+from areno.rewards.loader import resolve_path
 from areno.train.config import OptimConfig
 
 __all__ = [
@@ -134,7 +135,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for override in overrides:
             _check_sections(OmegaConf.from_dotlist([override]), schema, f"override {override}")
         merged = OmegaConf.merge(*layers)
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+        config: ArenoConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except ConfigError:
         raise
     except MissingMandatoryValue as exc:
@@ -146,6 +147,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if isinstance(cause, ConfigError):
             raise ConfigError(str(cause)) from None
         raise ConfigError(_describe(exc)) from None
+    # a file's user code named from the working directory: absolute, so workers started elsewhere (Ray,
+    # SLURM, a reward sandbox) and a resume from another directory import the same file
+    config.reward.fn = resolve_path(config.reward.fn)
+    config.rollout.workflow = resolve_path(config.rollout.workflow)
+    return config
 
 
 def to_yaml(config: ArenoConfig) -> str:

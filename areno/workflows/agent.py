@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from areno.observe.session import session
+from areno.rewards.sandbox import as_reward
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow, _import_dotted
@@ -178,9 +179,13 @@ class AgentWorkflow(RolloutWorkflow):
                     "agent episode %d of row %s made no completion call; dropped", index, describe_row(sample)
                 )
                 return None
-            if reward is not None:
-                if oai.cache.last.reward is None:
-                    oai.set_last_reward(float(reward))
+            if reward is not None and oai.cache.last.reward is None:
+                try:
+                    oai.set_last_reward(as_reward(reward))  # "0.5" or True is the agent's mistake, not a reward
+                except TypeError as exc:
+                    logger.warning("agent episode %d of row %s: %s; dropped", index, describe_row(sample), exc)
+                    rec.event("dropped", reason=str(exc))
+                    return None
             trajs = oai.export(
                 self.export_style, gamma=self.gamma, group_id=group_id, info={"sample": describe_row(sample)}
             )

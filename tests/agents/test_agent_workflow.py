@@ -42,15 +42,18 @@ def test_bad_agents_lose_only_their_episode(scripted, char_tokenizer, caplog):
             raise RuntimeError("agent bug")
         if k == 3:
             return None  # no reward set: warned, counted 0
+        if k == 5:
+            return "0.5"  # not a number: dropped, not coerced
         return 1.0
 
-    wf = workflow(char_tokenizer, flaky, n_samples=4, timeout_s=0.5, export_style="individual")
+    wf = workflow(char_tokenizer, flaky, n_samples=5, timeout_s=0.5, export_style="individual")
     with caplog.at_level(logging.WARNING, logger="areno.workflows"):
         group = asyncio.run(wf.run_episode(scripted(lambda p: "ok"), {"id": 7, "prompt": "hi"}))
     assert sorted(t.reward for t in group) == [0.0, 1.0] and len({t.group_id for t in group}) == 1
     assert "agent episode 0 of row id='7' did not return within timeout_s=0.5s; dropped" in caplog.text
     assert "agent episode 1 of row id='7' raised RuntimeError: agent bug; dropped" in caplog.text
     assert "1 of 1 interactions have no reward" in caplog.text
+    assert "agent episode 4 of row id='7': the reward function returned str '0.5', not a number" in caplog.text
 
 
 def test_all_episodes_failing_rejects_the_row_and_sync_agents_are_named(scripted, char_tokenizer, caplog):

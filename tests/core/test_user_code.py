@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from areno.api.config import load_config
 from areno.cli import main
 from areno.errors import RewardImportError
 from areno.recipes.registry import TRAINING_CONFIGS
@@ -127,3 +128,13 @@ def test_bad_reward_paths_are_one_line_reward_import_errors(user_dir, path, frag
     with pytest.raises(RewardImportError, match=fragment) as info:
         import_object(path, what="reward.fn")
     assert "\n" not in str(info.value)
+
+
+def test_the_config_names_user_files_by_absolute_path(user_dir):
+    """A reward or workflow file named from the working directory is made absolute at load, so a worker
+    started elsewhere, or a resume from another directory, imports the same file."""
+    (user_dir / "rewards.py").write_text(REWARD.format(fn="score", value=1.0))
+    cfg = load_config(None, ["model.path=/m", "reward.fn=./rewards.py:score", "rollout.workflow=./wf.py:W"])
+    assert cfg.reward.fn == f"{user_dir.resolve() / 'rewards.py'}:score"
+    assert cfg.rollout.workflow == f"{user_dir.resolve() / 'wf.py'}:W"
+    assert load_config(None, ["model.path=/m"]).rollout.workflow == "areno.workflows.rlvr:RLVRWorkflow"
