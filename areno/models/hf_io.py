@@ -40,13 +40,14 @@ _TINY_ARCHS = {
 }
 
 
-def read_config(model_dir: str | Path) -> ModelConfig:
+def read_config(model_dir: str | Path, *, key: str = "model.path") -> ModelConfig:
     """``ModelConfig`` from ``model_dir/config.json``; a missing directory or file, a corrupt file or
-    a model this decoder does not implement is a one-line :class:`ModelDirError` naming the path."""
+    a model this decoder does not implement is a one-line :class:`ModelDirError` naming the path
+    (and ``key``, what the user set it with)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelDirError(
-            f"model directory {model_dir} does not exist: point model.path at a local Hugging Face checkpoint"
+            f"model directory {model_dir} does not exist: point {key} at a local Hugging Face checkpoint"
         )
     config_path = model_dir / "config.json"
     if not config_path.is_file():

@@ -1186,7 +1186,9 @@ def build_engine(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     config = RolloutEngineConfig(**engine_kw)  # a bad setting fails before the weights load
-    read_config(model_dir)  # a missing directory or config.json named as such, not as a tokenizer failure
+    read_config(
+        model_dir, key="MODEL_DIR"
+    )  # a missing directory or config.json named as such, not as a tokenizer failure
     try:  # the tokenizer before the weights: a broken tokenizer file fails in a second, not after the load
         tokenizer = load_pretrained_tokenizer(model_dir)
     except (OSError, ValueError, TypeError) as exc:  # a corrupt or incomplete tokenizer file, as preflight's

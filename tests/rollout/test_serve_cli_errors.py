@@ -114,3 +114,8 @@ def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tin
             servers[0].should_exit = True
         thread.join(timeout=30)
     assert result == [0]
+
+
+def test_a_missing_model_dir_names_the_argument(capsys, tmp_path):
+    err = _serve_error(capsys, str(tmp_path / "nope"))
+    assert "does not exist: point MODEL_DIR at a local Hugging Face checkpoint" in err
