@@ -17,7 +17,7 @@ from areno.api.preflight import check_run, resumes
 from areno.api.rundir import RunDirLock
 from areno.api.trainer import Trainer
 from areno.engine.config import ClusterSection, field_default
-from areno.errors import ConfigError, UserError
+from areno.errors import UserError
 from areno.observe.metrics import METRICS_FILENAME, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
             "lora": None,  # the warm start makes the base model (from scratch in the demo): all weights train
             "role_optim": {},  # the main recipe's roles: sft has the policy alone
         },
-        optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0},
+        optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0},
         rollout={"batch_size": ws.batch_size, "max_head_offpolicyness": 0, "generate_during_train": "auto"},
         # sft has no rollout side: it trains colocated on cluster.device, whatever places the main stage
         cluster={
@@ -75,23 +75,26 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
     )
 
 
-WARM_START_IGNORED = {
-    "train": ("eval_interval", "save_interval", "eval_samples", "eval_temperature", "eval_pass_threshold"),
-    "data": ("num_eval",),
+WARM_START_SETTINGS = {
+    "model": ("path", "init_tiny", "dtype", "compute_dtype", "freeze_vision"),
+    "data": ("task", "task_kwargs", "train_path", "prompt_key", "answer_key", "seed", "chat_template", "system_prompt"),
+    "optim": ("lr", "weight_decay", "grad_clip", "betas", "eps"),
+    "train": ("steps", "seed"),
+    "rollout": ("batch_size",),
+    "cluster": ("device",),
 }
-"""Settings of the warm-start stage that leave its model as it is (what it evaluates and saves)."""
+"""The settings of the warm-start stage its model's weights follow from (the model it starts from, the
+rows, the optimizer, the steps and seed, the batch, the device), not those that only change how fast it
+trains or what it evaluates."""
 
 
 def warm_start_settings(sft: ArenoConfig) -> dict:
-    """What the warm start's model follows from: its model, data, optimizer, training, batch and device
-    settings (JSON-shaped, as its COMPLETE file keeps them); a finished warm start is reused only for these."""
-    sections = {name: dataclasses.asdict(getattr(sft, name)) for name in ("model", "data", "optim", "train")}
-    for name, keys in WARM_START_IGNORED.items():
-        for key in keys:
-            sections[name].pop(key)
-    sections["rollout"] = {"batch_size": sft.rollout.batch_size}
-    sections["cluster"] = {key: getattr(sft.cluster, key) for key in ("device", "cpu_threads")}
-    return json.loads(json.dumps(sections))
+    """``WARM_START_SETTINGS`` of the warm start ``sft`` (JSON-shaped, as its COMPLETE file keeps them);
+    a finished warm start is reused only while they are the same."""
+    sections = {
+        name: {key: getattr(getattr(sft, name), key) for key in keys} for name, keys in WARM_START_SETTINGS.items()
+    }
+    return json.loads(json.dumps(sections, default=str))
 
 
 def _changed(made: dict, now: dict) -> list[str]:
@@ -115,18 +118,27 @@ def finished_warm_start(config: ArenoConfig) -> tuple[Path, list[str] | None]:
     return export_dir, ["(unrecorded)"] if made is None else _changed(made, warm_start_settings(sft))
 
 
-def run_warm_start(config: ArenoConfig) -> Path:
-    """Supervised warm start; returns the exported checkpoint directory (reused when complete and made
-    with the same settings, ``warm_start_settings``; made again otherwise)."""
+def run_warm_start(config: ArenoConfig, *, resuming: bool = False) -> Path:
+    """Supervised warm start; returns the exported checkpoint directory: reused when complete and made
+    with the same settings (``warm_start_settings``), made again otherwise, except under a resumed run,
+    whose checkpoints and reference model came from the one there (reused, the change warned about)."""
     sft = warm_start_config(config)
     export_dir, changed = finished_warm_start(config)
     if changed == []:
         logger.info("warm start: reusing %s", export_dir)
         return export_dir
+    if changed and resuming:
+        logger.warning(
+            "warm start: %s was made with other settings (%s); the resumed run keeps it",
+            export_dir,
+            ", ".join(changed[:4]),
+        )
+        return export_dir
     if changed:
         print(f"warm start: {export_dir} was made with other settings ({', '.join(changed[:4])}): training it again")
         (export_dir / "COMPLETE").unlink()
     trainer = Trainer.init(sft)
+    trainer.save_on_stop = False  # a stopped warm start starts over: it is the stage's one run
     try:
         metrics = trainer.run()
         trainer.backend.export_policy(export_dir)
@@ -150,14 +162,8 @@ def _run_stages(config: ArenoConfig) -> dict[str, float]:
     check_run(config)  # with the model.path the warm start starts from
     if config.warm_start.steps > 0:
         check_run(warm_start_config(config))
-        export_dir, changed = finished_warm_start(config)
-        if changed and resumes(config):  # the resumed stage's reference and model.path are the old warm start's
-            raise ConfigError(
-                f"warm_start: the run resumes, but {export_dir} was made with other settings "
-                f"({', '.join(changed[:4])}): resume with those settings, or start over (overwrite=true)"
-            )
-        # a finished warm start is reused (resume runs too)
-        config = _stage(config, model={"path": str(run_warm_start(config))})
+        # a finished warm start is reused (a resumed run keeps it even where its settings changed)
+        config = _stage(config, model={"path": str(run_warm_start(config, resuming=resumes(config)))})
     trainer = Trainer.init(config)
     try:
         before = trainer.evaluate_now() if trainer.start_rollout_id == 0 else {}
@@ -209,8 +215,9 @@ def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[s
     """The CPU demo: ``areno/configs/demo.yaml`` (a tiny model learns to sort digits with GRPO)."""
     if not DEMO_CONFIG.exists():
         raise UserError(f"{DEMO_CONFIG} not found: this areno install is incomplete; reinstall it (pip install areno)")
-    # each `areno demo` starts over in its run directory (overrides may still ask for resume)
-    base = [f"run_dir={run_dir}", "overwrite=true"]
+    # each `areno demo` starts over in its run directory, unless an override asks to resume it
+    resuming = any(o.split("=", 1)[0].strip() == "resume" for o in overrides)
+    base = [f"run_dir={run_dir}", *([] if resuming else ["overwrite=true"])]
     config = load_config(DEMO_CONFIG, [*base, *overrides])
     if not any(o.split("=", 1)[0].strip() == "model.path" for o in overrides):
         # the tiny initial model goes inside the run directory, wherever an override put it

@@ -25,8 +25,8 @@ from areno.data.datasets import check_prompt_forms, check_splits
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
 from areno.data.tasks import TaskSpec, generate_rows
 from areno.data.tokenizer import TOKENIZER_FILES, build_char_tokenizer, load_pretrained_tokenizer
-from areno.engine.api import init_tiny_marker, init_tiny_stale
-from areno.engine.config import ArenoConfig, RewardSection, field_default
+from areno.engine.api import init_tiny_stale
+from areno.engine.config import ArenoConfig, RewardSection, RolloutSection, field_default
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.roles import check_partitioned_roles, role_allocation
 from areno.errors import ConfigError, DataError, ModelDirError
@@ -44,15 +44,18 @@ logger = logging.getLogger(__name__)
 
 def check_run(config: ArenoConfig) -> None:
     """Raise the first :class:`~areno.errors.UserError` that ``config`` would meet, without
-    building a model: recipe, reward, workflow, data, device, resume, optional packages, model
-    directory, in that order."""
+    building a model, in this order: recipe, reward (and its sandbox settings), workflow, data rows
+    and the reward's signature against them, devices, held-out rows, placement, minibatches, roles,
+    the run directory and resume, optional packages, the model directory and tokenizer, prompt forms
+    and held-out lengths, a partitioned layout against the model."""
     recipe = get_recipe(config.train.algorithm, policy_kwargs=dict(config.train.algorithm_kwargs))
     check_reward(config)  # evaluation scores with it in every recipe
     if recipe.online:  # the engine adds its own arguments (tokenizer, reward_fn, ...) when it builds it
         factory = workflow_factory(config.rollout.workflow)
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs), partial=True)
     # offline recipes train on the answers; some shipped rewards score against them
-    splits = check_splits(config.data, need_answers=not recipe.online or reward_needs_answer(config.reward.fn))
+    scores_answers = reward_needs_answer(config.reward.fn)
+    splits = check_splits(config.data, need_answers=not recipe.online or scores_answers, eval_answers=scores_answers)
     check_reward_signature(reward_function(config.reward.fn), config.reward.fn, reward_row_keys(config, splits))
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
@@ -69,13 +72,6 @@ def check_run(config: ArenoConfig) -> None:
         raise ConfigError(
             f"resume=true but {Path(config.run_dir) / 'checkpoints'} holds no completed checkpoint "
             "(step_N/COMPLETE): use resume=auto to start fresh when there is none"
-        )
-    stale = init_tiny_stale(config)
-    if stale is not None and resumes(config):
-        raise ConfigError(
-            f"model.init_tiny: the run resumes, but its tiny model {config.model.path} was made from {stale} and this "
-            f"config makes another one ({init_tiny_marker(config)}): resume with those settings, or start over "
-            "(overwrite=true)"
         )
     check_optional_packages(config)
     for role in recipe.roles:
@@ -109,13 +105,14 @@ def check_resumed_config(config: ArenoConfig) -> None:
     if not resumes(config) or not saved.is_file():
         return
     before, now = _flat(OmegaConf.to_container(OmegaConf.load(saved))), _flat(to_dict(config))
-    changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
-    fixed = [k for k in changed if k in RUN_IDENTITY]
+    keys = sorted((set(before) | set(now)) - {"resume", "overwrite"})  # how this run starts, not what it is
+    changed = [k for k in keys if before.get(k) != now.get(k)]
+    fixed = [k for k in changed if any(k == p or k.startswith(p + ".") for p in RUN_IDENTITY)]
     if fixed:
         was = ", ".join(f"{k}={before.get(k)!r}" for k in fixed)
         raise ConfigError(
             f"resume: {config.run_dir} holds a run made with {was}, which a resumed run cannot change: resume "
-            "with those, or start over (overwrite=true) or in another run_dir"
+            "with those, or start over (resume=false overwrite=true) or in another run_dir"
         )
     if changed:
         logger.warning("resume: settings changed since the run was saved: %s", ", ".join(changed[:12]))
@@ -228,6 +225,8 @@ def check_partitioned_layout(config: ArenoConfig) -> None:
 def check_minibatches(config: ArenoConfig, recipe: TrainingConfig) -> None:
     """``train.num_minibatches`` splits a step's sequences: at most one minibatch per sequence."""
     rollout = config.rollout
+    if recipe.online and rollout.workflow != field_default(RolloutSection, "workflow"):
+        return  # a multi-turn or agent workflow may make more trajectories than samples
     sequences = rollout.batch_size * rollout.n_samples if recipe.online else rollout.batch_size
     if config.train.num_minibatches > sequences:
         raise ConfigError(

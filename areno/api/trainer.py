@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -83,6 +82,8 @@ class Trainer:
     start_rollout_id: int = 0
     test_rollout: TestRolloutManager | None = None
     """The background test rollout (``config.test_rollout.enabled``)."""
+    save_on_stop: bool = True
+    """A run stopped by a signal saves its step's checkpoint (False: a stage that starts over anyway)."""
 
     def __init__(self, config: ArenoConfig) -> None:
         self.config = config
@@ -183,17 +184,21 @@ class Trainer:
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 last_eval = self._evaluate(step)
+            signum = stop.signum  # read once: a signal arriving later in the step stops after the next one
+            stopping = signum is not None and step < cfg.steps
             saving = step == cfg.steps or (cfg.save_interval and step % cfg.save_interval == 0) or self._test_due(step)
-            if saving or stop.signum is not None:
+            if saving or (stopping and self.save_on_stop):
                 with span("checkpoint", "trainer", step=step):
                     self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
             self._log_test_results()
-            if stop.signum is not None and step < cfg.steps:
-                raise RunStopped(
-                    f"stopped by {signal.Signals(stop.signum).name} after step {step} of {cfg.steps}, its checkpoint "
-                    f"in {self._checkpoint_dir(step)}: go on with the same command and resume=auto",
-                    stop.signum,
+            if stopping:
+                where = f"after step {step} of {cfg.steps} of {self.run_dir}"
+                then = (
+                    f"its checkpoint in {self._checkpoint_dir(step)}: go on with the same command and resume=auto"
+                    if self.save_on_stop
+                    else "this stage starts over when the run is started again"
                 )
+                raise RunStopped(f"stopped by {signal.Signals(signum).name} {where}; {then}", signum)
         self._finish_test_rollout()
         return last_eval
 
@@ -279,7 +284,11 @@ class Trainer:
         previous one beside it as ``config.until_step_N.yaml``."""
         path, text = self.run_dir / "config.yaml", to_yaml(self.config)
         if resume_from is not None and path.is_file() and path.read_text() != text:
-            path.replace(path.with_name(f"config.until_{resume_from.name}.yaml"))
+            kept = path.with_name(f"config.until_{resume_from.name}.yaml")
+            n = 1
+            while kept.exists():  # resumed from this step before: keep every config it ran with
+                kept, n = path.with_name(f"config.until_{resume_from.name}.{n}.yaml"), n + 1
+            path.replace(kept)
         path.write_text(text)
 
     def _resume(self, path: Path) -> None:
@@ -306,11 +315,9 @@ class StopSignals:
     def _note(self, signum: int, frame: Any) -> None:
         self.signum = signum
         self._restore()
-        print(
-            f"areno: {signal.Signals(signum).name}: stopping after this step, once its checkpoint is saved "
-            "(send it again to stop now)",
-            file=sys.stderr,
-            flush=True,
+        # os.write: a print could re-enter a stderr write the signal interrupted (a RuntimeError)
+        os.write(
+            2, f"areno: {signal.Signals(signum).name}: stopping after this step (send it again to stop now)\n".encode()
         )
 
     def _restore(self) -> None:

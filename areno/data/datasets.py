@@ -114,10 +114,10 @@ def _json_type(value: object) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
-def build_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], list[dict]]:
+def build_splits(data_cfg, *, need_answers: bool = False, eval_answers: bool = False) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) for a ``DataSection``; rows use the configured keys.
-    ``need_answers``: every row must hold ``data.answer_key`` (supervised recipes train on it, and some
-    rewards score against it)."""
+    ``need_answers``: every training row must hold ``data.answer_key`` (supervised recipes train on it,
+    and some rewards score against it); ``eval_answers``: every held-out row too (such a reward)."""
     if data_cfg.task is not None:
         spec = TaskSpec(name=data_cfg.task, kwargs=dict(data_cfg.task_kwargs))
         train = generate_rows(spec, split="train", num=20_000, seed=data_cfg.seed)
@@ -136,7 +136,9 @@ def build_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], l
         raise DataError(f"dataset file {data_cfg.train_path} holds no rows: data.train_path needs training prompts")
     held_out = []
     if data_cfg.eval_path is not None:
-        held_out = load_rows(data_cfg.eval_path, prompt_key=data_cfg.prompt_key, answer_key=answer_key)
+        held_out = load_rows(
+            data_cfg.eval_path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key if eval_answers else None
+        )
         if not held_out:
             raise DataError(
                 f"dataset file {data_cfg.eval_path} holds no rows: data.eval_path needs held-out prompts, or unset it"
@@ -145,14 +147,16 @@ def build_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], l
     return train, held_out
 
 
-def check_splits(data_cfg, *, need_answers: bool = False) -> tuple[list[dict], list[dict]] | None:
+def check_splits(
+    data_cfg, *, need_answers: bool = False, eval_answers: bool = False
+) -> tuple[list[dict], list[dict]] | None:
     """Raise what :func:`build_splits` would raise (a :class:`DataError` or :class:`ConfigError`),
     without generating a shipped task's rows: the check before anything expensive starts. Returns a
     file's splits (None for a shipped task, whose rows are well formed by construction)."""
     if data_cfg.task is not None:
         TaskSpec(name=data_cfg.task, kwargs=dict(data_cfg.task_kwargs))  # validates the generator's arguments
         return None
-    return build_splits(data_cfg, need_answers=need_answers)
+    return build_splits(data_cfg, need_answers=need_answers, eval_answers=eval_answers)
 
 
 def check_prompt_forms(data_cfg, splits: tuple[list[dict], list[dict]] | None, *, templated: bool) -> None:

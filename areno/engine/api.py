@@ -20,6 +20,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,20 +203,41 @@ def init_tiny_stale(config: ArenoConfig) -> dict[str, Any] | None:
 
 def prepare_model_dir(config: ArenoConfig) -> Path:
     """The checkpoint directory, created from ``model.init_tiny`` when asked to (again, when the one
-    there was made from other arguments or another seed); else it must exist."""
+    there was made from other arguments or another seed, unless the run resumes: its checkpoints and
+    reference came from that one); else it must exist."""
     path = Path(config.model.path)
     stale = init_tiny_stale(config)
-    if stale is not None:
+    if (
+        stale is not None
+        and config.resume is not False
+        and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints")
+    ):
+        logger.warning("model.init_tiny: %s was made from %s; the resumed run keeps it", path, stale)
+        stale = None
+    elif stale is not None:
         logger.info("model.init_tiny: %s was made from %s; making it from %s", path, stale, init_tiny_marker(config))
     if (stale is not None or not (path / "config.json").is_file()) and config.model.init_tiny is not None:
-        tokenizer = build_char_tokenizer()
-        init_model_dir(path, tiny_config(len(tokenizer), **config.model.init_tiny), tokenizer, seed=config.train.seed)
-        (path / INIT_TINY_MARKER).write_text(json.dumps(init_tiny_marker(config)))
+        _make_tiny_model(config, path)
     if not path.is_dir():
         raise ModelDirError(f"model.path: directory {path} does not exist: point it at a local Hugging Face checkpoint")
     if not (path / "config.json").is_file():
         raise ModelDirError(f"model.path: {path} has no config.json: is it a Hugging Face checkpoint directory?")
     return path
+
+
+def _make_tiny_model(config: ArenoConfig, path: Path) -> None:
+    """``model.init_tiny``'s model at ``path``, made beside it and moved in whole (another run reading the
+    directory sees the old model or the new one, never half of each)."""
+    tokenizer = build_char_tokenizer()
+    made = path.with_name(f"{path.name}.making-{os.getpid()}")
+    shutil.rmtree(made, ignore_errors=True)
+    init_model_dir(made, tiny_config(len(tokenizer), **config.model.init_tiny), tokenizer, seed=config.train.seed)
+    (made / INIT_TINY_MARKER).write_text(json.dumps(init_tiny_marker(config)))
+    old = path.with_name(f"{path.name}.old-{os.getpid()}")
+    if path.exists():
+        path.rename(old)
+    made.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_recipe(config: ArenoConfig):
@@ -505,7 +528,7 @@ class ArenoEngine:
                 "rollout/num_seqs": float(len(trajectories)),
                 "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
             }
-        if self.recipe.online:
+        if self.recipe.online and not any(r.name == "teacher" for r in self.recipe.roles):  # distillation: a log
             self._check_rewards(rollout_id, trajectories)
         if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
@@ -525,7 +548,7 @@ class ArenoEngine:
         if self._reward_failed_batches >= REWARD_FAILED_BATCHES:
             raise RunFailure(
                 f"every reward call of the last {REWARD_FAILED_BATCHES} rollout batches failed (step {rollout_id + 1}; "
-                f"last: {errors[-1]}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
+                f"last: {next(iter(errors[-1].splitlines()), '')}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
                 "zero rewards"
             )
 

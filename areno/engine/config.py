@@ -580,10 +580,7 @@ class TrainSection(TrainStepConfig):
                 check_config(
                     key in allowed, f"train.role_optim.{role}.{key}", f"is not an optim key; they are {allowed}"
                 )
-            try:
-                OptimConfig(**override)
-            except ConfigError as e:
-                raise ConfigError(f"train.role_optim.{role}: {e}") from None
+            # the values are checked over the optim section they override (ArenoConfig.__post_init__)
         check_config(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
         check_config(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         check_config(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
@@ -780,6 +777,17 @@ class ArenoConfig:
             "overwrite",
             f"deletes the run_dir's run to start over, but resume={self.resume} continues it: drop one of them",
         )
+        for role, override in self.train.role_optim.items():  # a role's optimizer: optim with its keys replaced
+            try:
+                OptimConfig(**{**fields_of(self.optim, OptimConfig), **override})
+            except ConfigError as e:
+                message = str(e)
+                key = message.split(":", 1)[0]
+                if key.startswith("optim.") and key[len("optim.") :] in override:
+                    message = f"train.role_optim.{role}.{message[len('optim.') :]}"
+                else:  # a key of the optim section the override does not change, in the role's combination
+                    message = f"train.role_optim.{role} (over the optim section): {message}"
+                raise ConfigError(message) from None
         optimizer_steps = total_optimizer_steps(self)
         warmups = {"optim.warmup_steps": self.optim.warmup_steps}
         warmups.update(
@@ -873,8 +881,8 @@ class ArenoConfig:
         check_config(
             self.cluster.scheduler == "local",
             "cluster.scheduler",
-            f"{self.cluster.scheduler}: areno starts {rollout.backend} servers as local processes: use "
-            "cluster.scheduler=local, or start the servers yourself and list them in rollout.servers",
+            f"{self.cluster.scheduler}: areno starts {rollout.backend} servers as local processes and trains in "
+            "this one: use cluster.scheduler=local",
         )
 
 

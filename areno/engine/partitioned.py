@@ -85,7 +85,12 @@ def is_partitioned(config: ArenoConfig) -> bool:
     device lists or a ``+`` allocation_mode that parts rollout from the policy (one that colocates
     them places recipe roles: ``ClusterSection.string_role_devices``), and an online recipe (offline
     recipes such as the pipeline's sft warm start have no rollout side and run colocated)."""
-    return config.cluster.asks_partitioned() and get_recipe(config.train.algorithm).online
+    return config.cluster.asks_partitioned() and _online(config)
+
+
+def _online(config: ArenoConfig) -> bool:
+    """Whether the run's recipe (with ``train.algorithm_kwargs``: a teacher's path) generates rollouts."""
+    return get_recipe(config.train.algorithm, policy_kwargs=dict(config.train.algorithm_kwargs)).online
 
 
 def kv_tokens_for(config: ArenoConfig) -> int:
@@ -186,7 +191,7 @@ class PartitionedCluster:
         self._device_capacity = device_capacity
         self._launched = False
         self._stopped: set[str] = set()
-        if not get_recipe(config.train.algorithm).online:
+        if not _online(config):
             raise ConfigError(
                 f"recipe {config.train.algorithm!r} trains offline: the partitioned topology is for online "
                 "RL; unset cluster.train_devices/rollout_devices to run it colocated"

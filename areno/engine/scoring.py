@@ -20,7 +20,8 @@ from areno.data.prompts import render_prompt
 from areno.engine.config import ArenoConfig
 from areno.engine.ledger import SeedingClient
 from areno.engine.rollout_side import RolloutSide
-from areno.errors import ConfigError, DataError, UserError
+from areno.errors import ConfigError, DataError
+from areno.rollout.errors import RequestRejected
 from areno.types import MAX_SEED, SamplingParams, Trajectory
 from areno.workflows.common import acall_reward, sample_fields
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images
@@ -46,9 +47,7 @@ async def ascore_row(
         else:
             prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
             out = await client.agenerate(prompt_ids, params)
-    except ValueError as exc:  # the engine refused the request: a prompt too long for the context, ...
-        if isinstance(exc, UserError):
-            raise
+    except RequestRejected as exc:  # the row's own problem: a prompt too long for the context, ...
         raise DataError(f"the held-out row with prompt {str(row[prompt_key])!r:.60}: {exc}") from None
     completion = tokenizer.decode(out.output_ids, skip_special_tokens=True)
     fields = sample_fields(row, prompt_key, answer_key, IMAGES_KEY)

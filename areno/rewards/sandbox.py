@@ -69,10 +69,12 @@ def is_finite_reward(value: float) -> bool:
 
 
 def as_reward(value: Any) -> float:
-    """``value``, a reward function's return, as a float; a TypeError naming its type and value when
-    it is not a number (a str, a bool, None, a tensor), which ``float()`` would otherwise turn into a
-    reward silently ("0.5" into 0.5, True into 1.0)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's numbers are Real
+    """``value``, a reward function's return, as a float: a number, or a bool as 1.0 / 0.0 (``return
+    completion == answer``); a TypeError naming its type and value otherwise (a str, None, a list, a
+    tensor), which ``float()`` would turn into a reward silently ("0.5" into 0.5)."""
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # a numpy comparison
+        return float(value)
+    if not isinstance(value, numbers.Real):  # bool, int, float and numpy's numbers are Real
         raise TypeError(
             f"the reward function returned {type(value).__name__} {value!r:.80}, not a number: return a float"
         )

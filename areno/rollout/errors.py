@@ -16,3 +16,8 @@ class TornWeightsError(RuntimeError):
 
 class WeightUpdateError(ValueError):
     """A weight update was rejected as a whole; the engine still serves the previous version."""
+
+
+class RequestRejected(ValueError):
+    """A generation request the engine cannot take (an empty prompt, one longer than the context or the
+    KV pool, a token outside the vocabulary): the request's own problem, raised when it is added."""

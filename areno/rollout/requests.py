@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from areno.data.detokenize import decode_texts
+from areno.rollout.errors import RequestRejected
 from areno.rollout.sampling import RowParams
 from areno.rollout.scheduler import Scheduler, Sequence
 from areno.types import GenerationOutput, SamplingParams
@@ -55,19 +56,19 @@ class RequestTable:
         the ``Sequence`` fields of a request with images (``RolloutEngine.add_request`` makes them)."""
         prompt_ids = list(map(int, prompt_ids))
         if not prompt_ids:
-            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+            raise RequestRejected("prompt_ids is empty: a request needs at least one prompt token")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-            raise ValueError(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            raise RequestRejected(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt has {len(prompt_ids)} tokens but the context is max_model_len="
                 f"{self.max_model_len}: shorten the prompt"
             )
         longest = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
         allocator = self.scheduler.allocator
         if -(-longest // allocator.block_size) > allocator.num_blocks:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt + max_new_tokens = {longest} tokens exceeds the KV pool of "
                 f"{allocator.num_blocks * allocator.block_size} tokens: lower max_new_tokens "
                 "or give the engine more KV memory"

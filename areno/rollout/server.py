@@ -1080,6 +1080,13 @@ def check_bind(host: str, api_key: str | None) -> None:
         )
 
 
+def _device_arg(value: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N (argparse reports anything else as an invalid choice)."""
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is None:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, cpu, cuda, cuda:N)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="areno serve", description="Serve a Hugging Face checkpoint with the areno rollout engine."
@@ -1098,8 +1105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="auto (the default): cuda when available, else cpu; pick a GPU with CUDA_VISIBLE_DEVICES",
+        type=_device_arg,
+        help="auto (the default: cuda when available, else cpu), cpu, cuda or cuda:N",
     )
     p.add_argument(
         "--dtype",
@@ -1270,11 +1277,16 @@ def main(argv: list[str] | None = None) -> int:
         0 < args.max_body_mb < float("inf"), "--max-body-mb", f"must be a positive number, got {args.max_body_mb}"
     )
     check_config(
-        args.device != "cuda" or torch.cuda.is_available(),
-        "--device cuda",
+        not args.device.startswith("cuda") or torch.cuda.is_available(),
+        f"--device {args.device}",
         "this torch sees no CUDA device (torch.cuda.is_available() is False): pass --device cpu, "
         "or run where a GPU is visible with a CUDA build of torch",
     )
+    if args.device.startswith("cuda:"):
+        index, count = int(args.device[len("cuda:") :]), torch.cuda.device_count()
+        check_config(
+            index < count, f"--device {args.device}", f"this machine has {count} visible GPU(s): 0..{count - 1}"
+        )
     limits = ServerLimits(
         max_body_bytes=int(args.max_body_mb * 2**20),
         max_n=args.max_n,

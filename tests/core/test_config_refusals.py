@@ -134,6 +134,13 @@ def test_a_tiny_model_of_other_arguments_is_made_again(tmp_path):
     assert json.loads((first / "areno_init_tiny.json").read_text())["seed"] == 1
     again = load_file(first / "model.safetensors")
     assert any((again[k] != v).any() for k, v in weights.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # made beside it, moved in whole
+    # a run that resumes keeps the model its checkpoints came from
+    (tmp_path / "run" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_00000001" / "COMPLETE").write_text("")
+    resumed = [*overrides, f"run_dir={tmp_path / 'run'}", "resume=auto", "train.seed=2"]
+    prepare_model_dir(load_config(None, resumed))
+    assert json.loads((first / "areno_init_tiny.json").read_text())["seed"] == 1
 
 
 def test_a_finished_warm_start_is_reused_only_with_its_settings(tmp_path, capsys):
@@ -146,12 +153,58 @@ def test_a_finished_warm_start_is_reused_only_with_its_settings(tmp_path, capsys
     made = complete.stat().st_mtime_ns
     run("train.eval_interval=1")  # what the main stage evaluates leaves the warm start as it is
     assert complete.stat().st_mtime_ns == made and "training it again" not in capsys.readouterr().out
+    run("train.max_tokens_per_mb=512", "model.rollout_dtype=float32")  # how fast it trains, how the policy rolls out
+    assert complete.stat().st_mtime_ns == made and "training it again" not in capsys.readouterr().out
     run("warm_start.lr=0.01")
     assert "was made with other settings (optim.lr): training it again" in capsys.readouterr().out
-    assert complete.stat().st_mtime_ns != made
-    with pytest.raises(ConfigError, match=r"warm_start: the run resumes, but .* other settings \(optim.lr\)"):
-        overrides = [*tiny_run_overrides(tmp_path), "train.steps=1", "warm_start.steps=1", "warm_start.batch_size=4"]
-        run_pipeline(load_config(None, [*overrides, "resume=true", "warm_start.lr=0.02"]))
+    again = complete.stat().st_mtime_ns
+    assert again != made
+    # a resumed run keeps the warm start its checkpoints came from, the change warned about
+    overrides = [*tiny_run_overrides(tmp_path), "train.steps=2", "warm_start.steps=1", "warm_start.batch_size=4"]
+    run_pipeline(load_config(None, [*overrides, "resume=true", "warm_start.lr=0.02"]))
+    assert complete.stat().st_mtime_ns == again and "training it again" not in capsys.readouterr().out
+
+
+def test_the_warm_start_takes_a_main_stage_cosine_schedule(tmp_path):
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path), "optim.schedule=cosine", "optim.min_lr_ratio=0.1"])
+    assert warm_start_config(cfg).optim.min_lr_ratio == 0.0
+
+
+def test_a_roles_optimizer_is_checked_over_the_optim_section():
+    base = ["model.path=/m", "train.algorithm=ppo", "train.steps=20", "optim.schedule=cosine"]
+    cfg = load_config(None, [*base, "train.role_optim={critic: {warmup_steps: 5, min_lr_ratio: 0.1}}"])
+    assert cfg.train.role_optim["critic"]["warmup_steps"] == 5
+    with pytest.raises(ConfigError, match=r"train.role_optim.critic \(over the optim section\): optim.warmup_steps"):
+        load_config(None, [*base, "optim.warmup_steps=10", "train.role_optim={critic: {schedule: constant}}"])
+    with pytest.raises(ConfigError, match=r"^train.role_optim.critic.lr: must be > 0"):
+        load_config(None, [*base, "train.role_optim={critic: {lr: -1}}"])
+
+
+def test_a_resumed_run_keeps_its_task_and_is_quiet_about_resume(tmp_path, caplog):
+    from areno.api.config import to_yaml
+    from areno.api.preflight import check_resumed_config
+
+    base = [f"run_dir={tmp_path}", "model.path=/m", "data.task_kwargs={max_digits: 2}"]
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000001" / "COMPLETE").write_text("")
+    (tmp_path / "config.yaml").write_text(to_yaml(load_config(None, base)))
+    with caplog.at_level("WARNING"):
+        check_resumed_config(load_config(None, [*base, "resume=auto"]))
+    assert "settings changed" not in caplog.text
+    with pytest.raises(ConfigError, match=r"data.task_kwargs.max_digits=2, which a resumed run cannot change"):
+        check_resumed_config(load_config(None, [*base[:2], "data.task_kwargs={max_digits: 3}", "resume=auto"]))
+
+
+def test_areno_demo_resumes_when_asked(monkeypatch, tmp_path):
+    from areno.api import pipeline
+
+    seen = []
+    monkeypatch.setattr(
+        pipeline, "run_pipeline", lambda cfg: seen.append(cfg) or {"accuracy_before": 0, "accuracy_after": 0}
+    )
+    pipeline.run_demo(run_dir=str(tmp_path), overrides=["resume=auto"])
+    pipeline.run_demo(run_dir=str(tmp_path))
+    assert [(c.resume, c.overwrite) for c in seen] == [("auto", False), (False, True)]
 
 
 @pytest.mark.parametrize(

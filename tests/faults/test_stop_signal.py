@@ -65,3 +65,15 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     assert "stopping after this step" in err and "areno: interrupted" in err.splitlines(), err[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "areno.lock").exists()
+
+
+def test_a_stopped_warm_start_says_it_starts_over(tmp_path):
+    metrics = tmp_path / "run" / "warm_start" / "metrics.jsonl"
+    proc = _start(tmp_path, "warm_start.steps=500", "warm_start.batch_size=4")
+    _wait_for_steps(proc, metrics, 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert "warm_start; this stage starts over when the run is started again" in last, last
+    assert not (tmp_path / "run" / "warm_start" / "checkpoints").exists()  # nothing saved that would be discarded

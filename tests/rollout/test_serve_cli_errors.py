@@ -42,13 +42,15 @@ def test_device_is_a_choice_of_what_serve_supports(capsys):
     with pytest.raises(SystemExit) as exc:
         areno_main(["serve", "/nonexistent/model", "--device", "tpu"])
     assert exc.value.code == 2
-    assert "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')" in capsys.readouterr().err
+    assert "invalid choice: 'tpu' (choose from auto, cpu, cuda, cuda:N)" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_device_cuda_without_cuda_is_one_line(capsys, no_model_load, tiny_model_dir):
     err = _serve_error(capsys, str(tiny_model_dir), "--device", "cuda")
     assert "--device cuda: this torch sees no CUDA device" in err and "pass --device cpu" in err
+    err = _serve_error(capsys, str(tiny_model_dir), "--device", "cuda:1")
+    assert "--device cuda:1: this torch sees no CUDA device" in err
 
 
 @pytest.mark.parametrize(
