@@ -235,9 +235,7 @@ def test_a_reward_that_is_not_a_number_is_a_reward_error(value, caplog):
     assert "reward set to 0" in caplog.text
 
 
-@pytest.mark.parametrize(
-    "value", [0.5, 1, np.float32(0.5), np.float64(0.25), np.int64(1), True, False, np.bool_(True)]
-)
+@pytest.mark.parametrize("value", [0.5, 1, np.float32(0.5), np.float64(0.25), np.int64(1), True, False, np.bool_(True)])
 def test_numbers_and_bools_are_rewards(value):
     assert _call(value) == (float(value), None)
 
