@@ -59,7 +59,7 @@ def test_defaults_and_overrides(tmp_path):
         (["observe.wandb_tags=[a]"], "observe.wandb_tags: applies to W&B logging, which is off"),
         (["cluster.sync_timeout_s=0"], "cluster.sync_timeout_s: must be > 0"),
         (["train.role_optim={value: {lrr: 1}}"], "train.role_optim.value.lrr: is not an optim key"),
-        (["train.role_optim={value: {lr: -1}}"], "train.role_optim.value: optim.lr: must be > 0"),
+        (["train.role_optim={value: {lr: -1}}"], "train.role_optim.value.lr: must be > 0"),
         (["cluster.sync_bucket_bytes=1000"], "cluster.sync_bucket_bytes: must be at least 1 MiB"),
         (["observe.wandb_project=p", "observe.wandb_mode=cloud"], "observe.wandb_mode: must be online, offline"),
     ],
