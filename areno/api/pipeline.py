@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 from pathlib import Path
 
 from areno.api.config import ArenoConfig, load_config
@@ -17,7 +18,7 @@ from areno.api.preflight import check_run, resumes
 from areno.api.rundir import RunDirLock
 from areno.api.trainer import Trainer
 from areno.engine.config import ClusterSection, field_default
-from areno.errors import UserError
+from areno.errors import RunStopped, UserError
 from areno.observe.metrics import METRICS_FILENAME, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ WARM_START_SETTINGS = {
     "model": ("path", "init_tiny", "dtype", "compute_dtype", "freeze_vision"),
     "data": ("task", "task_kwargs", "train_path", "prompt_key", "answer_key", "seed", "chat_template", "system_prompt"),
     "optim": ("lr", "weight_decay", "grad_clip", "betas", "eps"),
-    "train": ("steps", "seed"),
+    "train": ("steps", "seed", "long_sequences"),
     "rollout": ("batch_size",),
     "cluster": ("device",),
 }
@@ -99,11 +100,11 @@ def warm_start_settings(sft: ArenoConfig) -> dict:
 
 def _changed(made: dict, now: dict) -> list[str]:
     """The dotted keys whose values differ between two ``warm_start_settings``."""
-    return [
+    return [  # the keys fingerprinted now: one an older areno recorded and no longer reads is no change
         f"{name}.{key}"
-        for name in sorted(set(made) | set(now))
-        for key in sorted(set(made.get(name, {})) | set(now.get(name, {})))
-        if made.get(name, {}).get(key) != now.get(name, {}).get(key)
+        for name in sorted(now)
+        for key in sorted(now[name])
+        if made.get(name, {}).get(key) != now[name][key]
     ]
 
 
@@ -145,6 +146,12 @@ def run_warm_start(config: ArenoConfig, *, resuming: bool = False) -> Path:
     finally:
         trainer.shutdown()
     (export_dir / "COMPLETE").write_text(json.dumps({**metrics, "settings": warm_start_settings(sft)}))
+    if trainer.stopped_by is not None:  # a signal during its last step: finished, but the main stage waits
+        raise RunStopped(
+            f"stopped by {signal.Signals(trainer.stopped_by).name} at the end of the warm start ({export_dir}); "
+            "the main stage starts when the run is started again",
+            trainer.stopped_by,
+        )
     accuracy = metrics.get("eval/accuracy", float("nan"))
     print(f"warm start ({sft.train.steps} sft steps): held-out accuracy {accuracy:.3f}")
     return export_dir
@@ -216,16 +223,23 @@ def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[s
     if not DEMO_CONFIG.exists():
         raise UserError(f"{DEMO_CONFIG} not found: this areno install is incomplete; reinstall it (pip install areno)")
     # each `areno demo` starts over in its run directory, unless an override asks to resume it
-    resuming = any(o.split("=", 1)[0].strip() == "resume" for o in overrides)
+    resuming = any(
+        k.strip() == "resume" and v.strip().lower() != "false" for k, _, v in (o.partition("=") for o in overrides)
+    )
     base = [f"run_dir={run_dir}", *([] if resuming else ["overwrite=true"])]
     config = load_config(DEMO_CONFIG, [*base, *overrides])
     if not any(o.split("=", 1)[0].strip() == "model.path" for o in overrides):
         # the tiny initial model goes inside the run directory, wherever an override put it
         config = load_config(DEMO_CONFIG, [*base, f"model.path={Path(config.run_dir) / 'init_model'}", *overrides])
     summary = run_pipeline(config)
-    before, after = summary["accuracy_before"] or 0.0, summary["accuracy_after"] or 0.0
-    print(
-        f"demo: held-out accuracy {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) "
-        f"after {config.train.steps} GRPO steps; curve: {Path(config.run_dir) / 'curve.png'}"
-    )
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    curve = Path(config.run_dir) / "curve.png"
+    if before is None or after is None:  # a resumed demo evaluated only after its steps (or none were left)
+        held = "n/a" if after is None else f"{after:.1%}"
+        print(f"demo (resumed): held-out accuracy {held} after {config.train.steps} GRPO steps; curve: {curve}")
+    else:
+        print(
+            f"demo: held-out accuracy {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) "
+            f"after {config.train.steps} GRPO steps; curve: {curve}"
+        )
     return summary

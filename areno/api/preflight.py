@@ -31,6 +31,7 @@ from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.roles import check_partitioned_roles, role_allocation
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
+from areno.models.config import ModelConfig
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import TrainingConfig, get_recipe
 from areno.rewards.loader import check_reward_signature, reward_function, wants_sandbox
@@ -188,12 +189,7 @@ def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[li
     them all; a training row that does not fit is dropped with a warning instead)."""
     if splits is None or not splits[1]:
         return
-    path = Path(config.model.path)
-    if (path / "config.json").is_file() and init_tiny_stale(config) is None:
-        context = read_config(path).max_position_embeddings
-    else:
-        context = tiny_config(len(build_char_tokenizer()), **config.model.init_tiny).max_position_embeddings
-    context = config.rollout.max_model_len or context
+    context = config.rollout.max_model_len or run_model_config(config).max_position_embeddings
     data = config.data
     templating = {"chat_template": data.chat_template, "system_prompt": data.system_prompt}
     for i, row in enumerate(splits[1]):
@@ -207,6 +203,15 @@ def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[li
             )
 
 
+def run_model_config(config: ArenoConfig) -> ModelConfig:
+    """The shape of the model the run will load: model.path's, or the one ``model.init_tiny`` makes
+    there at start-up (none yet, or one of other arguments, which a resumed run keeps)."""
+    path = Path(config.model.path)
+    if (path / "config.json").is_file() and (init_tiny_stale(config) is None or resumes(config)):
+        return read_config(path)
+    return tiny_config(len(build_char_tokenizer()), **config.model.init_tiny)
+
+
 def check_partitioned_layout(config: ArenoConfig) -> None:
     """A partitioned run's device lists, TP sizes and routing fit the devices and the model: what the
     engine checks when it is built, here before a warm start or any model load (it reads config.json
@@ -214,12 +219,7 @@ def check_partitioned_layout(config: ArenoConfig) -> None:
     if not is_partitioned(config) or config.rollout.backend != "areno":
         return
     cluster = PartitionedCluster(config, Path(config.run_dir))  # plans and checks the layout; starts nothing
-    path = Path(config.model.path)
-    if (path / "config.json").is_file() and init_tiny_stale(config) is None:
-        model_config = read_config(path)
-    else:  # made from init_tiny at start-up
-        model_config = tiny_config(len(build_char_tokenizer()), **config.model.init_tiny)
-    cluster.check_tp(cluster.layout, model_config)
+    cluster.check_tp(cluster.layout, run_model_config(config))
 
 
 def check_minibatches(config: ArenoConfig, recipe: TrainingConfig) -> None:

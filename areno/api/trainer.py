@@ -84,6 +84,9 @@ class Trainer:
     """The background test rollout (``config.test_rollout.enabled``)."""
     save_on_stop: bool = True
     """A run stopped by a signal saves its step's checkpoint (False: a stage that starts over anyway)."""
+    stopped_by: int | None = None
+    """The signal that arrived during the last step (the run then ended as it would have): the caller's
+    next stage should not start."""
 
     def __init__(self, config: ArenoConfig) -> None:
         self.config = config
@@ -149,7 +152,9 @@ class Trainer:
         """The outer loop; returns the last evaluation metrics. A SIGINT or SIGTERM ends it after the
         step in progress, with that step's checkpoint saved (``RunStopped``); a second one stops at once."""
         with StopSignals() as stop:
-            return self._run(stop)
+            metrics = self._run(stop)
+            self.stopped_by = stop.signum
+            return metrics
 
     def _run(self, stop: StopSignals) -> dict[str, float]:
         cfg = self.config.train

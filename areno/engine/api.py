@@ -227,8 +227,10 @@ def prepare_model_dir(config: ArenoConfig) -> Path:
 
 def _make_tiny_model(config: ArenoConfig, path: Path) -> None:
     """``model.init_tiny``'s model at ``path``, made beside it and moved in whole (another run reading the
-    directory sees the old model or the new one, never half of each)."""
+    directory finds the old model, the new one or, for the moment between two renames, none; never half
+    of each)."""
     tokenizer = build_char_tokenizer()
+    path = path.resolve()  # a symlinked model.path: the directory it points at is replaced
     made = path.with_name(f"{path.name}.making-{os.getpid()}")
     shutil.rmtree(made, ignore_errors=True)
     init_model_dir(made, tiny_config(len(tokenizer), **config.model.init_tiny), tokenizer, seed=config.train.seed)

@@ -780,6 +780,8 @@ class ArenoConfig:
         for role, override in self.train.role_optim.items():  # a role's optimizer: optim with its keys replaced
             try:
                 OptimConfig(**{**fields_of(self.optim, OptimConfig), **override})
+            except TypeError as e:  # null or a string for a number: the range checks cannot compare it
+                raise ConfigError(f"train.role_optim.{role}: a value of the wrong type ({e})") from None
             except ConfigError as e:
                 message = str(e)
                 key = message.split(":", 1)[0]

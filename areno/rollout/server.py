@@ -1106,7 +1106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default="auto",
         type=_device_arg,
-        help="auto (the default: cuda when available, else cpu), cpu, cuda or cuda:N",
+        help="auto (the default: cuda when available, else cpu), cpu or cuda (another GPU: CUDA_VISIBLE_DEVICES)",
     )
     p.add_argument(
         "--dtype",
@@ -1282,11 +1282,12 @@ def main(argv: list[str] | None = None) -> int:
         "this torch sees no CUDA device (torch.cuda.is_available() is False): pass --device cpu, "
         "or run where a GPU is visible with a CUDA build of torch",
     )
-    if args.device.startswith("cuda:"):
-        index, count = int(args.device[len("cuda:") :]), torch.cuda.device_count()
-        check_config(
-            index < count, f"--device {args.device}", f"this machine has {count} visible GPU(s): 0..{count - 1}"
-        )
+    # the engine's driver thread, its CUDA graphs and kernels run on the current device, GPU 0 of those visible
+    check_config(
+        args.device in ("cuda", "cuda:0") or not args.device.startswith("cuda:"),
+        f"--device {args.device}",
+        f"serve on that GPU with CUDA_VISIBLE_DEVICES={args.device[len('cuda:') :]} areno serve ... --device cuda",
+    )
     limits = ServerLimits(
         max_body_bytes=int(args.max_body_mb * 2**20),
         max_n=args.max_n,

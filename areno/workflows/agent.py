@@ -181,7 +181,7 @@ class AgentWorkflow(RolloutWorkflow):
                 return None
             if reward is not None and oai.cache.last.reward is None:
                 try:
-                    oai.set_last_reward(as_reward(reward))  # "0.5" or True is the agent's mistake, not a reward
+                    oai.set_last_reward(as_reward(reward))  # "0.5" or None is the agent's mistake, not a reward
                 except TypeError as exc:
                     logger.warning("agent episode %d of row %s: %s; dropped", index, describe_row(sample), exc)
                     rec.event("dropped", reason=str(exc))

@@ -49,7 +49,7 @@ async def acall_reward(
     reward_fn: RewardFn, prompt: str, completion: str, answer: Any, fields: dict[str, Any]
 ) -> tuple[float, str | None]:
     """Call the user's reward function; a raising reward, or one returning something other than a
-    number (a str, a bool, None), gives ``(0.0, error)`` and a warning that names the prompt, so one
+    number or a bool (a str, None), gives ``(0.0, error)`` and a warning that names the prompt, so one
     bad row never kills a run but is never silent either. A non-finite
     value scores 0 too (sandboxed: a ``nonfinite`` failure, counted) and is warned about once per
     process, with its row, so a reward that returns NaN on every row does not flood the log."""
@@ -58,7 +58,7 @@ async def acall_reward(
         value = reward_fn(prompt, completion, answer, **fields)
         if inspect.isawaitable(value):
             value = await value
-        value = as_reward(value)  # a str, bool or None is a reward error, not coerced
+        value = as_reward(value)  # a str or None is a reward error, not coerced (a bool counts 1 / 0)
         if not is_finite_reward(value):
             raise NonFiniteReward(f"reward returned {value!r}; it must be a finite float")
         return value, None

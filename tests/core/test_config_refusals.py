@@ -204,7 +204,8 @@ def test_areno_demo_resumes_when_asked(monkeypatch, tmp_path):
     )
     pipeline.run_demo(run_dir=str(tmp_path), overrides=["resume=auto"])
     pipeline.run_demo(run_dir=str(tmp_path))
-    assert [(c.resume, c.overwrite) for c in seen] == [("auto", False), (False, True)]
+    pipeline.run_demo(run_dir=str(tmp_path), overrides=["resume=false"])  # starts over, as without it
+    assert [(c.resume, c.overwrite) for c in seen] == [("auto", False), (False, True), (False, True)]
 
 
 @pytest.mark.parametrize(

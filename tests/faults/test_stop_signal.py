@@ -77,3 +77,18 @@ def test_a_stopped_warm_start_says_it_starts_over(tmp_path):
     last = err.strip().splitlines()[-1]
     assert "warm_start; this stage starts over when the run is started again" in last, last
     assert not (tmp_path / "run" / "warm_start" / "checkpoints").exists()  # nothing saved that would be discarded
+    assert not (tmp_path / "run" / "areno.lock").exists()
+
+
+def test_a_signal_in_the_warm_starts_last_step_keeps_it_and_starts_no_main_stage(tmp_path):
+    """The warm start's last step evaluates it (the first reward call, which signals): the warm start is
+    finished and kept, the main stage does not start."""
+    args = train_args(
+        tmp_path, "warm_start.steps=2", "warm_start.batch_size=4", "reward.fn=tests.helpers.rewards:sigterm_once",
+        "reward.sandbox=false",
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "areno", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    assert "at the end of the warm start" in done.stderr.strip().splitlines()[-1]
+    assert (tmp_path / "run" / "warm_start" / "final_model" / "COMPLETE").is_file()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "areno.lock").exists()

@@ -40,6 +40,14 @@ def exploding(prompt, completion, answer, **row):
     raise RuntimeError("reward bug")
 
 
+def sigterm_once(prompt, completion, answer, **row):
+    """Sends SIGTERM to its own process on its first call (in-process rewards only), then scores 0."""
+    if not os.environ.get("ARENO_TEST_SIGNALED"):
+        os.environ["ARENO_TEST_SIGNALED"] = "1"
+        os.kill(os.getpid(), 15)
+    return 0.0
+
+
 _calls = [0]
 
 

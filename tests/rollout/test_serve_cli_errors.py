@@ -53,6 +53,12 @@ def test_device_cuda_without_cuda_is_one_line(capsys, no_model_load, tiny_model_
     assert "--device cuda:1: this torch sees no CUDA device" in err
 
 
+def test_another_gpu_is_chosen_with_cuda_visible_devices(capsys, no_model_load, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    err = _serve_error(capsys, str(tiny_model_dir), "--device", "cuda:1")
+    assert "--device cuda:1: serve on that GPU with CUDA_VISIBLE_DEVICES=1 areno serve ... --device cuda" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
