@@ -803,13 +803,13 @@ class ArenoConfig:
                 "num_train_passes x num_minibatches): the run would end before its learning rate peaks",
             )
         if not partitioned or self.rollout.backend != "areno":  # only a partitioned run's workers sync by stream
-            for key in ("sync_commit", "sync_timeout_s", "sync_bucket_bytes"):
-                check_config(
-                    getattr(self.cluster, key) == field_default(ClusterSection, key),
-                    f"cluster.{key}",
-                    "applies to the policy sync between a partitioned run's workers, and this run is not one "
-                    "(set cluster.train_devices/rollout_devices or a '+' allocation_mode): drop the key",
-                )
+            check_unset(
+                self.cluster,
+                "cluster",
+                ("sync_commit", "sync_timeout_s", "sync_bucket_bytes"),
+                "applies to the policy sync between a partitioned run's workers, and this run is not one "
+                "(set cluster.train_devices/rollout_devices or a '+' allocation_mode): drop the key",
+            )
         check_config(
             self.rollout.generate_during_train is not True or self.rollout.max_head_offpolicyness > 0,
             "rollout.generate_during_train",
@@ -847,13 +847,13 @@ class ArenoConfig:
         vLLM/SGLang servers, the servers' settings with areno's engine or with servers the user runs."""
         rollout = self.rollout
         if rollout.backend == "areno":
-            for key in ("server_api_key", "server_args", "server_start_timeout_s"):
-                check_config(
-                    getattr(rollout, key) == field_default(RolloutSection, key),
-                    f"rollout.{key}",
-                    "configures vLLM/SGLang servers, but rollout.backend is areno (its own engine): "
-                    "drop the key, or set rollout.backend to vllm or sglang",
-                )
+            check_unset(
+                rollout,
+                "rollout",
+                ("server_api_key", "server_args", "server_start_timeout_s"),
+                "configures vLLM/SGLang servers, but rollout.backend is areno (its own engine): "
+                "drop the key, or set rollout.backend to vllm or sglang",
+            )
             return
         engine_keys = [f.name for f in dataclasses.fields(RolloutEngineSettings) if f.name != "max_model_len"]
         for key in (*engine_keys, "kv_blocks", "cuda_graph_warmup"):
@@ -873,19 +873,25 @@ class ArenoConfig:
                     f"one, so the importance ratios would be off: use rollout.{key}={off:g} with vllm",
                 )
         if rollout.servers:  # the user's servers: areno starts none
-            for key in ("max_model_len", "server_args", "server_start_timeout_s"):
-                check_config(
-                    getattr(rollout, key) == field_default(RolloutSection, key),
-                    f"rollout.{key}",
-                    "applies to the servers areno starts, but rollout.servers lists servers you run: "
-                    "drop the key and set it where you start them",
-                )
+            check_unset(
+                rollout,
+                "rollout",
+                ("max_model_len", "server_args", "server_start_timeout_s"),
+                "applies to the servers areno starts, but rollout.servers lists servers you run: "
+                "drop the key and set it where you start them",
+            )
         check_config(
             self.cluster.scheduler == "local",
             "cluster.scheduler",
             f"{self.cluster.scheduler}: areno starts {rollout.backend} servers as local processes and trains in "
             "this one: use cluster.scheduler=local",
         )
+
+
+def check_unset(section: Any, name: str, keys: tuple[str, ...], why: str) -> None:
+    """A ConfigError ``<name>.<key>: <why>`` for the first of ``keys`` set away from its default."""
+    for key in keys:
+        check_config(getattr(section, key) == field_default(type(section), key), f"{name}.{key}", why)
 
 
 def field_default(section: type, key: str) -> Any:
