@@ -1288,6 +1288,13 @@ def main(argv: list[str] | None = None) -> int:
         f"--device {args.device}",
         f"serve on that GPU with CUDA_VISIBLE_DEVICES={args.device[len('cuda:') :]} areno serve ... --device cuda",
     )
+    for flag in ("max_n", "max_prompts", "max_group"):  # ServerLimits checks them too, by field name
+        check_config(
+            getattr(args, flag) >= 1, f"--{flag.replace('_', '-')}", f"must be >= 1, got {getattr(args, flag)}"
+        )
+    check_config(
+        args.max_queued is None or args.max_queued >= 0, "--max-queued", f"must be >= 0, got {args.max_queued}"
+    )
     limits = ServerLimits(
         max_body_bytes=int(args.max_body_mb * 2**20),
         max_n=args.max_n,

@@ -65,6 +65,8 @@ def test_another_gpu_is_chosen_with_cuda_visible_devices(capsys, no_model_load, 
         (["--port", "99999"], "--port: must be in 1-65535 (0: any free port), got 99999"),
         (["--port", "-1"], "--port: must be in 1-65535"),
         (["--default-max-tokens", "0"], "--default-max-tokens: must be >= 1, got 0"),
+        (["--max-n", "0"], "--max-n: must be >= 1, got 0"),
+        (["--max-queued", "-1"], "--max-queued: must be >= 0, got -1"),
     ],
 )
 def test_bad_values_are_refused_before_the_model_loads(capsys, no_model_load, tiny_model_dir, argv, message):
