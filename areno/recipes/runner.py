@@ -199,6 +199,10 @@ class RecipeRunner:
                     loss_fn=spec.compute_loss,
                     denominator_fn=spec.step_denominator,
                 )
+                if skipped:  # the statistics (reduce_stats': "actor/ratio", ...) as means over the trained tokens
+                    kept = spec.denominator(batch)
+                    scale = spec.step_denominator(batch) / kept if kept else 0.0
+                    result = {k: v * scale if "/" in k else v for k, v in result.items()}
                 metrics.update({f"{name}/{k}": float(v) for k, v in result.items()})
                 if skipped is not None:
                     metrics[f"{name}/skipped_zero_grad_seqs"] = float(skipped)

@@ -163,5 +163,6 @@ def kept_sequences(batch: TokenBatch, free_B: torch.Tensor) -> list[int]:
 
 
 def reduce_stats(stats: dict[str, torch.Tensor], mask_T: torch.Tensor, reducer: Reducer, prefix: str) -> Metrics:
-    """Reduce detached per-token statistics with the loss reducer under ``prefix/``."""
+    """Reduce detached per-token statistics with the loss reducer under ``prefix/`` (the runner rescales
+    the keys with a ``/`` to means over the trained tokens when sequences were left out of the step)."""
     return {f"{prefix}/{k}": reducer(v.detach(), mask_T).detach() for k, v in stats.items()}

@@ -76,6 +76,14 @@ def test_the_update_is_the_whole_batchs(policy_dir, name, kwargs):
     assert on["policy/tokens"] < off["policy/tokens"]
     for a, b in zip(p_on, p_off):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the statistics (ratio, clip fraction, ...) are means over the sequences trained: those of a step on
+    # groups a and b alone, not diluted by the left-out group's share of the denominator
+    alone, _, _ = one_step(
+        get_recipe(name, policy_kwargs={**kwargs, "skip_zero_advantage": False}), policy_dir, batch.select([0, 1, 2, 3])
+    )
+    stats = [k for k in on if k.startswith("policy/") and k.count("/") == 2]
+    assert "policy/actor/ratio" in stats
+    assert {k: on[k] for k in stats} == pytest.approx({k: alone[k] for k in stats}, rel=1e-5, abs=1e-7)
 
 
 def test_every_group_equal_trains_the_shortest_sequence_and_steps_alike(policy_dir):
