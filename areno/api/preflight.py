@@ -116,7 +116,8 @@ def check_resumed_config(config: ArenoConfig) -> None:
             "with those, or start over (resume=false overwrite=true) or in another run_dir"
         )
     if changed:
-        logger.warning("resume: settings changed since the run was saved: %s", ", ".join(changed[:12]))
+        shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
+        logger.warning("resume: settings changed since the run was saved: %s", shown)
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:

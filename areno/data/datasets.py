@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from areno.data.prompts import message_list_problem
+from areno.data.prompts import completion_problem, message_list_problem
 from areno.data.tasks import TaskSpec, generate_rows
 from areno.errors import DataError
 
@@ -89,6 +89,8 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
             f"no field {answer_key!r}: the reference answer, which supervised training and answer-scoring "
             f"rewards need (fields are {fields}; set data.answer_key to the field that holds it)"
         )
+    if answer_key is not None:
+        return completion_problem(row[answer_key])
     return None
 
 

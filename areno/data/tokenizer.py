@@ -64,15 +64,41 @@ def build_char_tokenizer(
 
 
 def is_char_tokenizer(model_dir: str | Path) -> bool:
-    """Whether ``model_dir`` holds a tokenizer ``build_char_tokenizer`` made (its chat template, saved
-    as ``chat_template.jinja`` or in ``tokenizer_config.json``, is the one above)."""
+    """Whether ``model_dir`` holds a tokenizer ``build_char_tokenizer`` made: the chat template above
+    (saved as ``chat_template.jinja`` or in ``tokenizer_config.json``; a plain ChatML template of a user's
+    tokenizer can be the same text) and a word-level model over single characters."""
     model_dir = Path(model_dir)
     try:
         if (model_dir / "chat_template.jinja").is_file():
-            return (model_dir / "chat_template.jinja").read_text() == CHAT_TEMPLATE
-        return json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template") == CHAT_TEMPLATE
-    except (OSError, ValueError):
+            template = (model_dir / "chat_template.jinja").read_text()
+        else:
+            template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+        if template != CHAT_TEMPLATE:
+            return False
+        model = json.loads((model_dir / "tokenizer.json").read_text())["model"]
+        return model["type"] == "WordLevel" and all(len(t) == 1 or t in SPECIAL_TOKENS for t in model["vocab"])
+    except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def is_char_tokenizer_object(tokenizer: Any) -> bool:
+    """``is_char_tokenizer`` of a loaded tokenizer."""
+    if getattr(tokenizer, "chat_template", None) != CHAT_TEMPLATE or not hasattr(tokenizer, "backend_tokenizer"):
+        return False
+    model = tokenizer.backend_tokenizer.model
+    return isinstance(model, models.WordLevel) and all(
+        len(t) == 1 or t in SPECIAL_TOKENS for t in tokenizer.get_vocab()
+    )
+
+
+def _tokenizers_file_class(model_dir: Path) -> bool:
+    """Whether ``model_dir``'s tokenizer is a plain ``tokenizer.json`` (saved from a
+    ``PreTrainedTokenizerFast``, or with no class named), not a model family's tokenizer class."""
+    try:
+        named = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    return (model_dir / "tokenizer.json").is_file() and named in (None, "PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -86,7 +112,9 @@ def load_pretrained_tokenizer(model_dir: str | Path) -> Any:
     whose byte-level pre-tokenizer drops these characters' spaces (``"sort 4193:"`` read as
     ``"sort4193:"``) and adds a token the model's vocabulary lacks. That path also skips importing
     transformers' registry of model classes, which ``AutoTokenizer`` needs (about a second)."""
-    if is_char_tokenizer(model_dir):
+    if is_char_tokenizer(model_dir) or _tokenizers_file_class(Path(model_dir)):
+        # transformers 5's AutoTokenizer would give a qwen2 checkpoint Qwen2Tokenizer, whose own splitting
+        # rules replace the tokenizer.json's
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
     if Path(model_dir).is_dir() and not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         # transformers would build an empty tokenizer of the model type's class (a vocabulary of one)

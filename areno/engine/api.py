@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from areno.data.datasets import build_splits
-from areno.data.prompts import render_prompt
+from areno.data.prompts import completion_text, render_prompt
 from areno.data.tasks import PromptStream
-from areno.data.tokenizer import build_char_tokenizer, load_pretrained_tokenizer
+from areno.data.tokenizer import TOKENIZER_FILES, build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.host import HeapFreezer
@@ -265,11 +265,12 @@ def sft_trajectories(
     system_prompt: str | None = None,
 ) -> list[Trajectory]:
     """Offline data for supervised recipes: the prompt rendered as rollouts render it
-    (:func:`render_prompt`), then the reference answer and EOS as completion."""
+    (:func:`render_prompt`), then the reference answer's text (``completion_text``: a string, or TRL's
+    assistant messages) and EOS as completion."""
     out = []
     for row in rows:
         prompt_ids = render_prompt(tokenizer, row[prompt_key], chat_template=chat_template, system_prompt=system_prompt)
-        completion_ids = tokenizer.encode(str(row[answer_key])) + [tokenizer.eos_token_id]
+        completion_ids = tokenizer.encode(completion_text(row[answer_key])) + [tokenizer.eos_token_id]
         n = len(completion_ids)
         out.append(
             Trajectory(
@@ -722,7 +723,8 @@ class ArenoEngine:
     def export_policy(self, path: Path) -> None:
         self._enter(Phase.TRAIN)
         self.training.export_hf(path)
-        self.tokenizer.save_pretrained(path)
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):  # else the model's own files, as they are
+            self.tokenizer.save_pretrained(path)
 
     def shutdown(self) -> None:
         if self.executor is not None:

@@ -191,6 +191,9 @@ def test_a_resumed_run_keeps_its_task_and_is_quiet_about_resume(tmp_path, caplog
     with caplog.at_level("WARNING"):
         check_resumed_config(load_config(None, [*base, "resume=auto"]))
     assert "settings changed" not in caplog.text
+    with caplog.at_level("WARNING"):
+        check_resumed_config(load_config(None, [*base, "resume=auto", "reward.fn=tests.helpers.rewards:sevens"]))
+    assert "reward.fn: 'areno.rewards.tasks:exact_match' -> 'tests.helpers.rewards:sevens'" in caplog.text
     with pytest.raises(ConfigError, match=r"data.task_kwargs.max_digits=2, which a resumed run cannot change"):
         check_resumed_config(load_config(None, [*base[:2], "data.task_kwargs={max_digits: 3}", "resume=auto"]))
 
