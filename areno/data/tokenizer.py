@@ -66,7 +66,7 @@ def build_char_tokenizer(
 def is_char_tokenizer(model_dir: str | Path) -> bool:
     """Whether ``model_dir`` holds a tokenizer ``build_char_tokenizer`` made: the chat template above
     (saved as ``chat_template.jinja`` or in ``tokenizer_config.json``; a plain ChatML template of a user's
-    tokenizer can be the same text) and a word-level model over single characters."""
+    tokenizer can be the same text) and a word-level model (its characters, specials and extra tokens)."""
     model_dir = Path(model_dir)
     try:
         if (model_dir / "chat_template.jinja").is_file():
@@ -75,8 +75,7 @@ def is_char_tokenizer(model_dir: str | Path) -> bool:
             template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
         if template != CHAT_TEMPLATE:
             return False
-        model = json.loads((model_dir / "tokenizer.json").read_text())["model"]
-        return model["type"] == "WordLevel" and all(len(t) == 1 or t in SPECIAL_TOKENS for t in model["vocab"])
+        return json.loads((model_dir / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -85,10 +84,7 @@ def is_char_tokenizer_object(tokenizer: Any) -> bool:
     """``is_char_tokenizer`` of a loaded tokenizer."""
     if getattr(tokenizer, "chat_template", None) != CHAT_TEMPLATE or not hasattr(tokenizer, "backend_tokenizer"):
         return False
-    model = tokenizer.backend_tokenizer.model
-    return isinstance(model, models.WordLevel) and all(
-        len(t) == 1 or t in SPECIAL_TOKENS for t in tokenizer.get_vocab()
-    )
+    return isinstance(tokenizer.backend_tokenizer.model, models.WordLevel)
 
 
 def _tokenizers_file_class(model_dir: Path) -> bool:
@@ -107,11 +103,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def load_pretrained_tokenizer(model_dir: str | Path) -> Any:
     """The tokenizer of a local checkpoint: ``AutoTokenizer.from_pretrained``, except a character
-    tokenizer of ``build_char_tokenizer``, which loads as the class it was saved as. transformers 5
-    gives a ``qwen2`` checkpoint's generic fast tokenizer its model type's class (``Qwen2Tokenizer``),
-    whose byte-level pre-tokenizer drops these characters' spaces (``"sort 4193:"`` read as
-    ``"sort4193:"``) and adds a token the model's vocabulary lacks. That path also skips importing
-    transformers' registry of model classes, which ``AutoTokenizer`` needs (about a second)."""
+    tokenizer of ``build_char_tokenizer`` and any ``tokenizer.json`` saved from ``PreTrainedTokenizerFast``
+    (``tokenizer_class`` that, ``TokenizersBackend`` or none), which load as saved. transformers 5 gives a
+    ``qwen2`` checkpoint's generic fast tokenizer its model type's class (``Qwen2Tokenizer``), whose own
+    splitting rules replace the file's (the character tokenizer's ``"sort 4193:"`` read as ``"sort4193:"``,
+    with a token the model's vocabulary lacks). That path also skips importing transformers' registry of
+    model classes, which ``AutoTokenizer`` needs (about a second)."""
     if is_char_tokenizer(model_dir) or _tokenizers_file_class(Path(model_dir)):
         # transformers 5's AutoTokenizer would give a qwen2 checkpoint Qwen2Tokenizer, whose own splitting
         # rules replace the tokenizer.json's

@@ -1,5 +1,6 @@
 """``load_pretrained_tokenizer``: a tiny model's character tokenizer loads as it was saved (spaces and
-vocabulary intact, whatever class transformers maps the model type to); other checkpoints load as
+vocabulary intact, whatever class transformers maps the model type to), as does any tokenizer.json
+saved from ``PreTrainedTokenizerFast``; checkpoints naming a model family's class load as
 ``AutoTokenizer`` loads them."""
 
 from __future__ import annotations
@@ -32,11 +33,23 @@ def test_a_char_tokenizer_of_a_qwen2_checkpoint_loads_as_saved(tmp_path):
     )
 
 
-def test_other_tokenizers_load_as_auto_tokenizer_loads_them(tmp_path):
+def test_a_tokenizer_json_loads_as_itself_and_a_model_familys_class_as_auto_tokenizer_loads_it(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer
+
     other = build_char_tokenizer()
     other.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # not areno's char tokenizer
     model_dir = _model_dir(tmp_path, other)
     assert not is_char_tokenizer(model_dir)
+    # saved from PreTrainedTokenizerFast: its tokenizer.json's own splitting (transformers 5's AutoTokenizer
+    # would give this qwen2 checkpoint Qwen2Tokenizer, which splits by its own rules)
+    loaded = load_pretrained_tokenizer(model_dir)
+    own = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert loaded("a b c", add_special_tokens=False)["input_ids"] == own.encode("a b c").ids
+    # a model family's tokenizer class named in tokenizer_config.json: as AutoTokenizer loads it
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
     loaded, auto = load_pretrained_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
     assert type(loaded) is type(auto)
     assert loaded("a b c")["input_ids"] == auto("a b c")["input_ids"]
