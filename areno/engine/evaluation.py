@@ -104,9 +104,11 @@ def resolve_checkpoint(spec: str | None, config: ArenoConfig) -> tuple[Path, str
     if step is not None and not path.is_dir():  # a step of the config's run: checkpoints/step_00000120
         path = Path(config.run_dir) / "checkpoints" / f"step_{int(step.group(1)):08d}"
     if not path.is_dir():
+        steps = [p.name for _, p in complete_checkpoints(Path(config.run_dir) / "checkpoints")]
+        there = f"; run_dir's complete checkpoints: {', '.join(steps[-8:])}" if steps else ""
         raise ModelDirError(
             f"--checkpoint: {path} is not a directory: name a Hugging Face checkpoint, a checkpoint step of "
-            f"run_dir ({config.run_dir}) such as step_120, a run directory, or 'latest'"
+            f"run_dir ({config.run_dir}) such as step_120, a run directory, or 'latest'{there}"
         )
     if path.name == "hf" and path.parent.name.startswith("step_"):
         path = path.parent  # a checkpoint's export named directly: the checkpoint must be complete

@@ -1080,6 +1080,14 @@ def check_bind(host: str, api_key: str | None) -> None:
         )
 
 
+def served_name(model_dir: str) -> str:
+    """The model id a server answers to by default: the directory's name, or ``step_N`` for a run's
+    checkpoint export (``checkpoints/step_N/hf``, whose name is the same for every step)."""
+    path = os.path.normpath(model_dir)
+    name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
+    return parent if name == "hf" and parent.startswith("step_") else name
+
+
 def _device_arg(value: str) -> str:
     """``--device``: auto, cpu, cuda or cuda:N (argparse reports anything else as an invalid choice)."""
     if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is None:
@@ -1314,7 +1322,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_memory_fraction=args.kv_memory_fraction,
             **settings,
         )
-        name = args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
+        name = args.served_model_name or served_name(args.model_dir)
         app = create_app(
             engine,
             tokenizer=tokenizer,

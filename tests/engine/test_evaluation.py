@@ -109,6 +109,10 @@ def test_sampled_eval_is_reproducible_by_seed_and_its_rows_file_holds_every_samp
     assert Path(named["rows_file"]).name == "step_00000003-train-p2-n2-t0.5.jsonl"
     seeded = EvalOptions(checkpoint="latest", samples=2, temperature=0.5, num_prompts=2, seed=4)
     assert Path(run_eval(cfg, seeded)["rows_file"]).name == "step_00000003-p2-n2-t0.5-s4.jsonl"
+    with pytest.raises(
+        ModelDirError, match=r"step_00000009 is not a directory: .*complete checkpoints: .*step_00000003"
+    ):
+        resolve_checkpoint("step_9", cfg)
     # another run's checkpoint is named after its run, not written over this run's step_3 file
     elsewhere = dataclasses.replace(cfg, run_dir=str(tmp_path / "other"))
     assert resolve_checkpoint("step_3", cfg)[1] == "step_00000003"

@@ -129,3 +129,9 @@ def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tin
 def test_a_missing_model_dir_names_the_argument(capsys, tmp_path):
     err = _serve_error(capsys, str(tmp_path / "nope"))
     assert "does not exist: point MODEL_DIR at a local Hugging Face checkpoint" in err
+
+
+def test_a_checkpoint_export_is_served_by_its_step():
+    assert server_module.served_name("/runs/x/checkpoints/step_00000120/hf/") == "step_00000120"
+    assert server_module.served_name("/models/qwen2.5-0.5b") == "qwen2.5-0.5b"
+    assert server_module.served_name("/models/hf") == "hf"
