@@ -24,7 +24,7 @@ from areno.api.rundir import check_fresh
 from areno.data.datasets import check_prompt_forms, check_splits
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
 from areno.data.tasks import TaskSpec, generate_rows
-from areno.data.tokenizer import TOKENIZER_FILES, build_char_tokenizer, load_pretrained_tokenizer
+from areno.data.tokenizer import build_char_tokenizer, check_has_tokenizer, load_pretrained_tokenizer
 from areno.engine.api import init_tiny_stale
 from areno.engine.config import ArenoConfig, RewardSection, RolloutSection, field_default
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
@@ -267,10 +267,7 @@ def check_model(config: ArenoConfig) -> Any:
         check_init_tiny(model.init_tiny)  # the engine creates the model there
         return build_char_tokenizer()
     check_model_files(path, key="model.path")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelDirError(
-            f"model.path: {path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): copy the model's tokenizer files there"
-        )
+    check_has_tokenizer(path, key="model.path")
     try:
         tokenizer = load_pretrained_tokenizer(path)
     except (OSError, ValueError, TypeError) as exc:  # a corrupt or incomplete tokenizer file

@@ -101,6 +101,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 """A model directory holding none of these has no tokenizer."""
 
 
+def check_has_tokenizer(model_dir: Path, key: str | None = None) -> None:
+    """A one-line ModelDirError (naming ``key``, the setting that gave the directory) when ``model_dir``
+    holds none of ``TOKENIZER_FILES``."""
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        where = f"{key}: " if key else ""
+        raise ModelDirError(
+            f"{where}{model_dir} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): copy the model's tokenizer files there"
+        )
+
+
 def load_pretrained_tokenizer(model_dir: str | Path) -> Any:
     """The tokenizer of a local checkpoint: ``AutoTokenizer.from_pretrained``, except a character
     tokenizer of ``build_char_tokenizer`` and any ``tokenizer.json`` saved from ``PreTrainedTokenizerFast``
@@ -113,11 +123,8 @@ def load_pretrained_tokenizer(model_dir: str | Path) -> Any:
         # transformers 5's AutoTokenizer would give a qwen2 checkpoint Qwen2Tokenizer, whose own splitting
         # rules replace the tokenizer.json's
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    if Path(model_dir).is_dir() and not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
-        # transformers would build an empty tokenizer of the model type's class (a vocabulary of one)
-        raise ModelDirError(
-            f"{model_dir} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): copy the model's tokenizer files there"
-        )
+    if Path(model_dir).is_dir():  # transformers would build an empty tokenizer (a vocabulary of one)
+        check_has_tokenizer(Path(model_dir))
     from transformers import AutoTokenizer  # the model registry: imported only for real checkpoints
 
     return AutoTokenizer.from_pretrained(model_dir)
