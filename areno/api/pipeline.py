@@ -138,7 +138,7 @@ def run_warm_start(config: ArenoConfig, *, resuming: bool = False) -> Path:
     if changed:
         print(f"warm start: {export_dir} was made with other settings ({', '.join(changed[:4])}): training it again")
         (export_dir / "COMPLETE").unlink()
-    trainer = Trainer.init(sft)
+    trainer = Trainer.init(sft, stage="warm start")
     trainer.save_on_stop = False  # a stopped warm start starts over: it is the stage's one run
     try:
         metrics = trainer.run()

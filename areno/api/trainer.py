@@ -87,17 +87,20 @@ class Trainer:
     stopped_by: int | None = None
     """The signal that arrived during the last step (the run then ended as it would have): the caller's
     next stage should not start."""
+    stage: str | None = None
+    """The console's label of this run's steps when it is one stage of several (``"warm start"``)."""
 
     def __init__(self, config: ArenoConfig) -> None:
         self.config = config
         self.run_dir = Path(config.run_dir)
 
     @classmethod
-    def init(cls, config: ArenoConfig) -> Trainer:
+    def init(cls, config: ArenoConfig, *, stage: str | None = None) -> Trainer:
         """Resolve the registered backend named by ``config.train.backend`` and initialise it. The
         run directory is locked first (``rundir.RunDirLock``, released by :meth:`shutdown`), then
         what the config can be checked for is checked (``preflight.check_run``), before the run
-        directory is written and any model is built."""
+        directory is written and any model is built. ``stage``: the console's label of the steps
+        (``"warm start"``) when this run is one stage of several (``api/pipeline.py``)."""
         backend_cls = resolve_backend(config.train.backend)
         lock = RunDirLock(config.run_dir).acquire()
         try:
@@ -105,6 +108,7 @@ class Trainer:
             check_resumed_config(config)
             trainer = cls(config)
             trainer.lock = lock
+            trainer.stage = stage
             trainer._initialize(backend_cls)
         except BaseException:
             lock.release()
@@ -135,6 +139,7 @@ class Trainer:
             console=observe.console,
             tensorboard=observe.tensorboard,
             wandb=wandb_config(config),
+            stage=self.stage,
         )
         if resume_from is not None:
             self._resume(resume_from)

@@ -55,7 +55,7 @@ from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import RolloutWorkflow, load_workflow
-from areno.workflows.common import prompt_kwargs, store_kwargs, teacher_kwargs
+from areno.workflows.common import prompt_kwargs, store_kwargs, teacher_kwargs, warn_reward_errors
 from areno.workflows.images import vision_kwargs
 
 logger = logging.getLogger(__name__)
@@ -531,8 +531,10 @@ class ArenoEngine:
                 "rollout/num_seqs": float(len(trajectories)),
                 "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
             }
-        if self.recipe.online and not any(r.name == "teacher" for r in self.recipe.roles):  # distillation: a log
-            self._check_rewards(rollout_id, trajectories)
+        if self.recipe.online:
+            warn_reward_errors(trajectories, f"step {rollout_id + 1}'s rollout batch")
+            if not any(r.name == "teacher" for r in self.recipe.roles):  # distillation: a log
+                self._check_rewards(rollout_id, trajectories)
         if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
         metrics.update(self.rollout.metrics())  # the rollout side's own: replica health, engine counters
@@ -541,8 +543,9 @@ class ArenoEngine:
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
 
     def _check_rewards(self, rollout_id: int, trajectories: list[Trajectory]) -> None:
-        """A reward that fails on every call (each scored 0 and warned about) would have the run train
-        on nothing: ``REWARD_FAILED_BATCHES`` such batches in a row stop it with the last error."""
+        """A reward that fails on every call (each scored 0, a batch's failures warned about once) would
+        have the run train on nothing: ``REWARD_FAILED_BATCHES`` such batches in a row stop it with the
+        last error."""
         errors = [t.info["reward_error"] for t in trajectories if "reward_error" in t.info]
         if not trajectories or len(errors) < len(trajectories):
             self._reward_failed_batches = 0

@@ -23,7 +23,7 @@ from areno.engine.rollout_side import RolloutSide
 from areno.errors import ConfigError, DataError
 from areno.rollout.errors import RequestRejected
 from areno.types import MAX_SEED, SamplingParams, Trajectory
-from areno.workflows.common import acall_reward, sample_fields
+from areno.workflows.common import acall_reward, sample_fields, warn_reward_errors
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images
 
 
@@ -32,9 +32,10 @@ async def ascore_row(
 ) -> Trajectory:
     """One held-out row generated with ``params`` and scored: the prompt rendered as rollouts render
     it, the completion decoded, the reward under the rollouts' failure policy (a raising reward
-    scores 0, is warned about and recorded in ``info["reward_error"]``). Shared by
-    ``ArenoEngine.evaluate``, the test rollout (``engine/test_rollout.py``) and ``areno eval``
-    (``engine/evaluation.py``), so all three score a policy alike. ``info`` also holds the prompt,
+    scores 0 and is recorded in ``info["reward_error"]``: warned about in full the first time, then
+    counted; ``ascore_rows`` sums its rows' up in one warning). Shared by ``ArenoEngine.evaluate``,
+    the test rollout (``engine/test_rollout.py``) and ``areno eval`` (``engine/evaluation.py``), so
+    all three score a policy alike. ``info`` also holds the prompt,
     the completion's text and its finish reason. ``vision``: the model's ``VisionConfig`` (rows with
     images)."""
     prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
@@ -81,7 +82,8 @@ async def ascore_rows(
 ) -> list[list[Trajectory]]:
     """``samples`` scored completions of every row, in row order; a sampled request (temperature
     > 0) of row i's sample j carries the seed ``base_seed + i * samples + j``. ``on_row(done,
-    trajectories)``: called as each row's samples are all scored."""
+    trajectories)``: called as each row's samples are all scored. Reward errors: one warning at the
+    end, with their count (``warn_reward_errors``)."""
 
     async def row(i: int) -> tuple[int, list[Trajectory]]:
         return i, await ascore_samples(
@@ -97,6 +99,7 @@ async def ascore_rows(
         scored[i] = trajectories
         if on_row is not None:
             on_row(done, trajectories)
+    warn_reward_errors([t for ts in scored for t in ts], "the held-out rows")
     return scored
 
 

@@ -46,6 +46,10 @@ POLICY_SYNC_KEYS: tuple[str, ...] = (
 """The policy-sync metrics of seed 000, in its spelling."""
 
 REWARD_KEY = "rollout/reward_mean"
+COMPLETION_LEN_KEY = "rollout/completion_len_mean"
+POLICY_LOSS_KEY = "train/policy/loss"
+"""The policy's loss (the NLL of ``sft``, the actor loss of an RL recipe): the console's ``loss``;
+a recipe without a policy shows its trained role's ``train/<role>/loss`` (``reward_model``)."""
 STALENESS_KEY = "rollout/staleness_mean"
 """Mean (current version - token version) over the trained tokens of a step."""
 TOKENS_PER_S_KEY = "timing/tokens_per_s"
@@ -167,12 +171,23 @@ def _format_number(value: float) -> str:
     return f"{value:.3g}"
 
 
+def step_loss(metrics: Mapping[str, Number]) -> Number | None:
+    """The loss the console shows for a step (``POLICY_LOSS_KEY``, else the first ``train/<role>/loss``
+    or a backend's own ``train/loss``); None when the step logged none."""
+    if POLICY_LOSS_KEY in metrics:
+        return metrics[POLICY_LOSS_KEY]
+    losses = [k for k in sorted(metrics) if k.startswith("train/") and k.endswith("/loss") and k.count("/") <= 2]
+    return metrics[losses[0]] if losses else None
+
+
 class ConsoleSink(MetricSink):
-    """A progress line: step/total, reward, tokens/s, staleness, ETA.
+    """A progress line: [stage] step/total, reward and completion length (or a loss), tokens/s, staleness, ETA.
 
     On a terminal it is a tqdm bar; otherwise (CI, log files) a plain line per step, and eval
     results as their own line. Tokens/s is ``timing/tokens_per_s`` when logged, else
-    ``rollout/num_tokens`` divided by the wall time since the previous step.
+    ``rollout/num_tokens`` divided by the wall time since the previous step. The ETA is the mean
+    wall time of this stage's steps after its first (which carries the start-up: model load,
+    compilation, the first evaluation) times the steps left; the first step shows none.
     """
 
     def __init__(
@@ -182,15 +197,18 @@ class ConsoleSink(MetricSink):
         start_step: int = 0,
         stream: TextIO | None = None,
         use_tqdm: bool | None = None,
+        stage: str | None = None,
     ) -> None:
         self.total_steps = total_steps
         self.stream = stream if stream is not None else sys.stderr
+        self.stage = stage
         isatty = getattr(self.stream, "isatty", lambda: False)()
         self.use_tqdm = isatty if use_tqdm is None else use_tqdm
-        self._start_step = start_step
         self._last_step = start_step
-        self._t_start = time.monotonic()
-        self._t_last_step = self._t_start
+        self._t_last_step = time.monotonic()
+        self._first_step: int | None = None
+        """The first step this sink printed (at ``_t_first_step``): the ETA counts from there."""
+        self._t_first_step = 0.0
         self._bar = None
         if self.use_tqdm:
             from tqdm.auto import tqdm
@@ -201,15 +219,25 @@ class ConsoleSink(MetricSink):
                 file=self.stream,
                 dynamic_ncols=True,
                 unit="step",
-                desc="train",
+                desc=stage or "train",
+                # tqdm's own remaining time counts from the bar's start (the start-up): the postfix
+                # carries this sink's ETA instead
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
             )
 
     def summary(self, metrics: Mapping[str, Number], step: int) -> dict[str, str]:
-        """The short fields shown for a step (reward, tok/s, staleness, eta)."""
+        """The short fields shown for a step (reward, len or loss, tok/s, stale, eta)."""
         now = time.monotonic()
         fields: dict[str, str] = {}
         if REWARD_KEY in metrics:
             fields["reward"] = _format_number(metrics[REWARD_KEY])
+            if COMPLETION_LEN_KEY in metrics:
+                fields["len"] = _format_number(metrics[COMPLETION_LEN_KEY])
+        # a policy-gradient loss reads ~0 on every step (the ratio is 1 and a group's advantages
+        # cancel): a rollout's reward and length say more; losses are shown for steps without a reward
+        loss = step_loss(metrics) if REWARD_KEY not in metrics else None
+        if loss is not None:
+            fields["loss"] = _format_number(loss)
         tokens_per_s = metrics.get(TOKENS_PER_S_KEY)
         if tokens_per_s is None and NUM_TOKENS_KEY in metrics and step > self._last_step:
             elapsed = now - self._t_last_step
@@ -219,11 +247,18 @@ class ConsoleSink(MetricSink):
             fields["tok/s"] = _format_number(tokens_per_s)
         if STALENESS_KEY in metrics:
             fields["stale"] = _format_number(metrics[STALENESS_KEY])
-        done = step - self._start_step
-        if self.total_steps is not None and done > 0 and step <= self.total_steps:
-            eta = (now - self._t_start) / done * (self.total_steps - step)
+        eta = self.eta_s(step, now)
+        if eta is not None:
             fields["eta"] = _format_duration(eta)
         return fields
+
+    def eta_s(self, step: int, now: float) -> float | None:
+        """Seconds left after ``step`` at time ``now``: the mean time of the steps since the first one
+        this sink printed, times the steps left (None: no total, or no step timed yet)."""
+        first = self._first_step
+        if self.total_steps is None or first is None or not first < step <= self.total_steps:
+            return None
+        return (now - self._t_first_step) / (step - first) * (self.total_steps - step)
 
     def write(self, metrics: Mapping[str, Number], step: int) -> None:
         # held-out results (eval/, and test/ logged late at their checkpoint's step) print as one line
@@ -236,18 +271,20 @@ class ConsoleSink(MetricSink):
             if eval_fields:
                 self._bar.write(self._eval_line(eval_fields, step), file=self.stream)
             if is_step and fields:
-                fields.pop("eta", None)  # tqdm shows its own
                 self._bar.set_postfix(fields, refresh=True)
         else:
             if is_step:
                 total = f"/{self.total_steps}" if self.total_steps is not None else ""
-                parts = [f"step {step}{total}"] + [f"{k} {v}" for k, v in fields.items()]
+                stage = f"{self.stage} " if self.stage else ""
+                parts = [f"{stage}step {step}{total}"] + [f"{k} {v}" for k, v in fields.items()]
                 print(" | ".join(parts), file=self.stream, flush=True)
             if eval_fields:
                 print(self._eval_line(eval_fields, step), file=self.stream, flush=True)
         if step > self._last_step:
             self._last_step = step
             self._t_last_step = time.monotonic()
+            if self._first_step is None:
+                self._first_step, self._t_first_step = step, self._t_last_step
 
     @staticmethod
     def _eval_line(eval_fields: Mapping[str, Number], step: int) -> str:
@@ -364,8 +401,11 @@ class MetricsLogger:
         tensorboard: bool = False,
         wandb: WandbConfig | None = None,
         start_step: int = 0,
+        stage: str | None = None,
         extra_sinks: Sequence[MetricSink] = (),
     ) -> None:
+        """``stage``: the console's label of these steps when the run is one stage of several
+        (``"warm start"``: ``warm start step 3/80 | ...``)."""
         if total_steps is not None and total_steps < 0:
             raise ValueError(f"total_steps must be >= 0 or None, got {total_steps}")
         self.run_dir = Path(run_dir)
@@ -375,7 +415,7 @@ class MetricsLogger:
         self.sinks: list[MetricSink] = [JsonlSink(self.run_dir)]
         try:
             if console:
-                self.sinks.append(ConsoleSink(total_steps=total_steps, start_step=start_step))
+                self.sinks.append(ConsoleSink(total_steps=total_steps, start_step=start_step, stage=stage))
             if tensorboard:
                 self.sinks.append(TensorBoardSink(self.run_dir))
             if wandb is not None and wandb.mode != "disabled":

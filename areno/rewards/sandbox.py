@@ -26,8 +26,9 @@ multiprocessing start method is. They import the reward by its dotted path, with
   ``malformed`` failure (worker replaced); NaN, ±inf and values beyond float32 are ``nonfinite``.
 
 Failures raise :class:`RewardFailure`, whose message names the reward and the fix; the workflows'
-``acall_reward`` turns it into reward 0, ``info["reward_error"]`` and one warning line. The counts
-are in :meth:`RewardSandbox.metrics` / :func:`reward_metrics` as ``rollout/reward_failures_<kind>``.
+``acall_reward`` turns it into reward 0, ``info["reward_error"]`` and a warning (a reward's first
+failure in full, later ones once per batch with their count). The counts are in
+:meth:`RewardSandbox.metrics` / :func:`reward_metrics` as ``rollout/reward_failures_<kind>``.
 """
 
 from __future__ import annotations

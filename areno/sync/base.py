@@ -54,6 +54,11 @@ METRIC_NAMES = (
     "policy_sync_generation_paused_s",
 )
 
+SLOW_SYNC_S = 10.0
+"""A sync that took longer is logged at INFO (the console shows it); the others at DEBUG, their
+figures being in the step's metrics (``METRIC_NAMES``). A 1.5B policy syncs in about 10 ms between
+two GPUs (bench/RESULTS.md): one of seconds is worth a line."""
+
 
 class PolicySyncError(RunFailure):
     """A policy sync did not complete; the receivers kept their previous version."""
@@ -99,8 +104,10 @@ class SyncStats:
         }
 
     def log(self, transport: str) -> None:
+        """One line with the figures: DEBUG, or INFO for a sync slower than ``SLOW_SYNC_S``."""
         m = self.as_metrics()
-        logger.info(
+        logger.log(
+            logging.INFO if self.total_time_s > SLOW_SYNC_S else logging.DEBUG,
             "policy sync v%d (%s): policy_sync_time_s=%.4f policy_sync_transfer_time_s=%.4f "
             "policy_sync_bytes=%d policy_sync_tensors=%d policy_sync_throughput_gbps=%.3f "
             "policy_sync_generation_paused_s=%.4f",

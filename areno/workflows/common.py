@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from areno.rewards.sandbox import RewardFailure, as_reward, is_finite_reward
+from areno.rewards.sandbox import as_reward, is_finite_reward
+from areno.types import Trajectory
 from areno.workflows.base import _import_dotted
 
 logger = logging.getLogger("areno.workflows")
@@ -42,18 +43,20 @@ class NonFiniteReward(ValueError):
     """A reward returned NaN, ±inf or a value beyond float32 (it would poison the batch's mean)."""
 
 
-_warned_nonfinite = False
+_failed_rewards: dict[int, Any] = {}
+"""The reward functions (by ``id``, held so the id stays theirs) whose first failure was warned in
+full: later ones are logged at DEBUG, and summed up once per batch (``warn_reward_errors``)."""
 
 
 async def acall_reward(
     reward_fn: RewardFn, prompt: str, completion: str, answer: Any, fields: dict[str, Any]
 ) -> tuple[float, str | None]:
     """Call the user's reward function; a raising reward, or one returning something other than a
-    number or a bool (a str, None), gives ``(0.0, error)`` and a warning that names the prompt, so one
-    bad row never kills a run but is never silent either. A non-finite
-    value scores 0 too (sandboxed: a ``nonfinite`` failure, counted) and is warned about once per
-    process, with its row, so a reward that returns NaN on every row does not flood the log."""
-    global _warned_nonfinite
+    number or a bool (a str, None), or a non-finite value (sandboxed: a ``nonfinite`` failure,
+    counted), gives ``(0.0, error)``, so one bad row never kills a run but is never silent either:
+    the first failure of each reward function is warned about with its prompt, completion and row
+    fields; later ones are logged at DEBUG and counted, a batch's in one warning
+    (``warn_reward_errors``), so a reward that fails on every row does not flood the log."""
     try:
         value = reward_fn(prompt, completion, answer, **fields)
         if inspect.isawaitable(value):
@@ -64,19 +67,33 @@ async def acall_reward(
         return value, None
     except Exception as exc:  # noqa: BLE001 - user code: counted (info["reward_error"]) and warned, not hidden
         error = f"{type(exc).__name__}: {exc}"
-        nonfinite = isinstance(exc, NonFiniteReward) or (isinstance(exc, RewardFailure) and exc.kind == "nonfinite")
-        if not nonfinite or not _warned_nonfinite:
-            _warned_nonfinite |= nonfinite
-            once = " (warned once: later non-finite rewards are only counted)" if nonfinite else ""
-            logger.warning(
-                "reward function failed for prompt %r, completion %r, fields %r: %s; reward set to 0%s",
-                prompt[:200],
-                completion[:200],
-                sorted(fields),
-                error,
-                once,
-            )
+        first = id(reward_fn) not in _failed_rewards
+        _failed_rewards.setdefault(id(reward_fn), reward_fn)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "reward function failed for prompt %r, completion %r, fields %r: %s; reward set to 0%s",
+            prompt[:200],
+            completion[:200],
+            sorted(fields),
+            error,
+            " (its later failures are counted: one warning per batch, rollout/reward_errors)" if first else "",
+        )
         return 0.0, error
+
+
+def warn_reward_errors(trajectories: Sequence[Trajectory], batch: str) -> None:
+    """One warning for the reward errors among ``trajectories`` (``info["reward_error"]``), if any:
+    how many of them, and the last error's first line. ``batch`` names them (``"step 3's rollout
+    batch"``)."""
+    errors = [t.info["reward_error"] for t in trajectories if "reward_error" in t.info]
+    if errors:
+        logger.warning(
+            "reward function failed on %d of %d completions of %s (each scored 0); last error: %s",
+            len(errors),
+            len(trajectories),
+            batch,
+            next(iter(errors[-1].splitlines()), ""),
+        )
 
 
 def sample_fields(sample: dict[str, Any], *exclude: str) -> dict[str, Any]:

@@ -30,7 +30,8 @@ class RLVRWorkflow(RolloutWorkflow):
     ``reward_fn(prompt, completion, answer, **other_fields) -> float`` receives the decoded
     completion (special tokens removed), the row's answer (None when the row has no answer field)
     and every other field of the row. A reward that raises scores 0, is recorded in
-    ``trajectory.info["reward_error"]`` and is warned about with the prompt named.
+    ``trajectory.info["reward_error"]`` and is warned about (``acall_reward``: the first failure with
+    the prompt named, later ones once per batch).
 
     A row with ``images`` (vision-language models: ``vision`` is set by the engine from the
     checkpoint) generates with the images' pixels; the trajectories keep them by reference in

@@ -127,12 +127,18 @@ def test_grpo_reward_goes_up(tmp_path):
     } <= names
 
 
-def test_pipeline_warm_start_and_export_loads_in_transformers(tmp_path):
+def test_pipeline_warm_start_and_export_loads_in_transformers(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(tmp_path, "warm_start.steps=2", "warm_start.batch_size=8", "train.steps=1")
+    cfg = _config(tmp_path, "warm_start.steps=2", "warm_start.batch_size=8", "train.steps=2", "observe.console=true")
     summary = run_pipeline(cfg)
     assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
+    # the console names the warm start's steps and shows each step's loss (GRPO's: reward and length)
+    steps = [line.split(" | ") for line in capsys.readouterr().err.splitlines() if " | " in line]
+    assert [fields[0] for fields in steps] == ["warm start step 1/2", "warm start step 2/2", "step 1/2", "step 2/2"]
+    assert all(fields[1].startswith("loss ") for fields in steps[:2]), steps
+    assert all(fields[1].startswith("reward ") and fields[2].startswith("len ") for fields in steps[2:]), steps
+    assert [fields[-1] for fields in steps if fields[-1].startswith("eta")] == ["eta 00:00", "eta 00:00"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "warm_start" / "final_model")
     assert model.config.num_hidden_layers == 1
     assert (tmp_path / "run" / "curve.png").stat().st_size > 1000

@@ -1,23 +1,96 @@
 """A reward that fails on every call stops the run after ``REWARD_FAILED_BATCHES`` such rollout batches,
-instead of training on zero rewards; one that fails now and then does not."""
+instead of training on zero rewards; one that fails now and then does not. Either is warned about in
+full once, then once per batch with a count, not once per call."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+
+import pytest
 
 from areno.cli import main
 from areno.engine.api import REWARD_FAILED_BATCHES
+from areno.types import Trajectory
+from areno.workflows import common
 from tests.helpers.configs import train_args
 
 
-def test_a_reward_failing_every_call_stops_the_run(tmp_path, capsys):
-    args = train_args(tmp_path, "train.steps=10", "reward.fn=tests.helpers.rewards:exploding", "reward.sandbox=false")
-    assert main(args) == 1
+@pytest.fixture(autouse=True)
+def no_reward_failed_yet(monkeypatch):
+    """Each test's reward functions fail for the first time in it (their first failure is warned in full)."""
+    monkeypatch.setattr(common, "_failed_rewards", {})
+
+
+def test_a_reward_failing_every_call_stops_the_run(tmp_path, capsys, caplog):
+    args = train_args(
+        tmp_path,
+        "train.steps=10",
+        "reward.fn=tests.helpers.rewards:exploding",
+        "reward.sandbox=false",
+        "rollout.batch_size=4",
+        "rollout.n_samples=4",
+    )
+    with caplog.at_level(logging.WARNING):
+        assert main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"areno: error: every reward call of the last {REWARD_FAILED_BATCHES} rollout batches")
     assert "RuntimeError: reward bug" in err[-1] and "fix reward.fn (tests.helpers.rewards:exploding)" in err[-1]
     steps = [json.loads(line).get("step") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert max(s for s in steps if s is not None) == REWARD_FAILED_BATCHES - 1  # the third batch stopped it
+    # 4 held-out rows and 3 batches of 16 completions failed: the first call warned in full, then one
+    # line for the evaluation and one per batch, instead of 52
+    warnings = [r.getMessage() for r in caplog.records if r.name == "areno.workflows"]
+    assert len(warnings) == 2 + REWARD_FAILED_BATCHES, warnings
+    assert warnings[0].startswith("reward function failed for prompt ") and "RuntimeError: reward bug" in warnings[0]
+    assert warnings[1].startswith("reward function failed on 4 of 4 completions of the held-out rows")
+    assert warnings[2:] == [
+        f"reward function failed on 16 of 16 completions of step {step}'s rollout batch (each scored 0); "
+        "last error: RuntimeError: reward bug"
+        for step in range(1, REWARD_FAILED_BATCHES + 1)
+    ]
+
+
+def _call(reward_fn, completion: str = "c") -> tuple[float, str | None]:
+    return asyncio.run(common.acall_reward(reward_fn, "p", completion, "a", {"id": 7}))
+
+
+def test_a_reward_function_is_warned_about_in_full_once(caplog):
+    def broken(prompt, completion, answer, **row):
+        raise KeyError(completion)
+
+    def other(prompt, completion, answer, **row):
+        return float("nan")
+
+    with caplog.at_level(logging.DEBUG, logger="areno.workflows"):
+        results = [_call(broken, "x"), _call(broken, "y"), _call(other, "z"), _call(broken, "w"), _call(other, "v")]
+    assert [r for r, _ in results] == [0.0] * 5
+    assert [e for _, e in results][:2] == ["KeyError: 'x'", "KeyError: 'y'"]
+    levels = [(r.levelno, r.getMessage().split(", fields")[0]) for r in caplog.records]
+    assert levels == [
+        (logging.WARNING, "reward function failed for prompt 'p', completion 'x'"),  # each function's first: in full
+        (logging.DEBUG, "reward function failed for prompt 'p', completion 'y'"),  # the later ones: counted
+        (logging.WARNING, "reward function failed for prompt 'p', completion 'z'"),
+        (logging.DEBUG, "reward function failed for prompt 'p', completion 'w'"),
+        (logging.DEBUG, "reward function failed for prompt 'p', completion 'v'"),
+    ]
+    assert "later failures are counted" in caplog.records[0].getMessage()
+
+
+def test_a_batch_of_reward_errors_is_one_warning(caplog):
+    def traj(error: str | None) -> Trajectory:
+        info = {} if error is None else {"reward_error": error}
+        return Trajectory(prompt_ids=[1], completion_ids=[2], logprobs=[0.0], versions=[0], reward=0.0, info=info)
+
+    with caplog.at_level(logging.WARNING, logger="areno.workflows"):
+        common.warn_reward_errors([traj(None), traj(None)], "step 1's rollout batch")
+        common.warn_reward_errors(
+            [traj("ValueError: a"), traj(None), traj("Traceback:\nline 2")], "step 2's rollout batch"
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward function failed on 2 of 3 completions of step 2's rollout batch (each scored 0); last error: Traceback:"
+    ]
 
 
 def test_a_reward_failing_on_some_rows_trains_on(tmp_path):

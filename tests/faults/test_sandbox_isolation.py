@@ -80,18 +80,26 @@ def test_non_finite_rewards_are_their_own_failure_kind(pool, value):
     assert pool.score("p", "value:1e30") == 1e30  # large but finite in float32: a reward
 
 
-def test_acall_reward_scores_non_finite_0_and_warns_once(pool, caplog):
+def test_acall_reward_scores_non_finite_0_and_warns_once(pool, caplog, monkeypatch):
     from areno.workflows import common
 
-    common._warned_nonfinite = False
+    monkeypatch.setattr(common, "_failed_rewards", {})  # no reward function failed before
+
+    def in_process(prompt, completion, answer, **row):
+        return {"x": math.nan, "y": 1e308}[completion]
+
     with caplog.at_level(logging.WARNING, logger="areno.workflows"):
         results = [
             asyncio.run(common.acall_reward(fn, "p", c, None, {"id": 7}))
-            for fn, c in [(lambda *a, **k: math.nan, "x"), (lambda *a, **k: 1e308, "y"), (pool, "value:inf")]
+            for fn, c in [(in_process, "x"), (in_process, "y"), (pool, "value:inf"), (pool, "value:1e308")]
         ]
-    assert [r for r, _ in results] == [0.0, 0.0, 0.0]
-    assert results[0][1].startswith("NonFiniteReward") and results[2][1].startswith("RewardFailure")
-    assert len(caplog.records) == 1 and "'x'" in caplog.records[0].getMessage()  # once, with the row
+    assert [r for r, _ in results] == [0.0, 0.0, 0.0, 0.0]
+    assert results[1][1].startswith("NonFiniteReward") and results[3][1].startswith("RewardFailure")
+    # once per reward function, with the row
+    assert [r.getMessage().split(", fields")[0] for r in caplog.records] == [
+        "reward function failed for prompt 'p', completion 'x'",
+        "reward function failed for prompt 'p', completion 'value:inf'",
+    ]
 
 
 def test_rollout_metrics_never_null_for_non_finite_rewards():

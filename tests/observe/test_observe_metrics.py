@@ -24,6 +24,7 @@ from areno.observe.metrics import (
 STEPS = [
     {
         "rollout/reward_mean": 0.25,
+        "rollout/completion_len_mean": 12.5,
         "train/loss": 1.5,
         "timing/tokens_per_s": 1200.0,
         "rollout/staleness_mean": 0.5,
@@ -32,6 +33,7 @@ STEPS = [
     },
     {
         "rollout/reward_mean": 0.5,
+        "rollout/completion_len_mean": 9.0,
         "train/loss": 1.25,
         "timing/tokens_per_s": 1300.0,
         "rollout/staleness_mean": 1.0,
@@ -126,8 +128,8 @@ def test_every_sink_receives_the_same_metrics(tmp_path, monkeypatch, capsys):
 
     err = capsys.readouterr().err  # not a TTY under pytest: plain lines
     lines = [line for line in err.splitlines() if line.startswith("step ")]
-    assert lines[0].startswith("step 1/2 | reward 0.25 | tok/s 1200 | stale 0.5 | eta ")
-    assert lines[1].startswith("step 2/2 | reward 0.5 | tok/s 1300 | stale 1 | eta 00:00")
+    assert lines[0] == "step 1/2 | reward 0.25 | len 12.5 | tok/s 1200 | stale 0.5"  # no step timed yet: no eta
+    assert lines[1] == "step 2/2 | reward 0.5 | len 9 | tok/s 1300 | stale 1 | eta 00:00"
 
 
 def test_values_are_converted_and_validated(tmp_path):
@@ -241,10 +243,81 @@ def test_console_tqdm_bar_shows_progress_and_postfix():
     stream = io.StringIO()
     sink = ConsoleSink(total_steps=4, stream=stream, use_tqdm=True)
     sink.write({"rollout/reward_mean": 0.5, "timing/tokens_per_s": 2000.0, "rollout/staleness_mean": 0.25}, step=1)
-    sink.write({"rollout/reward_mean": 0.75}, step=2)
+    sink.write({"rollout/reward_mean": 0.75, "rollout/completion_len_mean": 7.0}, step=2)
     sink.close()
     out = stream.getvalue()
     assert "2/4" in out and "reward=0.75" in out and "tok/s=2000" in out and "stale=0.25" in out
+    assert "train: " in out and "len=7" in out and "eta=00:0" in out  # the sink's ETA, not tqdm's own
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=4, stream=stream, use_tqdm=True, stage="warm start")
+    sink.write({"train/policy/loss": 2.5}, step=1)
+    sink.close()
+    assert "warm start: " in stream.getvalue() and "1/4" in stream.getvalue() and "loss=2.5" in stream.getvalue()
+
+
+class FakeClock:
+    """``time.monotonic`` of the metrics module, moved by hand."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr("areno.observe.metrics.time.monotonic", lambda: self.now)
+
+
+def test_console_shows_the_loss_and_the_stage():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=80, stream=stream, stage="warm start")
+    sft = {"rollout/num_tokens": 1030.0, "train/policy/loss": 4.579, "train/policy/grad_norm": 8.2}
+    sink.write({**sft, "timing/tokens_per_s": 642.0}, step=1)
+    sink.close()
+    assert stream.getvalue().splitlines() == ["warm start step 1/80 | loss 4.58 | tok/s 642"]
+
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=None, stream=stream)
+    # an RL step shows its rollout's reward and length (its policy-gradient loss reads ~0); a recipe
+    # without a policy shows its role's loss, a backend's own train/loss counts too
+    rl = {"rollout/reward_mean": 0.484, "rollout/completion_len_mean": 5.25, "train/policy/loss": -4.66e-10}
+    sink.write({**rl, "train/value/loss": 2.0}, step=1)
+    sink.write({"train/reward/loss": 0.693, "train/reward/accuracy": 0.5}, step=2)
+    sink.write({"train/loss": 1.5e-7}, step=3)
+    sink.close()
+    assert stream.getvalue().splitlines() == [
+        "step 1 | reward 0.484 | len 5.25",
+        "step 2 | loss 0.693",
+        "step 3 | loss 1.5e-07",
+    ]
+
+
+def test_metrics_logger_labels_the_console_with_its_stage(tmp_path, capsys):
+    with MetricsLogger(tmp_path, total_steps=3, stage="warm start") as logger:
+        logger.log({"train/policy/loss": 2.5}, step=1)
+    assert capsys.readouterr().err.splitlines() == ["warm start step 1/3 | loss 2.5"]
+
+
+def test_console_eta_counts_from_the_first_step_not_the_start_up(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=10, stream=stream)
+    for step, at in [(1, 100.0), (2, 102.0), (3, 106.0)]:  # 100 s of start-up, then steps of 2 and 4 s
+        clock.now = 1000.0 + at
+        sink.write({"train/policy/loss": 1.0}, step=step)
+    clock.now += 50.0  # an evaluation at the step already printed is not a step: the ETA is not asked
+    sink.write({"eval/accuracy": 0.5}, step=3)
+    sink.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "step 1/10 | loss 1"
+    assert lines[1] == "step 2/10 | loss 1 | eta 00:16"  # 2 s x 8 steps left (start-up included: 6:48)
+    assert lines[2] == "step 3/10 | loss 1 | eta 00:21"  # mean of 2 and 4 s x 7 left
+    assert sink.eta_s(10, clock.now) == 0.0 and sink.eta_s(11, clock.now) is None
+
+
+def test_console_eta_of_a_resumed_run_counts_its_own_steps(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    sink = ConsoleSink(total_steps=100, stream=io.StringIO())  # the trainer's logger starts at 0 on resume too
+    assert sink.eta_s(51, clock.now) is None
+    clock.now += 30.0  # start-up
+    sink.write({"train/policy/loss": 1.0}, step=51)
+    clock.now += 1.0
+    assert sink.eta_s(52, clock.now) == pytest.approx(48.0)  # 1 s a step, not (31 s / 52 steps)
 
 
 def test_read_metrics_skips_a_torn_last_line(tmp_path):

@@ -4,6 +4,7 @@ engine's log-probs of a fixed sequence match the trainer's; failed updates keep 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -11,7 +12,16 @@ import torch
 from areno.models.hf_io import load_model
 from areno.models.logprobs import packed_logprobs
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
-from areno.sync.base import METRIC_NAMES, NamedTensorSource, PolicySyncError, ShardSpec, StagedReceiver, copy_into
+from areno.sync.base import (
+    METRIC_NAMES,
+    SLOW_SYNC_S,
+    NamedTensorSource,
+    PolicySyncError,
+    ShardSpec,
+    StagedReceiver,
+    SyncStats,
+    copy_into,
+)
 from areno.sync.disk import COMPLETE, DiskTransport, latest_policy
 from areno.sync.inplace import InPlaceTransport
 from areno.train import LocalTrainBackend, TrainBackendConfig
@@ -70,18 +80,36 @@ def test_inplace_aliased_tensors_move_nothing(caplog):
     w = {"a": torch.randn(4, 4), "b": torch.randn(3)}
     committed = []
     transport = InPlaceTransport(NamedTensorSource(lambda: w.items()), dict(w), on_commit=committed.append)
-    with caplog.at_level("INFO", logger="areno.sync"):
+    with caplog.at_level("DEBUG", logger="areno.sync"):
         stats = transport.sync(5)
     assert stats.bytes == 0 and committed == [5]
-    # Every completed sync logs one line carrying each metric by name.
-    line = [r.getMessage() for r in caplog.records if r.name == "areno.sync"][-1]
+    # Every completed sync logs one line carrying each metric by name: at DEBUG (the step's metrics
+    # carry the figures), so the console does not get one line a step.
+    (record,) = [r for r in caplog.records if r.name == "areno.sync"]
+    line = record.getMessage()
     assert line.startswith("policy sync v5 (inplace)") and all(f"{name}=" in line for name in METRIC_NAMES)
+    assert record.levelno == logging.DEBUG
     # A cast: fp32 trained -> bf16 engine, one copy.
     dst = {"a": torch.zeros(4, 4, dtype=torch.bfloat16)}
     stats = InPlaceTransport(NamedTensorSource(lambda: w.items()), dst).sync(6)
     assert torch.equal(dst["a"], w["a"].to(torch.bfloat16)) and stats.bytes == 32
     with pytest.raises(ValueError, match="engine shape"):
         InPlaceTransport(NamedTensorSource(lambda: w.items()), {"a": torch.zeros(2, 4)})
+
+
+def test_a_slow_sync_is_logged_at_info(caplog):
+    """A sync slower than ``SLOW_SYNC_S`` is worth a console line; a fast one is left to DEBUG."""
+    stats = [
+        SyncStats(version=v, total_time_s=t, transfer_time_s=t, bytes=8, tensors=1) for v, t in [(1, 0.5), (2, 12.0)]
+    ]
+    with caplog.at_level("DEBUG", logger="areno.sync"):
+        for s in stats:
+            s.log("nccl")
+    assert SLOW_SYNC_S < 12.0
+    assert [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records] == [
+        (logging.DEBUG, "policy sync v1 (nccl)"),
+        (logging.INFO, "policy sync v2 (nccl)"),
+    ]
 
 
 def test_disk_sync_is_atomic_and_engine_logprobs_match_trainer(trainer, engine, tiny_model_dir, tmp_path):
