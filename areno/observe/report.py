@@ -268,10 +268,27 @@ def _fmt(value: Any) -> str:
     return html.escape(str(value))
 
 
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS``, with days before it from 24 hours on (``2d 03:04:05``)."""
+    days, rem = divmod(int(max(seconds, 0)), 86400)
+    hours, rem = divmod(rem, 3600)
+    clock = f"{hours:02d}:{rem // 60:02d}:{rem % 60:02d}"
+    return f"{days}d {clock}" if days else clock
+
+
+SUMMARY_NOTE = (
+    "elapsed: from the first to the last record of metrics.jsonl, including any time between a stop "
+    "and its resume; step time: the steps' logged time split (rollout, train, sync), each step once, "
+    "without evaluation, checkpoints and start-up."
+)
+
+
 def summarize(run: Run) -> dict[str, Any]:
-    """The numbers in the report's summary table."""
+    """The numbers in the report's summary table (``SUMMARY_NOTE`` says what its times mean)."""
     steps = [int(r["step"]) for r in run.records]
     times = [r["time"] for r in run.records if isinstance(r.get("time"), (int, float))]
+    # per step (the last record of a step, as plotted): never the time between a stop and its resume
+    split = [sum(run.series(k)[1]) for k in run.keys() if _time_split_key(k)]
 
     def last(key: str) -> float | None:
         values = run.series(key)[1]
@@ -289,7 +306,8 @@ def summarize(run: Run) -> dict[str, Any]:
     return {
         "run": run.name,
         "steps": max(steps) if steps else 0,
-        "wall time": time.strftime("%H:%M:%S", time.gmtime(max(times) - min(times))) if times else None,
+        "elapsed": format_duration(max(times) - min(times)) if times else None,
+        "step time": format_duration(sum(split)) if split else None,
         "first reward": rewards[0] if rewards else None,
         "last reward": rewards[-1] if rewards else None,
         "best eval/accuracy": best("eval/accuracy"),
@@ -426,6 +444,7 @@ def build_report(runs: list[Run], *, smooth: float = 0.0, png_dir: Path | None =
         + "</p>",
         "<h2>Summary</h2>",
         table,
+        f"<p class='muted'>{html.escape(SUMMARY_NOTE)}</p>",
         "<h2>Training curves</h2>",
         "<div class='grid'>" + "".join(_img(png, t) for t, png in figures) + "</div>"
         if figures

@@ -20,7 +20,8 @@ resume, abort, weight updates) would otherwise be open to the network. Weight up
 safetensors only (never pickle). Bad input gets a 400 whose message names the field, in OpenAI's
 error shape (404 for an unknown model); the server keeps serving. ``stream=true`` answers with
 server-sent events in OpenAI's chunk shapes (``StreamedChoice``), ending with ``data: [DONE]``;
-``stream_options.include_usage`` adds a last chunk with the usage. Chat requests with ``tools`` are
+``stream_options.include_usage`` adds a last chunk with the usage (as OpenAI counts it: each prompt once
+whatever ``n``, the completion tokens of every choice). Chat requests with ``tools`` are
 refused: this endpoint neither renders nor parses tool calls (areno's agent client does).
 
 Limits (``ServerLimits``): a body over ``max_body_bytes`` is a 413 before it is read; ``n``, prompts
@@ -567,6 +568,8 @@ async def _disconnect(request: Request) -> None:
 
 
 def _usage(prompt_tokens: int, outs: list[GenerationOutput]) -> dict[str, int]:
+    """OpenAI's ``usage``: ``prompt_tokens`` counts each prompt of the request once, however many
+    choices (``n``) it has; ``completion_tokens`` sums every choice's tokens."""
     completion = sum(len(o.output_ids) for o in outs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
@@ -692,8 +695,9 @@ class _OpenAIRoutes:
         if req.echo:
             prompt_texts = texts if texts is not None else [self._decode(p, special=True) for p in prompts]
             echoes = [t for t in prompt_texts for _ in range(req.n)]
+        prompt_tokens = sum(len(p) for p in prompts)
         if req.stream:
-            return self._stream(request, req, jobs, "prompt", "cmpl", echoes)
+            return self._stream(request, req, jobs, "prompt", "cmpl", echoes, prompt_tokens)
         outs = await self.admission.agenerate(request, jobs, "prompt")
         choices = [
             self._completion_choice(index, prompt_ids, out, req.logprobs is not None, echoes[index])
@@ -705,7 +709,7 @@ class _OpenAIRoutes:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": _usage(sum(len(p) for p, _, _ in jobs), outs),
+            "usage": _usage(prompt_tokens, outs),
         }
 
     def _decode(self, ids: list[int], *, special: bool = False) -> str:
@@ -761,7 +765,7 @@ class _OpenAIRoutes:
         prompt_ids = await asyncio.to_thread(apply_template, tokenizer, messages)
         jobs = [(prompt_ids, req.sampling_params(self.default_max_tokens, i), None) for i in range(req.n)]
         if req.stream:
-            return self._stream(request, req, jobs, "messages", "chatcmpl", [""] * len(jobs))
+            return self._stream(request, req, jobs, "messages", "chatcmpl", [""] * len(jobs), len(prompt_ids))
         outs = await self.admission.agenerate(request, jobs, "messages")
         choices = [
             {
@@ -780,7 +784,7 @@ class _OpenAIRoutes:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": _usage(len(prompt_ids) * len(jobs), outs),
+            "usage": _usage(len(prompt_ids), outs),
         }
 
     def _chat_logprobs(self, out: GenerationOutput) -> dict[str, Any]:
@@ -802,10 +806,12 @@ class _OpenAIRoutes:
         field: str,
         id_prefix: str,
         echoes: list[str],
+        prompt_tokens: int,
     ) -> StreamingResponse:
         """Server-sent events of ``jobs`` (one choice each, by index): every request enters the
         engine before the response starts, so a refused one is still a 400; a client that goes away
-        has them all aborted."""
+        has them all aborted. ``prompt_tokens``: the request's prompts' tokens, each prompt once
+        (the usage chunk's count)."""
         self.admission.reserve(len(jobs))
         streams: list[TokenStream] = []
         try:
@@ -875,7 +881,7 @@ class _OpenAIRoutes:
                     else:
                         yield chunk(choice, *event, None)
                 if req.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(sum(len(p) for p, _, _ in jobs), outs)})
+                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, outs)})
                 yield "data: [DONE]\n\n"
             finally:  # the client left (the response was cancelled) or a request failed: abort the rest
                 for task in tasks:

@@ -11,10 +11,12 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from areno.errors import DataError, UserError
+from areno.observe import metrics as metrics_module
 from areno.observe import report
 from areno.observe.metrics import MetricsLogger
 from areno.observe.session import SessionRecorder
@@ -135,6 +137,34 @@ def test_panels_select_the_right_metrics(two_runs):
     assert summary["first reward"] == pytest.approx(0.14) and summary["sessions"] == 1
 
 
+def test_durations_count_days_past_24_hours():
+    assert report.format_duration(59.9) == "00:00:59"
+    assert report.format_duration(3 * 3600 + 62) == "03:01:02"
+    assert report.format_duration(86400) == "1d 00:00:00"
+    assert report.format_duration(2 * 86400 + 3 * 3600 + 4 * 60 + 5) == "2d 03:04:05"
+
+
+def test_a_resumed_run_s_step_time_leaves_out_the_time_between_sessions(tmp_path, monkeypatch):
+    """Two sessions appending to one metrics.jsonl, 3 days apart: "elapsed" spans both (with its days),
+    "step time" sums the steps' logged time split (1.6 s a step), each step once."""
+    clock = iter(float(t) for t in [1000, 1002, 1003, 1005] + [1000 + 3 * 86400 + 2 * i for i in range(3)])
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=lambda: next(clock)))
+    split = {"timing/rollout_s": 1.0, "timing/train_s": 0.5, "timing/sync_s": 0.1}
+    run_dir = tmp_path / "resumed"
+    with MetricsLogger(run_dir, total_steps=6, console=False) as logger:  # stopped after step 3
+        for step in (1, 2, 3):
+            logger.log({"rollout/reward_mean": 0.1, **split}, step=step)
+        logger.log({"eval/accuracy": 0.5, "eval/time_s": 1.0}, step=3)
+    with MetricsLogger(run_dir, total_steps=6, start_step=3, console=False) as logger:  # resumed
+        for step in (4, 5, 6):
+            logger.log({"rollout/reward_mean": 0.2, **split}, step=step)
+    summary = report.summarize(report.load_run(run_dir))
+    assert summary["elapsed"] == "3d 00:00:04"
+    assert summary["step time"] == "00:00:09"  # 6 x 1.6 s
+    text = report.build_report([report.load_run(run_dir)])
+    assert "<td>3d 00:00:04</td><td>00:00:09</td>" in text and "step time: the steps" in text
+
+
 def test_single_run_default_output_and_missing_metrics(tmp_path):
     run = tmp_path / "only_reward"
     with MetricsLogger(run, total_steps=3, console=False) as logger:
@@ -144,6 +174,8 @@ def test_single_run_default_output_and_missing_metrics(tmp_path):
     parser = ImageCollector()
     parser.feed((run / "report.html").read_text())
     assert [alt for alt, _ in parser.images] == ["Reward"]
+    summary = report.summarize(report.load_run(run))
+    assert summary["step time"] is None  # no time split logged
     with pytest.raises(DataError, match="pass a run directory"):
         report.main([str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="--smooth"):

@@ -62,6 +62,25 @@ def test_openai_chat_with_n(server):
         assert c.message.role == "assistant" and len(c.logprobs.content) == len(c.model_extra["token_ids"])
     prompt_ids = res.choices[0].model_extra["prompt_token_ids"]
     assert tokenizer.decode(prompt_ids).rstrip().endswith("<|im_start|>assistant")
+    # as OpenAI counts: the prompt once per request, the completions of every choice
+    completion = sum(len(c.model_extra["token_ids"]) for c in res.choices)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(prompt_ids), completion)
+    assert res.usage.total_tokens == len(prompt_ids) + completion
+
+
+def test_completions_usage_counts_each_prompt_once_whatever_n(server):
+    base, _, tokenizer = server
+    prompts = ["hello", "a longer prompt"]
+    res = _oa(base).completions.create(
+        model="tiny", prompt=prompts, max_tokens=3, n=3, seed=1, extra_body={"ignore_eos": True}
+    )
+    assert len(res.choices) == 6
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens, res.usage.total_tokens) == (
+        prompt_tokens,
+        18,
+        prompt_tokens + 18,
+    )
 
 
 def test_admin_endpoints(server, tiny_model_dir):

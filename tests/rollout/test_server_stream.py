@@ -35,12 +35,16 @@ def _oa(base: str) -> openai.OpenAI:
 
 
 def test_streamed_completion_adds_up_to_the_unstreamed_one(server):
-    base, _, _ = server
+    base, _, tokenizer = server
     kw = dict(model="tiny", prompt=["hello", "abc"], max_tokens=12, temperature=1.0, seed=7, n=2, logprobs=1)
     whole = _oa(base).completions.create(**kw, extra_body={"ignore_eos": True})
     chunks = list(_oa(base).completions.create(**kw, stream=True, stream_options={"include_usage": True},
                                                extra_body={"ignore_eos": True}))  # fmt: skip
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 48
+    # each prompt counted once, not once per choice (n=2), as OpenAI counts
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in kw["prompt"])
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens == prompt_tokens
+    assert chunks[-1].usage.total_tokens == prompt_tokens + 48
     for choice in whole.choices:
         mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == choice.index]
         assert len(mine) >= 3, choice.index  # streamed, not one chunk at the end
@@ -77,6 +81,18 @@ def test_streamed_chat_adds_up_and_never_leaks_a_stop_string(server):
         n_tokens = sum(len(c.choices[0].logprobs.content) for c in chunks)
         assert n_tokens == len(ref.choices[0].model_extra["token_ids"])
     assert streamed == text[:3] and stop not in streamed
+
+
+def test_streamed_chat_usage_counts_the_prompt_once_whatever_n(server):
+    base, _, _ = server
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=3, seed=3)
+    whole = _oa(base).chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    chunks = list(_oa(base).chat.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                                    extra_body={"ignore_eos": True}))  # fmt: skip
+    prompt_tokens = len(whole.choices[0].model_extra["prompt_token_ids"])
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 15
+    assert chunks[-1].usage.total_tokens == prompt_tokens + 15
 
 
 def test_streamed_choice_holds_back_what_may_still_change():
