@@ -47,14 +47,14 @@ class ModelRole:
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():
-            raise ValueError(f"ModelRole name must be a non-empty identifier, got {self.name!r}")
+            raise ConfigError(f"ModelRole name must be a non-empty identifier, got {self.name!r}")
         if not (isinstance(self.specialization_cls, type) and issubclass(self.specialization_cls, ModelSpecialization)):
-            raise ValueError(
+            raise ConfigError(
                 f"role {self.name!r}: specialization_cls must be a ModelSpecialization subclass, "
                 f"got {self.specialization_cls!r}"
             )
         if self.sync_to_rollout and not self.trainable:
-            raise ValueError(
+            raise ConfigError(
                 f"role {self.name!r}: sync_to_rollout=True needs trainable=True (a frozen role never changes)"
             )
         if self.requires_model_path and not self.model_path:
@@ -100,21 +100,21 @@ class DataSync:
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "target_keys", tuple(self.target_keys) or tuple(self.keys))
         if not self.keys:
-            raise ValueError(f"DataSync {self.source}->{self.target}: keys must name at least one tensor")
+            raise ConfigError(f"DataSync {self.source}->{self.target}: keys must name at least one tensor")
         if len(self.target_keys) != len(self.keys):
-            raise ValueError(
+            raise ConfigError(
                 f"DataSync {self.source}->{self.target}: {len(self.keys)} keys but "
                 f"{len(self.target_keys)} target_keys; give one target key per key"
             )
         if self.stage not in SYNC_STAGES:
-            raise ValueError(
+            raise ConfigError(
                 f"DataSync {self.source}->{self.target}: stage must be one of {SYNC_STAGES}, got {self.stage!r}"
             )
         if self.source == self.target:
-            raise ValueError(f"DataSync {self.source}->{self.target}: source and target must differ")
+            raise ConfigError(f"DataSync {self.source}->{self.target}: source and target must differ")
         for key in self.target_keys:
             if not (key.endswith("_T") or key.endswith("_B")):
-                raise ValueError(f"DataSync target key {key!r} must end in its shape letter (_T or _B)")
+                raise ConfigError(f"DataSync target key {key!r} must end in its shape letter (_T or _B)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,49 +138,92 @@ class TrainingConfig:
         object.__setattr__(self, "syncs", tuple(self.syncs))
         where = f"recipe {self.name!r}"
         if not self.roles:
-            raise ValueError(f"{where}: needs at least one role")
+            raise ConfigError(f"{where}: needs at least one role")
         names = [r.name for r in self.roles]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"{where}: duplicate role names {dupes}; give every role a unique name")
+            raise ConfigError(f"{where}: duplicate role names {dupes}; give every role a unique name")
         if not any(r.trainable for r in self.roles):
-            raise ValueError(f"{where}: no trainable role; set trainable=True on the role to train")
+            raise ConfigError(f"{where}: no trainable role; set trainable=True on the role to train")
+        if self.online and not any(r.sync_to_rollout for r in self.roles):
+            # the rollouts would come from the initial weights for the whole run, with no message
+            raise ConfigError(
+                f"{where}: online=True but no role publishes its weights to the rollout engine: mark the policy "
+                "ModelRole(sync_to_rollout=True), or set online=False to train on an offline dataset"
+            )
         specs = {r.name: r.build() for r in self.roles}  # bad specialization arguments fail here
-        provided: dict[str, set[str]] = {n: set() for n in names}
         for sync in self.syncs:
             for role in (sync.source, sync.target):
                 if role not in specs:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{where}: DataSync {sync.source}->{sync.target} names a missing role {role!r}; roles are {names}"
                     )
             missing = [k for k in sync.keys if k not in specs[sync.source].output_keys]
             if missing:
-                raise ValueError(
+                raise ConfigError(
                     f"{where}: DataSync {sync.source}->{sync.target} asks for {missing}, which "
                     f"{type(specs[sync.source]).__name__} does not output (it outputs {list(specs[sync.source].output_keys)})"
                 )
-            provided[sync.target].update(sync.target_keys)
         for role in self.roles:
             spec = specs[role.name]
             for key in spec.self_forward_keys:
                 if key not in spec.output_keys:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{where}: role {role.name!r} self-forward key {key!r} is not an output of {type(spec).__name__}"
                     )
-            if not role.trainable:
-                continue
-            need = set(spec.required_extra_keys) - provided[role.name] - set(spec.self_forward_keys.values())
+            need = self._unmet_keys(role, spec)
             if need:
-                raise ValueError(
+                raise ConfigError(
                     f"{where}: role {role.name!r} ({type(spec).__name__}) needs batch keys "
-                    f"{sorted(need)}; add a DataSync that provides them"
+                    f"{need}; add a DataSync that provides them"
+                )
+
+    def _unmet_keys(self, role: ModelRole, spec: ModelSpecialization) -> list[str]:
+        """The batch keys trainable ``role`` (as ``spec``) needs that neither a DataSync into it nor its
+        own forward provides (a frozen role's ``prepare_batch`` never runs)."""
+        if not role.trainable:
+            return []
+        provided = {k for sync in self.syncs if sync.target == role.name for k in sync.target_keys}
+        return sorted(set(spec.required_extra_keys) - provided - set(spec.self_forward_keys.values()))
+
+    def unmet_policy_kwargs(self, kwargs: dict[str, Any]) -> tuple[list[str], list[str]]:
+        """``(keys, batch_keys)``: the batch keys the policy role would need with its ``init_kwargs``
+        updated by ``kwargs`` that no role of this recipe provides (e.g. ``kl_coef`` needs a reference's
+        ``ref_logprobs_T``), and which of ``kwargs`` alone bring that need (all of them when only the
+        combination does). Both empty when the recipe provides everything."""
+        policy = self.policy_role
+        need = self._unmet_keys(policy, policy.build(**kwargs)) if kwargs else []
+        if not need:
+            return [], []
+        culprits = []
+        for key, value in kwargs.items():
+            try:
+                alone = self._unmet_keys(policy, policy.build(**{key: value}))
+            except ConfigError:  # a value valid only together with another key
+                continue
+            if alone:
+                culprits.append(key)
+        return culprits or list(kwargs), need
+
+    def check_n_samples(self, n_samples: int) -> None:
+        """A ConfigError when a trained role compares the completions of one prompt (group advantages,
+        dynamic sampling; ``ModelSpecialization.needs_groups``) and ``rollout.n_samples`` gives it one."""
+        if not self.online or n_samples >= 2:
+            return
+        for role in self.roles:
+            what = role.build().needs_groups if role.trainable else None
+            if what:
+                raise ConfigError(
+                    f"rollout.n_samples={n_samples}: recipe {self.name!r} ({what}) compares the completions of "
+                    "a prompt within their group, so with one per prompt every advantage is 0 and nothing "
+                    "trains: set rollout.n_samples >= 2, or use a recipe without groups (e.g. reinforce_pp)"
                 )
 
     def role(self, name: str) -> ModelRole:
         for role in self.roles:
             if role.name == name:
                 return role
-        raise ValueError(f"recipe {self.name!r} has no role {name!r}; roles are {[r.name for r in self.roles]}")
+        raise ConfigError(f"recipe {self.name!r} has no role {name!r}; roles are {[r.name for r in self.roles]}")
 
     @property
     def policy_role(self) -> ModelRole:

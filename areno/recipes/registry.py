@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,15 +23,23 @@ TRAINING_CONFIGS: dict[str, RecipeFactory] = {}
 
 
 def recipe(name: str) -> Callable[[RecipeFactory], RecipeFactory]:
-    """Register ``factory`` under ``name`` (a duplicate name is an error)."""
+    """Register ``factory`` under ``name`` (another factory under a registered name is an error)."""
 
     def register(factory: RecipeFactory) -> RecipeFactory:
-        if name in TRAINING_CONFIGS:
-            raise ValueError(f"recipe {name!r} is already registered by {TRAINING_CONFIGS[name].__qualname__}")
+        if name in TRAINING_CONFIGS and _source(TRAINING_CONFIGS[name]) != _source(factory):
+            raise ConfigError(f"recipe {name!r} is already registered by {TRAINING_CONFIGS[name].__qualname__}")
         TRAINING_CONFIGS[name] = factory
         return factory
 
     return register
+
+
+def _source(factory: RecipeFactory) -> tuple[str, str]:
+    """Where ``factory`` is defined (file, qualified name): one module imported twice in a process, by
+    name (``--modules my_recipes``) and by path (``./my_recipes.py:NAME``), registers the same factory
+    again, which is no clash."""
+    code = getattr(factory, "__code__", None)
+    return (os.path.realpath(code.co_filename) if code else repr(factory), factory.__qualname__)
 
 
 def _unknown(name: str) -> ConfigError:
@@ -84,7 +93,29 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
     bad = [k for k in options if k not in params]
     if bad:
         raise ConfigError(f"recipe {name!r} has no option(s) {bad}; it accepts {list(params) or 'none'}")
-    return factory(**options).with_policy_kwargs(**policy_kwargs)
+    cfg = _build(name, options)
+    keys, need = cfg.unmet_policy_kwargs(policy_kwargs)
+    if keys:  # e.g. kl_coef on a recipe with no reference role to give ref_logprobs_T
+        key = keys[0]
+        takers = [n for n, f in sorted(TRAINING_CONFIGS.items()) if key in inspect.signature(f).parameters]
+        instead = f"whose {key} option adds a role for them ({', '.join(takers)})" if takers else "with a role for them"
+        raise ConfigError(
+            f"train.algorithm_kwargs.{key}={policy_kwargs[key]!r} needs batch keys {need}, which no role of "
+            f"recipe {name!r} provides: drop the key, or use a recipe {instead}"
+        )
+    return cfg.with_policy_kwargs(**policy_kwargs)
+
+
+def _build(name: str, options: dict[str, Any]) -> TrainingConfig:
+    """``TRAINING_CONFIGS[name](**options)``, checked to be a ``TrainingConfig`` (a user's factory may
+    return anything)."""
+    cfg = TRAINING_CONFIGS[name](**options)
+    if not isinstance(cfg, TrainingConfig):
+        raise ConfigError(
+            f"recipe {name!r} returned {type(cfg).__name__}, expected TrainingConfig: return "
+            f"TrainingConfig(name=..., roles=(...)) from its @recipe factory"
+        )
+    return cfg
 
 
 def describe(name: str) -> str:
@@ -101,17 +132,22 @@ def list_recipes() -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``areno recipes [--modules M ...] [NAME]``: list the recipes, or print one recipe's formula and roles."""
+    """``areno recipes [--modules M[,M...]] [NAME]``: list the recipes, or print one recipe's formula and roles."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="areno recipes", description="List the registered recipes.")
     parser.add_argument("name", nargs="?", help="print this recipe's formula, roles and syncs (or module:name)")
+    # one value per flag (repeat it, or separate modules by commas): nargs="+" would take NAME for a module
     parser.add_argument(
-        "--modules", nargs="+", default=[], metavar="MODULE", help="import these @recipe modules (or .py files) first"
+        "--modules",
+        action="append",
+        default=[],
+        metavar="M[,M...]",
+        help="import these @recipe modules (or .py files) first; repeat the flag or separate them by commas",
     )
     args = parser.parse_args(argv)
     # a bad module or name is a ConfigError, which the CLI prints as one line (exit 2)
-    for module in args.modules:
+    for module in [m.strip() for given in args.modules for m in given.split(",") if m.strip()]:
         import_recipes(module, what="--modules")
     if args.name is not None:
         args.name = resolve_name(args.name)
@@ -130,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if params:  # a factory option without a default names a path the run must give
         shown = ", ".join(f"{k}={options.get(k, p.default)}" for k, p in params.items())
         print(f"  options (train.algorithm_kwargs.KEY): {shown}")
-    cfg = factory(**options)
+    cfg = _build(args.name, options)
     for role in cfg.roles:
         flags = ", ".join(
             f for f, on in (("trainable", role.trainable), ("sync_to_rollout", role.sync_to_rollout)) if on

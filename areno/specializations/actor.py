@@ -46,6 +46,8 @@ from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "given")
+GROUP_ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+"""The estimators whose baseline is the group's mean reward: a group of one has advantage 0."""
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 BEHAV_WEIGHT_MODES = ("mask", "truncate")
@@ -202,6 +204,14 @@ class ActorSpecialization(ModelSpecialization):
             self.config.use_decoupled_loss and self.config.prox_logp_method == "recompute"
         )
         return {"logprobs_T": "prox_logprobs_T"} if recompute else {}
+
+    @property
+    def needs_groups(self) -> str | None:
+        if self.config.advantage_estimator in GROUP_ADVANTAGE_ESTIMATORS:
+            return f"advantage_estimator={self.config.advantage_estimator}"
+        if self.config.dynamic_sampling:  # drops every group whose rewards are all equal: all groups of one
+            return "dynamic_sampling=True"
+        return None
 
     # ------------------------------------------------------------------ whole batch
     def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:

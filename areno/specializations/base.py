@@ -73,6 +73,13 @@ class ModelSpecialization(ABC):
         """Output key -> batch extra key filled from this role's own forward before training."""
         return {}
 
+    @property
+    def needs_groups(self) -> str | None:
+        """What of this role compares the completions of one prompt (their shared ``group_id``), in a
+        few words (e.g. ``advantage_estimator=grpo``): with one completion per prompt
+        (``rollout.n_samples=1``) it learns nothing, and the run is refused. None: it does not."""
+        return None
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """The module the backend trains, built around the loaded decoder before the optimizer
         exists (a value or reward head is added here). Default: the decoder itself."""

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areno.errors import ConfigError
+from areno.errors import ConfigError, UserError
 from areno.models import moe, prefix_sharing
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
@@ -458,7 +458,7 @@ class PackedTrainBackend(TrainBackend):
                         mb.input_ids_T, mb.cu_seqlens_B1, routing_pairs, routes_TLK, mb.loss_mask_T
                     ):
                         output = forward_fn(self.model, mb)
-                    loss, metrics = loss_fn(output, mb, reducer)
+                    loss, metrics = _loss_and_metrics(loss_fn(output, mb, reducer), loss_fn)
                     aux = moe.take_aux_loss(self._routing.blocks)
                     if aux is not None:  # the router's balance loss, weighted by this micro-batch's token share
                         aux = aux * (mb.num_tokens / batch.num_tokens)
@@ -777,3 +777,17 @@ def _assemble(results: list[tuple[list[int], dict[str, torch.Tensor]]], batch: T
             )
         merged[key] = out
     return merged
+
+
+def _loss_and_metrics(result: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``loss_fn``'s ``(loss, metrics)``; anything else is a :class:`UserError` naming the loss function
+    (a user's ``compute_loss`` returning a bare tensor would fail far from it, unpacking a 0-d tensor)."""
+    pair = isinstance(result, tuple) and len(result) == 2
+    if not (pair and isinstance(result[0], torch.Tensor) and isinstance(result[1], dict)):
+        got = f"({', '.join(type(x).__name__ for x in result)})" if isinstance(result, tuple) else type(result).__name__
+        name = getattr(loss_fn, "__qualname__", repr(loss_fn))
+        raise UserError(
+            f"{name} returned {got}, expected a tuple (loss, metrics): return the loss reduced with the reducer "
+            "(a 0-dim tensor) and a dict of metric tensors, e.g. `return loss, {}`"
+        )
+    return result

@@ -25,6 +25,9 @@ COMPILE_SCOPES = ("layers", "model")
 """``compile_scope`` values: each decoder layer, or the whole layer stack as one graph."""
 LONG_SEQUENCES = ("error", "truncate")
 ATTENTIONS = ("auto", "flex", "varlen")
+UNADAPTABLE = "lm_head"
+"""The one linear module LoRA cannot wrap: the decoder uses its weight, never calls it
+(``Decoder.output_weight``; a tied model has no such module)."""
 
 
 @dataclass(kw_only=True)
@@ -35,12 +38,16 @@ class LoraConfig:
     """Adapter rank r (> 0)."""
     alpha: float = 16.0
     """Scaling numerator: the update is ``alpha / rank * B @ A``."""
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """Suffixes of the linear modules that get adapters (HF names, e.g. ``gate_proj``)."""
+    target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Suffixes of the linear modules that get adapters (HF names, e.g. ``gate_proj``); a string is
+    one name or several separated by commas (``q_proj,v_proj``), not PEFT's regular expression.
+    ``lm_head`` takes none: the decoder reads its weight directly, so an adapter there never runs."""
     dropout: float = 0.0
     """Dropout on the adapter input, in [0, 1)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            self.target_modules = [name.strip() for name in self.target_modules.split(",") if name.strip()]
         self.target_modules = tuple(self.target_modules)
         check_config(self.rank > 0, "train.lora.rank", f"must be > 0, got {self.rank}")
         check_config(math.isfinite(self.alpha) and self.alpha > 0, "train.lora.alpha", f"must be > 0, got {self.alpha}")
@@ -48,6 +55,13 @@ class LoraConfig:
             bool(self.target_modules),
             "train.lora.target_modules",
             "must name at least one linear module, e.g. [q_proj, v_proj]",
+        )
+        check_config(
+            UNADAPTABLE not in self.target_modules,
+            "train.lora.target_modules",
+            f"{UNADAPTABLE} cannot take an adapter: the decoder reads {UNADAPTABLE}.weight directly (chunked "
+            "log-probs), so the adapter would never run; name the layers' projections (q_proj, k_proj, v_proj, "
+            "o_proj, gate_proj, up_proj, down_proj)",
         )
         check_config(0.0 <= self.dropout < 1.0, "train.lora.dropout", f"must be in [0, 1), got {self.dropout}")
 

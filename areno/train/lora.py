@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from areno.errors import check_config
-from areno.train.config import LoraConfig
+from areno.train.config import UNADAPTABLE, LoraConfig
 
 ADAPTER = "default"
 
@@ -34,6 +34,7 @@ ADAPTER = "default"
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     """Inject adapters into ``model`` in place; only adapter parameters stay trainable."""
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names.discard(UNADAPTABLE)  # refused by LoraConfig: its weight is read, the module never called
     unknown = [t for t in cfg.target_modules if t not in names]
     check_config(
         not unknown,

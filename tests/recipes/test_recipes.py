@@ -135,7 +135,7 @@ def test_policy_kwargs_become_the_actor_config():
 
 
 def test_teacher_without_checkpoint():
-    with pytest.raises(ValueError, match="role 'teacher' needs a checkpoint"):
+    with pytest.raises(ConfigError, match="role 'teacher' needs a checkpoint"):
         get_recipe("opd")
 
 
@@ -148,29 +148,29 @@ def _ref(name="reference"):
 
 
 def test_validation_errors():
-    with pytest.raises(ValueError, match="duplicate role names"):
+    with pytest.raises(ConfigError, match="duplicate role names"):
         TrainingConfig(name="x", roles=(_policy(), _policy()))
-    with pytest.raises(ValueError, match="missing role 'reference'"):
+    with pytest.raises(ConfigError, match="missing role 'reference'"):
         TrainingConfig(
             name="x", roles=(_policy(),), syncs=(DataSync(source="reference", target="policy", keys=("logprobs_T",)),)
         )
-    with pytest.raises(ValueError, match="does not output"):
+    with pytest.raises(ConfigError, match="does not output"):
         TrainingConfig(
             name="x",
             roles=(_policy(), _ref()),
             syncs=(DataSync(source="reference", target="policy", keys=("values_T",)),),
         )
-    with pytest.raises(ValueError, match=r"needs batch keys \['ref_logprobs_T'\]"):
+    with pytest.raises(ConfigError, match=r"needs batch keys \['ref_logprobs_T'\]"):
         TrainingConfig(name="x", roles=(_policy(kl_coef=0.1), _ref()))
-    with pytest.raises(ValueError, match="no trainable role"):
+    with pytest.raises(ConfigError, match="no trainable role"):
         TrainingConfig(name="x", roles=(_ref(),))
-    with pytest.raises(ValueError, match="target_keys"):
+    with pytest.raises(ConfigError, match="target_keys"):
         DataSync(source="a", target="b", keys=("logprobs_T",), target_keys=("x_T", "y_T"))
-    with pytest.raises(ValueError, match="stage"):
+    with pytest.raises(ConfigError, match="stage"):
         DataSync(source="a", target="b", keys=("logprobs_T",), stage="after")
-    with pytest.raises(ValueError, match="sync_to_rollout=True needs trainable"):
+    with pytest.raises(ConfigError, match="sync_to_rollout=True needs trainable"):
         ModelRole(name="p", specialization_cls=ActorSpecialization, trainable=False, sync_to_rollout=True)
-    with pytest.raises(ValueError, match="ModelSpecialization subclass"):
+    with pytest.raises(ConfigError, match="ModelSpecialization subclass"):
         ModelRole(name="p", specialization_cls=dict)
     # a valid custom recipe: KL to a frozen reference through an inject sync
     cfg = TrainingConfig(
@@ -200,8 +200,9 @@ def test_register_custom_recipe_and_duplicate():
 
     try:
         assert get_recipe("test_only_distill").policy_role.name == "student"
-        with pytest.raises(ValueError, match="already registered"):
-            recipe("test_only_distill")(_custom)
+        with pytest.raises(ConfigError, match="already registered"):
+            recipe("test_only_distill")(get_recipe)  # another factory under the same name
+        assert recipe("test_only_distill")(_custom) is _custom  # the same one again (a module imported twice)
     finally:
         del TRAINING_CONFIGS["test_only_distill"]
 

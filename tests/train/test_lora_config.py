@@ -54,8 +54,33 @@ def test_bad_lora_value_is_one_line_naming_the_key(tmp_path, override, key):
 
 def test_unknown_target_module_is_one_line_at_start(tmp_path):
     cfg = _config(tmp_path, "train.steps=1", "train.lora.target_modules=[qkv]")
-    with pytest.raises(ConfigError, match=r"^train.lora.target_modules: \['qkv'\] match no linear layer"):
+    with pytest.raises(ConfigError, match=r"^train.lora.target_modules: \['qkv'\] match no linear layer") as err:
         Trainer.init(cfg).shutdown()
+    assert "'lm_head'" not in str(err.value) and "'q_proj'" in str(err.value)  # lm_head is no choice
+
+
+@pytest.mark.parametrize(
+    "value, modules",
+    [
+        ("q_proj", ("q_proj",)),
+        ("q_proj,down_proj", ("q_proj", "down_proj")),
+        ("[q_proj,down_proj]", ("q_proj", "down_proj")),
+    ],
+)
+def test_target_modules_may_be_a_string(tmp_path, value, modules):
+    """A single name (or comma-separated names) is the list of them, not OmegaConf's type error."""
+    cfg = _config(tmp_path, "train.lora.rank=4", f"train.lora.target_modules={value}")
+    assert cfg.train.lora.target_modules == modules
+
+
+def test_lm_head_is_refused_before_the_model_loads(tmp_path):
+    """The decoder reads ``lm_head.weight`` directly, so an adapter there would never run and step 1 would
+    fail with "element 0 of tensors does not require grad"."""
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, "train.lora.rank=4", "train.lora.target_modules=[q_proj,lm_head]")
+    message = str(err.value)
+    assert message.startswith("train.lora.target_modules: lm_head cannot take an adapter") and "\n" not in message
+    assert not (tmp_path / "model").exists()
 
 
 def test_lora_run_trains_adapters_syncs_merged_and_checkpoints_peft(tmp_path):

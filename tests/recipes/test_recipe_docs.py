@@ -1,0 +1,80 @@
+"""The example of ``docs/recipes.md`` works as written: its ``my_recipes.py`` is listed by ``areno recipes``
+and trains two steps on a tiny CPU model with a gradient; its loss returning a bare tensor is one line
+naming ``compute_loss``."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from areno.cli import main
+from areno.recipes import TRAINING_CONFIGS
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
+
+
+def _blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def _commands() -> list[list[str]]:
+    """The ``areno`` command lines of the doc's bash block, without ``areno``."""
+    text = _blocks("bash")[0].replace("\\\n", " ")
+    return [shlex.split(line)[1:] for line in text.splitlines() if line.startswith("areno ")]
+
+
+@pytest.fixture
+def doc_dir(tmp_path, monkeypatch):
+    """The doc's ``my_recipes.py`` in the working directory; sys.path, sys.modules and the registry
+    restored after."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    saved = dict(TRAINING_CONFIGS)
+    (tmp_path / "my_recipes.py").write_text(_blocks("python")[0])
+    yield tmp_path
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+    TRAINING_CONFIGS.clear()
+    TRAINING_CONFIGS.update(saved)
+
+
+def test_the_docs_recipe_is_listed_and_trains(doc_dir, capsys):
+    listing, train = _commands()
+    assert listing[:2] == ["recipes", "--modules"] and train[0] == "train"
+    assert main(listing) == 0
+    assert "role policy: Reinforce({}) [trainable, sync_to_rollout]" in capsys.readouterr().out
+    assert main([*train, "observe.console=false"]) == 0
+    rows = [json.loads(line) for line in (doc_dir / "runs/reinforce/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/policy/loss" in r]
+    assert len(steps) == 2
+    assert all(r["train/policy/grad_norm"] > 0 and r["train/policy/reinforce/advantage"] > 0 for r in steps)
+
+
+def test_a_loss_without_metrics_is_one_line_naming_compute_loss(doc_dir, capsys):
+    source = (doc_dir / "my_recipes.py").read_text()
+    (doc_dir / "my_recipes.py").write_text(source.replace("return loss, metrics", "return loss"))
+    _, train = _commands()
+    assert main([*train, "observe.console=false", "run_dir=runs/bare", "data.num_eval=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "areno: error: Reinforce.compute_loss returned Tensor, expected a tuple (loss, metrics): return the loss "
+        "reduced with the reducer (a 0-dim tensor) and a dict of metric tensors, e.g. `return loss, {}`"
+    )
+
+
+def test_the_docs_loss_that_needs_groups_refuses_one_sample(doc_dir, capsys):
+    _, train = _commands()
+    assert main([*train, "rollout.n_samples=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "areno: error: rollout.n_samples=1: recipe 'reinforce' (a group-mean baseline) compares the completions of "
+        "a prompt within their group, so with one per prompt every advantage is 0 and nothing trains: set "
+        "rollout.n_samples >= 2, or use a recipe without groups (e.g. reinforce_pp)"
+    ]
+    assert not (doc_dir / "runs").exists()  # before the tiny model is made
