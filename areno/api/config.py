@@ -6,13 +6,16 @@ anything expensive starts.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import re
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from areno.engine.config import (
     ArenoConfig,
@@ -26,7 +29,7 @@ from areno.engine.config import (
     TrainSection,
     WarmStartSection,
 )
-from areno.errors import ConfigError
+from areno.errors import ConfigError, is_of_type, wrong_type
 from areno.rewards.loader import resolve_path
 from areno.train.config import OptimConfig
 
@@ -53,6 +56,40 @@ def _describe(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or ""
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"{key}: {first}" if key else first
+
+
+def _schema_type(full_key: str) -> Any:
+    """The annotated type of ``full_key`` (``train.steps``, ``optim.betas[0]``) in ``ArenoConfig``;
+    None when the key is not there."""
+    hint: Any = ArenoConfig
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", full_key):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) not in (list, tuple, dict) and len(args) == 1:  # X | None
+            hint = args[0]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if part.startswith("["):
+            hint = args[0] if origin in (list, tuple) and args else None
+        elif origin is dict and args:
+            hint = args[1]
+        elif dataclasses.is_dataclass(hint):
+            hint = typing.get_type_hints(hint).get(part)
+        else:
+            hint = None
+        if hint is None:
+            return None
+    return hint
+
+
+def _type_error(exc: OmegaConfBaseException) -> ConfigError | None:
+    """OmegaConf's refusal of a value of the wrong type, in the words of a section built in Python
+    (``areno.errors.wrong_type``); None for any other error."""
+    key = getattr(exc, "full_key", None)
+    if not isinstance(exc, ValidationError) or not key:
+        return None
+    hint, value = _schema_type(key), getattr(exc, "value", None)
+    if hint is None or is_of_type(value, hint):
+        return None
+    return wrong_type(key, hint, value)
 
 
 _MANDATORY_HINTS = {"model.path": "a local Hugging Face checkpoint directory, e.g. model.path=/path/to/ckpt"}
@@ -146,7 +183,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, ConfigError):
             raise ConfigError(str(cause)) from None
-        raise ConfigError(_describe(exc)) from None
+        raise _type_error(exc) or ConfigError(_describe(exc)) from None
     # a file's user code named from the working directory: absolute, so workers started elsewhere (Ray,
     # SLURM, a reward sandbox) and a resume from another directory import the same file
     config.reward.fn = resolve_path(config.reward.fn)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from areno.errors import check_config
+from areno.errors import check_config, check_types
 
 DTYPES = ("float32", "bfloat16")
 MAX_LR = 1e37
@@ -46,6 +46,7 @@ class LoraConfig:
     """Dropout on the adapter input, in [0, 1)."""
 
     def __post_init__(self) -> None:
+        check_types(self, "train.lora", LoraConfig)
         if isinstance(self.target_modules, str):
             self.target_modules = [name.strip() for name in self.target_modules.split(",") if name.strip()]
         self.target_modules = tuple(self.target_modules)
@@ -90,6 +91,7 @@ class OptimConfig:
     """AdamW epsilon (> 0)."""
 
     def __post_init__(self) -> None:
+        check_types(self, "optim", OptimConfig)
         # inf passes the range checks and NaN fails them with a misleading message: name it first
         for key in ("lr", "weight_decay", "grad_clip", "min_lr_ratio", "eps"):
             value = getattr(self, key)

@@ -1,9 +1,25 @@
 import dataclasses
 import sys
+from pathlib import Path
+from typing import get_type_hints as type_hints
 
 import pytest
 
-from areno.api.config import ArenoConfig, ConfigError, ModelSection, RolloutSection, TrainSection, load_config, to_yaml
+from areno.api.config import (
+    ArenoConfig,
+    ClusterSection,
+    ConfigError,
+    DataSection,
+    ModelSection,
+    ObserveSection,
+    RewardSection,
+    RolloutSection,
+    TestRolloutSection,
+    TrainSection,
+    WarmStartSection,
+    load_config,
+    to_yaml,
+)
 from areno.engine.config import (
     Dtypes,
     build_rollout_engine_config,
@@ -11,10 +27,11 @@ from areno.engine.config import (
     resolve_dtypes,
     total_optimizer_steps,
 )
+from areno.errors import describe_type
 from areno.models import Decoder, cpu_gemm, tiny_config
 from areno.models.hf_io import save_model
 from areno.rollout.config import STANDALONE_MAX_NUM_SEQS, RolloutEngineConfig, RolloutEngineSettings
-from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
+from areno.train.config import LoraConfig, OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -60,6 +77,9 @@ def test_defaults_and_overrides(tmp_path):
         (["cluster.sync_timeout_s=0"], "cluster.sync_timeout_s: must be > 0"),
         (["train.role_optim={value: {lrr: 1}}"], "train.role_optim.value.lrr: is not an optim key"),
         (["train.role_optim={value: {lr: -1}}"], "train.role_optim.value.lr: must be > 0"),
+        (["train.role_optim={value: {lr: abc}}"], "train.role_optim.value.lr: must be a number, got 'abc'"),
+        (["train.role_optim={value: 3}"], "train.role_optim.value: must be a mapping of strings to values, got 3"),
+        (["optim.betas=[0.9,b]"], "optim.betas[1]: must be a number, got 'b'"),
         (["cluster.sync_bucket_bytes=1000"], "cluster.sync_bucket_bytes: must be at least 1 MiB"),
         (["observe.wandb_project=p", "observe.wandb_mode=cloud"], "observe.wandb_mode: must be online, offline"),
     ],
@@ -70,6 +90,81 @@ def test_errors_name_the_key(overrides, fragment):
     message = str(info.value)
     assert fragment in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "section, kwargs, message",
+    [
+        (TrainSection, {"steps": "3"}, "train.steps: must be an integer, got '3'"),
+        (TrainSection, {"steps": 1.5}, "train.steps: must be an integer, got 1.5"),
+        (TrainSection, {"steps": True}, "train.steps: must be an integer, got True"),
+        (TrainSection, {"max_tokens_per_mb": "4k"}, "train.max_tokens_per_mb: must be an integer or null, got '4k'"),
+        (TrainSection, {"lora": {"rank": 4}}, "train.lora: must be a LoraConfig or null, got {'rank': 4}"),
+        (LoraConfig, {"rank": 4.0}, "train.lora.rank: must be an integer, got 4.0"),
+        (
+            LoraConfig,
+            {"target_modules": ["q_proj", 1]},
+            "train.lora.target_modules: must be a list of strings or a string, got ['q_proj', 1]",
+        ),
+        (OptimConfig, {"lr": "1e-5"}, "optim.lr: must be a number, got '1e-5'"),
+        (OptimConfig, {"betas": [0.9, None]}, "optim.betas: must be a list of numbers, got [0.9, None]"),
+        (ObserveSection, {"console": "yes"}, "observe.console: must be true or false, got 'yes'"),
+        (ObserveSection, {"profile_steps": 3}, "observe.profile_steps: must be a list of integers, got 3"),
+        (RewardSection, {"sandbox": 1}, "reward.sandbox: must be true, false or null, got 1"),
+        (DataSection, {"task": 3}, "data.task: must be a string or null, got 3"),
+        (DataSection, {"task_kwargs": [1]}, "data.task_kwargs: must be a mapping of strings to values, got [1]"),
+        (ModelSection, {"path": 7}, "model.path: must be a string, got 7"),
+        (RolloutSection, {"max_model_len": "4k"}, "rollout.max_model_len: must be an integer or null, got '4k'"),
+        (RolloutSection, {"cuda_graphs": "no"}, "rollout.cuda_graphs: must be true or false, got 'no'"),
+        (
+            ClusterSection,
+            {"train_devices": [0, "1"]},
+            "cluster.train_devices: must be a list of integers or null, got [0, '1']",
+        ),
+        (WarmStartSection, {"lr": "0.1"}, "warm_start.lr: must be a number, got '0.1'"),
+        (TestRolloutSection, {"interval": None}, "test_rollout.interval: must be an integer, got null"),
+        (ArenoConfig, {"train": {"steps": 3}}, "train: must be a TrainSection, got {'steps': 3}"),
+        (ArenoConfig, {"run_dir": Path("runs")}, f"run_dir: must be a string, got {Path('runs')!r}"),
+    ],
+)
+def test_sections_built_in_python_check_their_types(section, kwargs, message):
+    """A wrong type is the one-line ConfigError naming the key, before the value checks compare it."""
+    with pytest.raises(ConfigError) as info:
+        section(**kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "section, key, value, override",
+    [
+        (TrainSection, "steps", 1.5, "train.steps=1.5"),
+        (TrainSection, "eval_interval", "often", "train.eval_interval=often"),
+        (OptimConfig, "lr", "abc", "optim.lr=abc"),
+        (ObserveSection, "console", "maybe", "observe.console=maybe"),
+        (RolloutSection, "max_new_tokens", None, "rollout.max_new_tokens=null"),
+        (DataSection, "task", [1], "data.task=[1]"),
+        (ClusterSection, "rollout_devices", 2, "cluster.rollout_devices=2"),
+    ],
+)
+def test_a_wrong_type_reads_alike_from_python_and_from_an_override(section, key, value, override):
+    with pytest.raises(ConfigError) as built:
+        section(**{key: value})
+    with pytest.raises(ConfigError) as loaded:
+        load_config(None, ["model.path=/m", override])
+    assert str(built.value) == str(loaded.value)
+    assert f"must be {describe_type(type_hints(section)[key])}" in str(built.value)
+
+
+def test_sections_take_what_python_and_yaml_give_for_each_type():
+    """Ints for numbers, tuples for lists, numpy integers, null for optional keys, nested sections."""
+    import numpy as np
+
+    assert OptimConfig(lr=1, betas=(0.9, 0.99)).betas == (0.9, 0.99)
+    assert TrainSection(steps=np.int64(3), max_tokens_per_mb=None, lora=LoraConfig(rank=4)).steps == 3
+    assert RolloutSection(generate_during_train=False, servers=[], max_model_len=64).max_model_len == 64
+    assert ClusterSection(train_devices=(0,), rollout_devices=[1]).train_devices == (0,)
+    cfg = ArenoConfig(model=ModelSection(path="/m"), train=TrainSection(steps=2), resume="auto")
+    assert cfg.train.steps == 2 and load_config(None, ["model.path=/m", "train.steps=2", "resume=auto"]) == cfg
 
 
 def test_missing_model_path_and_file(tmp_path):
