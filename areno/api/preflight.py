@@ -35,6 +35,7 @@ from areno.models.config import ModelConfig
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import TrainingConfig, get_recipe
 from areno.rewards.loader import check_reward_signature, reward_function, wants_sandbox
+from areno.specializations import ActorSpecialization
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
 from areno.workflows.common import sample_fields
@@ -51,9 +52,9 @@ def check_run(config: ArenoConfig) -> None:
     and held-out lengths, a partitioned layout against the model."""
     recipe = get_recipe(config.train.algorithm, policy_kwargs=dict(config.train.algorithm_kwargs))
     check_reward(config)  # evaluation scores with it in every recipe
-    if recipe.online:  # the engine adds its own arguments (tokenizer, reward_fn, ...) when it builds it
+    if recipe.online:  # with the arguments the engine adds (tokenizer, reward_fn, ...): before any warm start
         factory = workflow_factory(config.rollout.workflow)
-        check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs), partial=True)
+        check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs))
     # offline recipes train on the answers; some shipped rewards score against them
     scores_answers = reward_needs_answer(config.reward.fn)
     splits = check_splits(config.data, need_answers=not recipe.online or scores_answers, eval_answers=scores_answers)
@@ -65,6 +66,7 @@ def check_run(config: ArenoConfig) -> None:
     check_held_out(config)
     check_placement(config, recipe)
     check_minibatches(config, recipe)
+    check_recipe_rollout(config, recipe)
     role_allocation(config, recipe)  # cluster.role_devices names roles of this recipe and devices that exist
     check_role_optim(config, recipe)
     check_partitioned_roles(config, recipe)
@@ -303,4 +305,29 @@ def check_init_tiny(init_tiny: dict) -> None:
         raise ConfigError(
             f"model.init_tiny: vocab_size {config.vocab_size} is smaller than the character tokenizer's "
             f"{vocab} tokens: leave vocab_size out"
+        )
+
+
+_STALENESS_WARNED: set[tuple[str, str]] = set()
+"""(run_dir, recipe) pairs warned about in this process: ``check_run`` runs twice for one run (the
+pipeline's check, then ``Trainer.init``'s), and the warning is said once."""
+
+
+def check_recipe_rollout(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """The rollout gives the recipe what its loss assumes: groups of ``rollout.n_samples >= 2`` where it
+    compares a prompt's completions (a ConfigError), and fresh rollouts where its PPO-family loss does
+    not correct for stale ones (a warning: training on stale data without correction is a legitimate choice)."""
+    recipe.check_n_samples(config.rollout.n_samples)
+    staleness = config.rollout.max_head_offpolicyness
+    if not recipe.online or staleness == 0 or (config.run_dir, recipe.name) in _STALENESS_WARNED:
+        return
+    spec = recipe.policy_role.build()
+    if isinstance(spec, ActorSpecialization) and not (spec.config.use_decoupled_loss or spec.config.recompute_logprob):
+        _STALENESS_WARNED.add((config.run_dir, recipe.name))
+        logger.warning(
+            "train.algorithm=%s with rollout.max_head_offpolicyness=%d trains on rollouts up to that many policy "
+            "versions old, and its loss does not correct for it (the ratio is taken against the policy that "
+            "sampled them): use grpo_async (decoupled PPO), or rollout.max_head_offpolicyness=0 for fresh rollouts",
+            recipe.name,
+            staleness,
         )

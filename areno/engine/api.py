@@ -54,7 +54,7 @@ from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
-from areno.workflows.base import RolloutWorkflow, load_workflow
+from areno.workflows.base import ENGINE_ARGUMENTS, RolloutWorkflow, load_workflow
 from areno.workflows.common import prompt_kwargs, store_kwargs, teacher_kwargs, warn_reward_errors
 from areno.workflows.images import vision_kwargs
 
@@ -455,14 +455,18 @@ class ArenoEngine:
         # one observation store: workflows taking `store=` put large observations there; the
         # executor frees those of dropped groups, step() those of trained ones
         self.store = InProcessStore()
+        engine_kwargs = {
+            "tokenizer": self.tokenizer,
+            "reward_fn": reward_fn,
+            "n_samples": cfg.rollout.n_samples,
+            "sampling_params": rollout_sampling_params(cfg),
+            "prompt_key": cfg.data.prompt_key,
+            "answer_key": cfg.data.answer_key,
+        }
+        assert engine_kwargs.keys() == ENGINE_ARGUMENTS.keys()  # what preflight checks the workflow against
         workflow = load_workflow(
             cfg.rollout.workflow,
-            tokenizer=self.tokenizer,
-            reward_fn=reward_fn,
-            n_samples=cfg.rollout.n_samples,
-            sampling_params=rollout_sampling_params(cfg),
-            prompt_key=cfg.data.prompt_key,
-            answer_key=cfg.data.answer_key,
+            **engine_kwargs,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
             **teacher_kwargs(cfg.rollout.workflow, self.recipe, cfg.rollout.workflow_kwargs),
             **vision_kwargs(cfg.rollout.workflow, self.model_dir, cfg.rollout.workflow_kwargs),

@@ -1,8 +1,10 @@
 """One attempt at one sample, and the rollout pool's failure policy (``WorkflowExecutor``'s).
 
 A workflow that raises counts as a failed episode and its sample is retried up to ``max_retries``
-times, then dropped with a warning naming it. A generation request past its deadline
-(``RolloutRequestTimeout``), an unreachable rollout server, a rollout worker process that died
+times, then dropped with a warning naming it. A workflow that returns something other than a
+Trajectory, a list of them or None (``WorkflowReturnError``) fails the same way, but is warned
+about once per run, without a traceback: it is the workflow's bug, the same on every row. A
+generation request past its deadline (``RolloutRequestTimeout``), an unreachable rollout server, a rollout worker process that died
 and an episode past ``episode_timeout_s`` are infrastructure faults, not the sample's: they are
 counted (``request_timeouts``, ``server_errors``, ``worker_lost``, ``episode_timeouts``) and the
 sample re-queued, bounded the same way. ``RolloutServersLost`` (no server can come back) is
@@ -28,7 +30,7 @@ from areno.rollout.client import (
     RolloutServersLost,
 )
 from areno.types import Trajectory
-from areno.workflows.base import RolloutWorkflow, as_group
+from areno.workflows.base import RolloutWorkflow, WorkflowReturnError, as_group
 from areno.workflows.common import describe_sample
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,19 @@ class EpisodeAttempts:
         self.counts = counts
         self.last_drop = ""
         """The error of the last sample dropped after all its attempts."""
+        self.workflow_broken = False
+        """Whether that error was the workflow's own (``WorkflowReturnError``), not the rollout side's."""
+        self._warned_return = False
+
+    @property
+    def drop_advice(self) -> str:
+        """What a run stopped by dropped samples tells the user to fix, after the last error."""
+        if self.workflow_broken:
+            return "rollout.workflow is failing, not the data or the rollout side; fix its run_episode"
+        return (
+            "the rollout side is failing, not the data; fix the error above (the rollout engine or server "
+            "log has the cause)"
+        )
 
     async def arun(self, task: EpisodeTask) -> tuple[str, list[Trajectory] | None]:
         """One attempt at one sample: ``ok`` (group), ``rejected``, ``retry`` or ``dropped``."""
@@ -81,7 +96,8 @@ class EpisodeAttempts:
             else:
                 episode = self.workflow.run_episode(self.client, task.sample)
                 try:
-                    group = as_group(await asyncio.wait_for(episode, self.episode_timeout_s))
+                    source = f"{type(self.workflow).__qualname__}.run_episode"
+                    group = as_group(await asyncio.wait_for(episode, self.episode_timeout_s), source=source)
                 except TimeoutError as exc:
                     if isinstance(exc, RolloutRequestTimeout):
                         raise
@@ -112,6 +128,7 @@ class EpisodeAttempts:
                 return "retry", None
             self.counts["dropped_failed"] += 1
             self.last_drop = f"{type(exc).__name__}: {exc}"
+            self.workflow_broken = False
             logger.warning(
                 "dropping dataset %s after %d infrastructure failures (last, %s): %s",
                 describe_sample(task.sample),
@@ -135,8 +152,20 @@ class EpisodeAttempts:
         task.attempts += 1
         self.counts["failed_episodes"] += 1
         what = f"{type(exc).__name__}: {exc}"
+        contract = isinstance(exc, WorkflowReturnError)
+        if contract:  # the same bug on every row: one warning, no traceback through areno's internals
+            level = logging.DEBUG if self._warned_return else logging.WARNING
+            self._warned_return = True
+            logger.log(
+                level,
+                "%s (dataset %s; its episodes are retried and dropped like failed ones, counted in "
+                "rollout/failed_episodes and rollout/dropped_failed; warned once)",
+                exc,
+                describe_sample(task.sample),
+            )
         if task.attempts <= self.max_retries:
-            logger.warning(
+            logger.log(
+                logging.DEBUG if contract else logging.WARNING,
                 "episode failed for dataset %s (attempt %d of %d), retrying: %s",
                 describe_sample(task.sample),
                 task.attempts,
@@ -146,11 +175,13 @@ class EpisodeAttempts:
             return "retry", None
         self.counts["dropped_failed"] += 1
         self.last_drop = what
-        logger.warning(
+        self.workflow_broken = contract
+        logger.log(
+            logging.DEBUG if contract else logging.WARNING,
             "dropping dataset %s after %d failed attempts: %s",
             describe_sample(task.sample),
             task.attempts,
             what,
-            exc_info=exc,
+            exc_info=None if contract else exc,
         )
         return "dropped", None

@@ -334,8 +334,7 @@ class WorkflowExecutor:
                 if 0 < self.max_consecutive_dropped <= self._dropped_in_a_row and self._worker_error is None:
                     self._worker_error = RolloutPoolBroken(
                         f"the last {self._dropped_in_a_row} samples were all dropped after {self.max_retries + 1} "
-                        f"attempts each (last: {self._attempts.last_drop}): the rollout side is failing, not the data; fix "
-                        "the error above (the rollout engine or server log has the cause)"
+                        f"attempts each (last: {self._attempts.last_drop}): {self._attempts.drop_advice}"
                     )
                     logger.error("%s", self._worker_error)
             elif status in ("ok", "rejected"):
@@ -451,8 +450,8 @@ class WorkflowExecutor:
             last = f" (last: {self._attempts.last_drop})" if dropped else ""
             raise RolloutPoolBroken(
                 f"no trajectories from a rollout batch of {len(samples)} samples: {dropped} dropped after "
-                f"{self.max_retries + 1} attempts each{last}, {rejected} rejected by the workflow; fix the error "
-                "above (the rollout engine or server log has the cause)"
+                f"{self.max_retries + 1} attempts each{last}, {rejected} rejected by the workflow: "
+                f"{self._attempts.drop_advice if dropped else 'rollout.workflow returned None for every sample (see its warnings above)'}"
             )
         return trajectories, [part for _, part in results if part is not None]
 

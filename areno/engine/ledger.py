@@ -177,7 +177,7 @@ class LedgerWorkflow(RolloutWorkflow):
         # a retry starts its seeds over, as the first attempt of the same sample would
         token = _EPISODE.set(_EpisodeSeeds(episode_seed(self.seed, found[1]))) if found is not None else None
         try:
-            group = as_group(await self.inner.run_episode(client, sample))
+            group = as_group(await self.inner.run_episode(client, sample), source=_run_episode_name(self.inner))
         except asyncio.CancelledError:
             raise  # the pool stops or aborts a stale episode: the sample stays pending
         except Exception:
@@ -194,6 +194,11 @@ class LedgerWorkflow(RolloutWorkflow):
                 for traj in group:
                     traj.info[SEQ_KEY] = seq
         return group
+
+
+def _run_episode_name(workflow: RolloutWorkflow) -> str:
+    """How a workflow's ``run_episode`` is named in messages (``MyWorkflow.run_episode``)."""
+    return f"{type(workflow).__qualname__}.run_episode"
 
 
 SETTLE_TURNS = 3

@@ -6,7 +6,7 @@ Names are namespaced so that every sink and the run report group them the same w
     train/…        the optimisation step       (train/loss, train/kl, train/clip_frac, …)
     eval/…         held-out evaluation          (eval/accuracy, …)
     timing/…       wall-clock split, throughput (timing/rollout_s, timing/train_s, timing/sync_s,
-                                                 timing/step_s, timing/tokens_per_s)
+                                                 timing/tokens_per_s)
     system/…       memory, utilisation
     policy_sync_*  policy sync, spelled exactly as seed 000 does, with no namespace:
                    policy_sync_time_s, policy_sync_transfer_time_s, policy_sync_bytes,

@@ -1,5 +1,5 @@
 """Rollout workflows: single-turn RLVR, multi-turn retry, agents behind a recording OpenAI client,
-tool calling and multi-step environments.
+tool calling and multi-step environments. How to write one: docs/workflows.md.
 
 The public names are importable from here (``from areno.workflows import AgentWorkflow``); they are
 loaded on first access, so importing one workflow module does not pull in the others' dependencies
@@ -12,6 +12,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
+    # the contract (docs/workflows.md)
+    "ENGINE_ARGUMENTS": "base",
+    "EpisodeResult": "base",
+    "RolloutWorkflow": "base",
+    "WorkflowReturnError": "base",
     # single- and multi-turn text workflows
     "RLVRWorkflow": "rlvr",
     "MultiTurnWorkflow": "multi_turn",
@@ -84,6 +89,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         calculator_workflow,
         write_calculator_rows,
     )
+    from areno.workflows.base import ENGINE_ARGUMENTS, EpisodeResult, RolloutWorkflow, WorkflowReturnError
     from areno.workflows.common import (
         RewardFn,
         acall_reward,

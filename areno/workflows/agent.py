@@ -3,9 +3,11 @@
 An agent is ``async def agent(client, sample) -> float | None``: it talks to ``client`` (an
 ``ArenoAsyncOpenAI``, a drop-in for ``openai.AsyncOpenAI``) as it would to OpenAI, and either
 returns the episode's final reward (given to its last completion) or sets rewards itself with
-``client.set_reward(completion_id, r)`` / ``client.set_last_reward(r)``. Every completion is
+``client.set_reward(completion_id, r)`` / ``client.set_last_reward(r)``. To score with the
+configured ``reward.fn`` it awaits ``client.ascore(sample, completion)`` (or ``client.reward_fn(...)``,
+always async, with or without the reward sandbox). Every completion is
 recorded; the episode is exported with discounting (``gamma``) as individual interactions or one
-concatenated multi-turn sequence per branch (``export_style``).
+concatenated multi-turn sequence per branch (``export_style``). See docs/workflows.md.
 
 With ``proxy=True`` the agent is called as ``agent(base_url, sample)`` instead: an HTTP base URL
 on 127.0.0.1 (``AgentProxy``) for the official ``openai`` client or any other process or language;
@@ -36,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from areno.observe.session import session
-from areno.rewards.sandbox import as_reward
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow, _import_dotted
@@ -60,8 +61,10 @@ class AgentWorkflow(RolloutWorkflow):
     """Runs ``agent`` ``n_samples`` times per row against a recording OpenAI-compatible client.
 
     Accepts the keyword arguments the engine passes to every workflow (``tokenizer``,
-    ``reward_fn``, ``n_samples``, ``sampling_params``, ``prompt_key``, ``answer_key``); the agent may
-    use ``client.reward_fn`` (the configured reward) and ``client.prompt_key`` / ``answer_key``.
+    ``reward_fn``, ``n_samples``, ``sampling_params``, ``prompt_key``, ``answer_key``); the agent
+    scores with ``await client.ascore(sample, completion)`` or ``await client.reward_fn(prompt,
+    completion, answer, **fields)`` (the configured reward, async either way) and reads
+    ``client.prompt_key`` / ``answer_key``.
     """
 
     def __init__(
@@ -125,10 +128,15 @@ class AgentWorkflow(RolloutWorkflow):
             import dataclasses
 
             params = dataclasses.replace(params, seed=params.seed + 1000 * index)
-        oai = ArenoAsyncOpenAI(rollout_client, self.tokenizer, default_sampling=params, session=recorder)
-        oai.reward_fn = self.reward_fn
-        oai.prompt_key, oai.answer_key = self.prompt_key, self.answer_key
-        return oai
+        return ArenoAsyncOpenAI(
+            rollout_client,
+            self.tokenizer,
+            default_sampling=params,
+            session=recorder,
+            reward_fn=self.reward_fn,
+            prompt_key=self.prompt_key,
+            answer_key=self.answer_key,
+        )
 
     async def _aepisode(
         self, rollout_client: RolloutClient, sample: dict[str, Any], group_id: str, index: int
@@ -181,14 +189,16 @@ class AgentWorkflow(RolloutWorkflow):
                 return None
             if reward is not None and oai.cache.last.reward is None:
                 try:
-                    oai.set_last_reward(as_reward(reward))  # "0.5" or None is the agent's mistake, not a reward
+                    # "0.5" or an un-awaited client.reward_fn(...) is the agent's mistake, not a reward
+                    oai.set_last_reward(reward)
                 except TypeError as exc:
                     logger.warning("agent episode %d of row %s: %s; dropped", index, describe_row(sample), exc)
                     rec.event("dropped", reason=str(exc))
                     return None
-            trajs = oai.export(
-                self.export_style, gamma=self.gamma, group_id=group_id, info={"sample": describe_row(sample)}
-            )
+            info: dict[str, Any] = {"sample": describe_row(sample)}
+            if oai.reward_errors:  # counted as rollout/reward_errors, as the shipped workflows' are
+                info["reward_error"] = oai.reward_errors[-1]
+            trajs = oai.export(self.export_style, gamma=self.gamma, group_id=group_id, info=info)
             rec.set_reward(sum(t.reward for t in trajs) / len(trajs), num_interactions=len(oai.cache))
             return trajs
 
@@ -291,15 +301,7 @@ async def calculator_agent(
             if client.session is not None:
                 client.session.event("direct_answer", text=_direct_answer(choice.text)[:40])
             return float(_direct_answer(choice.text) == target)
-        result = await TOOLS.aexecute(calls[0])
-        if client.session is not None:
-            client.session.add_tool_call(
-                getattr(calls[0], "name", "?"),
-                getattr(calls[0], "arguments", choice.text),
-                result=result.content,
-                error=None if result.ok else result.content,
-                duration_s=result.duration_s,
-            )
+        result = await TOOLS.aexecute(calls[0], session=client.session)  # recorded for `areno sessions`
         if result.ok:
             if result.content.strip() == target:
                 return 1.0
@@ -335,7 +337,11 @@ def calculator_reward(prompt: str, completion: str, answer: Any = None, *, resul
         return 0.0
 
 
-def calculator_workflow(**kwargs: Any) -> AgentWorkflow:
+def calculator_workflow(
+    *, gamma: float = 1.0, export_style: ExportStyle = "concat", timeout_s: float = 120.0, **kwargs: Any
+) -> AgentWorkflow:
     """``rollout.workflow: areno.workflows.agent:calculator_workflow`` (concat export, gamma 1,
-    reward = answer correct, two attempts when a call is malformed)."""
-    return AgentWorkflow(agent=calculator_agent, gamma=1.0, export_style="concat", timeout_s=120.0, **kwargs)
+    reward = answer correct, two attempts when a call is malformed). Its own defaults are
+    parameters, so ``rollout.workflow_kwargs`` may override them; every other argument goes to
+    ``AgentWorkflow`` (the return annotation lets preflight check them against it)."""
+    return AgentWorkflow(agent=calculator_agent, gamma=gamma, export_style=export_style, timeout_s=timeout_s, **kwargs)

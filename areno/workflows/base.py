@@ -10,6 +10,8 @@ in process or against a remote server. Users write their own workflow by subclas
 from __future__ import annotations
 
 import inspect
+import re
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -23,9 +25,33 @@ EpisodeResult = Trajectory | list[Trajectory] | None
 """What ``run_episode`` returns: one trajectory, a group (GRPO: n samples of one prompt), or None
 to reject the sample (it is not trained on and does not count towards a batch)."""
 
+ENGINE_ARGUMENTS: dict[str, str] = {
+    "tokenizer": "the policy's tokenizer",
+    "reward_fn": "reward.fn",
+    "n_samples": "rollout.n_samples",
+    "sampling_params": "rollout.temperature, top_p, max_new_tokens, ...",
+    "prompt_key": "data.prompt_key",
+    "answer_key": "data.answer_key",
+}
+"""The keyword arguments the engine passes every workflow it builds (``ArenoEngine._build_executor``),
+with the config they come from; ``rollout.workflow_kwargs`` come on top."""
+DECLARED_ARGUMENTS = ("store", "teacher_path", "vision", "chat_template", "system_prompt")
+"""Arguments the engine passes only to a workflow that declares the parameter by name (and whose
+``rollout.workflow_kwargs`` leave it unset): the observation store, the recipe's teacher checkpoint,
+a vision-language model's ``VisionConfig``, ``data.chat_template`` and ``data.system_prompt``."""
+
+
+class WorkflowReturnError(TypeError):
+    """``run_episode`` returned something other than a Trajectory, a list of them or None."""
+
 
 class RolloutWorkflow(ABC):
     """Turns one dataset sample into trajectories by talking to the rollout engine.
+
+    The engine builds it with keyword arguments ``ENGINE_ARGUMENTS`` (``tokenizer``, ``reward_fn``,
+    ``n_samples``, ``sampling_params``, ``prompt_key``, ``answer_key``), those of
+    ``DECLARED_ARGUMENTS`` that ``__init__`` names, and ``rollout.workflow_kwargs``: ``__init__``
+    takes them, or ``**kwargs``.
 
     ``run_episode`` runs on the executor's event loop, concurrently with many other episodes, so it
     must not block: await the client, keep CPU work (reward functions) short. An exception raised
@@ -40,16 +66,34 @@ class RolloutWorkflow(ABC):
         """Release what the workflow holds (a model of its own); called once when the run shuts down."""
 
 
-def as_group(result: EpisodeResult) -> list[Trajectory] | None:
-    """Normalise an episode result to a non-empty group, or None for a rejected sample."""
+def as_group(result: EpisodeResult, *, source: str = "run_episode") -> list[Trajectory] | None:
+    """Normalise an episode result to a non-empty group, or None for a rejected sample.
+
+    A returned list is one group (the samples GRPO compares): its members whose ``group_id`` is
+    empty get one id, new for each call, so a workflow that leaves the ids out still trains (an
+    empty id would make each trajectory a group of its own, every advantage 0). Ids the workflow
+    set are kept. Anything else than a Trajectory, a list (or tuple) of them or None is a
+    :class:`WorkflowReturnError` naming ``source`` and the returned type."""
     if result is None:
         return None
     if isinstance(result, Trajectory):
-        return [result]
-    group = list(result)
-    for item in group:
-        if not isinstance(item, Trajectory):
-            raise TypeError(f"run_episode returned a list holding {type(item).__name__}, expected Trajectory")
+        group = [result]
+    elif isinstance(result, (list, tuple)):
+        group = list(result)
+        bad = next((i for i, item in enumerate(group) if not isinstance(item, Trajectory)), None)
+        if bad is not None:
+            raise WorkflowReturnError(
+                f"{source} returned a {type(result).__name__} holding {type(group[bad]).__name__} at [{bad}]; "
+                "return a Trajectory, a list of Trajectory, or None"
+            )
+    else:
+        raise WorkflowReturnError(
+            f"{source} returned {type(result).__name__}; return a Trajectory, a list of Trajectory, or None"
+        )
+    group_id = uuid.uuid4().hex
+    for traj in group:
+        if not traj.group_id:
+            traj.group_id = group_id
     return group or None
 
 
@@ -77,23 +121,115 @@ def workflow_factory(dotted_path: str) -> Callable[..., RolloutWorkflow]:
 
 
 def check_workflow_arguments(
-    dotted_path: str, factory: Callable[..., RolloutWorkflow], kwargs: dict[str, Any], *, partial: bool = False
+    dotted_path: str, factory: Callable[..., RolloutWorkflow], workflow_kwargs: dict[str, Any]
 ) -> None:
-    """A :class:`ConfigError` naming an argument ``factory`` does not take, or (unless ``partial``: the
-    engine adds its own arguments later) one it needs that ``kwargs`` lacks."""
-    bind = inspect.signature(factory).bind_partial if partial else inspect.signature(factory).bind
-    try:
-        bind(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"workflow {dotted_path!r}: {exc} (check rollout.workflow_kwargs)") from None
+    """A one-line :class:`ConfigError` for what building ``factory`` as the engine does would meet:
+    a ``workflow_kwargs`` key the engine sets itself, an argument the factory does not take (one of
+    the engine's, or ``rollout.workflow_kwargs.<key>``), or one it needs that nobody passes.
+
+    A factory function taking ``**kwargs`` whose return annotation names a RolloutWorkflow class
+    (``def my_workflow(**kwargs) -> AgentWorkflow``) has the arguments it does not name itself
+    checked against that class's ``__init__``; without the annotation they are checked when the
+    engine builds it (``load_workflow``)."""
+    for key in workflow_kwargs:
+        if key in ENGINE_ARGUMENTS:
+            raise ConfigError(
+                f"rollout.workflow_kwargs.{key}: the engine passes {key} to every workflow itself (from "
+                f"{ENGINE_ARGUMENTS[key]}): remove it from rollout.workflow_kwargs"
+            )
+    declared = [name for name in DECLARED_ARGUMENTS if name not in workflow_kwargs and _names(factory, name)]
+    given = [*ENGINE_ARGUMENTS, *declared, *workflow_kwargs]
+    _check_binds(repr(dotted_path), factory, given, missing=True)
+    target = _forwarded_class(factory)
+    if target is not None:
+        own = set(inspect.signature(factory).parameters)
+        what = f"{dotted_path!r} (its **kwargs go to {target.__name__})"
+        _check_binds(what, target, [k for k in given if k not in own], missing=False)
+
+
+def _names(factory: Callable[..., Any], name: str) -> bool:
+    """Whether ``factory`` takes an argument ``name`` by keyword (not only through ``**kwargs``)."""
+    param = inspect.signature(factory).parameters.get(name)
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+
+
+def _check_binds(what: str, factory: Callable[..., Any], given: list[str], *, missing: bool) -> None:
+    """A :class:`ConfigError` unless ``factory`` (named ``what``) takes every name in ``given`` by
+    keyword and (with ``missing``) needs no argument besides them."""
+    params = inspect.signature(factory).parameters
+    by_keyword = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        engine = [k for k in given if k in ENGINE_ARGUMENTS and k not in by_keyword]
+        if engine:
+            untaken = "the engine's arguments" if len(engine) == len(ENGINE_ARGUMENTS) else ", ".join(engine)
+            raise ConfigError(
+                f"rollout.workflow: {what} does not take {untaken}; the engine builds every workflow "
+                f"with keyword arguments {', '.join(ENGINE_ARGUMENTS)} (and {', '.join(DECLARED_ARGUMENTS)} where "
+                "__init__ names them) plus rollout.workflow_kwargs: accept them as parameters or with **kwargs"
+            )
+        unknown = [k for k in given if k not in by_keyword]
+        if unknown:
+            own = [k for k in by_keyword if k not in ENGINE_ARGUMENTS]
+            raise ConfigError(
+                f"rollout.workflow_kwargs.{unknown[0]}: workflow {what} takes no argument {unknown[0]!r}; "
+                f"it takes {', '.join(own) if own else 'only the engine arguments'}"
+            )
+    if missing:
+        needed = [
+            n
+            for n, p in params.items()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in given
+        ]
+        if needed:
+            raise ConfigError(
+                f"rollout.workflow_kwargs.{needed[0]}: workflow {what} needs argument {needed[0]!r}: set it in "
+                "rollout.workflow_kwargs"
+            )
+
+
+def _forwarded_class(factory: Callable[..., Any]) -> type | None:
+    """The RolloutWorkflow class that a factory function taking ``**kwargs`` says it returns (its
+    return annotation), where the arguments it does not name go; None when it says none."""
+    if isinstance(factory, type):
+        return None
+    signature = inspect.signature(factory)
+    if not any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+        return None
+    returned = signature.return_annotation
+    if isinstance(returned, str):  # postponed annotations (from __future__ import annotations)
+        try:
+            # evaluated as typing.get_type_hints does, but the return annotation alone: a parameter's
+            # annotation that only a type checker resolves does not stop it
+            returned = eval(returned, getattr(factory, "__globals__", {}))
+        except (NameError, AttributeError, SyntaxError):  # a name only a type checker sees: nothing to follow
+            return None
+    return returned if isinstance(returned, type) and issubclass(returned, RolloutWorkflow) else None
+
+
+_BAD_ARGUMENT = re.compile(r"(?:keyword argument|arguments?:) '(\w+)'")
+"""The argument a TypeError from a call names ("unexpected keyword argument 'x'", "multiple values
+for keyword argument 'x'", "missing 1 required keyword-only argument: 'x'")."""
 
 
 def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
     """Build the workflow named by ``dotted_path`` (a ``RolloutWorkflow`` subclass, or a factory
-    function returning an instance) with ``kwargs``; its arguments are checked before it is built."""
+    function returning an instance) with ``kwargs`` (the engine's arguments and
+    ``rollout.workflow_kwargs``); its arguments are checked before it is built, and a TypeError
+    from building it (an argument a factory forwards that its target does not take) is a
+    :class:`ConfigError` naming the argument."""
     factory = workflow_factory(dotted_path)
-    check_workflow_arguments(dotted_path, factory, kwargs)
-    workflow = factory(**kwargs)
+    _check_binds(repr(dotted_path), factory, list(kwargs), missing=True)
+    try:
+        workflow = factory(**kwargs)
+    except TypeError as exc:
+        match = _BAD_ARGUMENT.search(str(exc))
+        key = match.group(1) if match else None
+        user = key is not None and key not in ENGINE_ARGUMENTS and key not in DECLARED_ARGUMENTS
+        where = f"rollout.workflow_kwargs.{key}" if user else "rollout.workflow"
+        raise ConfigError(
+            f"{where}: building workflow {dotted_path!r} failed: {exc} (check rollout.workflow_kwargs; the engine "
+            f"passes {', '.join(ENGINE_ARGUMENTS)} itself)"
+        ) from exc
     if not isinstance(workflow, RolloutWorkflow):
         raise RewardImportError(
             f"rollout.workflow: factory {dotted_path!r} returned {type(workflow).__name__}, expected a RolloutWorkflow"

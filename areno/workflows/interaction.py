@@ -7,7 +7,10 @@ interaction whose messages plus its assistant reply are the longest prefix of th
 (for raw completions: whose prompt plus output token ids are the longest prefix of the prompt).
 
 Rewards are set per interaction (``set_reward``) or on the newest one (``set_last_reward``). An
-interaction left without a reward is warned about and scored 0. ``apply_discount(gamma)`` walks the
+interaction left without a reward scores 0; where that is the last turn of a branch (a leaf: the
+episode's final reward missing) it is warned about, once per process. Earlier turns without a
+reward are the usual case (a final reward is credited back to them) and are not warned about.
+``apply_discount(gamma)`` walks the
 tree from the leaves up: each parent's reward becomes its own plus ``gamma`` × its child's (the
 mean over children where a turn branched), so an early turn is credited with what it led to.
 
@@ -21,15 +24,34 @@ Export (``export``):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from areno.rewards.sandbox import as_reward
 from areno.types import Trajectory
 
 logger = logging.getLogger("areno.workflows")
+
+_warned_unrewarded = False
+"""Whether an episode whose last turn had no reward was warned about (later ones: DEBUG)."""
+
+
+def _reward_value(reward: Any) -> float:
+    """``reward`` as a float (``as_reward``); a coroutine (``client.reward_fn(...)`` not awaited) is a
+    TypeError saying to await it."""
+    if inspect.isawaitable(reward):
+        if inspect.iscoroutine(reward):
+            reward.close()  # never awaited: closed here, so Python does not warn about it again
+        raise TypeError(
+            f"the reward is a {type(reward).__name__}, not a number: await it "
+            "(reward = await client.reward_fn(...) or await client.ascore(sample, completion))"
+        )
+    return as_reward(reward)
+
 
 ExportStyle = Literal["individual", "concat"]
 
@@ -139,27 +161,35 @@ class InteractionCache:
 
     # ---- rewards
     def set_reward(self, interaction_id: str, reward: float) -> None:
-        self[interaction_id].reward = float(reward)
+        """Reward one interaction: a number or a bool (a str, None or an un-awaited coroutine is a TypeError)."""
+        self[interaction_id].reward = _reward_value(reward)
 
     def set_last_reward(self, reward: float) -> None:
         """Reward the newest interaction (the usual 'final answer' reward)."""
         if self.last is None:
             raise ValueError("set_last_reward: the agent made no completion call in this episode")
-        self.last.reward = float(reward)
+        self.last.reward = _reward_value(reward)
 
     def apply_discount(self, gamma: float = 1.0) -> None:
-        """Leaves up: ``discounted = own + gamma * mean(children's discounted)``; unset rewards warn and count 0."""
+        """Leaves up: ``discounted = own + gamma * mean(children's discounted)``; unset rewards count 0,
+        and a leaf without one (a branch that ended without its final reward) is warned about once."""
+        global _warned_unrewarded
         if not 0 <= gamma <= 1:
             raise ValueError(f"discount gamma must be in [0, 1], got {gamma}")
-        missing = [i.id for i in self.ordered() if i.reward is None]
-        if missing:
-            logger.warning(
-                "%d of %d interactions have no reward (%s); they count as 0. Set one with "
-                "client.set_reward(id, r) or client.set_last_reward(r)",
-                len(missing),
+        leaves = [i.id for i in self.ordered() if i.reward is None and not i.children]
+        if leaves:
+            missing = sum(i.reward is None for i in self.ordered())
+            logger.log(
+                logging.DEBUG if _warned_unrewarded else logging.WARNING,
+                "%d of %d interactions have no reward, among them %d that end the episode (%s); they count as 0. "
+                "Return the final reward from the agent, or set one with client.set_reward(id, r) or "
+                "client.set_last_reward(r) (warned once; later episodes are logged at DEBUG)",
+                missing,
                 len(self),
-                ", ".join(missing[:3]),
+                len(leaves),
+                ", ".join(leaves[:3]),
             )
+            _warned_unrewarded = True
         for inter in reversed(self.ordered()):  # children are always added after their parent
             own = inter.reward if inter.reward is not None else 0.0
             if inter.children:

@@ -27,10 +27,12 @@ other processes or languages.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,11 +42,13 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from areno.models.vision import ImageInputs, VisionConfig, decode_image, expand_image_tokens
+from areno.rewards.sandbox import as_reward
 from areno.rollout.client import agenerate_many
 from areno.rollout.server import ServerThread, check_bind
 from areno.rollout.store import ObservationStore
 from areno.types import GenerationOutput, SamplingParams, Trajectory
-from areno.workflows.images import stash_images
+from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
+from areno.workflows.images import IMAGES_KEY, stash_images
 from areno.workflows.interaction import ExportStyle, Interaction, InteractionCache
 from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validate_tool_schema
 
@@ -184,6 +188,12 @@ class ArenoAsyncOpenAI:
             ``image_url`` parts (base64 data URLs); their pixels go with the request and, in the
             exported trajectory, by reference through ``store``.
         store: where the pixels of recorded image prompts are kept (None: inline).
+        reward_fn: the configured reward (``reward.fn``), for the agent to score with: kept as
+            ``client.reward_fn``, an async function whether or not ``reward.sandbox`` is on (``await
+            client.reward_fn(prompt, completion, answer, **fields)``); ``await client.ascore(sample,
+            completion)`` calls it the way the shipped workflows do.
+        prompt_key, answer_key: the row fields holding the prompt and the answer (``data.prompt_key``,
+            ``data.answer_key``), which ``ascore`` reads.
     """
 
     def __init__(
@@ -197,6 +207,9 @@ class ArenoAsyncOpenAI:
         render_tools: str = "auto",
         vision: VisionConfig | None = None,
         store: ObservationStore | None = None,
+        reward_fn: RewardFn | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
     ) -> None:
         if render_tools not in ("auto", "system", "template"):
             raise ValueError(f"render_tools must be 'auto', 'system' or 'template', got {render_tools!r}")
@@ -213,8 +226,27 @@ class ArenoAsyncOpenAI:
         )
         self.chat = _Chat(self)
         self.completions = _Completions(self)
+        self._reward_fn = reward_fn  # as configured: acall_reward warns once per reward function, not per episode
+        self.reward_fn = None if reward_fn is None else _areward(reward_fn)
+        self.prompt_key, self.answer_key = prompt_key, answer_key
+        self.reward_errors: list[str] = []
+        """The failures of ``ascore`` calls (each scored 0), for the episode's trajectories."""
 
     # ---- rewards and export
+    async def ascore(self, sample: dict[str, Any], completion: str) -> float:
+        """The configured reward of ``completion`` for ``sample``, as the shipped workflows score:
+        ``reward_fn(sample[prompt_key], completion, sample.get(answer_key), **the row's other fields)``.
+        A reward that raises or returns a non-number scores 0, is warned about (``acall_reward``) and
+        marks the episode's trajectories (``info["reward_error"]``, ``rollout/reward_errors``)."""
+        if self._reward_fn is None:
+            raise ValueError("ascore: this client has no reward function (the workflow was built without reward_fn)")
+        prompt = require_field(sample, self.prompt_key)
+        fields = sample_fields(sample, self.prompt_key, self.answer_key, IMAGES_KEY)
+        value, error = await acall_reward(self._reward_fn, prompt, completion, sample.get(self.answer_key), fields)
+        if error is not None:
+            self.reward_errors.append(error)
+        return value
+
     def set_reward(self, interaction_id: str, reward: float) -> None:
         """Reward one completion (its response ``id``; for n > 1 the id rewards every choice)."""
         ids = [
@@ -492,6 +524,18 @@ class ArenoAsyncOpenAI:
         )
 
 
+def _areward(reward_fn: RewardFn) -> Callable[..., Awaitable[float]]:
+    """``reward_fn`` as an async function returning a float: the configured reward is a coroutine
+    function under the reward sandbox and a plain one with ``reward.sandbox=false``, and agent code
+    must not depend on which."""
+
+    async def areward(prompt: Any, completion: str, answer: Any = None, **fields: Any) -> float:
+        value = reward_fn(prompt, completion, answer, **fields)
+        return as_reward(await value if inspect.isawaitable(value) else value)
+
+    return areward
+
+
 def _check_kwargs(req: dict[str, Any], known: frozenset[str], where: str) -> None:
     for key in list(req):
         if key in _IGNORED:
@@ -531,8 +575,9 @@ def _openai_finish(reason: str) -> str:
 
 
 def _usage(prompt_ids: list[int], outs: list[GenerationOutput]) -> dict[str, int]:
+    """OpenAI's ``usage``: the prompt once, however many choices; the completion tokens of them all."""
     completion = sum(len(o.output_ids) for o in outs)
-    prompt = len(prompt_ids) * len(outs)
+    prompt = len(prompt_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

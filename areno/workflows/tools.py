@@ -1,15 +1,19 @@
 """Tool calling for agent workflows: OpenAI-schema tools, parsing of model tool calls, safe execution.
 
 - ``Tool``: a Python function plus its OpenAI function schema (``{"type": "function", "function":
-  {"name", "description", "parameters"}}``); ``parameters`` must be a valid JSON Schema (checked with
-  ``jsonschema`` at construction) and every call's arguments are validated against it.
+  {"name", "description", "parameters"}}``); ``parameters`` must be a valid JSON Schema of an object
+  (``{"type": "object", "properties": {...}, "required": [...]}``, checked with ``jsonschema`` at
+  construction, and against the function's signature), and every call's arguments are validated
+  against it.
 - ``parse_tool_calls(text)``: the calls a model wrote, in the Qwen / Hermes ``<tool_call>{json}
   </tool_call>`` format (``arguments`` as an object or a JSON string, ``parameters`` accepted as
   an alias) and the Qwen3-Coder XML format (``<tool_call><function=NAME><parameter=KEY>VALUE
   </parameter></function></tool_call>``). A malformed call is returned as a ``ToolCallError``,
   never raised, so the workflow can feed the message back to the model.
-- ``ToolSet.aexecute(call)``: runs a call with a timeout; an unknown tool, invalid arguments, a tool
-  that raises and a tool that runs past its timeout all come back as an error string for the model.
+- ``ToolSet.aexecute(call, session=...)``: runs a call with a timeout; an unknown tool, invalid
+  arguments, a tool that raises and a tool that runs past its timeout all come back as an error
+  string for the model. Given the episode's session (``client.session``), it records the call, so
+  ``areno sessions`` shows it.
 """
 
 from __future__ import annotations
@@ -126,6 +130,13 @@ def validate_tool_schema(schema: dict[str, Any]) -> dict[str, Any]:
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise ToolSchemaError(f"tool {name!r}: parameters must be a JSON Schema object, got {type(params).__name__}")
+    # without "type" a schema such as {"a": {"type": "integer"}} is valid JSON Schema that accepts
+    # any arguments: the calls would never be validated
+    if params.get("type") != "object":
+        raise ToolSchemaError(
+            f"tool {name!r}: parameters must describe an object, "
+            f'{{"type": "object", "properties": {{...}}, "required": [...]}}; got {_keys(params)}'
+        )
     try:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as exc:
@@ -133,14 +144,57 @@ def validate_tool_schema(schema: dict[str, Any]) -> dict[str, Any]:
         raise ToolSchemaError(
             f"tool {name!r}: parameters is not a valid JSON Schema at {path}: {exc.message}"
         ) from None
-    if params.get("type", "object") != "object":
-        raise ToolSchemaError(
-            f"tool {name!r}: parameters must describe an object (type 'object'), got {params.get('type')!r}"
-        )
     return {
         "type": "function",
         "function": {"name": name, "description": fn.get("description", ""), "parameters": params},
     }
+
+
+def _keys(params: dict[str, Any]) -> str:
+    return f"type {params['type']!r}" if "type" in params else f"no type (keys {sorted(params)})"
+
+
+def check_tool_signature(name: str, fn: Callable[..., Any], parameters: dict[str, Any]) -> None:
+    """A :class:`ToolSchemaError` unless the schema lists ``properties`` and ``fn(**arguments)`` can
+    take every call it allows: each property is a parameter (or ``fn`` takes ``**kwargs``), and
+    each parameter without a default is a required property (a call that leaves it out would fail
+    inside the episode, told to the model instead of the user)."""
+    if not isinstance(parameters.get("properties"), dict):
+        raise ToolSchemaError(
+            f'tool {name!r}: parameters needs "properties" (a dict of argument schemas, {{}} for none), so '
+            "every call's arguments are validated"
+        )
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: its calls tell
+        return
+    by_keyword = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    properties, required = set(parameters["properties"]), set(parameters.get("required", ()))
+    positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        raise ToolSchemaError(
+            f"tool {name!r}: {_fn_name(fn)} takes {positional[0]!r} by position only; tools are called with "
+            "keyword arguments"
+        )
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        extra = sorted((properties | required) - by_keyword)
+        if extra:
+            raise ToolSchemaError(
+                f"tool {name!r}: the schema names arguments {extra} that {_fn_name(fn)} takes no parameter for; "
+                f"its parameters are {sorted(by_keyword)}"
+            )
+    for n, p in params.items():
+        if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
+            continue
+        if n not in required:
+            raise ToolSchemaError(
+                f"tool {name!r}: {_fn_name(fn)} needs argument {n!r} but the schema does not require it: add "
+                f"{n!r} to parameters.required (and properties), or give it a default"
+            )
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__name__', type(fn).__name__)}()"
 
 
 @dataclass(kw_only=True)
@@ -157,6 +211,7 @@ class Tool:
         self.schema = validate_tool_schema(self.schema)
         if self.timeout_s <= 0:
             raise ValueError(f"tool {self.name!r}: timeout_s must be > 0, got {self.timeout_s}")
+        check_tool_signature(self.name, self.fn, self.parameters)
 
     @property
     def name(self) -> str:
@@ -190,8 +245,16 @@ class ToolSet:
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema for t in self.tools.values()]
 
-    async def aexecute(self, call: ToolCall | ToolCallError) -> ToolResult:
-        """Run one call; every failure becomes ``ok=False`` with a message for the model."""
+    async def aexecute(self, call: ToolCall | ToolCallError, session: Any = None) -> ToolResult:
+        """Run one call; every failure becomes ``ok=False`` with a message for the model. With
+        ``session`` (an agent's ``client.session``; None outside a traced episode) the call, its
+        result or error and its duration are recorded there."""
+        result = await self._aexecute(call)
+        if session is not None:
+            _record(session, result)
+        return result
+
+    async def _aexecute(self, call: ToolCall | ToolCallError) -> ToolResult:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if isinstance(call, ToolCallError):
@@ -247,24 +310,29 @@ class ToolSet:
                 continue
             calls.append(ToolCall(name=fn["name"], arguments=args, id=tc.get("id") or f"call_{uuid.uuid4().hex[:24]}"))
         calls += [ToolCallError(raw="", message=m) for m in msg.get("tool_call_errors") or []]
-        results = await asyncio.gather(*(self.aexecute(c) for c in calls))
+        results = await asyncio.gather(*(self._aexecute(c) for c in calls))
         out = []
         for r in results:
+            if session is not None:  # in the calls' order, not the order they finished in
+                _record(session, r)
             entry: dict[str, Any] = {"role": "tool", "content": r.content}
             if isinstance(r.call, ToolCall):
                 entry["tool_call_id"] = r.call.id
                 entry["name"] = r.call.name
-            if session is not None:
-                args = r.call.arguments if isinstance(r.call, ToolCall) else r.call.raw
-                session.add_tool_call(
-                    getattr(r.call, "name", "(malformed)"),
-                    args,
-                    result=r.content if r.ok else None,
-                    error=None if r.ok else r.content,
-                    duration_s=r.duration_s,
-                )
             out.append(entry)
         return out
+
+
+def _record(session: Any, result: ToolResult) -> None:
+    """Record one executed call on an ``areno.observe.session`` recorder."""
+    call = result.call
+    session.add_tool_call(
+        getattr(call, "name", "(malformed)"),
+        call.arguments if isinstance(call, ToolCall) else call.raw,
+        result=result.content if result.ok else None,
+        error=None if result.ok else result.content,
+        duration_s=result.duration_s,
+    )
 
 
 def render_tools_prompt(schemas: list[dict[str, Any]]) -> str:

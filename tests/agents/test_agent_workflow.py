@@ -29,7 +29,8 @@ def workflow(tok, agent, **kw):
     return AgentWorkflow(tok, PARAMS, agent=agent, **kw)
 
 
-def test_bad_agents_lose_only_their_episode(scripted, char_tokenizer, caplog):
+def test_bad_agents_lose_only_their_episode(scripted, char_tokenizer, caplog, monkeypatch):
+    monkeypatch.setattr("areno.workflows.interaction._warned_unrewarded", False)  # warned once per process
     calls = {"n": 0}
 
     async def flaky(client, sample):

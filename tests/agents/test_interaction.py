@@ -94,7 +94,8 @@ def test_discounting_by_hand():
     assert a.discounted_reward == pytest.approx((1.5 + 0.2) / 2)
 
 
-def test_missing_reward_is_warned_and_zero(caplog):
+def test_missing_reward_is_warned_and_zero(caplog, monkeypatch):
+    monkeypatch.setattr("areno.workflows.interaction._warned_unrewarded", False)  # warned once per process
     cache, a, b, c, d = build_tree()
     cache.set_last_reward(1.0)  # d is the newest
     with caplog.at_level(logging.WARNING, logger="areno.workflows"):

@@ -47,6 +47,9 @@ def test_chat_identical_to_official_client_on_areno_server(served):
     # recorded: exact ids, log-probs, versions and messages of both choices
     inters = rec.cache.ordered()
     assert len(inters) == 2 and inters[0].messages == MESSAGES
+    # as OpenAI counts: the prompt once, the completion tokens of both choices
+    completion = sum(len(c.model_extra["token_ids"]) for c in mine.choices)
+    assert (mine.usage.prompt_tokens, mine.usage.completion_tokens) == (len(inters[0].prompt_ids), completion)
     assert inters[1].output_ids == mine.choices[1].model_extra["token_ids"]
     assert inters[1].output_logprobs == pytest.approx([t.logprob for t in mine.choices[1].logprobs.content])
     assert inters[0].output_versions == [0] * len(inters[0].output_ids)
@@ -57,7 +60,7 @@ def test_chat_identical_to_official_client_on_areno_server(served):
 
 def test_completions_identical_to_official_client(served):
     app, rollout_client, tokenizer = served
-    kwargs = dict(model="tiny", prompt="12+7=", max_tokens=6, temperature=0, logprobs=1)
+    kwargs = dict(model="tiny", prompt="12+7=", max_tokens=6, temperature=0, logprobs=0)
 
     async def go():
         return (

@@ -124,5 +124,5 @@ def test_multi_turn_gives_up_after_max_turns():
 
 def test_as_group():
     assert as_group(None) is None and as_group([]) is None
-    with pytest.raises(TypeError, match="expected Trajectory"):
+    with pytest.raises(TypeError, match=r"run_episode returned a list holding int at \[0\]; return a Trajectory"):
         as_group([1])

@@ -115,3 +115,16 @@ class LengthWorkflow(RolloutWorkflow):
             group_id=str(sample["id"]),
             info={"id": sample["id"], "pid": os.getpid()},
         )
+
+
+def replying(tokenizer, *texts: str) -> FakeEngine:
+    """An engine answering the i-th call of a multi-turn episode with ``texts[i]`` (+ EOS; the last
+    text from then on): each call's prompt extends the one before, so the EOS tokens it holds count
+    the turns done."""
+    encoded = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
+
+    def respond(prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        turn = sum(tokenizer.eos_token_id == t for t in prompt_ids)
+        return encoded[min(turn, len(encoded) - 1)]
+
+    return FakeEngine(respond)

@@ -95,3 +95,13 @@ class StallOnceWorkflow(RolloutWorkflow):
             group_id=str(sample["id"]),
             info={"id": sample["id"], "pid": os.getpid()},
         )
+
+
+class DictReturningWorkflow(RolloutWorkflow):
+    """A user's workflow that returns a dict instead of a Trajectory (the contract's commonest slip)."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    async def run_episode(self, client, sample):
+        return {"reward": 1.0}
