@@ -25,7 +25,7 @@ from areno.data.datasets import check_prompt_forms, check_splits
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
 from areno.data.tasks import TaskSpec, generate_rows
 from areno.data.tokenizer import build_char_tokenizer, check_has_tokenizer, load_pretrained_tokenizer
-from areno.engine.api import init_tiny_stale
+from areno.engine.api import init_tiny_stale, resolve_recipe
 from areno.engine.config import ArenoConfig, RewardSection, RolloutSection, field_default
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.roles import check_partitioned_roles, role_allocation
@@ -33,7 +33,7 @@ from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
 from areno.models.config import ModelConfig
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
-from areno.recipes import TrainingConfig, get_recipe
+from areno.recipes import TrainingConfig
 from areno.rewards.loader import check_reward_signature, reward_function, wants_sandbox
 from areno.specializations import ActorSpecialization
 from areno.train import checkpoint
@@ -50,7 +50,7 @@ def check_run(config: ArenoConfig) -> None:
     and the reward's signature against them, devices, held-out rows, placement, minibatches, roles,
     the run directory and resume, optional packages, the model directory and tokenizer, prompt forms
     and held-out lengths, a partitioned layout against the model."""
-    recipe = get_recipe(config.train.algorithm, policy_kwargs=dict(config.train.algorithm_kwargs))
+    recipe = resolve_recipe(config)  # as the engine resolves it (an online policy gets rollout.temperature)
     check_reward(config)  # evaluation scores with it in every recipe
     if recipe.online:  # with the arguments the engine adds (tokenizer, reward_fn, ...): before any warm start
         factory = workflow_factory(config.rollout.workflow)

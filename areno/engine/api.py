@@ -249,9 +249,15 @@ def resolve_recipe(config: ArenoConfig):
     policy_kwargs = dict(config.train.algorithm_kwargs)
     recipe = get_recipe(config.train.algorithm, policy_kwargs=policy_kwargs)
     if recipe.online and "temperature" not in policy_kwargs and config.rollout.temperature > 0:
-        recipe = get_recipe(
-            config.train.algorithm, policy_kwargs={**policy_kwargs, "temperature": config.rollout.temperature}
-        )
+        try:
+            recipe = get_recipe(
+                config.train.algorithm, policy_kwargs={**policy_kwargs, "temperature": config.rollout.temperature}
+            )
+        except ConfigError as exc:  # a user's loss class that does not take it: not train.algorithm_kwargs' fault
+            raise ConfigError(
+                f"{exc}; areno passes temperature=rollout.temperature to an online recipe's policy role (its "
+                "log-probs are scored at the rollout's temperature): take it in __init__ (docs/recipes.md)"
+            ) from None
     return recipe
 
 

@@ -78,3 +78,17 @@ def test_the_docs_loss_that_needs_groups_refuses_one_sample(doc_dir, capsys):
         "rollout.n_samples >= 2, or use a recipe without groups (e.g. reinforce_pp)"
     ]
     assert not (doc_dir / "runs").exists()  # before the tiny model is made
+
+
+def test_a_loss_without_temperature_is_refused_before_the_run(doc_dir, capsys):
+    source = (doc_dir / "my_recipes.py").read_text()
+    init = "def __init__(self, *, temperature: float = 1.0) -> None:  # areno passes rollout.temperature\n"
+    assert init + "        self.temperature = temperature" in source
+    fixed = "def __init__(self) -> None:\n        self.temperature = 1.0"
+    (doc_dir / "my_recipes.py").write_text(source.replace(init + "        self.temperature = temperature", fixed))
+    _, train = _commands()
+    assert main([*train, "warm_start.steps=5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("areno: error: role 'policy': bad arguments for Reinforce"), err
+    assert "areno passes temperature=rollout.temperature to an online recipe's policy role" in err[0]
+    assert not (doc_dir / "runs").exists()  # before the tiny model or the warm start
