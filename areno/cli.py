@@ -132,7 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sampling temperature (default: train.eval_temperature: greedy for 1 sample, else rollout.temperature)",
     )
     ev.add_argument("--split", default="eval", help="eval (held-out rows, the default) or train")
-    ev.add_argument("--num-prompts", type=int, default=0, help="score the first N rows (default 0: all)")
+    ev.add_argument(
+        "--num-prompts",
+        type=int,
+        default=0,
+        help="score the first N rows of the split, more than data.num_eval if data.eval_path or the task has them "
+        "(default 0: the held-out rows the run evaluates, data.num_eval of them; --split train: every row)",
+    )
     ev.add_argument(
         "--pass-threshold",
         type=float,

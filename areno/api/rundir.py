@@ -5,8 +5,11 @@ second run on the same directory stops at once, naming the holder. A lock whose 
 alive on this host (a run killed with SIGKILL) is taken over with a warning. A lock held by another
 host cannot be checked and is never taken over: delete it by hand once that run is gone.
 
-A run without ``resume`` refuses a run directory that already holds a run (metrics.jsonl or
-checkpoints) unless ``overwrite=true``, which deletes them first.
+A run without ``resume`` refuses a run directory that already holds a run (a trained step in
+metrics.jsonl, or checkpoints) unless ``overwrite=true``, which deletes them first. A previous run
+that trained no step and saved no checkpoint (it failed after its step-0 evaluation) holds nothing
+to resume or append to: its metrics.jsonl and config.yaml are set aside (``metrics.untrained.jsonl``,
+``config.untrained.yaml``) and the directory is reused.
 """
 
 from __future__ import annotations
@@ -121,28 +124,74 @@ class RunDirLock:
         self.path.unlink(missing_ok=True)
 
 
+UNTRAINED = "untrained"
+"""The infix of a set-aside untrained run's files: ``metrics.untrained.jsonl``, ``config.untrained.yaml``."""
+
+
+def _trained_a_step(metrics: Path) -> bool:
+    """Whether ``metrics`` logs a step >= 1 (a trained one; step 0 is the evaluation before training).
+    A line that does not parse (a torn write) counts as trained: such a run is never reused unasked."""
+    with metrics.open(encoding="utf-8") as f:  # stops at the first trained step: a long file is not read whole
+        for line in f:
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                return True
+            if step > 0:
+                return True
+    return False
+
+
 def holds_run(run_dir: str | Path) -> bool:
-    """Whether ``run_dir`` already holds a run's metrics or checkpoints."""
+    """Whether ``run_dir`` already holds a run: checkpoints, or a trained step in its metrics."""
     run_dir = Path(run_dir)
     metrics = run_dir / METRICS_FILENAME
     checkpoints = run_dir / "checkpoints"
-    return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+    return (metrics.is_file() and _trained_a_step(metrics)) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+
+
+def set_aside_untrained(run_dir: str | Path) -> list[Path]:
+    """Rename an untrained run's metrics.jsonl and config.yaml to ``*.untrained[.N].*`` (N: the
+    first number free for both), so that a new run neither appends to them nor loses them. Returns
+    the new paths."""
+    run_dir = Path(run_dir)
+    found = [p for p in (run_dir / METRICS_FILENAME, run_dir / "config.yaml") if p.is_file()]
+    if not found:
+        return []
+    suffix, n = UNTRAINED, 1
+    while any(p.with_name(f"{p.stem}.{suffix}{p.suffix}").exists() for p in found):  # kept from a rerun before
+        suffix, n = f"{UNTRAINED}.{n}", n + 1
+    kept = [p.replace(p.with_name(f"{p.stem}.{suffix}{p.suffix}")) for p in found]
+    logger.warning(
+        "run_dir %s: its previous run trained no step and saved no checkpoint: starting over, its files kept as %s",
+        run_dir,
+        ", ".join(p.name for p in kept),
+    )
+    return kept
 
 
 def check_fresh(run_dir: str | Path, *, resume: bool | str, overwrite: bool) -> None:
     """A run that starts over (``resume=false``) may not append to another one's run directory
-    unless told to overwrite it."""
-    if resume is False and not overwrite and holds_run(run_dir):
+    unless told to overwrite it. A previous run that trained no step is set aside instead
+    (``set_aside_untrained``): nothing of it can be resumed, and refusing would only make the user
+    delete it by hand. Called with the run directory locked (``RunDirLock``)."""
+    if resume is not False or overwrite:
+        return
+    if holds_run(run_dir):
         raise ConfigError(
-            f"run_dir {run_dir} already holds a run (metrics.jsonl or checkpoints/): resume it with "
-            "resume=auto, start over with overwrite=true (deletes them), or use another run_dir"
+            f"run_dir {run_dir} already holds a run (trained steps in metrics.jsonl, or checkpoints/): resume it "
+            "with resume=auto, start over with overwrite=true (deletes them), or use another run_dir"
         )
+    metrics = Path(run_dir) / METRICS_FILENAME
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        set_aside_untrained(run_dir)
 
 
 def clear_run(run_dir: str | Path) -> None:
     """Delete a previous run's metrics.jsonl and checkpoints/ (``overwrite=true``)."""
     run_dir = Path(run_dir)
-    if holds_run(run_dir):
+    checkpoints = run_dir / "checkpoints"
+    if (run_dir / METRICS_FILENAME).is_file() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
         logger.warning("overwrite=true: deleting the previous run's metrics.jsonl and checkpoints in %s", run_dir)
     (run_dir / METRICS_FILENAME).unlink(missing_ok=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)

@@ -68,7 +68,8 @@ class EvalOptions:
     split: str = "eval"
     """``eval`` (held-out rows) or ``train``."""
     num_prompts: int = 0
-    """Score the first this many rows; 0: all."""
+    """Score the first this many rows of the split, which may exceed ``data.num_eval`` (up to the rows
+    there are); 0: those the run scores (``data.num_eval`` held-out rows, every training row)."""
     pass_threshold: float | None = None
     """A sample solves its row when its reward is at least this (``pass@k``). None:
     ``train.eval_pass_threshold``."""
@@ -110,22 +111,42 @@ def resolve_checkpoint(spec: str | None, config: ArenoConfig) -> tuple[Path, str
             f"--checkpoint: {path} is not a directory: name a Hugging Face checkpoint, a checkpoint step of "
             f"run_dir ({config.run_dir}) such as step_120, a run directory, or 'latest'{there}"
         )
-    if path.name == "hf" and path.parent.name.startswith("step_"):
-        path = path.parent  # a checkpoint's export named directly: the checkpoint must be complete
-    if (path / "hf" / "config.json").is_file():
-        if not is_complete(path):
-            raise ModelDirError(f"--checkpoint: {path} is incomplete (no COMPLETE marker): pick a complete checkpoint")
-        return path / "hf", _checkpoint_name(path, config)
-    if (path / "config.json").is_file():
-        return path, path.name
-    for checkpoints in (path / "checkpoints", path):
-        done = complete_checkpoints(checkpoints)
-        if done:
-            return done[-1][1] / "hf", _checkpoint_name(done[-1][1], config)
+    named = model_dir_of(path, "--checkpoint")
+    if named is not None:
+        model_dir, checkpoint = named
+        return model_dir, _checkpoint_name(checkpoint, config) if checkpoint is not None else model_dir.name
+    newest = newest_checkpoint(path)
+    if newest is not None:
+        return newest / "hf", _checkpoint_name(newest, config)
     raise ModelDirError(
         f"--checkpoint: {path} holds no model (config.json), no checkpoint export (hf/config.json) and no "
         "complete checkpoints/step_N: name a Hugging Face checkpoint, a checkpoint or a run directory"
     )
+
+
+def model_dir_of(path: Path, flag: str) -> tuple[Path, Path | None] | None:
+    """``(model directory, checkpoint or None)`` of a directory that names one model by itself: a
+    checkpoint ``step_N`` or its ``hf/`` export (the export, of a complete checkpoint: a ModelDirError
+    naming ``flag`` otherwise), or a Hugging Face directory (itself). None for anything else (a run
+    directory). ``areno eval --checkpoint`` and ``areno serve`` read paths with it."""
+    if path.name == "hf" and path.parent.name.startswith("step_"):
+        path = path.parent  # a checkpoint's export named directly: the checkpoint must be complete
+    if (path / "hf" / "config.json").is_file():
+        if not is_complete(path):
+            raise ModelDirError(f"{flag}: {path} is incomplete (no COMPLETE marker): pick a complete checkpoint")
+        return path / "hf", path
+    if (path / "config.json").is_file():
+        return path, None
+    return None
+
+
+def newest_checkpoint(path: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory or of its ``checkpoints/``; None if none."""
+    for checkpoints in (path / "checkpoints", path):
+        done = complete_checkpoints(checkpoints)
+        if done:
+            return done[-1][1]
+    return None
 
 
 def _checkpoint_name(path: Path, config: ArenoConfig) -> str:
@@ -136,25 +157,37 @@ def _checkpoint_name(path: Path, config: ArenoConfig) -> str:
 
 
 def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[str, Any]]:
-    """The rows to score (see the module docstring); a DataError when there are none."""
-    train, held_out = build_splits(config.data)
+    """The rows to score (see the module docstring): the first ``num_prompts`` of the split, or with 0
+    those the run scores (``data.num_eval`` held-out rows; every training row). ``num_prompts`` may
+    exceed ``data.num_eval``, up to the rows ``data.eval_path`` holds or the task has; a ConfigError
+    when the split has fewer, a DataError when it has none."""
+    data = config.data
+    if split == "eval" and num_prompts > data.num_eval:  # build_splits keeps data.num_eval held-out rows
+        data = dataclasses.replace(data, num_eval=num_prompts)
+    train, held_out = build_splits(data)
     rows = held_out if split == "eval" else train
     if not rows and split == "eval":
         raise DataError(
             "areno eval: the config has no held-out rows: set data.eval_path (a JSON-lines file) or data.num_eval "
             "(a shipped task's), or pass --split train"
         )
-    return rows[:num_prompts] if num_prompts else rows  # build_splits refuses an empty training set
+    if num_prompts > len(rows):  # build_splits refuses an empty training set
+        source = data.eval_path if split == "eval" else data.train_path
+        source = f"data.task {data.task}" if data.task is not None else source
+        raise ConfigError(
+            f"--num-prompts {num_prompts}: {source} has only {len(rows)} {split} rows: pass at most {len(rows)}"
+        )
+    return rows[:num_prompts] if num_prompts else rows
 
 
 def default_rows_file(
-    config: ArenoConfig, name: str, params: SamplingParams, samples: int, options: EvalOptions
+    config: ArenoConfig, name: str, params: SamplingParams, samples: int, options: EvalOptions, num_rows: int
 ) -> Path:
-    """``run_dir/eval/<name>.jsonl``, the split, row count, sample count, temperature and seed in the
-    name when they are not the greedy held-out default, so evaluations of one checkpoint under other
-    settings do not overwrite each other."""
+    """``run_dir/eval/<name>.jsonl``, the split, row count (``num_rows``, those scored), sample count,
+    temperature and seed in the name when they are not the greedy held-out default, so evaluations of
+    one checkpoint under other settings do not overwrite each other."""
     parts = [name] + ([options.split] if options.split != "eval" else [])
-    parts += [f"p{options.num_prompts}"] if options.num_prompts else []
+    parts += [f"p{num_rows}"] if options.num_prompts else []
     if params.temperature > 0:
         parts += [f"n{samples}", f"t{params.temperature:g}"]
         parts += [f"s{options.seed}"] if options.seed is not None else []
@@ -208,7 +241,7 @@ def run_eval(
     if options.out:  # before the default model directory may be made from model.init_tiny
         _check_writable(Path(options.out))
     model_dir, name = resolve_checkpoint(options.checkpoint, config)
-    out = Path(options.out) if options.out else default_rows_file(config, name, params, samples, options)
+    out = Path(options.out) if options.out else default_rows_file(config, name, params, samples, options, len(rows))
     if not options.out:
         _check_writable(out)
     side = _rollout_side(config, model_dir, out.parent, options.checkpoint)

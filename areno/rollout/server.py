@@ -2,9 +2,13 @@
 
 Endpoints
 - OpenAI-compatible: ``POST /v1/completions``, ``POST /v1/chat/completions`` (chat template from the
-  tokenizer), ``GET /v1/models``. ``logprobs`` is supported (the sampled token's log-prob; top
-  alternatives are not computed and come back empty). Every choice also carries ``token_ids`` and
-  ``prompt_token_ids`` so RL clients never re-tokenise.
+  tokenizer), ``GET /v1/models``. ``logprobs`` gives each sampled token's log-prob; top alternatives
+  (completions' ``logprobs`` > 0, chat's ``top_logprobs`` > 0) are not computed, so asking for them is
+  a 400. A field the server does not know is a 400 naming it (a misspelt ``temprature`` never samples
+  at the default); OpenAI fields the engine cannot honour (``frequency_penalty``, ``presence_penalty``,
+  ``logit_bias``, ``suffix``, ``best_of``, ``response_format``, ``tool_choice``, ...) are accepted only
+  at their no-op value; ``user`` is accepted and changes nothing. Every choice also carries
+  ``token_ids`` and ``prompt_token_ids`` so RL clients never re-tokenise.
 - Token level: ``POST /generate`` ``{prompt_ids, sampling_params, request_id}`` → ``GenerationOutput``
   (what ``HTTPRolloutClient`` uses).
 - Admin: ``GET /health`` (200 with ``paused``, or 503 with a reason when the engine's driver thread
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import difflib
 import errno
 import hmac
 import ipaddress
@@ -48,9 +53,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -63,6 +70,8 @@ from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.errors import ConfigError, ModelDirError, check_config
 from areno.models.hf_io import load_model, read_config
 from areno.models.vision import ImageInputs
+from areno.observe.metrics import METRICS_FILENAME
+from areno.observe.startup import process_age_s
 from areno.rollout.client import InProcessRolloutClient, RolloutRequestTimeout, TokenStream
 from areno.rollout.config import RolloutEngineSettings
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, UnknownRequestError, WeightUpdateError
@@ -88,8 +97,19 @@ Seed = Annotated[int, Field(ge=-MAX_SEED, le=MAX_SEED)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: OpenAI's ``include_usage`` (a last chunk with the usage)."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The fields both OpenAI routes take. A field this server does not know is a 400 naming it
+    (``extra="forbid"``), as OpenAI refuses one: a misspelt ``temprature`` must not sample at 1.
+    OpenAI fields this engine cannot honour are accepted only at their no-op value (``NO_OP``)."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="new tokens; > 0")
     temperature: Temperature = 1.0
@@ -102,11 +122,23 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     seed: Seed | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """An end-user id the caller's records keep (OpenAI's abuse monitoring); changes no output."""
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    NO_OP: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
+        "frequency_penalty": ((None, 0), "this engine samples without penalties: send 0 or drop it"),
+        "presence_penalty": ((None, 0), "this engine samples without penalties: send 0 or drop it"),
+        "logit_bias": ((None, {}), "this engine samples without logit biases: drop it"),
+    }
+    """Fields accepted only at these values (what the engine does anyway), with why another is refused."""
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, default_max: int, index: int) -> SamplingParams:
         max_tokens = default_max if self.max_tokens is None else self.max_tokens
@@ -143,6 +175,10 @@ class _Sampling(BaseModel):
             )
         if self.stream_options is not None and not self.stream:
             raise _BadRequest("stream_options", "stream_options applies to stream=true only: drop it or stream")
+        for field, (allowed, why) in self.NO_OP.items():
+            value = getattr(self, field)
+            if value not in allowed:
+                raise _BadRequest(field, f"{field} {json.dumps(value)} is not supported: {why}")
         if self.n > limits.max_n:
             raise _BadRequest("n", f"n must be <= {limits.max_n} (this server's max_n), got {self.n}")
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
@@ -152,7 +188,30 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]  # token ids checked by the engine
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    """0: each sampled token's log-prob; more (top alternatives) is refused: the engine computes none."""
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    NO_OP = {
+        **_Sampling.NO_OP,
+        "suffix": ((None, ""), "this server does not insert text before a suffix: drop it"),
+    }
+
+    def check(self, model_name: str, limits: ServerLimits) -> None:
+        super().check(model_name, limits)
+        if self.logprobs:
+            raise _BadRequest(
+                "logprobs",
+                f"logprobs {self.logprobs} asks for the top alternatives of each token, which this engine does not "
+                "compute: send logprobs 0 for each sampled token's log-prob",
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise _BadRequest(
+                "best_of",
+                f"best_of {self.best_of} is not supported (it would rank extra samples server-side): drop it, or "
+                f"sample n={self.best_of} and rank them yourself",
+            )
 
 
 class ChatMessage(BaseModel):
@@ -161,13 +220,49 @@ class ChatMessage(BaseModel):
     content: str | None = ""
 
 
+_NO_TOOLS = "this endpoint serves no tools (see 'tools')"
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """0 or unset: the top alternatives, which this engine does not compute, are refused."""
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    NO_OP = {
+        **_Sampling.NO_OP,
+        "tool_choice": ((None, "none"), f"{_NO_TOOLS}: send 'none' or drop it"),
+        "function_call": ((None, "none"), f"{_NO_TOOLS}: send 'none' or drop it"),
+        "parallel_tool_calls": ((None,), f"{_NO_TOOLS}: drop it"),
+        "response_format": (
+            (None, {"type": "text"}),
+            'this engine does not constrain its output to JSON: send {"type": "text"} or drop it',
+        ),
+    }
+
+    def check(self, model_name: str, limits: ServerLimits) -> None:
+        for field in ("tools", "functions"):  # before tool_choice & co., which name them
+            if getattr(self, field):
+                raise _BadRequest(
+                    field,
+                    f"{field}: this endpoint neither renders tools into the prompt nor parses tool calls (it would "
+                    "ignore them): describe them in the messages, or use areno's agent client (ArenoAsyncOpenAI, "
+                    "AgentProxy), which does both",
+                )
+        super().check(model_name, limits)
+        if self.top_logprobs:
+            raise _BadRequest(
+                "top_logprobs",
+                f"top_logprobs {self.top_logprobs} asks for the top alternatives of each token, which this engine "
+                "does not compute: drop it (logprobs=true gives each sampled token's log-prob)",
+            )
 
 
 class TokenSampling(BaseModel):
@@ -187,6 +282,7 @@ class TokenSampling(BaseModel):
 
 
 class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     prompt_ids: list[int]
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     request_id: str | None = None
@@ -197,6 +293,8 @@ class GenerateRequest(BaseModel):
 class GenerateManyRequest(BaseModel):
     """Several completions of one prompt (a GRPO group) in one request."""
 
+    model_config = ConfigDict(extra="forbid")
+
     prompt_ids: list[int]
     sampling_params: list[dict[str, Any]] = Field(min_length=1)
     request_ids: list[str] | None = None
@@ -205,15 +303,33 @@ class GenerateManyRequest(BaseModel):
 
 
 class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     request_id: str
 
 
 class UpdateFromDiskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     path: str
     version: int = Field(ge=0)
     names: list[str] | None = None
     """The tensors the file updates when it holds only some (a declared subset); None: every
     parameter of the model must be in it."""
+
+
+_BODY_FIELDS: dict[tuple[str, ...], list[str]] = {
+    (path, *nested): list(model.model_fields)
+    for path, nested, model in [
+        ("/v1/completions", (), CompletionRequest),
+        ("/v1/completions", ("stream_options",), StreamOptions),
+        ("/v1/chat/completions", (), ChatRequest),
+        ("/v1/chat/completions", ("stream_options",), StreamOptions),
+        ("/generate", (), GenerateRequest),
+        ("/generate_many", (), GenerateManyRequest),
+        ("/abort", (), AbortRequest),
+        ("/update_weights_from_disk", (), UpdateFromDiskRequest),
+    ]
+}
+"""(route, nested field...) -> the fields its body takes there: the "did you mean" of an unknown one."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -465,6 +581,12 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
         return _error(400, f"request body is not valid JSON: {err.get('msg')}", "body")
     loc = _field_loc(err.get("loc", ()))
     field = ".".join(loc) or "body"
+    if err.get("type") == "extra_forbidden":  # as OpenAI answers one: refused, never ignored
+        known = _BODY_FIELDS.get((request.url.path, *loc[:-1]), ())
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.75)
+        hint = f" (did you mean '{'.'.join([*loc[:-1], close[0]])}'?)" if close else ""
+        message = f"unrecognized request argument '{field}'{hint}: fields this server does not know are refused"
+        return _error(400, message, field)
     # a union-typed field fails once per member type (``prompt.str``, ``prompt.list[int]``): name
     # the field itself and list the types it accepts
     members = list(
@@ -738,7 +860,7 @@ class _OpenAIRoutes:
         return {
             "tokens": tokens,
             "token_logprobs": logprobs,
-            "top_logprobs": [{} for _ in tokens],
+            "top_logprobs": [{} for _ in tokens],  # logprobs 0: no alternatives asked (more is a 400)
             "text_offset": offsets,
         }
 
@@ -752,14 +874,6 @@ class _OpenAIRoutes:
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         self._check_chars(sum(len(m.content or "") for m in req.messages), "messages")
-        for field in ("tools", "functions"):
-            if getattr(req, field):
-                raise _BadRequest(
-                    field,
-                    f"{field}: this endpoint neither renders tools into the prompt nor parses tool calls (it would "
-                    "ignore them): describe them in the messages, or use areno's agent client (ArenoAsyncOpenAI, "
-                    "AgentProxy), which does both",
-                )
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         # the renderer of training prompts (areno.data.prompts), so a served prompt is tokenized as in training
         prompt_ids = await asyncio.to_thread(apply_template, tokenizer, messages)
@@ -794,6 +908,7 @@ class _OpenAIRoutes:
         content = []
         for t, lp in zip(ids, logprobs):
             s = self._decode_token(t)
+            # top_logprobs 0 or unset: no alternatives asked (more is a 400)
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
         return {"content": content}
 
@@ -1052,8 +1167,6 @@ class ServerThread:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> ServerThread:
-        import uvicorn
-
         if self.port == 0:
             with socket.socket() as s:
                 s.bind((self.host, 0))
@@ -1094,6 +1207,40 @@ def served_name(model_dir: str) -> str:
     return parent if name == "hf" and parent.startswith("step_") else name
 
 
+def serve_model_dir(model_dir: str) -> str:
+    """The directory ``areno serve MODEL_DIR`` loads: a Hugging Face directory as given, a run's
+    checkpoint ``step_N`` as its ``hf/`` export (``areno eval --checkpoint`` reads paths alike). A run
+    directory, or a directory inside a checkpoint (its LoRA adapter), is a one-line ModelDirError
+    naming the checkpoint to pass: a server does not pick a step for the user."""
+    from areno.engine.evaluation import model_dir_of, newest_checkpoint  # the eval stack: only once a path is read
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        return model_dir  # build_engine names it as MODEL_DIR
+    named = model_dir_of(path, "MODEL_DIR")
+    if named is not None:
+        return str(named[0])
+    newest = newest_checkpoint(path)
+    if newest is not None:
+        raise ModelDirError(
+            f"MODEL_DIR {path} is a run directory, not a model: serve one of its checkpoints, such as its newest "
+            f"complete one: areno serve {newest}"
+        )
+    if (path / "checkpoints").is_dir() or (path / METRICS_FILENAME).is_file():
+        raise ModelDirError(
+            f"MODEL_DIR {path} is a run directory without a complete checkpoint: serve a checkpoint "
+            "(run_dir/checkpoints/step_N) once one is saved, or the model the run started from"
+        )
+    checkpoint = next((p for p in path.parents if p.name.startswith("step_") and (p / "hf").is_dir()), None)
+    if checkpoint is not None:
+        what = "a LoRA adapter" if (path / "adapter_config.json").is_file() else "a part"
+        raise ModelDirError(
+            f"MODEL_DIR {path} is {what} of checkpoint {checkpoint}, not a model: serve the checkpoint (its hf/ "
+            f"export holds the merged weights): areno serve {checkpoint}"
+        )
+    return model_dir
+
+
 def _device_arg(value: str) -> str:
     """``--device``: auto, cpu, cuda or cuda:N (argparse reports anything else as an invalid choice)."""
     if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is None:
@@ -1105,7 +1252,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="areno serve", description="Serve a Hugging Face checkpoint with the areno rollout engine."
     )
-    p.add_argument("model_dir", help="directory with config.json, *.safetensors and a tokenizer")
+    p.add_argument(
+        "model_dir",
+        help="a Hugging Face directory (config.json, *.safetensors, a tokenizer) or a run's checkpoint "
+        "(run_dir/checkpoints/step_N: its hf/ export)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535 (0: any free one, logged at start)")
     p.add_argument(
@@ -1280,8 +1431,6 @@ def main(argv: list[str] | None = None) -> int:
     The arguments are checked and the port is bound before the model loads; a mistake raises a
     :class:`~areno.errors.UserError`, which ``areno``'s CLI prints as one line (exit 2).
     """
-    import uvicorn
-
     args = build_parser().parse_args(argv)
     check_bind(args.host, args.api_key)
     check_config(0 <= args.port <= 65535, "--port", f"must be in 1-65535 (0: any free port), got {args.port}")
@@ -1317,9 +1466,10 @@ def main(argv: list[str] | None = None) -> int:
         max_queued=args.max_queued,
     )
     settings = engine_settings(args.engine_set)
+    model_dir = serve_model_dir(args.model_dir)
     with listen_socket(args.host, args.port) as sock:
         engine, tokenizer = build_engine(
-            args.model_dir,
+            model_dir,
             device=None if args.device == "auto" else args.device,
             dtype=args.dtype,
             max_num_seqs=args.max_num_seqs,
@@ -1328,7 +1478,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_memory_fraction=args.kv_memory_fraction,
             **settings,
         )
-        name = args.served_model_name or served_name(args.model_dir)
+        name = args.served_model_name or served_name(model_dir)
         app = create_app(
             engine,
             tokenizer=tokenizer,
@@ -1338,14 +1488,35 @@ def main(argv: list[str] | None = None) -> int:
             stall_timeout_s=args.stall_timeout_s,
             limits=limits,
         )
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server = _ReadyServer(uvicorn.Config(app, log_level="warning"))
         host = f"[{args.host}]" if ":" in args.host else args.host
-        logger.info("serving %s at http://%s:%d", name, host, sock.getsockname()[1])
+        logger.info("serving %s (%s) at http://%s:%d", name, model_dir, host, sock.getsockname()[1])
+        # the engine's "first generated token N s after the process started" would come with the first
+        # request, so it would time the client's arrival: the server logs when it is ready instead
+        startup_log = logging.getLogger("areno.observe.startup")
+        startup_log.addFilter(_not_first_token)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:  # Ctrl-C is how a server is stopped (uvicorn re-raises it after shutting down)
             pass
+        finally:
+            startup_log.removeFilter(_not_first_token)
     return 0 if server.started else 1  # not started: uvicorn logged why (an app startup failure)
+
+
+def _not_first_token(record: logging.LogRecord) -> bool:
+    return "first generated token" not in record.getMessage()
+
+
+class _ReadyServer(uvicorn.Server):
+    """uvicorn's server, which logs how long the process took to be ready once it listens."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            age_s = process_age_s()
+            took = f"{age_s:.2f} s" if age_s is not None else "an unknown time"
+            logger.info("ready to serve after %s (from the process start: imports, model load, engine set-up)", took)
 
 
 if __name__ == "__main__":

@@ -544,6 +544,14 @@ def _check_kwargs(req: dict[str, Any], known: frozenset[str], where: str) -> Non
             raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
     for key in [k for k, v in req.items() if v is None or isinstance(v, _NotGiven) or type(v).__name__ == "NotGiven"]:
         req.pop(key)
+    # top alternatives per token: the engine computes none, and empty lists would read as an answer
+    top = "top_logprobs" if "top_logprobs" in known else "logprobs"
+    if req.get(top):
+        raise AgentRequestError(
+            f"{where}: {top}={req[top]} asks for each token's top alternatives, which areno's engine does not "
+            f"compute: leave {top} unset or 0 (each sampled token's log-prob comes with "
+            f"{'logprobs=True' if top == 'top_logprobs' else 'logprobs=0'})"
+        )
 
 
 def _response(

@@ -153,6 +153,10 @@ def test_bad_requests_raise_clear_errors(scripted):
         asyncio.run(go(messages=[]))
     with pytest.raises(AgentRequestError, match="sampling parameters: top_p must be in"):
         asyncio.run(go(messages=MESSAGES, top_p=0))
+    with pytest.raises(AgentRequestError, match="top_logprobs=2 asks for each token's top alternatives"):
+        asyncio.run(go(messages=MESSAGES, logprobs=True, top_logprobs=2))
+    with pytest.raises(AgentRequestError, match="completions.create: logprobs=1 asks for each token's top"):
+        asyncio.run(client.completions.create(model="m", prompt="x", logprobs=1))
     with pytest.raises(ToolSchemaError, match="not a valid JSON Schema"):
         asyncio.run(
             go(

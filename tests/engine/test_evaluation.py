@@ -12,7 +12,7 @@ import pytest
 from areno.api.config import load_config
 from areno.cli import main
 from areno.data.datasets import build_splits
-from areno.engine.evaluation import EvalOptions, resolve_checkpoint, run_eval
+from areno.engine.evaluation import EvalOptions, eval_rows, resolve_checkpoint, run_eval
 from areno.engine.scoring import eval_metrics, pass_at_k, pass_ks
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.types import Trajectory
@@ -117,6 +117,27 @@ def test_sampled_eval_is_reproducible_by_seed_and_its_rows_file_holds_every_samp
     elsewhere = dataclasses.replace(cfg, run_dir=str(tmp_path / "other"))
     assert resolve_checkpoint("step_3", cfg)[1] == "step_00000003"
     assert resolve_checkpoint(str(root / "run" / "checkpoints" / "step_00000003"), elsewhere)[1] == "run-step_00000003"
+
+
+def test_num_prompts_scores_more_rows_than_num_eval_when_there_are_more(trained, tmp_path):
+    """--num-prompts N scores N rows whatever data.num_eval (the rows the run scores), and the rows
+    file is named after the rows scored; more rows than there are is refused before any model loads."""
+    root, task_cfg, _ = trained
+    more = eval_rows(task_cfg, "eval", 9)  # a task makes as many held-out rows as asked (num_eval=6)
+    assert len(more) == 9 and more[:6] == eval_rows(task_cfg, "eval", 0)  # the run's own rows first
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
+    for name in ("train.jsonl", "held.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = [f"data.train_path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'held.jsonl'}"]
+    cfg = load_config(None, [*_overrides(root), "data.task=null", *files, "data.num_eval=4"])
+    summary = run_eval(cfg, EvalOptions(checkpoint="latest", num_prompts=7))
+    assert summary["metrics"]["eval/num_prompts"] == 7
+    assert Path(summary["rows_file"]).name == "step_00000003-p7.jsonl"
+    scored = [json.loads(line)["prompt"] for line in Path(summary["rows_file"]).read_text().splitlines()]
+    assert scored == [r["prompt"] for r in rows[:7]]
+    assert len(eval_rows(cfg, "eval", 0)) == 4  # by default, the run's own held-out rows
+    with pytest.raises(ConfigError, match=r"--num-prompts 11: .*held.jsonl has only 10 eval rows: pass at most 10"):
+        run_eval(cfg, EvalOptions(checkpoint=str(tmp_path / "no-model"), num_prompts=11))
 
 
 def _held_out(cfg):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from areno.api.config import load_config
-from areno.api.rundir import LOCK_FILENAME, RunDirLock
+from areno.api.rundir import LOCK_FILENAME, RunDirLock, check_fresh
 from areno.engine.api import prepare_model_dir
 from areno.errors import ConfigError
 from tests.helpers.resume import overrides, run_areno, start_areno, train_rows
@@ -91,6 +92,32 @@ def test_rerun_without_resume_refuses_a_run_dir_holding_a_run(tmp_path, capsys):
     assert not (run_dir / LOCK_FILENAME).exists()  # released on the way out
 
 
+def test_a_run_dir_whose_run_trained_no_step_is_reused_and_its_files_kept(tmp_path, caplog):
+    """A run that failed after its step-0 evaluation left metrics.jsonl but trained nothing and saved
+    no checkpoint: a rerun starts over there, with the old metrics.jsonl and config.yaml set aside
+    (numbered when an earlier rerun's are there), never appended to or deleted."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for attempt, kept in enumerate(["untrained", "untrained.1"]):
+        (run_dir / "metrics.jsonl").write_text(f'{{"step": 0, "time": 1.0, "eval/accuracy": 0.{attempt}}}\n')
+        (run_dir / "config.yaml").write_text(f"attempt: {attempt}\n")
+        with caplog.at_level(logging.WARNING, logger="areno.api.rundir"):
+            check_fresh(run_dir, resume=False, overwrite=False)
+        assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists()
+        assert json.loads((run_dir / f"metrics.{kept}.jsonl").read_text())["eval/accuracy"] == float(f"0.{attempt}")
+        assert (run_dir / f"config.{kept}.yaml").read_text() == f"attempt: {attempt}\n"
+        assert f"metrics.{kept}.jsonl" in caplog.text and "trained no step" in caplog.text
+    # a trained step, a checkpoint or a line that does not parse: a run, refused as before
+    for metrics, checkpoint in [('{"step": 0}\n{"step": 1}\n', False), ('{"step": 0}\n', True), ('{"st', False)]:
+        (run_dir / "metrics.jsonl").write_text(metrics)
+        if checkpoint:
+            (run_dir / "checkpoints" / "step_00000001").mkdir(parents=True)
+        with pytest.raises(ConfigError, match="already holds a run"):
+            check_fresh(run_dir, resume=False, overwrite=False)
+        assert (run_dir / "metrics.jsonl").read_text() == metrics
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------ through `areno train`
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
@@ -134,3 +161,20 @@ def test_overwrite_starts_over_and_logs_every_step_once(tmp):
     assert redone.returncode == 0, redone.stderr[-3000:]
     assert sorted(train_rows(run_dir)) == [1]  # train_rows fails on a step logged twice
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001"]
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_step_is_rerun_without_overwrite(tmp):
+    """The audit's case: the step-0 evaluation is logged, then the run dies in step 1's rollout."""
+    run_dir = tmp / "untrained"
+    args = overrides(tmp, run_dir, "resume=false", steps=1, save_interval=1)
+    died = run_areno(args, fault="kill:rollout:1")
+    assert died.returncode != 0 and not (run_dir / "checkpoints").exists()
+    first = (run_dir / "metrics.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in first.splitlines()] == [0]
+    again = run_areno(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "trained no step" in again.stderr
+    assert (run_dir / "metrics.untrained.jsonl").read_text() == first  # kept, not appended to
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(0) == 1 and sorted(train_rows(run_dir)) == [1]

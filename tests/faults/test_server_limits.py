@@ -177,6 +177,56 @@ def test_valid_edges_are_served(server):
     assert client.post("/v1/completions", json={**COMPLETION, "model": None}).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        ("/v1/completions", {**COMPLETION, "temprature": 0}, "temprature", "(did you mean 'temperature'?)"),
+        ("/v1/chat/completions", {**CHAT, "max_token": 2}, "max_token", "(did you mean 'max_tokens'?)"),
+        ("/v1/chat/completions", {**CHAT, "reasoning_effort": "low"}, "reasoning_effort", "argument 'reasoning_effort':"),
+        ("/v1/completions", {**COMPLETION, "stream": True, "stream_options": {"include_usge": True}},
+         "stream_options.include_usge", "(did you mean 'stream_options.include_usage'?)"),
+        ("/generate", {"prompt_ids": [5], "reqest_id": "a"}, "reqest_id", "(did you mean 'request_id'?)"),
+        ("/update_weights_from_disk", {"path": "/x", "version": 1, "nmes": ["a"]}, "nmes", "'names'"),
+        # top alternatives are not computed: asking for them is refused, not answered with empty ones
+        ("/v1/completions", {**COMPLETION, "logprobs": 1}, "logprobs", "send logprobs 0"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs", "does not compute"),
+        # OpenAI fields the engine cannot honour: refused unless at their no-op value
+        ("/v1/completions", {**COMPLETION, "presence_penalty": 0.5}, "presence_penalty", "without penalties"),
+        ("/v1/chat/completions", {**CHAT, "frequency_penalty": -1}, "frequency_penalty", "without penalties"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 100}}, "logit_bias", "without logit biases"),
+        ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix", "suffix"),
+        ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of", "rank them yourself"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format", "JSON"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice", "serves no tools"),
+        ("/v1/chat/completions", {**CHAT, "parallel_tool_calls": False}, "parallel_tool_calls", "serves no tools"),
+    ],
+)  # fmt: skip
+def test_unknown_fields_and_unhonoured_values_are_refused_by_name(server, path, body, param, message):
+    """A misspelt field must not sample with the default (``temprature`` would sample at 1), and a
+    value the engine cannot honour must not be dropped: both are 400s naming the field, as OpenAI's are."""
+    client, _, _ = server
+    err = _assert_openai_error(client.post(path, json=body), 400, param)
+    assert param in err["message"] and message in err["message"], err
+
+
+def test_openai_fields_at_their_no_op_value_are_served(server):
+    """What clients send with no effect here (``user``, penalties of 0, no logit bias, text format,
+    tool_choice none, best_of = n) is served, greedy as asked."""
+    client, _, _ = server
+    greedy = client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "ignore_eos": True}).json()
+    no_ops = {"user": "u-1", "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}}
+    r = client.post(
+        "/v1/completions",
+        json={**COMPLETION, "temperature": 0, "ignore_eos": True, "suffix": "", "best_of": 1, **no_ops},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    chat = {**CHAT, **no_ops, "response_format": {"type": "text"}, "tool_choice": "none", "function_call": "none"}
+    r = client.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 0})
+    assert r.status_code == 200, r.text
+    assert all(t["top_logprobs"] == [] for t in r.json()["choices"][0]["logprobs"]["content"])
+
+
 def test_token_sampling_mirrors_sampling_params():
     import dataclasses
 

@@ -5,6 +5,7 @@ bound first and exits 0 when stopped."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import threading
@@ -16,6 +17,7 @@ import torch
 import uvicorn
 
 from areno.cli import main as areno_main
+from areno.errors import ModelDirError
 from areno.launch.scheduler import free_port
 from areno.rollout import server as server_module
 
@@ -129,6 +131,88 @@ def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tin
 def test_a_missing_model_dir_names_the_argument(capsys, tmp_path):
     err = _serve_error(capsys, str(tmp_path / "nope"))
     assert "does not exist: point MODEL_DIR at a local Hugging Face checkpoint" in err
+
+
+def _run_with_checkpoint(tmp_path, tiny_model_dir, *, complete: bool = True):
+    """``run/checkpoints/step_00000002`` holding the tiny model as its ``hf/`` export and a LoRA adapter."""
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    shutil.copytree(tiny_model_dir, step / "hf")
+    (step / "policy" / "adapter").mkdir(parents=True)
+    (step / "policy" / "adapter" / "adapter_config.json").write_text("{}")
+    if complete:
+        (step / "COMPLETE").write_text("{}")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 2}\n')
+    return tmp_path / "run", step
+
+
+def test_a_checkpoint_is_served_from_its_export_and_a_run_dir_names_the_checkpoint(tmp_path, tiny_model_dir):
+    run, step = _run_with_checkpoint(tmp_path, tiny_model_dir)
+    for given in (step, step / "hf", f"{step}/"):
+        assert server_module.serve_model_dir(str(given)) == str(step / "hf"), given
+    assert server_module.serve_model_dir(str(tiny_model_dir)) == str(tiny_model_dir)
+    with pytest.raises(ModelDirError, match=rf"MODEL_DIR {run} is a run directory, not a model: .*areno serve {step}$"):
+        server_module.serve_model_dir(str(run))
+    with pytest.raises(ModelDirError, match=rf"is a run directory, .*areno serve {step}$"):
+        server_module.serve_model_dir(str(run / "checkpoints"))
+    adapter = step / "policy" / "adapter"
+    with pytest.raises(
+        ModelDirError, match=rf"{adapter} is a LoRA adapter of checkpoint {step}, .*areno serve {step}$"
+    ):
+        server_module.serve_model_dir(str(adapter))
+    (step / "COMPLETE").unlink()
+    with pytest.raises(ModelDirError, match=r"MODEL_DIR: .*step_00000002 is incomplete \(no COMPLETE marker\)"):
+        server_module.serve_model_dir(str(step))
+    with pytest.raises(ModelDirError, match="is a run directory without a complete checkpoint"):
+        server_module.serve_model_dir(str(run))
+
+
+def test_a_run_dir_is_one_line_naming_the_checkpoint_to_serve(capsys, no_model_load, tmp_path, tiny_model_dir):
+    run, step = _run_with_checkpoint(tmp_path, tiny_model_dir)
+    err = _serve_error(capsys, str(run))
+    assert f"MODEL_DIR {run} is a run directory, not a model" in err and f"areno serve {step}" in err
+
+
+def test_a_checkpoint_served_by_its_step_logs_when_it_is_ready(monkeypatch, caplog, tmp_path, tiny_model_dir):
+    """``areno serve run/checkpoints/step_N`` serves its hf/ export as ``step_N``; the start-up is
+    logged when the server listens, not at the first request (which would time the client)."""
+    from areno.observe import startup
+
+    _, step = _run_with_checkpoint(tmp_path, tiny_model_dir)
+    monkeypatch.setattr(startup, "_first_token_s", None)  # this process's first token is yet to come
+    servers: list[uvicorn.Server] = []
+    init = uvicorn.Server.__init__
+
+    def recording_init(self, config):
+        init(self, config)
+        servers.append(self)
+
+    monkeypatch.setattr(uvicorn.Server, "__init__", recording_init)
+    port = free_port()
+    argv = ["serve", str(step), "--port", str(port), "--device", "cpu", "--max-model-len", "64", "--block-size", "8"]
+    result: list[int] = []
+    with caplog.at_level(logging.INFO):
+        thread = threading.Thread(target=lambda: result.append(areno_main(argv)), daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            ready: list[str] = []
+            while not ready:  # logged once the server listens
+                assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.05)
+                ready = [r.getMessage() for r in caplog.records if "ready to serve after" in r.getMessage()]
+            assert servers[0].started and len(ready) == 1 and "from the process start" in ready[0], ready
+            base = f"http://127.0.0.1:{port}"
+            assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["step_00000002"]
+            body = {"model": "step_00000002", "prompt": "hi", "max_tokens": 2}
+            assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code == 200
+        finally:
+            if servers:
+                servers[0].should_exit = True
+            thread.join(timeout=30)
+    assert result == [0]
+    assert startup.startup_to_first_token_s() is not None  # the engine generated its first token...
+    assert not [r for r in caplog.records if "first generated token" in r.getMessage()]  # ...not logged as start-up
+    assert not logging.getLogger("areno.observe.startup").filters  # the process's other runs log it again
 
 
 def test_a_checkpoint_export_is_served_by_its_step():

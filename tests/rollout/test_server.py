@@ -29,7 +29,7 @@ def _oa(base: str) -> openai.OpenAI:
 def test_openai_completions_with_logprobs(server):
     base, engine, tokenizer = server
     res = _oa(base).completions.create(
-        model="tiny", prompt="hello", max_tokens=6, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+        model="tiny", prompt="hello", max_tokens=6, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
     )
     choice = res.choices[0]
     assert len(choice.logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)

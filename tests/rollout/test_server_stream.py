@@ -36,7 +36,7 @@ def _oa(base: str) -> openai.OpenAI:
 
 def test_streamed_completion_adds_up_to_the_unstreamed_one(server):
     base, _, tokenizer = server
-    kw = dict(model="tiny", prompt=["hello", "abc"], max_tokens=12, temperature=1.0, seed=7, n=2, logprobs=1)
+    kw = dict(model="tiny", prompt=["hello", "abc"], max_tokens=12, temperature=1.0, seed=7, n=2, logprobs=0)
     whole = _oa(base).completions.create(**kw, extra_body={"ignore_eos": True})
     chunks = list(_oa(base).completions.create(**kw, stream=True, stream_options={"include_usage": True},
                                                extra_body={"ignore_eos": True}))  # fmt: skip
@@ -156,7 +156,7 @@ def test_echo_and_refusals(server):
                                             stream=True)  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
     refusals = [
-        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 0}, "echo"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         (
             "/v1/chat/completions",
