@@ -35,11 +35,11 @@ from areno.engine.scoring import ascore_rows, check_eval_seeds, eval_metrics, ev
 from areno.engine.seams import SideSetup
 from areno.engine.servers import ServerRolloutSide
 from areno.errors import ConfigError, DataError, ModelDirError
+from areno.models.checkpoint_dirs import complete_checkpoints, model_dir_of, newest_checkpoint
 from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
 from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
-from areno.train.checkpoint import complete_checkpoints, is_complete
 from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
 
 logger = logging.getLogger("areno.eval")
@@ -122,31 +122,6 @@ def resolve_checkpoint(spec: str | None, config: ArenoConfig) -> tuple[Path, str
         f"--checkpoint: {path} holds no model (config.json), no checkpoint export (hf/config.json) and no "
         "complete checkpoints/step_N: name a Hugging Face checkpoint, a checkpoint or a run directory"
     )
-
-
-def model_dir_of(path: Path, flag: str) -> tuple[Path, Path | None] | None:
-    """``(model directory, checkpoint or None)`` of a directory that names one model by itself: a
-    checkpoint ``step_N`` or its ``hf/`` export (the export, of a complete checkpoint: a ModelDirError
-    naming ``flag`` otherwise), or a Hugging Face directory (itself). None for anything else (a run
-    directory). ``areno eval --checkpoint`` and ``areno serve`` read paths with it."""
-    if path.name == "hf" and path.parent.name.startswith("step_"):
-        path = path.parent  # a checkpoint's export named directly: the checkpoint must be complete
-    if (path / "hf" / "config.json").is_file():
-        if not is_complete(path):
-            raise ModelDirError(f"{flag}: {path} is incomplete (no COMPLETE marker): pick a complete checkpoint")
-        return path / "hf", path
-    if (path / "config.json").is_file():
-        return path, None
-    return None
-
-
-def newest_checkpoint(path: Path) -> Path | None:
-    """The newest complete checkpoint of a run directory or of its ``checkpoints/``; None if none."""
-    for checkpoints in (path / "checkpoints", path):
-        done = complete_checkpoints(checkpoints)
-        if done:
-            return done[-1][1]
-    return None
 
 
 def _checkpoint_name(path: Path, config: ArenoConfig) -> str:

@@ -68,6 +68,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from areno.data.prompts import apply_template
 from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.errors import ConfigError, ModelDirError, check_config
+from areno.models.checkpoint_dirs import model_dir_of, newest_checkpoint
 from areno.models.hf_io import load_model, read_config
 from areno.models.vision import ImageInputs
 from areno.observe.metrics import METRICS_FILENAME
@@ -1212,8 +1213,6 @@ def serve_model_dir(model_dir: str) -> str:
     checkpoint ``step_N`` as its ``hf/`` export (``areno eval --checkpoint`` reads paths alike). A run
     directory, or a directory inside a checkpoint (its LoRA adapter), is a one-line ModelDirError
     naming the checkpoint to pass: a server does not pick a step for the user."""
-    from areno.engine.evaluation import model_dir_of, newest_checkpoint  # the eval stack: only once a path is read
-
     path = Path(model_dir)
     if not path.is_dir():
         return model_dir  # build_engine names it as MODEL_DIR

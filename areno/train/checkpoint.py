@@ -34,7 +34,6 @@ import logging
 import os
 import pickle
 import random
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -46,13 +45,12 @@ import torch
 import torch.distributed as dist
 
 from areno.errors import ModelDirError
+from areno.models.checkpoint_dirs import COMPLETE_MARKER, STEP_DIR, complete_checkpoints, is_complete
 
 TRAINER_STATE = "trainer_state.pt"
-COMPLETE_MARKER = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 _HASH_CHUNK = 1 << 22
 STAGING_SUFFIX = ".tmp"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 INCREMENTAL = "INCREMENTAL.json"
 _HASHES = "tensor_hashes_rank{rank}.json"
 _UNLOADABLE = (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError, OSError)
@@ -259,23 +257,6 @@ def newest_intact(checkpoints_dir: str | Path) -> Path | None:
     return None
 
 
-def is_complete(path: str | Path) -> bool:
-    return (Path(path) / COMPLETE_MARKER).is_file()
-
-
-def complete_checkpoints(checkpoints_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every completed ``step_N`` directory, oldest first."""
-    root = Path(checkpoints_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
 def latest_complete(checkpoints_dir: str | Path) -> Path | None:
     """The newest completed checkpoint under ``checkpoints_dir``, or None."""
     found = complete_checkpoints(checkpoints_dir)
@@ -299,7 +280,7 @@ def remove_stale(checkpoints_dir: str | Path) -> list[Path]:
             child.rename(final)  # killed between the marker and the rename: the checkpoint is whole
             continue
         stale = child.name.endswith((STAGING_SUFFIX, ".old")) or (
-            _STEP_DIR.match(child.name) is not None and not is_complete(child)
+            STEP_DIR.match(child.name) is not None and not is_complete(child)
         )
         if stale:
             logger.warning(
@@ -316,7 +297,7 @@ def published_path(path: str | Path) -> Path:
 
     def published(part: str) -> str:
         name = part.removesuffix(STAGING_SUFFIX)
-        return name if _STEP_DIR.match(name) else part
+        return name if STEP_DIR.match(name) else part
 
     return Path(*[published(part) for part in Path(path).absolute().parts])
 
