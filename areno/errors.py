@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import os
 import types
 import typing
 from typing import Any
@@ -41,10 +42,13 @@ def check_types(section: object, prefix: str, schema: type) -> None:
     its bases) whose value in ``section`` is not of the field's annotated type, its key
     ``<prefix>.<field>``: a section built in Python is checked as a YAML file's is. Run first in
     ``__post_init__``, before value checks that would compare a string with a number. An int passes
-    for a float (as in Python), a tuple for a list and a list for a tuple; nothing is converted."""
+    for a float (as in Python), a tuple for a list and a list for a tuple; a path (``os.PathLike``)
+    where a string goes becomes that string (``model.path=Path(...)``); nothing else is converted."""
     for name, hint in _field_types(schema).items():
         value = getattr(section, name)
-        if not is_of_type(value, hint):
+        if isinstance(value, os.PathLike) and is_of_type(os.fspath(value), hint):
+            setattr(section, name, os.fspath(value))
+        elif not is_of_type(value, hint):
             raise wrong_type(f"{prefix}.{name}" if prefix else name, hint, value)
 
 

@@ -33,7 +33,7 @@ from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
 from areno.models.config import ModelConfig
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
-from areno.recipes import TrainingConfig
+from areno.recipes import TRAINING_CONFIGS, TrainingConfig
 from areno.rewards.loader import check_reward_signature, reward_function, wants_sandbox
 from areno.specializations import ActorSpecialization
 from areno.train import checkpoint
@@ -315,19 +315,32 @@ pipeline's check, then ``Trainer.init``'s), and the warning is said once."""
 
 def check_recipe_rollout(config: ArenoConfig, recipe: TrainingConfig) -> None:
     """The rollout gives the recipe what its loss assumes: groups of ``rollout.n_samples >= 2`` where it
-    compares a prompt's completions (a ConfigError), and fresh rollouts where its PPO-family loss does
-    not correct for stale ones (a warning: training on stale data without correction is a legitimate choice)."""
-    recipe.check_n_samples(config.rollout.n_samples)
+    compares a prompt's completions (a ConfigError with areno's workflows; a warning with a user's,
+    which may build its groups otherwise), and fresh rollouts where its PPO-family loss does not
+    correct for stale ones (a warning: training on stale data without correction is a legitimate choice)."""
+    try:
+        recipe.check_n_samples(config.rollout.n_samples)
+    except ConfigError as exc:
+        if config.rollout.workflow.startswith("areno."):
+            raise
+        logger.warning("%s (unless rollout.workflow %s returns larger groups itself)", exc, config.rollout.workflow)
     staleness = config.rollout.max_head_offpolicyness
     if not recipe.online or staleness == 0 or (config.run_dir, recipe.name) in _STALENESS_WARNED:
         return
     spec = recipe.policy_role.build()
     if isinstance(spec, ActorSpecialization) and not (spec.config.use_decoupled_loss or spec.config.recompute_logprob):
         _STALENESS_WARNED.add((config.run_dir, recipe.name))
+        corrected = f"{recipe.name}_async"
+        instead = (
+            f"train.algorithm={corrected} (decoupled PPO)"
+            if corrected in TRAINING_CONFIGS
+            else "train.algorithm_kwargs.use_decoupled_loss=true (decoupled PPO)"
+        )
         logger.warning(
             "train.algorithm=%s with rollout.max_head_offpolicyness=%d trains on rollouts up to that many policy "
-            "versions old, and its loss does not correct for it (the ratio is taken against the policy that "
-            "sampled them): use grpo_async (decoupled PPO), or rollout.max_head_offpolicyness=0 for fresh rollouts",
+            "versions old, its clip anchored at the stale policy that sampled them: use %s, or "
+            "rollout.max_head_offpolicyness=0 for fresh rollouts",
             recipe.name,
             staleness,
+            instead,
         )

@@ -153,11 +153,12 @@ def holds_run(run_dir: str | Path) -> bool:
 def set_aside_untrained(run_dir: str | Path) -> list[Path]:
     """Rename an untrained run's metrics.jsonl and config.yaml to ``*.untrained[.N].*`` (N: the
     first number free for both), so that a new run neither appends to them nor loses them. Returns
-    the new paths."""
+    the new paths. Called with the run directory locked, after ``check_fresh`` passed."""
     run_dir = Path(run_dir)
-    found = [p for p in (run_dir / METRICS_FILENAME, run_dir / "config.yaml") if p.is_file()]
-    if not found:
-        return []
+    metrics = run_dir / METRICS_FILENAME
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return []  # no run was there (a config.yaml alone is the new run's to write)
+    found = [p for p in (metrics, run_dir / "config.yaml") if p.is_file()]
     suffix, n = UNTRAINED, 1
     while any(p.with_name(f"{p.stem}.{suffix}{p.suffix}").exists() for p in found):  # kept from a rerun before
         suffix, n = f"{UNTRAINED}.{n}", n + 1
@@ -172,19 +173,14 @@ def set_aside_untrained(run_dir: str | Path) -> list[Path]:
 
 def check_fresh(run_dir: str | Path, *, resume: bool | str, overwrite: bool) -> None:
     """A run that starts over (``resume=false``) may not append to another one's run directory
-    unless told to overwrite it. A previous run that trained no step is set aside instead
-    (``set_aside_untrained``): nothing of it can be resumed, and refusing would only make the user
-    delete it by hand. Called with the run directory locked (``RunDirLock``)."""
-    if resume is not False or overwrite:
-        return
-    if holds_run(run_dir):
+    unless told to overwrite it. A previous run that trained no step passes: nothing of it can be
+    resumed, and refusing would only make the user delete it by hand; the trainer sets its files
+    aside once every check passed (``set_aside_untrained``)."""
+    if resume is False and not overwrite and holds_run(run_dir):
         raise ConfigError(
             f"run_dir {run_dir} already holds a run (trained steps in metrics.jsonl, or checkpoints/): resume it "
             "with resume=auto, start over with overwrite=true (deletes them), or use another run_dir"
         )
-    metrics = Path(run_dir) / METRICS_FILENAME
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        set_aside_untrained(run_dir)
 
 
 def clear_run(run_dir: str | Path) -> None:

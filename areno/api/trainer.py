@@ -33,7 +33,7 @@ import torch
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_dict, to_yaml
 from areno.api.preflight import check_resumed_config, check_run
-from areno.api.rundir import RunDirLock, clear_run
+from areno.api.rundir import RunDirLock, clear_run, set_aside_untrained
 from areno.engine.host import thaw_heap
 from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, test_metrics
 from areno.errors import RunStopped
@@ -283,6 +283,8 @@ class Trainer:
         if self.config.resume is False:
             if self.config.overwrite:
                 clear_run(self.run_dir)
+            else:  # a run that trained no step was there (preflight.check_run refuses any other)
+                set_aside_untrained(self.run_dir)
             return None
         checkpoint.remove_stale(checkpoints_dir)
         latest = checkpoint.newest_intact(checkpoints_dir)  # resume=true: there is one (preflight.check_run)

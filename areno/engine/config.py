@@ -36,7 +36,7 @@ from areno.models import cpu_gemm
 from areno.models.hf_io import read_config
 from areno.rewards.sandbox import MAX_TIMEOUT_S
 from areno.rollout.config import RolloutEngineConfig, RolloutEngineSettings
-from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig
+from areno.train.config import OptimConfig, PrecisionConfig, TrainBackendConfig, TrainStepConfig, lora_config
 from areno.types import MIN_TEMPERATURE
 
 ROLLOUT_BACKENDS = ("areno", "vllm", "sglang")
@@ -574,6 +574,7 @@ class TrainSection(TrainStepConfig):
     Each role trains its own backend and optimizer; unnamed roles take `optim` as it is."""
 
     def __post_init__(self) -> None:
+        self.lora = lora_config(self.lora)  # a mapping from Python, as YAML gives one
         check_types(self, "train", TrainSection)
         super().__post_init__()
         allowed = [f.name for f in dataclasses.fields(OptimConfig)]

@@ -215,8 +215,9 @@ class TrainingConfig:
             if what:
                 raise ConfigError(
                     f"rollout.n_samples={n_samples}: recipe {self.name!r} ({what}) compares the completions of "
-                    "a prompt within their group, so with one per prompt every advantage is 0 and nothing "
-                    "trains: set rollout.n_samples >= 2, or use a recipe without groups (e.g. reinforce_pp)"
+                    "a prompt within their group, so with one per prompt nothing trains (every advantage is 0, "
+                    "or every group is filtered out): set rollout.n_samples >= 2, or use a recipe without groups "
+                    "(e.g. reinforce_pp)"
                 )
 
     def role(self, name: str) -> ModelRole:

@@ -56,8 +56,8 @@ METRIC_NAMES = (
 
 SLOW_SYNC_S = 10.0
 """A sync that took longer is logged at INFO (the console shows it); the others at DEBUG, their
-figures being in the step's metrics (``METRIC_NAMES``). A 1.5B policy syncs in about 10 ms between
-two GPUs (bench/RESULTS.md): one of seconds is worth a line."""
+figures being in the step's metrics (``METRIC_NAMES``). Syncs take milliseconds to a second or so
+(bench/RESULTS.md, policy sync): one of many seconds is worth a line."""
 
 
 class PolicySyncError(RunFailure):

@@ -9,12 +9,13 @@ naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from areno.errors import check_config, check_types
+from areno.errors import ConfigError, check_config, check_types
 
 DTYPES = ("float32", "bfloat16")
 MAX_LR = 1e37
@@ -127,6 +128,18 @@ class OptimConfig:
         check_config(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
 
 
+def lora_config(value: LoraConfig | dict | None) -> LoraConfig | None:
+    """``train.lora`` as a LoraConfig: a mapping of its keys (built in Python) becomes one; an
+    unknown key is a ConfigError naming it."""
+    if not isinstance(value, dict):
+        return value
+    keys = [f.name for f in dataclasses.fields(LoraConfig)]
+    unknown = [k for k in value if k not in keys]
+    if unknown:
+        raise ConfigError(f"train.lora.{unknown[0]}: not a LoRA setting; they are {keys}")
+    return LoraConfig(**value)
+
+
 @dataclass(kw_only=True)
 class TrainStepConfig:
     """How a training backend runs its steps: micro-batching, compile, attention, seed and the
@@ -203,8 +216,7 @@ class TrainStepConfig:
     supervised warm start (``warm_start``) trains all weights."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora, dict):
-            self.lora = LoraConfig(**self.lora)
+        self.lora = lora_config(self.lora)
         check_config(
             self.max_tokens_per_mb is None or self.max_tokens_per_mb > 0,
             "train.max_tokens_per_mb",

@@ -92,6 +92,13 @@ def test_errors_name_the_key(overrides, fragment):
     assert "\n" not in message
 
 
+def test_sections_built_in_python_take_paths_and_a_lora_mapping(tmp_path):
+    """What Python code naturally passes: a ``Path`` where a path string goes, ``train.lora`` as a dict."""
+    assert ModelSection(path=tmp_path / "model").path == str(tmp_path / "model")
+    assert ArenoConfig(model=ModelSection(path="m"), run_dir=tmp_path / "run").run_dir == str(tmp_path / "run")
+    assert TrainSection(lora={"rank": 4}).lora == LoraConfig(rank=4)
+
+
 @pytest.mark.parametrize(
     "section, kwargs, message",
     [
@@ -99,7 +106,12 @@ def test_errors_name_the_key(overrides, fragment):
         (TrainSection, {"steps": 1.5}, "train.steps: must be an integer, got 1.5"),
         (TrainSection, {"steps": True}, "train.steps: must be an integer, got True"),
         (TrainSection, {"max_tokens_per_mb": "4k"}, "train.max_tokens_per_mb: must be an integer or null, got '4k'"),
-        (TrainSection, {"lora": {"rank": 4}}, "train.lora: must be a LoraConfig or null, got {'rank': 4}"),
+        (TrainSection, {"lora": 4}, "train.lora: must be a LoraConfig or null, got 4"),
+        (
+            TrainSection,
+            {"lora": {"rnk": 4}},
+            "train.lora.rnk: not a LoRA setting; they are ['rank', 'alpha', 'target_modules', 'dropout']",
+        ),
         (LoraConfig, {"rank": 4.0}, "train.lora.rank: must be an integer, got 4.0"),
         (
             LoraConfig,
@@ -124,7 +136,7 @@ def test_errors_name_the_key(overrides, fragment):
         (WarmStartSection, {"lr": "0.1"}, "warm_start.lr: must be a number, got '0.1'"),
         (TestRolloutSection, {"interval": None}, "test_rollout.interval: must be an integer, got null"),
         (ArenoConfig, {"train": {"steps": 3}}, "train: must be a TrainSection, got {'steps': 3}"),
-        (ArenoConfig, {"run_dir": Path("runs")}, f"run_dir: must be a string, got {Path('runs')!r}"),
+        (ArenoConfig, {"run_dir": 3}, "run_dir: must be a string, got 3"),
     ],
 )
 def test_sections_built_in_python_check_their_types(section, kwargs, message):

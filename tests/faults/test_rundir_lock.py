@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from areno.api.config import load_config
-from areno.api.rundir import LOCK_FILENAME, RunDirLock, check_fresh
+from areno.api.rundir import LOCK_FILENAME, RunDirLock, check_fresh, set_aside_untrained
 from areno.engine.api import prepare_model_dir
 from areno.errors import ConfigError
 from tests.helpers.resume import overrides, run_areno, start_areno, train_rows
@@ -92,6 +92,15 @@ def test_rerun_without_resume_refuses_a_run_dir_holding_a_run(tmp_path, capsys):
     assert not (run_dir / LOCK_FILENAME).exists()  # released on the way out
 
 
+def test_an_untrained_run_s_files_stay_when_a_later_check_refuses_the_rerun(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "time": 1.0}\n')
+    rc, err = _cli([f"run_dir={run_dir}", f"model.path={tmp_path / 'no-model'}", "resume=false"], capsys)
+    assert rc == 2 and len(err) == 1 and "no-model" in err[0], err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]  # nothing renamed by a refused run
+
+
 def test_a_run_dir_whose_run_trained_no_step_is_reused_and_its_files_kept(tmp_path, caplog):
     """A run that failed after its step-0 evaluation left metrics.jsonl but trained nothing and saved
     no checkpoint: a rerun starts over there, with the old metrics.jsonl and config.yaml set aside
@@ -101,8 +110,10 @@ def test_a_run_dir_whose_run_trained_no_step_is_reused_and_its_files_kept(tmp_pa
     for attempt, kept in enumerate(["untrained", "untrained.1"]):
         (run_dir / "metrics.jsonl").write_text(f'{{"step": 0, "time": 1.0, "eval/accuracy": 0.{attempt}}}\n')
         (run_dir / "config.yaml").write_text(f"attempt: {attempt}\n")
+        check_fresh(run_dir, resume=False, overwrite=False)  # passes, and leaves the files where they are
+        assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "config.yaml").is_file()
         with caplog.at_level(logging.WARNING, logger="areno.api.rundir"):
-            check_fresh(run_dir, resume=False, overwrite=False)
+            set_aside_untrained(run_dir)  # what the trainer does once every check passed
         assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists()
         assert json.loads((run_dir / f"metrics.{kept}.jsonl").read_text())["eval/accuracy"] == float(f"0.{attempt}")
         assert (run_dir / f"config.{kept}.yaml").read_text() == f"attempt: {attempt}\n"

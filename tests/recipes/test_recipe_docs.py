@@ -74,8 +74,8 @@ def test_the_docs_loss_that_needs_groups_refuses_one_sample(doc_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "areno: error: rollout.n_samples=1: recipe 'reinforce' (a group-mean baseline) compares the completions of "
-        "a prompt within their group, so with one per prompt every advantage is 0 and nothing trains: set "
-        "rollout.n_samples >= 2, or use a recipe without groups (e.g. reinforce_pp)"
+        "a prompt within their group, so with one per prompt nothing trains (every advantage is 0, or every group "
+        "is filtered out): set rollout.n_samples >= 2, or use a recipe without groups (e.g. reinforce_pp)"
     ]
     assert not (doc_dir / "runs").exists()  # before the tiny model is made
 

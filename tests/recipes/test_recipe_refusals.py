@@ -185,7 +185,37 @@ def test_stale_rollouts_without_correction_are_warned_once(tmp_path, caplog):
     warnings = _staleness_warnings(caplog)
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("train.algorithm=grpo with rollout.max_head_offpolicyness=2 trains on rollouts")
-    assert "use grpo_async" in warnings[0]
+    assert "use train.algorithm=grpo_async (decoupled PPO)" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "advice"),
+    [("ppo", "train.algorithm=ppo_async"), ("rloo", "train.algorithm_kwargs.use_decoupled_loss=true")],
+)
+def test_the_staleness_warning_names_the_recipe_s_own_correction(tmp_path, caplog, algorithm, advice):
+    overrides = [*tiny_run_overrides(tmp_path), f"train.algorithm={algorithm}", "rollout.max_head_offpolicyness=1"]
+    with caplog.at_level(logging.WARNING):
+        check_run(load_config(None, overrides))
+    (warning,) = _staleness_warnings(caplog)
+    assert f"use {advice} (decoupled PPO)" in warning
+
+
+def test_a_user_workflow_with_one_sample_per_prompt_is_warned_not_refused(tmp_path, caplog):
+    """A user's workflow may build its groups otherwise (branches of a search): the check is a warning."""
+    (tmp_path / "branching.py").write_text(
+        "from areno.workflows.rlvr import RLVRWorkflow\n\n\nclass Branching(RLVRWorkflow):\n    pass\n"
+    )
+    overrides = [
+        *tiny_run_overrides(tmp_path),
+        "rollout.n_samples=1",
+        f"rollout.workflow={tmp_path}/branching.py:Branching",
+    ]
+    with caplog.at_level(logging.WARNING):
+        check_run(load_config(None, overrides))
+    assert any(
+        "rollout.n_samples=1: recipe 'grpo'" in r.getMessage() and "returns larger groups itself" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 @pytest.mark.parametrize(
