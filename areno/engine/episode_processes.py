@@ -20,7 +20,7 @@ from multiprocessing import connection
 from typing import Any
 
 from areno.types import Trajectory
-from areno.workflows.base import _import_dotted, as_group, load_workflow
+from areno.workflows.base import WorkflowReturnError, _import_dotted, as_group, load_workflow, run_episode_name
 from areno.workflows.common import describe_sample
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ class WorkerSpec:
 
 def _worker_main(spec: WorkerSpec, conn: Any) -> None:
     """Child process: receive ``(dispatch_id, sample)``, run episodes concurrently, send
-    ``(dispatch_id, status, payload)`` back; ``None`` ends the process."""
+    ``(dispatch_id, status, payload)`` back (``ok``: the group; ``contract``: run_episode returned
+    the wrong type; ``error``: it raised); ``None`` ends the process."""
 
     async def amain() -> None:
         workflow = load_workflow(spec.workflow, **spec.workflow_kwargs)
@@ -62,8 +63,10 @@ def _worker_main(spec: WorkerSpec, conn: Any) -> None:
 
         async def arun(dispatch_id: int, sample: dict[str, Any]) -> None:
             try:
-                group = as_group(await workflow.run_episode(client, sample))
+                group = as_group(await workflow.run_episode(client, sample), source=run_episode_name(workflow))
                 conn.send((dispatch_id, "ok", group))
+            except WorkflowReturnError as exc:  # the workflow's own bug: the parent warns once and blames it
+                conn.send((dispatch_id, "contract", str(exc)))
             except Exception as exc:  # noqa: BLE001 - sent to the parent, which counts and retries it
                 conn.send((dispatch_id, "error", f"{type(exc).__name__}: {exc}"))
 
@@ -173,7 +176,8 @@ class ProcessEpisodeRunner:
         return [len(slot.inflight) for slot in self._slots]
 
     async def arun(self, sample: dict[str, Any]) -> list[Trajectory] | None:
-        """Run one episode in a worker process; raises ``RemoteEpisodeError`` or ``WorkerLost``."""
+        """Run one episode in a worker process; raises ``RemoteEpisodeError``, ``WorkerLost``, or
+        ``WorkflowReturnError`` (its ``run_episode`` returned something other than trajectories)."""
         assert self._loop is not None and self._free is not None, "attach() the runner to a loop first"
         while True:
             candidates = [i for i, s in enumerate(self._slots) if s.alive and len(s.inflight) < self.episodes_per_proc]
@@ -202,6 +206,8 @@ class ProcessEpisodeRunner:
             return payload
         if status == "lost":
             raise WorkerLost(payload)
+        if status == "contract":
+            raise WorkflowReturnError(payload)
         raise RemoteEpisodeError(payload)
 
     # ---- reader thread: results and deaths ----

@@ -30,7 +30,7 @@ from areno.rollout.client import (
     RolloutServersLost,
 )
 from areno.types import Trajectory
-from areno.workflows.base import RolloutWorkflow, WorkflowReturnError, as_group
+from areno.workflows.base import RolloutWorkflow, WorkflowReturnError, as_group, run_episode_name
 from areno.workflows.common import describe_sample
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ class EpisodeAttempts:
             else:
                 episode = self.workflow.run_episode(self.client, task.sample)
                 try:
-                    source = f"{type(self.workflow).__qualname__}.run_episode"
-                    group = as_group(await asyncio.wait_for(episode, self.episode_timeout_s), source=source)
+                    result = await asyncio.wait_for(episode, self.episode_timeout_s)
+                    group = as_group(result, source=run_episode_name(self.workflow))
                 except TimeoutError as exc:
                     if isinstance(exc, RolloutRequestTimeout):
                         raise

@@ -36,7 +36,7 @@ from typing import Any
 from areno.data.tasks import PromptStream
 from areno.engine.staleness import StalenessManager
 from areno.rollout.client import RolloutClient
-from areno.workflows.base import RolloutWorkflow, as_group
+from areno.workflows.base import RolloutWorkflow, as_group, run_episode_name
 
 SEQ_KEY = "ledger_seq"
 """``Trajectory.info`` key holding the ledger number of the sample the trajectory came from."""
@@ -177,7 +177,7 @@ class LedgerWorkflow(RolloutWorkflow):
         # a retry starts its seeds over, as the first attempt of the same sample would
         token = _EPISODE.set(_EpisodeSeeds(episode_seed(self.seed, found[1]))) if found is not None else None
         try:
-            group = as_group(await self.inner.run_episode(client, sample), source=_run_episode_name(self.inner))
+            group = as_group(await self.inner.run_episode(client, sample), source=run_episode_name(self.inner))
         except asyncio.CancelledError:
             raise  # the pool stops or aborts a stale episode: the sample stays pending
         except Exception:
@@ -194,11 +194,6 @@ class LedgerWorkflow(RolloutWorkflow):
                 for traj in group:
                     traj.info[SEQ_KEY] = seq
         return group
-
-
-def _run_episode_name(workflow: RolloutWorkflow) -> str:
-    """How a workflow's ``run_episode`` is named in messages (``MyWorkflow.run_episode``)."""
-    return f"{type(workflow).__qualname__}.run_episode"
 
 
 SETTLE_TURNS = 3

@@ -99,10 +99,13 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: OpenAI's ``include_usage`` (a last chunk with the usage)."""
+    """``stream_options``: OpenAI's ``include_usage`` (a last chunk with the usage) and
+    ``include_obfuscation`` (OpenAI pads its stream events against side channels; accepted, and a
+    no-op here)."""
 
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool = True
 
 
 class _Sampling(BaseModel):

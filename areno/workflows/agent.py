@@ -195,9 +195,9 @@ class AgentWorkflow(RolloutWorkflow):
                     logger.warning("agent episode %d of row %s: %s; dropped", index, describe_row(sample), exc)
                     rec.event("dropped", reason=str(exc))
                     return None
+            # a trajectory holding a completion whose client.ascore failed carries info["reward_error"]
+            # (counted as rollout/reward_errors, as the shipped workflows' are)
             info: dict[str, Any] = {"sample": describe_row(sample)}
-            if oai.reward_errors:  # counted as rollout/reward_errors, as the shipped workflows' are
-                info["reward_error"] = oai.reward_errors[-1]
             trajs = oai.export(self.export_style, gamma=self.gamma, group_id=group_id, info=info)
             rec.set_reward(sum(t.reward for t in trajs) / len(trajs), num_interactions=len(oai.cache))
             return trajs

@@ -9,7 +9,9 @@ in process or against a remote server. Users write their own workflow by subclas
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import logging
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -20,6 +22,8 @@ from areno.errors import ConfigError, RewardImportError
 from areno.rewards.loader import import_object
 from areno.rollout.client import RolloutClient
 from areno.types import Trajectory
+
+logger = logging.getLogger(__name__)
 
 EpisodeResult = Trajectory | list[Trajectory] | None
 """What ``run_episode`` returns: one trajectory, a group (GRPO: n samples of one prompt), or None
@@ -97,6 +101,12 @@ def as_group(result: EpisodeResult, *, source: str = "run_episode") -> list[Traj
     return group or None
 
 
+def run_episode_name(workflow: RolloutWorkflow) -> str:
+    """How a workflow's ``run_episode`` is named in messages (``MyWorkflow.run_episode``): the
+    ``source`` of :func:`as_group` wherever the engine runs one."""
+    return f"{type(workflow).__qualname__}.run_episode"
+
+
 def _import_dotted(path: str, *, what: str = "rollout.workflow") -> Any:
     """Import ``path`` (``package.module.Name``, ``package.module:Name`` or ``./file.py:Name``) as
     ``reward.fn`` is imported; a one-line :class:`RewardImportError` naming ``what`` (the config key)
@@ -127,10 +137,12 @@ def check_workflow_arguments(
     a ``workflow_kwargs`` key the engine sets itself, an argument the factory does not take (one of
     the engine's, or ``rollout.workflow_kwargs.<key>``), or one it needs that nobody passes.
 
-    A factory function taking ``**kwargs`` whose return annotation names a RolloutWorkflow class
-    (``def my_workflow(**kwargs) -> AgentWorkflow``) has the arguments it does not name itself
-    checked against that class's ``__init__``; without the annotation they are checked when the
-    engine builds it (``load_workflow``)."""
+    A factory function taking ``**kwargs`` whose return annotation names a concrete RolloutWorkflow
+    class with an ``__init__`` of its own (``def my_workflow(**kwargs) -> AgentWorkflow``) has the
+    arguments it does not name itself checked against that ``__init__`` (``_check_forwarded``): a
+    close misspelling of a parameter is refused, anything else only warned about, as the factory
+    may use it itself or return a subclass that takes it. The engine checks them all again when
+    it builds the workflow (``load_workflow``)."""
     for key in workflow_kwargs:
         if key in ENGINE_ARGUMENTS:
             raise ConfigError(
@@ -143,8 +155,7 @@ def check_workflow_arguments(
     target = _forwarded_class(factory)
     if target is not None:
         own = set(inspect.signature(factory).parameters)
-        what = f"{dotted_path!r} (its **kwargs go to {target.__name__})"
-        _check_binds(what, target, [k for k in given if k not in own], missing=False)
+        _check_forwarded(dotted_path, factory, target, [k for k in given if k not in own])
 
 
 def _names(factory: Callable[..., Any], name: str) -> bool:
@@ -189,7 +200,10 @@ def _check_binds(what: str, factory: Callable[..., Any], given: list[str], *, mi
 
 def _forwarded_class(factory: Callable[..., Any]) -> type | None:
     """The RolloutWorkflow class that a factory function taking ``**kwargs`` says it returns (its
-    return annotation), where the arguments it does not name go; None when it says none."""
+    return annotation), where the arguments it does not name go; None when it says none, or when
+    its ``__init__`` says nothing to check them against: an abstract class (``-> RolloutWorkflow``
+    for a factory choosing among several), one without an ``__init__`` of its own, one taking
+    ``**kwargs``."""
     if isinstance(factory, type):
         return None
     signature = inspect.signature(factory)
@@ -203,7 +217,63 @@ def _forwarded_class(factory: Callable[..., Any]) -> type | None:
             returned = eval(returned, getattr(factory, "__globals__", {}))
         except (NameError, AttributeError, SyntaxError):  # a name only a type checker sees: nothing to follow
             return None
-    return returned if isinstance(returned, type) and issubclass(returned, RolloutWorkflow) else None
+    if not (isinstance(returned, type) and issubclass(returned, RolloutWorkflow)):
+        return None
+    if inspect.isabstract(returned) or returned.__init__ is object.__init__:
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in inspect.signature(returned).parameters.values()):
+        return None
+    return returned
+
+
+def _check_forwarded(dotted_path: str, factory: Callable[..., Any], target: type, forwarded: list[str]) -> None:
+    """Check the arguments a factory forwards through ``**kwargs`` against ``target`` (what its
+    return annotation names). The annotation says what the factory returns, not that every argument
+    reaches that class: the factory may pop one for itself (``kwargs.pop("depth", 3)``) or return a
+    subclass taking more. So a name ``target`` does not take is refused only when it is a close
+    misspelling of a parameter (of ``target`` or of the factory) that the factory's source does not
+    mention (``gama`` for ``gamma``); any other, and any where the source cannot be read, is a
+    warning, once per process."""
+    factory_params = inspect.signature(factory).parameters
+    params = inspect.signature(target).parameters
+    taken = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    known = [*taken, *(n for n, p in factory_params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))]
+    source = _source(factory)
+    what = f"workflow {dotted_path!r} (its **kwargs go to {target.__name__})"
+    for key in forwarded:
+        if key in taken or (source is not None and re.search(rf"\b{re.escape(key)}\b", source)):
+            continue  # taken, or the factory names it (it may use it itself): build time tells
+        close = difflib.get_close_matches(key, known, n=1)
+        user = key not in ENGINE_ARGUMENTS and key not in DECLARED_ARGUMENTS
+        if user and close and source is not None:
+            own = [k for k in taken if k not in ENGINE_ARGUMENTS]
+            raise ConfigError(
+                f"rollout.workflow_kwargs.{key}: {what} takes no argument {key!r} (did you mean {close[0]!r}?); "
+                f"it takes {', '.join(own) if own else 'only the engine arguments'}"
+            )
+        if (dotted_path, key) not in _warned_forwarded:
+            _warned_forwarded.add((dotted_path, key))
+            logger.warning(
+                "%s: %s takes no argument %r; building the workflow fails unless the factory uses it itself or "
+                "returns a class that takes it",
+                f"rollout.workflow_kwargs.{key}" if user else "rollout.workflow",
+                what,
+                key,
+            )
+
+
+_warned_forwarded: set[tuple[str, str]] = set()
+"""(rollout.workflow, argument) pairs ``_check_forwarded`` warned about in this process: preflight
+runs twice for one run, and the warning is said once."""
+
+
+def _source(factory: Callable[..., Any]) -> str | None:
+    """The source of ``factory``; None when Python cannot show it (nothing then says an argument is
+    unused)."""
+    try:
+        return inspect.getsource(factory)
+    except (OSError, TypeError):
+        return None
 
 
 _BAD_ARGUMENT = re.compile(r"(?:keyword argument|arguments?:) '(\w+)'")
@@ -215,16 +285,18 @@ def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
     """Build the workflow named by ``dotted_path`` (a ``RolloutWorkflow`` subclass, or a factory
     function returning an instance) with ``kwargs`` (the engine's arguments and
     ``rollout.workflow_kwargs``); its arguments are checked before it is built, and a TypeError
-    from building it (an argument a factory forwards that its target does not take) is a
-    :class:`ConfigError` naming the argument."""
+    from binding them (an argument a factory forwards that its target does not take) is a
+    :class:`ConfigError` naming the argument. A TypeError from inside the workflow's own code is
+    its bug: raised unchanged, with its traceback."""
     factory = workflow_factory(dotted_path)
     _check_binds(repr(dotted_path), factory, list(kwargs), missing=True)
     try:
         workflow = factory(**kwargs)
     except TypeError as exc:
-        match = _BAD_ARGUMENT.search(str(exc))
-        key = match.group(1) if match else None
-        user = key is not None and key not in ENGINE_ARGUMENTS and key not in DECLARED_ARGUMENTS
+        key = _bound_argument(exc, factory, kwargs)
+        if key is None:
+            raise
+        user = bool(key) and key not in ENGINE_ARGUMENTS and key not in DECLARED_ARGUMENTS
         where = f"rollout.workflow_kwargs.{key}" if user else "rollout.workflow"
         raise ConfigError(
             f"{where}: building workflow {dotted_path!r} failed: {exc} (check rollout.workflow_kwargs; the engine "
@@ -235,3 +307,22 @@ def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
             f"rollout.workflow: factory {dotted_path!r} returned {type(workflow).__name__}, expected a RolloutWorkflow"
         )
     return workflow
+
+
+def _bound_argument(exc: TypeError, factory: Callable[..., Any], kwargs: dict[str, Any]) -> str | None:
+    """The argument (``""`` when it names none) of a TypeError that building ``factory`` with
+    ``kwargs`` raised while binding them: at the call itself (no frame below it), naming one of
+    ``kwargs`` (a factory or ``super().__init__`` forwarded it to something that does not take it),
+    or naming a parameter the class a factory forwards to needs (nobody passed it). None for any
+    other TypeError: one raised inside the workflow's own code."""
+    match = _BAD_ARGUMENT.search(str(exc))
+    key = match.group(1) if match else None
+    if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:
+        return key or ""
+    if key is None:
+        return None
+    if key in kwargs:
+        return key
+    target = _forwarded_class(factory)
+    needed = inspect.signature(target).parameters.get(key) if target is not None else None
+    return key if needed is not None and needed.default is needed.empty else None

@@ -45,7 +45,8 @@ class NonFiniteReward(ValueError):
 
 _failed_rewards: dict[int, Any] = {}
 """The reward functions (by ``id``, held so the id stays theirs) whose first failure was warned in
-full: later ones are logged at DEBUG, and summed up once per batch (``warn_reward_errors``)."""
+full, once per process (a run's, or each rollout worker process's): later ones are logged at DEBUG,
+and summed up once per batch (``warn_reward_errors``)."""
 
 
 async def acall_reward(
@@ -54,8 +55,8 @@ async def acall_reward(
     """Call the user's reward function; a raising reward, or one returning something other than a
     number or a bool (a str, None), or a non-finite value (sandboxed: a ``nonfinite`` failure,
     counted), gives ``(0.0, error)``, so one bad row never kills a run but is never silent either:
-    the first failure of each reward function is warned about with its prompt, completion and row
-    fields; later ones are logged at DEBUG and counted, a batch's in one warning
+    the first failure of each reward function in this process is warned about with its prompt,
+    completion and row fields; later ones are logged at DEBUG and counted, a batch's in one warning
     (``warn_reward_errors``), so a reward that fails on every row does not flood the log."""
     try:
         value = reward_fn(prompt, completion, answer, **fields)

@@ -44,7 +44,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from areno.models.vision import ImageInputs, VisionConfig, decode_image, expand_image_tokens
 from areno.rewards.sandbox import as_reward
 from areno.rollout.client import agenerate_many
-from areno.rollout.server import ServerThread, check_bind
+from areno.rollout.server import ChatRequest, CompletionRequest, ServerThread, check_bind
 from areno.rollout.store import ObservationStore
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
@@ -54,25 +54,32 @@ from areno.workflows.tools import parse_tool_calls, render_tools_prompt, validat
 
 logger = logging.getLogger("areno.workflows")
 
-# Parameters of the official client that change nothing here (accepted and ignored, as vLLM does).
 _IGNORED = {
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
     "user",
     "metadata",
     "store",
-    "parallel_tool_calls",
-    "response_format",
     "service_tier",
-    "stream_options",
+    "stream_options",  # include_usage is read first (_include_usage); the rest changes nothing here
     "timeout",
     "extra_headers",
     "extra_query",
-    "best_of",
-    "suffix",
-    "reasoning_effort",
 }
+"""Parameters of the official client that change no output: accepted at any value and dropped."""
+
+_SERVER_NO_OP = {**CompletionRequest.NO_OP, **ChatRequest.NO_OP}
+_NO_OP: dict[str, tuple[tuple[Any, ...], str]] = {
+    **{
+        key: _SERVER_NO_OP[key]
+        for key in ("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "suffix")
+    },
+    # unlike areno serve, this client parses tool calls: it returns every call the model wrote
+    "parallel_tool_calls": ((None, True), "every tool call the model writes is returned: send true or drop it"),
+    "reasoning_effort": ((None,), "this engine has no reasoning-effort setting: drop it"),
+}
+"""Fields of the official client this client cannot honour, accepted only at their no-op value (the
+table ``areno serve`` refuses other values with, where it applies), with why another is refused:
+an agent asking for ``presence_penalty=1.5`` must not silently get none. ``best_of`` is accepted
+only equal to ``n``."""
 
 
 _CHAT_KEYS = frozenset(
@@ -96,7 +103,7 @@ _CHAT_KEYS = frozenset(
         "function_call",
     }
 )
-"""Parameters of ``chat.completions.create`` this client serves (besides ``_IGNORED``)."""
+"""Parameters of ``chat.completions.create`` this client serves (besides ``_IGNORED`` and ``_NO_OP``)."""
 _COMPLETION_KEYS = frozenset(
     {
         "prompt",
@@ -113,7 +120,7 @@ _COMPLETION_KEYS = frozenset(
         "extra_body",
     }
 )
-"""Parameters of ``completions.create`` this client serves (besides ``_IGNORED``)."""
+"""Parameters of ``completions.create`` this client serves (besides ``_IGNORED`` and ``_NO_OP``)."""
 
 
 class AgentRequestError(ValueError):
@@ -230,14 +237,17 @@ class ArenoAsyncOpenAI:
         self.reward_fn = None if reward_fn is None else _areward(reward_fn)
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.reward_errors: list[str] = []
-        """The failures of ``ascore`` calls (each scored 0), for the episode's trajectories."""
+        """The failures of ``ascore`` calls (each scored 0), in order."""
+        self._failed_scores: list[tuple[str, str]] = []
+        """(completion, error) of each failed ``ascore`` call: ``export`` marks the trajectories they scored."""
 
     # ---- rewards and export
     async def ascore(self, sample: dict[str, Any], completion: str) -> float:
         """The configured reward of ``completion`` for ``sample``, as the shipped workflows score:
         ``reward_fn(sample[prompt_key], completion, sample.get(answer_key), **the row's other fields)``.
         A reward that raises or returns a non-number scores 0, is warned about (``acall_reward``) and
-        marks the episode's trajectories (``info["reward_error"]``, ``rollout/reward_errors``)."""
+        marks the exported trajectories that hold ``completion`` (``info["reward_error"]``, counted in
+        ``rollout/reward_errors``; see ``export``)."""
         if self._reward_fn is None:
             raise ValueError("ascore: this client has no reward function (the workflow was built without reward_fn)")
         prompt = require_field(sample, self.prompt_key)
@@ -245,6 +255,7 @@ class ArenoAsyncOpenAI:
         value, error = await acall_reward(self._reward_fn, prompt, completion, sample.get(self.answer_key), fields)
         if error is not None:
             self.reward_errors.append(error)
+            self._failed_scores.append((completion, error))
         return value
 
     def set_reward(self, interaction_id: str, reward: float) -> None:
@@ -268,7 +279,27 @@ class ArenoAsyncOpenAI:
         group_id: str = "",
         info: dict[str, Any] | None = None,
     ) -> list[Trajectory]:
-        return self.cache.export(style, gamma=gamma, group_id=group_id, info=info)
+        """The recorded completions as trajectories (``InteractionCache.export``). A trajectory that
+        holds a completion whose ``ascore`` failed carries the error in ``info["reward_error"]``."""
+        trajectories = self.cache.export(style, gamma=gamma, group_id=group_id, info=info)
+        for traj in trajectories:
+            error = self._reward_error(traj)
+            if error is not None:
+                traj.info["reward_error"] = error
+        return trajectories
+
+    def _reward_error(self, traj: Trajectory) -> str | None:
+        """The last failed ``ascore`` error that concerns ``traj``: one that scored the text of a
+        completion among its turns, or one that scored a text no completion wrote. The agent derived
+        such a text itself (an extracted answer), and the record does not say which trajectory's
+        reward its 0 went into, so it concerns them all."""
+        ids = set(traj.info.get("interaction_ids") or [traj.info.get("interaction_id")])
+        found = None
+        for completion, error in self._failed_scores:
+            scored = {i.id for i in self.cache.ordered() if _response_text(i.response) == completion}
+            if not scored or scored & ids:
+                found = error
+        return found
 
     # ---- prompt building
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool) -> str:
@@ -536,14 +567,32 @@ def _areward(reward_fn: RewardFn) -> Callable[..., Awaitable[float]]:
     return areward
 
 
+def _response_text(response: dict[str, Any]) -> str | None:
+    """A recorded completion's text: a chat reply's content, a raw completion's text."""
+    return response.get("content", response.get("text"))
+
+
 def _check_kwargs(req: dict[str, Any], known: frozenset[str], where: str) -> None:
+    """Drop from ``req`` what changes no output (``_IGNORED``, unset values, no-op values of
+    ``_NO_OP``); a TypeError for a parameter the official client does not have, an
+    :class:`AgentRequestError` naming one this client cannot honour at the value asked."""
     for key in list(req):
         if key in _IGNORED:
             req.pop(key)
-        elif key not in known:
+        elif key not in known and key not in _NO_OP and key != "best_of":
             raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
     for key in [k for k, v in req.items() if v is None or isinstance(v, _NotGiven) or type(v).__name__ == "NotGiven"]:
         req.pop(key)
+    for key, (allowed, why) in _NO_OP.items():
+        value = _plain(req.pop(key, None))
+        if value not in allowed:
+            raise AgentRequestError(f"{where}: {key} {json.dumps(value, default=str)} is not supported: {why}")
+    best_of = req.pop("best_of", None)
+    if best_of is not None and best_of != req.get("n", 1):
+        raise AgentRequestError(
+            f"{where}: best_of {best_of} is not supported (it would rank extra samples): drop it, or sample "
+            f"n={best_of} and rank them yourself"
+        )
     # top alternatives per token: the engine computes none, and empty lists would read as an answer
     top = "top_logprobs" if "top_logprobs" in known else "logprobs"
     if req.get(top):

@@ -2,9 +2,9 @@
 
 - ``Tool``: a Python function plus its OpenAI function schema (``{"type": "function", "function":
   {"name", "description", "parameters"}}``); ``parameters`` must be a valid JSON Schema of an object
-  (``{"type": "object", "properties": {...}, "required": [...]}``, checked with ``jsonschema`` at
-  construction, and against the function's signature), and every call's arguments are validated
-  against it.
+  (``{"type": "object", "properties": {...}, "required": [...]}``, or ``{}`` for a tool without
+  arguments; checked with ``jsonschema`` at construction, and against the function's signature),
+  and every call's arguments are validated against it.
 - ``parse_tool_calls(text)``: the calls a model wrote, in the Qwen / Hermes ``<tool_call>{json}
   </tool_call>`` format (``arguments`` as an object or a JSON string, ``parameters`` accepted as
   an alias) and the Qwen3-Coder XML format (``<tool_call><function=NAME><parameter=KEY>VALUE
@@ -130,9 +130,10 @@ def validate_tool_schema(schema: dict[str, Any]) -> dict[str, Any]:
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise ToolSchemaError(f"tool {name!r}: parameters must be a JSON Schema object, got {type(params).__name__}")
-    # without "type" a schema such as {"a": {"type": "integer"}} is valid JSON Schema that accepts
-    # any arguments: the calls would never be validated
-    if params.get("type") != "object":
+    # {} is how OpenAI (and tool-description code) declares a tool without arguments: an object with
+    # no properties. Other keys without "type", such as {"a": {"type": "integer"}}, are valid JSON
+    # Schema that accepts any arguments: the calls would never be validated
+    if params and params.get("type") != "object":
         raise ToolSchemaError(
             f"tool {name!r}: parameters must describe an object, "
             f'{{"type": "object", "properties": {{...}}, "required": [...]}}; got {_keys(params)}'
@@ -155,11 +156,13 @@ def _keys(params: dict[str, Any]) -> str:
 
 
 def check_tool_signature(name: str, fn: Callable[..., Any], parameters: dict[str, Any]) -> None:
-    """A :class:`ToolSchemaError` unless the schema lists ``properties`` and ``fn(**arguments)`` can
-    take every call it allows: each property is a parameter (or ``fn`` takes ``**kwargs``), and
-    each parameter without a default is a required property (a call that leaves it out would fail
-    inside the episode, told to the model instead of the user)."""
-    if not isinstance(parameters.get("properties"), dict):
+    """A :class:`ToolSchemaError` unless the schema lists ``properties`` (``{}``, a tool without
+    arguments, lists none) and ``fn(**arguments)`` can take every call it allows: each property is
+    a parameter (or ``fn`` takes ``**kwargs``), and each parameter without a default is a required
+    property (a call that leaves it out would fail inside the episode, told to the model instead of
+    the user)."""
+    properties = parameters.get("properties", {} if not parameters else None)
+    if not isinstance(properties, dict):
         raise ToolSchemaError(
             f'tool {name!r}: parameters needs "properties" (a dict of argument schemas, {{}} for none), so '
             "every call's arguments are validated"
@@ -169,7 +172,7 @@ def check_tool_signature(name: str, fn: Callable[..., Any], parameters: dict[str
     except (TypeError, ValueError):  # a builtin without a signature: its calls tell
         return
     by_keyword = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    properties, required = set(parameters["properties"]), set(parameters.get("required", ()))
+    properties, required = set(properties), set(parameters.get("required", ()))
     positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
     if positional:
         raise ToolSchemaError(

@@ -171,6 +171,75 @@ def test_bad_requests_raise_clear_errors(scripted):
     assert out.choices[0].message.content == "x"
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "field", "value", "fragment"),
+    [
+        (
+            "chat",
+            "presence_penalty",
+            1.5,
+            "presence_penalty 1.5 is not supported: this engine samples without penalties",
+        ),
+        ("completions", "frequency_penalty", -1, "frequency_penalty -1 is not supported: "),
+        ("chat", "logit_bias", {"5": 100}, 'logit_bias {"5": 100} is not supported: this engine samples without logit'),
+        ("chat", "response_format", {"type": "json_object"}, "does not constrain its output to JSON"),
+        ("completions", "suffix", "END", 'suffix "END" is not supported'),
+        (
+            "completions",
+            "best_of",
+            3,
+            "best_of 3 is not supported (it would rank extra samples): drop it, or sample n=3",
+        ),
+        ("chat", "parallel_tool_calls", False, "every tool call the model writes is returned: send true or drop it"),
+        ("chat", "reasoning_effort", "low", 'reasoning_effort "low" is not supported'),
+    ],
+)
+def test_fields_the_policy_cannot_honour_are_refused_by_name(scripted, endpoint, field, value, fragment):
+    """As ``areno serve`` refuses them (its NO_OP table): an agent asking for a penalty must not
+    silently sample without one. Through the proxy they are a 400 the official client raises."""
+    rollout = scripted(["x"] * 4)
+    client = ArenoAsyncOpenAI(rollout, rollout.tokenizer)
+    proxy = AgentProxy(rollout, rollout.tokenizer)
+    request = {"messages": MESSAGES} if endpoint == "chat" else {"prompt": "2+3="}
+
+    def create(c):
+        return (c.chat.completions if endpoint == "chat" else c.completions).create(
+            model="m", **request, **{field: value}
+        )
+
+    with pytest.raises(AgentRequestError) as info:
+        asyncio.run(create(client))
+    assert f".create: {field}" in str(info.value) and fragment in str(info.value), str(info.value)
+    sid, _ = proxy.start_session()
+    with pytest.raises(openai.BadRequestError, match=field):
+        asyncio.run(create(official(proxy.app, f"http://areno/sessions/{sid}/v1")))
+    assert not rollout.prompts  # refused before anything was generated
+
+
+def test_no_op_values_and_fields_that_change_no_output_are_accepted(scripted):
+    rollout = scripted(["x"] * 2)
+    client = ArenoAsyncOpenAI(rollout, rollout.tokenizer)
+    chat = asyncio.run(
+        client.chat.completions.create(
+            model="m",
+            messages=MESSAGES,
+            frequency_penalty=0,
+            presence_penalty=0.0,
+            logit_bias={},
+            response_format={"type": "text"},
+            parallel_tool_calls=True,
+            user="u",
+            metadata={"k": "v"},
+            store=False,
+            service_tier="auto",
+            timeout=5.0,
+            extra_headers={"x-a": "b"},
+        )
+    )
+    completion = asyncio.run(client.completions.create(model="m", prompt="2+3=", best_of=1, suffix="", n=1))
+    assert chat.choices[0].message.content == "x" and completion.choices[0].text == "x"
+
+
 def test_tool_calls_and_multi_turn_token_continuity(scripted):
     call = '<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
     rollout = scripted([call, "42", '<tool_call>{"name": "calc", "arguments": {"expr": </tool_call>'])

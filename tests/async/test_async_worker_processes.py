@@ -6,7 +6,7 @@ import time
 import pytest
 
 from areno.engine.episode_processes import ProcessEpisodeRunner, WorkerSpec
-from areno.engine.executor import DatasetExhausted, WorkflowExecutor
+from areno.engine.executor import DatasetExhausted, RolloutPoolBroken, WorkflowExecutor
 from areno.engine.staleness import StalenessManager
 
 SPEC = WorkerSpec(
@@ -43,3 +43,24 @@ def test_killed_worker_restarted_and_nothing_lost_or_duplicated(caplog):
     assert m["rollout/requeued"] >= 1 and m["rollout/failed_episodes"] == 2 and m["rollout/dropped_failed"] == 1
     assert "died with exit code -9" in caplog.text and "env crashed on 5" in caplog.text
     assert any(g[0].info["pid"] == pids_after[0] for g in groups)  # the restarted process did work
+
+
+def test_a_wrong_return_type_in_a_worker_process_is_warned_once_and_blames_the_workflow(caplog):
+    """As in process (tests/workflows/test_episode_results.py): the message names the workflow class,
+    is warned once without a traceback, and the run it stops blames the workflow, not the rollout side."""
+    spec = WorkerSpec(
+        workflow="tests.helpers.workflows.DictReturningWorkflow", client="tests.helpers.async_fakes.make_engine"
+    )
+    runner = ProcessEpisodeRunner(spec, num_procs=1)
+    with caplog.at_level(logging.DEBUG, logger="areno.engine"):
+        with WorkflowExecutor(None, None, runner=runner, max_retries=1) as ex:
+            with pytest.raises(RolloutPoolBroken) as info:
+                ex.rollout_batch([{"id": i} for i in range(3)])
+            m = ex.metrics()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].exc_info is None, [r.getMessage() for r in warnings]
+    assert "DictReturningWorkflow.run_episode returned dict; return a Trajectory" in warnings[0].getMessage()
+    message = str(info.value)
+    assert "(last: WorkflowReturnError: DictReturningWorkflow.run_episode returned dict;" in message
+    assert message.endswith("rollout.workflow is failing, not the data or the rollout side; fix its run_episode")
+    assert m["rollout/dropped_failed"] == 3 and m["rollout/failed_episodes"] == 6

@@ -202,7 +202,6 @@ def test_demo_config_ships_inside_the_package():
     """``areno demo`` after a plain (non-editable) ``pip install``: its config is package data of a
     package setuptools finds, not a file of the source checkout."""
     import tomllib
-    from pathlib import Path
 
     import areno
     from areno.api.pipeline import DEMO_CONFIG

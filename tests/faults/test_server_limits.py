@@ -225,6 +225,11 @@ def test_openai_fields_at_their_no_op_value_are_served(server):
     r = client.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 0})
     assert r.status_code == 200, r.text
     assert all(t["top_logprobs"] == [] for t in r.json()["choices"][0]["logprobs"]["content"])
+    # OpenAI's newer stream option (padding its events against side channels) changes nothing here
+    options = {"include_usage": True, "include_obfuscation": False}
+    r = client.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": options})
+    assert r.status_code == 200, r.text
+    assert '"usage": {' in r.text or '"usage":{' in r.text, r.text
 
 
 def test_token_sampling_mirrors_sampling_params():

@@ -64,6 +64,40 @@ def test_ascore_scores_a_failing_reward_0_and_marks_the_trajectories(reward_fns,
     assert all("KeyError" in t.info["reward_error"] for t in group)  # counted as rollout/reward_errors
 
 
+async def scores_each_turn(client, sample):
+    """Scores its first completion ("raise": the reward fails), tries again and returns the second's
+    score ("ok": 1.0)."""
+    first = (await client.completions.create(model="policy", prompt=sample["prompt"])).choices[0]
+    await client.ascore(sample, first.text)
+    prompt = list(first.prompt_token_ids) + list(first.token_ids)
+    prompt += client.tokenizer.encode(" again", add_special_tokens=False)
+    second = (await client.completions.create(model="policy", prompt=prompt)).choices[0]
+    return await client.ascore(sample, second.text)
+
+
+async def scores_a_derived_text(client, sample):
+    await client.completions.create(model="policy", prompt=sample["prompt"])
+    return await client.ascore(sample, "raise")  # a text no completion wrote (an extracted answer)
+
+
+def test_only_the_trajectories_holding_the_failed_score_are_marked(reward_fns, char_tokenizer):
+    reward = reward_fns["in-process"]
+    wf = AgentWorkflow(
+        char_tokenizer, PARAMS, agent=scores_each_turn, reward_fn=reward, n_samples=1, export_style="individual"
+    )
+    first, second = asyncio.run(wf.run_episode(replying(char_tokenizer, "raise", "ok"), {"prompt": "hi"}))
+    assert "KeyError" in first.info["reward_error"] and "reward_error" not in second.info
+    assert second.info["own_reward"] == 1.0
+    # one sequence holding both turns holds the failed one
+    wf = AgentWorkflow(char_tokenizer, PARAMS, agent=scores_each_turn, reward_fn=reward, n_samples=1)
+    (concat,) = asyncio.run(wf.run_episode(replying(char_tokenizer, "raise", "ok"), {"prompt": "hi"}))
+    assert "KeyError" in concat.info["reward_error"]
+    # a failed score of a text no completion wrote: which reward its 0 went into cannot be told
+    wf = AgentWorkflow(char_tokenizer, PARAMS, agent=scores_a_derived_text, reward_fn=reward, n_samples=2)
+    group = asyncio.run(wf.run_episode(replying(char_tokenizer, "ok"), {"prompt": "hi"}))
+    assert len(group) == 2 and all("KeyError" in t.info["reward_error"] for t in group)
+
+
 def test_an_unawaited_reward_is_dropped_with_await_it_and_no_runtime_warning(char_tokenizer, caplog, recwarn):
     reward = load_reward(RewardSection(fn=REWARD, sandbox=False))
     wf = AgentWorkflow(char_tokenizer, PARAMS, agent=forgets_await, reward_fn=reward, n_samples=1)

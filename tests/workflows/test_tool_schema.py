@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from areno.observe.session import configure_sessions, load_sessions, session
-from areno.workflows.tools import Tool, ToolCall, ToolSchemaError, ToolSet, parse_tool_calls
+from areno.workflows.tools import Tool, ToolCall, ToolSchemaError, ToolSet, parse_tool_calls, validate_tool_schema
 
 
 def _schema(name: str, parameters: dict) -> dict:
@@ -70,6 +70,17 @@ def test_matching_schemas_are_accepted_and_validate_every_call():
     ok = asyncio.run(tools.aexecute(ToolCall(name="add", arguments={"a": 2, "b": 3})))
     bad = asyncio.run(tools.aexecute(ToolCall(name="add", arguments={"a": "two"})))
     assert ok.ok and ok.content == "5" and not bad.ok and "'two' is not of type 'integer'" in bad.content
+
+
+def test_empty_parameters_declare_a_tool_without_arguments():
+    """``"parameters": {}`` is how OpenAI and tool-description code declare a no-argument tool: a
+    request's tools pass through as sent, and a Tool takes it (its calls are made without arguments)."""
+    declared = validate_tool_schema(_schema("now", {}))
+    assert declared["function"]["parameters"] == {}
+    tools = ToolSet([Tool(fn=lambda: "noon", schema=_schema("now", {}))])
+    assert asyncio.run(tools.aexecute(ToolCall(name="now", arguments={}))).content == "noon"
+    with pytest.raises(ToolSchemaError, match="add\\(\\) needs argument 'a' but the schema does not require it"):
+        Tool(fn=add, schema=_schema("add", {}))  # a function that needs arguments still needs them declared
 
 
 def test_aexecute_records_the_call_in_the_episode_session(tmp_path):

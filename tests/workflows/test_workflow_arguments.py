@@ -4,6 +4,8 @@ found by preflight before any warm start, also through a factory that forwards `
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from areno.cli import main
@@ -17,6 +19,8 @@ from areno.workflows.base import (
     load_workflow,
     workflow_factory,
 )
+from areno.workflows.multi_turn import MultiTurnWorkflow
+from areno.workflows.rlvr import RLVRWorkflow
 from tests.helpers.configs import train_args
 
 ENGINE = {
@@ -64,6 +68,51 @@ async def _agent(client, sample):
     return 0.0
 
 
+# three factories the engine builds, which preflight must not refuse
+def picks(*, multi_turn: bool = False, **kwargs) -> RolloutWorkflow:  # the base class: nothing to follow
+    return (MultiTurnWorkflow if multi_turn else RLVRWorkflow)(**kwargs)
+
+
+def pops_depth(**kwargs) -> AgentWorkflow:  # takes one argument out of **kwargs for itself
+    depth = kwargs.pop("depth", 3)
+    workflow = AgentWorkflow(agent=_agent, **kwargs)
+    workflow.depth = depth
+    return workflow
+
+
+class DeepAgent(AgentWorkflow):
+    def __init__(self, *, depth: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.depth = depth
+
+
+def returns_subclass(**kwargs) -> AgentWorkflow:  # annotated with the class, returns a subclass taking more
+    return DeepAgent(agent=_agent, **kwargs)
+
+
+def needs_depth(**kwargs) -> TakesOwn:
+    return TakesOwn(**kwargs)
+
+
+class Buggy(RolloutWorkflow):
+    """A constructor with a bug of its own (a TypeError that is not about its arguments)."""
+
+    def __init__(self, **kwargs):
+        self.size = len(kwargs.get("max_turns"))
+
+    async def run_episode(self, client, sample):
+        return None
+
+
+def _scale(x, factor):
+    return x * factor
+
+
+def buggy_factory(**kwargs) -> AgentWorkflow:  # a helper called wrongly: a binding TypeError, not the config's
+    _scale(2)
+    return AgentWorkflow(agent=_agent, **kwargs)
+
+
 def test_the_shipped_workflows_pass_with_their_example_kwargs():
     _check("areno.workflows.agent:calculator_workflow")
     _check("areno.workflows.agent:calculator_workflow", timeout_s=30.0, gamma=0.9)  # its own defaults
@@ -82,12 +131,13 @@ def test_the_shipped_workflows_pass_with_their_example_kwargs():
             "areno.workflows.agent:calculator_workflow",
             {"gama": 1},
             "rollout.workflow_kwargs.gama: workflow 'areno.workflows.agent:calculator_workflow' (its **kwargs go "
-            "to AgentWorkflow) takes no argument 'gama'; it takes agent, gamma,",
+            "to AgentWorkflow) takes no argument 'gama' (did you mean 'gamma'?); it takes agent, gamma,",
         ),
         (
             "areno.workflows.env:arithmetic_retry_workflow",
             {"horizn": 2},
-            "rollout.workflow_kwargs.horizn: workflow 'areno.workflows.env:arithmetic_retry_workflow'",
+            "rollout.workflow_kwargs.horizn: workflow 'areno.workflows.env:arithmetic_retry_workflow' (its **kwargs "
+            "go to EnvWorkflow) takes no argument 'horizn' (did you mean 'horizon'?)",
         ),
         (
             "areno.workflows.rlvr:RLVRWorkflow",
@@ -152,3 +202,38 @@ def test_a_workflow_kwargs_typo_is_refused_before_the_warm_start(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("areno: error: rollout.workflow_kwargs.gama: "), err
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()  # nothing ran
+
+
+def test_factories_the_engine_builds_pass_preflight(caplog, monkeypatch):
+    monkeypatch.setattr("areno.workflows.base._warned_forwarded", set())  # warned once per process
+    with caplog.at_level(logging.WARNING, logger="areno.workflows"):
+        _check(f"{__name__}:picks", multi_turn=True, max_turns=2)  # -> RolloutWorkflow: not followed
+        _check(f"{__name__}:pops_depth", depth=5)  # its code names depth: no word about it
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    with caplog.at_level(logging.WARNING, logger="areno.workflows"):
+        _check(f"{__name__}:returns_subclass", depth=5)  # not a misspelling: a warning, not a refusal
+    (warning,) = caplog.records
+    assert warning.getMessage().startswith(
+        f"rollout.workflow_kwargs.depth: workflow '{__name__}:returns_subclass' (its **kwargs go to AgentWorkflow) "
+        "takes no argument 'depth'; building the workflow fails unless"
+    )
+    # and each builds as the engine builds it
+    assert isinstance(load_workflow(f"{__name__}:picks", **ENGINE, multi_turn=True, max_turns=2), MultiTurnWorkflow)
+    assert load_workflow(f"{__name__}:pops_depth", **ENGINE, depth=5).depth == 5
+    assert load_workflow(f"{__name__}:returns_subclass", **ENGINE, depth=5).depth == 5
+
+
+def test_a_typo_the_factory_forwards_is_still_refused_before_it_is_built():
+    with pytest.raises(ConfigError, match=r"^rollout.workflow_kwargs.gama: .* \(did you mean 'gamma'\?\)"):
+        _check(f"{__name__}:pops_depth", depth=5, gama=1)
+
+
+def test_a_type_error_inside_the_workflow_is_its_bug_not_a_config_error():
+    for path in (f"{__name__}:Buggy", f"{__name__}:buggy_factory"):
+        with pytest.raises(TypeError) as info:
+            load_workflow(path, **ENGINE)
+        assert type(info.value) is TypeError, info.value  # raised unchanged, with its traceback
+    # a binding error of the engine's arguments stays a config error naming the key: one the target
+    # needs that nobody passed, one it does not take (test_a_factory_forwarding_unannotated_kwargs_...)
+    with pytest.raises(ConfigError, match=r"^rollout.workflow_kwargs.depth: building workflow .*'depth'"):
+        load_workflow(f"{__name__}:needs_depth", **ENGINE)
