@@ -17,7 +17,7 @@ from areno.api.config import ArenoConfig, load_config
 from areno.api.preflight import check_run, resumes
 from areno.api.rundir import RunDirLock
 from areno.api.trainer import Trainer
-from areno.engine.config import ClusterSection, field_default
+from areno.engine.config import ClusterSection, RolloutSection, field_default, offline_unused_rollout_keys
 from areno.errors import RunStopped, UserError
 from areno.observe.metrics import METRICS_FILENAME, read_metrics
 
@@ -57,7 +57,12 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
             "role_optim": {},  # the main recipe's roles: sft has the policy alone
         },
         optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0},
-        rollout={"batch_size": ws.batch_size, "max_head_offpolicyness": 0, "generate_during_train": "auto"},
+        # the main stage's rollout settings that sft does not read (its n_samples, workflow ...) are reset:
+        # preflight refuses them in an offline run, and here the user set them for the main stage
+        rollout={
+            "batch_size": ws.batch_size,
+            **{key: field_default(RolloutSection, key) for key in offline_unused_rollout_keys(config)},
+        },
         # sft has no rollout side: it trains colocated on cluster.device, whatever places the main stage
         cluster={
             "allocation_mode": None,

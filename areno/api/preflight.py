@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +27,18 @@ from areno.data.datasets import check_prompt_forms, check_splits
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
 from areno.data.tasks import TaskSpec, generate_rows
 from areno.data.tokenizer import build_char_tokenizer, check_has_tokenizer, load_pretrained_tokenizer
-from areno.engine.api import init_tiny_stale, resolve_recipe
-from areno.engine.config import ArenoConfig, RewardSection, RolloutSection, field_default
+from areno.engine.api import check_pair_recipe, init_tiny_stale, resolve_recipe
+from areno.engine.config import ArenoConfig, RewardSection, RolloutSection, check_offline_rollout, field_default
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.roles import check_partitioned_roles, role_allocation
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
+from areno.models.checkpoint_dirs import STEP_DIR, newest_checkpoint
 from areno.models.config import ModelConfig
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import TRAINING_CONFIGS, TrainingConfig
 from areno.rewards.loader import check_reward_signature, reward_function, wants_sandbox
-from areno.specializations import ActorSpecialization
+from areno.specializations import ActorSpecialization, ScalarScorerSpecialization
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
 from areno.workflows.common import sample_fields
@@ -57,16 +60,22 @@ def check_run(config: ArenoConfig) -> None:
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs))
     # offline recipes train on the answers; some shipped rewards score against them
     scores_answers = reward_needs_answer(config.reward.fn)
-    splits = check_splits(config.data, need_answers=not recipe.online or scores_answers, eval_answers=scores_answers)
+    # dpo, reward_model: {prompt, chosen, rejected} rows, evaluated by pair accuracy (no answers, no reward)
+    pairs = check_pair_recipe(config, recipe)
+    answers = not pairs and (not recipe.online or scores_answers)
+    splits = check_splits(config.data, need_answers=answers, eval_answers=scores_answers and not pairs, pairs=pairs)
     check_reward_signature(reward_function(config.reward.fn), config.reward.fn, reward_row_keys(config, splits))
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
     if config.test_rollout.enabled and config.test_rollout.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("test_rollout.device=cuda but no CUDA device is visible: use test_rollout.device=cpu or auto")
     check_held_out(config)
+    say_if_held_out_evaluation_is_off(config)
     check_placement(config, recipe)
     check_minibatches(config, recipe)
     check_recipe_rollout(config, recipe)
+    if not recipe.online:
+        check_offline_rollout(config, recipe.name)
     role_allocation(config, recipe)  # cluster.role_devices names roles of this recipe and devices that exist
     check_role_optim(config, recipe)
     check_partitioned_roles(config, recipe)
@@ -76,6 +85,7 @@ def check_run(config: ArenoConfig) -> None:
             f"resume=true but {Path(config.run_dir) / 'checkpoints'} holds no completed checkpoint "
             "(step_N/COMPLETE): use resume=auto to start fresh when there is none"
         )
+    check_path_options(config, recipe)
     check_optional_packages(config)
     for role in recipe.roles:
         if role.model_path:  # a teacher or another model than the policy
@@ -343,4 +353,131 @@ def check_recipe_rollout(config: ArenoConfig, recipe: TrainingConfig) -> None:
             recipe.name,
             staleness,
             instead,
+        )
+
+
+def check_path_options(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """The directories the run loads are of the right kind, named by the setting that gives them:
+    ``model.path`` and a role's model (a teacher's ``teacher_path``) a Hugging Face directory, not a
+    run or checkpoint directory of areno (its ``checkpoints/step_N/hf`` export is one); a value head
+    (``value_head_path``) an areno critic checkpoint, ``checkpoints/step_N/<critic role>``."""
+    check_model_path_option("model.path", Path(config.model.path))
+    for role in recipe.roles:
+        if role.model_path:
+            key = path_setting(config, role.model_path, f"role {role.name!r} model_path")
+            if not Path(role.model_path).is_dir():
+                raise ModelDirError(
+                    f"{key}: directory {role.model_path} does not exist: point it at a Hugging Face model directory "
+                    "(a run's checkpoints/step_N/hf)"
+                )
+            check_model_path_option(key, Path(role.model_path))
+            if not (Path(role.model_path) / "config.json").is_file():
+                raise ModelDirError(
+                    f"{key}: {role.model_path} has no config.json: point it at a Hugging Face model directory "
+                    "(a run's checkpoints/step_N/hf)"
+                )
+        head_path = role.init_kwargs.get("head_path")
+        if role.specialization_cls is ScalarScorerSpecialization and role.init_kwargs.get("head") == "value_head":
+            key = path_setting(config, head_path, f"role {role.name!r} head_path")
+            check_critic_path_option(key, Path(head_path))
+            check_critic_shape(key, Path(head_path), run_model_config(config))
+
+
+def path_setting(config: ArenoConfig, value: str, fallback: str) -> str:
+    """The setting that gave a recipe's path ``value``: the ``train.algorithm_kwargs`` key holding it
+    (built-in recipes take their paths there), else ``fallback``."""
+    for key, given in config.train.algorithm_kwargs.items():
+        if given == value:
+            return f"train.algorithm_kwargs.{key}"
+    return fallback
+
+
+def check_model_path_option(key: str, path: Path) -> None:
+    """A ModelDirError when ``path`` (setting ``key``), with no config.json of its own, is an areno run
+    directory, its ``checkpoints/`` or a checkpoint ``step_N``: it names the ``step_N/hf`` to pass."""
+    if (path / "config.json").is_file() or not path.is_dir():
+        return
+    if STEP_DIR.match(path.name) and (path / "hf").is_dir():
+        raise ModelDirError(
+            f"{key}: {path} is an areno checkpoint, not a model directory: pass its Hugging Face export, {path / 'hf'}"
+        )
+    for checkpoints, what in ((path / "checkpoints", "a run directory"), (path, "a run's checkpoints directory")):
+        steps = [p for p in checkpoints.glob("step_*") if STEP_DIR.match(p.name)] if checkpoints.is_dir() else []
+        if steps:
+            newest = newest_checkpoint(checkpoints)
+            example = newest / "hf" if newest is not None else checkpoints / "step_N" / "hf"
+            raise ModelDirError(
+                f"{key}: {path} is {what}, not a model directory: pass a checkpoint's Hugging Face export, "
+                f"such as {example}"
+            )
+
+
+def check_critic_path_option(key: str, path: Path) -> None:
+    """A ModelDirError when ``path`` (setting ``key``) is not an areno critic checkpoint (a role's
+    directory of a checkpoint, with ``.metadata`` and ``trainer_state.pt``): it names the directory to
+    pass, ``checkpoints/step_N/<critic role>``."""
+    if (path / ".metadata").is_file() and (path / checkpoint.TRAINER_STATE).is_file():
+        return
+    if path.name == "hf" and STEP_DIR.match(path.parent.name):
+        step, what = path.parent, "the Hugging Face export of an areno checkpoint"
+    elif STEP_DIR.match(path.name):
+        step, what = path, "an areno checkpoint"
+    else:  # a run directory or its checkpoints/: its newest checkpoint
+        step, what = newest_checkpoint(path), "a run directory"
+    roles = sorted(p.name for p in step.iterdir() if (p / ".metadata").is_file()) if step and step.is_dir() else []
+    if roles:
+        found = f"{step / 'value'}" if "value" in roles else f"one of {', '.join(str(step / r) for r in roles)}"
+        raise ModelDirError(
+            f"{key}: {path} is {what}, not a critic checkpoint: pass the directory of its critic role, {found}"
+        )
+    raise ModelDirError(
+        f"{key}: {path} is not an areno critic checkpoint (no .metadata / {checkpoint.TRAINER_STATE}): pass the critic "
+        "role's directory of a PPO run's checkpoint, run_dir/checkpoints/step_N/value"
+    )
+
+
+_HELD_OUT_OFF_SAID: set[tuple] = set()
+"""The data settings whose missing held-out rows were told in this process: ``check_run`` runs for a
+run twice (and for its warm start, with the same rows); the line is said once."""
+
+
+def say_if_held_out_evaluation_is_off(config: ArenoConfig) -> None:
+    """One log line when the run has no held-out rows, so nothing is evaluated (no ``eval/*`` metric,
+    ``accuracy_after: null``): what turns evaluation on."""
+    data = config.data
+    if data.num_eval > 0 and (data.task is not None or data.eval_path is not None):
+        return
+    said = (data.task, data.train_path, data.eval_path, data.num_eval)
+    if said in _HELD_OUT_OFF_SAID:
+        return
+    _HELD_OUT_OFF_SAID.add(said)
+    why, fix = (
+        ("data.num_eval=0", "set data.num_eval > 0")
+        if data.num_eval == 0
+        else ("data.task is null and data.eval_path is unset", "set data.eval_path to a file of held-out rows")
+    )
+    logger.info("held-out evaluation is off (%s): nothing logs eval/*; %s to turn it on", why, fix)
+
+
+def check_critic_shape(key: str, path: Path, model: ModelConfig) -> None:
+    """The critic checkpoint at ``path`` (setting ``key``) has the decoder shape of the run's model, whose
+    hidden states its head reads: its embeddings and its layer count, from the checkpoint's metadata."""
+    import torch.distributed.checkpoint as dcp  # slow import (sympy): only for a value head
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # empty, truncated or not a pickle
+        raise ModelDirError(
+            f"{key}: {path}/.metadata does not load ({type(exc).__name__}): pass an intact checkpoint"
+        ) from None
+    names = [n for n, m in metadata.items() if n.startswith("model.") and isinstance(m, TensorStorageMetadata)]
+    embed = next((tuple(metadata[n].size) for n in names if n.endswith("embed_tokens.weight")), None)
+    layers = {int(m.group(1)) for n in names if (m := re.search(r"\.layers\.(\d+)\.", n))}
+    there = (embed, len(layers))
+    want = ((model.vocab_size, model.hidden_size), model.num_hidden_layers)
+    if there != want:
+        raise ModelDirError(
+            f"{key}: {path} is the critic of another model (embeddings {embed}, {len(layers)} layers; the run's "
+            f"model has {want[0]}, {want[1]} layers): pass the critic of a PPO run that started from model.path's model"
         )

@@ -29,14 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
 from areno.api.config import ArenoConfig, to_dict, to_yaml
 from areno.api.preflight import check_resumed_config, check_run
 from areno.api.rundir import RunDirLock, clear_run, set_aside_untrained
+from areno.engine.api import check_init_tiny_target
 from areno.engine.host import thaw_heap
 from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, test_metrics
-from areno.errors import RunStopped
+from areno.errors import ConfigError, RunStopped
 from areno.faults import fault_point
 from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
 from areno.observe.profile import profiled_step
@@ -106,6 +108,7 @@ class Trainer:
         try:
             check_run(config)
             check_resumed_config(config)
+            check_init_tiny_target(config)  # before _initialize writes run_dir (overwrite may clear it)
             trainer = cls(config)
             trainer.lock = lock
             trainer.stage = stage
@@ -119,6 +122,7 @@ class Trainer:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
+        self._check_steps_left(resume_from)  # before config.yaml is rewritten with these train.steps
         self._write_config(resume_from)
         observe = config.observe
         configure_tracing(self.run_dir, observe.trace)
@@ -140,6 +144,9 @@ class Trainer:
             tensorboard=observe.tensorboard,
             wandb=wandb_config(config),
             stage=self.stage,
+            # the steps after the checkpoint run again (metrics.jsonl is cut back alike); a run that
+            # starts over (overwrite=true, no checkpoint yet) logs every step again
+            purge_step=checkpoint_step(resume_from) + 1 if resume_from is not None else 0,
         )
         if resume_from is not None:
             self._resume(resume_from)
@@ -156,7 +163,7 @@ class Trainer:
     def run(self) -> dict[str, float]:
         """The outer loop; returns the last evaluation metrics. A SIGINT or SIGTERM ends it after the
         step in progress, with that step's checkpoint saved (``RunStopped``); a second one stops at once."""
-        with StopSignals() as stop:
+        with StopSignals(self.run_dir / "checkpoints") as stop:
             metrics = self._run(stop)
             self.stopped_by = stop.signum
             return metrics
@@ -291,11 +298,30 @@ class Trainer:
         truncate_metrics(self.run_dir / METRICS_FILENAME, after_step=checkpoint_step(latest) if latest else -1)
         return latest
 
+    def _check_steps_left(self, resume_from: Path | None) -> None:
+        """A resumed run has steps to train: ``train.steps`` below the checkpoint's step is a ConfigError;
+        equal to it (the run had finished) is said in one line, and the run trains nothing."""
+        if resume_from is None:
+            return
+        reached, steps = checkpoint_step(resume_from), self.config.train.steps
+        if steps < reached:
+            raise ConfigError(
+                f"train.steps={steps} but the run in {self.run_dir} resumes from step {reached} ({resume_from}): "
+                f"set train.steps above {reached} to train on, or start over (resume=false overwrite=true)"
+            )
+        if steps == reached:
+            print(
+                f"areno: {self.run_dir} already reached train.steps={steps} ({resume_from}): nothing to train; "
+                "raise train.steps to train on",
+                flush=True,
+            )
+
     def _write_config(self, resume_from: Path | None) -> None:
-        """The resolved config as run_dir/config.yaml; a resumed run whose config changed keeps the
-        previous one beside it as ``config.until_step_N.yaml``."""
+        """The resolved config as run_dir/config.yaml; a resumed run whose settings changed keeps the
+        previous one beside it as ``config.until_step_N.yaml`` (``resume`` and ``overwrite`` say how
+        a run starts, not what it is: a change of those alone keeps no copy)."""
         path, text = self.run_dir / "config.yaml", to_yaml(self.config)
-        if resume_from is not None and path.is_file() and path.read_text() != text:
+        if resume_from is not None and path.is_file() and _settings(path.read_text()) != _settings(text):
             kept = path.with_name(f"config.until_{resume_from.name}.yaml")
             n = 1
             while kept.exists():  # resumed from this step before: keep every config it ran with
@@ -310,13 +336,15 @@ class Trainer:
 
 
 class StopSignals:
-    """While entered (in the main thread), the first SIGINT or SIGTERM is noted in ``signum`` and the
-    previous handlers come back, so a second one acts at once (KeyboardInterrupt, or termination)."""
+    """While entered (in the main thread), the first SIGINT or SIGTERM is noted in ``signum``; a second
+    one acts at once as it would have before (KeyboardInterrupt, or termination), after one line naming
+    the checkpoint under ``checkpoints_dir`` that ``resume=auto`` goes on from."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoints_dir: Path | None = None) -> None:
         self.signum: int | None = None
+        self.checkpoints_dir = checkpoints_dir
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -326,11 +354,29 @@ class StopSignals:
 
     def _note(self, signum: int, frame: Any) -> None:
         self.signum = signum
-        self._restore()
+        for s, handler in self._previous.items():  # an ignored signal stays ignored
+            signal.signal(s, self._stop_now if handler == signal.SIG_DFL or callable(handler) else handler)
         # os.write: a print could re-enter a stderr write the signal interrupted (a RuntimeError)
         os.write(
             2, f"areno: {signal.Signals(signum).name}: stopping after this step (send it again to stop now)\n".encode()
         )
+
+    def _stop_now(self, signum: int, frame: Any) -> None:
+        """The second signal: one line, then the previous handler's action (SIGTERM's default ends the
+        process with its exit status and without a word of its own)."""
+        last = checkpoint.latest_complete(self.checkpoints_dir) if self.checkpoints_dir is not None else None
+        then = f"goes on from {last}" if last is not None else "starts over (no checkpoint was saved)"
+        os.write(
+            2,
+            f"areno: stopped at once by a second {signal.Signals(signum).name}, without a checkpoint of the step "
+            f"in progress; the same command with resume=auto {then}\n".encode(),
+        )
+        previous = self._previous[signum]
+        if callable(previous):  # SIGINT's: KeyboardInterrupt
+            previous(signum, frame)
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def _restore(self) -> None:
         for s, handler in self._previous.items():
@@ -355,6 +401,11 @@ def wandb_config(config: ArenoConfig) -> WandbConfig | None:
         tags=tuple(observe.wandb_tags),
         config=to_dict(config),
     )
+
+
+def _settings(config_yaml: str) -> dict[str, Any]:
+    """A config.yaml's settings less ``resume`` and ``overwrite`` (how the run started)."""
+    return {k: v for k, v in (yaml.safe_load(config_yaml) or {}).items() if k not in ("resume", "overwrite")}
 
 
 def checkpoint_step(path: Path) -> int:
@@ -382,7 +433,10 @@ def truncate_metrics(path: Path, *, after_step: int) -> int:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, path)
-        logger.info(
-            "resume: dropped %d rows of %s logged after step %d (those steps run again)", dropped, path, after_step
-        )
+        if after_step < 0:  # resume=auto over a run killed before its first checkpoint
+            logger.info("resume: no complete checkpoint: starting over (dropped the %d rows of %s)", dropped, path)
+        else:
+            logger.info(
+                "resume: dropped %d rows of %s logged after step %d (those steps run again)", dropped, path, after_step
+            )
     return dropped

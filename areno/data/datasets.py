@@ -2,7 +2,9 @@
 
 Every row is checked for the prompt field before training starts, so a malformed file fails with
 one line (a :class:`~areno.errors.DataError`) naming the file, the line (JSONL) or row (JSON list,
-Parquet) and the field.
+Parquet) and the field. Preference recipes (``pairs``) read TRL's preference rows: ``prompt``
+(``data.prompt_key``), ``chosen`` and ``rejected`` (``PAIR_KEYS``), each completion a non-empty
+string or a list of assistant messages (TRL's conversational format).
 """
 
 from __future__ import annotations
@@ -10,15 +12,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from areno.data.prompts import completion_problem, message_list_problem
+from areno.data.messages import completion_problem, completion_text, message_list_problem
 from areno.data.tasks import TaskSpec, generate_rows
-from areno.errors import DataError
+from areno.errors import ConfigError, DataError
+
+PAIR_KEYS = ("chosen", "rejected")
+"""The fields of a preference row holding its preferred and its dispreferred completion (TRL's names)."""
 
 
-def load_rows(path: str | Path, *, prompt_key: str, answer_key: str | None = None) -> list[dict]:
+def load_rows(path: str | Path, *, prompt_key: str, answer_key: str | None = None, pairs: bool = False) -> list[dict]:
     """Rows of a ``.jsonl`` / ``.json`` (list) / ``.parquet`` file, validated: each an object with a
     ``prompt_key`` field holding a string or a list of ``{"role", "content"}`` messages and, when ``answer_key`` is given (supervised recipes train on it), an
-    ``answer_key`` field.
+    ``answer_key`` field; with ``pairs`` (preference recipes), ``chosen`` and ``rejected`` fields
+    (``PAIR_KEYS``), each a non-empty string or a list of assistant messages.
 
     A bad row is named by its 1-based line number in a ``.jsonl`` file (``file line N: ...``, blank
     lines counted, as an editor shows them) and by its 0-based index in a ``.json`` list or a
@@ -62,6 +68,8 @@ def load_rows(path: str | Path, *, prompt_key: str, answer_key: str | None = Non
         raise DataError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl, .json or .parquet")
     for row, name in zip(rows, where):
         problem = _row_problem(row, prompt_key, answer_key)
+        if problem is None and pairs:
+            problem = _pair_problem(row)
         if problem is not None:
             raise DataError(f"{path} {name}: {problem}")
     return rows
@@ -73,6 +81,19 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
     if not isinstance(row, dict):
         return f"no string field {prompt_key!r} (the row is a JSON {_json_type(row)}, not an object; {fix})"
     fields = ", ".join(map(repr, list(row)[:8])) or "none"
+    if prompt_key not in row and isinstance(row.get(PAIR_KEYS[0]), list):
+        return (
+            f"no field {prompt_key!r}: TRL's implicit-prompt preference rows (the prompt inside "
+            f"{PAIR_KEYS[0]!r} and {PAIR_KEYS[1]!r}) are not read: move the shared opening messages into a "
+            f"{prompt_key!r} field (or set data.prompt_key to the field that holds the prompt)"
+        )
+    if prompt_key not in row and isinstance(row.get("messages"), list):
+        return (
+            f"no field {prompt_key!r}, only 'messages' (TRL's conversational layout, one conversation a row), which "
+            "areno does not read: it reads a prompt with an answer or completion, each a string or a message list; "
+            "split each row into 'prompt' (the messages before the last assistant one) and 'completion' (the last "
+            "assistant message), then set data.answer_key=completion"
+        )
     if prompt_key not in row:
         return f"no string field {prompt_key!r} (fields are {fields}; {fix})"
     prompt = row[prompt_key]
@@ -84,13 +105,56 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
         return f"no string field {prompt_key!r} ({prompt_key!r} is {_json_type(prompt)}, not a string; {fix})"
     elif not prompt:
         return f"{prompt_key!r} is an empty string: give the row a prompt or remove it"
+    if answer_key is not None and answer_key not in row and "completion" in row:  # named, never taken silently
+        return (
+            f"no field {answer_key!r} but a 'completion' (TRL's prompt/completion layout): "
+            "set data.answer_key=completion"
+        )
     if answer_key is not None and answer_key not in row:
         return (
             f"no field {answer_key!r}: the reference answer, which supervised training and answer-scoring "
             f"rewards need (fields are {fields}; set data.answer_key to the field that holds it)"
         )
     if answer_key is not None:
-        return completion_problem(row[answer_key])
+        return completion_problem(row[answer_key]) or _blank_answer_problem(row[answer_key], answer_key)
+    return None
+
+
+def _blank_answer_problem(answer: object, answer_key: str) -> str | None:
+    """A null or empty reference answer (None: it has text): SFT would train on the text "None" or on EOS
+    alone, and an answer-scoring reward would score against nothing."""
+    if answer is None:
+        return f"{answer_key!r} is null: give the row its reference answer, or remove the row"
+    if completion_text(answer).strip() == "":
+        return f"{answer_key!r} is empty: give the row its reference answer, or remove the row"
+    return None
+
+
+def _pair_problem(row: dict) -> str | None:
+    """What keeps a row (a dict with a good prompt) from being a preference pair (None: nothing)."""
+    for key, what in zip(PAIR_KEYS, ("preferred", "dispreferred")):
+        if key not in row:
+            fields = ", ".join(map(repr, list(row)[:8]))
+            return (
+                f"no field {key!r}: the {what} completion, which preference recipes (dpo, reward_model) train on "
+                f"(fields are {fields}; a row is TRL's {{prompt, chosen, rejected}})"
+            )
+        value = row[key]
+        if isinstance(value, list):
+            problem = message_list_problem(value)
+            if problem is None and any(m["role"] != "assistant" for m in value):
+                problem = "a message is not the assistant's"
+            if problem is not None:
+                return f"{key!r} is a message list but {problem} (a completion is a string or assistant messages)"
+            text = "".join(m["content"] for m in value)
+        elif isinstance(value, str):
+            text = value
+        else:
+            kind = _json_type(value)
+            kind = kind if value is None else f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+            return f"{key!r} is {kind}, not a string or a list of assistant messages: give the {what} completion"
+        if not text.strip():
+            return f"{key!r} is empty: a pair needs two non-empty completions; fill it in or remove the row"
     return None
 
 
@@ -116,10 +180,16 @@ def _json_type(value: object) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
-def build_splits(data_cfg, *, need_answers: bool = False, eval_answers: bool = False) -> tuple[list[dict], list[dict]]:
+def build_splits(
+    data_cfg, *, need_answers: bool = False, eval_answers: bool = False, pairs: bool = False
+) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) for a ``DataSection``; rows use the configured keys.
     ``need_answers``: every training row must hold ``data.answer_key`` (supervised recipes train on it,
-    and some rewards score against it); ``eval_answers``: every held-out row too (such a reward)."""
+    and some rewards score against it); ``eval_answers``: every held-out row too (such a reward);
+    ``pairs``: every row of both files is a preference pair (preference recipes; a shipped task,
+    which makes prompt/answer rows, is a ConfigError)."""
+    if pairs:
+        _check_pair_source(data_cfg)
     if data_cfg.task is not None:
         spec = TaskSpec(name=data_cfg.task, kwargs=dict(data_cfg.task_kwargs))
         train = generate_rows(spec, split="train", num=20_000, seed=data_cfg.seed)
@@ -133,13 +203,16 @@ def build_splits(data_cfg, *, need_answers: bool = False, eval_answers: bool = F
             train, held_out = [remap(r) for r in train], [remap(r) for r in held_out]
         return train, held_out
     answer_key = data_cfg.answer_key if need_answers else None
-    train = load_rows(data_cfg.train_path, prompt_key=data_cfg.prompt_key, answer_key=answer_key)
+    train = load_rows(data_cfg.train_path, prompt_key=data_cfg.prompt_key, answer_key=answer_key, pairs=pairs)
     if not train:
         raise DataError(f"dataset file {data_cfg.train_path} holds no rows: data.train_path needs training prompts")
     held_out = []
     if data_cfg.eval_path is not None:
         held_out = load_rows(
-            data_cfg.eval_path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key if eval_answers else None
+            data_cfg.eval_path,
+            prompt_key=data_cfg.prompt_key,
+            answer_key=data_cfg.answer_key if eval_answers else None,
+            pairs=pairs,
         )
         if not held_out:
             raise DataError(
@@ -149,16 +222,27 @@ def build_splits(data_cfg, *, need_answers: bool = False, eval_answers: bool = F
     return train, held_out
 
 
+def _check_pair_source(data_cfg) -> None:
+    """Preference pairs come from files: a ConfigError for a shipped task (prompt/answer rows)."""
+    if data_cfg.task is not None:
+        raise ConfigError(
+            f"data.task={data_cfg.task!r} makes prompt/answer rows, but the recipe (train.algorithm) trains on "
+            "preference pairs: set data.task=null and data.train_path to a file of {prompt, chosen, rejected} rows"
+        )
+
+
 def check_splits(
-    data_cfg, *, need_answers: bool = False, eval_answers: bool = False
+    data_cfg, *, need_answers: bool = False, eval_answers: bool = False, pairs: bool = False
 ) -> tuple[list[dict], list[dict]] | None:
     """Raise what :func:`build_splits` would raise (a :class:`DataError` or :class:`ConfigError`),
     without generating a shipped task's rows: the check before anything expensive starts. Returns a
     file's splits (None for a shipped task, whose rows are well formed by construction)."""
+    if pairs:
+        _check_pair_source(data_cfg)
     if data_cfg.task is not None:
         TaskSpec(name=data_cfg.task, kwargs=dict(data_cfg.task_kwargs))  # validates the generator's arguments
         return None
-    return build_splits(data_cfg, need_answers=need_answers, eval_answers=eval_answers)
+    return build_splits(data_cfg, need_answers=need_answers, eval_answers=eval_answers, pairs=pairs)
 
 
 def check_prompt_forms(data_cfg, splits: tuple[list[dict], list[dict]] | None, *, templated: bool) -> None:

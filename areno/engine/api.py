@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from areno.data.datasets import build_splits
-from areno.data.prompts import completion_text, render_prompt
+from areno.data.datasets import PAIR_KEYS, build_splits
+from areno.data.messages import completion_text
+from areno.data.prompts import render_prompt
 from areno.data.tasks import PromptStream
 from areno.data.tokenizer import TOKENIZER_FILES, build_char_tokenizer, load_pretrained_tokenizer
-from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config
+from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config, check_unset
 from areno.engine.executor import WorkflowExecutor
 from areno.engine.host import HeapFreezer
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
@@ -52,6 +53,7 @@ from areno.recipes.config import TrainingConfig
 from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, fetch_refs, release_refs
+from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecialization, pair_metrics
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import ENGINE_ARGUMENTS, RolloutWorkflow, load_workflow
@@ -206,6 +208,7 @@ def prepare_model_dir(config: ArenoConfig) -> Path:
     there was made from other arguments or another seed, unless the run resumes: its checkpoints and
     reference came from that one); else it must exist."""
     path = Path(config.model.path)
+    check_init_tiny_target(config)  # before anything at model.path is moved
     stale = init_tiny_stale(config)
     if (
         stale is not None
@@ -223,6 +226,30 @@ def prepare_model_dir(config: ArenoConfig) -> Path:
     if not (path / "config.json").is_file():
         raise ModelDirError(f"model.path: {path} has no config.json: is it a Hugging Face checkpoint directory?")
     return path
+
+
+def check_init_tiny_target(config: ArenoConfig) -> None:
+    """``model.init_tiny`` replaces the directory at ``model.path`` only where nothing can be lost: one
+    that does not exist, an empty one, or a tiny model areno made (its marker). A one-line
+    ModelDirError otherwise (a checkpoint or run directory names its ``hf/`` export)."""
+    path = Path(config.model.path)
+    if config.model.init_tiny is None or (path / INIT_TINY_MARKER).is_file() or not path.exists():
+        return
+    if (path / "config.json").is_file() or (path.is_dir() and not any(path.iterdir())):
+        return  # a model without the marker is used as it is (never made again); an empty one is filled
+    newest = checkpoint.latest_complete(path / "checkpoints") or checkpoint.latest_complete(path)
+    export = path / "hf" if (path / "hf" / "config.json").is_file() else newest / "hf" if newest else None
+    if export is not None:
+        raise ModelDirError(
+            f"model.path: {path} is an areno checkpoint or run directory, not a model, and model.init_tiny "
+            f"would replace it: start from its export (model.path={export} model.init_tiny=null), or point "
+            "model.path at a new directory for the tiny model"
+        )
+    raise ModelDirError(
+        f"model.path: {path} is not an empty directory and holds no config.json, and model.init_tiny would "
+        "replace it: point model.path at a new directory for the tiny model, or at a Hugging Face checkpoint "
+        "with model.init_tiny=null"
+    )
 
 
 def _make_tiny_model(config: ArenoConfig, path: Path) -> None:
@@ -276,19 +303,91 @@ def sft_trajectories(
     out = []
     for row in rows:
         prompt_ids = render_prompt(tokenizer, row[prompt_key], chat_template=chat_template, system_prompt=system_prompt)
-        completion_ids = tokenizer.encode(completion_text(row[answer_key])) + [tokenizer.eos_token_id]
-        n = len(completion_ids)
-        out.append(
-            Trajectory(
-                prompt_ids=prompt_ids,
-                completion_ids=completion_ids,
-                logprobs=[0.0] * n,
-                versions=[0] * n,
-                reward=0.0,
-                info={"prompt": row[prompt_key]},
-            )
-        )
+        out.append(_offline_trajectory(tokenizer, prompt_ids, row[answer_key], prompt=row[prompt_key]))
     return out
+
+
+def preference_trajectories(
+    rows: list[dict],
+    tokenizer,
+    prompt_key: str,
+    *,
+    chat_template: str = "auto",
+    system_prompt: str | None = None,
+) -> list[Trajectory]:
+    """Offline data for preference recipes (``trains_on_pairs``): each row {prompt, chosen, rejected}
+    (``PAIR_KEYS``) two trajectories of one group, the chosen first with reward 1, the rejected with 0
+    (what ``preference_pairs`` reads), each the prompt rendered as :func:`sft_trajectories` renders it,
+    then the completion's text and EOS. Their ``logprobs`` record nothing (zeros): a reference's come
+    from a reference role (``check_pair_recipe``)."""
+    out = []
+    for i, row in enumerate(rows):  # group ids by place in the batch: a row drawn twice makes two pairs
+        prompt_ids = render_prompt(tokenizer, row[prompt_key], chat_template=chat_template, system_prompt=system_prompt)
+        for key, reward in zip(PAIR_KEYS, (1.0, 0.0)):
+            out.append(
+                _offline_trajectory(
+                    tokenizer, prompt_ids, row[key], prompt=row[prompt_key], reward=reward, group_id=f"pair{i}"
+                )
+            )
+    return out
+
+
+def _offline_trajectory(
+    tokenizer, prompt_ids: list[int], completion: Any, *, prompt: Any, reward: float = 0.0, group_id: str = ""
+) -> Trajectory:
+    """A dataset's completion (``completion_text``) and EOS after ``prompt_ids``, as a trajectory no policy
+    sampled: version 0, log-probs 0."""
+    completion_ids = tokenizer.encode(completion_text(completion)) + [tokenizer.eos_token_id]
+    n = len(completion_ids)
+    return Trajectory(
+        prompt_ids=list(prompt_ids),
+        completion_ids=completion_ids,
+        logprobs=[0.0] * n,
+        versions=[0] * n,
+        reward=reward,
+        group_id=group_id,
+        info={"prompt": prompt},
+    )
+
+
+def trains_on_pairs(recipe: TrainingConfig) -> bool:
+    """Whether ``recipe`` is an offline recipe whose trainable role learns from preference pairs
+    (``PAIRWISE_SPECIALIZATIONS``: dpo, dpo_distributed, reward_model): its data are preference rows."""
+    return not recipe.online and any(
+        r.trainable and issubclass(r.specialization_cls, PAIRWISE_SPECIALIZATIONS) for r in recipe.roles
+    )
+
+
+def check_pair_recipe(config: ArenoConfig, recipe: TrainingConfig) -> bool:
+    """``trains_on_pairs(recipe)``, after refusing (ConfigError) what such a recipe cannot do on a
+    dataset's pairs: DPO reading reference log-probs recorded with the data (``ref_key='logprobs_T'``;
+    a dataset's rows record none, and zeros would be a silent wrong reference), and the settings of a
+    generating evaluation: ``train.eval_samples`` / ``eval_temperature`` / ``eval_pass_threshold`` and
+    the background test rollout (a preference recipe's held-out figure is its pair accuracy)."""
+    if not trains_on_pairs(recipe):
+        return False
+    for role in recipe.roles:
+        if role.trainable and issubclass(role.specialization_cls, DPOSpecialization):
+            if role.build().ref_key == "logprobs_T":
+                raise ConfigError(
+                    f"recipe {recipe.name!r}: role {role.name!r} reads its reference log-probs from the data "
+                    "(ref_key='logprobs_T'), but preference rows record none: drop train.algorithm_kwargs.ref_key, "
+                    "or give the recipe a frozen reference role and a DataSync to ref_logprobs_T (as dpo does)"
+                )
+    check_unset(
+        config.train,
+        "train",
+        ("eval_samples", "eval_temperature", "eval_pass_threshold"),
+        f"train.algorithm={recipe.name} evaluates held-out preference pairs by the model's scores and generates "
+        "nothing: the setting does nothing here: drop it",
+    )
+    if config.test_rollout.enabled:
+        raise ConfigError(
+            f"test_rollout.enabled: the test rollout generates completions of held-out prompts, but "
+            f"train.algorithm={recipe.name} learns from preference pairs, whose held-out figure (the fraction of "
+            "data.eval_path's pairs it prefers the chosen of) the run evaluates itself: set test_rollout.enabled=false"
+        )
+    return True
 
 
 def rollout_metrics(trajectories: list[Trajectory], version: int, batch: TokenBatch | None = None) -> dict[str, float]:
@@ -376,6 +475,9 @@ class ArenoEngine:
     version: int = 0
     asynchronous: bool = False
     """True when max_head_offpolicyness > 0: the rollout pool runs ahead of training."""
+    pairs: bool = False
+    """An offline recipe that learns from preference pairs (``trains_on_pairs``): its rows, training and
+    held-out, are {prompt, chosen, rejected}; its evaluation is pair accuracy (``evaluate``)."""
     shared_device: torch.device | None = None
     """Colocated: the device both sides use; None when each side has its own."""
     taking_turns: bool = False
@@ -410,7 +512,9 @@ class ArenoEngine:
     def initialize(self) -> None:
         cfg = self.config
         self.recipe = resolve_recipe(cfg)  # errors before any model loads
-        train_rows, self.eval_rows = build_splits(cfg.data)  # malformed rows: error before models load
+        self.pairs = check_pair_recipe(cfg, self.recipe)
+        # malformed rows: error before models load
+        train_rows, self.eval_rows = build_splits(cfg.data, pairs=self.pairs)
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
         model_dir = self.model_dir = prepare_model_dir(cfg)
         self.tokenizer = load_tokenizer(model_dir)
@@ -528,14 +632,7 @@ class ArenoEngine:
             metrics = {**rollout_metrics(trajectories, self.version, batch), **self._phase_metrics()}
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)
-            trajectories = sft_trajectories(
-                rows,
-                self.tokenizer,
-                cfg.data.prompt_key,
-                cfg.data.answer_key,
-                chat_template=cfg.data.chat_template,
-                system_prompt=cfg.data.system_prompt,
-            )
+            trajectories = self._offline_trajectories(rows)
             batch = TokenBatch.from_trajectories(trajectories)
             metrics = {
                 "rollout/num_seqs": float(len(trajectories)),
@@ -551,6 +648,15 @@ class ArenoEngine:
         if batch.images_B and self.store is not None:  # the pixels stayed in the store until now
             batch.images_B = fetch_refs(batch.images_B, self.store)
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
+
+    def _offline_trajectories(self, rows: list[dict]) -> list[Trajectory]:
+        """An offline recipe's trajectories of dataset ``rows``: two per preference row (``pairs``), else
+        one per row, its answer the completion."""
+        data = self.config.data
+        templating = {"chat_template": data.chat_template, "system_prompt": data.system_prompt}
+        if self.pairs:
+            return preference_trajectories(rows, self.tokenizer, data.prompt_key, **templating)
+        return sft_trajectories(rows, self.tokenizer, data.prompt_key, data.answer_key, **templating)
 
     def _check_rewards(self, rollout_id: int, trajectories: list[Trajectory]) -> None:
         """A reward that fails on every call (each scored 0, a batch's failures warned about once) would
@@ -635,9 +741,12 @@ class ArenoEngine:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy (mean reward) of the current rollout policy: greedy, or the mean over
-        ``train.eval_samples`` seeded samples with their ``pass@k`` (``engine/scoring.py``)."""
+        ``train.eval_samples`` seeded samples with their ``pass@k`` (``engine/scoring.py``). A
+        preference recipe's: its held-out pairs (``_evaluate_pairs``)."""
         if not self.eval_rows:
             return {}
+        if self.pairs:
+            return self._evaluate_pairs()
         if self._rollout_behind:
             self._sync_weights(self.version)
         cfg = self.config
@@ -665,6 +774,22 @@ class ArenoEngine:
                 )
             )
         metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, cfg.train.eval_pass_threshold)
+        return {**metrics, "eval/time_s": time.perf_counter() - t0}
+
+    def _evaluate_pairs(self) -> dict[str, float]:
+        """A preference recipe's held-out figures, by the trained weights and without generating: its
+        pairwise role's ``pair_metrics`` over ``data.eval_path``'s pairs, with no update (``eval/accuracy``:
+        the fraction of pairs whose chosen completion it scores higher, DPO by its implicit reward;
+        ``eval/loss``, ``eval/margin``). Further pairwise roles' figures are ``eval/<role>/...``."""
+        t0 = time.perf_counter()
+        self._enter(Phase.TRAIN)
+        prepared = self.training.prepare(TokenBatch.from_trajectories(self._offline_trajectories(self.eval_rows)))
+        pairwise = PAIRWISE_SPECIALIZATIONS
+        roles = [r.name for r in self.recipe.roles if r.name in prepared and issubclass(r.specialization_cls, pairwise)]
+        metrics = {"eval/num_pairs": float(len(self.eval_rows))}
+        for name in roles:
+            prefix = "eval/" if name == roles[0] else f"eval/{name}/"
+            metrics.update({prefix + key: value for key, value in pair_metrics(prepared[name]).items()})
         return {**metrics, "eval/time_s": time.perf_counter() - t0}
 
     # ----------------------------------------------------------------------------- state

@@ -898,6 +898,44 @@ def check_unset(section: Any, name: str, keys: tuple[str, ...], why: str) -> Non
         check_config(getattr(section, key) == field_default(type(section), key), f"{name}.{key}", why)
 
 
+OFFLINE_UNUSED_ROLLOUT_KEYS = (
+    "n_samples",
+    "workflow",
+    "workflow_kwargs",
+    "max_head_offpolicyness",
+    "generate_during_train",
+    "max_retries",
+    "max_consecutive_dropped",
+)
+"""The settings of the rollout pool, which an offline recipe (sft ...) does not have: it reads
+``rollout.batch_size`` rows of the dataset per step and generates only to evaluate."""
+
+
+def offline_unused_rollout_keys(config: ArenoConfig) -> tuple[str, ...]:
+    """The ``rollout`` keys an offline recipe never reads under ``config``: the pool's, and the sampling
+    ones its evaluations do not take (``scoring.eval_params``: greedy for one sample without
+    ``train.eval_temperature``; ``rollout.temperature`` only without ``train.eval_temperature``)."""
+    train = config.train
+    if train.eval_samples == 1 and not train.eval_temperature:
+        return (*OFFLINE_UNUSED_ROLLOUT_KEYS, "temperature", "top_p", "top_k")
+    if train.eval_temperature is not None:
+        return (*OFFLINE_UNUSED_ROLLOUT_KEYS, "temperature")
+    return OFFLINE_UNUSED_ROLLOUT_KEYS
+
+
+def check_offline_rollout(config: ArenoConfig, algorithm: str) -> None:
+    """An offline recipe's run sets none of ``offline_unused_rollout_keys`` away from its default: a
+    ConfigError naming the first, rather than a setting silently doing nothing."""
+    check_unset(
+        config.rollout,
+        "rollout",
+        offline_unused_rollout_keys(config),
+        f"train.algorithm={algorithm} trains offline on the dataset's rows (rollout.batch_size a step) and "
+        "generates only for its evaluations (train.eval_samples, train.eval_temperature): the setting does "
+        "nothing here: drop it",
+    )
+
+
 def field_default(section: type, key: str) -> Any:
     """The default value of field ``key`` of dataclass ``section``."""
     f = next(f for f in dataclasses.fields(section) if f.name == key)

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from areno.data.datasets import build_splits
-from areno.engine.api import load_tokenizer, prepare_model_dir, resolve_device, resolve_recipe
+from areno.data.datasets import PAIR_KEYS, build_splits
+from areno.engine.api import load_tokenizer, prepare_model_dir, resolve_device, resolve_recipe, trains_on_pairs
 from areno.engine.config import ArenoConfig
 from areno.engine.host import apply_host_settings
 from areno.engine.local import LocalRolloutSide
@@ -40,6 +40,7 @@ from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
 from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
+from areno.specializations.preference import RewardModelSpecialization
 from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
 
 logger = logging.getLogger("areno.eval")
@@ -155,6 +156,27 @@ def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[st
     return rows[:num_prompts] if num_prompts else rows
 
 
+def _check_generates(config: ArenoConfig, rows: list[dict[str, Any]]) -> None:
+    """A ConfigError where a preference recipe's run (``trains_on_pairs``) would be scored by generating:
+    its reward model does not generate, and its preference rows have no answer to score against."""
+    recipe = resolve_recipe(config)
+    if not trains_on_pairs(recipe):
+        return
+    logged = "the run logs its held-out pair accuracy as eval/accuracy (run_dir/metrics.jsonl)"
+    if issubclass(recipe.policy_role.specialization_cls, RewardModelSpecialization):
+        raise ConfigError(
+            f"areno eval generates completions, but train.algorithm={recipe.name} exports a reward model, which "
+            f"does not generate: {logged}"
+        )
+    key = config.data.answer_key
+    bad = next((i for i, row in enumerate(rows) if key not in row and all(k in row for k in PAIR_KEYS)), None)
+    if bad is not None:
+        raise ConfigError(
+            f"areno eval scores the policy's completions against answers, but row {bad} of the rows to score is a "
+            f"preference pair (no {key!r}): point data.eval_path at prompt/answer rows; {logged}"
+        )
+
+
 def default_rows_file(
     config: ArenoConfig, name: str, params: SamplingParams, samples: int, options: EvalOptions, num_rows: int
 ) -> Path:
@@ -211,6 +233,7 @@ def run_eval(
         )
     base_seed = config.train.seed if options.seed is None else options.seed
     rows = eval_rows(config, options.split, options.num_prompts)
+    _check_generates(config, rows)
     if params.temperature > 0:
         check_eval_seeds(base_seed, len(rows), samples, name="--seed" if options.seed is not None else "train.seed")
     if options.out:  # before the default model directory may be made from model.init_tiny

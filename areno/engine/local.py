@@ -28,6 +28,7 @@ from areno.models.hf_io import load_model
 from areno.recipes.runner import RecipeRunner
 from areno.rollout.client import InProcessRolloutClient, RolloutClient
 from areno.rollout.engine import RolloutEngine
+from areno.specializations.preference import RewardModelSpecialization, save_reward_model
 from areno.sync.base import NamedTensorSource
 from areno.sync.disk import DiskTransport, policy_dir
 from areno.sync.inplace import InPlaceTransport
@@ -97,6 +98,9 @@ class LocalTrainingSide(TrainingSide):
             self.runner.versions[role_name] = policy_version
         return self.runner.step(batch, pass_order=pass_order)
 
+    def prepare(self, batch: TokenBatch) -> dict[str, TokenBatch]:
+        return self.runner.prepare(batch)
+
     def publish_weights(self, version: int, kind: WeightKind) -> WeightUpdate | None:
         if self._source is None:
             return None
@@ -126,7 +130,11 @@ class LocalTrainingSide(TrainingSide):
         return state
 
     def export_hf(self, path: Path) -> None:
-        self.runner.backends[self.policy].export_hf(path)
+        backend = self.runner.backends[self.policy]
+        if isinstance(self.runner.specs[self.policy], RewardModelSpecialization):  # a scalar head, no LM head
+            save_reward_model(dict(backend.named_weights()), backend.model_config, path)
+        else:
+            backend.export_hf(path)
 
     def _shared_device_backends(self) -> list[LocalTrainBackend]:
         """The roles on the rollout engine's device: those of this process (a role that

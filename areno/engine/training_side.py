@@ -39,6 +39,12 @@ class TrainingSide(ABC):
         """The sending half of a policy sync: the policy role's weights as ``version``, the
         ``kind`` way (one of ``weight_kinds``). None when no role syncs to the rollout side."""
 
+    def prepare(self, batch: TokenBatch) -> dict[str, TokenBatch]:
+        """Each trainable role's prepared batch of ``batch`` with no update (``RecipeRunner.prepare``):
+        an offline recipe's held-out evaluation. Offline recipes train colocated, so only the local
+        side has it."""
+        raise NotImplementedError(f"{type(self).__name__} does not prepare held-out batches")
+
     @abstractmethod
     def save(self, path: Path, extra_state: dict) -> None:
         """Write each trainable role's state (weights, optimizer, scheduler) under ``path/<role>``

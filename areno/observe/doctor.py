@@ -8,6 +8,7 @@ checks into a gate (exit code 1 when one fails), for scripts that need a GPU mac
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -65,6 +66,21 @@ def _run_check(name: str, fn: Callable[[], tuple[bool, str]], hint: str = "") ->
     return Check(name=name, ok=ok, detail=detail)
 
 
+PACKAGES: tuple[tuple[str, str, str | None], ...] = (
+    ("areno", "areno", None),
+    ("transformers", "transformers", None),
+    ("tokenizers", "tokenizers", None),
+    ("safetensors", "safetensors", None),
+    ("numpy", "numpy", None),
+    ("omegaconf", "omegaconf", None),
+    ("fastapi", "fastapi", None),
+    ("httpx", "httpx", None),
+    ("math-verify", "math_verify", "math-verify"),
+    ("matplotlib", "matplotlib", None),
+)
+"""(check name, module, distribution when it differs) of the packages whose versions are listed."""
+
+
 def versions() -> list[Check]:
     """Python and the packages areno is built on (installed versions; torch is imported)."""
     checks = [
@@ -72,18 +88,7 @@ def versions() -> list[Check]:
     ]
     checks.append(Check(name="platform", ok=True, detail=platform.platform()))
     checks.append(_run_check("torch", lambda: (True, _version("torch")), hint=": pip install torch"))
-    for name, module, dist in (
-        ("areno", "areno", None),
-        ("transformers", "transformers", None),
-        ("tokenizers", "tokenizers", None),
-        ("safetensors", "safetensors", None),
-        ("numpy", "numpy", None),
-        ("omegaconf", "omegaconf", None),
-        ("fastapi", "fastapi", None),
-        ("httpx", "httpx", None),
-        ("math-verify", "math_verify", "math-verify"),
-        ("matplotlib", "matplotlib", None),
-    ):
+    for name, module, dist in PACKAGES:
         checks.append(
             _run_check(name, lambda m=module, d=dist: (True, _installed_version(m, d)), hint=": pip install areno")
         )
@@ -196,6 +201,21 @@ def devices() -> list[Check]:
     return checks
 
 
+def check_names() -> tuple[str, ...]:
+    """The names of every check ``run_checks`` makes, known without running one (``--require`` is
+    checked against them first)."""
+    return (
+        "python",
+        "platform",
+        "torch",
+        *(name for name, _, _ in PACKAGES),
+        "cpu",
+        "gpus",
+        "torch threads",
+        *(name for name, _, _ in OPTIONAL),
+    )
+
+
 def run_checks() -> dict[str, list[Check]]:
     return {"versions": versions(), "devices": devices(), "optional": optional_parts()}
 
@@ -219,16 +239,19 @@ def main(argv: list[str] | None = None) -> int:
         "--require", default="", help="comma-separated checks that must pass (exit 1 otherwise), e.g. cuda,nccl"
     )
     ns = parser.parse_args(argv)
+    required = [r.strip() for r in ns.require.split(",") if r.strip()]
+    names = check_names()
+    unknown = [r for r in required if r not in names]
+    if unknown:  # before the checks run: a typo is told at once, not after the whole report
+        close = {r: difflib.get_close_matches(r, names, n=1) for r in unknown}
+        said = ", ".join(f"{r} (did you mean {close[r][0]}?)" if close[r] else r for r in unknown)
+        raise UserError(f"--require: unknown check(s) {said}; choose from {', '.join(sorted(names))}")
     sections = run_checks()
     if ns.json:
         print(json.dumps({k: [asdict(c) for c in v] for k, v in sections.items()}, indent=2))
     else:
         print(format_report(sections))
-    required = [r.strip() for r in ns.require.split(",") if r.strip()]
     by_name = {c.name: c for checks in sections.values() for c in checks}
-    unknown = [r for r in required if r not in by_name]
-    if unknown:
-        raise UserError(f"--require: unknown check(s) {', '.join(unknown)}; choose from {', '.join(sorted(by_name))}")
     failed = [r for r in required if not by_name[r].ok]
     if failed:
         print(f"areno doctor: required check(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -306,9 +306,11 @@ class ConsoleSink(MetricSink):
 
 
 class TensorBoardSink(MetricSink):
-    """Scalars to ``run_dir/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``)."""
+    """Scalars to ``run_dir/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``). ``purge_step``:
+    TensorBoard hides the events of earlier writers at this step and later (the steps a resumed run
+    trains again), as metrics.jsonl is cut back."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, purge_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
@@ -317,7 +319,7 @@ class TensorBoardSink(MetricSink):
                 "pip install tensorboard, or turn tensorboard off"
             ) from e
         self.log_dir = Path(run_dir) / "tensorboard"
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def write(self, metrics: Mapping[str, Number], step: int) -> None:
         for key, value in metrics.items():
@@ -403,9 +405,12 @@ class MetricsLogger:
         start_step: int = 0,
         stage: str | None = None,
         extra_sinks: Sequence[MetricSink] = (),
+        purge_step: int | None = None,
     ) -> None:
         """``stage``: the console's label of these steps when the run is one stage of several
-        (``"warm start"``: ``warm start step 3/80 | ...``)."""
+        (``"warm start"``: ``warm start step 3/80 | ...``). ``purge_step``: the first step this run
+        logs again (a resumed run's checkpoint step + 1, 0 for one that starts over): TensorBoard hides
+        what earlier runs logged from it on."""
         if total_steps is not None and total_steps < 0:
             raise ValueError(f"total_steps must be >= 0 or None, got {total_steps}")
         self.run_dir = Path(run_dir)
@@ -417,7 +422,7 @@ class MetricsLogger:
             if console:
                 self.sinks.append(ConsoleSink(total_steps=total_steps, start_step=start_step, stage=stage))
             if tensorboard:
-                self.sinks.append(TensorBoardSink(self.run_dir))
+                self.sinks.append(TensorBoardSink(self.run_dir, purge_step=purge_step))
             if wandb is not None and wandb.mode != "disabled":
                 self.sinks.append(WandbSink(self.run_dir, wandb))
         except BaseException:

@@ -407,36 +407,30 @@ def sft() -> TrainingConfig:
 
 @recipe("dpo")
 def dpo(beta: float = 0.1) -> TrainingConfig:
-    """DPO with reference log-probs recorded in the data (TRL's precomputed reference).
+    """DPO on preference pairs, against a frozen reference: the initial policy.
 
     loss = -log sigmoid(beta ((log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)))), mean
-    over pairs (Rafailov et al. 2023); ref = the batch's logprobs_T. Pairs = two sequences sharing a
-    group_id, the higher reward chosen.
+    over pairs (Rafailov et al. 2023); log pi(y) sums the completion's tokens. ref is a frozen copy of
+    the starting model (TRL's default ref_model=None), its log-probs computed before each step
+    (DataSync reference.logprobs_T -> policy.ref_logprobs_T), so step 1's loss is log 2. Data: rows
+    {prompt, chosen, rejected}, each two sequences of one group_id, chosen first.
     """
-    return TrainingConfig(
-        name="dpo",
-        roles=(
-            ModelRole(
-                name="policy",
-                specialization_cls=DPOSpecialization,
-                sync_to_rollout=True,
-                init_kwargs={"beta": beta, "ref_key": "logprobs_T"},
-            ),
-        ),
-        description=_first_line(dpo.__doc__),
-        online=False,
-    )
+    return _dpo("dpo", dpo.__doc__, beta)
 
 
 @recipe("dpo_distributed")
 def dpo_distributed(beta: float = 0.1) -> TrainingConfig:
-    """DPO with a frozen reference role whose log-probs are injected into the policy batch.
+    """DPO with the frozen reference as a role of its own (seed 004's name; the same recipe as dpo).
 
-    Same loss as dpo; the reference is a second model (seed 004): DataSync reference.logprobs_T ->
-    policy.ref_logprobs_T before each step.
+    Same loss, roles and data as dpo: DataSync reference.logprobs_T -> policy.ref_logprobs_T before
+    each step. Place the reference on devices of its own with cluster.role_devices.
     """
+    return _dpo("dpo_distributed", dpo_distributed.__doc__, beta)
+
+
+def _dpo(name: str, doc: str | None, beta: float) -> TrainingConfig:
     return TrainingConfig(
-        name="dpo_distributed",
+        name=name,
         roles=(
             ModelRole(
                 name="policy",
@@ -447,7 +441,7 @@ def dpo_distributed(beta: float = 0.1) -> TrainingConfig:
             _reference(),
         ),
         syncs=(_REF_SYNC,),
-        description=_first_line(dpo_distributed.__doc__),
+        description=_first_line(doc),
         online=False,
     )
 
@@ -456,8 +450,9 @@ def dpo_distributed(beta: float = 0.1) -> TrainingConfig:
 def reward_model() -> TrainingConfig:
     """Reward model: Bradley–Terry loss on a scalar head over the last token of each sequence.
 
-    loss = -log sigmoid(s(y_c) - s(y_r)) mean over pairs (Ouyang et al. 2022). Offline data;
-    the model is not synced to rollout.
+    loss = -log sigmoid(s(y_c) - s(y_r)) mean over pairs (Ouyang et al. 2022); s reads the final
+    hidden state of prompt + completion + EOS. Data: rows {prompt, chosen, rejected}. The role is
+    not synced to rollout; it is exported as a transformers sequence classifier (num_labels=1).
     """
     return TrainingConfig(
         name="reward_model",

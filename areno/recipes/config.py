@@ -6,6 +6,7 @@ specialization arguments, DataSync roles and keys, teacher checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,9 @@ def options_from_kwargs(config_cls: type, kwargs: dict[str, Any]) -> Any:
     valid = [f.name for f in dataclasses.fields(config_cls) if f.init]
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
-        raise ConfigError(f"unknown option {unknown[0]!r}; valid options: {', '.join(valid)}")
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown option {unknown[0]!r}{hint}; valid options: {', '.join(valid)}")
     return config_cls(**kwargs)
 
 

@@ -92,7 +92,9 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
             options.setdefault(key, policy_kwargs.pop(key))
     bad = [k for k in options if k not in params]
     if bad:
-        raise ConfigError(f"recipe {name!r} has no option(s) {bad}; it accepts {list(params) or 'none'}")
+        close = difflib.get_close_matches(bad[0], list(params), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"recipe {name!r} has no option(s) {bad}{hint}; it accepts {list(params) or 'none'}")
     cfg = _build(name, options)
     keys, need = cfg.unmet_policy_kwargs(policy_kwargs)
     if keys:  # e.g. kl_coef on a recipe with no reference role to give ref_logprobs_T

@@ -108,6 +108,11 @@ class RecipeRunner:
             metrics = self._train(part, trainable)
         return {**metrics, **self._rollout_metrics}
 
+    def prepare(self, rollout_data: TokenBatch) -> dict[str, TokenBatch]:
+        """Each trainable role's prepared batch of ``rollout_data`` (steps 1-2 and ``prepare_batch``,
+        as ``step`` makes them) with no update: what an offline recipe's held-out evaluation reads."""
+        return self._prepare(rollout_data, [r.name for r in self.config.roles if r.trainable], measure=False)
+
     def _minibatches(self, prepared: dict[str, TokenBatch]) -> list[dict[str, TokenBatch]]:
         n = next(iter(prepared.values())).num_seqs
         k = min(self.num_minibatches, n)
@@ -130,7 +135,9 @@ class RecipeRunner:
             )
         return {name: batch.select(list(pass_order)) for name, batch in self._first_pass.items()}
 
-    def _prepare(self, rollout_data: TokenBatch, trainable: list[str]) -> dict[str, TokenBatch]:
+    def _prepare(
+        self, rollout_data: TokenBatch, trainable: list[str], *, measure: bool = True
+    ) -> dict[str, TokenBatch]:
         outputs: dict[str, dict[str, torch.Tensor]] = {}
         computed_T: dict[str, torch.Tensor] = {}  # a partial forward's tokens
 
@@ -167,9 +174,10 @@ class RecipeRunner:
                 out = forward(name, self.specs[name].self_forward_free_B(data[name]))
                 for key, target_key in keys.items():
                     data[name].extra[target_key] = out[key]
-        self._rollout_metrics = {}
         synced = [n for n in self.roles_to_sync() if n in trainable]
-        if self.measure_rollout_logprobs and synced:
+        if measure:
+            self._rollout_metrics = {}
+        if measure and self.measure_rollout_logprobs and synced:
             # the policy's own no-grad forward (shared with a recompute the loss asks for)
             # only tokens sampled by the policy version being trained: staleness is not mismatch
             current_T = rollout_data.versions_T == self.versions[synced[0]]

@@ -12,24 +12,30 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from areno.data.messages import completion_text
+
 PARSE_TIMEOUT_S = 5
 """math-verify's own parsing and comparison timeouts (main thread only)."""
 
 
 def math_verify(prompt: str, completion: str, answer: Any = None, **row: Any) -> float:
     """1.0 when the completion's final answer (``\\boxed{}`` first, else the last expression) equals
-    the reference ``answer`` mathematically (``1/2`` = ``0.5`` = ``\\frac{1}{2}``), else 0.0."""
+    the reference ``answer`` (its :func:`completion_text`, so TRL's conversational completion is its
+    text) mathematically (``1/2`` = ``0.5`` = ``\\frac{1}{2}``), else 0.0."""
     if answer is None:  # before the import: a missing answer is the row's fault, whatever is installed
-        raise ValueError("math_verify: the row has no answer: set data.answer_key to the reference answer field")
+        raise ValueError(
+            "math_verify: the row's answer is missing or null: set data.answer_key to the reference answer field, "
+            "or give the row an answer"
+        )
     from math_verify import parse, verify
 
     timeout = PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    gold_text = str(answer)
+    gold_text = completion_text(answer)
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"
     gold = parse(gold_text, parsing_timeout=timeout)
     if not gold:
-        raise ValueError(f"math_verify: cannot parse the reference answer {str(answer)[:80]!r}")
+        raise ValueError(f"math_verify: cannot parse the reference answer {gold_text[:80]!r}")
     pred = parse(completion, parsing_timeout=timeout)
     return float(bool(pred) and verify(gold, pred, timeout_seconds=timeout))
 

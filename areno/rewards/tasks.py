@@ -6,14 +6,19 @@ A reward function has the signature ``fn(prompt: str, completion: str, answer, *
 
 from __future__ import annotations
 
+from areno.data.messages import completion_text
 from areno.data.tasks import extract_answer
 
 
 def exact_match(prompt: str, completion: str, answer, **row) -> float:
-    """1.0 when the completion's first line equals the reference answer, else 0.0."""
+    """1.0 when the completion's first line equals the reference answer (a string, a number, or TRL's
+    conversational completion: the text SFT trains on, :func:`completion_text`), else 0.0."""
     if answer is None:  # str(None) would make the completion "None" correct
-        raise ValueError("exact_match: the row has no answer: set data.answer_key to the reference answer field")
-    return float(extract_answer(completion) == str(answer).strip())
+        raise ValueError(
+            "exact_match: the row's answer is missing or null: set data.answer_key to the reference answer field, "
+            "or give the row an answer"
+        )
+    return float(extract_answer(completion) == completion_text(answer).strip())
 
 
 exact_match.areno_sandbox = False  # pure string comparison: bounded, safe in-process (reward.sandbox auto)

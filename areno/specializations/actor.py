@@ -369,9 +369,18 @@ class ActorSpecialization(ModelSpecialization):
                 )
         loss_T = pg_T
         stats["pg_loss"] = pg_T.detach()
-        if self.config.kl_coef > 0 and not self.config.kl_in_reward:
-            kl_T = kl_estimate_T(logp_T, b.extra["ref_logprobs_T"], mask_T, estimator=self.config.kl_estimator)
-            loss_T = loss_T + self.config.kl_coef * kl_T
+        if self.config.kl_coef > 0:
+            # logged in both modes: with kl_in_reward the penalty is in the advantages, and this is the
+            # one place the KL to the reference is seen (the current policy's, as in the loss mode)
+            in_loss = not self.config.kl_in_reward
+            kl_T = kl_estimate_T(
+                logp_T if in_loss else logp_T.detach(),
+                b.extra["ref_logprobs_T"],
+                mask_T,
+                estimator=self.config.kl_estimator,
+            )
+            if in_loss:
+                loss_T = loss_T + self.config.kl_coef * kl_T
             stats["kl"] = kl_T.detach()
         if self.config.entropy_coef > 0:
             loss_T = loss_T + entropy_bonus_T(model_output["entropy_T"], mask_T, coef=self.config.entropy_coef)

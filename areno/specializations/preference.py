@@ -15,17 +15,26 @@ Per sequence the micro-batch then computes
 whose value is the pair loss and whose gradient is exactly dL/dθ at the current weights, wherever
 the two sequences land. The step takes one optimizer update, so this is the DPO / BT gradient.
 
+Held-out pairs: ``pair_metrics`` reads the same prepared batch (the current weights' no-grad
+forwards, no update) for an offline recipe's evaluation: the pair loss, the fraction of pairs whose
+chosen sequence scores higher (``eval/accuracy``) and the mean score margin.
+
 Legend: B = sequences, P = pairs, T = packed tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from areno.algo import bradley_terry_loss_B, dpo_loss_B, sequence_sum_B
+from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, ModelConfig
+from areno.models.hf_io import build_model, save_model
 from areno.specializations.base import Metrics, ModelSpecialization, Reducer
 from areno.specializations.forward import ScalarHeadModel, last_token_scores_B, token_logprobs_T
 from areno.types import TokenBatch
@@ -55,16 +64,45 @@ def preference_pairs(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pair_surrogate_extra(
-    batch: TokenBatch, loss_P: torch.Tensor, score_grad_chosen_P: torch.Tensor, chosen_P, rejected_P
+    batch: TokenBatch,
+    loss_P: torch.Tensor,
+    score_grad_chosen_P: torch.Tensor,
+    chosen_P: torch.Tensor,
+    rejected_P: torch.Tensor,
+    margin_P: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """Per-sequence half pair loss and score coefficient (dL/ds_b)."""
-    half_B = torch.zeros(batch.num_seqs)
+    """Per sequence, half of its pair's value of: the loss, the score margin (chosen - rejected) and
+    whether that margin is > 0; and the score coefficient dL/ds_b. Halves: a reducer over the pairs'
+    sequences divided by the number of pairs gives the mean over pairs."""
+
+    def halves(value_P: torch.Tensor) -> torch.Tensor:
+        out_B = torch.zeros(batch.num_seqs)
+        out_B[chosen_P] = value_P.detach().float().cpu() / 2
+        out_B[rejected_P] = value_P.detach().float().cpu() / 2
+        return out_B
+
     coef_B = torch.zeros(batch.num_seqs)
-    half_B[chosen_P] = loss_P / 2
-    half_B[rejected_P] = loss_P / 2
-    coef_B[chosen_P] = score_grad_chosen_P
-    coef_B[rejected_P] = -score_grad_chosen_P
-    return {"pair_half_loss_B": half_B.detach(), "pair_coef_B": coef_B.detach()}
+    coef_B[chosen_P] = score_grad_chosen_P.detach().float().cpu()
+    coef_B[rejected_P] = -score_grad_chosen_P.detach().float().cpu()
+    return {
+        "pair_half_loss_B": halves(loss_P),
+        "pair_coef_B": coef_B,
+        "pair_margin_B": halves(margin_P),
+        "pair_correct_B": halves((margin_P > 0).float()),
+    }
+
+
+def pair_metrics(prepared: TokenBatch) -> dict[str, float]:
+    """Means over the pairs of a pairwise role's prepared batch (``prepare_batch``): ``loss`` (the
+    pair loss), ``accuracy`` (the fraction whose chosen sequence scores higher: DPO's implicit reward
+    ``beta (log pi - log ref)``, the reward model's score; a tie counts as wrong, as in TRL's
+    ``rewards/accuracies``) and ``margin`` (chosen minus rejected score)."""
+    pairs = prepared.num_seqs / 2
+    return {
+        "loss": float(prepared.extra["pair_half_loss_B"].sum()) / pairs,
+        "accuracy": float(prepared.extra["pair_correct_B"].sum()) / pairs,
+        "margin": float(prepared.extra["pair_margin_B"].sum()) / pairs,
+    }
 
 
 def _surrogate_loss(score_B: torch.Tensor, batch: TokenBatch, reducer: Reducer) -> torch.Tensor:
@@ -98,6 +136,8 @@ class DPOSpecialization(ModelSpecialization):
         self.label_smoothing = label_smoothing
         self.ref_key = ref_key
         self.logprob_chunk_size = logprob_chunk_size
+        # another role's log-probs: a recipe without the DataSync that brings them is refused when built
+        self.required_extra_keys = () if ref_key == "logprobs_T" else (ref_key,)
 
     @property
     def self_forward_keys(self) -> dict[str, str]:
@@ -123,14 +163,8 @@ class DPOSpecialization(ModelSpecialization):
             label_smoothing=self.label_smoothing,
         )
         (grad_P,) = torch.autograd.grad(loss_P.sum(), pc)
-        extra = _pair_surrogate_extra(b, loss_P.detach(), grad_P, chosen_P, rejected_P)
-        acc_B = torch.zeros(b.num_seqs)
-        acc_B[chosen_P] = stats["reward_accuracy"] / 2
-        acc_B[rejected_P] = stats["reward_accuracy"] / 2
-        margin_B = torch.zeros(b.num_seqs)
-        margin_B[chosen_P] = (stats["chosen_reward"] - stats["rejected_reward"]) / 2
-        margin_B[rejected_P] = margin_B[chosen_P]
-        extra.update(dpo_accuracy_B=acc_B, dpo_margin_B=margin_B)
+        margin_P = stats["chosen_reward"] - stats["rejected_reward"]  # > 0 exactly where reward_accuracy is 1
+        extra = _pair_surrogate_extra(b, loss_P, grad_P, chosen_P, rejected_P, margin_P)
         return dataclasses.replace(b, extra={**b.extra, **extra})
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
@@ -140,8 +174,8 @@ class DPOSpecialization(ModelSpecialization):
         logp_T = model_output["logprobs_T"]
         score_B = sequence_sum_B(logp_T, batch.cu_seqlens_B1.to(logp_T.device), batch.loss_mask_T.to(logp_T.device))
         metrics = {
-            "dpo/accuracy": reducer(batch.extra["dpo_accuracy_B"]).detach(),
-            "dpo/reward_margin": reducer(batch.extra["dpo_margin_B"]).detach(),
+            "dpo/accuracy": reducer(batch.extra["pair_correct_B"]).detach(),
+            "dpo/reward_margin": reducer(batch.extra["pair_margin_B"]).detach(),
         }
         return _surrogate_loss(score_B, batch, reducer), metrics
 
@@ -164,7 +198,11 @@ class RewardModelSpecialization(ModelSpecialization):
         return {"scores_B": "current_scores_B"}
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        return ScalarHeadModel(model)
+        scorer = ScalarHeadModel(model)
+        # No bias, as in transformers' sequence classifiers (the export): Bradley–Terry sees only score
+        # differences, so a bias has no gradient but its rounding noise, which Adam would follow.
+        scorer.score.bias = None
+        return scorer
 
     def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
         b = rollout_data
@@ -173,11 +211,7 @@ class RewardModelSpecialization(ModelSpecialization):
         sc = s_B[chosen_P].clone().requires_grad_(True)
         loss_P, stats = bradley_terry_loss_B(sc, s_B[rejected_P], margin=self.margin)
         (grad_P,) = torch.autograd.grad(loss_P.sum(), sc)
-        extra = _pair_surrogate_extra(b, loss_P.detach(), grad_P, chosen_P, rejected_P)
-        acc_B = torch.zeros(b.num_seqs)
-        acc_B[chosen_P] = stats["accuracy"] / 2
-        acc_B[rejected_P] = stats["accuracy"] / 2
-        extra["rm_accuracy_B"] = acc_B
+        extra = _pair_surrogate_extra(b, loss_P, grad_P, chosen_P, rejected_P, stats["score_margin"])
         return dataclasses.replace(b, extra={**b.extra, **extra})
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
@@ -185,7 +219,38 @@ class RewardModelSpecialization(ModelSpecialization):
 
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         loss = _surrogate_loss(model_output["scores_B"], batch, reducer)
-        return loss, {"reward_model/accuracy": reducer(batch.extra["rm_accuracy_B"]).detach()}
+        return loss, {"reward_model/accuracy": reducer(batch.extra["pair_correct_B"]).detach()}
 
     def denominator(self, batch: TokenBatch) -> float:
         return batch.num_seqs / 2
+
+
+def save_reward_model(state: dict[str, torch.Tensor], config: ModelConfig, out_dir: str | Path) -> Path:
+    """Write a reward model's weights (``state``: its ``ScalarHeadModel``'s, ``decoder.*`` and
+    ``score.*``) as transformers' sequence classifier (``<Model>ForSequenceClassification``,
+    ``num_labels=1``): the decoder under its Hugging Face names without the LM head, and
+    ``score.weight`` [1, hidden] (the head has no bias: ``RewardModelSpecialization.wrap_model``).
+    ``AutoModelForSequenceClassification`` and areno's scorer (``q_source=reward_model``) load it; a
+    sequence's reward is the head at its last token, as trained."""
+    assert "score.bias" not in state, "a reward model's head has no bias"
+    decoder_state = {name.removeprefix("decoder."): t for name, t in state.items() if name.startswith("decoder.")}
+    dtype = next(iter(decoder_state.values())).dtype
+    with torch.device("meta"):
+        decoder = build_model(config)
+    decoder.to_empty(device="cpu")
+    decoder.load_state_dict(decoder_state, strict=True)
+    out = save_model(decoder.to(dtype), config, out_dir)
+    weights = out / "model.safetensors"
+    tensors = {name: t for name, t in load_file(weights).items() if name != "lm_head.weight"}
+    tensors["score.weight"] = state["score.weight"].detach().to("cpu", dtype).contiguous()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    hf = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    hf["architectures"] = [config.architecture.removesuffix("ForCausalLM") + SEQUENCE_CLASSIFIER_SUFFIX]
+    hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})  # num_labels=1: one scalar score
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out
+
+
+PAIRWISE_SPECIALIZATIONS = (DPOSpecialization, RewardModelSpecialization)
+"""The specializations that learn from preference pairs: an offline recipe with such a trainable role
+trains on preference rows (``prompt``, ``chosen``, ``rejected``), each row two sequences of one group."""

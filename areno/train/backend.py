@@ -701,7 +701,21 @@ class PackedTrainBackend(TrainBackend):
         self._saves_since_full = state.get("saves_since_full", 0)
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler is not None:
+            self._apply_optim_settings()
         return state["extra"]
+
+    def _apply_optim_settings(self) -> None:
+        """The ``optim`` settings of this run over those the checkpoint restored (its param groups and
+        base lr): a resumed run trains at its own lr, betas, eps and weight decay, at the schedule's
+        position of the checkpoint's step. Unchanged settings give the checkpoint's values exactly."""
+        cfg, scheduler = self.cfg, self.scheduler
+        scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
+        for group, lr_lambda in zip(self.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+            # what LambdaLR.step computes: the lr lambda reads this run's schedule, warm-up and length
+            group["lr"] = cfg.lr * lr_lambda(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> int:

@@ -256,7 +256,7 @@ def test_a_sandboxed_reward_that_is_not_a_number_is_a_counted_error(tmp_path):
 # --------------------------------------------------------------------------- rows without answers
 @pytest.mark.parametrize("reward", [exact_match, math_verify])
 def test_shipped_rewards_refuse_a_missing_answer(reward):
-    with pytest.raises(ValueError, match="the row has no answer: set data.answer_key"):
+    with pytest.raises(ValueError, match="answer is missing or null: set data.answer_key"):
         reward("p", "None", None)
     assert reward.areno_needs_answer  # preflight refuses rows without one before the run
 
@@ -265,6 +265,21 @@ def test_exact_match_scores_a_row_without_answer_as_a_reward_error():
     reward, error = asyncio.run(acall_reward(exact_match, "1+1=", "None", None, {}))
     assert reward == 0.0 and "data.answer_key" in error
     assert exact_match("1+1=", "2\nmore", "2") == 1.0 and exact_match("1+1=", "3", 2) == 0.0
+
+
+def test_shipped_rewards_score_a_trl_conversational_answer_by_its_text():
+    # the answer SFT trains on (completion_text), not the Python repr of the message list
+    answer = [{"role": "assistant", "content": "7"}]
+    assert exact_match("3+4=", "7", answer) == 1.0 and exact_match("3+4=", "8", answer) == 0.0
+    assert math_verify("3+4=", "\\boxed{7}", answer) == 1.0 and math_verify("3+4=", "\\boxed{8}", answer) == 0.0
+    with pytest.raises(ValueError, match="a message is not the assistant's"):
+        exact_match("3+4=", "7", [{"role": "user", "content": "7"}])
+
+
+def test_code_execution_refuses_a_conversational_answer_as_tests():
+    # assistant messages are a reference solution, not tests: named, never run as code
+    with pytest.raises(ValueError, match="code tests must be .*got list: put them in the row's 'tests' field"):
+        code_execution("p", "print(1)", [{"role": "assistant", "content": "print(1)"}])
 
 
 def test_code_execution_without_tests_or_answer_names_the_fix():

@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerFast
 from areno.api.config import load_config
 from areno.api.pipeline import run_pipeline
 from areno.data.datasets import load_rows
-from areno.data.prompts import completion_text, render_prompt, uses_template
+from areno.data.messages import completion_text
+from areno.data.prompts import render_prompt, uses_template
 from areno.data.tokenizer import CHAT_TEMPLATE, build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.api import sft_trajectories
 from areno.errors import DataError

@@ -63,8 +63,29 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     # at once: no checkpoint of the step (an episode cut off in the middle may log a line after it)
     assert "stopping after this step" in err and "areno: interrupted" in err.splitlines(), err[-2000:]
+    assert (
+        "areno: stopped at once by a second SIGINT, without a checkpoint of the step in progress; the same command "
+        "with resume=auto starts over (no checkpoint was saved)"
+    ) in err.splitlines(), err[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "areno.lock").exists()
+
+
+def test_a_second_sigterm_stops_at_once_and_says_where_to_go_on(tmp_path):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = _start(tmp_path, "reward.fn=tests.helpers.rewards:slow", "reward.sandbox=false", "train.save_interval=1")
+    _wait_for_steps(proc, metrics, 2)  # step 1's checkpoint is written before step 2 is logged
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]  # the signal's own end, as before: no cleanup
+    last = err.strip().splitlines()[-1]
+    newest = sorted((tmp_path / "run" / "checkpoints").glob("step_????????"))[-1]
+    assert last == (
+        "areno: stopped at once by a second SIGTERM, without a checkpoint of the step in progress; the same "
+        f"command with resume=auto goes on from {newest}"
+    ), err[-2000:]
 
 
 def test_a_stopped_warm_start_says_it_starts_over(tmp_path):

@@ -60,3 +60,16 @@ def test_require_gates_on_checks(capsys):
     assert doctor.main(["--require", "cuda,gloo"]) == expected
     with pytest.raises(ValueError, match="unknown check"):
         doctor.main(["--require", "quantum"])
+
+
+def test_an_unknown_required_check_is_told_before_any_check_runs(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "run_checks", lambda: pytest.fail("the checks ran before --require was checked"))
+    with pytest.raises(
+        ValueError, match=r"^--require: unknown check\(s\) cdua \(did you mean cuda\?\), quantum; choose"
+    ):
+        doctor.main(["--require", "cdua,quantum"])
+    assert capsys.readouterr().out == ""
+
+
+def test_the_check_names_are_those_the_checks_report():
+    assert sorted(doctor.check_names()) == sorted(c.name for cs in doctor.run_checks().values() for c in cs)

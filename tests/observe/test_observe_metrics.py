@@ -6,7 +6,6 @@ import io
 import sys
 import threading
 import types
-from pathlib import Path
 
 import pytest
 
@@ -20,6 +19,7 @@ from areno.observe.metrics import (
     WandbConfig,
     read_metrics,
 )
+from tests.helpers.tensorboard import read_tensorboard
 
 STEPS = [
     {
@@ -85,14 +85,6 @@ def fake_wandb_module() -> types.ModuleType:
     return module
 
 
-def read_tensorboard(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_every_sink_receives_the_same_metrics(tmp_path, monkeypatch, capsys):
     wandb = fake_wandb_module()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
@@ -130,6 +122,20 @@ def test_every_sink_receives_the_same_metrics(tmp_path, monkeypatch, capsys):
     lines = [line for line in err.splitlines() if line.startswith("step ")]
     assert lines[0] == "step 1/2 | reward 0.25 | len 12.5 | tok/s 1200 | stale 0.5"  # no step timed yet: no eta
     assert lines[1] == "step 2/2 | reward 0.5 | len 9 | tok/s 1300 | stale 1 | eta 00:00"
+
+
+def test_a_resumed_run_hides_the_tensorboard_steps_it_trains_again(tmp_path):
+    """Killed after step 4 with a checkpoint at step 2: the resumed run logs steps 3 and 4 again, and
+    TensorBoard shows each step once, with the resumed run's values (as metrics.jsonl is cut back)."""
+    with MetricsLogger(tmp_path, total_steps=4, console=False, tensorboard=True, purge_step=0) as logger:
+        for step in range(1, 5):
+            logger.log({"rollout/reward_mean": float(step)}, step=step)
+    with MetricsLogger(tmp_path, total_steps=4, console=False, tensorboard=True, purge_step=3) as logger:
+        for step in (3, 4):
+            logger.log({"rollout/reward_mean": 10.0 * step}, step=step)
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    rewards = read_tensorboard(tmp_path / "tensorboard")["rollout/reward_mean"]
+    assert rewards == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
 def test_values_are_converted_and_validated(tmp_path):

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from areno.recipes import get_recipe
+from areno.recipes.config import ModelRole, TrainingConfig
 from areno.recipes.runner import RecipeRunner
+from areno.specializations import DPOSpecialization
 from areno.types import TokenBatch
 from tests.helpers.recipes import (
     completion_positions,
@@ -225,20 +227,35 @@ def test_sft_and_distillation(dirs):
 
 
 @pytest.mark.slow
-def test_dpo(dirs):
+def test_dpo_recorded_reference(dirs):
+    # DPOSpecialization(ref_key="logprobs_T"): the batch's own log-probs are the reference (a user's
+    # recipe of one role; the built-in dpo has a reference role)
     policy = load(dirs["policy"])
     batch = preference_batch()
     logp = naive_logprobs(policy, batch)
     s = [sum(float(logp[t]) for t in completion_positions(batch, b)) for b in range(4)]
     r = [sum(float(batch.logprobs_T[t]) for t in completion_positions(batch, b)) for b in range(4)]
     expected = sum(math.log1p(math.exp(-0.5 * ((s[c] - r[c]) - (s[j] - r[j])))) for c, j in ((0, 2), (3, 1))) / 2
-    m = run_step(get_recipe("dpo", beta=0.5), dirs, batch)
+    recorded = TrainingConfig(
+        name="dpo_recorded",
+        roles=(
+            ModelRole(
+                name="policy",
+                specialization_cls=DPOSpecialization,
+                sync_to_rollout=True,
+                init_kwargs={"beta": 0.5, "ref_key": "logprobs_T"},
+            ),
+        ),
+        online=False,
+    )
+    m = run_step(recorded, dirs, batch)
     assert m["policy/loss"] == pytest.approx(expected, rel=1e-5)
     assert 0.0 <= m["policy/dpo/accuracy"] <= 1.0
 
 
-def test_dpo_distributed_reference_inject(dirs):
-    m = run_step(get_recipe("dpo_distributed", beta=0.5), dirs, preference_batch())
+@pytest.mark.parametrize("name", ["dpo", "dpo_distributed"])
+def test_dpo_reference_inject(dirs, name):
+    m = run_step(get_recipe(name, beta=0.5), dirs, preference_batch())
     assert m["policy/loss"] == pytest.approx(math.log(2), rel=1e-5)  # reference = initial policy: h = 0
 
 

@@ -126,6 +126,29 @@ def test_actor_kl_and_entropy_terms(model):
     assert metrics["actor/kl"].item() > 0
 
 
+@pytest.mark.parametrize("kl_in_reward", [False, True])
+def test_actor_logs_the_kl_to_the_reference_in_the_loss_and_in_the_reward(model, kl_in_reward):
+    # ppo_kl / reinforce_pp put the KL in the reward: it must still be logged, with the same value
+    base = rl_batch()
+    logp = naive_logprobs(model, base)
+    batch = with_behaviour_logprobs(base, logp, scale=0.0)
+    ref = naive_logprobs(make_decoder(5), batch)
+    batch = with_extra(batch, ref_logprobs_T=ref)
+    config = ActorConfig(advantage_estimator="reinforce_pp", kl_coef=0.1, kl_estimator="k3", kl_in_reward=kl_in_reward)
+    spec = ActorSpecialization(config)
+    loss, metrics = loss_of(spec, model, spec.prepare_batch(batch))
+    kls = []
+    for b in range(6):
+        for t in completion_positions(batch, b):
+            d = float(ref[t] - logp[t])
+            kls.append(math.exp(d) - d - 1)  # k3 of log(pi/pi_ref) = -d
+    assert metrics["actor/kl"].item() == pytest.approx(sum(kls) / len(kls), rel=1e-4)
+    # in the reward mode the KL is no loss term: the loss is the policy loss alone
+    assert loss.item() == pytest.approx(
+        metrics["actor/pg_loss"].item() + (0 if kl_in_reward else 0.1 * sum(kls) / len(kls)), rel=1e-4
+    )
+
+
 def test_actor_decoupled_recompute_and_loglinear(model):
     base = rl_batch()
     logp = naive_logprobs(model, base)

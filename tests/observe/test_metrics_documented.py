@@ -1,0 +1,64 @@
+"""Every metric a short CPU run logs is documented in docs/metrics.md, so a new metric cannot ship
+without its line (what it is, its unit and aggregation)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from areno.api.config import load_config
+from tests.helpers.configs import run_to_end, tiny_run_overrides
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+
+
+def documented_patterns() -> list[re.Pattern]:
+    """The keys of docs/metrics.md's tables (the backticked names of a row's first cell) as regular
+    expressions, a ``<placeholder>`` standing for one name (no ``/``)."""
+    patterns = []
+    for line in DOC.read_text().splitlines():
+        first = re.match(r"^\| (.*?) \| ", line)
+        if first is None:
+            continue
+        for key in re.findall(r"`([^`]+)`", first.group(1)):
+            parts = re.split(r"<[a-z]+>", key)
+            patterns.append(re.compile("[A-Za-z0-9_@.]+".join(map(re.escape, parts)) + "$"))
+    return patterns
+
+
+def undocumented(keys: set[str]) -> list[str]:
+    patterns = documented_patterns()
+    return sorted(k for k in keys if not any(p.match(k) for p in patterns))
+
+
+def test_the_matcher_reads_placeholders_and_rejects_others():
+    assert undocumented({"train/value/critic/value_loss", "eval/pass@8", "policy_sync_phase_device_sync_s"}) == []
+    assert undocumented({"train/policy/actor/made_up", "rollout/nope", "train/a/b/loss"}) == [
+        "rollout/nope",
+        "train/a/b/loss",
+        "train/policy/actor/made_up",
+    ]
+
+
+@pytest.mark.parametrize(
+    "algorithm, extra",
+    [
+        # the reward sandbox's counters, the reference KL and the entropy of the actor
+        ("grpo", ["reward.sandbox=true", "train.algorithm_kwargs={kl_coef: 0.01, entropy_coef: 0.01}"]),
+        ("ppo", []),
+        ("ppo_kl", []),
+    ],
+)
+def test_every_metric_a_short_run_logs_is_documented(tmp_path, algorithm, extra):
+    overrides = [
+        *tiny_run_overrides(tmp_path),
+        f"train.algorithm={algorithm}",
+        "train.steps=2",
+        "train.eval_interval=1",
+    ]
+    rows = run_to_end(load_config(None, [*overrides, "reward.sandbox=false", *extra]))
+    keys = {k for row in rows for k in row}
+    assert {"train/policy/loss", "eval/accuracy", "policy_sync_time_s"} <= keys  # the run logged steps and evals
+    assert undocumented(keys) == [], f"add these to {DOC} (what, unit, aggregation)"
