@@ -122,7 +122,6 @@ class Trainer:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
-        self._check_steps_left(resume_from)  # before config.yaml is rewritten with these train.steps
         self._write_config(resume_from)
         observe = config.observe
         configure_tracing(self.run_dir, observe.trace)
@@ -295,6 +294,7 @@ class Trainer:
             return None
         checkpoint.remove_stale(checkpoints_dir)
         latest = checkpoint.newest_intact(checkpoints_dir)  # resume=true: there is one (preflight.check_run)
+        self._check_steps_left(latest)  # before metrics.jsonl is cut back or config.yaml rewritten
         truncate_metrics(self.run_dir / METRICS_FILENAME, after_step=checkpoint_step(latest) if latest else -1)
         return latest
 

@@ -381,6 +381,14 @@ def check_pair_recipe(config: ArenoConfig, recipe: TrainingConfig) -> bool:
         f"train.algorithm={recipe.name} evaluates held-out preference pairs by the model's scores and generates "
         "nothing: the setting does nothing here: drop it",
     )
+    if config.train.long_sequences == "truncate":
+        # each role cuts to its own micro-batch budget: the policy's and the reference's sums of a
+        # long completion would cover different tokens, a biased implicit reward
+        raise ConfigError(
+            f"train.long_sequences=truncate: train.algorithm={recipe.name} compares whole completions (and DPO "
+            "against a reference role, whose cut could differ): use train.long_sequences=error and shorten the "
+            "data's longest rows, or raise train.max_tokens_per_mb"
+        )
     if config.test_rollout.enabled:
         raise ConfigError(
             f"test_rollout.enabled: the test rollout generates completions of held-out prompts, but "

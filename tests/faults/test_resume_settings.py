@@ -111,6 +111,11 @@ def test_a_resumed_run_with_no_step_left_says_so_or_refuses(tmp_path, capsys):
         Trainer.init(_config(tmp_path, "train.steps=2", "resume=auto"))
     assert (run_dir / "config.yaml").read_text().replace("resume: auto", "resume: false") == written
     assert not (run_dir / "areno.lock").exists()
+    # the step-3 checkpoint lost: a refused resume from step 2 cuts no row of metrics.jsonl
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000003")
+    with pytest.raises(ConfigError, match=r"train.steps=1 but the run in .* resumes from step 2"):
+        Trainer.init(_config(tmp_path, "train.steps=1", "optim.warmup_steps=0", "resume=auto"))
+    assert [r["step"] for r in read_metrics(run_dir)] == [r["step"] for r in rows]
 
 
 def test_resuming_a_run_with_no_checkpoint_says_it_starts_over(tmp_path, caplog):

@@ -163,6 +163,10 @@ def test_what_a_preference_recipe_cannot_do_is_refused_in_one_line(tmp_path):
             "train.eval_samples: train.algorithm=dpo evaluates held-out preference pairs by the model's scores and "
             "generates nothing: the setting does nothing here: drop it",
         ),
+        (  # each role would cut a long completion to its own budget: the reference's sum could differ
+            ["train.long_sequences=truncate"],
+            "train.long_sequences=truncate: train.algorithm=dpo compares whole completions",
+        ),
         (
             [f"data.eval_path={good}", "test_rollout.enabled=true"],
             "test_rollout.enabled: the test rollout generates completions of held-out prompts, but "
