@@ -143,6 +143,7 @@ class Trainer:
             tensorboard=observe.tensorboard,
             wandb=wandb_config(config),
             stage=self.stage,
+            start_step=checkpoint_step(resume_from) if resume_from is not None else 0,  # the bar resumes there
             # the steps after the checkpoint run again (metrics.jsonl is cut back alike); a run that
             # starts over (overwrite=true, no checkpoint yet) logs every step again
             purge_step=checkpoint_step(resume_from) + 1 if resume_from is not None else 0,

@@ -318,12 +318,21 @@ def test_console_eta_counts_from_the_first_step_not_the_start_up(monkeypatch):
 
 def test_console_eta_of_a_resumed_run_counts_its_own_steps(monkeypatch):
     clock = FakeClock(monkeypatch)
-    sink = ConsoleSink(total_steps=100, stream=io.StringIO())  # the trainer's logger starts at 0 on resume too
-    assert sink.eta_s(51, clock.now) is None
-    clock.now += 30.0  # start-up
+    for start_step in (0, 50):  # the trainer's logger starts at the checkpoint's step
+        sink = ConsoleSink(total_steps=100, stream=io.StringIO(), start_step=start_step)
+        assert sink.eta_s(51, clock.now) is None
+        clock.now += 30.0  # start-up
+        sink.write({"train/policy/loss": 1.0}, step=51)
+        clock.now += 1.0
+        assert sink.eta_s(52, clock.now) == pytest.approx(48.0)  # 1 s a step, not (31 s / 52 steps)
+
+
+def test_the_bar_of_a_resumed_run_starts_at_its_checkpoint():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=100, stream=stream, use_tqdm=True, start_step=50)
     sink.write({"train/policy/loss": 1.0}, step=51)
-    clock.now += 1.0
-    assert sink.eta_s(52, clock.now) == pytest.approx(48.0)  # 1 s a step, not (31 s / 52 steps)
+    sink.close()
+    assert "51/100" in stream.getvalue() and "1/100" not in stream.getvalue().replace("51/100", "")
 
 
 def test_read_metrics_skips_a_torn_last_line(tmp_path):
