@@ -4,12 +4,17 @@ plain Reducer."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from areno.models.decoder import Decoder
 from areno.models.hf_io import tiny_config
+from areno.recipes import TRAINING_CONFIGS
 from areno.types import TokenBatch, Trajectory
 
 VOCAB = 24
@@ -122,3 +127,20 @@ def preference_batch() -> TokenBatch:
             )
         )
     return TokenBatch.from_trajectories(trajs)
+
+
+@contextlib.contextmanager
+def user_code_dir(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    """``tmp_path`` as the working directory of a user's recipe modules; sys.path, the modules imported
+    from it and the recipe registry restored after."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    saved = dict(TRAINING_CONFIGS)
+    try:
+        yield tmp_path
+    finally:
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+                del sys.modules[name]
+        TRAINING_CONFIGS.clear()
+        TRAINING_CONFIGS.update(saved)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
 from areno.cli import main
-from areno.recipes import TRAINING_CONFIGS
+from tests.helpers.recipes import user_code_dir
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 
@@ -30,18 +29,10 @@ def _commands() -> list[list[str]]:
 
 @pytest.fixture
 def doc_dir(tmp_path, monkeypatch):
-    """The doc's ``my_recipes.py`` in the working directory; sys.path, sys.modules and the registry
-    restored after."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    saved = dict(TRAINING_CONFIGS)
-    (tmp_path / "my_recipes.py").write_text(_blocks("python")[0])
-    yield tmp_path
-    for name, module in list(sys.modules.items()):
-        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
-            del sys.modules[name]
-    TRAINING_CONFIGS.clear()
-    TRAINING_CONFIGS.update(saved)
+    """The doc's ``my_recipes.py`` in the working directory (``user_code_dir``)."""
+    with user_code_dir(tmp_path, monkeypatch) as path:
+        (path / "my_recipes.py").write_text(_blocks("python")[0])
+        yield path
 
 
 def test_the_docs_recipe_is_listed_and_trains(doc_dir, capsys):

@@ -6,7 +6,6 @@ A legitimate but easily mistaken choice (stale rollouts without correction) is w
 from __future__ import annotations
 
 import logging
-import sys
 import textwrap
 
 import pytest
@@ -15,23 +14,16 @@ from areno.api.config import load_config
 from areno.api.preflight import check_run
 from areno.cli import main as areno_main
 from areno.errors import ConfigError
-from areno.recipes import TRAINING_CONFIGS, ModelRole, TrainingConfig, get_recipe, main, recipe
+from areno.recipes import ModelRole, TrainingConfig, get_recipe, main, recipe
 from areno.specializations import ActorSpecialization
 from tests.helpers.configs import tiny_run_overrides, train_args
+from tests.helpers.recipes import user_code_dir
 
 
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
-    """``tmp_path`` as the working directory; sys.path, sys.modules and the registry restored after."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    saved = dict(TRAINING_CONFIGS)
-    yield tmp_path
-    for name, module in list(sys.modules.items()):
-        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
-            del sys.modules[name]
-    TRAINING_CONFIGS.clear()
-    TRAINING_CONFIGS.update(saved)
+    with user_code_dir(tmp_path, monkeypatch) as path:
+        yield path
 
 
 def _one_line(capsys) -> str:
