@@ -46,6 +46,7 @@ from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
 from areno.errors import ConfigError, ModelDirError, RunFailure
 from areno.faults import fault_point
+from areno.models.checkpoint_dirs import newest_checkpoint
 from areno.models.hf_io import init_model_dir, read_config, tiny_config
 from areno.models.vision import VisionConfig
 from areno.recipes import get_recipe
@@ -237,7 +238,7 @@ def check_init_tiny_target(config: ArenoConfig) -> None:
         return
     if (path / "config.json").is_file() or (path.is_dir() and not any(path.iterdir())):
         return  # a model without the marker is used as it is (never made again); an empty one is filled
-    newest = checkpoint.latest_complete(path / "checkpoints") or checkpoint.latest_complete(path)
+    newest = newest_checkpoint(path)
     export = path / "hf" if (path / "hf" / "config.json").is_file() else newest / "hf" if newest else None
     if export is not None:
         raise ModelDirError(
