@@ -212,6 +212,17 @@ def _dpo_by_hand(policy, reference, tok, rows, beta) -> tuple[float, float]:
     return sum(losses) / len(losses), right / len(rows)
 
 
+def _evaluated_then_run(cfg) -> dict[str, float]:
+    """The held-out figures of the starting model, then the whole run."""
+    trainer = Trainer.init(cfg)
+    try:
+        before = trainer.evaluate_now()
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    return before
+
+
 @pytest.mark.slow
 def test_dpo_steps_match_a_hand_computed_loss_with_the_starting_model_as_reference(tmp_path):
     train = _write(tmp_path / "prefs.jsonl", PAIRS)
@@ -230,12 +241,7 @@ def test_dpo_steps_match_a_hand_computed_loss_with_the_starting_model_as_referen
             "optim.lr=0.05",
         ),
     )
-    trainer = Trainer.init(cfg)
-    try:
-        before = trainer.evaluate_now()
-        trainer.run()
-    finally:
-        trainer.shutdown()
+    before = _evaluated_then_run(cfg)
     rows = read_metrics(tmp_path / "run")
     losses = [r["train/policy/loss"] for r in rows if "train/policy/loss" in r]
     evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
@@ -286,12 +292,7 @@ def test_a_reward_model_learns_an_easy_preference_and_exports_a_sequence_classif
             "optim.lr=0.01",
         ),
     )
-    trainer = Trainer.init(cfg)
-    try:
-        before = trainer.evaluate_now()
-        trainer.run()
-    finally:
-        trainer.shutdown()
+    before = _evaluated_then_run(cfg)
     evals = [r for r in read_metrics(tmp_path / "run") if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 2, 4, 6]
     # a zero-initialised head scores every sequence 0: all ties, loss log 2

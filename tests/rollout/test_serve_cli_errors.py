@@ -5,11 +5,13 @@ bound first and exits 0 when stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -97,7 +99,10 @@ def test_a_tokenizer_that_does_not_load_is_named_before_the_weights(capsys, tmp_
     assert f"the tokenizer in {model_dir} does not load" in err and "copy the model's tokenizer files" in err
 
 
-def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tiny_model_dir):
+@contextlib.contextmanager
+def _serving(monkeypatch, argv: list[str]) -> Iterator[tuple[list[uvicorn.Server], threading.Thread]]:
+    """``areno <argv>`` (a serve) in a thread; its uvicorn servers recorded as they are made; stopped on
+    exit, which it must answer with exit code 0."""
     servers: list[uvicorn.Server] = []
     init = uvicorn.Server.__init__
 
@@ -106,14 +111,24 @@ def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tin
         servers.append(self)
 
     monkeypatch.setattr(uvicorn.Server, "__init__", recording_init)
-    port = free_port()
     result: list[int] = []
-    argv = ["serve", str(tiny_model_dir), "--port", str(port), "--device", "cpu", "--default-max-tokens", "3"]
-    argv += ["--max-model-len", "64", "--block-size", "8"]
     thread = threading.Thread(target=lambda: result.append(areno_main(argv)), daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
     try:
+        yield servers, thread
+    finally:
+        if servers:
+            servers[0].should_exit = True
+        thread.join(timeout=30)
+    assert result == [0]
+
+
+def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tiny_model_dir):
+    port = free_port()
+    argv = ["serve", str(tiny_model_dir), "--port", str(port), "--device", "cpu", "--default-max-tokens", "3"]
+    argv += ["--max-model-len", "64", "--block-size", "8"]
+    base = f"http://127.0.0.1:{port}"
+    with _serving(monkeypatch, argv) as (servers, thread):
         deadline = time.monotonic() + 60
         while not (servers and servers[0].started):
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
@@ -121,11 +136,6 @@ def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tin
         body = {"model": tiny_model_dir.name, "prompt": "hi", "temperature": 0, "ignore_eos": True}
         choice = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()["choices"][0]
         assert len(choice["token_ids"]) == 3  # --default-max-tokens
-    finally:
-        if servers:
-            servers[0].should_exit = True
-        thread.join(timeout=30)
-    assert result == [0]
 
 
 def test_a_missing_model_dir_names_the_argument(capsys, tmp_path):
@@ -179,37 +189,20 @@ def test_a_checkpoint_served_by_its_step_logs_when_it_is_ready(monkeypatch, capl
 
     _, step = _run_with_checkpoint(tmp_path, tiny_model_dir)
     monkeypatch.setattr(startup, "_first_token_s", None)  # this process's first token is yet to come
-    servers: list[uvicorn.Server] = []
-    init = uvicorn.Server.__init__
-
-    def recording_init(self, config):
-        init(self, config)
-        servers.append(self)
-
-    monkeypatch.setattr(uvicorn.Server, "__init__", recording_init)
     port = free_port()
     argv = ["serve", str(step), "--port", str(port), "--device", "cpu", "--max-model-len", "64", "--block-size", "8"]
-    result: list[int] = []
-    with caplog.at_level(logging.INFO):
-        thread = threading.Thread(target=lambda: result.append(areno_main(argv)), daemon=True)
-        thread.start()
-        try:
-            deadline = time.monotonic() + 60
-            ready: list[str] = []
-            while not ready:  # logged once the server listens
-                assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.05)
-                ready = [r.getMessage() for r in caplog.records if "ready to serve after" in r.getMessage()]
-            assert servers[0].started and len(ready) == 1 and "from the process start" in ready[0], ready
-            base = f"http://127.0.0.1:{port}"
-            assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["step_00000002"]
-            body = {"model": "step_00000002", "prompt": "hi", "max_tokens": 2}
-            assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code == 200
-        finally:
-            if servers:
-                servers[0].should_exit = True
-            thread.join(timeout=30)
-    assert result == [0]
+    with caplog.at_level(logging.INFO), _serving(monkeypatch, argv) as (servers, thread):
+        deadline = time.monotonic() + 60
+        ready: list[str] = []
+        while not ready:  # logged once the server listens
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+            ready = [r.getMessage() for r in caplog.records if "ready to serve after" in r.getMessage()]
+        assert servers[0].started and len(ready) == 1 and "from the process start" in ready[0], ready
+        base = f"http://127.0.0.1:{port}"
+        assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["step_00000002"]
+        body = {"model": "step_00000002", "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code == 200
     assert startup.startup_to_first_token_s() is not None  # the engine generated its first token...
     assert not [r for r in caplog.records if "first generated token" in r.getMessage()]  # ...not logged as start-up
     assert not logging.getLogger("areno.observe.startup").filters  # the process's other runs log it again
