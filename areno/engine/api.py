@@ -11,6 +11,9 @@ and a ``RolloutSide`` that generates. Colocated (the default), both live in this
     step(rollout)                  TrainingSide.step: inject syncs, then each trainable role trains
     update_weights()               TrainingSide.publish_weights -> RolloutSide.update_weights, version + 1
                                    (an offline recipe: at its next evaluation)
+
+A run that never generates (``generates``: an offline recipe with no held-out evaluation that
+generates, e.g. dpo or reward_model) builds no rollout engine: ``ArenoEngine.rollout`` is None.
 """
 
 from __future__ import annotations
@@ -359,6 +362,14 @@ def trains_on_pairs(recipe: TrainingConfig) -> bool:
     )
 
 
+def generates(recipe: TrainingConfig, *, pairs: bool, eval_rows: list[dict]) -> bool:
+    """Whether a run of ``recipe`` ever generates: an online recipe's rollouts, or an offline recipe's
+    held-out evaluation (``eval_rows``), which samples completions unless the recipe learns from
+    preference pairs (``pairs``: scored on the training side). A run that does not builds no
+    rollout side."""
+    return recipe.online or (bool(eval_rows) and not pairs)
+
+
 def check_pair_recipe(config: ArenoConfig, recipe: TrainingConfig) -> bool:
     """``trains_on_pairs(recipe)``, after refusing (ConfigError) what such a recipe cannot do on a
     dataset's pairs: DPO reading reference log-probs recorded with the data (``ref_key='logprobs_T'``;
@@ -455,7 +466,9 @@ class ArenoEngine:
     config: ArenoConfig
     run_dir: Path
     training: TrainingSide
-    rollout: RolloutSide
+    rollout: RolloutSide | None
+    """Where rollouts and generating evaluations run; None once ``initialize`` finds that the run
+    never generates (``generates``): no rollout engine is built, started or synced."""
     weight_kind: WeightKind
     """How the policy travels between the sides (``WeightKind``), chosen when they are paired."""
     residency: Residency | None
@@ -525,6 +538,8 @@ class ArenoEngine:
         # malformed rows: error before models load
         train_rows, self.eval_rows = build_splits(cfg.data, pairs=self.pairs)
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
+        if not generates(self.recipe, pairs=self.pairs, eval_rows=self.eval_rows):
+            self._drop_rollout_side()
         model_dir = self.model_dir = prepare_model_dir(cfg)
         self.tokenizer = load_tokenizer(model_dir)
         vision = read_config(model_dir).vision
@@ -532,10 +547,11 @@ class ArenoEngine:
         setup = SideSetup(recipe=self.recipe, model_dir=model_dir, tokenizer=self.tokenizer)
         self.training.start(setup)
         self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
-        # before the rollout engine sizes its KV pool: with cluster.offload=sleep the training
-        # state is in host memory by then
-        self._enter(Phase.ROLLOUT)
-        self.rollout.start(setup)
+        if self.rollout is not None:
+            # before the rollout engine sizes its KV pool: with cluster.offload=sleep the training
+            # state is in host memory by then
+            self._enter(Phase.ROLLOUT)
+            self.rollout.start(setup)
         shared = self.shared_device
         # Taking turns on one device: the engine generates only while the trainer waits for a batch,
         # so the batches admitted meanwhile decode together, and no decode step runs between (or
@@ -544,8 +560,32 @@ class ArenoEngine:
             self.asynchronous and shared is not None and not cfg.rollout.resolved_generate_during_train(shared.type)
         )
         if self.taking_turns:
-            self.rollout.pause()
+            self._rollout_side("taking turns").pause()
         self.executor = self._build_executor() if self.recipe.online else None
+
+    def _drop_rollout_side(self) -> None:
+        """A run that never generates keeps no rollout side (unstarted: nothing loaded yet), so no
+        rollout model, KV cache or CUDA graphs take device memory beside the training roles."""
+        self.rollout = None
+        if self.residency is not None:
+            # with no rollout engine to take turns with, every phase keeps the training side resident
+            if self.config.cluster.offload == "sleep":
+                logger.warning(
+                    "cluster.offload=sleep: train.algorithm=%s generates nothing in this run, so no rollout engine "
+                    "is built and there is nothing to offload; cluster.offload=none does the same",
+                    self.recipe.name,
+                )
+            self.residency = Residency(self.residency.device)
+
+    def _rollout_side(self, purpose: str) -> RolloutSide:
+        """The rollout side, for ``purpose`` (something that generates or syncs the policy to it); a
+        RuntimeError in a run that built none (``generates``), rather than a call that does nothing."""
+        if self.rollout is None:
+            raise RuntimeError(
+                f"{purpose} needs the rollout side, but train.algorithm={self.recipe.name} generates nothing in "
+                "this run (offline, with no held-out evaluation that generates), so none was built"
+            )
+        return self.rollout
 
     def _enter(self, phase: Phase) -> None:
         """Start ``phase`` of a synchronous step (``Residency.enter``). An asynchronous run generates
@@ -559,11 +599,12 @@ class ArenoEngine:
         if not self.taking_turns:
             yield
             return
-        self.rollout.resume()
+        rollout = self._rollout_side("taking turns")
+        rollout.resume()
         try:
             yield
         finally:
-            self.rollout.pause()
+            rollout.pause()
 
     def _phase_metrics(self) -> dict[str, float]:
         return self.residency.metrics() if self.residency is not None and not self.asynchronous else {}
@@ -608,7 +649,7 @@ class ArenoEngine:
         self.ledger = SampleLedger(self.train_stream)
         workflow = LedgerWorkflow(workflow, self.ledger, max_retries=cfg.rollout.max_retries, seed=cfg.train.seed)
         return WorkflowExecutor(
-            SeedingClient(self.rollout.client),
+            SeedingClient(self._rollout_side("an online recipe's rollouts").client),
             workflow,
             self.ledger,
             staleness,
@@ -633,8 +674,9 @@ class ArenoEngine:
             self._enter(Phase.ROLLOUT)
             samples = self.ledger.take(cfg.rollout.batch_size)
             seqs = [self.ledger.lookup(s)[0] for s in samples]
-            self.rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
-            self.executor.client.hold(self.rollout.resume)
+            rollout = self._rollout_side("a synchronous rollout")
+            rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
+            self.executor.client.hold(rollout.resume)
             trajectories, batch = self.executor.rollout_packed(samples)
             self.executor.client.release_now()
             self.ledger.trained(seqs)
@@ -653,7 +695,8 @@ class ArenoEngine:
                 self._check_rewards(rollout_id, trajectories)
         if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
-        metrics.update(self.rollout.metrics())  # the rollout side's own: replica health, engine counters
+        if self.rollout is not None:  # the rollout side's own: replica health, engine counters
+            metrics.update(self.rollout.metrics())
         if batch.images_B and self.store is not None:  # the pixels stayed in the store until now
             batch.images_B = fetch_refs(batch.images_B, self.store)
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
@@ -688,7 +731,11 @@ class ArenoEngine:
         # Asynchronous: the engine generates in its own thread meanwhile. No CUDA graph may be captured
         # beside the training step's kernels and device synchronizations (they invalidate a capture:
         # cudaErrorStreamCaptureUnsupported); a decode step needing a new graph meanwhile runs eagerly.
-        hold = self.rollout.hold_graph_captures() if self.asynchronous else contextlib.nullcontext()
+        hold = (
+            self._rollout_side("an asynchronous step").hold_graph_captures()
+            if self.asynchronous
+            else contextlib.nullcontext()
+        )
         self._enter(Phase.TRAIN)
         with hold:  # taking turns, the engine is paused here already (_generating_while_waiting)
             # the version the rollout policy carries (loglinear π_prox)
@@ -719,8 +766,9 @@ class ArenoEngine:
     def update_weights(self) -> dict[str, float]:
         if not self.recipe.online:
             # an offline recipe's rollout side serves evaluations only: the policy goes there before one
+            # (a run without one has nothing to sync, and logs no sync)
             self.version += 1
-            self._rollout_behind = True
+            self._rollout_behind = self.rollout is not None
         else:
             self._sync_weights(self.version + 1)
         self._heap.after_step()
@@ -728,6 +776,7 @@ class ArenoEngine:
 
     def _sync_weights(self, version: int) -> dict[str, float]:
         """Publish the trained policy as ``version`` and load it into the rollout side."""
+        rollout = self._rollout_side("a policy sync")
         self._rollout_behind = False
         self._enter(Phase.SYNC)
         update = self.training.publish_weights(version, self.weight_kind)
@@ -735,14 +784,14 @@ class ArenoEngine:
             return {}
         if self.asynchronous:  # bracket the swap: admission and the engine pause, then continue
             self.executor.pause()
-            self.rollout.pause()
+            rollout.pause()
         try:
-            metrics = self.rollout.update_weights(update)
+            metrics = rollout.update_weights(update)
         finally:
             if self.asynchronous:
-                self.executor.set_version(self.rollout.version)
+                self.executor.set_version(rollout.version)
                 if not self.taking_turns:  # taking turns, it generates at the next wait for a batch
-                    self.rollout.resume()
+                    rollout.resume()
                 self.executor.resume()
         self.version = update.version
         self._pending_sync_metrics = {**metrics, **self._phase_metrics()}
@@ -756,6 +805,7 @@ class ArenoEngine:
             return {}
         if self.pairs:
             return self._evaluate_pairs()
+        rollout = self._rollout_side("a held-out evaluation that generates")
         if self._rollout_behind:
             self._sync_weights(self.version)
         cfg = self.config
@@ -767,7 +817,7 @@ class ArenoEngine:
         t0 = time.perf_counter()
 
         # synchronous: the engine starts on the whole burst (the same batches, hence scores, every run)
-        burst = held_burst(self.rollout) if not self.asynchronous else contextlib.nullcontext(self.rollout.client)
+        burst = held_burst(rollout) if not self.asynchronous else contextlib.nullcontext(rollout.client)
         with burst as client, self._generating_while_waiting():
             scored = asyncio.run(
                 ascore_rows(
@@ -816,12 +866,13 @@ class ArenoEngine:
     def resume_state(self) -> dict:
         """What a checkpoint needs beyond the training backends' state: the data cursor (the
         stream's, plus the untrained samples of an asynchronous pool), the policy version and the
-        rollout sampler's generator (a synchronous run then samples the same tokens after resume)."""
+        rollout sampler's generator (a synchronous run then samples the same tokens after resume; a run
+        without a rollout side has none)."""
         state: dict = {
             "data": self.ledger.state_dict() if self.ledger is not None else self.train_stream.state_dict(),
             "version": self.version,
         }
-        rng = self.rollout.rng_state()
+        rng = self.rollout.rng_state() if self.rollout is not None else None
         if rng is not None:
             state["rollout_rng"] = rng
         return state
@@ -864,7 +915,9 @@ class ArenoEngine:
             self.train_stream.load_state_dict(data)
         self.version = int(state["version"]) - 1  # update_weights publishes them as that version
         self.update_weights()
-        if "rollout_rng" in state:
+        # A run without a rollout side has no sampler: the state that checkpoints of such runs held
+        # before they built none is left unread.
+        if "rollout_rng" in state and self.rollout is not None:
             self.rollout.set_rng_state(state["rollout_rng"])
 
     def export_policy(self, path: Path) -> None:
@@ -877,7 +930,8 @@ class ArenoEngine:
         if self.executor is not None:
             self.executor.stop()
             self.workflow.close()
-        self.rollout.shutdown()
+        if self.rollout is not None:
+            self.rollout.shutdown()
         self.training.shutdown()
         self.close_reward()
         self._heap.thaw()

@@ -3,7 +3,8 @@
 Colocated (the default): both sides in this process, on ``cluster.device``. Inference servers
 (``rollout.backend`` vllm or sglang): training in this process, rollouts from the servers. Partitioned (device
 lists or a ``+`` allocation_mode, and an online recipe): both on the workers of one
-``PartitionedCluster``. Nothing loads here: ``ArenoEngine.initialize`` starts the sides.
+``PartitionedCluster``. Nothing loads here: ``ArenoEngine.initialize`` starts the sides, the rollout
+side only when the run generates (``generates``; else it is dropped unstarted).
 """
 
 from __future__ import annotations

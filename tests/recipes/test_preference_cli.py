@@ -2,7 +2,9 @@
 each row two sequences of one group, rendered as SFT renders its data; malformed rows refused at
 preflight naming file, line and field; DPO's first steps against a loss computed by hand with the
 reference = the starting model; a reward model's pair accuracy rising, its export read back by
-transformers; held-out pairs scored without generating; the docs' command run as written."""
+transformers; held-out pairs scored without generating, by a run that builds no rollout side and
+resumes from its checkpoints (older ones, which stored a rollout sampler's state, too); the docs'
+command run as written."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from areno.errors import ConfigError, DataError
 from areno.models.hf_io import load_model, read_score_head
 from areno.observe.metrics import read_metrics
 from areno.specializations import preference_pairs
+from areno.train import checkpoint
 from areno.types import TokenBatch
 
 torch.set_num_threads(1)
@@ -186,6 +189,68 @@ def test_what_a_preference_recipe_cannot_do_is_refused_in_one_line(tmp_path):
         )
     with pytest.raises(DataError, match="line 1: no field 'answer'"):
         check_run(load_config(None, _overrides(tmp_path, "sft", good)))
+
+
+# ------------------------------------------------------------------------------ no rollout side
+BATCH_KEYS = {"rollout/num_seqs", "rollout/num_tokens"}
+"""The only ``rollout/*`` keys of an offline run: its data batch's size (docs/metrics.md)."""
+
+
+def _no_rollout_run(cfg) -> list[dict]:
+    """Run ``cfg`` to its end, checking the engine built no rollout side; the run's metric rows."""
+    trainer = Trainer.init(cfg)
+    try:
+        assert trainer.backend.engine.rollout is None
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    return read_metrics(Path(cfg.run_dir))
+
+
+def _as_if_written_with_a_rollout_side(step_dir: Path) -> None:
+    """Give a checkpoint the rollout sampler's state that runs stored before they built no rollout side."""
+    for state_file in step_dir.glob("*/trainer_state.pt"):
+        state = torch.load(state_file, weights_only=False)
+        state["extra"]["rollout_rng"] = torch.Generator().get_state()
+        torch.save(state, state_file)
+    checkpoint.write_manifest(step_dir)
+    assert checkpoint.verify(step_dir) is None
+
+
+@pytest.mark.parametrize(("algorithm", "role"), [("dpo", "policy"), ("reward_model", "reward")])
+def test_a_preference_run_builds_no_rollout_side_and_resumes_from_its_checkpoints(tmp_path, algorithm, role):
+    train = _write(tmp_path / "prefs.jsonl", PAIRS)
+
+    def config(run: str, steps: int, *extra: str):
+        overrides = _overrides(tmp_path, algorithm, train, f"data.eval_path={train}", "optim.lr=0.05", *extra)
+        every = ["train.eval_interval=2", "train.save_interval=1"]
+        return load_config(None, [*overrides, f"run_dir={tmp_path / run}", f"train.steps={steps}", *every])
+
+    whole = _no_rollout_run(config("whole", 4))
+    _no_rollout_run(config("part", 2))
+    _no_rollout_run(config("part", 3, "resume=true"))  # from step 2's checkpoint, as this run wrote it
+    step_3 = tmp_path / "part" / "checkpoints" / "step_00000003"
+    assert "rollout_rng" not in torch.load(step_3 / role / "trainer_state.pt", weights_only=False)["extra"]
+    _as_if_written_with_a_rollout_side(step_3)
+    resumed = _no_rollout_run(config("part", 4, "resume=true"))
+
+    loss = f"train/{role}/loss"
+    losses = [r[loss] for r in whole if loss in r]
+    assert len(losses) == 4 and losses[0] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference / zero head
+    assert losses[1] != pytest.approx(math.log(2), abs=1e-5)  # it trained
+    assert [r[loss] for r in resumed if loss in r] == losses  # resumed twice, the same steps
+    # held-out pairs scored on the training side: after step 2 (train.eval_interval) and each run's last step
+    evals = lambda rows: {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
+    assert sorted(evals(whole)) == [2, 4] and sorted(evals(resumed)) == [2, 3, 4]
+    assert evals(resumed)[2] == evals(whole)[2] and evals(resumed)[4] == evals(whole)[4]
+    # no rollout engine, no sync: the batch's size is the only rollout/* figure, no policy_sync_* key
+    for row in whole + resumed:
+        assert {k for k in row if k.startswith("rollout/")} <= BATCH_KEYS, row
+        assert not [k for k in row if k.startswith(("policy_sync", "system/rollout", "system/sync"))], row
+    if algorithm == "dpo":  # areno eval generates with the exported policy on its own rollout engine
+        qa = _write(tmp_path / "qa.jsonl", [{"prompt": r["prompt"], "answer": r["chosen"]} for r in PAIRS[:2]])
+        args = ["eval", str(tmp_path / "part" / "config.yaml"), "--checkpoint", "latest"]
+        assert main([*args, f"data.train_path={qa}", f"data.eval_path={qa}", "rollout.max_new_tokens=2"]) == 0
 
 
 # ------------------------------------------------------------------------------ DPO numerics

@@ -1,5 +1,6 @@
 """Recipe registry and validation: built-ins, closest-name suggestions, bad DataSyncs, duplicate
-roles, missing teacher checkpoints, bad specialization arguments — all before any model loads."""
+roles, missing teacher checkpoints, bad specialization arguments — all before any model loads; and
+which runs of an offline recipe build a rollout side (only those whose evaluation generates)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 
 import pytest
 
+from areno.api.config import load_config
 from areno.cli import main as areno_main
+from areno.engine.local import LocalRolloutSide
+from areno.engine.placement import build_engine
 from areno.errors import ConfigError
 from areno.recipes import TRAINING_CONFIGS, DataSync, ModelRole, TrainingConfig, get_recipe, list_recipes, main, recipe
 from areno.recipes.runner import RecipeRunner
@@ -18,7 +22,7 @@ from areno.specializations import (
     DPOSpecialization,
     LogProbSpecialization,
 )
-from tests.helpers.configs import train_args
+from tests.helpers.configs import tiny_run_overrides, train_args
 
 REQUIRED = [
     "grpo",
@@ -231,3 +235,33 @@ def test_added_recipes_train_through_areno_train(tmp_path, name):
     assert areno_main(train_args(tmp_path, "train.steps=2", f"train.algorithm={name}")) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "train/policy/loss" in r]) == 2
+
+
+def _sft_engine(tmp_path, run: str, num_eval: int):
+    overrides = tiny_run_overrides(tmp_path, run, num_eval=num_eval)
+    engine = build_engine(
+        load_config(None, [*overrides, "reward.sandbox=false", "train.algorithm=sft"]), tmp_path / run
+    )
+    engine.initialize()
+    return engine
+
+
+def test_sft_builds_a_rollout_side_only_when_its_held_out_evaluation_generates(tmp_path):
+    engine = _sft_engine(tmp_path, "plain", num_eval=0)  # no held-out rows: it never generates
+    try:
+        assert engine.rollout is None
+        assert engine.step(engine.generate_rollout(0))["train/policy/loss"] > 0
+        assert engine.update_weights() == {} and engine.evaluate() == {}
+        assert "rollout_rng" not in engine.resume_state()
+        # what would generate is refused in one line, never skipped
+        engine.eval_rows = engine.train_stream.take(1)
+        with pytest.raises(RuntimeError, match="^a held-out evaluation that generates needs the rollout side, but "):
+            engine.evaluate()
+    finally:
+        engine.shutdown()
+    engine = _sft_engine(tmp_path, "evaluated", num_eval=2)  # its evaluation samples completions
+    try:
+        assert isinstance(engine.rollout, LocalRolloutSide)
+        assert "eval/accuracy" in engine.evaluate() and "rollout_rng" in engine.resume_state()
+    finally:
+        engine.shutdown()
