@@ -17,6 +17,7 @@ from areno.api.config import ArenoConfig, load_config
 from areno.api.preflight import check_run, resumes
 from areno.api.rundir import RunDirLock
 from areno.api.trainer import Trainer
+from areno.data.datasets import warm_start_answer_key
 from areno.engine.config import ClusterSection, RolloutSection, field_default, offline_unused_rollout_keys
 from areno.errors import RunStopped, UserError
 from areno.observe.metrics import METRICS_FILENAME, read_metrics
@@ -37,14 +38,16 @@ def _stage(config: ArenoConfig, **changes) -> ArenoConfig:
 
 
 def warm_start_config(config: ArenoConfig) -> ArenoConfig:
-    """The supervised stage of ``config``: the ``sft`` recipe on the task's reference answers,
-    written under ``run_dir/warm_start``."""
+    """The supervised stage of ``config``: the ``sft`` recipe on the task's reference answers (a file of
+    preference rows: their ``chosen`` completions, ``warm_start_answer_key``), written under
+    ``run_dir/warm_start``."""
     ws = config.warm_start
     return _stage(
         config,
         run_dir=str(Path(config.run_dir) / "warm_start"),
         resume=False,
         overwrite=True,  # an unfinished warm start starts over (a finished one is reused)
+        data={"answer_key": warm_start_answer_key(config.data)},
         train={
             "algorithm": "sft",
             "algorithm_kwargs": {},

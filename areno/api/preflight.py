@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,12 @@ from areno.api.rundir import check_fresh
 from areno.data.datasets import check_prompt_forms, check_splits
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
 from areno.data.tasks import TaskSpec, generate_rows
-from areno.data.tokenizer import build_char_tokenizer, check_has_tokenizer, load_pretrained_tokenizer
+from areno.data.tokenizer import (
+    TOKENIZER_FILES,
+    build_char_tokenizer,
+    check_has_tokenizer,
+    load_pretrained_tokenizer,
+)
 from areno.engine.api import check_pair_recipe, init_tiny_stale, resolve_recipe
 from areno.engine.config import ArenoConfig, RewardSection, RolloutSection, check_offline_rollout, field_default
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
@@ -38,7 +44,7 @@ from areno.models.config import ModelConfig
 from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import TRAINING_CONFIGS, TrainingConfig
 from areno.rewards.loader import check_reward_signature, reward_function, wants_sandbox
-from areno.specializations import ActorSpecialization, ScalarScorerSpecialization
+from areno.specializations import ActorSpecialization, RewardModelSpecialization, ScalarScorerSpecialization
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
 from areno.workflows.common import sample_fields
@@ -85,12 +91,14 @@ def check_run(config: ArenoConfig) -> None:
             f"resume=true but {Path(config.run_dir) / 'checkpoints'} holds no completed checkpoint "
             "(step_N/COMPLETE): use resume=auto to start fresh when there is none"
         )
+    check_resumed_reward_head(config, recipe)
     check_path_options(config, recipe)
     check_optional_packages(config)
     for role in recipe.roles:
         if role.model_path:  # a teacher or another model than the policy
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
     tokenizer = check_model(config)
+    check_role_vocabularies(config, recipe, tokenizer)
     check_chat_template(tokenizer, config.data.chat_template, config.data.system_prompt)
     check_prompt_forms(config.data, splits, templated=uses_template(tokenizer, config.data.chat_template))
     check_held_out_lengths(config, tokenizer, splits)
@@ -359,8 +367,9 @@ def check_recipe_rollout(config: ArenoConfig, recipe: TrainingConfig) -> None:
 def check_path_options(config: ArenoConfig, recipe: TrainingConfig) -> None:
     """The directories the run loads are of the right kind, named by the setting that gives them:
     ``model.path`` and a role's model (a teacher's ``teacher_path``) a Hugging Face directory, not a
-    run or checkpoint directory of areno (its ``checkpoints/step_N/hf`` export is one); a value head
-    (``value_head_path``) an areno critic checkpoint, ``checkpoints/step_N/<critic role>``."""
+    run or checkpoint directory of areno (its ``checkpoints/step_N/hf`` export is one); a scorer role
+    names the checkpoint of its head (``head_path``), for a value head (``value_head_path``) an areno
+    critic checkpoint, ``checkpoints/step_N/<critic role>``."""
     check_model_path_option("model.path", Path(config.model.path))
     for role in recipe.roles:
         if role.model_path:
@@ -376,11 +385,122 @@ def check_path_options(config: ArenoConfig, recipe: TrainingConfig) -> None:
                     f"{key}: {role.model_path} has no config.json: point it at a Hugging Face model directory "
                     "(a run's checkpoints/step_N/hf)"
                 )
-        head_path = role.init_kwargs.get("head_path")
-        if role.specialization_cls is ScalarScorerSpecialization and role.init_kwargs.get("head") == "value_head":
+        if not issubclass(role.specialization_cls, ScalarScorerSpecialization):
+            continue
+        head, head_path = role.init_kwargs.get("head", "reward_model"), role.init_kwargs.get("head_path")
+        if not head_path:
+            raise ConfigError(
+                f"role {role.name!r} (ScalarScorerSpecialization, head={head}) has no head_path, the checkpoint "
+                f"its head is read from: set the role's init_kwargs.head_path to {SCORER_HEAD_SOURCES.get(head, 'it')}"
+            )
+        if head == "value_head":
             key = path_setting(config, head_path, f"role {role.name!r} head_path")
             check_critic_path_option(key, Path(head_path))
             check_critic_shape(key, Path(head_path), run_model_config(config))
+
+
+SCORER_HEAD_SOURCES = {
+    "reward_model": "a transformers sequence-classification directory (AutoModelForSequenceClassification, "
+    "num_labels=1; a reward_model run's checkpoints/step_N/hf)",
+    "value_head": "an areno critic checkpoint, a PPO run's checkpoints/step_N/<critic role>",
+}
+"""What a scorer role's ``head_path`` names, per ``head`` (``specializations.scorer.SCORER_HEADS``)."""
+
+
+def check_resumed_reward_head(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """A resumed reward model's checkpoint holds no head bias, or a zero one. An older areno's reward head
+    had a bias; this one's has none (``RewardModelSpecialization.wrap_model``) and cannot take it, and
+    dropping a nonzero one would shift every score the run exports by it: a ModelDirError naming the
+    checkpoint and what to do instead."""
+    step = checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") if resumes(config) else None
+    if step is None:
+        return
+    for role in recipe.roles:
+        if not (role.trainable and issubclass(role.specialization_cls, RewardModelSpecialization)):
+            continue
+        bias = stored_model_tensor(step / role.name, "score.bias")
+        if bias is not None and bool(bias.ne(0).any()):
+            export = step / "hf"
+            keep = f" (model.path={export} keeps its decoder)" if (export / "config.json").is_file() else ""
+            raise ModelDirError(
+                f"resume: {step / role.name} holds a reward head bias ({float(bias.flatten()[0]):.4g}), saved by an "
+                "older areno: this areno's reward head has none (Bradley-Terry trains no bias) and resuming would "
+                "shift every score it exports by that much: finish the run with the areno version that saved it, "
+                f"or train a new reward model in another run_dir{keep}"
+            )
+
+
+def stored_model_tensor(path: Path, name: str) -> torch.Tensor | None:
+    """The model tensor ``name`` of the areno checkpoint at ``path`` (an incremental one's from its full
+    base when unchanged); None when it holds none, or when its metadata does not load (a resume passes
+    over a damaged checkpoint to an earlier one)."""
+    import torch.distributed.checkpoint as dcp  # slow import (sympy): only for a resumed reward model
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not (path / ".metadata").is_file():
+        return None
+    for where in (path, checkpoint.incremental_base(path)) if checkpoint.is_incremental(path) else (path,):
+        try:
+            stored = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata.get(f"model.{name}")
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError):  # empty, truncated or not a pickle
+            return None
+        if isinstance(stored, TensorStorageMetadata):
+            tensor = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+            with warnings.catch_warnings():  # DCP's note that a process without a process group loads alone
+                warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to load")
+                dcp.load({"model": {name: tensor}}, checkpoint_id=str(where))
+            return tensor
+    return None
+
+
+def check_role_vocabularies(config: ArenoConfig, recipe: TrainingConfig, tokenizer: Any) -> None:
+    """A frozen role with a checkpoint of its own (a teacher, a reward model) never tokenizes: it scores
+    the policy's token ids, and a teacher that generates (``TeacherMixtureWorkflow``) decodes with the
+    policy's ``tokenizer``. So its vocabulary must be the policy's: compared token by token where its
+    directory has a tokenizer (``tokenizer_config.json``), else by vocab_size (config.json), as the
+    engine compares them when it builds the role. A one-line ConfigError naming the directory."""
+    policy_vocab_size = run_model_config(config).vocab_size
+    for role in recipe.roles:
+        if not role.model_path or role.trainable:
+            continue
+        path = Path(role.model_path)
+        key = path_setting(config, role.model_path, f"role {role.name!r} model_path")
+        if (path / "tokenizer_config.json").is_file():
+            try:
+                same = load_pretrained_tokenizer(path).get_vocab() == tokenizer.get_vocab()
+            except (OSError, ValueError, TypeError) as exc:  # a corrupt or incomplete tokenizer file
+                raise ModelDirError(
+                    f"{key}: the tokenizer in {path} does not load ({type(exc).__name__}): copy the model's "
+                    "tokenizer files there again"
+                ) from None
+            if not same:
+                raise ConfigError(
+                    f"{key}: the tokenizer of {path} differs from the policy's ({config.model.path}); role "
+                    f"{role.name!r} scores the policy's token ids, so give it a checkpoint with the policy's tokenizer"
+                )
+            continue
+        vocab_size = read_config(path).vocab_size
+        if vocab_size != policy_vocab_size:
+            missing = "tokenizer_config.json" if any((path / f).is_file() for f in TOKENIZER_FILES) else "tokenizer"
+            raise ConfigError(
+                f"{key}: {path} has no {missing} and its vocab_size {vocab_size} differs from the policy's "
+                f"{policy_vocab_size}; role {role.name!r} scores the policy's token ids: copy its model's tokenizer "
+                "files there (its vocabulary is then compared with the policy's), or give it a checkpoint with the "
+                "policy's vocabulary"
+            )
+        if (role.name, path) not in _UNCOMPARED_SAID:
+            _UNCOMPARED_SAID.add((role.name, path))
+            logger.info(
+                "role %r: %s has no tokenizer; it scores the policy's token ids (vocab_size %d, as the policy's)",
+                role.name,
+                path,
+                vocab_size,
+            )
+
+
+_UNCOMPARED_SAID: set[tuple[str, Path]] = set()
+"""The roles told in this process that their vocabulary was compared by size only (``check_run`` runs
+twice for a run)."""
 
 
 def path_setting(config: ArenoConfig, value: str, fallback: str) -> str:

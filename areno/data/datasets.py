@@ -4,11 +4,16 @@ Every row is checked for the prompt field before training starts, so a malformed
 one line (a :class:`~areno.errors.DataError`) naming the file, the line (JSONL) or row (JSON list,
 Parquet) and the field. Preference recipes (``pairs``) read TRL's preference rows: ``prompt``
 (``data.prompt_key``), ``chosen`` and ``rejected`` (``PAIR_KEYS``), each completion a non-empty
-string or a list of assistant messages (TRL's conversational format).
+string or a list of assistant messages (TRL's conversational format). The other recipes read a
+prompt and its reference answer; two of TRL's layouts give them otherwise and are read as such rows
+(``answer_field``): a ``messages`` conversation (the prompt the messages before its last assistant
+ones, the answer those); and a warm start on preference rows trains on their ``chosen`` completion
+(``warm_start_answer_key``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,19 +23,53 @@ from areno.errors import ConfigError, DataError
 
 PAIR_KEYS = ("chosen", "rejected")
 """The fields of a preference row holding its preferred and its dispreferred completion (TRL's names)."""
+CONVERSATION_KEY = "messages"
+"""The field of TRL's conversational rows: one whole conversation, a list of ``{role, content}`` messages."""
 
 
-def load_rows(path: str | Path, *, prompt_key: str, answer_key: str | None = None, pairs: bool = False) -> list[dict]:
+def load_rows(
+    path: str | Path,
+    *,
+    prompt_key: str,
+    answer_key: str | None = None,
+    pairs: bool = False,
+    answer_field: str | None = None,
+) -> list[dict]:
     """Rows of a ``.jsonl`` / ``.json`` (list) / ``.parquet`` file, validated: each an object with a
-    ``prompt_key`` field holding a string or a list of ``{"role", "content"}`` messages and, when ``answer_key`` is given (supervised recipes train on it), an
-    ``answer_key`` field; with ``pairs`` (preference recipes), ``chosen`` and ``rejected`` fields
-    (``PAIR_KEYS``), each a non-empty string or a list of assistant messages.
+    ``prompt_key`` field holding a string or a list of ``{"role", "content"}`` messages and, when
+    ``answer_key`` is given (supervised recipes train on it), an ``answer_key`` field; with ``pairs``
+    (preference recipes), ``chosen`` and ``rejected`` fields (``PAIR_KEYS``), each a non-empty string
+    or a list of assistant messages.
+
+    Without ``pairs``, a row of TRL's conversational layout (``messages`` and no ``prompt_key``) is
+    read as its prompt, the messages before the last assistant ones, under ``prompt_key``, and its
+    answer, those assistant messages, under ``answer_field`` (default ``answer_key``; ``messages``
+    dropped), as TRL's SFT reads it.
 
     A bad row is named by its 1-based line number in a ``.jsonl`` file (``file line N: ...``, blank
     lines counted, as an editor shows them) and by its 0-based index in a ``.json`` list or a
     ``.parquet`` table (``file row i: ...``). Every problem is a one-line :class:`DataError`.
     """
     path = Path(path)
+    rows, where = _read_rows(path)
+    answer_field = answer_field or answer_key
+    for i, (row, name) in enumerate(zip(rows, where)):
+        if answer_field is not None and not pairs and isinstance(row, dict) and prompt_key not in row:
+            row = _from_conversation(row, prompt_key, answer_field)
+            if isinstance(row, str):
+                raise DataError(f"{path} {name}: {row}")
+            rows[i] = row
+        problem = _row_problem(row, prompt_key, answer_key)
+        if problem is None and pairs:
+            problem = _pair_problem(row)
+        if problem is not None:
+            raise DataError(f"{path} {name}: {problem}")
+    return rows
+
+
+def _read_rows(path: Path) -> tuple[list, list[str]]:
+    """The file's rows as parsed, and how an error names each (``line N``, ``row i``); a file that does
+    not parse, a one-line DataError."""
     if not path.is_file():
         raise DataError(f"dataset file {path} does not exist: set data.train_path / data.eval_path")
     where: list[str]  # how each row is named in an error
@@ -66,13 +105,74 @@ def load_rows(path: str | Path, *, prompt_key: str, answer_key: str | None = Non
             where.append(f"line {lineno}")
     else:
         raise DataError(f"dataset file {path}: unsupported suffix {path.suffix!r}; use .jsonl, .json or .parquet")
-    for row, name in zip(rows, where):
-        problem = _row_problem(row, prompt_key, answer_key)
-        if problem is None and pairs:
-            problem = _pair_problem(row)
-        if problem is not None:
-            raise DataError(f"{path} {name}: {problem}")
-    return rows
+    return rows, where
+
+
+def _first_row(path: Path) -> object:
+    """The file's first row (None: it has none), a ``.jsonl`` file's read without the lines after it."""
+    if path.suffix == ".jsonl" and path.is_file():
+        with path.open(encoding="utf-8") as f:
+            line = next((line for line in f if line.strip()), None)
+        try:
+            return None if line is None else json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: not valid JSON ({exc.msg})") from None
+    rows, _ = _read_rows(path)
+    return rows[0] if rows else None
+
+
+def warm_start_answer_key(data_cfg) -> str:
+    """The answer field a supervised warm start trains on: ``data.answer_key``, except for a file of TRL
+    preference rows (``prompt``, ``chosen``, ``rejected``; read from its first row) without one while
+    the key is left at its default: ``chosen``, the preferred completion (what ``data.answer_key=chosen``
+    would name). A file that does not read keeps the key (preflight names its problem)."""
+    key = data_cfg.answer_key
+    if data_cfg.task is not None or data_cfg.train_path is None or key != _default(data_cfg, "answer_key"):
+        return key
+    try:
+        row = _first_row(Path(data_cfg.train_path))
+    except (DataError, UnicodeDecodeError):
+        return key
+    return PAIR_KEYS[0] if _is_preference_row(row, data_cfg.prompt_key) and key not in row else key
+
+
+def _from_conversation(row: dict, prompt_key: str, answer_field: str) -> dict | str:
+    """A TRL conversational row (``messages``, no ``prompt_key``) as a prompt/answer row: the prompt the
+    messages before the last assistant ones, the answer those assistant messages (TRL's SFT trains on
+    them; the prompt's earlier assistant turns are context). Another row is returned as it is; a
+    conversation that cannot be split, the problem and its fix."""
+    messages = row.get(CONVERSATION_KEY)
+    if not isinstance(messages, list):
+        return row
+    problem = message_list_problem(messages)
+    if problem is not None:
+        return f"{CONVERSATION_KEY!r} is a message list but {problem} (each message needs string 'role' and 'content')"
+    split = len(messages)
+    while split > 0 and messages[split - 1]["role"] == "assistant":
+        split -= 1
+    if split == len(messages):
+        return (
+            f"{CONVERSATION_KEY!r} has no assistant turn at its end (its last message is the "
+            f"{messages[-1]['role']!r}'s): a conversation row's completion is its last assistant message(s); "
+            f"end it with the assistant's reply, or give a prompt without one as {prompt_key!r}"
+        )
+    if split == 0:
+        return (
+            f"{CONVERSATION_KEY!r} holds only assistant messages: a conversation row's prompt is the messages "
+            "before its last assistant one(s); begin it with the user's turn"
+        )
+    if answer_field in row:
+        return (
+            f"both {CONVERSATION_KEY!r}, whose last assistant message(s) are the row's answer, and "
+            f"{answer_field!r}: keep one, or give the prompt as {prompt_key!r}"
+        )
+    rest = {k: v for k, v in row.items() if k != CONVERSATION_KEY}
+    return {**rest, prompt_key: messages[:split], answer_field: messages[split:]}
+
+
+def _is_preference_row(row: object, prompt_key: str) -> bool:
+    """A TRL preference row: an object with a prompt and both ``PAIR_KEYS``."""
+    return isinstance(row, dict) and prompt_key in row and all(k in row for k in PAIR_KEYS)
 
 
 def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | None:
@@ -87,12 +187,10 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
             f"{PAIR_KEYS[0]!r} and {PAIR_KEYS[1]!r}) are not read: move the shared opening messages into a "
             f"{prompt_key!r} field (or set data.prompt_key to the field that holds the prompt)"
         )
-    if prompt_key not in row and isinstance(row.get("messages"), list):
+    if prompt_key not in row and isinstance(row.get(CONVERSATION_KEY), list):  # preference recipes
         return (
-            f"no field {prompt_key!r}, only 'messages' (TRL's conversational layout, one conversation a row), which "
-            "areno does not read: it reads a prompt with an answer or completion, each a string or a message list; "
-            "split each row into 'prompt' (the messages before the last assistant one) and 'completion' (the last "
-            "assistant message), then set data.answer_key=completion"
+            f"no field {prompt_key!r}, only {CONVERSATION_KEY!r} (TRL's conversational layout, one conversation a "
+            f"row), but preference recipes read TRL's preference rows: {{{prompt_key!r}, 'chosen', 'rejected'}}"
         )
     if prompt_key not in row:
         return f"no string field {prompt_key!r} (fields are {fields}; {fix})"
@@ -203,23 +301,26 @@ def build_splits(
             train, held_out = [remap(r) for r in train], [remap(r) for r in held_out]
         return train, held_out
     answer_key = data_cfg.answer_key if need_answers else None
-    train = load_rows(data_cfg.train_path, prompt_key=data_cfg.prompt_key, answer_key=answer_key, pairs=pairs)
+    # a conversation gives its answer under data.answer_key whether or not this recipe needs it: the
+    # engine and `areno eval` load the rows without asking for answers, and must see the same ones
+    read = {"prompt_key": data_cfg.prompt_key, "pairs": pairs, "answer_field": data_cfg.answer_key}
+    train = load_rows(data_cfg.train_path, answer_key=answer_key, **read)
     if not train:
         raise DataError(f"dataset file {data_cfg.train_path} holds no rows: data.train_path needs training prompts")
     held_out = []
     if data_cfg.eval_path is not None:
-        held_out = load_rows(
-            data_cfg.eval_path,
-            prompt_key=data_cfg.prompt_key,
-            answer_key=data_cfg.answer_key if eval_answers else None,
-            pairs=pairs,
-        )
+        held_out = load_rows(data_cfg.eval_path, answer_key=data_cfg.answer_key if eval_answers else None, **read)
         if not held_out:
             raise DataError(
                 f"dataset file {data_cfg.eval_path} holds no rows: data.eval_path needs held-out prompts, or unset it"
             )
         held_out = held_out[: data_cfg.num_eval]
     return train, held_out
+
+
+def _default(data_cfg, key: str) -> object:
+    """The default of the data section's setting ``key`` (a dataclass field)."""
+    return next(f.default for f in dataclasses.fields(data_cfg) if f.name == key)
 
 
 def _check_pair_source(data_cfg) -> None:

@@ -50,6 +50,8 @@ COMPLETION_LEN_KEY = "rollout/completion_len_mean"
 POLICY_LOSS_KEY = "train/policy/loss"
 """The policy's loss (the NLL of ``sft``, the actor loss of an RL recipe): the console's ``loss``;
 a recipe without a policy shows its trained role's ``train/<role>/loss`` (``reward_model``)."""
+VALUE_LOSS_SUFFIX = "/critic/value_loss"
+"""A critic role's value loss (``train/<role>/critic/value_loss``, PPO's value model): the console's ``vloss``."""
 STALENESS_KEY = "rollout/staleness_mean"
 """Mean (current version - token version) over the trained tokens of a step."""
 TOKENS_PER_S_KEY = "timing/tokens_per_s"
@@ -180,8 +182,16 @@ def step_loss(metrics: Mapping[str, Number]) -> Number | None:
     return metrics[losses[0]] if losses else None
 
 
+def critic_value_loss(metrics: Mapping[str, Number]) -> Number | None:
+    """The value loss the console shows for a step (the first ``train/<role>/critic/value_loss``);
+    None when no critic trained."""
+    keys = [k for k in sorted(metrics) if k.startswith("train/") and k.endswith(VALUE_LOSS_SUFFIX)]
+    return metrics[keys[0]] if keys else None
+
+
 class ConsoleSink(MetricSink):
-    """A progress line: [stage] step/total, reward and completion length (or a loss), tokens/s, staleness, ETA.
+    """A progress line: [stage] step/total, reward and completion length (or a loss), a critic's value
+    loss, tokens/s, staleness, ETA.
 
     On a terminal it is a tqdm bar; otherwise (CI, log files) a plain line per step, and eval
     results as their own line. Tokens/s is ``timing/tokens_per_s`` when logged, else
@@ -226,7 +236,7 @@ class ConsoleSink(MetricSink):
             )
 
     def summary(self, metrics: Mapping[str, Number], step: int) -> dict[str, str]:
-        """The short fields shown for a step (reward, len or loss, tok/s, stale, eta)."""
+        """The short fields shown for a step (reward, len or loss, vloss, tok/s, stale, eta)."""
         now = time.monotonic()
         fields: dict[str, str] = {}
         if REWARD_KEY in metrics:
@@ -238,6 +248,10 @@ class ConsoleSink(MetricSink):
         loss = step_loss(metrics) if REWARD_KEY not in metrics else None
         if loss is not None:
             fields["loss"] = _format_number(loss)
+        # unlike the policy's, the critic's loss falls as it learns: whether the value model keeps up
+        value_loss = critic_value_loss(metrics)
+        if value_loss is not None:
+            fields["vloss"] = _format_number(value_loss)
         tokens_per_s = metrics.get(TOKENS_PER_S_KEY)
         if tokens_per_s is None and NUM_TOKENS_KEY in metrics and step > self._last_step:
             elapsed = now - self._t_last_step

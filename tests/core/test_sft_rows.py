@@ -50,14 +50,3 @@ def test_trl_completion_rows_name_the_answer_key_to_set(tmp_path):
         build_splits(DataSection(task=None, train_path=str(path)), need_answers=True)
     train, _ = build_splits(DataSection(task=None, train_path=str(path), answer_key="completion"), need_answers=True)
     assert train == [{"prompt": "1+1=", "completion": "2"}]
-
-
-def test_trl_messages_rows_are_refused_with_the_layouts_read(tmp_path):
-    conversation = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
-    path = _file(tmp_path, [{"messages": conversation}])
-    with pytest.raises(DataError) as info:
-        load_rows(path, prompt_key="prompt", answer_key="answer")
-    message = str(info.value)
-    assert message.startswith(f"{path} line 1: no field 'prompt', only 'messages' (TRL's conversational layout")
-    assert "split each row into 'prompt'" in message and "set data.answer_key=completion" in message
-    assert "data.prompt_key" not in message  # pointing it at 'messages' cannot work
