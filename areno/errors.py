@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import numbers
 import os
@@ -35,6 +36,21 @@ def check_config(cond: bool, key: str, message: str) -> None:
     """Raise ``ConfigError("<key>: <message>")`` unless ``cond``: the validation of config dataclasses."""
     if not cond:
         raise ConfigError(f"{key}: {message}")
+
+
+class UnknownSettingError(ConfigError, AttributeError):
+    """An attribute set on a config section that is not one of its settings (``cfg.train.stpes = 1``):
+    a ConfigError for the CLI's one line, an AttributeError for Python's idiom."""
+
+
+def unknown_setting(prefix: str, name: str, settings: list[str]) -> UnknownSettingError:
+    """``UnknownSettingError("<prefix>.<name>: not a setting; did you mean <prefix>.<closest>?")`` (the
+    settings listed when none is close)."""
+    key, dot = (f"{prefix}.{name}", f"{prefix}.") if prefix else (name, "")
+    close = difflib.get_close_matches(name, settings, n=1)
+    if close:
+        return UnknownSettingError(f"{key}: not a setting; did you mean {dot}{close[0]}?")
+    return UnknownSettingError(f"{key}: not a setting; they are {', '.join(dot + s for s in settings)}")
 
 
 def check_types(section: object, prefix: str, schema: type) -> None:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import re
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from areno.engine.config import (
+    MANDATORY_HINTS,
     ArenoConfig,
     ClusterSection,
     DataSection,
@@ -46,6 +48,9 @@ __all__ = [
     "TestRolloutSection",
     "TrainSection",
     "WarmStartSection",
+    "absolute_code_paths",
+    "absolute_paths",
+    "checked_config",
     "load_config",
     "to_dict",
     "to_yaml",
@@ -90,10 +95,6 @@ def _type_error(exc: OmegaConfBaseException) -> ConfigError | None:
     if hint is None or is_of_type(value, hint):
         return None
     return wrong_type(key, hint, value)
-
-
-_MANDATORY_HINTS = {"model.path": "a local Hugging Face checkpoint directory, e.g. model.path=/path/to/ckpt"}
-"""What each mandatory key (``MISSING`` in the schema) is set to, for the error when it is not."""
 
 
 def _load_yaml(path: Path) -> DictConfig:
@@ -177,18 +178,67 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise
     except MissingMandatoryValue as exc:
         key = exc.full_key
-        hint = _MANDATORY_HINTS.get(key, f"a value, e.g. {key}=VALUE")
+        hint = MANDATORY_HINTS.get(key, f"a value, e.g. {key}=VALUE")
         raise ConfigError(f"{key}: not set: set it to {hint}") from None
     except OmegaConfBaseException as exc:
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, ConfigError):
             raise ConfigError(str(cause)) from None
         raise _type_error(exc) or ConfigError(_describe(exc)) from None
-    # a file's user code named from the working directory: absolute, so workers started elsewhere (Ray,
-    # SLURM, a reward sandbox) and a resume from another directory import the same file
+    return absolute_code_paths(config)
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def absolute_code_paths(config: ArenoConfig) -> ArenoConfig:
+    """``config`` (changed in place) with the files of its user code made absolute from the working
+    directory (``reward.fn``, ``rollout.workflow``, ``train.algorithm`` as ``./file.py:name``), so
+    processes started elsewhere (Ray, SLURM, a reward sandbox in its own directory) import the same
+    code. ``load_config`` calls it (``areno eval`` starts reward sandboxes), and ``absolute_paths``."""
     config.reward.fn = resolve_path(config.reward.fn)
     config.rollout.workflow = resolve_path(config.rollout.workflow)
+    config.train.algorithm = resolve_path(config.train.algorithm)
     return config
+
+
+def absolute_paths(config: ArenoConfig) -> ArenoConfig:
+    """``config`` (changed in place) with every relative path made absolute from the working directory:
+    its user code's (``absolute_code_paths``), the run directory, the model, the data files and the
+    paths of ``train.algorithm_kwargs`` (``*_path``: a teacher, a reward model). The run's config.yaml,
+    written by ``Trainer.init``, then names the same files from any directory (``areno eval
+    runs/x/config.yaml``, ``resume=auto``). ``checked_config`` calls it (``Trainer.init`` and
+    ``run_pipeline``): configs from YAML, overrides and Python alike."""
+    absolute_code_paths(config)
+    config.run_dir = _absolute(config.run_dir)
+    if config.model.path != MISSING:
+        config.model.path = _absolute(config.model.path)
+    for key in ("train_path", "eval_path"):
+        if getattr(config.data, key) is not None:
+            setattr(config.data, key, _absolute(getattr(config.data, key)))
+    config.train.algorithm_kwargs = {
+        key: _absolute(value) if key.endswith("_path") and isinstance(value, str) else value
+        for key, value in config.train.algorithm_kwargs.items()
+    }
+    return config
+
+
+def checked_config(config: object, *, caller: str) -> ArenoConfig:
+    """``config`` ready to run (``caller``: ``Trainer.init`` or ``run_pipeline``, for the message): an
+    :class:`ArenoConfig` (a TypeError naming ``load_config`` for a YAML path or a mapping), checked again
+    as at construction (``ArenoConfig.validate``: a setting assigned since), its paths absolute
+    (``absolute_paths``)."""
+    if not isinstance(config, ArenoConfig):
+        path = isinstance(config, (str, os.PathLike))
+        got = f"the path {os.fspath(config)!r}" if path else f"a {type(config).__name__}"  # type: ignore[arg-type]
+        raise TypeError(
+            f"{caller} takes an ArenoConfig, got {got}: read a YAML file with "
+            "areno.api.config.load_config(path, overrides), or build one from its sections "
+            "(ArenoConfig(model=ModelSection(path=...), ...))"
+        )
+    config.validate()
+    return absolute_paths(config)
 
 
 def to_yaml(config: ArenoConfig) -> str:

@@ -13,7 +13,7 @@ import logging
 import signal
 from pathlib import Path
 
-from areno.api.config import ArenoConfig, load_config
+from areno.api.config import ArenoConfig, checked_config, load_config
 from areno.api.preflight import check_run, resumes
 from areno.api.rundir import RunDirLock
 from areno.api.trainer import Trainer
@@ -146,7 +146,7 @@ def run_warm_start(config: ArenoConfig, *, resuming: bool = False) -> Path:
     if changed:
         print(f"warm start: {export_dir} was made with other settings ({', '.join(changed[:4])}): training it again")
         (export_dir / "COMPLETE").unlink()
-    trainer = Trainer.init(sft, stage="warm start")
+    trainer = Trainer.init(sft, stage="warm start", warm_start_by_caller=True)
     trainer.save_on_stop = False  # a stopped warm start starts over: it is the stage's one run
     try:
         metrics = trainer.run()
@@ -166,9 +166,11 @@ def run_warm_start(config: ArenoConfig, *, resuming: bool = False) -> Path:
 
 
 def run_pipeline(config: ArenoConfig) -> dict[str, float]:
-    """Warm start (if configured), then the main recipe; returns before/after metrics. Both stages
+    """Warm start (if configured), then the main recipe; returns before/after metrics. ``config`` is
+    checked again as at construction, its paths made absolute (``config.checked_config``); both stages
     are checked (``preflight.check_run``) before the first one starts, with the run directory
     locked (``rundir.RunDirLock``) for the whole pipeline."""
+    config = checked_config(config, caller="run_pipeline")
     with RunDirLock(config.run_dir):
         return _run_stages(config)
 
@@ -179,7 +181,7 @@ def _run_stages(config: ArenoConfig) -> dict[str, float]:
         check_run(warm_start_config(config))
         # a finished warm start is reused (a resumed run keeps it even where its settings changed)
         config = _stage(config, model={"path": str(run_warm_start(config, resuming=resumes(config)))})
-    trainer = Trainer.init(config)
+    trainer = Trainer.init(config, warm_start_by_caller=True)
     try:
         before = trainer.evaluate_now() if trainer.start_rollout_id == 0 else {}
         after = trainer.run()

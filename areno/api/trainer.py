@@ -7,6 +7,11 @@
         backend.update_weights()                         # sync_to_rollout roles -> rollout engine
         evaluate / save at their intervals
 
+``run()`` again (in a notebook, after raising ``config.train.steps``) goes on from the step reached, as
+the same loop would have: the data order, the step numbers, the checkpoints and the learning-rate
+schedule are those of one longer run. Settings other than ``train.steps``, ``train.eval_interval`` and
+``train.save_interval`` are those the Trainer was built with: a change is refused (``_check_runnable``).
+
 Resume (``resume=auto|true``): the newest ``checkpoints/step_N`` holding ``COMPLETE`` whose files
 match their checksums is loaded (checkpoints are published by one rename, so a killed write is
 never loaded; its staging directory is removed with a warning; a damaged one is passed over with a
@@ -25,14 +30,15 @@ import os
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import yaml
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
-from areno.api.config import ArenoConfig, to_dict, to_yaml
+from areno.api.config import ArenoConfig, checked_config, to_dict, to_yaml
 from areno.api.preflight import check_resumed_config, check_run
 from areno.api.rundir import RunDirLock, clear_run, set_aside_untrained
 from areno.engine.api import check_init_tiny_target
@@ -40,7 +46,7 @@ from areno.engine.host import thaw_heap
 from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, test_metrics
 from areno.errors import ConfigError, RunStopped
 from areno.faults import fault_point
-from areno.observe.metrics import METRICS_FILENAME, MetricsLogger, WandbConfig
+from areno.observe.metrics import METRICS_FILENAME, ConsoleSink, MetricsLogger, WandbConfig
 from areno.observe.profile import profiled_step
 from areno.observe.session import configure_sessions
 from areno.observe.startup import startup_to_first_token_s
@@ -48,6 +54,10 @@ from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, 
 from areno.train import checkpoint
 
 logger = logging.getLogger(__name__)
+
+CHANGEABLE_BETWEEN_RUNS = ("train.steps", "train.eval_interval", "train.save_interval")
+"""The settings a Trainer reads afresh at each ``run()``; the others built its engine, and a change of
+one between two ``run()`` calls is refused rather than half taken."""
 
 PASS_SEED_STRIDE = 100003  # prime stride: pass seeds of different rollouts never collide early
 
@@ -72,16 +82,22 @@ def reshuffle(rollout: RolloutBatch, seed: int) -> RolloutBatch:
 
 
 class Trainer:
-    """Resolves the backend, runs the loop, writes the run directory."""
+    """Resolves the backend, runs the loop, writes the run directory. ``Trainer.init(config)`` and
+    ``Trainer(config)`` are the same: the run directory locked, the config checked, the engine built.
+    :meth:`run` trains to ``config.train.steps`` (called again, it goes on from the step reached);
+    :meth:`shutdown` releases it all (a second call does nothing)."""
 
-    # set in __init__
+    _live: ClassVar[weakref.WeakValueDictionary[Path, Trainer]] = weakref.WeakValueDictionary()
+    """The Trainers of this process not shut down, by resolved run directory: one per directory."""
+
     config: ArenoConfig
     run_dir: Path
-    # set in init()
     lock: RunDirLock
     backend: Backend
     logger: MetricsLogger
     start_rollout_id: int = 0
+    """The rollout id of the next step to train (the steps done): the resumed checkpoint's step, then
+    the step each ``run()`` reached."""
     test_rollout: TestRolloutManager | None = None
     """The background test rollout (``config.test_rollout.enabled``)."""
     save_on_stop: bool = True
@@ -92,31 +108,58 @@ class Trainer:
     stage: str | None = None
     """The console's label of this run's steps when it is one stage of several (``"warm start"``)."""
 
-    def __init__(self, config: ArenoConfig) -> None:
+    def __init__(self, config: ArenoConfig, *, stage: str | None = None, warm_start_by_caller: bool = False) -> None:
+        """See :meth:`init`."""
+        config = checked_config(config, caller="Trainer.init")
         self.config = config
         self.run_dir = Path(config.run_dir)
-
-    @classmethod
-    def init(cls, config: ArenoConfig, *, stage: str | None = None) -> Trainer:
-        """Resolve the registered backend named by ``config.train.backend`` and initialise it. The
-        run directory is locked first (``rundir.RunDirLock``, released by :meth:`shutdown`), then
-        what the config can be checked for is checked (``preflight.check_run``), before the run
-        directory is written and any model is built. ``stage``: the console's label of the steps
-        (``"warm start"``) when this run is one stage of several (``api/pipeline.py``)."""
+        self.stage = stage
+        self._shut_down = False
+        self._failed: str | None = None  # what a run() that raised mid-step left (no run() goes on from it)
+        self._ran = False
+        self._check_not_live()
+        if config.warm_start.steps > 0 and not warm_start_by_caller:
+            logger.warning(
+                "warm_start.steps=%d: a Trainer trains train.algorithm alone, without the warm start; "
+                "areno.api.pipeline.run_pipeline(config) runs both (as areno train does), or set warm_start.steps=0",
+                config.warm_start.steps,
+            )
         backend_cls = resolve_backend(config.train.backend)
-        lock = RunDirLock(config.run_dir).acquire()
+        self.lock = RunDirLock(config.run_dir).acquire()
         try:
             check_run(config)
             check_resumed_config(config)
             check_init_tiny_target(config)  # before _initialize writes run_dir (overwrite may clear it)
-            trainer = cls(config)
-            trainer.lock = lock
-            trainer.stage = stage
-            trainer._initialize(backend_cls)
+            self._initialize(backend_cls)
         except BaseException:
-            lock.release()
+            self.lock.release()
             raise
-        return trainer
+        self._built_with = _flat(to_dict(config))  # what the engine was built from (_check_runnable)
+        self._written = self._built_with  # what run_dir/config.yaml says
+        Trainer._live[self.run_dir.resolve()] = self
+
+    @classmethod
+    def init(cls, config: ArenoConfig, *, stage: str | None = None, warm_start_by_caller: bool = False) -> Trainer:
+        """Resolve the registered backend named by ``config.train.backend`` and initialise it. ``config``
+        is an :class:`ArenoConfig` (``load_config(path, overrides)`` reads a YAML file into one), checked
+        again as at construction and its paths made absolute (``config.checked_config``). The run
+        directory is locked first (``rundir.RunDirLock``, released by :meth:`shutdown`; a second live
+        Trainer on it in this process is refused), then what the config can be checked for is checked
+        (``preflight.check_run``), before the run directory is written and any model is built.
+        ``stage``: the console's label of the steps (``"warm start"``) when this run is one stage of
+        several (``api/pipeline.py``). ``warm_start_by_caller``: the caller runs ``config.warm_start``
+        (``run_pipeline``); otherwise ``warm_start.steps`` > 0 is warned about, since a Trainer does not."""
+        return cls(config, stage=stage, warm_start_by_caller=warm_start_by_caller)
+
+    def _check_not_live(self) -> None:
+        """One Trainer per run directory in this process (``RunDirLock`` is re-entrant in a process, for
+        the pipeline around its stages' Trainers): two would log into one metrics.jsonl."""
+        other = Trainer._live.get(self.run_dir.resolve())
+        if other is not None and not other._shut_down:
+            raise ConfigError(
+                f"run_dir {self.run_dir} is in use by another Trainer of this process that is not shut down: "
+                "call its shutdown() first, or use another run_dir"
+            )
 
     def _initialize(self, backend_cls: type[Backend]) -> None:
         config = self.config
@@ -161,17 +204,87 @@ class Trainer:
         return self.backend.train(rollout_id, rollout)
 
     def run(self) -> dict[str, float]:
-        """The outer loop; returns the last evaluation metrics. A SIGINT or SIGTERM ends it after the
-        step in progress, with that step's checkpoint saved (``RunStopped``); a second one stops at once."""
+        """The outer loop, from the step reached to ``config.train.steps``; returns the last evaluation
+        metrics. Called again after raising ``config.train.steps``, it trains the steps after the one
+        reached, as one longer run would have. A SIGINT or SIGTERM ends it after the step in progress,
+        with that step's checkpoint saved (``RunStopped``; ``run()`` goes on from there); a second one
+        stops at once."""
+        if not self._check_runnable():
+            return {}
         with StopSignals(self.run_dir / "checkpoints") as stop:
-            metrics = self._run(stop)
+            try:
+                metrics = self._run(stop)
+            except RunStopped:  # at a step's end: the next run() goes on from there
+                raise
+            except BaseException as exc:
+                self._failed = f"{type(exc).__name__} in step {self.start_rollout_id + 1}"
+                raise
+            finally:
+                self._ran = True
             self.stopped_by = stop.signum
             return metrics
+
+    def _check_open(self, what: str) -> None:
+        if self._shut_down:
+            raise RuntimeError(
+                f"{what}: this Trainer of {self.run_dir} was shut down: make a new one with Trainer.init(config) "
+                "(resume='auto' goes on from its last checkpoint)"
+            )
+
+    def _check_runnable(self) -> bool:
+        """Before each ``run()``: the config holds values its checks pass and the settings the engine
+        was built with (``CHANGEABLE_BETWEEN_RUNS`` aside), and ``train.steps`` reaches at least the step
+        trained. False: nothing to train (said in one line). ``run_dir/config.yaml`` follows a change
+        of ``train.steps`` or the intervals."""
+        self._check_open("run()")
+        if self._failed is not None:
+            raise RuntimeError(
+                f"run(): this Trainer's last run() stopped with {self._failed}, partway through it: shutdown() "
+                "and make a new Trainer with resume='auto' (it goes on from the last checkpoint)"
+            )
+        config = self.config
+        config.validate()
+        now = _flat(to_dict(config))
+        for key in sorted(set(now) | set(self._built_with)):
+            if key not in CHANGEABLE_BETWEEN_RUNS and now.get(key) != self._built_with.get(key):
+                raise ConfigError(
+                    f"{key}: changed to {now.get(key)!r} since Trainer.init ({self._built_with.get(key)!r}), but the "
+                    f"engine was built with it (only {', '.join(CHANGEABLE_BETWEEN_RUNS)} may change between run() "
+                    "calls): shutdown() and make a new Trainer with the change and resume='auto'"
+                )
+        steps, built, reached = config.train.steps, self._built_with["train.steps"], self.start_rollout_id
+        cosine = [k for k, v in now.items() if k.endswith(".schedule") and v == "cosine"]
+        if steps != built and cosine:
+            raise ConfigError(
+                f"train.steps: {built} -> {steps}, but {cosine[0]}=cosine decays over the steps the Trainer was "
+                f"built with: shutdown() and make a new Trainer with train.steps={steps} and resume='auto' "
+                "(its schedule decays over them)"
+            )
+        if steps < reached:
+            raise ConfigError(
+                f"train.steps={steps} but this Trainer already trained {self.run_dir} to step {reached}: set "
+                f"train.steps above {reached} to train on"
+            )
+        if now != self._written:
+            checkpoint_dir = self._checkpoint_dir(reached)
+            self._write_config(checkpoint_dir if checkpoint_dir.is_dir() else None)
+            self._written = now
+            for sink in self.logger.sinks:  # the progress line's step/total
+                if isinstance(sink, ConsoleSink):
+                    sink.total_steps = steps
+        if steps == reached and self._ran:
+            print(
+                f"areno: this Trainer already trained {self.run_dir} to train.steps={steps}: nothing to train; "
+                "raise config.train.steps and call run() again to train on",
+                flush=True,
+            )
+        return steps > reached
 
     def _run(self, stop: StopSignals) -> dict[str, float]:
         cfg = self.config.train
         last_eval: dict[str, float] = {}
-        for rollout_id in range(self.start_rollout_id, cfg.steps):
+        first = self.start_rollout_id
+        for rollout_id in range(first, cfg.steps):
             t0 = time.perf_counter()
             step = rollout_id + 1
             with profiled_step(self.run_dir, step, self.config.observe.profile_steps):
@@ -196,7 +309,7 @@ class Trainer:
                 "timing/tokens_per_s": rollout.batch.num_tokens / max(t3 - t0, 1e-9),
             }
             startup_s = startup_to_first_token_s()  # None when the rollout ran in other processes
-            if rollout_id == self.start_rollout_id and startup_s is not None:
+            if rollout_id == first and not self._ran and startup_s is not None:  # this Trainer's first step
                 timing["system/startup_to_first_token_s"] = startup_s
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
@@ -208,6 +321,7 @@ class Trainer:
                 with span("checkpoint", "trainer", step=step):
                     self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
             self._log_test_results()
+            self.start_rollout_id = rollout_id + 1  # the step is done, its checkpoint (if any) saved
             if stopping:
                 where = f"after step {step} of {cfg.steps} of {self.run_dir}"
                 then = (
@@ -216,7 +330,7 @@ class Trainer:
                     else "this stage starts over when the run is started again"
                 )
                 raise RunStopped(f"stopped by {signal.Signals(signum).name} {where}; {then}", signum)
-        self._finish_test_rollout()
+        self._finish_test_rollout(first)
         return last_eval
 
     def _test_due(self, step: int) -> bool:
@@ -230,9 +344,10 @@ class Trainer:
         for ckpt_step, metrics in self.test_rollout.pop_results():
             self.logger.log(test_metrics(ckpt_step, metrics), step=ckpt_step)
 
-    def _finish_test_rollout(self) -> None:
-        """Wait (``test_rollout.final_timeout_s``) for the evaluation of the last checkpoint, log it."""
-        if self.test_rollout is None or self.config.train.steps <= self.start_rollout_id:
+    def _finish_test_rollout(self, first: int) -> None:
+        """Wait (``test_rollout.final_timeout_s``) for the evaluation of the last checkpoint, log it
+        (``first``: the rollout id this ``run()`` started at; one that trained nothing waits for none)."""
+        if self.test_rollout is None or self.config.train.steps <= first:
             return
         timeout_s = self.config.test_rollout.final_timeout_s
         if not self.test_rollout.wait_for(self.config.train.steps, timeout_s):
@@ -245,10 +360,16 @@ class Trainer:
         self._log_test_results()
 
     def evaluate_now(self) -> dict[str, float]:
-        """Evaluate the current policy and log it at the current step."""
+        """Evaluate the current policy and log it at the current step (the steps done)."""
+        self._check_open("evaluate_now()")
         return self._evaluate(self.start_rollout_id)
 
     def shutdown(self) -> None:
+        """Stop the engine and its workers, close the logs, release the run directory; a second call
+        does nothing."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         try:
             if self.test_rollout is not None:
                 self.test_rollout.stop()
@@ -269,6 +390,7 @@ class Trainer:
             configure_sessions(None, False)
         finally:
             self.lock.release()
+            Trainer._live.pop(self.run_dir.resolve(), None)
 
     def _evaluate(self, step: int) -> dict[str, float]:
         with span("evaluate", "trainer", step=step):
@@ -402,6 +524,16 @@ def wandb_config(config: ArenoConfig) -> WandbConfig | None:
         tags=tuple(observe.wandb_tags),
         config=to_dict(config),
     )
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"train.steps": 4, ...}`` of ``to_dict``'s nested dicts (lists and scalars are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
 
 
 def _settings(config_yaml: str) -> dict[str, Any]:

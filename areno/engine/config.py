@@ -14,6 +14,7 @@ hand); ``auto`` dtypes resolve in ``resolve_dtypes``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, NamedTuple
 from omegaconf import MISSING
 
 from areno.data.prompts import CHAT_TEMPLATE_MODES
-from areno.errors import ConfigError, check_config, check_types
+from areno.errors import ConfigError, check_config, check_types, unknown_setting
 from areno.launch.allocation import (
     AllocationModeError,
     check_supported,
@@ -45,6 +46,47 @@ WEIGHT_TRANSFERS = ("disk", "nccl")
 """``rollout.backend``: areno's own engine, or an inference server of another system."""
 
 
+MANDATORY_HINTS = {"model.path": "a local Hugging Face checkpoint directory, e.g. model.path=/path/to/ckpt"}
+"""What each mandatory key (``MISSING`` in the schema) is set to, for the error when it is not."""
+
+
+@functools.cache
+def _settings(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+class ConfigSection:
+    """The base of the config sections: assigning an attribute that is not a setting is an
+    ``UnknownSettingError`` naming the closest one (``cfg.train.stpes = 1`` would otherwise add an
+    attribute the run never reads). Values assigned after construction are checked again by
+    :meth:`ArenoConfig.validate`, which ``Trainer.init`` and ``Trainer.run`` call."""
+
+    __slots__ = ()
+    _KEY = ""
+    """The section's key in a config file (``train``); empty for the whole config."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _settings(type(self)):
+            raise unknown_setting(self._KEY, name, list(_settings(type(self))))
+        super().__setattr__(name, value)
+
+
+def _revalidate(section: Any, key: str) -> None:
+    """``section``'s construction checks again (nested dataclasses first: ``train.lora``), and no
+    attribute that is not a setting (one set on a dataclass without ``ConfigSection``'s guard)."""
+    settings = _settings(type(section))
+    extra = [name for name in vars(section) if name not in settings]
+    if extra:
+        raise unknown_setting(key, extra[0], list(settings))
+    for name in settings:
+        value = getattr(section, name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _revalidate(value, f"{key}.{name}")
+    post_init = getattr(section, "__post_init__", None)
+    if post_init is not None:  # each section's checks are idempotent: they normalise, then check
+        post_init()
+
+
 def _check_finite(section: object, prefix: str) -> None:
     """Every float setting of ``section`` is a finite number: inf passes range checks such as
     ``> 0`` and NaN slips through others, and either then fails at run time (``timeout_s=inf``
@@ -59,7 +101,9 @@ def _check_finite(section: object, prefix: str) -> None:
 
 
 @dataclass(kw_only=True)
-class ModelSection(PrecisionConfig):
+class ModelSection(ConfigSection, PrecisionConfig):
+    _KEY = "model"
+
     path: str = MISSING
     """Local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)."""
     rollout_dtype: str = "auto"
@@ -81,7 +125,9 @@ class ModelSection(PrecisionConfig):
 
 
 @dataclass(kw_only=True)
-class DataSection:
+class DataSection(ConfigSection):
+    _KEY = "data"
+
     task: str | None = "arithmetic"
     """Shipped synthetic task (see `areno.data.tasks.TASKS`), or null to read train_path."""
     task_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -142,7 +188,9 @@ class DataSection:
 
 
 @dataclass(kw_only=True)
-class RewardSection:
+class RewardSection(ConfigSection):
+    _KEY = "reward"
+
     fn: str = "areno.rewards.tasks:exact_match"
     """Dotted path `module:function` of the reward: fn(prompt, completion, answer, **row) -> float."""
     sandbox: bool | None = None
@@ -188,8 +236,10 @@ class RewardSection:
 
 
 @dataclass(kw_only=True)
-class RolloutSection(RolloutEngineSettings):
+class RolloutSection(ConfigSection, RolloutEngineSettings):
     """The rollout engine's settings (``RolloutEngineSettings``) and the rollout pool's."""
+
+    _KEY = "rollout"
 
     batch_size: int = 16
     """Prompts per training step (each expands into n_samples trajectories)."""
@@ -322,7 +372,9 @@ class RolloutSection(RolloutEngineSettings):
 
 
 @dataclass(kw_only=True)
-class WarmStartSection:
+class WarmStartSection(ConfigSection):
+    _KEY = "warm_start"
+
     steps: int = 0
     """Supervised (sft recipe) steps on the task's reference answers before RL; 0 skips."""
     batch_size: int = 64
@@ -338,7 +390,9 @@ class WarmStartSection:
 
 
 @dataclass(kw_only=True)
-class ClusterSection:
+class ClusterSection(ConfigSection):
+    _KEY = "cluster"
+
     allocation_mode: str | None = None
     """Placement string, e.g. `areno[rollout]:d1+fsdp[actor]:d1`; null = colocated on one device."""
     train_devices: list[int] | None = None
@@ -536,8 +590,10 @@ class ClusterSection:
 
 
 @dataclass(kw_only=True)
-class TrainSection(TrainStepConfig):
+class TrainSection(ConfigSection, TrainStepConfig):
     """The training backends' step settings (``TrainStepConfig``) and the training loop's."""
+
+    _KEY = "train"
 
     algorithm: str = "grpo"
     """Registered recipe name (`areno recipes` lists them)."""
@@ -598,7 +654,9 @@ class TrainSection(TrainStepConfig):
 
 
 @dataclass(kw_only=True)
-class ObserveSection:
+class ObserveSection(ConfigSection):
+    _KEY = "observe"
+
     tensorboard: bool = False
     """Also write TensorBoard event files to run_dir/tensorboard."""
     wandb_project: str | None = None
@@ -643,7 +701,7 @@ TEST_ROLLOUT_DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(kw_only=True)
-class TestRolloutSection:
+class TestRolloutSection(ConfigSection):
     """The test rollout (``areno.engine.test_rollout``): held-out accuracy of each checkpoint, scored as
     the run's evaluation scores it (greedy, or ``train.eval_samples`` with ``test/pass@k``) in the
     background on a rollout engine of its own while training goes on. It loads the newest complete
@@ -653,6 +711,7 @@ class TestRolloutSection:
     beside a colocated run (a partitioned run is refused)."""
 
     __test__ = False  # not a pytest test class
+    _KEY = "test_rollout"
 
     enabled: bool = False
     """Run the test rollout."""
@@ -683,7 +742,15 @@ class TestRolloutSection:
 
 
 @dataclass(kw_only=True)
-class ArenoConfig:
+class OptimSection(ConfigSection, OptimConfig):
+    """The ``optim`` section: ``OptimConfig`` (``areno.train``'s, which a config built in Python may give)
+    with the sections' guard against unknown attributes; ``ArenoConfig`` makes one of an OptimConfig."""
+
+    _KEY = "optim"
+
+
+@dataclass(kw_only=True)
+class ArenoConfig(ConfigSection):
     """A whole run. `areno train CONFIG key=value ...`."""
 
     run_dir: str = "runs/areno"
@@ -710,6 +777,8 @@ class ArenoConfig:
 
     def __post_init__(self) -> None:
         check_types(self, "", ArenoConfig)
+        if not isinstance(self.optim, OptimSection):  # an OptimConfig: the same settings, guarded
+            self.optim = OptimSection(**fields_of(self.optim, OptimConfig))
         for f in dataclasses.fields(self):  # every section, their owners' settings included
             if dataclasses.is_dataclass(getattr(self, f.name)):
                 _check_finite(getattr(self, f.name), f.name)
@@ -845,6 +914,18 @@ class ArenoConfig:
             "sleep takes turns between rollout and training, but this run generates while it trains "
             "(rollout.max_head_offpolicyness > 0): set rollout.max_head_offpolicyness=0 or cluster.offload=none",
         )
+
+    def validate(self) -> None:
+        """Every construction check again, on the values held now: a setting assigned after construction
+        (``cfg.rollout.batch_size = "2"``, a notebook's first habit) gets the one-line ConfigError it
+        would have got there, and ``model.path`` left unset (a config built in Python without it) the
+        one ``load_config`` gives. ``Trainer.init`` and ``Trainer.run`` call it."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):  # a section replaced by something else: __post_init__ says so
+                _revalidate(section, f.name)
+        self.__post_init__()
+        check_config(self.model.path != MISSING, "model.path", f"not set: set it to {MANDATORY_HINTS['model.path']}")
 
     def _check_rollout_backend_keys(self) -> None:
         """Settings of the other rollout backend are refused, not ignored: areno's engine settings with
