@@ -36,14 +36,15 @@ from areno.data.tokenizer import (
 from areno.engine.api import check_pair_recipe, init_tiny_stale, resolve_recipe
 from areno.engine.config import ArenoConfig, RewardSection, RolloutSection, check_offline_rollout, field_default
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
-from areno.engine.roles import check_partitioned_roles, role_allocation
+from areno.engine.roles import check_partitioned_roles, places_roles, role_allocation
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
 from areno.models.checkpoint_dirs import STEP_DIR, newest_checkpoint
 from areno.models.config import ModelConfig
-from areno.models.hf_io import open_safetensors, read_config, safetensors_files, tiny_config
+from areno.models.hf_io import check_tiny_arguments, open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import TRAINING_CONFIGS, TrainingConfig
-from areno.rewards.loader import check_reward_signature, reward_function, wants_sandbox
+from areno.recipes.registry import worker_name_problem
+from areno.rewards.loader import check_reward_signature, reward_function, takes_answer, wants_sandbox
 from areno.specializations import ActorSpecialization, RewardModelSpecialization, ScalarScorerSpecialization
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
@@ -55,22 +56,33 @@ logger = logging.getLogger(__name__)
 
 def check_run(config: ArenoConfig) -> None:
     """Raise the first :class:`~areno.errors.UserError` that ``config`` would meet, without
-    building a model, in this order: recipe, reward (and its sandbox settings), workflow, data rows
-    and the reward's signature against them, devices, held-out rows, placement, minibatches, roles,
+    building a model, in this order: recipe (and whether worker processes can import it), reward (and
+    its sandbox settings), workflow, data rows (with answers where the reward takes one) and the
+    reward's signature against them, devices, held-out rows, placement, minibatches, roles,
     the run directory and resume, optional packages, the model directory and tokenizer, prompt forms
     and held-out lengths, a partitioned layout against the model."""
     recipe = resolve_recipe(config)  # as the engine resolves it (an online policy gets rollout.temperature)
+    check_worker_recipe(config)  # a script's own recipe, which worker processes would not find
     check_reward(config)  # evaluation scores with it in every recipe
     if recipe.online:  # with the arguments the engine adds (tokenizer, reward_fn, ...): before any warm start
         factory = workflow_factory(config.rollout.workflow)
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs))
-    # offline recipes train on the answers; some shipped rewards score against them
+    # offline recipes train on the answers; a reward that takes one scores against it
     scores_answers = reward_needs_answer(config.reward.fn)
     # dpo, reward_model: {prompt, chosen, rejected} rows, evaluated by pair accuracy (no answers, no reward)
     pairs = check_pair_recipe(config, recipe)
     answers = not pairs and (not recipe.online or scores_answers)
     splits = check_splits(config.data, need_answers=answers, eval_answers=scores_answers and not pairs, pairs=pairs)
-    check_reward_signature(reward_function(config.reward.fn), config.reward.fn, reward_row_keys(config, splits))
+    row, prompt_key, answer_key = reward_row(config, splits)
+    check_reward_signature(
+        reward_function(config.reward.fn),
+        config.reward.fn,
+        list(sample_fields(row, prompt_key, answer_key, IMAGES_KEY)),
+        prompt_key=prompt_key,
+        answer_key=answer_key,
+        row_fields=list(row),
+    )
+    say_how_many_rows(config, splits)
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
     if config.test_rollout.enabled and config.test_rollout.device == "cuda" and not torch.cuda.is_available():
@@ -150,25 +162,85 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def reward_row_keys(config: ArenoConfig, splits: tuple[list[dict], list[dict]] | None) -> list[str]:
-    """The fields a data row passes to the reward as keywords (``sample_fields``): a file's first
-    training row's, or a shipped task's."""
+def reward_row(config: ArenoConfig, splits: tuple[list[dict], list[dict]] | None) -> tuple[dict, str, str]:
+    """A data row as the reward meets it, with the keys of its prompt and answer fields: a file's
+    first training row, or a shipped task's (whose fields build_splits names data.prompt_key and
+    data.answer_key later). The row's other fields reach the reward as keywords (``sample_fields``)."""
     data = config.data
-    if splits is None:  # a task's rows, before build_splits names their fields prompt_key and answer_key
+    if splits is None:
         row = generate_rows(TaskSpec(name=data.task, kwargs=dict(data.task_kwargs)), split="train", num=1, seed=0)[0]
-        return list(sample_fields(row, "prompt", "answer", IMAGES_KEY))
-    return list(sample_fields(splits[0][0], data.prompt_key, data.answer_key, IMAGES_KEY))
+        return row, "prompt", "answer"
+    return splits[0][0], data.prompt_key, data.answer_key
 
 
 def reward_needs_answer(path: str) -> bool:
-    """Whether the reward ``reward.fn`` names scores against a row's answer (a shipped reward marked
-    ``fn.areno_needs_answer``: a row without one would be scored against nothing)."""
-    return bool(getattr(reward_function(path), "areno_needs_answer", False))
+    """Whether the reward ``reward.fn`` names scores against a row's answer: a shipped reward marked
+    ``fn.areno_needs_answer``, or one whose ``answer`` argument has no default (``takes_answer``). A
+    row without one would be scored against None, silently: such rows are refused instead."""
+    fn = reward_function(path)
+    return bool(getattr(fn, "areno_needs_answer", False)) or takes_answer(fn)
+
+
+_ROWS_SAID: set[tuple] = set()
+"""The data settings whose row counts were told in this process (``check_run`` runs twice for a run)."""
+
+
+def say_how_many_rows(config: ArenoConfig, splits: tuple[list[dict], list[dict]] | None) -> None:
+    """A file's rows against what the run asks of them: a warning when ``rollout.batch_size`` (a warm
+    start's ``warm_start.batch_size``) is larger than the training file (every batch then holds rows
+    more than once), and one line when ``data.num_eval`` asks for more held-out rows than
+    ``data.eval_path`` has (all of them are evaluated)."""
+    if splits is None:
+        return
+    data, batch_size = config.data, config.rollout.batch_size
+    said = (data.train_path, data.eval_path, data.num_eval, batch_size)
+    if said in _ROWS_SAID:
+        return
+    _ROWS_SAID.add(said)
+    train, held_out = splits
+    # the warm start's stage (pipeline.warm_start_config: sft in run_dir/warm_start) has its own batch setting
+    warm = Path(config.run_dir).name == "warm_start" and config.train.algorithm == "sft"
+    key = "warm_start.batch_size" if warm else "rollout.batch_size"
+    if batch_size > len(train):
+        logger.warning(
+            "%s=%d is larger than data.train_path's %d rows: every batch holds each row about %d times; lower %s "
+            "to %d or less, or add rows",
+            key,
+            batch_size,
+            len(train),
+            round(batch_size / len(train)),
+            key,
+            len(train),
+        )
+    if data.eval_path is not None and len(held_out) < data.num_eval:  # build_splits kept the first num_eval
+        logger.info(
+            "data.num_eval=%d but data.eval_path (%s) has %d rows: all %d are evaluated",
+            data.num_eval,
+            data.eval_path,
+            len(held_out),
+            len(held_out),
+        )
 
 
 def resumes(config: ArenoConfig) -> bool:
     """Whether the run continues from a checkpoint of its run_dir."""
     return config.resume is not False and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") is not None
+
+
+def check_worker_recipe(config: ArenoConfig) -> None:
+    """A recipe that worker processes resolve by name is one they can import: a run that starts them
+    (``cluster.role_devices``, a partitioned run) refuses a bare name registered by a script's
+    ``__main__`` or a module it imported (``registry.worker_name_problem``), which would fail there
+    with "unknown recipe" once the workers start."""
+    if not (places_roles(config) or is_partitioned(config)):
+        return
+    problem = worker_name_problem(config.train.algorithm)
+    if problem is not None:
+        workers = "cluster.role_devices" if places_roles(config) else "a partitioned run"
+        raise ConfigError(
+            f"train.algorithm={config.train.algorithm!r}: the worker processes of {workers} resolve the recipe "
+            f"by name in a fresh interpreter, but it is {problem}"
+        )
 
 
 def check_reward(config: ArenoConfig) -> None:
@@ -283,6 +355,8 @@ def check_model(config: ArenoConfig) -> Any:
     ``model.init_tiny`` can create one there; returns the tokenizer the run will use."""
     model = config.model
     path = Path(model.path)
+    if path.is_file():  # neither loadable nor a place to make a model in
+        raise ModelDirError(_a_file("model.path", path, init_tiny=model.init_tiny is not None))
     if model.init_tiny is not None and (not (path / "config.json").is_file() or init_tiny_stale(config)):
         check_init_tiny(model.init_tiny)  # the engine creates the model there
         return build_char_tokenizer()
@@ -304,6 +378,8 @@ def check_model(config: ArenoConfig) -> Any:
 def check_model_files(path: Path, *, key: str) -> None:
     """What loading the checkpoint at ``path`` would reject, found without reading a tensor:
     config.json (a model this decoder implements), the weight files and their headers."""
+    if path.is_file():
+        raise ModelDirError(_a_file(key, path))
     if not path.is_dir():
         raise ModelDirError(f"{key}: directory {path} does not exist: point it at a local Hugging Face checkpoint")
     read_config(path)
@@ -312,18 +388,28 @@ def check_model_files(path: Path, *, key: str) -> None:
             pass
 
 
-def check_init_tiny(init_tiny: dict) -> None:
-    """``model.init_tiny`` makes a model for the character tokenizer."""
-    vocab = len(build_char_tokenizer())
-    try:
-        config = tiny_config(vocab, **init_tiny)
-    except (TypeError, ValueError) as exc:  # an unknown argument, or a shape the model cannot take
-        raise ConfigError(f"model.init_tiny: {exc}") from None
-    if config.vocab_size < vocab:
-        raise ConfigError(
-            f"model.init_tiny: vocab_size {config.vocab_size} is smaller than the character tokenizer's "
-            f"{vocab} tokens: leave vocab_size out"
+def _a_file(key: str, path: Path, *, init_tiny: bool = False) -> str:
+    """The message of a model setting that names a file where a checkpoint directory goes (with
+    ``init_tiny``: where ``model.init_tiny`` would make its model)."""
+    if init_tiny:
+        return (
+            f"{key}: {path} is a file, not a directory: point model.path at a new directory for the tiny model, or at "
+            "a Hugging Face checkpoint directory with model.init_tiny=null"
         )
+    return (
+        f"{key}: {path} is a file, not a directory: point it at a Hugging Face checkpoint directory "
+        "(config.json, *.safetensors and the tokenizer files)"
+    )
+
+
+def check_init_tiny(init_tiny: dict) -> None:
+    """``model.init_tiny`` makes a model for the character tokenizer: its keys and their types
+    (``check_tiny_arguments``), then the shape they give."""
+    check_tiny_arguments(init_tiny, key="model.init_tiny")
+    try:
+        tiny_config(len(build_char_tokenizer()), **init_tiny)
+    except (TypeError, ValueError) as exc:  # a shape the model cannot take (heads that do not divide, ...)
+        raise ConfigError(f"model.init_tiny: {exc}") from None
 
 
 _STALENESS_WARNED: set[tuple[str, str]] = set()
@@ -374,6 +460,8 @@ def check_path_options(config: ArenoConfig, recipe: TrainingConfig) -> None:
     for role in recipe.roles:
         if role.model_path:
             key = path_setting(config, role.model_path, f"role {role.name!r} model_path")
+            if Path(role.model_path).is_file():
+                raise ModelDirError(_a_file(key, Path(role.model_path)))
             if not Path(role.model_path).is_dir():
                 raise ModelDirError(
                     f"{key}: directory {role.model_path} does not exist: point it at a Hugging Face model directory "
@@ -563,7 +651,9 @@ run twice (and for its warm start, with the same rows); the line is said once.""
 
 def say_if_held_out_evaluation_is_off(config: ArenoConfig) -> None:
     """One log line when the run has no held-out rows, so nothing is evaluated (no ``eval/*`` metric,
-    ``accuracy_after: null``): what turns evaluation on."""
+    ``accuracy_after: null``): what turns evaluation on. A warning when ``data.num_eval`` asks for
+    held-out rows that nothing gives (``data.train_path`` without ``data.eval_path``); an info line for
+    ``data.num_eval=0``."""
     data = config.data
     if data.num_eval > 0 and (data.task is not None or data.eval_path is not None):
         return
@@ -571,12 +661,17 @@ def say_if_held_out_evaluation_is_off(config: ArenoConfig) -> None:
     if said in _HELD_OUT_OFF_SAID:
         return
     _HELD_OUT_OFF_SAID.add(said)
-    why, fix = (
-        ("data.num_eval=0", "set data.num_eval > 0")
-        if data.num_eval == 0
-        else ("data.task is null and data.eval_path is unset", "set data.eval_path to a file of held-out rows")
+    if data.num_eval == 0:  # asked for: said for the record
+        logger.info(
+            "held-out evaluation is off (data.num_eval=0): nothing logs eval/*; set data.num_eval > 0 to turn it on"
+        )
+        return
+    # data.num_eval asks for held-out rows but a data.train_path run has none: a warning, which a script that
+    # configured no logging still shows (Python's last-resort handler prints warnings, not info lines)
+    logger.warning(
+        "held-out evaluation is off (data.task is null and data.eval_path is unset): nothing logs eval/*; "
+        "set data.eval_path to a file of held-out rows to turn it on"
     )
-    logger.info("held-out evaluation is off (%s): nothing logs eval/*; %s to turn it on", why, fix)
 
 
 def check_critic_shape(key: str, path: Path, model: ModelConfig) -> None:

@@ -34,6 +34,7 @@ def load_rows(
     answer_key: str | None = None,
     pairs: bool = False,
     answer_field: str | None = None,
+    key: str | None = None,
 ) -> list[dict]:
     """Rows of a ``.jsonl`` / ``.json`` (list) / ``.parquet`` file, validated: each an object with a
     ``prompt_key`` field holding a string or a list of ``{"role", "content"}`` messages and, when
@@ -48,10 +49,11 @@ def load_rows(
 
     A bad row is named by its 1-based line number in a ``.jsonl`` file (``file line N: ...``, blank
     lines counted, as an editor shows them) and by its 0-based index in a ``.json`` list or a
-    ``.parquet`` table (``file row i: ...``). Every problem is a one-line :class:`DataError`.
+    ``.parquet`` table (``file row i: ...``). Every problem is a one-line :class:`DataError`; a missing
+    file's names ``key``, the setting that gave it (``data.train_path``, ``data.eval_path``).
     """
     path = Path(path)
-    rows, where = _read_rows(path)
+    rows, where = _read_rows(path, key=key)
     answer_field = answer_field or answer_key
     for i, (row, name) in enumerate(zip(rows, where)):
         if answer_field is not None and not pairs and isinstance(row, dict) and prompt_key not in row:
@@ -67,11 +69,14 @@ def load_rows(
     return rows
 
 
-def _read_rows(path: Path) -> tuple[list, list[str]]:
+def _read_rows(path: Path, *, key: str | None = None) -> tuple[list, list[str]]:
     """The file's rows as parsed, and how an error names each (``line N``, ``row i``); a file that does
-    not parse, a one-line DataError."""
+    not parse or does not exist, a one-line DataError (naming ``key``, the setting that gave the path)."""
     if not path.is_file():
-        raise DataError(f"dataset file {path} does not exist: set data.train_path / data.eval_path")
+        what = "a directory, not a file" if path.is_dir() else "does not exist"
+        if key is None:
+            raise DataError(f"dataset file {path} {what}: set data.train_path / data.eval_path to a data file")
+        raise DataError(f"{key}: dataset file {path} {what}: set {key} to a .jsonl, .json or .parquet file")
     where: list[str]  # how each row is named in an error
     if path.suffix == ".parquet":
         import pyarrow as pa
@@ -211,7 +216,8 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
     if answer_key is not None and answer_key not in row:
         return (
             f"no field {answer_key!r}: the reference answer, which supervised training and answer-scoring "
-            f"rewards need (fields are {fields}; set data.answer_key to the field that holds it)"
+            f"rewards (a reward.fn whose answer argument has no default) need (fields are {fields}; set "
+            "data.answer_key to the field that holds it)"
         )
     if answer_key is not None:
         return completion_problem(row[answer_key]) or _blank_answer_problem(row[answer_key], answer_key)
@@ -304,12 +310,13 @@ def build_splits(
     # a conversation gives its answer under data.answer_key whether or not this recipe needs it: the
     # engine and `areno eval` load the rows without asking for answers, and must see the same ones
     read = {"prompt_key": data_cfg.prompt_key, "pairs": pairs, "answer_field": data_cfg.answer_key}
-    train = load_rows(data_cfg.train_path, answer_key=answer_key, **read)
+    train = load_rows(data_cfg.train_path, answer_key=answer_key, key="data.train_path", **read)
     if not train:
         raise DataError(f"dataset file {data_cfg.train_path} holds no rows: data.train_path needs training prompts")
     held_out = []
     if data_cfg.eval_path is not None:
-        held_out = load_rows(data_cfg.eval_path, answer_key=data_cfg.answer_key if eval_answers else None, **read)
+        eval_answer_key = data_cfg.answer_key if eval_answers else None
+        held_out = load_rows(data_cfg.eval_path, answer_key=eval_answer_key, key="data.eval_path", **read)
         if not held_out:
             raise DataError(
                 f"dataset file {data_cfg.eval_path} holds no rows: data.eval_path needs held-out prompts, or unset it"

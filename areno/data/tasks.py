@@ -12,14 +12,18 @@ one image (``images``: a base64 PNG) of red squares on black, the answer is how 
 from __future__ import annotations
 
 import base64
+import difflib
 import hashlib
+import inspect
 import io
 import itertools
 import random
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from areno.errors import ConfigError, DataError
+from areno.errors import ConfigError, DataError, is_of_type, wrong_type
 
 HELD_OUT_BUCKETS = 10  # 1 in 10 prompts is held out
 
@@ -132,6 +136,14 @@ TASKS: dict[str, Callable[..., dict]] = {
 }
 
 
+def task_arguments(name: str) -> dict[str, Any]:
+    """The keyword arguments shipped task ``name`` takes (``data.task_kwargs``), with their types."""
+    generator = TASKS[name]
+    hints = typing.get_type_hints(generator)
+    params = inspect.signature(generator).parameters.values()
+    return {p.name: hints[p.name] for p in params if p.kind is p.KEYWORD_ONLY}
+
+
 def row_key(row: dict) -> str:
     """What makes a row distinct (and decides its split): the prompt, and its images when it has any."""
     images = row.get("images")
@@ -149,7 +161,19 @@ class TaskSpec:
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
-            raise ConfigError(f"data.task: unknown task {self.name!r}; shipped tasks: {sorted(TASKS)}")
+            close = difflib.get_close_matches(str(self.name), list(TASKS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"data.task: unknown task {self.name!r}{hint}; shipped tasks: {sorted(TASKS)}")
+        types = task_arguments(self.name)
+        for key, value in self.kwargs.items():
+            if key not in types:
+                close = difflib.get_close_matches(str(key), list(types), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"data.task_kwargs: task {self.name!r} takes no argument {key!r}{hint}; it takes {', '.join(types)}"
+                )
+            if not is_of_type(value, types[key]):
+                raise wrong_type(f"data.task_kwargs.{key}", types[key], value)
         try:
             TASKS[self.name](random.Random(0), **self.kwargs)
         except (TypeError, ValueError) as exc:  # an unknown argument, or a value the generator cannot use

@@ -9,7 +9,10 @@ maps in loading and ``moe.to_disk_state`` in saving. ``save_model`` writes a dir
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
-from areno.errors import ModelDirError
+from areno.errors import ConfigError, ModelDirError, is_of_type, wrong_type
 from areno.models import moe
 from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, SUPPORTED_ARCHITECTURES, ModelConfig
 from areno.models.decoder import Decoder
@@ -322,6 +325,28 @@ def init_model_dir(
     return save_model(model, config, out_dir, tokenizer=tokenizer)
 
 
+_TINY_ARGUMENTS = {"arch": str, "hidden_size": int, "layers": int, "heads": int, "kv_heads": int}
+"""``tiny_config``'s own arguments; any ``ModelConfig`` field but ``vocab_size`` may be given besides."""
+
+
+def check_tiny_arguments(arguments: dict[str, Any], *, key: str = "tiny_config") -> None:
+    """A one-line ``ConfigError`` naming ``<key>.<name>`` for an argument of ``tiny_config`` it does
+    not take (with the closest one and every valid one) or of another type than it takes: the
+    ``model.init_tiny`` mapping checked before a shape computation meets a string."""
+    hints = typing.get_type_hints(ModelConfig)
+    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.init and f.name != "vocab_size"]
+    types = {**_TINY_ARGUMENTS, **{name: hints[name] for name in fields}}
+    for name, value in arguments.items():
+        if name == "vocab_size":
+            raise ConfigError(f"{key}.vocab_size: the model's vocabulary is the tokenizer's: leave vocab_size out")
+        if name not in types:
+            close = difflib.get_close_matches(name, list(types), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}: unknown key {name!r}{hint}; valid keys: {', '.join(types)}")
+        if not is_of_type(value, types[name]):
+            raise wrong_type(f"{key}.{name}", types[name], value)
+
+
 def tiny_config(
     vocab_size: int,
     *,
@@ -339,6 +364,9 @@ def tiny_config(
     (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``). Token ids default to the char
     tokenizer's (pad 0, bos 1, eos 2).
     """
+    check_tiny_arguments(
+        {"arch": arch, "hidden_size": hidden_size, "layers": layers, "heads": heads, "kv_heads": kv_heads, **kw}
+    )
     if arch not in _TINY_ARCHS:
         raise ValueError(f"tiny_config arch must be one of {sorted(_TINY_ARCHS)}, got {arch!r}")
     architecture = _TINY_ARCHS[arch]

@@ -100,6 +100,13 @@ class DataSync:
     """When the sync runs; only ``inject`` (before training) exists."""
 
     def __post_init__(self) -> None:
+        for field_name in ("keys", "target_keys"):
+            value = getattr(self, field_name)
+            if isinstance(value, str):  # tuple("logprobs_T") would be its letters
+                raise ConfigError(
+                    f"DataSync {self.source}->{self.target}: {field_name} must be a tuple of names, got the string "
+                    f"{value!r}: write {field_name}=({value!r},)"
+                )
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "target_keys", tuple(self.target_keys) or tuple(self.keys))
         if not self.keys:

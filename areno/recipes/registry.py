@@ -10,12 +10,16 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import sys
+import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from areno.errors import ConfigError
+from areno.errors import ConfigError, is_of_type, wrong_type
 from areno.recipes.config import TrainingConfig
-from areno.rewards.loader import import_module
+from areno.rewards.loader import USER_FILE_MODULE, import_module
+from areno.specializations.base import option_types
 
 RecipeFactory = Callable[..., TrainingConfig]
 TRAINING_CONFIGS: dict[str, RecipeFactory] = {}
@@ -95,7 +99,9 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
         close = difflib.get_close_matches(bad[0], list(params), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"recipe {name!r} has no option(s) {bad}{hint}; it accepts {list(params) or 'none'}")
+    _check_types(_annotations(factory), options)
     cfg = _build(name, options)
+    check_policy_kwarg_types(cfg, policy_kwargs)
     keys, need = cfg.unmet_policy_kwargs(policy_kwargs)
     if keys:  # e.g. kl_coef on a recipe with no reference role to give ref_logprobs_T
         key = keys[0]
@@ -106,6 +112,58 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
             f"recipe {name!r} provides: drop the key, or use a recipe {instead}"
         )
     return cfg.with_policy_kwargs(**policy_kwargs)
+
+
+def check_policy_kwarg_types(cfg: TrainingConfig, policy_kwargs: dict[str, Any]) -> None:
+    """A ``ConfigError`` naming ``train.algorithm_kwargs.<key>`` for a value of another type than the
+    policy role's option of that name (``option_types``), before a range check meets it (a string
+    compared with a number)."""
+    _check_types(option_types(cfg.policy_role.specialization_cls), policy_kwargs)
+
+
+def _check_types(types: dict[str, Any], given: dict[str, Any]) -> None:
+    for key, value in given.items():
+        typed = os.fspath(value) if isinstance(value, os.PathLike) else value  # a path where a string goes
+        if key in types and not is_of_type(typed, types[key]):
+            raise wrong_type(f"train.algorithm_kwargs.{key}", types[key], value)
+
+
+def _annotations(factory: RecipeFactory) -> dict[str, Any]:
+    """A recipe factory's annotated option types; empty where they do not resolve (nothing checked)."""
+    try:
+        return typing.get_type_hints(factory)
+    except (NameError, TypeError, AttributeError):  # a name only a type checker sees, or no annotations
+        return {}
+
+
+def worker_name_problem(name: str) -> str | None:
+    """Why a worker process (its own interpreter, importing areno only) cannot resolve the bare recipe
+    name ``name`` that resolves here, and the name to give instead: a recipe registered by code that
+    process does not run (a script's ``__main__``, or a module the script imported). None when it can:
+    a built-in recipe, an unregistered name (``get_recipe`` says so), or ``module:name``, whose module
+    every process imports first."""
+    if ":" in name or name not in TRAINING_CONFIGS:
+        return None
+    module_name = getattr(TRAINING_CONFIGS[name], "__module__", None) or ""
+    if module_name.startswith("areno."):
+        return None
+    module = sys.modules.get(module_name)
+    file = getattr(module, "__file__", None)
+    if module_name != "__main__" and not module_name.startswith(USER_FILE_MODULE) and module is not None:
+        return f"registered by module {module_name}, which they do not import: name it {module_name}:{name}"
+    if file is None:  # a notebook or an interactive session: no file to import it from
+        return (
+            f"registered by {module_name} without a file to import it from: move the recipe to a module file "
+            f"and name it ./my_recipes.py:{name} (or my_recipes:{name})"
+        )
+    path = Path(file).resolve()
+    shown = f"./{path.relative_to(Path.cwd())}" if path.is_relative_to(Path.cwd()) else str(path)
+    if module_name != "__main__":
+        return f"registered by {shown}, which they do not import: name it {shown}:{name}"
+    return (
+        f"registered by the script {shown} (__main__), which they do not run: name it {shown}:{name} so they import "
+        'it, with the script\'s run under `if __name__ == "__main__":` (or the recipe moved to a module of its own)'
+    )
 
 
 def _build(name: str, options: dict[str, Any]) -> TrainingConfig:

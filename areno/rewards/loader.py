@@ -4,6 +4,7 @@ importable from the installed packages, PYTHONPATH or the working directory, or 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -78,10 +79,14 @@ def _import_failure(exc: BaseException, module: str, *, what: str, error: type[U
     return error(f"{what}: importing {module} failed{where}: {type(exc).__name__}{': ' if first else ''}{first}: {fix}")
 
 
+USER_FILE_MODULE = "areno_user_"
+"""The prefix of the module name a file named by path is imported under (one per absolute path)."""
+
+
 def _import_file(file: Path, *, what: str, error: type[UserError]) -> ModuleType:
     if not file.is_file():
         raise error(f"{what}: file {file} does not exist: check the path (relative paths start at {os.getcwd()})")
-    name = f"areno_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+    name = f"{USER_FILE_MODULE}{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, file)
@@ -111,7 +116,9 @@ def import_object(path: str, *, what: str, error: type[UserError] = RewardImport
     obj: Any = import_module(module_name, what=what, error=error)
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise error(f"{what}: module {module_name!r} has no attribute {attr!r}")
+            close = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")], n=1)
+            hint = f" (did you mean {module_name}:{attr[: -len(part)]}{close[0]}?)" if close else ""
+            raise error(f"{what}: module {module_name!r} has no attribute {attr!r}{hint}")
         obj = getattr(obj, part)
     return obj
 
@@ -126,20 +133,54 @@ def wants_sandbox(fn: Any, sandbox: bool | None) -> bool:
 
 def reward_function(path: str) -> Callable[..., Any]:
     """The function ``reward.fn`` names, imported here; a :class:`RewardImportError` when the path
-    does not import or names something that cannot be called."""
+    does not import or names something that cannot be called, or is not a path at all (a function
+    set on a config built in Python)."""
+    if not isinstance(path, str):
+        raise RewardImportError(
+            f"reward.fn: must be a 'module:function' or './file.py:function' path, got {path!r}: the reward runs "
+            "in sandbox processes, which import it by path, so put it in a file and name it there"
+        )
     fn = import_object(path, what="reward.fn")
     if not callable(fn):
         raise RewardImportError(f"reward.fn: {path!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
-def check_reward_signature(fn: Callable[..., Any], path: str, row_keys: Iterable[str]) -> None:
+REWARD_ARGUMENTS = ("prompt", "completion", "answer")
+"""What the workflows pass a reward by position: ``fn(prompt, completion, answer, **row)``."""
+
+
+def takes_answer(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` needs the answer: the parameter the call's third positional argument binds to
+    has no default (``(prompt, completion, answer, **row)``; not ``answer=None``, nor ``*args``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except ValueError:  # no signature (some builtins): nothing says it needs one
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 and positional[2].default is positional[2].empty
+
+
+def check_reward_signature(
+    fn: Callable[..., Any],
+    path: str,
+    row_keys: Iterable[str],
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    row_fields: Iterable[str] | None = None,
+) -> None:
     """A one-line :class:`RewardImportError` when ``fn`` cannot take the call the workflows make:
     ``fn(prompt, completion, answer, **row)``, the first three positional, ``row`` holding
     ``row_keys`` (a data row's fields other than its prompt, answer and images: what
     ``areno.workflows.common.sample_fields`` passes). Otherwise every call would fail, each scored 0
     as a reward error, and the run would train on zeros. A callable without a signature (some
-    builtins) is not checked."""
+    builtins) is not checked.
+
+    A row field named as one of the arguments the call passes by position (``answer``, when
+    ``data.answer_key`` names another field) collides with it: that is the data keys' doing, not the
+    signature's, so the error names the field and the ``data.*_key`` to set (``prompt_key``,
+    ``answer_key``: the run's; ``row_fields``: every field of the row, listed in the message)."""
     try:
         signature = inspect.signature(fn)
     except ValueError:  # no signature to check against: the calls will tell
@@ -148,12 +189,39 @@ def check_reward_signature(fn: Callable[..., Any], path: str, row_keys: Iterable
     try:
         signature.bind("prompt", "completion", "answer", **dict.fromkeys(keys))
     except TypeError as exc:
+        positional = [
+            n for n, p in signature.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        collided = [k for k in REWARD_ARGUMENTS if k in keys and k in positional[:3]]
+        if collided:
+            fields = None if row_fields is None else list(row_fields)
+            problem = _collision(collided[0], prompt_key, answer_key, fields)
+            raise RewardImportError(f"reward.fn: {path}: {problem}") from None
         row = f", the row's fields {keys} as keywords" if keys else ""
         takes = str(signature).replace("\n", " ")  # a default's repr may span lines; the error may not
         raise RewardImportError(
             f"reward.fn: {path} takes {takes} but is called as fn(prompt, completion, answer, **row){row} ({exc}): "
             "make it take (prompt, completion, answer, **row), or add **kwargs"
         ) from None
+
+
+def _collision(field: str, prompt_key: str, answer_key: str, fields: list[str] | None) -> str:
+    """Why the row field ``field`` collides with the reward's argument of that name, and the fix."""
+    if field == "completion":  # the generated text: a row cannot give it
+        return (
+            "the row field 'completion' collides with the reward's argument 'completion', the generated text it "
+            "scores: to score against it, set data.answer_key=completion (TRL's prompt/completion rows); else "
+            "rename the field"
+        )
+    key, setting = (prompt_key, "data.prompt_key") if field == "prompt" else (answer_key, "data.answer_key")
+    absent = ""
+    if fields is not None and key not in fields:
+        absent = f", not a field of the rows, whose fields are {', '.join(fields)}"
+    return (
+        f"the row field {field!r} collides with the reward's argument {field!r}, which the workflows fill from "
+        f"the row's {setting} field ({setting}={key!r}{absent}): the row's own {field!r} would be a second value "
+        f"for it; set {setting}={field}, or rename the row field"
+    )
 
 
 def load_reward(section: Any) -> Any:

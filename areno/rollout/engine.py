@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import numbers
 import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -95,6 +96,57 @@ def prepare_model(model: torch.nn.Module, config: RolloutEngineConfig, device: t
         else:
             model.unpack_cpu_gemms()
     return fused
+
+
+def check_prompts(prompts: Any) -> None:
+    """A TypeError unless ``prompts`` is a list of prompts, each a list of token ids (what
+    ``RolloutEngine.generate`` takes): text, or one flat list of ids, is named with its fix."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(
+            f"prompts must be a list of prompts, each a list of token ids, got {type(prompts).__name__} "
+            f"{_shown(prompts)}: pass [tokenizer.encode(text)]"
+        )
+    if prompts and isinstance(prompts[0], numbers.Integral):
+        raise TypeError(
+            f"prompts is one flat list of token ids {_shown(prompts)}, but it is a list of prompts: pass [ids] "
+            "for one prompt"
+        )
+    for i, prompt_ids in enumerate(prompts):
+        check_prompt_ids(prompt_ids, f"prompts[{i}]")
+
+
+def check_prompt_ids(prompt_ids: Any, what: str) -> None:
+    """A TypeError naming ``what`` unless ``prompt_ids`` is a sequence of token ids: text is named
+    with the tokenizer call that makes them (each id's own type is checked as the ids are converted,
+    in ``RequestTable.add``)."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"{what} is text {_shown(prompt_ids)}, not token ids: pass tokenizer.encode(text)")
+    if not isinstance(prompt_ids, Iterable):
+        raise TypeError(
+            f"{what} must be a list of token ids, got {type(prompt_ids).__name__} {_shown(prompt_ids)}: "
+            "pass tokenizer.encode(text)"
+        )
+
+
+def check_sampling_params(params: Any, what: str) -> None:
+    """A TypeError naming ``what`` unless ``params`` is a ``SamplingParams`` (a dict of its fields is
+    named with the call that makes one)."""
+    if isinstance(params, SamplingParams):
+        return
+    fix = (
+        "SamplingParams(**params)"
+        if isinstance(params, dict)
+        else "SamplingParams(temperature=..., max_new_tokens=...)"
+    )
+    raise TypeError(
+        f"{what} must be an areno.types.SamplingParams, got {type(params).__name__} {_shown(params)}: pass {fix}"
+    )
+
+
+def _shown(value: Any) -> str:
+    """``value``'s repr, cut to a length a one-line error can hold."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class RolloutEngine:
@@ -251,9 +303,12 @@ class RolloutEngine:
     ) -> str:
         """Queue a request; it joins the running batch at the next step. Returns its id.
         ``images``: the pixel patches of a vision-language prompt whose image-pad tokens are
-        expanded (``models/vision.py``); its M-RoPE positions and prefix-cache root are set here."""
+        expanded (``models/vision.py``); its M-RoPE positions and prefix-cache root are set here.
+        ``prompt_ids`` text instead of token ids, or ``params`` not a ``SamplingParams``: a TypeError."""
         if self._control.torn is not None:
             raise TornWeightsError(self._control.torn)
+        check_prompt_ids(prompt_ids, "prompt_ids")
+        check_sampling_params(params, "params")
         multimodal = None
         if images is not None and images.grid_thw:
             vc = getattr(self.model, "vision_config", None)
@@ -302,14 +357,21 @@ class RolloutEngine:
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[GenerationOutput]:
         """Run ``prompts`` to completion (in order of ``prompts``). The engine must not be driven
-        by anything else meanwhile (e.g. an ``InProcessRolloutClient``)."""
+        by anything else meanwhile (e.g. an ``InProcessRolloutClient``).
+
+        ``prompts``: a list of prompts, each a list of token ids (``tokenizer.encode(text)``);
+        ``params``: one ``SamplingParams`` for all, or a list of one per prompt. Anything else is a
+        TypeError naming the argument and the form it takes, before any request is added."""
         if self._control.torn is not None:
             raise TornWeightsError(self._control.torn)
         if self._control.paused or self._control.sleeping:
             raise RuntimeError("generate() on a paused or sleeping engine would never finish: resume()/wake() first")
+        check_prompts(prompts)
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        for i, sp in enumerate(params_list):
+            check_sampling_params(sp, f"params[{i}]" if isinstance(params, list) else "params")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         done: dict[str, GenerationOutput] = {}
         while len(done) < len(ids):
@@ -427,7 +489,8 @@ class RolloutEngine:
         tensor the index lists that its shard lacks, or a truncated/corrupt file rejects the update
         as a whole with a one-line ``WeightUpdateError`` naming it (never a partial update); the
         engine keeps serving the previous version. The files must hold every parameter of the
-        model, or exactly the subset ``names`` declares.
+        model, or exactly the subset ``names`` declares. ``version`` only moves forward: one older
+        than the served version is refused the same way (as ``areno serve`` refuses it).
         """
         self._weights.update_from_disk(path, version, names=names)
 

@@ -9,6 +9,7 @@ inbox into the scheduler in arrival order. ``outputs`` builds finished (or abort
 from __future__ import annotations
 
 import base64
+import numbers
 import threading
 import uuid
 from typing import Any
@@ -54,7 +55,13 @@ class RequestTable:
     ) -> str:
         """Validate a request and queue it for the next ``admit``. Returns its id. ``multimodal``:
         the ``Sequence`` fields of a request with images (``RolloutEngine.add_request`` makes them)."""
-        prompt_ids = list(map(int, prompt_ids))
+        try:
+            prompt_ids = list(map(int, prompt_ids))
+        except (TypeError, ValueError):  # an element that is not a token id: named, not int()'s message
+            bad = next((t for t in prompt_ids if not isinstance(t, numbers.Integral)), None)
+            raise TypeError(
+                f"prompt_ids must be a list of token ids (ints), but holds {bad!r}: pass tokenizer.encode(text)"
+            ) from None
         if not prompt_ids:
             raise RequestRejected("prompt_ids is empty: a request needs at least one prompt token")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:

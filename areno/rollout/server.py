@@ -50,6 +50,7 @@ import re
 import socket
 import threading
 import time
+import typing
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -67,7 +68,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from areno.data.prompts import apply_template
 from areno.data.tokenizer import load_pretrained_tokenizer
-from areno.errors import ConfigError, ModelDirError, check_config
+from areno.errors import ConfigError, ModelDirError, check_config, is_of_type, wrong_type
 from areno.models.checkpoint_dirs import model_dir_of, newest_checkpoint
 from areno.models.hf_io import load_model, read_config
 from areno.models.vision import ImageInputs
@@ -1353,10 +1354,15 @@ def build_engine(
 ) -> tuple[RolloutEngine, Any]:
     """Load ``model_dir`` (weights + tokenizer) into a ``RolloutEngine``.
 
+    ``engine_kw``: fields of ``RolloutEngineConfig`` (``max_num_seqs``, ``num_blocks``, ...).
+
     Raises:
-        ConfigError: a bad engine setting. ModelDirError: a directory whose config, weights or
-            tokenizer does not load. Both before the weights are read where the check allows.
+        TypeError: a keyword that is not one of them (with the closest one). ConfigError: a bad
+            engine setting, of the wrong type or out of range. ModelDirError: a directory whose
+            config, weights or tokenizer does not load. All before the weights are read where the
+            check allows.
     """
+    check_engine_kwargs(engine_kw)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     config = RolloutEngineConfig(**engine_kw)  # a bad setting fails before the weights load
@@ -1380,6 +1386,24 @@ def build_engine(
         tokenizer=tokenizer,
     )
     return engine, tokenizer
+
+
+def check_engine_kwargs(engine_kw: dict[str, Any]) -> None:
+    """``build_engine``'s ``engine_kw`` name fields of ``RolloutEngineConfig`` (a TypeError naming the
+    closest one otherwise) holding values of their types (a ConfigError naming the keyword): the
+    user's mistakes named before a range check or the constructor meets them."""
+    hints = typing.get_type_hints(RolloutEngineConfig)
+    fields = [f.name for f in dataclasses.fields(RolloutEngineConfig) if f.init and f.name not in ("device", "dtype")]
+    for key, value in engine_kw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, [*fields, "device", "dtype"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(
+                f"build_engine() got an unexpected keyword argument {key!r}{hint}; it takes device, dtype and the "
+                f"fields of RolloutEngineConfig: {', '.join(fields)}"
+            )
+        if not is_of_type(value, hints[key]):
+            raise wrong_type(f"build_engine({key}=...)", hints[key], value)
 
 
 def _eos_ids(model_dir: str, model_config: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ in-place sync that failed midway) stops steps and refuses requests until weights
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -73,7 +74,15 @@ class EngineWeights:
             self.control.torn = reason
 
     def update_from_disk(self, path: str, version: int, *, names: Iterable[str] | None = None) -> None:
-        """``names``: the tensors the files update when they hold only some; None: every parameter."""
+        """``names``: the tensors the files update when they hold only some; None: every parameter.
+        A ``version`` older than the served one is refused before any file is read."""
+        if not isinstance(version, numbers.Integral) or isinstance(version, bool):
+            raise TypeError(f"version must be an integer (the policy version), got {version!r}")
+        if version < self.control.version:
+            raise WeightUpdateError(
+                f"weight update rejected: version {version} is older than the served version {self.control.version}: "
+                f"versions only move forward; pass a version >= {self.control.version}"
+            )
         fix = f"this engine keeps serving version {self.control.version}; re-export the checkpoint"
         tied = getattr(self.model_config, "tie_word_embeddings", False)
         items = read_checkpoint(path, tied=tied, fix=fix)

@@ -40,7 +40,7 @@ from areno.algo import (
     reinforce_pp_advantages_T,
     rloo_advantages_B,
 )
-from areno.errors import ConfigError
+from areno.errors import ConfigError, check_types
 from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, Reducer, reduce_stats
 from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
@@ -127,6 +127,9 @@ class ActorConfig:
     ``models.logprobs.auto_chunk_size`` (on a GPU as large as 1/16 of its memory allows)."""
 
     def __post_init__(self) -> None:
+        # types first: a range check below would compare a string with a number (a raw TypeError)
+        check_types(self, type(self).__name__, ActorConfig)  # a subclass's own fields are its own to check
+
         def check(ok: bool, key: str, why: str) -> None:
             if not ok:
                 raise ConfigError(f"ActorConfig.{key} {why}")

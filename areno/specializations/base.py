@@ -23,13 +23,19 @@ Legend: B = sequences, T = packed tokens, V = vocabulary, D = hidden size.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import os
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from areno.errors import is_of_type, wrong_type
 from areno.types import TokenBatch
 
 Reducer = Callable[..., torch.Tensor]
@@ -173,3 +179,33 @@ def reduce_stats(stats: dict[str, torch.Tensor], mask_T: torch.Tensor, reducer: 
     """Reduce detached per-token statistics with the loss reducer under ``prefix/`` (the runner rescales
     the keys with a ``/`` to means over the trained tokens when sequences were left out of the step)."""
     return {f"{prefix}/{k}": reducer(v.detach(), mask_T).detach() for k, v in stats.items()}
+
+
+@functools.cache
+def option_types(cls: type[ModelSpecialization]) -> dict[str, Any]:
+    """The annotated type of each option of specialization ``cls``: its ``config_cls``'s fields, else
+    its constructor's keyword arguments (what a recipe's ``init_kwargs`` and ``train.algorithm_kwargs``
+    set). Empty where the annotations do not resolve (a name only a type checker sees): nothing is
+    checked then."""
+    target = cls.config_cls if cls.config_cls is not None else cls.__init__
+    try:
+        hints = typing.get_type_hints(target)
+    except (NameError, TypeError, AttributeError):  # unresolvable, or object.__init__ (no annotations)
+        return {}
+    if cls.config_cls is not None:
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls.config_cls) if f.init and f.name in hints}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(cls.__init__).parameters
+    return {n: hints[n] for n, p in params.items() if p.kind in kinds and n in hints}
+
+
+def check_arguments(cls: type[ModelSpecialization], arguments: dict[str, Any]) -> None:
+    """A ``ConfigError`` naming ``<cls>.<argument>`` for a constructor argument of ``cls`` whose value
+    is not of its annotated type (``arguments``: the constructor's ``locals()`` on entry). Called first,
+    before a range check compares a string with a number."""
+    for name, hint in option_types(cls).items():
+        value = arguments.get(name)
+        if isinstance(value, os.PathLike):  # a path where a string goes, as check_types takes one
+            value = os.fspath(value)
+        if name in arguments and not is_of_type(value, hint):
+            raise wrong_type(f"{cls.__name__}.{name}", hint, arguments[name])

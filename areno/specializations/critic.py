@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from areno.algo import gae_T, kl_reward_penalty_T, value_loss_T
-from areno.specializations.base import Metrics, ModelSpecialization, Reducer, reduce_stats
+from areno.specializations.base import Metrics, ModelSpecialization, Reducer, check_arguments, reduce_stats
 from areno.specializations.forward import ScalarHeadModel, values_T
 from areno.types import TokenBatch
 
@@ -38,6 +38,7 @@ class CriticSpecialization(ModelSpecialization):
         kl_coef: float = 0.0,
         kl_estimator: str = "k1",
     ) -> None:
+        check_arguments(CriticSpecialization, locals())
         if value_clip_eps is not None and value_clip_eps <= 0:
             raise ValueError(f"CriticSpecialization value_clip_eps: must be > 0 or None, got {value_clip_eps}")
         if not (0 <= gamma <= 1 and 0 <= gae_lambda <= 1):

@@ -35,7 +35,7 @@ from torch import nn
 from areno.algo import bradley_terry_loss_B, dpo_loss_B, sequence_sum_B
 from areno.models.config import SEQUENCE_CLASSIFIER_SUFFIX, ModelConfig
 from areno.models.hf_io import build_model, save_model
-from areno.specializations.base import Metrics, ModelSpecialization, Reducer
+from areno.specializations.base import Metrics, ModelSpecialization, Reducer, check_arguments
 from areno.specializations.forward import ScalarHeadModel, last_token_scores_B, token_logprobs_T
 from areno.types import TokenBatch
 
@@ -128,6 +128,7 @@ class DPOSpecialization(ModelSpecialization):
         ref_key: str = "ref_logprobs_T",
         logprob_chunk_size: int | None = None,
     ) -> None:
+        check_arguments(DPOSpecialization, locals())
         if beta <= 0:
             raise ValueError(f"DPOSpecialization beta: must be > 0, got {beta}")
         if not 0 <= label_smoothing < 0.5:
@@ -191,6 +192,7 @@ class RewardModelSpecialization(ModelSpecialization):
     output_keys = ("scores_B",)
 
     def __init__(self, *, margin: float = 0.0) -> None:
+        check_arguments(RewardModelSpecialization, locals())
         self.margin = margin
 
     @property

@@ -24,7 +24,7 @@ from torch import nn
 
 from areno.errors import ConfigError
 from areno.models.hf_io import read_score_head
-from areno.specializations.base import ModelSpecialization
+from areno.specializations.base import ModelSpecialization, check_arguments
 from areno.specializations.forward import ScalarHeadModel
 from areno.train import checkpoint
 from areno.types import TokenBatch
@@ -43,6 +43,7 @@ class ScalarScorerSpecialization(ModelSpecialization):
     output_keys = ("q_T",)
 
     def __init__(self, *, head: str = "reward_model", head_path: str | None = None) -> None:
+        check_arguments(ScalarScorerSpecialization, locals())
         if head not in SCORER_HEADS:
             raise ValueError(f"ScalarScorerSpecialization head: must be one of {SCORER_HEADS}, got {head!r}")
         self.head = head

@@ -14,7 +14,7 @@ from torch import nn
 
 from areno.algo import KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
 from areno.errors import ConfigError, DataError
-from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, reduce_stats
+from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, check_arguments, reduce_stats
 from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
 
@@ -31,6 +31,7 @@ class LogProbSpecialization(ModelSpecialization):
     output_keys = ("logprobs_T", "argmax_T")
 
     def __init__(self, *, temperature: float = 1.0, logprob_chunk_size: int | None = None) -> None:
+        check_arguments(LogProbSpecialization, locals())
         if temperature <= 0:
             raise ValueError(f"LogProbSpecialization temperature: must be > 0, got {temperature}")
         self.temperature = temperature
@@ -56,6 +57,7 @@ class SFTSpecialization(ModelSpecialization):
     output_keys = ("logprobs_T",)
 
     def __init__(self, *, logprob_chunk_size: int | None = None) -> None:
+        check_arguments(SFTSpecialization, locals())
         self.logprob_chunk_size = logprob_chunk_size
 
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
@@ -85,6 +87,7 @@ class DistillSpecialization(ModelSpecialization):
     def __init__(
         self, *, kl_estimator: str = "k3", temperature: float = 1.0, logprob_chunk_size: int | None = None
     ) -> None:
+        check_arguments(DistillSpecialization, locals())
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"DistillSpecialization kl_estimator: must be one of {KL_ESTIMATORS}, got {kl_estimator!r}"
@@ -121,6 +124,7 @@ class DaggerSpecialization(ModelSpecialization):
     required_extra_keys = ("teacher_action_T",)
 
     def __init__(self, *, temperature: float = 1.0, logprob_chunk_size: int | None = None) -> None:
+        check_arguments(DaggerSpecialization, locals())
         self.temperature = temperature
         self.logprob_chunk_size = logprob_chunk_size
 
@@ -176,6 +180,7 @@ class AggrevateSpecialization(ModelSpecialization):
     def __init__(
         self, *, q_source: str = "teacher_logprob", temperature: float = 1.0, logprob_chunk_size: int | None = None
     ) -> None:
+        check_arguments(AggrevateSpecialization, locals())
         if q_source not in AGGREVATE_Q_SOURCES:
             raise ConfigError(
                 f"aggrevate q_source={q_source!r} is not supported; supported: {', '.join(AGGREVATE_Q_SOURCES)}"
@@ -239,6 +244,7 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
         temperature: float = 1.0,
         logprob_chunk_size: int | None = None,
     ) -> None:
+        check_arguments(MixedLossDaggerOPDSpecialization, locals())
         if not (0 <= beta_start <= 1 and 0 <= beta_end <= 1):
             raise ValueError("MixedLossDaggerOPDSpecialization beta_start/beta_end: must be in [0, 1]")
         if beta_decay_steps < 0:

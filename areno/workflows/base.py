@@ -12,7 +12,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import os
 import re
+import traceback
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -107,6 +109,32 @@ def run_episode_name(workflow: RolloutWorkflow) -> str:
     return f"{type(workflow).__qualname__}.run_episode"
 
 
+def check_run_episode(dotted_path: str, cls: type) -> None:
+    """A one-line :class:`ConfigError` when workflow class ``cls`` (named ``dotted_path``) has a
+    plain ``def run_episode``: the executor awaits what it returns, so every episode would fail with
+    "object ... can't be used in 'await' expression", each sample retried, then dropped. An abstract
+    one is left to ``RolloutWorkflow``'s ABC, which refuses to build the class."""
+    run = getattr(cls, "run_episode", None)
+    if run is None or getattr(run, "__isabstractmethod__", False) or inspect.iscoroutinefunction(run):
+        return
+    raise ConfigError(
+        f"rollout.workflow: {dotted_path}: {cls.__qualname__}.run_episode must be 'async def' (the executor "
+        "awaits it): write `async def run_episode(self, client, sample)`"
+    )
+
+
+def raised_in_workflow(workflow: RolloutWorkflow, exc: BaseException) -> bool:
+    """Whether ``exc`` came from the workflow's own code: the innermost frame of its traceback is in
+    the file that defines the workflow's class (a failed episode is then the workflow's to fix, not
+    the rollout engine's or a server's)."""
+    try:
+        source = inspect.getsourcefile(type(workflow))
+    except TypeError:  # a class defined in C or at the prompt: no file to compare with
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(source and frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(source)
+
+
 def _import_dotted(path: str, *, what: str = "rollout.workflow") -> Any:
     """Import ``path`` (``package.module.Name``, ``package.module:Name`` or ``./file.py:Name``) as
     ``reward.fn`` is imported; a one-line :class:`RewardImportError` naming ``what`` (the config key)
@@ -134,7 +162,8 @@ def check_workflow_arguments(
     dotted_path: str, factory: Callable[..., RolloutWorkflow], workflow_kwargs: dict[str, Any]
 ) -> None:
     """A one-line :class:`ConfigError` for what building ``factory`` as the engine does would meet:
-    a ``workflow_kwargs`` key the engine sets itself, an argument the factory does not take (one of
+    a class whose ``run_episode`` is not ``async def`` (``check_run_episode``), a ``workflow_kwargs``
+    key the engine sets itself, an argument the factory does not take (one of
     the engine's, or ``rollout.workflow_kwargs.<key>``), or one it needs that nobody passes.
 
     A factory function taking ``**kwargs`` whose return annotation names a concrete RolloutWorkflow
@@ -149,6 +178,8 @@ def check_workflow_arguments(
                 f"rollout.workflow_kwargs.{key}: the engine passes {key} to every workflow itself (from "
                 f"{ENGINE_ARGUMENTS[key]}): remove it from rollout.workflow_kwargs"
             )
+    if isinstance(factory, type):
+        check_run_episode(dotted_path, factory)
     declared = [name for name in DECLARED_ARGUMENTS if name not in workflow_kwargs and _names(factory, name)]
     given = [*ENGINE_ARGUMENTS, *declared, *workflow_kwargs]
     _check_binds(repr(dotted_path), factory, given, missing=True)
@@ -306,6 +337,7 @@ def load_workflow(dotted_path: str, **kwargs: Any) -> RolloutWorkflow:
         raise RewardImportError(
             f"rollout.workflow: factory {dotted_path!r} returned {type(workflow).__name__}, expected a RolloutWorkflow"
         )
+    check_run_episode(dotted_path, type(workflow))  # a factory's class is known only now
     return workflow
 
 

@@ -1,5 +1,7 @@
 """Reward functions the tests name by dotted path (``reward.fn=tests.helpers.rewards:sevens``).
-Reward workers and sandbox processes import this module, so it imports only the standard library."""
+Reward workers and sandbox processes import this module, so it imports only the standard library.
+Those that ignore the answer take it with a default (``answer=None``): rows without one are theirs
+too (preflight refuses them to a reward whose ``answer`` has no default)."""
 
 from __future__ import annotations
 
@@ -10,37 +12,37 @@ import socket
 import time
 
 
-def sevens(prompt, completion, answer, **row):
+def sevens(prompt, completion, answer=None, **row):
     """Easy reward for the learning test: the fraction of '7' characters in the completion."""
     return completion.count("7") / max(len(completion), 1)
 
 
-def sevens_and_length(prompt, completion, answer, **row):
+def sevens_and_length(prompt, completion, answer=None, **row):
     """A reward that varies between samples of a random tiny model (so GRPO has a gradient)."""
     return completion.count("7") / max(len(completion), 1) + 0.1 * len(completion)
 
 
-def first_char(prompt, completion, answer, **row):
+def first_char(prompt, completion, answer=None, **row):
     """A reward that varies within every group of a random model: the first character's code."""
     return (ord(completion[0]) % 7) / 7.0 if completion else 0.0
 
 
-def digit_fraction(prompt, completion, answer, **row):
+def digit_fraction(prompt, completion, answer=None, **row):
     """Varies across a group, so GRPO advantages (and gradients) are non-zero."""
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
 
-def slow(prompt, completion, answer, **row):
+def slow(prompt, completion, answer=None, **row):
     """A reward that takes 50 ms a call: a step long enough for a signal to arrive inside it."""
     time.sleep(0.05)
     return len(completion) / 10
 
 
-def exploding(prompt, completion, answer, **row):
+def exploding(prompt, completion, answer=None, **row):
     raise RuntimeError("reward bug")
 
 
-def sigterm_once(prompt, completion, answer, **row):
+def sigterm_once(prompt, completion, answer=None, **row):
     """Sends SIGTERM to its own process on its first call (in-process rewards only), then scores 0."""
     if not os.environ.get("ARENO_TEST_SIGNALED"):
         os.environ["ARENO_TEST_SIGNALED"] = "1"
@@ -51,7 +53,7 @@ def sigterm_once(prompt, completion, answer, **row):
 _calls = [0]
 
 
-def every_other_raises(prompt, completion, answer, **row):
+def every_other_raises(prompt, completion, answer=None, **row):
     """Raises on every second call of the process (in-process rewards only)."""
     _calls[0] += 1
     if _calls[0] % 2:

@@ -1,0 +1,68 @@
+"""The rollout engine used from Python (``build_engine``, ``RolloutEngine.generate`` / ``add_request``,
+``update_weights_from_disk``): the common input mistakes are one clear error naming the argument and
+the form it takes, raised before any request is added; a version that goes backwards is refused as
+``areno serve`` refuses it."""
+
+from __future__ import annotations
+
+import pytest
+
+from areno.errors import ConfigError
+from areno.models.hf_io import init_model_dir, read_config
+from areno.rollout.engine import WeightUpdateError
+from areno.rollout.server import build_engine
+from areno.types import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    built, _ = build_engine(str(tiny_model_dir), device="cpu", num_blocks=64, block_size=8, max_model_len=64)
+    return built
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "error", "fragment"),
+    [
+        (["add 1+2="], GREEDY, TypeError, "prompts[0] is text 'add 1+2=', not token ids: pass tokenizer.encode(text)"),
+        ("add 1+2=", GREEDY, TypeError, "prompts must be a list of prompts, each a list of token ids, got str"),
+        ([5, 6, 7], GREEDY, TypeError, "prompts is one flat list of token ids [5, 6, 7], but it is a list of prompts"),
+        ([[5, "x"]], GREEDY, TypeError, "prompt_ids must be a list of token ids (ints), but holds 'x'"),
+        ([[5, 6]], {"temperature": 0}, TypeError, "params must be an areno.types.SamplingParams, got dict"),
+        ([[5, 6], [7]], [GREEDY, {"temperature": 0}], TypeError, "params[1] must be an areno.types.SamplingParams"),
+    ],
+)
+def test_generate_names_the_argument_and_its_form(engine, prompts, params, error, fragment):
+    with pytest.raises(error) as info:
+        engine.generate(prompts, params)
+    message = str(info.value)
+    assert fragment in message and "\n" not in message, message
+    assert not engine.has_unfinished()  # refused before any request was added
+    assert [o.output_ids for o in engine.generate([[5, 6, 7]], GREEDY)]  # and the engine still serves
+
+
+def test_a_dict_of_sampling_params_is_named_with_the_call_that_makes_one(engine):
+    with pytest.raises(TypeError, match=r"pass SamplingParams\(\*\*params\)$"):
+        engine.add_request([5, 6], {"temperature": 0})
+    with pytest.raises(TypeError, match=r"^prompt_ids is text 'abc', not token ids"):
+        engine.add_request("abc", GREEDY)
+
+
+def test_build_engine_names_a_misspelled_or_mistyped_setting(tiny_model_dir):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_num_seq' \(did you mean 'max_num_seqs'\?\)"):
+        build_engine(str(tiny_model_dir), device="cpu", max_num_seq=4)
+    with pytest.raises(ConfigError, match=r"^build_engine\(max_num_seqs=\.\.\.\): must be an integer, got '4'$"):
+        build_engine(str(tiny_model_dir), device="cpu", max_num_seqs="4")
+
+
+def test_a_weight_version_only_moves_forward(tiny_model_dir, tmp_path, char_tokenizer):
+    built, _ = build_engine(str(tiny_model_dir), device="cpu", num_blocks=64, block_size=8, max_model_len=64)
+    new_dir = init_model_dir(tmp_path / "new", read_config(tiny_model_dir), char_tokenizer, seed=1)
+    built.update_weights_from_disk(str(new_dir), version=2)
+    with pytest.raises(WeightUpdateError, match=r"version 1 is older than the served version 2: versions only move"):
+        built.update_weights_from_disk(str(tiny_model_dir), version=1)
+    assert built.version == 2
+    built.update_weights_from_disk(str(new_dir), version=2)  # the same version again is no step back
+    with pytest.raises(TypeError, match=r"version must be an integer \(the policy version\), got '3'"):
+        built.update_weights_from_disk(str(new_dir), version="3")
