@@ -18,7 +18,13 @@ from areno.api.preflight import check_run, resumes
 from areno.api.rundir import RunDirLock
 from areno.api.trainer import Trainer
 from areno.data.datasets import warm_start_answer_key
-from areno.engine.config import ClusterSection, RolloutSection, field_default, offline_unused_rollout_keys
+from areno.engine.config import (
+    ClusterSection,
+    RolloutSection,
+    field_default,
+    has_held_out_rows,
+    offline_unused_rollout_keys,
+)
 from areno.errors import RunStopped, UserError
 from areno.observe.metrics import METRICS_FILENAME, read_metrics
 
@@ -64,7 +70,10 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
         # preflight refuses them in an offline run, and here the user set them for the main stage
         rollout={
             "batch_size": ws.batch_size,
-            **{key: field_default(RolloutSection, key) for key in offline_unused_rollout_keys(config)},
+            **{
+                key: field_default(RolloutSection, key)
+                for key in offline_unused_rollout_keys(config, generates=has_held_out_rows(config.data))
+            },
         },
         # sft has no rollout side: it trains colocated on cluster.device, whatever places the main stage
         cluster={

@@ -33,8 +33,15 @@ from areno.data.tokenizer import (
     check_has_tokenizer,
     load_pretrained_tokenizer,
 )
-from areno.engine.api import check_pair_recipe, init_tiny_stale, resolve_recipe
-from areno.engine.config import ArenoConfig, RewardSection, RolloutSection, check_offline_rollout, field_default
+from areno.engine.api import check_pair_recipe, generates, init_tiny_stale, resolve_recipe
+from areno.engine.config import (
+    ArenoConfig,
+    RewardSection,
+    RolloutSection,
+    check_offline_rollout,
+    field_default,
+    has_held_out_rows,
+)
 from areno.engine.partitioned import PartitionedCluster, is_partitioned
 from areno.engine.roles import check_partitioned_roles, places_roles, role_allocation
 from areno.errors import ConfigError, DataError, ModelDirError
@@ -93,7 +100,8 @@ def check_run(config: ArenoConfig) -> None:
     check_minibatches(config, recipe)
     check_recipe_rollout(config, recipe)
     if not recipe.online:
-        check_offline_rollout(config, recipe.name)
+        held_out = has_held_out_rows(config.data)
+        check_offline_rollout(config, recipe.name, generates=generates(recipe, pairs=pairs, held_out=held_out))
     role_allocation(config, recipe)  # cluster.role_devices names roles of this recipe and devices that exist
     check_role_optim(config, recipe)
     check_partitioned_roles(config, recipe)
@@ -655,7 +663,7 @@ def say_if_held_out_evaluation_is_off(config: ArenoConfig) -> None:
     held-out rows that nothing gives (``data.train_path`` without ``data.eval_path``); an info line for
     ``data.num_eval=0``."""
     data = config.data
-    if data.num_eval > 0 and (data.task is not None or data.eval_path is not None):
+    if has_held_out_rows(data):
         return
     said = (data.task, data.train_path, data.eval_path, data.num_eval)
     if said in _HELD_OUT_OFF_SAID:

@@ -362,12 +362,12 @@ def trains_on_pairs(recipe: TrainingConfig) -> bool:
     )
 
 
-def generates(recipe: TrainingConfig, *, pairs: bool, eval_rows: list[dict]) -> bool:
+def generates(recipe: TrainingConfig, *, pairs: bool, held_out: bool) -> bool:
     """Whether a run of ``recipe`` ever generates: an online recipe's rollouts, or an offline recipe's
-    held-out evaluation (``eval_rows``), which samples completions unless the recipe learns from
+    evaluation of its ``held_out`` rows, which samples completions unless the recipe learns from
     preference pairs (``pairs``: scored on the training side). A run that does not builds no
     rollout side."""
-    return recipe.online or (bool(eval_rows) and not pairs)
+    return recipe.online or (held_out and not pairs)
 
 
 def check_pair_recipe(config: ArenoConfig, recipe: TrainingConfig) -> bool:
@@ -538,7 +538,7 @@ class ArenoEngine:
         # malformed rows: error before models load
         train_rows, self.eval_rows = build_splits(cfg.data, pairs=self.pairs)
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
-        if not generates(self.recipe, pairs=self.pairs, eval_rows=self.eval_rows):
+        if not generates(self.recipe, pairs=self.pairs, held_out=bool(self.eval_rows)):
             self._drop_rollout_side()
         model_dir = self.model_dir = prepare_model_dir(cfg)
         self.tokenizer = load_tokenizer(model_dir)

@@ -992,10 +992,19 @@ OFFLINE_UNUSED_ROLLOUT_KEYS = (
 ``rollout.batch_size`` rows of the dataset per step and generates only to evaluate."""
 
 
-def offline_unused_rollout_keys(config: ArenoConfig) -> tuple[str, ...]:
+def has_held_out_rows(data: DataSection) -> bool:
+    """Whether a run of ``data`` holds out rows to evaluate: a shipped task's ``num_eval``, or the first
+    ``num_eval`` of ``eval_path``'s (a ``train_path`` alone gives none)."""
+    return data.num_eval > 0 and (data.task is not None or data.eval_path is not None)
+
+
+def offline_unused_rollout_keys(config: ArenoConfig, *, generates: bool = True) -> tuple[str, ...]:
     """The ``rollout`` keys an offline recipe never reads under ``config``: the pool's, and the sampling
     ones its evaluations do not take (``scoring.eval_params``: greedy for one sample without
-    ``train.eval_temperature``; ``rollout.temperature`` only without ``train.eval_temperature``)."""
+    ``train.eval_temperature``; ``rollout.temperature`` only without ``train.eval_temperature``). A run
+    that never ``generates`` builds no rollout engine: every key but ``batch_size``."""
+    if not generates:
+        return tuple(f.name for f in dataclasses.fields(RolloutSection) if f.name != "batch_size")
     train = config.train
     if train.eval_samples == 1 and not train.eval_temperature:
         return (*OFFLINE_UNUSED_ROLLOUT_KEYS, "temperature", "top_p", "top_k")
@@ -1004,16 +1013,19 @@ def offline_unused_rollout_keys(config: ArenoConfig) -> tuple[str, ...]:
     return OFFLINE_UNUSED_ROLLOUT_KEYS
 
 
-def check_offline_rollout(config: ArenoConfig, algorithm: str) -> None:
+def check_offline_rollout(config: ArenoConfig, algorithm: str, *, generates: bool = True) -> None:
     """An offline recipe's run sets none of ``offline_unused_rollout_keys`` away from its default: a
     ConfigError naming the first, rather than a setting silently doing nothing."""
+    if generates:
+        why = "generates only for its evaluations (train.eval_samples, train.eval_temperature)"
+    else:
+        why = "generates nothing in this run (no held-out evaluation that samples), so it builds no rollout engine"
     check_unset(
         config.rollout,
         "rollout",
-        offline_unused_rollout_keys(config),
+        offline_unused_rollout_keys(config, generates=generates),
         f"train.algorithm={algorithm} trains offline on the dataset's rows (rollout.batch_size a step) and "
-        "generates only for its evaluations (train.eval_samples, train.eval_temperature): the setting does "
-        "nothing here: drop it",
+        f"{why}: the setting does nothing here: drop it",
     )
 
 

@@ -89,6 +89,13 @@ def test_the_warm_start_of_an_rl_config_that_sets_them_is_not_refused(tmp_path):
     sampled = warm_start_config(_config(tmp_path, *rl, "train.eval_samples=4"))
     assert "temperature" not in offline_unused_rollout_keys(sampled) and sampled.rollout.temperature == 0.8
     check_run(sampled)
+    # no held-out rows (num_eval=0): the warm start generates nothing, so no engine setting carries over
+    engine = ["rollout.max_new_tokens=16", "rollout.block_size=8"]
+    quiet = warm_start_config(_config(tmp_path, *rl, *engine, "data.num_eval=0"))
+    assert (quiet.rollout.max_new_tokens, quiet.rollout.block_size) == (32, 16)
+    check_run(quiet)
+    with pytest.raises(ConfigError, match=r"^rollout.block_size: train.algorithm=sft .* generates nothing"):
+        check_run(_config(tmp_path, *engine, "data.num_eval=0"))
 
 
 @pytest.mark.parametrize(

@@ -170,6 +170,16 @@ def test_what_a_preference_recipe_cannot_do_is_refused_in_one_line(tmp_path):
             ["train.long_sequences=truncate"],
             "train.long_sequences=truncate: train.algorithm=dpo compares whole completions",
         ),
+        (  # no rollout engine is built for a run that never generates (engine.api.generates)
+            ["rollout.max_new_tokens=64"],
+            "rollout.max_new_tokens: train.algorithm=dpo trains offline on the dataset's rows (rollout.batch_size a "
+            "step) and generates nothing in this run (no held-out evaluation that samples), so it builds no "
+            "rollout engine: the setting does nothing here: drop it",
+        ),
+        (
+            ["rollout.backend=vllm"],
+            "rollout.backend: train.algorithm=dpo trains offline",
+        ),
         (
             [f"data.eval_path={good}", "test_rollout.enabled=true"],
             "test_rollout.enabled: the test rollout generates completions of held-out prompts, but "
@@ -189,6 +199,11 @@ def test_what_a_preference_recipe_cannot_do_is_refused_in_one_line(tmp_path):
         )
     with pytest.raises(DataError, match="line 1: no field 'answer'"):
         check_run(load_config(None, _overrides(tmp_path, "sft", good)))
+    # sft samples for its held-out rows only: without them its engine settings do nothing either
+    qa = _write(tmp_path / "qa.jsonl", [{"prompt": "a", "answer": "b"}])
+    with pytest.raises(ConfigError, match=r"^rollout.block_size: train.algorithm=sft .* generates nothing"):
+        check_run(load_config(None, _overrides(tmp_path, "sft", qa, "data.num_eval=0", "rollout.block_size=8")))
+    check_run(load_config(None, _overrides(tmp_path, "sft", qa, f"data.eval_path={qa}", "rollout.block_size=8")))
 
 
 # ------------------------------------------------------------------------------ no rollout side
