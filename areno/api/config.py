@@ -197,28 +197,47 @@ def absolute_code_paths(config: ArenoConfig) -> ArenoConfig:
     directory (``reward.fn``, ``rollout.workflow``, ``train.algorithm`` as ``./file.py:name``), so
     processes started elsewhere (Ray, SLURM, a reward sandbox in its own directory) import the same
     code. ``load_config`` calls it (``areno eval`` starts reward sandboxes), and ``absolute_paths``."""
-    config.reward.fn = resolve_path(config.reward.fn)
-    config.rollout.workflow = resolve_path(config.rollout.workflow)
-    config.train.algorithm = resolve_path(config.train.algorithm)
+    for key in CODE_PATH_KEYS:
+        section, _, name = key.partition(".")
+        owner = getattr(config, section)
+        setattr(owner, name, absolute_setting(key, getattr(owner, name)))
     return config
 
 
+FILE_PATH_KEYS = ("run_dir", "model.path", "data.train_path", "data.eval_path")
+"""The settings that name a file or directory, which ``absolute_paths`` makes absolute (and, in
+``train.algorithm_kwargs``, every key ending in ``_path``)."""
+CODE_PATH_KEYS = ("reward.fn", "rollout.workflow", "train.algorithm")
+"""The settings that name user code, ``module:name`` or ``./file.py:name`` (``resolve_path``)."""
+
+
+def absolute_setting(key: str, value: Any) -> Any:
+    """``value`` of the dotted setting ``key`` with a relative path in it made absolute from the
+    working directory (``FILE_PATH_KEYS``, ``CODE_PATH_KEYS``, ``train.algorithm_kwargs.*_path``);
+    any other value as it is."""
+    if not isinstance(value, str) or value == MISSING:
+        return value
+    if key in CODE_PATH_KEYS:
+        return resolve_path(value)
+    if key in FILE_PATH_KEYS or (key.startswith("train.algorithm_kwargs.") and key.endswith("_path")):
+        return _absolute(value)
+    return value
+
+
 def absolute_paths(config: ArenoConfig) -> ArenoConfig:
-    """``config`` (changed in place) with every relative path made absolute from the working directory:
-    its user code's (``absolute_code_paths``), the run directory, the model, the data files and the
+    """``config`` (changed in place) with every relative path made absolute from the working directory
+    (``absolute_setting``): its user code's, the run directory, the model, the data files and the
     paths of ``train.algorithm_kwargs`` (``*_path``: a teacher, a reward model). The run's config.yaml,
     written by ``Trainer.init``, then names the same files from any directory (``areno eval
     runs/x/config.yaml``, ``resume=auto``). ``checked_config`` calls it (``Trainer.init`` and
     ``run_pipeline``): configs from YAML, overrides and Python alike."""
     absolute_code_paths(config)
-    config.run_dir = _absolute(config.run_dir)
-    if config.model.path != MISSING:
-        config.model.path = _absolute(config.model.path)
-    for key in ("train_path", "eval_path"):
-        if getattr(config.data, key) is not None:
-            setattr(config.data, key, _absolute(getattr(config.data, key)))
+    for key in FILE_PATH_KEYS:
+        section, _, name = key.rpartition(".")
+        owner = getattr(config, section) if section else config
+        setattr(owner, name, absolute_setting(key, getattr(owner, name)))
     config.train.algorithm_kwargs = {
-        key: _absolute(value) if key.endswith("_path") and isinstance(value, str) else value
+        key: absolute_setting(f"train.algorithm_kwargs.{key}", value)
         for key, value in config.train.algorithm_kwargs.items()
     }
     return config

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from areno.api.config import to_dict
+from areno.api.config import absolute_setting, to_dict
 from areno.api.rundir import check_fresh
 from areno.data.datasets import check_prompt_forms, check_splits
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
@@ -145,7 +145,9 @@ def check_resumed_config(config: ArenoConfig) -> None:
     saved = Path(config.run_dir) / "config.yaml"
     if not resumes(config) or not saved.is_file():
         return
-    before, now = _flat(OmegaConf.to_container(OmegaConf.load(saved))), _flat(to_dict(config))
+    # a config.yaml written before paths were made absolute: its relative paths read from here
+    before = {k: absolute_setting(k, v) for k, v in _flat(OmegaConf.to_container(OmegaConf.load(saved))).items()}
+    now = _flat(to_dict(config))
     keys = sorted((set(before) | set(now)) - {"resume", "overwrite"})  # how this run starts, not what it is
     changed = [k for k in keys if before.get(k) != now.get(k)]
     fixed = [k for k in changed if any(k == p or k.startswith(p + ".") for p in RUN_IDENTITY)]

@@ -297,3 +297,20 @@ def test_overrides_may_follow_options():
     assert (args.checkpoint, args.overrides) == ("latest", ["run_dir=x"])
     with pytest.raises(SystemExit):
         _parse(build_parser(), ["train", "c.yaml", "--bogus"])
+
+
+def test_a_run_saved_with_relative_paths_resumes_from_its_directory(tmp_path, monkeypatch):
+    from areno.api.config import absolute_paths, to_yaml
+    from areno.api.preflight import check_resumed_config
+
+    # config.yaml of a run made before paths were written absolute, resumed from the same directory
+    monkeypatch.chdir(tmp_path)
+    relative = ["run_dir=run", "model.path=model", "data.task=null", "data.train_path=rows.jsonl"]
+    (tmp_path / "run" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_00000001" / "COMPLETE").write_text("")
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(load_config(None, relative)))
+    check_resumed_config(absolute_paths(load_config(None, [*relative, "resume=auto"])))
+    with pytest.raises(ConfigError, match=r"data.train_path='.*/rows.jsonl', which a resumed run cannot change"):
+        check_resumed_config(
+            absolute_paths(load_config(None, [*relative[:3], "data.train_path=other.jsonl", "resume=auto"]))
+        )
