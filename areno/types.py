@@ -14,6 +14,7 @@ its ``loss_mask_T`` entry is always False and its log-prob is 0.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -68,6 +69,17 @@ class SamplingParams:
     text empty, except a stop string's cut text; vLLM and SGLang servers return their text anyway."""
 
     def __post_init__(self) -> None:
+        # types first: a string would otherwise fail the range checks below as a raw comparison error
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"SamplingParams.{name}: must be a number, got {value!r}")
+        for name in ("top_k", "min_new_tokens", "max_new_tokens", "seed"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, numbers.Integral)) and not (
+                name == "seed" and value is None
+            ):
+                raise TypeError(f"SamplingParams.{name}: must be an integer, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -151,6 +151,22 @@ def _check_sections(layer: DictConfig, schema: DictConfig, source: str) -> None:
         )
 
 
+def _check_yaml(override: str) -> None:
+    """A ConfigError naming ``override`` whose value is not YAML (``from_dotlist`` lets the parser's
+    error through, which would print as a traceback)."""
+    key = override.partition("=")[0]
+    try:
+        OmegaConf.from_dotlist([override])
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at column {mark.column + 1} of the value" if mark is not None and mark.column else ""
+        raise ConfigError(
+            f"override {override!r}: its value is not valid YAML ({problem}{where}): close every bracket and put "
+            f"a space after each ':' in a mapping, e.g. {key}={{name: [1, 2]}}; quote the whole override in the shell"
+        ) from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ArenoConfig:
     """Merge the YAML file at ``path`` and dotted ``overrides`` into an :class:`ArenoConfig`.
 
@@ -168,6 +184,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} must look like key=value (e.g. optim.lr=1e-5)")
+    for override in overrides:
+        _check_yaml(override)
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         for override in overrides:

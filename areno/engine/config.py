@@ -213,6 +213,11 @@ class RewardSection(ConfigSection):
     namespace where the kernel allows it). Candidate programs of code execution never have network."""
 
     def __post_init__(self) -> None:
+        if callable(self.fn):  # the obvious thing to try from Python, which cannot reach sandbox processes
+            raise ConfigError(
+                f"reward.fn: must be a string, got {self.fn!r}: name the function by its path, "
+                "'module:function' or './file.py:function' (reward sandbox processes import it)"
+            )
         check_types(self, "reward", RewardSection)
         _check_finite(self, "reward")
         check_config(":" in self.fn or "." in self.fn, "reward.fn", "must be a dotted path like 'pkg.mod:func'")

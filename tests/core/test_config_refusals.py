@@ -314,3 +314,18 @@ def test_a_run_saved_with_relative_paths_resumes_from_its_directory(tmp_path, mo
         check_resumed_config(
             absolute_paths(load_config(None, [*relative[:3], "data.train_path=other.jsonl", "resume=auto"]))
         )
+
+
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ("cluster.role_devices={ref:[2]}", "found unexpected ':' at column 5 of the value"),
+        ("cluster.train_devices=[0", "did not find expected ',' or ']'"),
+    ],
+)
+def test_an_override_whose_value_is_not_yaml_is_one_line(override, problem):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.path=/m", override])
+    message = str(info.value)
+    assert message.startswith(f"override {override!r}: its value is not valid YAML ({problem}")
+    assert "\n" not in message and "a space after each ':'" in message

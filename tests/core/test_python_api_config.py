@@ -89,7 +89,13 @@ def test_a_nested_setting_outside_the_guard_is_caught_by_validate(tmp_path):
         ("train", "steps", -1, "train.steps: must be >= 0, got -1"),
         ("rollout", "temperature", -1.0, "rollout.temperature: must be 0 (greedy) or >= 0.001, got -1.0"),
         ("optim", "lr", float("nan"), "optim.lr: must be a finite number, got nan"),
-        ("reward", "fn", print, "reward.fn: must be a string, got <built-in function print>"),
+        (
+            "reward",
+            "fn",
+            print,
+            "reward.fn: must be a string, got <built-in function print>: name the function by its path, "
+            "'module:function' or './file.py:function' (reward sandbox processes import it)",
+        ),
         ("data", "task", None, "data: set data.task to a shipped task or data.train_path to a JSONL/Parquet file"),
         ("model", "dtype", "fp16", "model.dtype: must be one of ('float32', 'bfloat16'), got 'fp16'"),
     ],

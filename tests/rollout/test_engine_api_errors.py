@@ -66,3 +66,20 @@ def test_a_weight_version_only_moves_forward(tiny_model_dir, tmp_path, char_toke
     built.update_weights_from_disk(str(new_dir), version=2)  # the same version again is no step back
     with pytest.raises(TypeError, match=r"version must be an integer \(the policy version\), got '3'"):
         built.update_weights_from_disk(str(new_dir), version="3")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": "0"}, "SamplingParams.temperature: must be a number, got '0'"),
+        ({"top_p": None}, "SamplingParams.top_p: must be a number, got None"),
+        ({"max_new_tokens": 4.0}, "SamplingParams.max_new_tokens: must be an integer, got 4.0"),
+        ({"seed": "7"}, "SamplingParams.seed: must be an integer, got '7'"),
+        ({"top_k": True}, "SamplingParams.top_k: must be an integer, got True"),
+    ],
+)
+def test_sampling_params_name_a_mistyped_field(kwargs, message):
+    with pytest.raises(TypeError) as info:
+        SamplingParams(**kwargs)
+    assert str(info.value) == message
+    SamplingParams(seed=None, top_k=5, temperature=0.5)  # the right types pass
