@@ -862,6 +862,7 @@ class ArenoEngine:
         self.export_policy(tmp / "hf")  # what `transformers` and `areno serve` load
         fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
         checkpoint.commit(tmp, path)
+        checkpoint.prune(path.parent, self.config.train.keep_checkpoints)  # once the new one is whole
 
     def resume_state(self) -> dict:
         """What a checkpoint needs beyond the training backends' state: the data cursor (the

@@ -627,6 +627,9 @@ class TrainSection(ConfigSection, TrainStepConfig):
     """A sample solves its row (``eval/pass@k``) when its reward is at least this."""
     save_interval: int = 0
     """Checkpoint every this many steps (0 = only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many checkpoints of the run (and the full ones that incremental ones
+    build on), deleting older ones after each save; 0 keeps every one."""
     backend: str = "areno"
     """Registered Backend implementation."""
     role_optim: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -656,6 +659,11 @@ class TrainSection(ConfigSection, TrainStepConfig):
             f"must be 0 (greedy), >= {MIN_TEMPERATURE:g} or null, got {self.eval_temperature}",
         )
         check_config(self.save_interval >= 0, "train.save_interval", f"must be >= 0, got {self.save_interval}")
+        check_config(
+            self.keep_checkpoints >= 0,
+            "train.keep_checkpoints",
+            f"must be >= 0 (0 keeps all), got {self.keep_checkpoints}",
+        )
 
 
 @dataclass(kw_only=True)

@@ -291,6 +291,27 @@ def remove_stale(checkpoints_dir: str | Path) -> list[Path]:
     return removed
 
 
+def prune(checkpoints_dir: str | Path, keep: int) -> list[Path]:
+    """Delete the completed checkpoints older than the newest ``keep`` (``train.keep_checkpoints``),
+    except the full checkpoints that a kept incremental one overlays; ``keep`` 0 deletes nothing.
+    Returns the removed paths."""
+    found = [path.resolve() for _, path in complete_checkpoints(checkpoints_dir)]
+    if keep <= 0 or len(found) <= keep:
+        return []
+    kept = found[-keep:]
+    needed = set(kept)
+    for path in kept:
+        for record in path.rglob(INCREMENTAL):
+            root = _committed_root(incremental_base(record.parent))
+            if root is not None:
+                needed.add(root.resolve())
+    removed = [path for path in found[:-keep] if path not in needed]
+    for path in removed:
+        logger.info("removing checkpoint %s: train.keep_checkpoints=%d newer ones are kept", path, keep)
+        shutil.rmtree(path)
+    return removed
+
+
 # ------------------------------------------------------------------ incremental checkpoints
 def published_path(path: str | Path) -> Path:
     """Where ``path`` (possibly inside a ``step_N.tmp`` staging directory) lives once committed."""
