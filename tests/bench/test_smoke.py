@@ -24,6 +24,7 @@ BENCHES = (
     "checkpoint",
     "startup",
     "stream",
+    "preference",
 )
 
 
@@ -132,6 +133,18 @@ def test_startup_of_the_demo_config(tmp_path, capsys):
     assert result["figure"] == warm["startup_to_first_token_s"] > 0 and warm["second_train_s"] > 0
     assert (tmp_path / "init_model" / "config.json").exists()
     assert not (tmp_path / "run-warm" / "warm_start").exists()
+
+
+@pytest.mark.slow
+def test_preference_against_a_baseline_tree(tmp_path, capsys):
+    """The tree against itself as the baseline: both runs train and score their held-out pairs."""
+    argv = ["--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--pairs", "4"]
+    argv += ["--prompt-len", "8", "--completion-len", "8", "--workdir", str(tmp_path), "--baseline-tree", str(ROOT)]
+    result = run("preference", [*argv, "--areno-set", "cluster.cpu_threads=1"], capsys)
+    for name in ("areno", "baseline"):
+        (one,) = result["runs"][name]
+        assert len(one["train_s"]) == 2 and one["final_eval"]["eval/num_pairs"] == 4
+    assert result["figure"] > 0 and result["baseline"] > 0 and result["ratio"] > 0
 
 
 def test_stream_against_unstreamed(capsys):
