@@ -78,23 +78,195 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_allocation(mode: str, *, devices: int | None, algorithm: str) -> dict:
+    """What ``areno train`` checks of an allocation string before anything starts, by the run's own
+    functions: the cluster section (``ClusterSection``: grammar, supported backends, a colocated
+    group on one device), the recipe's roles (``check_placement``, ``role_allocation`` or, on
+    ``devices`` GPUs, the ``build_gpu_allocations`` it calls, ``check_partitioned_roles``) and a
+    partitioned layout (``layout_from_config``: TP, expert and context sizes against the training
+    devices, routing); on ``devices`` GPUs when given, else as processes on CPU. Returns the
+    device lists (and a partitioned string's layout)."""
+    from areno.api.config import load_config
+    from areno.api.preflight import check_placement
+    from areno.engine.api import resolve_recipe
+    from areno.engine.cluster import layout_from_config
+    from areno.engine.roles import check_partitioned_roles, role_allocation
+    from areno.errors import ConfigError
+    from areno.launch.allocation import build_gpu_allocations, parse_allocation_mode
+
+    quoted = mode.replace("'", "''")  # a YAML single-quoted string: the override holds it verbatim
+    overrides = [f"cluster.allocation_mode='{quoted}'", "model.path=unused", "cluster.device=cpu"]
+    config = load_config(None, [*overrides, f"train.algorithm={algorithm}"])
+    recipe = resolve_recipe(config)
+    try:
+        check_placement(config, recipe)
+        if devices is None:  # a colocated string's role placements: on this machine's devices (CPU: its cores)
+            role_allocation(config, recipe)
+        elif (placements := config.cluster.string_role_devices()) is not None:  # on `devices` GPUs
+            build_gpu_allocations(
+                placements,
+                [r.name for r in recipe.roles],
+                policy_role=next((r.name for r in recipe.roles if r.sync_to_rollout), recipe.roles[0].name),
+                num_devices=devices,
+                key="cluster.allocation_mode",
+            )
+        check_partitioned_roles(config, recipe)
+    except ConfigError as exc:
+        if "recipe" not in str(exc):
+            raise
+        raise ConfigError(f"{exc} (checked against --algorithm {algorithm}: name the run's recipe)") from None
+    alloc = parse_allocation_mode(mode)
+    out = {"allocation_mode": str(alloc), "world_size": alloc.world_size, "colocated": alloc.colocated}
+    if config.cluster.asks_partitioned():
+        cuda = devices is not None
+        layout = layout_from_config(
+            config.cluster,
+            num_devices=devices or 0,
+            cuda=cuda,
+            device_ids=tuple(str(i) for i in range(devices or 0)),
+        )
+        layout.relays()  # a training row with no rollout rank on another device to send to
+        out["layout"] = layout.describe()
+    out["device_lists"] = alloc.device_lists(devices if devices is not None else alloc.world_size)
+    return out
+
+
+def _slurm_script(config) -> tuple[str, list[str]]:
+    """The sbatch script a partitioned run of ``config`` submits with ``cluster.scheduler=slurm``
+    from this host and directory, and notes on it (nothing is submitted)."""
+    import socket
+    from pathlib import Path
+
+    from areno.engine.partitioned import PartitionedCluster, is_partitioned
+    from areno.errors import ConfigError
+    from areno.launch.scheduler import RoleSpec, scheduler_config
+    from areno.launch.slurm import sbatch_preview, time_limit_note
+
+    if not is_partitioned(config):
+        raise ConfigError(
+            "cluster.allocation_mode: this run is colocated (one process) and starts no workers, so SLURM submits "
+            "nothing: give rollout and training devices of their own ('areno:d1+fsdp:d1', or "
+            "cluster.train_devices/rollout_devices)"
+        )
+    layout = PartitionedCluster(config, Path(config.run_dir)).layout  # the run's layout checks; starts nothing
+    options = {"log_dir": str(Path(config.run_dir) / "workers"), **dict(config.cluster.scheduler_options or {})}
+    cfg = scheduler_config("slurm", options)
+    specs = [  # as PartitionedCluster.launch creates them
+        RoleSpec(
+            role=role,
+            worker_cls=f"areno.engine.workers:{cls}",
+            n=len(devices),
+            devices=list(devices) if layout.cuda else None,
+            world="areno",
+        )
+        for role, cls, devices in (
+            ("train", "TrainWorker", layout.train_devices),
+            ("rollout", "RolloutWorker", layout.rollout_devices),
+        )
+    ]
+    notes = [
+        f"not submitted; `areno train` submits it from here as {cfg.log_dir}/job-train-rollout.sbatch, "
+        f"with the controller's port and MASTER_PORT picked at launch",
+        f"the driver runs here ({socket.gethostname()}) and the workers dial back to "
+        f"{cfg.slurm_controller_addr or socket.gethostname()}:<port> (cluster.scheduler_options.slurm_controller_addr)",
+        time_limit_note(cfg),
+    ]
+    if config.cluster.scheduler != "slurm":
+        notes.append(
+            f"this config has cluster.scheduler={config.cluster.scheduler}: add cluster.scheduler=slurm to use it"
+        )
+    return sbatch_preview(specs, cfg), notes
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """The arguments of ``areno launch``."""
+    parser = argparse.ArgumentParser(
+        prog="areno launch",
+        description="Check an allocation_mode string as `areno train` does, check shared storage paths, or print "
+        "a SLURM run's sbatch script without submitting it (docs/launch.md).",
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_alloc = sub.add_parser(
+        "allocation",
+        help="check a cluster.allocation_mode string as `areno train` does and print its device lists",
+        description="Check a cluster.allocation_mode string with the checks `areno train` makes of it before "
+        "anything starts (grammar, backends, colocated groups, the recipe's roles, a partitioned layout) and print "
+        "its device lists as JSON. Checks that need the model (TP against its heads) or the run's host run at "
+        "`areno train`.",
+    )
+    p_alloc.add_argument("allocation_mode")
+    p_alloc.add_argument(
+        "--devices", type=_positive_int, default=None, help="GPUs available (default: what it needs; CPU processes)"
+    )
+    p_alloc.add_argument("--algorithm", default="grpo", help="the recipe whose roles it places (default grpo)")
+    p_store = sub.add_parser(
+        "storage",
+        help="check that existing directories are writable and readable from this node (creates nothing)",
+        description="Check that each directory exists and is writable and readable from this node: a probe file "
+        "is written under a temporary .areno-storage-probe/ directory and removed. A missing path is an error.",
+    )
+    p_store.add_argument("paths", nargs="+")
+    p_slurm = sub.add_parser(
+        "slurm-script",
+        help="print the sbatch script `areno train CONFIG` would submit with cluster.scheduler=slurm (dry run)",
+        description="Print the sbatch script a partitioned run submits with cluster.scheduler=slurm, "
+        "without submitting it (notes on stderr).",
+    )
+    p_slurm.add_argument("config", nargs="?", help="YAML config file")
+    p_slurm.add_argument("overrides", nargs="*", help="dotted overrides key=value")
+    return parser
+
+
+def launch_main(argv: list[str] | None = None) -> int:
+    """``areno launch``: check an allocation_mode string as ``areno train`` does, check shared storage
+    paths, or print the sbatch script of a SLURM run without submitting it."""
+    import json
+
+    ns = launch_parser().parse_args(argv)
+    if ns.cmd == "allocation":
+        print(json.dumps(_check_allocation(ns.allocation_mode, devices=ns.devices, algorithm=ns.algorithm)))
+    elif ns.cmd == "storage":
+        from areno.launch.storage import check_shared_storage
+
+        check_shared_storage(ns.paths, must_exist=True)
+        print(json.dumps({"ok": ns.paths}))
+    else:
+        script, notes = _slurm_script(_load(ns))
+        print(script, end="")
+        for note in notes:
+            print(f"areno launch slurm-script: {note}", file=sys.stderr)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 DELEGATED = {
     "recipes": ("areno.recipes", "list the registered recipes (NAME: its formula, roles and syncs)"),
-    "launch": ("areno.launch", "check an allocation_mode string or shared storage paths"),
+    "launch": (
+        "areno.cli:launch_main",
+        "check an allocation_mode string or shared storage paths; print a SLURM run's sbatch script",
+    ),
     "serve": ("areno.rollout.server", "serve a model with the rollout engine (OpenAI-compatible HTTP)"),
     "report": ("areno.observe.report", "HTML report with plots of one or more run directories"),
     "doctor": ("areno.observe.doctor", "versions, devices and optional components"),
     "trace": ("areno.observe.trace", "merge a run's per-process traces into trace.json"),
     "sessions": ("areno.observe.session", "browse recorded agent sessions"),
 }
-"""Subcommands whose module parses its own arguments (everything after the name): ``name -> (module, help)``."""
+"""Subcommands that parse their own arguments (everything after the name): ``name -> (module, help)``;
+the module's ``main``, or ``module:function``."""
 
 
-def _delegate(module: str):
+def _delegate(target: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
 
-        return int(importlib.import_module(module).main(list(args.rest)) or 0)
+        module, _, function = target.partition(":")
+        return int(getattr(importlib.import_module(module), function or "main")(list(args.rest)) or 0)
 
     return run
 

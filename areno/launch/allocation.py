@@ -12,8 +12,9 @@ parallelism (``p1`` is accepted there, more is an error). ``e`` (expert parallel
 mixture-of-experts model, training only) splits the experts over ``e`` of the ``d`` data-parallel
 ranks: it must divide ``d`` and does not add devices. ``c`` (context parallelism, training only)
 likewise groups ``c`` of the ``d`` data-parallel ranks to share each packed micro-batch, each
-running the layers on 1/c of its tokens: it must divide ``d`` and adds no devices. The role defaults to ``rollout`` for
-inference backends and ``actor`` for training backends.
+running the layers on 1/c of its tokens: it must divide ``d`` and adds no devices. On ``fsdp``, ``e``
+and ``c`` each rule out ``t`` and each other (``fsdp:d4e2t2`` is refused, naming ``fsdp:d8e2`` and
+``fsdp:d4t2``). The role defaults to ``rollout`` for inference backends and ``actor`` for training backends.
 
 ``+`` *disaggregates*: each ``+``-separated group gets its own consecutive device indices.
 ``|`` *colocates*: the components of a group share one device list, so they must have the same
@@ -286,6 +287,7 @@ def _component(source: str, tree: lark.Tree) -> Component:
             backend_tok.column,
             f"context parallelism c{counts['c']} must divide the data-parallel size d{counts.get('d', 1)} of {backend}[{role}]",
         )
+    _check_combinations(source, backend, role, counts, backend_tok.column)
     return Component(
         backend=backend,
         role=role,
@@ -296,6 +298,35 @@ def _component(source: str, tree: lark.Tree) -> Component:
         cp=counts.get("c", 1),
         column=backend_tok.column,
     )
+
+
+_EXCLUSIVE: dict[str, tuple[tuple[str, str], ...]] = {"fsdp": (("e", "t"), ("c", "t"), ("c", "e"))}
+"""Dimensions a backend cannot combine in one component: fsdp splits experts (e) and packed
+tokens (c) over its data-parallel ranks, each holding whole layers (no t), and one of the two."""
+
+
+def _check_combinations(source: str, backend: str, role: str, counts: dict[str, int], column: int) -> None:
+    """An error naming the two dimensions ``backend`` cannot combine and the strings that would run:
+    the first keeps the devices (its data-parallel size takes the dropped dimension's), the second
+    drops the ``e``/``c`` dimension instead."""
+    for a, b in _EXCLUSIVE.get(backend, ()):
+        if counts.get(a, 1) > 1 and counts.get(b, 1) > 1:
+            d, na, nb = counts.get("d", 1), counts[a], counts[b]
+            name = backend if role == BACKENDS[backend].default_role else f"{backend}[{role}]"
+            keep = {k: v for k, v in counts.items() if k not in (a, b, "d")}
+            rest = "".join(f"{k}{v}" for k, v in keep.items() if v > 1)
+            if b == "t":  # the same devices without t: d*t data-parallel ranks, a still dividing them
+                same, other = f"{name}:d{d * nb}{a}{na}{rest}", f"{name}:d{d}t{nb}{rest}"
+                what = f"the same {d * nb} devices with {_DIM_NAMES[a]} parallelism"
+            else:
+                same, other = f"{name}:d{d}{a}{na}{rest}", f"{name}:d{d}{b}{nb}{rest}"
+                what = f"{_DIM_NAMES[a]} parallelism only"
+            raise _error(
+                source,
+                column,
+                f"{_DIM_NAMES[a]} parallelism {a}{na} and {_DIM_NAMES[b]} parallelism {b}{nb} do not combine on "
+                f"{backend}: use {same} ({what}) or {other}",
+            )
 
 
 def _check(source: str, groups: tuple[tuple[Component, ...], ...]) -> None:

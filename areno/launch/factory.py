@@ -30,5 +30,6 @@ def scheduler_from_config(cfg: SchedulerConfig | Mapping[str, Any]) -> Scheduler
             placement_strategy=cfg.ray_placement_strategy,
             cpus_per_worker=cfg.ray_cpus_per_worker,
             placement_timeout_s=cfg.ray_placement_timeout_s,
+            log_dir=cfg.log_dir,
         )
     return SlurmScheduler(cfg)

@@ -11,6 +11,11 @@ is the node IP of its rank-0 actor and a port that is free there; Ray assigns GP
 (``CUDA_VISIBLE_DEVICES``) from the bundle, so a role's ``devices`` only sets how many GPUs
 each worker reserves (``len(devices) // n``).
 
+With a ``log_dir`` (the partitioned run's ``run_dir/workers``), each actor sends its stdout and
+stderr to ``<log_dir>/<role>-<index>.log``, as the local and SLURM workers do (``kill -USR1``
+stacks land there too); a node that cannot write there keeps Ray's own worker logs
+(``<session>/logs/worker-*-<pid>.{out,err}`` on that node), and the launch log names them.
+
 Ray itself is imported when a ``RayScheduler`` is built (``import_ray``), not with this module: it is
 a heavy optional dependency, so the scheduler factory imports this module without it.
 """
@@ -18,8 +23,10 @@ a heavy optional dependency, so the scheduler factory imports this module withou
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,9 +47,12 @@ from areno.launch.scheduler import (
     python_path_env,
 )
 from areno.launch.worker import WorkerRuntime
+from areno.observe.doctor import INSTALL_HINTS
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RayScheduler", "check_ray_address", "import_ray"]
 
@@ -56,7 +66,7 @@ def import_ray() -> ModuleType:
             raise
         raise SchedulerError(
             f"cluster.scheduler=ray needs the ray package, which does not import "
-            f"here ({e}); pip install 'ray[default]' or use cluster.scheduler=local"
+            f"here ({e}); {INSTALL_HINTS['ray']} or use cluster.scheduler=local"
         ) from None
     return ray
 
@@ -71,11 +81,44 @@ class _RayWorkerActor:
         ray = import_ray()  # inside the actor, where Ray is running
         return socket.gethostname(), ray.util.get_node_ip_address(), free_port(), os.getpid()
 
+    def redirect_output(self, path: str) -> tuple[str | None, str]:
+        """Append this process's stdout and stderr (file descriptors 1 and 2) to ``path``; returns
+        ``(None, "")``, or ``(why not, where Ray's own logs of this worker are)``."""
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            return f"{type(e).__name__}: {e}", _ray_log_dir()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        return None, ""
+
     def setup(self, env: dict[str, str], cls_path: str, args: tuple, kwargs: dict) -> tuple:
         return self.runtime.handle(("init", cls_path, args, kwargs, env))
 
     def run(self, target: str | Callable, args: tuple, kwargs: dict) -> tuple:
         return self.runtime.handle(("call", target, args, kwargs))
+
+
+def _ray_log_dir() -> str:
+    """Ray's log directory on this node (its workers' ``worker-*-<pid>.out/.err``)."""
+    try:
+        node = import_ray()._private.worker.global_worker.node
+        return node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - a private API: name the usual place instead
+        return "/tmp/ray/session_latest/logs"
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """The first line of ``text``, cut at a word boundary (with ``...``) when longer than ``limit``."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0] if " " in line[:limit] else line[:limit]
+    return cut.rstrip(" ,;:") + " ..."
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -127,9 +170,9 @@ def _ping(address: str, timeout_s: float) -> None:
         except grpc.RpcError as e:
             if e.code() in answered:
                 return
-            detail = (e.details() or "").splitlines()[0] if e.details() else ""
+            detail = first_line(e.details() or "")
             raise SchedulerError(
-                f"Ray address {address!r} does not answer ({e.code().name}: {detail[:120]} within {timeout_s:g}s); "
+                f"Ray address {address!r} does not answer ({e.code().name}: {detail}; within {timeout_s:g}s); "
                 f"start the cluster (`ray start --head`) or fix cluster.scheduler_options.ray_address"
             ) from None
 
@@ -158,9 +201,12 @@ class RayScheduler(Scheduler):
         cpus_per_worker: float = 1.0,
         placement_timeout_s: float = 60.0,
         num_cpus: int | None = None,
+        log_dir: str | None = None,
     ) -> None:
-        """``num_cpus`` only applies when Ray is started in-process (``address=None``)."""
+        """``num_cpus`` only applies when Ray is started in-process (``address=None``); ``log_dir``:
+        where each worker's output goes (``<role>-<index>.log``); None leaves it in Ray's logs."""
         self._ray = ray = import_ray()
+        self.log_dir = log_dir
         self.placement_strategy = placement_strategy
         self.cpus_per_worker = cpus_per_worker
         self.placement_timeout_s = placement_timeout_s
@@ -260,6 +306,7 @@ class RayScheduler(Scheduler):
                     new.append(w)
             infos = self._ray.get([w.actor.node_info.remote() for w in new])
             self._prepare_env(new, infos, ranks)
+            self._redirect_logs(new)
             self._setup(new)
         except BaseException:
             for spec in specs:
@@ -293,6 +340,28 @@ class RayScheduler(Scheduler):
             for _, w, (_, ip, _, _) in members:
                 w.env["LOCAL_WORLD_SIZE"] = str(per_node[ip])
 
+    def _redirect_logs(self, workers: list[_RayWorker]) -> None:
+        """Each worker's output to ``log_dir/<role>-<index>.log`` (its handle's ``log_path``), or,
+        where its node cannot write there, a warning naming Ray's log directory on that node."""
+        if self.log_dir is None:
+            return
+        paths = [os.path.join(self.log_dir, f"{w.handle.role}-{w.handle.index}.log") for w in workers]
+        replies = self._ray.get([w.actor.redirect_output.remote(p) for w, p in zip(workers, paths)])
+        for w, path, (problem, ray_logs) in zip(workers, paths, replies):
+            if problem is None:
+                w.handle = replace(w.handle, log_path=path)
+                continue
+            w.handle = replace(w.handle, log_path=f"{ray_logs}/worker-*-{w.handle.pid}.err on {w.handle.host}")
+            logger.warning(
+                "%s (pid %s on %s) cannot write its log %s (%s): its output stays in Ray's logs, %s",
+                w.handle.name,
+                w.handle.pid,
+                w.handle.host,
+                path,
+                problem,
+                w.handle.log_path,
+            )
+
     def _setup(self, workers: list[_RayWorker]) -> None:
         futures = [w.executor.submit(self._setup_one, w) for w in workers]
         _gather(futures)
@@ -305,8 +374,9 @@ class RayScheduler(Scheduler):
         try:
             reply = self._ray.get(ref)
         except self._ray.exceptions.RayActorError as e:
+            log = f"; log: {w.handle.log_path}" if w.handle.log_path else ""
             raise WorkerDiedError(
-                f"{w.handle.name} (pid {w.handle.pid} on {w.handle.host}) died during {what} ({type(e).__name__})"
+                f"{w.handle.name} (pid {w.handle.pid} on {w.handle.host}) died during {what} ({type(e).__name__}){log}"
             ) from None
         return _raise_reply(w.handle, what, reply)
 
@@ -325,6 +395,7 @@ class RayScheduler(Scheduler):
         host, _, _, pid = self._ray.get(w.actor.node_info.remote())
         w.handle = replace(w.handle, pid=pid, host=host)
         self._workers[role][index] = w
+        self._redirect_logs([w])
         self._setup_one(w)
         return w.handle
 

@@ -1,10 +1,16 @@
 """``SlurmScheduler``: one sbatch job, one ``srun`` step per role, workers dial back over RPC.
 
 ``create_roles`` renders an sbatch script that allocates the tasks of all roles and starts one
-``srun --exact`` step per role inside that allocation, submits it with ``sbatch --parsable`` and
-waits for the workers (``python -m areno.launch.worker --slurm``) to connect to this controller,
-polling ``squeue``/``sacct`` so that a job that fails or is cancelled ends the wait with its
-state. Each task takes ``RANK`` = its role's rank offset in the world + ``SLURM_PROCID`` and
+``srun --exact`` step per role inside that allocation, submits it with ``sbatch --parsable``, waits
+for the job to leave the queue (``PENDING`` is no failure: the wait is bounded by
+``slurm_queue_timeout_s`` and logs the job's state and reason), then waits
+``connect_timeout_s``, counted from the job's start, for the workers (``python -m
+areno.launch.worker --slurm``) to connect to this controller, polling ``squeue``/``sacct`` so
+that a job that fails or is cancelled ends the wait with its state. A launch that fails (or is
+interrupted, or a driver that exits without ``shutdown``) cancels (``scancel``) the jobs
+it submitted: a job left in the queue would start later and hold its nodes until its time limit.
+
+Each task takes ``RANK`` = its role's rank offset in the world + ``SLURM_PROCID`` and
 ``LOCAL_RANK`` = ``SLURM_LOCALID``; ``MASTER_ADDR`` (the node of the world's rank 0) is sent by the
 controller once every worker has reported its host. ``restart_worker`` starts a one-task
 ``srun --overlap`` step inside the same job on the node of the worker it replaces.
@@ -16,22 +22,32 @@ cluster); steps of one allocation run anywhere, and ``--exact`` keeps them from 
 
 from __future__ import annotations
 
+import contextlib
 import getpass
+import logging
+import math
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
 
+from areno.errors import RunStopped
 from areno.launch.scheduler import (
     AUTHKEY_ENV,
     RoleSpec,
     SchedulerConfig,
     SchedulerError,
     WorkerDiedError,
+    WorkerError,
+    WorkerHandle,
     _replace,
     _RpcScheduler,
     _RpcWorker,
@@ -41,9 +57,88 @@ from areno.launch.scheduler import (
     python_path_env,
 )
 
-__all__ = ["SlurmScheduler", "check_slurm_controller", "render_sbatch"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["SLURM_QUEUE_TIMEOUT_S", "SlurmScheduler", "check_slurm_controller", "render_sbatch", "sbatch_preview"]
 
 _ALIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
+_QUEUED_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESV_DEL_HOLD",
+    "SUSPENDED",
+    "RESIZING",
+}
+"""States of a job that has not started its steps yet (or was put back): waited for, not failures."""
+
+_NEVER_STARTS = {
+    "PartitionTimeLimit": "its time limit exceeds the partition's: lower cluster.scheduler_options.slurm_time",
+    "PartitionNodeLimit": "it asks for more nodes than the partition has: fewer tasks, or another slurm_partition",
+    "BadConstraints": "its constraints cannot be met: check slurm_extra_sbatch_lines",
+    "InvalidAccount": "the account is not valid: fix cluster.scheduler_options.slurm_account",
+    "InvalidQOS": "the QOS is not valid: fix the --qos of slurm_extra_sbatch_lines",
+    "QOSMaxWallDurationPerJobLimit": "its time limit exceeds the QOS's: lower cluster.scheduler_options.slurm_time",
+    "DependencyNeverSatisfied": "its dependency can never be satisfied",
+}
+"""Pending reasons (``squeue %r``) of a job that will not start without a change of its settings."""
+
+SLURM_QUEUE_TIMEOUT_S = 24 * 3600.0
+"""How long a submitted job may wait in the queue before the launch fails and cancels it (a day),
+unless ``cluster.scheduler_options.slurm_queue_timeout_s`` says otherwise."""
+QUEUE_PROGRESS_S = 60.0
+"""A job still queued is reported (state, reason, time waited) this often, and at every change."""
+OPTIONS = "cluster.scheduler_options"
+
+_LIVE: weakref.WeakSet[SlurmScheduler] = weakref.WeakSet()
+"""Schedulers whose jobs are cancelled when the interpreter exits without their ``shutdown``."""
+_EXIT_HOOK_SET = False
+
+
+def _cancel_at_exit() -> None:
+    for sched in list(_LIVE):
+        sched._cancel_jobs()
+
+
+def _ensure_exit_hook() -> None:
+    """Cancel the live schedulers' jobs when the interpreter exits: a ``threading`` exit hook, which runs
+    before the interpreter joins its threads (``atexit`` hooks run after, never where a thread hangs)."""
+    global _EXIT_HOOK_SET
+    if not _EXIT_HOOK_SET:
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:  # pragma: no cover - every supported Python has it
+            import atexit
+
+            register = atexit.register
+        register(_cancel_at_exit)
+        _EXIT_HOOK_SET = True
+
+
+@contextlib.contextmanager
+def _stop_signals_end_the_wait(job_id: str) -> Iterator[None]:
+    """While a job is queued, SIGINT, SIGTERM or SIGHUP (in the main thread) ends the wait with
+    ``RunStopped``, so that the launch cancels the job: SIGTERM's default action would end the
+    process before any cleanup, and a handler that only notes the signal would keep waiting."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        raise RunStopped(f"{name} while SLURM job {job_id} waited in the queue: it is cancelled; nothing ran", signum)
+
+    wanted = [signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
+    previous = {s: signal.getsignal(s) for s in wanted}
+    for s, handler in previous.items():
+        if handler != signal.SIG_IGN:  # an ignored signal (nohup's SIGHUP) stays ignored
+            signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def check_slurm_controller(timeout_s: float = 60.0) -> None:
@@ -81,7 +176,8 @@ def render_sbatch(
     pythonpath: str,
     workdir: str,
 ) -> str:
-    """The sbatch script for ``specs``: one allocation, one ``srun`` step per role."""
+    """The sbatch script for ``specs``: one allocation, one ``srun`` step per role. No ``--time``
+    line when ``cfg.slurm_time`` is empty or None (the partition's default limit applies)."""
     ranks = assign_ranks(specs)
     gpus = sum(len(spec.devices) for spec in specs if spec.devices is not None)
     lines = [
@@ -89,7 +185,7 @@ def render_sbatch(
         f"#SBATCH --job-name={cfg.slurm_job_name}",
         f"#SBATCH --output={job_dir}/slurm-%j.out",
         f"#SBATCH --chdir={workdir}",
-        f"#SBATCH --time={cfg.slurm_time}",
+        *([f"#SBATCH --time={cfg.slurm_time}"] if cfg.slurm_time else []),
         *([f"#SBATCH --partition={cfg.slurm_partition}"] if cfg.slurm_partition else []),
         *([f"#SBATCH --account={cfg.slurm_account}"] if cfg.slurm_account else []),
         f"#SBATCH --ntasks={sum(spec.n for spec in specs)}",
@@ -132,13 +228,59 @@ def render_sbatch(
     return "\n".join(lines)
 
 
+def sbatch_preview(specs: Sequence[RoleSpec], cfg: SchedulerConfig, *, python: str | None = None) -> str:
+    """The script ``SlurmScheduler`` would submit for ``specs`` from this host and directory, without
+    submitting it (``areno launch slurm-script``): the controller's port and each world's
+    ``MASTER_PORT`` are picked afresh at launch, and the authkey file is written then."""
+    ranks = assign_ranks(specs)
+    return render_sbatch(
+        specs,
+        cfg=cfg,
+        controller=f"{cfg.slurm_controller_addr or socket.gethostname()}:{free_port()}",
+        job_dir=str(cfg.log_dir),
+        master_ports={world: free_port() for (_, _, world) in ranks.values()},
+        python=python or sys.executable,
+        pythonpath=python_path_env(),
+        workdir=os.getcwd(),
+    )
+
+
+def _default_time(cfg: SchedulerConfig) -> bool:
+    """Whether the job's ``--time`` is SchedulerConfig's default (the user did not choose it)."""
+    return bool(cfg.slurm_time) and cfg.slurm_time == next(
+        f.default for f in fields(SchedulerConfig) if f.name == "slurm_time"
+    )
+
+
+def time_limit_note(cfg: SchedulerConfig) -> str:
+    """One line on the job's time limit, for the launch log and the dry run."""
+    if not cfg.slurm_time:
+        return "no --time: the partition's default time limit applies"
+    which = "the default of" if _default_time(cfg) else "from"
+    return (
+        f"time limit {cfg.slurm_time} ({which} {OPTIONS}.slurm_time): SLURM ends the workers, and so the run, "
+        f"when it runs out; set slurm_time to the run's length (e.g. '2-00:00:00'), or null for the partition's limit"
+    )
+
+
 class SlurmScheduler(_RpcScheduler):
     """Workers as tasks of one sbatch job per ``create_roles`` call (see the module docstring)."""
 
-    def __init__(self, cfg: SchedulerConfig, *, python: str | None = None) -> None:
-        """``python``: the interpreter on the compute nodes (this one by default: a shared venv)."""
+    def __init__(
+        self, cfg: SchedulerConfig, *, python: str | None = None, queue_timeout_s: float | None = None
+    ) -> None:
+        """``python``: the interpreter on the compute nodes (this one by default: a shared venv);
+        ``queue_timeout_s``: how long a submitted job may stay queued (default
+        ``cfg.slurm_queue_timeout_s`` where the config has it, else ``SLURM_QUEUE_TIMEOUT_S``;
+        ``math.inf``: no limit)."""
         self.cfg = cfg
         self.python = python or sys.executable
+        if queue_timeout_s is None:  # the option, once SchedulerConfig has it; else the default
+            queue_timeout_s = getattr(cfg, "slurm_queue_timeout_s", None)
+            queue_timeout_s = SLURM_QUEUE_TIMEOUT_S if queue_timeout_s is None else queue_timeout_s
+        if not queue_timeout_s > 0:
+            raise SchedulerError(f"{OPTIONS}.slurm_queue_timeout_s must be > 0 seconds, got {queue_timeout_s}")
+        self.queue_timeout_s = float(queue_timeout_s)
         for tool in ("sbatch", "squeue", "srun", "scancel"):
             if shutil.which(tool) is None:
                 raise SchedulerError(
@@ -150,7 +292,17 @@ class SlurmScheduler(_RpcScheduler):
         self.controller = f"{cfg.slurm_controller_addr or socket.gethostname()}:{self._hub.port}"
         self.job_ids: list[str] = []
         self._job_of_role: dict[str, str] = {}
+        self._cancelled: set[str] = set()
         self._last_poll = 0.0
+        _LIVE.add(self)  # a driver that exits without shutdown() leaves no job queued
+        _ensure_exit_hook()
+        if os.environ.get("SLURM_JOB_ID"):
+            logger.warning(
+                "this driver runs inside SLURM job %s, and cluster.scheduler=slurm submits another job for the "
+                "workers; to run the workers inside this allocation use cluster.scheduler=local (one node) or a "
+                "Ray cluster started on its nodes (cluster.scheduler=ray); see docs/launch.md",
+                os.environ["SLURM_JOB_ID"],
+            )
 
     def _prepare_env(self, workers: list[_RpcWorker], ranks: dict) -> None:
         ports = {world: free_port() for (_, _, world) in ranks.values()}
@@ -198,6 +350,111 @@ class SlurmScheduler(_RpcScheduler):
         self.job_ids.append(job_id)
         for role in roles:
             self._job_of_role[role] = job_id
+        logger.info(
+            "SLURM job %s submitted (%s, %d tasks; log %s); its workers dial back to %s",
+            job_id,
+            path,
+            sum(spec.n for spec in specs),
+            self.log_dir / f"slurm-{job_id}.out",
+            self.controller,
+        )
+        logger.log(
+            logging.WARNING if _default_time(self.cfg) else logging.INFO,
+            "SLURM job %s: %s",
+            job_id,
+            time_limit_note(self.cfg),
+        )
+        with _stop_signals_end_the_wait(job_id):
+            self._wait_started(job_id)
+
+    def _wait_started(self, job_id: str) -> None:
+        """Return once the job runs; queued states are waited for up to ``queue_timeout_s`` (with a
+        line on its state and reason now and then); a job that ended, or will never start, raises."""
+        t0 = time.monotonic()
+        said: tuple[str, str] | None = None
+        next_note = t0
+        while True:
+            state, reason = self.job_status(job_id)
+            waited = time.monotonic() - t0
+            if state == "RUNNING":
+                if said is not None:
+                    logger.info("SLURM job %s started after %.0f s in the queue", job_id, waited)
+                return
+            if state not in _QUEUED_STATES:
+                log = self.log_dir / f"slurm-{job_id}.out"
+                raise WorkerDiedError(
+                    f"SLURM job {job_id} is {state} before its workers connected; log {log}: {_tail(str(log))}"
+                )
+            why = f" ({reason})" if reason and reason != "None" else ""
+            if reason in _NEVER_STARTS:
+                raise SchedulerError(
+                    f"SLURM job {job_id} is {state}{why} and will not start: {_NEVER_STARTS[reason]}; it was cancelled"
+                )
+            if waited >= self.queue_timeout_s:
+                raise SchedulerError(
+                    f"SLURM job {job_id} is still {state}{why} after {waited:.0f}s in the queue (limit "
+                    f"{self.queue_timeout_s:g}s, {OPTIONS}.slurm_queue_timeout_s); it was cancelled: raise the "
+                    f"limit, ask for fewer resources or another slurm_partition"
+                )
+            now = time.monotonic()
+            if (state, reason) != said or now >= next_note:
+                limit = "no limit" if math.isinf(self.queue_timeout_s) else f"up to {self.queue_timeout_s:g}s"
+                logger.info(
+                    "SLURM job %s is %s%s after %.0f s in the queue; waiting %s for it to start "
+                    "(%s.slurm_queue_timeout_s; the connect timeout counts from its start); Ctrl-C cancels it",
+                    job_id,
+                    state,
+                    why,
+                    waited,
+                    limit,
+                    OPTIONS,
+                )
+                said, next_note = (state, reason), now + QUEUE_PROGRESS_S
+            time.sleep(max(0.0, min(self.cfg.slurm_poll_interval_s, self.queue_timeout_s - waited)))
+
+    def _connect(self, workers: list[_RpcWorker]) -> None:
+        try:
+            super()._connect(workers)
+        except WorkerError as e:
+            if isinstance(e, WorkerDiedError) or any(w.conn is not None for w in workers):
+                raise  # a worker died, or a constructor raised: the message says which
+            jobs = sorted({self._job_of_role[w.handle.role] for w in workers if w.handle.role in self._job_of_role})
+            states = ", ".join(f"SLURM job {j} is {self.job_state(j)}" for j in jobs)
+            logs = " ".join(
+                f"{self.log_dir / f'slurm-{j}.out'}: {_tail(str(self.log_dir / f'slurm-{j}.out'))}" for j in jobs
+            )
+            raise WorkerError(
+                f"{e} of their job's start ({states}; {OPTIONS}.connect_timeout_s counts from the start): every "
+                f"node must reach this controller at {self.controller} ({OPTIONS}.slurm_controller_addr) and "
+                f"import areno; job log {logs}"
+            ) from None
+
+    def create_roles(self, specs: Sequence[RoleSpec]) -> dict[str, list[WorkerHandle]]:
+        submitted = len(self.job_ids)
+        try:
+            return super().create_roles(specs)
+        except BaseException:  # Ctrl-C too: a job left queued would start later and hold its nodes
+            self._cancel_jobs(self.job_ids[submitted:])
+            raise
+
+    def _cancel_jobs(self, job_ids: Sequence[str] | None = None) -> None:
+        """``scancel`` each job not cancelled yet (default: every job submitted); a failure is
+        logged with the command to run by hand."""
+        for job_id in list(self.job_ids if job_ids is None else job_ids):
+            if job_id in self._cancelled:
+                continue
+            self._cancelled.add(job_id)
+            for role in [r for r, j in self._job_of_role.items() if j == job_id]:
+                del self._job_of_role[role]  # a later create_roles of these roles submits a new job
+            try:
+                out = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=60)
+                problem = (out.stderr.strip() or f"exit code {out.returncode}") if out.returncode else ""
+            except (OSError, subprocess.TimeoutExpired) as e:
+                problem = f"{type(e).__name__}: {e}"
+            if problem:
+                logger.warning("scancel %s failed (%s): cancel it yourself with `scancel %s`", job_id, problem, job_id)
+            else:
+                logger.info("SLURM job %s cancelled", job_id)
 
     def restart_command(self, w: _RpcWorker) -> list[str]:
         """The ``srun`` that puts a fresh worker into the running job, on the old worker's node."""
@@ -242,6 +499,15 @@ class SlurmScheduler(_RpcScheduler):
             start_new_session=True,
         )
 
+    def job_status(self, job_id: str) -> tuple[str, str]:
+        """``(state, reason)`` from squeue (the reason a queued job waits: ``Priority``,
+        ``Resources``, ...), or ``(job_state(), "")`` for a job squeue no longer lists."""
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            state, _, reason = out.stdout.strip().splitlines()[0].partition("|")
+            return state.strip(), reason.strip()
+        return self.job_state(job_id), ""
+
     def job_state(self, job_id: str) -> str:
         """The job's state from squeue (queued or running) or sacct (finished; FINISHED without accounting)."""
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
@@ -284,6 +550,8 @@ class SlurmScheduler(_RpcScheduler):
     def shutdown(self) -> None:
         if self._closed:
             return
-        super().shutdown()
-        for job_id in self.job_ids:
-            subprocess.run(["scancel", job_id], capture_output=True)
+        try:
+            super().shutdown()
+        finally:
+            self._cancel_jobs()
+            _LIVE.discard(self)

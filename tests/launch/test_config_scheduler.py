@@ -93,7 +93,7 @@ def test_ray_not_installed_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(
         SchedulerError,
         match=r"^cluster.scheduler=ray needs the ray package, which does not import "
-        r"here \(.*\); pip install 'ray\[default\]' or use cluster.scheduler=local$",
+        r"here \(.*\); pip install 'areno\[ray\]' or use cluster.scheduler=local$",
     ) as info:
         scheduler_for(cluster, ClusterLayout(train_devices=(0,), rollout_devices=(1,)), log_dir=str(tmp_path))
     _one_line(info)
