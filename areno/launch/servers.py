@@ -23,6 +23,7 @@ import httpx
 
 from areno.errors import ConfigError, RunFailure
 from areno.launch.scheduler import free_port
+from areno.observe.doctor import INSTALL_HINTS
 
 VLLM_CPU_KVCACHE_GIB = "1"
 """``VLLM_CPU_KVCACHE_SPACE`` of a vLLM server on the CPU (GiB), unless the environment sets it."""
@@ -186,9 +187,9 @@ def check_server_install(backend: str) -> None:
     a torch companion package that does not match the installed torch would break its start."""
     package = MODULES[backend].split(".")[0]
     if importlib.util.find_spec(package) is None:
-        extra = "pip install 'areno[vllm]'" if backend == "vllm" else "pip install 'sglang[all]'"
         raise ConfigError(
-            f"rollout.backend={backend}: {package} is not installed in {sys.executable}: {extra}, or start the "
+            f"rollout.backend={backend}: {package} is not installed in {sys.executable}: {INSTALL_HINTS[backend]}, "
+            "or start the "
             "servers yourself and list them in rollout.servers"
         )
     present = [m for m in TORCH_COMPANIONS if importlib.util.find_spec(m) is not None]

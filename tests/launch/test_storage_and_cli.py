@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from areno.launch import main
+from areno.cli import main
 from areno.launch.storage import StorageCheckError, check_shared_storage
 
 
@@ -44,12 +44,14 @@ def test_memory_url_roundtrip_in_one_process():
 
 
 def test_cli(capsys, tmp_path):
-    assert main(["allocation", "areno[rollout]:d2t2+fsdp[actor]:d4", "--devices", "8"]) == 0
+    assert main(["launch", "allocation", "areno[rollout]:d2t2+fsdp[actor]:d4", "--devices", "8"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["device_lists"] == {"rollout": [0, 1, 2, 3], "actor": [4, 5, 6, 7]} and out["world_size"] == 8
-    assert main(["allocation", "areno:d2+", "--devices", "8"]) == 2
+    assert main(["launch", "allocation", "areno:d2+", "--devices", "8"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: invalid allocation_mode at column 10")
-    assert main(["allocation", "areno:d4", "--devices", "2"]) == 2
+    assert err.startswith("areno: error: cluster.allocation_mode: invalid allocation_mode at column 10")
+    assert main(["launch", "allocation", "areno:d2+fsdp:d2", "--devices", "2"]) == 2
     assert "needs 4 devices but only 2 are available" in capsys.readouterr().err
-    assert main(["storage", str(tmp_path / "x")]) == 0
+    assert main(["launch", "storage", str(tmp_path / "x")]) == 2  # a typo is not created
+    (tmp_path / "x").mkdir()
+    assert main(["launch", "storage", str(tmp_path / "x")]) == 0
