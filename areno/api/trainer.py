@@ -23,11 +23,13 @@ step, for the tests that prove it.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -43,9 +45,11 @@ from areno.api.preflight import check_resumed_config, check_run
 from areno.api.rundir import RunDirLock, clear_run, set_aside_untrained
 from areno.engine.api import check_init_tiny_target
 from areno.engine.host import thaw_heap
+from areno.engine.partitioned import NO_CHECKPOINT_YET, RESUME_FROM_CHECKPOINT
 from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, test_metrics
-from areno.errors import ConfigError, RunStopped
+from areno.errors import ConfigError, RunFailure, RunStopped
 from areno.faults import fault_point
+from areno.launch.scheduler import kill_local_workers, signal_local_workers
 from areno.observe.metrics import METRICS_FILENAME, ConsoleSink, MetricsLogger, WandbConfig
 from areno.observe.profile import profiled_step
 from areno.observe.session import configure_sessions
@@ -125,18 +129,39 @@ class Trainer:
                 config.warm_start.steps,
             )
         backend_cls = resolve_backend(config.train.backend)
+        dump_stacks_on_usr1()
         self.lock = RunDirLock(config.run_dir).acquire()
         try:
             check_run(config)
             check_resumed_config(config)
             check_init_tiny_target(config)  # before _initialize writes run_dir (overwrite may clear it)
             self._initialize(backend_cls)
-        except BaseException:
+        except BaseException as exc:
+            self._stop_partial_backend()
             self.lock.release()
+            if isinstance(exc, KeyboardInterrupt):
+                last = checkpoint.latest_complete(self.run_dir / "checkpoints")
+                then = f"resume=auto goes on from {last}" if last is not None else "the same command starts it again"
+                print(
+                    f"areno: interrupted during start-up, before any step: nothing was trained and no checkpoint "
+                    f"was written; {then}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             raise
         self._built_with = _flat(to_dict(config))  # what the engine was built from (_check_runnable)
         self._written = self._built_with  # what run_dir/config.yaml says
         Trainer._live[self.run_dir.resolve()] = self
+
+    def _stop_partial_backend(self) -> None:
+        """The workers and threads of a backend whose start-up failed or was interrupted (best effort)."""
+        backend = getattr(self, "backend", None)
+        if backend is None:
+            return
+        try:
+            backend.shutdown()
+        except Exception as exc:  # noqa: BLE001 - half built: what it started is stopped as far as it goes
+            logger.debug("shutting down a backend that did not start: %s", exc)
 
     @classmethod
     def init(cls, config: ArenoConfig, *, stage: str | None = None, warm_start_by_caller: bool = False) -> Trainer:
@@ -218,6 +243,8 @@ class Trainer:
                 raise
             except BaseException as exc:
                 self._failed = f"{type(exc).__name__} in step {self.start_rollout_id + 1}"
+                if getattr(exc, "training_side_intact", False) and not stop.stopped_now:
+                    raise self._after_emergency_save(exc) from exc
                 raise
             finally:
                 self._ran = True
@@ -287,6 +314,9 @@ class Trainer:
         for rollout_id in range(first, cfg.steps):
             t0 = time.perf_counter()
             step = rollout_id + 1
+            # what the training side holds (an emergency checkpoint saves it): the steps trained, and the
+            # metrics of one trained but not logged yet
+            self._trained_to, self._unlogged = rollout_id, None
             with profiled_step(self.run_dir, step, self.config.observe.profile_steps):
                 with span("rollout", "trainer", rollout_id=rollout_id):
                     rollout = self.rollout_token_batch(rollout_id)
@@ -298,6 +328,13 @@ class Trainer:
                         train_metrics = self.train(rollout_id, data)
                 fault_point("train", step)
                 t2 = time.perf_counter()
+                self._trained_to = step
+                self._unlogged = {
+                    **rollout.metrics,
+                    **train_metrics,
+                    "timing/rollout_s": t1 - t0,
+                    "timing/train_s": t2 - t1,
+                }
                 with span("policy_sync", "trainer", rollout_id=rollout_id):
                     sync_metrics = self.backend.update_weights()
                 fault_point("policy_sync", step)
@@ -312,6 +349,7 @@ class Trainer:
             if rollout_id == first and not self._ran and startup_s is not None:  # this Trainer's first step
                 timing["system/startup_to_first_token_s"] = startup_s
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
+            self._unlogged = None
             if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
                 last_eval = self._evaluate(step)
             signum = stop.signum  # read once: a signal arriving later in the step stops after the next one
@@ -332,6 +370,46 @@ class Trainer:
                 raise RunStopped(f"stopped by {signal.Signals(signum).name} {where}; {then}", signum)
         self._finish_test_rollout(first)
         return last_eval
+
+    def _after_emergency_save(self, exc: BaseException) -> BaseException:
+        """``exc`` (a failure outside the training side: a rollout worker lost) told again after an emergency
+        checkpoint of the step the training side holds, so ``resume=auto`` loses no trained step; or with
+        the reason there is none. The checkpoint is that of the last step trained: a failure while that
+        step's policy sync was in flight leaves the trained weights whole (a sync only reads them; one
+        that failed publishes nothing: the resumed run publishes them), and its metrics, logged first,
+        lack only the sync's figures. A training rank still inside the broken sync or save cannot take
+        part in another save: then there is none (``RemoteTrainingSide.save`` checks)."""
+        step = getattr(self, "_trained_to", self.start_rollout_id)
+        path = self._checkpoint_dir(step)
+        if step <= 0 or (path / checkpoint.COMPLETE_MARKER).is_file():
+            return exc  # nothing trained, or the step's checkpoint is there: no trained step is lost
+        try:
+            unlogged = getattr(self, "_unlogged", None)
+            if unlogged is not None:  # its sync failed: the step's row, so metrics.jsonl has every step
+                self.logger.log(unlogged, step=step)
+                self._unlogged = None
+            logger.warning("emergency checkpoint of step %d (%s) into %s", step, _first_line(exc), path)
+            with span("checkpoint", "trainer", step=step):
+                self.backend.save(path, {"rollout_id": step - 1})
+        except Exception as err:  # the run fails anyway: with its first cause, and this one said
+            trace = None if isinstance(err, RunFailure) else err  # a bug's traceback; a failure's line
+            logger.error("emergency checkpoint of step %d failed: %s", step, err, exc_info=trace)
+            note = f"no emergency checkpoint of step {step}: {_first_line(err, with_type=False)}"
+        else:
+            note = (
+                f"the training side was intact: saved an emergency checkpoint of step {step} ({path}), which "
+                "resume=auto goes on from"
+            )
+            logger.warning("emergency checkpoint of step %d saved: %s", step, path)
+        text = str(exc)
+        if checkpoint.latest_complete(self.run_dir / "checkpoints") is not None:
+            text = text.replace(NO_CHECKPOINT_YET, RESUME_FROM_CHECKPOINT)
+        try:
+            told = type(exc)(f"{text}; {note}")
+        except Exception:  # noqa: BLE001 - an exception class built otherwise: the note goes to the log only
+            return exc
+        told.__dict__.update({k: v for k, v in vars(exc).items() if k not in told.__dict__})
+        return told
 
     def _test_due(self, step: int) -> bool:
         """A checkpoint is published for the test rollout at this step (``test_rollout.interval``)."""
@@ -458,21 +536,62 @@ class Trainer:
         print(json.dumps({"resumed_from": str(path), "next_rollout_id": self.start_rollout_id}), flush=True)
 
 
-class StopSignals:
-    """While entered (in the main thread), the first SIGINT or SIGTERM is noted in ``signum``; a second
-    one acts at once as it would have before (KeyboardInterrupt, or termination), after one line naming
-    the checkpoint under ``checkpoints_dir`` that ``resume=auto`` goes on from."""
+def _first_line(exc: BaseException, *, with_type: bool = True) -> str:
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first}" if with_type else first
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+def dump_stacks_on_usr1() -> None:
+    """``kill -USR1 <pid>`` of the controller writes every thread's stack to its stderr and passes the
+    signal on to its local workers, which write theirs to their logs (``run_dir/workers``), as README
+    says for a stalled worker; without it the signal's default action ended the run at once. A handler
+    the program set already is left alone. Main thread only (where handlers are set)."""
+    usr1 = getattr(signal, "SIGUSR1", None)
+    if usr1 is None or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(usr1) not in (signal.SIG_DFL, _forward_usr1):
+        return
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stderr (pytest, a notebook): the process's own
+        fd = 2
+    signal.signal(usr1, _forward_usr1)  # runs in the main thread once it runs Python again
+    # the controller's own stacks at once, whatever its main thread is blocked in; then the handler above
+    faulthandler.register(usr1, file=fd, all_threads=True, chain=True)
+
+
+def _forward_usr1(signum: int, frame: Any) -> None:
+    pids = signal_local_workers(signum)
+    if pids:
+        try:
+            os.write(2, f"areno: SIGUSR1 passed to the workers {pids}: their stacks go to their logs\n".encode())
+        except OSError:
+            pass
+
+
+class StopSignals:
+    """While entered (in the main thread), the first SIGINT, SIGTERM or SIGHUP (a closed ssh session) is
+    noted in ``signum``; a second one kills the local workers and then acts at once as it would have
+    before (KeyboardInterrupt, or termination), after one line naming the checkpoint under
+    ``checkpoints_dir`` that ``resume=auto`` goes on from."""
+
+    SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 
     def __init__(self, checkpoints_dir: Path | None = None) -> None:
         self.signum: int | None = None
         self.checkpoints_dir = checkpoints_dir
+        self.stopped_now = False
+        """A second signal arrived: the run stops at once (no emergency checkpoint either)."""
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # only its handlers can be set
-            self._previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+            # a SIGHUP ignored (nohup) stays ignored
+            signals = [
+                s for s in self.SIGNALS if s != getattr(signal, "SIGHUP", None) or signal.getsignal(s) != signal.SIG_IGN
+            ]
+            self._previous = {s: signal.signal(s, self._note) for s in signals}
         return self
 
     def _note(self, signum: int, frame: Any) -> None:
@@ -480,20 +599,21 @@ class StopSignals:
         for s, handler in self._previous.items():  # an ignored signal stays ignored
             signal.signal(s, self._stop_now if handler == signal.SIG_DFL or callable(handler) else handler)
         # os.write: a print could re-enter a stderr write the signal interrupted (a RuntimeError)
-        os.write(
-            2, f"areno: {signal.Signals(signum).name}: stopping after this step (send it again to stop now)\n".encode()
-        )
+        _say(f"areno: {signal.Signals(signum).name}: stopping after this step (send it again to stop now)\n")
 
     def _stop_now(self, signum: int, frame: Any) -> None:
         """The second signal: one line, then the previous handler's action (SIGTERM's default ends the
         process with its exit status and without a word of its own)."""
+        self.stopped_now = True
         last = checkpoint.latest_complete(self.checkpoints_dir) if self.checkpoints_dir is not None else None
         then = f"goes on from {last}" if last is not None else "starts over (no checkpoint was saved)"
-        os.write(
-            2,
+        _say(
             f"areno: stopped at once by a second {signal.Signals(signum).name}, without a checkpoint of the step "
-            f"in progress; the same command with resume=auto {then}\n".encode(),
+            f"in progress; the same command with resume=auto {then}\n"
         )
+        # "at once": no worker call is waited for (a stalled worker would hold the teardown), and none
+        # outlives this process, which SIGTERM's default action ends before any cleanup runs
+        kill_local_workers()
         previous = self._previous[signum]
         if callable(previous):  # SIGINT's: KeyboardInterrupt
             previous(signum, frame)
@@ -508,6 +628,14 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         self._restore()
+
+
+def _say(text: str) -> None:
+    """One line to stderr from a signal handler; nothing when stderr is gone (a SIGHUP's closed terminal)."""
+    try:
+        os.write(2, text.encode())
+    except OSError:
+        pass
 
 
 def wandb_config(config: ArenoConfig) -> WandbConfig | None:

@@ -30,7 +30,13 @@ from areno.rollout.client import (
     RolloutServersLost,
 )
 from areno.types import Trajectory
-from areno.workflows.base import RolloutWorkflow, WorkflowReturnError, as_group, run_episode_name
+from areno.workflows.base import (
+    RolloutWorkflow,
+    WorkflowReturnError,
+    as_group,
+    raised_in_workflow,
+    run_episode_name,
+)
 from areno.workflows.common import describe_sample
 
 logger = logging.getLogger(__name__)
@@ -74,14 +80,30 @@ class EpisodeAttempts:
         self.last_drop = ""
         """The error of the last sample dropped after all its attempts."""
         self.workflow_broken = False
-        """Whether that error was the workflow's own (``WorkflowReturnError``), not the rollout side's."""
+        """Whether that error was the workflow's own (``WorkflowReturnError``, or raised in its code), not
+        the rollout side's."""
         self._warned_return = False
+        self._raised_in_code = False
+
+    @property
+    def user_workflow(self) -> RolloutWorkflow | None:
+        """The user's workflow (the engine wraps it, e.g. in ``LedgerWorkflow``: ``inner``)."""
+        workflow = self.workflow
+        while workflow is not None and getattr(workflow, "inner", None) is not None:
+            workflow = workflow.inner
+        return workflow
 
     @property
     def drop_advice(self) -> str:
         """What a run stopped by dropped samples tells the user to fix, after the last error."""
         if self.workflow_broken:
-            return "rollout.workflow is failing, not the data or the rollout side; fix its run_episode"
+            workflow = self.user_workflow
+            if not self._raised_in_code or workflow is None:  # its return value (WorkflowReturnError)
+                return "rollout.workflow is failing, not the data or the rollout side; fix its run_episode"
+            return (
+                f"rollout.workflow {run_episode_name(workflow)} raised it in its own code, not the data or the "
+                "rollout side: fix it"
+            )
         return (
             "the rollout side is failing, not the data; fix the error above (the rollout engine or server "
             "log has the cause)"
@@ -124,7 +146,20 @@ class EpisodeAttempts:
             task.lost += 1
             self.counts["requeued"] += 1
             if task.lost <= self.max_retries:
-                logger.warning("re-queueing dataset %s (%s): %s", describe_sample(task.sample), counter, exc)
+                unhealthy = _none_healthy(self.client)
+                if unhealthy:  # re-sent at once, it would only wait in the client for a server to recover
+                    logger.warning(
+                        "not re-queueing dataset %s (%s) onto an unhealthy server (%s): it waits for a server to "
+                        "answer /health again, at most rollout.request_timeout_s (attempt %d of %d): %s",
+                        describe_sample(task.sample),
+                        counter,
+                        unhealthy,
+                        task.lost + 1,
+                        self.max_retries + 1,
+                        exc,
+                    )
+                else:
+                    logger.warning("re-queueing dataset %s (%s): %s", describe_sample(task.sample), counter, exc)
                 return "retry", None
             self.counts["dropped_failed"] += 1
             self.last_drop = f"{type(exc).__name__}: {exc}"
@@ -175,7 +210,9 @@ class EpisodeAttempts:
             return "retry", None
         self.counts["dropped_failed"] += 1
         self.last_drop = what
-        self.workflow_broken = contract
+        user = self.user_workflow
+        self._raised_in_code = not contract and user is not None and raised_in_workflow(user, exc)
+        self.workflow_broken = contract or self._raised_in_code
         logger.log(
             logging.DEBUG if contract else logging.WARNING,
             "dropping dataset %s after %d failed attempts: %s",
@@ -185,3 +222,16 @@ class EpisodeAttempts:
             exc_info=None if contract else exc,
         )
         return "dropped", None
+
+
+def _none_healthy(client: Any) -> str | None:
+    """When the rollout client routes over servers of which none is healthy now (a
+    ``MultiServerRolloutClient`` with a health monitor, possibly wrapped: ``inner``), which; else None."""
+    while client is not None and getattr(client, "inner", None) is not None:
+        client = client.inner
+    health, urls = getattr(client, "health", None), getattr(client, "urls", None)
+    if health is None or not urls or any(health.is_healthy(u) for u in urls):
+        return None
+    if len(urls) == 1:
+        return f"{urls[0]} is the only rollout server"
+    return f"none of the {len(urls)} rollout servers is healthy"

@@ -21,6 +21,12 @@ separate groups (``areno.engine.cluster``). ``ArenoEngine`` reaches them through
 
 This module holds the placement (``PartitionedCluster``: layout, memory check, launch, which
 workers are alive) and what the controller and the workers (``engine/workers.py``) share.
+
+A worker lost (its process gone, or a rollout replica whose server gave no ``/health`` answer for
+``ARENO_WORKER_STALL_S``: declared lost and killed, ``check_stalls``) breaks the world: every wait on it
+(``gather``) fails at once naming the worker lost first, the Trainer saves an emergency checkpoint of the
+training side when it is intact (``RemoteTrainingSide.save``: the training ranks alone), and the run
+stops. ``stop`` is bounded: a worker still in its shutdown after ``SHUTDOWN_TIMEOUT_S`` is killed.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ import datetime
 import faulthandler
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +60,9 @@ from areno.engine.cluster import (
 from areno.engine.config import ArenoConfig, resolve_dtypes
 from areno.engine.host import apply_host_settings
 from areno.errors import ConfigError, RunFailure
-from areno.launch.scheduler import RoleSpec, WorkerDiedError
+from areno.launch.scheduler import RUN_DIR_ENV, RoleSpec, WorkerDiedError, scheduler_config, usable_cores
 from areno.launch.storage import check_shared_storage
+from areno.launch.watchdog import process_state
 from areno.models.config import ModelConfig
 from areno.models.hf_io import read_config
 from areno.models.tp_plan import check_tp_size
@@ -66,14 +76,84 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "PartitionedCluster",
     "WorkerLostError",
+    "cpu_oversubscription",
     "gather_fail_fast",
     "is_partitioned",
     "kv_tokens_for",
+    "warn_cpu_oversubscription",
+    "worker_stall_s",
 ]
 
 
 class WorkerLostError(RunFailure):
-    """A worker of the partitioned world died; its world cannot be re-formed in place."""
+    """A worker of the partitioned world died (or stopped answering and was killed); its world cannot
+    be re-formed in place. ``training_side_intact``: every lost worker is a rollout worker, so the
+    training workers still hold the trained state (the Trainer saves an emergency checkpoint of it);
+    ``in_flight``: the operation of the world the loss broke (``"the policy sync"``), None when it was
+    found between operations."""
+
+    def __init__(self, message: str, *, training_side_intact: bool = False, in_flight: str | None = None) -> None:
+        super().__init__(message)
+        self.training_side_intact = training_side_intact
+        self.in_flight = in_flight
+
+
+NO_CHECKPOINT_YET = "start it again (no checkpoint yet)"
+"""The advice of a lost worker's message when the run saved no checkpoint (``dead_workers``)."""
+RESUME_FROM_CHECKPOINT = "go on from its last checkpoint with resume=auto"
+"""The advice of a lost worker's message when it did (the Trainer's emergency checkpoint counts)."""
+
+STALL_ENV = "ARENO_WORKER_STALL_S"
+SHUTDOWN_TIMEOUT_S = 15.0
+"""How long ``PartitionedCluster.stop`` waits for a role's workers to finish ``shutdown`` (all at once)
+before it kills those still in it: a stalled worker never holds the controller's exit."""
+
+
+def worker_stall_s() -> float:
+    """``ARENO_WORKER_STALL_S`` (default 60; 0: never): a rollout worker whose server has not answered
+    ``/health`` for this long (its ``HealthMonitor`` holds it unhealthy) is declared lost: killed
+    (``kill -9`` of its process group), and the run stops as for a worker that died, naming it, after
+    an emergency checkpoint of the training side. Without it a stopped or deadlocked worker (``kill
+    -STOP``, a hung kernel, a stuck NFS read) left the run waiting for ``rollout.request_timeout_s``
+    and ``cluster.sync_timeout_s`` again and again."""
+    value = os.environ.get(STALL_ENV, "60")
+    try:
+        stall_s = float(value)
+    except ValueError:
+        raise ConfigError(f"{STALL_ENV}={value!r}: must be a number of seconds (0: never)") from None
+    if not stall_s >= 0 or stall_s == float("inf"):
+        raise ConfigError(f"{STALL_ENV}={value!r}: must be >= 0 seconds and finite (0: never)")
+    return stall_s
+
+
+def cpu_oversubscription(config: ArenoConfig, layout: ClusterLayout) -> str | None:
+    """A warning when a CPU run's worker processes, times their threads, outnumber the cores this
+    process may use (None otherwise): they then start slowly enough to miss the connect timeout and
+    train far slower than a smaller placement would."""
+    if layout.cuda:
+        return None
+    procs = layout.n_train + layout.n_rollout
+    threads = config.cluster.cpu_threads or 1
+    cores = usable_cores()
+    if procs * threads <= cores:
+        return None
+    timeout_s = scheduler_config(config.cluster.scheduler, config.cluster.scheduler_options).connect_timeout_s
+    where = (
+        f"cluster.allocation_mode={config.cluster.allocation_mode}"
+        if config.cluster.allocation_mode
+        else "cluster.train_devices + cluster.rollout_devices"
+    )
+    each = (
+        f"{threads} thread(s) each (cluster.cpu_threads)"
+        if config.cluster.cpu_threads
+        else ("each with torch's default of one thread per core (set cluster.cpu_threads=1)")
+    )
+    return (
+        f"{where} on the CPU starts {procs} worker processes ({layout.n_train} training, {layout.n_rollout} rollout), "
+        f"{each}, on {cores} cores: they start slowly (the connect timeout, cluster.scheduler_options."
+        f"connect_timeout_s={timeout_s:g} s, may pass) and train slower than fewer would; use at most {cores} "
+        f"processes (e.g. cluster.allocation_mode='areno:d1+fsdp:d1'), or raise connect_timeout_s"
+    )
 
 
 PROMPT_TOKENS_EST = 256
@@ -157,6 +237,17 @@ def _sync_config(config: ArenoConfig):
     )
 
 
+_crowding_warned: set[str] = set()
+
+
+def warn_cpu_oversubscription(config: ArenoConfig, layout: ClusterLayout) -> None:
+    """``cpu_oversubscription``'s warning, logged once per process (preflight and the launch both ask)."""
+    crowded = cpu_oversubscription(config, layout)
+    if crowded and crowded not in _crowding_warned:
+        _crowding_warned.add(crowded)
+        logger.warning("%s", crowded)
+
+
 class PartitionedCluster:
     """The partitioned world seen from the controller: its layout, the scheduler running its
     workers, and which of them are alive. Both remote sides hold the same one."""
@@ -191,6 +282,17 @@ class PartitionedCluster:
         self._device_capacity = device_capacity
         self._launched = False
         self._stopped: set[str] = set()
+        self._lost: dict[tuple[str, int], str] = {}
+        """``(role, index) -> what happened`` of each worker found dead or declared stalled, in the order
+        found: the first is the run's root cause."""
+        self._lost_lock = threading.Lock()
+        self._probes: dict[tuple[str, int], concurrent.futures.Future] = {}
+        """The ``pid`` call of each worker's last liveness probe (a stalled worker's never returns: it is
+        waited on again rather than queued behind itself)."""
+        self._health: Any = None
+        self._replicas: list[tuple[str, tuple[int, ...]]] = []
+        """Each rollout replica's URL and its workers' indices (``watch_health``)."""
+        self._stall_warned: set[str] = set()
         if not _online(config):
             raise ConfigError(
                 f"recipe {config.train.algorithm!r} trains offline: the partitioned topology is for online "
@@ -275,9 +377,15 @@ class PartitionedCluster:
         cfg, layout = self.config, self.layout
         self.check_tp(layout, read_config(model_dir))
         self.check_memory(layout, model_dir)
+        warn_cpu_oversubscription(cfg, layout)
         logger.info("partitioned topology: %s", layout.describe())
         if self.scheduler is None:
             self.scheduler = scheduler_for(cfg.cluster, layout, log_dir=str(self.run_dir / "workers"))
+            if hasattr(self.scheduler, "fresh_logs"):
+                # a run that starts over (a new run, overwrite=true, nothing to resume) truncates its
+                # workers' logs; a resumed one appends to them after a separator line
+                self.scheduler.fresh_logs = checkpoint.latest_complete(self.run_dir / "checkpoints") is None
+        env = {RUN_DIR_ENV: str(self.run_dir)}
         args = (cfg, layout, str(model_dir))
         # every request carries this key, also on loopback: an unkeyed server trusts every local user
         self.api_key = secrets.token_urlsafe(32)
@@ -287,6 +395,7 @@ class PartitionedCluster:
                     role="train",
                     worker_cls="areno.engine.workers:TrainWorker",
                     n=layout.n_train,
+                    env=env,
                     args=args,
                     devices=list(layout.train_devices) if layout.cuda else None,
                     world="areno",
@@ -295,6 +404,7 @@ class PartitionedCluster:
                     role="rollout",
                     worker_cls="areno.engine.workers:RolloutWorker",
                     n=layout.n_rollout,
+                    env=env,
                     args=args,
                     kwargs={"api_key": self.api_key},
                     devices=list(layout.rollout_devices) if layout.cuda else None,
@@ -303,6 +413,16 @@ class PartitionedCluster:
             ]
         )
         self._launched = True
+        for role in self.scheduler.roles:  # where to look: `kill -USR1 <pid>` writes a worker's stacks to its log
+            for h in self.scheduler.workers(role):
+                logger.info(
+                    "worker %s (rank %d) pid %s on %s, log %s",
+                    h.name,
+                    h.rank,
+                    h.pid,
+                    h.host,
+                    h.log_path or "(scheduler's)",
+                )
         # checkpoints (DCP, written by the training ranks) and exports go under run_dir: every node must see it
         check_shared_storage([str(self.run_dir)], self.scheduler)
 
@@ -311,49 +431,231 @@ class PartitionedCluster:
         urls = self.scheduler.call("rollout", "url")
         return [urls[r - self.layout.n_train] for r in self.layout.replica_leaders()]
 
-    def check_workers(self) -> None:
-        """WorkerLostError (one line) naming the first dead worker. A dead rollout replica only
-        loses its in-flight HTTP requests, which the client re-sends to another replica (the
-        episode, run here, is neither lost nor duplicated); but the policy sync needs every rank
-        of the world, which cannot be re-formed around a new process in place."""
+    def check_workers(self, *, timeout_s: float = 60) -> None:
+        """WorkerLostError (one line) naming the first lost worker (dead, or declared stalled). A dead
+        rollout replica only loses its in-flight HTTP requests, which the client re-sends to another
+        replica (the episode, run here, is neither lost nor duplicated); but the policy sync needs
+        every rank of the world, which cannot be re-formed around a new process in place."""
+        lost = self.lost_workers(timeout_s=timeout_s)
+        if lost:
+            raise self._lost_error(lost, in_flight=None)
+
+    def lost_workers(self, *, timeout_s: float = 5) -> dict[tuple[str, int], str]:
+        """``(role, index) -> why`` (one line naming it, its pid and log, and what to do) for every worker
+        lost: declared stalled, or whose process is gone; the root cause first."""
         for role in ("train", "rollout"):
-            dead = self.dead_workers(role, timeout_s=60)
-            if dead:
-                raise WorkerLostError(next(iter(dead.values())))
+            self.dead_workers(role, timeout_s=timeout_s)  # records the dead in self._lost
+        with self._lost_lock:
+            keys = list(self._lost)
+        return {key: self._why(*key) for key in keys}
+
+    def _lost_error(self, lost: dict[tuple[str, int], str], *, in_flight: str | None) -> WorkerLostError:
+        return WorkerLostError(
+            next(iter(lost.values())),
+            training_side_intact=all(role == "rollout" for role, _ in lost),
+            in_flight=in_flight,
+        )
+
+    def _why(self, role: str, index: int) -> str:
+        handle = self.scheduler.workers(role)[index]
+        saved = checkpoint.latest_complete(self.run_dir / "checkpoints") is not None
+        again = RESUME_FROM_CHECKPOINT if saved else NO_CHECKPOINT_YET
+        return (
+            f"{handle.name} (pid {handle.pid}) {self._lost[(role, index)]}; the distributed world cannot be "
+            f"re-formed in place: {again} (log: {handle.log_path})"
+        )
 
     def dead_workers(self, role: str, timeout_s: float) -> dict[int, str]:
-        """``index -> why`` for each worker of ``role`` whose process is gone (a worker too busy to
-        answer within ``timeout_s`` counts as alive)."""
-        dead = {}
-        for i, (handle, future) in enumerate(zip(self.scheduler.workers(role), self.scheduler.submit(role, "pid"))):
+        """``index -> why`` for each worker of ``role`` whose process is gone or that was declared stalled
+        (``check_stalls``); a worker too busy to answer within ``timeout_s`` counts as alive."""
+        handles = self.scheduler.workers(role)
+        probes = {}
+        for i in range(len(handles)):
+            if (role, i) in self._lost:
+                continue
+            probe = self._probes.get((role, i))
+            if probe is None or probe.done():
+                probe = self._probes[(role, i)] = self.scheduler.submit_one(role, i, "pid")
+            probes[i] = probe
+        deadline = time.monotonic() + timeout_s
+        for i, probe in probes.items():
             try:
-                future.result(timeout=timeout_s)
+                probe.result(timeout=max(deadline - time.monotonic(), 0.0))
             except WorkerDiedError:
-                saved = checkpoint.latest_complete(self.run_dir / "checkpoints") is not None
-                again = (
-                    "go on from its last checkpoint with resume=auto" if saved else "start it again (no checkpoint yet)"
-                )
-                dead[i] = (
-                    f"{handle.name} (pid {handle.pid}) died; the distributed world cannot be re-formed in "
-                    f"place: {again} (log: {handle.log_path})"
-                )
+                self._record_lost(role, i, "died")
             except concurrent.futures.TimeoutError:
                 pass
-        return dead
+            except Exception:  # noqa: BLE001 - it answered (with an error): alive
+                pass
+        return {i: self._why(role, i) for r, i in list(self._lost) if r == role}
+
+    def _record_lost(self, role: str, index: int, what: str) -> bool:
+        """Note ``role[index]`` as lost (``what`` happened to it); False when it was already."""
+        with self._lost_lock:
+            if (role, index) in self._lost:
+                return False
+            self._lost[(role, index)] = what
+            return True
+
+    # ------------------------------------------------------------------ stalled rollout workers
+    def watch_health(self, health: Any, urls: list[str]) -> None:
+        """Judge the rollout workers by ``health`` (a ``HealthMonitor`` of ``urls``, one per replica in
+        ``replica_urls``' order): ``check_stalls`` declares a replica lost once its server has not
+        answered ``/health`` for ``worker_stall_s()``."""
+        groups = self.layout.rollout_tp_groups()
+        n_train = self.layout.n_train
+        self._health = health
+        self._replicas = [(url, tuple(r - n_train for r in group)) for url, group in zip(urls, groups)]
+
+    def check_stalls(self) -> list[str]:
+        """Declare lost every rollout replica whose server has been unhealthy, with no ``/health``
+        answer for ``worker_stall_s()`` (0: never): each of its workers is killed (its process group),
+        so the calls and requests waiting on it fail at once, and named as the run's root cause. A
+        warning names it at half that time. Returns the whys of those declared now."""
+        stall_s = worker_stall_s()
+        if self._health is None or not stall_s:
+            return []
+        declared = []
+        for url, indices in self._replicas:
+            if self._health.is_healthy(url) or all(("rollout", i) in self._lost for i in indices):
+                self._stall_warned.discard(url)
+                continue
+            silent = self._health.silent_for(url)
+            leader = self.scheduler.workers("rollout")[indices[0]]
+            local = bool(leader.pid) and leader.host == socket.gethostname()
+            state = process_state(leader.pid) if local else None
+            if local and (state is None or state.startswith("a zombie")):  # dead: dead_workers names it
+                continue
+            seen = f", its process {state}" if state else ""
+            if silent >= stall_s:
+                what = (
+                    f"stopped answering: its server {url} gave no /health answer for {silent:.0f} s{seen}; "
+                    f"killed after {STALL_ENV}={stall_s:g}"
+                )
+                for i in indices:
+                    if self._record_lost("rollout", i, what):
+                        declared.append(self._why("rollout", i))
+                        logger.error("%s", declared[-1])
+                        try:
+                            self.scheduler.kill_worker("rollout", i)
+                        except NotImplementedError:
+                            logger.warning("cannot kill %s here: it is stopped with the run", leader.name)
+            elif silent >= stall_s / 2 and url not in self._stall_warned:
+                self._stall_warned.add(url)
+                logger.warning(
+                    "rollout worker %s (pid %s, log %s) has not answered /health for %.0f s%s; it is declared lost, "
+                    "and the run stops, if it does not answer within %g s of its last answer (%s)",
+                    leader.name,
+                    leader.pid,
+                    leader.log_path,
+                    silent,
+                    seen,
+                    stall_s,
+                    STALL_ENV,
+                )
+        return declared
+
+    # ------------------------------------------------------------------ waiting on the world
+    def gather(self, futures: list, what: str) -> list:
+        """Results of worker futures in order (``what``: the operation, for messages). The first worker
+        error is raised at once, as the lost worker it comes from when a worker of the world was lost
+        (the others then fail in its collectives: naming them would hide the cause); a rollout worker
+        that stops answering is declared lost meanwhile (``check_stalls``), so nothing waits on it for
+        ``cluster.sync_timeout_s``."""
+        while True:
+            done, pending = concurrent.futures.wait(
+                futures, timeout=1.0, return_when=concurrent.futures.FIRST_EXCEPTION
+            )
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                raise self.root_cause(failed.exception(), what) from failed.exception()
+            if not pending:
+                return [f.result() for f in futures]
+            if self.check_stalls():  # declared lost now (and killed, where the scheduler can): the world is broken
+                raise self._lost_error(self.lost_workers(timeout_s=5), in_flight=what)
+
+    def root_cause(self, exc: BaseException, what: str) -> BaseException:
+        """``exc`` (a worker's error during ``what``), or the ``WorkerLostError`` of the worker lost
+        first when one was: a worker in a collective with a dead one fails too, and its error (gloo's
+        "Connection reset by peer") names the wrong process."""
+        if isinstance(exc, WorkerLostError):
+            return exc
+        lost = self.lost_workers(timeout_s=5)
+        if not lost:
+            return exc
+        logger.warning("%s failed as a worker of the world was lost: %s", what, _first_line(exc))
+        return self._lost_error(lost, in_flight=what)
+
+    def retire(self, role: str, what: str) -> None:
+        """Kill every worker of ``role`` not lost yet, noting ``what`` happened to it (after the root
+        cause): once the world is broken its rollout workers have nothing left to do, and a training
+        rank waiting for them in a collective of the broken sync (its vote) gets its error at once
+        instead of after ``cluster.sync_timeout_s``."""
+        for i in range(len(self.scheduler.workers(role))):
+            if self._record_lost(role, i, what):
+                self._kill(role, i)
+
+    def require_idle(self, role: str, timeout_s: float = 20) -> None:
+        """RunFailure unless every worker of ``role`` answers a call within ``timeout_s``: none is still
+        inside an operation the world's loss broke (waiting in a collective for a peer that left it,
+        up to ``cluster.sync_timeout_s`` or ``collective_timeout_s``)."""
+        handles = self.scheduler.workers(role)
+        futures = self.scheduler.submit(role, "pid")
+        _, pending = concurrent.futures.wait(futures, timeout=timeout_s)
+        if pending:
+            busy = ", ".join(f"{handles[i].name} (pid {handles[i].pid})" for i, f in enumerate(futures) if f in pending)
+            raise RunFailure(
+                f"{busy} did not answer within {timeout_s:g} s: still inside the call the loss broke (a collective "
+                f"that waits for the lost worker), so the {role} workers cannot save together"
+            )
+        for f in futures:
+            f.result()  # a dead one raises WorkerDiedError
 
     def stop(self, role: str) -> None:
-        """Shut ``role``'s workers down (a failure is logged: tearing down anyway); the scheduler
-        too once every role is stopped."""
+        """Shut ``role``'s workers down, all at once, within ``SHUTDOWN_TIMEOUT_S``: a worker still in it
+        then (stalled, or in a collective with a lost peer) is killed, as are lost ones; a failure is
+        logged (tearing down anyway). The scheduler too once every role is stopped."""
         if self.scheduler is None:
             return
         if role in self.scheduler.roles and role not in self._stopped:
-            try:
-                self.scheduler.call(role, "shutdown")
-            except Exception as e:  # noqa: BLE001 - tearing down anyway
-                logger.warning("partitioned engine: %s shutdown failed: %s", role, e)
+            handles = self.scheduler.workers(role)
+            live = [i for i in range(len(handles)) if (role, i) not in self._lost]
+            futures = {i: self.scheduler.submit_one(role, i, "shutdown") for i in live}
+            _, pending = concurrent.futures.wait(list(futures.values()), timeout=SHUTDOWN_TIMEOUT_S)
+            for i, future in futures.items():
+                if future in pending:
+                    logger.warning(
+                        "%s (pid %s) did not finish its shutdown within %g s: killing it (log: %s)",
+                        handles[i].name,
+                        handles[i].pid,
+                        SHUTDOWN_TIMEOUT_S,
+                        handles[i].log_path,
+                    )
+                    self._kill(role, i)
+                elif isinstance(future.exception(), WorkerDiedError):
+                    logger.debug("%s shutdown: %s", handles[i].name, future.exception())  # gone already
+                elif future.exception() is not None:
+                    logger.warning("partitioned engine: %s shutdown failed: %s", handles[i].name, future.exception())
+            for i in range(len(handles)):
+                if (role, i) in self._lost:
+                    self._kill(role, i)
         self._stopped.add(role)
         if self._stopped.issuperset(self.ROLES):
             self.scheduler.shutdown()
+
+    def _kill(self, role: str, index: int) -> None:
+        try:
+            self.scheduler.kill_worker(role, index)
+        except NotImplementedError:
+            pass  # the scheduler's shutdown ends it
+
+
+def _first_line(exc: BaseException) -> str:
+    """``exc`` as ``Type: its first line``, cut at a remote traceback's start (a one-line log)."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    first = re.sub(r"^(.*? raised \w+): .*$", r"\1", first) if len(first) > 300 else first
+    return f"{type(exc).__name__}: {first}"
 
 
 def gather_fail_fast(futures: list) -> list:

@@ -10,6 +10,7 @@ commit, so nothing is paused from here.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import pickle
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from areno.engine.partitioned import PartitionedCluster, gather_fail_fast
+from areno.engine.partitioned import PartitionedCluster, gather_fail_fast, worker_stall_s
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.engine.training_side import TrainingSide
@@ -58,28 +59,47 @@ class RemoteTrainingSide(TrainingSide):
         )
 
     def save(self, path: Path, extra_state: dict) -> None:
-        self.cluster.check_workers()
-        scheduler = self.cluster.scheduler
-        for role in scheduler.call("train", "trainable_roles")[0]:
-            # DCP's collectives span the world: rollout ranks join with nothing to write
-            gather_fail_fast(
+        """The training roles' checkpoint. DCP's collectives span the world, so the rollout ranks join
+        with nothing to write; once a rollout worker is lost (the run then stops) the training ranks
+        save on their own instead (``TrainWorker.save_role_alone``): the Trainer's emergency checkpoint."""
+        cluster, scheduler = self.cluster, self.cluster.scheduler
+        lost = cluster.lost_workers(timeout_s=5)  # a dead worker answers at once; a busy one counts as alive
+        if any(role == "train" for role, _ in lost):
+            raise cluster._lost_error(lost, in_flight=None)
+        if lost:
+            # only the training ranks take part; each must be free (not still inside the sync or save the
+            # loss broke, waiting for a peer that left it), or the save would wait for it in turn. The
+            # rollout workers left have nothing to do once the world is broken: stopped, they release a
+            # training rank waiting for them in a collective (the sync's vote) at once.
+            cluster.retire("rollout", "was stopped (the run stops)")
+            cluster.require_idle("train")
+            for role in cluster.gather(scheduler.submit("train", "trainable_roles"), "a checkpoint save")[0]:
+                cluster.gather(
+                    scheduler.submit("train", "save_role_alone", str(path / role), role, extra_state),
+                    "a checkpoint save of the training ranks alone",
+                )
+            return
+        for role in cluster.gather(scheduler.submit("train", "trainable_roles"), "a checkpoint save")[0]:
+            cluster.gather(
                 scheduler.submit("train", "save_role", str(path / role), role, extra_state)
-                + scheduler.submit("rollout", "join_checkpoint", str(path / role), False)
+                + scheduler.submit("rollout", "join_checkpoint", str(path / role), False),
+                "a checkpoint save",
             )
 
     def load(self, path: Path) -> dict:
         scheduler = self.cluster.scheduler
         state: dict = {}
         for role in scheduler.call("train", "trainable_roles")[0]:
-            results = gather_fail_fast(
+            results = self.cluster.gather(
                 scheduler.submit("train", "load_role", str(path / role), role)
-                + scheduler.submit("rollout", "join_checkpoint", str(path / role), True)
+                + scheduler.submit("rollout", "join_checkpoint", str(path / role), True),
+                "a checkpoint load",
             )
             state = results[0]
         return state
 
     def export_hf(self, path: Path) -> None:
-        self.cluster.scheduler.call("train", "export_hf", str(path))
+        self.cluster.gather(self.cluster.scheduler.submit("train", "export_hf", str(path)), "the policy's export")
 
     def shutdown(self) -> None:
         self.cluster.stop("train")
@@ -92,6 +112,8 @@ class RemoteRolloutSide(RolloutSide):
 
     LOST_CHECK_EVERY_S = 1.0
     """``lost_replicas`` asks the workers at most this often (every waiting request calls it)."""
+    ENGINE_STATS_TIMEOUT_S = 10.0
+    """How long a step waits for the replicas' engine counters (a stalled replica's never come)."""
 
     # set in start()
     health: HealthMonitor | None = None
@@ -104,12 +126,21 @@ class RemoteRolloutSide(RolloutSide):
         self._lost_lock = threading.Lock()
         self._lost_seen: tuple[float, dict[str, str]] = (float("-inf"), {})
         """``lost_replicas``' last answer and when it was taken."""
+        self._stats_pending: list[concurrent.futures.Future] | None = None
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def start(self, setup: SideSetup) -> None:
         cluster = self.cluster
         cluster.launch(setup.model_dir)  # a no-op after the training side's
         urls = cluster.replica_urls()
-        self.health = HealthMonitor(urls, api_key=cluster.api_key).start()
+        stall_s = worker_stall_s()
+        # checks often enough that a server is marked unhealthy well within the stall deadline
+        interval_s = min(5.0, max(stall_s / 6, 0.5)) if stall_s else 5.0
+        self.health = HealthMonitor(
+            urls, api_key=cluster.api_key, interval_s=interval_s, lost_after_s=stall_s or None
+        ).start()
+        cluster.watch_health(self.health, urls)
         self._client = MultiServerRolloutClient(
             urls,
             api_key=cluster.api_key,
@@ -117,6 +148,20 @@ class RemoteRolloutSide(RolloutSide):
             health=self.health,
             lost=self.lost_replicas,
         )
+        if stall_s:
+            self._watcher = threading.Thread(
+                target=self._watch_stalls, args=(interval_s,), name="areno-rollout-stall-watch", daemon=True
+            )
+            self._watcher.start()
+
+    def _watch_stalls(self, interval_s: float) -> None:
+        """Declare stalled replicas lost (``PartitionedCluster.check_stalls``) whatever the run waits on:
+        requests in flight to a stopped server, a policy sync, an evaluation."""
+        while not self._stop_watch.wait(interval_s):
+            try:
+                self.cluster.check_stalls()
+            except Exception:  # a watcher must not die of a scheduler hiccup: logged, tried again
+                logger.exception("rollout stall check failed")
 
     @property
     def client(self) -> MultiServerRolloutClient:
@@ -137,7 +182,7 @@ class RemoteRolloutSide(RolloutSide):
     def update_weights(self, update: WeightUpdate) -> dict[str, float]:
         assert update.kind is WeightKind.COLLECTIVE, update.kind
         receiving = self.cluster.scheduler.submit("rollout", "sync", update.version)
-        results = gather_fail_fast(list(update.sending) + receiving)
+        results = _gather(self.cluster, list(update.sending) + receiving, "the policy sync")
         self._version = update.version  # every rollout engine committed (all-or-nothing)
         sent, received = results[: len(update.sending)], results[len(update.sending) :]
         # a training rank's figures, but generation stopped as long as the slowest rollout commit;
@@ -163,8 +208,17 @@ class RemoteRolloutSide(RolloutSide):
         """Per step, from every rollout replica's engine counters (its TP leader's) since the previous step: busy
         fraction (time in steps that ran a batch over wall time; 1 - its idle fraction), generated
         tokens/s, preemptions, KV usage."""
+        if self._stats_pending is None:
+            self._stats_pending = self.cluster.scheduler.submit("rollout", "engine_stats")
+        futures = self._stats_pending
+        _, pending = concurrent.futures.wait(futures, timeout=self.ENGINE_STATS_TIMEOUT_S)
+        if pending:  # a stalled replica (check_stalls names it): asked again once this call returns
+            logger.debug("rollout engine stats: %d replica(s) did not answer", len(pending))
+            self._last_engine_stats = None
+            return {}
+        self._stats_pending = None
         try:
-            stats = self.cluster.scheduler.call("rollout", "engine_stats")
+            stats = [f.result() for f in futures]
         except Exception as exc:  # noqa: BLE001 - a lost replica is handled by check_workers / the client
             logger.debug("rollout engine stats unavailable: %s", exc)
             self._last_engine_stats = None
@@ -201,9 +255,16 @@ class RemoteRolloutSide(RolloutSide):
             return lost
 
     def shutdown(self) -> None:
+        self._stop_watch.set()
         if self.health is not None:
             self.health.stop()
         self.cluster.stop("rollout")
+
+
+def _gather(cluster: PartitionedCluster, futures: list, what: str) -> list:
+    """``cluster.gather`` (root cause, stall watch); plain fail-fast for a stand-in cluster without it."""
+    gather = getattr(cluster, "gather", None)
+    return gather(futures, what) if gather is not None else gather_fail_fast(futures)
 
 
 def engine_metrics(last: list[dict[str, float]], now: list[dict[str, float]]) -> dict[str, float]:

@@ -146,6 +146,20 @@ class TrainWorker:
     def save_role(self, path: str, role: str, extra_state: dict) -> None:
         self.runner.backends[role].save_checkpoint(path, extra_state=extra_state)
 
+    def save_role_alone(self, path: str, role: str, extra_state: dict) -> None:
+        """``save_role`` on the training ranks alone: a rollout worker was lost, so the world's
+        collectives (DCP's plan and barriers span the default group) can never complete. The training
+        group stands in for the world while it saves (the training ranks are the world's first ranks,
+        so every rank number stays the same; DCP reads such a checkpoint back over the whole world, the
+        rollout ranks joining with nothing, as it reads one saved by ``save_role``)."""
+        group = self.groups.train_group
+        world = dist.GroupMember.WORLD
+        dist.GroupMember.WORLD = group
+        try:
+            self.runner.backends[role].save_checkpoint(path, extra_state=extra_state)
+        finally:
+            dist.GroupMember.WORLD = world
+
     def load_role(self, path: str, role: str) -> dict:
         return self.runner.backends[role].load_checkpoint(path)
 

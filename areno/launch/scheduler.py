@@ -12,6 +12,11 @@ Calls address a method by name (or a module-level function) with pickled argumen
 ``concurrent.futures.Future``s, ``acall`` is the coroutine form. Calls to one worker run in
 order; calls to different workers run concurrently (so collectives across workers work).
 
+Stopping is bounded: ``shutdown`` asks every worker to stop at once and waits ``STOP_GRACE_S``, then
+SIGTERM, then SIGKILL to each worker's process group; ``kill_worker`` kills one that stopped answering.
+Local workers never outlive the controller: they are killed when its interpreter exits (even with a
+thread blocked on a stalled worker's reply), and each ends itself when the controller's process is gone.
+
 Implementations: ``LocalScheduler`` (subprocesses on this machine, the default),
 ``RayScheduler`` (``areno.launch.ray_scheduler``) and ``SlurmScheduler``
 (``areno.launch.slurm``), which build on this module. Pick one from config with
@@ -23,9 +28,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import dataclasses
+import difflib
 import logging
 import os
 import secrets
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -178,6 +187,106 @@ workers it waits for and how to see where they are (again after 2x, 4x, ... as l
 0 turns the warning off. Env ``ARENO_SLOW_CALL_WARN_S``."""
 
 
+STOP_GRACE_S = 10.0
+"""How long ``shutdown`` waits for the workers to take their ``stop`` message (all at once), and then
+for their processes to end after SIGTERM, before it kills what is left (SIGKILL to each worker's
+process group): a stalled or stopped worker never holds the controller's exit for longer."""
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+WORKER_MAIN = "import sys; from areno.launch.worker import main; sys.exit(main())"
+"""The ``python -c`` program of a worker process (``worker_command``)."""
+
+
+def worker_command(*args: str, python: str | None = None) -> list[str]:
+    """The command line of a scheduler worker process: ``areno.launch.worker``'s ``main`` with ``args``.
+
+    Not ``python -m areno.launch.worker``: the package ``areno.launch`` imports that module (its Ray
+    scheduler uses ``WorkerRuntime``), so runpy would execute it a second time as ``__main__`` and
+    warn (``RuntimeWarning: 'areno.launch.worker' found in sys.modules``) at the top of every log."""
+    return [python or sys.executable, "-c", WORKER_MAIN, *args]
+
+
+RUN_DIR_ENV = "ARENO_RUN_DIR"
+"""Env var naming the run directory a worker serves (written in its log's header line)."""
+PARENT_PID_ENV = "ARENO_PARENT_PID"
+"""Env var holding the controller's pid: a local worker ends itself when that process is gone."""
+
+_LIVE_PROCS: dict[int, subprocess.Popen] = {}
+"""Every local worker process started and not yet reaped (pid -> process), for ``kill_local_workers``."""
+_EXIT_HOOK_SET = False
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process group of ``proc`` (a worker started in a session of its own: its pid is
+    the group's id, so the worker's own children get it too)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    except OSError:  # not a group leader after all (or not ours): the process alone
+        try:
+            proc.send_signal(sig)
+        except OSError:
+            pass
+
+
+def kill_local_workers(sig: int = signal.SIGKILL) -> list[int]:
+    """``sig`` to the process group of every local worker still running; their pids. Takes no lock
+    and only sends signals, so a signal handler may call it (the second SIGTERM does, before the
+    controller dies: ``areno.api.trainer.StopSignals``), as does the interpreter's exit (a controller
+    leaving without ``shutdown``: the workers would outlive it)."""
+    killed = []
+    for pid, proc in list(_LIVE_PROCS.items()):
+        if proc.poll() is None:
+            _signal_group(proc, sig)
+            killed.append(pid)
+    return killed
+
+
+def signal_local_workers(sig: int) -> list[int]:
+    """``sig`` to every local worker process still running (the process only, not its group: its
+    children may not handle it, e.g. ``SIGUSR1``); their pids."""
+    sent = []
+    for pid, proc in list(_LIVE_PROCS.items()):
+        if proc.poll() is None:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                continue
+            sent.append(pid)
+    return sent
+
+
+def _kill_at_exit() -> None:
+    killed = kill_local_workers()
+    if killed:
+        logger.warning("areno: killed worker processes %s left running at exit", killed)
+
+
+def _ensure_exit_hook() -> None:
+    """Kill the local workers when the interpreter exits. A ``threading`` exit hook, which runs before
+    the interpreter joins its threads: a thread blocked on a stalled worker's reply (a scheduler
+    call) would otherwise hold the exit forever, and ``atexit`` hooks run only after that join."""
+    global _EXIT_HOOK_SET
+    if not _EXIT_HOOK_SET:
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(_kill_at_exit)
+        else:  # pragma: no cover - every supported Python has it
+            import atexit
+
+            atexit.register(_kill_at_exit)
+        _EXIT_HOOK_SET = True
+
+
 def _gather(
     futures: list[concurrent.futures.Future],
     on_slow: Callable[[list[int], float], None] | None = None,
@@ -303,6 +412,12 @@ class Scheduler(abc.ABC):
 
         Collectives of the old world are not re-formed: callers re-initialise process groups."""
 
+    def kill_worker(self, role: str, index: int) -> None:
+        """Kill one worker's process (and its children) at once, without asking it: a worker that stopped
+        answering. Its calls in flight and later ones fail with ``WorkerDiedError``. Schedulers that
+        cannot do it raise ``NotImplementedError``; ``shutdown`` still ends the worker."""
+        raise NotImplementedError(f"{type(self).__name__} cannot kill one worker")
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop every worker; idempotent."""
@@ -357,10 +472,16 @@ class _Hub:
                 self._cond.notify_all()
 
     def wait(
-        self, keys: list[tuple[str, int]], timeout_s: float, check: Callable[[], None], logs: dict | None = None
+        self,
+        keys: list[tuple[str, int]],
+        timeout_s: float,
+        check: Callable[[], None],
+        logs: dict | None = None,
+        describe: Callable[[tuple[str, int]], str] | None = None,
     ) -> dict:
         """Wait until every key connected; ``check()`` raises early when a worker died; ``logs``:
-        key -> log path, named in the timeout's message."""
+        key -> log path, named in the timeout's message; ``describe(key)``: what else it says of a
+        missing worker (its process still running, say)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -370,16 +491,21 @@ class _Hub:
                 check()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    names = ", ".join(
-                        f"{r}[{i}] (log {logs[(r, i)]})" if logs and logs.get((r, i)) else f"{r}[{i}]"
-                        for r, i in missing
-                    )
+                    names = ", ".join(_missing_worker(k, logs, describe) for k in missing)
                     raise WorkerError(f"workers {names} did not connect within {timeout_s:.0f}s")
                 self._cond.wait(min(left, 0.2))
 
     def close(self) -> None:
         self._closed = True
         self.listener.close()
+
+
+def _missing_worker(key: tuple[str, int], logs: dict | None, describe: Callable | None) -> str:
+    role, index = key
+    parts = [describe(key)] if describe is not None else []
+    if logs and logs.get(key):
+        parts.append(f"log {logs[key]}")
+    return f"{role}[{index}]" + (f" ({', '.join(p for p in parts if p)})" if any(parts) else "")
 
 
 class _RpcScheduler(Scheduler):
@@ -417,12 +543,18 @@ class _RpcScheduler(Scheduler):
             raise KeyError(f"no role {role!r}; created roles: {list(self._workers)}")
         return self._workers[role]
 
+    def _describe_missing(self, w: _RpcWorker) -> str:
+        """What a worker that has not connected is doing, for the connect timeout's message."""
+        return ""
+
     def _connect(self, workers: list[_RpcWorker]) -> None:
+        by_key = {(w.handle.role, w.handle.index): w for w in workers}
         arrived = self._hub.wait(
-            [(w.handle.role, w.handle.index) for w in workers],
+            list(by_key),
             self.connect_timeout_s,
             lambda: self._check_alive(workers),
-            logs={(w.handle.role, w.handle.index): w.handle.log_path for w in workers},
+            logs={key: w.handle.log_path for key, w in by_key.items()},
+            describe=lambda key: self._describe_missing(by_key[key]),
         )
         for w in workers:
             conn, pid, host = arrived[(w.handle.role, w.handle.index)]
@@ -496,9 +628,7 @@ class _RpcScheduler(Scheduler):
             self._start(new)
             self._connect(new)
         except BaseException:
-            for spec in specs:
-                for w in self._workers.pop(spec.role):
-                    self._stop_worker(w)
+            self._stop_workers([w for spec in specs for w in self._workers.pop(spec.role)], graceful=False)
             raise
         return {spec.role: self.workers(spec.role) for spec in specs}
 
@@ -515,31 +645,48 @@ class _RpcScheduler(Scheduler):
         return w.handle
 
     def _stop_worker(self, w: _RpcWorker, graceful: bool = False) -> None:
-        if graceful and w.conn is not None:
-            try:
-                w.executor.submit(self._roundtrip, w, ("stop",), "stop").result(timeout=5)
-            except (WorkerError, concurrent.futures.TimeoutError):
-                pass  # stopping anyway: the process is killed below
-        if w.conn is not None:
-            w.conn.close()
-        self._stop_process(w)
-        w.executor.shutdown(wait=False, cancel_futures=True)
+        self._stop_workers([w], graceful=graceful)
+
+    def _stop_workers(self, workers: list[_RpcWorker], *, graceful: bool) -> None:
+        """End ``workers``: with ``graceful``, each is sent ``stop`` first (all at once, one deadline of
+        ``STOP_GRACE_S``; a worker busy in a call or stalled never takes it), then their connections
+        close and their processes are stopped (``_stop_processes``)."""
+        if graceful:
+            asked = [
+                w.executor.submit(self._roundtrip, w, ("stop",), "stop")
+                for w in workers
+                if w.conn is not None and not w.conn.closed
+            ]
+            concurrent.futures.wait(asked, timeout=STOP_GRACE_S)  # failures and timeouts: stopped below anyway
+        for w in workers:
+            if w.conn is not None:
+                w.conn.close()
+        self._stop_processes(workers)
+        for w in workers:
+            w.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _stop_processes(self, workers: list[_RpcWorker]) -> None:
+        """Stop the processes of ``workers`` (each in turn; ``LocalScheduler``: all at once)."""
+        for w in workers:
+            self._stop_process(w)
+
+    def kill_worker(self, role: str, index: int) -> None:
+        self._kill_process(self._role(role)[index])
+
+    def _kill_process(self, w: _RpcWorker) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot kill one worker")
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for ws in self._workers.values():
-            for w in ws:
-                self._stop_worker(w, graceful=True)
+        self._stop_workers([w for ws in self._workers.values() for w in ws], graceful=True)
         self._workers.clear()
         self._hub.close()
 
 
 def _replace(handle: WorkerHandle, **changes: Any) -> WorkerHandle:
-    from dataclasses import replace
-
-    return replace(handle, **changes)
+    return dataclasses.replace(handle, **changes)
 
 
 def _visible_devices() -> list[str] | None:
@@ -556,8 +703,13 @@ class LocalScheduler(_RpcScheduler):
     ``CUDA_VISIBLE_DEVICES`` holds the physical ids of its logical devices. Worker output goes to
     ``<log_dir>/<role>-<index>.log``."""
 
+    fresh_logs: bool = False
+    """Truncate each worker's log when its process starts (a run that starts over); False appends,
+    after a separator line (a resumed run, a restarted worker). Every start writes a header line."""
+
     def __init__(self, *, connect_timeout_s: float = 120.0, log_dir: str | None = None) -> None:
         super().__init__(bind_host="127.0.0.1", connect_timeout_s=connect_timeout_s, log_dir=log_dir)
+        self._truncated: set[str] = set()
 
     def _prepare_env(self, workers: list[_RpcWorker], ranks: dict) -> None:
         ports = {world: free_port() for (_, _, world) in ranks.values()}
@@ -588,23 +740,58 @@ class LocalScheduler(_RpcScheduler):
             w.env = env
 
     def _start(self, workers: list[_RpcWorker]) -> None:
+        _ensure_exit_hook()
         for w in workers:
-            cmd = [
-                sys.executable,
-                "-m",
-                "areno.launch.worker",
-                "--connect",
-                f"127.0.0.1:{self._hub.port}",
-                "--role",
-                w.handle.role,
-                "--rank",
-                str(w.handle.index),
-            ]
-            env = {**os.environ, **w.env, AUTHKEY_ENV: self._hub.authkey.hex()}
+            cmd = worker_command(
+                "--connect", f"127.0.0.1:{self._hub.port}", "--role", w.handle.role, "--rank", str(w.handle.index)
+            )
+            env = {
+                **os.environ,
+                **w.env,
+                AUTHKEY_ENV: self._hub.authkey.hex(),
+                PARENT_PID_ENV: str(os.getpid()),
+                "ARENO_WORKER_COMMAND": shlex.join(cmd),
+            }
             assert w.handle.log_path is not None
-            with open(w.handle.log_path, "ab") as log:
+            with self._open_log(w.handle.log_path) as log:
                 w.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            _LIVE_PROCS[w.proc.pid] = w.proc
             w.handle = _replace(w.handle, pid=w.proc.pid, host=socket.gethostname())
+
+    def _open_log(self, path: str):
+        """The worker's log, truncated the first time a ``fresh_logs`` scheduler starts a process on it;
+        otherwise appended to after a separator line (the worker writes its header line itself)."""
+        if self.fresh_logs and path not in self._truncated:
+            self._truncated.add(path)
+            return open(path, "wb")
+        log = open(path, "ab")
+        if log.tell() > 0:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            log.write(f"\n==================== {stamp}: this worker starts again ====================\n".encode())
+            log.flush()
+        return log
+
+    def _connect(self, workers: list[_RpcWorker]) -> None:
+        try:
+            super()._connect(workers)
+        except WorkerError as e:
+            if isinstance(e, WorkerDiedError) or any(w.conn is not None for w in workers):
+                raise  # a worker died, or a constructor raised: the message says which
+            raise WorkerError(
+                f"{e} ({OPTIONS_KEY}.connect_timeout_s): a worker still running is slow to start (imports, "
+                f"model loading, a busy machine: {usable_cores()} cores here for {len(self._live_workers())} worker "
+                "processes), or hangs at start (kill -USR1 <pid> writes its stacks to its log); raise "
+                f"{OPTIONS_KEY}.connect_timeout_s for a slow machine"
+            ) from None
+
+    def _live_workers(self) -> list[_RpcWorker]:
+        return [w for ws in self._workers.values() for w in ws if w.proc is not None and w.proc.poll() is None]
+
+    def _describe_missing(self, w: _RpcWorker) -> str:
+        if w.proc is None:
+            return ""
+        code = w.proc.poll()
+        return f"pid {w.proc.pid}, still running" if code is None else f"pid {w.proc.pid}, exited with code {code}"
 
     def _check_alive(self, workers: list[_RpcWorker]) -> None:
         for w in workers:
@@ -616,14 +803,33 @@ class LocalScheduler(_RpcScheduler):
                 )
 
     def _stop_process(self, w: _RpcWorker) -> None:
-        if w.proc is None or w.proc.poll() is not None:
-            return
-        w.proc.terminate()
-        try:
-            w.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
+        self._stop_processes([w])
+
+    def _stop_processes(self, workers: list[_RpcWorker]) -> None:
+        """SIGTERM to every worker's process group at once, up to ``STOP_GRACE_S`` for them to end, then
+        SIGKILL to the groups of those left (a stopped or deadlocked worker does not act on SIGTERM)."""
+        procs = [w.proc for w in workers if w.proc is not None and w.proc.poll() is None]
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:  # not reaped yet: its pid still names its group
+                _signal_group(proc, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+        for w in workers:
+            if w.proc is not None:
+                _LIVE_PROCS.pop(w.proc.pid, None)
+
+    def _kill_process(self, w: _RpcWorker) -> None:
+        if w.proc is not None and w.proc.poll() is None:
+            _signal_group(w.proc, signal.SIGKILL)
+            try:
+                w.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:  # in an uninterruptible wait (a driver call): reaped at shutdown
+                logger.warning("%s (pid %s) killed but not gone yet", w.handle.name, w.proc.pid)
 
 
 def _tail(path: str | None, n_chars: int = 400) -> str:
@@ -663,8 +869,8 @@ class SchedulerConfig:
     """``#SBATCH --partition``."""
     slurm_account: str | None = None
     """``#SBATCH --account``."""
-    slurm_time: str = "01:00:00"
-    """``#SBATCH --time`` (``HH:MM:SS`` or ``D-HH:MM:SS``)."""
+    slurm_time: str | None = "01:00:00"
+    """``#SBATCH --time`` (``HH:MM:SS`` or ``D-HH:MM:SS``); None: no such line, the partition's limit."""
     slurm_job_name: str = "areno"
     """``#SBATCH --job-name``."""
     slurm_cpus_per_task: int = 1
@@ -677,11 +883,20 @@ class SchedulerConfig:
     """Address workers dial back to; this host's name when None."""
     slurm_poll_interval_s: float = 2.0
     """How often squeue/sacct are polled while waiting."""
+    slurm_queue_timeout_s: float = 24 * 3600.0
+    """How long a submitted job may wait in the queue before the launch cancels it and fails; the
+    connect timeout counts from when it runs."""
 
     def __post_init__(self) -> None:
         if self.type not in ("local", "ray", "slurm"):
             raise ValueError(f"cluster.scheduler must be one of local, ray, slurm; got {self.type!r}")
-        for key in ("connect_timeout_s", "ray_connect_timeout_s", "ray_placement_timeout_s", "slurm_poll_interval_s"):
+        for key in (
+            "connect_timeout_s",
+            "ray_connect_timeout_s",
+            "ray_placement_timeout_s",
+            "slurm_poll_interval_s",
+            "slurm_queue_timeout_s",
+        ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{OPTIONS_KEY}.{key} must be > 0, got {getattr(self, key)}")
         if self.ray_cpus_per_worker < 0:
@@ -704,5 +919,7 @@ def scheduler_config(scheduler: str, options: Mapping[str, Any] | None = None) -
     known = [f.name for f in fields(SchedulerConfig) if f.name != "type"]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"{OPTIONS_KEY}.{unknown[0]} is not a scheduler option; known: {', '.join(known)}")
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"{OPTIONS_KEY}.{unknown[0]} is not a scheduler option{hint}; known: {', '.join(known)}")
     return SchedulerConfig(type=scheduler, **options)

@@ -55,11 +55,12 @@ from areno.launch.scheduler import (
     assign_ranks,
     free_port,
     python_path_env,
+    worker_command,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SLURM_QUEUE_TIMEOUT_S", "SlurmScheduler", "check_slurm_controller", "render_sbatch", "sbatch_preview"]
+__all__ = ["SlurmScheduler", "check_slurm_controller", "render_sbatch", "sbatch_preview"]
 
 _ALIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
 _QUEUED_STATES = {
@@ -85,9 +86,6 @@ _NEVER_STARTS = {
 }
 """Pending reasons (``squeue %r``) of a job that will not start without a change of its settings."""
 
-SLURM_QUEUE_TIMEOUT_S = 24 * 3600.0
-"""How long a submitted job may wait in the queue before the launch fails and cancels it (a day),
-unless ``cluster.scheduler_options.slurm_queue_timeout_s`` says otherwise."""
 QUEUE_PROGRESS_S = 60.0
 """A job still queued is reported (state, reason, time waited) this often, and at every change."""
 OPTIONS = "cluster.scheduler_options"
@@ -214,14 +212,10 @@ def render_sbatch(
         cmd = [
             "env",
             *(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())),
-            python,
-            "-m",
-            "areno.launch.worker",
-            "--connect",
-            controller,
-            "--role",
-            spec.role,
-            "--slurm",
+            *(
+                shlex.quote(part)
+                for part in worker_command("--connect", controller, "--role", spec.role, "--slurm", python=python)
+            ),
         ]
         lines.append(" ".join(srun + cmd) + " &")
     lines += ["wait", ""]
@@ -271,13 +265,12 @@ class SlurmScheduler(_RpcScheduler):
     ) -> None:
         """``python``: the interpreter on the compute nodes (this one by default: a shared venv);
         ``queue_timeout_s``: how long a submitted job may stay queued (default
-        ``cfg.slurm_queue_timeout_s`` where the config has it, else ``SLURM_QUEUE_TIMEOUT_S``;
+        ``cfg.slurm_queue_timeout_s``;
         ``math.inf``: no limit)."""
         self.cfg = cfg
         self.python = python or sys.executable
-        if queue_timeout_s is None:  # the option, once SchedulerConfig has it; else the default
-            queue_timeout_s = getattr(cfg, "slurm_queue_timeout_s", None)
-            queue_timeout_s = SLURM_QUEUE_TIMEOUT_S if queue_timeout_s is None else queue_timeout_s
+        if queue_timeout_s is None:
+            queue_timeout_s = cfg.slurm_queue_timeout_s
         if not queue_timeout_s > 0:
             raise SchedulerError(f"{OPTIONS}.slurm_queue_timeout_s must be > 0 seconds, got {queue_timeout_s}")
         self.queue_timeout_s = float(queue_timeout_s)
@@ -468,15 +461,9 @@ class SlurmScheduler(_RpcScheduler):
             f"--nodelist={w.handle.host}",
             *gpus,
             f"--output={w.handle.log_path}",
-            self.python,
-            "-m",
-            "areno.launch.worker",
-            "--connect",
-            self.controller,
-            "--role",
-            w.handle.role,
-            "--rank",
-            str(w.handle.index),
+            *worker_command(
+                "--connect", self.controller, "--role", w.handle.role, "--rank", str(w.handle.index), python=self.python
+            ),
         ]
 
     def _start_restart(self, w: _RpcWorker) -> None:

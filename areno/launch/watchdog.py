@@ -149,6 +149,28 @@ def process_line(pid: int) -> str:
     )
 
 
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "in an uninterruptible wait (a driver call, a stuck NFS read)",
+    "T": "stopped (SIGSTOP, or a terminal's Ctrl-Z)",
+    "t": "stopped by a debugger",
+    "Z": "a zombie (exited, not reaped)",
+    "X": "dead",
+}
+
+
+def process_state(pid: int) -> str | None:
+    """``pid``'s scheduler state in words (``stopped (SIGSTOP, ...)``, ``sleeping``, ...), from ``/proc``
+    on Linux; None where it cannot be read (no such process here, another OS)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            letter = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return _STATES.get(letter, f"state {letter}")
+
+
 def thread_states(pid: int) -> str:
     """One line per thread of ``pid``: id, name, scheduler state and kernel wait channel (Linux).
 

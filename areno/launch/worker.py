@@ -24,14 +24,16 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Client
 from typing import Any
 
-# The scheduler owns the name and does not import this module: run as ``python -m``, it would
-# otherwise be loaded twice (as ``areno.launch.worker`` and as ``__main__``).
-from areno.launch.scheduler import AUTHKEY_ENV
+# The scheduler owns the name and does not import this module. Workers start through
+# ``scheduler.worker_command`` (``python -c ... main()``), not ``python -m``: the package imports this
+# module (its Ray scheduler does), so runpy would load it a second time as ``__main__``.
+from areno.launch.scheduler import AUTHKEY_ENV, PARENT_PID_ENV, RUN_DIR_ENV
 
 
 def import_object(path: str) -> Any:
@@ -136,6 +138,43 @@ def _slurm_rendezvous_env() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
+def header_line(role: str, index: int) -> str:
+    """The first line a worker writes to its log: who it is, where, since when, for which run, and how
+    it was started."""
+    command = os.environ.get("ARENO_WORKER_COMMAND") or " ".join([sys.executable, *sys.argv])
+    return (
+        f"==== areno worker {role}[{index}] rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')}, "
+        f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S %z')}, "
+        f"run_dir {os.environ.get(RUN_DIR_ENV, '(none)')} ====\n==== command: {command}"
+    )
+
+
+PARENT_POLL_S = 1.0
+
+
+def watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
+    """End this process when the controller ``parent_pid`` is gone (a daemon thread polling ``getppid``):
+    a controller killed outright (``kill -9``) cannot stop its workers, and one blocked in a collective
+    would otherwise wait out its timeout, holding its devices. None when the parent is gone already or
+    is not ``parent_pid`` (a SLURM step's is ``srun``)."""
+    if os.getppid() != parent_pid:
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        print(
+            f"[areno worker {os.getpid()}] the controller (pid {parent_pid}) is gone: exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="areno-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> int:
     import faulthandler
     import signal
@@ -151,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.slurm:
         _slurm_rendezvous_env()
     rank = ns.rank if ns.rank is not None else int(os.environ.get("SLURM_PROCID", "0"))
+    print(header_line(ns.role, rank), file=sys.stderr, flush=True)
+    if os.environ.get(PARENT_PID_ENV, "").isdigit():
+        watch_parent(int(os.environ[PARENT_PID_ENV]))
     host, _, port = ns.connect.rpartition(":")
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     serve((host, int(port)), authkey, ns.role, rank)

@@ -93,6 +93,11 @@ class RolloutServersLost(RunFailure):
     """Every rollout server is gone for good (its worker process died): no recovery can come, so
     the request fails at once; the rollout pool stops on it rather than re-queueing samples."""
 
+    training_side_intact = True
+    """The training side is not touched by it: the Trainer saves an emergency checkpoint of the
+    step reached before the run stops."""
+    in_flight: str | None = None
+
 
 class RolloutClient(abc.ABC):
     """Generates one completion per call; implementations batch concurrent calls."""

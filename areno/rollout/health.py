@@ -51,6 +51,7 @@ class HealthMonitor:
         timeout_s: float = 2.0,
         max_misses: int = 3,
         api_key: str | None = None,
+        lost_after_s: float | None = None,
     ) -> None:
         """
         Args:
@@ -59,6 +60,9 @@ class HealthMonitor:
             timeout_s: how long one ``/health`` may take before it counts as a miss.
             max_misses: consecutive misses that mark a server unhealthy (>= 1).
             api_key: sent as a bearer token (``/health`` itself needs none).
+            lost_after_s: what the owner does with a server silent this long (the partitioned engine
+                declares its worker lost: ``PartitionedCluster.check_stalls``), said in the warning
+                that marks it unhealthy; None: nothing.
         """
         if not urls:
             raise ValueError("HealthMonitor needs at least one server URL")
@@ -69,6 +73,8 @@ class HealthMonitor:
         self.urls = [u.rstrip("/") for u in urls]
         self.interval_s, self.timeout_s, self.max_misses = interval_s, timeout_s, max_misses
         self.api_key = api_key
+        self.lost_after_s = lost_after_s
+        self._created_at = time.monotonic()
         self._state = {u: ServerHealth(u) for u in self.urls}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -88,6 +94,12 @@ class HealthMonitor:
         with self._lock:
             s = self._state[url.rstrip("/")]
             return ServerHealth(s.url, s.healthy, s.misses, s.last_error, s.last_ok, s.checks, list(s.transitions))
+
+    def silent_for(self, url: str) -> float:
+        """Seconds since ``url`` last answered ``/health`` (since the monitor was made, if never)."""
+        with self._lock:
+            last = self._state[url.rstrip("/")].last_ok
+        return time.monotonic() - (last if last is not None else self._created_at)
 
     def describe(self) -> dict[str, str]:
         """``url -> "healthy"`` or ``"unhealthy after N misses: <last error>"``."""
@@ -139,13 +151,28 @@ class HealthMonitor:
                     s.healthy = False
                     s.transitions.append((time.monotonic(), False))
                     logger.warning(
-                        "rollout server %s marked unhealthy after %d missed health checks (last: %s); "
-                        "requests go to the other servers until it answers /health again",
+                        "rollout server %s marked unhealthy after %d missed health checks (last: %s); %s",
                         url,
                         s.misses,
                         error,
+                        self._meanwhile_locked(url),
                     )
             self._changed.notify_all()
+
+    def _meanwhile_locked(self, url: str) -> str:
+        """What happens to requests while ``url`` is unhealthy (under the lock)."""
+        others = [u for u in self.urls if u != url and self._state[u].healthy]
+        if others:
+            then = f"requests go to the {len(others)} other healthy server(s) until it answers /health again"
+        else:
+            alone = "it is the only rollout server" if len(self.urls) == 1 else "no other rollout server is healthy"
+            then = (
+                f"{alone}: no request is sent (requests in flight there wait, each up to rollout.request_timeout_s) "
+                "until a server answers /health again"
+            )
+        if self.lost_after_s:
+            then += f"; if it gives no answer for {self.lost_after_s:g} s it is declared lost and the run stops"
+        return then
 
     async def acheck_once(self) -> dict[str, bool]:
         """One round: ping every server concurrently; returns ``url -> answered``."""

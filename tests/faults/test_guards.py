@@ -207,7 +207,8 @@ def test_broken_rollout_side_stops_the_run_with_one_line(tmp_path, capsys):
     assert rc == 1 and err[-1].startswith(
         "areno: error: no trajectories from a rollout batch of 2 samples: 2 dropped after 1 attempts each"
     )
-    assert "RuntimeError: environment unreachable" in err[-1] and "rollout engine or server log" in err[-1]
+    assert "RuntimeError: environment unreachable" in err[-1]
+    assert "AlwaysFailingWorkflow.run_episode raised it in its own code" in err[-1]
 
 
 def test_broken_rollout_side_stops_an_asynchronous_run_with_one_line(tmp_path, capsys):

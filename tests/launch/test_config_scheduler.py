@@ -36,7 +36,7 @@ def _one_line(exc_info) -> str:
         ),
         (
             ["cluster.scheduler=ray", *PARTITIONED, "cluster.scheduler_options={ray_adress: auto}"],
-            r"^cluster.scheduler_options.ray_adress is not a scheduler option; known: connect_timeout_s, log_dir, "
+            r"^cluster.scheduler_options.ray_adress is not a scheduler option \(did you mean ray_address\?\); known: connect_timeout_s, log_dir, "
             r"ray_address, ",
         ),
         (

@@ -29,9 +29,9 @@ EXPECTED = textwrap.dedent(
     source /opt/venv/bin/activate
     export PYTHONPATH=/src
     export ARENO_RPC_AUTHKEY="$(cat /shared/job/authkey)"
-    srun --exact --ntasks=2 --cpus-per-task=2 --gpus-per-task=2 --output=/shared/job/rollout-%t.log env ARENO_RANK_OFFSET=0 ARENO_ROLE=rollout MASTER_PORT=29500 WORLD_SIZE=6 /opt/venv/bin/python -m areno.launch.worker --connect ctl:5000 --role rollout --slurm &
-    srun --exact --ntasks=4 --cpus-per-task=2 --gpus-per-task=1 --output=/shared/job/actor-%t.log env ARENO_RANK_OFFSET=2 ARENO_ROLE=actor MASTER_PORT=29500 OMP_NUM_THREADS=1 WORLD_SIZE=6 X='a b' /opt/venv/bin/python -m areno.launch.worker --connect ctl:5000 --role actor --slurm &
-    srun --exact --ntasks=1 --cpus-per-task=2 --output=/shared/job/ref-%t.log env ARENO_RANK_OFFSET=0 ARENO_ROLE=ref MASTER_PORT=29501 WORLD_SIZE=1 /opt/venv/bin/python -m areno.launch.worker --connect ctl:5000 --role ref --slurm &
+    srun --exact --ntasks=2 --cpus-per-task=2 --gpus-per-task=2 --output=/shared/job/rollout-%t.log env ARENO_RANK_OFFSET=0 ARENO_ROLE=rollout MASTER_PORT=29500 WORLD_SIZE=6 /opt/venv/bin/python -c 'import sys; from areno.launch.worker import main; sys.exit(main())' --connect ctl:5000 --role rollout --slurm &
+    srun --exact --ntasks=4 --cpus-per-task=2 --gpus-per-task=1 --output=/shared/job/actor-%t.log env ARENO_RANK_OFFSET=2 ARENO_ROLE=actor MASTER_PORT=29500 OMP_NUM_THREADS=1 WORLD_SIZE=6 X='a b' /opt/venv/bin/python -c 'import sys; from areno.launch.worker import main; sys.exit(main())' --connect ctl:5000 --role actor --slurm &
+    srun --exact --ntasks=1 --cpus-per-task=2 --output=/shared/job/ref-%t.log env ARENO_RANK_OFFSET=0 ARENO_ROLE=ref MASTER_PORT=29501 WORLD_SIZE=1 /opt/venv/bin/python -c 'import sys; from areno.launch.worker import main; sys.exit(main())' --connect ctl:5000 --role ref --slurm &
     wait
     """
 )

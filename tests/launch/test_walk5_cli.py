@@ -244,9 +244,6 @@ def test_slurm_script_of_a_colocated_run_is_refused(capsys, tmp_path):
 # -- C9: scheduler_options did-you-mean (a change to areno/launch/scheduler.py, not made here) -------
 
 
-@pytest.mark.xfail(
-    strict=True, reason="scheduler_config (areno/launch/scheduler.py) has no did-you-mean yet; see the walk5 report"
-)
 def test_an_unknown_scheduler_option_suggests_the_known_one():
     message = config_error(
         "cluster.scheduler=ray",
