@@ -17,7 +17,12 @@ from areno.algo.advantages import (
     rloo_advantages_B,
     sequence_returns_T,
 )
-from areno.algo.aggregation import LOSS_AGGREGATIONS, aggregation_denominator, aggregation_weights_T
+from areno.algo.aggregation import (
+    LOSS_AGGREGATIONS,
+    aggregation_denominator,
+    aggregation_weights_T,
+    statistics_weights_T,
+)
 from areno.algo.filters import dynamic_sampling_keep_B, overlong_penalty_B
 from areno.algo.kl import KL_ESTIMATORS, kl_estimate_T, kl_reward_penalty_T
 from areno.algo.losses import (

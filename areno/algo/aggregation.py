@@ -6,6 +6,12 @@ Legend: B = sequences, T = packed tokens.
     token               sum_t loss_t / (number of loss tokens)     (DAPO token-level; GRPO in TRL)
     seq_mean_token_mean mean_b (mean_{t in b} loss_t)               (original GRPO, GSPO)
     constant            sum_t loss_t / (B * L)                      (Dr.GRPO, L a fixed constant)
+
+Statistics (the ratio, clip fractions, KL, entropy an actor logs) are averages whatever the loss's
+normalisation: ``statistics_weights_T`` gives the weights that, divided by the same denominator, make
+them the token mean (``token``) or the mean over sequences of each one's token mean
+(``seq_mean_token_mean``, and ``constant``, whose ``B * L`` is no count of tokens: the statistics are
+the per-sequence means averaged over its ``B``, not the loss's sum / (B * L)).
 """
 
 from __future__ import annotations
@@ -28,10 +34,32 @@ def aggregation_weights_T(loss_mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor
     mask_T = loss_mask_T.to(torch.float32)
     if mode != "seq_mean_token_mean":
         return mask_T
+    return _per_sequence_mean_weights_T(mask_T, cu_seqlens_B1, 1.0)
+
+
+def _per_sequence_mean_weights_T(mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, scale: float) -> torch.Tensor:
+    """``mask_T * scale / |o_b|``, ``|o_b|`` the loss tokens of the token's sequence."""
     device = mask_T.device
     seq_T = sequence_index_T(cu_seqlens_B1, device)
     count_B = torch.zeros(cu_seqlens_B1.numel() - 1, device=device).index_add(0, seq_T, mask_T)
-    return mask_T / count_B.clamp(min=1)[seq_T]
+    if scale == 1.0:
+        return mask_T / count_B.clamp(min=1)[seq_T]
+    return mask_T * (scale / count_B.clamp(min=1))[seq_T]
+
+
+def statistics_weights_T(
+    loss_mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, mode: str, *, constant: float = 1.0
+) -> torch.Tensor:
+    """float32 [T] weights of per-token statistics under loss aggregation ``mode``: with the loss's
+    reducer (which divides by ``aggregation_denominator``) the statistic is an average of its values,
+    never scaled by the normalisation. ``token``: the token mean (the loss's weights);
+    ``seq_mean_token_mean``: the mean over sequences of each one's token mean (the loss's weights);
+    ``constant``: the same mean over sequences, each sequence's tokens weighted ``constant / |o_b|`` so
+    that the denominator ``B * constant`` divides to it (a token mean would need the step's token count,
+    which a micro-batch does not know)."""
+    if mode != "constant":
+        return aggregation_weights_T(loss_mask_T, cu_seqlens_B1, mode)
+    return _per_sequence_mean_weights_T(loss_mask_T.to(torch.float32), cu_seqlens_B1, float(constant))
 
 
 def aggregation_denominator(

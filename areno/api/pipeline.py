@@ -228,7 +228,10 @@ def plot_curve(run_dir: Path) -> Path | None:
             ax.plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=label)
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    else:  # an offline run without held-out rows: matplotlib would warn of a legend with nothing in it
+        ax.text(0.5, 0.5, "no rollout reward or held-out accuracy logged", ha="center", transform=ax.transAxes)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     out = run_dir / "curve.png"

@@ -12,6 +12,7 @@ some of the same things again when it builds them: this module only makes them f
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import pickle
 import re
@@ -42,7 +43,7 @@ from areno.engine.config import (
     field_default,
     has_held_out_rows,
 )
-from areno.engine.partitioned import PartitionedCluster, is_partitioned
+from areno.engine.partitioned import PartitionedCluster, is_partitioned, warn_cpu_oversubscription
 from areno.engine.roles import check_partitioned_roles, places_roles, role_allocation
 from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
@@ -52,11 +53,17 @@ from areno.models.hf_io import check_tiny_arguments, open_safetensors, read_conf
 from areno.recipes import TRAINING_CONFIGS, TrainingConfig
 from areno.recipes.registry import worker_name_problem
 from areno.rewards.loader import check_reward_signature, reward_function, takes_answer, wants_sandbox
-from areno.specializations import ActorSpecialization, RewardModelSpecialization, ScalarScorerSpecialization
+from areno.specializations import (
+    ActorSpecialization,
+    MixedLossDaggerOPDSpecialization,
+    RewardModelSpecialization,
+    ScalarScorerSpecialization,
+)
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
 from areno.workflows.common import sample_fields
 from areno.workflows.images import IMAGES_KEY
+from areno.workflows.teacher import TeacherMixtureWorkflow
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +330,9 @@ def check_partitioned_layout(config: ArenoConfig) -> None:
         return
     cluster = PartitionedCluster(config, Path(config.run_dir))  # plans and checks the layout; starts nothing
     cluster.check_tp(cluster.layout, run_model_config(config))
+    warn_cpu_oversubscription(
+        config, cluster.layout
+    )  # before the model loads; the launch says it once more only if not
 
 
 def check_minibatches(config: ArenoConfig, recipe: TrainingConfig) -> None:
@@ -422,42 +432,134 @@ def check_init_tiny(init_tiny: dict) -> None:
         raise ConfigError(f"model.init_tiny: {exc}") from None
 
 
-_STALENESS_WARNED: set[tuple[str, str]] = set()
-"""(run_dir, recipe) pairs warned about in this process: ``check_run`` runs twice for one run (the
-pipeline's check, then ``Trainer.init``'s), and the warning is said once."""
+_SAID_ONCE: set[tuple[str, str, str]] = set()
+"""(what, run_dir, recipe) of the start-up warnings said in this process: ``check_run`` runs twice for one
+run (the pipeline's check, then ``Trainer.init``'s), and each warning is said once."""
 
 
 def check_recipe_rollout(config: ArenoConfig, recipe: TrainingConfig) -> None:
     """The rollout gives the recipe what its loss assumes: groups of ``rollout.n_samples >= 2`` where it
     compares a prompt's completions (a ConfigError with areno's workflows; a warning with a user's,
-    which may build its groups otherwise), and fresh rollouts where its PPO-family loss does not
-    correct for stale ones (a warning: training on stale data without correction is a legitimate choice)."""
+    which may build its groups otherwise). Said once at start, as warnings (each a legitimate choice, but
+    easily mistaken): stale rollouts for a PPO-family loss that does not correct for them
+    (``stale_rollout_warning``), a recipe made for stale rollouts run synchronously
+    (``synchronous_decoupled_warning``), and a mixed DAgger/OPD loss whose workflow executes no teacher
+    token (``mixed_loss_warning``)."""
     try:
         recipe.check_n_samples(config.rollout.n_samples)
     except ConfigError as exc:
         if config.rollout.workflow.startswith("areno."):
             raise
         logger.warning("%s (unless rollout.workflow %s returns larger groups itself)", exc, config.rollout.workflow)
-    staleness = config.rollout.max_head_offpolicyness
-    if not recipe.online or staleness == 0 or (config.run_dir, recipe.name) in _STALENESS_WARNED:
+    if not recipe.online:
         return
+    for what, say in (
+        ("stale", stale_rollout_warning),
+        ("synchronous", synchronous_decoupled_warning),
+        ("mixed", mixed_loss_warning),
+    ):
+        key = (what, config.run_dir, recipe.name)
+        if key in _SAID_ONCE:
+            continue
+        line = say(config, recipe)
+        if line:
+            _SAID_ONCE.add(key)
+            logger.warning("%s", line)
+
+
+def stale_rollout_warning(config: ArenoConfig, recipe: TrainingConfig) -> str | None:
+    """Why ``rollout.max_head_offpolicyness > 0`` trains this PPO-family policy on stale rollouts without
+    correcting for them, and the correction that works for its loss; None where there is nothing to say:
+    fresh rollouts, another loss, the decoupled loss (which corrects), or cispo's (its weight
+    sg[min(pi_theta / pi_behave, 1 + eps_high)] is truncated importance sampling against the policy that
+    sampled the tokens, a correction of its own)."""
+    staleness = config.rollout.max_head_offpolicyness
+    spec = recipe.policy_role.build() if staleness > 0 else None
+    if not isinstance(spec, ActorSpecialization) or spec.config.use_decoupled_loss:
+        return None
+    c = spec.config
+    if c.policy_loss == "cispo" and not c.recompute_logprob:
+        return None
+    corrected = f"{recipe.name}_async"
+    if corrected in TRAINING_CONFIGS:
+        instead = f"train.algorithm={corrected} (decoupled PPO)"
+    elif c.policy_loss == "ppo":  # the decoupled loss is a form of the ppo loss only (ActorConfig refuses it else)
+        instead = "train.algorithm_kwargs.use_decoupled_loss=true (decoupled PPO)"
+    else:
+        instead = f"train.algorithm=grpo_async (decoupled PPO; the {c.policy_loss} loss has no decoupled form)"
+    anchor = (
+        "its ratio taken against log-probs the current weights recompute, so their staleness is ignored, not corrected"
+        if c.recompute_logprob
+        else "its clip anchored at the stale policy that sampled them"
+    )
+    return (
+        f"train.algorithm={recipe.name} with rollout.max_head_offpolicyness={staleness} trains on rollouts up to that "
+        f"many policy versions old, {anchor}: use {instead}, or rollout.max_head_offpolicyness=0 for fresh rollouts"
+    )
+
+
+def synchronous_decoupled_warning(config: ArenoConfig, recipe: TrainingConfig) -> str | None:
+    """Why a policy with the decoupled loss (the ``*_async`` recipes) gains nothing from it at
+    ``rollout.max_head_offpolicyness=0``, where every rollout is fresh, and what makes the run asynchronous;
+    None where the rollouts may be stale or the loss is another."""
+    if config.rollout.max_head_offpolicyness > 0:
+        return None
     spec = recipe.policy_role.build()
-    if isinstance(spec, ActorSpecialization) and not (spec.config.use_decoupled_loss or spec.config.recompute_logprob):
-        _STALENESS_WARNED.add((config.run_dir, recipe.name))
-        corrected = f"{recipe.name}_async"
-        instead = (
-            f"train.algorithm={corrected} (decoupled PPO)"
-            if corrected in TRAINING_CONFIGS
-            else "train.algorithm_kwargs.use_decoupled_loss=true (decoupled PPO)"
-        )
-        logger.warning(
-            "train.algorithm=%s with rollout.max_head_offpolicyness=%d trains on rollouts up to that many policy "
-            "versions old, its clip anchored at the stale policy that sampled them: use %s, or "
-            "rollout.max_head_offpolicyness=0 for fresh rollouts",
-            recipe.name,
-            staleness,
-            instead,
-        )
+    if not isinstance(spec, ActorSpecialization) or not spec.config.use_decoupled_loss:
+        return None
+    cost = (
+        " and pays a no-grad forward of the policy every step for its proximal log-probs"
+        if spec.config.prox_logp_method == "recompute"
+        else ""
+    )
+    base = recipe.name.split("_async")[0]
+    if base != recipe.name and base in TRAINING_CONFIGS:
+        otherwise = f", or train.algorithm={base} for synchronous training"
+    elif "use_decoupled_loss" in config.train.algorithm_kwargs:
+        otherwise = ", or drop train.algorithm_kwargs.use_decoupled_loss for synchronous training"
+    else:
+        otherwise = ""
+    return (
+        f"train.algorithm={recipe.name} with rollout.max_head_offpolicyness=0 runs synchronously: every rollout "
+        f"comes from the current policy, so its decoupled loss has no staleness to correct{cost}: set "
+        f"rollout.max_head_offpolicyness=N (N >= 1, e.g. 2) to let rollouts run up to N policy versions ahead of "
+        f"training{otherwise}"
+    )
+
+
+def mixed_loss_warning(config: ArenoConfig, recipe: TrainingConfig) -> str | None:
+    """What a mixed DAgger/OPD policy trains on at first when areno's workflow marks no completion token
+    teacher-executed (not ``TeacherMixtureWorkflow``, or that workflow with ``beta=0``): its cross-entropy
+    term, weighted beta (1 at the start by default), is 0, and the k3 term has weight 1 - beta, which the
+    schedule raises from 0. None where the CE term has weight 0 from the start, the workflow executes
+    teacher tokens, or it is a user's workflow (which may mark them)."""
+    spec = recipe.policy_role.build()
+    if not isinstance(spec, MixedLossDaggerOPDSpecialization) or spec.beta(0) == 0:
+        return None
+    factory = workflow_factory(config.rollout.workflow)
+    if isinstance(factory, type) and issubclass(factory, TeacherMixtureWorkflow):
+        share = config.rollout.workflow_kwargs.get("beta", inspect.signature(factory).parameters["beta"].default)
+        if share > 0:
+            return None
+        why = "rollout.workflow_kwargs.beta=0 lets the teacher generate no completion"
+    elif config.rollout.workflow.startswith("areno."):
+        why = f"rollout.workflow={config.rollout.workflow} marks no token teacher-executed"
+    else:
+        return None
+    decay = spec.beta_decay_steps  # step s trains policy version s - 1
+    weights = (
+        f"{1 - spec.beta_end:g} throughout (beta_decay_steps=0: beta = beta_end={spec.beta_end:g})"
+        if decay == 0
+        else f"{1 - spec.beta(0):g} at step 1, {1 - spec.beta(1):g} at step 2 and {1 - spec.beta(decay):g} from "
+        f"step {decay + 1} on (beta from beta_start={spec.beta_start:g} to beta_end={spec.beta_end:g} over "
+        f"beta_decay_steps={decay} policy versions)"
+    )
+    return (
+        f"train.algorithm={recipe.name}: {why}, so the cross-entropy term (weight beta) is 0 and only the k3 term "
+        f"on the student's tokens trains, with weight 1 - beta = {weights}: for DAgger's teacher-executed tokens set "
+        "rollout.workflow=areno.workflows.teacher:TeacherMixtureWorkflow (rollout.workflow_kwargs.beta > 0); for "
+        "on-policy distillation from the first step set train.algorithm_kwargs.beta_start=0 (or use train.algorithm=opd)"
+    )
 
 
 def check_path_options(config: ArenoConfig, recipe: TrainingConfig) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -52,11 +53,14 @@ from areno.faults import fault_point
 from areno.models.checkpoint_dirs import newest_checkpoint
 from areno.models.hf_io import init_model_dir, read_config, tiny_config
 from areno.models.vision import VisionConfig
-from areno.recipes import get_recipe
+from areno.recipes import TRAINING_CONFIGS, get_recipe
 from areno.recipes.config import TrainingConfig
+from areno.recipes.registry import resolve_name
 from areno.rewards.loader import load_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, fetch_refs, release_refs
+from areno.specializations.actor import ActorSpecialization
+from areno.specializations.base import RUN_SET_OPTIONS, takes_option
 from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecialization, pair_metrics
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
@@ -274,22 +278,97 @@ def _make_tiny_model(config: ArenoConfig, path: Path) -> None:
 
 
 def resolve_recipe(config: ArenoConfig):
-    """The recipe of ``train.algorithm`` with ``train.algorithm_kwargs`` applied; online recipes
-    recompute log-probs under the rollouts' sampling temperature. Unknown recipe, bad kwargs, a
-    teacher role without checkpoint: a ValueError here, before any model loads."""
+    """The recipe of ``train.algorithm`` with ``train.algorithm_kwargs`` applied, an online one resolved
+    against its rollouts: a factory option ``max_completion_length`` whose default is None (dr_grpo's L,
+    dapo's L_max) and that the kwargs leave unset is rollout.max_new_tokens (a length no completion can
+    reach is warned about, ``_warn_lengths``), and every role that scores the rollout's tokens by
+    log-probs (the policy, a reference, a teacher) does so at rollout.temperature (``_at_temperature``).
+    Unknown recipe, bad kwargs, a kwarg the run sets itself (``RUN_SET_OPTIONS``: temperature), a
+    teacher role without checkpoint: a ConfigError here, before any model loads."""
+    name = config.train.algorithm
     policy_kwargs = dict(config.train.algorithm_kwargs)
-    recipe = get_recipe(config.train.algorithm, policy_kwargs=policy_kwargs)
-    if recipe.online and "temperature" not in policy_kwargs and config.rollout.temperature > 0:
-        try:
-            recipe = get_recipe(
-                config.train.algorithm, policy_kwargs={**policy_kwargs, "temperature": config.rollout.temperature}
-            )
-        except ConfigError as exc:  # a user's loss class that does not take it: not train.algorithm_kwargs' fault
+    factory = TRAINING_CONFIGS.get(resolve_name(name))  # None: get_recipe names the unknown recipe
+    options = inspect.signature(factory).parameters if factory is not None else {}
+    for key, setting in RUN_SET_OPTIONS.items():
+        if key in policy_kwargs and key not in options:  # a factory's own option of that name is its own
             raise ConfigError(
-                f"{exc}; areno passes temperature=rollout.temperature to an online recipe's policy role (its "
-                "log-probs are scored at the rollout's temperature): take it in __init__ (docs/recipes.md)"
-            ) from None
+                f"train.algorithm_kwargs.{key}: set by the run, not the recipe: every role scores the rollout's "
+                f"tokens at the temperature they were sampled at: set {setting} instead"
+            )
+    recipe = get_recipe(name, policy_kwargs=policy_kwargs)
+    if not recipe.online:
+        return recipe
+    length = options.get("max_completion_length")
+    if length is not None and length.default is None and "max_completion_length" not in policy_kwargs:
+        recipe = get_recipe(
+            name, policy_kwargs={**policy_kwargs, "max_completion_length": config.rollout.max_new_tokens}
+        )
+    _warn_lengths(recipe, policy_kwargs, config.rollout.max_new_tokens)
+    if config.rollout.temperature > 0:
+        recipe = _at_temperature(recipe, config.rollout.temperature)
     return recipe
+
+
+def _at_temperature(recipe: TrainingConfig, temperature: float) -> TrainingConfig:
+    """``recipe`` with its policy role, and every other role that takes a ``temperature`` option its
+    ``init_kwargs`` leave unset (a reference's or a teacher's ``LogProbSpecialization``), scoring at
+    ``temperature``: a KL or a distillation loss compares two distributions at the same temperature."""
+    policy = recipe.policy_role.name
+    roles = tuple(
+        dataclasses.replace(role, init_kwargs={**role.init_kwargs, "temperature": temperature})
+        if role.name != policy
+        and "temperature" not in role.init_kwargs
+        and takes_option(role.specialization_cls, "temperature")
+        else role
+        for role in recipe.roles
+    )
+    if roles != recipe.roles:
+        recipe = dataclasses.replace(recipe, roles=roles)
+    try:
+        return recipe.with_policy_kwargs(temperature=temperature)
+    except ConfigError as exc:  # a user's loss class that does not take it: not train.algorithm_kwargs' fault
+        raise ConfigError(
+            f"{exc}; areno passes temperature=rollout.temperature to an online recipe's policy role (its "
+            "log-probs are scored at the rollout's temperature): take it in __init__ (docs/recipes.md)"
+        ) from None
+
+
+_LENGTHS_WARNED: set[str] = set()
+"""The length warnings said in this process (``resolve_recipe`` runs several times for one run)."""
+
+
+def _warn_lengths(recipe: TrainingConfig, policy_kwargs: dict[str, Any], max_new_tokens: int) -> None:
+    """Warn, once per process, where an actor's length constant exceeds what ``rollout.max_new_tokens``
+    lets a generation reach: an overlong penalty that never fires, a ``constant`` aggregation whose L
+    shrinks every gradient by about (mean length) / L. A warning, not a refusal: a multi-turn workflow
+    joins several generations into one completion."""
+    spec = recipe.policy_role.build()
+    if not isinstance(spec, ActorSpecialization):
+        return
+    c = spec.config
+    given = "max_completion_length" if "max_completion_length" in policy_kwargs else None
+    lines = []
+    if c.overlong_max_length is not None and c.overlong_max_length - c.overlong_buffer_length >= max_new_tokens:
+        key = given or "overlong_max_length"
+        lines.append(
+            f"train.algorithm={recipe.name}: train.algorithm_kwargs.{key}={c.overlong_max_length} with "
+            f"overlong_buffer_length={c.overlong_buffer_length} starts the overlong penalty past "
+            f"{c.overlong_max_length - c.overlong_buffer_length} tokens, but rollout.max_new_tokens={max_new_tokens} "
+            f"ends every generation before: the penalty never fires (leave {key} unset to follow "
+            "rollout.max_new_tokens)"
+        )
+    if c.loss_aggregation == "constant" and c.loss_agg_constant > max_new_tokens:
+        key = given or "loss_agg_constant"
+        lines.append(
+            f"train.algorithm={recipe.name}: train.algorithm_kwargs.{key}={c.loss_agg_constant:g} > "
+            f"rollout.max_new_tokens={max_new_tokens}: the constant aggregation divides each completion's loss by "
+            f"it, so every gradient shrinks by about (mean length) / {c.loss_agg_constant:g} (set {key} to "
+            "rollout.max_new_tokens, dr_grpo's default)"
+        )
+    for line in lines:
+        if line not in _LENGTHS_WARNED:
+            _LENGTHS_WARNED.add(line)
+            logger.warning(line)
 
 
 def sft_trajectories(
@@ -529,6 +608,7 @@ class ArenoEngine:
         self._rollout_behind = False  # an offline recipe trained since the rollout side's last sync
         self._reward_failed_batches = 0
         self._heap = HeapFreezer(config.cluster.gc_freeze)  # frozen after the first step's sync
+        self._unpublished = False  # a step trained whose policy update_weights has not published yet
 
     # ----------------------------------------------------------------------------- set-up
     def initialize(self) -> None:
@@ -740,6 +820,7 @@ class ArenoEngine:
         with hold:  # taking turns, the engine is paused here already (_generating_while_waiting)
             # the version the rollout policy carries (loglinear π_prox)
             out = self.training.step(rollout.batch, pass_order=rollout.pass_order, policy_version=self.version)
+        self._unpublished = True
         # the training side's figures of the rollout (rollout/logprob_abs_diff_*) keep their section
         metrics = {k if k.startswith("rollout/") else f"train/{k}": v for k, v in out.items()}
         metrics.update(self._phase_metrics())
@@ -771,6 +852,7 @@ class ArenoEngine:
             self._rollout_behind = self.rollout is not None
         else:
             self._sync_weights(self.version + 1)
+        self._unpublished = False
         self._heap.after_step()
         return {}
 
@@ -871,7 +953,9 @@ class ArenoEngine:
         without a rollout side has none)."""
         state: dict = {
             "data": self.ledger.state_dict() if self.ledger is not None else self.train_stream.state_dict(),
-            "version": self.version,
+            # a step trained but not published (an emergency checkpoint after a failed policy sync: the
+            # Trainer's) holds the policy of the next version, which a resumed run publishes as such
+            "version": self.version + int(self._unpublished),
         }
         rng = self.rollout.rng_state() if self.rollout is not None else None
         if rng is not None:

@@ -4,6 +4,17 @@
 Notation: r = pi_theta / pi_old per token, A advantage, eps clip range, sg stop-gradient,
 G a group of completions of one prompt, |o| completion length, k3 the KL estimator
 exp(t - s) + (s - t) - 1.
+
+Temperature: in an online recipe every role that scores the rollout's tokens by log-probs, the policy
+and a frozen reference or teacher alike, scores them at rollout.temperature T, log softmax(z / T), the
+distribution the tokens were sampled from (the run passes ``temperature`` to each role that takes it,
+``areno.engine.api.resolve_recipe``; TRL's GRPOTrainer and GKDTrainer and verl do the same), so a KL
+to a reference with the policy's weights is 0 and distillation targets the teacher's sampling
+distribution. Greedy rollouts (T = 0) and offline recipes score at 1. ``train.algorithm_kwargs.temperature``
+is refused: the temperature is rollout.temperature's.
+
+Lengths: dr_grpo's constant L and dapo's L_max default to the run's rollout.max_new_tokens (the
+generation limit: TRL's max_completion_length, DAPO's maximum generation length).
 """
 
 from __future__ import annotations
@@ -60,6 +71,21 @@ def _first_line(doc: str | None) -> str:
     return (doc or "").strip().splitlines()[0]
 
 
+LENGTH_WITHOUT_RUN = 1024
+"""``max_completion_length`` of dr_grpo and dapo when it is None and no run fills it in (a recipe built by
+``get_recipe`` alone, or shown by ``areno recipes``); a run gives its rollout.max_new_tokens
+(``areno.engine.api.resolve_recipe``)."""
+
+
+def _max_length(name: str, value: int | None) -> int:
+    """The recipe's ``max_completion_length``: ``value``, or ``LENGTH_WITHOUT_RUN`` where no run resolved it."""
+    if not isinstance(value, int):  # None; ``areno recipes NAME`` builds a None option as "<path>"
+        return LENGTH_WITHOUT_RUN
+    if value <= 0:
+        raise ConfigError(f"{name}: train.algorithm_kwargs.max_completion_length must be > 0, got {value}")
+    return value
+
+
 # ------------------------------------------------------------------------------ RL, critic-free
 @recipe("grpo")
 def grpo(kl_coef: float = 0.0) -> TrainingConfig:
@@ -68,7 +94,8 @@ def grpo(kl_coef: float = 0.0) -> TrainingConfig:
     A_i = (R_i - mean_G R) / (std_G R + 1e-4);  loss = mean_i mean_{t in o_i}
     [-min(r A_i, clip(r, 1-0.2, 1+0.2) A_i) + beta k3(pi_theta, pi_ref)]  (DeepSeekMath, Shao et al. 2024).
     Departures: beta = kl_coef defaults to 0 (TRL's default; the paper used 0.04) and a reference
-    role exists only when kl_coef > 0; std is unbiased (n-1) with eps added to it, as in TRL.
+    role exists only when kl_coef > 0; std is unbiased (n-1) with eps added to it, as in TRL. pi_theta
+    and pi_ref are both scored at rollout.temperature (as TRL and verl), so k3 = 0 at the first step.
     """
     return _with_optional_reference(
         "grpo",
@@ -90,12 +117,16 @@ def _with_optional_reference(name: str, doc: str | None, kl_coef: float, **polic
 
 
 @recipe("dr_grpo")
-def dr_grpo(max_completion_length: int = 1024) -> TrainingConfig:
+def dr_grpo(max_completion_length: int | None = None) -> TrainingConfig:
     """Dr.GRPO: GRPO without the std and length normalisations (unbiased), no KL.
 
-    A_i = R_i - mean_G R;  loss = sum_i sum_{t in o_i} -min(r A_i, clip(r, 0.8, 1.2) A_i) / (|G| * L)
-    with L = max_completion_length a constant (Liu et al. 2025, "Understanding R1-Zero-like
-    training"); the constant divides the sum so long and short answers weigh alike per token.
+    A_i = R_i - mean_G R;  loss = sum_i sum_{t in o_i} -min(r A_i, clip(r, 0.8, 1.2) A_i) / (B * L)
+    over the step's B completions, with L = max_completion_length a constant (Liu et al. 2025,
+    "Understanding R1-Zero-like training"): the constant divides the sum so long and short answers
+    weigh alike per token. L defaults to rollout.max_new_tokens, the generation limit (the paper's
+    MAX_TOKENS; TRL's max_completion_length); a larger L only shrinks every gradient (warned). The
+    logged actor statistics (ratio, clip fractions, KL, entropy) are not divided by L: each is the
+    mean over completions of its token mean.
     """
     return _single(
         "dr_grpo",
@@ -104,20 +135,32 @@ def dr_grpo(max_completion_length: int = 1024) -> TrainingConfig:
             advantage_estimator="dr_grpo",
             clip_eps=0.2,
             loss_aggregation="constant",
-            loss_agg_constant=float(max_completion_length),
+            loss_agg_constant=float(_max_length("dr_grpo", max_completion_length)),
         ),
     )
 
 
 @recipe("dapo")
-def dapo(max_completion_length: int = 1024, overlong_buffer_length: int = 256) -> TrainingConfig:
+def dapo(max_completion_length: int | None = None, overlong_buffer_length: int | None = None) -> TrainingConfig:
     """DAPO: clip-higher (0.2/0.28), token-level loss, dynamic sampling, soft overlong penalty.
 
     A_i = (R_i - mean_G R) / std_G R with R_i including the overlong penalty
-    (L_max - L_buf - |o|)/L_buf inside the buffer and -1 beyond L_max; groups with all-equal
-    rewards are dropped; loss = sum_{i,t} -min(r A, clip(r, 1-0.2, 1+0.28) A) / sum_i |o_i|; no KL
-    (Yu et al. 2025). Departure: dropped groups are not re-sampled, the step trains on fewer.
+    (L_max - L_buf - |o|)/L_buf inside the buffer (|o| > L_max - L_buf) and -1 beyond L_max; groups
+    with all-equal rewards are dropped; loss = sum_{i,t} -min(r A, clip(r, 1-0.2, 1+0.28) A) /
+    sum_i |o_i|; no KL (Yu et al. 2025). L_max = max_completion_length defaults to
+    rollout.max_new_tokens, the generation limit, as in the paper (20480 generated tokens, of which
+    the last L_buf = 4096 are the buffer); L_buf = overlong_buffer_length defaults to L_max // 5 (at
+    least 1), the paper's ratio, so a completion cut at the limit gets -1. A length whose penalty
+    can never fire (L_max - L_buf >= rollout.max_new_tokens) is warned about. Departure: dropped
+    groups are not re-sampled, the step trains on fewer.
     """
+    max_length = _max_length("dapo", max_completion_length)
+    buffer = overlong_buffer_length if isinstance(overlong_buffer_length, int) else max(1, max_length // 5)
+    if not 0 < buffer <= max_length:
+        raise ConfigError(
+            f"dapo: train.algorithm_kwargs.overlong_buffer_length={buffer} must be in (0, max_completion_length="
+            f"{max_length}] (max_completion_length defaults to rollout.max_new_tokens)"
+        )
     return _single(
         "dapo",
         dapo.__doc__,
@@ -127,8 +170,8 @@ def dapo(max_completion_length: int = 1024, overlong_buffer_length: int = 256) -
             clip_eps_high=0.28,
             loss_aggregation="token",
             dynamic_sampling=True,
-            overlong_max_length=max_completion_length,
-            overlong_buffer_length=overlong_buffer_length,
+            overlong_max_length=max_length,
+            overlong_buffer_length=buffer,
         ),
     )
 
@@ -172,7 +215,8 @@ def reinforce_pp(kl_coef: float = 0.01) -> TrainingConfig:
     r_t = -beta k1(pi_behave, pi_ref)_t (+ R on the last token); G_t = sum_{k>=t} r_k;
     A_t = (G_t - mean_batch G) / std_batch G; loss = clipped surrogate (eps 0.2), token mean
     (Hu 2025). Normalisation is over the global batch (all loss tokens), not per group; beta =
-    kl_coef, and kl_coef = 0 drops the reference role.
+    kl_coef, and kl_coef = 0 drops the reference role; pi_ref is scored at rollout.temperature, as
+    pi_behave was sampled.
     """
     return _with_optional_reference(
         "reinforce_pp",
@@ -271,8 +315,8 @@ def grpo_recompute() -> TrainingConfig:
     """GRPO for stale data with the coupled ratio taken against recomputed log-probs (no behaviour weight).
 
     loss = -min(r A, clip(r, 0.8, 1.2) A), r = pi_theta / pi_old with log pi_old from a no-grad
-    forward of the current weights at the step's start (seed 003's actor.recompute_logprob
-    without the decoupled loss: the rollout's staleness is ignored, not corrected). Token mean,
+    forward of the current weights at the step's start (without the decoupled loss: the
+    rollout's staleness is ignored, not corrected, and warned about when rollout.max_head_offpolicyness > 0). Token mean,
     GRPO advantages, no KL.
     """
     return _single(
@@ -317,7 +361,8 @@ def ppo_kl(
     """PPO with a frozen reference: the KL penalty enters the token rewards (RLHF PPO).
 
     r_t = -kl_coef (log pi_old - log ref)_t, plus the sequence reward on the last token (k1 as in
-    InstructGPT, Ouyang et al. 2022); advantages and value targets by GAE over r_t, losses as ppo.
+    InstructGPT, Ouyang et al. 2022; ref scored at rollout.temperature, as pi_old was sampled);
+    advantages and value targets by GAE over r_t, losses as ppo.
     The policy's and the critic's returns use the same penalised rewards: reference.logprobs_T is
     injected into both. The reference is the initial policy (so the penalty starts at the
     behaviour/initial log-prob gap).
@@ -363,7 +408,7 @@ def ppo_async(gamma: float = 1.0, gae_lambda: float = 0.95, value_clip_eps: floa
 
     loss = w * -min(r' A, clip(r', 0.8, 1.2) A), w = pi_prox / pi_behave (tokens with w > 5
     masked), r' = pi_theta / pi_prox, pi_prox recomputed at the step's start; A by GAE from the
-    value role (seed 003's decoupled PPO, AReaL's PPO actor with a critic). Value loss as ppo.
+    value role (AReaL's decoupled PPO actor with a critic). Value loss as ppo.
     """
     return TrainingConfig(
         name="ppo_async",
@@ -420,10 +465,11 @@ def dpo(beta: float = 0.1) -> TrainingConfig:
 
 @recipe("dpo_distributed")
 def dpo_distributed(beta: float = 0.1) -> TrainingConfig:
-    """DPO with the frozen reference as a role of its own (seed 004's name; the same recipe as dpo).
+    """DPO: the same recipe as dpo under a second name (both keep the frozen reference as a role of their own).
 
-    Same loss, roles and data as dpo: DataSync reference.logprobs_T -> policy.ref_logprobs_T before
-    each step. Place the reference on devices of its own with cluster.role_devices.
+    Same loss, roles and data as dpo (DataSync reference.logprobs_T -> policy.ref_logprobs_T before
+    each step). The name dates from when dpo read reference log-probs recorded with the data; either
+    places the reference on devices of its own with cluster.role_devices={ref: [1]}.
     """
     return _dpo("dpo_distributed", dpo_distributed.__doc__, beta)
 
@@ -468,7 +514,9 @@ def opd(teacher_path: str | None = None) -> TrainingConfig:
     """On-policy distillation: the student samples, a frozen teacher scores; reverse-KL k3 loss.
 
     loss = sum_t k3(pi_student, pi_teacher)_t / #tokens on the student's own completions
-    (Agarwal et al. 2024; Thinking Machines 2025). Uses the k3 estimator's gradient, not the
+    (Agarwal et al. 2024; Thinking Machines 2025), both scored at rollout.temperature T,
+    log softmax(z / T), as TRL's GKDTrainer divides both logits by its temperature: the target is the
+    teacher's sampling distribution at T. Uses the k3 estimator's gradient, not the
     sequence-level score-function gradient. Needs teacher_path.
     """
     return TrainingConfig(
@@ -486,9 +534,9 @@ def opd(teacher_path: str | None = None) -> TrainingConfig:
 def dagger(teacher_path: str | None = None) -> TrainingConfig:
     """DAgger: the teacher labels each state the student visits; cross-entropy toward its action.
 
-    a*_t = argmax_a pi_teacher(a | s_t) on the student's trajectory; loss = sum_t -log pi(a*_t | s_t)
-    / #tokens (Ross et al. 2011). The beta-mixture rollout policy is the workflow's:
-    rollout.workflow=areno.workflows.teacher:TeacherMixtureWorkflow with workflow_kwargs.beta lets
+    a*_t = argmax_a pi_teacher(a | s_t) on the student's trajectory (the same at any temperature);
+    loss = sum_t -log pi(a*_t | s_t) / #tokens, pi at rollout.temperature (Ross et al. 2011). The
+    beta-mixture rollout policy is the workflow's: rollout.workflow=areno.workflows.teacher:TeacherMixtureWorkflow with workflow_kwargs.beta lets
     the teacher generate each completion with probability beta (default workflow: beta = 0, the
     student executes). Needs teacher_path.
     """
@@ -512,9 +560,10 @@ def aggrevate(
 ) -> TrainingConfig:
     """AggreVaTe: weight the student's actions by the teacher's (whitened) action value.
 
-    A_t = whiten(Q*_t) with Q*_t = log pi_teacher(a_t|s_t) as a proxy (q_source=teacher_logprob,
-    the default), teacher_q_T measured by the rollout workflow (q_source=workflow with
-    rollout.workflow=areno.workflows.teacher:TeacherQWorkflow: the student rolls in to a random
+    A_t = whiten(Q*_t) with Q*_t = log pi_teacher(a_t|s_t) at rollout.temperature as a proxy
+    (q_source=teacher_logprob, the default), teacher_q_T measured by the rollout workflow
+    (q_source=workflow with rollout.workflow=areno.workflows.teacher:TeacherQWorkflow: the teacher's
+    roll-outs sample at rollout.temperature too; the student rolls in to a random
     token, the teacher rolls out, Q = the reward; only those tokens train), or a frozen scorer's
     head at every token, Q(s_t, a_t) = head(h_t) with h_t the hidden state that has read a_t:
     q_source=reward_model reads a transformers sequence-classification checkpoint
@@ -564,7 +613,8 @@ def mixed_loss_dagger_opd(teacher_path: str | None = None, beta_decay_steps: int
 
     loss = sum_t [beta CE_t 1(teacher-executed) + (1 - beta) k3_t 1(student-executed)] / #tokens,
     beta linear from beta_start = 1 (pure CE) to beta_end = 0 (pure k3) over beta_decay_steps policy
-    versions. Needs teacher_path; teacher-executed tokens come from the workflow
+    versions; the student and the teacher are scored at rollout.temperature (as opd). Needs
+    teacher_path; teacher-executed tokens come from the workflow
     (areno.workflows.teacher:TeacherMixtureWorkflow marks them teacher_executed_T); with the
     default workflow no token is teacher-executed and the CE term is 0.
     """

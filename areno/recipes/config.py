@@ -1,4 +1,4 @@
-"""Recipes as data (seed 004): an algorithm is a frozen ``TrainingConfig`` of model roles and the
+"""Recipes as data: an algorithm is a frozen ``TrainingConfig`` of model roles and the
 data they exchange. Everything is validated at construction, before any model loads: role names,
 specialization arguments, DataSync roles and keys, teacher checkpoints.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,15 +17,41 @@ from areno.specializations.base import ModelSpecialization
 SYNC_STAGES = ("inject",)
 
 
+REQUIRED = inspect.Parameter.empty
+"""The default of a specialization option without one (a constructor argument the role must give)."""
+
+
+def unknown_option(key: str, valid: list[str]) -> str:
+    """The one line that refuses option ``key``: the closest valid name, then all of them."""
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown option {key!r}{hint}; valid options: {', '.join(valid) or 'none'}"
+
+
+def specialization_options(cls: type[ModelSpecialization]) -> dict[str, Any] | None:
+    """Option name -> default of specialization ``cls``, in order: its ``config_cls``'s fields, else its
+    constructor's keyword arguments (``REQUIRED`` where one has no default). None where the constructor
+    takes ``**kwargs``: any name may be valid."""
+    if cls.config_cls is not None:
+        return {
+            f.name: f.default if f.default is not dataclasses.MISSING else REQUIRED
+            for f in dataclasses.fields(cls.config_cls)
+            if f.init
+        }
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: p.default for p in params if p.kind in kinds}
+
+
 def options_from_kwargs(config_cls: type, kwargs: dict[str, Any]) -> Any:
     """``config_cls(**kwargs)`` for a keyword-only options dataclass; a key it does not have is a
     ConfigError (one line) that names it and lists the valid ones."""
     valid = [f.name for f in dataclasses.fields(config_cls) if f.init]
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown option {unknown[0]!r}{hint}; valid options: {', '.join(valid)}")
+        raise ConfigError(unknown_option(unknown[0], valid))
     return config_cls(**kwargs)
 
 
@@ -75,6 +102,10 @@ class ModelRole:
         try:
             if cls.config_cls is not None:
                 return cls(options_from_kwargs(cls.config_cls, kwargs))
+            valid = specialization_options(cls)
+            unknown = [] if valid is None else [k for k in kwargs if k not in valid]
+            if unknown:  # as a config_cls's are named, not as Python's "unexpected keyword argument"
+                raise ConfigError(unknown_option(unknown[0], list(valid)))
             return cls(**kwargs)
         except (TypeError, ValueError) as err:  # the constructor validates its arguments, set by the user
             raise ConfigError(

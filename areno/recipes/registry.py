@@ -7,19 +7,32 @@ every process that resolves the recipe; ``areno recipes --modules my_pkg.recipes
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import difflib
 import inspect
 import os
 import sys
+import textwrap
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from areno.errors import ConfigError, is_of_type, wrong_type
-from areno.recipes.config import TrainingConfig
+from areno.recipes.config import (
+    REQUIRED,
+    ModelRole,
+    TrainingConfig,
+    options_from_kwargs,
+    specialization_options,
+    unknown_option,
+)
 from areno.rewards.loader import USER_FILE_MODULE, import_module
-from areno.specializations.base import option_types
+from areno.specializations import ActorConfig, ActorSpecialization, MixedLossDaggerOPDSpecialization
+from areno.specializations.base import RUN_SET_OPTIONS, option_types
+from areno.specializations.supervised import SCORER_Q_SOURCES
 
 RecipeFactory = Callable[..., TrainingConfig]
 TRAINING_CONFIGS: dict[str, RecipeFactory] = {}
@@ -101,6 +114,7 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
         raise ConfigError(f"recipe {name!r} has no option(s) {bad}{hint}; it accepts {list(params) or 'none'}")
     _check_types(_annotations(factory), options)
     cfg = _build(name, options)
+    _check_option_names(cfg, policy_kwargs, list(params))
     check_policy_kwarg_types(cfg, policy_kwargs)
     keys, need = cfg.unmet_policy_kwargs(policy_kwargs)
     if keys:  # e.g. kl_coef on a recipe with no reference role to give ref_logprobs_T
@@ -111,7 +125,26 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
             f"train.algorithm_kwargs.{key}={policy_kwargs[key]!r} needs batch keys {need}, which no role of "
             f"recipe {name!r} provides: drop the key, or use a recipe {instead}"
         )
-    return cfg.with_policy_kwargs(**policy_kwargs)
+    configured = cfg.with_policy_kwargs(**policy_kwargs)
+    check_inert_options(name, cfg, configured, options, policy_kwargs)
+    return configured
+
+
+def _check_option_names(cfg: TrainingConfig, policy_kwargs: dict[str, Any], factory_options: list[str]) -> None:
+    """A key of ``policy_kwargs`` that the policy role's specialization does not take: one line naming it,
+    the closest option and every option ``train.algorithm_kwargs`` takes for this recipe (the
+    specialization's, then the factory's), for every specialization alike (not Python's "unexpected
+    keyword argument")."""
+    role = cfg.policy_role
+    valid = specialization_options(role.specialization_cls)
+    unknown = [] if valid is None else [k for k in policy_kwargs if k not in valid]
+    if unknown:
+        everything = [*(k for k in valid if k not in RUN_SET_OPTIONS), *(k for k in factory_options if k not in valid)]
+        raise ConfigError(
+            f"role {role.name!r}: bad arguments for {role.specialization_cls.__name__}: "
+            f"{unknown_option(unknown[0], everything)} (check train.algorithm_kwargs; `areno recipes {cfg.name}` "
+            "describes each)"
+        )
 
 
 def check_policy_kwarg_types(cfg: TrainingConfig, policy_kwargs: dict[str, Any]) -> None:
@@ -178,6 +211,393 @@ def _build(name: str, options: dict[str, Any]) -> TrainingConfig:
     return cfg
 
 
+# ------------------------------------------------------------------------------ options that do nothing
+_RETURNS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
+"""The advantage estimators that compute per-token returns (a discount, token rewards such as a KL)."""
+
+
+@dataclass(frozen=True)
+class InertOption:
+    """An option that is accepted but never read under some settings: set to another value than the
+    recipe's own where ``when`` holds of the settings, it is refused (``check_inert_options``)."""
+
+    owner: type | str
+    """The policy role's specialization class (the class itself, not a user's subclass, whose loss may
+    read its options otherwise), or a recipe name for an option of that recipe's factory."""
+    key: str
+    when: Callable[[Mapping[str, Any]], bool]
+    """True of the settings (the specialization's options, or the factory's) where ``key`` does nothing."""
+    why: str
+    """Why, formatted with the settings (``{advantage_estimator}``)."""
+    fix: str = "drop it"
+    """What to do instead."""
+
+
+def _not_decoupled(s: Mapping[str, Any]) -> bool:
+    return not s["use_decoupled_loss"]
+
+
+_DECOUPLED_ONLY = (
+    "only the decoupled loss reads it (use_decoupled_loss=true), and this recipe's loss is the coupled one"
+)
+
+INERT_OPTIONS: tuple[InertOption, ...] = (
+    # ActorSpecialization (actor.py): compute_advantages, compute_loss, _prepare_kept
+    InertOption(
+        ActorSpecialization,
+        "adv_eps",
+        lambda s: s["advantage_estimator"] != "grpo",
+        "only advantage_estimator=grpo divides by the group's reward std + adv_eps, and this recipe's "
+        "advantage_estimator is {advantage_estimator}",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "gamma",
+        lambda s: s["advantage_estimator"] not in _RETURNS,
+        "only per-token returns are discounted (advantage_estimator gae, reinforce_pp or reinforce_pp_baseline), "
+        "and this recipe's advantage_estimator is {advantage_estimator}",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "gae_lambda",
+        lambda s: s["advantage_estimator"] != "gae",
+        "only GAE advantages read it (advantage_estimator=gae), and this recipe's advantage_estimator is "
+        "{advantage_estimator}",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "clip_eps",
+        lambda s: s["policy_loss"] == "cispo" and s["clip_eps_high"] is not None,
+        "the cispo loss has no lower clip, and its upper one is clip_eps_high ({clip_eps_high}; clip_eps stands in "
+        "for it only when clip_eps_high is null)",
+        "set train.algorithm_kwargs.clip_eps_high instead",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "dual_clip_c",
+        lambda s: s["policy_loss"] != "ppo",
+        "only policy_loss=ppo has a dual clip, and this recipe's policy_loss is {policy_loss}",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "loss_agg_constant",
+        lambda s: s["loss_aggregation"] != "constant",
+        "only loss_aggregation=constant divides by it, and this recipe's loss_aggregation is {loss_aggregation}",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "kl_estimator",
+        lambda s: s["kl_coef"] == 0,
+        "kl_coef is 0, so no KL is estimated",
+        "drop it, or set kl_coef > 0 too",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "kl_in_reward",
+        lambda s: s["kl_coef"] == 0,
+        "kl_coef is 0, so there is no KL to place",
+        "drop it, or set kl_coef > 0 too",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "kl_in_reward",
+        lambda s: s["kl_in_reward"] and s["advantage_estimator"] not in _RETURNS,
+        "advantage_estimator {advantage_estimator} reads one reward per sequence, never per-token rewards, so the "
+        "KL would leave the loss and reach nothing (only gae, reinforce_pp and reinforce_pp_baseline take it)",
+        "drop it to keep the KL in the loss",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "recompute_logprob",
+        lambda s: s["use_decoupled_loss"],
+        "the decoupled loss takes its proximal log-probs from prox_logp_method ({prox_logp_method}) instead",
+    ),
+    InertOption(ActorSpecialization, "prox_logp_method", _not_decoupled, _DECOUPLED_ONLY),
+    InertOption(ActorSpecialization, "behav_imp_weight_cap", _not_decoupled, _DECOUPLED_ONLY),
+    InertOption(ActorSpecialization, "behav_weight_mode", _not_decoupled, _DECOUPLED_ONLY),
+    InertOption(
+        ActorSpecialization,
+        "behav_weight_mode",
+        lambda s: s["behav_imp_weight_cap"] is None,
+        "it says what a weight over behav_imp_weight_cap does, and behav_imp_weight_cap is null (no cap)",
+        "drop it, or set behav_imp_weight_cap too",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "overlong_buffer_length",
+        lambda s: s["overlong_max_length"] is None,
+        "the overlong penalty is off (overlong_max_length is null)",
+        "drop it, or set overlong_max_length too",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "overlong_penalty",
+        lambda s: s["overlong_max_length"] is None,
+        "the overlong penalty is off (overlong_max_length is null)",
+        "drop it, or set overlong_max_length too",
+    ),
+    # MixedLossDaggerOPDSpecialization (supervised.py): beta()
+    InertOption(
+        MixedLossDaggerOPDSpecialization,
+        "beta_decay_steps",
+        lambda s: s["beta_start"] == s["beta_end"],
+        "beta_start = beta_end = {beta_end}, so beta has nothing to decay",
+    ),
+    # the aggrevate factory (builtin.py): which Q source builds which role
+    InertOption(
+        "aggrevate",
+        "teacher_path",
+        lambda s: s["q_source"] in SCORER_Q_SOURCES,
+        "q_source={q_source} reads Q from a scorer role's head and builds no teacher role (teacher_path is read by "
+        "q_source=teacher_logprob and q_source=workflow)",
+    ),
+    InertOption(
+        "aggrevate",
+        "reward_model_path",
+        lambda s: s["q_source"] != "reward_model",
+        "only q_source=reward_model reads it, and q_source is {q_source}",
+    ),
+    InertOption(
+        "aggrevate",
+        "value_head_path",
+        lambda s: s["q_source"] != "value_head",
+        "only q_source=value_head reads it, and q_source is {q_source}",
+    ),
+)
+"""Every option areno accepts but would not read, and where: ``check_inert_options`` refuses them from
+this table, and ``areno recipes NAME`` marks them."""
+
+
+def role_settings(role: ModelRole) -> dict[str, Any]:
+    """The options the role's specialization runs with: its ``config_cls``'s fields, else its
+    constructor's defaults, updated by ``init_kwargs``."""
+    cls = role.specialization_cls
+    if cls.config_cls is not None:
+        config = options_from_kwargs(cls.config_cls, role.init_kwargs)
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return {**(specialization_options(cls) or {}), **role.init_kwargs}
+
+
+def factory_settings(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Recipe ``name``'s factory options: their defaults updated by ``options``."""
+    params = inspect.signature(TRAINING_CONFIGS[name]).parameters
+    return {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty} | dict(options)
+
+
+def inert_reasons(name: str, cfg: TrainingConfig, options: Mapping[str, Any]) -> dict[str, InertOption]:
+    """Key -> the ``INERT_OPTIONS`` row that says why it does nothing in recipe ``name`` as configured
+    (``cfg``, built with factory ``options``); keys that do something are absent."""
+    spec_cls = cfg.policy_role.specialization_cls
+    spec, factory = role_settings(cfg.policy_role), factory_settings(name, options)
+    out: dict[str, InertOption] = {}
+    for row in INERT_OPTIONS:
+        if row.key in out:  # the first row that applies says why
+            continue
+        if (row.owner is spec_cls and row.when(spec)) or (row.owner == name and row.when(factory)):
+            out[row.key] = row
+    return out
+
+
+def check_inert_options(
+    name: str,
+    base: TrainingConfig,
+    configured: TrainingConfig,
+    options: Mapping[str, Any],
+    policy_kwargs: Mapping[str, Any],
+) -> None:
+    """A ``ConfigError`` for an option given another value than the recipe's own (the factory's default,
+    or what ``base``, the recipe before ``policy_kwargs``, gives its policy role) that the configured
+    recipe never reads (``INERT_OPTIONS``): one line naming it, why it does nothing here and what reads it."""
+    params = inspect.signature(TRAINING_CONFIGS[name]).parameters
+    before = role_settings(base.policy_role)
+    changed = {k: v for k, v in options.items() if k in params and v != params[k].default}
+    changed |= {k: v for k, v in policy_kwargs.items() if k not in before or v != before[k]}
+    if not changed:
+        return
+    inert = inert_reasons(name, configured, options)
+    for key, value in changed.items():
+        row = inert.get(key)
+        if row is None:
+            continue
+        settings = (
+            role_settings(configured.policy_role) if isinstance(row.owner, type) else factory_settings(name, options)
+        )
+        readers = [r for r in _recipes_reading(row.owner, key, value) if r != name]
+        shown = ", ".join(readers[:4]) + (", ..." if len(readers) > 4 else "")
+        raise ConfigError(
+            f"train.algorithm_kwargs.{key}={_shown(value)} does nothing in recipe {name!r}: "
+            f"{row.why.format_map(_ShownSettings(settings))}: {row.fix}"
+            + (f"; recipes that read it: {shown}" if readers else "")
+        )
+
+
+class _ShownSettings(dict):
+    """Settings as ``str.format_map`` shows them (YAML's spelling: null, true)."""
+
+    def __getitem__(self, key: str) -> str:
+        return _shown(super().__getitem__(key))
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a YAML override spells it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _recipes_reading(owner: type | str, key: str, value: Any) -> list[str]:
+    """The registered recipes whose policy role is of class ``owner`` and reads option ``key`` set to
+    ``value`` on top of their own settings (empty for a factory's option: the one recipe that has it)."""
+    if not isinstance(owner, type):
+        return []
+    rows = [r for r in INERT_OPTIONS if r.owner is owner and r.key == key]
+    names = []
+    for name in sorted(TRAINING_CONFIGS):
+        try:
+            cfg = _example(name)
+        except (ConfigError, TypeError, ValueError):  # a user's factory that needs real options
+            continue
+        if cfg.policy_role.specialization_cls is not owner:
+            continue
+        settings = {**role_settings(cfg.policy_role), key: value}
+        if not any(r.when(settings) for r in rows):
+            names.append(name)
+    return names
+
+
+def _example(name: str) -> TrainingConfig:
+    """Recipe ``name`` as ``areno recipes NAME`` shows it: a placeholder for each path option it needs."""
+    return _build(name, _placeholders(name))
+
+
+def _placeholders(name: str) -> dict[str, str]:
+    """``<path>`` for each factory option whose default is None and that takes a string (a checkpoint the
+    run must give, or may)."""
+    factory = TRAINING_CONFIGS[name]
+    hints = _annotations(factory)
+    return {
+        k: "<path>"
+        for k, p in inspect.signature(factory).parameters.items()
+        if p.default is None and (k not in hints or is_of_type("<path>", hints[k]))
+    }
+
+
+# ------------------------------------------------------------------------------ what each option means
+OPTION_DOCS: dict[tuple[str, str], str] = {
+    # factory options of the built-in recipes ("*": any recipe)
+    ("*", "kl_coef"): "Weight (>= 0) of the KL to a frozen reference, the initial policy; > 0 adds the reference "
+    "role (and its forward each step).",
+    ("*", "teacher_path"): "The frozen teacher's Hugging Face checkpoint directory (a run's checkpoints/step_N/hf).",
+    ("*", "value_clip_eps"): "The critic's value clip range (> 0); null: the unclipped squared error.",
+    ("dr_grpo", "max_completion_length"): "L: the summed token losses of each completion are divided by this "
+    "constant; null: the run's rollout.max_new_tokens.",
+    ("dapo", "max_completion_length"): "L_max: a completion of this length or more gets the full overlong penalty; "
+    "null: the run's rollout.max_new_tokens.",
+    ("dapo", "overlong_buffer_length"): "L_buf: the soft overlong penalty ramps over the L_buf tokens before L_max.",
+    ("aggrevate", "q_source"): "Where the action value Q comes from: teacher_logprob (the teacher's log-prob), "
+    "workflow (teacher roll-outs, TeacherQWorkflow), reward_model (reward_model_path's head) or value_head "
+    "(value_head_path's critic head).",
+    ("aggrevate", "reward_model_path"): "q_source=reward_model: a transformers sequence-classification checkpoint "
+    "(a reward_model run's checkpoints/step_N/hf).",
+    ("aggrevate", "value_head_path"): "q_source=value_head: an areno critic checkpoint (a PPO run's "
+    "checkpoints/step_N/value).",
+    ("dpo", "beta"): "DPO's beta (> 0): the strength of the implicit KL to the reference.",
+    ("dpo_distributed", "beta"): "DPO's beta (> 0): the strength of the implicit KL to the reference.",
+    # constructor options of specializations without a config_cls
+    ("DPOSpecialization", "beta"): "DPO's beta (> 0): the strength of the implicit KL to the reference.",
+    ("DPOSpecialization", "label_smoothing"): "cDPO: the assumed share of flipped preference labels, in [0, 0.5); "
+    "0: plain DPO.",
+    ("DPOSpecialization", "ref_key"): "The batch tensor of reference log-probs: ref_logprobs_T (the reference "
+    "role's); logprobs_T, log-probs recorded with the data, is refused on preference files, which record none.",
+    ("RewardModelSpecialization", "margin"): "Subtracted from the chosen-minus-rejected score inside the "
+    "Bradley-Terry loss, -log sigmoid(s_c - s_r - margin); 0: plain Bradley-Terry.",
+    ("DistillSpecialization", "kl_estimator"): "The per-token estimator of the reverse KL(student || teacher): "
+    "k1, k2 or k3.",
+    ("MixedLossDaggerOPDSpecialization", "beta_start"): "beta at policy version 0, in [0, 1]: the weight of the "
+    "cross-entropy on teacher-executed tokens (1 - beta: the k3 term's on the student's).",
+    ("MixedLossDaggerOPDSpecialization", "beta_end"): "beta from version beta_decay_steps on, in [0, 1].",
+    ("MixedLossDaggerOPDSpecialization", "beta_decay_steps"): "Policy versions over which beta goes linearly from "
+    "beta_start to beta_end (0: beta_end from the start).",
+    ("mixed_loss_dagger_opd", "beta_decay_steps"): "Policy versions over which beta goes linearly from "
+    "beta_start to beta_end (0: beta_end from the start).",
+    ("AggrevateSpecialization", "q_source"): "Where the action value Q comes from (the recipe's q_source).",
+}
+"""The one-line meaning of a recipe factory's option (keyed by recipe name, or ``*``) or of a
+specialization's constructor argument (keyed by class name) that has no attribute docstring of its own;
+an ``ActorConfig`` field, and a constructor argument of the same name as one, reads that field's."""
+
+
+def recipe_options(name: str) -> list[tuple[str, Any, str, str | None]]:
+    """``(key, value, meaning, why it does nothing here or None)`` for every option
+    ``train.algorithm_kwargs`` takes for recipe ``name``: the factory's (``<path>`` where the run must give
+    one), then its policy role's (the value this recipe runs with)."""
+    factory = TRAINING_CONFIGS[name]
+    params = inspect.signature(factory).parameters
+    placeholders = _placeholders(name)
+    cfg = _build(name, placeholders)
+    role = cfg.policy_role
+    cls = role.specialization_cls
+    inert = inert_reasons(name, cfg, placeholders)
+    spec_docs = _attribute_docs(cls.config_cls) if cls.config_cls is not None else {}
+    actor_docs = _attribute_docs(ActorConfig)
+    settings = role_settings(role)
+    rows = []
+
+    def meaning(key: str, factory_option: bool) -> str:
+        keys = [(name, key), ("*", key)] if factory_option else [(cls.__name__, key)]
+        for doc_key in keys:
+            if doc_key in OPTION_DOCS:
+                return OPTION_DOCS[doc_key]
+        return (spec_docs.get(key) or actor_docs.get(key, "")).replace("``", "")
+
+    def why(key: str) -> str | None:
+        row = inert.get(key)
+        if row is None:
+            return None
+        shown = role_settings(role) if isinstance(row.owner, type) else factory_settings(name, placeholders)
+        return row.why.format_map(_ShownSettings(shown))
+
+    for key, p in params.items():
+        value = placeholders[key] if key in placeholders and _needed(name, placeholders, key) else p.default
+        rows.append((key, REQUIRED if value is inspect.Parameter.empty else value, meaning(key, True), why(key)))
+    for key, value in settings.items():
+        if key not in params and key not in RUN_SET_OPTIONS:
+            rows.append((key, value, meaning(key, False), why(key)))
+    return rows
+
+
+def _needed(name: str, placeholders: dict[str, str], key: str) -> bool:
+    """Whether recipe ``name`` cannot be built without path option ``key`` (a teacher's checkpoint)."""
+    try:
+        _build(name, {k: v for k, v in placeholders.items() if k != key})
+    except ConfigError:
+        return True
+    return False
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """Field -> the docstring under it in ``cls``'s source (``x: int = 0`` then ``\"\"\"...\"\"\"``), as one
+    line; empty where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for field, doc in zip(body, body[1:]):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
 def describe(name: str) -> str:
     """First line of the recipe factory's docstring."""
     if name not in TRAINING_CONFIGS:
@@ -222,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     factory = TRAINING_CONFIGS[args.name]
     print(inspect.getdoc(factory) or "")
     params = inspect.signature(factory).parameters
-    options = {k: "<path>" for k, p in params.items() if p.default is None}
+    options = _placeholders(args.name)
     if params:  # a factory option without a default names a path the run must give
         shown = ", ".join(f"{k}={options.get(k, p.default)}" for k, p in params.items())
         print(f"  options (train.algorithm_kwargs.KEY): {shown}")
@@ -236,4 +656,25 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  sync {sync.source}.{','.join(sync.keys)} -> {sync.target}.{','.join(sync.target_keys)} ({sync.stage})"
         )
+    _print_options(args.name, cfg)
     return 0
+
+
+def _print_options(name: str, cfg: TrainingConfig) -> None:
+    """Every option ``train.algorithm_kwargs`` takes for recipe ``name``, with its value here and meaning."""
+    valid = specialization_options(cfg.policy_role.specialization_cls)
+    print(
+        f"  every option (train.algorithm_kwargs.KEY=VALUE; VALUE as this recipe runs; role {cfg.policy_role.name}: "
+        f"{cfg.policy_role.specialization_cls.__name__}):"
+    )
+    for key, value, meaning, inert in recipe_options(name):
+        shown = "<required>" if value is REQUIRED else _shown(value)
+        text = meaning + (f" Does nothing here: {inert}." if inert else "")
+        print(f"    {key}={shown}")
+        if text:
+            print(textwrap.fill(text, width=100, initial_indent=" " * 8, subsequent_indent=" " * 8))
+    if valid is None:
+        print(f"    (and any keyword {cfg.policy_role.specialization_cls.__name__}.__init__ takes: **kwargs)")
+    run_set = [f"{k} = {setting}" for k, setting in RUN_SET_OPTIONS.items() if valid is not None and k in valid]
+    if run_set:
+        print(f"  set by the run, not train.algorithm_kwargs: {', '.join(run_set)}")

@@ -1,5 +1,4 @@
-"""``RecipeRunner``: one training step of a recipe over its roles' training backends (seed 004's
-``StacxTrainer.train_step``).
+"""``RecipeRunner``: one training step of a recipe over its roles' training backends.
 
     step(rollout_data):
         1. no-grad forwards: every DataSync source and every role with self-forward keys runs

@@ -7,6 +7,10 @@ dynamic-sampling filter, then the advantage estimator. Per micro-batch (``comput
     loss_t = policy_loss_t + kl_coef * k(pi, pi_ref)_t - entropy_coef * H_t
     loss   = sum_t w_t loss_t / denominator           (w, denominator from ``loss_aggregation``)
 
+The logged statistics (``actor/ratio``, clip fractions, ``kl``, ``entropy``) are averages under every
+aggregation: the ``constant`` one's are the mean over sequences of each one's token mean, not the
+loss's sum / (B * L) (``statistics_weights_T``).
+
 Legend: B = sequences, T = packed tokens.
 """
 
@@ -39,6 +43,7 @@ from areno.algo import (
     ppo_clip_loss_T,
     reinforce_pp_advantages_T,
     rloo_advantages_B,
+    statistics_weights_T,
 )
 from areno.errors import ConfigError, check_types
 from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, Reducer, reduce_stats
@@ -83,7 +88,9 @@ class ActorConfig:
     loss_aggregation: str = "token"
     """How token losses are weighted and normalised: one of ``LOSS_AGGREGATIONS``."""
     loss_agg_constant: float = 1024.0
-    """The denominator per sequence of the ``constant`` aggregation (> 0)."""
+    """The denominator per sequence of the ``constant`` aggregation (> 0): Dr. GRPO's L, which the
+    ``dr_grpo`` recipe sets from its ``max_completion_length`` (by default rollout.max_new_tokens). The
+    logged statistics are not divided by it (``algo.aggregation.statistics_weights_T``)."""
     # ---------------------------------------------------------------- regularisers
     kl_coef: float = 0.0
     """Weight (>= 0) of the KL to a frozen reference (needs ``ref_logprobs_T``); 0: none."""
@@ -94,7 +101,9 @@ class ActorConfig:
     entropy_coef: float = 0.0
     """Weight (>= 0) of the entropy bonus; 0: none."""
     temperature: float = 1.0
-    """Sampling temperature the log-probs are computed at (> 0; the rollout's)."""
+    """Sampling temperature the log-probs are computed at (> 0). Set by the run to rollout.temperature
+    for an online recipe (as for its reference and teacher roles); ``train.algorithm_kwargs.temperature``
+    is refused (``specializations.base.RUN_SET_OPTIONS``)."""
     # ---------------------------------------------------------------- off-policy
     use_decoupled_loss: bool = False
     """Decoupled PPO (``policy_loss='ppo'`` only): clip against pi_prox, weight by pi_prox/pi_behav."""
@@ -149,6 +158,11 @@ class ActorConfig:
             self.clip_eps_high is None or self.clip_eps_high > 0,
             "clip_eps_high",
             f"must be > 0 or None, got {self.clip_eps_high}",
+        )
+        check(
+            self.dual_clip_c is None or self.dual_clip_c > 1,
+            "dual_clip_c",
+            f"must be > 1 or None (the lower bound c A on negative advantages), got {self.dual_clip_c}",
         )
         check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
         check(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
@@ -393,6 +407,10 @@ class ActorSpecialization(ModelSpecialization):
             device
         )
         loss = reducer(loss_T, weight_T)
+        if self.config.loss_aggregation == "constant":  # averages, not the loss's sum / (B * L)
+            weight_T = statistics_weights_T(
+                batch.loss_mask_T, batch.cu_seqlens_B1, "constant", constant=self.config.loss_agg_constant
+            ).to(device)
         return loss, reduce_stats(stats, weight_T, reducer, "actor")
 
     def gradient_free_B(self, batch: TokenBatch) -> torch.Tensor | None:

@@ -50,6 +50,13 @@ DENOMINATOR_CARRY_KEY = "denominator_carry_B"
 out (``ModelSpecialization.gradient_free_B``): their share of the global loss denominator, carried by the
 first sequence kept (zeros elsewhere), so the loss and its gradient are the whole batch's."""
 
+RUN_SET_OPTIONS: dict[str, str] = {
+    "temperature": "rollout.temperature (train.eval_temperature for held-out evaluation)",
+}
+"""Role options the run sets itself (option -> the setting that gives it), never ``train.algorithm_kwargs``:
+in an online recipe every role that takes a ``temperature`` (the policy, a reference, a teacher) scores
+the rollout's tokens at the temperature they were sampled at (``areno.engine.api.resolve_recipe``)."""
+
 Metrics = dict[str, torch.Tensor]
 """Metric name -> 0-dim tensor already divided by the global denominator (through the reducer), so
 the backend sums it over micro-batches and ranks to get the step's value."""
@@ -197,6 +204,16 @@ def option_types(cls: type[ModelSpecialization]) -> dict[str, Any]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     params = inspect.signature(cls.__init__).parameters
     return {n: hints[n] for n, p in params.items() if p.kind in kinds and n in hints}
+
+
+def takes_option(cls: type[ModelSpecialization], name: str) -> bool:
+    """Whether a role of specialization ``cls`` takes option ``name`` in its ``init_kwargs``: a field of
+    its ``config_cls``, else a keyword argument of its constructor (by name: a bare ``**kwargs`` does
+    not count)."""
+    if cls.config_cls is not None:
+        return any(f.name == name and f.init for f in dataclasses.fields(cls.config_cls))
+    param = inspect.signature(cls.__init__).parameters.get(name)
+    return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def check_arguments(cls: type[ModelSpecialization], arguments: dict[str, Any]) -> None:

@@ -225,7 +225,7 @@ def _no_rollout_run(cfg) -> list[dict]:
 def _as_if_written_with_a_rollout_side(step_dir: Path) -> None:
     """Give a checkpoint the rollout sampler's state that runs stored before they built no rollout side."""
     for state_file in step_dir.glob("*/trainer_state.pt"):
-        state = torch.load(state_file, weights_only=False)
+        state = torch.load(state_file, weights_only=True)
         state["extra"]["rollout_rng"] = torch.Generator().get_state()
         torch.save(state, state_file)
     checkpoint.write_manifest(step_dir)
@@ -245,7 +245,7 @@ def test_a_preference_run_builds_no_rollout_side_and_resumes_from_its_checkpoint
     _no_rollout_run(config("part", 2))
     _no_rollout_run(config("part", 3, "resume=true"))  # from step 2's checkpoint, as this run wrote it
     step_3 = tmp_path / "part" / "checkpoints" / "step_00000003"
-    assert "rollout_rng" not in torch.load(step_3 / role / "trainer_state.pt", weights_only=False)["extra"]
+    assert "rollout_rng" not in torch.load(step_3 / role / "trainer_state.pt", weights_only=True)["extra"]
     _as_if_written_with_a_rollout_side(step_3)
     resumed = _no_rollout_run(config("part", 4, "resume=true"))
 

@@ -214,7 +214,7 @@ def test_a_user_workflow_with_one_sample_per_prompt_is_warned_not_refused(tmp_pa
     "extra",
     [
         ["train.algorithm=grpo_async", "rollout.max_head_offpolicyness=2"],  # decoupled PPO corrects it
-        ["train.algorithm=grpo_recompute", "rollout.max_head_offpolicyness=2"],  # chosen for stale data
+        ["train.algorithm=cispo", "rollout.max_head_offpolicyness=2"],  # its weight is truncated IS (walk6)
         ["rollout.max_head_offpolicyness=0"],  # fresh rollouts
     ],
 )
