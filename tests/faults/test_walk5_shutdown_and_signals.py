@@ -162,6 +162,9 @@ def test_sighup_saves_the_step_like_sigterm_and_sigusr1_dumps_stacks_without_sto
             [sys.executable, "-m", "areno", *train_args(tmp_path, "train.steps=500", "data.num_eval=0")],
             stdout=subprocess.DEVNULL,
             stderr=f,
+            # a run started under nohup (SIGHUP ignored) keeps it ignored, as it should: this test's run
+            # must see SIGHUP as an ssh disconnect sends it, whoever started pytest
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
         )
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
