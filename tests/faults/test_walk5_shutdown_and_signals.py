@@ -118,6 +118,7 @@ def _wait_for(proc: subprocess.Popen, err: Path, pattern: str, timeout_s: float 
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # a multi-process run of 10-30 s
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_second_signal_stops_at_once_though_a_worker_is_stopped(tmp_path, second):
     proc, err = _start_partitioned(tmp_path)

@@ -102,6 +102,7 @@ def _specs() -> list[RoleSpec]:
     ]
 
 
+@pytest.mark.slow  # a multi-process run of 10-30 s
 def test_a_pending_job_is_waited_for_and_the_connect_timeout_counts_from_its_start(slurm, tmp_path, caplog):
     (slurm / "start_after").write_text("8")  # queued longer than the connect timeout
     with SlurmScheduler(_cfg(tmp_path, connect_timeout_s=5.0), python=sys.executable) as sched:

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.configs import train_args
 
 PARTITIONED = (
@@ -47,6 +49,7 @@ def _wait(predicate, proc: subprocess.Popen, what: str, timeout_s: float = 120) 
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # a multi-process run of 10-30 s
 def test_a_stopped_rollout_worker_is_declared_lost_and_the_trained_steps_are_saved(tmp_path):
     run = tmp_path / "run"
     err_path = tmp_path / "stderr.txt"
