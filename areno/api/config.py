@@ -286,3 +286,13 @@ def to_yaml(config: ArenoConfig) -> str:
 def to_dict(config: ArenoConfig) -> dict[str, Any]:
     """The resolved config as nested plain dicts and lists (what ``to_yaml`` writes)."""
     return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]
+
+
+def flat_settings(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"train.steps": 4, ...}`` of ``to_dict``'s nested dicts (lists and scalars are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat_settings(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out

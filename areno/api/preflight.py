@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from areno.api.config import absolute_setting, to_dict
+from areno.api.config import absolute_setting, flat_settings, to_dict
 from areno.api.rundir import check_fresh
 from areno.data.datasets import check_prompt_forms, check_splits
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
@@ -153,8 +153,10 @@ def check_resumed_config(config: ArenoConfig) -> None:
     if not resumes(config) or not saved.is_file():
         return
     # a config.yaml written before paths were made absolute: its relative paths read from here
-    before = {k: absolute_setting(k, v) for k, v in _flat(OmegaConf.to_container(OmegaConf.load(saved))).items()}
-    now = _flat(to_dict(config))
+    before = {
+        k: absolute_setting(k, v) for k, v in flat_settings(OmegaConf.to_container(OmegaConf.load(saved))).items()
+    }
+    now = flat_settings(to_dict(config))
     keys = sorted((set(before) | set(now)) - {"resume", "overwrite"})  # how this run starts, not what it is
     changed = [k for k in keys if before.get(k) != now.get(k)]
     fixed = [k for k in changed if any(k == p or k.startswith(p + ".") for p in RUN_IDENTITY)]
@@ -167,16 +169,6 @@ def check_resumed_config(config: ArenoConfig) -> None:
     if changed:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
         logger.warning("resume: settings changed since the run was saved: %s", shown)
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a.b": value}`` of nested dicts (lists and scalars are leaves)."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
 
 
 def reward_row(config: ArenoConfig, splits: tuple[list[dict], list[dict]] | None) -> tuple[dict, str, str]:

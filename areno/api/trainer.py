@@ -40,7 +40,7 @@ import torch
 import yaml
 
 from areno.api.backend.base import Backend, RolloutBatch, resolve_backend
-from areno.api.config import ArenoConfig, checked_config, to_dict, to_yaml
+from areno.api.config import ArenoConfig, checked_config, flat_settings, to_dict, to_yaml
 from areno.api.preflight import check_resumed_config, check_run
 from areno.api.rundir import RunDirLock, clear_run, set_aside_untrained
 from areno.engine.api import check_init_tiny_target
@@ -149,7 +149,7 @@ class Trainer:
                     flush=True,
                 )
             raise
-        self._built_with = _flat(to_dict(config))  # what the engine was built from (_check_runnable)
+        self._built_with = flat_settings(to_dict(config))  # what the engine was built from (_check_runnable)
         self._written = self._built_with  # what run_dir/config.yaml says
         Trainer._live[self.run_dir.resolve()] = self
 
@@ -271,7 +271,7 @@ class Trainer:
             )
         config = self.config
         config.validate()
-        now = _flat(to_dict(config))
+        now = flat_settings(to_dict(config))
         for key in sorted(set(now) | set(self._built_with)):
             if key not in CHANGEABLE_BETWEEN_RUNS and now.get(key) != self._built_with.get(key):
                 raise ConfigError(
@@ -652,16 +652,6 @@ def wandb_config(config: ArenoConfig) -> WandbConfig | None:
         tags=tuple(observe.wandb_tags),
         config=to_dict(config),
     )
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"train.steps": 4, ...}`` of ``to_dict``'s nested dicts (lists and scalars are leaves)."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
 
 
 def _settings(config_yaml: str) -> dict[str, Any]:
