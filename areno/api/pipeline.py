@@ -192,7 +192,7 @@ def _run_stages(config: ArenoConfig) -> dict[str, float]:
         config = _stage(config, model={"path": str(run_warm_start(config, resuming=resumes(config)))})
     trainer = Trainer.init(config, warm_start_by_caller=True)
     try:
-        before = trainer.evaluate_now() if trainer.start_rollout_id == 0 else {}
+        before = trainer.evaluate_now() if trainer.start_rollout_id == 0 else _evaluation_at_start(config.run_dir)
         after = trainer.run()
     finally:
         trainer.shutdown()
@@ -209,6 +209,12 @@ def _run_stages(config: ArenoConfig) -> dict[str, float]:
         )
     )
     return summary
+
+
+def _evaluation_at_start(run_dir: str) -> dict[str, float]:
+    """The held-out evaluation a resumed run logged before its first step (step 0), or {} if none."""
+    rows = [r for r in read_metrics(Path(run_dir)) if r.get("step") == 0 and "eval/accuracy" in r]
+    return rows[0] if rows else {}
 
 
 def plot_curve(run_dir: Path) -> Path | None:
