@@ -161,7 +161,7 @@ class Trainer:
         try:
             backend.shutdown()
         except Exception as exc:  # noqa: BLE001 - half built: what it started is stopped as far as it goes
-            logger.debug("shutting down a backend that did not start: %s", exc)
+            logger.warning("shutting down a backend whose start-up failed: %s", exc)
 
     @classmethod
     def init(cls, config: ArenoConfig, *, stage: str | None = None, warm_start_by_caller: bool = False) -> Trainer:
@@ -552,13 +552,10 @@ def dump_stacks_on_usr1() -> None:
         return
     if signal.getsignal(usr1) not in (signal.SIG_DFL, _forward_usr1):
         return
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a captured stderr (pytest, a notebook): the process's own
-        fd = 2
     signal.signal(usr1, _forward_usr1)  # runs in the main thread once it runs Python again
-    # the controller's own stacks at once, whatever its main thread is blocked in; then the handler above
-    faulthandler.register(usr1, file=fd, all_threads=True, chain=True)
+    # the controller's own stacks at once, whatever its main thread is blocked in; then the handler above.
+    # fd 2 itself: sys.stderr's fd may be a capture file (pytest, a notebook) closed and reused later
+    faulthandler.register(usr1, file=2, all_threads=True, chain=True)
 
 
 def _forward_usr1(signum: int, frame: Any) -> None:

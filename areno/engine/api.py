@@ -292,8 +292,9 @@ def resolve_recipe(config: ArenoConfig):
     for key, setting in RUN_SET_OPTIONS.items():
         if key in policy_kwargs and key not in options:  # a factory's own option of that name is its own
             raise ConfigError(
-                f"train.algorithm_kwargs.{key}: set by the run, not the recipe: every role scores the rollout's "
-                f"tokens at the temperature they were sampled at: set {setting} instead"
+                f"train.algorithm_kwargs.{key}: set by the run, not the recipe: an online recipe's roles score the "
+                f"rollout's tokens at the temperature they were sampled at ({setting}), an offline recipe's at 1: "
+                "drop it"
             )
     recipe = get_recipe(name, policy_kwargs=policy_kwargs)
     if not recipe.online:
@@ -609,6 +610,10 @@ class ArenoEngine:
         self._reward_failed_batches = 0
         self._heap = HeapFreezer(config.cluster.gc_freeze)  # frozen after the first step's sync
         self._unpublished = False  # a step trained whose policy update_weights has not published yet
+        # set by initialize(); None until then, so a shutdown after a failed start stops what did start
+        self.executor = None
+        self.workflow = None
+        self.reward_fn = None
 
     # ----------------------------------------------------------------------------- set-up
     def initialize(self) -> None:
@@ -1012,14 +1017,24 @@ class ArenoEngine:
             self.tokenizer.save_pretrained(path)
 
     def shutdown(self) -> None:
+        """Stop what started, each part even when an earlier one fails to stop (a failed start-up
+        leaves some unstarted); the first failure is raised after all were tried."""
+        steps = []
         if self.executor is not None:
-            self.executor.stop()
-            self.workflow.close()
+            steps.append(self.executor.stop)
+        if self.workflow is not None:
+            steps.append(self.workflow.close)
         if self.rollout is not None:
-            self.rollout.shutdown()
-        self.training.shutdown()
-        self.close_reward()
-        self._heap.thaw()
+            steps.append(self.rollout.shutdown)
+        steps += [self.training.shutdown, self.close_reward, self._heap.thaw]
+        failure: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - the others still stop; the first is raised below
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def close_reward(self) -> None:
         """Stop this run's reward sandbox workers (a later run starts a fresh pool)."""

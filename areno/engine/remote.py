@@ -256,6 +256,9 @@ class RemoteRolloutSide(RolloutSide):
 
     def shutdown(self) -> None:
         self._stop_watch.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            # a stall check under way must not kill workers mid-shutdown
+            self._watcher.join(timeout=10)
         if self.health is not None:
             self.health.stop()
         self.cluster.stop("rollout")

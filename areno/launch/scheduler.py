@@ -818,9 +818,12 @@ class LocalScheduler(_RpcScheduler):
             except subprocess.TimeoutExpired:  # not reaped yet: its pid still names its group
                 _signal_group(proc, signal.SIGKILL)
         for proc in procs:
-            proc.wait()
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:  # in an uninterruptible wait (a driver call, NFS): left, named
+                logger.warning("worker process %d did not end %g s after SIGKILL; leaving it", proc.pid, STOP_GRACE_S)
         for w in workers:
-            if w.proc is not None:
+            if w.proc is not None and w.proc.poll() is not None:
                 _LIVE_PROCS.pop(w.proc.pid, None)
 
     def _kill_process(self, w: _RpcWorker) -> None:
