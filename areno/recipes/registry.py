@@ -485,6 +485,9 @@ def _placeholders(name: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------ what each option means
+_DPO_BETA = "DPO's beta (> 0): the strength of the implicit KL to the reference."
+"""dpo's and dpo_distributed's factory option and DPOSpecialization's, one meaning."""
+
 OPTION_DOCS: dict[tuple[str, str], str] = {
     # factory options of the built-in recipes ("*": any recipe)
     ("*", "kl_coef"): "Weight (>= 0) of the KL to a frozen reference, the initial policy; > 0 adds the reference "
@@ -503,10 +506,10 @@ OPTION_DOCS: dict[tuple[str, str], str] = {
     "(a reward_model run's checkpoints/step_N/hf).",
     ("aggrevate", "value_head_path"): "q_source=value_head: an areno critic checkpoint (a PPO run's "
     "checkpoints/step_N/value).",
-    ("dpo", "beta"): "DPO's beta (> 0): the strength of the implicit KL to the reference.",
-    ("dpo_distributed", "beta"): "DPO's beta (> 0): the strength of the implicit KL to the reference.",
+    ("dpo", "beta"): _DPO_BETA,
+    ("dpo_distributed", "beta"): _DPO_BETA,
     # constructor options of specializations without a config_cls
-    ("DPOSpecialization", "beta"): "DPO's beta (> 0): the strength of the implicit KL to the reference.",
+    ("DPOSpecialization", "beta"): _DPO_BETA,
     ("DPOSpecialization", "label_smoothing"): "cDPO: the assumed share of flipped preference labels, in [0, 0.5); "
     "0: plain DPO.",
     ("DPOSpecialization", "ref_key"): "The batch tensor of reference log-probs: ref_logprobs_T (the reference "

@@ -24,21 +24,14 @@ from areno.launch import scheduler as scheduler_module
 from areno.launch.scheduler import LocalScheduler, RoleSpec
 from areno.launch.watchdog import descendants
 from tests.helpers.configs import tiny_run_overrides, train_args
+from tests.helpers.launch_workers import alive
 
 WORKER = "tests.helpers.launch_workers:GradWorker"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _gone(pids, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in pids):
+    while any(alive(p) for p in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -150,7 +143,7 @@ def test_a_second_signal_stops_at_once_though_a_worker_is_stopped(tmp_path, seco
     assert f"areno: stopped at once by a second {second.name}" in text, text[-3000:]
     assert proc.returncode == (130 if second == signal.SIGINT else -signal.SIGTERM), text[-3000:]
     assert took < 30, took
-    assert _gone(pids, 5), [p for p in pids if _alive(p)]
+    assert _gone(pids, 5), [p for p in pids if alive(p)]
     if second == signal.SIGINT:
         worker_log = (tmp_path / "run" / "workers" / "train-0.log").read_text()
         assert "most recent call first" in worker_log  # the SIGUSR1 the driver passed on

@@ -110,3 +110,12 @@ def runtime_info() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "env": {k: v for k, v in os.environ.items() if any(w in k for w in keys)},
     }
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs here; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.configs import train_args
+from tests.helpers.launch_workers import alive
 
 PARTITIONED = (
     "cluster.allocation_mode=areno:d1+fsdp:d1",
@@ -27,14 +28,6 @@ PARTITIONED = (
     "data.num_eval=0",
     "train.save_interval=0",
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _steps(metrics: Path) -> list[int]:
@@ -95,7 +88,7 @@ def test_a_stopped_rollout_worker_is_declared_lost_and_the_trained_steps_are_sav
     assert (run / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file()
     assert "emergency checkpoint of step" in text  # marked as such in the log
     assert _steps(metrics)[-1] == step  # the step it saved is logged, once
-    assert not any(_alive(pid) for pid, _ in workers.values())  # the stopped worker too
+    assert not any(alive(pid) for pid, _ in workers.values())  # the stopped worker too
     header = (run / "workers" / "rollout-0.log").read_text().splitlines()
     assert header[0].startswith(f"==== areno worker rollout[0] rank 1 of 2, pid {rollout_pid} on ")
     assert f"run_dir {run} ====" in header[0] and header[1].startswith("==== command: ")
