@@ -58,7 +58,8 @@ def run_tree(tree: Path, overrides: list[str], log: Path) -> dict:
         proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tree)
     wall_s = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"areno train ({tree}) exited {proc.returncode}; its output: {log}")
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"areno train ({tree}) exited {proc.returncode}; the end of its output ({log}):\n{tail}")
     rows = read_metrics(run_dir)
     steps = [r for r in rows if "timing/train_s" in r]
     peaks = [r["system/peak_memory_gib"] for r in rows if "system/peak_memory_gib" in r]

@@ -63,7 +63,8 @@ def _checkpointed(forward):
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    return list(model.model.layers)
+    """The decoder layers of ``model``, or of the decoder inside a wrapper (a value or score head)."""
+    return list(_decoder(model, "per-layer checkpointing, compile and FSDP").model.layers)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = True) -> None:
@@ -106,15 +107,13 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layer.forward = _checkpointed(layer.forward)
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def _decoder(model: nn.Module, needs: str) -> nn.Module:
     """The module that owns ``forward_layers`` (the model itself, or the decoder inside a wrapper
     such as a value head or LoRA)."""
     for module in model.modules():
         if callable(getattr(type(module), "forward_layers", None)):
             return module
-    raise ValueError(
-        f"compile_scope='model' needs an areno Decoder inside {type(model).__name__}; use compile_scope='layers'"
-    )
+    raise ValueError(f"{needs} needs an areno Decoder inside {type(model).__name__}")
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "layers") -> None:
@@ -129,7 +128,7 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", scope: str = "
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {scope!r}")
     if scope == "model":
-        decoder = _decoder(model)
+        decoder = _decoder(model, "compile_scope='model'")
         # an instance attribute shadows the method: Decoder.forward calls the compiled stack
         decoder.forward_layers = torch.compile(decoder.forward_layers, dynamic=None, backend=backend)
         return
