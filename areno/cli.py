@@ -246,7 +246,11 @@ def _positive_int(text: str) -> int:
 
 
 DELEGATED = {
-    "recipes": ("areno.recipes", "list the registered recipes (NAME: its formula, roles and syncs)"),
+    "recipes": (
+        "areno.recipes",
+        "list the registered recipes: online or offline, stale-rollout handling, extra roles (NAME: its formula, "
+        "roles and syncs)",
+    ),
     "launch": (
         "areno.cli:launch_main",
         "check an allocation_mode string or shared storage paths; print a SLURM run's sbatch script",

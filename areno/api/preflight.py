@@ -52,6 +52,7 @@ from areno.models.config import ModelConfig
 from areno.models.hf_io import check_tiny_arguments, open_safetensors, read_config, safetensors_files, tiny_config
 from areno.recipes import TRAINING_CONFIGS, TrainingConfig
 from areno.recipes.registry import worker_name_problem
+from areno.recipes.traits import stale_teacher_warning
 from areno.rewards.loader import check_reward_signature, reward_function, takes_answer, wants_sandbox
 from areno.specializations import (
     ActorSpecialization,
@@ -435,8 +436,9 @@ def check_recipe_rollout(config: ArenoConfig, recipe: TrainingConfig) -> None:
     which may build its groups otherwise). Said once at start, as warnings (each a legitimate choice, but
     easily mistaken): stale rollouts for a PPO-family loss that does not correct for them
     (``stale_rollout_warning``), a recipe made for stale rollouts run synchronously
-    (``synchronous_decoupled_warning``), and a mixed DAgger/OPD loss whose workflow executes no teacher
-    token (``mixed_loss_warning``)."""
+    (``synchronous_decoupled_warning``), a mixed DAgger/OPD loss whose workflow executes no teacher
+    token (``mixed_loss_warning``), and stale rollouts scored by a frozen teacher for a loss without an
+    importance correction (``stale_teacher_warning``)."""
     try:
         recipe.check_n_samples(config.rollout.n_samples)
     except ConfigError as exc:
@@ -449,6 +451,7 @@ def check_recipe_rollout(config: ArenoConfig, recipe: TrainingConfig) -> None:
         ("stale", stale_rollout_warning),
         ("synchronous", synchronous_decoupled_warning),
         ("mixed", mixed_loss_warning),
+        ("teacher", lambda c, r: stale_teacher_warning(r, c.rollout.max_head_offpolicyness)),
     ):
         key = (what, config.run_dir, recipe.name)
         if key in _SAID_ONCE:

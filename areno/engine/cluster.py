@@ -81,50 +81,71 @@ class ClusterLayout:
     """True: devices are GPUs (overlap shares memory); False: CPU processes under gloo."""
     device_ids: tuple[str, ...] = ()
     """Physical id of each logical device (the parent's CUDA_VISIBLE_DEVICES), for reporting."""
+    allocation_mode: str | None = None
+    """The ``cluster.allocation_mode`` string the lists and sizes were laid out from, which an error
+    names; None: ``cluster.train_devices`` / ``rollout_devices`` and ``cluster.train_tp`` /
+    ``rollout_tp`` gave them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "train_devices", tuple(int(d) for d in self.train_devices))
         object.__setattr__(self, "rollout_devices", tuple(int(d) for d in self.rollout_devices))
         object.__setattr__(self, "device_ids", tuple(str(d) for d in self.device_ids))
         for what, devs in (("train_devices", self.train_devices), ("rollout_devices", self.rollout_devices)):
+            given = f"cluster.{what}={list(devs)}"
             if not devs:
-                raise LayoutError(f"cluster.{what} is empty: give at least one logical device index")
+                raise LayoutError(f"{given} is empty: give at least one logical device index (e.g. cluster.{what}=[0])")
             if any(d < 0 for d in devs):
-                raise LayoutError(f"cluster.{what} {list(devs)} has a negative index; use indices >= 0")
+                raise LayoutError(f"{given} has a negative index: use logical device indices >= 0")
             if len(set(devs)) != len(devs):
-                raise LayoutError(f"cluster.{what} {list(devs)} repeats a device; one worker per device")
+                raise LayoutError(f"{given} repeats a device: one worker per device, so name each device once")
             if self.device_ids and max(devs) >= len(self.device_ids):
                 raise LayoutError(
-                    f"cluster.{what} {list(devs)} names device {max(devs)} but only "
-                    f"{len(self.device_ids)} are visible (CUDA_VISIBLE_DEVICES); use smaller indices"
+                    f"{self._source(what)} names device {max(devs)} but only {len(self.device_ids)} are visible "
+                    f"(CUDA_VISIBLE_DEVICES={','.join(self.device_ids)}): use indices below {len(self.device_ids)}"
                 )
-        n_train = len(self.train_devices)
-        if self.train_tp < 1 or self.train_dp_replicate < 1 or n_train % (self.train_tp * self.train_dp_replicate):
-            raise LayoutError(
-                f"{n_train} training devices cannot form train TP {self.train_tp} x replicate "
-                f"{self.train_dp_replicate}; make the device count a multiple of their product"
+        n_train, tp, rep = len(self.train_devices), self.train_tp, self.train_dp_replicate
+        if tp < 1 or rep < 1 or n_train % (tp * rep):
+            fix = (
+                f"make the fsdp component's d a multiple of {rep}, or set cluster.train_dp_replicate to a divisor of it"
+                if self.allocation_mode
+                else f"give cluster.train_devices a multiple of {tp * rep} devices, or change cluster.train_tp / "
+                "cluster.train_dp_replicate"
             )
-        if self.train_ep > 1 and self.train_dp_replicate > 1:
             raise LayoutError(
-                f"training expert parallelism e{self.train_ep} with cluster.train_dp_replicate="
-                f"{self.train_dp_replicate}: the experts shard over the whole FSDP group; leave train_dp_replicate at 1"
+                f"{self._source('train_devices')}: {n_train} training devices cannot form train TP {tp} x "
+                f"replicate {rep} (cluster.train_dp_replicate={rep}): {fix}"
             )
-        if self.train_ep > 1 and (self.train_dp_shard % self.train_ep or self.train_tp > 1):
+        if self.train_ep > 1 and rep > 1:
             raise LayoutError(
-                f"training expert parallelism e{self.train_ep} must divide the FSDP shard size (got "
-                f"{self.train_dp_shard}) with t1 (got t{self.train_tp}): the experts are split over groups of "
-                f"e shard ranks; use e.g. d{2 * self.train_ep}e{self.train_ep}"
+                f"{self._source('train_devices')}: training expert parallelism e{self.train_ep} with "
+                f"cluster.train_dp_replicate={rep}: the experts shard over the whole FSDP group; set "
+                "cluster.train_dp_replicate=1"
             )
-        if self.train_cp > 1 and (self.train_dp_shard % self.train_cp or self.train_tp > 1 or self.train_ep > 1):
+        if self.train_ep > 1 and (self.train_dp_shard % self.train_ep or tp > 1):
             raise LayoutError(
-                f"training context parallelism c{self.train_cp} must divide the FSDP shard size "
-                f"{self.train_dp_shard} with t1 and e1: use e.g. d{2 * self.train_cp}c{self.train_cp}"
+                f"{self._source('train_devices')}: training expert parallelism e{self.train_ep} must divide the FSDP "
+                f"shard size (got {self.train_dp_shard}) with t1 (got t{tp}): the experts are split over groups of "
+                f"e shard ranks; use e.g. fsdp:d{2 * self.train_ep}e{self.train_ep}"
+            )
+        if self.train_cp > 1 and (self.train_dp_shard % self.train_cp or tp > 1 or self.train_ep > 1):
+            raise LayoutError(
+                f"{self._source('train_devices')}: training context parallelism c{self.train_cp} must divide the "
+                f"FSDP shard size {self.train_dp_shard} with t1 and e1: use e.g. fsdp:d{2 * self.train_cp}c"
+                f"{self.train_cp}"
             )
         if self.rollout_tp < 1 or len(self.rollout_devices) % self.rollout_tp:
             raise LayoutError(
-                f"{len(self.rollout_devices)} rollout devices cannot form rollout TP "
-                f"{self.rollout_tp} replicas; make the count a multiple of rollout TP"
+                f"{self._source('rollout_devices')}: {len(self.rollout_devices)} rollout devices cannot form "
+                f"replicas of rollout TP {self.rollout_tp} (cluster.rollout_tp={self.rollout_tp}): give "
+                f"cluster.rollout_devices a multiple of {self.rollout_tp} devices, or change cluster.rollout_tp"
             )
+
+    def _source(self, what: str) -> str:
+        """The setting an error about device list ``what`` (``train_devices`` / ``rollout_devices``)
+        names: the allocation string the list came from, else the list's own key."""
+        if self.allocation_mode:
+            return f"cluster.allocation_mode={self.allocation_mode!r}"
+        return f"cluster.{what}={list(getattr(self, what))}"
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -207,8 +228,21 @@ class ClusterLayout:
                 [self.device_of(r) for r in self.sender_ranks], [self.device_of(r) for r in self.rollout_ranks]
             )
         except ValueError as e:
-            raise LayoutError(f"policy sync cannot route: {e}") from None
+            fix = (
+                "give rollout a '+' group of its own (e.g. 'areno:d1+fsdp:d1')"
+                if self.allocation_mode
+                else "list a device in cluster.rollout_devices that cluster.train_devices does not"
+            )
+            raise LayoutError(f"{self._places()}: policy sync cannot route: {e}; here: {fix}") from None
         return [self.rollout_ranks[j] for j in idx]
+
+    def _places(self) -> str:
+        """The settings that placed the workers, as an error names them."""
+        if self.allocation_mode:
+            return f"cluster.allocation_mode={self.allocation_mode!r}"
+        return (
+            f"cluster.train_devices={list(self.train_devices)} / cluster.rollout_devices={list(self.rollout_devices)}"
+        )
 
     def stream_topology(self) -> StreamTopology:
         return StreamTopology(
@@ -242,33 +276,52 @@ def layout_from_config(
     mode, train, rollout = cluster.allocation_mode, cluster.train_devices, cluster.rollout_devices
     train_tp, rollout_tp = cluster.train_tp, cluster.rollout_tp
     train_ep = train_cp = 1  # expert and context parallelism come only with an allocation string (e, c)
+    given = f"cluster.allocation_mode={mode!r}"
     if mode and "+" in mode:
         if train is not None or rollout is not None:
-            raise LayoutError("set either cluster.allocation_mode or cluster.train_devices/rollout_devices, not both")
-        if (train_tp, rollout_tp) != (1, 1):
             raise LayoutError(
-                f"allocation_mode {mode!r} gives the TP sizes (e.g. areno:d1t2+fsdp:d1t2): "
-                "leave cluster.train_tp/rollout_tp at 1"
+                f"{given} and cluster.train_devices/rollout_devices both place the workers: set one, not both (drop "
+                "cluster.train_devices and cluster.rollout_devices: the string gives the device lists)"
+            )
+        if (train_tp, rollout_tp) != (1, 1):
+            sizes = " and ".join(
+                f"cluster.{k}={v}" for k, v in (("train_tp", train_tp), ("rollout_tp", rollout_tp)) if v != 1
+            )
+            raise LayoutError(
+                f"{given} sets the TP sizes by each component's t (e.g. 'areno:d1t2+fsdp:d1t2'): drop {sizes} "
+                "and write the size into the string"
             )
         alloc = parse_allocation_mode(mode)
+        if cuda and alloc.world_size > num_devices:
+            raise LayoutError(
+                f"{given} needs {alloc.world_size} devices but only {num_devices} are available "
+                "(CUDA_VISIBLE_DEVICES): shrink its d/t counts, or make more devices visible"
+            )
         train, rollout = alloc.train_rollout_devices(num_devices if cuda else alloc.world_size)
         trains = [c for c in alloc.components if c.kind == "train"]
         ro = alloc.component("rollout")
         train_tp, rollout_tp, train_ep, train_cp = trains[0].tp, ro.tp, trains[0].ep, trains[0].cp
         for c in trains[1:]:
             if c.tp != train_tp:
-                raise LayoutError(f"allocation_mode {mode!r}: train components differ in TP; use one TP size")
+                raise LayoutError(
+                    f"{given}: the train components differ in TP (t{train_tp} and t{c.tp}): give every train "
+                    "component the same t"
+                )
     elif train is None and rollout is None:
         return None
     elif train is None or rollout is None:
-        raise LayoutError(
-            "cluster.train_devices and cluster.rollout_devices go together: set both "
-            "(or cluster.allocation_mode with a '+')"
+        have, missing = (
+            ("train_devices", "rollout_devices") if rollout is None else ("rollout_devices", "train_devices")
         )
-    if num_devices and max([*train, *rollout]) >= num_devices:
         raise LayoutError(
-            f"cluster device lists {list(train)} / {list(rollout)} name device "
-            f"{max([*train, *rollout])} but only {num_devices} are visible; use smaller indices"
+            f"cluster.{have}={list(train if rollout is None else rollout)} without cluster.{missing}: the two lists go "
+            f"together, set cluster.{missing} too (or a '+' cluster.allocation_mode instead of both)"
+        )
+    elif num_devices and max([*train, *rollout]) >= num_devices:  # an allocation string's lists fit (above)
+        raise LayoutError(
+            f"cluster.train_devices={list(train)} / cluster.rollout_devices={list(rollout)} name device "
+            f"{max([*train, *rollout])} but only {num_devices} are visible: use logical indices below {num_devices} "
+            "(positions in CUDA_VISIBLE_DEVICES), or make more devices visible"
         )
     return ClusterLayout(
         train_devices=tuple(train),
@@ -280,6 +333,7 @@ def layout_from_config(
         rollout_tp=rollout_tp,
         cuda=cuda,
         device_ids=device_ids,
+        allocation_mode=mode if mode and "+" in mode else None,
     )
 
 
@@ -292,10 +346,14 @@ def scheduler_for(cluster: Any, layout: ClusterLayout, *, log_dir: str) -> Any:
     options = {"log_dir": log_dir, **dict(cluster.scheduler_options or {})}
     cfg = scheduler_config(cluster.scheduler, options)
     if cfg.type != "local" and layout.overlapping:
+        disjoint = (
+            "a '+' between rollout and training in cluster.allocation_mode"
+            if layout.allocation_mode
+            else "disjoint cluster.train_devices and cluster.rollout_devices"
+        )
         raise LayoutError(
-            f"cluster.scheduler={cfg.type} gives each worker GPUs of its own, but train and rollout "
-            f"share devices {list(layout.overlapping)}: use disjoint device lists or "
-            "cluster.scheduler=local"
+            f"cluster.scheduler={cfg.type} gives each worker GPUs of its own, but train and rollout share devices "
+            f"{list(layout.overlapping)} ({layout._places()}): use {disjoint}, or cluster.scheduler=local"
         )
     return scheduler_from_config(cfg)
 
@@ -369,8 +427,9 @@ def validate_memory(layout: ClusterLayout, estimate: MemoryEstimate, capacity: d
             parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in estimate.per_device[d].items())
             shared = " (shared by a training and a rollout worker)" if d in layout.overlapping else ""
             raise LayoutError(
-                f"device {d}{shared} needs ~{need / GIB:.2f} GiB ({parts} GiB) but has {cap / GIB:.2f} GiB; "
-                f"use separate train/rollout devices, more training devices, or fewer KV blocks"
+                f"device {d}{shared} needs ~{need / GIB:.2f} GiB ({parts} GiB) but has {cap / GIB:.2f} GiB "
+                f"({layout._places()}): give train and rollout devices of their own or more training devices "
+                "there, or lower rollout.kv_blocks (or rollout.max_concurrent)"
             )
 
 

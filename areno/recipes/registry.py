@@ -29,6 +29,7 @@ from areno.recipes.config import (
     specialization_options,
     unknown_option,
 )
+from areno.recipes.traits import STALE_LABELS, RecipeTraits, recipe_traits
 from areno.rewards.loader import USER_FILE_MODULE, import_module
 from areno.specializations import ActorConfig, ActorSpecialization, MixedLossDaggerOPDSpecialization
 from areno.specializations.base import RUN_SET_OPTIONS, option_types
@@ -614,11 +615,72 @@ def list_recipes() -> list[tuple[str, str]]:
     return [(name, describe(name)) for name in sorted(TRAINING_CONFIGS)]
 
 
+def traits_of(name: str) -> RecipeTraits | None:
+    """The kind of run recipe ``name`` is at its default options (``recipe_traits``); None for a user's
+    factory that cannot be built without options of its own."""
+    try:
+        return recipe_traits(_example(name))
+    except (ConfigError, TypeError, ValueError):
+        return None
+
+
+LISTING_WIDTH = 100
+"""Columns of the ``areno recipes`` listing: each line fits this terminal width."""
+
+_LEGEND = (
+    "RUN: online trains on rollouts the rollout engine samples from the policy; offline on dataset rows.",
+    "EXTRA ROLES: the roles beside the trained policy at the recipe's default options (an option such as "
+    "kl_coef may add one); `areno recipes NAME` shows its roles and syncs.",
+    "STALE: the policy's loss on rollouts of older policies (rollout.max_head_offpolicyness > 0):",
+)
+
+
+def listing(width: int = LISTING_WIDTH) -> list[str]:
+    """The lines of ``areno recipes``: a row per recipe (name, RUN, STALE, EXTRA ROLES), its description
+    indented beneath, then a legend of the columns; no line longer than ``width`` (a long role list or
+    description wraps)."""
+    rows = []
+    for name, desc in list_recipes():
+        traits = traits_of(name)
+        if traits is None:
+            rows.append((name, "?", "?", "?", desc))
+        else:
+            run = "online" if traits.online else "offline"
+            rows.append((name, run, traits.stale, ", ".join(traits.extra_roles) or "-", desc))
+    heads = ("NAME", "RUN", "STALE")
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
+    indent = sum(w + 2 for w in widths)
+
+    def columns(values: tuple[str, ...], roles: str) -> list[str]:
+        first = "".join(f"{v:<{w}}  " for v, w in zip(values, widths))
+        return textwrap.wrap(
+            roles, width=width, initial_indent=first, subsequent_indent=" " * indent, break_on_hyphens=False
+        ) or [first.rstrip()]
+
+    lines = columns(heads, "EXTRA ROLES")
+    for name, run, stale, roles, desc in rows:
+        lines += columns((name, run, stale), roles)
+        lines += textwrap.wrap(desc, width=width, initial_indent="  ", subsequent_indent="  ")
+    lines.append("")
+    for text in _LEGEND:
+        lines += textwrap.wrap(text, width=width, subsequent_indent="  ")
+    pad = max(len(label) for label in STALE_LABELS) + 2
+    for label, meaning in STALE_LABELS.items():
+        lines += textwrap.wrap(
+            meaning, width=width, initial_indent=f"  {label:<{pad}}", subsequent_indent=" " * (pad + 2)
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """``areno recipes [--modules M[,M...]] [NAME]``: list the recipes, or print one recipe's formula and roles."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="areno recipes", description="List the registered recipes.")
+    parser = argparse.ArgumentParser(
+        prog="areno recipes",
+        description="List the registered recipes: whether each runs online (on rollouts) or offline (on dataset "
+        "rows), what its loss does with stale rollouts, and the roles it builds beside the policy.",
+    )
     parser.add_argument("name", nargs="?", help="print this recipe's formula, roles and syncs (or module:name)")
     # one value per flag (repeat it, or separate modules by commas): nargs="+" would take NAME for a module
     parser.add_argument(
@@ -635,10 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.name is not None:
         args.name = resolve_name(args.name)
     if args.name is None:
-        rows = list_recipes()
-        width = max(len(n) for n, _ in rows)
-        for name, desc in rows:
-            print(f"{name:<{width}}  {desc}")
+        print("\n".join(listing()))
         return 0
     if args.name not in TRAINING_CONFIGS:
         raise _unknown(args.name)

@@ -131,8 +131,8 @@ def test_shared_gpus_need_the_local_scheduler(tmp_path, scheduler):
     with pytest.raises(
         LayoutError,
         match=rf"^cluster.scheduler={scheduler} gives each worker GPUs of its own, but "
-        r"train and rollout share devices \[0\]: use disjoint device lists or "
-        r"cluster.scheduler=local$",
+        r"train and rollout share devices \[0\] \(cluster.train_devices=\[0\] / cluster.rollout_devices=\[0\]\): "
+        r"use disjoint cluster.train_devices and cluster.rollout_devices, or cluster.scheduler=local$",
     ):
         scheduler_for(cluster, layout, log_dir=str(tmp_path))
 

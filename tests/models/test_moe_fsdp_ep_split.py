@@ -92,7 +92,7 @@ def test_layout_takes_e_dividing_the_shard_size_and_refuses_the_rest():
     lay = ClusterLayout(train_devices=(0, 1, 2, 3), rollout_devices=(4,), train_ep=2)
     assert (lay.train_dp_shard, lay.train_ep) == (4, 2)
     with pytest.raises(
-        LayoutError, match=r"e2 must divide the FSDP shard size \(got 3\) with t1 \(got t1\).*use e.g. d4e2"
+        LayoutError, match=r"e2 must divide the FSDP shard size \(got 3\) with t1 \(got t1\).*use e.g. fsdp:d4e2"
     ):
         ClusterLayout(train_devices=(0, 1, 2), rollout_devices=(4,), train_ep=2)
 

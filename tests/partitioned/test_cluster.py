@@ -111,7 +111,9 @@ def test_train_dp_replicate_reaches_the_layout_and_is_refused_where_it_cannot_ru
             num_devices=0,
             cuda=False,
         )
-    with pytest.raises(LayoutError, match="leave train_dp_replicate at 1"):
+    with pytest.raises(
+        LayoutError, match=r"^cluster.allocation_mode='areno:d1\+fsdp:d4e2': .*set cluster.train_dp_replicate=1$"
+    ):
         layout_from_config(
             ClusterSection(allocation_mode="areno:d1+fsdp:d4e2", train_dp_replicate=2), num_devices=0, cuda=False
         )
