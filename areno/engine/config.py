@@ -456,6 +456,12 @@ class ClusterSection(ConfigSection):
     """Partitioned runs: seconds any wait of a policy sync (a bucket's transfer, a control message
     between its ranks) may take before the sync fails with an error naming the wait (with
     `sync_commit=staged` the rollout side keeps serving the old weights)."""
+    worker_stall_s: float = 60.0
+    """Partitioned runs: seconds a rollout worker's server may give no `/health` answer (a stopped or
+    deadlocked process, a hung kernel, a stuck NFS read) before the worker is declared lost: killed,
+    and the run stops naming it after an emergency checkpoint of the training side. 0: never (the
+    run then waits on it for `rollout.request_timeout_s` and `sync_timeout_s`). The environment
+    variable `ARENO_WORKER_STALL_S`, when set, overrides it (the run logs one line saying so)."""
     sync_bucket_bytes: int = 64 << 20
     """Partitioned runs: bytes per bucket of the policy sync; each rank holds at most two bucket
     buffers, so this bounds the sync's extra memory; larger buckets send fewer messages."""
@@ -500,6 +506,11 @@ class ClusterSection(ConfigSection):
         )
         check_config(
             self.sync_timeout_s > 0, "cluster.sync_timeout_s", f"must be > 0 seconds, got {self.sync_timeout_s}"
+        )
+        check_config(
+            self.worker_stall_s >= 0,
+            "cluster.worker_stall_s",
+            f"must be >= 0 seconds (0: never declare a rollout worker lost), got {self.worker_stall_s}",
         )
         check_config(
             self.sync_bucket_bytes >= 1 << 20,

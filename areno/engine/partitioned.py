@@ -23,10 +23,11 @@ This module holds the placement (``PartitionedCluster``: layout, memory check, l
 workers are alive) and what the controller and the workers (``engine/workers.py``) share.
 
 A worker lost (its process gone, or a rollout replica whose server gave no ``/health`` answer for
-``ARENO_WORKER_STALL_S``: declared lost and killed, ``check_stalls``) breaks the world: every wait on it
+``cluster.worker_stall_s``: declared lost and killed, ``check_stalls``) breaks the world: every wait on it
 (``gather``) fails at once naming the worker lost first, the Trainer saves an emergency checkpoint of the
-training side when it is intact (``RemoteTrainingSide.save``: the training ranks alone), and the run
-stops. ``stop`` is bounded: a worker still in its shutdown after ``SHUTDOWN_TIMEOUT_S`` is killed.
+training side when it is intact (``RemoteTrainingSide.save``: the training ranks alone, once the rollout
+workers are retired), and the run stops. ``stop`` is bounded: a worker still in its shutdown after
+``SHUTDOWN_TIMEOUT_S`` is killed.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from areno.engine.cluster import (
     scheduler_for,
     validate_memory,
 )
-from areno.engine.config import ArenoConfig, resolve_dtypes
+from areno.engine.config import ArenoConfig, ClusterSection, field_default, resolve_dtypes
 from areno.engine.host import apply_host_settings
 from areno.errors import ConfigError, RunFailure
 from areno.launch.scheduler import RUN_DIR_ENV, RoleSpec, WorkerDiedError, scheduler_config, usable_cores
@@ -80,8 +81,8 @@ __all__ = [
     "gather_fail_fast",
     "is_partitioned",
     "kv_tokens_for",
+    "stall_setting",
     "warn_cpu_oversubscription",
-    "worker_stall_s",
 ]
 
 
@@ -103,27 +104,38 @@ NO_CHECKPOINT_YET = "start it again (no checkpoint yet)"
 RESUME_FROM_CHECKPOINT = "go on from its last checkpoint with resume=auto"
 """The advice of a lost worker's message when it did (the Trainer's emergency checkpoint counts)."""
 
+STALL_KEY = "cluster.worker_stall_s"
 STALL_ENV = "ARENO_WORKER_STALL_S"
+"""Overrides ``cluster.worker_stall_s`` when set: scripts and tests that set it before the key existed
+keep working, and a run can be given another deadline without editing its config."""
 SHUTDOWN_TIMEOUT_S = 15.0
 """How long ``PartitionedCluster.stop`` waits for a role's workers to finish ``shutdown`` (all at once)
 before it kills those still in it: a stalled worker never holds the controller's exit."""
 
 
-def worker_stall_s() -> float:
-    """``ARENO_WORKER_STALL_S`` (default 60; 0: never): a rollout worker whose server has not answered
+def stall_setting(config: ArenoConfig | None) -> tuple[float, str]:
+    """``(seconds, the setting that gave them)``: a rollout worker whose server has not answered
     ``/health`` for this long (its ``HealthMonitor`` holds it unhealthy) is declared lost: killed
     (``kill -9`` of its process group), and the run stops as for a worker that died, naming it, after
-    an emergency checkpoint of the training side. Without it a stopped or deadlocked worker (``kill
-    -STOP``, a hung kernel, a stuck NFS read) left the run waiting for ``rollout.request_timeout_s``
-    and ``cluster.sync_timeout_s`` again and again."""
-    value = os.environ.get(STALL_ENV, "60")
+    an emergency checkpoint of the training side; 0: never. ``ARENO_WORKER_STALL_S`` when set (it
+    overrides the config), else ``cluster.worker_stall_s`` (its default without a ``config``). Without
+    it a stopped or deadlocked worker (``kill -STOP``, a hung kernel, a stuck NFS read) left the run
+    waiting for ``rollout.request_timeout_s`` and ``cluster.sync_timeout_s`` again and again."""
+    value = os.environ.get(STALL_ENV)
+    if value is None:
+        stall_s = (
+            config.cluster.worker_stall_s if config is not None else field_default(ClusterSection, "worker_stall_s")
+        )
+        return float(stall_s), STALL_KEY
     try:
         stall_s = float(value)
     except ValueError:
-        raise ConfigError(f"{STALL_ENV}={value!r}: must be a number of seconds (0: never)") from None
-    if not stall_s >= 0 or stall_s == float("inf"):
-        raise ConfigError(f"{STALL_ENV}={value!r}: must be >= 0 seconds and finite (0: never)")
-    return stall_s
+        stall_s = float("nan")
+    if not 0 <= stall_s < float("inf"):
+        raise ConfigError(
+            f"{STALL_ENV}={value!r}: must be a finite number of seconds >= 0 (0: never); or unset it and set {STALL_KEY}"
+        )
+    return stall_s, STALL_ENV
 
 
 def cpu_oversubscription(config: ArenoConfig, layout: ClusterLayout) -> str | None:
@@ -260,6 +272,8 @@ class PartitionedCluster:
     run_dir: Path
     layout: ClusterLayout
     scheduler: Any
+    stall_s: float
+    """``cluster.worker_stall_s``, or ``ARENO_WORKER_STALL_S`` where set (``stall_setting``); 0: never."""
     # set in launch()
     api_key: str | None = None
     """The random key every request to a rollout server carries (None until launched)."""
@@ -293,6 +307,10 @@ class PartitionedCluster:
         self._replicas: list[tuple[str, tuple[int, ...]]] = []
         """Each rollout replica's URL and its workers' indices (``watch_health``)."""
         self._stall_warned: set[str] = set()
+        self.stall_s, self._stall_key = stall_setting(config)  # a bad ARENO_WORKER_STALL_S: refused before launch
+        self._retired: set[str] = set()
+        """Roles ``retire`` stopped: the world is down to the other role's workers (the emergency save's
+        training ranks), whose calls no longer wait on them."""
         if not _online(config):
             raise ConfigError(
                 f"recipe {config.train.algorithm!r} trains offline: the partitioned topology is for online "
@@ -501,7 +519,18 @@ class PartitionedCluster:
     def watch_health(self, health: Any, urls: list[str]) -> None:
         """Judge the rollout workers by ``health`` (a ``HealthMonitor`` of ``urls``, one per replica in
         ``replica_urls``' order): ``check_stalls`` declares a replica lost once its server has not
-        answered ``/health`` for ``worker_stall_s()``."""
+        answered ``/health`` for ``stall_s``."""
+        if self._stall_key == STALL_ENV:  # said once, where the watch starts
+            logger.warning(
+                "%s=%g overrides %s=%g: %s",
+                STALL_ENV,
+                self.stall_s,
+                STALL_KEY,
+                self.config.cluster.worker_stall_s,
+                f"a rollout worker is declared lost after {self.stall_s:g} s without a /health answer"
+                if self.stall_s
+                else "no rollout worker is declared lost for its silence",
+            )
         groups = self.layout.rollout_tp_groups()
         n_train = self.layout.n_train
         self._health = health
@@ -509,10 +538,11 @@ class PartitionedCluster:
 
     def check_stalls(self) -> list[str]:
         """Declare lost every rollout replica whose server has been unhealthy, with no ``/health``
-        answer for ``worker_stall_s()`` (0: never): each of its workers is killed (its process group),
-        so the calls and requests waiting on it fail at once, and named as the run's root cause. A
-        warning names it at half that time. Returns the whys of those declared now."""
-        stall_s = worker_stall_s()
+        answer for ``stall_s`` (0: never): each of its workers is killed (its process group), so the
+        calls and requests waiting on it fail at once, and named as the run's root cause; where the
+        scheduler cannot kill it, ``gather`` stops waiting on it. A warning names it at half that time.
+        Returns the whys of those declared now."""
+        stall_s = self.stall_s
         if self._health is None or not stall_s:
             return []
         declared = []
@@ -530,7 +560,7 @@ class PartitionedCluster:
             if silent >= stall_s:
                 what = (
                     f"stopped answering: its server {url} gave no /health answer for {silent:.0f} s{seen}; "
-                    f"killed after {STALL_ENV}={stall_s:g}"
+                    f"killed after {self._stall_key}={stall_s:g}"
                 )
                 for i in indices:
                     if self._record_lost("rollout", i, what):
@@ -551,7 +581,7 @@ class PartitionedCluster:
                     silent,
                     seen,
                     stall_s,
-                    STALL_ENV,
+                    self._stall_key,
                 )
         return declared
 
@@ -561,10 +591,14 @@ class PartitionedCluster:
         error is raised at once, as the lost worker it comes from when a worker of the world was lost
         (the others then fail in its collectives: naming them would hide the cause); a rollout worker
         that stops answering is declared lost meanwhile (``check_stalls``), so nothing waits on it for
-        ``cluster.sync_timeout_s``."""
+        ``cluster.sync_timeout_s``. A worker lost before or during the call (the stall watcher's thread
+        may declare it first) fails it as well while the futures wait: a call on the world waits on
+        every rank, and a stalled worker the scheduler cannot kill never fails its own. Only the
+        training ranks' calls after ``retire("rollout")`` (the emergency save) wait on."""
+        wait_s = 0.0  # first look: a worker lost before this call fails it without a second's wait
         while True:
             done, pending = concurrent.futures.wait(
-                futures, timeout=1.0, return_when=concurrent.futures.FIRST_EXCEPTION
+                futures, timeout=wait_s, return_when=concurrent.futures.FIRST_EXCEPTION
             )
             failed = next((f for f in futures if f in done and f.exception() is not None), None)
             if failed is not None:
@@ -573,6 +607,11 @@ class PartitionedCluster:
                 return [f.result() for f in futures]
             if self.check_stalls():  # declared lost now (and killed, where the scheduler can): the world is broken
                 raise self._lost_error(self.lost_workers(timeout_s=5), in_flight=what)
+            with self._lost_lock:
+                lost = list(self._lost)
+            if any(role not in self._retired for role, _ in lost):  # found or declared before: named as recorded
+                raise self._lost_error({key: self._why(*key) for key in lost}, in_flight=what)
+            wait_s = 1.0
 
     def root_cause(self, exc: BaseException, what: str) -> BaseException:
         """``exc`` (a worker's error during ``what``), or the ``WorkerLostError`` of the worker lost
@@ -590,7 +629,9 @@ class PartitionedCluster:
         """Kill every worker of ``role`` not lost yet, noting ``what`` happened to it (after the root
         cause): once the world is broken its rollout workers have nothing left to do, and a training
         rank waiting for them in a collective of the broken sync (its vote) gets its error at once
-        instead of after ``cluster.sync_timeout_s``."""
+        instead of after ``cluster.sync_timeout_s``. The calls ``gather`` waits on from then on are the
+        other role's alone: they no longer fail for ``role``'s losses."""
+        self._retired.add(role)
         for i in range(len(self.scheduler.workers(role))):
             if self._record_lost(role, i, what):
                 self._kill(role, i)

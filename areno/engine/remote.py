@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from areno.engine.partitioned import PartitionedCluster, gather_fail_fast, worker_stall_s
+from areno.engine.partitioned import PartitionedCluster, gather_fail_fast
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.engine.training_side import TrainingSide
@@ -134,7 +134,7 @@ class RemoteRolloutSide(RolloutSide):
         cluster = self.cluster
         cluster.launch(setup.model_dir)  # a no-op after the training side's
         urls = cluster.replica_urls()
-        stall_s = worker_stall_s()
+        stall_s = cluster.stall_s
         # checks often enough that a server is marked unhealthy well within the stall deadline
         interval_s = min(5.0, max(stall_s / 6, 0.5)) if stall_s else 5.0
         self.health = HealthMonitor(

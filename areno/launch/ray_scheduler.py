@@ -399,6 +399,12 @@ class RayScheduler(Scheduler):
         self._setup_one(w)
         return w.handle
 
+    def kill_worker(self, role: str, index: int) -> None:
+        """``ray.kill`` of the worker's actor: Ray ends its process without asking it (SIGKILL where it
+        does not exit at once: a stopped or deadlocked one too); its calls fail with ``WorkerDiedError``."""
+        w = self._role(role)[index]
+        self._ray.kill(w.actor, no_restart=True)
+
     def _remove_role(self, role: str) -> None:
         for w in self._workers.pop(role, []):
             if w.actor is not None:

@@ -1,5 +1,5 @@
 """A rollout worker that stops answering (``kill -STOP``: a deadlock, a stuck NFS read) is declared lost
-after ``ARENO_WORKER_STALL_S`` and killed; the run stops with one line naming it, its pid and log, after an
+after ``cluster.worker_stall_s`` and killed; the run stops with one line naming it, its pid and log, after an
 emergency checkpoint of the training side, which ``resume=auto`` goes on from with no trained step lost.
 The driver names every worker (pid, log) at start; each worker log starts with a header line, without
 runpy's warning, and a resumed run appends to it after a separator."""
@@ -46,10 +46,15 @@ def _wait(predicate, proc: subprocess.Popen, what: str, timeout_s: float = 120) 
 def test_a_stopped_rollout_worker_is_declared_lost_and_the_trained_steps_are_saved(tmp_path):
     run = tmp_path / "run"
     err_path = tmp_path / "stderr.txt"
-    env = {**os.environ, "ARENO_WORKER_STALL_S": "4"}
+    env = {k: v for k, v in os.environ.items() if k != "ARENO_WORKER_STALL_S"}  # the key alone decides
     with open(err_path, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "areno", *train_args(tmp_path, "train.steps=100000", *PARTITIONED)],
+            [
+                sys.executable,
+                "-m",
+                "areno",
+                *train_args(tmp_path, "train.steps=100000", "cluster.worker_stall_s=4", *PARTITIONED),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=err,
             env=env,
@@ -81,7 +86,7 @@ def test_a_stopped_rollout_worker_is_declared_lost_and_the_trained_steps_are_sav
     last = text.strip().splitlines()[-1]
     saved = re.search(r"saved an emergency checkpoint of step (\d+) \((\S+)\), which resume=auto goes on from$", last)
     assert last.startswith(f"areno: error: rollout[0] (pid {rollout_pid}) stopped answering: ") and saved, text[-3000:]
-    assert f"(log: {run / 'workers' / 'rollout-0.log'})" in last and "ARENO_WORKER_STALL_S=4" in last
+    assert f"(log: {run / 'workers' / 'rollout-0.log'})" in last and "cluster.worker_stall_s=4" in last
     assert "stopped (SIGSTOP" in last  # what /proc says of it
     assert took < 60, took  # not rollout.request_timeout_s (600 s) or cluster.sync_timeout_s
     step = int(saved.group(1))
