@@ -138,6 +138,13 @@ def stall_setting(config: ArenoConfig | None) -> tuple[float, str]:
     return stall_s, STALL_ENV
 
 
+def _setting(layout: ClusterLayout, key: str, size: int) -> str:
+    """The setting that gave a TP size: the allocation string when the run has one, else ``key``."""
+    return (
+        f"cluster.allocation_mode={layout.allocation_mode!r} (t{size})" if layout.allocation_mode else f"{key}={size}"
+    )
+
+
 def cpu_oversubscription(config: ArenoConfig, layout: ClusterLayout) -> str | None:
     """A warning when a CPU run's worker processes, times their threads, outnumber the cores this
     process may use (None otherwise): they then start slowly enough to miss the connect timeout and
@@ -335,7 +342,8 @@ class PartitionedCluster:
         if layout is None:
             raise LayoutError(
                 "the partitioned placement needs cluster.train_devices + cluster.rollout_devices "
-                "or a '+' allocation_mode; without them the engine runs colocated"
+                "or a cluster.allocation_mode with a '+' (e.g. 'areno:d1+fsdp:d1'); without them the engine "
+                "runs colocated"
             )
         if layout.rollout_tp > 1 and cfg.rollout.max_head_offpolicyness > 0 and cfg.cluster.sync_commit == "inplace":
             # an in-place sync pauses each TP rank at its own step boundary while the replica generates
@@ -351,18 +359,18 @@ class PartitionedCluster:
         heads, MLP or vocabulary (``areno.models.tp_plan.check_tp_size``)."""
         if model_config.vision is not None and layout.rollout_tp > 1:  # its rollout engine loads whole
             raise LayoutError(
-                f"cluster.rollout_tp={layout.rollout_tp} (or allocation_mode t{layout.rollout_tp}): a vision-language "
-                "model's rollout engine runs without tensor parallelism; set cluster.rollout_tp=1"
+                f"{_setting(layout, 'cluster.rollout_tp', layout.rollout_tp)}: a vision-language model's rollout "
+                "engine runs without tensor parallelism; give the rollout TP size 1"
             )
         for what, size in (("cluster.train_tp", layout.train_tp), ("cluster.rollout_tp", layout.rollout_tp)):
             try:
                 check_tp_size(model_config, size)
             except ValueError as e:
-                raise LayoutError(f"{what} (or allocation_mode t{size}): {e}") from None
+                raise LayoutError(f"{_setting(layout, what, size)}: {e}") from None
         try:
             check_context_parallel(model_config, layout.train_cp)
         except ConfigError as e:
-            raise LayoutError(f"allocation_mode c{layout.train_cp}: {e}") from None
+            raise LayoutError(f"cluster.allocation_mode={layout.allocation_mode!r} (c{layout.train_cp}): {e}") from None
 
     def check_memory(self, layout: ClusterLayout, model_dir: Path) -> None:
         """LayoutError when some device cannot hold what the layout puts on it (``estimate_memory``

@@ -60,11 +60,16 @@ def test_tp_config_errors_are_one_line(tmp_path):
     assert partitioned_engine(_config(tmp_path, *asynchronous), tmp_path / "run").rollout.cluster.layout.rollout_tp == 2
 
 
-def test_tp_that_does_not_split_the_heads_fails_before_any_worker_starts(tmp_path):
-    cfg = load_config(None, [*tiny_run_overrides(tmp_path), *ALLOCATION])  # the tiny model has one KV head
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [(ALLOCATION, r"cluster.allocation_mode='areno:d1t2\+fsdp:d1t2' \(t2\)"), (PLAIN_KEYS, "cluster.train_tp=2")],
+    ids=["allocation_mode", "keys"],
+)
+def test_tp_that_does_not_split_the_heads_fails_before_any_worker_starts(tmp_path, keys, named):
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path), *keys])  # the tiny model has one KV head
     prepare_model_dir(cfg)
     engine = partitioned_engine(cfg, tmp_path / "run")
-    with pytest.raises(LayoutError, match=r"^cluster.train_tp \(or allocation_mode t2\): tp_size=2 does not divide "):
+    with pytest.raises(LayoutError, match=rf"^{named}: tp_size=2 does not divide "):
         engine.initialize()
     assert engine.rollout.cluster.scheduler is None
 
