@@ -28,13 +28,28 @@ from areno.models.hf_io import load_model
 from areno.recipes.runner import RecipeRunner
 from areno.rollout.client import InProcessRolloutClient, RolloutClient
 from areno.rollout.engine import RolloutEngine
+from areno.specializations.base import ModelSpecialization
 from areno.specializations.preference import RewardModelSpecialization, save_reward_model
 from areno.sync.base import NamedTensorSource
 from areno.sync.disk import DiskTransport, policy_dir
 from areno.sync.inplace import InPlaceTransport
 from areno.train import LocalTrainBackend
+from areno.train.backend import PackedTrainBackend
 from areno.train.offload import StorageOffloader, collect_tensors
 from areno.types import TokenBatch
+
+
+def export_role(backend: PackedTrainBackend, spec: ModelSpecialization, path: str | Path) -> None:
+    """Write a role's weights as a Hugging Face model directory: a reward model (a scalar head on the
+    decoder, no LM head) as transformers' sequence classifier (``save_reward_model``), any other role
+    as its causal LM (``backend.export_hf``). Colocated and partitioned runs export through it alike.
+    Collective like ``named_weights``: every training rank calls it; rank 0 writes."""
+    if not isinstance(spec, RewardModelSpecialization):
+        backend.export_hf(path)
+        return
+    state = {name: t.detach().cpu() for name, t in backend.named_weights()}
+    if backend.is_rank0:
+        save_reward_model(state, backend.model_config, path)
 
 
 class LocalTrainingSide(TrainingSide):
@@ -91,7 +106,12 @@ class LocalTrainingSide(TrainingSide):
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else setup.recipe.roles[0].name
         self._source = NamedTensorSource(backends[self.policy].named_weights) if synced else None
-        self._disk = DiskTransport(self._source, self.export_root, model_dir=setup.model_dir) if synced else None
+        self._disk = None
+        if synced:  # written as a checkpoint is: an expert model's tensors under their per-expert names
+            model_config = backends[self.policy].model_config
+            self._disk = DiskTransport(
+                self._source, self.export_root, model_dir=setup.model_dir, model_config=model_config
+            )
 
     def step(self, batch: TokenBatch, *, pass_order: list[int] | None, policy_version: int) -> dict[str, float]:
         for role_name in self.runner.roles_to_sync():
@@ -130,11 +150,7 @@ class LocalTrainingSide(TrainingSide):
         return state
 
     def export_hf(self, path: Path) -> None:
-        backend = self.runner.backends[self.policy]
-        if isinstance(self.runner.specs[self.policy], RewardModelSpecialization):  # a scalar head, no LM head
-            save_reward_model(dict(backend.named_weights()), backend.model_config, path)
-        else:
-            backend.export_hf(path)
+        export_role(self.runner.backends[self.policy], self.runner.specs[self.policy], path)
 
     def _shared_device_backends(self) -> list[LocalTrainBackend]:
         """The roles on the rollout engine's device: those of this process (a role that

@@ -7,7 +7,9 @@ server is checked before training begins: it answers (a ``RunFailure`` with its 
 it has the pause API, and it serves a model shaped like the trainer's (``ConfigError`` otherwise).
 
 Requests go through a ``MultiServerRolloutClient`` with least-loaded routing, a ``HealthMonitor``
-and the backend's streaming client (``rollout/backends``). A policy sync is a ``DISK`` export:
+and the backend's streaming client (``rollout/backends``). A policy sync is a ``DISK`` export
+(or, with ``rollout.weight_transfer=nccl``, a broadcast) under the checkpoint's tensor names, the
+ones the servers' loaders know (an expert model's per-expert tensors: ``CheckpointNamedSource``):
 every server is paused with its requests kept, loads the export, the version moves on, and the
 servers resume, so in-flight requests continue under the new policy and their tokens after the
 sync carry the new version. A server that cannot be reached at a sync is dropped for the rest of
@@ -42,12 +44,15 @@ from areno.launch.servers import (
     free_ports,
     start_servers,
 )
+from areno.models.config import ModelConfig
+from areno.models.hf_io import read_config
 from areno.rollout.backends.admin import ServerAdmin, admin_for
 from areno.rollout.backends.base import StreamActivity
 from areno.rollout.backends.nccl import NcclWeightTransfer
 from areno.rollout.client import MultiServerRolloutClient
 from areno.rollout.health import HealthMonitor
 from areno.sync.base import full_tensor
+from areno.sync.disk import CheckpointNamedSource
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,10 @@ class ServerRolloutSide(RolloutSide):
     health: HealthMonitor | None = None
     _client: MultiServerRolloutClient | None = None
     nccl: NcclWeightTransfer | None = None
+    policy_config: ModelConfig
+    """``rollout.weight_transfer=nccl``: the policy's config, whose checkpoint names it is sent under."""
+    _checkpoint_named: CheckpointNamedSource | None = None
+    """The training side's source under checkpoint names, built at the first NCCL sync."""
 
     def __init__(self, config: ArenoConfig, run_dir: Path) -> None:
         self.config = config
@@ -129,6 +138,7 @@ class ServerRolloutSide(RolloutSide):
         for url in self.urls[1 if served is None else 0 :]:
             self.admin.check(url, model_config)
         if cfg.weight_transfer == "nccl":
+            self.policy_config = read_config(setup.model_dir)
             self.nccl = self._start_nccl(setup)
         self.health = HealthMonitor(self.urls, api_key=api_key, interval_s=2.0).start()
         self._client = MultiServerRolloutClient(
@@ -248,8 +258,12 @@ class ServerRolloutSide(RolloutSide):
         assert self.nccl is not None and update.source is not None
         if len(paused) < len(self.urls):  # one went away while pausing: the broadcast would hang
             raise RunFailure(f"a {self.backend} server of the NCCL weight-transfer group is gone: {self._lost}")
-        meta = [(name, tuple(shape), dtype) for name, shape, dtype in update.source.meta()]
-        self.nccl.send(meta, ((name, full_tensor(t)) for name, t in update.source.iter_tensors()))
+        if self._checkpoint_named is None or self._checkpoint_named.source is not update.source:
+            # vLLM loads the checkpoint's names: an expert model's per-expert tensors
+            self._checkpoint_named = CheckpointNamedSource(update.source, self.policy_config)
+        source = self._checkpoint_named
+        meta = [(name, tuple(shape), dtype) for name, shape, dtype in source.meta()]
+        self.nccl.send(meta, ((name, full_tensor(t)) for name, t in source.iter_tensors()))
         for url in paused:
             self.admin.reset_prefix_cache(url, update.version)
 

@@ -29,6 +29,7 @@ from areno.engine.api import build_role_backends, resolve_recipe, rollout_engine
 from areno.engine.cluster import ClusterLayout, build_groups
 from areno.engine.config import ArenoConfig, resolve_dtypes
 from areno.engine.host import HeapFreezer
+from areno.engine.local import export_role
 from areno.engine.partitioned import (
     _sync_config,
     advertised_address,
@@ -141,7 +142,7 @@ class TrainWorker:
         return self.transport.sync(version).as_metrics()
 
     def export_hf(self, path: str) -> None:
-        self.runner.backends[self.policy].export_hf(path)
+        export_role(self.runner.backends[self.policy], self.runner.specs[self.policy], path)
 
     def save_role(self, path: str, role: str, extra_state: dict) -> None:
         self.runner.backends[role].save_checkpoint(path, extra_state=extra_state)

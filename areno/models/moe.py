@@ -526,3 +526,37 @@ def to_disk_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[s
         for disk, e, rows in by_memory[name]:
             out[disk] = t if e < 0 else t[e, rows].contiguous()
     return out
+
+
+def to_memory_items(config: ModelConfig, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of ``to_disk_state`` over ``(name, tensor)`` pairs read from a checkpoint: each
+    fused expert tensor stacked from its per-expert parts, the router renamed, other tensors as they
+    are. A fused tensor with parts missing is left out, so a completeness check names it."""
+    mapping = disk_to_memory(config)
+    if not mapping:
+        return list(items)
+    out: list[tuple[str, torch.Tensor]] = []
+    parts: dict[str, list[tuple[int, slice, torch.Tensor]]] = {}
+    for name, t in items:
+        if name not in mapping:
+            out.append((name, t))
+            continue
+        mem, e, rows = mapping[name]
+        if e < 0:
+            out.append((mem, t))
+        else:
+            parts.setdefault(mem, []).append((e, rows, t))
+    wanted: dict[str, int] = {}
+    for mem, e, _ in mapping.values():
+        if e >= 0:
+            wanted[mem] = wanted.get(mem, 0) + 1
+    for mem, got in parts.items():
+        if len(got) != wanted[mem]:
+            continue
+        first = got[0][2]
+        num_rows = max(t.shape[0] if rows.stop is None else rows.stop for _, rows, t in got)
+        fused = first.new_empty((config.num_experts, num_rows, *first.shape[1:]))
+        for e, rows, t in got:
+            fused[e, rows] = t
+        out.append((mem, fused))
+    return out

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from areno.models import moe
 from areno.models.hf_io import open_safetensors, safetensors_files
 from areno.rollout.control import EngineControl
 from areno.rollout.errors import WeightUpdateError
@@ -86,6 +87,8 @@ class EngineWeights:
         fix = f"this engine keeps serving version {self.control.version}; re-export the checkpoint"
         tied = getattr(self.model_config, "tie_word_embeddings", False)
         items = read_checkpoint(path, tied=tied, fix=fix)
+        if getattr(self.model_config, "num_experts", 0):  # a checkpoint stores experts one by one
+            items = moe.to_memory_items(self.model_config, items)
         self._check_complete(path, {name for name, _ in items}, tied, names, fix)
         self.update(items, version)
 

@@ -7,21 +7,29 @@ A version is written into ``<root>/.tmp-policy-v<N>-<pid>/`` (safetensors shards
 ever see complete directories (``latest_policy``). Then every receiver is called with the path and
 version — e.g. ``RolloutEngine.update_weights_from_disk`` or a client that tells a remote server to
 load it.
+
+The files hold what a checkpoint on disk holds (``hf_io.save_model``), which is what vLLM and SGLang
+load: given the policy's ``model_config``, an expert model's fused tensors are written as
+transformers' per-expert ones (``CheckpointNamedSource``); a dense model's names are the
+checkpoint's already; areno's own ``RolloutEngine.update_weights_from_disk`` stacks the experts back.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from areno.models import moe
+from areno.models.config import ModelConfig
 from areno.sync.base import PolicySyncTransport, SyncStats, WeightSource, full_tensor
 
 COMPLETE = "COMPLETE"
@@ -53,11 +61,65 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class CheckpointNamedSource(WeightSource):
+    """``source`` under the names and layouts of a checkpoint on disk, as ``hf_io.save_model``
+    writes them (``moe.to_disk_state``): an expert model's fused tensors (``mlp.experts.gate_up_proj``
+    [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]) as transformers' per-expert ones, Mixtral's router
+    under ``block_sparse_moe``; every other tensor as it comes. What vLLM and SGLang load (their
+    loaders know the checkpoint's names only), from disk or over their weight-transfer routes.
+
+    The plan is ``to_disk_state`` run once, on meta tensors shaped as ``source.meta()``: each tensor it
+    returns is one of its inputs (renamed at most) or a contiguous slice of one, which each sync cuts
+    from the full tensor in the same place. So a sync still gathers and hands over one tensor at a
+    time, and the mapping is built once, not per tensor.
+    """
+
+    def __init__(self, source: WeightSource, config: ModelConfig) -> None:
+        self.source = source
+        self.config = config
+        self._meta: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
+        self._plan: dict[str, list[tuple[str, tuple[int, ...], int | None]]] = {}
+        """Source name -> its ``(disk name, shape, offset)`` in order; offset None: the whole tensor,
+        else the slice's first element in the flattened full tensor."""
+
+    def _make_plan(self) -> None:
+        inputs = {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape, dtype in self.source.meta()}
+        owner = {id(t): name for name, t in inputs.items()}
+        self._plan = {name: [] for name in inputs}
+        self._meta = []
+        for disk, t in moe.to_disk_state(self.config, inputs).items():
+            if id(t) in owner:
+                self._plan[owner[id(t)]].append((disk, tuple(t.shape), None))
+            else:
+                assert t._base is not None and id(t._base) in owner and t.is_contiguous(), disk
+                self._plan[owner[id(t._base)]].append((disk, tuple(t.shape), t.storage_offset()))
+            self._meta.append((disk, tuple(t.shape), t.dtype))
+
+    def meta(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        if self._meta is None:
+            self._make_plan()
+        return self._meta
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.meta()
+        for name, tensor in self.source.iter_tensors():
+            parts = self._plan[name]
+            if all(offset is None for _, _, offset in parts):
+                yield from ((disk, tensor) for disk, _, _ in parts)
+                continue
+            flat = full_tensor(tensor).contiguous().view(-1)
+            for disk, shape, offset in parts:
+                start = offset or 0
+                yield disk, flat[start : start + math.prod(shape)].view(shape)
+
+
 class DiskTransport(PolicySyncTransport):
     """Write the policy as HF safetensors atomically, then notify receivers.
 
     Every training rank calls ``sync`` (sharded weights are gathered collectively); only the rank
     with ``is_writer=True`` writes and notifies. ``receivers`` are callables ``(path, version)``.
+    ``model_config``: the policy's, to write an expert model under its checkpoint names
+    (``CheckpointNamedSource``); None writes the source's names as they are.
     """
 
     name = "disk"
@@ -70,6 +132,7 @@ class DiskTransport(PolicySyncTransport):
         *,
         is_writer: bool = True,
         model_dir: str | Path | None = None,
+        model_config: ModelConfig | None = None,
         keep_last: int = 2,
         max_shard_bytes: int = 4 << 30,
     ) -> None:
@@ -77,7 +140,7 @@ class DiskTransport(PolicySyncTransport):
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-        self.source = source
+        self.source = source if model_config is None else CheckpointNamedSource(source, model_config)
         self.root = Path(root)
         self.receivers = list(receivers)
         self.is_writer = is_writer
