@@ -11,6 +11,7 @@ Legend: B = sequences, T = packed tokens, V = vocabulary, D = hidden size.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from areno.models import prefix_sharing
@@ -136,7 +137,8 @@ def token_logprobs_T(
 class ScalarHeadModel(nn.Module):
     """A decoder with a scalar linear head on its hidden states (critic value head, reward-model
     score head). ``state_dict`` keys are the decoder's under ``decoder.`` plus ``score.weight``
-    and ``score.bias``; the head is zero-initialised so a fresh head predicts 0."""
+    and ``score.bias``; the head is zero-initialised so a fresh head predicts 0. An untied
+    ``decoder.lm_head`` is kept (checkpoint keys) but frozen: nothing reads it."""
 
     def __init__(self, decoder: nn.Module) -> None:
         super().__init__()
@@ -145,6 +147,9 @@ class ScalarHeadModel(nn.Module):
         self.score = nn.Linear(hidden, 1, device=decoder.output_weight.device, dtype=torch.float32)
         nn.init.zeros_(self.score.weight)
         nn.init.zeros_(self.score.bias)
+        if not decoder.config.tie_word_embeddings:
+            # no optimizer state, no gradient buffer, no reduction for a [V, D] weight no loss reads
+            decoder.lm_head.requires_grad_(False)
 
     @property
     def config(self):
@@ -159,13 +164,18 @@ class ScalarHeadModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.decoder.output_weight
 
-    def forward(self, input_ids_T, position_ids_T, attn=None) -> torch.Tensor:
-        return self.decoder(input_ids_T, position_ids_T, attn)
+    def forward(self, input_ids_T, position_ids_T, attn=None, **kwargs) -> torch.Tensor:
+        """The decoder's hidden states; ``kwargs`` (a vision-language batch's ``images``) go to it."""
+        return self.decoder(input_ids_T, position_ids_T, attn, **kwargs)
 
     def scores_T(self, batch: TokenBatch) -> torch.Tensor:
         """Head output at every position [T] (float32): the score *after* reading token t."""
         hidden_TD = hidden_states_TD(self, batch)
-        return self.score(hidden_TD.float()).squeeze(-1)
+        # float32 whatever the compute dtype: autocast would run the matmul in bf16, and FSDP2 mixed
+        # precision hands out a bf16 weight (then bf16-rounded, its gradient reaching the fp32 master)
+        bias = None if self.score.bias is None else self.score.bias.float()
+        with torch.autocast(hidden_TD.device.type, enabled=False):
+            return F.linear(hidden_TD.float(), self.score.weight.float(), bias).squeeze(-1)
 
 
 def values_T(model: ScalarHeadModel, batch: TokenBatch) -> torch.Tensor:

@@ -35,7 +35,13 @@ from areno.train import checkpoint
 from areno.train.base import DenominatorFn, ForwardFn, LossFn, Reducer, TrainBackend
 from areno.train.config import TrainBackendConfig
 from areno.train.dtensor import is_dtensor
-from areno.train.lora import adapter_named_weights, apply_lora, merged_named_weights, save_adapter
+from areno.train.lora import (
+    adapter_named_weights,
+    apply_lora,
+    head_named_weights,
+    merged_named_weights,
+    save_adapter,
+)
 from areno.train.offload import StorageOffloader, available_host_bytes, training_state_tensors
 from areno.train.optim import (
     NonFiniteParametersError,
@@ -110,6 +116,8 @@ class PackedTrainBackend(TrainBackend):
     # set in initialize()
     model: nn.Module
     model_config: ModelConfig
+    _decoder_prefix: str
+    """Where ``model`` holds the loaded decoder (``"decoder."`` inside a value head, ``""`` when bare)."""
     _optimizer: torch.optim.Optimizer | None
     _scheduler: torch.optim.lr_scheduler.LRScheduler | None
     _builds_optimizer: bool = False
@@ -200,7 +208,8 @@ class PackedTrainBackend(TrainBackend):
     # ------------------------------------------------------------------ life cycle
     def initialize(self, model_dir: str | Path, *, wrap_model: Callable[[nn.Module], nn.Module] | None = None) -> None:
         """Load ``model_dir``; ``wrap_model`` (e.g. adding a value head) runs right after loading,
-        before LoRA, parallelisation and the optimizer, so what it adds is trained."""
+        before LoRA, parallelisation and the optimizer, so what it adds is trained (LoRA adapts the
+        loaded decoder only: the head trains in full)."""
         cfg = self.cfg
         self._model_dir = Path(model_dir)
         self._setup()
@@ -210,9 +219,9 @@ class PackedTrainBackend(TrainBackend):
             self.compile_cache = compile_cache_dir()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        model, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
-        if wrap_model is not None:
-            model = wrap_model(model)
+        decoder, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
+        model = decoder if wrap_model is None else wrap_model(decoder)
+        self._decoder_prefix = next(f"{name}." if name else "" for name, m in model.named_modules() if m is decoder)
         self.shares_prompts = share_prompts = self._share_prompts(model)
         for module in model.modules():  # wrappers (value heads, LoRA) hold the decoder inside
             if isinstance(module, Decoder):
@@ -223,7 +232,8 @@ class PackedTrainBackend(TrainBackend):
                 raise ConfigError(
                     "train.lora: not supported with tensor parallelism (tp_size > 1); set train.lora=null"
                 )
-            apply_lora(model, cfg.lora)
+            # the loaded decoder only: what wrap_model added (a fresh value head) trains in full
+            apply_lora(decoder, cfg.lora)
         if not cfg.trainable:
             model.requires_grad_(False)
         if cfg.freeze_vision:  # model.freeze_vision: the tower's features stay those of the checkpoint
@@ -619,15 +629,19 @@ class PackedTrainBackend(TrainBackend):
         self._check_ready()
         if self.cfg.lora is None:
             raise ValueError("named_adapter_weights needs LoRA (set lora=LoraConfig(...)); use named_weights")
-        yield from adapter_named_weights(self.model, self._full)
+        yield from adapter_named_weights(self.model, self._full, decoder_prefix=self._decoder_prefix)
 
     def export_adapter(self, path: str | Path) -> None:
         """LoRA only: write the adapters in PEFT's layout (``adapter_model.safetensors`` +
         ``adapter_config.json``, base model = the loaded model directory); ``peft.PeftModel.from_pretrained``
-        loads it on the base model. Collective; rank 0 writes."""
+        loads it on the base model. A wrapped role's head goes beside it (``lora.HEAD_FILE``).
+        Collective; rank 0 writes."""
         state = {name: t.cpu() for name, t in self.named_adapter_weights()}
+        head = {
+            name: t.cpu() for name, t in head_named_weights(self.model, self._full, decoder_prefix=self._decoder_prefix)
+        }
         if self.is_rank0:
-            save_adapter(path, state, self.cfg.lora, self._model_dir)
+            save_adapter(path, state, self.cfg.lora, self._model_dir, head)
         self._barrier()
 
     def export_hf(self, path: str | Path) -> None:

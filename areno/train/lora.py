@@ -29,6 +29,9 @@ from areno.errors import check_config
 from areno.train.config import UNADAPTABLE, LoraConfig
 
 ADAPTER = "default"
+HEAD_FILE = "score.safetensors"
+"""Beside a wrapped role's saved adapter: the head the wrapper adds (``score.weight``, ``score.bias``),
+trained in full, which the adapter cannot carry."""
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
@@ -95,24 +98,48 @@ def adapter_scaling(cfg: LoraConfig) -> float:
 
 
 def adapter_named_weights(
-    model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor]
+    model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor], *, decoder_prefix: str = ""
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full (unsharded) adapter tensors under PEFT's saved names, in state-dict order:
     ``base_model.model.<HF module>.lora_A.weight`` [R, D] and ``...lora_B.weight`` [O, R]
-    (unscaled; the merged weight is ``W0 + adapter_scaling * B @ A``)."""
+    (unscaled; the merged weight is ``W0 + adapter_scaling * B @ A``). ``decoder_prefix``: where a
+    wrapper (a value head) holds the decoder, e.g. ``"decoder."``; it is left out of the names, so
+    the adapter loads onto the base model."""
     marker = f".{ADAPTER}."
     for name, tensor in model.state_dict().items():
         if ".lora_A." in name or ".lora_B." in name:
-            yield "base_model.model." + name.replace(marker, "."), full(tensor.detach())
+            hf_name = name.removeprefix(decoder_prefix).replace(marker, ".")
+            yield "base_model.model." + hf_name, full(tensor.detach())
 
 
-def save_adapter(path: str | Path, weights: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str | Path) -> Path:
-    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's layout) under ``path``."""
+def head_named_weights(
+    model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Tensor], *, decoder_prefix: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors a wrapper adds around the decoder at ``decoder_prefix`` (a value or score head's
+    ``score.weight``, ``score.bias``), under the wrapper's names; nothing for a bare decoder."""
+    if not decoder_prefix:
+        return
+    for name, tensor in model.state_dict().items():
+        if not name.startswith(decoder_prefix):
+            yield name, full(tensor.detach())
+
+
+def save_adapter(
+    path: str | Path,
+    weights: dict[str, torch.Tensor],
+    cfg: LoraConfig,
+    base_model: str | Path,
+    head: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's layout) under ``path``,
+    and a wrapped role's ``head`` (``head_named_weights``) as ``HEAD_FILE`` beside them."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     from peft import LoraConfig as PeftLoraConfig
 
     save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(out / "adapter_model.safetensors"))
+    if head:  # kept out of the adapter file, which PEFT reads as adapter tensors only
+        save_file({k: v.contiguous().cpu() for k, v in head.items()}, str(out / HEAD_FILE))
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,

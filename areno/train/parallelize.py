@@ -75,7 +75,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = Tr
     embedding stay replicated plain tensors, as in the plan. An untied LM head is sharded over the
     vocabulary when ``vocab_parallel`` (the plan's colwise): the log-prob code reads the output
     projection directly, and ``areno.train.vocab_parallel`` computes the log-softmax with a
-    distributed log-sum-exp over the shards. A tied head is the (replicated) embedding.
+    distributed log-sum-exp over the shards. A tied head is the (replicated) embedding. Inside a
+    wrapper (a value or score head) the plan, written in the decoder's names, applies to the decoder;
+    the wrapper's own head stays replicated, as are the hidden states it reads.
     """
     # slow to import (DTensor pulls in sympy): only a tensor-parallel run needs it
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -90,8 +92,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = Tr
             raise ValueError(f"tp_size={tp} does not divide {name}={getattr(cfg, name)}; pick a divisor of it")
     plan = tp_plan(cfg)
     styles = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
+    decoder = _decoder(model, "tensor parallelism")
     module_plan = {}
-    for name, module in model.named_modules():
+    for name, module in decoder.named_modules():
         if isinstance(module, nn.Linear) and name != "lm_head":
             style = tp_style(plan, f"{name}.weight")
             if style in styles:
@@ -99,7 +102,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = Tr
     if vocab_parallel and not cfg.tie_word_embeddings:
         # Only the weight's layout matters: the log-prob code reads it, lm_head.forward never runs.
         module_plan["lm_head"] = ColwiseParallel(use_local_output=False)
-    parallelize_module(model, tp_mesh, module_plan)
+    parallelize_module(decoder, tp_mesh, module_plan)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
