@@ -360,7 +360,8 @@ class PartitionedCluster:
         if model_config.vision is not None and layout.rollout_tp > 1:  # its rollout engine loads whole
             raise LayoutError(
                 f"{_setting(layout, 'cluster.rollout_tp', layout.rollout_tp)}: a vision-language model's rollout "
-                "engine runs without tensor parallelism; give the rollout TP size 1"
+                "engine runs without tensor parallelism; "
+                + ("give the rollout component t1" if layout.allocation_mode else "set cluster.rollout_tp=1")
             )
         for what, size in (("cluster.train_tp", layout.train_tp), ("cluster.rollout_tp", layout.rollout_tp)):
             try:

@@ -41,6 +41,7 @@ from areno.engine.partitioned import (
 from areno.launch.scheduler import free_port
 from areno.models.hf_io import load_model
 from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
+from areno.recipes import TrainingConfig
 from areno.recipes.runner import RecipeRunner
 from areno.rollout.engine import RolloutEngine
 from areno.rollout.server import ServerLimits, check_bind, create_app
@@ -86,6 +87,14 @@ def synced_weights(backend: FSDP2TrainBackend) -> Iterator[tuple[str, torch.Tens
     return ((name, t) for name, t in backend.named_weights() if not name.startswith(skip))
 
 
+def training_rank_runner(recipe: TrainingConfig, backends: dict, cfg: ArenoConfig) -> RecipeRunner:
+    """The recipe's runner on a training rank. Every role's collectives run over the one training
+    group, so its roles train one after another: roles trained concurrently interleave their
+    collectives differently on each rank, and the world breaks."""
+    placement = dict.fromkeys(backends, "train")
+    return RecipeRunner(recipe, backends, num_minibatches=cfg.train.num_minibatches, placement=placement)
+
+
 class TrainWorker:
     """One training rank: the recipe's roles on FSDP2 over the training sub-mesh, and the sender
     side of the policy stream. Built by the scheduler in its own process."""
@@ -113,7 +122,7 @@ class TrainWorker:
                 group=self.groups.train_group,
             ),
         )
-        self.runner = RecipeRunner(recipe, backends, num_minibatches=cfg.train.num_minibatches)
+        self.runner = training_rank_runner(recipe, backends, cfg)
         self._heap = HeapFreezer(cfg.cluster.gc_freeze)
         synced = self.runner.roles_to_sync()
         self.policy = synced[0] if synced else recipe.roles[0].name

@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from areno import train
 from areno.models.decoder import Decoder
 from areno.models.hf_io import tiny_config
 from areno.recipes import TRAINING_CONFIGS
@@ -144,3 +147,25 @@ def user_code_dir(tmp_path: Path, monkeypatch) -> Iterator[Path]:
                 del sys.modules[name]
         TRAINING_CONFIGS.clear()
         TRAINING_CONFIGS.update(saved)
+
+
+class RecordingBackend:
+    """A TrainBackend stand-in that records calls; ``barrier`` makes concurrent roles meet; ``hold_s``
+    keeps each train_step that long, so roles run concurrently overlap in the log."""
+
+    def __init__(self, log, barrier=None, hold_s: float = 0.0):
+        self.log, self.barrier, self.hold_s = log, barrier, hold_s
+        self.cfg = train.TrainBackendConfig(trainable=True, device="cpu")
+
+    def forward_only(self, batch, *, forward_fn):
+        self.log.append(("forward", id(self)))
+        T = batch.num_tokens
+        return {"logprobs_T": torch.zeros(T), "argmax_T": torch.zeros(T, dtype=torch.long), "values_T": torch.zeros(T)}
+
+    def train_step(self, batch, *, forward_fn, loss_fn, denominator_fn):
+        self.log.append(("enter", threading.current_thread().name))
+        if self.barrier is not None:
+            self.barrier.wait()  # both roles must be inside train_step at the same time
+        time.sleep(self.hold_s)
+        self.log.append(("exit", threading.current_thread().name))
+        return {"loss": 0.0}

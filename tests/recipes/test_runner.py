@@ -15,6 +15,7 @@ from areno.recipes.runner import RecipeRunner
 from areno.specializations import DPOSpecialization
 from areno.types import TokenBatch
 from tests.helpers.recipes import (
+    RecordingBackend,
     completion_positions,
     grpo_adv,
     naive_logprobs,
@@ -259,41 +260,19 @@ def test_dpo_reference_inject(dirs, name):
     assert m["policy/loss"] == pytest.approx(math.log(2), rel=1e-5)  # reference = initial policy: h = 0
 
 
-class _RecordingBackend:
-    """A TrainBackend stand-in that records calls; ``barrier`` makes concurrent roles meet."""
-
-    def __init__(self, log, barrier=None):
-        self.log, self.barrier = log, barrier
-        self.cfg = train.TrainBackendConfig(trainable=True, device="cpu")
-
-    def forward_only(self, batch, *, forward_fn):
-        self.log.append(("forward", id(self)))
-        T = batch.num_tokens
-        return {"logprobs_T": torch.zeros(T), "argmax_T": torch.zeros(T, dtype=torch.long), "values_T": torch.zeros(T)}
-
-    def train_step(self, batch, *, forward_fn, loss_fn, denominator_fn):
-        import threading
-
-        self.log.append(("enter", threading.current_thread().name))
-        if self.barrier is not None:
-            self.barrier.wait()  # both roles must be inside train_step at the same time
-        self.log.append(("exit", threading.current_thread().name))
-        return {"loss": 0.0}
-
-
 def test_independent_roles_train_concurrently_and_shared_ones_serially():
     import threading
 
     recipe = get_recipe("ppo")
     log = []
     barrier = threading.Barrier(2, timeout=10)
-    runner = RecipeRunner(recipe, {"policy": _RecordingBackend(log, barrier), "value": _RecordingBackend(log, barrier)})
+    runner = RecipeRunner(recipe, {"policy": RecordingBackend(log, barrier), "value": RecordingBackend(log, barrier)})
     metrics = runner.step(rl_batch())
     assert set(metrics) == {"policy/loss", "value/loss", "policy/skipped_zero_grad_seqs"}
     assert [e for e, _ in log if e != "forward"] == ["enter", "enter", "exit", "exit"]
     assert sum(e == "forward" for e, _ in log) == 1  # the critic's forward serves both the sync and its own targets
     shared_log = []
-    shared = _RecordingBackend(shared_log)
+    shared = RecordingBackend(shared_log)
     RecipeRunner(recipe, {"policy": shared, "value": shared}).step(rl_batch())
     assert [e for e, _ in shared_log if e != "forward"] == ["enter", "exit", "enter", "exit"]
 
@@ -305,12 +284,12 @@ def test_placement_groups_roles_by_device():
 
     recipe = get_recipe("ppo")
     log = []
-    backends = {"policy": _RecordingBackend(log), "value": _RecordingBackend(log)}
+    backends = {"policy": RecordingBackend(log), "value": RecordingBackend(log)}
     RecipeRunner(recipe, backends, placement={"policy": (0,), "value": (0,)}).step(rl_batch())
     assert [e for e, _ in log if e != "forward"] == ["enter", "exit", "enter", "exit"]
     log.clear()
     barrier = threading.Barrier(2, timeout=10)
-    backends = {"policy": _RecordingBackend(log, barrier), "value": _RecordingBackend(log, barrier)}
+    backends = {"policy": RecordingBackend(log, barrier), "value": RecordingBackend(log, barrier)}
     RecipeRunner(recipe, backends, placement={"policy": (0,), "value": (1,)}).step(rl_batch())
     assert [e for e, _ in log if e != "forward"] == ["enter", "enter", "exit", "exit"]
 

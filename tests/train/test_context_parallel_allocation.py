@@ -68,7 +68,7 @@ def test_c_that_does_not_divide_the_heads_fails_before_launch(tmp_path):
     )
     prepare_model_dir(cfg)
     engine = build_engine(cfg, tmp_path / "run")
-    with pytest.raises(LayoutError, match="c3: cp_size=3 must divide the model's attention heads") as info:
+    with pytest.raises(LayoutError, match=r"\(c3\): cp_size=3 must divide the model's attention heads") as info:
         engine.initialize()
     assert "\n" not in str(info.value)
     engine.shutdown()
