@@ -36,7 +36,7 @@ from typing import Any
 from areno.data.tasks import PromptStream
 from areno.engine.staleness import StalenessManager
 from areno.rollout.client import RolloutClient
-from areno.workflows.base import RolloutWorkflow, as_group, run_episode_name
+from areno.workflows.base import EPISODE_SEED, RolloutWorkflow, as_group, run_episode_name
 
 SEQ_KEY = "ledger_seq"
 """``Trajectory.info`` key holding the ledger number of the sample the trajectory came from."""
@@ -175,7 +175,9 @@ class LedgerWorkflow(RolloutWorkflow):
         found = self.ledger.lookup(sample)
         seq = found[0] if found is not None else None
         # a retry starts its seeds over, as the first attempt of the same sample would
-        token = _EPISODE.set(_EpisodeSeeds(episode_seed(self.seed, found[1]))) if found is not None else None
+        seed = episode_seed(self.seed, found[1]) if found is not None else None
+        token = _EPISODE.set(_EpisodeSeeds(seed)) if seed is not None else None
+        seed_token = EPISODE_SEED.set(seed) if seed is not None else None
         try:
             group = as_group(await self.inner.run_episode(client, sample), source=run_episode_name(self.inner))
         except asyncio.CancelledError:
@@ -187,6 +189,8 @@ class LedgerWorkflow(RolloutWorkflow):
         finally:
             if token is not None:
                 _EPISODE.reset(token)
+            if seed_token is not None:
+                EPISODE_SEED.reset(seed_token)
         if seq is not None:
             if group is None:
                 self.ledger.finished_without_group(seq)

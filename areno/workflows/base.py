@@ -9,6 +9,7 @@ in process or against a remote server. Users write their own workflow by subclas
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import inspect
 import logging
@@ -26,6 +27,11 @@ from areno.rollout.client import RolloutClient
 from areno.types import Trajectory
 
 logger = logging.getLogger(__name__)
+
+EPISODE_SEED: contextvars.ContextVar[int] = contextvars.ContextVar("areno_episode_seed")
+"""The seed of the episode running in this context, set by the engine from the sample's place in the
+data order (training rollouts only): a workflow that draws its own random numbers seeds them from it,
+so a resumed run draws what the uninterrupted one drew."""
 
 EpisodeResult = Trajectory | list[Trajectory] | None
 """What ``run_episode`` returns: one trajectory, a group (GRPO: n samples of one prompt), or None

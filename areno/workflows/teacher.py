@@ -31,6 +31,7 @@ from areno.rollout.client import InProcessRolloutClient, RolloutClient
 from areno.rollout.config import RolloutEngineConfig
 from areno.rollout.engine import RolloutEngine
 from areno.types import SamplingParams, Trajectory
+from areno.workflows.base import EPISODE_SEED
 from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
 from areno.workflows.rlvr import RLVRWorkflow
 
@@ -123,6 +124,11 @@ class _TeacherWorkflow(RLVRWorkflow):
             self._teacher = None
 
     def _rng(self, prompt_ids: list[int]) -> random.Random:
+        """The episode's draws: from its seed in training rollouts (the sample's place in the data order,
+        which a resumed run shares), else from the prompt and how often this workflow has seen it."""
+        episode = EPISODE_SEED.get(None)
+        if episode is not None:
+            return random.Random(f"{self.seed}:episode:{episode}")
         key = zlib.crc32(str(prompt_ids).encode())
         count = self._seen.get(key, 0)
         self._seen[key] = count + 1
