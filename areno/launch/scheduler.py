@@ -32,6 +32,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import pickle
 import secrets
 import shlex
 import signal
@@ -578,8 +579,8 @@ class _RpcScheduler(Scheduler):
     def _roundtrip(self, w: _RpcWorker, msg: tuple, what: str) -> Any:
         assert w.conn is not None
         try:
-            w.conn.send(msg)
-            reply = w.conn.recv()
+            w.conn.send_bytes(pickle.dumps(msg))  # plain pickle both ways: tensors by value (worker.serve)
+            reply = pickle.loads(w.conn.recv_bytes())
         except (EOFError, OSError) as e:
             raise WorkerDiedError(self._died_message(w, what, e)) from None
         return _raise_reply(w.handle, what, reply)

@@ -121,7 +121,9 @@ def serve(address: tuple[str, int], authkey: bytes, role: str, rank: int) -> Non
             continue
         reply = runtime.handle(msg)
         try:
-            conn.send(reply)
+            # plain pickle: Connection.send's pickler hands tensors over by shared memory, whose file
+            # descriptors the controller, not this worker's parent, cannot fetch (AuthenticationError)
+            conn.send_bytes(pickle.dumps(reply))
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             conn.send(("err", type(e).__name__, f"result of {msg[1]!r} cannot be pickled: {e}", ""))
         if msg[0] == "stop":

@@ -47,6 +47,12 @@ class GradWorker:
     def env(self, key: str) -> str | None:
         return os.environ.get(key)
 
+    def doubled(self, state: dict) -> dict:
+        """``state`` with each tensor doubled: tensors travel both ways (a checkpoint's extra state does)."""
+        import torch
+
+        return {k: v * 2 if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
     def pid(self) -> int:
         return os.getpid()
 

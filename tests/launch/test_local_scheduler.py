@@ -159,3 +159,12 @@ def test_slow_call_is_logged_with_the_workers_it_waits_for(sched, monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="areno.launch.scheduler"):
         assert sched.call("actor", "count")  # a quick call logs nothing
     assert not [r for r in caplog.records if "still running" in r.getMessage()]
+
+
+def test_tensors_travel_both_ways(sched):
+    """By value: the default pickler of a connection hands tensors over by shared memory, whose file
+    descriptors the controller could not fetch (AuthenticationError: a colocated checkpoint, whose
+    extra state holds the rollout RNG tensor, could not be resumed partitioned)."""
+    state = {"rng": torch.arange(5, dtype=torch.uint8), "step": 3}
+    (got, _) = sched.call("actor", "doubled", state)
+    assert torch.equal(got["rng"], state["rng"] * 2) and got["step"] == 3
