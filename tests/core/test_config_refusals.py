@@ -214,7 +214,10 @@ def test_areno_demo_resumes_when_asked(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["cluster.allocation_mode=areno:d1t2+fsdp:d1"], r"cluster.rollout_tp .*does not divide num_key_value_heads=1"),
+        (
+            ["cluster.allocation_mode=areno:d1t2+fsdp:d1"],
+            r"cluster.allocation_mode=.*\(t2\): .*does not divide num_key_value_heads=1",
+        ),
         (["cluster.train_devices=[0,0]", "cluster.rollout_devices=[1]"], r"repeats"),
     ],
 )

@@ -13,11 +13,21 @@ from pathlib import Path
 from tests.helpers.configs import train_args
 
 
-def _start(tmp_path: Path, *extra: str) -> subprocess.Popen:
+def _start(tmp_path: Path, *extra: str, stderr=subprocess.PIPE) -> subprocess.Popen:
     args = train_args(tmp_path, "train.steps=500", "data.num_eval=0", *extra)
-    return subprocess.Popen(
-        [sys.executable, "-m", "areno", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return subprocess.Popen([sys.executable, "-m", "areno", *args], stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def _signal_twice(proc: subprocess.Popen, sig: signal.Signals, err: Path) -> str:
+    """``sig``, then again once the run said it heard the first: two signals sent before the handler
+    runs arrive as one (the interpreter keeps one pending flag a signal), which a loaded machine showed."""
+    proc.send_signal(sig)
+    deadline = time.monotonic() + 60
+    while "stopping after this step" not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    return err.read_text()
 
 
 def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int) -> None:
@@ -54,12 +64,10 @@ def test_sigterm_saves_the_step_and_resume_goes_on(tmp_path):
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
-    proc = _start(tmp_path, "reward.fn=tests.helpers.rewards:slow", "reward.sandbox=false")  # steps of ~0.2 s
-    _wait_for_steps(proc, metrics, 1)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.02)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    with (tmp_path / "stderr.txt").open("w") as stderr:
+        proc = _start(tmp_path, "reward.fn=tests.helpers.rewards:slow", "reward.sandbox=false", stderr=stderr)
+        _wait_for_steps(proc, metrics, 1)  # steps of ~0.2 s
+        err = _signal_twice(proc, signal.SIGINT, tmp_path / "stderr.txt")
     assert proc.returncode == 130, err[-2000:]
     # at once: no checkpoint of the step (an episode cut off in the middle may log a line after it)
     assert "stopping after this step" in err and "areno: interrupted" in err.splitlines(), err[-2000:]
@@ -73,12 +81,11 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
 
 def test_a_second_sigterm_stops_at_once_and_says_where_to_go_on(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
-    proc = _start(tmp_path, "reward.fn=tests.helpers.rewards:slow", "reward.sandbox=false", "train.save_interval=1")
-    _wait_for_steps(proc, metrics, 2)  # step 1's checkpoint is written before step 2 is logged
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    extra = ("reward.fn=tests.helpers.rewards:slow", "reward.sandbox=false", "train.save_interval=1")
+    with (tmp_path / "stderr.txt").open("w") as stderr:
+        proc = _start(tmp_path, *extra, stderr=stderr)
+        _wait_for_steps(proc, metrics, 2)  # step 1's checkpoint is written before step 2 is logged
+        err = _signal_twice(proc, signal.SIGTERM, tmp_path / "stderr.txt")
     assert proc.returncode == -signal.SIGTERM, err[-2000:]  # the signal's own end, as before: no cleanup
     last = err.strip().splitlines()[-1]
     newest = sorted((tmp_path / "run" / "checkpoints").glob("step_????????"))[-1]
