@@ -128,10 +128,19 @@ class ClusterLayout:
                 f"e shard ranks; use e.g. fsdp:d{2 * self.train_ep}e{self.train_ep}"
             )
         if self.train_cp > 1 and (self.train_dp_shard % self.train_cp or tp > 1 or self.train_ep > 1):
+            shard = (
+                f" (of cluster.train_dp_replicate={self.train_dp_replicate} replicas)"
+                if self.train_dp_replicate > 1
+                else ""
+            )
+            fix = (
+                "lower cluster.train_dp_replicate or give training more devices"
+                if self.train_dp_replicate > 1 and not (tp > 1 or self.train_ep > 1)
+                else f"use e.g. fsdp:d{2 * self.train_cp}c{self.train_cp}"
+            )
             raise LayoutError(
                 f"{self._source('train_devices')}: training context parallelism c{self.train_cp} must divide the "
-                f"FSDP shard size {self.train_dp_shard} with t1 and e1: use e.g. fsdp:d{2 * self.train_cp}c"
-                f"{self.train_cp}"
+                f"FSDP shard size {self.train_dp_shard}{shard} with t1 and e1: {fix}"
             )
         if self.rollout_tp < 1 or len(self.rollout_devices) % self.rollout_tp:
             raise LayoutError(

@@ -50,6 +50,7 @@ def export_role(backend: PackedTrainBackend, spec: ModelSpecialization, path: st
     state = {name: t.detach().cpu() for name, t in backend.named_weights()}
     if backend.is_rank0:
         save_reward_model(state, backend.model_config, path)
+    backend.barrier()  # as export_hf: no rank reads the directory before rank 0 wrote it
 
 
 class LocalTrainingSide(TrainingSide):

@@ -44,6 +44,7 @@ from areno.launch.servers import (
     free_ports,
     start_servers,
 )
+from areno.models import moe
 from areno.models.config import ModelConfig
 from areno.models.hf_io import read_config
 from areno.rollout.backends.admin import ServerAdmin, admin_for
@@ -258,10 +259,11 @@ class ServerRolloutSide(RolloutSide):
         assert self.nccl is not None and update.source is not None
         if len(paused) < len(self.urls):  # one went away while pausing: the broadcast would hang
             raise RunFailure(f"a {self.backend} server of the NCCL weight-transfer group is gone: {self._lost}")
-        if self._checkpoint_named is None or self._checkpoint_named.source is not update.source:
-            # vLLM loads the checkpoint's names: an expert model's per-expert tensors
-            self._checkpoint_named = CheckpointNamedSource(update.source, self.policy_config)
-        source = self._checkpoint_named
+        source = update.source  # a dense model's names are the checkpoint's already
+        if moe.disk_to_memory(self.policy_config):  # vLLM loads the checkpoint's names: per-expert tensors
+            if self._checkpoint_named is None or self._checkpoint_named.source is not update.source:
+                self._checkpoint_named = CheckpointNamedSource(update.source, self.policy_config)
+            source = self._checkpoint_named
         meta = [(name, tuple(shape), dtype) for name, shape, dtype in source.meta()]
         self.nccl.send(meta, ((name, full_tensor(t)) for name, t in source.iter_tensors()))
         for url in paused:

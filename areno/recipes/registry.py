@@ -620,7 +620,7 @@ def traits_of(name: str) -> RecipeTraits | None:
     factory that cannot be built without options of its own."""
     try:
         return recipe_traits(_example(name))
-    except (ConfigError, TypeError, ValueError):
+    except (ConfigError, TypeError, ValueError, KeyError, OSError, ImportError):  # e.g. it opens a path option
         return None
 
 

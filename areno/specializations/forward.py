@@ -11,7 +11,6 @@ Legend: B = sequences, T = packed tokens, V = vocabulary, D = hidden size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from areno.models import prefix_sharing
@@ -164,6 +163,11 @@ class ScalarHeadModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.decoder.output_weight
 
+    def float32_modules(self) -> list[nn.Module]:
+        """Modules whose parameters stay float32 under mixed precision (FSDP2 gives them a group of
+        their own): a value or score is read to more than bf16's 8 bits."""
+        return [self.score]
+
     def forward(self, input_ids_T, position_ids_T, attn=None, **kwargs) -> torch.Tensor:
         """The decoder's hidden states; ``kwargs`` (a vision-language batch's ``images``) go to it."""
         return self.decoder(input_ids_T, position_ids_T, attn, **kwargs)
@@ -171,11 +175,10 @@ class ScalarHeadModel(nn.Module):
     def scores_T(self, batch: TokenBatch) -> torch.Tensor:
         """Head output at every position [T] (float32): the score *after* reading token t."""
         hidden_TD = hidden_states_TD(self, batch)
-        # float32 whatever the compute dtype: autocast would run the matmul in bf16, and FSDP2 mixed
-        # precision hands out a bf16 weight (then bf16-rounded, its gradient reaching the fp32 master)
-        bias = None if self.score.bias is None else self.score.bias.float()
+        # float32 whatever the compute dtype: autocast would run the matmul in bf16 (FSDP2 keeps the
+        # head's parameters in float32: float32_modules); called as a module so FSDP2 gathers them
         with torch.autocast(hidden_TD.device.type, enabled=False):
-            return F.linear(hidden_TD.float(), self.score.weight.float(), bias).squeeze(-1)
+            return self.score(hidden_TD.float()).squeeze(-1)
 
 
 def values_T(model: ScalarHeadModel, batch: TokenBatch) -> torch.Tensor:

@@ -140,7 +140,9 @@ class DiskTransport(PolicySyncTransport):
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-        self.source = source if model_config is None else CheckpointNamedSource(source, model_config)
+        # a dense model's names are the checkpoint's already: no second pass over the weights to plan them
+        experts = model_config is not None and moe.disk_to_memory(model_config)
+        self.source = CheckpointNamedSource(source, model_config) if experts else source
         self.root = Path(root)
         self.receivers = list(receivers)
         self.is_writer = is_writer

@@ -221,7 +221,13 @@ class PackedTrainBackend(TrainBackend):
         random.seed(cfg.seed)
         decoder, self.model_config = load_model(model_dir, dtype=cfg.torch_dtype(), device="cpu")
         model = decoder if wrap_model is None else wrap_model(decoder)
-        self._decoder_prefix = next(f"{name}." if name else "" for name, m in model.named_modules() if m is decoder)
+        prefix = next((f"{name}." if name else "" for name, m in model.named_modules() if m is decoder), None)
+        if prefix is None:
+            raise ValueError(
+                f"wrap_model returned a {type(model).__name__} that does not hold the loaded decoder: wrap the "
+                "model it is given (as a value head does) rather than copying its weights"
+            )
+        self._decoder_prefix = prefix
         self.shares_prompts = share_prompts = self._share_prompts(model)
         for module in model.modules():  # wrappers (value heads, LoRA) hold the decoder inside
             if isinstance(module, Decoder):
@@ -656,6 +662,10 @@ class PackedTrainBackend(TrainBackend):
             for name in _TOKENIZER_FILES:
                 if (self._model_dir / name).is_file():
                     shutil.copy2(self._model_dir / name, out / name)
+        self._barrier()
+
+    def barrier(self) -> None:
+        """Wait for every training rank (no-op in one process)."""
         self._barrier()
 
     def _barrier(self) -> None:

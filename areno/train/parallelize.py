@@ -175,6 +175,9 @@ def apply_fsdp(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # slow to import: only a sharded run
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for module in model.float32_modules() if hasattr(model, "float32_modules") else ():  # a value or score head
+        fully_shard(module, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=sharded)
     if not one_group:
         for layer in _layers(model):
             fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=sharded, ignored_params=ignored_params)

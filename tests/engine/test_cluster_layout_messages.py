@@ -74,7 +74,8 @@ CASES = {
     "context parallelism with replicate, allocation string": (
         lambda: _from_mode("areno:d1+fsdp:d4c2", train_dp_replicate=4),
         r"^cluster.allocation_mode='areno:d1\+fsdp:d4c2': training context parallelism c2 must divide the FSDP "
-        r"shard size 1 with t1 and e1: use e.g. fsdp:d4c2$",
+        r"shard size 1 \(of cluster.train_dp_replicate=4 replicas\) with t1 and e1: lower cluster.train_dp_replicate "
+        r"or give training more devices$",
     ),
     "rollout TP": (
         lambda: ClusterLayout(train_devices=(0,), rollout_devices=(1, 2, 3), rollout_tp=2),

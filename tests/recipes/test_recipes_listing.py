@@ -2,6 +2,8 @@
 the policy; offline: dataset rows), STALE (what its loss does with rollouts of older policies) and EXTRA
 ROLES (those beside the policy), for the shipped recipes and a user's alike, in 100 columns."""
 
+from pathlib import Path
+
 import pytest
 
 from areno.recipes import TRAINING_CONFIGS, DataSync, ModelRole, TrainingConfig, main, recipe
@@ -84,9 +86,16 @@ def test_a_users_recipe_gets_the_same_columns(capsys, registry):
         """A factory that cannot be built without an option of its own."""
         raise TypeError(path)
 
+    @recipe("my_reads_its_teacher")
+    def my_reads_its_teacher(teacher_path: str = "") -> TrainingConfig:
+        """A factory that opens its path option (the listing builds it with a placeholder path)."""
+        Path(teacher_path, "config.json").read_text()
+        raise AssertionError("unreachable")
+
     rows, _ = _listed(capsys)
     assert rows["my_async_kl"] == ("online", "corrected", "anchor")
     assert rows["my_needs_options"] == ("?", "?", "?")
+    assert rows["my_reads_its_teacher"] == ("?", "?", "?")
 
 
 def test_a_long_role_list_wraps_under_its_column(capsys, registry):

@@ -4,6 +4,7 @@ frozen LM head (CPU)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -195,3 +196,9 @@ def test_a_vision_language_critic_reads_the_images(tmp_path):
         seen_T, blind_T = model.scores_T(batch(True)), model.scores_T(batch(False))
     assert seen_T.shape == (len(prompt_ids) + 3,)
     assert not torch.allclose(seen_T, blind_T)  # the image reached the decoder through the wrapper
+
+
+def test_a_wrap_model_that_drops_the_loaded_decoder_is_named(tmp_path):
+    backend = LocalTrainBackend(TrainBackendConfig(lr=1e-2, device="cpu"))
+    with pytest.raises(ValueError, match="wrap_model returned a Decoder that does not hold the loaded decoder"):
+        backend.initialize(make_model_dir(tmp_path / "model", layers=1), wrap_model=copy.deepcopy)

@@ -44,31 +44,29 @@ def _losses(backend, steps: int = 3) -> list[tuple[float, float]]:
 def _bf16_worker(rank, world, model_dir, out_dir):
     b = FSDP2TrainBackend(TrainBackendConfig(**CFG, param_dtype="bfloat16"))
     b.initialize(model_dir, wrap_model=ScalarHeadModel)
+    with torch.no_grad():  # one rank: the local shard is the whole head
+        b.model.score.weight.to_local().zero_()
+        b.model.score.bias.to_local().fill_(PI)
+    pinned = b.forward_only(random_batch(LENGTHS, VOCAB, 9), forward_fn=_scores)["scores_T"]
     before = b.model.score.weight.full_tensor().clone()
-    result = {"losses": _losses(b)}
+    result = {"losses": _losses(b), "pinned": pinned}
     result["score_moved"] = float((b.model.score.weight.full_tensor() - before).abs().sum())
-    read = {}
-
-    def scores_and_weight_dtype(model, mb):
-        out = _scores(model, mb)
-        read["weight"] = model.score.weight.dtype  # the unsharded parameter the head read
-        return out
-
-    result["dtype"] = b.forward_only(random_batch(LENGTHS, VOCAB, 9), forward_fn=scores_and_weight_dtype)[
-        "scores_T"
-    ].dtype
-    result["weight_dtype"] = read["weight"]
     if rank == 0:
         torch.save(result, Path(out_dir) / "bf16.pt")
 
 
-def test_a_value_head_trains_under_fsdp_bf16_mixed_precision(tmp_path):
-    """The head's unsharded parameter is bf16 there; it computes in float32 and its master weight trains."""
+PI = 3.14159
+"""A head bias that bf16 rounds (to 3.140625)."""
+
+
+def test_a_value_head_trains_in_float32_under_fsdp_bf16_mixed_precision(tmp_path):
+    """The decoder computes in bf16; the head's parameters stay float32 (a group of their own), so a
+    bias of 3.14159 scores 3.14159, not bf16's 3.140625, and the head trains."""
     model_dir = make_model_dir(tmp_path / "model", layers=1)
     spawn(_bf16_worker, 1, str(model_dir), str(tmp_path), tmp=tmp_path)
     result = torch.load(tmp_path / "bf16.pt", weights_only=True)
-    assert result["dtype"] == torch.float32
-    assert result["weight_dtype"] == torch.bfloat16  # so the head's weight is bf16-rounded there
+    assert result["pinned"].dtype == torch.float32
+    assert torch.equal(result["pinned"], torch.full_like(result["pinned"], PI))
     assert result["score_moved"] > 0
     assert all(grad_norm > 0 for _, grad_norm in result["losses"])
 
