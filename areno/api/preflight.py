@@ -279,11 +279,17 @@ def check_held_out(config: ArenoConfig) -> None:
 
 def check_placement(config: ArenoConfig, recipe: TrainingConfig) -> None:
     """A partitioned placement needs a recipe with a rollout side (an offline one would run colocated)."""
-    if config.cluster.asks_partitioned() and not recipe.online and config.rollout.backend == "areno":
+    cluster = config.cluster
+    if cluster.asks_partitioned() and not recipe.online:
+        given = (
+            f"cluster.allocation_mode={cluster.allocation_mode!r}"
+            if cluster.allocation_mode
+            else "cluster.train_devices / cluster.rollout_devices"
+        )
         raise ConfigError(
-            f"train.algorithm={recipe.name!r} trains offline, with no rollout side, but cluster.train_devices / "
-            "rollout_devices or a '+' cluster.allocation_mode partition the run: unset them to train it "
-            "colocated on cluster.device"
+            f"train.algorithm={recipe.name!r} trains offline on the dataset's rows in this process (any held-out "
+            f"evaluation samples beside it), but {given} would partition the run: unset it to train colocated "
+            "on cluster.device"
         )
 
 

@@ -93,7 +93,12 @@ def _checked(tmp_path, *extra: str) -> None:
         (["test_rollout.enabled=true", "data.num_eval=0"], r"test_rollout.enabled: there are no held-out rows"),
         (
             ["train.algorithm=sft", "cluster.train_devices=[0]", "cluster.rollout_devices=[1]"],
-            r"train.algorithm='sft' trains offline, with no rollout side",
+            r"train.algorithm='sft' trains offline .* but cluster.train_devices / cluster.rollout_devices would "
+            r"partition the run: unset it",
+        ),
+        (
+            ["train.algorithm=sft", "cluster.allocation_mode='vllm:d1+fsdp:d1'"],
+            r"train.algorithm='sft' trains offline .* but cluster.allocation_mode='vllm:d1\+fsdp:d1' would partition",
         ),
         (["reward.sandbox=false", "reward.timeout_s=3"], r"reward.timeout_s bounds the reward's sandbox workers"),
         (

@@ -60,7 +60,7 @@ def test_launch_allocation_checks_the_recipe_roles_and_the_layout(capsys):
     assert code == 2 and "cluster.allocation_mode.critic: device 1 does not exist: 1 device(s)" in err
     assert run(capsys, *critic, "2")[0] == 0
     code, _, err = run(capsys, "launch", "allocation", "areno:d1+fsdp:d1", "--algorithm", "sft")
-    assert code == 2 and "trains offline, with no rollout side" in err
+    assert code == 2 and "trains offline on the dataset's rows in this process" in err
     code, out, _ = run(capsys, "launch", "allocation", "areno[rollout]:d2t2+fsdp[actor]:d4", "--devices", "8")
     assert code == 0
     assert json.loads(out)["layout"].startswith("train [4, 5, 6, 7] (mesh rep x shard x tp = (1, 4, 1))")
