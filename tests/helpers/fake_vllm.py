@@ -122,3 +122,24 @@ def fake_vllm_app(model_dir: Path, eos_token_id: int, *, weight_transfer: bool =
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     return app
+
+
+class RecordingGroup:
+    """Stands in for the NCCL group: the tensors rank 0 broadcasts, in order."""
+
+    def __init__(self) -> None:
+        self.joined: tuple | None = None
+        self.sent: list = []
+
+
+class StartedServer:
+    """What ``start_servers`` returns for a server that is already up (the stand-in)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass

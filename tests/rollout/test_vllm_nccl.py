@@ -23,7 +23,7 @@ from areno.launch.servers import ServerSpec, server_command
 from areno.models.hf_io import init_model_dir, load_model, tiny_config
 from areno.rollout.backends.nccl import NcclWeightTransfer
 from areno.sync.base import NamedTensorSource
-from tests.helpers.fake_vllm import fake_vllm_app
+from tests.helpers.fake_vllm import RecordingGroup, StartedServer, fake_vllm_app
 from tests.helpers.serving import serving
 
 
@@ -65,27 +65,6 @@ def test_nccl_without_cuda_is_refused_before_anything_starts(tmp_path, monkeypat
     assert not started
 
 
-class RecordingGroup:
-    """Stands in for the NCCL group: the tensors rank 0 broadcasts, in order."""
-
-    def __init__(self) -> None:
-        self.joined: tuple | None = None
-        self.sent: list[tuple[str, torch.Tensor]] = []
-
-
-class _Started:
-    """What ``start_servers`` returns for a server that is already up (the stand-in)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def alive(self) -> bool:
-        return True
-
-    def stop(self) -> None:
-        pass
-
-
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch):
     """A ``ServerRolloutSide`` with nccl whose 'started' server is the stand-in and whose group records."""
@@ -117,7 +96,7 @@ def _cpu_transfer(*args, join, send, **kwargs):
 
 
 def _side(tmp_path: Path, model: Path, app, monkeypatch, url: str) -> ServerRolloutSide:
-    monkeypatch.setattr("areno.engine.servers.start_servers", lambda specs, log_dir, timeout_s: [_Started(url)])
+    monkeypatch.setattr("areno.engine.servers.start_servers", lambda specs, log_dir, timeout_s: [StartedServer(url)])
     cfg = load_config(
         None,
         [f"model.path={model}", f"run_dir={tmp_path / 'run'}", "rollout.backend=vllm", "rollout.weight_transfer=nccl"],

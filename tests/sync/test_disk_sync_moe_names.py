@@ -25,7 +25,7 @@ from areno.models.hf_io import build_model, load_model, save_model, tiny_config
 from areno.rollout.backends.nccl import NcclWeightTransfer
 from areno.sync.base import NamedTensorSource
 from areno.sync.disk import CheckpointNamedSource, DiskTransport, latest_policy
-from tests.helpers.fake_vllm import fake_vllm_app
+from tests.helpers.fake_vllm import RecordingGroup, StartedServer, fake_vllm_app
 from tests.helpers.moe import saved_by_transformers
 from tests.helpers.serving import serving
 
@@ -113,32 +113,12 @@ def test_dense_disk_sync_is_unchanged(tmp_path):
     _assert_same(named, expected)
 
 
-class _RecordingGroup:
-    """Stands in for the NCCL group: the tensors rank 0 broadcasts, in order."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, torch.Tensor]] = []
-
-
-class _Started:
-    """What ``start_servers`` returns for a server that is already up (the stand-in)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def alive(self) -> bool:
-        return True
-
-    def stop(self) -> None:
-        pass
-
-
 def test_nccl_sync_of_an_expert_model_sends_the_checkpoints_names(tmp_path, monkeypatch):
     """``rollout.weight_transfer=nccl`` against the stand-in vLLM server and a recording group: the
     announced names and shapes, and the tensors broadcast, are the checkpoint's."""
     decoder, config, model_dir = _expert_model("mixtral", tmp_path)
     expected = load_file(save_model(decoder, config, tmp_path / "saved") / "model.safetensors")
-    group = _RecordingGroup()
+    group = RecordingGroup()
     transfer = functools.partial(
         NcclWeightTransfer, join=lambda *a: group, send=lambda tensors, g: g.sent.extend(tensors)
     )
@@ -150,7 +130,9 @@ def test_nccl_sync_of_an_expert_model_sends_the_checkpoints_names(tmp_path, monk
     monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
     app = fake_vllm_app(model_dir, build_char_tokenizer().eos_token_id)
     with serving(app) as url:
-        monkeypatch.setattr("areno.engine.servers.start_servers", lambda specs, log_dir, timeout_s: [_Started(url)])
+        monkeypatch.setattr(
+            "areno.engine.servers.start_servers", lambda specs, log_dir, timeout_s: [StartedServer(url)]
+        )
         cfg = load_config(
             None,
             [
