@@ -489,6 +489,9 @@ def _placeholders(name: str) -> dict[str, str]:
 _DPO_BETA = "DPO's beta (> 0): the strength of the implicit KL to the reference."
 """dpo's and dpo_distributed's factory option and DPOSpecialization's, one meaning."""
 
+_BETA_DECAY = "Policy versions over which beta goes linearly from beta_start to beta_end (0: beta_end from the start)."
+"""mixed_loss_dagger_opd's factory option and MixedLossDaggerOPDSpecialization's, one meaning."""
+
 OPTION_DOCS: dict[tuple[str, str], str] = {
     # factory options of the built-in recipes ("*": any recipe)
     ("*", "kl_coef"): "Weight (>= 0) of the KL to a frozen reference, the initial policy; > 0 adds the reference "
@@ -522,10 +525,8 @@ OPTION_DOCS: dict[tuple[str, str], str] = {
     ("MixedLossDaggerOPDSpecialization", "beta_start"): "beta at policy version 0, in [0, 1]: the weight of the "
     "cross-entropy on teacher-executed tokens (1 - beta: the k3 term's on the student's).",
     ("MixedLossDaggerOPDSpecialization", "beta_end"): "beta from version beta_decay_steps on, in [0, 1].",
-    ("MixedLossDaggerOPDSpecialization", "beta_decay_steps"): "Policy versions over which beta goes linearly from "
-    "beta_start to beta_end (0: beta_end from the start).",
-    ("mixed_loss_dagger_opd", "beta_decay_steps"): "Policy versions over which beta goes linearly from "
-    "beta_start to beta_end (0: beta_end from the start).",
+    ("MixedLossDaggerOPDSpecialization", "beta_decay_steps"): _BETA_DECAY,
+    ("mixed_loss_dagger_opd", "beta_decay_steps"): _BETA_DECAY,
     ("AggrevateSpecialization", "q_source"): "Where the action value Q comes from (the recipe's q_source).",
 }
 """The one-line meaning of a recipe factory's option (keyed by recipe name, or ``*``) or of a
