@@ -548,6 +548,12 @@ class _RpcScheduler(Scheduler):
         """What a worker that has not connected is doing, for the connect timeout's message."""
         return ""
 
+    @staticmethod
+    def _start_timed_out(err: WorkerError, workers: list[_RpcWorker]) -> bool:
+        """Whether ``_connect`` failed on its connect timeout alone (no worker died, none connected and
+        then raised in its constructor): what a subclass explains with its own scheduler's causes."""
+        return not isinstance(err, WorkerDiedError) and all(w.conn is None for w in workers)
+
     def _connect(self, workers: list[_RpcWorker]) -> None:
         by_key = {(w.handle.role, w.handle.index): w for w in workers}
         arrived = self._hub.wait(
@@ -776,7 +782,7 @@ class LocalScheduler(_RpcScheduler):
         try:
             super()._connect(workers)
         except WorkerError as e:
-            if isinstance(e, WorkerDiedError) or any(w.conn is not None for w in workers):
+            if not self._start_timed_out(e, workers):
                 raise  # a worker died, or a constructor raised: the message says which
             raise WorkerError(
                 f"{e} ({OPTIONS_KEY}.connect_timeout_s): a worker still running is slow to start (imports, "

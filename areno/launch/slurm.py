@@ -409,7 +409,7 @@ class SlurmScheduler(_RpcScheduler):
         try:
             super()._connect(workers)
         except WorkerError as e:
-            if isinstance(e, WorkerDiedError) or any(w.conn is not None for w in workers):
+            if not self._start_timed_out(e, workers):
                 raise  # a worker died, or a constructor raised: the message says which
             jobs = sorted({self._job_of_role[w.handle.role] for w in workers if w.handle.role in self._job_of_role})
             states = ", ".join(f"SLURM job {j} is {self.job_state(j)}" for j in jobs)

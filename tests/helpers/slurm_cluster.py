@@ -15,7 +15,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from areno.launch.scheduler import free_port
+from areno.launch.scheduler import RoleSpec, SchedulerConfig, free_port
+from areno.launch.slurm import render_sbatch
 
 
 def slurm_available() -> str | None:
@@ -110,3 +111,17 @@ def slurm_cluster(root: Path, cpus: int = 8) -> Iterator[dict[str, str]]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def minimal_sbatch(cfg: SchedulerConfig) -> str:
+    """The sbatch script of one one-task role under ``cfg``, with placeholder paths."""
+    return render_sbatch(
+        [RoleSpec(role="actor", worker_cls="m:C", n=1)],
+        cfg=cfg,
+        controller="h:1",
+        job_dir="/j",
+        master_ports={"role:actor": 2},
+        python="python3",
+        pythonpath="/p",
+        workdir="/w",
+    )

@@ -8,7 +8,7 @@ from areno.launch.factory import scheduler_from_config
 from areno.launch.scheduler import RoleSpec, SchedulerConfig, SchedulerError, WorkerDiedError
 from areno.launch.slurm import SlurmScheduler, render_sbatch
 from tests.helpers.launch_workers import local_gradient
-from tests.helpers.slurm_cluster import slurm_available, slurm_cluster
+from tests.helpers.slurm_cluster import minimal_sbatch, slurm_available, slurm_cluster
 
 EXPECTED = textwrap.dedent(
     """\
@@ -74,16 +74,7 @@ def test_render_one_step_per_role():
 
 
 def test_render_minimal():
-    script = render_sbatch(
-        [RoleSpec(role="actor", worker_cls="m:C", n=1)],
-        cfg=SchedulerConfig(type="slurm"),
-        controller="h:1",
-        job_dir="/j",
-        master_ports={"role:actor": 2},
-        python="python3",
-        pythonpath="/p",
-        workdir="/w",
-    )
+    script = minimal_sbatch(SchedulerConfig(type="slurm"))
     assert "--partition" not in script and "--account" not in script and "--gpus" not in script
     assert "#SBATCH --time=01:00:00\n" in script and "#SBATCH --ntasks=1\n" in script
 

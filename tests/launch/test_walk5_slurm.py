@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from areno.launch.scheduler import RoleSpec, SchedulerConfig, SchedulerError, WorkerDiedError, WorkerError
-from areno.launch.slurm import SlurmScheduler, render_sbatch, sbatch_preview, time_limit_note
+from areno.launch.slurm import SlurmScheduler, sbatch_preview, time_limit_note
+from tests.helpers.slurm_cluster import minimal_sbatch
 
 WORKER = "tests.helpers.launch_workers:GradWorker"
 JOB = "4242"
@@ -244,16 +245,7 @@ def test_a_driver_inside_an_allocation_is_told_it_submits_another_job(slurm, tmp
 
 def test_no_time_limit_unless_one_is_set():
     cfg = SchedulerConfig(type="slurm", slurm_time=None)
-    script = render_sbatch(
-        [RoleSpec(role="actor", worker_cls="m:C", n=1)],
-        cfg=cfg,
-        controller="h:1",
-        job_dir="/j",
-        master_ports={"role:actor": 2},
-        python="python3",
-        pythonpath="/p",
-        workdir="/w",
-    )
+    script = minimal_sbatch(cfg)
     assert "--time" not in script
     assert time_limit_note(cfg) == "no --time: the partition's default time limit applies"
     assert time_limit_note(SchedulerConfig(type="slurm", slurm_time="2-00:00:00")).startswith(
