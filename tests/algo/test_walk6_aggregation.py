@@ -7,8 +7,8 @@ import torch
 
 from areno.algo import aggregation_denominator, aggregation_weights_T, statistics_weights_T
 from areno.specializations import ActorConfig, ActorSpecialization
-from areno.types import TokenBatch, Trajectory
-from tests.helpers.recipes import PlainReducer, make_decoder, naive_logprobs
+from areno.types import TokenBatch
+from tests.helpers.recipes import PlainReducer, group_batch_of, make_decoder, naive_logprobs
 
 CU = torch.tensor([0, 3, 7, 9])
 MASK = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0, 1], dtype=torch.bool)  # sequences of 2, 3 and 1 loss tokens
@@ -59,21 +59,8 @@ def test_a_constant_of_ones_averages_to_one_across_micro_batches():
 
 
 def _batch() -> TokenBatch:
-    gen = torch.Generator().manual_seed(5)
-    trajs = []
-    for gid, reward, n_prompt, n_comp in (("a", 1.0, 3, 4), ("a", 0.0, 2, 2), ("b", 0.0, 2, 3), ("b", 1.0, 3, 1)):
-        ids = torch.randint(3, 24, (n_prompt + n_comp,), generator=gen).tolist()
-        trajs.append(
-            Trajectory(
-                prompt_ids=ids[:n_prompt],
-                completion_ids=ids[n_prompt:],
-                logprobs=[0.0] * n_comp,
-                versions=[0] * n_comp,
-                reward=reward,
-                group_id=gid,
-            )
-        )
-    return TokenBatch.from_trajectories(trajs)
+    specs = [("a", 1.0, 3, 4), ("a", 0.0, 2, 2), ("b", 0.0, 2, 3), ("b", 1.0, 3, 1)]
+    return group_batch_of(specs, seed=5, vocab=24, version=0)
 
 
 @pytest.mark.parametrize("constant", [4.0, 1024.0])

@@ -37,24 +37,31 @@ def model_fixture() -> Decoder:
     return make_decoder(0)
 
 
-def rl_batch() -> TokenBatch:
-    """6 sequences in 3 groups; group c has equal rewards (dynamic sampling drops it)."""
-    gen = torch.Generator().manual_seed(1)
-    specs = [("a", 1.0, 3, 4), ("a", 0.0, 3, 2), ("b", 0.2, 2, 5), ("b", 1.0, 2, 3), ("c", 1.0, 4, 2), ("c", 1.0, 4, 3)]
+def group_batch_of(
+    specs: list[tuple[str, float, int, int]], *, seed: int, vocab: int = VOCAB, version: int = 3
+) -> TokenBatch:
+    """Sequences of random tokens, one per ``(group_id, reward, prompt tokens, completion tokens)``."""
+    gen = torch.Generator().manual_seed(seed)
     trajs = []
     for gid, reward, n_prompt, n_comp in specs:
-        ids = torch.randint(3, VOCAB, (n_prompt + n_comp,), generator=gen).tolist()
+        ids = torch.randint(3, vocab, (n_prompt + n_comp,), generator=gen).tolist()
         trajs.append(
             Trajectory(
                 prompt_ids=ids[:n_prompt],
                 completion_ids=ids[n_prompt:],
                 logprobs=[0.0] * n_comp,
-                versions=[3] * n_comp,
+                versions=[version] * n_comp,
                 reward=reward,
                 group_id=gid,
             )
         )
     return TokenBatch.from_trajectories(trajs)
+
+
+def rl_batch() -> TokenBatch:
+    """6 sequences in 3 groups; group c has equal rewards (dynamic sampling drops it)."""
+    specs = [("a", 1.0, 3, 4), ("a", 0.0, 3, 2), ("b", 0.2, 2, 5), ("b", 1.0, 2, 3), ("c", 1.0, 4, 2), ("c", 1.0, 4, 3)]
+    return group_batch_of(specs, seed=1)
 
 
 def with_behaviour_logprobs(batch: TokenBatch, logp_T: torch.Tensor, seed: int = 2, scale: float = 0.3) -> TokenBatch:
