@@ -480,7 +480,8 @@ def _flatten_vl(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], tupl
     if "vision_config" not in d:
         raise ValueError("Qwen2_5_VLForConditionalGeneration config.json has no 'vision_config'")
     flat = {**d, **(d.get("text_config") or {})}
-    flat["architectures"] = d["architectures"]
+    # transformers 4.57 writes a config built in Python with `architectures` in text_config only
+    flat["architectures"] = d.get("architectures") or ["Qwen2_5_VLForConditionalGeneration"]
     rope = dict(flat.get("rope_parameters") or flat.get("rope_scaling") or {})
     section = rope.pop("mrope_section", None)
     if section is None:

@@ -122,10 +122,12 @@ def test_real_configs(d, n_params, tmp_path):
     assert ref.architectures == d["architectures"]
     for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert getattr(ref, key) == d[key], key
-    assert ref.rope_parameters["rope_theta"] == float(d["rope_theta"])
+    # transformers 5 reads RoPE into rope_parameters, 4.x keeps rope_theta and rope_scaling
+    rope = getattr(ref, "rope_parameters", None) or {"rope_theta": ref.rope_theta, **(ref.rope_scaling or {})}
+    assert rope["rope_theta"] == float(d["rope_theta"])
     if d.get("rope_scaling"):
-        assert ref.rope_parameters["rope_type"] == "llama3"
-        assert ref.rope_parameters["factor"] == 32.0
+        assert rope["rope_type"] == "llama3"
+        assert rope["factor"] == 32.0
 
 
 def test_llama3_eos_list_and_unknown_arch():

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -17,6 +18,8 @@ from areno.errors import ModelDirError
 from areno.models import Decoder, ModelConfig, check_tp_size, load_model, moe, save_model, tiny_config
 from areno.models.logprobs import packed_logprobs
 from tests.helpers.moe import VOCAB, saved_by_transformers
+
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 def _ref_logprobs(ref, ids_T):
@@ -33,7 +36,8 @@ LAYOUTS = ["qwen3_moe", "qwen3_moe_unnormed", "mixtral"]
 def test_logits_equal_transformers_on_its_checkpoint(layout, tmp_path):
     ref = saved_by_transformers(layout, tmp_path)
     model, config = load_model(tmp_path)
-    assert config.num_experts == ref.config.num_local_experts
+    # transformers 5 names it num_local_experts on every MoE config, 4.x num_experts on Qwen3-MoE's
+    assert config.num_experts == (getattr(ref.config, "num_local_experts", None) or ref.config.num_experts)
     g = torch.Generator().manual_seed(1)
     lens = [9, 14, 5]
     seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
@@ -43,6 +47,8 @@ def test_logits_equal_transformers_on_its_checkpoint(layout, tmp_path):
     expected = torch.cat([_ref_logprobs(ref, s) for s in seqs])
     assert expected.abs().max() > 1.0
     assert (ours - expected).abs().max().item() <= 1e-4
+    if TRANSFORMERS_MAJOR < 5:  # 4.x keeps a module per expert in memory; the disk names are tested below
+        return
     # in memory: transformers 5's names and shapes
     ref_sd, ours_sd = ref.state_dict(), model.state_dict()
     assert sorted(ours_sd) == sorted(ref_sd)

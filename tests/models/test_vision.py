@@ -3,6 +3,8 @@ saved by ``transformers`` itself: image patches, M-RoPE positions, logits with a
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from PIL import Image
 from torch.distributed.device_mesh import init_device_mesh
 
 from areno.errors import ConfigError
+from areno.models.config import ModelConfig
 from areno.models.hf_io import load_model, save_model
 from areno.models.vision import (
     ImageInputs,
@@ -31,6 +34,15 @@ transformers = pytest.importorskip("transformers")
 IMAGE, START, END = 60, 58, 59
 
 
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+ROPE = (
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}}
+    if TRANSFORMERS_MAJOR >= 5
+    else {"rope_theta": 10000.0, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
+)
+"""The text decoder's M-RoPE in the form the installed transformers reads (the 4.x form in older checkpoints)."""
+
+
 def save_tiny_vl(path, seed: int = 0) -> None:
     """A random Qwen2.5-VL checkpoint written by transformers (vision: 2 blocks, patch 4, window 16)."""
     torch.manual_seed(seed)
@@ -43,7 +55,7 @@ def save_tiny_vl(path, seed: int = 0) -> None:
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+            **ROPE,
         ),
         vision_config=dict(
             depth=2,
@@ -77,8 +89,18 @@ def random_image(h: int, w: int, seed: int = 0):
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
+def mm_kwargs(ids_T: torch.Tensor) -> dict:
+    """The image-token mask transformers 5's Qwen2.5-VL takes beside the ids (4.x finds the tokens itself)."""
+    return {"mm_token_type_ids": (ids_T == IMAGE).int()[None]} if TRANSFORMERS_MAJOR >= 5 else {}
+
+
 def hf_processor(vc):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    try:  # transformers 5
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError:  # 4.x: the same processor under its older name
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
+            Qwen2VLImageProcessor as Qwen2VLImageProcessorPil,
+        )
 
     return Qwen2VLImageProcessorPil(
         patch_size=vc.patch_size,
@@ -115,7 +137,10 @@ def test_logits_equal_transformers_with_an_image_and_text_only(vl_dir):
     ids_T = torch.tensor(ids)
     pos_3T = mrope_positions(ids, images.grid_thw, vc)
     grid = torch.tensor([images.grid_thw[0]])
-    hf_pos, _ = ref.model.get_rope_index(ids_T[None], (ids_T == IMAGE).int()[None], image_grid_thw=grid)
+    if TRANSFORMERS_MAJOR >= 5:
+        hf_pos, _ = ref.model.get_rope_index(ids_T[None], (ids_T == IMAGE).int()[None], image_grid_thw=grid)
+    else:
+        hf_pos, _ = ref.model.get_rope_index(ids_T[None], image_grid_thw=grid)
     assert torch.equal(pos_3T, hf_pos[:, 0])
     with torch.no_grad():
         got = model.logits(model(ids_T, pos_3T, images=images))
@@ -123,7 +148,7 @@ def test_logits_equal_transformers_with_an_image_and_text_only(vl_dir):
             input_ids=ids_T[None],
             pixel_values=images.pixel_values,
             image_grid_thw=grid,
-            mm_token_type_ids=(ids_T == IMAGE).int()[None],
+            **mm_kwargs(ids_T),
         ).logits[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     text_T = torch.tensor([3, 4, 5, 6, 7, 8])
@@ -161,7 +186,7 @@ def test_rollout_engine_greedy_tokens_equal_transformers_generate(vl_dir):
         input_ids=ids_T[None],
         pixel_values=images.pixel_values,
         image_grid_thw=torch.tensor(images.grid_thw),
-        mm_token_type_ids=(ids_T == IMAGE).int()[None],
+        **mm_kwargs(ids_T),
         max_new_tokens=6,
         do_sample=False,
         eos_token_id=None,
@@ -235,3 +260,16 @@ def test_batched_segment_attention_equals_a_loop_over_segments(cu_seqlens):
     torch.testing.assert_close(got, want)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_a_config_with_architectures_only_in_text_config_loads(vl_dir, tmp_path):
+    """transformers 4.57 writes a Qwen2.5-VL config built in Python with ``architectures`` under
+    ``text_config`` alone; the top-level ``model_type`` names the model."""
+    d = json.loads((vl_dir / "config.json").read_text())
+    arch = d.pop("architectures", None) or d["text_config"]["architectures"]
+    d["text_config"]["architectures"] = arch
+    config = ModelConfig.from_hf(d)
+    assert config.architecture == "Qwen2_5_VLForConditionalGeneration"
+    loaded = load_model(vl_dir)[1]
+    assert config.mrope_section == loaded.mrope_section == (1, 1, 2)
+    assert config.replace(vision=loaded.vision) == loaded
