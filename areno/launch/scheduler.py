@@ -510,7 +510,7 @@ def _missing_worker(key: tuple[str, int], logs: dict | None, describe: Callable 
 
 
 class _RpcScheduler(Scheduler):
-    """Shared machinery of schedulers whose workers run ``python -m areno.launch.worker``."""
+    """Shared machinery of schedulers whose workers run ``areno.launch.worker``'s ``main`` (``WORKER_MAIN``)."""
 
     connect_timeout_s: float
 
@@ -704,7 +704,7 @@ def _visible_devices() -> list[str] | None:
 
 
 class LocalScheduler(_RpcScheduler):
-    """Workers as subprocesses of this machine (``python -m areno.launch.worker``).
+    """Workers as subprocesses of this machine (``areno.launch.worker``'s ``main``, ``WORKER_MAIN``).
 
     Each role gets ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (one per world); a worker's
     ``CUDA_VISIBLE_DEVICES`` holds the physical ids of its logical devices. Worker output goes to
