@@ -5,6 +5,10 @@ Legend: T = packed tokens. With ``log_ratio = logp - ref_logp`` and samples draw
     k1 = log_ratio                          (unbiased, high variance, can be negative)
     k2 = 0.5 * log_ratio**2                 (biased, low variance; its gradient is the KL's)
     k3 = exp(-log_ratio) + log_ratio - 1    (unbiased, low variance, always >= 0)
+As a loss differentiated through ``logp`` on the policy's own samples (a pathwise gradient, the samples
+held fixed), the expected gradients differ from the values' meaning: k1's is 0 (E[grad log pi] = 0),
+k2's is that of KL(pi || pi_ref), k3's that of the forward KL(pi_ref || pi) (DeepSeekMath's GRPO
+KL loss).
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ from __future__ import annotations
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+LOSS_KL_ESTIMATORS = ("k2", "k3")
+"""The estimators whose gradient, as a loss term, is a KL's (k1's expected gradient is 0)."""
 
 
 def kl_estimate_T(

@@ -531,7 +531,7 @@ def synchronous_decoupled_warning(config: ArenoConfig, recipe: TrainingConfig) -
 def mixed_loss_warning(config: ArenoConfig, recipe: TrainingConfig) -> str | None:
     """What a mixed DAgger/OPD policy trains on at first when areno's workflow marks no completion token
     teacher-executed (not ``TeacherMixtureWorkflow``, or that workflow with ``beta=0``): its cross-entropy
-    term, weighted beta (1 at the start by default), is 0, and the k3 term has weight 1 - beta, which the
+    term, weighted beta (1 at the start by default), is 0, and the reverse-KL term has weight 1 - beta, which the
     schedule raises from 0. None where the CE term has weight 0 from the start, the workflow executes
     teacher tokens, or it is a user's workflow (which may mark them)."""
     spec = recipe.policy_role.build()
@@ -556,7 +556,7 @@ def mixed_loss_warning(config: ArenoConfig, recipe: TrainingConfig) -> str | Non
         f"beta_decay_steps={decay} policy versions)"
     )
     return (
-        f"train.algorithm={recipe.name}: {why}, so the cross-entropy term (weight beta) is 0 and only the k3 term "
+        f"train.algorithm={recipe.name}: {why}, so the cross-entropy term (weight beta) is 0 and only the reverse-KL term "
         f"on the student's tokens trains, with weight 1 - beta = {weights}: for DAgger's teacher-executed tokens set "
         "rollout.workflow=areno.workflows.teacher:TeacherMixtureWorkflow (rollout.workflow_kwargs.beta > 0); for "
         "on-policy distillation from the first step set train.algorithm_kwargs.beta_start=0 (or use train.algorithm=opd)"

@@ -511,13 +511,15 @@ def reward_model() -> TrainingConfig:
 # ------------------------------------------------------------------------------ distillation / imitation
 @recipe("opd")
 def opd(teacher_path: str | None = None) -> TrainingConfig:
-    """On-policy distillation: the student samples, a frozen teacher scores; reverse-KL k3 loss.
+    """On-policy distillation: the student samples, a frozen teacher scores; per-token reverse KL.
 
-    loss = sum_t k3(pi_student, pi_teacher)_t / #tokens on the student's own completions
-    (Agarwal et al. 2024; Thinking Machines 2025), both scored at rollout.temperature T,
-    log softmax(z / T), as TRL's GKDTrainer divides both logits by its temperature: the target is the
-    teacher's sampling distribution at T. Uses the k3 estimator's gradient, not the
-    sequence-level score-function gradient. Needs teacher_path.
+    loss = sum_t 0.5 (log pi_student - log pi_teacher)_t^2 / #tokens on the student's own completions
+    (k2; Agarwal et al. 2024; Thinking Machines 2025): its gradient is, in expectation over the
+    student's samples, the per-token reverse KL(student || teacher)'s, the policy gradient with reward
+    log pi_teacher - log pi_student that OPD uses; kl_estimator=k3 follows the forward KL instead.
+    Both are scored at rollout.temperature T, log softmax(z / T), as TRL's GKDTrainer divides both
+    logits by its temperature: the target is the teacher's sampling distribution at T. The KL's
+    log-ratio is clamped to +-20 (no gradient beyond). Needs teacher_path.
     """
     return TrainingConfig(
         name="opd",
@@ -609,10 +611,11 @@ def aggrevate(
 
 @recipe("mixed_loss_dagger_opd")
 def mixed_loss_dagger_opd(teacher_path: str | None = None, beta_decay_steps: int = 100) -> TrainingConfig:
-    """Mixed DAgger/OPD: CE on teacher-executed tokens, k3 reverse-KL on student tokens, beta schedule.
+    """Mixed DAgger/OPD: CE on teacher-executed tokens, reverse KL on student tokens, beta schedule.
 
-    loss = sum_t [beta CE_t 1(teacher-executed) + (1 - beta) k3_t 1(student-executed)] / #tokens,
-    beta linear from beta_start = 1 (pure CE) to beta_end = 0 (pure k3) over beta_decay_steps policy
+    loss = sum_t [beta CE_t 1(teacher-executed) + (1 - beta) k2_t 1(student-executed)] / #tokens
+    (k2 as opd's: the reverse KL's gradient in expectation),
+    beta linear from beta_start = 1 (pure CE) to beta_end = 0 (pure k2) over beta_decay_steps policy
     versions; the student and the teacher are scored at rollout.temperature (as opd). Needs
     teacher_path; teacher-executed tokens come from the workflow
     (areno.workflows.teacher:TeacherMixtureWorkflow marks them teacher_executed_T); with the

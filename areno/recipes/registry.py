@@ -520,10 +520,11 @@ OPTION_DOCS: dict[tuple[str, str], str] = {
     "role's); logprobs_T, log-probs recorded with the data, is refused on preference files, which record none.",
     ("RewardModelSpecialization", "margin"): "Subtracted from the chosen-minus-rejected score inside the "
     "Bradley-Terry loss, -log sigmoid(s_c - s_r - margin); 0: plain Bradley-Terry.",
-    ("DistillSpecialization", "kl_estimator"): "The per-token estimator of the reverse KL(student || teacher): "
-    "k1, k2 or k3.",
+    ("DistillSpecialization", "kl_estimator"): "The per-token KL estimator the loss differentiates: k2, whose "
+    "gradient is the reverse KL(student || teacher)'s in expectation, or k3, the forward KL(teacher || student)'s "
+    "(mode-covering); k1 is refused (its expected gradient is 0).",
     ("MixedLossDaggerOPDSpecialization", "beta_start"): "beta at policy version 0, in [0, 1]: the weight of the "
-    "cross-entropy on teacher-executed tokens (1 - beta: the k3 term's on the student's).",
+    "cross-entropy on teacher-executed tokens (1 - beta: the reverse-KL term's on the student's).",
     ("MixedLossDaggerOPDSpecialization", "beta_end"): "beta from version beta_decay_steps on, in [0, 1].",
     ("MixedLossDaggerOPDSpecialization", "beta_decay_steps"): _BETA_DECAY,
     ("mixed_loss_dagger_opd", "beta_decay_steps"): _BETA_DECAY,

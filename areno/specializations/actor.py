@@ -25,6 +25,7 @@ from torch import nn
 from areno.algo import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    LOSS_KL_ESTIMATORS,
     aggregation_denominator,
     aggregation_weights_T,
     broadcast_to_tokens_T,
@@ -165,6 +166,13 @@ class ActorConfig:
             f"must be > 1 or None (the lower bound c A on negative advantages), got {self.dual_clip_c}",
         )
         check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        check(
+            self.kl_coef == 0 or self.kl_in_reward or self.kl_estimator in LOSS_KL_ESTIMATORS,
+            "kl_estimator",
+            f"must be k3 or k2 while the KL is a loss term (kl_coef={self.kl_coef:g}, kl_in_reward=false), got "
+            f"{self.kl_estimator!r}: its expected gradient on the policy's samples is 0 (E[grad log pi] = 0), so the "
+            "term would add noise and no KL; set kl_estimator=k3, or kl_in_reward=true to keep k1 as a reward penalty",
+        )
         check(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(0 <= self.gamma <= 1, "gamma", f"must be in [0, 1], got {self.gamma}")

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from areno.algo import KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
+from areno.algo import KL_ESTIMATORS, LOSS_KL_ESTIMATORS, kl_estimate_T, masked_whiten_T, nll_loss_T
 from areno.errors import ConfigError, DataError
 from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, check_arguments, reduce_stats
 from areno.specializations.forward import token_logprobs_T
@@ -74,23 +74,31 @@ class DistillSpecialization(ModelSpecialization):
     """On-policy distillation (Agarwal et al. 2024 GKD with a reverse KL; Thinking Machines' OPD):
     the student samples, a frozen teacher scores the same tokens (``teacher_logprobs_T``), and
 
-        loss_t = k(pi_student, pi_teacher)_t,   k3 = exp(t - s) + (s - t) - 1
+        loss_t = k2_t = 0.5 (s - t)^2
 
-    with ``s, t`` the student and teacher log-probs of the sampled token: a per-token estimate of
-    the reverse KL(student || teacher) on the student's own samples. Departure: the estimator's
-    own gradient ``(1 - exp(t - s)) grad s`` is used (as for GRPO's KL loss), not the
-    score-function gradient of the sequence-level reverse KL."""
+    with ``s, t`` the student and teacher log-probs of the sampled token. Its gradient
+    ``(s - t) grad s`` is, in expectation over the student's samples, that of the per-token reverse
+    KL(student || teacher): the policy gradient with the reward ``t - s`` that OPD uses. The logged
+    ``distill/reverse_kl`` is the k3 estimate of that KL (unbiased, >= 0). ``kl_estimator=k3`` makes
+    the loss k3, whose gradient ``(1 - exp(t - s)) grad s`` follows the forward KL(teacher ||
+    student) (mode-covering) instead; k1 is refused: its expected gradient is 0."""
 
     output_keys = ("logprobs_T",)
     required_extra_keys = ("teacher_logprobs_T",)
 
     def __init__(
-        self, *, kl_estimator: str = "k3", temperature: float = 1.0, logprob_chunk_size: int | None = None
+        self, *, kl_estimator: str = "k2", temperature: float = 1.0, logprob_chunk_size: int | None = None
     ) -> None:
         check_arguments(DistillSpecialization, locals())
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"DistillSpecialization kl_estimator: must be one of {KL_ESTIMATORS}, got {kl_estimator!r}"
+            )
+        if kl_estimator not in LOSS_KL_ESTIMATORS:
+            raise ValueError(
+                f"DistillSpecialization kl_estimator: {kl_estimator!r} as the loss has an expected gradient of 0 on "
+                "the student's samples (E[grad log pi] = 0), so it would train on noise: use k2 (the default: the "
+                "reverse KL's gradient) or k3 (the forward KL's)"
             )
         self.kl_estimator = kl_estimator
         self.temperature = temperature
@@ -104,10 +112,12 @@ class DistillSpecialization(ModelSpecialization):
     def compute_loss(self, model_output, batch, reducer) -> tuple[torch.Tensor, Metrics]:
         logp_T = model_output["logprobs_T"]
         mask_T = _mask(batch, logp_T.device)
-        kl_T = kl_estimate_T(
-            logp_T, batch.extra["teacher_logprobs_T"].to(logp_T.device), mask_T, estimator=self.kl_estimator
+        teacher_T = batch.extra["teacher_logprobs_T"].to(logp_T.device)
+        loss_T = kl_estimate_T(logp_T, teacher_T, mask_T, estimator=self.kl_estimator)
+        kl_T = (
+            loss_T if self.kl_estimator == "k3" else kl_estimate_T(logp_T.detach(), teacher_T, mask_T, estimator="k3")
         )
-        return reducer(kl_T, mask_T), reduce_stats({"reverse_kl": kl_T}, mask_T, reducer, "distill")
+        return reducer(loss_T, mask_T), reduce_stats({"reverse_kl": kl_T}, mask_T, reducer, "distill")
 
 
 class DaggerSpecialization(ModelSpecialization):
@@ -224,10 +234,12 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
     """Per-token mix of DAgger and on-policy distillation on trajectories where some tokens were
     executed by the teacher (``teacher_executed_T`` True) and the rest by the student:
 
-        loss_t = beta * CE_t * [teacher-executed] + (1 - beta) * k3_t * [student-executed]
-        CE_t = -log pi_student(x_t),   k3_t = exp(t - s) + (s - t) - 1
+        loss_t = beta * CE_t * [teacher-executed] + (1 - beta) * k2_t * [student-executed]
+        CE_t = -log pi_student(x_t),   k2_t = 0.5 (s - t)^2
 
-    β=1 is pure cross-entropy on teacher tokens, β=0 pure reverse-KL k3 on student tokens. β
+    β=1 is pure cross-entropy on teacher tokens, β=0 pure on-policy distillation on student tokens
+    (k2: the reverse KL(student || teacher)'s gradient in expectation, as ``DistillSpecialization``;
+    the logged ``mixed/k3`` is the k3 estimate of that KL). β
     follows a linear schedule from ``beta_start`` to ``beta_end`` over ``beta_decay_steps`` policy
     versions (read from the batch's ``policy_version_B``). Without ``teacher_executed_T`` every
     token counts as student-executed."""
@@ -275,8 +287,11 @@ class MixedLossDaggerOPDSpecialization(ModelSpecialization):
         step = int(batch.extra[POLICY_VERSION_KEY][0]) if POLICY_VERSION_KEY in batch.extra else 0
         beta = self.beta(step)
         ce_T = nll_loss_T(logp_T, mask_T & teacher_T)
-        k3_T = kl_estimate_T(logp_T, batch.extra["teacher_logprobs_T"].to(dev), mask_T & ~teacher_T, estimator="k3")
-        loss_T = beta * ce_T + (1 - beta) * k3_T
+        student_T = mask_T & ~teacher_T
+        teacher_logp_T = batch.extra["teacher_logprobs_T"].to(dev)
+        k2_T = kl_estimate_T(logp_T, teacher_logp_T, student_T, estimator="k2")
+        k3_T = kl_estimate_T(logp_T.detach(), teacher_logp_T, student_T, estimator="k3")
+        loss_T = beta * ce_T + (1 - beta) * k2_T
         metrics = reduce_stats({"ce": ce_T, "k3": k3_T}, mask_T, reducer, "mixed")
         metrics["mixed/beta"] = torch.tensor(beta) * reducer(torch.ones_like(logp_T), mask_T).detach()
         return reducer(loss_T, mask_T), metrics

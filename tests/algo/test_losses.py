@@ -121,6 +121,38 @@ def test_kl_estimators():
         kl_estimate_T(logp, ref, mask, estimator="k4")
 
 
+def _expected_loss_gradient(estimator: str, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """E_{x ~ pi}[grad kl_estimate(log pi(x), log q(x))], the sampled tokens held fixed: every token of the
+    vocabulary as a sample, weighted by its (detached) probability under the student."""
+    theta = student.clone().requires_grad_(True)
+    logp, logq = F.log_softmax(theta, -1), F.log_softmax(teacher, -1)
+    loss_V = kl_estimate_T(logp, logq, torch.ones_like(logp, dtype=torch.bool), estimator=estimator)
+    (logp.exp().detach() * loss_V).sum().backward()
+    return theta.grad
+
+
+def test_each_kl_estimator_as_a_loss_follows_the_gradient_it_is_documented_to():
+    """As a loss on the policy's own samples, k2's expected gradient is the reverse KL(pi || q)'s, k3's the
+    forward KL(q || pi)'s, k1's zero (``areno.algo.kl``): why opd differentiates k2 and no loss takes k1."""
+    g = torch.Generator().manual_seed(0)
+    student, teacher = (
+        torch.randn(6, generator=g, dtype=torch.float64),
+        torch.randn(6, generator=g, dtype=torch.float64),
+    )
+
+    def grad_of(kl) -> torch.Tensor:
+        theta = student.clone().requires_grad_(True)
+        kl(F.log_softmax(theta, -1), F.log_softmax(teacher, -1)).backward()
+        return theta.grad
+
+    reverse = grad_of(lambda lp, lq: (lp.exp() * (lp - lq)).sum())
+    forward = grad_of(lambda lp, lq: (lq.exp() * (lq - lp)).sum())
+    assert (reverse - forward).abs().max() > 0.05  # the two directions differ here
+    torch.testing.assert_close(_expected_loss_gradient("k2", student, teacher), reverse)
+    torch.testing.assert_close(_expected_loss_gradient("k3", student, teacher), forward)
+    torch.testing.assert_close(_expected_loss_gradient("k1", student, teacher), torch.zeros(6, dtype=torch.float64))
+
+
 def test_value_entropy_nll():
     v = torch.tensor([1.0, 0.0, 2.0])
     old = torch.tensor([0.5, 0.5, 2.0])

@@ -138,6 +138,18 @@ def test_policy_kwargs_become_the_actor_config():
         get_recipe("grpo", policy_kwargs={"logprob_chunk_size": 0})
 
 
+def test_k1_is_refused_where_the_kl_is_a_loss_term_only():
+    """k1's expected gradient as a loss is 0 (tests/algo/test_losses.py): a KL loss term of k1 would add noise
+    and no KL; as a reward penalty (reinforce_pp, ppo_kl) or at kl_coef 0 it is accepted."""
+    with pytest.raises(
+        ConfigError, match=r"ActorConfig.kl_estimator must be k3 or k2 while the KL is a loss term .*got 'k1'"
+    ):
+        get_recipe("grpo", kl_coef=0.1, policy_kwargs={"kl_estimator": "k1"})
+    ActorConfig(kl_coef=0.1, kl_estimator="k1", kl_in_reward=True, advantage_estimator="reinforce_pp")
+    ActorConfig(kl_coef=0.0, kl_estimator="k1")
+    get_recipe("reinforce_pp").policy_role.build()
+
+
 def test_teacher_without_checkpoint():
     with pytest.raises(ConfigError, match="role 'teacher' needs a checkpoint"):
         get_recipe("opd")

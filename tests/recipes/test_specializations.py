@@ -278,18 +278,27 @@ def test_sft_distill_and_mixed(model):
     assert loss.item() == pytest.approx(-sum(float(logp[t]) for t in pos) / len(pos), rel=1e-5)
     tb = with_extra(batch, teacher_logprobs_T=teacher)
     k3 = {t: math.exp(float(teacher[t] - logp[t])) - float(teacher[t] - logp[t]) - 1 for t in pos}
-    opd = DistillSpecialization()
-    loss, _ = loss_of(opd, model, opd.prepare_batch(tb))
+    k2 = {t: 0.5 * float(logp[t] - teacher[t]) ** 2 for t in pos}
+    opd = DistillSpecialization()  # the loss differentiates k2 (the reverse KL's gradient), k3 is logged
+    loss, metrics = loss_of(opd, model, opd.prepare_batch(tb))
+    assert loss.item() == pytest.approx(sum(k2.values()) / len(pos), rel=1e-4)
+    assert metrics["distill/reverse_kl"].item() == pytest.approx(sum(k3.values()) / len(pos), rel=1e-4)
+    opd3 = DistillSpecialization(kl_estimator="k3")
+    loss, _ = loss_of(opd3, model, opd3.prepare_batch(tb))
     assert loss.item() == pytest.approx(sum(k3.values()) / len(pos), rel=1e-4)
+    with pytest.raises(ValueError, match="'k1' as the loss has an expected gradient of 0.*use k2"):
+        DistillSpecialization(kl_estimator="k1")
     executed = torch.zeros(batch.num_tokens, dtype=torch.bool)
     executed[pos[::2]] = True  # every other completion token came from the teacher
     mixed = MixedLossDaggerOPDSpecialization(beta_start=1.0, beta_end=0.0, beta_decay_steps=4)
     assert [mixed.beta(s) for s in (0, 1, 4, 9)] == [1.0, 0.75, 0.0, 0.0]
     mb = with_extra(tb, teacher_executed_T=executed, policy_version_B=torch.full((6,), 1))
     loss, metrics = loss_of(mixed, model, mixed.prepare_batch(mb))
-    expected = sum(0.75 * -float(logp[t]) if executed[t] else 0.25 * k3[t] for t in pos) / len(pos)
+    expected = sum(0.75 * -float(logp[t]) if executed[t] else 0.25 * k2[t] for t in pos) / len(pos)
     assert loss.item() == pytest.approx(expected, rel=1e-4)
     assert metrics["mixed/beta"].item() == pytest.approx(0.75)
+    student_k3 = sum(k3[t] for t in pos if not executed[t]) / len(pos)
+    assert metrics["mixed/k3"].item() == pytest.approx(student_k3, rel=1e-4)
 
 
 def test_dagger_and_aggrevate(model):

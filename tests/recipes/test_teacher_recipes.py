@@ -57,8 +57,8 @@ def test_trajectory_extras_reach_the_batch():
 
 @pytest.mark.parametrize("beta", [1.0, 0.0, 0.25])
 def test_mixed_loss_on_a_two_role_run(beta, tmp_path, teacher_dir):
-    """loss = sum_t [beta CE_t e_t + (1 - beta) k3_t (1 - e_t)] / #loss tokens, with e_t the
-    teacher-executed mask the workflow recorded, CE and k3 from naive forwards of both checkpoints."""
+    """loss = sum_t [beta CE_t e_t + (1 - beta) k2_t (1 - e_t)] / #loss tokens, with e_t the
+    teacher-executed mask the workflow recorded, CE and k2 (k3 logged) from naive forwards of both checkpoints."""
     kwargs = f"{{teacher_path: {teacher_dir}, beta_start: {beta}, beta_end: {beta}}}"
     overrides = tiny_run_overrides(tmp_path) + [
         "train.algorithm=mixed_loss_dagger_opd",
@@ -81,7 +81,7 @@ def test_mixed_loss_on_a_two_role_run(beta, tmp_path, teacher_dir):
     executed = batch.extra["teacher_executed_T"].tolist()
     flags = [t.info["teacher"] for t in rollout.trajectories]
     assert any(flags) and not all(flags)  # both executed in this rollout
-    ce = k3 = 0.0
+    ce = k2 = k3 = 0.0
     for i, m in enumerate(mask):
         if not m:
             continue
@@ -92,16 +92,18 @@ def test_mixed_loss_on_a_two_role_run(beta, tmp_path, teacher_dir):
         if executed[i]:
             ce += -s
         else:
+            k2 += 0.5 * (s - t) ** 2
             k3 += math.exp(t - s) - (t - s) - 1
     n = sum(mask)
-    expected = (beta * ce + (1 - beta) * k3) / n
+    expected = (beta * ce + (1 - beta) * k2) / n
     assert metrics["train/policy/mixed/beta"] == pytest.approx(beta)
     assert metrics["train/policy/loss"] == pytest.approx(expected, rel=1e-4)
     if beta == 1.0:  # cross-entropy on the teacher's tokens: no longer 0 at version 0
         assert metrics["train/policy/loss"] > 0.1
         assert metrics["train/policy/mixed/ce"] == pytest.approx(ce / n, rel=1e-4)
     if beta == 0.0:  # pure OPD on the student's tokens
-        assert metrics["train/policy/loss"] == pytest.approx(k3 / n, rel=1e-4)
+        assert metrics["train/policy/loss"] == pytest.approx(k2 / n, rel=1e-4)
+        assert metrics["train/policy/mixed/k3"] == pytest.approx(k3 / n, rel=1e-4)
 
 
 def test_aggrevate_teacher_q_on_a_two_role_run(tmp_path, teacher_dir):

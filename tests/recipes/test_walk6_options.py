@@ -75,8 +75,8 @@ def test_an_option_the_loss_never_reads_is_refused(name, kwargs, why, readers):
         ("grpo_async", {"behav_imp_weight_cap": 2.0, "behav_weight_mode": "truncate"}),
         ("grpo", {"use_decoupled_loss": True, "behav_imp_weight_cap": 2.0}),  # the setting that reads it
         ("cispo", {"clip_eps_high": None, "clip_eps": 0.3}),  # clip_eps is then cispo's upper bound
-        ("grpo", {"kl_coef": 0.1, "kl_estimator": "k1"}),
-        ("reinforce_pp", {"kl_in_reward": False}),  # the KL moves into the loss
+        ("grpo", {"kl_coef": 0.1, "kl_estimator": "k2"}),
+        ("reinforce_pp", {"kl_in_reward": False, "kl_estimator": "k3"}),  # the KL moves into the loss
         ("ppo", {"gae_lambda": 0.5, "dual_clip_c": 3.0}),
         ("dapo", {"overlong_penalty": 2.0}),
         ("dr_grpo", {"loss_agg_constant": 7.0}),
@@ -168,7 +168,7 @@ def test_areno_recipes_lists_every_option_with_its_value_and_meaning(name, capsy
 def test_the_options_walk6_found_hidden_are_listed(capsys):
     assert "    label_smoothing=0.0\n        cDPO" in _listed("dpo", capsys)
     assert "    margin=0.0\n        Subtracted from the chosen-minus-rejected score" in _listed("reward_model", capsys)
-    assert "    kl_estimator=k3\n" in _listed("opd", capsys)
+    assert "    kl_estimator=k2\n" in _listed("opd", capsys)
     out = _listed("mixed_loss_dagger_opd", capsys)
     assert "    beta_start=1.0\n" in out and "    beta_end=0.0\n" in out
     out = _listed("ppo", capsys)
