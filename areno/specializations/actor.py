@@ -119,7 +119,7 @@ class ActorConfig:
     """What exceeding the cap does: ``mask`` drops the token, ``truncate`` clips the weight."""
     # ---------------------------------------------------------------- batch shaping
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (DAPO's dynamic sampling)."""
+    """Drop groups whose rewards are all equal before the overlong penalty (DAPO's dynamic sampling)."""
     overlong_max_length: int | None = None
     """Completion length past which DAPO's overlong penalty applies; None: no penalty."""
     overlong_buffer_length: int = 0
@@ -259,6 +259,13 @@ class ActorSpecialization(ModelSpecialization):
         self._check_extra(rollout_data)
         kept_B = None
         batch = rollout_data
+        # the filter reads the task's rewards, before the overlong penalty (DAPO's eq. 11 keeps a group by
+        # its accuracy): a group all wrong at different lengths would otherwise train on its lengths alone
+        keep_B = (
+            dynamic_sampling_keep_B(batch.rewards_B, group_index_B(_group_ids(batch)))
+            if self.config.dynamic_sampling
+            else None
+        )
         if self.config.overlong_max_length is not None:
             lengths_B = _completion_lengths_B(batch)
             penalty_B = overlong_penalty_B(
@@ -268,8 +275,7 @@ class ActorSpecialization(ModelSpecialization):
                 penalty=self.config.overlong_penalty,
             )
             batch = dataclasses.replace(batch, rewards_B=batch.rewards_B + penalty_B)
-        if self.config.dynamic_sampling:
-            keep_B = dynamic_sampling_keep_B(batch.rewards_B, group_index_B(_group_ids(batch)))
+        if keep_B is not None:
             if keep_B.any():
                 batch = batch.select(torch.nonzero(keep_B).flatten().tolist())
                 kept_B = keep_B.bool()

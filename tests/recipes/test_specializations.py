@@ -96,11 +96,13 @@ def test_actor_dapo_drops_zero_variance_groups_and_penalises_overlong(model):
         ActorConfig(advantage_estimator="grpo", dynamic_sampling=True, overlong_max_length=4, overlong_buffer_length=2)
     )
     prepared = spec.prepare_batch(batch)
-    # completion lengths 4, 2 | 5, 3 | 2, 3 -> penalties -1, 0 | -1, -0.5 | 0, -0.5 (L_max 4,
-    # buffer 2), so rewards become 0, 0 | -0.8, 0.5 | 1, 0.5: group a is now zero-variance and
-    # dropped, group c (1, 1 before the penalty) is kept
-    assert prepared.group_ids == ["b", "b", "c", "c"]
-    assert prepared.rewards_B.tolist() == pytest.approx([-0.8, 0.5, 1.0, 0.5])
+    # The filter reads the rewards before the penalty, as DAPO's eq. 11 keeps groups by accuracy: group c
+    # (1, 1) is dropped though its lengths 2, 3 would give it rewards 1, 0.5 (advantages from length
+    # alone); completion lengths 4, 2 | 5, 3 -> penalties -1, 0 | -1, -0.5 (L_max 4, buffer 2), so
+    # the kept rewards become 0, 0 | -0.8, 0.5 (group a's advantages are then 0)
+    assert prepared.group_ids == ["a", "a", "b", "b"]
+    assert prepared.rewards_B.tolist() == pytest.approx([0.0, 0.0, -0.8, 0.5])
+    assert prepared.advantages_T[completion_positions(prepared, 0)].abs().max().item() == 0.0
 
 
 def test_actor_kl_and_entropy_terms(model):

@@ -271,7 +271,8 @@ def test_dr_grpo_constant_follows_max_new_tokens(policy_dir):
 def test_dapo_overlong_penalty_follows_max_new_tokens(policy_dir):
     """L_max = rollout.max_new_tokens, L_buf = L_max // 5 (at least 1) by default. rl_batch's completions
     are 4, 2, 5, 3, 2, 3 tokens; at max_new_tokens=5 and L_buf=3 the penalty (L_max - L_buf - |o|) / L_buf
-    is -2/3, 0, -1, -1/3, 0, -1/3, and the loss is GRPO's on the penalised rewards (ratio 1)."""
+    is -2/3, 0, -1, -1/3, 0, -1/3, and the loss is GRPO's on the penalised rewards (ratio 1) of the groups
+    whose rewards differ before the penalty (group c's, 1 and 1, do not: it is dropped)."""
     policy = resolved(policy_dir, "dapo", max_new_tokens=10).policy_role.init_kwargs
     assert (policy["overlong_max_length"], policy["overlong_buffer_length"]) == (10, 2)
     policy = resolved(policy_dir, "dapo", max_new_tokens=4).policy_role.init_kwargs
@@ -283,12 +284,12 @@ def test_dapo_overlong_penalty_follows_max_new_tokens(policy_dir):
     prepared = RecipeRunner(recipe, backends_for(recipe, policy_dir)).prepare(batch)["policy"]
     rewards = [1.0, 0.0, 0.2, 1.0, 1.0, 1.0]
     penalised = [r + p for r, p in zip(rewards, [-2 / 3, 0.0, -1.0, -1 / 3, 0.0, -1 / 3])]
-    assert prepared.rewards_B.tolist() == pytest.approx(penalised, abs=1e-6)
-    adv = grpo_adv(penalised)  # group c's rewards now differ: no group is dropped
+    assert prepared.rewards_B.tolist() == pytest.approx(penalised[:4], abs=1e-6)
+    adv = grpo_adv(penalised[:4])  # group c's penalised rewards differ, by length alone: still dropped
     m = step(recipe, policy_dir, batch)
     lengths = [len(completion_positions(batch, b)) for b in range(6)]
     assert lengths == [4, 2, 5, 3, 2, 3]
-    expected = sum(-adv[b] * lengths[b] for b in range(6)) / sum(lengths)
+    expected = sum(-adv[b] * lengths[b] for b in range(4)) / sum(lengths[:4])
     assert m["policy/loss"] == pytest.approx(expected, abs=1e-5)
 
 
