@@ -5,6 +5,10 @@ Legend: B = sequences, T = packed tokens. Every function returns ``(loss_T, stat
 ``loss_T`` is the per-token loss (0 outside ``loss_mask_T``) and ``stats`` maps a metric name to
 a detached per-token float tensor (e.g. a 0/1 clip indicator). Reduction over tokens is left to
 the caller's ``Reducer`` so the same numbers are produced for any micro-batching.
+
+Departure: a log-ratio is clamped at ``LOG_RATIO_MAX`` before its exponential (float32's ``exp``
+overflows past ~88.7, and one inf ratio made the whole step's gradient NaN): a token beyond it has the
+ratio ``exp(LOG_RATIO_MAX)`` and no gradient through it, as in verl.
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ import torch
 from areno.types import repeat_per_sequence, sequence_index_T
 
 Stats = dict[str, torch.Tensor]
+
+LOG_RATIO_MAX = 20.0
+"""The largest log-ratio a ratio is taken of (``areno.algo.kl`` clamps the KL's log-ratio at the same bound)."""
+
+
+def _ratio(log_ratio_T: torch.Tensor) -> torch.Tensor:
+    return torch.exp(log_ratio_T.clamp(max=LOG_RATIO_MAX))
 
 
 def _masked(x_T: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
@@ -41,7 +52,7 @@ def ppo_clip_loss_T(
     """
     eps_high = eps_low if eps_high is None else eps_high
     log_ratio_T = _masked(logprobs_T - old_logprobs_T.detach(), loss_mask_T)
-    ratio_T = torch.exp(log_ratio_T)
+    ratio_T = _ratio(log_ratio_T)
     pg1_T = -advantages_T * ratio_T
     pg2_T = -advantages_T * torch.clamp(ratio_T, 1.0 - eps_low, 1.0 + eps_high)
     loss_T = torch.maximum(pg1_T, pg2_T)
@@ -78,7 +89,7 @@ def behaviour_importance_weight_T(
     """
     if mode not in ("mask", "truncate"):
         raise ValueError(f"behaviour weight mode must be 'mask' or 'truncate', got {mode!r}")
-    w_T = torch.exp(_masked(prox_logprobs_T - behave_logprobs_T, loss_mask_T)).detach()
+    w_T = _ratio(_masked(prox_logprobs_T - behave_logprobs_T, loss_mask_T)).detach()
     over_T = torch.zeros_like(w_T, dtype=torch.bool)
     if cap is not None:
         if cap <= 0:
@@ -193,7 +204,7 @@ def gspo_loss_T(
     seq_log_ratio_B = sequence_mean_B(log_ratio_T, cu_seqlens_B1, mask_T)
     seq_log_ratio_T = repeat_per_sequence(seq_log_ratio_B, cu_seqlens_B1)
     log_s_T = seq_log_ratio_T.detach() + logprobs_T - logprobs_T.detach()
-    s_T = torch.exp(log_s_T)
+    s_T = _ratio(log_s_T)
     pg1_T = -advantages_T * s_T
     pg2_T = -advantages_T * torch.clamp(s_T, 1.0 - eps_low, 1.0 + eps_high)
     loss_T = torch.maximum(pg1_T, pg2_T)
@@ -222,7 +233,7 @@ def cispo_loss_T(
     ``approx_kl``, ``ratio``.
     """
     log_ratio_T = _masked(logprobs_T - old_logprobs_T.detach(), loss_mask_T)
-    ratio_T = torch.exp(log_ratio_T).detach()
+    ratio_T = _ratio(log_ratio_T).detach()
     lo = 0.0 if eps_low is None else 1.0 - eps_low
     weight_T = ratio_T.clamp(min=lo, max=1.0 + eps_high)
     loss_T = -weight_T * advantages_T * logprobs_T

@@ -49,6 +49,32 @@ def test_ppo_clip_loss_clip_higher_and_dual_clip():
     assert logp.grad.tolist() == pytest.approx([0, 0, 0, -0.5, 0], abs=1e-6)
 
 
+@pytest.mark.parametrize("loss", ["ppo", "dual_clip", "decoupled", "gspo", "cispo"])
+def test_a_log_ratio_past_exps_range_gives_finite_losses_and_gradients(loss):
+    """float32's exp overflows past ~88.7: an inf ratio made a zero-advantage token's loss NaN (0 * inf) and a
+    clipped token's gradient NaN, and so the whole step's. The ratio is taken of the log-ratio clamped at
+    LOG_RATIO_MAX (walk12)."""
+    logp = torch.tensor([89.0, 89.0, 89.0, 1e-4], requires_grad=True)  # the last inside every clip range
+    old = torch.zeros(4)
+    adv = torch.tensor([0.0, 1.0, -1.0, 1.0])
+    mask = torch.ones(4, dtype=torch.bool)
+    cu = torch.tensor([0, 1, 2, 3, 4])
+    out = {
+        "ppo": lambda: ppo_clip_loss_T(logp, old, adv, mask),
+        "dual_clip": lambda: ppo_clip_loss_T(logp, old, adv, mask, dual_clip_c=3.0),
+        "decoupled": lambda: decoupled_ppo_loss_T(logp, old, old - 95.0, adv, mask, behav_imp_weight_cap=None),
+        "gspo": lambda: gspo_loss_T(logp, old, adv, mask, cu),
+        "cispo": lambda: cispo_loss_T(logp, old, adv, mask),
+    }[loss]()
+    loss_T, stats = out
+    loss_T.sum().backward()
+    assert torch.isfinite(loss_T).all() and torch.isfinite(logp.grad).all(), (loss_T, logp.grad)
+    assert all(torch.isfinite(v).all() for v in stats.values())
+    if loss != "cispo":  # a clipped or zero-advantage token has no gradient; the in-range one keeps its own
+        assert logp.grad[:2].tolist() == [0.0, 0.0]
+        assert logp.grad[3].item() != 0.0
+
+
 def test_decoupled_ppo_mask_and_truncate():
     behave = torch.log(torch.tensor([0.5, 0.5, 0.1]))
     prox = torch.log(torch.tensor([0.6, 0.5, 0.6]))  # w = 1.2, 1.0, 6.0
