@@ -26,24 +26,30 @@ def group_index_B(group_ids: list[str]) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
-def _group_stats(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-group (count_G, sum_G, sumsq_G) by scatter-add."""
+def _group_stats(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (count_G, sum_G) by scatter-add, in float64."""
     num_groups = int(group_B.max().item()) + 1 if group_B.numel() else 0
     values_B = values_B.to(torch.float64)
     count_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_B, torch.ones_like(values_B))
     sum_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_B, values_B)
-    sumsq_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_B, values_B**2)
-    return count_G, sum_G, sumsq_G
+    return count_G, sum_G
+
+
+def _group_deviation_std_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, in float64: its value minus its group's mean, and the group's unbiased std (two
+    passes: rewards far from 0 keep their differences, which a float32 mean or a sum of squares loses)."""
+    count_G, sum_G = _group_stats(values_B, group_B)
+    dev_B = values_B.to(torch.float64) - (sum_G / count_G)[group_B]
+    sq_G = torch.zeros_like(sum_G).index_add_(0, group_B, dev_B**2)
+    std_G = (sq_G / (count_G - 1).clamp(min=1)).sqrt()
+    return dev_B, std_G[group_B]
 
 
 def group_mean_std_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence (mean, std) of its group, std unbiased (n-1, as torch.std and TRL); a
     singleton group has std 0."""
-    count_G, sum_G, sumsq_G = _group_stats(values_B, group_B)
-    mean_G = sum_G / count_G
-    var_G = (sumsq_G - count_G * mean_G**2) / (count_G - 1).clamp(min=1)
-    std_G = var_G.clamp(min=0).sqrt()
-    return mean_G[group_B].to(values_B.dtype), std_G[group_B].to(values_B.dtype)
+    dev_B, std_B = _group_deviation_std_B(values_B, group_B)
+    return (values_B.to(torch.float64) - dev_B).to(values_B.dtype), std_B.to(values_B.dtype)
 
 
 def grpo_advantages_B(
@@ -60,13 +66,12 @@ def grpo_advantages_B(
     difficulty bias of the std. std is the unbiased (n-1) estimate and eps is added to the std
     (not the variance), both as in TRL's GRPOTrainer; the paper does not specify either.
     """
-    mean_B, std_B = group_mean_std_B(rewards_B, group_B)
-    adv_B = rewards_B - mean_B
+    adv_B, std_B = _group_deviation_std_B(rewards_B, group_B)
     if scale_by_std:
         denom_B = std_B + eps
         # A zero-variance group has a zero numerator; keep it 0 even with eps = 0.
         adv_B = torch.where(denom_B > 0, adv_B / denom_B.clamp(min=1e-30), torch.zeros_like(adv_B))
-    return adv_B
+    return adv_B.to(rewards_B.dtype)
 
 
 def rloo_advantages_B(rewards_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tensor:
@@ -76,7 +81,7 @@ def rloo_advantages_B(rewards_B: torch.Tensor, group_B: torch.Tensor) -> torch.T
     gets advantage 0 rather than r_i (the estimator is undefined there; 0 avoids an unbaselined
     gradient).
     """
-    count_G, sum_G, _ = _group_stats(rewards_B, group_B)
+    count_G, sum_G = _group_stats(rewards_B, group_B)
     n_B = count_G[group_B]
     r_B = rewards_B.to(torch.float64)
     baseline_B = (sum_G[group_B] - r_B) / (n_B - 1).clamp(min=1)
@@ -170,8 +175,7 @@ def reinforce_pp_advantages_T(
     enters as a reward (see ``kl.kl_reward_penalty_T``).
     """
     if group_B is not None:
-        mean_B, _ = group_mean_std_B(rewards_B, group_B)
-        rewards_B = rewards_B - mean_B
+        rewards_B = _group_deviation_std_B(rewards_B, group_B)[0].to(rewards_B.dtype)
     returns_T = sequence_returns_T(rewards_B, cu_seqlens_B1, loss_mask_T, token_rewards_T=token_rewards_T, gamma=gamma)
     return masked_whiten_T(returns_T, loss_mask_T, eps=eps)
 

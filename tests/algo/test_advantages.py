@@ -36,6 +36,26 @@ def test_grpo_advantages_std_and_dr_grpo():
     assert dr.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
 
 
+def test_group_statistics_keep_small_differences_of_large_rewards():
+    """Rewards of 1000 + 2^-13 steps (exact in float32): a float32 mean, or a variance from the sum of
+    squares, loses the steps (walk12: grpo gave [-0.563, 0, 0.563, -0.563]); the estimators subtract
+    the group mean in float64 and take the std of the deviations."""
+    offsets = [0.0, 2**-13, 2**-12, 0.0]
+    group_B = torch.zeros(4, dtype=torch.long)
+    for base in (0.0, 1000.0):
+        rewards_B = torch.tensor([base + o for o in offsets])
+        ref = torch.tensor(offsets, dtype=torch.float64)
+        dev = ref - ref.mean()
+        torch.testing.assert_close(
+            grpo_advantages_B(rewards_B, group_B), (dev / (ref.std() + 1e-4)).float(), rtol=1e-5, atol=1e-7
+        )
+        torch.testing.assert_close(grpo_advantages_B(rewards_B, group_B, scale_by_std=False), dev.float())
+        cu = torch.tensor([0, 2, 4, 6, 8])
+        mask = torch.tensor([False, True] * 4)
+        baseline = reinforce_pp_advantages_T(rewards_B, cu, mask, group_B=group_B)
+        torch.testing.assert_close(baseline[mask], masked_whiten_T(dev.float().repeat_interleave(2), mask)[mask])
+
+
 def test_rloo_leave_one_out():
     rewards_B = torch.tensor([1.0, 0.0, 0.5, 3.0])
     group_B = torch.tensor([0, 0, 0, 1])
