@@ -495,7 +495,7 @@ _BETA_DECAY = "Policy versions over which beta goes linearly from beta_start to 
 OPTION_DOCS: dict[tuple[str, str], str] = {
     # factory options of the built-in recipes ("*": any recipe)
     ("*", "kl_coef"): "Weight (>= 0) of the KL to a frozen reference, the initial policy; > 0 adds the reference "
-    "role (and its forward each step).",
+    "role (and its forward each step). The KL's log-ratio is clamped to +-20 (no gradient beyond).",
     ("*", "teacher_path"): "The frozen teacher's Hugging Face checkpoint directory (a run's checkpoints/step_N/hf).",
     ("*", "value_clip_eps"): "The critic's value clip range (> 0); null: the unclipped squared error.",
     ("dr_grpo", "max_completion_length"): "L: the summed token losses of each completion are divided by this "
@@ -522,7 +522,8 @@ OPTION_DOCS: dict[tuple[str, str], str] = {
     "Bradley-Terry loss, -log sigmoid(s_c - s_r - margin); 0: plain Bradley-Terry.",
     ("DistillSpecialization", "kl_estimator"): "The per-token KL estimator the loss differentiates: k2, whose "
     "gradient is the reverse KL(student || teacher)'s in expectation, or k3, the forward KL(teacher || student)'s "
-    "(mode-covering); k1 is refused (its expected gradient is 0).",
+    "(mode-covering); k1 is refused (its expected gradient is 0). The log-ratio is clamped to +-20 (no gradient "
+    "beyond).",
     ("MixedLossDaggerOPDSpecialization", "beta_start"): "beta at policy version 0, in [0, 1]: the weight of the "
     "cross-entropy on teacher-executed tokens (1 - beta: the reverse-KL term's on the student's).",
     ("MixedLossDaggerOPDSpecialization", "beta_end"): "beta from version beta_decay_steps on, in [0, 1].",

@@ -94,9 +94,11 @@ class ActorConfig:
     logged statistics are not divided by it (``algo.aggregation.statistics_weights_T``)."""
     # ---------------------------------------------------------------- regularisers
     kl_coef: float = 0.0
-    """Weight (>= 0) of the KL to a frozen reference (needs ``ref_logprobs_T``); 0: none."""
+    """Weight (>= 0) of the KL to a frozen reference (needs ``ref_logprobs_T``); 0: none. Its log-ratio
+    is clamped to +-20 (``areno.algo.kl``): no KL gradient beyond."""
     kl_estimator: str = "k3"
-    """KL estimator: one of ``KL_ESTIMATORS``."""
+    """KL estimator: one of ``KL_ESTIMATORS``; in the loss k3 (its gradient the forward KL's, as DeepSeekMath)
+    or k2 (the reverse KL's), k1 only as a reward penalty (``kl_in_reward``): in the loss its expected gradient is 0."""
     kl_in_reward: bool = False
     """Subtract the KL from the token rewards instead of adding it to the loss."""
     entropy_coef: float = 0.0
