@@ -119,11 +119,26 @@ def sync(device: str) -> None:
 
 
 # ----------------------------------------------------------------------------- model and prompts
+def text_config_for(text: dict, transformers_version: str) -> dict:
+    """A Qwen2.5-VL ``text_config`` written in transformers 5's form (``rope_parameters``), in the form the
+    given version reads: 4.x takes ``rope_theta`` and ``rope_scaling: {type: mrope, mrope_section}``."""
+    if int(transformers_version.split(".")[0]) >= 5:
+        return text
+    text = dict(text)
+    rope = text.pop("rope_parameters")
+    return {
+        **text,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
+    }
+
+
 def write_checkpoint(shape: dict, path: Path, device: str, dtype: torch.dtype):
     """A random-init transformers Qwen2.5-VL model of ``shape`` saved to ``path``; returns it (eval)."""
     import transformers  # the baseline's library (seconds to import)
 
-    cfg = transformers.Qwen2_5_VLConfig(text_config=shape["text"], vision_config=shape["vision"], **shape["tokens"])
+    text = text_config_for(shape["text"], transformers.__version__)
+    cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=shape["vision"], **shape["tokens"])
     for name in ("bos_token_id", "eos_token_id"):  # the text model's own, within its vocabulary
         setattr(cfg.text_config, name, shape["eos"])
         setattr(cfg, name, shape["eos"])

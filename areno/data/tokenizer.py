@@ -118,7 +118,18 @@ def load_pretrained_tokenizer(model_dir: str | Path) -> Any:
     ``qwen2`` checkpoint's generic fast tokenizer its model type's class (``Qwen2Tokenizer``), whose own
     splitting rules replace the file's (the character tokenizer's ``"sort 4193:"`` read as ``"sort4193:"``,
     with a token the model's vocabulary lacks). That path also skips importing transformers' registry of
-    model classes, which ``AutoTokenizer`` needs (about a second)."""
+    model classes, which ``AutoTokenizer`` needs (about a second). A malformed ``tokenizer.json`` is a
+    ``ValueError`` whichever transformers reads it (4.x lets the tokenizers library's bare ``Exception``
+    through)."""
+    try:
+        return _load_pretrained_tokenizer(model_dir)
+    except Exception as exc:
+        if type(exc) is not Exception:
+            raise
+        raise ValueError(str(exc)) from exc
+
+
+def _load_pretrained_tokenizer(model_dir: str | Path) -> Any:
     if is_char_tokenizer(model_dir) or _tokenizers_file_class(Path(model_dir)):
         # transformers 5's AutoTokenizer would give a qwen2 checkpoint Qwen2Tokenizer, whose own splitting
         # rules replace the tokenizer.json's

@@ -5,8 +5,10 @@ saved from ``PreTrainedTokenizerFast``; checkpoints naming a model family's clas
 
 from __future__ import annotations
 
+import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+import areno.data.tokenizer as tokenizer_module
 from areno.data.tokenizer import build_char_tokenizer, is_char_tokenizer, load_pretrained_tokenizer
 from areno.models.hf_io import init_model_dir, tiny_config
 
@@ -54,3 +56,22 @@ def test_a_tokenizer_json_loads_as_itself_and_a_model_familys_class_as_auto_toke
     assert type(loaded) is type(auto)
     assert loaded("a b c")["input_ids"] == auto("a b c")["input_ids"]
     assert not is_char_tokenizer(tmp_path / "missing")
+
+
+def test_a_malformed_tokenizer_file_is_a_value_error_whichever_transformers_reads_it(tmp_path, monkeypatch):
+    """transformers 4.x lets the tokenizers library's bare ``Exception`` ("key must be a string at line 1")
+    through where 5.x raises a ValueError; the callers name the file for either (preflight, ``areno serve``)."""
+
+    def bare(model_dir):
+        raise Exception("key must be a string at line 1 column 2")  # what tokenizers raises
+
+    monkeypatch.setattr(tokenizer_module, "_load_pretrained_tokenizer", bare)
+    with pytest.raises(ValueError, match="key must be a string"):
+        load_pretrained_tokenizer(tmp_path)
+
+    def other(model_dir):
+        raise KeyError("vocab")
+
+    monkeypatch.setattr(tokenizer_module, "_load_pretrained_tokenizer", other)
+    with pytest.raises(KeyError):  # anything else as it was raised
+        load_pretrained_tokenizer(tmp_path)

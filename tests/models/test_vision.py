@@ -28,6 +28,7 @@ from areno.models.vision import (
     tiny_vl_config,
 )
 from areno.train.parallelize import apply_tp
+from bench.vlm import text_config_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,27 +36,24 @@ IMAGE, START, END = 60, 58, 59
 
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
-ROPE = (
-    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}}
-    if TRANSFORMERS_MAJOR >= 5
-    else {"rope_theta": 10000.0, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
-)
-"""The text decoder's M-RoPE in the form the installed transformers reads (the 4.x form in older checkpoints)."""
 
 
 def save_tiny_vl(path, seed: int = 0) -> None:
     """A random Qwen2.5-VL checkpoint written by transformers (vision: 2 blocks, patch 4, window 16)."""
     torch.manual_seed(seed)
     cfg = transformers.Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            **ROPE,
+        text_config=text_config_for(
+            dict(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+            ),
+            transformers.__version__,
         ),
         vision_config=dict(
             depth=2,
