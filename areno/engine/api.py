@@ -991,9 +991,12 @@ class ArenoEngine:
         if "stream" in data:  # written by an asynchronous run: stream cursor + untrained samples
             if self.ledger is not None:
                 self.ledger.load_state_dict(data)
-                # The staleness bound counts every group ever accepted: credit the ones trained
-                # before the checkpoint (the untrained ones are regenerated and counted again).
-                self.executor.staleness.credit_accepted(self.ledger.trained_groups)
+                # The staleness bound counts every group ever accepted: credit the version's worth at
+                # this run's batch size (the untrained ones are regenerated and counted again). The
+                # groups the checkpoint trained are that number only at an unchanged rollout.batch_size;
+                # a smaller one would leave no room at all, and the run would wait forever.
+                staleness = self.executor.staleness
+                staleness.credit_accepted(int(state["version"]) * staleness.batch_size)
             elif data["pending"]:
                 raise ConfigError(
                     f"the checkpoint holds {len(data['pending'])} untrained samples of an asynchronous run "

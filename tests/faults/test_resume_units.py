@@ -3,6 +3,7 @@ the resume setting, the fault spec, the asynchronous data ledger and per-episode
 
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -14,6 +15,8 @@ from areno.faults import parse_faults
 from areno.train import checkpoint
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
+from tests.helpers.configs import run_to_end
+from tests.helpers.resume import overrides, train_rows
 
 
 def _write_ckpt(tmp_path, step: int) -> tuple:
@@ -204,3 +207,34 @@ def test_load_into_a_started_asynchronous_pool_is_refused_before_any_weight_is_r
         r"handed out\); load a checkpoint into a new engine",
     ):
         engine.load(tmp_path / "absent")  # refused before the (absent) checkpoint is opened
+
+
+def _run_within(cfg, timeout_s: float) -> None:
+    """``Trainer.init(cfg).run()`` on a daemon thread: a run that waits forever fails the test, not the suite."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_to_end(cfg)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"the run did not end within {timeout_s} s"
+    if errors:
+        raise errors[0]
+
+
+def test_an_async_run_resumes_with_a_smaller_batch_size(tmp_path):
+    """walk11: a grpo_async run (eta 2, 2 groups a step) resumed with rollout.batch_size=1 admitted no
+    prompt and waited forever: the staleness bound credited the 8 groups trained at the old size against
+    (eta + version + 1) x the new one. It now credits the version's worth at the new size, so the pool
+    starts with its usual room and the resumed run trains its steps."""
+    run_dir = tmp_path / "run"
+    args = overrides(tmp_path, run_dir, "rollout.max_head_offpolicyness=2", "train.algorithm=grpo_async", steps=4)
+    _run_within(load_config(None, args), 60)
+    resumed = [*args, "rollout.batch_size=1", "train.steps=6"]
+    _run_within(load_config(None, resumed), 60)
+    assert sorted(train_rows(run_dir)) == [1, 2, 3, 4, 5, 6]
