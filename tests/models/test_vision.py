@@ -28,7 +28,7 @@ from areno.models.vision import (
     tiny_vl_config,
 )
 from areno.train.parallelize import apply_tp
-from bench.vlm import text_config_for
+from bench.vlm import SHAPES, text_config_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,38 +39,15 @@ TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 def save_tiny_vl(path, seed: int = 0) -> None:
-    """A random Qwen2.5-VL checkpoint written by transformers (vision: 2 blocks, patch 4, window 16)."""
+    """A random Qwen2.5-VL checkpoint written by transformers: ``bench.vlm``'s tiny shape (vision: 2 blocks,
+    patch 4, window 16; image token IMAGE between START and END)."""
     torch.manual_seed(seed)
+    tiny = SHAPES["tiny"]
+    assert tiny["tokens"]["image_token_id"] == IMAGE and tiny["tokens"]["vision_start_token_id"] == START
     cfg = transformers.Qwen2_5_VLConfig(
-        text_config=text_config_for(
-            dict(
-                vocab_size=64,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
-            ),
-            transformers.__version__,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=16,
-            out_hidden_size=32,
-            fullatt_block_indexes=[1],
-        ),
-        image_token_id=IMAGE,
-        video_token_id=61,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
+        text_config=text_config_for(tiny["text"], transformers.__version__),
+        vision_config=tiny["vision"],
+        **tiny["tokens"],
     )
     transformers.Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(str(path))
 
