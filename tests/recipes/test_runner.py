@@ -199,8 +199,10 @@ def test_sft_and_distillation(dirs):
     teacher = load(dirs["teacher"])
     tl = naive_logprobs(teacher, batch)
     k3 = lambda t: math.exp(tl[t] - logp[t]) - float(tl[t] - logp[t]) - 1
+    k2 = lambda t: 0.5 * float(logp[t] - tl[t]) ** 2  # the loss; k3 is logged as the reverse KL
     m = run_step(get_recipe("opd", teacher_path=dirs["teacher"]), dirs, batch)
-    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: k3(t)), rel=1e-4)
+    assert m["policy/loss"] == pytest.approx(token_mean(batch, lambda b, t: k2(t)), rel=1e-4)
+    assert m["policy/distill/reverse_kl"] == pytest.approx(token_mean(batch, lambda b, t: k3(t)), rel=1e-4)
     # dagger: labels are the teacher's greedy tokens
     with torch.no_grad():
         from areno.specializations import LogProbSpecialization
@@ -223,7 +225,7 @@ def test_sft_and_distillation(dirs):
         batch,
         initial_version=25,
     )  # beta = 0.75
-    expected = token_mean(batch, lambda b, t: 0.75 * -float(logp[t]) if executed[t] else 0.25 * k3(t))
+    expected = token_mean(batch, lambda b, t: 0.75 * -float(logp[t]) if executed[t] else 0.25 * k2(t))
     assert m["policy/loss"] == pytest.approx(expected, rel=1e-4)
 
 
