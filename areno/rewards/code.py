@@ -10,9 +10,12 @@ process group at its time limit. The reward function itself runs in the reward s
 set it above ``tests × time_limit_s``.
 
 Test formats, from the row field ``tests`` (else the ``answer``), a JSON string of them accepted:
-- ``"assert f(2) == 4\\n..."``: Python appended to the program; reward 1 when it exits 0, else 0;
+- ``"assert f(2) == 4\\n..."``: Python appended to the program; reward 1 when it exits 0 after
+  the tests ran to their end (a random line printed after them must end its output, so a program
+  that exits early, ``sys.exit(0)`` or ``os._exit(0)``, skips them and scores 0), else 0;
 - ``[{"input": "1 2\\n", "output": "3\\n"}, ...]`` or ``{"inputs": [...], "outputs": [...]}``
-  (APPS / CodeContests): stdin → stdout, compared line by line with trailing whitespace ignored;
+  (APPS / CodeContests): stdin → stdout, compared line by line, each line's surrounding whitespace
+  and blank lines at either end ignored;
   reward = fraction of cases passed.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 _EXEC_SOURCE = (Path(__file__).parent / "_exec.py").read_text()
-_FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+_FENCE = re.compile(r"```[ \t]*[\w+.-]*[ \t]*\r?\n(.*?)```", re.DOTALL)
+"""A fenced block with any language tag or none (```python, ```Python, ```py3, ```)."""
 
 DEFAULT_TIME_LIMIT_S = 5.0
 """Wall-clock limit of one test run (row field ``time_limit_s`` overrides it)."""
@@ -113,7 +118,11 @@ def run_program(
 
 
 def _normalise(text: str) -> list[str]:
-    lines = [line.rstrip() for line in text.strip().splitlines()]
+    lines = [line.strip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    while lines and not lines[0]:
+        lines.pop(0)
     return lines
 
 
@@ -153,8 +162,12 @@ def code_execution(prompt: str, completion: str, answer: Any = None, **row: Any)
     time_limit_s = float(row.get("time_limit_s", DEFAULT_TIME_LIMIT_S))
     memory_mb = int(row.get("memory_limit_mb", DEFAULT_MEMORY_MB))
     if isinstance(cases, str):
-        result = run_program(program + "\n\n" + cases, time_limit_s=time_limit_s, memory_mb=memory_mb)
-        return float(result.returncode == 0)
+        # the tests ran to their end only if the line after them was printed last: exit 0 alone is what
+        # sys.exit(0) in the program gives too
+        done = f"areno-tests-done-{secrets.token_hex(16)}"
+        source = f"{program}\n\n{cases}\n\nimport sys as _areno_sys\n_areno_sys.stdout.write('\\n{done}\\n')\n"
+        result = run_program(source, time_limit_s=time_limit_s, memory_mb=memory_mb)
+        return float(result.returncode == 0 and result.stdout.rstrip().endswith(done))
     if not cases:
         raise ValueError("code_execution: the row's test list is empty")
     passed = 0

@@ -9,13 +9,30 @@ timeouts are switched off and nothing bounds it.
 
 from __future__ import annotations
 
+import re
 import threading
+from decimal import Decimal
 from typing import Any
 
 from areno.data.messages import completion_text
 
 PARSE_TIMEOUT_S = 5
 """math-verify's own parsing and comparison timeouts (main thread only)."""
+
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$")
+"""An unescaped ``$``: a reference holding one is LaTeX already (``\\$18.90`` is a dollar sign)."""
+
+
+def reference_text(answer: Any) -> str:
+    """The reference as math-verify parses it: a float written out in full (``1e-05`` would read as an
+    expression in Euler's e), in ``$...$`` unless it has math delimiters or a ``\\boxed``."""
+    if isinstance(answer, float) and answer == answer and abs(answer) != float("inf"):
+        text = format(Decimal(repr(answer)), "f")
+    else:
+        text = completion_text(answer)
+    if not _MATH_DELIMITER.search(text) and "\\boxed" not in text:
+        text = f"${text}$"
+    return text
 
 
 def math_verify(prompt: str, completion: str, answer: Any = None, **row: Any) -> float:
@@ -30,9 +47,7 @@ def math_verify(prompt: str, completion: str, answer: Any = None, **row: Any) ->
     from math_verify import parse, verify
 
     timeout = PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    gold_text = completion_text(answer)
-    if "$" not in gold_text and "\\boxed" not in gold_text:
-        gold_text = f"${gold_text}$"
+    gold_text = reference_text(answer)
     gold = parse(gold_text, parsing_timeout=timeout)
     if not gold:
         raise ValueError(f"math_verify: cannot parse the reference answer {gold_text[:80]!r}")

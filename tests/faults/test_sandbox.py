@@ -316,3 +316,45 @@ def test_shared_pool_closes_with_its_last_holder():
         assert third is not second and third.score("p", "ok") == 1.0  # a fresh pool after the last release
     finally:
         close_all()
+
+
+def test_code_execution_asserts_run_to_their_end_and_any_fence_counts():
+    """walk14: a wrong program ending in sys.exit(0) (or os._exit(0), SystemExit) skipped the appended tests
+    and scored 1, a reward a policy could learn to collect; the tests now print a random line last. Fences
+    with another spelling of the language (```Python, ```py3) were run whole, fence and all."""
+    from areno.rewards.code import code_execution
+
+    tests = "assert f(2) == 4\nassert f(3) == 6"
+    assert code_execution("p", "def f(x):\n    return 2 * x", tests) == 1.0
+    for leave in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit(0)"):
+        assert code_execution("p", f"def f(x):\n    return x\n{leave}", tests) == 0.0, leave
+    assert code_execution("p", "def f(x):\n    return 2 * x\nprint('chatty')", tests) == 1.0
+    for tag in ("Python", "py3", "python3", ""):
+        assert code_execution("p", f"Here:\n```{tag}\ndef f(x):\n    return 2 * x\n```\ndone", tests) == 1.0, tag
+    # stdin/stdout: each line's surrounding whitespace and blank end lines are ignored, on every line
+    echo = "```python\nprint('  3 ')\nprint('4')\nprint()\n```"
+    assert code_execution("p", echo, None, tests=[{"input": "", "output": "3\n  4\n"}]) == 1.0
+    assert code_execution("p", echo, None, tests=[{"input": "", "output": "3\n5"}]) == 0.0
+
+
+def test_exact_match_compares_a_multi_line_reference_line_by_line():
+    from areno.rewards.tasks import exact_match
+
+    assert exact_match("p", "1349\nmore text", "1349") == 1.0
+    assert exact_match("p", "def f():\n    return 1\n", "def f():\n    return 1") == 1.0
+    assert exact_match("p", "def f():\n    return 2\n", "def f():\n    return 1") == 0.0
+    assert exact_match("p", "def f():", "def f():\n    return 1") == 0.0
+
+
+def test_math_verify_reads_float_references_and_escaped_dollars():
+    """walk14: a float reference written with an exponent (1e-05, from a JSON number) parsed as an
+    expression in Euler's e, and a reference with an escaped dollar (MATH's \\$18.90) did not parse:
+    correct answers scored 0, or every sample of the row failed."""
+    from areno.rewards.math import math_verify, reference_text
+
+    assert reference_text(1e-05) == "$0.00001$" and reference_text(1e20) == "$100000000000000000000$"
+    assert reference_text("\\$18.90") == "$\\$18.90$" and reference_text("$x$") == "$x$"
+    assert math_verify("p", "so \\boxed{0.00001}", 1e-05) == 1.0
+    assert math_verify("p", "\\boxed{100000000000000000000}", 1e20) == 1.0
+    assert math_verify("p", "it costs \\boxed{18.90}", "\\$18.90") == 1.0
+    assert math_verify("p", "\\boxed{0.5}", 0.5) == 1.0 and math_verify("p", "\\boxed{3}", 0.5) == 0.0
