@@ -14,6 +14,7 @@ its ``loss_mask_T`` entry is always False and its log-prob is 0.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -80,8 +81,14 @@ class SamplingParams:
                 name == "seed" and value is None
             ):
                 raise TypeError(f"SamplingParams.{name}: must be an integer, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # NaN passed a `< 0` check and sampled greedily; a seed past MAX_SEED collided with another in the
+        # sampler's float64 table (the server refused both; the Python API and agent clients did not)
+        if not (self.temperature == 0 or (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE)):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {self.temperature}"
+            )
+        if self.seed is not None and abs(self.seed) > MAX_SEED:
+            raise ValueError(f"seed must be within +-{MAX_SEED} (2**53 - 1), got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens <= 0:

@@ -67,6 +67,11 @@ class RequestTable:
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
             raise RequestRejected(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:  # the sampler indexes the logits by them: one would fail every request in the step
+            raise RequestRejected(
+                f"stop_token_ids holds token id {bad_stop[0]} outside the vocabulary [0, {self.vocab_size})"
+            )
         if len(prompt_ids) >= self.max_model_len:
             raise RequestRejected(
                 f"prompt has {len(prompt_ids)} tokens but the context is max_model_len="

@@ -10,6 +10,7 @@ import pytest
 from areno.errors import ConfigError
 from areno.models.hf_io import init_model_dir, read_config
 from areno.rollout.engine import WeightUpdateError
+from areno.rollout.errors import RequestRejected
 from areno.rollout.server import build_engine
 from areno.types import SamplingParams
 
@@ -83,3 +84,32 @@ def test_sampling_params_name_a_mistyped_field(kwargs, message):
         SamplingParams(**kwargs)
     assert str(info.value) == message
     SamplingParams(seed=None, top_k=5, temperature=0.5)  # the right types pass
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": float("nan")}, "temperature must be 0 (greedy) or a finite number >= 0.001, got nan"),
+        ({"temperature": 1e-38}, "temperature must be 0 (greedy) or a finite number >= 0.001, got 1e-38"),
+        ({"temperature": float("inf")}, "temperature must be 0 (greedy) or a finite number >= 0.001, got inf"),
+        ({"seed": 2**60}, f"seed must be within +-{2**53 - 1} (2**53 - 1), got {2**60}"),
+    ],
+)
+def test_sampling_params_refuse_what_would_sample_otherwise_than_asked(kwargs, message):
+    """walk13: from Python (the server refused them already) a NaN temperature sampled greedily and seeds
+    past 2**53 collided in the sampler's float64 table (2**60 and 2**60 + 1 gave the same tokens)."""
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert str(info.value) == message
+    SamplingParams(temperature=0.001, seed=-(2**53 - 1))  # the bounds themselves pass
+
+
+def test_a_stop_token_outside_the_vocabulary_is_refused_alone(engine):
+    """walk13: the sampler indexed the logits by stop ids, so one out of range failed the step and with it every
+    request in flight; it is now refused when it is added, and the engine goes on serving the others."""
+    vocab = engine.model_config.vocab_size
+    bad = SamplingParams(temperature=0, max_new_tokens=3, min_new_tokens=1, stop_token_ids=(vocab + 5,))
+    with pytest.raises(RequestRejected, match=rf"stop_token_ids holds token id {vocab + 5} outside the vocabulary"):
+        engine.generate([[5, 6, 7]], bad)
+    assert not engine.has_unfinished()
+    assert [o.output_ids for o in engine.generate([[5, 6, 7]], GREEDY)]
