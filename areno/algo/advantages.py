@@ -36,8 +36,9 @@ def _group_stats(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.T
 
 
 def _group_deviation_std_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence, in float64: its value minus its group's mean, and the group's unbiased std (two
-    passes: rewards far from 0 keep their differences, which a float32 mean or a sum of squares loses)."""
+    """Per sequence, in float64: its value minus its group's mean, and the group's unbiased std (n-1, as
+    torch.std and TRL; 0 for a singleton group). Two passes: rewards far from 0 keep their differences,
+    which a float32 mean or a sum of squares loses."""
     count_G, sum_G = _group_stats(values_B, group_B)
     dev_B = values_B.to(torch.float64) - (sum_G / count_G)[group_B]
     sq_G = torch.zeros_like(sum_G).index_add_(0, group_B, dev_B**2)
@@ -46,10 +47,10 @@ def _group_deviation_std_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tup
 
 
 def group_mean_std_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence (mean, std) of its group, std unbiased (n-1, as torch.std and TRL); a
-    singleton group has std 0."""
-    dev_B, std_B = _group_deviation_std_B(values_B, group_B)
-    return (values_B.to(torch.float64) - dev_B).to(values_B.dtype), std_B.to(values_B.dtype)
+    """Per-sequence (mean, std) of its group, in ``values_B``'s dtype (``_group_deviation_std_B``)."""
+    count_G, sum_G = _group_stats(values_B, group_B)
+    _, std_B = _group_deviation_std_B(values_B, group_B)
+    return (sum_G / count_G)[group_B].to(values_B.dtype), std_B.to(values_B.dtype)
 
 
 def grpo_advantages_B(

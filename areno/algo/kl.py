@@ -18,6 +18,10 @@ import torch
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
+LOG_RATIO_MAX = 20.0
+"""The largest |log-ratio| the KL estimators take, and the largest log-ratio the policy losses take a ratio of
+(``areno.algo.policy_loss``): past float32 exp's range (~88.7) one token made a step's gradient NaN."""
+
 LOSS_KL_ESTIMATORS = ("k2", "k3")
 """The estimators whose gradient, as a loss term, is a KL's (k1's expected gradient is 0)."""
 
@@ -28,7 +32,7 @@ def kl_estimate_T(
     loss_mask_T: torch.Tensor,
     *,
     estimator: str = "k3",
-    clamp: float | None = 20.0,
+    clamp: float | None = LOG_RATIO_MAX,
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate, 0 outside the loss mask.
 

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from areno.algo.kl import LOG_RATIO_MAX
 from areno.types import repeat_per_sequence, sequence_index_T
 
 Stats = dict[str, torch.Tensor]
-
-LOG_RATIO_MAX = 20.0
-"""The largest log-ratio a ratio is taken of (``areno.algo.kl`` clamps the KL's log-ratio at the same bound)."""
 
 
 def _ratio(log_ratio_T: torch.Tensor) -> torch.Tensor:

@@ -146,11 +146,12 @@ def dapo(max_completion_length: int | None = None, overlong_buffer_length: int |
 
     A_i = (R_i - mean_G R) / std_G R with R_i including the overlong penalty
     (L_max - L_buf - |o|)/L_buf inside the buffer (|o| > L_max - L_buf) and -1 beyond L_max; groups
-    whose rewards before the penalty are all equal are dropped (the paper's filter on accuracy); loss = sum_{i,t} -min(r A, clip(r, 1-0.2, 1+0.28) A) /
-    sum_i |o_i|; no KL (Yu et al. 2025). L_max = max_completion_length defaults to
-    rollout.max_new_tokens, the generation limit, as in the paper (20480 generated tokens, of which
-    the last L_buf = 4096 are the buffer); L_buf = overlong_buffer_length defaults to L_max // 5 (at
-    least 1), the paper's ratio, so a completion cut at the limit gets -1. A length whose penalty
+    whose rewards before the penalty are all equal are dropped (the paper's filter on accuracy);
+    loss = sum_{i,t} -min(r A, clip(r, 1-0.2, 1+0.28) A) / sum_i |o_i|; no KL (Yu et al. 2025).
+    L_max = max_completion_length defaults to rollout.max_new_tokens, the generation limit, as in
+    the paper (20480 generated tokens, of which the last L_buf = 4096 are the buffer); L_buf =
+    overlong_buffer_length defaults to L_max // 5 (at least 1), the paper's ratio, so a completion
+    cut at the limit gets -1. A length whose penalty
     can never fire (L_max - L_buf >= rollout.max_new_tokens) is warned about. Departure: dropped
     groups are not re-sampled, the step trains on fewer.
     """
