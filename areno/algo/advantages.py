@@ -35,22 +35,22 @@ def _group_stats(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.T
     return count_G, sum_G
 
 
-def _group_deviation_std_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence, in float64: its value minus its group's mean, and the group's unbiased std (n-1, as
-    torch.std and TRL; 0 for a singleton group). Two passes: rewards far from 0 keep their differences,
-    which a float32 mean or a sum of squares loses."""
+def _group_moments_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per sequence, in float64: its group's mean, its value minus that mean, and the group's unbiased
+    std (n-1, as torch.std and TRL; 0 for a singleton group). Two passes: rewards far from 0 keep their
+    differences, which a float32 mean or a sum of squares loses."""
     count_G, sum_G = _group_stats(values_B, group_B)
-    dev_B = values_B.to(torch.float64) - (sum_G / count_G)[group_B]
+    mean_B = (sum_G / count_G)[group_B]
+    dev_B = values_B.to(torch.float64) - mean_B
     sq_G = torch.zeros_like(sum_G).index_add_(0, group_B, dev_B**2)
     std_G = (sq_G / (count_G - 1).clamp(min=1)).sqrt()
-    return dev_B, std_G[group_B]
+    return mean_B, dev_B, std_G[group_B]
 
 
 def group_mean_std_B(values_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence (mean, std) of its group, in ``values_B``'s dtype (``_group_deviation_std_B``)."""
-    count_G, sum_G = _group_stats(values_B, group_B)
-    _, std_B = _group_deviation_std_B(values_B, group_B)
-    return (sum_G / count_G)[group_B].to(values_B.dtype), std_B.to(values_B.dtype)
+    """Per-sequence (mean, std) of its group, in ``values_B``'s dtype (``_group_moments_B``)."""
+    mean_B, _, std_B = _group_moments_B(values_B, group_B)
+    return mean_B.to(values_B.dtype), std_B.to(values_B.dtype)
 
 
 def grpo_advantages_B(
@@ -67,7 +67,7 @@ def grpo_advantages_B(
     difficulty bias of the std. std is the unbiased (n-1) estimate and eps is added to the std
     (not the variance), both as in TRL's GRPOTrainer; the paper does not specify either.
     """
-    adv_B, std_B = _group_deviation_std_B(rewards_B, group_B)
+    _, adv_B, std_B = _group_moments_B(rewards_B, group_B)
     if scale_by_std:
         denom_B = std_B + eps
         # A zero-variance group has a zero numerator; keep it 0 even with eps = 0.
@@ -176,7 +176,7 @@ def reinforce_pp_advantages_T(
     enters as a reward (see ``kl.kl_reward_penalty_T``).
     """
     if group_B is not None:
-        rewards_B = _group_deviation_std_B(rewards_B, group_B)[0].to(rewards_B.dtype)
+        rewards_B = _group_moments_B(rewards_B, group_B)[1].to(rewards_B.dtype)
     returns_T = sequence_returns_T(rewards_B, cu_seqlens_B1, loss_mask_T, token_rewards_T=token_rewards_T, gamma=gamma)
     return masked_whiten_T(returns_T, loss_mask_T, eps=eps)
 
