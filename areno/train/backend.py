@@ -8,6 +8,7 @@ Legend: B = sequences, T = packed tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -77,8 +78,11 @@ micro-batch than in three)."""
 CPU_MEMORY_SHARE = 4
 ADAPTER_SUBDIR = "adapter"
 """A LoRA backend's checkpoint directory holds its adapter here, in PEFT's layout."""
-# Files copied from the source model directory into an HF export (tokenizer and friends).
+# Files copied from the source model directory into an HF export (tokenizer and friends; the source's
+# generation config replaces the one save_model derives from config.json, which has one EOS id and no
+# sampling defaults).
 _TOKENIZER_FILES = (
+    "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -88,6 +92,21 @@ _TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+
+
+@contextlib.contextmanager
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Dropout modules in eval mode for a forward without an update (LoRA's ``lora_dropout``): the old
+    policy's log-probs and a critic's values are the model's, not one noisy draw of it. Only dropout
+    modules change mode, so compiled layers keep their training-mode graphs."""
+    active = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0 and m.training]
+    for m in active:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m in active:
+            m.train()
 
 
 def batch_to_device(batch: TokenBatch, device: torch.device | str) -> TokenBatch:
@@ -604,13 +623,14 @@ class PackedTrainBackend(TrainBackend):
         batch, keep_T = self._fit_long_sequences(batch)
         plan = self.plan(batch)
         local: list[tuple[list[int], dict[str, torch.Tensor]]] = []
-        for seq_idx, mb in self._micro_batches(batch, plan):
-            routes_TLK = mb.extra.get(ROUTES_KEY) if self._routing else None
-            with self._autocast(), self._routing.reference(mb.input_ids_T, mb.cu_seqlens_B1):
-                with self._routing.replaying(routes_TLK):  # the old-policy forward routes as the rollout too
-                    output = forward_fn(self.model, mb)
-            if seq_idx:
-                local.append((seq_idx, {k: v.detach().cpu() for k, v in output.items()}))
+        with dropout_off(self.model):
+            for seq_idx, mb in self._micro_batches(batch, plan):
+                routes_TLK = mb.extra.get(ROUTES_KEY) if self._routing else None
+                with self._autocast(), self._routing.reference(mb.input_ids_T, mb.cu_seqlens_B1):
+                    with self._routing.replaying(routes_TLK):  # the old-policy forward routes as the rollout too
+                        output = forward_fn(self.model, mb)
+                if seq_idx:
+                    local.append((seq_idx, {k: v.detach().cpu() for k, v in output.items()}))
         self._after_forward_only()
         results = [item for rank_items in self._gather_dp(local) for item in rank_items]
         outputs = _assemble(results, batch)

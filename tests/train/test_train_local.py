@@ -1,8 +1,10 @@
 """LocalTrainBackend: loss normalisation, packing, checkpoints, sleep/wake, LoRA, export."""
 
 import dataclasses
+import json
 import math
 import multiprocessing as mp
+import shutil
 
 import pytest
 import torch
@@ -439,3 +441,34 @@ def test_cpu_default_budget_follows_host_memory_within_its_bounds(model_dir, mon
         backend_mod, "available_host_bytes", lambda: backend_mod.CPU_MEMORY_SHARE * 8000 * per_token_bytes
     )
     assert lo < b._default_tokens_per_mb() < hi and b._default_tokens_per_mb() % 256 == 0
+
+
+def test_forward_only_of_a_lora_model_with_dropout_is_the_merged_models(model_dir, tmp_path):
+    """walk15: with train.lora.dropout > 0 the backend stays in train mode, and forward_only (the old policy's
+    recomputed log-probs, a critic's values) drew a dropout mask: two calls on one batch differed by 0.2 nats.
+    Dropout is off there now: both calls equal the merged weights' forward; training steps keep it."""
+    b = backend(model_dir, lora=LoraConfig(rank=4, alpha=8, dropout=0.3, target_modules=("q_proj", "v_proj")), lr=0.05)
+    step(b, random_batch(LENGTHS, VOCAB, 10))  # lora_B leaves 0: the adapters change the forward
+    batch = random_batch(LENGTHS, VOCAB, 11)
+    first = b.forward_only(batch, forward_fn=nll_forward)["logprobs_T"]
+    second = b.forward_only(batch, forward_fn=nll_forward)["logprobs_T"]
+    assert torch.equal(first, second)
+    plain = backend(model_dir)
+    plain.model.load_state_dict(dict(b.named_weights()))
+    merged = plain.forward_only(batch, forward_fn=nll_forward)["logprobs_T"]
+    torch.testing.assert_close(first, merged, rtol=1e-4, atol=1e-4)
+    assert all(m.training for m in b.model.modules() if isinstance(m, torch.nn.Dropout))  # restored
+
+
+def test_the_hf_export_keeps_the_source_models_generation_config(model_dir, tmp_path):
+    """walk15: the export wrote a generation_config.json from config.json alone (one EOS id, no sampling
+    defaults) over the source's, which areno serve, vLLM and transformers' generate then read."""
+    source_dir = shutil.copytree(model_dir, tmp_path / "source")
+    path = source_dir / "generation_config.json"
+    source = json.loads(path.read_text()) if path.is_file() else {}
+    source.update({"eos_token_id": [2, 5], "temperature": 0.6, "top_p": 0.9})
+    path.write_text(json.dumps(source))
+    b = backend(source_dir)
+    b.export_hf(tmp_path / "hf")
+    exported = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert exported["eos_token_id"] == [2, 5] and exported["temperature"] == 0.6 and exported["top_p"] == 0.9
