@@ -1,8 +1,6 @@
 """Every ``LayoutError`` of ``areno.engine.cluster`` is one line that names the settings that caused it
 as the user writes them (``cluster.allocation_mode='...'``, ``cluster.train_devices=[...]``) and the fix."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from areno.engine.cluster import (
@@ -13,26 +11,13 @@ from areno.engine.cluster import (
     scheduler_for,
     validate_memory,
 )
+from tests.helpers.configs import cluster_section
 
 GIB = 1 << 30
 
 
-def _cluster(**kw):
-    base = dict(
-        allocation_mode=None,
-        train_devices=None,
-        rollout_devices=None,
-        train_tp=1,
-        train_dp_replicate=1,
-        rollout_tp=1,
-        scheduler="ray",
-        scheduler_options=None,
-    )
-    return SimpleNamespace(**{**base, **kw})
-
-
 def _from_mode(mode, num_devices=0, cuda=False, **kw):
-    return layout_from_config(_cluster(allocation_mode=mode, **kw), num_devices=num_devices, cuda=cuda)
+    return layout_from_config(cluster_section(allocation_mode=mode, **kw), num_devices=num_devices, cuda=cuda)
 
 
 CASES = {
@@ -51,7 +36,7 @@ CASES = {
         r"use indices below 2$",
     ),
     "lists past num_devices": (
-        lambda: layout_from_config(_cluster(train_devices=[0], rollout_devices=[3]), num_devices=2, cuda=True),
+        lambda: layout_from_config(cluster_section(train_devices=[0], rollout_devices=[3]), num_devices=2, cuda=True),
         r"^cluster.train_devices=\[0\] / cluster.rollout_devices=\[3\] name device 3 but only 2 are visible: "
         r"use logical indices below 2",
     ),
@@ -104,7 +89,7 @@ CASES = {
         r"\(t2 and t1\): give every train component the same t$",
     ),
     "one list without the other": (
-        lambda: layout_from_config(_cluster(rollout_devices=[1]), num_devices=2, cuda=False),
+        lambda: layout_from_config(cluster_section(rollout_devices=[1]), num_devices=2, cuda=False),
         r"^cluster.rollout_devices=\[1\] without cluster.train_devices: the two lists go together, set "
         r"cluster.train_devices too \(or a '\+' cluster.allocation_mode instead of both\)$",
     ),
@@ -115,7 +100,7 @@ CASES = {
     ),
     "shared devices under Ray, allocation string": (
         lambda: scheduler_for(
-            _cluster(),
+            cluster_section(),
             ClusterLayout(train_devices=(0,), rollout_devices=(0,), cuda=True, allocation_mode="areno:d1|fsdp:d1"),
             log_dir="unused",
         ),
@@ -146,5 +131,5 @@ def test_layout_errors_name_the_setting_and_the_fix(case):
 def test_layout_from_an_allocation_string_remembers_it():
     lay = _from_mode("areno:d1+fsdp:d2")
     assert lay.allocation_mode == "areno:d1+fsdp:d2"
-    lists = layout_from_config(_cluster(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
+    lists = layout_from_config(cluster_section(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
     assert lists.allocation_mode is None

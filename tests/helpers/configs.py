@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
@@ -103,3 +104,19 @@ def run_to_end(cfg) -> list[dict]:
     finally:
         trainer.shutdown()
     return read_metrics(Path(cfg.run_dir))
+
+
+def cluster_section(**kw):
+    """A stand-in ``cluster`` section for ``engine.cluster``'s layout and scheduler functions: every layout
+    key at its default (no allocation_mode, devices, TP 1, the Ray scheduler), ``kw`` replacing any."""
+    base = dict(
+        allocation_mode=None,
+        train_devices=None,
+        rollout_devices=None,
+        train_tp=1,
+        train_dp_replicate=1,
+        rollout_tp=1,
+        scheduler="ray",
+        scheduler_options=None,
+    )
+    return SimpleNamespace(**{**base, **kw})

@@ -1,7 +1,5 @@
 """Device lists, ranks, groups, relays and the memory check of the partitioned topology."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from areno.engine.cluster import (
@@ -12,15 +10,9 @@ from areno.engine.cluster import (
     validate_memory,
 )
 from areno.models.config import ModelConfig
+from tests.helpers.configs import cluster_section
 
 GIB = 1 << 30
-
-
-def _cluster(**kw):
-    base = dict(
-        allocation_mode=None, train_devices=None, rollout_devices=None, train_tp=1, train_dp_replicate=1, rollout_tp=1
-    )
-    return SimpleNamespace(**{**base, **kw})
 
 
 def test_disjoint_gpu_layout_ranks_groups_and_relays():
@@ -72,16 +64,16 @@ def test_bad_lists_are_one_line_errors():
     with pytest.raises(LayoutError, match="only 2 are visible"):
         ClusterLayout(train_devices=(0,), rollout_devices=(2,), cuda=True, device_ids=("0", "1"))
     with pytest.raises(LayoutError, match="go together"):
-        layout_from_config(_cluster(train_devices=[0]), num_devices=2, cuda=False)
+        layout_from_config(cluster_section(train_devices=[0]), num_devices=2, cuda=False)
 
 
 def test_layout_from_config_lists_and_allocation_mode():
-    assert layout_from_config(_cluster(), num_devices=1, cuda=False) is None
-    assert layout_from_config(_cluster(allocation_mode="areno:d1"), num_devices=1, cuda=False) is None
-    lay = layout_from_config(_cluster(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
+    assert layout_from_config(cluster_section(), num_devices=1, cuda=False) is None
+    assert layout_from_config(cluster_section(allocation_mode="areno:d1"), num_devices=1, cuda=False) is None
+    lay = layout_from_config(cluster_section(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
     assert lay.train_devices == (0,) and lay.rollout_devices == (1,)
     lay = layout_from_config(
-        _cluster(allocation_mode="areno[rollout]:d2+fsdp[actor]:t2"),
+        cluster_section(allocation_mode="areno[rollout]:d2+fsdp[actor]:t2"),
         num_devices=4,
         cuda=True,
         device_ids=("0", "1", "2", "3"),
@@ -90,7 +82,7 @@ def test_layout_from_config_lists_and_allocation_mode():
     assert lay.train_tp == 2 and lay.rollout_tp == 1 and lay.rollout_dp == 2
     with pytest.raises(LayoutError, match="not both"):
         layout_from_config(
-            _cluster(allocation_mode="areno[rollout]:d1+fsdp[actor]:d1", train_devices=[0], rollout_devices=[1]),
+            cluster_section(allocation_mode="areno[rollout]:d1+fsdp[actor]:d1", train_devices=[0], rollout_devices=[1]),
             num_devices=2,
             cuda=False,
         )
@@ -156,7 +148,7 @@ def test_every_group_takes_the_collective_timeout(tmp_path):
     would give each its backend's default)."""
     from tests.helpers.train import spawn
 
-    layout = layout_from_config(_cluster(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
+    layout = layout_from_config(cluster_section(train_devices=[0], rollout_devices=[1]), num_devices=0, cuda=False)
     spawn(_group_timeouts, 2, layout, str(tmp_path), tmp=tmp_path)
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["[42.0]", "[42.0]"]
 
