@@ -136,6 +136,7 @@ class AgentWorkflow(RolloutWorkflow):
             reward_fn=self.reward_fn,
             prompt_key=self.prompt_key,
             answer_key=self.answer_key,
+            fixed_temperature=True,
         )
 
     async def _aepisode(
@@ -145,7 +146,7 @@ class AgentWorkflow(RolloutWorkflow):
             if self.proxy:  # the agent gets a base URL on 127.0.0.1 and may use any HTTP client
                 if self._proxy is None:
                     self._proxy = AgentProxy(
-                        rollout_client, self.tokenizer, default_sampling=self.sampling_params
+                        rollout_client, self.tokenizer, default_sampling=self.sampling_params, fixed_temperature=True
                     ).start()
                 sid, base_url = self._proxy.start_session(session=rec)
                 oai = self._proxy.sessions[sid]

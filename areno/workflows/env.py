@@ -185,7 +185,9 @@ class EnvWorkflow(RolloutWorkflow):
             params = dataclasses.replace(params, seed=params.seed + 1000 * index)
         refs: list[dict[str, Any]] = []
         with session(sample=describe_row(sample), group_id=group_id, episode=index, workflow="env") as rec:
-            oai = ArenoAsyncOpenAI(rollout_client, self.tokenizer, default_sampling=params, session=rec)
+            oai = ArenoAsyncOpenAI(
+                rollout_client, self.tokenizer, default_sampling=params, session=rec, fixed_temperature=True
+            )
             env = self.env_factory(sample)
             try:
                 text = self._observe(await _maybe_await(env.reset(sample)), refs, 0, rec)

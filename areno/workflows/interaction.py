@@ -19,7 +19,8 @@ Export (``export``):
 - ``"concat"``: one ``Trajectory`` per root-to-leaf path, the turns concatenated into one sequence;
   ``completion_mask`` is 1 on model-generated tokens only (tool results and user turns are 0), and
   the reward is the path's return from its first turn (``sum_k gamma^k r_k``). A turn whose prompt
-  does not extend its parent's tokens (its history was rewritten) starts a new sequence.
+  does not extend its parent's tokens (its history was rewritten) starts a new sequence, whose reward
+  is the path's return from that turn on; a sequence keeps its first turn's images.
 """
 
 from __future__ import annotations
@@ -258,6 +259,7 @@ class InteractionCache:
                 )
                 segments.append([inter])
         trajs = []
+        start = 0  # the path index of the segment's first turn
         for seg in segments:
             ids: list[int] = []
             mask: list[int] = []
@@ -276,7 +278,10 @@ class InteractionCache:
                 logp += inter.output_logprobs
                 vers += inter.output_versions
                 covered = len(inter.full_ids)
-            ret = sum(gamma**k * (i.reward or 0.0) for k, i in enumerate(seg))
+            # the return from the segment's first turn to the end of the path: a piece the tokens split
+            # off (a re-rendered history) still leads to the reward its later turns earned
+            ret = sum(gamma**k * (i.reward or 0.0) for k, i in enumerate(path[start:]))
+            start += len(seg)
             trajs.append(
                 Trajectory(
                     prompt_ids=prompt_ids,
@@ -289,6 +294,7 @@ class InteractionCache:
                     finish_reason=seg[-1].finish_reason,
                     info={
                         **(info or {}),
+                        **({"images": seg[0].info["images"]} if "images" in seg[0].info else {}),
                         "interaction_ids": [i.id for i in seg],
                         "num_turns": len(seg),
                         "turn_rewards": [i.reward or 0.0 for i in seg],

@@ -201,6 +201,9 @@ class ArenoAsyncOpenAI:
             completion)`` calls it the way the shipped workflows do.
         prompt_key, answer_key: the row fields holding the prompt and the answer (``data.prompt_key``,
             ``data.answer_key``), which ``ascore`` reads.
+        fixed_temperature: a request's ``temperature`` must be ``default_sampling``'s (an
+            ``AgentRequestError`` names it otherwise): the trainer recomputes an episode's log-probs at
+            the run's temperature, so the workflows that train on the episode set it.
     """
 
     def __init__(
@@ -217,6 +220,7 @@ class ArenoAsyncOpenAI:
         reward_fn: RewardFn | None = None,
         prompt_key: str = "prompt",
         answer_key: str = "answer",
+        fixed_temperature: bool = False,
     ) -> None:
         if render_tools not in ("auto", "system", "template"):
             raise ValueError(f"render_tools must be 'auto', 'system' or 'template', got {render_tools!r}")
@@ -225,6 +229,7 @@ class ArenoAsyncOpenAI:
         self.vision = vision
         self.store = store
         self.default_sampling = default_sampling or SamplingParams(max_new_tokens=16)
+        self.fixed_temperature = fixed_temperature
         self.cache = cache if cache is not None else InteractionCache()
         self.session = session
         template = getattr(tokenizer, "chat_template", None) or ""
@@ -350,13 +355,21 @@ class ArenoAsyncOpenAI:
     def _sampling(self, req: dict[str, Any], index: int) -> SamplingParams:
         d = self.default_sampling
         max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or d.max_new_tokens
-        stop = req.get("stop")
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or d.stop)
+        stop = self._stops(req)
         seed = req.get("seed", d.seed)
         extra = req.get("extra_body") or {}
+        temperature = req.get("temperature", d.temperature)
+        if self.fixed_temperature and temperature != d.temperature:
+            # the trainer recomputes every log-prob at the run's temperature: tokens sampled at another
+            # would train against log-probs of a distribution they were not drawn from
+            raise AgentRequestError(
+                f"temperature={temperature!r}: the trainer scores this episode's tokens at the rollout temperature "
+                f"{d.temperature:g} (rollout.temperature), so a sample at another would train on mismatched "
+                "log-probs: leave temperature out of the request, or set rollout.temperature to it"
+            )
         try:
             return SamplingParams(
-                temperature=req.get("temperature", d.temperature),
+                temperature=temperature,
                 top_p=req.get("top_p", d.top_p),
                 top_k=extra.get("top_k", d.top_k),
                 min_new_tokens=extra.get("min_tokens", d.min_new_tokens),
@@ -369,10 +382,18 @@ class ArenoAsyncOpenAI:
         except ValueError as exc:
             raise AgentRequestError(f"sampling parameters: {exc}") from None
 
-    def _text(self, out: GenerationOutput) -> str:
+    def _stops(self, req: dict[str, Any]) -> tuple[str, ...]:
+        stop = req.get("stop")
+        return (stop,) if isinstance(stop, str) else tuple(stop or self.default_sampling.stop)
+
+    def _text(self, out: GenerationOutput, req: dict[str, Any]) -> str:
+        """The completion's text: the engine's, else its tokens decoded and cut at a stop string as the
+        engine cuts (a stop string matched at the very start leaves the engine's text empty)."""
         if out.text or not out.output_ids:
             return out.text
-        return self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self._stops(req) if s and s in text]
+        return text[: min(cuts)] if cuts else text
 
     async def _agenerate_n(
         self, prompt_ids: list[int], req: dict[str, Any], images: ImageInputs | None = None
@@ -414,7 +435,7 @@ class ArenoAsyncOpenAI:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = []
         for index, out in enumerate(outs):
-            message, calls, errors = self._chat_message(self._text(out), tools)
+            message, calls, errors = self._chat_message(self._text(out, req), tools)
             inter = Interaction(
                 id=response_id if len(outs) == 1 else f"{response_id}-{index}",
                 messages=messages,
@@ -483,7 +504,7 @@ class ArenoAsyncOpenAI:
         parent = self.cache.find_token_parent(prompt_ids)
         choices = []
         for index, out in enumerate(outs):
-            text = self._text(out)
+            text = self._text(out, req)
             inter = Interaction(
                 id=response_id if len(outs) == 1 else f"{response_id}-{index}",
                 messages=None,
@@ -758,14 +779,17 @@ class AgentProxy:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
+        fixed_temperature: bool = False,
     ) -> None:
         """``api_key``: every request must carry ``Authorization: Bearer <key>`` (the ``openai``
-        client's ``api_key``); required when ``host`` is not a loopback address."""
+        client's ``api_key``); required when ``host`` is not a loopback address. ``fixed_temperature``:
+        as ``ArenoAsyncOpenAI``'s, for every session."""
         check_bind(host, api_key)
         self.api_key = api_key
         self.rollout_client = rollout_client
         self.tokenizer = tokenizer
         self.default_sampling = default_sampling
+        self.fixed_temperature = fixed_temperature
         self.host = host
         self.port = port
         self.sessions: dict[str, ArenoAsyncOpenAI] = {}
@@ -775,7 +799,11 @@ class AgentProxy:
     def start_session(self, session: Any = None) -> tuple[str, str]:
         sid = uuid.uuid4().hex[:16]
         self.sessions[sid] = ArenoAsyncOpenAI(
-            self.rollout_client, self.tokenizer, default_sampling=self.default_sampling, session=session
+            self.rollout_client,
+            self.tokenizer,
+            default_sampling=self.default_sampling,
+            session=session,
+            fixed_temperature=self.fixed_temperature,
         )
         return sid, f"{self.base_url}/sessions/{sid}/v1"
 

@@ -157,5 +157,23 @@ def test_concat_splits_where_tokens_do_not_continue(caplog):
     assert "starts a new sequence" in caplog.text
     assert [t.info["interaction_ids"] for t in trajs] == [["a"], ["b"]]
     assert trajs[1].prompt_ids == [1, 2, 99, 20] and trajs[1].completion_ids == [11]
+    # walk16: each piece is credited with the path's return from its first turn: the split-off first turn
+    # led to b's reward 1 (it had 0, its own piece's sum)
+    assert [t.reward for t in trajs] == [1.0, 1.0]
+    assert [t.reward for t in cache.export("concat", gamma=0.5)] == [0.5, 1.0]
     with pytest.raises(ValueError, match="export style"):
         cache.export("flat")
+
+
+def test_concat_keeps_a_turns_images():
+    """walk16: the concat export dropped info["images"] (the individual export kept them), so the trainer
+    read a vision-language turn's image tokens as text."""
+    cache = InteractionCache()
+    inter = chat([user("what is this?")], "a cat", [1, 2], [10], "a")
+    inter.info["images"] = "stand-in"
+    cache.add(inter)
+    cache.set_reward("a", 1.0)
+    (traj,) = cache.export("concat")
+    assert traj.info["images"] == "stand-in"
+    (single,) = cache.export("individual")
+    assert single.info["images"] == "stand-in"

@@ -363,3 +363,41 @@ def test_streamed_calls_add_up_as_the_areno_servers_streams_do(served, scripted)
         and json.loads(call.function.arguments) == {"expression": "2+3"}
     )
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_training_client_refuses_another_temperature(scripted):
+    """walk16: an agent's hard-coded temperature (0.7, 0) was sampled at, while the trainer recomputes the
+    episode's log-probs at rollout.temperature: a ratio off 1 for the same policy. A workflow's client
+    (fixed_temperature) refuses it by name; the run's own temperature, or none, is served."""
+    rollout = scripted(["a", "b"])
+    client = ArenoAsyncOpenAI(
+        rollout, rollout.tokenizer, default_sampling=SamplingParams(temperature=0.8), fixed_temperature=True
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(
+        AgentRequestError, match=r"temperature=0\.5: the trainer scores .* at the rollout temperature 0\.8"
+    ):
+        asyncio.run(client.chat.completions.create(model="m", messages=messages, temperature=0.5))
+    asyncio.run(client.chat.completions.create(model="m", messages=messages, temperature=0.8))
+    asyncio.run(client.chat.completions.create(model="m", messages=messages))
+    assert [p.temperature for p in rollout.params] == [0.8, 0.8]
+    free = ArenoAsyncOpenAI(rollout, rollout.tokenizer)  # outside training: any temperature
+    rollout.replies = iter(["c"])
+    asyncio.run(free.chat.completions.create(model="m", messages=messages, temperature=0))
+
+
+def test_a_stop_string_at_the_start_leaves_the_text_empty(scripted):
+    """walk16: the engine's text is empty when a stop string matches at the very start; the client decoded
+    the tokens again and gave the agent the stop string itself."""
+    rollout = scripted([","])
+    rollout_out = rollout.agenerate
+
+    async def engine_cut(prompt_ids, params, **kw):  # the engine's text after its stop-string cut
+        out = await rollout_out(prompt_ids, params, **kw)
+        out.text = ""
+        return out
+
+    rollout.agenerate = engine_cut
+    client = ArenoAsyncOpenAI(rollout, rollout.tokenizer)
+    reply = asyncio.run(client.completions.create(model="m", prompt="x", stop=[","]))
+    assert reply.choices[0].text == ""
