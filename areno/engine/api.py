@@ -421,7 +421,8 @@ def _offline_trajectory(
 ) -> Trajectory:
     """A dataset's completion (``completion_text``) and EOS after ``prompt_ids``, as a trajectory no policy
     sampled: version 0, log-probs 0."""
-    completion_ids = tokenizer.encode(completion_text(completion)) + [tokenizer.eos_token_id]
+    # no special tokens of its own: a BOS-adding tokenizer (Llama, Mistral) would put one mid-sequence
+    completion_ids = tokenizer.encode(completion_text(completion), add_special_tokens=False) + [tokenizer.eos_token_id]
     n = len(completion_ids)
     return Trajectory(
         prompt_ids=list(prompt_ids),

@@ -199,7 +199,11 @@ class RecipeRunner:
             metrics: dict[str, float] = {}
             for name in names:
                 spec = self.specs[name]
-                batch, skipped = without_gradient_free(spec, prepared[name])
+                batch, skipped = prepared[name], None
+                # a backend that truncates long sequences shortens them after this point: the left-out
+                # sequences' share of the denominator, counted here, would be their untruncated one
+                if getattr(getattr(self.backends[name], "cfg", None), "long_sequences", "error") != "truncate":
+                    batch, skipped = without_gradient_free(spec, batch)
                 result = self.backends[name].train_step(
                     batch,
                     forward_fn=spec.extract_model_output,

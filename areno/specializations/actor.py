@@ -133,7 +133,8 @@ class ActorConfig:
     the step's forward and backward, where the loss has no other term (``kl_coef`` 0 or the KL in the
     reward, ``entropy_coef`` 0): their gradient is zero and the loss keeps the whole batch's denominator,
     so the update is the same up to summation order. Their tokens count as zero in the step's loss
-    statistics (``actor/pg_loss`` and the clip fractions)."""
+    statistics (``actor/pg_loss`` and the clip fractions). Not where the backend truncates long
+    sequences (``train.long_sequences=truncate``): that denominator is the truncated batch's."""
     logprob_chunk_size: int | None = None
     """Tokens per chunk of the LM head's log-prob computation (memory and speed, not values); None:
     ``models.logprobs.auto_chunk_size`` (on a GPU as large as 1/16 of its memory allows)."""

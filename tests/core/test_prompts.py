@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from tokenizers.processors import TemplateProcessing
 
 from areno.api.config import load_config
 from areno.api.preflight import check_run
@@ -254,3 +255,16 @@ def test_message_list_rows_are_validated(tmp_path):
     with pytest.raises(DataError, match="line 1: 'prompt' is a message list but the message list is empty"):
         bad.write_text(json.dumps({"prompt": []}) + "\n")
         load_rows(bad, prompt_key="prompt")
+
+
+def test_offline_completions_carry_no_bos_of_their_own():
+    """walk17: a completion was `tokenizer.encode(text)`, which adds BOS where the tokenizer's post-processor
+    does (Llama, Mistral, Gemma): SFT, the warm start, DPO and the reward model trained a BOS in the middle of
+    every sequence, the model learning to open each answer with it."""
+    tok = build_char_tokenizer()
+    bos = tok.convert_tokens_to_ids("<s>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    assert tok.encode("5")[0] == bos  # this tokenizer adds BOS, as Llama's do
+    (sft,) = sft_trajectories([{"q": "2+3=", "a": "5"}], tok, "q", "a", chat_template="never")
+    assert sft.completion_ids == tok.encode("5", add_special_tokens=False) + [tok.eos_token_id]
+    assert bos not in sft.completion_ids

@@ -36,9 +36,18 @@ def batch_for(policy_dir, rewards=None):
     return with_behaviour_logprobs(base, logp, scale=0.3)
 
 
-def one_step(recipe, policy_dir, batch, forwarded=None, device="cpu", **runner_kwargs):
+def one_step(recipe, policy_dir, batch, forwarded=None, device="cpu", backend_kwargs=None, **runner_kwargs):
     backend = train.LocalTrainBackend(
-        train.TrainBackendConfig(lr=1e-2, device=device, max_tokens_per_mb=16, seed=0, grad_clip=1e9)
+        train.TrainBackendConfig(
+            **{
+                "lr": 1e-2,
+                "device": device,
+                "max_tokens_per_mb": 16,
+                "seed": 0,
+                "grad_clip": 1e9,
+                **(backend_kwargs or {}),
+            }
+        )
     )
     backend.initialize(policy_dir)
     trained = []
@@ -84,6 +93,27 @@ def test_the_update_is_the_whole_batchs(policy_dir, name, kwargs):
     stats = [k for k in on if k.startswith("policy/") and k.count("/") == 2]
     assert "policy/actor/ratio" in stats
     assert {k: on[k] for k in stats} == pytest.approx({k: alone[k] for k in stats}, rel=1e-5, abs=1e-7)
+
+
+def test_a_backend_that_truncates_long_sequences_trains_the_whole_batch(policy_dir):
+    """walk17: with long_sequences=truncate the left-out sequences' share of the denominator was counted
+    untruncated, the kept ones truncated after it: at token aggregation the update came out 2.2x smaller.
+    Such a backend now trains every sequence, so the step is the one without skipping."""
+    batch = batch_for(policy_dir)
+    truncate = {"long_sequences": "truncate", "max_tokens_per_mb": 6}  # every sequence is longer than 6
+    on, p_on, trained = one_step(
+        get_recipe("grpo", policy_kwargs={"loss_aggregation": "token"}), policy_dir, batch, backend_kwargs=truncate
+    )
+    off, p_off, _ = one_step(
+        get_recipe("grpo", policy_kwargs={"loss_aggregation": "token", "skip_zero_advantage": False}),
+        policy_dir,
+        batch,
+        backend_kwargs=truncate,
+    )
+    assert trained == [6] and on["policy/truncated_tokens"] > 0
+    assert on["policy/loss_denominator"] == off["policy/loss_denominator"]
+    for a, b in zip(p_on, p_off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_every_group_equal_trains_the_shortest_sequence_and_steps_alike(policy_dir):
