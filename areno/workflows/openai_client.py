@@ -342,7 +342,15 @@ class ArenoAsyncOpenAI:
         text = self._render(messages, tools, generation=True)
         if parent is not None:
             k = len(parent.messages) + 1
-            base = self._render(messages[:k], tools, generation=False)
+            # the parent's prompt and its own tokens as text: what follows is new, including what the template
+            # puts after a generated end-of-turn token (Qwen's "\n" after <|im_end|>), which a cut after the
+            # re-rendered assistant turn dropped
+            own = self._render(messages[: k - 1], tools, generation=True) + self.tokenizer.decode(
+                parent.output_ids, skip_special_tokens=False
+            )
+            if text.startswith(own):
+                return parent.full_ids + self._encode(text[len(own) :]), parent
+            base = self._render(messages[:k], tools, generation=False)  # the turn rendered otherwise (tool calls)
             if text.startswith(base):
                 return parent.full_ids + self._encode(text[len(base) :]), parent
             logger.warning(

@@ -7,9 +7,11 @@ import httpx
 import openai
 import pytest
 
+from areno.data.tokenizer import build_char_tokenizer
 from areno.types import SamplingParams
 from areno.workflows.openai_client import AgentProxy, AgentRequestError, ArenoAsyncOpenAI
 from areno.workflows.tools import CALCULATOR_SCHEMA, ToolSchemaError, ToolSet, calculator_tool
+from tests.helpers.async_fakes import replying
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3="}]
 
@@ -401,3 +403,34 @@ def test_a_stop_string_at_the_start_leaves_the_text_empty(scripted):
     client = ArenoAsyncOpenAI(rollout, rollout.tokenizer)
     reply = asyncio.run(client.completions.create(model="m", prompt="x", stop=[","]))
     assert reply.choices[0].text == ""
+
+
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_continued_chat_keeps_what_the_template_puts_after_the_end_of_turn_token():
+    """walk17: turn 2's prompt was the parent's tokens (ending at the generated <|im_end|>) plus the text after
+    the re-rendered assistant turn, which already held the template's "\\n" after <|im_end|>: the trained
+    sequence lacked it, a sequence no deployment renders. It is now the template's rendering, token for token."""
+    tok = build_char_tokenizer()
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = QWEN_TEMPLATE
+    client = ArenoAsyncOpenAI(replying(tok, "A1", "A2"), tok, default_sampling=SamplingParams(max_new_tokens=8))
+    messages = [{"role": "user", "content": "q1"}]
+
+    async def go():
+        first = await client.chat.completions.create(model="m", messages=messages)
+        messages.extend(
+            [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "q2"}]
+        )
+        second = await client.chat.completions.create(model="m", messages=messages)
+        messages.append({"role": "assistant", "content": second.choices[0].message.content})
+
+    asyncio.run(go())
+    (traj,) = client.export("concat")
+    assert traj.info["num_turns"] == 2  # one sequence: turn 2 continued turn 1's tokens
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert tok.decode(traj.prompt_ids + traj.completion_ids) == rendered.removesuffix("\n")
