@@ -357,7 +357,11 @@ def ppo(gamma: float = 1.0, gae_lambda: float = 0.95, value_clip_eps: float | No
 
 @recipe("ppo_kl")
 def ppo_kl(
-    kl_coef: float = 0.05, gamma: float = 1.0, gae_lambda: float = 0.95, value_clip_eps: float | None = 0.2
+    kl_coef: float = 0.05,
+    gamma: float = 1.0,
+    gae_lambda: float = 0.95,
+    value_clip_eps: float | None = 0.2,
+    kl_estimator: str = "k1",
 ) -> TrainingConfig:
     """PPO with a frozen reference: the KL penalty enters the token rewards (RLHF PPO).
 
@@ -365,7 +369,7 @@ def ppo_kl(
     InstructGPT, Ouyang et al. 2022; ref scored at rollout.temperature, as pi_old was sampled);
     advantages and value targets by GAE over r_t, losses as ppo.
     The policy's and the critic's returns use the same penalised rewards: reference.logprobs_T is
-    injected into both. The reference is the initial policy (so the penalty starts at the
+    injected into both, and kl_estimator reaches both. The reference is the initial policy (so the penalty starts at the
     behaviour/initial log-prob gap).
     """
     return TrainingConfig(
@@ -378,7 +382,7 @@ def ppo_kl(
                 clip_eps=0.2,
                 loss_aggregation="token",
                 kl_coef=kl_coef,
-                kl_estimator="k1",
+                kl_estimator=kl_estimator,
                 kl_in_reward=True,
             ),
             ModelRole(
@@ -389,7 +393,7 @@ def ppo_kl(
                     "gae_lambda": gae_lambda,
                     "value_clip_eps": value_clip_eps,
                     "kl_coef": kl_coef,
-                    "kl_estimator": "k1",
+                    "kl_estimator": kl_estimator,
                 },
             ),
             _reference(),

@@ -31,7 +31,12 @@ from areno.recipes.config import (
 )
 from areno.recipes.traits import STALE_LABELS, RecipeTraits, recipe_traits
 from areno.rewards.loader import USER_FILE_MODULE, import_module
-from areno.specializations import ActorConfig, ActorSpecialization, MixedLossDaggerOPDSpecialization
+from areno.specializations import (
+    ActorConfig,
+    ActorSpecialization,
+    CriticSpecialization,
+    MixedLossDaggerOPDSpecialization,
+)
 from areno.specializations.base import RUN_SET_OPTIONS, option_types
 from areno.specializations.supervised import SCORER_Q_SOURCES
 
@@ -128,7 +133,39 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
         )
     configured = cfg.with_policy_kwargs(**policy_kwargs)
     check_inert_options(name, cfg, configured, options, policy_kwargs)
+    check_critic_agrees(name, configured)
     return configured
+
+
+def check_critic_agrees(name: str, cfg: TrainingConfig) -> None:
+    """A one-line ``ConfigError`` where a recipe's critic would learn value targets from other rewards than
+    the policy's advantages use: the critic has no overlong penalty, and its KL penalty is its own setting
+    (a recipe passes one value to both; a policy option alone changes one side). Discounting may differ
+    on purpose (decoupled GAE: a critic's lambda 1 beside a policy's lower one), so it is not checked."""
+    critics = [r for r in cfg.roles if r.specialization_cls is CriticSpecialization]
+    if not critics or cfg.policy_role.specialization_cls is not ActorSpecialization:
+        return
+    actor = cfg.policy_role.build().config
+    for critic in critics:
+        if actor.overlong_max_length is not None:
+            raise ConfigError(
+                f"train.algorithm_kwargs.overlong_max_length={actor.overlong_max_length}: recipe {name!r}'s critic "
+                f"(role {critic.name!r}) learns value targets from the rewards without the overlong penalty the "
+                "policy's advantages add: drop it, or use a recipe without a critic (dapo)"
+            )
+        if not actor.kl_in_reward:
+            continue
+        spec = critic.build()
+        for key, mine, theirs in (
+            ("kl_coef", actor.kl_coef, spec.kl_coef),
+            ("kl_estimator", actor.kl_estimator, spec.kl_estimator),
+        ):
+            if mine != theirs:
+                raise ConfigError(
+                    f"train.algorithm_kwargs.{key}={mine!r} reaches the policy alone: recipe {name!r}'s critic "
+                    f"(role {critic.name!r}) computes its value targets with {key}={theirs!r}, so the two would "
+                    f"learn from different returns: give {key} as the recipe's option, which sets both"
+                )
 
 
 def _check_option_names(cfg: TrainingConfig, policy_kwargs: dict[str, Any], factory_options: list[str]) -> None:

@@ -4,6 +4,7 @@ which runs of an offline recipe build a rollout side (only those whose evaluatio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from areno.engine.local import LocalRolloutSide
 from areno.engine.placement import build_engine
 from areno.errors import ConfigError
 from areno.recipes import TRAINING_CONFIGS, DataSync, ModelRole, TrainingConfig, get_recipe, list_recipes, main, recipe
+from areno.recipes.registry import check_critic_agrees
 from areno.recipes.runner import RecipeRunner
 from areno.specializations import (
     ActorConfig,
@@ -277,3 +279,22 @@ def test_sft_builds_a_rollout_side_only_when_its_held_out_evaluation_generates(t
         assert "eval/accuracy" in engine.evaluate() and "rollout_rng" in engine.resume_state()
     finally:
         engine.shutdown()
+
+
+def test_a_critic_learns_from_the_rewards_the_policy_does():
+    """walk19: ppo with overlong_max_length added the penalty to the policy's rewards only (the critic's
+    returns were the raw ones), and ppo_kl's kl_estimator reached the policy alone (the critic's was k1):
+    both refused now, and ppo_kl takes kl_estimator as its own option, which sets both."""
+    with pytest.raises(ConfigError, match=r"overlong_max_length=8: recipe 'ppo''s critic \(role 'value'\)"):
+        get_recipe("ppo", policy_kwargs={"overlong_max_length": 8, "overlong_buffer_length": 2})
+    cfg = get_recipe("ppo_kl", policy_kwargs={"kl_estimator": "k3"})
+    assert cfg.policy_role.build().config.kl_estimator == "k3" and cfg.role("value").build().kl_estimator == "k3"
+    policy_only = dataclasses.replace(
+        cfg,
+        roles=tuple(
+            dataclasses.replace(r, init_kwargs={**r.init_kwargs, "kl_estimator": "k2"}) if r.name == "policy" else r
+            for r in cfg.roles
+        ),
+    )
+    with pytest.raises(ConfigError, match=r"kl_estimator='k2' reaches the policy alone.*kl_estimator='k3'"):
+        check_critic_agrees("ppo_kl", policy_only)
