@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ from areno.models.hf_io import build_model, save_model
 from areno.specializations.base import Metrics, ModelSpecialization, Reducer, check_arguments
 from areno.specializations.forward import ScalarHeadModel, last_token_scores_B, token_logprobs_T
 from areno.types import TokenBatch
+
+logger = logging.getLogger("areno.specializations")
 
 
 def preference_pairs(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +252,18 @@ def save_reward_model(state: dict[str, torch.Tensor], config: ModelConfig, out_d
     hf = json.loads((out / "config.json").read_text(encoding="utf-8"))
     hf["architectures"] = [config.architecture.removesuffix("ForCausalLM") + SEQUENCE_CLASSIFIER_SUFFIX]
     hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})  # num_labels=1: one scalar score
+    eos = hf.get("eos_token_id")
+    if hf.get("pad_token_id") is not None and hf["pad_token_id"] in (eos if isinstance(eos, list) else [eos]):
+        # transformers' classifier scores the last token that is not the pad id: with pad = EOS the token
+        # before the EOS training scored. Without a pad id it scores the last token (and refuses a padded
+        # batch rather than reading the wrong token)
+        hf["pad_token_id"] = None
+        logger.warning(
+            "reward model export %s: its pad id is its EOS id, which transformers' sequence classifier would "
+            "skip as padding and score the token before it; the export has no pad id (score sequences one at a "
+            "time, or give the tokenizer a pad token of its own before batching)",
+            out,
+        )
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
 

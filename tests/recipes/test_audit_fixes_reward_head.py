@@ -17,7 +17,8 @@ import areno.engine.local
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.errors import ModelDirError
-from areno.models.hf_io import load_model, read_score_head
+from areno.models.decoder import Decoder
+from areno.models.hf_io import load_model, read_score_head, tiny_config
 from areno.observe.metrics import read_metrics
 from areno.specializations import RewardModelSpecialization, ScalarHeadModel, ScalarScorerSpecialization
 from areno.specializations.preference import save_reward_model
@@ -112,3 +113,26 @@ def test_an_older_export_with_a_head_bias_is_scored_with_its_bias(tmp_path, monk
         model.score.bias.zero_()
         without_bias_T = scorer.extract_model_output(model, batch)["q_T"]
     torch.testing.assert_close(q_T - without_bias_T, torch.full_like(q_T, 0.5))
+
+
+def test_a_reward_model_whose_pad_is_its_eos_exports_without_a_pad_id(tmp_path, caplog):
+    """walk19: transformers' sequence classifier scores the last token that is not the pad id; with pad = EOS
+    (common after fine-tuning) it read the token before the EOS training scored (export loss 0.357 against
+    areno's 0.331). The export has no pad id then, so a sequence is scored at its last token, as trained."""
+    transformers = pytest.importorskip("transformers")
+
+    config = tiny_config(40, hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64)
+    config = config.replace(pad_token_id=config.eos_token_ids[0])
+    torch.manual_seed(0)
+    decoder = Decoder(config)
+    state = {f"decoder.{k}": v for k, v in decoder.state_dict().items()}
+    state["score.weight"] = torch.randn(1, 32)
+    with caplog.at_level("WARNING", logger="areno.specializations"):
+        out = save_reward_model(state, config, tmp_path / "rm")
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] is None
+    assert "its pad id is its EOS id" in caplog.text
+    ids = torch.tensor([[5, 6, 7, config.eos_token_ids[0]]])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    with torch.no_grad():
+        want = decoder(ids[0], torch.arange(4))[-1] @ state["score.weight"][0]  # the head at the EOS
+        assert float(model(ids).logits) == pytest.approx(float(want), rel=1e-4, abs=1e-5)
