@@ -322,10 +322,12 @@ class Trainer:
                     rollout = self.rollout_token_batch(rollout_id)
                 fault_point("rollout", step)
                 t1 = time.perf_counter()
+                train_metrics: dict[str, float] = {}
                 for pass_idx in range(cfg.num_train_passes):
                     data = rollout if pass_idx == 0 else reshuffle(rollout, pass_seed(cfg.seed, rollout_id, pass_idx))
                     with span("train", "trainer", rollout_id=rollout_id, pass_idx=pass_idx):
-                        train_metrics = self.train(rollout_id, data)
+                        # the last pass's figures, and what only the first reports (the pending policy sync's)
+                        train_metrics = {**train_metrics, **self.train(rollout_id, data)}
                 fault_point("train", step)
                 t2 = time.perf_counter()
                 self._trained_to = step

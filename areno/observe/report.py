@@ -99,8 +99,10 @@ def _match(predicate: Callable[[str], bool]) -> Selector:
 
 
 def _eval_key(k: str) -> bool:
-    leaf = k.split("/", 1)[-1]
-    return k.startswith("eval/") and not leaf.startswith("num_") and not leaf.endswith("_s")
+    """Held-out fractions only (accuracy, pass@k, a role's pair accuracy): a token count or a loss on the
+    same axis would flatten the 0-1 curves."""
+    leaf = _leaf(k)
+    return k.startswith(("eval/", "test/")) and (leaf == "accuracy" or leaf.startswith("pass@"))
 
 
 def _time_split_key(k: str) -> bool:
@@ -134,9 +136,8 @@ PANELS: tuple[Panel, ...] = (
     Panel(
         "Reward",
         "reward",
-        _match(
-            lambda k: k.startswith("rollout/") and "reward" in _leaf(k) and not _leaf(k).endswith(("_std", "_errors"))
-        ),
+        # the batch's reward means: the sandbox's counters and call times are not rewards
+        _match(lambda k: k.startswith("rollout/") and _leaf(k).startswith("reward") and _leaf(k).endswith("_mean")),
     ),
     Panel("Held-out accuracy", "accuracy", _match(_eval_key)),
     Panel("Loss", "loss", _match(_loss_key)),

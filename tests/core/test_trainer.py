@@ -312,6 +312,9 @@ def test_two_passes_decoupled_clip_acts(tmp_path):
     assert any(r["train/policy/actor/approx_kl"] != 0.0 and r["train/policy/actor/clip_frac"] > 0 for r in step_rows), (
         step_rows
     )
+    # walk18: the policy sync's figures ride with the next step's first pass; keeping only the last pass's
+    # metrics dropped them from every row of a run with several passes
+    assert "policy_sync_time_s" in step_rows[1] and "policy_sync_bytes" in step_rows[1]
 
 
 def test_an_offline_recipe_syncs_the_policy_before_each_evaluation_only(tmp_path):

@@ -47,12 +47,19 @@ def write_run(run_dir: Path, *, steps: int, reward_slope: float, with_extras: bo
                 "policy_sync_bytes": 2**30,
                 "policy_sync_tensors": 290,
                 "policy_sync_throughput_gbps": 10.7,
+                # not rewards: counts and times of the reward sandbox (walk18 found them on the reward axis)
+                "rollout/reward_calls": 64.0 * step,
+                "rollout/reward_nonfinite": 0.0,
+                "rollout/reward_call_time_mean_s": 0.01,
             }
             if with_extras:
                 metrics["rollout/worker_busy_frac"] = 0.9
             logger.log(metrics, step=step)
             if step % 5 == 0:
-                logger.log({"eval/accuracy": step / (2 * steps), "eval/time_s": 3.0}, step=step)
+                held_out = {"eval/accuracy": step / (2 * steps), "eval/pass@4": 0.6, "eval/time_s": 3.0}
+                # not fractions: a token count beside the accuracy would flatten it (walk18)
+                held_out |= {"eval/completion_tokens_mean": 5.0, "eval/samples_per_prompt": 4.0}
+                logger.log(held_out, step=step)
 
 
 class ImageCollector(HTMLParser):
@@ -124,7 +131,7 @@ def test_panels_select_the_right_metrics(two_runs):
     run = report.load_run(a)
     chosen = {p.title: p.select(run.keys()) for p in report.PANELS}
     assert chosen["Reward"] == ["rollout/reward_mean"]
-    assert chosen["Held-out accuracy"] == ["eval/accuracy"]
+    assert chosen["Held-out accuracy"] == ["eval/accuracy", "eval/pass@4"]
     assert chosen["KL"] == ["train/policy/approx_kl"]
     assert chosen["Loss"] == ["train/policy/loss"]
     assert chosen["Clip fractions"] == ["train/policy/clip_frac"]
