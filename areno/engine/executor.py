@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -107,7 +108,8 @@ class WorkflowExecutor:
                 build their own from a ``WorkerSpec``).
             dataset_iter: samples for the everlasting pool (``start``/``wait_batch``).
             staleness: admission control for the everlasting pool.
-            num_workers: concurrent episodes (default ``staleness.max_concurrent``).
+            num_workers: concurrent episodes (default ``staleness.max_concurrent``); a synchronous
+                ``rollout_batch`` runs this many at once where it is given, else every episode.
             max_retries: a sample whose workflow raises (or whose worker process dies) is run at
                 most ``max_retries + 1`` times, then dropped with a warning.
             store: observation store whose entries referenced by dropped groups are released.
@@ -136,6 +138,8 @@ class WorkflowExecutor:
         self.workflow = workflow
         self.staleness = staleness
         self.num_workers = num_workers if num_workers is not None else (staleness.max_concurrent if staleness else 1)
+        # a synchronous batch runs every episode at once unless a number was given (rollout.max_concurrent)
+        self._batch_slots = num_workers
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         self.max_retries = max_retries
@@ -329,16 +333,7 @@ class WorkflowExecutor:
                 self._in_flight.pop(task.index, None)
                 self.stats.busy_s += time.monotonic() - t0
             assert self.staleness is not None
-            if status == "dropped":
-                self._dropped_in_a_row += 1
-                if 0 < self.max_consecutive_dropped <= self._dropped_in_a_row and self._worker_error is None:
-                    self._worker_error = RolloutPoolBroken(
-                        f"the last {self._dropped_in_a_row} samples were all dropped after {self.max_retries + 1} "
-                        f"attempts each (last: {self._attempts.last_drop}): {self._attempts.drop_advice}"
-                    )
-                    logger.error("%s", self._worker_error)
-            elif status in ("ok", "rejected"):
-                self._dropped_in_a_row = 0
+            self._count_dropped(status)
             if status == "ok":
                 assert group is not None
                 self.staleness.on_accept()
@@ -443,6 +438,8 @@ class WorkflowExecutor:
 
         drive = getattr(self.client, "drive_until", None)  # an in-process engine, stepped from here
         results = (drive(submit) if drive is not None else submit()).result()
+        if isinstance(self._worker_error, RolloutPoolBroken):  # rollout.max_consecutive_dropped samples in a row
+            raise RolloutPoolBroken(str(self._worker_error))
         trajectories = [traj for group, _ in results if group for traj in group]
         if samples and not trajectories:
             dropped = self.stats.counts["dropped_failed"] - before.get("dropped_failed", 0)
@@ -455,16 +452,35 @@ class WorkflowExecutor:
             )
         return trajectories, [part for _, part in results if part is not None]
 
+    def _count_dropped(self, status: str) -> None:
+        """Samples dropped in a row after all their attempts (both paths): at ``max_consecutive_dropped`` the
+        pool is broken (``_worker_error``), the last drop's cause named."""
+        if status == "dropped":
+            self._dropped_in_a_row += 1
+            if 0 < self.max_consecutive_dropped <= self._dropped_in_a_row and self._worker_error is None:
+                self._worker_error = RolloutPoolBroken(
+                    f"the last {self._dropped_in_a_row} samples were all dropped after {self.max_retries + 1} "
+                    f"attempts each (last: {self._attempts.last_drop}): {self._attempts.drop_advice}"
+                )
+                logger.error("%s", self._worker_error)
+        elif status in ("ok", "rejected"):
+            self._dropped_in_a_row = 0
+
     async def _arollout_batch(
         self, samples: list[dict[str, Any]], pack: bool
     ) -> list[tuple[list[Trajectory] | None, TokenBatch | None]]:
+        # rollout.max_concurrent episodes in flight, as the pool's
+        slots = asyncio.Semaphore(self._batch_slots) if self._batch_slots is not None else contextlib.nullcontext()
+
         async def arun(task: EpisodeTask) -> tuple[list[Trajectory] | None, TokenBatch | None]:
-            while True:
-                t0 = time.monotonic()
-                status, group = await self._attempts.arun(task)
-                self.stats.busy_s += time.monotonic() - t0
-                if status != "retry":
-                    return group, TokenBatch.from_trajectories(group) if pack and group else None
+            async with slots:
+                while True:
+                    t0 = time.monotonic()
+                    status, group = await self._attempts.arun(task)
+                    self.stats.busy_s += time.monotonic() - t0
+                    if status != "retry":
+                        self._count_dropped(status)
+                        return group, TokenBatch.from_trajectories(group) if pack and group else None
 
         tasks = [EpisodeTask(self._next_index + i, sample) for i, sample in enumerate(samples)]
         self._next_index += len(samples)

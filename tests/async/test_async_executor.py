@@ -205,6 +205,28 @@ def test_rollout_batch_runs_all_episodes_concurrently():
     assert m["rollout/failed_episodes"] == 1 and m["rollout/rejected"] == 1
 
 
+def test_a_synchronous_batch_keeps_to_max_concurrent_and_stops_after_consecutive_drops():
+    """walk20: rollout_batch started every episode of the batch at once whatever rollout.max_concurrent said,
+    and rollout.max_consecutive_dropped counted only in the asynchronous pool: a synchronous run whose
+    workflow dropped sample after sample trained on ever smaller batches."""
+    engine = FakeEngine(length_from_prompt, step_s=0.002)
+    with WorkflowExecutor(engine, CountingWorkflow(), max_retries=0, num_workers=2) as ex:
+        assert len(ex.rollout_batch(rows(6, length=10))) == 6
+    assert engine.max_in_flight == 2
+    failing = rows(6, length=4)
+    for row in failing[1:4]:
+        row["fail"] = 5  # dropped after its one attempt
+    with WorkflowExecutor(
+        FakeEngine(length_from_prompt), CountingWorkflow(), max_retries=0, num_workers=1, max_consecutive_dropped=3
+    ) as ex:
+        with pytest.raises(RolloutPoolBroken, match="the last 3 samples were all dropped"):
+            ex.rollout_batch(failing)
+    with WorkflowExecutor(  # three in a row: under the bound, the batch trains on the rest
+        FakeEngine(length_from_prompt), CountingWorkflow(), max_retries=0, num_workers=1, max_consecutive_dropped=4
+    ) as ex:
+        assert len(ex.rollout_batch(failing)) == 3
+
+
 def test_dataset_iterator_error_surfaces_in_wait_batch():
     def broken_rows():
         yield {"id": 0, "len": 2}
