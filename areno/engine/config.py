@@ -111,10 +111,13 @@ class ModelSection(ConfigSection, PrecisionConfig):
     model of hidden size 256 or more when the CPU has native bfloat16 (AVX512-BF16, AMX), else float32."""
     compute_dtype: str = "auto"
     """Training forward/backward dtype (autocast over ``dtype``'s master weights): auto, float32 or
-    bfloat16; auto as ``rollout_dtype``."""
+    bfloat16; auto as ``rollout_dtype``, and bfloat16 over bfloat16 weights (``dtype``): compute is never
+    wider than the weights, and float32 over bfloat16 weights is refused in one process."""
     init_tiny: dict[str, Any] | None = None
     """Demo/tests only: when set and model.path does not exist, create a random model there from
-    these `areno.models.hf_io.tiny_config` arguments with a character tokenizer."""
+    these `areno.models.hf_io.tiny_config` arguments with a character tokenizer; a tiny model areno
+    made there before with other arguments or another ``train.seed`` is made again (a directory holding
+    anything else is refused)."""
 
     def __post_init__(self) -> None:
         check_types(self, "model", ModelSection)

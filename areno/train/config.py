@@ -285,7 +285,7 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     """Optimizer steps of the whole run; required by ``cosine`` (a run: ``total_optimizer_steps``)."""
     param_dtype: str | None = None
     """Compute dtype of forward/backward: ``float32`` or ``bfloat16``. None: bfloat16 on CUDA,
-    ``cpu_auto_dtype`` on CPU."""
+    ``cpu_auto_dtype`` on CPU, and bfloat16 wherever the weights are (``dtype``: nothing computes wider)."""
     cpu_auto_dtype: str = "float32"
     """What ``param_dtype`` None computes in on CPU (the run config's ``model.compute_dtype=auto``
     sets it: bfloat16 for a wide model on a CPU with native bfloat16, ``cpu_gemm.prefers_bf16``)."""
@@ -373,7 +373,7 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
     def resolved_param_dtype(self, device: str) -> str:
         if self.param_dtype is not None:
             return self.param_dtype
-        return "bfloat16" if device == "cuda" else self.cpu_auto_dtype
+        return "bfloat16" if device == "cuda" or self.dtype == "bfloat16" else self.cpu_auto_dtype
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp_replicate, dp_shard, tp) for ``world_size`` ranks; ValueError if it does not divide."""

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, ExitStack
 import torch
 from torch import nn
 
+from areno.errors import ConfigError
 from areno.train.backend import PackedTrainBackend
 from areno.train.parallelize import parallelize
 
@@ -26,6 +27,14 @@ class LocalTrainBackend(PackedTrainBackend):
                 "must be 1 (use FSDP2TrainBackend for parallel training)"
             )
         self.device = torch.device(self.cfg.resolved_device())
+        if self.cfg.dtype == "bfloat16" and self.cfg.resolved_param_dtype(self.device.type) == "float32":
+            # one process computes in its weights' dtype or narrower (autocast): float32 compute over bf16
+            # weights would silently run in bf16
+            raise ConfigError(
+                "model.compute_dtype=float32 with model.dtype=bfloat16: a one-process training backend computes in "
+                "its weights' dtype or narrower, so it would run in bfloat16; set model.dtype=float32 (float32 "
+                "weights), or model.compute_dtype=bfloat16"
+            )
         self._dp_rank, self._dp_size = 0, 1
 
     def _parallelize(self, model: nn.Module) -> nn.Module:

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from areno.errors import ConfigError
 from areno.train import LocalTrainBackend, LoraConfig, TrainBackendConfig
 from tests.helpers.train import make_model_dir, nll_forward, nll_loss, random_batch, token_denominator
 
@@ -472,3 +473,14 @@ def test_the_hf_export_keeps_the_source_models_generation_config(model_dir, tmp_
     b.export_hf(tmp_path / "hf")
     exported = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert exported["eos_token_id"] == [2, 5] and exported["temperature"] == 0.6 and exported["top_p"] == 0.9
+
+
+def test_float32_compute_over_bfloat16_weights_is_refused_in_one_process(model_dir):
+    """walk21: model.dtype=bfloat16 with model.compute_dtype=float32 ran every training forward in bf16 on the
+    one-process backend (autocast only narrows); `auto` on CPU named float32 for it too. The explicit setting
+    is now one line naming both keys, and `auto` resolves to bfloat16 over bfloat16 weights."""
+    with pytest.raises(ConfigError, match=r"model.compute_dtype=float32 with model.dtype=bfloat16"):
+        backend(model_dir, dtype="bfloat16", param_dtype="float32")
+    cfg = TrainBackendConfig(lr=1e-2, device="cpu", dtype="bfloat16")
+    assert cfg.resolved_param_dtype("cpu") == "bfloat16"
+    assert TrainBackendConfig(lr=1e-2, device="cpu").resolved_param_dtype("cpu") == "float32"
