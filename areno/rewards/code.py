@@ -10,9 +10,11 @@ process group at its time limit. The reward function itself runs in the reward s
 set it above ``tests × time_limit_s``.
 
 Test formats, from the row field ``tests`` (else the ``answer``), a JSON string of them accepted:
-- ``"assert f(2) == 4\\n..."``: Python appended to the program; reward 1 when it exits 0 after
-  the tests ran to their end (a random line printed after them must end its output, so a program
-  that exits early, ``sys.exit(0)`` or ``os._exit(0)``, skips them and scores 0), else 0;
+- ``"assert f(2) == 4\\n..."``: Python run after the program in the same namespace; the program is
+  run under the name ``solution``, so its ``if __name__ == "__main__":`` block (reading stdin, say)
+  does not run, as in HumanEval / MBPP harnesses; reward 1 when it exits 0 after the tests ran to
+  their end (a random line printed after them must end its output, so a program that exits early,
+  ``sys.exit(0)`` or ``os._exit(0)``, skips them and scores 0), else 0;
 - ``[{"input": "1 2\\n", "output": "3\\n"}, ...]`` or ``{"inputs": [...], "outputs": [...]}``
   (APPS / CodeContests): stdin → stdout, compared line by line, each line's surrounding whitespace
   and blank lines at either end ignored;
@@ -165,7 +167,12 @@ def code_execution(prompt: str, completion: str, answer: Any = None, **row: Any)
         # the tests ran to their end only if the line after them was printed last: exit 0 alone is what
         # sys.exit(0) in the program gives too
         done = f"areno-tests-done-{secrets.token_hex(16)}"
-        source = f"{program}\n\n{cases}\n\nimport sys as _areno_sys\n_areno_sys.stdout.write('\\n{done}\\n')\n"
+        # compiled on its own, so that its `from __future__` imports stay first
+        source = (
+            "__name__ = 'solution'\n__import__('sys').modules['solution'] = __import__('sys').modules['__main__']\n"
+            f"exec(compile({program!r}, 'solution.py', 'exec'))\n__name__ = '__main__'\n\n"
+            f"{cases}\n\nimport sys as _areno_sys\n_areno_sys.stdout.write('\\n{done}\\n')\n"
+        )
         result = run_program(source, time_limit_s=time_limit_s, memory_mb=memory_mb)
         return float(result.returncode == 0 and result.stdout.rstrip().endswith(done))
     if not cases:

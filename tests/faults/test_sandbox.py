@@ -337,6 +337,25 @@ def test_code_execution_asserts_run_to_their_end_and_any_fence_counts():
     assert code_execution("p", echo, None, tests=[{"input": "", "output": "3\n5"}]) == 0.0
 
 
+def test_code_execution_asserts_skip_the_programs_main_block():
+    """A correct solution whose `if __name__ == "__main__":` block reads stdin scored 0 under assert tests (the
+    block ran on empty stdin); HumanEval / MBPP harnesses do not run it. `from __future__` imports and
+    dataclasses still work, and the tests still see private names and module globals."""
+    from areno.rewards.code import code_execution
+
+    tests = "assert f(2) == 4\nassert f(3) == 6"
+    main_block = "def f(x):\n    return 2 * x\n\nif __name__ == '__main__':\n    print(f(int(input())))\n"
+    assert code_execution("p", main_block, tests) == 1.0
+    future = (
+        "from __future__ import annotations\nimport typing\nfrom dataclasses import dataclass\n\n@dataclass\n"
+        "class P:\n    k: typing.ClassVar[int] = 2\n\ndef f(x: int) -> int:\n    typing.get_type_hints(P)\n"
+        "    return P.k * x\n"
+    )
+    assert code_execution("p", future, tests) == 1.0
+    assert code_execution("p", "_K = 1\ndef f(x):\n    return _K * x", "_K = 2\nassert f(2) == 4") == 1.0
+    assert code_execution("p", "def f(x)\n    return 2 * x", tests) == 0.0
+
+
 def test_exact_match_compares_a_multi_line_reference_line_by_line():
     from areno.rewards.tasks import exact_match
 
