@@ -23,15 +23,32 @@ _MATH_DELIMITER = re.compile(r"(?<!\\)\$")
 """An unescaped ``$``: a reference holding one is LaTeX already (``\\$18.90`` is a dollar sign)."""
 
 
+_WORDS = re.compile(r"(?<![\\A-Za-z0-9])[A-Za-z]{2,}(?:\s+[A-Za-z]{2,})*(?![A-Za-z0-9(^_])")
+"""A run of plain words (not a LaTeX command, not letters beside digits like ``2xy``)."""
+_MATH_WORDS = frozenset(
+    "sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln exp sqrt min max gcd lcm mod det "
+    "infinity infty pi".split()
+)
+"""Words math-verify reads as math, left as they are."""
+
+
+def _text_words(match: re.Match[str]) -> str:
+    words = match.group(0)
+    if words.lower() in _MATH_WORDS or max(len(w) for w in words.split()) < 3:
+        return words
+    return f"\\text{{{words}}}"
+
+
 def reference_text(answer: Any) -> str:
     """The reference as math-verify parses it: a float written out in full (``1e-05`` would read as an
-    expression in Euler's e), in ``$...$`` unless it has math delimiters or a ``\\boxed``."""
+    expression in Euler's e), in ``$...$`` unless it has math delimiters or a ``\\boxed``, its plain
+    words in ``\\text{}`` (``18 dollars`` is 18 with a unit, ``Monday`` a word, not products of letters)."""
     if isinstance(answer, float) and answer == answer and abs(answer) != float("inf"):
         text = format(Decimal(repr(answer)), "f")
     else:
         text = completion_text(answer)
     if not _MATH_DELIMITER.search(text) and "\\boxed" not in text:
-        text = f"${text}$"
+        text = "$" + _WORDS.sub(_text_words, text) + "$"
     return text
 
 

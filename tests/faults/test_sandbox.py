@@ -377,3 +377,21 @@ def test_math_verify_reads_float_references_and_escaped_dollars():
     assert math_verify("p", "\\boxed{100000000000000000000}", 1e20) == 1.0
     assert math_verify("p", "it costs \\boxed{18.90}", "\\$18.90") == 1.0
     assert math_verify("p", "\\boxed{0.5}", 0.5) == 1.0 and math_verify("p", "\\boxed{3}", 0.5) == 0.0
+
+
+def test_math_verify_reads_plain_words_in_a_reference_as_text():
+    """A plain-text reference parsed as a product of letters: `18 dollars` was 18·d·o·l·l·a·r·s (the boxed 18
+    scored 0) and `Monday` was its letters' product (an anagram scored 1). Words are text now; math words,
+    commands and letters beside digits stay math."""
+    from areno.rewards.math import math_verify, reference_text
+
+    assert math_verify("p", "The answer is \\boxed{18}.", "18 dollars") == 1.0
+    assert math_verify("p", "\\boxed{19}", "18 dollars") == 0.0
+    assert math_verify("p", "\\boxed{0.5}", "\\frac{1}{2} cup") == 1.0
+    assert math_verify("p", "\\boxed{Monday}", "Monday") == 1.0
+    assert math_verify("p", "\\boxed{Mnoday}", "Monday") == 0.0
+    assert math_verify("p", "\\boxed{\\text{no solution}}", "no solution") == 1.0
+    assert math_verify("p", "\\boxed{\\infty}", "infinity") == 1.0
+    assert math_verify("p", "\\boxed{2yx}", "2xy") == 1.0
+    for math in ("2xy", "x = 5", "ab", "log 2", "10 cm^2", "$x$ dollars", "\\sqrt{2}"):
+        assert "\\text" not in reference_text(math), math
