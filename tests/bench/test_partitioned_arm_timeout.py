@@ -14,6 +14,7 @@ from bench.partitioned import paired_summary, partitioned_headline
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # over 10 s: the default suite keeps within its 10 minutes
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_arm_past_its_deadline_is_dumped_killed_and_reported(tmp_path):
     # A deadline far shorter than an arm's start-up (~10 s here): it fires while the workers start.

@@ -172,6 +172,7 @@ def tmp(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow  # over 10 s: the default suite keeps within its 10 minutes
 def test_flipped_shard_resumes_from_the_previous_checkpoint_bit_for_bit(tmp):
     run_dir = tmp / "run"
     ckpts = run_dir / "checkpoints"

@@ -41,6 +41,7 @@ def _killed(proc):
     return proc
 
 
+@pytest.mark.slow  # over 10 s: the default suite keeps within its 10 minutes
 def test_kill_during_checkpoint_write_resumes_bit_for_bit(tmp):
     run_dir = tmp / "ckpt_write"
     ckpts = run_dir / "checkpoints"

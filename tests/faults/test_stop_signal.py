@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.configs import train_args
 
 
@@ -43,6 +45,7 @@ def _steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
 
 
+@pytest.mark.slow  # over 10 s: the default suite keeps within its 10 minutes
 def test_sigterm_saves_the_step_and_resume_goes_on(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     proc = _start(tmp_path)

@@ -58,6 +58,7 @@ def _run(cfg, run_dir, n: int, check=None) -> list:
         engine.shutdown()
 
 
+@pytest.mark.slow  # over 10 s: the default suite keeps within its 10 minutes
 def test_partitioned_vlm_grpo_matches_colocated(tmp_path):
     """η = 0: three steps, the same completions, rewards and losses as the colocated run."""
     cfg = _config(tmp_path, *PARTITIONED)
