@@ -35,6 +35,13 @@ def _load(args: argparse.Namespace, *extra: str):
 def _train(args: argparse.Namespace) -> int:
     from areno.api.pipeline import run_pipeline
 
+    if args.algorithm:
+        overrides = [*([args.config] if args.config and "=" in args.config else []), *args.overrides]
+        given = [o.split("=", 1)[1] for o in overrides if o.startswith("train.algorithm=")]
+        if any(value != args.algorithm for value in given):
+            raise UserError(
+                f"--algorithm {args.algorithm} and the override train.algorithm={given[-1]} disagree: give one of them"
+            )
     run_pipeline(_load(args, *([f"train.algorithm={args.algorithm}"] if args.algorithm else [])))
     return 0
 

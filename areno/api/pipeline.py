@@ -228,12 +228,15 @@ def plot_curve(run_dir: Path) -> Path | None:
 
     rows = read_metrics(run_dir)
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    values = []
     for key, label in (("rollout/reward_mean", "train reward"), ("eval/accuracy", "held-out accuracy")):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
             ax.plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=label)
+            values += [v for _, v in pts]
     ax.set_xlabel("step")
-    ax.set_ylim(-0.02, 1.02)
+    if all(0 <= v <= 1 for v in values):  # a 0/1 reward's scale; any other reward sets its own
+        ax.set_ylim(-0.02, 1.02)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     else:  # an offline run without held-out rows: matplotlib would warn of a legend with nothing in it

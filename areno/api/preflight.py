@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
+import os
 import pickle
 import re
 import warnings
@@ -50,6 +51,7 @@ from areno.launch.allocation import resolve_roles
 from areno.models.checkpoint_dirs import STEP_DIR, newest_checkpoint
 from areno.models.config import ModelConfig
 from areno.models.hf_io import check_tiny_arguments, open_safetensors, read_config, safetensors_files, tiny_config
+from areno.observe.metrics import resolve_wandb_mode
 from areno.recipes import TRAINING_CONFIGS, TrainingConfig
 from areno.recipes.registry import worker_name_problem
 from areno.recipes.traits import stale_teacher_warning
@@ -367,6 +369,8 @@ def check_optional_packages(config: ArenoConfig) -> None:
     ):
         if enabled and importlib.util.find_spec(package) is None:
             raise ConfigError(f"observe: {package} is not installed: {fix}")
+    if observe.wandb_project is not None:
+        resolve_wandb_mode(observe.wandb_mode, os.environ)  # a bad WANDB_MODE, before any model is built
 
 
 def check_model(config: ArenoConfig) -> Any:

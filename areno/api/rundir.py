@@ -22,7 +22,10 @@ import socket
 from pathlib import Path
 
 from areno.errors import ConfigError
-from areno.observe.metrics import METRICS_FILENAME
+from areno.observe.metrics import METRICS_FILENAME, WANDB_ID_FILENAME
+from areno.observe.profile import PROFILE_DIRNAME
+from areno.observe.session import SESSIONS_FILENAME
+from areno.observe.trace import MERGED_FILENAME, TRACES_DIRNAME
 
 LOCK_FILENAME = "areno.lock"
 
@@ -183,11 +186,23 @@ def check_fresh(run_dir: str | Path, *, resume: bool | str, overwrite: bool) -> 
         )
 
 
+RUN_PRODUCTS = ("checkpoints", TRACES_DIRNAME, MERGED_FILENAME, SESSIONS_FILENAME, PROFILE_DIRNAME, WANDB_ID_FILENAME)
+"""What a run writes to its directory besides metrics.jsonl, config.yaml and what it rewrites whole
+(curve.png, tensorboard/, which purges its old steps): ``overwrite=true`` deletes them, since a new
+run appends to traces and sessions and would merge the old run's into its own."""
+
+
 def clear_run(run_dir: str | Path) -> None:
-    """Delete a previous run's metrics.jsonl and checkpoints/ (``overwrite=true``)."""
+    """Delete a previous run's metrics.jsonl, checkpoints/, traces, sessions, profiles, the configs of its
+    resumes (``config.until_step_N.yaml``) and its W&B run id (``overwrite=true``)."""
     run_dir = Path(run_dir)
-    checkpoints = run_dir / "checkpoints"
-    if (run_dir / METRICS_FILENAME).is_file() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
-        logger.warning("overwrite=true: deleting the previous run's metrics.jsonl and checkpoints in %s", run_dir)
-    (run_dir / METRICS_FILENAME).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    found = [p for p in (run_dir / METRICS_FILENAME, *(run_dir / name for name in RUN_PRODUCTS)) if p.exists()]
+    found += sorted(run_dir.glob("config.until_step_*.yaml"))
+    if not found:
+        return
+    logger.warning("overwrite=true: deleting the previous run's %s in %s", ", ".join(p.name for p in found), run_dir)
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

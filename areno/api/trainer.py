@@ -50,8 +50,15 @@ from areno.engine.test_rollout import TestRolloutManager, start_test_rollout, te
 from areno.errors import ConfigError, RunFailure, RunStopped
 from areno.faults import fault_point
 from areno.launch.scheduler import kill_local_workers, signal_local_workers
-from areno.observe.metrics import METRICS_FILENAME, ConsoleSink, MetricsLogger, WandbConfig
-from areno.observe.profile import profiled_step
+from areno.observe.metrics import (
+    METRICS_FILENAME,
+    WANDB_ID_FILENAME,
+    ConsoleSink,
+    MetricsLogger,
+    WandbConfig,
+    resolve_wandb_mode,
+)
+from areno.observe.profile import profiled_step, profiles_missed
 from areno.observe.session import configure_sessions
 from areno.observe.startup import startup_to_first_token_s
 from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span
@@ -192,6 +199,15 @@ class Trainer:
         resume_from = self._prepare_resume()  # before the logger opens metrics.jsonl for appending
         self._write_config(resume_from)
         observe = config.observe
+        if resume_from is not None and (
+            missed := profiles_missed(self.run_dir, observe.profile_steps, checkpoint_step(resume_from))
+        ):
+            logger.warning(
+                "observe.profile_steps %s: trained before step %d, where this run resumes, so not profiled: "
+                "name steps after it",
+                missed,
+                checkpoint_step(resume_from),
+            )
         configure_tracing(self.run_dir, observe.trace)
         configure_sessions(self.run_dir, observe.sessions)
         # An earlier run of this process (a notebook's, one that raised before its shutdown) may have
@@ -209,7 +225,7 @@ class Trainer:
             total_steps=config.train.steps,
             console=observe.console,
             tensorboard=observe.tensorboard,
-            wandb=wandb_config(config),
+            wandb=wandb_config(config, self.run_dir, resumed=resume_from is not None),
             stage=self.stage,
             start_step=checkpoint_step(resume_from) if resume_from is not None else 0,  # the bar resumes there
             # the steps after the checkpoint run again (metrics.jsonl is cut back alike); a run that
@@ -637,19 +653,21 @@ def _say(text: str) -> None:
         pass
 
 
-def wandb_config(config: ArenoConfig) -> WandbConfig | None:
+def wandb_config(config: ArenoConfig, run_dir: Path, *, resumed: bool) -> WandbConfig | None:
     """The W&B run of ``config``'s ``observe.wandb_*`` keys (None: not logging there), carrying the
-    resolved config."""
+    resolved config; a resumed run goes on in the W&B run its directory names."""
     observe = config.observe
     if not observe.wandb_project:
         return None
+    id_file = run_dir / WANDB_ID_FILENAME
     return WandbConfig(
         project=observe.wandb_project,
         entity=observe.wandb_entity,
         name=observe.wandb_name,
-        mode=observe.wandb_mode or os.environ.get("WANDB_MODE", "offline"),
+        mode=resolve_wandb_mode(observe.wandb_mode, os.environ),
         tags=tuple(observe.wandb_tags),
         config=to_dict(config),
+        run_id=id_file.read_text().strip() or None if resumed and id_file.is_file() else None,
     )
 
 

@@ -697,13 +697,17 @@ class ObserveSection(ConfigSection):
     """W&B run tags."""
     wandb_mode: str | None = None
     """`online` (needs network and a login), `offline` (writes under run_dir/wandb; `wandb sync`
-    uploads it later) or `disabled`; null: the WANDB_MODE environment variable, else offline."""
+    uploads it later) or `disabled`; null: the WANDB_MODE environment variable, else offline. A
+    resumed run logs to the same W&B run (its id is kept in run_dir/wandb_run_id)."""
     trace: bool = False
     """Record Chrome/Perfetto performance traces under run_dir/traces."""
     console: bool = True
     """Show the progress bar."""
     sessions: bool = False
-    """Record agent episodes (turns, tool calls, rewards) to run_dir/sessions.jsonl."""
+    """Record agent episodes (turns, tool calls, rewards) to run_dir/sessions.jsonl: the agent and
+    environment workflows record theirs (a workflow of your own, through
+    ``areno.observe.session.session``). A resumed run records the episodes of the steps it trains
+    again beside the first ones: the file is a log of the episodes that ran."""
     profile_steps: list[int] = field(default_factory=list)
     """Trainer steps (1-based) to run under ``torch.profiler``: a Chrome trace and a table of the
     operators and kernels that took the most time, in run_dir/profile (``observe/profile.py``).
@@ -788,9 +792,9 @@ class ArenoConfig(ConfigSection):
     ``false`` starts fresh. Rows of metrics.jsonl after the resumed step are dropped, since those
     steps are trained again."""
     overwrite: bool = False
-    """With ``resume=false``, start over in a run_dir that already holds a run: its metrics.jsonl and
-    checkpoints/ are deleted first. Without it such a run_dir is refused (a second run would append
-    its steps to the first one's metrics)."""
+    """With ``resume=false``, start over in a run_dir that already holds a run: its metrics.jsonl,
+    checkpoints/, traces, sessions.jsonl, profile/ and W&B run id are deleted first. Without it such a
+    run_dir is refused (a second run would append its steps to the first one's metrics)."""
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)

@@ -60,17 +60,6 @@ def _version(module: str, dist: str | None = None) -> str:
     return str(version)
 
 
-def _installed_version(module: str, dist: str | None = None) -> str:
-    """The installed version of ``module`` without importing it (fast: for the version list)."""
-    if module in sys.modules and sys.modules[module] is None:
-        raise ImportError(f"import of {module} halted", name=module)
-    if module in sys.modules:
-        return _version(module, dist)
-    if importlib.util.find_spec(module) is None:
-        raise ImportError(f"no module named {module}", name=module)
-    return importlib.metadata.version(dist or module)
-
-
 def _run_check(name: str, fn: Callable[[], tuple[bool, str]], hint: str = "") -> Check:
     try:
         ok, detail = fn()
@@ -99,16 +88,14 @@ PACKAGES: tuple[tuple[str, str, str | None], ...] = (
 
 
 def versions() -> list[Check]:
-    """Python and the packages areno is built on (installed versions; torch is imported)."""
+    """Python and the packages areno is built on, each imported (a broken install shows as such)."""
     checks = [
         Check(name="python", ok=sys.version_info >= (3, 11), detail=f"{platform.python_version()} ({sys.executable})")
     ]
     checks.append(Check(name="platform", ok=True, detail=platform.platform()))
     checks.append(_run_check("torch", lambda: (True, _version("torch")), hint=": pip install torch"))
     for name, module, dist in PACKAGES:
-        checks.append(
-            _run_check(name, lambda m=module, d=dist: (True, _installed_version(m, d)), hint=": pip install areno")
-        )
+        checks.append(_run_check(name, lambda m=module, d=dist: (True, _version(m, d)), hint=": pip install areno"))
     return checks
 
 

@@ -25,13 +25,14 @@ import numbers
 import sys
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from areno.errors import DataError
+from areno.errors import ConfigError, DataError
 
 NAMESPACES: tuple[str, ...] = ("rollout/", "train/", "eval/", "test/", "timing/", "system/")
 """Allowed name prefixes (besides ``policy_sync_``)."""
@@ -344,6 +345,29 @@ class TensorBoardSink(MetricSink):
         self._writer.close()
 
 
+WANDB_ID_FILENAME = "wandb_run_id"
+"""The run directory's W&B run id: a resumed run logs to the same W&B run."""
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def resolve_wandb_mode(mode: str | None, environ: Mapping[str, str]) -> str:
+    """``observe.wandb_mode``, else the ``WANDB_MODE`` environment variable (``dryrun``, wandb's old
+    name of offline, read as offline; empty as unset), else offline."""
+    if mode is not None:
+        return mode
+    env = environ.get("WANDB_MODE", "").strip()
+    if not env:
+        return "offline"
+    if env.lower() == "dryrun":
+        return "offline"
+    if env.lower() not in WANDB_MODES:
+        raise ConfigError(
+            f"WANDB_MODE={env}: must be online, offline or disabled: change the variable, or set "
+            "observe.wandb_mode (which wins over it)"
+        )
+    return env.lower()
+
+
 @dataclass(kw_only=True)
 class WandbConfig:
     """Weights & Biases logging. Needs ``pip install 'areno[wandb]'``."""
@@ -361,9 +385,12 @@ class WandbConfig:
     """Run tags."""
     config: dict[str, Any] = field(default_factory=dict)
     """The run's configuration, shown in the W&B UI."""
+    run_id: str | None = None
+    """The W&B run to log to (a resumed run's: its steps go on there); None: a new run. The sink
+    writes the id it used to ``run_dir/wandb_run_id``."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("online", "offline", "disabled"):
+        if self.mode not in WANDB_MODES:
             raise ValueError(f"wandb.mode must be online, offline or disabled, got {self.mode!r}")
         if not self.project:
             raise ValueError("wandb.project must be a non-empty string")
@@ -372,7 +399,9 @@ class WandbConfig:
 
 class WandbSink(MetricSink):
     """Metrics to a W&B run. Steps go in a ``step`` field used as every metric's x axis, so
-    results logged late (background evaluation) are kept rather than dropped as out of order."""
+    results logged late (background evaluation) are kept rather than dropped as out of order, and a
+    resumed run's rows of the steps it trains again are kept beside the first ones (W&B cannot cut a
+    run's history back, as metrics.jsonl and TensorBoard are)."""
 
     def __init__(self, run_dir: Path, config: WandbConfig) -> None:
         try:
@@ -383,7 +412,10 @@ class WandbSink(MetricSink):
             ) from e
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        run_id = config.run_id or uuid.uuid4().hex[:12]
         self._run = wandb.init(
+            id=run_id,
+            resume="allow",
             project=config.project,
             entity=config.entity,
             name=config.name or run_dir.name,
@@ -392,6 +424,7 @@ class WandbSink(MetricSink):
             tags=list(config.tags),
             config=dict(config.config),
         )
+        (run_dir / WANDB_ID_FILENAME).write_text(run_id + "\n")
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
 

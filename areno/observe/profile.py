@@ -22,6 +22,12 @@ PROFILE_DIRNAME = "profile"
 TABLE_ROWS = 60
 
 
+def profiles_missed(run_dir: Path, steps: Collection[int], trained: int) -> list[int]:
+    """The steps of ``steps`` at or before ``trained`` (a resumed run's checkpoint step, which it does not
+    train again) that have no profile in ``run_dir``: a resumed run cannot profile them."""
+    return sorted(s for s in steps if s <= trained and not (run_dir / PROFILE_DIRNAME / f"step_{s:08d}.txt").is_file())
+
+
 @contextlib.contextmanager
 def profiled_step(run_dir: Path, step: int, steps: Collection[int]) -> Iterator[None]:
     """Profile the body when ``step`` is one of ``steps``; otherwise do nothing."""

@@ -364,12 +364,19 @@ def format_session(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """``areno sessions RUN_DIR``: list or show recorded agent sessions."""
     parser = argparse.ArgumentParser(prog="areno sessions", description=main.__doc__)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--id", help="show the session with this id (or id prefix)")
-    parser.add_argument("--last", type=int, default=20, help="how many of the newest to show")
+    parser.add_argument("--last", type=_count, default=20, help="how many of the newest to show (>= 1)")
     parser.add_argument("--min-reward", type=float)
     parser.add_argument("--max-reward", type=float)
     parser.add_argument("--status", choices=["ok", "error"])
@@ -379,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     records = load_sessions(ns.run_dir)
     if not records:
         raise DataError(
-            f"no sessions in {ns.run_dir / SESSIONS_FILENAME}: pass the run's directory, "
-            "or train with observe.sessions=true (in the config or as an override) to record them"
+            f"no sessions in {ns.run_dir / SESSIONS_FILENAME}: pass the run's directory, or train with "
+            "observe.sessions=true (in the config or as an override) to record them; only workflows that "
+            "record sessions write any (the agent and environment workflows, or your own through "
+            "areno.observe.session.session)"
         )
     if ns.id:
         matches = [r for r in records if r["session_id"].startswith(ns.id)]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import functools
 import json
 import multiprocessing.util
@@ -43,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from areno.errors import DataError
+from areno.errors import DataError, UserError
 
 ENV_VAR = "ARENO_TRACE_DIR"
 """When set, importing this module enables tracing into that run directory."""
@@ -433,10 +434,17 @@ def merge_traces(run_dir: Path, out: Path | None = None) -> Path:
     # metadata first, then by time: viewers do not need it, but it makes the file diffable.
     merged.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
     out = Path(out) if out is not None else run_dir / MERGED_FILENAME
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}), encoding="utf-8")
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}), encoding="utf-8")
+        tmp.replace(out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise UserError(
+            f"cannot write the trace to {out} ({exc.strerror or exc}): pass -o a file in a writable directory"
+        ) from exc
     return out
 
 

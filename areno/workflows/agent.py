@@ -57,6 +57,12 @@ def describe_row(sample: dict[str, Any]) -> str:
     return repr(sample)[:60]
 
 
+def _dropped(rec: Any, reason: str) -> None:
+    """A dropped episode's session is recorded as an error (``areno sessions --status error``), not ok."""
+    rec.event("dropped", reason=reason)
+    rec.finish("error", reason)
+
+
 class AgentWorkflow(RolloutWorkflow):
     """Runs ``agent`` ``n_samples`` times per row against a recording OpenAI-compatible client.
 
@@ -168,7 +174,7 @@ class AgentWorkflow(RolloutWorkflow):
                     describe_row(sample),
                     self.timeout_s,
                 )
-                rec.event("dropped", reason="timeout")
+                _dropped(rec, f"timeout: no return within timeout_s={self.timeout_s:g}s")
                 return None
             except Exception as exc:  # noqa: BLE001 - user agent code: warned with the row named, the group goes on
                 logger.warning(
@@ -178,7 +184,7 @@ class AgentWorkflow(RolloutWorkflow):
                     type(exc).__name__,
                     exc,
                 )
-                rec.event("dropped", reason=f"{type(exc).__name__}: {exc}")
+                _dropped(rec, f"{type(exc).__name__}: {exc}")
                 return None
             finally:
                 if self.proxy:
@@ -187,6 +193,7 @@ class AgentWorkflow(RolloutWorkflow):
                 logger.warning(
                     "agent episode %d of row %s made no completion call; dropped", index, describe_row(sample)
                 )
+                _dropped(rec, "the agent made no completion call")
                 return None
             if reward is not None and oai.cache.last.reward is None:
                 try:
@@ -194,7 +201,7 @@ class AgentWorkflow(RolloutWorkflow):
                     oai.set_last_reward(reward)
                 except TypeError as exc:
                     logger.warning("agent episode %d of row %s: %s; dropped", index, describe_row(sample), exc)
-                    rec.event("dropped", reason=str(exc))
+                    _dropped(rec, str(exc))
                     return None
             # a trajectory holding a completion whose client.ascore failed carries info["reward_error"]
             # (counted as rollout/reward_errors, as the shipped workflows' are)

@@ -219,3 +219,38 @@ def test_proxy_mode_runs_an_official_openai_agent(scripted, char_tokenizer):
         assert traj.info["num_turns"] == 2 and traj.info["turn_rewards"] == [0.0, 1.0]
         assert traj.reward == 0.5  # gamma x the second turn's reward
         assert 0 in traj.completion_mask  # the tool turn is masked out
+
+
+def test_a_dropped_episode_is_recorded_as_an_error(scripted, char_tokenizer, tmp_path, monkeypatch):
+    """walk22: an agent that raised, timed out, returned no number or made no call was recorded with status ok
+    (only a `dropped` event said otherwise), so `areno sessions --status error` missed it."""
+    monkeypatch.setattr("areno.workflows.interaction._warned_unrewarded", False)
+    calls = {"n": 0}
+
+    async def flaky(client, sample):
+        calls["n"] += 1
+        k = calls["n"]
+        if k == 4:
+            return 1.0  # no completion call
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        if k == 1:
+            await asyncio.sleep(3600)
+        if k == 2:
+            raise RuntimeError("agent bug")
+        if k == 3:
+            return "0.5"
+        return 1.0
+
+    configure_sessions(tmp_path, True)
+    try:
+        wf = workflow(char_tokenizer, flaky, n_samples=5, timeout_s=0.3, export_style="individual")
+        group = asyncio.run(wf.run_episode(scripted(lambda p: "ok"), {"id": 7, "prompt": "hi"}))
+    finally:
+        configure_sessions(None, False)
+    assert [t.reward for t in group] == [1.0]
+    records = load_sessions(tmp_path)
+    assert sorted(r["status"] for r in records) == ["error"] * 4 + ["ok"]
+    errors = sorted(r["error"] for r in records if r["status"] == "error")
+    assert errors[0] == "RuntimeError: agent bug" and any("timeout_s=0.3s" in e for e in errors)
+    assert any("no completion call" in e for e in errors) and any("'0.5'" in e for e in errors)
+    assert all(sum(e["kind"] == "dropped" for e in r["events"]) == (r["status"] == "error") for r in records)

@@ -11,12 +11,14 @@ import pytest
 
 from areno.errors import DataError
 from areno.observe.metrics import (
+    WANDB_ID_FILENAME,
     ConsoleSink,
     JsonlSink,
     MetricSink,
     MetricsLogger,
     MissingDependencyError,
     WandbConfig,
+    WandbSink,
     read_metrics,
 )
 from tests.helpers.tensorboard import read_tensorboard
@@ -169,16 +171,34 @@ def test_the_observe_wandb_keys_reach_the_wandb_run_with_the_resolved_config(tmp
     monkeypatch.setenv("WANDB_MODE", "online")  # the fake client has no network to miss
     keys = ["model.path=/m", "observe.wandb_project=p", "optim.lr=3e-5"]
     cfg = load_config(None, [*keys, "observe.wandb_entity=team", "observe.wandb_name=n", "observe.wandb_tags=[a,b]"])
-    MetricsLogger(tmp_path, total_steps=1, console=False, wandb=wandb_config(cfg)).close()
+    MetricsLogger(tmp_path, total_steps=1, console=False, wandb=wandb_config(cfg, tmp_path, resumed=False)).close()
     (run,) = wandb.runs
     got = run.init_kwargs
     assert (got["project"], got["entity"], got["name"], got["tags"]) == ("p", "team", "n", ["a", "b"])
     assert got["mode"] == "online"  # WANDB_MODE where observe.wandb_mode is null
     assert got["config"]["optim"]["lr"] == 3e-5 and got["config"]["observe"]["wandb_tags"] == ["a", "b"]
-    assert wandb_config(load_config(None, [*keys, "observe.wandb_mode=offline"])).mode == "offline"
+    assert (
+        wandb_config(load_config(None, [*keys, "observe.wandb_mode=offline"]), tmp_path, resumed=False).mode
+        == "offline"
+    )
     monkeypatch.delenv("WANDB_MODE")
-    assert wandb_config(load_config(None, keys)).mode == "offline"
-    assert wandb_config(load_config(None, ["model.path=/m"])) is None
+    assert wandb_config(load_config(None, keys), tmp_path, resumed=False).mode == "offline"
+    assert wandb_config(load_config(None, ["model.path=/m"]), tmp_path, resumed=False) is None
+
+
+def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, monkeypatch):
+    """walk22: every resume was a new W&B run (no id passed), the first keeping the steps trained again."""
+    from areno.api.config import load_config
+    from areno.api.trainer import wandb_config
+
+    wandb = fake_wandb_module()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    config = load_config(None, ["model.path=/m", "observe.wandb_project=p"])
+    for resumed in (False, True, False):  # the last one started over: a new W&B run
+        WandbSink(tmp_path, wandb_config(config, tmp_path, resumed=resumed)).close()
+    first, again, fresh = (run.init_kwargs for run in wandb.runs)
+    assert (tmp_path / WANDB_ID_FILENAME).read_text().strip() == fresh["id"]
+    assert first["resume"] == "allow" and again["id"] == first["id"] and fresh["id"] != first["id"]
 
 
 def test_missing_wandb_is_a_clear_error(tmp_path, monkeypatch):

@@ -126,7 +126,9 @@ def test_cli_without_sessions_is_a_clear_error(tmp_path):
     with pytest.raises(DataError) as exc:
         sessions.main([str(tmp_path)])
     assert str(exc.value) == (  # the config key to set, not the Python call behind it
-        f"no sessions in {tmp_path / 'sessions.jsonl'}: pass the run's directory, "
-        "or train with observe.sessions=true (in the config or as an override) to record them"
+        f"no sessions in {tmp_path / 'sessions.jsonl'}: pass the run's directory, or train with "
+        "observe.sessions=true (in the config or as an override) to record them; only workflows that "
+        "record sessions write any (the agent and environment workflows, or your own through "
+        "areno.observe.session.session)"
     )
     assert json.loads(json.dumps(load_sessions(tmp_path))) == []
