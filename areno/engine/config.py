@@ -462,8 +462,9 @@ class ClusterSection(ConfigSection):
     worker_stall_s: float = 60.0
     """Partitioned runs: seconds a rollout worker's server may give no `/health` answer (a stopped or
     deadlocked process, a hung kernel, a stuck NFS read) before the worker is declared lost: killed,
-    and the run stops naming it after an emergency checkpoint of the training side. 0: never (the
-    run then waits on it for `rollout.request_timeout_s` and `sync_timeout_s`). The environment
+    and the run stops naming it after an emergency checkpoint of the training side. 0: never (its
+    requests then fail after `rollout.request_timeout_s`, a sync after `sync_timeout_s`, and the run
+    stops once no sample comes back, after the same emergency checkpoint). The environment
     variable `ARENO_WORKER_STALL_S`, when set, overrides it (the run logs one line saying so)."""
     sync_bucket_bytes: int = 64 << 20
     """Partitioned runs: bytes per bucket of the policy sync; each rank holds at most two bucket

@@ -58,6 +58,10 @@ logger = logging.getLogger(__name__)
 class RolloutPoolBroken(RunFailure):
     """Every recent sample failed all its attempts (``max_consecutive_dropped``): the pool stopped."""
 
+    training_side_intact = True
+    """The training side is not touched by it: the Trainer saves an emergency checkpoint of the
+    step reached before the run stops."""
+
 
 class DatasetExhausted(RuntimeError):
     """The dataset iterator ended and every admitted sample has been collected."""

@@ -10,6 +10,7 @@ it in a process group of its own with its output in ``run_dir/workers/<name>.log
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import os
 import signal
@@ -95,9 +96,19 @@ def server_command(spec: ServerSpec) -> list[str]:
 
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: ``base`` (this process's), with ``CUDA_VISIBLE_DEVICES`` the physical
+    ids of the spec's logical devices (positions in ``base``'s own list, as the local workers' are)."""
     env = dict(os.environ if base is None else base)
     if spec.devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
+        visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if "CUDA_VISIBLE_DEVICES" in env and max(spec.devices, default=-1) >= len(visible):
+            raise ConfigError(
+                f"the {spec.backend} server on port {spec.port} asks for logical device {max(spec.devices)} but "
+                f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} has {len(visible)}: give the run more devices "
+                "or a smaller cluster.allocation_mode"
+            )
+        physical = [visible[d] if "CUDA_VISIBLE_DEVICES" in env else str(d) for d in spec.devices]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
     if spec.backend == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc and the weight routes
         if spec.devices is None:
@@ -105,22 +116,41 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     return env
 
 
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL (Linux)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)  # the run died before the line above\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+"""Runs a server's command so that a ``kill -9`` of the run takes the server with it: the signal is
+asked for, then the command replaces this process (execve keeps it)."""
+_STARTER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="areno-server-start")
+"""The thread that starts every server: PR_SET_PDEATHSIG fires when the thread that forked the child
+exits, and this one lives as long as the process."""
+
+
 class ServerProcess:
-    """A started server: its process group, log and URL."""
+    """A started server: its process group, log and URL. It dies with this process (a ``kill -9`` of
+    the run included)."""
 
     def __init__(self, spec: ServerSpec, log_path: Path) -> None:
         self.spec = spec
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
-        self.process = subprocess.Popen(
-            server_command(spec),
+        self.process = _STARTER.submit(
+            subprocess.Popen,
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *server_command(spec)],
             env=server_env(spec),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: stop() ends the engine processes it forks
-        )
+        ).result()
 
     @property
     def url(self) -> str:

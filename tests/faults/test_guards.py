@@ -218,6 +218,22 @@ def test_broken_rollout_side_stops_an_asynchronous_run_with_one_line(tmp_path, c
     assert "RuntimeError: environment unreachable" in err[-1]
 
 
+def test_a_rollout_side_broken_mid_run_saves_the_steps_trained(tmp_path, capsys):
+    """walk23: a rollout pool that broke after some steps (every sample dropped: an environment, reward
+    service or a stalled rollout worker with cluster.worker_stall_s=0) ended the run without an emergency
+    checkpoint, although the training side was intact: every step since the last checkpoint was lost."""
+    rc, err = _broken_run(
+        tmp_path,
+        capsys,
+        "rollout.workflow=tests.helpers.workflows:BreaksAfterWorkflow",
+        "rollout.workflow_kwargs={break_after: 4}",
+        "train.save_interval=100",
+    )
+    assert rc == 1 and "no trajectories from a rollout batch" in err[-1]
+    assert "saved an emergency checkpoint of step 2" in err[-1]
+    assert (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
+
+
 @pytest.mark.parametrize(
     "extra",
     [(), ("rollout.max_head_offpolicyness=1", "train.algorithm=grpo_async")],

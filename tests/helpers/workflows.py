@@ -51,6 +51,20 @@ class AlwaysFailingWorkflow(RolloutWorkflow):
         raise RuntimeError("environment unreachable")
 
 
+class BreaksAfterWorkflow(RLVRWorkflow):
+    """RLVR for its first ``break_after`` episodes, then every episode raises (an environment gone mid-run)."""
+
+    def __init__(self, *args, break_after: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.left = break_after
+
+    async def run_episode(self, client, sample):
+        self.left -= 1
+        if self.left < 0:
+            raise RuntimeError("environment unreachable")
+        return await super().run_episode(client, sample)
+
+
 class ServersLostWorkflow(AlwaysFailingWorkflow):
     """Every episode finds the rollout servers gone for good (what the partitioned engine's client
     raises when every replica's worker died)."""
