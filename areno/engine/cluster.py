@@ -311,11 +311,18 @@ def layout_from_config(
         ro = alloc.component("rollout")
         train_tp, rollout_tp, train_ep, train_cp = trains[0].tp, ro.tp, trains[0].ep, trains[0].cp
         for c in trains[1:]:
-            if c.tp != train_tp:
-                raise LayoutError(
-                    f"{given}: the train components differ in TP (t{train_tp} and t{c.tp}): give every train "
-                    "component the same t"
-                )
+            # the training side has one TP, EP and CP layout for every role it trains
+            for letter, first, other in (("t", train_tp, c.tp), ("e", train_ep, c.ep), ("c", train_cp, c.cp)):
+                if other != first:
+                    raise LayoutError(
+                        f"{given}: the train components differ in {letter} ({letter}{first} and {letter}{other}): "
+                        f"give every train component the same {letter}"
+                    )
+    elif mode and (train is not None or rollout is not None):
+        raise LayoutError(
+            f"{given} is colocated (no '+') and cluster.train_devices/rollout_devices place the workers apart: set "
+            "one, not both (drop the lists, or write the placement as a '+' string)"
+        )
     elif train is None and rollout is None:
         return None
     elif train is None or rollout is None:

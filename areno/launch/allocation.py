@@ -172,8 +172,8 @@ class AllocationMode:
         """``(train_devices, rollout_devices)`` of the partitioned topology.
 
         Train devices are those of every train-backend component, rollout devices those of the
-        inference components named ``rollout`` (other inference roles such as ``test-rollout``
-        are placed by ``device_lists`` only). Colocated strings give equal lists."""
+        inference components (``rollout``, the only inference role ``check_supported`` lets
+        through). Colocated strings give equal lists."""
         lists = self.device_lists(num_devices)
         train = sorted({d for c in self.components if c.kind == "train" for d in lists[c.role]})
         rollout = sorted(
@@ -357,6 +357,12 @@ def check_supported(alloc: AllocationMode) -> None:
     inference = {c.backend for c in alloc.components if c.kind == "inference"}
     if len(inference) > 1:
         raise AllocationModeError(f"one inference backend per run, got {sorted(inference)}")
+    for c in alloc.components:
+        if c.kind == "inference" and c.role != "rollout":  # nothing would run there: its devices sit idle
+            raise AllocationModeError(
+                f"{c}: the inference role {c.role!r} is not one areno runs; the rollout side is the only one: "
+                f"write {c.backend}:{str(c).split(':', 1)[1]}"
+            )
     if inference & SERVER_BACKENDS:
         for c in alloc.components:
             if c.kind == "train" and c.world_size > 1:
@@ -427,6 +433,10 @@ def map_roles(alloc: AllocationMode, recipe_role_names: list[str] | tuple[str, .
             raise AllocationModeError(
                 f"allocation_mode role {c.role!r} ({c}) is not a role of the recipe; recipe roles: "
                 f"{list(recipe_role_names)} (aliases: {_ROLE_ALIASES})"
+            )
+        if name in placed:
+            raise AllocationModeError(
+                f"allocation_mode places role {name!r} twice ({placed[name]} and {c}, once by an alias): place it once"
             )
         placed[name] = c
     default = placed.get("policy") or next((c for c in train if c.role in ("actor", "policy")), None)

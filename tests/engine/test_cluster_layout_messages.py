@@ -85,8 +85,23 @@ CASES = {
     ),
     "train components of different TP": (
         lambda: _from_mode("areno:d1+fsdp:d1t2+fsdp[critic]:d1"),
-        r"^cluster.allocation_mode='areno:d1\+fsdp:d1t2\+fsdp\[critic\]:d1': the train components differ in TP "
+        r"^cluster.allocation_mode='areno:d1\+fsdp:d1t2\+fsdp\[critic\]:d1': the train components differ in t "
         r"\(t2 and t1\): give every train component the same t$",
+    ),
+    "train components of different CP (walk23: the critic's c2 was dropped)": (
+        lambda: _from_mode("areno:d1+fsdp:d2|fsdp[critic]:d2c2"),
+        r"^cluster.allocation_mode='areno:d1\+fsdp:d2\|fsdp\[critic\]:d2c2': the train components differ in c "
+        r"\(c1 and c2\): give every train component the same c$",
+    ),
+    "train components of different EP": (
+        lambda: _from_mode("areno:d1+fsdp:d2e2|fsdp[critic]:d2"),
+        r"^cluster.allocation_mode='areno:d1\+fsdp:d2e2\|fsdp\[critic\]:d2': the train components differ in e "
+        r"\(e2 and e1\): give every train component the same e$",
+    ),
+    "colocated string and lists (walk23: the string was ignored)": (
+        lambda: _from_mode("areno:d1|fsdp:d1", train_devices=[1], rollout_devices=[0]),
+        r"^cluster.allocation_mode='areno:d1\|fsdp:d1' is colocated \(no '\+'\) and cluster.train_devices/"
+        r"rollout_devices place the workers apart: set one, not both .*$",
     ),
     "one list without the other": (
         lambda: layout_from_config(cluster_section(rollout_devices=[1]), num_devices=2, cuda=False),

@@ -1,6 +1,6 @@
 import pytest
 
-from areno.launch.allocation import AllocationModeError, Component, map_roles, parse_allocation_mode
+from areno.launch.allocation import AllocationModeError, Component, check_supported, map_roles, parse_allocation_mode
 
 
 @pytest.mark.parametrize(
@@ -102,3 +102,13 @@ def test_map_roles_errors():
         map_roles(parse_allocation_mode("areno:d2"), ["policy"])
     with pytest.raises(AllocationModeError, match="recipe role 'reference' is not placed"):
         map_roles(parse_allocation_mode("fsdp[critic]:d1"), ["value", "reference"])
+
+
+def test_a_role_placed_twice_or_an_idle_inference_role_is_refused():
+    """walk23: `fsdp[actor]` beside `fsdp[policy]` (one role, once by its alias) trained the policy over both
+    components' devices, and an inference role other than rollout (`areno[gen]`) reserved devices nothing used."""
+    with pytest.raises(AllocationModeError, match=r"places role 'policy' twice \(fsdp\[actor\]:d1 and fsdp\[policy\]"):
+        map_roles(parse_allocation_mode("areno:d1+fsdp[actor]:d1+fsdp[policy]:d1"), ["policy"])
+    with pytest.raises(AllocationModeError, match=r"areno\[gen\]:d1: the inference role 'gen' .* write areno:d1$"):
+        check_supported(parse_allocation_mode("areno:d1+areno[gen]:d1+fsdp:d1"))
+    check_supported(parse_allocation_mode("areno[rollout]:d1+fsdp:d1"))
