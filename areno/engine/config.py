@@ -358,11 +358,6 @@ class RolloutSection(ConfigSection, RolloutEngineSettings):
             "rollout.backend",
             f"must be one of {', '.join(ROLLOUT_BACKENDS)}, got {self.backend!r}",
         )
-        check_config(
-            not self.servers or self.backend != "areno",
-            "rollout.servers",
-            "lists vLLM/SGLang servers: set rollout.backend to vllm or sglang, or empty the list",
-        )
         for url in self.servers:
             check_config(
                 url.startswith(("http://", "https://")), "rollout.servers", f"{url!r} is not an http(s):// URL"
@@ -964,6 +959,12 @@ class ArenoConfig(ConfigSection):
         vLLM/SGLang servers, the servers' settings with areno's engine or with servers the user runs."""
         rollout = self.rollout
         if rollout.backend == "areno":
+            check_config(  # after the allocation string had its say: it may name vllm or sglang
+                not rollout.servers,
+                "rollout.servers",
+                "lists vLLM/SGLang servers: set rollout.backend to vllm or sglang (or name it in "
+                "cluster.allocation_mode), or empty the list",
+            )
             check_unset(
                 rollout,
                 "rollout",
@@ -989,6 +990,10 @@ class ArenoConfig(ConfigSection):
                     f"vLLM reports log-probs of the truncated distribution, areno's trainer those of the whole "
                     f"one, so the importance ratios would be off: use rollout.{key}={off:g} with vllm",
                 )
+        mode = self.cluster.allocation_mode
+        component = (
+            next((c for c in parse_allocation_mode(mode).components if c.kind == "inference"), None) if mode else None
+        )
         if rollout.servers:  # the user's servers: areno starts none
             check_unset(
                 rollout,
@@ -996,6 +1001,25 @@ class ArenoConfig(ConfigSection):
                 ("max_model_len", "server_args", "server_start_timeout_s"),
                 "applies to the servers areno starts, but rollout.servers lists servers you run: "
                 "drop the key and set it where you start them",
+            )
+            check_config(
+                component is None or component.dp == len(rollout.servers),
+                "cluster.allocation_mode",
+                f"={mode!r} places {component.dp if component else 0} {rollout.backend} servers but rollout.servers "
+                f"lists {len(rollout.servers)}: make the inference component's d the number of servers you run",
+            )
+        else:
+            check_unset(
+                rollout,
+                "rollout",
+                ("server_api_key",),
+                "is the key of servers you run (rollout.servers); the servers areno starts get a fresh one: drop it",
+            )
+            check_config(
+                mode is None or component is not None,
+                "cluster.allocation_mode",
+                f"={mode!r} names no inference component for the {rollout.backend} servers areno starts: add one "
+                f"(e.g. '{rollout.backend}:d1+fsdp:d1')",
             )
         check_config(
             self.cluster.scheduler == "local",

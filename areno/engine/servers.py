@@ -119,6 +119,11 @@ class ServerRolloutSide(RolloutSide):
     def start(self, setup: SideSetup) -> None:
         cfg = self.config.rollout
         model_config = json.loads((setup.model_dir / "config.json").read_text())
+        if read_config(setup.model_dir).vision is not None:  # before any server starts
+            raise ConfigError(
+                f"rollout.backend={self.backend}: {setup.model_dir} is a vision-language model and areno sends "
+                f"{self.backend} token ids only (no images): use rollout.backend=areno"
+            )
         if cfg.servers:
             self.urls = [u.rstrip("/") for u in cfg.servers]
             api_key = cfg.server_api_key

@@ -37,7 +37,7 @@ def fake_vllm_app(model_dir: Path, eos_token_id: int, *, weight_transfer: bool =
         return {"data": [{"id": "fake-policy", "root": str(model_dir)}]}
 
     @app.post("/pause")
-    async def pause(request: Request):
+    async def pause(request: Request, mode: str = "abort"):  # declared, as vLLM's: the start-up check reads it
         app.state.calls.append(("pause", dict(request.query_params)))
         engine.pause()
         return {"status": "paused"}

@@ -70,13 +70,13 @@ class Recorder:
 def test_vllm_client_sends_token_ids_and_reads_ids_logprobs_versions():
     rec = Recorder("/v1/completions", VLLM_STREAM)
     client = VLLMRolloutClient("http://vllm", "key", model="m", version=lambda: 4, transport=httpx.MockTransport(rec))
-    params = SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3, min_new_tokens=1, stop_token_ids=(9,), seed=11)
+    params = SamplingParams(temperature=0.7, top_k=5, max_new_tokens=3, stop_token_ids=(9,), seed=11)
     out = asyncio.run(client.agenerate([5, 6, 7], params, request_id="r1"))
     assert (out.output_ids, out.output_logprobs, out.output_versions) == ([17, 18, 2], [-0.25, -1.5, -0.125], [4] * 3)
     assert (out.finish_reason, out.text, out.prompt_ids, out.request_id) == ("stop", "12", [5, 6, 7], "r1")
     body = rec.bodies[0]
     assert body["prompt"] == [5, 6, 7] and body["model"] == "m" and body["stream"] is True
-    assert (body["temperature"], body["top_k"], body["max_tokens"], body["min_tokens"]) == (0.7, 5, 3, 1)
+    assert (body["temperature"], body["top_k"], body["max_tokens"], body["min_tokens"]) == (0.7, 5, 3, 0)
     assert (body["stop_token_ids"], body["seed"], body["logprobs"]) == ([9], 11, 0)
     no_seed = asyncio.run(client.agenerate([5], SamplingParams(max_new_tokens=3)))
     assert no_seed.output_ids == [17, 18, 2] and "seed" not in rec.bodies[1] and "top_k" not in rec.bodies[1]
@@ -184,6 +184,8 @@ def test_vllm_admin_routes(tmp_path):
             return httpx.Response(200, json={"data": [{"id": "srv", "root": str(tmp_path / "served")}]})
         if request.url.path == "/reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
+        if request.url.path == "/openapi.json":
+            return httpx.Response(200, json=PAUSE_WITH_MODE)
         return httpx.Response(200, json={})
 
     admin = admin_for("vllm", api_key="k", transport=httpx.MockTransport(handler))
@@ -203,6 +205,44 @@ def test_vllm_admin_routes(tmp_path):
     assert calls[0][2] == {"mode": "keep"}
     assert json.loads(calls[1][3]) == {"method": "reload_weights", "kwargs": {"weights_path": "/x/policy-v3"}}
     assert calls[2][2] == {"reset_running_requests": "true"}
+
+
+PAUSE_WITH_MODE = {"paths": {"/pause": {"post": {"parameters": [{"name": "mode", "in": "query"}]}}}}
+
+
+def test_vllm_aborts_old_pause_min_tokens_and_empty_resets():
+    """walk24: a stream vLLM ended with finish_reason abort was trained as a short completion (SGLang's raised);
+    a vLLM whose /pause has no `mode` passed the start-up check, then aborted every request at each sync; a
+    request with min_tokens got log-probs after vLLM's EOS masking; an empty 200 from /reset_prefix_cache (older
+    vLLM) was a bare JSONDecodeError at the first sync."""
+    aborted = [{**VLLM_STREAM[0], "choices": [{**VLLM_STREAM[0]["choices"][0], "finish_reason": "abort"}]}]
+    client = VLLMRolloutClient(
+        "http://v", model="m", transport=httpx.MockTransport(Recorder("/v1/completions", aborted))
+    )
+    with pytest.raises(RolloutServerError, match=r"http://v/v1/completions aborted the request") as info:
+        asyncio.run(client.agenerate([1], SamplingParams(max_new_tokens=3)))
+    assert info.value.status == 500  # a server-side failure: retried on another server
+    with pytest.raises(ValueError, match=r"min_new_tokens=2 \(min_tokens\) with a vLLM rollout: .*leave it unset"):
+        asyncio.run(client.agenerate([1], SamplingParams(max_new_tokens=3, min_new_tokens=2)))
+
+    def old_pause(request):
+        if request.url.path == "/openapi.json":
+            return httpx.Response(200, json={"paths": {"/pause": {"post": {"parameters": [{"name": "clear_cache"}]}}}})
+        return httpx.Response(200, json={"is_paused": False})
+
+    with pytest.raises(ConfigError, match=r"has a /pause without `mode`: it would abort every request in flight"):
+        admin_for("vllm", transport=httpx.MockTransport(old_pause)).check("http://v", {})
+
+    def empty_reset(request):
+        return httpx.Response(200) if request.url.path == "/reset_prefix_cache" else httpx.Response(200, json={})
+
+    admin_for("vllm", transport=httpx.MockTransport(empty_reset)).load_weights("http://v", Path("/p"), 1)
+
+    def html_reset(request):
+        return httpx.Response(200, text="<html>") if request.url.path == "/reset_prefix_cache" else httpx.Response(200)
+
+    with pytest.raises(RunFailure, match=r"http://v: /reset_prefix_cache answered '<html>', not JSON"):
+        admin_for("vllm", transport=httpx.MockTransport(html_reset)).load_weights("http://v", Path("/p"), 1)
 
 
 def test_vllm_without_pause_api_and_refused_updates_are_errors():
@@ -415,3 +455,36 @@ def test_servers_take_the_allocations_inference_devices(tmp_path, monkeypatch):
     cfg, _ = _server_config(tmp_path, "cluster.allocation_mode='fsdp:d1+vllm:d2t2'")
     n, tp, devices = ServerRolloutSide(cfg, tmp_path / "run").layout(num_devices=8)
     assert (n, tp, devices) == (2, 2, [1, 2, 3, 4])  # after the training device: server 0 on 1-2, 1 on 3-4
+
+
+def test_config_of_the_server_backends_is_checked_first(tmp_path, monkeypatch):
+    """walk24: a vision-language model with vLLM/SGLang failed every group with a TypeError; rollout.backend=vllm
+    beside an allocation without an inference component was a bare StopIteration at start; server_api_key with
+    servers areno starts, and an allocation placing another number of servers than rollout.servers lists, were
+    ignored; rollout.servers with the backend named by the allocation string was refused."""
+    from areno.api.config import load_config
+    from areno.engine.api import prepare_model_dir
+    from tests.helpers.vlm import vl_overrides
+
+    monkeypatch.setattr("areno.engine.servers.check_server_install", lambda backend: None)
+    started = []
+    monkeypatch.setattr("areno.engine.servers.start_servers", lambda *a, **k: started.append(a))
+    cfg = load_config(None, [*vl_overrides(tmp_path, 3), "rollout.backend=vllm"])
+    prepare_model_dir(cfg)
+    side = ServerRolloutSide(cfg, tmp_path / "run")
+    with pytest.raises(
+        ConfigError, match=r"^rollout.backend=vllm: .* is a vision-language model .*rollout.backend=areno"
+    ):
+        side.start(SideSetup(recipe=None, model_dir=Path(cfg.model.path), tokenizer=None))
+    assert not started
+    for overrides, message in (
+        (["rollout.backend=vllm", "cluster.allocation_mode='fsdp:d1'"], r"names no inference component"),
+        (["rollout.backend=sglang", "rollout.server_api_key=k"], r"^rollout.server_api_key: is the key of servers"),
+        (["rollout.servers=[http://h:1]", "cluster.allocation_mode='vllm:d4t2+fsdp:d1'"], r"places 4 vllm servers"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, ["model.path=/m", *overrides])
+    chosen = load_config(
+        None, ["model.path=/m", "rollout.servers=[http://h:1]", "cluster.allocation_mode='vllm:d1+fsdp:d1'"]
+    )
+    assert chosen.rollout.backend == "vllm"

@@ -138,6 +138,14 @@ class VLLMAdmin(ServerAdmin):
                 f"rollout.servers: vLLM server {url} has no pause API (/is_paused answered 404): areno needs a vLLM "
                 "with /pause?mode=keep (0.32 or newer), started with VLLM_SERVER_DEV_MODE=1"
             )
+        api = self._reach(url, "/openapi.json")
+        if api.status_code == 200:  # a vLLM whose /pause predates `mode` ignores mode=keep and aborts every request
+            pause = api.json().get("paths", {}).get("/pause", {}).get("post", {})
+            if "mode" not in {p.get("name") for p in pause.get("parameters", [])}:
+                raise ConfigError(
+                    f"rollout.servers: vLLM server {url} has a /pause without `mode`: it would abort every request in "
+                    "flight at each policy sync; areno needs a vLLM with /pause?mode=keep (0.32 or newer)"
+                )
         models = self._call("GET", url, "/v1/models").json()["data"]
         served = models[0]
         check_same_model(self.backend, url, served.get("root") or served["id"], model_config)
@@ -192,7 +200,15 @@ class VLLMAdmin(ServerAdmin):
         reset = self._call(
             "POST", url, "/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=self.load_timeout_s
         )
-        if not reset.json().get("success", False):
+        # vLLM releases before {"success": ...} answer an empty 200 (reset, not checked)
+        try:
+            success = reset.json().get("success", False) if reset.content else True
+        except ValueError:
+            raise RunFailure(
+                f"vllm server {url}: /reset_prefix_cache answered {reset.text[:80]!r}, not JSON: areno needs a vLLM "
+                "0.32 or newer"
+            ) from None
+        if not success:
             raise RunFailure(f"vllm server {url} could not drop its prefix cache after loading policy v{version}")
 
 

@@ -7,7 +7,10 @@ runs with ``--logprobs-mode processed_logprobs`` (log-softmax of the temperature
 areno's engine and the trainer's recompute; vLLM's default, ``raw_logprobs``, ignores the
 temperature): areno's launcher passes it, a server you start needs it too. They are of the
 distribution after top-k/top-p truncation as well, which areno's are not: keep ``rollout.top_p=1``
-and ``rollout.top_k=-1`` with vLLM (``logprob_abs_diff`` shows the difference otherwise).
+and ``rollout.top_k=-1`` with vLLM (``logprob_abs_diff`` shows the difference otherwise); and after
+the min-tokens processor masks the stop tokens, so a request with ``min_new_tokens`` is refused. A
+stream that ends with ``finish_reason: abort`` is a ``RolloutServerError`` (retried elsewhere), not a
+short completion.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from areno.rollout.backends.base import StreamingServerClient, StreamState
+from areno.rollout.client import RolloutServerError
 from areno.types import SamplingParams
 
 
@@ -29,6 +33,12 @@ class VLLMRolloutClient(StreamingServerClient):
         self.model = model
 
     def request_body(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> dict[str, Any]:
+        if params.min_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={params.min_new_tokens} (min_tokens) with a vLLM rollout: vLLM reports log-probs "
+                "after its min-tokens processor masks the stop tokens, areno's trainer before it, so the importance "
+                "ratios would be off: leave it unset, or use rollout.backend=areno"
+            )
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -58,6 +68,10 @@ class VLLMRolloutClient(StreamingServerClient):
             return [], []
         choice = event["choices"][0]
         state.text += choice.get("text") or ""
+        if choice.get("finish_reason") == "abort":  # aborted by the server: partial output, another server retries it
+            raise RolloutServerError(
+                f"{self.base_url}{self.path} aborted the request", server=self.base_url, status=500
+            )
         if choice.get("finish_reason") is not None:
             state.finish_reason = choice["finish_reason"]
         logprobs = choice.get("logprobs") or {}
