@@ -13,7 +13,8 @@ each worker reserves (``len(devices) // n``).
 
 With a ``log_dir`` (the partitioned run's ``run_dir/workers``), each actor sends its stdout and
 stderr to ``<log_dir>/<role>-<index>.log``, as the local and SLURM workers do (``kill -USR1``
-stacks land there too); a node that cannot write there keeps Ray's own worker logs
+stacks land there too), after the same header line; the log is truncated when a ``fresh_logs``
+scheduler first writes it and appended to after a separator line otherwise; a node that cannot write there keeps Ray's own worker logs
 (``<session>/logs/worker-*-<pid>.{out,err}`` on that node), and the launch log names them.
 
 Ray itself is imported when a ``RayScheduler`` is built (``import_ray``), not with this module: it is
@@ -45,8 +46,9 @@ from areno.launch.scheduler import (
     assign_ranks,
     free_port,
     python_path_env,
+    restart_separator,
 )
-from areno.launch.worker import WorkerRuntime
+from areno.launch.worker import WorkerRuntime, header_line
 from areno.observe.doctor import INSTALL_HINTS
 
 if TYPE_CHECKING:
@@ -81,12 +83,15 @@ class _RayWorkerActor:
         ray = import_ray()  # inside the actor, where Ray is running
         return socket.gethostname(), ray.util.get_node_ip_address(), free_port(), os.getpid()
 
-    def redirect_output(self, path: str) -> tuple[str | None, str]:
-        """Append this process's stdout and stderr (file descriptors 1 and 2) to ``path``; returns
-        ``(None, "")``, or ``(why not, where Ray's own logs of this worker are)``."""
+    def redirect_output(
+        self, path: str, truncate: bool, role: str, index: int, env: dict[str, str]
+    ) -> tuple[str | None, str]:
+        """Send this process's stdout and stderr (file descriptors 1 and 2) to ``path``, which starts with
+        the worker's header line (``open_worker_log``); returns ``(None, "")``, or ``(why not, where Ray's
+        own logs of this worker are)``."""
+        os.environ.update(env)  # for the header line (rank, run_dir); setup() sets the same values
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = open_worker_log(path, truncate=truncate, header=header_line(role, index))
         except OSError as e:
             return f"{type(e).__name__}: {e}", _ray_log_dir()
         sys.stdout.flush()
@@ -101,6 +106,21 @@ class _RayWorkerActor:
 
     def run(self, target: str | Callable, args: tuple, kwargs: dict) -> tuple:
         return self.runtime.handle(("call", target, args, kwargs))
+
+
+def open_worker_log(path: str, *, truncate: bool, header: str) -> int:
+    """A descriptor on a worker's log, which starts as a local worker's does: truncated (a run that starts
+    over) or appended to after a separator line (a resumed run, a restarted worker), then ``header``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0), 0o644)
+    try:
+        if os.fstat(fd).st_size > 0:
+            os.write(fd, restart_separator())
+        os.write(fd, (header + "\n").encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _ray_log_dir() -> str:
@@ -192,6 +212,11 @@ class _RayWorker:
 class RayScheduler(Scheduler):
     """Workers as Ray actors, one placement group per role."""
 
+    fresh_logs: bool = False
+    """Truncate each worker's log the first time an actor writes to it (a run that starts over); False
+    appends, after a separator line (a resumed run, a restarted worker). Every actor writes a header
+    line, as a local worker does."""
+
     def __init__(
         self,
         *,
@@ -205,8 +230,14 @@ class RayScheduler(Scheduler):
     ) -> None:
         """``num_cpus`` only applies when Ray is started in-process (``address=None``); ``log_dir``:
         where each worker's output goes (``<role>-<index>.log``); None leaves it in Ray's logs."""
+        if not cpus_per_worker > 0:  # a worker without GPUs would get an empty bundle, which Ray refuses
+            raise SchedulerError(
+                f"cluster.scheduler_options.ray_cpus_per_worker: must be > 0 (a fraction such as 0.5 lets workers "
+                f"share a CPU), got {cpus_per_worker}"
+            )
         self._ray = ray = import_ray()
         self.log_dir = log_dir
+        self._truncated: set[str] = set()
         self.placement_strategy = placement_strategy
         self.cpus_per_worker = cpus_per_worker
         self.placement_timeout_s = placement_timeout_s
@@ -346,7 +377,14 @@ class RayScheduler(Scheduler):
         if self.log_dir is None:
             return
         paths = [os.path.join(self.log_dir, f"{w.handle.role}-{w.handle.index}.log") for w in workers]
-        replies = self._ray.get([w.actor.redirect_output.remote(p) for w, p in zip(workers, paths)])
+        truncate = [self.fresh_logs and p not in self._truncated for p in paths]
+        self._truncated.update(p for p, t in zip(paths, truncate) if t)  # a restarted worker appends
+        replies = self._ray.get(
+            [
+                w.actor.redirect_output.remote(p, t, w.handle.role, w.handle.index, w.env)
+                for w, p, t in zip(workers, paths, truncate)
+            ]
+        )
         for w, path, (problem, ray_logs) in zip(workers, paths, replies):
             if problem is None:
                 w.handle = replace(w.handle, log_path=path)

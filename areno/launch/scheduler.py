@@ -31,12 +31,15 @@ import concurrent.futures
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import pickle
+import re
 import secrets
 import shlex
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,11 +47,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from multiprocessing.connection import Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin, get_type_hints
 
-from areno.errors import ConfigError, RunFailure
+from areno.errors import ConfigError, RunFailure, is_of_type, wrong_type
 
 logger = logging.getLogger(__name__)
 
@@ -446,13 +450,32 @@ class _RpcWorker:
     )
 
 
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long each read or write of a new connection's authentication and hello may take before the
+connection is dropped: a peer that connects and sends nothing (a port scan, a health probe) holds
+only its own handshake thread, never the workers connecting after it."""
+
+
+def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Kernel send/receive timeouts on ``sock`` (0: none). The handshake reads through
+    ``Connection``, which uses the raw descriptor, so Python's ``settimeout`` would not apply."""
+    whole = int(seconds)
+    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
 class _Hub:
-    """A listener that accepts worker connections and files them by (role, index)."""
+    """A listener that accepts worker connections and files them by (role, index).
+
+    The accept thread only accepts: each connection's authkey handshake and hello run in a thread of
+    their own, bounded by ``HANDSHAKE_TIMEOUT_S``, so that one silent or slow peer (the SLURM
+    controller listens on every interface) cannot keep the workers behind it from connecting."""
 
     def __init__(self, bind_host: str) -> None:
         self.authkey = secrets.token_bytes(32)
-        self.listener = Listener((bind_host, 0), authkey=self.authkey)
-        self.port = self.listener.address[1]
+        self._sock = socket.create_server((bind_host, 0), backlog=128)
+        self.port = self._sock.getsockname()[1]
         self._arrived: dict[tuple[str, int], tuple[Connection, int, str]] = {}
         self._cond = threading.Condition()
         self._closed = False
@@ -462,15 +485,40 @@ class _Hub:
     def _accept_loop(self) -> None:
         while True:
             try:
-                conn = self.listener.accept()
-                _, role, index, pid, host = conn.recv()
-            except (OSError, EOFError):
+                sock, peer = self._sock.accept()
+            except OSError:
                 if self._closed:
                     return
-                continue  # a stray or failed connection: keep accepting
+                time.sleep(0.05)  # out of descriptors, say: try again without spinning
+                continue
+            threading.Thread(target=self._handshake, args=(sock, peer), daemon=True, name="areno-rpc-handshake").start()
+
+    def _handshake(self, sock: socket.socket, peer: Any) -> None:
+        """Authenticate one connection and read its hello; file it, or drop it (a stray or failed
+        connection: the listener keeps accepting)."""
+        conn = None
+        try:
+            sock.setblocking(True)
+            _set_io_timeout(sock, HANDSHAKE_TIMEOUT_S)
+            conn = Connection(os.dup(sock.fileno()))  # its own descriptor: `sock` stays to clear the timeouts
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            _, role, index, pid, host = conn.recv()
+            _set_io_timeout(sock, 0)  # calls may run for hours
+        except AuthenticationError as e:
+            logger.warning("dropped a connection from %s to the worker listener: wrong authkey (%s)", peer, e)
+        except Exception as e:  # noqa: BLE001 - whatever a stray peer sends (or not) ends its connection only
+            logger.debug("dropped a connection from %s to the worker listener: %s: %s", peer, type(e).__name__, e)
+        else:
             with self._cond:
-                self._arrived[(role, index)] = (conn, pid, host)
-                self._cond.notify_all()
+                if not self._closed:
+                    self._arrived[(role, index)] = (conn, pid, host)
+                    self._cond.notify_all()
+                    conn = None  # filed: stays open
+        finally:
+            sock.close()
+            if conn is not None:
+                conn.close()
 
     def wait(
         self,
@@ -497,8 +545,13 @@ class _Hub:
                 self._cond.wait(min(left, 0.2))
 
     def close(self) -> None:
-        self._closed = True
-        self.listener.close()
+        with self._cond:
+            self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (a bare close would not)
+        except OSError:
+            pass
+        self._sock.close()
 
 
 def _missing_worker(key: tuple[str, int], logs: dict | None, describe: Callable | None) -> str:
@@ -773,8 +826,7 @@ class LocalScheduler(_RpcScheduler):
             return open(path, "wb")
         log = open(path, "ab")
         if log.tell() > 0:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            log.write(f"\n==================== {stamp}: this worker starts again ====================\n".encode())
+            log.write(restart_separator())
             log.flush()
         return log
 
@@ -842,6 +894,13 @@ class LocalScheduler(_RpcScheduler):
                 logger.warning("%s (pid %s) killed but not gone yet", w.handle.name, w.proc.pid)
 
 
+def restart_separator() -> bytes:
+    """The line a worker log gets before the output of a worker that starts again on it (a resumed run,
+    a restarted worker): the local and Ray schedulers append after it."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return f"\n==================== {stamp}: this worker starts again ====================\n".encode()
+
+
 def _tail(path: str | None, n_chars: int = 400) -> str:
     if not path or not os.path.exists(path):
         return "(no log)"
@@ -872,7 +931,8 @@ class SchedulerConfig:
     ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy of each role."""
     ray_cpus_per_worker: float = 1.0
-    """CPUs reserved per worker in its placement-group bundle."""
+    """CPUs reserved per worker in its placement-group bundle; > 0 (Ray refuses an empty bundle), a
+    fraction such as 0.5 lets workers share a CPU."""
     ray_placement_timeout_s: float = 60.0
     """How long a role's placement group may wait for resources."""
     slurm_partition: str | None = None
@@ -880,7 +940,8 @@ class SchedulerConfig:
     slurm_account: str | None = None
     """``#SBATCH --account``."""
     slurm_time: str | None = "01:00:00"
-    """``#SBATCH --time`` (``HH:MM:SS`` or ``D-HH:MM:SS``); None: no such line, the partition's limit."""
+    """``#SBATCH --time`` (minutes, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM`` or ``D-HH:MM:SS``); None:
+    no such line, the partition's limit."""
     slurm_job_name: str = "areno"
     """``#SBATCH --job-name``."""
     slurm_cpus_per_task: int = 1
@@ -900,17 +961,19 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.type not in ("local", "ray", "slurm"):
             raise ValueError(f"cluster.scheduler must be one of local, ray, slurm; got {self.type!r}")
-        for key in (
-            "connect_timeout_s",
-            "ray_connect_timeout_s",
-            "ray_placement_timeout_s",
-            "slurm_poll_interval_s",
-            "slurm_queue_timeout_s",
-        ):
+        self._check_types()  # first: the value checks below compare numbers and match strings
+        for key in (*_TIMEOUT_KEYS, "ray_cpus_per_worker"):
+            value = getattr(self, key)
+            if not math.isfinite(value):  # nan passes every comparison, and a wait of nan returns at once
+                raise ConfigError(f"{OPTIONS_KEY}.{key}: must be a finite number, got {value}")
+        for key in _TIMEOUT_KEYS:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{OPTIONS_KEY}.{key} must be > 0, got {getattr(self, key)}")
-        if self.ray_cpus_per_worker < 0:
-            raise ValueError(f"{OPTIONS_KEY}.ray_cpus_per_worker must be >= 0, got {self.ray_cpus_per_worker}")
+        if self.ray_cpus_per_worker <= 0:
+            raise ConfigError(
+                f"{OPTIONS_KEY}.ray_cpus_per_worker: must be > 0 (a Ray bundle of a worker without GPUs holds "
+                f"only these CPUs; a fraction such as 0.5 lets workers share one), got {self.ray_cpus_per_worker}"
+            )
         if self.slurm_cpus_per_task < 1:
             raise ValueError(f"{OPTIONS_KEY}.slurm_cpus_per_task must be >= 1, got {self.slurm_cpus_per_task}")
         if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
@@ -918,8 +981,48 @@ class SchedulerConfig:
                 f"{OPTIONS_KEY}.ray_placement_strategy must be one of PACK, SPREAD, STRICT_PACK, "
                 f"STRICT_SPREAD; got {self.ray_placement_strategy!r}"
             )
+        if self.slurm_time and not _SLURM_TIME.fullmatch(self.slurm_time):
+            raise ConfigError(
+                f"{OPTIONS_KEY}.slurm_time: must be a SLURM time limit (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                f"D-HH:MM:SS, e.g. '2-00:00:00'), or null for the partition's limit; got {self.slurm_time!r}"
+            )
+        # each value becomes one line of the sbatch script: a line break would start a shell command
+        for key in ("slurm_job_name", "slurm_partition", "slurm_account", "slurm_extra_sbatch_lines"):
+            value = getattr(self, key)
+            if any("\n" in v or "\r" in v for v in ([value] if isinstance(value, str) else value or ())):
+                raise ConfigError(f"{OPTIONS_KEY}.{key}: must not hold a line break, got {value!r}")
         self.slurm_extra_sbatch_lines = tuple(self.slurm_extra_sbatch_lines)
         self.slurm_setup_lines = tuple(self.slurm_setup_lines)
+
+    def _check_types(self) -> None:
+        """ConfigError naming the first option whose value is not of its field's type (``'30'`` for a
+        number, a string for a list of lines, which ``tuple()`` would split into characters)."""
+        hints = get_type_hints(SchedulerConfig)
+        for f in fields(self):
+            hint, value = hints[f.name], getattr(self, f.name)
+            if get_origin(hint) is Literal:
+                continue  # checked against its names, which the message lists
+            if isinstance(value, os.PathLike) and is_of_type(os.fspath(value), hint):
+                setattr(self, f.name, os.fspath(value))  # log_dir=Path(...) from Python
+            elif not is_of_type(value, hint):
+                message = str(wrong_type(f"{OPTIONS_KEY}.{f.name}", hint, value))
+                if isinstance(value, str) and get_origin(hint) is tuple:
+                    message += f"; one line per item, e.g. [{value!r}]"
+                raise ConfigError(message)
+
+
+_TIMEOUT_KEYS = (
+    "connect_timeout_s",
+    "ray_connect_timeout_s",
+    "ray_placement_timeout_s",
+    "slurm_poll_interval_s",
+    "slurm_queue_timeout_s",
+)
+"""``SchedulerConfig`` fields in seconds: finite and > 0."""
+
+_SLURM_TIME = re.compile(r"(?i:infinite|unlimited)|\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")
+"""What ``sbatch --time`` takes: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+days-hours:minutes, days-hours:minutes:seconds, or no limit (``INFINITE``, ``UNLIMITED``)."""
 
 
 def scheduler_config(scheduler: str, options: Mapping[str, Any] | None = None) -> SchedulerConfig:

@@ -27,6 +27,7 @@ import getpass
 import logging
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -163,6 +164,21 @@ def check_slurm_controller(timeout_s: float = 60.0) -> None:
         )
 
 
+def _directive(option: str, value: str) -> str:
+    """``#SBATCH <option>=<value>``; a value with a space, quote, backslash or ``#`` in double quotes.
+    sbatch reads these lines itself, not through the shell: it splits them at whitespace, ends them at an
+    unquoted ``#``, groups what is in quotes and takes a character after a backslash as it is."""
+    if re.search(r'[\s"\'\\#]', value):
+        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"#SBATCH {option}={value}"
+
+
+def _output_pattern(path: str) -> str:
+    """``path`` in an ``--output`` filename pattern, where SLURM replaces ``%j``, ``%t``, ... and reads
+    ``%%`` as one ``%``."""
+    return path.replace("%", "%%")
+
+
 def render_sbatch(
     specs: Sequence[RoleSpec],
     *,
@@ -176,16 +192,19 @@ def render_sbatch(
 ) -> str:
     """The sbatch script for ``specs``: one allocation, one ``srun`` step per role. No ``--time``
     line when ``cfg.slurm_time`` is empty or None (the partition's default limit applies)."""
+    for what, path in (("run_dir (the job's directory)", job_dir), ("the working directory", workdir)):
+        if "\n" in path or "\r" in path:  # the script is read line by line, by sbatch and by bash
+            raise SchedulerError(f"{what} {path!r} holds a line break, which an sbatch script cannot carry; rename it")
     ranks = assign_ranks(specs)
     gpus = sum(len(spec.devices) for spec in specs if spec.devices is not None)
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={cfg.slurm_job_name}",
-        f"#SBATCH --output={job_dir}/slurm-%j.out",
-        f"#SBATCH --chdir={workdir}",
-        *([f"#SBATCH --time={cfg.slurm_time}"] if cfg.slurm_time else []),
-        *([f"#SBATCH --partition={cfg.slurm_partition}"] if cfg.slurm_partition else []),
-        *([f"#SBATCH --account={cfg.slurm_account}"] if cfg.slurm_account else []),
+        _directive("--job-name", cfg.slurm_job_name),
+        _directive("--output", f"{_output_pattern(job_dir)}/slurm-%j.out"),
+        _directive("--chdir", workdir),
+        *([_directive("--time", cfg.slurm_time)] if cfg.slurm_time else []),
+        *([_directive("--partition", cfg.slurm_partition)] if cfg.slurm_partition else []),
+        *([_directive("--account", cfg.slurm_account)] if cfg.slurm_account else []),
         f"#SBATCH --ntasks={sum(spec.n for spec in specs)}",
         f"#SBATCH --cpus-per-task={cfg.slurm_cpus_per_task}",
         *([f"#SBATCH --gpus={gpus}"] if gpus else []),
@@ -208,7 +227,7 @@ def render_sbatch(
         srun = ["srun", "--exact", f"--ntasks={spec.n}", f"--cpus-per-task={cfg.slurm_cpus_per_task}"]
         if spec.devices is not None:
             srun.append(f"--gpus-per-task={len(spec.devices) // spec.n}")
-        srun.append(f"--output={job_dir}/{spec.role}-%t.log")
+        srun.append(shlex.quote(f"--output={_output_pattern(job_dir)}/{spec.role}-%t.log"))
         cmd = [
             "env",
             *(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())),
@@ -460,7 +479,7 @@ class SlurmScheduler(_RpcScheduler):
             "--nodes=1",
             f"--nodelist={w.handle.host}",
             *gpus,
-            f"--output={w.handle.log_path}",
+            f"--output={_output_pattern(str(w.handle.log_path))}",
             *worker_command(
                 "--connect", self.controller, "--role", w.handle.role, "--rank", str(w.handle.index), python=self.python
             ),
