@@ -63,10 +63,22 @@ def build_char_tokenizer(
     return hf
 
 
+def _is_char_spec(spec: dict) -> bool:
+    """Whether a ``tokenizer.json`` document is ``build_char_tokenizer``'s: a word-level model over single
+    characters (split between every character, unknown ones read as the pad token), which a user's own
+    word-level tokenizer with a plain ChatML template (the same text as ours) is not."""
+    pre = spec.get("pre_tokenizer") or {}
+    return (
+        spec["model"]["type"] == "WordLevel"
+        and spec["model"].get("unk_token") == PAD
+        and pre.get("type") == "Split"
+        and pre.get("pattern") == {"String": ""}
+    )
+
+
 def is_char_tokenizer(model_dir: str | Path) -> bool:
     """Whether ``model_dir`` holds a tokenizer ``build_char_tokenizer`` made: the chat template above
-    (saved as ``chat_template.jinja`` or in ``tokenizer_config.json``; a plain ChatML template of a user's
-    tokenizer can be the same text) and a word-level model (its characters, specials and extra tokens)."""
+    (saved as ``chat_template.jinja`` or in ``tokenizer_config.json``) and its character-level model."""
     model_dir = Path(model_dir)
     try:
         if (model_dir / "chat_template.jinja").is_file():
@@ -75,8 +87,8 @@ def is_char_tokenizer(model_dir: str | Path) -> bool:
             template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
         if template != CHAT_TEMPLATE:
             return False
-        return json.loads((model_dir / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
-    except (OSError, ValueError, KeyError, TypeError):
+        return _is_char_spec(json.loads((model_dir / "tokenizer.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
@@ -84,7 +96,9 @@ def is_char_tokenizer_object(tokenizer: Any) -> bool:
     """``is_char_tokenizer`` of a loaded tokenizer."""
     if getattr(tokenizer, "chat_template", None) != CHAT_TEMPLATE or not hasattr(tokenizer, "backend_tokenizer"):
         return False
-    return isinstance(tokenizer.backend_tokenizer.model, models.WordLevel)
+    if not isinstance(tokenizer.backend_tokenizer.model, models.WordLevel):
+        return False
+    return _is_char_spec(json.loads(tokenizer.backend_tokenizer.to_str()))
 
 
 def _tokenizers_file_class(model_dir: Path) -> bool:

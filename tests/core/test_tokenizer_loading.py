@@ -75,3 +75,24 @@ def test_a_malformed_tokenizer_file_is_a_value_error_whichever_transformers_read
     monkeypatch.setattr(tokenizer_module, "_load_pretrained_tokenizer", other)
     with pytest.raises(KeyError):  # anything else as it was raised
         load_pretrained_tokenizer(tmp_path)
+
+
+def test_a_users_word_level_tokenizer_with_a_plain_chatml_template_is_not_the_char_tokenizer(tmp_path):
+    """walk25: a user's word-level tokenizer whose ChatML template was byte-identical to areno's was taken for
+    the character tokenizer, so `data.chat_template=auto` left its prompts untemplated."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from areno.data.prompts import uses_template
+    from areno.data.tokenizer import CHAT_TEMPLATE, is_char_tokenizer_object
+
+    vocab = {"<pad>": 0, "</s>": 1, "[UNK]": 2, "<|im_start|>": 3, "<|im_end|>": 4, "hello": 5}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    user = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>")
+    user.chat_template = CHAT_TEMPLATE
+    user.save_pretrained(tmp_path / "user")
+    assert not is_char_tokenizer_object(user) and not is_char_tokenizer(tmp_path / "user")
+    assert uses_template(user, "auto")
+    char = build_char_tokenizer()
+    char.save_pretrained(tmp_path / "char")
+    assert is_char_tokenizer_object(char) and is_char_tokenizer(tmp_path / "char")
