@@ -119,7 +119,7 @@ class ServerRolloutSide(RolloutSide):
     def start(self, setup: SideSetup) -> None:
         cfg = self.config.rollout
         model_config = json.loads((setup.model_dir / "config.json").read_text())
-        if read_config(setup.model_dir).vision is not None:  # before any server starts
+        if "vision_config" in model_config:  # a vision-language model: before any server starts
             raise ConfigError(
                 f"rollout.backend={self.backend}: {setup.model_dir} is a vision-language model and areno sends "
                 f"{self.backend} token ids only (no images): use rollout.backend=areno"
