@@ -99,6 +99,8 @@ class SamplingParams:
             )
         self.stop_token_ids = tuple(self.stop_token_ids)
         self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):  # "" is found at once: one token, then stop
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
 
 
 @dataclass(kw_only=True)

@@ -381,7 +381,7 @@ def _engine_error(exc: BaseException) -> _BadRequest:
     return _BadRequest(None, f"the rollout engine failed: {type(exc).__name__}: {exc}", status=500)
 
 
-_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_new_tokens", "max_new_tokens", "seed"}
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_new_tokens", "max_new_tokens", "seed", "stop"}
 
 
 def _param_of(message: str) -> str | None:
@@ -876,7 +876,11 @@ class _OpenAIRoutes:
             raise _BadRequest("messages", "this server's tokenizer has no chat template: use /v1/completions")
         if not req.messages:
             raise _BadRequest("messages", "messages is empty: send at least one message")
-        if req.max_completion_tokens is not None and req.max_tokens is None:
+        if req.max_completion_tokens is not None:  # OpenAI's name for it now, max_tokens the deprecated one
+            if req.max_completion_tokens <= 0:
+                raise _BadRequest(
+                    "max_completion_tokens", f"max_completion_tokens must be > 0, got {req.max_completion_tokens}"
+                )
             req.max_tokens = req.max_completion_tokens
         self._check_chars(sum(len(m.content or "") for m in req.messages), "messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]

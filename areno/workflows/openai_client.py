@@ -11,8 +11,9 @@ Every call goes to an areno ``RolloutClient`` (in process or over HTTP) and is r
 ``InteractionCache``: exact prompt/output token ids, per-token log-probs and policy versions, the
 messages, and the parsed tool calls. Responses are real ``openai.types`` objects; each choice also
 carries ``token_ids`` and ``prompt_token_ids`` like areno's server. Prompts are built the way
-``areno serve`` builds them (the tokenizer's chat template, tokenised without extra specials), so
-the same request gives the same tokens through either path. ``stream=True`` returns a
+``areno serve`` builds them (a chat: the tokenizer's chat template, tokenised without extra specials;
+a completion's string prompt: with them, a BOS-adding tokenizer's BOS included), so the same request
+gives the same tokens through either path. ``stream=True`` returns a
 ``ReplayedStream``: the finished response as the chunks a streaming server sends, so agent code that
 streams runs unchanged too (the chunks come together once the completion is done).
 
@@ -88,6 +89,8 @@ _CHAT_KEYS = frozenset(
         "model",
         "tools",
         "tool_choice",
+        "functions",
+        "function_call",
         "temperature",
         "top_p",
         "max_tokens",
@@ -99,8 +102,6 @@ _CHAT_KEYS = frozenset(
         "top_logprobs",
         "stream",
         "extra_body",
-        "functions",
-        "function_call",
     }
 )
 """Parameters of ``chat.completions.create`` this client serves (besides ``_IGNORED`` and ``_NO_OP``)."""
@@ -168,6 +169,22 @@ def _normalise_message(message: Any, index: int) -> dict[str, Any]:
     msg = _plain(message)
     if not isinstance(msg, dict) or "role" not in msg:
         raise AgentRequestError(f"messages[{index}] must be a dict with a 'role', got {msg!r:.80}")
+    for j, call in enumerate(msg.get("tool_calls") or []):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise AgentRequestError(
+                f"messages[{index}].tool_calls[{j}] must be {{'type': 'function', 'function': {{'name': ..., "
+                f"'arguments': '<JSON>'}}}}, got {call!r:.80}"
+            )
+        arguments = function.get("arguments") or "{}"
+        try:
+            if not isinstance(arguments, str) or not isinstance(json.loads(arguments), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            raise AgentRequestError(
+                f"messages[{index}].tool_calls[{j}].function.arguments must be a JSON object as a string, got "
+                f"{arguments!r:.60} ({exc})"
+            ) from None
     content = msg.get("content")
     if isinstance(content, list):  # content parts: the text parts, an image part as its vision tokens
         msg["content"] = "".join(_part_text(p) for p in content if isinstance(p, dict))
@@ -319,7 +336,17 @@ class ArenoAsyncOpenAI:
                 messages = [{"role": "system", "content": tools_text}] + messages
         rendered = []
         for m in messages:  # templates without tool support still show the calls the model made
-            if m.get("tool_calls") and self.render_tools != "template":
+            if m.get("tool_calls") and self.render_tools == "template":
+                # tool templates write `arguments | tojson`: a mapping, not OpenAI's JSON string (encoded twice)
+                calls = [
+                    {
+                        **c,
+                        "function": {**c["function"], "arguments": json.loads(c["function"].get("arguments") or "{}")},
+                    }
+                    for c in m["tool_calls"]
+                ]
+                m = {**m, "tool_calls": calls}
+            elif m.get("tool_calls"):
                 calls = "".join(
                     "<tool_call>"
                     + json.dumps(
@@ -362,9 +389,13 @@ class ArenoAsyncOpenAI:
 
     def _sampling(self, req: dict[str, Any], index: int) -> SamplingParams:
         d = self.default_sampling
-        max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or d.max_new_tokens
+        max_tokens = next(
+            (req[k] for k in ("max_completion_tokens", "max_tokens") if req.get(k) is not None), d.max_new_tokens
+        )  # a 0 is a value (refused below), not a missing one
         stop = self._stops(req)
         seed = req.get("seed", d.seed)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise AgentRequestError(f"seed must be an integer, got {seed!r:.40}")
         extra = req.get("extra_body") or {}
         temperature = req.get("temperature", d.temperature)
         if self.fixed_temperature and temperature != d.temperature:
@@ -406,8 +437,8 @@ class ArenoAsyncOpenAI:
     async def _agenerate_n(
         self, prompt_ids: list[int], req: dict[str, Any], images: ImageInputs | None = None
     ) -> tuple[list[GenerationOutput], float]:
-        n = req.get("n") or 1
-        if n < 1:
+        n = 1 if req.get("n") is None else req["n"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise AgentRequestError(f"n must be >= 1, got {n}")
         params = [self._sampling(req, i) for i in range(n)]
         t0 = time.perf_counter()
@@ -425,6 +456,19 @@ class ArenoAsyncOpenAI:
             raise AgentRequestError("messages is empty: send at least one message")
         messages = [_normalise_message(m, i) for i, m in enumerate(req["messages"])]
         tools = [validate_tool_schema(_plain(t)) for t in req.get("tools") or []] or None
+        for legacy, instead in (
+            ("functions", "tools=[{'type': 'function', 'function': ...}]"),
+            ("function_call", "tool_choice"),
+        ):
+            if req.get(legacy) is not None:  # left unread, the tools would neither reach the prompt nor be parsed
+                raise AgentRequestError(
+                    f"chat.completions.create: {legacy} is the deprecated form of tools and is not supported: send {instead}"
+                )
+        if req.get("tool_choice") not in (None, "auto", "none"):
+            raise AgentRequestError(
+                f"chat.completions.create: tool_choice {json.dumps(_plain(req['tool_choice']))} is not supported: this "
+                "engine does not force tool calls: send 'auto' or 'none', or drop it"
+            )
         if req.get("tool_choice") == "none":
             tools = None
         urls = _image_urls(req["messages"])
@@ -506,6 +550,11 @@ class ArenoAsyncOpenAI:
         _check_kwargs(req, _COMPLETION_KEYS, "completions.create")
         if req.pop("stream", False):
             return ReplayedStream(_completion_chunks(await self.acreate_completion(**req), include_usage))
+        if req.get("echo"):
+            raise AgentRequestError(
+                "completions.create: echo true is not supported: this client returns the completion only (prepend the "
+                "prompt yourself), or drop it"
+            )
         prompt_ids = self._completion_prompt_ids(req.get("prompt"))
         outs, _ = await self._agenerate_n(prompt_ids, req)
         response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -541,8 +590,8 @@ class ArenoAsyncOpenAI:
 
     def _completion_prompt_ids(self, prompt: Any) -> list[int]:
         """A completion request's one prompt (a string or token ids) as token ids."""
-        if isinstance(prompt, str):
-            prompt_ids = self._encode(prompt)
+        if isinstance(prompt, str):  # with the tokenizer's specials (a BOS), as areno serve and training encode it
+            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             prompt_ids = list(prompt)
         else:
@@ -861,6 +910,8 @@ class AgentProxy:
                 body = await request.json()
             except json.JSONDecodeError as exc:
                 return error(400, f"request body is not valid JSON: {exc}")
+            if not isinstance(body, dict):
+                return error(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
             extra = {k: body.pop(k) for k in ("top_k", "min_tokens", "stop_token_ids", "ignore_eos") if k in body}
             if extra:
                 body["extra_body"] = extra
@@ -890,8 +941,15 @@ class AgentProxy:
             client = self.sessions.get(sid)
             if client is None:
                 return error(404, f"no agent session {sid!r}")
-            body = await request.json()
-            if not isinstance(body.get("reward"), (int, float)):
+            try:
+                body = await request.json()
+            except json.JSONDecodeError as exc:
+                return error(400, f"request body is not valid JSON: {exc}")
+            if (
+                not isinstance(body, dict)
+                or isinstance(body.get("reward"), bool)
+                or not isinstance(body.get("reward"), (int, float))
+            ):
                 return error(400, 'reward must be a number: POST {"reward": 1.0, "id": optional completion id}')
             try:
                 if body.get("id"):

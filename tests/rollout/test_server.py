@@ -190,6 +190,17 @@ def test_http_client_passes_detokenize(server):
             {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
             "max_tokens",
         ),
+        (  # walk27: named as sent, not as max_tokens
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ""}, "stop"),  # walk27: stopped at once
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "stop": [""]},
+            "stop",
+        ),
         ("/generate", {"prompt_ids": [], "sampling_params": {}}, "prompt_ids"),
         ("/generate", {"prompt_ids": [5], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
         ("/generate", {"prompt_ids": [5], "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
@@ -325,3 +336,13 @@ def test_multi_server_client_routes_by_any_health_view(server):
     assert asyncio.run(go(skipping)) == [0, 2] and skipping.failures == []
     trusting = _HealthView(set())
     assert asyncio.run(go(trusting)) == [0, 2] and trusting.failures == [dead]
+
+
+def test_max_completion_tokens_wins_over_the_deprecated_max_tokens(server):
+    """walk27: with both, areno serve generated max_tokens tokens and the recording client max_completion_tokens."""
+    base, _, _ = server
+    r = _oa(base).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=7, max_completion_tokens=3,
+        temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
