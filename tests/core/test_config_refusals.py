@@ -148,6 +148,7 @@ def test_a_tiny_model_of_other_arguments_is_made_again(tmp_path):
     assert json.loads((first / "areno_init_tiny.json").read_text())["seed"] == 1
 
 
+@pytest.mark.slow  # over 10 s: the default suite keeps within its 10 minutes
 def test_a_finished_warm_start_is_reused_only_with_its_settings(tmp_path, capsys):
     def run(*extra: str) -> None:
         overrides = [*tiny_run_overrides(tmp_path), "train.steps=1", "warm_start.steps=1", "warm_start.batch_size=4"]

@@ -255,6 +255,7 @@ run_demo(run_dir=sys.argv[1], overrides=sys.argv[2:])
 """
 
 
+@pytest.mark.slow  # over 10 s: the default suite keeps within its 10 minutes
 def test_report_from_a_real_tiny_run(tmp_path):
     """A few GRPO steps of the CPU demo with a 2-layer model, then the report of that run.
 

@@ -120,6 +120,7 @@ def _run_checking_shards(cfg, tmp_path, steps):
     return rows
 
 
+@pytest.mark.slow  # over 10 s: the default suite keeps within its 10 minutes
 def test_allocation_mode_tp2_one_step_syncs_every_shard(tmp_path):
     """The quick real run: ``areno:d1t2+fsdp:d1t2``, one step and its sync."""
     cfg = _config(tmp_path, *ALLOCATION, "data.num_eval=0")
