@@ -2,7 +2,7 @@
 
 Endpoints
 - OpenAI-compatible: ``POST /v1/completions``, ``POST /v1/chat/completions`` (chat template from the
-  tokenizer), ``GET /v1/models``. ``logprobs`` gives each sampled token's log-prob; top alternatives
+  tokenizer), ``GET /v1/models`` and ``/v1/models/{id}``. ``logprobs`` gives each sampled token's log-prob; top alternatives
   (completions' ``logprobs`` > 0, chat's ``top_logprobs`` > 0) are not computed, so asking for them is
   a 400. A field the server does not know is a 400 naming it (a misspelt ``temprature`` never samples
   at the default); OpenAI fields the engine cannot honour (``frequency_penalty``, ``presence_penalty``,
@@ -750,7 +750,7 @@ class StreamedChoice:
 
 
 class _OpenAIRoutes:
-    """``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``."""
+    """``GET /v1/models`` (and one by id), ``POST /v1/completions``, ``POST /v1/chat/completions``."""
 
     def __init__(
         self,
@@ -771,6 +771,7 @@ class _OpenAIRoutes:
 
     def add_to(self, app: FastAPI) -> None:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"], response_model=None)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=None)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], response_model=None)
 
@@ -794,10 +795,19 @@ class _OpenAIRoutes:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
     async def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": self.model_name, "object": "model", "owned_by": "areno", "created": 0}],
-        }
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict | JSONResponse:
+        """``client.models.retrieve(id)``: the served model, else OpenAI's 404."""
+        if model_id != self.model_name:
+            return _error(
+                404, f"model {model_id!r} does not exist: this server serves {self.model_name!r}", "model",
+                code="model_not_found",
+            )  # fmt: skip
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "owned_by": "areno", "created": 0}
 
     async def completions(self, req: CompletionRequest, request: Request) -> dict | StreamingResponse:
         req.check(self.model_name, self.limits)

@@ -346,3 +346,11 @@ def test_max_completion_tokens_wins_over_the_deprecated_max_tokens(server):
         temperature=0, extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_a_model_is_retrieved_by_its_id(server):
+    """walk27: `client.models.retrieve` was a bare 404 (the route did not exist)."""
+    base, _, _ = server
+    assert _oa(base).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="model 'other' does not exist: this server serves 'tiny'"):
+        _oa(base).models.retrieve("other")
