@@ -528,8 +528,8 @@ class ArenoAsyncOpenAI:
         content, parsed = parse_tool_calls(text)
         calls = [c.to_openai() for c in parsed if not hasattr(c, "message")]
         errors = [c.message for c in parsed if hasattr(c, "message")]
-        if calls or errors:
-            message["content"] = content if not errors else text
+        if calls or errors:  # a reply of tool calls only has no content (null), as OpenAI's
+            message["content"] = (content or None) if not errors else text
         if calls:
             message["tool_calls"] = calls
         if errors:
