@@ -29,8 +29,10 @@ autocast): the path a default one-GPU run takes.
 
 Physical floor (measured in the same run): generation = sum over the decode steps of (weight bytes +
 KV bytes of all sequences at that step) / copy bandwidth (read + write bytes of a large
-device-to-device copy over its time); training = 6 * params * tokens / bf16 matmul rate (8192^3
-GEMMs). ``gap`` = measured step time / (generation floor + training floor).
+device-to-device copy over its time); training = the forward and backward FLOPs a step cannot skip
+(the layers over each group's prompt once and every completion token, the output layer over the
+completion tokens, causal attention; ``physical_floor``) / bf16 matmul rate (8192^3 GEMMs). ``gap`` =
+measured step time / (generation floor + training floor).
 
     python -m bench.e2e                                   # CUDA: 0.5b,1.5b x areno,areno_async,trl
     python -m bench.e2e --shapes tiny --device cpu        # CPU smoke (seconds per system)
@@ -301,10 +303,15 @@ def physical_floor(
     copy_bw: float,
     matmul_rate: float,
     lengths: list[int] | None = None,
+    group_size: int = 1,
 ) -> dict:
     """Lower bounds of one step's seconds: decode (bandwidth-bound) and training (compute-bound).
     ``lengths``: each sequence's completion length (default: all ``completion_len``); decode step i reads
-    the weights and the KV cache of the sequences still generating."""
+    the weights and the KV cache of the sequences still generating. Training: forward and backward (6
+    FLOPs a weight a token) of the work a step cannot skip: the decoder's layers over each group's prompt
+    once (``group_size`` sequences share it) and every completion token, the output layer over the
+    completion tokens (the only ones with a loss), and causal attention's two products (12 FLOPs a head
+    dimension a query a key) over the keys each of those tokens sees."""
     lengths = lengths if lengths is not None else [completion_len] * num_seqs
     params = config.num_params()
     weight_bytes = params * rollout_elt
@@ -312,9 +319,18 @@ def physical_floor(
     gen_bytes = sum(
         weight_bytes + sum(n > i for n in lengths) * (prompt_len + i) * kv_bytes_per_token for i in range(max(lengths))
     )
-    tokens = sum(prompt_len + n for n in lengths)
+    groups = -(-len(lengths) // group_size)
+    completion_tokens = sum(lengths)
+    head = config.hidden_size * config.vocab_size
+    embed = 0 if config.tie_word_embeddings else head  # the input embedding: a lookup, no GEMM
+    layer_params = params - head - embed
+    layer_flops = 6 * layer_params * (groups * prompt_len + completion_tokens)
+    head_flops = 6 * head * completion_tokens
+    width = config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    keys = groups * sum(range(1, prompt_len + 1)) + sum(prompt_len + i + 1 for n in lengths for i in range(n))
+    attention_flops = 12 * width * keys
     gen_s = gen_bytes / copy_bw
-    train_s = 6 * params * tokens / matmul_rate
+    train_s = (layer_flops + head_flops + attention_flops) / matmul_rate
     return {"params": params, "gen_floor_s": gen_s, "train_floor_s": train_s, "floor_s": gen_s + train_s}
 
 
@@ -861,7 +877,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--min-completion-len must be between 1 and the completion length {completion_len}")
         lengths = completion_lengths(completion_len, args.min_completion_len, args.samples) * args.prompts
         floor = physical_floor(
-            config, num_seqs, prompt_len, completion_len, elt, copy_bw, rates[floor_dtype], lengths=lengths
+            config,
+            num_seqs,
+            prompt_len,
+            completion_len,
+            elt,
+            copy_bw,
+            rates[floor_dtype],
+            lengths=lengths,
+            group_size=args.samples,
         )
         floor["floor_dtype"] = floor_dtype
         runs: dict[str, int] = {}

@@ -218,11 +218,14 @@ def run_engine(
     # Like a server at start-up: capture the decode graphs this run needs outside the timed region.
     engine.warmup_cuda_graphs([len(prompts)], max(len(p) for p in prompts) + new_tokens, params=[params[0]])
     sync(device)
+    before = engine.stats()  # the counters are running totals: the warm-up's steps are not the run's
     cpu0, t0 = time.process_time(), time.perf_counter()
     outs = engine.generate(prompts, params)
     sync(device)
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
+    for key in ("steps", "sampling_round_trips", "num_preemptions"):
+        stats[key] -= before[key]
     if getattr(args, "profile", False) and device.startswith("cuda"):
         stats["profile"] = profile_decode(
             engine,

@@ -37,9 +37,10 @@ from bench._common import emit, headline, parser, ratio
 
 
 def run_train(overrides: list[str], cache_dir: Path, log: Path) -> dict:
-    """One ``areno train`` process with ``cache_dir`` as its inductor cache; its start-up figures."""
+    """One ``areno train`` process with ``cache_dir`` as its inductor and Triton caches (the rollout engine's
+    own Triton kernels compile into Triton's, ``~/.triton`` otherwise); its start-up figures."""
     run_dir = Path(next(o for o in overrides if o.startswith("run_dir=")).split("=", 1)[1])
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")}
     cmd = [sys.executable, "-m", "areno.cli", "train", *overrides]
     t0 = time.perf_counter()
     with log.open("w") as out:

@@ -21,8 +21,18 @@ def test_physical_floor_by_hand():
     floor = e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9)
     assert floor["params"] == params
     assert floor["gen_floor_s"] == pytest.approx(gen_bytes / 1e6)
-    assert floor["train_floor_s"] == pytest.approx(6 * params * 2 * 5 / 1e9)
+    head = 32 * 100
+    layers = params - head - (0 if cfg.tie_word_embeddings else head)
+    # the layers over 2 prompts of 3 and 4 completion tokens; the head over the completion tokens; attention
+    # over 2 x (1 + 2 + 3) prompt keys and 2 x (4 + 5) completion keys, 12 FLOPs each over 2 layers x 4 heads x 8
+    train = 6 * layers * (6 + 4) + 6 * head * 4 + 12 * (2 * 4 * 8) * (12 + 18)
+    assert floor["train_floor_s"] == pytest.approx(train / 1e9)
     assert floor["floor_s"] == pytest.approx(floor["gen_floor_s"] + floor["train_floor_s"])
+    # walk28: a group's prompt counts once (the step shares it), as the step runs it
+    shared = e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9, group_size=2)
+    one_prompt = 6 * layers * (3 + 4) + 6 * head * 4 + 12 * (2 * 4 * 8) * (6 + 18)
+    assert shared["train_floor_s"] == pytest.approx(one_prompt / 1e9)
+    assert shared["gen_floor_s"] == floor["gen_floor_s"]
 
 
 def test_physical_floor_of_varied_lengths_by_hand():
@@ -34,7 +44,10 @@ def test_physical_floor_of_varied_lengths_by_hand():
     gen_bytes = (params * 2 + 2 * 2 * kv_per_token) + (params * 2 + 3 * kv_per_token) + (params * 2 + 4 * kv_per_token)
     floor = e2e.physical_floor(cfg, 2, 2, 3, 2, 1e6, 1e9, lengths=[1, 3])
     assert floor["gen_floor_s"] == pytest.approx(gen_bytes / 1e6)
-    assert floor["train_floor_s"] == pytest.approx(6 * params * (3 + 5) / 1e9)
+    head = 32 * 100
+    layers = params - head - (0 if cfg.tie_word_embeddings else head)
+    train = 6 * layers * (4 + 4) + 6 * head * 4 + 12 * (2 * 4 * 8) * (2 * 3 + (3) + (3 + 4 + 5))
+    assert floor["train_floor_s"] == pytest.approx(train / 1e9)
     assert e2e.physical_floor(cfg, 2, 3, 2, 2, 1e6, 1e9, lengths=[2, 2]) == e2e.physical_floor(
         cfg, 2, 3, 2, 2, 1e6, 1e9
     )
