@@ -371,8 +371,8 @@ def areno_overrides(
         "data.task=null",
         f"data.train_path={data_path}",
         "data.num_eval=0",
-        "reward.fn=bench.e2e:reward",
-        "reward.sandbox=false",  # in-process, as TRL scores it
+        "reward.fn=bench.e2e:reward",  # in the reward sandbox, a user reward's default (`--areno-set
+        # reward.sandbox=false` scores in process, as TRL does)
         "rollout.workflow=bench.e2e:FixedLengthWorkflow",
         *([f"rollout.workflow_kwargs.min_completion_len={args.min_completion_len}"] if args.min_completion_len else []),
         f"rollout.batch_size={args.prompts}",
@@ -395,6 +395,8 @@ def areno_overrides(
             f"rollout.decode_steps={args.decode_steps}",
             f"rollout.decode_attention={args.decode_attention}",
             f"rollout.fused_kernels={str(args.fused_kernels).lower()}",
+            # the one setting away from areno's defaults: a pool of the batch's need (and η batches ahead), where
+            # the automatic one sizes itself from the free memory of the machine at hand
             f"rollout.kv_blocks={kv_blocks}",
         ]
     return overrides + args.areno_set + (args.areno_async_set if eta > 0 else [])
