@@ -7,8 +7,9 @@ in-process), then ``results`` (one per reward).
 
 For each shipped reward (exact_match, math_verify, code_execution) the same ``--calls`` rewards are
 scored through the workflows' ``acall_reward`` with ``--concurrency`` calls in flight (as the rollout
-pool issues them): once with the function in-process, once through a ``RewardSandbox`` of
-``--workers`` processes. The sandbox's start-up (spawning workers, importing the reward) is timed
+pool issues them): once with the function in-process (a synchronous reward runs on the event loop,
+so in process the calls go one at a time whatever ``--concurrency`` says), once through a
+``RewardSandbox`` of ``--workers`` processes. The sandbox's start-up (spawning workers, importing the reward) is timed
 separately (``sandbox_startup_s``) and excluded from its throughput; its one warm-up call per
 worker is not counted either. ``overhead_us_per_call`` = (sandbox time - in-process time) / calls.
 The in-process code_execution still runs every candidate program in its own confined subprocess
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     head = headline(
         f"{first['reward']} calls/s through the sandbox ({args.workers} workers, {args.concurrency} in flight)",
         round(first["sandbox_calls_per_s"], 1),
-        "the same reward called in-process, same calls and concurrency",
+        "the same reward called in-process, same calls (a synchronous reward runs on the event loop: one at a time)",
         round(first["in_process_calls_per_s"], 1),
         ratio(first["sandbox_calls_per_s"], first["in_process_calls_per_s"]),
         "sandbox / in-process calls/s (>1: the sandbox is faster)",
