@@ -749,11 +749,17 @@ def _replace(handle: WorkerHandle, **changes: Any) -> WorkerHandle:
     return dataclasses.replace(handle, **changes)
 
 
-def _visible_devices() -> list[str] | None:
-    value = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if value is None:
-        return None
-    return [d for d in value.split(",") if d.strip()]
+def physical_devices(devices: Sequence[int], visible: str | None, who: str) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a child given logical ``devices``: their ids in the parent's ``visible``
+    list (None: every device, the logical ids as they are); a ValueError naming ``who`` past its end."""
+    if visible is None:
+        return ",".join(str(d) for d in devices)
+    ids = [d for d in visible.split(",") if d.strip()]
+    if max(devices, default=-1) >= len(ids):
+        raise ValueError(
+            f"{who} asks for logical device {max(devices)} but CUDA_VISIBLE_DEVICES={visible!r} has {len(ids)} devices"
+        )
+    return ",".join(ids[d] for d in devices)
 
 
 class LocalScheduler(_RpcScheduler):
@@ -773,7 +779,6 @@ class LocalScheduler(_RpcScheduler):
 
     def _prepare_env(self, workers: list[_RpcWorker], ranks: dict) -> None:
         ports = {world: free_port() for (_, _, world) in ranks.values()}
-        visible = _visible_devices()
         pythonpath = python_path_env()
         for w in workers:
             rank, world_size, world = ranks[(w.handle.role, w.handle.index)]
@@ -790,13 +795,9 @@ class LocalScheduler(_RpcScheduler):
                 "ARENO_ROLE_INDEX": str(w.handle.index),
             }
             if w.handle.devices is not None:
-                if visible is not None and max(w.handle.devices) >= len(visible):
-                    raise ValueError(
-                        f"role {w.handle.role!r} asks for logical device {max(w.handle.devices)} but "
-                        f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} has {len(visible)} devices"
-                    )
-                physical = [visible[d] if visible is not None else str(d) for d in w.handle.devices]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
+                env["CUDA_VISIBLE_DEVICES"] = physical_devices(
+                    w.handle.devices, os.environ.get("CUDA_VISIBLE_DEVICES"), f"role {w.handle.role!r}"
+                )
             w.env = env
 
     def _start(self, workers: list[_RpcWorker]) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from areno.errors import ConfigError, RunFailure
-from areno.launch.scheduler import free_port
+from areno.launch.scheduler import free_port, physical_devices
 from areno.observe.doctor import INSTALL_HINTS
 
 VLLM_CPU_KVCACHE_GIB = "1"
@@ -100,15 +100,11 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     ids of the spec's logical devices (positions in ``base``'s own list, as the local workers' are)."""
     env = dict(os.environ if base is None else base)
     if spec.devices is not None:
-        visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        if "CUDA_VISIBLE_DEVICES" in env and max(spec.devices, default=-1) >= len(visible):
-            raise ConfigError(
-                f"the {spec.backend} server on port {spec.port} asks for logical device {max(spec.devices)} but "
-                f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} has {len(visible)}: give the run more devices "
-                "or a smaller cluster.allocation_mode"
-            )
-        physical = [visible[d] if "CUDA_VISIBLE_DEVICES" in env else str(d) for d in spec.devices]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
+        who = f"the {spec.backend} server on port {spec.port}"
+        try:
+            env["CUDA_VISIBLE_DEVICES"] = physical_devices(spec.devices, env.get("CUDA_VISIBLE_DEVICES"), who)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}: give the run more devices or a smaller cluster.allocation_mode") from None
     if spec.backend == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc and the weight routes
         if spec.devices is None:
