@@ -177,6 +177,8 @@ def _normalise_message(message: Any, index: int) -> dict[str, Any]:
                 f"'arguments': '<JSON>'}}}}, got {call!r:.80}"
             )
         arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, dict):  # a history built by hand: the mapping OpenAI would send as JSON text
+            arguments = function["arguments"] = json.dumps(arguments)
         try:
             if not isinstance(arguments, str) or not isinstance(json.loads(arguments), dict):
                 raise ValueError("not a JSON object")

@@ -38,12 +38,20 @@ def _chat(client, **kw):
 def test_a_tool_call_in_the_history_reaches_a_tool_template_as_a_mapping(scripted):
     tokenizer = build_char_tokenizer()  # not the session's: its template changes here
     tokenizer.chat_template = TOOL_TEMPLATE
-    rollout = scripted(["5"])
+    rollout = scripted(["5", "5"])
     client = ArenoAsyncOpenAI(rollout, tokenizer, render_tools="template")
     _chat(client, messages=HISTORY, tools=[CALCULATOR_SCHEMA])
     prompt = tokenizer.decode(rollout.prompts[0])
     assert '<tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call>' in prompt, prompt
     assert '\\"' not in prompt
+    # a history built by hand with the arguments as a mapping renders the same
+    by_hand = [
+        HISTORY[0],
+        {**HISTORY[1], "tool_calls": [{**CALL, "function": {"name": "calc", "arguments": {"expr": "2+3"}}}]},
+        HISTORY[2],
+    ]
+    _chat(client, messages=by_hand, tools=[CALCULATOR_SCHEMA])
+    assert tokenizer.decode(rollout.prompts[1]) == prompt
 
 
 def test_requests_this_client_cannot_honour_are_refused_by_name(scripted, char_tokenizer):
