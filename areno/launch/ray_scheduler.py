@@ -45,8 +45,8 @@ from areno.launch.scheduler import (
     _target_name,
     assign_ranks,
     free_port,
+    open_worker_log,
     python_path_env,
-    restart_separator,
 )
 from areno.launch.worker import WorkerRuntime, header_line
 from areno.observe.doctor import INSTALL_HINTS
@@ -106,21 +106,6 @@ class _RayWorkerActor:
 
     def run(self, target: str | Callable, args: tuple, kwargs: dict) -> tuple:
         return self.runtime.handle(("call", target, args, kwargs))
-
-
-def open_worker_log(path: str, *, truncate: bool, header: str) -> int:
-    """A descriptor on a worker's log, which starts as a local worker's does: truncated (a run that starts
-    over) or appended to after a separator line (a resumed run, a restarted worker), then ``header``."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0), 0o644)
-    try:
-        if os.fstat(fd).st_size > 0:
-            os.write(fd, restart_separator())
-        os.write(fd, (header + "\n").encode())
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _ray_log_dir() -> str:

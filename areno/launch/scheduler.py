@@ -822,14 +822,9 @@ class LocalScheduler(_RpcScheduler):
     def _open_log(self, path: str):
         """The worker's log, truncated the first time a ``fresh_logs`` scheduler starts a process on it;
         otherwise appended to after a separator line (the worker writes its header line itself)."""
-        if self.fresh_logs and path not in self._truncated:
-            self._truncated.add(path)
-            return open(path, "wb")
-        log = open(path, "ab")
-        if log.tell() > 0:
-            log.write(restart_separator())
-            log.flush()
-        return log
+        truncate = self.fresh_logs and path not in self._truncated
+        self._truncated.add(path)
+        return os.fdopen(open_worker_log(path, truncate=truncate), "ab")
 
     def _connect(self, workers: list[_RpcWorker]) -> None:
         try:
@@ -895,11 +890,21 @@ class LocalScheduler(_RpcScheduler):
                 logger.warning("%s (pid %s) killed but not gone yet", w.handle.name, w.proc.pid)
 
 
-def restart_separator() -> bytes:
-    """The line a worker log gets before the output of a worker that starts again on it (a resumed run,
-    a restarted worker): the local and Ray schedulers append after it."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    return f"\n==================== {stamp}: this worker starts again ====================\n".encode()
+def open_worker_log(path: str, *, truncate: bool, header: str | None = None) -> int:
+    """A descriptor on a worker's log: truncated (a run that starts over) or appended to after a separator
+    line (a resumed run, a restarted worker), then ``header`` when given (a local worker writes its own)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0), 0o644)
+    try:
+        if os.fstat(fd).st_size > 0:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            os.write(fd, f"\n==================== {stamp}: this worker starts again ====================\n".encode())
+        if header is not None:
+            os.write(fd, (header + "\n").encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _tail(path: str | None, n_chars: int = 400) -> str:
