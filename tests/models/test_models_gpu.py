@@ -72,6 +72,27 @@ def test_cuda_attention_impls_match_sdpa(impl, window):
         torch.testing.assert_close(got, exp, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [5, 78, 200])
+def test_cuda_flex_runs_small_heads_and_short_batches(tokens, dtype):
+    # below 128 query tokens inductor would take its decoding kernel, which has no configuration for
+    # head dim 16: flex must run (and match sdpa) at the smallest head dim ``auto`` gives it
+    torch.manual_seed(0)
+    cu_B1 = torch.tensor([0, tokens // 2, tokens], device="cuda")
+    q, k, v = (torch.randn(tokens, h, 16, device="cuda", dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+    grad = torch.randn(tokens, 4, 16, device="cuda", dtype=dtype)
+
+    def run(name):
+        q.grad = k.grad = v.grad = None
+        out = PackedCausalAttention(cu_B1, impl=name)(0, q, k, v)
+        out.backward(grad)
+        return out.float(), q.grad.float(), k.grad.float(), v.grad.float()
+
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, exp in zip(run("flex"), run("sdpa_mask")):
+        torch.testing.assert_close(got, exp, atol=tol, rtol=tol)
+
+
 def test_cuda_packed_logprobs_backward_runs_chunked():
     torch.manual_seed(0)
     config = tiny_config(VOCAB, arch="qwen2", hidden_size=256, layers=2, heads=8, kv_heads=2)
