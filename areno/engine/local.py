@@ -24,7 +24,7 @@ from areno.engine.roles import RoleBackends, place_roles, places_roles
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.engine.training_side import TrainingSide
-from areno.models.hf_io import load_model
+from areno.models.hf_io import load_model, stop_token_ids
 from areno.recipes.runner import RecipeRunner
 from areno.rollout.client import InProcessRolloutClient, RolloutClient
 from areno.rollout.engine import RolloutEngine
@@ -232,7 +232,7 @@ class LocalRolloutSide(RolloutSide):
             model,
             model_config,
             config=engine_cfg,
-            eos_token_ids=[self.tokenizer.eos_token_id],
+            eos_token_ids=stop_token_ids(model_dir, model_config, self.tokenizer),
             tokenizer=self.tokenizer,
         )
 

@@ -39,7 +39,7 @@ from areno.engine.partitioned import (
     kv_tokens_for,
 )
 from areno.launch.scheduler import free_port
-from areno.models.hf_io import load_model
+from areno.models.hf_io import load_model, stop_token_ids
 from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 from areno.recipes import TrainingConfig
 from areno.recipes.runner import RecipeRunner
@@ -200,7 +200,6 @@ class RolloutWorker:
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
             blocks = -(-kv_tokens_for(cfg) // cfg.rollout.block_size)
         engine_config = rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks)
-        eos = [tokenizer.eos_token_id]
         tp_group = self.groups.rollout_tp_group
         self.tp_rank = dist.get_rank(tp_group) if layout.rollout_tp > 1 else 0
         # a staged commit is applied by every TP rank at its leader's step boundary (an in-place one
@@ -211,12 +210,21 @@ class RolloutWorker:
                 model_dir, group=tp_group, dtype=getattr(torch, dtype_name), device=device
             )
             self.engine = TensorParallelRolloutEngine(
-                model, model_config, config=engine_config, group=tp_group, eos_token_ids=eos, tokenizer=tokenizer
+                model,
+                model_config,
+                config=engine_config,
+                group=tp_group,
+                eos_token_ids=stop_token_ids(model_dir, model_config, tokenizer),
+                tokenizer=tokenizer,
             )
         else:
             model, model_config = load_model(model_dir, dtype=getattr(torch, dtype_name), device=device)
             self.engine = RolloutEngine(
-                model, model_config, config=engine_config, eos_token_ids=eos, tokenizer=tokenizer
+                model,
+                model_config,
+                config=engine_config,
+                eos_token_ids=stop_token_ids(model_dir, model_config, tokenizer),
+                tokenizer=tokenizer,
             )
         warm_up_rollout_engine(self.engine, cfg)  # SPMD on every TP rank: before lead/follow
         self._receive_stream(layout, device, model_config)

@@ -172,6 +172,30 @@ def read_score_head(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def stop_token_ids(model_dir: str | Path, model_config: ModelConfig, tokenizer: Any = None) -> tuple[int, ...]:
+    """Every id that ends a generation, as transformers' ``generate`` and vLLM stop on them: config.json's
+    ``eos_token_id`` (one or a list), generation_config.json's, then the tokenizer's (Qwen2.5's
+    ``<|endoftext|>`` and Llama 3's ``<|eom_id|>`` are in the files' lists only)."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+
+    add(model_config.eos_token_id)
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            gen = json.loads(gen_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelDirError(f"{gen_path} is not valid JSON ({exc}): fix or delete it") from None
+        if isinstance(gen, dict):
+            add(gen.get("eos_token_id"))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(ids)
+
+
 def load_model(
     model_dir: str | Path,
     *,

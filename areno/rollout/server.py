@@ -70,7 +70,7 @@ from areno.data.prompts import apply_template
 from areno.data.tokenizer import load_pretrained_tokenizer
 from areno.errors import ConfigError, ModelDirError, check_config, is_of_type, wrong_type
 from areno.models.checkpoint_dirs import model_dir_of, newest_checkpoint
-from areno.models.hf_io import load_model, read_config
+from areno.models.hf_io import load_model, read_config, stop_token_ids
 from areno.models.vision import ImageInputs
 from areno.observe.metrics import METRICS_FILENAME
 from areno.observe.startup import process_age_s
@@ -1396,7 +1396,7 @@ def build_engine(
         model,
         model_config,
         config=config,
-        eos_token_ids=_eos_ids(model_dir, model_config, tokenizer),
+        eos_token_ids=stop_token_ids(model_dir, model_config, tokenizer),
         tokenizer=tokenizer,
     )
     return engine, tokenizer
@@ -1418,26 +1418,6 @@ def check_engine_kwargs(engine_kw: dict[str, Any]) -> None:
             )
         if not is_of_type(value, hints[key]):
             raise wrong_type(f"build_engine({key}=...)", hints[key], value)
-
-
-def _eos_ids(model_dir: str, model_config: Any, tokenizer: Any) -> tuple[int, ...]:
-    ids: list[int] = []
-
-    def add(value: Any) -> None:
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if v is not None and v not in ids:
-                ids.append(int(v))
-
-    add(model_config.eos_token_id)
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            try:
-                add(json.load(f).get("eos_token_id"))
-            except json.JSONDecodeError as exc:
-                raise ModelDirError(f"{gen_path} is not valid JSON ({exc}): fix or delete it") from None
-    add(getattr(tokenizer, "eos_token_id", None))
-    return tuple(ids)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -26,7 +26,7 @@ import torch
 from areno.data.detokenize import adecode_texts
 from areno.data.prompts import render_prompt
 from areno.errors import ConfigError
-from areno.models.hf_io import load_model
+from areno.models.hf_io import load_model, stop_token_ids
 from areno.rollout.client import InProcessRolloutClient, RolloutClient
 from areno.rollout.config import RolloutEngineConfig
 from areno.rollout.engine import RolloutEngine
@@ -54,7 +54,11 @@ def teacher_engine_client(
     model, model_config = load_model(model_dir, dtype=dtype, device=device)
     config = RolloutEngineConfig(device=device, num_blocks=num_blocks, seed=seed)
     engine = RolloutEngine(
-        model, model_config, config=config, eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer
+        model,
+        model_config,
+        config=config,
+        eos_token_ids=stop_token_ids(model_dir, model_config, tokenizer),
+        tokenizer=tokenizer,
     )
     return InProcessRolloutClient(engine)
 
