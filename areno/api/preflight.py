@@ -131,6 +131,7 @@ def check_run(config: ArenoConfig) -> None:
     check_role_vocabularies(config, recipe, tokenizer)
     check_chat_template(tokenizer, config.data.chat_template, config.data.system_prompt)
     check_prompt_forms(config.data, splits, templated=uses_template(tokenizer, config.data.chat_template))
+    check_context_length(config)
     check_held_out_lengths(config, tokenizer, splits)
     check_partitioned_layout(config)
 
@@ -292,6 +293,16 @@ def check_placement(config: ArenoConfig, recipe: TrainingConfig) -> None:
             f"train.algorithm={recipe.name!r} trains offline on the dataset's rows in this process (any held-out "
             f"evaluation samples beside it), but {given} would partition the run: unset it to train colocated "
             "on cluster.device"
+        )
+
+
+def check_context_length(config: ArenoConfig) -> None:
+    """``rollout.max_model_len`` within the model's positions (the engine refuses it later, after loading)."""
+    limit = run_model_config(config).max_position_embeddings
+    if config.rollout.max_model_len and config.rollout.max_model_len > limit:
+        raise ConfigError(
+            f"rollout.max_model_len={config.rollout.max_model_len} exceeds the model's max_position_embeddings="
+            f"{limit} ({config.model.path}/config.json), past which it has no positions: set it to at most {limit}"
         )
 
 

@@ -766,7 +766,11 @@ class ArenoEngine:
             trajectories, batch = self.executor.rollout_packed(samples)
             self.executor.client.release_now()
             self.ledger.trained(seqs)
-            metrics = {**rollout_metrics(trajectories, self.version, batch), **self._phase_metrics()}
+            metrics = {
+                **self.executor.metrics(),  # failures, drops and refusals count in synchronous runs too
+                **rollout_metrics(trajectories, self.version, batch),
+                **self._phase_metrics(),
+            }
         else:
             rows = self.train_stream.take(cfg.rollout.batch_size)
             trajectories = self._offline_trajectories(rows)

@@ -29,6 +29,7 @@ from areno.rollout.client import (
     RolloutServerError,
     RolloutServersLost,
 )
+from areno.rollout.errors import RequestRejected
 from areno.types import Trajectory
 from areno.workflows.base import (
     RolloutWorkflow,
@@ -82,6 +83,8 @@ class EpisodeAttempts:
         self.workflow_broken = False
         """Whether that error was the workflow's own (``WorkflowReturnError``, or raised in its code), not
         the rollout side's."""
+        self.request_refused = False
+        """Whether that error was the engine refusing the sample's own request (``refused_request``)."""
         self._warned_return = False
         self._raised_in_code = False
 
@@ -96,6 +99,11 @@ class EpisodeAttempts:
     @property
     def drop_advice(self) -> str:
         """What a run stopped by dropped samples tells the user to fix, after the last error."""
+        if self.request_refused:
+            return (
+                "the rollout engine refuses these rows' requests, not a failing rollout side: fix or filter the rows "
+                "(a prompt longer than rollout.max_model_len, a token outside the vocabulary)"
+            )
         if self.workflow_broken:
             workflow = self.user_workflow
             if not self._raised_in_code or workflow is None:  # its return value (WorkflowReturnError)
@@ -163,7 +171,7 @@ class EpisodeAttempts:
                 return "retry", None
             self.counts["dropped_failed"] += 1
             self.last_drop = f"{type(exc).__name__}: {exc}"
-            self.workflow_broken = False
+            self.workflow_broken = self.request_refused = False
             logger.warning(
                 "dropping dataset %s after %d infrastructure failures (last, %s): %s",
                 describe_sample(task.sample),
@@ -187,6 +195,18 @@ class EpisodeAttempts:
         task.attempts += 1
         self.counts["failed_episodes"] += 1
         what = f"{type(exc).__name__}: {exc}"
+        if refused_request(exc):  # the same request is refused again on every attempt: no retry
+            self.counts["dropped_failed"] += 1
+            self.counts["refused_requests"] += 1
+            self.last_drop = what
+            self.workflow_broken, self.request_refused = False, True
+            logger.warning(
+                "dropping dataset %s: the rollout engine refused its request (not retried; counted in "
+                "rollout/refused_requests): %s",
+                describe_sample(task.sample),
+                what,
+            )
+            return "dropped", None
         contract = isinstance(exc, WorkflowReturnError)
         if contract:  # the same bug on every row: one warning, no traceback through areno's internals
             level = logging.DEBUG if self._warned_return else logging.WARNING
@@ -213,6 +233,7 @@ class EpisodeAttempts:
         user = self.user_workflow
         self._raised_in_code = not contract and user is not None and raised_in_workflow(user, exc)
         self.workflow_broken = contract or self._raised_in_code
+        self.request_refused = False
         logger.log(
             logging.DEBUG if contract else logging.WARNING,
             "dropping dataset %s after %d failed attempts: %s",
@@ -222,6 +243,15 @@ class EpisodeAttempts:
             exc_info=None if contract else exc,
         )
         return "dropped", None
+
+
+def refused_request(exc: BaseException) -> bool:
+    """Whether ``exc`` is the rollout side refusing a request for what it holds (``RequestRejected`` in
+    process, a 4xx other than a timeout or rate limit from a server), which a retry sends again."""
+    if isinstance(exc, RequestRejected):
+        return True
+    status = getattr(exc, "status", None) if isinstance(exc, RolloutServerError) else None
+    return status is not None and 400 <= status < 500 and status not in (408, 429)
 
 
 def _none_healthy(client: Any) -> str | None:

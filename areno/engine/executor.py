@@ -446,12 +446,16 @@ class WorkflowExecutor:
             raise RolloutPoolBroken(str(self._worker_error))
         trajectories = [traj for group, _ in results if group for traj in group]
         if samples and not trajectories:
-            dropped = self.stats.counts["dropped_failed"] - before.get("dropped_failed", 0)
-            rejected = self.stats.counts["rejected"] - before.get("rejected", 0)
+
+            def since(name: str) -> int:
+                return self.stats.counts[name] - before.get(name, 0)
+
+            dropped, refused, rejected = since("dropped_failed"), since("refused_requests"), since("rejected")
             last = f" (last: {self._attempts.last_drop})" if dropped else ""
             raise RolloutPoolBroken(
-                f"no trajectories from a rollout batch of {len(samples)} samples: {dropped} dropped after "
-                f"{self.max_retries + 1} attempts each{last}, {rejected} rejected by the workflow: "
+                f"no trajectories from a rollout batch of {len(samples)} samples: {dropped - refused} dropped after "
+                f"{self.max_retries + 1} attempts each, {refused} refused by the rollout engine{last}, {rejected} "
+                "rejected by the workflow: "
                 f"{self._attempts.drop_advice if dropped else 'rollout.workflow returned None for every sample (see its warnings above)'}"
             )
         return trajectories, [part for _, part in results if part is not None]

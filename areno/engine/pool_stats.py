@@ -8,7 +8,15 @@ import time
 from areno.engine.staleness import StalenessManager
 from areno.types import Trajectory
 
-ALWAYS_REPORTED = ("dropped_stale", "aborted_stale", "failed_episodes", "dropped_failed", "rejected", "reward_errors")
+ALWAYS_REPORTED = (
+    "dropped_stale",
+    "aborted_stale",
+    "failed_episodes",
+    "dropped_failed",
+    "refused_requests",
+    "rejected",
+    "reward_errors",
+)
 """Counters reported (as 0) before they first count anything."""
 
 

@@ -311,17 +311,22 @@ class ModelConfig:
         arch = causal_architecture(archs[0])
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unknown_arch_message(arch))
+        expected_type = SUPPORTED_ARCHITECTURES[arch]
+        if d.get("model_type") not in (None, expected_type):
+            # transformers builds the model_type's class; reading the architecture would build another model
+            raise ValueError(
+                f"config.json: architectures[0] {archs[0]!r} is a {expected_type!r} model but model_type is "
+                f"{d['model_type']!r} (transformers builds the model_type's model): make the two agree"
+            )
         vision, mrope_section = None, None
         if arch == "Qwen2_5_VLForConditionalGeneration":
             d, vision, mrope_section = _flatten_vl(d)
+        else:
+            d = _with_hf_defaults(expected_type, d)
         act = d.get("hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # transformers' swish is SiLU
             raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
-        if d.get("use_sliding_window"):
-            raise ValueError(
-                f"{arch} with use_sliding_window=true (per-layer windows) is not supported; "
-                "set use_sliding_window=false in config.json"
-            )
+        sliding_window = _sliding_window(arch, d)
         rope_theta, rope_scaling = _read_rope(d)
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
@@ -349,7 +354,7 @@ class ModelConfig:
             attention_out_bias=out_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            sliding_window=d.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None,
+            sliding_window=sliding_window,
             initializer_range=float(d.get("initializer_range", 0.02)),
             architecture=arch,
             model_type=SUPPORTED_ARCHITECTURES[arch],
@@ -456,20 +461,133 @@ def _read_moe(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096}
+_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "initializer_range": 0.02}
+HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False, "rope_theta": 1e4},
+    "qwen2": {**_COMMON, **_QWEN_WINDOW, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "max_window_layers": 28, "rope_theta": 1e4},
+    "qwen3": {**_COMMON, **_QWEN_WINDOW, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
+              "attention_bias": False, "max_window_layers": 28, "rope_theta": 1e4},
+    "mistral": {**_COMMON, "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096,
+                "rope_theta": 1e4},
+    "mixtral": {**_COMMON, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "rope_theta": 1e6},
+    "qwen3_moe": {**_COMMON, **_QWEN_WINDOW, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                  "attention_bias": False, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001, "rope_theta": 1e4},
+}  # fmt: skip
+"""What transformers' config classes give the config.json keys areno reads when a file leaves them out
+(their ``__init__`` defaults, ``rope_theta`` their ``default_theta``; checked against transformers in the
+tests): Mistral's 4,096-token window, Mixtral's 1e-5 norm epsilon and 1e6 RoPE theta, Qwen3-MoE's 8
+experts a token. Written out so that reading a config does not import transformers' model registry
+before the first rollout token."""
+
+
+def _with_hf_defaults(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with the keys transformers would default filled in (``HF_CLASS_DEFAULTS``): a hand-written
+    config.json without them computes what transformers computes; the RoPE theta only where the file
+    gives none in any of its keys."""
+    defaults = dict(HF_CLASS_DEFAULTS.get(model_type, {}))
+    theta = defaults.pop("rope_theta", None)
+    out = {**defaults, **d}
+    rope_given = d.get("rope_theta") is not None or any(
+        isinstance(d.get(k), dict) and "rope_theta" in d[k] for k in ("rope_parameters", "rope_scaling")
+    )
+    if not rope_given and theta is not None:
+        out["rope_theta"] = float(theta)
+    return out
+
+
+def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
+    """The attention window of every layer, or None; per-layer windows (some layers sliding, some not,
+    as ``layer_types`` or Qwen's ``use_sliding_window`` + ``max_window_layers`` give them) are refused."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n:
+            raise ValueError(f"config.json layer_types must be a list of num_hidden_layers={n} entries, got {types!r}")
+        unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+        if unknown:
+            raise ValueError(f"config.json layer_types {unknown} are not supported (full_attention, sliding_attention)")
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        window = d.get("sliding_window")
+        if arch == "MixtralForCausalLM" or types is None:  # transformers reads layer_types for Mistral only
+            return window
+    elif arch == "LlamaForCausalLM":
+        return None
+    else:  # the Qwen family: windows only with use_sliding_window, from layer max_window_layers on
+        window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        if types is None:
+            start = d.get("max_window_layers", 0)
+            types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(n)]
+        elif window is None and "sliding_attention" in types:
+            raise ValueError(
+                "config.json layer_types has sliding_attention layers but use_sliding_window is false or "
+                "sliding_window is null (transformers cannot build it either): make them agree"
+            )
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding) or window is None:
+        return None
+    if all(sliding) and arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return window
+    layers = [i for i, s in enumerate(sliding) if s]
+    if all(sliding):
+        raise ValueError(f"{arch} with sliding-window attention (all {n} layers) is not supported")
+    raise ValueError(
+        f"{arch} with sliding-window attention on layers {layers} only (of {n}) is not supported: areno applies "
+        "one attention to every layer"
+    )
+
+
 def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from legacy keys or transformers 5 ``rope_parameters``."""
+    """(rope_theta, rope_scaling) from legacy keys (``rope_theta``, ``rope_scaling``) or transformers 5
+    ``rope_parameters``; a file whose keys disagree, per-layer-type parameters and partial rotary
+    embeddings are refused."""
     params = d.get("rope_parameters")
     scaling = d.get("rope_scaling")
-    theta = d.get("rope_theta")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(
+            f"config.json rope_parameters per layer type ({sorted(params)}) are not supported: areno applies one "
+            "RoPE to every layer"
+        )
+    thetas = {
+        key: float(value)
+        for key, value in (
+            ("rope_theta", d.get("rope_theta")),
+            ("rope_parameters.rope_theta", (params or {}).get("rope_theta")),
+            ("rope_scaling.rope_theta", (scaling or {}).get("rope_theta")),
+        )
+        if value is not None
+    }
+    if len(set(thetas.values())) > 1:
+        raise ValueError(
+            f"config.json gives RoPE theta {thetas} (transformers versions read different ones): make them agree"
+        )
+    if params and scaling:
+        p_rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        s_rest = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        p_type = p_rest.pop("rope_type", p_rest.pop("type", "default"))
+        s_type = s_rest.pop("rope_type", s_rest.pop("type", "default"))
+        if (p_type, p_rest) != (s_type, s_rest):
+            raise ValueError(
+                f"config.json gives rope_parameters {params} and rope_scaling {scaling} (transformers versions read "
+                "different ones): keep one of them"
+            )
     if params and not scaling:
         scaling = dict(params)
-    if theta is None:
-        theta = (params or {}).get("rope_theta", (scaling or {}).get("rope_theta", 10000.0))
+    partial = (scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported: areno rotates every head dimension")
+    theta = next(iter(thetas.values()), 10000.0)
     if scaling:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "default":
             scaling = None
+        elif rope_type == "llama3" and "original_max_position_embeddings" not in scaling:
+            # transformers' fallback
+            scaling["original_max_position_embeddings"] = d.get("max_position_embeddings")
     return float(theta), scaling or None
 
 

@@ -272,7 +272,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_size: int = 1, tp_reduce: TPReduce | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        pad = config.pad_token_id
+        # transformers' padding_idx: the pad token's row takes no gradient from the lookup
+        padding_idx = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=padding_idx)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp_size, tp_reduce) for i in range(config.num_hidden_layers)
         )

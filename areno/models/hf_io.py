@@ -226,6 +226,7 @@ def load_model(
     plan = tp_plan(config)
     experts = moe.disk_to_memory(config)  # per-expert names on disk -> slices of fused tensors
     seen: set[str] = set()
+    stored_head = None
     classifier = is_sequence_classifier(model_dir)
     if classifier and "lm_head.weight" in expected:  # a scalar-head checkpoint stores no LM head
         with torch.no_grad():
@@ -237,7 +238,9 @@ def load_model(
                 if name.endswith(_IGNORED_SUFFIXES) or (classifier and name in SCORE_HEAD_KEYS):
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue  # some tied checkpoints store the duplicate; the embedding is the source
+                    # some tied checkpoints store the duplicate; the embedding is the source (checked below)
+                    stored_head = (f.get_tensor(name), path) if tp_size == 1 else None
+                    continue
                 if name in experts:
                     _load_expert_part(f, path, name, experts[name], expected)
                     seen.add(name)
@@ -266,6 +269,15 @@ def load_model(
                 with torch.no_grad():
                     target.copy_(tensor)
                 seen.add(name)
+    if stored_head is not None:
+        head, path = stored_head
+        embedding = next(t for n, t in expected.items() if n.endswith("embed_tokens.weight"))
+        if head.shape != embedding.shape or not torch.equal(head.to(embedding), embedding):
+            # transformers unties them and uses the stored head: tying would compute another model
+            raise ModelDirError(
+                f"{model_dir}/config.json says tie_word_embeddings=true but {path} stores an lm_head.weight that "
+                "differs from the embedding: set tie_word_embeddings to false in config.json"
+            )
     # a fused expert tensor is complete when stored whole or as all of its per-expert parts
     parts: dict[str, list[str]] = {}
     for disk, (mem, _, _) in experts.items():

@@ -178,6 +178,12 @@ class RolloutEngine:
         )
         self._fused = prepare_model(model, config, self.device)
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
+        if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{model_config.max_position_embeddings} (config.json), past which it has no positions: set "
+                f"rollout.max_model_len (areno serve: --max-model-len) to at most {model_config.max_position_embeddings}"
+            )
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.max_position = model_config.max_position_embeddings
         self.decode_steps = config.decode_steps or 8

@@ -280,6 +280,11 @@ def test_rows_and_rewards_that_cannot_meet_are_refused_before_the_model(tmp_path
             [f"data.eval_path={tmp_path / 'long.jsonl'}", "rollout.max_model_len=64"],
             "long.jsonl row 1: the prompt has 100 tokens but the context is 64",
         ),
+        (
+            ['{"prompt": "1+1=", "answer": "2"}'],
+            ["rollout.max_model_len=100000"],
+            "rollout.max_model_len=100000 exceeds the model's max_position_embeddings=",
+        ),
     ]
     (tmp_path / "empty.jsonl").write_text("\n")
     short, long = {"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 100, "answer": "2"}

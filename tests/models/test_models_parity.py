@@ -248,8 +248,11 @@ def test_config_validation_errors():
         tiny_config(VOCAB, rope_scaling={"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf(tiny_config(VOCAB).to_hf() | {"hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        ModelConfig.from_hf(tiny_config(VOCAB).to_hf() | {"use_sliding_window": True})
+    with pytest.raises(ValueError, match=r"sliding-window attention on layers \[1\] only \(of 2\)"):
+        ModelConfig.from_hf(
+            tiny_config(VOCAB, layers=2).to_hf()
+            | {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
+        )
 
 
 def test_init_model_dir_fixture_loads(tiny_model_dir, char_tokenizer):
