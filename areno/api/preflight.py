@@ -317,7 +317,15 @@ def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[li
     for i, row in enumerate(splits[1]):
         if row.get(IMAGES_KEY):  # its image tokens are counted when the images are processed
             continue
-        n = len(render_prompt(tokenizer, row[data.prompt_key], **templating))
+        try:
+            n = len(render_prompt(tokenizer, row[data.prompt_key], **templating))
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, or whatever the template raises
+            raise DataError(
+                f"{data.eval_path} row {i}: the chat template fails on its prompt ({type(exc).__name__}: {exc}): "
+                "fix the row or the template"
+            ) from None
         if n >= context:
             raise DataError(
                 f"{data.eval_path} row {i}: the prompt has {n} tokens but the context is {context} "

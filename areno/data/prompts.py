@@ -51,6 +51,17 @@ def check_chat_template(tokenizer: Any, chat_template: str, system_prompt: str |
             f"{chat_template}, the tokenizer {'has' if tokenizer.chat_template else 'has no'} template): "
             "unset data.system_prompt or use data.chat_template=always with a templated tokenizer"
         )
+    if uses_template(tokenizer, chat_template):  # a template that raises would fail every rollout later
+        try:
+            render_prompt(tokenizer, "1+1=", chat_template=chat_template, system_prompt=system_prompt)
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, or whatever the template raises
+            what = "with data.system_prompt's system message" if system_prompt is not None else "on a user message"
+            fix = (
+                "unset data.system_prompt and put the instruction in the prompts"
+                if system_prompt is not None
+                else "fix the template or use data.chat_template=never"
+            )
+            raise ConfigError(f"the model's chat template fails {what} ({type(exc).__name__}: {exc}): {fix}") from None
 
 
 def render_prompt(

@@ -244,6 +244,33 @@ def test_chat_template_checks_at_start_up(tmp_path):
         _config(tmp_path, model, "data.chat_template=never", "data.system_prompt=hi")
 
 
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_a_template_that_refuses_the_system_prompt_is_named_at_start_up(tmp_path):
+    """walk30: Mistral-Instruct's template raises on a system message; every rollout failed, blamed on the
+    rollout side."""
+    model = tmp_path / "model"
+    _save_tokenizer(model, MISTRAL_TEMPLATE)
+    always = "data.chat_template=always"
+    with pytest.raises(ConfigError, match=r"chat template fails with data.system_prompt's system message \(Template"):
+        check_run(_config(tmp_path, model, always, "data.system_prompt=Be brief."))
+    # a held-out row the template refuses (its system message) is named, not a bare TemplateError
+    held_out = tmp_path / "held_out.jsonl"
+    rows = [
+        TRAIN_ROWS[0],
+        {"prompt": [{"role": "system", "content": "Be brief."}, *TRAIN_ROWS[0]["prompt"]], "answer": "5"},
+    ]
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"held_out.jsonl row 1: the chat template fails on its prompt \(TemplateError"):
+        check_run(_config(tmp_path, model, always, f"data.eval_path={held_out}"))
+
+
 def test_message_list_rows_are_validated(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in TRAIN_ROWS))
