@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areno.data.messages import message_list_problem
+from areno.data.messages import completion_text, message_list_problem
 from areno.data.tokenizer import is_char_tokenizer_object
 from areno.errors import ConfigError, DataError
 
@@ -85,6 +85,43 @@ def render_prompt(
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     return apply_template(tokenizer, messages)
+
+
+def render_completion(
+    tokenizer: Any,
+    prompt: str | list[dict],
+    completion: Any,
+    prompt_ids: list[int],
+    *,
+    chat_template: str = "auto",
+    system_prompt: str | None = None,
+) -> list[int]:
+    """Token ids of a dataset's reference completion after ``prompt_ids`` (``render_prompt``'s): with the
+    chat template, what the template writes for the assistant turn (its end-of-turn token, Qwen3's empty
+    think block), as TRL's SFT takes it, without the whitespace it puts after the end of the turn;
+    untemplated, or where the template's render does not extend the prompt's, the text and the EOS."""
+    text = completion_text(completion)
+    plain = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
+    if not uses_template(tokenizer, chat_template):
+        return plain
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = list(prompt)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    turns = list(completion) if isinstance(completion, list) else [{"role": "assistant", "content": text}]
+    full = tokenizer.apply_chat_template([*messages, *turns], tokenize=True)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    if full[: len(prompt_ids)] != list(prompt_ids) or len(full) == len(prompt_ids):
+        return plain
+    ids = full[len(prompt_ids) :]
+    while len(ids) > 1 and not tokenizer.decode(ids[-1:]).strip():  # Qwen's "\n" after <|im_end|>
+        ids.pop()
+    special = set(getattr(tokenizer, "all_special_ids", ())) | {tokenizer.eos_token_id}
+    if ids[-1] not in special:  # a template that ends the turn with no token: the model must still stop
+        ids.append(tokenizer.eos_token_id)
+    return ids
 
 
 def apply_template(tokenizer: Any, messages: list[dict]) -> list[int]:

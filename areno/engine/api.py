@@ -35,8 +35,7 @@ import numpy as np
 import torch
 
 from areno.data.datasets import PAIR_KEYS, build_splits
-from areno.data.messages import completion_text
-from areno.data.prompts import render_prompt
+from areno.data.prompts import render_completion, render_prompt
 from areno.data.tasks import PromptStream
 from areno.data.tokenizer import TOKENIZER_FILES, build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config, check_unset
@@ -382,12 +381,14 @@ def sft_trajectories(
     system_prompt: str | None = None,
 ) -> list[Trajectory]:
     """Offline data for supervised recipes: the prompt rendered as rollouts render it
-    (:func:`render_prompt`), then the reference answer's text (``completion_text``: a string, or TRL's
-    assistant messages) and EOS as completion."""
+    (:func:`render_prompt`), then the reference answer (a string, or TRL's assistant messages) as the chat
+    template writes the assistant's turn, or its text and EOS untemplated (:func:`render_completion`)."""
     out = []
     for row in rows:
-        prompt_ids = render_prompt(tokenizer, row[prompt_key], chat_template=chat_template, system_prompt=system_prompt)
-        out.append(_offline_trajectory(tokenizer, prompt_ids, row[answer_key], prompt=row[prompt_key]))
+        templating = {"chat_template": chat_template, "system_prompt": system_prompt}
+        prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
+        completion_ids = render_completion(tokenizer, row[prompt_key], row[answer_key], prompt_ids, **templating)
+        out.append(_offline_trajectory(prompt_ids, completion_ids, prompt=row[prompt_key]))
     return out
 
 
@@ -401,28 +402,28 @@ def preference_trajectories(
 ) -> list[Trajectory]:
     """Offline data for preference recipes (``trains_on_pairs``): each row {prompt, chosen, rejected}
     (``PAIR_KEYS``) two trajectories of one group, the chosen first with reward 1, the rejected with 0
-    (what ``preference_pairs`` reads), each the prompt rendered as :func:`sft_trajectories` renders it,
-    then the completion's text and EOS. Their ``logprobs`` record nothing (zeros): a reference's come
+    (what ``preference_pairs`` reads), each the prompt and the completion rendered as
+    :func:`sft_trajectories` renders them. Their ``logprobs`` record nothing (zeros): a reference's come
     from a reference role (``check_pair_recipe``)."""
     out = []
     for i, row in enumerate(rows):  # group ids by place in the batch: a row drawn twice makes two pairs
-        prompt_ids = render_prompt(tokenizer, row[prompt_key], chat_template=chat_template, system_prompt=system_prompt)
+        templating = {"chat_template": chat_template, "system_prompt": system_prompt}
+        prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
         for key, reward in zip(PAIR_KEYS, (1.0, 0.0)):
+            completion_ids = render_completion(tokenizer, row[prompt_key], row[key], prompt_ids, **templating)
             out.append(
                 _offline_trajectory(
-                    tokenizer, prompt_ids, row[key], prompt=row[prompt_key], reward=reward, group_id=f"pair{i}"
+                    prompt_ids, completion_ids, prompt=row[prompt_key], reward=reward, group_id=f"pair{i}"
                 )
             )
     return out
 
 
 def _offline_trajectory(
-    tokenizer, prompt_ids: list[int], completion: Any, *, prompt: Any, reward: float = 0.0, group_id: str = ""
+    prompt_ids: list[int], completion_ids: list[int], *, prompt: Any, reward: float = 0.0, group_id: str = ""
 ) -> Trajectory:
-    """A dataset's completion (``completion_text``) and EOS after ``prompt_ids``, as a trajectory no policy
+    """A dataset's completion (``render_completion``'s ids) after ``prompt_ids``, as a trajectory no policy
     sampled: version 0, log-probs 0."""
-    # no special tokens of its own: a BOS-adding tokenizer (Llama, Mistral) would put one mid-sequence
-    completion_ids = tokenizer.encode(completion_text(completion), add_special_tokens=False) + [tokenizer.eos_token_id]
     n = len(completion_ids)
     return Trajectory(
         prompt_ids=list(prompt_ids),

@@ -16,7 +16,7 @@ from areno.api.trainer import Trainer
 from areno.data.datasets import load_rows
 from areno.data.prompts import render_prompt
 from areno.data.tokenizer import build_char_tokenizer, load_pretrained_tokenizer
-from areno.engine.api import sft_trajectories
+from areno.engine.api import preference_trajectories, sft_trajectories
 from areno.errors import ConfigError, DataError
 from areno.models.hf_io import init_model_dir, tiny_config
 from areno.rollout.server import build_engine, create_app
@@ -295,3 +295,41 @@ def test_offline_completions_carry_no_bos_of_their_own():
     (sft,) = sft_trajectories([{"q": "2+3=", "a": "5"}], tok, "q", "a", chat_template="never")
     assert sft.completion_ids == tok.encode("5", add_special_tokens=False) + [tok.eos_token_id]
     assert bos not in sft.completion_ids
+
+
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "extra", "eos", "trained"),
+    [
+        # Llama 3 as first released: the tokenizer's EOS is <|end_of_text|>, the turn ends with <|eot_id|>
+        (LLAMA_TEMPLATE, (*LLAMA_TOKENS, "<|end_of_text|>"), "<|end_of_text|>", "19<|eot_id|>"),
+        # a Qwen2.5 base model shipping ChatML: EOS <|endoftext|>, the turn ends with <|im_end|> (then "\n")
+        (QWEN_TEMPLATE, ("<|endoftext|>",), "<|endoftext|>", "19<|im_end|>"),
+        # Qwen3: the template's empty think block before the answer
+        (QWEN3_TEMPLATE, (), "<|im_end|>", "<think>\n\n</think>\n\n19<|im_end|>"),
+    ],
+    ids=["llama3_eos_end_of_text", "qwen25_base", "qwen3"],
+)
+def test_offline_completions_are_the_templates_assistant_turn(template, extra, eos, trained):
+    """walk30: SFT/DPO completions were the text and the tokenizer's EOS, where the template writes another
+    end of turn (or a think block): the model learnt to end turns with a token no deployment uses."""
+    tok = build_char_tokenizer(extra_tokens=extra)
+    tok.chat_template, tok.eos_token = template, eos
+    messages = [{"role": "user", "content": "12+7?"}]
+    (sft,) = sft_trajectories([{"q": messages, "a": "19"}], tok, "q", "a", chat_template="always")
+    assert tok.decode(sft.completion_ids) == trained
+    full = tok.apply_chat_template([*messages, {"role": "assistant", "content": "19"}], tokenize=True)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    assert full[: len(sft.prompt_ids) + len(sft.completion_ids)] == sft.prompt_ids + sft.completion_ids
+    chosen, rejected = preference_trajectories(
+        [{"q": messages, "chosen": "19", "rejected": "20"}], tok, "q", chat_template="always"
+    )
+    assert chosen.completion_ids == sft.completion_ids and tok.decode(rejected.completion_ids) == trained.replace(
+        "19", "20"
+    )
