@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from areno.data.messages import message_list_problem
 from areno.data.prompts import apply_template, render_prompt, uses_template
 from areno.errors import DataError
 from areno.models.hf_io import read_config
@@ -63,13 +64,24 @@ def image_prompt(
     system_prompt: str | None = None,
 ) -> tuple[list[int], ImageInputs]:
     """(prompt token ids with the image tokens expanded, the images' pixel patches). With a chat
-    template a string prompt becomes one user message of image parts then the text (the
-    Qwen2.5-VL template writes the vision tokens); without one the vision tokens lead the prompt."""
+    template the images are parts of the first user message, before its text (a string prompt is
+    that one message; the Qwen2.5-VL template writes the vision tokens in the turn); without one the
+    vision tokens lead the prompt."""
     inputs = ImageInputs.from_images(images, vision)
-    if uses_template(tokenizer, chat_template) and isinstance(prompt, str):
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-        messages = [{"role": "user", "content": content}]
-        if system_prompt is not None:
+    if uses_template(tokenizer, chat_template):
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            problem = message_list_problem(prompt)
+            if problem is not None:
+                raise DataError(f"prompt {prompt!r:.80}: {problem}")
+            messages = [dict(m) for m in prompt]
+        user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if user is None:
+            raise DataError(f"prompt {prompt!r:.80}: a row with images needs a user message to hold them")
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": messages[user]["content"]}]
+        messages[user] = {**messages[user], "content": parts}
+        if system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
         ids = apply_template(tokenizer, messages)
     else:

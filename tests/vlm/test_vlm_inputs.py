@@ -4,6 +4,7 @@ OpenAI-compatible client's ``image_url`` parts, and pixels by reference through 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import httpx
@@ -55,6 +56,39 @@ def test_pil_and_base64_rows_give_the_same_prompt_and_pixels(vl):
     b = image_prompt(tok, "count:", row_images({"images": [encode_png(pil)]}, vc), vc)
     assert a[0] == b[0] and a[0].count(vc.image_token_id) == 4
     assert torch.equal(a[1].pixel_values, b[1].pixel_values)
+
+
+QWEN2VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_message_list_prompts_put_the_images_in_the_user_turn_as_string_prompts_do(vl):
+    """walk30: a message-list prompt had its vision tokens before the whole template, outside any turn."""
+    model, _, tok = vl
+    tok = copy.deepcopy(tok)
+    tok.chat_template = QWEN2VL_TEMPLATE
+    vc, images = model.vision_config, row_images({"images": [squares(1)]}, model.vision_config)
+    templating = {"chat_template": "always", "system_prompt": "sq"}
+    as_string, _ = image_prompt(tok, "count:", images, vc, **templating)
+    as_list, _ = image_prompt(tok, [{"role": "user", "content": "count:"}], images, vc, **templating)
+    with_system, _ = image_prompt(
+        tok,
+        [{"role": "system", "content": "sq"}, {"role": "user", "content": "count:"}],
+        images,
+        vc,
+        chat_template="always",
+    )
+    assert as_list == as_string == with_system
+    text = tok.decode(as_list).replace("<|image_pad|>", "")
+    # (the character vocabulary lacks some letters): the vision tokens inside the user turn, after its header
+    turns = text.split("<|im_start|>")
+    assert (
+        turns[0] == "" and turns[2].startswith("user") and turns[2].count("<|vision_start|><|vision_end|>count:") == 1
+    )
 
 
 def test_rlvr_rows_with_images_keep_pixels_by_reference(vl):
