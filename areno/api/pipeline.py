@@ -95,7 +95,17 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
 
 WARM_START_SETTINGS = {
     "model": ("path", "init_tiny", "dtype", "compute_dtype", "freeze_vision"),
-    "data": ("task", "task_kwargs", "train_path", "prompt_key", "answer_key", "seed", "chat_template", "system_prompt"),
+    "data": (
+        "task",
+        "task_kwargs",
+        "train_path",
+        "prompt_key",
+        "answer_key",
+        "seed",
+        "chat_template",
+        "system_prompt",
+        "chat_template_kwargs",
+    ),
     "optim": ("lr", "weight_decay", "grad_clip", "betas", "eps"),
     "train": ("steps", "seed", "long_sequences"),
     "rollout": ("batch_size",),

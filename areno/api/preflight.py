@@ -129,7 +129,9 @@ def check_run(config: ArenoConfig) -> None:
             check_model_files(Path(role.model_path), key=f"role {role.name!r} model_path")
     tokenizer = check_model(config)
     check_role_vocabularies(config, recipe, tokenizer)
-    check_chat_template(tokenizer, config.data.chat_template, config.data.system_prompt)
+    check_chat_template(
+        tokenizer, config.data.chat_template, config.data.system_prompt, config.data.chat_template_kwargs
+    )
     check_prompt_forms(config.data, splits, templated=uses_template(tokenizer, config.data.chat_template))
     check_context_length(config)
     check_held_out_lengths(config, tokenizer, splits)
@@ -313,7 +315,7 @@ def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[li
         return
     context = config.rollout.max_model_len or run_model_config(config).max_position_embeddings
     data = config.data
-    templating = {"chat_template": data.chat_template, "system_prompt": data.system_prompt}
+    templating = data.templating()
     for i, row in enumerate(splits[1]):
         if row.get(IMAGES_KEY):  # its image tokens are counted when the images are processed
             continue

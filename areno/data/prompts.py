@@ -14,11 +14,12 @@ A prompt is a string or a list of ``{"role", "content"}`` messages (TRL's conver
 
 With the template, a string prompt is one user message, ``system_prompt`` (when set, and the
 messages do not open with a system message) is prepended as a system message, and the ids are
-``apply_chat_template(messages, add_generation_prompt=True)``'s.
+``apply_chat_template(messages, add_generation_prompt=True, **chat_template_kwargs)``'s.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from areno.data.messages import completion_text, message_list_problem
@@ -26,6 +27,8 @@ from areno.data.tokenizer import is_char_tokenizer_object
 from areno.errors import ConfigError, DataError
 
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()
 
 
 def uses_template(tokenizer: Any, chat_template: str) -> bool:
@@ -38,8 +41,11 @@ def uses_template(tokenizer: Any, chat_template: str) -> bool:
     return template is not None and not is_char_tokenizer_object(tokenizer)
 
 
-def check_chat_template(tokenizer: Any, chat_template: str, system_prompt: str | None) -> None:
-    """The start-up check: ``always`` (or a ``system_prompt``) needs a tokenizer with a template."""
+def check_chat_template(
+    tokenizer: Any, chat_template: str, system_prompt: str | None, chat_template_kwargs: dict | None = None
+) -> None:
+    """The start-up check: ``always`` (or a ``system_prompt``, or ``chat_template_kwargs``) needs a tokenizer
+    with a template, which renders a probe prompt with them."""
     if chat_template == "always" and getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(
             "data.chat_template=always but the model's tokenizer has no chat template: "
@@ -51,9 +57,20 @@ def check_chat_template(tokenizer: Any, chat_template: str, system_prompt: str |
             f"{chat_template}, the tokenizer {'has' if tokenizer.chat_template else 'has no'} template): "
             "unset data.system_prompt or use data.chat_template=always with a templated tokenizer"
         )
+    if chat_template_kwargs and not uses_template(tokenizer, chat_template):
+        raise ConfigError(
+            f"data.chat_template_kwargs is set but prompts are not wrapped in a chat template (data.chat_template="
+            f"{chat_template}): unset it or use data.chat_template=always with a templated tokenizer"
+        )
     if uses_template(tokenizer, chat_template):  # a template that raises would fail every rollout later
         try:
-            render_prompt(tokenizer, "1+1=", chat_template=chat_template, system_prompt=system_prompt)
+            render_prompt(
+                tokenizer,
+                "1+1=",
+                chat_template=chat_template,
+                system_prompt=system_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
         except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, or whatever the template raises
             what = "with data.system_prompt's system message" if system_prompt is not None else "on a user message"
             fix = (
@@ -65,7 +82,12 @@ def check_chat_template(tokenizer: Any, chat_template: str, system_prompt: str |
 
 
 def render_prompt(
-    tokenizer: Any, prompt: str | list[dict], *, chat_template: str = "auto", system_prompt: str | None = None
+    tokenizer: Any,
+    prompt: str | list[dict],
+    *,
+    chat_template: str = "auto",
+    system_prompt: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[int]:
     """Token ids of a dataset prompt (a string or a message list); see the module docstring."""
     if not uses_template(tokenizer, chat_template):
@@ -84,7 +106,7 @@ def render_prompt(
         messages = list(prompt)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    return apply_template(tokenizer, messages)
+    return apply_template(tokenizer, messages, **(chat_template_kwargs or {}))
 
 
 def render_completion(
@@ -95,6 +117,7 @@ def render_completion(
     *,
     chat_template: str = "auto",
     system_prompt: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[int]:
     """Token ids of a dataset's reference completion after ``prompt_ids`` (``render_prompt``'s): with the
     chat template, what the template writes for the assistant turn (its end-of-turn token, Qwen3's empty
@@ -111,9 +134,15 @@ def render_completion(
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     turns = list(completion) if isinstance(completion, list) else [{"role": "assistant", "content": text}]
-    full = tokenizer.apply_chat_template([*messages, *turns], tokenize=True)
+    full = tokenizer.apply_chat_template([*messages, *turns], tokenize=True, **(chat_template_kwargs or {}))
     full = list(full["input_ids"] if hasattr(full, "keys") else full)
     if full[: len(prompt_ids)] != list(prompt_ids) or len(full) == len(prompt_ids):
+        if not _WARNED:
+            _WARNED.add("render_completion")
+            logger.warning(
+                "the chat template's render of a reference answer does not extend the prompt's: offline "
+                "completions are the answer's text and the tokenizer's EOS (warned once)"
+            )
         return plain
     ids = full[len(prompt_ids) :]
     while len(ids) > 1 and not tokenizer.decode(ids[-1:]).strip():  # Qwen's "\n" after <|im_end|>
@@ -124,10 +153,11 @@ def render_completion(
     return ids
 
 
-def apply_template(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """``apply_chat_template(messages, add_generation_prompt=True)`` as a list of ids (transformers 5
-    returns a ``BatchEncoding``, 4 a list)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def apply_template(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
+    """``apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)`` as a list of ids
+    (transformers 5 returns a ``BatchEncoding``, 4 a list); ``template_kwargs`` are the template's own
+    variables (Qwen3's ``enable_thinking``)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -379,13 +379,18 @@ def sft_trajectories(
     *,
     chat_template: str = "auto",
     system_prompt: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[Trajectory]:
     """Offline data for supervised recipes: the prompt rendered as rollouts render it
     (:func:`render_prompt`), then the reference answer (a string, or TRL's assistant messages) as the chat
     template writes the assistant's turn, or its text and EOS untemplated (:func:`render_completion`)."""
     out = []
     for row in rows:
-        templating = {"chat_template": chat_template, "system_prompt": system_prompt}
+        templating = {
+            "chat_template": chat_template,
+            "system_prompt": system_prompt,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
         prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
         completion_ids = render_completion(tokenizer, row[prompt_key], row[answer_key], prompt_ids, **templating)
         out.append(_offline_trajectory(prompt_ids, completion_ids, prompt=row[prompt_key]))
@@ -399,6 +404,7 @@ def preference_trajectories(
     *,
     chat_template: str = "auto",
     system_prompt: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[Trajectory]:
     """Offline data for preference recipes (``trains_on_pairs``): each row {prompt, chosen, rejected}
     (``PAIR_KEYS``) two trajectories of one group, the chosen first with reward 1, the rejected with 0
@@ -407,7 +413,11 @@ def preference_trajectories(
     from a reference role (``check_pair_recipe``)."""
     out = []
     for i, row in enumerate(rows):  # group ids by place in the batch: a row drawn twice makes two pairs
-        templating = {"chat_template": chat_template, "system_prompt": system_prompt}
+        templating = {
+            "chat_template": chat_template,
+            "system_prompt": system_prompt,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
         prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
         for key, reward in zip(PAIR_KEYS, (1.0, 0.0)):
             completion_ids = render_completion(tokenizer, row[prompt_key], row[key], prompt_ids, **templating)
@@ -717,12 +727,7 @@ class ArenoEngine:
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
             **teacher_kwargs(cfg.rollout.workflow, self.recipe, cfg.rollout.workflow_kwargs),
             **vision_kwargs(cfg.rollout.workflow, self.model_dir, cfg.rollout.workflow_kwargs),
-            **prompt_kwargs(
-                cfg.rollout.workflow,
-                cfg.rollout.workflow_kwargs,
-                chat_template=cfg.data.chat_template,
-                system_prompt=cfg.data.system_prompt,
-            ),
+            **prompt_kwargs(cfg.rollout.workflow, cfg.rollout.workflow_kwargs, **cfg.data.templating()),
             **cfg.rollout.workflow_kwargs,
         )
         staleness = ResumableStaleness(
@@ -796,7 +801,7 @@ class ArenoEngine:
         """An offline recipe's trajectories of dataset ``rows``: two per preference row (``pairs``), else
         one per row, its answer the completion."""
         data = self.config.data
-        templating = {"chat_template": data.chat_template, "system_prompt": data.system_prompt}
+        templating = data.templating()
         if self.pairs:
             return preference_trajectories(rows, self.tokenizer, data.prompt_key, **templating)
         return sft_trajectories(rows, self.tokenizer, data.prompt_key, data.answer_key, **templating)

@@ -157,6 +157,18 @@ class DataSection(ConfigSection):
     (a tokenizer without one is an error at start-up); never = tokenizer.encode(prompt)."""
     system_prompt: str | None = None
     """System message put before every prompt that does not open with one (needs a chat template)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables of the chat template wherever it renders a prompt (rollouts, evaluation, SFT and
+    preference data), e.g. ``{enable_thinking: false}`` for Qwen3's non-thinking prompts (needs a chat
+    template)."""
+
+    def templating(self) -> dict[str, Any]:
+        """The keyword arguments of ``render_prompt`` (and its kin) these settings give."""
+        return {
+            "chat_template": self.chat_template,
+            "system_prompt": self.system_prompt,
+            "chat_template_kwargs": dict(self.chat_template_kwargs),
+        }
 
     def __post_init__(self) -> None:
         check_types(self, "data", DataSection)
@@ -168,6 +180,11 @@ class DataSection(ConfigSection):
         check_config(
             self.system_prompt is None or self.chat_template != "never",
             "data.system_prompt",
+            "needs a chat template: unset it or set data.chat_template to auto or always",
+        )
+        check_config(
+            not self.chat_template_kwargs or self.chat_template != "never",
+            "data.chat_template_kwargs",
             "needs a chat template: unset it or set data.chat_template to auto or always",
         )
         check_config(

@@ -39,7 +39,7 @@ async def ascore_row(
     the completion's text and its finish reason. ``vision``: the model's ``VisionConfig`` (rows with
     images)."""
     prompt_key, answer_key = cfg.data.prompt_key, cfg.data.answer_key
-    templating = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
+    templating = cfg.data.templating()
     images = row_images(row, vision)
     try:
         if images:

@@ -240,6 +240,8 @@ class ChatRequest(_Sampling):
     function_call: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """The chat template's own variables (vLLM's field), e.g. ``{"enable_thinking": false}`` for Qwen3."""
 
     NO_OP = {
         **_Sampling.NO_OP,
@@ -895,7 +897,14 @@ class _OpenAIRoutes:
         self._check_chars(sum(len(m.content or "") for m in req.messages), "messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         # the renderer of training prompts (areno.data.prompts), so a served prompt is tokenized as in training
-        prompt_ids = await asyncio.to_thread(apply_template, tokenizer, messages)
+        try:
+            prompt_ids = await asyncio.to_thread(
+                apply_template, tokenizer, messages, **(req.chat_template_kwargs or {})
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, or whatever the template raises
+            raise _BadRequest(
+                "messages", f"the chat template fails on these messages ({type(exc).__name__}: {exc})"
+            ) from None
         jobs = [(prompt_ids, req.sampling_params(self.default_max_tokens, i), None) for i in range(req.n)]
         if req.stream:
             return self._stream(request, req, jobs, "messages", "chatcmpl", [""] * len(jobs), len(prompt_ids))

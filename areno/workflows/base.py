@@ -47,10 +47,11 @@ ENGINE_ARGUMENTS: dict[str, str] = {
 }
 """The keyword arguments the engine passes every workflow it builds (``ArenoEngine._build_executor``),
 with the config they come from; ``rollout.workflow_kwargs`` come on top."""
-DECLARED_ARGUMENTS = ("store", "teacher_path", "vision", "chat_template", "system_prompt")
+DECLARED_ARGUMENTS = ("store", "teacher_path", "vision", "chat_template", "system_prompt", "chat_template_kwargs")
 """Arguments the engine passes only to a workflow that declares the parameter by name (and whose
 ``rollout.workflow_kwargs`` leave it unset): the observation store, the recipe's teacher checkpoint,
-a vision-language model's ``VisionConfig``, ``data.chat_template`` and ``data.system_prompt``."""
+a vision-language model's ``VisionConfig``, ``data.chat_template``, ``data.system_prompt`` and
+``data.chat_template_kwargs``."""
 
 
 class WorkflowReturnError(TypeError):

@@ -111,12 +111,21 @@ def takes_store(workflow: Any) -> bool:
 
 
 def prompt_kwargs(
-    workflow: Any, workflow_kwargs: dict[str, Any], *, chat_template: str, system_prompt: str | None
+    workflow: Any,
+    workflow_kwargs: dict[str, Any],
+    *,
+    chat_template: str,
+    system_prompt: str | None,
+    chat_template_kwargs: dict | None = None,
 ) -> dict[str, Any]:
-    """``data.chat_template`` / ``data.system_prompt`` for a workflow (class, factory or dotted path)
-    that declares those parameters and whose ``workflow_kwargs`` do not set them; a custom workflow
-    that renders its own prompts gets neither."""
-    given = {"chat_template": chat_template, "system_prompt": system_prompt}
+    """``data.chat_template`` / ``data.system_prompt`` / ``data.chat_template_kwargs`` for a workflow (class,
+    factory or dotted path) that declares those parameters and whose ``workflow_kwargs`` do not set them; a
+    custom workflow that renders its own prompts gets none."""
+    given = {
+        "chat_template": chat_template,
+        "system_prompt": system_prompt,
+        "chat_template_kwargs": chat_template_kwargs or {},
+    }
     return {k: v for k, v in given.items() if k not in workflow_kwargs and takes_param(workflow, k)}
 
 

@@ -62,6 +62,7 @@ def image_prompt(
     *,
     chat_template: str = "auto",
     system_prompt: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[list[int], ImageInputs]:
     """(prompt token ids with the image tokens expanded, the images' pixel patches). With a chat
     template the images are parts of the first user message, before its text (a string prompt is
@@ -83,9 +84,15 @@ def image_prompt(
         messages[user] = {**messages[user], "content": parts}
         if system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        ids = apply_template(tokenizer, messages)
+        ids = apply_template(tokenizer, messages, **(chat_template_kwargs or {}))
     else:
-        text = render_prompt(tokenizer, prompt, chat_template=chat_template, system_prompt=system_prompt)
+        text = render_prompt(
+            tokenizer,
+            prompt,
+            chat_template=chat_template,
+            system_prompt=system_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         vision_ids = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
         ids = vision_ids * len(images) + text
     return expand_image_tokens(ids, inputs.grid_thw, vision), inputs

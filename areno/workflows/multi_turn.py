@@ -50,6 +50,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         answer_key: str = "answer",
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -68,13 +69,18 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.answer_key = answer_key
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory]:
         prompt = require_field(sample, self.prompt_key)
         answer = sample.get(self.answer_key)
         fields = sample_fields(sample, self.prompt_key, self.answer_key)
         prompt_ids = render_prompt(
-            self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
+            self.tokenizer,
+            prompt,
+            chat_template=self.chat_template,
+            system_prompt=self.system_prompt,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
         group_id = uuid.uuid4().hex
         return list(

@@ -326,8 +326,15 @@ class ArenoAsyncOpenAI:
         return found
 
     # ---- prompt building
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool) -> str:
-        kwargs: dict[str, Any] = {}
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        generation: bool,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
         if tools and self.render_tools == "template":
             kwargs["tools"] = tools
         elif tools:  # Qwen/Hermes style: the tool list joins (or becomes) the system message
@@ -365,21 +372,25 @@ class ArenoAsyncOpenAI:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], Interaction | None]:
         parent = self.cache.find_chat_parent(messages)
-        text = self._render(messages, tools, generation=True)
+        text = self._render(messages, tools, generation=True, template_kwargs=template_kwargs)
         if parent is not None:
             k = len(parent.messages) + 1
             # the parent's prompt and its own tokens as text: what follows is new, including what the template
             # puts after a generated end-of-turn token (Qwen's "\n" after <|im_end|>), which a cut after the
             # re-rendered assistant turn dropped
-            own = self._render(messages[: k - 1], tools, generation=True) + self.tokenizer.decode(
-                parent.output_ids, skip_special_tokens=False
-            )
+            own = self._render(
+                messages[: k - 1], tools, generation=True, template_kwargs=template_kwargs
+            ) + self.tokenizer.decode(parent.output_ids, skip_special_tokens=False)
             if text.startswith(own):
                 return parent.full_ids + self._encode(text[len(own) :]), parent
-            base = self._render(messages[:k], tools, generation=False)  # the turn rendered otherwise (tool calls)
+            # the turn rendered otherwise (tool calls)
+            base = self._render(messages[:k], tools, generation=False, template_kwargs=template_kwargs)
             if text.startswith(base):
                 return parent.full_ids + self._encode(text[len(base) :]), parent
             logger.warning(
@@ -473,6 +484,7 @@ class ArenoAsyncOpenAI:
             )
         if req.get("tool_choice") == "none":
             tools = None
+        template_kwargs = (req.get("extra_body") or {}).get("chat_template_kwargs")
         urls = _image_urls(req["messages"])
         images = None
         if urls:  # the whole prompt is tokenised again: earlier turns' image tokens are already expanded
@@ -481,10 +493,10 @@ class ArenoAsyncOpenAI:
                     "image_url content needs a vision-language policy (ArenoAsyncOpenAI(vision=...))"
                 )
             images = ImageInputs.from_images([decode_image(u) for u in urls], self.vision)
-            text_ids = self._encode(self._render(messages, tools, generation=True))
+            text_ids = self._encode(self._render(messages, tools, generation=True, template_kwargs=template_kwargs))
             prompt_ids, parent = expand_image_tokens(text_ids, images.grid_thw, self.vision), None
         else:
-            prompt_ids, parent = self._chat_prompt(messages, tools)
+            prompt_ids, parent = self._chat_prompt(messages, tools, template_kwargs)
         outs, duration = await self._agenerate_n(prompt_ids, req, images)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = []
@@ -652,6 +664,10 @@ def _response_text(response: dict[str, Any]) -> str | None:
     return response.get("content", response.get("text"))
 
 
+_EXTRA_BODY_KEYS = frozenset({"top_k", "min_tokens", "stop_token_ids", "ignore_eos"})
+"""vLLM's extra sampling parameters this client honours (a chat also takes ``chat_template_kwargs``)."""
+
+
 def _check_kwargs(req: dict[str, Any], known: frozenset[str], where: str) -> None:
     """Drop from ``req`` what changes no output (``_IGNORED``, unset values, no-op values of
     ``_NO_OP``); a TypeError for a parameter the official client does not have, an
@@ -673,6 +689,13 @@ def _check_kwargs(req: dict[str, Any], known: frozenset[str], where: str) -> Non
             f"{where}: best_of {best_of} is not supported (it would rank extra samples): drop it, or sample "
             f"n={best_of} and rank them yourself"
         )
+    extra = req.get("extra_body") or {}
+    served = _EXTRA_BODY_KEYS | ({"chat_template_kwargs"} if known is _CHAT_KEYS else set())
+    if not isinstance(extra, dict) or any(k not in served for k in extra):
+        unknown = sorted(set(extra) - served) if isinstance(extra, dict) else extra
+        raise AgentRequestError(f"{where}: extra_body {unknown!r} is not supported; it takes {sorted(served)}")
+    if not isinstance(extra.get("chat_template_kwargs", {}), dict):
+        raise AgentRequestError(f"{where}: extra_body chat_template_kwargs must be a mapping of template variables")
     # top alternatives per token: the engine computes none, and empty lists would read as an answer
     top = "top_logprobs" if "top_logprobs" in known else "logprobs"
     if req.get(top):
@@ -914,7 +937,8 @@ class AgentProxy:
                 return error(400, f"request body is not valid JSON: {exc}")
             if not isinstance(body, dict):
                 return error(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
-            extra = {k: body.pop(k) for k in ("top_k", "min_tokens", "stop_token_ids", "ignore_eos") if k in body}
+            moved = ("top_k", "min_tokens", "stop_token_ids", "ignore_eos", "chat_template_kwargs")
+            extra = {k: body.pop(k) for k in moved if k in body}
             if extra:
                 body["extra_body"] = extra
             try:

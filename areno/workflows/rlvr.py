@@ -49,6 +49,7 @@ class RLVRWorkflow(RolloutWorkflow):
         *,
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        chat_template_kwargs: dict | None = None,
         vision: VisionConfig | None = None,
         store: ObservationStore | None = None,
     ) -> None:
@@ -62,6 +63,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self.answer_key = answer_key
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.vision = vision
         self.store = store
 
@@ -84,10 +86,15 @@ class RLVRWorkflow(RolloutWorkflow):
                 self.vision,
                 chat_template=self.chat_template,
                 system_prompt=self.system_prompt,
+                chat_template_kwargs=self.chat_template_kwargs,
             )
         else:
             prompt_ids = render_prompt(
-                self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
+                self.tokenizer,
+                prompt,
+                chat_template=self.chat_template,
+                system_prompt=self.system_prompt,
+                chat_template_kwargs=self.chat_template_kwargs,
             )
         outputs: list[GenerationOutput] = await agenerate_many(
             client, prompt_ids, [self.token_params(i) for i in range(self.n_samples)], images=inputs

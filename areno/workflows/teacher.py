@@ -88,6 +88,7 @@ class _TeacherWorkflow(RLVRWorkflow):
         teacher_kv_blocks: int | None = None,
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> None:
         super().__init__(
             tokenizer,
@@ -98,6 +99,7 @@ class _TeacherWorkflow(RLVRWorkflow):
             answer_key,
             chat_template=chat_template,
             system_prompt=system_prompt,
+            chat_template_kwargs=chat_template_kwargs,
         )
         self.teacher_path = teacher_path
         self.seed = seed
@@ -144,7 +146,11 @@ class _TeacherWorkflow(RLVRWorkflow):
     def _prompt(self, sample: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], list[int]]:
         prompt = require_field(sample, self.prompt_key)
         prompt_ids = render_prompt(
-            self.tokenizer, prompt, chat_template=self.chat_template, system_prompt=self.system_prompt
+            self.tokenizer,
+            prompt,
+            chat_template=self.chat_template,
+            system_prompt=self.system_prompt,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
         return prompt, sample.get(self.answer_key), sample_fields(sample, self.prompt_key, self.answer_key), prompt_ids
 
@@ -174,6 +180,7 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
         teacher_kv_blocks: int | None = None,
         chat_template: str = "auto",
         system_prompt: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> None:
         if not 0.0 <= beta <= 1.0:
             raise ConfigError(f"rollout.workflow_kwargs.beta: the teacher's share must be in [0, 1], got {beta}")
@@ -192,6 +199,7 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
             teacher_kv_blocks=teacher_kv_blocks,
             chat_template=chat_template,
             system_prompt=system_prompt,
+            chat_template_kwargs=chat_template_kwargs,
         )
 
     def draws(self, prompt_ids: list[int]) -> list[int | None]:

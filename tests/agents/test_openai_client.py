@@ -435,3 +435,35 @@ def test_a_continued_chat_keeps_what_the_template_puts_after_the_end_of_turn_tok
     assert traj.info["num_turns"] == 2  # one sequence: turn 2 continued turn 1's tokens
     rendered = tok.apply_chat_template(messages, tokenize=False)
     assert tok.decode(traj.prompt_ids + traj.completion_ids) == rendered.removesuffix("\n")
+
+
+def test_chat_template_kwargs_render_the_prompt_and_unknown_extra_body_keys_are_refused():
+    """walk30: extra_body's chat_template_kwargs (vLLM's, Qwen3's enable_thinking) were dropped, as was any
+    key this client does not read."""
+    tok = build_char_tokenizer()
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+        "enable_thinking is false %}nothink\n{% endif %}{% endif %}"
+    )
+    seen = []
+    engine = replying(tok, "A1")
+    respond = engine.respond
+
+    def recording(prompt_ids, params):
+        seen.append(tok.decode(prompt_ids))
+        return respond(prompt_ids, params)
+
+    engine.respond = recording
+    client = ArenoAsyncOpenAI(engine, tok, default_sampling=SamplingParams(max_new_tokens=8))
+    messages = [{"role": "user", "content": "q1"}]
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    asyncio.run(client.chat.completions.create(model="m", messages=messages, extra_body=extra))
+    assert seen[-1].endswith("<|im_start|>assistant\nnothink\n")
+    with pytest.raises(AgentRequestError, match=r"extra_body \['repetition_penalty'\] is not supported; it takes"):
+        asyncio.run(
+            client.chat.completions.create(model="m", messages=messages, extra_body={"repetition_penalty": 1.1})
+        )
+    with pytest.raises(AgentRequestError, match=r"extra_body \['chat_template_kwargs'\] is not supported"):
+        asyncio.run(client.completions.create(model="m", prompt="q1", extra_body=extra))

@@ -333,3 +333,66 @@ def test_offline_completions_are_the_templates_assistant_turn(template, extra, e
     assert chosen.completion_ids == sft.completion_ids and tok.decode(rejected.completion_ids) == trained.replace(
         "19", "20"
     )
+
+
+THINKING_TEMPLATE = (  # Qwen3's: the answer after the last question opens with its (empty) think block
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+NO_THINKING = {"enable_thinking": False}
+
+
+def test_chat_template_kwargs_reach_rollouts_evaluation_and_offline_data(tmp_path):
+    """data.chat_template_kwargs (Qwen3's enable_thinking) render every prompt of the run."""
+    tok = _save_tokenizer(tmp_path / "model", THINKING_TEMPLATE, ("<think>", "</think>"))
+    cfg = _config(tmp_path, tmp_path / "model", "data.chat_template_kwargs={enable_thinking: false}")
+    expected = set()
+    for q in ("What is 2+3?", "What is 1+1?"):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, **NO_THINKING)
+        expected.add(tuple(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    assert all(tok.decode(ids).endswith("<think>\n\n</think>\n\n") for ids in expected)
+    check_run(cfg)
+    trainer = Trainer.init(cfg)
+    try:
+        rollout = trainer.backend.rollout_batch(0)
+        assert {tuple(t.prompt_ids) for t in rollout.trajectories} == expected
+        client = trainer.backend.engine.rollout.client
+        seen_ids, generate = [], client.agenerate
+
+        async def arecording(prompt_ids, params, **kwargs):
+            seen_ids.append(tuple(prompt_ids))
+            return await generate(prompt_ids, params, **kwargs)
+
+        client.agenerate = arecording
+        trainer.backend.evaluate()
+    finally:
+        trainer.shutdown()
+    assert set(seen_ids) == expected
+    (sft,) = sft_trajectories(
+        [{"q": "What is 1+1?", "a": "2"}], tok, "q", "a", chat_template="always", chat_template_kwargs=NO_THINKING
+    )
+    assert tuple(sft.prompt_ids) in expected and tok.decode(sft.completion_ids) == "2<|im_end|>"
+
+
+def test_chat_template_kwargs_need_a_template(tmp_path):
+    model = tmp_path / "model"
+    _save_tokenizer(model, None)
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs is set but prompts are not wrapped"):
+        check_run(_config(tmp_path, model, "data.chat_template_kwargs={enable_thinking: false}"))
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs: needs a chat template"):
+        _config(tmp_path, model, "data.chat_template=never", "data.chat_template_kwargs={enable_thinking: false}")
+
+
+def test_server_chat_route_takes_chat_template_kwargs(tmp_path):
+    tok = _save_tokenizer(tmp_path / "model", THINKING_TEMPLATE, ("<think>", "</think>"))
+    engine, tokenizer = build_engine(
+        str(tmp_path / "model"), device="cpu", num_blocks=64, block_size=8, max_model_len=128
+    )
+    user = [{"role": "user", "content": "What is 2+3?"}]
+    body = {"model": "tiny", "messages": user, "max_tokens": 2, "chat_template_kwargs": NO_THINKING}
+    with serving(create_app(engine, tokenizer=tokenizer, model_name="tiny")) as base:
+        res = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
+    expected = render_prompt(tok, user, chat_template="always", chat_template_kwargs=NO_THINKING)
+    assert res["choices"][0]["prompt_token_ids"] == expected and tok.decode(expected).endswith("</think>\n\n")

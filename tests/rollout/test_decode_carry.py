@@ -146,7 +146,11 @@ def test_a_long_max_model_len_still_carries_sized_to_the_batch():
     bound that one full-length copy set would exceed, decode still extends, bit-identically."""
     model, cfg = make_model(2)
     config = RolloutEngineConfig(
-        block_size=4, num_blocks=200, max_num_seqs=5, max_model_len=4096, decode_attention="gather"
+        block_size=4,
+        num_blocks=200,
+        max_num_seqs=5,
+        max_model_len=cfg.max_position_embeddings,  # the model's whole context
+        decode_attention="gather",
     )
     carried = RolloutEngine(model, cfg, config=config, eos_token_ids=())
     dc = carried.cache.decode_carry

@@ -143,7 +143,7 @@ def test_the_shipped_workflows_pass_with_their_example_kwargs():
             "areno.workflows.rlvr:RLVRWorkflow",
             {"max_turnz": 3},
             "rollout.workflow_kwargs.max_turnz: workflow 'areno.workflows.rlvr:RLVRWorkflow' takes no argument "
-            "'max_turnz'; it takes chat_template, system_prompt, vision, store",
+            "'max_turnz'; it takes chat_template, system_prompt, chat_template_kwargs, vision, store",
         ),
         (
             "areno.workflows.rlvr:RLVRWorkflow",
