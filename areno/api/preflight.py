@@ -64,7 +64,7 @@ from areno.specializations import (
 )
 from areno.train import checkpoint
 from areno.workflows.base import check_workflow_arguments, workflow_factory
-from areno.workflows.common import sample_fields
+from areno.workflows.common import sample_fields, takes_param
 from areno.workflows.images import IMAGES_KEY
 from areno.workflows.teacher import TeacherMixtureWorkflow
 
@@ -84,6 +84,7 @@ def check_run(config: ArenoConfig) -> None:
     if recipe.online:  # with the arguments the engine adds (tokenizer, reward_fn, ...): before any warm start
         factory = workflow_factory(config.rollout.workflow)
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs))
+        check_prompt_settings_reach_the_workflow(config, factory)
     # offline recipes train on the answers; a reward that takes one scores against it
     scores_answers = reward_needs_answer(config.reward.fn)
     # dpo, reward_model: {prompt, chosen, rejected} rows, evaluated by pair accuracy (no answers, no reward)
@@ -296,6 +297,25 @@ def check_placement(config: ArenoConfig, recipe: TrainingConfig) -> None:
             f"evaluation samples beside it), but {given} would partition the run: unset it to train colocated "
             "on cluster.device"
         )
+
+
+def check_prompt_settings_reach_the_workflow(config: ArenoConfig, factory: Any) -> None:
+    """A ``data.*`` prompt setting the run sets is refused when its workflow renders its own prompts (it
+    takes no such parameter, and ``rollout.workflow_kwargs`` do not set it): training would not see it,
+    held-out evaluation would."""
+    data, kwargs = config.data, config.rollout.workflow_kwargs
+    given = {
+        "chat_template": data.chat_template != "auto",
+        "system_prompt": data.system_prompt is not None,
+        "chat_template_kwargs": bool(data.chat_template_kwargs),
+    }
+    for name, set_ in given.items():
+        if set_ and name not in kwargs and not takes_param(factory, name):
+            raise ConfigError(
+                f"data.{name} is set but rollout.workflow={config.rollout.workflow} renders its own prompts (it "
+                f"takes no {name} parameter): its rollouts would not use it while held-out evaluation would; unset "
+                "it, or use a workflow that takes it"
+            )
 
 
 def check_context_length(config: ArenoConfig) -> None:

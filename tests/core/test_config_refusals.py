@@ -282,6 +282,12 @@ def test_rows_and_rewards_that_cannot_meet_are_refused_before_the_model(tmp_path
         ),
         (
             ['{"prompt": "1+1=", "answer": "2"}'],
+            ["rollout.workflow=areno.workflows.env:arithmetic_retry_workflow", "data.system_prompt=Be brief."],
+            "data.system_prompt is set but rollout.workflow=areno.workflows.env:arithmetic_retry_workflow renders its "
+            "own prompts",
+        ),
+        (
+            ['{"prompt": "1+1=", "answer": "2"}'],
             ["rollout.max_model_len=100000"],
             "rollout.max_model_len=100000 exceeds the model's max_position_embeddings=",
         ),
