@@ -97,16 +97,22 @@ def render_prompt(
                 f"{chat_template} leaves prompts untemplated: use data.chat_template=always with a templated tokenizer"
             )
         return list(tokenizer.encode(prompt))
+    return apply_template(tokenizer, prompt_messages(prompt, system_prompt), **(chat_template_kwargs or {}))
+
+
+def prompt_messages(prompt: str | list[dict], system_prompt: str | None = None) -> list[dict]:
+    """A dataset prompt as the chat messages the template renders: a string as one user message, a
+    message list checked and copied; ``system_prompt`` first unless the messages open with one."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
         problem = message_list_problem(prompt)
         if problem is not None:
             raise DataError(f"prompt {prompt!r:.80}: {problem}")
-        messages = list(prompt)
+        messages = [dict(m) for m in prompt]
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    return apply_template(tokenizer, messages, **(chat_template_kwargs or {}))
+    return messages
 
 
 def render_completion(
@@ -127,12 +133,7 @@ def render_completion(
     plain = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
     if not uses_template(tokenizer, chat_template):
         return plain
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        messages = list(prompt)
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
+    messages = prompt_messages(prompt, system_prompt)
     turns = list(completion) if isinstance(completion, list) else [{"role": "assistant", "content": text}]
     full = tokenizer.apply_chat_template([*messages, *turns], tokenize=True, **(chat_template_kwargs or {}))
     full = list(full["input_ids"] if hasattr(full, "keys") else full)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areno.data.messages import message_list_problem
-from areno.data.prompts import apply_template, render_prompt, uses_template
+from areno.data.prompts import apply_template, prompt_messages, render_prompt, uses_template
 from areno.errors import DataError
 from areno.models.hf_io import read_config
 from areno.models.vision import ImageInputs, VisionConfig, decode_image, expand_image_tokens
@@ -70,20 +69,12 @@ def image_prompt(
     vision tokens lead the prompt."""
     inputs = ImageInputs.from_images(images, vision)
     if uses_template(tokenizer, chat_template):
-        if isinstance(prompt, str):
-            messages = [{"role": "user", "content": prompt}]
-        else:
-            problem = message_list_problem(prompt)
-            if problem is not None:
-                raise DataError(f"prompt {prompt!r:.80}: {problem}")
-            messages = [dict(m) for m in prompt]
+        messages = prompt_messages(prompt, system_prompt)
         user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
         if user is None:
             raise DataError(f"prompt {prompt!r:.80}: a row with images needs a user message to hold them")
         parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": messages[user]["content"]}]
         messages[user] = {**messages[user], "content": parts}
-        if system_prompt is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system_prompt})
         ids = apply_template(tokenizer, messages, **(chat_template_kwargs or {}))
     else:
         text = render_prompt(
