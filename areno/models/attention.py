@@ -37,6 +37,8 @@ class AttentionBackend(Protocol):
 
 
 SDPA_MASK_MAX_TOKENS = 2048
+FLEX_DECODING_MIN_QUERIES = 128
+"""Inductor compiles flex attention with fewer queries than this as its decoding kernel."""
 FLEX_MIN_HEAD_DIM = 16
 """FlexAttention's compiled kernels need head dims of at least this (``auto`` picks sdpa below)."""
 
@@ -214,7 +216,11 @@ class PackedCausalAttention:
         k = k_THD.transpose(0, 1).unsqueeze(0)
         v = v_THD.transpose(0, 1).unsqueeze(0)
         if impl == "flex":
-            out = _compiled_flex_attention()(q, k, v, block_mask=self._state, enable_gqa=True)
+            # below 128 queries inductor takes its decoding kernel, which has no configuration for small head
+            # dims (16): the main kernel there (checked on an H100; larger shapes keep inductor's choice)
+            small = q.shape[-2] < FLEX_DECODING_MIN_QUERIES and q.shape[-1] < 64
+            options = {"FORCE_USE_FLEX_ATTENTION": True} if small else None
+            out = _compiled_flex_attention()(q, k, v, block_mask=self._state, enable_gqa=True, kernel_options=options)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._state, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)

@@ -78,7 +78,7 @@ def test_trl_conversational_completions_are_their_contents():
 
     tok = build_char_tokenizer()
     (traj,) = sft_trajectories([row], tok, "prompt", "completion", chat_template="always")
-    assert tok.decode(traj.completion_ids) == "7</s>"  # the text, not the list's repr
+    assert tok.decode(traj.completion_ids) == "7<|im_end|>"  # the template's turn of the text, not the repr
     with pytest.raises(DataError, match="a message is not the assistant's"):
         completion_text([{"role": "user", "content": "x"}])
 
