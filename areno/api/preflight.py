@@ -436,7 +436,25 @@ def check_model(config: ArenoConfig) -> Any:
         ) from None
     if tokenizer.eos_token_id is None:
         raise ModelDirError(f"model.path: the tokenizer in {path} has no eos_token: set one in tokenizer_config.json")
+    check_tokenizer_fits(tokenizer, read_config(path).vocab_size, path)
     return tokenizer
+
+
+def check_tokenizer_fits(tokenizer: Any, vocab_size: int, path: Path) -> None:
+    """The tokenizer is the model's: its ids within the embedding (a tokenizer copied from another model
+    would fail every request) and text encodes to some token (tokenizer_config.json without its
+    vocabulary file loads as a tokenizer of special tokens alone, and every prompt would train as empty)."""
+    size = len(tokenizer)
+    if size > vocab_size:
+        raise ModelDirError(
+            f"model.path: the tokenizer in {path} has {size} tokens but config.json's vocab_size is {vocab_size}: "
+            "it is another model's tokenizer; copy this model's tokenizer files there"
+        )
+    if not tokenizer.encode("1 + 1 = 2, the answer", add_special_tokens=False):
+        raise ModelDirError(
+            f"model.path: the tokenizer in {path} encodes text to no token ({size} tokens in all; its vocabulary "
+            "file, tokenizer.json or vocab.json, is missing): copy the model's tokenizer files there again"
+        )
 
 
 def check_model_files(path: Path, *, key: str) -> None:

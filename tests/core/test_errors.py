@@ -118,6 +118,18 @@ def _no_eos(model: Path) -> None:
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
 
 
+def _vocabulary_missing(model: Path) -> None:
+    """walk31: tokenizer_config.json whose vocabulary file was not copied loads as special tokens alone."""
+    (model / "tokenizer.json").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+
+
+def _smaller_vocab(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 20}))
+
+
 def _truncated(model: Path) -> None:
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
@@ -137,6 +149,8 @@ def _truncated(model: Path) -> None:
         (_truncated, "model.safetensors is truncated"),
         (_no_tokenizer, "has no tokenizer"),
         (_no_eos, "has no eos_token"),
+        (_vocabulary_missing, "encodes text to no token"),
+        (_smaller_vocab, "but config.json's vocab_size is 20: it is another model's tokenizer"),
     ],
     ids=[
         "missing",
@@ -147,6 +161,8 @@ def _truncated(model: Path) -> None:
         "truncated",
         "no_tok",
         "no_eos",
+        "vocabulary_missing",
+        "tokenizer_past_vocab",
     ],
 )
 def test_model_directory_errors(tiny_model_dir, tmp_path, capsys, damage, fragment):
