@@ -546,6 +546,14 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tokenizer
 
 
+class RewardsFailing(RunFailure):
+    """Every reward call of ``REWARD_FAILED_BATCHES`` rollout batches in a row failed (a judge server gone, a
+    reward bug): the run stops rather than train on zero rewards."""
+
+    training_side_intact = True
+    """The steps trained before are sound: the Trainer saves an emergency checkpoint of the step reached."""
+
+
 REWARD_FAILED_BATCHES = 3
 """Rollout batches in a row whose every reward call failed that stop a run (one may be a passing
 outage of what the reward calls: a judge's server, a sandbox restarting)."""
@@ -816,7 +824,7 @@ class ArenoEngine:
             return
         self._reward_failed_batches += 1
         if self._reward_failed_batches >= REWARD_FAILED_BATCHES:
-            raise RunFailure(
+            raise RewardsFailing(
                 f"every reward call of the last {REWARD_FAILED_BATCHES} rollout batches failed (step {rollout_id + 1}; "
                 f"last: {next(iter(errors[-1].splitlines()), '')}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
                 "zero rewards"

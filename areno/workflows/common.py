@@ -66,7 +66,9 @@ async def acall_reward(
         if not is_finite_reward(value):
             raise NonFiniteReward(f"reward returned {value!r}; it must be a finite float")
         return value, None
-    except Exception as exc:  # noqa: BLE001 - user code: counted (info["reward_error"]) and warned, not hidden
+    # user code: counted (info["reward_error"]) and warned, not hidden; sys.exit() or a KeyboardInterrupt it
+    # raises too (they would end the rollout loop's task and hang the run; signals reach the main thread only)
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
         first = id(reward_fn) not in _failed_rewards
         _failed_rewards.setdefault(id(reward_fn), reward_fn)

@@ -39,6 +39,9 @@ def test_a_reward_failing_every_call_stops_the_run(tmp_path, capsys, caplog):
     assert "RuntimeError: reward bug" in err[-1] and "fix reward.fn (tests.helpers.rewards:exploding)" in err[-1]
     steps = [json.loads(line).get("step") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert max(s for s in steps if s is not None) == REWARD_FAILED_BATCHES - 1  # the third batch stopped it
+    # walk31: the steps trained before were lost (train.save_interval=0); now saved, and the error says so
+    assert (tmp_path / "run" / "checkpoints" / f"step_{REWARD_FAILED_BATCHES - 1:08d}" / "COMPLETE").is_file()
+    assert f"saved an emergency checkpoint of step {REWARD_FAILED_BATCHES - 1}" in err[-1]
     # 4 held-out rows and 3 batches of 16 completions failed: the first call warned in full, then one
     # line for the evaluation and one per batch, instead of 52
     warnings = [r.getMessage() for r in caplog.records if r.name == "areno.workflows"]
@@ -98,3 +101,17 @@ def test_a_reward_failing_on_some_rows_trains_on(tmp_path):
         tmp_path, "train.steps=4", "reward.fn=tests.helpers.rewards:every_other_raises", "reward.sandbox=false"
     )
     assert main(args) == 0
+
+
+def test_an_in_process_reward_that_exits_is_a_reward_error():
+    """walk31: sys.exit() or a KeyboardInterrupt raised in a reward (reward.sandbox=false) escaped the reward
+    wrapper, ended the rollout loop's task and hung the run."""
+
+    def exits(prompt, completion, answer, **row):
+        raise SystemExit(0)
+
+    def interrupts(prompt, completion, answer, **row):
+        raise KeyboardInterrupt
+
+    assert _call(exits) == (0.0, "SystemExit: 0")
+    assert _call(interrupts) == (0.0, "KeyboardInterrupt: ")
