@@ -546,6 +546,26 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tokenizer
 
 
+def save_failure(exc: BaseException, path: Path) -> BaseException:
+    """What a failed checkpoint save raises: the signal that interrupted it (DCP wraps a second Ctrl-C in its
+    ``CheckpointException``), a one-line :class:`RunFailure` for the disk (full, a size limit, a file where a
+    directory goes) naming the checkpoint and the one ``resume=auto`` goes on from, else ``exc`` itself."""
+    causes = [exc, exc.__cause__, exc.__context__]
+    causes += [failure for failure, _ in getattr(exc, "failures", {}).values()]  # DCP's CheckpointException
+    for cause in causes:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+    for cause in causes:
+        if isinstance(cause, OSError):
+            last = checkpoint.latest_complete(path.parent)
+            resume = f"resume=auto goes on from {last}" if last is not None else "there is no earlier checkpoint"
+            return RunFailure(
+                f"saving checkpoint {path} failed ({type(cause).__name__}: {cause}): free space on (or fix) "
+                f"{path.parent}; {resume}"
+            )
+    return exc
+
+
 class RewardsFailing(RunFailure):
     """Every reward call of ``REWARD_FAILED_BATCHES`` rollout batches in a row failed (a judge server gone, a
     reward bug): the run stops rather than train on zero rewards."""
@@ -964,10 +984,14 @@ class ArenoEngine:
         state = {**trainer_state, **self.resume_state()}  # incl. the async pool's untrained samples
         tmp = checkpoint.staging_dir(path)
         self._enter(Phase.TRAIN)
-        self.training.save(tmp, state)
-        self.export_policy(tmp / "hf")  # what `transformers` and `areno serve` load
-        fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
-        checkpoint.commit(tmp, path)
+        try:
+            self.training.save(tmp, state)
+            self.export_policy(tmp / "hf")  # what `transformers` and `areno serve` load
+            fault_point("checkpoint_write", int(trainer_state.get("rollout_id", -1)) + 1)
+            checkpoint.commit(tmp, path)
+        except BaseException as exc:  # noqa: BLE001 - re-raised as save_failure says
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written staging directory holds the disk's space
+            raise save_failure(exc, path) from None
         checkpoint.prune(path.parent, self.config.train.keep_checkpoints)  # once the new one is whole
 
     def resume_state(self) -> dict:
