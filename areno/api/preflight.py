@@ -157,12 +157,23 @@ def check_resumed_config(config: ArenoConfig) -> None:
     changed keys); other changed keys are logged as one warning line. ``Trainer.init`` checks it, with
     the stage's own config (``model.path`` a warm start's export)."""
     saved = Path(config.run_dir) / "config.yaml"
-    if not resumes(config) or not saved.is_file():
+    if not resumes(config):
         return
+    start_over = "or start over (resume=false overwrite=true) or in another run_dir"
+    if not saved.is_file():
+        raise ConfigError(
+            f"resume: {config.run_dir} holds checkpoints but no config.yaml, without which a resumed run cannot "
+            f"check that it keeps the run's model, recipe and data: restore {saved}, {start_over}"
+        )
+    try:
+        loaded = OmegaConf.to_container(OmegaConf.load(saved))
+    except Exception as exc:  # noqa: BLE001 - YAML's parser errors, or a file that is not text
+        loaded = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if not isinstance(loaded, dict) or not loaded.get("model"):
+        why = loaded if isinstance(loaded, str) else "it holds no run settings"
+        raise ConfigError(f"resume: {saved} is unreadable ({why}): restore it, {start_over}")
     # a config.yaml written before paths were made absolute: its relative paths read from here
-    before = {
-        k: absolute_setting(k, v) for k, v in flat_settings(OmegaConf.to_container(OmegaConf.load(saved))).items()
-    }
+    before = {k: absolute_setting(k, v) for k, v in flat_settings(loaded).items()}
     now = flat_settings(to_dict(config))
     keys = sorted((set(before) | set(now)) - {"resume", "overwrite"})  # how this run starts, not what it is
     changed = [k for k in keys if before.get(k) != now.get(k)]

@@ -337,6 +337,29 @@ def test_a_run_saved_with_relative_paths_resumes_from_its_directory(tmp_path, mo
 
 
 @pytest.mark.parametrize(
+    "saved, problem",
+    [
+        (None, "holds checkpoints but no config.yaml, without which a resumed run cannot check"),
+        ("model: [unclosed", r"config.yaml is unreadable \(ParserError: "),
+        ("", r"config.yaml is unreadable \(it holds no run settings\)"),
+    ],
+    ids=["missing", "garbage", "empty"],
+)
+def test_a_resumed_run_without_its_config_yaml_is_refused(tmp_path, saved, problem):
+    """walk31: without run_dir/config.yaml a resume with another algorithm or data went on silently; a damaged
+    one was a 46-line traceback or a wrong diagnosis (every setting None)."""
+    from areno.api.preflight import check_resumed_config
+
+    args = [f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", "data.task=arithmetic", "resume=auto"]
+    (tmp_path / "run" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_00000001" / "COMPLETE").write_text("")
+    if saved is not None:
+        (tmp_path / "run" / "config.yaml").write_text(saved)
+    with pytest.raises(ConfigError, match=problem):
+        check_resumed_config(load_config(None, args))
+
+
+@pytest.mark.parametrize(
     "override, problem",
     [
         ("cluster.role_devices={ref:[2]}", "found unexpected ':' at column 5 of the value"),
