@@ -186,11 +186,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"override {bad[0]!r} must look like key=value (e.g. optim.lr=1e-5)")
     for override in overrides:
         _check_yaml(override)
+    clears = [o for o in overrides if _clears_mapping(schema, o)]
+    overrides = [o for o in overrides if o not in clears]
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         for override in overrides:
             _check_sections(OmegaConf.from_dotlist([override]), schema, f"override {override}")
         merged = OmegaConf.merge(*layers)
+        for override in clears:  # a mapping a file set, emptied (a merge would keep its keys)
+            OmegaConf.update(merged, override.split("=", 1)[0].strip(), {}, merge=False)
         config: ArenoConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except ConfigError:
         raise
@@ -204,6 +208,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(str(cause)) from None
         raise _type_error(exc) or ConfigError(_describe(exc)) from None
     return absolute_code_paths(config)
+
+
+def _clears_mapping(schema: DictConfig, override: str) -> bool:
+    """Whether ``override`` empties a mapping setting (``data.task_kwargs={}``, or ``=null`` where null is no
+    value it takes): the file's keys dropped, where a merge would keep them."""
+    key, value = (part.strip() for part in override.split("=", 1))
+    section, _, name = key.rpartition(".")
+    node = OmegaConf.select(schema, section) if section else schema
+    if not isinstance(node, DictConfig) or name not in node:
+        return False
+    field = node._get_node(name)
+    if typing.get_origin(field._metadata.ref_type) is not dict:
+        return False
+    return value == "{}" or (value in ("null", "~") and not field._is_optional())
 
 
 def _absolute(path: str) -> str:

@@ -202,7 +202,8 @@ class DataSection(ConfigSection):
         check_config(
             self.task is not None or not self.task_kwargs,
             "data.task_kwargs",
-            "are arguments of a shipped task's generator, but data.task is null: unset data.task_kwargs",
+            "are arguments of a shipped task's generator, but data.task is null: unset data.task_kwargs "
+            "(data.task_kwargs=null on the command line)",
         )
         check_config(self.num_eval >= 0, "data.num_eval", f"must be >= 0, got {self.num_eval}")
 

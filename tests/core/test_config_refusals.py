@@ -4,6 +4,7 @@ fix; a demo run made with other settings is made again, not reused."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -306,6 +307,20 @@ def test_rows_and_rewards_that_cannot_meet_are_refused_before_the_model(tmp_path
 
 def two_args(prompt, completion):
     return 1.0
+
+
+def test_an_override_empties_a_mapping_a_file_set(tmp_path):
+    """walk31: with demo.yaml's data.task_kwargs, `data.task=null data.train_path=...` had no override that
+    worked: `=null` was refused as no mapping, `={}` merged and kept the file's keys."""
+    demo = Path(__file__).resolve().parents[2] / "areno" / "configs" / "demo.yaml"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    file_only = ["data.task=null", f"data.train_path={rows}"]
+    with pytest.raises(ConfigError, match=r"unset data.task_kwargs \(data.task_kwargs=null on the command line\)"):
+        load_config(demo, file_only)
+    for value in ("null", "{}"):
+        assert load_config(demo, [*file_only, f"data.task_kwargs={value}"]).data.task_kwargs == {}
+    assert load_config(demo, ["model.init_tiny=null"]).model.init_tiny is None  # an optional mapping: None
 
 
 def test_overrides_may_follow_options():
