@@ -50,7 +50,14 @@ from areno.errors import ConfigError, DataError, ModelDirError
 from areno.launch.allocation import resolve_roles
 from areno.models.checkpoint_dirs import STEP_DIR, newest_checkpoint
 from areno.models.config import ModelConfig
-from areno.models.hf_io import check_tiny_arguments, open_safetensors, read_config, safetensors_files, tiny_config
+from areno.models.hf_io import (
+    check_tiny_arguments,
+    missing_model_dir,
+    open_safetensors,
+    read_config,
+    safetensors_files,
+    tiny_config,
+)
 from areno.observe.metrics import resolve_wandb_mode
 from areno.recipes import TRAINING_CONFIGS, TrainingConfig
 from areno.recipes.registry import worker_name_problem
@@ -474,7 +481,7 @@ def check_model_files(path: Path, *, key: str) -> None:
     if path.is_file():
         raise ModelDirError(_a_file(key, path))
     if not path.is_dir():
-        raise ModelDirError(f"{key}: directory {path} does not exist: point it at a local Hugging Face checkpoint")
+        raise ModelDirError(missing_model_dir(key, path))
     read_config(path)
     for weights in safetensors_files(path):
         with open_safetensors(weights):  # parses the header: a truncated file fails here

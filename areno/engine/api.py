@@ -50,7 +50,7 @@ from areno.engine.training_side import TrainingSide
 from areno.errors import ConfigError, ModelDirError, RunFailure
 from areno.faults import fault_point
 from areno.models.checkpoint_dirs import newest_checkpoint
-from areno.models.hf_io import init_model_dir, read_config, tiny_config
+from areno.models.hf_io import init_model_dir, missing_model_dir, read_config, tiny_config
 from areno.models.vision import VisionConfig
 from areno.recipes import TRAINING_CONFIGS, get_recipe
 from areno.recipes.config import TrainingConfig
@@ -229,7 +229,7 @@ def prepare_model_dir(config: ArenoConfig) -> Path:
     if (stale is not None or not (path / "config.json").is_file()) and config.model.init_tiny is not None:
         _make_tiny_model(config, path)
     if not path.is_dir():
-        raise ModelDirError(f"model.path: directory {path} does not exist: point it at a local Hugging Face checkpoint")
+        raise ModelDirError(missing_model_dir("model.path", path))
     if not (path / "config.json").is_file():
         raise ModelDirError(f"model.path: {path} has no config.json: is it a Hugging Face checkpoint directory?")
     return path

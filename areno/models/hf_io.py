@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,17 +44,33 @@ _TINY_ARCHS = {
 }
 
 
+def missing_model_dir(key: str, path: Path) -> str:
+    """The message of a checkpoint directory that does not exist; a path that reads as a Hugging Face Hub
+    id from here (``Qwen/Qwen2.5-0.5B-Instruct``) says how to fetch it, since areno downloads nothing."""
+    rel = Path(os.path.relpath(path))
+    if len(rel.parts) == 2 and rel.parts[0] != ".." and not Path(rel.parts[0]).exists():
+        return (
+            f"{key}: directory {path} does not exist; {rel.as_posix()} reads as a Hugging Face Hub id, and areno "
+            f"loads local checkpoints only (it downloads nothing): `hf download {rel.as_posix()} --local-dir DIR`, "
+            f"then set {key}=DIR"
+        )
+    return f"{key}: directory {path} does not exist: point it at a local Hugging Face checkpoint"
+
+
 def read_config(model_dir: str | Path, *, key: str = "model.path") -> ModelConfig:
     """``ModelConfig`` from ``model_dir/config.json``; a missing directory or file, a corrupt file or
     a model this decoder does not implement is a one-line :class:`ModelDirError` naming the path
     (and ``key``, what the user set it with)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ModelDirError(
-            f"model directory {model_dir} does not exist: point {key} at a local Hugging Face checkpoint"
-        )
+        raise ModelDirError(missing_model_dir(key, model_dir))
     config_path = model_dir / "config.json"
     if not config_path.is_file():
+        if any(model_dir.glob("*.gguf")):
+            raise ModelDirError(
+                f"{model_dir} holds GGUF files (llama.cpp's format), which areno does not read: point {key} at the "
+                "model's Hugging Face checkpoint (config.json, *.safetensors, the tokenizer files)"
+            )
         raise ModelDirError(f"{config_path} not found: a model directory needs a Hugging Face config.json")
     try:
         d = json.loads(config_path.read_text(encoding="utf-8"))
@@ -99,6 +116,12 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
                 )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
+    if not files and any(model_dir.glob("pytorch_model*.bin")):
+        raise ModelDirError(
+            f"{model_dir} holds pytorch_model*.bin weights only, which areno does not read (pickles): convert them "
+            "once with transformers, AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, "
+            "safe_serialization=True)"
+        )
     if not files:
         raise ModelDirError(f"no *.safetensors files in {model_dir}: a model directory needs its weights")
     return files

@@ -130,6 +130,15 @@ def _smaller_vocab(model: Path) -> None:
     (model / "config.json").write_text(json.dumps({**config, "vocab_size": 20}))
 
 
+def _gguf(model: Path) -> None:
+    (model / "config.json").unlink()
+    (model / "model-q4_k_m.gguf").write_bytes(b"GGUF")
+
+
+def _bin_only(model: Path) -> None:
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+
+
 def _truncated(model: Path) -> None:
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
@@ -151,6 +160,8 @@ def _truncated(model: Path) -> None:
         (_no_eos, "has no eos_token"),
         (_vocabulary_missing, "encodes text to no token"),
         (_smaller_vocab, "but config.json's vocab_size is 20: it is another model's tokenizer"),
+        (_gguf, "holds GGUF files (llama.cpp's format), which areno does not read"),
+        (_bin_only, "holds pytorch_model*.bin weights only, which areno does not read (pickles): convert them"),
     ],
     ids=[
         "missing",
@@ -163,6 +174,8 @@ def _truncated(model: Path) -> None:
         "no_eos",
         "vocabulary_missing",
         "tokenizer_past_vocab",
+        "gguf",
+        "bin_only",
     ],
 )
 def test_model_directory_errors(tiny_model_dir, tmp_path, capsys, damage, fragment):
@@ -309,3 +322,9 @@ def test_other_commands_report_user_errors_in_one_line(tmp_path, capsys, argv, f
     rc = main([a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err
     assert rc == 2 and err.strip().splitlines()[-1].startswith("areno: error: ") and fragment in err, err
+
+
+def test_a_hub_id_as_model_path_says_how_to_download_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = main([*train_args(tmp_path, "model.init_tiny=null"), "model.path=Qwen/Qwen2.5-0.5B-Instruct"])
+    _assert_user_error(rc, capsys.readouterr().err, "Qwen/Qwen2.5-0.5B-Instruct reads as a Hugging Face Hub id")
