@@ -140,7 +140,7 @@ def test_serves_on_the_socket_it_bound_and_exits_0_when_stopped(monkeypatch, tin
 
 def test_a_missing_model_dir_names_the_argument(capsys, tmp_path):
     err = _serve_error(capsys, str(tmp_path / "nope"))
-    assert "does not exist: point MODEL_DIR at a local Hugging Face checkpoint" in err
+    assert "MODEL_DIR: directory" in err and "does not exist: point it at a local Hugging Face checkpoint" in err
 
 
 def _run_with_checkpoint(tmp_path, tiny_model_dir, *, complete: bool = True):
