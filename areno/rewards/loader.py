@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from areno.errors import RewardImportError, UserError
-from areno.rewards.sandbox import shared_sandbox
+from areno.rewards.sandbox import SANDBOX_CWD_PREFIX, shared_sandbox
 
 
 def is_file_path(module: str) -> bool:
@@ -76,6 +76,11 @@ def _import_failure(exc: BaseException, module: str, *, what: str, error: type[U
     first = next(iter(str(message or "").strip().splitlines()), "")
     where = "" if not file else f" at line {line}" if file == module else f" at {file} line {line}"
     fix = "install what it imports, or fix the import" if isinstance(exc, ImportError) else "fix the module"
+    if isinstance(exc, OSError) and Path.cwd().name.startswith(SANDBOX_CWD_PREFIX):
+        fix = (
+            "the reward sandbox's workers run in a private temporary directory, not the run's: open files by "
+            "absolute path or relative to the module's __file__"
+        )
     return error(f"{what}: importing {module} failed{where}: {type(exc).__name__}{': ' if first else ''}{first}: {fix}")
 
 

@@ -53,6 +53,8 @@ from typing import Any
 
 from areno.rewards._protocol import MAX_REPLY_BYTES, MalformedReply, decode_reply
 
+SANDBOX_CWD_PREFIX = "areno-reward-"
+"""The name of the temporary working directory each worker runs in begins with this."""
 FAILURE_KINDS = ("timeout", "crash", "error", "memory", "cpu", "malformed", "nonfinite")
 """Named failures, counted as ``rollout/reward_failures_<kind>``."""
 
@@ -120,7 +122,7 @@ class _Worker:
     def _popen(self) -> None:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
-        self._cwd = tempfile.mkdtemp(prefix="areno-reward-")
+        self._cwd = tempfile.mkdtemp(prefix=SANDBOX_CWD_PREFIX)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "areno.rewards._worker", str(req_r), str(resp_w)],

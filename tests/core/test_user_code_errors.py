@@ -285,3 +285,15 @@ def test_code_execution_refuses_a_conversational_answer_as_tests():
 def test_code_execution_without_tests_or_answer_names_the_fix():
     with pytest.raises(ValueError, match="add a 'tests' field, or set data.answer_key"):
         code_execution("p", "print(1)", None)
+
+
+def test_a_reward_module_reading_a_relative_file_in_a_sandbox_worker_is_told_why(tmp_path, monkeypatch):
+    """walk31: a module opening lookup.json relative to the working directory imports in the trainer but not
+    in the sandbox's workers, whose working directory is a private temporary one: the error says so."""
+    module = tmp_path / "rw_cwd.py"
+    module.write_text("import json\nTABLE = json.load(open('lookup.json'))\n\ndef score(p, c, a):\n    return 1.0\n")
+    worker_dir = tmp_path / "areno-reward-abc"
+    worker_dir.mkdir()
+    monkeypatch.chdir(worker_dir)
+    with pytest.raises(RewardImportError, match="private temporary directory, not the run's: open files by absolute"):
+        import_object(f"{module}:score", what="reward.fn")
