@@ -237,12 +237,12 @@ def say_how_many_rows(config: ArenoConfig, splits: tuple[list[dict], list[dict]]
     key = "warm_start.batch_size" if warm else "rollout.batch_size"
     if batch_size > len(train):
         logger.warning(
-            "%s=%d is larger than data.train_path's %d rows: every batch holds each row about %d times; lower %s "
-            "to %d or less, or add rows",
+            "%s=%d is larger than data.train_path's %d rows: every batch holds some rows more than once (each "
+            "about %g times); lower %s to %d or less, or add rows",
             key,
             batch_size,
             len(train),
-            round(batch_size / len(train)),
+            round(batch_size / len(train), 1),
             key,
             len(train),
         )

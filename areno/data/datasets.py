@@ -73,7 +73,7 @@ def _read_rows(path: Path, *, key: str | None = None) -> tuple[list, list[str]]:
     """The file's rows as parsed, and how an error names each (``line N``, ``row i``); a file that does
     not parse or does not exist, a one-line DataError (naming ``key``, the setting that gave the path)."""
     if not path.is_file():
-        what = "a directory, not a file" if path.is_dir() else "does not exist"
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
         if key is None:
             raise DataError(f"dataset file {path} {what}: set data.train_path / data.eval_path to a data file")
         raise DataError(f"{key}: dataset file {path} {what}: set {key} to a .jsonl, .json or .parquet file")
@@ -116,7 +116,7 @@ def _read_rows(path: Path, *, key: str | None = None) -> tuple[list, list[str]]:
 def _first_row(path: Path) -> object:
     """The file's first row (None: it has none), a ``.jsonl`` file's read without the lines after it."""
     if path.suffix == ".jsonl" and path.is_file():
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:  # a byte-order mark some editors write is no JSON
             line = next((line for line in f if line.strip()), None)
         try:
             return None if line is None else json.loads(line)
@@ -206,8 +206,9 @@ def _row_problem(row: object, prompt_key: str, answer_key: str | None) -> str | 
             return f"{prompt_key!r} is a message list but {problem} (each message needs string 'role' and 'content')"
     elif not isinstance(prompt, str):
         return f"no string field {prompt_key!r} ({prompt_key!r} is {_json_type(prompt)}, not a string; {fix})"
-    elif not prompt:
-        return f"{prompt_key!r} is an empty string: give the row a prompt or remove it"
+    elif not prompt.strip():
+        what = "an empty string" if not prompt else "whitespace only"
+        return f"{prompt_key!r} is {what}: give the row a prompt or remove it"
     if answer_key is not None and answer_key not in row and "completion" in row:  # named, never taken silently
         return (
             f"no field {answer_key!r} but a 'completion' (TRL's prompt/completion layout): "
@@ -265,7 +266,7 @@ def _pair_problem(row: dict) -> str | None:
 def _read_text(path: Path) -> str:
     """The file as UTF-8 text; a file in another encoding is a DataError naming it and the byte."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark some editors write is no JSON
     except UnicodeDecodeError as exc:
         raise DataError(
             f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): "

@@ -266,6 +266,7 @@ def test_rows_and_rewards_that_cannot_meet_are_refused_before_the_model(tmp_path
         ),
         (['{"prompt": "1+1=", "solution": "2"}'], ["reward.fn=areno.rewards.tasks:exact_match"], "no field 'answer'"),
         (['{"prompt": "", "answer": "2"}'], [], "line 1: 'prompt' is an empty string"),
+        (['{"prompt": "   ", "answer": "2"}'], [], "line 1: 'prompt' is whitespace only"),
         (
             ['{"prompt": [{"role": "user", "content": "hi"}], "answer": "2"}'],
             [],

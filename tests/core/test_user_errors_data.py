@@ -118,8 +118,8 @@ def test_rows_fewer_than_a_batch_or_num_eval_are_said_once(tmp_path, rows, caplo
     assert _said(caplog, "rollout.batch_size") == [
         (
             logging.WARNING,
-            "rollout.batch_size=12 is larger than data.train_path's 3 rows: every batch holds each row about 4 times; "
-            "lower rollout.batch_size to 3 or less, or add rows",
+            "rollout.batch_size=12 is larger than data.train_path's 3 rows: every batch holds some rows more than once "
+            "(each about 4 times); lower rollout.batch_size to 3 or less, or add rows",
         )
     ]
     assert _said(caplog, "data.num_eval") == [
@@ -133,3 +133,16 @@ def test_rows_enough_for_a_batch_say_nothing(tmp_path, rows, caplog):
             _config(tmp_path, "data.task=null", f"data.train_path={rows}", f"data.eval_path={rows}", "data.num_eval=3")
         )
     assert _said(caplog, "rollout.batch_size") == _said(caplog, "data.num_eval") == []
+
+
+def test_a_file_saved_with_a_byte_order_mark_reads(tmp_path):
+    """walk31: some editors save UTF-8 with a BOM, which was a JSON error on line 1."""
+    from areno.data.datasets import load_rows
+
+    for name, text in (
+        ("rows.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'),
+        ("rows.json", '[{"prompt": "1+1=", "answer": "2"}]'),
+    ):
+        path = tmp_path / name
+        path.write_text("\ufeff" + text, encoding="utf-8")
+        assert load_rows(path, prompt_key="prompt") == [{"prompt": "1+1=", "answer": "2"}]
