@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import base64
 import difflib
+import functools
 import hashlib
 import inspect
 import io
 import itertools
+import json
 import random
 import typing
 from collections.abc import Callable, Iterator
@@ -221,7 +223,9 @@ def extract_answer(completion: str) -> str:
 class PromptStream:
     """An endless, seeded, resumable stream of training rows: a new shuffle each epoch.
 
-    ``state_dict()`` holds (epoch, position), the cursor of rows actually handed out.
+    ``state_dict()`` holds (epoch, position), the cursor of rows actually handed out, and the rows' count and
+    fingerprint, which a resumed stream must match (a data file rewritten in place would be read from the old
+    cursor).
     """
 
     def __init__(self, rows: list[dict], *, seed: int) -> None:
@@ -254,8 +258,31 @@ class PromptStream:
             yield from self.take(1)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "rows": len(self._rows),
+            "fingerprint": self.fingerprint,
+        }
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of up to 1,024 rows spread over the dataset (JSON values; others by type name, so images
+        hash alike in every process)."""
+        n = len(self._rows)
+        picked = sorted({i * n // 1024 for i in range(min(n, 1024))})
+        digest = hashlib.sha1(str(n).encode())
+        for i in picked:
+            digest.update(json.dumps(self._rows[i], sort_keys=True, default=lambda o: type(o).__name__).encode())
+        return digest.hexdigest()[:16]
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state.get("rows"), state.get("fingerprint")
+        if saved[0] is not None and saved != (len(self._rows), self.fingerprint):
+            raise DataError(
+                f"resume: the training rows are not the checkpoint's ({saved[0]} rows then, {len(self._rows)} now, "
+                "or rows changed in place): the data cursor would read other rows; restore the data file as it was, "
+                "or start over (resume=false overwrite=true) or in another run_dir"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._shuffle(self.epoch)

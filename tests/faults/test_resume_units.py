@@ -238,3 +238,28 @@ def test_an_async_run_resumes_with_a_smaller_batch_size(tmp_path):
     resumed = [*args, "rollout.batch_size=1", "train.steps=6"]
     _run_within(load_config(None, resumed), 60)
     assert sorted(train_rows(run_dir)) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    "new_rows", [[f"{i}+{i}=" for i in range(8, 16)], ["1+1=", "2+2="]], ids=["rewritten", "shrunk"]
+)
+def test_a_data_file_changed_in_place_is_refused_at_resume(tmp_path, capsys, new_rows):
+    """walk31: a data file rewritten under the same path resumed from the old cursor into other rows, or (fewer
+    rows) failed with an IndexError traceback after the model loaded."""
+    import json
+
+    from areno.cli import main
+    from tests.helpers.configs import train_args
+
+    rows = tmp_path / "rows.jsonl"
+
+    def write(prompts):
+        rows.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
+
+    write([f"{i}+{i}=" for i in range(8)])
+    args = train_args(tmp_path, "data.task=null", f"data.train_path={rows}", "data.num_eval=0", "reward.sandbox=false")
+    assert main([*args, "train.save_interval=1"]) == 0
+    write(new_rows)
+    assert main([*args, "train.steps=2", "resume=auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("areno: error: resume: the training rows are not the checkpoint's (8 rows then, ")
