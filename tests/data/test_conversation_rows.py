@@ -81,7 +81,7 @@ def test_preference_recipes_still_read_preference_rows_only(tmp_path):
 
 def test_sft_trains_on_the_last_assistant_turn_of_a_conversation_row(tmp_path):
     """A two-step sft run on conversation rows: the trained sequences are the templated prompt (its earlier
-    turns included), then the last assistant message's text and EOS."""
+    turns included), then the last assistant message as the template writes its turn."""
     rows = [
         {"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
         for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]
@@ -112,7 +112,7 @@ def test_sft_trains_on_the_last_assistant_turn_of_a_conversation_row(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "train/policy/loss" in r] == [1, 2]
     tokenizer = load_tokenizer(tmp_path / "model")
     (last,) = sft_trajectories(build_splits(cfg.data)[0][-1:], tokenizer, "prompt", "answer", chat_template="always")
-    assert tokenizer.decode(last.completion_ids) == "6" + tokenizer.eos_token
+    assert tokenizer.decode(last.completion_ids) == "6<|im_end|>"  # the character tokenizer's ChatML turn
     prompt = tokenizer.decode(last.prompt_ids)
     assert "1+1=" in prompt and "3+3=" in prompt and prompt.index("2") < prompt.index("3+3=")  # the context turns
 

@@ -166,7 +166,8 @@ def test_srun_gets_a_run_dir_with_a_space_as_one_argument(tmp_path):
     (tmp_path / "job.sbatch").write_text(script)
     argv = tmp_path / "argv"
     # the script as bash runs it, with srun a function that writes the arguments it receives
-    harness = f"srun() {{ printf '%s\\0' \"$@\" > {argv}; }}; wait() {{ :; }}; source {tmp_path / 'job.sbatch'}"
+    # (bash's own `wait`: the script starts srun in the background, and the file must be written before the check)
+    harness = f"srun() {{ printf '%s\\0' \"$@\" > {argv}; }}; source {tmp_path / 'job.sbatch'}"
     subprocess.run(["bash", "-c", harness], check=True, timeout=30)
     got = argv.read_text().split("\0")
     assert f"--output={job_dir}/train-%t.log" in got
