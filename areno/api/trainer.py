@@ -55,6 +55,7 @@ from areno.observe.metrics import (
     WANDB_ID_FILENAME,
     ConsoleSink,
     MetricsLogger,
+    MetricsWriteError,
     WandbConfig,
     resolve_wandb_mode,
 )
@@ -404,8 +405,11 @@ class Trainer:
         try:
             unlogged = getattr(self, "_unlogged", None)
             if unlogged is not None:  # its sync failed: the step's row, so metrics.jsonl has every step
-                self.logger.log(unlogged, step=step)
                 self._unlogged = None
+                try:
+                    self.logger.log(unlogged, step=step)
+                except MetricsWriteError as err:  # the metrics file is what failed: the weights still save
+                    logger.warning("step %d's metrics row is not written: %s", step, err)
             logger.warning("emergency checkpoint of step %d (%s) into %s", step, _first_line(exc), path)
             with span("checkpoint", "trainer", step=step):
                 self.backend.save(path, {"rollout_id": step - 1})

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from areno.errors import ConfigError, DataError
+from areno.errors import ConfigError, DataError, RunFailure
 
 NAMESPACES: tuple[str, ...] = ("rollout/", "train/", "eval/", "test/", "timing/", "system/")
 """Allowed name prefixes (besides ``policy_sync_``)."""
@@ -124,11 +124,27 @@ class JsonlSink(MetricSink):
         record: dict[str, Any] = {"step": step, "time": time.time()}
         for key, value in metrics.items():
             record[key] = value if math.isfinite(value) else None
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk, a file-size limit
+            raise MetricsWriteError(
+                f"writing {self.path} failed at step {step} ({exc.strerror or exc}): free space on its disk "
+                "(resume=auto drops a torn last line)"
+            ) from None
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # the write that failed said why; the buffer it holds cannot go anywhere
+            pass
+
+
+class MetricsWriteError(RunFailure):
+    """``metrics.jsonl`` cannot be written: the run stops (its steps would go unrecorded)."""
+
+    training_side_intact = True
+    """The steps trained are sound: the Trainer saves an emergency checkpoint of the step reached."""
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
