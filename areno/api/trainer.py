@@ -377,6 +377,8 @@ class Trainer:
             if saving or (stopping and self.save_on_stop):
                 with span("checkpoint", "trainer", step=step):
                     self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
+                if not stopping and stop.signum is not None and step < cfg.steps:  # a signal during the save
+                    stopping, signum = True, stop.signum  # this step's checkpoint is there: stop after it
             self._log_test_results()
             self.start_rollout_id = rollout_id + 1  # the step is done, its checkpoint (if any) saved
             if stopping:

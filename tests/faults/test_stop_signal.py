@@ -123,3 +123,34 @@ def test_a_signal_in_the_warm_starts_last_step_keeps_it_and_starts_no_main_stage
     assert "at the end of the warm start" in done.stderr.strip().splitlines()[-1]
     assert (tmp_path / "run" / "warm_start" / "final_model" / "COMPLETE").is_file()
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "areno.lock").exists()
+
+
+def test_a_signal_during_a_save_stops_after_that_step(tmp_path, monkeypatch):
+    """walk31: a first signal that arrived while a step's checkpoint was written was read at the next step's
+    end, so one more whole step ran (and was saved) after "stopping after this step"."""
+    import os
+
+    from areno.api.config import load_config
+    from areno.api.trainer import Trainer
+    from areno.errors import RunStopped
+    from areno.observe.metrics import read_metrics
+    from tests.helpers.configs import tiny_grpo_overrides
+
+    trainer = Trainer.init(
+        load_config(None, [*tiny_grpo_overrides(tmp_path), "train.steps=4", "train.save_interval=1"])
+    )
+    save = trainer.backend.save
+
+    def save_then_signal(path, state):
+        save(path, state)
+        if path.name == "step_00000002":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(trainer.backend, "save", save_then_signal)
+    try:
+        with pytest.raises(RunStopped, match="stopped by SIGINT after step 2 of 4"):
+            trainer.run()
+    finally:
+        trainer.shutdown()
+    assert max(r["step"] for r in read_metrics(tmp_path / "run")) == 2
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
