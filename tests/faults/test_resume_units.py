@@ -116,7 +116,11 @@ def test_ledger_saves_untrained_samples_and_replays_them_first():
     ledger.finished_without_group(seqs[3])  # rejected by the workflow: done, as without a resume
     state = json.loads(json.dumps(ledger.state_dict()))  # plain data (it goes into trainer_state.pt)
     assert [p["row"]["prompt"] for p in state["pending"]] == [handed[1]["prompt"], handed[4]["prompt"]]
-    assert state["trained_groups"] == 2 and state["stream"] == {"epoch": 0, "position": 5}
+    assert state["trained_groups"] == 2 and {k: state["stream"][k] for k in ("epoch", "position", "rows")} == {
+        "epoch": 0,
+        "position": 5,
+        "rows": 10,
+    }
 
     uninterrupted = [next(ledger)["prompt"] for _ in range(3)]
     restored = SampleLedger(PromptStream(_rows(10), seed=1))
