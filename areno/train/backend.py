@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areno.errors import ConfigError, UserError
+from areno.errors import ConfigError, ModelDirError, UserError
 from areno.models import moe, prefix_sharing
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
@@ -163,6 +163,8 @@ class PackedTrainBackend(TrainBackend):
         self._step = 0
         self._skipped_steps = 0
         self._consecutive_skips = 0
+        self._updated = False
+        """Whether an optimizer step changed the weights since they were loaded."""
         # incremental checkpoints (train.checkpoint_full_every): the last full one and its tensor hashes
         self._ckpt_base: Path | None = None
         self._ckpt_base_hashes: dict[str, str] = {}
@@ -606,7 +608,13 @@ class PackedTrainBackend(TrainBackend):
             self._consecutive_skips = 0
         self._step += 1
         if skipped and not self._parameters_finite():  # a diverged model: no later step repairs it
+            if not self._updated:  # no update ran since the load: the checkpoint's own weights
+                raise ModelDirError(
+                    f"{self._model_dir} holds NaN/inf weights (the loss of its first step was NaN/inf and no "
+                    "update ran): re-export or re-download the checkpoint"
+                )
             raise NonFiniteParametersError(role=self.cfg.role_name, step=self._step, when="the loss became NaN/inf")
+        self._updated = self._updated or not skipped
         if 0 < self.cfg.max_consecutive_skips <= self._consecutive_skips:
             raise NonFiniteStepError(
                 role=self.cfg.role_name,

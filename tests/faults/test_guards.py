@@ -130,8 +130,26 @@ def test_non_finite_parameters_are_never_saved(model_dir, tmp_path):
 def test_skipped_step_on_non_finite_parameters_stops_at_once(model_dir):
     """Skipping cannot repair a diverged model: stop at the first skip, not after five."""
     b = _backend(model_dir)
+    _step(b)
     _poison(b)
-    with pytest.raises(NonFiniteParametersError, match="after step 1"):
+    with pytest.raises(NonFiniteParametersError, match="after step 2"):
+        _step(b)
+
+
+def test_a_checkpoint_with_non_finite_weights_is_named_not_the_learning_rate(model_dir, tmp_path):
+    """walk31: NaN weights in model.safetensors were blamed on the loss, with "lower optim.lr" as the fix."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from areno.errors import ModelDirError
+
+    poisoned = shutil.copytree(model_dir, tmp_path / "poisoned")
+    weights = load_file(poisoned / "model.safetensors")
+    next(iter(weights.values())).view(-1)[0] = float("nan")
+    save_file(weights, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
+    b = _backend(poisoned)
+    with pytest.raises(ModelDirError, match=f"{poisoned} holds NaN/inf weights .*re-export or re-download"):
         _step(b)
 
 
