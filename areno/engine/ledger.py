@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import dataclasses
 import random
@@ -187,10 +188,13 @@ class LedgerWorkflow(RolloutWorkflow):
                 self.ledger.failed(seq, self.max_retries)
             raise
         finally:
-            if token is not None:
-                _EPISODE.reset(token)
-            if seed_token is not None:
-                EPISODE_SEED.reset(seed_token)
+            # a coroutine closed by a stopping loop runs this in another context, where there is nothing to
+            # reset: the ValueError it raises read as a failed episode, "retrying" after the run stopped
+            with contextlib.suppress(ValueError):
+                if token is not None:
+                    _EPISODE.reset(token)
+                if seed_token is not None:
+                    EPISODE_SEED.reset(seed_token)
         if seq is not None:
             if group is None:
                 self.ledger.finished_without_group(seq)
