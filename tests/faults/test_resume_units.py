@@ -267,3 +267,22 @@ def test_a_data_file_changed_in_place_is_refused_at_resume(tmp_path, capsys, new
     assert main([*args, "train.steps=2", "resume=auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("areno: error: resume: the training rows are not the checkpoint's (8 rows then, ")
+
+
+def test_an_episode_closed_in_another_context_is_no_failed_episode():
+    """walk31: a second Ctrl-C stops the loop, whose pending episodes are closed in another context; the
+    seeds' reset raised ValueError there, which the pool logged as a failed episode it was "retrying"."""
+    import contextvars
+
+    class Pending:
+        def __await__(self):
+            yield
+
+    class Waits(RolloutWorkflow):
+        async def run_episode(self, client, sample):
+            await Pending()
+
+    ledger = SampleLedger(PromptStream(_rows(4), seed=1))
+    episode = LedgerWorkflow(Waits(), ledger, max_retries=1, seed=0).run_episode(None, next(ledger))
+    contextvars.copy_context().run(episode.send, None)  # started in one context, as the loop's task
+    episode.close()  # closed from another
