@@ -14,6 +14,8 @@ to resume or append to: its metrics.jsonl and config.yaml are set aside (``metri
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -75,8 +77,11 @@ class RunDirLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(me))
         except OSError as exc:  # a file in the way, no permission, a read-only or virtual file system
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # a full disk leaves it created and empty
+            fix = "free space on its disk" if exc.errno == errno.ENOSPC else "pick a writable directory"
             raise ConfigError(
-                f"run_dir {self.path.parent}: cannot write there ({exc.strerror or exc}): pick a writable directory"
+                f"run_dir {self.path.parent}: cannot write there ({exc.strerror or exc}): {fix}"
             ) from None
         try:
             while True:

@@ -189,3 +189,23 @@ def test_a_run_killed_before_its_first_step_is_rerun_without_overwrite(tmp):
     assert (run_dir / "metrics.untrained.jsonl").read_text() == first  # kept, not appended to
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps.count(0) == 1 and sorted(train_rows(run_dir)) == [1]
+
+
+def test_a_full_disk_at_the_lock_says_so_and_leaves_no_file(tmp_path, monkeypatch):
+    """walk31: a full disk was told to "pick a writable directory" and left areno.lock.<pid>.tmp behind."""
+    import errno
+
+    write_text = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name.endswith(".tmp"):
+            self.touch()  # opened, then the write fails
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(ConfigError, match=r"cannot write there \(No space left on device\): free space on its disk"):
+        RunDirLock(run_dir).acquire()
+    assert list(run_dir.iterdir()) == []
