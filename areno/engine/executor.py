@@ -219,28 +219,44 @@ class WorkflowExecutor:
         self.stats.started_at = time.monotonic()
         self._worker_tasks = asyncio.run_coroutine_threadsafe(aspawn(), loop).result()
 
+    stop_timeout_s = 30.0
+    """How long ``stop`` waits for the loop thread, which code blocking it (a hanging in-process reward)
+    would otherwise hold for ever."""
+
     def stop(self) -> None:
-        """Cancel the workers and stop the loop thread. Episodes in flight are abandoned."""
+        """Cancel the workers and stop the loop thread. Episodes in flight are abandoned; a loop thread
+        that does not answer within ``stop_timeout_s`` is left to end with the process (a daemon)."""
         if self._loop is None:
             return
         self._stopping = True
-        loop = self._loop
+        loop, tasks = self._loop, self._worker_tasks or []
+        self._loop, self._worker_tasks = None, None
 
         async def acancel() -> None:
-            tasks = self._worker_tasks or []
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        asyncio.run_coroutine_threadsafe(acancel(), loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(acancel(), loop).result(timeout=self.stop_timeout_s)
+        except concurrent.futures.TimeoutError:
+            logger.warning(
+                "the rollout loop did not stop within %gs: code running in it blocks (a hanging reward with "
+                "reward.sandbox=false, or a workflow that blocks its event loop); left to end with the process",
+                self.stop_timeout_s,
+            )
+            blocked = True
+        else:
+            blocked = False
         if self.runner is not None:
             self.runner.stop()
+        if blocked:
+            return
         loop.call_soon_threadsafe(loop.stop)
         assert self._thread is not None
-        self._thread.join()
-        loop.close()
-        self._loop = None
-        self._worker_tasks = None
+        self._thread.join(timeout=self.stop_timeout_s)
+        if not self._thread.is_alive():
+            loop.close()
 
     shutdown = stop
 

@@ -295,3 +295,25 @@ def test_stop_ends_workers_whose_cancellation_was_lost():
     stopper.start()
     stopper.join(timeout=20)
     assert not stopper.is_alive(), "stop() hung on a worker whose cancellation was lost"
+
+
+def test_stop_returns_when_code_blocks_the_loop(caplog):
+    """walk31: a hanging in-process reward blocks the rollout loop's thread; stopping the pool (a second
+    Ctrl-C, a failed run's shutdown) waited for it for ever."""
+    release = threading.Event()
+
+    class Blocking(RolloutWorkflow):
+        async def run_episode(self, client, sample):
+            release.wait(30)  # blocks the event loop, as a hanging synchronous reward does
+
+    staleness = StalenessManager(max_head_offpolicyness=1, batch_size=1, max_concurrent=1)
+    ex = WorkflowExecutor(FakeEngine(length_from_prompt), Blocking(), iter(rows(4)), staleness)
+    ex.stop_timeout_s = 0.5
+    ex.start()
+    time.sleep(0.2)  # the episode is in run_episode
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="areno.engine.executor"):
+        ex.stop()
+    assert time.monotonic() - t0 < 5
+    assert "the rollout loop did not stop within 0.5s" in caplog.text
+    release.set()
