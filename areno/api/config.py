@@ -186,15 +186,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"override {bad[0]!r} must look like key=value (e.g. optim.lr=1e-5)")
     for override in overrides:
         _check_yaml(override)
-    clears = [o for o in overrides if _clears_mapping(schema, o)]
-    overrides = [o for o in overrides if o not in clears]
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-        for override in overrides:
-            _check_sections(OmegaConf.from_dotlist([override]), schema, f"override {override}")
         merged = OmegaConf.merge(*layers)
-        for override in clears:  # a mapping a file set, emptied (a merge would keep its keys)
-            OmegaConf.update(merged, override.split("=", 1)[0].strip(), {}, merge=False)
+        for override in overrides:  # in order: a later override may set a key of a mapping an earlier one emptied
+            if _clears_mapping(schema, override):  # a mapping a file set, emptied (a merge would keep its keys)
+                OmegaConf.update(merged, override.split("=", 1)[0].strip(), {}, merge=False)
+                continue
+            layer = OmegaConf.from_dotlist([override])
+            _check_sections(layer, schema, f"override {override}")
+            merged = OmegaConf.merge(merged, layer)
         config: ArenoConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except ConfigError:
         raise

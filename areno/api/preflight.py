@@ -463,10 +463,11 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, path: Path) -> None:
     would fail every request) and text encodes to some token (tokenizer_config.json without its
     vocabulary file loads as a tokenizer of special tokens alone, and every prompt would train as empty)."""
     size = len(tokenizer)
-    if size > vocab_size:
+    base = getattr(tokenizer, "vocab_size", size)  # without added tokens: a pad added past the embedding is unused
+    if base > vocab_size:
         raise ModelDirError(
-            f"model.path: the tokenizer in {path} has {size} tokens but config.json's vocab_size is {vocab_size}: "
-            "it is another model's tokenizer; copy this model's tokenizer files there"
+            f"model.path: the tokenizer in {path} has a vocabulary of {base} tokens but config.json's vocab_size is "
+            f"{vocab_size}: it is another model's tokenizer; copy this model's tokenizer files there"
         )
     if not tokenizer.encode("1 + 1 = 2, the answer", add_special_tokens=False):
         raise ModelDirError(

@@ -552,7 +552,9 @@ class Trainer:
             while kept.exists():  # resumed from this step before: keep every config it ran with
                 kept, n = path.with_name(f"config.until_{resume_from.name}.{n}.yaml"), n + 1
             path.replace(kept)
-        path.write_text(text)
+        tmp = path.with_name(path.name + ".tmp")  # whole or absent: a resumed run refuses a torn one
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
     def _resume(self, path: Path) -> None:
         state = self.backend.load(path)

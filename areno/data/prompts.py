@@ -137,15 +137,19 @@ def render_completion(
     turns = list(completion) if isinstance(completion, list) else [{"role": "assistant", "content": text}]
     full = tokenizer.apply_chat_template([*messages, *turns], tokenize=True, **(chat_template_kwargs or {}))
     full = list(full["input_ids"] if hasattr(full, "keys") else full)
-    if full[: len(prompt_ids)] != list(prompt_ids) or len(full) == len(prompt_ids):
-        if not _WARNED:
+    ids = full[len(prompt_ids) :]
+    rendered = tokenizer.decode(ids)
+    # a template may rewrite the answer (DeepSeek-R1's keeps what follows </think>): the data's text is trained
+    kept = all(m["content"].strip() in rendered for m in turns)
+    if full[: len(prompt_ids)] != list(prompt_ids) or not ids or not kept:
+        if "render_completion" not in _WARNED:
             _WARNED.add("render_completion")
             logger.warning(
-                "the chat template's render of a reference answer does not extend the prompt's: offline "
-                "completions are the answer's text and the tokenizer's EOS (warned once)"
+                "the chat template's render of a reference answer %s: offline completions are the answer's text "
+                "and the tokenizer's EOS where it does (warned once)",
+                "does not extend the prompt's" if ids and kept else "leaves out some of the answer's text",
             )
         return plain
-    ids = full[len(prompt_ids) :]
     while len(ids) > 1 and not tokenizer.decode(ids[-1:]).strip():  # Qwen's "\n" after <|im_end|>
         ids.pop()
     special = set(getattr(tokenizer, "all_special_ids", ())) | {tokenizer.eos_token_id}

@@ -518,6 +518,8 @@ def _sliding_window(arch: str, d: dict[str, Any]) -> int | None:
         return None
     else:  # the Qwen family: windows only with use_sliding_window, from layer max_window_layers on
         window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        if types is None and arch == "Qwen3MoeForCausalLM":  # its config has no max_window_layers: every layer
+            types = ["sliding_attention" if window is not None else "full_attention"] * n
         if types is None:
             start = d.get("max_window_layers", 0)
             types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(n)]

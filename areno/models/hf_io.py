@@ -50,9 +50,9 @@ def missing_model_dir(key: str, path: Path) -> str:
     rel = Path(os.path.relpath(path))
     if len(rel.parts) == 2 and rel.parts[0] != ".." and not Path(rel.parts[0]).exists():
         return (
-            f"{key}: directory {path} does not exist; {rel.as_posix()} reads as a Hugging Face Hub id, and areno "
-            f"loads local checkpoints only (it downloads nothing): `hf download {rel.as_posix()} --local-dir DIR`, "
-            f"then set {key}=DIR"
+            f"{key}: directory {path} does not exist: point it at a local Hugging Face checkpoint (if "
+            f"{rel.as_posix()} is a Hugging Face Hub id: areno downloads nothing; `hf download {rel.as_posix()} "
+            f"--local-dir DIR`, then {key}=DIR)"
         )
     return f"{key}: directory {path} does not exist: point it at a local Hugging Face checkpoint"
 

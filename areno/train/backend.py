@@ -164,7 +164,8 @@ class PackedTrainBackend(TrainBackend):
         self._skipped_steps = 0
         self._consecutive_skips = 0
         self._updated = False
-        """Whether an optimizer step changed the weights since they were loaded."""
+        """Whether an optimizer step changed the weights since they were loaded (from ``_weights_from``)."""
+        self._weights_from: Path | None = None
         # incremental checkpoints (train.checkpoint_full_every): the last full one and its tensor hashes
         self._ckpt_base: Path | None = None
         self._ckpt_base_hashes: dict[str, str] = {}
@@ -232,7 +233,7 @@ class PackedTrainBackend(TrainBackend):
         before LoRA, parallelisation and the optimizer, so what it adds is trained (LoRA adapts the
         loaded decoder only: the head trains in full)."""
         cfg = self.cfg
-        self._model_dir = Path(model_dir)
+        self._model_dir = self._weights_from = Path(model_dir)
         self._setup()
         # train.compile=auto becomes true or false here, where the device is known
         self.cfg = cfg = dataclasses.replace(cfg, compile=cfg.resolved_compile(self.device.type))
@@ -610,7 +611,7 @@ class PackedTrainBackend(TrainBackend):
         if skipped and not self._parameters_finite():  # a diverged model: no later step repairs it
             if not self._updated:  # no update ran since the load: the checkpoint's own weights
                 raise ModelDirError(
-                    f"{self._model_dir} holds NaN/inf weights (the loss of its first step was NaN/inf and no "
+                    f"{self._weights_from} holds NaN/inf weights (the loss of its first step was NaN/inf and no "
                     "update ran): re-export or re-download the checkpoint"
                 )
             raise NonFiniteParametersError(role=self.cfg.role_name, step=self._step, when="the loss became NaN/inf")
@@ -745,6 +746,7 @@ class PackedTrainBackend(TrainBackend):
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         self._restore_parked()
         state = checkpoint.load(path, self.model, self.optimizer)
+        self._weights_from, self._updated = Path(path), False
         self._step = state["step"]
         self._skipped_steps = state["skipped_steps"]
         self._consecutive_skips = state.get("consecutive_skips", 0)  # absent in older checkpoints

@@ -666,6 +666,17 @@ def _response_text(response: dict[str, Any]) -> str | None:
 
 _EXTRA_BODY_KEYS = frozenset({"top_k", "min_tokens", "stop_token_ids", "ignore_eos"})
 """vLLM's extra sampling parameters this client honours (a chat also takes ``chat_template_kwargs``)."""
+_EXTRA_BODY_NO_OP = {
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "add_generation_prompt": True,
+    "echo": False,
+}
+"""vLLM's extra parameters at the value that changes nothing here (agent stacks send them): dropped."""
+_UNSET = object()
 
 
 def _check_kwargs(req: dict[str, Any], known: frozenset[str], where: str) -> None:
@@ -691,9 +702,17 @@ def _check_kwargs(req: dict[str, Any], known: frozenset[str], where: str) -> Non
         )
     extra = req.get("extra_body") or {}
     served = _EXTRA_BODY_KEYS | ({"chat_template_kwargs"} if known is _CHAT_KEYS else set())
-    if not isinstance(extra, dict) or any(k not in served for k in extra):
-        unknown = sorted(set(extra) - served) if isinstance(extra, dict) else extra
-        raise AgentRequestError(f"{where}: extra_body {unknown!r} is not supported; it takes {sorted(served)}")
+    if not isinstance(extra, dict):
+        raise AgentRequestError(f"{where}: extra_body must be a mapping, got {extra!r:.40}")
+    # what changes no output (vLLM's defaults, a null) is dropped; the rest is refused by name
+    extra = {k: v for k, v in extra.items() if v is not None and _EXTRA_BODY_NO_OP.get(k, _UNSET) != v}
+    req["extra_body"] = extra
+    if any(k not in served for k in extra):
+        unknown = sorted(set(extra) - served)
+        raise AgentRequestError(
+            f"{where}: extra_body {unknown!r} is not supported; it takes {sorted(served)} (and other vLLM "
+            "parameters at their defaults)"
+        )
     if not isinstance(extra.get("chat_template_kwargs", {}), dict):
         raise AgentRequestError(f"{where}: extra_body chat_template_kwargs must be a mapping of template variables")
     # top alternatives per token: the engine computes none, and empty lists would read as an answer

@@ -461,6 +461,8 @@ def test_chat_template_kwargs_render_the_prompt_and_unknown_extra_body_keys_are_
     extra = {"chat_template_kwargs": {"enable_thinking": False}}
     asyncio.run(client.chat.completions.create(model="m", messages=messages, extra_body=extra))
     assert seen[-1].endswith("<|im_start|>assistant\nnothink\n")
+    no_op = {"repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True, "chat_template_kwargs": None}
+    asyncio.run(client.chat.completions.create(model="m", messages=messages, extra_body=no_op))  # vLLM's defaults
     with pytest.raises(AgentRequestError, match=r"extra_body \['repetition_penalty'\] is not supported; it takes"):
         asyncio.run(
             client.chat.completions.create(model="m", messages=messages, extra_body={"repetition_penalty": 1.1})

@@ -321,6 +321,9 @@ def test_an_override_empties_a_mapping_a_file_set(tmp_path):
         load_config(demo, file_only)
     for value in ("null", "{}"):
         assert load_config(demo, [*file_only, f"data.task_kwargs={value}"]).data.task_kwargs == {}
+        # in order: emptied, then a key set (walk32: the emptying ran last and dropped it)
+        replaced = load_config(demo, [f"data.task_kwargs={value}", "data.task_kwargs.max_len=9"]).data.task_kwargs
+        assert replaced == {"max_len": 9}
     assert load_config(demo, ["model.init_tiny=null"]).model.init_tiny is None  # an optional mapping: None
 
 

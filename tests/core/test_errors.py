@@ -327,4 +327,6 @@ def test_other_commands_report_user_errors_in_one_line(tmp_path, capsys, argv, f
 def test_a_hub_id_as_model_path_says_how_to_download_it(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc = main([*train_args(tmp_path, "model.init_tiny=null"), "model.path=Qwen/Qwen2.5-0.5B-Instruct"])
-    _assert_user_error(rc, capsys.readouterr().err, "Qwen/Qwen2.5-0.5B-Instruct reads as a Hugging Face Hub id")
+    _assert_user_error(
+        rc, capsys.readouterr().err, "(if Qwen/Qwen2.5-0.5B-Instruct is a Hugging Face Hub id: areno downloads nothing"
+    )

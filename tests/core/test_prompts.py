@@ -396,3 +396,25 @@ def test_server_chat_route_takes_chat_template_kwargs(tmp_path):
         res = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
     expected = render_prompt(tok, user, chat_template="always", chat_template_kwargs=NO_THINKING)
     assert res["choices"][0]["prompt_token_ids"] == expected and tok.decode(expected).endswith("</think>\n\n")
+
+
+def test_a_template_that_rewrites_the_answer_trains_the_datas_text(caplog):
+    """walk32: DeepSeek-R1's template keeps only what follows </think> of an assistant turn: SFT on a reasoning
+    trace trained the final answer alone. The data's text is trained then (its text and EOS), with a warning."""
+    import logging
+
+    from areno.data import prompts
+
+    r1 = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% else %}"
+        "{% set c = m['content'] %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+        "<|Assistant|>{{ c }}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}"
+    )
+    tok = build_char_tokenizer(extra_tokens=("<|User|>", "<|Assistant|>", "<think>", "</think>"))
+    tok.chat_template = r1
+    prompts._WARNED.discard("render_completion")
+    answer = "<think>\n1+1 is 2\n</think>\n2"
+    with caplog.at_level(logging.WARNING, logger="areno.data.prompts"):
+        (sft,) = sft_trajectories([{"q": "1+1=", "a": answer}], tok, "q", "a", chat_template="always")
+    assert tok.decode(sft.completion_ids) == answer + "</s>"
+    assert "leaves out some of the answer's text" in caplog.text

@@ -271,3 +271,17 @@ def test_lost_rollout_servers_stop_the_run_at_once_with_one_line(tmp_path, capsy
         "areno: error: every rollout server is gone: http://127.0.0.1:1: rollout[0] (pid 7) died"
     )
     assert not any("retrying" in line or "dropping dataset" in line for line in err)
+
+
+def test_non_finite_weights_after_a_resume_name_the_checkpoint(model_dir, tmp_path):
+    """walk32: after load_checkpoint, weights no update produced came from the checkpoint, not model.path."""
+    from areno.errors import ModelDirError
+
+    b = _backend(model_dir)
+    _step(b)
+    b.save_checkpoint(tmp_path / "ckpt", {})
+    resumed = _backend(model_dir)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    _poison(resumed)  # as if the checkpoint's weights held them
+    with pytest.raises(ModelDirError, match=f"{tmp_path / 'ckpt'} holds NaN/inf weights"):
+        _step(resumed)

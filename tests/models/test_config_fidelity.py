@@ -79,6 +79,13 @@ def test_qwen2_windows_start_at_layer_max_window_layers(tmp_path):
         _config({**qwen, "max_window_layers": 0})
 
 
+def test_qwen3_moe_windows_every_layer_and_is_refused():
+    # walk32: its config class has no max_window_layers; transformers slides every layer
+    d = tiny_config(VOCAB, arch="qwen3_moe", layers=2).to_hf() | {"use_sliding_window": True, "sliding_window": 8}
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM with sliding-window attention \(all 2 layers\)"):
+        _config({**d, "max_window_layers": 28})
+
+
 def test_per_layer_windows_and_inconsistent_layer_types_are_refused():
     mistral = tiny_config(VOCAB, arch="mistral", layers=2, sliding_window=8).to_hf()
     with pytest.raises(ValueError, match=r"sliding-window attention on layers \[1\] only \(of 2\) is not supported"):
