@@ -442,7 +442,7 @@ def check_model(config: ArenoConfig) -> Any:
     if model.init_tiny is not None and (not (path / "config.json").is_file() or init_tiny_stale(config)):
         check_init_tiny(model.init_tiny)  # the engine creates the model there
         return build_char_tokenizer()
-    check_model_files(path, key="model.path")
+    model_config = check_model_files(path, key="model.path")
     check_has_tokenizer(path, key="model.path")
     try:
         tokenizer = load_pretrained_tokenizer(path)
@@ -454,7 +454,7 @@ def check_model(config: ArenoConfig) -> Any:
         ) from None
     if tokenizer.eos_token_id is None:
         raise ModelDirError(f"model.path: the tokenizer in {path} has no eos_token: set one in tokenizer_config.json")
-    check_tokenizer_fits(tokenizer, read_config(path).vocab_size, path)
+    check_tokenizer_fits(tokenizer, model_config.vocab_size, path)
     return tokenizer
 
 
@@ -476,17 +476,18 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, path: Path) -> None:
         )
 
 
-def check_model_files(path: Path, *, key: str) -> None:
+def check_model_files(path: Path, *, key: str) -> ModelConfig:
     """What loading the checkpoint at ``path`` would reject, found without reading a tensor:
-    config.json (a model this decoder implements), the weight files and their headers."""
+    config.json (a model this decoder implements), the weight files and their headers; returns the config."""
     if path.is_file():
         raise ModelDirError(_a_file(key, path))
     if not path.is_dir():
         raise ModelDirError(missing_model_dir(key, path))
-    read_config(path)
+    config = read_config(path)
     for weights in safetensors_files(path):
         with open_safetensors(weights):  # parses the header: a truncated file fails here
             pass
+    return config
 
 
 def _a_file(key: str, path: Path, *, init_tiny: bool = False) -> str:

@@ -135,8 +135,7 @@ def render_completion(
         return plain
     messages = prompt_messages(prompt, system_prompt)
     turns = list(completion) if isinstance(completion, list) else [{"role": "assistant", "content": text}]
-    full = tokenizer.apply_chat_template([*messages, *turns], tokenize=True, **(chat_template_kwargs or {}))
-    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    full = apply_template(tokenizer, [*messages, *turns], generation=False, **(chat_template_kwargs or {}))
     ids = full[len(prompt_ids) :]
     rendered = tokenizer.decode(ids)
     # a template may rewrite the answer (DeepSeek-R1's keeps what follows </think>): the data's text is trained
@@ -158,11 +157,13 @@ def render_completion(
     return ids
 
 
-def apply_template(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
-    """``apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)`` as a list of ids
+def apply_template(
+    tokenizer: Any, messages: list[dict], *, generation: bool = True, **template_kwargs: Any
+) -> list[int]:
+    """``apply_chat_template(messages, add_generation_prompt=generation, **template_kwargs)`` as a list of ids
     (transformers 5 returns a ``BatchEncoding``, 4 a list); ``template_kwargs`` are the template's own
     variables (Qwen3's ``enable_thinking``)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, **template_kwargs)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -384,13 +384,13 @@ def sft_trajectories(
     """Offline data for supervised recipes: the prompt rendered as rollouts render it
     (:func:`render_prompt`), then the reference answer (a string, or TRL's assistant messages) as the chat
     template writes the assistant's turn, or its text and EOS untemplated (:func:`render_completion`)."""
+    templating = {
+        "chat_template": chat_template,
+        "system_prompt": system_prompt,
+        "chat_template_kwargs": chat_template_kwargs,
+    }
     out = []
     for row in rows:
-        templating = {
-            "chat_template": chat_template,
-            "system_prompt": system_prompt,
-            "chat_template_kwargs": chat_template_kwargs,
-        }
         prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
         completion_ids = render_completion(tokenizer, row[prompt_key], row[answer_key], prompt_ids, **templating)
         out.append(_offline_trajectory(prompt_ids, completion_ids, prompt=row[prompt_key]))
@@ -412,12 +412,12 @@ def preference_trajectories(
     :func:`sft_trajectories` renders them. Their ``logprobs`` record nothing (zeros): a reference's come
     from a reference role (``check_pair_recipe``)."""
     out = []
+    templating = {
+        "chat_template": chat_template,
+        "system_prompt": system_prompt,
+        "chat_template_kwargs": chat_template_kwargs,
+    }
     for i, row in enumerate(rows):  # group ids by place in the batch: a row drawn twice makes two pairs
-        templating = {
-            "chat_template": chat_template,
-            "system_prompt": system_prompt,
-            "chat_template_kwargs": chat_template_kwargs,
-        }
         prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
         for key, reward in zip(PAIR_KEYS, (1.0, 0.0)):
             completion_ids = render_completion(tokenizer, row[prompt_key], row[key], prompt_ids, **templating)
