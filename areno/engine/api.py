@@ -55,7 +55,7 @@ from areno.models.vision import VisionConfig
 from areno.recipes import TRAINING_CONFIGS, get_recipe
 from areno.recipes.config import TrainingConfig
 from areno.recipes.registry import resolve_name
-from areno.rewards.loader import load_reward
+from areno.rewards.loader import check_reward_started, load_reward, start_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.specializations.actor import ActorSpecialization
@@ -665,6 +665,8 @@ class ArenoEngine:
         self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
         if not generates(self.recipe, pairs=self.pairs, held_out=bool(self.eval_rows)):
             self._drop_rollout_side()
+        if self.recipe.online:  # a sandboxed reward's first worker imports it while the models load
+            self.reward_fn = start_reward(load_reward(cfg.reward))
         model_dir = self.model_dir = prepare_model_dir(cfg)
         self.tokenizer = load_tokenizer(model_dir)
         vision = read_config(model_dir).vision
@@ -736,7 +738,8 @@ class ArenoEngine:
 
     def _build_executor(self) -> WorkflowExecutor:
         cfg = self.config
-        reward_fn = self.reward_fn = load_reward(cfg.reward)
+        reward_fn = self.reward_fn
+        check_reward_started(reward_fn)
         # one observation store: workflows taking `store=` put large observations there; the
         # executor frees those of dropped groups, step() those of trained ones
         self.store = InProcessStore()
@@ -937,6 +940,7 @@ class ArenoEngine:
         cfg = self.config
         if self.reward_fn is None:  # offline recipes build no executor
             self.reward_fn = load_reward(cfg.reward)
+            check_reward_started(self.reward_fn)
         samples = cfg.train.eval_samples
         params = eval_params(cfg, samples, cfg.train.eval_temperature, name="train.eval_samples")
         self._enter(Phase.ROLLOUT)

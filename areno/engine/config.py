@@ -303,7 +303,8 @@ class RolloutSection(ConfigSection, RolloutEngineSettings):
     kv_blocks: int = 0
     """KV-cache blocks (of ``block_size`` tokens) of each rollout engine (0 = sized automatically:
     ``kv_memory_fraction`` of the free memory on CUDA, ``cpu_kv_cache_bytes`` on CPU, and on a GPU
-    shared with training what the memory check allows)."""
+    shared with training what the memory check allows; at most twice the blocks of the engine's running
+    batch at ``max_model_len``, which a small model on a large GPU would otherwise far exceed)."""
     cuda_graph_warmup: bool = True
     """CUDA: capture the decode CUDA graphs of every batch size the run can reach (its rows in flight,
     ``min(max_concurrent, batch_size x (η + 1))`` x ``n_samples``, or its evaluation's, ``data.num_eval``

@@ -38,7 +38,7 @@ from areno.errors import ConfigError, DataError, ModelDirError
 from areno.models.checkpoint_dirs import complete_checkpoints, model_dir_of, newest_checkpoint
 from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
-from areno.rewards.loader import load_reward
+from areno.rewards.loader import check_reward_started, load_reward, start_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.specializations.preference import RewardModelSpecialization
 from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
@@ -243,7 +243,7 @@ def run_eval(
     if not options.out:
         _check_writable(out)
     side = _rollout_side(config, model_dir, out.parent, options.checkpoint)
-    reward_fn = load_reward(config.reward)  # an import error before any model loads
+    reward_fn = start_reward(load_reward(config.reward))  # an import error before any model loads
     started = False
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -262,6 +262,7 @@ def run_eval(
             reward_sum += sum(t.reward for t in trajectories)
             progress(done, len(rows), reward_sum / (done * samples))
 
+        check_reward_started(reward_fn)  # a sandbox worker that cannot import it: named before generating
         t0 = time.perf_counter()
         with held_burst(side) as client:  # batches as the run's own evaluation forms them
             scored = asyncio.run(

@@ -43,7 +43,7 @@ from areno.engine.seams import SideSetup
 from areno.errors import ConfigError
 from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
-from areno.rewards.loader import load_reward
+from areno.rewards.loader import check_reward_started, load_reward, start_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.client import RolloutClient
 from areno.train.checkpoint import complete_checkpoints
@@ -290,11 +290,17 @@ def start_test_rollout(
         raise ConfigError(
             "test_rollout.enabled: there are no held-out rows to evaluate: set data.num_eval > 0 (or data.eval_path)"
         )
-    model_dir = prepare_model_dir(config)
-    tokenizer = load_tokenizer(model_dir)
+    reward_fn = start_reward(load_reward(config.reward))
+    try:
+        model_dir = prepare_model_dir(config)
+        tokenizer = load_tokenizer(model_dir)
+        check_reward_started(reward_fn)  # a sandbox worker that cannot import it: named before an engine starts
+    except BaseException:
+        if isinstance(reward_fn, RewardSandbox):
+            release_shared(reward_fn)
+        raise
     side = LocalRolloutSide(config, device)
     side.start(SideSetup(recipe=resolve_recipe(config), model_dir=model_dir, tokenizer=tokenizer))
-    reward_fn = load_reward(config.reward)
     vision = read_config(model_dir).vision
     samples = config.train.eval_samples
     workflow = EvalWorkflow(

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from areno.errors import RewardImportError, UserError
-from areno.rewards.sandbox import SANDBOX_CWD_PREFIX, shared_sandbox
+from areno.rewards.sandbox import SANDBOX_CWD_PREFIX, RewardSandbox, shared_sandbox
 
 
 def is_file_path(module: str) -> bool:
@@ -245,3 +245,18 @@ def load_reward(section: Any) -> Any:
         cpu_s=section.cpu_s,
         allow_network=section.allow_network,
     )
+
+
+def start_reward(reward: Any) -> Any:
+    """``reward`` (``load_reward``'s), with a sandbox's first worker started: it imports the reward
+    while the caller loads its models, and ``check_reward_started`` waits for it."""
+    if isinstance(reward, RewardSandbox):
+        reward.start_early()
+    return reward
+
+
+def check_reward_started(reward: Any) -> None:
+    """A one-line RewardImportError when ``reward`` is a sandbox whose workers cannot import it
+    (nothing to check for an in-process one: it is imported already)."""
+    if isinstance(reward, RewardSandbox):
+        reward.check_started()

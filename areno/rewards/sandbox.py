@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from areno.errors import RewardImportError
 from areno.rewards._protocol import MAX_REPLY_BYTES, MalformedReply, decode_reply
 
 SANDBOX_CWD_PREFIX = "areno-reward-"
@@ -398,6 +399,34 @@ class RewardSandbox:
         out["rollout/reward_worker_restarts"] = float(counts.get("worker_restarts", 0))
         out["rollout/reward_call_time_mean_s"] = busy / max(counts.get("calls", 0), 1)
         return out
+
+    # ------------------------------------------------------------------------------ start-up
+    def start_early(self) -> None:
+        """Start one worker now, so that it imports the reward while the caller loads its models;
+        ``check_started`` then waits for it."""
+        if self._closed:
+            return
+        worker = self._idle.get()
+        try:
+            if worker.proc is None:
+                worker.start()
+        finally:
+            self._idle.put(worker)
+
+    def check_started(self) -> None:
+        """Wait until a worker has imported the reward: a one-line RewardImportError when none can.
+        What imports in the caller's process may not in a worker's (its private working directory,
+        PYTHONPATH set elsewhere), and would otherwise score every call 0 from the first step on."""
+        worker = self._idle.get()
+        try:
+            worker.ensure_ready()
+        except RewardFailure as exc:
+            raise RewardImportError(
+                f"reward.fn={self.fn_path}: the reward sandbox's worker cannot start: {exc} "
+                "(reward.sandbox=false scores it in the trainer's process instead)"
+            ) from None
+        finally:
+            self._idle.put(worker)
 
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._slots if w.proc is not None]

@@ -38,9 +38,9 @@ class RolloutEngineSettings:
 
     kv_memory_fraction: float = 0.8
     """CUDA: fraction of the device memory free when the engine starts that an automatically sized
-    KV pool takes."""
+    KV pool takes (at most ``KV_BLOCKS_HEADROOM`` times the running batch's blocks at ``max_model_len``)."""
     cpu_kv_cache_bytes: int = 1 << 29
-    """CPU: bytes of an automatically sized KV pool."""
+    """CPU: bytes of an automatically sized KV pool (capped as on CUDA)."""
     max_num_seqs: int = 0
     """Most sequences the engine decodes at once (its running batch; CUDA graphs are captured up to
     this size). 0: a run takes its sequences in flight, min(max_concurrent, batch_size x (eta + 1)) x

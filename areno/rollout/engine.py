@@ -61,6 +61,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+KV_BLOCKS_HEADROOM = 2
+"""An automatically sized KV pool holds at most this many times the blocks of ``max_num_seqs`` sequences at
+``max_model_len``: the running batch at full length, and as much again for cached prefixes."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -259,6 +262,7 @@ class RolloutEngine:
             head_dim=model_config.head_dim,
             dtype=self.kv_dtype,
         )
+        max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         if config.num_blocks:
             num_blocks = config.num_blocks
         else:
@@ -267,7 +271,10 @@ class RolloutEngine:
                 if self.device.type == "cuda"
                 else config.cpu_kv_cache_bytes
             )
-            num_blocks = self._agree_num_blocks(KVCache.blocks_in_budget(budget, **shape))
+            # a small model on a large device: memory holds far more blocks than the engine can use (and
+            # the allocator keeps a Python record per block: minutes and gigabytes at 10^8 blocks)
+            usable = KV_BLOCKS_HEADROOM * config.max_num_seqs * max_blocks_per_seq
+            num_blocks = self._agree_num_blocks(min(KVCache.blocks_in_budget(budget, **shape), usable))
         cache = KVCache(num_blocks=num_blocks, device=self.device, **shape)
         # recorded routes need a forward of every token of each sequence: no shared prefixes
         sharing = config.enable_prefix_sharing and not config.record_routes
@@ -277,7 +284,7 @@ class RolloutEngine:
             max_num_seqs=config.max_num_seqs,
             max_tokens_per_step=config.max_tokens_per_step,
             prefill_chunk_size=config.prefill_chunk_size,
-            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+            max_blocks_per_seq=max_blocks_per_seq,
         )
         if (
             self.device.type == "cpu"

@@ -14,6 +14,7 @@ without a word).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -58,6 +59,13 @@ HOST_ALIGN = 4096
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over all of ``storage``'s bytes (copies through it reach the storage)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _unregister_host(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already; the memory goes with it
+        pass
 
 
 class StorageOffloader:
@@ -124,6 +132,9 @@ class StorageOffloader:
                 raise RuntimeError(
                     f"cluster.offload=sleep: cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err})"
                 )
+            # an offloader dropped without release() (a backend never shut down) must not free memory
+            # that stays registered: a later host tensor there made its device copy fail ("invalid argument")
+            self._unregister = weakref.finalize(host, _unregister_host, host.data_ptr())
             self._registered = True
         self._host = host
         return host
@@ -133,7 +144,7 @@ class StorageOffloader:
         if self._saved or self._host is None:
             return
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+            self._unregister()
             self._registered = False
         self._host = None
 

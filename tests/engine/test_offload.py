@@ -330,3 +330,36 @@ def test_later_cuda_train_phases_hold_no_more_than_the_first_during_forward_and_
     first = max(value for _, value in steps[0][0])
     for before_step, _ in steps[1:]:
         assert max(value for _, value in before_step) < first + max(moment_bytes) / 2, (first, before_step)
+
+
+
+def test_a_dropped_offloader_unregisters_its_page_locked_host_buffer(monkeypatch):
+    """A backend never shut down left its page-locked host buffer registered after the memory was freed; a later
+    host tensor allocated there failed its copy to the GPU ("CUDA error: invalid argument": the GPU suite's
+    order-dependent failure of test_cuda_fp32_master_attends_with_bf16_varlen). A finalizer now unregisters it,
+    once, whichever comes first of release() and the buffer's end."""
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    storages = [torch.zeros(1000).untyped_storage()]
+    dropped = StorageOffloader()
+    ptr = dropped._host_buffer(4096, storages, pin=True).data_ptr()
+    del dropped
+    gc.collect()
+    assert calls == [("register", ptr), ("unregister", ptr)]
+    calls.clear()
+    released = StorageOffloader()
+    ptr = released._host_buffer(4096, storages, pin=True).data_ptr()
+    released.release()
+    del released
+    gc.collect()
+    assert calls == [("register", ptr), ("unregister", ptr)]

@@ -115,3 +115,41 @@ def test_an_in_process_reward_that_exits_is_a_reward_error():
 
     assert _call(exits) == (0.0, "SystemExit: 0")
     assert _call(interrupts) == (0.0, "KeyboardInterrupt: ")
+
+
+def _reads_a_relative_file(tmp_path):
+    """A reward module that opens lookup.json relative to the working directory at import: it imports in
+    the trainer (run from tmp_path) but not in a sandbox worker, whose working directory is its own."""
+    (tmp_path / "lookup.json").write_text("{}")
+    module = tmp_path / "rw_relative.py"
+    module.write_text(
+        "import json\nTABLE = json.load(open('lookup.json'))\n\ndef score(p, c, a, **row):\n    return 1.0\n"
+    )
+    return module
+
+
+def test_a_reward_that_imports_only_in_the_trainer_stops_the_run_before_its_first_step(tmp_path, monkeypatch, capsys):
+    """Every sandboxed call failed with a crash, scored 0, and the run stopped after the step-0 evaluation and
+    three rollout batches; now the first worker, started while the models load, is waited for before any
+    rollout, and its import error is the run's one line."""
+    module = _reads_a_relative_file(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = train_args(tmp_path, "train.steps=10", f"reward.fn={module}:score", "reward.sandbox=true")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"areno: error: reward.fn={module}:score: the reward sandbox's worker cannot start: ")
+    assert "FileNotFoundError" in err[-1] and "private temporary directory" in err[-1]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not any("step" in json.loads(line) for line in metrics.read_text().splitlines())
+
+
+def test_the_sandbox_start_check_passes_a_reward_that_imports_and_keeps_its_worker(tmp_path):
+    from areno.rewards.sandbox import RewardSandbox
+
+    module = tmp_path / "rw_ok.py"
+    module.write_text("def score(p, c, a, **row):\n    return 0.5\n")
+    with RewardSandbox(f"{module}:score", workers=2) as pool:
+        pool.start_early()
+        pool.check_started()
+        (pid,) = pool.worker_pids()  # one worker started early, and it scores the first call
+        assert pool.score("p", "c", "a") == 0.5 and pool.worker_pids() == [pid]
