@@ -332,7 +332,6 @@ def test_later_cuda_train_phases_hold_no_more_than_the_first_during_forward_and_
         assert max(value for _, value in before_step) < first + max(moment_bytes) / 2, (first, before_step)
 
 
-
 def test_a_dropped_offloader_unregisters_its_page_locked_host_buffer(monkeypatch):
     """A backend never shut down left its page-locked host buffer registered after the memory was freed; a later
     host tensor allocated there failed its copy to the GPU ("CUDA error: invalid argument": the GPU suite's
