@@ -356,6 +356,13 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
+OUT_OF_MEMORY_FIX = (
+    "lower train.max_tokens_per_mb (smaller micro-batches), rollout.kv_memory_fraction or rollout.kv_blocks (a "
+    "smaller KV pool), set cluster.offload=sleep (the sides take turns on the device) or train.activation_checkpointing"
+    "=true, or use a smaller model or more devices"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
@@ -379,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("areno: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        torch = sys.modules.get("torch")  # not imported for it: a command that never loaded torch cannot raise it
+        if torch is None or not isinstance(exc, torch.OutOfMemoryError):
+            raise
+        logging.getLogger("areno").debug("out of device memory", exc_info=exc)
+        first = next(iter(str(exc).strip().splitlines()), "")
+        print(f"areno: error: out of device memory ({first}): {OUT_OF_MEMORY_FIX}", file=sys.stderr)
+        return RUN_FAILED
 
 
 if __name__ == "__main__":

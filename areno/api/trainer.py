@@ -237,7 +237,9 @@ class Trainer:
             self._resume(resume_from)
         if config.test_rollout.enabled:
             after = checkpoint_step(resume_from) if resume_from is not None else None
-            self.test_rollout = start_test_rollout(config, self.run_dir, after_step=after)
+            self.test_rollout = start_test_rollout(
+                config, self.run_dir, after_step=after, reserve=self.backend.device_bytes_to_come
+            )
 
     def rollout_token_batch(self, rollout_id: int) -> RolloutBatch:
         return self.backend.rollout_batch(rollout_id)

@@ -579,6 +579,13 @@ REWARD_FAILED_BATCHES = 3
 outage of what the reward calls: a judge's server, a sandbox restarting)."""
 
 
+def _index(device: torch.device) -> int | None:
+    """``device``'s index, a CUDA device without one being the current device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.cuda.current_device()
+    return device.index
+
+
 class ArenoEngine:
     """The run's data, its rollout pool, and the two sides (see the module doc)."""
 
@@ -674,12 +681,15 @@ class ArenoEngine:
         setup = SideSetup(recipe=self.recipe, model_dir=model_dir, tokenizer=self.tokenizer)
         self.training.start(setup)
         self.asynchronous = self.recipe.online and cfg.rollout.max_head_offpolicyness > 0
+        shared = self.shared_device
         if self.rollout is not None:
             # before the rollout engine sizes its KV pool: with cluster.offload=sleep the training
             # state is in host memory by then
             self._enter(Phase.ROLLOUT)
+            if shared is not None and not (self.residency is not None and self.residency.moves_state):
+                # both sides stay on the device: the pool leaves what training will take at its first step
+                setup = dataclasses.replace(setup, device_bytes_reserved=self.training.device_bytes_to_come())
             self.rollout.start(setup)
-        shared = self.shared_device
         # Taking turns on one device: the engine generates only while the trainer waits for a batch,
         # so the batches admitted meanwhile decode together, and no decode step runs between (or
         # delays) the training step and the policy sync.
@@ -689,6 +699,14 @@ class ArenoEngine:
         if self.taking_turns:
             self._rollout_side("taking turns").pause()
         self.executor = self._build_executor() if self.recipe.online else None
+
+    def training_bytes_to_come(self, device: torch.device) -> int:
+        """Device bytes the training side will still take on ``device`` (``TrainingSide.device_bytes_to_come``
+        when it trains there): an engine started there later (the test rollout's) leaves them free."""
+        shared = self.shared_device
+        if shared is None or shared.type != device.type or _index(shared) != _index(device):
+            return 0
+        return self.training.device_bytes_to_come()
 
     def _drop_rollout_side(self) -> None:
         """A run that never generates keeps no rollout side (unstarted: nothing loaded yet), so no

@@ -395,9 +395,16 @@ def _param_count(model_config: Any) -> int:
     hd = getattr(model_config, "head_dim", None) or h // heads
     v = model_config.vocab_size
     attn = h * heads * hd * 2 + h * kv * hd * 2
-    mlp = 3 * h * i
     embed = v * h * (1 if getattr(model_config, "tie_word_embeddings", False) else 2)
-    return L * (attn + mlp + 2 * h) + embed + h
+    experts = getattr(model_config, "num_experts", 0)
+    if not experts:
+        return L * (attn + 3 * h * i + 2 * h) + embed + h
+    # an expert layer holds every expert's SwiGLU and the router; the others keep a dense MLP
+    sparse = sum(
+        (k + 1) % model_config.decoder_sparse_step == 0 and k not in model_config.mlp_only_layers for k in range(L)
+    )
+    expert_mlp = experts * 3 * h * model_config.moe_intermediate_size + h * experts
+    return L * (attn + 2 * h) + sparse * expert_mlp + (L - sparse) * 3 * h * i + embed + h
 
 
 def estimate_memory(

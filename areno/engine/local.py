@@ -158,6 +158,14 @@ class LocalTrainingSide(TrainingSide):
         ``cluster.role_devices`` moved has a device of its own and keeps its state there)."""
         return [b for b in self.runner.backends.values() if isinstance(b, LocalTrainBackend)]
 
+    def device_bytes_to_come(self) -> int:
+        """Every trainable role's gradients and optimizer state (allocated at its first step, kept
+        after) and the largest of the roles' micro-batch activations (the roles train one at a time)."""
+        backends = self._shared_device_backends()
+        if not backends or self.device.type != "cuda":
+            return 0
+        return sum(b.lazy_state_bytes() for b in backends) + max(b.activation_bytes() for b in backends)
+
     def sleep(self) -> int:
         """Move the gradients and optimizer state of the roles on this device to host memory (their
         weights stay: the sync after the rollout reads them); returns the bytes freed on the device
@@ -209,7 +217,7 @@ class LocalRolloutSide(RolloutSide):
 
     def start(self, setup: SideSetup) -> None:
         self.tokenizer = setup.tokenizer
-        self.engine = self._build_rollout_engine(setup.model_dir)
+        self.engine = self._build_rollout_engine(setup.model_dir, setup.device_bytes_reserved)
         warm_up_rollout_engine(self.engine, self.config)
         # The one driver of the rollout engine: rollouts and evaluation both go through it. A
         # synchronous CPU run steps it from the trainer's thread (one OpenMP team in the process:
@@ -221,13 +229,14 @@ class LocalRolloutSide(RolloutSide):
             caller_drives=self.device.type == "cpu" and synchronous,
         )
 
-    def _build_rollout_engine(self, model_dir: Path) -> RolloutEngine:
+    def _build_rollout_engine(self, model_dir: Path, kv_reserved_bytes: int = 0) -> RolloutEngine:
         dtype_name = resolve_dtypes(self.config, self.device.type).rollout
         dtype = getattr(torch, dtype_name)
         model, model_config = load_model(model_dir, dtype=dtype, device=str(self.device))
         engine_cfg = rollout_engine_config(
             self.config, device=str(self.device), dtype=dtype_name, num_blocks=self.config.rollout.kv_blocks
         )
+        engine_cfg = dataclasses.replace(engine_cfg, kv_reserved_bytes=kv_reserved_bytes)
         return RolloutEngine(
             model,
             model_config,
@@ -314,6 +323,8 @@ class SleepResidency(Residency):
     Releases come before wakes, so the device never holds two phases' state at once; sleep and wake
     copy bytes, so a run computes exactly what it computes with ``cluster.offload=none``.
     """
+
+    moves_state = True
 
     # set in __init__
     training: LocalTrainingSide

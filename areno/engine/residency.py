@@ -27,6 +27,8 @@ class Phase(enum.Enum):
 class Residency:
     """``cluster.offload=none``: nothing moves; only the per-phase peaks are recorded (CUDA)."""
 
+    moves_state: bool = False
+    """Whether a phase moves the other side's state off the device (``cluster.offload=sleep``)."""
     # set in __init__
     device: torch.device
     phase: Phase | None = None

@@ -37,6 +37,9 @@ class SideSetup:
     model_dir: Path
     tokenizer: Any
     """The checkpoint's Hugging Face tokenizer (``eos_token_id`` set)."""
+    device_bytes_reserved: int = 0
+    """Rollout side: device bytes the training side sharing its device will take after start-up
+    (``TrainingSide.device_bytes_to_come``), which an automatically sized KV pool leaves free."""
 
 
 class WeightKind(enum.Enum):

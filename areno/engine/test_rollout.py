@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from areno.data.datasets import build_splits
 from areno.engine.api import (
     load_tokenizer,
@@ -274,13 +276,19 @@ POLL_INTERVAL_S = 0.5
 
 
 def start_test_rollout(
-    config: ArenoConfig, run_dir: str | Path, *, after_step: int | None = None
+    config: ArenoConfig,
+    run_dir: str | Path,
+    *,
+    after_step: int | None = None,
+    reserve: Callable[[torch.device], int] = lambda device: 0,
 ) -> TestRolloutManager:
     """The running test rollout of a colocated run (``config.test_rollout``, see the module doc): a
     rollout engine of its own on ``test_rollout.device``, started from ``model.path`` and hot-loaded
     from each checkpoint's ``hf/`` export, scoring the held-out rows with the run's reward as the
     run's evaluation does (greedy, or ``train.eval_samples`` seeded samples with their pass@k).
-    ``after_step``: checkpoints up to it are not evaluated (a resumed run's were, before it stopped)."""
+    ``after_step``: checkpoints up to it are not evaluated (a resumed run's were, before it stopped).
+    ``reserve``: the device bytes the run's training will still take on a device (``Backend.device_bytes_to_come``),
+    which the engine's automatic KV pool leaves free."""
     section = config.test_rollout
     device = resolve_device(config.cluster.device if section.device == "auto" else section.device)
     _, eval_rows = build_splits(config.data)
@@ -300,7 +308,10 @@ def start_test_rollout(
             release_shared(reward_fn)
         raise
     side = LocalRolloutSide(config, device)
-    side.start(SideSetup(recipe=resolve_recipe(config), model_dir=model_dir, tokenizer=tokenizer))
+    setup = SideSetup(
+        recipe=resolve_recipe(config), model_dir=model_dir, tokenizer=tokenizer, device_bytes_reserved=reserve(device)
+    )
+    side.start(setup)
     vision = read_config(model_dir).vision
     samples = config.train.eval_samples
     workflow = EvalWorkflow(

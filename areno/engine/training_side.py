@@ -45,6 +45,12 @@ class TrainingSide(ABC):
         side has it."""
         raise NotImplementedError(f"{type(self).__name__} does not prepare held-out batches")
 
+    def device_bytes_to_come(self) -> int:
+        """Device bytes this side will take beyond what it holds after ``start``, on the device it
+        shares with the rollout side: a rollout engine sizing its KV pool from free memory leaves them.
+        0 for a side that shares no device."""
+        return 0
+
     @abstractmethod
     def save(self, path: Path, extra_state: dict) -> None:
         """Write each trainable role's state (weights, optimizer, scheduler) under ``path/<role>``

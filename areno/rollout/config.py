@@ -191,6 +191,9 @@ class RolloutEngineConfig(RolloutEngineSettings):
     num_blocks: int | None = None
     """KV blocks in the pool. None: sized from ``kv_memory_fraction`` on CUDA, from
     ``cpu_kv_cache_bytes`` on CPU (a run passes ``rollout.kv_blocks`` or its memory budget)."""
+    kv_reserved_bytes: int = 0
+    """CUDA, pool sized from free memory: bytes of it left to others before ``kv_memory_fraction``
+    applies (a colocated run's training side: its gradients, optimizer state and activations to come)."""
     dtype: str | None = None
     """KV cache dtype (``KV_DTYPES``). None: the model's parameter dtype."""
     device: str | None = None

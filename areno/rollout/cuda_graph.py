@@ -39,6 +39,7 @@ frees the KV tensors and therefore drops every graph (they are re-captured after
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +64,10 @@ __all__ = [  # the padded shapes (graph_shapes.py) stay importable from here
     "padded_batch_size",
     "padded_num_blocks",
 ]
+
+log = logging.getLogger(__name__)
+_CAPTURE_LOCK = threading.Lock()
+"""Held by every capture of the process (each engine's driver thread captures lazily)."""
 
 
 class GraphHost(Protocol):
@@ -127,6 +132,8 @@ class DecodeGraphRunner:
         self._loops: dict[tuple[int, int, int, int, SampleMode], _LoopGraph] = {}
         self._pool = None
         self._side: torch.cuda.Stream | None = None
+        self._uncapturable: set[tuple[str, tuple]] = set()
+        """Captures that failed (by capture function and key): their steps run eagerly."""
         self.capture_lock = threading.Lock()
         """Held while a graph is captured; ``hold_captures`` takes it (e.g. for a policy sync) so no
         capture runs beside it: a decode step that would need a new graph meanwhile runs eagerly."""
@@ -145,12 +152,34 @@ class DecodeGraphRunner:
             yield
 
     def try_capture(self, capture: Callable[..., Any], *key: Any) -> Any:
-        """``capture(*key)`` unless captures are held (then None: the caller runs eagerly)."""
+        """``capture(*key)`` unless captures are held, or this capture failed before (then None: the
+        caller runs eagerly). A capture that fails (out of memory: the KV pool was sized before the
+        graphs) is warned about once and its steps run eagerly from then on, rather than failing every
+        request of the step and trying again at the next."""
+        name = (getattr(capture, "__qualname__", repr(capture)), key)
+        if name in self._uncapturable:
+            return None
         if not self.capture_lock.acquire(blocking=False):
             self.deferred += 1
             return None
+        device = self.engine.device
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         try:
             return capture(*key)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if stream is not None:  # torch's graph context does not restore the stream when ending the capture raises
+                torch.cuda.set_stream(stream)
+            self._uncapturable.add(name)
+            log.log(
+                logging.WARNING if len(self._uncapturable) == 1 else logging.DEBUG,
+                "rollout engine: capturing a CUDA graph (%s %s) failed, so its steps run eagerly (%s: %s); "
+                "more free device memory (a smaller rollout.kv_memory_fraction) lets it capture",
+                name[0],
+                key,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+            return None
         finally:
             self.capture_lock.release()
 
@@ -195,6 +224,7 @@ class DecodeGraphRunner:
     def clear(self) -> None:
         self._graphs.clear()
         self._loops.clear()
+        self._uncapturable.clear()  # released memory may let them capture now
         self._pool = None
 
     def can_loop(self, batch: ScheduledBatch, rp: RowParams, k: int) -> bool:
@@ -321,8 +351,11 @@ class DecodeGraphRunner:
             graph.register_generator_state(generator)
         # thread_local: the engine's driver thread captures while, colocated and asynchronous, the
         # trainer's thread keeps launching work on the same GPU; the default (global) mode would
-        # let that work invalidate the capture (cudaErrorStreamCaptureInvalidated)
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # let that work invalidate the capture (cudaErrorStreamCaptureInvalidated). The runner's own
+        # stream and one capture at a time in the process: torch's default capture stream is one per
+        # process (on the first capture's device), and a second engine here (the test rollout's, a
+        # teacher's) capturing on it at once failed and left its thread on that stream
+        with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             out = fn()
         self.captures += 1
         self.capture_s += time.perf_counter() - t0

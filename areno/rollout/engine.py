@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from areno.errors import ConfigError
 from areno.models import decode_mlp, fused_linear, fused_ops
 from areno.models.vision import ImageInputs, mrope_positions, position_delta
 from areno.observe.trace import instant, span
@@ -59,6 +60,39 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def automatic_num_blocks(
+    config: RolloutEngineConfig, free: int | None, per_block: int, usable: int, device: torch.device
+) -> int:
+    """The blocks of a KV pool sized from memory: on CUDA ``kv_memory_fraction`` of the ``free`` bytes
+    less ``kv_reserved_bytes``, on CPU (``free`` None) ``cpu_kv_cache_bytes``; at most ``usable`` (a small
+    model on a large device: memory holds far more blocks than the engine can use). A ConfigError
+    naming the settings when not one block fits."""
+    if free is None:
+        budget = config.cpu_kv_cache_bytes
+    else:
+        budget = int(max(free - config.kv_reserved_bytes, 0) * config.kv_memory_fraction)
+    if budget >= per_block:
+        return min(budget // per_block, usable)
+    gib = 2**30
+    if free is None:
+        raise ConfigError(
+            f"rollout.cpu_kv_cache_bytes={config.cpu_kv_cache_bytes} holds no KV block of {per_block} bytes: "
+            "raise it, or set rollout.kv_blocks"
+        )
+    if config.kv_reserved_bytes:
+        raise ConfigError(
+            f"the rollout engine's KV pool has no room on {device}: {free / gib:.2f} GiB free, of which "
+            f"{config.kv_reserved_bytes / gib:.2f} GiB stay for the training side on the same device (its "
+            "gradients, optimizer state and a micro-batch's activations): lower train.max_tokens_per_mb, set "
+            "cluster.offload=sleep, or rollout.kv_blocks"
+        )
+    raise ConfigError(
+        f"the rollout engine's KV pool has no room on {device}: {free / gib:.2f} GiB free x "
+        f"rollout.kv_memory_fraction={config.kv_memory_fraction} holds no KV block of {per_block} bytes: free "
+        "device memory, raise rollout.kv_memory_fraction, or set rollout.kv_blocks"
+    )
 
 
 KV_BLOCKS_HEADROOM = 2
@@ -266,15 +300,19 @@ class RolloutEngine:
         if config.num_blocks:
             num_blocks = config.num_blocks
         else:
-            budget = (
-                int(torch.cuda.mem_get_info(self.device)[0] * config.kv_memory_fraction)
-                if self.device.type == "cuda"
-                else config.cpu_kv_cache_bytes
-            )
-            # a small model on a large device: memory holds far more blocks than the engine can use (and
-            # the allocator keeps a Python record per block: minutes and gigabytes at 10^8 blocks)
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+            per_block = KVCache.bytes_per_block(**shape)
             usable = KV_BLOCKS_HEADROOM * config.max_num_seqs * max_blocks_per_seq
-            num_blocks = self._agree_num_blocks(min(KVCache.blocks_in_budget(budget, **shape), usable))
+            num_blocks = self._agree_num_blocks(automatic_num_blocks(config, free, per_block, usable, self.device))
+            log.info(
+                "rollout engine: KV pool of %d blocks of %d tokens (%.2f GiB%s)",
+                num_blocks,
+                config.block_size,
+                num_blocks * per_block / 2**30,
+                f"; {config.kv_reserved_bytes / 2**30:.2f} GiB left free for the training side"
+                if config.kv_reserved_bytes
+                else "",
+            )
         cache = KVCache(num_blocks=num_blocks, device=self.device, **shape)
         # recorded routes need a forward of every token of each sequence: no shared prefixes
         sharing = config.enable_prefix_sharing and not config.record_routes

@@ -55,9 +55,13 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_sharing = enable_prefix_sharing
-        self._meta = [_BlockMeta() for _ in range(num_blocks)]
-        # Pop from the end: low ids first, which keeps small runs easy to read in a debugger.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Built as blocks are first handed out (low ids first): a pool sized from a large device's memory
+        # can hold 10^7-10^8 blocks, whose records at once took seconds to minutes and gigabytes.
+        self._meta: list[_BlockMeta] = []
+        self._next = 0
+        """Blocks from here on were never handed out."""
+        self._free: list[int] = []
+        """Blocks handed out and freed since (unregistered): reused first, the last freed first."""
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_key: dict[int, int] = {}
         self.prefix_hit_tokens = 0
@@ -67,7 +71,7 @@ class BlockAllocator:
     @property
     def num_available(self) -> int:
         """Blocks that ``allocate`` can hand out now (free + evictable)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self.num_blocks - self._next + len(self._evictable)
 
     @property
     def num_used(self) -> int:
@@ -77,6 +81,10 @@ class BlockAllocator:
     def allocate(self) -> int:
         if self._free:
             block = self._free.pop()
+        elif self._next < self.num_blocks:
+            block = self._next
+            self._next += 1
+            self._meta.append(_BlockMeta())
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             self._unregister(block)
@@ -93,11 +101,16 @@ class BlockAllocator:
         take = min(n, len(free))
         blocks = free[len(free) - take :][::-1]
         del free[len(free) - take :]
+        fresh = min(n - take, self.num_blocks - self._next)
+        if fresh:
+            blocks.extend(range(self._next, self._next + fresh))
+            self._meta.extend(_BlockMeta() for _ in range(fresh))
+            self._next += fresh
         meta = self._meta
         for block in blocks:
             assert meta[block].ref_count == 0
             meta[block].ref_count = 1
-        for _ in range(n - take):  # then evictable blocks, oldest first
+        for _ in range(n - len(blocks)):  # then evictable blocks, oldest first
             blocks.append(self.allocate())
         return blocks
 
@@ -184,7 +197,7 @@ class BlockAllocator:
         meta.key, meta.parent_key, meta.tokens = None, None, ()
 
     def ref_count(self, block: int) -> int:
-        return self._meta[block].ref_count
+        return self._meta[block].ref_count if block < self._next else 0
 
 
 class KVCache:

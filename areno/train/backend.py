@@ -58,6 +58,7 @@ from areno.train.packing import (
     MICRO_BATCH_ROWS,
     MicroBatchPlan,
     MicroBatchSpec,
+    activation_bytes_per_token,
     dummy_batch,
     estimate_max_tokens_per_mb,
     plan_micro_batches,
@@ -315,7 +316,6 @@ class PackedTrainBackend(TrainBackend):
         self._scheduler = scheduler
 
     def _default_tokens_per_mb(self) -> int:
-        mc = self.model_config
         lo, hi = CPU_TOKENS_PER_MB
         if self.device.type != "cuda":
             available = available_host_bytes()
@@ -325,23 +325,35 @@ class PackedTrainBackend(TrainBackend):
             processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             free_bytes = available // (CPU_MEMORY_SHARE * processes)
         else:
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            if self.cfg.trainable:  # Adam moments and grads are allocated lazily: reserve them
-                trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-                free_bytes -= 3 * trainable // max(self._dp_size * self._cp_size, 1) + self._reduction_buffer_bytes(
-                    trainable
-                )
-        tokens = estimate_max_tokens_per_mb(
+            # Adam moments and grads are allocated lazily: reserve them
+            free_bytes = torch.cuda.mem_get_info(self.device)[0] - self.lazy_state_bytes()
+        tokens = estimate_max_tokens_per_mb(free_bytes=max(free_bytes, 0), **self._activation_shape())
+        return tokens if self.device.type == "cuda" else min(hi, max(lo, tokens))
+
+    def _activation_shape(self) -> dict[str, int | bool]:
+        mc = self.model_config
+        return dict(
             hidden_size=mc.hidden_size,
             intermediate_size=mc.intermediate_size,
             num_layers=mc.num_hidden_layers,
             vocab_size=mc.vocab_size,
             q_kv_dim=(mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim,
-            free_bytes=max(free_bytes, 0),
             compute_bytes=2 if self.cfg.resolved_param_dtype(self.device.type) == "bfloat16" else 4,
             activation_checkpointing=self.cfg.activation_checkpointing,
         )
-        return tokens if self.device.type == "cuda" else min(hi, max(lo, tokens))
+
+    def lazy_state_bytes(self) -> int:
+        """Device bytes of what a trainable backend allocates at its first step (gradients, AdamW's two
+        moments, the gradient reduction's buffers), on this rank; 0 for a frozen one."""
+        if not self.cfg.trainable:
+            return 0
+        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        return 3 * trainable // max(self._dp_size * self._cp_size, 1) + self._reduction_buffer_bytes(trainable)
+
+    def activation_bytes(self) -> int:
+        """Device bytes of a full micro-batch's activations (``max_tokens_per_mb`` tokens, the estimate
+        that sizes the default budget)."""
+        return self.max_tokens_per_mb * activation_bytes_per_token(**self._activation_shape())
 
     def _check_ready(self) -> None:
         if not self._initialized:
@@ -791,8 +803,10 @@ class PackedTrainBackend(TrainBackend):
         return self._offloader.wake()
 
     def shutdown(self) -> None:
-        if self._offloader.asleep:
-            self._offloader.wake()
+        if self._offloader.asleep:  # the parked gradients and optimizer state go with the backend
+            self._offloader.discard()
+            for p in self.model.parameters():
+                p.grad = None
         self._woken_lazily = False
         self._offloader.release()
         self.optimizer = None

@@ -139,6 +139,12 @@ class StorageOffloader:
         self._host = host
         return host
 
+    def discard(self) -> None:
+        """Forget what ``sleep`` parked (those tensors stay empty) and give the host buffer back: for a
+        shutdown, which copied it back to the device only to drop it (out of memory beside an engine)."""
+        self._saved = []
+        self.release()
+
     def release(self) -> None:
         """Give the host buffer back (unpinned first); a no-op while asleep or without one."""
         if self._saved or self._host is None:

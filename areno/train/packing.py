@@ -338,32 +338,34 @@ def dummy_batch(like: TokenBatch) -> TokenBatch:
     )
 
 
-def estimate_max_tokens_per_mb(
+def activation_bytes_per_token(
     *,
     hidden_size: int,
     intermediate_size: int,
     num_layers: int,
     vocab_size: int,
     q_kv_dim: int,
-    free_bytes: int,
     compute_bytes: int = 2,
     activation_checkpointing: bool = False,
-    safety: float = 0.7,
 ) -> int:
-    """Largest micro-batch token budget whose activations fit in ``free_bytes`` (coarse).
+    """Device bytes a micro-batch's activations take per token (coarse, on the safe side).
 
     Per token and layer the backward keeps the layer's inputs, the attention projections
     (``q_kv_dim`` = (Hq + 2 Hkv) * Dh), attention output and the SwiGLU intermediates (about
     ``8 D + 2 q_kv_dim + 5 I`` elements; flash/varlen attention keeps no T x T scores). With
     activation checkpointing only each layer's input (D) is kept, plus one layer recomputed at a
     time. The LM head adds ``V`` compute-dtype logits plus fp32 log-softmax for the chunk in flight,
-    counted for every token to stay on the safe side. Rounded down to a multiple of 256, at least 256.
-    """
+    counted for every token to stay on the safe side."""
     per_layer = 8 * hidden_size + 2 * q_kv_dim + 5 * intermediate_size
     if activation_checkpointing:
         per_token = compute_bytes * (num_layers * hidden_size + per_layer)
     else:
         per_token = compute_bytes * num_layers * per_layer
-    per_token += vocab_size * (compute_bytes + 4)
-    tokens = int(free_bytes * safety) // max(per_token, 1)
+    return per_token + vocab_size * (compute_bytes + 4)
+
+
+def estimate_max_tokens_per_mb(*, free_bytes: int, safety: float = 0.7, **shape: int | bool) -> int:
+    """Largest micro-batch token budget whose activations (``activation_bytes_per_token`` of ``shape``)
+    fit in ``safety`` x ``free_bytes``. Rounded down to a multiple of 256, at least 256."""
+    tokens = int(free_bytes * safety) // max(activation_bytes_per_token(**shape), 1)
     return max(256, (tokens // 256) * 256)

@@ -4,6 +4,7 @@ its log, exit code 1; anything else is a bug whose traceback goes through (exit 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import shutil
@@ -330,3 +331,23 @@ def test_a_hub_id_as_model_path_says_how_to_download_it(tmp_path, capsys, monkey
     _assert_user_error(
         rc, capsys.readouterr().err, "(if Qwen/Qwen2.5-0.5B-Instruct is a Hugging Face Hub id: areno downloads nothing"
     )
+
+
+def test_out_of_device_memory_is_one_line_naming_the_settings(monkeypatch, capsys):
+    """walk34: an OOM (a model or KV pool that does not fit, the first training step's optimizer state) was a
+    torch traceback; the CLI now names what to lower, and other exceptions still propagate."""
+    import areno.cli as cli
+
+    def run(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)\nmore")
+
+    monkeypatch.setattr(cli, "_parse", lambda parser, argv: argparse.Namespace(func=run))
+    assert main(["train"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "areno: error: out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)): "
+        + cli.OUT_OF_MEMORY_FIX
+    ]
+    monkeypatch.setattr(cli, "_parse", lambda parser, argv: argparse.Namespace(func=lambda args: 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        main(["train"])

@@ -18,12 +18,14 @@ from safetensors.torch import load_file
 
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
+from areno.engine.local import LocalTrainingSide
 from areno.engine.placement import build_engine
 from areno.engine.residency import Phase
 from areno.errors import ConfigError
 from areno.models import Decoder, tiny_config
 from areno.train import offload
 from areno.train.offload import StorageOffloader, collect_tensors
+from areno.train.packing import activation_bytes_per_token
 from tests.helpers.configs import run_to_end, tiny_run_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -362,3 +364,57 @@ def test_a_dropped_offloader_unregisters_its_page_locked_host_buffer(monkeypatch
     del released
     gc.collect()
     assert calls == [("register", ptr), ("unregister", ptr)]
+
+
+@pytest.mark.parametrize("offload", ["none", "sleep"])
+def test_a_colocated_engine_sizes_its_kv_pool_beside_what_training_will_take(tmp_path, monkeypatch, offload):
+    """walk33: the rollout engine sized its pool from 80% of the device memory free after the training side loaded,
+    which still held the gradients, AdamW moments and activations the first training step allocates (an OOM
+    there for a 1.5B model on an 80 GB GPU). Now the training side names those bytes and the pool leaves them,
+    unless cluster.offload=sleep takes turns on the device."""
+    monkeypatch.setattr(LocalTrainingSide, "device_bytes_to_come", lambda self: 12345)
+    cfg = _config(tmp_path, "run", f"cluster.offload={offload}")
+    engine = build_engine(cfg, tmp_path / "run")
+    engine.initialize()
+    try:
+        assert engine.rollout.engine.config.kv_reserved_bytes == (12345 if offload == "none" else 0)
+    finally:
+        engine.shutdown()
+
+
+def test_the_training_side_names_its_state_to_come_and_its_largest_activations(tmp_path, monkeypatch):
+    cfg = _config(tmp_path, "run", "train.max_tokens_per_mb=512")
+    engine = build_engine(cfg, tmp_path / "run")
+    engine.initialize()
+    try:
+        side = engine.training
+        (backend,) = side.runner.backends.values()
+        assert side.device_bytes_to_come() == 0  # a CPU run's pool does not come from free memory
+        trainable = sum(p.numel() * p.element_size() for p in backend.model.parameters() if p.requires_grad)
+        assert backend.lazy_state_bytes() == 3 * trainable  # gradients and two AdamW moments
+        per_token = activation_bytes_per_token(**backend._activation_shape())
+        assert backend.activation_bytes() == 512 * per_token
+        monkeypatch.setattr(side, "device", torch.device("cuda"))
+        assert side.device_bytes_to_come() == 3 * trainable + 512 * per_token
+    finally:
+        engine.shutdown()
+
+
+def test_a_sleeping_backend_shuts_down_without_bringing_its_state_back(tmp_path, monkeypatch):
+    """walk34: shutting down while asleep (a failure during the rollout phase) copied the gradients and optimizer
+    state back to the device only to drop them, beside the engine's KV pool: an out-of-memory error at exit that
+    could replace the run's own. They are dropped where they wait now."""
+    cfg = _config(tmp_path, "run", "cluster.offload=sleep")
+    engine = build_engine(cfg, tmp_path / "run")
+    engine.initialize()
+    (backend,) = engine.training.runner.backends.values()
+    try:
+        engine.step(engine.generate_rollout(0))
+        engine.update_weights()
+        engine.generate_rollout(1)  # ROLLOUT: the training state waits in host memory
+        assert backend._offloader.asleep and backend._offloader.held_bytes > 0
+        monkeypatch.setattr(StorageOffloader, "wake", lambda self: pytest.fail("woken at shutdown"))
+    finally:
+        engine.shutdown()
+    assert not backend._offloader.asleep and backend._offloader.host_buffer_bytes == 0
+    assert all(p.grad is None for p in backend.model.parameters())

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from areno.api.backend.areno.backend import ArenoBackend
 from areno.api.config import load_config
 from areno.api.trainer import Trainer
 from areno.data.datasets import build_splits
@@ -151,3 +152,27 @@ def test_sampled_evaluation_settings_reach_the_test_rollout(tmp_path):
         assert row["test/accuracy"] == pytest.approx(alone["metrics"]["eval/accuracy"], abs=1e-12), step
         for k in (1, 2, 3):
             assert row[f"test/pass@{k}"] == pytest.approx(alone["metrics"][f"eval/pass@{k}"], abs=1e-12), (step, k)
+
+
+def test_the_test_rollout_engine_leaves_the_training_sides_bytes(tmp_path, monkeypatch):
+    """walk33/walk34: the test rollout's engine, on the training device, sized its KV pool from 80% of the memory
+    free after the run's own engine, which included what the first training step still allocates; it now leaves
+    the bytes the backend names (``Backend.device_bytes_to_come``) for that device."""
+    asked = []
+
+    def to_come(self, device):
+        asked.append(device)
+        return 777
+
+    monkeypatch.setattr(ArenoBackend, "device_bytes_to_come", to_come)
+    trainer = Trainer.init(_config(tmp_path, "train.steps=1", "test_rollout.enabled=true"))
+    try:
+        assert asked == [torch.device("cpu")]
+        assert trainer.test_rollout.engine.config.kv_reserved_bytes == 777
+        engine = trainer.backend.engine
+        assert engine.training_bytes_to_come(torch.device("cpu")) == 0  # a CPU side's pool is not from free memory
+        monkeypatch.setattr(engine.training, "device_bytes_to_come", lambda: 5)
+        assert engine.training_bytes_to_come(torch.device("cpu")) == 5
+        assert engine.training_bytes_to_come(torch.device("cuda", 1)) == 0  # another device than the training one
+    finally:
+        trainer.shutdown()

@@ -1,6 +1,7 @@
 """Device lists, ranks, groups, relays and the memory check of the partitioned topology."""
 
 import pytest
+import torch
 
 from areno.engine.cluster import (
     ClusterLayout,
@@ -228,3 +229,20 @@ def test_worker_process_settings_threads():
         torch.set_num_threads(before_threads)
     with pytest.raises(ConfigError, match=r"cluster\.switch_interval_s"):  # removed: never measured
         load_config(None, ["model.path=m", "cluster.switch_interval_s=0.001"])
+
+
+@pytest.mark.parametrize("layout", ["qwen3_moe", "qwen3_moe_unnormed", "mixtral"])
+def test_the_memory_estimate_counts_every_expert(tmp_path, layout):
+    """walk33: the partitioned layout's memory check counted a dense MLP of intermediate_size in every layer, so a
+    Qwen3-30B-A3B was checked as 3.3B parameters (6.2 against 56.9 GiB a device over 8 ranks) and passed layouts
+    that then ran out of memory after loading. The count now matches the built model's (its per-head q/k norms
+    aside), with Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) kept dense."""
+    from areno.engine.cluster import _param_count
+    from areno.models.hf_io import load_model
+    from tests.helpers.moe import saved_by_transformers
+
+    saved_by_transformers(layout, tmp_path)
+    model, config = load_model(tmp_path, dtype=torch.float32, device="cpu")
+    built = sum(p.numel() for p in model.parameters())
+    qk_norms = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight")))
+    assert _param_count(config) == built - qk_norms

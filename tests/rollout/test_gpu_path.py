@@ -442,3 +442,80 @@ def test_chained_round_trips_on_gpu_give_the_serial_engines_tokens():
     assert engines[False]._stepper.chained_round_trips == 0
     assert engines[True]._stepper.chained_round_trips > 5
     assert engines[True]._graphs._loops
+
+
+@pytest.mark.gpu
+def test_two_engines_of_one_process_capture_from_their_own_threads_at_once():
+    """walk34: torch's default capture stream is one per process, so two engines (a run's and its test rollout's,
+    or a teacher's) capturing lazily from their own threads at once collided; each runner now captures on its own
+    stream, one capture at a time in the process. Both threads' tokens equal each engine's alone."""
+    import threading
+
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompts = [random_prompts(24, seed=51), random_prompts(24, seed=52)]
+
+    def engine(seed):
+        model, cfg = make_model(seed)
+        config = RolloutEngineConfig(block_size=4, num_blocks=1024, decode_steps=1, overlap_round_trips=False)
+        return RolloutEngine(model.to(device="cuda", dtype=torch.bfloat16), cfg, config=config, eos_token_ids=())
+
+    def tokens(outputs):
+        return [o.output_ids for o in outputs]
+
+    alone = [tokens(engine(i).generate(prompts[i], params)) for i in range(2)]
+    engines, together, errors = [engine(0), engine(1)], [None, None], []
+    start = threading.Barrier(2)
+
+    def run(i):
+        try:
+            start.wait()
+            together[i] = tokens(engines[i].generate(prompts[i], params))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert together == alone
+    assert all(e.stats()["cuda_graphs_captured"] > 0 for e in engines)
+
+
+def test_a_capture_that_fails_runs_its_steps_eagerly_and_is_not_tried_again(caplog):
+    """walk34: a capture that failed at first use (out of memory beside the KV pool) left engine.step, which
+    failed every pending request, and the next step tried the same capture again. It is warned about once now,
+    and its steps run eagerly: the same tokens as the engine without graphs. Capture emulated on CPU."""
+    import logging
+
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    prompts = random_prompts(5, seed=43)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    config = RolloutEngineConfig(block_size=4, num_blocks=64, max_num_seqs=6, max_model_len=70, decode_steps=1)
+    eager = RolloutEngine(model, cfg, config=config).generate(prompts, params)
+    eng = RolloutEngine(model, cfg, config=config)
+    eng._graphs = runner = eager_runner(eng, max_batch=6)
+    attempts = []
+
+    def out_of_memory(fn, generator=None):
+        attempts.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    runner.record = out_of_memory
+    with caplog.at_level(logging.DEBUG, logger="areno.rollout.cuda_graph"):
+        outs = eng.generate(prompts, params)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in eager]
+    keys = {r.args[1] for r in caplog.records if "capturing a CUDA graph" in r.getMessage()}
+    assert len(attempts) == len(keys) >= 1  # each shape tried once, however many steps needed it
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert (
+        len(warnings) == 1
+        and "its steps run eagerly (OutOfMemoryError: CUDA out of memory." in warnings[0].getMessage()
+    )
+    runner.clear()
+    assert not runner._uncapturable

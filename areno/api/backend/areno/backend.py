@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from areno.api.backend.base import Backend, RolloutBatch, register_backend
 from areno.engine.api import ArenoEngine
 from areno.engine.config import ArenoConfig
@@ -38,6 +40,9 @@ class ArenoBackend(Backend):
 
     def save(self, path: Path, trainer_state: dict) -> None:
         self.engine.save(path, trainer_state)
+
+    def device_bytes_to_come(self, device: torch.device) -> int:
+        return self.engine.training_bytes_to_come(device)
 
     def load(self, path: Path) -> dict:
         return self.engine.load(path)
