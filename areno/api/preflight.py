@@ -35,7 +35,7 @@ from areno.data.tokenizer import (
     check_has_tokenizer,
     load_pretrained_tokenizer,
 )
-from areno.engine.api import check_pair_recipe, generates, init_tiny_stale, resolve_recipe
+from areno.engine.api import check_cuda_capability, check_pair_recipe, generates, init_tiny_stale, resolve_recipe
 from areno.engine.config import (
     ArenoConfig,
     RewardSection,
@@ -112,6 +112,8 @@ def check_run(config: ArenoConfig) -> None:
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
     if config.test_rollout.enabled and config.test_rollout.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("test_rollout.device=cuda but no CUDA device is visible: use test_rollout.device=cpu or auto")
+    if config.cluster.device in ("auto", "cuda") and torch.cuda.is_available():
+        check_cuda_capability(torch.device("cuda"))  # a GPU too old for the CUDA path, before any model loads
     check_held_out(config)
     say_if_held_out_evaluation_is_off(config)
     check_placement(config, recipe)

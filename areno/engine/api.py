@@ -64,7 +64,7 @@ from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecia
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import ENGINE_ARGUMENTS, RolloutWorkflow, load_workflow
-from areno.workflows.common import prompt_kwargs, store_kwargs, teacher_kwargs, warn_reward_errors
+from areno.workflows.common import prompt_kwargs, store_kwargs, takes_param, teacher_kwargs, warn_reward_errors
 from areno.workflows.images import vision_kwargs
 
 logger = logging.getLogger(__name__)
@@ -72,10 +72,31 @@ logger = logging.getLogger(__name__)
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
-    return torch.device(name)
+    else:
+        device = torch.device(name)
+    if device.type == "cuda":
+        check_cuda_capability(device)
+    return device
+
+
+MIN_CUDA_CAPABILITY = (8, 0)
+"""bfloat16, flash attention and areno's Triton decode kernels: Ampere (A100, A10, L4, RTX 30xx) or newer."""
+
+
+def check_cuda_capability(device: torch.device) -> None:
+    """A ConfigError on a GPU older than ``MIN_CUDA_CAPABILITY`` (a V100, a T4), before any model
+    loads: there the defaults failed deep inside the first forward."""
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CUDA_CAPABILITY:
+        major, minor = capability
+        raise ConfigError(
+            f"cluster.device: {torch.cuda.get_device_name(device)} has CUDA compute capability {major}.{minor}; "
+            "areno's CUDA path (bfloat16, flash attention, its Triton decode kernels) needs 8.0 or newer (A100, "
+            "A10, L4, RTX 30xx, H100): use cluster.device=cpu, or a newer GPU"
+        )
 
 
 def rollout_engine_config(cfg: ArenoConfig, *, device: str, dtype: str, num_blocks: int = 0):
@@ -754,6 +775,17 @@ class ArenoEngine:
     def _phase_metrics(self) -> dict[str, float]:
         return self.residency.metrics() if self.residency is not None and not self.asynchronous else {}
 
+    def _teacher_reserve(self) -> dict[str, int]:
+        """``teacher_kv_reserved_bytes`` for a workflow whose teacher engine (built at its first teacher
+        request, in this process) sizes its KV pool from free memory: what the training side will still
+        take on the teacher's device. Empty when the workflow has no such engine or the user set it."""
+        cfg = self.config
+        name = "teacher_kv_reserved_bytes"
+        if name in cfg.rollout.workflow_kwargs or not takes_param(cfg.rollout.workflow, name):
+            return {}
+        device = resolve_device(cfg.rollout.workflow_kwargs.get("teacher_device", "auto"))
+        return {name: self.training_bytes_to_come(device)}
+
     def _build_executor(self) -> WorkflowExecutor:
         cfg = self.config
         reward_fn = self.reward_fn
@@ -775,6 +807,7 @@ class ArenoEngine:
             **engine_kwargs,
             **store_kwargs(cfg.rollout.workflow, self.store, cfg.rollout.workflow_kwargs),
             **teacher_kwargs(cfg.rollout.workflow, self.recipe, cfg.rollout.workflow_kwargs),
+            **self._teacher_reserve(),
             **vision_kwargs(cfg.rollout.workflow, self.model_dir, cfg.rollout.workflow_kwargs),
             **prompt_kwargs(cfg.rollout.workflow, cfg.rollout.workflow_kwargs, **cfg.data.templating()),
             **cfg.rollout.workflow_kwargs,

@@ -456,6 +456,28 @@ def validate_memory(layout: ClusterLayout, estimate: MemoryEstimate, capacity: d
             )
 
 
+HOST_MEMORY_SHARE = 0.9
+"""Of the host's available memory, what the training processes' whole-model loads may take together."""
+
+
+def validate_host_memory(layout: ClusterLayout, model_config: Any, train_dtype: str, available: int | None) -> None:
+    """LayoutError (one line) when the training processes of one host cannot all load the model: each
+    reads the whole checkpoint into host memory in ``train_dtype`` before sharding it, so a 7B model
+    over 8 local ranks needs 224 GiB at once (the kernel's OOM killer otherwise ends a worker without a
+    message). ``available``: the host's ``MemAvailable`` (None: not checked)."""
+    if available is None:
+        return
+    per_rank = _param_count(model_config) * _DTYPE_BYTES[train_dtype]
+    need = layout.n_train * per_rank
+    if need > HOST_MEMORY_SHARE * available:
+        raise LayoutError(
+            f"host memory: each of the {layout.n_train} training processes loads the whole model into host memory "
+            f"before sharding it (~{per_rank / GIB:.2f} GiB in {train_dtype}): ~{need / GIB:.2f} GiB at once, "
+            f"against {available / GIB:.2f} GiB available ({layout._places()}): fewer training devices on this "
+            "host, model.dtype=bfloat16, or a host with more memory"
+        )
+
+
 # ---------------------------------------------------------------------- groups
 @dataclass
 class Groups:

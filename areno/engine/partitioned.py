@@ -56,6 +56,7 @@ from areno.engine.cluster import (
     estimate_memory,
     layout_from_config,
     scheduler_for,
+    validate_host_memory,
     validate_memory,
 )
 from areno.engine.config import ArenoConfig, ClusterSection, field_default, resolve_dtypes
@@ -71,6 +72,7 @@ from areno.recipes import get_recipe
 from areno.sync.stream import StreamSyncConfig
 from areno.train import checkpoint
 from areno.train.context_parallel import check_context_parallel
+from areno.train.offload import available_host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -378,6 +380,9 @@ class PartitionedCluster:
         against ``device_capacity``, default each GPU's total memory; nothing checked on CPU)."""
         cfg = self.config
         cuda = layout.cuda
+        if cfg.cluster.scheduler == "local":  # one host runs every worker
+            train_dtype = resolve_dtypes(cfg, "cuda" if cuda else "cpu").train
+            validate_host_memory(layout, read_config(model_dir), train_dtype, available_host_bytes())
         capacity = self._device_capacity
         if capacity is None and cuda:
             capacity = {

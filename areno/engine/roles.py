@@ -31,7 +31,7 @@ from areno.engine.partitioned import apply_process_settings
 from areno.errors import ConfigError
 from areno.launch.allocation import build_gpu_allocations, map_roles, parse_allocation_mode
 from areno.launch.factory import scheduler_from_config
-from areno.launch.scheduler import RoleSpec, Scheduler, WorkerError, scheduler_config
+from areno.launch.scheduler import RoleSpec, Scheduler, WorkerError, scheduler_config, usable_cores
 from areno.recipes.config import TrainingConfig
 from areno.train import LocalTrainBackend
 from areno.train.config import TrainBackendConfig
@@ -56,10 +56,11 @@ def _policy_role(recipe: TrainingConfig) -> str:
 
 
 def _num_devices(config: ArenoConfig) -> int:
-    """Devices a placement may name: the visible GPUs, on CPU the cores (one worker process each)."""
+    """Devices a placement may name: the visible GPUs, on CPU the cores this process may run on (one
+    worker process each; a taskset or cgroup mask has fewer than the machine)."""
     if resolve_device(config.cluster.device).type == "cuda":
         return torch.cuda.device_count()
-    return os.cpu_count() or 1
+    return usable_cores()
 
 
 def role_allocation(config: ArenoConfig, recipe: TrainingConfig) -> dict[str, tuple[int, ...]]:

@@ -44,15 +44,22 @@ TEACHER_Q_MASK_KEY = "teacher_q_mask_T"
 
 
 def teacher_engine_client(
-    model_dir: str, tokenizer: Any, *, device: str = "auto", num_blocks: int | None = None, seed: int = 0
+    model_dir: str,
+    tokenizer: Any,
+    *,
+    device: str = "auto",
+    num_blocks: int | None = None,
+    kv_reserved_bytes: int = 0,
+    seed: int = 0,
 ) -> InProcessRolloutClient:
     """An ``InProcessRolloutClient`` over a ``RolloutEngine`` holding the checkpoint ``model_dir``
-    (float32 on CPU, bfloat16 on CUDA); ``device`` ``auto`` is CUDA when there is one."""
+    (float32 on CPU, bfloat16 on CUDA); ``device`` ``auto`` is CUDA when there is one. An automatic KV
+    pool (``num_blocks`` None) leaves ``kv_reserved_bytes`` of the device's free memory."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model, model_config = load_model(model_dir, dtype=dtype, device=device)
-    config = RolloutEngineConfig(device=device, num_blocks=num_blocks, seed=seed)
+    config = RolloutEngineConfig(device=device, num_blocks=num_blocks, kv_reserved_bytes=kv_reserved_bytes, seed=seed)
     engine = RolloutEngine(
         model,
         model_config,
@@ -86,6 +93,7 @@ class _TeacherWorkflow(RLVRWorkflow):
         seed: int = 0,
         teacher_device: str = "auto",
         teacher_kv_blocks: int | None = None,
+        teacher_kv_reserved_bytes: int = 0,
         chat_template: str = "auto",
         system_prompt: str | None = None,
         chat_template_kwargs: dict | None = None,
@@ -105,6 +113,7 @@ class _TeacherWorkflow(RLVRWorkflow):
         self.seed = seed
         self.teacher_device = teacher_device
         self.teacher_kv_blocks = teacher_kv_blocks
+        self.teacher_kv_reserved_bytes = teacher_kv_reserved_bytes
         self._teacher: InProcessRolloutClient | None = None
         self._seen: dict[int, int] = {}
         if self.teacher_required and not teacher_path:
@@ -120,6 +129,7 @@ class _TeacherWorkflow(RLVRWorkflow):
                 self.tokenizer,
                 device=self.teacher_device,
                 num_blocks=self.teacher_kv_blocks,
+                kv_reserved_bytes=self.teacher_kv_reserved_bytes,
                 seed=self.seed,
             )
         return self._teacher
@@ -178,6 +188,7 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
         seed: int = 0,
         teacher_device: str = "auto",
         teacher_kv_blocks: int | None = None,
+        teacher_kv_reserved_bytes: int = 0,
         chat_template: str = "auto",
         system_prompt: str | None = None,
         chat_template_kwargs: dict | None = None,
@@ -197,6 +208,7 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
             seed=seed,
             teacher_device=teacher_device,
             teacher_kv_blocks=teacher_kv_blocks,
+            teacher_kv_reserved_bytes=teacher_kv_reserved_bytes,
             chat_template=chat_template,
             system_prompt=system_prompt,
             chat_template_kwargs=chat_template_kwargs,

@@ -18,6 +18,7 @@ import torch
 
 from areno.api.pipeline import DEMO_CONFIG
 from areno.cli import main
+from areno.engine.api import check_cuda_capability
 from areno.engine.cluster import LayoutError
 from areno.engine.executor import RolloutPoolBroken
 from areno.engine.partitioned import WorkerLostError
@@ -248,6 +249,25 @@ def test_warm_start_data_is_checked_before_it_starts(tmp_path, capsys):
 def test_cuda_without_a_device_is_a_config_error(tmp_path, capsys):
     rc = main(train_args(tmp_path, "cluster.device=cuda"))
     _assert_user_error(rc, capsys.readouterr().err, "cluster.device=cuda but no CUDA device is visible")
+
+
+def test_a_gpu_older_than_ampere_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """walk34: on a V100 or T4 the CUDA defaults (bfloat16, flash attention, the Triton decode kernels) failed
+    deep inside the first forward; the GPU is named at start-up now, with what to do."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    rc = main(train_args(tmp_path, "cluster.device=auto"))
+    _assert_user_error(
+        rc,
+        capsys.readouterr().err,
+        "cluster.device: Tesla V100-SXM2-16GB has CUDA compute capability 7.0; areno's CUDA path",
+        "needs 8.0 or newer",
+        "use cluster.device=cpu, or a newer GPU",
+    )
+    assert not (tmp_path / "model").exists()  # before init_tiny made the model
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    check_cuda_capability(torch.device("cuda"))  # an A100 passes
 
 
 # ------------------------------------------------------------------------------------- run failures, bugs

@@ -72,7 +72,8 @@ def test_string_role_placement_errors(tmp_path, monkeypatch):
         role_run_config(
             tmp_path, "c", "train.algorithm=ppo", "cluster.allocation_mode='vllm:d1|fsdp:d1+fsdp[critic]:d1'"
         )
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # the devices of a CPU run: one worker per core
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # the devices of a CPU run: one worker per core it may use
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     cases = [
         ("grpo", "areno:d1|fsdp:d1+fsdp[critic]:d1", "role 'critic' is not a role of the recipe"),
         ("ppo", "areno:d1|fsdp:d1+fsdp[critic]:d4", "device 4 does not exist"),

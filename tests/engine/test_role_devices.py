@@ -92,6 +92,15 @@ def test_role_devices_errors_before_start(tmp_path):
         assert not (tmp_path / name).exists()
 
 
+def test_a_cpu_placement_counts_the_cores_this_process_may_run_on(tmp_path, monkeypatch):
+    """walk33: CPU role devices counted os.cpu_count(), so a process pinned to one core (taskset, a cgroup)
+    placed a role worker on a core it cannot run on; they count its affinity mask now, as the launcher does."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    with pytest.raises(ConfigError, match="device 1 does not exist"):
+        Trainer.init(role_run_config(tmp_path, "a", "train.algorithm=ppo", "cluster.role_devices={value: [1]}"))
+
+
 def test_build_gpu_allocations():
     roles = ["policy", "value", "reference"]
     got = build_gpu_allocations({"critic": [1], "reference": [1]}, roles, policy_role="policy", num_devices=2)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,11 +14,33 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.configs import train_args
+from tests.helpers.rewards import HOLD_ENV
 
 
-def _start(tmp_path: Path, *extra: str, stderr=subprocess.PIPE) -> subprocess.Popen:
+def _start(tmp_path: Path, *extra: str, stderr=subprocess.PIPE, env: dict | None = None) -> subprocess.Popen:
     args = train_args(tmp_path, "train.steps=500", "data.num_eval=0", *extra)
-    return subprocess.Popen([sys.executable, "-m", "areno", *args], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "areno", *args], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+    )
+
+
+def _held_start(tmp_path: Path, *extra: str, stderr) -> tuple[subprocess.Popen, Path]:
+    """A run whose reward (``tests.helpers.rewards:held``) waits while the returned path exists."""
+    hold = tmp_path / "hold"
+    env = {**os.environ, HOLD_ENV: str(hold)}
+    return _start(
+        tmp_path, "reward.fn=tests.helpers.rewards:held", "reward.sandbox=false", *extra, stderr=stderr, env=env
+    ), hold
+
+
+def _hold_a_step(proc: subprocess.Popen, hold: Path) -> None:
+    """Hold the run inside a step's rollout: both signals then land in that step, however loaded the machine
+    (with a step of ~0.2 s the first signal's step could end, checkpoint and stop before the second came)."""
+    hold.touch()
+    deadline = time.monotonic() + 60
+    while not hold.with_suffix(".waiting").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hold.with_suffix(".waiting").exists(), "the run never reached the held reward"
 
 
 def _signal_twice(proc: subprocess.Popen, sig: signal.Signals, err: Path) -> str:
@@ -68,8 +91,9 @@ def test_sigterm_saves_the_step_and_resume_goes_on(tmp_path):
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     with (tmp_path / "stderr.txt").open("w") as stderr:
-        proc = _start(tmp_path, "reward.fn=tests.helpers.rewards:slow", "reward.sandbox=false", stderr=stderr)
-        _wait_for_steps(proc, metrics, 1)  # steps of ~0.2 s
+        proc, hold = _held_start(tmp_path, stderr=stderr)
+        _wait_for_steps(proc, metrics, 1)
+        _hold_a_step(proc, hold)
         err = _signal_twice(proc, signal.SIGINT, tmp_path / "stderr.txt")
     assert proc.returncode == 130, err[-2000:]
     # at once: no checkpoint of the step (an episode cut off in the middle may log a line after it)
@@ -84,10 +108,10 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
 
 def test_a_second_sigterm_stops_at_once_and_says_where_to_go_on(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
-    extra = ("reward.fn=tests.helpers.rewards:slow", "reward.sandbox=false", "train.save_interval=1")
     with (tmp_path / "stderr.txt").open("w") as stderr:
-        proc = _start(tmp_path, *extra, stderr=stderr)
+        proc, hold = _held_start(tmp_path, "train.save_interval=1", stderr=stderr)
         _wait_for_steps(proc, metrics, 2)  # step 1's checkpoint is written before step 2 is logged
+        _hold_a_step(proc, hold)
         err = _signal_twice(proc, signal.SIGTERM, tmp_path / "stderr.txt")
     assert proc.returncode == -signal.SIGTERM, err[-2000:]  # the signal's own end, as before: no cleanup
     last = err.strip().splitlines()[-1]

@@ -38,6 +38,22 @@ def slow(prompt, completion, answer=None, **row):
     return len(completion) / 10
 
 
+HOLD_ENV = "ARENO_TEST_HOLD"
+"""``held``'s switch: a path; while that file exists every call waits (after touching PATH.waiting)."""
+
+
+def held(prompt, completion, answer=None, **row):
+    """``slow``'s score, but a call waits while the file that ``$ARENO_TEST_HOLD`` names exists, so a test can
+    hold a step in its rollout for as long as it needs (signals that must both land inside one step)."""
+    hold = os.environ.get(HOLD_ENV)
+    if hold and os.path.exists(hold):
+        with open(hold + ".waiting", "w"):
+            pass
+        while os.path.exists(hold):
+            time.sleep(0.01)
+    return len(completion) / 10
+
+
 def exploding(prompt, completion, answer=None, **row):
     raise RuntimeError("reward bug")
 

@@ -246,3 +246,21 @@ def test_the_memory_estimate_counts_every_expert(tmp_path, layout):
     built = sum(p.numel() for p in model.parameters())
     qk_norms = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight")))
     assert _param_count(config) == built - qk_norms
+
+
+def test_the_host_memory_check_counts_each_training_process_loading_the_whole_model():
+    """walk33: every FSDP rank reads the whole checkpoint into host memory (float32 by default) before sharding
+    it, and nothing checked the host: 8 local ranks of a 7B model need ~224 GiB at once, and the kernel's OOM
+    killer ended a worker without a message. A local layout that cannot load is now one line at launch."""
+    from areno.engine.cluster import validate_host_memory
+
+    model, gib = _qwen_7b_like(), 2**30
+    eight = ClusterLayout(train_devices=tuple(range(8)), rollout_devices=(0,), cuda=True)
+    with pytest.raises(
+        LayoutError, match=r"each of the 8 training processes loads the whole model into host memory"
+    ) as info:
+        validate_host_memory(eight, model, "float32", 200 * gib)
+    assert "~28.37 GiB in float32): ~226.96 GiB at once, against 200.00 GiB available" in str(info.value)
+    assert "fewer training devices on this host, model.dtype=bfloat16, or a host with more memory" in str(info.value)
+    validate_host_memory(eight, model, "bfloat16", 200 * gib)  # half the bytes fit
+    validate_host_memory(eight, model, "float32", None)  # no /proc/meminfo: not checked

@@ -210,3 +210,32 @@ def test_mixture_draws():
         _mixture(beta=0.5)
     with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
         _mixture(beta=1.5, teacher_path="/t")
+
+
+def test_the_teacher_engine_leaves_what_the_training_side_will_take(tmp_path, teacher_dir, monkeypatch):
+    """walk34: the teacher's engine, built at its first request in the trainer's process, sized its KV pool from
+    80% of the memory free then, which held what the first training step still allocates; the run now passes
+    the training side's bytes to come on the teacher's device (a user's own setting wins)."""
+    from areno.engine.api import ArenoEngine
+
+    monkeypatch.setattr(ArenoEngine, "training_bytes_to_come", lambda self, device: 4321)
+    overrides = tiny_run_overrides(tmp_path) + [
+        "train.algorithm=mixed_loss_dagger_opd",
+        f"train.algorithm_kwargs={{teacher_path: {teacher_dir}, beta_start: 0.5, beta_end: 0.5}}",
+        MIXTURE,
+        "rollout.workflow_kwargs={beta: 0.5}",
+    ]
+    trainer = Trainer.init(load_config(None, overrides))
+    try:
+        workflow = trainer.backend.engine.workflow
+        assert workflow.teacher_kv_reserved_bytes == 4321
+        assert workflow.teacher_client().engine.config.kv_reserved_bytes == 4321
+    finally:
+        trainer.shutdown()
+    own = Trainer.init(
+        load_config(None, [*overrides[:-1], "rollout.workflow_kwargs={beta: 0.5, teacher_kv_reserved_bytes: 7}"])
+    )
+    try:
+        assert own.backend.engine.workflow.teacher_kv_reserved_bytes == 7
+    finally:
+        own.shutdown()

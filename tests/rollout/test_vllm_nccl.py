@@ -216,3 +216,36 @@ def test_grpo_with_nccl_weight_transfer_through_a_real_vllm_server(tmp_path):
     steps = [r for r in rows if "rollout/logprob_abs_diff_mean" in r]
     assert len(steps) == 3 and all(r["rollout/logprob_abs_diff_max"] < 5e-2 for r in steps), steps  # bf16 server
     assert trainer.backend.engine.version == 3
+
+
+STUCK_TRANSFER = """
+import threading, torch
+from areno.errors import RunFailure
+from areno.rollout.backends.nccl import NcclWeightTransfer
+
+class Admin:
+    def start_weight_update(self, url): pass
+    def finish_weight_update(self, url): pass
+    def update_weights_nccl(self, url, info): raise RunFailure("server " + url + " refused the update")
+
+never = threading.Event()
+transfer = NcclWeightTransfer(Admin(), ["http://a"], 1, dtype=torch.float32, device=torch.device("cpu"),
+    master_address="127.0.0.1", master_port=1, join=lambda *a: None, send=lambda tensors, group: never.wait())
+transfer.group = object()
+try:
+    transfer.send([("w", (2,), None)], [("w", torch.zeros(2))])
+except RunFailure as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_refused_nccl_update_does_not_hold_the_process_at_exit():
+    """walk34: when a server refused its update, the broadcast's thread stayed in a collective nobody else joined,
+    and as an executor's thread it was joined at interpreter exit: `areno train` printed its error and never
+    exited. The transfer's calls run in daemon threads now."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STUCK_TRANSFER], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: " in done.stdout and "refused the update" in done.stdout

@@ -21,6 +21,7 @@ a recording group and recording routes (``join``/``send``).
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,26 +82,22 @@ class NcclWeightTransfer:
 
     def start(self) -> None:
         """Every server joins the group with this process (rank 0)."""
-        pool = concurrent.futures.ThreadPoolExecutor(len(self.urls) + 1)
-        try:
-            calls = [
-                pool.submit(
-                    self.admin.init_weight_transfer,
-                    url,
-                    {
-                        "master_address": self.master_address,
-                        "master_port": self.master_port,
-                        "rank_offset": 1 + i * self.tp,
-                        "world_size": self.world_size,
-                    },
-                )
-                for i, url in enumerate(self.urls)
-            ]
-            joined = pool.submit(self._join, self.master_address, self.master_port, self.world_size)
-            _all_or_first_error([*calls, joined], "joining the NCCL weight-transfer group")
-            self.group = joined.result()
-        finally:
-            pool.shutdown(wait=False)  # a failed rendezvous must not hold the run
+        calls = [
+            _in_daemon_thread(
+                self.admin.init_weight_transfer,
+                url,
+                {
+                    "master_address": self.master_address,
+                    "master_port": self.master_port,
+                    "rank_offset": 1 + i * self.tp,
+                    "world_size": self.world_size,
+                },
+            )
+            for i, url in enumerate(self.urls)
+        ]
+        joined = _in_daemon_thread(self._join, self.master_address, self.master_port, self.world_size)
+        _all_or_first_error([*calls, joined], "joining the NCCL weight-transfer group")
+        self.group = joined.result()
 
     def send(self, meta: Meta, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One sync: start, the tensors (``meta`` order) broadcast while every server receives,
@@ -117,15 +114,28 @@ class NcclWeightTransfer:
         cast = ((name, t.to(device=self.device, dtype=self.dtype)) for name, t in tensors)
         # the broadcast runs in a thread too: a server that refuses its update must stop the run
         # rather than leave this thread waiting on a collective nobody else joins
-        pool = concurrent.futures.ThreadPoolExecutor(len(self.urls) + 1)
-        try:
-            receiving = [pool.submit(self.admin.update_weights_nccl, url, info) for url in self.urls]
-            sending = pool.submit(self._send, cast, self.group)
-            _all_or_first_error([*receiving, sending], "the NCCL weight transfer")
-        finally:
-            pool.shutdown(wait=False)
+        receiving = [_in_daemon_thread(self.admin.update_weights_nccl, url, info) for url in self.urls]
+        sending = _in_daemon_thread(self._send, cast, self.group)
+        _all_or_first_error([*receiving, sending], "the NCCL weight transfer")
         for url in self.urls:
             self.admin.finish_weight_update(url)
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """``fn(*args)`` in a daemon thread: one left in a collective nobody else joins (a server refused
+    its part) must not hold the process at exit, where an executor's threads are joined."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="areno-nccl-transfer").start()
+    return future
 
 
 def _all_or_first_error(futures: list[concurrent.futures.Future], what: str) -> None:
