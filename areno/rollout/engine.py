@@ -210,6 +210,12 @@ class RolloutEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         param = next(model.parameters())
         self.device = torch.device(config.device) if config.device else param.device
+        if self.device.type == "cuda" and self.device.index not in (None, torch.cuda.current_device()):
+            raise ValueError(
+                f"RolloutEngine on {self.device} while this thread's current CUDA device is "
+                f"cuda:{torch.cuda.current_device()}: call torch.cuda.set_device({self.device.index}) first (the "
+                "engine's streams, events and Triton kernels follow the current device)"
+            )
         self.config = config = dataclasses.replace(
             config, decode_attention=resolve_decode_attention(config.decode_attention, self.device)
         )

@@ -204,3 +204,17 @@ def test_a_large_block_pool_keeps_records_only_of_the_blocks_handed_out():
     assert small.num_available == 3 and small.allocate_many(3) == [1, 2, 0]  # the cached block last
     with pytest.raises(OutOfBlocksError):
         small.allocate()
+
+
+def test_an_engine_on_another_cuda_device_than_the_current_one_is_refused(tiny, monkeypatch):
+    """walk34: built on cuda:1 from a thread whose current device is cuda:0, the engine recorded its token-copy
+    event on cuda:0's stream (its host read could come before the copy landed) and launched its kernels there;
+    it is refused with the call that fixes it."""
+    model, cfg = tiny
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(
+        ValueError,
+        match=r"RolloutEngine on cuda:1 while this thread's current CUDA device is cuda:0: "
+        r"call torch.cuda.set_device\(1\) first",
+    ):
+        RolloutEngine(model, cfg, config=RolloutEngineConfig(device="cuda:1", num_blocks=8))
