@@ -310,7 +310,8 @@ class RolloutEngine:
             per_block = KVCache.bytes_per_block(**shape)
             usable = KV_BLOCKS_HEADROOM * config.max_num_seqs * max_blocks_per_seq
             num_blocks = self._agree_num_blocks(automatic_num_blocks(config, free, per_block, usable, self.device))
-            log.info(
+            log.log(  # where device memory is the budget; a CPU pool's size is a fixed setting
+                logging.INFO if free is not None else logging.DEBUG,
                 "rollout engine: KV pool of %d blocks of %d tokens (%.2f GiB%s)",
                 num_blocks,
                 config.block_size,
