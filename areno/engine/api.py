@@ -727,6 +727,8 @@ class ArenoEngine:
         shared = self.shared_device
         if shared is None or shared.type != device.type or _index(shared) != _index(device):
             return 0
+        if self.residency is not None and self.residency.moves_state:
+            return 0  # cluster.offload=sleep: the run's engine releases more than that while training
         return self.training.device_bytes_to_come()
 
     def _drop_rollout_side(self) -> None:
@@ -783,7 +785,13 @@ class ArenoEngine:
         name = "teacher_kv_reserved_bytes"
         if name in cfg.rollout.workflow_kwargs or not takes_param(cfg.rollout.workflow, name):
             return {}
-        device = resolve_device(cfg.rollout.workflow_kwargs.get("teacher_device", "auto"))
+        setting = cfg.rollout.workflow_kwargs.get("teacher_device", "auto")
+        device = resolve_device(setting)
+        if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+            raise ConfigError(
+                f"rollout.workflow_kwargs.teacher_device={setting}: the teacher's engine runs in the trainer's "
+                "process on its current device: use auto, cuda or cpu"
+            )
         return {name: self.training_bytes_to_come(device)}
 
     def _build_executor(self) -> WorkflowExecutor:

@@ -243,9 +243,10 @@ def run_eval(
     if not options.out:
         _check_writable(out)
     side = _rollout_side(config, model_dir, out.parent, options.checkpoint)
-    reward_fn = start_reward(load_reward(config.reward))  # an import error before any model loads
+    reward_fn = load_reward(config.reward)  # an import error before any model loads
     started = False
     try:
+        start_reward(reward_fn)
         tokenizer = load_tokenizer(model_dir)
         vision = read_config(model_dir).vision
         vision = VisionConfig.from_hf(vision) if vision is not None else None

@@ -298,20 +298,25 @@ def start_test_rollout(
         raise ConfigError(
             "test_rollout.enabled: there are no held-out rows to evaluate: set data.num_eval > 0 (or data.eval_path)"
         )
-    reward_fn = start_reward(load_reward(config.reward))
+    reward_fn = load_reward(config.reward)
+    side = LocalRolloutSide(config, device)
     try:
+        start_reward(reward_fn)
         model_dir = prepare_model_dir(config)
         tokenizer = load_tokenizer(model_dir)
         check_reward_started(reward_fn)  # a sandbox worker that cannot import it: named before an engine starts
+        setup = SideSetup(
+            recipe=resolve_recipe(config),
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            device_bytes_reserved=reserve(device),
+        )
+        side.start(setup)
     except BaseException:
+        side.shutdown()  # what it started (nothing before its start)
         if isinstance(reward_fn, RewardSandbox):
             release_shared(reward_fn)
         raise
-    side = LocalRolloutSide(config, device)
-    setup = SideSetup(
-        recipe=resolve_recipe(config), model_dir=model_dir, tokenizer=tokenizer, device_bytes_reserved=reserve(device)
-    )
-    side.start(setup)
     vision = read_config(model_dir).vision
     samples = config.train.eval_samples
     workflow = EvalWorkflow(

@@ -132,6 +132,7 @@ class DecodeGraphRunner:
         self._loops: dict[tuple[int, int, int, int, SampleMode], _LoopGraph] = {}
         self._pool = None
         self._side: torch.cuda.Stream | None = None
+        self._warned = False
         self._uncapturable: set[tuple[str, tuple]] = set()
         """Captures that failed (by capture function and key): their steps run eagerly."""
         self.capture_lock = threading.Lock()
@@ -171,7 +172,7 @@ class DecodeGraphRunner:
                 torch.cuda.set_stream(stream)
             self._uncapturable.add(name)
             log.log(
-                logging.WARNING if len(self._uncapturable) == 1 else logging.DEBUG,
+                logging.DEBUG if self._warned else logging.WARNING,
                 "rollout engine: capturing a CUDA graph (%s %s) failed, so its steps run eagerly (%s: %s); "
                 "more free device memory (a smaller rollout.kv_memory_fraction) lets it capture",
                 name[0],
@@ -179,6 +180,7 @@ class DecodeGraphRunner:
                 type(exc).__name__,
                 str(exc).splitlines()[0] if str(exc) else "",
             )
+            self._warned = True  # once a runner: a sleep/wake clears the failed keys and may fail them again
             return None
         finally:
             self.capture_lock.release()

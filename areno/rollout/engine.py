@@ -310,6 +310,15 @@ class RolloutEngine:
             per_block = KVCache.bytes_per_block(**shape)
             usable = KV_BLOCKS_HEADROOM * config.max_num_seqs * max_blocks_per_seq
             num_blocks = self._agree_num_blocks(automatic_num_blocks(config, free, per_block, usable, self.device))
+            if num_blocks < max_blocks_per_seq:
+                log.warning(
+                    "rollout engine: its KV pool holds %d tokens, fewer than one sequence at max_model_len=%d, so "
+                    "longer requests are refused: set rollout.max_model_len to what the run needs, or make room "
+                    "(rollout.kv_blocks%s)",
+                    num_blocks * config.block_size,
+                    self.max_model_len,
+                    ", a lower train.max_tokens_per_mb, cluster.offload=sleep" if config.kv_reserved_bytes else "",
+                )
             log.log(  # where device memory is the budget; a CPU pool's size is a fixed setting
                 logging.INFO if free is not None else logging.DEBUG,
                 "rollout engine: KV pool of %d blocks of %d tokens (%.2f GiB%s)",

@@ -343,12 +343,18 @@ class PackedTrainBackend(TrainBackend):
         )
 
     def lazy_state_bytes(self) -> int:
-        """Device bytes of what a trainable backend allocates at its first step (gradients, AdamW's two
-        moments, the gradient reduction's buffers), on this rank; 0 for a frozen one."""
+        """Device bytes a trainable backend will still allocate at its first step (gradients, AdamW's two
+        moments, the gradient reduction's buffers), on this rank: what a resumed checkpoint or an earlier
+        step allocated already is not counted; 0 for a frozen one."""
         if not self.cfg.trainable:
             return 0
-        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        return 3 * trainable // max(self._dp_size * self._cp_size, 1) + self._reduction_buffer_bytes(trainable)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        trainable = sum(p.numel() * p.element_size() for p in params)
+        grads = sum(p.numel() * p.element_size() for p in params if p.grad is None)
+        optimizer = getattr(self, "_optimizer", None)  # built at first use
+        moments = 0 if optimizer is not None and optimizer.state else 2 * trainable
+        to_come = (grads + moments) // max(self._dp_size * self._cp_size, 1)
+        return to_come + (self._reduction_buffer_bytes(trainable) if grads else 0)
 
     def activation_bytes(self) -> int:
         """Device bytes of a full micro-batch's activations (``max_tokens_per_mb`` tokens, the estimate

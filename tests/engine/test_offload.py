@@ -378,6 +378,9 @@ def test_a_colocated_engine_sizes_its_kv_pool_beside_what_training_will_take(tmp
     engine.initialize()
     try:
         assert engine.rollout.engine.config.kv_reserved_bytes == (12345 if offload == "none" else 0)
+        # engines started later there (the test rollout's, a teacher's) alike: under sleep the run's engine
+        # releases more than that while training (walk35)
+        assert engine.training_bytes_to_come(torch.device("cpu")) == (12345 if offload == "none" else 0)
     finally:
         engine.shutdown()
 
@@ -396,6 +399,10 @@ def test_the_training_side_names_its_state_to_come_and_its_largest_activations(t
         assert backend.activation_bytes() == 512 * per_token
         monkeypatch.setattr(side, "device", torch.device("cuda"))
         assert side.device_bytes_to_come() == 3 * trainable + 512 * per_token
+        # walk35: what a step (or a resumed checkpoint) allocated is no longer to come: the moments stay
+        engine.step(engine.generate_rollout(0))
+        not_allocated = sum(p.numel() * p.element_size() for p in backend.model.parameters() if p.grad is None)
+        assert backend.optimizer.state and backend.lazy_state_bytes() == not_allocated < 3 * trainable
     finally:
         engine.shutdown()
 

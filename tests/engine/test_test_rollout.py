@@ -176,3 +176,18 @@ def test_the_test_rollout_engine_leaves_the_training_sides_bytes(tmp_path, monke
         assert engine.training_bytes_to_come(torch.device("cuda", 1)) == 0  # another device than the training one
     finally:
         trainer.shutdown()
+
+
+def test_a_test_rollout_that_fails_to_start_releases_its_reward_workers(tmp_path, monkeypatch):
+    """walk35: a failing engine start left the shared reward sandbox held (its workers alive for the process)."""
+    from areno.engine.test_rollout import start_test_rollout
+    from areno.rewards import sandbox
+
+    def broken(self, setup):
+        raise RuntimeError("engine failed to start")
+
+    monkeypatch.setattr(LocalRolloutSide, "start", broken)
+    cfg = load_config(None, [*tiny_run_overrides(tmp_path, num_eval=6, reward=REWARD), "reward.sandbox=true"])
+    with pytest.raises(RuntimeError, match="engine failed to start"):
+        start_test_rollout(cfg, tmp_path / "run")
+    assert not sandbox._POOLS and not sandbox._USERS

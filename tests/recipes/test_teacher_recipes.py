@@ -239,3 +239,18 @@ def test_the_teacher_engine_leaves_what_the_training_side_will_take(tmp_path, te
         assert own.backend.engine.workflow.teacher_kv_reserved_bytes == 7
     finally:
         own.shutdown()
+
+
+def test_a_teacher_device_other_than_the_current_one_is_refused_at_start_up(tmp_path, teacher_dir, monkeypatch):
+    """walk35: teacher_device=cuda:1 reached the engine's current-device refusal at the first teacher request, in
+    the middle of a rollout; it is named when the run starts."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    overrides = tiny_run_overrides(tmp_path) + [
+        "train.algorithm=mixed_loss_dagger_opd",
+        f"train.algorithm_kwargs={{teacher_path: {teacher_dir}, beta_start: 0.5, beta_end: 0.5}}",
+        MIXTURE,
+        "rollout.workflow_kwargs={beta: 0.5, teacher_device: 'cuda:1'}",
+    ]
+    with pytest.raises(ConfigError, match=r"teacher_device=cuda:1: the teacher's engine runs in the trainer's process"):
+        Trainer.init(load_config(None, overrides))

@@ -218,3 +218,23 @@ def test_an_engine_on_another_cuda_device_than_the_current_one_is_refused(tiny, 
         r"call torch.cuda.set_device\(1\) first",
     ):
         RolloutEngine(model, cfg, config=RolloutEngineConfig(device="cuda:1", num_blocks=8))
+
+
+def test_a_pool_smaller_than_one_sequence_is_warned_about(tiny, caplog):
+    """walk35: beside a colocated training side a test rollout's pool could come out at a few blocks, and every
+    evaluation longer than it was refused, logged only per request; the engine says so when it starts."""
+    import logging
+
+    model, cfg = tiny
+    config = RolloutEngineConfig(block_size=4, max_model_len=64, max_num_seqs=3)
+    per_block = RolloutEngine(model, cfg, config=replace(config, num_blocks=8)).cache
+    per_block = KVCache.bytes_per_block(
+        num_layers=per_block.num_layers, block_size=4, num_kv_heads=per_block.num_kv_heads,
+        head_dim=per_block.head_dim, dtype=per_block.dtype,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="areno.rollout.engine"):
+        RolloutEngine(model, cfg, config=replace(config, cpu_kv_cache_bytes=16 * per_block))
+        assert not caplog.records  # 16 blocks of 4: one 64-token sequence fits
+        RolloutEngine(model, cfg, config=replace(config, cpu_kv_cache_bytes=5 * per_block))
+    (record,) = caplog.records
+    assert "its KV pool holds 20 tokens, fewer than one sequence at max_model_len=64" in record.getMessage()
