@@ -160,11 +160,12 @@ class LocalTrainingSide(TrainingSide):
 
     def device_bytes_to_come(self) -> int:
         """Every trainable role's gradients and optimizer state (allocated at its first step, kept
-        after) and the largest of the roles' micro-batch activations (the roles train one at a time)."""
-        backends = self._shared_device_backends()
-        if not backends or self.device.type != "cuda":
+        after) and the largest of the trainable roles' micro-batch activations (the roles train one at a
+        time; a frozen role's forwards keep none for a backward)."""
+        trainable = [b for b in self._shared_device_backends() if b.cfg.trainable]
+        if not trainable or self.device.type != "cuda":
             return 0
-        return sum(b.lazy_state_bytes() for b in backends) + max(b.activation_bytes() for b in backends)
+        return sum(b.lazy_state_bytes() for b in trainable) + max(b.activation_bytes() for b in trainable)
 
     def sleep(self) -> int:
         """Move the gradients and optimizer state of the roles on this device to host memory (their

@@ -254,3 +254,22 @@ def test_a_teacher_device_other_than_the_current_one_is_refused_at_start_up(tmp_
     ]
     with pytest.raises(ConfigError, match=r"teacher_device=cuda:1: the teacher's engine runs in the trainer's process"):
         Trainer.init(load_config(None, overrides))
+
+
+def test_a_frozen_roles_forwards_reserve_no_training_memory(tmp_path, monkeypatch):
+    """walk35: the training side's bytes to come took the largest micro-batch activations of every role, a frozen
+    teacher's included, whose forwards keep nothing for a backward (and a larger teacher has the larger estimate)."""
+    tok = build_char_tokenizer()
+    shape = dict(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=256)
+    big = init_model_dir(tmp_path / "big_teacher", tiny_config(len(tok), **shape), tok, seed=3)
+    overrides = tiny_run_overrides(tmp_path) + ["train.algorithm=opd", f"train.algorithm_kwargs.teacher_path={big}"]
+    trainer = Trainer.init(load_config(None, overrides))
+    try:
+        side = trainer.backend.engine.training
+        backends = side.runner.backends
+        policy, teacher = backends["policy"], backends["teacher"]
+        assert not teacher.cfg.trainable and teacher.activation_bytes() > policy.activation_bytes()
+        monkeypatch.setattr(side, "device", torch.device("cuda"))
+        assert side.device_bytes_to_come() == policy.lazy_state_bytes() + policy.activation_bytes()
+    finally:
+        trainer.shutdown()
