@@ -59,6 +59,9 @@ def server_engine(config: ArenoConfig, run_dir: Path) -> ArenoEngine:
         alloc = parse_allocation_mode(mode)
         train = next(c for c in alloc.components if c.kind == "train")
         device = torch.device("cuda", alloc.device_lists(torch.cuda.device_count())[train.role][0])
+        # the training backends take "cuda", the current device: make it the train component's (it
+        # stayed cuda:0, which the servers hold)
+        torch.cuda.set_device(device)
     apply_host_settings(config.cluster, device.type)
     training = LocalTrainingSide(config, device, export_root=run_dir / "policy", measure_rollout_logprobs=True)
     return ArenoEngine(config, run_dir, training=training, rollout=ServerRolloutSide(config, run_dir))

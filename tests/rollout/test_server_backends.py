@@ -488,3 +488,18 @@ def test_config_of_the_server_backends_is_checked_first(tmp_path, monkeypatch):
         None, ["model.path=/m", "rollout.servers=[http://h:1]", "cluster.allocation_mode='vllm:d1+fsdp:d1'"]
     )
     assert chosen.rollout.backend == "vllm"
+
+
+def test_the_training_side_runs_on_the_train_components_gpu_beside_servers(tmp_path, monkeypatch):
+    """walk35: with 'vllm:d1+fsdp:d1' the training device was cuda:1, but only its type reached the training
+    backends, which took "cuda", the current device: cuda:0, the vLLM server's. The process's current device is
+    now the train component's."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    servers = "rollout.servers=[http://127.0.0.1:9]"  # started elsewhere: nothing launches
+    cfg, _ = _server_config(tmp_path, "cluster.allocation_mode='vllm:d1+fsdp:d1'", "cluster.device=cuda", servers)
+    engine = build_engine(cfg, tmp_path / "run")
+    assert engine.training.device == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
