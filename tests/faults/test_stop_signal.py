@@ -43,14 +43,20 @@ def _hold_a_step(proc: subprocess.Popen, hold: Path) -> None:
     assert hold.with_suffix(".waiting").exists(), "the run never reached the held reward"
 
 
-def _signal_twice(proc: subprocess.Popen, sig: signal.Signals, err: Path) -> str:
+def _signal_twice(proc: subprocess.Popen, sig: signal.Signals, err: Path, hold: Path | None = None) -> str:
     """``sig``, then again once the run said it heard the first: two signals sent before the handler
-    runs arrive as one (the interpreter keeps one pending flag a signal), which a loaded machine showed."""
+    runs arrive as one (the interpreter keeps one pending flag a signal), which a loaded machine showed.
+    ``hold``: the held reward's file, removed once the second signal is heard (else the shutdown waits its
+    30 s for a rollout loop stuck in that reward)."""
     proc.send_signal(sig)
     deadline = time.monotonic() + 60
     while "stopping after this step" not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(sig)
+    if hold is not None:
+        while "stopped at once" not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        hold.unlink(missing_ok=True)
     proc.communicate(timeout=120)
     return err.read_text()
 
@@ -94,7 +100,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
         proc, hold = _held_start(tmp_path, stderr=stderr)
         _wait_for_steps(proc, metrics, 1)
         _hold_a_step(proc, hold)
-        err = _signal_twice(proc, signal.SIGINT, tmp_path / "stderr.txt")
+        err = _signal_twice(proc, signal.SIGINT, tmp_path / "stderr.txt", hold)
     assert proc.returncode == 130, err[-2000:]
     # at once: no checkpoint of the step (an episode cut off in the middle may log a line after it)
     assert "stopping after this step" in err and "areno: interrupted" in err.splitlines(), err[-2000:]
@@ -112,7 +118,7 @@ def test_a_second_sigterm_stops_at_once_and_says_where_to_go_on(tmp_path):
         proc, hold = _held_start(tmp_path, "train.save_interval=1", stderr=stderr)
         _wait_for_steps(proc, metrics, 2)  # step 1's checkpoint is written before step 2 is logged
         _hold_a_step(proc, hold)
-        err = _signal_twice(proc, signal.SIGTERM, tmp_path / "stderr.txt")
+        err = _signal_twice(proc, signal.SIGTERM, tmp_path / "stderr.txt", hold)
     assert proc.returncode == -signal.SIGTERM, err[-2000:]  # the signal's own end, as before: no cleanup
     last = err.strip().splitlines()[-1]
     newest = sorted((tmp_path / "run" / "checkpoints").glob("step_????????"))[-1]
