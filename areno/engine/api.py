@@ -707,9 +707,8 @@ class ArenoEngine:
             # before the rollout engine sizes its KV pool: with cluster.offload=sleep the training
             # state is in host memory by then
             self._enter(Phase.ROLLOUT)
-            if shared is not None and not (self.residency is not None and self.residency.moves_state):
-                # both sides stay on the device: the pool leaves what training will take at its first step
-                setup = dataclasses.replace(setup, device_bytes_reserved=self.training.device_bytes_to_come())
+            if shared is not None:  # the pool leaves what training will take at its first step
+                setup = dataclasses.replace(setup, device_bytes_reserved=self.training_bytes_to_come(shared))
             self.rollout.start(setup)
         # Taking turns on one device: the engine generates only while the trainer waits for a batch,
         # so the batches admitted meanwhile decode together, and no decode step runs between (or
