@@ -264,19 +264,3 @@ class KVCache:
     ) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
-
-    @classmethod
-    def blocks_in_budget(
-        cls, budget: int, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        """How many blocks of this shape ``budget`` bytes hold (at least one, else a ValueError)."""
-        per_block = cls.bytes_per_block(
-            num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
-        )
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV budget of {budget} bytes holds no block of {per_block} bytes: "
-                "raise kv_memory_fraction / cpu_kv_cache_bytes or set num_blocks"
-            )
-        return num_blocks

@@ -1,5 +1,5 @@
 """The rollout engine's parts through their own interfaces: ``RequestTable`` (validation, arrival
-order, outputs), ``read_checkpoint`` (whole or nothing), ``KVCache.blocks_in_budget``, and the
+order, outputs), ``read_checkpoint`` (whole or nothing), the automatic KV pool's size, the block allocator, and the
 engine facade sharing one ``EngineControl`` with its weights and stepper."""
 
 from __future__ import annotations
@@ -102,14 +102,6 @@ def test_read_checkpoint_is_whole_or_nothing(tmp_path):
     )
     with pytest.raises(WeightUpdateError, match=r"tensor 'v' is listed .* \(1 such tensors\); fix it"):
         read_checkpoint(str(tmp_path), tied=False, fix="fix it")
-
-
-def test_blocks_in_budget():
-    shape = dict(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    per_block = KVCache.bytes_per_block(**shape)
-    assert KVCache.blocks_in_budget(10 * per_block + 1, **shape) == 10
-    with pytest.raises(ValueError, match="holds no block"):
-        KVCache.blocks_in_budget(per_block - 1, **shape)
 
 
 def test_an_automatic_kv_pool_holds_no_more_blocks_than_the_engine_can_use(tiny):
