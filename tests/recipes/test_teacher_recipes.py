@@ -55,17 +55,21 @@ def test_trajectory_extras_reach_the_batch():
         _traj(1, 2, teacher_executed_T=[1.0])
 
 
+def _mixture_overrides(tmp_path, teacher_dir, workflow_kwargs: str, beta: float = 0.5) -> list[str]:
+    """A tiny mixed_loss_dagger_opd run with the teacher-mixture workflow (``workflow_kwargs`` last)."""
+    return tiny_run_overrides(tmp_path) + [
+        "train.algorithm=mixed_loss_dagger_opd",
+        f"train.algorithm_kwargs={{teacher_path: {teacher_dir}, beta_start: {beta}, beta_end: {beta}}}",
+        MIXTURE,
+        f"rollout.workflow_kwargs={workflow_kwargs}",
+    ]
+
+
 @pytest.mark.parametrize("beta", [1.0, 0.0, 0.25])
 def test_mixed_loss_on_a_two_role_run(beta, tmp_path, teacher_dir):
     """loss = sum_t [beta CE_t e_t + (1 - beta) k2_t (1 - e_t)] / #loss tokens, with e_t the
     teacher-executed mask the workflow recorded, CE and k2 (k3 logged) from naive forwards of both checkpoints."""
-    kwargs = f"{{teacher_path: {teacher_dir}, beta_start: {beta}, beta_end: {beta}}}"
-    overrides = tiny_run_overrides(tmp_path) + [
-        "train.algorithm=mixed_loss_dagger_opd",
-        f"train.algorithm_kwargs={kwargs}",
-        MIXTURE,
-        "rollout.workflow_kwargs={beta: 0.5, teacher_kv_blocks: 64}",
-    ]
+    overrides = _mixture_overrides(tmp_path, teacher_dir, "{beta: 0.5, teacher_kv_blocks: 64}", beta=beta)
     trainer = Trainer.init(load_config(None, overrides))
     try:
         rollout = trainer.rollout_token_batch(0)
@@ -219,12 +223,7 @@ def test_the_teacher_engine_leaves_what_the_training_side_will_take(tmp_path, te
     from areno.engine.api import ArenoEngine
 
     monkeypatch.setattr(ArenoEngine, "training_bytes_to_come", lambda self, device: 4321)
-    overrides = tiny_run_overrides(tmp_path) + [
-        "train.algorithm=mixed_loss_dagger_opd",
-        f"train.algorithm_kwargs={{teacher_path: {teacher_dir}, beta_start: 0.5, beta_end: 0.5}}",
-        MIXTURE,
-        "rollout.workflow_kwargs={beta: 0.5}",
-    ]
+    overrides = _mixture_overrides(tmp_path, teacher_dir, "{beta: 0.5}")
     trainer = Trainer.init(load_config(None, overrides))
     try:
         workflow = trainer.backend.engine.workflow
@@ -246,12 +245,7 @@ def test_a_teacher_device_other_than_the_current_one_is_refused_at_start_up(tmp_
     the middle of a rollout; it is named when the run starts."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    overrides = tiny_run_overrides(tmp_path) + [
-        "train.algorithm=mixed_loss_dagger_opd",
-        f"train.algorithm_kwargs={{teacher_path: {teacher_dir}, beta_start: 0.5, beta_end: 0.5}}",
-        MIXTURE,
-        "rollout.workflow_kwargs={beta: 0.5, teacher_device: 'cuda:1'}",
-    ]
+    overrides = _mixture_overrides(tmp_path, teacher_dir, "{beta: 0.5, teacher_device: 'cuda:1'}")
     with pytest.raises(ConfigError, match=r"teacher_device=cuda:1: the teacher's engine runs in the trainer's process"):
         Trainer.init(load_config(None, overrides))
 
