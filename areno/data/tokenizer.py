@@ -96,9 +96,19 @@ def is_char_tokenizer_object(tokenizer: Any) -> bool:
     """``is_char_tokenizer`` of a loaded tokenizer."""
     if getattr(tokenizer, "chat_template", None) != CHAT_TEMPLATE or not hasattr(tokenizer, "backend_tokenizer"):
         return False
-    if not isinstance(tokenizer.backend_tokenizer.model, models.WordLevel):
+    backend = tokenizer.backend_tokenizer
+    if not isinstance(backend.model, models.WordLevel):
         return False
-    return _is_char_spec(json.loads(tokenizer.backend_tokenizer.to_str()))
+    # the parts _is_char_spec reads, not the whole document: prompts ask this once each, and
+    # serializing a 150k-token vocabulary took 70 ms a prompt group
+    pre = backend.pre_tokenizer
+    try:
+        pre_spec = json.loads(pre.__getstate__()) if pre is not None else {}
+    except (TypeError, ValueError, AttributeError):
+        pre_spec = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    return _is_char_spec(
+        {"model": {"type": "WordLevel", "unk_token": backend.model.unk_token}, "pre_tokenizer": pre_spec}
+    )
 
 
 def _tokenizers_file_class(model_dir: Path) -> bool:
