@@ -477,6 +477,7 @@ def run_areno(
     finally:
         trainer.shutdown()
     timed = slice(args.warmup, None)
+    engine = {k: engine_after[k] - engine_before[k] for k in ENGINE_COUNTERS} if engine_after else None
     expected = set(completion_lengths(completion_len, args.min_completion_len, args.samples))
     if set(lengths) != expected:
         raise RuntimeError(f"areno completions had lengths {sorted(set(lengths))}, not {sorted(expected)}")
@@ -499,8 +500,18 @@ def run_areno(
         "alloc_retries": alloc_retries(args.device) - retries_before,
         "micro_batches": statistics.median(mbs) if mbs else None,
         # the in-process engine over the timed steps: decode steps, busy seconds, steps run eagerly
-        "engine": {k: engine_after[k] - engine_before[k] for k in ENGINE_COUNTERS} if engine_after else None,
+        "engine": engine,
+        "rollout_engine_idle_s": rollout_engine_idle_s(phases[timed], engine, eta),
     }
+
+
+def rollout_engine_idle_s(phases: list[tuple[float, float, float]], engine: dict | None, eta: int) -> float | None:
+    """Seconds per step of the rollout phase in which the in-process engine ran no step: the host work
+    around generation (prompts, rewards, packing). Synchronous runs only (an asynchronous engine also
+    runs during training); None without an in-process engine."""
+    if engine is None or eta > 0 or not phases:
+        return None
+    return (sum(p[0] for p in phases) - engine["busy_s"]) / len(phases)
 
 
 ENGINE_COUNTERS = (
@@ -708,7 +719,15 @@ def report(system: str, shape: str, res: dict, floor: dict, gen_tokens: int) -> 
         out["phases_per_step_s"] = res["phases_per_step_s"]
     if res.get("phase_peaks_gib"):
         out["phase_peak_gpu_gib"] = res["phase_peaks_gib"]
-    keys = ("setup_s", "warmup_step_s", "first_train_s", "alloc_retries", "micro_batches", "engine")
+    keys = (
+        "setup_s",
+        "warmup_step_s",
+        "first_train_s",
+        "alloc_retries",
+        "micro_batches",
+        "engine",
+        "rollout_engine_idle_s",
+    )
     for key in (*keys, "trl_logged_step_time_s", "trl_gradient_checkpointing"):
         if key in res:
             out[key] = res[key]

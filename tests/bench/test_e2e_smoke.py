@@ -117,10 +117,20 @@ def test_tiny_areno_and_trl_run(tmp_path, capsys):
     assert row["gap_to_floor"] == pytest.approx(row["step_s_mean"] / row["floor_s"])
     assert set(row["phases_s_median"]) == {"rollout", "train", "sync"}
     assert len(row["warmup_step_s"]) == 1 and row["first_train_s"] > 0
+    rollout_total = sum(p[0] for p in row["phases_per_step_s"])
+    assert row["rollout_engine_idle_s"] == pytest.approx((rollout_total - row["engine"]["busy_s"]) / 2, abs=1e-3)
     trl = next(x for x in result["rows"] if x["system"] == "trl")
     assert result["figure"] == row["step_s_mean"] and result["baseline"] == trl["step_s_mean"]
     assert result["ratio"] == round(trl["step_s_mean"] / row["step_s_mean"], 2)
     assert "speedup_areno_vs_trl" in result["shapes"]["tiny"]
+
+
+def test_rollout_engine_idle_is_the_rollout_phase_the_engine_did_not_step_through():
+    """The figure that showed a per-prompt host cost (the engine idle 0.9 s of a 1.5 s rollout phase)."""
+    phases = [(1.5, 0.3, 0.01), (1.3, 0.3, 0.01)]
+    assert e2e.rollout_engine_idle_s(phases, {"busy_s": 1.2}, eta=0) == pytest.approx((2.8 - 1.2) / 2)
+    assert e2e.rollout_engine_idle_s(phases, {"busy_s": 1.2}, eta=3) is None  # the engine also runs while training
+    assert e2e.rollout_engine_idle_s(phases, None, eta=0) is None  # a server backend
 
 
 def test_headline_is_the_first_areno_system_against_trl_on_its_shape():
