@@ -224,6 +224,18 @@ class StreamGroups:
         )
 
 
+def stream_group_timeout(config: StreamSyncConfig, backend: str | None) -> datetime.timedelta:
+    """The sync's process groups' timeout. Their own timeout bounds creation, and every sync wait is
+    bounded by ``timeout_s`` on the host (Work.wait), counted from the wait. Under NCCL the watchdog
+    counts the group's timeout from when a bucket was enqueued, earlier, and tears the process down:
+    its groups get twice the sync's timeout plus the connect time, so that PolicySyncError (naming the
+    ranks that did not answer, the receivers' weights kept) comes first."""
+    base = max(config.timeout_s, config.connect_timeout_s)
+    if "nccl" in data_backend(backend):
+        base = 2 * config.timeout_s + config.connect_timeout_s
+    return datetime.timedelta(seconds=base)
+
+
 def data_backend(backend: str | None) -> str:
     """The data plane's backend name, lower case (``backend``, else the world's)."""
     return str(backend if backend is not None else dist.get_backend()).lower()
@@ -323,10 +335,8 @@ class StreamTransport(PolicySyncTransport):
             raise ValueError(f"rank {self.rank} is a rollout rank: pass receiver=")
         base_store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.store = dist.PrefixStore(f"areno_sync/{tag}", base_store)
-        # Groups get the longer of the two: their own timeout bounds creation; every sync wait is
-        # bounded separately by ``timeout_s`` (Work.wait).
-        group_timeout = datetime.timedelta(seconds=max(config.timeout_s, config.connect_timeout_s))
-        groups = StreamGroups.create(topology, backend, group_timeout)
+        plan_timeout = datetime.timedelta(seconds=max(config.timeout_s, config.connect_timeout_s))
+        groups = StreamGroups.create(topology, backend, stream_group_timeout(config, backend))
         self.relays = groups.relays
         """Per training row, its relay rollout rank."""
         self.pair_groups = groups.pair_groups
@@ -345,7 +355,7 @@ class StreamTransport(PolicySyncTransport):
             groups=groups,
             source=source if self.is_train else None,
             receiver=receiver if self.is_rollout else None,
-            timeout=group_timeout,
+            timeout=plan_timeout,
         )
         self.wire_bytes = sum(b.nbytes * (1 + f) for b, f in zip(self.plan.buckets, self.fanout))
         """Bytes one sync puts on the data plane: every bucket once to its relay, plus its fan-out."""

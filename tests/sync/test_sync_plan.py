@@ -154,3 +154,17 @@ def test_plan_cuts_at_shard_boundaries_and_sends_large_chunks_unpacked():
     assert [(i.row_start, i.row_end) for b in small.buckets for i in b.items] == [(0, 16), (16, 32), (32, 48), (48, 64)]
     # direct_bytes None: everything is packed as it comes.
     assert len(plan_buckets(meta, 1, 4096, cuts={"big": [32]}).buckets) == 1
+
+
+def test_nccl_stream_groups_outlast_the_syncs_host_wait():
+    """walk34: NCCL's watchdog counts the group's timeout from a bucket's enqueue, before the host wait's
+    own timeout starts, and tore the process down before PolicySyncError could name the silent ranks."""
+    from areno.sync.stream import StreamSyncConfig, stream_group_timeout
+
+    config = StreamSyncConfig(timeout_s=600.0, connect_timeout_s=300.0)
+    assert stream_group_timeout(config, "nccl").total_seconds() == 1500.0
+    assert stream_group_timeout(config, "cpu:gloo,cuda:nccl").total_seconds() == 1500.0
+    # gloo has no watchdog: the longer of the two bounds creation, as before
+    assert stream_group_timeout(config, "gloo").total_seconds() == 600.0
+    short = StreamSyncConfig(timeout_s=2.0, connect_timeout_s=30.0)
+    assert stream_group_timeout(short, "nccl").total_seconds() > short.timeout_s + short.connect_timeout_s
