@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import pickle
+import random
 import re
 import secrets
 import shlex
@@ -158,8 +159,34 @@ class WorkerHandle:
         return f"{self.role}[{self.index}]"
 
 
+LISTEN_PORTS = (20000, 32768)
+"""Where ``free_port`` looks first: below Linux's default ephemeral range (ip_local_port_range)."""
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """This host's range of ports for outgoing connections (Linux's ip_local_port_range; its default
+    elsewhere)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port free on this machine right now (the usual small race applies)."""
+    """A TCP port free on this machine right now, outside the range outgoing connections draw from where
+    there is one: a port is picked here and bound seconds later by a worker, and any connection the
+    machine opens meanwhile could take an ephemeral one (``bind(0)`` hands those out). The usual race
+    with other listeners remains."""
+    low, high = ephemeral_ports()
+    candidates = [p for p in range(*LISTEN_PORTS) if not low <= p <= high]
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -168,3 +168,23 @@ def test_tensors_travel_both_ways(sched):
     state = {"rng": torch.arange(5, dtype=torch.uint8), "step": 3}
     (got, _) = sched.call("actor", "doubled", state)
     assert torch.equal(got["rng"], state["rng"] * 2) and got["step"] == 3
+
+
+def test_free_ports_come_from_outside_the_ephemeral_range(monkeypatch):
+    """A worker binds its MASTER_PORT seconds after the launcher picked it; a bind(0) port lies in the range
+    every outgoing connection of the machine draws from meanwhile (walk36: a known flake class)."""
+    import socket
+
+    from areno.launch import scheduler
+
+    low, high = scheduler.ephemeral_ports()
+    for _ in range(20):
+        port = scheduler.free_port()
+        assert not low <= port <= high and scheduler.LISTEN_PORTS[0] <= port < scheduler.LISTEN_PORTS[1]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))  # free indeed
+    # a machine whose ephemeral range covers the whole listening range still gets a free port
+    monkeypatch.setattr(scheduler, "ephemeral_ports", lambda: (1024, 65535))
+    port = scheduler.free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", port))
