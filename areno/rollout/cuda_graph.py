@@ -132,6 +132,8 @@ class DecodeGraphRunner:
         self._loops: dict[tuple[int, int, int, int, SampleMode], _LoopGraph] = {}
         self._pool = None
         self._side: torch.cuda.Stream | None = None
+        self._logits_out: torch.Tensor | None = None
+        """The one-step graphs' shared output [rows, V] (``_logits_buffer``)."""
         self._warned = False
         self._uncapturable: set[tuple[str, tuple]] = set()
         """Captures that failed (by capture function and key): their steps run eagerly."""
@@ -226,6 +228,7 @@ class DecodeGraphRunner:
     def clear(self) -> None:
         self._graphs.clear()
         self._loops.clear()
+        self._logits_out = None
         self._uncapturable.clear()  # released memory may let them capture now
         self._pool = None
 
@@ -372,10 +375,31 @@ class DecodeGraphRunner:
     @torch.no_grad()
     def _capture(self, B: int, N: int) -> _Graph:
         ids_ctx_2B, bt_BN = self._static_inputs(B, N)
-        graph, logits_BV = self.record(lambda: self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN))
+        out_BV = self._logits_buffer(B, ids_ctx_2B, bt_BN)[:B]
+
+        def step() -> torch.Tensor:
+            # the logits computed inside the graph are freed at its end, for the next capture to reuse;
+            # only the shared buffer outlives it (one per graph was GiBs at 150k vocabularies)
+            out_BV.copy_(self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN))
+            return out_BV
+
+        graph, logits_BV = self.record(step)
         g = _Graph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, logits_BV=logits_BV)
         self._graphs[(B, N)] = g
         return g
+
+    def _logits_buffer(self, B: int, ids_ctx_2B: torch.Tensor, bt_BN: torch.Tensor) -> torch.Tensor:
+        """The one-step graphs' shared logits output, of at least ``B`` rows, allocated outside any
+        capture (a graph's own output stays allocated for the graph's life). Every replay's logits are
+        sampled before the next replay on the same stream, so one buffer serves every graph. It grows
+        geometrically up to the padded ``max_batch``; a graph captured earlier keeps the buffer it writes."""
+        buf = self._logits_out
+        if buf is None or buf.shape[0] < B:
+            probe_BV = self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN)  # the logits' width and dtype
+            cap = padded_batch_size(self.max_batch)
+            rows = max(B, min(cap, 2 * buf.shape[0])) if buf is not None else B
+            buf = self._logits_out = probe_BV.new_empty(rows, probe_BV.shape[1])
+        return buf
 
     @torch.no_grad()
     def _capture_loop(self, B: int, N: int, k: int, S: int, mode: SampleMode) -> _LoopGraph:

@@ -122,6 +122,29 @@ def test_warmup_captures_every_bucket_then_generation_reuses_them():
 
 
 @pytest.mark.gpu
+def test_captured_one_step_graphs_share_their_logits_buffer_on_gpu():
+    """The shared logits buffer under real capture: warm-up captures the sizes smallest first (the buffer
+    grows by doubling), and generation over them gives the graph-free engine's tokens."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    model = model.cuda()
+    prompts = random_prompts(24, seed=44)
+    params = [SamplingParams(temperature=0, max_new_tokens=4 + i, ignore_eos=True) for i in range(24)]
+    outs = {}
+    for graphs in (False, True):
+        config = RolloutEngineConfig(block_size=4, num_blocks=256, cuda_graphs=graphs, decode_steps=1)
+        eng = RolloutEngine(model, cfg, config=config, eos_token_ids=())
+        if graphs:
+            eng.warmup_cuda_graphs([1, 2, 4, 8, 16, 24], max_len=40)
+        outs[graphs] = eng.generate(prompts, params)
+    one_step = eng._graphs._graphs
+    storages = {g.logits_BV.untyped_storage().data_ptr() for g in one_step.values()}
+    assert len(one_step) >= 6 and len(storages) <= 6  # 1, 2, 4, 8, 16, 32 rows
+    assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
+
+
+@pytest.mark.gpu
 def test_sampled_loop_graph_matches_eager_on_gpu():
     """On CUDA: the captured k-step loop serves sampled batches (top-p / top-k, seeds, greedy rows,
     min_new_tokens, stop ids) with the tokens and log-probs of the eager k-step path (one-step
@@ -229,6 +252,38 @@ def test_graph_runner_inputs_on_cpu(decode_steps, mode):
         assert {o.finish_reason for o in outs[True]} == {"stop", "length"}
     for a, b in zip(outs[True], outs[False]):
         torch.testing.assert_close(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-5)
+
+
+def test_one_step_graphs_share_one_logits_buffer():
+    """walk33: every one-step graph kept its own [B, V] logits output, GiBs at 150k vocabularies over the
+    batch sizes and widths an asynchronous run sweeps. They write one buffer, grown geometrically, and
+    still give the eager engine's tokens (``test_graph_runner_inputs_on_cpu``)."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    eng = RolloutEngine(
+        model,
+        cfg,
+        config=RolloutEngineConfig(block_size=4, num_blocks=256, max_num_seqs=40, max_model_len=70, decode_steps=1),
+        eos_token_ids=(),
+    )
+    eng._graphs = eager_runner(eng, max_batch=40)
+    prompts = random_prompts(40, seed=43)
+    params = [SamplingParams(temperature=0, max_new_tokens=3 + i, ignore_eos=True) for i in range(40)]
+    eng.generate(prompts, params)  # rows finish one a step: batch sizes 40 down to 1
+    graphs = eng._graphs._graphs
+    sizes = sorted({b for b, _ in graphs})
+    assert len(sizes) >= 8, sizes
+    storages = {g.logits_BV.untyped_storage().data_ptr() for g in graphs.values()}
+    # smallest first (the batch shrinks): the buffer grows at most by doubling past each earlier size
+    assert len(storages) <= max(sizes).bit_length() + 1
+    held = sum(
+        {
+            g.logits_BV.untyped_storage().data_ptr(): g.logits_BV.untyped_storage().nbytes() for g in graphs.values()
+        }.values()
+    )
+    one_each = sum(g.logits_BV.nbytes for g in graphs.values())
+    assert held <= 2 * padded_batch_size(40) * cfg.vocab_size * 4 < one_each
 
 
 @pytest.mark.parametrize("uniform", [False, True])
