@@ -136,8 +136,9 @@ def rollout_sampling_params(cfg: ArenoConfig) -> SamplingParams:
 def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     """Capture the rollout engine's decode CUDA graphs now (``rollout.cuda_graph_warmup``): batch
     sizes up to the run's concurrency in sequences, contexts up to ``max_new_tokens`` + 256 prompt
-    tokens (longer contexts capture their graphs at first use), the training rollouts' sampling and
-    the evaluation's. Returns the graphs held; 0 without CUDA graphs (CPU, or turned off)."""
+    tokens (longer contexts capture their graphs at first use, except on a tensor-parallel engine), the
+    training rollouts' sampling and the evaluation's. Returns the graphs held; 0 without CUDA graphs (CPU,
+    or turned off). A tensor-parallel engine's failed warm-up stops the run (its ranks' graphs could differ)."""
     r = cfg.rollout
     if not r.cuda_graph_warmup or not r.cuda_graphs or engine.device.type != "cuda":
         return 0
@@ -152,6 +153,13 @@ def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:
     try:
         held = engine.warmup_cuda_graphs(list(range(1, in_flight + 1)), r.max_new_tokens + 256, params)
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # graphs are then captured at first use
+        if getattr(engine, "tp_size", 1) > 1:
+            # its ranks may hold different graphs now, and then launch different collectives (a hang)
+            raise RunFailure(
+                f"rollout engine: CUDA graph warm-up of a tensor-parallel engine failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}): lower rollout.kv_memory_fraction, "
+                "or set rollout.cuda_graphs=false"
+            ) from exc
         logger.warning(
             "rollout engine: CUDA graph warm-up failed after %.1f s (%s: %s); graphs are captured "
             "when first needed instead (rollout.cuda_graph_warmup=false skips the warm-up)",

@@ -310,7 +310,8 @@ class RolloutSection(ConfigSection, RolloutEngineSettings):
     ``min(max_concurrent, batch_size x (η + 1))`` x ``n_samples``, or its evaluation's, ``data.num_eval``
     x ``train.eval_samples``) when the rollout engine starts, for the training rollouts' sampling and
     the evaluation's. Otherwise each graph is captured when first needed, in the middle of a run, and a
-    policy sync waits for the capture."""
+    policy sync waits for the capture. A tensor-parallel engine captures here only (its ranks must launch
+    the same collectives): its steps past the warm-up's shapes, or all of them with this off, run eagerly."""
     request_timeout_s: float = 600.0
     """Deadline of one generation request (in process or to a rollout server); a request past it
     is aborted and raises ``RolloutRequestTimeout`` naming the server and request (0 = no deadline)."""

@@ -137,6 +137,8 @@ class DecodeGraphRunner:
         self._warned = False
         self._uncapturable: set[tuple[str, tuple]] = set()
         """Captures that failed (by capture function and key): their steps run eagerly."""
+        self.tp_eager = 0
+        """Steps of a tensor-parallel engine run eagerly because the warm-up had not captured their graph."""
         self.capture_lock = threading.Lock()
         """Held while a graph is captured; ``hold_captures`` takes it (e.g. for a policy sync) so no
         capture runs beside it: a decode step that would need a new graph meanwhile runs eagerly."""
@@ -161,6 +163,12 @@ class DecodeGraphRunner:
         request of the step and trying again at the next."""
         name = (getattr(capture, "__qualname__", repr(capture)), key)
         if name in self._uncapturable:
+            return None
+        if getattr(self.engine, "tp_size", 1) > 1:
+            # A capture runs two warm-up forwards with their collectives; a rank whose captures are
+            # held (its own policy sync) or failed runs one: the ranks' collectives would diverge
+            # (a hang). A tensor-parallel engine's graphs come from the warm-up alone.
+            self.tp_eager += 1
             return None
         if not self.capture_lock.acquire(blocking=False):
             self.deferred += 1

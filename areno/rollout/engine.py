@@ -589,6 +589,7 @@ class RolloutEngine:
                 "cuda_graphs_captured": g.captures if g is not None else 0,
                 "cuda_graph_capture_s": g.capture_s if g is not None else 0.0,
                 "cuda_graph_deferred_steps": g.deferred if g is not None else 0,
+                "cuda_graph_tp_eager_steps": g.tp_eager if g is not None else 0,
                 "prefill_graph_steps": s.prefill_graphs.replays if s.prefill_graphs is not None else 0,
             }
 

@@ -574,3 +574,39 @@ def test_a_capture_that_fails_runs_its_steps_eagerly_and_is_not_tried_again(capl
     )
     runner.clear()
     assert not runner._uncapturable
+
+
+def test_a_tensor_parallel_engine_never_captures_at_first_use():
+    """walk34: a TP rank capturing lazily (two warm-up forwards with their all-reduces) while another rank's
+    captures were held by its own policy sync (one eager forward) launched different collectives: a hang.
+    A TP engine's graphs come from the warm-up alone; other steps run eagerly on every rank alike."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    config = RolloutEngineConfig(block_size=4, num_blocks=64, max_num_seqs=6, max_model_len=70, decode_steps=1)
+    eng = RolloutEngine(model, cfg, config=config)
+    eng._graphs = runner = eager_runner(eng, max_batch=6)
+    eng.tp_size = 2  # what tp.py's engine sets; the capture path reads only this
+    outs = eng.generate(random_prompts(3, seed=45), SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
+    assert all(len(o.output_ids) == 5 for o in outs)
+    assert not runner._graphs and runner.tp_eager > 0 and eng.stats()["cuda_graph_tp_eager_steps"] == runner.tp_eager
+
+
+def test_a_failed_warm_up_of_a_tensor_parallel_engine_stops_the_run(monkeypatch):
+    """Its ranks could hold different graphs after it (one failed part-way): a RunFailure naming the fixes,
+    where a single-GPU engine warns and captures at first use."""
+    from types import SimpleNamespace
+
+    from areno.api.config import load_config
+    from areno.engine import api
+    from areno.errors import RunFailure
+
+    def fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    cfg = load_config(None, ["model.path=/m", "rollout.cuda_graph_warmup=true"])
+    engine = SimpleNamespace(device=torch.device("cuda"), warmup_cuda_graphs=fail, tp_size=2)
+    with pytest.raises(RunFailure, match="tensor-parallel engine failed .*rollout.cuda_graphs=false"):
+        api.warm_up_rollout_engine(engine, cfg)
+    engine.tp_size = 1
+    assert api.warm_up_rollout_engine(engine, cfg) == 0
