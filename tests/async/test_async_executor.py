@@ -74,35 +74,44 @@ def test_everlasting_pool_delivers_every_sample_once_in_version_bounds(eta):
 
 def test_pool_keeps_generating_across_steps_bounded_by_eta():
     engine = FakeEngine(length_from_prompt)
+
+    def pool_state(ex):
+        m = ex.metrics()
+        return m["rollout/accepted"], m["rollout/running"], m["rollout/ready"]
+
     for eta, expected in [(0, 2), (2, 6)]:
         staleness = StalenessManager(max_head_offpolicyness=eta, batch_size=2, max_concurrent=16)
+        requests_before = engine.requests
         with WorkflowExecutor(engine, CountingWorkflow(), iter(rows(100)), staleness, num_workers=16) as ex:
-            ex.wait_batch(2, timeout=10)
-            # "training": the pool runs ahead, but only (eta+1)*bs samples per version
-            deadline = time.monotonic() + 10
-            while ex.metrics()["rollout/accepted"] < expected and time.monotonic() < deadline:
+            ex.wait_batch(2, timeout=30)
+            # "training": the pool runs ahead, but only (eta+1)*bs samples per version. The whole state
+            # is polled: a group is counted accepted a moment before it is ready.
+            deadline = time.monotonic() + 30
+            while pool_state(ex) != (expected, 0, expected - 2) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            time.sleep(0.05)
-            m = ex.metrics()
-            assert m["rollout/accepted"] == expected, eta
-            assert m["rollout/running"] == 0 and m["rollout/ready"] == expected - 2
+            assert pool_state(ex) == (expected, 0, expected - 2), eta
+            # no overshoot: nothing more may start at this version, and nothing more did
+            assert staleness.snapshot()["capacity"] == 0
+            assert engine.requests - requests_before == expected
 
 
 def test_pause_resume_around_sync_keeps_in_flight_work():
-    engine = FakeEngine(length_from_prompt, step_s=0.005)
+    # both requests stop after 10 tokens until released: the sync lands mid-episode whatever the load
+    engine = FakeEngine(length_from_prompt, step_s=0.005, hold_at=10)
     staleness = StalenessManager(max_head_offpolicyness=1, batch_size=2, max_concurrent=2)
     wf = CountingWorkflow()
     with WorkflowExecutor(engine, wf, iter(rows(4, length=40)), staleness) as ex:
         ex.start()
-        while engine.in_flight < 2:
+        deadline = time.monotonic() + 30
+        while engine.held < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
-        time.sleep(0.05)  # some tokens at version 0
+        assert engine.held == 2 and engine.in_flight == 2
         sync_weights(ex, engine, 1)
-        batch = ex.wait_batch(2, timeout=10)
+        engine.release.set()
+        batch = ex.wait_batch(2, timeout=30)
     for (traj,) in batch:
         assert len(traj.completion_ids) == 40  # nothing thrown away
-        assert traj.versions[0] == 0 and traj.versions[-1] == 1
-        assert traj.versions == sorted(traj.versions)
+        assert traj.versions == [0] * 10 + [1] * 30
     assert sorted(g[0].info["id"] for g in batch) == [0, 1]
     assert wf.calls[0] == wf.calls[1] == 1  # continued, not restarted
     assert ex.metrics()["rollout/multi_version_frac"] == 1.0
@@ -300,20 +309,22 @@ def test_stop_ends_workers_whose_cancellation_was_lost():
 def test_stop_returns_when_code_blocks_the_loop(caplog):
     """walk31: a hanging in-process reward blocks the rollout loop's thread; stopping the pool (a second
     Ctrl-C, a failed run's shutdown) waited for it for ever."""
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
 
     class Blocking(RolloutWorkflow):
         async def run_episode(self, client, sample):
-            release.wait(30)  # blocks the event loop, as a hanging synchronous reward does
+            entered.set()
+            release.wait(60)  # blocks the event loop, as a hanging synchronous reward does
 
     staleness = StalenessManager(max_head_offpolicyness=1, batch_size=1, max_concurrent=1)
     ex = WorkflowExecutor(FakeEngine(length_from_prompt), Blocking(), iter(rows(4)), staleness)
     ex.stop_timeout_s = 0.5
     ex.start()
-    time.sleep(0.2)  # the episode is in run_episode
+    assert entered.wait(30)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="areno.engine.executor"):
         ex.stop()
-    assert time.monotonic() - t0 < 5
+    # waiting for the blocked loop would take the 60 s of release.wait; 30 s only absorbs load
+    assert time.monotonic() - t0 < 30
     assert "the rollout loop did not stop within 0.5s" in caplog.text
     release.set()

@@ -80,7 +80,7 @@ def test_in_process_request_deadline_names_the_request_and_aborts_it(tiny_model_
 
     try:
         elapsed, message = asyncio.run(go())
-        assert 0.3 <= elapsed < 3.0
+        assert 0.3 <= elapsed < 30  # the upper bound only absorbs load: no deadline would wait for ever
         assert "rollout request stuck-1 to the in-process rollout engine did not finish within 0.3s" in message
         assert "rollout.request_timeout_s" in message and "\n" not in message
         assert not engine.has_unfinished() and client.num_pending == 0  # aborted, nothing leaks
@@ -112,9 +112,9 @@ def test_stalled_server_request_times_out_named_and_is_aborted(server):
         elapsed, message = asyncio.run(stalled())
     finally:
         server.engine.resume()
-    assert 0.5 <= elapsed < 8.0
+    assert 0.5 <= elapsed < 30  # the default deadline is an hour; 30 s only absorbs load
     assert f"rollout request hung-42 to {server.url} did not finish within 0.5s" in message
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while server.engine.has_unfinished() and time.monotonic() < deadline:  # POST /abort landed
         time.sleep(0.05)
     assert not server.engine.has_unfinished()
@@ -148,7 +148,8 @@ def test_silent_socket_times_out():
     try:
         t0 = time.monotonic()
         asyncio.run(go())
-        assert time.monotonic() - t0 < 5.0  # the 0.4 s deadline + as long again for the best-effort abort
+        # the 0.4 s deadline + as long again for the best-effort abort; 30 s only absorbs load
+        assert time.monotonic() - t0 < 30
     finally:
         listener.close()
 
@@ -156,7 +157,9 @@ def test_silent_socket_times_out():
 # ---------------------------------------------------------------------------------- health monitor
 def test_health_monitor_drops_dead_server_and_routes_back(tiny_model_dir, caplog):
     a, b = Server(tiny_model_dir), Server(tiny_model_dir)
-    monitor = HealthMonitor([a.url, b.url], interval_s=0.1, timeout_s=0.5, max_misses=2)
+    # a stopped server refuses connections at once; the long timeout keeps two slow pings of the live
+    # one (a loaded machine, the GIL shared with both engines) from marking it unhealthy
+    monitor = HealthMonitor([a.url, b.url], interval_s=0.1, timeout_s=5, max_misses=2)
     client = MultiServerRolloutClient([a.url, b.url], request_timeout_s=20, health=monitor)
 
     async def generate(n: int) -> None:
@@ -170,7 +173,7 @@ def test_health_monitor_drops_dead_server_and_routes_back(tiny_model_dir, caplog
         assert client.requests_per_server == [2, 2]
 
         b.stop()  # the server dies
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while monitor.is_healthy(b.url):
             assert time.monotonic() < deadline, "the dead server was never marked unhealthy"
             time.sleep(0.05)
@@ -186,7 +189,7 @@ def test_health_monitor_drops_dead_server_and_routes_back(tiny_model_dir, caplog
         assert client.requests_per_server == [before[0] + 4, before[1]]  # nothing routed to the dead one
 
         b.start()  # it comes back on the same port
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not monitor.is_healthy(b.url):
             assert time.monotonic() < deadline, "the recovered server was never marked healthy"
             time.sleep(0.05)
@@ -221,7 +224,8 @@ def test_request_to_dead_server_fails_over_without_waiting_for_a_ping(tiny_model
     t0 = time.monotonic()
     with pytest.raises(NoHealthyServerError) as info:
         asyncio.run(client.agenerate([5, 6, 7], PARAMS))
-    assert time.monotonic() - t0 < 6.0  # waits for a recovery up to the 2 s deadline, then names them
+    # waits for a recovery up to the 2 s deadline, then names them (not the default 600 s)
+    assert time.monotonic() - t0 < 30
     assert dead in str(info.value) and a.url in str(info.value) and "unhealthy after" in str(info.value)
 
 

@@ -188,9 +188,11 @@ def test_ctrl_c_during_start_up_says_nothing_was_trained_and_stops_the_workers(t
     proc, err = _start_partitioned(tmp_path)
     try:
         _wait_for(proc, err, "partitioned topology")
-        time.sleep(1.0)  # the workers start (imports)
-        workers = descendants(proc.pid)
-        assert workers and (tmp_path / "run" / "metrics.jsonl").exists() is False
+        deadline = time.monotonic() + 30
+        while len(workers := descendants(proc.pid)) < 2:  # train[0] and rollout[0] launched, still starting
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.02)
+        assert (tmp_path / "run" / "metrics.jsonl").exists() is False
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     finally:

@@ -1,6 +1,7 @@
 """A test double of the rollout engine + client: tokens appear one per ``step_s`` of asyncio time,
 each tagged with the engine's current policy version; ``pause()`` holds every request at a token
-boundary without losing what it generated (the contract of the real RolloutEngine)."""
+boundary without losing what it generated (the contract of the real RolloutEngine). With ``hold_at=k``
+every request stops after k tokens until ``release`` is set, so a test can act at a known point."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ Respond = Callable[[list[int], SamplingParams], list[int]]
 
 
 class FakeEngine:
-    def __init__(self, respond: Respond, step_s: float = 0.0) -> None:
+    def __init__(self, respond: Respond, step_s: float = 0.0, hold_at: int | None = None) -> None:
         self.respond = respond
         self.step_s = step_s
+        self.hold_at = hold_at
+        self.release = threading.Event()
+        self.held = 0  # requests that reached token hold_at (they wait there until release is set)
         self.version = 0
         self._running = threading.Event()
         self._running.set()
@@ -50,7 +54,11 @@ class FakeEngine:
         try:
             tokens = self.respond(list(prompt_ids), sampling_params)[: sampling_params.max_new_tokens]
             versions = []
-            for _ in tokens:
+            for i in range(len(tokens)):
+                if i == self.hold_at:
+                    with self._lock:
+                        self.held += 1
+                    await await_threading_event(self.release)
                 await await_threading_event(self._running)
                 await asyncio.sleep(self.step_s)
                 versions.append(self.version)

@@ -1,11 +1,10 @@
-"""Multi-process helpers for the policy-sync tests: a free port, a spawned gloo world, a tiny
-Llama-shaped weight set and its TP plan."""
+"""Multi-process helpers for the policy-sync tests: a spawned gloo world, a tiny Llama-shaped weight
+set and its TP plan."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 from areno.sync.base import NamedTensorSource, PolicySyncError, ShardSpec, StagedReceiver, TensorEngine, copy_into
 from areno.sync.plan import shard_specs_from_tp_plan
 from areno.sync.stream import StreamSyncConfig, StreamTopology, StreamTransport
+from tests.helpers.rendezvous import port_file, tcp_store
 
 TP_PLAN = {
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -28,12 +28,6 @@ TP_PLAN = {
     "model.embed_tokens": "vocab",
     "lm_head": "colwise",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_weights(seed: int, d: int = 32, v: int = 64, layers: int = 2) -> dict[str, torch.Tensor]:
@@ -63,8 +57,8 @@ def tiny_weights(seed: int, d: int = 32, v: int = 64, layers: int = 2) -> dict[s
     return w
 
 
-def init_world(rank: int, world: int, port: int, timeout_s: float = 60.0) -> dist.Store:
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+def init_world(rank: int, world: int, port_path: str, timeout_s: float = 60.0) -> dist.Store:
+    store = tcp_store(rank, world, port_path, datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
@@ -72,7 +66,9 @@ def init_world(rank: int, world: int, port: int, timeout_s: float = 60.0) -> dis
 
 
 def spawn(fn, world: int, *args) -> None:
-    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+    """Run ``fn(rank, world, port_path, *args)`` in ``world`` processes; ``port_path`` is for ``init_world``."""
+    with port_file() as port_path:
+        mp.spawn(fn, args=(world, port_path, *args), nprocs=world, join=True)
 
 
 # ------------------------------------------------------------------ workers (run in spawned ranks)
@@ -108,11 +104,11 @@ def report_and_exit(out: str, prefix: str, rank: int, world: int, result: dict) 
     os._exit(0)
 
 
-def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: int, timeout_s: float) -> None:
+def worker_scenario(rank: int, world: int, port_path: str, out: str, bucket_bytes: int, timeout_s: float) -> None:
     """v1 and v2 (new weights) complete; for v3, rank 3 never joins: everyone else must raise
     within the timeout, naming rank 3, and rollout rank 2 must keep v2 intact. Each rank saves
     what it holds after each step to ``out/rank{rank}.pt``."""
-    init_world(rank, world, port)
+    init_world(rank, world, port_path)
     weights = tiny_weights(seed=1)
     transport, receiver, live = _build(rank, weights, bucket_bytes, timeout_s=timeout_s)
     snapshot = lambda: {n: t.clone() for n, t in live.items()} if live is not None else None
@@ -152,7 +148,7 @@ def worker_scenario(rank: int, world: int, port: int, out: str, bucket_bytes: in
     report_and_exit(out, "rank", rank, world, result)
 
 
-def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) -> None:
+def worker_engine(rank: int, world: int, port_path: str, out: str, model_dir: str) -> None:
     """Rank 0 trains (LocalTrainBackend, weights moved as by a step), rank 1 serves a RolloutEngine
     from the original checkpoint; a stream sync carries the trained policy over; both save what
     they need to compare log-probs of one fixed sequence."""
@@ -164,7 +160,7 @@ def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) ->
     from areno.types import SamplingParams
 
     torch.set_num_threads(1)
-    init_world(rank, world, port)
+    init_world(rank, world, port_path)
     topo = StreamTopology(train_ranks=(0,), sender_ranks=(0,), rollout_ranks=(1,))
     cfg = StreamSyncConfig(bucket_bytes=8192, timeout_s=60)
     prompt = [5, 9, 12, 7, 3, 11]
@@ -206,10 +202,10 @@ def worker_engine(rank: int, world: int, port: int, out: str, model_dir: str) ->
     dist.destroy_process_group()
 
 
-def worker_source_error(rank: int, world: int, port: int, out: str, timeout_s: float) -> None:
+def worker_source_error(rank: int, world: int, port_path: str, out: str, timeout_s: float) -> None:
     """v1 completes; during v2 training rank 1's source raises midway: rank 1 surfaces its own
     error, every other rank raises PolicySyncError naming rank 1, the rollout ranks keep v1."""
-    init_world(rank, world, port)
+    init_world(rank, world, port_path)
     weights = tiny_weights(seed=1)
     transport, receiver, live = _build(rank, weights, bucket_bytes=1024, timeout_s=timeout_s)
     transport.sync(1)
@@ -255,7 +251,7 @@ EXACT_CONFIGS = (  # tag, direct_bytes, wire dtype, commit, mixed source dtypes,
 )
 
 
-def worker_exact(rank: int, world: int, port: int, out: str, gpu: bool = False) -> None:
+def worker_exact(rank: int, world: int, port_path: str, out: str, gpu: bool = False) -> None:
     """Several transports in one world, each syncing v1 then v2 (new weights):
     "direct": fp32, chunks >= 1 KiB unpacked (cut at the TP boundaries, received in place),
     committed by storage swap; "cast": bf16 on the wire and in the receivers, chunks >= 512 B
@@ -266,7 +262,7 @@ def worker_exact(rank: int, world: int, port: int, out: str, gpu: bool = False) 
     Saves each rollout rank's live tensors after each version to ``out/exact{rank}.pt``."""
     from areno.sync.base import swap_into
 
-    init_world(rank, world, port)
+    init_world(rank, world, port_path)
     device = torch.device(f"cuda:{rank % 2}") if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
@@ -357,7 +353,7 @@ def trained_weights(model_dir: str, seed: int) -> dict[str, torch.Tensor]:
     return {n: (t + 0.05 * torch.randn(t.shape, generator=g)).detach() for n, t in model.state_dict().items()}
 
 
-def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, timeout_s: float) -> None:
+def worker_inplace(rank: int, world: int, port_path: str, out: str, model_dir: str, timeout_s: float) -> None:
     """Rank 0 trains (a dict of weights), rank 1 serves two RolloutEngines from the checkpoint:
     one takes syncs through a staged receiver, the other in place. v1: both; v2: in place into an
     engine paused beforehand; v3: in place, the source raises after some buckets; v4: in place
@@ -369,7 +365,7 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
     from areno.types import SamplingParams
 
     torch.set_num_threads(1)
-    init_world(rank, world, port)
+    init_world(rank, world, port_path)
     topo = StreamTopology(train_ranks=(0,), sender_ranks=(0,), rollout_ranks=(1,))
     cfg = StreamSyncConfig(bucket_bytes=16384, direct_bytes=4096, timeout_s=timeout_s)
     weights = trained_weights(model_dir, seed=1)
@@ -469,7 +465,7 @@ def worker_inplace(rank: int, world: int, port: int, out: str, model_dir: str, t
     report_and_exit(out, "inplace", rank, world, res)
 
 
-def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
+def worker_vote(rank: int, world: int, port_path: str, out: str, gpu: bool) -> None:
     """Rank 0 trains, rank 1 receives in place; ``gpu``: on cuda:0 and cuda:1 with an NCCL data
     plane (distinct GPUs: the vote runs on NCCL), else on CPU over gloo. v1 completes; in v2 the
     source raises after its last tensor (every byte moved, so nothing hangs): the vote must fail
@@ -477,7 +473,7 @@ def worker_vote(rank: int, world: int, port: int, out: str, gpu: bool) -> None:
     rank saw to ``out/vote{rank}.pt``."""
     from areno.sync.base import engine_receiver
 
-    init_world(rank, world, port)
+    init_world(rank, world, port_path)
     device = torch.device(f"cuda:{rank}" if gpu else "cpu")
     if gpu:
         torch.cuda.set_device(device)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -85,23 +84,22 @@ def make_model_dir(out: Path, *, hidden: int = 32, layers: int = 2, seed: int = 
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, args, err_dir: str) -> None:
+def _entry(rank: int, world: int, port_path: str, fn, args, err_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
+    from tests.helpers.rendezvous import HOST, tcp_store
+
     torch.set_num_threads(1)
     faulthandler.enable()  # an abort in C++ (gloo's threads) prints where each Python thread was
     faulthandler.dump_traceback_later(900, exit=True)  # a collective mismatch fails instead of hanging
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        timeout = dist.default_pg_timeout  # what an env:// rendezvous would give the store and the group
+        store = tcp_store(rank, world, port_path, timeout)
+        # the rendezvous environment torchrun would set, for code that reads it
+        os.environ.update(
+            MASTER_ADDR=HOST, MASTER_PORT=str(store.port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         fn(rank, world, *args)
         # both ranks done with their collectives before either tears its group down (a rank leaving while
         # its peer's gloo work was in flight once ended in std::terminate)
@@ -123,10 +121,13 @@ def spawn(fn, world: int, *args, tmp: Path) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; re-raise a worker's traceback."""
     import torch.multiprocessing as mp
 
+    from tests.helpers.rendezvous import port_file
+
     err_dir = tmp / "errors"
     err_dir.mkdir(exist_ok=True)
     try:
-        mp.spawn(_entry, args=(world, free_port(), fn, args, str(err_dir)), nprocs=world, join=True)
+        with port_file() as port_path:
+            mp.spawn(_entry, args=(world, port_path, fn, args, str(err_dir)), nprocs=world, join=True)
     except Exception as e:
         msgs = [p.read_text() for p in sorted(err_dir.glob("*.err"))]
         raise AssertionError("worker failed:\n" + "\n".join(msgs)) from e

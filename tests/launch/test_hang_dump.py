@@ -31,8 +31,8 @@ def test_dump_hang_reports_controller_stacks_worker_threads_and_worker_stack(tmp
         import faulthandler, signal, subprocess, sys, time
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         grandchild = subprocess.Popen(["sleep", "60"])
-        print("ready", flush=True)
         def stuck_in_here():
+            print("ready", flush=True)  # from in here: a dump from now on shows this frame
             time.sleep(60)
         stuck_in_here()
     """)

@@ -293,7 +293,8 @@ def test_dapo_overlong_penalty_follows_max_new_tokens(policy_dir):
     assert m["policy/loss"] == pytest.approx(expected, abs=1e-5)
 
 
-def test_a_length_no_generation_reaches_is_warned_once(policy_dir, caplog):
+def test_a_length_no_generation_reaches_is_warned_once(policy_dir, caplog, monkeypatch):
+    monkeypatch.setattr("areno.engine.api._LENGTHS_WARNED", set())  # warned once per process: a rerun warns too
     caplog.set_level(logging.WARNING, logger="areno.engine.api")
     args = ("train.algorithm_kwargs.max_completion_length=6000",)
     for _ in range(2):  # resolve_recipe runs several times in a run: one warning
