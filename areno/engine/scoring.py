@@ -94,11 +94,19 @@ async def ascore_rows(
     # tasks made in row order: their requests reach the engine in that order (as_completed alone
     # would start them in the order of a set), so a held burst forms the same batches every time
     tasks = [asyncio.ensure_future(row(i)) for i in range(len(rows))]
-    for done, next_row in enumerate(asyncio.as_completed(tasks), 1):
-        i, trajectories = await next_row
-        scored[i] = trajectories
-        if on_row is not None:
-            on_row(done, trajectories)
+    try:
+        for done, next_row in enumerate(asyncio.as_completed(tasks), 1):
+            i, trajectories = await next_row
+            scored[i] = trajectories
+            if on_row is not None:
+                on_row(done, trajectories)
+    except BaseException:
+        # the first failure ends the evaluation: the other rows' requests are cancelled and their own
+        # errors collected (left running, each failing row logged "Task exception was never retrieved")
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     warn_reward_errors([t for ts in scored for t in ts], "the held-out rows")
     return scored
 

@@ -257,3 +257,47 @@ def test_the_command_prints_its_summary_and_writes_the_rows(trained, tmp_path, c
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["metrics"]["eval/num_prompts"] == 4
     assert summary["rows_file"] == str(out) and len(out.read_text().splitlines()) == 4
+
+
+def test_the_first_failing_row_cancels_the_others_and_collects_their_errors():
+    """A dead rollout server failed every row's request: the first error ended the evaluation while the
+    other rows ran on, each logging "Task exception was never retrieved" (walk36's replica test)."""
+    import asyncio
+
+    from areno.data.tokenizer import build_char_tokenizer
+    from areno.engine.scoring import ascore_rows
+    from areno.types import SamplingParams
+
+    class DeadServer(RuntimeError):
+        pass
+
+    started, cancelled = [], []
+
+    class Client:
+        async def agenerate(self, prompt_ids, params, **kwargs):
+            started.append(1)
+            if len(started) == 1:
+                await asyncio.sleep(0)
+                raise DeadServer("rollout server 0 is gone")
+            try:
+                await asyncio.sleep(0.05)
+                raise DeadServer("rollout server 0 is gone")  # the rows still running fail as well
+            except asyncio.CancelledError:
+                cancelled.append(1)
+                raise
+
+    unretrieved = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx["message"]))
+        cfg = load_config(None, ["model.path=/m"])
+        rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+        with pytest.raises(DeadServer):
+            await ascore_rows(Client(), build_char_tokenizer(), lambda *a, **k: 0.0, rows, cfg, SamplingParams())
+        await asyncio.sleep(0.2)  # the others would have failed by now
+
+    asyncio.run(main())
+    import gc
+
+    gc.collect()
+    assert len(started) == 6 and len(cancelled) == 5 and not unretrieved
