@@ -332,9 +332,16 @@ def save_model(model: Decoder, config: ModelConfig, out_dir: str | Path, *, toke
     the tokenizer if given. ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads it."""
     if model.tp_size > 1:
         raise ValueError(f"save_model needs the full model; this Decoder holds a tp_size={model.tp_size} shard")
+    return save_state(model.state_dict(), config, out_dir, tokenizer=tokenizer)
+
+
+def save_state(
+    state: dict[str, torch.Tensor], config: ModelConfig, out_dir: str | Path, *, tokenizer: Any | None = None
+) -> Path:
+    """``save_model`` of a full state dict under the Decoder's (HF) names, without a Decoder to hold it."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    state = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
     state = moe.to_disk_state(config, state)
     dtype = next(iter(state.values())).dtype
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -28,7 +28,7 @@ from areno.errors import ConfigError, ModelDirError, UserError
 from areno.models import moe, prefix_sharing
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
-from areno.models.hf_io import build_model, load_model, save_model
+from areno.models.hf_io import build_model, load_model, save_state
 from areno.models.logprobs import compiled_logprob_kernels
 from areno.models.vision import vision_towers
 from areno.observe.trace import span
@@ -126,6 +126,23 @@ def batch_to_device(batch: TokenBatch, device: torch.device | str) -> TokenBatch
     if device.type == "cuda":
         moved["cu_seqlens_B1"] = batch.cu_seqlens_B1.pin_memory()
     return dataclasses.replace(batch, **moved, extra={k: host_to_device(v, device) for k, v in batch.extra.items()})
+
+
+def check_full_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, role: str) -> None:
+    """What ``load_state_dict(strict=True)`` into a fresh model checked: the same names, each of its
+    shape. A RuntimeError naming the differences otherwise (an export of a damaged or foreign state)."""
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    shapes = [
+        f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if missing or unexpected or shapes:
+        raise RuntimeError(
+            f"the {role} role's weights do not match its model config: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}, wrong shapes {shapes[:4]}"
+        )
 
 
 class PackedTrainBackend(TrainBackend):
@@ -701,11 +718,14 @@ class PackedTrainBackend(TrainBackend):
         self._check_ready()
         state = {name: t.detach().cpu() for name, t in self.named_weights()}
         if self.is_rank0:
+            # checked against a model built on meta, not loaded into one: a full copy of the weights
+            # in fresh memory per save (seconds, and twice the model in host memory)
             with torch.device("meta"):
-                decoder = build_model(self.model_config)
-            decoder.to_empty(device="cpu")
-            decoder.load_state_dict(state, strict=True)
-            out = save_model(decoder.to(next(iter(state.values())).dtype), self.model_config, path)
+                expected = build_model(self.model_config).state_dict()
+            check_full_state(state, expected, role=self.cfg.role_name)
+            dtype = next(iter(state.values())).dtype  # one dtype, as the model it was loaded into held
+            state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
+            out = save_state(state, self.model_config, path)
             for name in _TOKENIZER_FILES:
                 if (self._model_dir / name).is_file():
                     shutil.copy2(self._model_dir / name, out / name)

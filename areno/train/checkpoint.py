@@ -118,6 +118,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+WRITE_THREADS = 4
+"""Files a rank writes its part of a checkpoint into, in parallel: the manifest hashes each file on one
+thread (about 1.4 GB/s), so one file per rank took 17 s a save for a one-GPU 1.5B run's 24 GB."""
+
+
+def _storage_writer(path: str | Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return FileSystemWriter(str(path), thread_count=max(1, min(WRITE_THREADS, cores)))
+
+
 # ------------------------------------------------------------------ atomic publication of a run's checkpoints
 def staging_dir(path: str | Path) -> Path:
     """The empty directory to write the checkpoint ``path`` into before :func:`commit`; a staging
@@ -423,7 +435,7 @@ def save(
     hashes = _tensor_hashes(items)
     if base is None:
         with _dcp_alone_quietly():
-            dcp.save(state, checkpoint_id=str(path))
+            dcp.save(state, storage_writer=_storage_writer(path))
         if record_hashes:
             (path / _HASHES.format(rank=_rank())).write_text(json.dumps(hashes))
     else:
@@ -431,7 +443,7 @@ def save(
         changed = _agree_changed([known.get(name) != digest for name, digest in hashes.items()])
         keep = {name for (name, _), c in zip(items, changed) if c}
         with _dcp_alone_quietly():
-            dcp.save(_subset(state, keep), checkpoint_id=str(path))
+            dcp.save(_subset(state, keep), storage_writer=_storage_writer(path))
         if _rank() == 0:
             relative = os.path.relpath(published_path(base), published_path(path))
             record = {"base": relative, "changed_tensors": len(keep), "tensors": len(items)}

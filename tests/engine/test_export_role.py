@@ -104,3 +104,27 @@ def test_the_partitioned_worker_exports_a_reward_model_as_the_colocated_side_doe
     LocalTrainingSide.export_hf(_side(_backend(LocalTrainBackend, model_dir, spec), spec), tmp_path / "colocated")
     assert is_sequence_classifier(tmp_path / "partitioned")
     _assert_same_export(tmp_path / "partitioned", tmp_path / "colocated")
+
+
+def test_the_hf_export_writes_the_weights_without_loading_them_into_a_second_model(model_dir, tmp_path, monkeypatch):
+    """walk37: every save rebuilt the decoder and copied every weight into it before writing (seconds a
+    save, twice the model in host memory). The weights are written as gathered, checked by name and shape
+    against a model built on meta; the file holds exactly the backend's weights."""
+    from areno.models.decoder import Decoder
+    from areno.train.backend import check_full_state
+
+    backend = _backend(LocalTrainBackend, model_dir)
+
+    def no_second_copy(self, *args, **kwargs):
+        raise AssertionError("the export loaded the weights into another model")
+
+    monkeypatch.setattr(Decoder, "load_state_dict", no_second_copy)
+    backend.export_hf(tmp_path / "hf")
+    saved = _tensors(tmp_path / "hf")
+    weights = {name: t.detach() for name, t in backend.named_weights()}
+    assert sorted(saved) == sorted(weights) and all(torch.equal(saved[n], weights[n]) for n in weights)
+    expected = {"a": torch.empty(2, 3, device="meta"), "b": torch.empty(4, device="meta")}
+    with pytest.raises(
+        RuntimeError, match=r"missing \['b'\], unexpected \['c'\], wrong shapes \['a \(3, 2\) \(expected \(2, 3\)\)'\]"
+    ):
+        check_full_state({"a": torch.zeros(3, 2), "c": torch.zeros(1)}, expected, role="policy")
