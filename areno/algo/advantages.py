@@ -129,17 +129,54 @@ def sequence_returns_T(
     """Discounted return-to-go of every loss token: the sequence reward arrives at the last loss
     token of its sequence, ``token_rewards_T`` (e.g. a per-token KL penalty) at every loss token,
     and ``G_t = sum_{k>=t} gamma^(k-t) r_k`` runs over the loss tokens only (prompt or
-    environment tokens inside the sequence are skipped, not discounted)."""
+    environment tokens inside the sequence are skipped, not discounted). Accumulated in float64,
+    returned in float32."""
     per_token_T = _token_rewards_T(rewards_B, cu_seqlens_B1, loss_mask_T, token_rewards_T)
     returns_T = torch.zeros_like(per_token_T)
-    cu = cu_seqlens_B1.tolist()
-    for b in range(len(cu) - 1):
-        pos = torch.nonzero(loss_mask_T[cu[b] : cu[b + 1]]).flatten() + cu[b]
-        running = torch.zeros((), dtype=per_token_T.dtype)
-        for t in reversed(pos.tolist()):
-            running = per_token_T[t] + gamma * running
-            returns_T[t] = running
+    layout = _loss_token_layout(cu_seqlens_B1, loss_mask_T, per_token_T.device)
+    if layout is not None:
+        pos_N, k_N, b_N, shape = layout
+        r_LB = per_token_T.new_zeros(shape, dtype=torch.float64).index_put_((k_N, b_N), per_token_T[pos_N].double())
+        returns_T[pos_N] = _reverse_discounted_sum(r_LB, gamma)[k_N, b_N].to(returns_T.dtype)
     return returns_T
+
+
+def _loss_token_layout(
+    cu_seqlens_B1: torch.Tensor, loss_mask_T: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+    """The loss tokens laid out so that a recurrence over positions runs for all sequences at once:
+    ``(pos_N, k_N, b_N, (Lmax + 1, B))``: the packed position of each loss token, and its cell in a
+    zero-padded ``[Lmax + 1, B]`` grid (it is the ``k``-th loss token of sequence ``b``; the extra
+    row stays 0 and stands for "after the end" of every sequence). None when there is no loss token."""
+    cu = cu_seqlens_B1.to(device=device, dtype=torch.long)
+    num_seqs = cu.numel() - 1
+    if num_seqs <= 0:
+        return None
+    start, end = int(cu[0]), int(cu[-1])
+    # Only tokens inside [cu[0], cu[-1]) belong to a sequence; a mask longer than that is ignored.
+    sel_N = torch.nonzero(loss_mask_T.to(device)[start:end]).flatten()
+    if sel_N.numel() == 0:
+        return None
+    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=device), cu[1:] - cu[:-1])
+    b_N = seq_idx[sel_N]
+    n_B = torch.bincount(b_N, minlength=num_seqs)
+    k_N = torch.arange(sel_N.numel(), device=device) - (torch.cumsum(n_B, 0) - n_B)[b_N]
+    return sel_N + start, k_N, b_N, (int(n_B.max()) + 1, num_seqs)
+
+
+def _reverse_discounted_sum(x_LB: torch.Tensor, discount: float) -> torch.Tensor:
+    """``y[k] = x[k] + discount * y[k + 1]`` down every column (the padding is 0, so each sequence's
+    sum starts from 0 after its last loss token); the same operations, in the same order, as a
+    per-token loop."""
+    if discount == 1.0:
+        # A CPU cumsum adds in sequence order: the same sums as the loop, without one.
+        return x_LB.flip(0).cumsum(0).flip(0)
+    y_LB = torch.zeros_like(x_LB)
+    scaled_B = torch.empty_like(x_LB[0])
+    for k in range(x_LB.shape[0] - 2, -1, -1):
+        torch.mul(y_LB[k + 1], discount, out=scaled_B)
+        torch.add(x_LB[k], scaled_B, out=y_LB[k])
+    return y_LB
 
 
 def _token_rewards_T(rewards_B, cu_seqlens_B1, loss_mask_T, token_rewards_T):
@@ -204,14 +241,16 @@ def gae_T(
     per_token_T = _token_rewards_T(rewards_B, cu_seqlens_B1, loss_mask_T, token_rewards_T)
     values_T = values_T.detach().to(torch.float32)
     adv_T = torch.zeros_like(per_token_T)
-    cu = cu_seqlens_B1.tolist()
-    for b in range(len(cu) - 1):
-        pos = (torch.nonzero(loss_mask_T[cu[b] : cu[b + 1]]).flatten() + cu[b]).tolist()
-        next_value, running = 0.0, 0.0
-        for t in reversed(pos):
-            delta = float(per_token_T[t]) + gamma * next_value - float(values_T[t])
-            running = delta + gamma * lam * running
-            adv_T[t] = running
-            next_value = float(values_T[t])
+    layout = _loss_token_layout(cu_seqlens_B1, loss_mask_T, per_token_T.device)
+    if layout is not None:
+        pos_N, k_N, b_N, shape = layout
+        grid = per_token_T.new_zeros(shape, dtype=torch.float64)
+        r_LB = grid.clone().index_put_((k_N, b_N), per_token_T[pos_N].double())
+        v_LB = grid.index_put_((k_N, b_N), values_T.to(per_token_T.device)[pos_N].double())
+        # V after the last loss token is the zero padding row (the episode ends); (r + gamma V') - V
+        # in float64 is what a per-token loop over Python floats computes. The padding's delta is 0.
+        delta_LB = torch.zeros_like(grid)
+        delta_LB[:-1] = r_LB[:-1] + gamma * v_LB[1:] - v_LB[:-1]
+        adv_T[pos_N] = _reverse_discounted_sum(delta_LB, gamma * lam)[k_N, b_N].to(adv_T.dtype)
     returns_T = torch.where(loss_mask_T.bool(), adv_T + values_T, torch.zeros_like(adv_T))
     return adv_T, returns_T

@@ -130,3 +130,73 @@ def test_dynamic_sampling_and_overlong():
     assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
     with pytest.raises(ValueError, match="buffer_length"):
         overlong_penalty_B(torch.tensor([1]), max_length=4, buffer_length=0)
+
+
+def _reference_returns_and_gae(rewards_B, values_T, cu, mask_T, token_rewards_T, gamma, lam):
+    """Per-token loops, one sequence at a time, in Python floats: the sequence reward (float32-added
+    to the token reward) on the last loss token, recurrences over the loss tokens only."""
+    mask = mask_T.bool()
+    per_token = torch.zeros(mask.shape, dtype=torch.float32)
+    if token_rewards_T is not None:
+        per_token = torch.where(mask, token_rewards_T.float(), per_token)
+    returns = [0.0] * mask.numel()
+    adv = [0.0] * mask.numel()
+    bounds = cu.tolist()
+    for b in range(len(bounds) - 1):
+        pos = [t for t in range(bounds[b], bounds[b + 1]) if mask[t]]
+        if pos:
+            per_token[pos[-1]] += rewards_B[b].float()
+        ret_run, adv_run, next_value = 0.0, 0.0, 0.0
+        for t in reversed(pos):
+            r, v = float(per_token[t]), float(values_T[t])
+            ret_run = r + gamma * ret_run
+            adv_run = r + gamma * next_value - v + gamma * lam * adv_run
+            returns[t], adv[t], next_value = ret_run, adv_run, v
+    adv_T = torch.tensor(adv, dtype=torch.float32)
+    return torch.tensor(returns, dtype=torch.float32), adv_T, torch.where(mask, adv_T + values_T, 0.0)
+
+
+def _random_packed_batch(gen, num_seqs):
+    """Varied lengths (some empty), prompts, gaps in the loss mask (tool outputs between turns), and
+    some sequences with no loss token at all."""
+    lengths, mask = [], []
+    for _ in range(num_seqs):
+        n = int(torch.randint(0, 40, (), generator=gen))
+        kind = int(torch.randint(0, 4, (), generator=gen))
+        if kind == 0:
+            m = [False] * n  # no loss token
+        elif kind == 1:
+            prompt = int(torch.randint(0, n + 1, (), generator=gen))
+            m = [i >= prompt for i in range(n)]
+        else:
+            m = (torch.rand(n, generator=gen) < 0.6).tolist()  # multi-turn: gaps anywhere
+        lengths.append(n)
+        mask += m
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    T = int(cu[-1])
+    return cu, torch.tensor(mask, dtype=torch.bool), torch.randn(num_seqs, generator=gen), torch.randn(T, generator=gen)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (1.0, 0.95), (0.99, 1.0), (0.5, 0.0), (0.0, 0.7)])
+@pytest.mark.parametrize("with_token_rewards", [False, True])
+def test_returns_and_gae_match_per_token_loop(gamma, lam, with_token_rewards):
+    gen = torch.Generator().manual_seed(int(gamma * 100) + int(lam * 10) + with_token_rewards)
+    for num_seqs in (1, 3, 17):
+        cu, mask, rewards, values = _random_packed_batch(gen, num_seqs)
+        kl = -0.1 * torch.rand(mask.numel(), generator=gen) if with_token_rewards else None
+        ref_ret, ref_adv, ref_vt = _reference_returns_and_gae(rewards, values, cu, mask, kl, gamma, lam)
+        ret = sequence_returns_T(rewards, cu, mask, token_rewards_T=kl, gamma=gamma)
+        adv, vt = gae_T(rewards, values, cu, mask, gamma=gamma, lam=lam, token_rewards_T=kl)
+        for got, want in ((ret, ref_ret), (adv, ref_adv), (vt, ref_vt)):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        # an integer 0/1 mask selects the same tokens
+        torch.testing.assert_close(sequence_returns_T(rewards, cu, mask.long(), token_rewards_T=kl, gamma=gamma), ret)
+
+
+def test_returns_and_gae_of_batches_without_loss_tokens():
+    for cu, mask in ((torch.tensor([0]), torch.zeros(0, dtype=torch.bool)), (torch.tensor([0, 0, 3]), torch.zeros(3))):
+        rewards, values = torch.ones(cu.numel() - 1), torch.ones(mask.numel())
+        assert sequence_returns_T(rewards, cu, mask, gamma=0.9).tolist() == [0.0] * mask.numel()
+        adv, ret = gae_T(rewards, values, cu, mask, gamma=0.9, lam=0.5)
+        assert adv.tolist() == ret.tolist() == [0.0] * mask.numel()
