@@ -14,11 +14,15 @@ sequence at a time, exactly as before.
 ``adecode_texts`` is the same for a workflow's coroutine: where the ``tokenizers`` batch call runs,
 it runs in a worker thread, so the groups of a rollout that finish in the same engine step decode side
 by side instead of one after another on the event loop.
+
+``TextTail`` follows that decoded text as a request's tokens arrive one at a time (the rollout
+engine's stop strings), keeping only its end: the same table, one token's piece per call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import operator
 import weakref
 from typing import Any
@@ -89,6 +93,71 @@ class _PieceTable:
         if self.byte_level:
             return b"".join(parts).decode("utf-8", errors="replace")  # type: ignore[arg-type]
         return "".join(parts)  # type: ignore[arg-type]
+
+
+class TextTail:
+    """The end of ``tokenizer.decode(ids, skip_special_tokens=True)`` of a list of ids that grows one
+    token at a time, through a ``_PieceTable``: each token adds its piece (a ByteLevel one's bytes go
+    through an incremental UTF-8 decoder, which gives what one lossy decode of all the bytes gives),
+    so a token costs the same at any length. ``text_tail(tokenizer, keep)`` makes one.
+
+    A search of the text for strings of at most ``keep + 1`` characters after every token looks at
+    ``tail()``: the text since the last ``mark()``, with the ``keep`` characters settled before it.
+    Settled characters never change; only the decode of a character's incomplete bytes at the end
+    (U+FFFD until its last byte arrives, as in the whole decode) can."""
+
+    def __init__(self, table: _PieceTable, keep: int) -> None:
+        self.table, self.keep = table, keep
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if table.byte_level else None
+        self.settled = 0
+        """Characters of the text that later tokens cannot change."""
+        self.searched = 0
+        """``settled`` at the last ``mark()``."""
+        self._before = ""  # up to ``keep`` settled characters before ``searched``
+        self._since: list[str] = []  # settled text after ``searched``
+        self._pending = ""  # the decode of the incomplete character's bytes at the end
+
+    def add(self, token_id: int) -> None:
+        table = self.table
+        if 0 <= token_id < table.size:
+            piece = table.pieces[token_id]
+        elif token_id >= table.size:  # past the vocabulary: dropped, as tokenizers does
+            piece = table.empty
+        else:  # a negative id: the backend's own error
+            table.backend.decode([token_id], skip_special_tokens=True)
+            piece = table.empty
+        if self._utf8 is not None:
+            new = self._utf8.decode(piece)  # type: ignore[arg-type]
+            buffered = self._utf8.getstate()[0]
+            self._pending = buffered.decode("utf-8", errors="replace") if buffered else ""
+        else:
+            new = piece  # type: ignore[assignment]
+        if new:
+            self._since.append(new)
+            self.settled += len(new)
+
+    def tail(self) -> tuple[str, int]:
+        """(the text from character ``offset`` on, ``offset``): ``searched - keep`` or 0."""
+        text = "".join([self._before, *self._since]) + self._pending
+        return text, self.searched - len(self._before)
+
+    def mark(self) -> None:
+        """The text so far has been searched: ``tail()`` starts ``keep`` characters before its end."""
+        if self._since:
+            joined = "".join([self._before, *self._since])
+            self._before = joined[max(len(joined) - self.keep, 0) :]
+            self._since = []
+        self.searched = self.settled
+
+
+def text_tail(tokenizer: Any, keep: int) -> TextTail | None:
+    """A ``TextTail`` of ``tokenizer``'s decode; None where that decode is not a concatenation of
+    per-token pieces (another decoder, clean-up of spaces, a Python tokenizer): its text can change
+    anywhere as tokens arrive (a ByteFallback run's bytes, a space the clean-up removes later), so
+    only decoding all the ids again gives it."""
+    backend = _batch_decoder(tokenizer)
+    table = _piece_table(tokenizer, backend) if backend is not None else None
+    return TextTail(table, keep) if table is not None else None
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -789,16 +789,38 @@ def check_stop(
     sees exactly what was sampled). Only a stop string that ends past character ``stop_from`` of
     ``text`` counts: the text of the tokens before ``min_new_tokens`` was allowed to hold one.
     """
-    n = len(output_ids)
-    token = output_ids[-1]
-    if n >= params.min_new_tokens:
+    reason, cut = stop_decision(params, len(output_ids), output_ids[-1], eos_token_ids, text, stop_from)
+    return reason, text if cut is None or text is None else text[:cut]
+
+
+def stop_decision(
+    params: SamplingParams,
+    num_generated: int,
+    token: int,
+    eos_token_ids: tuple[int, ...],
+    text: str | None,
+    stop_from: int = 0,
+    searched: int = 0,
+    offset: int = 0,
+) -> tuple[str | None, int | None]:
+    """``check_stop``'s rule for the output's ``num_generated``-th token ``token``, given the output's
+    text from character ``offset`` on (``text``): ``(finish_reason, cut)``, where ``cut`` is the
+    character of the whole text at which a matched stop string starts (None: no match).
+
+    ``searched``: characters at the start of the text that a search after an earlier token already
+    looked through, unchanged since; a string ending within them would have matched then, so only
+    one ending past them is looked for (``text`` must begin at least ``len(s) - 1`` characters
+    before it). With ``searched = offset = 0`` this is the whole-text search."""
+    if num_generated >= params.min_new_tokens:
         if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
-            return "stop", text
+            return "stop", None
         if params.stop and text is not None:
-            found = [text.find(s, max(stop_from - len(s) + 1, 0)) for s in params.stop]
+            found = [
+                text.find(s, max(stop_from - len(s) + 1, searched - len(s) + 1, offset) - offset) for s in params.stop
+            ]
             cut = min((i for i in found if i >= 0), default=-1)
             if cut >= 0:
-                return "stop", text[:cut]
-    if n >= params.max_new_tokens:
-        return "length", text
-    return None, text
+                return "stop", cut + offset
+    if num_generated >= params.max_new_tokens:
+        return "length", None
+    return None, None
