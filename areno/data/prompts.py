@@ -130,9 +130,8 @@ def render_completion(
     think block), as TRL's SFT takes it, without the whitespace it puts after the end of the turn;
     untemplated, or where the template's render does not extend the prompt's, the text and the EOS."""
     text = completion_text(completion)
-    plain = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
     if not uses_template(tokenizer, chat_template):
-        return plain
+        return _plain_completion(tokenizer, text)
     messages = prompt_messages(prompt, system_prompt)
     turns = list(completion) if isinstance(completion, list) else [{"role": "assistant", "content": text}]
     full = apply_template(tokenizer, [*messages, *turns], generation=False, **(chat_template_kwargs or {}))
@@ -148,13 +147,19 @@ def render_completion(
                 "and the tokenizer's EOS where it does (warned once)",
                 "does not extend the prompt's" if ids and kept else "leaves out some of the answer's text",
             )
-        return plain
+        return _plain_completion(tokenizer, text)
     while len(ids) > 1 and not tokenizer.decode(ids[-1:]).strip():  # Qwen's "\n" after <|im_end|>
         ids.pop()
     special = set(getattr(tokenizer, "all_special_ids", ())) | {tokenizer.eos_token_id}
     if ids[-1] not in special:  # a template that ends the turn with no token: the model must still stop
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def _plain_completion(tokenizer: Any, text: str) -> list[int]:
+    """An untemplated completion: the text's ids and the EOS (encoded only where used: the templated render
+    already encodes the answer once, with the prompt)."""
+    return list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
 
 
 def apply_template(

@@ -242,14 +242,23 @@ class PromptStream:
         random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    @property
+    def rows(self) -> list[dict]:
+        """The rows in their split's order (what :meth:`take_indices` indexes)."""
+        return self._rows
+
     def take(self, n: int) -> list[dict]:
+        return [self._rows[i] for i in self.take_indices(n)]
+
+    def take_indices(self, n: int) -> list[int]:
+        """The next ``n`` rows as places in :attr:`rows` (what an offline recipe's per-row cache keys)."""
         out = []
         for _ in range(n):
             if self.position == len(self._order):
                 self.epoch += 1
                 self.position = 0
                 self._order = self._shuffle(self.epoch)
-            out.append(self._rows[self._order[self.position]])
+            out.append(self._order[self.position])
             self.position += 1
         return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from areno.data.datasets import PAIR_KEYS, build_splits
+from areno.data.offline import Rendered, RenderedRows
 from areno.data.prompts import render_completion, render_prompt
 from areno.data.tasks import PromptStream
 from areno.data.tokenizer import TOKENIZER_FILES, build_char_tokenizer, load_pretrained_tokenizer
@@ -418,12 +420,8 @@ def sft_trajectories(
         "system_prompt": system_prompt,
         "chat_template_kwargs": chat_template_kwargs,
     }
-    out = []
-    for row in rows:
-        prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
-        completion_ids = render_completion(tokenizer, row[prompt_key], row[answer_key], prompt_ids, **templating)
-        out.append(_offline_trajectory(prompt_ids, completion_ids, prompt=row[prompt_key]))
-    return out
+    ids = [_render_offline_row(tokenizer, prompt_key, (answer_key,), templating, row) for row in rows]
+    return _sft_from_ids(rows, prompt_key, ids)
 
 
 def preference_trajectories(
@@ -440,16 +438,38 @@ def preference_trajectories(
     (what ``preference_pairs`` reads), each the prompt and the completion rendered as
     :func:`sft_trajectories` renders them. Their ``logprobs`` record nothing (zeros): a reference's come
     from a reference role (``check_pair_recipe``)."""
-    out = []
     templating = {
         "chat_template": chat_template,
         "system_prompt": system_prompt,
         "chat_template_kwargs": chat_template_kwargs,
     }
-    for i, row in enumerate(rows):  # group ids by place in the batch: a row drawn twice makes two pairs
-        prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
-        for key, reward in zip(PAIR_KEYS, (1.0, 0.0)):
-            completion_ids = render_completion(tokenizer, row[prompt_key], row[key], prompt_ids, **templating)
+    ids = [_render_offline_row(tokenizer, prompt_key, PAIR_KEYS, templating, row) for row in rows]
+    return _pairs_from_ids(rows, prompt_key, ids)
+
+
+def _render_offline_row(
+    tokenizer, prompt_key: str, completion_keys: tuple[str, ...], templating: dict[str, Any], row: dict
+) -> Rendered:
+    """A row's prompt ids and the ids of its completions under ``completion_keys``, in that order."""
+    prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
+    completions = [
+        render_completion(tokenizer, row[prompt_key], row[key], prompt_ids, **templating) for key in completion_keys
+    ]
+    return prompt_ids, completions
+
+
+def _sft_from_ids(rows: list[dict], prompt_key: str, ids: list[Rendered]) -> list[Trajectory]:
+    return [
+        _offline_trajectory(prompt_ids, completion_ids, prompt=row[prompt_key])
+        for row, (prompt_ids, (completion_ids,)) in zip(rows, ids, strict=True)
+    ]
+
+
+def _pairs_from_ids(rows: list[dict], prompt_key: str, ids: list[Rendered]) -> list[Trajectory]:
+    out = []
+    # group ids by place in the batch: a row drawn twice makes two pairs
+    for i, (row, (prompt_ids, completions)) in enumerate(zip(rows, ids, strict=True)):
+        for completion_ids, reward in zip(completions, (1.0, 0.0), strict=True):
             out.append(
                 _offline_trajectory(
                     prompt_ids, completion_ids, prompt=row[prompt_key], reward=reward, group_id=f"pair{i}"
@@ -653,6 +673,8 @@ class ArenoEngine:
     version: int = 0
     asynchronous: bool = False
     """True when max_head_offpolicyness > 0: the rollout pool runs ahead of training."""
+    _offline_rows: dict[str, RenderedRows] | None = None
+    """Offline recipes: each split's rows rendered so far (``_offline_trajectories``)."""
     pairs: bool = False
     """An offline recipe that learns from preference pairs (``trains_on_pairs``): its rows, training and
     held-out, are {prompt, chosen, rejected}; its evaluation is pair accuracy (``evaluate``)."""
@@ -875,8 +897,8 @@ class ArenoEngine:
                 **self._phase_metrics(),
             }
         else:
-            rows = self.train_stream.take(cfg.rollout.batch_size)
-            trajectories = self._offline_trajectories(rows)
+            indices = self.train_stream.take_indices(cfg.rollout.batch_size)
+            trajectories = self._offline_trajectories("train", self.train_stream.rows, indices)
             batch = TokenBatch.from_trajectories(trajectories)
             metrics = {
                 "rollout/num_seqs": float(len(trajectories)),
@@ -894,14 +916,23 @@ class ArenoEngine:
             batch.images_B = fetch_refs(batch.images_B, self.store)
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
 
-    def _offline_trajectories(self, rows: list[dict]) -> list[Trajectory]:
-        """An offline recipe's trajectories of dataset ``rows``: two per preference row (``pairs``), else
-        one per row, its answer the completion."""
+    def _offline_trajectories(self, split: str, rows: list[dict], indices: list[int]) -> list[Trajectory]:
+        """An offline recipe's trajectories of ``rows[i]`` for ``indices`` (``rows``: split ``split``'s): two
+        per preference row (``pairs``), else one per row, its answer the completion. Each row is tokenized
+        once per run (:class:`RenderedRows`): every epoch draws the same rows."""
         data = self.config.data
-        templating = data.templating()
+        if self._offline_rows is None:
+            self._offline_rows = {}
+        rendered = self._offline_rows.get(split)
+        if rendered is None or rendered.rows is not rows:  # a split replaced (held-out rows set anew): its own ids
+            rendered = self._offline_rows[split] = RenderedRows(rows)
+        keys = PAIR_KEYS if self.pairs else (data.answer_key,)
+        render = functools.partial(_render_offline_row, self.tokenizer, data.prompt_key, keys, data.templating())
+        ids = [rendered.ids(i, render) for i in indices]
+        picked = [rows[i] for i in indices]
         if self.pairs:
-            return preference_trajectories(rows, self.tokenizer, data.prompt_key, **templating)
-        return sft_trajectories(rows, self.tokenizer, data.prompt_key, data.answer_key, **templating)
+            return _pairs_from_ids(picked, data.prompt_key, ids)
+        return _sft_from_ids(picked, data.prompt_key, ids)
 
     def _check_rewards(self, rollout_id: int, trajectories: list[Trajectory]) -> None:
         """A reward that fails on every call (each scored 0, a batch's failures warned about once) would
@@ -1038,7 +1069,8 @@ class ArenoEngine:
         ``eval/loss``, ``eval/margin``). Further pairwise roles' figures are ``eval/<role>/...``."""
         t0 = time.perf_counter()
         self._enter(Phase.TRAIN)
-        prepared = self.training.prepare(TokenBatch.from_trajectories(self._offline_trajectories(self.eval_rows)))
+        pairs = self._offline_trajectories("eval", self.eval_rows, list(range(len(self.eval_rows))))
+        prepared = self.training.prepare(TokenBatch.from_trajectories(pairs))
         pairwise = PAIRWISE_SPECIALIZATIONS
         roles = [r.name for r in self.recipe.roles if r.name in prepared and issubclass(r.specialization_cls, pairwise)]
         metrics = {"eval/num_pairs": float(len(self.eval_rows))}
