@@ -286,12 +286,19 @@ class TokenBatch:
         # The first token of a sequence is never a target (nothing predicts it).
         loss_mask_T[torch.tensor(cu[:-1])] = False
         extra: dict[str, torch.Tensor] = {}
-        for key in sorted({k for t in trajectories for k in t.extra_T}):
-            values: list[float] = []
-            for traj in trajectories:
-                values.extend([0.0] * len(traj.prompt_ids))
-                values.extend(traj.extra_T.get(key, [0.0] * len(traj.completion_ids)))
-            extra[key] = torch.tensor(values, dtype=torch.float32)
+        keys = sorted({k for t in trajectories for k in t.extra_T})
+        # joined like the fields above (a Python list of every value cost ~110 ms a key at 2.3M tokens);
+        # prompt tokens, and a trajectory without the key, get views of one zero array
+        zeros = np.zeros(max(t.num_tokens for t in trajectories) if keys else 0, dtype=np.float32)
+        for key in keys:
+            extra[key] = join_flat(
+                [
+                    p
+                    for t in trajectories
+                    for p in (zeros[: len(t.prompt_ids)], t.extra_T.get(key, zeros[: len(t.completion_ids)]))
+                ],
+                np.float32,
+            )
         if any(t.routes_TLK is not None for t in trajectories):
             extra[ROUTES_KEY] = _pack_routes(trajectories)
         images_B = [t.info.get("images") for t in trajectories]

@@ -44,7 +44,7 @@ from typing import Any
 
 from areno.engine.episode_processes import ProcessEpisodeRunner
 from areno.engine.episodes import EpisodeAttempts, EpisodeTask
-from areno.engine.pool_stats import PoolStats, group_min_version
+from areno.engine.pool_stats import PoolStats, spans_min_version, version_span
 from areno.engine.staleness import StalenessManager
 from areno.errors import RunFailure
 from areno.rollout.client import RolloutClient, RolloutServersLost
@@ -72,6 +72,11 @@ class _Finished:
     index: int
     group: list[Trajectory]
     submit_version: int
+    spans: list[tuple[int, int] | None]
+    """``version_span`` of each trajectory: scanned once, on the loop as the group finishes, not at
+    every wake-up of ``wait_batch`` (which holds the results lock, blocking the loop's appends)."""
+    min_version: int | None
+    """The group's oldest version (None: no generated tokens), what ``_drop_stale_locked`` compares."""
     finished_at: float = field(default_factory=time.monotonic)
 
 
@@ -357,8 +362,10 @@ class WorkflowExecutor:
             if status == "ok":
                 assert group is not None
                 self.staleness.on_accept()
+                spans = [version_span(traj) for traj in group]
+                finished = _Finished(task.index, group, submit_version, spans, spans_min_version(spans))
                 with self._results_cond:
-                    self._results.append(_Finished(task.index, group, submit_version))
+                    self._results.append(finished)
             else:
                 self.staleness.on_reject()
                 if status == "retry":
@@ -374,8 +381,7 @@ class WorkflowExecutor:
         oldest_allowed = self._version - self.staleness.max_head_offpolicyness
         kept: collections.deque[_Finished] = collections.deque()
         for finished in self._results:
-            min_version = group_min_version(finished.group)
-            if min_version is not None and min_version < oldest_allowed:
+            if finished.min_version is not None and finished.min_version < oldest_allowed:
                 self.stats.counts["dropped_stale"] += 1
                 self.stats.counts["dropped_stale_trajectories"] += len(finished.group)
                 self.staleness.on_drop_accepted()
@@ -424,7 +430,8 @@ class WorkflowExecutor:
                     )
                 self._results_cond.wait(remaining)
             batch = [self._results.popleft() for _ in range(min(batch_size, len(self._results)))]
-        self.stats.record_batch([f.group for f in batch], self._version, wait_s=time.monotonic() - t0)
+        spans = [span for f in batch for span in f.spans]
+        self.stats.record_batch(spans, self._version, wait_s=time.monotonic() - t0)
         return [f.group for f in batch]
 
     def metrics(self) -> dict[str, float]:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Iterable
+from itertools import compress
+
+import numpy as np
 
 from areno.engine.staleness import StalenessManager
 from areno.types import Trajectory
@@ -20,15 +24,39 @@ ALWAYS_REPORTED = (
 """Counters reported (as 0) before they first count anything."""
 
 
-def trained_versions(traj: Trajectory) -> list[int]:
-    """Policy versions of the model-generated tokens of a trajectory."""
-    return [v for v, m in zip(traj.versions, traj.completion_mask) if m and v >= 0]
+def version_span(traj: Trajectory) -> tuple[int, int] | None:
+    """(oldest, newest) policy version of the trajectory's model-generated tokens (``completion_mask``
+    set, version >= 0); None when it has none. Computed once per trajectory, as its group finishes,
+    by C-level passes (``compress``, ``count``, ``min``/``max``): never a Python step per token."""
+    versions, mask = traj.versions, traj.completion_mask
+    assert mask is not None  # Trajectory fills it
+    if not (isinstance(mask, list) and mask.count(1) == len(mask)):
+        versions = list(compress(versions, mask))  # the generated tokens' (truthy mask entries)
+    elif not isinstance(versions, list):
+        versions = list(versions)
+    if not versions:
+        return None
+    first = versions[0]
+    if versions.count(first) == len(versions):  # no weight swap mid-request: count is far cheaper than min/max
+        oldest = newest = first
+    else:
+        oldest, newest = min(versions), max(versions)
+    if newest < 0:
+        return None
+    if oldest < 0:  # generated tokens at -1 (another model's) beside the policy's: left out
+        kept = np.asarray(versions, dtype=np.int64)
+        oldest = kept[kept >= 0].min()
+    return int(oldest), int(newest)
 
 
 def group_min_version(group: list[Trajectory]) -> int | None:
     """Oldest policy version that produced any token of the group (None: no generated tokens)."""
-    versions = [min(vs) for vs in map(trained_versions, group) if vs]
-    return min(versions) if versions else None
+    return spans_min_version(map(version_span, group))
+
+
+def spans_min_version(spans: Iterable[tuple[int, int] | None]) -> int | None:
+    """The oldest version of ``version_span``s (None: none of them has generated tokens)."""
+    return min((span[0] for span in spans if span is not None), default=None)
 
 
 class PoolStats:
@@ -44,16 +72,15 @@ class PoolStats:
         """``time.monotonic()`` when the everlasting pool started (None: not started)."""
         self._last_batch: dict[str, float] = {}
 
-    def record_batch(self, groups: list[list[Trajectory]], version: int, *, wait_s: float) -> None:
-        """The staleness of a collected batch against the current policy ``version``."""
+    def record_batch(self, spans: Iterable[tuple[int, int] | None], version: int, *, wait_s: float) -> None:
+        """The staleness of a collected batch against the current policy ``version``, from its
+        trajectories' ``version_span``s (computed once, as each group finished)."""
         lags = []
         multi_version = 0
-        for group in groups:
-            for traj in group:
-                versions = trained_versions(traj)
-                if versions:
-                    lags.append(version - min(versions))
-                    multi_version += len(set(versions)) > 1
+        for span in spans:
+            if span is not None:
+                lags.append(version - span[0])
+                multi_version += span[0] != span[1]
         self._last_batch = {
             "rollout/wait_s": wait_s,
             "rollout/staleness_mean": sum(lags) / len(lags) if lags else 0.0,

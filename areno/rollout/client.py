@@ -27,14 +27,14 @@ import logging
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from areno.errors import RunFailure
 from areno.models.vision import ImageInputs
 from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
-from areno.rollout.requests import routes_from_json
+from areno.rollout.requests import CheckedPrompt, routes_from_json
 from areno.types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger("areno.rollout.client")
@@ -318,11 +318,12 @@ class InProcessRolloutClient(RolloutClient):
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in params]
         request_ids: list[str] = []
+        shared = _checked_prompt(prompt_ids, self.engine)
         try:
             with self._pending_lock:
                 for p, future in zip(params, futures):
                     # add_request validates (ValueError) before the future is registered.
-                    request_ids.append(self.engine.add_request(prompt_ids, p))
+                    request_ids.append(self.engine.add_request(shared, p))
                     self._pending[request_ids[-1]] = (loop, future)
         except Exception:
             self._abort_all_quietly(request_ids)  # the group is refused as a whole
@@ -492,6 +493,19 @@ class InProcessRolloutClient(RolloutClient):
     def _abort_all_quietly(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._abort_quietly(request_id)
+
+
+def _checked_prompt(prompt_ids: Any, engine: RolloutEngine) -> Any:
+    """A group's prompt converted and checked once for all its samples (``CheckedPrompt``), or, where
+    that fails or it is not a plain sequence of ids, as given: ``add_request`` then raises its own
+    error for it, in its own order (a torn engine's first), as it did when each sample checked it."""
+    vocab_size = getattr(engine, "vocab_size", None)
+    if vocab_size is None or not isinstance(prompt_ids, Sequence) or isinstance(prompt_ids, (str, bytes)):
+        return prompt_ids
+    try:
+        return CheckedPrompt.of(prompt_ids, vocab_size)
+    except Exception:  # noqa: BLE001 - not hidden: add_request raises it again, in its place
+        return prompt_ids
 
 
 def _retrieve_cancellation(gathered: asyncio.Future) -> None:

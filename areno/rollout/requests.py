@@ -12,6 +12,7 @@ import base64
 import numbers
 import threading
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -21,6 +22,36 @@ from areno.rollout.errors import RequestRejected
 from areno.rollout.sampling import RowParams
 from areno.rollout.scheduler import Scheduler, Sequence
 from areno.types import GenerationOutput, SamplingParams
+
+
+class CheckedPrompt(list):
+    """Prompt token ids converted to ints and checked against a vocabulary (``of``). ``RequestTable.add``
+    takes one as it is: the samples of a group share their prompt, which is then converted and
+    scanned once (per sample it cost 29 ms a group of 8 at 32k tokens, on the caller's event loop).
+    The sequences made from it share the list; nothing writes to a sequence's ``prompt_ids``."""
+
+    __slots__ = ("vocab_size",)
+
+    def __init__(self, ids: Iterable[int], vocab_size: int) -> None:
+        super().__init__(ids)
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def of(cls, prompt_ids: Any, vocab_size: int) -> CheckedPrompt:
+        """``prompt_ids`` as ints, or the error ``RequestTable.add`` raises for them."""
+        try:
+            ids = cls(map(int, prompt_ids), vocab_size)
+        except (TypeError, ValueError):  # an element that is not a token id: named, not int()'s message
+            bad = next((t for t in prompt_ids if not isinstance(t, numbers.Integral)), None)
+            raise TypeError(
+                f"prompt_ids must be a list of token ids (ints), but holds {bad!r}: pass tokenizer.encode(text)"
+            ) from None
+        if not ids:
+            raise RequestRejected("prompt_ids is empty: a request needs at least one prompt token")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            raise RequestRejected(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        return ids
 
 
 class RequestTable:
@@ -55,18 +86,8 @@ class RequestTable:
     ) -> str:
         """Validate a request and queue it for the next ``admit``. Returns its id. ``multimodal``:
         the ``Sequence`` fields of a request with images (``RolloutEngine.add_request`` makes them)."""
-        try:
-            prompt_ids = list(map(int, prompt_ids))
-        except (TypeError, ValueError):  # an element that is not a token id: named, not int()'s message
-            bad = next((t for t in prompt_ids if not isinstance(t, numbers.Integral)), None)
-            raise TypeError(
-                f"prompt_ids must be a list of token ids (ints), but holds {bad!r}: pass tokenizer.encode(text)"
-            ) from None
-        if not prompt_ids:
-            raise RequestRejected("prompt_ids is empty: a request needs at least one prompt token")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-            raise RequestRejected(f"prompt_ids holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if not (type(prompt_ids) is CheckedPrompt and prompt_ids.vocab_size == self.vocab_size):
+            prompt_ids = CheckedPrompt.of(prompt_ids, self.vocab_size)
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:  # the sampler indexes the logits by them: one would fail every request in the step
             raise RequestRejected(
