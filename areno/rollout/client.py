@@ -35,6 +35,7 @@ from areno.models.vision import ImageInputs
 from areno.observe.trace import async_span
 from areno.rollout.engine import RolloutEngine, UnknownRequestError
 from areno.rollout.requests import CheckedPrompt, routes_from_json
+from areno.rollout.wire import decode_arrays
 from areno.types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger("areno.rollout.client")
@@ -586,6 +587,7 @@ class HTTPRolloutClient(RolloutClient):
             "prompt_ids": list(prompt_ids),
             "sampling_params": dataclasses.asdict(sampling_params),
             "request_id": request_id,
+            "token_encoding": "base64",
         }
         if images is not None:
             body["images"] = images.to_wire()
@@ -622,6 +624,7 @@ class HTTPRolloutClient(RolloutClient):
             "prompt_ids": list(prompt_ids),
             "sampling_params": [dataclasses.asdict(p) for p in params],
             "request_ids": request_ids,
+            "token_encoding": "base64",  # arrays, not a float's text per log-prob (wire.py)
         }
         if images is not None:
             body["images"] = images.to_wire()
@@ -821,7 +824,9 @@ class MultiServerRolloutClient(RolloutClient):
 
 
 def _output_from_json(fields: dict[str, Any]) -> GenerationOutput:
-    """A ``GenerationOutput`` from ``areno serve``'s JSON (routes as ``requests.routes_to_json`` wrote them)."""
+    """A ``GenerationOutput`` from ``areno serve``'s JSON (routes as ``requests.routes_to_json`` wrote them,
+    token-level fields as lists or as ``wire.encode_arrays`` wrote them)."""
+    fields = decode_arrays(fields)
     return GenerationOutput(**{**fields, "routes_TLK": routes_from_json(fields.get("routes_TLK"))})
 
 
