@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areno.engine.api import resolve_device
+from areno.engine.api import resolve_device, rollout_max_num_seqs, rollout_sequences_in_flight
 from areno.engine.cluster import (
     ClusterLayout,
     LayoutError,
@@ -195,12 +195,14 @@ def _online(config: ArenoConfig) -> bool:
 
 
 def kv_tokens_for(config: ArenoConfig) -> int:
-    """KV-cache tokens a rollout replica holds: the configured blocks, else every concurrent
-    sequence at a nominal prompt plus its full completion."""
+    """KV-cache tokens a rollout replica holds: the configured blocks, else every sequence its engine can
+    run at once (the run's sequences in flight, at most its running batch: waiting ones hold no KV) at a
+    nominal prompt plus its full completion."""
     r = config.rollout
     if r.kv_blocks:
         return r.kv_blocks * r.block_size
-    return r.max_concurrent * r.n_samples * (PROMPT_TOKENS_EST + r.max_new_tokens)
+    running = min(rollout_max_num_seqs(config), rollout_sequences_in_flight(config))
+    return running * (PROMPT_TOKENS_EST + r.max_new_tokens)
 
 
 def bind_host(config: ArenoConfig) -> str:

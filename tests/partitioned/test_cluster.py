@@ -264,3 +264,26 @@ def test_the_host_memory_check_counts_each_training_process_loading_the_whole_mo
     assert "fewer training devices on this host, model.dtype=bfloat16, or a host with more memory" in str(info.value)
     validate_host_memory(eight, model, "bfloat16", 200 * gib)  # half the bytes fit
     validate_host_memory(eight, model, "float32", None)  # no /proc/meminfo: not checked
+
+
+def test_the_shared_gpu_kv_estimate_counts_the_sequences_an_engine_runs_at_once():
+    """walk33 M2: max_concurrent x n_samples (the default max_concurrent, 16 samples at 8,192 tokens: 34.6M
+    tokens) where the run keeps at most eta + 1 batches in flight and the engine runs at most its running
+    batch: an 8x overestimate that raised a false LayoutError, or sized a shared GPU's pool past any use."""
+    from areno.api.config import load_config
+    from areno.engine.api import rollout_max_num_seqs, rollout_sequences_in_flight
+    from areno.engine.partitioned import PROMPT_TOKENS_EST, kv_tokens_for
+
+    sizes = ["model.path=/m", "rollout.batch_size=32", "rollout.n_samples=16", "rollout.max_new_tokens=8192"]
+    cfg = load_config(None, sizes)
+    per_seq = PROMPT_TOKENS_EST + 8192
+    assert cfg.rollout.max_concurrent * 16 * per_seq >= 8 * kv_tokens_for(cfg)  # what it counted before
+    assert (
+        kv_tokens_for(cfg)
+        == min(rollout_max_num_seqs(cfg), rollout_sequences_in_flight(cfg)) * per_seq
+        == 512 * per_seq
+    )
+    capped = load_config(None, [*sizes, "rollout.max_num_seqs=128"])
+    assert kv_tokens_for(capped) == 128 * per_seq
+    fixed = load_config(None, ["model.path=/m", "rollout.kv_blocks=100", "rollout.block_size=16"])
+    assert kv_tokens_for(fixed) == 1600
