@@ -24,6 +24,7 @@ from areno.types import GenerationOutput, SamplingParams
 from areno.workflows.multi_turn import MultiTurnWorkflow
 from areno.workflows.rlvr import RLVRWorkflow
 from tests.helpers.serving import serving
+from tests.helpers.templates import r1_tokenizer
 
 QWEN_TEMPLATE = (
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
@@ -405,13 +406,7 @@ def test_a_template_that_rewrites_the_answer_trains_the_datas_text(caplog):
 
     from areno.data import prompts
 
-    r1 = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% else %}"
-        "{% set c = m['content'] %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
-        "<|Assistant|>{{ c }}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}"
-    )
-    tok = build_char_tokenizer(extra_tokens=("<|User|>", "<|Assistant|>", "<think>", "</think>"))
-    tok.chat_template = r1
+    tok = r1_tokenizer()
     prompts._WARNED.discard("render_completion")
     answer = "<think>\n1+1 is 2\n</think>\n2"
     with caplog.at_level(logging.WARNING, logger="areno.data.prompts"):

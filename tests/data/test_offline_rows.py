@@ -13,6 +13,7 @@ from areno.data.tasks import PromptStream
 from areno.data.tokenizer import build_char_tokenizer
 from areno.engine.api import ArenoEngine, preference_trajectories, sft_trajectories
 from areno.engine.config import DataSection
+from tests.helpers.templates import r1_tokenizer
 
 ROWS = [{"q": f"{a}+{b}=", "a": f"the sum is {a + b}"} for a, b in [(1, 2), (30, 4), (5, 67), (8, 9)]]
 PAIRS = [{"q": "2+2=", "chosen": "4", "rejected": "5"}, {"q": "3+4=", "chosen": "7", "rejected": "seven"}]
@@ -91,13 +92,7 @@ def test_a_templated_answer_is_not_encoded_on_its_own(monkeypatch):
 
 def test_a_template_that_drops_the_answers_text_warns_once_and_trains_the_text_cached(monkeypatch, caplog):
     """The fallback (render_completion's plain ids) still encodes the answer: once per row over the epochs."""
-    r1 = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% else %}"
-        "{% set c = m['content'] %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
-        "<|Assistant|>{{ c }}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}"
-    )
-    tok = build_char_tokenizer(extra_tokens=("<|User|>", "<|Assistant|>", "<think>", "</think>"))
-    tok.chat_template = r1
+    tok = r1_tokenizer()
     rows = [{"q": f"{i}+1=", "a": f"<think>\n{i}+1\n</think>\n{i + 1}"} for i in range(3)]
     engine = _offline_engine(tok, rows, batch_size=3, chat_template="always")
     prompts._WARNED.discard("render_completion")
