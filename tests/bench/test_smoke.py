@@ -25,6 +25,7 @@ BENCHES = (
     "startup",
     "stream",
     "preference",
+    "hostcost",
 )
 
 
@@ -152,3 +153,17 @@ def test_stream_against_unstreamed(capsys):
                             "--rounds", "1", "--threads", "1"], capsys)  # fmt: skip
     assert result["figure"] > 0 and result["baseline"] > 0 and result["ratio"] > 0
     assert 0 < result["first_text_median_s"] and len(result["rounds"]["streamed"]) == 1
+
+
+def test_host_costs_per_unit_at_two_sizes(capsys):
+    result = run("hostcost", ["--cases", "render_prompt,wire", "--repeats", "1"], capsys)
+    rows = result["results"]
+    assert set(rows) == {"render_prompt", "wire"}
+    for row in rows.values():
+        assert row["ratio"] == pytest.approx(row["us_per_unit_large"] / row["us_per_unit_small"], rel=0.02)
+    worst = max(rows.values(), key=lambda r: r["ratio"])
+    assert (result["figure"], result["baseline"], result["ratio"]) == (
+        worst["us_per_unit_large"],
+        worst["us_per_unit_small"],
+        worst["ratio"],
+    )
