@@ -159,6 +159,7 @@ class WorkerHandle:
         return f"{self.role}[{self.index}]"
 
 
+_PORT_RANDOM = random.SystemRandom()
 LISTEN_PORTS = (20000, 32768)
 """Where ``free_port`` looks first: below Linux's default ephemeral range (ip_local_port_range)."""
 
@@ -180,7 +181,8 @@ def free_port() -> int:
     with other listeners remains."""
     low, high = ephemeral_ports()
     candidates = [p for p in range(*LISTEN_PORTS) if not low <= p <= high]
-    for port in random.sample(candidates, min(64, len(candidates))):
+    # not the global random: a run seeds it with train.seed, and two runs of one seed would pick alike
+    for port in _PORT_RANDOM.sample(candidates, min(64, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("", port))

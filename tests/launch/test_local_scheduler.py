@@ -188,3 +188,17 @@ def test_free_ports_come_from_outside_the_ephemeral_range(monkeypatch):
     port = scheduler.free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", port))
+
+
+def test_free_ports_do_not_follow_the_runs_seed():
+    """walk38: free_port drew from the global random, which a run seeds with train.seed: two runs of one
+    seed on one host picked the same ports for their servers."""
+    import random
+
+    from areno.launch import scheduler
+
+    picks = []
+    for _ in range(2):
+        random.seed(0)
+        picks.append([scheduler.free_port() for _ in range(4)])
+    assert picks[0] != picks[1]

@@ -78,3 +78,36 @@ def test_a_rank_writes_its_checkpoint_into_several_files_that_the_manifest_hashe
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
     assert fresh_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_a_writer_thread_that_fails_fails_the_save(tmp_path, monkeypatch):
+    """walk38: torch's multi-threaded FileSystemWriter loses a worker thread's error (its items are left
+    out of the metadata): the save returned, the manifest hashed what was there, and only the resume failed.
+    The save checks the metadata against its plan and the files, and raises an OSError (a disk failure to
+    the engine: one line naming the checkpoint and where resume=auto goes on from)."""
+    import errno
+    import os
+    import threading
+
+    import pytest
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from areno.engine.api import save_failure
+    from areno.errors import RunFailure
+
+    model, optimizer = _trained(0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    real = FileSystem.create_stream
+
+    def full_disk_off_the_main_thread(self, path, mode):
+        if mode == "wb" and str(path).endswith(".distcp") and threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", full_disk_off_the_main_thread)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's own traceback
+    tmp = checkpoint.staging_dir(tmp_path / "ckpt")
+    with pytest.raises(OSError, match=r"the checkpoint write left out \d+ of \d+ items .*a writer thread failed") as e:
+        checkpoint.save(tmp, model, optimizer, {"step": 2})
+    failure = save_failure(e.value, tmp_path / "ckpt")
+    assert isinstance(failure, RunFailure) and "saving checkpoint" in str(failure)
