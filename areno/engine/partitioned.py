@@ -194,15 +194,16 @@ def _online(config: ArenoConfig) -> bool:
     return get_recipe(config.train.algorithm, policy_kwargs=dict(config.train.algorithm_kwargs)).online
 
 
-def kv_tokens_for(config: ArenoConfig) -> int:
+def kv_tokens_for(config: ArenoConfig, max_positions: int) -> int:
     """KV-cache tokens a rollout replica holds: the configured blocks, else every sequence its engine can
     run at once (the run's sequences in flight, at most its running batch: waiting ones hold no KV) at a
-    nominal prompt plus its full completion."""
+    nominal prompt plus its full completion, and at least one sequence of the engine's ``max_model_len``
+    (``rollout.max_model_len``, else the model's ``max_positions``), so that any request it accepts fits."""
     r = config.rollout
     if r.kv_blocks:
         return r.kv_blocks * r.block_size
     running = min(rollout_max_num_seqs(config), rollout_sequences_in_flight(config))
-    return running * (PROMPT_TOKENS_EST + r.max_new_tokens)
+    return max(running * (PROMPT_TOKENS_EST + r.max_new_tokens), r.max_model_len or max_positions)
 
 
 def bind_host(config: ArenoConfig) -> str:
@@ -399,7 +400,7 @@ class PartitionedCluster:
                 model_config,
                 train_dtype=dtypes.train,
                 rollout_dtype=dtypes.rollout,
-                kv_tokens=kv_tokens_for(cfg),
+                kv_tokens=kv_tokens_for(cfg, model_config.max_position_embeddings),
             )
             validate_memory(layout, est, capacity)
 

@@ -39,7 +39,7 @@ from areno.engine.partitioned import (
     kv_tokens_for,
 )
 from areno.launch.scheduler import free_port
-from areno.models.hf_io import load_model, stop_token_ids
+from areno.models.hf_io import load_model, read_config, stop_token_ids
 from areno.models.tp_plan import COLWISE, ROWWISE, tp_plan, tp_style
 from areno.recipes import TrainingConfig
 from areno.recipes.runner import RecipeRunner
@@ -198,7 +198,8 @@ class RolloutWorker:
         tokenizer = load_pretrained_tokenizer(model_dir)
         blocks = cfg.rollout.kv_blocks
         if not blocks and layout.overlapping:  # a shared GPU: only the KV memory the check allowed
-            blocks = -(-kv_tokens_for(cfg) // cfg.rollout.block_size)
+            positions = read_config(model_dir).max_position_embeddings
+            blocks = -(-kv_tokens_for(cfg, positions) // cfg.rollout.block_size)
         engine_config = rollout_engine_config(cfg, device=device, dtype=dtype_name, num_blocks=blocks)
         tp_group = self.groups.rollout_tp_group
         self.tp_rank = dist.get_rank(tp_group) if layout.rollout_tp > 1 else 0

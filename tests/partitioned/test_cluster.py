@@ -277,13 +277,24 @@ def test_the_shared_gpu_kv_estimate_counts_the_sequences_an_engine_runs_at_once(
     sizes = ["model.path=/m", "rollout.batch_size=32", "rollout.n_samples=16", "rollout.max_new_tokens=8192"]
     cfg = load_config(None, sizes)
     per_seq = PROMPT_TOKENS_EST + 8192
-    assert cfg.rollout.max_concurrent * 16 * per_seq >= 8 * kv_tokens_for(cfg)  # what it counted before
+    assert cfg.rollout.max_concurrent * 16 * per_seq >= 8 * kv_tokens_for(cfg, 2048)  # what it counted before
     assert (
-        kv_tokens_for(cfg)
+        kv_tokens_for(cfg, 2048)
         == min(rollout_max_num_seqs(cfg), rollout_sequences_in_flight(cfg)) * per_seq
         == 512 * per_seq
     )
     capped = load_config(None, [*sizes, "rollout.max_num_seqs=128"])
-    assert kv_tokens_for(capped) == 128 * per_seq
+    assert kv_tokens_for(capped, 2048) == 128 * per_seq
     fixed = load_config(None, ["model.path=/m", "rollout.kv_blocks=100", "rollout.block_size=16"])
-    assert kv_tokens_for(fixed) == 1600
+    assert kv_tokens_for(fixed, 2048) == 1600
+
+
+def test_the_shared_gpu_kv_estimate_holds_at_least_one_sequence_of_the_engines_length():
+    """walk38: a small run (1 prompt x 4 samples x 64 new tokens) sized its pool 1,280 tokens, and a 1,300-token
+    prompt the engine accepts was then refused at generation time."""
+    from areno.api.config import load_config
+    from areno.engine.partitioned import kv_tokens_for
+
+    small = ["model.path=/m", "rollout.batch_size=1", "rollout.n_samples=4", "rollout.max_new_tokens=64"]
+    assert kv_tokens_for(load_config(None, small), 4096) == 4096  # the model's positions
+    assert kv_tokens_for(load_config(None, [*small, "rollout.max_model_len=3000"]), 4096) == 3000
