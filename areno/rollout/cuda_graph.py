@@ -8,8 +8,9 @@ the batch, not for ``max_model_len``), and under the paged kernel (which reads o
 context) a power of two of at least 64 blocks (``graph_num_blocks``). An asynchronous run with
 long-tailed lengths sweeps through most batch sizes and context widths, so these steps bound how
 many graphs it captures (``captures`` / ``capture_s``, in ``RolloutEngine.stats``).
-Graphs are captured lazily at first use and share one memory pool; ``hold_captures`` (a policy sync on a
-rollout worker) defers captures, and a step whose graph is missing meanwhile runs eagerly. The graph's inputs are three
+Graphs are captured lazily at first use (a tensor-parallel engine's at its warm-up only: its ranks must launch
+the same collectives) and share one memory pool and, for the one-step graphs, one logits buffer; ``hold_captures``
+(a policy sync on a rollout worker) defers captures, and a step whose graph is missing meanwhile runs eagerly. The graph's inputs are three
 static tensors — token ids, context lengths, block tables — and everything else (positions, cache
 slots, masks, the forward pass and the logits) is computed inside the graph.
 
@@ -157,8 +158,8 @@ class DecodeGraphRunner:
             yield
 
     def try_capture(self, capture: Callable[..., Any], *key: Any) -> Any:
-        """``capture(*key)`` unless captures are held, or this capture failed before (then None: the
-        caller runs eagerly). A capture that fails (out of memory: the KV pool was sized before the
+        """``capture(*key)`` unless captures are held, this capture failed before, or the engine is
+        tensor-parallel (then None: the caller runs eagerly). A capture that fails (out of memory: the KV pool was sized before the
         graphs) is warned about once and its steps run eagerly from then on, rather than failing every
         request of the step and trying again at the next."""
         name = (getattr(capture, "__qualname__", repr(capture)), key)
@@ -383,6 +384,7 @@ class DecodeGraphRunner:
     @torch.no_grad()
     def _capture(self, B: int, N: int) -> _Graph:
         ids_ctx_2B, bt_BN = self._static_inputs(B, N)
+        before = self._logits_out
         out_BV = self._logits_buffer(B, ids_ctx_2B, bt_BN)[:B]
 
         def step() -> torch.Tensor:
@@ -391,7 +393,11 @@ class DecodeGraphRunner:
             out_BV.copy_(self._forward(ids_ctx_2B[0], ids_ctx_2B[1], bt_BN))
             return out_BV
 
-        graph, logits_BV = self.record(step)
+        try:
+            graph, logits_BV = self.record(step)
+        except BaseException:
+            self._logits_out = before  # a buffer grown for a graph that failed: no graph writes it
+            raise
         g = _Graph(graph=graph, ids_ctx_2B=ids_ctx_2B, bt_BN=bt_BN, logits_BV=logits_BV)
         self._graphs[(B, N)] = g
         return g

@@ -610,3 +610,25 @@ def test_a_failed_warm_up_of_a_tensor_parallel_engine_stops_the_run(monkeypatch)
         api.warm_up_rollout_engine(engine, cfg)
     engine.tp_size = 1
     assert api.warm_up_rollout_engine(engine, cfg) == 0
+
+
+def test_a_failed_capture_keeps_the_logits_buffer_it_had():
+    """walk38: a buffer grown for a graph whose capture then ran out of memory stayed held, written by no
+    graph (80-155 MB at a 150k vocabulary, on a GPU that had just run out)."""
+    from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
+
+    model, cfg = make_model(0)
+    config = RolloutEngineConfig(block_size=4, num_blocks=64, max_num_seqs=8, max_model_len=70, decode_steps=1)
+    eng = RolloutEngine(model, cfg, config=config)
+    runner = eager_runner(eng, max_batch=8)
+    runner._capture(2, runner.width(4))
+    held = runner._logits_out
+    assert held is not None and held.shape[0] == 2
+
+    def out_of_memory(fn, generator=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    runner.record = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        runner._capture(8, runner.width(4))
+    assert runner._logits_out is held
