@@ -572,6 +572,8 @@ class HTTPRolloutClient(RolloutClient):
         self._client = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, timeout=httpx.Timeout(None, connect=connect_timeout_s)
         )
+        self._token_encoding: str | None = "base64"
+        """What the token routes are asked for (``_post``); None for a server that predates the field."""
 
     async def agenerate(
         self,
@@ -587,12 +589,11 @@ class HTTPRolloutClient(RolloutClient):
             "prompt_ids": list(prompt_ids),
             "sampling_params": dataclasses.asdict(sampling_params),
             "request_id": request_id,
-            "token_encoding": "base64",
         }
         if images is not None:
             body["images"] = images.to_wire()
         try:
-            response = await asyncio.wait_for(self._client.post("/generate", json=body), self.timeout_s)
+            response = await asyncio.wait_for(self._post("/generate", body), self.timeout_s)
         except TimeoutError:
             await self._abort_quietly(request_id)
             assert self.timeout_s is not None
@@ -624,12 +625,11 @@ class HTTPRolloutClient(RolloutClient):
             "prompt_ids": list(prompt_ids),
             "sampling_params": [dataclasses.asdict(p) for p in params],
             "request_ids": request_ids,
-            "token_encoding": "base64",  # arrays, not a float's text per log-prob (wire.py)
         }
         if images is not None:
             body["images"] = images.to_wire()
         try:
-            response = await asyncio.wait_for(self._client.post("/generate_many", json=body), self.timeout_s)
+            response = await asyncio.wait_for(self._post("/generate_many", body), self.timeout_s)
         except TimeoutError:
             for request_id in request_ids:
                 await self._abort_quietly(request_id)
@@ -648,6 +648,17 @@ class HTTPRolloutClient(RolloutClient):
                 status=response.status_code,
             )
         return [_output_from_json(o) for o in response.json()["outputs"]]
+
+    async def _post(self, route: str, body: dict[str, Any]) -> Any:
+        """POST a token route, asking for its token-level results as arrays (``wire.py``: a float's JSON text
+        costs ~1 us a value beside the server's engine); a server that predates ``token_encoding`` refuses
+        the field, and is then asked for plain lists from here on."""
+        if self._token_encoding is not None:
+            response = await self._client.post(route, json={**body, "token_encoding": self._token_encoding})
+            if response.status_code not in (400, 422) or "token_encoding" not in _error_message(response):
+                return response
+            self._token_encoding = None
+        return await self._client.post(route, json=body)
 
     async def _abort_quietly(self, request_id: str) -> None:
         """Best effort: a stalled server may not answer this either."""

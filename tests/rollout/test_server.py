@@ -390,3 +390,47 @@ def test_a_model_is_retrieved_by_its_id(server):
     assert _oa(base).models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError, match="model 'other' does not exist: this server serves 'tiny'"):
         _oa(base).models.retrieve("other")
+
+
+def test_the_client_asks_a_server_that_predates_token_encoding_for_lists():
+    """walk38: an areno serve from before token_encoding refuses the unknown field (400), so every request of
+    a newer client failed. The client asks once, then sends plain requests to that server."""
+    import asyncio
+    import json
+
+    from areno.rollout.client import HTTPRolloutClient
+    from areno.types import SamplingParams
+
+    bodies = []
+
+    def old_server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        if "token_encoding" in body:
+            msg = "unrecognized request argument 'token_encoding': fields this server does not know are refused"
+            return httpx.Response(400, json={"error": {"message": msg, "param": "token_encoding"}})
+        out = {
+            "request_id": "r",
+            "prompt_ids": body["prompt_ids"],
+            "output_ids": [7, 8],
+            "output_logprobs": [-0.5, -0.25],
+            "output_versions": [0, 0],
+            "finish_reason": "length",
+            "text": "",
+            "routes_TLK": None,
+        }
+        return httpx.Response(200, json={"outputs": [out]} if request.url.path == "/generate_many" else out)
+
+    async def go():
+        client = HTTPRolloutClient("http://old", KEY)
+        client._client = httpx.AsyncClient(base_url="http://old", transport=httpx.MockTransport(old_server))
+        try:
+            one = await client.agenerate([1, 2], SamplingParams(max_new_tokens=2))
+            many = await client.agenerate_many([1, 2], [SamplingParams(max_new_tokens=2)])
+        finally:
+            await client.aclose()
+        return one, many
+
+    one, (many,) = asyncio.run(go())
+    assert one.output_ids == many.output_ids == [7, 8] and one.output_logprobs == [-0.5, -0.25]
+    assert ["token_encoding" in b for b in bodies] == [True, False, False]  # asked once, then plain
