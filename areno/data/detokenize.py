@@ -16,14 +16,19 @@ it runs in a worker thread, so the groups of a rollout that finish in the same e
 by side instead of one after another on the event loop.
 
 ``TextTail`` follows that decoded text as a request's tokens arrive one at a time (the rollout
-engine's stop strings), keeping only its end: the same table, one token's piece per call.
+engine's stop strings), keeping only its end: the same table, one token's piece per call. It also
+follows SentencePiece-style decoders (Llama 2's, Mistral's, Gemma's: ``Replace("▁", " ")``,
+``ByteFallback``, ``Fuse``, ``Strip``), whose text is per-token pieces too except for a run of byte
+tokens (one UTF-8 decode of the run) and the strip at the text's start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import json
 import operator
+import string
 import weakref
 from typing import Any
 
@@ -65,8 +70,8 @@ class _PieceTable:
     (``skip_special_tokens``), and so is an id the tokenizer does not know (``tokenizers`` drops
     it). One list lookup per token, where ``tokenizers`` took ~0.4 us a token."""
 
-    def __init__(self, backend: Any, size: int, byte_level: bool) -> None:
-        special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    def __init__(self, backend: Any, size: int, byte_level: bool, state: Any = None) -> None:
+        special = _special_contents(backend)
         empty: str | bytes = b"" if byte_level else ""
         pieces: list[str | bytes] = []
         for i in range(size):
@@ -81,6 +86,7 @@ class _PieceTable:
             else:
                 pieces.append(token)
         self.backend, self.size, self.byte_level, self.pieces, self.empty = backend, size, byte_level, pieces, empty
+        self.state = state  # the decoder it was built for (a changed decoder rebuilds it)
 
     def decode(self, ids: list[int]) -> str:
         if min(ids, default=0) < 0:  # a negative index would read from the table's end
@@ -95,18 +101,56 @@ class _PieceTable:
         return "".join(parts)  # type: ignore[arg-type]
 
 
+_HEX = frozenset(string.hexdigits)
+
+
+def _fallback_piece(token: str, replaces: tuple[tuple[str, str], ...], byte_fallback: bool) -> str | bytes:
+    """A token's share of a SentencePiece-style decode: its text after the ``Replace`` steps, or its
+    byte where ``ByteFallback`` reads it as ``<0xNN>``: 6 UTF-8 bytes, whose two middle ones are what
+    Rust's ``u8::from_str_radix(_, 16)`` accepts (hex digits, a leading "+" allowed: "<0x+A>" is 10)."""
+    for old, new in replaces:
+        token = token.replace(old, new)
+    if byte_fallback and token.startswith("<0x") and token.endswith(">") and len(token.encode()) == 6:
+        digits = token[3:-1]
+        digits = digits[1:] if digits[:1] == "+" else digits
+        if digits and all(c in _HEX for c in digits):
+            return bytes([int(digits, 16)])
+    return token
+
+
+class _FallbackTable:
+    """Each token id's piece for a SentencePiece-style decoder (``_fallback_spec``): the token's text
+    after the ``Replace`` steps, its byte (``bytes``) for a ``ByteFallback`` token, or None for an id
+    that ``tokenizers`` drops before the decoder sees it (a special token, an unknown id), so that it
+    neither adds text nor ends a run of byte tokens. ``strip``: (character, how many of the text's
+    first characters a final ``Strip`` may remove)."""
+
+    byte_level = False
+
+    def __init__(self, backend: Any, tokens: list[str | None], spec: tuple[Any, bool, tuple[str, int]], state: Any):
+        replaces, byte_fallback, self.strip = spec
+        self.pieces = [None if t is None else _fallback_piece(t, replaces, byte_fallback) for t in tokens]
+        self.backend, self.size, self.state = backend, len(tokens), state
+
+
 class TextTail:
     """The end of ``tokenizer.decode(ids, skip_special_tokens=True)`` of a list of ids that grows one
     token at a time, through a ``_PieceTable``: each token adds its piece (a ByteLevel one's bytes go
     through an incremental UTF-8 decoder, which gives what one lossy decode of all the bytes gives),
     so a token costs the same at any length. ``text_tail(tokenizer, keep)`` makes one.
 
+    Through a ``_FallbackTable`` (SentencePiece-style decoders), text pieces are added as they come;
+    a run of byte tokens is one UTF-8 decode of its bytes when they are valid UTF-8, else one U+FFFD
+    per byte token, as ``ByteFallback`` does; and the decode's ``Strip`` removes characters at the
+    text's start only.
+
     A search of the text for strings of at most ``keep + 1`` characters after every token looks at
     ``tail()``: the text since the last ``mark()``, with the ``keep`` characters settled before it.
-    Settled characters never change; only the decode of a character's incomplete bytes at the end
-    (U+FFFD until its last byte arrives, as in the whole decode) can."""
+    Settled characters never change; only the text of the bytes at the end can: a character's
+    incomplete bytes (U+FFFD until its last byte arrives, as in the whole decode), or a byte run that
+    is valid UTF-8 so far (a later byte can still turn all of it into U+FFFDs)."""
 
-    def __init__(self, table: _PieceTable, keep: int) -> None:
+    def __init__(self, table: _PieceTable | _FallbackTable, keep: int) -> None:
         self.table, self.keep = table, keep
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if table.byte_level else None
         self.settled = 0
@@ -115,17 +159,27 @@ class TextTail:
         """``settled`` at the last ``mark()``."""
         self._before = ""  # up to ``keep`` settled characters before ``searched``
         self._since: list[str] = []  # settled text after ``searched``
-        self._pending = ""  # the decode of the incomplete character's bytes at the end
+        self._pending = ""  # the text of the bytes at the end that later tokens can change
+        self._fallback = isinstance(table, _FallbackTable)
+        if self._fallback:
+            self._strip_char, self._strip_left = table.strip  # type: ignore[union-attr]
+            self._run = 0  # byte tokens in the run at the end
+            self._run_bad = False  # its bytes are not valid UTF-8, whatever follows
+            self._run_text: list[str] = []  # its characters decoded so far (while valid)
+            self._run_utf8 = codecs.getincrementaldecoder("utf-8")("strict")
 
     def add(self, token_id: int) -> None:
+        if self._fallback:
+            self._add_fallback(token_id)
+            return
         table = self.table
         if 0 <= token_id < table.size:
             piece = table.pieces[token_id]
         elif token_id >= table.size:  # past the vocabulary: dropped, as tokenizers does
-            piece = table.empty
+            piece = table.empty  # type: ignore[union-attr]
         else:  # a negative id: the backend's own error
             table.backend.decode([token_id], skip_special_tokens=True)
-            piece = table.empty
+            piece = table.empty  # type: ignore[union-attr]
         if self._utf8 is not None:
             new = self._utf8.decode(piece)  # type: ignore[arg-type]
             buffered = self._utf8.getstate()[0]
@@ -135,6 +189,57 @@ class TextTail:
         if new:
             self._since.append(new)
             self.settled += len(new)
+
+    def _add_fallback(self, token_id: int) -> None:
+        table = self.table
+        if 0 <= token_id < table.size:
+            piece = table.pieces[token_id]
+        elif token_id >= table.size:  # past the vocabulary: dropped before the decoder
+            return
+        else:  # a negative id: the backend's own error
+            table.backend.decode([token_id], skip_special_tokens=True)
+            return
+        if piece is None:  # skipped before the decoder: a byte run goes on through it
+            return
+        if type(piece) is bytes:
+            self._run += 1
+            if self._run_bad:  # an invalid run stays so: one more U+FFFD, final
+                self._settle("\ufffd")
+                return
+            try:
+                new = self._run_utf8.decode(piece)
+            except UnicodeDecodeError:  # no later byte makes the run valid: its U+FFFDs are final
+                self._run_bad, self._run_text, self._pending = True, [], ""
+                self._settle("\ufffd" * self._run)
+                return
+            if new:
+                self._run_text.append(new)
+            self._pending = self._shown(self._run_text_now())
+            return
+        if self._run:  # a text token ends the run: its text is final
+            if not self._run_bad:
+                self._settle(self._run_text_now())
+            self._run, self._run_bad, self._run_text, self._pending = 0, False, [], ""
+            self._run_utf8.reset()
+        self._settle(piece)  # type: ignore[arg-type]
+
+    def _run_text_now(self) -> str:
+        """The text of the (valid so far) byte run if it ended here: a character cut short makes
+        the run invalid UTF-8."""
+        return "\ufffd" * self._run if self._run_utf8.getstate()[0] else "".join(self._run_text)
+
+    def _settle(self, text: str) -> None:
+        if self._strip_left and text:  # the decode's Strip: characters at the text's very start only
+            cut = _leading(text, self._strip_char, self._strip_left)
+            self._strip_left = self._strip_left - cut if cut == len(text) else 0
+            text = text[cut:]
+        if text:
+            self._since.append(text)
+            self.settled += len(text)
+
+    def _shown(self, text: str) -> str:
+        """Unsettled ``text`` at the end as the decode shows it now (stripped while at the start)."""
+        return text[_leading(text, self._strip_char, self._strip_left) :] if self._strip_left else text
 
     def tail(self) -> tuple[str, int]:
         """(the text from character ``offset`` on, ``offset``): ``searched - keep`` or 0."""
@@ -150,30 +255,123 @@ class TextTail:
         self.searched = self.settled
 
 
+def _leading(text: str, char: str, most: int) -> int:
+    """How many of ``text``'s first ``most`` characters are ``char``, counted from its start."""
+    n = 0
+    while n < most and n < len(text) and text[n] == char:
+        n += 1
+    return n
+
+
 def text_tail(tokenizer: Any, keep: int) -> TextTail | None:
-    """A ``TextTail`` of ``tokenizer``'s decode; None where that decode is not a concatenation of
-    per-token pieces (another decoder, clean-up of spaces, a Python tokenizer): its text can change
-    anywhere as tokens arrive (a ByteFallback run's bytes, a space the clean-up removes later), so
-    only decoding all the ids again gives it."""
+    """A ``TextTail`` of ``tokenizer``'s decode; None where this module does not follow that decode
+    (another decoder, Metaspace included; clean-up of spaces, which removes a space once a later
+    token arrives; a Python tokenizer): only decoding all the ids again gives its text."""
     backend = _batch_decoder(tokenizer)
-    table = _piece_table(tokenizer, backend) if backend is not None else None
+    table = _piece_table(tokenizer, backend, fallback=True) if backend is not None else None
     return TextTail(table, keep) if table is not None else None
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per tokenizer object: its ``_PieceTable``, rebuilt when its vocabulary grows."""
+"""Per tokenizer object: its ``_PieceTable`` (or ``_FallbackTable``), rebuilt when its vocabulary
+grows or its decoder changes."""
 
 
-def _piece_table(tokenizer: Any, backend: Any) -> _PieceTable | None:
-    """The tokenizer's ``_PieceTable``, built on first use; None for other decoders."""
-    kind = type(getattr(backend, "decoder", None)).__name__
-    if kind not in ("Fuse", "ByteLevel"):
+def _piece_table(tokenizer: Any, backend: Any, fallback: bool = False) -> Any:
+    """The tokenizer's ``_PieceTable``, built on first use; None for other decoders. ``fallback``:
+    also a ``_FallbackTable`` for a SentencePiece-style decoder (``TextTail`` only: a whole decode
+    through it is the ``tokenizers`` batch call)."""
+    decoder = getattr(backend, "decoder", None)
+    kind = type(decoder).__name__
+    if kind in ("Fuse", "ByteLevel"):
+        state: Any = kind
+    elif fallback and kind == "Sequence":
+        state = decoder.__getstate__()  # the steps and their settings (~1 us)
+    else:
         return None
     size = backend.get_vocab_size(with_added_tokens=True)
     cached = _TABLES.get(tokenizer)
-    if cached is None or cached.size != size:
-        cached = _TABLES[tokenizer] = _PieceTable(backend, size, kind == "ByteLevel")
+    if cached is not None and cached.size == size and cached.state == state:
+        return cached
+    if kind == "Sequence":
+        spec = _fallback_spec(state)
+        if spec is None or not _decodes_as_assumed(decoder, spec):
+            return None
+        special = _special_contents(backend)
+        tokens = [backend.id_to_token(i) for i in range(size)]
+        cached = _FallbackTable(backend, [None if t in special else t for t in tokens], spec, state)
+    else:
+        cached = _PieceTable(backend, size, kind == "ByteLevel", state)
+    _TABLES[tokenizer] = cached
     return cached
+
+
+def _special_contents(backend: Any) -> set[str]:
+    """The special tokens' texts: ``tokenizers`` skips any token with one of them (a model token too)."""
+    return {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+
+
+_STEP_KEYS = {
+    "Replace": {"type", "pattern", "content"},
+    "ByteFallback": {"type"},
+    "Fuse": {"type"},
+    "Strip": {"type", "content", "start", "stop"},
+}
+
+
+def _fallback_spec(state: bytes) -> tuple[tuple[tuple[str, str], ...], bool, tuple[str, int]] | None:
+    """(replacements, ByteFallback or not, (character, count) of the final Strip) of a decoder
+    ``Sequence`` of ``Replace`` steps of plain strings, ``ByteFallback`` (optional), ``Fuse`` and
+    optionally ``Strip`` of the text's start only (Llama 2's, Mistral's, Gemma's); None for any other
+    (a step with settings not known here too: its text may not be what this module assumes)."""
+    try:
+        steps = json.loads(state)["decoders"]
+        if any(set(step) != _STEP_KEYS.get(step["type"]) for step in steps):
+            return None
+        at, replaces = 0, []
+        while at < len(steps) and steps[at]["type"] == "Replace":
+            pattern, content = steps[at]["pattern"], steps[at]["content"]
+            if set(pattern) != {"String"} or not isinstance(pattern["String"], str) or not pattern["String"]:
+                return None  # a regex: its matches are not a plain replace
+            if not isinstance(content, str):
+                return None
+            replaces.append((pattern["String"], content))
+            at += 1
+        byte_fallback = at < len(steps) and steps[at]["type"] == "ByteFallback"
+        at += byte_fallback
+        if at == len(steps) or steps[at]["type"] != "Fuse":
+            return None
+        at += 1
+        strip = (" ", 0)
+        if at < len(steps) and steps[at]["type"] == "Strip":
+            step = steps[at]
+            if step["stop"] != 0 or not isinstance(step["start"], int) or len(step["content"]) != 1:
+                return None  # a strip at the end changes the text's last characters as tokens come
+            strip, at = (step["content"], step["start"]), at + 1
+        return (tuple(replaces), byte_fallback, strip) if at == len(steps) else None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+_PROBES = (
+    ["▁a", "<0x20>", "<0xE6>", "<0xBC>", "<0xA2>", "▁▁b", "<0x41>", "<0xE6>", "c", "<0xFF>", "<0x41>"],
+    ["<0x20>", "<0x20>", "▁", "<0xC3>", "<0xA9>", "<0xC3>", "<0x+1>", "▁x", "<0xED>", "<0xA0>", "<0x80>"],
+    ["▁", "▁▁y", "<0x4G>", "<0xF0>", "<0x9F>", "<0x99>", "<0x82>", "z▁", "<0xa9>", "<0xc3>", "<0x0a>", "▁"],
+)
+"""Token lists whose decode shows what ``TextTail`` assumes of a SentencePiece-style decoder: byte
+runs valid, invalid and cut short, spaces at the start, strings that look like bytes and are not."""
+
+
+def _decodes_as_assumed(decoder: Any, spec: tuple[Any, bool, tuple[str, int]]) -> bool:
+    """``TextTail``'s text equals the decoder's own after every token of each of ``_PROBES``: the
+    installed ``tokenizers`` decodes as this module assumes (else the decode is left whole)."""
+    for tokens in _PROBES:
+        tail = TextTail(_FallbackTable(None, list(tokens), spec, None), 0)
+        for k in range(len(tokens)):
+            tail.add(k)
+            if tail.tail()[0] != decoder.decode(tokens[: k + 1]):
+                return False
+    return True
 
 
 def _decode_each(tokenizer: Any, ids_B: list[list[int]]) -> list[str]:
