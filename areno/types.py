@@ -355,7 +355,7 @@ def join_flat(parts: list, dtype, *, runs: bool = False) -> torch.Tensor:
     converted item by item (the same result; integer and bool dtypes only, where equal values
     convert alike)."""
     if not runs:
-        return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
+        return torch.from_numpy(np.concatenate([_as_array(p, dtype) for p in parts]))
     assert np.dtype(dtype).kind in "biu", dtype  # a float run could hold both 0.0 and -0.0
     parts = [p for p in parts if len(p)]
     heads = [p[:1] if type(p) is list and p.count(p[0]) == len(p) else None for p in parts]
@@ -366,6 +366,14 @@ def join_flat(parts: list, dtype, *, runs: bool = False) -> torch.Tensor:
     return torch.from_numpy(
         np.concatenate([a if h is None else np.repeat(a, n) for a, h, n in zip(arrays, heads, lengths)])
     )
+
+
+def _as_array(part: Any, dtype) -> np.ndarray:
+    """``part`` (a list, an array, or a tensor on any device and of any dtype numpy lacks) as a ``dtype`` array."""
+    if isinstance(part, torch.Tensor):
+        part = part.detach().cpu()
+        part = (part.float() if part.is_floating_point() else part).numpy()
+    return np.asarray(part, dtype=dtype)
 
 
 def _fill(traj: Trajectory, value: int) -> list[int]:

@@ -72,3 +72,22 @@ def test_no_extra_keys_and_a_key_without_completion_tokens():
     assert TokenBatch.from_trajectories([plain]).extra == {}
     batch = TokenBatch.from_trajectories([prompt_only, plain])
     assert batch.extra["a_T"].tolist() == [0.0, 0.0, 0.0, 0.0] and batch.extra["a_T"].dtype == torch.float32
+
+
+def test_extra_values_given_as_tensors_pack_as_their_lists():
+    """walk38: a workflow handing a bf16 (or CUDA) tensor as extra_T values raised a TypeError once packing
+    went through numpy; the values pack as the lists of the same numbers do."""
+    import torch
+
+    from areno.types import TokenBatch, Trajectory
+
+    def traj(extra):
+        return Trajectory(
+            prompt_ids=[1, 2], completion_ids=[3, 4, 5], logprobs=[0.0] * 3, versions=[0] * 3, reward=1.0, extra_T=extra
+        )
+
+    values = [0.5, -1.25, 3.0]
+    as_lists = TokenBatch.from_trajectories([traj({"k_T": values})]).extra["k_T"]
+    for tensor in (torch.tensor(values, dtype=torch.bfloat16), torch.tensor(values, dtype=torch.float64)):
+        packed = TokenBatch.from_trajectories([traj({"k_T": tensor})]).extra["k_T"]
+        assert packed.dtype == as_lists.dtype and torch.equal(packed, as_lists)
