@@ -100,7 +100,7 @@ async def ascore_rows(
             scored[i] = trajectories
             if on_row is not None:
                 on_row(done, trajectories)
-    except BaseException:
+    except (Exception, asyncio.CancelledError):
         # the first failure ends the evaluation: the other rows' requests are cancelled and their own
         # errors collected (left running, each failing row logged "Task exception was never retrieved")
         for task in tasks:
