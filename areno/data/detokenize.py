@@ -19,7 +19,9 @@ by side instead of one after another on the event loop.
 engine's stop strings), keeping only its end: the same table, one token's piece per call. It also
 follows SentencePiece-style decoders (Llama 2's, Mistral's, Gemma's: ``Replace("▁", " ")``,
 ``ByteFallback``, ``Fuse``, ``Strip``), whose text is per-token pieces too except for a run of byte
-tokens (one UTF-8 decode of the run) and the strip at the text's start.
+tokens (one UTF-8 decode of the run) and the strip at the text's start; and the ``Metaspace`` decoder
+(T5's, XLNet's, ALBERT's), whose first token's "▁"s are dropped (prepend_scheme "first", "always")
+where every other one is a space.
 """
 
 from __future__ import annotations
@@ -133,6 +135,21 @@ class _FallbackTable:
         self.backend, self.size, self.state = backend, len(tokens), state
 
 
+class _MetaspaceTable:
+    """Each token id's piece for a ``Metaspace`` decoder: the token with its replacement character as
+    " " (``pieces``), or, for the first token the decoder is given, with it dropped (``first``; the
+    same where prepend_scheme is "never"). None for an id ``tokenizers`` drops before the decoder (a
+    special token, an unknown id): the next token is then still the first."""
+
+    byte_level = False
+
+    def __init__(self, backend: Any, tokens: list[str | None], spec: tuple[str, bool], state: Any):
+        replacement, drop_first = spec
+        self.pieces = [None if t is None else t.replace(replacement, " ") for t in tokens]
+        self.first = [None if t is None else t.replace(replacement, "") for t in tokens] if drop_first else self.pieces
+        self.backend, self.size, self.state = backend, len(tokens), state
+
+
 class TextTail:
     """The end of ``tokenizer.decode(ids, skip_special_tokens=True)`` of a list of ids that grows one
     token at a time, through a ``_PieceTable``: each token adds its piece (a ByteLevel one's bytes go
@@ -142,7 +159,8 @@ class TextTail:
     Through a ``_FallbackTable`` (SentencePiece-style decoders), text pieces are added as they come;
     a run of byte tokens is one UTF-8 decode of its bytes when they are valid UTF-8, else one U+FFFD
     per byte token, as ``ByteFallback`` does; and the decode's ``Strip`` removes characters at the
-    text's start only.
+    text's start only. Through a ``_MetaspaceTable``, each token adds its piece, its ``first`` one
+    for the first token that reaches the decoder; every character is settled at once.
 
     A search of the text for strings of at most ``keep + 1`` characters after every token looks at
     ``tail()``: the text since the last ``mark()``, with the ``keep`` characters settled before it.
@@ -150,7 +168,7 @@ class TextTail:
     incomplete bytes (U+FFFD until its last byte arrives, as in the whole decode), or a byte run that
     is valid UTF-8 so far (a later byte can still turn all of it into U+FFFDs)."""
 
-    def __init__(self, table: _PieceTable | _FallbackTable, keep: int) -> None:
+    def __init__(self, table: _PieceTable | _FallbackTable | _MetaspaceTable, keep: int) -> None:
         self.table, self.keep = table, keep
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if table.byte_level else None
         self.settled = 0
@@ -161,6 +179,8 @@ class TextTail:
         self._since: list[str] = []  # settled text after ``searched``
         self._pending = ""  # the text of the bytes at the end that later tokens can change
         self._fallback = isinstance(table, _FallbackTable)
+        self._metaspace = isinstance(table, _MetaspaceTable)
+        self._first = True  # no token has reached a Metaspace decoder yet
         if self._fallback:
             self._strip_char, self._strip_left = table.strip  # type: ignore[union-attr]
             self._run = 0  # byte tokens in the run at the end
@@ -171,6 +191,9 @@ class TextTail:
     def add(self, token_id: int) -> None:
         if self._fallback:
             self._add_fallback(token_id)
+            return
+        if self._metaspace:
+            self._add_metaspace(token_id)
             return
         table = self.table
         if 0 <= token_id < table.size:
@@ -223,6 +246,22 @@ class TextTail:
             self._run_utf8.reset()
         self._settle(piece)  # type: ignore[arg-type]
 
+    def _add_metaspace(self, token_id: int) -> None:
+        table = self.table
+        if 0 <= token_id < table.size:
+            piece = (table.first if self._first else table.pieces)[token_id]  # type: ignore[union-attr]
+        elif token_id >= table.size:  # past the vocabulary: dropped before the decoder
+            return
+        else:  # a negative id: the backend's own error
+            table.backend.decode([token_id], skip_special_tokens=True)
+            return
+        if piece is None:  # skipped before the decoder: the first token is still to come
+            return
+        self._first = False  # even a token that decodes to "" was the decoder's first
+        if piece:
+            self._since.append(piece)
+            self.settled += len(piece)
+
     def _run_text_now(self) -> str:
         """The text of the (valid so far) byte run if it ended here: a character cut short makes
         the run invalid UTF-8."""
@@ -265,8 +304,9 @@ def _leading(text: str, char: str, most: int) -> int:
 
 def text_tail(tokenizer: Any, keep: int) -> TextTail | None:
     """A ``TextTail`` of ``tokenizer``'s decode; None where this module does not follow that decode
-    (another decoder, Metaspace included; clean-up of spaces, which removes a space once a later
-    token arrives; a Python tokenizer): only decoding all the ids again gives its text."""
+    (another decoder, a Metaspace one over a byte-fallback model included; clean-up of spaces, which
+    removes a space once a later token arrives; a Python tokenizer): only decoding all the ids again
+    gives its text."""
     backend = _batch_decoder(tokenizer)
     table = _piece_table(tokenizer, backend, fallback=True) if backend is not None else None
     return TextTail(table, keep) if table is not None else None
@@ -279,21 +319,30 @@ grows or its decoder changes."""
 
 def _piece_table(tokenizer: Any, backend: Any, fallback: bool = False) -> Any:
     """The tokenizer's ``_PieceTable``, built on first use; None for other decoders. ``fallback``:
-    also a ``_FallbackTable`` for a SentencePiece-style decoder (``TextTail`` only: a whole decode
-    through it is the ``tokenizers`` batch call)."""
+    also a ``_FallbackTable`` for a SentencePiece-style decoder or a ``_MetaspaceTable`` (``TextTail``
+    only: a whole decode through them is the ``tokenizers`` batch call)."""
     decoder = getattr(backend, "decoder", None)
     kind = type(decoder).__name__
     if kind in ("Fuse", "ByteLevel"):
         state: Any = kind
-    elif fallback and kind == "Sequence":
+    elif fallback and kind in ("Sequence", "Metaspace"):
         state = decoder.__getstate__()  # the steps and their settings (~1 us)
     else:
         return None
     size = backend.get_vocab_size(with_added_tokens=True)
     cached = _TABLES.get(tokenizer)
     if cached is not None and cached.size == size and cached.state == state:
-        return cached
-    if kind == "Sequence":
+        return None if isinstance(cached, _Declined) else cached
+    if kind == "Metaspace":
+        spec = _metaspace_spec(state)
+        if spec is None or not _metaspace_as_assumed(decoder, spec) or _byte_fallback(backend):
+            # the model's state is serialized to see its byte fallback: not again for this decoder
+            _TABLES[tokenizer] = _Declined(size, state)
+            return None
+        special = _special_contents(backend)
+        tokens = [backend.id_to_token(i) for i in range(size)]
+        cached = _MetaspaceTable(backend, [None if t in special else t for t in tokens], spec, state)
+    elif kind == "Sequence":
         spec = _fallback_spec(state)
         if spec is None or not _decodes_as_assumed(decoder, spec):
             return None
@@ -304,6 +353,59 @@ def _piece_table(tokenizer: Any, backend: Any, fallback: bool = False) -> Any:
         cached = _PieceTable(backend, size, kind == "ByteLevel", state)
     _TABLES[tokenizer] = cached
     return cached
+
+
+class _Declined:
+    """A decoder this module does not follow, for the vocabulary size and decoder state it was seen at."""
+
+    def __init__(self, size: int, state: Any) -> None:
+        self.size, self.state = size, state
+
+
+def _metaspace_spec(state: bytes) -> tuple[str, bool] | None:
+    """(replacement character, whether the first token's ones are dropped) of a ``Metaspace``
+    decoder with the settings known here (``split`` only splits when encoding); None otherwise."""
+    try:
+        step = json.loads(state)
+        if set(step) != {"type", "replacement", "prepend_scheme", "split"} or step["type"] != "Metaspace":
+            return None
+        replacement, scheme = step["replacement"], step["prepend_scheme"]
+        if not isinstance(replacement, str) or len(replacement) != 1 or scheme not in ("first", "always", "never"):
+            return None
+        return replacement, scheme != "never"
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+_METASPACE_PROBES = (
+    ["a▁b", "▁", "▁▁c", "x▁", "▁<0x41>", "<0x20>", " d", "▁"],
+    ["▁", "▁", "a"],
+    ["▁▁", "b▁▁c", "_", "▁"],
+    ["e", "▁f▁"],
+)
+"""Token lists whose decode shows what ``TextTail`` assumes of a Metaspace decoder ("▁" stands for its
+replacement character): every one in the first token dropped or kept, every later one a space."""
+
+
+def _metaspace_as_assumed(decoder: Any, spec: tuple[str, bool]) -> bool:
+    """``TextTail``'s text equals the decoder's own after every token of each of ``_METASPACE_PROBES``."""
+    for probe in _METASPACE_PROBES:
+        tokens = [t.replace("▁", spec[0]) for t in probe]
+        tail = TextTail(_MetaspaceTable(None, list(tokens), spec, None), 0)
+        for k in range(len(tokens)):
+            tail.add(k)
+            if tail.tail()[0] != decoder.decode(tokens[: k + 1]):
+                return False
+    return True
+
+
+def _byte_fallback(backend: Any) -> bool:
+    """The model writes unknown characters as ``<0xNN>`` tokens: a bare Metaspace decoder shows them
+    as that text, a decoder that does not match its model, left to the whole decode."""
+    try:
+        return bool(json.loads(backend.model.__getstate__()).get("byte_fallback"))
+    except (TypeError, ValueError, AttributeError):
+        return True
 
 
 def _special_contents(backend: Any) -> set[str]:

@@ -1,0 +1,242 @@
+"""Stop strings over the ``Metaspace`` decoder (T5's, XLNet's, ALBERT's) followed token by token
+(``TextTail`` through a ``_MetaspaceTable``): each token's replacement character ("▁") is a space,
+except in the first token that reaches the decoder (special tokens and unknown ids are dropped before
+it), where prepend_scheme "first" and "always" drop every one of them and "never" keeps them as spaces.
+Its text must be the whole decode's after every token, and the engine's outputs the whole-decode
+path's, exactly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from areno.data import detokenize
+from areno.data.detokenize import TextTail, text_tail
+from areno.models.decoder import Decoder
+from areno.models.hf_io import tiny_config
+from areno.types import SamplingParams
+from tests.rollout.test_stop_string_tail import CORPUS, decode, make_engine, old_outcome, scripted, stop_cases
+
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+# "▁" alone, several of them, inside and at the end of a token: the first token drops all of them
+ODD = ["▁", "▁▁", "▁▁▁", "a▁b", "x▁", "▁y▁", "▁▁z", "<0x41>", "▁<0x20>"]
+TEXT = CORPUS + ["  two spaces first, é: café 漢字 🙂\n\ttabs ▁ and a literal ▁ sign  "]
+SCHEMES = ("first", "always", "never")
+
+
+def unigram(scheme: str, split: bool = True, replacement: str = "▁") -> PreTrainedTokenizerFast:
+    """T5's shape: a Unigram over words and characters, the Metaspace pre-tokenizer and decoder."""
+    words = sorted({w for line in TEXT for w in line.split()})
+    pieces = SPECIAL + [p.replace("▁", replacement) for p in ODD] + sorted(set("".join(TEXT)) - {" "})
+    pieces += [replacement + w for w in words] + words
+    vocab = [(p, 0.0 if p in SPECIAL else -1.0 - len(p) / 10) for p in dict.fromkeys(pieces)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=3))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=replacement, prepend_scheme=scheme, split=split)
+    tok.decoder = decoders.Metaspace(replacement=replacement, prepend_scheme=scheme, split=split)
+    return finish(tok)
+
+
+def bpe(scheme: str) -> PreTrainedTokenizerFast:
+    """A BPE trained through the Metaspace pre-tokenizer (merged pieces with "▁" first)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    tok.decoder = decoders.Metaspace(prepend_scheme=scheme)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False)
+    tok.train_from_iterator(TEXT * 10, trainer)
+    tok.add_tokens(ODD)
+    return finish(tok)
+
+
+def finish(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    tok.add_special_tokens(SPECIAL + ["<|eot|>"])
+    tok.add_tokens(["<think>", "▁hey▁", "▁"])  # added, not special: through the decoder like any token
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+TOKENIZERS = {f"unigram_{s}": (lambda s=s: unigram(s)) for s in SCHEMES}
+TOKENIZERS |= {f"bpe_{s}": (lambda s=s: bpe(s)) for s in SCHEMES}
+TOKENIZERS |= {
+    "unigram_first_nosplit": lambda: unigram("first", split=False),
+    "unigram_always_nosplit": lambda: unigram("always", split=False),
+    "unigram_underscore": lambda: unigram("always", replacement="_"),
+}
+
+
+def random_ids(tok: PreTrainedTokenizerFast, rng: random.Random, n: int) -> list[int]:
+    """Real text, "▁" tokens of every kind, special tokens (at the start too), ids past the vocabulary."""
+    size = len(tok)
+    odd = tok.convert_tokens_to_ids([t for t in tok.get_vocab() if "▁" in t or "_" in t])
+    special = tok.all_special_ids
+    ids: list[int] = []
+    while len(ids) < n:
+        r = rng.random()
+        if r < 0.3:
+            text = rng.choice(TEXT)
+            at = rng.randrange(len(text))
+            ids += tok.encode(text[at : at + rng.randrange(1, 12)], add_special_tokens=False)
+        elif r < 0.55:
+            ids.append(rng.choice(odd))
+        elif r < 0.75:
+            ids.append(rng.choice(special))
+        elif r < 0.82:
+            ids.append(rng.randrange(size, size + 4))
+        else:
+            ids.append(rng.randrange(size))
+    return ids[:n]
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_tail_is_the_whole_decode_after_every_token(name):
+    """For random ids, after every token: the text (tail and offset) is the end of
+    ``tokenizer.decode(ids, skip_special_tokens=True)`` and every character is settled at once."""
+    tok = TOKENIZERS[name]()
+    rng = random.Random(0)
+    dropped = 0
+    for _ in range(80):
+        keep = rng.randrange(0, 6)
+        tail = text_tail(tok, keep)
+        assert isinstance(tail, TextTail)
+        ids: list[int] = []
+        settled_text = ""
+        for t in random_ids(tok, rng, rng.randrange(1, 60)):
+            ids.append(t)
+            tail.add(t)
+            whole = decode(tok, ids)
+            assert whole.startswith(settled_text)
+            assert tail.settled == len(whole)
+            text, offset = tail.tail()
+            assert text == whole[offset:] and offset == max(tail.searched - keep, 0), ids
+            settled_text = whole
+            if rng.random() < 0.7:
+                tail.mark()
+        if not name.endswith("never") and not name.endswith("underscore"):
+            first = next((t for t in ids if t < len(tok) and t not in tok.all_special_ids), None)
+            dropped += first is not None and "▁" in tok.convert_ids_to_tokens(first)
+    assert name.endswith(("never", "underscore")) or dropped  # a first token lost its "▁"s
+
+
+@pytest.mark.parametrize("name", ["unigram_first", "unigram_always", "unigram_never", "unigram_underscore"])
+def test_every_prefix_of_every_token_triple(name):
+    """Each prefix of short sequences, exhaustively over a set of tokens: "▁" tokens first or after a
+    special token or an unknown id (which leave the next token the first), "▁" inside a token."""
+    tok = TOKENIZERS[name]()
+    r = "_" if name.endswith("underscore") else "▁"
+    picks = [p.replace("▁", r) for p in ["▁", "▁▁", "a▁b", "x▁", "▁▁z"]] + ["<s>", "<think>", "▁hey▁", "a"]
+    ids = tok.convert_tokens_to_ids(picks) + [len(tok) + 1]
+    assert tok.unk_token_id not in ids[:-1]
+    for a in ids:
+        for b in ids:
+            for c in ids:
+                tail = text_tail(tok, 2)
+                for k, t in enumerate((a, b, c, a)):
+                    tail.add(t)
+                    assert tail.tail()[0] == decode(tok, [a, b, c, a][: k + 1]), [a, b, c, a][: k + 1]
+
+
+@pytest.fixture(scope="module", params=["unigram_first", "unigram_always", "unigram_never", "bpe_always"])
+def tok_model(request):
+    tok = TOKENIZERS[request.param]()
+    cfg = tiny_config(len(tok) + 3, hidden_size=32, layers=1, heads=4, kv_heads=2, max_position_embeddings=1024)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Decoder(cfg).eval()
+    return request.param, tok, model, cfg
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_stop_strings_end_requests_as_the_whole_output_decode_did(tok_model, decode_steps):
+    """The engine's outputs (tokens, finish reason, text) with stop strings cut from free runs equal
+    the whole-decode rule's (``old_outcome``)."""
+    name, tok, model, cfg = tok_model
+    assert isinstance(text_tail(tok, 0), TextTail)
+    eng = make_engine(model, cfg, tok, decode_steps)
+    base = SamplingParams(temperature=1.0, max_new_tokens=48, ignore_eos=True)
+    prompts = [[5 + i, 6 + i, 7] for i in range(4)]
+    seeded = [SamplingParams(**{**base.__dict__, "seed": 100 + i}) for i in range(len(prompts))]
+    free = eng.generate(prompts, seeded)
+    params, ps = [], []
+    for prompt, p, out in zip(prompts, seeded, free):
+        assert out.text == decode(tok, out.output_ids)
+        for case in stop_cases(out.text, p):
+            params.append(case)
+            ps.append(prompt)
+    outs = eng.generate(ps, params)
+    reasons = []
+    for p, out in zip(params, outs):
+        want = old_outcome(tok, p, out.output_ids)
+        assert want is not None
+        assert (len(out.output_ids), out.finish_reason, out.text) == want, p.stop
+        reasons.append(want[1])
+    assert reasons.count("stop") >= len(outs) // 2 and "length" in reasons
+
+
+# "▁ab"-like first tokens after special tokens: the text starts without (or, "never", with) the space
+STOPS = [(" two",), ("two",), ("  ",), ("caf",), (" café", "漢"), ("y ",), (" a b",), ("ab",), ("sign",), (" ",)]
+
+
+@pytest.mark.parametrize("min_new_tokens", [0, 5])
+def test_scripted_outputs_stop_as_the_whole_output_decode_did(tok_model, min_new_tokens):
+    """Chosen outputs: special tokens and an unknown id before the first text token, "▁"-only and
+    "▁"-inside tokens; with min_new_tokens."""
+    name, tok, model, cfg = tok_model
+    ids = tok.convert_tokens_to_ids
+    text = tok.encode(TEXT[-1], add_special_tokens=False)
+    script = ids(["<s>", "<|eot|>"]) + [len(tok) + 1] + ids(["▁▁", "▁y▁"]) + text + ids(["a▁b", "<s>", "▁", "x▁"])
+    reasons = []
+    for stop in STOPS:
+        eng = make_engine(model, cfg, tok, decode_steps=1)
+        scripted(eng, script)
+        p = SamplingParams(temperature=0.0, max_new_tokens=len(script), min_new_tokens=min_new_tokens, stop=stop)
+        out = eng.generate([[5, 6, 7]], p)[0]
+        assert out.output_ids == script[: len(out.output_ids)]
+        assert (len(out.output_ids), out.finish_reason, out.text) == old_outcome(tok, p, script), stop
+        reasons.append(out.finish_reason)
+    assert reasons.count("stop") >= len(STOPS) // 2
+
+
+def test_stop_string_decode_is_linear_in_the_output_length(tok_model):
+    """A long request with a never-matching stop string decodes its whole output once, not per token."""
+    name, tok, model, cfg = tok_model
+    eng = make_engine(model, cfg, tok, decode_steps=1)
+    decoded = []
+    real = tok.decode
+    tok.decode = lambda ids, **kw: decoded.append(len(ids)) or real(ids, **kw)
+    try:
+        L = 600
+        p = SamplingParams(temperature=1.0, max_new_tokens=L, ignore_eos=True, seed=3, stop=("\x00never\x00",))
+        out = eng.generate([[5, 6, 7]], p)[0]
+    finally:
+        del tok.decode
+    assert len(out.output_ids) == L and out.finish_reason == "length"
+    assert out.text == decode(tok, out.output_ids)
+    assert sum(decoded) <= 2 * L, decoded
+
+
+def test_which_metaspace_tokenizers_stay_on_the_whole_decode():
+    """Clean-up of spaces, a byte-fallback model under a bare Metaspace decoder, and a Metaspace step
+    inside a Sequence still decode whole (None); the whole-decode helpers are unchanged."""
+    clean_up = unigram("always")
+    clean_up.clean_up_tokenization_spaces = True
+    assert text_tail(clean_up, 3) is None
+    byte_fb = unigram("first")
+    vocab = json.loads(byte_fb.backend_tokenizer.model.__getstate__())["vocab"]
+    byte_fb.backend_tokenizer.model = models.Unigram([tuple(v) for v in vocab], unk_id=3, byte_fallback=True)
+    assert text_tail(byte_fb, 3) is None and text_tail(byte_fb, 3) is None  # declined, and remembered
+    seq = unigram("first")
+    seq.backend_tokenizer.decoder = decoders.Sequence([decoders.Metaspace(), decoders.Fuse()])
+    assert text_tail(seq, 3) is None
+    tok = unigram("first")
+    assert isinstance(text_tail(tok, 3), TextTail)
+    assert detokenize.decode_texts(tok, [[5, 6, 7]]) == [decode(tok, [5, 6, 7])]
+    tok.backend_tokenizer.decoder = decoders.Metaspace(prepend_scheme="never")  # a changed decoder rebuilds
+    tail = text_tail(tok, 3)
+    first = tok.convert_tokens_to_ids(["▁▁z"])
+    tail.add(first[0])
+    assert tail.tail()[0] == decode(tok, first) == "  z"
