@@ -11,16 +11,19 @@ import json
 import random
 
 import pytest
-import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from areno.data import detokenize
 from areno.data.detokenize import TextTail, text_tail
-from areno.models.decoder import Decoder
-from areno.models.hf_io import tiny_config
-from areno.types import SamplingParams
-from tests.rollout.test_stop_string_tail import CORPUS, decode, make_engine, old_outcome, scripted, stop_cases
+from tests.helpers.stop_strings import (
+    CORPUS,
+    cut_stop_outcomes,
+    decode,
+    scripted_stop_reasons,
+    tiny_model_for,
+    tokens_decoded_for_a_long_request,
+)
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
@@ -149,11 +152,7 @@ def test_every_prefix_of_every_token_pair(name):
 @pytest.fixture(scope="module", params=list(TOKENIZERS))
 def tok_model(request):
     tok = TOKENIZERS[request.param]()
-    cfg = tiny_config(len(tok) + 3, hidden_size=32, layers=1, heads=4, kv_heads=2, max_position_embeddings=1024)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Decoder(cfg).eval()
-    return request.param, tok, model, cfg
+    return (request.param, tok, *tiny_model_for(tok))
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
@@ -161,25 +160,9 @@ def test_stop_strings_end_requests_as_the_whole_output_decode_did(tok_model, dec
     """The engine's outputs (tokens, finish reason, text) with stop strings cut from free runs equal
     the whole-decode rule's (``old_outcome``): most sampled tokens of these vocabularies are bytes."""
     name, tok, model, cfg = tok_model
-    eng = make_engine(model, cfg, tok, decode_steps)
-    base = SamplingParams(temperature=1.0, max_new_tokens=48, ignore_eos=True)
-    prompts = [[5 + i, 6 + i, 7] for i in range(4)]
-    seeded = [SamplingParams(**{**base.__dict__, "seed": 100 + i}) for i in range(len(prompts))]
-    free = eng.generate(prompts, seeded)
-    params, ps = [], []
-    for prompt, p, out in zip(prompts, seeded, free):
-        assert out.text == decode(tok, out.output_ids)
-        for case in stop_cases(out.text, p):
-            params.append(case)
-            ps.append(prompt)
-    outs = eng.generate(ps, params)
-    reasons = []
-    for p, out in zip(params, outs):
-        want = old_outcome(tok, p, out.output_ids)
-        assert want is not None
-        assert (len(out.output_ids), out.finish_reason, out.text) == want, p.stop
-        reasons.append(want[1])
-    assert reasons.count("stop") >= len(outs) // 2 and "length" in reasons
+    outcomes = cut_stop_outcomes(tok, model, cfg, decode_steps)
+    reasons = [o[1] for o in outcomes]
+    assert reasons.count("stop") >= len(outcomes) // 2 and "length" in reasons
 
 
 SCRIPT = "  café 漢字🙂 ok, naïve\n½ end"
@@ -196,34 +179,14 @@ def test_scripted_outputs_stop_as_the_whole_output_decode_did(tok_model, min_new
     assert len(set(script) & byte_ids) >= 10
     inside = next(i for i in range(1, len(script)) if script[i - 1] in byte_ids and script[i] in byte_ids)
     script = script[:inside] + [tok.convert_tokens_to_ids("<s>")] + script[inside:]  # a special token in a run
-    reasons = []
-    for stop in STOPS:
-        eng = make_engine(model, cfg, tok, decode_steps=1)
-        scripted(eng, script)
-        p = SamplingParams(temperature=0.0, max_new_tokens=len(script), min_new_tokens=min_new_tokens, stop=stop)
-        out = eng.generate([[5, 6, 7]], p)[0]
-        assert out.output_ids == script[: len(out.output_ids)]
-        assert (len(out.output_ids), out.finish_reason, out.text) == old_outcome(tok, p, script), stop
-        reasons.append(out.finish_reason)
+    reasons = scripted_stop_reasons(tok, model, cfg, script, STOPS, min_new_tokens)
     assert reasons.count("stop") >= len(STOPS) // 2
 
 
 def test_stop_string_decode_is_linear_in_the_output_length(tok_model):
     """A long request with a never-matching stop string decodes its whole output once, not per token."""
     name, tok, model, cfg = tok_model
-    eng = make_engine(model, cfg, tok, decode_steps=1)
-    decoded = []
-    real = tok.decode
-    tok.decode = lambda ids, **kw: decoded.append(len(ids)) or real(ids, **kw)
-    try:
-        L = 600
-        p = SamplingParams(temperature=1.0, max_new_tokens=L, ignore_eos=True, seed=3, stop=("\x00never\x00",))
-        out = eng.generate([[5, 6, 7]], p)[0]
-    finally:
-        del tok.decode
-    assert len(out.output_ids) == L and out.finish_reason == "length"
-    assert out.text == decode(tok, out.output_ids)
-    assert sum(decoded) <= 2 * L, decoded
+    assert tokens_decoded_for_a_long_request(tok, model, cfg, 600) <= 2 * 600
 
 
 def slow_ones() -> dict[str, PreTrainedTokenizerFast]:
