@@ -213,15 +213,17 @@ class TextTail:
             self._since.append(new)
             self.settled += len(new)
 
+    def _piece(self, pieces: list, token_id: int) -> Any:
+        """``pieces[token_id]``; None for an id the decoder never sees (special, or past the vocabulary);
+        a negative id raises the backend's own error."""
+        if 0 <= token_id < self.table.size:
+            return pieces[token_id]
+        if token_id < 0:
+            self.table.backend.decode([token_id], skip_special_tokens=True)
+        return None
+
     def _add_fallback(self, token_id: int) -> None:
-        table = self.table
-        if 0 <= token_id < table.size:
-            piece = table.pieces[token_id]
-        elif token_id >= table.size:  # past the vocabulary: dropped before the decoder
-            return
-        else:  # a negative id: the backend's own error
-            table.backend.decode([token_id], skip_special_tokens=True)
-            return
+        piece = self._piece(self.table.pieces, token_id)
         if piece is None:  # skipped before the decoder: a byte run goes on through it
             return
         if type(piece) is bytes:
@@ -248,13 +250,7 @@ class TextTail:
 
     def _add_metaspace(self, token_id: int) -> None:
         table = self.table
-        if 0 <= token_id < table.size:
-            piece = (table.first if self._first else table.pieces)[token_id]  # type: ignore[union-attr]
-        elif token_id >= table.size:  # past the vocabulary: dropped before the decoder
-            return
-        else:  # a negative id: the backend's own error
-            table.backend.decode([token_id], skip_special_tokens=True)
-            return
+        piece = self._piece(table.first if self._first else table.pieces, token_id)  # type: ignore[union-attr]
         if piece is None:  # skipped before the decoder: the first token is still to come
             return
         self._first = False  # even a token that decodes to "" was the decoder's first
