@@ -43,12 +43,12 @@ from areno.engine.local import LocalRolloutSide
 from areno.engine.scoring import ascore_samples, eval_metrics, eval_params
 from areno.engine.seams import SideSetup
 from areno.errors import ConfigError
+from areno.models.checkpoint_dirs import newest_complete
 from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
 from areno.rewards.loader import check_reward_started, load_reward, start_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.client import RolloutClient
-from areno.train.checkpoint import complete_checkpoints
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
 
@@ -60,8 +60,7 @@ class HotLoadable(Protocol):
 
 
 def latest_completed_checkpoint(checkpoint_dir: str | Path) -> tuple[int, Path] | None:
-    done = complete_checkpoints(checkpoint_dir)
-    return done[-1] if done else None
+    return newest_complete(checkpoint_dir)
 
 
 class TestRolloutManager:

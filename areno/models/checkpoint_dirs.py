@@ -31,6 +31,24 @@ def complete_checkpoints(checkpoints_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def newest_complete(checkpoints_dir: str | Path) -> tuple[int, Path] | None:
+    """``(step, path)`` of the newest completed ``step_N`` directory, or None: the names sorted, and the
+    marker read from the newest down (a background evaluation asks every few seconds, and a run that keeps
+    every checkpoint has thousands)."""
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return None
+    steps = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match:
+            steps.append((int(match.group(1)), child))
+    for step, child in sorted(steps, reverse=True):
+        if child.is_dir() and is_complete(child):
+            return step, child
+    return None
+
+
 def model_dir_of(path: Path, flag: str) -> tuple[Path, Path | None] | None:
     """``(model directory, checkpoint or None)`` of a directory that names one model by itself: a
     checkpoint ``step_N`` or its ``hf/`` export (the export, of a complete checkpoint: a ModelDirError

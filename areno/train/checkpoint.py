@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from areno.errors import ModelDirError
-from areno.models.checkpoint_dirs import COMPLETE_MARKER, STEP_DIR, complete_checkpoints, is_complete
+from areno.models.checkpoint_dirs import COMPLETE_MARKER, STEP_DIR, complete_checkpoints, is_complete, newest_complete
 
 TRAINER_STATE = "trainer_state.pt"
 MANIFEST = "MANIFEST.json"
@@ -305,8 +305,8 @@ def newest_intact(checkpoints_dir: str | Path) -> Path | None:
 
 def latest_complete(checkpoints_dir: str | Path) -> Path | None:
     """The newest completed checkpoint under ``checkpoints_dir``, or None."""
-    found = complete_checkpoints(checkpoints_dir)
-    return found[-1][1] if found else None
+    found = newest_complete(checkpoints_dir)
+    return found[1] if found else None
 
 
 def remove_stale(checkpoints_dir: str | Path) -> list[Path]:
