@@ -32,6 +32,7 @@ import json
 import operator
 import string
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
@@ -385,14 +386,8 @@ replacement character): every one in the first token dropped or kept, every late
 
 def _metaspace_as_assumed(decoder: Any, spec: tuple[str, bool]) -> bool:
     """``TextTail``'s text equals the decoder's own after every token of each of ``_METASPACE_PROBES``."""
-    for probe in _METASPACE_PROBES:
-        tokens = [t.replace("▁", spec[0]) for t in probe]
-        tail = TextTail(_MetaspaceTable(None, list(tokens), spec, None), 0)
-        for k in range(len(tokens)):
-            tail.add(k)
-            if tail.tail()[0] != decoder.decode(tokens[: k + 1]):
-                return False
-    return True
+    probes = [[t.replace("▁", spec[0]) for t in probe] for probe in _METASPACE_PROBES]
+    return _tail_follows(decoder, probes, lambda tokens: _MetaspaceTable(None, tokens, spec, None))
 
 
 def _byte_fallback(backend: Any) -> bool:
@@ -463,8 +458,16 @@ runs valid, invalid and cut short, spaces at the start, strings that look like b
 def _decodes_as_assumed(decoder: Any, spec: tuple[Any, bool, tuple[str, int]]) -> bool:
     """``TextTail``'s text equals the decoder's own after every token of each of ``_PROBES``: the
     installed ``tokenizers`` decodes as this module assumes (else the decode is left whole)."""
-    for tokens in _PROBES:
-        tail = TextTail(_FallbackTable(None, list(tokens), spec, None), 0)
+    return _tail_follows(
+        decoder, [list(tokens) for tokens in _PROBES], lambda tokens: _FallbackTable(None, tokens, spec, None)
+    )
+
+
+def _tail_follows(decoder: Any, probes: list[list[str]], table: Callable[[list[str]], Any]) -> bool:
+    """Whether a ``TextTail`` over ``table(tokens)`` (token id k = ``tokens[k]``) gives ``decoder``'s text
+    after every token of each probe."""
+    for tokens in probes:
+        tail = TextTail(table(tokens), 0)
         for k in range(len(tokens)):
             tail.add(k)
             if tail.tail()[0] != decoder.decode(tokens[: k + 1]):
