@@ -280,11 +280,12 @@ def check_worker_recipe(config: ArenoConfig) -> None:
 
 
 def check_reward(config: ArenoConfig) -> None:
-    """``reward.fn`` imports; the sandbox's limits are not set for a reward that runs in-process."""
+    """``reward.fn`` imports; the sandbox's limits are not set for a reward that runs in-process
+    (``reward.timeout_s`` is: an in-process call past it is reported, ``rewards/inprocess.py``)."""
     section = config.reward
     if wants_sandbox(reward_function(section.fn), section.sandbox):
         return
-    for key in ("timeout_s", "memory_mb", "cpu_s", "workers", "allow_network"):
+    for key in ("memory_mb", "cpu_s", "workers", "allow_network"):
         if getattr(section, key) != field_default(RewardSection, key):
             how = "reward.sandbox=false" if section.sandbox is False else f"{section.fn} is cheap and safe in-process"
             raise ConfigError(

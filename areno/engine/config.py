@@ -221,7 +221,8 @@ class RewardSection(ConfigSection):
     User code, code execution and math-verify can hang or crash, and only a process bounds that."""
     timeout_s: float = 10.0
     """Wall-clock limit of one sandboxed reward call (the worker is killed and replaced); a timeout
-    or exception gives reward 0 and is counted. In-process rewards cannot be interrupted."""
+    or exception gives reward 0 and is counted. An in-process call cannot be interrupted: one past
+    this limit is reported in an error line naming the fixes, and the run waits for it."""
     memory_mb: int = 2048
     """Address-space limit (RLIMIT_AS) of each reward worker, in MiB; 0 = unlimited."""
     cpu_s: float | None = None

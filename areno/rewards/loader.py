@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from areno.errors import RewardImportError, UserError
+from areno.rewards.inprocess import InProcessReward
 from areno.rewards.sandbox import SANDBOX_CWD_PREFIX, RewardSandbox, shared_sandbox
 
 
@@ -230,13 +231,13 @@ def _collision(field: str, prompt_key: str, answer_key: str, fields: list[str] |
 
 
 def load_reward(section: Any) -> Any:
-    """The reward function of a ``RewardSection``: the imported function itself when it runs
-    in-process, else the shared :class:`~areno.rewards.sandbox.RewardSandbox` for it (an async
-    callable with the same signature). Either way the workflows call it through ``acall_reward``;
+    """The reward function of a ``RewardSection``: when it runs in-process, the imported function
+    watched for calls past ``reward.timeout_s`` (``InProcessReward``); else the shared
+    :class:`~areno.rewards.sandbox.RewardSandbox` for it (an async callable with the same signature). Either way the workflows call it through ``acall_reward``;
     sandbox failures raise ``RewardFailure`` there and score 0."""
     fn = reward_function(section.fn)
     if not wants_sandbox(fn, section.sandbox):
-        return fn
+        return InProcessReward(fn, name=section.fn, timeout_s=section.timeout_s)
     return shared_sandbox(
         resolve_path(section.fn),
         workers=section.workers,

@@ -188,6 +188,10 @@ class _Worker:
         """``("ok", value)``, ``("error", (kind, message))``, ``("timeout", None)``,
         ``("died", exit description)``, ``("malformed", what)`` or ``("gone", None)`` when the idle
         worker had already died."""
+        # an idle worker writes nothing, so a readable reply pipe is its end closed: gone (the request
+        # pipe may still take a send while the rest of its killed tree exits)
+        if self._replies.poll(0):
+            return "gone", None
         try:
             self._requests.send(args)
         except (BrokenPipeError, OSError):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +60,11 @@ async def acall_reward(
     the first failure of each reward function in this process is warned about with its prompt,
     completion and row fields; later ones are logged at DEBUG and counted, a batch's in one warning
     (``warn_reward_errors``), so a reward that fails on every row does not flood the log."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        # Python 3.11's wait_for hands a finished generation to a task cancelled meanwhile (a stopping
+        # pool, an evaluation's first failure or Ctrl-C): it must not go on to call the reward
+        raise asyncio.CancelledError
     try:
         value = reward_fn(prompt, completion, answer, **fields)
         if inspect.isawaitable(value):
@@ -67,8 +74,11 @@ async def acall_reward(
             raise NonFiniteReward(f"reward returned {value!r}; it must be a finite float")
         return value, None
     # user code: counted (info["reward_error"]) and warned, not hidden; sys.exit() or a KeyboardInterrupt it
-    # raises too (they would end the rollout loop's task and hang the run; signals reach the main thread only)
-    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001
+    # raises too (they would end the rollout loop's task and hang the run); signals reach the main thread
+    # only, so a KeyboardInterrupt there (an evaluation's reward) is the user's Ctrl-C and stops the run
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            raise
         error = f"{type(exc).__name__}: {exc}"
         first = id(reward_fn) not in _failed_rewards
         _failed_rewards.setdefault(id(reward_fn), reward_fn)

@@ -101,7 +101,7 @@ def _checked(tmp_path, *extra: str) -> None:
             ["train.algorithm=sft", "cluster.allocation_mode='vllm:d1+fsdp:d1'"],
             r"train.algorithm='sft' trains offline .* but cluster.allocation_mode='vllm:d1\+fsdp:d1' would partition",
         ),
-        (["reward.sandbox=false", "reward.timeout_s=3"], r"reward.timeout_s bounds the reward's sandbox workers"),
+        (["reward.sandbox=false", "reward.memory_mb=512"], r"reward.memory_mb bounds the reward's sandbox workers"),
         (
             ["reward.fn=areno.rewards.tasks:exact_match", "reward.workers=2"],
             r"reward.workers .*exact_match is cheap and safe in-process",

@@ -5,6 +5,7 @@ full once, then once per batch with a count, not once per call."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 
@@ -114,7 +115,8 @@ def test_an_in_process_reward_that_exits_is_a_reward_error():
         raise KeyboardInterrupt
 
     assert _call(exits) == (0.0, "SystemExit: 0")
-    assert _call(interrupts) == (0.0, "KeyboardInterrupt: ")
+    with concurrent.futures.ThreadPoolExecutor(1) as loop_thread:  # the rollout loop's (a Ctrl-C on the main one)
+        assert loop_thread.submit(_call, interrupts).result(timeout=30) == (0.0, "KeyboardInterrupt: ")
 
 
 def _reads_a_relative_file(tmp_path):

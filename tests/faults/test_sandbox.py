@@ -161,9 +161,9 @@ def test_load_reward_auto_sandbox_and_shared_metrics():
     from areno.rewards.tasks import exact_match
 
     close_all()  # pools (and their counters) other tests of this process left open
-    assert load_reward(RewardSection()) is exact_match  # shipped, marked safe in-process
+    assert load_reward(RewardSection()).fn is exact_match  # shipped, marked safe in-process (watched)
     assert isinstance(load_reward(RewardSection(sandbox=True)), RewardSandbox)
-    assert load_reward(RewardSection(fn="tests.helpers.rewards:misbehave", sandbox=False)) is misbehave
+    assert load_reward(RewardSection(fn="tests.helpers.rewards:misbehave", sandbox=False)).fn is misbehave
     try:
         pool = load_reward(RewardSection(fn="tests.helpers.rewards:misbehave", timeout_s=5.0, workers=1))
         assert isinstance(pool, RewardSandbox)  # user code: sandboxed by default
