@@ -167,17 +167,20 @@ def check_eval_seeds(base_seed: int, rows: int, samples: int, *, name: str) -> N
 def eval_params(cfg: ArenoConfig, samples: int, temperature: float | None, *, name: str) -> SamplingParams:
     """The sampling of an evaluation: greedy for one sample without a temperature, else the
     rollouts' at ``temperature`` (None: ``rollout.temperature``). Several greedy samples would
-    repeat one completion: a ConfigError naming ``name`` (the setting that asked for them)."""
+    repeat one completion: a ConfigError naming ``name`` (the setting that asked for them). The
+    engine gives no text (``ascore_row`` decodes each completion once itself)."""
     r = cfg.rollout
     if samples == 1 and not temperature:
-        return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
+        return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens, detokenize=False)
     temperature = r.temperature if temperature is None else temperature
     if temperature == 0:
         raise ConfigError(
             f"{name}: {samples} samples at temperature 0 repeat one greedy completion: sample at a temperature > 0 "
             "(or take 1 sample)"
         )
-    return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+    return SamplingParams(
+        temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, detokenize=False
+    )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

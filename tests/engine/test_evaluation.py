@@ -301,3 +301,45 @@ def test_the_first_failing_row_cancels_the_others_and_collects_their_errors():
 
     gc.collect()
     assert len(started) == 6 and len(cancelled) == 5 and not unretrieved
+
+
+@pytest.mark.parametrize("samples, temperature", [(1, None), (4, 0.7)])
+def test_an_evaluation_asks_the_engine_for_no_text_and_decodes_each_completion_once(samples, temperature):
+    """The engine decoded every held-out completion on its step thread and ``ascore_row`` decoded it again
+    (walk37: ~1 ms a 4,096-token completion at a 151k vocabulary, twice)."""
+    import asyncio
+
+    from areno.data.tokenizer import build_char_tokenizer
+    from areno.engine.scoring import ascore_rows, eval_params
+    from areno.types import GenerationOutput
+
+    tokenizer = build_char_tokenizer()
+    cfg = load_config(None, ["model.path=/m"])
+    params = eval_params(cfg, samples, temperature, name="train.eval_samples")
+    assert params.detokenize is False
+    seen, decoded = [], []
+
+    class Client:
+        async def agenerate(self, prompt_ids, params, **kwargs):
+            seen.append(params.detokenize)
+            ids = tokenizer.encode("42", add_special_tokens=False)
+            return GenerationOutput(
+                request_id="r",
+                prompt_ids=list(prompt_ids),
+                output_ids=ids,
+                output_logprobs=[0.0] * len(ids),
+                output_versions=[0] * len(ids),
+                finish_reason="stop",
+            )
+
+    def decode(ids, **kwargs):
+        decoded.append(list(ids))
+        return type(tokenizer).decode(tokenizer, ids, **kwargs)
+
+    tokenizer.decode = decode
+    rows = [{"prompt": f"{i}+1=", "answer": "42"} for i in range(3)]
+    scored = asyncio.run(
+        ascore_rows(Client(), tokenizer, lambda p, c, a=None, **k: float(c == a), rows, cfg, params, samples=samples)
+    )
+    assert seen == [False] * 3 * samples and len(decoded) == 3 * samples
+    assert [t.reward for ts in scored for t in ts] == [1.0] * 3 * samples
