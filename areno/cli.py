@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import areno
@@ -386,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("areno: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `areno recipes | head`: the reader left; what it did not read is not an error
+        # the interpreter flushes stdout again at exit: into /dev/null, not another BrokenPipeError
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE: what a process the signal ended returns
     except Exception as exc:
         torch = sys.modules.get("torch")  # not imported for it: a command that never loaded torch cannot raise it
         if torch is None or not isinstance(exc, torch.OutOfMemoryError):
