@@ -902,7 +902,7 @@ class _OpenAIRoutes:
             req.max_tokens = req.max_completion_tokens
         self._check_chars(sum(len(m.content or "") for m in req.messages), "messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        # the renderer of training prompts (areno.data.prompts), so a served prompt is tokenized as in training
+        # training's template renderer (areno.data.prompts, as data.chat_template=always): a chat is templated
         try:
             prompt_ids = await asyncio.to_thread(
                 apply_template, tokenizer, messages, **(req.chat_template_kwargs or {})
