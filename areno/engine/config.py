@@ -14,6 +14,7 @@ hand); ``auto`` dtypes resolve in ``resolve_dtypes``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 from omegaconf import MISSING
 
 from areno.data.prompts import CHAT_TEMPLATE_MODES
+from areno.data.tasks import TASKS
 from areno.errors import ConfigError, check_config, check_types, unknown_setting
 from areno.launch.allocation import (
     AllocationModeError,
@@ -193,6 +195,12 @@ class DataSection(ConfigSection):
             "set data.task to a shipped task or data.train_path to a JSONL/Parquet file",
         )
         for key in ("train_path", "eval_path"):  # a task makes its own rows: a file beside it would go unread
+            if self.task is not None and getattr(self, key) is not None and self.task not in TASKS:
+                close = difflib.get_close_matches(str(self.task), [*TASKS, "null"], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"data.task: {self.task!r} is not a shipped task{hint}; to read data.{key}, set data.task=null"
+                )
             check_config(
                 self.task is None or getattr(self, key) is None,
                 f"data.{key}",
