@@ -27,7 +27,7 @@ import logging
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from areno.errors import RunFailure
@@ -724,7 +724,8 @@ class MultiServerRolloutClient(RolloutClient):
         self.health = health
         self.lost = lost
         self._next = itertools.count()
-        self._per_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._per_loop: dict[asyncio.AbstractEventLoop, tuple[list[Any], AsyncGenerator[None, None]]] = {}
+        """Each event loop's clients (httpx clients belong to one loop), with the generator that closes them."""
         self.requests_per_server = [0] * len(self.urls)
         self.new_client = new_client or (
             lambda url: HTTPRolloutClient(url, self.api_key, timeout_s=self.request_timeout_s)
@@ -733,13 +734,23 @@ class MultiServerRolloutClient(RolloutClient):
         self.in_flight = [0] * len(self.urls)
         """Requests of this client under way at each server (all event loops)."""
 
-    def _clients(self) -> list[Any]:
+    async def _aclients(self) -> list[Any]:
         loop = asyncio.get_running_loop()
-        clients = self._per_loop.get(loop)
-        if clients is None:  # httpx clients belong to one event loop
+        entry = self._per_loop.get(loop)
+        if entry is None:
             clients = [self.new_client(u) for u in self.urls]
-            self._per_loop[loop] = clients
-        return clients
+            entry = self._per_loop[loop] = (clients, self._aloop_lifetime(loop, clients))
+            # started, the generator is the loop's: its shutdown (the end of an ``asyncio.run``, e.g. an
+            # evaluation's) closes it, and so these clients; left open they kept their sockets and the loop
+            await anext(entry[1])
+        return entry[0]
+
+    async def _aloop_lifetime(self, loop: asyncio.AbstractEventLoop, clients: list[Any]) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            del self._per_loop[loop]
+            await asyncio.gather(*(client.aclose() for client in clients))
 
     def _routable(self) -> list[int]:
         first = next(self._next) % len(self.urls)
@@ -774,7 +785,7 @@ class MultiServerRolloutClient(RolloutClient):
         """``call(client)`` on the next healthy server, failing over as the class docstring says."""
         import httpx
 
-        clients = self._clients()
+        clients = await self._aclients()
         loop = asyncio.get_running_loop()
         deadline = None if self.request_timeout_s is None else loop.time() + self.request_timeout_s
         errors: dict[str, str] = {}
@@ -830,8 +841,10 @@ class MultiServerRolloutClient(RolloutClient):
         )
 
     async def aclose(self) -> None:
-        for client in self._per_loop.pop(asyncio.get_running_loop(), []):
-            await client.aclose()
+        """Close this event loop's clients (an ``asyncio.run`` closes them at its end anyway)."""
+        entry = self._per_loop.get(asyncio.get_running_loop())
+        if entry is not None:
+            await entry[1].aclose()
 
 
 def _output_from_json(fields: dict[str, Any]) -> GenerationOutput:

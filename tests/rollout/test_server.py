@@ -439,3 +439,33 @@ def test_the_client_asks_a_server_that_predates_token_encoding_for_lists():
     one, (many,) = asyncio.run(go())
     assert one.output_ids == many.output_ids == [7, 8] and one.output_logprobs == [-0.5, -0.25]
     assert ["token_encoding" in b for b in bodies] == [True, False, False]  # asked once, then plain
+
+
+def test_multi_server_client_closes_each_event_loops_connections_when_the_loop_ends(server):
+    """walk39a: every evaluation (a fresh ``asyncio.run``) left its httpx clients and their sockets open,
+    one per concurrent request (+16 fds an evaluation); the clients of a loop now close with it."""
+    import asyncio
+    import os
+
+    from areno.rollout.client import MultiServerRolloutClient
+    from areno.types import SamplingParams
+
+    base, _, tokenizer = server
+    prompt = tokenizer("hello")["input_ids"]
+    params = SamplingParams(temperature=1.0, max_new_tokens=2)
+    multi = MultiServerRolloutClient([base], api_key=KEY)
+
+    async def evaluation() -> None:
+        await asyncio.gather(*(multi.agenerate(prompt, params) for _ in range(8)))
+
+    def settled_fds(at_most: int) -> int:  # the server closes its ends of the connections a moment later
+        deadline = time.monotonic() + 5
+        while (n := len(os.listdir("/proc/self/fd"))) > at_most and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return n
+
+    asyncio.run(evaluation())
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        asyncio.run(evaluation())
+    assert settled_fds(before) <= before  # was before + 40
