@@ -220,12 +220,18 @@ def extract_answer(completion: str) -> str:
     return completion.split("\n", 1)[0].strip()
 
 
+STREAM_VERSION = 2
+"""How :class:`PromptStream` orders rows, kept in its state so that a resumed run keeps its checkpoint's order.
+1: epoch e shuffled by ``random.Random(seed * 1_000_003 + e)`` (seeds -s and s alike: an int seeds by its
+absolute value). 2: shuffled by a string of the seed and the epoch (every seed its own order)."""
+
+
 class PromptStream:
     """An endless, seeded, resumable stream of training rows: a new shuffle each epoch.
 
-    ``state_dict()`` holds (epoch, position), the cursor of rows actually handed out, and the rows' count and
+    ``state_dict()`` holds (epoch, position), the cursor of rows actually handed out, the rows' count and
     fingerprint, which a resumed stream must match (a data file rewritten in place would be read from the old
-    cursor).
+    cursor), and the ordering rule's ``version`` (``STREAM_VERSION``; a checkpoint without one has version 1).
     """
 
     def __init__(self, rows: list[dict], *, seed: int) -> None:
@@ -233,13 +239,17 @@ class PromptStream:
             raise DataError("the training dataset is empty: check data.train_path or data.task")
         self._rows = rows
         self._seed = seed
+        self._version = STREAM_VERSION
         self.epoch = 0
         self.position = 0
         self._order = self._shuffle(0)
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self._rows)))
-        random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+        if self._version == 1:  # a checkpoint of an older areno resumes in its own order
+            random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+        else:  # a string seeds by all of its bytes: data.seed=-1 is not data.seed=1
+            random.Random(f"areno/data/{self._seed}/{epoch}").shuffle(order)
         return order
 
     @property
@@ -272,6 +282,7 @@ class PromptStream:
             "position": self.position,
             "rows": len(self._rows),
             "fingerprint": self.fingerprint,
+            "version": self._version,
         }
 
     @functools.cached_property
@@ -293,5 +304,13 @@ class PromptStream:
                 "or rows changed in place): the data cursor would read other rows; restore the data file as it was, "
                 "or start over (resume=false overwrite=true) or in another run_dir"
             )
+        version = int(state.get("version", 1))
+        if version not in (1, STREAM_VERSION):
+            raise DataError(
+                f"resume: the checkpoint's data cursor orders rows by rule {version}, which this areno does not "
+                f"know (it knows 1 to {STREAM_VERSION}): resume with the areno that wrote it, or start over "
+                "(resume=false overwrite=true) or in another run_dir"
+            )
+        self._version = version
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._shuffle(self.epoch)
