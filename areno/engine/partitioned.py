@@ -448,16 +448,7 @@ class PartitionedCluster:
             ]
         )
         self._launched = True
-        for role in self.scheduler.roles:  # where to look: `kill -USR1 <pid>` writes a worker's stacks to its log
-            for h in self.scheduler.workers(role):
-                logger.info(
-                    "worker %s (rank %d) pid %s on %s, log %s",
-                    h.name,
-                    h.rank,
-                    h.pid,
-                    h.host,
-                    h.log_path or "(scheduler's)",
-                )
+        self.scheduler.log_workers()
         # checkpoints (DCP, written by the training ranks) and exports go under run_dir: every node must see it
         check_shared_storage([str(self.run_dir)], self.scheduler)
 

@@ -31,7 +31,7 @@ from areno.engine.partitioned import apply_process_settings
 from areno.errors import ConfigError
 from areno.launch.allocation import build_gpu_allocations, map_roles, parse_allocation_mode
 from areno.launch.factory import scheduler_from_config
-from areno.launch.scheduler import RoleSpec, Scheduler, WorkerError, scheduler_config, usable_cores
+from areno.launch.scheduler import RUN_DIR_ENV, RoleSpec, Scheduler, WorkerError, scheduler_config, usable_cores
 from areno.recipes.config import TrainingConfig
 from areno.train import LocalTrainBackend
 from areno.train.config import TrainBackendConfig
@@ -236,6 +236,7 @@ def place_roles(
                     n=1,
                     args=(config, names, str(model_dir)),
                     devices=list(devices) if cuda else None,
+                    env={RUN_DIR_ENV: str(config.run_dir)} if config.run_dir else {},  # its log's header
                 )
                 for worker, (devices, names) in specs.items()
             ]
@@ -243,6 +244,7 @@ def place_roles(
     except BaseException:
         scheduler.shutdown()
         raise
+    scheduler.log_workers()
     roles = {r.name: r for r in recipe.roles}
     for worker, (_, names) in specs.items():
         for name in names:

@@ -2,6 +2,7 @@
 and feeds its DataSync exactly as when every role shares the trainer's process."""
 
 import json
+import logging
 import os
 import signal
 
@@ -38,8 +39,13 @@ def _run(cfg) -> list[dict]:
         pytest.param("grpo", "ref", "train/policy/actor/kl", marks=pytest.mark.slow),
     ],
 )
-def test_role_in_its_own_process_matches_one_process(tmp_path, algorithm, moved, key):
-    _compare(tmp_path, algorithm, moved, key)
+def test_role_in_its_own_process_matches_one_process(tmp_path, algorithm, moved, key, caplog):
+    with caplog.at_level(logging.INFO, logger="areno.launch.scheduler"):
+        _compare(tmp_path, algorithm, moved, key)
+    # where to look, as for a partitioned run's workers (walk39b: no line, and "run_dir (none)" in its log)
+    log = tmp_path / "apart" / "workers" / "roles-1-0.log"
+    assert "worker roles-1[0] (rank 0) pid " in caplog.text and f", log {log}" in caplog.text
+    assert f"run_dir {tmp_path / 'apart'} ====" in log.read_text().splitlines()[0]
 
 
 @pytest.mark.gpu
