@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     demo = sub.add_parser("demo", help="the CPU demo: a tiny model learns to sort digits with RL (GRPO)")
-    demo.add_argument("--run-dir", default="runs/demo")
+    demo.add_argument("--run-dir", default="runs/demo", help="where the demo's run goes (default: runs/demo)")
     demo.add_argument("overrides", nargs="*", help="dotted overrides key=value")
     demo.set_defaults(func=_demo)
 

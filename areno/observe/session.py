@@ -397,9 +397,15 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"no session id starts with {ns.id!r} in {ns.run_dir}")
         print("\n\n".join(format_session(r) for r in matches))
         return 0
+    recorded = len(records)
     records = filter_sessions(
         records, min_reward=ns.min_reward, max_reward=ns.max_reward, status=ns.status, tool=ns.tool
     )[-ns.last :]
+    if not records:  # a filter that matched nothing, said (it printed nothing at all)
+        given = {"--min-reward": ns.min_reward, "--max-reward": ns.max_reward, "--status": ns.status, "--tool": ns.tool}
+        filters = " ".join(f"{flag} {value}" for flag, value in given.items() if value is not None)
+        print(f"no session matches {filters} ({recorded} recorded in {ns.run_dir})", file=sys.stderr)
+        return 0
     for r in records:
         print(format_session(r) if ns.full else format_session(r).splitlines()[0])
         if ns.full:

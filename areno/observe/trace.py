@@ -484,8 +484,8 @@ def span_stats(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     """``areno trace RUN_DIR [-o out.json]``: merge a run's per-process traces."""
     parser = argparse.ArgumentParser(prog="areno trace", description=main.__doc__)
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("-o", "--out", type=Path, default=None)
+    parser.add_argument("run_dir", type=Path, help="a run directory whose traces/ hold its processes' events")
+    parser.add_argument("-o", "--out", type=Path, default=None, help="the merged file (default: RUN_DIR/trace.json)")
     ns = parser.parse_args(argv)
     path = merge_traces(ns.run_dir, ns.out)
     with path.open(encoding="utf-8") as f:

@@ -1369,7 +1369,9 @@ def engine_settings(pairs: list[str]) -> dict[str, Any]:
         if key in ENGINE_FLAGS:
             raise ConfigError(f"--engine-set {key}: it has a flag of its own: --{key.replace('_', '-')}")
         if key not in allowed:
-            raise ConfigError(f"--engine-set {key}: not a rollout engine setting; they are {allowed}")
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"--engine-set {key}: not a rollout engine setting{hint}; they are {allowed}")
         keys.append(key)
     try:
         typed = OmegaConf.merge(OmegaConf.structured(RolloutEngineSettings), OmegaConf.from_dotlist(pairs))

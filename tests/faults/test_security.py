@@ -183,6 +183,7 @@ def test_serve_reaches_every_engine_setting_and_refuses_bad_ones_before_loading(
     for pair, message in (
         ("cuda_graphs", "give KEY=VALUE"),
         ("cuda_graph=false", "not a rollout engine setting"),
+        ("cuda_grafs=false", r"--engine-set cuda_grafs: not a rollout engine setting \(did you mean 'cuda_graphs'\?\)"),
         ("max_num_seqs=8", "it has a flag of its own: --max-num-seqs"),
         ("decode_steps=abc", "--engine-set decode_steps: Value 'abc' of type 'str' could not be converted to Integer"),
     ):

@@ -132,3 +132,17 @@ def test_cli_without_sessions_is_a_clear_error(tmp_path):
         "areno.observe.session.session)"
     )
     assert json.loads(json.dumps(load_sessions(tmp_path))) == []
+
+
+def test_a_filter_that_matches_nothing_says_so(recording, capsys):
+    """It printed nothing and exited 0, as if the filter had not run (walk39b)."""
+
+    async def run():
+        await asyncio.gather(*(_episode(i) for i in range(3)))
+
+    asyncio.run(run())
+    assert sessions.main([str(recording), "--tool", "calc", "--status", "ok"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"no session matches --status ok --tool calc (3 recorded in {recording})"
+    assert sessions.main([str(recording), "--tool", "add"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
