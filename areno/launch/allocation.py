@@ -431,12 +431,12 @@ def map_roles(alloc: AllocationMode, recipe_role_names: list[str] | tuple[str, .
         name = c.role if c.role in recipe_role_names else _ROLE_ALIASES.get(c.role, c.role)
         if name not in recipe_role_names:
             raise AllocationModeError(
-                f"allocation_mode role {c.role!r} ({c}) is not a role of the recipe; recipe roles: "
+                f"cluster.allocation_mode: role {c.role!r} ({c}) is not a role of the recipe; its roles: "
                 f"{list(recipe_role_names)} (aliases: {_ROLE_ALIASES})"
             )
         if name in placed:
             raise AllocationModeError(
-                f"allocation_mode places role {name!r} twice ({placed[name]} and {c}, once by an alias): place it once"
+                f"cluster.allocation_mode: role {name!r} placed twice ({placed[name]} and {c}, once by an alias): place it once"
             )
         placed[name] = c
     default = placed.get("policy") or next((c for c in train if c.role in ("actor", "policy")), None)

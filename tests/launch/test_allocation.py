@@ -107,7 +107,7 @@ def test_map_roles_errors():
 def test_a_role_placed_twice_or_an_idle_inference_role_is_refused():
     """walk23: `fsdp[actor]` beside `fsdp[policy]` (one role, once by its alias) trained the policy over both
     components' devices, and an inference role other than rollout (`areno[gen]`) reserved devices nothing used."""
-    with pytest.raises(AllocationModeError, match=r"places role 'policy' twice \(fsdp\[actor\]:d1 and fsdp\[policy\]"):
+    with pytest.raises(AllocationModeError, match=r"role 'policy' placed twice \(fsdp\[actor\]:d1 and fsdp\[policy\]"):
         map_roles(parse_allocation_mode("areno:d1+fsdp[actor]:d1+fsdp[policy]:d1"), ["policy"])
     with pytest.raises(AllocationModeError, match=r"areno\[gen\]:d1: the inference role 'gen' .* write areno:d1$"):
         check_supported(parse_allocation_mode("areno:d1+areno[gen]:d1+fsdp:d1"))
