@@ -34,7 +34,7 @@ import torch
 from areno.data.tasks import TaskSpec, extract_answer, generate_rows
 from areno.observe.session import session
 from areno.rollout.client import RolloutClient
-from areno.rollout.store import InProcessStore, ObservationStore, StoreRef
+from areno.rollout.store import InProcessStore, ObservationStore, StoreRef, release_refs
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.agent import describe_row
 from areno.workflows.base import RolloutWorkflow, _import_dotted
@@ -133,15 +133,24 @@ class EnvWorkflow(RolloutWorkflow):
 
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> list[Trajectory] | None:
         group_id = uuid.uuid4().hex
-        results = await asyncio.gather(*(self._aguarded(client, sample, group_id, i) for i in range(self.n_samples)))
+        refs: list[list[dict[str, Any]]] = [[] for _ in range(self.n_samples)]
+        results: list[list[Trajectory] | None] = [None] * self.n_samples
+        try:
+            results = await asyncio.gather(
+                *(self._aguarded(client, sample, group_id, i, refs[i]) for i in range(self.n_samples))
+            )
+        finally:
+            # the engine releases the stored observations of the trajectories it gets; an episode that
+            # gives none (it raised, timed out, or the group was cancelled) releases its own here
+            release_refs([episode for episode, trajs in zip(refs, results) if not trajs], self.store)
         group = [t for trajs in results if trajs is not None for t in trajs]
         return group or None
 
     async def _aguarded(
-        self, client: RolloutClient, sample: dict[str, Any], group_id: str, index: int
+        self, client: RolloutClient, sample: dict[str, Any], group_id: str, index: int, refs: list[dict[str, Any]]
     ) -> list[Trajectory] | None:
         try:
-            return await asyncio.wait_for(self._aepisode(client, sample, group_id, index), self.timeout_s)
+            return await asyncio.wait_for(self._aepisode(client, sample, group_id, index, refs), self.timeout_s)
         except TimeoutError:
             logger.warning(
                 "environment episode %d of row %s did not finish within timeout_s=%gs; dropped",
@@ -176,14 +185,19 @@ class EnvWorkflow(RolloutWorkflow):
         return obs.text
 
     async def _aepisode(
-        self, rollout_client: RolloutClient, sample: dict[str, Any], group_id: str, index: int
+        self,
+        rollout_client: RolloutClient,
+        sample: dict[str, Any],
+        group_id: str,
+        index: int,
+        refs: list[dict[str, Any]],
     ) -> list[Trajectory]:
+        """One episode; its observations go into ``refs`` (the caller's, which releases them if it fails)."""
         params = self.sampling_params
         if params.seed is not None:
             import dataclasses
 
             params = dataclasses.replace(params, seed=params.seed + 1000 * index)
-        refs: list[dict[str, Any]] = []
         with session(sample=describe_row(sample), group_id=group_id, episode=index, workflow="env") as rec:
             oai = ArenoAsyncOpenAI(
                 rollout_client, self.tokenizer, default_sampling=params, session=rec, fixed_temperature=True

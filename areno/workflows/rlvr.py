@@ -102,8 +102,9 @@ class RLVRWorkflow(RolloutWorkflow):
         group_id = uuid.uuid4().hex
         group = []
         completions = await adecode_texts(self.tokenizer, [out.output_ids for out in outputs])
-        for out, completion in zip(outputs, completions):
-            reward, error = await acall_reward(self.reward_fn, prompt, completion, answer, fields)
+        scores = [await acall_reward(self.reward_fn, prompt, c, answer, fields) for c in completions]
+        # no await from here on: an episode cancelled between two stashes leaked the pixels stashed
+        for out, completion, (reward, error) in zip(outputs, completions, scores):
             info: dict[str, Any] = {"prompt": prompt, "completion": completion, "answer": answer}
             if error is not None:
                 info["reward_error"] = error

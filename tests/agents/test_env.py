@@ -119,6 +119,56 @@ def test_failing_env_episode_is_dropped_with_a_message(scripted, char_tokenizer,
     assert "environment episode 0 of row prompt='3+4=' raised RuntimeError: env crashed; dropped" in caplog.text
 
 
+class FlakyGridEnv(GridEnv):
+    """GridEnv whose step 2 raises (``"raise"``), never returns (``"hang"``, saying so in ``hanging``)
+    or goes on (``"ok"``)."""
+
+    def __init__(self, sample, fate, hanging):
+        super().__init__(sample)
+        self.fate, self.hanging = fate, hanging
+
+    async def step(self, action):
+        if self.t == 1 and self.fate == "raise":
+            raise RuntimeError("env crashed")
+        if self.t == 1 and self.fate == "hang":
+            self.hanging.put_nowait(self)
+            await asyncio.Event().wait()
+        return super().step(action)
+
+
+@pytest.mark.parametrize("fates", [("ok", "raise"), ("ok", "hang"), ("hang", "hang")])
+def test_dropped_episodes_release_their_stored_observations(scripted, char_tokenizer, fates):
+    """walk39a: an episode that raised or timed out, or a group cancelled (a staleness abort), kept its
+    large observations in the store for the rest of the run: only returned trajectories are released."""
+    store = InProcessStore()
+    made, hanging = iter(fates * 4), {}
+    wf = EnvWorkflow(
+        char_tokenizer,
+        PARAMS,
+        env_factory=lambda sample: FlakyGridEnv(sample, next(made), hanging["queue"]),
+        horizon=4,
+        n_samples=2,
+        store=store,
+        timeout_s=0.5 if fates == ("ok", "hang") else 60,
+    )
+
+    async def agroup():
+        hanging["queue"] = asyncio.Queue()
+        episode = asyncio.ensure_future(wf.run_episode(scripted(lambda prompt: "go"), {"prompt": "p"}))
+        if fates == ("hang", "hang"):
+            for _ in fates:  # both episodes wait in their second step
+                await hanging["queue"].get()
+            episode.cancel()
+        return await asyncio.gather(episode, return_exceptions=True)
+
+    for _ in range(3):
+        (group,) = asyncio.run(agroup())
+        if isinstance(group, list):
+            assert len(group) == 1 and len(store) == 2  # the finished episode's two boards
+            release_refs([t.info for t in group], store)  # as the engine does after the step
+        assert len(store) == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

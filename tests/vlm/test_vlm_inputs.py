@@ -109,6 +109,39 @@ def test_rlvr_rows_with_images_keep_pixels_by_reference(vl):
     assert batch.select([2, 0]).images_B == [batch.images_B[2], batch.images_B[0]]
 
 
+def test_an_rlvr_group_cancelled_while_rewarding_stashes_no_pixels(vl):
+    """walk39a: the pixels of a group's first completions were stashed before the later rewards ran: a
+    group cancelled then (a staleness abort during a slow reward) left them in the store for good."""
+    model, config, tok = vl
+    engine, client = engine_client(model, config)
+    store = InProcessStore()
+    calls, second = [], {}
+
+    async def slow_reward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            second["reached"].set()
+            await asyncio.Event().wait()
+        return 1.0
+
+    flow = RLVRWorkflow(
+        tok, slow_reward, 3, SamplingParams(max_new_tokens=2, seed=0), vision=model.vision_config, store=store
+    )
+
+    async def acancelled():
+        second["reached"] = asyncio.Event()
+        episode = asyncio.ensure_future(flow.run_episode(client, {"prompt": "count:", "images": [squares(1)]}))
+        await second["reached"].wait()
+        episode.cancel()
+        await asyncio.gather(episode, return_exceptions=True)
+
+    try:
+        asyncio.run(acancelled())
+    finally:
+        client.close()
+    assert len(store) == 0
+
+
 def test_openai_client_image_url_parts_generate_with_the_image(vl):
     model, config, tok = vl
     vc = model.vision_config
