@@ -223,7 +223,8 @@ def extract_answer(completion: str) -> str:
 STREAM_VERSION = 2
 """How :class:`PromptStream` orders rows, kept in its state so that a resumed run keeps its checkpoint's order.
 1: epoch e shuffled by ``random.Random(seed * 1_000_003 + e)`` (seeds -s and s alike: an int seeds by its
-absolute value). 2: shuffled by a string of the seed and the epoch (every seed its own order)."""
+absolute value). 2: shuffled by a string of the seed and the epoch (every seed its own order), and a batch
+that straddles two epochs holds no row twice (``swaps``)."""
 
 
 class PromptStream:
@@ -231,17 +232,25 @@ class PromptStream:
 
     ``state_dict()`` holds (epoch, position), the cursor of rows actually handed out, the rows' count and
     fingerprint, which a resumed stream must match (a data file rewritten in place would be read from the old
-    cursor), and the ordering rule's ``version`` (``STREAM_VERSION``; a checkpoint without one has version 1).
+    cursor), the ordering rule's ``version`` (``STREAM_VERSION``; a checkpoint without one has version 1) and the
+    ``swaps`` that made the current epoch's order from its shuffle.
+
+    ``batch_size``: the rows a step takes (``take(batch_size)``, or as many ``take(1)``), counted from the start
+    of the stream. When an epoch ends inside a batch, the rows of the new epoch that batch would take again are
+    swapped with the next rows of the new epoch it does not hold: later in the epoch, still once each. With
+    ``batch_size`` above the number of rows a batch holds rows more than once whatever the order.
     """
 
-    def __init__(self, rows: list[dict], *, seed: int) -> None:
+    def __init__(self, rows: list[dict], *, seed: int, batch_size: int = 1) -> None:
         if not rows:
             raise DataError("the training dataset is empty: check data.train_path or data.task")
         self._rows = rows
         self._seed = seed
+        self._batch_size = batch_size
         self._version = STREAM_VERSION
         self.epoch = 0
         self.position = 0
+        self._swaps: list[tuple[int, int]] = []
         self._order = self._shuffle(0)
 
     def _shuffle(self, epoch: int) -> list[int]:
@@ -265,12 +274,32 @@ class PromptStream:
         out = []
         for _ in range(n):
             if self.position == len(self._order):
-                self.epoch += 1
-                self.position = 0
-                self._order = self._shuffle(self.epoch)
+                self._next_epoch()
             out.append(self._order[self.position])
             self.position += 1
         return out
+
+    def _next_epoch(self) -> None:
+        n, previous = len(self._rows), self._order
+        self.epoch += 1
+        self.position = 0
+        self._order = self._shuffle(self.epoch)
+        self._swaps = []
+        held = self.epoch * n % self._batch_size  # rows of the previous epoch in the batch this one starts
+        if self._version == 1 or held == 0 or self._batch_size > n:
+            return
+        head, tail = self._batch_size - held, set(previous[n - held :])
+        later = head  # rows from here on are taken by later batches; `tail` has `held` rows, so one is found
+        for i in range(head):
+            if self._order[i] in tail:
+                while self._order[later] in tail:
+                    later += 1
+                self._swap(i, later)
+                later += 1
+
+    def _swap(self, i: int, j: int) -> None:
+        self._order[i], self._order[j] = self._order[j], self._order[i]
+        self._swaps.append((i, j))
 
     def __iter__(self) -> Iterator[dict]:
         while True:
@@ -283,6 +312,7 @@ class PromptStream:
             "rows": len(self._rows),
             "fingerprint": self.fingerprint,
             "version": self._version,
+            "swaps": [list(pair) for pair in self._swaps],
         }
 
     @functools.cached_property
@@ -313,4 +343,6 @@ class PromptStream:
             )
         self._version = version
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._shuffle(self.epoch)
+        self._order, self._swaps = self._shuffle(self.epoch), []
+        for i, j in state.get("swaps", []):
+            self._swap(int(i), int(j))

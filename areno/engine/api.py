@@ -720,7 +720,8 @@ class ArenoEngine:
         self.pairs = check_pair_recipe(cfg, self.recipe)
         # malformed rows: error before models load
         train_rows, self.eval_rows = build_splits(cfg.data, pairs=self.pairs)
-        self.train_stream = PromptStream(train_rows, seed=cfg.data.seed)
+        # batch_size: a batch that straddles two epochs is kept free of rows it already holds
+        self.train_stream = PromptStream(train_rows, seed=cfg.data.seed, batch_size=cfg.rollout.batch_size)
         if not generates(self.recipe, pairs=self.pairs, held_out=bool(self.eval_rows)):
             self._drop_rollout_side()
         if self.recipe.online:  # a sandboxed reward's first worker imports it while the models load

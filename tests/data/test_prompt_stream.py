@@ -48,3 +48,35 @@ def test_a_cursor_resumes_exactly_and_an_unknown_version_is_one_line():
     with pytest.raises(DataError, match="rule 99") as err:
         PromptStream(ROWS, seed=3).load_state_dict({**state, "version": 99})
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("rows", "batch_size"), [(10, 4), (10, 7), (10, 10), (7, 3), (1000, 64), (5, 5)])
+def test_no_batch_holds_a_row_twice_and_every_epoch_holds_each_row_once(rows, batch_size):
+    data = [{"prompt": i} for i in range(rows)]
+    for seed in range(20):
+        stream = PromptStream(data, seed=seed, batch_size=batch_size)
+        drawn = [r["prompt"] for r in stream.take(batch_size * (3 * rows // batch_size + 2))]
+        batches = [drawn[i : i + batch_size] for i in range(0, len(drawn), batch_size)]
+        assert all(len(set(b)) == len(b) for b in batches), (seed, batches)
+        epochs = [drawn[i : i + rows] for i in range(0, len(drawn) - rows + 1, rows)]
+        assert all(sorted(e) == list(range(rows)) for e in epochs)
+
+
+def test_rows_drawn_one_by_one_follow_the_same_batches():
+    """The rollout ledger takes one row at a time: the batches are counted from the stream's start."""
+    whole = PromptStream(ROWS, seed=4, batch_size=4)
+    single = PromptStream(ROWS, seed=4, batch_size=4)
+    assert _prompts(whole, 4 * 9) == [p for _ in range(4 * 9) for p in _prompts(single, 1)]
+
+
+@pytest.mark.parametrize("stop", [7, 9, 10, 11, 12, 21])
+def test_a_resumed_stream_keeps_the_batches_of_an_uninterrupted_one(stop):
+    """Stopped anywhere (inside a straddling batch, at an epoch's end, just after one), a stream restored
+    from its state hands out what the uninterrupted one does, its deferred rows included."""
+    whole = PromptStream(ROWS, seed=2, batch_size=4)
+    expected = _prompts(whole, 40)
+    first = PromptStream(ROWS, seed=2, batch_size=4)
+    head = _prompts(first, stop)
+    resumed = PromptStream(ROWS, seed=2, batch_size=4)
+    resumed.load_state_dict(first.state_dict())
+    assert head + _prompts(resumed, 40 - stop) == expected
