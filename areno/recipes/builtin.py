@@ -153,7 +153,7 @@ def dapo(max_completion_length: int | None = None, overlong_buffer_length: int |
     overlong_buffer_length defaults to L_max // 5 (at least 1), the paper's ratio, so a completion
     cut at the limit gets -1. A length whose penalty
     can never fire (L_max - L_buf >= rollout.max_new_tokens) is warned about. Departure: dropped
-    groups are not re-sampled, the step trains on fewer.
+    groups are not re-sampled, the step trains on fewer (``train/<role>/dynamic_sampling_dropped_seqs``).
     """
     max_length = _max_length("dapo", max_completion_length)
     buffer = overlong_buffer_length if isinstance(overlong_buffer_length, int) else max(1, max_length // 5)

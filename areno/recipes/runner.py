@@ -105,7 +105,7 @@ class RecipeRunner:
         metrics: dict[str, float] = {}
         for part in self._minibatches(prepared):  # logged: the last minibatch's metrics
             metrics = self._train(part, trainable)
-        return {**metrics, **self._rollout_metrics}
+        return {**metrics, **self._batch_metrics}
 
     def prepare(self, rollout_data: TokenBatch) -> dict[str, TokenBatch]:
         """Each trainable role's prepared batch of ``rollout_data`` (steps 1-2 and ``prepare_batch``,
@@ -174,19 +174,24 @@ class RecipeRunner:
                 for key, target_key in keys.items():
                     data[name].extra[target_key] = out[key]
         synced = [n for n in self.roles_to_sync() if n in trainable]
-        if measure:
-            self._rollout_metrics = {}
+        if measure:  # what each role's prepare_batch does to the batch (dynamic sampling's drops)
+            self._batch_metrics = {
+                f"{name}/{key}": value
+                for name in trainable
+                for key, value in self.specs[name].prepare_metrics(data[name]).items()
+            }
         if measure and self.measure_rollout_logprobs and synced:
             # the policy's own no-grad forward (shared with a recompute the loss asks for)
             # only tokens sampled by the policy version being trained: staleness is not mismatch
             current_T = rollout_data.versions_T == self.versions[synced[0]]
             current_T &= computed_T.get(synced[0], torch.ones_like(current_T))
-            self._rollout_metrics = logprob_diff_metrics(
+            self._batch_metrics |= logprob_diff_metrics(
                 rollout_data.logprobs_T, forward(synced[0])["logprobs_T"], rollout_data.loss_mask_T.bool() & current_T
             )
         return {name: self.specs[name].prepare_batch(data[name]) for name in trainable}
 
-    _rollout_metrics: dict[str, float] = {}
+    _batch_metrics: dict[str, float] = {}
+    """The step's figures of its rollout batch, the same for every pass over it."""
 
     def _train(self, prepared: dict[str, TokenBatch], trainable: list[str]) -> dict[str, float]:
         # group roles by placement (else by backend object): roles in one group run one after another

@@ -256,19 +256,33 @@ class ActorSpecialization(ModelSpecialization):
             out_B[kept_B] = free_B
         return out_B if bool(out_B.any()) else None
 
+    def prepare_metrics(self, rollout_data: TokenBatch) -> dict[str, float]:
+        """With ``dynamic_sampling``: ``dynamic_sampling_dropped_seqs`` / ``_groups``, what the filter drops
+        (every sequence when every group's rewards are equal: the step then trains on none)."""
+        keep_B = self._dynamic_sampling_keep_B(rollout_data)
+        if keep_B is None:
+            return {}
+        dropped_groups = group_index_B(_group_ids(rollout_data))[~keep_B].unique().numel()
+        return {
+            "dynamic_sampling_dropped_seqs": float((~keep_B).sum()),
+            "dynamic_sampling_dropped_groups": float(dropped_groups),
+        }
+
+    def _dynamic_sampling_keep_B(self, rollout_data: TokenBatch) -> torch.Tensor | None:
+        """bool [B]: the sequences dynamic sampling keeps (None: it is off). The filter reads the task's
+        rewards, before the overlong penalty (DAPO's eq. 11 keeps a group by its accuracy): a group all
+        wrong at different lengths would otherwise train on its lengths alone."""
+        if not self.config.dynamic_sampling:
+            return None
+        return dynamic_sampling_keep_B(rollout_data.rewards_B, group_index_B(_group_ids(rollout_data)))
+
     def _prepare_kept(self, rollout_data: TokenBatch) -> tuple[TokenBatch, torch.Tensor | None]:
         """``prepare_batch``'s batch and the sequences of ``rollout_data`` the dynamic-sampling filter
         kept (bool [B]; None: all)."""
         self._check_extra(rollout_data)
         kept_B = None
         batch = rollout_data
-        # the filter reads the task's rewards, before the overlong penalty (DAPO's eq. 11 keeps a group by
-        # its accuracy): a group all wrong at different lengths would otherwise train on its lengths alone
-        keep_B = (
-            dynamic_sampling_keep_B(batch.rewards_B, group_index_B(_group_ids(batch)))
-            if self.config.dynamic_sampling
-            else None
-        )
+        keep_B = self._dynamic_sampling_keep_B(batch)
         if self.config.overlong_max_length is not None:
             lengths_B = _completion_lengths_B(batch)
             penalty_B = overlong_penalty_B(

@@ -107,6 +107,11 @@ class ModelSpecialization(ABC):
         self._check_extra(rollout_data)
         return self.compute_advantages(rollout_data)
 
+    def prepare_metrics(self, rollout_data: TokenBatch) -> dict[str, float]:
+        """What ``prepare_batch`` does to ``rollout_data`` worth logging with the step (the runner
+        logs them as ``<role>/<key>``), e.g. the sequences it drops. Default: nothing."""
+        return {}
+
     @abstractmethod
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Run the model on one packed micro-batch; keys end in their shape letter."""

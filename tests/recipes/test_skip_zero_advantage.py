@@ -223,3 +223,21 @@ def test_a_partial_forward_keeps_the_rollouts_values_elsewhere():
     torch.testing.assert_close(out["logprobs_T"][~inside], batch.logprobs_T[~inside].float())
     with pytest.raises(ValueError, match="per-token"):
         _scattered(batch, [1, 3], {"score_B": torch.zeros(2)})
+
+
+@pytest.mark.parametrize(
+    ("rewards", "dropped_seqs", "dropped_groups", "trained"),
+    [(None, 2, 1, [4]), ([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], 6, 3, [1])],
+)
+def test_dapo_reports_the_groups_dynamic_sampling_drops_every_step(
+    policy_dir, rewards, dropped_seqs, dropped_groups, trained
+):
+    """walk39c: with 2 of 6 sequences dropped the step logged skipped_zero_grad_seqs = 0 and nothing else
+    named the drop; only a step whose every group was dropped showed it (as skipped sequences)."""
+    batch = batch_for(policy_dir, rewards)  # groups a, a, b, b, c, c; group c's rewards are equal
+    metrics, _, trained_seqs = one_step(get_recipe("dapo"), policy_dir, batch)
+    assert trained_seqs == trained
+    assert metrics["policy/dynamic_sampling_dropped_seqs"] == dropped_seqs
+    assert metrics["policy/dynamic_sampling_dropped_groups"] == dropped_groups
+    grpo, _, _ = one_step(get_recipe("grpo"), policy_dir, batch)
+    assert not any("dynamic_sampling" in k for k in grpo)  # only where the filter is on
