@@ -343,7 +343,7 @@ class InProcessRolloutClient(RolloutClient):
             with async_span(
                 "rollout_request", "rollout", request_ids[0], prompt_tokens=prompt_tokens, samples=len(request_ids)
             ):
-                return await asyncio.wait_for(done, self.request_timeout_s)
+                return await wait_for_result(done, self.request_timeout_s)
         except asyncio.CancelledError:
             self._abort_all_quietly(request_ids)
             raise
@@ -496,6 +496,22 @@ class InProcessRolloutClient(RolloutClient):
             self._abort_quietly(request_id)
 
 
+async def wait_for_result(awaitable: Any, timeout_s: float | None) -> Any:
+    """``asyncio.wait_for``, except that a cancel arriving with the result is not lost: Python 3.11's
+    returns the result then, and a cancelled episode (a stale abort, a stopping pool, an evaluation's
+    first failure) went on to its next turn or its reward."""
+    result = await asyncio.wait_for(awaitable, timeout_s)
+    raise_if_cancelled()
+    return result
+
+
+def raise_if_cancelled() -> None:
+    """CancelledError when the running task has a cancel pending (see ``wait_for_result``)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _checked_prompt(prompt_ids: Any, engine: RolloutEngine) -> Any:
     """A group's prompt converted and checked once for all its samples (``CheckedPrompt``), or, where
     that fails or it is not a plain sequence of ids, as given: ``add_request`` then raises its own
@@ -593,7 +609,7 @@ class HTTPRolloutClient(RolloutClient):
         if images is not None:
             body["images"] = images.to_wire()
         try:
-            response = await asyncio.wait_for(self._post("/generate", body), self.timeout_s)
+            response = await wait_for_result(self._post("/generate", body), self.timeout_s)
         except TimeoutError:
             await self._abort_quietly(request_id)
             assert self.timeout_s is not None
@@ -629,7 +645,7 @@ class HTTPRolloutClient(RolloutClient):
         if images is not None:
             body["images"] = images.to_wire()
         try:
-            response = await asyncio.wait_for(self._post("/generate_many", body), self.timeout_s)
+            response = await wait_for_result(self._post("/generate_many", body), self.timeout_s)
         except TimeoutError:
             for request_id in request_ids:
                 await self._abort_quietly(request_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import threading
@@ -10,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from areno.rewards.sandbox import as_reward, is_finite_reward
+from areno.rollout.client import raise_if_cancelled
 from areno.types import Trajectory
 from areno.workflows.base import _import_dotted
 
@@ -60,11 +60,7 @@ async def acall_reward(
     the first failure of each reward function in this process is warned about with its prompt,
     completion and row fields; later ones are logged at DEBUG and counted, a batch's in one warning
     (``warn_reward_errors``), so a reward that fails on every row does not flood the log."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        # Python 3.11's wait_for hands a finished generation to a task cancelled meanwhile (a stopping
-        # pool, an evaluation's first failure or Ctrl-C): it must not go on to call the reward
-        raise asyncio.CancelledError
+    raise_if_cancelled()  # a cancelled episode (Python 3.11's wait_for lost the cancel) calls no reward
     try:
         value = reward_fn(prompt, completion, answer, **fields)
         if inspect.isawaitable(value):

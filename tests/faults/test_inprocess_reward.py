@@ -162,3 +162,28 @@ def test_a_cancelled_task_does_not_go_on_to_call_the_reward():
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(cancelled_then_scores())
     assert calls == []
+
+
+def test_a_generation_that_finishes_as_its_task_is_cancelled_raises_the_cancel():
+    """Python 3.11's wait_for returns a result that arrives with the cancel: a cancelled multi-turn episode went
+    on to its next turn (``wait_for_result`` is the clients' wait)."""
+    from areno.rollout.client import wait_for_result
+
+    async def main():
+        done = asyncio.get_running_loop().create_future()
+        turns = []
+
+        async def episode():
+            out = await wait_for_result(done, 30.0)
+            turns.append(out)  # the next turn
+            return out
+
+        task = asyncio.ensure_future(episode())
+        await asyncio.sleep(0)  # waiting on the generation
+        done.set_result("tokens")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return turns
+
+    assert asyncio.run(main()) == []
