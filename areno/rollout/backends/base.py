@@ -9,7 +9,6 @@ stream, which aborts the request on the server) and turns failures into ``Rollou
 from __future__ import annotations
 
 import abc
-import asyncio
 import json
 import threading
 import time
@@ -18,7 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from areno.rollout.client import RolloutClient, RolloutRequestTimeout, RolloutServerError, get_health
+from areno.rollout.client import (
+    RolloutClient,
+    RolloutRequestTimeout,
+    RolloutServerError,
+    get_health,
+    wait_for_result,
+)
 from areno.types import GenerationOutput, SamplingParams
 
 
@@ -127,7 +132,7 @@ class StreamingServerClient(RolloutClient):
         body = self.request_body(list(prompt_ids), sampling_params, request_id)
         self.activity.opened()
         try:
-            await asyncio.wait_for(self._astream(body, state), self.timeout_s)
+            await wait_for_result(self._astream(body, state), self.timeout_s)
         except TimeoutError:
             assert self.timeout_s is not None
             raise RolloutRequestTimeout(
