@@ -56,6 +56,8 @@ class EpisodeTask:
     """Attempts whose workflow raised."""
     lost: int = 0
     """Attempts lost because the rollout worker process running them died."""
+    stale: int = 0
+    """Attempts aborted or dropped for falling more than η versions behind (the pool re-queues them)."""
 
 
 class EpisodeAttempts:

@@ -11,11 +11,16 @@ Weight updates: ``pause()`` stops admission (episodes in flight keep running; th
 own pause interrupts their requests without losing tokens), the caller swaps weights into the
 engine, ``set_version(v)`` records the new policy version, ``resume()`` re-opens admission.
 Groups whose oldest token is more than η versions behind the current policy are dropped when the
-trainer collects them (``rollout/dropped_stale``) and a replacement sample is admitted. Episodes
-still running when they fall behind are cancelled at ``set_version`` (``rollout/aborted_stale``),
-so no compute is spent finishing a group that would be dropped. Note the consequence for
-long-tailed lengths: an episode that needs more than η trainer steps to generate is never trained
-on (bench/LOG.md, "Async RL: synchronous ... vs asynchronous"); choose η against the longest generations.
+trainer collects them (``rollout/dropped_stale``). Episodes still running when they fall behind are
+cancelled at ``set_version`` (``rollout/aborted_stale``), so no compute is spent finishing a group
+that would be dropped. Either way the sample is re-queued at the front and generated again under
+the newer policy, at most ``max_retries`` times, then dropped with a warning. Note the consequence
+for long-tailed lengths: an episode that needs more than η trainer steps to generate is never
+trained on (bench/LOG.md, "Async RL: synchronous ... vs asynchronous"); choose η against the
+longest generations.
+
+Every sample taken from a ``SampleSource`` ends trained (the caller's business) or released back to
+it: rejected by the workflow, dropped after its attempts, or too stale on every attempt.
 
 Faults (``engine/episodes.py``): a workflow that raises counts as a failed episode and its sample
 is retried (at the front of the queue) up to ``max_retries`` times, then dropped with a warning
@@ -31,6 +36,7 @@ also packs each group as its episode ends.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import concurrent.futures
@@ -50,7 +56,8 @@ from areno.errors import RunFailure
 from areno.rollout.client import RolloutClient, RolloutServersLost
 from areno.rollout.store import ObservationStore, release_refs
 from areno.types import TokenBatch, Trajectory
-from areno.workflows.base import RolloutWorkflow
+from areno.workflows.base import RolloutWorkflow, run_episode_name
+from areno.workflows.common import describe_sample
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +74,37 @@ class DatasetExhausted(RuntimeError):
     """The dataset iterator ended and every admitted sample has been collected."""
 
 
+class SampleSource(abc.ABC):
+    """The samples of the everlasting pool, told of each one that ends without a group to train
+    (``SampleLedger`` keeps the untrained ones for checkpoints; a plain iterator is wrapped in
+    ``_Rows``, which keeps nothing)."""
+
+    def __iter__(self) -> SampleSource:
+        return self
+
+    @abc.abstractmethod
+    def __next__(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def release(self, sample: dict[str, Any]) -> None:
+        """The pool is done with ``sample`` (the object it took from here) and it gave no group:
+        rejected by the workflow, dropped after its attempts, or too stale on every attempt."""
+
+
+class _Rows(SampleSource):
+    def __init__(self, rows: Iterator[dict[str, Any]]) -> None:
+        self._rows = iter(rows)
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._rows)
+
+    def release(self, sample: dict[str, Any]) -> None:
+        pass
+
+
 @dataclass
 class _Finished:
-    index: int
+    task: EpisodeTask
     group: list[Trajectory]
     submit_version: int
     spans: list[tuple[int, int] | None]
@@ -115,7 +150,8 @@ class WorkflowExecutor:
             client: the ``RolloutClient`` episodes generate with (unused with ``runner``).
             workflow: turns a sample into trajectories (unused with ``runner``: its processes
                 build their own from a ``WorkerSpec``).
-            dataset_iter: samples for the everlasting pool (``start``/``wait_batch``).
+            dataset_iter: samples for the everlasting pool (``start``/``wait_batch``); a
+                ``SampleSource`` is told which ones end untrained (also those of ``rollout_batch``).
             staleness: admission control for the everlasting pool.
             num_workers: concurrent episodes (default ``staleness.max_concurrent``); a synchronous
                 ``rollout_batch`` runs this many at once where it is given, else every episode.
@@ -132,7 +168,9 @@ class WorkflowExecutor:
             max_consecutive_dropped: this many samples in a row dropped after all their attempts
                 (a broken rollout engine or server, a workflow that always raises) stop the pool:
                 ``wait_batch`` raises at once with the last error instead of waiting for groups
-                that will never come (0: never stop).
+                that will never come (0: never stop). So do this many batches' worth of samples in a
+                row without a group, rejected or dropped (a workflow that keeps no row): a bound in
+                batches, as one that keeps a few rows in many has long runs of rejections.
         """
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
@@ -140,6 +178,7 @@ class WorkflowExecutor:
             raise ValueError(f"max_consecutive_dropped must be >= 0 (0: never stop), got {max_consecutive_dropped}")
         self.max_consecutive_dropped = max_consecutive_dropped
         self._dropped_in_a_row = 0
+        self._without_group: collections.Counter[str] = collections.Counter()  # since the last group: status -> n
         if episode_timeout_s is not None and episode_timeout_s <= 0:
             raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
         self.episode_timeout_s = episode_timeout_s
@@ -154,7 +193,9 @@ class WorkflowExecutor:
         self.max_retries = max_retries
         self.store = store
         self.runner = runner
-        self._dataset_iter = iter(dataset_iter) if dataset_iter is not None else None
+        if dataset_iter is not None and not isinstance(dataset_iter, SampleSource):
+            dataset_iter = _Rows(dataset_iter)
+        self._dataset_iter: SampleSource | None = dataset_iter
         self._next_index = 0
         self._exhausted = False
         self._pending: collections.deque[EpisodeTask] = collections.deque()  # retries first, then prefetched
@@ -342,37 +383,67 @@ class WorkflowExecutor:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            submit_version = self._version
-            t0 = time.monotonic()
-            attempt = asyncio.ensure_future(self._attempts.arun(task))
-            self._in_flight[task.index] = (attempt, submit_version)
-            try:
-                status, group = await attempt
-            except asyncio.CancelledError:
-                me = asyncio.current_task()
-                if self._stopping or (me is not None and me.cancelling()) or task.index not in self._aborted:
-                    raise  # this worker is cancelled (the pool is stopping), not only its episode
-                self._aborted.discard(task.index)
-                status, group = "aborted_stale", None
-            finally:
-                self._in_flight.pop(task.index, None)
-                self.stats.busy_s += time.monotonic() - t0
-            assert self.staleness is not None
-            self._count_dropped(status)
-            if status == "ok":
-                assert group is not None
-                self.staleness.on_accept()
-                spans = [version_span(traj) for traj in group]
-                finished = _Finished(task.index, group, submit_version, spans, spans_min_version(spans))
-                with self._results_cond:
-                    self._results.append(finished)
-            else:
-                self.staleness.on_reject()
-                if status == "retry":
-                    self._pending.appendleft(task)
+            await self._arun_task(task)
             with self._results_cond:
                 self._results_cond.notify_all()
             self._wake.set()
+
+    async def _arun_task(self, task: EpisodeTask) -> None:
+        """One attempt at ``task``, its outcome filed. A frame of its own, which ends with the attempt: a
+        worker waiting for admission holds no group (the trainer's long since), nor the episode's Task."""
+        assert self.staleness is not None
+        submit_version = self._version
+        t0 = time.monotonic()
+        attempt = asyncio.ensure_future(self._attempts.arun(task))
+        self._in_flight[task.index] = (attempt, submit_version)
+        try:
+            status, group = await attempt
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if self._stopping or (me is not None and me.cancelling()) or task.index not in self._aborted:
+                raise  # this worker is cancelled (the pool is stopping), not only its episode
+            self._aborted.discard(task.index)
+            status, group = "aborted_stale", None
+        finally:
+            self._in_flight.pop(task.index, None)
+            self.stats.busy_s += time.monotonic() - t0
+        self._count_outcome(status)
+        if status == "ok":
+            assert group is not None
+            self.staleness.on_accept()
+            spans = [version_span(traj) for traj in group]
+            finished = _Finished(task, group, submit_version, spans, spans_min_version(spans))
+            with self._results_cond:
+                self._results.append(finished)
+            return
+        self.staleness.on_reject()
+        if status == "retry":
+            self._pending.appendleft(task)
+        elif status == "aborted_stale":
+            self._requeue_stale(task)
+        else:  # rejected, or dropped after its attempts: done, untrained
+            self._release(task.sample)
+
+    def _requeue_stale(self, task: EpisodeTask) -> None:
+        """Loop thread: ``task``'s episode fell more than η versions behind (aborted, or its group dropped):
+        generate it again now, under the newer policy, unless that already happened ``max_retries`` times."""
+        assert self.staleness is not None
+        task.stale += 1
+        if task.stale <= self.max_retries:
+            self._pending.appendleft(task)
+            return
+        logger.warning(
+            "dropping dataset %s: its episode fell more than rollout.max_head_offpolicyness=%d versions behind on "
+            "all %d attempts (rollout/aborted_stale, rollout/dropped_stale); a larger one lets such long episodes train",
+            describe_sample(task.sample),
+            self.staleness.max_head_offpolicyness,
+            task.stale,
+        )
+        self._release(task.sample)
+
+    def _release(self, sample: dict[str, Any]) -> None:
+        if self._dataset_iter is not None:
+            self._dataset_iter.release(sample)
 
     # ------------------------------------------------------------------ collection (trainer thread)
     def _drop_stale_locked(self) -> None:
@@ -387,6 +458,8 @@ class WorkflowExecutor:
                 self.staleness.on_drop_accepted()
                 if self.store is not None:
                     release_refs([t.info for t in finished.group], self.store)
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._requeue_stale, finished.task)
             else:
                 kept.append(finished)
         if len(kept) != len(self._results):
@@ -483,19 +556,39 @@ class WorkflowExecutor:
             )
         return trajectories, [part for _, part in results if part is not None]
 
-    def _count_dropped(self, status: str) -> None:
-        """Samples dropped in a row after all their attempts (both paths): at ``max_consecutive_dropped`` the
-        pool is broken (``_worker_error``), the last drop's cause named."""
-        if status == "dropped":
-            self._dropped_in_a_row += 1
-            if 0 < self.max_consecutive_dropped <= self._dropped_in_a_row and self._worker_error is None:
-                self._worker_error = RolloutPoolBroken(
-                    f"the last {self._dropped_in_a_row} samples were all dropped after {self.max_retries + 1} "
-                    f"attempts each (last: {self._attempts.last_drop}): {self._attempts.drop_advice}"
-                )
-                logger.error("%s", self._worker_error)
-        elif status in ("ok", "rejected"):
+    def _count_outcome(self, status: str) -> None:
+        """Samples in a row without a group (both paths): ``max_consecutive_dropped`` dropped after all their
+        attempts, or as many batches' worth rejected or dropped, break the pool (``_worker_error``), the
+        cause named."""
+        if status == "ok":
             self._dropped_in_a_row = 0
+            self._without_group.clear()
+            return
+        if status not in ("rejected", "dropped"):
+            return  # retried or re-queued: not over yet
+        self._without_group[status] += 1
+        self._dropped_in_a_row = self._dropped_in_a_row + 1 if status == "dropped" else 0
+        if self._worker_error is not None or self.max_consecutive_dropped == 0:
+            return
+        if self._dropped_in_a_row >= self.max_consecutive_dropped:
+            self._worker_error = RolloutPoolBroken(
+                f"the last {self._dropped_in_a_row} samples were all dropped after {self.max_retries + 1} "
+                f"attempts each (last: {self._attempts.last_drop}): {self._attempts.drop_advice}"
+            )
+        elif self.staleness is not None and (
+            sum(self._without_group.values()) >= self.max_consecutive_dropped * self.staleness.batch_size
+        ):
+            workflow = self._attempts.user_workflow
+            name = run_episode_name(workflow) if workflow is not None else "rollout.workflow"
+            rejected, dropped = self._without_group["rejected"], self._without_group["dropped"]
+            self._worker_error = RolloutPoolBroken(
+                f"no group from the last {rejected + dropped} samples: {rejected} rejected by the workflow ({name} "
+                f"returned None), {dropped} dropped: fix its filter or the data (rollout.max_consecutive_dropped="
+                f"{self.max_consecutive_dropped} batches of samples in a row without a group stop the run)"
+            )
+        else:
+            return
+        logger.error("%s", self._worker_error)
 
     async def _arollout_batch(
         self, samples: list[dict[str, Any]], pack: bool
@@ -510,7 +603,9 @@ class WorkflowExecutor:
                     status, group = await self._attempts.arun(task)
                     self.stats.busy_s += time.monotonic() - t0
                     if status != "retry":
-                        self._count_dropped(status)
+                        self._count_outcome(status)
+                        if status != "ok":
+                            self._release(task.sample)
                         return group, TokenBatch.from_trajectories(group) if pack and group else None
 
         tasks = [EpisodeTask(self._next_index + i, sample) for i, sample in enumerate(samples)]

@@ -4,11 +4,13 @@ The everlasting rollout pool reads the prompt stream ahead of training: a prefet
 episodes in flight, finished groups waiting for a trainer step. The stream's own cursor therefore
 runs ahead of what was trained, and a checkpoint that stored only it would skip those prompts on
 resume. ``SampleLedger`` sits between the stream and the pool: every sample it hands out is
-pending until the trainer takes its group (``trained``), or the workflow rejects it, or it fails
-more often than the pool retries it (``LedgerWorkflow`` sees both). A checkpoint stores the stream
-cursor together with the pending samples; after resume they are handed out first — regenerated
-under the restored policy — and the stream continues where it stopped. No prompt is skipped and
-none is trained twice.
+pending until the trainer takes its group (``trained``) or the pool ``release``s it, done without a
+group: rejected by the workflow, dropped after its attempts (a prompt the engine refuses is dropped
+at once), or too stale on every attempt (a stale one is re-queued by the pool first, so it stays
+pending meanwhile). The pending set is therefore what the pool holds, bounded by its staleness
+capacity. A checkpoint stores the stream cursor together with the pending samples; after resume
+they are handed out first — regenerated under the restored policy — and the stream continues where
+it stopped. No prompt is skipped and none is trained twice.
 
 Reproducible sampling: every hand-out has a key, the stream position it came from (epoch,
 position), kept across replay. ``LedgerWorkflow`` derives the episode's sampling seed from it and
@@ -16,11 +18,6 @@ position), kept across replay. ``LedgerWorkflow`` derives the episode's sampling
 episode), so the tokens sampled for a prompt depend on the policy, the seed and the prompt's place
 in the data order only — not on which other requests share the engine's batch, which depends on
 thread timing. A synchronous run therefore samples the same tokens after a resume as without one.
-
-A group the pool drops as too stale (``rollout/dropped_stale``) is not seen here: its sample stays
-pending and, if a checkpoint is written before the ledger is told otherwise, it is regenerated after
-resume instead of being lost. With the admission bound of ``StalenessManager`` drops only happen
-after a batch-size change or an aborted episode.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ import threading
 from typing import Any
 
 from areno.data.tasks import PromptStream
+from areno.engine.executor import SampleSource
 from areno.engine.staleness import StalenessManager
 from areno.rollout.client import RolloutClient
 from areno.workflows.base import EPISODE_SEED, RolloutWorkflow, as_group, run_episode_name
@@ -62,7 +60,7 @@ class _EpisodeSeeds:
 _EPISODE: contextvars.ContextVar[_EpisodeSeeds] = contextvars.ContextVar("areno_episode_seeds")
 
 
-class SampleLedger:
+class SampleLedger(SampleSource):
     """An iterator of samples (replayed ones first, then the stream) that remembers what is pending."""
 
     def __init__(self, stream: PromptStream) -> None:
@@ -71,7 +69,6 @@ class SampleLedger:
         self._replay: collections.deque[tuple[dict[str, Any], tuple[int, int]]] = collections.deque()
         self._pending: dict[int, tuple[dict[str, Any], tuple[int, int]]] = {}  # seq -> (sample, key), hand-out order
         self._seq_by_id: dict[int, int] = {}  # id(sample object handed out) -> seq
-        self._failures: collections.Counter[int] = collections.Counter()
         self._next_seq = 0
         self.trained_groups = 0
         """Groups the trainer took since the run began (restored on resume)."""
@@ -107,7 +104,6 @@ class SampleLedger:
         entry = self._pending.pop(seq, None)
         if entry is not None:
             del self._seq_by_id[id(entry[0])]
-        self._failures.pop(seq, None)
 
     def trained(self, seqs: list[int | None]) -> None:
         """The trainer took these samples' groups."""
@@ -117,16 +113,11 @@ class SampleLedger:
                     self._forget_locked(seq)
             self.trained_groups += len(seqs)
 
-    def finished_without_group(self, seq: int) -> None:
-        """The workflow rejected the sample: it is done, untrained, as in an uninterrupted run."""
+    def release(self, sample: dict[str, Any]) -> None:
+        """The pool is done with the sample, untrained, as in an uninterrupted run: it is not replayed."""
         with self._lock:
-            self._forget_locked(seq)
-
-    def failed(self, seq: int, max_retries: int) -> None:
-        """The workflow raised; after ``max_retries + 1`` failures the pool drops the sample."""
-        with self._lock:
-            self._failures[seq] += 1
-            if self._failures[seq] > max_retries:
+            seq = self._seq_by_id.get(id(sample))
+            if seq is not None:
                 self._forget_locked(seq)
 
     @property
@@ -163,13 +154,16 @@ class SampleLedger:
 
 
 class LedgerWorkflow(RolloutWorkflow):
-    """Runs the user's workflow under the episode's sampling seed and reports each sample's fate
-    to the ledger; trajectories carry their sample's ledger number in ``info[SEQ_KEY]``."""
+    """Runs the user's workflow under the episode's sampling seed; trajectories carry their sample's
+    ledger number in ``info[SEQ_KEY]``. The pool, which decides each sample's fate, tells the ledger."""
 
-    def __init__(self, inner: RolloutWorkflow, ledger: SampleLedger, *, max_retries: int, seed: int) -> None:
+    def __init__(
+        self, inner: RolloutWorkflow, ledger: SampleLedger, *, seed: int, max_retries: int | None = None
+    ) -> None:
+        # max_retries: unused (the pool counts attempts); engine/api.py still passes it, to be removed there
+        del max_retries
         self.inner = inner
         self.ledger = ledger
-        self.max_retries = max_retries
         self.seed = seed
 
     async def run_episode(self, client: Any, sample: dict[str, Any]):
@@ -181,12 +175,6 @@ class LedgerWorkflow(RolloutWorkflow):
         seed_token = EPISODE_SEED.set(seed) if seed is not None else None
         try:
             group = as_group(await self.inner.run_episode(client, sample), source=run_episode_name(self.inner))
-        except asyncio.CancelledError:
-            raise  # the pool stops or aborts a stale episode: the sample stays pending
-        except Exception:
-            if seq is not None:
-                self.ledger.failed(seq, self.max_retries)
-            raise
         finally:
             # a coroutine closed by a stopping loop runs this in another context, where there is nothing to
             # reset: the ValueError it raises read as a failed episode, "retrying" after the run stopped
@@ -195,12 +183,9 @@ class LedgerWorkflow(RolloutWorkflow):
                     _EPISODE.reset(token)
                 if seed_token is not None:
                     EPISODE_SEED.reset(seed_token)
-        if seq is not None:
-            if group is None:
-                self.ledger.finished_without_group(seq)
-            else:
-                for traj in group:
-                    traj.info[SEQ_KEY] = seq
+        if seq is not None and group is not None:
+            for traj in group:
+                traj.info[SEQ_KEY] = seq
         return group
 
 

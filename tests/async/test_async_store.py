@@ -81,16 +81,20 @@ def test_stale_groups_release_their_observations():
         ex.start()
         while ex.metrics()["rollout/ready"] < 1:
             time.sleep(0.005)
+        dropped_refs = list(workflow.refs[0])
         ex.pause()
         engine.pause()
         engine.update_weights(2)
         ex.set_version(2)  # two updates later: the finished group (version 0) is too stale for eta=0
         engine.resume()
+        with pytest.raises(TimeoutError):  # collected while paused: the sample run next is certain
+            ex.wait_batch(1, timeout=0.2)
         ex.resume()
         ((traj,),) = ex.wait_batch(1, timeout=30)
         m = ex.metrics()
-    assert traj.info["id"] == 1 and m["rollout/dropped_stale"] == 1
-    for ref in workflow.refs[0]:  # the dropped group's observations are gone, the kept group's remain
+    # the dropped sample is generated again, with observations of its own
+    assert traj.info["id"] == 0 and m["rollout/dropped_stale"] == 1
+    for ref in dropped_refs:  # the dropped group's observations are gone, the kept group's remain
         with pytest.raises(StoreKeyError):
             store.get(ref.key)
     assert all(store.get(ref.key).shape == (MB_FLOATS,) for ref in traj.info["observations"])

@@ -113,7 +113,7 @@ def test_ledger_saves_untrained_samples_and_replays_them_first():
     seqs = [ledger.lookup(s)[0] for s in handed]
     assert seqs == [0, 1, 2, 3, 4]
     ledger.trained([seqs[0], seqs[2]])
-    ledger.finished_without_group(seqs[3])  # rejected by the workflow: done, as without a resume
+    ledger.release(handed[3])  # rejected by the workflow: done, as without a resume
     state = json.loads(json.dumps(ledger.state_dict()))  # plain data (it goes into trainer_state.pt)
     assert [p["row"]["prompt"] for p in state["pending"]] == [handed[1]["prompt"], handed[4]["prompt"]]
     assert state["trained_groups"] == 2 and {k: state["stream"][k] for k in ("epoch", "position", "rows")} == {
@@ -132,13 +132,13 @@ def test_ledger_saves_untrained_samples_and_replays_them_first():
     assert restored.num_pending == 5 and restored.trained_groups == 2
 
 
-def test_ledger_forgets_a_sample_after_its_last_retry():
+def test_ledger_forgets_a_released_sample_only():
     ledger = SampleLedger(PromptStream(_rows(3), seed=0))
-    seq = ledger.lookup(next(ledger))[0]
-    ledger.failed(seq, max_retries=1)
+    sample = next(ledger)
+    ledger.release(dict(sample))  # an equal row that the ledger did not hand out: not this hand-out
     assert ledger.num_pending == 1
-    ledger.failed(seq, max_retries=1)
-    assert ledger.num_pending == 0
+    ledger.release(sample)
+    assert ledger.num_pending == 0 and ledger.state_dict()["pending"] == []
 
 
 class _RecordingClient:
@@ -184,7 +184,7 @@ class _GroupOf3(RolloutWorkflow):
 def test_episodes_sample_with_seeds_from_their_place_in_the_data():
     ledger = SampleLedger(PromptStream(_rows(4), seed=0))
     samples = [next(ledger) for _ in range(2)]
-    workflow = LedgerWorkflow(_GroupOf3(reject=samples[1]["prompt"]), ledger, max_retries=0, seed=7)
+    workflow = LedgerWorkflow(_GroupOf3(reject=samples[1]["prompt"]), ledger, seed=7)
     inner = _RecordingClient()
 
     async def arun():
@@ -195,7 +195,7 @@ def test_episodes_sample_with_seeds_from_their_place_in_the_data():
     expected = {episode_seed(7, key) + k for key in [(0, 1), (0, 2)] for k in range(3)}
     assert sorted(inner.seeds) == sorted(expected) and len(expected) == 6
     assert [t.info[SEQ_KEY] for t in kept] == [0, 0, 0]
-    assert rejected is None and ledger.num_pending == 1  # the rejected sample is done, untrained
+    assert rejected is None and ledger.num_pending == 2  # the pool, not the workflow, releases it
 
 
 def test_load_into_a_started_asynchronous_pool_is_refused_before_any_weight_is_read(tmp_path):
@@ -283,7 +283,7 @@ def test_an_episode_closed_in_another_context_is_no_failed_episode():
             await Pending()
 
     ledger = SampleLedger(PromptStream(_rows(4), seed=1))
-    episode = LedgerWorkflow(Waits(), ledger, max_retries=1, seed=0).run_episode(None, next(ledger))
+    episode = LedgerWorkflow(Waits(), ledger, seed=0).run_episode(None, next(ledger))
     contextvars.copy_context().run(episode.send, None)  # started in one context, as the loop's task
     episode.close()  # closed from another
 
