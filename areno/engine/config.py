@@ -308,7 +308,9 @@ class RolloutSection(ConfigSection, RolloutEngineSettings):
     """Retries of a sample whose workflow raised, before it is dropped with a warning."""
     max_consecutive_dropped: int = 16
     """This many samples in a row dropped after all their retries stop the run with the last error
-    (a broken rollout engine or server, a workflow that always raises); 0 = never stop."""
+    (a broken rollout engine or server, a workflow that always raises); in an asynchronous run, also this
+    many batches' worth of samples in a row without a group (rejected by the workflow or dropped: a filter
+    that keeps nothing); 0 = never stop."""
     kv_blocks: int = 0
     """KV-cache blocks (of ``block_size`` tokens) of each rollout engine (0 = sized automatically:
     ``kv_memory_fraction`` of the free memory on CUDA, ``cpu_kv_cache_bytes`` on CPU, and on a GPU
