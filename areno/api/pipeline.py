@@ -89,6 +89,9 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
             },
         },
         observe={"profile_steps": []},  # they name steps of the main stage
+        # this stage has no warm start of its own; the main stage, which has, draws its rows in another order
+        # (the engine's PromptStream stage), not the rows this one trained on in the same order
+        warm_start={"steps": 0},
         test_rollout={"enabled": False},
     )
 

@@ -223,8 +223,8 @@ def extract_answer(completion: str) -> str:
 STREAM_VERSION = 2
 """How :class:`PromptStream` orders rows, kept in its state so that a resumed run keeps its checkpoint's order.
 1: epoch e shuffled by ``random.Random(seed * 1_000_003 + e)`` (seeds -s and s alike: an int seeds by its
-absolute value). 2: shuffled by a string of the seed and the epoch (every seed its own order), and a batch
-that straddles two epochs holds no row twice (``swaps``)."""
+absolute value). 2: shuffled by a string of the seed, the stage and the epoch (every seed and stage its own
+order), and a batch that straddles two epochs holds no row twice (``swaps``)."""
 
 
 class PromptStream:
@@ -233,20 +233,25 @@ class PromptStream:
     ``state_dict()`` holds (epoch, position), the cursor of rows actually handed out, the rows' count and
     fingerprint, which a resumed stream must match (a data file rewritten in place would be read from the old
     cursor), the ordering rule's ``version`` (``STREAM_VERSION``; a checkpoint without one has version 1) and the
-    ``swaps`` that made the current epoch's order from its shuffle.
+    ``swaps`` that made the current epoch's order from its shuffle, and the ``stage``.
 
     ``batch_size``: the rows a step takes (``take(batch_size)``, or as many ``take(1)``), counted from the start
     of the stream. When an epoch ends inside a batch, the rows of the new epoch that batch would take again are
     swapped with the next rows of the new epoch it does not hold: later in the epoch, still once each. With
     ``batch_size`` above the number of rows a batch holds rows more than once whatever the order.
+
+    ``stage``: which stage of a run of several the stream feeds; each stage has an order of its own, so that
+    the stage after a warm start does not retrace the warm start's rows. A resumed stream keeps its
+    checkpoint's stage.
     """
 
-    def __init__(self, rows: list[dict], *, seed: int, batch_size: int = 1) -> None:
+    def __init__(self, rows: list[dict], *, seed: int, batch_size: int = 1, stage: str = "") -> None:
         if not rows:
             raise DataError("the training dataset is empty: check data.train_path or data.task")
         self._rows = rows
         self._seed = seed
         self._batch_size = batch_size
+        self._stage = stage
         self._version = STREAM_VERSION
         self.epoch = 0
         self.position = 0
@@ -258,7 +263,8 @@ class PromptStream:
         if self._version == 1:  # a checkpoint of an older areno resumes in its own order
             random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
         else:  # a string seeds by all of its bytes: data.seed=-1 is not data.seed=1
-            random.Random(f"areno/data/{self._seed}/{epoch}").shuffle(order)
+            stage = f"{self._stage}/" if self._stage else ""
+            random.Random(f"areno/data/{self._seed}/{stage}{epoch}").shuffle(order)
         return order
 
     @property
@@ -313,6 +319,7 @@ class PromptStream:
             "fingerprint": self.fingerprint,
             "version": self._version,
             "swaps": [list(pair) for pair in self._swaps],
+            "stage": self._stage,
         }
 
     @functools.cached_property
@@ -341,7 +348,7 @@ class PromptStream:
                 f"know (it knows 1 to {STREAM_VERSION}): resume with the areno that wrote it, or start over "
                 "(resume=false overwrite=true) or in another run_dir"
             )
-        self._version = version
+        self._version, self._stage = version, str(state.get("stage", ""))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order, self._swaps = self._shuffle(self.epoch), []
         for i, j in state.get("swaps", []):

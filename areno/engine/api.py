@@ -720,8 +720,10 @@ class ArenoEngine:
         self.pairs = check_pair_recipe(cfg, self.recipe)
         # malformed rows: error before models load
         train_rows, self.eval_rows = build_splits(cfg.data, pairs=self.pairs)
-        # batch_size: a batch that straddles two epochs is kept free of rows it already holds
-        self.train_stream = PromptStream(train_rows, seed=cfg.data.seed, batch_size=cfg.rollout.batch_size)
+        # batch_size: a batch that straddles two epochs is kept free of rows it already holds; the stage after
+        # a warm start (whose own config has warm_start.steps=0) shuffles apart from the warm start's rows
+        stage = "after_warm_start" if cfg.warm_start.steps > 0 else ""
+        self.train_stream = PromptStream(train_rows, seed=cfg.data.seed, batch_size=cfg.rollout.batch_size, stage=stage)
         if not generates(self.recipe, pairs=self.pairs, held_out=bool(self.eval_rows)):
             self._drop_rollout_side()
         if self.recipe.online:  # a sandboxed reward's first worker imports it while the models load

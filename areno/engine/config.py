@@ -150,7 +150,8 @@ class DataSection(ConfigSection):
     """Held-out prompts evaluated at each evaluation (a task's generated ones, or the first of eval_path's);
     greedy unless ``train.eval_samples`` > 1."""
     seed: int = 0
-    """Seed of the task generator and of the dataloader shuffle."""
+    """Seed of the task generator and of the dataloader shuffle (a new one each epoch; a negative seed is
+    another order; the main stage after a warm start draws an order of its own, not the warm start's)."""
     chat_template: str = "auto"
     """How prompts become token ids, alike in rollouts, evaluation, SFT data and the chat route
     (`areno.data.prompts.render_prompt`): auto = wrapped in the tokenizer's chat template (a string

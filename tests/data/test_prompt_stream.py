@@ -80,3 +80,13 @@ def test_a_resumed_stream_keeps_the_batches_of_an_uninterrupted_one(stop):
     resumed = PromptStream(ROWS, seed=2, batch_size=4)
     resumed.load_state_dict(first.state_dict())
     assert head + _prompts(resumed, 40 - stop) == expected
+
+
+def test_each_stage_has_its_own_order_and_a_resume_keeps_the_checkpoints():
+    rows = [{"prompt": i} for i in range(1000)]
+    warm, main = PromptStream(rows, seed=0), PromptStream(rows, seed=0, stage="after_warm_start")
+    assert len(set(_prompts(warm, 64)) & set(_prompts(main, 64))) < 16  # independent draws: ~4 shared
+    state = main.state_dict()
+    resumed = PromptStream(rows, seed=0)  # a run whose warm_start.steps changed on resume
+    resumed.load_state_dict(state)
+    assert _prompts(resumed, 2000) == _prompts(main, 2000)
