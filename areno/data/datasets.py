@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from areno.data.messages import completion_problem, completion_text, message_list_problem
 from areno.data.tasks import TaskSpec, generate_rows
 from areno.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 PAIR_KEYS = ("chosen", "rejected")
 """The fields of a preference row holding its preferred and its dispreferred completion (TRL's names)."""
@@ -323,7 +326,33 @@ def build_splits(
                 f"dataset file {data_cfg.eval_path} holds no rows: data.eval_path needs held-out prompts, or unset it"
             )
         held_out = held_out[: data_cfg.num_eval]
+        _warn_shared_prompts(data_cfg, train, held_out)
     return train, held_out
+
+
+_SHARED_SAID: set[tuple] = set()
+"""The file pairs whose shared prompts were told in this process (preflight and the engine both read them)."""
+
+
+def _warn_shared_prompts(data_cfg, train: list[dict], held_out: list[dict]) -> None:
+    """One warning when held-out prompts are also training prompts: they would be trained on and still
+    counted as held out (a shipped task's splits are disjoint by construction)."""
+    said = (data_cfg.train_path, data_cfg.eval_path, data_cfg.num_eval, data_cfg.prompt_key)
+    if said in _SHARED_SAID:
+        return
+    _SHARED_SAID.add(said)
+    key = lambda row: json.dumps(row.get(data_cfg.prompt_key), sort_keys=True)  # a string or a message list
+    trained = {key(row) for row in train}
+    shared = sum(key(row) in trained for row in held_out)
+    if shared:
+        logger.warning(
+            "data.eval_path %s: %d of its %d held-out prompts are also training prompts of data.train_path %s: "
+            "they are trained on and still counted as held out; remove them from one of the files",
+            data_cfg.eval_path,
+            shared,
+            len(held_out),
+            data_cfg.train_path,
+        )
 
 
 def _default(data_cfg, key: str) -> object:
