@@ -62,7 +62,14 @@ from areno.engine.cluster import (
 from areno.engine.config import ArenoConfig, ClusterSection, field_default, resolve_dtypes
 from areno.engine.host import apply_host_settings
 from areno.errors import ConfigError, RunFailure
-from areno.launch.scheduler import RUN_DIR_ENV, RoleSpec, WorkerDiedError, scheduler_config, usable_cores
+from areno.launch.scheduler import (
+    RUN_DIR_ENV,
+    RoleSpec,
+    WorkerDiedError,
+    log_workers,
+    scheduler_config,
+    usable_cores,
+)
 from areno.launch.storage import check_shared_storage
 from areno.launch.watchdog import process_state
 from areno.models.config import ModelConfig
@@ -448,7 +455,7 @@ class PartitionedCluster:
             ]
         )
         self._launched = True
-        self.scheduler.log_workers()
+        log_workers(self.scheduler)
         # checkpoints (DCP, written by the training ranks) and exports go under run_dir: every node must see it
         check_shared_storage([str(self.run_dir)], self.scheduler)
 

@@ -31,7 +31,15 @@ from areno.engine.partitioned import apply_process_settings
 from areno.errors import ConfigError
 from areno.launch.allocation import build_gpu_allocations, map_roles, parse_allocation_mode
 from areno.launch.factory import scheduler_from_config
-from areno.launch.scheduler import RUN_DIR_ENV, RoleSpec, Scheduler, WorkerError, scheduler_config, usable_cores
+from areno.launch.scheduler import (
+    RUN_DIR_ENV,
+    RoleSpec,
+    Scheduler,
+    WorkerError,
+    log_workers,
+    scheduler_config,
+    usable_cores,
+)
 from areno.recipes.config import TrainingConfig
 from areno.train import LocalTrainBackend
 from areno.train.config import TrainBackendConfig
@@ -244,7 +252,7 @@ def place_roles(
     except BaseException:
         scheduler.shutdown()
         raise
-    scheduler.log_workers()
+    log_workers(scheduler)
     roles = {r.name: r for r in recipe.roles}
     for worker, (_, names) in specs.items():
         for name in names:

@@ -402,19 +402,6 @@ class Scheduler(abc.ABC):
     def roles(self) -> list[str]:
         """Roles created so far."""
 
-    def log_workers(self) -> None:
-        """One line per worker, where to look: its log (``kill -USR1 <pid>`` writes its stacks there)."""
-        for role in self.roles:
-            for h in self.workers(role):
-                logger.info(
-                    "worker %s (rank %d) pid %s on %s, log %s",
-                    h.name,
-                    h.rank,
-                    h.pid,
-                    h.host,
-                    h.log_path or "(scheduler's)",
-                )
-
     def submit(self, role: str, target: str | Callable, *args: Any, **kwargs: Any) -> list[concurrent.futures.Future]:
         """The same call on every worker of ``role``; futures in index order."""
         return [self.submit_one(role, i, target, *args, **kwargs) for i in range(len(self.workers(role)))]
@@ -474,6 +461,16 @@ class Scheduler(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def log_workers(scheduler: Scheduler) -> None:
+    """One line per worker of ``scheduler``, where to look: its log (``kill -USR1 <pid>`` writes its stacks
+    there)."""
+    for role in scheduler.roles:
+        for h in scheduler.workers(role):
+            logger.info(
+                "worker %s (rank %d) pid %s on %s, log %s", h.name, h.rank, h.pid, h.host, h.log_path or "(scheduler's)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
