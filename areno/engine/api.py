@@ -861,7 +861,7 @@ class ArenoEngine:
         # The ledger hands out the prompts and keeps the cursor of what was trained (the pool reads
         # ahead of training); episodes sample with seeds from their place in the data order.
         self.ledger = SampleLedger(self.train_stream)
-        workflow = LedgerWorkflow(workflow, self.ledger, max_retries=cfg.rollout.max_retries, seed=cfg.train.seed)
+        workflow = LedgerWorkflow(workflow, self.ledger, seed=cfg.train.seed)
         return WorkflowExecutor(
             SeedingClient(self._rollout_side("an online recipe's rollouts").client),
             workflow,

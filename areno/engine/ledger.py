@@ -157,11 +157,7 @@ class LedgerWorkflow(RolloutWorkflow):
     """Runs the user's workflow under the episode's sampling seed; trajectories carry their sample's
     ledger number in ``info[SEQ_KEY]``. The pool, which decides each sample's fate, tells the ledger."""
 
-    def __init__(
-        self, inner: RolloutWorkflow, ledger: SampleLedger, *, seed: int, max_retries: int | None = None
-    ) -> None:
-        # max_retries: unused (the pool counts attempts); engine/api.py still passes it, to be removed there
-        del max_retries
+    def __init__(self, inner: RolloutWorkflow, ledger: SampleLedger, *, seed: int) -> None:
         self.inner = inner
         self.ledger = ledger
         self.seed = seed
