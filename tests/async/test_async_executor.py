@@ -9,7 +9,7 @@ from areno.engine.executor import DatasetExhausted, RolloutPoolBroken, WorkflowE
 from areno.engine.staleness import StalenessManager
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
-from tests.helpers.async_fakes import FakeEngine
+from tests.helpers.async_fakes import FakeEngine, sync_weights
 
 
 def length_from_prompt(prompt_ids, params):
@@ -43,15 +43,6 @@ class CountingWorkflow(RolloutWorkflow):
 
 def rows(n, length=3, **extra):
     return [{"id": i, "len": length, **extra} for i in range(n)]
-
-
-def sync_weights(executor, engine, version):
-    executor.pause()
-    engine.pause()
-    engine.update_weights(version)
-    executor.set_version(version)
-    engine.resume()
-    executor.resume()
 
 
 @pytest.mark.parametrize("eta", [0, 2])

@@ -18,7 +18,7 @@ from areno.engine.staleness import StalenessManager
 from areno.rollout.errors import RequestRejected
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
-from tests.helpers.async_fakes import FakeEngine
+from tests.helpers.async_fakes import FakeEngine, sync_weights
 
 
 def length_from_prompt(prompt_ids, params):
@@ -51,15 +51,6 @@ class ByPrompt(RolloutWorkflow):
             reward=0.0,
             info={"prompt": prompt},
         )
-
-
-def sync_weights(executor, engine, version):
-    executor.pause()
-    engine.pause()
-    engine.update_weights(version)
-    executor.set_version(version)
-    engine.resume()
-    executor.resume()
 
 
 def ledger_pool(rows, workflow, *, eta, batch_size, max_concurrent, engine=None, **kwargs):

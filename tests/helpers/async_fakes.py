@@ -136,3 +136,13 @@ def replying(tokenizer, *texts: str) -> FakeEngine:
         return encoded[min(turn, len(encoded) - 1)]
 
     return FakeEngine(respond)
+
+
+def sync_weights(executor, engine: FakeEngine, version: int) -> None:
+    """A policy sync as the trainer makes one: admission paused, the engine's weights swapped, the version set."""
+    executor.pause()
+    engine.pause()
+    engine.update_weights(version)
+    executor.set_version(version)
+    engine.resume()
+    executor.resume()
