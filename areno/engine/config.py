@@ -306,7 +306,8 @@ class RolloutSection(ConfigSection, RolloutEngineSettings):
     alone beside the trainer's kernels; on CPU the two threads share the cores better than they take
     turns (see docs/performance.md)."""
     max_retries: int = 1
-    """Retries of a sample whose workflow raised, before it is dropped with a warning."""
+    """Retries of a sample whose workflow raised, before it is dropped with a warning; in an asynchronous
+    run also how often a sample whose episode fell more than η versions behind is generated again."""
     max_consecutive_dropped: int = 16
     """This many samples in a row dropped after all their retries stop the run with the last error
     (a broken rollout engine or server, a workflow that always raises); in an asynchronous run, also this

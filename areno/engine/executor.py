@@ -179,6 +179,7 @@ class WorkflowExecutor:
         self.max_consecutive_dropped = max_consecutive_dropped
         self._dropped_in_a_row = 0
         self._without_group: collections.Counter[str] = collections.Counter()  # since the last group: status -> n
+        self._requeues_due = 0  # stale groups the trainer dropped whose samples the loop has yet to queue again
         if episode_timeout_s is not None and episode_timeout_s <= 0:
             raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
         self.episode_timeout_s = episode_timeout_s
@@ -407,7 +408,7 @@ class WorkflowExecutor:
         finally:
             self._in_flight.pop(task.index, None)
             self.stats.busy_s += time.monotonic() - t0
-        self._count_outcome(status)
+        self._count_outcome(status, pool=True)
         if status == "ok":
             assert group is not None
             self.staleness.on_accept()
@@ -416,13 +417,14 @@ class WorkflowExecutor:
             with self._results_cond:
                 self._results.append(finished)
             return
-        self.staleness.on_reject()
+        # back in the queue before the running count falls, so the trainer never sees the pool drained meanwhile
         if status == "retry":
             self._pending.appendleft(task)
         elif status == "aborted_stale":
             self._requeue_stale(task)
         else:  # rejected, or dropped after its attempts: done, untrained
             self._release(task.sample)
+        self.staleness.on_reject()
 
     def _requeue_stale(self, task: EpisodeTask) -> None:
         """Loop thread: ``task``'s episode fell more than η versions behind (aborted, or its group dropped):
@@ -432,9 +434,12 @@ class WorkflowExecutor:
         if task.stale <= self.max_retries:
             self._pending.appendleft(task)
             return
-        logger.warning(
+        self.stats.counts["dropped_stale_samples"] += 1
+        logger.log(
+            logging.WARNING if self.stats.counts["dropped_stale_samples"] == 1 else logging.DEBUG,
             "dropping dataset %s: its episode fell more than rollout.max_head_offpolicyness=%d versions behind on "
-            "all %d attempts (rollout/aborted_stale, rollout/dropped_stale); a larger one lets such long episodes train",
+            "all %d attempts (rollout/aborted_stale, rollout/dropped_stale); a larger one lets such long episodes "
+            "train (later ones are counted: rollout/dropped_stale_samples)",
             describe_sample(task.sample),
             self.staleness.max_head_offpolicyness,
             task.stale,
@@ -459,16 +464,24 @@ class WorkflowExecutor:
                 if self.store is not None:
                     release_refs([t.info for t in finished.group], self.store)
                 assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._requeue_stale, finished.task)
+                self._requeues_due += 1  # not drained until the loop has queued it again (_drained_locked)
+                self._loop.call_soon_threadsafe(self._requeue_due, finished.task)
             else:
                 kept.append(finished)
         if len(kept) != len(self._results):
             self._results = kept
             self._notify_loop()
 
+    def _requeue_due(self, task: EpisodeTask) -> None:
+        """Loop thread: a group the trainer dropped as stale, its sample queued again (or given up)."""
+        self._requeue_stale(task)
+        with self._results_cond:
+            self._requeues_due -= 1
+            self._results_cond.notify_all()
+
     def _drained_locked(self) -> bool:
         assert self.staleness is not None
-        return self._exhausted and not self._pending and self.staleness.running == 0
+        return self._exhausted and not self._pending and self.staleness.running == 0 and not self._requeues_due
 
     def wait_batch(self, batch_size: int, timeout: float | None = None) -> list[list[Trajectory]]:
         """The oldest ``batch_size`` finished groups, waiting up to ``timeout`` seconds.
@@ -556,10 +569,11 @@ class WorkflowExecutor:
             )
         return trajectories, [part for _, part in results if part is not None]
 
-    def _count_outcome(self, status: str) -> None:
+    def _count_outcome(self, status: str, *, pool: bool = False) -> None:
         """Samples in a row without a group (both paths): ``max_consecutive_dropped`` dropped after all their
-        attempts, or as many batches' worth rejected or dropped, break the pool (``_worker_error``), the
-        cause named."""
+        attempts break the pool (``_worker_error``), the cause named; in the everlasting pool (``pool``), so do
+        as many batches' worth rejected or dropped (a synchronous batch has its own check: one with no
+        trajectory at all stops the run, and its rows finish in any order, so a streak would span batches)."""
         if status == "ok":
             self._dropped_in_a_row = 0
             self._without_group.clear()
@@ -575,8 +589,10 @@ class WorkflowExecutor:
                 f"the last {self._dropped_in_a_row} samples were all dropped after {self.max_retries + 1} "
                 f"attempts each (last: {self._attempts.last_drop}): {self._attempts.drop_advice}"
             )
-        elif self.staleness is not None and (
-            sum(self._without_group.values()) >= self.max_consecutive_dropped * self.staleness.batch_size
+        elif (
+            pool
+            and self.staleness is not None
+            and sum(self._without_group.values()) >= self.max_consecutive_dropped * self.staleness.batch_size
         ):
             workflow = self._attempts.user_workflow
             name = run_episode_name(workflow) if workflow is not None else "rollout.workflow"

@@ -2,6 +2,7 @@
 rejecting stop the run, the ledger lets go of the samples that end without a group, a stale-aborted
 sample is generated again in the same run, and an idle worker holds no trained group."""
 
+import asyncio
 import gc
 import itertools
 import logging
@@ -177,3 +178,40 @@ def test_an_idle_worker_keeps_no_trained_group():
         del batch
         gc.collect()
         assert [ref() for ref in refs] == [None, None]
+
+
+def test_a_finite_dataset_is_not_exhausted_while_its_stale_samples_wait_to_be_generated_again():
+    """walk40 L1: the trainer dropped both last groups as stale and, in the same pass, found the pool drained
+    (the loop had not queued them again yet): DatasetExhausted, and the regenerated groups never collected."""
+    rows = [{"prompt": f"p{i}", "len": 3} for i in range(2)]
+    staleness = StalenessManager(max_head_offpolicyness=1, batch_size=2, max_concurrent=4)
+    wf, engine = ByPrompt(), FakeEngine(length_from_prompt)
+    with WorkflowExecutor(engine, wf, iter(rows), staleness) as ex:
+        ex.start()
+        deadline = time.monotonic() + 30
+        while (len(ex._results) < 2 or not ex._exhausted) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sync_weights(ex, engine, 3)  # both groups now more than η behind
+        batch = ex.wait_batch(2, timeout=30)
+        assert sorted(group[0].info["prompt"] for group in batch) == ["p0", "p1"]
+        assert ex.stats.counts["dropped_stale"] == 2 and wf.calls == {"p0": 2, "p1": 2}
+
+
+def test_a_synchronous_batch_rule_counts_no_streak_across_batches():
+    """walk40 L2: the asynchronous "batches' worth without a group" rule counted in synchronous batches too, where
+    rows finish in any order: at max_consecutive_dropped=1 the rejections closing one batch and opening the next
+    stopped a run whose every batch had groups."""
+
+    class Delayed(RolloutWorkflow):
+        async def run_episode(self, client, sample):
+            await asyncio.sleep(sample["delay"])
+            if not sample["keep"]:
+                return None
+            return Trajectory(prompt_ids=[1], completion_ids=[2], logprobs=[0.0], versions=[0], reward=0.0)
+
+    staleness = StalenessManager(max_head_offpolicyness=0, batch_size=4, max_concurrent=4)
+    with WorkflowExecutor(None, Delayed(), None, staleness, max_consecutive_dropped=1) as ex:
+        kept_first = [{"keep": True, "delay": 0.0}] + [{"keep": False, "delay": 0.05}] * 3
+        rejected_first = [{"keep": False, "delay": 0.0}] + [{"keep": True, "delay": 0.05}] * 3
+        assert len(ex.rollout_batch(kept_first)) == 1
+        assert len(ex.rollout_batch(rejected_first)) == 3
