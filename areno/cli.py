@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
+import stat
 import sys
 
 import areno
@@ -364,6 +366,19 @@ OUT_OF_MEMORY_FIX = (
 )
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (POLLERR on a pipe's write end)."""
+    try:
+        fd = sys.stdout.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
@@ -388,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         print("areno: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `areno recipes | head`: the reader left; what it did not read is not an error
+        if not _stdout_reader_gone():
+            raise  # another pipe or socket: a failure to show
         # the interpreter flushes stdout again at exit: into /dev/null, not another BrokenPipeError
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE: what a process the signal ended returns

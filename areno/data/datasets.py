@@ -326,7 +326,7 @@ def build_splits(
                 f"dataset file {data_cfg.eval_path} holds no rows: data.eval_path needs held-out prompts, or unset it"
             )
         held_out = held_out[: data_cfg.num_eval]
-        _warn_shared_prompts(data_cfg, train, held_out)
+        _warn_shared_prompts(data_cfg, train, held_out, pairs=pairs)
     return train, held_out
 
 
@@ -334,23 +334,31 @@ _SHARED_SAID: set[tuple] = set()
 """The file pairs whose shared prompts were told in this process (preflight and the engine both read them)."""
 
 
-def _warn_shared_prompts(data_cfg, train: list[dict], held_out: list[dict]) -> None:
-    """One warning when held-out prompts are also training prompts: they would be trained on and still
-    counted as held out (a shipped task's splits are disjoint by construction)."""
-    said = (data_cfg.train_path, data_cfg.eval_path, data_cfg.num_eval, data_cfg.prompt_key)
+def _warn_shared_prompts(data_cfg, train: list[dict], held_out: list[dict], *, pairs: bool = False) -> None:
+    """One warning when held-out rows are also training rows: they would be trained on and still counted as held
+    out (a shipped task's splits are disjoint by construction). A row is its prompt, a preference row its whole
+    pair (one prompt with other completions is another pair)."""
+    said = (data_cfg.train_path, data_cfg.eval_path, data_cfg.num_eval, data_cfg.prompt_key, pairs)
     if said in _SHARED_SAID:
         return
     _SHARED_SAID.add(said)
-    key = lambda row: json.dumps(row.get(data_cfg.prompt_key), sort_keys=True)  # a string or a message list
+    fields = (data_cfg.prompt_key, *PAIR_KEYS) if pairs else (data_cfg.prompt_key,)
+
+    def key(row: dict) -> str:  # a prompt may be a string or a message list
+        return json.dumps([row.get(f) for f in fields], sort_keys=True)
+
     trained = {key(row) for row in train}
     shared = sum(key(row) in trained for row in held_out)
     if shared:
+        what = "pairs" if pairs else "prompts"
         logger.warning(
-            "data.eval_path %s: %d of its %d held-out prompts are also training prompts of data.train_path %s: "
+            "data.eval_path %s: %d of its %d held-out %s are also training %s of data.train_path %s: "
             "they are trained on and still counted as held out; remove them from one of the files",
             data_cfg.eval_path,
             shared,
             len(held_out),
+            what,
+            what,
             data_cfg.train_path,
         )
 

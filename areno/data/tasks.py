@@ -248,6 +248,8 @@ class PromptStream:
     def __init__(self, rows: list[dict], *, seed: int, batch_size: int = 1, stage: str = "") -> None:
         if not rows:
             raise DataError("the training dataset is empty: check data.train_path or data.task")
+        if batch_size < 1:
+            raise ValueError(f"PromptStream batch_size must be >= 1, got {batch_size}")
         self._rows = rows
         self._seed = seed
         self._batch_size = batch_size

@@ -28,6 +28,7 @@ from areno.rollout.client import (
     RolloutRequestTimeout,
     RolloutServerError,
     RolloutServersLost,
+    wait_for_result,
 )
 from areno.rollout.errors import RequestRejected
 from areno.types import Trajectory
@@ -128,7 +129,7 @@ class EpisodeAttempts:
             else:
                 episode = self.workflow.run_episode(self.client, task.sample)
                 try:
-                    result = await asyncio.wait_for(episode, self.episode_timeout_s)
+                    result = await wait_for_result(episode, self.episode_timeout_s)
                     group = as_group(result, source=run_episode_name(self.workflow))
                 except TimeoutError as exc:
                     if isinstance(exc, RolloutRequestTimeout):

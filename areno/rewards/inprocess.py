@@ -121,6 +121,8 @@ def _watch(reward: InProcessReward) -> None:
 def _watch_loop() -> None:
     while True:
         time.sleep(WATCH_INTERVAL_S)
+        with _watch_lock:  # a reward loaded meanwhile (another thread's) would change the set mid-iteration
+            rewards = list(_watched)
         now = time.monotonic()
-        for reward in list(_watched):
+        for reward in rewards:
             reward.report_overdue(now)

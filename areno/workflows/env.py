@@ -33,7 +33,7 @@ import torch
 
 from areno.data.tasks import TaskSpec, extract_answer, generate_rows
 from areno.observe.session import session
-from areno.rollout.client import RolloutClient
+from areno.rollout.client import RolloutClient, wait_for_result
 from areno.rollout.store import InProcessStore, ObservationStore, StoreRef, release_refs
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.agent import describe_row
@@ -150,7 +150,7 @@ class EnvWorkflow(RolloutWorkflow):
         self, client: RolloutClient, sample: dict[str, Any], group_id: str, index: int, refs: list[dict[str, Any]]
     ) -> list[Trajectory] | None:
         try:
-            return await asyncio.wait_for(self._aepisode(client, sample, group_id, index, refs), self.timeout_s)
+            return await wait_for_result(self._aepisode(client, sample, group_id, index, refs), self.timeout_s)
         except TimeoutError:
             logger.warning(
                 "environment episode %d of row %s did not finish within timeout_s=%gs; dropped",

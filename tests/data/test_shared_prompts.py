@@ -32,3 +32,19 @@ def test_disjoint_files_say_nothing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="areno.data.datasets"):
         build_splits(DataSection(task=None, train_path=train, eval_path=held))
     assert not [r for r in caplog.records if "held-out prompts" in r.getMessage()]
+
+
+def test_preference_rows_are_shared_only_as_whole_pairs(tmp_path, caplog):
+    """walk40: one prompt with other completions is another pair; it was told as trained on (the shipped
+    reward-model example warned about two such pairs)."""
+
+    def pairs(path, rows):
+        path.write_text("".join(json.dumps(dict(zip(("prompt", "chosen", "rejected"), r))) + "\n" for r in rows))
+        return str(path)
+
+    train = pairs(tmp_path / "train.jsonl", [("1+2=", "3", "4"), ("5+4=", "9", "54")])
+    held = pairs(tmp_path / "held.jsonl", [("1+2=", "3", "12"), ("5+4=", "9", "54")])
+    with caplog.at_level(logging.WARNING, logger="areno.data.datasets"):
+        build_splits(DataSection(task=None, train_path=train, eval_path=held), pairs=True)
+    said = [r.getMessage() for r in caplog.records if "held-out pairs" in r.getMessage()]
+    assert len(said) == 1 and f"data.eval_path {held}: 1 of its 2 held-out pairs are also training pairs" in said[0]
