@@ -3,8 +3,10 @@ every token): a tiny engine, the old rule, and stop-string requests cut from a f
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from areno.data.detokenize import text_tail
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from areno.types import SamplingParams
 
@@ -145,3 +147,46 @@ def tokens_decoded_for_a_long_request(tok, model, cfg, length: int = 600) -> int
     assert len(out.output_ids) == length and out.finish_reason == "length"
     assert out.text == decode(tok, out.output_ids)
     return sum(decoded)
+
+
+def tok_model_fixture(tokenizers: dict, names: list[str] | None = None):
+    """A module-scoped ``tok_model`` fixture over ``names`` (default: all) of ``tokenizers`` (name -> builder):
+    (name, tokenizer, tiny model, its config)."""
+
+    @pytest.fixture(scope="module", params=list(tokenizers) if names is None else names)
+    def tok_model(request):
+        tok = tokenizers[request.param]()
+        return (request.param, tok, *tiny_model_for(tok))
+
+    return tok_model
+
+
+def free_run_stop_outcomes(tok, model, cfg, decode_steps: int) -> list[tuple[int, str, str]]:
+    """``cut_stop_outcomes``, asserted to hold stops (at least half) and a length end."""
+    outcomes = cut_stop_outcomes(tok, model, cfg, decode_steps)
+    reasons = [o[1] for o in outcomes]
+    assert reasons.count("stop") >= len(outcomes) // 2 and "length" in reasons
+    return outcomes
+
+
+def checked_tail(tok, tail, ids: list[int], keep: int, settled_text: str) -> str:
+    """After ``tail`` followed ``ids``: the whole decode extends the text settled before, the tail settled no
+    more than it, and (text, offset) is its end from ``keep`` characters before the search point. The whole
+    decode."""
+    whole = decode(tok, ids)
+    assert whole.startswith(settled_text)
+    assert tail.settled <= len(whole)
+    text, offset = tail.tail()
+    assert text == whole[offset:] and offset == max(tail.searched - keep, 0), ids
+    return whole
+
+
+def check_every_prefix_of_triples(tok, ids: list[int], keep: int = 2) -> None:
+    """For each triple (a, b, c) of ``ids``, the tail after every prefix of a, b, c, a is the whole decode's."""
+    for a in ids:
+        for b in ids:
+            for c in ids:
+                tail = text_tail(tok, keep)
+                for k, t in enumerate((a, b, c, a)):
+                    tail.add(t)
+                    assert tail.tail()[0] == decode(tok, [a, b, c, a][: k + 1]), [a, b, c, a][: k + 1]

@@ -18,10 +18,12 @@ from areno.data import detokenize
 from areno.data.detokenize import TextTail, text_tail
 from tests.helpers.stop_strings import (
     CORPUS,
-    cut_stop_outcomes,
+    check_every_prefix_of_triples,
+    checked_tail,
     decode,
+    free_run_stop_outcomes,
     scripted_stop_reasons,
-    tiny_model_for,
+    tok_model_fixture,
     tokens_decoded_for_a_long_request,
 )
 
@@ -120,11 +122,7 @@ def test_tail_is_the_whole_decode_after_every_token(name):
         for t in random_ids(tok, rng, rng.randrange(1, 80)):
             ids.append(t)
             tail.add(t)
-            whole = decode(tok, ids)
-            assert whole.startswith(settled_text)
-            assert tail.settled <= len(whole)
-            text, offset = tail.tail()
-            assert text == whole[offset:] and offset == max(tail.searched - keep, 0), ids
+            whole = checked_tail(tok, tail, ids, keep, settled_text)
             settled_text = whole[: tail.settled]
             seen_fffd += "\ufffd" in whole
             seen_long_run += len(whole) - tail.settled >= 2
@@ -139,20 +137,10 @@ def test_every_prefix_of_every_token_pair(name):
     a byte " ", "▁" tokens, byte runs ended by a special token (which does not end them) or a text one."""
     tok = TOKENIZERS[name]()
     picks = ["<0x20>", "<0xC3>", "<0xA9>", "<0x41>", "<0xFF>", "<0x+A>", "▁", "▁▁", "▁<0x41>", "a", "<s>"]
-    ids = tok.convert_tokens_to_ids(picks) + [len(tok) + 1]
-    for a in ids:
-        for b in ids:
-            for c in ids:
-                tail = text_tail(tok, 2)
-                for k, t in enumerate((a, b, c, a)):
-                    tail.add(t)
-                    assert tail.tail()[0] == decode(tok, [a, b, c, a][: k + 1])
+    check_every_prefix_of_triples(tok, tok.convert_tokens_to_ids(picks) + [len(tok) + 1])
 
 
-@pytest.fixture(scope="module", params=list(TOKENIZERS))
-def tok_model(request):
-    tok = TOKENIZERS[request.param]()
-    return (request.param, tok, *tiny_model_for(tok))
+tok_model = tok_model_fixture(TOKENIZERS)
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
@@ -160,9 +148,7 @@ def test_stop_strings_end_requests_as_the_whole_output_decode_did(tok_model, dec
     """The engine's outputs (tokens, finish reason, text) with stop strings cut from free runs equal
     the whole-decode rule's (``old_outcome``): most sampled tokens of these vocabularies are bytes."""
     name, tok, model, cfg = tok_model
-    outcomes = cut_stop_outcomes(tok, model, cfg, decode_steps)
-    reasons = [o[1] for o in outcomes]
-    assert reasons.count("stop") >= len(outcomes) // 2 and "length" in reasons
+    free_run_stop_outcomes(tok, model, cfg, decode_steps)
 
 
 SCRIPT = "  café 漢字🙂 ok, naïve\n½ end"
