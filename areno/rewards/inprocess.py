@@ -94,8 +94,9 @@ class InProcessReward:
             logger.error(
                 "reward.fn=%s: %s in-process ran past reward.timeout_s=%g (%.1f s): an in-process call cannot be "
                 "stopped, so the run waits for it; if it hangs, stop the run (a second Ctrl-C stops it at once; "
-                "resume=auto goes on from its last checkpoint) and fix the reward or set reward.sandbox=true, whose workers score a call past reward.timeout_s 0 "
-                "and go on; if it is just slow, raise reward.timeout_s",
+                "resume=auto goes on from its last checkpoint) and fix the reward or set reward.sandbox=true, "
+                "whose workers score a call past reward.timeout_s 0 and go on; if it is just slow, raise "
+                "reward.timeout_s",
                 self.name,
                 calls,
                 self.timeout_s,
