@@ -4,13 +4,18 @@ the same run, their ratio), the stamp of the code and machine it measured, and a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -50,6 +55,25 @@ sets it to the commit it exported."""
 
 HEADLINE_KEYS = ("metric", "figure", "baseline_name", "baseline", "ratio", "ratio_is")
 """The keys every bench's JSON starts with (after ``bench``): one row of ``bench/RESULTS.md``."""
+
+
+@contextlib.contextmanager
+def work_dir(given: str | None, prefix: str) -> Iterator[Path]:
+    """``given`` (made if missing, always kept), else a new temporary directory, removed when the bench
+    ends well and kept, named on stderr, when it fails: its models and runs weigh up to gigabytes, and
+    its logs are where a failure is read."""
+    if given:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except BaseException:
+        print(f"kept {path} (the failed bench's models, runs and logs): remove it when done", file=sys.stderr)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def git_commit() -> str:

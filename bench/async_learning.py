@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,7 +38,7 @@ from areno.api.config import load_config
 from areno.api.pipeline import DEMO_CONFIG, run_warm_start
 from areno.api.trainer import Trainer
 from areno.observe.metrics import read_jsonl_records
-from bench._common import emit, headline, parser
+from bench._common import emit, headline, parser, work_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """Where ``python -m bench.async_learning`` runs from in the per-(seed, arm) processes of ``--jobs``."""
@@ -144,7 +143,7 @@ def aggregate(per_seed: dict[int, list[dict]], budget: int | None = None) -> dic
 
 
 def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[dict], float]:
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-async-learning-")) / f"seed{seed}"
+    work = Path(args.workdir) / f"seed{seed}"
     overrides = [*args.overrides, f"train.seed={seed}"] if seed is not None else list(args.overrides)
     base = load_config(
         args.config,
@@ -168,7 +167,7 @@ def run_seed(args, seed: int, arms_spec: list[tuple[str, int]]) -> tuple[list[di
 
 def run_parallel(args) -> dict[int, list[dict]]:
     """Every (seed, arm) in its own process, ``--jobs`` at a time; {seed: [arm results in --arms order]}."""
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-async-learning-"))
+    work = Path(args.workdir)
     jobs = [(seed, arm) for seed in args.seeds for arm in args.arms]
 
     def one(job) -> tuple[int, int, dict]:
@@ -263,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         "target is the reference arm's accuracy at --steps: 0.1 tests 'within 10%% more steps'",
     )
     p.add_argument("--eval-interval", type=int, default=10)
-    p.add_argument("--workdir", default=None)
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where the runs go (default: a temporary directory, removed when the bench ends well)",
+    )
     p.add_argument(
         "--seeds",
         type=int,
@@ -292,16 +295,19 @@ def main(argv: list[str] | None = None) -> int:
         plot(json.loads(Path(args.from_json).read_text()), Path(args.plot))
         return 0
     seeds = args.seeds or [None]
+    parallel = args.jobs > 1 and len(seeds) * len(args.arms) > 1
+    if parallel and args.seeds is None:
+        raise SystemExit("--jobs > 1 needs --seeds")
     t0 = time.perf_counter()
     warm = {}
-    if args.jobs > 1 and len(seeds) * len(args.arms) > 1:
-        if args.seeds is None:
-            raise SystemExit("--jobs > 1 needs --seeds")
-        per_seed = run_parallel(args)
-    else:
-        per_seed = {}
-        for seed in seeds:
-            per_seed[seed], warm[seed] = run_seed(args, seed, args.arms)
+    with work_dir(args.workdir, "areno-bench-async-learning-") as work:
+        args.workdir = str(work)
+        if parallel:
+            per_seed = run_parallel(args)
+        else:
+            per_seed = {}
+            for seed in seeds:
+                per_seed[seed], warm[seed] = run_seed(args, seed, args.arms)
     budget = args.steps if args.slack > 0 else None
     for arms in per_seed.values():
         with_ratios(arms, budget)

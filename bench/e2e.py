@@ -66,7 +66,6 @@ import statistics
 import string
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -82,7 +81,7 @@ from areno.models.hf_io import init_model_dir
 from areno.observe.profile import profiled_step
 from areno.types import SamplingParams
 from areno.workflows.rlvr import RLVRWorkflow
-from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser
+from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, work_dir
 
 # e2e's configs carry no bos/eos token ids: the completion length stays fixed for both systems
 E2E_05B = {k: v for k, v in QWEN25_05B.items() if k not in ("bos_token_id", "eos_token_id")}
@@ -811,7 +810,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(a Chrome trace and an operator table, as observe.profile_steps)",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--workdir", default=None, help="where models and runs go (default: a temporary directory)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where models and runs go (default: a temporary directory, removed when the bench ends well)",
+    )
     p.add_argument(
         "--areno-set",
         action="append",
@@ -861,103 +864,106 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_completion_len is not None and "trl" in systems:
         raise ValueError("--min-completion-len: TRL's completions are fixed-length; run the areno systems only")
     param_dtype = default_param_dtype(args)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-e2e-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    num_seqs = args.prompts * args.samples
+    with work_dir(args.workdir, "areno-bench-e2e-") as workdir:
+        num_seqs = args.prompts * args.samples
 
-    copy_bw = measure_copy_bandwidth(args.device)
-    # the floor counts areno's default compute dtype (``model.compute_dtype=auto``): bf16 on CUDA, and on a
-    # CPU where ``cpu_gemm.prefers_bf16`` the shape's width decides
-    dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"]
-    if args.device != "cuda" and cpu_gemm.native_bf16():
-        dtypes.append("bfloat16")
-    rates = {d: measure_matmul_rate(args.device, getattr(torch, d)) for d in dtypes}
-    hw = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "copy_bw_GBps": copy_bw / 1e9,
-        "matmul_TFLOPs": {d: r / 1e12 for d, r in rates.items()},
-        "torch": torch.__version__,
-        "param_dtype": param_dtype,
-    }
-    progress(hardware=hw)
+        copy_bw = measure_copy_bandwidth(args.device)
+        # the floor counts areno's default compute dtype (``model.compute_dtype=auto``): bf16 on CUDA, and on a
+        # CPU where ``cpu_gemm.prefers_bf16`` the shape's width decides
+        dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"]
+        if args.device != "cuda" and cpu_gemm.native_bf16():
+            dtypes.append("bfloat16")
+        rates = {d: measure_matmul_rate(args.device, getattr(torch, d)) for d in dtypes}
+        hw = {
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "copy_bw_GBps": copy_bw / 1e9,
+            "matmul_TFLOPs": {d: r / 1e12 for d, r in rates.items()},
+            "torch": torch.__version__,
+            "param_dtype": param_dtype,
+        }
+        progress(hardware=hw)
 
-    results = []
-    for shape in shapes:
-        _, default_p, default_c = SHAPES[shape]
-        prompt_len, completion_len = args.prompt_len or default_p, args.completion_len or default_c
-        t0 = time.perf_counter()
-        model_dir, config, tokenizer = make_model_dir(shape, workdir)
-        progress(shape=shape, model_init_s=time.perf_counter() - t0)
-        # enough distinct prompts for every step, the async pool's look-ahead included
-        prompts = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps + args.async_eta + 5), prompt_len)
-        data_path = workdir / f"prompts-{shape}.jsonl"
-        data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
-        floor_dtype = "bfloat16" if args.device == "cuda" or cpu_gemm.prefers_bf16(config.hidden_size) else "float32"
-        elt = 2 if floor_dtype == "bfloat16" else 4
-        if args.min_completion_len is not None and not 1 <= args.min_completion_len <= completion_len:
-            raise ValueError(f"--min-completion-len must be between 1 and the completion length {completion_len}")
-        lengths = completion_lengths(completion_len, args.min_completion_len, args.samples) * args.prompts
-        floor = physical_floor(
-            config,
-            num_seqs,
-            prompt_len,
-            completion_len,
-            elt,
-            copy_bw,
-            rates[floor_dtype],
-            lengths=lengths,
-            group_size=args.samples,
-        )
-        floor["floor_dtype"] = floor_dtype
-        runs: dict[str, int] = {}
-        for system in systems:
-            if system == "trl" and trl_in_fresh_process(args):
-                res = run_trl_fresh(
-                    args, shape, model_dir, prompts, workdir, param_dtype=param_dtype, completion_len=completion_len
-                )
-            elif system == "trl":
-                res = run_trl(
-                    args,
-                    shape,
-                    model_dir,
-                    prompts,
-                    tokenizer,
-                    workdir,
-                    param_dtype=param_dtype,
-                    completion_len=completion_len,
-                )
-            else:
-                res = run_areno(
-                    args,
-                    shape,
-                    model_dir,
-                    data_path,
-                    workdir,
-                    eta=args.async_eta if system.startswith("areno_async") else 0,
-                    param_dtype=param_dtype,
+        results = []
+        for shape in shapes:
+            _, default_p, default_c = SHAPES[shape]
+            prompt_len, completion_len = args.prompt_len or default_p, args.completion_len or default_c
+            t0 = time.perf_counter()
+            model_dir, config, tokenizer = make_model_dir(shape, workdir)
+            progress(shape=shape, model_init_s=time.perf_counter() - t0)
+            # enough distinct prompts for every step, the async pool's look-ahead included
+            prompts = make_prompts(
+                tokenizer, args.prompts * (args.warmup + args.steps + args.async_eta + 5), prompt_len
+            )
+            data_path = workdir / f"prompts-{shape}.jsonl"
+            data_path.write_text("".join(json.dumps({"prompt": q, "answer": ""}) + "\n" for q in prompts))
+            floor_dtype = (
+                "bfloat16" if args.device == "cuda" or cpu_gemm.prefers_bf16(config.hidden_size) else "float32"
+            )
+            elt = 2 if floor_dtype == "bfloat16" else 4
+            if args.min_completion_len is not None and not 1 <= args.min_completion_len <= completion_len:
+                raise ValueError(f"--min-completion-len must be between 1 and the completion length {completion_len}")
+            lengths = completion_lengths(completion_len, args.min_completion_len, args.samples) * args.prompts
+            floor = physical_floor(
+                config,
+                num_seqs,
+                prompt_len,
+                completion_len,
+                elt,
+                copy_bw,
+                rates[floor_dtype],
+                lengths=lengths,
+                group_size=args.samples,
+            )
+            floor["floor_dtype"] = floor_dtype
+            runs: dict[str, int] = {}
+            for system in systems:
+                if system == "trl" and trl_in_fresh_process(args):
+                    res = run_trl_fresh(
+                        args, shape, model_dir, prompts, workdir, param_dtype=param_dtype, completion_len=completion_len
+                    )
+                elif system == "trl":
+                    res = run_trl(
+                        args,
+                        shape,
+                        model_dir,
+                        prompts,
+                        tokenizer,
+                        workdir,
+                        param_dtype=param_dtype,
+                        completion_len=completion_len,
+                    )
+                else:
+                    res = run_areno(
+                        args,
+                        shape,
+                        model_dir,
+                        data_path,
+                        workdir,
+                        eta=args.async_eta if system.startswith("areno_async") else 0,
+                        param_dtype=param_dtype,
+                        prompt_len=prompt_len,
+                        completion_len=completion_len,
+                        server="vllm" if system == "areno_vllm" else None,
+                        extra=SYSTEM_OVERRIDES.get(system, []),
+                    )
+                row = report(system, shape, res, floor, sum(lengths))
+                if system.startswith("areno_async"):
+                    row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
+                row.update(
+                    round=runs.setdefault(system, 0),
                     prompt_len=prompt_len,
                     completion_len=completion_len,
-                    server="vllm" if system == "areno_vllm" else None,
-                    extra=SYSTEM_OVERRIDES.get(system, []),
+                    min_completion_len=args.min_completion_len,
+                    num_seqs=num_seqs,
+                    params=floor["params"],
+                    floor_dtype=floor["floor_dtype"],
                 )
-            row = report(system, shape, res, floor, sum(lengths))
-            if system.startswith("areno_async"):
-                row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
-            row.update(
-                round=runs.setdefault(system, 0),
-                prompt_len=prompt_len,
-                completion_len=completion_len,
-                min_completion_len=args.min_completion_len,
-                num_seqs=num_seqs,
-                params=floor["params"],
-                floor_dtype=floor["floor_dtype"],
-            )
-            runs[system] += 1
-            results.append(row)
-            progress(row=row)
+                runs[system] += 1
+                results.append(row)
+                progress(row=row)
 
-    emit("e2e", summary_headline(results), {"hardware": hw, "rows": results, "shapes": by_shape(results)})
-    return 0
+        emit("e2e", summary_headline(results), {"hardware": hw, "rows": results, "shapes": by_shape(results)})
+        return 0
 
 
 def progress(**fields) -> None:

@@ -32,7 +32,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch
 from areno.models.config import ModelConfig
 from areno.models.hf_io import init_model_dir
 from bench import e2e
-from bench._common import emit, headline, parser, ratio
+from bench._common import emit, headline, parser, ratio, work_dir
 
 QWEN25_3B = {**e2e.E2E_15B, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36}
 QWEN25_3B.update(num_attention_heads=16, num_key_value_heads=2)
@@ -146,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--areno-mb-tokens", type=int, default=None, help="train.max_tokens_per_mb (default: areno's estimate)"
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--workdir", default=None, help="where models and runs go (default: a temporary directory)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where models and runs go (default: a temporary directory, removed when the bench ends well)",
+    )
     p.add_argument(
         "--isolate",
         action=argparse.BooleanOptionalAction,
@@ -183,30 +186,29 @@ def summarize(rows: list[dict], shapes: list[str], modes: list[str]) -> tuple[di
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-offload-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    if args.arm is not None:  # a child of --isolate: one arm, one JSON line
-        shape, mode = args.arm.split(":")
-        print(json.dumps(run_arm(args, shape, mode, workdir)), flush=True)
+    with work_dir(args.workdir, "areno-bench-offload-") as workdir:
+        if args.arm is not None:  # a child of --isolate: one arm, one JSON line
+            shape, mode = args.arm.split(":")
+            print(json.dumps(run_arm(args, shape, mode, workdir)), flush=True)
+            return 0
+        shapes = (args.shapes or ("0.5b" if args.device == "cuda" else "tiny")).split(",")
+        modes = args.modes.split(",")
+        for name, allowed, given in (("--shapes", SHAPES, shapes), ("--modes", MODES, modes)):
+            if unknown := [x for x in given if x not in allowed]:
+                raise ValueError(f"{name}: unknown {unknown}; choose from {list(allowed)}")
+        isolate = args.isolate if args.isolate is not None else args.device == "cuda"
+        rows = []
+        for shape in shapes:
+            for mode in modes:
+                t0 = time.perf_counter()
+                row = run_isolated(argv, shape, mode, workdir) if isolate else run_arm(args, shape, mode, workdir)
+                row["arm_wall_s"] = time.perf_counter() - t0
+                print(json.dumps({"progress": row}), file=sys.stderr, flush=True)
+                rows.append(row)
+        head, extra = summarize(rows, shapes, modes)
+        hw = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
+        emit("offload", head, {**extra, "hardware": hw, "rows": rows})
         return 0
-    shapes = (args.shapes or ("0.5b" if args.device == "cuda" else "tiny")).split(",")
-    modes = args.modes.split(",")
-    for name, allowed, given in (("--shapes", SHAPES, shapes), ("--modes", MODES, modes)):
-        if unknown := [x for x in given if x not in allowed]:
-            raise ValueError(f"{name}: unknown {unknown}; choose from {list(allowed)}")
-    isolate = args.isolate if args.isolate is not None else args.device == "cuda"
-    rows = []
-    for shape in shapes:
-        for mode in modes:
-            t0 = time.perf_counter()
-            row = run_isolated(argv, shape, mode, workdir) if isolate else run_arm(args, shape, mode, workdir)
-            row["arm_wall_s"] = time.perf_counter() - t0
-            print(json.dumps({"progress": row}), file=sys.stderr, flush=True)
-            rows.append(row)
-    head, extra = summarize(rows, shapes, modes)
-    hw = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
-    emit("offload", head, {**extra, "hardware": hw, "rows": rows})
-    return 0
 
 
 if __name__ == "__main__":

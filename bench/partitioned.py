@@ -38,7 +38,6 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -51,7 +50,7 @@ from areno.api.trainer import Trainer
 from areno.launch.watchdog import child_pids, dump_hang
 from areno.observe.metrics import read_jsonl_records
 from areno.workflows.rlvr import RLVRWorkflow
-from bench._common import emit, headline, parser
+from bench._common import emit, headline, parser, work_dir
 
 
 # ----------------------------------------------------------------------------- the long-tailed workload
@@ -296,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="one more config override for every arm (repeatable), e.g. rollout.decode_steps=1",
     )
-    p.add_argument("--work-dir", default=None, help="keep the arms' run directories (metrics.jsonl) here")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="keep the arms' run directories (metrics.jsonl) here (default: a temporary directory, removed when the bench ends well)",
+    )
     p.add_argument(
         "--arm-timeout",
         type=float,
@@ -310,45 +313,44 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if os.environ.get("ARENO_STACKS_AFTER_S"):  # diagnose a stall: the controller's stacks to stderr
         faulthandler.dump_traceback_later(float(os.environ["ARENO_STACKS_AFTER_S"]), repeat=True)
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="areno-bench-partitioned-"))
-    work.mkdir(parents=True, exist_ok=True)
-    write_rows(work / "train.jsonl", 4000, args, seed=1)
-    write_rows(work / "eval.jsonl", 16, args, seed=2)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     etas = [int(e) for e in args.etas.split(",")]
-    arms = []
-    for repeat in range(args.repeats):
-        for eta in etas:
-            arms.append(run_arm(eta, args, work, repeat))
-            # one line per finished arm, so a run cut short by a time limit still reports what it measured
-            print(f"partitioned arm: {json.dumps(arms[-1])}", file=sys.stderr, flush=True)
-    for arm in arms:  # against the first eta's arm of the same repeat
-        base = next(
-            (
-                a["trained_tokens_per_s"]
-                for a in arms
-                if a["repeat"] == arm["repeat"] and a["eta"] == etas[0] and "error" not in a
-            ),
-            None,
-        )
-        if base and "error" not in arm:
-            arm["speedup_vs_first"] = round(arm["trained_tokens_per_s"] / base, 3)
-    if args.device == "cuda":
-        hw = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
-    else:
-        hw = "cpu (gloo), 1 thread per worker"
-    result = {
-        "hardware": hw,
-        "torch": torch.__version__,
-        "config": vars(args),
-        "arms": arms,
-        "summary": paired_summary(arms, etas),
-    }
-    record = emit("partitioned", partitioned_headline(result["summary"], etas), result)
-    if args.out:
-        Path(args.out).write_text(json.dumps(record))
-    return 0
+    with work_dir(args.work_dir, "areno-bench-partitioned-") as work:
+        write_rows(work / "train.jsonl", 4000, args, seed=1)
+        write_rows(work / "eval.jsonl", 16, args, seed=2)
+        arms = []
+        for repeat in range(args.repeats):
+            for eta in etas:
+                arms.append(run_arm(eta, args, work, repeat))
+                # one line per finished arm, so a run cut short by a time limit still reports what it measured
+                print(f"partitioned arm: {json.dumps(arms[-1])}", file=sys.stderr, flush=True)
+        for arm in arms:  # against the first eta's arm of the same repeat
+            base = next(
+                (
+                    a["trained_tokens_per_s"]
+                    for a in arms
+                    if a["repeat"] == arm["repeat"] and a["eta"] == etas[0] and "error" not in a
+                ),
+                None,
+            )
+            if base and "error" not in arm:
+                arm["speedup_vs_first"] = round(arm["trained_tokens_per_s"] / base, 3)
+        if args.device == "cuda":
+            hw = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
+        else:
+            hw = "cpu (gloo), 1 thread per worker"
+        result = {
+            "hardware": hw,
+            "torch": torch.__version__,
+            "config": vars(args),
+            "arms": arms,
+            "summary": paired_summary(arms, etas),
+        }
+        record = emit("partitioned", partitioned_headline(result["summary"], etas), result)
+        if args.out:
+            Path(args.out).write_text(json.dumps(record))
+        return 0
 
 
 def partitioned_headline(summary: dict, etas: list[int]) -> dict:

@@ -25,7 +25,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 
 from areno.observe.metrics import read_metrics
 from bench import e2e
-from bench._common import emit, headline, parser, ratio
+from bench._common import emit, headline, parser, ratio, work_dir
 
 
 def write_pairs(path: Path, tokenizer, num: int, prompt_len: int, completion_len: int, seed: int) -> None:
@@ -85,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the training phase's median")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--param-dtype", default=None, help="model.dtype (default: bfloat16 on CUDA, float32 elsewhere)")
-    p.add_argument("--workdir", default=None, help="where the model, data and runs go (default: a temporary one)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where the model, data and runs go (default: a temporary one, removed when the bench ends well)",
+    )
     p.add_argument("--areno-set", action="append", default=[], metavar="KEY=VALUE", help="one more config override")
     args = p.parse_args(argv)
     shape = args.shape or ("0.5b" if args.device == "cuda" else "tiny")
@@ -93,67 +96,66 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--shape: unknown shape {shape!r}; choose from {sorted(e2e.SHAPES)}")
     if not 0 <= args.warmup < args.steps:
         p.error("--warmup must be at least 0 and below --steps")
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-preference-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    model_dir, _, tokenizer = e2e.make_model_dir(shape, workdir)
-    train, held_out = workdir / "pairs.jsonl", workdir / "held_out.jsonl"
-    write_pairs(train, tokenizer, args.pairs * args.steps, args.prompt_len, args.completion_len, seed=0)
-    write_pairs(held_out, tokenizer, args.pairs, args.prompt_len, args.completion_len, seed=7)
+    with work_dir(args.workdir, "areno-bench-preference-") as workdir:
+        model_dir, _, tokenizer = e2e.make_model_dir(shape, workdir)
+        train, held_out = workdir / "pairs.jsonl", workdir / "held_out.jsonl"
+        write_pairs(train, tokenizer, args.pairs * args.steps, args.prompt_len, args.completion_len, seed=0)
+        write_pairs(held_out, tokenizer, args.pairs, args.prompt_len, args.completion_len, seed=7)
 
-    trees = {"areno": Path(__file__).resolve().parent.parent}
-    if args.baseline_tree:
-        trees["baseline"] = Path(args.baseline_tree).resolve()
-    runs: dict[str, list[dict]] = {name: [] for name in trees}
-    for r in range(args.rounds):
-        for name, tree in trees.items():
-            run_dir = workdir / f"run-{name}-{r}"
-            overrides = [
-                f"run_dir={run_dir}",
-                "overwrite=true",
-                f"model.path={model_dir}",
-                f"model.dtype={e2e.default_param_dtype(args)}",
-                f"train.algorithm={args.algorithm}",
-                "data.task=null",
-                f"data.train_path={train}",
-                f"data.eval_path={held_out}",
-                f"rollout.batch_size={args.pairs}",
-                f"train.steps={args.steps}",
-                f"train.eval_interval={args.steps}",
-                "train.save_interval=0",
-                f"cluster.device={args.device}",
-                "observe.console=false",
-                *args.areno_set,
-            ]
-            res = run_tree(tree, overrides, workdir / f"{name}-{r}.log")
-            runs[name].append(res)
-            print(json.dumps({"progress": {name: res}}), file=sys.stderr, flush=True)
+        trees = {"areno": Path(__file__).resolve().parent.parent}
+        if args.baseline_tree:
+            trees["baseline"] = Path(args.baseline_tree).resolve()
+        runs: dict[str, list[dict]] = {name: [] for name in trees}
+        for r in range(args.rounds):
+            for name, tree in trees.items():
+                run_dir = workdir / f"run-{name}-{r}"
+                overrides = [
+                    f"run_dir={run_dir}",
+                    "overwrite=true",
+                    f"model.path={model_dir}",
+                    f"model.dtype={e2e.default_param_dtype(args)}",
+                    f"train.algorithm={args.algorithm}",
+                    "data.task=null",
+                    f"data.train_path={train}",
+                    f"data.eval_path={held_out}",
+                    f"rollout.batch_size={args.pairs}",
+                    f"train.steps={args.steps}",
+                    f"train.eval_interval={args.steps}",
+                    "train.save_interval=0",
+                    f"cluster.device={args.device}",
+                    "observe.console=false",
+                    *args.areno_set,
+                ]
+                res = run_tree(tree, overrides, workdir / f"{name}-{r}.log")
+                runs[name].append(res)
+                print(json.dumps({"progress": {name: res}}), file=sys.stderr, flush=True)
 
-    def summary(rs: list[dict]) -> dict:
-        peaks = [x["peak_gib"] for x in rs if x["peak_gib"] is not None]
-        timed = [t for x in rs for t in x["train_s"][args.warmup :]]
-        return {
-            "peak_gib": max(peaks) if peaks else None,
-            "train_s_median": round(statistics.median(timed), 4) if timed else None,
-            "process_wall_s": [x["process_wall_s"] for x in rs],
-        }
+        def summary(rs: list[dict]) -> dict:
+            peaks = [x["peak_gib"] for x in rs if x["peak_gib"] is not None]
+            timed = [t for x in rs for t in x["train_s"][args.warmup :]]
+            return {
+                "peak_gib": max(peaks) if peaks else None,
+                "train_s_median": round(statistics.median(timed), 4) if timed else None,
+                "process_wall_s": [x["process_wall_s"] for x in rs],
+            }
 
-    ours = summary(runs["areno"])
-    base = summary(runs["baseline"]) if "baseline" in runs else None
-    if args.device == "cuda":
-        metric = f"{args.algorithm}: peak device memory, GiB ({shape})"
-        fig, base_fig = ours["peak_gib"], base["peak_gib"] if base else None
-    else:
-        metric = f"{args.algorithm}: process wall time, s ({shape})"
-        fig = statistics.median(ours["process_wall_s"])
-        base_fig = statistics.median(base["process_wall_s"]) if base else None
-    head = headline(metric, fig, "baseline tree, same run", base_fig, ratio(base_fig, fig), "baseline / areno")
-    hw = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
-    emit(
-        "preference",
-        head,
-        {"shape": shape, "summary": {"areno": ours, "baseline": base}, "runs": runs, "hardware": hw},
-    )
-    return 0
+        ours = summary(runs["areno"])
+        base = summary(runs["baseline"]) if "baseline" in runs else None
+        if args.device == "cuda":
+            metric = f"{args.algorithm}: peak device memory, GiB ({shape})"
+            fig, base_fig = ours["peak_gib"], base["peak_gib"] if base else None
+        else:
+            metric = f"{args.algorithm}: process wall time, s ({shape})"
+            fig = statistics.median(ours["process_wall_s"])
+            base_fig = statistics.median(base["process_wall_s"]) if base else None
+        head = headline(metric, fig, "baseline tree, same run", base_fig, ratio(base_fig, fig), "baseline / areno")
+        hw = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
+        emit(
+            "preference",
+            head,
+            {"shape": shape, "summary": {"areno": ours, "baseline": base}, "runs": runs, "hardware": hw},
+        )
+        return 0
 
 
 if __name__ == "__main__":

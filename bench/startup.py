@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 from areno.api.pipeline import DEMO_CONFIG
 from areno.observe.metrics import read_metrics
 from bench import e2e
-from bench._common import emit, headline, parser, ratio
+from bench._common import emit, headline, parser, ratio, work_dir
 
 
 def run_train(overrides: list[str], cache_dir: Path, log: Path) -> dict:
@@ -98,36 +97,39 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("startup", __doc__)
     p.add_argument("--shape", default=None, help=f"one of {','.join(e2e.SHAPES)},demo (default: 0.5b on CUDA, tiny)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--workdir", default=None, help="where the model, runs and caches go (default: a temporary one)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where the model, runs and caches go (default: a temporary one, removed when the bench ends well)",
+    )
     p.add_argument("--areno-set", action="append", default=[], metavar="KEY=VALUE", help="one more config override")
     args = p.parse_args(argv)
     shape = args.shape or ("0.5b" if args.device == "cuda" else "tiny")
     if shape not in (*e2e.SHAPES, "demo"):
         raise ValueError(f"--shape: unknown shape {shape!r}; choose from {sorted(e2e.SHAPES)} or demo")
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="areno-bench-startup-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    cache_dir = workdir / "inductor-cache"  # empty before the cold run
-    runs = {}
-    for name in ("cold", "warm"):
-        if shape == "demo":
-            overrides = demo_overrides(args, workdir, workdir / f"run-{name}")
-        else:
-            overrides = shape_overrides(args, shape, workdir, workdir / f"run-{name}")
-        runs[name] = run_train(overrides, cache_dir, workdir / f"{name}.log")
-        print(json.dumps({"progress": {name: runs[name]}}), file=sys.stderr, flush=True)
+    with work_dir(args.workdir, "areno-bench-startup-") as workdir:
+        cache_dir = workdir / "inductor-cache"  # empty before the cold run
+        runs = {}
+        for name in ("cold", "warm"):
+            if shape == "demo":
+                overrides = demo_overrides(args, workdir, workdir / f"run-{name}")
+            else:
+                overrides = shape_overrides(args, shape, workdir, workdir / f"run-{name}")
+            runs[name] = run_train(overrides, cache_dir, workdir / f"{name}.log")
+            print(json.dumps({"progress": {name: runs[name]}}), file=sys.stderr, flush=True)
 
-    warm, cold = runs["warm"]["startup_to_first_token_s"], runs["cold"]["startup_to_first_token_s"]
-    head = headline(
-        f"areno train: process start to the first generated token, s ({shape}, warm compile cache)",
-        warm,
-        "the same with an empty compile cache",
-        cold,
-        ratio(cold, warm),
-        "cold / warm",
-    )
-    hw = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
-    emit("startup", head, {"shape": shape, "runs": runs, "hardware": hw})
-    return 0
+        warm, cold = runs["warm"]["startup_to_first_token_s"], runs["cold"]["startup_to_first_token_s"]
+        head = headline(
+            f"areno train: process start to the first generated token, s ({shape}, warm compile cache)",
+            warm,
+            "the same with an empty compile cache",
+            cold,
+            ratio(cold, warm),
+            "cold / warm",
+        )
+        hw = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
+        emit("startup", head, {"shape": shape, "runs": runs, "hardware": hw})
+        return 0
 
 
 if __name__ == "__main__":

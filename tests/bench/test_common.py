@@ -3,8 +3,11 @@
 import datetime
 import json
 import platform
+import tempfile
 
-from bench._common import COMMIT_ENV, HEADLINE_KEYS, emit, git_commit, headline, ratio, stamp
+import pytest
+
+from bench._common import COMMIT_ENV, HEADLINE_KEYS, emit, git_commit, headline, ratio, stamp, work_dir
 
 
 def test_stamp_names_this_checkout_host_and_day(monkeypatch):
@@ -36,3 +39,29 @@ def test_emit_prints_one_line_that_starts_with_the_headline(capsys, monkeypatch)
     assert list(record)[: len(HEADLINE_KEYS) + 1] == ["bench", *HEADLINE_KEYS]
     assert record["figure"] == 30.0 and record["baseline"] == 10.0 and record["ratio"] == 3.0
     assert record["detail"] == [1, 2] and record["commit"] == "abc1234"
+
+
+def test_a_temporary_work_dir_goes_when_the_bench_ends_well(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with work_dir(None, "areno-bench-x-") as work:
+        assert work.parent == tmp_path and work.name.startswith("areno-bench-x-")
+        (work / "model").mkdir()
+        (work / "model" / "weights.bin").write_bytes(b"0" * 1024)
+    assert list(tmp_path.iterdir()) == [] and capsys.readouterr().err == ""
+
+
+def test_a_failed_bench_keeps_its_temporary_work_dir_and_names_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RuntimeError, match="arm failed"), work_dir(None, "areno-bench-x-") as work:
+        (work / "run.log").write_text("the arm's output")
+        raise RuntimeError("arm failed")
+    assert (work / "run.log").read_text() == "the arm's output"
+    assert capsys.readouterr().err == f"kept {work} (the failed bench's models, runs and logs): remove it when done\n"
+
+
+def test_a_given_work_dir_is_made_and_kept(tmp_path):
+    given = tmp_path / "a" / "b"
+    with work_dir(str(given), "areno-bench-x-") as work:
+        assert work == given and work.is_dir()
+        (work / "metrics.jsonl").write_text("{}")
+    assert (given / "metrics.jsonl").read_text() == "{}"

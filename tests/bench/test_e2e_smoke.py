@@ -4,6 +4,7 @@ CPU run of areno and TRL (slow)."""
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 
@@ -75,9 +76,11 @@ def test_varied_lengths_are_refused_beside_trl_and_outside_the_length():
 
 
 @pytest.mark.slow
-def test_tiny_areno_run_with_varied_lengths(tmp_path, capsys):
+def test_tiny_areno_run_with_varied_lengths(tmp_path, capsys, monkeypatch):
     args = ["--shapes", "tiny", "--device", "cpu", "--systems", "areno", "--warmup", "1", "--steps", "1"]
-    assert e2e.main([*args, "--min-completion-len", "8", "--workdir", str(tmp_path)]) == 0
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # no --workdir: its temporary one, removed at the end
+    assert e2e.main([*args, "--min-completion-len", "8"]) == 0
+    assert not list(tmp_path.glob("areno-bench-e2e-*"))
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     # 8 groups of 8 completions spread from 8 to 32 tokens after 16 prompt tokens
     completion = 8 * sum(e2e.completion_lengths(32, 8, 8))
