@@ -53,7 +53,7 @@ from areno.errors import ConfigError, ModelDirError, RunFailure
 from areno.faults import fault_point
 from areno.models.checkpoint_dirs import newest_checkpoint
 from areno.models.hf_io import init_model_dir, missing_model_dir, read_config, tiny_config
-from areno.models.vision import VisionConfig
+from areno.models.vision import ImageInputs, VisionConfig
 from areno.recipes import TRAINING_CONFIGS, get_recipe
 from areno.recipes.config import TrainingConfig
 from areno.recipes.registry import resolve_name
@@ -67,7 +67,7 @@ from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import ENGINE_ARGUMENTS, RolloutWorkflow, load_workflow
 from areno.workflows.common import prompt_kwargs, store_kwargs, takes_param, teacher_kwargs, warn_reward_errors
-from areno.workflows.images import vision_kwargs
+from areno.workflows.images import image_prompt, row_images, stash_images, vision_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -411,17 +411,19 @@ def sft_trajectories(
     chat_template: str = "auto",
     system_prompt: str | None = None,
     chat_template_kwargs: dict | None = None,
+    vision: VisionConfig | None = None,
 ) -> list[Trajectory]:
     """Offline data for supervised recipes: the prompt rendered as rollouts render it
-    (:func:`render_prompt`), then the reference answer (a string, or TRL's assistant messages) as the chat
-    template writes the assistant's turn, or its text and EOS untemplated (:func:`render_completion`)."""
+    (:func:`render_prompt`, a row's ``images`` as :func:`image_prompt` puts them; ``vision``: the model's),
+    then the reference answer (a string, or TRL's assistant messages) as the chat template writes the
+    assistant's turn, or its text and EOS untemplated (:func:`render_completion`)."""
     templating = {
         "chat_template": chat_template,
         "system_prompt": system_prompt,
         "chat_template_kwargs": chat_template_kwargs,
     }
-    ids = [_render_offline_row(tokenizer, prompt_key, (answer_key,), templating, row) for row in rows]
-    return _sft_from_ids(rows, prompt_key, ids)
+    ids = [_render_offline_row(tokenizer, prompt_key, (answer_key,), templating, vision, row) for row in rows]
+    return _sft_from_ids(rows, prompt_key, ids, vision)
 
 
 def preference_trajectories(
@@ -432,6 +434,7 @@ def preference_trajectories(
     chat_template: str = "auto",
     system_prompt: str | None = None,
     chat_template_kwargs: dict | None = None,
+    vision: VisionConfig | None = None,
 ) -> list[Trajectory]:
     """Offline data for preference recipes (``trains_on_pairs``): each row {prompt, chosen, rejected}
     (``PAIR_KEYS``) two trajectories of one group, the chosen first with reward 1, the rejected with 0
@@ -443,46 +446,78 @@ def preference_trajectories(
         "system_prompt": system_prompt,
         "chat_template_kwargs": chat_template_kwargs,
     }
-    ids = [_render_offline_row(tokenizer, prompt_key, PAIR_KEYS, templating, row) for row in rows]
-    return _pairs_from_ids(rows, prompt_key, ids)
+    ids = [_render_offline_row(tokenizer, prompt_key, PAIR_KEYS, templating, vision, row) for row in rows]
+    return _pairs_from_ids(rows, prompt_key, ids, vision)
 
 
 def _render_offline_row(
-    tokenizer, prompt_key: str, completion_keys: tuple[str, ...], templating: dict[str, Any], row: dict
+    tokenizer,
+    prompt_key: str,
+    completion_keys: tuple[str, ...],
+    templating: dict[str, Any],
+    vision: VisionConfig | None,
+    row: dict,
 ) -> Rendered:
-    """A row's prompt ids and the ids of its completions under ``completion_keys``, in that order."""
-    prompt_ids = render_prompt(tokenizer, row[prompt_key], **templating)
+    """A row's prompt ids and the ids of its completions under ``completion_keys``, in that order. A row's
+    images go into its prompt as rollouts put them (:func:`image_prompt`; a :class:`DataError` on a text-only
+    model); the assistant's turn after them is what the template writes after the text-only prompt."""
+    images = row_images(row, vision)
+    text_ids = render_prompt(tokenizer, row[prompt_key], **templating)
+    prompt_ids = image_prompt(tokenizer, row[prompt_key], images, vision, **templating)[0] if images else text_ids
     completions = [
-        render_completion(tokenizer, row[prompt_key], row[key], prompt_ids, **templating) for key in completion_keys
+        render_completion(tokenizer, row[prompt_key], row[key], text_ids, **templating) for key in completion_keys
     ]
     return prompt_ids, completions
 
 
-def _sft_from_ids(rows: list[dict], prompt_key: str, ids: list[Rendered]) -> list[Trajectory]:
+def _offline_images(row: dict, vision: VisionConfig | None) -> dict[str, Any] | None:
+    """``Trajectory.info["images"]`` of an offline row: its pixel patches, made at each draw (a split's
+    rows keep only their ids, :class:`RenderedRows`); None for a text row."""
+    images = row_images(row, vision)
+    return stash_images(ImageInputs.from_images(images, vision), None) if images else None
+
+
+def _sft_from_ids(
+    rows: list[dict], prompt_key: str, ids: list[Rendered], vision: VisionConfig | None = None
+) -> list[Trajectory]:
     return [
-        _offline_trajectory(prompt_ids, completion_ids, prompt=row[prompt_key])
+        _offline_trajectory(prompt_ids, completion_ids, prompt=row[prompt_key], images=_offline_images(row, vision))
         for row, (prompt_ids, (completion_ids,)) in zip(rows, ids, strict=True)
     ]
 
 
-def _pairs_from_ids(rows: list[dict], prompt_key: str, ids: list[Rendered]) -> list[Trajectory]:
+def _pairs_from_ids(
+    rows: list[dict], prompt_key: str, ids: list[Rendered], vision: VisionConfig | None = None
+) -> list[Trajectory]:
     out = []
     # group ids by place in the batch: a row drawn twice makes two pairs
     for i, (row, (prompt_ids, completions)) in enumerate(zip(rows, ids, strict=True)):
+        images = _offline_images(row, vision)  # one copy for both: nothing releases an offline row's pixels
         for completion_ids, reward in zip(completions, (1.0, 0.0), strict=True):
             out.append(
                 _offline_trajectory(
-                    prompt_ids, completion_ids, prompt=row[prompt_key], reward=reward, group_id=f"pair{i}"
+                    prompt_ids,
+                    completion_ids,
+                    prompt=row[prompt_key],
+                    reward=reward,
+                    group_id=f"pair{i}",
+                    images=images,
                 )
             )
     return out
 
 
 def _offline_trajectory(
-    prompt_ids: list[int], completion_ids: list[int], *, prompt: Any, reward: float = 0.0, group_id: str = ""
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    *,
+    prompt: Any,
+    reward: float = 0.0,
+    group_id: str = "",
+    images: dict[str, Any] | None = None,
 ) -> Trajectory:
     """A dataset's completion (``render_completion``'s ids) after ``prompt_ids``, as a trajectory no policy
-    sampled: version 0, log-probs 0."""
+    sampled: version 0, log-probs 0; ``images``: the prompt's (``_offline_images``)."""
     n = len(completion_ids)
     return Trajectory(
         prompt_ids=list(prompt_ids),
@@ -491,7 +526,7 @@ def _offline_trajectory(
         versions=[0] * n,
         reward=reward,
         group_id=group_id,
-        info={"prompt": prompt},
+        info={"prompt": prompt} if images is None else {"prompt": prompt, "images": images},
     )
 
 
@@ -930,12 +965,14 @@ class ArenoEngine:
         if rendered is None or rendered.rows is not rows:  # a split replaced (held-out rows set anew): its own ids
             rendered = self._offline_rows[split] = RenderedRows(rows)
         keys = PAIR_KEYS if self.pairs else (data.answer_key,)
-        render = functools.partial(_render_offline_row, self.tokenizer, data.prompt_key, keys, data.templating())
+        render = functools.partial(
+            _render_offline_row, self.tokenizer, data.prompt_key, keys, data.templating(), self.vision
+        )
         ids = [rendered.ids(i, render) for i in indices]
         picked = [rows[i] for i in indices]
         if self.pairs:
-            return _pairs_from_ids(picked, data.prompt_key, ids)
-        return _sft_from_ids(picked, data.prompt_key, ids)
+            return _pairs_from_ids(picked, data.prompt_key, ids, self.vision)
+        return _sft_from_ids(picked, data.prompt_key, ids, self.vision)
 
     def _check_rewards(self, rollout_id: int, trajectories: list[Trajectory]) -> None:
         """A reward that fails on every call (each scored 0, a batch's failures warned about once) would
