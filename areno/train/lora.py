@@ -47,13 +47,36 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
+    targeted = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in cfg.target_modules
+    ]
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
     )
     inject_adapter_in_model(peft_cfg, model)
+    _check_adapted(model, cfg, targeted)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return model
+
+
+def _check_adapted(model: torch.nn.Module, cfg: LoraConfig, targeted: list[str]) -> None:
+    """Refuse adapters areno cannot merge, or names peft left unadapted. On a mixture-of-experts model
+    peft reads MLP names as the experts' fused 3-D weights (its ``ParamWrapper``), whose delta no merged
+    export or policy sync carries, and then skips the dense layers' linear layers of those names."""
+    layers = lora_layers(model)
+    fused = sorted(n for n, m in layers.items() if not isinstance(m.get_base_layer(), torch.nn.Linear))
+    missed = [n for n in targeted if n not in layers]
+    check_config(
+        not fused and not missed,
+        "train.lora.target_modules",
+        f"{list(cfg.target_modules)} put adapters on weights that are not linear layers "
+        f"({', '.join(fused[:2]) or 'none'}; an expert model's fused experts) and left linear layers of those names "
+        f"without one ({', '.join(missed[:2]) or 'none'}): areno merges adapters of linear layers only; target the "
+        "attention projections (q_proj,k_proj,v_proj,o_proj) of an expert model",
+    )
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -177,3 +177,39 @@ def test_lora_bench_arms_count_sync_and_state_bytes(tmp_path):
     assert full["sync_bytes"] == lora["sync_bytes"] == 4 * full["params"]
     assert lora["adapter_bytes"] == 4 * lora["trainable_params"] < full["sync_bytes"] // 10
     assert lora["train_state_bytes"] == 16 * lora["trainable_params"] < full["train_state_bytes"] // 10
+
+
+MOE_WITH_A_DENSE_LAYER = (
+    "model.init_tiny={arch: qwen3_moe, hidden_size: 32, layers: 2, heads: 2, kv_heads: 1, intermediate_size: 64,"
+    " moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2, mlp_only_layers: [1]}"
+)
+
+
+def test_mlp_adapters_on_an_expert_model_are_one_line_at_start(tmp_path):
+    # peft reads MLP names on an expert model as its fused 3-D expert weights (no merge reaches the rollout
+    # engine: the first policy sync failed after a whole step) and skips the dense layer's linear layers
+    cfg = _config(tmp_path, MOE_WITH_A_DENSE_LAYER, "train.steps=1", "train.lora.target_modules=[gate_proj,up_proj]")
+    with pytest.raises(
+        ConfigError, match=r"^train.lora.target_modules: \['gate_proj', 'up_proj'\] put adapters"
+    ) as err:
+        Trainer.init(cfg).shutdown()
+    assert "model.layers.0.mlp.experts" in str(err.value) and "model.layers.1.mlp.gate_proj" in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_attention_adapters_on_an_expert_model_sync_merged(tmp_path):
+    cfg = _config(tmp_path, MOE_WITH_A_DENSE_LAYER, "train.steps=1", "train.lora.target_modules=[q_proj,v_proj]")
+    trainer = Trainer.init(cfg)
+    try:
+        trainer.run()
+        policy = trainer.backend.engine.training.runner.backends["policy"]
+        assert sorted(lora_layers(policy.model)) == [
+            f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")
+        ]
+        synced = trainer.backend.engine.rollout.engine.weight_tensors()
+        q = lora_layers(policy.model)["model.layers.0.self_attn.q_proj"]
+        merged = q.base_layer.weight + (q.lora_B["default"].weight @ q.lora_A["default"].weight) * q.scaling["default"]
+        torch.testing.assert_close(synced["model.layers.0.self_attn.q_proj.weight"], merged.detach(), atol=1e-6, rtol=0)
+        assert not torch.equal(q.lora_B["default"].weight, torch.zeros_like(q.lora_B["default"].weight))  # it trained
+    finally:
+        trainer.shutdown()
