@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import math
 import numbers
 import os
@@ -49,13 +50,15 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from areno.errors import RewardImportError
 from areno.rewards._protocol import MAX_REPLY_BYTES, MalformedReply, decode_reply
 
 SANDBOX_CWD_PREFIX = "areno-reward-"
-"""The name of the temporary working directory each worker runs in begins with this."""
+"""The name of the temporary working directory each worker runs in begins with this, then the pid of the
+process that made it and a dash (``_sweep_orphan_dirs``)."""
 FAILURE_KINDS = ("timeout", "crash", "error", "memory", "cpu", "malformed", "nonfinite")
 """Named failures, counted as ``rollout/reward_failures_<kind>``."""
 
@@ -123,7 +126,7 @@ class _Worker:
     def _popen(self) -> None:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
-        self._cwd = tempfile.mkdtemp(prefix=SANDBOX_CWD_PREFIX)
+        self._cwd = tempfile.mkdtemp(prefix=f"{SANDBOX_CWD_PREFIX}{os.getpid()}-")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "areno.rewards._worker", str(req_r), str(resp_w)],
@@ -232,6 +235,26 @@ class _Worker:
         return code
 
 
+@functools.cache
+def _sweep_orphan_dirs() -> int:
+    """Remove the workers' directories that processes no longer running made (a trainer killed with
+    SIGKILL cannot remove its own; its workers die with it), once per process; how many went. A pid
+    that runs again, or belongs to another user, keeps its directories."""
+    removed = 0
+    for path in Path(tempfile.gettempdir()).glob(f"{SANDBOX_CWD_PREFIX}*-*"):
+        pid = path.name[len(SANDBOX_CWD_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        except (PermissionError, OverflowError):
+            pass
+    return removed
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "unknown exit"
@@ -271,6 +294,7 @@ class RewardSandbox:
         self.cpu_s = timeout_s if cpu_s is None else cpu_s
         self.allow_network = allow_network
         init = (fn_path, memory_mb, self.cpu_s, allow_network)
+        _sweep_orphan_dirs()
         self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areno-reward-start")
         self._slots: list[_Worker] = [_Worker(init, self._starter) for _ in range(workers)]
         # LIFO: the warmest worker serves next, so a pool only starts as many workers as calls overlap

@@ -261,10 +261,14 @@ def test_code_execution_and_math_verify_in_the_sandbox():
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path):
-    """PR_SET_PDEATHSIG: a hung worker dies with its parent."""
+def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path, monkeypatch):
+    """PR_SET_PDEATHSIG: a hung worker dies with its parent. The workers' directories, which the killed
+    parent could not remove, go when the next process starts a pool; a live process's stay."""
     import subprocess
     import sys
+    import tempfile
+
+    from areno.rewards import sandbox as sandbox_module
 
     script = tmp_path / "parent.py"
     script.write_text(
@@ -277,9 +281,10 @@ def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path):
         "time.sleep(600)\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    parent = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": repo}
-    )
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": repo, "TMPDIR": str(tmp)}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == 2
     parent.kill()
@@ -290,6 +295,14 @@ def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path):
         time.sleep(0.1)
         alive = [p for p in pids if _alive(p)]
     assert alive == []
+    left = sorted(p.name for p in tmp.iterdir())
+    assert len(left) == 2 and all(n.startswith(f"areno-reward-{parent.pid}-") for n in left)
+    live = [tmp / f"areno-reward-{os.getpid()}-mine", tmp / "areno-reward-1-init", tmp / "areno-reward-x-odd"]
+    for d in live:
+        d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    assert sandbox_module._sweep_orphan_dirs.__wrapped__() == 2
+    assert sorted(tmp.iterdir()) == sorted(live)
 
 
 def _alive(pid: int) -> bool:
