@@ -65,7 +65,7 @@ from areno.specializations.base import RUN_SET_OPTIONS, takes_option
 from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecialization, pair_metrics
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
-from areno.workflows.base import ENGINE_ARGUMENTS, RolloutWorkflow, load_workflow
+from areno.workflows.base import ENGINE_ARGUMENTS, NONFINITE_REWARD_KEY, RolloutWorkflow, load_workflow
 from areno.workflows.common import prompt_kwargs, store_kwargs, takes_param, teacher_kwargs, warn_reward_errors
 from areno.workflows.images import image_prompt, row_images, stash_images, vision_kwargs
 
@@ -586,15 +586,47 @@ def check_pair_recipe(config: ArenoConfig, recipe: TrainingConfig) -> bool:
     return True
 
 
+_UNTRAINABLE_WARNED: set[str] = set()
+"""The kinds of untrainable batch warned about in this process (``warn_untrainable``)."""
+
+
+def warn_untrainable(recipe: TrainingConfig, trajectories: list[Trajectory], workflow: str, rollout_id: int) -> None:
+    """Warn, once per process each, about a rollout batch of which nothing can train, the step's loss 0
+    without a word: no completion token marked to train, or every group one trajectory under a recipe
+    that compares a group's completions (``needs_groups``; ``check_n_samples`` refuses
+    ``rollout.n_samples=1`` before the run, but a workflow can still return its samples one by one)."""
+    if not trajectories:
+        return
+    step = f"step {rollout_id + 1}'s rollout batch"
+    lines = {}
+    if not any(any(t.completion_mask) for t in trajectories):
+        lines["tokens"] = (
+            f"no trajectory of {step} has a completion token to train (empty completion_ids, or completion_mask "
+            f"all 0): the step trains nothing; check {workflow} (completion_mask: 1 marks a trained token)"
+        )
+    elif len(trajectories) > 1 and len({t.group_id for t in trajectories}) == len(trajectories):
+        need = next((what for role in recipe.roles if role.trainable and (what := role.build().needs_groups)), None)
+        if need:
+            lines["groups"] = (
+                f"every group of {step} holds one trajectory: recipe {recipe.name!r} ({need}) compares the "
+                f"completions of a prompt within their group, so nothing trains: return a row's samples as one "
+                f"list from the run_episode of {workflow} (docs/workflows.md)"
+            )
+    for kind, line in lines.items():
+        if kind not in _UNTRAINABLE_WARNED:
+            _UNTRAINABLE_WARNED.add(kind)
+            logger.warning(line)
+
+
 def rollout_metrics(trajectories: list[Trajectory], version: int, batch: TokenBatch | None = None) -> dict[str, float]:
-    """Per-batch rollout figures. The reward mean and std cover the finite rewards only: a workflow
-    that sets a NaN or inf reward itself (``acall_reward`` already scores those 0) is counted in
-    ``rollout/reward_nonfinite`` instead of turning the mean into null. ``batch``: the
-    trajectories packed (``TokenBatch.from_trajectories``), whose versions it reads rather than
-    joining them again."""
+    """Per-batch rollout figures. The reward mean and std cover the finite rewards only: a NaN or inf
+    reward a workflow set (scored 0 where ``as_group`` saw it, ``NONFINITE_REWARD_KEY``; one built
+    elsewhere is left out of the mean) is counted in ``rollout/reward_nonfinite`` instead of turning the
+    mean into null. ``batch``: the trajectories packed (``TokenBatch.from_trajectories``), whose
+    versions it reads rather than joining them again."""
     rewards = torch.tensor([t.reward for t in trajectories])
     finite = torch.isfinite(rewards)
-    nonfinite = int((~finite).sum())
+    nonfinite = int((~finite).sum()) + sum(1 for t in trajectories if t.info.get(NONFINITE_REWARD_KEY))
     if nonfinite:
         rewards = rewards[finite] if finite.any() else torch.zeros(1)
     lengths = torch.tensor([len(t.completion_ids) for t in trajectories], dtype=torch.float32)
@@ -944,6 +976,7 @@ class ArenoEngine:
             }
         if self.recipe.online:
             warn_reward_errors(trajectories, f"step {rollout_id + 1}'s rollout batch")
+            warn_untrainable(self.recipe, trajectories, f"rollout.workflow ({cfg.rollout.workflow})", rollout_id)
             if not any(r.name == "teacher" for r in self.recipe.roles):  # distillation: a log
                 self._check_rewards(rollout_id, trajectories)
         if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
@@ -1198,7 +1231,8 @@ class ArenoEngine:
         if "rollout_rng" in state and self.rollout is not None:
             self.rollout.set_rng_state(state["rollout_rng"])
 
-    def export_policy(self, path: Path) -> None:
+    def export_policy(self, path: Path | str) -> None:
+        path = Path(path)
         self._enter(Phase.TRAIN)
         self.training.export_hf(path)
         if not any((path / name).is_file() for name in TOKENIZER_FILES):  # else the model's own files, as they are

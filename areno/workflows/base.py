@@ -13,6 +13,8 @@ import contextvars
 import difflib
 import inspect
 import logging
+import math
+import numbers
 import os
 import re
 import traceback
@@ -20,6 +22,8 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from areno.errors import ConfigError, RewardImportError
 from areno.rewards.loader import import_object
@@ -105,9 +109,41 @@ def as_group(result: EpisodeResult, *, source: str = "run_episode") -> list[Traj
         )
     group_id = uuid.uuid4().hex
     for traj in group:
+        _check_reward(traj, source)
         if not traj.group_id:
             traj.group_id = group_id
     return group or None
+
+
+def _check_reward(traj: Trajectory, source: str) -> None:
+    """``traj.reward`` as a float: a one-element tensor or any real number is taken, anything else is a
+    :class:`WorkflowReturnError` naming ``source``; a NaN or infinite one is scored 0 with
+    ``info["reward_error"]`` (warned about per batch and counted in ``rollout/reward_nonfinite``, as a
+    reward function's), not left to turn its group's advantages into 0 or NaN."""
+    reward = traj.reward
+    if isinstance(reward, torch.Tensor) and reward.numel() == 1:
+        reward = reward.item()
+    if inspect.isawaitable(reward):
+        if inspect.iscoroutine(reward):
+            reward.close()  # no "never awaited" warning beside the error
+        raise WorkflowReturnError(
+            f"{source} set Trajectory.reward to a coroutine, not a number: await it "
+            "(reward = await self.reward_fn(...))"
+        )
+    if not isinstance(reward, numbers.Real):
+        raise WorkflowReturnError(
+            f"{source} set Trajectory.reward to {type(reward).__name__} {reward!r:.40}, not a number: set a float"
+        )
+    reward = float(reward)
+    if not math.isfinite(reward):
+        traj.info = {**traj.info, "reward_error": f"{source} set Trajectory.reward to {reward}: scored 0"}
+        traj.info[NONFINITE_REWARD_KEY] = True
+        reward = 0.0
+    traj.reward = reward
+
+
+NONFINITE_REWARD_KEY = "reward_nonfinite"
+"""``Trajectory.info`` key marking a reward its workflow set to NaN or inf, scored 0 (``_check_reward``)."""
 
 
 def run_episode_name(workflow: RolloutWorkflow) -> str:

@@ -119,3 +119,29 @@ class DictReturningWorkflow(RolloutWorkflow):
 
     async def run_episode(self, client, sample):
         return {"reward": 1.0}
+
+
+class FirstRewardNanWorkflow(RLVRWorkflow):
+    """A user's workflow whose own scoring gives one member of each group NaN (a division by zero)."""
+
+    async def run_episode(self, client, sample):
+        group = await super().run_episode(client, sample)
+        group[0].reward = float("nan")
+        return group
+
+
+class OneByOneWorkflow(RLVRWorkflow):
+    """A user's workflow whose ``return`` slipped into its sampling loop: one trajectory a row."""
+
+    async def run_episode(self, client, sample):
+        return (await super().run_episode(client, sample))[0]
+
+
+class MaskedOutWorkflow(RLVRWorkflow):
+    """A user's workflow with the mask convention inverted: every completion token marked 0."""
+
+    async def run_episode(self, client, sample):
+        group = await super().run_episode(client, sample)
+        for traj in group:
+            traj.completion_mask = [0] * len(traj.completion_ids)
+        return group

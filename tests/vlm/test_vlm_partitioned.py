@@ -40,9 +40,12 @@ def test_rollout_tp_of_a_vlm_is_refused_before_launch(tmp_path):
     cfg = _config(tmp_path, "cluster.train_devices=[0]", "cluster.rollout_devices=[1, 2]", "cluster.rollout_tp=2")
     prepare_model_dir(cfg)
     engine = partitioned_engine(cfg, tmp_path / "run")
-    with pytest.raises(LayoutError, match=r"^cluster.rollout_tp=2: .*set cluster.rollout_tp=1$"):
-        engine.initialize()
-    assert engine.rollout.cluster.scheduler is None  # nothing was launched
+    try:
+        with pytest.raises(LayoutError, match=r"^cluster.rollout_tp=2: .*set cluster.rollout_tp=1$"):
+            engine.initialize()
+        assert engine.rollout.cluster.scheduler is None  # nothing was launched
+    finally:
+        engine.shutdown()  # what Trainer.init does after a failed start: the shared reward pool goes
 
 
 def _run(cfg, run_dir, n: int, check=None) -> list:

@@ -47,9 +47,9 @@ class ArenoBackend(Backend):
     def load(self, path: Path) -> dict:
         return self.engine.load(path)
 
-    def export_policy(self, path: Path) -> None:
+    def export_policy(self, path: Path | str) -> None:
         """The policy as a Hugging Face checkpoint directory (what `transformers` loads)."""
-        self.engine.export_policy(path)
+        self.engine.export_policy(Path(path))
 
     def shutdown(self) -> None:
         self.engine.shutdown()
