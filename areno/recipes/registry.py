@@ -37,7 +37,7 @@ from areno.specializations import (
     CriticSpecialization,
     MixedLossDaggerOPDSpecialization,
 )
-from areno.specializations.base import RUN_SET_OPTIONS, option_types
+from areno.specializations.base import RUN_SET_OPTIONS, check_methods, option_types
 from areno.specializations.supervised import SCORER_Q_SOURCES
 
 RecipeFactory = Callable[..., TrainingConfig]
@@ -120,6 +120,8 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
         raise ConfigError(f"recipe {name!r} has no option(s) {bad}{hint}; it accepts {list(params) or 'none'}")
     _check_types(_annotations(factory), options)
     cfg = _build(name, options)
+    for role in cfg.roles:  # a user's loss that cannot take the step's call: now, before any model loads
+        check_methods(role.specialization_cls)
     _check_option_names(cfg, policy_kwargs, list(params))
     check_policy_kwarg_types(cfg, policy_kwargs)
     keys, need = cfg.unmet_policy_kwargs(policy_kwargs)

@@ -32,6 +32,8 @@ from areno.recipes.config import TrainingConfig
 from areno.specializations.base import (
     POLICY_VERSION_KEY,
     ModelSpecialization,
+    check_methods,
+    check_returns_batch,
     kept_sequences,
     without_gradient_free,
 )
@@ -74,6 +76,8 @@ class RecipeRunner:
             cfg = getattr(backends[role.name], "cfg", None)
             if cfg is not None and getattr(cfg, "trainable", True) is False and role.trainable:
                 raise ValueError(f"role {role.name!r} is trainable but its backend was built with trainable=False")
+        for role in training_config.roles:  # a TrainingConfig built in Python never met get_recipe's check
+            check_methods(role.specialization_cls)
         self.config = training_config
         self.backends = {n: backends[n] for n in names}
         self.specs = {r.name: r.build() for r in training_config.roles}
@@ -188,7 +192,10 @@ class RecipeRunner:
             self._batch_metrics |= logprob_diff_metrics(
                 rollout_data.logprobs_T, forward(synced[0])["logprobs_T"], rollout_data.loss_mask_T.bool() & current_T
             )
-        return {name: self.specs[name].prepare_batch(data[name]) for name in trainable}
+        return {
+            name: check_returns_batch(self.specs[name].prepare_batch(data[name]), self.specs[name], "prepare_batch")
+            for name in trainable
+        }
 
     _batch_metrics: dict[str, float] = {}
     """The step's figures of its rollout batch, the same for every pass over it."""

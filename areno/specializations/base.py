@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from areno.errors import is_of_type, wrong_type
+from areno.errors import ConfigError, UserError, is_of_type, wrong_type
 from areno.types import TokenBatch
 
 Reducer = Callable[..., torch.Tensor]
@@ -105,7 +105,7 @@ class ModelSpecialization(ABC):
     def prepare_batch(self, rollout_data: TokenBatch) -> TokenBatch:
         """Everything the loss needs, computed on the whole batch (default: the advantages)."""
         self._check_extra(rollout_data)
-        return self.compute_advantages(rollout_data)
+        return check_returns_batch(self.compute_advantages(rollout_data), self, "compute_advantages")
 
     def prepare_metrics(self, rollout_data: TokenBatch) -> dict[str, float]:
         """What ``prepare_batch`` does to ``rollout_data`` worth logging with the step (the runner
@@ -151,6 +151,51 @@ class ModelSpecialization(ABC):
                 f"{type(self).__name__} needs batch.extra keys {missing}: add a DataSync that "
                 f"provides them (have: {sorted(batch.extra)})"
             )
+
+
+def check_returns_batch(result: Any, spec: ModelSpecialization, method: str) -> TokenBatch:
+    """``result``, what ``spec.<method>`` returned, when it is a TokenBatch; else a :class:`UserError`
+    naming ``<Class>.<method>`` (a forgotten ``return`` failed later, in the runner, on ``None``)."""
+    if not isinstance(result, TokenBatch):
+        raise UserError(
+            f"{type(spec).__name__}.{method} returned {type(result).__name__}, expected a TokenBatch: return the "
+            "batch it was given with its fields set, e.g. `return dataclasses.replace(batch, advantages_T=adv_T)`"
+        )
+    return result
+
+
+METHOD_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "extract_model_output": ("model", "batch"),
+    "compute_loss": ("model_output", "batch", "reducer"),
+    "compute_advantages": ("rollout_data",),
+    "prepare_batch": ("rollout_data",),
+    "denominator": ("batch",),
+}
+"""The arguments the training step passes each method of a specialization, by position."""
+
+
+@functools.cache
+def check_methods(cls: type[ModelSpecialization]) -> None:
+    """A :class:`ConfigError` naming ``<cls>.<method>`` for a method of ``cls`` that cannot take the call
+    the training step makes (``METHOD_ARGUMENTS``): found when the recipe is built, before any model
+    loads, not in the first step's call. A method without a signature (a builtin) is not checked."""
+    for method, arguments in METHOD_ARGUMENTS.items():
+        fn = getattr(cls, method)
+        # a plain function takes the instance first; a static or class method does not
+        bound = not isinstance(inspect.getattr_static(cls, method), (staticmethod, classmethod))
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue
+        try:
+            signature.bind(*([None] if bound else []), *arguments)
+        except TypeError:
+            takes = ", ".join(list(signature.parameters)[1 if bound else 0 :])
+            fix = " (reduce the loss with it: `reducer(loss_T, batch.loss_mask_T)`)" if method == "compute_loss" else ""
+            raise ConfigError(
+                f"{cls.__name__}.{method} takes ({takes}) but is called with ({', '.join(arguments)}): define it "
+                f"as `def {method}(self, {', '.join(arguments)})`{fix}"
+            ) from None
 
 
 def with_extra(batch: TokenBatch, **tensors: torch.Tensor) -> TokenBatch:

@@ -172,6 +172,9 @@ class PackedTrainBackend(TrainBackend):
     _step: int
     _skipped_steps: int
     _consecutive_skips: int
+    # set by each train_step
+    _user_loss: str | None = None
+    """``<Class>.compute_loss`` of the step's loss when it is not one of areno's (``user_loss_name``)."""
 
     def __init__(self, cfg: TrainBackendConfig) -> None:
         self.cfg = cfg
@@ -440,6 +443,7 @@ class PackedTrainBackend(TrainBackend):
     def _train_step(
         self, batch: TokenBatch, *, forward_fn: ForwardFn, loss_fn: LossFn, denominator_fn: DenominatorFn
     ) -> dict[str, float]:
+        self._user_loss = user_loss_name(loss_fn)
         full_tokens = batch.num_tokens
         batch, _ = self._fit_long_sequences(batch)
         plan = self.plan(batch)
@@ -652,13 +656,19 @@ class PackedTrainBackend(TrainBackend):
             raise NonFiniteParametersError(role=self.cfg.role_name, step=self._step, when="the loss became NaN/inf")
         self._updated = self._updated or not skipped
         if 0 < self.cfg.max_consecutive_skips <= self._consecutive_skips:
-            raise NonFiniteStepError(
+            error = NonFiniteStepError(
                 role=self.cfg.role_name,
                 step=self._step,
                 consecutive=self._consecutive_skips,
                 loss=loss,
                 grad_norm=grad_norm,
             )
+            if self._user_loss is not None:  # a loss of the user's own: the first suspect
+                error.args = (
+                    f"{error.args[0]}; the loss is {self._user_loss}'s (not one of areno's): check it and its "
+                    "gradient first for NaN/inf (a log or a division of 0)",
+                )
+            raise error
         return 0.0 if skipped else lr
 
     @torch.no_grad()
@@ -888,14 +898,53 @@ def _assemble(results: list[tuple[list[int], dict[str, torch.Tensor]]], batch: T
 
 
 def _loss_and_metrics(result: Any, loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``loss_fn``'s ``(loss, metrics)``; anything else is a :class:`UserError` naming the loss function
-    (a user's ``compute_loss`` returning a bare tensor would fail far from it, unpacking a 0-d tensor)."""
+    """``loss_fn``'s ``(loss, metrics)``, checked against the contract backward and the metric sums rely
+    on: anything else is a :class:`UserError` naming the loss function (a user's ``compute_loss`` would
+    otherwise fail far from it: unpacking a 0-d tensor, or in torch's backward). The checks read shapes
+    and flags only, never a value: no host sync."""
+    name = _loss_fn_name(loss_fn)
     pair = isinstance(result, tuple) and len(result) == 2
     if not (pair and isinstance(result[0], torch.Tensor) and isinstance(result[1], dict)):
         got = f"({', '.join(type(x).__name__ for x in result)})" if isinstance(result, tuple) else type(result).__name__
-        name = getattr(loss_fn, "__qualname__", repr(loss_fn))
         raise UserError(
             f"{name} returned {got}, expected a tuple (loss, metrics): return the loss reduced with the reducer "
             "(a 0-dim tensor) and a dict of metric tensors, e.g. `return loss, {}`"
         )
+    loss, metrics = result
+    if loss.ndim != 0:
+        raise UserError(
+            f"{name} returned a loss of shape {tuple(loss.shape)}, expected a 0-dim tensor: reduce the per-token "
+            "losses with the reducer, e.g. `reducer(loss_T, batch.loss_mask_T)`"
+        )
+    if not loss.requires_grad and torch.is_grad_enabled():
+        raise UserError(
+            f"{name} returned a loss that does not require grad (detached, a constant, or not computed from "
+            "model_output): compute it from model_output's tensors, reduced with the reducer, without "
+            ".detach(), .item() or torch.tensor(...)"
+        )
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise UserError(
+                f"{name} returned metric {key!r} of shape {tuple(value.shape)}, expected a 0-dim tensor or a "
+                f"number: reduce it with the reducer, e.g. `reducer(x_T.detach(), batch.loss_mask_T)`"
+            )
     return result
+
+
+def _loss_fn_name(loss_fn: LossFn) -> str:
+    """How an error names ``loss_fn``: ``<Class>.compute_loss`` by the class of the specialization it is
+    bound to (a subclass that inherits its loss is named itself), else the function's qualified name."""
+    owner = getattr(loss_fn, "__self__", None)
+    if owner is not None:
+        return f"{type(owner).__name__}.{loss_fn.__name__}"
+    return getattr(loss_fn, "__qualname__", repr(loss_fn))
+
+
+def user_loss_name(loss_fn: LossFn) -> str | None:
+    """``<Class>.compute_loss`` where ``loss_fn`` is bound to a specialization class that is not one of
+    areno's own (a user's, or a user's subclass of a built-in), else None: the first suspect of a NaN/inf
+    loss."""
+    owner = getattr(loss_fn, "__self__", None)
+    if owner is None or type(owner).__module__.split(".")[0] == "areno":
+        return None
+    return _loss_fn_name(loss_fn)
