@@ -18,6 +18,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from areno.errors import ConfigError, is_of_type, wrong_type
@@ -50,7 +51,10 @@ def recipe(name: str) -> Callable[[RecipeFactory], RecipeFactory]:
 
     def register(factory: RecipeFactory) -> RecipeFactory:
         if name in TRAINING_CONFIGS and _source(TRAINING_CONFIGS[name]) != _source(factory):
-            raise ConfigError(f"recipe {name!r} is already registered by {TRAINING_CONFIGS[name].__qualname__}")
+            raise ConfigError(
+                f"recipe {name!r} is already registered by {_where(TRAINING_CONFIGS[name])}: register "
+                f"{factory.__qualname__} under another name"
+            )
         TRAINING_CONFIGS[name] = factory
         return factory
 
@@ -65,6 +69,15 @@ def _source(factory: RecipeFactory) -> tuple[str, str]:
     return (os.path.realpath(code.co_filename) if code else repr(factory), factory.__qualname__)
 
 
+def _where(factory: RecipeFactory) -> str:
+    """``factory`` and its module, as a message names them: a module imported by path is named by its
+    file (its module name is one areno made up, ``USER_FILE_MODULE``)."""
+    module = getattr(factory, "__module__", None) or "?"
+    if module.startswith(USER_FILE_MODULE):
+        module = _source(factory)[0]
+    return f"{factory.__qualname__} in {module}"
+
+
 def _unknown(name: str) -> ConfigError:
     close = difflib.get_close_matches(name, list(TRAINING_CONFIGS), n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -73,11 +86,11 @@ def _unknown(name: str) -> ConfigError:
     )
 
 
-def import_recipes(module: str, *, what: str = "train.algorithm") -> None:
+def import_recipes(module: str, *, what: str = "train.algorithm") -> ModuleType:
     """Import a user's module of ``@recipe`` factories (a dotted name found on sys.path or in the
     working directory, or a ``.py`` file); a bad one is a one-line :class:`ConfigError` naming
     ``what`` (where the module was named)."""
-    import_module(module, what=what, error=ConfigError)
+    return import_module(module, what=what, error=ConfigError)
 
 
 def resolve_name(name: str) -> str:
@@ -86,13 +99,34 @@ def resolve_name(name: str) -> str:
     module, sep, short = name.rpartition(":")
     if not sep:
         return name
-    import_recipes(module)
+    imported = import_recipes(module)
     if short not in TRAINING_CONFIGS:
-        raise ConfigError(
-            f"train.algorithm: module {module!r} registers no recipe {short!r}: decorate its factory with "
-            f"@recipe({short!r})"
-        )
+        raise _not_registered(module, imported, short)
     return short
+
+
+def _not_registered(module: str, imported: ModuleType, short: str) -> ConfigError:
+    """The error of ``module:short`` where ``module`` registers no recipe ``short``: the name it registers
+    its function ``short`` under (a recipe is named by its ``@recipe`` name, not its function's), else the
+    names it registers, else how to register one."""
+    mine = {n: f for n, f in TRAINING_CONFIGS.items() if getattr(f, "__module__", None) == imported.__name__}
+    named = [n for n, f in mine.items() if f is getattr(imported, short, None)]
+    what = f"train.algorithm: module {module!r} registers no recipe {short!r}"
+    if named:
+        return ConfigError(
+            f"{what}: its function {short} is registered as @recipe({named[0]!r}) (a recipe is named by its "
+            f"@recipe name): use {module}:{named[0]}"
+        )
+    if mine:
+        close = difflib.get_close_matches(short, list(mine), n=3, cutoff=0.5)
+        if close:
+            return ConfigError(f"{what}: did you mean {', '.join(close)}? use {module}:{close[0]}")
+        more = f" and {len(mine) - 8} more" if len(mine) > 8 else ""
+        return ConfigError(
+            f"{what}; it registers {', '.join(sorted(mine)[:8])}{more} (a recipe is named by its @recipe name): "
+            f"use {module}:{sorted(mine)[0]}, or decorate a factory with @recipe({short!r})"
+        )
+    return ConfigError(f"{what}: decorate its factory with @recipe({short!r})")
 
 
 def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **options: Any) -> TrainingConfig:

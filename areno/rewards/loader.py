@@ -72,6 +72,9 @@ def _import_failure(exc: BaseException, module: str, *, what: str, error: type[U
         file, line, message = exc.filename, exc.lineno, exc.msg
     else:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+        # an areno call the module made that refused (@recipe): the module's line that made it
+        if frames and Path(frames[-1].filename).is_relative_to(_ARENO_DIR):
+            frames = [f for f in frames if f.filename == module] or frames
         file, line = (frames[-1].filename, frames[-1].lineno) if frames else (None, None)
         message = str(exc)
     first = next(iter(str(message or "").strip().splitlines()), "")
@@ -84,6 +87,9 @@ def _import_failure(exc: BaseException, module: str, *, what: str, error: type[U
         )
     return error(f"{what}: importing {module} failed{where}: {type(exc).__name__}{': ' if first else ''}{first}: {fix}")
 
+
+_ARENO_DIR = Path(__file__).resolve().parents[1]
+"""The ``areno`` package's directory."""
 
 USER_FILE_MODULE = "areno_user_"
 """The prefix of the module name a file named by path is imported under (one per absolute path)."""
@@ -120,6 +126,8 @@ def import_object(path: str, *, what: str, error: type[UserError] = RewardImport
     if not module_name or not attr:
         raise error(f"{what}: {path!r} is not a path like 'package.module:name' or './file.py:name'")
     obj: Any = import_module(module_name, what=what, error=error)
+    if not sep and not hasattr(obj, attr) and _is_submodule(path):  # `pkg.rewards` for `pkg.rewards:score`
+        raise error(f"{what}: {_names_module_message(path, import_module(path, what=what, error=error))}")
     for part in attr.split("."):
         if not hasattr(obj, part):
             close = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")], n=1)
@@ -127,6 +135,27 @@ def import_object(path: str, *, what: str, error: type[UserError] = RewardImport
             raise error(f"{what}: module {module_name!r} has no attribute {attr!r}{hint}")
         obj = getattr(obj, part)
     return obj
+
+
+def _names_module_message(path: str, module: ModuleType) -> str:
+    """Why ``path``, which names ``module``, names nothing to call, and the fix: the functions and
+    classes the module defines."""
+    defined = [
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__
+    ]
+    listed = f" (it defines {', '.join(defined[:6])})" if defined else ""
+    example = f"{module.__name__}:{defined[0] if defined else 'NAME'}"
+    return f"{path!r} names a module, not a function or class in it: add :NAME, e.g. {example}{listed}"
+
+
+def _is_submodule(name: str) -> bool:
+    """Whether the dotted ``name`` is a module that can be imported (its parent is imported already)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def wants_sandbox(fn: Any, sandbox: bool | None) -> bool:
@@ -147,6 +176,8 @@ def reward_function(path: str) -> Callable[..., Any]:
             "in sandbox processes, which import it by path, so put it in a file and name it there"
         )
     fn = import_object(path, what="reward.fn")
+    if inspect.ismodule(fn):  # a package's submodule it imports itself: an attribute, but not a function
+        raise RewardImportError(f"reward.fn: {_names_module_message(path, fn)}")
     if not callable(fn):
         raise RewardImportError(f"reward.fn: {path!r} is a {type(fn).__name__}, not a function")
     return fn

@@ -212,6 +212,12 @@ class Tool:
 
     def __post_init__(self) -> None:
         self.schema = validate_tool_schema(self.schema)
+        if not callable(self.fn):
+            example = f" (fn={self.fn}, not fn={self.fn!r})" if isinstance(self.fn, str) else ""
+            raise TypeError(
+                f"tool {self.name!r}: fn must be the function to call, got {type(self.fn).__name__} {self.fn!r}: "
+                f"pass the function itself{example}"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"tool {self.name!r}: timeout_s must be > 0, got {self.timeout_s}")
         check_tool_signature(self.name, self.fn, self.parameters)
@@ -241,6 +247,13 @@ class ToolSet:
     def __init__(self, tools: list[Tool]) -> None:
         self.tools: dict[str, Tool] = {}
         for tool in tools:
+            if not isinstance(tool, Tool):
+                name = getattr(tool, "__name__", None) if callable(tool) else None
+                what = f"the function {name}" if name else f"{type(tool).__name__} {tool!r}"
+                raise TypeError(
+                    f"ToolSet takes Tool objects, got {what}: wrap it with its OpenAI function schema, "
+                    f"Tool(fn={name or '...'}, schema={{...}})"
+                )
             if tool.name in self.tools:
                 raise ToolSchemaError(f"two tools are named {tool.name!r}; tool names must be unique")
             self.tools[tool.name] = tool
