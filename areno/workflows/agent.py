@@ -345,6 +345,11 @@ def calculator_reward(prompt: str, completion: str, answer: Any = None, *, resul
         return 0.0
 
 
+# bounded string work (the calculator takes digits and + - * / only, the completion its length): safe in
+# process under reward.sandbox=auto, which spares a run a pool of reward workers importing areno (seconds each)
+calculator_reward.areno_sandbox = False
+
+
 def calculator_workflow(
     *, gamma: float = 1.0, export_style: ExportStyle = "concat", timeout_s: float = 120.0, **kwargs: Any
 ) -> AgentWorkflow:

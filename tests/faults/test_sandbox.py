@@ -159,9 +159,17 @@ def test_load_reward_auto_sandbox_and_shared_metrics():
     from areno.rewards.loader import load_reward
     from areno.rewards.sandbox import close_all, reward_metrics
     from areno.rewards.tasks import exact_match
+    from areno.workflows.agent import calculator_reward
 
     close_all()  # pools (and their counters) other tests of this process left open
     assert load_reward(RewardSection()).fn is exact_match  # shipped, marked safe in-process (watched)
+    # the calculator example's: a pool of workers importing areno cost its every first evaluation seconds
+    calculator = load_reward(RewardSection(fn="areno.workflows.agent:calculator_reward"))
+    assert calculator.fn is calculator_reward and calculator.fn("p", "12", result="12") == 1.0
+    assert (
+        calculator_reward("p", '<tool_call>{"name": "calc", "arguments": {"expr": "9**9**9"}}</tool_call>', result=1)
+        == 0
+    )
     assert isinstance(load_reward(RewardSection(sandbox=True)), RewardSandbox)
     assert load_reward(RewardSection(fn="tests.helpers.rewards:misbehave", sandbox=False)).fn is misbehave
     try:
