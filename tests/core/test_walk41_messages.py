@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from areno.errors import ConfigError, RewardImportError
-from areno.recipes.registry import TRAINING_CONFIGS, resolve_name
+from areno.recipes.registry import resolve_name
 from areno.rewards.loader import import_object, reward_function
 from areno.workflows import Tool, ToolSet
+from tests.helpers.recipes import user_code_dir
 
 RECIPES = """
 from areno.recipes import ModelRole, TrainingConfig, recipe
@@ -37,15 +38,9 @@ def second():
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
     """``tmp_path`` as the working directory; sys.path, sys.modules and the registry restored after."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    saved = dict(TRAINING_CONFIGS)
-    yield tmp_path
-    for name, module in list(sys.modules.items()):
-        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
-            del sys.modules[name]
-    TRAINING_CONFIGS.clear()
-    TRAINING_CONFIGS.update(saved)
+    with user_code_dir(tmp_path, monkeypatch):
+        sys.path.insert(0, str(tmp_path))
+        yield tmp_path
 
 
 def test_a_recipe_named_by_its_function_names_its_registered_name(user_dir):

@@ -140,20 +140,29 @@ def preference_batch() -> TokenBatch:
 
 
 @contextlib.contextmanager
+def saved_registry() -> Iterator[None]:
+    """The recipe registry as it was, after the block (recipes a test registers go)."""
+    saved = dict(TRAINING_CONFIGS)
+    try:
+        yield
+    finally:
+        TRAINING_CONFIGS.clear()
+        TRAINING_CONFIGS.update(saved)
+
+
+@contextlib.contextmanager
 def user_code_dir(tmp_path: Path, monkeypatch) -> Iterator[Path]:
     """``tmp_path`` as the working directory of a user's recipe modules; sys.path, the modules imported
     from it and the recipe registry restored after."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    saved = dict(TRAINING_CONFIGS)
-    try:
-        yield tmp_path
-    finally:
-        for name, module in list(sys.modules.items()):
-            if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
-                del sys.modules[name]
-        TRAINING_CONFIGS.clear()
-        TRAINING_CONFIGS.update(saved)
+    with saved_registry():
+        try:
+            yield tmp_path
+        finally:
+            for name, module in list(sys.modules.items()):
+                if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+                    del sys.modules[name]
 
 
 class RecordingBackend:

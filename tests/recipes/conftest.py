@@ -2,9 +2,16 @@
 
 import pytest
 
-from tests.helpers.recipes import model_fixture
+from tests.helpers.recipes import model_fixture, saved_registry
 
 
 @pytest.fixture
 def model():
     return model_fixture()
+
+
+@pytest.fixture
+def registry():
+    """The recipe registry as it was, after the test."""
+    with saved_registry():
+        yield

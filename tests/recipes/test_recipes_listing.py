@@ -12,15 +12,6 @@ from areno.recipes.traits import STALE_LABELS
 from areno.specializations import ActorSpecialization, LogProbSpecialization
 
 
-@pytest.fixture
-def registry():
-    """The recipe registry as it was, after the test."""
-    saved = dict(TRAINING_CONFIGS)
-    yield
-    TRAINING_CONFIGS.clear()
-    TRAINING_CONFIGS.update(saved)
-
-
 def _listed(capsys) -> tuple[dict[str, tuple[str, str, str]], list[str]]:
     """Name -> (RUN, STALE, EXTRA ROLES) of each row of ``areno recipes``, and its lines."""
     assert main([]) == 0

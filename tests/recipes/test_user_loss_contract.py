@@ -13,7 +13,6 @@ import torch
 from areno.algo import broadcast_to_tokens_T, group_index_B, grpo_advantages_B
 from areno.errors import ConfigError, UserError
 from areno.recipes import ModelRole, TrainingConfig, get_recipe, recipe
-from areno.recipes.registry import TRAINING_CONFIGS
 from areno.recipes.runner import RecipeRunner
 from areno.specializations import ActorSpecialization, ModelSpecialization, token_logprobs_T
 from areno.train.optim import NonFiniteStepError
@@ -156,14 +155,6 @@ NO_REDUCER = (
     "define it as `def compute_loss(self, model_output, batch, reducer)` (reduce the loss with it: "
     "`reducer(loss_T, batch.loss_mask_T)`)"
 )
-
-
-@pytest.fixture
-def registry():
-    saved = dict(TRAINING_CONFIGS)
-    yield
-    TRAINING_CONFIGS.clear()
-    TRAINING_CONFIGS.update(saved)
 
 
 def test_a_loss_without_the_reducer_is_refused_when_the_recipe_is_built(registry):
