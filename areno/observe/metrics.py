@@ -53,6 +53,9 @@ POLICY_LOSS_KEY = "train/policy/loss"
 a recipe without a policy shows its trained role's ``train/<role>/loss`` (``reward_model``)."""
 VALUE_LOSS_SUFFIX = "/critic/value_loss"
 """A critic role's value loss (``train/<role>/critic/value_loss``, PPO's value model): the console's ``vloss``."""
+CONSECUTIVE_SKIPS_SUFFIX = "/consecutive_skips"
+"""A trained role's steps skipped in a row for a non-finite loss or gradient (``train/<role>/consecutive_skips``,
+0 after a step that updated): the console's ``skipped``."""
 STALENESS_KEY = "rollout/staleness_mean"
 """Mean (current version - token version) over the trained tokens of a step."""
 TOKENS_PER_S_KEY = "timing/tokens_per_s"
@@ -253,7 +256,7 @@ class ConsoleSink(MetricSink):
             )
 
     def summary(self, metrics: Mapping[str, Number], step: int) -> dict[str, str]:
-        """The short fields shown for a step (reward, len or loss, vloss, tok/s, stale, eta)."""
+        """The short fields shown for a step (reward, len or loss, vloss, tok/s, stale, skipped, eta)."""
         now = time.monotonic()
         fields: dict[str, str] = {}
         if REWARD_KEY in metrics:
@@ -278,6 +281,13 @@ class ConsoleSink(MetricSink):
             fields["tok/s"] = _format_number(tokens_per_s)
         if STALENESS_KEY in metrics:
             fields["stale"] = _format_number(metrics[STALENESS_KEY])
+        # a skipped step's other fields read like any step's: say that nothing was updated
+        skips = max(
+            (v for k, v in metrics.items() if k.startswith("train/") and k.endswith(CONSECUTIVE_SKIPS_SUFFIX)),
+            default=0,
+        )
+        if skips:
+            fields["skipped"] = f"loss/grad NaN or inf, {int(skips)} in a row"
         eta = self.eta_s(step, now)
         if eta is not None:
             fields["eta"] = _format_duration(eta)

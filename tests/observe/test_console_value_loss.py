@@ -35,3 +35,18 @@ def test_a_ppo_run_prints_its_value_loss(tmp_path, capsys):
     assert len(lines) == 1 and " | reward " in lines[0]
     shown = float(lines[0].split(" | vloss ")[1].split(" | ")[0])  # three significant digits
     assert shown == pytest.approx(step["train/value/critic/value_loss"], rel=5e-3)
+
+
+def test_the_console_line_says_a_step_was_skipped():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=None, stream=stream)
+    rl = {"rollout/reward_mean": 0.5, "train/policy/skipped_steps": 2.0}
+    sink.write({**rl, "train/policy/consecutive_skips": 1.0}, step=1)
+    sink.write({**rl, "train/policy/consecutive_skips": 2.0}, step=2)
+    sink.write({**rl, "train/policy/consecutive_skips": 0.0}, step=3)  # updated again
+    sink.close()
+    assert stream.getvalue().splitlines() == [
+        "step 1 | reward 0.5 | skipped loss/grad NaN or inf, 1 in a row",
+        "step 2 | reward 0.5 | skipped loss/grad NaN or inf, 2 in a row",
+        "step 3 | reward 0.5",
+    ]
