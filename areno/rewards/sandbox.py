@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import functools
 import math
 import numbers
@@ -57,8 +58,10 @@ from areno.errors import RewardImportError
 from areno.rewards._protocol import MAX_REPLY_BYTES, MalformedReply, decode_reply
 
 SANDBOX_CWD_PREFIX = "areno-reward-"
-"""The name of the temporary working directory each worker runs in begins with this, then the pid of the
-process that made it and a dash (``_sweep_orphan_dirs``)."""
+"""The name of the temporary working directory each worker runs in begins with this."""
+DIR_LOCK = ".areno-pool.lock"
+"""In each worker's directory: a file its pool holds an exclusive ``flock`` on for the worker's life
+(``_lock_dir``), released by the kernel however the pool's process ends (``_sweep_orphan_dirs``)."""
 FAILURE_KINDS = ("timeout", "crash", "error", "memory", "cpu", "malformed", "nonfinite")
 """Named failures, counted as ``rollout/reward_failures_<kind>``."""
 
@@ -114,6 +117,7 @@ class _Worker:
         self.proc: subprocess.Popen | None = None
         self.isolation: dict[str, str] = {}
         self._cwd: str | None = None
+        self._lock_fd: int | None = None
         self._requests: Connection | None = None
         self._replies: Connection | None = None
         self._ready = False
@@ -126,7 +130,8 @@ class _Worker:
     def _popen(self) -> None:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
-        self._cwd = tempfile.mkdtemp(prefix=f"{SANDBOX_CWD_PREFIX}{os.getpid()}-")
+        self._cwd = tempfile.mkdtemp(prefix=SANDBOX_CWD_PREFIX)
+        self._lock_fd = _lock_dir(self._cwd)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "areno.rewards._worker", str(req_r), str(resp_w)],
@@ -232,26 +237,47 @@ class _Worker:
             pass
         code = proc.wait()
         shutil.rmtree(self._cwd, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         return code
+
+
+def _lock_dir(path: str) -> int | None:
+    """An exclusive ``flock`` on ``path``'s ``DIR_LOCK``, taken before the file gets its name (a sweep
+    never sees it unlocked); the descriptor, or None where the file system has no flock."""
+    staging = os.path.join(path, DIR_LOCK + ".new")
+    fd = os.open(staging, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(staging, os.path.join(path, DIR_LOCK))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 @functools.cache
 def _sweep_orphan_dirs() -> int:
-    """Remove the workers' directories that processes no longer running made (a trainer killed with
-    SIGKILL cannot remove its own; its workers die with it), once per process; how many went. A pid
-    that runs again, or belongs to another user, keeps its directories."""
+    """Remove the workers' directories no live pool holds (a trainer killed with SIGKILL cannot remove
+    its own; its workers die with it), once per process; how many went. A directory counts as orphaned
+    only when its ``DIR_LOCK`` can be locked: held by a live pool on this host or another PID namespace
+    sharing the directory, missing, or on a file system without flock, it stays."""
     removed = 0
-    for path in Path(tempfile.gettempdir()).glob(f"{SANDBOX_CWD_PREFIX}*-*"):
-        pid = path.name[len(SANDBOX_CWD_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
+    for path in Path(tempfile.gettempdir()).glob(f"{SANDBOX_CWD_PREFIX}*"):
+        try:
+            fd = os.open(path / DIR_LOCK, os.O_RDWR)
+        except OSError:
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue
+        else:
             shutil.rmtree(path, ignore_errors=True)
-            removed += 1
-        except (PermissionError, OverflowError):
-            pass
+            removed += not path.exists()
+        finally:
+            os.close(fd)
     return removed
 
 

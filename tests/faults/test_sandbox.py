@@ -271,7 +271,7 @@ def test_code_execution_and_math_verify_in_the_sandbox():
 @pytest.mark.slow
 def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path, monkeypatch):
     """PR_SET_PDEATHSIG: a hung worker dies with its parent. The workers' directories, which the killed
-    parent could not remove, go when the next process starts a pool; a live process's stay."""
+    parent could not remove, go when the next process starts a pool."""
     import subprocess
     import sys
     import tempfile
@@ -303,14 +303,10 @@ def test_kill_9_of_the_trainer_leaves_no_worker_behind(tmp_path, monkeypatch):
         time.sleep(0.1)
         alive = [p for p in pids if _alive(p)]
     assert alive == []
-    left = sorted(p.name for p in tmp.iterdir())
-    assert len(left) == 2 and all(n.startswith(f"areno-reward-{parent.pid}-") for n in left)
-    live = [tmp / f"areno-reward-{os.getpid()}-mine", tmp / "areno-reward-1-init", tmp / "areno-reward-x-odd"]
-    for d in live:
-        d.mkdir()
+    left = sorted(tmp.iterdir())
+    assert len(left) == 2 and all(p.name.startswith("areno-reward-") for p in left)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    assert sandbox_module._sweep_orphan_dirs.__wrapped__() == 2
-    assert sorted(tmp.iterdir()) == sorted(live)
+    assert sandbox_module._sweep_orphan_dirs.__wrapped__() == 2 and list(tmp.iterdir()) == []
 
 
 def _alive(pid: int) -> bool:
@@ -418,3 +414,36 @@ def test_math_verify_reads_plain_words_in_a_reference_as_text():
     assert math_verify("p", "\\boxed{2yx}", "2xy") == 1.0
     for math in ("2xy", "x = 5", "ab", "log 2", "10 cm^2", "$x$ dollars", "\\sqrt{2}"):
         assert "\\text" not in reference_text(math), math
+
+
+def test_the_sweep_removes_only_directories_no_live_pool_holds(tmp_path, monkeypatch):
+    """A directory goes only when its lock file can be locked: a live pool's (here, in this process) stays,
+    as do one without the lock file (another areno's, or being set up) and anything else in the directory."""
+    import fcntl
+    import tempfile
+
+    from areno.rewards import sandbox as sandbox_module
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with RewardSandbox("tests.helpers.rewards:misbehave", workers=1, timeout_s=TIMEOUT_S) as pool:
+        assert pool.score("p", "ok") == 1.0
+        (live,) = tmp_path.iterdir()
+        orphan = tmp_path / "areno-reward-orphan"
+        orphan.mkdir()
+        (orphan / sandbox_module.DIR_LOCK).touch()  # its pool's process died: the kernel released the lock
+        (orphan / "left.txt").write_text("a reward's file")
+        unlocked = [tmp_path / "areno-reward-nolock", tmp_path / "other-dir"]
+        for d in unlocked:
+            d.mkdir()
+        (tmp_path / "other-dir" / sandbox_module.DIR_LOCK).touch()
+        held = tmp_path / "areno-reward-held"
+        held.mkdir()
+        fd = os.open(held / sandbox_module.DIR_LOCK, os.O_CREAT | os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another live pool, elsewhere
+        try:
+            assert sandbox_module._sweep_orphan_dirs.__wrapped__() == 1
+        finally:
+            os.close(fd)
+        assert sorted(tmp_path.iterdir()) == sorted([live, held, *unlocked])
+        assert pool.score("p", "ok") == 1.0  # the live worker's directory is still its working directory
+    assert sorted(tmp_path.iterdir()) == sorted([held, *unlocked])  # the pool removed its own
