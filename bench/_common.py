@@ -57,11 +57,21 @@ HEADLINE_KEYS = ("metric", "figure", "baseline_name", "baseline", "ratio", "rati
 """The keys every bench's JSON starts with (after ``bench``): one row of ``bench/RESULTS.md``."""
 
 
+_KEEP: dict[Path, str] = {}
+"""Temporary work directories a bench asked to keep (``keep_work_dir``), and why."""
+
+
+def keep_work_dir(path: Path, why: str) -> None:
+    """Keep ``work_dir``'s temporary ``path`` at the end, named on stderr with ``why`` (what in it a reader
+    wants: profiles, a failed arm's logs)."""
+    _KEEP[path] = why
+
+
 @contextlib.contextmanager
 def work_dir(given: str | None, prefix: str) -> Iterator[Path]:
     """``given`` (made if missing, always kept), else a new temporary directory, removed when the bench
-    ends well and kept, named on stderr, when it fails: its models and runs weigh up to gigabytes, and
-    its logs are where a failure is read."""
+    ends well and kept, named on stderr, when it fails or asked to keep it (``keep_work_dir``): its models
+    and runs weigh up to gigabytes, and its logs are where a failure is read."""
     if given:
         path = Path(given)
         path.mkdir(parents=True, exist_ok=True)
@@ -73,6 +83,11 @@ def work_dir(given: str | None, prefix: str) -> Iterator[Path]:
     except BaseException:
         print(f"kept {path} (the failed bench's models, runs and logs): remove it when done", file=sys.stderr)
         raise
+    finally:
+        why = _KEEP.pop(path, None)
+    if why is not None:
+        print(f"kept {path} ({why}): remove it when done", file=sys.stderr)
+        return
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -81,7 +81,7 @@ from areno.models.hf_io import init_model_dir
 from areno.observe.profile import profiled_step
 from areno.types import SamplingParams
 from areno.workflows.rlvr import RLVRWorkflow
-from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, parser, work_dir
+from bench._common import QWEN25_05B, QWEN25_15B, emit, headline, keep_work_dir, parser, work_dir
 
 # e2e's configs carry no bos/eos token ids: the completion length stays fixed for both systems
 E2E_05B = {k: v for k, v in QWEN25_05B.items() if k not in ("bos_token_id", "eos_token_id")}
@@ -865,6 +865,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--min-completion-len: TRL's completions are fixed-length; run the areno systems only")
     param_dtype = default_param_dtype(args)
     with work_dir(args.workdir, "areno-bench-e2e-") as workdir:
+        if args.profile_steps:
+            keep_work_dir(workdir, "the profiles of --profile-steps, in each areno run's profile/")
         num_seqs = args.prompts * args.samples
 
         copy_bw = measure_copy_bandwidth(args.device)

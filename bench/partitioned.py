@@ -50,7 +50,7 @@ from areno.api.trainer import Trainer
 from areno.launch.watchdog import child_pids, dump_hang
 from areno.observe.metrics import read_jsonl_records
 from areno.workflows.rlvr import RLVRWorkflow
-from bench._common import emit, headline, parser, work_dir
+from bench._common import emit, headline, keep_work_dir, parser, work_dir
 
 
 # ----------------------------------------------------------------------------- the long-tailed workload
@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for eta in etas:
                 arms.append(run_arm(eta, args, work, repeat))
+                if "error" in arms[-1]:
+                    keep_work_dir(work, "a failed arm's run directory and worker logs")
                 # one line per finished arm, so a run cut short by a time limit still reports what it measured
                 print(f"partitioned arm: {json.dumps(arms[-1])}", file=sys.stderr, flush=True)
         for arm in arms:  # against the first eta's arm of the same repeat

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from bench._common import COMMIT_ENV, HEADLINE_KEYS, emit, git_commit, headline, ratio, stamp, work_dir
+from bench._common import COMMIT_ENV, HEADLINE_KEYS, emit, git_commit, headline, keep_work_dir, ratio, stamp, work_dir
 
 
 def test_stamp_names_this_checkout_host_and_day(monkeypatch):
@@ -65,3 +65,15 @@ def test_a_given_work_dir_is_made_and_kept(tmp_path):
         assert work == given and work.is_dir()
         (work / "metrics.jsonl").write_text("{}")
     assert (given / "metrics.jsonl").read_text() == "{}"
+
+
+def test_a_bench_keeps_a_work_dir_it_asks_to_keep(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with work_dir(None, "areno-bench-x-") as work:
+        (work / "trace.json").write_text("{}")
+        keep_work_dir(work, "the profiles")
+    assert (work / "trace.json").is_file()
+    assert capsys.readouterr().err == f"kept {work} (the profiles): remove it when done\n"
+    with work_dir(None, "areno-bench-x-") as again:  # asked for that directory only
+        pass
+    assert not again.exists()
