@@ -1017,9 +1017,16 @@ class ArenoEngine:
             return
         self._reward_failed_batches += 1
         if self._reward_failed_batches >= REWARD_FAILED_BATCHES:
+            last = next(iter(errors[-1].splitlines()), "")
+            if all(t.info.get(NONFINITE_REWARD_KEY) for t in trajectories):  # set by the workflow, not reward.fn
+                raise RewardsFailing(
+                    f"every reward of the last {REWARD_FAILED_BATCHES} rollout batches was NaN or inf (step "
+                    f"{rollout_id + 1}; last: {last}): fix rollout.workflow ({self.config.rollout.workflow}), which "
+                    "set them; the run stopped rather than train on zero rewards"
+                )
             raise RewardsFailing(
                 f"every reward call of the last {REWARD_FAILED_BATCHES} rollout batches failed (step {rollout_id + 1}; "
-                f"last: {next(iter(errors[-1].splitlines()), '')}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
+                f"last: {last}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
                 "zero rewards"
             )
 

@@ -14,7 +14,6 @@ import difflib
 import inspect
 import logging
 import math
-import numbers
 import os
 import re
 import traceback
@@ -27,6 +26,7 @@ import torch
 
 from areno.errors import ConfigError, RewardImportError
 from areno.rewards.loader import import_object
+from areno.rewards.sandbox import as_reward
 from areno.rollout.client import RolloutClient
 from areno.types import Trajectory
 
@@ -116,13 +116,14 @@ def as_group(result: EpisodeResult, *, source: str = "run_episode") -> list[Traj
 
 
 def _check_reward(traj: Trajectory, source: str) -> None:
-    """``traj.reward`` as a float: a one-element tensor or any real number is taken, anything else is a
+    """``traj.reward`` as a float: a one-element tensor or array, or any real number, is taken, anything else is a
     :class:`WorkflowReturnError` naming ``source``; a NaN or infinite one is scored 0 with
     ``info["reward_error"]`` (warned about per batch and counted in ``rollout/reward_nonfinite``, as a
     reward function's), not left to turn its group's advantages into 0 or NaN."""
     reward = traj.reward
-    if isinstance(reward, torch.Tensor) and reward.numel() == 1:
-        reward = reward.item()
+    one_element_array = type(reward).__module__ == "numpy" and getattr(reward, "size", None) == 1
+    if (isinstance(reward, torch.Tensor) and reward.numel() == 1) or one_element_array:
+        reward = reward.item()  # a scorer's tensor or array result, as the batch packing took it
     if inspect.isawaitable(reward):
         if inspect.iscoroutine(reward):
             reward.close()  # no "never awaited" warning beside the error
@@ -130,11 +131,12 @@ def _check_reward(traj: Trajectory, source: str) -> None:
             f"{source} set Trajectory.reward to a coroutine, not a number: await it "
             "(reward = await self.reward_fn(...))"
         )
-    if not isinstance(reward, numbers.Real):
+    try:
+        reward = as_reward(reward)  # what a reward function may return (numpy's bools and numbers too)
+    except TypeError:
         raise WorkflowReturnError(
             f"{source} set Trajectory.reward to {type(reward).__name__} {reward!r:.40}, not a number: set a float"
-        )
-    reward = float(reward)
+        ) from None
     if not math.isfinite(reward):
         traj.info = {**traj.info, "reward_error": f"{source} set Trajectory.reward to {reward}: scored 0"}
         traj.info[NONFINITE_REWARD_KEY] = True

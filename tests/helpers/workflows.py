@@ -145,3 +145,13 @@ class MaskedOutWorkflow(RLVRWorkflow):
         for traj in group:
             traj.completion_mask = [0] * len(traj.completion_ids)
         return group
+
+
+class AllRewardsNanWorkflow(RLVRWorkflow):
+    """A user's workflow whose own scoring gives every trajectory NaN."""
+
+    async def run_episode(self, client, sample):
+        group = await super().run_episode(client, sample)
+        for traj in group:
+            traj.reward = float("nan")
+        return group

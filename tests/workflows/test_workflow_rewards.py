@@ -25,7 +25,10 @@ def _traj(reward) -> Trajectory:
     return Trajectory(prompt_ids=[1], completion_ids=[2], logprobs=[-0.5], versions=[0], reward=reward)
 
 
-@pytest.mark.parametrize("reward", [1, True, np.float32(0.5), np.int64(2), torch.tensor(0.25), torch.tensor([0.75])])
+@pytest.mark.parametrize(
+    "reward",
+    [1, True, np.bool_(True), np.float32(0.5), np.int64(2), np.array(0.5), torch.tensor(0.25), torch.tensor([0.75])],
+)
 def test_a_real_number_of_any_type_is_taken_as_a_float(reward):
     (traj,) = as_group(_traj(reward), source="W.run_episode")
     assert type(traj.reward) is float and traj.reward == float(reward) and "reward_error" not in traj.info
@@ -130,3 +133,16 @@ def test_export_policy_takes_a_string_path(tmp_path, monkeypatch):
     finally:
         trainer.shutdown()
     assert (tmp_path / "exported" / "config.json").is_file() and (tmp_path / "exported" / "tokenizer.json").is_file()
+
+
+def test_a_run_whose_workflow_sets_every_reward_nan_stops_naming_the_workflow(tmp_path):
+    trainer = _trainer(tmp_path, "AllRewardsNanWorkflow", "train.steps=3", "reward.sandbox=false")
+    try:
+        with pytest.raises(engine_api.RewardsFailing) as info:
+            trainer.run()
+    finally:
+        trainer.shutdown()
+    message = str(info.value)
+    assert message.startswith("every reward of the last 3 rollout batches was NaN or inf (step 3; last: ")
+    assert "fix rollout.workflow (tests.helpers.workflows:AllRewardsNanWorkflow)" in message
+    assert "reward.fn" not in message and "\n" not in message
