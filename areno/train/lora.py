@@ -67,15 +67,24 @@ def _check_adapted(model: torch.nn.Module, cfg: LoraConfig, targeted: list[str])
     peft reads MLP names as the experts' fused 3-D weights (its ``ParamWrapper``), whose delta no merged
     export or policy sync carries, and then skips the dense layers' linear layers of those names."""
     layers = lora_layers(model)
-    fused = sorted(n for n, m in layers.items() if not isinstance(m.get_base_layer(), torch.nn.Linear))
+    other = {n: type(m.get_base_layer()).__name__ for n, m in layers.items()}
+    other = {n: kind for n, kind in other.items() if kind != "Linear"}
     missed = [n for n in targeted if n not in layers]
+    if not other and not missed:
+        return
+    experts = any(".experts" in n for n in other)
     check_config(
-        not fused and not missed,
+        False,
         "train.lora.target_modules",
-        f"{list(cfg.target_modules)} put adapters on weights that are not linear layers "
-        f"({', '.join(fused[:2]) or 'none'}; an expert model's fused experts) and left linear layers of those names "
-        f"without one ({', '.join(missed[:2]) or 'none'}): areno merges adapters of linear layers only; target the "
-        "attention projections (q_proj,k_proj,v_proj,o_proj) of an expert model",
+        f"{list(cfg.target_modules)} put adapters on layers that are not linear "
+        f"({', '.join(f'{n}: {kind}' for n, kind in sorted(other.items())[:2]) or 'none'}"
+        f"{'; the fused experts of an expert model' if experts else ''}) and left linear layers of those names "
+        f"without one ({', '.join(missed[:2]) or 'none'}): areno merges adapters of linear layers only; target "
+        + (
+            "the attention projections (q_proj,k_proj,v_proj,o_proj) of an expert model"
+            if experts
+            else "names only linear layers have (a vision tower's patch_embed.proj is a convolution)"
+        ),
     )
 
 

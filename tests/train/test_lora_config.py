@@ -190,7 +190,8 @@ def test_mlp_adapters_on_an_expert_model_are_one_line_at_start(tmp_path):
     # engine: the first policy sync failed after a whole step) and skips the dense layer's linear layers
     cfg = _config(tmp_path, MOE_WITH_A_DENSE_LAYER, "train.steps=1", "train.lora.target_modules=[gate_proj,up_proj]")
     with pytest.raises(
-        ConfigError, match=r"^train.lora.target_modules: \['gate_proj', 'up_proj'\] put adapters"
+        ConfigError,
+        match=r"^train.lora.target_modules: \[.gate_proj., .up_proj.\] put adapters on layers that are not linear",
     ) as err:
         Trainer.init(cfg).shutdown()
     assert "model.layers.0.mlp.experts" in str(err.value) and "model.layers.1.mlp.gate_proj" in str(err.value)
@@ -213,3 +214,14 @@ def test_attention_adapters_on_an_expert_model_sync_merged(tmp_path):
         assert not torch.equal(q.lora_B["default"].weight, torch.zeros_like(q.lora_B["default"].weight))  # it trained
     finally:
         trainer.shutdown()
+
+
+def test_an_adapter_on_a_vision_towers_convolution_is_one_line_naming_it(tmp_path):
+    from tests.helpers.vlm import vl_overrides
+
+    cfg = load_config(None, [*vl_overrides(tmp_path, 1), "train.lora.target_modules=[proj]"])
+    with pytest.raises(ConfigError) as err:
+        Trainer.init(cfg).shutdown()
+    message = str(err.value)
+    assert message.startswith("train.lora.target_modules: ['proj'] put adapters on layers that are not linear")
+    assert "visual.patch_embed.proj: Conv3d" in message and "expert" not in message and "\n" not in message
