@@ -941,10 +941,11 @@ def _loss_fn_name(loss_fn: LossFn) -> str:
 
 
 def user_loss_name(loss_fn: LossFn) -> str | None:
-    """``<Class>.compute_loss`` where ``loss_fn`` is bound to a specialization class that is not one of
-    areno's own (a user's, or a user's subclass of a built-in), else None: the first suspect of a NaN/inf
-    loss."""
+    """``<Class>.compute_loss`` where ``loss_fn`` is bound to a specialization and its code is not areno's
+    (a user's class, or a user's override in a subclass of a built-in; an inherited built-in loss is
+    areno's), else None: the first suspect of a NaN/inf loss."""
     owner = getattr(loss_fn, "__self__", None)
-    if owner is None or type(owner).__module__.split(".")[0] == "areno":
+    code = getattr(loss_fn, "__func__", loss_fn)
+    if owner is None or getattr(code, "__module__", "").split(".")[0] == "areno":
         return None
     return _loss_fn_name(loss_fn)

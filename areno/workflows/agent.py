@@ -341,7 +341,7 @@ def calculator_reward(prompt: str, completion: str, answer: Any = None, *, resul
         return 0.0
     try:
         return float(calculator(call.arguments["expr"]) == target)
-    except (ValueError, SyntaxError, ZeroDivisionError, RecursionError):
+    except (ValueError, SyntaxError, ZeroDivisionError, RecursionError, OverflowError):
         return 0.0
 
 
