@@ -8,6 +8,7 @@ by dotted path.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -166,10 +167,9 @@ def test_load_reward_auto_sandbox_and_shared_metrics():
     # the calculator example's: a pool of workers importing areno cost its every first evaluation seconds
     calculator = load_reward(RewardSection(fn="areno.workflows.agent:calculator_reward"))
     assert calculator.fn is calculator_reward and calculator.fn("p", "12", result="12") == 1.0
-    assert (
-        calculator_reward("p", '<tool_call>{"name": "calc", "arguments": {"expr": "9**9**9"}}</tool_call>', result=1)
-        == 0
-    )
+    for expr in ("9**9**9", "9" * 400):  # a power (refused), an integer past a float's range
+        call = "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expr": expr}}) + "</tool_call>"
+        assert calculator_reward("p", call, result=1) == 0
     assert isinstance(load_reward(RewardSection(sandbox=True)), RewardSandbox)
     assert load_reward(RewardSection(fn="tests.helpers.rewards:misbehave", sandbox=False)).fn is misbehave
     try:
