@@ -74,7 +74,7 @@ def _import_failure(exc: BaseException, module: str, *, what: str, error: type[U
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
         # an areno call the module made that refused (@recipe): the module's line that made it
         if frames and Path(frames[-1].filename).is_relative_to(_ARENO_DIR):
-            frames = [f for f in frames if f.filename == module] or frames
+            frames = [f for f in frames if not Path(f.filename).is_relative_to(_ARENO_DIR)] or frames
         file, line = (frames[-1].filename, frames[-1].lineno) if frames else (None, None)
         message = str(exc)
     first = next(iter(str(message or "").strip().splitlines()), "")

@@ -76,6 +76,16 @@ def test_a_recipe_name_registered_twice_names_the_first_ones_module_and_the_line
     )
 
 
+def test_a_recipe_name_registered_twice_in_a_dotted_module_names_the_users_line(user_dir):
+    (user_dir / "walk41_recipes.py").write_text(RECIPES)
+    (user_dir / "dup2.py").write_text(
+        "import walk41_recipes\nfrom areno.recipes import recipe\n\n\n@recipe('second')\ndef mine():\n    pass\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        resolve_name("dup2:second")
+    assert f"importing dup2 failed at {user_dir / 'dup2.py'} line 5: ConfigError: recipe 'second'" in str(info.value)
+
+
 def test_an_error_inside_a_module_the_user_imports_still_names_its_line(user_dir):
     (user_dir / "helper.py").write_text("x = 1\nraise KeyError('inner')\n")
     (user_dir / "outer.py").write_text("import helper\n")
