@@ -183,7 +183,8 @@ def check_resumed_config(config: ArenoConfig) -> None:
         raise ConfigError(f"resume: {saved} is unreadable ({why}): restore it, {start_over}")
     # a config.yaml written before paths were made absolute: its relative paths read from here
     before = {k: absolute_setting(k, v) for k, v in flat_settings(loaded).items()}
-    now = flat_settings(to_dict(config))
+    # a tuple setting (train.lora.target_modules) reads back from YAML as a list: the same setting
+    now = {k: list(v) if isinstance(v, tuple) else v for k, v in flat_settings(to_dict(config)).items()}
     keys = sorted((set(before) | set(now)) - {"resume", "overwrite"})  # how this run starts, not what it is
     changed = [k for k in keys if before.get(k) != now.get(k)]
     fixed = [k for k in changed if any(k == p or k.startswith(p + ".") for p in RUN_IDENTITY)]

@@ -125,3 +125,12 @@ def test_resuming_a_run_with_no_checkpoint_says_it_starts_over(tmp_path, caplog)
         assert truncate_metrics(path, after_step=-1) == 2
     assert "no complete checkpoint: starting over (dropped the 2 rows of" in caplog.text
     assert "after step -1" not in caplog.text
+
+
+def test_a_lora_resume_that_changes_nothing_warns_of_nothing(tmp_path, caplog):
+    lora = ["train.lora.rank=4", "train.lora.target_modules=[q_proj,v_proj]"]
+    run_to_end(_config(tmp_path, "train.steps=2", *lora))
+    with caplog.at_level(logging.WARNING):
+        run_to_end(_config(tmp_path, "train.steps=3", "resume=auto", *lora))
+    changed = [r.getMessage() for r in caplog.records if "settings changed" in r.getMessage()]
+    assert changed == ["resume: settings changed since the run was saved: train.steps: 2 -> 3"]  # not target_modules
