@@ -96,6 +96,7 @@ def check_run(config: ArenoConfig) -> None:
     scores_answers = reward_needs_answer(config.reward.fn)
     # dpo, reward_model: {prompt, chosen, rejected} rows, evaluated by pair accuracy (no answers, no reward)
     pairs = check_pair_recipe(config, recipe)
+    check_classifier_export(config, recipe)
     answers = not pairs and (not recipe.online or scores_answers)
     splits = check_splits(config.data, need_answers=answers, eval_answers=scores_answers and not pairs, pairs=pairs)
     row, prompt_key, answer_key = reward_row(config, splits)
@@ -375,6 +376,17 @@ def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[li
                 f"{data.eval_path} row {i}: the prompt has {n} tokens but the context is {context} "
                 "(rollout.max_model_len, else the model's max_position_embeddings): shorten or remove the row"
             )
+
+
+def check_classifier_export(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """A reward model is exported as transformers' sequence classifier of its decoder, which a
+    vision-language model has none of: refused before training (its export loaded nowhere)."""
+    trained = [r for r in recipe.roles if r.trainable and issubclass(r.specialization_cls, RewardModelSpecialization)]
+    if trained and run_model_config(config).vision is not None:
+        raise ConfigError(
+            f"train.algorithm={recipe.name}: model.path is a vision-language model, and transformers has no sequence "
+            "classifier of one to export the reward model as: train it on a text-only model"
+        )
 
 
 def run_model_config(config: ArenoConfig) -> ModelConfig:
