@@ -159,10 +159,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
 
 
 def _stitch_routes(earlier_TLK: torch.Tensor | None, turn_TLK: torch.Tensor | None, turn: int) -> torch.Tensor | None:
-    """The episode's routes after a turn: the earlier turns' rows for the tokens they ran forwards
-    for (those sampled their outputs), this turn's from there on (the feedback it prefilled and its
-    own output). None once a turn brought none."""
-    if turn == 0 or earlier_TLK is None or turn_TLK is None:
-        return turn_TLK
-    kept = earlier_TLK.shape[0] - 1  # the earlier request's last token had no forward of its own
-    return torch.cat((earlier_TLK[:kept], turn_TLK[kept:]))
+    """The episode's routes after a turn: this turn's request's, a forward of the whole sequence (prefix
+    sharing is off while routes are recorded), whose prefix rows are the routes its own tokens were
+    sampled after. The earlier turns' rows differ from them only where a policy sync fell between the
+    turns; kept, they replayed the newest tokens after another prefix's routes (their proximal
+    log-probs off by up to 1e-2 nats at η > 0). None once a turn brought none."""
+    return None if turn > 0 and earlier_TLK is None else turn_TLK

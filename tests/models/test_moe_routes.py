@@ -160,3 +160,37 @@ def test_multi_turn_episode_carries_every_turns_routes(char_tokenizer):
         model(torch.tensor(ids), torch.arange(len(ids)))
     assert traj.routes_TLK.shape[0] == len(ids)
     assert torch.equal(traj.routes_TLK[:-1].long(), record.stacked()[:-1])
+
+
+def test_a_multi_turn_episode_across_a_policy_sync_carries_its_last_requests_routes(char_tokenizer):
+    """A sync between two turns changes the prefix's routes when the next turn runs it again: the routes
+    the later tokens were sampled after are that request's, for the whole sequence (the earlier turn's
+    rows, kept, replayed the newest tokens after another prefix's routes)."""
+    model = _model(vocab=len(char_tokenizer))
+    engine = _engine(model, record_routes=True)
+    client = InProcessRolloutClient(engine)
+    never = lambda prompt, completion, answer, **fields: 0.0
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in new.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # the routers: other experts win
+                p.copy_(torch.randn_like(p) * 3)
+
+    def feedback(completion, answer):  # between turns 1 and 2: the trainer's next policy arrives
+        if engine.version == 0:
+            engine.update_weights(new.state_dict().items(), version=1)
+        return "No."
+
+    wf = MultiTurnWorkflow(char_tokenizer, never, SamplingParams(max_new_tokens=3), max_turns=2, feedback=feedback)
+    try:
+        (traj,) = asyncio.run(wf.run_episode(client, {"prompt": "1+1=", "answer": 2}))
+    finally:
+        client.close()
+    assert traj.info["num_turns"] == 2 and set(traj.versions) == {-1, 0, 1}
+    ids = traj.prompt_ids + traj.completion_ids
+    with torch.no_grad(), moe.record_routing(new) as record:
+        new(torch.tensor(ids), torch.arange(len(ids)))
+    with torch.no_grad(), moe.record_routing(model) as old:
+        model(torch.tensor(ids), torch.arange(len(ids)))
+    assert not torch.equal(record.stacked()[:-1], old.stacked()[:-1])  # the sync did move the routes
+    assert torch.equal(traj.routes_TLK[:-1].long(), record.stacked()[:-1])
