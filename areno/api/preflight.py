@@ -100,6 +100,7 @@ def check_run(config: ArenoConfig) -> None:
     answers = not pairs and (not recipe.online or scores_answers)
     splits = check_splits(config.data, need_answers=answers, eval_answers=scores_answers and not pairs, pairs=pairs)
     row, prompt_key, answer_key = reward_row(config, splits)
+    check_workflow_takes_images(config, recipe, row)
     check_reward_signature(
         reward_function(config.reward.fn),
         config.reward.fn,
@@ -198,6 +199,19 @@ def check_resumed_config(config: ArenoConfig) -> None:
     if changed:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
         logger.warning("resume: settings changed since the run was saved: %s", shown)
+
+
+def check_workflow_takes_images(config: ArenoConfig, recipe: TrainingConfig, row: dict) -> None:
+    """Rows with images need a workflow that puts them into its prompts (one that takes ``vision``, as
+    ``RLVRWorkflow``): the multi-turn, agent and teacher workflows rendered the prompt alone, unsaid."""
+    workflow = config.rollout.workflow
+    if not recipe.online or not row.get(IMAGES_KEY) or "vision" in config.rollout.workflow_kwargs:
+        return
+    if not takes_param(workflow, "vision"):
+        raise ConfigError(
+            f"rollout.workflow={workflow}: the data's rows hold images, which this workflow does not put into its "
+            "prompts (it takes no vision): use areno.workflows.rlvr:RLVRWorkflow (the default), or drop the images field"
+        )
 
 
 def reward_row(config: ArenoConfig, splits: tuple[list[dict], list[dict]] | None) -> tuple[dict, str, str]:
