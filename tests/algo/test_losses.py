@@ -106,6 +106,19 @@ def test_loglinear_prox():
     assert prox.tolist() == pytest.approx([-1.5, -1.25, -1.0])
 
 
+@pytest.mark.parametrize("prox_version", [0, 1, 5])
+def test_loglinear_prox_of_a_teacher_token_is_the_current_weights(prox_version):
+    """Version -1 (no policy version sampled it: a teacher's) is not a version to interpolate from: the
+    training forward's value, as recomputing gives it (it was (v+1)/(v+2) of the way, by the step)."""
+    behave = torch.tensor([-2.0, -0.5])
+    theta = torch.tensor([-1.0, -3.0])
+    versions = torch.tensor([-1, prox_version])
+    prox = loglinear_prox_logprobs_T(
+        behave, theta, versions, torch.ones(2, dtype=torch.bool), prox_version=prox_version
+    )
+    assert prox.tolist() == [-1.0, -0.5]
+
+
 def test_gspo_sequence_ratio():
     cu = torch.tensor([0, 3, 5])
     mask = torch.tensor([False, True, True, False, True])
