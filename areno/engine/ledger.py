@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import contextvars
 import dataclasses
 import random
 import threading
@@ -35,7 +34,7 @@ from areno.data.tasks import PromptStream
 from areno.engine.executor import SampleSource
 from areno.engine.staleness import StalenessManager
 from areno.rollout.client import RolloutClient
-from areno.workflows.base import EPISODE_SEED, RolloutWorkflow, as_group, run_episode_name
+from areno.workflows.base import EPISODE_SEED, EPISODE_SEEDS, EpisodeSeeds, RolloutWorkflow, as_group, run_episode_name
 
 SEQ_KEY = "ledger_seq"
 """``Trajectory.info`` key holding the ledger number of the sample the trajectory came from."""
@@ -45,19 +44,6 @@ def episode_seed(base_seed: int, key: tuple[int, int]) -> int:
     """Sampling seed of the episode of the sample at stream position ``key`` = (epoch, position)."""
     # 52 bits: the engine carries seeds through float64 (exact below 2**53), with room for + k
     return random.Random(f"areno/{base_seed}/{key[0]}/{key[1]}").getrandbits(52)
-
-
-class _EpisodeSeeds:
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.calls = 0
-
-    def next(self) -> int:
-        self.calls += 1
-        return self.seed + self.calls - 1
-
-
-_EPISODE: contextvars.ContextVar[_EpisodeSeeds] = contextvars.ContextVar("areno_episode_seeds")
 
 
 class SampleLedger(SampleSource):
@@ -167,7 +153,7 @@ class LedgerWorkflow(RolloutWorkflow):
         seq = found[0] if found is not None else None
         # a retry starts its seeds over, as the first attempt of the same sample would
         seed = episode_seed(self.seed, found[1]) if found is not None else None
-        token = _EPISODE.set(_EpisodeSeeds(seed)) if seed is not None else None
+        token = EPISODE_SEEDS.set(EpisodeSeeds(seed)) if seed is not None else None
         seed_token = EPISODE_SEED.set(seed) if seed is not None else None
         try:
             group = as_group(await self.inner.run_episode(client, sample), source=run_episode_name(self.inner))
@@ -176,7 +162,7 @@ class LedgerWorkflow(RolloutWorkflow):
             # reset: the ValueError it raises read as a failed episode, "retrying" after the run stopped
             with contextlib.suppress(ValueError):
                 if token is not None:
-                    _EPISODE.reset(token)
+                    EPISODE_SEEDS.reset(token)
                 if seed_token is not None:
                     EPISODE_SEED.reset(seed_token)
         if seq is not None and group is not None:
@@ -224,7 +210,7 @@ class SeedingClient(RolloutClient):
 
     def _arrive(self, params: list[Any]) -> list[Any]:
         """Seed the unseeded sampled requests from the episode's seeds (in order) and count them."""
-        seeds = _EPISODE.get(None)
+        seeds = EPISODE_SEEDS.get(None)
         if seeds is not None:
             params = [
                 dataclasses.replace(p, seed=seeds.next()) if p.seed is None and p.temperature > 0 else p for p in params

@@ -40,7 +40,7 @@ from typing import Any
 from areno.observe.session import session
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
-from areno.workflows.base import RolloutWorkflow, _import_dotted
+from areno.workflows.base import RolloutWorkflow, _import_dotted, fork_episode_seeds
 from areno.workflows.interaction import ExportStyle
 from areno.workflows.openai_client import AgentProxy, ArenoAsyncOpenAI
 from areno.workflows.tools import ToolCall, ToolSet, calculator, calculator_tool, parse_tool_calls
@@ -148,6 +148,7 @@ class AgentWorkflow(RolloutWorkflow):
     async def _aepisode(
         self, rollout_client: RolloutClient, sample: dict[str, Any], group_id: str, index: int
     ) -> list[Trajectory] | None:
+        fork_episode_seeds(index)  # a task of its own (gather): its requests' seeds, whatever the others' timing
         with session(sample=describe_row(sample), group_id=group_id, episode=index, workflow="agent") as rec:
             if self.proxy:  # the agent gets a base URL on 127.0.0.1 and may use any HTTP client
                 if self._proxy is None:

@@ -15,6 +15,7 @@ import inspect
 import logging
 import math
 import os
+import random
 import re
 import traceback
 import uuid
@@ -36,6 +37,32 @@ EPISODE_SEED: contextvars.ContextVar[int] = contextvars.ContextVar("areno_episod
 """The seed of the episode running in this context, set by the engine from the sample's place in the
 data order (training rollouts only): a workflow that draws its own random numbers seeds them from it,
 so a resumed run draws what the uninterrupted one drew."""
+
+
+class EpisodeSeeds:
+    """The sampling seeds of an episode's unseeded requests, in the order they are made: ``seed``, ``seed + 1``, ..."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.calls = 0
+
+    def next(self) -> int:
+        self.calls += 1
+        return self.seed + self.calls - 1
+
+
+EPISODE_SEEDS: contextvars.ContextVar[EpisodeSeeds] = contextvars.ContextVar("areno_episode_seeds")
+"""The running episode's seed stream (set with ``EPISODE_SEED`` by the engine's sample ledger)."""
+
+
+def fork_episode_seeds(index: int) -> None:
+    """Give the concurrent part ``index`` of an episode (one of an agent's n runs, a task of its own) a seed
+    stream of its own, in this task's context: they drew from one stream in the order their requests
+    arrived, which the timing decides, so a resumed or repeated run could sample otherwise."""
+    seeds = EPISODE_SEEDS.get(None)
+    if seeds is not None:
+        EPISODE_SEEDS.set(EpisodeSeeds(random.Random(f"{seeds.seed}/part/{index}").getrandbits(52)))
+
 
 EpisodeResult = Trajectory | list[Trajectory] | None
 """What ``run_episode`` returns: one trajectory, a group (GRPO: n samples of one prompt), or None

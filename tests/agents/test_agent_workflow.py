@@ -257,3 +257,34 @@ def test_a_dropped_episode_is_recorded_as_an_error(scripted, char_tokenizer, tmp
     assert errors[0] == "RuntimeError: agent bug" and any("timeout_s=2s" in e for e in errors)
     assert any("no completion call" in e for e in errors) and any("'0.5'" in e for e in errors)
     assert all(sum(e["kind"] == "dropped" for e in r["events"]) == (r["status"] == "error") for r in records)
+
+
+def test_an_agents_runs_draw_seeds_of_their_own_whatever_their_timing(scripted, char_tokenizer):
+    """The n runs of one episode are tasks of their own: each gets a seed stream of its own from the episode's
+    (they drew from one stream in the order their requests arrived, which timing decides)."""
+    from areno.workflows.base import EPISODE_SEEDS, EpisodeSeeds
+
+    def agent_for(delays):
+        async def agent(client, sample):
+            index = len(seen)
+            seen.append(None)
+            await asyncio.sleep(delays[index])
+            seen[index] = [EPISODE_SEEDS.get().next() for _ in range(2)]
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            return 1.0
+
+        return agent
+
+    def seeds(delays):
+        async def episode():
+            EPISODE_SEEDS.set(EpisodeSeeds(1000))
+            wf = workflow(char_tokenizer, agent_for(delays), n_samples=2, export_style="individual")
+            await wf.run_episode(scripted(lambda p: "ok"), {"prompt": "hi"})
+
+        seen.clear()
+        asyncio.run(episode())
+        return list(seen)
+
+    seen: list = []
+    first, second = seeds([0.0, 0.05]), seeds([0.05, 0.0])
+    assert first == second and first[0] != first[1] and first[0][1] == first[0][0] + 1
