@@ -63,27 +63,21 @@ def test_a_recipe_named_by_its_function_names_its_registered_name(user_dir):
     assert resolve_name("walk41_recipes:second") == "second"
 
 
-def test_a_recipe_name_registered_twice_names_the_first_ones_module_and_the_line(user_dir):
+@pytest.mark.parametrize("named", ["file", "module"])
+def test_a_recipe_name_registered_twice_names_the_first_ones_module_and_the_users_line(user_dir, named):
     (user_dir / "walk41_recipes.py").write_text(RECIPES)
     (user_dir / "dup.py").write_text(
         "import walk41_recipes\nfrom areno.recipes import recipe\n\n\n@recipe('second')\ndef mine():\n    pass\n"
     )
     with pytest.raises(ConfigError) as info:
-        resolve_name("./dup.py:second")
+        resolve_name("./dup.py:second" if named == "file" else "dup:second")
+    where = (
+        f"{user_dir / 'dup.py'} failed at line 5" if named == "file" else f"dup failed at {user_dir / 'dup.py'} line 5"
+    )
     assert str(info.value) == (
-        f"train.algorithm: importing {user_dir / 'dup.py'} failed at line 5: ConfigError: recipe 'second' is "
-        "already registered by second in walk41_recipes: register mine under another name: fix the module"
+        f"train.algorithm: importing {where}: ConfigError: recipe 'second' is already registered by second in "
+        "walk41_recipes: register mine under another name: fix the module"
     )
-
-
-def test_a_recipe_name_registered_twice_in_a_dotted_module_names_the_users_line(user_dir):
-    (user_dir / "walk41_recipes.py").write_text(RECIPES)
-    (user_dir / "dup2.py").write_text(
-        "import walk41_recipes\nfrom areno.recipes import recipe\n\n\n@recipe('second')\ndef mine():\n    pass\n"
-    )
-    with pytest.raises(ConfigError) as info:
-        resolve_name("dup2:second")
-    assert f"importing dup2 failed at {user_dir / 'dup2.py'} line 5: ConfigError: recipe 'second'" in str(info.value)
 
 
 def test_an_error_inside_a_module_the_user_imports_still_names_its_line(user_dir):
