@@ -1094,8 +1094,9 @@ class ArenoEngine:
         try:
             metrics = rollout.update_weights(update)
         finally:
-            if self.asynchronous:
+            if self.executor is not None:  # the pool's version: rollout/version, and the staleness bound's
                 self.executor.set_version(rollout.version)
+            if self.asynchronous:
                 if not self.taking_turns:  # taking turns, it generates at the next wait for a batch
                     rollout.resume()
                 self.executor.resume()
