@@ -39,6 +39,10 @@ from areno.specializations.base import (
 )
 from areno.types import TokenBatch
 
+ROLLOUT_INDEX_KEY = "rollout_index_B"
+"""Batch extra key the RecipeRunner adds before ``prepare_batch``: each sequence's index in the step's
+rollout batch, so that a later pass finds the sequences a prepared batch kept (dynamic sampling drops some)."""
+
 
 class RecipeRunner:
     """Dispatches a recipe's roles onto their ``TrainBackend``s (one per role name; two roles may
@@ -91,6 +95,8 @@ class RecipeRunner:
         """Compare the rollout's log-probs with the trainer's own, per step (see ``step``)."""
         self._first_pass: dict[str, TokenBatch] | None = None
         """The last first pass's prepared batches (per trainable role), reused by later passes."""
+        self._first_pass_seqs = 0
+        """The sequences of the last first pass's rollout batch (a prepared batch may keep fewer)."""
 
     def roles_to_sync(self) -> list[str]:
         """Roles whose weights go to the rollout engine after a step."""
@@ -105,7 +111,7 @@ class RecipeRunner:
             prepared = self._later_pass(rollout_data, pass_order)
         else:
             prepared = self._prepare(rollout_data, trainable)
-            self._first_pass = prepared
+            self._first_pass, self._first_pass_seqs = prepared, rollout_data.num_seqs
         metrics: dict[str, float] = {}
         for part in self._minibatches(prepared):  # logged: the last minibatch's metrics
             metrics = self._train(part, trainable)
@@ -130,13 +136,24 @@ class RecipeRunner:
     def _later_pass(self, rollout_data: TokenBatch, pass_order: list[int]) -> dict[str, TokenBatch]:
         if self._first_pass is None:
             raise ValueError("RecipeRunner.step(pass_order=...) needs a first pass (pass_order=None) on this rollout")
-        n = next(iter(self._first_pass.values())).num_seqs
+        n = self._first_pass_seqs
         if sorted(pass_order) != list(range(n)) or rollout_data.num_seqs != n:
             raise ValueError(
                 f"pass_order must be a permutation of the first pass's {n} sequences; "
                 f"got {len(pass_order)} indices for a batch of {rollout_data.num_seqs}"
             )
-        return {name: batch.select(list(pass_order)) for name, batch in self._first_pass.items()}
+        out = {}
+        for name, batch in self._first_pass.items():
+            # the rollout sequences the prepared batch holds (dynamic sampling drops some), in the new order
+            index_B = batch.extra.get(ROLLOUT_INDEX_KEY)
+            if index_B is None and batch.num_seqs != n:
+                raise ValueError(
+                    f"role {name!r}: its prepare_batch kept {batch.num_seqs} of the {n} sequences without "
+                    f"batch.extra[{ROLLOUT_INDEX_KEY!r}] (select the batch it was given: extra follows the sequences)"
+                )
+            at = {i: i for i in range(n)} if index_B is None else {int(i): k for k, i in enumerate(index_B.tolist())}
+            out[name] = batch.select([at[i] for i in pass_order if i in at])
+        return out
 
     def _prepare(
         self, rollout_data: TokenBatch, trainable: list[str], *, measure: bool = True
@@ -163,6 +180,7 @@ class RecipeRunner:
                 extra={
                     **rollout_data.extra,
                     POLICY_VERSION_KEY: torch.full((rollout_data.num_seqs,), self.versions[r.name], dtype=torch.long),
+                    ROLLOUT_INDEX_KEY: torch.arange(rollout_data.num_seqs),
                 },
             )
             for r in self.config.roles
@@ -222,10 +240,11 @@ class RecipeRunner:
                     loss_fn=spec.compute_loss,
                     denominator_fn=spec.step_denominator,
                 )
-                if skipped:  # the statistics (reduce_stats': "actor/ratio", ...) as means over the trained tokens
-                    kept = spec.denominator(batch)
-                    scale = spec.step_denominator(batch) / kept if kept else 0.0
-                    result = {k: v * scale if "/" in k else v for k, v in result.items()}
+                # the statistics (reduce_stats': "actor/ratio", ...) as means over the trained tokens; none
+                # where no token trained (dapo, every group's rewards equal): a mean of nothing read as 0
+                kept = spec.denominator(batch) if skipped else result.get("loss_denominator", 1.0)
+                scale = spec.step_denominator(batch) / kept if skipped and kept else 1.0
+                result = {k: v * scale if "/" in k else v for k, v in result.items() if kept or "/" not in k}
                 metrics.update({f"{name}/{k}": float(v) for k, v in result.items()})
                 if skipped is not None:
                     metrics[f"{name}/skipped_zero_grad_seqs"] = float(skipped)
