@@ -23,7 +23,7 @@ from areno.algo.aggregation import (
     aggregation_weights_T,
     statistics_weights_T,
 )
-from areno.algo.filters import dynamic_sampling_keep_B, overlong_penalty_B
+from areno.algo.filters import dynamic_sampling_keep_B, dynamic_sampling_kept, overlong_penalty_B
 from areno.algo.kl import KL_ESTIMATORS, LOSS_KL_ESTIMATORS, kl_estimate_T, kl_reward_penalty_T
 from areno.algo.losses import (
     bradley_terry_loss_B,

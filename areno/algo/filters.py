@@ -8,16 +8,26 @@ from __future__ import annotations
 
 import torch
 
-from areno.algo.advantages import group_mean_std_B
+from areno.algo.advantages import group_index_B, group_mean_std_B
+from areno.types import Trajectory
 
 
 def dynamic_sampling_keep_B(rewards_B: torch.Tensor, group_B: torch.Tensor, *, atol: float = 1e-6) -> torch.Tensor:
     """bool [B]: keep the sequences of groups whose rewards are not all equal (DAPO dynamic
     sampling). An all-correct or all-wrong group gives zero GRPO advantage and only dilutes the
-    batch. DAPO keeps *sampling* until the batch is full; here the filter only drops, and the
-    caller decides whether to over-sample (a departure: the batch may shrink)."""
+    batch. The filter only drops; the rollout samples again until the batch is full
+    (``dynamic_sampling_kept``)."""
     _, std_B = group_mean_std_B(rewards_B, group_B)
     return std_B > atol
+
+
+def dynamic_sampling_kept(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """The trajectories of a finished episode that dynamic sampling keeps: ``dynamic_sampling_keep_B``
+    over their rewards (fp32, as the training batch holds them) and group ids, so the rollout keeps
+    exactly what training would."""
+    rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    keep_B = dynamic_sampling_keep_B(rewards_B, group_index_B([t.group_id for t in trajectories]))
+    return [t for t, keep in zip(trajectories, keep_B.tolist(), strict=True) if keep]
 
 
 def overlong_penalty_B(

@@ -35,13 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from areno.algo.filters import dynamic_sampling_kept
 from areno.data.datasets import PAIR_KEYS, build_splits
 from areno.data.offline import Rendered, RenderedRows
 from areno.data.prompts import render_completion, render_prompt
 from areno.data.tasks import PromptStream
 from areno.data.tokenizer import TOKENIZER_FILES, build_char_tokenizer, load_pretrained_tokenizer
 from areno.engine.config import ArenoConfig, build_rollout_engine_config, build_train_backend_config, check_unset
-from areno.engine.executor import WorkflowExecutor
+from areno.engine.executor import GroupFilter, RolloutPoolBroken, WorkflowExecutor
 from areno.engine.host import HeapFreezer
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
 from areno.engine.residency import Phase, Residency
@@ -60,7 +61,7 @@ from areno.recipes.registry import resolve_name
 from areno.rewards.loader import check_reward_started, load_reward, start_reward
 from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.store import InProcessStore, fetch_refs, release_refs
-from areno.specializations.actor import ActorSpecialization
+from areno.specializations.actor import ActorConfig, ActorSpecialization
 from areno.specializations.base import RUN_SET_OPTIONS, takes_option
 from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecialization, pair_metrics
 from areno.train import checkpoint
@@ -929,6 +930,7 @@ class ArenoEngine:
         # ahead of training); episodes sample with seeds from their place in the data order.
         self.ledger = SampleLedger(self.train_stream)
         workflow = LedgerWorkflow(workflow, self.ledger, seed=cfg.train.seed)
+        group_filter, max_rounds = self._group_filter()
         return WorkflowExecutor(
             SeedingClient(self._rollout_side("an online recipe's rollouts").client),
             workflow,
@@ -938,7 +940,22 @@ class ArenoEngine:
             max_retries=cfg.rollout.max_retries,
             max_consecutive_dropped=cfg.rollout.max_consecutive_dropped,
             store=self.store,
+            group_filter=group_filter,
+            max_filtered_batches=max_rounds if group_filter is not None else 0,
         )
+
+    def _group_filter(self) -> tuple[GroupFilter | None, int]:
+        """The rollout's group filter and its rounds: DAPO's dynamic sampling where the policy role runs
+        ``ActorConfig.dynamic_sampling`` with ``dynamic_sampling_max_rounds`` > 1 (None, 1: no filter; the
+        training side's own drop is the one left)."""
+        policy = self.recipe.policy_role
+        config_cls = policy.specialization_cls.config_cls
+        if config_cls is None or not issubclass(config_cls, ActorConfig):
+            return None, 1
+        options = config_cls(**policy.init_kwargs)
+        if not options.dynamic_sampling or options.dynamic_sampling_max_rounds == 1:
+            return None, 1
+        return dynamic_sampling_kept, options.dynamic_sampling_max_rounds
 
     # ----------------------------------------------------------------------------- the loop
     def generate_rollout(self, rollout_id: int) -> RolloutBatch:
@@ -953,18 +970,14 @@ class ArenoEngine:
             metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version, batch)}
         elif self.recipe.online:
             self._enter(Phase.ROLLOUT)
-            samples = self.ledger.take(cfg.rollout.batch_size)
-            seqs = [self.ledger.lookup(s)[0] for s in samples]
-            rollout = self._rollout_side("a synchronous rollout")
-            rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
-            self.executor.client.hold(rollout.resume)
-            trajectories, batch = self.executor.rollout_packed(samples)
-            self.executor.client.release_now()
-            self.ledger.trained(seqs)
+            groups, rounds = self._synchronous_groups(cfg.rollout.batch_size)
+            trajectories = [t for group, _ in groups for t in group]
+            batch = TokenBatch.concat([part for _, part in groups])
             metrics = {
                 **self.executor.metrics(),  # failures, drops and refusals count in synchronous runs too
                 **rollout_metrics(trajectories, self.version, batch),
                 **self._phase_metrics(),
+                **({"rollout/sampling_rounds": float(rounds)} if self.executor.group_filter is not None else {}),
             }
         else:
             indices = self.train_stream.take_indices(cfg.rollout.batch_size)
@@ -986,6 +999,51 @@ class ArenoEngine:
         if batch.images_B and self.store is not None:  # the pixels stayed in the store until now
             batch.images_B = fetch_refs(batch.images_B, self.store)
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
+
+    def _synchronous_groups(self, batch_size: int) -> tuple[list[tuple[list[Trajectory], TokenBatch]], int]:
+        """A synchronous step's groups and packed parts, and the rounds it took: ``batch_size`` samples; with
+        the rollout's group filter (dynamic sampling), more rounds while groups are missing, each sized by
+        the step's share of samples kept so far (at most ``batch_size``), up to ``max_filtered_batches``
+        rounds. Groups past ``batch_size`` (the last round's last) are done untrained; a step whose rounds
+        kept no group stops the run."""
+        executor = self.executor
+        max_rounds = executor.max_filtered_batches if executor.group_filter is not None else 1
+        rollout = self._rollout_side("a synchronous rollout")
+        groups: list[tuple[list[Trajectory], TokenBatch]] = []
+        handed: dict[int, dict[str, Any]] = {}  # ledger number -> sample, in hand-out order
+        rounds = 0
+        while True:
+            missing = batch_size - len(groups)
+            n = batch_size if not groups else min(batch_size, -(-missing * len(handed) // len(groups)))
+            samples = self.ledger.take(n)
+            handed.update((self.ledger.lookup(s)[0], s) for s in samples)
+            rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
+            executor.client.hold(rollout.resume)
+            groups.extend(executor.rollout_groups(samples))
+            executor.client.release_now()
+            rounds += 1
+            if len(groups) >= batch_size or rounds >= max_rounds:
+                break
+        if executor.group_filter is not None and not groups:
+            raise RolloutPoolBroken(
+                f"dynamic sampling kept no group of this step's {len(handed)} samples ({rounds} rounds): every group's "
+                "rewards were equal (the policy solves, or fails, every prompt alike); use harder or easier prompts, "
+                f"or raise train.algorithm_kwargs.dynamic_sampling_max_rounds ({max_rounds})"
+            )
+        if len(groups) < batch_size and executor.group_filter is not None:
+            logger.warning(
+                "dynamic sampling kept %d of %d groups in %d rounds (%d samples): this step trains on fewer; raise "
+                "train.algorithm_kwargs.dynamic_sampling_max_rounds (%d) to sample more",
+                len(groups),
+                batch_size,
+                rounds,
+                len(handed),
+                max_rounds,
+            )
+        for group, _ in groups[batch_size:]:  # surplus of the last round: done untrained, as a filtered one
+            self.ledger.release(handed.pop(group[0].info[SEQ_KEY]))
+        self.ledger.trained(list(handed))
+        return groups[:batch_size], rounds
 
     def _offline_trajectories(self, split: str, rows: list[dict], indices: list[int]) -> list[Trajectory]:
         """An offline recipe's trajectories of ``rows[i]`` for ``indices`` (``rows``: split ``split``'s): two

@@ -44,7 +44,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,10 @@ class RolloutPoolBroken(RunFailure):
     training_side_intact = True
     """The training side is not touched by it: the Trainer saves an emergency checkpoint of the
     step reached before the run stops."""
+
+
+GroupFilter = Callable[[list[Trajectory]], list[Trajectory]]
+"""The trajectories of a finished group to train (``WorkflowExecutor``'s ``group_filter``)."""
 
 
 class DatasetExhausted(RuntimeError):
@@ -144,6 +148,8 @@ class WorkflowExecutor:
         abort_stale: bool = True,
         episode_timeout_s: float | None = None,
         max_consecutive_dropped: int = 16,
+        group_filter: GroupFilter | None = None,
+        max_filtered_batches: int = 0,
     ) -> None:
         """
         Args:
@@ -171,6 +177,12 @@ class WorkflowExecutor:
                 that will never come (0: never stop). So do this many batches' worth of samples in a
                 row without a group, rejected or dropped (a workflow that keeps no row): a bound in
                 batches, as one that keeps a few rows in many has long runs of rejections.
+            group_filter: the trajectories of each finished group to keep (DAPO's dynamic sampling: those
+                of its groups with varied rewards); a group it keeps none of is ``filtered`` (counted in
+                ``rollout/filtered_groups``, its sample done untrained) and the pool samples another, as
+                for a rejected one.
+            max_filtered_batches: this many batches' worth of samples in a row filtered whole stop the
+                run (both paths; 0: never): the policy solves, or fails, every prompt alike.
         """
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
@@ -180,6 +192,11 @@ class WorkflowExecutor:
         self._dropped_in_a_row = 0
         self._without_group: collections.Counter[str] = collections.Counter()  # since the last group: status -> n
         self._requeues_due = 0  # stale groups the trainer dropped whose samples the loop has yet to queue again
+        if max_filtered_batches < 0:
+            raise ValueError(f"max_filtered_batches must be >= 0 (0: never stop), got {max_filtered_batches}")
+        self.group_filter = group_filter
+        self.max_filtered_batches = max_filtered_batches
+        self._filtered_in_a_row = 0
         if episode_timeout_s is not None and episode_timeout_s <= 0:
             raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
         self.episode_timeout_s = episode_timeout_s
@@ -206,6 +223,8 @@ class WorkflowExecutor:
         self._results: collections.deque[_Finished] = collections.deque()
         self._results_cond = threading.Condition()
         self.stats = PoolStats(self.num_workers)
+        if group_filter is not None:  # reported from the first step, as 0 until a group is filtered
+            self.stats.counts.update(filtered_groups=0, filtered_trajectories=0)
         self._worker_error: BaseException | None = None
         self.abort_stale = abort_stale
         self._in_flight: dict[int, tuple[asyncio.Future, int]] = {}
@@ -408,6 +427,9 @@ class WorkflowExecutor:
         finally:
             self._in_flight.pop(task.index, None)
             self.stats.busy_s += time.monotonic() - t0
+        if status == "ok":
+            group = self._filtered(group)
+            status = "ok" if group else "filtered"
         self._count_outcome(status, pool=True)
         if status == "ok":
             assert group is not None
@@ -422,7 +444,7 @@ class WorkflowExecutor:
             self._pending.appendleft(task)
         elif status == "aborted_stale":
             self._requeue_stale(task)
-        else:  # rejected, or dropped after its attempts: done, untrained
+        else:  # rejected, filtered, or dropped after its attempts: done, untrained
             self._release(task.sample)
         self.staleness.on_reject()
 
@@ -449,6 +471,23 @@ class WorkflowExecutor:
     def _release(self, sample: dict[str, Any]) -> None:
         if self._dataset_iter is not None:
             self._dataset_iter.release(sample)
+
+    def _filtered(self, group: list[Trajectory] | None) -> list[Trajectory] | None:
+        """``group_filter``'s part of a finished group (all of it without a filter); the observations of
+        the trajectories left out are released, and they are counted."""
+        if self.group_filter is None or not group:
+            return group
+        kept = self.group_filter(group)
+        if len(kept) == len(group):
+            return group
+        kept_ids = {id(t) for t in kept}
+        left_out = [t for t in group if id(t) not in kept_ids]
+        if self.store is not None:
+            release_refs([t.info for t in left_out], self.store)
+        self.stats.counts["filtered_trajectories"] += len(left_out)
+        if not kept:
+            self.stats.counts["filtered_groups"] += 1
+        return kept
 
     # ------------------------------------------------------------------ collection (trainer thread)
     def _drop_stale_locked(self) -> None:
@@ -529,18 +568,24 @@ class WorkflowExecutor:
     def rollout_batch(self, samples: list[dict[str, Any]]) -> list[Trajectory]:
         """Run every sample's episode concurrently and return all trajectories (groups adjacent,
         in sample order). Failed episodes are retried up to ``max_retries``; rejected and finally
-        failed samples contribute nothing."""
-        return self._rollout(samples, pack=False)[0]
+        failed samples (and groups ``group_filter`` keeps nothing of) contribute nothing."""
+        return [t for group, _ in self._rollout(samples, pack=False) for t in group]
 
     def rollout_packed(self, samples: list[dict[str, Any]]) -> tuple[list[Trajectory], TokenBatch]:
         """``rollout_batch`` and its trajectories packed (what ``TokenBatch.from_trajectories`` makes
         of them). Each group is packed on the loop as its episode ends, while the later groups still
         decode and score their completions, so after the last episode only its own group's packing
         and one concatenation are left."""
-        trajectories, parts = self._rollout(samples, pack=True)
-        return trajectories, TokenBatch.concat(parts)
+        groups = self._rollout(samples, pack=True)
+        return [t for group, _ in groups for t in group], TokenBatch.concat([part for _, part in groups])
 
-    def _rollout(self, samples: list[dict[str, Any]], *, pack: bool) -> tuple[list[Trajectory], list[TokenBatch]]:
+    def rollout_groups(self, samples: list[dict[str, Any]]) -> list[tuple[list[Trajectory], TokenBatch]]:
+        """``rollout_packed`` group by group: each kept group (in sample order) and its packed batch."""
+        return self._rollout(samples, pack=True)
+
+    def _rollout(
+        self, samples: list[dict[str, Any]], *, pack: bool
+    ) -> list[tuple[list[Trajectory], TokenBatch | None]]:
         loop = self._ensure_loop()
         if threading.current_thread() is self._thread:
             raise RuntimeError("rollout_batch() is synchronous; call it from outside the rollout loop")
@@ -553,8 +598,9 @@ class WorkflowExecutor:
         results = (drive(submit) if drive is not None else submit()).result()
         if isinstance(self._worker_error, RolloutPoolBroken):  # rollout.max_consecutive_dropped samples in a row
             raise RolloutPoolBroken(str(self._worker_error))
-        trajectories = [traj for group, _ in results if group for traj in group]
-        if samples and not trajectories:
+        kept = [(group, part) for group, part in results if group]
+        filtered = self.stats.counts["filtered_groups"] - before.get("filtered_groups", 0)
+        if samples and not kept and not filtered:
 
             def since(name: str) -> int:
                 return self.stats.counts[name] - before.get(name, 0)
@@ -567,16 +613,33 @@ class WorkflowExecutor:
                 "rejected by the workflow: "
                 f"{self._attempts.drop_advice if dropped else 'rollout.workflow returned None for every sample (see its warnings above)'}"
             )
-        return trajectories, [part for _, part in results if part is not None]
+        return kept
 
     def _count_outcome(self, status: str, *, pool: bool = False) -> None:
         """Samples in a row without a group (both paths): ``max_consecutive_dropped`` dropped after all their
         attempts break the pool (``_worker_error``), the cause named; in the everlasting pool (``pool``), so do
-        as many batches' worth rejected or dropped (a synchronous batch has its own check: one with no
-        trajectory at all stops the run, and its rows finish in any order, so a streak would span batches)."""
+        as many batches' worth rejected or dropped, and ``max_filtered_batches`` batches' worth filtered (a
+        synchronous batch has its own checks: one with no trajectory at all stops the run, as does a step whose
+        re-sampling rounds kept no group; its rows finish in any order, so a streak would span batches)."""
         if status == "ok":
             self._dropped_in_a_row = 0
+            self._filtered_in_a_row = 0
             self._without_group.clear()
+            return
+        if status == "filtered":
+            if not pool:
+                return
+            self._filtered_in_a_row += 1
+            batch = self.staleness.batch_size if self.staleness is not None else 0
+            bound = self.max_filtered_batches * batch
+            if self._worker_error is None and bound and self._filtered_in_a_row >= bound:
+                self._worker_error = RolloutPoolBroken(
+                    f"dynamic sampling kept no group of the last {self._filtered_in_a_row} samples: every group's "
+                    "rewards were equal (the policy solves, or fails, every prompt alike); use harder or easier "
+                    f"prompts, or raise train.algorithm_kwargs.dynamic_sampling_max_rounds ({self.max_filtered_batches} "
+                    "batches of samples in a row without a group stop the run)"
+                )
+                logger.error("%s", self._worker_error)
             return
         if status not in ("rejected", "dropped"):
             return  # retried or re-queued: not over yet
@@ -618,6 +681,9 @@ class WorkflowExecutor:
                     t0 = time.monotonic()
                     status, group = await self._attempts.arun(task)
                     self.stats.busy_s += time.monotonic() - t0
+                    if status == "ok":
+                        group = self._filtered(group)
+                        status = "ok" if group else "filtered"
                     if status != "retry":
                         self._count_outcome(status)
                         if status != "ok":

@@ -152,8 +152,11 @@ def dapo(max_completion_length: int | None = None, overlong_buffer_length: int |
     the paper (20480 generated tokens, of which the last L_buf = 4096 are the buffer); L_buf =
     overlong_buffer_length defaults to L_max // 5 (at least 1), the paper's ratio, so a completion
     cut at the limit gets -1. A length whose penalty
-    can never fire (L_max - L_buf >= rollout.max_new_tokens) is warned about. Departure: dropped
-    groups are not re-sampled, the step trains on fewer (``train/<role>/dynamic_sampling_dropped_seqs``).
+    can never fire (L_max - L_buf >= rollout.max_new_tokens) is warned about. As in the paper, the rollout
+    samples again until the batch holds rollout.batch_size groups that pass: a synchronous step in up to
+    dynamic_sampling_max_rounds rounds (10; ``rollout/sampling_rounds``), the asynchronous pool as it goes
+    (``rollout/filtered_groups``); that many batches' worth of samples in a row without a passing group stop
+    the run. dynamic_sampling_max_rounds=1 samples once: the step trains on the groups that pass, or none.
     """
     max_length = _max_length("dapo", max_completion_length)
     buffer = overlong_buffer_length if isinstance(overlong_buffer_length, int) else max(1, max_length // 5)

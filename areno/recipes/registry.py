@@ -398,6 +398,13 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
     ),
     InertOption(
         ActorSpecialization,
+        "dynamic_sampling_max_rounds",
+        lambda s: not s["dynamic_sampling"],
+        "dynamic sampling is off (dynamic_sampling is false), so no group is filtered or sampled again",
+        "drop it, or set dynamic_sampling=true too",
+    ),
+    InertOption(
+        ActorSpecialization,
         "overlong_buffer_length",
         lambda s: s["overlong_max_length"] is None,
         "the overlong penalty is off (overlong_max_length is null)",

@@ -121,7 +121,16 @@ class ActorConfig:
     """What exceeding the cap does: ``mask`` drops the token, ``truncate`` clips the weight."""
     # ---------------------------------------------------------------- batch shaping
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal before the overlong penalty (DAPO's dynamic sampling)."""
+    """Leave out groups whose rewards are all equal before the overlong penalty (DAPO's dynamic sampling):
+    the rollout keeps sampling until the batch holds ``rollout.batch_size`` groups with varied rewards
+    (``dynamic_sampling_max_rounds``); training drops whatever such groups still reach it."""
+    dynamic_sampling_max_rounds: int = 10
+    """With ``dynamic_sampling``: the samples a step may generate for its batch, in rounds of
+    ``rollout.batch_size``. A synchronous step runs up to this many generation rounds (each sized by
+    the step's share of groups kept so far) and trains on the groups it kept; the asynchronous pool
+    generates until the batch is full. Either stops the run when this many batches' worth of samples in
+    a row kept no group (the policy solves, or fails, every prompt alike). 1: no re-sampling (the step
+    trains on the groups of its one batch that pass, or on none)."""
     overlong_max_length: int | None = None
     """Completion length past which DAPO's overlong penalty applies; None: no penalty."""
     overlong_buffer_length: int = 0
@@ -195,6 +204,11 @@ class ActorConfig:
             not self.use_decoupled_loss or self.policy_loss == "ppo",
             "use_decoupled_loss",
             f"works with policy_loss='ppo' only, got {self.policy_loss!r}",
+        )
+        check(
+            self.dynamic_sampling_max_rounds >= 1,
+            "dynamic_sampling_max_rounds",
+            f"must be >= 1 (1: no re-sampling), got {self.dynamic_sampling_max_rounds}",
         )
         check(
             self.overlong_max_length is None or 0 < self.overlong_buffer_length <= self.overlong_max_length,

@@ -171,3 +171,16 @@ def hostile(prompt: str, completion: str, answer=None, **row) -> float:
             f.write("x")
         return float(os.path.basename(os.getcwd()).startswith("areno-reward-"))
     return 0.0
+
+
+def flat_on_odd_prompts(prompt, completion, answer=None, **row):
+    """0 for every completion of a prompt whose characters' codes sum to an odd number (a group dynamic
+    sampling filters), else ``first_char``'s score, which varies within a group."""
+    if sum(map(ord, prompt)) % 2:
+        return 0.0
+    return first_char(prompt, completion)
+
+
+def flat(prompt, completion, answer=None, **row):
+    """The same score for every completion: every group's rewards are equal."""
+    return 0.5
