@@ -642,8 +642,12 @@ def rollout_metrics(trajectories: list[Trajectory], version: int, batch: TokenBa
     return {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "rollout/reward_min": rewards.min().item(),
+        "rollout/reward_max": rewards.max().item(),
         "rollout/reward_nonfinite": float(nonfinite),
         "rollout/completion_len_mean": lengths.mean().item(),
+        "rollout/completion_len_min": lengths.min().item(),
+        "rollout/completion_len_max": lengths.max().item(),
         "rollout/num_seqs": float(len(trajectories)),
         "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
         "rollout/truncated_frac": sum(t.finish_reason == "length" for t in trajectories) / len(trajectories),

@@ -216,7 +216,7 @@ class TestRolloutManager:
             by_row = list(groups.values())
             scored = eval_metrics([[t.reward for t in g] for g in by_row], by_row, self.pass_threshold)
             metrics.update({k: v for k, v in scored.items() if k.startswith("eval/pass@")})
-            metrics["eval/num_rows"] = float(len(by_row))
+        metrics["eval/num_rows"] = float(len(groups))  # the rows that came back, also where some lost samples
         return {**metrics, "eval/time_s": time.perf_counter() - t0}
 
     def pop_results(self) -> list[tuple[int, dict[str, float]]]:
@@ -355,7 +355,7 @@ def test_metrics(step: int, metrics: dict[str, float]) -> dict[str, float]:
     return {
         **passes,
         "test/accuracy": metrics["eval/reward_mean"],
-        "test/num_prompts": metrics.get("eval/num_rows", metrics["eval/num_trajectories"]),
+        "test/num_prompts": metrics["eval/num_rows"],
         "test/reward_errors": metrics["eval/reward_errors"],
         "test/load_s": metrics["eval/load_s"],
         "test/time_s": metrics["eval/time_s"],

@@ -210,10 +210,16 @@ class RecipeRunner:
             self._batch_metrics |= logprob_diff_metrics(
                 rollout_data.logprobs_T, forward(synced[0])["logprobs_T"], rollout_data.loss_mask_T.bool() & current_T
             )
-        return {
+        prepared = {
             name: check_returns_batch(self.specs[name].prepare_batch(data[name]), self.specs[name], "prepare_batch")
             for name in trainable
         }
+        if measure:  # what the prepared batches hold (the advantages)
+            for name in trainable:
+                self._batch_metrics |= {
+                    f"{name}/{key}": value for key, value in self.specs[name].batch_metrics(prepared[name]).items()
+                }
+        return prepared
 
     _batch_metrics: dict[str, float] = {}
     """The step's figures of its rollout batch, the same for every pass over it."""

@@ -47,7 +47,14 @@ from areno.algo import (
     statistics_weights_T,
 )
 from areno.errors import ConfigError, check_types
-from areno.specializations.base import POLICY_VERSION_KEY, Metrics, ModelSpecialization, Reducer, reduce_stats
+from areno.specializations.base import (
+    POLICY_VERSION_KEY,
+    Metrics,
+    ModelSpecialization,
+    Reducer,
+    kept_sequences,
+    reduce_stats,
+)
 from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
 
@@ -141,8 +148,8 @@ class ActorConfig:
     """Leave sequences whose advantages are all zero (a GRPO group whose rewards are all equal) out of
     the step's forward and backward, where the loss has no other term (``kl_coef`` 0 or the KL in the
     reward, ``entropy_coef`` 0): their gradient is zero and the loss keeps the whole batch's denominator,
-    so the update is the same up to summation order. Their tokens count as zero in the step's loss
-    statistics (``actor/pg_loss`` and the clip fractions). Not where the backend truncates long
+    so the update is the same up to summation order. The step's loss statistics (``actor/pg_loss`` and
+    the clip fractions) are means over the sequences it trained. Not where the backend truncates long
     sequences (``train.long_sequences=truncate``): that denominator is the truncated batch's."""
     logprob_chunk_size: int | None = None
     """Tokens per chunk of the LM head's log-prob computation (memory and speed, not values); None:
@@ -271,15 +278,43 @@ class ActorSpecialization(ModelSpecialization):
         return out_B if bool(out_B.any()) else None
 
     def prepare_metrics(self, rollout_data: TokenBatch) -> dict[str, float]:
-        """With ``dynamic_sampling``: ``dynamic_sampling_dropped_seqs`` / ``_groups``, what the filter drops
-        (every sequence when every group's rewards are equal: the step then trains on none)."""
+        """With the overlong penalty: ``overlong_penalty_mean`` over the batch's sequences. With
+        ``dynamic_sampling``: ``dynamic_sampling_dropped_seqs`` / ``_groups``, what the filter drops (every
+        sequence when every group's rewards are equal: the step then trains on none)."""
+        out = {}
+        if self.config.overlong_max_length is not None:  # the mean reward change the advantages see
+            out["overlong_penalty_mean"] = self._overlong_penalty_B(rollout_data).mean().item()
         keep_B = self._dynamic_sampling_keep_B(rollout_data)
         if keep_B is None:
-            return {}
+            return out
         dropped_groups = group_index_B(_group_ids(rollout_data))[~keep_B].unique().numel()
-        return {
+        return out | {
             "dynamic_sampling_dropped_seqs": float((~keep_B).sum()),
             "dynamic_sampling_dropped_groups": float(dropped_groups),
+        }
+
+    def _overlong_penalty_B(self, batch: TokenBatch) -> torch.Tensor:
+        """DAPO's soft overlong penalty of each sequence (``overlong_max_length`` set)."""
+        assert self.config.overlong_max_length is not None
+        return overlong_penalty_B(
+            _completion_lengths_B(batch),
+            max_length=self.config.overlong_max_length,
+            buffer_length=self.config.overlong_buffer_length,
+            penalty=self.config.overlong_penalty,
+        )
+
+    def batch_metrics(self, prepared: TokenBatch) -> dict[str, float]:
+        """``advantage_mean`` / ``_std`` / ``_min`` / ``_max`` over the loss tokens of the prepared batch (the
+        sequences dynamic sampling kept; none where no token has a loss)."""
+        mask_T = prepared.loss_mask_T.bool()
+        if not bool(mask_T.any()):
+            return {}
+        adv = prepared.advantages_T[mask_T].double()
+        return {
+            "advantage_mean": adv.mean().item(),
+            "advantage_std": adv.std(unbiased=False).item(),
+            "advantage_min": adv.min().item(),
+            "advantage_max": adv.max().item(),
         }
 
     def _dynamic_sampling_keep_B(self, rollout_data: TokenBatch) -> torch.Tensor | None:
@@ -298,20 +333,19 @@ class ActorSpecialization(ModelSpecialization):
         batch = rollout_data
         keep_B = self._dynamic_sampling_keep_B(batch)
         if self.config.overlong_max_length is not None:
-            lengths_B = _completion_lengths_B(batch)
-            penalty_B = overlong_penalty_B(
-                lengths_B,
-                max_length=self.config.overlong_max_length,
-                buffer_length=self.config.overlong_buffer_length,
-                penalty=self.config.overlong_penalty,
-            )
-            batch = dataclasses.replace(batch, rewards_B=batch.rewards_B + penalty_B)
+            batch = dataclasses.replace(batch, rewards_B=batch.rewards_B + self._overlong_penalty_B(batch))
         if keep_B is not None:
             if keep_B.any():
                 batch = batch.select(torch.nonzero(keep_B).flatten().tolist())
                 kept_B = keep_B.bool()
-            else:  # every group is degenerate: train on nothing this step
+            else:  # every group is degenerate: train on nothing this step, through one sequence without loss
+                # tokens (the shortest, as the runner keeps of a batch it skips whole): none is counted twice,
+                # as dropped and as skipped, and none is forwarded for nothing
+                one = kept_sequences(batch, torch.ones(batch.num_seqs, dtype=torch.bool))
+                batch = batch.select(one)
                 batch = dataclasses.replace(batch, loss_mask_T=torch.zeros_like(batch.loss_mask_T))
+                kept_B = torch.zeros(rollout_data.num_seqs, dtype=torch.bool)
+                kept_B[one] = True
         return self.compute_advantages(batch), kept_B
 
     def compute_advantages(self, rollout_data: TokenBatch) -> TokenBatch:

@@ -112,6 +112,11 @@ class ModelSpecialization(ABC):
         logs them as ``<role>/<key>``), e.g. the sequences it drops. Default: nothing."""
         return {}
 
+    def batch_metrics(self, prepared: TokenBatch) -> dict[str, float]:
+        """Figures of the batch ``prepare_batch`` made worth logging with the step (as ``<role>/<key>``),
+        e.g. its advantages. Default: nothing."""
+        return {}
+
     @abstractmethod
     def extract_model_output(self, model: nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Run the model on one packed micro-batch; keys end in their shape letter."""

@@ -270,7 +270,8 @@ def test_independent_roles_train_concurrently_and_shared_ones_serially():
     barrier = threading.Barrier(2, timeout=10)
     runner = RecipeRunner(recipe, {"policy": RecordingBackend(log, barrier), "value": RecordingBackend(log, barrier)})
     metrics = runner.step(rl_batch())
-    assert set(metrics) == {"policy/loss", "value/loss", "policy/skipped_zero_grad_seqs"}
+    advantages = {f"policy/advantage_{stat}" for stat in ("mean", "std", "min", "max")}
+    assert set(metrics) == {"policy/loss", "value/loss", "policy/skipped_zero_grad_seqs", *advantages}
     assert [e for e, _ in log if e != "forward"] == ["enter", "enter", "exit", "exit"]
     assert sum(e == "forward" for e, _ in log) == 1  # the critic's forward serves both the sync and its own targets
     shared_log = []
