@@ -278,12 +278,13 @@ def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[s
     summary = run_pipeline(config)
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     curve = Path(config.run_dir) / "curve.png"
+    steps = f"{config.train.steps} {config.train.algorithm} steps"  # the recipe an override chose
     if before is None or after is None:  # a resumed demo evaluated only after its steps (or none were left)
         held = "n/a" if after is None else f"{after:.1%}"
-        print(f"demo (resumed): held-out accuracy {held} after {config.train.steps} GRPO steps; curve: {curve}")
+        print(f"demo (resumed): held-out accuracy {held} after {steps}; curve: {curve}")
     else:
         print(
             f"demo: held-out accuracy {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) "
-            f"after {config.train.steps} GRPO steps; curve: {curve}"
+            f"after {steps}; curve: {curve}"
         )
     return summary

@@ -39,3 +39,11 @@ def test_demo_keeps_an_explicit_model_path(tmp_path, captured, capsys):
     assert Path(captured["config"].model.path) == tmp_path / "mine"
     out = capsys.readouterr().out
     assert "held-out accuracy 10.0% -> 25.0% (+15.0 points)" in out
+
+
+def test_the_demo_line_names_the_recipe_it_ran(tmp_path, captured, capsys):
+    """``areno demo train.algorithm=dapo`` said "after 120 GRPO steps"."""
+    pipeline.run_demo(run_dir=str(tmp_path / "run"), overrides=["train.algorithm=dapo"])
+    assert "after 120 dapo steps" in capsys.readouterr().out
+    pipeline.run_demo(run_dir=str(tmp_path / "run2"))
+    assert "after 120 grpo steps" in capsys.readouterr().out
