@@ -1015,7 +1015,7 @@ class ArenoEngine:
         rollout = self._rollout_side("a synchronous rollout")
         groups: list[tuple[list[Trajectory], TokenBatch]] = []
         handed: dict[int, dict[str, Any]] = {}  # ledger number -> sample, in hand-out order
-        rounds = 0
+        rounds, filtered_before = 0, executor.stats.counts["filtered_groups"]
         while True:
             missing = batch_size - len(groups)
             n = batch_size if not groups else min(batch_size, -(-missing * len(handed) // len(groups)))
@@ -1023,16 +1023,16 @@ class ArenoEngine:
             handed.update((self.ledger.lookup(s)[0], s) for s in samples)
             rollout.pause()  # start the engine on the whole first burst (see SeedingClient)
             executor.client.hold(rollout.resume)
-            groups.extend(executor.rollout_groups(samples))
+            groups.extend(executor.rollout_groups(samples, first_round=rounds == 0))
             executor.client.release_now()
             rounds += 1
             if len(groups) >= batch_size or rounds >= max_rounds:
                 break
         if executor.group_filter is not None and not groups:
+            filtered = executor.stats.counts["filtered_groups"] - filtered_before
             raise RolloutPoolBroken(
-                f"dynamic sampling kept no group of this step's {len(handed)} samples ({rounds} rounds): every group's "
-                "rewards were equal (the policy solves, or fails, every prompt alike); use harder or easier prompts, "
-                f"or raise train.algorithm_kwargs.dynamic_sampling_max_rounds ({max_rounds})"
+                f"dynamic sampling kept no group of this step's {len(handed)} samples ({rounds} rounds: {filtered} "
+                f"filtered, {len(handed) - filtered} rejected or dropped): {executor.filtered_cause()}"
             )
         if len(groups) < batch_size and executor.group_filter is not None:
             logger.warning(

@@ -56,7 +56,7 @@ from areno.errors import RunFailure
 from areno.rollout.client import RolloutClient, RolloutServersLost
 from areno.rollout.store import ObservationStore, release_refs
 from areno.types import TokenBatch, Trajectory
-from areno.workflows.base import RolloutWorkflow, run_episode_name
+from areno.workflows.base import NONFINITE_REWARD_KEY, RolloutWorkflow, run_episode_name
 from areno.workflows.common import describe_sample
 
 logger = logging.getLogger(__name__)
@@ -197,6 +197,8 @@ class WorkflowExecutor:
         self.group_filter = group_filter
         self.max_filtered_batches = max_filtered_batches
         self._filtered_in_a_row = 0
+        self._filtered_reward_error: str | None = ""  # the streak's last reward error; None: one scored unfailed
+        self._filtered_by_workflow = False  # that error is a non-finite reward the workflow set
         if episode_timeout_s is not None and episode_timeout_s <= 0:
             raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s}")
         self.episode_timeout_s = episode_timeout_s
@@ -487,7 +489,24 @@ class WorkflowExecutor:
         self.stats.counts["filtered_trajectories"] += len(left_out)
         if not kept:
             self.stats.counts["filtered_groups"] += 1
+            errors = [t.info.get("reward_error") for t in left_out]
+            if self._filtered_reward_error is not None:  # a failing reward scores 0 alike: named, not the policy
+                self._filtered_reward_error = errors[-1] if all(errors) else None
+                self._filtered_by_workflow = bool(left_out[-1].info.get(NONFINITE_REWARD_KEY))
         return kept
+
+    def filtered_cause(self) -> str:
+        """Why the groups filtered since the last kept one were flat, and the fix (the one-line errors of a run
+        that dynamic sampling leaves nothing to train on): every reward call failed, or the policy solves, or
+        fails, every prompt alike."""
+        if self._filtered_reward_error:
+            last = next(iter(self._filtered_reward_error.splitlines()), "")
+            fix = "rollout.workflow, which set them" if self._filtered_by_workflow else "reward.fn"
+            return f"every reward failed and scored 0 (last: {last}): fix {fix}"
+        return (
+            "every group's rewards were equal (the policy solves, or fails, every prompt alike); use harder or "
+            f"easier prompts, or raise train.algorithm_kwargs.dynamic_sampling_max_rounds ({self.max_filtered_batches})"
+        )
 
     # ------------------------------------------------------------------ collection (trainer thread)
     def _drop_stale_locked(self) -> None:
@@ -579,12 +598,16 @@ class WorkflowExecutor:
         groups = self._rollout(samples, pack=True)
         return [t for group, _ in groups for t in group], TokenBatch.concat([part for _, part in groups])
 
-    def rollout_groups(self, samples: list[dict[str, Any]]) -> list[tuple[list[Trajectory], TokenBatch]]:
-        """``rollout_packed`` group by group: each kept group (in sample order) and its packed batch."""
-        return self._rollout(samples, pack=True)
+    def rollout_groups(
+        self, samples: list[dict[str, Any]], *, first_round: bool = True
+    ) -> list[tuple[list[Trajectory], TokenBatch]]:
+        """``rollout_packed`` group by group: each kept group (in sample order) and its packed batch.
+        ``first_round=False``: a later round of dynamic sampling's step, whose few samples may all be rejected
+        or dropped without the rollout being broken (the step's rounds are judged together)."""
+        return self._rollout(samples, pack=True, first_round=first_round)
 
     def _rollout(
-        self, samples: list[dict[str, Any]], *, pack: bool
+        self, samples: list[dict[str, Any]], *, pack: bool, first_round: bool = True
     ) -> list[tuple[list[Trajectory], TokenBatch | None]]:
         loop = self._ensure_loop()
         if threading.current_thread() is self._thread:
@@ -600,7 +623,7 @@ class WorkflowExecutor:
             raise RolloutPoolBroken(str(self._worker_error))
         kept = [(group, part) for group, part in results if group]
         filtered = self.stats.counts["filtered_groups"] - before.get("filtered_groups", 0)
-        if samples and not kept and not filtered:
+        if samples and not kept and not filtered and first_round:
 
             def since(name: str) -> int:
                 return self.stats.counts[name] - before.get(name, 0)
@@ -624,6 +647,7 @@ class WorkflowExecutor:
         if status == "ok":
             self._dropped_in_a_row = 0
             self._filtered_in_a_row = 0
+            self._filtered_reward_error = ""
             self._without_group.clear()
             return
         if status == "filtered":
@@ -634,10 +658,8 @@ class WorkflowExecutor:
             bound = self.max_filtered_batches * batch
             if self._worker_error is None and bound and self._filtered_in_a_row >= bound:
                 self._worker_error = RolloutPoolBroken(
-                    f"dynamic sampling kept no group of the last {self._filtered_in_a_row} samples: every group's "
-                    "rewards were equal (the policy solves, or fails, every prompt alike); use harder or easier "
-                    f"prompts, or raise train.algorithm_kwargs.dynamic_sampling_max_rounds ({self.max_filtered_batches} "
-                    "batches of samples in a row without a group stop the run)"
+                    f"dynamic sampling kept no group of the last {self._filtered_in_a_row} samples "
+                    f"({self.max_filtered_batches} batches' worth in a row stop the run): {self.filtered_cause()}"
                 )
                 logger.error("%s", self._worker_error)
             return

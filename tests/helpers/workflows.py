@@ -155,3 +155,18 @@ class AllRewardsNanWorkflow(RLVRWorkflow):
         for traj in group:
             traj.reward = float("nan")
         return group
+
+
+class ScriptedDynamicSamplingWorkflow(RLVRWorkflow):
+    """Episodes, in the order they start: the first's rewards vary, the second's are equal (dynamic sampling
+    filters it), the third and fourth are rejected, every later one's vary."""
+
+    async def run_episode(self, client, sample):
+        k = self.__dict__.get("_episodes", 0)
+        self._episodes = k + 1
+        if k in (2, 3):
+            return None
+        group = await super().run_episode(client, sample)
+        for i, traj in enumerate(group):
+            traj.reward = 0.0 if k == 1 else float(i)
+        return group
