@@ -202,6 +202,9 @@ class TokenBatch:
     images_B: list[Any] = field(default_factory=list)
     """Vision-language batches: per sequence, its images (``{"pixel_values", "grid_thw"}``, the
     pixels a store reference until the engine fetches them) or None; empty for a text-only batch."""
+    truncated_B: torch.Tensor | None = None
+    """bool [B]: the sequence's completion ended at a length limit (``finish_reason`` "length", no EOS);
+    None where no rollout made the batch (an offline recipe's, one built by hand)."""
 
     @property
     def num_seqs(self) -> int:
@@ -264,6 +267,7 @@ class TokenBatch:
             images_B=self.images_B
             if seq_indices is None or not self.images_B
             else [self.images_B[i] for i in seq_indices],
+            truncated_B=None if self.truncated_B is None else per_seq(self.truncated_B),
         )
 
     @classmethod
@@ -313,6 +317,7 @@ class TokenBatch:
             group_ids=[t.group_id for t in trajectories],
             extra=extra,
             images_B=images_B if any(im is not None for im in images_B) else [],
+            truncated_B=torch.tensor([t.finish_reason == "length" for t in trajectories], dtype=torch.bool),
         )
 
     @classmethod
@@ -346,6 +351,9 @@ class TokenBatch:
             group_ids=[g for p in parts for g in p.group_ids],
             extra=extra,
             images_B=[im for p in parts for im in (p.images_B or [None] * p.num_seqs)] if has_images else [],
+            truncated_B=None
+            if any(p.truncated_B is None for p in parts)
+            else torch.cat([p.truncated_B for p in parts]),
         )
 
 

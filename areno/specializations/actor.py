@@ -138,6 +138,11 @@ class ActorConfig:
     generates until the batch is full. Either stops the run when this many batches' worth of samples in
     a row kept no group (the policy solves, or fails, every prompt alike). 1: no re-sampling (the step
     trains on the groups of its one batch that pass, or on none)."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at the length limit (no EOS: ``finish_reason`` "length") out of the loss: their
+    tokens train nothing and leave the loss's denominator, while their rewards still count in their
+    group's baseline (DAPO's overlong filtering; TRL's ``mask_truncated_completions``, AReaL's
+    ``mask_no_eos_with_zero``)."""
     overlong_max_length: int | None = None
     """Completion length past which DAPO's overlong penalty applies; None: no penalty."""
     overlong_buffer_length: int = 0
@@ -282,6 +287,8 @@ class ActorSpecialization(ModelSpecialization):
         ``dynamic_sampling``: ``dynamic_sampling_dropped_seqs`` / ``_groups``, what the filter drops (every
         sequence when every group's rewards are equal: the step then trains on none)."""
         out = {}
+        if self.config.mask_truncated_completions:
+            out["masked_truncated_seqs"] = float(self._truncated_B(rollout_data).sum())
         if self.config.overlong_max_length is not None:  # the mean reward change the advantages see
             out["overlong_penalty_mean"] = self._overlong_penalty_B(rollout_data).mean().item()
         keep_B = self._dynamic_sampling_keep_B(rollout_data)
@@ -292,6 +299,16 @@ class ActorSpecialization(ModelSpecialization):
             "dynamic_sampling_dropped_seqs": float((~keep_B).sum()),
             "dynamic_sampling_dropped_groups": float(dropped_groups),
         }
+
+    @staticmethod
+    def _truncated_B(batch: TokenBatch) -> torch.Tensor:
+        """bool [B]: the sequences cut at the length limit (``mask_truncated_completions``)."""
+        if batch.truncated_B is None:
+            raise ValueError(
+                "ActorConfig.mask_truncated_completions: this batch says nothing of truncation (truncated_B is None; "
+                "TokenBatch.from_trajectories sets it from each trajectory's finish_reason)"
+            )
+        return batch.truncated_B.to(device=batch.loss_mask_T.device, dtype=torch.bool)
 
     def _overlong_penalty_B(self, batch: TokenBatch) -> torch.Tensor:
         """DAPO's soft overlong penalty of each sequence (``overlong_max_length`` set)."""
@@ -334,6 +351,9 @@ class ActorSpecialization(ModelSpecialization):
         keep_B = self._dynamic_sampling_keep_B(batch)
         if self.config.overlong_max_length is not None:
             batch = dataclasses.replace(batch, rewards_B=batch.rewards_B + self._overlong_penalty_B(batch))
+        if self.config.mask_truncated_completions:  # after the penalty, which counts their loss tokens
+            seq_T = torch.repeat_interleave(self._truncated_B(batch), batch.seqlens_B)
+            batch = dataclasses.replace(batch, loss_mask_T=batch.loss_mask_T & ~seq_T)
         if keep_B is not None:
             if keep_B.any():
                 batch = batch.select(torch.nonzero(keep_B).flatten().tolist())
@@ -535,4 +555,5 @@ def _to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
         advantages_T=batch.advantages_T.to(device),
         rewards_B=batch.rewards_B.to(device),
         extra={k: v.to(device) for k, v in batch.extra.items()},
+        truncated_B=None if batch.truncated_B is None else batch.truncated_B.to(device),
     )

@@ -335,6 +335,7 @@ def dummy_batch(like: TokenBatch) -> TokenBatch:
         rewards_B=batch.rewards_B[:1] * 0,
         group_ids=batch.group_ids[:1],
         extra={k: (v[:1] * 0 if v.is_floating_point() else v[:1]) for k, v in batch.extra.items()},
+        truncated_B=None if batch.truncated_B is None else torch.zeros(1, dtype=torch.bool),
     )
 
 
