@@ -657,6 +657,15 @@ def rollout_metrics(trajectories: list[Trajectory], version: int, batch: TokenBa
     }
 
 
+def scored_reward_mean(trajectories: list[Trajectory], filtered: list[float]) -> float:
+    """The mean finite reward of the batch's trajectories and of those dynamic sampling left out since the
+    last batch: what the policy scores on the prompts it was given (``rollout/reward_mean`` covers the kept
+    groups, whose rewards vary by construction, so it hides a policy that solves more and more of them)."""
+    rewards = torch.tensor([t.reward for t in trajectories] + filtered, dtype=torch.float64)
+    rewards = rewards[torch.isfinite(rewards)]
+    return rewards.mean().item() if len(rewards) else 0.0
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     """The checkpoint's tokenizer; it must have an EOS token (generation stops on it)."""
     tokenizer = load_pretrained_tokenizer(model_dir)
@@ -991,6 +1000,10 @@ class ArenoEngine:
                 "rollout/num_seqs": float(len(trajectories)),
                 "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
             }
+        if self.recipe.online and self.executor.group_filter is not None:
+            metrics["rollout/scored_reward_mean"] = scored_reward_mean(
+                trajectories, self.executor.take_filtered_rewards()
+            )
         if self.recipe.online:
             warn_reward_errors(trajectories, f"step {rollout_id + 1}'s rollout batch")
             warn_untrainable(self.recipe, trajectories, f"rollout.workflow ({cfg.rollout.workflow})", rollout_id)

@@ -197,6 +197,8 @@ class WorkflowExecutor:
         self.group_filter = group_filter
         self.max_filtered_batches = max_filtered_batches
         self._filtered_in_a_row = 0
+        self._filtered_rewards: list[float] = []  # of the trajectories filtered since the last take
+        self._filtered_rewards_lock = threading.Lock()
         self._filtered_reward_error: str | None = ""  # the streak's last reward error; None: one scored unfailed
         self._filtered_by_workflow = False  # that error is a non-finite reward the workflow set
         if episode_timeout_s is not None and episode_timeout_s <= 0:
@@ -487,6 +489,8 @@ class WorkflowExecutor:
         if self.store is not None:
             release_refs([t.info for t in left_out], self.store)
         self.stats.counts["filtered_trajectories"] += len(left_out)
+        with self._filtered_rewards_lock:
+            self._filtered_rewards.extend(t.reward for t in left_out)
         if not kept:
             self.stats.counts["filtered_groups"] += 1
             errors = [t.info.get("reward_error") for t in left_out]
@@ -494,6 +498,12 @@ class WorkflowExecutor:
                 self._filtered_reward_error = errors[-1] if all(errors) else None
                 self._filtered_by_workflow = bool(left_out[-1].info.get(NONFINITE_REWARD_KEY))
         return kept
+
+    def take_filtered_rewards(self) -> list[float]:
+        """The rewards of the trajectories ``group_filter`` left out since the last call."""
+        with self._filtered_rewards_lock:
+            out, self._filtered_rewards = self._filtered_rewards, []
+        return out
 
     def filtered_cause(self) -> str:
         """Why the groups filtered since the last kept one were flat, and the fix (the one-line errors of a run

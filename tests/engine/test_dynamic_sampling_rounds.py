@@ -146,6 +146,9 @@ def test_a_dapo_step_trains_a_full_batch_of_varied_groups(tmp_path, eta):
         assert row["rollout/num_seqs"] == 16  # 4 groups of 4, every one kept
         assert row["train/policy/dynamic_sampling_dropped_groups"] == 0
     assert rows[-1]["rollout/filtered_groups"] > 0
+    # every prompt's score: the filtered groups scored 0, so below the kept groups' mean once one was filtered
+    assert all(r["rollout/scored_reward_mean"] <= r["rollout/reward_mean"] + 1e-9 for r in rows)
+    assert any(r["rollout/scored_reward_mean"] < r["rollout/reward_mean"] for r in rows)
     if eta == 0:
         assert max(row["rollout/sampling_rounds"] for row in rows) >= 2
 
@@ -191,3 +194,10 @@ def test_the_rounds_are_refused_without_dynamic_sampling_or_below_one():
     with pytest.raises(ConfigError, match=r"dynamic_sampling_max_rounds must be >= 1 \(1: no re-sampling\), got 0"):
         get_recipe("dapo", policy_kwargs={"dynamic_sampling_max_rounds": 0})
     get_recipe("grpo", policy_kwargs={"dynamic_sampling": True, "dynamic_sampling_max_rounds": 3})
+
+
+def test_the_scored_reward_mean_counts_the_filtered_groups():
+    from areno.engine.api import scored_reward_mean
+
+    kept = [Trajectory(prompt_ids=[1], completion_ids=[2], logprobs=[0.0], versions=[0], reward=r) for r in (0.0, 1.0)]
+    assert scored_reward_mean(kept, [1.0, 1.0, float("nan"), 0.0]) == pytest.approx(3 / 5)
