@@ -15,7 +15,7 @@ from areno.errors import ConfigError
 from areno.recipes import get_recipe
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
-from tests.helpers.async_fakes import FakeEngine
+from tests.helpers.async_fakes import FakeEngine, generated
 from tests.helpers.configs import run_to_end, tiny_run_overrides
 
 
@@ -27,17 +27,7 @@ class GroupWorkflow(RolloutWorkflow):
         for group, rewards in sample["rewards"].items():
             for r in rewards:
                 gen = await client.agenerate([2], SamplingParams(max_new_tokens=10))
-                out.append(
-                    Trajectory(
-                        prompt_ids=[1],
-                        completion_ids=gen.output_ids,
-                        logprobs=gen.output_logprobs,
-                        versions=gen.output_versions,
-                        reward=r,
-                        group_id=f"{sample['id']}/{group}",
-                        info={"id": sample["id"]},
-                    )
-                )
+                out.append(generated(gen, r, group_id=f"{sample['id']}/{group}", info={"id": sample["id"]}))
         return out
 
 

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from areno.engine.test_rollout import TestRolloutManager, test_metrics
-from areno.types import SamplingParams, Trajectory
+from areno.types import SamplingParams
 from areno.workflows.base import RolloutWorkflow
-from tests.helpers.async_fakes import FakeEngine
+from tests.helpers.async_fakes import FakeEngine, generated
 
 
 class Samples(RolloutWorkflow):
@@ -16,16 +16,7 @@ class Samples(RolloutWorkflow):
         out = []
         for _ in range(sample["n"]):
             gen = await client.agenerate([2], SamplingParams(max_new_tokens=4))
-            out.append(
-                Trajectory(
-                    prompt_ids=[1],
-                    completion_ids=gen.output_ids,
-                    logprobs=gen.output_logprobs,
-                    versions=gen.output_versions,
-                    reward=1.0,
-                    group_id=str(sample["id"]),
-                )
-            )
+            out.append(generated(gen, 1.0, group_id=str(sample["id"])))
         return out
 
 

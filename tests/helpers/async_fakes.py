@@ -125,6 +125,18 @@ class LengthWorkflow(RolloutWorkflow):
         )
 
 
+def generated(out, reward: float, **fields) -> Trajectory:
+    """The trajectory of one ``agenerate`` output after the prompt [1] (``fields``: group_id, info, ...)."""
+    return Trajectory(
+        prompt_ids=[1],
+        completion_ids=out.output_ids,
+        logprobs=out.output_logprobs,
+        versions=out.output_versions,
+        reward=reward,
+        **fields,
+    )
+
+
 def replying(tokenizer, *texts: str) -> FakeEngine:
     """An engine answering the i-th call of a multi-turn episode with ``texts[i]`` (+ EOS; the last
     text from then on): each call's prompt extends the one before, so the EOS tokens it holds count

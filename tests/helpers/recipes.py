@@ -64,6 +64,27 @@ def rl_batch() -> TokenBatch:
     return group_batch_of(specs, seed=1)
 
 
+def tiny_policy_dir(root: Path) -> str:
+    """A two-layer char-level policy checkpoint under ``root`` (the skip and runner-metrics tests' model)."""
+    from areno.data.tokenizer import build_char_tokenizer
+    from areno.models.hf_io import init_model_dir
+
+    tok = build_char_tokenizer()
+    cfg = tiny_config(len(tok), hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3)
+    return str(init_model_dir(root / "policy", cfg, tok, seed=0))
+
+
+def rl_batch_for(policy_dir: str, rewards: list[float] | None = None) -> TokenBatch:
+    """``rl_batch`` (``rewards`` replacing its rewards) with behaviour log-probs near the policy's own."""
+    from areno.models.hf_io import load_model
+
+    batch = rl_batch()  # 6 sequences in groups a, a, b, b, c, c; group c's rewards are equal
+    if rewards is not None:
+        batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
+    logp = naive_logprobs(load_model(policy_dir, dtype=torch.float32, device="cpu")[0], batch)
+    return with_behaviour_logprobs(batch, logp, scale=0.3)
+
+
 def with_behaviour_logprobs(batch: TokenBatch, logp_T: torch.Tensor, seed: int = 2, scale: float = 0.3) -> TokenBatch:
     """Behaviour log-probs = the model's own plus noise (so ratios differ from 1 and some clip)."""
     gen = torch.Generator().manual_seed(seed)

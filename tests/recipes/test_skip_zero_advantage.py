@@ -11,29 +11,14 @@ from areno.recipes import get_recipe
 from areno.recipes.runner import RecipeRunner
 from areno.specializations.actor import ActorConfig, ActorSpecialization
 from areno.specializations.base import DENOMINATOR_CARRY_KEY, without_gradient_free
-from tests.helpers.recipes import naive_logprobs, rl_batch, with_behaviour_logprobs
+from tests.helpers.recipes import rl_batch, rl_batch_for, tiny_policy_dir
 
 train = pytest.importorskip("areno.train")
 
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    from areno.data.tokenizer import build_char_tokenizer
-    from areno.models.hf_io import init_model_dir, tiny_config
-
-    tok = build_char_tokenizer()
-    cfg = tiny_config(len(tok), hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3)
-    return str(init_model_dir(tmp_path_factory.mktemp("models") / "policy", cfg, tok, seed=0))
-
-
-def batch_for(policy_dir, rewards=None):
-    from areno.models.hf_io import load_model
-
-    base = rl_batch()  # 6 sequences in groups a, a, b, b, c, c; group c's rewards are equal
-    if rewards is not None:
-        base.rewards_B = torch.tensor(rewards, dtype=torch.float32)
-    logp = naive_logprobs(load_model(policy_dir, dtype=torch.float32, device="cpu")[0], base)
-    return with_behaviour_logprobs(base, logp, scale=0.3)
+    return tiny_policy_dir(tmp_path_factory.mktemp("models"))
 
 
 def one_step(recipe, policy_dir, batch, forwarded=None, device="cpu", backend_kwargs=None, **runner_kwargs):
@@ -72,7 +57,7 @@ def one_step(recipe, policy_dir, batch, forwarded=None, device="cpu", backend_kw
     ],
 )
 def test_the_update_is_the_whole_batchs(policy_dir, name, kwargs):
-    batch = batch_for(policy_dir)
+    batch = rl_batch_for(policy_dir)
     on, p_on, trained_on = one_step(get_recipe(name, policy_kwargs=kwargs), policy_dir, batch)
     off, p_off, trained_off = one_step(
         get_recipe(name, policy_kwargs={**kwargs, "skip_zero_advantage": False}), policy_dir, batch
@@ -99,7 +84,7 @@ def test_a_backend_that_truncates_long_sequences_trains_the_whole_batch(policy_d
     """walk17: with long_sequences=truncate the left-out sequences' share of the denominator was counted
     untruncated, the kept ones truncated after it: at token aggregation the update came out 2.2x smaller.
     Such a backend now trains every sequence, so the step is the one without skipping."""
-    batch = batch_for(policy_dir)
+    batch = rl_batch_for(policy_dir)
     truncate = {"long_sequences": "truncate", "max_tokens_per_mb": 6}  # every sequence is longer than 6
     on, p_on, trained = one_step(
         get_recipe("grpo", policy_kwargs={"loss_aggregation": "token"}), policy_dir, batch, backend_kwargs=truncate
@@ -117,7 +102,7 @@ def test_a_backend_that_truncates_long_sequences_trains_the_whole_batch(policy_d
 
 
 def test_every_group_equal_trains_the_shortest_sequence_and_steps_alike(policy_dir):
-    batch = batch_for(policy_dir, rewards=[1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    batch = rl_batch_for(policy_dir, rewards=[1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     on, p_on, trained_on = one_step(get_recipe("grpo"), policy_dir, batch)
     off, p_off, _ = one_step(get_recipe("grpo", policy_kwargs={"skip_zero_advantage": False}), policy_dir, batch)
     assert trained_on == [1] and on["policy/skipped_zero_grad_seqs"] == 5
@@ -188,7 +173,7 @@ def test_the_proximal_forward_over_the_trained_sequences_on_gpu(policy_dir, monk
 
 
 def check_partial_forward(policy_dir, monkeypatch, kwargs, rewards, forwards, trains, device, tol):
-    batch = batch_for(policy_dir, rewards=rewards)
+    batch = rl_batch_for(policy_dir, rewards=rewards)
     batch.versions_T = batch.versions_T.clamp(max=0)  # sampled by the weights trained: measured
     recipe = get_recipe("grpo_async", policy_kwargs=kwargs)
     forwarded = []
@@ -234,7 +219,7 @@ def test_dapo_reports_the_groups_dynamic_sampling_drops_every_step(
 ):
     """walk39c: with 2 of 6 sequences dropped the step logged skipped_zero_grad_seqs = 0 and nothing else
     named the drop; only a step whose every group was dropped showed it (as skipped sequences)."""
-    batch = batch_for(policy_dir, rewards)  # groups a, a, b, b, c, c; group c's rewards are equal
+    batch = rl_batch_for(policy_dir, rewards)  # groups a, a, b, b, c, c; group c's rewards are equal
     metrics, _, trained_seqs = one_step(get_recipe("dapo"), policy_dir, batch)
     assert trained_seqs == trained
     assert metrics["policy/dynamic_sampling_dropped_seqs"] == dropped_seqs

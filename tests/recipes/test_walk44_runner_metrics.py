@@ -5,33 +5,17 @@ of its tokens."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from areno.recipes import get_recipe
 from areno.recipes.runner import RecipeRunner
-from tests.helpers.recipes import naive_logprobs, rl_batch, with_behaviour_logprobs
+from tests.helpers.recipes import rl_batch_for, tiny_policy_dir
 
 train = pytest.importorskip("areno.train")
 
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    from areno.data.tokenizer import build_char_tokenizer
-    from areno.models.hf_io import init_model_dir, tiny_config
-
-    tok = build_char_tokenizer()
-    cfg = tiny_config(len(tok), hidden_size=32, layers=2, heads=4, kv_heads=2, initializer_range=0.3)
-    return str(init_model_dir(tmp_path_factory.mktemp("models") / "policy", cfg, tok, seed=0))
-
-
-def batch_for(policy_dir, rewards=None):
-    from areno.models.hf_io import load_model
-
-    batch = rl_batch()  # 6 sequences in groups a, a, b, b, c, c; group c's rewards are equal
-    if rewards is not None:
-        batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
-    logp = naive_logprobs(load_model(policy_dir, dtype=torch.float32, device="cpu")[0], batch)
-    return with_behaviour_logprobs(batch, logp, scale=0.3)
+    return tiny_policy_dir(tmp_path_factory.mktemp("models"))
 
 
 def _backend(policy_dir):
@@ -52,7 +36,7 @@ def runner_for(policy_dir, recipe, trained: list, **policy_kwargs) -> RecipeRunn
 def test_a_later_pass_trains_the_sequences_dynamic_sampling_kept(policy_dir):
     """dapo with train.num_train_passes=2: a step whose filter dropped a group raised "pass_order must be a
     permutation of the first pass's 4 sequences; got 6 indices" at its second pass."""
-    batch = batch_for(policy_dir)
+    batch = rl_batch_for(policy_dir)
     trained: list = []
     runner = runner_for(policy_dir, "dapo", trained, skip_zero_advantage=False)
     first = runner.step(batch)
@@ -68,13 +52,13 @@ def test_a_later_pass_trains_the_sequences_dynamic_sampling_kept(policy_dir):
 def test_a_step_that_trains_no_token_logs_no_token_means(policy_dir, policy_kwargs):
     """dapo, every group's rewards equal: nothing trains, and actor/ratio, clip_frac, approx_kl (and entropy)
     read 0.0, a mean over no token (a ratio of 0 reads as a collapsed policy); they are left out now."""
-    batch = batch_for(policy_dir, rewards=[1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    batch = rl_batch_for(policy_dir, rewards=[1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     metrics = runner_for(policy_dir, "dapo", [], **policy_kwargs).step(batch)
     assert metrics["policy/dynamic_sampling_dropped_seqs"] == 6
     assert metrics["policy/loss_denominator"] == 0.0
     assert not [k for k in metrics if "/actor/" in k]
     # a step that trains tokens keeps them
-    metrics = runner_for(policy_dir, "dapo", [], **policy_kwargs).step(batch_for(policy_dir))
+    metrics = runner_for(policy_dir, "dapo", [], **policy_kwargs).step(rl_batch_for(policy_dir))
     assert 0.5 < metrics["policy/actor/ratio"] < 2.0
 
 
@@ -85,7 +69,7 @@ def test_a_step_whose_groups_are_all_dropped_counts_each_sequence_once(policy_di
     entropy term every sequence was forwarded and backpropagated for nothing. One sequence without loss
     tokens goes on now."""
     trained = []
-    batch = batch_for(policy_dir, rewards=[1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    batch = rl_batch_for(policy_dir, rewards=[1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     metrics = runner_for(policy_dir, "dapo", trained, **policy_kwargs).step(batch)
     assert metrics["policy/dynamic_sampling_dropped_seqs"] == 6
     assert metrics.get("policy/skipped_zero_grad_seqs", 0.0) == 0.0
@@ -97,7 +81,7 @@ def test_the_advantages_and_the_overlong_penalty_are_logged(policy_dir):
     penalty, by hand: groups a (rewards 1, 0; 4 and 2 completion tokens) and b (0.2, 1; 5 and 3 tokens) are
     kept, c is flat; GRPO's A = (r - mean) / (unbiased std + 1e-4), one value per token of a sequence."""
     recipe = get_recipe("dapo", max_completion_length=100, overlong_buffer_length=2)  # no penalty reached
-    metrics = RecipeRunner(recipe, {"policy": _backend(policy_dir)}).step(batch_for(policy_dir))
+    metrics = RecipeRunner(recipe, {"policy": _backend(policy_dir)}).step(rl_batch_for(policy_dir))
     assert metrics["policy/overlong_penalty_mean"] == 0.0
     a = 0.5 / (0.5 * 2**0.5 + 1e-4)  # each of a pair differing by d sits d/2 from the mean; std = d / sqrt(2)
     b = 0.4 / (0.8 / 2**0.5 + 1e-4)
@@ -110,6 +94,6 @@ def test_the_advantages_and_the_overlong_penalty_are_logged(policy_dir):
     assert metrics["policy/advantage_max"] == pytest.approx(a, rel=1e-5)
     # L_max 4, buffer 2: lengths 4, 2, 5, 3, 2, 3 -> (2 - L) / 2 inside the buffer, -1 past L_max
     recipe = get_recipe("dapo", max_completion_length=4, overlong_buffer_length=2)
-    metrics = RecipeRunner(recipe, {"policy": _backend(policy_dir)}).step(batch_for(policy_dir))
+    metrics = RecipeRunner(recipe, {"policy": _backend(policy_dir)}).step(rl_batch_for(policy_dir))
     penalties = [-1.0, 0.0, -1.0, -0.5, 0.0, -0.5]
     assert metrics["policy/overlong_penalty_mean"] == pytest.approx(sum(penalties) / 6)
