@@ -137,7 +137,8 @@ class ActorConfig:
     the step's share of groups kept so far) and trains on the groups it kept; the asynchronous pool
     generates until the batch is full. Either stops the run when this many batches' worth of samples in
     a row kept no group (the policy solves, or fails, every prompt alike). 1: no re-sampling (the step
-    trains on the groups of its one batch that pass, or on none)."""
+    trains on the groups of its one batch that pass, or on none: the optimizer still steps, as TRL's and
+    verl's do, so momentum and weight decay move the weights)."""
     mask_truncated_completions: bool = False
     """Leave completions cut at the length limit (no EOS: ``finish_reason`` "length") out of the loss: their
     tokens train nothing and leave the loss's denominator, while their rewards still count in their
