@@ -67,7 +67,14 @@ from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecia
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import ENGINE_ARGUMENTS, NONFINITE_REWARD_KEY, RolloutWorkflow, load_workflow
-from areno.workflows.common import prompt_kwargs, store_kwargs, takes_param, teacher_kwargs, warn_reward_errors
+from areno.workflows.common import (
+    prompt_kwargs,
+    reward_figure_means,
+    store_kwargs,
+    takes_param,
+    teacher_kwargs,
+    warn_reward_errors,
+)
 from areno.workflows.images import image_prompt, row_images, stash_images, vision_kwargs
 
 logger = logging.getLogger(__name__)
@@ -654,6 +661,7 @@ def rollout_metrics(trajectories: list[Trajectory], version: int, batch: TokenBa
         "rollout/reward_errors": float(sum("reward_error" in t.info for t in trajectories)),
         "rollout/staleness_mean": staleness.mean().item(),
         "rollout/staleness_max": staleness.max().item(),
+        **reward_figure_means(trajectories, "rollout/reward"),
     }
 
 
@@ -977,13 +985,13 @@ class ArenoEngine:
             # everlasting pool: the oldest finished groups, generated up to η versions ago
             with self._generating_while_waiting():
                 groups = self.executor.wait_batch(cfg.rollout.batch_size)
-            self.ledger.trained([group[0].info.get(SEQ_KEY) for group in groups])
+            taken: list[int | None] | None = [group[0].info.get(SEQ_KEY) for group in groups]
             trajectories = [t for group in groups for t in group]
             batch = TokenBatch.from_trajectories(trajectories)
             metrics = {**self.executor.metrics(), **rollout_metrics(trajectories, self.version, batch)}
         elif self.recipe.online:
             self._enter(Phase.ROLLOUT)
-            groups, rounds = self._synchronous_groups(cfg.rollout.batch_size)
+            groups, rounds, taken = self._synchronous_groups(cfg.rollout.batch_size)
             trajectories = [t for group, _ in groups for t in group]
             batch = TokenBatch.concat([part for _, part in groups])
             metrics = {
@@ -993,6 +1001,7 @@ class ArenoEngine:
                 **({"rollout/sampling_rounds": float(rounds)} if self.executor.group_filter is not None else {}),
             }
         else:
+            taken = None
             indices = self.train_stream.take_indices(cfg.rollout.batch_size)
             trajectories = self._offline_trajectories("train", self.train_stream.rows, indices)
             batch = TokenBatch.from_trajectories(trajectories)
@@ -1009,6 +1018,8 @@ class ArenoEngine:
             warn_untrainable(self.recipe, trajectories, f"rollout.workflow ({cfg.rollout.workflow})", rollout_id)
             if not any(r.name == "teacher" for r in self.recipe.roles):  # distillation: a log
                 self._check_rewards(rollout_id, trajectories)
+        if taken is not None:  # only now: a step that stops the run above leaves its samples for the resume
+            self.ledger.trained(taken)
         if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
             metrics.update(self.reward_fn.metrics())
         if self.rollout is not None:  # the rollout side's own: replica health, engine counters
@@ -1017,12 +1028,16 @@ class ArenoEngine:
             batch.images_B = fetch_refs(batch.images_B, self.store)
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
 
-    def _synchronous_groups(self, batch_size: int) -> tuple[list[tuple[list[Trajectory], TokenBatch]], int]:
-        """A synchronous step's groups and packed parts, and the rounds it took: ``batch_size`` samples; with
-        the rollout's group filter (dynamic sampling), more rounds while groups are missing, each sized by
-        the step's share of samples kept so far (at most ``batch_size``), up to ``max_filtered_batches``
-        rounds. Groups past ``batch_size`` (the last round's last) are done untrained; a step whose rounds
-        kept no group stops the run."""
+    def _synchronous_groups(
+        self, batch_size: int
+    ) -> tuple[list[tuple[list[Trajectory], TokenBatch]], int, list[int | None]]:
+        """A synchronous step's groups and packed parts, the rounds it took and the ledger numbers of its
+        samples: ``batch_size`` samples; with the rollout's group filter (dynamic sampling), more rounds while
+        groups are missing, each sized by the step's share of samples kept so far (at most ``batch_size``), up
+        to ``max_filtered_batches`` rounds. Groups past ``batch_size`` (the last round's last) are done
+        untrained; a step whose rounds kept no group stops the run. Its samples stay pending in the ledger
+        until the caller marks them trained, so a step that stops the run (its emergency checkpoint) leaves
+        them, filtered ones included, for the resumed run to generate again."""
         executor = self.executor
         max_rounds = executor.max_filtered_batches if executor.group_filter is not None else 1
         rollout = self._rollout_side("a synchronous rollout")
@@ -1059,8 +1074,7 @@ class ArenoEngine:
             )
         for group, _ in groups[batch_size:]:  # surplus of the last round: done untrained, as a filtered one
             self.ledger.release(handed.pop(group[0].info[SEQ_KEY]))
-        self.ledger.trained(list(handed))
-        return groups[:batch_size], rounds
+        return groups[:batch_size], rounds, list(handed)
 
     def _offline_trajectories(self, split: str, rows: list[dict], indices: list[int]) -> list[Trajectory]:
         """An offline recipe's trajectories of ``rows[i]`` for ``indices`` (``rows``: split ``split``'s): two

@@ -197,6 +197,7 @@ class WorkflowExecutor:
         self.group_filter = group_filter
         self.max_filtered_batches = max_filtered_batches
         self._filtered_in_a_row = 0
+        self._filtered_streak: list[dict[str, Any]] = []  # the pool's samples filtered since its last group
         self._filtered_rewards: list[float] = []  # of the trajectories filtered since the last take
         self._filtered_rewards_lock = threading.Lock()
         self._filtered_reward_error: str | None = ""  # the streak's last reward error; None: one scored unfailed
@@ -437,6 +438,9 @@ class WorkflowExecutor:
         self._count_outcome(status, pool=True)
         if status == "ok":
             assert group is not None
+            for sample in self._filtered_streak:  # a group came: the streak's samples were the policy's, let go
+                self._release(sample)
+            self._filtered_streak.clear()
             self.staleness.on_accept()
             spans = [version_span(traj) for traj in group]
             finished = _Finished(task, group, submit_version, spans, spans_min_version(spans))
@@ -448,7 +452,9 @@ class WorkflowExecutor:
             self._pending.appendleft(task)
         elif status == "aborted_stale":
             self._requeue_stale(task)
-        else:  # rejected, filtered, or dropped after its attempts: done, untrained
+        elif status == "filtered":  # done, untrained; let go once a group comes, so a streak that breaks the
+            self._filtered_streak.append(task.sample)  # pool (a reward gone flat) stays pending for the resume
+        else:  # rejected, or dropped after its attempts: done, untrained
             self._release(task.sample)
         self.staleness.on_reject()
 
@@ -597,7 +603,9 @@ class WorkflowExecutor:
     def rollout_batch(self, samples: list[dict[str, Any]]) -> list[Trajectory]:
         """Run every sample's episode concurrently and return all trajectories (groups adjacent,
         in sample order). Failed episodes are retried up to ``max_retries``; rejected and finally
-        failed samples (and groups ``group_filter`` keeps nothing of) contribute nothing."""
+        failed samples (and groups ``group_filter`` keeps nothing of) contribute nothing. The samples are the
+        caller's to settle with its source (unlike the pool's, none is released here: a synchronous step marks
+        them all trained once its batch is taken, and one that stops the run leaves them pending)."""
         return [t for group, _ in self._rollout(samples, pack=False) for t in group]
 
     def rollout_packed(self, samples: list[dict[str, Any]]) -> tuple[list[Trajectory], TokenBatch]:
@@ -716,10 +724,8 @@ class WorkflowExecutor:
                     if status == "ok":
                         group = self._filtered(group)
                         status = "ok" if group else "filtered"
-                    if status != "retry":
+                    if status != "retry":  # its sample is the caller's to settle with its source
                         self._count_outcome(status)
-                        if status != "ok":
-                            self._release(task.sample)
                         return group, TokenBatch.from_trajectories(group) if pack and group else None
 
         tasks = [EpisodeTask(self._next_index + i, sample) for i, sample in enumerate(samples)]

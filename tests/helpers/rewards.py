@@ -184,3 +184,27 @@ def flat_on_odd_prompts(prompt, completion, answer=None, **row):
 def flat(prompt, completion, answer=None, **row):
     """The same score for every completion: every group's rewards are equal."""
     return 0.5
+
+
+FLAT_ENV = "ARENO_TEST_FLAT"
+"""``flat_when_told``'s switch: while this variable is set, every call scores 0.5."""
+
+
+def flat_when_told(prompt, completion, answer=None, **row):
+    """``flat_on_odd_prompts``, but every group flat while ``$ARENO_TEST_FLAT`` is set (in-process rewards: a
+    test turns a run's rewards flat from a step on, then fixes them)."""
+    if os.environ.get(FLAT_ENV):
+        return 0.5
+    return flat_on_odd_prompts(prompt, completion)
+
+
+def with_figures(prompt, completion, answer=None, **row):
+    """``first_char``'s score with two named figures beside it (verl's convention): twice the score, and
+    whether it is above 0.5 (a bool, counted 1 / 0)."""
+    score = first_char(prompt, completion)
+    return {"score": score, "double": 2 * score, "high": score > 0.5}
+
+
+def bad_figures(prompt, completion, answer=None, **row):
+    """A mapping without its ``score``: every call is a reward error."""
+    return {"correct": 1.0}
