@@ -23,7 +23,7 @@ from areno.engine.rollout_side import RolloutSide
 from areno.errors import ConfigError, DataError
 from areno.rollout.errors import RequestRejected
 from areno.types import MAX_SEED, SamplingParams, Trajectory
-from areno.workflows.common import acall_reward, sample_fields, warn_reward_errors
+from areno.workflows.common import ascore_reward, reward_figure_means, sample_fields, warn_reward_errors
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images
 
 
@@ -52,17 +52,15 @@ async def ascore_row(
         raise DataError(f"the held-out row with prompt {str(row[prompt_key])!r:.60}: {exc}") from None
     completion = tokenizer.decode(out.output_ids, skip_special_tokens=True)
     fields = sample_fields(row, prompt_key, answer_key, IMAGES_KEY)
-    reward, error = await acall_reward(reward_fn, row[prompt_key], completion, row.get(answer_key), fields)
+    score = await ascore_reward(reward_fn, row[prompt_key], completion, row.get(answer_key), fields)
     n = len(out.output_ids)
-    info = {"prompt": row[prompt_key], "completion": completion, "finish_reason": out.finish_reason}
-    if error is not None:
-        info["reward_error"] = error
+    info = score.into({"prompt": row[prompt_key], "completion": completion, "finish_reason": out.finish_reason})
     return Trajectory(
         prompt_ids=list(prompt_ids),
         completion_ids=list(out.output_ids),
         logprobs=[0.0] * n,
         versions=[0] * n,
-        reward=reward,
+        reward=score.value,
         info=info,
     )
 
@@ -212,6 +210,7 @@ def eval_metrics(
         "eval/reward_errors": float(sum("reward_error" in t.info for t in flat)),
         "eval/completion_tokens_mean": sum(len(t.completion_ids) for t in flat) / len(flat),
         "eval/truncated_fraction": sum(t.info.get("finish_reason") == "length" for t in flat) / len(flat),
+        **reward_figure_means(flat, "eval/reward"),
     }
     solved = [sum(r >= threshold for r in rs) for rs in rewards]
     for k in pass_ks(n):

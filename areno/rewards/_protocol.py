@@ -20,6 +20,15 @@ def encode_reply(reply: list) -> bytes:
     return json.dumps(reply, allow_nan=True).encode()
 
 
+def _figures(value: object) -> bool:
+    """Whether ``value`` is the named figures a reward returned beside its score: str -> number, a few."""
+    return (
+        isinstance(value, dict)
+        and 0 < len(value) <= 32
+        and all(isinstance(k, str) and k != "score" and type(v) in (float, int) for k, v in value.items())
+    )
+
+
 def decode_reply(data: bytes) -> list:
     """The reply as a list of plain values; MalformedReply unless it is exactly one of the shapes
     in the module docstring. JSON cannot build objects, so nothing the worker writes runs here."""
@@ -32,6 +41,8 @@ def decode_reply(data: bytes) -> list:
     status, rest = reply[0], reply[1:]
     if status == "ok" and len(rest) == 1 and type(rest[0]) in (float, int):
         return ["ok", float(rest[0])]
+    if status == "ok" and len(rest) == 2 and type(rest[0]) in (float, int) and _figures(rest[1]):
+        return ["ok", {"score": float(rest[0]), **{k: float(v) for k, v in rest[1].items()}}]
     if status == "error" and len(rest) == 2 and rest[0] in REPLY_KINDS and isinstance(rest[1], str):
         return reply
     if status == "fatal" and len(rest) == 1 and isinstance(rest[0], str):

@@ -6,7 +6,8 @@ Protocol over two pipes (``multiprocessing.connection`` framing):
   allow_network)``, then per call ``(prompt, completion, answer, fields)``;
 - replies, worker → parent, JSON bytes only (the worker runs user code, which can write to this pipe,
   so the parent must never unpickle what comes back): ``["ready", {"network": ..., "pid": ...}]`` or
-  ``["fatal", message]`` once, then per call ``["ok", float]`` or ``["error", kind, message]`` with
+  ``["fatal", message]`` once, then per call ``["ok", float]`` (``["ok", float, {name: float}]`` with named
+  figures: ``reward_parts``) or ``["error", kind, message]`` with
   kind ``memory`` or ``error``. The parent checks this shape strictly (:func:`areno.rewards._protocol.decode_reply`).
 A hang, a crash or a CPU-limit kill sends nothing: the parent's timeout or EOF notices.
 """
@@ -23,7 +24,7 @@ from typing import Any
 from areno.rewards import _exec
 from areno.rewards._protocol import MAX_MESSAGE_CHARS, encode_reply
 from areno.rewards.loader import import_object
-from areno.rewards.sandbox import as_reward
+from areno.rewards.sandbox import reward_parts
 
 
 def _send(replies: Connection, reply: list) -> None:
@@ -52,7 +53,8 @@ def _serve(requests: Connection, replies: Connection, pid_isolation: str) -> Non
             if inspect.isawaitable(value):
                 value = asyncio.run(_await(value))
             # NaN and inf travel as JSON's NaN/Infinity extension: the parent counts them as non-finite
-            reply = ["ok", as_reward(value)]
+            score, extras = reward_parts(value)
+            reply = ["ok", score, extras] if extras else ["ok", score]
         except MemoryError as exc:
             reply = ["error", "memory", f"MemoryError: {exc}"[:MAX_MESSAGE_CHARS]]
         except BaseException as exc:  # noqa: BLE001 - user code: reported to the parent, which counts it and scores 0

@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -89,6 +90,42 @@ def as_reward(value: Any) -> float:
             f"the reward function returned {type(value).__name__} {value!r:.80}, not a number: return a float"
         )
     return float(value)
+
+
+REWARD_SCORE_KEY = "score"
+"""The key of the reward in a reward function's mapping return (``reward_parts``)."""
+MAX_REWARD_EXTRAS = 32
+"""The most named figures a reward function may return beside its reward."""
+
+
+def reward_parts(value: Any) -> tuple[float, dict[str, float]]:
+    """A reward function's return as (reward, named figures): a number or a bool is the reward alone; a
+    mapping holds the reward under ``"score"`` and figures to log beside it (verl's convention: ``{"score": 1.0,
+    "format": 1.0, "correct": 0.0}``), each a finite number. Anything else is a TypeError naming it."""
+    if not isinstance(value, Mapping):
+        return as_reward(value), {}
+    if REWARD_SCORE_KEY not in value:
+        raise TypeError(
+            f"the reward function returned a mapping without a {REWARD_SCORE_KEY!r} key (keys {sorted(map(str, value))[:8]}): "
+            f"return {{{REWARD_SCORE_KEY!r}: reward, 'name': figure, ...}}"
+        )
+    extras = {}
+    for key, figure in value.items():
+        if key == REWARD_SCORE_KEY:
+            continue
+        if not isinstance(key, str) or not key.isidentifier():
+            raise TypeError(f"the reward function's figure name {key!r} must be a string of letters, digits and _")
+        try:
+            extras[key] = as_reward(figure)
+        except TypeError as exc:
+            raise TypeError(f"{exc} (its figure {key!r})") from None
+        if not is_finite_reward(extras[key]):
+            raise ValueError(f"the reward function's figure {key!r} is {figure!r}; it must be a finite number")
+    if len(extras) > MAX_REWARD_EXTRAS:
+        raise ValueError(
+            f"the reward function returned {len(extras)} figures beside its score; at most {MAX_REWARD_EXTRAS}"
+        )
+    return as_reward(value[REWARD_SCORE_KEY]), extras
 
 
 class RewardFailure(RuntimeError):
@@ -334,22 +371,26 @@ class RewardSandbox:
         self._closed = False
 
     # ------------------------------------------------------------------------------ calling
-    async def __call__(self, prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
+    async def __call__(
+        self, prompt: str, completion: str, answer: Any = None, **fields: Any
+    ) -> float | dict[str, float]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, lambda: self.score(prompt, completion, answer, **fields))
 
-    def score(self, prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
-        """The reward, computed in a worker; raises RewardFailure (counted) when the call fails."""
+    def score(self, prompt: str, completion: str, answer: Any = None, **fields: Any) -> float | dict[str, float]:
+        """The reward, computed in a worker (a mapping with its ``"score"`` where the function returned named
+        figures beside it: ``reward_parts``); raises RewardFailure (counted) when the call fails."""
         if self._closed:
             raise RuntimeError(f"reward sandbox for {self.fn_path} is closed")
         worker = self._idle.get()
         t0 = time.perf_counter()
         try:
             status, payload = self._call(worker, (prompt, completion, answer, fields))
-            if status == "ok" and not is_finite_reward(payload):
+            score = payload[REWARD_SCORE_KEY] if status == "ok" and isinstance(payload, dict) else payload
+            if status == "ok" and not is_finite_reward(score):
                 failure = RewardFailure(
                     "nonfinite",
-                    f"reward {self.fn_path} returned {payload!r} (non-finite, or beyond float32): scored 0; "
+                    f"reward {self.fn_path} returned {score!r} (non-finite, or beyond float32): scored 0; "
                     f"make the reward function return a finite float",
                 )
             else:

@@ -6,9 +6,9 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from areno.rewards.sandbox import as_reward, is_finite_reward
+from areno.rewards.sandbox import is_finite_reward, reward_parts
 from areno.rollout.client import raise_if_cancelled
 from areno.types import Trajectory
 from areno.workflows.base import _import_dotted
@@ -16,8 +16,29 @@ from areno.workflows.base import _import_dotted
 logger = logging.getLogger("areno.workflows")
 
 RewardFn = Callable[..., float]
-"""``reward_fn(prompt, completion: str, answer, **sample_fields) -> float`` (may be async); ``prompt``
-is the row's prompt as the dataset holds it: a string or a list of role/content messages."""
+"""``reward_fn(prompt, completion: str, answer, **sample_fields) -> float`` (may be async; or a mapping with
+the reward under ``"score"`` and named figures beside it, ``reward_parts``); ``prompt`` is the row's prompt
+as the dataset holds it: a string or a list of role/content messages."""
+
+REWARD_FIGURES_KEY = "reward_figures"
+"""``Trajectory.info`` key of the named figures its reward function returned beside the reward (logged as
+``rollout/reward/<name>_mean``)."""
+
+
+class RewardScore(NamedTuple):
+    """What one reward call gave: the reward (0 where it failed), the error, the named figures."""
+
+    value: float
+    error: str | None
+    figures: dict[str, float]
+
+    def into(self, info: dict[str, Any]) -> dict[str, Any]:
+        """``info`` with the call's error and figures under their keys (where there are any)."""
+        if self.error is not None:
+            info["reward_error"] = self.error
+        if self.figures:
+            info[REWARD_FIGURES_KEY] = self.figures
+        return info
 
 
 def describe_sample(sample: dict[str, Any], limit: int = 80) -> str:
@@ -54,6 +75,14 @@ and summed up once per batch (``warn_reward_errors``)."""
 async def acall_reward(
     reward_fn: RewardFn, prompt: str, completion: str, answer: Any, fields: dict[str, Any]
 ) -> tuple[float, str | None]:
+    """``ascore_reward``'s reward and error (for callers that log no figures)."""
+    score = await ascore_reward(reward_fn, prompt, completion, answer, fields)
+    return score.value, score.error
+
+
+async def ascore_reward(
+    reward_fn: RewardFn, prompt: str, completion: str, answer: Any, fields: dict[str, Any]
+) -> RewardScore:
     """Call the user's reward function; a raising reward, or one returning something other than a
     number or a bool (a str, None), or a non-finite value (sandboxed: a ``nonfinite`` failure,
     counted), gives ``(0.0, error)``, so one bad row never kills a run but is never silent either:
@@ -65,10 +94,11 @@ async def acall_reward(
         value = reward_fn(prompt, completion, answer, **fields)
         if inspect.isawaitable(value):
             value = await value
-        value = as_reward(value)  # a str or None is a reward error, not coerced (a bool counts 1 / 0)
+        # a str or None is a reward error, not coerced (a bool counts 1 / 0); a mapping holds named figures too
+        value, figures = reward_parts(value)
         if not is_finite_reward(value):
             raise NonFiniteReward(f"reward returned {value!r}; it must be a finite float")
-        return value, None
+        return RewardScore(value, None, figures)
     # user code: counted (info["reward_error"]) and warned, not hidden; sys.exit() or a KeyboardInterrupt it
     # raises too (they would end the rollout loop's task and hang the run); signals reach the main thread
     # only, so a KeyboardInterrupt there (an evaluation's reward) is the user's Ctrl-C and stops the run
@@ -87,7 +117,17 @@ async def acall_reward(
             error,
             " (its later failures are counted: one warning per batch, rollout/reward_errors)" if first else "",
         )
-        return 0.0, error
+        return RewardScore(0.0, error, {})
+
+
+def reward_figure_means(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """``<prefix>/<name>_mean`` of each named figure the reward function returned beside the reward, over
+    the trajectories that have it (``REWARD_FIGURES_KEY``; a failed call has none)."""
+    sums: dict[str, list[float]] = {}
+    for t in trajectories:
+        for name, value in t.info.get(REWARD_FIGURES_KEY, {}).items():
+            sums.setdefault(name, []).append(value)
+    return {f"{prefix}/{name}_mean": sum(values) / len(values) for name, values in sorted(sums.items())}
 
 
 def warn_reward_errors(trajectories: Sequence[Trajectory], batch: str) -> None:

@@ -19,7 +19,7 @@ from areno.data.prompts import render_prompt
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
-from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
+from areno.workflows.common import REWARD_FIGURES_KEY, RewardFn, ascore_reward, require_field, sample_fields
 from areno.workflows.rlvr import seeded
 
 DEFAULT_FEEDBACK = "\nYour answer is incorrect. Try again.\n"
@@ -112,6 +112,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         versions: list[int] = []
         turn_rewards: list[float] = []
         errors: list[str] = []
+        figures: dict[str, float] = {}
         routes_TLK = None  # a recording MoE engine's routes (``GenerationOutput.routes_TLK``)
         finish_reason = "stop"
         for turn in range(self.max_turns):
@@ -124,10 +125,11 @@ class MultiTurnWorkflow(RolloutWorkflow):
             routes_TLK = _stitch_routes(routes_TLK, out.routes_TLK, turn)
             finish_reason = out.finish_reason
             completion = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
-            reward, error = await acall_reward(self.reward_fn, prompt, completion, answer, fields)
+            score = await ascore_reward(self.reward_fn, prompt, completion, answer, fields)
+            reward, figures = score.value, score.figures  # the last turn's figures, as its reward
             turn_rewards.append(reward)
-            if error is not None:
-                errors.append(error)
+            if score.error is not None:
+                errors.append(score.error)
             if reward > 0 or turn == self.max_turns - 1 or out.finish_reason == "abort":
                 break
             feedback_ids = self._feedback_ids(completion, answer)
@@ -144,6 +146,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
         }
         if errors:
             info["reward_error"] = "; ".join(errors)
+        if figures:
+            info[REWARD_FIGURES_KEY] = figures
         return Trajectory(
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,

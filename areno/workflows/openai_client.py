@@ -43,7 +43,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from areno.models.vision import ImageInputs, VisionConfig, decode_image, expand_image_tokens
-from areno.rewards.sandbox import as_reward
+from areno.rewards.sandbox import reward_parts
 from areno.rollout.client import agenerate_many
 from areno.rollout.server import ChatRequest, CompletionRequest, ServerThread, check_bind
 from areno.rollout.store import ObservationStore
@@ -653,11 +653,11 @@ class ArenoAsyncOpenAI:
 def _areward(reward_fn: RewardFn) -> Callable[..., Awaitable[float]]:
     """``reward_fn`` as an async function returning a float: the configured reward is a coroutine
     function under the reward sandbox and a plain one with ``reward.sandbox=false``, and agent code
-    must not depend on which."""
+    must not depend on which. A mapping return gives its ``"score"`` (``reward_parts``)."""
 
     async def areward(prompt: Any, completion: str, answer: Any = None, **fields: Any) -> float:
         value = reward_fn(prompt, completion, answer, **fields)
-        return as_reward(await value if inspect.isawaitable(value) else value)
+        return reward_parts(await value if inspect.isawaitable(value) else value)[0]
 
     return areward
 

@@ -13,7 +13,7 @@ from areno.rollout.client import RolloutClient, agenerate_many
 from areno.rollout.store import ObservationStore
 from areno.types import GenerationOutput, SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
-from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
+from areno.workflows.common import RewardFn, ascore_reward, require_field, sample_fields
 from areno.workflows.images import IMAGES_KEY, image_prompt, row_images, stash_images
 
 
@@ -102,12 +102,10 @@ class RLVRWorkflow(RolloutWorkflow):
         group_id = uuid.uuid4().hex
         group = []
         completions = await adecode_texts(self.tokenizer, [out.output_ids for out in outputs])
-        scores = [await acall_reward(self.reward_fn, prompt, c, answer, fields) for c in completions]
+        scores = [await ascore_reward(self.reward_fn, prompt, c, answer, fields) for c in completions]
         # no await from here on: an episode cancelled between two stashes leaked the pixels stashed
-        for out, completion, (reward, error) in zip(outputs, completions, scores):
-            info: dict[str, Any] = {"prompt": prompt, "completion": completion, "answer": answer}
-            if error is not None:
-                info["reward_error"] = error
+        for out, completion, score in zip(outputs, completions, scores):
+            info: dict[str, Any] = score.into({"prompt": prompt, "completion": completion, "answer": answer})
             if inputs is not None:  # one stored copy per trajectory: each is released after its step
                 info["images"] = stash_images(inputs, self.store)
             group.append(
@@ -116,7 +114,7 @@ class RLVRWorkflow(RolloutWorkflow):
                     completion_ids=out.output_ids,
                     logprobs=out.output_logprobs,
                     versions=out.output_versions,
-                    reward=reward,
+                    reward=score.value,
                     group_id=group_id,
                     finish_reason=out.finish_reason,
                     info=info,

@@ -33,7 +33,7 @@ from areno.rollout.config import RolloutEngineConfig
 from areno.rollout.engine import RolloutEngine
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import EPISODE_SEED
-from areno.workflows.common import RewardFn, acall_reward, require_field, sample_fields
+from areno.workflows.common import RewardFn, acall_reward, ascore_reward, require_field, sample_fields
 from areno.workflows.rlvr import RLVRWorkflow
 
 TEACHER_EXECUTED_KEY = "teacher_executed_T"
@@ -244,17 +244,15 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
         for seed, out, completion in zip(draws, outputs, completions):
             teacher = seed is not None
             n = len(out.output_ids)
-            reward, error = await acall_reward(self.reward_fn, prompt, completion, answer, fields)
-            info: dict[str, Any] = {"prompt": prompt, "completion": completion, "answer": answer, "teacher": teacher}
-            if error is not None:
-                info["reward_error"] = error
+            score = await ascore_reward(self.reward_fn, prompt, completion, answer, fields)
+            info = score.into({"prompt": prompt, "completion": completion, "answer": answer, "teacher": teacher})
             group.append(
                 Trajectory(
                     prompt_ids=prompt_ids,
                     completion_ids=list(out.output_ids),
                     logprobs=list(out.output_logprobs),
                     versions=[-1] * n if teacher else list(out.output_versions),
-                    reward=reward,
+                    reward=score.value,
                     group_id=group_id,
                     finish_reason=out.finish_reason,
                     info=info,
