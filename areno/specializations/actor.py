@@ -143,7 +143,7 @@ class ActorConfig:
     """Leave completions cut at the length limit (no EOS: ``finish_reason`` "length") out of the loss: their
     tokens train nothing and leave the loss's denominator, while their rewards still count in their
     group's baseline (DAPO's overlong filtering; TRL's ``mask_truncated_completions``, AReaL's
-    ``mask_no_eos_with_zero``)."""
+    ``mask_no_eos_with_zero``). The policy's loss only: a PPO critic still fits its values on them."""
     overlong_max_length: int | None = None
     """Completion length past which DAPO's overlong penalty applies; None: no penalty."""
     overlong_buffer_length: int = 0
