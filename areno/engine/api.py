@@ -1037,7 +1037,7 @@ class ArenoEngine:
         to ``max_filtered_batches`` rounds. Groups past ``batch_size`` (the last round's last) are done
         untrained; a step whose rounds kept no group stops the run. Its samples stay pending in the ledger
         until the caller marks them trained, so a step that stops the run (its emergency checkpoint) leaves
-        them, filtered ones included, for the resumed run to generate again."""
+        them, filtered, rejected and dropped ones included, for the resumed run to generate again."""
         executor = self.executor
         max_rounds = executor.max_filtered_batches if executor.group_filter is not None else 1
         rollout = self._rollout_side("a synchronous rollout")

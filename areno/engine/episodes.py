@@ -59,6 +59,8 @@ class EpisodeTask:
     """Attempts lost because the rollout worker process running them died."""
     stale: int = 0
     """Attempts aborted or dropped for falling more than η versions behind (the pool re-queues them)."""
+    refused: bool = False
+    """The rollout engine refused its request (``refused_request``): dropped at once, the row's own fault."""
 
 
 class EpisodeAttempts:
@@ -201,6 +203,7 @@ class EpisodeAttempts:
         if refused_request(exc):  # the same request is refused again on every attempt: no retry
             self.counts["dropped_failed"] += 1
             self.counts["refused_requests"] += 1
+            task.refused = True
             self.last_drop = what
             self.workflow_broken, self.request_refused = False, True
             logger.warning(

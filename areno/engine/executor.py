@@ -92,7 +92,9 @@ class SampleSource(abc.ABC):
     @abc.abstractmethod
     def release(self, sample: dict[str, Any]) -> None:
         """The pool is done with ``sample`` (the object it took from here) and it gave no group:
-        rejected by the workflow, dropped after its attempts, or too stale on every attempt."""
+        rejected by the workflow, dropped after its attempts, filtered, or too stale on every attempt. Told
+        once a later group comes (at once for a stale one, or one the engine refused): the samples of a
+        streak without groups that stops the pool are never told, so they stay for the resumed run."""
 
 
 class _Rows(SampleSource):
@@ -157,7 +159,7 @@ class WorkflowExecutor:
             workflow: turns a sample into trajectories (unused with ``runner``: its processes
                 build their own from a ``WorkerSpec``).
             dataset_iter: samples for the everlasting pool (``start``/``wait_batch``); a
-                ``SampleSource`` is told which ones end untrained (also those of ``rollout_batch``).
+                ``SampleSource`` is told which ones end untrained (of ``rollout_batch``'s, only the refused).
             staleness: admission control for the everlasting pool.
             num_workers: concurrent episodes (default ``staleness.max_concurrent``); a synchronous
                 ``rollout_batch`` runs this many at once where it is given, else every episode.
@@ -176,7 +178,8 @@ class WorkflowExecutor:
                 ``wait_batch`` raises at once with the last error instead of waiting for groups
                 that will never come (0: never stop). So do this many batches' worth of samples in a
                 row without a group, rejected or dropped (a workflow that keeps no row): a bound in
-                batches, as one that keeps a few rows in many has long runs of rejections.
+                batches, as one that keeps a few rows in many has long runs of rejections. The samples of
+                the streak stay unreleased, so a run resumed after the fix generates them again.
             group_filter: the trajectories of each finished group to keep (DAPO's dynamic sampling: those
                 of its groups with varied rewards); a group it keeps none of is ``filtered`` (counted in
                 ``rollout/filtered_groups``, its sample done untrained) and the pool samples another, as
@@ -197,7 +200,9 @@ class WorkflowExecutor:
         self.group_filter = group_filter
         self.max_filtered_batches = max_filtered_batches
         self._filtered_in_a_row = 0
-        self._filtered_streak: list[dict[str, Any]] = []  # the pool's samples filtered since its last group
+        # the pool's samples ended without a group since its last group (filtered, rejected, dropped): let go once
+        # a group comes, so the streak that stops the pool stays pending in the source for the resume to generate
+        self._streak: list[dict[str, Any]] = []
         self._filtered_rewards: list[float] = []  # of the trajectories filtered since the last take
         self._filtered_rewards_lock = threading.Lock()
         self._filtered_reward_error: str | None = ""  # the streak's last reward error; None: one scored unfailed
@@ -438,9 +443,10 @@ class WorkflowExecutor:
         self._count_outcome(status, pool=True)
         if status == "ok":
             assert group is not None
-            for sample in self._filtered_streak:  # a group came: the streak's samples were the policy's, let go
-                self._release(sample)
-            self._filtered_streak.clear()
+            if self._worker_error is None:  # a group came, the pool unbroken: the streak was no fault's, let go
+                for sample in self._streak:
+                    self._release(sample)
+                self._streak.clear()
             self.staleness.on_accept()
             spans = [version_span(traj) for traj in group]
             finished = _Finished(task, group, submit_version, spans, spans_min_version(spans))
@@ -452,10 +458,10 @@ class WorkflowExecutor:
             self._pending.appendleft(task)
         elif status == "aborted_stale":
             self._requeue_stale(task)
-        elif status == "filtered":  # done, untrained; let go once a group comes, so a streak that breaks the
-            self._filtered_streak.append(task.sample)  # pool (a reward gone flat) stays pending for the resume
-        else:  # rejected, or dropped after its attempts: done, untrained
+        elif task.refused:  # the row's own fault, not the run's: let go at once (a resume would replay the refusal)
             self._release(task.sample)
+        else:  # filtered, rejected, or dropped after its attempts: done, untrained, let go once a group comes
+            self._streak.append(task.sample)
         self.staleness.on_reject()
 
     def _requeue_stale(self, task: EpisodeTask) -> None:
@@ -604,8 +610,9 @@ class WorkflowExecutor:
         """Run every sample's episode concurrently and return all trajectories (groups adjacent,
         in sample order). Failed episodes are retried up to ``max_retries``; rejected and finally
         failed samples (and groups ``group_filter`` keeps nothing of) contribute nothing. The samples are the
-        caller's to settle with its source (unlike the pool's, none is released here: a synchronous step marks
-        them all trained once its batch is taken, and one that stops the run leaves them pending)."""
+        caller's to settle with its source (unlike the pool's, none is released here but one the engine refused:
+        a synchronous step marks them all trained once its batch is taken, and one that stops the run leaves them
+        pending)."""
         return [t for group, _ in self._rollout(samples, pack=False) for t in group]
 
     def rollout_packed(self, samples: list[dict[str, Any]]) -> tuple[list[Trajectory], TokenBatch]:
@@ -726,6 +733,8 @@ class WorkflowExecutor:
                         status = "ok" if group else "filtered"
                     if status != "retry":  # its sample is the caller's to settle with its source
                         self._count_outcome(status)
+                        if task.refused:  # but one refused is the row's fault: let go at once, as the pool's
+                            self._release(task.sample)
                         return group, TokenBatch.from_trajectories(group) if pack and group else None
 
         tasks = [EpisodeTask(self._next_index + i, sample) for i, sample in enumerate(samples)]

@@ -5,10 +5,13 @@ episodes in flight, finished groups waiting for a trainer step. The stream's own
 runs ahead of what was trained, and a checkpoint that stored only it would skip those prompts on
 resume. ``SampleLedger`` sits between the stream and the pool: every sample it hands out is
 pending until the trainer takes its group (``trained``) or the pool ``release``s it, done without a
-group: rejected by the workflow, dropped after its attempts (a prompt the engine refuses is dropped
-at once), or too stale on every attempt (a stale one is re-queued by the pool first, so it stays
-pending meanwhile). The pending set is therefore what the pool holds, bounded by its staleness
-capacity. A checkpoint stores the stream cursor together with the pending samples; after resume
+group: rejected by the workflow, dropped after its attempts, or filtered, once a later group comes
+(the streak that stops the run, a broken engine or workflow, stays pending for the resumed run to
+generate); a prompt the engine refuses at once, the row's own fault; or too stale on every attempt (a
+stale one is re-queued by the pool first, so it stays pending meanwhile). The pending set is therefore
+what the pool holds, bounded by its staleness capacity and the streaks that stop it. A synchronous
+step settles its samples together: trained when its batch is taken, pending when it stops the run.
+A checkpoint stores the stream cursor together with the pending samples; after resume
 they are handed out first — regenerated under the restored policy — and the stream continues where
 it stopped. No prompt is skipped and none is trained twice.
 

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from areno.data.tasks import PromptStream
-from areno.engine.executor import RolloutPoolBroken, WorkflowExecutor
+from areno.engine.executor import RolloutPoolBroken, SampleSource, WorkflowExecutor
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, SampleLedger
 from areno.engine.staleness import StalenessManager
 from areno.rollout.errors import RequestRejected
@@ -94,6 +94,37 @@ def test_a_pool_whose_workflow_rejects_every_row_stops_naming_the_cause():
             ex.wait_batch(4, timeout=20)
     assert time.monotonic() - t0 < 15
     assert sum(wf.calls.values()) <= 8 + 4  # the bound, and the episodes already running at it
+
+
+def test_the_rejected_streak_that_stops_the_pool_stays_pending_but_a_refused_row_goes():
+    """walk46 P2: the samples of the streak without a group that stops the pool were let go one by one, so the
+    resume after the fix skipped them. Now a rejected (or dropped) sample is let go once a group follows it; a
+    row the engine refuses at once (its own fault: a resume would only be refused again)."""
+
+    class Told(SampleSource):
+        def __init__(self, rows):
+            self._rows, self.released = iter(rows), []
+
+        def __next__(self):
+            return next(self._rows)
+
+        def release(self, sample):
+            self.released.append(sample["prompt"])
+
+    fates = {"a": "reject", "b": "reject", "c": None, "d": "refuse", "e": "reject", "f": "reject", "g": "reject"}
+    source = Told([{"prompt": p, "len": 3, "fate": fate} for p, fate in fates.items()] + [{"prompt": "h", "len": 3}])
+    staleness = StalenessManager(max_head_offpolicyness=4, batch_size=2, max_concurrent=1)
+    with WorkflowExecutor(
+        FakeEngine(length_from_prompt), ByPrompt(), source, staleness, max_consecutive_dropped=2
+    ) as ex:
+        with pytest.raises(RolloutPoolBroken, match=r"^no group from the last 4 samples: 3 rejected"):
+            ex.wait_batch(2, timeout=20)
+    assert source.released == ["a", "b", "d"]  # a and b once c's group came; e, f and g stay for the resume
+    source.released.clear()
+    with WorkflowExecutor(FakeEngine(length_from_prompt), ByPrompt(), source, staleness, max_retries=0) as ex:
+        with pytest.raises(RolloutPoolBroken, match=r"^no trajectories from a rollout batch of 3 samples"):
+            ex.rollout_batch([{"prompt": p, "len": 3, "fate": fates[p]} for p in "dea"])
+    assert source.released == ["d"]  # a synchronous batch that stops the run leaves the rest to its caller
 
 
 def test_a_workflow_that_keeps_a_few_rows_is_not_stopped():

@@ -51,6 +51,23 @@ class AlwaysFailingWorkflow(RolloutWorkflow):
         raise RuntimeError("environment unreachable")
 
 
+BROKEN_ENV = "ARENO_TEST_WORKFLOW_BROKEN"
+"""``BrokenWhenToldWorkflow``'s switch: while it is set, every episode raises."""
+
+
+class BrokenWhenToldWorkflow(RLVRWorkflow):
+    """RLVR, but every episode raises while ``$ARENO_TEST_WORKFLOW_BROKEN`` is set (an environment gone mid-run,
+    then fixed); ``failed`` notes the prompts of those episodes (in process)."""
+
+    failed: list[str] = []
+
+    async def run_episode(self, client, sample):
+        if os.environ.get(BROKEN_ENV):
+            self.failed.append(sample["prompt"])
+            raise RuntimeError("environment unreachable")
+        return await super().run_episode(client, sample)
+
+
 class BreaksAfterWorkflow(RLVRWorkflow):
     """RLVR for its first ``break_after`` episodes, then every episode raises (an environment gone mid-run)."""
 
