@@ -26,7 +26,7 @@ from areno.engine.config import (
     offline_unused_rollout_keys,
 )
 from areno.errors import RunStopped, UserError
-from areno.observe.metrics import METRICS_FILENAME, read_metrics
+from areno.observe.metrics import METRICS_FILENAME, REWARD_KEY, read_metrics, step_reward
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +242,8 @@ def plot_curve(run_dir: Path) -> Path | None:
     rows = read_metrics(run_dir)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     values = []
-    for key, label in (("rollout/reward_mean", "train reward"), ("eval/accuracy", "held-out accuracy")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
+    for key, label in ((REWARD_KEY, "train reward"), ("eval/accuracy", "held-out accuracy")):
+        pts = [(r["step"], step_reward(r) if key == REWARD_KEY else r[key]) for r in rows if key in r]
         if pts:
             ax.plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=label)
             values += [v for _, v in pts]

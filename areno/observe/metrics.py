@@ -47,6 +47,9 @@ POLICY_SYNC_KEYS: tuple[str, ...] = (
 """The policy-sync metrics of seed 000, in its spelling."""
 
 REWARD_KEY = "rollout/reward_mean"
+SCORED_REWARD_KEY = "rollout/scored_reward_mean"
+"""Every scored sample's reward where dynamic sampling filters groups (``REWARD_KEY`` then covers the kept ones,
+whose rewards vary by construction): the reward the console, the curve and the report show where it is logged."""
 COMPLETION_LEN_KEY = "rollout/completion_len_mean"
 POLICY_LOSS_KEY = "train/policy/loss"
 """The policy's loss (the NLL of ``sft``, the actor loss of an RL recipe): the console's ``loss``;
@@ -193,6 +196,11 @@ def _format_number(value: float) -> str:
     return f"{value:.3g}"
 
 
+def step_reward(metrics: Mapping[str, Number]) -> Number | None:
+    """The reward shown for a step: ``SCORED_REWARD_KEY`` where logged, else ``REWARD_KEY`` (None: neither)."""
+    return metrics.get(SCORED_REWARD_KEY, metrics.get(REWARD_KEY))
+
+
 def step_loss(metrics: Mapping[str, Number]) -> Number | None:
     """The loss the console shows for a step (``POLICY_LOSS_KEY``, else the first ``train/<role>/loss``
     or a backend's own ``train/loss``); None when the step logged none."""
@@ -260,7 +268,7 @@ class ConsoleSink(MetricSink):
         now = time.monotonic()
         fields: dict[str, str] = {}
         if REWARD_KEY in metrics:
-            fields["reward"] = _format_number(metrics[REWARD_KEY])
+            fields["reward"] = _format_number(step_reward(metrics))
             if COMPLETION_LEN_KEY in metrics:
                 fields["len"] = _format_number(metrics[COMPLETION_LEN_KEY])
         # a policy-gradient loss reads ~0 on every step (the ratio is 1 and a group's advantages

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from areno.errors import DataError, UserError
-from areno.observe.metrics import METRICS_FILENAME, POLICY_SYNC_PREFIX, read_metrics
+from areno.observe.metrics import METRICS_FILENAME, POLICY_SYNC_PREFIX, REWARD_KEY, SCORED_REWARD_KEY, read_metrics
 from areno.observe.session import format_session, load_sessions
 from areno.observe.trace import MERGED_FILENAME, TRACES_DIRNAME, load_trace_events, span_stats
 
@@ -137,7 +137,13 @@ PANELS: tuple[Panel, ...] = (
         "Reward",
         "reward",
         # the batch's reward means: the sandbox's counters and call times are not rewards
-        _match(lambda k: k.startswith("rollout/") and _leaf(k).startswith("reward") and _leaf(k).endswith("_mean")),
+        _match(
+            lambda k: (
+                k == SCORED_REWARD_KEY
+                or k.startswith("rollout/reward/")  # the figures a reward function returns beside its score
+                or (k.startswith("rollout/") and _leaf(k).startswith("reward") and _leaf(k).endswith("_mean"))
+            )
+        ),
     ),
     Panel("Held-out accuracy", "accuracy", _match(_eval_key)),
     Panel("Loss", "loss", _match(_loss_key)),
@@ -303,7 +309,7 @@ def summarize(run: Run) -> dict[str, Any]:
         values = run.series(key)[1]
         return max(values) if values else None
 
-    rewards = run.series("rollout/reward_mean")[1]
+    rewards = run.series(SCORED_REWARD_KEY)[1] or run.series(REWARD_KEY)[1]
     return {
         "run": run.name,
         "steps": max(steps) if steps else 0,
