@@ -51,6 +51,7 @@ from areno.rewards.sandbox import RewardSandbox, release_shared
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
+from areno.workflows.common import reward_figure_means
 
 logger = logging.getLogger("areno.engine.test_rollout")
 
@@ -207,6 +208,7 @@ class TestRolloutManager:
             "eval/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "eval/num_trajectories": float(len(trajectories)),
             "eval/reward_errors": float(sum("reward_error" in t.info for t in trajectories)),
+            **reward_figure_means(trajectories, "eval/reward"),
         }
         groups: dict[str, list[Trajectory]] = {}
         for t in trajectories:
@@ -351,7 +353,7 @@ def start_test_rollout(
 
 def test_metrics(step: int, metrics: dict[str, float]) -> dict[str, float]:
     """The trainer's ``test/*`` metrics of the evaluation of checkpoint ``step``."""
-    passes = {f"test/{k[5:]}": v for k, v in metrics.items() if k.startswith("eval/pass@")}
+    passes = {f"test/{k[5:]}": v for k, v in metrics.items() if k.startswith(("eval/pass@", "eval/reward/"))}
     return {
         **passes,
         "test/accuracy": metrics["eval/reward_mean"],

@@ -191,3 +191,13 @@ def test_a_test_rollout_that_fails_to_start_releases_its_reward_workers(tmp_path
     with pytest.raises(RuntimeError, match="engine failed to start"):
         start_test_rollout(cfg, tmp_path / "run")
     assert not sandbox._POOLS and not sandbox._USERS
+
+
+def test_the_reward_figures_of_the_evaluation_are_logged(tmp_path):
+    """walk48: a reward's named figures reached eval/reward/<name>_mean but not the test rollout's metrics."""
+    cfg = _config(
+        tmp_path, "train.steps=1", "test_rollout.enabled=true", "reward.fn=tests.helpers.rewards:with_figures"
+    )
+    (row,) = [r for r in run_to_end(cfg) if "test/accuracy" in r]
+    assert row["test/reward/double_mean"] == pytest.approx(2 * row["test/accuracy"])
+    assert 0.0 <= row["test/reward/high_mean"] <= 1.0
