@@ -72,3 +72,13 @@ def test_a_mapping_without_its_score_is_a_reward_error(tmp_path):
     (row,) = [r for r in run_to_end(load_config(None, overrides)) if "rollout/num_seqs" in r]
     assert row["rollout/reward_errors"] == row["rollout/num_seqs"] and row["rollout/reward_mean"] == 0.0
     assert not [k for k in row if k.startswith("rollout/reward/")]
+
+
+def test_a_reply_the_worker_never_sends_is_malformed_never_an_overflow():
+    """walk48: a figure named as no metric key, a NaN figure, and an int past float's range (an OverflowError out
+    of the decoder, not a counted failure) came through a reply user code wrote on the pipe."""
+    huge = b"1" + b"0" * 400
+    for bad in (b'["ok", 1.0, {"a b/": 1}]', b'["ok", 1.0, {"fmt": NaN}]', b'["ok", 1.0, {"fmt": ' + huge + b"}]"):
+        with pytest.raises(MalformedReply):
+            decode_reply(bad)
+    assert decode_reply(b'["ok", ' + huge + b"]") == ["ok", math.inf]  # counted as non-finite by the sandbox
