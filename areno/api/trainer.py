@@ -64,6 +64,7 @@ from areno.observe.session import configure_sessions
 from areno.observe.startup import startup_to_first_token_s
 from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span
 from areno.train import checkpoint
+from areno.train.config import DECAYING_SCHEDULES
 
 logger = logging.getLogger(__name__)
 
@@ -299,10 +300,10 @@ class Trainer:
                     "calls): shutdown() and make a new Trainer with the change and resume='auto'"
                 )
         steps, built, reached = config.train.steps, self._built_with["train.steps"], self.start_rollout_id
-        cosine = [k for k, v in now.items() if k.endswith(".schedule") and v == "cosine"]
-        if steps != built and cosine:
+        decaying = [k for k, v in now.items() if k.endswith(".schedule") and v in DECAYING_SCHEDULES]
+        if steps != built and decaying:
             raise ConfigError(
-                f"train.steps: {built} -> {steps}, but {cosine[0]}=cosine decays over the steps the Trainer was "
+                f"train.steps: {built} -> {steps}, but {decaying[0]}={now[decaying[0]]} decays over the steps the Trainer was "
                 f"built with: shutdown() and make a new Trainer with train.steps={steps} and resume='auto' "
                 "(its schedule decays over them)"
             )

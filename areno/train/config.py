@@ -21,7 +21,9 @@ DTYPES = ("float32", "bfloat16")
 MAX_LR = 1e37
 """AdamW's first update is lr / (1 - beta1) per weight (10 * lr by default): above this it overflows
 float32 and torch fails with a raw RuntimeError."""
-SCHEDULES = ("constant", "linear_warmup", "cosine")
+SCHEDULES = ("constant", "linear_warmup", "cosine", "linear")
+DECAYING_SCHEDULES = ("cosine", "linear")
+"""The schedules that decay over the run's optimizer steps (``total_steps``) to ``min_lr_ratio`` * lr."""
 COMPILE_SCOPES = ("layers", "model")
 """``compile_scope`` values: each decoder layer, or the whole layer stack as one graph."""
 LONG_SEQUENCES = ("error", "truncate")
@@ -80,12 +82,13 @@ class OptimConfig:
     """Clip the global gradient L2 norm to this value; 0 or null disables clipping (the norm is still
     reported)."""
     schedule: str = "constant"
-    """``constant``, ``linear_warmup`` (linear from 0 to lr over warmup_steps, then constant) or
-    ``cosine`` (linear warm-up, then cosine decay to min_lr_ratio * lr at total_steps)."""
+    """``constant``, ``linear_warmup`` (linear from 0 to lr over warmup_steps, then constant), ``cosine``
+    (linear warm-up, then cosine decay to min_lr_ratio * lr at total_steps) or ``linear`` (linear warm-up,
+    then linear decay to min_lr_ratio * lr at total_steps: transformers' and TRL's default)."""
     warmup_steps: int = 0
-    """Optimizer steps of linear warm-up; used by linear_warmup and cosine."""
+    """Optimizer steps of linear warm-up; used by linear_warmup, cosine and linear."""
     min_lr_ratio: float = 0.0
-    """Final learning rate of the cosine schedule as a fraction of lr, in [0, 1]."""
+    """Final learning rate of the cosine and linear schedules as a fraction of lr, in [0, 1]."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW (beta1, beta2), each in [0, 1) (a tuple once validated)."""
     eps: float = 1e-8
@@ -109,15 +112,16 @@ class OptimConfig:
         check_config(
             self.warmup_steps == 0 or self.schedule != "constant",
             "optim.warmup_steps",
-            "the constant schedule has no warm-up: set optim.schedule to linear_warmup or cosine",
+            "the constant schedule has no warm-up: set optim.schedule to linear_warmup, cosine or linear",
         )
         check_config(
             0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"
         )
         check_config(
-            self.min_lr_ratio == 0.0 or self.schedule == "cosine",
+            self.min_lr_ratio == 0.0 or self.schedule in DECAYING_SCHEDULES,
             "optim.min_lr_ratio",
-            f"is the final rate of the cosine schedule, and optim.schedule is {self.schedule}: set it to cosine",
+            f"is the final rate of a decaying schedule, and optim.schedule is {self.schedule}: set it to cosine or "
+            "linear",
         )
         self.betas = tuple(self.betas)  # type: ignore[assignment]  # a YAML list
         check_config(
@@ -321,8 +325,8 @@ class TrainBackendConfig(OptimConfig, TrainStepConfig, PrecisionConfig):
         OptimConfig.__post_init__(self)
         TrainStepConfig.__post_init__(self)
         PrecisionConfig.__post_init__(self)
-        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= 0):
-            raise ValueError("schedule='cosine' needs total_steps > 0 (set total_steps)")
+        if self.schedule in DECAYING_SCHEDULES and (self.total_steps is None or self.total_steps <= 0):
+            raise ValueError(f"schedule={self.schedule!r} needs total_steps > 0 (set total_steps)")
         if self.total_steps is not None and self.total_steps < self.warmup_steps:
             raise ValueError(f"total_steps ({self.total_steps}) must be >= warmup_steps ({self.warmup_steps})")
         if self.param_dtype is not None and self.param_dtype not in DTYPES:

@@ -111,7 +111,8 @@ def lr_factor(step: int, cfg: TrainBackendConfig) -> float:
 
     linear_warmup: (step + 1) / warmup_steps during warm-up, then 1. cosine: the same warm-up, then
     ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with progress from 0 at the end of warm-up to 1
-    at total_steps (held at the minimum afterwards).
+    at total_steps (held at the minimum afterwards). linear: the same warm-up, then ``min + (1 - min) *
+    (1 - progress)``.
     """
     if cfg.schedule == "constant":
         return 1.0
@@ -122,8 +123,8 @@ def lr_factor(step: int, cfg: TrainBackendConfig) -> float:
     assert cfg.total_steps is not None
     decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+    left = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * left
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainBackendConfig) -> torch.optim.lr_scheduler.LambdaLR:

@@ -126,13 +126,14 @@ def test_run_again_refuses_what_it_cannot_continue(tmp_path, capsys):
             call()
 
 
-def test_run_again_refuses_lengthening_a_cosine_schedule(tmp_path):
-    cfg = _config(tmp_path, train=TrainSection(steps=1, eval_interval=0), optim=OptimConfig(lr=0.01, schedule="cosine"))
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_run_again_refuses_lengthening_a_decaying_schedule(tmp_path, schedule):
+    cfg = _config(tmp_path, train=TrainSection(steps=1, eval_interval=0), optim=OptimConfig(lr=0.01, schedule=schedule))
     trainer = Trainer.init(cfg)
     try:
         trainer.run()
         cfg.train.steps = 3
-        with pytest.raises(ConfigError, match=r"^train\.steps: 1 -> 3, but optim\.schedule=cosine decays over"):
+        with pytest.raises(ConfigError, match=rf"^train\.steps: 1 -> 3, but optim\.schedule={schedule} decays over"):
             trainer.run()
     finally:
         trainer.shutdown()

@@ -241,3 +241,14 @@ def test_shared_prompt_plans_are_valid_and_never_need_more_micro_batches(seed):
         by_tokens = plan_micro_batches(seqlens, spec).per_rank[0]
         cost = lambda mbs: sum(map(prompts.rows, mbs)) + MICRO_BATCH_ROWS * len(mbs)
         assert cost(plan.per_rank[0]) <= cost(by_tokens)
+
+
+def test_the_linear_schedule_is_transformers_linear_decay_after_the_warm_up():
+    """``optim.schedule=linear`` (TRL's and transformers' default): after the warm-up the factor falls
+    linearly to ``min_lr_ratio`` at ``total_steps`` (transformers' get_linear_schedule_with_warmup at 0)."""
+    c = TrainBackendConfig(lr=1.0, schedule="linear", warmup_steps=2, total_steps=6)
+    assert [lr_factor(s, c) for s in range(8)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
+    c = TrainBackendConfig(lr=1.0, schedule="linear", warmup_steps=0, total_steps=4, min_lr_ratio=0.2)
+    assert [lr_factor(s, c) for s in range(5)] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+    with pytest.raises(ValueError, match=r"schedule='linear' needs total_steps > 0"):
+        TrainBackendConfig(lr=1.0, schedule="linear")
