@@ -43,6 +43,7 @@ from areno.engine.config import (
     check_offline_rollout,
     field_default,
     has_held_out_rows,
+    resolve_rollout_backend,
 )
 from areno.engine.partitioned import PartitionedCluster, is_partitioned, warn_cpu_oversubscription
 from areno.engine.roles import check_partitioned_roles, places_roles, role_allocation
@@ -617,6 +618,10 @@ def synchronous_decoupled_warning(config: ArenoConfig, recipe: TrainingConfig) -
     ``rollout.max_head_offpolicyness=0``, where every rollout is fresh, and what makes the run asynchronous;
     None where the rollouts may be stale or the loss is another."""
     if config.rollout.max_head_offpolicyness > 0:
+        return None
+    # another engine's log-probs differ from the trainer's: the decoupled loss's behaviour weight corrects that
+    # mismatch even with fresh rollouts (as TRL's vllm_importance_sampling_correction)
+    if resolve_rollout_backend(config.rollout.backend, config.cluster.allocation_mode) != "areno":
         return None
     spec = recipe.policy_role.build()
     if not isinstance(spec, ActorSpecialization) or not spec.config.use_decoupled_loss:

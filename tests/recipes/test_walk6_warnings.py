@@ -139,3 +139,14 @@ def test_mixed_loss_warns_only_where_the_ce_term_has_weight_and_nothing_to_train
     assert (line is not None) is said, line
     if line and "beta_decay_steps=5" in extra[0]:
         assert "1 - beta = 0 at step 1, 0.2 at step 2 and 1 from step 6 on" in line
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_a_synchronous_decoupled_loss_over_an_inference_server_is_not_warned(tmp_path, backend):
+    """With vLLM or SGLang generating, the decoupled loss's behaviour weight corrects the mismatch between the
+    server's log-probs and the trainer's even at eta 0 (as TRL's vllm_importance_sampling_correction): the
+    warning that it has nothing to correct was wrong there (walk49)."""
+    cfg = _config(tmp_path, "train.algorithm=grpo_async", f"rollout.backend={backend}")
+    assert synchronous_decoupled_warning(cfg, resolve_recipe(cfg)) is None
+    cfg = _config(tmp_path, "train.algorithm=grpo_async")
+    assert "has no staleness to correct" in synchronous_decoupled_warning(cfg, resolve_recipe(cfg))
