@@ -9,52 +9,13 @@ import pytest
 
 from areno.algo.filters import dynamic_sampling_kept
 from areno.api.config import load_config
-from areno.engine.executor import RolloutPoolBroken, SampleSource, WorkflowExecutor
+from areno.engine.executor import RolloutPoolBroken, WorkflowExecutor
 from areno.engine.staleness import StalenessManager
 from areno.errors import ConfigError
 from areno.recipes import get_recipe
-from areno.types import SamplingParams, Trajectory
-from areno.workflows.base import RolloutWorkflow
-from tests.helpers.async_fakes import FakeEngine, generated
+from areno.types import Trajectory
 from tests.helpers.configs import run_to_end, tiny_run_overrides
-
-
-class GroupWorkflow(RolloutWorkflow):
-    """Sample {"id", "rewards": {group: [r, ...]}} -> one trajectory per reward, grouped as given."""
-
-    async def run_episode(self, client, sample):
-        out = []
-        for group, rewards in sample["rewards"].items():
-            for r in rewards:
-                gen = await client.agenerate([2], SamplingParams(max_new_tokens=10))
-                out.append(generated(gen, r, group_id=f"{sample['id']}/{group}", info={"id": sample["id"]}))
-        return out
-
-
-class Released(SampleSource):
-    """Rows, remembering which ones the executor released (done without a trained group)."""
-
-    def __init__(self, rows):
-        self._rows = iter(rows)
-        self.released = []
-
-    def __next__(self):
-        return next(self._rows)
-
-    def release(self, sample):
-        self.released.append(sample["id"])
-
-
-def flat(i):
-    return {"id": i, "rewards": {"a": [1.0, 1.0]}}
-
-
-def varied(i):
-    return {"id": i, "rewards": {"a": [0.0, 1.0]}}
-
-
-def engine():
-    return FakeEngine(lambda prompt_ids, params: [5, 6], step_s=0.0)
+from tests.helpers.groups import GroupWorkflow, Released, engine, flat, varied
 
 
 def test_the_pool_fills_its_batch_with_groups_whose_rewards_vary():

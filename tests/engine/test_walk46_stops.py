@@ -16,8 +16,8 @@ from areno.api.trainer import Trainer
 from areno.engine.executor import RolloutPoolBroken, WorkflowExecutor
 from areno.engine.staleness import StalenessManager
 from areno.observe.metrics import read_metrics
-from tests.engine.test_dynamic_sampling_rounds import GroupWorkflow, Released, engine, flat, varied
 from tests.helpers.configs import run_to_end, tiny_run_overrides
+from tests.helpers.groups import GroupWorkflow, Released, engine, flat, varied
 from tests.helpers.rewards import FLAT_ENV
 from tests.helpers.workflows import BROKEN_ENV, BrokenWhenToldWorkflow
 
