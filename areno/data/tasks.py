@@ -242,10 +242,12 @@ class PromptStream:
 
     ``stage``: which stage of a run of several the stream feeds; each stage has an order of its own, so that
     the stage after a warm start does not retrace the warm start's rows. A resumed stream keeps its
-    checkpoint's stage.
+    checkpoint's stage. ``shuffle=False``: every epoch takes the rows in their order (no stage, no seed).
     """
 
-    def __init__(self, rows: list[dict], *, seed: int, batch_size: int = 1, stage: str = "") -> None:
+    def __init__(
+        self, rows: list[dict], *, seed: int, batch_size: int = 1, stage: str = "", shuffle: bool = True
+    ) -> None:
         if not rows:
             raise DataError("the training dataset is empty: check data.train_path or data.task")
         if batch_size < 1:
@@ -254,6 +256,7 @@ class PromptStream:
         self._seed = seed
         self._batch_size = batch_size
         self._stage = stage
+        self._shuffled = shuffle
         self._version = STREAM_VERSION
         self.epoch = 0
         self.position = 0
@@ -262,6 +265,8 @@ class PromptStream:
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self._rows)))
+        if not self._shuffled:
+            return order
         if self._version == 1:  # a checkpoint of an older areno resumes in its own order
             random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
         else:  # a string seeds by all of its bytes: data.seed=-1 is not data.seed=1

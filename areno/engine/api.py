@@ -812,7 +812,9 @@ class ArenoEngine:
         # batch_size: a batch that straddles two epochs is kept free of rows it already holds; the stage after
         # a warm start (whose own config has warm_start.steps=0) shuffles apart from the warm start's rows
         stage = "after_warm_start" if cfg.warm_start.steps > 0 else ""
-        self.train_stream = PromptStream(train_rows, seed=cfg.data.seed, batch_size=cfg.rollout.batch_size, stage=stage)
+        self.train_stream = PromptStream(
+            train_rows, seed=cfg.data.seed, batch_size=cfg.rollout.batch_size, stage=stage, shuffle=cfg.data.shuffle
+        )
         if not generates(self.recipe, pairs=self.pairs, held_out=bool(self.eval_rows)):
             self._drop_rollout_side()
         if self.recipe.online:  # a sandboxed reward's first worker imports it while the models load

@@ -152,6 +152,9 @@ class DataSection(ConfigSection):
     seed: int = 0
     """Seed of the task generator and of the dataloader shuffle (a new one each epoch; a negative seed is
     another order; the main stage after a warm start draws an order of its own, not the warm start's)."""
+    shuffle: bool = True
+    """Shuffle the training rows each epoch (a new order each, from ``seed``); false: the rows in their file's
+    (or task's) order every epoch, e.g. a curriculum of easy rows first (TRL's ``shuffle_dataset=False``)."""
     chat_template: str = "auto"
     """How prompts become token ids, alike in rollouts, evaluation, SFT data and the chat route
     (`areno.data.prompts.render_prompt`): auto = wrapped in the tokenizer's chat template (a string
