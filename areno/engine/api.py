@@ -68,6 +68,7 @@ from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import ENGINE_ARGUMENTS, NONFINITE_REWARD_KEY, RolloutWorkflow, load_workflow
 from areno.workflows.common import (
+    REWARD_FIGURES_KEY,
     prompt_kwargs,
     reward_figure_means,
     store_kwargs,
@@ -232,6 +233,8 @@ def check_same_vocabulary(role_dir: Path, policy_dir: Path, role: str) -> None:
 
 INIT_TINY_MARKER = "areno_init_tiny.json"
 """What made a ``model.init_tiny`` model: its arguments and seed (``init_tiny_stale``)."""
+COMPLETIONS_FILENAME = "completions.jsonl"
+"""What ``observe.log_completions`` writes in the run directory."""
 
 
 def init_tiny_marker(config: ArenoConfig) -> dict[str, Any]:
@@ -1011,6 +1014,8 @@ class ArenoEngine:
                 "rollout/num_seqs": float(len(trajectories)),
                 "rollout/num_tokens": float(sum(t.num_tokens for t in trajectories)),
             }
+        if self.recipe.online and cfg.observe.log_completions:
+            self._log_completions(rollout_id, trajectories[: cfg.observe.log_completions])
         if self.recipe.online and self.executor.group_filter is not None:
             metrics["rollout/scored_reward_mean"] = scored_reward_mean(
                 trajectories, self.executor.take_filtered_rewards()
@@ -1029,6 +1034,22 @@ class ArenoEngine:
         if batch.images_B and self.store is not None:  # the pixels stayed in the store until now
             batch.images_B = fetch_refs(batch.images_B, self.store)
         return RolloutBatch(trajectories=trajectories, batch=batch, metrics=metrics)
+
+    def _log_completions(self, rollout_id: int, trajectories: list[Trajectory]) -> None:
+        """``observe.log_completions``: these trajectories as JSON lines of run_dir/completions.jsonl."""
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        with open(self.run_dir / COMPLETIONS_FILENAME, "a", encoding="utf-8") as f:
+            for t in trajectories:
+                row = {
+                    "step": rollout_id + 1,
+                    "prompt": t.info.get("prompt", decode(t.prompt_ids)),
+                    "completion": t.info.get("completion", decode(t.completion_ids)),
+                    "reward": t.reward,
+                    "finish_reason": t.finish_reason,
+                    **({"figures": t.info[REWARD_FIGURES_KEY]} if REWARD_FIGURES_KEY in t.info else {}),
+                    **({"reward_error": t.info["reward_error"]} if "reward_error" in t.info else {}),
+                }
+                f.write(json.dumps(row, default=str) + "\n")
 
     def _synchronous_groups(
         self, batch_size: int

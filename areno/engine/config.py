@@ -740,6 +740,10 @@ class ObserveSection(ConfigSection):
     environment workflows record theirs (a workflow of your own, through
     ``areno.observe.session.session``). A resumed run records the episodes of the steps it trains
     again beside the first ones: the file is a log of the episodes that ran."""
+    log_completions: int = 0
+    """Each step, the first this many trajectories of its batch (prompt, completion, reward, the reward's
+    figures, finish reason) appended to run_dir/completions.jsonl, one JSON line each, to read what the policy
+    writes as it learns (TRL's ``log_completions``); 0: none. A resumed run appends the steps it trains again."""
     profile_steps: list[int] = field(default_factory=list)
     """Trainer steps (1-based) to run under ``torch.profiler``: a Chrome trace and a table of the
     operators and kernels that took the most time, in run_dir/profile (``observe/profile.py``).
@@ -747,6 +751,7 @@ class ObserveSection(ConfigSection):
 
     def __post_init__(self) -> None:
         check_types(self, "observe", ObserveSection)
+        check_config(self.log_completions >= 0, "observe.log_completions", f"must be >= 0, got {self.log_completions}")
         check_config(
             self.wandb_mode in (None, "online", "offline", "disabled"),
             "observe.wandb_mode",
