@@ -160,6 +160,7 @@ RUN_IDENTITY = (
     "data.prompt_key",
     "data.answer_key",
     "data.seed",
+    "data.shuffle",
 )
 """Settings a resumed run may not change: its checkpoints' model, recipe and data order come from them."""
 
@@ -189,6 +190,9 @@ def check_resumed_config(config: ArenoConfig) -> None:
     # a tuple setting (train.lora.target_modules) reads back from YAML as a list: the same setting
     now = {k: list(v) if isinstance(v, tuple) else v for k, v in flat_settings(to_dict(config)).items()}
     keys = sorted((set(before) | set(now)) - {"resume", "overwrite"})  # how this run starts, not what it is
+    # a key areno added since the run was saved: the saved run had its default
+    defaults = flat_settings(to_dict(type(config)()))
+    before = {k: before.get(k, defaults.get(k)) for k in keys}
     changed = [k for k in keys if before.get(k) != now.get(k)]
     fixed = [k for k in changed if any(k == p or k.startswith(p + ".") for p in RUN_IDENTITY)]
     if fixed:

@@ -391,3 +391,25 @@ def test_an_override_whose_value_is_not_yaml_is_one_line(override, problem):
     message = str(info.value)
     assert message.startswith(f"override {override!r}: its value is not valid YAML ({problem}")
     assert "\n" not in message and "a space after each ':'" in message
+
+
+def test_a_run_saved_before_a_key_existed_resumes_quietly_and_keeps_its_order(tmp_path, caplog):
+    """A key areno added since the run was saved (``data.shuffle``, ``observe.log_completions``) read as changed
+    from None in every resumed run's warning, and ``data.shuffle`` would have refused it; the saved run had the
+    default. Turning the shuffle off on resume changes the data order: refused, as ``data.seed`` is."""
+    import yaml
+
+    from areno.api.config import to_yaml
+    from areno.api.preflight import check_resumed_config
+
+    base = [f"run_dir={tmp_path}", "model.path=/m"]
+    (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000001" / "COMPLETE").write_text("")
+    saved = yaml.safe_load(to_yaml(load_config(None, base)))
+    del saved["data"]["shuffle"], saved["observe"]["log_completions"]  # a config.yaml of an older areno
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with caplog.at_level("WARNING"):
+        check_resumed_config(load_config(None, [*base, "resume=auto"]))
+    assert "settings changed" not in caplog.text
+    with pytest.raises(ConfigError, match=r"data.shuffle=True, which a resumed run cannot change"):
+        check_resumed_config(load_config(None, [*base, "resume=auto", "data.shuffle=false"]))
