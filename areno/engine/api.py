@@ -1037,13 +1037,17 @@ class ArenoEngine:
 
     def _log_completions(self, rollout_id: int, trajectories: list[Trajectory]) -> None:
         """``observe.log_completions``: these trajectories as JSON lines of run_dir/completions.jsonl."""
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+
+        def text(t: Trajectory, key: str, ids: list[int]) -> Any:
+            # the workflow's own text where it kept one; decoded only where it did not
+            return t.info[key] if key in t.info else self.tokenizer.decode(ids, skip_special_tokens=True)
+
         with open(self.run_dir / COMPLETIONS_FILENAME, "a", encoding="utf-8") as f:
             for t in trajectories:
                 row = {
                     "step": rollout_id + 1,
-                    "prompt": t.info.get("prompt", decode(t.prompt_ids)),
-                    "completion": t.info.get("completion", decode(t.completion_ids)),
+                    "prompt": text(t, "prompt", t.prompt_ids),
+                    "completion": text(t, "completion", t.completion_ids),
                     "reward": t.reward,
                     "finish_reason": t.finish_reason,
                     **({"figures": t.info[REWARD_FIGURES_KEY]} if REWARD_FIGURES_KEY in t.info else {}),
