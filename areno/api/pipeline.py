@@ -125,6 +125,8 @@ def warm_start_settings(sft: ArenoConfig) -> dict:
     sections = {
         name: {key: getattr(getattr(sft, name), key) for key in keys} for name, keys in WARM_START_SETTINGS.items()
     }
+    if sft.optim.weight_decay:  # which weights decay; recorded only where some do (an older areno decayed all)
+        sections["optim"]["decay_biases_and_norms"] = sft.optim.decay_biases_and_norms
     return json.loads(json.dumps(sections, default=str))
 
 

@@ -51,6 +51,7 @@ from areno.train.optim import (
     build_scheduler,
     clip_grads,
     global_grad_norm,
+    group_weight_decay,
     nonfinite_parameters,
     trainable_parameters,
 )
@@ -812,9 +813,12 @@ class PackedTrainBackend(TrainBackend):
         base lr): a resumed run trains at its own lr, betas, eps and weight decay, at the schedule's
         position of the checkpoint's step. Unchanged settings give the checkpoint's values exactly."""
         cfg, scheduler = self.cfg, self.scheduler
-        scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
+        # this run's groups (``param_groups``): a checkpoint of an areno that kept one group restores its lr
+        # lists at that length
+        scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
         for group, lr_lambda in zip(self.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-            group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+            decay = group_weight_decay(group, cfg)
+            group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=decay)
             # what LambdaLR.step computes: the lr lambda reads this run's schedule, warm-up and length
             group["lr"] = cfg.lr * lr_lambda(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]

@@ -545,6 +545,10 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     if optimizer is not None:
         state["optim"] = optim_sd
     state = _without_unsaved_optim_state(state, base or path)
+    # the optimizer's param groups stay this run's: their settings are the run's own (the backend applies
+    # its ``optim`` section after loading) and their layout may differ from the checkpoint's (one group
+    # before biases and norms were spared weight decay); the state of each parameter is found by its name
+    groups = state.get("optim", {}).pop("param_groups", None)
     try:
         with _dcp_alone_quietly():
             _dcp_load(state, path, base)
@@ -556,6 +560,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
             f"checkpoint {path} is damaged or incomplete ({type(exc).__name__}: {first}); resume from an "
             "earlier step_N directory or delete this one"
         ) from None
+    if groups is not None:
+        state["optim"]["param_groups"] = groups
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],

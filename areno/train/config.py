@@ -77,7 +77,11 @@ class OptimConfig:
     lr: float = 1e-5
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
-    """Decoupled AdamW weight decay."""
+    """Decoupled AdamW weight decay, of the weights of two or more dimensions (matrices, embeddings): biases
+    and norm scales are not decayed, as in transformers' Trainer and TRL (``decay_biases_and_norms``)."""
+    decay_biases_and_norms: bool = False
+    """Apply ``weight_decay`` to the one-dimensional parameters too (biases, norm scales), as verl's and
+    torchtitan's AdamW do; off, they keep their values' scale (decay would pull a norm's gain to 0)."""
     grad_clip: float | None = 1.0
     """Clip the global gradient L2 norm to this value; 0 or null disables clipping (the norm is still
     reported)."""

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from areno.errors import ConfigError
-from areno.train.config import TrainBackendConfig
+from areno.train.config import OptimConfig, TrainBackendConfig
 from areno.train.dtensor import is_dtensor, local_tensor
 
 
@@ -89,14 +89,38 @@ def trainable_parameters(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.
     return params
 
 
+def decays(param: torch.Tensor, cfg: OptimConfig) -> bool:
+    """Whether ``optim.weight_decay`` applies to ``param``: weights of two or more dimensions always, the
+    one-dimensional ones (biases, norm scales) with ``decay_biases_and_norms``."""
+    return cfg.decay_biases_and_norms or param.ndim >= 2
+
+
+def param_groups(params: list[torch.nn.Parameter], cfg: OptimConfig) -> list[dict]:
+    """AdamW's parameter groups: the parameters ``optim.weight_decay`` applies to (``decays``), then those
+    it does not (weight decay 0); a group without parameters is left out."""
+    split = ([p for p in params if decays(p, cfg)], [p for p in params if not decays(p, cfg)])
+    return [
+        {"params": group, "weight_decay": cfg.weight_decay if decay else 0.0}
+        for group, decay in zip(split, (True, False))
+        if group
+    ]
+
+
+def group_weight_decay(group: dict, cfg: OptimConfig) -> float:
+    """The weight decay of one of the optimizer's param groups under ``cfg``: ``optim.weight_decay`` where its
+    parameters decay (a group is all of one kind, ``param_groups``), else 0."""
+    return cfg.weight_decay if decays(group["params"][0], cfg) else 0.0
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainBackendConfig, device: str) -> LocalShardAdamW:
-    """AdamW over the trainable parameters (on DTensors' local shards: ``LocalShardAdamW``): torch's
-    fused kernel on CUDA and CPU (one pass over each tensor instead of a foreach op per term of the
-    update, which made the CPU update a large share of a small model's step), foreach elsewhere."""
+    """AdamW over the trainable parameters (on DTensors' local shards: ``LocalShardAdamW``), in the groups of
+    ``param_groups``: torch's fused kernel on CUDA and CPU (one pass over each tensor instead of a foreach
+    op per term of the update, which made the CPU update a large share of a small model's step), foreach
+    elsewhere."""
     params = trainable_parameters(params)
     fused = device in ("cuda", "cpu")
     return LocalShardAdamW(
-        params,
+        param_groups(params, cfg),
         lr=cfg.lr,
         betas=cfg.betas,
         eps=cfg.eps,

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from areno.api.config import load_config
-from areno.api.pipeline import run_pipeline, warm_start_config
+from areno.api.pipeline import _changed, run_pipeline, warm_start_config, warm_start_settings
 from areno.api.preflight import check_run
 from areno.engine.api import prepare_model_dir
 from areno.errors import ConfigError
@@ -170,6 +170,18 @@ def test_a_finished_warm_start_is_reused_only_with_its_settings(tmp_path, capsys
     overrides = [*tiny_run_overrides(tmp_path), "train.steps=2", "warm_start.steps=1", "warm_start.batch_size=4"]
     run_pipeline(load_config(None, [*overrides, "resume=true", "warm_start.lr=0.02"]))
     assert complete.stat().st_mtime_ns == again and "training it again" not in capsys.readouterr().out
+
+
+def test_a_warm_start_that_decayed_its_biases_and_norms_is_made_again_only_where_it_decayed():
+    """An older areno decayed every weight and recorded no ``decay_biases_and_norms``: its warm start is
+    stale where it had weight decay (biases and norms are spared now), the same where it had none."""
+    base = ["model.path=/m", "warm_start.steps=1"]
+    for decay, stale in (("0.1", ["optim.decay_biases_and_norms"]), ("0.0", [])):
+        now = warm_start_settings(warm_start_config(load_config(None, [*base, f"optim.weight_decay={decay}"])))
+        older = {name: {k: v for k, v in keys.items() if k != "decay_biases_and_norms"} for name, keys in now.items()}
+        assert _changed(older, now) == stale
+    asked = load_config(None, [*base, "optim.weight_decay=0.1", "optim.decay_biases_and_norms=true"])
+    assert warm_start_settings(warm_start_config(asked))["optim"]["decay_biases_and_norms"] is True
 
 
 def test_the_warm_start_takes_a_main_stage_cosine_schedule(tmp_path):

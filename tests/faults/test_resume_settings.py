@@ -64,13 +64,15 @@ def test_the_optimizer_takes_the_resumed_runs_settings(tmp_path):
     try:
         training = trainer.backend.engine.training
         backend = training.runner.backends[training.policy]
-        (group,) = backend.optimizer.param_groups
+        matrices, vectors = backend.optimizer.param_groups  # biases and norm scales: no weight decay
         factor = lr_factor(2, backend.cfg)  # the schedule at the checkpoint's step, over the new run's length
-        assert group["lr"] == pytest.approx(0.002 * factor, rel=1e-12)
-        assert (group["initial_lr"], group["weight_decay"], tuple(group["betas"]), group["eps"]) == (
-            0.002, 0.05, (0.5, 0.9), 1e-5,
-        )  # fmt: skip
-        assert backend.scheduler.base_lrs == [0.002] and backend.scheduler.get_last_lr() == [group["lr"]]
+        for group, decay in ((matrices, 0.05), (vectors, 0.0)):
+            assert group["lr"] == pytest.approx(0.002 * factor, rel=1e-12)
+            assert (group["initial_lr"], group["weight_decay"], tuple(group["betas"]), group["eps"]) == (
+                0.002, decay, (0.5, 0.9), 1e-5,
+            )  # fmt: skip
+        assert backend.scheduler.base_lrs == [0.002] * 2
+        assert backend.scheduler.get_last_lr() == [matrices["lr"]] * 2
     finally:
         trainer.shutdown()
 
@@ -82,8 +84,10 @@ def test_unchanged_settings_resume_at_the_checkpoints_lr_exactly(tmp_path):
     trainer = Trainer.init(_config(tmp_path, "train.steps=4", "resume=auto"))
     try:
         training = trainer.backend.engine.training
-        (group,) = training.runner.backends[training.policy].optimizer.param_groups
-        assert group["lr"] == logged[3]  # bit for bit: the lr step 3 trained at in the uninterrupted run
+        groups = training.runner.backends[training.policy].optimizer.param_groups
+        assert [g["lr"] for g in groups] == [
+            logged[3]
+        ] * 2  # bit for bit: the lr step 3 trained at in the uninterrupted run
     finally:
         trainer.shutdown()
 

@@ -484,3 +484,47 @@ def test_float32_compute_over_bfloat16_weights_is_refused_in_one_process(model_d
     cfg = TrainBackendConfig(lr=1e-2, device="cpu", dtype="bfloat16")
     assert cfg.resolved_param_dtype("cpu") == "bfloat16"
     assert TrainBackendConfig(lr=1e-2, device="cpu").resolved_param_dtype("cpu") == "float32"
+
+
+def test_weight_decay_spares_biases_and_norms_unless_asked(model_dir):
+    """transformers' rule by default: the matrices decay, the biases and norm scales keep their values;
+    ``decay_biases_and_norms`` decays them too (one group, what areno did before)."""
+    for decay_all in (False, True):
+        b = backend(model_dir, lr=0.1, weight_decay=0.5, decay_biases_and_norms=decay_all)
+        before = {n: p.detach().clone() for n, p in b.model.named_parameters()}
+        for p in b.model.parameters():
+            p.grad = torch.zeros_like(p)  # Adam's update is 0: only the decay moves a weight
+        b.optimizer.step()
+        assert len(b.optimizer.param_groups) == (1 if decay_all else 2)
+        for name, p in b.model.named_parameters():
+            shrunk = before[name] * (1 - 0.1 * 0.5)
+            expected = shrunk if p.ndim >= 2 or decay_all else before[name]
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=0, msg=name)
+        assert any(p.ndim == 1 for p in b.model.parameters()) and any(p.ndim == 2 for p in b.model.parameters())
+
+
+def test_a_checkpoint_of_one_param_group_resumes_into_two_bit_for_bit(model_dir, tmp_path):
+    """A checkpoint of an optimizer of one group (areno before biases and norms were spared, or
+    ``decay_biases_and_norms``) loads into this run's two groups: each parameter's Adam state restored,
+    each group at its own weight decay; without decay both layouts train the same, bit for bit."""
+
+    def run(b, steps):
+        return [step(b, random_batch(LENGTHS, VOCAB, 500 + s))["loss"] for s in steps]
+
+    kw = dict(schedule="cosine", warmup_steps=1, total_steps=4)
+    one = backend(model_dir, decay_biases_and_norms=True, **kw)
+    first = run(one, range(2))
+    one.save_checkpoint(tmp_path / "ck", {})
+    saved = {n: one.optimizer.state[p]["exp_avg"].clone() for n, p in one.model.named_parameters()}
+    straight = first + run(one, range(2, 4))
+    two = backend(model_dir, **kw)
+    assert len(two.optimizer.param_groups) == 2
+    two.load_checkpoint(tmp_path / "ck")
+    assert first + run(two, range(2, 4)) == straight
+    assert [g["lr"] for g in two.optimizer.param_groups] == [one.optimizer.param_groups[0]["lr"]] * 2
+    decayed = backend(model_dir, weight_decay=0.1, **kw)
+    decayed.load_checkpoint(tmp_path / "ck")
+    assert [g["weight_decay"] for g in decayed.optimizer.param_groups] == [0.1, 0.0]
+    assert decayed.scheduler.base_lrs == [1e-2, 1e-2]
+    for name, p in decayed.model.named_parameters():
+        assert torch.equal(decayed.optimizer.state[p]["exp_avg"], saved[name]), name
