@@ -1,7 +1,8 @@
 """Pure, shape-annotated loss and advantage functions (no model, no distributed code).
 
-Modules: ``advantages`` (GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE), ``policy_loss`` (clipped PPO,
-clip-higher, dual clip, decoupled PPO, GSPO, CISPO), ``kl`` (k1/k2/k3), ``losses`` (value,
+Modules: ``advantages`` (GRPO, Dr.GRPO, GRPO with the batch's std, RLOO, REINFORCE++, GAE),
+``policy_loss`` (clipped PPO, clip-higher, dual clip, decoupled PPO with token or sequence behaviour
+weights, off-policy sequence masking, GSPO, CISPO), ``kl`` (k1/k2/k3), ``losses`` (value,
 entropy, NLL, DPO, Bradley–Terry), ``filters`` (dynamic sampling, overlong penalty),
 ``aggregation`` (token / sequence / constant loss normalisation as weights + denominator).
 """
@@ -12,6 +13,7 @@ from areno.algo.advantages import (
     group_index_B,
     group_mean_std_B,
     grpo_advantages_B,
+    grpo_batch_std_advantages_B,
     masked_whiten_T,
     reinforce_pp_advantages_T,
     rloo_advantages_B,
@@ -34,11 +36,13 @@ from areno.algo.losses import (
     value_loss_T,
 )
 from areno.algo.policy_loss import (
+    BEHAV_WEIGHT_MODES,
     behaviour_importance_weight_T,
     cispo_loss_T,
     decoupled_ppo_loss_T,
     gspo_loss_T,
     loglinear_prox_logprobs_T,
+    off_policy_sequence_mask_T,
     ppo_clip_loss_T,
     sequence_mean_B,
 )

@@ -1,5 +1,5 @@
-"""Advantage estimators: group normalisation (GRPO / Dr.GRPO), leave-one-out (RLOO), REINFORCE++
-(global batch normalisation, with or without a group baseline) and GAE.
+"""Advantage estimators: group normalisation (GRPO / Dr.GRPO, or by the batch's std as Lite PPO),
+leave-one-out (RLOO), REINFORCE++ (global batch normalisation, with or without a group baseline) and GAE.
 
 Legend: B = sequences, T = packed tokens, G = groups. Per-token tensors follow the alignment
 convention of ``areno/types.py``: position ``t`` scores token ``input_ids_T[t]`` as a target.
@@ -72,6 +72,25 @@ def grpo_advantages_B(
         denom_B = std_B + eps
         # A zero-variance group has a zero numerator; keep it 0 even with eps = 0.
         adv_B = torch.where(denom_B > 0, adv_B / denom_B.clamp(min=1e-30), torch.zeros_like(adv_B))
+    return adv_B.to(rewards_B.dtype)
+
+
+def grpo_batch_std_advantages_B(rewards_B: torch.Tensor, group_B: torch.Tensor, *, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's group baseline with the batch's reward std, one scalar per sequence:
+
+    ``A_i = (r_i - mean_g(r)) / (std_batch(r) + eps)``: the mean over the sequences of i's group g, the std
+    over every sequence of ``rewards_B`` (the rewards', not the centred advantages'). Lite PPO's
+    "group-level mean, batch-level std" (Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM
+    Reasoning"; TRL's ``scale_rewards="batch"``): a group whose rewards barely differ is not blown up to unit
+    scale, as the group std does. std unbiased (n-1) and eps added to it, as TRL's. The caller passes the
+    whole step's batch (areno's ``prepare_batch`` sees it whole, groups of any rollout version alike).
+    """
+    _, adv_B, _ = _group_moments_B(rewards_B, group_B)
+    r_B = rewards_B.to(torch.float64)
+    std = r_B.std(unbiased=True) if r_B.numel() > 1 else r_B.new_zeros(())
+    denom = std + eps
+    # all rewards equal: every numerator is 0; keep it 0 even with eps = 0
+    adv_B = adv_B / denom if bool(denom > 0) else torch.zeros_like(adv_B)
     return adv_B.to(rewards_B.dtype)
 
 

@@ -1,5 +1,6 @@
 """Policy-gradient losses, per token: clipped PPO (with clip-higher and dual clip), the decoupled
-PPO objective for off-policy data, GSPO's sequence-level ratio and CISPO's clipped IS weight.
+PPO objective for off-policy data (token- or sequence-level behaviour weights), DeepSeek-V3.2's
+off-policy sequence mask, GSPO's sequence-level ratio and CISPO's clipped IS weight.
 
 Legend: B = sequences, T = packed tokens. Every function returns ``(loss_T, stats)`` where
 ``loss_T`` is the per-token loss (0 outside ``loss_mask_T``) and ``stats`` maps a metric name to
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from areno.algo.kl import LOG_RATIO_MAX
+from areno.algo.losses import sequence_sum_B
 from areno.types import repeat_per_sequence, sequence_index_T
 
 Stats = dict[str, torch.Tensor]
@@ -71,6 +73,11 @@ def ppo_clip_loss_T(
     return _masked(loss_T, loss_mask_T), stats
 
 
+BEHAV_WEIGHT_MODES = ("mask", "truncate", "sequence_mask", "sequence_truncate")
+"""How the behaviour weight of decoupled PPO is bounded (``behaviour_importance_weight_T``): per token
+(``mask``, ``truncate``) or one weight per sequence (``sequence_mask``, ``sequence_truncate``)."""
+
+
 def behaviour_importance_weight_T(
     prox_logprobs_T: torch.Tensor,
     behave_logprobs_T: torch.Tensor,
@@ -78,23 +85,45 @@ def behaviour_importance_weight_T(
     *,
     cap: float | None = None,
     mode: str = "mask",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    weight_min: float | None = None,
+    cu_seqlens_B1: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The staleness factor of decoupled PPO, ``w = pi_prox / pi_behave`` (no gradient).
 
-    ``cap`` bounds it: ``mode="mask"`` drops tokens whose weight exceeds ``cap`` from the loss
-    (AReaL's behaviour), ``mode="truncate"`` clamps the weight to ``cap`` (truncated IS as in
-    IMPALA/TIS). Returns ``(weight_T, over_cap_T)``; both 0 off-mask.
+    Token modes: ``w_t = exp(logp_prox_t - logp_behave_t)``. Sequence modes (sequence-level importance
+    sampling, Liu, Li et al. 2025, "When Speed Kills Stability"; TRL's ``vllm_importance_sampling_mode``
+    ``sequence_*``): one weight per sequence, ``w_i = exp(sum_t (logp_prox_t - logp_behave_t))`` over the
+    sequence's loss tokens (a sum, as TRL's, not GSPO's length-normalised mean: the ratio of the
+    completions' probabilities), applied to each of its tokens.
+
+    ``cap`` and ``weight_min`` bound it: the ``mask`` modes drop a token (a whole sequence) whose weight is
+    above ``cap`` or below ``weight_min`` from the loss (AReaL's behaviour; masked IS as in IcePop, Ling
+    Team 2025), the ``truncate`` modes clamp it into ``[weight_min, cap]`` (truncated IS as in IMPALA and
+    Yao et al. 2025's TIS). TRL's ``vllm_importance_sampling_clip_min`` / ``_clip_max``, in every mode.
+    Either bound may be None (none). ``cu_seqlens_B1`` is needed by the sequence modes. Departure: the log
+    weight is clamped at ``LOG_RATIO_MAX`` (TRL's ``exp`` overflows to inf there, a sequence's sum sooner).
+    Returns ``(weight_T, over_cap_T, under_min_T)`` (the last two 0/1 per token); all 0 off-mask.
     """
-    if mode not in ("mask", "truncate"):
-        raise ValueError(f"behaviour weight mode must be 'mask' or 'truncate', got {mode!r}")
-    w_T = _ratio(_masked(prox_logprobs_T - behave_logprobs_T, loss_mask_T)).detach()
-    over_T = torch.zeros_like(w_T, dtype=torch.bool)
-    if cap is not None:
-        if cap <= 0:
-            raise ValueError(f"behav_imp_weight_cap must be > 0, got {cap}")
-        over_T = w_T > cap
-        w_T = torch.where(over_T, torch.zeros_like(w_T), w_T) if mode == "mask" else w_T.clamp(max=cap)
-    return _masked(w_T, loss_mask_T), _masked(over_T.float(), loss_mask_T)
+    if mode not in BEHAV_WEIGHT_MODES:
+        raise ValueError(f"behaviour weight mode must be one of {BEHAV_WEIGHT_MODES}, got {mode!r}")
+    if cap is not None and cap <= 0:
+        raise ValueError(f"behav_imp_weight_cap must be > 0, got {cap}")
+    if weight_min is not None and not (0 <= weight_min and (cap is None or weight_min < cap)):
+        raise ValueError(f"behav_imp_weight_min must be >= 0 and < behav_imp_weight_cap ({cap}), got {weight_min}")
+    log_w_T = _masked(prox_logprobs_T - behave_logprobs_T, loss_mask_T)
+    if mode.startswith("sequence_"):
+        if cu_seqlens_B1 is None:
+            raise ValueError(f"behaviour weight mode {mode!r} needs cu_seqlens_B1 (one weight per sequence)")
+        log_w_T = repeat_per_sequence(sequence_sum_B(log_w_T, cu_seqlens_B1, loss_mask_T), cu_seqlens_B1)
+    w_T = _ratio(log_w_T).detach()
+    no_T = torch.zeros_like(w_T, dtype=torch.bool)
+    over_T = w_T > cap if cap is not None else no_T
+    under_T = w_T < weight_min if weight_min is not None else no_T
+    if mode.endswith("mask"):
+        w_T = torch.where(over_T | under_T, torch.zeros_like(w_T), w_T)
+    elif cap is not None or weight_min is not None:
+        w_T = w_T.clamp(min=weight_min, max=cap)
+    return _masked(w_T, loss_mask_T), _masked(over_T.float(), loss_mask_T), _masked(under_T.float(), loss_mask_T)
 
 
 def decoupled_ppo_loss_T(
@@ -108,16 +137,20 @@ def decoupled_ppo_loss_T(
     eps_high: float | None = None,
     behav_imp_weight_cap: float | None = None,
     behav_weight_mode: str = "mask",
+    behav_imp_weight_min: float | None = None,
+    cu_seqlens_B1: torch.Tensor | None = None,
     dual_clip_c: float | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled PPO for off-policy (asynchronous) data (Hilton et al. 2022; AReaL):
 
     ``loss = w * -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with the unclipped behaviour
-    weight ``w = pi_prox / pi_behave`` (capped or masked, see ``behaviour_importance_weight_T``)
-    and the clipped trust-region ratio ``r = pi_theta / pi_prox``. ``pi_prox`` is the policy at the
+    weight ``w = pi_prox / pi_behave`` (per token or per sequence, bounded by ``behav_imp_weight_cap``
+    and ``behav_imp_weight_min``: see ``behaviour_importance_weight_T``; ``cu_seqlens_B1`` for the sequence
+    modes) and the clipped trust-region ratio ``r = pi_theta / pi_prox``. ``pi_prox`` is the policy at the
     start of this train step (recomputed, or approximated by ``loglinear_prox_logprobs_T``).
 
     Stats add to ``ppo_clip_loss_T``'s: ``behave_over_cap_frac`` (tokens the cap touched),
+    ``behave_under_min_frac`` (with ``behav_imp_weight_min``: tokens the lower bound touched),
     ``behave_weight`` and ``coupled_clip_frac`` — the fraction the *coupled* ratio
     ``pi_theta / pi_behave`` would have clipped, logged for comparison with ``clip_frac``.
     """
@@ -130,8 +163,14 @@ def decoupled_ppo_loss_T(
         eps_high=eps_high,
         dual_clip_c=dual_clip_c,
     )
-    w_T, over_T = behaviour_importance_weight_T(
-        prox_logprobs_T, behave_logprobs_T, loss_mask_T, cap=behav_imp_weight_cap, mode=behav_weight_mode
+    w_T, over_T, under_T = behaviour_importance_weight_T(
+        prox_logprobs_T,
+        behave_logprobs_T,
+        loss_mask_T,
+        cap=behav_imp_weight_cap,
+        mode=behav_weight_mode,
+        weight_min=behav_imp_weight_min,
+        cu_seqlens_B1=cu_seqlens_B1,
     )
     _, coupled = ppo_clip_loss_T(
         logprobs_T.detach(),
@@ -142,6 +181,8 @@ def decoupled_ppo_loss_T(
         eps_high=eps_high,
     )
     stats["behave_over_cap_frac"] = over_T
+    if behav_imp_weight_min is not None:
+        stats["behave_under_min_frac"] = under_T
     stats["behave_weight"] = w_T
     stats["coupled_clip_frac"] = coupled["clip_frac"]
     return loss_T * w_T, stats
@@ -180,6 +221,34 @@ def sequence_mean_B(values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, loss_ma
     sum_B = torch.zeros(B, dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, values_T * mask_T)
     count_B = torch.zeros(B, dtype=values_T.dtype, device=values_T.device).index_add(0, seq_T, mask_T)
     return sum_B / count_B.clamp(min=1)
+
+
+def off_policy_sequence_mask_T(
+    logprobs_T: torch.Tensor,
+    behave_logprobs_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    cu_seqlens_B1: torch.Tensor,
+    *,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, eq. 9; TRL's
+    ``off_policy_mask_threshold``): bool [T], True on the loss tokens to drop from the policy loss.
+
+    A sequence is dropped when its advantage is negative and its mean over its loss tokens of
+    ``log pi_behave - log pi_theta`` (the k1 estimate of KL(pi_behave || pi_theta) on pi_behave's own
+    samples; ``logprobs_T`` used detached) exceeds ``threshold`` (delta). As TRL's: the sampling policy's
+    log-probs against the current ones, so it catches both the staleness and the sampler's mismatch; a
+    token's own advantage sign is read, which for the sequence-constant advantages of GRPO-like estimators
+    is the sequence's (per-token advantages, gae or reinforce_pp, drop only the negative tokens of a
+    far-off sequence, as TRL's broadcast does for a [B, T] advantage). The caller zeroes the dropped
+    tokens' loss; they stay in the loss's denominator, as in TRL.
+    """
+    mask_T = loss_mask_T.bool()
+    kl_T = _masked(behave_logprobs_T - logprobs_T.detach(), mask_T)
+    far_B = sequence_mean_B(kl_T, cu_seqlens_B1, mask_T) > threshold
+    far_T = repeat_per_sequence(far_B, cu_seqlens_B1)
+    return far_T & (advantages_T < 0) & mask_T
 
 
 def gspo_loss_T(

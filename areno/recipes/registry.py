@@ -320,9 +320,9 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
     InertOption(
         ActorSpecialization,
         "adv_eps",
-        lambda s: s["advantage_estimator"] != "grpo",
-        "only advantage_estimator=grpo divides by the group's reward std + adv_eps, and this recipe's "
-        "advantage_estimator is {advantage_estimator}",
+        lambda s: s["advantage_estimator"] not in ("grpo", "grpo_batch_std"),
+        "only advantage_estimator grpo (the group's) and grpo_batch_std (the batch's) divide by a reward std + "
+        "adv_eps, and this recipe's advantage_estimator is {advantage_estimator}",
     ),
     InertOption(
         ActorSpecialization,
@@ -388,13 +388,19 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
     ),
     InertOption(ActorSpecialization, "prox_logp_method", _not_decoupled, _DECOUPLED_ONLY),
     InertOption(ActorSpecialization, "behav_imp_weight_cap", _not_decoupled, _DECOUPLED_ONLY),
+    InertOption(ActorSpecialization, "behav_imp_weight_min", _not_decoupled, _DECOUPLED_ONLY),
     InertOption(ActorSpecialization, "behav_weight_mode", _not_decoupled, _DECOUPLED_ONLY),
     InertOption(
         ActorSpecialization,
         "behav_weight_mode",
-        lambda s: s["behav_imp_weight_cap"] is None,
-        "it says what a weight over behav_imp_weight_cap does, and behav_imp_weight_cap is null (no cap)",
-        "drop it, or set behav_imp_weight_cap too",
+        lambda s: (
+            s["behav_imp_weight_cap"] is None
+            and s["behav_imp_weight_min"] is None
+            and not s["behav_weight_mode"].startswith("sequence_")
+        ),
+        "a token mode ({behav_weight_mode}) says what a weight outside [behav_imp_weight_min, behav_imp_weight_cap] "
+        "does, and both are null (no bound)",
+        "drop it, or set behav_imp_weight_cap (or behav_imp_weight_min) too",
     ),
     InertOption(
         ActorSpecialization,

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from areno.algo import (
+    BEHAV_WEIGHT_MODES,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     LOSS_KL_ESTIMATORS,
@@ -36,10 +37,12 @@ from areno.algo import (
     gae_T,
     group_index_B,
     grpo_advantages_B,
+    grpo_batch_std_advantages_B,
     gspo_loss_T,
     kl_estimate_T,
     kl_reward_penalty_T,
     loglinear_prox_logprobs_T,
+    off_policy_sequence_mask_T,
     overlong_penalty_B,
     ppo_clip_loss_T,
     reinforce_pp_advantages_T,
@@ -58,12 +61,20 @@ from areno.specializations.base import (
 from areno.specializations.forward import token_logprobs_T
 from areno.types import TokenBatch
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "given")
-GROUP_ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+ADVANTAGE_ESTIMATORS = (
+    "grpo",
+    "dr_grpo",
+    "grpo_batch_std",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "gae",
+    "given",
+)
+GROUP_ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp_baseline")
 """The estimators whose baseline is the group's mean reward: a group of one has advantage 0."""
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
-BEHAV_WEIGHT_MODES = ("mask", "truncate")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,10 +86,11 @@ class ActorConfig:
     # ---------------------------------------------------------------- advantages
     advantage_estimator: str = "grpo"
     """One of ``ADVANTAGE_ESTIMATORS``: ``grpo`` (group-normalised), ``dr_grpo`` (no std scaling),
-    ``rloo``, ``reinforce_pp`` / ``reinforce_pp_baseline``, ``gae`` (needs ``values_T`` from a
-    critic role) or ``given`` (keeps the batch's ``advantages_T``)."""
+    ``grpo_batch_std`` (the group's mean subtracted, divided by the std of the step's whole batch of rewards:
+    Lite PPO's, TRL's ``scale_rewards="batch"``), ``rloo``, ``reinforce_pp`` / ``reinforce_pp_baseline``,
+    ``gae`` (needs ``values_T`` from a critic role) or ``given`` (keeps the batch's ``advantages_T``)."""
     adv_eps: float = 1e-4
-    """Added to the group reward std before dividing (``grpo``)."""
+    """Added to the reward std before dividing (``grpo``: the group's; ``grpo_batch_std``: the batch's)."""
     gamma: float = 1.0
     """Discount in [0, 1] (``gae``, ``reinforce_pp``)."""
     gae_lambda: float = 1.0
@@ -123,9 +135,23 @@ class ActorConfig:
     """Where pi_prox comes from: ``recompute`` (a no-grad forward before the step) or
     ``loglinear`` (interpolated from the policy versions)."""
     behav_imp_weight_cap: float | None = None
-    """Cap (> 0) of the behaviour importance weight of decoupled PPO; None: no cap."""
+    """Cap (> 0) of the behaviour importance weight pi_prox / pi_behav of decoupled PPO; None: no cap (TRL's
+    ``vllm_importance_sampling_clip_max``)."""
+    behav_imp_weight_min: float | None = None
+    """Lower bound of the behaviour importance weight, in [0, behav_imp_weight_cap); None: none (TRL's
+    ``vllm_importance_sampling_clip_min``): the mask modes drop a weight below it, the truncate modes raise
+    it to it."""
     behav_weight_mode: str = "mask"
-    """What exceeding the cap does: ``mask`` drops the token, ``truncate`` clips the weight."""
+    """One of ``BEHAV_WEIGHT_MODES``, what a weight outside its bounds does: ``mask`` drops the token,
+    ``truncate`` clamps its weight; ``sequence_mask`` / ``sequence_truncate`` take one weight per sequence,
+    exp of the sum over its loss tokens of log pi_prox - log pi_behav, and drop the whole sequence or clamp
+    that weight for each of its tokens (TRL's ``vllm_importance_sampling_mode``; its default is
+    ``sequence_mask``)."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence masking (TRL's ``off_policy_mask_threshold``, the paper's delta,
+    > 0): a sequence of negative advantage whose mean over its loss tokens of log pi_behav - log pi_theta
+    (sampler against the weights being trained) exceeds it is left out of the policy loss (not of its
+    denominator, nor of the KL term). With every policy loss. None: off."""
     # ---------------------------------------------------------------- batch shaping
     dynamic_sampling: bool = False
     """Leave out groups whose rewards are all equal before the overlong penalty (DAPO's dynamic sampling):
@@ -209,6 +235,19 @@ class ActorConfig:
             f"must be > 0 or None, got {self.behav_imp_weight_cap}",
         )
         check(
+            self.behav_imp_weight_min is None
+            or 0 <= self.behav_imp_weight_min < (self.behav_imp_weight_cap or float("inf")),
+            "behav_imp_weight_min",
+            f"must be >= 0 and below behav_imp_weight_cap ({self.behav_imp_weight_cap}), or None (no lower bound), "
+            f"got {self.behav_imp_weight_min}",
+        )
+        check(
+            self.off_policy_mask_threshold is None or self.off_policy_mask_threshold > 0,
+            "off_policy_mask_threshold",
+            f"must be > 0 (the mean per-token KL past which a negative-advantage sequence is dropped, e.g. 0.5) "
+            f"or None (off), got {self.off_policy_mask_threshold}",
+        )
+        check(
             self.logprob_chunk_size is None or self.logprob_chunk_size > 0,
             "logprob_chunk_size",
             f"must be > 0 or None (automatic), got {self.logprob_chunk_size}",
@@ -237,8 +276,9 @@ class ActorSpecialization(ModelSpecialization):
     ``clip_eps_high`` (clip-higher when different) and ``dual_clip_c``. Off-policy:
     ``use_decoupled_loss`` with ``prox_logp_method`` (``recompute``: a no-grad forward of the current
     weights before the step gives pi_prox; ``loglinear``: interpolated from versions),
-    ``behav_imp_weight_cap`` and ``behav_weight_mode``; ``recompute_logprob`` makes the coupled loss
-    use recomputed instead of behaviour log-probs.
+    ``behav_imp_weight_cap``, ``behav_imp_weight_min`` and ``behav_weight_mode`` (per token or per
+    sequence); ``recompute_logprob`` makes the coupled loss use recomputed instead of behaviour log-probs;
+    ``off_policy_mask_threshold`` drops far-off negative-advantage sequences from any policy loss.
     """
 
     config_cls = ActorConfig
@@ -389,6 +429,9 @@ class ActorSpecialization(ModelSpecialization):
         if est in ("grpo", "dr_grpo"):
             adv_B = grpo_advantages_B(b.rewards_B, group_B, scale_by_std=est == "grpo", eps=self.config.adv_eps)
             adv_T = broadcast_to_tokens_T(adv_B, b.cu_seqlens_B1, mask_T)
+        elif est == "grpo_batch_std":  # the std of the step's whole batch: prepare_batch sees it whole
+            adv_B = grpo_batch_std_advantages_B(b.rewards_B, group_B, eps=self.config.adv_eps)
+            adv_T = broadcast_to_tokens_T(adv_B, b.cu_seqlens_B1, mask_T)
         elif est == "rloo":
             adv_T = broadcast_to_tokens_T(rloo_advantages_B(b.rewards_B, group_B), b.cu_seqlens_B1, mask_T)
         elif est in ("reinforce_pp", "reinforce_pp_baseline"):
@@ -451,6 +494,8 @@ class ActorSpecialization(ModelSpecialization):
                 eps_high=self.config.clip_eps_high,
                 behav_imp_weight_cap=self.config.behav_imp_weight_cap,
                 behav_weight_mode=self.config.behav_weight_mode,
+                behav_imp_weight_min=self.config.behav_imp_weight_min,
+                cu_seqlens_B1=b.cu_seqlens_B1,
                 dual_clip_c=self.config.dual_clip_c,
             )
         else:
@@ -484,6 +529,12 @@ class ActorSpecialization(ModelSpecialization):
                     eps_low=None,
                     eps_high=self.config.clip_eps_high or self.config.clip_eps,
                 )
+        if self.config.off_policy_mask_threshold is not None:
+            drop_T = off_policy_sequence_mask_T(
+                logp_T, behave_T, adv_T, mask_T, b.cu_seqlens_B1, threshold=self.config.off_policy_mask_threshold
+            )
+            pg_T = torch.where(drop_T, torch.zeros_like(pg_T), pg_T)
+            stats["off_policy_mask_frac"] = drop_T.float()
         loss_T = pg_T
         stats["pg_loss"] = pg_T.detach()
         if self.config.kl_coef > 0:

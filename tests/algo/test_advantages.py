@@ -11,6 +11,7 @@ from areno.algo import (
     gae_T,
     group_index_B,
     grpo_advantages_B,
+    grpo_batch_std_advantages_B,
     masked_whiten_T,
     overlong_penalty_B,
     reinforce_pp_advantages_T,
@@ -34,6 +35,20 @@ def test_grpo_advantages_std_and_dr_grpo():
     assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # zero-variance group
     dr = grpo_advantages_B(rewards_B, group_B, scale_by_std=False)
     assert dr.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0], abs=1e-6)
+
+
+def test_grpo_batch_std_divides_by_the_std_of_the_whole_batch():
+    """Lite PPO / TRL's scale_rewards="batch": the group's mean, the batch's (unbiased) std of the rewards."""
+    rewards_B = torch.tensor([1.0, 0.0, 0.2, 1.0, 1.0, 1.0])
+    group_B = torch.tensor([0, 0, 1, 1, 2, 2])
+    # batch mean 0.7, squared deviations .09 .49 .25 .09 .09 .09 = 1.1, / 5 -> std sqrt(.22)
+    std = math.sqrt(0.22)
+    adv = grpo_batch_std_advantages_B(rewards_B, group_B, eps=1e-4)
+    expected = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4), -0.4 / (std + 1e-4), 0.4 / (std + 1e-4), 0.0, 0.0]
+    assert adv.tolist() == pytest.approx(expected, rel=1e-6)
+    # every reward equal, or one sequence: no std, every advantage 0 (eps 0 too)
+    assert grpo_batch_std_advantages_B(torch.ones(4), torch.tensor([0, 0, 1, 1]), eps=0.0).tolist() == [0.0] * 4
+    assert grpo_batch_std_advantages_B(torch.tensor([3.0]), torch.tensor([0])).tolist() == [0.0]
 
 
 def test_group_statistics_keep_small_differences_of_large_rewards():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from areno.algo import (
     aggregation_denominator,
     aggregation_weights_T,
+    behaviour_importance_weight_T,
     bradley_terry_loss_B,
     cispo_loss_T,
     decoupled_ppo_loss_T,
@@ -19,6 +20,7 @@ from areno.algo import (
     kl_reward_penalty_T,
     loglinear_prox_logprobs_T,
     nll_loss_T,
+    off_policy_sequence_mask_T,
     ppo_clip_loss_T,
     sequence_sum_B,
     value_loss_T,
@@ -95,6 +97,80 @@ def test_decoupled_ppo_mask_and_truncate():
     coupled, _ = ppo_clip_loss_T(logp, behave, adv, mask)
     same, _ = decoupled_ppo_loss_T(logp, behave, behave, adv, mask)
     assert torch.allclose(coupled, same)
+
+
+def _two_sequences():
+    """Two sequences of a prompt token then two loss tokens; pi_prox / pi_behave per loss token is 2, 1.5
+    (product 3, geometric mean 1.73) and 0.5, 0.8 (product 0.4); the prompt tokens' 10 and 0.1 are no
+    loss token's and must not count."""
+    behave = torch.zeros(6)
+    prox = torch.log(torch.tensor([10.0, 2.0, 1.5, 0.1, 0.5, 0.8]))
+    mask = torch.tensor([False, True, True, False, True, True])
+    return prox, behave, mask, torch.tensor([0, 3, 6])
+
+
+@pytest.mark.parametrize(
+    ("mode", "cap", "weight_min", "weight", "over", "under"),
+    [
+        # one weight per sequence: the exp of the SUM of its loss tokens' log-ratios (TRL's), 3 and 0.4
+        ("sequence_mask", None, None, [0, 3, 3, 0, 0.4, 0.4], [0] * 6, [0] * 6),
+        ("sequence_mask", 2.5, None, [0, 0, 0, 0, 0.4, 0.4], [0, 1, 1, 0, 0, 0], [0] * 6),
+        ("sequence_mask", 4.0, 0.5, [0, 3, 3, 0, 0, 0], [0] * 6, [0, 0, 0, 0, 1, 1]),
+        ("sequence_truncate", 2.5, 0.5, [0, 2.5, 2.5, 0, 0.5, 0.5], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1]),
+        ("sequence_truncate", None, 0.5, [0, 3, 3, 0, 0.5, 0.5], [0] * 6, [0, 0, 0, 0, 1, 1]),
+        # per token, with the lower bound: mask drops 2 (> 1.8) and 0.5 (< 0.6), truncate clamps them
+        ("mask", 1.8, 0.6, [0, 0, 1.5, 0, 0, 0.8], [0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0]),
+        ("truncate", 1.8, 0.6, [0, 1.8, 1.5, 0, 0.6, 0.8], [0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0]),
+        ("mask", None, 0.6, [0, 2, 1.5, 0, 0, 0.8], [0] * 6, [0, 0, 0, 0, 1, 0]),
+    ],
+)
+def test_behaviour_weight_per_sequence_and_lower_bound(mode, cap, weight_min, weight, over, under):
+    prox, behave, mask, cu = _two_sequences()
+    w, over_T, under_T = behaviour_importance_weight_T(
+        prox, behave, mask, cap=cap, mode=mode, weight_min=weight_min, cu_seqlens_B1=cu
+    )
+    assert w.tolist() == pytest.approx(weight, rel=1e-5)
+    assert over_T.tolist() == over and under_T.tolist() == under
+
+
+def test_behaviour_weight_refuses_bad_modes_and_bounds_and_a_sequence_mode_without_cu_seqlens():
+    prox, behave, mask, cu = _two_sequences()
+    with pytest.raises(ValueError, match="sequence_mask"):
+        behaviour_importance_weight_T(prox, behave, mask, mode="sequence")
+    with pytest.raises(ValueError, match="behav_imp_weight_min"):
+        behaviour_importance_weight_T(prox, behave, mask, cap=2.0, weight_min=2.0)
+    with pytest.raises(ValueError, match="cu_seqlens_B1"):
+        behaviour_importance_weight_T(prox, behave, mask, mode="sequence_mask")
+
+
+def test_decoupled_ppo_with_sequence_weights():
+    """The sequence weight multiplies each token's clipped loss; the under-min fraction is logged only with
+    a lower bound."""
+    prox, behave, mask, cu = _two_sequences()
+    logp = prox + torch.log(torch.tensor([1.0, 1.1, 1.5, 1.0, 1.0, 0.5]))  # r = 1.1, 1.5 | 1, 0.5
+    adv = torch.tensor([0.0, 1.0, 1.0, 0.0, -1.0, -1.0])
+    kw = dict(eps_low=0.2, behav_weight_mode="sequence_truncate", cu_seqlens_B1=cu)
+    loss, st = decoupled_ppo_loss_T(logp, prox, behave, adv, mask, behav_imp_weight_cap=2.0, **kw)
+    # seq 0: w = min(3, 2) = 2: -2 * min(1.1, 1.1), -2 * min(1.5, 1.2); seq 1: w = 0.4, A = -1:
+    # -0.4 * min(-1, -1) = 0.4, -0.4 * min(-0.5, -0.8) = 0.32
+    assert loss.tolist() == pytest.approx([0, -2.2, -2.4, 0, 0.4, 0.32], rel=1e-5)
+    assert st["behave_over_cap_frac"].tolist() == [0, 1, 1, 0, 0, 0] and "behave_under_min_frac" not in st
+    _, st = decoupled_ppo_loss_T(logp, prox, behave, adv, mask, behav_imp_weight_min=0.5, **kw)
+    assert st["behave_under_min_frac"].tolist() == [0, 0, 0, 0, 1, 1]
+    assert st["behave_weight"].tolist() == pytest.approx([0, 3, 3, 0, 0.5, 0.5], rel=1e-5)
+
+
+def test_off_policy_sequence_mask_drops_far_off_sequences_of_negative_advantage():
+    """DeepSeek-V3.2 / TRL: drop where A < 0 and mean over the loss tokens of log pi_behave - log pi_theta > delta
+    (kept at equality); the prompt token's large gap is not a loss token's."""
+    cu = torch.tensor([0, 3, 6, 9, 12])
+    mask = torch.tensor([False, True, True] * 4)
+    gap = torch.tensor([5.0, 0.75, 0.5, 5.0, 0.75, 0.5, 5.0, 0.5, 0.5, 5.0, 1.0, 0.25])  # means .625 .625 .5 .625
+    logp = -torch.ones(12, requires_grad=True)
+    behave = logp.detach() + gap
+    adv = torch.tensor([0, -1.0, -1.0, 0, 1.0, 1.0, 0, -1.0, -1.0, 0, 0.5, -0.5])  # seq 3: per-token signs
+    drop = off_policy_sequence_mask_T(logp, behave, adv, mask, cu, threshold=0.5)
+    assert drop.tolist() == [False, True, True] + [False] * 8 + [True]
 
 
 def test_loglinear_prox():
