@@ -244,13 +244,16 @@ FILE_PATH_KEYS = ("run_dir", "model.path", "data.train_path", "data.eval_path")
 """The settings that name a file or directory, which ``absolute_paths`` makes absolute (and, in
 ``train.algorithm_kwargs``, every key ending in ``_path``)."""
 CODE_PATH_KEYS = ("reward.fn", "rollout.workflow", "train.algorithm")
-"""The settings that name user code, ``module:name`` or ``./file.py:name`` (``resolve_path``)."""
+"""The settings that name user code, ``module:name`` or ``./file.py:name`` (``resolve_path``; ``reward.fn``
+may be a list of them)."""
 
 
 def absolute_setting(key: str, value: Any) -> Any:
     """``value`` of the dotted setting ``key`` with a relative path in it made absolute from the
     working directory (``FILE_PATH_KEYS``, ``CODE_PATH_KEYS``, ``train.algorithm_kwargs.*_path``);
-    any other value as it is."""
+    any other value as it is. A list of code paths (``reward.fn``'s functions) has each made absolute."""
+    if key in CODE_PATH_KEYS and isinstance(value, (list, tuple)):
+        return [absolute_setting(key, v) for v in value]
     if not isinstance(value, str) or value == MISSING:
         return value
     if key in CODE_PATH_KEYS:

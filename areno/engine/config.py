@@ -224,8 +224,14 @@ class DataSection(ConfigSection):
 class RewardSection(ConfigSection):
     _KEY = "reward"
 
-    fn: str = "areno.rewards.tasks:exact_match"
-    """Dotted path `module:function` of the reward: fn(prompt, completion, answer, **row) -> float."""
+    fn: str | list[str] = "areno.rewards.tasks:exact_match"
+    """Dotted path `module:function` (or `./file.py:function`) of the reward: fn(prompt, completion,
+    answer, **row) -> float; or a list of such paths (TRL's `reward_funcs`), scored as the weighted sum of
+    their scores (`weights`), each function's own score logged as the figure `rollout/reward/<name>_mean`."""
+    weights: list[float] | None = None
+    """One finite weight per function of `fn`, in its order (TRL's `reward_weights`): the reward is the
+    weighted sum of the functions' scores, which the advantage estimator then normalises as any reward
+    (TRL's `sum_then_normalize`); null = 1.0 each."""
     sandbox: bool | None = None
     """Run the reward in worker subprocesses (killed at timeout_s, rlimits, failures scored 0 and
     counted as rollout/reward_failures_<kind>). null = auto: on, except for shipped rewards marked safe
@@ -247,14 +253,34 @@ class RewardSection(ConfigSection):
     namespace where the kernel allows it). Candidate programs of code execution never have network."""
 
     def __post_init__(self) -> None:
-        if callable(self.fn):  # the obvious thing to try from Python, which cannot reach sandbox processes
-            raise ConfigError(
-                f"reward.fn: must be a string, got {self.fn!r}: name the function by its path, "
-                "'module:function' or './file.py:function' (reward sandbox processes import it)"
-            )
+        # a function object: the obvious thing to try from Python, which cannot reach sandbox processes
+        for key, path in zip(self.fn_keys(), self.paths()):
+            if callable(path):
+                raise ConfigError(
+                    f"{key}: must be a string, got {path!r}: name the function by its path, "
+                    "'module:function' or './file.py:function' (reward sandbox processes import it)"
+                )
+        if isinstance(self.fn, tuple):  # from Python; YAML's list (what config.yaml writes back)
+            self.fn = list(self.fn)
         check_types(self, "reward", RewardSection)
+        if self.weights is not None:  # an int from Python is the same weight: written back as YAML's float
+            self.weights = [float(w) for w in self.weights]
         _check_finite(self, "reward")
-        check_config(":" in self.fn or "." in self.fn, "reward.fn", "must be a dotted path like 'pkg.mod:func'")
+        check_config(bool(self.paths()), "reward.fn", "names no function: give one path, or a list of them")
+        for key, path in zip(self.fn_keys(), self.paths()):
+            check_config(":" in path or "." in path, key, f"must be a dotted path like 'pkg.mod:func', got {path!r}")
+        if self.weights is not None:
+            check_config(
+                len(self.weights) == len(self.paths()),
+                "reward.weights",
+                f"has {len(self.weights)} values but reward.fn names {len(self.paths())} function(s): give one weight "
+                "per function, in reward.fn's order, or null for 1.0 each",
+            )
+            check_config(
+                all(math.isfinite(w) for w in self.weights),
+                "reward.weights",
+                f"must be finite numbers, got {self.weights}",
+            )
         # above MAX_TIMEOUT_S the pipe polls overflow (a finite 1e308 fails every call like inf did)
         check_config(
             0 < self.timeout_s <= MAX_TIMEOUT_S,
@@ -272,6 +298,16 @@ class RewardSection(ConfigSection):
             f"must be > 0 and <= {MAX_TIMEOUT_S:g}, or null, got {self.cpu_s}",
         )
         check_config(self.workers >= 1, "reward.workers", f"must be >= 1, got {self.workers}")
+
+    def paths(self) -> list[str]:
+        """The paths ``fn`` names: its entries when a list, else itself."""
+        return list(self.fn) if isinstance(self.fn, (list, tuple)) else [self.fn]
+
+    def fn_keys(self) -> list[str]:
+        """The config key of each of ``paths()``, for messages: ``reward.fn``, or ``reward.fn[i]`` of a list."""
+        if isinstance(self.fn, (list, tuple)):
+            return [f"reward.fn[{i}]" for i in range(len(self.fn))]
+        return ["reward.fn"]
 
 
 @dataclass(kw_only=True)
