@@ -63,7 +63,7 @@ from areno.observe.metrics import resolve_wandb_mode
 from areno.recipes import TRAINING_CONFIGS, TrainingConfig
 from areno.recipes.registry import worker_name_problem
 from areno.recipes.traits import stale_teacher_warning
-from areno.rewards.loader import check_reward_signature, reward_function, takes_answer, wants_sandbox
+from areno.rewards.loader import check_reward_signature, reward_functions, takes_answer, wants_sandbox
 from areno.specializations import (
     ActorSpecialization,
     MixedLossDaggerOPDSpecialization,
@@ -94,7 +94,7 @@ def check_run(config: ArenoConfig) -> None:
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs))
         check_prompt_settings_reach_the_workflow(config, factory)
     # offline recipes train on the answers; a reward that takes one scores against it
-    scores_answers = reward_needs_answer(config.reward.fn)
+    scores_answers = reward_needs_answer(config.reward)
     # dpo, reward_model: {prompt, chosen, rejected} rows, evaluated by pair accuracy (no answers, no reward)
     pairs = check_pair_recipe(config, recipe)
     check_classifier_export(config, recipe)
@@ -102,14 +102,17 @@ def check_run(config: ArenoConfig) -> None:
     splits = check_splits(config.data, need_answers=answers, eval_answers=scores_answers and not pairs, pairs=pairs)
     row, prompt_key, answer_key = reward_row(config, splits)
     check_workflow_takes_images(config, recipe, row)
-    check_reward_signature(
-        reward_function(config.reward.fn),
-        config.reward.fn,
-        list(sample_fields(row, prompt_key, answer_key, IMAGES_KEY)),
-        prompt_key=prompt_key,
-        answer_key=answer_key,
-        row_fields=list(row),
-    )
+    section = config.reward
+    for fn, path, key in zip(reward_functions(section), section.paths(), section.fn_keys()):
+        check_reward_signature(
+            fn,
+            path,
+            list(sample_fields(row, prompt_key, answer_key, IMAGES_KEY)),
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            row_fields=list(row),
+            key=key,
+        )
     say_how_many_rows(config, splits)
     if config.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
@@ -230,12 +233,11 @@ def reward_row(config: ArenoConfig, splits: tuple[list[dict], list[dict]] | None
     return splits[0][0], data.prompt_key, data.answer_key
 
 
-def reward_needs_answer(path: str) -> bool:
-    """Whether the reward ``reward.fn`` names scores against a row's answer: a shipped reward marked
+def reward_needs_answer(section: RewardSection) -> bool:
+    """Whether a reward ``reward.fn`` names scores against a row's answer: a shipped reward marked
     ``fn.areno_needs_answer``, or one whose ``answer`` argument has no default (``takes_answer``). A
     row without one would be scored against None, silently: such rows are refused instead."""
-    fn = reward_function(path)
-    return bool(getattr(fn, "areno_needs_answer", False)) or takes_answer(fn)
+    return any(getattr(fn, "areno_needs_answer", False) or takes_answer(fn) for fn in reward_functions(section))
 
 
 _ROWS_SAID: set[tuple] = set()
@@ -301,14 +303,16 @@ def check_worker_recipe(config: ArenoConfig) -> None:
 
 
 def check_reward(config: ArenoConfig) -> None:
-    """``reward.fn`` imports; the sandbox's limits are not set for a reward that runs in-process
-    (``reward.timeout_s`` is: an in-process call past it is reported, ``rewards/inprocess.py``)."""
+    """Every function ``reward.fn`` names imports (the first that does not is the error, naming its
+    entry); the sandbox's limits are not set for a reward that runs in-process (``reward.timeout_s`` is:
+    an in-process call past it is reported, ``rewards/inprocess.py``)."""
     section = config.reward
-    if wants_sandbox(reward_function(section.fn), section.sandbox):
+    if wants_sandbox(reward_functions(section), section.sandbox):
         return
     for key in ("memory_mb", "cpu_s", "workers", "allow_network"):
         if getattr(section, key) != field_default(RewardSection, key):
-            how = "reward.sandbox=false" if section.sandbox is False else f"{section.fn} is cheap and safe in-process"
+            safe = section.fn if isinstance(section.fn, str) else "every function of reward.fn"
+            how = "reward.sandbox=false" if section.sandbox is False else f"{safe} is cheap and safe in-process"
             raise ConfigError(
                 f"reward.{key} bounds the reward's sandbox workers, but the reward runs in this process ({how}): "
                 "set reward.sandbox=true, or drop the key"

@@ -58,8 +58,13 @@ from areno.models.vision import ImageInputs, VisionConfig
 from areno.recipes import TRAINING_CONFIGS, get_recipe
 from areno.recipes.config import TrainingConfig
 from areno.recipes.registry import resolve_name
-from areno.rewards.loader import check_reward_started, load_reward, start_reward
-from areno.rewards.sandbox import RewardSandbox, release_shared
+from areno.rewards.loader import (
+    check_reward_started,
+    load_reward,
+    release_reward,
+    reward_pool_metrics,
+    start_reward,
+)
 from areno.rollout.store import InProcessStore, fetch_refs, release_refs
 from areno.specializations.actor import ActorConfig, ActorSpecialization
 from areno.specializations.base import RUN_SET_OPTIONS, takes_option
@@ -1027,8 +1032,7 @@ class ArenoEngine:
                 self._check_rewards(rollout_id, trajectories)
         if taken is not None:  # only now: a step that stops the run above leaves its samples for the resume
             self.ledger.trained(taken)
-        if isinstance(self.reward_fn, RewardSandbox):  # calls, failures by kind, restarts
-            metrics.update(self.reward_fn.metrics())
+        metrics.update(reward_pool_metrics(self.reward_fn))  # a sandbox's calls, failures by kind, restarts
         if self.rollout is not None:  # the rollout side's own: replica health, engine counters
             metrics.update(self.rollout.metrics())
         if batch.images_B and self.store is not None:  # the pixels stayed in the store until now
@@ -1139,6 +1143,12 @@ class ArenoEngine:
                     f"every reward of the last {REWARD_FAILED_BATCHES} rollout batches was NaN or inf (step "
                     f"{rollout_id + 1}; last: {last}): fix rollout.workflow ({self.config.rollout.workflow}), which "
                     "set them; the run stopped rather than train on zero rewards"
+                )
+            if len(self.config.reward.paths()) > 1:  # each failure a function's, named first in its error
+                raise RewardsFailing(
+                    f"every reward of the last {REWARD_FAILED_BATCHES} rollout batches lost a function of reward.fn "
+                    f"to a failure (step {rollout_id + 1}; last: {last}): fix that function; the run stopped rather "
+                    "than train on rewards missing a part"
                 )
             raise RewardsFailing(
                 f"every reward call of the last {REWARD_FAILED_BATCHES} rollout batches failed (step {rollout_id + 1}; "
@@ -1384,6 +1394,5 @@ class ArenoEngine:
 
     def close_reward(self) -> None:
         """Stop this run's reward sandbox workers (a later run starts a fresh pool)."""
-        if isinstance(self.reward_fn, RewardSandbox):
-            release_shared(self.reward_fn)  # closed once no other run of this process scores with it
+        release_reward(self.reward_fn)  # closed once no other run of this process scores with it
         self.reward_fn = None

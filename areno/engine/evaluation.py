@@ -38,8 +38,7 @@ from areno.errors import ConfigError, DataError, ModelDirError
 from areno.models.checkpoint_dirs import complete_checkpoints, model_dir_of, newest_checkpoint
 from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
-from areno.rewards.loader import check_reward_started, load_reward, start_reward
-from areno.rewards.sandbox import RewardSandbox, release_shared
+from areno.rewards.loader import check_reward_started, load_reward, release_reward, start_reward
 from areno.specializations.preference import RewardModelSpecialization
 from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
 
@@ -284,8 +283,7 @@ def run_eval(
     finally:
         if started:
             side.shutdown()
-        if isinstance(reward_fn, RewardSandbox):
-            release_shared(reward_fn)
+        release_reward(reward_fn)
     metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, threshold)
     metrics["eval/load_s"] = load_s
     metrics["eval/time_s"] = elapsed

@@ -46,8 +46,7 @@ from areno.errors import ConfigError
 from areno.models.checkpoint_dirs import newest_complete
 from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
-from areno.rewards.loader import check_reward_started, load_reward, start_reward
-from areno.rewards.sandbox import RewardSandbox, release_shared
+from areno.rewards.loader import check_reward_started, load_reward, release_reward, start_reward
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow
@@ -315,8 +314,7 @@ def start_test_rollout(
         side.start(setup)
     except BaseException:
         side.shutdown()  # what it started (nothing before its start)
-        if isinstance(reward_fn, RewardSandbox):
-            release_shared(reward_fn)
+        release_reward(reward_fn)
         raise
     vision = read_config(model_dir).vision
     samples = config.train.eval_samples
@@ -342,8 +340,7 @@ def start_test_rollout(
 
     def close() -> None:
         side.shutdown()
-        if isinstance(reward_fn, RewardSandbox):
-            release_shared(reward_fn)
+        release_reward(reward_fn)
 
     manager.on_stop = close
     manager.last_step = manager.evaluated_step = after_step

@@ -18,8 +18,9 @@ from types import ModuleType
 from typing import Any
 
 from areno.errors import RewardImportError, UserError
+from areno.rewards.combined import WeightedRewards
 from areno.rewards.inprocess import InProcessReward
-from areno.rewards.sandbox import SANDBOX_CWD_PREFIX, RewardSandbox, shared_sandbox
+from areno.rewards.sandbox import SANDBOX_CWD_PREFIX, RewardSandbox, pools_metrics, release_shared, shared_sandbox
 
 
 def is_file_path(module: str) -> bool:
@@ -158,29 +159,36 @@ def _is_submodule(name: str) -> bool:
         return False
 
 
-def wants_sandbox(fn: Any, sandbox: bool | None) -> bool:
-    """``reward.sandbox`` resolved: an explicit bool wins; auto (None) sandboxes everything except a
-    function marked ``fn.areno_sandbox = False`` (shipped rewards that are cheap, bounded string ops)."""
+def wants_sandbox(fns: Iterable[Any], sandbox: bool | None) -> bool:
+    """``reward.sandbox`` resolved for the functions ``fns`` of ``reward.fn``: an explicit bool wins; auto
+    (None) sandboxes them all unless every one is marked ``fn.areno_sandbox = False`` (shipped rewards that
+    are cheap, bounded string ops)."""
     if sandbox is not None:
         return sandbox
-    return bool(getattr(fn, "areno_sandbox", True))
+    return any(getattr(fn, "areno_sandbox", True) for fn in fns)
 
 
-def reward_function(path: str) -> Callable[..., Any]:
-    """The function ``reward.fn`` names, imported here; a :class:`RewardImportError` when the path
-    does not import or names something that cannot be called, or is not a path at all (a function
-    set on a config built in Python)."""
+def reward_function(path: str, *, key: str = "reward.fn") -> Callable[..., Any]:
+    """The function ``path`` names, imported here; a :class:`RewardImportError` naming ``key`` (the
+    setting: ``reward.fn``, ``reward.fn[1]``) when the path does not import or names something that
+    cannot be called, or is not a path at all (a function set on a config built in Python)."""
     if not isinstance(path, str):
         raise RewardImportError(
-            f"reward.fn: must be a 'module:function' or './file.py:function' path, got {path!r}: the reward runs "
+            f"{key}: must be a 'module:function' or './file.py:function' path, got {path!r}: the reward runs "
             "in sandbox processes, which import it by path, so put it in a file and name it there"
         )
-    fn = import_object(path, what="reward.fn")
+    fn = import_object(path, what=key)
     if inspect.ismodule(fn):  # a package's submodule it imports itself: an attribute, but not a function
-        raise RewardImportError(f"reward.fn: {_names_module_message(path, fn)}")
+        raise RewardImportError(f"{key}: {_names_module_message(path, fn)}")
     if not callable(fn):
-        raise RewardImportError(f"reward.fn: {path!r} is a {type(fn).__name__}, not a function")
+        raise RewardImportError(f"{key}: {path!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def reward_functions(section: Any) -> list[Callable[..., Any]]:
+    """Every function a ``RewardSection``'s ``fn`` names, imported in its order (``reward_function``: the
+    first that fails is the error, naming its entry)."""
+    return [reward_function(path, key=key) for path, key in zip(section.paths(), section.fn_keys())]
 
 
 REWARD_ARGUMENTS = ("prompt", "completion", "answer")
@@ -206,6 +214,7 @@ def check_reward_signature(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     row_fields: Iterable[str] | None = None,
+    key: str = "reward.fn",
 ) -> None:
     """A one-line :class:`RewardImportError` when ``fn`` cannot take the call the workflows make:
     ``fn(prompt, completion, answer, **row)``, the first three positional, ``row`` holding
@@ -217,7 +226,8 @@ def check_reward_signature(
     A row field named as one of the arguments the call passes by position (``answer``, when
     ``data.answer_key`` names another field) collides with it: that is the data keys' doing, not the
     signature's, so the error names the field and the ``data.*_key`` to set (``prompt_key``,
-    ``answer_key``: the run's; ``row_fields``: every field of the row, listed in the message)."""
+    ``answer_key``: the run's; ``row_fields``: every field of the row, listed in the message). ``key``: the
+    setting that names ``fn`` (``reward.fn``, ``reward.fn[1]``)."""
     try:
         signature = inspect.signature(fn)
     except ValueError:  # no signature to check against: the calls will tell
@@ -233,11 +243,11 @@ def check_reward_signature(
         if collided:
             fields = None if row_fields is None else list(row_fields)
             problem = _collision(collided[0], prompt_key, answer_key, fields)
-            raise RewardImportError(f"reward.fn: {path}: {problem}") from None
+            raise RewardImportError(f"{key}: {path}: {problem}") from None
         row = f", the row's fields {keys} as keywords" if keys else ""
         takes = str(signature).replace("\n", " ")  # a default's repr may span lines; the error may not
         raise RewardImportError(
-            f"reward.fn: {path} takes {takes} but is called as fn(prompt, completion, answer, **row){row} ({exc}): "
+            f"{key}: {path} takes {takes} but is called as fn(prompt, completion, answer, **row){row} ({exc}): "
             "make it take (prompt, completion, answer, **row), or add **kwargs"
         ) from None
 
@@ -265,12 +275,25 @@ def load_reward(section: Any) -> Any:
     """The reward function of a ``RewardSection``: when it runs in-process, the imported function
     watched for calls past ``reward.timeout_s`` (``InProcessReward``); else the shared
     :class:`~areno.rewards.sandbox.RewardSandbox` for it (an async callable with the same signature). Either way the workflows call it through ``acall_reward``;
-    sandbox failures raise ``RewardFailure`` there and score 0."""
-    fn = reward_function(section.fn)
-    if not wants_sandbox(fn, section.sandbox):
-        return InProcessReward(fn, name=section.fn, timeout_s=section.timeout_s)
+    sandbox failures raise ``RewardFailure`` there and score 0.
+
+    ``reward.fn`` as a list, or with ``reward.weights``: a :class:`WeightedRewards` of its functions,
+    each loaded so (in-process only when every one may be: ``wants_sandbox``), each sandboxed one its own
+    pool. A list of one function without weights is that function, as the plain string is."""
+    paths = section.paths()
+    fns = reward_functions(section)
+    sandboxed = wants_sandbox(fns, section.sandbox)
+    rewards = [_load_one(fn, path, section, sandboxed=sandboxed) for fn, path in zip(fns, paths)]
+    if len(rewards) == 1 and section.weights is None:
+        return rewards[0]
+    return WeightedRewards(paths, rewards, section.weights or [1.0] * len(rewards))
+
+
+def _load_one(fn: Callable[..., Any], path: str, section: Any, *, sandboxed: bool) -> Any:
+    if not sandboxed:
+        return InProcessReward(fn, name=path, timeout_s=section.timeout_s)
     return shared_sandbox(
-        resolve_path(section.fn),
+        resolve_path(path),
         workers=section.workers,
         timeout_s=section.timeout_s,
         memory_mb=section.memory_mb,
@@ -279,16 +302,38 @@ def load_reward(section: Any) -> Any:
     )
 
 
+def reward_pools(reward: Any) -> list[RewardSandbox]:
+    """The sandbox pools ``reward`` (``load_reward``'s) scores with: none for an in-process one."""
+    parts = reward.rewards if isinstance(reward, WeightedRewards) else [reward]
+    return [p for p in parts if isinstance(p, RewardSandbox)]
+
+
 def start_reward(reward: Any) -> Any:
-    """``reward`` (``load_reward``'s), with a sandbox's first worker started: it imports the reward
+    """``reward`` (``load_reward``'s), with each sandbox's first worker started: it imports the reward
     while the caller loads its models, and ``check_reward_started`` waits for it."""
-    if isinstance(reward, RewardSandbox):
-        reward.start_early()
+    for pool in reward_pools(reward):
+        pool.start_early()
     return reward
 
 
 def check_reward_started(reward: Any) -> None:
-    """A one-line RewardImportError when ``reward`` is a sandbox whose workers cannot import it
-    (nothing to check for an in-process one: it is imported already)."""
-    if isinstance(reward, RewardSandbox):
-        reward.check_started()
+    """A one-line RewardImportError when ``reward`` is (or holds) a sandbox whose workers cannot import
+    it (nothing to check for an in-process one: it is imported already)."""
+    for pool in reward_pools(reward):
+        pool.check_started()
+
+
+def reward_pool_metrics(reward: Any) -> dict[str, float]:
+    """The ``rollout/reward_*`` counters of the pools ``reward`` scores with (``RewardSandbox.metrics``,
+    summed over the functions of a list), or nothing when it runs in-process."""
+    pools = list({id(p): p for p in reward_pools(reward)}.values())  # a function listed twice: one pool
+    if len(pools) == 1:  # its own figures as they are (a sum's mean call time may round apart)
+        return pools[0].metrics()
+    return pools_metrics(pools) if pools else {}
+
+
+def release_reward(reward: Any) -> None:
+    """Give back ``reward``'s sandbox pools (``release_shared``: each closed once no other run of this
+    process scores with it)."""
+    for pool in reward_pools(reward):
+        release_shared(pool)

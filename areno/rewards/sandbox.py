@@ -581,8 +581,12 @@ def reward_metrics() -> dict[str, float]:
     """The ``rollout/reward_*`` counters summed over every shared pool (empty when no reward is sandboxed)."""
     with _POOLS_LOCK:
         pools = list(_POOLS.values())
-    if not pools:
-        return {}
+    return pools_metrics(pools) if pools else {}
+
+
+def pools_metrics(pools: list[RewardSandbox]) -> dict[str, float]:
+    """The ``rollout/reward_*`` counters summed over ``pools`` (at least one), the mean call time
+    weighted by each pool's calls."""
     per_pool = [p.metrics() for p in pools]
     out = {k: sum(m[k] for m in per_pool) for k in per_pool[0] if k != "rollout/reward_call_time_mean_s"}
     busy = sum(m["rollout/reward_call_time_mean_s"] * m["rollout/reward_calls"] for m in per_pool)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from areno.rewards.combined import WeightedRewards, part_figures, weighted_sum
 from areno.rewards.sandbox import is_finite_reward, reward_parts
 from areno.rollout.client import raise_if_cancelled
 from areno.types import Trajectory
@@ -88,8 +90,13 @@ async def ascore_reward(
     counted), gives ``(0.0, error)``, so one bad row never kills a run but is never silent either:
     the first failure of each reward function in this process is warned about with its prompt,
     completion and row fields; later ones are logged at DEBUG and counted, a batch's in one warning
-    (``warn_reward_errors``), so a reward that fails on every row does not flood the log."""
+    (``warn_reward_errors``), so a reward that fails on every row does not flood the log.
+
+    Several functions (``reward.fn`` as a list: a ``WeightedRewards``) are each scored so, together:
+    the reward is their weighted sum, a failed one's part 0 (``ascore_weighted``)."""
     raise_if_cancelled()  # a cancelled episode (Python 3.11's wait_for lost the cancel) calls no reward
+    if isinstance(reward_fn, WeightedRewards):
+        return await ascore_weighted(reward_fn, prompt, completion, answer, fields)
     try:
         value = reward_fn(prompt, completion, answer, **fields)
         if inspect.isawaitable(value):
@@ -118,6 +125,26 @@ async def ascore_reward(
             " (its later failures are counted: one warning per batch, rollout/reward_errors)" if first else "",
         )
         return RewardScore(0.0, error, {})
+
+
+async def ascore_weighted(
+    reward: WeightedRewards, prompt: str, completion: str, answer: Any, fields: dict[str, Any]
+) -> RewardScore:
+    """``reward``'s functions each scored by ``ascore_reward`` (at once: sandboxed ones run side by side),
+    as a single function is, so one that fails scores 0 for its part alone. The reward is the weighted sum
+    of their scores (``weighted_sum``); the figures are each function's score under its name and its own
+    figures under ``<name>/<figure>`` (``part_figures``: a failed one's score 0, no figures of its own); the
+    error, where any failed, each failed one's, prefixed with its name. A sum beyond float32 (weights too
+    large) is a reward error scored 0, the parts' figures kept."""
+    scores = await asyncio.gather(*(ascore_reward(r, prompt, completion, answer, fields) for r in reward.rewards))
+    values = [s.value for s in scores]
+    figures = part_figures(reward.names, values, [s.figures for s in scores])
+    failed = [f"{name}: {s.error}" for name, s in zip(reward.names, scores) if s.error is not None]
+    total = weighted_sum(values, reward.weights)
+    if not is_finite_reward(total):
+        failed.append(f"NonFiniteReward: the weighted sum of reward.fn's scores is {total!r}: lower reward.weights")
+        total = 0.0
+    return RewardScore(total, "; ".join(failed) if failed else None, figures)
 
 
 def reward_figure_means(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
