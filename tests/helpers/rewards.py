@@ -208,3 +208,13 @@ def with_figures(prompt, completion, answer=None, **row):
 def bad_figures(prompt, completion, answer=None, **row):
     """A mapping without its ``score``: every call is a reward error."""
     return {"correct": 1.0}
+
+
+def half(prompt, completion, answer=None, **row):
+    """0.5 for every completion (weighted sums check against hand-computed values)."""
+    return 0.5
+
+
+def quarter_parsed(prompt, completion, answer=None, **row):
+    """0.25 with a named figure beside it: ``parsed``, 1.0."""
+    return {"score": 0.25, "parsed": 1.0}
