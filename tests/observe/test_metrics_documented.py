@@ -42,6 +42,12 @@ def test_the_matcher_reads_placeholders_and_rejects_others():
     ]
 
 
+def test_the_figures_of_several_reward_functions_are_documented():
+    # reward.fn as a list: each function's score under its name, its own figures under <name>/<figure>
+    for prefix in ("rollout", "eval", "test"):
+        assert undocumented({f"{prefix}/reward/correct_mean", f"{prefix}/reward/correct/parsed_mean"}) == []
+
+
 @pytest.mark.parametrize(
     "algorithm, extra",
     [
