@@ -1,4 +1,4 @@
-"""Parity with TRL: TRL's own GRPO/DAPO/Dr.GRPO/GSPO/CISPO and DPO loss code (``_compute_loss`` of
+"""Parity with TRL: TRL's own GRPO/DAPO/Dr.GRPO/GSPO/CISPO (and off-policy sequence mask) and DPO loss code (``_compute_loss`` of
 its trainers, called on a stand-in trainer object) against areno's functions on the same tensors:
 loss values and gradients. TRL is a test-only dependency; importing it takes ~10 s of CPU, so the
 module is marked slow (run with ``-m slow``)."""
@@ -18,8 +18,10 @@ from areno.algo import (
     cispo_loss_T,
     dpo_loss_B,
     grpo_advantages_B,
+    grpo_batch_std_advantages_B,
     gspo_loss_T,
     kl_estimate_T,
+    off_policy_sequence_mask_T,
     ppo_clip_loss_T,
     sequence_sum_B,
 )
@@ -86,20 +88,24 @@ def _padded_case(seed=0):
 
 
 def _trl_grpo_advantages(rewards_B, n, scale=True):
-    """TRL's advantage lines (group scaling) on the same rewards."""
+    """TRL's advantage lines (``scale_rewards`` "group": True, "none": False, "batch") on the same rewards."""
     mean = rewards_B.view(-1, n).mean(dim=1).repeat_interleave(n)
     adv = rewards_B - mean
-    if scale:
+    if scale == "batch":
+        adv = adv / (_trl().nanstd(rewards_B).expand_as(rewards_B) + 1e-4)
+    elif scale:
         std = _trl().nanstd(rewards_B.view(-1, n), dim=1).repeat_interleave(n)
         adv = adv / (std + 1e-4)
     return adv
 
 
-def _trl_grpo_loss(case, adv_B, *, loss_type, eps_low, eps_high, beta=0.0, level="token", max_len=None):
+def _trl_grpo_loss(
+    case, adv_B, *, loss_type, eps_low, eps_high, beta=0.0, level="token", max_len=None, off_policy_mask=None
+):
     stand_in = SimpleNamespace(
         aux_loss_enabled=False,
         top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
+        off_policy_mask_threshold=off_policy_mask,
         importance_sampling_level=level,
         beta=beta,
         loss_type=loss_type,
@@ -114,6 +120,7 @@ def _trl_grpo_loss(case, adv_B, *, loss_type, eps_low, eps_high, beta=0.0, level
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         accelerator=_Accelerator(),
         _get_per_token_logps_and_entropies=lambda *a, **k: (case.logp_BL, torch.zeros_like(case.logp_BL), None),
+        get_off_policy_mask=_trl().GRPOTrainer.get_off_policy_mask,
     )
     inputs = {
         "prompt_ids": torch.zeros(case.B, 1, dtype=torch.long),
@@ -125,6 +132,8 @@ def _trl_grpo_loss(case, adv_B, *, loss_type, eps_low, eps_high, beta=0.0, level
         "ref_per_token_logps": case.ref_BL,
         "num_items_in_batch": case.mask_BL.sum(),
     }
+    if getattr(case, "sampling_BL", None) is not None:
+        inputs["sampling_per_token_logps"] = case.sampling_BL
     return _trl().GRPOTrainer._compute_loss(stand_in, None, inputs)
 
 
@@ -152,6 +161,34 @@ def test_grpo_advantages_match_trl():
     assert torch.allclose(
         grpo_advantages_B(rewards, group, scale_by_std=False), _trl_grpo_advantages(rewards, 3, scale=False), atol=1e-6
     )
+
+
+def test_grpo_batch_std_advantages_match_trl():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.3, 0.3, 0.3, 1.0, 1.0, 0.0])
+    group = torch.arange(3).repeat_interleave(3)
+    assert torch.allclose(
+        grpo_batch_std_advantages_B(rewards, group), _trl_grpo_advantages(rewards, 3, scale="batch"), atol=1e-6
+    )
+
+
+def test_off_policy_sequence_mask_matches_trl():
+    """TRL's ``off_policy_mask_threshold`` in its ``_compute_loss`` (sampler log-probs given, dapo's loss) against
+    areno's clipped loss with ``off_policy_sequence_mask_T``'s tokens zeroed: sequence 1 (negative advantage,
+    mean gap 0.5) is dropped, sequence 2 (negative, 0.1) and the others (advantage >= 0) stay."""
+    case = _padded_case(5)
+    gap_B = torch.tensor([0.5, 0.5, 0.1, 0.5, 0.5, 0.5])
+    case.sampling_BL = (case.logp_BL.detach() + gap_B[:, None]) * case.mask_BL
+    adv = _trl_grpo_advantages(case.rewards_B, 2)
+    trl_loss = _trl_grpo_loss(case, adv, loss_type="dapo", eps_low=0.2, eps_high=0.28, off_policy_mask=0.3)
+    sampling_T = case.pack(case.sampling_BL)
+
+    def masked_loss(logp_T, old_T, adv_T, mask_T):
+        loss_T, stats = ppo_clip_loss_T(logp_T, old_T, adv_T, mask_T, eps_low=0.2, eps_high=0.28)
+        drop_T = off_policy_sequence_mask_T(logp_T, sampling_T, adv_T, mask_T, case.cu, threshold=0.3)
+        assert drop_T.any() and not drop_T.all()
+        return torch.where(drop_T, torch.zeros_like(loss_T), loss_T), stats
+
+    _check(case, trl_loss, _areno_loss(case, adv, masked_loss, "token"))
 
 
 def test_grpo_with_kl_matches_trl():
