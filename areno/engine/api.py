@@ -1026,7 +1026,8 @@ class ArenoEngine:
                 trajectories, self.executor.take_filtered_rewards()
             )
         if self.recipe.online:
-            warn_reward_errors(trajectories, f"step {rollout_id + 1}'s rollout batch")
+            several = len(cfg.reward.paths()) > 1
+            warn_reward_errors(trajectories, f"step {rollout_id + 1}'s rollout batch", several=several)
             warn_untrainable(self.recipe, trajectories, f"rollout.workflow ({cfg.rollout.workflow})", rollout_id)
             if not any(r.name == "teacher" for r in self.recipe.roles):  # distillation: a log
                 self._check_rewards(rollout_id, trajectories)

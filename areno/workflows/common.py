@@ -157,17 +157,19 @@ def reward_figure_means(trajectories: list[Trajectory], prefix: str) -> dict[str
     return {f"{prefix}/{name}_mean": sum(values) / len(values) for name, values in sorted(sums.items())}
 
 
-def warn_reward_errors(trajectories: Sequence[Trajectory], batch: str) -> None:
+def warn_reward_errors(trajectories: Sequence[Trajectory], batch: str, *, several: bool = False) -> None:
     """One warning for the reward errors among ``trajectories`` (``info["reward_error"]``), if any:
     how many of them, and the last error's first line. ``batch`` names them (``"step 3's rollout
-    batch"``)."""
+    batch"``); ``several``: ``reward.fn`` lists several functions, of which a failed one lost only its part."""
     errors = [t.info["reward_error"] for t in trajectories if "reward_error" in t.info]
     if errors:
+        scored = "a failed function's part scored 0, the others' kept" if several else "each scored 0"
         logger.warning(
-            "reward function failed on %d of %d completions of %s (each scored 0); last error: %s",
+            "reward function failed on %d of %d completions of %s (%s); last error: %s",
             len(errors),
             len(trajectories),
             batch,
+            scored,
             next(iter(errors[-1].splitlines()), ""),
         )
 

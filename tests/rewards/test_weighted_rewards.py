@@ -6,6 +6,7 @@ function scores 0 for its part alone, in the sandbox and in-process, and every p
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -16,7 +17,7 @@ from areno.errors import RewardImportError
 from areno.rewards.combined import WeightedRewards, part_names
 from areno.rewards.loader import load_reward, release_reward, reward_pool_metrics, start_reward
 from areno.types import Trajectory
-from areno.workflows.common import ascore_reward, reward_figure_means
+from areno.workflows.common import ascore_reward, reward_figure_means, warn_reward_errors
 
 HALF = "tests.helpers.rewards:half"  # 0.5
 QUARTER = "tests.helpers.rewards:quarter_parsed"  # {"score": 0.25, "parsed": 1.0}
@@ -120,6 +121,16 @@ def test_a_raising_function_scores_0_for_its_part_alone_in_process():
     assert reward_pool_metrics(reward) == {}
     with pytest.raises(RuntimeError, match="reward bug"):  # a direct call raises, as one function's does
         asyncio.run(reward("p", "c"))
+
+
+def test_a_batchs_warning_says_a_failed_function_lost_its_part_alone(caplog):
+    reward = load_reward(section(HALF, EXPLODING, sandbox=False))
+    with caplog.at_level(logging.WARNING, logger="areno.workflows"):
+        warn_reward_errors([trajectory(reward), trajectory(reward)], "step 1's rollout batch", several=True)
+    assert caplog.records[-1].getMessage() == (
+        "reward function failed on 2 of 2 completions of step 1's rollout batch (a failed function's part scored "
+        "0, the others' kept); last error: exploding: RuntimeError: reward bug"
+    )
 
 
 def test_a_raising_function_scores_0_for_its_part_alone_in_the_sandbox():
