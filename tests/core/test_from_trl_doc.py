@@ -178,7 +178,7 @@ def test_the_side_by_side_runs_agree(tmp_path):
     assert trl["output_dir"] == "runs/grpo" and config.run_dir.endswith("runs/grpo")
 
 
-def test_the_rewards_score_alike():
+def test_the_rewards_score_alike(tmp_path):
     trl_ns: dict = {}
     source = _block("python", "# train_grpo.py")
     exec(source[source.index("def correct") : source.index("args = ")], trl_ns)
@@ -188,6 +188,11 @@ def test_the_rewards_score_alike():
     assert trl_ns["correct"](completions=completions, answer=answers) == [
         areno_ns["correct"]("What is 17 + 25?", c, a) for c, a in zip(completions, answers)
     ]
+    several = tmp_path / "several.yaml"
+    several.write_text(_block("yaml", "reward:\n  fn: ["))
+    reward = load_config(several, [MODEL]).reward
+    assert [Path(fn).name for fn in reward.fn] == ["rewards.py:correct", "rewards.py:think_format"]
+    assert reward.weights == [1.0, 0.2]
     exec(_block("python", "# rewards.py\ndef score"), areno_ns)
     assert reward_parts(areno_ns["score"]("p", "<think>x</think> 42", "42")) == (1.2, {"format": 1.0, "correct": 1.0})
 
