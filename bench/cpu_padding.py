@@ -44,11 +44,28 @@ ARMS = {
 """Per arm: (``attention.QUERY_BLOCK``, ``attention.PAD_CALL_ENTRIES``)."""
 
 
+def arm_batches(sharing, q_THD: torch.Tensor) -> dict[str, list[list[int]]]:
+    """Each arm's padded batches, ``[sequences, query rows, keys]`` each, for the shared-prompt layout
+    ``sharing`` and q's rows, heads, head dim and dtype (what ``main`` times), the default settings
+    restored after."""
+    out = {}
+    try:
+        for arm, settings in ARMS.items():
+            attention.QUERY_BLOCK, attention.PAD_CALL_ENTRIES = settings
+            attn = SharedPrefixAttention(sharing)
+            T, heads, head_dim = q_THD.shape
+            attn.prepare(T, q_THD.device, head_dim, q_THD.dtype, query_heads=heads)
+            out[arm] = [[b.num_seqs, b.len_q, b.len_k] for b in attn.padded.buckets]
+    finally:
+        attention.QUERY_BLOCK, attention.PAD_CALL_ENTRIES = ARMS["default"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, model, batch = setup("cpu_padding", __doc__, argv)
     attn, qkv = layer_inputs(model, batch)
     per_arm: dict[str, dict[str, list[float]]] = {arm: {"layer_ms": [], "micro_batch_ms": []} for arm in ARMS}
-    batches, errors = {}, {}
+    errors = {}
 
     def use(
         arm: str,
@@ -68,9 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
         for arm in ARMS:
             use(arm)
             errors[arm] = layer_error(attn, qkv)
-            batches[arm] = [[b.num_seqs, b.len_q, b.len_k] for b in attn.padded.buckets]
     finally:
         use("default")
+    batches = arm_batches(attn.sharing, qkv[0])
     med = {arm: {k: statistics.median(v) for k, v in d.items()} for arm, d in per_arm.items()}
     new, old = med["default"]["micro_batch_ms"], med["one_batch"]["micro_batch_ms"]
     lengths = (
