@@ -803,7 +803,11 @@ class PackedTrainBackend(TrainBackend):
         self._ckpt_base_hashes = checkpoint.read_hashes(self._ckpt_base)
         self._saves_since_full = state.get("saves_since_full", 0)
         if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+            # the schedule's position; its lr lambdas stay this run's (partials, nothing saved of them), one a
+            # group of this run, which may have fewer than the checkpoint's (decay_biases_and_norms turned on:
+            # two groups become one); _apply_optim_settings sets the per-group lists at this run's length
+            saved = {**state["scheduler"], "lr_lambdas": [None] * len(self.scheduler.lr_lambdas)}
+            self.scheduler.load_state_dict(saved)
         if self.scheduler is not None:
             self._apply_optim_settings()
         return state["extra"]

@@ -528,3 +528,22 @@ def test_a_checkpoint_of_one_param_group_resumes_into_two_bit_for_bit(model_dir,
     assert decayed.scheduler.base_lrs == [1e-2, 1e-2]
     for name, p in decayed.model.named_parameters():
         assert torch.equal(decayed.optimizer.state[p]["exp_avg"], saved[name]), name
+
+
+def test_a_checkpoint_of_two_param_groups_resumes_into_one(model_dir, tmp_path):
+    """``decay_biases_and_norms`` turned on at a resume: the checkpoint's optimizer and schedule have two
+    groups (matrices, vectors), this run's one; each parameter's Adam state and the schedule's position are
+    restored (the schedule's per-group lists are this run's), and the run trains on as one group would."""
+    kw = dict(schedule="cosine", warmup_steps=1, total_steps=4, weight_decay=0.1)
+    two = backend(model_dir, **kw)
+    step(two, random_batch(LENGTHS, VOCAB, 600))
+    two.save_checkpoint(tmp_path / "ck", {})
+    saved = {n: two.optimizer.state[p]["exp_avg"].clone() for n, p in two.model.named_parameters()}
+    one = backend(model_dir, decay_biases_and_norms=True, **kw)
+    one.load_checkpoint(tmp_path / "ck")
+    (group,) = one.optimizer.param_groups
+    assert group["weight_decay"] == 0.1 and one.scheduler.base_lrs == [1e-2] and one.scheduler.last_epoch == 1
+    assert one.scheduler.get_last_lr() == [two.optimizer.param_groups[0]["lr"]]
+    for name, p in one.model.named_parameters():
+        assert torch.equal(one.optimizer.state[p]["exp_avg"], saved[name]), name
+    assert math.isfinite(step(one, random_batch(LENGTHS, VOCAB, 601))["loss"])
