@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ from areno.specializations import (
     ScalarScorerSpecialization,
 )
 from areno.train import checkpoint
-from areno.workflows.base import check_workflow_arguments, workflow_factory
+from areno.workflows.base import check_workflow_arguments, declares_no_routes, routes_dropped, workflow_factory
 from areno.workflows.common import sample_fields, takes_param
 from areno.workflows.images import IMAGES_KEY
 from areno.workflows.teacher import TeacherMixtureWorkflow
@@ -91,6 +92,7 @@ def check_run(config: ArenoConfig) -> None:
     check_reward(config)  # evaluation scores with it in every recipe
     if recipe.online:  # with the arguments the engine adds (tokenizer, reward_fn, ...): before any warm start
         factory = workflow_factory(config.rollout.workflow)
+        check_workflow_carries_routes(config, factory)
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs))
         check_prompt_settings_reach_the_workflow(config, factory)
     # offline recipes train on the answers; a reward that takes one scores against it
@@ -207,6 +209,15 @@ def check_resumed_config(config: ArenoConfig) -> None:
     if changed:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
         logger.warning("resume: settings changed since the run was saved: %s", shown)
+
+
+def check_workflow_carries_routes(config: ArenoConfig, factory: Callable[..., Any]) -> None:
+    """``train.moe_rollout_routes`` / ``moe_routing_replay`` with a workflow class that says its trajectories
+    drop the rollout's expert routes (``declares_no_routes``): refused here rather than at the first step."""
+    train = config.train
+    if (train.moe_rollout_routes or train.moe_routing_replay) and declares_no_routes(factory):
+        key = "train.moe_routing_replay" if train.moe_routing_replay else "train.moe_rollout_routes"
+        raise routes_dropped(key, config.rollout.workflow)
 
 
 def check_workflow_takes_images(config: ArenoConfig, recipe: TrainingConfig, row: dict) -> None:

@@ -71,7 +71,7 @@ from areno.specializations.base import RUN_SET_OPTIONS, takes_option
 from areno.specializations.preference import PAIRWISE_SPECIALIZATIONS, DPOSpecialization, pair_metrics
 from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
-from areno.workflows.base import ENGINE_ARGUMENTS, NONFINITE_REWARD_KEY, RolloutWorkflow, load_workflow
+from areno.workflows.base import ENGINE_ARGUMENTS, NONFINITE_REWARD_KEY, RolloutWorkflow, load_workflow, routes_dropped
 from areno.workflows.common import (
     REWARD_FIGURES_KEY,
     prompt_kwargs,
@@ -1184,16 +1184,13 @@ class ArenoEngine:
 
     def _check_routes(self, rollout: RolloutBatch) -> None:
         """``train.moe_rollout_routes`` / ``moe_routing_replay`` with a workflow whose trajectories drop the
-        engine's routes would train without them and say nothing: refused at the first step instead."""
+        engine's routes would train without them and say nothing: refused at the first step instead (at
+        start-up where the workflow class says so of itself: ``declares_no_routes``)."""
         train = self.config.train
         if (train.moe_rollout_routes or train.moe_routing_replay) and rollout.trajectories:
             if ROUTES_KEY not in rollout.batch.extra:
                 key = "train.moe_routing_replay" if train.moe_routing_replay else "train.moe_rollout_routes"
-                raise ConfigError(
-                    f"{key}: rollout.workflow={self.config.rollout.workflow} returned trajectories without the "
-                    "rollout's expert routes (RLVRWorkflow and MultiTurnWorkflow carry them); set "
-                    f"{key}=false or carry GenerationOutput.routes_TLK into Trajectory.routes_TLK"
-                )
+                raise routes_dropped(key, self.config.rollout.workflow)
 
     def update_weights(self) -> dict[str, float]:
         if not self.recipe.online:

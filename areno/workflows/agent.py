@@ -73,6 +73,8 @@ class AgentWorkflow(RolloutWorkflow):
     ``client.prompt_key`` / ``answer_key``.
     """
 
+    carries_routes = False  # its trajectories come from the recorded requests
+
     def __init__(
         self,
         tokenizer: Any,

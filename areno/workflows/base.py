@@ -21,7 +21,7 @@ import traceback
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -102,12 +102,34 @@ class RolloutWorkflow(ABC):
     here counts the episode as failed; the executor retries the sample a bounded number of times.
     """
 
+    carries_routes: ClassVar[bool | None] = None
+    """Whether the trajectories carry the rollout's MoE expert routes (``Trajectory.routes_TLK``, what
+    ``train.moe_rollout_routes`` and ``moe_routing_replay`` train with), set by a class on itself
+    (``declares_no_routes``): a subclass that overrides ``run_episode`` says nothing by inheriting it."""
+
     @abstractmethod
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> EpisodeResult:
         """Run one episode for ``sample``; return a trajectory, a group of them, or None to reject."""
 
     def close(self) -> None:
         """Release what the workflow holds (a model of its own); called once when the run shuts down."""
+
+
+def declares_no_routes(factory: Callable[..., Any]) -> bool:
+    """Whether the workflow class ``factory`` says of itself (not through a base class) that its trajectories
+    drop the rollout's expert routes (``RolloutWorkflow.carries_routes``): then a run that trains with
+    them is refused at start-up; otherwise at its first step, if they are missing (``routes_dropped``)."""
+    return isinstance(factory, type) and factory.__dict__.get("carries_routes") is False
+
+
+def routes_dropped(key: str, workflow: str) -> ConfigError:
+    """The error of ``key`` (``train.moe_rollout_routes`` or ``train.moe_routing_replay``) with a workflow
+    whose trajectories drop the rollout's expert routes: it would train without them, unsaid."""
+    return ConfigError(
+        f"{key}: rollout.workflow={workflow} returns trajectories without the rollout's expert routes "
+        "(RLVRWorkflow and MultiTurnWorkflow carry them); set "
+        f"{key}=false or carry GenerationOutput.routes_TLK into Trajectory.routes_TLK"
+    )
 
 
 def as_group(result: EpisodeResult, *, source: str = "run_episode") -> list[Trajectory] | None:

@@ -87,6 +87,8 @@ class EnvWorkflow(RolloutWorkflow):
     environment rewards).
     """
 
+    carries_routes = False  # its trajectories are built from the env steps' tokens
+
     def __init__(
         self,
         tokenizer: Any,

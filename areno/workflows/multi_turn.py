@@ -36,6 +36,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
     turn's answer at a time.
     """
 
+    carries_routes = True  # the turns' routes, stitched
+
     def __init__(
         self,
         tokenizer: Any,

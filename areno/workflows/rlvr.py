@@ -38,6 +38,8 @@ class RLVRWorkflow(RolloutWorkflow):
     ``info["images"]`` (``store``, the run's observation store), for the trainer's forward.
     """
 
+    carries_routes = True  # each trajectory takes its generation's routes_TLK
+
     def __init__(
         self,
         tokenizer: Any,

@@ -180,6 +180,8 @@ class TeacherMixtureWorkflow(_TeacherWorkflow):
     log-probs as its behaviour log-probs; its versions are -1 (no policy version made it).
     """
 
+    carries_routes = False  # a teacher's tokens have no policy routes
+
     def __init__(
         self,
         tokenizer: Any,

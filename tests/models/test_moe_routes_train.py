@@ -8,10 +8,16 @@ from __future__ import annotations
 import pytest
 
 from areno.api.config import load_config
+from areno.api.preflight import check_run
 from areno.api.trainer import Trainer
 from areno.errors import ConfigError
+from areno.workflows.agent import AgentWorkflow
+from areno.workflows.base import declares_no_routes
+from areno.workflows.env import EnvWorkflow
+from areno.workflows.rlvr import RLVRWorkflow
 from tests.helpers.configs import tiny_grpo_overrides
 from tests.helpers.moe import MOE_TINY, run_moe
+from tests.helpers.workflows import RouteDroppingWorkflow
 
 MISMATCH = "train/policy/moe_rollout_routing_mismatch"
 REPLAYED = "train/policy/moe_routing_replayed_fraction"
@@ -54,6 +60,22 @@ def test_server_backends_refuse_the_keys(tmp_path):
 def test_a_workflow_that_drops_the_routes_is_refused_at_the_first_step(tmp_path):
     workflow = "rollout.workflow=tests.helpers.workflows:RouteDroppingWorkflow"
     with pytest.raises(
-        ConfigError, match=r"train.moe_routing_replay: rollout.workflow=.*RouteDroppingWorkflow returned"
+        ConfigError, match=r"train.moe_routing_replay: rollout.workflow=.*RouteDroppingWorkflow returns"
     ):
         run_moe(tmp_path, *COMMON, "train.steps=1", "train.moe_routing_replay=true", workflow)
+
+
+@pytest.mark.parametrize("key", ["train.moe_routing_replay", "train.moe_rollout_routes"])
+def test_a_workflow_class_that_drops_the_routes_is_refused_at_start_up(tmp_path, key):
+    workflow = "areno.workflows.agent:AgentWorkflow"
+    cfg = load_config(None, [*tiny_grpo_overrides(tmp_path), MOE_TINY, f"{key}=true", f"rollout.workflow={workflow}"])
+    with pytest.raises(ConfigError, match=rf"{key}: rollout.workflow={workflow} returns trajectories without"):
+        check_run(cfg)  # before any model is built
+
+
+def test_only_a_class_that_says_so_of_itself_drops_the_routes():
+    assert declares_no_routes(AgentWorkflow) and declares_no_routes(EnvWorkflow)
+    assert not declares_no_routes(RLVRWorkflow)
+    # a subclass that overrides run_episode is checked at its first step instead
+    assert not declares_no_routes(RouteDroppingWorkflow) and not declares_no_routes(type("Mine", (AgentWorkflow,), {}))
+    assert not declares_no_routes(lambda **kwargs: None)
