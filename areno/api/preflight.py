@@ -41,6 +41,7 @@ from areno.engine.config import (
     ArenoConfig,
     RewardSection,
     RolloutSection,
+    build_train_backend_config,
     check_offline_rollout,
     field_default,
     has_held_out_rows,
@@ -68,6 +69,7 @@ from areno.rewards.loader import check_reward_signature, reward_functions, takes
 from areno.specializations import (
     ActorSpecialization,
     MixedLossDaggerOPDSpecialization,
+    ModelSpecialization,
     RewardModelSpecialization,
     ScalarScorerSpecialization,
 )
@@ -132,6 +134,7 @@ def check_run(config: ArenoConfig) -> None:
         check_offline_rollout(config, recipe.name, generates=generates(recipe, pairs=pairs, held_out=held_out))
     role_allocation(config, recipe)  # cluster.role_devices names roles of this recipe and devices that exist
     check_role_optim(config, recipe)
+    check_decay_biases_and_norms(config, recipe)
     check_partitioned_roles(config, recipe)
     check_fresh(config.run_dir, resume=config.resume, overwrite=config.overwrite)
     if config.resume is True and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") is None:
@@ -466,6 +469,40 @@ def check_role_optim(config: ArenoConfig, recipe: TrainingConfig) -> None:
             raise ConfigError(
                 f"train.role_optim.{given}: role {role!r} is frozen in {recipe.name!r}: it has no optimizer"
             )
+
+
+def check_decay_biases_and_norms(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """``decay_biases_and_norms`` (the ``optim`` section's, or a role's in ``train.role_optim``) set where it
+    decays nothing: in every role that takes it, a weight decay of 0, or LoRA, whose adapters are matrices
+    (decayed anyway) beside a frozen decoder. A role that wraps the decoder in a head (a critic's value head)
+    trains that head in full under LoRA, its bias too."""
+    roles = {r.name: r for r in recipe.roles}
+    given = {role: name for name, role in resolve_roles(config.train.role_optim, roles, key="train.role_optim").items()}
+    own = {role: config.train.role_optim[name] for role, name in given.items()}
+
+    def why_inert(role: str) -> str | None:
+        """Why ``decay_biases_and_norms`` decays nothing in ``role``, with the fix; None where it decays."""
+        cfg = build_train_backend_config(config, role_name=role, trainable=True)
+        if cfg.weight_decay == 0:
+            where = f"train.role_optim.{given[role]}" if "weight_decay" in own.get(role, {}) else "optim"
+            return f"the weight decay of role {role!r} is 0, so nothing decays: set {where}.weight_decay > 0 too, or drop it"
+        # a role without a head of its own (ModelSpecialization.wrap_model kept) trains the adapters alone
+        if cfg.lora is not None and roles[role].specialization_cls.wrap_model is ModelSpecialization.wrap_model:
+            return (
+                f"under train.lora role {role!r} trains only its adapters' matrices, which optim.weight_decay decays "
+                "anyway (the decoder's biases and norm scales are frozen): drop it"
+            )
+        return None
+
+    trainable = [r.name for r in recipe.roles if r.trainable]
+    for role in trainable:  # a role's own setting
+        why = why_inert(role) if own.get(role, {}).get("decay_biases_and_norms") else None
+        if why:
+            raise ConfigError(f"train.role_optim.{given[role]}.decay_biases_and_norms: true does nothing: {why}")
+    takers = [role for role in trainable if "decay_biases_and_norms" not in own.get(role, {})]  # the optim section's
+    reasons = [why_inert(role) for role in takers] if config.optim.decay_biases_and_norms else []
+    if reasons and all(reasons):
+        raise ConfigError(f"optim.decay_biases_and_norms: true does nothing: {reasons[0]}")
 
 
 def check_optional_packages(config: ArenoConfig) -> None:

@@ -81,7 +81,8 @@ class OptimConfig:
     and norm scales are not decayed, as in transformers' Trainer and TRL (``decay_biases_and_norms``)."""
     decay_biases_and_norms: bool = False
     """Apply ``weight_decay`` to the one-dimensional parameters too (biases, norm scales), as verl's and
-    torchtitan's AdamW do; off, they keep their values' scale (decay would pull a norm's gain to 0)."""
+    torchtitan's AdamW do; off, they keep their values' scale (decay would pull a norm's gain to 0). Refused
+    where it would decay nothing: a weight decay of 0, or LoRA's adapters alone (matrices)."""
     grad_clip: float | None = 1.0
     """Clip the global gradient L2 norm to this value; 0 or null disables clipping (the norm is still
     reported)."""

@@ -458,3 +458,48 @@ def test_role_optim_gives_a_role_its_own_optimizer_settings():
         cfg = load_config(None, ["model.path=/m", f"train.algorithm={algorithm}", f"train.role_optim={role_optim}"])
         with pytest.raises(ConfigError, match=message):
             check_role_optim(cfg, get_recipe(algorithm))
+
+
+@pytest.mark.parametrize(
+    "algorithm, overrides, problem",
+    [
+        ("grpo", ["optim.decay_biases_and_norms=true"], r"optim.decay_biases_and_norms: true does nothing: the weight "
+         r"decay of role 'policy' is 0, so nothing decays: set optim.weight_decay > 0 too, or drop it"),
+        ("ppo", ["optim.decay_biases_and_norms=true", "train.role_optim={critic: {weight_decay: 0}}"],
+         r"optim.decay_biases_and_norms: true does nothing: the weight decay of role 'policy' is 0"),
+        ("ppo", ["optim.weight_decay=0.1", "train.role_optim={critic: {decay_biases_and_norms: true, weight_decay: 0}}"],
+         r"train.role_optim.critic.decay_biases_and_norms: true does nothing: the weight decay of role 'value' is 0, "
+         r"so nothing decays: set train.role_optim.critic.weight_decay > 0 too"),
+        ("grpo", ["optim.weight_decay=0.1", "optim.decay_biases_and_norms=true", "train.lora={rank: 4}"],
+         r"optim.decay_biases_and_norms: true does nothing: under train.lora role 'policy' trains only its "
+         r"adapters' matrices, .*: drop it"),
+        ("ppo", ["optim.weight_decay=0.1", "train.lora={rank: 4}", "train.role_optim={actor: {decay_biases_and_norms: true}}"],
+         r"train.role_optim.actor.decay_biases_and_norms: true does nothing: under train.lora"),
+    ],
+)  # fmt: skip
+def test_decay_biases_and_norms_that_decays_nothing_is_refused(algorithm, overrides, problem):
+    from areno.api.preflight import check_decay_biases_and_norms
+    from areno.recipes import get_recipe
+
+    cfg = load_config(None, ["model.path=/m", f"train.algorithm={algorithm}", *overrides])
+    with pytest.raises(ConfigError, match=problem):
+        check_decay_biases_and_norms(cfg, get_recipe(algorithm))
+
+
+@pytest.mark.parametrize(
+    "algorithm, overrides",
+    [
+        ("grpo", ["optim.weight_decay=0.1", "optim.decay_biases_and_norms=true"]),
+        # the policy's decay spares nothing under LoRA, but the critic's value head trains in full, its bias too
+        ("ppo", ["optim.weight_decay=0.1", "optim.decay_biases_and_norms=true", "train.lora={rank: 4}"]),
+        # the critic alone decays (its own weight decay); the policy takes the optim section's 0
+        ("ppo", ["optim.decay_biases_and_norms=true", "train.role_optim={critic: {weight_decay: 0.1}}"]),
+        ("ppo", ["train.role_optim={critic: {weight_decay: 0.1, decay_biases_and_norms: true}}"]),
+    ],
+)
+def test_decay_biases_and_norms_that_decays_something_is_accepted(algorithm, overrides):
+    from areno.api.preflight import check_decay_biases_and_norms
+    from areno.recipes import get_recipe
+
+    cfg = load_config(None, ["model.path=/m", f"train.algorithm={algorithm}", *overrides])
+    check_decay_biases_and_norms(cfg, get_recipe(algorithm))
