@@ -220,11 +220,13 @@ def extract_answer(completion: str) -> str:
     return completion.split("\n", 1)[0].strip()
 
 
-STREAM_VERSION = 2
+STREAM_VERSION = 3
 """How :class:`PromptStream` orders rows, kept in its state so that a resumed run keeps its checkpoint's order.
 1: epoch e shuffled by ``random.Random(seed * 1_000_003 + e)`` (seeds -s and s alike: an int seeds by its
 absolute value). 2: shuffled by a string of the seed, the stage and the epoch (every seed and stage its own
-order), and a batch that straddles two epochs holds no row twice (``swaps``)."""
+order), and a batch that straddles two epochs holds no row twice (``swaps``). 3: 2, and a batch its consumer
+marks (``begin_batch``: a synchronous step, which dynamic sampling may make longer than ``batch_size``) holds
+no row twice either, wherever it starts and however many rows it takes."""
 
 
 class PromptStream:
@@ -239,6 +241,10 @@ class PromptStream:
     of the stream. When an epoch ends inside a batch, the rows of the new epoch that batch would take again are
     swapped with the next rows of the new epoch it does not hold: later in the epoch, still once each. With
     ``batch_size`` above the number of rows a batch holds rows more than once whatever the order.
+
+    ``begin_batch()``: the rows taken from here to the next call are one batch (a synchronous step's, of any
+    length): a row it already holds is swapped with the next row of the epoch it does not (rule 3), so that
+    only a batch longer than the rows holds one twice.
 
     ``stage``: which stage of a run of several the stream feeds; each stage has an order of its own, so that
     the stage after a warm start does not retrace the warm start's rows. A resumed stream keeps its
@@ -262,6 +268,7 @@ class PromptStream:
         self.position = 0
         self._swaps: list[tuple[int, int]] = []
         self._order = self._shuffle(0)
+        self._batch_rows: set[int] | None = None  # the rows of the batch begin_batch began (None: not marked)
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self._rows)))
@@ -288,9 +295,23 @@ class PromptStream:
         for _ in range(n):
             if self.position == len(self._order):
                 self._next_epoch()
+            held = self._batch_rows
+            if held is not None and self._order[self.position] in held:  # from the epoch before, this batch
+                later = next(
+                    (j for j in range(self.position + 1, len(self._order)) if self._order[j] not in held), None
+                )
+                if later is not None:  # none: the batch holds every row already
+                    self._swap(self.position, later)
             out.append(self._order[self.position])
+            if held is not None:
+                held.add(out[-1])
             self.position += 1
         return out
+
+    def begin_batch(self) -> None:
+        """The rows taken from here to the next call are one batch, which holds no row twice where the rows
+        allow (rule 3; a cursor of rule 1 or 2 keeps its order)."""
+        self._batch_rows = set() if self._version >= 3 else None
 
     def _next_epoch(self) -> None:
         n, previous = len(self._rows), self._order
@@ -349,7 +370,7 @@ class PromptStream:
                 "or start over (resume=false overwrite=true) or in another run_dir"
             )
         version = int(state.get("version", 1))
-        if version not in (1, STREAM_VERSION):
+        if version not in (1, 2, STREAM_VERSION):
             raise DataError(
                 f"resume: the checkpoint's data cursor orders rows by rule {version}, which this areno does not "
                 f"know (it knows 1 to {STREAM_VERSION}): resume with the areno that wrote it, or start over "
@@ -357,6 +378,6 @@ class PromptStream:
             )
         self._version, self._stage = version, str(state.get("stage", ""))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order, self._swaps = self._shuffle(self.epoch), []
+        self._order, self._swaps, self._batch_rows = self._shuffle(self.epoch), [], None
         for i, j in state.get("swaps", []):
             self._swap(int(i), int(j))

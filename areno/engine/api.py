@@ -1076,6 +1076,7 @@ class ArenoEngine:
         groups: list[tuple[list[Trajectory], TokenBatch]] = []
         handed: dict[int, dict[str, Any]] = {}  # ledger number -> sample, in hand-out order
         rounds, filtered_before = 0, executor.stats.counts["filtered_groups"]
+        self.ledger.begin_step()  # the rounds' prompts are one batch: none twice where the data allows
         while True:
             missing = batch_size - len(groups)
             n = batch_size if not groups else min(batch_size, -(-missing * len(handed) // len(groups)))

@@ -83,6 +83,12 @@ class SampleLedger(SampleSource):
         """The next ``n`` samples (the synchronous path)."""
         return [next(self) for _ in range(n)]
 
+    def begin_step(self) -> None:
+        """A synchronous step begins: the rows its rounds take from the stream are one batch
+        (``PromptStream.begin_batch``), which holds no prompt twice where the data allows."""
+        with self._lock:
+            self.stream.begin_batch()
+
     def lookup(self, sample: dict[str, Any]) -> tuple[int, tuple[int, int]] | None:
         """(ledger number, stream key) of a handed-out sample; None for samples not from here."""
         with self._lock:

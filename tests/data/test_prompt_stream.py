@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from areno.data.tasks import PromptStream
+from areno.engine.ledger import SampleLedger
 from areno.errors import DataError
 
 ROWS = [{"prompt": f"q{i}"} for i in range(10)]
@@ -90,3 +91,69 @@ def test_each_stage_has_its_own_order_and_a_resume_keeps_the_checkpoints():
     resumed = PromptStream(rows, seed=0)  # a run whose warm_start.steps changed on resume
     resumed.load_state_dict(state)
     assert _prompts(resumed, 2000) == _prompts(main, 2000)
+
+
+def _steps(stream: PromptStream, rounds: list[list[int]]) -> list[list[int]]:
+    """The rows of synchronous steps of several rounds each (dynamic sampling's), ``rounds[i]`` step i's."""
+    steps = []
+    for sizes in rounds:
+        stream.begin_batch()
+        steps.append([r["prompt"] for n in sizes for r in stream.take(n)])
+    return steps
+
+
+STEP_ROUNDS = [[2, 1], [2, 2], [2, 3], [2], [2, 2, 1], [2, 1]]
+"""Steps of batch_size 2 that dynamic sampling made 1-5 rows long: their epochs straddle anywhere."""
+
+
+def test_a_step_of_several_rounds_holds_no_row_twice_and_every_epoch_each_row_once():
+    data = [{"prompt": i} for i in range(5)]
+    for seed in range(30):
+        stream = PromptStream(data, seed=seed, batch_size=2)
+        steps = _steps(stream, STEP_ROUNDS)
+        assert all(len(set(s)) == len(s) for s in steps), (seed, steps)
+        drawn = [r for s in steps for r in s]
+        assert all(sorted(drawn[i : i + 5]) == list(range(5)) for i in range(0, len(drawn) - 4, 5)), (seed, drawn)
+    # a step longer than the rows holds one twice: the rows allow no better
+    longer = PromptStream(data[:3], seed=0, batch_size=2)
+    (step,) = _steps(longer, [[2, 2, 1]])
+    assert len(step) == 5 and set(step) == {0, 1, 2}
+
+
+def test_the_ledger_marks_a_synchronous_steps_rows_as_one_batch():
+    data = [{"prompt": i} for i in range(5)]
+    for seed in range(30):
+        stream = PromptStream(data, seed=seed, batch_size=2)
+        ledger = SampleLedger(stream)
+        for sizes in STEP_ROUNDS:
+            ledger.begin_step()
+            step = [s["prompt"] for n in sizes for s in ledger.take(n)]
+            assert len(set(step)) == len(step), (seed, step)
+
+
+def test_a_rule_2_cursor_keeps_its_order_under_marked_batches():
+    """A checkpoint of rule 2 resumes in the order that rule gives, which counts batches of batch_size rows
+    from the stream's start: a longer step may hold a row twice there."""
+    data = [{"prompt": i} for i in range(5)]
+    repeats = 0
+    for seed in range(30):
+        old = PromptStream(data, seed=seed, batch_size=2)
+        old.load_state_dict({**old.state_dict(), "version": 2})
+        unmarked = PromptStream(data, seed=seed, batch_size=2)
+        unmarked.load_state_dict({**unmarked.state_dict(), "version": 2})
+        steps = _steps(old, STEP_ROUNDS)
+        assert [r for s in steps for r in s] == _prompts(unmarked, sum(map(sum, STEP_ROUNDS)))
+        repeats += sum(len(set(s)) < len(s) for s in steps)
+        assert old.state_dict()["version"] == 2
+    assert repeats > 0  # what rule 3 fixes
+
+
+def test_a_stream_resumed_between_marked_steps_goes_on_as_the_uninterrupted_one():
+    data = [{"prompt": i} for i in range(5)]
+    whole = _steps(PromptStream(data, seed=3, batch_size=2), STEP_ROUNDS)
+    for stop in range(1, len(STEP_ROUNDS)):
+        first = PromptStream(data, seed=3, batch_size=2)
+        head = _steps(first, STEP_ROUNDS[:stop])
+        resumed = PromptStream(data, seed=3, batch_size=2)
+        resumed.load_state_dict(first.state_dict())
+        assert head + _steps(resumed, STEP_ROUNDS[stop:]) == whole, stop
