@@ -83,7 +83,7 @@ async def acall_reward(
 
 
 async def ascore_reward(
-    reward_fn: RewardFn, prompt: str, completion: str, answer: Any, fields: dict[str, Any]
+    reward_fn: RewardFn, prompt: str, completion: str, answer: Any, fields: dict[str, Any], *, part: str | None = None
 ) -> RewardScore:
     """Call the user's reward function; a raising reward, or one returning something other than a
     number or a bool (a str, None), or a non-finite value (sandboxed: a ``nonfinite`` failure,
@@ -93,7 +93,8 @@ async def ascore_reward(
     (``warn_reward_errors``), so a reward that fails on every row does not flood the log.
 
     Several functions (``reward.fn`` as a list: a ``WeightedRewards``) are each scored so, together:
-    the reward is their weighted sum, a failed one's part 0 (``ascore_weighted``)."""
+    the reward is their weighted sum, a failed one's part 0 (``ascore_weighted``); ``part`` names one of
+    them (``reward.fn[1] (path)``) in its first failure's warning."""
     raise_if_cancelled()  # a cancelled episode (Python 3.11's wait_for lost the cancel) calls no reward
     if isinstance(reward_fn, WeightedRewards):
         return await ascore_weighted(reward_fn, prompt, completion, answer, fields)
@@ -117,11 +118,13 @@ async def ascore_reward(
         _failed_rewards.setdefault(id(reward_fn), reward_fn)
         logger.log(
             logging.WARNING if first else logging.DEBUG,
-            "reward function failed for prompt %r, completion %r, fields %r: %s; reward set to 0%s",
+            "reward function %sfailed for prompt %r, completion %r, fields %r: %s; %s set to 0%s",
+            "" if part is None else f"{part} ",
             prompt[:200],
             completion[:200],
             sorted(fields),
             error,
+            "reward" if part is None else "its part of the reward",
             " (its later failures are counted: one warning per batch, rollout/reward_errors)" if first else "",
         )
         return RewardScore(0.0, error, {})
@@ -136,7 +139,13 @@ async def ascore_weighted(
     figures under ``<name>/<figure>`` (``part_figures``: a failed one's score 0, no figures of its own); the
     error, where any failed, each failed one's, prefixed with its name. A sum beyond float32 (weights too
     large) is a reward error scored 0, the parts' figures kept."""
-    scores = await asyncio.gather(*(ascore_reward(r, prompt, completion, answer, fields) for r in reward.rewards))
+    several = len(reward.rewards) > 1  # one function with a weight: its failure is the reward's, as a plain one's
+    scores = await asyncio.gather(
+        *(
+            ascore_reward(r, prompt, completion, answer, fields, part=f"reward.fn[{i}] ({path})" if several else None)
+            for i, (r, path) in enumerate(zip(reward.rewards, reward.paths))
+        )
+    )
     values = [s.value for s in scores]
     figures = part_figures(reward.names, values, [s.figures for s in scores])
     failed = [f"{name}: {s.error}" for name, s in zip(reward.names, scores) if s.error is not None]

@@ -123,6 +123,20 @@ def test_a_raising_function_scores_0_for_its_part_alone_in_process():
         asyncio.run(reward("p", "c"))
 
 
+def test_a_functions_first_failure_names_it_and_says_it_lost_its_part_alone(caplog):
+    """In-process, the error is the function's own (``TypeError: ...``), which names no function: the
+    warning names its entry of reward.fn, as a sandboxed one's error names its path."""
+    reward = load_reward(section(HALF, EXPLODING, sandbox=False))
+    with caplog.at_level(logging.WARNING, logger="areno.workflows"):
+        score(reward)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"reward function reward.fn[1] ({EXPLODING}) failed for prompt 'p', completion 'a7b', fields []: "
+        "RuntimeError: reward bug; its part of the reward set to 0 (its later failures are counted: one warning "
+        "per batch, rollout/reward_errors)"
+    )
+
+
 def test_a_batchs_warning_says_a_failed_function_lost_its_part_alone(caplog):
     reward = load_reward(section(HALF, EXPLODING, sandbox=False))
     with caplog.at_level(logging.WARNING, logger="areno.workflows"):
