@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from areno.algo.kl import LOSS_KL_ESTIMATORS
 from areno.errors import ConfigError, is_of_type, wrong_type
 from areno.recipes.config import (
     REQUIRED,
@@ -169,8 +170,38 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
         )
     configured = cfg.with_policy_kwargs(**policy_kwargs)
     check_inert_options(name, cfg, configured, options, policy_kwargs)
+    check_estimator_reads_the_recipe(name, cfg, configured)
     check_critic_agrees(name, configured)
     return configured
+
+
+def check_estimator_reads_the_recipe(name: str, base: TrainingConfig, cfg: TrainingConfig) -> None:
+    """A one-line ``ConfigError`` where ``train.algorithm_kwargs.advantage_estimator`` (``cfg``'s, changed from
+    ``base``'s, the recipe's own) leaves a part of the recipe unread: a critic role's values (only ``gae``
+    reads them: the critic would train for nothing) or the KL the recipe places in the token rewards (only
+    the estimators of per-token returns read them: the KL would reach nothing). An option the user set to
+    do nothing is ``check_inert_options``' to refuse."""
+    if cfg.policy_role.specialization_cls is not ActorSpecialization:
+        return
+    actor = cfg.policy_role.build().config
+    est = actor.advantage_estimator
+    if est == base.policy_role.build().config.advantage_estimator:  # the recipe's own pairing
+        return
+    critics = [r.name for r in cfg.roles if r.specialization_cls is CriticSpecialization]
+    if critics and est != "gae":
+        raise ConfigError(
+            f"train.algorithm_kwargs.advantage_estimator={est}: recipe {name!r} trains a critic (role {critics[0]!r}) "
+            "whose values only advantage_estimator=gae reads, so it would train for nothing: drop the key, or use a "
+            "recipe without a critic (grpo, rloo, reinforce_pp)"
+        )
+    if actor.kl_in_reward and actor.kl_coef > 0 and est not in _RETURNS:
+        k3 = " and kl_estimator=k3" if actor.kl_estimator not in LOSS_KL_ESTIMATORS else ""
+        raise ConfigError(
+            f"train.algorithm_kwargs.advantage_estimator={est}: recipe {name!r} subtracts its KL from the token "
+            f"rewards (kl_in_reward=true), which advantage_estimator {est} never reads (one reward per sequence), so "
+            f"the KL would reach nothing: set train.algorithm_kwargs.kl_in_reward=false{k3} too (the KL in the "
+            "loss), or drop the key"
+        )
 
 
 def check_critic_agrees(name: str, cfg: TrainingConfig) -> None:

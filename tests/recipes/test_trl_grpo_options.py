@@ -66,10 +66,33 @@ def test_an_option_that_does_nothing_is_refused(name, kwargs, why):
         ("grpo", {"off_policy_mask_threshold": 0.5}),
         ("gspo", {"off_policy_mask_threshold": 0.5}),
         ("dr_grpo", {"advantage_estimator": "grpo_batch_std", "adv_eps": 0.01}),
+        # the KL in the loss, as the refusal of grpo_batch_std with reinforce_pp's KL reward offers
+        ("reinforce_pp", {"advantage_estimator": "grpo_batch_std", "kl_in_reward": False, "kl_estimator": "k3"}),
+        ("reinforce_pp", {"advantage_estimator": "reinforce_pp_baseline"}),  # per-token returns: the KL read
     ],
 )
 def test_the_options_are_accepted_where_they_are_read(name, kwargs):
     get_recipe(name, policy_kwargs=kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "why"),
+    [
+        ("ppo", {"advantage_estimator": "grpo_batch_std"}, "recipe 'ppo' trains a critic (role 'value') whose values "
+         "only advantage_estimator=gae reads, so it would train for nothing: drop the key, or use a recipe without"),
+        ("ppo_async", {"advantage_estimator": "grpo"}, "recipe 'ppo_async' trains a critic"),
+        ("reinforce_pp", {"advantage_estimator": "grpo_batch_std"}, "recipe 'reinforce_pp' subtracts its KL from the "
+         "token rewards (kl_in_reward=true), which advantage_estimator grpo_batch_std never reads (one reward per "
+         "sequence), so the KL would reach nothing: set train.algorithm_kwargs.kl_in_reward=false and kl_estimator=k3"),
+    ],
+)  # fmt: skip
+def test_an_estimator_that_leaves_a_part_of_the_recipe_unread_is_refused(name, kwargs, why):
+    """The critic's values, or the KL the recipe places in the token rewards, would reach nothing: a whole
+    role (the critic, the reference) computed for nothing, silently."""
+    with pytest.raises(ConfigError) as info:
+        get_recipe(name, policy_kwargs=kwargs)
+    assert str(info.value).startswith(f"train.algorithm_kwargs.advantage_estimator={kwargs['advantage_estimator']}: ")
+    assert why in str(info.value) and "\n" not in str(info.value)
 
 
 def test_grpo_batch_std_needs_groups():
