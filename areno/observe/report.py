@@ -149,9 +149,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("Loss", "loss", _match(_loss_key)),
     Panel("KL", "KL", _match(_kl_key)),
     Panel(
-        "Clip fractions",
-        "fraction",
-        _match(lambda k: k.startswith("train/") and "clip" in _leaf(k) and "frac" in _leaf(k)),
+        "Clip and mask fractions",
+        "fraction of loss tokens",
+        # what the loss's clips, the behaviour weight's bounds and the off-policy mask touched (clip_frac,
+        # behave_over_cap_frac, off_policy_mask_frac, a critic's value_clip_frac, ...)
+        _match(lambda k: k.startswith("train/") and _leaf(k).endswith("_frac")),
     ),
     Panel("Gradient norm", "norm", _match(lambda k: k.startswith("train/") and _leaf(k) == "grad_norm")),
     Panel("Staleness", "versions behind", _match(lambda k: k.startswith("rollout/staleness"))),

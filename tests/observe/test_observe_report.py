@@ -134,7 +134,7 @@ def test_panels_select_the_right_metrics(two_runs):
     assert chosen["Held-out accuracy"] == ["eval/accuracy", "eval/pass@4"]
     assert chosen["KL"] == ["train/policy/approx_kl"]
     assert chosen["Loss"] == ["train/policy/loss"]
-    assert chosen["Clip fractions"] == ["train/policy/clip_frac"]
+    assert chosen["Clip and mask fractions"] == ["train/policy/clip_frac"]
     assert chosen["Time split per step"] == ["timing/rollout_s", "timing/sync_s", "timing/train_s"]
     assert chosen["Policy-sync time"] == ["policy_sync_time_s", "policy_sync_transfer_time_s"]
     steps, values = run.series("eval/accuracy")
@@ -142,6 +142,22 @@ def test_panels_select_the_right_metrics(two_runs):
     summary = report.summarize(run)
     assert summary["steps"] == 20 and summary["best eval/accuracy"] == 0.5
     assert summary["first reward"] == pytest.approx(0.14) and summary["sessions"] == 1
+
+
+def test_the_fractions_of_tokens_the_losss_bounds_touched_share_a_panel():
+    """The clip fractions, the decoupled loss's behaviour-weight bounds and the off-policy mask: a panel of
+    their own, not the "Other metrics" grid (cut at MAX_OTHER_PANELS keys in name order: train/ keys last)."""
+    keys = [
+        "train/policy/actor/clip_frac",
+        "train/policy/actor/behave_over_cap_frac",
+        "train/policy/actor/behave_under_min_frac",
+        "train/policy/actor/off_policy_mask_frac",
+        "train/value/critic/value_clip_frac",
+    ]
+    others = ["train/policy/actor/behave_weight", "train/policy/moe_routing_replayed_fraction", "rollout/x_frac"]
+    run = report.Run(name="r", path=Path("r"), records=[{"step": 1, **dict.fromkeys(keys + others, 0.1)}])
+    (panel,) = [p for p in report.PANELS if p.title == "Clip and mask fractions"]
+    assert panel.select(run.keys()) == sorted(keys)
 
 
 def test_durations_count_days_past_24_hours():
