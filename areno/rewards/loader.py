@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterable
@@ -177,12 +178,31 @@ def reward_function(path: str, *, key: str = "reward.fn") -> Callable[..., Any]:
             f"{key}: must be a 'module:function' or './file.py:function' path, got {path!r}: the reward runs "
             "in sandbox processes, which import it by path, so put it in a file and name it there"
         )
-    fn = import_object(path, what=key)
+    try:
+        fn = import_object(path, what=key)
+    except RewardImportError:
+        listed = _listed_paths(path)
+        if listed is None:
+            raise
+        fix = (
+            f"give each its own entry of the list, separated by commas: {', '.join(listed)}"
+            if key != "reward.fn"
+            else f"to score with several, write them as a list, reward.fn=[{', '.join(listed)}] (with "
+            "reward.weights=[...] to weigh them)"
+        )
+        raise RewardImportError(f"{key}: {path!r} names {len(listed)} functions in one string: {fix}") from None
     if inspect.ismodule(fn):  # a package's submodule it imports itself: an attribute, but not a function
         raise RewardImportError(f"{key}: {_names_module_message(path, fn)}")
     if not callable(fn):
         raise RewardImportError(f"{key}: {path!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _listed_paths(path: str) -> list[str] | None:
+    """The paths of several functions written as one string (``a:f,b:g``, or ``a:f b:g`` from a list whose
+    comma was left out), each ``module:name``; None when ``path`` does not split so."""
+    parts = [p for p in re.split(r"[,\s]+", path) if p]
+    return parts if len(parts) > 1 and all(":" in p for p in parts) else None
 
 
 def reward_functions(section: Any) -> list[Callable[..., Any]]:

@@ -186,6 +186,25 @@ def test_preflight_imports_every_function_and_names_the_entry_that_fails():
     assert not reward_needs_answer(section(HALF, QUARTER))
 
 
+def test_several_functions_written_as_one_string_are_told_to_be_a_list():
+    """``reward.fn=a:f,b:g`` (the brackets left out), or a list entry missing its comma: one line naming the
+    key and the list to write, not an import error on the attribute ``f,b:g``."""
+    with pytest.raises(RewardImportError) as info:
+        check_reward(with_reward(RewardSection(fn=f"{HALF},{QUARTER}")))
+    assert str(info.value) == (
+        f"reward.fn: '{HALF},{QUARTER}' names 2 functions in one string: to score with several, write them as a "
+        f"list, reward.fn=[{HALF}, {QUARTER}] (with reward.weights=[...] to weigh them)"
+    )
+    with pytest.raises(RewardImportError) as info:
+        check_reward(with_reward(section(EXPLODING, f"{HALF} {QUARTER}")))
+    assert str(info.value) == (
+        f"reward.fn[1]: '{HALF} {QUARTER}' names 2 functions in one string: give each its own entry of the list, "
+        f"separated by commas: {HALF}, {QUARTER}"
+    )
+    with pytest.raises(RewardImportError, match="has no attribute 'halff'"):  # a plain typo: the import's error
+        check_reward(with_reward(RewardSection(fn="tests.helpers.rewards:halff")))
+
+
 def test_a_list_override_from_the_command_line_and_config_yaml_round_trip(tmp_path, monkeypatch):
     (tmp_path / "rw.py").write_text("def shaped(prompt, completion, answer=None, **row):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
