@@ -65,7 +65,14 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
             "lora": None,  # the warm start makes the base model (from scratch in the demo): all weights train
             "role_optim": {},  # the main recipe's roles: sft has the policy alone
         },
-        optim={"lr": ws.lr, "schedule": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0},
+        optim={
+            "lr": ws.lr,
+            "schedule": "constant",
+            "warmup_steps": 0,
+            "min_lr_ratio": 0.0,
+            # the main stage's may act only through train.role_optim (a critic's weight decay), dropped here
+            "decay_biases_and_norms": config.optim.decay_biases_and_norms and config.optim.weight_decay > 0,
+        },
         # the main stage's rollout settings that sft does not read (its n_samples, workflow ...) are reset:
         # preflight refuses them in an offline run, and here the user set them for the main stage
         rollout={

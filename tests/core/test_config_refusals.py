@@ -184,6 +184,23 @@ def test_a_warm_start_that_decayed_its_biases_and_norms_is_made_again_only_where
     assert warm_start_settings(warm_start_config(asked))["optim"]["decay_biases_and_norms"] is True
 
 
+def test_the_warm_start_takes_decay_biases_and_norms_only_where_it_decays():
+    """A critic's own weight decay makes the main stage's decay_biases_and_norms do something; the warm
+    start (sft: the policy alone, role_optim dropped, at weight decay 0) leaves it out instead of refusing
+    the run as if the user had set it there."""
+    from areno.api.preflight import check_decay_biases_and_norms
+    from areno.recipes import get_recipe
+
+    base = ["model.path=/m", "warm_start.steps=1", "optim.decay_biases_and_norms=true"]
+    cfg = load_config(None, [*base, "train.algorithm=ppo", "train.role_optim={critic: {weight_decay: 0.1}}"])
+    check_decay_biases_and_norms(cfg, get_recipe("ppo"))
+    sft = warm_start_config(cfg)
+    assert sft.optim.decay_biases_and_norms is False
+    check_decay_biases_and_norms(sft, get_recipe("sft"))
+    decayed = warm_start_config(load_config(None, [*base, "optim.weight_decay=0.1"]))
+    assert decayed.optim.decay_biases_and_norms is True  # where the warm start decays, as the main stage asked
+
+
 def test_the_warm_start_takes_a_main_stage_cosine_schedule(tmp_path):
     cfg = load_config(None, [*tiny_run_overrides(tmp_path), "optim.schedule=cosine", "optim.min_lr_ratio=0.1"])
     assert warm_start_config(cfg).optim.min_lr_ratio == 0.0
