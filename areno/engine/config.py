@@ -247,7 +247,8 @@ class RewardSection(ConfigSection):
     """CPU-seconds limit (RLIMIT_CPU) of one sandboxed call; null = timeout_s. Raise it for
     multi-threaded rewards."""
     workers: int = 4
-    """Reward worker processes (started on first use, reused across calls)."""
+    """Reward worker processes (started on first use, reused across calls); with several functions in `fn`,
+    each sandboxed function has a pool of its own of this many."""
     allow_network: bool = True
     """Let reward workers open sockets (LLM-judge rewards need it); false cuts them off (network
     namespace where the kernel allows it). Candidate programs of code execution never have network."""
