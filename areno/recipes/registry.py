@@ -420,6 +420,13 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
     InertOption(ActorSpecialization, "prox_logp_method", _not_decoupled, _DECOUPLED_ONLY),
     InertOption(ActorSpecialization, "behav_imp_weight_cap", _not_decoupled, _DECOUPLED_ONLY),
     InertOption(ActorSpecialization, "behav_imp_weight_min", _not_decoupled, _DECOUPLED_ONLY),
+    InertOption(
+        ActorSpecialization,
+        "behav_imp_weight_min",
+        lambda s: s["behav_imp_weight_min"] == 0,
+        "a behaviour weight pi_prox / pi_behave is never below 0, so a lower bound of 0 bounds nothing",
+        "drop it (null: no lower bound), or give it a value above 0",
+    ),
     InertOption(ActorSpecialization, "behav_weight_mode", _not_decoupled, _DECOUPLED_ONLY),
     InertOption(
         ActorSpecialization,

@@ -140,7 +140,7 @@ class ActorConfig:
     behav_imp_weight_min: float | None = None
     """Lower bound of the behaviour importance weight, in [0, behav_imp_weight_cap); None: none (TRL's
     ``vllm_importance_sampling_clip_min``): the mask modes drop a weight below it, the truncate modes raise
-    it to it."""
+    it to it. 0 bounds nothing (a weight is never below it): a recipe refuses it."""
     behav_weight_mode: str = "mask"
     """One of ``BEHAV_WEIGHT_MODES``, what a weight outside its bounds does: ``mask`` drops the token,
     ``truncate`` clamps its weight; ``sequence_mask`` / ``sequence_truncate`` take one weight per sequence,

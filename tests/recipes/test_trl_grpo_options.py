@@ -48,6 +48,9 @@ def test_a_lower_bound_alone_is_valid():
         ("grpo", {"behav_weight_mode": "sequence_mask"}, "only the decoupled loss reads it"),
         ("grpo_async", {"behav_imp_weight_cap": None, "behav_weight_mode": "truncate"}, "both are null (no bound)"),
         ("dr_grpo", {"adv_eps": 0.01}, "only advantage_estimator grpo (the group's) and grpo_batch_std"),
+        # TRL's vllm_importance_sampling_clip_min copied at 0: no weight is below it, in any mode
+        ("grpo_async", {"behav_imp_weight_min": 0.0}, "never below 0, so a lower bound of 0 bounds nothing: drop it"),
+        ("grpo_async", {"behav_imp_weight_min": 0, "behav_weight_mode": "sequence_truncate"}, "never below 0"),
     ],
 )
 def test_an_option_that_does_nothing_is_refused(name, kwargs, why):
