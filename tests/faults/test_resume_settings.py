@@ -138,3 +138,26 @@ def test_a_lora_resume_that_changes_nothing_warns_of_nothing(tmp_path, caplog):
         run_to_end(_config(tmp_path, "train.steps=3", "resume=auto", *lora))
     changed = [r.getMessage() for r in caplog.records if "settings changed" in r.getMessage()]
     assert changed == ["resume: settings changed since the run was saved: train.steps: 2 -> 3"]  # not target_modules
+
+
+@pytest.mark.slow
+def test_a_ppo_run_resumes_with_its_critics_biases_and_norms_decayed_now(tmp_path):
+    """The critic's optimizer saved in two groups (matrices, vectors) resumes into one
+    (``train.role_optim.critic.decay_biases_and_norms``): the run goes on (it crashed in LambdaLR's
+    load_state_dict), the critic's one group at its weight decay."""
+    ppo = ["train.algorithm=ppo", "optim.weight_decay=0.1"]
+    run_to_end(_config(tmp_path, "train.steps=2", *ppo))
+    resumed = _config(
+        tmp_path, "train.steps=3", "resume=auto", *ppo, "train.role_optim={critic: {decay_biases_and_norms: true}}"
+    )
+    rows = run_to_end(resumed)
+    assert [r["step"] for r in rows if "train/value/lr" in r] == [1, 2, 3]
+    trainer = Trainer.init(_config(tmp_path, "train.steps=4", "resume=auto", *ppo,
+                                   "train.role_optim={critic: {decay_biases_and_norms: true}}"))  # fmt: skip
+    try:
+        training = trainer.backend.engine.training
+        (group,) = training.runner.backends["value"].optimizer.param_groups
+        assert group["weight_decay"] == 0.1
+        assert len(training.runner.backends[training.policy].optimizer.param_groups) == 2
+    finally:
+        trainer.shutdown()
