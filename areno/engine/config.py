@@ -220,6 +220,10 @@ class DataSection(ConfigSection):
         check_config(self.num_eval >= 0, "data.num_eval", f"must be >= 0, got {self.num_eval}")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: rewards train as float32 tensors."""
+
+
 @dataclass(kw_only=True)
 class RewardSection(ConfigSection):
     _KEY = "reward"
@@ -277,10 +281,10 @@ class RewardSection(ConfigSection):
                 f"has {len(self.weights)} values but reward.fn names {len(self.paths())} function(s): give one weight "
                 "per function, in reward.fn's order, or null for 1.0 each",
             )
-            check_config(
-                all(math.isfinite(w) for w in self.weights),
+            check_config(  # rewards train as float32: a weight beyond its range made every reward non-finite
+                all(math.isfinite(w) and abs(w) <= FLOAT32_MAX for w in self.weights),
                 "reward.weights",
-                f"must be finite numbers, got {self.weights}",
+                f"must be finite numbers within float32's range (|w| <= {FLOAT32_MAX:.3g}), got {self.weights}",
             )
         # above MAX_TIMEOUT_S the pipe polls overflow (a finite 1e308 fails every call like inf did)
         check_config(

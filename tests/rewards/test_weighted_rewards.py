@@ -80,6 +80,10 @@ def test_a_list_of_one_function_is_the_plain_string_bit_for_bit():
         ([f"reward.fn={HALF}", "reward.weights=[1,2]"], "reward.weights: has 2 values but reward.fn names 1 function"),
         ([f"reward.fn=[{HALF},{QUARTER}]", "reward.weights=[1,.nan]"], "reward.weights: must be finite numbers"),
         ([f"reward.fn=[{HALF}]", "reward.weights=[.inf]"], "reward.weights: must be finite numbers"),
+        (
+            [f"reward.fn=[{HALF},{QUARTER}]", "reward.weights=[1,-1e39]"],
+            "reward.weights: must be finite numbers within",
+        ),
         (["reward.fn=[]"], "reward.fn: names no function"),
         ([f"reward.fn=[{HALF},nodots]"], "reward.fn[1]: must be a dotted path"),
     ],
