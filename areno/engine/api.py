@@ -1026,8 +1026,7 @@ class ArenoEngine:
                 trajectories, self.executor.take_filtered_rewards()
             )
         if self.recipe.online:
-            several = len(cfg.reward.paths()) > 1
-            warn_reward_errors(trajectories, f"step {rollout_id + 1}'s rollout batch", several=several)
+            warn_reward_errors(trajectories, f"step {rollout_id + 1}'s rollout batch", several=cfg.reward.several())
             warn_untrainable(self.recipe, trajectories, f"rollout.workflow ({cfg.rollout.workflow})", rollout_id)
             if not any(r.name == "teacher" for r in self.recipe.roles):  # distillation: a log
                 self._check_rewards(rollout_id, trajectories)
@@ -1146,7 +1145,7 @@ class ArenoEngine:
                     f"{rollout_id + 1}; last: {last}): fix rollout.workflow ({self.config.rollout.workflow}), which "
                     "set them; the run stopped rather than train on zero rewards"
                 )
-            if len(self.config.reward.paths()) > 1:  # each failure a function's, named first in its error
+            if self.config.reward.several():  # each failure a function's, named first in its error
                 raise RewardsFailing(
                     f"every reward of the last {REWARD_FAILED_BATCHES} rollout batches lost a function of reward.fn "
                     f"to a failure (step {rollout_id + 1}; last: {last}): fix that function; the run stopped rather "

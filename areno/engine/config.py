@@ -308,6 +308,10 @@ class RewardSection(ConfigSection):
         """The paths ``fn`` names: its entries when a list, else itself."""
         return list(self.fn) if isinstance(self.fn, (list, tuple)) else [self.fn]
 
+    def several(self) -> bool:
+        """Whether ``fn`` lists more than one function: a failure then costs one function's part, not the reward."""
+        return len(self.paths()) > 1
+
     def fn_keys(self) -> list[str]:
         """The config key of each of ``paths()``, for messages: ``reward.fn``, or ``reward.fn[i]`` of a list."""
         if isinstance(self.fn, (list, tuple)):

@@ -105,7 +105,7 @@ async def ascore_rows(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    warn_reward_errors([t for ts in scored for t in ts], "the held-out rows", several=len(cfg.reward.paths()) > 1)
+    warn_reward_errors([t for ts in scored for t in ts], "the held-out rows", several=cfg.reward.several())
     return scored
 
 
