@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
+from areno.models import cpu_gemm
 from areno.models.attention import PackedCausalAttention
 from areno.models.decoder import Decoder
 from areno.models.fused_ops import thread_flag
@@ -38,7 +39,13 @@ from areno.types import repeat_per_sequence
 AUTO_CHUNK_MEMORY_SHARE = 16
 """An automatic chunk size (``auto_chunk_size``) lets one chunk add 1/16 of the GPU's memory to the peak."""
 AUTO_CHUNK_RANGE = (1024, 8192)
-"""Smallest and largest automatic chunk (tokens); CPU heads take the smallest."""
+"""Smallest and largest automatic chunk (tokens) of a GPU head."""
+CPU_CHUNK = 512
+"""A CPU head's automatic chunk: its [C, V] logits stay within a cache-sized block (bench/LOG.md:
+the CPU head's packed product)."""
+PACKED_HEAD_MAX_ELEMENTS = 1 << 24
+"""A CPU head's weight takes a oneDNN-packed copy per call (``_packed_head``) up to this many elements
+(a 64 MB fp32 copy); a larger one keeps MKL's product."""
 
 KEEP_LOGSOFTMAX_MAX_BYTES = 512 << 20
 """Largest [T, V] fp32 log-softmax (all chunks of one call) that forward keeps for backward; a
@@ -53,12 +60,12 @@ def auto_chunk_size(hidden_TD: torch.Tensor, weight_VD: torch.Tensor) -> int:
     """Tokens per chunk when the caller gives none: on a GPU the largest power of two in
     ``AUTO_CHUNK_RANGE`` whose chunk adds at most 1/``AUTO_CHUNK_MEMORY_SHARE`` of the device's
     memory (about three logits' worth of bytes per entry: the logits, their gradient, the softmax's
-    fp32 reads), on CPU the smallest. Each chunk's backward reads and writes the whole fp32 [V, D]
+    fp32 reads), on CPU ``CPU_CHUNK``. Each chunk's backward reads and writes the whole fp32 [V, D]
     weight gradient, so on a GPU fewer, larger chunks are faster (bench/LOG.md: the LM head's chunk
     size)."""
     low, high = AUTO_CHUNK_RANGE
     if hidden_TD.device.type != "cuda":
-        return low
+        return CPU_CHUNK
     budget = _device_memory(hidden_TD.device) // AUTO_CHUNK_MEMORY_SHARE
     per_token = 3 * weight_VD.shape[0] * hidden_TD.element_size()
     chunk = low
@@ -217,6 +224,31 @@ def _add_weight_grad(grad_w_VD: torch.Tensor, grad_z_CV: torch.Tensor, h_CD: tor
         grad_w_VD += (grad_z_CV.t().to(dtype) @ h_CD.to(dtype)).float()
 
 
+def _packed_head(weight_mm_VD: torch.Tensor, hidden_TD: torch.Tensor, chunk_size: int) -> torch.Tensor | None:
+    """A oneDNN-packed copy of a CPU head's weight for this call's logits, or None (MKL's ``h @ W^T``):
+    MKL lays the [D, V] operand out again at every chunk, which left the forward product of a small
+    head ~1.2x slower than the layers' GEMMs. Packed once per call (its weight changes every step);
+    only where the hidden states already have the weight's dtype and oneDNN computes ``F.linear``."""
+    if (
+        hidden_TD.device.type != "cpu"
+        or hidden_TD.dtype != weight_mm_VD.dtype
+        or weight_mm_VD.numel() > PACKED_HEAD_MAX_ELEMENTS
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    dtype = weight_mm_VD.dtype
+    if not (cpu_gemm.supported() if dtype == torch.float32 else dtype == torch.bfloat16 and cpu_gemm.supported_bf16()):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight_mm_VD.detach().contiguous(), chunk_size)
+
+
+def _logits(h_CD: torch.Tensor, weight_mm_VD: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """A chunk's [C, V] logits in the GEMM dtype: through ``packed`` (``_packed_head``) where there is one."""
+    if packed is None:
+        return h_CD @ weight_mm_VD.t()
+    return torch.ops.mkldnn._linear_pointwise(h_CD.contiguous(), packed, None, "none", [], "")
+
+
 _KERNELS: tuple | None = None
 """The two compiled kernels, built once per process on first use."""
 _ACTIVE = threading.local()
@@ -267,9 +299,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.kept_z = None  # the model-dtype logits, where the log-softmax is not kept and they fit
         # the weight in the dtype its GEMMs run in, cast once (autocast caches no cast inside a Function)
         weight_mm_VD = _in_gemm_dtype(weight_VD, hidden_TD)
+        ctx.packed = _packed_head(weight_mm_VD, hidden_TD, chunk_size)
+        # the softmax-form chunks of an fp32 head go into one [T, V] buffer, which backward turns into
+        # the logits' gradient in place for its one weight-gradient GEMM (no copy, no second buffer)
+        ctx.p_TV = None
+        if ctx.softmax_form and keep and hidden_TD.dtype == torch.float32 and weight_mm_VD.dtype == torch.float32:
+            ctx.p_TV = hidden_TD.new_empty(T, weight_VD.shape[0], dtype=torch.float32)
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            zraw_CV = hidden_TD[s:e] @ weight_mm_VD.t()
+            zraw_CV = _logits(hidden_TD[s:e], weight_mm_VD, ctx.packed)
             if s == 0 and grads and not keep:
                 if T * weight_VD.shape[0] * zraw_CV.element_size() <= keep_logits_budget(hidden_TD.device):
                     ctx.kept_z = []
@@ -281,7 +319,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     entropy_T[s:e] = ent_C
                 continue
             if ctx.softmax_form:
-                p_CV = _softmax(zraw_CV, temperature)
+                if ctx.p_TV is not None:  # fp32 logits: the softmax written into its rows of the buffer
+                    z_CV = zraw_CV if temperature == 1.0 else zraw_CV / temperature
+                    p_CV = torch._softmax(z_CV, -1, False, out=ctx.p_TV[s:e])
+                else:
+                    p_CV = _softmax(zraw_CV, temperature)
                 logprobs_T[s:e] = _target_logprobs(p_CV, zraw_CV, targets_T[s:e], temperature)
                 if keep_p:
                     ctx.kept_p.append(p_CV)
@@ -337,8 +379,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # CPU GEMM has no 16-bit product with an fp32 result)
         grad_z_TV = None
         V = weight_VD.shape[0]
+        p_TV, ctx.p_TV = ctx.p_TV, None
         if ctx.softmax_form and fused is None and need_w and T * V * gemm_dtype.itemsize <= GRAD_LOGITS_MAX_BYTES:
-            grad_z_TV = hidden_TD.new_empty(T, V, dtype=gemm_dtype)
+            # forward's softmax buffer where it has the GEMM dtype (its chunks become the gradient in place)
+            in_place = p_TV is not None and kept_p is not None and p_TV.dtype == gemm_dtype
+            grad_z_TV = p_TV if in_place else hidden_TD.new_empty(T, V, dtype=gemm_dtype)
         grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w and grad_z_TV is None else None
         for i, s in enumerate(range(0, T, chunk_size)):
             e = min(s + chunk_size, T)
@@ -347,7 +392,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 zraw_CV, kept_z[i] = kept_z[i], None
             # else forward's matmul again, so kept and recomputed logits give the same gradients
             elif kept is None and kept_p is None:
-                zraw_CV = hidden_TD[s:e] @ weight_mm_VD.t()
+                zraw_CV = _logits(hidden_TD[s:e], weight_mm_VD, ctx.packed)
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
                 g_ent_C = grad_entropy_T[s:e] if use_entropy else g_C
@@ -392,7 +437,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if tau != 1.0:
                 grad_z_CV /= tau
             if grad_z_TV is not None:
-                grad_z_CV = grad_z_TV[s:e].copy_(grad_z_CV)
+                if grad_z_CV.data_ptr() != grad_z_TV[s:e].data_ptr():
+                    grad_z_CV = grad_z_TV[s:e].copy_(grad_z_CV)
             else:
                 grad_z_CV = grad_z_CV.to(gemm_dtype)  # once for both GEMMs (autocast would cast it in each)
             if need_h:

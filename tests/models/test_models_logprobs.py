@@ -20,7 +20,13 @@ class _MatmulCount(TorchDispatchMode):
     n = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+        # a CPU head's logits run through oneDNN's packed product (logprobs._packed_head)
+        if func.overloadpacket in (
+            torch.ops.aten.mm,
+            torch.ops.aten.addmm,
+            torch.ops.aten.addmm_,
+            torch.ops.mkldnn._linear_pointwise,
+        ):
             self.n += 1
         return func(*args, **(kwargs or {}))
 
@@ -255,6 +261,73 @@ def test_cpu_softmax_form_skips_the_exp_pass_and_keeps_tiny_targets_exact():
         torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
 
 
+class _CopiesOf(TorchDispatchMode):
+    """The shapes of the tensors ``copy_`` writes inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.copy_:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fp32_cpu_head_builds_the_gradient_in_forwards_softmax_buffer(temperature):
+    """A small fp32 CPU head without entropy writes each chunk's softmax into one [T, V] buffer, which
+    backward turns into the logits' gradient in place: no chunk is copied, the weight's gradient is one
+    GEMM over the buffer, and values and gradients match float64."""
+    torch.manual_seed(1)
+    h0, w0 = torch.randn(23, 16), torch.randn(VOCAB, 16)
+    tgt = torch.randint(0, VOCAB, (23,))
+    g_lp = torch.randn(23)
+    h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    lp, _ = logprobs_from_hidden(h, w, tgt, temperature, 5, with_entropy=False)
+    with _CopiesOf() as copies, _MatmulCount() as matmuls:
+        (lp * g_lp).sum().backward()
+    assert not [shape for shape in copies.shapes if shape[-1] == VOCAB], copies.shapes
+    assert matmuls.n == 5 + 1  # the input's gradient per chunk, the weight's once
+    h64, w64 = h0.double().requires_grad_(True), w0.double().requires_grad_(True)
+    ref = torch.log_softmax(h64 @ w64.t() / temperature, -1).gather(-1, tgt[:, None])[:, 0]
+    (ref * g_lp.double()).sum().backward()
+    torch.testing.assert_close(lp.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_head_logits_take_the_packed_product_where_onednn_has_it(monkeypatch):
+    """A CPU head's logits run through a oneDNN-packed copy of its weight, packed once per call, where
+    oneDNN computes ``F.linear``; above ``PACKED_HEAD_MAX_ELEMENTS``, or in a dtype the hidden states do
+    not share, the head keeps MKL's product. Both give the same log-probs within fp32 rounding."""
+    from areno.models import cpu_gemm
+    from areno.models import logprobs as lp_mod
+
+    if not cpu_gemm.supported():
+        pytest.skip("no oneDNN packed linear in this PyTorch build")
+    torch.manual_seed(2)
+    h, w = torch.randn(23, 16), torch.randn(VOCAB, 16)
+    tgt = torch.randint(0, VOCAB, (23,))
+
+    def run():
+        with _OpNames() as ops, torch.no_grad():
+            lp, _ = logprobs_from_hidden(h, w, tgt, 1.0, 5)
+        return lp, ops.names
+
+    packed_lp, names = run()
+    assert {"_reorder_linear_weight", "_linear_pointwise"} <= names and "mm" not in names
+    monkeypatch.setattr(lp_mod, "PACKED_HEAD_MAX_ELEMENTS", w.numel() - 1)
+    mkl_lp, names = run()
+    assert "mm" in names and "_linear_pointwise" not in names
+    torch.testing.assert_close(packed_lp, mkl_lp, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    # under bf16 autocast the weight's GEMMs run in bf16 and fp32 hidden states are cast in each: no packed copy
+    with _OpNames() as ops, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs_from_hidden(h, w, tgt, 1.0, 5)
+    assert "_linear_pointwise" not in ops.names
+
+
 def test_head_weight_gradient_sums_chunks_in_float32():
     """The head's weight gradient is summed over chunks inside the GEMM (``addmm_`` for fp32): it
     matches float64 autograd at fp32 precision whatever the chunking, and under bf16 autocast
@@ -292,11 +365,11 @@ class _GpuHidden:
 
 def test_auto_chunk_size_fits_the_peak_budget(monkeypatch):
     """None picks a power of two within the range whose chunk stays within a share of the GPU's
-    memory (about three logits' bytes per entry); CPU heads take the smallest."""
+    memory (about three logits' bytes per entry); CPU heads take ``CPU_CHUNK``."""
     from areno.models import logprobs as lp
 
     low, high = lp.AUTO_CHUNK_RANGE
-    assert lp.auto_chunk_size(torch.zeros(4, 8), torch.zeros(151_936, 8)) == low
+    assert lp.auto_chunk_size(torch.zeros(4, 8), torch.zeros(151_936, 8)) == lp.CPU_CHUNK
     for memory in (24 << 30, 80 << 30, 141 << 30):
         monkeypatch.setattr(lp, "_device_memory", lambda device, m=memory: m)
         budget = memory // lp.AUTO_CHUNK_MEMORY_SHARE
