@@ -63,6 +63,7 @@ from areno.observe.profile import profiled_step, profiles_missed
 from areno.observe.session import configure_sessions
 from areno.observe.startup import startup_to_first_token_s
 from areno.observe.trace import configure_tracing, flush_tracing, merge_traces, span
+from areno.rewards.combined import part_names
 from areno.train import checkpoint
 from areno.train.config import DECAYING_SCHEDULES
 
@@ -233,6 +234,7 @@ class Trainer:
             # the steps after the checkpoint run again (metrics.jsonl is cut back alike); a run that
             # starts over (overwrite=true, no checkpoint yet) logs every step again
             purge_step=checkpoint_step(resume_from) + 1 if resume_from is not None else 0,
+            reward_parts=part_names(config.reward.paths()) if config.reward.several() else (),
         )
         if resume_from is not None:
             self._resume(resume_from)

@@ -58,6 +58,7 @@ from areno.models.vision import ImageInputs, VisionConfig
 from areno.recipes import TRAINING_CONFIGS, get_recipe
 from areno.recipes.config import TrainingConfig
 from areno.recipes.registry import resolve_name
+from areno.rewards.combined import part_names
 from areno.rewards.loader import (
     check_reward_started,
     load_reward,
@@ -73,7 +74,9 @@ from areno.train import checkpoint
 from areno.types import ROUTES_KEY, RolloutBatch, SamplingParams, TokenBatch, Trajectory, join_flat
 from areno.workflows.base import ENGINE_ARGUMENTS, NONFINITE_REWARD_KEY, RolloutWorkflow, load_workflow, routes_dropped
 from areno.workflows.common import (
+    REWARD_FAILED_PARTS_KEY,
     REWARD_FIGURES_KEY,
+    WEIGHTED_SUM_PART,
     prompt_kwargs,
     reward_figure_means,
     store_kwargs,
@@ -712,6 +715,18 @@ def save_failure(exc: BaseException, path: Path) -> BaseException:
     return exc
 
 
+_WHOLE_REWARD = ""
+"""``_failed_parts``' name of a failure of the whole reward (one function, or a workflow's own reward)."""
+
+
+def _failed_parts(trajectory: Trajectory) -> set[str]:
+    """What failed in ``trajectory``'s reward: the functions of a ``reward.fn`` list that did
+    (``REWARD_FAILED_PARTS_KEY``), else the whole reward where it has an error, else nothing."""
+    if "reward_error" not in trajectory.info:
+        return set()
+    return set(trajectory.info.get(REWARD_FAILED_PARTS_KEY) or [_WHOLE_REWARD])
+
+
 class RewardsFailing(RunFailure):
     """Every reward call of ``REWARD_FAILED_BATCHES`` rollout batches in a row failed (a judge server gone, a
     reward bug): the run stops rather than train on zero rewards."""
@@ -749,8 +764,9 @@ class ArenoEngine:
     peak memory (``engine/residency.py``). None: the sides have devices of their own."""
     _pending_sync_metrics: dict[str, float]
     _rollout_behind: bool
-    _reward_failed_batches: int
-    """Rollout batches in a row whose every reward call failed (``REWARD_FAILED_BATCHES`` stop the run)."""
+    _reward_failed_batches: dict[str, int]
+    """Per failing reward (``_failed_parts``), the rollout batches in a row on whose every completion it failed
+    (``REWARD_FAILED_BATCHES`` stop the run)."""
     # set in initialize()
     tokenizer: Any
     recipe: TrainingConfig
@@ -802,7 +818,7 @@ class ArenoEngine:
         self.weight_kind = choose_weight_kind(training.weight_kinds, rollout.weight_kinds)
         self._pending_sync_metrics = {}
         self._rollout_behind = False  # an offline recipe trained since the rollout side's last sync
-        self._reward_failed_batches = 0
+        self._reward_failed_batches = {}
         self._heap = HeapFreezer(config.cluster.gc_freeze)  # frozen after the first step's sync
         self._unpublished = False  # a step trained whose policy update_weights has not published yet
         # set by initialize(); None until then, so a shutdown after a failed start stops what did start
@@ -1131,31 +1147,43 @@ class ArenoEngine:
     def _check_rewards(self, rollout_id: int, trajectories: list[Trajectory]) -> None:
         """A reward that fails on every call (each scored 0, a batch's failures warned about once) would
         have the run train on nothing: ``REWARD_FAILED_BATCHES`` such batches in a row stop it with the
-        last error."""
-        errors = [t.info["reward_error"] for t in trajectories if "reward_error" in t.info]
-        if not trajectories or len(errors) < len(trajectories):
-            self._reward_failed_batches = 0
+        last error. Of a ``reward.fn`` list, one function failing on every call stops it so (naming it);
+        rows that each lost some other function's part do not."""
+        failed = [_failed_parts(t) for t in trajectories]
+        always = set.intersection(*failed) if failed else set()
+        counts = {part: self._reward_failed_batches.get(part, 0) + 1 for part in always}
+        self._reward_failed_batches = counts
+        stopping = sorted(part for part, n in counts.items() if n >= REWARD_FAILED_BATCHES)
+        if not stopping:
             return
-        self._reward_failed_batches += 1
-        if self._reward_failed_batches >= REWARD_FAILED_BATCHES:
-            last = next(iter(errors[-1].splitlines()), "")
-            if all(t.info.get(NONFINITE_REWARD_KEY) for t in trajectories):  # set by the workflow, not reward.fn
-                raise RewardsFailing(
-                    f"every reward of the last {REWARD_FAILED_BATCHES} rollout batches was NaN or inf (step "
-                    f"{rollout_id + 1}; last: {last}): fix rollout.workflow ({self.config.rollout.workflow}), which "
-                    "set them; the run stopped rather than train on zero rewards"
-                )
-            if self.config.reward.several():  # each failure a function's, named first in its error
-                raise RewardsFailing(
-                    f"every reward of the last {REWARD_FAILED_BATCHES} rollout batches lost a function of reward.fn "
-                    f"to a failure (step {rollout_id + 1}; last: {last}): fix that function; the run stopped rather "
-                    "than train on rewards missing a part"
-                )
+        errors = [t.info["reward_error"] for t in trajectories if "reward_error" in t.info]
+        last = next(iter(errors[-1].splitlines()), "")
+        if all(t.info.get(NONFINITE_REWARD_KEY) for t in trajectories):  # set by the workflow, not reward.fn
             raise RewardsFailing(
-                f"every reward call of the last {REWARD_FAILED_BATCHES} rollout batches failed (step {rollout_id + 1}; "
-                f"last: {last}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
-                "zero rewards"
+                f"every reward of the last {REWARD_FAILED_BATCHES} rollout batches was NaN or inf (step "
+                f"{rollout_id + 1}; last: {last}): fix rollout.workflow ({self.config.rollout.workflow}), which "
+                "set them; the run stopped rather than train on zero rewards"
             )
+        part = stopping[0]
+        if part == WEIGHTED_SUM_PART:
+            raise RewardsFailing(
+                f"the weighted sum of reward.fn's scores was beyond float32 on every completion of the last "
+                f"{REWARD_FAILED_BATCHES} rollout batches (step {rollout_id + 1}): lower reward.weights "
+                f"({self.config.reward.weights}); the run stopped rather than train on zero rewards"
+            )
+        if part != _WHOLE_REWARD:  # a function of a reward.fn list
+            paths = self.config.reward.paths()
+            i = part_names(paths).index(part)
+            raise RewardsFailing(
+                f"reward.fn[{i}] ({paths[i]}) failed on every completion of the last {REWARD_FAILED_BATCHES} "
+                f"rollout batches (step {rollout_id + 1}; last: {last}): fix that function; the run stopped "
+                "rather than train on rewards missing its part"
+            )
+        raise RewardsFailing(
+            f"every reward call of the last {REWARD_FAILED_BATCHES} rollout batches failed (step {rollout_id + 1}; "
+            f"last: {last}): fix reward.fn ({self.config.reward.fn}); the run stopped rather than train on "
+            "zero rewards"
+        )
 
     def step(self, rollout: RolloutBatch) -> dict[str, float]:
         self._check_routes(rollout)

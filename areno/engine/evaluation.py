@@ -41,6 +41,7 @@ from areno.models.vision import VisionConfig
 from areno.rewards.loader import check_reward_started, load_reward, release_reward, start_reward
 from areno.specializations.preference import RewardModelSpecialization
 from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
+from areno.workflows.common import REWARD_FIGURES_KEY
 
 logger = logging.getLogger("areno.eval")
 
@@ -315,8 +316,8 @@ def _log_progress() -> Callable[[int, int, float], None]:
 
 
 def _write(out: Path, rows: list[dict], scored: list[list[Trajectory]], config: ArenoConfig, summary: dict) -> None:
-    """The rows file (one JSON object a row: prompt, answer, completions, rewards, finish reasons,
-    reward errors) and ``<stem>.summary.json``, each written whole and renamed into place (in the
+    """The rows file (one JSON object a row: prompt, answer, completions, rewards, finish reasons, where
+    any the reward's named figures, e.g. each score of a ``reward.fn`` list, and reward errors) and ``<stem>.summary.json``, each written whole and renamed into place (in the
     directory ``_check_writable`` made)."""
     answer_key = config.data.answer_key
     lines = []
@@ -328,6 +329,10 @@ def _write(out: Path, rows: list[dict], scored: list[list[Trajectory]], config: 
             "rewards": [t.reward for t in trajectories],
             "finish_reasons": [t.info["finish_reason"] for t in trajectories],
         }
+        # a reward.fn list's functions' own scores (and any function's named figures), per completion
+        figures = [t.info.get(REWARD_FIGURES_KEY, {}) for t in trajectories]
+        if any(figures):
+            record["reward_figures"] = figures
         errors = [t.info.get("reward_error") for t in trajectories]
         if any(errors):
             record["reward_errors"] = errors

@@ -47,6 +47,8 @@ POLICY_SYNC_KEYS: tuple[str, ...] = (
 """The policy-sync metrics of seed 000, in its spelling."""
 
 REWARD_KEY = "rollout/reward_mean"
+REWARD_PARTS_PREFIX = "rollout/reward/"
+"""Where a ``reward.fn`` list's functions' mean scores are logged: ``rollout/reward/<name>_mean``."""
 SCORED_REWARD_KEY = "rollout/scored_reward_mean"
 """Every scored sample's reward where dynamic sampling filters groups (``REWARD_KEY`` then covers the kept ones,
 whose rewards vary by construction): the reward the console, the curve and the report show where it is logged."""
@@ -226,6 +228,9 @@ class ConsoleSink(MetricSink):
     ``rollout/num_tokens`` divided by the wall time since the previous step. The ETA is the mean
     wall time of this stage's steps after its first (which carries the start-up: model load,
     compilation, the first evaluation) times the steps left; the first step shows none.
+    ``reward_parts``: the figure names of a ``reward.fn`` list's functions, whose mean scores follow the
+    reward (``reward 1.40 (accuracy 0.50, format 0.90)``; ``kept:`` where dynamic sampling shows the
+    scored mean, as the parts are the kept groups').
     """
 
     def __init__(
@@ -236,8 +241,10 @@ class ConsoleSink(MetricSink):
         stream: TextIO | None = None,
         use_tqdm: bool | None = None,
         stage: str | None = None,
+        reward_parts: Sequence[str] = (),
     ) -> None:
         self.total_steps = total_steps
+        self.reward_parts = tuple(reward_parts)
         self.stream = stream if stream is not None else sys.stderr
         self.stage = stage
         isatty = getattr(self.stream, "isatty", lambda: False)()
@@ -268,7 +275,7 @@ class ConsoleSink(MetricSink):
         now = time.monotonic()
         fields: dict[str, str] = {}
         if REWARD_KEY in metrics:
-            fields["reward"] = _format_number(step_reward(metrics))
+            fields["reward"] = _format_number(step_reward(metrics)) + self._parts(metrics)
             if COMPLETION_LEN_KEY in metrics:
                 fields["len"] = _format_number(metrics[COMPLETION_LEN_KEY])
         # a policy-gradient loss reads ~0 on every step (the ratio is 1 and a group's advantages
@@ -300,6 +307,14 @@ class ConsoleSink(MetricSink):
         if eta is not None:
             fields["eta"] = _format_duration(eta)
         return fields
+
+    def _parts(self, metrics: Mapping[str, Number]) -> str:
+        """`` (name mean, ...)`` of the reward's functions logged this step ('' for one function)."""
+        parts = [(n, metrics.get(f"{REWARD_PARTS_PREFIX}{n}_mean")) for n in self.reward_parts]
+        if not parts or any(v is None for _, v in parts):  # a workflow that scores outside ascore_reward logs none
+            return ""
+        kept = "kept: " if SCORED_REWARD_KEY in metrics else ""
+        return f" ({kept}{', '.join(f'{n} {_format_number(v)}' for n, v in parts)})"
 
     def eta_s(self, step: int, now: float) -> float | None:
         """Seconds left after ``step`` at time ``now``: the mean time of the steps since the first one
@@ -487,11 +502,12 @@ class MetricsLogger:
         stage: str | None = None,
         extra_sinks: Sequence[MetricSink] = (),
         purge_step: int | None = None,
+        reward_parts: Sequence[str] = (),
     ) -> None:
         """``stage``: the console's label of these steps when the run is one stage of several
         (``"warm start"``: ``warm start step 3/80 | ...``). ``purge_step``: the first step this run
         logs again (a resumed run's checkpoint step + 1, 0 for one that starts over): TensorBoard hides
-        what earlier runs logged from it on."""
+        what earlier runs logged from it on. ``reward_parts``: the console's (``ConsoleSink``)."""
         if total_steps is not None and total_steps < 0:
             raise ValueError(f"total_steps must be >= 0 or None, got {total_steps}")
         self.run_dir = Path(run_dir)
@@ -501,7 +517,9 @@ class MetricsLogger:
         self.sinks: list[MetricSink] = [JsonlSink(self.run_dir)]
         try:
             if console:
-                self.sinks.append(ConsoleSink(total_steps=total_steps, start_step=start_step, stage=stage))
+                self.sinks.append(
+                    ConsoleSink(total_steps=total_steps, start_step=start_step, stage=stage, reward_parts=reward_parts)
+                )
             if tensorboard:
                 self.sinks.append(TensorBoardSink(self.run_dir, purge_step=purge_step))
             if wandb is not None and wandb.mode != "disabled":

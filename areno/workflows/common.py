@@ -27,19 +27,31 @@ REWARD_FIGURES_KEY = "reward_figures"
 ``rollout/reward/<name>_mean``)."""
 
 
+REWARD_FAILED_PARTS_KEY = "reward_failed_parts"
+"""``Trajectory.info`` key of the functions of a ``reward.fn`` list that failed on it (their figure names, and
+``WEIGHTED_SUM_PART`` where the sum itself was not finite): the run stops on one that fails on every call
+(``ArenoEngine._check_rewards``), not on rows that each lost some function."""
+WEIGHTED_SUM_PART = "(weighted sum)"
+"""``REWARD_FAILED_PARTS_KEY``'s name of a weighted sum beyond float32 (no function's failure: the weights')."""
+
+
 class RewardScore(NamedTuple):
-    """What one reward call gave: the reward (0 where it failed), the error, the named figures."""
+    """What one reward call gave: the reward (0 where it failed), the error, the named figures, and of a
+    ``reward.fn`` list the functions that failed (``REWARD_FAILED_PARTS_KEY``)."""
 
     value: float
     error: str | None
     figures: dict[str, float]
+    failed_parts: tuple[str, ...] = ()
 
     def into(self, info: dict[str, Any]) -> dict[str, Any]:
-        """``info`` with the call's error and figures under their keys (where there are any)."""
+        """``info`` with the call's error, figures and failed parts under their keys (where there are any)."""
         if self.error is not None:
             info["reward_error"] = self.error
         if self.figures:
             info[REWARD_FIGURES_KEY] = self.figures
+        if self.failed_parts:
+            info[REWARD_FAILED_PARTS_KEY] = list(self.failed_parts)
         return info
 
 
@@ -148,12 +160,14 @@ async def ascore_weighted(
     )
     values = [s.value for s in scores]
     figures = part_figures(reward.names, values, [s.figures for s in scores])
+    parts = [name for name, s in zip(reward.names, scores) if s.error is not None]
     failed = [f"{name}: {s.error}" for name, s in zip(reward.names, scores) if s.error is not None]
     total = weighted_sum(values, reward.weights)
     if not is_finite_reward(total):
         failed.append(f"NonFiniteReward: the weighted sum of reward.fn's scores is {total!r}: lower reward.weights")
+        parts.append(WEIGHTED_SUM_PART)
         total = 0.0
-    return RewardScore(total, "; ".join(failed) if failed else None, figures)
+    return RewardScore(total, "; ".join(failed) if failed else None, figures, tuple(parts))
 
 
 def reward_figure_means(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:

@@ -343,3 +343,21 @@ def test_an_evaluation_asks_the_engine_for_no_text_and_decodes_each_completion_o
     )
     assert seen == [False] * 3 * samples and len(decoded) == 3 * samples
     assert [t.reward for ts in scored for t in ts] == [1.0] * 3 * samples
+
+
+def test_the_rows_file_keeps_each_listed_functions_score_per_completion(trained, tmp_path):
+    """``reward.fn`` as a list: each row's ``rewards`` are the weighted sums, its ``reward_figures`` each
+    function's own score per completion, and the summary's metrics each function's mean."""
+    root, _, _ = trained
+    cfg = load_config(
+        None, [*_overrides(root), f"reward.fn=[{REWARD},tests.helpers.rewards:half]", "reward.weights=[1,2]"]
+    )
+    summary = run_eval(cfg, EvalOptions(checkpoint="latest", out=str(tmp_path / "rows.jsonl")))
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    firsts = []
+    for row in rows:
+        assert [f["half"] for f in row["reward_figures"]] == [0.5] * len(row["rewards"])
+        assert row["rewards"] == [f["first_char"] + 2 * 0.5 for f in row["reward_figures"]]
+        firsts += [f["first_char"] for f in row["reward_figures"]]
+    assert summary["metrics"]["eval/reward/first_char_mean"] == pytest.approx(sum(firsts) / len(firsts))
+    assert summary["metrics"]["eval/reward/half_mean"] == 0.5

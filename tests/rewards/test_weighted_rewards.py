@@ -7,17 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from areno.api.config import ArenoConfig, ConfigError, ModelSection, RewardSection, load_config, to_yaml
 from areno.api.preflight import check_reward, reward_needs_answer
+from areno.engine.api import REWARD_FAILED_BATCHES, ArenoEngine, RewardsFailing
 from areno.engine.scoring import eval_metrics
 from areno.errors import RewardImportError
 from areno.rewards.combined import WeightedRewards, part_names
 from areno.rewards.loader import load_reward, release_reward, reward_pool_metrics, start_reward
 from areno.types import Trajectory
-from areno.workflows.common import ascore_reward, reward_figure_means, warn_reward_errors
+from areno.workflows.common import (
+    REWARD_FAILED_PARTS_KEY,
+    WEIGHTED_SUM_PART,
+    ascore_reward,
+    reward_figure_means,
+    warn_reward_errors,
+)
 
 HALF = "tests.helpers.rewards:half"  # 0.5
 QUARTER = "tests.helpers.rewards:quarter_parsed"  # {"score": 0.25, "parsed": 1.0}
@@ -221,3 +229,67 @@ def test_a_list_override_from_the_command_line_and_config_yaml_round_trip(tmp_pa
     assert again.reward == loaded.reward
     # a later override replaces the list, with a plain string too
     assert config(f"reward.fn=[{HALF},{QUARTER}]", f"reward.fn={HALF}").reward.fn == HALF
+
+
+def _failing(parts: list[str] | None) -> Trajectory:
+    """A trajectory whose reward lost ``parts`` of a ``reward.fn`` list (None: the whole reward failed)."""
+    info = {"reward_error": "RuntimeError: reward bug"}
+    if parts:
+        info[REWARD_FAILED_PARTS_KEY] = parts
+    return Trajectory(prompt_ids=[1], completion_ids=[2], logprobs=[0.0], versions=[0], reward=0.0, info=info)
+
+
+def _checker(*overrides: str) -> SimpleNamespace:
+    """What ``ArenoEngine._check_rewards`` reads of its engine."""
+    return SimpleNamespace(config=config(*overrides), _reward_failed_batches={})
+
+
+def test_a_failed_functions_name_goes_into_its_trajectorys_info():
+    reward = load_reward(section(HALF, EXPLODING, sandbox=False))
+    assert trajectory(reward).info[REWARD_FAILED_PARTS_KEY] == ["exploding"]
+    assert REWARD_FAILED_PARTS_KEY not in trajectory(load_reward(section(HALF, QUARTER, sandbox=False))).info
+
+
+def test_rows_that_each_lost_another_function_do_not_stop_the_run():
+    """Every completion lost some function's part, but no function failed on all of them: the run goes on."""
+    engine = _checker(f"reward.fn=[{HALF},{EXPLODING}]")
+    for step in range(2 * REWARD_FAILED_BATCHES):
+        ArenoEngine._check_rewards(engine, step, [_failing(["half"]), _failing(["exploding"])])
+    assert engine._reward_failed_batches == {}
+
+
+def test_a_function_that_fails_on_every_completion_stops_the_run_naming_its_entry():
+    engine = _checker(f"reward.fn=[{HALF},{EXPLODING}]")
+    batch = [_failing(["exploding"]), _failing(["half", "exploding"])]
+    for step in range(REWARD_FAILED_BATCHES - 1):
+        ArenoEngine._check_rewards(engine, step, batch)
+    assert engine._reward_failed_batches == {"exploding": REWARD_FAILED_BATCHES - 1}
+    with pytest.raises(RewardsFailing) as info:
+        ArenoEngine._check_rewards(engine, REWARD_FAILED_BATCHES - 1, batch)
+    assert str(info.value) == (
+        f"reward.fn[1] ({EXPLODING}) failed on every completion of the last {REWARD_FAILED_BATCHES} rollout "
+        f"batches (step {REWARD_FAILED_BATCHES}; last: RuntimeError: reward bug): fix that function; the run "
+        "stopped rather than train on rewards missing its part"
+    )
+
+
+def test_a_batch_where_the_function_scores_once_starts_its_count_again():
+    engine = _checker(f"reward.fn=[{HALF},{EXPLODING}]")
+    always, once_fine = [_failing(["exploding"])] * 2, [_failing(["exploding"]), _failing(["half"])]
+    for step, batch in enumerate([always, always, once_fine, always, always]):
+        ArenoEngine._check_rewards(engine, step, batch)
+    assert engine._reward_failed_batches == {"exploding": 2}
+
+
+def test_a_weighted_sum_beyond_float32_on_every_completion_stops_naming_the_weights():
+    engine = _checker(f"reward.fn=[{HALF},{QUARTER}]")
+    with pytest.raises(RewardsFailing, match=r"^the weighted sum of reward.fn's scores was beyond float32 .*"):
+        for step in range(REWARD_FAILED_BATCHES):
+            ArenoEngine._check_rewards(engine, step, [_failing([WEIGHTED_SUM_PART])])
+
+
+def test_a_single_function_failing_everywhere_stops_as_before():
+    engine = _checker(f"reward.fn={EXPLODING}")
+    with pytest.raises(RewardsFailing, match=r"^every reward call of the last 3 rollout batches failed \(step 3;"):
+        for step in range(REWARD_FAILED_BATCHES):
+            ArenoEngine._check_rewards(engine, step, [_failing(None), _failing(None)])
