@@ -2,7 +2,7 @@
 
 Modules: ``advantages`` (GRPO, Dr.GRPO, GRPO with the batch's std, RLOO, REINFORCE++, GAE),
 ``policy_loss`` (clipped PPO, clip-higher, dual clip, decoupled PPO with token or sequence behaviour
-weights, off-policy sequence masking, GSPO, CISPO), ``kl`` (k1/k2/k3), ``losses`` (value,
+weights, off-policy sequence masking, the high-entropy token mask, GSPO, CISPO), ``kl`` (k1/k2/k3), ``losses`` (value,
 entropy, NLL, DPO, Bradley–Terry), ``filters`` (dynamic sampling, overlong penalty),
 ``aggregation`` (token / sequence / constant loss normalisation as weights + denominator).
 """
@@ -41,6 +41,7 @@ from areno.algo.policy_loss import (
     cispo_loss_T,
     decoupled_ppo_loss_T,
     gspo_loss_T,
+    high_entropy_mask_T,
     loglinear_prox_logprobs_T,
     off_policy_sequence_mask_T,
     ppo_clip_loss_T,

@@ -4,8 +4,11 @@ CISPO, PPO), configured entirely by one ``ActorConfig`` so every variant is a re
 Per step, on the whole batch (``prepare_batch``): optional overlong penalty on rewards, optional
 dynamic-sampling filter, then the advantage estimator. Per micro-batch (``compute_loss``):
 
-    loss_t = policy_loss_t + kl_coef * k(pi, pi_ref)_t - entropy_coef * H_t
+    loss_t = m_t policy_loss_t + kl_coef * k(pi, pi_ref)_t - entropy_coef * H_t
     loss   = sum_t w_t loss_t / denominator           (w, denominator from ``loss_aggregation``)
+
+where m_t is 0 on the tokens the off-policy sequence mask and the entropy mask (``top_entropy_quantile``)
+leave out of the policy loss and 1 elsewhere: neither changes the denominator.
 
 The logged statistics (``actor/ratio``, clip fractions, ``kl``, ``entropy``) are averages under every
 aggregation: the ``constant`` one's are the mean over sequences of each one's token mean, not the
@@ -39,6 +42,7 @@ from areno.algo import (
     grpo_advantages_B,
     grpo_batch_std_advantages_B,
     gspo_loss_T,
+    high_entropy_mask_T,
     kl_estimate_T,
     kl_reward_penalty_T,
     loglinear_prox_logprobs_T,
@@ -126,6 +130,13 @@ class ActorConfig:
     """Sampling temperature the log-probs are computed at (> 0). Set by the run to rollout.temperature
     for an online recipe (as for its reference and teacher roles); ``train.algorithm_kwargs.temperature``
     is refused (``specializations.base.RUN_SET_OPTIONS``)."""
+    top_entropy_quantile: float = 1.0
+    """The share of loss tokens, in (0, 1], that keep their policy-gradient term: those whose entropy is at or
+    above the (1 - q) quantile of the micro-batch's loss tokens' (Wang et al. 2025, the high-entropy forking
+    tokens; TRL's ``top_entropy_quantile``, e.g. 0.2). The others stay in the loss's denominator and in the KL
+    term, as in TRL. The quantile is over one micro-batch of one data-parallel rank (TRL's gathers every
+    process's micro-batch), with the sequences of zero advantage in it (``skip_zero_advantage`` is off with it,
+    as their tokens count in the quantile). 1: off (no entropy computed for it)."""
     # ---------------------------------------------------------------- off-policy
     use_decoupled_loss: bool = False
     """Decoupled PPO (``policy_loss='ppo'`` only): clip against pi_prox, weight by pi_prox/pi_behav."""
@@ -226,6 +237,12 @@ class ActorConfig:
         )
         check(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        check(
+            0 < self.top_entropy_quantile <= 1,
+            "top_entropy_quantile",
+            f"(train.algorithm_kwargs.top_entropy_quantile) must be in (0, 1] (the share of loss tokens, highest entropy "
+            f"first, that keep their policy-gradient term, e.g. 0.2; 1: all), got {self.top_entropy_quantile}",
+        )
         check(0 <= self.gamma <= 1, "gamma", f"must be in [0, 1], got {self.gamma}")
         check(0 <= self.gae_lambda <= 1, "gae_lambda", f"must be in [0, 1], got {self.gae_lambda}")
         check(self.loss_agg_constant > 0, "loss_agg_constant", f"must be > 0, got {self.loss_agg_constant}")
@@ -278,7 +295,8 @@ class ActorSpecialization(ModelSpecialization):
     weights before the step gives pi_prox; ``loglinear``: interpolated from versions),
     ``behav_imp_weight_cap``, ``behav_imp_weight_min`` and ``behav_weight_mode`` (per token or per
     sequence); ``recompute_logprob`` makes the coupled loss use recomputed instead of behaviour log-probs;
-    ``off_policy_mask_threshold`` drops far-off negative-advantage sequences from any policy loss.
+    ``off_policy_mask_threshold`` drops far-off negative-advantage sequences from any policy loss;
+    ``top_entropy_quantile`` keeps the policy loss of each micro-batch's highest-entropy tokens only.
     """
 
     config_cls = ActorConfig
@@ -463,7 +481,7 @@ class ActorSpecialization(ModelSpecialization):
             batch,
             mask_T=batch.loss_mask_T,
             temperature=self.config.temperature,
-            with_entropy=self.config.entropy_coef > 0,
+            with_entropy=self.config.entropy_coef > 0 or self.config.top_entropy_quantile < 1,
             chunk_size=self.config.logprob_chunk_size,
         )
 
@@ -535,6 +553,10 @@ class ActorSpecialization(ModelSpecialization):
             )
             pg_T = torch.where(drop_T, torch.zeros_like(pg_T), pg_T)
             stats["off_policy_mask_frac"] = drop_T.float()
+        if self.config.top_entropy_quantile < 1:  # after every other mask: a token's entropy does not depend on them
+            keep_T = high_entropy_mask_T(model_output["entropy_T"], mask_T, quantile=self.config.top_entropy_quantile)
+            pg_T = torch.where(keep_T, pg_T, torch.zeros_like(pg_T))
+            stats["entropy_mask_frac"] = (mask_T.bool() & ~keep_T).float()
         loss_T = pg_T
         stats["pg_loss"] = pg_T.detach()
         if self.config.kl_coef > 0:
@@ -567,6 +589,8 @@ class ActorSpecialization(ModelSpecialization):
     def gradient_free_B(self, batch: TokenBatch) -> torch.Tensor | None:
         c = self.config
         if not c.skip_zero_advantage or (c.kl_coef > 0 and not c.kl_in_reward) or c.entropy_coef > 0:
+            return None
+        if c.top_entropy_quantile < 1:  # their tokens are part of the population the entropy quantile is taken over
             return None
         # every policy loss here is a multiple of the token's advantage: zero advantage, zero gradient
         return _tokens_per_sequence_B(batch, (batch.advantages_T != 0) & batch.loss_mask_T.bool()) == 0
