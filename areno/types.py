@@ -52,6 +52,14 @@ class SamplingParams:
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
     """Keep only the k most likely tokens; -1 disables."""
+    min_p: float = 0.0
+    """Drop the tokens whose probability (after the temperature) is below ``min_p`` times the most likely
+    token's; in [0, 1], 0 disables. Applied before top-k / top-p, as vLLM does (``sampling.py``)."""
+    repetition_penalty: float = 1.0
+    """> 0; 1 disables. Each token of the prompt or of the output so far has a positive logit divided by
+    it and a negative one multiplied by it, before the temperature (Hugging Face / vLLM semantics; greedy
+    rows too). Like top-k / top-p / min_p a part of the sampler: log-probs stay those of the
+    temperature-scaled model distribution without it."""
     min_new_tokens: int = 0
     """EOS and stop tokens are suppressed until this many tokens were generated."""
     max_new_tokens: int = 128
@@ -71,7 +79,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # types first: a string would otherwise fail the range checks below as a raw comparison error
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"SamplingParams.{name}: must be a number, got {value!r}")
@@ -91,6 +99,10 @@ class SamplingParams:
             raise ValueError(f"seed must be within +-{MAX_SEED} (2**53 - 1), got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:  # NaN fails both comparisons
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if not (0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
@@ -305,6 +317,9 @@ class TokenBatch:
             )
         if any(t.routes_TLK is not None for t in trajectories):
             extra[ROUTES_KEY] = _pack_routes(trajectories)
+        parts = [t.info.get(REWARD_PARTS_INFO_KEY) for t in trajectories]
+        if parts[0] and all(p is not None and len(p) == len(parts[0]) for p in parts):
+            extra[REWARD_PARTS_KEY] = torch.tensor(parts, dtype=torch.float32)
         images_B = [t.info.get("images") for t in trajectories]
         return cls(
             input_ids_T=ids,
@@ -333,8 +348,14 @@ class TokenBatch:
         cu = torch.cat([parts[0].cu_seqlens_B1[:1], *(p.cu_seqlens_B1[1:] + o for p, o in zip(parts, offsets))])
         extra: dict[str, torch.Tensor] = {}
         for key in sorted({k for p in parts for k in p.extra}):
-            assert key.endswith("_T"), key  # from_trajectories packs per-token values only
+            # from_trajectories packs per-token values and the per-sequence reward parts
+            assert key.endswith("_T") or key == REWARD_PARTS_KEY, key
             like = next(p.extra[key] for p in parts if key in p.extra)
+            if key == REWARD_PARTS_KEY:  # a part without them: NaN rows (an estimator that reads them refuses)
+                extra[key] = torch.cat(
+                    [p.extra.get(key, like.new_full((p.num_seqs, *like.shape[1:]), math.nan)) for p in parts]
+                )
+                continue
             fill = -1 if key == ROUTES_KEY else 0
             extra[key] = torch.cat(
                 [p.extra.get(key, like.new_full((p.num_tokens, *like.shape[1:]), fill)) for p in parts]
@@ -391,6 +412,11 @@ def _fill(traj: Trajectory, value: int) -> list[int]:
 
 ROUTES_KEY = "moe_routes_T"
 """``TokenBatch.extra`` key of the rollout's routes: int16 [T, L, K], -1 where none was recorded."""
+REWARD_PARTS_INFO_KEY = "reward_parts"
+"""``Trajectory.info`` key of a ``reward.fn`` list's scores, unweighted, in the list's order (a failed one 0)."""
+REWARD_PARTS_KEY = "reward_parts_BK"
+"""``TokenBatch.extra`` key of the sequences' ``REWARD_PARTS_INFO_KEY`` scores: float32 [B, K], packed where every
+trajectory has K of them (NaN rows for a batch joined with one that had none: ``concat``)."""
 
 
 def _pack_routes(trajectories: list[Trajectory]) -> torch.Tensor:

@@ -273,3 +273,31 @@ def gae_T(
         adv_T[pos_N] = _reverse_discounted_sum(delta_LB, gamma * lam)[k_N, b_N].to(adv_T.dtype)
     returns_T = torch.where(loss_mask_T.bool(), adv_T + values_T, torch.zeros_like(adv_T))
     return adv_T, returns_T
+
+
+def gdpo_advantages_B(
+    parts_BK: torch.Tensor, weights_K: torch.Tensor, group_B: torch.Tensor, *, eps: float = 1e-4
+) -> torch.Tensor:
+    """Each reward function normalised in its group, then their weighted sum normalised over the batch, one
+    scalar per sequence (GDPO, "group reward-decoupled normalization"; TRL's
+    ``multi_objective_aggregation="normalize_then_sum"``):
+
+    ``s_i = sum_k w_k (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)``, ``A_i = (s_i - mean(s)) / (std(s) + eps)``,
+
+    ``parts_BK`` the functions' unweighted scores, the group means and stds over the sequences of i's group g,
+    the last mean and std over the whole batch (the caller passes the step's whole batch). A function whose
+    scores differ little within a group still moves its advantage as much as one whose scores span a wide
+    range, which normalising the weighted sum (``grpo``) loses. Stds unbiased (n-1) with eps added, as TRL's;
+    a group or a batch whose values are all equal gives 0."""
+    if parts_BK.dim() != 2 or parts_BK.shape[1] != weights_K.numel():
+        raise ValueError(f"parts_BK {tuple(parts_BK.shape)} must be [B, K] with K = {weights_K.numel()} weights")
+    total_B = torch.zeros(parts_BK.shape[0], dtype=torch.float64)
+    for k in range(parts_BK.shape[1]):
+        _, dev_B, std_B = _group_moments_B(parts_BK[:, k], group_B)
+        denom_B = std_B + eps
+        total_B += float(weights_K[k]) * torch.where(denom_B > 0, dev_B / denom_B.clamp(min=1e-30), 0.0)
+    centred_B = total_B - total_B.mean() if total_B.numel() else total_B
+    std = total_B.std(unbiased=True) if total_B.numel() > 1 else total_B.new_zeros(())
+    denom = std + eps
+    adv_B = centred_B / denom if bool(denom > 0) else torch.zeros_like(centred_B)
+    return adv_B.to(parts_BK.dtype)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from areno.rewards.combined import WeightedRewards, part_figures, weighted_sum
 from areno.rewards.sandbox import is_finite_reward, reward_parts
 from areno.rollout.client import raise_if_cancelled
-from areno.types import Trajectory
+from areno.types import REWARD_PARTS_INFO_KEY, Trajectory
 from areno.workflows.base import _import_dotted
 
 logger = logging.getLogger("areno.workflows")
@@ -43,6 +43,9 @@ class RewardScore(NamedTuple):
     error: str | None
     figures: dict[str, float]
     failed_parts: tuple[str, ...] = ()
+    part_scores: tuple[float, ...] = ()
+    """A ``reward.fn`` list's scores, unweighted, in its order (``REWARD_PARTS_INFO_KEY``: what an advantage
+    estimator that normalises each function on its own reads)."""
 
     def into(self, info: dict[str, Any]) -> dict[str, Any]:
         """``info`` with the call's error, figures and failed parts under their keys (where there are any)."""
@@ -52,6 +55,8 @@ class RewardScore(NamedTuple):
             info[REWARD_FIGURES_KEY] = self.figures
         if self.failed_parts:
             info[REWARD_FAILED_PARTS_KEY] = list(self.failed_parts)
+        if self.part_scores:
+            info[REWARD_PARTS_INFO_KEY] = list(self.part_scores)
         return info
 
 
@@ -167,7 +172,7 @@ async def ascore_weighted(
         failed.append(f"NonFiniteReward: the weighted sum of reward.fn's scores is {total!r}: lower reward.weights")
         parts.append(WEIGHTED_SUM_PART)
         total = 0.0
-    return RewardScore(total, "; ".join(failed) if failed else None, figures, tuple(parts))
+    return RewardScore(total, "; ".join(failed) if failed else None, figures, tuple(parts), tuple(values))
 
 
 def reward_figure_means(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
