@@ -10,6 +10,7 @@ entropy, NLL, DPO, Bradley–Terry), ``filters`` (dynamic sampling, overlong pen
 from areno.algo.advantages import (
     broadcast_to_tokens_T,
     gae_T,
+    gdpo_advantages_B,
     group_index_B,
     group_mean_std_B,
     grpo_advantages_B,

@@ -340,11 +340,13 @@ def resolve_recipe(config: ArenoConfig):
     options = inspect.signature(factory).parameters if factory is not None else {}
     for key, setting in RUN_SET_OPTIONS.items():
         if key in policy_kwargs and key not in options:  # a factory's own option of that name is its own
-            raise ConfigError(
-                f"train.algorithm_kwargs.{key}: set by the run, not the recipe: an online recipe's roles score the "
-                f"rollout's tokens at the temperature they were sampled at ({setting}), an offline recipe's at 1: "
-                "drop it"
+            why = (
+                f"an online recipe's roles score the rollout's tokens at the temperature they were sampled at "
+                f"({setting}), an offline recipe's at 1"
+                if key == "temperature"
+                else f"it is {setting}"
             )
+            raise ConfigError(f"train.algorithm_kwargs.{key}: set by the run, not the recipe: {why}: drop it")
     recipe = get_recipe(name, policy_kwargs=policy_kwargs)
     if not recipe.online:
         return recipe
@@ -356,7 +358,23 @@ def resolve_recipe(config: ArenoConfig):
     _warn_lengths(recipe, policy_kwargs, config.rollout.max_new_tokens)
     if config.rollout.temperature > 0:
         recipe = _at_temperature(recipe, config.rollout.temperature)
+    if recipe.policy_role.init_kwargs.get("advantage_estimator") == "gdpo":
+        recipe = _with_reward_weights(recipe, config)
     return recipe
+
+
+def _with_reward_weights(recipe: TrainingConfig, config: ArenoConfig) -> TrainingConfig:
+    """``recipe`` whose policy weighs each function of the ``reward.fn`` list by ``reward.weights`` (``gdpo``'s
+    advantages normalise each function on its own); a ConfigError where there is no list to normalise."""
+    paths = config.reward.paths()
+    if not config.reward.several():
+        raise ConfigError(
+            f"train.algorithm_kwargs.advantage_estimator=gdpo normalises each function of a reward.fn list on its "
+            f"own, and reward.fn is one function ({paths[0]}): list two or more (reward.fn=[a,b]), or use "
+            "advantage_estimator=grpo"
+        )
+    weights = tuple(float(w) for w in config.reward.weights) if config.reward.weights else (1.0,) * len(paths)
+    return recipe.with_policy_kwargs(reward_weights=weights)
 
 
 def _at_temperature(recipe: TrainingConfig, temperature: float) -> TrainingConfig:

@@ -351,9 +351,9 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
     InertOption(
         ActorSpecialization,
         "adv_eps",
-        lambda s: s["advantage_estimator"] not in ("grpo", "grpo_batch_std"),
-        "only advantage_estimator grpo (the group's) and grpo_batch_std (the batch's) divide by a reward std + "
-        "adv_eps, and this recipe's advantage_estimator is {advantage_estimator}",
+        lambda s: s["advantage_estimator"] not in ("grpo", "grpo_batch_std", "gdpo"),
+        "only advantage_estimator grpo (the group's), grpo_batch_std (the batch's) and gdpo (both) divide by a "
+        "reward std + adv_eps, and this recipe's advantage_estimator is {advantage_estimator}",
     ),
     InertOption(
         ActorSpecialization,
@@ -864,6 +864,6 @@ def _print_options(name: str, cfg: TrainingConfig) -> None:
             print(textwrap.fill(text, width=100, initial_indent=" " * 8, subsequent_indent=" " * 8))
     if valid is None:
         print(f"    (and any keyword {cfg.policy_role.specialization_cls.__name__}.__init__ takes: **kwargs)")
-    run_set = [f"{k} = {setting}" for k, setting in RUN_SET_OPTIONS.items() if valid is not None and k in valid]
-    if run_set:
-        print(f"  set by the run, not train.algorithm_kwargs: {', '.join(run_set)}")
+    for k, setting in RUN_SET_OPTIONS.items():
+        if valid is not None and k in valid:
+            print(f"  set by the run, not train.algorithm_kwargs: {k} = {setting}")

@@ -38,6 +38,7 @@ from areno.algo import (
     dynamic_sampling_keep_B,
     entropy_bonus_T,
     gae_T,
+    gdpo_advantages_B,
     group_index_B,
     grpo_advantages_B,
     grpo_batch_std_advantages_B,
@@ -63,19 +64,20 @@ from areno.specializations.base import (
     reduce_stats,
 )
 from areno.specializations.forward import token_logprobs_T
-from areno.types import TokenBatch
+from areno.types import REWARD_PARTS_KEY, TokenBatch
 
 ADVANTAGE_ESTIMATORS = (
     "grpo",
     "dr_grpo",
     "grpo_batch_std",
+    "gdpo",
     "rloo",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "gae",
     "given",
 )
-GROUP_ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp_baseline")
+GROUP_ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "grpo_batch_std", "gdpo", "rloo", "reinforce_pp_baseline")
 """The estimators whose baseline is the group's mean reward: a group of one has advantage 0."""
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
@@ -91,10 +93,16 @@ class ActorConfig:
     advantage_estimator: str = "grpo"
     """One of ``ADVANTAGE_ESTIMATORS``: ``grpo`` (group-normalised), ``dr_grpo`` (no std scaling),
     ``grpo_batch_std`` (the group's mean subtracted, divided by the std of the step's whole batch of rewards:
-    Lite PPO's, TRL's ``scale_rewards="batch"``), ``rloo``, ``reinforce_pp`` / ``reinforce_pp_baseline``,
+    Lite PPO's, TRL's ``scale_rewards="batch"``), ``gdpo`` (each function of a ``reward.fn`` list normalised in
+    its group, their ``reward.weights`` sum normalised over the batch: TRL's
+    ``multi_objective_aggregation="normalize_then_sum"``), ``rloo``, ``reinforce_pp`` / ``reinforce_pp_baseline``,
     ``gae`` (needs ``values_T`` from a critic role) or ``given`` (keeps the batch's ``advantages_T``)."""
     adv_eps: float = 1e-4
-    """Added to the reward std before dividing (``grpo``: the group's; ``grpo_batch_std``: the batch's)."""
+    """Added to the reward std before dividing (``grpo``: the group's; ``grpo_batch_std``: the batch's;
+    ``gdpo``: each function's in its group, then the batch's)."""
+    reward_weights: tuple[float, ...] | None = None
+    """``gdpo``'s weight of each function of the ``reward.fn`` list: set by the run from ``reward.weights``
+    (1.0 each where null), never in ``train.algorithm_kwargs``."""
     gamma: float = 1.0
     """Discount in [0, 1] (``gae``, ``reinforce_pp``)."""
     gae_lambda: float = 1.0
@@ -450,6 +458,15 @@ class ActorSpecialization(ModelSpecialization):
         elif est == "grpo_batch_std":  # the std of the step's whole batch: prepare_batch sees it whole
             adv_B = grpo_batch_std_advantages_B(b.rewards_B, group_B, eps=self.config.adv_eps)
             adv_T = broadcast_to_tokens_T(adv_B, b.cu_seqlens_B1, mask_T)
+        elif est == "gdpo":  # the step's whole batch too: its last normalisation is the batch's
+            if not self.config.reward_weights:  # set by areno's run (resolve_recipe): a recipe built by hand
+                raise ValueError(
+                    "advantage_estimator=gdpo needs reward_weights, one weight per function of the reward.fn list "
+                    "(areno's run sets them from reward.weights): pass ActorConfig(reward_weights=...)"
+                )
+            weights_K = torch.tensor(self.config.reward_weights, dtype=torch.float64)
+            adv_B = gdpo_advantages_B(_reward_parts_BK(b, len(weights_K)), weights_K, group_B, eps=self.config.adv_eps)
+            adv_T = broadcast_to_tokens_T(adv_B, b.cu_seqlens_B1, mask_T)
         elif est == "rloo":
             adv_T = broadcast_to_tokens_T(rloo_advantages_B(b.rewards_B, group_B), b.cu_seqlens_B1, mask_T)
         elif est in ("reinforce_pp", "reinforce_pp_baseline"):
@@ -633,3 +650,22 @@ def _to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
         extra={k: v.to(device) for k, v in batch.extra.items()},
         truncated_B=None if batch.truncated_B is None else batch.truncated_B.to(device),
     )
+
+
+def _reward_parts_BK(batch: TokenBatch, functions: int) -> torch.Tensor:
+    """The batch's per-function reward scores [B, K] (``REWARD_PARTS_KEY``) for ``gdpo``, or a ValueError naming
+    what lacks them: a sequence scored outside ``areno.workflows.common.ascore_reward`` (an agent's reward, a
+    workflow's own) has no per-function scores."""
+    parts_BK = batch.extra.get(REWARD_PARTS_KEY)
+    if parts_BK is None or bool(parts_BK.isnan().any()):
+        raise ValueError(
+            "advantage_estimator=gdpo needs each reward function's score per sequence, and this batch has sequences "
+            "without them (its rollout.workflow scores them outside areno.workflows.common.ascore_reward, e.g. an "
+            "agent's reward): use advantage_estimator=grpo"
+        )
+    if parts_BK.shape[1] != functions:
+        raise ValueError(
+            f"advantage_estimator=gdpo: the batch has {parts_BK.shape[1]} reward functions' scores per sequence, "
+            f"reward_weights {functions}: the run's reward.fn and reward.weights must list the same functions"
+        )
+    return parts_BK

@@ -52,10 +52,12 @@ first sequence kept (zeros elsewhere), so the loss and its gradient are the whol
 
 RUN_SET_OPTIONS: dict[str, str] = {
     "temperature": "rollout.temperature (train.eval_temperature for held-out evaluation)",
+    "reward_weights": "reward.weights",
 }
 """Role options the run sets itself (option -> the setting that gives it), never ``train.algorithm_kwargs``:
 in an online recipe every role that takes a ``temperature`` (the policy, a reference, a teacher) scores
-the rollout's tokens at the temperature they were sampled at (``areno.engine.api.resolve_recipe``)."""
+the rollout's tokens at the temperature they were sampled at, and a policy whose advantages weigh each
+function of a ``reward.fn`` list (``gdpo``) takes ``reward.weights`` (``areno.engine.api.resolve_recipe``)."""
 
 Metrics = dict[str, torch.Tensor]
 """Metric name -> 0-dim tensor already divided by the global denominator (through the reducer), so

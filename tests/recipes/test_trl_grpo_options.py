@@ -27,7 +27,7 @@ from tests.helpers.recipes import PlainReducer, completion_positions, rl_batch
         ({"behav_imp_weight_min": -0.1}, "behav_imp_weight_min must be >= 0 and below behav_imp_weight_cap"),
         ({"behav_imp_weight_cap": 2.0, "behav_imp_weight_min": 2.0}, "below behav_imp_weight_cap (2.0)"),
         ({"off_policy_mask_threshold": 0.0}, "off_policy_mask_threshold must be > 0"),
-        ({"advantage_estimator": "grpo_batch"}, "'dr_grpo', 'grpo_batch_std', 'rloo'"),
+        ({"advantage_estimator": "grpo_batch"}, "'dr_grpo', 'grpo_batch_std', 'gdpo', 'rloo'"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_key(kwargs, says):
@@ -47,7 +47,7 @@ def test_a_lower_bound_alone_is_valid():
         ("grpo", {"behav_imp_weight_min": 0.5}, "only the decoupled loss reads it"),
         ("grpo", {"behav_weight_mode": "sequence_mask"}, "only the decoupled loss reads it"),
         ("grpo_async", {"behav_imp_weight_cap": None, "behav_weight_mode": "truncate"}, "both are null (no bound)"),
-        ("dr_grpo", {"adv_eps": 0.01}, "only advantage_estimator grpo (the group's) and grpo_batch_std"),
+        ("dr_grpo", {"adv_eps": 0.01}, "only advantage_estimator grpo (the group's), grpo_batch_std (the batch's)"),
         # TRL's vllm_importance_sampling_clip_min copied at 0: no weight is below it, in any mode
         ("grpo_async", {"behav_imp_weight_min": 0.0}, "never below 0, so a lower bound of 0 bounds nothing: drop it"),
         ("grpo_async", {"behav_imp_weight_min": 0, "behav_weight_mode": "sequence_truncate"}, "never below 0"),
