@@ -74,7 +74,13 @@ from areno.specializations import (
     ScalarScorerSpecialization,
 )
 from areno.train import checkpoint
-from areno.workflows.base import check_workflow_arguments, declares_no_routes, routes_dropped, workflow_factory
+from areno.workflows.base import (
+    check_workflow_arguments,
+    declares_no_reward_parts,
+    declares_no_routes,
+    routes_dropped,
+    workflow_factory,
+)
 from areno.workflows.common import sample_fields, takes_param
 from areno.workflows.images import IMAGES_KEY
 from areno.workflows.teacher import TeacherMixtureWorkflow
@@ -95,6 +101,7 @@ def check_run(config: ArenoConfig) -> None:
     if recipe.online:  # with the arguments the engine adds (tokenizer, reward_fn, ...): before any warm start
         factory = workflow_factory(config.rollout.workflow)
         check_workflow_carries_routes(config, factory)
+        check_workflow_carries_reward_parts(config, recipe, factory)
         check_workflow_arguments(config.rollout.workflow, factory, dict(config.rollout.workflow_kwargs))
         check_prompt_settings_reach_the_workflow(config, factory)
     # offline recipes train on the answers; a reward that takes one scores against it
@@ -221,6 +228,19 @@ def check_workflow_carries_routes(config: ArenoConfig, factory: Callable[..., An
     if (train.moe_rollout_routes or train.moe_routing_replay) and declares_no_routes(factory):
         key = "train.moe_routing_replay" if train.moe_routing_replay else "train.moe_rollout_routes"
         raise routes_dropped(key, config.rollout.workflow)
+
+
+def check_workflow_carries_reward_parts(
+    config: ArenoConfig, recipe: TrainingConfig, factory: Callable[..., Any]
+) -> None:
+    """``advantage_estimator=gdpo`` with a workflow class that says its trajectories carry no per-function reward
+    scores (``declares_no_reward_parts``: an agent's, an environment's): refused here rather than at the first step."""
+    if recipe.policy_role.init_kwargs.get("advantage_estimator") == "gdpo" and declares_no_reward_parts(factory):
+        raise ConfigError(
+            f"train.algorithm_kwargs.advantage_estimator=gdpo normalises each function of reward.fn on its own, and "
+            f"rollout.workflow={config.rollout.workflow} records one reward per trajectory, not each function's "
+            "score: use advantage_estimator=grpo"
+        )
 
 
 def check_workflow_takes_images(config: ArenoConfig, recipe: TrainingConfig, row: dict) -> None:

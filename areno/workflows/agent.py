@@ -74,6 +74,7 @@ class AgentWorkflow(RolloutWorkflow):
     """
 
     carries_routes = False  # its trajectories come from the recorded requests
+    carries_reward_parts = False  # client.ascore keeps the score alone (one number), not the list's parts
 
     def __init__(
         self,

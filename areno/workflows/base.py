@@ -106,6 +106,10 @@ class RolloutWorkflow(ABC):
     """Whether the trajectories carry the rollout's MoE expert routes (``Trajectory.routes_TLK``, what
     ``train.moe_rollout_routes`` and ``moe_routing_replay`` train with), set by a class on itself
     (``declares_no_routes``): a subclass that overrides ``run_episode`` says nothing by inheriting it."""
+    carries_reward_parts: ClassVar[bool | None] = None
+    """Whether the trajectories carry each function's score of a ``reward.fn`` list (``REWARD_PARTS_INFO_KEY``,
+    what ``advantage_estimator=gdpo`` trains with), set by a class on itself as ``carries_routes`` is
+    (``declares_no_reward_parts``)."""
 
     @abstractmethod
     async def run_episode(self, client: RolloutClient, sample: dict[str, Any]) -> EpisodeResult:
@@ -120,6 +124,12 @@ def declares_no_routes(factory: Callable[..., Any]) -> bool:
     drop the rollout's expert routes (``RolloutWorkflow.carries_routes``): then a run that trains with
     them is refused at start-up; otherwise at its first step, if they are missing (``routes_dropped``)."""
     return isinstance(factory, type) and factory.__dict__.get("carries_routes") is False
+
+
+def declares_no_reward_parts(factory: Callable[..., Any]) -> bool:
+    """Whether the workflow class ``factory`` says of itself that its trajectories carry no per-function reward
+    scores (``RolloutWorkflow.carries_reward_parts``): ``gdpo`` is then refused at start-up, not at its first step."""
+    return isinstance(factory, type) and factory.__dict__.get("carries_reward_parts") is False
 
 
 def routes_dropped(key: str, workflow: str) -> ConfigError:

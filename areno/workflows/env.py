@@ -88,6 +88,7 @@ class EnvWorkflow(RolloutWorkflow):
     """
 
     carries_routes = False  # its trajectories are built from the env steps' tokens
+    carries_reward_parts = False  # the environment rewards its steps: no reward.fn list to split
 
     def __init__(
         self,

@@ -82,3 +82,18 @@ def test_an_actor_built_by_hand_without_weights_names_them():
     batch = dataclasses.replace(batch, extra={**batch.extra, REWARD_PARTS_KEY: torch.ones(batch.num_seqs, 2)})
     with pytest.raises(ValueError, match=r"advantage_estimator=gdpo needs reward_weights, one weight per function"):
         ActorSpecialization(ActorConfig(advantage_estimator="gdpo")).prepare_batch(batch)
+
+
+@pytest.mark.parametrize("workflow", ["areno.workflows.agent:AgentWorkflow", "areno.workflows.env:EnvWorkflow"])
+def test_gdpo_with_a_workflow_that_records_one_reward_is_refused_at_preflight(tmp_path, workflow):
+    """An agent's or an environment's trajectories carry one reward, not each function's score: refused before
+    any model is made, naming the workflow and grpo."""
+    from areno.api.preflight import check_run
+
+    cfg = _config(
+        tmp_path, "train.algorithm_kwargs.advantage_estimator=gdpo", f"reward.fn={LIST}", f"rollout.workflow={workflow}"
+    )
+    with pytest.raises(ConfigError) as info:
+        check_run(cfg)
+    assert f"rollout.workflow={workflow} records one reward per trajectory" in str(info.value)
+    assert "\n" not in str(info.value) and not (tmp_path / "model").exists()
