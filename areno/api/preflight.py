@@ -143,6 +143,7 @@ def check_run(config: ArenoConfig) -> None:
     check_role_optim(config, recipe)
     check_decay_biases_and_norms(config, recipe)
     check_partitioned_roles(config, recipe)
+    check_reference_sync(config, recipe)
     check_fresh(config.run_dir, resume=config.resume, overwrite=config.overwrite)
     if config.resume is True and checkpoint.latest_complete(Path(config.run_dir) / "checkpoints") is None:
         raise ConfigError(
@@ -376,6 +377,27 @@ def check_placement(config: ArenoConfig, recipe: TrainingConfig) -> None:
             f"train.algorithm={recipe.name!r} trains offline on the dataset's rows in this process (any held-out "
             f"evaluation samples beside it), but {given} would partition the run: unset it to train colocated "
             "on cluster.device"
+        )
+
+
+def check_reference_sync(config: ArenoConfig, recipe: TrainingConfig) -> None:
+    """A reference that follows the policy (``train.algorithm_kwargs.ref_sync_steps``) is mixed in place from
+    the policy's unsharded weights, so both must be roles of this process: not a partitioned run's FSDP2
+    shards in training workers, nor a reference that ``cluster.role_devices`` moves to a worker of its own."""
+    sync = recipe.reference_sync
+    if sync is None:
+        return
+    where = None
+    if is_partitioned(config):
+        where = "a partitioned run shards the policy and its reference over training workers"
+    elif places_roles(config) and role_allocation(config, recipe)[sync.target] != (0,):
+        key = "cluster.role_devices" if config.cluster.role_devices else "cluster.allocation_mode"
+        where = f"{key} moves role {sync.target!r} to a worker process of its own"
+    if where is not None:
+        raise ConfigError(
+            f"train.algorithm_kwargs.ref_sync_steps={sync.every}: the reference moves toward the policy in place, "
+            f"in the policy's process, but {where}: train colocated with both roles on the policy's device, or drop "
+            "ref_sync_steps"
         )
 
 

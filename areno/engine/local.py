@@ -24,6 +24,7 @@ from areno.engine.roles import RoleBackends, place_roles, places_roles
 from areno.engine.rollout_side import RolloutSide
 from areno.engine.seams import SideSetup, WeightKind, WeightUpdate
 from areno.engine.training_side import TrainingSide
+from areno.errors import ConfigError
 from areno.models.hf_io import load_model, stop_token_ids
 from areno.recipes.runner import RecipeRunner
 from areno.rollout.client import InProcessRolloutClient, RolloutClient
@@ -139,16 +140,34 @@ class LocalTrainingSide(TrainingSide):
         return WeightUpdate(version=version, kind=kind, source=self._source)
 
     def save(self, path: Path, extra_state: dict) -> None:
-        for role_name, backend in self.runner.backends.items():
-            if backend.cfg.trainable:
-                backend.save_checkpoint(path / role_name, extra_state=extra_state)
+        for role_name in self._changing_roles():
+            self.runner.backends[role_name].save_checkpoint(path / role_name, extra_state=extra_state)
 
     def load(self, path: Path) -> dict:
         state: dict = {}
+        followed = self.runner.config.reference_sync
         for role_name, backend in self.runner.backends.items():
             if backend.cfg.trainable:
                 state = backend.load_checkpoint(path / role_name)
+            elif (path / role_name).is_dir():  # a reference some steps moved, kept where they left it
+                backend.load_checkpoint(path / role_name)
+            elif followed is not None and followed.target == role_name:
+                raise ConfigError(
+                    f"{path} holds no weights of role {role_name!r}, which train.algorithm_kwargs.ref_sync_steps "
+                    "moves toward the policy: it was written by a run without ref_sync_steps, whose reference stayed "
+                    "the initial policy; resume without ref_sync_steps, or start a new run"
+                )
         return state
+
+    def _changing_roles(self) -> list[str]:
+        """The roles whose weights a checkpoint holds: the trainable ones and a reference that follows the
+        policy (``TrainingConfig.reference_sync``), which its initial checkpoint no longer gives."""
+        followed = self.runner.config.reference_sync
+        return [
+            name
+            for name, backend in self.runner.backends.items()
+            if backend.cfg.trainable or (followed is not None and followed.target == name)
+        ]
 
     def export_hf(self, path: Path) -> None:
         export_role(self.runner.backends[self.policy], self.runner.specs[self.policy], path)

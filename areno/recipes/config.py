@@ -159,6 +159,30 @@ class DataSync:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReferenceSync:
+    """A frozen copy of the policy that follows it: every ``every`` optimizer steps of ``source``, the
+    weights of ``target`` become ``alpha * source + (1 - alpha) * target``, parameter by parameter (TR-DPO's
+    soft update, Gorbatovski et al. 2024; TRL's ``sync_ref_model`` with ``ref_model_mixup_alpha`` and
+    ``ref_model_sync_steps``). ``train.algorithm_kwargs.ref_sync_steps`` / ``ref_sync_alpha`` set it
+    (``areno.recipes.registry.with_reference_sync``); checkpoints then hold the target's weights too."""
+
+    source: str
+    """The trainable role whose weights are mixed in (the policy)."""
+    target: str
+    """The frozen role that moves (the reference): loaded from the same checkpoint as ``source``."""
+    alpha: float
+    """The weight of ``source``, in (0, 1]; 1 copies it."""
+    every: int
+    """Optimizer steps of ``source`` between two mixes (>= 1): after its step s, where s % every == 0."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha <= 1:
+            raise ConfigError(f"ReferenceSync {self.source}->{self.target}: alpha must be in (0, 1], got {self.alpha}")
+        if self.every < 1:
+            raise ConfigError(f"ReferenceSync {self.source}->{self.target}: every must be >= 1, got {self.every}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     """An algorithm: its roles, the data they exchange and a description."""
 
@@ -173,6 +197,8 @@ class TrainingConfig:
     online: bool = True
     """True: trains on rollouts of the policy (RL, on-policy distillation). False: on an offline
     dataset (SFT, DPO, reward modelling)."""
+    reference_sync: ReferenceSync | None = None
+    """A frozen role moved toward a trained one every few optimizer steps; None: frozen roles never change."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "roles", tuple(self.roles))
@@ -205,6 +231,8 @@ class TrainingConfig:
                     f"{where}: DataSync {sync.source}->{sync.target} asks for {missing}, which "
                     f"{type(specs[sync.source]).__name__} does not output (it outputs {list(specs[sync.source].output_keys)})"
                 )
+        if self.reference_sync is not None:
+            self._check_reference_sync(self.reference_sync)
         for role in self.roles:
             spec = specs[role.name]
             for key in spec.self_forward_keys:
@@ -218,6 +246,21 @@ class TrainingConfig:
                     f"{where}: role {role.name!r} ({type(spec).__name__}) needs batch keys "
                     f"{need}; add a DataSync that provides them"
                 )
+
+    def _check_reference_sync(self, sync: ReferenceSync) -> None:
+        where = f"recipe {self.name!r}: ReferenceSync {sync.source}->{sync.target}"
+        roles = {r.name: r for r in self.roles}
+        for name in (sync.source, sync.target):
+            if name not in roles:
+                raise ConfigError(f"{where} names a missing role {name!r}; roles are {list(roles)}")
+        source, target = roles[sync.source], roles[sync.target]
+        if not source.trainable or target.trainable:
+            raise ConfigError(f"{where}: the source must be a trainable role and the target a frozen one")
+        if source.model_path != target.model_path:  # the same checkpoint: the same tensors, name for name
+            raise ConfigError(
+                f"{where}: the two roles load different checkpoints ({source.model_path or 'model.path'}, "
+                f"{target.model_path or 'model.path'}), so their weights cannot be mixed"
+            )
 
     def _unmet_keys(self, role: ModelRole, spec: ModelSpecialization) -> list[str]:
         """The batch keys trainable ``role`` (as ``spec``) needs that neither a DataSync into it nor its

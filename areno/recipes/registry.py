@@ -26,6 +26,7 @@ from areno.errors import ConfigError, is_of_type, wrong_type
 from areno.recipes.config import (
     REQUIRED,
     ModelRole,
+    ReferenceSync,
     TrainingConfig,
     options_from_kwargs,
     specialization_options,
@@ -130,6 +131,13 @@ def _not_registered(module: str, imported: ModuleType, short: str) -> ConfigErro
     return ConfigError(f"{what}: decorate its factory with @recipe({short!r})")
 
 
+REFERENCE_SYNC_OPTIONS: dict[str, Any] = {"ref_sync_steps": 0, "ref_sync_alpha": 0.6}
+"""``train.algorithm_kwargs`` keys of every recipe, with their defaults, that move its frozen copy of the policy
+(the reference) toward the policy (``ReferenceSync``, ``with_reference_sync``): TRL's ``ref_model_sync_steps``
+(``sync_ref_model`` is ``ref_sync_steps`` > 0; 0 is off) and ``ref_model_mixup_alpha``."""
+_REFERENCE_SYNC_TYPES = {"ref_sync_steps": int, "ref_sync_alpha": float}
+
+
 def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **options: Any) -> TrainingConfig:
     """The validated ``TrainingConfig`` of recipe ``name``.
 
@@ -145,6 +153,8 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
     factory = TRAINING_CONFIGS[name]
     params = inspect.signature(factory).parameters
     policy_kwargs = dict(policy_kwargs or {})
+    reference_sync = {k: policy_kwargs.pop(k) for k in REFERENCE_SYNC_OPTIONS if k in policy_kwargs and k not in params}
+    _check_types(_REFERENCE_SYNC_TYPES, reference_sync)
     for key in list(policy_kwargs):
         if key in params:
             options.setdefault(key, policy_kwargs.pop(key))
@@ -172,7 +182,47 @@ def get_recipe(name: str, *, policy_kwargs: dict[str, Any] | None = None, **opti
     check_inert_options(name, cfg, configured, options, policy_kwargs)
     check_estimator_reads_the_recipe(name, cfg, configured)
     check_critic_agrees(name, configured)
-    return configured
+    return with_reference_sync(name, configured, reference_sync)
+
+
+def with_reference_sync(name: str, cfg: TrainingConfig, given: Mapping[str, Any]) -> TrainingConfig:
+    """``cfg`` whose frozen copy of the policy (its one frozen role loading the policy's checkpoint: the
+    reference) follows the policy as ``given`` (``REFERENCE_SYNC_OPTIONS``) says; a one-line ``ConfigError``
+    for a value out of range, an alpha without steps (it would do nothing) or a recipe without such a role."""
+    steps = given.get("ref_sync_steps", REFERENCE_SYNC_OPTIONS["ref_sync_steps"])
+    alpha = given.get("ref_sync_alpha", REFERENCE_SYNC_OPTIONS["ref_sync_alpha"])
+    key = "train.algorithm_kwargs."
+    if steps < 0:
+        raise ConfigError(
+            f"{key}ref_sync_steps must be >= 0 (the policy's optimizer steps between two moves of the reference "
+            f"toward it, TRL's ref_model_sync_steps, e.g. 512; 0: off), got {steps}"
+        )
+    if not 0 < alpha <= 1:
+        raise ConfigError(
+            f"{key}ref_sync_alpha must be in (0, 1] (the policy's weight when the reference moves toward it, TRL's "
+            f"ref_model_mixup_alpha; 0.6 by default), got {alpha}"
+        )
+    if steps == 0:
+        if alpha != REFERENCE_SYNC_OPTIONS["ref_sync_alpha"]:  # as check_inert_options: the default is no change
+            raise ConfigError(
+                f"{key}ref_sync_alpha={alpha} does nothing while ref_sync_steps is 0 (the reference never moves): "
+                f"set {key}ref_sync_steps too (e.g. 512, TRL's ref_model_sync_steps), or drop it"
+            )
+        return cfg
+    policy = cfg.policy_role
+    copies = [r.name for r in cfg.roles if not r.trainable and r.model_path == policy.model_path]
+    if len(copies) != 1:
+        if copies:
+            why = (
+                f"several frozen roles of recipe {name!r} load the policy's checkpoint ({', '.join(copies)}): which one"
+            )
+        elif "kl_coef" in inspect.signature(TRAINING_CONFIGS[name]).parameters:
+            why = f"recipe {name!r} has none at kl_coef=0: set {key}kl_coef > 0 too (e.g. 0.04), or drop it"
+        else:
+            why = f"recipe {name!r} has none: drop it, or use a recipe with one (grpo with kl_coef > 0, ppo_kl, dpo)"
+        raise ConfigError(f"{key}ref_sync_steps={steps} moves a frozen reference role toward the policy, but {why}")
+    sync = ReferenceSync(source=policy.name, target=copies[0], alpha=float(alpha), every=steps)
+    return dataclasses.replace(cfg, reference_sync=sync)
 
 
 def check_estimator_reads_the_recipe(name: str, base: TrainingConfig, cfg: TrainingConfig) -> None:
@@ -244,7 +294,12 @@ def _check_option_names(cfg: TrainingConfig, policy_kwargs: dict[str, Any], fact
     valid = specialization_options(role.specialization_cls)
     unknown = [] if valid is None else [k for k in policy_kwargs if k not in valid]
     if unknown:
-        everything = [*(k for k in valid if k not in RUN_SET_OPTIONS), *(k for k in factory_options if k not in valid)]
+        everything = [
+            *(k for k in valid if k not in RUN_SET_OPTIONS),
+            *(k for k in factory_options if k not in valid),
+        ]
+        if any(not r.trainable and r.model_path == role.model_path for r in cfg.roles):  # a reference to move
+            everything += [k for k in REFERENCE_SYNC_OPTIONS if k not in everything]
         raise ConfigError(
             f"role {role.name!r}: bad arguments for {role.specialization_cls.__name__}: "
             f"{unknown_option(unknown[0], everything)} (check train.algorithm_kwargs; `areno recipes {cfg.name}` "

@@ -6,7 +6,8 @@
         2. inject: source outputs become target batch ``extra`` tensors;
         3. each trainable role: ``prepare_batch`` then ``train_step`` — concurrently in threads
            for roles on different backends, serialised for roles sharing one backend;
-        4. every trained role's weight version + 1.
+        4. every trained role's weight version + 1; a ``reference_sync``'s frozen role moves toward
+           its source every ``every`` optimizer steps of it.
 
     With ``num_minibatches = k > 1`` step 3 runs k times, on consecutive slices of the prepared
     batch (each one optimizer step) — all on the forwards of step 1.
@@ -115,7 +116,20 @@ class RecipeRunner:
         metrics: dict[str, float] = {}
         for part in self._minibatches(prepared):  # logged: the last minibatch's metrics
             metrics = self._train(part, trainable)
+            metrics |= self._follow(metrics)
         return {**metrics, **self._batch_metrics}
+
+    def _follow(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The recipe's ``reference_sync`` after an optimizer step of its source: every ``every`` steps (the
+        source backend's count, which a checkpoint restores), the frozen target's weights become
+        ``alpha * source + (1 - alpha) * target``. Returns ``<target>/ref_syncs``, the moves so far."""
+        sync = self.config.reference_sync
+        if sync is None:
+            return {}
+        step = int(metrics[f"{sync.source}/step"])
+        if step % sync.every == 0:
+            self.backends[sync.target].mix_weights(self.backends[sync.source].named_weights(), alpha=sync.alpha)
+        return {f"{sync.target}/ref_syncs": float(step // sync.every)}
 
     def prepare(self, rollout_data: TokenBatch) -> dict[str, TokenBatch]:
         """Each trainable role's prepared batch of ``rollout_data`` (steps 1-2 and ``prepare_batch``,

@@ -15,7 +15,7 @@ import math
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -702,6 +702,31 @@ class PackedTrainBackend(TrainBackend):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._check_ready()
         yield from merged_named_weights(self.model, self._full)
+
+    @torch.no_grad()
+    def mix_weights(self, source: Iterable[tuple[str, torch.Tensor]], *, alpha: float) -> None:
+        """Each parameter of this role becomes ``alpha * source + (1 - alpha) * itself``, in its own dtype, from
+        ``source``'s tensor of the same name (another role's ``named_weights``: Hugging Face names, LoRA merged),
+        in place (TRL's ``sync_ref_model`` soft update of its reference). Names ``source`` has beyond this
+        role's parameters (buffers) are left alone; a parameter it lacks is a ``ValueError``. Unsharded weights
+        only: a frozen role of a colocated run, in this process."""
+        self._check_ready()
+        self._restore_parked()
+        own = dict(self.model.named_parameters())
+        assert not any(is_dtensor(p) for p in own.values()), "mix_weights: sharded (FSDP2) weights"
+        mixed = set()
+        for name, tensor in source:
+            param = own.get(name)
+            if param is None:
+                continue
+            param.mul_(1.0 - alpha).add_(tensor.to(device=param.device, dtype=param.dtype), alpha=alpha)
+            mixed.add(name)
+        missing = sorted(set(own) - mixed)
+        if missing:
+            raise ValueError(
+                f"role {self.cfg.role_name!r}: the weights mixed in have no tensor named {missing[0]!r} "
+                f"({len(missing)} of its {len(own)} parameters missing): the two roles are different models"
+            )
 
     def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """LoRA only: the full adapter tensors under PEFT's names (``base_model.model.<module>.lora_A.weight``,

@@ -20,7 +20,7 @@ import yaml
 
 from areno.api.config import load_config
 from areno.recipes import TRAINING_CONFIGS, get_recipe
-from areno.recipes.registry import role_settings
+from areno.recipes.registry import REFERENCE_SYNC_OPTIONS, role_settings
 from areno.rewards.sandbox import reward_parts
 from areno.specializations.actor import ActorConfig
 
@@ -107,6 +107,11 @@ def _check_option(recipe: str, key: str, value: str) -> None:
     params = inspect.signature(TRAINING_CONFIGS[recipe]).parameters
     if key in params:
         get_recipe(recipe, policy_kwargs={key: yaml.safe_load(value) if value else params[key].default})
+        return
+    if key in REFERENCE_SYNC_OPTIONS:  # every recipe's, with a reference: grpo's comes with kl_coef > 0
+        given = {"kl_coef": 0.04} if "kl_coef" in params else {}
+        given |= {"ref_sync_steps": 512} | ({key: yaml.safe_load(value)} if value else {})
+        assert get_recipe(recipe, policy_kwargs=given).reference_sync is not None
         return
     settings = role_settings(get_recipe(recipe).policy_role)
     assert key in settings and key in {f.name for f in dataclasses.fields(ActorConfig)}, (recipe, key)
