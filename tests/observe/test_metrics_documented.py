@@ -51,8 +51,15 @@ def test_the_figures_of_several_reward_functions_are_documented():
 @pytest.mark.parametrize(
     "algorithm, extra",
     [
-        # the reward sandbox's counters, the reference KL and the entropy of the actor
-        ("grpo", ["reward.sandbox=true", "train.algorithm_kwargs={kl_coef: 0.01, entropy_coef: 0.01}"]),
+        # the reward sandbox's counters, the reference KL (its reference following the policy), the entropy of
+        # the actor and its entropy mask
+        (
+            "grpo",
+            [
+                "reward.sandbox=true",
+                "train.algorithm_kwargs={kl_coef: 0.01, entropy_coef: 0.01, top_entropy_quantile: 0.5, ref_sync_steps: 1}",
+            ],
+        ),
         ("ppo", []),
         ("ppo_kl", []),
     ],
