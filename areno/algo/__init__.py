@@ -46,7 +46,9 @@ from areno.algo.policy_loss import (
     loglinear_prox_logprobs_T,
     off_policy_sequence_mask_T,
     ppo_clip_loss_T,
+    sapo_loss_T,
     sequence_mean_B,
+    vespo_loss_T,
 )
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,6 +1,7 @@
 """Policy-gradient losses, per token: clipped PPO (with clip-higher and dual clip), the decoupled
 PPO objective for off-policy data (token- or sequence-level behaviour weights), DeepSeek-V3.2's
-off-policy sequence mask, GSPO's sequence-level ratio and CISPO's clipped IS weight.
+off-policy sequence mask, GSPO's sequence-level ratio, CISPO's clipped IS weight, SAPO's soft gate and
+VESPO's gamma-shaped sequence weight.
 
 Legend: B = sequences, T = packed tokens. Every function returns ``(loss_T, stats)`` where
 ``loss_T`` is the per-token loss (0 outside ``loss_mask_T``) and ``stats`` maps a metric name to
@@ -13,6 +14,8 @@ ratio ``exp(LOG_RATIO_MAX)`` and no gradient through it, as in verl.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -336,3 +339,79 @@ def cispo_loss_T(
         "ratio": _masked(ratio_T, loss_mask_T),
     }
     return _masked(loss_T, loss_mask_T), stats
+
+
+def sapo_loss_T(
+    logprobs_T: torch.Tensor,
+    old_logprobs_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    temperature_pos: float = 1.0,
+    temperature_neg: float = 1.05,
+) -> tuple[torch.Tensor, Stats]:
+    """SAPO (Soft Adaptive Policy Optimization, Gao et al. 2025; TRL's ``loss_type="sapo"``): a smooth gate in
+    place of the hard clip,
+
+    ``loss = -sigmoid(tau (r - 1)) * 4 / tau * A`` with ``r = exp(logp - old_logp)``, ``tau`` = ``temperature_pos``
+    where ``A > 0``, else ``temperature_neg``. Its gradient is ``-4 s (1 - s) r A grad logp`` (``s`` the
+    sigmoid): the policy gradient at ``r = 1``, fading smoothly as the ratio leaves 1 instead of dropping to 0 at a
+    clip edge; a larger ``tau`` fades faster. Stats: ``soft_gate`` (``4 s (1 - s)``, the gradient's scale),
+    ``approx_kl``, ``ratio``.
+    """
+    log_ratio_T = _masked(logprobs_T - old_logprobs_T.detach(), loss_mask_T)
+    ratio_T = _ratio(log_ratio_T)
+    tau_T = torch.where(advantages_T > 0, temperature_pos, temperature_neg).to(ratio_T.dtype)
+    gate_T = torch.sigmoid(tau_T * (ratio_T - 1.0))
+    loss_T = -gate_T * (4.0 / tau_T) * advantages_T
+    stats = {
+        "soft_gate": _masked(4.0 * gate_T * (1.0 - gate_T), loss_mask_T).detach(),
+        "approx_kl": (-log_ratio_T).detach(),
+        "ratio": _masked(ratio_T, loss_mask_T).detach(),
+    }
+    return _masked(loss_T, loss_mask_T), stats
+
+
+VESPO_LOG_W_MIN = math.log(1e-8)
+"""The lower bound of VESPO's sequence log-ratio (TRL's, after the original implementation)."""
+VESPO_LOG_W_MAX = 20.0
+
+
+def vespo_loss_T(
+    logprobs_T: torch.Tensor,
+    old_logprobs_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    cu_seqlens_B1: torch.Tensor,
+    *,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> tuple[torch.Tensor, Stats]:
+    """VESPO (TRL's ``loss_type="vespo"``): the policy gradient weighted, per sequence, by a gamma-shaped function
+    of its importance ratio,
+
+    ``loss_t = -sg[phi(w)] * A * logp_t``, ``w = exp(sum_t (logp_t - old_logp_t))`` (the sequence's ratio, each
+    token's log-ratio clamped to [-20, 20] and the sum to [log 1e-8, 20]), ``phi(w) = exp(lambda + k log w -
+    lambda w)`` (so ``phi(1) = 1``), ``k, lambda`` = ``k_pos, lambda_pos`` where ``A >= 0``, else ``k_neg,
+    lambda_neg``. ``phi`` falls toward 0 as ``w`` leaves 1 on either side (``k`` sets how fast below, ``lambda``
+    above), bounding the weight of sequences far off the sampling policy; a non-finite ``phi`` counts 0. Stats:
+    ``vespo_weight`` (``phi``), ``approx_kl``, ``ratio`` (``w``).
+    """
+    mask_T = loss_mask_T.bool()
+    log_ratio_T = _masked((logprobs_T - old_logprobs_T).detach().clamp(-20.0, 20.0), mask_T)
+    log_w_B = sequence_sum_B(log_ratio_T, cu_seqlens_B1, mask_T).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    log_w_T = repeat_per_sequence(log_w_B, cu_seqlens_B1)
+    nonneg_T = advantages_T >= 0
+    k_T = torch.where(nonneg_T, k_pos, k_neg).to(log_w_T.dtype)
+    lam_T = torch.where(nonneg_T, lambda_pos, lambda_neg).to(log_w_T.dtype).clamp(min=1e-4)
+    phi_T = torch.exp(lam_T + k_T * log_w_T - lam_T * torch.exp(log_w_T))
+    phi_T = torch.nan_to_num(phi_T, nan=0.0, posinf=0.0, neginf=0.0)
+    loss_T = -phi_T * advantages_T * logprobs_T
+    stats = {
+        "vespo_weight": _masked(phi_T, mask_T),
+        "approx_kl": (-_masked(logprobs_T - old_logprobs_T.detach(), mask_T)).detach(),
+        "ratio": _masked(torch.exp(log_w_T), mask_T),
+    }
+    return _masked(loss_T, mask_T), stats

@@ -269,6 +269,37 @@ def cispo() -> TrainingConfig:
     )
 
 
+@recipe("sapo")
+def sapo() -> TrainingConfig:
+    """SAPO: a smooth, temperature-controlled gate of the ratio in place of the hard clip.
+
+    loss = mean_i mean_{t in o_i} -sigmoid(tau (r - 1)) 4 / tau A_i, tau = 1 where A_i > 0, else 1.05, GRPO
+    advantages (Soft Adaptive Policy Optimization, Gao et al. 2025; TRL's loss_type="sapo", its temperatures
+    and its per-sequence mean). The gradient, 4 s (1 - s) r A grad log pi, is the policy gradient at r = 1 and
+    fades smoothly as r leaves 1, where a clip cuts it off.
+    """
+    return _single(
+        "sapo",
+        sapo.__doc__,
+        _policy(advantage_estimator="grpo", policy_loss="sapo", loss_aggregation="seq_mean_token_mean"),
+    )
+
+
+@recipe("vespo")
+def vespo() -> TrainingConfig:
+    """VESPO: the policy gradient weighted per sequence by a gamma-shaped function of its importance ratio.
+
+    loss = sum_{i,t} -sg[phi(w_i)] A_i log pi_theta / #tokens, w_i = prod_t pi_theta / pi_old over o_i,
+    phi(w) = exp(lambda + k log w - lambda w) (phi(1) = 1): k = 2, lambda = 3 where A_i >= 0, k = 3,
+    lambda = 2 where A_i < 0; GRPO advantages (TRL's loss_type="vespo", its defaults and token mean).
+    """
+    return _single(
+        "vespo",
+        vespo.__doc__,
+        _policy(advantage_estimator="grpo", policy_loss="vespo", loss_aggregation="token"),
+    )
+
+
 @recipe("grpo_async")
 def grpo_async() -> TrainingConfig:
     """GRPO for stale (asynchronous) data: decoupled PPO with a recomputed proximal policy.

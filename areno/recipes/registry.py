@@ -397,6 +397,10 @@ def _not_decoupled(s: Mapping[str, Any]) -> bool:
     return not s["use_decoupled_loss"]
 
 
+def _policy_loss_is_not(loss: str) -> Callable[[Mapping[str, Any]], bool]:
+    return lambda s: s["policy_loss"] != loss
+
+
 _DECOUPLED_ONLY = (
     "only the decoupled loss reads it (use_decoupled_loss=true), and this recipe's loss is the coupled one"
 )
@@ -437,6 +441,36 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
         "dual_clip_c",
         lambda s: s["policy_loss"] != "ppo",
         "only policy_loss=ppo has a dual clip, and this recipe's policy_loss is {policy_loss}",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "clip_eps",
+        lambda s: s["policy_loss"] in ("sapo", "vespo"),
+        "policy_loss {policy_loss} has no clip (sapo gates the ratio with a sigmoid, vespo weighs the sequence's "
+        "ratio)",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "clip_eps_high",
+        lambda s: s["policy_loss"] in ("sapo", "vespo"),
+        "policy_loss {policy_loss} has no clip (sapo gates the ratio with a sigmoid, vespo weighs the sequence's "
+        "ratio)",
+    ),
+    *(
+        InertOption(
+            ActorSpecialization,
+            key,
+            _policy_loss_is_not(loss),
+            f"only policy_loss={loss} reads it, and this recipe's policy_loss is {{policy_loss}}",
+        )
+        for loss, key in (
+            ("sapo", "sapo_temperature_pos"),
+            ("sapo", "sapo_temperature_neg"),
+            ("vespo", "vespo_k_pos"),
+            ("vespo", "vespo_lambda_pos"),
+            ("vespo", "vespo_k_neg"),
+            ("vespo", "vespo_lambda_neg"),
+        )
     ),
     InertOption(
         ActorSpecialization,

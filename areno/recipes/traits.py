@@ -16,8 +16,8 @@ STALE_LABELS: dict[str, str] = {
     "corrected": "the decoupled loss weights each token by pi_prox / pi_behave (the *_async recipes)",
     "recomputed": "the ratio is against log-probs the current weights recompute (staleness ignored)",
     "truncated-IS": "cispo's weight min(pi_theta / pi_behave, 1 + eps_high), against the sampling policy",
-    "uncorrected": "no correction for staleness: a PPO-family clip anchored at the stale sampling policy, or a "
-    "distillation or imitation loss that takes each sample as the current policy's",
+    "uncorrected": "no correction for staleness: a PPO-family clip (or sapo's gate, vespo's weight) anchored at "
+    "the stale sampling policy, or a distillation or imitation loss that takes each sample as the current policy's",
     "unknown": "a loss of your own, whose treatment of stale samples areno cannot read",
     "-": "offline: no rollouts",
 }

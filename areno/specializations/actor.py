@@ -52,7 +52,9 @@ from areno.algo import (
     ppo_clip_loss_T,
     reinforce_pp_advantages_T,
     rloo_advantages_B,
+    sapo_loss_T,
     statistics_weights_T,
+    vespo_loss_T,
 )
 from areno.errors import ConfigError, check_types
 from areno.specializations.base import (
@@ -79,7 +81,7 @@ ADVANTAGE_ESTIMATORS = (
 )
 GROUP_ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "grpo_batch_std", "gdpo", "rloo", "reinforce_pp_baseline")
 """The estimators whose baseline is the group's mean reward: a group of one has advantage 0."""
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "vespo")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 
 
@@ -110,13 +112,29 @@ class ActorConfig:
     # ---------------------------------------------------------------- policy loss
     policy_loss: str = "ppo"
     """One of ``POLICY_LOSSES``: ``ppo`` (token-level clipped ratio), ``gspo`` (sequence-level
-    ratio), ``cispo`` (clipped importance weight, stop-gradient)."""
+    ratio), ``cispo`` (clipped importance weight, stop-gradient), ``sapo`` (a sigmoid gate of the ratio in
+    place of the clip) or ``vespo`` (a gamma-shaped weight of the sequence's ratio, stop-gradient)."""
     clip_eps: float = 0.2
     """Lower clip range of the ratio (> 0); also the upper one unless ``clip_eps_high`` is set."""
     clip_eps_high: float | None = None
     """Upper clip range (> 0; clip-higher as in DAPO when it differs from ``clip_eps``)."""
     dual_clip_c: float | None = None
     """Dual-clip bound of the loss for negative advantages (``ppo``); None: no dual clip."""
+    sapo_temperature_pos: float = 1.0
+    """``sapo``'s gate temperature where the advantage is positive (> 0; larger: the gradient fades faster as
+    the ratio leaves 1). TRL's default."""
+    sapo_temperature_neg: float = 1.05
+    """``sapo``'s gate temperature where the advantage is 0 or negative (> 0). TRL's default."""
+    vespo_k_pos: float = 2.0
+    """``vespo``'s power k of the sequence ratio w where the advantage is >= 0 (>= 0; larger: sequences whose w
+    is below 1 weigh less). TRL's default."""
+    vespo_lambda_pos: float = 3.0
+    """``vespo``'s decay lambda where the advantage is >= 0 (> 0; larger: sequences whose w is above 1 weigh
+    less). TRL's default."""
+    vespo_k_neg: float = 3.0
+    """``vespo``'s k where the advantage is negative (>= 0). TRL's default."""
+    vespo_lambda_neg: float = 2.0
+    """``vespo``'s lambda where the advantage is negative (> 0). TRL's default."""
     loss_aggregation: str = "token"
     """How token losses are weighted and normalised: one of ``LOSS_AGGREGATIONS``."""
     loss_agg_constant: float = 1024.0
@@ -235,6 +253,10 @@ class ActorConfig:
             "dual_clip_c",
             f"must be > 1 or None (the lower bound c A on negative advantages), got {self.dual_clip_c}",
         )
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("vespo_k_pos", "vespo_k_neg"):
+            check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
         check(
             self.kl_coef == 0 or self.kl_in_reward or self.kl_estimator in LOSS_KL_ESTIMATORS,
@@ -554,6 +576,27 @@ class ActorSpecialization(ModelSpecialization):
                     b.cu_seqlens_B1,
                     eps_low=self.config.clip_eps,
                     eps_high=self.config.clip_eps_high or self.config.clip_eps,
+                )
+            elif self.config.policy_loss == "sapo":
+                pg_T, stats = sapo_loss_T(
+                    logp_T,
+                    old_T,
+                    adv_T,
+                    mask_T,
+                    temperature_pos=self.config.sapo_temperature_pos,
+                    temperature_neg=self.config.sapo_temperature_neg,
+                )
+            elif self.config.policy_loss == "vespo":
+                pg_T, stats = vespo_loss_T(
+                    logp_T,
+                    old_T,
+                    adv_T,
+                    mask_T,
+                    b.cu_seqlens_B1,
+                    k_pos=self.config.vespo_k_pos,
+                    lambda_pos=self.config.vespo_lambda_pos,
+                    k_neg=self.config.vespo_k_neg,
+                    lambda_neg=self.config.vespo_lambda_neg,
                 )
             else:
                 pg_T, stats = cispo_loss_T(
