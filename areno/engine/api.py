@@ -149,7 +149,14 @@ def rollout_max_num_seqs(cfg: ArenoConfig) -> int:
 def rollout_sampling_params(cfg: ArenoConfig) -> SamplingParams:
     """The sampling of training rollouts (``rollout`` section); evaluations take ``scoring.eval_params``."""
     r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        min_p=r.min_p,
+        repetition_penalty=r.repetition_penalty,
+        max_new_tokens=r.max_new_tokens,
+    )
 
 
 def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:

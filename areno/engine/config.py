@@ -335,6 +335,15 @@ class RolloutSection(ConfigSection, RolloutEngineSettings):
     """Nucleus sampling mass of training rollouts."""
     top_k: int = -1
     """Top-k of training rollouts (-1 disables)."""
+    min_p: float = 0.0
+    """Min-p of training rollouts, in [0, 1] (0 disables): after the temperature, drop the tokens less likely
+    than ``min_p`` times the most likely one (before top-k / top-p, as vLLM). Log-probs stay those of the
+    whole temperature-scaled distribution, as with top-p (refused with vllm, whose log-probs are after it)."""
+    repetition_penalty: float = 1.0
+    """Repetition penalty of training rollouts, > 0 (1 disables): each token already in the prompt or the
+    completion has a positive logit divided by it, a negative one multiplied by it, before the temperature.
+    Part of the sampler: log-probs stay those of the unpenalised model, which the trainer recomputes
+    (refused with vllm and sglang, whose log-probs are after it)."""
     max_new_tokens: int = 32
     """Generation limit per completion."""
     workflow: str = "areno.workflows.rlvr:RLVRWorkflow"
@@ -411,6 +420,12 @@ class RolloutSection(ConfigSection, RolloutEngineSettings):
         check_config(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         check_config(
             self.top_k == -1 or self.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {self.top_k}"
+        )
+        check_config(0 <= self.min_p <= 1, "rollout.min_p", f"must be in [0, 1] (0 = off), got {self.min_p}")
+        check_config(
+            0 < self.repetition_penalty < math.inf,
+            "rollout.repetition_penalty",
+            f"must be a finite number > 0 (1 = off), got {self.repetition_penalty}",
         )
         check_config(
             self.max_head_offpolicyness >= 0,
@@ -1069,13 +1084,20 @@ class ArenoConfig(ConfigSection):
                 f"drop the key (the servers' own settings go in rollout.server_args)",
             )
         if rollout.backend == "vllm":  # see rollout/backends/vllm.py
-            for key, off in (("top_p", 1.0), ("top_k", -1)):
+            for key, off in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0)):
                 check_config(
                     getattr(rollout, key) == off,
                     f"rollout.{key}",
                     f"vLLM reports log-probs of the truncated distribution, areno's trainer those of the whole "
                     f"one, so the importance ratios would be off: use rollout.{key}={off:g} with vllm",
                 )
+        check_config(  # see rollout/backends/vllm.py and sglang.py
+            rollout.repetition_penalty == 1.0,
+            "rollout.repetition_penalty",
+            f"{rollout.backend} reports log-probs of the penalised logits, areno's trainer those of the model's own, "
+            "so the importance ratios would be off: use rollout.repetition_penalty=1 with "
+            f"{rollout.backend}, or rollout.backend=areno",
+        )
         mode = self.cluster.allocation_mode
         component = (
             next((c for c in parse_allocation_mode(mode).components if c.kind == "inference"), None) if mode else None
@@ -1149,7 +1171,7 @@ def offline_unused_rollout_keys(config: ArenoConfig, *, generates: bool = True) 
         return tuple(f.name for f in dataclasses.fields(RolloutSection) if f.name != "batch_size")
     train = config.train
     if train.eval_samples == 1 and not train.eval_temperature:
-        return (*OFFLINE_UNUSED_ROLLOUT_KEYS, "temperature", "top_p", "top_k")
+        return (*OFFLINE_UNUSED_ROLLOUT_KEYS, "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     if train.eval_temperature is not None:
         return (*OFFLINE_UNUSED_ROLLOUT_KEYS, "temperature")
     return OFFLINE_UNUSED_ROLLOUT_KEYS

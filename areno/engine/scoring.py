@@ -163,8 +163,9 @@ def check_eval_seeds(base_seed: int, rows: int, samples: int, *, name: str) -> N
 
 
 def eval_params(cfg: ArenoConfig, samples: int, temperature: float | None, *, name: str) -> SamplingParams:
-    """The sampling of an evaluation: greedy for one sample without a temperature, else the
-    rollouts' at ``temperature`` (None: ``rollout.temperature``). Several greedy samples would
+    """The sampling of an evaluation: greedy for one sample without a temperature (the policy's plain
+    argmax, without the rollouts' repetition penalty too), else the rollouts' (top-k, top-p, min-p,
+    repetition penalty) at ``temperature`` (None: ``rollout.temperature``). Several greedy samples would
     repeat one completion: a ConfigError naming ``name`` (the setting that asked for them). The
     engine gives no text (``ascore_row`` decodes each completion once itself)."""
     r = cfg.rollout
@@ -177,7 +178,13 @@ def eval_params(cfg: ArenoConfig, samples: int, temperature: float | None, *, na
             "(or take 1 sample)"
         )
     return SamplingParams(
-        temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, detokenize=False
+        temperature=temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        min_p=r.min_p,
+        repetition_penalty=r.repetition_penalty,
+        max_new_tokens=r.max_new_tokens,
+        detokenize=False,
     )
 
 

@@ -420,9 +420,13 @@ class DecodeGraphRunner:
         e = self.engine
         dev = e.device
         ids_ctx_2B, bt_BN = self._static_inputs(B, N)
-        pad_FB = RowTensors.padding_table(S, B, e.vocab_size, dev)
+        # padding rows mark their tokens in the scratch slot's row of the presence table (a penalising mode)
+        pad_FB = RowTensors.padding_table(S, B, e.vocab_size, dev, slot=e.scheduler.scratch_row)
         rows_FB = pad_FB.clone()
         sampler, max_len = e.sampler, e.max_model_len
+        if mode.penalize:  # the graph reads the table at its address: allocated before the capture
+            assert sampler.presence is not None
+            sampler.presence.allocate()
 
         def loop() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             ids_B, ctx_B = ids_ctx_2B[0], ids_ctx_2B[1]

@@ -42,6 +42,7 @@ from areno.rollout.cuda_graph import DecodeGraphRunner
 from areno.rollout.errors import TornWeightsError, UnknownRequestError, WeightUpdateError
 from areno.rollout.kv_cache import BlockAllocator, KVCache
 from areno.rollout.prefill_graph import PrefillGraphRunner
+from areno.rollout.presence import PresenceTable
 from areno.rollout.requests import RequestTable
 from areno.rollout.sampling import RowParams, Sampler, enable_fused_hash
 from areno.rollout.scheduler import Scheduler
@@ -237,7 +238,9 @@ class RolloutEngine:
         self.vocab_size = model_config.vocab_size
         self.sliding_window = getattr(model_config, "sliding_window", None)
         self.cache, self.allocator, self.scheduler = self._build_kv_pool()
-        self.sampler = Sampler(device=self.device, seed=config.seed)
+        # the seen tokens of each slot's sequence (repetition penalty; allocated at the first request with one)
+        presence = PresenceTable(config.max_num_seqs + 1, self.vocab_size, self.device)
+        self.sampler = Sampler(device=self.device, seed=config.seed, presence=presence)
         self._control = EngineControl()
         self._lock = self._control.lock
         """The step lock (``EngineControl.lock``): every public method takes it."""
@@ -275,6 +278,7 @@ class RolloutEngine:
             eos_token_ids=self.eos_token_ids,
             logits=self._logits,
             sample_rows=self._sample_rows,
+            presence=presence,
         )
         self._started = time.monotonic()
         # recorded routes come from the blocks' Python forwards, which a graph replay skips

@@ -2,12 +2,19 @@
 
 Legend: B = sequences sampled this step, V = vocabulary, S = stop ids per row (padded).
 
+Order of a row's processing (vLLM's): the repetition penalty on the raw logits (greedy rows too),
+the temperature, ``min_new_tokens``' suppression of EOS/stop ids, then min-p, top-k and top-p (min-p
+and top-k keep a prefix of the sorted tokens each, so those two commute; top-p then keeps the mass
+``top_p`` of what they left, renormalised). Hugging Face and SGLang apply min-p after top-p instead,
+which differs only when a row sets both.
+
 Log-prob convention (what the trainer recomputes): the log-prob reported for a sampled token is
 ``log_softmax(logits / T)[token]`` over the *full* vocabulary, i.e. under the temperature-scaled
-distribution *before* top-p / top-k truncation and before ``min_new_tokens`` suppresses EOS. The
-trainer recomputes exactly ``log_softmax(logits / T)`` on the packed batch, so behaviour and proximal
-log-probs are comparable; truncation is treated as part of the sampler, not of the policy (as in
-AReaL/verl). Greedy requests (``temperature == 0``) report ``log_softmax(logits)`` (T = 1).
+distribution *before* the repetition penalty, min-p / top-p / top-k truncation and ``min_new_tokens``'
+suppression of EOS. The trainer recomputes exactly ``log_softmax(logits / T)`` on the packed batch, so
+behaviour and proximal log-probs are comparable; those are treated as part of the sampler, not of the
+policy (as in AReaL/verl). Greedy requests (``temperature == 0``) report ``log_softmax(logits)`` (T = 1).
+The repetition penalty reads each row's seen tokens from the engine's ``PresenceTable`` (``presence.py``).
 
 Everything is vectorised over rows and stays on the device: ``RowParams`` holds each row's
 temperature, top-k, top-p, seed, stop ids and token limits as tensors (built with one host-to-device
@@ -41,6 +48,7 @@ import torch
 
 from areno.models import fused_ops
 from areno.rollout import fused_sampler
+from areno.rollout.presence import PresenceTable, apply_repetition_penalty
 from areno.types import SamplingParams
 
 
@@ -54,6 +62,8 @@ class SampleRequest:
     """Unused (kept for call compatibility): seeded rows draw their uniform from ``params.seed``."""
     suppress_ids: tuple[int, ...] = ()
     """Token ids to forbid for this row (EOS/stop ids while ``num_generated < min_new_tokens``)."""
+    seen_ids: tuple[int, ...] = ()
+    """The row's prompt and output so far: the tokens its ``repetition_penalty`` applies to."""
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -206,27 +216,32 @@ class SampleMode(NamedTuple):
     """Some sampling row has its own seed (a uniform hashed from its seed and counter)."""
     rng_noise: bool
     """Some sampling row has no seed (noise from the engine's generator)."""
+    penalize: bool = False
+    """Some row (greedy or not) has a repetition penalty (its seen tokens read from the presence table)."""
 
     @classmethod
     def of(cls, params: SamplingParams) -> SampleMode:
         """The mode of a batch whose rows all use ``params``."""
+        penalize = params.repetition_penalty != 1.0
         if params.temperature <= 0:
-            return GREEDY
-        return cls(True, params.top_k > 0 or params.top_p < 1.0, params.seed is not None, params.seed is None)
+            return GREEDY._replace(penalize=penalize)
+        truncate = params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
+        return cls(True, truncate, params.seed is not None, params.seed is None, penalize)
 
 
 GREEDY = SampleMode(False, False, False, False)
 
 
 # Rows of the packed table (``RowParams.table_FB``; then S stop ids and S validity flags).
-_SCALE, _GREEDY, _TOP_K, _TOP_P, _SEED, _SEEDED, _MIN_NEW, _MAX_NEW, _TRUNCATE, _N_GEN, _LENGTH = range(11)
-_FIXED = 11
+(_SCALE, _GREEDY, _TOP_K, _TOP_P, _SEED, _SEEDED, _MIN_NEW, _MAX_NEW, _TRUNCATE, _N_GEN, _LENGTH, _MIN_P, _PENALTY,
+ _SLOT) = range(14)  # fmt: skip
+_FIXED = 14
 
 
 @dataclass
 class RowTensors:
     """Each row's sampling parameters as device tensors, decoded from the packed float64 table
-    ``table_FB`` [11 + 2S, B] (``RowParams.table_FB``; a decode-loop graph holds one as a static
+    ``table_FB`` [14 + 2S, B] (``RowParams.table_FB``; a decode-loop graph holds one as a static
     input and decodes it inside the graph)."""
 
     scale_B: torch.Tensor
@@ -240,7 +255,12 @@ class RowTensors:
     min_new_B: torch.Tensor
     max_new_B: torch.Tensor
     truncate_B: torch.Tensor
-    """The row samples with top-k or top-p (the eager sort; ``fused_sampler`` serves the others)."""
+    """The row samples with top-k, top-p or min-p (the eager sort; ``fused_sampler`` serves the others)."""
+    min_p_B: torch.Tensor
+    penalty_B: torch.Tensor
+    """Repetition penalty (1: none)."""
+    slot_B: torch.Tensor
+    """The row's engine slot: its row of the presence table (padding rows: the scratch slot)."""
     n_gen_B: torch.Tensor
     """Tokens generated before the one sampled next (a view of the table: clone before advancing)."""
     room_B: torch.Tensor
@@ -261,14 +281,19 @@ class RowTensors:
             min_new_B=long_FB[_MIN_NEW],
             max_new_B=long_FB[_MAX_NEW],
             truncate_B=table_FB[_TRUNCATE] > 0,
+            min_p_B=table_FB[_MIN_P].float(),
+            penalty_B=table_FB[_PENALTY].float(),
+            slot_B=long_FB[_SLOT],
             n_gen_B=long_FB[_N_GEN],
             room_B=torch.minimum(long_FB[_MAX_NEW] - long_FB[_N_GEN], max_len - long_FB[_LENGTH]),
         )
 
     @staticmethod
-    def padding_table(S: int, B: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """A table of B padding rows: greedy, no stop ids, done after one token."""
-        col = [1.0, 1.0, float(vocab_size), 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0] + [0.0] * (2 * S)
+    def padding_table(S: int, B: int, vocab_size: int, device: torch.device, slot: int = 0) -> torch.Tensor:
+        """A table of B padding rows: greedy, no stop ids, done after one token, no penalty; ``slot``:
+        their presence-table row (the scratch slot: a penalised batch marks their tokens there)."""
+        col = [1.0, 1.0, float(vocab_size), 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, float(slot)]
+        col += [0.0] * (2 * S)
         return torch.tensor(col, dtype=torch.float64, device=device)[:, None].repeat(1, B)
 
 
@@ -289,7 +314,7 @@ class RowParams:
     (``max_new_tokens`` or the context)."""
 
     table_FB: torch.Tensor
-    """The packed float64 table [11 + 2S, B] on the device (``RowTensors.from_table`` decodes it);
+    """The packed float64 table [14 + 2S, B] on the device (``RowTensors.from_table`` decodes it);
     a decode-loop graph copies it into its static input."""
     host_FB: torch.Tensor
     """The same table on the host (row indices are taken from it without a device read)."""
@@ -299,6 +324,8 @@ class RowParams:
     any_greedy: bool
     any_truncate: bool
     any_min_new: bool
+    any_sort: bool
+    """Some sampling row uses top-k or top-p (the others of ``any_truncate`` use min-p alone, no sort)."""
     all_unseeded: bool
     """Every row is random without a seed (noise for the whole batch in one draw)."""
     num_seeded: int
@@ -307,6 +334,10 @@ class RowParams:
     """Random rows without a seed."""
     any_scaled: bool = True
     """Some row's temperature is not 1 (False: the logits are used unscaled, as ``x / 1`` equals ``x``)."""
+    any_penalty: bool = False
+    """Some row has a repetition penalty: the step reads ``presence`` (synced by the caller)."""
+    presence: PresenceTable | None = None
+    """The seen tokens of the rows' slots (``slot_B``), with ``any_penalty``."""
     steps_done: int = 0
     """Tokens sampled since ``build`` (``advance`` calls)."""
     _tensors: RowTensors | None = None
@@ -354,8 +385,8 @@ class RowParams:
     def mode(self) -> SampleMode:
         """The batch-level choices of this batch (``Sampler.sample_static``)."""
         if self.all_greedy:
-            return GREEDY
-        return SampleMode(True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0)
+            return GREEDY._replace(penalize=self.any_penalty)
+        return SampleMode(True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0, self.any_penalty)
 
     def __getattr__(self, name: str):
         # The per-row tensors (``RowTensors``' fields) read as attributes; decoded at first use.
@@ -366,7 +397,8 @@ class RowParams:
     @staticmethod
     def row_of(params: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int) -> tuple:
         """A request's static row (cache it per request): temperature scale, greedy, top-k, top-p,
-        seed, seeded, min/max new tokens, truncating, then the tuple of its stop/EOS ids."""
+        seed, seeded, min/max new tokens, truncating, the tuple of its stop/EOS ids, then min-p and
+        the repetition penalty."""
         p = params
         random = p.temperature > 0
         return (
@@ -378,8 +410,11 @@ class RowParams:
             float(p.seed is not None and random),
             float(p.min_new_tokens),
             float(p.max_new_tokens),
-            float(random and (p.top_k > 0 or p.top_p < 1.0)),
+            # 2: top-k / top-p (a sort); 1: min-p alone (a threshold, ``_min_p_rows``); 0: neither
+            2.0 if random and (p.top_k > 0 or p.top_p < 1.0) else float(random and p.min_p > 0),
             ((() if p.ignore_eos else tuple(eos_token_ids)) + tuple(p.stop_token_ids)),
+            float(p.min_p if random else 0.0),
+            float(p.repetition_penalty),
         )
 
     @classmethod
@@ -393,25 +428,30 @@ class RowParams:
         max_len: int,
         device: torch.device,
         rows: list[tuple] | None = None,
+        slots: list[int] | None = None,
+        presence: PresenceTable | None = None,
     ) -> RowParams:
         """From each row's ``SamplingParams`` (or its cached ``row_of`` tuple in ``rows``), tokens
-        generated so far and tokens known. One host-to-device copy."""
+        generated so far and tokens known; ``slots``: each row's presence-table row (default: its
+        index), read from ``presence`` where a row has a repetition penalty. One host-to-device copy."""
         if rows is None:
             rows = [cls.row_of(p, eos_token_ids, vocab_size) for p in params]
         B = len(rows)
+        slots = list(range(B)) if slots is None else slots
         S = max(1, max((len(r[9]) for r in rows), default=1))
-        # One float64 [B, 11 + 2S] host tensor (float64 holds every id and seed below 2**53).
+        # One float64 [B, 14 + 2S] host tensor (float64 holds every id and seed below 2**53).
         table = []
-        for r, g, n in zip(rows, n_gen, lengths):
+        for r, g, n, slot in zip(rows, n_gen, lengths, slots):
             stops = r[9]
             k = len(stops)
+            head = r[:9] + (g, n, r[10], r[11], slot) + stops
             if k == S:
-                table.append(r[:9] + (g, n) + stops + (1.0,) * S)
+                table.append(head + (1.0,) * S)
             else:
                 pad = stops[0] if k else 0
-                table.append(r[:9] + (g, n) + stops + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k))
-        host_BF = torch.tensor(table, dtype=torch.float64).reshape(B, 11 + 2 * S)
-        return cls._from_host(host_BF.T.contiguous(), any(r[9] for r in rows), max_len, device)
+                table.append(head + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k))
+        host_BF = torch.tensor(table, dtype=torch.float64).reshape(B, _FIXED + 2 * S)
+        return cls._from_host(host_BF.T.contiguous(), any(r[9] for r in rows), max_len, device, presence)
 
     @classmethod
     def gather(
@@ -422,6 +462,7 @@ class RowParams:
         lengths: list[int],
         max_len: int,
         device: torch.device,
+        presence: PresenceTable | None = None,
     ) -> RowParams:
         """``build`` from the static rows ``table`` holds for these slots (written when their
         requests took them), with tokens generated so far and tokens known: the same tensors as
@@ -432,16 +473,24 @@ class RowParams:
         if max(1, s_real) < table.max_stops:
             host_FB = host_FB.index_select(0, table.columns(max(1, s_real)))
         host_FB[_N_GEN : _LENGTH + 1] = torch.tensor([n_gen, lengths], dtype=torch.float64)
-        return cls._from_host(host_FB, s_real > 0, max_len, device)
+        return cls._from_host(host_FB, s_real > 0, max_len, device, presence)
 
     @classmethod
-    def _from_host(cls, host_FB: torch.Tensor, any_stop_ids: bool, max_len: int, device: torch.device) -> RowParams:
-        """From the packed host table [11 + 2S, B] (contiguous): its device copy and the batch flags."""
+    def _from_host(
+        cls,
+        host_FB: torch.Tensor,
+        any_stop_ids: bool,
+        max_len: int,
+        device: torch.device,
+        presence: PresenceTable | None = None,
+    ) -> RowParams:
+        """From the packed host table [14 + 2S, B] (contiguous): its device copy and the batch flags."""
         B = host_FB.shape[1]
         greedy, seeded, truncate = host_FB[_GREEDY] > 0, host_FB[_SEEDED] > 0, host_FB[_TRUNCATE] > 0
         n_greedy, n_seeded = int(greedy.sum()), int(seeded.sum())
         n_unseeded = B - n_greedy - n_seeded  # seeded rows are random rows
         any_min_new = bool((host_FB[_MIN_NEW] > host_FB[_N_GEN]).any())
+        any_penalty = bool((host_FB[_PENALTY] != 1).any())
         dev_FB = host_FB
         if device.type != "cpu":
             dev_FB = dev_FB.to(device, non_blocking=True)
@@ -454,10 +503,13 @@ class RowParams:
             any_greedy=n_greedy > 0,
             any_truncate=bool(truncate.any()),
             any_min_new=any_min_new and B > 0,
+            any_sort=bool((host_FB[_TRUNCATE] > 1).any()),
             all_unseeded=n_unseeded == B and B > 0,
             num_seeded=n_seeded,
             num_unseeded=n_unseeded,
             any_scaled=bool((host_FB[_SCALE] != 1).any()),
+            any_penalty=any_penalty,
+            presence=presence if any_penalty else None,
         )
 
     def shifted(self, n: int) -> RowParams:
@@ -537,7 +589,9 @@ class RowTable:
             stops = row[9]
             k = len(stops)
             pad = stops[0] if k else 0
-            cols.append(row[:9] + (0.0, 0.0) + stops + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k))
+            cols.append(
+                row[:9] + (0.0, 0.0, row[10], row[11], slot) + stops + (pad,) * (S - k) + (1.0,) * k + (0.0,) * (S - k)
+            )
             self.num_stops[slot] = k
             self._rows[slot] = row
         self.table_FR[:, [slot for slot, _ in changed]] = torch.tensor(cols, dtype=torch.float64).T
@@ -565,9 +619,12 @@ class RowTable:
 class Sampler:
     """Samples one token per row of ``logits_BV`` under each row's own parameters."""
 
-    def __init__(self, *, device: torch.device, seed: int) -> None:
+    def __init__(self, *, device: torch.device, seed: int, presence: PresenceTable | None = None) -> None:
+        """``presence``: the engine's seen tokens per slot, read by decode-loop graphs that penalise
+        (``sample_static``); ``sample_rows`` reads the one its ``RowParams`` carries."""
         self.device = device
         self.generator = make_generator(seed, device)
+        self.presence = presence
 
     def _uniform(self, n: int) -> torch.Tensor:
         """float32 [n] uniform in (0, 1) from the engine's generator (unseeded rows). ``rand`` can
@@ -577,7 +634,20 @@ class Sampler:
 
     @torch.no_grad()
     def sample_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token ids long [B], log-probs float32 [B]) as device tensors; no host synchronisation."""
+        """(token ids long [B], log-probs float32 [B]) as device tensors; no host synchronisation.
+        Rows with a repetition penalty draw from the penalised logits, report the log-prob under the
+        unpenalised ones (the module docstring's convention) and mark their token in ``rp.presence``."""
+        if not rp.any_penalty:
+            return self._draw_rows(logits_BV, rp)
+        assert rp.presence is not None, "a repetition penalty reads the rows' presence table"
+        penalized_BV = apply_repetition_penalty(logits_BV, rp.presence.rows(rp.slot_B), rp.penalty_B)
+        tokens_B, logprobs_B = self._draw_rows(penalized_BV, rp)
+        model_lp_B = _model_logprobs(logits_BV, rp.scale_B if rp.any_scaled else None, tokens_B)
+        rp.presence.note(rp.slot_B, tokens_B)
+        return tokens_B, torch.where(rp.penalty_B != 1, model_lp_B, logprobs_B)
+
+    def _draw_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample_rows`` of logits already penalised (the log-probs are of ``logits_BV``)."""
         B, V = logits_BV.shape
         suppress_BS = None
         if rp.any_min_new and rp.any_stop_ids:  # without stop ids there is nothing to suppress
@@ -620,8 +690,10 @@ class Sampler:
             tokens_B = argmax_rows(masked_BV)
         else:
             race_BV = masked_BV
-            if rp.any_truncate:
-                race_BV, weights_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B), None
+            if rp.any_sort:
+                race_BV, weights_BV = _truncate_rows(masked_BV, rp.top_k_B, rp.top_p_B, rp.min_p_B), None
+            elif rp.any_truncate:  # min-p alone: the same kept set without the sort (a CPU step's costliest op)
+                race_BV, weights_BV = _min_p_rows(masked_BV, rp.min_p_B), None
             elif suppress_BS is not None:
                 weights_BV = _zero_suppressed(weights_BV, rp.stop_ids_BS, suppress_BS)
             sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
@@ -637,7 +709,22 @@ class Sampler:
         table's count plus the loop step); ``mode``: the batch-level choices (``RowParams.mode``).
         Gives the tokens and log-probs of ``sample_rows`` for greedy and seeded rows (unseeded rows
         draw the generator's noise for the whole batch). Float32 ``logits_BV`` of an all-greedy
-        batch are overwritten (suppressed ids set to -inf in place, saving a [B, V] copy)."""
+        batch are overwritten (suppressed ids set to -inf in place, saving a [B, V] copy). A
+        penalising ``mode`` reads and marks the sampler's ``presence`` by ``rows.slot_B``."""
+        if not mode.penalize:
+            return self._draw_static(logits_BV, rows, n_gen_B, mode)
+        presence = self.presence
+        assert presence is not None and presence.seen_RV is not None, "a penalising graph needs the presence table"
+        penalized_BV = apply_repetition_penalty(logits_BV, presence.rows(rows.slot_B), rows.penalty_B)
+        tokens_B, logprobs_B = self._draw_static(penalized_BV, rows, n_gen_B, mode)
+        model_lp_B = _model_logprobs(logits_BV, rows.scale_B if mode.sample else None, tokens_B)
+        presence.note(rows.slot_B, tokens_B)
+        return tokens_B, torch.where(rows.penalty_B != 1, model_lp_B, logprobs_B)
+
+    def _draw_static(
+        self, logits_BV: torch.Tensor, rows: RowTensors, n_gen_B: torch.Tensor, mode: SampleMode
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample_static`` of logits already penalised (the log-probs are of ``logits_BV``)."""
         pending_BS = (rows.stop_valid_BS[:, :1] & (n_gen_B < rows.min_new_B)[:, None]).expand_as(rows.stop_ids_BS)
         u_B = None
         if mode.sample:
@@ -664,7 +751,7 @@ class Sampler:
         else:
             race_BV = masked_BV
             if mode.truncate:
-                race_BV, weights_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B), None
+                race_BV, weights_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B, rows.min_p_B), None
             else:  # as sample_rows
                 weights_BV = _zero_suppressed(weights_BV, rows.stop_ids_BS, pending_BS)
             sampled_B = inverse_cdf_draw(race_BV, u_B, weights_BV)
@@ -686,21 +773,38 @@ class Sampler:
         for r in requests:
             p = r.params
             if r.suppress_ids:  # express the suppression as min_new_tokens over these ids
-                p = SamplingParams(
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
+                p = dataclasses.replace(
+                    p,
                     min_new_tokens=max(p.min_new_tokens, r.num_generated + 1),
                     max_new_tokens=max(p.max_new_tokens, r.num_generated + 1),
                     stop_token_ids=tuple(t for t in r.suppress_ids if 0 <= t < V),
+                    stop=(),
                     ignore_eos=True,
-                    seed=p.seed,
                 )
             params.append(p)
+        presence = None
+        if any(p.repetition_penalty != 1.0 for p in params):  # row i's seen tokens in row i of a table of its own
+            presence = PresenceTable(B, V, logits_BV.device)
+            presence.sync(list(range(B)), [_Seen(p, list(r.seen_ids)) for p, r in zip(params, requests)])
         rp = RowParams.build(
-            params, [r.num_generated for r in requests], [0] * B, eos_token_ids, V, 1 << 62, logits_BV.device
+            params,
+            [r.num_generated for r in requests],
+            [0] * B,
+            eos_token_ids,
+            V,
+            1 << 62,
+            logits_BV.device,
+            presence=presence,
         )
         return _to_lists(*self.sample_rows(logits_BV, rp))
+
+
+@dataclass(eq=False)
+class _Seen:
+    """What ``PresenceTable.sync`` reads of a sequence, for ``Sampler.sample``'s requests."""
+
+    params: SamplingParams
+    token_ids: list[int]
 
 
 def _per_row(
@@ -738,25 +842,48 @@ def _chosen_logprobs(
     return (scaled_BV.gather(1, tokens_B[:, None]) - max_B1 - log_sum_B1).squeeze(1)
 
 
+def _model_logprobs(logits_BV: torch.Tensor, scale_B: torch.Tensor | None, tokens_B: torch.Tensor) -> torch.Tensor:
+    """float32 [B]: ``log_softmax(logits_BV / scale_B)`` at ``tokens_B`` (None: unscaled), the
+    log-probs the trainer recomputes, for rows that drew from other (penalised) logits."""
+    scaled_BV = logits_BV.float() if scale_B is None else logits_BV / scale_B[:, None]
+    max_B1 = scaled_BV.amax(dim=-1, keepdim=True)
+    log_sum_B1 = (scaled_BV - max_B1).exp_().sum(dim=-1, keepdim=True).log_()
+    return _chosen_logprobs(scaled_BV, tokens_B, max_B1, log_sum_B1)
+
+
 def _zero_suppressed(weights_BV: torch.Tensor, stop_ids_BS: torch.Tensor, suppress_BS: torch.Tensor) -> torch.Tensor:
     """``weights_BV`` with the ids ``suppress_BS`` marks (stop ids below ``min_new_tokens``) set to 0,
     in place: weights proportional to ``softmax`` of the masked logits, for ``inverse_cdf_draw``."""
     return weights_BV.scatter_(1, stop_ids_BS, weights_BV.gather(1, stop_ids_BS).masked_fill(suppress_BS, 0.0))
 
 
-def _truncate_rows(scaled_RV: torch.Tensor, k_R: torch.Tensor, p_R: torch.Tensor) -> torch.Tensor:
-    """Apply top-k (``k_R``, V = off) then top-p (``p_R``, 1 = off) to temperature-scaled logits."""
+def _truncate_rows(
+    scaled_RV: torch.Tensor, k_R: torch.Tensor, p_R: torch.Tensor, min_p_R: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Apply min-p (``min_p_R``, 0 = off) and top-k (``k_R``, V = off), then top-p (``p_R``, 1 = off)
+    to temperature-scaled logits. Min-p drops a token whose probability is below ``min_p`` times the
+    top token's: ``x - x_max < log(min_p)`` (log 0 = -inf drops nothing); the top token always stays."""
     R, V = scaled_RV.shape
     sorted_RV, order_RV = scaled_RV.sort(dim=-1, descending=True)
     rank_V = torch.arange(V, device=scaled_RV.device)
     drop_RV = rank_V[None, :] >= k_R[:, None]
+    if min_p_R is not None:
+        drop_RV = drop_RV | (sorted_RV - sorted_RV[:, :1] < min_p_R[:, None].to(sorted_RV.dtype).log())
     sorted_RV = sorted_RV.masked_fill(drop_RV, float("-inf"))
     probs_RV = torch.softmax(sorted_RV, dim=-1)
-    # Drop a token when the mass strictly before it already reaches top_p (the top token survives).
+    # Drop a token when the mass strictly before it already reaches top_p (the top token survives);
+    # top_p = 1 drops none (a rounded mass before the tail can reach 1: ``_min_p_rows`` keeps the tail too)
     mass_before_RV = probs_RV.cumsum(dim=-1) - probs_RV
-    drop_RV = drop_RV | (mass_before_RV >= p_R[:, None])
+    drop_RV = drop_RV | ((mass_before_RV >= p_R[:, None]) & (p_R[:, None] < 1))
     sorted_RV = sorted_RV.masked_fill(drop_RV, float("-inf"))
     return torch.full_like(scaled_RV, float("-inf")).scatter(1, order_RV, sorted_RV)
+
+
+def _min_p_rows(scaled_RV: torch.Tensor, min_p_R: torch.Tensor) -> torch.Tensor:
+    """``_truncate_rows`` of rows without top-k and top-p, without its sort: the same comparison with
+    the row's maximum (the sorted row's first value), so the same kept set and values."""
+    max_R1 = scaled_RV.amax(dim=-1, keepdim=True)
+    return scaled_RV.masked_fill(scaled_RV - max_R1 < min_p_R[:, None].to(scaled_RV.dtype).log(), float("-inf"))
 
 
 def _truncate(scaled_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -764,7 +891,8 @@ def _truncate(scaled_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     R, V = scaled_RV.shape
     k_R = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=scaled_RV.device)
     p_R = torch.tensor([p.top_p for p in params], device=scaled_RV.device, dtype=scaled_RV.dtype)
-    return _truncate_rows(scaled_RV, k_R, p_R)
+    min_p_R = torch.tensor([p.min_p for p in params], device=scaled_RV.device, dtype=scaled_RV.dtype)
+    return _truncate_rows(scaled_RV, k_R, p_R, min_p_R)
 
 
 def suppressed_ids(params: SamplingParams, num_generated: int, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:

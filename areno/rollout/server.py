@@ -8,7 +8,10 @@ Endpoints
   at the default); OpenAI fields the engine cannot honour (``frequency_penalty``, ``presence_penalty``,
   ``logit_bias``, ``suffix``, ``best_of``, ``response_format``, ``tool_choice``, ...) are accepted only
   at their no-op value; ``user`` is accepted and changes nothing. Every choice also carries
-  ``token_ids`` and ``prompt_token_ids`` so RL clients never re-tokenise.
+  ``token_ids`` and ``prompt_token_ids`` so RL clients never re-tokenise. Besides OpenAI's fields both
+  routes take vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``
+  and ``ignore_eos`` (``/generate``: ``SamplingParams``' names); the log-probs are of the
+  temperature-scaled model distribution, before any of them (``rollout/sampling.py``).
 - Token level: ``POST /generate`` ``{prompt_ids, sampling_params, request_id}`` → ``GenerationOutput``
   (what ``HTTPRolloutClient`` uses).
 - Admin: ``GET /health`` (200 with ``paused``, or 503 with a reason when the engine's driver thread
@@ -96,6 +99,8 @@ def _temperature(value: float) -> float:
 Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False), AfterValidator(_temperature)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1)]
+MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=-MAX_SEED, le=MAX_SEED)]
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -121,6 +126,8 @@ class _Sampling(BaseModel):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -159,6 +166,8 @@ class _Sampling(BaseModel):
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
                 min_new_tokens=self.min_tokens,
                 max_new_tokens=max_tokens,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -280,6 +289,8 @@ class TokenSampling(BaseModel):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     min_new_tokens: int = Field(default=0, ge=0)
     max_new_tokens: int = Field(default=128, gt=0)
     stop_token_ids: list[TokenId] = Field(default_factory=list)
@@ -388,7 +399,17 @@ def _engine_error(exc: BaseException) -> _BadRequest:
     return _BadRequest(None, f"the rollout engine failed: {type(exc).__name__}: {exc}", status=500)
 
 
-_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_new_tokens", "max_new_tokens", "seed", "stop"}
+_SAMPLING_FIELDS = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_new_tokens",
+    "max_new_tokens",
+    "seed",
+    "stop",
+}
 
 
 def _param_of(message: str) -> str | None:

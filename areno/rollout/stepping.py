@@ -32,6 +32,7 @@ from areno.rollout.control import EngineControl
 from areno.rollout.cuda_graph import DecodeGraphRunner
 from areno.rollout.kv_cache import KVCache
 from areno.rollout.prefill_graph import PrefillGraphRunner
+from areno.rollout.presence import PresenceTable
 from areno.rollout.requests import RequestTable
 from areno.rollout.sampling import RowParams, RowTable, check_stop, stop_decision
 from areno.rollout.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -72,9 +73,11 @@ class Stepper:
         eos_token_ids: tuple[int, ...],
         logits: Callable[[torch.Tensor], torch.Tensor],
         sample_rows: Callable[[torch.Tensor, RowParams], tuple[torch.Tensor, torch.Tensor]],
+        presence: PresenceTable,
     ) -> None:
         """``config``: the engine's ``RolloutEngineConfig``; ``logits``: hidden states [B, D] to
-        full-vocabulary logits [B, V] (fp32, or the model dtype on CUDA); ``sample_rows``: logits to token ids and log-probs [B]."""
+        full-vocabulary logits [B, V] (fp32, or the model dtype on CUDA); ``sample_rows``: logits to token ids and log-probs [B];
+        ``presence``: the seen tokens of each slot's sequence, which the sampler reads for a repetition penalty."""
         self.control, self.requests, self.scheduler = control, requests, scheduler
         self.model, self.cache, self.config, self.device = model, cache, config, device
         self.decode_steps, self.max_model_len, self.max_position = decode_steps, max_model_len, max_position
@@ -92,6 +95,8 @@ class Stepper:
                 b.record = self.routes
         self.row_table = RowTable(config.max_num_seqs + 1)
         """Static sampling rows of the running requests by slot (``Sequence.row``)."""
+        self.presence = presence
+        """Seen tokens by slot: synced before a step with a penalised row (rows new to their slot rebuilt)."""
         # Counters (``RolloutEngine.stats``), plain ints: the server's watchdog reads ``steps`` unlocked.
         self.steps = 0
         self.round_trips = 0
@@ -160,7 +165,10 @@ class Stepper:
             lengths,
             self.max_model_len,
             self.device,
+            self.presence,
         )
+        if rp.any_penalty:
+            self.presence.sync(slots, sampling)
         if pure_decode:
             k = self._plan_decode_steps(batch.seqs)
             if k > 1 and self.overlap:

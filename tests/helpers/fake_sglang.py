@@ -110,6 +110,8 @@ def fake_sglang_app(model_dir: Path, eos_token_id: int, *, die_after: int | None
             temperature=sp.get("temperature", 1.0),
             top_p=sp.get("top_p", 1.0),
             top_k=sp.get("top_k", -1),
+            min_p=sp.get("min_p", 0.0),
+            repetition_penalty=sp.get("repetition_penalty", 1.0),
             max_new_tokens=sp.get("max_new_tokens", 128),
             min_new_tokens=sp.get("min_new_tokens", 0),
             stop_token_ids=tuple(sp.get("stop_token_ids") or ()),

@@ -65,7 +65,14 @@ def test_row_table_gather_equals_build_for_any_subset_and_after_growth():
             table, [slots[i] for i in pick], [n_gen[i] for i in pick], [lengths[i] for i in pick], 64, cpu
         )
         want = RowParams.build(
-            [params[i] for i in pick], [n_gen[i] for i in pick], [lengths[i] for i in pick], EOS, V, 64, cpu
+            [params[i] for i in pick],
+            [n_gen[i] for i in pick],
+            [lengths[i] for i in pick],
+            EOS,
+            V,
+            64,
+            cpu,
+            slots=[slots[i] for i in pick],
         )
         _same(got, want)
     # a slot taken by another request is rewritten; one held by the same request is not
@@ -74,7 +81,8 @@ def test_row_table_gather_equals_build_for_any_subset_and_after_growth():
     assert torch.equal(table.table_FR, before)
     table.sync([slots[0]], [rows[2]])
     _same(
-        RowParams.gather(table, [slots[0]], [1], [4], 64, cpu), RowParams.build([params[2]], [1], [4], EOS, V, 64, cpu)
+        RowParams.gather(table, [slots[0]], [1], [4], 64, cpu),
+        RowParams.build([params[2]], [1], [4], EOS, V, 64, cpu, slots=[slots[0]]),
     )
 
 

@@ -6,7 +6,9 @@ holds the output so far (SGLang's default, cumulative streaming): its ``meta_inf
 ``finish_reason`` object (an ``abort`` one is a ``RolloutServerError``: the request is retried on
 another server). A server run with ``--incremental-streaming-output`` sends only the new tokens;
 ``completion_tokens`` tells the two apart. SGLang's log-probs are of the temperature-scaled
-distribution unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``. Untested against
+distribution unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: before top-k/top-p/min-p
+(as areno's), after the repetition penalty, which SGLang applies to the logits first (areno's are
+before it: a training run keeps ``rollout.repetition_penalty=1`` with SGLang). Untested against
 SGLang itself (it does not install on the CPU machine areno is developed on): tested against
 recorded answers and a stand-in server on areno's engine (``tests/helpers/fake_sglang.py``).
 """
@@ -30,6 +32,8 @@ class SGLangRolloutClient(StreamingServerClient):
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k,
+            "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
             "max_new_tokens": params.max_new_tokens,
             "min_new_tokens": params.min_new_tokens,
             "stop_token_ids": list(params.stop_token_ids),

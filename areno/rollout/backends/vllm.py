@@ -6,8 +6,10 @@ log-prob of each sampled token (``logprobs: 0``). Those log-probs are areno's on
 runs with ``--logprobs-mode processed_logprobs`` (log-softmax of the temperature-scaled logits, as
 areno's engine and the trainer's recompute; vLLM's default, ``raw_logprobs``, ignores the
 temperature): areno's launcher passes it, a server you start needs it too. They are of the
-distribution after top-k/top-p truncation as well, which areno's are not: keep ``rollout.top_p=1``
-and ``rollout.top_k=-1`` with vLLM (``logprob_abs_diff`` shows the difference otherwise); and after
+distribution after top-k/top-p/min-p truncation and the repetition penalty as well (vLLM applies the
+penalty, the temperature, then min-p, top-k and top-p), which areno's are not: a training run keeps
+``rollout.top_p=1``, ``rollout.top_k=-1``, ``rollout.min_p=0`` and ``rollout.repetition_penalty=1``
+with vLLM (refused at config load; ``logprob_abs_diff`` would show the difference); and after
 the min-tokens processor masks the stop tokens, so a request with ``min_new_tokens`` is refused. A
 stream that ends with ``finish_reason: abort`` is a ``RolloutServerError`` (retried elsewhere), not a
 short completion.
@@ -46,6 +48,8 @@ class VLLMRolloutClient(StreamingServerClient):
             "min_tokens": params.min_new_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
+            "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
             "stop_token_ids": list(params.stop_token_ids),
             "stop": list(params.stop),
             "include_stop_str_in_output": True,
