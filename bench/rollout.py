@@ -18,7 +18,7 @@ whichever value goes first), so ``--decode-attention gather paged gather`` compa
 
 Sampling: ``--temperature`` takes one or more values (0 = greedy, the default), each run side by side
 like the decode-attention values (one engine run per attention value x temperature); sampled runs use
-``--top-p`` / ``--top-k`` and, as RL rollouts do (the ledger seeds every request), per-request seeds
+``--top-p`` / ``--top-k`` / ``--min-p``, every run ``--repetition-penalty`` (greedy rows too), and, as RL rollouts do (the ledger seeds every request), per-request seeds
 ``--seed + i`` (``--unseeded``: the engine's generator instead). Several runs: ``by_run`` holds each one's
 figures under a label such as ``paged T=1.0``; the top-level figures are the first run's. ``transformers``
 generate uses the first temperature's sampling (do_sample when > 0).
@@ -148,6 +148,8 @@ def run_hf(
         eos_token_id=None,
         use_cache=True,
     )
+    if sampling and sampling.get("repetition_penalty", 1.0) != 1.0:  # greedy rows too
+        kw.update(repetition_penalty=sampling["repetition_penalty"])
     if sampling and sampling["temperature"] > 0:
         kw.update(
             do_sample=True,
@@ -155,6 +157,8 @@ def run_hf(
             top_p=sampling["top_p"],
             top_k=max(sampling["top_k"], 0),
         )  # 0: no top-k (the generation config's default is 50)
+        if sampling.get("min_p", 0.0) > 0:
+            kw.update(min_p=sampling["min_p"])
     hf.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     sync(device)
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -165,15 +169,21 @@ def run_hf(
 
 
 def request_params(args, temperature: float, new_tokens: int, n: int) -> list:
-    """One ``SamplingParams`` per prompt: greedy at temperature 0, else ``--top-p`` / ``--top-k``
-    and the per-request seed ``--seed + i`` (none with ``--unseeded``)."""
+    """One ``SamplingParams`` per prompt: greedy at temperature 0, else ``--top-p`` / ``--top-k`` /
+    ``--min-p`` and the per-request seed ``--seed + i`` (none with ``--unseeded``); both with
+    ``--repetition-penalty``."""
     if temperature <= 0:
-        return [SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)] * n
+        greedy = SamplingParams(
+            temperature=0, max_new_tokens=new_tokens, ignore_eos=True, repetition_penalty=args.repetition_penalty
+        )
+        return [greedy] * n
     return [
         SamplingParams(
             temperature=temperature,
             top_p=args.top_p,
             top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
             max_new_tokens=new_tokens,
             ignore_eos=True,
             seed=None if args.unseeded else args.seed + i,
@@ -405,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--top-p", type=float, default=1.0, help="sampled runs: nucleus mass")
     ap.add_argument("--top-k", type=int, default=-1, help="sampled runs: top-k (-1: off)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="sampled runs: min-p (0: off)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="every run: repetition penalty (1: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampled runs: request i has seed SEED + i")
     ap.add_argument("--unseeded", action="store_true", help="sampled runs: no per-request seeds (engine generator)")
     args = ap.parse_args(argv)
@@ -481,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         "temperature_runs": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
         "seeded": not args.unseeded,
         "fused_projections": args.fused_projections,
         "compare_fused_projections": args.compare_fused_projections,
@@ -541,7 +555,13 @@ def main(argv: list[str] | None = None) -> int:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        sampling = {"temperature": args.temperature[0], "top_p": args.top_p, "top_k": args.top_k}
+        sampling = {
+            "temperature": args.temperature[0],
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+        }
         hf_s, hf_out = run_hf(hf, prompts, new_tokens, device, sampling)
         same = sum(a == b for a, b in zip(eng_out, hf_out))
         first_tok = sum(a[0] == b[0] for a, b in zip(eng_out, hf_out))

@@ -86,7 +86,22 @@ class PresenceTable:
 def apply_repetition_penalty(logits_BV: torch.Tensor, seen_BV: torch.Tensor, penalty_B: torch.Tensor) -> torch.Tensor:
     """float32 [B, V]: the logits of seen tokens divided by the row's penalty where positive,
     multiplied by it otherwise (Hugging Face's ``RepetitionPenaltyLogitsProcessor``, vLLM's
-    ``apply_penalties``); a row of penalty 1 keeps its values exactly (x / 1 and x * 1 are x)."""
-    x_BV = logits_BV.float()
+    ``apply_penalties``); a row of penalty 1 keeps its values exactly (x / 1 and x * 1 are x). On CPU
+    only the seen entries are touched (``_penalize_seen``; the same values)."""
+    if logits_BV.device.type == "cpu":
+        return _penalize_seen(logits_BV.float(), seen_BV, penalty_B)
+    return _penalize_dense(logits_BV.float(), seen_BV, penalty_B)
+
+
+def _penalize_dense(x_BV: torch.Tensor, seen_BV: torch.Tensor, penalty_B: torch.Tensor) -> torch.Tensor:
+    """Capture-safe: element-wise over [B, V], no data-dependent shape."""
     p_B1 = penalty_B[:, None].to(x_BV.dtype)
     return torch.where(seen_BV, torch.where(x_BV > 0, x_BV / p_B1, x_BV * p_B1), x_BV)
+
+
+def _penalize_seen(x_BV: torch.Tensor, seen_BV: torch.Tensor, penalty_B: torch.Tensor) -> torch.Tensor:
+    """The seen entries only (a few hundred of a row's V; ``nonzero`` is no device sync on the host):
+    the dense form's five [B, V] passes were ~40% of a greedy CPU decode step of a 20M model."""
+    b_N, v_N = seen_BV.nonzero(as_tuple=True)
+    x_N, p_N = x_BV[b_N, v_N], penalty_B[b_N].to(x_BV.dtype)
+    return x_BV.clone().index_put_((b_N, v_N), torch.where(x_N > 0, x_N / p_N, x_N * p_N))

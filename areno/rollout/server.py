@@ -143,8 +143,16 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
 
     NO_OP: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
-        "frequency_penalty": ((None, 0), "this engine samples without penalties: send 0 or drop it"),
-        "presence_penalty": ((None, 0), "this engine samples without penalties: send 0 or drop it"),
+        "frequency_penalty": (
+            (None, 0),
+            "this engine samples without penalties but repetition_penalty (vLLM's field, which it takes): send 0 "
+            "or drop it",
+        ),
+        "presence_penalty": (
+            (None, 0),
+            "this engine samples without penalties but repetition_penalty (vLLM's field, which it takes): send 0 "
+            "or drop it",
+        ),
         "logit_bias": ((None, {}), "this engine samples without logit biases: drop it"),
     }
     """Fields accepted only at these values (what the engine does anyway), with why another is refused."""

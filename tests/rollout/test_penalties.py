@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areno.errors import ConfigError
-from areno.rollout.presence import PresenceTable, apply_repetition_penalty
+from areno.rollout.presence import PresenceTable, _penalize_dense, _penalize_seen, apply_repetition_penalty
 from areno.rollout.sampling import Sampler, SampleRequest, _min_p_rows, _Seen, _truncate
 from areno.types import SamplingParams
 from tests.helpers.rollout import drive_arrivals, engine, make_model, random_prompts
@@ -91,6 +91,12 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert got.tolist() == [[1.0, -2.0, 0.5, -1.0, 1.5, 0.0]]
     # penalty 1 leaves every value exactly
     assert torch.equal(apply_repetition_penalty(logits, table.rows(torch.tensor([0])), torch.tensor([1.0])), logits)
+    # the CPU form (seen entries only) and the dense one (CUDA, graphs) give the same values
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 500, generator=g) * 4
+    seen = torch.rand(8, 500, generator=g) < 0.1
+    pen = torch.tensor([1.0, 1.3, 0.7, 2.0, 1e4, 1.0, 1.1, 5.0])
+    assert torch.equal(_penalize_seen(x, seen, pen), _penalize_dense(x, seen, pen))
 
 
 def test_greedy_and_sampled_rows_draw_from_the_penalised_logits_and_report_the_models_logprob():
