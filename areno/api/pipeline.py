@@ -288,7 +288,14 @@ def run_demo(*, run_dir: str = "runs/demo", overrides: list[str] = ()) -> dict[s
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     curve = Path(config.run_dir) / "curve.png"
     steps = f"{config.train.steps} {config.train.algorithm} steps"  # the recipe an override chose
-    if before is None or after is None:  # a resumed demo evaluated only after its steps (or none were left)
+    if config.reward.several():  # eval/accuracy is the weighted sum's mean, not a fraction solved
+        shown = "n/a" if after is None else f"{after:.3f}"
+        start = "" if before is None else f"{before:.3f} -> "
+        print(
+            f"demo: held-out mean reward (reward.fn's weighted sum) {start}{shown} after {steps}; each function's "
+            f"mean is eval/reward/<name>_mean in {Path(config.run_dir) / 'metrics.jsonl'}; curve: {curve}"
+        )
+    elif before is None or after is None:  # a resumed demo evaluated only after its steps (or none were left)
         held = "n/a" if after is None else f"{after:.1%}"
         print(f"demo (resumed): held-out accuracy {held} after {steps}; curve: {curve}")
     else:

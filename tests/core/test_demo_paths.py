@@ -47,3 +47,17 @@ def test_the_demo_line_names_the_recipe_it_ran(tmp_path, captured, capsys):
     assert "after 120 dapo steps" in capsys.readouterr().out
     pipeline.run_demo(run_dir=str(tmp_path / "run2"))
     assert "after 120 grpo steps" in capsys.readouterr().out
+
+
+def test_a_demo_with_a_reward_list_says_mean_reward_not_accuracy(tmp_path, monkeypatch, capsys):
+    """With ``reward.fn`` a list, eval/accuracy is the weighted sum's mean (1.5 at best with weights 1, 0.5): the
+    line says so, and where each function's mean is, instead of a percentage of rows solved."""
+    monkeypatch.setattr(pipeline, "run_pipeline", lambda config: {"accuracy_before": 0.948, "accuracy_after": 1.2})
+    overrides = [
+        "reward.fn=[areno.rewards.tasks:exact_match,areno.rewards.tasks:exact_match]",
+        "reward.weights=[1,0.5]",
+    ]
+    pipeline.run_demo(run_dir=str(tmp_path / "run"), overrides=overrides)
+    out = capsys.readouterr().out
+    assert "held-out mean reward (reward.fn's weighted sum) 0.948 -> 1.200 after 120 grpo steps" in out
+    assert "eval/reward/<name>_mean" in out and "accuracy" not in out
