@@ -177,6 +177,7 @@ def engine_options(args) -> argparse.Namespace:
     return argparse.Namespace(
         block_size=16, max_tokens_per_step=8192, prefill_chunk_size=2048, kv_memory_fraction=0.3,
         no_cuda_graphs=args.no_cuda_graphs, cpu_kv_gb=1, decode_steps=None, fused_kernels=True, profile=False,
+        repetition_penalty=1.0, min_p=0.0,  # request_params' sampling settings, off
     )  # fmt: skip
 
 

@@ -51,13 +51,13 @@ def test_fused_head_keeps_the_logits_bit_for_bit(monkeypatch, with_entropy):
     """The fused path's backward from forward's kept logits (keep_logits_budget) equals the recomputed one."""
     monkeypatch.setattr(lp_mod, "_KERNELS", (lp_mod._fused_forward_stats, lp_mod._fused_grad_logits))
     logits_matmuls = []
-    real_mm = torch.Tensor.__matmul__
+    real_logits = lp_mod._logits
 
-    def counting_mm(a, b):  # the head's logits: hidden [C, D] @ weight.t() [D, V]
-        logits_matmuls.append(b.shape == (D, V))
-        return real_mm(a, b)
+    def counting_logits(h_CD, weight_mm_VD, packed):  # the head's logits of a chunk (MKL's or oneDNN's product)
+        logits_matmuls.append(weight_mm_VD.shape == (V, D))
+        return real_logits(h_CD, weight_mm_VD, packed)
 
-    monkeypatch.setattr(torch.Tensor, "__matmul__", counting_mm)
+    monkeypatch.setattr(lp_mod, "_logits", counting_logits)
     monkeypatch.setattr(lp_mod, "keep_logits_budget", lambda device: 0)
     recomputed = _head(True, 0.7, with_entropy)
     assert sum(logits_matmuls) == 2 * 3  # 3 chunks of 5 tokens, in forward and again in backward
