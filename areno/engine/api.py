@@ -47,7 +47,7 @@ from areno.engine.host import HeapFreezer
 from areno.engine.ledger import SEQ_KEY, LedgerWorkflow, ResumableStaleness, SampleLedger, SeedingClient
 from areno.engine.residency import Phase, Residency
 from areno.engine.rollout_side import RolloutSide
-from areno.engine.scoring import ascore_rows, eval_metrics, eval_params, held_burst
+from areno.engine.scoring import ascore_rows, eval_metrics, eval_params, held_burst, rollout_sampling
 from areno.engine.seams import SideSetup, WeightKind, choose_weight_kind
 from areno.engine.training_side import TrainingSide
 from areno.errors import ConfigError, ModelDirError, RunFailure
@@ -148,15 +148,7 @@ def rollout_max_num_seqs(cfg: ArenoConfig) -> int:
 
 def rollout_sampling_params(cfg: ArenoConfig) -> SamplingParams:
     """The sampling of training rollouts (``rollout`` section); evaluations take ``scoring.eval_params``."""
-    r = cfg.rollout
-    return SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        min_p=r.min_p,
-        repetition_penalty=r.repetition_penalty,
-        max_new_tokens=r.max_new_tokens,
-    )
+    return rollout_sampling(cfg)
 
 
 def warm_up_rollout_engine(engine, cfg: ArenoConfig) -> int:

@@ -177,14 +177,21 @@ def eval_params(cfg: ArenoConfig, samples: int, temperature: float | None, *, na
             f"{name}: {samples} samples at temperature 0 repeat one greedy completion: sample at a temperature > 0 "
             "(or take 1 sample)"
         )
+    return rollout_sampling(cfg, temperature, detokenize=False)
+
+
+def rollout_sampling(cfg: ArenoConfig, temperature: float | None = None, **extra: Any) -> SamplingParams:
+    """The ``rollout`` section's sampling (temperature, top-p/k, min-p, repetition penalty, length) at
+    ``temperature`` (None: ``rollout.temperature``), with ``extra`` ``SamplingParams`` fields."""
+    r = cfg.rollout
     return SamplingParams(
-        temperature=temperature,
+        temperature=r.temperature if temperature is None else temperature,
         top_p=r.top_p,
         top_k=r.top_k,
         min_p=r.min_p,
         repetition_penalty=r.repetition_penalty,
         max_new_tokens=r.max_new_tokens,
-        detokenize=False,
+        **extra,
     )
 
 

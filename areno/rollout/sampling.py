@@ -211,13 +211,17 @@ class SampleMode(NamedTuple):
     sample: bool
     """Some row samples (temperature > 0); False: every row is greedy, a plain argmax."""
     truncate: bool
-    """Some sampling row uses top-k or top-p (a sort over the vocabulary)."""
+    """Some sampling row uses top-k, top-p or min-p."""
     hash_noise: bool
     """Some sampling row has its own seed (a uniform hashed from its seed and counter)."""
     rng_noise: bool
     """Some sampling row has no seed (noise from the engine's generator)."""
     penalize: bool = False
     """Some row (greedy or not) has a repetition penalty (its seen tokens read from the presence table)."""
+    min_p_only: bool = False
+    """The truncating rows use min-p alone (no top-k or top-p): a threshold against each row's maximum
+    (``_min_p_rows``) instead of a sort over the vocabulary (at 151,936 tokens the sort added ~2 ms to a 0.5B
+    model's 1.2 ms decode step on an H100)."""
 
     @classmethod
     def of(cls, params: SamplingParams) -> SampleMode:
@@ -225,8 +229,9 @@ class SampleMode(NamedTuple):
         penalize = params.repetition_penalty != 1.0
         if params.temperature <= 0:
             return GREEDY._replace(penalize=penalize)
-        truncate = params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0
-        return cls(True, truncate, params.seed is not None, params.seed is None, penalize)
+        sort = params.top_k > 0 or params.top_p < 1.0
+        min_p_only = params.min_p > 0 and not sort
+        return cls(True, sort or min_p_only, params.seed is not None, params.seed is None, penalize, min_p_only)
 
 
 GREEDY = SampleMode(False, False, False, False)
@@ -386,7 +391,10 @@ class RowParams:
         """The batch-level choices of this batch (``Sampler.sample_static``)."""
         if self.all_greedy:
             return GREEDY._replace(penalize=self.any_penalty)
-        return SampleMode(True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0, self.any_penalty)
+        min_p_only = self.any_truncate and not self.any_sort
+        return SampleMode(
+            True, self.any_truncate, self.num_seeded > 0, self.num_unseeded > 0, self.any_penalty, min_p_only
+        )
 
     def __getattr__(self, name: str):
         # The per-row tensors (``RowTensors``' fields) read as attributes; decoded at first use.
@@ -750,7 +758,9 @@ class Sampler:
             tokens_B = masked_BV.argmax(dim=-1)
         else:
             race_BV = masked_BV
-            if mode.truncate:
+            if mode.min_p_only:  # the same kept set without the sort, as in sample_rows
+                race_BV, weights_BV = _min_p_rows(masked_BV, rows.min_p_B), None
+            elif mode.truncate:
                 race_BV, weights_BV = _truncate_rows(masked_BV, rows.top_k_B, rows.top_p_B, rows.min_p_B), None
             else:  # as sample_rows
                 weights_BV = _zero_suppressed(weights_BV, rows.stop_ids_BS, pending_BS)

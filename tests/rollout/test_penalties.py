@@ -13,7 +13,7 @@ import torch
 
 from areno.errors import ConfigError
 from areno.rollout.presence import PresenceTable, _penalize_dense, _penalize_seen, apply_repetition_penalty
-from areno.rollout.sampling import Sampler, SampleRequest, _min_p_rows, _Seen, _truncate
+from areno.rollout.sampling import SampleMode, Sampler, SampleRequest, _min_p_rows, _Seen, _truncate
 from areno.types import SamplingParams
 from tests.helpers.rollout import drive_arrivals, engine, make_model, random_prompts
 
@@ -337,3 +337,21 @@ def test_penalised_rows_in_the_captured_loop_graph_match_eager_on_gpu():
     for o, p, sp in zip(outs["k_graph"], prompts, params):
         if sp.temperature == 0:
             assert o.output_ids == naive(model, p, 20, sp.repetition_penalty)[0]
+
+
+def test_a_min_p_only_batch_takes_the_sortless_threshold_in_the_loop_graph_too(model_cfg):
+    """Rows with min-p and no top-k / top-p: the decode-loop graph's mode says so (``min_p_only``) and runs the
+    threshold, not the vocabulary sort; the tokens and log-probs are the one-step eager engine's."""
+    params = [
+        SamplingParams(temperature=0.9, max_new_tokens=12, ignore_eos=True, min_p=m, seed=s)
+        for m, s in ((0.2, 1), (0.05, 2))
+    ]
+    prompts = random_prompts(len(params), 7)
+    eager = engine(model_cfg, 1).generate(prompts, params)
+    looped_engine = engine(model_cfg, 4, graphs=True)
+    looped = looped_engine.generate(prompts, params)
+    assert {key[4].min_p_only for key in looped_engine._graphs._loops} == {True}
+    for a, b in zip(looped, eager):
+        assert a.output_ids == b.output_ids
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+    assert SampleMode.of(params[0]).min_p_only and not SampleMode.of(replace(params[0], top_p=0.9)).min_p_only
