@@ -132,6 +132,12 @@ def _not_registered(module: str, imported: ModuleType, short: str) -> ConfigErro
 
 
 REFERENCE_SYNC_OPTIONS: dict[str, Any] = {"ref_sync_steps": 0, "ref_sync_alpha": 0.6}
+_REFERENCE_SYNC_DOCS = {
+    "ref_sync_steps": "Every this many optimizer steps of the policy the frozen reference moves toward it (TRL's "
+    "sync_ref_model with ref_model_sync_steps); 0: the reference stays the initial policy.",
+    "ref_sync_alpha": "How far it moves: ref = alpha * policy + (1 - alpha) * ref (TRL's ref_model_mixup_alpha), in "
+    "(0, 1].",
+}
 """``train.algorithm_kwargs`` keys of every recipe, with their defaults, that move its frozen copy of the policy
 (the reference) toward the policy (``ReferenceSync``, ``with_reference_sync``): TRL's ``ref_model_sync_steps``
 (``sync_ref_model`` is ``ref_sync_steps`` > 0; 0 is off) and ``ref_model_mixup_alpha``."""
@@ -953,6 +959,16 @@ def _print_options(name: str, cfg: TrainingConfig) -> None:
             print(textwrap.fill(text, width=100, initial_indent=" " * 8, subsequent_indent=" " * 8))
     if valid is None:
         print(f"    (and any keyword {cfg.policy_role.specialization_cls.__name__}.__init__ takes: **kwargs)")
+    policy = cfg.policy_role
+    has_reference = any(not r.trainable and r.model_path == policy.model_path for r in cfg.roles)
+    if has_reference or "kl_coef" in inspect.signature(TRAINING_CONFIGS[name]).parameters:
+        where = "" if has_reference else " (with a reference: train.algorithm_kwargs.kl_coef > 0)"
+        print(f"  the reference role following the policy{where}:")
+        for key, value in REFERENCE_SYNC_OPTIONS.items():
+            print(f"    {key}={_shown(value)}")
+            print(
+                textwrap.fill(_REFERENCE_SYNC_DOCS[key], width=100, initial_indent=" " * 8, subsequent_indent=" " * 8)
+            )
     for k, setting in RUN_SET_OPTIONS.items():
         if valid is not None and k in valid:
             print(f"  set by the run, not train.algorithm_kwargs: {k} = {setting}")

@@ -241,3 +241,18 @@ def test_resuming_a_checkpoint_without_the_reference_is_refused(tmp_path):
         ConfigError, match="holds no weights of role 'reference', which train.algorithm_kwargs.ref_sync"
     ):
         run_to_end(load_config(None, later))
+
+
+def test_areno_recipes_lists_the_reference_sync_keys_where_a_reference_can_be(capsys):
+    """``areno recipes NAME`` shows ``ref_sync_steps`` / ``ref_sync_alpha`` with their defaults and meanings for a
+    recipe with a reference (ppo_kl), or one that gains it with kl_coef (grpo, said so), not for sft."""
+    from areno.cli import main as areno_main
+
+    for name, shown in (("ppo_kl", True), ("grpo", True), ("sft", False)):
+        assert areno_main(["recipes", name]) == 0
+        out = capsys.readouterr().out
+        assert ("    ref_sync_steps=0\n" in out and "    ref_sync_alpha=0.6\n" in out) == shown, name
+    assert areno_main(["recipes", "grpo"]) == 0
+    assert "the reference role following the policy (with a reference: train.algorithm_kwargs.kl_coef > 0):" in (
+        capsys.readouterr().out
+    )
