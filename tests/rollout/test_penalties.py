@@ -225,12 +225,13 @@ def test_areno_server_takes_min_p_and_repetition_penalty(tiny_model_dir):
     eng, tokenizer = build_engine(str(tiny_model_dir), device="cpu", num_blocks=64, block_size=8, max_model_len=64)
     prompt = tokenizer("hello")["input_ids"]
     sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    body = {"prompt_ids": prompt, "sampling_params": {**sp, "repetition_penalty": 50.0, "min_p": 0.1}}
+    # the engine's own answer before the server drives it (its driver thread would take this request's output)
+    want = eng.generate([prompt], SamplingParams(**body["sampling_params"]))[0]
     with TestClient(create_app(eng, tokenizer=tokenizer, model_name="tiny")) as client:
         plain = client.post("/generate", json={"prompt_ids": prompt, "sampling_params": sp}).json()
-        body = {"prompt_ids": prompt, "sampling_params": {**sp, "repetition_penalty": 50.0, "min_p": 0.1}}
         r = client.post("/generate", json=body)
         assert r.status_code == 200, r.text
-        want = eng.generate([prompt], SamplingParams(**body["sampling_params"]))[0]
         assert r.json()["output_ids"] == want.output_ids and _repeats(prompt, want.output_ids) == 0
         assert plain["output_ids"] != want.output_ids
         r = client.post(
