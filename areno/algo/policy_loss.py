@@ -400,8 +400,10 @@ def vespo_loss_T(
     ``vespo_weight`` (``phi``), ``approx_kl``, ``ratio`` (``w``).
     """
     mask_T = loss_mask_T.bool()
-    log_ratio_T = _masked((logprobs_T - old_logprobs_T).detach().clamp(-20.0, 20.0), mask_T)
-    log_w_B = sequence_sum_B(log_ratio_T, cu_seqlens_B1, mask_T).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    log_ratio_T = _masked((logprobs_T - old_logprobs_T).detach(), mask_T)
+    log_w_B = sequence_sum_B(log_ratio_T.clamp(-20.0, 20.0), cu_seqlens_B1, mask_T).clamp(
+        VESPO_LOG_W_MIN, VESPO_LOG_W_MAX
+    )
     log_w_T = repeat_per_sequence(log_w_B, cu_seqlens_B1)
     nonneg_T = advantages_T >= 0
     k_T = torch.where(nonneg_T, k_pos, k_neg).to(log_w_T.dtype)
@@ -411,7 +413,7 @@ def vespo_loss_T(
     loss_T = -phi_T * advantages_T * logprobs_T
     stats = {
         "vespo_weight": _masked(phi_T, mask_T),
-        "approx_kl": (-_masked(logprobs_T - old_logprobs_T.detach(), mask_T)).detach(),
+        "approx_kl": -log_ratio_T,
         "ratio": _masked(torch.exp(log_w_T), mask_T),
     }
     return _masked(loss_T, mask_T), stats

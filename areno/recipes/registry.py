@@ -132,6 +132,14 @@ def _not_registered(module: str, imported: ModuleType, short: str) -> ConfigErro
 
 
 REFERENCE_SYNC_OPTIONS: dict[str, Any] = {"ref_sync_steps": 0, "ref_sync_alpha": 0.6}
+
+
+def frozen_policy_copies(cfg: TrainingConfig) -> list[str]:
+    """The frozen roles that load the policy's checkpoint (a reference the policy's weights may move)."""
+    policy = cfg.policy_role
+    return [r.name for r in cfg.roles if not r.trainable and r.model_path == policy.model_path]
+
+
 _REFERENCE_SYNC_DOCS = {
     "ref_sync_steps": "Every this many optimizer steps of the policy the frozen reference moves toward it (TRL's "
     "sync_ref_model with ref_model_sync_steps); 0: the reference stays the initial policy.",
@@ -215,8 +223,7 @@ def with_reference_sync(name: str, cfg: TrainingConfig, given: Mapping[str, Any]
                 f"set {key}ref_sync_steps too (e.g. 512, TRL's ref_model_sync_steps), or drop it"
             )
         return cfg
-    policy = cfg.policy_role
-    copies = [r.name for r in cfg.roles if not r.trainable and r.model_path == policy.model_path]
+    copies = frozen_policy_copies(cfg)
     if len(copies) != 1:
         if copies:
             why = (
@@ -227,7 +234,7 @@ def with_reference_sync(name: str, cfg: TrainingConfig, given: Mapping[str, Any]
         else:
             why = f"recipe {name!r} has none: drop it, or use a recipe with one (grpo with kl_coef > 0, ppo_kl, dpo)"
         raise ConfigError(f"{key}ref_sync_steps={steps} moves a frozen reference role toward the policy, but {why}")
-    sync = ReferenceSync(source=policy.name, target=copies[0], alpha=float(alpha), every=steps)
+    sync = ReferenceSync(source=cfg.policy_role.name, target=copies[0], alpha=float(alpha), every=steps)
     return dataclasses.replace(cfg, reference_sync=sync)
 
 
@@ -304,7 +311,7 @@ def _check_option_names(cfg: TrainingConfig, policy_kwargs: dict[str, Any], fact
             *(k for k in valid if k not in RUN_SET_OPTIONS),
             *(k for k in factory_options if k not in valid),
         ]
-        if any(not r.trainable and r.model_path == role.model_path for r in cfg.roles):  # a reference to move
+        if frozen_policy_copies(cfg):  # a reference to move
             everything += [k for k in REFERENCE_SYNC_OPTIONS if k not in everything]
         raise ConfigError(
             f"role {role.name!r}: bad arguments for {role.specialization_cls.__name__}: "
@@ -959,8 +966,7 @@ def _print_options(name: str, cfg: TrainingConfig) -> None:
             print(textwrap.fill(text, width=100, initial_indent=" " * 8, subsequent_indent=" " * 8))
     if valid is None:
         print(f"    (and any keyword {cfg.policy_role.specialization_cls.__name__}.__init__ takes: **kwargs)")
-    policy = cfg.policy_role
-    has_reference = any(not r.trainable and r.model_path == policy.model_path for r in cfg.roles)
+    has_reference = bool(frozen_policy_copies(cfg))
     if has_reference or "kl_coef" in inspect.signature(TRAINING_CONFIGS[name]).parameters:
         where = "" if has_reference else " (with a reference: train.algorithm_kwargs.kl_coef > 0)"
         print(f"  the reference role following the policy{where}:")
