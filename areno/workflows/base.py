@@ -123,13 +123,18 @@ def declares_no_routes(factory: Callable[..., Any]) -> bool:
     """Whether the workflow class ``factory`` says of itself (not through a base class) that its trajectories
     drop the rollout's expert routes (``RolloutWorkflow.carries_routes``): then a run that trains with
     them is refused at start-up; otherwise at its first step, if they are missing (``routes_dropped``)."""
-    return isinstance(factory, type) and factory.__dict__.get("carries_routes") is False
+    return _declares_not(factory, "carries_routes")
 
 
 def declares_no_reward_parts(factory: Callable[..., Any]) -> bool:
     """Whether the workflow class ``factory`` says of itself that its trajectories carry no per-function reward
     scores (``RolloutWorkflow.carries_reward_parts``): ``gdpo`` is then refused at start-up, not at its first step."""
-    return isinstance(factory, type) and factory.__dict__.get("carries_reward_parts") is False
+    return _declares_not(factory, "carries_reward_parts")
+
+
+def _declares_not(factory: Callable[..., Any], flag: str) -> bool:
+    """Whether the workflow class ``factory`` sets ``flag`` False on itself (a subclass inherits no claim)."""
+    return isinstance(factory, type) and factory.__dict__.get(flag) is False
 
 
 def routes_dropped(key: str, workflow: str) -> ConfigError:
