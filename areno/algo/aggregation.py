@@ -5,13 +5,15 @@ aggregation exactly for any micro-batching or data-parallel split.
 Legend: B = sequences, T = packed tokens.
     token               sum_t loss_t / (number of loss tokens)     (DAPO token-level; GRPO in TRL)
     seq_mean_token_mean mean_b (mean_{t in b} loss_t)               (original GRPO, GSPO)
+    seq_mean_token_sum  mean_b (sum_{t in b} loss_t)                (LUSPO: GSPO weighted by length)
     constant            sum_t loss_t / (B * L)                      (Dr.GRPO, L a fixed constant)
 
 Statistics (the ratio, clip fractions, KL, entropy an actor logs) are averages whatever the loss's
 normalisation: ``statistics_weights_T`` gives the weights that, divided by the same denominator, make
 them the token mean (``token``) or the mean over sequences of each one's token mean
-(``seq_mean_token_mean``, and ``constant``, whose ``B * L`` is no count of tokens: the statistics are
-the per-sequence means averaged over its ``B``, not the loss's sum / (B * L)).
+(``seq_mean_token_mean``; ``seq_mean_token_sum``, whose sums are no averages; and ``constant``, whose
+``B * L`` is no count of tokens: the statistics are the per-sequence means averaged over its ``B``, not
+the loss's sum / (B * L)).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from areno.types import sequence_index_T
 
-LOSS_AGGREGATIONS = ("token", "seq_mean_token_mean", "constant")
+LOSS_AGGREGATIONS = ("token", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 
 def _check(mode: str) -> None:
@@ -54,9 +56,12 @@ def statistics_weights_T(
     reducer (which divides by ``aggregation_denominator``) the statistic is an average of its values,
     never scaled by the normalisation. ``token``: the token mean (the loss's weights);
     ``seq_mean_token_mean``: the mean over sequences of each one's token mean (the loss's weights);
+    ``seq_mean_token_sum``: the same mean over sequences (the loss sums each sequence's tokens);
     ``constant``: the same mean over sequences, each sequence's tokens weighted ``constant / |o_b|`` so
     that the denominator ``B * constant`` divides to it (a token mean would need the step's token count,
     which a micro-batch does not know)."""
+    if mode == "seq_mean_token_sum":
+        return aggregation_weights_T(loss_mask_T, cu_seqlens_B1, "seq_mean_token_mean")
     if mode != "constant":
         return aggregation_weights_T(loss_mask_T, cu_seqlens_B1, mode)
     return _per_sequence_mean_weights_T(loss_mask_T.to(torch.float32), cu_seqlens_B1, float(constant))
@@ -66,7 +71,7 @@ def aggregation_denominator(
     loss_mask_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, mode: str, *, constant: float = 1.0
 ) -> float:
     """This batch's share of the global denominator (additive over micro-batches and ranks):
-    loss tokens, sequences with at least one loss token, or ``B * constant``."""
+    loss tokens, sequences with at least one loss token (both ``seq_mean_*``), or ``B * constant``."""
     _check(mode)
     if mode == "token":
         return float(loss_mask_T.sum())

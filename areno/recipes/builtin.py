@@ -201,6 +201,28 @@ def gspo() -> TrainingConfig:
     )
 
 
+@recipe("luspo")
+def luspo() -> TrainingConfig:
+    """LUSPO: GSPO's sequence-level ratio and clip, each sequence's loss weighted by its length.
+
+    s_i = exp(mean_{t in o_i} log r_t); loss = mean_i sum_{t in o_i} -min(s_i A_i, clip(s_i, 1-3e-4, 1+4e-4) A_i)
+    with GRPO advantages (Length-Unbiased Sequence Policy Optimization, 2026; TRL's loss_type="luspo" with
+    importance_sampling_level="sequence"): GSPO's per-sequence mean favours short answers' tokens, the sum
+    over tokens undoes that. The mean runs over the sequences with loss tokens (TRL's over all of them).
+    """
+    return _single(
+        "luspo",
+        luspo.__doc__,
+        _policy(
+            advantage_estimator="grpo",
+            policy_loss="gspo",
+            clip_eps=3e-4,
+            clip_eps_high=4e-4,
+            loss_aggregation="seq_mean_token_sum",
+        ),
+    )
+
+
 @recipe("rloo")
 def rloo() -> TrainingConfig:
     """RLOO: REINFORCE with a leave-one-out baseline over the group.

@@ -11,8 +11,8 @@ where m_t is 0 on the tokens the off-policy sequence mask and the entropy mask (
 leave out of the policy loss and 1 elsewhere: neither changes the denominator.
 
 The logged statistics (``actor/ratio``, clip fractions, ``kl``, ``entropy``) are averages under every
-aggregation: the ``constant`` one's are the mean over sequences of each one's token mean, not the
-loss's sum / (B * L) (``statistics_weights_T``).
+aggregation: the ``constant`` and ``seq_mean_token_sum`` ones' are the mean over sequences of each one's
+token mean, not the loss's sums (``statistics_weights_T``).
 
 Legend: B = sequences, T = packed tokens.
 """
@@ -136,7 +136,9 @@ class ActorConfig:
     vespo_lambda_neg: float = 2.0
     """``vespo``'s lambda where the advantage is negative (> 0). TRL's default."""
     loss_aggregation: str = "token"
-    """How token losses are weighted and normalised: one of ``LOSS_AGGREGATIONS``."""
+    """How token losses are weighted and normalised: one of ``LOSS_AGGREGATIONS`` (``token``: the step's token
+    mean; ``seq_mean_token_mean``: each sequence's token mean, averaged; ``seq_mean_token_sum``: each sequence's
+    token sum, averaged, LUSPO's; ``constant``: the sum over B * ``loss_agg_constant``)."""
     loss_agg_constant: float = 1024.0
     """The denominator per sequence of the ``constant`` aggregation (> 0): Dr. GRPO's L, which the
     ``dr_grpo`` recipe sets from its ``max_completion_length`` (by default rollout.max_new_tokens). The
@@ -640,9 +642,12 @@ class ActorSpecialization(ModelSpecialization):
             device
         )
         loss = reducer(loss_T, weight_T)
-        if self.config.loss_aggregation == "constant":  # averages, not the loss's sum / (B * L)
+        if self.config.loss_aggregation in ("constant", "seq_mean_token_sum"):  # averages, not the loss's sums
             weight_T = statistics_weights_T(
-                batch.loss_mask_T, batch.cu_seqlens_B1, "constant", constant=self.config.loss_agg_constant
+                batch.loss_mask_T,
+                batch.cu_seqlens_B1,
+                self.config.loss_aggregation,
+                constant=self.config.loss_agg_constant,
             ).to(device)
         return loss, reduce_stats(stats, weight_T, reducer, "actor")
 

@@ -246,6 +246,22 @@ def test_gspo_and_cispo_match_trl():
     _check(case, trl_loss, ours)
 
 
+def test_luspo_matches_trl():
+    """TRL's ``loss_type="luspo"`` at ``importance_sampling_level="sequence"`` (as it recommends) against the
+    ``luspo`` recipe's gspo loss under ``seq_mean_token_sum``: each sequence's token losses summed, averaged."""
+    case = _padded_case(6)
+    case.old_BL = (case.logp_BL.detach() + 0.01 * torch.randn(case.B, case.L)) * case.mask_BL
+    adv = _trl_grpo_advantages(case.rewards_B, 2)
+    trl_loss = _trl_grpo_loss(case, adv, loss_type="luspo", eps_low=3e-4, eps_high=4e-4, level="sequence")
+    ours = _areno_loss(
+        case,
+        adv,
+        lambda lp, old, a, m: gspo_loss_T(lp, old, a, m, case.cu, eps_low=3e-4, eps_high=4e-4),
+        "seq_mean_token_sum",
+    )
+    _check(case, trl_loss, ours)
+
+
 def test_dpo_matches_trl():
     gen = torch.Generator().manual_seed(5)
     P, L = 3, 4
