@@ -48,7 +48,12 @@ def test_micro_batches_add_up_to_the_whole_step():
 def test_the_luspo_recipe_is_gspo_summed_over_tokens():
     spec = get_recipe("luspo").roles[0].build()
     c = spec.config
-    assert (c.policy_loss, c.loss_aggregation, c.clip_eps, c.clip_eps_high) == ("gspo", "seq_mean_token_sum", 3e-4, 4e-4)
+    assert (c.policy_loss, c.loss_aggregation, c.clip_eps, c.clip_eps_high) == (
+        "gspo",
+        "seq_mean_token_sum",
+        3e-4,
+        4e-4,
+    )
 
 
 def test_a_short_luspo_run_trains(tmp_path):
