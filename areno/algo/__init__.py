@@ -27,7 +27,13 @@ from areno.algo.aggregation import (
     statistics_weights_T,
 )
 from areno.algo.filters import dynamic_sampling_keep_B, dynamic_sampling_kept, overlong_penalty_B
-from areno.algo.kl import KL_ESTIMATORS, LOSS_KL_ESTIMATORS, kl_estimate_T, kl_reward_penalty_T
+from areno.algo.kl import (
+    KL_ESTIMATORS,
+    LOSS_KL_ESTIMATORS,
+    importance_weighted_kl_T,
+    kl_estimate_T,
+    kl_reward_penalty_T,
+)
 from areno.algo.losses import (
     bradley_terry_loss_B,
     dpo_loss_B,

@@ -64,3 +64,14 @@ def kl_reward_penalty_T(
     """KL as a reward: the per-token reward ``-coef * k`` (detached) that REINFORCE++ / PPO add
     to the sequence reward before computing returns (InstructGPT uses k1)."""
     return -coef * kl_estimate_T(logprobs_T.detach(), ref_logprobs_T, loss_mask_T, estimator=estimator)
+
+
+def importance_weighted_kl_T(
+    kl_T: torch.Tensor, logprobs_T: torch.Tensor, behave_logprobs_T: torch.Tensor, loss_mask_T: torch.Tensor
+) -> torch.Tensor:
+    """``kl_T`` times the importance weight pi_theta / pi_behave of each token (TRL's
+    ``use_bias_correction_kl``): the tokens were sampled by pi_behave, so the weighted estimate's expectation
+    is the KL under pi_theta. The weight keeps its gradient (as TRL's); its log is clamped to
+    +-``LOG_RATIO_MAX`` as the estimators' is. 0 outside the loss mask."""
+    log_w_T = (logprobs_T - behave_logprobs_T.detach()).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
+    return torch.where(loss_mask_T.bool(), kl_T * torch.exp(log_w_T), torch.zeros_like(kl_T))

@@ -500,6 +500,21 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
     ),
     InertOption(
         ActorSpecialization,
+        "kl_bias_correction",
+        lambda s: s["kl_coef"] == 0,
+        "kl_coef is 0, so there is no KL term to weight",
+        "drop it, or set kl_coef > 0 too",
+    ),
+    InertOption(
+        ActorSpecialization,
+        "kl_bias_correction",
+        lambda s: s["kl_in_reward"],
+        "the KL is a reward penalty here (kl_in_reward=true), which the rollout's policy already sampled: only a "
+        "KL loss term is weighted",
+        "drop it, or set kl_in_reward=false to keep the KL in the loss",
+    ),
+    InertOption(
+        ActorSpecialization,
         "kl_in_reward",
         lambda s: s["kl_coef"] == 0,
         "kl_coef is 0, so there is no KL to place",

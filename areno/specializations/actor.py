@@ -44,6 +44,7 @@ from areno.algo import (
     grpo_batch_std_advantages_B,
     gspo_loss_T,
     high_entropy_mask_T,
+    importance_weighted_kl_T,
     kl_estimate_T,
     kl_reward_penalty_T,
     loglinear_prox_logprobs_T,
@@ -152,6 +153,11 @@ class ActorConfig:
     or k2 (the reverse KL's), k1 only as a reward penalty (``kl_in_reward``): in the loss its expected gradient is 0."""
     kl_in_reward: bool = False
     """Subtract the KL from the token rewards instead of adding it to the loss."""
+    kl_bias_correction: bool = False
+    """Weight each token's KL term by the importance weight pi_theta / pi_behave (TRL's
+    ``use_bias_correction_kl``): the tokens were sampled by the rollout's policy, so the weighted estimate is
+    the current policy's KL in expectation. The weight keeps its gradient, as TRL's. A loss term's only
+    (``kl_coef`` > 0, ``kl_in_reward`` false)."""
     entropy_coef: float = 0.0
     """Weight (>= 0) of the entropy bonus; 0: none."""
     temperature: float = 1.0
@@ -631,6 +637,8 @@ class ActorSpecialization(ModelSpecialization):
                 mask_T,
                 estimator=self.config.kl_estimator,
             )
+            if in_loss and self.config.kl_bias_correction:
+                kl_T = importance_weighted_kl_T(kl_T, logp_T, behave_T, mask_T)
             if in_loss:
                 loss_T = loss_T + self.config.kl_coef * kl_T
             stats["kl"] = kl_T.detach()

@@ -20,6 +20,7 @@ from areno.algo import (
     grpo_advantages_B,
     grpo_batch_std_advantages_B,
     gspo_loss_T,
+    importance_weighted_kl_T,
     kl_estimate_T,
     off_policy_sequence_mask_T,
     ppo_clip_loss_T,
@@ -100,7 +101,17 @@ def _trl_grpo_advantages(rewards_B, n, scale=True):
 
 
 def _trl_grpo_loss(
-    case, adv_B, *, loss_type, eps_low, eps_high, beta=0.0, level="token", max_len=None, off_policy_mask=None
+    case,
+    adv_B,
+    *,
+    loss_type,
+    eps_low,
+    eps_high,
+    beta=0.0,
+    level="token",
+    max_len=None,
+    off_policy_mask=None,
+    kl_bias_correction=False,
 ):
     stand_in = SimpleNamespace(
         aux_loss_enabled=False,
@@ -111,7 +122,7 @@ def _trl_grpo_loss(
         loss_type=loss_type,
         epsilon_low=eps_low,
         epsilon_high=eps_high,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        args=SimpleNamespace(use_bias_correction_kl=kl_bias_correction, delta=None, steps_per_generation=1),
         use_vllm=False,
         model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1,
@@ -137,12 +148,15 @@ def _trl_grpo_loss(
     return _trl().GRPOTrainer._compute_loss(stand_in, None, inputs)
 
 
-def _areno_loss(case, adv_B, loss_fn, aggregation, *, constant=1.0, kl_coef=0.0):
+def _areno_loss(case, adv_B, loss_fn, aggregation, *, constant=1.0, kl_coef=0.0, kl_bias_correction=False):
     logp_T = case.pack(case.logp_BL)
     adv_T = broadcast_to_tokens_T(adv_B, case.cu, case.loss_mask_T)
     loss_T, _ = loss_fn(logp_T, case.pack(case.old_BL), adv_T, case.loss_mask_T)
     if kl_coef:
-        loss_T = loss_T + kl_coef * kl_estimate_T(logp_T, case.pack(case.ref_BL), case.loss_mask_T, estimator="k3")
+        kl_T = kl_estimate_T(logp_T, case.pack(case.ref_BL), case.loss_mask_T, estimator="k3")
+        if kl_bias_correction:
+            kl_T = importance_weighted_kl_T(kl_T, logp_T, case.pack(case.old_BL), case.loss_mask_T)
+        loss_T = loss_T + kl_coef * kl_T
     w_T = aggregation_weights_T(case.loss_mask_T, case.cu, aggregation)
     return (loss_T * w_T).sum() / aggregation_denominator(case.loss_mask_T, case.cu, aggregation, constant=constant)
 
@@ -201,6 +215,20 @@ def test_grpo_with_kl_matches_trl():
         lambda *a: ppo_clip_loss_T(*a, eps_low=0.2),
         "seq_mean_token_mean",
         kl_coef=0.04,
+    )
+    _check(case, trl_loss, ours)
+
+
+def test_kl_bias_correction_matches_trl():
+    """TRL's ``use_bias_correction_kl`` (the k3 term times the token's ratio to the old policy, whose log-probs
+    are the sampler's here) against ``kl_bias_correction``'s ``importance_weighted_kl_T``: values and gradients."""
+    case = _padded_case(7)
+    adv = _trl_grpo_advantages(case.rewards_B, 2)
+    trl_loss = _trl_grpo_loss(case, adv, loss_type="dapo", eps_low=0.2, eps_high=0.2, beta=0.5, kl_bias_correction=True)
+    plain = _trl_grpo_loss(case, adv, loss_type="dapo", eps_low=0.2, eps_high=0.2, beta=0.5)
+    assert abs(trl_loss.item() - plain.item()) > 1e-4  # the weights are not 1 here
+    ours = _areno_loss(
+        case, adv, lambda *a: ppo_clip_loss_T(*a, eps_low=0.2), "token", kl_coef=0.5, kl_bias_correction=True
     )
     _check(case, trl_loss, ours)
 
