@@ -141,7 +141,8 @@ class LocalTrainingSide(TrainingSide):
 
     def save(self, path: Path, extra_state: dict) -> None:
         for role_name in self._changing_roles():
-            self.runner.backends[role_name].save_checkpoint(path / role_name, extra_state=extra_state)
+            role_state = self.runner.checkpoint_state(role_name, extra_state)
+            self.runner.backends[role_name].save_checkpoint(path / role_name, extra_state=role_state)
 
     def load(self, path: Path) -> dict:
         state: dict = {}
@@ -149,6 +150,7 @@ class LocalTrainingSide(TrainingSide):
         for role_name, backend in self.runner.backends.items():
             if backend.cfg.trainable:
                 state = backend.load_checkpoint(path / role_name)
+                self.runner.restore_state(role_name, state)
             elif (path / role_name).is_dir():  # a reference some steps moved, kept where they left it
                 backend.load_checkpoint(path / role_name)
             elif followed is not None and followed.target == role_name:

@@ -158,6 +158,9 @@ class RoleWorker:
     def load_checkpoint(self, role: str, path: str) -> bytes:
         return pickle.dumps(self.backends[role].load_checkpoint(path))
 
+    def load_specialization_state(self, role: str, state_bytes: bytes) -> None:
+        self.specs[role].load_state_dict(pickle.loads(state_bytes))
+
     def shutdown(self) -> None:
         for backend in self.backends.values():
             backend.shutdown()
@@ -189,6 +192,10 @@ class RemoteRoleBackend:
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         return pickle.loads(self._call("load_checkpoint", str(path)))
+
+    def load_specialization_state(self, state: dict[str, Any]) -> None:
+        """The runner's copy of this role's specialization state (an adaptive coefficient) for the worker's."""
+        self._call("load_specialization_state", pickle.dumps(state))
 
     def shutdown(self) -> None:
         """Nothing per role: ``RoleBackends.shutdown`` stops the workers."""

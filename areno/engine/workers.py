@@ -154,7 +154,7 @@ class TrainWorker:
         export_role(self.runner.backends[self.policy], self.runner.specs[self.policy], path)
 
     def save_role(self, path: str, role: str, extra_state: dict) -> None:
-        self.runner.backends[role].save_checkpoint(path, extra_state=extra_state)
+        self.runner.backends[role].save_checkpoint(path, extra_state=self.runner.checkpoint_state(role, extra_state))
 
     def save_role_alone(self, path: str, role: str, extra_state: dict) -> None:
         """``save_role`` on the training ranks alone: a rollout worker was lost, so the world's
@@ -166,12 +166,16 @@ class TrainWorker:
         world = dist.GroupMember.WORLD
         dist.GroupMember.WORLD = group
         try:
-            self.runner.backends[role].save_checkpoint(path, extra_state=extra_state)
+            self.runner.backends[role].save_checkpoint(
+                path, extra_state=self.runner.checkpoint_state(role, extra_state)
+            )
         finally:
             dist.GroupMember.WORLD = world
 
     def load_role(self, path: str, role: str) -> dict:
-        return self.runner.backends[role].load_checkpoint(path)
+        state = self.runner.backends[role].load_checkpoint(path)
+        self.runner.restore_state(role, state)
+        return state
 
     def trainable_roles(self) -> list[str]:
         return [n for n, b in self.runner.backends.items() if b.cfg.trainable]

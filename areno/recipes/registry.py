@@ -498,6 +498,16 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
         "kl_coef is 0, so no KL is estimated",
         "drop it, or set kl_coef > 0 too",
     ),
+    *(
+        InertOption(
+            ActorSpecialization,
+            key,
+            lambda s: s["entropy_target"] is None,
+            "only adaptive entropy control moves the coefficient (entropy_target set), and entropy_target is null",
+            "drop it, or set entropy_target too (e.g. 0.2)",
+        )
+        for key in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+    ),
     InertOption(
         ActorSpecialization,
         "kl_bias_correction",

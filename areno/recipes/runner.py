@@ -6,8 +6,9 @@
         2. inject: source outputs become target batch ``extra`` tensors;
         3. each trainable role: ``prepare_batch`` then ``train_step`` — concurrently in threads
            for roles on different backends, serialised for roles sharing one backend;
-        4. every trained role's weight version + 1; a ``reference_sync``'s frozen role moves toward
-           its source every ``every`` optimizer steps of it.
+        4. every trained role's weight version + 1, its specialization's ``after_optimizer_step`` (an
+           adaptive coefficient's update; ``checkpoint_state`` keeps it); a ``reference_sync``'s frozen role
+           moves toward its source every ``every`` optimizer steps of it.
 
     With ``num_minibatches = k > 1`` step 3 runs k times, on consecutive slices of the prepared
     batch (each one optimizer step) — all on the forwards of step 1.
@@ -43,6 +44,9 @@ from areno.types import TokenBatch
 ROLLOUT_INDEX_KEY = "rollout_index_B"
 """Batch extra key the RecipeRunner adds before ``prepare_batch``: each sequence's index in the step's
 rollout batch, so that a later pass finds the sequences a prepared batch kept (dynamic sampling drops some)."""
+
+SPECIALIZATION_STATE_KEY = "specialization_state"
+"""A role checkpoint's ``extra_state`` key for its specialization's ``state_dict`` (``RecipeRunner.checkpoint_state``)."""
 
 
 class RecipeRunner:
@@ -98,6 +102,25 @@ class RecipeRunner:
         """The last first pass's prepared batches (per trainable role), reused by later passes."""
         self._first_pass_seqs = 0
         """The sequences of the last first pass's rollout batch (a prepared batch may keep fewer)."""
+
+    def checkpoint_state(self, role: str, extra_state: dict[str, Any]) -> dict[str, Any]:
+        """``extra_state`` for ``role``'s checkpoint with its specialization's state (``state_dict``: an
+        adaptive coefficient) under ``SPECIALIZATION_STATE_KEY``, where it has any."""
+        state = self.specs[role].state_dict()
+        return {**extra_state, SPECIALIZATION_STATE_KEY: state} if state else extra_state
+
+    def restore_state(self, role: str, extra_state: dict[str, Any]) -> None:
+        """``role``'s specialization state from its checkpoint's ``extra_state`` (``checkpoint_state``)."""
+        self.specs[role].load_state_dict(extra_state.get(SPECIALIZATION_STATE_KEY, {}))
+        self._share_state(role)
+
+    def _share_state(self, role: str) -> None:
+        """A role trained in a worker process of its own (``RemoteRoleBackend``) computes its loss with that
+        process's copy of the specialization: it gets this one's state, where there is any."""
+        share = getattr(self.backends[role], "load_specialization_state", None)
+        state = self.specs[role].state_dict() if share is not None else None
+        if state:
+            share(state)
 
     def roles_to_sync(self) -> list[str]:
         """Roles whose weights go to the rollout engine after a step."""
@@ -266,6 +289,8 @@ class RecipeRunner:
                 scale = spec.step_denominator(batch) / kept if skipped and kept else 1.0
                 result = {k: v * scale if "/" in k else v for k, v in result.items() if kept or "/" not in k}
                 metrics.update({f"{name}/{k}": float(v) for k, v in result.items()})
+                metrics.update({f"{name}/{k}": float(v) for k, v in spec.after_optimizer_step(result).items()})
+                self._share_state(name)
                 if skipped is not None:
                     metrics[f"{name}/skipped_zero_grad_seqs"] = float(skipped)
             return metrics

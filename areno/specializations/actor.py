@@ -8,7 +8,9 @@ dynamic-sampling filter, then the advantage estimator. Per micro-batch (``comput
     loss   = sum_t w_t loss_t / denominator           (w, denominator from ``loss_aggregation``)
 
 where m_t is 0 on the tokens the off-policy sequence mask and the entropy mask (``top_entropy_quantile``)
-leave out of the policy loss and 1 elsewhere: neither changes the denominator.
+leave out of the policy loss and 1 elsewhere: neither changes the denominator. With ``entropy_target`` the
+entropy coefficient is adaptive: ``after_optimizer_step`` moves it from each step's entropy (its state is
+checkpointed through ``state_dict``).
 
 The logged statistics (``actor/ratio``, clip fractions, ``kl``, ``entropy``) are averages under every
 aggregation: the ``constant`` and ``seq_mean_token_sum`` ones' are the mean over sequences of each one's
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -159,7 +162,19 @@ class ActorConfig:
     the current policy's KL in expectation. The weight keeps its gradient, as TRL's. A loss term's only
     (``kl_coef`` > 0, ``kl_in_reward`` false)."""
     entropy_coef: float = 0.0
-    """Weight (>= 0) of the entropy bonus; 0: none."""
+    """Weight (>= 0) of the entropy bonus; 0: none. With ``entropy_target``, the controller's first value."""
+    entropy_target: float | None = None
+    """Adaptive entropy control (Skywork-OR1; TRL's ``use_adaptive_entropy`` with its ``entropy_target``, e.g.
+    0.2 nats): after each optimizer step the coefficient moves by ``entropy_coef_delta``, up where the step's
+    ``actor/entropy`` was at or below this target, down otherwise, within [``entropy_coef_min``,
+    ``entropy_coef_max``]; a step applies the bonus only while the previous step's entropy was at or below it
+    (the first step none). Checkpointed. None: off (``entropy_coef`` fixed)."""
+    entropy_coef_delta: float = 0.005
+    """The adaptive coefficient's step per optimizer step (> 0; with ``entropy_target``). TRL's default."""
+    entropy_coef_min: float = 0.0
+    """The adaptive coefficient's lower bound (>= 0; with ``entropy_target``). TRL's default."""
+    entropy_coef_max: float = 1.0
+    """The adaptive coefficient's upper bound (>= ``entropy_coef_min``; with ``entropy_target``). TRL's default."""
     temperature: float = 1.0
     """Sampling temperature the log-probs are computed at (> 0). Set by the run to rollout.temperature
     for an online recipe (as for its reference and teacher roles); ``train.algorithm_kwargs.temperature``
@@ -274,6 +289,18 @@ class ActorConfig:
             "term would add noise and no KL; set kl_estimator=k3, or kl_in_reward=true to keep k1 as a reward penalty",
         )
         check(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        check(
+            self.entropy_target is None or self.entropy_target > 0,
+            "entropy_target",
+            f"must be > 0 (the mean entropy in nats the adaptive bonus holds the policy at, e.g. 0.2) or None (off), "
+            f"got {self.entropy_target}",
+        )
+        check(self.entropy_coef_delta > 0, "entropy_coef_delta", f"must be > 0, got {self.entropy_coef_delta}")
+        check(
+            0 <= self.entropy_coef_min <= self.entropy_coef_max,
+            "entropy_coef_min",
+            f"must be >= 0 and <= entropy_coef_max ({self.entropy_coef_max}), got {self.entropy_coef_min}",
+        )
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(
             0 < self.top_entropy_quantile <= 1,
@@ -348,6 +375,10 @@ class ActorSpecialization(ModelSpecialization):
         if self.config.advantage_estimator == "gae":
             needs.append("values_T")
         self.required_extra_keys = tuple(needs)
+        self._entropy_coef = self.config.entropy_coef
+        """The entropy bonus's coefficient: ``entropy_coef``, which adaptive control moves."""
+        self._last_entropy = float("inf")
+        """The last optimizer step's ``actor/entropy`` (adaptive control; none yet: the bonus stays off)."""
 
     @property
     def self_forward_keys(self) -> dict[str, str]:
@@ -528,7 +559,7 @@ class ActorSpecialization(ModelSpecialization):
             batch,
             mask_T=batch.loss_mask_T,
             temperature=self.config.temperature,
-            with_entropy=self.config.entropy_coef > 0 or self.config.top_entropy_quantile < 1,
+            with_entropy=self._entropy_bonus_possible or self.config.top_entropy_quantile < 1,
             chunk_size=self.config.logprob_chunk_size,
         )
 
@@ -642,8 +673,9 @@ class ActorSpecialization(ModelSpecialization):
             if in_loss:
                 loss_T = loss_T + self.config.kl_coef * kl_T
             stats["kl"] = kl_T.detach()
-        if self.config.entropy_coef > 0:
-            loss_T = loss_T + entropy_bonus_T(model_output["entropy_T"], mask_T, coef=self.config.entropy_coef)
+        coef = self._applied_entropy_coef()
+        if coef > 0:
+            loss_T = loss_T + entropy_bonus_T(model_output["entropy_T"], mask_T, coef=coef)
         if "entropy_T" in model_output:
             stats["entropy"] = model_output["entropy_T"].detach()
         weight_T = aggregation_weights_T(batch.loss_mask_T, batch.cu_seqlens_B1, self.config.loss_aggregation).to(
@@ -661,12 +693,51 @@ class ActorSpecialization(ModelSpecialization):
 
     def gradient_free_B(self, batch: TokenBatch) -> torch.Tensor | None:
         c = self.config
-        if not c.skip_zero_advantage or (c.kl_coef > 0 and not c.kl_in_reward) or c.entropy_coef > 0:
+        if not c.skip_zero_advantage or (c.kl_coef > 0 and not c.kl_in_reward) or self._entropy_bonus_possible:
             return None
         if c.top_entropy_quantile < 1:  # their tokens are part of the population the entropy quantile is taken over
             return None
         # every policy loss here is a multiple of the token's advantage: zero advantage, zero gradient
         return _tokens_per_sequence_B(batch, (batch.advantages_T != 0) & batch.loss_mask_T.bool()) == 0
+
+    # ------------------------------------------------------------------ adaptive entropy control
+    @property
+    def _entropy_bonus_possible(self) -> bool:
+        """Whether a step may add the entropy bonus: a coefficient above 0, or adaptive control (which may raise it)."""
+        return self.config.entropy_coef > 0 or self.config.entropy_target is not None
+
+    def _applied_entropy_coef(self) -> float:
+        """The coefficient this step's loss applies: ``entropy_coef``, or the adaptive one while the last step's
+        entropy was at or below ``entropy_target`` (0 before the first measurement)."""
+        target = self.config.entropy_target
+        if target is None:
+            return self.config.entropy_coef
+        return self._entropy_coef if self._last_entropy <= target else 0.0
+
+    def after_optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Adaptive entropy control's update from the step's ``actor/entropy`` (the same value on every
+        data-parallel rank); logs ``actor/entropy_coef`` (the controller's coefficient after the update, TRL's
+        ``entropy_coef``) and ``actor/entropy_coef_applied`` (what this step's loss applied)."""
+        target = self.config.entropy_target
+        if target is None:
+            return {}
+        applied = self._applied_entropy_coef()
+        entropy = metrics.get("actor/entropy")
+        if entropy is not None:  # absent where the step trained no token (dapo, every group's rewards equal)
+            c = self.config
+            step = c.entropy_coef_delta if entropy <= target else -c.entropy_coef_delta
+            self._entropy_coef = min(max(self._entropy_coef + step, c.entropy_coef_min), c.entropy_coef_max)
+            self._last_entropy = float(entropy)
+        return {"actor/entropy_coef": self._entropy_coef, "actor/entropy_coef_applied": applied}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.config.entropy_target is None:
+            return {}
+        return {"entropy_coef": self._entropy_coef, "last_entropy": self._last_entropy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.config.entropy_target is not None and "entropy_coef" in state:
+            self._entropy_coef, self._last_entropy = float(state["entropy_coef"]), float(state["last_entropy"])
 
     def denominator(self, batch: TokenBatch) -> float:
         return aggregation_denominator(

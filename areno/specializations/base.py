@@ -145,6 +145,21 @@ class ModelSpecialization(ABC):
         runner runs ``self_forward_keys``' forward over the others only. None (the default): all."""
         return None
 
+    def after_optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Called by the runner after each optimizer step of this role with the step's metrics (reduced over
+        the data-parallel ranks, keys as the loss logged them: ``actor/entropy``): a specialization with state
+        that follows training (an adaptive coefficient) updates it here. Returns more metrics to log with the
+        step (``<role>/<key>``). Default: nothing."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What ``after_optimizer_step`` changed and a checkpoint must keep (plain Python values), so that a
+        resumed run goes on as the uninterrupted one. Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``'s values (an empty dict: a checkpoint written without them)."""
+
     def step_denominator(self, batch: TokenBatch) -> float:
         """``denominator`` plus the share carried for the sequences left out (``DENOMINATOR_CARRY_KEY``):
         the ``denominator_fn`` a training step is given."""
