@@ -424,6 +424,8 @@ class ArenoAsyncOpenAI:
                 temperature=temperature,
                 top_p=req.get("top_p", d.top_p),
                 top_k=extra.get("top_k", d.top_k),
+                min_p=extra.get("min_p", d.min_p),
+                repetition_penalty=extra.get("repetition_penalty", d.repetition_penalty),
                 min_new_tokens=extra.get("min_tokens", d.min_new_tokens),
                 max_new_tokens=max_tokens,
                 stop=stop,
@@ -667,11 +669,9 @@ def _response_text(response: dict[str, Any]) -> str | None:
     return response.get("content", response.get("text"))
 
 
-_EXTRA_BODY_KEYS = frozenset({"top_k", "min_tokens", "stop_token_ids", "ignore_eos"})
+_EXTRA_BODY_KEYS = frozenset({"top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos"})
 """vLLM's extra sampling parameters this client honours (a chat also takes ``chat_template_kwargs``)."""
 _EXTRA_BODY_NO_OP = {
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
@@ -959,7 +959,7 @@ class AgentProxy:
                 return error(400, f"request body is not valid JSON: {exc}")
             if not isinstance(body, dict):
                 return error(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
-            moved = ("top_k", "min_tokens", "stop_token_ids", "ignore_eos", "chat_template_kwargs")
+            moved = (*sorted(_EXTRA_BODY_KEYS), "chat_template_kwargs")
             extra = {k: body.pop(k) for k in moved if k in body}
             if extra:
                 body["extra_body"] = extra

@@ -461,11 +461,35 @@ def test_chat_template_kwargs_render_the_prompt_and_unknown_extra_body_keys_are_
     extra = {"chat_template_kwargs": {"enable_thinking": False}}
     asyncio.run(client.chat.completions.create(model="m", messages=messages, extra_body=extra))
     assert seen[-1].endswith("<|im_start|>assistant\nnothink\n")
-    no_op = {"repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True, "chat_template_kwargs": None}
+    no_op = {"skip_special_tokens": True, "include_stop_str_in_output": False, "chat_template_kwargs": None}
     asyncio.run(client.chat.completions.create(model="m", messages=messages, extra_body=no_op))  # vLLM's defaults
-    with pytest.raises(AgentRequestError, match=r"extra_body \['repetition_penalty'\] is not supported; it takes"):
+    with pytest.raises(AgentRequestError, match=r"extra_body \['skip_special_tokens'\] is not supported; it takes"):
         asyncio.run(
-            client.chat.completions.create(model="m", messages=messages, extra_body={"repetition_penalty": 1.1})
+            client.chat.completions.create(model="m", messages=messages, extra_body={"skip_special_tokens": False})
         )
     with pytest.raises(AgentRequestError, match=r"extra_body \['chat_template_kwargs'\] is not supported"):
         asyncio.run(client.completions.create(model="m", prompt="q1", extra_body=extra))
+
+
+def test_min_p_and_repetition_penalty_reach_the_sampler_and_default_to_the_runs():
+    """vLLM's extra_body min_p / repetition_penalty are the engine's SamplingParams fields (the run's values when
+    absent, the request's when given, 1.0 and 0.0 included); a value out of range is refused by name."""
+    tok = build_char_tokenizer()
+    engine = replying(tok, "A1")
+    seen = []
+    respond = engine.respond
+
+    def recording(prompt_ids, params):
+        seen.append((params.min_p, params.repetition_penalty))
+        return respond(prompt_ids, params)
+
+    engine.respond = recording
+    run = SamplingParams(max_new_tokens=8, min_p=0.05, repetition_penalty=1.2)
+    client = ArenoAsyncOpenAI(engine, tok, default_sampling=run)
+    messages = [{"role": "user", "content": "q1"}]
+    for extra in (None, {"min_p": 0.1, "repetition_penalty": 1.5}, {"min_p": 0.0, "repetition_penalty": 1.0}):
+        asyncio.run(client.chat.completions.create(model="m", messages=messages, extra_body=extra))
+    asyncio.run(client.completions.create(model="m", prompt="q1", extra_body={"repetition_penalty": 1.1}))
+    assert seen == [(0.05, 1.2), (0.1, 1.5), (0.0, 1.0), (0.05, 1.1)]
+    with pytest.raises(AgentRequestError, match="min_p must be in"):
+        asyncio.run(client.chat.completions.create(model="m", messages=messages, extra_body={"min_p": 2.0}))

@@ -110,3 +110,20 @@ def test_the_proxy_answers_malformed_bodies_with_400s(scripted, char_tokenizer):
         assert reward.status_code == 400 and "not valid JSON" in reward.json()["error"]["message"]
     finally:
         proxy.stop()
+
+
+def test_the_proxy_takes_vllms_sampling_keys_at_the_top_of_the_body(scripted, char_tokenizer):
+    """vLLM's OpenAI server reads top_k, min_p, repetition_penalty, ... at the top level of the JSON body (the
+    official client sends extra_body there): the proxy hands each to the sampler."""
+    rollout = scripted(lambda p: "ok")
+    proxy = AgentProxy(rollout, char_tokenizer, default_sampling=SamplingParams(max_new_tokens=4))
+    proxy.start()
+    try:
+        _, base_url = proxy.start_session()
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        extra = {"top_k": 5, "min_p": 0.2, "repetition_penalty": 1.3, "min_tokens": 1}
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], extra_body=extra)
+    finally:
+        proxy.stop()
+    (params,) = rollout.params
+    assert (params.top_k, params.min_p, params.repetition_penalty, params.min_new_tokens) == (5, 0.2, 1.3, 1)
