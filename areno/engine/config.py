@@ -1091,6 +1091,12 @@ class ArenoConfig(ConfigSection):
                     f"vLLM reports log-probs of the truncated distribution, areno's trainer those of the whole "
                     f"one, so the importance ratios would be off: use rollout.{key}={off:g} with vllm",
                 )
+        check_config(
+            not self.model.fp32_logits,
+            "model.fp32_logits",
+            f"makes areno's own rollout engine sample from float32 logits, and a {rollout.backend} server computes "
+            f"its logits itself: use rollout.backend=areno, or model.fp32_logits=false",
+        )
         check_config(  # see rollout/backends/vllm.py and sglang.py
             rollout.repetition_penalty == 1.0,
             "rollout.repetition_penalty",
@@ -1289,4 +1295,6 @@ def build_rollout_engine_config(
     settings = fields_of(config.rollout, RolloutEngineSettings)
     settings["max_num_seqs"] = max_num_seqs
     settings["record_routes"] = config.train.moe_rollout_routes or config.train.moe_routing_replay
-    return RolloutEngineConfig(**settings, device=device, dtype=dtype, num_blocks=num_blocks or None)
+    return RolloutEngineConfig(
+        **settings, device=device, dtype=dtype, num_blocks=num_blocks or None, fp32_logits=config.model.fp32_logits
+    )

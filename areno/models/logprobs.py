@@ -224,6 +224,55 @@ def _add_weight_grad(grad_w_VD: torch.Tensor, grad_z_CV: torch.Tensor, h_CD: tor
         grad_w_VD += (grad_z_CV.t().to(dtype) @ h_CD.to(dtype)).float()
 
 
+@functools.cache
+def _out_dtype_mm(device_type: str) -> bool:
+    """Whether ``torch.mm(..., out_dtype=float32)`` takes bfloat16 inputs on this device type (CUDA builds of
+    recent torch do; CPU builds do not)."""
+    x = torch.ones(16, 16, device=device_type, dtype=torch.bfloat16)
+    try:
+        out = torch.mm(x, x, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return out.dtype == torch.float32 and bool((out == 16).all())
+
+
+def fp32_logits_weight(weight_mm_VD: torch.Tensor, device_type: str) -> torch.Tensor:
+    """The weight ``fp32_product`` reads for the logits: itself where the device multiplies 16-bit operands
+    into a float32 result, else its float32 copy (cast once per call, not per chunk)."""
+    if weight_mm_VD.dtype == torch.float32 or _out_dtype_mm(device_type):
+        return weight_mm_VD
+    return weight_mm_VD.float()
+
+
+def fp32_product(h_CD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
+    """``h_CD @ weight_VD^T`` as float32 [C, V] logits from the operands' own values (``model.fp32_logits``):
+    16-bit operands are multiplied, accumulated and written in float32 (``out_dtype`` where the device has it,
+    else both upcast), never rounded to 16 bits on the way out, so that the rollout's sampler and the
+    trainer's log-probs read the same logits up to summation order."""
+    with torch.autocast(h_CD.device.type, enabled=False):
+        if h_CD.dtype == weight_VD.dtype == torch.float32:
+            return h_CD @ weight_VD.t()
+        if h_CD.dtype == weight_VD.dtype and _out_dtype_mm(h_CD.device.type):
+            return torch.mm(h_CD, weight_VD.t(), out_dtype=torch.float32)
+        return h_CD.float() @ weight_VD.float().t()
+
+
+@contextmanager
+def fp32_logits(enabled: bool = True) -> Iterator[None]:
+    """Inside this context (in this thread) the chunked head computes its logits with ``fp32_product``
+    (``model.fp32_logits``; the training backends enter it around every forward)."""
+    with thread_flag(_FP32_LOGITS, "enabled", enabled):
+        yield
+
+
+_FP32_LOGITS = threading.local()
+
+
+def fp32_logits_enabled() -> bool:
+    """Whether this thread is inside ``fp32_logits()``."""
+    return getattr(_FP32_LOGITS, "enabled", False)
+
+
 def _packed_head(weight_mm_VD: torch.Tensor, hidden_TD: torch.Tensor, chunk_size: int) -> torch.Tensor | None:
     """A oneDNN-packed copy of a CPU head's weight for this call's logits, or None (MKL's ``h @ W^T``):
     MKL lays the [D, V] operand out again at every chunk, which left the forward product of a small
@@ -242,8 +291,14 @@ def _packed_head(weight_mm_VD: torch.Tensor, hidden_TD: torch.Tensor, chunk_size
     return torch.ops.mkldnn._reorder_linear_weight(weight_mm_VD.detach().contiguous(), chunk_size)
 
 
-def _logits(h_CD: torch.Tensor, weight_mm_VD: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """A chunk's [C, V] logits in the GEMM dtype: through ``packed`` (``_packed_head``) where there is one."""
+def _logits(
+    h_CD: torch.Tensor, weight_mm_VD: torch.Tensor, packed: torch.Tensor | None, fp32: bool = False
+) -> torch.Tensor:
+    """A chunk's [C, V] logits in the GEMM dtype: through ``packed`` (``_packed_head``) where there is one;
+    in float32 from the 16-bit product with ``fp32`` (``fp32_product``; ``weight_mm_VD`` from
+    ``fp32_logits_weight``)."""
+    if fp32:
+        return fp32_product(h_CD, weight_mm_VD)
     if packed is None:
         return h_CD @ weight_mm_VD.t()
     return torch.ops.mkldnn._linear_pointwise(h_CD.contiguous(), packed, None, "none", [], "")
@@ -299,7 +354,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.kept_z = None  # the model-dtype logits, where the log-softmax is not kept and they fit
         # the weight in the dtype its GEMMs run in, cast once (autocast caches no cast inside a Function)
         weight_mm_VD = _in_gemm_dtype(weight_VD, hidden_TD)
-        ctx.packed = _packed_head(weight_mm_VD, hidden_TD, chunk_size)
+        # model.fp32_logits: the logits of a 16-bit product leave it in float32 (fp32_product)
+        ctx.fp32 = fp32_logits_enabled() and weight_mm_VD.dtype != torch.float32
+        if ctx.fp32:
+            weight_mm_VD = fp32_logits_weight(weight_mm_VD, hidden_TD.device.type)
+        ctx.packed = None if ctx.fp32 else _packed_head(weight_mm_VD, hidden_TD, chunk_size)
         # the softmax-form chunks of an fp32 head go into one [T, V] buffer, which backward turns into
         # the logits' gradient in place for its one weight-gradient GEMM (no copy, no second buffer)
         ctx.p_TV = None
@@ -307,7 +366,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             ctx.p_TV = hidden_TD.new_empty(T, weight_VD.shape[0], dtype=torch.float32)
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            zraw_CV = _logits(hidden_TD[s:e], weight_mm_VD, ctx.packed)
+            zraw_CV = _logits(hidden_TD[s:e], weight_mm_VD, ctx.packed, ctx.fp32)
             if s == 0 and grads and not keep:
                 if T * weight_VD.shape[0] * zraw_CV.element_size() <= keep_logits_budget(hidden_TD.device):
                     ctx.kept_z = []
@@ -373,6 +432,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # and the weight are cast to it once, not by autocast in every GEMM of every chunk
         gemm_dtype = ctx.autocast[1] if ctx.autocast is not None else hidden_TD.dtype
         weight_mm_VD = _in_gemm_dtype(weight_VD, hidden_TD)
+        # the recomputed logits as forward's (fp32_product); the gradient GEMMs stay in the GEMM dtype
+        weight_z_VD = fp32_logits_weight(weight_mm_VD, hidden_TD.device.type) if ctx.fp32 else weight_mm_VD
         # The CPU softmax form: the logits' gradient of every chunk goes into one [T, V] matrix (where
         # the head is small enough, in the memory its kept fp32 chunks free) and the weight's gradient is
         # one GEMM over it, not a 16-bit product per chunk cast and added into the fp32 [V, D] sum (a
@@ -392,7 +453,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 zraw_CV, kept_z[i] = kept_z[i], None
             # else forward's matmul again, so kept and recomputed logits give the same gradients
             elif kept is None and kept_p is None:
-                zraw_CV = _logits(hidden_TD[s:e], weight_mm_VD, ctx.packed)
+                zraw_CV = _logits(hidden_TD[s:e], weight_z_VD, ctx.packed, ctx.fp32)
             if fused is not None:
                 g_C = grad_logprobs_T[s:e] if grad_logprobs_T is not None else lse_T.new_zeros(e - s)
                 g_ent_C = grad_entropy_T[s:e] if use_entropy else g_C
@@ -407,6 +468,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     use_entropy,
                 )
                 del zraw_CV
+                if ctx.fp32:  # float32 logits give a float32 gradient: the GEMMs take the GEMM dtype
+                    grad_z_CV = grad_z_CV.to(gemm_dtype)
                 if need_h:
                     grad_h_TD[s:e] = grad_z_CV @ weight_mm_VD
                 if need_w:

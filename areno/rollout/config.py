@@ -211,6 +211,10 @@ class RolloutEngineConfig(RolloutEngineSettings):
     overlap_round_trips_on_cpu: bool = False
     """Chain round trips (``overlap_round_trips``) on CPU as well: nothing overlaps there, so only
     tests set it, to run the chaining logic without a GPU."""
+    fp32_logits: bool = False
+    """The sampler's logits in float32 straight out of the LM head's product, never rounded to the model's
+    16-bit dtype (``logprobs.fp32_product``; a run sets it from ``model.fp32_logits``, which the trainer's
+    log-probs follow too). No effect on a float32 model."""
     cpu_decode_carry: bool = True
     """CPU, gathered decode attention, float32 KV cache: pure-decode steps keep each layer's gathered
     K/V and extend it by the new token instead of gathering it from the pool again

@@ -32,6 +32,7 @@ import torch
 
 from areno.errors import ConfigError
 from areno.models import decode_mlp, fused_linear, fused_ops
+from areno.models.logprobs import fp32_product
 from areno.models.vision import ImageInputs, mrope_positions, position_delta
 from areno.observe.trace import instant, span
 from areno.rollout import fused_loop, fused_sampler
@@ -623,6 +624,8 @@ class RolloutEngine:
         """Full-vocabulary logits [B, V]: fp32 on CPU, the model's dtype on CUDA (the sampler reads
         them in fp32, exactly the values of a cast)."""
         weight_VD = getattr(self.model, "output_weight", None)
+        if self.config.fp32_logits and weight_VD is not None and weight_VD.dtype != torch.float32:
+            return fp32_product(hidden_BD, weight_VD)
         pack = self.model.__dict__.get("cpu_pack")  # RolloutEngineConfig.cpu_packed_gemm
         if pack is not None and pack.applies(hidden_BD):
             return pack(hidden_BD, None).float()

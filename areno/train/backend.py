@@ -16,7 +16,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from areno.models import moe, prefix_sharing
 from areno.models.config import ModelConfig
 from areno.models.decoder import Decoder
 from areno.models.hf_io import build_model, load_model, save_state
-from areno.models.logprobs import compiled_logprob_kernels
+from areno.models.logprobs import compiled_logprob_kernels, fp32_logits
 from areno.models.vision import vision_towers
 from areno.observe.trace import span
 from areno.train import checkpoint
@@ -232,9 +232,15 @@ class PackedTrainBackend(TrainBackend):
         return 1.0
 
     def _autocast(self) -> AbstractContextManager:
-        """Context of every forward: the compiled log-prob head kernels under ``compile`` (a subclass
-        adds autocast on top)."""
-        return compiled_logprob_kernels() if self.cfg.compile else nullcontext()
+        """Context of every forward: the compiled log-prob head kernels under ``compile``, float32 logits
+        under ``fp32_logits`` (a subclass adds autocast on top)."""
+        if not self.cfg.fp32_logits:
+            return compiled_logprob_kernels() if self.cfg.compile else nullcontext()
+        stack = ExitStack()
+        if self.cfg.compile:
+            stack.enter_context(compiled_logprob_kernels())
+        stack.enter_context(fp32_logits())
+        return stack
 
     def _after_forward_only(self) -> None:
         """Free anything forward-only left gathered (FSDP's unsharded root)."""

@@ -28,12 +28,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from areno.models.logprobs import _ChunkedLogprobs, register_sharded_weight
+from areno.models.logprobs import _ChunkedLogprobs, fp32_logits_enabled, fp32_product, register_sharded_weight
 from areno.train.dtensor import is_dtensor
 
 
 def _slice_logits(h_CD: torch.Tensor, w_VsD: torch.Tensor, temperature: float) -> torch.Tensor:
-    z_CVs = (h_CD @ w_VsD.t()).float()
+    if fp32_logits_enabled():  # model.fp32_logits: the shard's product in the hidden states' dtype, fp32 out
+        z_CVs = fp32_product(h_CD, w_VsD.to(h_CD.dtype))
+    else:
+        z_CVs = (h_CD @ w_VsD.t()).float()
     return z_CVs / temperature if temperature != 1.0 else z_CVs
 
 

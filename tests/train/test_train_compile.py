@@ -53,9 +53,9 @@ def test_fused_head_keeps_the_logits_bit_for_bit(monkeypatch, with_entropy):
     logits_matmuls = []
     real_logits = lp_mod._logits
 
-    def counting_logits(h_CD, weight_mm_VD, packed):  # the head's logits of a chunk (MKL's or oneDNN's product)
+    def counting_logits(h_CD, weight_mm_VD, packed, fp32=False):  # a chunk's logits (MKL's or oneDNN's product)
         logits_matmuls.append(weight_mm_VD.shape == (V, D))
-        return real_logits(h_CD, weight_mm_VD, packed)
+        return real_logits(h_CD, weight_mm_VD, packed, fp32)
 
     monkeypatch.setattr(lp_mod, "_logits", counting_logits)
     monkeypatch.setattr(lp_mod, "keep_logits_budget", lambda device: 0)
