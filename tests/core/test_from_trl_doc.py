@@ -67,7 +67,10 @@ def _top_level() -> frozenset[str]:
 def _is_config_key(token: str) -> bool:
     """``section.key[=value]`` or a top-level setting (``run_dir``, ``resume=auto``)."""
     name = token.split("=", 1)[0]
-    return re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*", name) is not None and name.split(".", 1)[0] in _top_level()
+    return (
+        re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*", name) is not None
+        and name.split(".", 1)[0] in _top_level()
+    )
 
 
 def _row_recipe(row: list[str]) -> str:
