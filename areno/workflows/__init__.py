@@ -39,6 +39,8 @@ _EXPORTS: dict[str, str] = {
     "calculator_reward": "agent",
     "calculator_rows": "agent",
     "calculator_workflow": "agent",
+    "tool_calling_agent": "agent",
+    "tool_workflow": "agent",
     "write_calculator_rows": "agent",
     # interaction trees
     "ExportStyle": "interaction",

@@ -27,6 +27,7 @@ and the data writer ``write_calculator_rows`` (see ``examples/agent_calculator.y
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -43,7 +44,7 @@ from areno.types import SamplingParams, Trajectory
 from areno.workflows.base import RolloutWorkflow, _import_dotted, fork_episode_seeds
 from areno.workflows.interaction import ExportStyle
 from areno.workflows.openai_client import AgentProxy, ArenoAsyncOpenAI
-from areno.workflows.tools import ToolCall, ToolSet, calculator, calculator_tool, parse_tool_calls
+from areno.workflows.tools import Tool, ToolCall, ToolSet, calculator, calculator_tool, parse_tool_calls
 
 logger = logging.getLogger("areno.workflows")
 
@@ -362,3 +363,63 @@ def calculator_workflow(
     parameters, so ``rollout.workflow_kwargs`` may override them; every other argument goes to
     ``AgentWorkflow`` (the return annotation lets preflight check them against it)."""
     return AgentWorkflow(agent=calculator_agent, gamma=gamma, export_style=export_style, timeout_s=timeout_s, **kwargs)
+
+
+async def tool_calling_agent(
+    client: ArenoAsyncOpenAI, sample: dict[str, Any], *, tools: ToolSet, max_tool_calling_iterations: int | None = None
+) -> float:
+    """A chat with ``tools`` (TRL's ``tools=`` loop): the row's prompt as the user's message (a list of messages as
+    they are), then each reply's tool calls run and their results appended as tool messages, until a reply calls
+    none, ``max_tool_calling_iterations`` rounds of calls ran (None: no bound but the context), or a reply is
+    cut at the length limit. The reward scores the last reply's text (``client.ascore``)."""
+    prompt = sample[client.prompt_key]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    rounds = 0
+    while True:
+        reply = (
+            await client.chat.completions.create(model="policy", messages=messages, tools=tools.schemas())
+        ).choices[0]
+        message = reply.message
+        messages.append(message.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True))
+        bounded = max_tool_calling_iterations is not None and rounds >= max_tool_calling_iterations
+        if not message.tool_calls or reply.finish_reason == "length" or bounded:
+            return await client.ascore(sample, message.content or "")
+        messages += await tools.arespond(message, session=client.session)
+        rounds += 1
+
+
+def tool_workflow(
+    *,
+    tools: list[str | Callable[..., Any] | Tool],
+    max_tool_calling_iterations: int | None = None,
+    tool_timeout_s: float = 10.0,
+    gamma: float = 1.0,
+    export_style: ExportStyle = "concat",
+    timeout_s: float = 300.0,
+    **kwargs: Any,
+) -> AgentWorkflow:
+    """``rollout.workflow: areno.workflows.agent:tool_workflow`` with ``rollout.workflow_kwargs: {tools: [my_tools:lookup,
+    ...], max_tool_calling_iterations: 4}``: the policy chats with the tools (``tool_calling_agent``; TRL's
+    ``tools=`` and ``max_tool_calling_iterations``). A tool is a function (``module:name`` or ``./file.py:name``)
+    whose schema is read off its type hints and docstring (``Tool.from_function``), or a ``Tool``; each call
+    gets ``tool_timeout_s``. The turns train in one sequence (``export_style="concat"``), the tool results
+    masked; every other argument goes to ``AgentWorkflow``."""
+    if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
+        raise ValueError(
+            f"rollout.workflow_kwargs.max_tool_calling_iterations must be >= 0 (0: answer without calling a tool) "
+            f"or null (no bound), got {max_tool_calling_iterations}"
+        )
+    if isinstance(tools, (str, Tool)) or callable(tools) or not tools:
+        raise ValueError(
+            "rollout.workflow_kwargs.tools must be a non-empty list of tools, e.g. [my_tools:lookup], got "
+            f"{tools!r:.60}"
+        )
+    built = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, str):
+            tool = _import_dotted(tool, what=f"rollout.workflow_kwargs.tools[{i}]")
+        built.append(tool if isinstance(tool, Tool) else Tool.from_function(tool, timeout_s=tool_timeout_s))
+    agent = functools.partial(
+        tool_calling_agent, tools=ToolSet(built), max_tool_calling_iterations=max_tool_calling_iterations
+    )
+    return AgentWorkflow(agent=agent, gamma=gamma, export_style=export_style, timeout_s=timeout_s, **kwargs)

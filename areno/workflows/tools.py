@@ -222,6 +222,23 @@ class Tool:
             raise ValueError(f"tool {self.name!r}: timeout_s must be > 0, got {self.timeout_s}")
         check_tool_signature(self.name, self.fn, self.parameters)
 
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], *, timeout_s: float = 10.0) -> Tool:
+        """A tool whose schema is read off ``fn``'s type hints and Google-style docstring, as TRL's ``tools=``
+        and ``transformers``' chat templates read one (``transformers.utils.get_json_schema``); a one-line
+        :class:`ToolSchemaError` naming what ``fn`` lacks."""
+        from transformers.utils import get_json_schema
+
+        name = getattr(fn, "__name__", repr(fn))
+        try:
+            schema = get_json_schema(fn)
+        except Exception as exc:  # noqa: BLE001 - transformers' parsing errors name what is missing
+            raise ToolSchemaError(
+                f"tool {name!r}: no schema can be read off the function ({str(exc).splitlines()[0]}): give every "
+                "argument a type hint and a line under 'Args:' in its docstring, or pass Tool(fn=..., schema=...)"
+            ) from None
+        return cls(fn=fn, schema={"type": "function", "function": schema["function"]}, timeout_s=timeout_s)
+
     @property
     def name(self) -> str:
         return self.schema["function"]["name"]
@@ -379,7 +396,11 @@ _CALC_ALLOWED = re.compile(r"[0-9+\-*/(). ]+")
 
 
 def calculator(expr: str) -> str:
-    """Evaluate an arithmetic expression of integers, + - * / and parentheses."""
+    """Evaluate an arithmetic expression of integers, + - * / and parentheses.
+
+    Args:
+        expr: The expression, e.g. "12*(3+4)".
+    """
     if not _CALC_ALLOWED.fullmatch(expr):
         raise ValueError(f"expression {expr!r} may hold only digits, + - * / ( ) and spaces")
     import ast
