@@ -257,6 +257,27 @@ def fp32_product(h_CD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
         return h_CD.float() @ weight_VD.float().t()
 
 
+class Fp32HeadCopy:
+    """The weight a rollout engine's ``fp32_product`` reads every step: the head's own where the device
+    multiplies 16-bit operands into float32, else a float32 copy kept until the weight is written (in place,
+    which bumps its version, or through new storage), not cast again at each step."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] | None = None
+        self._copy: torch.Tensor | None = None
+
+    def __call__(self, weight_VD: torch.Tensor) -> torch.Tensor:
+        if weight_VD.dtype == torch.float32 or _out_dtype_mm(weight_VD.device.type):
+            return weight_VD
+        try:
+            key = (weight_VD.data_ptr(), weight_VD._version)
+        except RuntimeError:  # an inference-mode tensor keeps no version: no copy can be trusted
+            return weight_VD.float()
+        if key != self._key:
+            self._copy, self._key = weight_VD.float(), key
+        return self._copy
+
+
 @contextmanager
 def fp32_logits(enabled: bool = True) -> Iterator[None]:
     """Inside this context (in this thread) the chunked head computes its logits with ``fp32_product``

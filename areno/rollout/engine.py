@@ -32,7 +32,7 @@ import torch
 
 from areno.errors import ConfigError
 from areno.models import decode_mlp, fused_linear, fused_ops
-from areno.models.logprobs import fp32_product
+from areno.models.logprobs import Fp32HeadCopy, fp32_product
 from areno.models.vision import ImageInputs, mrope_positions, position_delta
 from areno.observe.trace import instant, span
 from areno.rollout import fused_loop, fused_sampler
@@ -222,6 +222,7 @@ class RolloutEngine:
             config, decode_attention=resolve_decode_attention(config.decode_attention, self.device)
         )
         self._fused = prepare_model(model, config, self.device)
+        self._fp32_head = Fp32HeadCopy()  # config.fp32_logits on a device without a 16-bit product into fp32
         self.kv_dtype = _DTYPES[config.dtype] if config.dtype else param.dtype
         if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
             raise ValueError(
@@ -625,7 +626,7 @@ class RolloutEngine:
         them in fp32, exactly the values of a cast)."""
         weight_VD = getattr(self.model, "output_weight", None)
         if self.config.fp32_logits and weight_VD is not None and weight_VD.dtype != torch.float32:
-            return fp32_product(hidden_BD, weight_VD)
+            return fp32_product(hidden_BD, self._fp32_head(weight_VD))
         pack = self.model.__dict__.get("cpu_pack")  # RolloutEngineConfig.cpu_packed_gemm
         if pack is not None and pack.applies(hidden_BD):
             return pack(hidden_BD, None).float()

@@ -118,7 +118,7 @@ class TensorParallelRolloutEngine(RolloutEngine):
     def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
         weight_VD = self.model.output_weight
         if self.config.fp32_logits and weight_VD.dtype != torch.float32:
-            local_BV = fp32_product(hidden_BD, weight_VD)
+            local_BV = fp32_product(hidden_BD, self._fp32_head(weight_VD))
         else:
             local_BV = self.model.logits(hidden_BD).float()
         if self.model_config.tie_word_embeddings:

@@ -11,7 +11,7 @@ import torch
 from areno.api.config import load_config
 from areno.engine.config import build_rollout_engine_config, build_train_backend_config
 from areno.errors import ConfigError
-from areno.models.logprobs import fp32_logits, fp32_product, logprobs_from_hidden
+from areno.models.logprobs import Fp32HeadCopy, fp32_logits, fp32_product, logprobs_from_hidden
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig
 from tests.helpers.configs import tiny_run_overrides
 from tests.helpers.rollout import model_of
@@ -93,6 +93,29 @@ def test_a_bf16_engine_samples_from_the_fp32_logits():
             assert torch.equal(got, fp32_product(hidden, model.output_weight))
         else:  # the bfloat16 product's values
             assert torch.equal(got.float(), model.logits(hidden).float())
+
+
+def test_a_cpu_engine_keeps_one_fp32_copy_of_the_head_until_its_weights_change():
+    copy = Fp32HeadCopy()
+    w = torch.randn(8, 4).bfloat16()
+    first = copy(w)
+    assert first.dtype == torch.float32 and copy(w) is first  # not cast again at the next step
+    with torch.no_grad():
+        w.add_(1.0)  # a weight update writes in place
+    assert torch.equal(copy(w), w.float()) and copy(w) is not first
+    w32 = torch.randn(8, 4)
+    assert copy(w32) is w32
+    # through the engine: a policy sync's new head reaches the sampler's logits
+    model, cfg = model_of("qwen2")
+    model = model.to(torch.bfloat16)
+    config = RolloutEngineConfig(block_size=4, num_blocks=32, max_num_seqs=4, max_model_len=64, fp32_logits=True)
+    engine = RolloutEngine(model, cfg, config=config, eos_token_ids=())
+    hidden = torch.randn(3, cfg.hidden_size).bfloat16()
+    before = engine._logits(hidden)
+    name = "lm_head.weight" if not cfg.tie_word_embeddings else "model.embed_tokens.weight"
+    engine.update_weights([(name, model.output_weight.detach().float() * 2)], version=1)
+    after = engine._logits(hidden)
+    assert torch.equal(after, fp32_product(hidden, model.output_weight)) and not torch.equal(after, before)
 
 
 def test_the_run_setting_reaches_both_sides_and_a_vllm_rollout_refuses_it(tmp_path):
