@@ -285,8 +285,8 @@ class PrecisionConfig:
     float32 instead of rounded to bfloat16 (at a logit of 20 that rounding is up to 0.06), so the two sides'
     log-probs differ by the hidden states' own differences only. The head's operands keep the compute dtype
     (the rollout's weights are the trainer's rounded alike). Nothing changes where compute is float32; a device
-    without a 16-bit product into float32 (a CPU) upcasts both operands at each call, so a bfloat16 CPU
-    rollout copies the head's weight every step."""
+    without a 16-bit product into float32 (a CPU) multiplies in float32 (the rollout engine keeps a float32
+    copy of the head, made again when a policy sync writes it)."""
 
     def __post_init__(self) -> None:
         check_config(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
