@@ -256,3 +256,28 @@ def test_areno_recipes_lists_the_reference_sync_keys_where_a_reference_can_be(ca
     assert "the reference role following the policy (with a reference: train.algorithm_kwargs.kl_coef > 0):" in (
         capsys.readouterr().out
     )
+
+
+def test_a_lora_policy_moves_the_reference_toward_its_merged_weights(tmp_path):
+    """With train.lora the policy's weights are the base plus its adapters: the reference moves toward that merged
+    model (the names the rollout receives), never toward the bare base or an adapter tensor."""
+    from areno.train import LoraConfig
+
+    policy_dir = tiny_policy_dir(tmp_path)
+    recipe = get_recipe("grpo", policy_kwargs={"kl_coef": 0.1, "ref_sync_steps": 1, "ref_sync_alpha": 1.0})
+    backends = _backends(recipe, policy_dir)
+    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    backends["policy"] = LocalTrainBackend(
+        TrainBackendConfig(lr=5e-2, device="cpu", max_tokens_per_mb=16, seed=0, grad_clip=None, lora=lora)
+    )
+    backends["policy"].initialize(policy_dir)
+    initial = _weights(backends["reference"])
+    RecipeRunner(recipe, backends).step(rl_batch_for(policy_dir))
+    merged = dict(backends["policy"].named_weights())
+    got = _weights(backends["reference"])
+    assert set(got) <= set(merged) and not any(".lora_" in n for n in merged)
+    for n in got:  # alpha 1: the reference is the merged policy
+        torch.testing.assert_close(got[n], merged[n], rtol=0, atol=1e-6)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(got[q], initial[q])  # the adapter's update reached it
+    assert torch.equal(got["model.norm.weight"], initial["model.norm.weight"])  # LoRA leaves the norm as it was
