@@ -96,6 +96,23 @@ def shrunk_example_overrides(tmp_path: Path, algorithm_kwargs: dict) -> list[str
     ]
 
 
+def resumable_run(tmp_path: Path, name: str, steps: int, algorithm_kwargs: str, *extra: str) -> list[dict]:
+    """``tiny_run_overrides``' run ``name`` to ``steps`` with ``resume=auto`` and a checkpoint every 2 steps (run
+    again with more steps, it resumes), the reward in process, no evaluation; ``algorithm_kwargs`` is
+    ``train.algorithm_kwargs``'s YAML. The rows of its ``metrics.jsonl``."""
+    overrides = [
+        *tiny_run_overrides(tmp_path, run_name=name),
+        f"train.steps={steps}",
+        "train.save_interval=2",
+        "train.eval_interval=0",
+        "reward.sandbox=false",
+        "resume=auto",
+        f"train.algorithm_kwargs={algorithm_kwargs}",
+        *extra,
+    ]
+    return run_to_end(load_config(None, overrides))
+
+
 def run_to_end(cfg) -> list[dict]:
     """Run ``cfg`` through ``Trainer`` to its last step; the rows of its ``metrics.jsonl``."""
     trainer = Trainer.init(cfg)

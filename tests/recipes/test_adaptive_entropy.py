@@ -11,13 +11,12 @@ import math
 import pytest
 import torch
 
-from areno.api.config import load_config
 from areno.errors import ConfigError
 from areno.recipes import get_recipe
 from areno.recipes.runner import RecipeRunner
 from areno.specializations import ActorConfig, ActorSpecialization
 from areno.train import LocalTrainBackend, TrainBackendConfig
-from tests.helpers.configs import run_to_end, tiny_run_overrides
+from tests.helpers.configs import resumable_run
 from tests.helpers.recipes import PlainReducer, group_batch_of, rl_batch_for, tiny_policy_dir
 
 
@@ -114,17 +113,8 @@ def test_settings_that_cannot_apply_are_refused_in_one_line(kwargs, says):
 
 
 def _run(tmp_path, name: str, steps: int):
-    overrides = [
-        *tiny_run_overrides(tmp_path, run_name=name),
-        f"train.steps={steps}",
-        "train.save_interval=2",
-        "train.eval_interval=0",
-        "reward.sandbox=false",
-        "resume=auto",
-        # a target above the tiny model's entropies (~4.6 nats): the coefficient climbs, applied from step 2
-        "train.algorithm_kwargs={entropy_coef: 0.05, entropy_target: 10.0, entropy_coef_delta: 0.02}",
-    ]
-    return run_to_end(load_config(None, overrides))
+    # a target above the tiny model's entropies (~4.6 nats): the coefficient climbs, applied from step 2
+    return resumable_run(tmp_path, name, steps, "{entropy_coef: 0.05, entropy_target: 10.0, entropy_coef_delta: 0.02}")
 
 
 def test_a_resumed_run_goes_on_as_the_uninterrupted_one(tmp_path):

@@ -23,7 +23,7 @@ from areno.recipes.runner import RecipeRunner
 from areno.specializations import LogProbSpecialization
 from areno.train import LocalTrainBackend, TrainBackendConfig
 from areno.train.checkpoint import load as load_checkpoint
-from tests.helpers.configs import run_to_end, tiny_run_overrides, train_args
+from tests.helpers.configs import resumable_run, run_to_end, tiny_run_overrides, train_args
 from tests.helpers.recipes import rl_batch_for, tiny_policy_dir
 
 KEY = "train.algorithm_kwargs."
@@ -184,17 +184,7 @@ def test_alpha_1_copies_the_policy_and_a_different_model_is_refused(tmp_path):
 
 
 def _run(tmp_path, name: str, steps: int, *extra: str):
-    overrides = [
-        *tiny_run_overrides(tmp_path, run_name=name),
-        f"train.steps={steps}",
-        "train.save_interval=2",
-        "train.eval_interval=0",
-        "reward.sandbox=false",
-        "resume=auto",
-        "train.algorithm_kwargs={kl_coef: 0.1, ref_sync_steps: 1, ref_sync_alpha: 0.5}",
-        *extra,
-    ]
-    return run_to_end(load_config(None, overrides))
+    return resumable_run(tmp_path, name, steps, "{kl_coef: 0.1, ref_sync_steps: 1, ref_sync_alpha: 0.5}", *extra)
 
 
 def _reference_at(run_dir, step: int, policy_dir) -> dict[str, torch.Tensor]:
