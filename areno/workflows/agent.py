@@ -38,13 +38,22 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from areno.errors import ConfigError
 from areno.observe.session import session
 from areno.rollout.client import RolloutClient
 from areno.types import SamplingParams, Trajectory
-from areno.workflows.base import RolloutWorkflow, _import_dotted, fork_episode_seeds
+from areno.workflows.base import CHECK_KWARGS_ATTR, RolloutWorkflow, _import_dotted, fork_episode_seeds
 from areno.workflows.interaction import ExportStyle
 from areno.workflows.openai_client import AgentProxy, ArenoAsyncOpenAI
-from areno.workflows.tools import Tool, ToolCall, ToolSet, calculator, calculator_tool, parse_tool_calls
+from areno.workflows.tools import (
+    Tool,
+    ToolCall,
+    ToolSchemaError,
+    ToolSet,
+    calculator,
+    calculator_tool,
+    parse_tool_calls,
+)
 
 logger = logging.getLogger("areno.workflows")
 
@@ -404,22 +413,45 @@ def tool_workflow(
     whose schema is read off its type hints and docstring (``Tool.from_function``), or a ``Tool``; each call
     gets ``tool_timeout_s``. The turns train in one sequence (``export_style="concat"``), the tool results
     masked; every other argument goes to ``AgentWorkflow``."""
-    if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
-        raise ValueError(
-            f"rollout.workflow_kwargs.max_tool_calling_iterations must be >= 0 (0: answer without calling a tool) "
-            f"or null (no bound), got {max_tool_calling_iterations}"
+    toolset = _tool_set(tools, max_tool_calling_iterations, tool_timeout_s)
+    agent = functools.partial(
+        tool_calling_agent, tools=toolset, max_tool_calling_iterations=max_tool_calling_iterations
+    )
+    return AgentWorkflow(agent=agent, gamma=gamma, export_style=export_style, timeout_s=timeout_s, **kwargs)
+
+
+def _tool_set(tools: Any, max_tool_calling_iterations: Any, tool_timeout_s: float) -> ToolSet:
+    """``tool_workflow``'s tools, imported and given their schemas; a one-line :class:`ConfigError` for a value
+    that cannot work."""
+    key = "rollout.workflow_kwargs"
+    bound = max_tool_calling_iterations
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+        raise ConfigError(
+            f"{key}.max_tool_calling_iterations must be an integer >= 0 (0: answer without calling a tool) or null "
+            f"(no bound), got {bound!r}"
         )
-    if isinstance(tools, (str, Tool)) or callable(tools) or not tools:
-        raise ValueError(
-            "rollout.workflow_kwargs.tools must be a non-empty list of tools, e.g. [my_tools:lookup], got "
-            f"{tools!r:.60}"
-        )
+    if isinstance(tools, (str, Tool)) or callable(tools) or not isinstance(tools, (list, tuple)) or not tools:
+        raise ConfigError(f"{key}.tools must be a non-empty list of tools, e.g. [my_tools:lookup], got {tools!r:.60}")
     built = []
     for i, tool in enumerate(tools):
         if isinstance(tool, str):
-            tool = _import_dotted(tool, what=f"rollout.workflow_kwargs.tools[{i}]")
-        built.append(tool if isinstance(tool, Tool) else Tool.from_function(tool, timeout_s=tool_timeout_s))
-    agent = functools.partial(
-        tool_calling_agent, tools=ToolSet(built), max_tool_calling_iterations=max_tool_calling_iterations
+            tool = _import_dotted(tool, what=f"{key}.tools[{i}]")
+        try:
+            built.append(tool if isinstance(tool, Tool) else Tool.from_function(tool, timeout_s=tool_timeout_s))
+        except (ToolSchemaError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}.tools[{i}]: {exc}") from None
+    try:
+        return ToolSet(built)
+    except ToolSchemaError as exc:
+        raise ConfigError(f"{key}.tools: {exc}") from None
+
+
+def _check_tool_workflow_kwargs(workflow_kwargs: dict[str, Any]) -> None:
+    _tool_set(
+        workflow_kwargs.get("tools"),
+        workflow_kwargs.get("max_tool_calling_iterations"),
+        workflow_kwargs.get("tool_timeout_s", 10.0),
     )
-    return AgentWorkflow(agent=agent, gamma=gamma, export_style=export_style, timeout_s=timeout_s, **kwargs)
+
+
+setattr(tool_workflow, CHECK_KWARGS_ATTR, _check_tool_workflow_kwargs)

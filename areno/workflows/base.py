@@ -296,6 +296,15 @@ def check_workflow_arguments(
     if target is not None:
         own = set(inspect.signature(factory).parameters)
         _check_forwarded(dotted_path, factory, target, [k for k in given if k not in own])
+    check_values = getattr(factory, CHECK_KWARGS_ATTR, None)
+    if check_values is not None:  # the factory's own values (a tool list it imports), before any model loads
+        check_values(workflow_kwargs)
+
+
+CHECK_KWARGS_ATTR = "check_workflow_kwargs"
+"""A workflow factory's optional attribute: a function of ``rollout.workflow_kwargs`` raising a one-line
+:class:`ConfigError` for a value that cannot work (``tool_workflow``'s tools), which preflight calls before the
+model loads (``check_workflow_arguments``)."""
 
 
 def _names(factory: Callable[..., Any], name: str) -> bool:

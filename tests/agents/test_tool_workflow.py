@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from areno.errors import ConfigError
 from areno.types import SamplingParams
 from areno.workflows.agent import AgentWorkflow, tool_workflow
 from areno.workflows.base import load_workflow
@@ -58,9 +59,9 @@ def test_settings_that_cannot_work_are_refused_in_one_line(char_tokenizer):
     with pytest.raises(ToolSchemaError, match="tool 'untyped': no schema can be read off the function") as info:
         Tool.from_function(untyped)
     assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match="max_tool_calling_iterations must be >= 0"):
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations must be an integer >= 0"):
         _workflow(char_tokenizer, max_tool_calling_iterations=-1)
-    with pytest.raises(ValueError, match="tools must be a non-empty list"):
+    with pytest.raises(ConfigError, match="tools must be a non-empty list"):
         tool_workflow(tools="areno.workflows.tools:calculator", tokenizer=char_tokenizer, sampling_params=PARAMS)
     with pytest.raises(Exception, match=r"rollout.workflow_kwargs.tools\[0\]"):
         tool_workflow(tools=["no_such_module:fn"], tokenizer=char_tokenizer, sampling_params=PARAMS)
@@ -81,3 +82,22 @@ def test_loads_from_the_run_configs_path_and_kwargs(char_tokenizer):
     assert isinstance(wf, AgentWorkflow) and wf.n_samples == 2
     assert wf.agent.keywords["max_tool_calling_iterations"] == 3
     assert [s["function"]["name"] for s in wf.agent.keywords["tools"].schemas()] == ["calculator"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ("{tools: [no_such_module:fn]}", "rollout.workflow_kwargs.tools[0]: cannot import module 'no_such_module'"),
+        ("{tools: [areno.workflows.tools:calculator], max_tool_calling_iterations: -2}", "must be an integer >= 0"),
+        ("{tools: [areno.workflows.tools:render_tools_prompt]}", "tools[0]: tool 'render_tools_prompt': no schema"),
+    ],
+)
+def test_the_cli_refuses_a_tool_list_that_cannot_work_before_the_model_loads(tmp_path, capsys, kwargs, says):
+    from areno.cli import main as areno_main
+    from tests.helpers.configs import tiny_run_overrides
+
+    overrides = [*tiny_run_overrides(tmp_path), "rollout.workflow=areno.workflows.agent:tool_workflow"]
+    assert areno_main(["train", *overrides, f"rollout.workflow_kwargs={kwargs}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and len([line for line in err if line.startswith("areno: error")]) == 1, err
+    assert not (tmp_path / "model").exists()  # refused before the tiny model was made, let alone loaded
