@@ -16,7 +16,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -234,12 +234,11 @@ class PackedTrainBackend(TrainBackend):
     def _autocast(self) -> AbstractContextManager:
         """Context of every forward: the compiled log-prob head kernels under ``compile``, float32 logits
         under ``fp32_logits`` (a subclass adds autocast on top)."""
-        if not self.cfg.fp32_logits:
-            return compiled_logprob_kernels() if self.cfg.compile else nullcontext()
         stack = ExitStack()
         if self.cfg.compile:
             stack.enter_context(compiled_logprob_kernels())
-        stack.enter_context(fp32_logits())
+        if self.cfg.fp32_logits:
+            stack.enter_context(fp32_logits())
         return stack
 
     def _after_forward_only(self) -> None:
