@@ -94,7 +94,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = parser("logit_precision", __doc__)
     p.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -104,7 +104,7 @@ def main() -> None:
     p.add_argument("--logit-std", type=float, default=4.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workdir", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     with work_dir(args.workdir, "areno-logit-precision-") as workdir:
@@ -144,7 +144,8 @@ def main() -> None:
             "rounds": {("fp32" if k else "bf16"): v for k, v in rows.items()},
         },
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

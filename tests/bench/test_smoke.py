@@ -26,6 +26,7 @@ BENCHES = (
     "stream",
     "preference",
     "hostcost",
+    "logit_precision",
 )
 
 
@@ -167,3 +168,15 @@ def test_host_costs_per_unit_at_two_sizes(capsys):
         worst["us_per_unit_small"],
         worst["ratio"],
     )
+
+
+def test_logit_precision_against_bf16_logits(capsys):
+    result = run("logit_precision", ["--shape", "tiny", "--device", "cpu", "--prompts", "2", "--prompt-len", "8",
+                                     "--completion-len", "6", "--rounds", "1"], capsys)  # fmt: skip
+    rounds = result["rounds"]
+    assert set(rounds) == {"bf16", "fp32"} and all(len(v) == 1 for v in rounds.values())
+    assert (
+        result["figure"] == rounds["fp32"][0]["abs_diff_mean"]
+        and result["baseline"] == rounds["bf16"][0]["abs_diff_mean"]
+    )
+    assert result["tokens_per_round"] == 12
