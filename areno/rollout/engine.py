@@ -624,9 +624,10 @@ class RolloutEngine:
     def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, V]: fp32 on CPU, the model's dtype on CUDA (the sampler reads
         them in fp32, exactly the values of a cast)."""
+        fp32 = self._fp32_logits(hidden_BD)
+        if fp32 is not None:
+            return fp32
         weight_VD = getattr(self.model, "output_weight", None)
-        if self.config.fp32_logits and weight_VD is not None and weight_VD.dtype != torch.float32:
-            return fp32_product(hidden_BD, self._fp32_head(weight_VD))
         pack = self.model.__dict__.get("cpu_pack")  # RolloutEngineConfig.cpu_packed_gemm
         if pack is not None and pack.applies(hidden_BD):
             return pack(hidden_BD, None).float()
@@ -647,6 +648,14 @@ class RolloutEngine:
         # CUDA: no fp32 copy of [B, V] per decode step (~28 us at 64 x 151,936 on an H200); the
         # fused draw upcasts on load, the eager one in its first fp32 op
         return logits_BV if logits_BV.is_cuda else logits_BV.float()
+
+    def _fp32_logits(self, hidden_BD: torch.Tensor) -> torch.Tensor | None:
+        """``config.fp32_logits``' logits of this rank's head (``fp32_product``), or None where they do not
+        apply (the flag off, or a float32 head, whose logits are float32 already)."""
+        weight_VD = getattr(self.model, "output_weight", None)
+        if not self.config.fp32_logits or weight_VD is None or weight_VD.dtype == torch.float32:
+            return None
+        return fp32_product(hidden_BD, self._fp32_head(weight_VD))
 
     def _sample_rows(self, logits_BV: torch.Tensor, rp: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and log-probs [B] on the device (no host synchronisation)."""

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from areno.models.hf_io import load_model
-from areno.models.logprobs import fp32_product
 from areno.models.tp_plan import shard_tensor, tp_plan, tp_style
 from areno.models.vision import ImageInputs
 from areno.rollout.engine import RolloutEngine, RolloutEngineConfig, WeightUpdateError
@@ -116,10 +115,8 @@ class TensorParallelRolloutEngine(RolloutEngine):
         return int(n.item())
 
     def _logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
-        weight_VD = self.model.output_weight
-        if self.config.fp32_logits and weight_VD.dtype != torch.float32:
-            local_BV = fp32_product(hidden_BD, self._fp32_head(weight_VD))
-        else:
+        local_BV = self._fp32_logits(hidden_BD)
+        if local_BV is None:
             local_BV = self.model.logits(hidden_BD).float()
         if self.model_config.tie_word_embeddings:
             return local_BV  # the embedding is replicated: full logits already

@@ -374,6 +374,10 @@ def calculator_workflow(
     return AgentWorkflow(agent=calculator_agent, gamma=gamma, export_style=export_style, timeout_s=timeout_s, **kwargs)
 
 
+TOOL_TIMEOUT_S = 10.0
+"""``tool_workflow``'s default limit of one tool call (``tool_timeout_s``)."""
+
+
 async def tool_calling_agent(
     client: ArenoAsyncOpenAI, sample: dict[str, Any], *, tools: ToolSet, max_tool_calling_iterations: int | None = None
 ) -> float:
@@ -401,7 +405,7 @@ def tool_workflow(
     *,
     tools: list[str | Callable[..., Any] | Tool],
     max_tool_calling_iterations: int | None = None,
-    tool_timeout_s: float = 10.0,
+    tool_timeout_s: float = TOOL_TIMEOUT_S,
     gamma: float = 1.0,
     export_style: ExportStyle = "concat",
     timeout_s: float = 300.0,
@@ -430,7 +434,7 @@ def _tool_set(tools: Any, max_tool_calling_iterations: Any, tool_timeout_s: floa
             f"{key}.max_tool_calling_iterations must be an integer >= 0 (0: answer without calling a tool) or null "
             f"(no bound), got {bound!r}"
         )
-    if isinstance(tools, (str, Tool)) or callable(tools) or not isinstance(tools, (list, tuple)) or not tools:
+    if not isinstance(tools, (list, tuple)) or not tools:
         raise ConfigError(f"{key}.tools must be a non-empty list of tools, e.g. [my_tools:lookup], got {tools!r:.60}")
     built = []
     for i, tool in enumerate(tools):
@@ -450,7 +454,7 @@ def _check_tool_workflow_kwargs(workflow_kwargs: dict[str, Any]) -> None:
     _tool_set(
         workflow_kwargs.get("tools"),
         workflow_kwargs.get("max_tool_calling_iterations"),
-        workflow_kwargs.get("tool_timeout_s", 10.0),
+        workflow_kwargs.get("tool_timeout_s", TOOL_TIMEOUT_S),
     )
 
 
