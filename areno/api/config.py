@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
+import math
 import os
 import re
 import typing
@@ -18,6 +20,8 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
+from areno.data.datasets import build_splits
+from areno.engine.api import resolve_recipe, trains_on_pairs
 from areno.engine.config import (
     MANDATORY_HINTS,
     ArenoConfig,
@@ -35,6 +39,8 @@ from areno.errors import ConfigError, is_of_type, wrong_type
 from areno.rewards.loader import resolve_path
 from areno.train.config import OptimConfig
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "ArenoConfig",
     "ClusterSection",
@@ -51,6 +57,7 @@ __all__ = [
     "absolute_code_paths",
     "absolute_paths",
     "checked_config",
+    "counted_steps",
     "load_config",
     "to_dict",
     "to_yaml",
@@ -186,6 +193,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"override {bad[0]!r} must look like key=value (e.g. optim.lr=1e-5)")
     for override in overrides:
         _check_yaml(override)
+    lengths_given: set[str] = set()  # the overrides' run-length keys: two of them are refused, as in a file
     try:
         merged = OmegaConf.merge(*layers)
         for override in overrides:  # in order: a later override may set a key of a mapping an earlier one emptied
@@ -194,6 +202,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 continue
             layer = OmegaConf.from_dotlist([override])
             _check_sections(layer, schema, f"override {override}")
+            key = override.split("=", 1)[0].strip()
+            other = RUN_LENGTH_KEYS.get(key)
+            if other is not None and OmegaConf.select(layer, key) is not None and other not in lengths_given:
+                OmegaConf.update(merged, other, None, merge=False)  # the file's train.steps, say, gives way
+            lengths_given.add(key)
             merged = OmegaConf.merge(merged, layer)
         config: ArenoConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except ConfigError:
@@ -208,6 +221,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(str(cause)) from None
         raise _type_error(exc) or ConfigError(_describe(exc)) from None
     return absolute_code_paths(config)
+
+
+RUN_LENGTH_KEYS = {"train.steps": "train.epochs", "train.epochs": "train.steps"}
+"""Each sets a run's length: an override of one unsets the other where the file set it."""
 
 
 def _clears_mapping(schema: DictConfig, override: str) -> bool:
@@ -296,7 +313,30 @@ def checked_config(config: object, *, caller: str) -> ArenoConfig:
             "(ArenoConfig(model=ModelSection(path=...), ...))"
         )
     config.validate()
-    return absolute_paths(config)
+    return counted_steps(absolute_paths(config))
+
+
+def counted_steps(config: ArenoConfig) -> ArenoConfig:
+    """``config`` (changed in place) with ``train.epochs`` turned into ``train.steps``: ceil(epochs x training
+    rows / ``rollout.batch_size``), the rows read as the run reads them (a preference recipe's pairs, a
+    shipped task's generated rows), said in one line; ``train.epochs`` is then unset, so the run's
+    config.yaml loads again as it is. A config without ``train.epochs`` is returned as it is."""
+    train = config.train
+    if train.epochs is None:
+        return config
+    rows, _ = build_splits(config.data, pairs=trains_on_pairs(resolve_recipe(config)))
+    batch = config.rollout.batch_size
+    steps = max(math.ceil(train.epochs * len(rows) / batch), 1)
+    logger.info(
+        "train.epochs=%g: %s training rows at rollout.batch_size=%d a step: train.steps=%d",
+        train.epochs,
+        f"{len(rows):,}",
+        batch,
+        steps,
+    )
+    train.steps, train.epochs = steps, None
+    config.validate()  # what depends on the steps (observe.profile_steps, warmup_steps) is checked now
+    return config
 
 
 def to_yaml(config: ArenoConfig) -> str:

@@ -286,6 +286,11 @@ class PromptStream:
         """The rows in their split's order (what :meth:`take_indices` indexes)."""
         return self._rows
 
+    @property
+    def epochs_drawn(self) -> float:
+        """Passes over the rows handed out so far: the epoch and the share of its rows taken."""
+        return self.epoch + self.position / len(self._rows)
+
     def take(self, n: int) -> list[dict]:
         return [self._rows[i] for i in self.take_indices(n)]
 

@@ -1065,6 +1065,7 @@ class ArenoEngine:
                 self._check_rewards(rollout_id, trajectories)
         if taken is not None:  # only now: a step that stops the run above leaves its samples for the resume
             self.ledger.trained(taken)
+        metrics["rollout/epoch"] = self.train_stream.epochs_drawn
         metrics.update(reward_pool_metrics(self.reward_fn))  # a sandbox's calls, failures by kind, restarts
         if self.rollout is not None:  # the rollout side's own: replica health, engine counters
             metrics.update(self.rollout.metrics())

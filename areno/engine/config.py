@@ -44,6 +44,8 @@ from areno.types import MIN_TEMPERATURE
 
 ROLLOUT_BACKENDS = ("areno", "vllm", "sglang")
 WEIGHT_TRANSFERS = ("disk", "nccl")
+DEFAULT_TRAIN_STEPS = 100
+"""``train.steps`` when neither it nor ``train.epochs`` is set."""
 """``rollout.weight_transfer``: how a policy reaches vLLM/SGLang servers."""
 """``rollout.backend``: areno's own engine, or an inference server of another system."""
 
@@ -710,8 +712,13 @@ class TrainSection(ConfigSection, TrainStepConfig):
     """Registered recipe name (`areno recipes` lists them)."""
     algorithm_kwargs: dict[str, Any] = field(default_factory=dict)
     """Overrides of the recipe's policy-role specialization arguments (e.g. clip_eps, kl_coef)."""
-    steps: int = 100
-    """Rollout/train iterations (num_rollout)."""
+    steps: int | None = None
+    """Rollout/train iterations (num_rollout). Unset: 100, or as many as ``train.epochs`` takes."""
+    epochs: float | None = None
+    """Passes over the training rows (TRL's ``num_train_epochs``, verl's ``total_epochs``), in place of
+    ``train.steps``: ceil(epochs x training rows / ``rollout.batch_size``) steps, counted when the run reads
+    its data (``checked_config``: one line says the count; the run directory's config.yaml records the
+    steps). Dynamic sampling's extra rounds draw further rows, so such a run sees more than that."""
     num_train_passes: int = 1
     """Optimizer passes over each rollout batch; passes after the first reshuffle the data and reuse
     the first pass's proximal / old / reference log-probs."""
@@ -754,7 +761,18 @@ class TrainSection(ConfigSection, TrainStepConfig):
                     key in allowed, f"train.role_optim.{role}.{key}", f"is not an optim key; they are {allowed}"
                 )
             # the values are checked over the optim section they override (ArenoConfig.__post_init__)
-        check_config(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
+        if self.epochs is not None:
+            check_config(
+                self.steps is None,
+                "train.steps",
+                f"{self.steps} while train.epochs={self.epochs:g} also sets the run's length: set one of them "
+                "(train.steps=null counts the steps from the epochs)",
+            )
+            check_config(self.epochs > 0, "train.epochs", f"must be > 0 (or null: train.steps), got {self.epochs:g}")
+        elif self.steps is None:
+            self.steps = DEFAULT_TRAIN_STEPS
+        if self.steps is not None:
+            check_config(self.steps >= 0, "train.steps", f"must be >= 0, got {self.steps}")
         check_config(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         check_config(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
         check_config(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
@@ -918,7 +936,9 @@ class ArenoConfig(ConfigSection):
             f"must be auto, true or false, got {self.resume!r}",
         )
         self.rollout.backend = resolve_rollout_backend(self.rollout.backend, self.cluster.allocation_mode)
-        outside = [s for s in self.observe.profile_steps if not 1 <= s <= self.train.steps]
+        # with train.epochs the steps are counted from the data (checked_config), then checked again
+        last = self.train.steps if self.train.steps is not None else float("inf")
+        outside = [s for s in self.observe.profile_steps if not 1 <= s <= last]
         check_config(
             not outside,
             "observe.profile_steps",
@@ -991,7 +1011,7 @@ class ArenoConfig(ConfigSection):
                 else:  # a key of the optim section the override does not change, in the role's combination
                     message = f"train.role_optim.{role} (over the optim section): {message}"
                 raise ConfigError(message) from None
-        optimizer_steps = total_optimizer_steps(self)
+        optimizer_steps = total_optimizer_steps(self) if self.train.steps is not None else float("inf")
         warmups = {"optim.warmup_steps": self.optim.warmup_steps}
         warmups.update(
             {f"train.role_optim.{r}.warmup_steps": o.get("warmup_steps", 0) for r, o in self.train.role_optim.items()}
@@ -1255,6 +1275,8 @@ def total_optimizer_steps(config: ArenoConfig) -> int:
     """Optimizer steps of the whole run (the cosine schedule's length): steps x passes x
     minibatches, at least 1."""
     t = config.train
+    if t.steps is None:  # a config not through checked_config, which counts train.epochs' steps
+        raise ValueError("train.steps is unset (train.epochs): areno.api.config.checked_config counts the steps")
     return max(t.steps * t.num_train_passes * t.num_minibatches, 1)
 
 

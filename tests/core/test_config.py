@@ -102,9 +102,9 @@ def test_sections_built_in_python_take_paths_and_a_lora_mapping(tmp_path):
 @pytest.mark.parametrize(
     "section, kwargs, message",
     [
-        (TrainSection, {"steps": "3"}, "train.steps: must be an integer, got '3'"),
-        (TrainSection, {"steps": 1.5}, "train.steps: must be an integer, got 1.5"),
-        (TrainSection, {"steps": True}, "train.steps: must be an integer, got True"),
+        (TrainSection, {"steps": "3"}, "train.steps: must be an integer or null, got '3'"),
+        (TrainSection, {"steps": 1.5}, "train.steps: must be an integer or null, got 1.5"),
+        (TrainSection, {"steps": True}, "train.steps: must be an integer or null, got True"),
         (TrainSection, {"max_tokens_per_mb": "4k"}, "train.max_tokens_per_mb: must be an integer or null, got '4k'"),
         (TrainSection, {"lora": 4}, "train.lora: must be a LoraConfig or null, got 4"),
         (

@@ -207,8 +207,8 @@ def test_what_a_preference_recipe_cannot_do_is_refused_in_one_line(tmp_path):
 
 
 # ------------------------------------------------------------------------------ no rollout side
-BATCH_KEYS = {"rollout/num_seqs", "rollout/num_tokens"}
-"""The only ``rollout/*`` keys of an offline run: its data batch's size (docs/metrics.md)."""
+BATCH_KEYS = {"rollout/num_seqs", "rollout/num_tokens", "rollout/epoch"}
+"""The only ``rollout/*`` keys of an offline run: its data batch's size and the epochs drawn (docs/metrics.md)."""
 
 
 def _no_rollout_run(cfg) -> list[dict]:
