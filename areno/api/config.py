@@ -268,8 +268,9 @@ may be a list of them)."""
 def absolute_setting(key: str, value: Any) -> Any:
     """``value`` of the dotted setting ``key`` with a relative path in it made absolute from the
     working directory (``FILE_PATH_KEYS``, ``CODE_PATH_KEYS``, ``train.algorithm_kwargs.*_path``);
-    any other value as it is. A list of code paths (``reward.fn``'s functions) has each made absolute."""
-    if key in CODE_PATH_KEYS and isinstance(value, (list, tuple)):
+    any other value as it is. A list of them (``reward.fn``'s functions, ``data.train_path``'s files) has each made
+    absolute."""
+    if key in (*CODE_PATH_KEYS, *FILE_PATH_KEYS) and isinstance(value, (list, tuple)):  # reward.fn, data.train_path
         return [absolute_setting(key, v) for v in value]
     if not isinstance(value, str) or value == MISSING:
         return value

@@ -287,7 +287,7 @@ def say_how_many_rows(config: ArenoConfig, splits: tuple[list[dict], list[dict]]
     if splits is None:
         return
     data, batch_size = config.data, config.rollout.batch_size
-    said = (data.train_path, data.eval_path, data.num_eval, batch_size)
+    said = (str(data.train_path), data.eval_path, data.num_eval, batch_size)
     if said in _ROWS_SAID:
         return
     _ROWS_SAID.add(said)
@@ -986,7 +986,7 @@ def say_if_held_out_evaluation_is_off(config: ArenoConfig) -> None:
     data = config.data
     if has_held_out_rows(data):
         return
-    said = (data.task, data.train_path, data.eval_path, data.num_eval)
+    said = (data.task, str(data.train_path), data.eval_path, data.num_eval)
     if said in _HELD_OUT_OFF_SAID:
         return
     _HELD_OUT_OFF_SAID.add(said)

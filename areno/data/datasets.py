@@ -14,6 +14,7 @@ ones, the answer those); and a warm start on preference rows trains on their ``c
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 from pathlib import Path
@@ -79,7 +80,8 @@ def _read_rows(path: Path, *, key: str | None = None) -> tuple[list, list[str]]:
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         if key is None:
             raise DataError(f"dataset file {path} {what}: set data.train_path / data.eval_path to a data file")
-        raise DataError(f"{key}: dataset file {path} {what}: set {key} to a .jsonl, .json or .parquet file")
+        shards = f", or a pattern of its files such as {path / '*.parquet'}" if path.is_dir() else ""
+        raise DataError(f"{key}: dataset file {path} {what}: set {key} to a .jsonl, .json or .parquet file{shards}")
     where: list[str]  # how each row is named in an error
     if path.suffix == ".parquet":
         import pyarrow as pa
@@ -116,6 +118,46 @@ def _read_rows(path: Path, *, key: str | None = None) -> tuple[list, list[str]]:
     return rows, where
 
 
+def data_files(value: str | list[str], *, key: str) -> list[Path]:
+    """The files a ``data.train_path`` setting names (``key``, for errors): one path, a glob pattern (its files
+    in name order), or a list of those, in the order given. A pattern that matches no file is a DataError
+    naming it; a path that is no file is left for :func:`load_rows` to name."""
+    files = []
+    for item in value if isinstance(value, list) else [value]:
+        if not glob.has_magic(item):
+            files.append(Path(item))
+            continue
+        matched = sorted(p for p in glob.glob(item, recursive=True) if Path(p).is_file())
+        if not matched:
+            raise DataError(f"{key}: the pattern {item} matches no file: check the directory and the pattern")
+        files.extend(Path(p) for p in matched)
+    return files
+
+
+def load_files(value: str | list[str], *, key: str, **read) -> list[dict]:
+    """The rows of every file :func:`data_files` names, in its order, each file read by :func:`load_rows`
+    (``read``: its arguments); with several files, a file that holds no row is a DataError naming it."""
+    files = data_files(value, key=key)
+    rows = []
+    for path in files:
+        part = load_rows(path, key=key, **read)
+        if not part and len(files) > 1:
+            raise DataError(f"{key}: dataset file {path} holds no rows: remove it from the list or add rows")
+        rows.extend(part)
+    return rows
+
+
+def row_source(value: str | list[str], index: int, *, key: str) -> str:
+    """Where row ``index`` of the rows :func:`load_files` read comes from, as an error names it: ``FILE row i``
+    (0-based within its file). Reads the files' row counts again: for an error's message only."""
+    for path in data_files(value, key=key):
+        count = len(_read_rows(path, key=key)[0])
+        if index < count:
+            return f"{path} row {index}"
+        index -= count
+    raise IndexError(f"{key} holds no row {index}")
+
+
 def _first_row(path: Path) -> object:
     """The file's first row (None: it has none), a ``.jsonl`` file's read without the lines after it."""
     if path.suffix == ".jsonl" and path.is_file():
@@ -138,7 +180,7 @@ def warm_start_answer_key(data_cfg) -> str:
     if data_cfg.task is not None or data_cfg.train_path is None or key != _default(data_cfg, "answer_key"):
         return key
     try:
-        row = _first_row(Path(data_cfg.train_path))
+        row = _first_row(data_files(data_cfg.train_path, key="data.train_path")[0])
     except (DataError, UnicodeDecodeError):
         return key
     return PAIR_KEYS[0] if _is_preference_row(row, data_cfg.prompt_key) and key not in row else key
@@ -314,7 +356,7 @@ def build_splits(
     # a conversation gives its answer under data.answer_key whether or not this recipe needs it: the
     # engine and `areno eval` load the rows without asking for answers, and must see the same ones
     read = {"prompt_key": data_cfg.prompt_key, "pairs": pairs, "answer_field": data_cfg.answer_key}
-    train = load_rows(data_cfg.train_path, answer_key=answer_key, key="data.train_path", **read)
+    train = load_files(data_cfg.train_path, answer_key=answer_key, key="data.train_path", **read)
     if not train:
         raise DataError(f"dataset file {data_cfg.train_path} holds no rows: data.train_path needs training prompts")
     held_out = []
@@ -338,7 +380,7 @@ def _warn_shared_prompts(data_cfg, train: list[dict], held_out: list[dict], *, p
     """One warning when held-out rows are also training rows: they would be trained on and still counted as held
     out (a shipped task's splits are disjoint by construction). A row is its prompt, a preference row its whole
     pair (one prompt with other completions is another pair)."""
-    said = (data_cfg.train_path, data_cfg.eval_path, data_cfg.num_eval, data_cfg.prompt_key, pairs)
+    said = (str(data_cfg.train_path), data_cfg.eval_path, data_cfg.num_eval, data_cfg.prompt_key, pairs)
     if said in _SHARED_SAID:
         return
     _SHARED_SAID.add(said)
@@ -396,11 +438,12 @@ def check_prompt_forms(data_cfg, splits: tuple[list[dict], list[dict]] | None, *
     splits when prompts are not templated (``prompts.uses_template``)."""
     if splits is None or templated:
         return
-    for path, rows in ((data_cfg.train_path, splits[0]), (data_cfg.eval_path, splits[1])):
+    for key, rows in (("data.train_path", splits[0]), ("data.eval_path", splits[1])):
         for i, row in enumerate(rows):
             if isinstance(row[data_cfg.prompt_key], list):
+                where = row_source(getattr(data_cfg, key.split(".")[1]), i, key=key)
                 raise DataError(
-                    f"{path} row {i}: {data_cfg.prompt_key!r} is a message list, which needs a chat template, but "
+                    f"{where}: {data_cfg.prompt_key!r} is a message list, which needs a chat template, but "
                     f"prompts are not templated (data.chat_template={data_cfg.chat_template}, or a tokenizer without "
                     "one): use data.chat_template=always with a templated tokenizer, or string prompts"
                 )

@@ -139,8 +139,10 @@ class DataSection(ConfigSection):
     """Shipped synthetic task (see `areno.data.tasks.TASKS`), or null to read train_path."""
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task generator (e.g. max_digits)."""
-    train_path: str | None = None
-    """JSONL or Parquet file of training rows (needs task=null)."""
+    train_path: str | list[str] | None = None
+    """JSONL, JSON or Parquet file of training rows (needs task=null); a glob pattern (``data/train-*.parquet``,
+    a sharded export: its files in name order); or a list of such, their rows in the order given (a mix of
+    datasets, shuffled together each epoch)."""
     eval_path: str | None = None
     """JSONL or Parquet file of held-out rows, the first ``num_eval`` of them evaluated (needs task=null)."""
     prompt_key: str = "prompt"
@@ -200,6 +202,9 @@ class DataSection(ConfigSection):
             "data",
             "set data.task to a shipped task or data.train_path to a JSONL/Parquet file",
         )
+        if isinstance(self.train_path, list):
+            self.train_path = list(self.train_path)  # a YAML list arrives as OmegaConf's ListConfig
+            check_config(bool(self.train_path), "data.train_path", "is an empty list: name at least one file")
         for key in ("train_path", "eval_path"):  # a task makes its own rows: a file beside it would go unread
             if self.task is not None and getattr(self, key) is not None and self.task not in TASKS:
                 close = difflib.get_close_matches(str(self.task), [*TASKS, "null"], n=1)
