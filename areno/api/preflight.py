@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from areno.api.config import absolute_setting, flat_settings, to_dict
 from areno.api.rundir import check_fresh
-from areno.data.datasets import check_prompt_forms, check_splits
+from areno.data.datasets import check_prompt_forms, check_splits, data_files
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
 from areno.data.tasks import TaskSpec, generate_rows
 from areno.data.tokenizer import (
@@ -287,7 +287,7 @@ def say_how_many_rows(config: ArenoConfig, splits: tuple[list[dict], list[dict]]
     if splits is None:
         return
     data, batch_size = config.data, config.rollout.batch_size
-    said = (str(data.train_path), data.eval_path, data.num_eval, batch_size)
+    said = (str(data.train_path), str(data.eval_path), data.num_eval, batch_size)
     if said in _ROWS_SAID:
         return
     _ROWS_SAID.add(said)
@@ -306,7 +306,8 @@ def say_how_many_rows(config: ArenoConfig, splits: tuple[list[dict], list[dict]]
             key,
             len(train),
         )
-    if data.eval_path is not None and len(held_out) < data.num_eval:  # build_splits kept the first num_eval
+    one_file = data.eval_path is not None and len(data_files(data.eval_path, key="data.eval_path")) == 1
+    if one_file and len(held_out) < data.num_eval:  # build_splits kept the first num_eval
         logger.info(
             "data.num_eval=%d but data.eval_path (%s) has %d rows: all %d are evaluated",
             data.num_eval,
@@ -986,7 +987,7 @@ def say_if_held_out_evaluation_is_off(config: ArenoConfig) -> None:
     data = config.data
     if has_held_out_rows(data):
         return
-    said = (data.task, str(data.train_path), data.eval_path, data.num_eval)
+    said = (data.task, str(data.train_path), str(data.eval_path), data.num_eval)
     if said in _HELD_OUT_OFF_SAID:
         return
     _HELD_OUT_OFF_SAID.add(said)

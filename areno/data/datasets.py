@@ -362,14 +362,43 @@ def build_splits(
     held_out = []
     if data_cfg.eval_path is not None:
         eval_answer_key = data_cfg.answer_key if eval_answers else None
-        held_out = load_rows(data_cfg.eval_path, answer_key=eval_answer_key, key="data.eval_path", **read)
-        if not held_out:
-            raise DataError(
-                f"dataset file {data_cfg.eval_path} holds no rows: data.eval_path needs held-out prompts, or unset it"
-            )
-        held_out = held_out[: data_cfg.num_eval]
+        for _, rows in held_out_files(data_cfg, answer_key=eval_answer_key, **read):
+            held_out.extend(rows)
         _warn_shared_prompts(data_cfg, train, held_out, pairs=pairs)
     return train, held_out
+
+
+def held_out_files(data_cfg, **read) -> list[tuple[Path, list[dict]]]:
+    """Each file of ``data.eval_path`` (:func:`data_files`) with its first ``data.num_eval`` rows, in order
+    (``read``: :func:`load_rows`'s arguments); a file without rows is a DataError naming it."""
+    out = []
+    for path in data_files(data_cfg.eval_path, key="data.eval_path"):
+        rows = load_rows(path, key="data.eval_path", **read)
+        if not rows:
+            raise DataError(f"dataset file {path} holds no rows: data.eval_path needs held-out prompts, or unset it")
+        out.append((path, rows[: data_cfg.num_eval]))
+    return out
+
+
+def eval_sources(data_cfg) -> list[tuple[str, int]]:
+    """``(name, rows)`` of each held-out file in the order :func:`build_splits` reads them, when
+    ``data.eval_path`` names several (a list, or a pattern that matches more than one): the held-out figures
+    are then also given per file, ``eval/<name>/...``. The name is the file's stem (a second file of one stem
+    ``<stem>_2``; ``reward``, the namespace of the reward's own figures, ``reward_data``). [] otherwise."""
+    if data_cfg.task is not None or data_cfg.eval_path is None:
+        return []
+    files = held_out_files(data_cfg, prompt_key=data_cfg.prompt_key, answer_field=data_cfg.answer_key)
+    if len(files) < 2:
+        return []
+    out: list[tuple[str, int]] = []
+    for path, rows in files:
+        stem = "reward_data" if path.stem == "reward" else path.stem
+        name, k = stem, 1
+        while name in {n for n, _ in out}:
+            k += 1
+            name = f"{stem}_{k}"
+        out.append((name, len(rows)))
+    return out
 
 
 _SHARED_SAID: set[tuple] = set()
@@ -380,7 +409,7 @@ def _warn_shared_prompts(data_cfg, train: list[dict], held_out: list[dict], *, p
     """One warning when held-out rows are also training rows: they would be trained on and still counted as held
     out (a shipped task's splits are disjoint by construction). A row is its prompt, a preference row its whole
     pair (one prompt with other completions is another pair)."""
-    said = (str(data_cfg.train_path), data_cfg.eval_path, data_cfg.num_eval, data_cfg.prompt_key, pairs)
+    said = (str(data_cfg.train_path), str(data_cfg.eval_path), data_cfg.num_eval, data_cfg.prompt_key, pairs)
     if said in _SHARED_SAID:
         return
     _SHARED_SAID.add(said)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from areno.algo.filters import dynamic_sampling_kept
-from areno.data.datasets import PAIR_KEYS, build_splits
+from areno.data.datasets import PAIR_KEYS, build_splits, eval_sources
 from areno.data.offline import Rendered, RenderedRows
 from areno.data.prompts import render_completion, render_prompt
 from areno.data.tasks import PromptStream
@@ -850,6 +850,8 @@ class ArenoEngine:
         self.pairs = check_pair_recipe(cfg, self.recipe)
         # malformed rows: error before models load
         train_rows, self.eval_rows = build_splits(cfg.data, pairs=self.pairs)
+        # several held-out files: their figures one by one too (a preference recipe's pair figures: the whole's)
+        self.eval_sources = eval_sources(cfg.data) if not self.pairs else []
         # batch_size: a batch that straddles two epochs is kept free of rows it already holds; the stage after
         # a warm start (whose own config has warm_start.steps=0) shuffles apart from the warm start's rows
         stage = "after_warm_start" if cfg.warm_start.steps > 0 else ""
@@ -1310,7 +1312,8 @@ class ArenoEngine:
                     base_seed=cfg.train.seed,
                 )
             )
-        metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, cfg.train.eval_pass_threshold)
+        rewards = [[t.reward for t in ts] for ts in scored]
+        metrics = eval_metrics(rewards, scored, cfg.train.eval_pass_threshold, self.eval_sources)
         return {**metrics, "eval/time_s": time.perf_counter() - t0}
 
     def _evaluate_pairs(self) -> dict[str, float]:

@@ -143,15 +143,19 @@ class DataSection(ConfigSection):
     """JSONL, JSON or Parquet file of training rows (needs task=null); a glob pattern (``data/train-*.parquet``,
     a sharded export: its files in name order); or a list of such, their rows in the order given (a mix of
     datasets, shuffled together each epoch)."""
-    eval_path: str | None = None
-    """JSONL or Parquet file of held-out rows, the first ``num_eval`` of them evaluated (needs task=null)."""
+    eval_path: str | list[str] | None = None
+    """JSONL, JSON or Parquet file of held-out rows, the first ``num_eval`` of them evaluated (needs task=null);
+    or several, as ``train_path`` names them (a list, a glob pattern): each file's first ``num_eval`` rows, with
+    the figures of each file beside the whole's (``eval/<file stem>/accuracy``, ``.../pass@k``; e.g. one file
+    per benchmark)."""
     prompt_key: str = "prompt"
     """Field of a data row holding the prompt: a string, or a list of {role, content} messages
     (TRL's conversational format; needs a chat template)."""
     answer_key: str = "answer"
     """Field of a data row holding the reference answer passed to the reward function."""
     num_eval: int = 200
-    """Held-out prompts evaluated at each evaluation (a task's generated ones, or the first of eval_path's);
+    """Held-out prompts evaluated at each evaluation (a task's generated ones, or the first of eval_path's, of
+    each of its files with several);
     greedy unless ``train.eval_samples`` > 1."""
     seed: int = 0
     """Seed of the task generator and of the dataloader shuffle (a new one each epoch; a negative seed is
@@ -202,9 +206,10 @@ class DataSection(ConfigSection):
             "data",
             "set data.task to a shipped task or data.train_path to a JSONL/Parquet file",
         )
-        if isinstance(self.train_path, list):
-            self.train_path = list(self.train_path)  # a YAML list arrives as OmegaConf's ListConfig
-            check_config(bool(self.train_path), "data.train_path", "is an empty list: name at least one file")
+        for key in ("train_path", "eval_path"):
+            if isinstance(getattr(self, key), list):
+                setattr(self, key, list(getattr(self, key)))  # a YAML list arrives as OmegaConf's ListConfig
+                check_config(bool(getattr(self, key)), f"data.{key}", "is an empty list: name at least one file")
         for key in ("train_path", "eval_path"):  # a task makes its own rows: a file beside it would go unread
             if self.task is not None and getattr(self, key) is not None and self.task not in TASKS:
                 close = difflib.get_close_matches(str(self.task), [*TASKS, "null"], n=1)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from areno.data.datasets import PAIR_KEYS, build_splits
+from areno.data.datasets import PAIR_KEYS, build_splits, eval_sources, held_out_files
 from areno.engine.api import load_tokenizer, prepare_model_dir, resolve_device, resolve_recipe, trains_on_pairs
 from areno.engine.config import ArenoConfig
 from areno.engine.host import apply_host_settings
@@ -136,8 +136,19 @@ def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[st
     """The rows to score (see the module docstring): the first ``num_prompts`` of the split, or with 0
     those the run scores (``data.num_eval`` held-out rows; every training row). ``num_prompts`` may
     exceed ``data.num_eval``, up to the rows ``data.eval_path`` holds or the task has; a ConfigError
-    when the split has fewer, a DataError when it has none."""
+    when the split has fewer, a DataError when it has none. With several held-out files (``eval_sources``)
+    ``num_prompts`` counts each file's first rows, as ``data.num_eval`` does."""
     data = config.data
+    if split == "eval" and eval_sources(data):  # several held-out files: --num-prompts counts each's, as num_eval
+        data = dataclasses.replace(data, num_eval=num_prompts or data.num_eval)
+        files = held_out_files(data, prompt_key=data.prompt_key, answer_field=data.answer_key)
+        short = next(((path, len(rows)) for path, rows in files if len(rows) < num_prompts), None)
+        if short is not None:
+            raise ConfigError(
+                f"--num-prompts {num_prompts} (each held-out file's): {short[0]} has only {short[1]} rows: pass at "
+                f"most {short[1]}"
+            )
+        return build_splits(data)[1]
     if split == "eval" and num_prompts > data.num_eval:  # build_splits keeps data.num_eval held-out rows
         data = dataclasses.replace(data, num_eval=num_prompts)
     train, held_out = build_splits(data)
@@ -233,6 +244,9 @@ def run_eval(
         )
     base_seed = config.train.seed if options.seed is None else options.seed
     rows = eval_rows(config, options.split, options.num_prompts)
+    sources = []  # several held-out files: each one's figures too, over the rows eval_rows kept of it
+    if options.split == "eval":
+        sources = eval_sources(dataclasses.replace(config.data, num_eval=options.num_prompts or config.data.num_eval))
     _check_generates(config, rows)
     if params.temperature > 0:
         check_eval_seeds(base_seed, len(rows), samples, name="--seed" if options.seed is not None else "train.seed")
@@ -285,7 +299,7 @@ def run_eval(
         if started:
             side.shutdown()
         release_reward(reward_fn)
-    metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, threshold)
+    metrics = eval_metrics([[t.reward for t in ts] for ts in scored], scored, threshold, sources)
     metrics["eval/load_s"] = load_s
     metrics["eval/time_s"] = elapsed
     metrics["eval/completion_tokens_per_s"] = sum(len(t.completion_ids) for ts in scored for t in ts) / elapsed

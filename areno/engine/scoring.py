@@ -212,9 +212,25 @@ def pass_ks(n: int) -> list[int]:
 
 
 def eval_metrics(
-    rewards: list[list[float]], trajectories: list[list[Trajectory]], threshold: float
+    rewards: list[list[float]],
+    trajectories: list[list[Trajectory]],
+    threshold: float,
+    sources: list[tuple[str, int]] | tuple = (),
 ) -> dict[str, float]:
-    """The summary of scored rows: ``rewards[i][j]`` of row i's sample j (every row has n)."""
+    """The summary of scored rows: ``rewards[i][j]`` of row i's sample j (every row has n). ``sources``:
+    ``(name, rows)`` of consecutive runs of the rows (``datasets.eval_sources``, one held-out file each), whose
+    accuracy, pass@k and row count are also given as ``eval/<name>/...``."""
+    metrics = _summary(rewards, trajectories, threshold)
+    start = 0
+    for name, count in sources:
+        part = _summary(rewards[start : start + count], trajectories[start : start + count], threshold)
+        start += count
+        for key in ("eval/accuracy", "eval/num_prompts", *(k for k in part if k.startswith("eval/pass@"))):
+            metrics[f"eval/{name}/{key[len('eval/') :]}"] = part[key]
+    return metrics
+
+
+def _summary(rewards: list[list[float]], trajectories: list[list[Trajectory]], threshold: float) -> dict[str, float]:
     n = len(rewards[0])
     flat = [t for ts in trajectories for t in ts]
     metrics = {

@@ -1,8 +1,9 @@
 """``data.train_path`` as a glob pattern or a list of files: their rows in the order given, each file's errors
-named by it, and a run that trains on the mix."""
+named by it, and a run that trains on the mix; ``data.eval_path`` likewise, each held-out file's figures logged."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,8 +13,11 @@ import pytest
 
 from areno.api.config import load_config
 from areno.api.preflight import check_resumed_config
-from areno.data.datasets import build_splits, check_prompt_forms, data_files
+from areno.data.datasets import build_splits, check_prompt_forms, data_files, eval_sources
+from areno.engine.evaluation import EvalOptions, run_eval
+from areno.engine.scoring import eval_metrics
 from areno.errors import ConfigError, DataError
+from areno.types import Trajectory
 from tests.helpers.configs import run_to_end, tiny_run_overrides
 
 
@@ -97,3 +101,81 @@ def test_a_run_trains_on_the_mix_and_resumes_only_with_the_same_files(tmp_path):
                 None, [*overrides, f"data.train_path=[{b},{a}]", "resume=true", "train.epochs=null", "train.steps=4"]
             )
         )
+
+
+# ------------------------------------------------------------------------------ several held-out files
+def test_several_held_out_files_keep_num_eval_rows_each_and_are_named_by_their_stems(tmp_path):
+    (tmp_path / "other").mkdir()
+    files = [
+        _jsonl(tmp_path / "gsm8k.jsonl", ["g0", "g1", "g2"]),
+        _jsonl(tmp_path / "math.jsonl", ["m0"]),
+        _jsonl(tmp_path / "other" / "gsm8k.jsonl", ["o0", "o1"]),
+        _jsonl(tmp_path / "reward.jsonl", ["r0", "r1"]),
+    ]
+    train = _jsonl(tmp_path / "train.jsonl", ["t0"])
+    listed = ",".join(map(str, files))
+    data = load_config(
+        None,
+        [
+            f"model.path={tmp_path}",
+            "data.task=null",
+            f"data.train_path={train}",
+            f"data.eval_path=[{listed}]",
+            "data.num_eval=2",
+        ],
+    ).data
+    _, held_out = build_splits(data)
+    assert [r["prompt"] for r in held_out] == ["g0", "g1", "m0", "o0", "o1", "r0", "r1"]
+    assert eval_sources(data) == [("gsm8k", 2), ("math", 1), ("gsm8k_2", 2), ("reward_data", 2)]
+    one = dataclasses.replace(data, eval_path=str(files[0]))
+    assert eval_sources(one) == [] and len(build_splits(one)[1]) == 2  # one file: the whole's figures alone
+    assert eval_sources(dataclasses.replace(data, eval_path=f"{tmp_path}/*.jsonl")) == [
+        ("gsm8k", 2),
+        ("math", 1),
+        ("reward_data", 2),
+        ("train", 1),
+    ]
+
+
+def _scored(rewards: list[list[float]]) -> list[list[Trajectory]]:
+    return [
+        [Trajectory(prompt_ids=[1], completion_ids=[2], logprobs=[0.0], versions=[0], reward=r) for r in rs]
+        for rs in rewards
+    ]
+
+
+def test_each_files_figures_are_those_of_its_rows_alone():
+    rewards = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]  # file a: rows 0-1, file b: row 2
+    metrics = eval_metrics(rewards, _scored(rewards), 1.0, [("a", 2), ("b", 1)])
+    assert metrics["eval/accuracy"] == pytest.approx(0.5)
+    assert (metrics["eval/a/accuracy"], metrics["eval/a/num_prompts"], metrics["eval/a/pass@2"]) == (0.25, 2.0, 0.5)
+    assert (metrics["eval/b/accuracy"], metrics["eval/b/pass@1"], metrics["eval/b/pass@2"]) == (1.0, 1.0, 1.0)
+    assert metrics["eval/a/pass@1"] == pytest.approx(0.25)  # row 0 solved by one sample of two
+    assert not any(k.startswith("eval/") and k.count("/") == 2 for k in eval_metrics(rewards, _scored(rewards), 1.0))
+
+
+def test_a_run_and_areno_eval_log_each_held_out_files_accuracy(tmp_path):
+    a = _jsonl(tmp_path / "a.jsonl", ["1+1=", "2+2=", "3+3="])
+    b = _jsonl(tmp_path / "b.jsonl", ["4+4=", "5+5="])
+    overrides = [
+        *tiny_run_overrides(tmp_path),
+        "data.task=null",
+        f"data.train_path={a}",
+        f"data.eval_path=[{a},{b}]",
+        "data.num_eval=2",
+        "reward.sandbox=false",
+        "train.steps=1",
+    ]
+    cfg = load_config(None, overrides)
+    evaluated = [r for r in run_to_end(cfg) if "eval/accuracy" in r]
+    last = evaluated[-1]
+    assert (last["eval/num_prompts"], last["eval/a/num_prompts"], last["eval/b/num_prompts"]) == (4, 2, 2)
+    assert last["eval/accuracy"] == pytest.approx((last["eval/a/accuracy"] + last["eval/b/accuracy"]) / 2)
+    alone = run_eval(cfg, EvalOptions(checkpoint="latest"))["metrics"]
+    assert {k: alone[k] for k in ("eval/a/accuracy", "eval/b/accuracy")} == pytest.approx(
+        {k: last[k] for k in ("eval/a/accuracy", "eval/b/accuracy")}
+    )
+    # --num-prompts counts each file's rows, as data.num_eval does; more than a file holds is named by it
+    assert run_eval(cfg, EvalOptions(checkpoint="latest", num_prompts=1))["metrics"]["eval/b/num_prompts"] == 1
+    with pytest.raises(ConfigError, match=rf"--num-prompts 3 \(each held-out file's\): {b} has only 2 rows"):
+        run_eval(cfg, EvalOptions(checkpoint="latest", num_prompts=3))
