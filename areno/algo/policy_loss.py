@@ -16,6 +16,7 @@ ratio ``exp(LOG_RATIO_MAX)`` and no gradient through it, as in verl.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -254,19 +255,26 @@ def off_policy_sequence_mask_T(
     return far_T & (advantages_T < 0) & mask_T
 
 
-def high_entropy_mask_T(entropy_T: torch.Tensor, loss_mask_T: torch.Tensor, *, quantile: float) -> torch.Tensor:
+def high_entropy_mask_T(
+    entropy_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    *,
+    quantile: float,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The loss tokens whose entropy is in the top ``quantile`` fraction of ``loss_mask_T``'s (bool [T]): those at
     or above the ``1 - quantile`` quantile of their entropies, linearly interpolated as ``torch.quantile``
     (Wang et al. 2025, "Beyond the 80/20 rule": the high-entropy forking tokens; TRL's
     ``top_entropy_quantile``, its ``get_high_entropy_mask``). No gradient; ``quantile`` in (0, 1], 1 keeps
-    every loss token. The population is the tokens given, one micro-batch of one rank as the actor calls it
-    (TRL gathers its processes' micro-batches). Ties at the threshold are kept, so a constant entropy keeps
-    all; no loss token, none kept."""
+    every loss token. The population is the loss tokens given, with ``gather`` (``Reducer.gather``: the
+    actor's) those of every data-parallel rank's micro-batch, as TRL gathers its processes'. Ties at the
+    threshold are kept, so a constant entropy keeps all; no loss token, none kept."""
     if not 0 < quantile <= 1:
         raise ValueError(f"top_entropy_quantile must be in (0, 1], got {quantile}")
     mask_T = loss_mask_T.bool()
     ent_T = entropy_T.detach().float()
-    values_K = ent_T[mask_T].sort().values
+    values_K = ent_T[mask_T]
+    values_K = (gather(values_K) if gather is not None else values_K).sort().values
     if values_K.numel() == 0:
         return torch.zeros_like(mask_T)
     # torch.quantile's linear interpolation, by sort: quantile() refuses more than 2**24 values

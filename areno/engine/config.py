@@ -877,7 +877,8 @@ class TestRolloutSection(ConfigSection):
     device: str = "auto"
     """Device of its rollout engine: auto (the run's ``cluster.device``), cpu or cuda."""
     num_prompts: int = 0
-    """Held-out rows evaluated (the first of the ``data.num_eval`` / ``data.eval_path`` rows); 0 = all."""
+    """Held-out rows evaluated (the first of the ``data.num_eval`` / ``data.eval_path`` rows, several files' in
+    their order); 0 = all. Its ``test/*`` figures are the whole's (no per-file figures, as ``eval/<file>/*``)."""
     final_timeout_s: float = 600.0
     """At the end of the run, wait at most this long for the last checkpoint's evaluation."""
 

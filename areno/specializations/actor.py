@@ -183,8 +183,8 @@ class ActorConfig:
     """The share of loss tokens, in (0, 1], that keep their policy-gradient term: those whose entropy is at or
     above the (1 - q) quantile of the micro-batch's loss tokens' (Wang et al. 2025, the high-entropy forking
     tokens; TRL's ``top_entropy_quantile``, e.g. 0.2). The others stay in the loss's denominator and in the KL
-    term, as in TRL. The quantile is over one micro-batch of one data-parallel rank (TRL's gathers every
-    process's micro-batch), with the sequences of zero advantage in it (``skip_zero_advantage`` is off with it,
+    term, as in TRL. The quantile is over the micro-batch of every data-parallel rank at once (gathered, as TRL
+    gathers its processes'), with the sequences of zero advantage in it (``skip_zero_advantage`` is off with it,
     as their tokens count in the quantile). 1: off (no entropy computed for it)."""
     # ---------------------------------------------------------------- off-policy
     use_decoupled_loss: bool = False
@@ -653,7 +653,9 @@ class ActorSpecialization(ModelSpecialization):
             pg_T = torch.where(drop_T, torch.zeros_like(pg_T), pg_T)
             stats["off_policy_mask_frac"] = drop_T.float()
         if self.config.top_entropy_quantile < 1:  # after every other mask: a token's entropy does not depend on them
-            keep_T = high_entropy_mask_T(model_output["entropy_T"], mask_T, quantile=self.config.top_entropy_quantile)
+            keep_T = high_entropy_mask_T(
+                model_output["entropy_T"], mask_T, quantile=self.config.top_entropy_quantile, gather=reducer.gather
+            )
             pg_T = torch.where(keep_T, pg_T, torch.zeros_like(pg_T))
             stats["entropy_mask_frac"] = (mask_T.bool() & ~keep_T).float()
         loss_T = pg_T

@@ -219,6 +219,11 @@ class PackedTrainBackend(TrainBackend):
         """``obj`` of every data-parallel rank, in DP-rank order."""
         return [obj]
 
+    def _gather_token_values(self, values_K: torch.Tensor) -> torch.Tensor:
+        """``values_K`` (1-D) of every data-parallel rank's micro-batch, concatenated in rank order
+        (``Reducer.gather``); the TP and CP ranks of a data rank compute one loss on its whole micro-batch."""
+        return torch.cat(self._gather_dp(values_K.detach().cpu())).to(values_K.device)
+
     def _full(self, tensor: torch.Tensor) -> torch.Tensor:
         """The full (unsharded) value of a possibly sharded tensor."""
         return tensor
@@ -455,7 +460,10 @@ class PackedTrainBackend(TrainBackend):
         plan = self.plan(batch)
         # every micro-batch selected once, for the global denominator and for this rank's loop
         selected = [[batch.select(idx) if idx else None for idx in rank] for rank in plan.per_rank]
-        reducer = Reducer(sum(float(denominator_fn(mb)) for rank in selected for mb in rank if mb is not None))
+        reducer = Reducer(
+            sum(float(denominator_fn(mb)) for rank in selected for mb in rank if mb is not None),
+            gather=self._gather_token_values if self._dp_size > 1 else None,
+        )
         version_B = batch.extra.get("policy_version_B")  # the step's policy version the recipe runner adds
         self._routing.begin_step(int(version_B[0]) if version_B is not None and len(version_B) else None)
         local_selected = selected[self._dp_rank]

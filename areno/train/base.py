@@ -39,9 +39,16 @@ class Reducer:
     so the loss is 0 rather than NaN.
     """
 
-    def __init__(self, global_denominator: float) -> None:
+    def __init__(self, global_denominator: float, gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.global_denominator = float(global_denominator)
         self._divisor = self.global_denominator if self.global_denominator > 0 else 1.0
+        self._gather = gather
+
+    def gather(self, values_K: torch.Tensor) -> torch.Tensor:
+        """``values_K`` (1-D, detached) of this micro-batch on every data-parallel rank, concatenated: a statistic of the whole micro-batch step, as one process of all the tokens would see it
+        (``top_entropy_quantile``'s threshold). A collective: every rank calls it at the same micro-batch (the
+        backend runs equal counts, an empty one a dummy). One process: ``values_K`` itself."""
+        return values_K if self._gather is None else self._gather(values_K)
 
     def __call__(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if mask is not None:

@@ -117,6 +117,9 @@ class PlainReducer:
             values = values * mask.to(values.dtype)
         return values.sum() / self.denominator
 
+    def gather(self, values):  # one process: its own values (Reducer.gather)
+        return values
+
 
 def loss_of(spec, model, batch):
     """compute_loss of one whole-batch micro-batch, as the backend would call it."""

@@ -46,6 +46,21 @@ def test_the_mask_keeps_the_tokens_at_or_above_torch_quantile(q):
     assert int(keep_T.sum()) == pytest.approx(q * int(mask_T.sum()), abs=1.0)
 
 
+def test_with_a_gather_the_threshold_is_that_of_every_ranks_tokens():
+    """Two data-parallel ranks' micro-batches: each rank's mask, its threshold taken over both ranks' loss
+    tokens (``Reducer.gather``), is the single process's mask over the two together, cut where they meet."""
+    gen = torch.Generator().manual_seed(1)
+    ent_T, mask_T = torch.rand(90, generator=gen) * 2, torch.rand(90, generator=gen) < 0.8
+    ent_T[:40] += 1.0  # rank 0's tokens run hotter: its own quantile would keep other tokens
+    whole = high_entropy_mask_T(ent_T, mask_T, quantile=0.25)
+    parts = [(ent_T[:40], mask_T[:40]), (ent_T[40:], mask_T[40:])]
+    both = torch.cat([e[m] for e, m in parts])
+    gathered = [high_entropy_mask_T(e, m, quantile=0.25, gather=lambda _: both) for e, m in parts]
+    assert torch.equal(torch.cat(gathered), whole)
+    alone = [high_entropy_mask_T(e, m, quantile=0.25) for e, m in parts]
+    assert not torch.equal(torch.cat(alone), whole)  # each rank's own quantile: another mask
+
+
 def test_the_mask_keeps_all_at_1_ties_and_none_without_loss_tokens():
     ent_T = torch.tensor([0.3, 0.1, 0.2, 0.5])
     mask_T = torch.tensor([True, True, False, True])
