@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--checkpoint",
         help="a Hugging Face model directory, a checkpoint directory, a step of run_dir (step_120 or 120), "
-        "a run directory (its newest complete checkpoint) or 'latest' (run_dir's); default: model.path",
+        "a run directory (its newest complete checkpoint), 'latest' (run_dir's) or 'best' (run_dir's best by "
+        "train.best_metric); default: model.path",
     )
     ev.add_argument("--samples", type=int, help="completions per row (default: train.eval_samples, 1: greedy)")
     ev.add_argument(

@@ -12,6 +12,7 @@ import json
 import logging
 import signal
 from pathlib import Path
+from typing import Any
 
 from areno.api.config import ArenoConfig, checked_config, load_config
 from areno.api.preflight import check_run, resumes
@@ -27,6 +28,7 @@ from areno.engine.config import (
 )
 from areno.errors import RunStopped, UserError
 from areno.observe.metrics import METRICS_FILENAME, REWARD_KEY, read_metrics, step_reward
+from areno.train import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ def warm_start_config(config: ArenoConfig) -> ArenoConfig:
             "algorithm": "sft",
             "algorithm_kwargs": {},
             "steps": ws.steps,
+            "epochs": None,  # the main stage's length, not this one's
             "num_train_passes": 1,
             "num_minibatches": 1,
             "eval_interval": 0,
@@ -196,8 +199,9 @@ def run_warm_start(config: ArenoConfig, *, resuming: bool = False) -> Path:
     return export_dir
 
 
-def run_pipeline(config: ArenoConfig) -> dict[str, float]:
-    """Warm start (if configured), then the main recipe; returns before/after metrics. ``config`` is
+def run_pipeline(config: ArenoConfig) -> dict[str, Any]:
+    """Warm start (if configured), then the main recipe; returns before/after metrics (and
+    ``best_checkpoint`` with ``train.best_metric``). ``config`` is
     checked again as at construction, its paths made absolute (``config.checked_config``); both stages
     are checked (``preflight.check_run``) before the first one starts, with the run directory
     locked (``rundir.RunDirLock``) for the whole pipeline."""
@@ -206,7 +210,7 @@ def run_pipeline(config: ArenoConfig) -> dict[str, float]:
         return _run_stages(config)
 
 
-def _run_stages(config: ArenoConfig) -> dict[str, float]:
+def _run_stages(config: ArenoConfig) -> dict[str, Any]:
     check_run(config)  # with the model.path the warm start starts from
     if config.warm_start.steps > 0:
         check_run(warm_start_config(config))
@@ -219,6 +223,9 @@ def _run_stages(config: ArenoConfig) -> dict[str, float]:
     finally:
         trainer.shutdown()
     summary = {"accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy")}
+    best = checkpoint.read_best(Path(config.run_dir) / "checkpoints") if config.train.best_metric else None
+    if best is not None:  # train.best_metric's pick, which `areno eval --checkpoint best` scores again
+        summary["best_checkpoint"] = {"step": best["step"], best["metric"]: best["value"], "path": best["path"]}
     curve = plot_curve(Path(config.run_dir))
     print(
         json.dumps(

@@ -356,8 +356,13 @@ def check_reward(config: ArenoConfig) -> None:
 
 
 def check_held_out(config: ArenoConfig) -> None:
-    """What evaluates held-out rows has some: the background test rollout."""
+    """What evaluates held-out rows has some: the background test rollout, the best checkpoint's figure."""
     data = config.data
+    if config.train.best_metric is not None and not has_held_out_rows(data):
+        raise ConfigError(
+            f"train.best_metric={config.train.best_metric}: the run has no held-out rows to evaluate: set "
+            "data.num_eval > 0 (and data.eval_path when data.task is null), or unset train.best_metric"
+        )
     if config.test_rollout.enabled and (data.num_eval == 0 or (data.task is None and data.eval_path is None)):
         raise ConfigError(
             "test_rollout.enabled: there are no held-out rows to evaluate: set data.num_eval > 0 "

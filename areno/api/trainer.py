@@ -27,6 +27,7 @@ import faulthandler
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -374,7 +375,8 @@ class Trainer:
                 timing["system/startup_to_first_token_s"] = startup_s
             self.logger.log({**rollout.metrics, **train_metrics, **sync_metrics, **timing}, step=step)
             self._unlogged = None
-            if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
+            evaluated = step == cfg.steps or bool(cfg.eval_interval and step % cfg.eval_interval == 0)
+            if evaluated:
                 last_eval = self._evaluate(step)
             signum = stop.signum  # read once: a signal arriving later in the step stops after the next one
             stopping = signum is not None and step < cfg.steps
@@ -384,6 +386,8 @@ class Trainer:
                     self.backend.save(self._checkpoint_dir(step), {"rollout_id": rollout_id})
                 if not stopping and stop.signum is not None and step < cfg.steps:  # a signal during the save
                     stopping, signum = True, stop.signum  # this step's checkpoint is there: stop after it
+                if evaluated:
+                    self._note_best(step, last_eval)
             self._log_test_results()
             self.start_rollout_id = rollout_id + 1  # the step is done, its checkpoint (if any) saved
             if stopping:
@@ -466,10 +470,18 @@ class Trainer:
             )
         self._log_test_results()
 
+    @property
+    def best_checkpoint(self) -> dict[str, Any] | None:
+        """The best checkpoint by ``train.best_metric`` so far (``{"step", "path", "metric", "value", "mode"}``),
+        or None: none set, or no step evaluated and saved yet."""
+        return checkpoint.read_best(self.run_dir / "checkpoints") if self.config.train.best_metric else None
+
     def evaluate_now(self) -> dict[str, float]:
         """Evaluate the current policy and log it at the current step (the steps done)."""
         self._check_open("evaluate_now()")
-        return self._evaluate(self.start_rollout_id)
+        metrics = self._evaluate(self.start_rollout_id)
+        self._check_best_metric(metrics)
+        return metrics
 
     def shutdown(self) -> None:
         """Stop the engine and its workers, close the logs, release the run directory; a second call
@@ -505,6 +517,36 @@ class Trainer:
         if metrics:
             self.logger.log(metrics, step=step)
         return metrics
+
+    def _check_best_metric(self, metrics: dict[str, float]) -> None:
+        """A ConfigError where the evaluation logs no ``train.best_metric`` (said at step 0's evaluation, or
+        after the step's checkpoint is saved: nothing is lost)."""
+        key = self.config.train.best_metric
+        if key is not None and metrics and key not in metrics:
+            figures = ", ".join(k for k in sorted(metrics) if not k.endswith("_s"))
+            raise ConfigError(f"train.best_metric={key}: this run's evaluation logs no such figure; it logs {figures}")
+
+    def _note_best(self, step: int, metrics: dict[str, float]) -> None:
+        """Step ``step``'s checkpoint becomes the best (``checkpoint.BEST_FILE``) where its evaluation's
+        ``train.best_metric`` beats the best so far (a figure that is not finite never does)."""
+        cfg = self.config.train
+        self._check_best_metric(metrics)
+        if cfg.best_metric is None or not metrics:
+            return
+        value = float(metrics[cfg.best_metric])
+        checkpoints_dir = self.run_dir / "checkpoints"
+        best = checkpoint.read_best(checkpoints_dir)
+        if not math.isfinite(value) or not (self._checkpoint_dir(step) / checkpoint.COMPLETE_MARKER).is_file():
+            return
+        if best is not None and best["metric"] == cfg.best_metric and best["mode"] == cfg.best_mode:
+            if not (value > best["value"] if cfg.best_mode == "max" else value < best["value"]):
+                return
+        path = self._checkpoint_dir(step)
+        checkpoint.write_best(
+            checkpoints_dir,
+            {"step": step, "path": str(path), "metric": cfg.best_metric, "value": value, "mode": cfg.best_mode},
+        )
+        logger.info("best checkpoint: step %d, %s=%.4g (%s)", step, cfg.best_metric, value, path)
 
     def _checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step:08d}"

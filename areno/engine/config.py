@@ -753,6 +753,14 @@ class TrainSection(ConfigSection, TrainStepConfig):
     keep_checkpoints: int = 0
     """Keep only the newest this many checkpoints of the run (and the full ones that incremental ones
     build on), deleting older ones after each save; 0 keeps every one."""
+    best_metric: str | None = None
+    """An evaluation figure by which the run keeps its best checkpoint (TRL's ``metric_for_best_model``):
+    ``eval/accuracy``, ``eval/pass@4``, ``eval/gsm8k/accuracy`` (a name without ``eval/`` is read with it). At
+    each step that evaluates and saves, a checkpoint whose figure beats the best so far becomes the best: named
+    in ``checkpoints/best.json``, one log line, kept by ``keep_checkpoints``; ``areno eval --checkpoint best``
+    scores it. Needs ``eval_interval`` > 0 and a ``save_interval`` that is a multiple of it. null: none."""
+    best_mode: str = "max"
+    """Whether a higher ``best_metric`` is better (``max``; TRL's ``greater_is_better``) or a lower (``min``)."""
     backend: str = "areno"
     """Registered Backend implementation."""
     role_optim: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -786,6 +794,16 @@ class TrainSection(ConfigSection, TrainStepConfig):
         check_config(self.num_train_passes >= 1, "train.num_train_passes", f"must be >= 1, got {self.num_train_passes}")
         check_config(self.num_minibatches >= 1, "train.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
         check_config(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
+        check_config(self.best_mode in ("max", "min"), "train.best_mode", f"must be max or min, got {self.best_mode!r}")
+        if self.best_metric is not None:
+            if not self.best_metric.startswith("eval/"):
+                self.best_metric = f"eval/{self.best_metric}"
+            check_config(
+                self.eval_interval > 0 and self.save_interval > 0 and self.save_interval % self.eval_interval == 0,
+                "train.best_metric",
+                f"compares the evaluations of saved steps: set train.eval_interval > 0 and train.save_interval to a "
+                f"multiple of it (got eval_interval={self.eval_interval}, save_interval={self.save_interval})",
+            )
         check_config(self.eval_samples >= 1, "train.eval_samples", f"must be >= 1, got {self.eval_samples}")
         check_config(
             self.eval_temperature is None or self.eval_temperature == 0 or self.eval_temperature >= MIN_TEMPERATURE,

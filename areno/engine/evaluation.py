@@ -40,6 +40,7 @@ from areno.models.hf_io import read_config
 from areno.models.vision import VisionConfig
 from areno.rewards.loader import check_reward_started, load_reward, release_reward, start_reward
 from areno.specializations.preference import RewardModelSpecialization
+from areno.train.checkpoint import read_best
 from areno.types import MIN_TEMPERATURE, SamplingParams, Trajectory
 from areno.workflows.common import REWARD_FIGURES_KEY
 
@@ -47,6 +48,7 @@ logger = logging.getLogger("areno.eval")
 
 SPLITS = ("eval", "train")
 LATEST = "latest"
+BEST = "best"
 """``--checkpoint latest``: the newest complete checkpoint of the config's ``run_dir``."""
 PROGRESS_EVERY_S = 10.0
 """Seconds between progress lines while rows are scored."""
@@ -59,8 +61,8 @@ class EvalOptions:
     checkpoint: str | None = None
     """A Hugging Face model directory, a checkpoint ``step_N`` directory (its ``hf/`` export), a step of
     the config's ``run_dir`` (``step_120`` or ``120``: ``checkpoints/step_00000120``), a run directory or
-    its ``checkpoints/`` (the newest complete checkpoint), or ``latest`` (that of the config's
-    ``run_dir``). None: ``model.path``."""
+    its ``checkpoints/`` (the newest complete checkpoint), ``latest`` (that of the config's
+    ``run_dir``) or ``best`` (its best by ``train.best_metric``). None: ``model.path``."""
     samples: int | None = None
     """Completions per row. None: ``train.eval_samples``, as the run evaluates."""
     temperature: float | None = None
@@ -102,6 +104,14 @@ def resolve_checkpoint(spec: str | None, config: ArenoConfig) -> tuple[Path, str
     if spec is None:
         return prepare_model_dir(config), "base"
     path = Path(config.run_dir) if spec == LATEST else Path(spec)
+    if spec == BEST and not path.is_dir():
+        best = read_best(Path(config.run_dir) / "checkpoints")
+        if best is None:
+            raise ModelDirError(
+                f"--checkpoint best: {Path(config.run_dir) / 'checkpoints'} names no best checkpoint: "
+                "train.best_metric picks one as the run evaluates and saves; name a step or 'latest'"
+            )
+        path = Path(config.run_dir) / "checkpoints" / Path(best["path"]).name
     step = re.fullmatch(r"(?:step_)?(\d+)", spec)
     if step is not None and not path.is_dir():  # a step of the config's run: checkpoints/step_00000120
         path = Path(config.run_dir) / "checkpoints" / f"step_{int(step.group(1)):08d}"

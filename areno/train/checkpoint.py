@@ -337,14 +337,42 @@ def remove_stale(checkpoints_dir: str | Path) -> list[Path]:
     return removed
 
 
+BEST_FILE = "best.json"
+"""In a run's ``checkpoints/``: the checkpoint whose evaluation figure ``train.best_metric`` is the best so far
+(``{"step", "path", "metric", "value", "mode"}``), which ``prune`` keeps."""
+
+
+def read_best(checkpoints_dir: str | Path) -> dict[str, Any] | None:
+    """The best checkpoint's record (``BEST_FILE``), or None: no record, or its checkpoint is no longer whole
+    (a resume from before it removed it)."""
+    path = Path(checkpoints_dir) / BEST_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    step_dir = Path(checkpoints_dir) / Path(str(record.get("path", ""))).name
+    return record if isinstance(record, dict) and is_complete(step_dir) else None
+
+
+def write_best(checkpoints_dir: str | Path, record: dict[str, Any]) -> None:
+    """Replace ``BEST_FILE`` with ``record`` in one rename: a reader sees the old record or the new one."""
+    path = Path(checkpoints_dir) / BEST_FILE
+    staged = path.with_name(path.name + STAGING_SUFFIX)
+    staged.write_text(json.dumps(record) + "\n")
+    os.replace(staged, path)
+
+
 def prune(checkpoints_dir: str | Path, keep: int) -> list[Path]:
     """Delete the completed checkpoints older than the newest ``keep`` (``train.keep_checkpoints``),
-    except the full checkpoints that a kept incremental one overlays; ``keep`` 0 deletes nothing.
-    Returns the removed paths."""
+    except the best one (``BEST_FILE``) and the full checkpoints that a kept incremental one overlays;
+    ``keep`` 0 deletes nothing. Returns the removed paths."""
     found = [path.resolve() for _, path in complete_checkpoints(checkpoints_dir)]
     if keep <= 0 or len(found) <= keep:
         return []
     kept = found[-keep:]
+    best = read_best(checkpoints_dir)
+    if best is not None:
+        kept.append((Path(checkpoints_dir) / Path(best["path"]).name).resolve())
     needed = set(kept)
     for path in kept:
         for record in path.rglob(INCREMENTAL):
