@@ -510,6 +510,13 @@ INERT_OPTIONS: tuple[InertOption, ...] = (
     ),
     InertOption(
         ActorSpecialization,
+        "kl_horizon",
+        lambda s: s["kl_target"] is None,
+        "only adaptive KL control moves the coefficient (kl_target set), and kl_target is null",
+        "drop it, or set kl_target too (e.g. 0.1)",
+    ),
+    InertOption(
+        ActorSpecialization,
         "kl_bias_correction",
         lambda s: s["kl_coef"] == 0,
         "kl_coef is 0, so there is no KL term to weight",

@@ -289,7 +289,9 @@ class RecipeRunner:
                 scale = spec.step_denominator(batch) / kept if skipped and kept else 1.0
                 result = {k: v * scale if "/" in k else v for k, v in result.items() if kept or "/" not in k}
                 metrics.update({f"{name}/{k}": float(v) for k, v in result.items()})
-                metrics.update({f"{name}/{k}": float(v) for k, v in spec.after_optimizer_step(result).items()})
+                # the sequences of the step's batch, which an adaptive KL controller's update is proportional to
+                adapted = spec.after_optimizer_step({**result, "batch_seqs": float(prepared[name].num_seqs)})
+                metrics.update({f"{name}/{k}": float(v) for k, v in adapted.items()})
                 self._share_state(name)
                 if skipped is not None:
                     metrics[f"{name}/skipped_zero_grad_seqs"] = float(skipped)

@@ -151,6 +151,16 @@ class ActorConfig:
     kl_coef: float = 0.0
     """Weight (>= 0) of the KL to a frozen reference (needs ``ref_logprobs_T``); 0: none. Its log-ratio
     is clamped to +-20 (``areno.algo.kl``): no KL gradient beyond."""
+    kl_target: float | None = None
+    """Adaptive KL control (Ziegler et al. 2019; verl's ``kl_ctrl.type=adaptive``, OpenRLHF's ``kl_target``): the
+    coefficient starts at ``kl_coef`` (> 0) and after each optimizer step is multiplied by 1 + e n / ``kl_horizon``,
+    e = clip(KL / kl_target - 1, -0.2, 0.2), KL the step's ``actor/kl`` (the policy's KL to the reference over the
+    loss tokens) and n the sequences of the step's batch: the KL is held near this target. In the loss or in the
+    reward (``kl_in_reward``); not where a critic takes the KL into its returns (``ppo_kl``: the value role's
+    coefficient stays fixed). Checkpointed. None: ``kl_coef`` fixed."""
+    kl_horizon: float = 10000.0
+    """Adaptive KL control's horizon in sequences (> 0; with ``kl_target``): the larger, the slower the coefficient
+    moves. verl's and OpenRLHF's default."""
     kl_estimator: str = "k3"
     """KL estimator: one of ``KL_ESTIMATORS``; in the loss k3 (its gradient the forward KL's, as DeepSeekMath)
     or k2 (the reverse KL's), k1 only as a reward penalty (``kl_in_reward``): in the loss its expected gradient is 0."""
@@ -288,6 +298,13 @@ class ActorConfig:
             f"{self.kl_estimator!r}: its expected gradient on the policy's samples is 0 (E[grad log pi] = 0), so the "
             "term would add noise and no KL; set kl_estimator=k3, or kl_in_reward=true to keep k1 as a reward penalty",
         )
+        check(
+            self.kl_target is None or (self.kl_target > 0 and self.kl_coef > 0),
+            "kl_target",
+            f"must be > 0 (the KL adaptive control holds the policy at, e.g. 0.1), with kl_coef > 0 its first "
+            f"coefficient, or None (off); got kl_target={self.kl_target}, kl_coef={self.kl_coef:g}",
+        )
+        check(self.kl_horizon > 0, "kl_horizon", f"must be > 0, got {self.kl_horizon}")
         check(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
         check(
             self.entropy_target is None or self.entropy_target > 0,
@@ -377,6 +394,8 @@ class ActorSpecialization(ModelSpecialization):
         self.required_extra_keys = tuple(needs)
         self._entropy_coef = self.config.entropy_coef
         """The entropy bonus's coefficient: ``entropy_coef``, which adaptive control moves."""
+        self._kl_coef = self.config.kl_coef
+        """The KL term's coefficient: ``kl_coef``, which adaptive KL control (``kl_target``) moves."""
         self._last_entropy = float("inf")
         """The last optimizer step's ``actor/entropy`` (adaptive control; none yet: the bonus stays off)."""
 
@@ -508,7 +527,7 @@ class ActorSpecialization(ModelSpecialization):
                 b.logprobs_T,
                 b.extra["ref_logprobs_T"],
                 mask_T,
-                coef=self.config.kl_coef,
+                coef=self._kl_coef,
                 estimator=self.config.kl_estimator,
             )
         group_B = group_index_B(_group_ids(b))
@@ -673,7 +692,7 @@ class ActorSpecialization(ModelSpecialization):
             if in_loss and self.config.kl_bias_correction:
                 kl_T = importance_weighted_kl_T(kl_T, logp_T, behave_T, mask_T)
             if in_loss:
-                loss_T = loss_T + self.config.kl_coef * kl_T
+                loss_T = loss_T + self._kl_coef * kl_T
             stats["kl"] = kl_T.detach()
         coef = self._applied_entropy_coef()
         if coef > 0:
@@ -717,6 +736,23 @@ class ActorSpecialization(ModelSpecialization):
         return self._entropy_coef if self._last_entropy <= target else 0.0
 
     def after_optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The adaptive coefficients' updates (``_adapt_kl``, ``_adapt_entropy``); their figures to log."""
+        return {**self._adapt_kl(metrics), **self._adapt_entropy(metrics)}
+
+    def _adapt_kl(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Adaptive KL control's update (``kl_target``) from the step's ``actor/kl`` and its batch's sequences
+        (``batch_seqs``, which the runner adds); logs ``actor/kl_coef``, the coefficient this step applied."""
+        c = self.config
+        if c.kl_target is None:
+            return {}
+        applied = self._kl_coef
+        kl, seqs = metrics.get("actor/kl"), metrics.get("batch_seqs")
+        if kl is not None and seqs:  # no KL where the step trained no token (dapo, every group's rewards equal)
+            error = min(max(kl / c.kl_target - 1.0, -0.2), 0.2)
+            self._kl_coef *= max(1.0 + error * seqs / c.kl_horizon, 0.0)
+        return {"actor/kl_coef": applied}
+
+    def _adapt_entropy(self, metrics: dict[str, float]) -> dict[str, float]:
         """Adaptive entropy control's update from the step's ``actor/entropy`` (the same value on every
         data-parallel rank); logs ``actor/entropy_coef`` (the controller's coefficient after the update, TRL's
         ``entropy_coef``) and ``actor/entropy_coef_applied`` (what this step's loss applied)."""
@@ -733,13 +769,18 @@ class ActorSpecialization(ModelSpecialization):
         return {"actor/entropy_coef": self._entropy_coef, "actor/entropy_coef_applied": applied}
 
     def state_dict(self) -> dict[str, Any]:
-        if self.config.entropy_target is None:
-            return {}
-        return {"entropy_coef": self._entropy_coef, "last_entropy": self._last_entropy}
+        state: dict[str, Any] = {}
+        if self.config.entropy_target is not None:
+            state.update(entropy_coef=self._entropy_coef, last_entropy=self._last_entropy)
+        if self.config.kl_target is not None:
+            state.update(kl_coef=self._kl_coef)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.config.entropy_target is not None and "entropy_coef" in state:
             self._entropy_coef, self._last_entropy = float(state["entropy_coef"]), float(state["last_entropy"])
+        if self.config.kl_target is not None and "kl_coef" in state:
+            self._kl_coef = float(state["kl_coef"])
 
     def denominator(self, batch: TokenBatch) -> float:
         return aggregation_denominator(

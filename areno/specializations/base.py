@@ -147,7 +147,8 @@ class ModelSpecialization(ABC):
 
     def after_optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
         """Called by the runner after each optimizer step of this role with the step's metrics (reduced over
-        the data-parallel ranks, keys as the loss logged them: ``actor/entropy``): a specialization with state
+        the data-parallel ranks, keys as the loss logged them: ``actor/entropy``; ``batch_seqs``: the sequences
+        of the batch the step trained on): a specialization with state
         that follows training (an adaptive coefficient) updates it here. Returns more metrics to log with the
         step (``<role>/<key>``). Default: nothing."""
         return {}

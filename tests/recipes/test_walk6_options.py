@@ -92,7 +92,10 @@ def test_the_same_options_are_accepted_where_they_are_read(name, kwargs):
     get_recipe(name, policy_kwargs=kwargs)
 
 
-ENABLED_BY = {key: {"entropy_target": 0.2} for key in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")}
+ENABLED_BY = {
+    **{key: {"entropy_target": 0.2} for key in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")},
+    "kl_horizon": {"kl_coef": 0.1, "kl_target": 0.1},
+}
 """Options no shipped recipe reads as shipped, and the setting of the user's that makes them read."""
 
 
