@@ -67,10 +67,13 @@ def _eval(args: argparse.Namespace) -> int:
     summary = run_eval(_load(args), options)
     metrics = summary["metrics"]
     passes = " ".join(f"{k[5:]} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/pass@"))
+    # several held-out files: each one's accuracy too (eval/<file>/accuracy)
+    files = "".join(f", {k[5:-9]} {v:.4f}" for k, v in metrics.items() if k.count("/") == 2 and k.endswith("/accuracy"))
     logging.getLogger("areno.eval").info(
-        "%s: accuracy %.4f, %s (%d rows x %d samples, %d reward errors); rows in %s",
+        "%s: accuracy %.4f%s, %s (%d rows x %d samples, %d reward errors); rows in %s",
         summary["model"],
         metrics["eval/accuracy"],
+        files,
         passes,
         metrics["eval/num_prompts"],
         summary["samples"],

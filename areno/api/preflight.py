@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from areno.api.config import absolute_setting, flat_settings, to_dict
 from areno.api.rundir import check_fresh
-from areno.data.datasets import check_prompt_forms, check_splits, data_files
+from areno.data.datasets import check_prompt_forms, check_splits, data_files, held_out_row_source
 from areno.data.prompts import check_chat_template, render_prompt, uses_template
 from areno.data.tasks import TaskSpec, generate_rows
 from areno.data.tokenizer import (
@@ -477,12 +477,12 @@ def check_held_out_lengths(config: ArenoConfig, tokenizer: Any, splits: tuple[li
             raise
         except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, or whatever the template raises
             raise DataError(
-                f"{data.eval_path} row {i}: the chat template fails on its prompt ({type(exc).__name__}: {exc}): "
+                f"{held_out_row_source(data, i)}: the chat template fails on its prompt ({type(exc).__name__}: {exc}): "
                 "fix the row or the template"
             ) from None
         if n >= context:
             raise DataError(
-                f"{data.eval_path} row {i}: the prompt has {n} tokens but the context is {context} "
+                f"{held_out_row_source(data, i)}: the prompt has {n} tokens but the context is {context} "
                 "(rollout.max_model_len, else the model's max_position_embeddings): shorten or remove the row"
             )
 

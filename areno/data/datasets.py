@@ -134,6 +134,11 @@ def data_files(value: str | list[str], *, key: str) -> list[Path]:
     return files
 
 
+def shown_paths(value: str | list[str]) -> str:
+    """A ``data.train_path`` / ``eval_path`` setting as a message shows it: its paths, comma-separated."""
+    return ", ".join(value) if isinstance(value, list) else value
+
+
 def load_files(value: str | list[str], *, key: str, **read) -> list[dict]:
     """The rows of every file :func:`data_files` names, in its order, each file read by :func:`load_rows`
     (``read``: its arguments); with several files, a file that holds no row is a DataError naming it."""
@@ -156,6 +161,17 @@ def row_source(value: str | list[str], index: int, *, key: str) -> str:
             return f"{path} row {index}"
         index -= count
     raise IndexError(f"{key} holds no row {index}")
+
+
+def held_out_row_source(data_cfg, index: int) -> str:
+    """Where held-out row ``index`` (of :func:`build_splits`' held-out rows) comes from: ``FILE row i``, i within
+    its file. Reads the files again: for an error's message only."""
+    read = {"prompt_key": data_cfg.prompt_key, "answer_field": data_cfg.answer_key}
+    for path, rows in held_out_files(data_cfg, **read):
+        if index < len(rows):
+            return f"{path} row {index}"
+        index -= len(rows)
+    raise IndexError(f"data.eval_path holds no held-out row {index}")
 
 
 def _first_row(path: Path) -> object:
@@ -358,7 +374,9 @@ def build_splits(
     read = {"prompt_key": data_cfg.prompt_key, "pairs": pairs, "answer_field": data_cfg.answer_key}
     train = load_files(data_cfg.train_path, answer_key=answer_key, key="data.train_path", **read)
     if not train:
-        raise DataError(f"dataset file {data_cfg.train_path} holds no rows: data.train_path needs training prompts")
+        raise DataError(
+            f"dataset file {shown_paths(data_cfg.train_path)} holds no rows: data.train_path needs training prompts"
+        )
     held_out = []
     if data_cfg.eval_path is not None:
         eval_answer_key = data_cfg.answer_key if eval_answers else None
@@ -425,12 +443,12 @@ def _warn_shared_prompts(data_cfg, train: list[dict], held_out: list[dict], *, p
         logger.warning(
             "data.eval_path %s: %d of its %d held-out %s are also training %s of data.train_path %s: "
             "they are trained on and still counted as held out; remove them from one of the files",
-            data_cfg.eval_path,
+            shown_paths(data_cfg.eval_path),
             shared,
             len(held_out),
             what,
             what,
-            data_cfg.train_path,
+            shown_paths(data_cfg.train_path),
         )
 
 
@@ -470,7 +488,8 @@ def check_prompt_forms(data_cfg, splits: tuple[list[dict], list[dict]] | None, *
     for key, rows in (("data.train_path", splits[0]), ("data.eval_path", splits[1])):
         for i, row in enumerate(rows):
             if isinstance(row[data_cfg.prompt_key], list):
-                where = row_source(getattr(data_cfg, key.split(".")[1]), i, key=key)
+                train = key == "data.train_path"
+                where = row_source(data_cfg.train_path, i, key=key) if train else held_out_row_source(data_cfg, i)
                 raise DataError(
                     f"{where}: {data_cfg.prompt_key!r} is a message list, which needs a chat template, but "
                     f"prompts are not templated (data.chat_template={data_cfg.chat_template}, or a tokenizer without "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pyarrow as pa
@@ -13,7 +14,8 @@ import pytest
 
 from areno.api.config import load_config
 from areno.api.preflight import check_resumed_config
-from areno.data.datasets import build_splits, check_prompt_forms, data_files, eval_sources
+from areno.cli import main as areno_main
+from areno.data.datasets import build_splits, check_prompt_forms, data_files, eval_sources, held_out_row_source
 from areno.engine.evaluation import EvalOptions, run_eval
 from areno.engine.scoring import eval_metrics
 from areno.errors import ConfigError, DataError
@@ -154,7 +156,7 @@ def test_each_files_figures_are_those_of_its_rows_alone():
     assert not any(k.startswith("eval/") and k.count("/") == 2 for k in eval_metrics(rewards, _scored(rewards), 1.0))
 
 
-def test_a_run_and_areno_eval_log_each_held_out_files_accuracy(tmp_path):
+def test_a_run_and_areno_eval_log_each_held_out_files_accuracy(tmp_path, caplog):
     a = _jsonl(tmp_path / "a.jsonl", ["1+1=", "2+2=", "3+3="])
     b = _jsonl(tmp_path / "b.jsonl", ["4+4=", "5+5="])
     overrides = [
@@ -175,7 +177,30 @@ def test_a_run_and_areno_eval_log_each_held_out_files_accuracy(tmp_path):
     assert {k: alone[k] for k in ("eval/a/accuracy", "eval/b/accuracy")} == pytest.approx(
         {k: last[k] for k in ("eval/a/accuracy", "eval/b/accuracy")}
     )
+    # the command's summary line gives each file's accuracy beside the whole's
+    with caplog.at_level(logging.INFO, logger="areno.eval"):
+        assert areno_main(["eval", str(tmp_path / "run" / "config.yaml"), "--checkpoint", "latest"]) == 0
+    said = (
+        f"accuracy {alone['eval/accuracy']:.4f}, a {alone['eval/a/accuracy']:.4f}, b {alone['eval/b/accuracy']:.4f}, "
+    )
+    assert said in caplog.text
     # --num-prompts counts each file's rows, as data.num_eval does; more than a file holds is named by it
     assert run_eval(cfg, EvalOptions(checkpoint="latest", num_prompts=1))["metrics"]["eval/b/num_prompts"] == 1
     with pytest.raises(ConfigError, match=rf"--num-prompts 3 \(each held-out file's\): {b} has only 2 rows"):
         run_eval(cfg, EvalOptions(checkpoint="latest", num_prompts=3))
+
+
+def test_a_held_out_rows_problem_is_named_by_its_file_and_its_row_there(tmp_path):
+    a = _jsonl(tmp_path / "a.jsonl", ["a0", "a1", "a2"])  # data.num_eval=2 keeps a0, a1
+    b = tmp_path / "b.jsonl"
+    b.write_text(
+        json.dumps({"prompt": "b0", "answer": "1"})
+        + "\n"
+        + json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"})
+        + "\n"
+    )
+    overrides = [f"model.path={tmp_path}", "data.task=null", f"data.train_path={a}", f"data.eval_path=[{a},{b}]"]
+    data = load_config(None, [*overrides, "data.num_eval=2"]).data
+    with pytest.raises(DataError, match=rf"^{b} row 1: 'prompt' is a message list"):
+        check_prompt_forms(data, build_splits(data), templated=False)
+    assert held_out_row_source(data, 1) == f"{a} row 1" and held_out_row_source(data, 2) == f"{b} row 0"
