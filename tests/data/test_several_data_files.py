@@ -68,15 +68,16 @@ def test_each_files_problem_is_named_by_that_file(tmp_path):
         build_splits(_data(tmp_path, str(tmp_path)))
 
 
+def _with_a_message_list_second(path: Path) -> Path:
+    """A file whose second row's prompt is a message list (which needs a chat template)."""
+    rows = [{"prompt": "b0", "answer": "1"}, {"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def test_a_message_list_prompt_is_named_by_its_own_file_and_row(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", ["a0", "a1"])
-    b = tmp_path / "b.jsonl"
-    b.write_text(
-        json.dumps({"prompt": "b0", "answer": "1"})
-        + "\n"
-        + json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"})
-        + "\n"
-    )
+    b = _with_a_message_list_second(tmp_path / "b.jsonl")
     data = _data(tmp_path, f"[{a},{b}]")
     with pytest.raises(DataError, match=rf"^{b} row 1: 'prompt' is a message list"):
         check_prompt_forms(data, build_splits(data), templated=False)
@@ -192,13 +193,7 @@ def test_a_run_and_areno_eval_log_each_held_out_files_accuracy(tmp_path, caplog)
 
 def test_a_held_out_rows_problem_is_named_by_its_file_and_its_row_there(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", ["a0", "a1", "a2"])  # data.num_eval=2 keeps a0, a1
-    b = tmp_path / "b.jsonl"
-    b.write_text(
-        json.dumps({"prompt": "b0", "answer": "1"})
-        + "\n"
-        + json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"})
-        + "\n"
-    )
+    b = _with_a_message_list_second(tmp_path / "b.jsonl")
     overrides = [f"model.path={tmp_path}", "data.task=null", f"data.train_path={a}", f"data.eval_path=[{a},{b}]"]
     data = load_config(None, [*overrides, "data.num_eval=2"]).data
     with pytest.raises(DataError, match=rf"^{b} row 1: 'prompt' is a message list"):
