@@ -45,7 +45,20 @@ def _train(args: argparse.Namespace) -> int:
             raise UserError(
                 f"--algorithm {args.algorithm} and the override train.algorithm={given[-1]} disagree: give one of them"
             )
-    run_pipeline(_load(args, *([f"train.algorithm={args.algorithm}"] if args.algorithm else [])))
+    config = _load(args, *([f"train.algorithm={args.algorithm}"] if args.algorithm else []))
+    if args.check:
+        from areno.api.config import to_yaml
+        from areno.api.pipeline import check_pipeline
+
+        config = check_pipeline(config)
+        print(to_yaml(config), end="")
+        warm = f" after {config.warm_start.steps} warm-start steps" if config.warm_start.steps > 0 else ""
+        print(
+            f"# areno train --check: config, data, reward and model check out: {config.train.steps} "
+            f"{config.train.algorithm} steps{warm} into {config.run_dir}; nothing was trained or written",
+        )
+        return 0
+    run_pipeline(config)
     return 0
 
 
@@ -298,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides key=value")
     train.add_argument(
         "--algorithm", help="recipe name, or module:name for a user @recipe module (same as train.algorithm=...)"
+    )
+    train.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, data, reward and model as a run would before training, print the resolved config "
+        "(train.epochs counted into train.steps) and exit: nothing is trained or written",
     )
     train.set_defaults(func=_train)
 

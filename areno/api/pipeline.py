@@ -210,6 +210,18 @@ def run_pipeline(config: ArenoConfig) -> dict[str, Any]:
         return _run_stages(config)
 
 
+def check_pipeline(config: ArenoConfig) -> ArenoConfig:
+    """What ``run_pipeline`` checks before it trains, and nothing more: the config as the run would resolve it
+    (``checked_config``: paths made absolute, ``train.epochs`` counted), then ``preflight.check_run`` for
+    each stage (the recipe, reward, data, model directory and tokenizer, placement, run directory). Builds no
+    model and writes nothing (``areno train --check``). Returns the resolved config."""
+    config = checked_config(config, caller="areno train --check")
+    check_run(config)
+    if config.warm_start.steps > 0:
+        check_run(warm_start_config(config))
+    return config
+
+
 def _run_stages(config: ArenoConfig) -> dict[str, Any]:
     check_run(config)  # with the model.path the warm start starts from
     if config.warm_start.steps > 0:
