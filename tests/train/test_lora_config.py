@@ -145,9 +145,10 @@ def test_lora_run_trains_adapters_syncs_merged_and_checkpoints_peft(tmp_path):
 
 @pytest.mark.slow
 def test_demo_task_learns_with_lora(tmp_path):
-    """areno/configs/demo.yaml, shortened (its supervised warm start trains all weights), then 60 GRPO
-    steps of 32 prompts training only rank-8 adapters: held-out accuracy over the demo's 200 prompts
-    rises by at least 5 points at a fixed seed (seeds 0-2 measured +9.0, +4.5, +14.0; bench/LOG.md)."""
+    """areno/configs/demo.yaml (its supervised warm start trains all weights), then its 120 GRPO steps of 32
+    prompts training only rank-8 adapters: held-out accuracy over the demo's 200 prompts rises by at least 5
+    points at a fixed seed (seed 0: +11.0, seed 1: +9.0 on the AVX2 VM; at 60 steps seeds 0-2 gave +3.0, +4.5,
+    +11.5 there and +9.0, +4.5, +14.0 on the AVX-512 one, too close to the bound; bench/LOG.md)."""
     from areno.api.pipeline import DEMO_CONFIG, run_pipeline
 
     cfg = load_config(
@@ -156,7 +157,6 @@ def test_demo_task_learns_with_lora(tmp_path):
             f"run_dir={tmp_path / 'demo'}",
             f"model.path={tmp_path / 'demo' / 'init'}",
             "observe.console=false",
-            "train.steps=60",
             "train.eval_interval=0",
             "train.seed=0",
             "optim.lr=3e-3",
@@ -166,7 +166,7 @@ def test_demo_task_learns_with_lora(tmp_path):
     )
     summary = run_pipeline(cfg)
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.05, summary
-    assert (tmp_path / "demo" / "checkpoints" / "step_00000060" / "policy" / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "demo" / "checkpoints" / "step_00000120" / "policy" / "adapter" / "adapter_config.json").exists()
 
 
 def test_lora_bench_arms_count_sync_and_state_bytes(tmp_path):
