@@ -31,8 +31,10 @@ Physical floor (measured in the same run): generation = sum over the decode step
 KV bytes of all sequences at that step) / copy bandwidth (read + write bytes of a large
 device-to-device copy over its time); training = the forward and backward FLOPs a step cannot skip
 (the layers over each group's prompt once and every completion token, the output layer over the
-completion tokens, causal attention; ``physical_floor``) / bf16 matmul rate (8192^3 GEMMs). ``gap`` =
-measured step time / (generation floor + training floor).
+completion tokens, causal attention; ``physical_floor``) / bf16 matmul rate (8192^3 GEMMs). Both rates are
+the best the machine showed in the run: read before the systems run and again after each shape's, since
+a shared VM reads low for seconds at a time (``hardware.*_readings`` lists them). ``gap`` = measured step
+time / (generation floor + training floor).
 
     python -m bench.e2e                                   # CUDA: 0.5b,1.5b x areno,areno_async,trl
     python -m bench.e2e --shapes tiny --device cpu        # CPU smoke (seconds per system)
@@ -875,11 +877,12 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = ["bfloat16"] if args.device == "cuda" else ["float32"]
         if args.device != "cuda" and cpu_gemm.native_bf16():
             dtypes.append("bfloat16")
-        rates = {d: measure_matmul_rate(args.device, getattr(torch, d)) for d in dtypes}
+        readings = {d: [measure_matmul_rate(args.device, getattr(torch, d))] for d in dtypes}
+        copy_readings = [copy_bw]
         hw = {
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "copy_bw_GBps": copy_bw / 1e9,
-            "matmul_TFLOPs": {d: r / 1e12 for d, r in rates.items()},
+            "matmul_TFLOPs": {d: r[0] / 1e12 for d, r in readings.items()},
             "torch": torch.__version__,
             "param_dtype": param_dtype,
         }
@@ -905,19 +908,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.min_completion_len is not None and not 1 <= args.min_completion_len <= completion_len:
                 raise ValueError(f"--min-completion-len must be between 1 and the completion length {completion_len}")
             lengths = completion_lengths(completion_len, args.min_completion_len, args.samples) * args.prompts
-            floor = physical_floor(
-                config,
-                num_seqs,
-                prompt_len,
-                completion_len,
-                elt,
-                copy_bw,
-                rates[floor_dtype],
-                lengths=lengths,
-                group_size=args.samples,
-            )
-            floor["floor_dtype"] = floor_dtype
             runs: dict[str, int] = {}
+            ran = []
             for system in systems:
                 if system == "trl" and trl_in_fresh_process(args):
                     res = run_trl_fresh(
@@ -948,6 +940,31 @@ def main(argv: list[str] | None = None) -> int:
                         server="vllm" if system == "areno_vllm" else None,
                         extra=SYSTEM_OVERRIDES.get(system, []),
                     )
+                ran.append((system, res))
+                progress(shape=shape, system=system, step_s=res.get("step_s"))  # its row once the floor is read
+            # the rates read again after the runs: the floor takes the best reading of the run
+            for d in dtypes:
+                readings[d].append(measure_matmul_rate(args.device, getattr(torch, d)))
+            copy_readings.append(measure_copy_bandwidth(args.device))
+            hw.update(
+                copy_bw_GBps=max(copy_readings) / 1e9,
+                matmul_TFLOPs={d: max(r) / 1e12 for d, r in readings.items()},
+                copy_bw_GBps_readings=[c / 1e9 for c in copy_readings],
+                matmul_TFLOPs_readings={d: [x / 1e12 for x in r] for d, r in readings.items()},
+            )
+            floor = physical_floor(
+                config,
+                num_seqs,
+                prompt_len,
+                completion_len,
+                elt,
+                max(copy_readings),
+                max(readings[floor_dtype]),
+                lengths=lengths,
+                group_size=args.samples,
+            )
+            floor["floor_dtype"] = floor_dtype
+            for system, res in ran:
                 row = report(system, shape, res, floor, sum(lengths))
                 if system.startswith("areno_async"):
                     row.update(label=f"{row['label']} eta {args.async_eta}", eta=args.async_eta)
