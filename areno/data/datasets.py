@@ -405,9 +405,9 @@ def eval_sources(data_cfg) -> list[tuple[str, int]]:
     ``<stem>_2``; ``reward``, the namespace of the reward's own figures, ``reward_data``). [] otherwise."""
     if data_cfg.task is not None or data_cfg.eval_path is None:
         return []
-    files = held_out_files(data_cfg, prompt_key=data_cfg.prompt_key, answer_field=data_cfg.answer_key)
-    if len(files) < 2:
+    if len(data_files(data_cfg.eval_path, key="data.eval_path")) < 2:  # one file: not read again
         return []
+    files = held_out_files(data_cfg, prompt_key=data_cfg.prompt_key, answer_field=data_cfg.answer_key)
     out: list[tuple[str, int]] = []
     for path, rows in files:
         stem = "reward_data" if path.stem == "reward" else path.stem
