@@ -47,4 +47,4 @@ def test_two_ranks_mask_as_one_process_does(tmp_path):
     spawn(_worker, 2, str(model_dir), str(tmp_path), tmp=tmp_path)
     local = LocalTrainBackend(TrainBackendConfig(**CFG))
     local.initialize(model_dir)
-    assert torch.load(tmp_path / "dp.pt") == pytest.approx(_step(local), rel=1e-5, abs=1e-7)
+    assert torch.load(tmp_path / "dp.pt", weights_only=True) == pytest.approx(_step(local), rel=1e-5, abs=1e-7)
