@@ -216,16 +216,21 @@ def check_pipeline(config: ArenoConfig) -> ArenoConfig:
     each stage (the recipe, reward, data, model directory and tokenizer, placement, run directory). Builds no
     model and writes nothing (``areno train --check``). Returns the resolved config."""
     config = checked_config(config, caller="areno train --check")
-    check_run(config)
-    if config.warm_start.steps > 0:
-        check_run(warm_start_config(config))
+    _check_stages(config)
     return config
 
 
-def _run_stages(config: ArenoConfig) -> dict[str, Any]:
-    check_run(config)  # with the model.path the warm start starts from
+def _check_stages(config: ArenoConfig) -> None:
+    """``preflight.check_run`` of the main stage (with the model.path the warm start starts from) and of the
+    warm start, where there is one."""
+    check_run(config)
     if config.warm_start.steps > 0:
         check_run(warm_start_config(config))
+
+
+def _run_stages(config: ArenoConfig) -> dict[str, Any]:
+    _check_stages(config)
+    if config.warm_start.steps > 0:
         # a finished warm start is reused (a resumed run keeps it even where its settings changed)
         config = _stage(config, model={"path": str(run_warm_start(config, resuming=resumes(config)))})
     trainer = Trainer.init(config, warm_start_by_caller=True)

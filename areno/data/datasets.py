@@ -403,11 +403,20 @@ def eval_sources(data_cfg) -> list[tuple[str, int]]:
     ``data.eval_path`` names several (a list, or a pattern that matches more than one): the held-out figures
     are then also given per file, ``eval/<name>/...``. The name is the file's stem (a second file of one stem
     ``<stem>_2``; ``reward``, the namespace of the reward's own figures, ``reward_data``). [] otherwise."""
+    if not several_held_out_files(data_cfg):  # one file: not read again
+        return []
+    return source_names(held_out_files(data_cfg, prompt_key=data_cfg.prompt_key, answer_field=data_cfg.answer_key))
+
+
+def several_held_out_files(data_cfg) -> bool:
+    """Whether ``data.eval_path`` names more than one file (a list, or a pattern that matches several)."""
     if data_cfg.task is not None or data_cfg.eval_path is None:
-        return []
-    if len(data_files(data_cfg.eval_path, key="data.eval_path")) < 2:  # one file: not read again
-        return []
-    files = held_out_files(data_cfg, prompt_key=data_cfg.prompt_key, answer_field=data_cfg.answer_key)
+        return False
+    return len(data_files(data_cfg.eval_path, key="data.eval_path")) > 1
+
+
+def source_names(files: list[tuple[Path, list[dict]]]) -> list[tuple[str, int]]:
+    """``(name, rows)`` of :func:`held_out_files`' files, named as :func:`eval_sources` says."""
     out: list[tuple[str, int]] = []
     for path, rows in files:
         stem = "reward_data" if path.stem == "reward" else path.stem

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from areno.data.datasets import PAIR_KEYS, build_splits, eval_sources, held_out_files
+from areno.data.datasets import PAIR_KEYS, build_splits, held_out_files, several_held_out_files, source_names
 from areno.engine.api import load_tokenizer, prepare_model_dir, resolve_device, resolve_recipe, trains_on_pairs
 from areno.engine.config import ArenoConfig
 from areno.engine.host import apply_host_settings
@@ -146,10 +146,17 @@ def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[st
     """The rows to score (see the module docstring): the first ``num_prompts`` of the split, or with 0
     those the run scores (``data.num_eval`` held-out rows; every training row). ``num_prompts`` may
     exceed ``data.num_eval``, up to the rows ``data.eval_path`` holds or the task has; a ConfigError
-    when the split has fewer, a DataError when it has none. With several held-out files (``eval_sources``)
-    ``num_prompts`` counts each file's first rows, as ``data.num_eval`` does."""
+    when the split has fewer, a DataError when it has none. With several held-out files
+    (``several_held_out_files``) ``num_prompts`` counts each file's first rows, as ``data.num_eval`` does."""
+    return _rows_and_sources(config, split, num_prompts)[0]
+
+
+def _rows_and_sources(
+    config: ArenoConfig, split: str, num_prompts: int
+) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
+    """``eval_rows`` and, with several held-out files, each file's name and rows among them (``eval_sources``)."""
     data = config.data
-    if split == "eval" and eval_sources(data):  # several held-out files: --num-prompts counts each's, as num_eval
+    if split == "eval" and several_held_out_files(data):
         data = dataclasses.replace(data, num_eval=num_prompts or data.num_eval)
         files = held_out_files(data, prompt_key=data.prompt_key, answer_field=data.answer_key)
         short = next(((path, len(rows)) for path, rows in files if len(rows) < num_prompts), None)
@@ -158,7 +165,7 @@ def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[st
                 f"--num-prompts {num_prompts} (each held-out file's): {short[0]} has only {short[1]} rows: pass at "
                 f"most {short[1]}"
             )
-        return build_splits(data)[1]
+        return build_splits(data)[1], source_names(files)
     if split == "eval" and num_prompts > data.num_eval:  # build_splits keeps data.num_eval held-out rows
         data = dataclasses.replace(data, num_eval=num_prompts)
     train, held_out = build_splits(data)
@@ -174,7 +181,7 @@ def eval_rows(config: ArenoConfig, split: str, num_prompts: int) -> list[dict[st
         raise ConfigError(
             f"--num-prompts {num_prompts}: {source} has only {len(rows)} {split} rows: pass at most {len(rows)}"
         )
-    return rows[:num_prompts] if num_prompts else rows
+    return (rows[:num_prompts] if num_prompts else rows), []
 
 
 def _check_generates(config: ArenoConfig, rows: list[dict[str, Any]]) -> None:
@@ -253,10 +260,8 @@ def run_eval(
             "--seed: a greedy evaluation draws nothing: drop --seed, or sample (--samples, --temperature)"
         )
     base_seed = config.train.seed if options.seed is None else options.seed
-    rows = eval_rows(config, options.split, options.num_prompts)
-    sources = []  # several held-out files: each one's figures too, over the rows eval_rows kept of it
-    if options.split == "eval":
-        sources = eval_sources(dataclasses.replace(config.data, num_eval=options.num_prompts or config.data.num_eval))
+    # several held-out files: each one's figures too, over the rows kept of it
+    rows, sources = _rows_and_sources(config, options.split, options.num_prompts)
     _check_generates(config, rows)
     if params.temperature > 0:
         check_eval_seeds(base_seed, len(rows), samples, name="--seed" if options.seed is not None else "train.seed")
